@@ -1,0 +1,56 @@
+"""Shared benchmark output: a short aligned console table and a JSON file with machine context.
+
+Numbers mean little without the machine they came from and how they were obtained,
+so every JSON file carries both: ``machine`` (no hostname) and ``label``, which says
+whether the figures are measured on real hardware, emulated or simulated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+Label = Literal["measured", "emulated", "simulated"]
+
+
+def machine_info() -> dict[str, object]:
+    """What the figures depend on, and nothing that identifies the host."""
+    return {
+        "cpu_count": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "arch": platform.machine(),
+    }
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def print_table(rows: Sequence[Mapping[str, object]], columns: Sequence[str] | None = None) -> None:
+    """Print ``rows`` under a header, one column per key (``columns`` or the first row's keys)."""
+    if not rows:
+        return
+    keys = list(columns or rows[0].keys())
+    cells = [keys] + [[_cell(row.get(key)) for key in keys] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(keys))]
+    for line in cells:
+        print("  ".join(text.rjust(width) for text, width in zip(line, widths)))
+
+
+def write_json(path: Path, rows: Sequence[Mapping[str, object]], label: Label, **context: object) -> Path:
+    """Write ``rows`` plus ``label``, machine info and ``context`` to ``path``, creating parent dirs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"label": label, "machine": machine_info(), **context, "rows": list(rows)}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path

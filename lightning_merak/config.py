@@ -1,0 +1,161 @@
+"""Structured configuration of ``merak-train``.
+
+Every Hydra config group has a schema dataclass registered in Hydra's ConfigStore
+under ``schema/<group>/<option>``; the YAML files in ``lightning_merak/conf/<group>/``
+start from that schema (``defaults: [/schema/<group>/<option>@_here_]``). A
+misspelled key or a value of the wrong type therefore fails while Hydra composes
+the configuration, before any process is launched.
+
+Groups whose options add behaviour to a run follow one small protocol each, so that
+``train.py`` never needs to know the options:
+
+* ``memory`` and ``comm`` options return Lightning callbacks (:meth:`CallbackOptionConfig.build_callbacks`);
+* ``adapter`` options transform the model (:meth:`AdapterConfig.apply`);
+* ``moe`` options transform the model too (:meth:`MoEConfig.apply`).
+
+Later features register their own options with :func:`register_option`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch import nn
+
+GROUPS = ("model", "data", "trainer", "strategy", "moe", "memory", "comm", "adapter")
+
+
+@dataclass
+class ModelConfig:
+    """A transformers causal LM built from its config class (random init, nothing downloaded).
+
+    ``model_type`` is any key of ``transformers.CONFIG_MAPPING`` whose model has a
+    causal-LM head (``llama``, ``gpt2``, ``mistral``, ...); ``config`` holds keyword
+    arguments for that config class. ``vocab_size`` is taken from the data's tokenizer.
+    """
+
+    name: str = MISSING
+    model_type: str = MISSING
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    """Training data: ``synthetic`` (generated language) or ``text`` (a user's file)."""
+
+    name: str = MISSING
+    seq_len: int = 64
+    batch_size: int = 16
+    num_workers: int = 0
+    seed: int = 1234
+    # synthetic
+    vocab_size: int = 256
+    num_sequences: int = 8192
+    branching: int = 3
+    # text / jsonl
+    path: Optional[str] = None
+    text_field: str = "text"
+    tokenizer_path: Optional[str] = None
+    val_fraction: float = 0.02
+
+
+@dataclass
+class TrainerConfig:
+    """The subset of ``lightning.Trainer`` arguments ``merak-train`` exposes."""
+
+    accelerator: str = "cpu"
+    devices: int = 2
+    num_nodes: int = 1
+    max_steps: int = 300
+    max_epochs: int = -1
+    precision: str = "32-true"
+    gradient_clip_val: Optional[float] = 1.0
+    accumulate_grad_batches: int = 1
+    log_every_n_steps: int = 10
+    val_check_interval: Optional[int] = 100
+    limit_val_batches: int = 8
+    enable_progress_bar: bool = True
+    seed: int = 1234
+    learning_rate: float = 3e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 20
+
+
+@dataclass
+class StrategyConfig:
+    """A strategy by its registered name, with keyword arguments for its constructor."""
+
+    name: str = MISSING
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CallbackOptionConfig:
+    """Base of the ``memory`` and ``comm`` options: each contributes Lightning callbacks."""
+
+    name: str = "none"
+
+    def build_callbacks(self) -> list[pl.Callback]:
+        return []
+
+
+@dataclass
+class AdapterConfig:
+    """Base of the ``adapter`` options: each wraps the model before training."""
+
+    name: str = "none"
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        return model
+
+
+@dataclass
+class MoEConfig:
+    """Base of the ``moe`` options: each may swap the model's sparse blocks."""
+
+    name: str = "none"
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        return model
+
+
+@dataclass
+class TrainConfig:
+    """The whole ``merak-train`` configuration."""
+
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    strategy: StrategyConfig = MISSING
+    moe: Any = MISSING
+    memory: Any = MISSING
+    comm: Any = MISSING
+    adapter: Any = MISSING
+    output_dir: str = "${hydra:runtime.output_dir}"
+
+
+def register_option(group: str, name: str, node: type) -> None:
+    """Register ``node`` as the schema of ``<group>=<name>`` (``conf/<group>/<name>.yaml``)."""
+    if group not in GROUPS:
+        raise ValueError(f"unknown config group {group!r}; groups are {', '.join(GROUPS)}")
+    ConfigStore.instance().store(group=f"schema/{group}", name=name, node=node)
+
+
+def register_configs() -> None:
+    """Register the root schema and every built-in option schema (idempotent)."""
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    register_option("model", "base", ModelConfig)
+    register_option("data", "base", DataConfig)
+    register_option("trainer", "base", TrainerConfig)
+    register_option("strategy", "base", StrategyConfig)
+    register_option("moe", "none", MoEConfig)
+    register_option("memory", "none", CallbackOptionConfig)
+    register_option("comm", "none", CallbackOptionConfig)
+    register_option("adapter", "none", AdapterConfig)

@@ -1,0 +1,218 @@
+"""Training data for ``merak-train``: a generated language, or the user's own text.
+
+The generated language is a first-order Markov chain in which every token has only a
+few likely successors. A model that learns the transition table reaches the chain's
+entropy rate, which :attr:`SyntheticLanguage.entropy_rate` reports, so the loss falls
+visibly from ``ln(vocab_size)`` towards a known floor. Nothing is downloaded.
+
+User data is a ``.txt`` file (one document) or a ``.jsonl`` file (one JSON object per
+line, text under ``text_field``), tokenized with a tokenizer loaded from local files or,
+without one, with a byte-level tokenizer (256 byte values plus an end-of-text token).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Callable, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from lightning_merak.config import DataConfig
+
+__all__ = [
+    "ByteTokenizer",
+    "LanguageModelingData",
+    "SyntheticLanguage",
+    "load_text_documents",
+    "load_tokenizer",
+]
+
+DATA_NAMES = ("synthetic", "text")
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+class SyntheticLanguage:
+    """A seeded Markov chain over ``vocab_size`` tokens with ``branching`` successors each."""
+
+    def __init__(self, vocab_size: int, branching: int, seed: int) -> None:
+        if vocab_size < 2:
+            raise ValueError(f"data.vocab_size must be at least 2, got {vocab_size}")
+        if not 1 <= branching <= vocab_size:
+            raise ValueError(
+                f"data.branching={branching} must lie in [1, vocab_size={vocab_size}]"
+            )
+        generator = torch.Generator().manual_seed(seed)
+        self.vocab_size = vocab_size
+        self.successors = torch.stack(
+            [torch.randperm(vocab_size, generator=generator)[:branching] for _ in range(vocab_size)]
+        )
+        self.successor_probs = torch.softmax(
+            torch.randn(vocab_size, branching, generator=generator) * 1.5, dim=-1
+        )
+        self._seed = seed
+
+    @property
+    def entropy_rate(self) -> float:
+        """Expected next-token entropy in nats under a uniform start distribution."""
+        probs = self.successor_probs
+        return float(-(probs * probs.log()).sum(-1).mean())
+
+    def sample(self, num_sequences: int, seq_len: int, seed_offset: int = 0) -> torch.Tensor:
+        """``num_sequences`` sequences of ``seq_len`` token ids (int64)."""
+        generator = torch.Generator().manual_seed(self._seed + 1 + seed_offset)
+        tokens = torch.empty(num_sequences, seq_len, dtype=torch.long)
+        tokens[:, 0] = torch.randint(self.vocab_size, (num_sequences,), generator=generator)
+        for position in range(1, seq_len):
+            previous = tokens[:, position - 1]
+            choice = torch.multinomial(self.successor_probs[previous], 1, generator=generator)
+            tokens[:, position] = self.successors[previous].gather(1, choice).squeeze(1)
+        return tokens
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255, with id 256 ending each document."""
+
+    eos_token_id = 256
+    vocab_size = 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+def load_tokenizer(tokenizer_path: Optional[str]) -> tuple[Callable[[str], list[int]], int, Optional[int]]:
+    """Return ``(encode, vocab_size, eos_token_id)`` for a local tokenizer or the byte fallback."""
+    if tokenizer_path is None:
+        byte_tokenizer = ByteTokenizer()
+        return byte_tokenizer.encode, byte_tokenizer.vocab_size, byte_tokenizer.eos_token_id
+    path = Path(tokenizer_path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"data.tokenizer_path={tokenizer_path!r} is not a directory; point it at a folder "
+            "holding tokenizer files (tokenizer.json / tokenizer_config.json), or leave it "
+            "unset to use the byte-level tokenizer"
+        )
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    return encode, len(tokenizer), tokenizer.eos_token_id
+
+
+def load_text_documents(path: str, text_field: str) -> list[str]:
+    """Read the documents of a ``.txt`` or ``.jsonl`` file, with errors that name the fix."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"data.path={path!r} does not exist; pass an existing .txt or .jsonl file "
+            "(e.g. data=text data.path=/abs/path/corpus.txt)"
+        )
+    if file.suffix not in TEXT_SUFFIXES:
+        raise ValueError(
+            f"data.path={path!r} has suffix {file.suffix!r}; supported are {', '.join(TEXT_SUFFIXES)}"
+        )
+    if file.suffix == ".txt":
+        return [file.read_text(encoding="utf-8")]
+    documents = []
+    with file.open(encoding="utf-8") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if text_field not in record:
+                raise KeyError(
+                    f"{path}:{line_number} has no field {text_field!r} (fields: {sorted(record)}); "
+                    "set data.text_field to the field holding the text"
+                )
+            documents.append(str(record[text_field]))
+    return documents
+
+
+def _chunk(token_ids: list[int], seq_len: int) -> torch.Tensor:
+    usable = len(token_ids) // seq_len * seq_len
+    return torch.tensor(token_ids[:usable], dtype=torch.long).view(-1, seq_len)
+
+
+class LanguageModelingData(pl.LightningDataModule):
+    """Blocks of ``seq_len`` token ids for causal language modelling.
+
+    ``vocab_size`` is known right after construction, so the model can be built to match
+    before the data is materialised. Under a distributed strategy Lightning inserts the
+    distributed sampler, so each data-parallel rank sees its own share.
+    """
+
+    def __init__(self, config: DataConfig) -> None:
+        super().__init__()
+        if config.name not in DATA_NAMES:
+            raise ValueError(f"unknown data {config.name!r}; choose one of {', '.join(DATA_NAMES)}")
+        if config.seq_len < 2:
+            raise ValueError(f"data.seq_len must be at least 2, got {config.seq_len}")
+        if config.batch_size < 1:
+            raise ValueError(f"data.batch_size must be at least 1, got {config.batch_size}")
+        if not 0.0 < config.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must lie in (0, 1), got {config.val_fraction}")
+        self.config = config
+        self.language: Optional[SyntheticLanguage] = None
+        self._documents: list[str] = []
+        if config.name == "synthetic":
+            self.language = SyntheticLanguage(config.vocab_size, config.branching, config.seed)
+            self.vocab_size = config.vocab_size
+        else:
+            if config.path is None:
+                raise ValueError("data=text needs data.path=/path/to/file.txt or .jsonl")
+            self._documents = load_text_documents(config.path, config.text_field)
+            self._encode, self.vocab_size, self._eos = load_tokenizer(config.tokenizer_path)
+        self.train_set: Optional[Dataset] = None
+        self.val_set: Optional[Dataset] = None
+
+    def _build_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        config = self.config
+        if self.language is not None:
+            num_val = max(1, int(config.num_sequences * config.val_fraction))
+            return (
+                self.language.sample(config.num_sequences, config.seq_len),
+                self.language.sample(num_val, config.seq_len, seed_offset=1),
+            )
+        token_ids: list[int] = []
+        for document in self._documents:
+            token_ids.extend(self._encode(document))
+            if self._eos is not None:
+                token_ids.append(self._eos)
+        blocks = _chunk(token_ids, config.seq_len)
+        if len(blocks) < 2:
+            raise ValueError(
+                f"data.path={config.path!r} yields {len(token_ids)} tokens, fewer than two blocks of "
+                f"data.seq_len={config.seq_len}; use a larger file or a smaller seq_len"
+            )
+        order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(config.seed))
+        num_val = max(1, math.ceil(len(blocks) * config.val_fraction))
+        return blocks[order[num_val:]], blocks[order[:num_val]]
+
+    def setup(self, stage: str) -> None:
+        if self.train_set is None:
+            train_blocks, val_blocks = self._build_blocks()
+            self.train_set = TensorDataset(train_blocks)
+            self.val_set = TensorDataset(val_blocks)
+
+    def _loader(self, dataset: Optional[Dataset], shuffle: bool) -> DataLoader:
+        assert dataset is not None, "setup() must run before the data loaders are requested"
+        return DataLoader(
+            dataset,
+            batch_size=self.config.batch_size,
+            shuffle=shuffle,
+            drop_last=shuffle,
+            num_workers=self.config.num_workers,
+            generator=torch.Generator().manual_seed(self.config.seed) if shuffle else None,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)

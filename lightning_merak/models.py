@@ -1,0 +1,101 @@
+"""Causal language models built from transformers config classes, and their LightningModule.
+
+Models are built with random weights from a config (nothing is downloaded), so the
+same code runs offline, in CI and on a cluster. :class:`CausalLMModule` is the
+contract the plugin's strategies rely on, and it is deliberately small:
+
+* ``self.model`` — the ``nn.Module`` to parallelise (any causal LM taking
+  ``input_ids`` and returning ``logits``);
+* :meth:`CausalLMModule.compute_loss` — loss of one batch, so a strategy that runs the
+  model in pieces can still reproduce it.
+
+Without any strategy the module trains on one device like any other LightningModule.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_merak.config import ModelConfig, TrainerConfig
+
+__all__ = ["CausalLMModule", "build_causal_lm"]
+
+
+def build_causal_lm(config: ModelConfig, vocab_size: int) -> nn.Module:
+    """A randomly initialised ``AutoModelForCausalLM`` for ``config.model_type``.
+
+    ``vocab_size`` comes from the data so embeddings and LM head always fit the tokens.
+    """
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type not in CONFIG_MAPPING:
+        known = ", ".join(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)[:40])
+        raise ValueError(
+            f"model.model_type={config.model_type!r} is not a transformers model type; "
+            f"causal-LM types include: {known}, ..."
+        )
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"model.model_type={config.model_type!r} has no causal-LM head in transformers; "
+            "choose a decoder model type such as llama, gpt2, mistral or qwen2"
+        )
+    kwargs = dict(config.config)
+    kwargs["vocab_size"] = vocab_size
+    model_config = CONFIG_MAPPING[config.model_type](**kwargs)
+    return AutoModelForCausalLM.from_config(model_config)
+
+
+class CausalLMModule(pl.LightningModule):
+    """Next-token prediction on blocks of token ids, with AdamW and warm-up + cosine decay."""
+
+    def __init__(self, model: nn.Module, optim: TrainerConfig) -> None:
+        super().__init__()
+        self.model = model
+        self.optim = optim
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        """Mean cross-entropy of predicting token ``t+1`` from tokens ``<= t``."""
+        (input_ids,) = batch
+        logits = self.model(input_ids=input_ids).logits
+        return F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.size(-1)).float(), input_ids[:, 1:].reshape(-1)
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.compute_loss(batch)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val/loss", self.compute_loss(batch), prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        decay, no_decay = [], []
+        for param in self.model.parameters():
+            if param.requires_grad:
+                (decay if param.ndim >= 2 else no_decay).append(param)
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": self.optim.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=self.optim.learning_rate,
+        )
+        warmup = max(1, self.optim.warmup_steps)
+        total = max(warmup + 1, self.optim.max_steps)
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / (total - warmup))
+            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

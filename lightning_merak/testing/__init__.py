@@ -1,0 +1,20 @@
+"""Test bed shared by the test suite and the benchmarks: real multi-process runs and
+step-by-step comparison with a single-process reference."""
+
+from lightning_merak.testing.compare import (
+    TrainingTrace,
+    assert_traces_match,
+    record_reference_trace,
+    snapshot_gradients,
+)
+from lightning_merak.testing.distributed import DistributedRunError, find_free_port, run_distributed
+
+__all__ = [
+    "DistributedRunError",
+    "TrainingTrace",
+    "assert_traces_match",
+    "find_free_port",
+    "record_reference_trace",
+    "run_distributed",
+    "snapshot_gradients",
+]

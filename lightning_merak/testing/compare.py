@@ -1,0 +1,106 @@
+"""Compare a distributed run with a single-process reference, step by step.
+
+A :class:`TrainingTrace` holds what a run produced at each optimizer step: the loss and
+the full (unsharded) gradient of every parameter. :func:`record_reference_trace` makes
+one on a single process; a distributed test assembles its own (gathering shards as its
+layout requires) and checks it with :func:`assert_traces_match`, whose failure message
+names the step, the parameter and the size of the disagreement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["TrainingTrace", "assert_traces_match", "record_reference_trace", "snapshot_gradients"]
+
+
+@dataclass
+class TrainingTrace:
+    """Per-step losses and full gradients of one run (gradients before the optimizer step)."""
+
+    losses: list[float] = field(default_factory=list)
+    gradients: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+    def append(self, loss: float, gradients: dict[str, torch.Tensor]) -> None:
+        self.losses.append(float(loss))
+        self.gradients.append(gradients)
+
+
+def snapshot_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached CPU copies of every parameter's gradient, keyed by parameter name."""
+    return {
+        name: param.grad.detach().to("cpu", copy=True)
+        for name, param in model.named_parameters()
+        if param.grad is not None
+    }
+
+
+def record_reference_trace(
+    model: nn.Module,
+    batches: Iterable[object],
+    loss_fn: Callable[[nn.Module, object], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+) -> TrainingTrace:
+    """Train ``model`` on ``batches`` in one process and record loss and gradients per step."""
+    trace = TrainingTrace()
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        loss.backward()
+        trace.append(loss.item(), snapshot_gradients(model))
+        optimizer.step()
+    return trace
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    scale = expected.abs().max().item()
+    diff = (actual.double() - expected.double()).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def assert_traces_match(
+    reference: TrainingTrace,
+    candidate: TrainingTrace,
+    loss_rtol: float = 1e-5,
+    grad_rtol: float = 1e-5,
+    check_gradients: bool = True,
+) -> None:
+    """Raise ``AssertionError`` unless ``candidate`` reproduces ``reference``.
+
+    Losses must agree to ``loss_rtol`` relative error at every step; each gradient to
+    ``grad_rtol`` relative to the largest entry of the reference gradient (so entries
+    that are zero in the reference do not turn rounding noise into infinite error).
+    """
+    if len(reference.losses) != len(candidate.losses):
+        raise AssertionError(
+            f"step counts differ: reference {len(reference.losses)}, candidate {len(candidate.losses)}"
+        )
+    for step, (ref_loss, cand_loss) in enumerate(zip(reference.losses, candidate.losses)):
+        rel = abs(cand_loss - ref_loss) / max(abs(ref_loss), 1e-12)
+        if rel > loss_rtol:
+            raise AssertionError(
+                f"step {step}: loss {cand_loss:.8g} vs reference {ref_loss:.8g} "
+                f"(relative error {rel:.2e} > {loss_rtol:.0e})"
+            )
+    if not check_gradients:
+        return
+    for step, (ref_grads, cand_grads) in enumerate(zip(reference.gradients, candidate.gradients)):
+        missing = sorted(set(ref_grads) ^ set(cand_grads))
+        if missing:
+            raise AssertionError(f"step {step}: gradients present in only one run: {missing[:8]}")
+        for name, expected in ref_grads.items():
+            actual = cand_grads[name]
+            if actual.shape != expected.shape:
+                raise AssertionError(
+                    f"step {step}: gradient of {name} has shape {tuple(actual.shape)}, "
+                    f"reference {tuple(expected.shape)}"
+                )
+            rel = _relative_error(actual, expected)
+            if rel > grad_rtol:
+                raise AssertionError(
+                    f"step {step}: gradient of {name} differs (relative error {rel:.2e} > {grad_rtol:.0e})"
+                )

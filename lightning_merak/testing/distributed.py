@@ -1,0 +1,173 @@
+"""Run a function on N real processes joined by a gloo process group, with a deadline.
+
+Distributed tests must fail fast and leave nothing behind: a rank that raises fails the
+run with that rank's traceback, a rank that hangs fails it when the deadline passes, and
+in both cases every process is terminated and reaped before the error is raised.
+
+    def check(rank: int, world_size: int, scale: float) -> float:
+        t = torch.full((2,), float(rank) * scale)
+        dist.all_reduce(t)
+        return t.sum().item()
+
+    results = run_distributed(check, world_size=2, args=(1.0,))
+
+``fn`` must be importable (defined at module level) because ranks are started with
+the ``spawn`` method, which is the only start method that is safe with torch's threads.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["DistributedRunError", "find_free_port", "run_distributed"]
+
+_REAP_GRACE_S = 5.0
+
+
+class DistributedRunError(RuntimeError):
+    """A rank raised, died or missed the deadline; the message names which and why."""
+
+
+@dataclass
+class _RankOutcome:
+    rank: int
+    ok: bool
+    value: Any = None
+    error: str = ""
+
+
+def find_free_port() -> int:
+    """Ask the kernel for a free TCP port on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    timeout_s: float,
+    threads_per_rank: int,
+    env: dict[str, str],
+    outcomes: mp.Queue,
+) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(threads_per_rank)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
+        value = fn(rank, world_size, *args, **kwargs)
+        # Plain pickle copies tensor data; torch's multiprocessing pickler would share
+        # it through file descriptors that vanish when this process exits.
+        outcomes.put(_RankOutcome(rank, True, pickle.dumps(value)))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        outcomes.put(_RankOutcome(rank, False, error=traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _reap(processes: list[mp.Process]) -> None:
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + _REAP_GRACE_S
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout_s: float = 120.0,
+    threads_per_rank: int = 1,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+
+    Returns the values the ranks returned, ordered by rank. Raises
+    :class:`DistributedRunError` as soon as a rank fails, or when ``timeout_s`` passes
+    before every rank has finished; all ranks are reaped before it is raised.
+    Collectives inside ``fn`` time out after ``timeout_s`` too, so a peer that died
+    cannot block the survivors.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    outcomes: mp.Queue = ctx.Queue()
+    port = find_free_port()
+    processes = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, port, tuple(args), dict(kwargs or {}), timeout_s,
+                  threads_per_rank, dict(env or {}), outcomes),
+            name=f"merak-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        for proc in processes:
+            proc.start()
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(results))
+                raise DistributedRunError(
+                    f"ranks {missing} did not finish within {timeout_s:.0f}s (hang or deadlock); "
+                    "all ranks were terminated"
+                )
+            try:
+                outcome: _RankOutcome = outcomes.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                dead = [
+                    rank for rank, proc in enumerate(processes)
+                    if rank not in results and not proc.is_alive() and proc.exitcode is not None
+                ]
+                if dead and outcomes.empty():
+                    codes = {rank: processes[rank].exitcode for rank in dead}
+                    raise DistributedRunError(
+                        f"ranks exited without reporting a result (exit codes {codes})"
+                    ) from None
+                continue
+            if not outcome.ok:
+                raise DistributedRunError(f"rank {outcome.rank} failed:\n{outcome.error}")
+            results[outcome.rank] = pickle.loads(outcome.value)
+    finally:
+        _reap(processes)
+        outcomes.close()
+        outcomes.join_thread()
+    return [results[rank] for rank in range(world_size)]

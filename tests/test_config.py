@@ -1,0 +1,61 @@
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
+
+from lightning_merak.config import GROUPS, CallbackOptionConfig, TrainConfig, register_configs
+
+
+def _compose(*overrides: str):
+    register_configs()
+    with initialize_config_module(config_module="lightning_merak.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_default_composes_to_typed_objects():
+    config = OmegaConf.to_object(_compose("output_dir=/tmp/unused"))
+    assert isinstance(config, TrainConfig)
+    assert config.model.model_type == "llama"
+    assert config.trainer.devices == 2 and config.trainer.accelerator == "cpu"
+    assert config.strategy.name == "ddp"
+    assert isinstance(config.memory, CallbackOptionConfig) and config.memory.build_callbacks() == []
+
+
+def test_every_group_has_an_option():
+    for group in GROUPS:
+        assert _compose("output_dir=/tmp/unused")[group] is not None
+
+
+def test_misspelled_key_fails_at_composition():
+    with pytest.raises(ConfigCompositionException, match="max_step"):
+        _compose("trainer.max_step=5")
+
+
+def test_wrong_type_fails_at_composition():
+    with pytest.raises((ConfigCompositionException, ValidationError), match="devices"):
+        _compose("trainer.devices=two")
+
+
+def test_unknown_option_lists_the_available_ones():
+    with pytest.raises(ConfigCompositionException, match="llama_tiny"):
+        _compose("model=llama_huge")
+
+
+def test_gpt2_and_any_transformers_model():
+    assert _compose("model=gpt2_tiny").model.model_type == "gpt2"
+    config = _compose("model=hf", "model.model_type=mistral", "+model.config.hidden_size=64")
+    assert config.model.model_type == "mistral" and config.model.config.hidden_size == 64
+
+
+def test_help_lists_the_groups():
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_merak.train", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    for group in GROUPS:
+        assert f"{group}:" in result.stdout
+    assert "merak-train" in result.stdout

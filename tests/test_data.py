@@ -1,0 +1,68 @@
+import json
+import math
+
+import pytest
+import torch
+
+from lightning_merak.config import DataConfig
+from lightning_merak.data import ByteTokenizer, LanguageModelingData, SyntheticLanguage
+
+
+def test_synthetic_language_is_seeded_and_structured():
+    language = SyntheticLanguage(vocab_size=64, branching=3, seed=7)
+    first = language.sample(32, 20)
+    assert torch.equal(first, SyntheticLanguage(64, 3, seed=7).sample(32, 20))
+    assert not torch.equal(first, SyntheticLanguage(64, 3, seed=8).sample(32, 20))
+    for row in first:
+        for previous, token in zip(row[:-1].tolist(), row[1:].tolist()):
+            assert token in language.successors[previous].tolist()
+    assert 0.0 < language.entropy_rate < math.log(3) + 1e-6 < math.log(64)
+
+
+def test_synthetic_datamodule_shapes():
+    data = LanguageModelingData(DataConfig(name="synthetic", seq_len=16, batch_size=4, num_sequences=64))
+    data.setup("fit")
+    (batch,) = next(iter(data.train_dataloader()))
+    assert batch.shape == (4, 16) and batch.max() < data.vocab_size
+
+
+def test_text_file_with_byte_tokenizer(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello merak " * 200, encoding="utf-8")
+    data = LanguageModelingData(DataConfig(name="text", path=str(corpus), seq_len=32, batch_size=2))
+    assert data.vocab_size == ByteTokenizer.vocab_size
+    data.setup("fit")
+    (batch,) = next(iter(data.train_dataloader()))
+    assert bytes(batch[0].tolist()).decode().strip("hello merak ") == ""
+
+
+def test_jsonl_file(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"body": f"document {i} " * 20}) for i in range(20)))
+    data = LanguageModelingData(DataConfig(name="text", path=str(corpus), text_field="body", seq_len=32))
+    data.setup("fit")
+    assert len(data.train_set) > len(data.val_set) >= 1
+
+
+def test_missing_file_names_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data.path=.*does not exist"):
+        LanguageModelingData(DataConfig(name="text", path=str(tmp_path / "nope.txt")))
+
+
+def test_missing_jsonl_field_names_the_fix(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"content": "x"}) + "\n")
+    with pytest.raises(KeyError, match="set data.text_field"):
+        LanguageModelingData(DataConfig(name="text", path=str(corpus)))
+
+
+def test_unknown_data_name():
+    with pytest.raises(ValueError, match="choose one of synthetic, text"):
+        LanguageModelingData(DataConfig(name="imagenet"))
+
+
+def test_missing_tokenizer_dir(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("x" * 1000)
+    with pytest.raises(FileNotFoundError, match="tokenizer_path"):
+        LanguageModelingData(DataConfig(name="text", path=str(corpus), tokenizer_path=str(tmp_path / "tok")))
