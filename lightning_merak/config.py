@@ -13,11 +13,13 @@ Groups whose options add behaviour to a run follow one small protocol each, so t
 * ``adapter`` options transform the model (:meth:`AdapterConfig.apply`);
 * ``moe`` options transform the model too (:meth:`MoEConfig.apply`).
 
-Later features register their own options with :func:`register_option`.
+Features register their own options with :func:`register_option` from a ``register()``
+function in a module listed in :data:`FEATURE_OPTION_MODULES`.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -147,8 +149,13 @@ def register_option(group: str, name: str, node: type) -> None:
     ConfigStore.instance().store(group=f"schema/{group}", name=name, node=node)
 
 
+FEATURE_OPTION_MODULES = (
+    "lightning_merak.callbacks.delta.hydra_options",
+)
+
+
 def register_configs() -> None:
-    """Register the root schema and every built-in option schema (idempotent)."""
+    """Register the root schema, the built-in options and every feature's options (idempotent)."""
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     register_option("model", "base", ModelConfig)
@@ -159,3 +166,5 @@ def register_configs() -> None:
     register_option("memory", "none", CallbackOptionConfig)
     register_option("comm", "none", CallbackOptionConfig)
     register_option("adapter", "none", AdapterConfig)
+    for module_name in FEATURE_OPTION_MODULES:
+        importlib.import_module(module_name).register()

@@ -4,10 +4,12 @@ Models are built with random weights from a config (nothing is downloaded), so t
 same code runs offline, in CI and on a cluster. :class:`CausalLMModule` is the
 contract the plugin's strategies rely on, and it is deliberately small:
 
-* ``self.model`` — the ``nn.Module`` to parallelise (any causal LM taking
-  ``input_ids`` and returning ``logits``);
-* :meth:`CausalLMModule.compute_loss` — loss of one batch, so a strategy that runs the
-  model in pieces can still reproduce it.
+* ``self.model`` — the ``nn.Module`` to parallelise (any causal LM called as
+  ``model(input_ids)`` returning logits or an output with ``.logits``);
+* :meth:`~CausalLMModule.split_batch` and :meth:`~CausalLMModule.loss_from_logits` — so a
+  strategy that runs the model in pieces can feed it and score each micro-batch;
+* :meth:`~CausalLMModule.compute_loss` — what ``training_step`` calls, and what such a
+  strategy replaces.
 
 Without any strategy the module trains on one device like any other LightningModule.
 """
@@ -24,7 +26,19 @@ from torch import nn
 
 from lightning_merak.config import ModelConfig, TrainerConfig
 
-__all__ = ["CausalLMModule", "build_causal_lm"]
+__all__ = ["CausalLMModule", "build_causal_lm", "logits_of"]
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits of a model output: a tensor, or an object with ``.logits`` (transformers)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise TypeError(
+        f"the model returned {type(output).__name__}; merak3d needs a logits tensor or an output with .logits"
+    )
 
 
 def build_causal_lm(config: ModelConfig, vocab_size: int) -> nn.Module:
@@ -60,13 +74,22 @@ class CausalLMModule(pl.LightningModule):
         self.model = model
         self.optim = optim
 
-    def compute_loss(self, batch: Any) -> torch.Tensor:
-        """Mean cross-entropy of predicting token ``t+1`` from tokens ``<= t``."""
+    def split_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(model inputs, targets)``: both are the token ids; the loss shifts them."""
         (input_ids,) = batch
-        logits = self.model(input_ids=input_ids).logits
-        return F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.size(-1)).float(), input_ids[:, 1:].reshape(-1)
-        )
+        return input_ids, input_ids
+
+    def loss_from_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of predicting token ``t+1`` from tokens ``<= t``."""
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), targets[:, 1:].reshape(-1))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return logits_of(self.model(input_ids))
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        """Loss of one batch; parallel strategies may replace it to run the model in pieces."""
+        inputs, targets = self.split_batch(batch)
+        return self.loss_from_logits(self(inputs), targets)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.compute_loss(batch)

@@ -22,7 +22,19 @@ class StrategyEntry:
     init_params: dict[str, Any] = field(default_factory=dict)
 
 
-STRATEGIES: list[StrategyEntry] = []
+def _entries() -> list[StrategyEntry]:
+    from lightning_merak.strategies.merak3d import Merak3DStrategy
+
+    return [
+        StrategyEntry(
+            "merak3d",
+            Merak3DStrategy,
+            "Automated data × pipeline × tensor parallelism for unmodified models",
+        )
+    ]
+
+
+STRATEGIES: list[StrategyEntry] = _entries()
 
 
 def register_strategies(registry: dict[str, Any] = StrategyRegistry) -> list[str]:

@@ -1,0 +1,289 @@
+"""Benchmark DeltaMemory against no management, full checkpointing and offload-everything.
+
+    python -m benchmarks.delta [--quick] [--out benchmarks/results/delta.json]
+
+Every configuration runs in its own fresh subprocess, so the process's peak resident
+memory (VmHWM) is its own; activation memory is the peak minus the resident memory just
+before the first step (model, gradients and data already allocated). Step times are
+medians over the steps after warm-up, and every measurement is repeated (``--repeats``)
+and reported as the median because the CPU is shared.
+
+CPU leg (this machine): DELTA with the disk tier (and recompute) vs
+* ``none`` - no management;
+* ``checkpoint`` - ``torch.utils.checkpoint`` around every block;
+* ``offload-all`` - ``save_on_cpu``-style: every saved activation written out and read
+  back synchronously (on CPU ``save_on_cpu`` itself would copy within the same memory,
+  so its CPU analogue is a synchronous disk store), no prefetch.
+The GPU leg (``max_memory_allocated``, host tier) is not implemented yet; the JSON says so.
+
+Max-batch leg: the fixed budget is ``none``'s activation peak at the base batch. DELTA's
+budget covers saved activations only, so it gets that budget minus the non-saved
+transient memory (activation gradients, logits) measured per sample in the ``none`` run.
+
+DELTA's warm-up steps use a quarter of the batch, and the plan is scaled to the full batch
+(the spec's "profile with a smaller batch" path), so its peak includes its warm-up honestly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OUT = Path("benchmarks/results/delta.json")
+CONFIGS = ("none", "checkpoint", "offload-all", "delta", "delta-paper-rule")
+MIB = 2**20
+
+
+# worker (runs in a fresh process) ----------------------------------------------------------
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
+
+
+def _sync_disk_offload(directory: str, excluded: set) -> Any:
+    """``save_on_cpu``'s CPU analogue: write every saved tensor out now, read it back on use."""
+    import torch
+
+    counter = iter(range(10**12))
+
+    def pack(tensor: torch.Tensor) -> Any:
+        if (str(tensor.device), tensor.untyped_storage().data_ptr()) in excluded or tensor.numel() * tensor.element_size() < 1024:
+            return tensor
+        path = os.path.join(directory, f"{next(counter)}.bin")
+        contiguous = tensor.contiguous()
+        with open(path, "wb") as f:
+            f.write(contiguous.view(torch.uint8).flatten().numpy().data)
+        return (path, tensor.dtype, tensor.shape)
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        path, dtype, shape = packed
+        data = torch.empty(shape, dtype=dtype)
+        with open(path, "rb") as f:
+            f.readinto(data.view(torch.uint8).flatten().numpy().data)
+        os.remove(path)
+        return data
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from benchmarks.delta_models import BenchGPT
+    from lightning_merak.callbacks.delta.blocks import discover_blocks
+    from lightning_merak.callbacks.delta.budget import parse_budget
+    from lightning_merak.callbacks.delta.profiler import SavedTensorTracker, storage_key
+    from lightning_merak.callbacks.delta.runtime import ManagerOptions, MemoryManager
+
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(0)
+    config, batch, seq = spec["config"], spec["batch"], spec["seq"]
+    model = BenchGPT(hidden=spec["hidden"], layers=spec["layers"], heads=4)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(1)
+    warmup_batch = max(1, batch // 4)
+    data = torch.randint(0, 128, (batch, seq), generator=generator)
+    small = data[:warmup_batch].clone()
+    model(small[:1, :8]).backward()  # allocate gradients before measuring
+    optimizer.zero_grad(set_to_none=False)
+
+    manager = None
+    offload_dir = None
+    if config == "checkpoint":
+        for block in model.blocks:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    elif config.startswith("delta"):
+        options = ManagerOptions(
+            budget=parse_budget(int(spec["delta_budget"])), swap_tier="disk", swap_dir=spec["swap_dir"],
+            warmup_steps=2, director="delta" if config == "delta-paper-rule" else "exposed",
+        )
+        manager = MemoryManager(discover_blocks(model), options, log=lambda message: None)
+        manager.start(model, torch.device("cpu"))
+    elif config == "offload-all":
+        offload_dir = tempfile.mkdtemp(prefix="offload-all-", dir=spec["swap_dir"])
+    excluded = {storage_key(p) for p in model.parameters()}
+
+    warmup = 2
+    steps = warmup + spec["steps"]
+    rss_before = _status_bytes("VmRSS")
+    _reset_peak()
+    times = []
+    for step in range(steps):
+        ids = small if (manager is not None and step < warmup) else data
+        start = time.perf_counter()
+        if manager is not None:
+            manager.begin_step(tuple(ids.shape), ids.numel())
+        if offload_dir is not None:
+            with _sync_disk_offload(offload_dir, excluded):
+                loss = model(ids)
+        else:
+            loss = model(ids)
+        if manager is not None:
+            manager.end_forward()
+        loss.backward()
+        if manager is not None:
+            manager.end_backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        times.append(time.perf_counter() - start)
+    peak = _status_bytes("VmHWM")
+    result: dict[str, Any] = {
+        "config": config,
+        "batch": batch,
+        "activation_peak_MiB": (peak - rss_before) / MIB,
+        "peak_rss_MiB": peak / MIB,
+        "step_s": statistics.median(times[warmup:]),
+    }
+    if manager is not None:
+        plan = manager.plan
+        result["saved_peak_MiB"] = manager.step_reports[-1].peak_saved_bytes / MIB
+        result["saved_peak_first_managed_MiB"] = manager.step_reports[0].peak_saved_bytes / MIB
+        result["budget_MiB"] = manager.budget_bytes / MIB
+        result["plan"] = {d.name: d.action.value for d in plan.decisions}
+        result["unmanaged_saved_MiB"] = plan.unmanaged_peak_bytes / MIB
+        manager.close()
+    if config == "none":
+        from lightning_merak.callbacks.delta.ledger import ResidentLedger
+
+        ledger = ResidentLedger()
+        tracker = SavedTensorTracker(ledger)
+        tracker.exclude_module_state(model)
+        ledger.start_step()
+        with tracker.hooks("all"):
+            loss = model(data)
+        loss.backward()
+        result["saved_peak_MiB"] = ledger.peak_bytes / MIB
+    return result
+
+
+# orchestration -----------------------------------------------------------------------------
+
+
+def _run(spec: dict[str, Any]) -> dict[str, Any]:
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.delta", "--worker", json.dumps(spec)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    if completed.returncode != 0:
+        raise RuntimeError(f"worker {spec['config']} batch {spec['batch']} failed:\n{completed.stderr[-3000:]}")
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def _median_run(spec: dict[str, Any], repeats: int) -> dict[str, Any]:
+    runs = [_run(spec) for _ in range(repeats)]
+    merged = dict(runs[0])
+    for key in ("activation_peak_MiB", "peak_rss_MiB", "step_s", "saved_peak_MiB"):
+        if key in merged:
+            merged[key] = statistics.median(r[key] for r in runs)
+    merged["repeats"] = repeats
+    return merged
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller model, fewer repeats (under 3 minutes)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per worker (the CPU is shared)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(run_worker(json.loads(args.worker))))
+        return
+
+    from benchmarks.report import print_table, write_json
+
+    started = time.perf_counter()
+    repeats = args.repeats or (1 if args.quick else 3)
+    shape = dict(hidden=128, layers=6, seq=128, steps=3) if args.quick else dict(hidden=192, layers=8, seq=256, steps=5)
+    base_batch = 8
+    max_batch_factor = 8 if args.quick else 16
+    with tempfile.TemporaryDirectory(prefix="delta-bench-") as swap_dir:
+        common = dict(shape, threads=args.threads, swap_dir=swap_dir)
+
+        def progress(message: str) -> None:
+            print(f"[{time.perf_counter() - started:6.1f}s] {message}", flush=True)
+
+        progress(f"equal batch {base_batch}: {', '.join(CONFIGS)} ({repeats} repeat(s) each)")
+        none = _median_run(dict(common, config="none", batch=base_batch, delta_budget=0), repeats)
+        delta_budget = int(0.35 * none["saved_peak_MiB"] * MIB)
+        rows = [dict(none, leg="equal batch")]
+        for config in CONFIGS[1:]:
+            progress(f"  {config}")
+            rows.append(dict(_median_run(dict(common, config=config, batch=base_batch, delta_budget=delta_budget), repeats), leg="equal batch"))
+        for row in rows:
+            row["activation_vs_none"] = row["activation_peak_MiB"] / none["activation_peak_MiB"]
+            row["time_vs_none"] = row["step_s"] / none["step_s"]
+
+        memory_budget = none["activation_peak_MiB"]
+        transient_per_sample = (none["activation_peak_MiB"] - none["saved_peak_MiB"]) / base_batch
+        progress(f"max batch within {memory_budget:.1f} MiB of activation memory (none's peak at batch {base_batch})")
+        max_rows = []
+        for config in CONFIGS if not args.quick else ("none", "checkpoint", "delta"):
+            best, batch = None, base_batch
+            while batch <= base_batch * max_batch_factor:
+                saved_room = max(1.0, memory_budget - transient_per_sample * batch)
+                budget = int(saved_room * MIB)
+                result = _run(dict(common, config=config, batch=batch, delta_budget=budget))
+                progress(f"  {config} batch {batch}: {result['activation_peak_MiB']:.1f} MiB")
+                if result["activation_peak_MiB"] > memory_budget * 1.02 and batch > base_batch:
+                    break
+                best = result
+                batch *= 2
+            max_rows.append(dict(best, leg="max batch", memory_budget_MiB=memory_budget, batch_vs_none=None))
+        none_max = max_rows[0]["batch"]
+        for row in max_rows:
+            row["batch_vs_none"] = row["batch"] / none_max
+
+    columns = ["leg", "config", "batch", "activation_peak_MiB", "activation_vs_none", "step_s", "time_vs_none", "saved_peak_MiB", "batch_vs_none"]
+    print_table(rows + max_rows, columns)
+    delta_row = next(r for r in rows if r["config"] == "delta")
+    delta_max = next(r for r in max_rows if r["config"] == "delta")
+    targets = {
+        "activation_reduction_ge_60pct": 1 - delta_row["activation_vs_none"] >= 0.6,
+        "step_time_overhead_le_10pct": delta_row["time_vs_none"] <= 1.10,
+        "max_batch_ge_2x_none": delta_max["batch_vs_none"] >= 2,
+    }
+    wall = time.perf_counter() - started
+    print(f"targets: {targets}")
+    gpu_leg = "skipped: no CUDA device on this machine" if not _cuda() else "skipped: the GPU leg is not implemented yet"
+    print(f"GPU leg: {gpu_leg}")
+    path = write_json(
+        args.out, rows + max_rows, label="measured", quick=args.quick, wall_s=wall, targets=targets,
+        delta_budget_equal_batch_MiB=delta_budget / MIB, memory_budget_MiB=memory_budget,
+        transient_per_sample_MiB=transient_per_sample, gpu_leg=gpu_leg,
+    )
+    print(f"wrote {path} in {wall:.0f}s")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""``DeltaMemory``: DELTA-style swap and recompute of activations as a Lightning callback.
+
+No model edits: blocks are found in the module Lightning trains (or in whatever module a
+strategy hands over, such as a pipeline stage, through :meth:`DeltaMemory.manage`), their
+``forward`` is switched on the instance before the strategy wraps the model, and all the
+rest happens through hooks. See :mod:`lightning_merak.callbacks.delta.runtime`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import Any, Mapping, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+from lightning_merak.callbacks.delta.blocks import BlockSelector, discover_blocks
+from lightning_merak.callbacks.delta.budget import Budget, BudgetLike, parse_budget
+from lightning_merak.callbacks.delta.planner import Action, Plan
+from lightning_merak.callbacks.delta.plot import save_timeline_plot
+from lightning_merak.callbacks.delta.profiler import agree_profile
+from lightning_merak.callbacks.delta.recompute import user_checkpointing
+from lightning_merak.callbacks.delta.runtime import ManagerOptions, MemoryManager, StepReport, iter_tensors
+
+__all__ = ["DeltaMemory"]
+
+log = logging.getLogger(__name__)
+
+PLOT_NAME = "delta_memory_timeline.png"
+_TIERS = ("host", "disk")
+
+
+def _parse_overrides(overrides: Optional[Mapping[str, str]]) -> dict[str, Action]:
+    parsed = {}
+    for name, action in (overrides or {}).items():
+        try:
+            parsed[name] = Action(action)
+        except ValueError:
+            raise ValueError(
+                f"override for block {name!r} is {action!r}; choose one of {[a.value for a in Action]}"
+            ) from None
+    return parsed
+
+
+class DeltaMemory(pl.Callback):
+    """Keep saved activations under ``budget`` by swapping or recomputing whole blocks.
+
+    Args:
+        budget: bytes of saved activations (``int`` or ``"2GiB"``), a fraction of device
+            memory for the whole process (``0.5``, ``"50%"``), or ``"auto"`` (90%).
+        swap_tier: ``"host"`` (pinned host memory, side-stream copies; default on GPU) or
+            ``"disk"`` (files written by a background thread; default on CPU).
+        swap_dir: parent directory of the disk tier's private directory (default: tmp).
+        warmup_steps: steps profiled in keep mode before the plan is made.
+        director: ``"exposed"`` (recompute when forward < un-hidden swap time) or
+            ``"delta"`` (the paper's rule: recompute when 2 x swap > forward).
+        prefetch_depth: swapped blocks loaded ahead during backward (DELTA uses 5).
+        blocks: which submodules to manage; default finds the repeated blocks.
+        overrides: fixed actions per block name (``{"model.layers.0": "recompute"}``).
+        min_offload_bytes: saved tensors smaller than this stay on the device.
+        stash_depth: copy-outs in flight before the oldest is waited for.
+        host_pool_bytes: cap of the pinned pool (default: half the available host RAM).
+        replan_on_shape_change: re-plan (from the scaled profile) when input shapes change.
+        plot: save the memory timeline PNG into the trainer's log directory.
+    """
+
+    def __init__(
+        self,
+        budget: BudgetLike | Budget = "auto",
+        *,
+        swap_tier: Optional[str] = None,
+        swap_dir: Optional[str] = None,
+        warmup_steps: int = 2,
+        director: str = "exposed",
+        prefetch_depth: int = 5,
+        blocks: BlockSelector = None,
+        overrides: Optional[Mapping[str, str]] = None,
+        min_offload_bytes: int = 1024,
+        stash_depth: int = 8,
+        host_pool_bytes: Optional[int] = None,
+        replan_on_shape_change: bool = True,
+        plot: bool = True,
+    ) -> None:
+        if swap_tier is not None and swap_tier not in _TIERS:
+            raise ValueError(f"swap_tier {swap_tier!r} is unknown; choose 'host', 'disk' or None (automatic)")
+        if director not in ("exposed", "delta"):
+            raise ValueError(f"director {director!r} is unknown; choose 'exposed' or 'delta'")
+        for name, value, low in (
+            ("warmup_steps", warmup_steps, 1),
+            ("prefetch_depth", prefetch_depth, 1),
+            ("stash_depth", stash_depth, 1),
+            ("min_offload_bytes", min_offload_bytes, 0),
+        ):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if host_pool_bytes is not None and host_pool_bytes <= 0:
+            raise ValueError(f"host_pool_bytes must be positive or None, got {host_pool_bytes}")
+        self.budget = parse_budget(budget)
+        self.swap_tier = swap_tier
+        self.blocks = blocks
+        self.plot = plot
+        self._options = ManagerOptions(
+            budget=self.budget,
+            swap_tier=swap_tier or "disk",
+            swap_dir=swap_dir,
+            warmup_steps=warmup_steps,
+            director=director,
+            prefetch_depth=prefetch_depth,
+            min_offload_bytes=min_offload_bytes,
+            stash_depth=stash_depth,
+            host_pool_bytes=host_pool_bytes,
+            overrides=_parse_overrides(overrides),
+            replan_on_shape_change=replan_on_shape_change,
+        )
+        self.manager: Optional[MemoryManager] = None
+        self.excluded: dict[str, str] = {}
+        self.plot_path: Optional[str] = None
+        self._last_report: Optional[StepReport] = None
+        self._patched_configure_model: Optional[nn.Module] = None
+        self._active = False
+
+    # public ------------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> Optional[Plan]:
+        return self.manager.plan if self.manager is not None else None
+
+    def manage(self, module: nn.Module, prefix: str = "") -> list[str]:
+        """Find and hook the blocks of ``module`` (a whole model or one pipeline stage).
+
+        Must run before the strategy wraps the model; ``DeltaMemory.setup`` calls it on the
+        LightningModule. Returns the managed block names; blocks someone else already
+        checkpoints are left alone and listed in :attr:`excluded` with the reason.
+        """
+        if self._active:
+            raise RuntimeError("DeltaMemory already manages a module; use one callback per model")
+        found = discover_blocks(module, self.blocks)
+        managed = []
+        for name, block in found:
+            qualified = f"{prefix}{name}"
+            reason = user_checkpointing(block)
+            if reason is None:
+                managed.append((qualified, block))
+            else:
+                self.excluded[qualified] = reason
+                rank_zero_info(f"DeltaMemory: leaving {qualified} alone: {reason}")
+        if not managed:
+            warnings.warn(
+                f"DeltaMemory: nothing to manage in {type(module).__name__} "
+                f"({'all blocks are checkpointed by the user' if found else 'no repeated blocks found'}); "
+                "pass blocks=[...] to choose them",
+                stacklevel=2,
+            )
+            return []
+        self.manager = MemoryManager(managed, self._options, log=rank_zero_info, share=_share_across_ranks)
+        self._active = True
+        return [n for n, _ in managed]
+
+    # Lightning hooks ---------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self._active:
+            return
+        self._warn_deepspeed(trainer)
+        if self._has_blocks(pl_module) or not _overrides_configure_model(pl_module):
+            self._manage_or_fail(pl_module)
+            return
+        original = pl_module.configure_model
+
+        def configure_model_then_manage() -> None:
+            original()
+            del pl_module.__dict__["configure_model"]
+            self._patched_configure_model = None
+            self._manage_or_fail(pl_module)
+
+        pl_module.configure_model = configure_model_then_manage
+        self._patched_configure_model = pl_module
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._active:
+            return
+        device = pl_module.device
+        if self.swap_tier is None:
+            self._options.swap_tier = "host" if device.type == "cuda" else "disk"
+        elif self.swap_tier == "host" and device.type != "cuda":
+            warnings.warn(
+                "DeltaMemory: swap_tier='host' on CPU copies activations within the same memory and "
+                "frees nothing; use swap_tier='disk'",
+                stacklevel=2,
+            )
+        self.manager.start(pl_module, device)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self._active:
+            return
+        tensors = list(iter_tensors(batch))
+        signature = tuple(tuple(t.shape) for t in tensors)
+        self.manager.begin_step(signature, sum(t.numel() for t in tensors))
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._active:
+            self.manager.end_forward()
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._active:
+            self._last_report = self.manager.end_backward()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        report, self._last_report = self._last_report, None
+        if report is None:
+            return
+        pl_module.log_dict(
+            {
+                "delta/peak_saved_MiB": report.peak_saved_bytes / 2**20,
+                "delta/budget_MiB": report.budget_bytes / 2**20,
+                "delta/planned_release_MiB": report.planned_release_bytes / 2**20,
+                "delta/swapped_blocks": float(report.swapped_blocks),
+                "delta/recomputed_blocks": float(report.recomputed_blocks),
+                "delta/exposed_copy_ms": report.exposed_copy_s * 1e3,
+                "delta/device_peak_MiB": report.device_peak_bytes / 2**20,
+            },
+            on_step=True,
+            on_epoch=False,
+            batch_size=1,
+        )
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.manager is None or not self.plot or not trainer.is_global_zero:
+            return
+        directory = trainer.log_dir or trainer.default_root_dir
+        self.plot_path = save_timeline_plot(
+            os.path.join(directory, PLOT_NAME),
+            self.manager.timelines,
+            self.manager.budget_bytes,
+            self.manager.plan,
+            self.manager.profile,
+        )
+        rank_zero_info(f"DeltaMemory: memory timeline saved to {self.plot_path}")
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._close()
+
+    # helpers -----------------------------------------------------------------------------
+
+    def _close(self) -> None:
+        if self._patched_configure_model is not None:
+            self._patched_configure_model.__dict__.pop("configure_model", None)
+            self._patched_configure_model = None
+        if self._active:
+            self.manager.close()
+            self._active = False
+
+    def _has_blocks(self, module: nn.Module) -> bool:
+        return bool(discover_blocks(module, self.blocks))
+
+    def _manage_or_fail(self, pl_module: pl.LightningModule) -> None:
+        if not self._has_blocks(pl_module):
+            raise ValueError(
+                f"DeltaMemory found no repeated blocks in {type(pl_module).__name__}; pass "
+                "blocks=[qualified names] or blocks=<module class> to choose what to manage"
+            )
+        self.manage(pl_module)
+
+    @staticmethod
+    def _warn_deepspeed(trainer: pl.Trainer) -> None:
+        config = getattr(trainer.strategy, "config", None)
+        if isinstance(config, dict) and config.get("activation_checkpointing"):
+            warnings.warn(
+                "DeltaMemory: the DeepSpeed strategy has activation_checkpointing configured; it only acts "
+                "inside deepspeed.checkpointing.checkpoint and conflicts with DeltaMemory's hooks - "
+                "remove one of the two",
+                stacklevel=2,
+            )
+
+
+def _overrides_configure_model(pl_module: pl.LightningModule) -> bool:
+    return type(pl_module).configure_model is not pl.LightningModule.configure_model
+
+
+def _share_across_ranks(payload: Any) -> Any:
+    """Every rank plans from the profile of the lowest rank managing the same blocks."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return payload
+    names = tuple(b.name for b in payload[0].blocks)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (names, payload))
+    return agree_profile(gathered, dist.get_rank())

@@ -1,0 +1,66 @@
+"""Switch a block between running normally and recomputing its forward in backward.
+
+The block's ``forward`` is replaced *on the instance* by a :class:`SwitchableForward`,
+so the module tree, parameter names and ``state_dict`` stay exactly as the user wrote
+them, and DDP (which wraps after ``Callback.setup``) sees the same parameters. The plan
+only flips :attr:`SwitchableForward.recompute` afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["SwitchableForward", "install_switch", "remove_switch", "user_checkpointing"]
+
+
+class SwitchableForward:
+    """Calls the block's own forward, through non-reentrant checkpointing when recomputing.
+
+    ``preserve_rng_state=True`` replays the forward's RNG state, so dropout masks in the
+    recomputation match the original ones and gradients are identical.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.original = module.forward
+        self.recompute = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(
+                self.original,
+                *args,
+                use_reentrant=False,
+                preserve_rng_state=True,
+                determinism_check="default",
+                **kwargs,
+            )
+        return self.original(*args, **kwargs)
+
+
+def install_switch(module: nn.Module) -> SwitchableForward:
+    if isinstance(module.__dict__.get("forward"), SwitchableForward):
+        return module.__dict__["forward"]
+    switch = SwitchableForward(module)
+    module.forward = switch
+    return switch
+
+
+def remove_switch(module: nn.Module) -> None:
+    if isinstance(module.__dict__.get("forward"), SwitchableForward):
+        del module.__dict__["forward"]
+
+
+def user_checkpointing(module: nn.Module) -> Optional[str]:
+    """Why ``module`` is already managed by someone else's checkpointing, or None."""
+    if type(module).__name__ == "CheckpointWrapper" or hasattr(module, "_checkpoint_wrapped_module"):
+        return "wrapped by torch checkpoint_wrapper"
+    if getattr(module, "gradient_checkpointing", False) is True:
+        return "transformers gradient checkpointing is enabled"
+    forward = module.__dict__.get("forward")
+    if forward is not None and not isinstance(forward, SwitchableForward):
+        return "its forward was replaced on the instance by another wrapper"
+    return None

@@ -1,0 +1,446 @@
+"""The memory manager: block hooks, warm-up profiling, planning and per-step bookkeeping.
+
+Framework-free (plain ``nn.Module`` + a step protocol), so benchmarks and tests can drive
+it in a bare training loop and :class:`~lightning_merak.callbacks.delta.DeltaMemory` only
+maps Lightning's hooks onto it:
+
+    manager.begin_step(signature, numel)   # before the forward
+    manager.end_forward()                  # forward done, backward about to run
+    manager.end_backward()                 # after backward
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterator, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from lightning_merak.callbacks.delta.budget import AUTO_FRACTION, Budget
+from lightning_merak.callbacks.delta.ledger import ResidentLedger, TimelinePoint
+from lightning_merak.callbacks.delta.planner import (
+    Action,
+    Plan,
+    PlannerSettings,
+    StepProfile,
+    plan_memory,
+)
+from lightning_merak.callbacks.delta.profiler import (
+    OUTSIDE,
+    BlockRecord,
+    DeviceMemory,
+    SavedTensorTracker,
+    profile_from_records,
+)
+from lightning_merak.callbacks.delta.recompute import SwitchableForward, install_switch, remove_switch
+from lightning_merak.callbacks.delta.swap import HostTier, SwapManager, make_tier
+
+__all__ = ["ManagerOptions", "MemoryManager", "StepReport", "iter_tensors"]
+
+ShareFn = Callable[[Any], Any]
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside nested tuples, lists, dicts and dataclass-like outputs."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from iter_tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from iter_tensors(value)
+    elif hasattr(obj, "to_tuple"):
+        yield from iter_tensors(obj.to_tuple())
+
+
+@dataclass
+class ManagerOptions:
+    """Everything the manager needs besides the model; validated by the callback."""
+
+    budget: Budget
+    swap_tier: str
+    swap_dir: Optional[str] = None
+    warmup_steps: int = 2
+    director: str = "exposed"
+    prefetch_depth: int = 5
+    min_offload_bytes: int = 1024
+    stash_depth: int = 8
+    host_pool_bytes: Optional[int] = None
+    overrides: Mapping[str, Action] = field(default_factory=dict)
+    replan_on_shape_change: bool = True
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one managed step did, for the logger."""
+
+    peak_saved_bytes: int
+    budget_bytes: int
+    device_peak_bytes: int
+    swapped_blocks: int
+    recomputed_blocks: int
+    planned_release_bytes: int
+    exposed_copy_s: float
+
+
+@dataclass
+class _Block:
+    name: str
+    module: nn.Module
+    switch: SwitchableForward
+    action: Action = Action.KEEP
+    record: Optional[BlockRecord] = None
+    context: Any = None
+    transient_bytes: int = 0
+    handles: list = field(default_factory=list)
+
+
+def _available_host_bytes() -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+class MemoryManager:
+    """Keeps the resident saved activations of ``blocks`` under a budget.
+
+    Warm-up steps run every block in keep mode and record a profile; then a plan is made
+    (shared through ``share`` so data-parallel ranks agree) and blocks switch to their
+    actions. A new input size re-plans from the profile scaled by the input's element count.
+    """
+
+    def __init__(
+        self,
+        blocks: Sequence[tuple[str, nn.Module]],
+        options: ManagerOptions,
+        log: Callable[[str], None] = print,
+        share: ShareFn = lambda payload: payload,
+    ) -> None:
+        if not blocks:
+            raise ValueError("no blocks to manage")
+        names = [n for n, _ in blocks]
+        unknown = sorted(set(options.overrides) - set(names))
+        if unknown:
+            raise ValueError(f"overrides name unknown blocks {unknown}; managed blocks are {names}")
+        if options.warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be at least 1, got {options.warmup_steps}")
+        self.options = options
+        self.log = log
+        self.share = share
+        self.ledger = ResidentLedger()
+        self.tracker = SavedTensorTracker(self.ledger)
+        self.blocks = [_Block(n, m, install_switch(m)) for n, m in blocks]
+        for block in self.blocks:
+            block.handles.append(
+                block.module.register_forward_pre_hook(functools.partial(self._forward_start, block), with_kwargs=True)
+            )
+            block.handles.append(
+                block.module.register_forward_hook(
+                    functools.partial(self._forward_end, block), with_kwargs=True, always_call=True
+                )
+            )
+        self.root: Optional[nn.Module] = None
+        self.device_memory: Optional[DeviceMemory] = None
+        self.swap: Optional[SwapManager] = None
+        self.bandwidth: tuple[float, float] = (1.0, 1.0)
+        self.budget_bytes: Optional[int] = None
+        self.plan: Optional[Plan] = None
+        self.profile: Optional[StepProfile] = None
+        self.timelines: dict[str, list[TimelinePoint]] = {}
+        self.step_reports: list[StepReport] = []
+        self._warmup: list[StepProfile] = []
+        self._non_activation: list[int] = []
+        self._base_numel: Optional[int] = None
+        self._plans: dict[Hashable, Plan] = {}
+        self._refined: set[Hashable] = set()
+        self._signature: Hashable = None
+        self._numel = 0
+        self._in_step = False
+        self._outside_hooks: Any = None
+        self._swap_order: list[int] = []
+        self._forward_position: dict[str, int] = {}
+        self._foreign_hooks_warned = False
+
+    # lifecycle ---------------------------------------------------------------------------
+
+    def start(self, root: nn.Module, device: torch.device) -> None:
+        """Create the swap tier on ``device`` and measure its bandwidth (once, before training)."""
+        self.root = root
+        self.device_memory = DeviceMemory(device)
+        pool = self.options.host_pool_bytes
+        host_room = _available_host_bytes() // 2
+        pool = min(pool, host_room) if pool is not None else host_room
+        tier = make_tier(self.options.swap_tier, device, self.options.swap_dir, pool)
+        self.swap = SwapManager(tier, self.tracker, self.options.min_offload_bytes, self.options.stash_depth)
+        self.bandwidth = tier.measure_bandwidth(device)
+        self.log(
+            f"DeltaMemory: {len(self.blocks)} blocks managed, swap tier '{tier.name}' "
+            f"(copy-out {self.bandwidth[0] / 1e9:.2f} GB/s, copy-in {self.bandwidth[1] / 1e9:.2f} GB/s)"
+        )
+
+    @property
+    def warming_up(self) -> bool:
+        return self.plan is None
+
+    def begin_step(self, signature: Hashable, numel: int) -> None:
+        if self.swap is None or self.root is None:
+            raise RuntimeError("MemoryManager.start(root, device) must run before the first step")
+        if self._in_step:
+            self.end_backward()
+        self._in_step = True
+        self._signature, self._numel = signature, max(1, numel)
+        self.tracker.exclude_module_state(self.root)
+        self.tracker.start_step()
+        if self.plan is not None and self.options.replan_on_shape_change:
+            self._apply(self._plan_for(signature))
+        self.device_memory.reset_peak()
+        self.ledger.start_step()
+        for block in self.blocks:
+            block.record = None
+            block.transient_bytes = 0
+        self._outside_hooks = self.tracker.hooks(OUTSIDE)
+        self._outside_hooks.__enter__()
+
+    def end_forward(self) -> None:
+        """Forward is over: stop counting saved tensors outside the blocks."""
+        if self._outside_hooks is not None:
+            self._outside_hooks.__exit__(None, None, None)
+            self._outside_hooks = None
+        self.ledger.mark("backward")
+
+    def end_backward(self) -> Optional[StepReport]:
+        """Backward is over: settle transfers, record the step, plan after warm-up."""
+        if not self._in_step:
+            return None
+        self.end_forward()
+        self.swap.end_step()
+        for block in self.blocks:
+            self._drop_transient(block)
+        self._in_step = False
+        device_peak = self.device_memory.peak()
+        if self.warming_up:
+            self._record_warmup(device_peak)
+            return None
+        report = StepReport(
+            peak_saved_bytes=self.ledger.peak_bytes,
+            budget_bytes=self.budget_bytes,
+            device_peak_bytes=device_peak,
+            swapped_blocks=sum(b.action is Action.SWAP for b in self.blocks),
+            recomputed_blocks=sum(b.action is Action.RECOMPUTE for b in self.blocks),
+            planned_release_bytes=sum(d.released_bytes for d in self.plan.decisions),
+            exposed_copy_s=self.swap.take_wait_seconds(),
+        )
+        self.step_reports.append(report)
+        self.timelines["managed"] = list(self.ledger.timeline)
+        over_budget = report.peak_saved_bytes > self.budget_bytes
+        if over_budget and self.plan.fits and self._signature not in self._refined:
+            self._refine(report)
+        return report
+
+    def close(self) -> None:
+        """Undo everything: hooks, forward switches, swap files; safe after an exception."""
+        if self._outside_hooks is not None:
+            self._outside_hooks.__exit__(None, None, None)
+            self._outside_hooks = None
+        for block in self.blocks:
+            if block.context is not None:
+                block.context.__exit__(None, None, None)
+                block.context = None
+            for handle in block.handles:
+                handle.remove()
+            block.handles.clear()
+            remove_switch(block.module)
+        if self.swap is not None:
+            self.swap.close()
+        self._in_step = False
+
+    # planning ----------------------------------------------------------------------------
+
+    def _record_warmup(self, device_peak: int) -> None:
+        records = [b.record for b in self.blocks if b.record is not None]
+        profile = profile_from_records(records, self.tracker.saved_bytes(OUTSIDE))
+        self.timelines["unmanaged"] = list(self.ledger.timeline)
+        if not profile.blocks:
+            return
+        if self._base_numel is None:
+            self._base_numel = self._numel
+        self._warmup.append(profile.scaled(self._base_numel / self._numel))
+        self._non_activation.append(max(0, device_peak - self.ledger.peak_bytes))
+        if len(self._warmup) >= self.options.warmup_steps:
+            self._make_plan()
+
+    def _make_plan(self) -> None:
+        local = (
+            StepProfile.median(self._warmup),
+            int(statistics.median(self._non_activation)),
+            self.device_memory.total(),
+            self._base_numel,
+        )
+        self.profile, non_activation, total, self._base_numel = self.share(local)
+        self.budget_bytes = self._resolve_budget(non_activation, total)
+        self.swap.budget_bytes = self.budget_bytes
+        self._plans.clear()
+        self._apply(self._plan_for(self._signature))
+
+    def _resolve_budget(self, non_activation: int, total: int) -> int:
+        budget = self.options.budget
+        if budget.nbytes is not None:
+            return budget.nbytes
+        fraction = AUTO_FRACTION if budget.auto else budget.fraction
+        room = int(fraction * total) - non_activation
+        if room <= 0:
+            warnings.warn(
+                f"DeltaMemory: budget {budget} ({fraction * total / 2**30:.2f} GiB) leaves no room for "
+                f"activations: the rest of the step already needs {non_activation / 2**30:.2f} GiB; "
+                "releasing every block (raise the budget or shrink the batch)",
+                stacklevel=2,
+            )
+            return 0
+        return room
+
+    def _settings(self) -> PlannerSettings:
+        return PlannerSettings(
+            budget_bytes=self.budget_bytes,
+            swap_write_bytes_per_s=self.bandwidth[0],
+            swap_read_bytes_per_s=self.bandwidth[1],
+            swap_capacity_bytes=self.swap.tier.capacity_bytes(),
+            director=self.options.director,
+            prefetch_depth=self.options.prefetch_depth,
+            overrides=self.options.overrides,
+        )
+
+    def _plan_for(self, signature: Hashable) -> Plan:
+        plan = self._plans.get(signature)
+        if plan is None:
+            factor = self._numel / self._base_numel
+            profile = self.profile if factor == 1 else self.profile.scaled(factor)
+            plan = plan_memory(profile, self._settings())
+            self._plans[signature] = plan
+            self.log(f"DeltaMemory plan for inputs {signature} (x{factor:.2f} of warm-up size):\n{plan.table()}")
+            if not plan.fits:
+                warnings.warn(
+                    f"DeltaMemory: the budget of {plan.budget_bytes / 2**20:.1f} MiB cannot be met; "
+                    f"the lowest reachable peak of saved activations is {plan.min_peak_bytes / 2**20:.1f} MiB "
+                    "(raise the budget or shrink the batch)",
+                    stacklevel=2,
+                )
+        return plan
+
+    def _refine(self, report: StepReport) -> None:
+        """Over budget: measured saved bytes of keep/swap blocks replace the scaled estimates."""
+        self._refined.add(self._signature)
+        measured = {r.name: r for r in (b.record for b in self.blocks) if r is not None}
+        current = self._plans[self._signature]
+        factor = self._numel / self._base_numel
+        scaled = self.profile.scaled(factor)
+        blocks = []
+        for profile_block in scaled.blocks:
+            record = measured.get(profile_block.name)
+            if record is not None and current.action(profile_block.name) is not Action.RECOMPUTE:
+                profile_block = type(profile_block)(
+                    profile_block.name, profile_block.forward_s, profile_block.backward_s,
+                    record.saved_bytes, record.boundary_bytes, profile_block.stale_s,
+                )
+            blocks.append(profile_block)
+        refined = StepProfile(tuple(blocks), self.tracker.saved_bytes(OUTSIDE))
+        self.log(
+            f"DeltaMemory: saved activations peaked at {report.peak_saved_bytes / 2**20:.1f} MiB, over the "
+            f"budget of {report.budget_bytes / 2**20:.1f} MiB; re-planning from measured sizes"
+        )
+        del self._plans[self._signature]
+        plan = plan_memory(refined, self._settings())
+        self._plans[self._signature] = plan
+        self.log(f"DeltaMemory re-plan for inputs {self._signature}:\n{plan.table()}")
+
+    def _apply(self, plan: Plan) -> None:
+        if plan is self.plan:
+            return
+        self.plan = plan
+        actions = plan.actions
+        for block in self.blocks:
+            block.action = actions.get(block.name, Action.KEEP)
+            block.switch.recompute = block.action is Action.RECOMPUTE
+        self._forward_position = {d.name: i for i, d in enumerate(plan.decisions)}
+        self._swap_order = [i for i, d in enumerate(plan.decisions) if d.action is Action.SWAP]
+        if isinstance(self.swap.tier, HostTier):
+            self.swap.tier.reserve(sum(d.saved_bytes for d in plan.decisions if d.action is Action.SWAP))
+
+    # block hooks -------------------------------------------------------------------------
+
+    def _forward_start(self, block: _Block, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not (self._in_step and torch.is_grad_enabled() and module.training):
+            return
+        self._warn_foreign_hooks(block)
+        block.record = BlockRecord(block.name, forward_start=time.perf_counter())
+        inputs = list(iter_tensors((args, kwargs)))
+        self.tracker.set_boundary(block.name, inputs)
+        needs_grad = [t for t in inputs if t.requires_grad]
+        if needs_grad:
+            main_input = max(needs_grad, key=lambda t: t.numel())
+            main_input.register_hook(functools.partial(self._backward_end, block))
+        if block.action is Action.SWAP:
+            block.context = self.swap.hooks(block.name)
+        else:
+            block.context = self.tracker.hooks(block.name)
+        block.context.__enter__()
+
+    def _forward_end(self, block: _Block, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if block.context is None:
+            return
+        block.context.__exit__(None, None, None)
+        block.context = None
+        block.record.forward_end = time.perf_counter()
+        block.record.saved_bytes = self.tracker.saved_bytes(block.name)
+        block.record.boundary_bytes = self.tracker.boundary_bytes(block.name)
+        self.ledger.mark(f"fwd {block.name}")
+        for tensor in iter_tensors(output):
+            if tensor.grad_fn is not None:
+                tensor.grad_fn.register_prehook(functools.partial(self._backward_start, block))
+                break
+
+    def _backward_start(self, block: _Block, grad_outputs: Any) -> None:
+        record = block.record
+        if record is None or record.backward_start is not None:
+            return
+        record.backward_start = time.perf_counter()
+        if block.action is Action.RECOMPUTE and self.plan is not None:
+            decision = next(d for d in self.plan.decisions if d.name == block.name)
+            block.transient_bytes = decision.released_bytes
+            self.ledger.adjust(block.transient_bytes, f"recompute {block.name}")
+        position = self._forward_position.get(block.name)
+        if self._swap_order and position is not None:
+            ahead = [i for i in reversed(self._swap_order) if i <= position][: self.options.prefetch_depth]
+            self.swap.prefetch(self.plan.decisions[i].name for i in ahead)
+
+    def _backward_end(self, block: _Block, grad: torch.Tensor) -> None:
+        if block.record is not None and block.record.backward_end is None:
+            block.record.backward_end = time.perf_counter()
+            self._drop_transient(block)
+
+    def _drop_transient(self, block: _Block) -> None:
+        if block.transient_bytes:
+            self.ledger.adjust(-block.transient_bytes, f"recomputed {block.name} freed")
+            block.transient_bytes = 0
+
+    def _warn_foreign_hooks(self, block: _Block) -> None:
+        if self._foreign_hooks_warned:
+            return
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is not None and (self._outside_hooks is None or top[0] is not self._outside_hooks.pack_hook):
+            self._foreign_hooks_warned = True
+            warnings.warn(
+                f"DeltaMemory: other saved_tensors_hooks (save_on_cpu, an offload wrapper, ...) are active "
+                f"around block {block.name}; inside managed blocks DeltaMemory's hooks take precedence",
+                stacklevel=2,
+            )

@@ -1,0 +1,505 @@
+"""Swap saved activations out of device memory during forward and back before backward.
+
+A block in swap mode runs its forward inside :meth:`SwapManager.hooks`. Each saved
+storage (views of one storage are copied once) starts an asynchronous copy-out to a tier:
+
+* :class:`HostTier` - pinned host memory from a pre-allocated slab, copied on a CUDA side
+  stream (the default on GPU). On CPU it is a plain copy, useful only for testing.
+* :class:`DiskTier` - one file per storage in a private directory, written and read by a
+  background thread (the default on CPU, where host memory *is* the device memory).
+
+The device copy is held (the "stash") until its copy-out completes; then it is dropped and
+stops counting in the ledger. :meth:`SwapManager.prefetch` starts copy-ins before a
+block's backward; unpacking waits for them, or copies synchronously if none was issued.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import itertools
+import os
+import shutil
+import tempfile
+import time
+import warnings
+import weakref
+from typing import Iterable, Optional
+
+import torch
+
+from lightning_merak.callbacks.delta.ledger import ResidentLedger
+from lightning_merak.callbacks.delta.profiler import (
+    SavedTensorTracker,
+    storage_key,
+    storage_nbytes,
+    unpack_kept,
+)
+
+__all__ = ["DiskTier", "HostTier", "PinnedSlab", "SwapManager", "SwapTier", "make_tier"]
+
+_ALIGN = 512
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 tensor over the whole storage behind ``tensor``."""
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+
+
+class _Transfer:
+    """An asynchronous copy; ``done`` polls, ``wait`` blocks, ``finish`` returns the result.
+
+    ``finish`` is called on the thread that will use the result: on CUDA it makes the
+    compute stream (captured before the copy was issued) wait for the copy's event.
+    """
+
+    def __init__(
+        self,
+        result: object = None,
+        future: Optional[concurrent.futures.Future] = None,
+        event: Optional["torch.cuda.Event"] = None,
+        compute_stream: Optional["torch.cuda.Stream"] = None,
+        keep_alive: object = None,
+    ) -> None:
+        self._result = result
+        self._future = future
+        self._event = event
+        self._compute_stream = compute_stream
+        self._keep_alive = keep_alive
+
+    def done(self) -> bool:
+        if self._future is not None:
+            return self._future.done()
+        if self._event is not None:
+            return self._event.query()
+        return True
+
+    def finish(self) -> object:
+        if self._future is not None:
+            self._result = self._future.result()
+            self._future = None
+        if self._event is not None:
+            self._compute_stream.wait_event(self._event)
+            if isinstance(self._result, torch.Tensor) and self._result.is_cuda:
+                self._result.record_stream(self._compute_stream)
+            self._event = None
+        self._keep_alive = None
+        return self._result
+
+
+class SwapTier:
+    """Where swapped storages live between forward and backward."""
+
+    name = "abstract"
+
+    def copy_out(self, data: torch.Tensor) -> _Transfer:
+        raise NotImplementedError
+
+    def copy_in(self, stored: object, device: torch.device) -> _Transfer:
+        raise NotImplementedError
+
+    def discard(self, stored: object) -> None:
+        """Free what ``copy_out`` produced once nothing can unpack it again."""
+
+    def end_step(self) -> None:
+        """All transfers of the step are finished; reusable space may be recycled."""
+
+    def capacity_bytes(self) -> int:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release every resource of the tier; safe to call more than once."""
+
+    def measure_bandwidth(self, device: torch.device, nbytes: int = 32 * 2**20, repeats: int = 3) -> tuple[float, float]:
+        """(copy-out, copy-in) bytes per second through this tier's own code path."""
+        probe = torch.ones(nbytes, dtype=torch.uint8, device=device)
+        best_out, best_in = float("inf"), float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            stored = self.copy_out(probe).finish()
+            _synchronize(device)
+            best_out = min(best_out, time.perf_counter() - start)
+            start = time.perf_counter()
+            self.copy_in(stored, device).finish()
+            _synchronize(device)
+            best_in = min(best_in, time.perf_counter() - start)
+            self.discard(stored)
+        self.end_step()
+        return nbytes / max(best_out, 1e-9), nbytes / max(best_in, 1e-9)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class PinnedSlab:
+    """Pre-allocated pinned host memory handed out by a bump pointer, reset every step.
+
+    Allocating pinned memory on the fly synchronises the device; a slab does it once.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.offset = 0
+
+    def allocate(self, nbytes: int) -> Optional[torch.Tensor]:
+        start = (self.offset + _ALIGN - 1) // _ALIGN * _ALIGN
+        if start + nbytes > self.buffer.numel():
+            return None
+        self.offset = start + nbytes
+        return self.buffer[start : start + nbytes]
+
+    def reset(self) -> None:
+        self.offset = 0
+
+
+class HostTier(SwapTier):
+    """Host memory; on CUDA pinned (slab) and copied on a side stream."""
+
+    name = "host"
+
+    def __init__(self, device: torch.device, pool_bytes: int) -> None:
+        self.device = device
+        self.pool_bytes = pool_bytes
+        self.is_cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.is_cuda else None
+        self.slab: Optional[PinnedSlab] = None
+        self._warned_slab = False
+
+    def reserve(self, nbytes: int) -> None:
+        """Pre-allocate the pinned slab for the planned swapped bytes of one step."""
+        if not self.is_cuda or nbytes <= 0:
+            return
+        nbytes = min(nbytes + 64 * _ALIGN, self.pool_bytes)
+        if self.slab is None or self.slab.buffer.numel() < nbytes:
+            self.slab = None
+            self.slab = PinnedSlab(nbytes)
+
+    def copy_out(self, data: torch.Tensor) -> _Transfer:
+        if not self.is_cuda:
+            return _Transfer(result=data.to("cpu", copy=True))
+        compute = torch.cuda.current_stream(self.device)
+        host = self.slab.allocate(data.numel()) if self.slab is not None else None
+        if host is None:
+            if not self._warned_slab:
+                warnings.warn(
+                    "DeltaMemory: pinned slab exhausted; allocating pinned memory on the fly, "
+                    "which synchronises the device (re-plan or raise host_pool_bytes)",
+                    stacklevel=2,
+                )
+                self._warned_slab = True
+            host = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=True)
+        self.copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self.copy_stream):
+            host.copy_(data, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        return _Transfer(result=host, event=event, compute_stream=compute, keep_alive=data)
+
+    def copy_in(self, stored: object, device: torch.device) -> _Transfer:
+        if not self.is_cuda:
+            return _Transfer(result=stored)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.copy_stream):
+            data = torch.empty(stored.numel(), dtype=torch.uint8, device=device)
+            data.copy_(stored, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        return _Transfer(result=data, event=event, compute_stream=compute)
+
+    def end_step(self) -> None:
+        if self.is_cuda:
+            self.copy_stream.synchronize()
+        if self.slab is not None:
+            self.slab.reset()
+
+    def capacity_bytes(self) -> int:
+        return self.pool_bytes
+
+    def close(self) -> None:
+        if self.is_cuda:
+            self.copy_stream.synchronize()
+        self.slab = None
+
+
+def _write_file(path: str, data: torch.Tensor) -> tuple[str, int]:
+    with open(path, "wb") as f:
+        f.write(data.numpy().data)
+    return path, data.numel()
+
+
+def _read_file(stored: tuple[str, int], buffer: torch.Tensor) -> torch.Tensor:
+    path, nbytes = stored
+    with open(path, "rb") as f:
+        read = f.readinto(buffer.numpy().data)
+    if read != nbytes:
+        raise RuntimeError(f"DeltaMemory: swap file {path} is truncated ({read} of {nbytes} bytes)")
+    return buffer
+
+
+def _remove_file(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+class DiskTier(SwapTier):
+    """Files in a private directory, written and read by one background thread.
+
+    One thread keeps the order of operations on a file (write, read, delete) without locks.
+    The directory is removed by :meth:`close`, and at interpreter exit if close never ran.
+    """
+
+    name = "disk"
+
+    def __init__(self, device: torch.device, directory: Optional[str] = None) -> None:
+        if directory is not None:
+            os.makedirs(directory, exist_ok=True)
+        self.device = device
+        self.directory = tempfile.mkdtemp(prefix="delta-swap-", dir=directory)
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="delta-swap")
+        self._names = itertools.count()
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.directory, True)
+
+    def copy_out(self, data: torch.Tensor) -> _Transfer:
+        host = data.to("cpu") if data.device.type != "cpu" else data
+        path = os.path.join(self.directory, f"{next(self._names)}.bin")
+        return _Transfer(future=self._executor.submit(_write_file, path, host), keep_alive=data)
+
+    def copy_in(self, stored: object, device: torch.device) -> _Transfer:
+        # allocated here, on the training thread: a buffer malloc'ed by the worker thread
+        # would come from that thread's arena and not be reused by the training thread
+        buffer = torch.empty(stored[1], dtype=torch.uint8)
+        future = self._executor.submit(_read_file, stored, buffer)
+        if device.type == "cpu":
+            return _Transfer(future=future)
+        return _Transfer(result=_FutureToDevice(future, device))
+
+    def discard(self, stored: object) -> None:
+        path, _ = stored
+        try:
+            self._executor.submit(_remove_file, path)
+        except RuntimeError:
+            _remove_file(path)
+
+    def capacity_bytes(self) -> int:
+        return shutil.disk_usage(self.directory).free // 2
+
+    def files(self) -> list[str]:
+        return sorted(os.listdir(self.directory)) if os.path.isdir(self.directory) else []
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._cleanup()
+
+
+class _FutureToDevice:
+    """Disk tier on an accelerator: the read finishes on the worker, the H2D on use."""
+
+    def __init__(self, future: concurrent.futures.Future, device: torch.device) -> None:
+        self.future = future
+        self.device = device
+
+
+def make_tier(name: str, device: torch.device, directory: Optional[str], pool_bytes: int) -> SwapTier:
+    if name == "host":
+        return HostTier(device, pool_bytes)
+    if name == "disk":
+        return DiskTier(device, directory)
+    raise ValueError(f"unknown swap tier {name!r}; choose 'host' (pinned host memory) or 'disk'")
+
+
+class _SwappedStorage:
+    """One device storage on its way out, away, or back; shared by all views packed from it."""
+
+    _serials = itertools.count()
+
+    def __init__(self, manager: SwapManager, data: torch.Tensor, key: tuple[str, int]) -> None:
+        self.serial = next(self._serials)
+        self.manager = manager
+        self.device = data.device
+        self.nbytes = data.numel()
+        self.key = key
+        self.outgoing: Optional[_Transfer] = manager.tier.copy_out(data)
+        self.device_data: Optional[torch.Tensor] = data
+        self.stored: object = None
+        self.incoming: Optional[_Transfer] = None
+        self.loaded: Optional[torch.Tensor] = None
+        manager.ledger.acquire(key, self.nbytes)
+
+    def copy_out_done(self) -> bool:
+        return self.outgoing is None or self.outgoing.done()
+
+    def finish_copy_out(self) -> None:
+        if self.outgoing is None:
+            return
+        self.stored = self.outgoing.finish()
+        self.outgoing = None
+        self.device_data = None
+        self.manager.forget(self)
+        self.manager.ledger.release(self.key)
+
+    def start_copy_in(self) -> None:
+        if self.loaded is not None or self.incoming is not None or self.device_data is not None:
+            return
+        self.finish_copy_out()
+        self.incoming = self.manager.tier.copy_in(self.stored, self.device)
+        self.manager.ledger.acquire(("swap-in", id(self)), self.nbytes)
+
+    def materialize(self) -> torch.Tensor:
+        if self.device_data is not None:
+            return self.device_data
+        if self.loaded is None:
+            started = time.perf_counter()
+            self.start_copy_in()
+            result = self.incoming.finish()
+            if isinstance(result, _FutureToDevice):
+                result = result.future.result().to(result.device)
+            self.loaded = result
+            self.incoming = None
+            self.manager.wait_s += time.perf_counter() - started
+        return self.loaded
+
+    def __del__(self) -> None:
+        ledger = self.manager.ledger
+        if self.outgoing is not None:
+            ledger.release(self.key)
+        if self.incoming is not None or self.loaded is not None:
+            ledger.release(("swap-in", id(self)))
+        if self.outgoing is not None:
+            try:
+                self.stored = self.outgoing.finish()
+            except Exception:  # noqa: BLE001 - the tier is closing; nothing left to free
+                return
+        if self.stored is not None:
+            self.manager.tier.discard(self.stored)
+
+
+class _SwappedView:
+    """What autograd keeps for a swapped saved tensor: its storage and how to view it."""
+
+    __slots__ = ("storage", "dtype", "size", "stride", "offset")
+
+    def __init__(self, storage: _SwappedStorage, tensor: torch.Tensor) -> None:
+        self.storage = storage
+        self.dtype = tensor.dtype
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+        self.offset = tensor.storage_offset()
+
+
+class SwapManager:
+    """Pack/unpack hooks of swap-mode blocks, the copy-out stash and prefetching.
+
+    ``budget_bytes`` is enforced on the ledger: if the stash would push resident saved
+    bytes over it, the oldest copy-outs are waited for (slower, never over budget).
+    """
+
+    def __init__(
+        self,
+        tier: SwapTier,
+        tracker: SavedTensorTracker,
+        min_offload_bytes: int = 1024,
+        stash_depth: int = 8,
+    ) -> None:
+        if min_offload_bytes < 0 or stash_depth < 1:
+            raise ValueError("min_offload_bytes must be >= 0 and stash_depth >= 1")
+        self.tier = tier
+        self.tracker = tracker
+        self.ledger = tracker.ledger
+        self.min_offload_bytes = min_offload_bytes
+        self.stash_depth = stash_depth
+        self.budget_bytes: float = float("inf")
+        self._pending: collections.deque[_SwappedStorage] = collections.deque()
+        self._by_key: dict[tuple[str, int], _SwappedStorage] = {}
+        self._by_owner: dict[str, list[weakref.ref]] = {}
+        self.wait_s = 0.0
+
+    def take_wait_seconds(self) -> float:
+        """Host time spent blocked on copies since the last call (copy time not hidden)."""
+        waited, self.wait_s = self.wait_s, 0.0
+        return waited
+
+    def hooks(self, owner: str) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(owner, t), self.unpack)
+
+    def _swappable(self, tensor: torch.Tensor) -> bool:
+        return (
+            tensor.layout is torch.strided
+            and tensor.device.type in ("cpu", "cuda")
+            and not tensor.is_sparse
+            and storage_nbytes(tensor) >= self.min_offload_bytes
+        )
+
+    def pack(self, owner: str, tensor: torch.Tensor) -> object:
+        if self.tracker.is_state(tensor) or not self._swappable(tensor):
+            return self.tracker.keep(owner, tensor)
+        key = storage_key(tensor)
+        storage = self._by_key.get(key)
+        if storage is None:
+            storage = _SwappedStorage(self, _as_bytes(tensor), key)
+            self._by_key[key] = storage
+            self._pending.append(storage)
+            self._by_owner.setdefault(owner, []).append(weakref.ref(storage))
+        self.tracker.note(owner, ("swapped", storage.serial), storage.nbytes)
+        self._trim_stash()
+        return _SwappedView(storage, tensor)
+
+    @staticmethod
+    def unpack(packed: object) -> torch.Tensor:
+        if not isinstance(packed, _SwappedView):
+            return unpack_kept(packed)
+        data = packed.storage.materialize()
+        return torch.empty(0, dtype=packed.dtype, device=data.device).set_(
+            data.untyped_storage(), packed.offset, packed.size, packed.stride
+        )
+
+    def forget(self, storage: _SwappedStorage) -> None:
+        """The device copy is gone: a new storage may now reuse its address."""
+        if self._by_key.get(storage.key) is storage:
+            del self._by_key[storage.key]
+
+    def _trim_stash(self) -> None:
+        while self._pending and self._pending[0].copy_out_done():
+            self._pending.popleft().finish_copy_out()
+        started = time.perf_counter()
+        while self._pending and (
+            len(self._pending) > self.stash_depth or self.ledger.resident_bytes > self.budget_bytes
+        ):
+            self._pending.popleft().finish_copy_out()
+        self.wait_s += time.perf_counter() - started
+
+    def flush(self) -> None:
+        """Finish every pending copy-out (end of forward)."""
+        started = time.perf_counter()
+        while self._pending:
+            self._pending.popleft().finish_copy_out()
+        self.wait_s += time.perf_counter() - started
+
+    def prefetch(self, owners: Iterable[str]) -> None:
+        """Start copy-ins for ``owners``' storages, in order, while they fit the budget."""
+        self.flush()
+        for owner in owners:
+            for ref in self._by_owner.get(owner, []):
+                storage = ref()
+                if storage is None or storage.loaded is not None or storage.incoming is not None:
+                    continue
+                if self.ledger.resident_bytes + storage.nbytes > self.budget_bytes:
+                    return
+                storage.start_copy_in()
+
+    def end_step(self) -> None:
+        """Backward is over: finish all transfers and forget the step's storages."""
+        self.flush()
+        self._by_key.clear()
+        self._by_owner.clear()
+        self.tier.end_step()
+
+    def close(self) -> None:
+        self._pending.clear()
+        self._by_key.clear()
+        self._by_owner.clear()
+        self.tier.close()
+

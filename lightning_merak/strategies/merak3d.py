@@ -1,0 +1,523 @@
+"""``Trainer(strategy="merak3d")``: data × pipeline × tensor parallelism for unmodified models.
+
+The LightningModule stays an ordinary module that also trains on one device. merak3d
+relies on four things it provides (:class:`lightning_merak.models.CausalLMModule` has
+them all):
+
+* ``self.model`` — the network, called as ``self.model(inputs)`` and returning logits
+  (a tensor, or an output with ``.logits`` such as transformers models return);
+* ``split_batch(batch) -> (inputs, targets)``;
+* ``loss_from_logits(logits, targets) -> loss`` — evaluated per micro-batch;
+* ``compute_loss(batch)`` — called by its ``training_step``/``validation_step``;
+  merak3d replaces it on the instance so that it drives the pipeline schedule.
+
+The parallel layout is built on the first batch, when the real shapes are known: the
+model is recorded once (:mod:`~lightning_merak.strategies.pipeline.trace`), every rank
+agrees on rank 0's partition of the measured costs, each rank prunes its copy to its
+stage, splits its blocks over the tensor-parallel group, wraps the blocks chosen for
+recomputation, and the optimizers are rebuilt over the parameters the rank now owns.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils.checkpoint import checkpoint
+
+from lightning_merak.strategies.pipeline.stage import PipelineStageModule, build_stage_module, tied_parameter_names
+from lightning_merak.strategies.pipeline.trace import ModelTrace, trace_model
+from lightning_merak.strategies.tensor_parallel import (
+    apply_tensor_parallel,
+    check_tensor_parallel_degree,
+    find_tensor_parallel_plan,
+)
+
+__all__ = ["Merak3DStrategy"]
+
+SCHEDULES = ("1f1b", "gpipe")
+RECOMPUTE_MODES = ("none", "full", "stage_aware")
+PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
+Degree = Union[int, Literal["auto"]]
+
+
+def _call_model(model: nn.Module, inputs: torch.Tensor) -> Any:
+    return model(inputs)
+
+
+def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class Merak3DStrategy(ParallelStrategy):
+    """Automated 3D parallelism: ``data_parallel × pipeline_parallel × tensor_parallel`` ranks.
+
+    Args:
+        data_parallel: replicas of the model; ``"auto"`` takes what the other degrees leave.
+        pipeline_parallel: pipeline stages the model is cut into.
+        tensor_parallel: ranks each transformer block is split over.
+        micro_batches: micro-batches per batch in the pipeline schedule (default: 2 × stages).
+        schedule: ``"1f1b"`` or ``"gpipe"``.
+        recompute: ``"none"``, ``"full"`` (every block) or ``"stage_aware"`` (Merak: stage i of
+            S recomputes a fraction 1 − (1 − r)(S − 1)/(S − 1 − i) of its blocks, the last none).
+        recompute_ratio: r above, the fraction recomputed on the first stage.
+        partition: ``"autopipe"`` (min–max split refined by simulating the schedule),
+            ``"min_max"``, ``"parameters"`` or ``"uniform"`` (equal blocks per stage).
+        process_group_backend: ``gloo``/``nccl``; default from the device.
+        timeout_s: collective timeout, so a failed rank ends every rank.
+    """
+
+    strategy_name = "merak3d"
+
+    def __init__(
+        self,
+        data_parallel: Degree = "auto",
+        pipeline_parallel: Degree = 1,
+        tensor_parallel: Degree = 1,
+        micro_batches: Optional[int] = None,
+        schedule: str = "1f1b",
+        recompute: str = "none",
+        recompute_ratio: float = 0.5,
+        partition: str = "autopipe",
+        process_group_backend: Optional[str] = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        super().__init__()
+        for name, value in (("data_parallel", data_parallel), ("pipeline_parallel", pipeline_parallel),
+                            ("tensor_parallel", tensor_parallel)):
+            if value != "auto" and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer or 'auto'")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r} is not supported; choose one of {', '.join(SCHEDULES)}")
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute={recompute!r} is not supported; choose one of {', '.join(RECOMPUTE_MODES)}")
+        if not 0.0 <= recompute_ratio <= 1.0:
+            raise ValueError(f"recompute_ratio={recompute_ratio} must lie in [0, 1]")
+        if partition not in PARTITION_METHODS:
+            raise ValueError(f"partition={partition!r} is not supported; choose one of {', '.join(PARTITION_METHODS)}")
+        if micro_batches is not None and micro_batches < 1:
+            raise ValueError(f"micro_batches={micro_batches} must be at least 1")
+        self._degrees: dict[str, Degree] = {"dp": data_parallel, "pp": pipeline_parallel, "tp": tensor_parallel}
+        self._micro_batches = micro_batches
+        self.schedule = schedule
+        self.recompute = recompute
+        self.recompute_ratio = recompute_ratio
+        self.partition_method = partition
+        self._process_group_backend = process_group_backend
+        self._timeout = timedelta(seconds=timeout_s)
+        self._mesh: Optional[DeviceMesh] = None
+        self._built = False
+        self._schedule: Any = None
+        self._tied_groups: list[tuple[Any, nn.Parameter, bool]] = []
+        self._pending_gradients: list[tuple[nn.Parameter, Optional[torch.Tensor]]] = []
+        self.partition: Optional[Any] = None
+        self.num_nodes = 1
+
+    # Layout -------------------------------------------------------------------------------
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("the device mesh exists once processes have started (setup_environment)")
+        return self._mesh
+
+    @property
+    def data_parallel(self) -> int:
+        return self.device_mesh["dp"].size()
+
+    @property
+    def pipeline_parallel(self) -> int:
+        return self.device_mesh["pp"].size()
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self.device_mesh["tp"].size()
+
+    @property
+    def micro_batches(self) -> int:
+        return self._micro_batches or (2 * self.pipeline_parallel if self.pipeline_parallel > 1 else 1)
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        """The group gradients are averaged over; callbacks use it for their own communication."""
+        return self.device_mesh["dp"].get_group()
+
+    def resolve_layout(self, world_size: int) -> tuple[int, int, int]:
+        """``(dp, pp, tp)`` for ``world_size`` ranks, or a clear error when they cannot multiply to it."""
+        fixed = {name: value for name, value in self._degrees.items() if value != "auto"}
+        product = math.prod(fixed.values())
+        auto = [name for name in ("dp", "pp", "tp") if name not in fixed]
+        if world_size % product:
+            raise ValueError(
+                f"world size {world_size} is not divisible by the fixed degrees {fixed}; "
+                "choose data_parallel × pipeline_parallel × tensor_parallel = world size"
+            )
+        resolved = dict(fixed)
+        for name in auto:
+            resolved[name] = 1
+        if auto:
+            resolved["dp" if "dp" in auto else auto[0]] = world_size // product
+        if math.prod(resolved.values()) != world_size:
+            raise ValueError(
+                f"data_parallel={resolved['dp']} × pipeline_parallel={resolved['pp']} × "
+                f"tensor_parallel={resolved['tp']} = {math.prod(resolved.values())} ≠ world size {world_size}; "
+                "make the product equal the number of processes (devices × num_nodes)"
+            )
+        return resolved["dp"], resolved["pp"], resolved["tp"]
+
+    # Processes ----------------------------------------------------------------------------
+
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning to reduce ``self.log(..., sync_dist=True)`` values over the ranks."""
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        mesh = self.device_mesh["dp"]
+        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+        backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        self._process_group_backend = backend
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        dp, pp, tp = self.resolve_layout(self.world_size)
+        self._mesh = init_device_mesh(self.root_device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        rank_zero_info(f"merak3d: data_parallel={dp} pipeline_parallel={pp} tensor_parallel={tp}, "
+                       f"schedule={self.schedule}, micro_batches={self.micro_batches}, recompute={self.recompute}")
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        missing = [name for name in ("model", "split_batch", "loss_from_logits", "compute_loss")
+                   if not hasattr(module, name)]
+        if missing:
+            raise TypeError(
+                f"merak3d needs {', '.join(missing)} on {type(module).__name__}: see "
+                "lightning_merak.strategies.merak3d for the four members it relies on"
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                "merak3d splits each batch into micro-batches itself; set accumulate_grad_batches=1 "
+                "and raise micro_batches (and the batch size) instead"
+            )
+        check_tensor_parallel_degree(getattr(module.model, "config", None), self.tensor_parallel)
+        self.model_to_device()
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src)
+        return holder[0]
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, torch.Tensor) else tensor
+
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # Building the layout on the first batch ----------------------------------------------
+
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if not self._built:
+            self._build(batch)
+        return batch
+
+    def _micro_batch(self, inputs: torch.Tensor) -> torch.Tensor:
+        batch_size = inputs.shape[0]
+        if batch_size % self.micro_batches:
+            raise ValueError(
+                f"batch size {batch_size} is not divisible by micro_batches={self.micro_batches}; "
+                "choose a batch size that is a multiple of micro_batches"
+            )
+        return inputs[: batch_size // self.micro_batches]
+
+    def _build(self, batch: Any) -> None:
+        module = self.lightning_module
+        model: nn.Module = module.model
+        config = getattr(model, "config", None)
+        if config is not None and getattr(config, "use_cache", False):
+            config.use_cache = False
+        inputs, _ = module.split_batch(batch)
+        micro = self._micro_batch(inputs)
+        pp, tp = self.pipeline_parallel, self.tensor_parallel
+        trace = trace_model(model, micro, _call_model, profile=pp > 1)
+        trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
+        if pp > 1:
+            if pp > len(trace.costs):
+                raise ValueError(
+                    f"pipeline_parallel={pp} exceeds the {len(trace.costs)} nodes of the model "
+                    f"(embedding, {trace.num_blocks} blocks, head); use pipeline_parallel<={len(trace.costs)}"
+                )
+            tied = tied_parameter_names(model)
+            self.partition = self._agree_on_partition(trace)
+            stage = build_stage_module(model, trace, self.partition.boundaries, self.pipeline_rank, _call_model)
+            local_blocks = [trunk[i] for i in stage.block_indices]
+            self._setup_tied_gradients(stage, tied)
+        else:
+            stage = None
+            local_blocks = list(trunk)
+        if tp > 1 and local_blocks:
+            self._shard_blocks(local_blocks, trace)
+        self._wrap_recompute(local_blocks, stage)
+        if stage is not None:
+            module.model = stage
+            self._start_pipeline(stage)
+        self._built = True
+        trainer = module.trainer
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self.setup_precision_plugin()
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.device_mesh["pp"].get_local_rank()
+
+    def _agree_on_partition(self, trace: ModelTrace) -> Any:
+        """Rank 0 partitions its measured costs; every rank uses that partition."""
+        from lightning_merak.strategies import pipeline
+
+        partition = None
+        if self.global_rank == 0:
+            partitioners = {
+                "autopipe": lambda: pipeline.partition_autopipe(trace.costs, self.pipeline_parallel, self.micro_batches),
+                "min_max": lambda: pipeline.partition_min_max(trace.costs, self.pipeline_parallel),
+                "parameters": lambda: pipeline.partition_by_parameters(trace.costs, self.pipeline_parallel),
+                "uniform": lambda: pipeline.partition_uniform(trace.costs, self.pipeline_parallel),
+            }
+            partition = partitioners[self.partition_method]()
+        partition = self.broadcast(partition, src=0)
+        rank_zero_info(
+            f"merak3d: {self.partition_method} partition, stage boundaries {partition.boundaries} over "
+            f"{[cost.name for cost in trace.costs]}"
+        )
+        return partition
+
+    def _shard_blocks(self, blocks: list[nn.Module], trace: ModelTrace) -> None:
+        mesh = self.device_mesh["tp"]
+        args, kwargs = trace.block_arguments(trace.sample_side_tensors)
+        hidden = trace.sample_hidden
+        plan = find_tensor_parallel_plan(blocks[0], lambda: blocks[0](hidden, *args, **kwargs), hidden.shape[-1])
+        if not plan.column or not plan.row:
+            raise ValueError(
+                f"found no column/row linear pairs in {type(blocks[0]).__name__}; tensor_parallel needs "
+                "blocks built from nn.Linear (or transformers Conv1D) layers"
+            )
+        for block in blocks:
+            apply_tensor_parallel(block, plan, mesh)
+
+    def _wrap_recompute(self, blocks: list[nn.Module], stage: Optional[PipelineStageModule]) -> None:
+        if self.recompute == "none" or not blocks:
+            return
+        if self.recompute == "full":
+            ratio = 1.0
+        else:
+            from lightning_merak.strategies.pipeline import stage_aware_recompute_ratios
+
+            ratio = stage_aware_recompute_ratios(self.recompute_ratio, self.pipeline_parallel)[self.pipeline_rank]
+        count = math.floor(len(blocks) * ratio + 1e-9)
+        for block in blocks[:count]:
+            block.forward = functools.partial(_checkpointed, block.forward)
+
+    def _setup_tied_gradients(self, stage: PipelineStageModule, tied: list[tuple[str, ...]]) -> None:
+        """Groups joining the first and last stage of each replica for every tied parameter."""
+        if not tied:
+            return
+        mesh = self.device_mesh.mesh
+        pp, dp, tp = mesh.shape
+        my_group = None
+        for d in range(dp):
+            for t in range(tp):
+                ranks = sorted({int(mesh[0, d, t]), int(mesh[pp - 1, d, t])})
+                group = dist.new_group(ranks)
+                if self.global_rank in ranks:
+                    my_group = group
+        params = dict(stage.named_parameters())
+        for names in tied:
+            for name in names:
+                param = params.get(f"net.{name}")
+                if param is not None:
+                    self._tied_groups.append((my_group, param, stage.is_first))
+                    break
+
+    def _start_pipeline(self, stage: PipelineStageModule) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        pipeline_stage = PipelineStage(
+            stage, self.pipeline_rank, self.pipeline_parallel, self.root_device,
+            group=self.device_mesh["pp"].get_group(),
+        )
+        schedule_class = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[self.schedule]
+        module = self.lightning_module
+        self._schedule = schedule_class(pipeline_stage, self.micro_batches, loss_fn=module.loss_from_logits,
+                                        scale_grads=True)
+        module.compute_loss = self._pipeline_loss
+
+    # Steps ------------------------------------------------------------------------------
+
+    def _pipeline_loss(self, batch: Any) -> torch.Tensor:
+        """Run the schedule on ``batch``; every rank returns the mean micro-batch loss.
+
+        The schedule computes gradients inside the training step, but Lightning zeroes
+        gradients between ``training_step`` and ``backward``; they are held aside here and
+        put back in :meth:`backward`.
+        """
+        module = self.lightning_module
+        inputs, targets = module.split_batch(batch)
+        self._micro_batch(inputs)
+        stage: PipelineStageModule = module.model
+        args = (inputs,) if stage.is_first else ()
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": targets, "losses": losses} if stage.is_last else {}
+        if module.training:
+            parameters = [p for p in stage.parameters() if p.requires_grad]
+            for param in parameters:
+                param.grad = None
+            self._schedule.step(*args, **kwargs)
+            self._pending_gradients = [(param, param.grad) for param in parameters]
+            for param in parameters:
+                param.grad = None
+        else:
+            with torch.no_grad():
+                self._schedule.eval(*args, **kwargs)
+        loss = torch.stack([l.detach() for l in losses]).mean() if stage.is_last else torch.zeros((), device=self.root_device)
+        pp_mesh = self.device_mesh["pp"]
+        last_rank = dist.get_global_rank(pp_mesh.get_group(), self.pipeline_parallel - 1)
+        dist.broadcast(loss, src=last_rank, group=pp_mesh.get_group())
+        return loss
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self.lightning_module.training_step(*args, **kwargs)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Pipelined runs did their backward inside the schedule; hooks still fire, then grads sync."""
+        if self._schedule is None:
+            closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        else:
+            self.pre_backward(closure_loss)
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+            for param, grad in self._pending_gradients:
+                param.grad = grad
+            self._pending_gradients = []
+            closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+            self.post_backward(closure_loss)
+        self._synchronize_gradients()
+        return closure_loss
+
+    def _synchronize_gradients(self) -> None:
+        for group, param, _ in self._tied_groups:
+            if param.grad is not None:
+                dist.all_reduce(_local(param.grad), group=group)
+        if self.data_parallel == 1:
+            return
+        grads = [_local(p.grad) for p in self.lightning_module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.data_parallel_group)
+        flat /= self.data_parallel
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
+        """Clip by the norm over every stage and shard, counting replicated tensors once."""
+        duplicated = {id(param) for _, param, is_first in self._tied_groups if not is_first}
+        tp_rank = self.device_mesh["tp"].get_local_rank()
+        grads, squares = [], torch.zeros((), dtype=torch.float64, device=self.root_device)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                grad = _local(param.grad)
+                grads.append(grad)
+                replicated = not isinstance(param.grad, DTensor) or all(
+                    isinstance(p, Replicate) for p in param.grad.placements
+                )
+                if id(param) in duplicated or (replicated and tp_rank != 0):
+                    continue
+                squares += grad.double().pow(2).sum()
+        for dim in ("pp", "tp"):
+            if self.device_mesh[dim].size() > 1:
+                dist.all_reduce(squares, group=self.device_mesh[dim].get_group())
+        coefficient = float(clip_val) / (math.sqrt(squares.item()) + 1e-6)
+        if coefficient < 1.0:
+            for grad in grads:
+                grad.mul_(coefficient)
+
+    # Checkpoints ------------------------------------------------------------------------
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's parameters under the names they have in the unsplit model."""
+        module = self.lightning_module
+        model = module.model
+        prefix = "model.net." if isinstance(model, PipelineStageModule) else "model."
+        return {
+            "model." + key[len(prefix):] if key.startswith(prefix) else key: value
+            for key, value in module.state_dict().items()
+        }
+
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Any:
+        return nullcontext()

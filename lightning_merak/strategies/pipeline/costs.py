@@ -1,0 +1,101 @@
+"""Per-block costs of the proxy graph and the stage split built from them.
+
+A :class:`BlockCost` is one node of the proxy graph (spec 1.1) in execution order; the
+partitioners only ever see these records, so they work the same whether the costs came
+from measurement, FLOP counts or a test.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+DEFAULT_BACKWARD_RATIO = 2.0
+"""Backward time as a multiple of forward time when a block has no measured backward (b = 2f)."""
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One node of the proxy graph, in execution order."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    param_bytes: int
+    output_bytes: int
+    saved_bytes: int
+    is_embedding: bool = False
+    consumes: tuple[int, ...] = ()
+    fan_out_values: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for field_name in ("forward_s", "backward_s", "param_bytes", "output_bytes", "saved_bytes"):
+            if getattr(self, field_name) < 0:
+                raise ValueError(f"block {self.name!r}: {field_name} must be >= 0, got {getattr(self, field_name)}")
+
+    def resolved_backward_s(self, backward_ratio: float = DEFAULT_BACKWARD_RATIO) -> float:
+        """The measured backward time, or ``backward_ratio * forward_s`` when none was measured (0)."""
+        return self.backward_s if self.backward_s > 0 else backward_ratio * self.forward_s
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A contiguous split of the proxy graph into pipeline stages, with the per-stage totals."""
+
+    boundaries: tuple[int, ...]
+    stage_forward_s: tuple[float, ...]
+    stage_backward_s: tuple[float, ...]
+    stage_param_bytes: tuple[int, ...]
+    method: str
+    stage_recompute_s: tuple[float, ...] | None = None
+    stage_memory_bytes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.boundaries or self.boundaries[0] != 0:
+            raise ValueError(f"boundaries must start at 0, got {self.boundaries}")
+        if any(later <= earlier for earlier, later in zip(self.boundaries, self.boundaries[1:])):
+            raise ValueError(f"boundaries must be strictly increasing, got {self.boundaries}")
+        per_stage = [self.stage_forward_s, self.stage_backward_s, self.stage_param_bytes]
+        per_stage += [values for values in (self.stage_recompute_s, self.stage_memory_bytes) if values is not None]
+        if any(len(values) != self.num_stages for values in per_stage):
+            raise ValueError(f"every per-stage field needs {self.num_stages} entries, one per boundary")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.boundaries)
+
+    def stage_of(self, block_index: int) -> int:
+        """The stage that runs block ``block_index``."""
+        if block_index < 0:
+            raise ValueError(f"block_index must be >= 0, got {block_index}")
+        return bisect_right(self.boundaries, block_index) - 1
+
+    def blocks_of(self, stage: int, num_blocks: int) -> range:
+        """Indices of the blocks stage ``stage`` runs, for a graph of ``num_blocks`` blocks."""
+        if not 0 <= stage < self.num_stages:
+            raise ValueError(f"stage must be in [0, {self.num_stages}), got {stage}")
+        end = self.boundaries[stage + 1] if stage + 1 < self.num_stages else num_blocks
+        return range(self.boundaries[stage], end)
+
+
+def build_partition(
+    blocks: Sequence[BlockCost],
+    boundaries: Sequence[int],
+    method: str,
+    backward_ratio: float = DEFAULT_BACKWARD_RATIO,
+    stage_recompute_s: Sequence[float] | None = None,
+    stage_memory_bytes: Sequence[int] | None = None,
+) -> Partition:
+    """Sum the block costs of each stage of ``boundaries`` into a :class:`Partition`."""
+    ends = list(boundaries[1:]) + [len(blocks)]
+    stages = [blocks[start:end] for start, end in zip(boundaries, ends)]
+    return Partition(
+        boundaries=tuple(boundaries),
+        stage_forward_s=tuple(sum(block.forward_s for block in stage) for stage in stages),
+        stage_backward_s=tuple(sum(block.resolved_backward_s(backward_ratio) for block in stage) for stage in stages),
+        stage_param_bytes=tuple(sum(block.param_bytes for block in stage) for stage in stages),
+        method=method,
+        stage_recompute_s=None if stage_recompute_s is None else tuple(stage_recompute_s),
+        stage_memory_bytes=None if stage_memory_bytes is None else tuple(stage_memory_bytes),
+    )

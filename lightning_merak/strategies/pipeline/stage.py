@@ -1,0 +1,177 @@
+"""Cut a traced model into pipeline stages without editing it.
+
+Every stage keeps the *original* model object, pruned to what it owns, under the
+attribute ``net``: its parameter names are the original names prefixed by ``net.``, so
+checkpoints, gradients and optimizer groups map back to the unsplit model.
+
+* The first stage runs the model's own forward (embeddings, masks, rotary tables —
+  whatever the model computes before its blocks) with the trunk replaced by its local
+  blocks followed by an exit that hands back the hidden state and the side tensors.
+* Later stages call their blocks directly with the side tensors they received.
+* The last stage applies the recorded suffix chain (final norm, LM head) to get logits.
+
+Stage inputs and outputs are ``(hidden, *side_tensors)``; the last stage outputs logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_merak.strategies.pipeline.trace import ModelTrace, TraceError
+
+__all__ = ["PipelineStageModule", "build_stage_module", "tied_parameter_names"]
+
+_NET_PREFIX = "net."
+
+
+class _RemovedModule(nn.Module):
+    """Stands where a module lives on another pipeline stage."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{self.path} lives on another pipeline stage and cannot run here")
+
+
+class _TrunkExit(Exception):
+    def __init__(self, hidden: torch.Tensor, args: tuple, kwargs: dict) -> None:
+        super().__init__()
+        self.hidden, self.args, self.kwargs = hidden, args, kwargs
+
+
+class _ExitBlock(nn.Module):
+    """Stands for block 0 on a first stage that holds no block: ends the forward there."""
+
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        raise _TrunkExit(hidden, args, kwargs)
+
+
+def tied_parameter_names(model: nn.Module) -> list[tuple[str, ...]]:
+    """Groups of names that refer to one ``Parameter`` object (tied embeddings and LM heads)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [tuple(group) for group in names.values() if len(group) > 1]
+
+
+class PipelineStageModule(nn.Module):
+    """Stage ``stage_index`` of ``num_stages`` holding nodes ``node_range`` of the trace.
+
+    Node 0 is the prefix, nodes 1..n are the blocks, node n+1 the suffix (head).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        trace: ModelTrace,
+        node_range: range,
+        stage_index: int,
+        num_stages: int,
+        call_model: Callable[[nn.Module, torch.Tensor], Any],
+    ) -> None:
+        super().__init__()
+        self.trace = trace
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == num_stages - 1
+        self._call_model = call_model
+        num_blocks = trace.num_blocks
+        self.block_indices = [node - 1 for node in node_range if 1 <= node <= num_blocks]
+        trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
+        model.set_submodule(
+            trace.trunk_path,
+            nn.ModuleList(
+                trunk[i] if i in self.block_indices else _RemovedModule(f"{trace.trunk_path}.{i}")
+                for i in range(num_blocks)
+            ),
+        )
+        if self.is_first:
+            self._install_exit(model.get_submodule(trace.trunk_path))
+        if not self.is_last:
+            for path in trace.suffix_paths:
+                model.set_submodule(path, _RemovedModule(path))
+        if not self.is_first:
+            self._remove_prefix(model)
+        self.net = model
+
+    def _install_exit(self, trunk: nn.ModuleList) -> None:
+        """End the first stage's forward right after its last block, keeping the block arguments."""
+        if not self.block_indices:
+            trunk[0] = _ExitBlock()
+            return
+
+        def leave(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            raise _TrunkExit(self.trace.hidden_of(output), args[1:], kwargs)
+
+        trunk[self.block_indices[-1]].register_forward_hook(leave, with_kwargs=True)
+
+    def _remove_prefix(self, model: nn.Module) -> None:
+        """Replace every module with state that neither the trunk nor the suffix needs."""
+        keep = (self.trace.trunk_path, *self.trace.suffix_paths)
+        removed: list[str] = []
+        for name, child in list(model.named_modules()):
+            if not name or any(name.startswith(done + ".") for done in removed):
+                continue
+            if any(name == k or name.startswith(k + ".") or k.startswith(name + ".") for k in keep):
+                continue
+            if next(child.parameters(), None) is not None or next(child.buffers(), None) is not None:
+                model.set_submodule(name, _RemovedModule(name))
+                removed.append(name)
+
+    def original_name(self, stage_name: str) -> str:
+        """The name a parameter of this stage has in the unsplit model."""
+        return stage_name[len(_NET_PREFIX):] if stage_name.startswith(_NET_PREFIX) else stage_name
+
+    def _run_first(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        try:
+            self._call_model(self.net, input_ids)
+        except _TrunkExit as exit_:
+            leaves, _ = tree_flatten((tuple(exit_.args), dict(exit_.kwargs)))
+            side = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+            if len(side) != self.trace.side_tensor_count:
+                raise TraceError(
+                    f"the blocks received {len(side)} side tensors, {self.trace.side_tensor_count} when traced; "
+                    "merak3d needs the same block arguments at every step (fixed shapes and options)"
+                ) from None
+            return (exit_.hidden, *side)
+        raise TraceError("the model's forward finished without reaching the pipeline exit")
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        if self.is_first:
+            hidden, *side = self._run_first(inputs[0])
+        else:
+            hidden, *side = inputs
+        if not self.is_first:
+            trunk = self.net.get_submodule(self.trace.trunk_path)
+            args, kwargs = self.trace.block_arguments(tuple(side))
+            for index in self.block_indices:
+                hidden = self.trace.hidden_of(trunk[index](hidden, *args, **kwargs))
+        if not self.is_last:
+            return (hidden, *side)
+        for path in self.trace.suffix_paths:
+            hidden = self.net.get_submodule(path)(hidden)
+        return hidden
+
+
+def build_stage_module(
+    model: nn.Module,
+    trace: ModelTrace,
+    boundaries: tuple[int, ...],
+    stage_index: int,
+    call_model: Callable[[nn.Module, torch.Tensor], Any],
+) -> PipelineStageModule:
+    """Prune ``model`` in place to stage ``stage_index`` of the partition ``boundaries``.
+
+    ``boundaries`` are the first node index of each stage over ``trace.costs``.
+    """
+    num_nodes = len(trace.costs)
+    ends = list(boundaries[1:]) + [num_nodes]
+    node_range = range(boundaries[stage_index], ends[stage_index])
+    return PipelineStageModule(model, trace, node_range, stage_index, len(boundaries), call_model)

@@ -1,0 +1,160 @@
+"""Automatic Megatron-style tensor parallelism for unmodified transformer blocks.
+
+One recorded forward pass of a block finds its column/row pairs by data flow:
+linear layers that read the same input tensor form a *column group* (attention
+q/k/v, MLP gate/up, GPT-2's fused ``c_attn`` or ``c_fc``); the next linear that reads
+something else and maps back to the hidden size is the group's *row partner*
+(attention output, MLP down). Column layers are split by output features, row layers
+by input features (DTensor ``ColwiseParallel`` / ``RowwiseParallel``), so each block
+needs one all-reduce in attention and one in the MLP.
+
+GPT-2's ``Conv1D`` layers are swapped for equivalent ``nn.Linear`` layers first; a
+fused q/k/v projection has its output features regrouped so each rank's shard holds its
+own q, k and v heads, and the attention's ``split_size`` is divided accordingly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["TensorParallelPlan", "apply_tensor_parallel", "check_tensor_parallel_degree", "find_tensor_parallel_plan"]
+
+_HEAD_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head")
+_SPLIT_SIZE_ATTRIBUTES = ("split_size",)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _features(module: nn.Module) -> tuple[int, int]:
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return module.weight.shape[0], module.weight.shape[1]
+
+
+@dataclass
+class TensorParallelPlan:
+    """Which layers of a block are split by output (column) or input (row) features."""
+
+    column: list[str]
+    row: list[str]
+    fused_qkv: list[str]
+
+
+def _is_fused_qkv(block: nn.Module, name: str) -> bool:
+    """A lone column layer of an attention module producing three hidden-sized outputs."""
+    in_features, out_features = _features(block.get_submodule(name))
+    owner = name.rpartition(".")[0]
+    attention = block.get_submodule(owner) if owner else block
+    return out_features == 3 * in_features and any(hasattr(attention, a) for a in _HEAD_COUNT_ATTRIBUTES)
+
+
+def find_tensor_parallel_plan(block: nn.Module, run_block: Callable[[], Any], hidden_size: int) -> TensorParallelPlan:
+    """Record ``run_block()`` (one forward of ``block``) and pair its linear layers."""
+    calls: list[tuple[str, int, torch.Tensor]] = []
+    handles = []
+    for name, module in block.named_modules():
+        if isinstance(module, nn.Linear) or _is_conv1d(module):
+            handles.append(module.register_forward_hook(
+                lambda mod, args, out, name=name: calls.append((name, args[0].data_ptr(), out))
+            ))
+    try:
+        with torch.no_grad():
+            run_block()
+    finally:
+        for handle in handles:
+            handle.remove()
+    column: list[str] = []
+    row: list[str] = []
+    fused: list[str] = []
+    group: list[str] = []
+    group_input: int | None = None
+    for name, input_ptr, _ in calls:
+        layer = block.get_submodule(name)
+        in_features, out_features = _features(layer)
+        if group and input_ptr == group_input:
+            group.append(name)
+        elif group and out_features == hidden_size:
+            column.extend(group)
+            row.append(name)
+            if len(group) == 1 and _is_fused_qkv(block, group[0]):
+                fused.append(group[0])
+            group, group_input = [], None
+        elif in_features == hidden_size:
+            group, group_input = [name], input_ptr
+    return TensorParallelPlan(column=column, row=row, fused_qkv=fused)
+
+
+def check_tensor_parallel_degree(config: Any, tensor_parallel: int) -> None:
+    """Refuse a degree that does not divide the model's head counts or widths, naming the fix."""
+    if tensor_parallel == 1 or config is None:
+        return
+    for attribute in ("num_attention_heads", "num_key_value_heads", "n_head", "intermediate_size", "hidden_size"):
+        value = getattr(config, attribute, None)
+        if isinstance(value, int) and value % tensor_parallel:
+            raise ValueError(
+                f"tensor_parallel={tensor_parallel} does not divide {attribute}={value}; choose a "
+                f"tensor_parallel that divides it"
+            )
+
+
+def _conv1d_to_linear(conv: nn.Module) -> nn.Linear:
+    in_features, out_features = conv.weight.shape
+    linear = nn.Linear(in_features, out_features, bias=conv.bias is not None,
+                       device=conv.weight.device, dtype=conv.weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(conv.weight.t())
+        if conv.bias is not None:
+            linear.bias.copy_(conv.bias)
+    return linear
+
+
+def fused_qkv_order(out_features: int, tensor_parallel: int) -> torch.Tensor:
+    """Row order that puts rank r's slices of q, k and v next to each other."""
+    third = out_features // 3
+    shard = third // tensor_parallel
+    return torch.cat([
+        torch.arange(part * third + rank * shard, part * third + (rank + 1) * shard)
+        for rank in range(tensor_parallel) for part in range(3)
+    ])
+
+
+def _regroup_fused(linear: nn.Linear, tensor_parallel: int) -> None:
+    order = fused_qkv_order(linear.out_features, tensor_parallel)
+    with torch.no_grad():
+        linear.weight.copy_(linear.weight[order])
+        if linear.bias is not None:
+            linear.bias.copy_(linear.bias[order])
+
+
+def _scale_attention_attributes(block: nn.Module, column_names: list[str], tensor_parallel: int) -> None:
+    owners = {name.rpartition(".")[0] for name in column_names}
+    for owner in owners:
+        module = block.get_submodule(owner) if owner else block
+        for attribute in _HEAD_COUNT_ATTRIBUTES + _SPLIT_SIZE_ATTRIBUTES:
+            value = getattr(module, attribute, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(module, attribute, value // tensor_parallel)
+
+
+def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh) -> None:
+    """Shard ``block`` in place over the 1-D ``mesh`` following ``plan``."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tensor_parallel = mesh.size()
+    for name in plan.column + plan.row:
+        layer = block.get_submodule(name)
+        if _is_conv1d(layer):
+            block.set_submodule(name, _conv1d_to_linear(layer))
+    for name in plan.fused_qkv:
+        _regroup_fused(block.get_submodule(name), tensor_parallel)
+    parallel_plan = {name: ColwiseParallel() for name in plan.column}
+    parallel_plan.update({name: RowwiseParallel() for name in plan.row})
+    parallelize_module(block, mesh, parallel_plan)
+    _scale_attention_attributes(block, plan.column, tensor_parallel)

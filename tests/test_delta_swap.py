@@ -1,0 +1,168 @@
+"""DeltaMemory's torch side on CPU: block discovery, swap hooks (host and disk tiers),
+recompute switches, accounting, and cleanup of the disk tier."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from benchmarks.delta_models import BasicBlock, SmallResNet, tiny_gpt2, tiny_llama
+from lightning_merak.callbacks.delta.blocks import discover_blocks
+from lightning_merak.callbacks.delta.budget import parse_budget
+from lightning_merak.callbacks.delta.ledger import ResidentLedger
+from lightning_merak.callbacks.delta.planner import Action
+from lightning_merak.callbacks.delta.profiler import SavedTensorTracker
+from lightning_merak.callbacks.delta.recompute import user_checkpointing
+from lightning_merak.callbacks.delta.runtime import ManagerOptions, MemoryManager
+from lightning_merak.callbacks.delta.swap import DiskTier, HostTier, SwapManager
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Two shared cores: more intra-op threads than cores makes tiny models 40x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def test_discovery_finds_the_repeated_blocks_of_each_model():
+    assert [n for n, _ in discover_blocks(tiny_llama())] == ["model.layers.0", "model.layers.1"]
+    assert [n for n, _ in discover_blocks(tiny_gpt2())] == ["transformer.h.0", "transformer.h.1"]
+    resnet = [n for n, m in discover_blocks(SmallResNet())]
+    assert resnet == [f"stages.{s}.{i}" for s in range(3) for i in range(2)]
+
+
+def test_discovery_works_on_a_pipeline_stage_slice():
+    layers = tiny_llama(layers=4).model.layers
+    stage = nn.Sequential(*layers[2:])
+    assert [n for n, _ in discover_blocks(stage)] == ["0", "1"]
+
+
+def test_discovery_selectors_and_errors():
+    model = SmallResNet()
+    assert len(discover_blocks(model, BasicBlock)) == 6
+    assert [n for n, _ in discover_blocks(model, ["stages.1.0"])] == ["stages.1.0"]
+    assert len(discover_blocks(model, lambda name, m: name.startswith("stages.2."))) >= 2
+    with pytest.raises(ValueError, match="not submodules"):
+        discover_blocks(model, ["stages.9"])
+    assert discover_blocks(nn.Linear(2, 2)) == []
+
+
+def test_user_checkpointing_is_recognised():
+    model = tiny_llama()
+    assert user_checkpointing(model.model.layers[0]) is None
+    model.activation_checkpointing_enable()
+    assert "transformers gradient checkpointing" in user_checkpointing(model.model.layers[0])
+
+
+class Chain(nn.Module):
+    """Saves views (transposes, slices) and a parameter, exercising storage deduplication."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(32, 64)
+        self.second = nn.Linear(64, 32)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        h = self.drop(h) * h.t().t()
+        return self.second(h[:, :64].contiguous()).sin()
+
+
+@pytest.mark.parametrize("tier_name", ["host", "disk"])
+def test_swap_hooks_give_identical_gradients_and_settle_the_ledger(tier_name, tmp_path):
+    torch.manual_seed(0)
+    model = Chain()
+    reference = copy.deepcopy(model)
+    x = torch.randn(16, 32)
+    ledger = ResidentLedger()
+    tracker = SavedTensorTracker(ledger)
+    tracker.exclude_module_state(model)
+    tier = HostTier(torch.device("cpu"), 2**30) if tier_name == "host" else DiskTier(torch.device("cpu"), str(tmp_path))
+    swap = SwapManager(tier, tracker, min_offload_bytes=0, stash_depth=2)
+    torch.manual_seed(1)
+    with swap.hooks("chain"):
+        out = model(x)
+    swap.flush()
+    assert tracker.saved_bytes("chain") > 0
+    if tier_name == "disk":
+        assert tier.files(), "copy-outs should have written files"
+    out.square().sum().backward()
+    swap.end_step()
+    torch.manual_seed(1)
+    reference(x).square().sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert relative_error(p.grad, q.grad) <= 1e-6
+    assert ledger.resident_bytes == 0
+    if tier_name == "disk":
+        del out
+        tier.close()
+        assert not os.path.exists(tier.directory)
+
+
+def test_disk_tier_removes_its_files_after_an_exception(tmp_path):
+    model = tiny_gpt2()
+    model.train()
+    options = ManagerOptions(
+        budget=parse_budget("1KiB"), swap_tier="disk", swap_dir=str(tmp_path), warmup_steps=1,
+        overrides={"transformer.h.0": Action.SWAP, "transformer.h.1": Action.SWAP},
+    )
+    manager = MemoryManager(discover_blocks(model), options, log=lambda message: None)
+    manager.start(model, torch.device("cpu"))
+    ids = torch.randint(0, 128, (2, 16))
+    directory = manager.swap.tier.directory
+    with pytest.raises(RuntimeError, match="boom"):
+        for step in range(3):
+            manager.begin_step("ids", ids.numel())
+            loss = model(input_ids=ids, labels=ids).loss
+            manager.end_forward()
+            if step == 2:
+                assert manager.swap.tier.files()
+                raise RuntimeError("boom")
+            loss.backward()
+            manager.end_backward()
+    manager.close()
+    assert not os.path.exists(directory)
+    assert "forward" not in model.transformer.h[0].__dict__, "the forward switch must be removed"
+
+
+def test_manager_recompute_and_swap_match_plain_training_with_dropout():
+    torch.manual_seed(0)
+    model = tiny_gpt2(layers=3)
+    reference = copy.deepcopy(model)
+    model.train(), reference.train()
+    options = ManagerOptions(
+        budget=parse_budget(10**9), swap_tier="host", warmup_steps=1,
+        overrides={"transformer.h.0": Action.RECOMPUTE, "transformer.h.1": Action.SWAP},
+    )
+    manager = MemoryManager(discover_blocks(model), options, log=lambda message: None)
+    manager.start(model, torch.device("cpu"))
+    ids = torch.randint(0, 128, (2, 16))
+    for step in range(3):
+        manager.begin_step("ids", ids.numel())
+        torch.manual_seed(step)
+        loss = model(input_ids=ids, labels=ids).loss
+        manager.end_forward()
+        loss.backward()
+        manager.end_backward()
+        torch.manual_seed(step)
+        reference(input_ids=ids, labels=ids).loss.backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert relative_error(p.grad, q.grad) <= 1e-6
+            p.grad = q.grad = None
+        assert manager.ledger.resident_bytes == 0
+    assert manager.plan.actions == {
+        "transformer.h.0": Action.RECOMPUTE, "transformer.h.1": Action.SWAP, "transformer.h.2": Action.KEEP,
+    }
+    assert manager.blocks[0].switch.recompute
+    manager.close()

@@ -1,0 +1,138 @@
+"""merak3d against a single-process reference: per-step losses and full gradients, real gloo ranks."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_merak.config import ModelConfig, TrainerConfig
+from lightning_merak.models import CausalLMModule, build_causal_lm
+from lightning_merak.strategies.merak3d import Merak3DStrategy
+from lightning_merak.strategies.pipeline.stage import PipelineStageModule, tied_parameter_names
+from lightning_merak.strategies.tensor_parallel import fused_qkv_order
+from lightning_merak.testing import TrainingTrace, assert_traces_match, run_distributed, snapshot_gradients
+
+STEPS, BATCH, SEQ, VOCAB = 5, 8, 16, 96
+MODELS = {
+    "llama": ModelConfig(name="llama", model_type="llama", config={
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "tie_word_embeddings": False}),
+    "gpt2": ModelConfig(name="gpt2", model_type="gpt2", config={
+        "n_embd": 32, "n_layer": 4, "n_head": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
+}
+
+
+def _batches() -> torch.Tensor:
+    return torch.randint(VOCAB, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def _module(model_name: str) -> CausalLMModule:
+    torch.manual_seed(0)
+    model = build_causal_lm(MODELS[model_name], vocab_size=VOCAB)
+    model.config.use_cache = False
+    return _SGDModule(model, TrainerConfig(max_steps=STEPS))
+
+
+class _SGDModule(CausalLMModule):
+    """Plain SGD so the comparison does not depend on optimizer state details."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.model.parameters(), lr=0.5)
+
+
+def _reference(model_name: str) -> TrainingTrace:
+    module = _module(model_name)
+    optimizer = torch.optim.SGD(module.model.parameters(), lr=0.5)
+    trace = TrainingTrace()
+    for batch in _batches():
+        optimizer.zero_grad()
+        loss = module.compute_loss((batch,))
+        loss.backward()
+        trace.append(loss.item(), snapshot_gradients(module.model))
+        optimizer.step()
+    return trace
+
+
+class _Recorder(pl.Callback):
+    def __init__(self, tied: list[tuple[str, ...]]) -> None:
+        self.canonical = {name: group[0] for group in tied for name in group}
+        self.losses: list[float] = []
+        self.gradients: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        model = pl_module.model
+        grads = {}
+        for name, param in model.named_parameters():
+            if param.grad is None:
+                continue
+            original = model.original_name(name) if isinstance(model, PipelineStageModule) else name
+            grad = param.grad
+            if isinstance(grad, DTensor):
+                grad = _as_original_layout(original, grad.full_tensor(), trainer.strategy.tensor_parallel)
+            grads[self.canonical.get(original, original)] = grad.detach().clone()
+        self.gradients.append(grads)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+
+def _as_original_layout(name: str, grad: torch.Tensor, tensor_parallel: int) -> torch.Tensor:
+    """Undo what tensor parallelism changed in GPT-2: Conv1D→Linear transposes, fused q/k/v order."""
+    if ".c_attn." in name:
+        grad = grad[torch.argsort(fused_qkv_order(grad.shape[0], tensor_parallel))]
+    if any(part in name for part in (".c_attn.", ".c_proj.", ".c_fc.")) and grad.ndim == 2:
+        grad = grad.t()
+    return grad
+
+
+class _ShardedData(pl.LightningDataModule):
+    def train_dataloader(self) -> DataLoader:
+        kwargs = self.trainer.strategy.distributed_sampler_kwargs
+        replicas, rank = kwargs["num_replicas"], kwargs["rank"]
+        shard = BATCH // replicas
+        local = _batches()[:, rank * shard:(rank + 1) * shard]
+        return DataLoader(TensorDataset(local.reshape(-1, SEQ)), batch_size=shard, shuffle=False)
+
+
+def _train_rank(rank: int, world_size: int, model_name: str, layout: dict) -> tuple[list[float], list[dict]]:
+    module = _module(model_name)
+    recorder = _Recorder(tied_parameter_names(module.model))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120),
+        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        use_distributed_sampler=False, callbacks=[recorder],
+    )
+    trainer.fit(module, datamodule=_ShardedData())
+    return recorder.losses, recorder.gradients
+
+
+def _merge(results: list[tuple[list[float], list[dict]]]) -> TrainingTrace:
+    losses = results[0][0]
+    for other, _ in results[1:]:
+        assert other == pytest.approx(losses, rel=1e-6), "ranks logged different losses"
+    gradients = [{} for _ in losses]
+    for _, rank_gradients in results:
+        for step, grads in enumerate(rank_gradients):
+            gradients[step].update(grads)
+    return TrainingTrace(losses=losses, gradients=gradients)
+
+
+LAYOUTS = [
+    {"data_parallel": 2, "pipeline_parallel": 1, "tensor_parallel": 1},
+    {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1},
+    {"data_parallel": 1, "pipeline_parallel": 1, "tensor_parallel": 2},
+    {"data_parallel": 2, "pipeline_parallel": 2, "tensor_parallel": 1},
+    {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 2},
+]
+
+
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "dp{data_parallel}-pp{pipeline_parallel}-tp{tensor_parallel}".format(**l))
+def test_layout_matches_single_process(model_name, layout):
+    world_size = layout["data_parallel"] * layout["pipeline_parallel"] * layout["tensor_parallel"]
+    results = run_distributed(_train_rank, world_size, args=(model_name, layout), timeout_s=300)
+    assert_traces_match(_reference(model_name), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
