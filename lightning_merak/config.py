@@ -96,6 +96,10 @@ class StrategyConfig:
     name: str = MISSING
     kwargs: dict[str, Any] = field(default_factory=dict)
 
+    def strategy_kwargs(self) -> dict[str, Any]:
+        """Constructor arguments on top of the registered defaults."""
+        return dict(self.kwargs)
+
 
 @dataclass
 class CallbackOptionConfig:
@@ -126,6 +130,9 @@ class MoEConfig:
     def apply(self, model: nn.Module) -> nn.Module:
         return model
 
+    def build_callbacks(self) -> list[pl.Callback]:
+        return []
+
 
 @dataclass
 class TrainConfig:
@@ -150,7 +157,11 @@ def register_option(group: str, name: str, node: type) -> None:
 
 
 FEATURE_OPTION_MODULES = (
+    "lightning_merak.strategies.hydra_options",
     "lightning_merak.callbacks.delta.hydra_options",
+    "lightning_merak.callbacks.sparse_comm.hydra_options",
+    "lightning_merak.adapters.hydra_options",
+    "lightning_merak.plugins.moe.hydra_options",
 )
 
 
@@ -164,7 +175,6 @@ def register_configs() -> None:
     register_option("strategy", "base", StrategyConfig)
     register_option("moe", "none", MoEConfig)
     register_option("memory", "none", CallbackOptionConfig)
-    register_option("comm", "none", CallbackOptionConfig)
     register_option("adapter", "none", AdapterConfig)
     for module_name in FEATURE_OPTION_MODULES:
         importlib.import_module(module_name).register()

@@ -80,7 +80,7 @@ def build_strategy(config: StrategyConfig) -> Strategy:
             f"{', '.join(sorted(StrategyRegistry.available_strategies()))}"
         )
     entry = StrategyRegistry[config.name]
-    return entry["strategy"](**{**entry["init_params"], **dict(config.kwargs)})
+    return entry["strategy"](**{**entry["init_params"], **config.strategy_kwargs()})
 
 
 def train(config: TrainConfig) -> Path:
@@ -92,12 +92,16 @@ def train(config: TrainConfig) -> Path:
     model = config.moe.apply(model)
     model = config.adapter.apply(model)
     module = CausalLMModule(model, config.trainer)
+    strategy = build_strategy(config.strategy)
+    if hasattr(strategy, "validate_before_launch"):
+        strategy.validate_before_launch(module, config.trainer.devices * config.trainer.num_nodes)
 
     output_dir = Path(config.output_dir)
     checkpoint = ModelCheckpoint(
         dirpath=output_dir / "checkpoints", save_last=True, every_n_train_steps=config.trainer.val_check_interval
     )
     callbacks: list[pl.Callback] = [checkpoint, LearningRateMonitor(logging_interval="step")]
+    callbacks += config.moe.build_callbacks()
     callbacks += config.memory.build_callbacks()
     callbacks += config.comm.build_callbacks()
     loggers = [
@@ -109,7 +113,7 @@ def train(config: TrainConfig) -> Path:
         accelerator=trainer_config.accelerator,
         devices=trainer_config.devices,
         num_nodes=trainer_config.num_nodes,
-        strategy=build_strategy(config.strategy),
+        strategy=strategy,
         precision=trainer_config.precision,
         max_steps=trainer_config.max_steps,
         max_epochs=trainer_config.max_epochs,

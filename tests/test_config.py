@@ -21,7 +21,7 @@ def test_default_composes_to_typed_objects():
     assert isinstance(config, TrainConfig)
     assert config.model.model_type == "llama"
     assert config.trainer.devices == 2 and config.trainer.accelerator == "cpu"
-    assert config.strategy.name == "ddp"
+    assert config.strategy.name == "merak3d" and config.strategy.data_parallel == "auto"
     assert isinstance(config.memory, CallbackOptionConfig) and config.memory.build_callbacks() == []
 
 

@@ -12,7 +12,6 @@ from lightning_merak.config import ModelConfig, TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.strategies.pipeline.stage import PipelineStageModule, tied_parameter_names
-from lightning_merak.strategies.tensor_parallel import fused_qkv_order
 from lightning_merak.testing import TrainingTrace, assert_traces_match, run_distributed, snapshot_gradients
 
 STEPS, BATCH, SEQ, VOCAB = 5, 8, 16, 96
@@ -20,6 +19,7 @@ MODELS = {
     "llama": ModelConfig(name="llama", model_type="llama", config={
         "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
         "num_key_value_heads": 2, "tie_word_embeddings": False}),
+    "gpt2_dropout": ModelConfig(name="gpt2", model_type="gpt2", config={"n_embd": 32, "n_layer": 4, "n_head": 4}),
     "gpt2": ModelConfig(name="gpt2", model_type="gpt2", config={
         "n_embd": 32, "n_layer": 4, "n_head": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
 }
@@ -29,23 +29,31 @@ def _batches() -> torch.Tensor:
     return torch.randint(VOCAB, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(3))
 
 
-def _module(model_name: str) -> CausalLMModule:
+def _make_optimizer(parameters, kind: str) -> torch.optim.Optimizer:
+    return torch.optim.SGD(parameters, lr=0.5) if kind == "sgd" else torch.optim.Adam(parameters, lr=1e-2)
+
+
+def _module(model_name: str, optimizer: str = "sgd") -> CausalLMModule:
     torch.manual_seed(0)
     model = build_causal_lm(MODELS[model_name], vocab_size=VOCAB)
     model.config.use_cache = False
-    return _SGDModule(model, TrainerConfig(max_steps=STEPS))
+    module = _TestModule(model, TrainerConfig(max_steps=STEPS))
+    module.optimizer_kind = optimizer
+    return module
 
 
-class _SGDModule(CausalLMModule):
-    """Plain SGD so the comparison does not depend on optimizer state details."""
+class _TestModule(CausalLMModule):
+    """A fixed, simple optimizer so the comparison does not depend on schedules."""
+
+    optimizer_kind = "sgd"
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.model.parameters(), lr=0.5)
+        return _make_optimizer(self.model.parameters(), self.optimizer_kind)
 
 
-def _reference(model_name: str) -> TrainingTrace:
+def _reference(model_name: str, optimizer_kind: str = "sgd") -> TrainingTrace:
     module = _module(model_name)
-    optimizer = torch.optim.SGD(module.model.parameters(), lr=0.5)
+    optimizer = _make_optimizer(module.model.parameters(), optimizer_kind)
     trace = TrainingTrace()
     for batch in _batches():
         optimizer.zero_grad()
@@ -71,7 +79,7 @@ class _Recorder(pl.Callback):
             original = model.original_name(name) if isinstance(model, PipelineStageModule) else name
             grad = param.grad
             if isinstance(grad, DTensor):
-                grad = _as_original_layout(original, grad.full_tensor(), trainer.strategy.tensor_parallel)
+                grad = trainer.strategy.to_original_layout(original, grad.full_tensor())
             grads[self.canonical.get(original, original)] = grad.detach().clone()
         self.gradients.append(grads)
 
@@ -79,34 +87,35 @@ class _Recorder(pl.Callback):
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
 
 
-def _as_original_layout(name: str, grad: torch.Tensor, tensor_parallel: int) -> torch.Tensor:
-    """Undo what tensor parallelism changed in GPT-2: Conv1D→Linear transposes, fused q/k/v order."""
-    if ".c_attn." in name:
-        grad = grad[torch.argsort(fused_qkv_order(grad.shape[0], tensor_parallel))]
-    if any(part in name for part in (".c_attn.", ".c_proj.", ".c_fc.")) and grad.ndim == 2:
-        grad = grad.t()
-    return grad
-
-
 class _ShardedData(pl.LightningDataModule):
+    """Each data-parallel rank gets its slice of the global batches ``first_step`` to ``last_step``."""
+
+    def __init__(self, first_step: int, last_step: int) -> None:
+        super().__init__()
+        self.first_step, self.last_step = first_step, last_step
+
     def train_dataloader(self) -> DataLoader:
         kwargs = self.trainer.strategy.distributed_sampler_kwargs
         replicas, rank = kwargs["num_replicas"], kwargs["rank"]
         shard = BATCH // replicas
-        local = _batches()[:, rank * shard:(rank + 1) * shard]
+        local = _batches()[self.first_step:self.last_step, rank * shard:(rank + 1) * shard]
         return DataLoader(TensorDataset(local.reshape(-1, SEQ)), batch_size=shard, shuffle=False)
 
 
-def _train_rank(rank: int, world_size: int, model_name: str, layout: dict) -> tuple[list[float], list[dict]]:
-    module = _module(model_name)
+def _train_rank(rank: int, world_size: int, model_name: str, layout: dict, first_step: int = 0,
+                last_step: int = STEPS, epochs: int = 1, optimizer: str = "sgd", save_to: str | None = None,
+                resume_from: str | None = None) -> tuple[list[float], list[dict]]:
+    module = _module(model_name, optimizer)
     recorder = _Recorder(tied_parameter_names(module.model))
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120),
-        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         use_distributed_sampler=False, callbacks=[recorder],
     )
-    trainer.fit(module, datamodule=_ShardedData())
+    trainer.fit(module, datamodule=_ShardedData(first_step, last_step), ckpt_path=resume_from)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
     return recorder.losses, recorder.gradients
 
 
@@ -130,9 +139,38 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("model_name", sorted(MODELS))
+@pytest.mark.parametrize("model_name", ["gpt2", "llama"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "dp{data_parallel}-pp{pipeline_parallel}-tp{tensor_parallel}".format(**l))
 def test_layout_matches_single_process(model_name, layout):
     world_size = layout["data_parallel"] * layout["pipeline_parallel"] * layout["tensor_parallel"]
     results = run_distributed(_train_rank, world_size, args=(model_name, layout), timeout_s=300)
     assert_traces_match(_reference(model_name), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
+
+
+def test_checkpoint_resumes_in_another_layout(tmp_path):
+    """Saved at pp=2 × tp=2 after an epoch of 3 steps, resumed at dp=2: the loss trajectory continues."""
+    checkpoint = str(tmp_path / "epoch0.ckpt")
+    reference = _reference("llama", optimizer_kind="adam")
+    first = run_distributed(_train_rank, 4, args=("llama", LAYOUTS[4]), timeout_s=300,
+                            kwargs={"last_step": 3, "optimizer": "adam", "save_to": checkpoint})
+    assert first[0][0] == pytest.approx(reference.losses[:3], rel=1e-5)
+    second = run_distributed(_train_rank, 2, args=("llama", LAYOUTS[0]), timeout_s=300,
+                             kwargs={"first_step": 3, "epochs": 2, "optimizer": "adam", "resume_from": checkpoint})
+    assert second[0][0] == pytest.approx(reference.losses[3:], rel=1e-5)
+
+
+@pytest.mark.parametrize("recompute", ["full", "stage_aware"])
+def test_recompute_matches_single_process(recompute):
+    layout = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1, "recompute": recompute,
+              "recompute_ratio": 1.0}
+    results = run_distributed(_train_rank, 2, args=("llama", layout), timeout_s=300)
+    assert_traces_match(_reference("llama"), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
+
+
+def test_recompute_replays_dropout_exactly():
+    """With dropout on, recomputed blocks draw the same masks: identical to keeping activations."""
+    plain = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1}
+    kept = _merge(run_distributed(_train_rank, 2, args=("gpt2_dropout", plain), timeout_s=300))
+    recomputed = _merge(run_distributed(_train_rank, 2, args=("gpt2_dropout", {**plain, "recompute": "full"}),
+                                        timeout_s=300))
+    assert_traces_match(kept, recomputed, loss_rtol=1e-6, grad_rtol=1e-6)

@@ -40,8 +40,10 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from lightning_merak.strategies.pipeline.stage import PipelineStageModule, build_stage_module, tied_parameter_names
-from lightning_merak.strategies.pipeline.trace import ModelTrace, trace_model
+from lightning_merak.strategies.pipeline.trace import ModelTrace, find_trunk, trace_model
 from lightning_merak.strategies.tensor_parallel import (
+    LayoutChange,
+    TensorParallelPlan,
     apply_tensor_parallel,
     check_tensor_parallel_degree,
     find_tensor_parallel_plan,
@@ -128,6 +130,8 @@ class Merak3DStrategy(ParallelStrategy):
         self._schedule: Any = None
         self._tied_groups: list[tuple[Any, nn.Parameter, bool]] = []
         self._pending_gradients: list[tuple[nn.Parameter, Optional[torch.Tensor]]] = []
+        self._layout_changes: dict[str, LayoutChange] = {}
+        self._pending_optimizer_states: list[dict[str, Any]] = []
         self.partition: Optional[Any] = None
         self.num_nodes = 1
 
@@ -182,6 +186,19 @@ class Merak3DStrategy(ParallelStrategy):
                 "make the product equal the number of processes (devices × num_nodes)"
             )
         return resolved["dp"], resolved["pp"], resolved["tp"]
+
+    def validate_before_launch(self, module: pl.LightningModule, world_size: int) -> None:
+        """Check the layout against the world size and the model before any process starts."""
+        dp, pp, tp = self.resolve_layout(world_size)
+        model = getattr(module, "model", None)
+        check_tensor_parallel_degree(getattr(model, "config", None), tp)
+        if pp > 1 and isinstance(model, nn.Module):
+            num_blocks = len(find_trunk(model)[1])
+            if pp > num_blocks + 2:
+                raise ValueError(
+                    f"pipeline_parallel={pp} exceeds the {num_blocks + 2} nodes of the model "
+                    f"(embedding, {num_blocks} blocks, head); use pipeline_parallel<={num_blocks + 2}"
+                )
 
     # Processes ----------------------------------------------------------------------------
 
@@ -241,7 +258,7 @@ class Merak3DStrategy(ParallelStrategy):
             )
         check_tensor_parallel_degree(getattr(module.model, "config", None), self.tensor_parallel)
         self.model_to_device()
-        for tensor in [*module.parameters(), *module.buffers()]:
+        for tensor in [*self._replicated_parameters(), *module.buffers()]:
             dist.broadcast(tensor.data, src=0)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -302,23 +319,25 @@ class Merak3DStrategy(ParallelStrategy):
         pp, tp = self.pipeline_parallel, self.tensor_parallel
         trace = trace_model(model, micro, _call_model, profile=pp > 1)
         trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
+        plan = self._tensor_parallel_plan(trunk[0], trace) if tp > 1 else None
         if pp > 1:
-            if pp > len(trace.costs):
+            if pp > trace.num_blocks + 2:
                 raise ValueError(
-                    f"pipeline_parallel={pp} exceeds the {len(trace.costs)} nodes of the model "
-                    f"(embedding, {trace.num_blocks} blocks, head); use pipeline_parallel<={len(trace.costs)}"
+                    f"pipeline_parallel={pp} exceeds the {trace.num_blocks + 2} nodes of the model "
+                    f"(embedding, {trace.num_blocks} blocks, head); use pipeline_parallel<={trace.num_blocks + 2}"
                 )
             tied = tied_parameter_names(model)
             self.partition = self._agree_on_partition(trace)
             stage = build_stage_module(model, trace, self.partition.boundaries, self.pipeline_rank, _call_model)
-            local_blocks = [trunk[i] for i in stage.block_indices]
+            block_indices = list(stage.block_indices)
             self._setup_tied_gradients(stage, tied)
         else:
             stage = None
-            local_blocks = list(trunk)
-        if tp > 1 and local_blocks:
-            self._shard_blocks(local_blocks, trace)
-        self._wrap_recompute(local_blocks, stage)
+            block_indices = list(range(len(trunk)))
+        local_blocks = {index: trunk[index] for index in block_indices}
+        if plan is not None and local_blocks:
+            self._shard_blocks(local_blocks, trace, plan)
+        self._wrap_recompute(list(local_blocks.values()))
         if stage is not None:
             module.model = stage
             self._start_pipeline(stage)
@@ -328,6 +347,14 @@ class Merak3DStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             self.setup_precision_plugin()
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+            for optimizer, state in zip(self.optimizers, self._pending_optimizer_states):
+                self._load_consolidated_optimizer_state(optimizer, state)
+            self._pending_optimizer_states = []
+
+    def on_train_start(self) -> None:
+        """Modules built during the sanity check were left in eval mode by the check's restore."""
+        if self._built:
+            self.lightning_module.model.train()
 
     @property
     def pipeline_rank(self) -> int:
@@ -353,20 +380,27 @@ class Merak3DStrategy(ParallelStrategy):
         )
         return partition
 
-    def _shard_blocks(self, blocks: list[nn.Module], trace: ModelTrace) -> None:
-        mesh = self.device_mesh["tp"]
+    @staticmethod
+    def _tensor_parallel_plan(block: nn.Module, trace: ModelTrace) -> TensorParallelPlan:
+        """Pair the linear layers of one block (all blocks of the trunk share a class)."""
         args, kwargs = trace.block_arguments(trace.sample_side_tensors)
         hidden = trace.sample_hidden
-        plan = find_tensor_parallel_plan(blocks[0], lambda: blocks[0](hidden, *args, **kwargs), hidden.shape[-1])
+        plan = find_tensor_parallel_plan(block, lambda: block(hidden, *args, **kwargs), hidden.shape[-1])
         if not plan.column or not plan.row:
             raise ValueError(
-                f"found no column/row linear pairs in {type(blocks[0]).__name__}; tensor_parallel needs "
+                f"found no column/row linear pairs in {type(block).__name__}; tensor_parallel needs "
                 "blocks built from nn.Linear (or transformers Conv1D) layers"
             )
-        for block in blocks:
-            apply_tensor_parallel(block, plan, mesh)
+        return plan
 
-    def _wrap_recompute(self, blocks: list[nn.Module], stage: Optional[PipelineStageModule]) -> None:
+    def _shard_blocks(self, blocks: dict[int, nn.Module], trace: ModelTrace, plan: TensorParallelPlan) -> None:
+        """Split every local block (by trunk index) over the tensor-parallel group."""
+        mesh = self.device_mesh["tp"]
+        for index, block in blocks.items():
+            changes = apply_tensor_parallel(block, plan, mesh)
+            self._layout_changes.update({f"{trace.trunk_path}.{index}.{name}": c for name, c in changes.items()})
+
+    def _wrap_recompute(self, blocks: list[nn.Module]) -> None:
         if self.recompute == "none" or not blocks:
             return
         if self.recompute == "full":
@@ -465,13 +499,27 @@ class Merak3DStrategy(ParallelStrategy):
         self._synchronize_gradients()
         return closure_loss
 
+    def _replicated_parameters(self) -> list[nn.Parameter]:
+        """Parameters every data-parallel replica holds a copy of.
+
+        Parameters a plugin reduces itself are left out, by the conventions DDP and
+        DeepSpeed use: names in ``_ddp_params_and_buffers_to_ignore`` on the module, or
+        ``param.allreduce = False`` (expert-parallel weights).
+        """
+        module = self.lightning_module
+        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        return [
+            param for name, param in module.named_parameters()
+            if name not in ignored and getattr(param, "allreduce", True) is not False
+        ]
+
     def _synchronize_gradients(self) -> None:
         for group, param, _ in self._tied_groups:
             if param.grad is not None:
                 dist.all_reduce(_local(param.grad), group=group)
         if self.data_parallel == 1:
             return
-        grads = [_local(p.grad) for p in self.lightning_module.parameters() if p.grad is not None]
+        grads = [_local(p.grad) for p in self._replicated_parameters() if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -508,16 +556,104 @@ class Merak3DStrategy(ParallelStrategy):
                 grad.mul_(coefficient)
 
     # Checkpoints ------------------------------------------------------------------------
+    # Checkpoints are consolidated: full tensors under the unsplit model's names, in its
+    # layout, written by rank 0. Any layout can therefore resume any other.
+
+    def to_original_layout(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """``full`` (a gathered parameter-shaped tensor) in the unsplit model's layout."""
+        change = self._layout_changes.get(name)
+        return change.to_original(full) if change else full
+
+    def _original_names(self) -> dict[int, str]:
+        model = self.lightning_module.model
+        rename = model.original_name if isinstance(model, PipelineStageModule) else (lambda name: name)
+        return {id(param): rename(name) for name, param in model.named_parameters()}
+
+    def _full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor, DTensor):
+            return self.to_original_layout(name, tensor.full_tensor()).detach().cpu()
+        return tensor.detach().cpu()
+
+    def _gather_on_rank_zero(self, local: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0 receives the union of every stage's entries (one replica contributes)."""
+        replica_leader = self.device_mesh["dp"].get_local_rank() == 0 and self.device_mesh["tp"].get_local_rank() == 0
+        gathered: Optional[list[Any]] = [None] * self.world_size if self.global_rank == 0 else None
+        dist.gather_object(local if replica_leader else {}, gathered, dst=0)
+        merged: dict[str, Any] = {}
+        for part in gathered or []:
+            merged.update(part)
+        return merged
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This rank's parameters under the names they have in the unsplit model."""
         module = self.lightning_module
-        model = module.model
-        prefix = "model.net." if isinstance(model, PipelineStageModule) else "model."
-        return {
-            "model." + key[len(prefix):] if key.startswith(prefix) else key: value
-            for key, value in module.state_dict().items()
+        if not self._built:
+            return module.state_dict()
+        prefix = "model.net." if isinstance(module.model, PipelineStageModule) else "model."
+        local = {}
+        for key, value in module.state_dict().items():
+            name = "model." + key[len(prefix):] if key.startswith(prefix) else key
+            local[name] = self._full(name[len("model."):], value)
+        return self._gather_on_rank_zero(local)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if not self._built:
+            return optimizer.state_dict()
+        names = self._original_names()
+        state = {
+            names[id(param)]: {key: self._full(names[id(param)], value) if isinstance(value, torch.Tensor)
+                               and value.ndim else value for key, value in optimizer.state[param].items()}
+            for group in optimizer.param_groups for param in group["params"] if param in optimizer.state
         }
+        groups = [{**{k: v for k, v in group.items() if k != "params"},
+                   "params": [names[id(param)] for param in group["params"]]} for group in optimizer.param_groups]
+        merged_state = self._gather_on_rank_zero(state)
+        stage_groups = self._gather_on_rank_zero({f"stage{self.pipeline_rank:04d}": groups})
+        if self.global_rank != 0:
+            return {}
+        per_stage = [stage_groups[key] for key in sorted(stage_groups)]
+        param_groups = [
+            {**per_stage[0][index], "params": [name for stage in per_stage for name in stage[index]["params"]]}
+            for index in range(len(per_stage[0]))
+        ]
+        return {"merak3d_consolidated": True, "state": merged_state, "param_groups": param_groups}
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint["optimizer_states"]
+        if self._built:
+            for optimizer, state in zip(self.optimizers, states):
+                self._load_consolidated_optimizer_state(optimizer, state)
+        else:
+            self._pending_optimizer_states = list(states)
+
+    def _load_consolidated_optimizer_state(self, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+        if not saved.get("merak3d_consolidated"):
+            optimizer.load_state_dict(saved)
+            return
+        names = self._original_names()
+        state: dict[int, Any] = {}
+        groups = []
+        index = 0
+        for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+            ids = []
+            for param in group["params"]:
+                entry = saved["state"].get(names[id(param)])
+                if entry is not None:
+                    state[index] = {key: self._local_like(param, names[id(param)], value) for key, value in entry.items()}
+                ids.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def _local_like(self, param: nn.Parameter, name: str, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or value.shape != param.shape and not isinstance(param, DTensor):
+            return value
+        if isinstance(param, DTensor):
+            from torch.distributed.tensor import distribute_tensor
+
+            change = self._layout_changes.get(name)
+            full = change.from_original(value) if change else value
+            return distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
+        return value.to(param.device)
 
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Any:
         return nullcontext()

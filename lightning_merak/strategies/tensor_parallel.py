@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["TensorParallelPlan", "apply_tensor_parallel", "check_tensor_parallel_degree", "find_tensor_parallel_plan"]
+__all__ = ["LayoutChange", "TensorParallelPlan", "apply_tensor_parallel", "check_tensor_parallel_degree", "find_tensor_parallel_plan"]
 
 _HEAD_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head")
 _SPLIT_SIZE_ATTRIBUTES = ("split_size",)
@@ -143,13 +143,38 @@ def _scale_attention_attributes(block: nn.Module, column_names: list[str], tenso
                 setattr(module, attribute, value // tensor_parallel)
 
 
-def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh) -> None:
-    """Shard ``block`` in place over the 1-D ``mesh`` following ``plan``."""
+@dataclass(frozen=True)
+class LayoutChange:
+    """How a parameter's full tensor differs from the original model's after sharding."""
+
+    transposed: bool
+    fused_qkv_parts: int
+
+    def to_original(self, full: torch.Tensor) -> torch.Tensor:
+        if self.fused_qkv_parts:
+            full = full[torch.argsort(fused_qkv_order(full.shape[0], self.fused_qkv_parts))]
+        return full.t() if self.transposed and full.ndim == 2 else full
+
+    def from_original(self, full: torch.Tensor) -> torch.Tensor:
+        full = full.t() if self.transposed and full.ndim == 2 else full
+        return full[fused_qkv_order(full.shape[0], self.fused_qkv_parts)] if self.fused_qkv_parts else full
+
+
+def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh) -> dict[str, LayoutChange]:
+    """Shard ``block`` in place over the 1-D ``mesh`` following ``plan``.
+
+    Returns, by parameter name within the block, the layout changes a checkpoint must
+    undo to stay loadable into the unsharded model.
+    """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tensor_parallel = mesh.size()
+    changes: dict[str, LayoutChange] = {}
     for name in plan.column + plan.row:
         layer = block.get_submodule(name)
+        if _is_conv1d(layer) or name in plan.fused_qkv:
+            change = LayoutChange(_is_conv1d(layer), tensor_parallel if name in plan.fused_qkv else 0)
+            changes.update({f"{name}.{p}": change for p, _ in layer.named_parameters()})
         if _is_conv1d(layer):
             block.set_submodule(name, _conv1d_to_linear(layer))
     for name in plan.fused_qkv:
@@ -158,3 +183,4 @@ def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: Devi
     parallel_plan.update({name: RowwiseParallel() for name in plan.row})
     parallelize_module(block, mesh, parallel_plan)
     _scale_attention_attributes(block, plan.column, tensor_parallel)
+    return changes

@@ -169,9 +169,10 @@ def build_stage_module(
 ) -> PipelineStageModule:
     """Prune ``model`` in place to stage ``stage_index`` of the partition ``boundaries``.
 
-    ``boundaries`` are the first node index of each stage over ``trace.costs``.
+    ``boundaries`` are the first node index of each stage over the nodes
+    [prefix, block 0 … block n−1, suffix] (the order of ``trace.costs``).
     """
-    num_nodes = len(trace.costs)
+    num_nodes = trace.num_blocks + 2
     ends = list(boundaries[1:]) + [num_nodes]
     node_range = range(boundaries[stage_index], ends[stage_index])
     return PipelineStageModule(model, trace, node_range, stage_index, len(boundaries), call_model)

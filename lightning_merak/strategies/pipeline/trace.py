@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_merak.models import logits_of
 from lightning_merak.strategies.pipeline.costs import BlockCost
 
-__all__ = ["ModelTrace", "TraceError", "trace_model"]
+__all__ = ["ModelTrace", "TraceError", "find_trunk", "trace_model"]
 
 
 class TraceError(ValueError):
@@ -70,7 +70,8 @@ class ModelTrace:
         return block_output if self.block_output_index is None else block_output[self.block_output_index]
 
 
-def _find_trunk(model: nn.Module) -> tuple[str, nn.ModuleList]:
+def find_trunk(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """``(path, blocks)`` of the ModuleList of same-class blocks holding the most parameters."""
     best: tuple[int, str, nn.ModuleList] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) < 1:
@@ -206,7 +207,7 @@ def trace_model(
 
     Returns the trace with ``costs`` = [prefix, block 0 … block n−1, suffix].
     """
-    trunk_path, trunk = _find_trunk(model)
+    trunk_path, trunk = find_trunk(model)
     recording = _record(model, call_model, sample_inputs, trunk)
     block_calls = recording["blocks"]
     if len(block_calls) != len(trunk):
@@ -225,8 +226,13 @@ def trace_model(
         if isinstance(leaf, torch.Tensor):
             side_leaves.append(_SideSlot(side_count))
             side_count += 1
-        else:
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
             side_leaves.append(leaf)
+        else:
+            raise TraceError(
+                f"blocks of {trunk_path} receive a {type(leaf).__name__} argument, which cannot cross pipeline "
+                "stages; for transformers models disable the KV cache (model.config.use_cache = False)"
+            )
     if isinstance(first_output, torch.Tensor):
         output_index = None
     else:

@@ -1,0 +1,313 @@
+"""What Q-BaRA and QA-HiRA share: config fields, the PEFT tuner layer and the tuner model.
+
+The two methods differ only in the pooled matrix ``M`` (``B @ A`` or ``H``); everything else
+(pooling, expansion, scaling, validation, merging into float, bitsandbytes or INT4 bases) lives here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+from peft.config import PeftConfig
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, check_adapters_to_merge
+from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, resolve_quantization_backend
+from torch import nn
+
+from .int4 import QuantLinearInt4
+from .pooling import expand_outputs, per_group_delta, pool_inputs, tiled_delta_weight
+
+
+@dataclass
+class PooledAdapterConfig(PeftConfig):
+    """Fields common to the pooled adapters.
+
+    ``r`` and ``alpha`` give the scaling ``alpha / r`` (the nominal LoRA rank); ``lambda_in`` pools
+    inputs, ``lambda_out`` expands outputs. ``lambda_overrides`` maps a module-name suffix (e.g.
+    ``"down_proj"``) to ``[lambda_in, lambda_out]`` to hold a parameter budget per layer.
+    """
+
+    target_modules: Optional[Union[list[str], str]] = field(
+        default=None, metadata={"help": "Module names (suffixes) or a regex; default: LoRA's per-architecture list"}
+    )
+    exclude_modules: Optional[Union[list[str], str]] = field(default=None, metadata={"help": "Modules to skip"})
+    r: int = field(default=8, metadata={"help": "Nominal LoRA rank; the scaling is alpha / r"})
+    alpha: float = field(default=16.0, metadata={"help": "Scaling numerator"})
+    dropout: float = field(default=0.0, metadata={"help": "Dropout on the pooled input"})
+    lambda_in: int = field(default=2, metadata={"help": "Input pooling factor"})
+    lambda_out: int = field(default=2, metadata={"help": "Output expansion factor"})
+    lambda_overrides: dict[str, list[int]] = field(
+        default_factory=dict, metadata={"help": "Module-name suffix -> [lambda_in, lambda_out]"}
+    )
+    init: str = field(default="zero", metadata={"help": "Initialisation scheme"})
+
+    method_name = "pooled adapter"
+    init_choices: tuple[str, ...] = ("zero",)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.r <= 0:
+            raise ValueError(f"{self.method_name}: r must be positive, got {self.r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"{self.method_name}: dropout must be in [0, 1), got {self.dropout}")
+        if self.init not in self.init_choices:
+            raise ValueError(f"{self.method_name}: init must be one of {self.init_choices}, got {self.init!r}")
+        for name, pair in {"<default>": [self.lambda_in, self.lambda_out], **self.lambda_overrides}.items():
+            if len(pair) != 2 or min(pair) < 1:
+                raise ValueError(f"{self.method_name}: lambdas for {name} must be two integers >= 1, got {pair}")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r
+
+    def lambdas_for(self, module_name: str) -> tuple[int, int]:
+        """``(lambda_in, lambda_out)`` for a module, honouring ``lambda_overrides`` (longest suffix wins)."""
+        matches = [s for s in self.lambda_overrides if module_name == s or module_name.endswith("." + s)]
+        if not matches:
+            return self.lambda_in, self.lambda_out
+        lambda_in, lambda_out = self.lambda_overrides[max(matches, key=len)]
+        return int(lambda_in), int(lambda_out)
+
+
+def _in_out_features(base_layer: nn.Module) -> tuple[int, int]:
+    return base_layer.in_features, base_layer.out_features
+
+
+def check_target_layer(
+    method: str, name: str, module: nn.Module, lambda_in: int, lambda_out: int, require_group_alignment: bool
+) -> None:
+    """Raise a clear error, naming the layer and the fix, when ``method`` cannot adapt ``module``."""
+    base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
+    if not isinstance(base, (nn.Linear, QuantLinearInt4)):
+        raise TypeError(
+            f"{method}: layer '{name}' is a {type(base).__name__}; supported base layers are nn.Linear, "
+            "bitsandbytes Linear4bit/Linear8bitLt and QuantLinearInt4. Remove it from target_modules "
+            "or list it in exclude_modules."
+        )
+    in_features, out_features = _in_out_features(base)
+    for label, features, factor in (("in", in_features, lambda_in), ("out", out_features, lambda_out)):
+        if features % factor != 0:
+            suffix = name.rsplit(".", 1)[-1]
+            raise ValueError(
+                f"{method}: layer '{name}' has {label}_features={features}, not divisible by "
+                f"lambda_{label}={factor}. Pick lambda_{label} dividing {features}, set "
+                f"lambda_overrides={{'{suffix}': [lambda_in, lambda_out]}}, or exclude the layer."
+            )
+    if require_group_alignment and isinstance(base, QuantLinearInt4) and lambda_in % base.group_size != 0:
+        raise ValueError(
+            f"{method}: layer '{name}' is INT4 with group_size={base.group_size}, misaligned with "
+            f"lambda_in={lambda_in}: the exact merge needs lambda_in to be a multiple of the group size. "
+            f"Set lambda_in={base.group_size} or quantize with a group size dividing {lambda_in}."
+        )
+
+
+def _restore_bnb_cpu_layout(base_layer: nn.Module) -> None:
+    """Undo bitsandbytes' in-place CPU repacking (done by eval-mode forwards on AVX512-BF16 hosts).
+
+    PEFT's dequantize ignores the packed layout and would read garbage, so this runs before any merge.
+    """
+    weight = getattr(base_layer, "weight", None)
+    quant_state = getattr(weight, "quant_state", None)
+    if not getattr(quant_state, "packing_format_for_cpu", False):
+        return
+    import bitsandbytes.functional as bnb_functional
+
+    if not hasattr(bnb_functional, "_convert_weight_packed_for_cpu_inverse"):
+        raise RuntimeError(
+            "bitsandbytes repacked this 4-bit weight for CPU inference and offers no inverse; "
+            "merge in train() mode before any eval forward"
+        )
+    weight.data, weight.quant_state = bnb_functional._convert_weight_packed_for_cpu_inverse(weight.data, quant_state)
+
+
+class PooledAdapterLayer(nn.Module, BaseTunerLayer):
+    """PEFT tuner layer: ``y = base(x) + s * E_out(M @ dropout(P_in(x)))``.
+
+    Subclasses name their parameter dicts in ``adapter_layer_names`` (each name carries the PEFT
+    prefix) and define how ``M`` is built and applied.
+    """
+
+    other_param_names = ("scaling", "lambda_in", "lambda_out", "adapter_dropout")
+    method_name = "pooled adapter"
+    requires_group_alignment = False
+
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        adapter_name: str,
+        config: PooledAdapterConfig,
+        lambda_in: int,
+        lambda_out: int,
+        layer_name: str,
+    ) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.layer_name = layer_name
+        self.quantization_backend = resolve_quantization_backend(self.get_base_layer())
+        self.scaling: dict[str, float] = {}
+        self.lambda_in: dict[str, int] = {}
+        self.lambda_out: dict[str, int] = {}
+        self.adapter_dropout = nn.ModuleDict({})
+        for container in self.adapter_layer_names:
+            setattr(self, container, nn.ParameterDict({}))
+        self._disable_adapters = False
+        self.merged_adapters: list[str] = []
+        self.in_features, self.out_features = _in_out_features(self.get_base_layer())
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, config, lambda_in, lambda_out)
+
+    def _create_adapter_weights(self, adapter_name: str, config: PooledAdapterConfig) -> None:
+        raise NotImplementedError
+
+    def pooled_matrix(self, adapter_name: str) -> torch.Tensor:
+        """``M`` of shape ``(d_out / lambda_out, d_in / lambda_in)``."""
+        raise NotImplementedError
+
+    def pooled_product(self, adapter_name: str, pooled: torch.Tensor) -> torch.Tensor:
+        """``M @ pooled`` on the last dimension, without forming ``M`` when it is factored."""
+        raise NotImplementedError
+
+    def update_layer(
+        self, adapter_name: str, config: PooledAdapterConfig, lambda_in: int, lambda_out: int, inference_mode: bool = False
+    ) -> None:
+        check_target_layer(
+            self.method_name, self.layer_name, self, lambda_in, lambda_out, self.requires_group_alignment
+        )
+        self.scaling[adapter_name] = config.scaling
+        self.lambda_in[adapter_name] = lambda_in
+        self.lambda_out[adapter_name] = lambda_out
+        dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
+        self.adapter_dropout.update(nn.ModuleDict({adapter_name: dropout}))
+        self._create_adapter_weights(adapter_name, config)
+        self._move_adapter_to_device_of_base_layer(adapter_name)
+        self.set_adapter(self.active_adapters, inference_mode=inference_mode)
+
+    def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
+        return tiled_delta_weight(
+            self.pooled_matrix(adapter_name).float(),
+            self.lambda_in[adapter_name],
+            self.lambda_out[adapter_name],
+            self.scaling[adapter_name],
+        )
+
+    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+        """Merge into the base: exact for float and INT4 bases (zero-point shift), re-quantizing (lossy) for bnb."""
+        for adapter_name in check_adapters_to_merge(self, adapter_names):
+            if adapter_name not in self.lambda_in:
+                continue
+            if safe_merge and not torch.isfinite(self.pooled_matrix(adapter_name)).all():
+                raise ValueError(f"{self.method_name}: NaN/inf in adapter '{adapter_name}' of layer '{self.layer_name}'")
+            self._add_to_base(adapter_name, sign=1.0)
+            self.merged_adapters.append(adapter_name)
+
+    def unmerge(self) -> None:
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.")
+            return
+        while self.merged_adapters:
+            adapter_name = self.merged_adapters.pop()
+            if adapter_name in self.lambda_in:
+                self._add_to_base(adapter_name, sign=-1.0)
+
+    def _add_to_base(self, adapter_name: str, sign: float) -> None:
+        base = self.get_base_layer()
+        if isinstance(base, QuantLinearInt4):
+            lambda_in = self.lambda_in[adapter_name]
+            if lambda_in % base.group_size != 0:
+                raise ValueError(
+                    f"{self.method_name}: cannot merge exactly into INT4 layer '{self.layer_name}': "
+                    f"lambda_in={lambda_in} is not a multiple of group_size={base.group_size}. Train with "
+                    f"lambda_in a multiple of {base.group_size}, or dequantize the base (QuantLinearInt4.to_linear)."
+                )
+            group_delta = per_group_delta(
+                self.pooled_matrix(adapter_name).float(),
+                lambda_in,
+                self.lambda_out[adapter_name],
+                self.scaling[adapter_name],
+                base.group_size,
+            )
+            base.shift_zeros(sign * group_delta)
+            return
+        delta = sign * self.get_delta_weight(adapter_name)
+        if self.quantization_backend is None:
+            base.weight.data += delta.to(base.weight.dtype)
+            return
+        if not self.quantization_backend.supports_merge:
+            raise TypeError(f"{self.method_name}: layer '{self.layer_name}' ({type(base).__name__}) cannot be merged")
+        _restore_bnb_cpu_layout(base)
+        weight = self.quantization_backend.get_base_weight(base).float()
+        self.quantization_backend.set_base_weight(self, weight + delta.to(weight.device))
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        input_dtype = x.dtype
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        result = self.base_layer(x, *args, **kwargs)
+        if self.merged:
+            return result
+        result_dtype = result.dtype
+        if self.quantization_backend is not None:
+            result = self.quantization_backend.maybe_clone_base_result(result)
+        for adapter_name in self.active_adapters:
+            if adapter_name not in self.lambda_in:
+                continue
+            adapter_input = self._cast_input_dtype(x, self.adapter_dtype(adapter_name))
+            pooled = self.adapter_dropout[adapter_name](pool_inputs(adapter_input, self.lambda_in[adapter_name]))
+            update = expand_outputs(self.pooled_product(adapter_name, pooled), self.lambda_out[adapter_name])
+            result = result + update * self.scaling[adapter_name]
+        return result.to(result_dtype).to(input_dtype)
+
+    def adapter_dtype(self, adapter_name: str) -> torch.dtype:
+        return getattr(self, self.adapter_layer_names[0])[adapter_name].dtype
+
+    def __repr__(self) -> str:
+        return f"{self.method_name.lower().replace('-', '')}." + super().__repr__()
+
+
+class PooledAdapterModel(BaseTuner):
+    """PEFT tuner for a pooled adapter: validates every target first, then wraps it."""
+
+    target_module_mapping = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+    layer_cls: type[PooledAdapterLayer]
+
+    def _prepare_model(self, peft_config: PooledAdapterConfig, model: nn.Module) -> None:
+        for key, module in model.named_modules():
+            if not key or not self._check_target_module_exists(peft_config, key):
+                continue
+            check_target_layer(
+                self.layer_cls.method_name,
+                key,
+                module,
+                *peft_config.lambdas_for(key),
+                require_group_alignment=self.layer_cls.requires_group_alignment,
+            )
+
+    def _create_and_replace(
+        self,
+        peft_config: PooledAdapterConfig,
+        adapter_name: str,
+        target: nn.Module,
+        target_name: str,
+        parent: nn.Module,
+        current_key: str,
+        **optional_kwargs: Any,
+    ) -> None:
+        lambda_in, lambda_out = peft_config.lambdas_for(current_key)
+        if isinstance(target, self.layer_cls):
+            target.update_layer(adapter_name, peft_config, lambda_in, lambda_out)
+            return
+        new_module = self.layer_cls(target, adapter_name, peft_config, lambda_in, lambda_out, layer_name=current_key)
+        if adapter_name not in self.active_adapters:
+            new_module.requires_grad_(False)
+        self._replace_module(parent, target_name, new_module, target)
+
+    def _replace_module(self, parent: nn.Module, child_name: str, new_module: nn.Module, child: nn.Module) -> None:
+        if new_module is getattr(child, "base_layer", None):
+            # Unloading puts the base layer back as is; PEFT's default would copy a ``weight`` INT4 layers lack.
+            setattr(parent, child_name, new_module)
+            return
+        super()._replace_module(parent, child_name, new_module, child)

@@ -1,0 +1,33 @@
+"""The QA-HiRA tuner layer: one matrix ``H`` on pooled inputs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..base import PooledAdapterLayer
+from .config import QAHiRAConfig
+
+
+class QAHiRALinear(PooledAdapterLayer):
+    """QA-HiRA around a linear base; on INT4 bases the pooling must align with the quantization groups."""
+
+    adapter_layer_names = ("qahira_H",)
+    method_name = "QA-HiRA"
+    requires_group_alignment = True
+
+    def _create_adapter_weights(self, adapter_name: str, config: QAHiRAConfig) -> None:
+        shape = (self.out_features // self.lambda_out[adapter_name], self.in_features // self.lambda_in[adapter_name])
+        weight = torch.zeros(shape)
+        if config.init == "kaiming":
+            nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        self.qahira_H[adapter_name] = nn.Parameter(weight)
+
+    def pooled_matrix(self, adapter_name: str) -> torch.Tensor:
+        return self.qahira_H[adapter_name]
+
+    def pooled_product(self, adapter_name: str, pooled: torch.Tensor) -> torch.Tensor:
+        return F.linear(pooled, self.qahira_H[adapter_name])

@@ -1,0 +1,72 @@
+"""Quantize the linear layers of a model in place: bitsandbytes NF4/FP4/int8 or the project INT4.
+
+The adapters train on top of the result. ``lm_head`` is left in float by default, as in QLoRA.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from .int4 import replace_submodule, quantize_linear_layers_int4
+
+Quantization = Literal["none", "nf4", "fp4", "int8", "int4"]
+QUANTIZATIONS = ("none", "nf4", "fp4", "int8", "int4")
+
+
+def quantize_model(
+    model: nn.Module,
+    quantization: Quantization,
+    group_size: int = 32,
+    double_quant: bool = True,
+    skip: tuple[str, ...] = ("lm_head",),
+) -> nn.Module:
+    """Replace ``nn.Linear`` layers (except those named in ``skip``) by quantized ones; returns ``model``.
+
+    ``group_size`` applies to ``int4`` only (bitsandbytes 4-bit always uses blocks of 64) and
+    ``double_quant`` to ``nf4``/``fp4`` only. bitsandbytes models get ``is_loaded_in_4bit`` /
+    ``is_loaded_in_8bit`` set, so PEFT's LoRA picks its bitsandbytes layers (QLoRA baseline).
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    if quantization == "none":
+        return model
+    if quantization == "int4":
+        return quantize_linear_layers_int4(model, group_size, skip)
+    import bitsandbytes as bnb
+
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and name.split(".")[-1] not in skip
+    ]
+    for name, linear in targets:
+        device = linear.weight.device
+        has_bias = linear.bias is not None
+        if quantization == "int8":
+            layer = bnb.nn.Linear8bitLt(
+                linear.in_features, linear.out_features, bias=has_bias, has_fp16_weights=False, threshold=6.0
+            )
+            layer.weight = bnb.nn.Int8Params(linear.weight.data.clone(), requires_grad=False, has_fp16_weights=False)
+        else:
+            layer = bnb.nn.Linear4bit(
+                linear.in_features,
+                linear.out_features,
+                bias=has_bias,
+                compute_dtype=torch.float32,
+                compress_statistics=double_quant,
+                quant_type=quantization,
+            )
+            layer.weight = bnb.nn.Params4bit(
+                linear.weight.data.clone(),
+                requires_grad=False,
+                compress_statistics=double_quant,
+                quant_type=quantization,
+            )
+        if has_bias:
+            layer.bias = nn.Parameter(linear.bias.data.clone(), requires_grad=False)
+        replace_submodule(model, name, layer.to(device))
+    setattr(model, "is_loaded_in_8bit" if quantization == "int8" else "is_loaded_in_4bit", True)
+    return model

@@ -1,0 +1,337 @@
+"""``SparseCommunication``: S2 Reducer or EmbRace for a model's embedding tables under DDP.
+
+Data-parallel group: the callback reduces over ``strategy.data_parallel_group`` when
+the strategy defines it (a ``ProcessGroup``, or a zero-argument method returning
+one), so a 3D-parallel strategy can hand over its data-parallel group; otherwise the
+world group (plain ``DDPStrategy``). A strategy may also expose
+``sparse_comm_process_group`` for the dedicated group on which excluded tables and
+EmbRace communicate; without it the callback creates one spanning the data-parallel
+ranks (when that is the world group) or reuses the data-parallel group.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_merak.callbacks.sparse_comm.bytes_counter import CommLedger
+from lightning_merak.callbacks.sparse_comm.cost_model import NetworkModel
+from lightning_merak.callbacks.sparse_comm.embrace import ShardedEmbedding, shard_embeddings, tied_head_names
+from lightning_merak.callbacks.sparse_comm.s2_hook import AUTO, S2Reducer, s2_comm_hook
+from lightning_merak.callbacks.sparse_comm.sketch import CountSketch
+
+log = logging.getLogger(__name__)
+
+Method = Literal["s2", "embrace", "auto"]
+Mode = Literal["exact", "sketch"]
+_BANDWIDTH_PROBE_BYTES = 4 * 1024 * 1024
+_BANDWIDTH_PROBE_REPEATS = 3
+_CLIP_EPSILON = 1e-6
+
+
+def data_parallel_group(strategy: pl.strategies.Strategy) -> dist.ProcessGroup | None:
+    """The strategy's data-parallel group (``None`` means the world group)."""
+    group = getattr(strategy, "data_parallel_group", None)
+    return group() if callable(group) else group
+
+
+def _measure_bandwidth(group: dist.ProcessGroup | None) -> NetworkModel:
+    """Time an all-reduce on ``group``; the slowest rank's time, so all ranks agree."""
+    probe = torch.zeros(_BANDWIDTH_PROBE_BYTES // 4)
+    dist.all_reduce(probe, group=group)
+    start = time.perf_counter()
+    for _ in range(_BANDWIDTH_PROBE_REPEATS):
+        dist.all_reduce(probe, group=group)
+    elapsed = torch.tensor([(time.perf_counter() - start) / _BANDWIDTH_PROBE_REPEATS], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    world_size = dist.get_world_size(group)
+    wire_bytes = 2 * (world_size - 1) / world_size * _BANDWIDTH_PROBE_BYTES
+    return NetworkModel(bandwidth_bytes_per_s=wire_bytes / max(elapsed.item(), 1e-9))
+
+
+class SparseCommunication(pl.Callback):
+    """Replace DDP's dense all-reduce of large embedding tables by a sparse method.
+
+    Args:
+        method: ``"s2"`` (S2 reducer: bitmaps + union rows or count sketch), ``"embrace"``
+            (column-sharded tables, all-to-all lookups) or ``"auto"`` (per table and step,
+            the cheapest of dense / s2_exact / allgather by the cost model, reasons logged).
+        mode: for ``"s2"``: ``"exact"`` reproduces dense all-reduce; ``"sketch"`` sends an
+            ``sketch_rows x ceil(column_factor * U)`` count sketch (lossy, see ``sketch.error_bound``).
+        sketch_rows: odd number of sketch rows (median decode).
+        column_factor: sketch columns per union row (alpha).
+        seed: hash seed, identical on all ranks and stored in checkpoints.
+        min_table_rows: ``nn.Embedding`` modules with at least this many rows are tables.
+        tables: explicit module names instead of ``min_table_rows``.
+        bandwidth_gbit: link bandwidth for the cost model; ``None`` measures it at fit start.
+        latency_us: per-message latency for the cost model.
+        freeze_dense_after: ``auto`` stops exchanging bitmaps for a table chosen dense this many steps in a row.
+        rows_from_ids: take a table's non-zero rows from its lookup ids (cheap) rather than by
+            scanning its gradient; tied tables are always scanned. Set ``False`` if the model
+            reads a table's weight outside its ``nn.Embedding`` (e.g. ``F.linear(x, emb.weight)``).
+    """
+
+    def __init__(
+        self,
+        method: Method = "auto",
+        mode: Mode = "exact",
+        sketch_rows: int = 3,
+        column_factor: float = 2.0,
+        seed: int = 0,
+        min_table_rows: int = 1024,
+        tables: list[str] | None = None,
+        bandwidth_gbit: float | None = None,
+        latency_us: float = 50.0,
+        freeze_dense_after: int = 3,
+        rows_from_ids: bool = True,
+    ) -> None:
+        if method not in ("s2", "embrace", "auto"):
+            raise ValueError(f"method must be 's2', 'embrace' or 'auto', got {method!r}")
+        if mode not in ("exact", "sketch"):
+            raise ValueError(f"mode must be 'exact' or 'sketch', got {mode!r}")
+        if method == "auto" and mode == "sketch":
+            raise ValueError("mode='sketch' is lossy and only used with method='s2'; auto picks among exact methods")
+        if column_factor <= 0:
+            raise ValueError(f"column_factor must be positive, got {column_factor}")
+        if min_table_rows < 1:
+            raise ValueError(f"min_table_rows must be >= 1, got {min_table_rows}")
+        if bandwidth_gbit is not None and bandwidth_gbit <= 0:
+            raise ValueError(f"bandwidth_gbit must be positive or None (measure), got {bandwidth_gbit}")
+        if freeze_dense_after < 1:
+            raise ValueError(f"freeze_dense_after must be >= 1, got {freeze_dense_after}")
+        self.method = method
+        self.mode = mode
+        self.sketch = CountSketch(sketch_rows, seed)
+        self.column_factor = column_factor
+        self.min_table_rows = min_table_rows
+        self.table_names = list(tables) if tables is not None else None
+        self.bandwidth_gbit = bandwidth_gbit
+        self.latency_us = latency_us
+        self.freeze_dense_after = freeze_dense_after
+        self.rows_from_ids = rows_from_ids
+        self.ledger: CommLedger | None = None
+        self.hook_reducer: S2Reducer | None = None
+        self.excluded_reducer: S2Reducer | None = None
+        self.excluded_tables: dict[str, nn.Parameter] = {}
+        self.sharded_tables: dict[str, ShardedEmbedding] = {}
+        self._restored_frozen: set[str] = set()
+        self._active = False
+
+    @property
+    def seed(self) -> int:
+        return self.sketch.seed
+
+    def _hook_method(self) -> str:
+        if self.method == "auto":
+            return AUTO
+        return "s2_exact" if self.mode == "exact" else "s2_sketch"
+
+    def _find_tables(self, pl_module: pl.LightningModule) -> dict[str, nn.Embedding]:
+        embeddings = {name: m for name, m in pl_module.named_modules() if isinstance(m, nn.Embedding)}
+        if self.table_names is not None:
+            missing = [name for name in self.table_names if name not in embeddings]
+            if missing:
+                raise ValueError(
+                    f"tables {missing} are not nn.Embedding modules of the LightningModule; "
+                    f"embeddings found: {sorted(embeddings)}"
+                )
+            return {name: embeddings[name] for name in self.table_names}
+        return {name: m for name, m in embeddings.items() if m.num_embeddings >= self.min_table_rows}
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = trainer.strategy
+        if not isinstance(strategy, DDPStrategy):
+            if trainer.world_size == 1:
+                log.warning("SparseCommunication: single process, no gradient communication to replace")
+                return
+            raise TypeError(
+                f"SparseCommunication works under DDP; the trainer uses {type(strategy).__name__}. "
+                "Use strategy='ddp' (or a DDPStrategy subclass)"
+            )
+        tables = self._find_tables(pl_module)
+        if not tables:
+            log.warning(
+                "SparseCommunication: no nn.Embedding with >= %d rows; nothing to do (lower min_table_rows)",
+                self.min_table_rows,
+            )
+            return
+        group = data_parallel_group(strategy)
+        comm_group = self._dedicated_group(strategy, group)
+        self.ledger = CommLedger(dist.get_world_size(group))
+        ignored: list[str] = []
+        if self.method == "embrace":
+            self.sharded_tables = shard_embeddings(pl_module, list(tables), comm_group, self.ledger)
+            ignored = [f"{name}.shard" for name in self.sharded_tables]
+            self._install_global_norm_clipping(trainer, comm_group)
+        else:
+            self.excluded_tables = {name: m.weight for name, m in tables.items() if m.sparse}
+            hooked = {id(m.weight): name for name, m in tables.items() if not m.sparse}
+            self.hook_reducer = self._reducer(hooked, group)
+            self.excluded_reducer = self._reducer({id(p): n for n, p in self.excluded_tables.items()}, comm_group)
+            ignored = [f"{name}.weight" for name in self.excluded_tables]
+            self._watch_lookups(pl_module, tables)
+        if ignored:
+            self._ignore_in_ddp(pl_module, ignored)
+        self._active = True
+        log.info(
+            "SparseCommunication(%s): tables %s; excluded from DDP: %s", self.method, sorted(tables), ignored or "none"
+        )
+
+    def _reducer(self, tables: dict[int, str], group: dist.ProcessGroup | None) -> S2Reducer:
+        reducer = S2Reducer(
+            tables=tables,
+            sketch=self.sketch,
+            method=self._hook_method(),
+            column_factor=self.column_factor,
+            process_group=group,
+            ledger=self.ledger,
+            freeze_dense_after=self.freeze_dense_after,
+        )
+        reducer._frozen_dense.update(self._restored_frozen)
+        return reducer
+
+    def _watch_lookups(self, pl_module: pl.LightningModule, tables: dict[str, nn.Embedding]) -> None:
+        """Rows from lookup ids for tables read only by their embedding (spec: bitmap from
+        the batch's ids); a table whose weight another module also holds (a tied head) is
+        scanned, since its gradient has rows no id names."""
+        for name, module in tables.items():
+            holders = [m for m in pl_module.modules() if any(p is module.weight for p in m.parameters(recurse=False))]
+            reducer = self.excluded_reducer if module.sparse else self.hook_reducer
+            if self.rows_from_ids and len(holders) == 1 and reducer is not None:
+                reducer.watch_lookups(name, module)
+            elif len(holders) > 1:
+                log.info("SparseCommunication: %s is shared with another module (tied); scanning its gradient", name)
+
+    @staticmethod
+    def _dedicated_group(strategy: pl.strategies.Strategy, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+        provided = getattr(strategy, "sparse_comm_process_group", None)
+        if provided is not None:
+            return provided() if callable(provided) else provided
+        if group is None or group is dist.group.WORLD:
+            return dist.new_group(ranks=list(range(dist.get_world_size())))
+        return group
+
+    @staticmethod
+    def _ignore_in_ddp(pl_module: pl.LightningModule, names: list[str]) -> None:
+        ignore = getattr(DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model", None)
+        if ignore is None:
+            raise RuntimeError(
+                "this torch has no DistributedDataParallel._set_params_and_buffers_to_ignore_for_model, "
+                "needed to keep tables out of DDP; use method='s2' with dense-gradient embeddings"
+            )
+        already = list(getattr(pl_module, "_ddp_params_and_buffers_to_ignore", []))
+        ignore(pl_module, sorted(set(already) | set(names)))
+
+    def _install_global_norm_clipping(self, trainer: pl.Trainer, group: dist.ProcessGroup | None) -> None:
+        """Gradient-norm clipping must see the whole sharded tables, not this rank's columns:
+        otherwise ranks clip by different factors and the replicated weights drift apart."""
+        precision = trainer.strategy.precision_plugin
+        shards = {id(table.shard) for table in self.sharded_tables.values()}
+
+        def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+            parameters = [p for group_ in optimizer.param_groups for p in group_["params"] if p.grad is not None]
+            replicated_sq = torch.zeros((), dtype=torch.float64)
+            sharded_sq = torch.zeros(1, dtype=torch.float64)
+            for parameter in parameters:
+                square = parameter.grad.detach().double().norm() ** 2
+                if id(parameter) in shards:
+                    sharded_sq += square
+                else:
+                    replicated_sq += square
+            dist.all_reduce(sharded_sq, group=group)
+            total = math.sqrt(replicated_sq.item() + sharded_sq.item())
+            scale = min(1.0, clip_val / (total + _CLIP_EPSILON))
+            for parameter in parameters:
+                parameter.grad.mul_(scale)
+
+        precision.clip_grad_by_norm = clip_grad_by_norm
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._active:
+            return
+        strategy = trainer.strategy
+        if self.bandwidth_gbit is not None:
+            network = NetworkModel.from_gbit(self.bandwidth_gbit, self.latency_us)
+        else:
+            measured = _measure_bandwidth(data_parallel_group(strategy))
+            network = NetworkModel(measured.bandwidth_bytes_per_s, self.latency_us * 1e-6)
+            log.info("SparseCommunication: measured %.3g Gbit/s", network.bandwidth_bytes_per_s * 8 / 1e9)
+        for reducer in (self.hook_reducer, self.excluded_reducer):
+            if reducer is not None:
+                reducer.network = network
+        if self.hook_reducer is None or not self.hook_reducer.tables:
+            return
+        model = strategy.model
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(f"expected the strategy to have wrapped the model in DDP, found {type(model).__name__}")
+        if getattr(strategy, "_ddp_comm_hook", None) is not None:
+            raise ValueError(
+                "the DDPStrategy already has ddp_comm_hook set and DDP accepts one hook per model; "
+                "remove ddp_comm_hook from the strategy or drop SparseCommunication"
+            )
+        model.register_comm_hook(self.hook_reducer, s2_comm_hook)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if not self.excluded_tables or self.excluded_reducer is None:
+            return
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        tables = [(name, p) for name, p in self.excluded_tables.items() if id(p) in in_optimizer]
+        reduced = self.excluded_reducer.reduce_now([(name, p.grad, p.shape) for name, p in tables])
+        for (_, parameter), gradient in zip(tables, reduced):
+            parameter.grad = gradient
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.ledger is None:
+            return
+        for category, wire in self.ledger.snapshot().items():
+            pl_module.log(f"sparse_comm/{category}_wire_mb", wire / 1e6, on_step=True, reduce_fx="max")
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Replace each rank-local EmbRace slice by the full table (gathered on every rank)."""
+        state = checkpoint.get("state_dict")
+        for name, table in self.sharded_tables.items():
+            full = table.full_weight()
+            if state is None:
+                continue
+            state.pop(f"{name}.shard", None)
+            state[f"{name}.weight"] = full
+            for head in tied_head_names(pl_module, table):
+                state[f"{head}.weight"] = full
+
+    def state_dict(self) -> dict[str, Any]:
+        frozen = sorted(self.hook_reducer._frozen_dense) if self.hook_reducer is not None else []
+        return {
+            "method": self.method,
+            "mode": self.mode,
+            "seed": self.sketch.seed,
+            "sketch_rows": self.sketch.num_rows,
+            "column_factor": self.column_factor,
+            "frozen_dense": frozen,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the hash seed and sketch shape, so a resumed run hashes as before."""
+        self.sketch = CountSketch(int(state_dict["sketch_rows"]), int(state_dict["seed"]))
+        self.column_factor = float(state_dict["column_factor"])
+        self._restored_frozen = set(state_dict.get("frozen_dense", []))
+        for reducer in (self.hook_reducer, self.excluded_reducer):
+            if reducer is not None:
+                reducer.sketch = self.sketch
+                reducer._frozen_dense.update(self._restored_frozen)

@@ -1,0 +1,109 @@
+"""Hydra ``moe`` options: DeepSpeed-MoE, Pro-Prophet and FasterMoE-style shadowing.
+
+``apply`` swaps a Mixtral-style model's sparse blocks before any process exists; the
+layers attach their expert groups lazily, and :meth:`ProphetMoEConfig.build_callbacks`
+returns the callback that prepares them for DDP and logs balance metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import lightning.pytorch as pl
+from torch import nn
+
+from lightning_merak.config import MoEConfig, register_option
+
+__all__ = ["DeepSpeedMoEConfig", "ProphetMoEConfig", "ShadowingMoEConfig", "register"]
+
+
+@dataclass
+class ProphetMoEConfig(MoEConfig):
+    """Swap sparse blocks for ``lightning_merak.plugins.moe.MoE`` (Pro-Prophet placement by default)."""
+
+    name: str = "prophet"
+    ep_size: int = 2
+    num_experts: Optional[int] = None
+    k: Optional[int] = None
+    capacity_factor: float = 1.0
+    drop_tokens: bool = False
+    dispatch: str = "dropless"
+    placement: str = "pro_prophet"
+    lancet_chunks: str = "auto"
+    lancet_backward: bool = True
+    overlap_transfer: bool = True
+    replan_every: int = 1
+    replan_threshold: Optional[float] = None
+    exclude_fewest: int = 0
+    slots_per_rank: Optional[int] = None
+    alpha: float = 0.25
+    aux_loss_coef: float = 0.01
+    log_every_n_steps: int = 10
+
+    def _chunks(self) -> int | str:
+        if self.lancet_chunks == "auto":
+            return "auto"
+        if not str(self.lancet_chunks).isdigit() or int(self.lancet_chunks) < 1:
+            raise ValueError(f"moe.lancet_chunks={self.lancet_chunks!r}: use auto or a positive integer")
+        return int(self.lancet_chunks)
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        from lightning_merak.plugins.moe.layer import MoEOptions
+        from lightning_merak.plugins.moe.swap import swap_sparse_moe_blocks
+
+        config = getattr(model, "config", None)
+        model_experts = getattr(config, "num_local_experts", None)
+        model_k = getattr(config, "num_experts_per_tok", None)
+        if self.num_experts is not None and self.num_experts != model_experts:
+            raise ValueError(
+                f"moe.num_experts={self.num_experts} but the model has {model_experts} experts per layer; "
+                f"set model.config.num_local_experts={self.num_experts} or drop moe.num_experts"
+            )
+        if self.k is not None and self.k != model_k:
+            raise ValueError(f"moe.k={self.k} but the model routes top-{model_k}; set model.config.num_experts_per_tok")
+        options = MoEOptions(
+            dispatch=self.dispatch, placement=self.placement, lancet_chunks=self._chunks(),
+            lancet_backward=self.lancet_backward, overlap_transfer=self.overlap_transfer,
+            replan_every=self.replan_every, replan_threshold=self.replan_threshold,
+            exclude_fewest=self.exclude_fewest, slots_per_rank=self.slots_per_rank, alpha=self.alpha,
+        )
+        options.validate(self.drop_tokens)
+        swap_sparse_moe_blocks(
+            model, self.ep_size, options, capacity_factor=self.capacity_factor,
+            drop_tokens=self.drop_tokens, aux_loss_coef=self.aux_loss_coef,
+        )
+        return model
+
+    def build_callbacks(self) -> list[pl.Callback]:
+        from lightning_merak.plugins.moe.callback import MoEPlacementCallback
+
+        return [MoEPlacementCallback(log_every_n_steps=self.log_every_n_steps)]
+
+
+@dataclass
+class DeepSpeedMoEConfig(ProphetMoEConfig):
+    """Plain DeepSpeed-MoE behaviour: capacity-padded dispatch, no replication, no chunking."""
+
+    name: str = "deepspeed"
+    dispatch: str = "capacity"
+    drop_tokens: bool = True
+    placement: str = "none"
+    lancet_chunks: str = "1"
+    capacity_factor: float = 1.25
+
+
+@dataclass
+class ShadowingMoEConfig(ProphetMoEConfig):
+    """FasterMoE-style shadowing baseline: hot experts broadcast to every rank."""
+
+    name: str = "shadowing"
+    placement: str = "shadowing"
+    lancet_chunks: str = "1"
+
+
+def register() -> None:
+    """Register ``moe=prophet``, ``moe=deepspeed`` and ``moe=shadowing`` (called by the lead's set-up)."""
+    register_option("moe", "prophet", ProphetMoEConfig)
+    register_option("moe", "deepspeed", DeepSpeedMoEConfig)
+    register_option("moe", "shadowing", ShadowingMoEConfig)

@@ -1,0 +1,327 @@
+"""Drop-in replacement for ``deepspeed.moe.layer.MoE`` with placement and overlap options.
+
+``MoE`` builds DeepSpeed's own layer (same constructor, same ``TopKGate`` and
+``Experts``, same parameter attributes and group names) and swaps its
+``deepspeed_moe`` for :class:`PlacementMOELayer`, a ``MOELayer`` subclass. DeepSpeed's
+engine still finds and configures it (``set_deepspeed_parallelism``); without an
+engine (plain DDP, or a model swapped before the processes exist) it creates and
+attaches its expert groups lazily on its first forward, which every rank runs in
+the same layer order.
+
+Per call: the gate routes the full local batch (DeepSpeed's decisions, k = 1 or 2);
+the per-rank counts are all-gathered over the EP group (one small collective, one
+host sync); the plan computed from the previous call's counts decides which rows
+stay local on replica ranks; rows go through :class:`~.executor.ExchangeFunction`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from deepspeed.moe.layer import MoE as DeepSpeedMoE
+from deepspeed.moe.sharded_moe import MOELayer, TopKGate
+from torch import nn
+
+from lightning_merak.plugins.moe.cost_model import CostModel
+from lightning_merak.plugins.moe.dispatch import ExchangeLayout, decode, encode
+from lightning_merak.plugins.moe.executor import (
+    ExchangeFunction,
+    ExpertExchange,
+    ReplicaTransfer,
+    TransferScheduler,
+    flatten_params,
+)
+from lightning_merak.plugins.moe.groups import ExpertGroups, ensure_expert_groups
+from lightning_merak.plugins.moe.lancet import choose_chunks
+from lightning_merak.plugins.moe.placement import Padding, PlacementPlan
+from lightning_merak.plugins.moe.planner import plan_pro_prophet
+from lightning_merak.plugins.moe.profile import profile_cost_model
+from lightning_merak.plugins.moe.shadowing import plan_shadowing
+
+__all__ = ["MoE", "MoEOptions", "PlacementMOELayer"]
+
+DispatchPath = Literal["capacity", "dropless"]
+PlacementPolicy = Literal["none", "pro_prophet", "shadowing"]
+
+_GATE_TAKES_SPARSE_ROUTES = "sparse_routes" in inspect.signature(TopKGate.forward).parameters
+_PROFILED: dict[tuple[Any, ...], CostModel] = {}
+_LAYER_TAG_STRIDE = 1 << 16
+
+
+@dataclass
+class MoEOptions:
+    """What this layer adds to DeepSpeed's: dispatch path, placement policy, overlap."""
+
+    dispatch: DispatchPath = "capacity"
+    placement: PlacementPolicy = "none"
+    lancet_chunks: Union[int, str] = 1
+    lancet_backward: bool = True
+    overlap_transfer: bool = True
+    replan_every: int = 1
+    replan_threshold: Optional[float] = None
+    exclude_fewest: int = 0
+    slots_per_rank: Optional[int] = None
+    alpha: float = 0.25
+
+    def validate(self, drop_tokens: bool) -> None:
+        if self.dispatch not in ("capacity", "dropless"):
+            raise ValueError(f"dispatch={self.dispatch!r}: choose 'capacity' or 'dropless'")
+        if self.placement not in ("none", "pro_prophet", "shadowing"):
+            raise ValueError(f"placement={self.placement!r}: choose 'none', 'pro_prophet' or 'shadowing'")
+        if self.dispatch == "dropless" and drop_tokens:
+            raise ValueError("dispatch='dropless' never drops tokens; pass drop_tokens=False")
+        if self.lancet_chunks != "auto" and not (isinstance(self.lancet_chunks, int) and self.lancet_chunks >= 1):
+            raise ValueError(f"lancet_chunks={self.lancet_chunks!r}: use 'auto' or an integer >= 1")
+        if self.replan_every < 1:
+            raise ValueError(f"replan_every={self.replan_every} must be at least 1")
+        if self.exclude_fewest < 0 or (self.slots_per_rank is not None and self.slots_per_rank < 1):
+            raise ValueError("exclude_fewest must be >= 0 and slots_per_rank >= 1 (or None)")
+
+
+def _routes_from_dense(combine_weights: torch.Tensor, dispatch_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """DeepSpeed ≤0.19.3 gates return dense ``[S, E, C]`` tensors; turn them into ``[k, S]`` routes."""
+    num_tokens, _, capacity = dispatch_mask.shape
+    flags, slots = dispatch_mask.reshape(num_tokens, -1).float().topk(k, dim=1)
+    kept = flags > 0
+    indices = torch.where(kept, slots // capacity, torch.full_like(slots, -1))
+    gates = combine_weights.reshape(num_tokens, -1).gather(1, slots) * kept
+    return indices.t(), (slots % capacity).t(), gates.t(), torch.tensor(capacity)
+
+
+class PlacementMOELayer(MOELayer):
+    """DeepSpeed's ``MOELayer`` with dropless dispatch, expert replication and chunked overlap."""
+
+    def __init__(
+        self,
+        gate: nn.Module,
+        experts: nn.Module,
+        ep_group_name: str,
+        ep_size: int,
+        num_local_experts: int,
+        options: MoEOptions,
+        cost_model: CostModel | None = None,
+        scheduler: TransferScheduler | None = None,
+        data_parallel_groups: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        super().__init__(gate, experts, ep_group_name, ep_size, num_local_experts)
+        options.validate(getattr(gate, "drop_tokens", True))
+        self.options = options
+        self.num_experts = ep_size * num_local_experts
+        self.cost_model = cost_model
+        self.scheduler = scheduler if scheduler is not None else TransferScheduler()
+        self.layer_index = self.scheduler.register(self)
+        self.data_parallel_groups = data_parallel_groups
+        self.groups: ExpertGroups | None = None
+        self.plan = PlacementPlan(self.num_experts, ep_size)
+        self._plan_counts: list[list[int]] | None = None
+        self._calls = 0
+        self.stats: dict[str, Any] = {}
+
+    @property
+    def ep_rank(self) -> int:
+        return self.groups.ep_ranks.index(dist.get_rank()) if self.groups is not None else 0
+
+    def _attach(self) -> None:
+        if self.ep_size == 1 or self.groups is not None:
+            return
+        self.groups = ensure_expert_groups(self.ep_size, self.ep_group_name, self.data_parallel_groups)
+        if self.ep_group is None:
+            self._set_ep_group(self.groups.ep_group)
+
+    def _needs_cost_model(self) -> bool:
+        return self.options.placement != "none" or self.options.lancet_chunks == "auto"
+
+    def _ensure_cost_model(self, like: torch.Tensor) -> CostModel:
+        if self.cost_model is None:
+            expert = self.experts.deepspeed_experts[0]
+            ranks = tuple(self.groups.ep_ranks) if self.groups else (0,)
+            key = (ranks, like.size(-1), like.dtype, like.device.type, sum(p.numel() for p in expert.parameters()))
+            if key not in _PROFILED:
+                group = self.groups.ep_group if self.groups else None
+                _PROFILED[key] = profile_cost_model(
+                    expert, like.size(-1), self.num_local_experts, group, list(ranks), like.dtype, like.device)
+            self.cost_model = _PROFILED[key]
+        return self.cost_model
+
+    def _gate(self, tokens: torch.Tensor, used_token: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        if _GATE_TAKES_SPARSE_ROUTES:
+            l_aux, capacity, _, indices, locations, gates, counts = self.gate(
+                tokens, used_token, sparse_routes=True, use_tutel=False)
+            return l_aux, capacity, indices, locations, gates, counts
+        l_aux, combine_weights, dispatch_mask, counts = self.gate(tokens, used_token, use_tutel=False)
+        indices, locations, gates, capacity = _routes_from_dense(combine_weights, dispatch_mask, self.gate.k)
+        return l_aux, capacity, indices, locations, gates, counts
+
+    def _gather_counts(self, local: torch.Tensor) -> list[list[int]]:
+        local = local.to(torch.int64).reshape(1, -1)
+        if self.ep_size == 1:
+            return local.tolist()
+        gathered = [torch.empty_like(local) for _ in range(self.ep_size)]
+        dist.all_gather(gathered, local, group=self.ep_group)
+        return torch.cat(gathered).tolist()
+
+    def _padding(self, capacity: torch.Tensor) -> Padding:
+        if self.options.dispatch == "dropless":
+            return Padding("dropless")
+        if self.gate.drop_tokens:
+            return Padding("fixed", int(capacity))
+        return Padding("max")
+
+    def _chunks(self, counts: list[list[int]], padding: Padding) -> int:
+        if self.ep_size == 1:
+            return 1
+        if self.options.lancet_chunks == "auto":
+            return choose_chunks(self.cost_model, counts, self.plan, padding)
+        return int(self.options.lancet_chunks)
+
+    def start_trans(self) -> ReplicaTransfer | None:
+        """Post this layer's parameter transfers for its current plan (None when nothing moves)."""
+        if not self.plan.replications or self.groups is None:
+            return None
+        first = self.ep_rank * self.num_local_experts
+        local = self.experts.deepspeed_experts
+        owned = {rep.expert: flatten_params(local[rep.expert - first]) for rep in self.plan.owned_by(self.ep_rank)}
+        template = local[0]
+        return ReplicaTransfer.start_trans(
+            self.plan, self.ep_rank, self.groups.ep_ranks, self.groups.transfer_group,
+            self.layer_index * _LAYER_TAG_STRIDE, owned, sum(p.numel() for p in template.parameters()),
+            next(template.parameters()).detach())
+
+    def _start_agg(self, plan: PlacementPlan) -> Any:
+        template = self.experts.deepspeed_experts[0]
+        numel = sum(p.numel() for p in template.parameters())
+        like = next(template.parameters()).detach()
+
+        def start(replica_grads: dict[int, torch.Tensor]) -> ReplicaTransfer:
+            if not plan.replications or self.groups is None:
+                return ReplicaTransfer(plan)
+            return ReplicaTransfer.start_agg(
+                plan, self.ep_rank, self.groups.ep_ranks, self.groups.transfer_group,
+                self.layer_index * _LAYER_TAG_STRIDE, replica_grads, numel, like)
+
+        return start
+
+    def _next_plan(self, counts: list[list[int]], padding: Padding) -> PlacementPlan:
+        policy = self.options.placement
+        if policy == "none" or self.ep_size == 1:
+            return self.plan
+        if policy == "shadowing":
+            return plan_shadowing(counts, self.cost_model)
+        due = self._calls % self.options.replan_every == 0
+        if not due and self.options.replan_threshold is not None and self._plan_counts is not None:
+            before = sum(map(sum, self._plan_counts))
+            drift = sum(abs(a - b) for ra, rb in zip(counts, self._plan_counts) for a, b in zip(ra, rb))
+            due = drift > self.options.replan_threshold * max(before, 1)
+        if not due:
+            return self.plan
+        self._plan_counts = counts
+        return plan_pro_prophet(
+            counts, self.cost_model, padding, exclude_fewest=self.options.exclude_fewest,
+            alpha=self.options.alpha, slots_per_rank=self.options.slots_per_rank)
+
+    def forward(self, *input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        hidden = input[0]
+        used_token = input[1] if len(input) > 1 else None
+        self._attach()
+        if self._needs_cost_model():
+            self._ensure_cost_model(hidden)
+        tokens = hidden.reshape(-1, hidden.size(-1))
+        self.l_aux, capacity, indices, locations, gates, self.exp_counts = self._gate(tokens, used_token)
+        counts = self._gather_counts(self.exp_counts)
+        padding = self._padding(capacity)
+        chunks = self._chunks(counts, padding)
+        layout = ExchangeLayout.build(self.ep_rank, counts, self.plan, padding, self.num_local_experts, chunks)
+        rows = layout.route_rows(indices, locations)
+        routed_in = encode(tokens, rows, layout.num_rows)
+
+        stats: dict[str, Any] = {}
+        transfer = self.scheduler.take(self, stats) if self.options.overlap_transfer else None
+        if transfer is None:
+            transfer = self.start_trans()
+        received = transfer.wait(stats, "exposed_trans_s") if transfer is not None else {}
+        params = [p for expert in self.experts.deepspeed_experts for p in expert.parameters()]
+        build_graph = torch.is_grad_enabled() and (routed_in.requires_grad or any(p.requires_grad for p in params))
+        exchange = ExpertExchange(
+            layout=layout,
+            group=self.ep_group,
+            experts=list(self.experts.deepspeed_experts),
+            replica_params={e: bufs[0] for e, bufs in received.items()},
+            agg_start=self._start_agg(self.plan),
+            lancet_backward=self.options.lancet_backward,
+            after_first_dispatch=(lambda: self.scheduler.prefetch_after(self))
+            if self.options.overlap_transfer else (lambda: None),
+            stats=stats,
+        )
+        routed_out = ExchangeFunction.apply(exchange, build_graph, routed_in, *params)
+        output = decode(routed_out, rows, gates)
+
+        stats.update(
+            counts=counts,
+            plan=self.plan,
+            chunks=chunks,
+            padding=padding,
+            dropped_routes=int((indices < 0).sum()),
+            routed_rows=layout.num_rows,
+        )
+        self.stats = stats
+        self._calls += 1
+        self.plan = self._next_plan(counts, padding)
+        return output.reshape(hidden.shape)
+
+
+class MoE(DeepSpeedMoE):
+    """``deepspeed.moe.layer.MoE`` with ``dispatch``, ``placement`` and Lancet options.
+
+    Extra keyword arguments (see :class:`MoEOptions`): ``dispatch`` "capacity" (DeepSpeed's
+    padded all-to-all) or "dropless" (split-size all-to-all, needs ``drop_tokens=False``);
+    ``placement`` "none", "pro_prophet" or "shadowing"; ``lancet_chunks`` an int or "auto";
+    ``cost_model`` to skip on-machine profiling; ``scheduler`` shared by a model's layers so
+    layer i+1's transfers overlap layer i; ``data_parallel_groups`` to carve EP groups from a
+    3D layout's data-parallel ranks.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        expert: nn.Module,
+        num_experts: int = 1,
+        ep_size: int = 1,
+        k: int = 1,
+        capacity_factor: float = 1.0,
+        eval_capacity_factor: float = 1.0,
+        min_capacity: int = 4,
+        use_residual: bool = False,
+        noisy_gate_policy: Optional[str] = None,
+        drop_tokens: bool = True,
+        use_rts: bool = True,
+        use_tutel: bool = False,
+        enable_expert_tensor_parallelism: bool = False,
+        top2_2nd_expert_sampling: bool = True,
+        *,
+        options: MoEOptions | None = None,
+        cost_model: CostModel | None = None,
+        scheduler: TransferScheduler | None = None,
+        data_parallel_groups: Sequence[Sequence[int]] | None = None,
+        **option_kwargs: Any,
+    ) -> None:
+        if ep_size < 1 or num_experts % ep_size:
+            raise ValueError(f"ep_size={ep_size} does not divide num_experts={num_experts}; pick a divisor")
+        if k not in (1, 2):
+            raise ValueError(f"k={k}: only top-1 and top-2 gating are supported (DeepSpeed's TopKGate paths)")
+        if use_tutel or enable_expert_tensor_parallelism:
+            raise ValueError("use_tutel and enable_expert_tensor_parallelism are not supported; set them to False")
+        options = options if options is not None else MoEOptions(**option_kwargs)
+        options.validate(drop_tokens)
+        if options.placement != "none" and ep_size == 1:
+            raise ValueError(f"placement={options.placement!r} needs ep_size > 1 (nothing to replicate to)")
+        super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
+                         min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, False, False,
+                         top2_2nd_expert_sampling)
+        stock = self.deepspeed_moe
+        self.deepspeed_moe = PlacementMOELayer(
+            stock.gate, stock.experts, stock.ep_group_name, ep_size, self.num_local_experts, options,
+            cost_model=cost_model, scheduler=scheduler, data_parallel_groups=data_parallel_groups)

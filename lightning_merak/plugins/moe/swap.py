@@ -1,0 +1,141 @@
+"""Swap the sparse-MoE blocks of a transformers-v5 Mixtral-style model for our ``MoE``.
+
+The model is not edited: each ``*SparseMoeBlock`` (a router with ``weight [E, H]`` and
+fused experts ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``) is replaced by a
+:class:`SwappedSparseBlock` computing the same function (Mixtral's renormalised top-k
+equals DeepSpeed's top-2 gate without second-expert sampling; with ``drop_tokens``
+False nothing is dropped). The swap runs before processes exist, so each block keeps
+the original expert weights until it knows its EP rank, then keeps only its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from lightning_merak.plugins.moe.cost_model import CostModel
+from lightning_merak.plugins.moe.executor import TransferScheduler
+from lightning_merak.plugins.moe.layer import MoE, MoEOptions
+
+__all__ = ["SwappedSparseBlock", "SwiGLUExpert", "swap_sparse_moe_blocks"]
+
+
+class SwiGLUExpert(nn.Module):
+    """One Mixtral expert: ``down(act(gate(x)) * up(x))`` with a fused gate/up projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu") -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act = ACT2FN[activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
+
+
+class _AuxLossGradient(torch.autograd.Function):
+    """Identity on the output that also back-propagates ``d(coef·l_aux)/dθ = coef``.
+
+    The model's loss stays the language-model loss (so logged losses are comparable),
+    while the router still receives the load-balancing gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad.device)
+
+
+class SwappedSparseBlock(nn.Module):
+    """Drop-in for a ``*SparseMoeBlock``: ``forward(hidden [B, T, H]) -> hidden``."""
+
+    def __init__(self, moe: MoE, original_experts: dict[str, torch.Tensor], aux_loss_coef: float) -> None:
+        super().__init__()
+        self.moe = moe
+        self.aux_loss_coef = aux_loss_coef
+        self._original_experts: dict[str, torch.Tensor] | None = original_experts
+        self.last_aux_loss: torch.Tensor | None = None
+
+    def materialize(self) -> None:
+        """Attach EP groups (collective) and keep only this rank's experts' original weights."""
+        if self._original_experts is None:
+            return
+        layer = self.moe.deepspeed_moe
+        layer._attach()
+        first = layer.ep_rank * layer.num_local_experts
+        with torch.no_grad():
+            for j, expert in enumerate(layer.experts.deepspeed_experts):
+                expert.gate_up.weight.copy_(self._original_experts["gate_up_proj"][first + j])
+                expert.down.weight.copy_(self._original_experts["down_proj"][first + j])
+        self._original_experts = None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        self.materialize()
+        output, aux_loss, _ = self.moe(hidden_states)
+        self.last_aux_loss = aux_loss.detach()
+        if self.training and self.aux_loss_coef > 0 and torch.is_grad_enabled():
+            output = _AuxLossGradient.apply(output, aux_loss * self.aux_loss_coef)
+        return output
+
+
+def _is_sparse_block(module: nn.Module) -> bool:
+    return (
+        type(module).__name__.endswith("SparseMoeBlock")
+        and hasattr(getattr(module, "gate", None), "weight")
+        and hasattr(getattr(module, "experts", None), "gate_up_proj")
+    )
+
+
+def swap_sparse_moe_blocks(
+    model: nn.Module,
+    ep_size: int,
+    options: MoEOptions,
+    *,
+    capacity_factor: float = 1.0,
+    drop_tokens: bool = False,
+    min_capacity: int = 0,
+    aux_loss_coef: float = 0.01,
+    cost_model: CostModel | None = None,
+) -> list[SwappedSparseBlock]:
+    """Replace every Mixtral-style sparse block of ``model`` in place; return the new blocks."""
+    config = getattr(model, "config", None)
+    targets = [(name, module) for name, module in model.named_modules() if _is_sparse_block(module)]
+    if not targets:
+        raise ValueError(
+            f"{type(model).__name__} has no Mixtral-style sparse MoE block (a *SparseMoeBlock with a router "
+            "and fused gate_up_proj/down_proj experts); build it with model=mixtral_tiny or a Mixtral config"
+        )
+    scheduler = TransferScheduler()
+    swapped = []
+    for name, block in targets:
+        num_experts, intermediate, hidden = block.experts.down_proj.shape[0], block.experts.down_proj.shape[2], \
+            block.experts.down_proj.shape[1]
+        k = int(block.top_k)
+        if num_experts % ep_size:
+            raise ValueError(f"ep_size={ep_size} does not divide num_experts={num_experts} of {name}")
+        activation = getattr(config, "hidden_act", "silu")
+        moe = MoE(
+            hidden, SwiGLUExpert(hidden, intermediate, activation), num_experts=num_experts, ep_size=ep_size, k=k,
+            capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor, min_capacity=min_capacity,
+            drop_tokens=drop_tokens, use_rts=False, top2_2nd_expert_sampling=False, options=options,
+            cost_model=cost_model, scheduler=scheduler,
+        )
+        with torch.no_grad():
+            moe.deepspeed_moe.gate.wg.weight.copy_(block.gate.weight)
+        original = {
+            "gate_up_proj": block.experts.gate_up_proj.detach().clone(),
+            "down_proj": block.experts.down_proj.detach().clone(),
+        }
+        new_block = SwappedSparseBlock(moe, original, aux_loss_coef)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new_block)
+        swapped.append(new_block)
+    return swapped

@@ -1,0 +1,100 @@
+"""A Mixtral-style tiny model, swapped to our MoE (ep_size=2), trains under Lightning DDP on 2 gloo
+ranks exactly like the original single-process model on the union of the ranks' batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_merak.config import ModelConfig, TrainerConfig
+from lightning_merak.testing import run_distributed
+
+STEPS, BATCH, SEQ, VOCAB = 5, 4, 16, 64
+MODEL = ModelConfig(name="mixtral_test", model_type="mixtral", config=dict(
+    hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False))
+OPTIM = TrainerConfig(max_steps=STEPS, learning_rate=3e-3, warmup_steps=2)
+
+
+def _model() -> torch.nn.Module:
+    from lightning_merak.models import build_causal_lm
+
+    torch.manual_seed(0)
+    return build_causal_lm(MODEL, VOCAB)
+
+
+def _batches(rank: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(10 + rank)
+    return torch.randint(0, VOCAB, (STEPS * BATCH, SEQ), generator=generator)
+
+
+class _Recorder(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def train_swapped(rank: int, world_size: int, options: dict[str, Any]) -> dict[str, Any]:
+    from lightning_merak.models import CausalLMModule
+    from lightning_merak.plugins.moe.hydra_options import ProphetMoEConfig
+    from lightning_merak.plugins.moe.swap import SwappedSparseBlock
+
+    config = ProphetMoEConfig(ep_size=2, aux_loss_coef=0.0, log_every_n_steps=1, **options)
+    model = config.apply(_model())
+    module = CausalLMModule(model, OPTIM)
+    recorder = _Recorder()
+    moe_callback = config.build_callbacks()[0]
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS, gradient_clip_val=None, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, callbacks=[recorder, moe_callback],
+    )
+    trainer.fit(module, DataLoader(TensorDataset(_batches(rank)), batch_size=BATCH))
+    blocks = [m for m in model.modules() if isinstance(m, SwappedSparseBlock)]
+    return {
+        "losses": recorder.losses,
+        "dense": model.model.layers[0].self_attn.q_proj.weight.detach().clone(),
+        "expert": blocks[0].moe.deepspeed_moe.experts.deepspeed_experts[0].gate_up.weight.detach().clone(),
+        "history": moe_callback.history[0][1],
+        "logged": sorted(k for k in trainer.callback_metrics if k.startswith("moe/")),
+    }
+
+
+def _reference_losses() -> list[float]:
+    from lightning_merak.models import CausalLMModule
+
+    module = CausalLMModule(_model(), OPTIM)
+    setup = module.configure_optimizers()
+    optimizer, scheduler = setup["optimizer"], setup["lr_scheduler"]["scheduler"]
+    data = [_batches(rank) for rank in range(2)]
+    losses = []
+    for step in range(STEPS):
+        batch = torch.cat([d[step * BATCH:(step + 1) * BATCH] for d in data])
+        optimizer.zero_grad()
+        loss = module.compute_loss((batch,))
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.timeout(240)
+def test_mixtral_tiny_trains_like_the_original_under_lightning_ddp() -> None:
+    options = dict(dispatch="dropless", placement="pro_prophet", lancet_chunks="2")
+    results = run_distributed(train_swapped, 2, args=(options,), timeout_s=200)
+    reference = _reference_losses()
+    mean_losses = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"])]
+    assert len(mean_losses) == STEPS
+    for step, (ours, expected) in enumerate(zip(mean_losses, reference)):
+        assert abs(ours - expected) < 1e-4 * abs(expected), f"step {step}: {ours} vs reference {expected}"
+    assert torch.equal(results[0]["dense"], results[1]["dense"]), "dense parameters diverged across ranks"
+    assert not torch.equal(results[0]["expert"], results[1]["expert"]), "each EP rank must hold different experts"
+    assert len(results[0]["history"]) == STEPS
+    assert {"moe/layer0/rb", "moe/layer0/maxvio", "moe/layer0/aux_loss"} <= set(results[0]["logged"])

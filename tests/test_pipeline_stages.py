@@ -1,0 +1,119 @@
+"""Tracing unmodified models and cutting them into stages: chained stages reproduce the logits."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+    MistralForCausalLM,
+)
+
+from lightning_merak.models import logits_of
+from lightning_merak.strategies.pipeline import partition_autopipe, partition_uniform
+from lightning_merak.strategies.pipeline.stage import build_stage_module, tied_parameter_names
+from lightning_merak.strategies.pipeline.trace import TraceError, trace_model
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, 4, batch_first=True)
+        self.feed_forward = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attention(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.feed_forward(self.norm2(x))
+
+
+class UserTransformer(nn.Module):
+    """A causal LM written by hand, as a user would: embeddings, a ModuleList of blocks, a head."""
+
+    def __init__(self, vocab: int = 100, width: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, width)
+        self.positions = nn.Parameter(torch.randn(64, width) * 0.02)
+        self.blocks = nn.ModuleList(_Block(width) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        length = ids.shape[1]
+        mask = torch.triu(torch.full((length, length), float("-inf")), 1)
+        x = self.embedding(ids) + self.positions[:length]
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.norm(x))
+
+
+def _models() -> dict[str, nn.Module]:
+    torch.manual_seed(0)
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "vocab_size": 100, "use_cache": False}
+    return {
+        "llama": LlamaForCausalLM(LlamaConfig(**small, num_key_value_heads=2)),
+        "mistral": MistralForCausalLM(MistralConfig(**small, num_key_value_heads=2)),
+        "gpt2": GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=4, n_head=4, vocab_size=100, use_cache=False)),
+        "bert": BertForMaskedLM(BertConfig(**small)),
+        "user": UserTransformer(),
+    }
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gpt2", "bert", "user"])
+@pytest.mark.parametrize("boundaries", [(0, 3), (0, 1, 4, 5), (0, 5), (0, 2, 3, 4)])
+def test_chained_stages_reproduce_the_logits(name, boundaries):
+    model = _models()[name].eval()
+    inputs = torch.randint(100, (2, 16))
+    with torch.no_grad():
+        expected = logits_of(model(inputs))
+        trace = trace_model(model, inputs, profile=False)
+        outputs: tuple = (inputs,)
+        for index in range(len(boundaries)):
+            stage = build_stage_module(copy.deepcopy(model), trace, boundaries, index, lambda m, x: m(x))
+            result = stage(*outputs)
+            outputs = result if isinstance(result, tuple) else (result,)
+    torch.testing.assert_close(outputs[0], expected, rtol=0, atol=1e-6)
+
+
+def test_each_stage_holds_only_its_parameters():
+    model = _models()["llama"]
+    trace = trace_model(model, torch.randint(100, (2, 8)), profile=False)
+    stages = [build_stage_module(copy.deepcopy(model), trace, (0, 3), i, lambda m, x: m(x)) for i in range(2)]
+    names = [{stage.original_name(n) for n, _ in stage.named_parameters()} for stage in stages]
+    assert not names[0] & names[1]
+    assert names[0] | names[1] == {n for n, _ in model.named_parameters()}
+    assert "model.embed_tokens.weight" in names[0] and "lm_head.weight" in names[1]
+
+
+def test_tied_embeddings_are_found_by_identity():
+    assert tied_parameter_names(_models()["gpt2"]) == [("transformer.wte.weight", "lm_head.weight")]
+    assert tied_parameter_names(_models()["llama"]) == []
+
+
+def test_profile_counts_the_heavy_head_and_partitions_it():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,
+                                         use_cache=False))
+    trace = trace_model(model, torch.randint(4096, (4, 32)))
+    head = trace.costs[-1]
+    assert head.name == "suffix" and head.param_bytes == 4096 * 32 * 4 + 32 * 4
+    assert head.forward_s > 0 and head.backward_s > 0 and all(c.saved_bytes >= 0 for c in trace.costs)
+    uniform = partition_uniform(trace.costs, 2)
+    balanced = partition_autopipe(trace.costs, 2, num_microbatches=4)
+    assert max(balanced.stage_forward_s) <= max(uniform.stage_forward_s) + 1e-12
+
+
+def test_kv_cache_arguments_are_refused():
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=100))
+    with pytest.raises(TraceError, match="use_cache = False"):
+        trace_model(model, torch.randint(100, (1, 4)), profile=False)
+
+
+def test_model_without_block_list_is_refused():
+    with pytest.raises(TraceError, match="no nn.ModuleList of repeated blocks"):
+        trace_model(nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10)), torch.randint(10, (1, 4)))

@@ -1,0 +1,116 @@
+"""SparseCommunication inside real Lightning DDP runs (2 gloo ranks): training matches dense DDP."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_merak.callbacks.sparse_comm import ShardedEmbedding, SparseCommunication
+from lightning_merak.testing import run_distributed
+
+VOCAB, DIM, SEQ, STEPS = 4096, 16, 16, 8
+
+
+class TokenModel(pl.LightningModule):
+    """Next-token model with a large table: what the callback is for."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.mix = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+        self.losses: list[float] = []
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        logits = self.head(torch.tanh(self.mix(self.embed(tokens[:, :-1]))))
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def _fit(tied: bool, callback: SparseCommunication | None, checkpoint: Path | None = None) -> dict[str, object]:
+    pl.seed_everything(0, verbose=False)
+    model = TokenModel(tied)
+    generator = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randint(0, VOCAB, (STEPS * 2 * 8, SEQ + 1), generator=generator))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS, gradient_clip_val=1.0,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[callback] if callback else [],
+    )
+    trainer.fit(model, DataLoader(data, batch_size=8))
+    result: dict[str, object] = {"losses": model.losses, "mix": model.mix.weight.detach().clone()}
+    if callback is not None and callback.ledger is not None:
+        result["wire"] = callback.ledger.snapshot()
+        result["decisions"] = list(callback.hook_reducer.decision_log) if callback.hook_reducer else []
+    if checkpoint is not None:
+        trainer.save_checkpoint(checkpoint)
+        assert isinstance(model.embed, ShardedEmbedding)
+        result["full_table"] = model.embed.full_weight()
+    return result
+
+
+def lightning_runs(rank: int, world_size: int, checkpoint: str) -> dict[str, dict[str, object]]:
+    torch.use_deterministic_algorithms(True)
+    return {
+        "dense": _fit(False, None),
+        "s2": _fit(False, SparseCommunication("s2", min_table_rows=1000)),
+        "auto": _fit(False, SparseCommunication("auto", min_table_rows=1000, bandwidth_gbit=1.0)),
+        "sketch": _fit(False, SparseCommunication("s2", mode="sketch", column_factor=1.0, min_table_rows=1000)),
+        "embrace": _fit(False, SparseCommunication("embrace", min_table_rows=1000), Path(checkpoint)),
+        "dense_tied": _fit(True, None),
+        "embrace_tied": _fit(True, SparseCommunication("embrace", min_table_rows=1000)),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, dict[str, object]]], Path]:
+    checkpoint = tmp_path_factory.mktemp("sparse_comm") / "embrace.ckpt"
+    return run_distributed(lightning_runs, 2, args=(str(checkpoint),), timeout_s=240), checkpoint
+
+
+@pytest.mark.parametrize(("candidate", "reference", "rtol"), [
+    ("s2", "dense", 1e-6), ("auto", "dense", 1e-6), ("embrace", "dense", 1e-4), ("embrace_tied", "dense_tied", 1e-4),
+])
+def test_training_curves_match_dense_ddp(runs, candidate: str, reference: str, rtol: float) -> None:
+    for rank_runs in runs[0]:
+        torch.testing.assert_close(rank_runs[candidate]["losses"], rank_runs[reference]["losses"], rtol=rtol, atol=0)
+
+
+def test_sketch_mode_trains_close_to_dense(runs) -> None:
+    for rank_runs in runs[0]:
+        final, dense_final = rank_runs["sketch"]["losses"][-1], rank_runs["dense"]["losses"][-1]
+        assert abs(final - dense_final) / dense_final < 0.02
+
+
+def test_replicated_weights_stay_identical_across_ranks(runs) -> None:
+    rank0, rank1 = runs[0]
+    for name in ("s2", "auto", "sketch", "embrace", "embrace_tied"):
+        assert torch.equal(rank0[name]["mix"], rank1[name]["mix"]), name
+
+
+def test_sparse_methods_move_fewer_embedding_bytes_and_auto_explains_itself(runs) -> None:
+    rank0 = runs[0][0]
+    assert rank0["s2"]["wire"]["embedding"] > 0
+    assert any("union" in reason for reason in rank0["auto"]["decisions"])
+
+
+def test_embrace_checkpoint_holds_the_full_table_and_the_seed(runs) -> None:
+    results, checkpoint = runs
+    saved = torch.load(checkpoint, weights_only=False)
+    assert "embed.shard" not in saved["state_dict"]
+    torch.testing.assert_close(saved["state_dict"]["embed.weight"], results[0]["embrace"]["full_table"])
+    (state,) = [v for k, v in saved["callbacks"].items() if "SparseCommunication" in k]
+    assert state["seed"] == 0
