@@ -1,6 +1,23 @@
-"""Layers and plugins used by lightning-merak's strategies and callbacks."""
+"""Layers and plugins used by lightning-merak's strategies and callbacks.
 
-from lightning_merak.plugins.moe import MoE, MoEOptions, PlacementMOELayer, TransferScheduler
-from lightning_merak.plugins.moe.swap import swap_sparse_moe_blocks
+The MoE layer pulls in DeepSpeed, so it is imported on first use rather than with the package.
+"""
 
-__all__ = ["MoE", "MoEOptions", "PlacementMOELayer", "TransferScheduler", "swap_sparse_moe_blocks"]
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "MoE": "lightning_merak.plugins.moe",
+    "MoEOptions": "lightning_merak.plugins.moe",
+    "PlacementMOELayer": "lightning_merak.plugins.moe",
+    "TransferScheduler": "lightning_merak.plugins.moe",
+    "swap_sparse_moe_blocks": "lightning_merak.plugins.moe.swap",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,34 +1,29 @@
-"""DeepSpeed-MoE drop-in with Pro-Prophet placement, Lancet overlap and a FasterMoE baseline."""
+"""DeepSpeed-MoE drop-in with Pro-Prophet placement, Lancet overlap and a FasterMoE baseline.
 
-from lightning_merak.plugins.moe.cost_model import CommCurve, CostModel, CostTerms
-from lightning_merak.plugins.moe.executor import TransferScheduler
-from lightning_merak.plugins.moe.groups import ExpertGroups, carve_expert_groups, ensure_expert_groups
-from lightning_merak.plugins.moe.lancet import choose_chunks, pipelined_time
-from lightning_merak.plugins.moe.layer import MoE, MoEOptions, PlacementMOELayer
-from lightning_merak.plugins.moe.placement import Padding, PlacementPlan, Replication, block_rows, rank_loads
-from lightning_merak.plugins.moe.planner import plan_pro_prophet
-from lightning_merak.plugins.moe.profile import profile_cost_model
-from lightning_merak.plugins.moe.shadowing import plan_shadowing
+Names are imported on first use: the layer pulls in DeepSpeed, which the pure planner, the
+cost model and the Hydra options do not need.
+"""
 
-__all__ = [
-    "CommCurve",
-    "CostModel",
-    "CostTerms",
-    "ExpertGroups",
-    "MoE",
-    "MoEOptions",
-    "Padding",
-    "PlacementMOELayer",
-    "PlacementPlan",
-    "Replication",
-    "TransferScheduler",
-    "block_rows",
-    "carve_expert_groups",
-    "choose_chunks",
-    "ensure_expert_groups",
-    "pipelined_time",
-    "plan_pro_prophet",
-    "plan_shadowing",
-    "profile_cost_model",
-    "rank_loads",
-]
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "CommCurve": "cost_model", "CostModel": "cost_model", "CostTerms": "cost_model",
+    "TransferScheduler": "executor",
+    "ExpertGroups": "groups", "carve_expert_groups": "groups", "ensure_expert_groups": "groups",
+    "choose_chunks": "lancet", "pipelined_time": "lancet",
+    "MoE": "layer", "MoEOptions": "layer", "PlacementMOELayer": "layer",
+    "Padding": "placement", "PlacementPlan": "placement", "Replication": "placement",
+    "block_rows": "placement", "rank_loads": "placement",
+    "plan_pro_prophet": "planner",
+    "profile_cost_model": "profile",
+    "plan_shadowing": "shadowing",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
