@@ -99,6 +99,10 @@ class CausalLMModule(pl.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.log("val/loss", self.compute_loss(batch), prog_bar=True, sync_dist=True)
 
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """Logits of the batch's inputs."""
+        return self(self.split_batch(batch)[0])
+
     def configure_optimizers(self) -> dict[str, Any]:
         decay, no_decay = [], []
         for param in self.model.parameters():

@@ -51,7 +51,7 @@ class _TestModule(CausalLMModule):
         return _make_optimizer(self.model.parameters(), self.optimizer_kind)
 
 
-def _reference(model_name: str, optimizer_kind: str = "sgd") -> TrainingTrace:
+def _reference(model_name: str, optimizer_kind: str = "sgd", clip: float | None = None) -> TrainingTrace:
     module = _module(model_name)
     optimizer = _make_optimizer(module.model.parameters(), optimizer_kind)
     trace = TrainingTrace()
@@ -59,6 +59,8 @@ def _reference(model_name: str, optimizer_kind: str = "sgd") -> TrainingTrace:
         optimizer.zero_grad()
         loss = module.compute_loss((batch,))
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(module.model.parameters(), clip)
         trace.append(loss.item(), snapshot_gradients(module.model))
         optimizer.step()
     return trace
@@ -70,7 +72,9 @@ class _Recorder(pl.Callback):
         self.losses: list[float] = []
         self.gradients: list[dict[str, torch.Tensor]] = []
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """Loss and the gradients as the optimizer used them (after clipping)."""
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
         model = pl_module.model
         grads = {}
         for name, param in model.named_parameters():
@@ -82,9 +86,6 @@ class _Recorder(pl.Callback):
                 grad = trainer.strategy.to_original_layout(original, grad.full_tensor())
             grads[self.canonical.get(original, original)] = grad.detach().clone()
         self.gradients.append(grads)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(float(trainer.callback_metrics["train/loss"]))
 
 
 class _ShardedData(pl.LightningDataModule):
@@ -104,14 +105,14 @@ class _ShardedData(pl.LightningDataModule):
 
 def _train_rank(rank: int, world_size: int, model_name: str, layout: dict, first_step: int = 0,
                 last_step: int = STEPS, epochs: int = 1, optimizer: str = "sgd", save_to: str | None = None,
-                resume_from: str | None = None) -> tuple[list[float], list[dict]]:
+                resume_from: str | None = None, clip: float | None = None) -> tuple[list[float], list[dict]]:
     module = _module(model_name, optimizer)
     recorder = _Recorder(tied_parameter_names(module.model))
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120),
         max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        use_distributed_sampler=False, callbacks=[recorder],
+        use_distributed_sampler=False, callbacks=[recorder], gradient_clip_val=clip,
     )
     trainer.fit(module, datamodule=_ShardedData(first_step, last_step), ckpt_path=resume_from)
     if save_to is not None:
@@ -174,3 +175,26 @@ def test_recompute_replays_dropout_exactly():
     recomputed = _merge(run_distributed(_train_rank, 2, args=("gpt2_dropout", {**plain, "recompute": "full"}),
                                         timeout_s=300))
     assert_traces_match(kept, recomputed, loss_rtol=1e-6, grad_rtol=1e-6)
+
+
+def _predict_rank(rank: int, world_size: int, layout: dict) -> torch.Tensor:
+    module = _module("llama")
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120),
+                         logger=False, enable_progress_bar=False, enable_model_summary=False)
+    loader = DataLoader(TensorDataset(_batches()[0]), batch_size=BATCH)
+    return torch.cat(trainer.predict(module, dataloaders=loader))
+
+
+def test_predict_through_the_pipeline_matches_the_model():
+    layout = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1, "micro_batches": 2}
+    with torch.no_grad():
+        expected = _module("llama")(_batches()[0])
+    for logits in run_distributed(_predict_rank, 2, args=(layout,), timeout_s=300):
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_clipping_spans_all_stages_and_shards():
+    """The norm is taken over every stage and tensor-parallel shard, as clip_grad_norm_ does on one process."""
+    layout = LAYOUTS[4]
+    results = run_distributed(_train_rank, 4, args=("gpt2", layout), kwargs={"clip": 0.05}, timeout_s=300)
+    assert_traces_match(_reference("gpt2", clip=0.05), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)

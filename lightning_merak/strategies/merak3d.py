@@ -446,6 +446,7 @@ class Merak3DStrategy(ParallelStrategy):
         self._schedule = schedule_class(pipeline_stage, self.micro_batches, loss_fn=module.loss_from_logits,
                                         scale_grads=True)
         module.compute_loss = self._pipeline_loss
+        module.forward = self._pipeline_forward
 
     # Steps ------------------------------------------------------------------------------
 
@@ -479,6 +480,34 @@ class Merak3DStrategy(ParallelStrategy):
         last_rank = dist.get_global_rank(pp_mesh.get_group(), self.pipeline_parallel - 1)
         dist.broadcast(loss, src=last_rank, group=pp_mesh.get_group())
         return loss
+
+    def _pipeline_forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Logits of a whole batch through every stage (no gradients); the same on every rank.
+
+        This is what ``module(inputs)`` runs once the model is pipelined, so ``predict_step``
+        and inference code keep working; training goes through ``compute_loss``.
+        """
+        if torch.is_grad_enabled() and self.lightning_module.training:
+            raise RuntimeError(
+                "with pipeline_parallel>1 the module's forward runs only without gradients (predict, "
+                "inference); training_step must call self.compute_loss(batch)"
+            )
+        stage: PipelineStageModule = self.lightning_module.model
+        self._micro_batch(inputs)
+        args = (inputs,) if stage.is_first else ()
+        # The schedule scores every micro-batch on the last stage; the inputs stand in for the
+        # targets and those losses are discarded.
+        scoring = {"target": inputs, "losses": []} if stage.is_last else {}
+        with torch.no_grad():
+            output = self._schedule.eval(*args, **scoring)
+        pp_group = self.device_mesh["pp"].get_group()
+        last_rank = dist.get_global_rank(pp_group, self.pipeline_parallel - 1)
+        header = [(tuple(output.shape), output.dtype) if stage.is_last else None]
+        dist.broadcast_object_list(header, src=last_rank, group=pp_group)
+        shape, dtype = header[0]
+        logits = output if stage.is_last else torch.empty(shape, dtype=dtype, device=self.root_device)
+        dist.broadcast(logits, src=last_rank, group=pp_group)
+        return logits
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
