@@ -170,7 +170,7 @@ def test_recompute_matches_single_process(recompute):
 
 def test_recompute_replays_dropout_exactly():
     """With dropout on, recomputed blocks draw the same masks: identical to keeping activations."""
-    plain = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1}
+    plain = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1, "partition": "uniform"}
     kept = _merge(run_distributed(_train_rank, 2, args=("gpt2_dropout", plain), timeout_s=300))
     recomputed = _merge(run_distributed(_train_rank, 2, args=("gpt2_dropout", {**plain, "recompute": "full"}),
                                         timeout_s=300))
@@ -198,3 +198,21 @@ def test_gradient_clipping_spans_all_stages_and_shards():
     layout = LAYOUTS[4]
     results = run_distributed(_train_rank, 4, args=("gpt2", layout), kwargs={"clip": 0.05}, timeout_s=300)
     assert_traces_match(_reference("gpt2", clip=0.05), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
+
+
+def test_shifted_critical_path_equals_1f1b():
+    """Same losses and gradients as the reference, on 2 and on 3 stages."""
+    for world_size in (2, 3):
+        layout = {"data_parallel": 1, "pipeline_parallel": world_size, "tensor_parallel": 1,
+                  "schedule": "shifted_critical_path", "micro_batches": 4}
+        results = run_distributed(_train_rank, world_size, args=("llama", layout), timeout_s=300)
+        assert_traces_match(_reference("llama"), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
+
+
+def test_shifted_critical_path_replays_dropout_exactly():
+    plain = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1, "micro_batches": 4,
+             "partition": "uniform"}
+    kept = _merge(run_distributed(_train_rank, 2, args=("gpt2_dropout", plain), timeout_s=300))
+    shifted = _merge(run_distributed(
+        _train_rank, 2, args=("gpt2_dropout", {**plain, "schedule": "shifted_critical_path"}), timeout_s=300))
+    assert_traces_match(kept, shifted, loss_rtol=1e-6, grad_rtol=1e-6)

@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
+from lightning_merak.strategies.pipeline.schedules import ScheduleShiftedCriticalPath, shifted_schedule_available
 from lightning_merak.strategies.pipeline.stage import PipelineStageModule, build_stage_module, tied_parameter_names
 from lightning_merak.strategies.pipeline.trace import ModelTrace, find_trunk, trace_model
 from lightning_merak.strategies.tensor_parallel import (
@@ -51,7 +52,7 @@ from lightning_merak.strategies.tensor_parallel import (
 
 __all__ = ["Merak3DStrategy"]
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "shifted_critical_path")
 RECOMPUTE_MODES = ("none", "full", "stage_aware")
 PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
 Degree = Union[int, Literal["auto"]]
@@ -77,7 +78,8 @@ class Merak3DStrategy(ParallelStrategy):
         pipeline_parallel: pipeline stages the model is cut into.
         tensor_parallel: ranks each transformer block is split over.
         micro_batches: micro-batches per batch in the pipeline schedule (default: 2 × stages).
-        schedule: ``"1f1b"`` or ``"gpipe"``.
+        schedule: ``"1f1b"``, ``"gpipe"`` or ``"shifted_critical_path"`` (Merak: cool-down forwards
+            keep no activations and are recomputed while their gradients are in flight).
         recompute: ``"none"``, ``"full"`` (every block) or ``"stage_aware"`` (Merak: stage i of
             S recomputes a fraction 1 − (1 − r)(S − 1)/(S − 1 − i) of its blocks, the last none).
         recompute_ratio: r above, the fraction recomputed on the first stage.
@@ -109,6 +111,11 @@ class Merak3DStrategy(ParallelStrategy):
                 raise ValueError(f"{name}={value!r} must be a positive integer or 'auto'")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is not supported; choose one of {', '.join(SCHEDULES)}")
+        if schedule == "shifted_critical_path" and not shifted_schedule_available():
+            raise ValueError(
+                "schedule='shifted_critical_path' needs pipelining internals this torch does not have; "
+                "use schedule='1f1b' or the tested torch 2.13"
+            )
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute={recompute!r} is not supported; choose one of {', '.join(RECOMPUTE_MODES)}")
         if not 0.0 <= recompute_ratio <= 1.0:
@@ -441,7 +448,13 @@ class Merak3DStrategy(ParallelStrategy):
             stage, self.pipeline_rank, self.pipeline_parallel, self.root_device,
             group=self.device_mesh["pp"].get_group(),
         )
-        schedule_class = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[self.schedule]
+        if self.micro_batches < self.pipeline_parallel:
+            raise ValueError(
+                f"micro_batches={self.micro_batches} is smaller than pipeline_parallel={self.pipeline_parallel}; "
+                "single-stage schedules need at least one micro-batch per stage"
+            )
+        schedule_class = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
+                          "shifted_critical_path": ScheduleShiftedCriticalPath}[self.schedule]
         module = self.lightning_module
         self._schedule = schedule_class(pipeline_stage, self.micro_batches, loss_fn=module.loss_from_logits,
                                         scale_grads=True)

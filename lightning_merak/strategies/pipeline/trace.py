@@ -205,8 +205,15 @@ def trace_model(
 ) -> ModelTrace:
     """Record ``model`` on ``sample_inputs`` (one micro-batch) and, with ``profile``, measure every node.
 
-    Returns the trace with ``costs`` = [prefix, block 0 … block n−1, suffix].
+    Returns the trace with ``costs`` = [prefix, block 0 … block n−1, suffix]. The random
+    number generators are left as they were, so tracing does not change a run's dropout masks.
     """
+    with torch.random.fork_rng(devices=[]):
+        return _trace(model, sample_inputs, call_model, profile, profile_repeats)
+
+
+def _trace(model: nn.Module, sample_inputs: torch.Tensor, call_model: Callable[[nn.Module, torch.Tensor], Any],
+           profile: bool, profile_repeats: int) -> ModelTrace:
     trunk_path, trunk = find_trunk(model)
     recording = _record(model, call_model, sample_inputs, trunk)
     block_calls = recording["blocks"]
