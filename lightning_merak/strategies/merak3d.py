@@ -324,7 +324,7 @@ class Merak3DStrategy(ParallelStrategy):
         inputs, _ = module.split_batch(batch)
         micro = self._micro_batch(inputs)
         pp, tp = self.pipeline_parallel, self.tensor_parallel
-        trace = trace_model(model, micro, _call_model, profile=pp > 1)
+        trace = trace_model(model, micro, _call_model, profile=pp > 1 and self.global_rank == 0)
         trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
         plan = self._tensor_parallel_plan(trunk[0], trace) if tp > 1 else None
         if pp > 1:
@@ -481,13 +481,13 @@ class Merak3DStrategy(ParallelStrategy):
             parameters = [p for p in stage.parameters() if p.requires_grad]
             for param in parameters:
                 param.grad = None
-            self._schedule.step(*args, **kwargs)
+            self._schedule.step(*args, return_outputs=False, **kwargs)
             self._pending_gradients = [(param, param.grad) for param in parameters]
             for param in parameters:
                 param.grad = None
         else:
             with torch.no_grad():
-                self._schedule.eval(*args, **kwargs)
+                self._schedule.eval(*args, return_outputs=False, **kwargs)
         loss = torch.stack([l.detach() for l in losses]).mean() if stage.is_last else torch.zeros((), device=self.root_device)
         pp_mesh = self.device_mesh["pp"]
         last_rank = dist.get_global_rank(pp_mesh.get_group(), self.pipeline_parallel - 1)

@@ -19,6 +19,7 @@ saved for backward), giving the :class:`BlockCost` list the partitioner balances
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -155,11 +156,14 @@ def _suffix_chain(after_trunk: list[tuple[str, tuple, Any]], hidden: torch.Tenso
 
 
 def _timed(fn: Callable[[], Any], repeats: int) -> float:
+    """Median time of ``repeats`` calls after one warm-up call: robust to a busy machine."""
     fn()
-    start = time.perf_counter()
+    times = []
     for _ in range(repeats):
+        start = time.perf_counter()
         fn()
-    return (time.perf_counter() - start) / repeats
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _measure(run: Callable[[], torch.Tensor], params: list[nn.Parameter], repeats: int) -> tuple[float, float, int]:
@@ -201,7 +205,7 @@ def trace_model(
     sample_inputs: torch.Tensor,
     call_model: Callable[[nn.Module, torch.Tensor], Any] = lambda model, ids: model(ids),
     profile: bool = True,
-    profile_repeats: int = 2,
+    profile_repeats: int = 5,
 ) -> ModelTrace:
     """Record ``model`` on ``sample_inputs`` (one micro-batch) and, with ``profile``, measure every node.
 
