@@ -49,6 +49,10 @@ def test_two_process_smoke_run(tmp_path):
         (["trainer.max_step=5"], "Key 'max_step' not in 'TrainerConfig'"),
         (["trainer.accelerator=gpu"], "GPU(s); set trainer.devices"),
         (["strategy.name=ddpp"], "is not a registered strategy"),
+        (["trainer.devices=3", "strategy.tensor_parallel=3"], "tensor_parallel=3 does not divide num_attention_heads=4"),
+        (["strategy.data_parallel=3"], "world size 2 is not divisible by the fixed degrees"),
+        (["trainer.devices=8", "strategy.pipeline_parallel=8"], "pipeline_parallel=8 exceeds the 6 nodes"),
+        (["strategy.schedule=zigzag"], "schedule='zigzag' is not supported"),
     ],
 )
 def test_bad_input_fails_before_training(overrides, message, tmp_path):

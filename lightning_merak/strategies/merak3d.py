@@ -66,6 +66,15 @@ def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 
+def _check_stage_count(pipeline_parallel: int, num_blocks: int) -> None:
+    nodes = num_blocks + 2
+    if pipeline_parallel > nodes:
+        raise ValueError(
+            f"pipeline_parallel={pipeline_parallel} exceeds the {nodes} nodes of the model "
+            f"(embedding, {num_blocks} blocks, head); use pipeline_parallel<={nodes}"
+        )
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -200,12 +209,7 @@ class Merak3DStrategy(ParallelStrategy):
         model = getattr(module, "model", None)
         check_tensor_parallel_degree(getattr(model, "config", None), tp)
         if pp > 1 and isinstance(model, nn.Module):
-            num_blocks = len(find_trunk(model)[1])
-            if pp > num_blocks + 2:
-                raise ValueError(
-                    f"pipeline_parallel={pp} exceeds the {num_blocks + 2} nodes of the model "
-                    f"(embedding, {num_blocks} blocks, head); use pipeline_parallel<={num_blocks + 2}"
-                )
+            _check_stage_count(pp, len(find_trunk(model)[1]))
 
     # Processes ----------------------------------------------------------------------------
 
@@ -328,11 +332,7 @@ class Merak3DStrategy(ParallelStrategy):
         trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
         plan = self._tensor_parallel_plan(trunk[0], trace) if tp > 1 else None
         if pp > 1:
-            if pp > trace.num_blocks + 2:
-                raise ValueError(
-                    f"pipeline_parallel={pp} exceeds the {trace.num_blocks + 2} nodes of the model "
-                    f"(embedding, {trace.num_blocks} blocks, head); use pipeline_parallel<={trace.num_blocks + 2}"
-                )
+            _check_stage_count(pp, trace.num_blocks)
             tied = tied_parameter_names(model)
             self.partition = self._agree_on_partition(trace)
             stage = build_stage_module(model, trace, self.partition.boundaries, self.pipeline_rank, _call_model)
