@@ -18,6 +18,7 @@ _EXPORTS = {
     "plan_pro_prophet": "planner",
     "profile_cost_model": "profile",
     "plan_shadowing": "shadowing",
+    "swap_sparse_moe_blocks": "swap",
 }
 
 __all__ = sorted(_EXPORTS)
