@@ -27,6 +27,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_merak  # noqa: F401 - importing registers the plugin's strategies
@@ -128,7 +129,7 @@ def train(config: TrainConfig) -> Path:
         logger=loggers,
         default_root_dir=output_dir,
     )
-    if trainer.is_global_zero and data.language is not None:
+    if rank_zero_only.rank == 0 and data.language is not None:
         print(
             f"merak-train: generated language with vocab {data.vocab_size}; "
             f"loss floor (entropy rate) {data.language.entropy_rate:.3f} nats"
