@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_merak.config import ModelConfig, TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
 from lightning_merak.strategies.merak3d import Merak3DStrategy
-from lightning_merak.strategies.pipeline.stage import PipelineStageModule, tied_parameter_names
+from lightning_merak.strategies.pipeline.stage import RankStages, tied_parameter_names
 from lightning_merak.testing import TrainingTrace, assert_traces_match, run_distributed, snapshot_gradients
 
 STEPS, BATCH, SEQ, VOCAB = 5, 8, 16, 96
@@ -80,7 +80,7 @@ class _Recorder(pl.Callback):
         for name, param in model.named_parameters():
             if param.grad is None:
                 continue
-            original = model.original_name(name) if isinstance(model, PipelineStageModule) else name
+            original = model.original_name(name) if isinstance(model, RankStages) else name
             grad = param.grad
             if isinstance(grad, DTensor):
                 grad = trainer.strategy.to_original_layout(original, grad.full_tensor())
@@ -148,14 +148,17 @@ def test_layout_matches_single_process(model_name, layout):
     assert_traces_match(_reference(model_name), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
 
 
-def test_checkpoint_resumes_in_another_layout(tmp_path):
-    """Saved at pp=2 × tp=2 after an epoch of 3 steps, resumed at dp=2: the loss trajectory continues."""
+@pytest.mark.parametrize("model_name", ["llama", "gpt2"])
+def test_checkpoint_resumes_in_another_layout(tmp_path, model_name):
+    """Saved (sharded, torch distributed checkpoint) at pp=2 × tp=2 after an epoch of 3 steps,
+    resumed at dp=2: the loss trajectory continues. GPT-2 adds tied embeddings and fused q/k/v."""
     checkpoint = str(tmp_path / "epoch0.ckpt")
-    reference = _reference("llama", optimizer_kind="adam")
-    first = run_distributed(_train_rank, 4, args=("llama", LAYOUTS[4]), timeout_s=300,
+    reference = _reference(model_name, optimizer_kind="adam")
+    first = run_distributed(_train_rank, 4, args=(model_name, LAYOUTS[4]), timeout_s=300,
                             kwargs={"last_step": 3, "optimizer": "adam", "save_to": checkpoint})
     assert first[0][0] == pytest.approx(reference.losses[:3], rel=1e-5)
-    second = run_distributed(_train_rank, 2, args=("llama", LAYOUTS[0]), timeout_s=300,
+    assert (tmp_path / "epoch0.ckpt" / "lightning.ckpt").is_file()
+    second = run_distributed(_train_rank, 2, args=(model_name, LAYOUTS[0]), timeout_s=300,
                              kwargs={"first_step": 3, "epochs": 2, "optimizer": "adam", "resume_from": checkpoint})
     assert second[0][0] == pytest.approx(reference.losses[3:], rel=1e-5)
 
@@ -216,3 +219,13 @@ def test_shifted_critical_path_replays_dropout_exactly():
     shifted = _merge(run_distributed(
         _train_rank, 2, args=("gpt2_dropout", {**plain, "schedule": "shifted_critical_path"}), timeout_s=300))
     assert_traces_match(kept, shifted, loss_rtol=1e-6, grad_rtol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "interleaved_zero_bubble"])
+@pytest.mark.parametrize("model_name", ["llama", "gpt2"])
+def test_interleaved_schedules_match_single_process(model_name, schedule):
+    """Two ranks running two stages each (stages 0, 2 and 1, 3), round-robin."""
+    layout = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1, "micro_batches": 4,
+              "schedule": schedule, "virtual_stages": 2}
+    results = run_distributed(_train_rank, 2, args=(model_name, layout), timeout_s=180)
+    assert_traces_match(_reference(model_name), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)

@@ -114,6 +114,36 @@ def test_kv_cache_arguments_are_refused():
         trace_model(model, torch.randint(100, (1, 4)), profile=False)
 
 
+class _SkipBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + skip
+
+
+class _LongSkips(nn.Module):
+    """Each block also reads the previous block's input: a skip connection across blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(10, 8)
+        self.blocks = nn.ModuleList(_SkipBlock() for _ in range(3))
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = skip = self.embedding(ids)
+        for block in self.blocks:
+            x, skip = block(x, skip), x
+        return self.head(x)
+
+
+def test_skip_connections_across_blocks_are_refused():
+    with pytest.raises(TraceError, match="block 2 of blocks receives arguments block 0 does not"):
+        trace_model(_LongSkips(), torch.randint(10, (1, 4)), profile=False)
+
+
 def test_model_without_block_list_is_refused():
     with pytest.raises(TraceError, match="no nn.ModuleList of repeated blocks"):
         trace_model(nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10)), torch.randint(10, (1, 4)))

@@ -33,7 +33,7 @@ def test_two_process_smoke_run(tmp_path):
     assert "Starting with 2 processes" in result.stdout + result.stderr
     last_line = result.stdout.strip().splitlines()[-1]
     assert last_line.startswith("merak-train: done. Outputs in") and str(tmp_path) in last_line
-    assert (tmp_path / "checkpoints" / "final.ckpt").is_file()
+    assert (tmp_path / "checkpoints" / "final.ckpt" / "lightning.ckpt").is_file()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     with (tmp_path / "csv" / "metrics.csv").open() as metrics:
         losses = [float(row["train/loss"]) for row in csv.DictReader(metrics) if row.get("train/loss")]
@@ -51,7 +51,7 @@ def test_two_process_smoke_run(tmp_path):
         (["strategy.name=ddpp"], "is not a registered strategy"),
         (["trainer.devices=3", "strategy.tensor_parallel=3"], "tensor_parallel=3 does not divide num_attention_heads=4"),
         (["strategy.data_parallel=3"], "world size 2 is not divisible by the fixed degrees"),
-        (["trainer.devices=8", "strategy.pipeline_parallel=8"], "pipeline_parallel=8 exceeds the 6 nodes"),
+        (["trainer.devices=8", "strategy.pipeline_parallel=8"], "8 pipeline stages (pipeline_parallel × virtual_stages) exceed the 6 nodes"),
         (["strategy.schedule=zigzag"], "schedule='zigzag' is not supported"),
     ],
 )

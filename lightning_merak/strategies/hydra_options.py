@@ -23,6 +23,7 @@ class Merak3DStrategyConfig(StrategyConfig):
     tensor_parallel: Any = 1
     micro_batches: Optional[int] = None
     schedule: str = "1f1b"
+    virtual_stages: int = 2
     recompute: str = "none"
     recompute_ratio: float = 0.5
     partition: str = "autopipe"
@@ -35,6 +36,7 @@ class Merak3DStrategyConfig(StrategyConfig):
             "tensor_parallel": self.tensor_parallel,
             "micro_batches": self.micro_batches,
             "schedule": self.schedule,
+            "virtual_stages": self.virtual_stages,
             "recompute": self.recompute,
             "recompute_ratio": self.recompute_ratio,
             "partition": self.partition,

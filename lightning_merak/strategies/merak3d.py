@@ -20,8 +20,10 @@ recomputation, and the optimizers are rebuilt over the parameters the rank now o
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
+from pathlib import Path
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
@@ -40,7 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from lightning_merak.strategies.pipeline.schedules import ScheduleShiftedCriticalPath, shifted_schedule_available
-from lightning_merak.strategies.pipeline.stage import PipelineStageModule, build_stage_module, tied_parameter_names
+from lightning_merak.strategies.pipeline.stage import RankStages, build_stage_module, tied_parameter_names
 from lightning_merak.strategies.pipeline.trace import ModelTrace, find_trunk, trace_model
 from lightning_merak.strategies.tensor_parallel import (
     LayoutChange,
@@ -52,7 +54,9 @@ from lightning_merak.strategies.tensor_parallel import (
 
 __all__ = ["Merak3DStrategy"]
 
-SCHEDULES = ("1f1b", "gpipe", "shifted_critical_path")
+LIGHTNING_CHECKPOINT = "lightning.ckpt"
+SCHEDULES = ("1f1b", "gpipe", "shifted_critical_path", "interleaved_1f1b", "interleaved_zero_bubble")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")
 RECOMPUTE_MODES = ("none", "full", "stage_aware")
 PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
 Degree = Union[int, Literal["auto"]]
@@ -66,12 +70,12 @@ def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 
-def _check_stage_count(pipeline_parallel: int, num_blocks: int) -> None:
+def _check_stage_count(num_stages: int, num_blocks: int) -> None:
     nodes = num_blocks + 2
-    if pipeline_parallel > nodes:
+    if num_stages > nodes:
         raise ValueError(
-            f"pipeline_parallel={pipeline_parallel} exceeds the {nodes} nodes of the model "
-            f"(embedding, {num_blocks} blocks, head); use pipeline_parallel<={nodes}"
+            f"{num_stages} pipeline stages (pipeline_parallel × virtual_stages) exceed the {nodes} nodes of "
+            f"the model (embedding, {num_blocks} blocks, head); use at most {nodes} stages"
         )
 
 
@@ -87,8 +91,11 @@ class Merak3DStrategy(ParallelStrategy):
         pipeline_parallel: pipeline stages the model is cut into.
         tensor_parallel: ranks each transformer block is split over.
         micro_batches: micro-batches per batch in the pipeline schedule (default: 2 × stages).
-        schedule: ``"1f1b"``, ``"gpipe"`` or ``"shifted_critical_path"`` (Merak: cool-down forwards
-            keep no activations and are recomputed while their gradients are in flight).
+        schedule: ``"1f1b"``, ``"gpipe"``, ``"shifted_critical_path"`` (Merak: cool-down forwards
+            keep no activations and are recomputed while their gradients are in flight) or
+            ``"interleaved_1f1b"`` / ``"interleaved_zero_bubble"`` (each rank runs ``virtual_stages``
+            stages, round-robin; zero-bubble also splits backward into input and weight gradients).
+        virtual_stages: stages per rank for the interleaved schedules.
         recompute: ``"none"``, ``"full"`` (every block) or ``"stage_aware"`` (Merak: stage i of
             S recomputes a fraction 1 − (1 − r)(S − 1)/(S − 1 − i) of its blocks, the last none).
         recompute_ratio: r above, the fraction recomputed on the first stage.
@@ -107,6 +114,7 @@ class Merak3DStrategy(ParallelStrategy):
         tensor_parallel: Degree = 1,
         micro_batches: Optional[int] = None,
         schedule: str = "1f1b",
+        virtual_stages: int = 2,
         recompute: str = "none",
         recompute_ratio: float = 0.5,
         partition: str = "autopipe",
@@ -131,11 +139,16 @@ class Merak3DStrategy(ParallelStrategy):
             raise ValueError(f"recompute_ratio={recompute_ratio} must lie in [0, 1]")
         if partition not in PARTITION_METHODS:
             raise ValueError(f"partition={partition!r} is not supported; choose one of {', '.join(PARTITION_METHODS)}")
+        if virtual_stages < 1 or (schedule in MULTI_STAGE_SCHEDULES and virtual_stages < 2):
+            raise ValueError(
+                f"virtual_stages={virtual_stages} must be at least 2 with schedule={schedule!r} (1 otherwise)"
+            )
         if micro_batches is not None and micro_batches < 1:
             raise ValueError(f"micro_batches={micro_batches} must be at least 1")
         self._degrees: dict[str, Degree] = {"dp": data_parallel, "pp": pipeline_parallel, "tp": tensor_parallel}
         self._micro_batches = micro_batches
         self.schedule = schedule
+        self.virtual_stages = virtual_stages if schedule in MULTI_STAGE_SCHEDULES else 1
         self.recompute = recompute
         self.recompute_ratio = recompute_ratio
         self.partition_method = partition
@@ -209,7 +222,7 @@ class Merak3DStrategy(ParallelStrategy):
         model = getattr(module, "model", None)
         check_tensor_parallel_degree(getattr(model, "config", None), tp)
         if pp > 1 and isinstance(model, nn.Module):
-            _check_stage_count(pp, len(find_trunk(model)[1]))
+            _check_stage_count(pp * self.virtual_stages, len(find_trunk(model)[1]))
 
     # Processes ----------------------------------------------------------------------------
 
@@ -332,16 +345,23 @@ class Merak3DStrategy(ParallelStrategy):
         trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
         plan = self._tensor_parallel_plan(trunk[0], trace) if tp > 1 else None
         if pp > 1:
-            _check_stage_count(pp, trace.num_blocks)
+            num_stages = pp * self.virtual_stages
+            _check_stage_count(num_stages, trace.num_blocks)
             tied = tied_parameter_names(model)
-            self.partition = self._agree_on_partition(trace)
-            stage = build_stage_module(model, trace, self.partition.boundaries, self.pipeline_rank, _call_model)
-            block_indices = list(stage.block_indices)
+            self.partition = self._agree_on_partition(trace, num_stages)
+            stage_ids = [self.pipeline_rank + k * pp for k in range(self.virtual_stages)]
+            copies = [copy.deepcopy(model) for _ in stage_ids[1:]] + [model]
+            stage = RankStages([
+                build_stage_module(copy_, trace, self.partition.boundaries, stage_id, _call_model)
+                for copy_, stage_id in zip(copies, stage_ids)
+            ])
+            local_blocks = {
+                index: part.net.get_submodule(trace.trunk_path)[index] for part in stage for index in part.block_indices
+            }
             self._setup_tied_gradients(stage, tied)
         else:
             stage = None
-            block_indices = list(range(len(trunk)))
-        local_blocks = {index: trunk[index] for index in block_indices}
+            local_blocks = dict(enumerate(trunk))
         if plan is not None and local_blocks:
             self._shard_blocks(local_blocks, trace, plan)
         self._wrap_recompute(list(local_blocks.values()))
@@ -367,17 +387,17 @@ class Merak3DStrategy(ParallelStrategy):
     def pipeline_rank(self) -> int:
         return self.device_mesh["pp"].get_local_rank()
 
-    def _agree_on_partition(self, trace: ModelTrace) -> Any:
+    def _agree_on_partition(self, trace: ModelTrace, num_stages: int) -> Any:
         """Rank 0 partitions its measured costs; every rank uses that partition."""
         from lightning_merak.strategies import pipeline
 
         partition = None
         if self.global_rank == 0:
             partitioners = {
-                "autopipe": lambda: pipeline.partition_autopipe(trace.costs, self.pipeline_parallel, self.micro_batches),
-                "min_max": lambda: pipeline.partition_min_max(trace.costs, self.pipeline_parallel),
-                "parameters": lambda: pipeline.partition_by_parameters(trace.costs, self.pipeline_parallel),
-                "uniform": lambda: pipeline.partition_uniform(trace.costs, self.pipeline_parallel),
+                "autopipe": lambda: pipeline.partition_autopipe(trace.costs, num_stages, self.micro_batches),
+                "min_max": lambda: pipeline.partition_min_max(trace.costs, num_stages),
+                "parameters": lambda: pipeline.partition_by_parameters(trace.costs, num_stages),
+                "uniform": lambda: pipeline.partition_uniform(trace.costs, num_stages),
             }
             partition = partitioners[self.partition_method]()
         partition = self.broadcast(partition, src=0)
@@ -420,7 +440,7 @@ class Merak3DStrategy(ParallelStrategy):
         for block in blocks[:count]:
             block.forward = functools.partial(_checkpointed, block.forward)
 
-    def _setup_tied_gradients(self, stage: PipelineStageModule, tied: list[tuple[str, ...]]) -> None:
+    def _setup_tied_gradients(self, stage: RankStages, tied: list[tuple[str, ...]]) -> None:
         """Groups joining the first and last stage of each replica for every tied parameter."""
         if not tied:
             return
@@ -433,31 +453,44 @@ class Merak3DStrategy(ParallelStrategy):
                 group = dist.new_group(ranks)
                 if self.global_rank in ranks:
                     my_group = group
-        params = dict(stage.named_parameters())
+        params = {stage.original_name(name): param for name, param in stage.named_parameters()}
         for names in tied:
             for name in names:
-                param = params.get(f"net.{name}")
+                param = params.get(name)
                 if param is not None:
                     self._tied_groups.append((my_group, param, stage.is_first))
                     break
 
-    def _start_pipeline(self, stage: PipelineStageModule) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-        pipeline_stage = PipelineStage(
-            stage, self.pipeline_rank, self.pipeline_parallel, self.root_device,
-            group=self.device_mesh["pp"].get_group(),
+    def _start_pipeline(self, stages: RankStages) -> None:
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble,
         )
+
         if self.micro_batches < self.pipeline_parallel:
             raise ValueError(
                 f"micro_batches={self.micro_batches} is smaller than pipeline_parallel={self.pipeline_parallel}; "
-                "single-stage schedules need at least one micro-batch per stage"
+                "pipeline schedules need at least one micro-batch per stage"
             )
-        schedule_class = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
-                          "shifted_critical_path": ScheduleShiftedCriticalPath}[self.schedule]
+        pipeline_stages = [
+            PipelineStage(part, part.stage_index, part.num_stages, self.root_device,
+                          group=self.device_mesh["pp"].get_group())
+            for part in stages
+        ]
         module = self.lightning_module
-        self._schedule = schedule_class(pipeline_stage, self.micro_batches, loss_fn=module.loss_from_logits,
-                                        scale_grads=True)
+        if self.schedule in MULTI_STAGE_SCHEDULES:
+            schedule_class = {"interleaved_1f1b": ScheduleInterleaved1F1B,
+                              "interleaved_zero_bubble": ScheduleInterleavedZeroBubble}[self.schedule]
+            self._schedule = schedule_class(pipeline_stages, self.micro_batches,
+                                            loss_fn=module.loss_from_logits, scale_grads=True)
+        else:
+            schedule_class = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
+                              "shifted_critical_path": ScheduleShiftedCriticalPath}[self.schedule]
+            self._schedule = schedule_class(pipeline_stages[0], self.micro_batches,
+                                            loss_fn=module.loss_from_logits, scale_grads=True)
         module.compute_loss = self._pipeline_loss
         module.forward = self._pipeline_forward
 
@@ -473,7 +506,7 @@ class Merak3DStrategy(ParallelStrategy):
         module = self.lightning_module
         inputs, targets = module.split_batch(batch)
         self._micro_batch(inputs)
-        stage: PipelineStageModule = module.model
+        stage: RankStages = module.model
         args = (inputs,) if stage.is_first else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": targets, "losses": losses} if stage.is_last else {}
@@ -505,7 +538,7 @@ class Merak3DStrategy(ParallelStrategy):
                 "with pipeline_parallel>1 the module's forward runs only without gradients (predict, "
                 "inference); training_step must call self.compute_loss(batch)"
             )
-        stage: PipelineStageModule = self.lightning_module.model
+        stage: RankStages = self.lightning_module.model
         self._micro_batch(inputs)
         args = (inputs,) if stage.is_first else ()
         # The schedule scores every micro-batch on the last stage; the inputs stand in for the
@@ -598,8 +631,11 @@ class Merak3DStrategy(ParallelStrategy):
                 grad.mul_(coefficient)
 
     # Checkpoints ------------------------------------------------------------------------
-    # Checkpoints are consolidated: full tensors under the unsplit model's names, in its
-    # layout, written by rank 0. Any layout can therefore resume any other.
+    # Once the layout is built, a checkpoint is a directory written with torch distributed
+    # checkpoint (each rank writes its own shards, replicas once) plus ``lightning.ckpt``
+    # with the rest of Lightning's checkpoint. Tensors are keyed by the unsplit model's
+    # names, and any layout can load them: on resume the whole model is still unsplit, so
+    # the shards are read into full tensors and the new layout is cut from those.
 
     def to_original_layout(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """``full`` (a gathered parameter-shaped tensor) in the unsplit model's layout."""
@@ -608,56 +644,113 @@ class Merak3DStrategy(ParallelStrategy):
 
     def _original_names(self) -> dict[int, str]:
         model = self.lightning_module.model
-        rename = model.original_name if isinstance(model, PipelineStageModule) else (lambda name: name)
+        rename = model.original_name if isinstance(model, RankStages) else (lambda name: name)
         return {id(param): rename(name) for name, param in model.named_parameters()}
 
-    def _full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if isinstance(tensor, DTensor):
-            return self.to_original_layout(name, tensor.full_tensor()).detach().cpu()
-        return tensor.detach().cpu()
+    def _checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Shards stay DTensors; a shard whose layout sharding changed is saved whole, as the original."""
+        if isinstance(tensor, DTensor) and name in self._layout_changes:
+            return self.to_original_layout(name, tensor.full_tensor()).detach()
+        return tensor.detach()
 
-    def _gather_on_rank_zero(self, local: dict[str, Any]) -> dict[str, Any]:
-        """Rank 0 receives the union of every stage's entries (one replica contributes)."""
-        replica_leader = self.device_mesh["dp"].get_local_rank() == 0 and self.device_mesh["tp"].get_local_rank() == 0
-        gathered: Optional[list[Any]] = [None] * self.world_size if self.global_rank == 0 else None
-        dist.gather_object(local if replica_leader else {}, gathered, dst=0)
-        merged: dict[str, Any] = {}
-        for part in gathered or []:
-            merged.update(part)
-        return merged
+    def _gather_objects(self, local: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, local)
+        return gathered
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         module = self.lightning_module
         if not self._built:
             return module.state_dict()
-        prefix = "model.net." if isinstance(module.model, PipelineStageModule) else "model."
-        local = {}
+        model = module.model
+        state = {}
         for key, value in module.state_dict().items():
-            name = "model." + key[len(prefix):] if key.startswith(prefix) else key
-            local[name] = self._full(name[len("model."):], value)
-        return self._gather_on_rank_zero(local)
+            rest = key[len("model."):]
+            name = model.original_name(rest) if isinstance(model, RankStages) else rest
+            state["model." + name] = self._checkpoint_tensor(name, value)
+        return state
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if not self._built:
             return optimizer.state_dict()
         names = self._original_names()
         state = {
-            names[id(param)]: {key: self._full(names[id(param)], value) if isinstance(value, torch.Tensor)
-                               and value.ndim else value for key, value in optimizer.state[param].items()}
+            names[id(param)]: {key: self._checkpoint_tensor(names[id(param)], value)
+                               if isinstance(value, torch.Tensor) else value
+                               for key, value in optimizer.state[param].items()}
             for group in optimizer.param_groups for param in group["params"] if param in optimizer.state
         }
         groups = [{**{k: v for k, v in group.items() if k != "params"},
                    "params": [names[id(param)] for param in group["params"]]} for group in optimizer.param_groups]
-        merged_state = self._gather_on_rank_zero(state)
-        stage_groups = self._gather_on_rank_zero({f"stage{self.pipeline_rank:04d}": groups})
-        if self.global_rank != 0:
-            return {}
-        per_stage = [stage_groups[key] for key in sorted(stage_groups)]
-        param_groups = [
-            {**per_stage[0][index], "params": [name for stage in per_stage for name in stage[index]["params"]]}
-            for index in range(len(per_stage[0]))
-        ]
-        return {"merak3d_consolidated": True, "state": merged_state, "param_groups": param_groups}
+        return {"state": state, "param_groups": groups}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if not self._built:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        import torch.distributed.checkpoint as dcp
+
+        path = Path(filepath)
+        optimizer_states = checkpoint.pop("optimizer_states", [])
+        tensors = {"model": checkpoint.pop("state_dict"), "optim": {}}
+        layouts = []
+        for index, saved in enumerate(optimizer_states):
+            entries = {}
+            for name, values in saved["state"].items():
+                for key, value in values.items():
+                    tensors["optim"][f"{index}/{name}/{key}"] = value
+                    entries[f"{index}/{name}/{key}"] = (tuple(value.shape), value.dtype) if isinstance(
+                        value, torch.Tensor) else value
+            stage_groups = self._gather_objects((self.pipeline_rank, saved["param_groups"], entries))
+            by_stage = {stage: groups for stage, groups, _ in stage_groups}
+            per_stage = [by_stage[stage] for stage in sorted(by_stage)]
+            layouts.append({
+                "param_groups": [
+                    {**per_stage[0][g], "params": list(dict.fromkeys(
+                        name for groups in per_stage for name in groups[g]["params"]))}
+                    for g in range(len(per_stage[0]))
+                ],
+                "entries": {key: value for _, _, part in stage_groups for key, value in part.items()},
+            })
+        dcp.save(tensors, checkpoint_id=path)
+        if self.global_rank == 0:
+            torch.save({**checkpoint, "merak3d_optimizers": layouts}, path / LIGHTNING_CHECKPOINT)
+        self.barrier()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(checkpoint_path)
+        if not (path.is_dir() and (path / LIGHTNING_CHECKPOINT).is_file()):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        import torch.distributed.checkpoint as dcp
+
+        if self._built:
+            raise RuntimeError(
+                f"{path} is a sharded merak3d checkpoint; load it before the first batch "
+                "(Trainer.fit/validate/predict with ckpt_path=...)"
+            )
+        checkpoint = torch.load(path / LIGHTNING_CHECKPOINT, map_location="cpu", weights_only=False)
+        model_state = {key: value.detach().clone() for key, value in self.lightning_module.state_dict().items()}
+        optim_state: dict[str, Any] = {}
+        for layout in checkpoint["merak3d_optimizers"]:
+            for key, entry in layout["entries"].items():
+                if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], torch.dtype):
+                    optim_state[key] = torch.empty(entry[0], dtype=entry[1])
+                else:
+                    optim_state[key] = entry
+        tensors = {"model": model_state, "optim": optim_state}
+        dcp.load(tensors, checkpoint_id=path)
+        checkpoint["state_dict"] = tensors["model"]
+        checkpoint["optimizer_states"] = []
+        for index, layout in enumerate(checkpoint.pop("merak3d_optimizers")):
+            state: dict[str, dict[str, Any]] = {}
+            for key in layout["entries"]:
+                _, name, field_name = key.split("/", 2)
+                if key.startswith(f"{index}/"):
+                    state.setdefault(name, {})[field_name] = tensors["optim"][key]
+            checkpoint["optimizer_states"].append(
+                {"merak3d_consolidated": True, "state": state, "param_groups": layout["param_groups"]}
+            )
+        return checkpoint
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         states = checkpoint["optimizer_states"]

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_merak.strategies.pipeline.trace import ModelTrace, TraceError
 
-__all__ = ["PipelineStageModule", "build_stage_module", "tied_parameter_names"]
+__all__ = ["PipelineStageModule", "RankStages", "build_stage_module", "tied_parameter_names"]
 
 _NET_PREFIX = "net."
 
@@ -176,3 +176,25 @@ def build_stage_module(
     ends = list(boundaries[1:]) + [num_nodes]
     node_range = range(boundaries[stage_index], ends[stage_index])
     return PipelineStageModule(model, trace, node_range, stage_index, len(boundaries), call_model)
+
+
+class RankStages(nn.ModuleList):
+    """The pipeline stages one rank runs: one, or several with an interleaved schedule.
+
+    Parameter names are ``<k>.net.<original name>``; :meth:`original_name` maps them back.
+    """
+
+    def __init__(self, stages: list[PipelineStageModule]) -> None:
+        super().__init__(stages)
+
+    @property
+    def is_first(self) -> bool:
+        return any(stage.is_first for stage in self)
+
+    @property
+    def is_last(self) -> bool:
+        return any(stage.is_last for stage in self)
+
+    def original_name(self, name: str) -> str:
+        index, _, rest = name.partition(".")
+        return self[int(index)].original_name(rest)

@@ -138,6 +138,24 @@ def _record(model: nn.Module, call_model: Callable[[nn.Module, torch.Tensor], An
     return {"blocks": block_calls, "after_trunk": after_trunk, "logits": logits}
 
 
+def _check_blocks_share_arguments(trunk_path: str, block_calls: list[tuple[tuple, dict, Any]]) -> None:
+    """Every block must read the same side values; a block that reads another block's output
+    (a skip connection across blocks) cannot be cut into stages that carry only shared values."""
+    first_leaves, first_spec = tree_flatten((tuple(block_calls[0][0][1:]), dict(block_calls[0][1])))
+    for index, (args, kwargs, _) in enumerate(block_calls[1:], start=1):
+        leaves, spec = tree_flatten((tuple(args[1:]), dict(kwargs)))
+        same = spec == first_spec and all(
+            (a is b) or (isinstance(a, torch.Tensor) and _same_tensor(a, b)) or (
+                not isinstance(a, torch.Tensor) and a == b)
+            for a, b in zip(leaves, first_leaves)
+        )
+        if not same:
+            raise TraceError(
+                f"block {index} of {trunk_path} receives arguments block 0 does not (a skip connection "
+                "across blocks?); merak3d carries only the hidden state and values shared by all blocks"
+            )
+
+
 def _suffix_chain(after_trunk: list[tuple[str, tuple, Any]], hidden: torch.Tensor, logits: torch.Tensor) -> list[str]:
     chain: list[str] = []
     current = hidden
@@ -227,6 +245,7 @@ def _trace(model: nn.Module, sample_inputs: torch.Tensor, call_model: Callable[[
             "merak3d needs every block to run exactly once per forward"
         )
     first_args, first_kwargs, first_output = block_calls[0]
+    _check_blocks_share_arguments(trunk_path, block_calls)
     hidden_in = first_args[0] if first_args else None
     if not isinstance(hidden_in, torch.Tensor):
         raise TraceError(f"blocks of {trunk_path} must take the hidden state as their first positional argument")
