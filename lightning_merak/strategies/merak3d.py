@@ -24,7 +24,6 @@ import copy
 import functools
 import math
 from pathlib import Path
-from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -780,15 +779,15 @@ class Merak3DStrategy(ParallelStrategy):
         optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def _local_like(self, param: nn.Parameter, name: str, value: Any) -> Any:
-        if not isinstance(value, torch.Tensor) or value.shape != param.shape and not isinstance(param, DTensor):
+        """A saved full optimizer-state entry placed like ``param`` (sharded, in its layout)."""
+        if not isinstance(value, torch.Tensor) or value.ndim == 0:
+            return value
+        change = self._layout_changes.get(name)
+        full = change.from_original(value) if change else value
+        if full.shape != param.shape:
             return value
         if isinstance(param, DTensor):
             from torch.distributed.tensor import distribute_tensor
 
-            change = self._layout_changes.get(name)
-            full = change.from_original(value) if change else value
             return distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
-        return value.to(param.device)
-
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Any:
-        return nullcontext()
+        return full.to(param.device)
