@@ -139,7 +139,7 @@ def _run_policy(policy: str, setup: Setup, rank: int, world: int) -> dict[str, A
     import torch
     import torch.distributed as dist
 
-    from lightning_merak.plugins.moe import Padding, PlacementPlan
+    from lightning_merak.plugins.moe import Padding
     from lightning_merak.plugins.moe.layer import PlacementMOELayer
 
     blocks = _build(policy, setup, world)

@@ -21,15 +21,6 @@ from lightning_merak.testing import TrainingTrace, assert_traces_match, run_dist
 STEPS = 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two shared cores: more intra-op threads than cores makes tiny models 40x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class TraceRecorder(pl.Callback):
     """Loss and full gradients per optimizer step, as a :class:`TrainingTrace`."""
 

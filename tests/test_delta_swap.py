@@ -21,15 +21,6 @@ from lightning_merak.callbacks.delta.runtime import ManagerOptions, MemoryManage
 from lightning_merak.callbacks.delta.swap import DiskTier, HostTier, SwapManager
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two shared cores: more intra-op threads than cores makes tiny models 40x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 

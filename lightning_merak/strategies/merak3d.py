@@ -521,10 +521,14 @@ class Merak3DStrategy(ParallelStrategy):
             with torch.no_grad():
                 self._schedule.eval(*args, return_outputs=False, **kwargs)
         loss = torch.stack([l.detach() for l in losses]).mean() if stage.is_last else torch.zeros((), device=self.root_device)
-        pp_mesh = self.device_mesh["pp"]
-        last_rank = dist.get_global_rank(pp_mesh.get_group(), self.pipeline_parallel - 1)
-        dist.broadcast(loss, src=last_rank, group=pp_mesh.get_group())
+        pp_group, last_rank = self._last_stage_source()
+        dist.broadcast(loss, src=last_rank, group=pp_group)
         return loss
+
+    def _last_stage_source(self) -> tuple[dist.ProcessGroup, int]:
+        """This replica's pipeline group and the global rank of its last stage, which broadcasts results."""
+        pp_group = self.device_mesh["pp"].get_group()
+        return pp_group, dist.get_global_rank(pp_group, self.pipeline_parallel - 1)
 
     def _pipeline_forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Logits of a whole batch through every stage (no gradients); the same on every rank.
@@ -545,8 +549,7 @@ class Merak3DStrategy(ParallelStrategy):
         scoring = {"target": inputs, "losses": []} if stage.is_last else {}
         with torch.no_grad():
             output = self._schedule.eval(*args, **scoring)
-        pp_group = self.device_mesh["pp"].get_group()
-        last_rank = dist.get_global_rank(pp_group, self.pipeline_parallel - 1)
+        pp_group, last_rank = self._last_stage_source()
         header = [(tuple(output.shape), output.dtype) if stage.is_last else None]
         dist.broadcast_object_list(header, src=last_rank, group=pp_group)
         shape, dtype = header[0]

@@ -28,7 +28,6 @@ from typing import Iterable, Optional
 
 import torch
 
-from lightning_merak.callbacks.delta.ledger import ResidentLedger
 from lightning_merak.callbacks.delta.profiler import (
     SavedTensorTracker,
     storage_key,
