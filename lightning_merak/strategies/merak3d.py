@@ -160,6 +160,7 @@ class Merak3DStrategy(ParallelStrategy):
         self._pending_gradients: list[tuple[nn.Parameter, Optional[torch.Tensor]]] = []
         self._layout_changes: dict[str, LayoutChange] = {}
         self._pending_optimizer_states: list[dict[str, Any]] = []
+        self._local_blocks: dict[int, nn.Module] = {}
         self.partition: Optional[Any] = None
         self.num_nodes = 1
 
@@ -191,6 +192,20 @@ class Merak3DStrategy(ParallelStrategy):
     def data_parallel_group(self) -> dist.ProcessGroup:
         """The group gradients are averaged over; callbacks use it for their own communication."""
         return self.device_mesh["dp"].get_group()
+
+    @property
+    def layout_built(self) -> bool:
+        """Whether the first batch has built the layout (stages cut, blocks sharded)."""
+        return self._built
+
+    @property
+    def local_blocks(self) -> dict[int, nn.Module]:
+        """This rank's transformer blocks by trunk index, once the layout is built.
+
+        Callbacks that manage blocks (memory managers, profilers) use it: with
+        ``pipeline_parallel>1`` a rank holds only its stages' blocks.
+        """
+        return dict(self._local_blocks)
 
     def resolve_layout(self, world_size: int) -> tuple[int, int, int]:
         """``(dp, pp, tp)`` for ``world_size`` ranks, or a clear error when they cannot multiply to it."""
@@ -364,6 +379,7 @@ class Merak3DStrategy(ParallelStrategy):
         if plan is not None and local_blocks:
             self._shard_blocks(local_blocks, trace, plan)
         self._wrap_recompute(list(local_blocks.values()))
+        self._local_blocks = local_blocks
         if stage is not None:
             module.model = stage
             self._start_pipeline(stage)
