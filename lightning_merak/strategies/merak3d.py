@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
+from lightning_merak.strategies.overlap import SubBatchForward, collective_replay_contexts
 from lightning_merak.strategies.pipeline.schedules import ScheduleShiftedCriticalPath, shifted_schedule_available
 from lightning_merak.strategies.pipeline.stage import RankStages, build_stage_module, tied_parameter_names
 from lightning_merak.strategies.pipeline.trace import ModelTrace, find_trunk, trace_model
@@ -66,7 +67,8 @@ def _call_model(model: nn.Module, inputs: torch.Tensor) -> Any:
 
 
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True,
+                      context_fn=collective_replay_contexts, **kwargs)
 
 
 def _check_stage_count(num_stages: int, num_blocks: int) -> None:
@@ -89,6 +91,9 @@ class Merak3DStrategy(ParallelStrategy):
         data_parallel: replicas of the model; ``"auto"`` takes what the other degrees leave.
         pipeline_parallel: pipeline stages the model is cut into.
         tensor_parallel: ranks each transformer block is split over.
+        tp_overlap: sub-batches each micro-batch is split into so that one sub-batch's
+            tensor-parallel all-reduce runs while the next computes, across blocks, in forward and
+            backward (1 = no overlap). It must divide the micro-batch size.
         micro_batches: micro-batches per batch in the pipeline schedule (default: 2 × stages).
         schedule: ``"1f1b"``, ``"gpipe"``, ``"shifted_critical_path"`` (Merak: cool-down forwards
             keep no activations and are recomputed while their gradients are in flight) or
@@ -111,6 +116,7 @@ class Merak3DStrategy(ParallelStrategy):
         data_parallel: Degree = "auto",
         pipeline_parallel: Degree = 1,
         tensor_parallel: Degree = 1,
+        tp_overlap: int = 1,
         micro_batches: Optional[int] = None,
         schedule: str = "1f1b",
         virtual_stages: int = 2,
@@ -125,6 +131,13 @@ class Merak3DStrategy(ParallelStrategy):
                             ("tensor_parallel", tensor_parallel)):
             if value != "auto" and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer or 'auto'")
+        if not isinstance(tp_overlap, int) or tp_overlap < 1:
+            raise ValueError(f"tp_overlap={tp_overlap!r} must be a positive integer (1 = no overlap)")
+        if tp_overlap > 1 and schedule == "interleaved_zero_bubble":
+            raise ValueError(
+                "tp_overlap>1 runs each stage's backward as a whole, which interleaved_zero_bubble splits into "
+                "input and weight gradients; use schedule='interleaved_1f1b' or tp_overlap=1"
+            )
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is not supported; choose one of {', '.join(SCHEDULES)}")
         if schedule == "shifted_critical_path" and not shifted_schedule_available():
@@ -146,6 +159,7 @@ class Merak3DStrategy(ParallelStrategy):
             raise ValueError(f"micro_batches={micro_batches} must be at least 1")
         self._degrees: dict[str, Degree] = {"dp": data_parallel, "pp": pipeline_parallel, "tp": tensor_parallel}
         self._micro_batches = micro_batches
+        self.tp_overlap = tp_overlap
         self.schedule = schedule
         self.virtual_stages = virtual_stages if schedule in MULTI_STAGE_SCHEDULES else 1
         self.recompute = recompute
@@ -233,10 +247,18 @@ class Merak3DStrategy(ParallelStrategy):
     def validate_before_launch(self, module: pl.LightningModule, world_size: int) -> None:
         """Check the layout against the world size and the model before any process starts."""
         dp, pp, tp = self.resolve_layout(world_size)
+        self._check_overlap(tp)
         model = getattr(module, "model", None)
         check_tensor_parallel_degree(getattr(model, "config", None), tp)
         if pp > 1 and isinstance(model, nn.Module):
             _check_stage_count(pp * self.virtual_stages, len(find_trunk(model)[1]))
+
+    def _check_overlap(self, tensor_parallel: int) -> None:
+        if self.tp_overlap > 1 and tensor_parallel == 1:
+            raise ValueError(
+                f"tp_overlap={self.tp_overlap} overlaps tensor-parallel communication, but tensor_parallel=1; "
+                "set tensor_parallel>1 or tp_overlap=1"
+            )
 
     # Processes ----------------------------------------------------------------------------
 
@@ -276,7 +298,8 @@ class Merak3DStrategy(ParallelStrategy):
         dp, pp, tp = self.resolve_layout(self.world_size)
         self._mesh = init_device_mesh(self.root_device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
         rank_zero_info(f"merak3d: data_parallel={dp} pipeline_parallel={pp} tensor_parallel={tp}, "
-                       f"schedule={self.schedule}, micro_batches={self.micro_batches}, recompute={self.recompute}")
+                       f"tp_overlap={self.tp_overlap}, schedule={self.schedule}, micro_batches={self.micro_batches}, "
+                       f"recompute={self.recompute}")
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
@@ -295,6 +318,7 @@ class Merak3DStrategy(ParallelStrategy):
                 "and raise micro_batches (and the batch size) instead"
             )
         check_tensor_parallel_degree(getattr(module.model, "config", None), self.tensor_parallel)
+        self._check_overlap(self.tensor_parallel)
         self.model_to_device()
         for tensor in [*self._replicated_parameters(), *module.buffers()]:
             dist.broadcast(tensor.data, src=0)
@@ -354,6 +378,11 @@ class Merak3DStrategy(ParallelStrategy):
             config.use_cache = False
         inputs, _ = module.split_batch(batch)
         micro = self._micro_batch(inputs)
+        if micro.shape[0] % self.tp_overlap:
+            raise ValueError(
+                f"micro-batches of {micro.shape[0]} samples cannot be split into tp_overlap={self.tp_overlap} "
+                "sub-batches; choose a tp_overlap that divides the micro-batch size"
+            )
         pp, tp = self.pipeline_parallel, self.tensor_parallel
         trace = trace_model(model, micro, _call_model, profile=pp > 1 and self.global_rank == 0)
         trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
@@ -380,6 +409,9 @@ class Merak3DStrategy(ParallelStrategy):
             self._shard_blocks(local_blocks, trace, plan)
         self._wrap_recompute(list(local_blocks.values()))
         self._local_blocks = local_blocks
+        if self.tp_overlap > 1:
+            for part in stage if stage is not None else [model]:
+                part.forward = SubBatchForward(part, self.tp_overlap)
         if stage is not None:
             module.model = stage
             self._start_pipeline(stage)

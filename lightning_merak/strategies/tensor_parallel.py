@@ -5,8 +5,15 @@ linear layers that read the same input tensor form a *column group* (attention
 q/k/v, MLP gate/up, GPT-2's fused ``c_attn`` or ``c_fc``); the next linear that reads
 something else and maps back to the hidden size is the group's *row partner*
 (attention output, MLP down). Column layers are split by output features, row layers
-by input features (DTensor ``ColwiseParallel`` / ``RowwiseParallel``), so each block
-needs one all-reduce in attention and one in the MLP.
+by input features, so each block needs one all-reduce in attention and one in the MLP,
+in forward (after the row layer) and in backward (of the column group's input gradient).
+
+Parameters are DTensors (column weights and biases ``Shard(0)``, row weights ``Shard(1)``,
+row biases ``Replicate``) so checkpoints reshard between layouts; the layers compute on the
+local shards and issue their collectives through :func:`~lightning_merak.strategies.overlap.all_reduce_in_turn`,
+which lets sub-batches overlap them (``tp_overlap``) and never repeats one on recomputation.
+A column group's layers share one input all-reduce in backward (q, k and v sum their
+input gradients first).
 
 GPT-2's ``Conv1D`` layers are swapped for equivalent ``nn.Linear`` layers first; a
 fused q/k/v projection has its output features regrouped so each rank's shard holds its
@@ -15,14 +22,29 @@ own q, k and v heads, and the attention's ``split_size`` is divided accordingly.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-__all__ = ["LayoutChange", "TensorParallelPlan", "apply_tensor_parallel", "check_tensor_parallel_degree", "find_tensor_parallel_plan"]
+from lightning_merak.strategies.overlap import all_reduce_in_turn
+
+__all__ = [
+    "ColumnParallelLinear",
+    "LayoutChange",
+    "RowParallelLinear",
+    "TensorParallelPlan",
+    "apply_tensor_parallel",
+    "check_tensor_parallel_degree",
+    "find_tensor_parallel_plan",
+]
 
 _HEAD_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head")
 _SPLIT_SIZE_ATTRIBUTES = ("split_size",)
@@ -40,11 +62,15 @@ def _features(module: nn.Module) -> tuple[int, int]:
 
 @dataclass
 class TensorParallelPlan:
-    """Which layers of a block are split by output (column) or input (row) features."""
+    """Which layers of a block are split by output (column) or input (row) features.
+
+    ``column_groups[i]`` are the column layers reading one input whose row partner is ``row[i]``.
+    """
 
     column: list[str]
     row: list[str]
     fused_qkv: list[str]
+    column_groups: list[list[str]]
 
 
 def _is_fused_qkv(block: nn.Module, name: str) -> bool:
@@ -73,6 +99,7 @@ def find_tensor_parallel_plan(block: nn.Module, run_block: Callable[[], Any], hi
     column: list[str] = []
     row: list[str] = []
     fused: list[str] = []
+    groups: list[list[str]] = []
     group: list[str] = []
     group_input: int | None = None
     for name, input_ptr, _ in calls:
@@ -82,13 +109,14 @@ def find_tensor_parallel_plan(block: nn.Module, run_block: Callable[[], Any], hi
             group.append(name)
         elif group and out_features == hidden_size:
             column.extend(group)
+            groups.append(group)
             row.append(name)
             if len(group) == 1 and _is_fused_qkv(block, group[0]):
                 fused.append(group[0])
             group, group_input = [], None
         elif in_features == hidden_size:
             group, group_input = [name], input_ptr
-    return TensorParallelPlan(column=column, row=row, fused_qkv=fused)
+    return TensorParallelPlan(column=column, row=row, fused_qkv=fused, column_groups=groups)
 
 
 def check_tensor_parallel_degree(config: Any, tensor_parallel: int) -> None:
@@ -160,14 +188,95 @@ class LayoutChange:
         return full[fused_qkv_order(full.shape[0], self.fused_qkv_parts)] if self.fused_qkv_parts else full
 
 
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; the input gradient, partial on each rank, is all-reduced in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return all_reduce_in_turn(grad.contiguous().clone(), ctx.group), None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """All-reduce of the row layer's partial output in forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        return all_reduce_in_turn(tensor.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class ColumnGroupInput:
+    """The input of a column group, entered into the tensor-parallel region once for all its layers.
+
+    Held from the group's first column layer until its row layer runs (per thread, so
+    sub-batches keep their own).
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self._last = threading.local()
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        source: Optional[weakref.ref] = getattr(self._last, "source", None)
+        if source is not None and source() is tensor:
+            return self._last.copied
+        copied = _CopyToTensorParallel.apply(tensor, self.group)
+        self._last.source, self._last.copied = weakref.ref(tensor), copied
+        return copied
+
+    def release(self) -> None:
+        self._last.source = self._last.copied = None
+
+
+class ColumnParallelLinear(nn.Module):
+    """A linear layer holding its output features' shard; output stays split over the group."""
+
+    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, group_input: ColumnGroupInput) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Shard(0)]))
+        self.bias = (nn.Parameter(distribute_tensor(linear.bias.detach(), mesh, [Shard(0)]))
+                     if linear.bias is not None else None)
+        self.group_input = group_input
+
+    def forward(self, tensor: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.to_local() if self.bias is not None else None
+        return F.linear(self.group_input(tensor), self.weight.to_local(), bias)
+
+
+class RowParallelLinear(nn.Module):
+    """A linear layer holding its input features' shard; partial outputs are summed over the group."""
+
+    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, partner_input: Optional[ColumnGroupInput] = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Shard(1)]))
+        self.bias = (nn.Parameter(distribute_tensor(linear.bias.detach(), mesh, [Replicate()]))
+                     if linear.bias is not None else None)
+        self.group = mesh.get_group()
+        self.partner_input = partner_input
+
+    def forward(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.partner_input is not None:
+            self.partner_input.release()
+        output = _ReduceFromTensorParallel.apply(F.linear(tensor, self.weight.to_local()), self.group)
+        return output + self.bias.to_local() if self.bias is not None else output
+
+
 def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh) -> dict[str, LayoutChange]:
     """Shard ``block`` in place over the 1-D ``mesh`` following ``plan``.
 
     Returns, by parameter name within the block, the layout changes a checkpoint must
     undo to stay loadable into the unsharded model.
     """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
     tensor_parallel = mesh.size()
     changes: dict[str, LayoutChange] = {}
     for name in plan.column + plan.row:
@@ -179,8 +288,14 @@ def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: Devi
             block.set_submodule(name, _conv1d_to_linear(layer))
     for name in plan.fused_qkv:
         _regroup_fused(block.get_submodule(name), tensor_parallel)
-    parallel_plan = {name: ColwiseParallel() for name in plan.column}
-    parallel_plan.update({name: RowwiseParallel() for name in plan.row})
-    parallelize_module(block, mesh, parallel_plan)
+    group = mesh.get_group()
+    partners: dict[str, ColumnGroupInput] = {}
+    for members, row in zip(plan.column_groups, plan.row, strict=True):
+        group_input = ColumnGroupInput(group)
+        for name in members:
+            block.set_submodule(name, ColumnParallelLinear(block.get_submodule(name), mesh, group_input))
+        partners[row] = group_input
+    for name in plan.row:
+        block.set_submodule(name, RowParallelLinear(block.get_submodule(name), mesh, partners.get(name)))
     _scale_attention_attributes(block, plan.column, tensor_parallel)
     return changes

@@ -1,0 +1,458 @@
+"""Sub-batch overlap of tensor-parallel communication with computation, for unmodified models.
+
+A micro-batch is split into ``k`` sub-batches along the batch dimension and each runs the
+whole forward (all blocks of the model or stage) as a coroutine on its own thread. Only
+one sub-batch computes at a time: it runs until it launches a tensor-parallel collective,
+then hands the turn to the next sub-batch, and when its turn comes back it waits for its
+collective, which by then has mostly completed behind the others' computation. The turn
+order is fixed (round-robin), so every rank issues its collectives in the same order.
+
+Backward mirrors this: the sub-batches' autograd graphs are separate, and their backward
+passes run as the same kind of coroutines, switching at every gradient all-reduce. The
+region is one autograd node whose inputs include the module's parameters, so a caller's
+``torch.autograd.grad(outputs, inputs)`` (pipeline shape inference) leaves parameter
+gradients untouched, exactly as without the region.
+
+Recomputation never repeats a collective: inside a checkpointed block the post-collective
+tensors are recorded during the forward (:func:`collective_replay_contexts`) and handed back
+when the block is recomputed.
+
+The model code is not changed: the region wraps a module's ``forward``; tensors whose first
+dimension is the batch are split, the others are passed to every sub-batch whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+__all__ = [
+    "CommunicationTrace",
+    "SubBatchForward",
+    "all_reduce_in_turn",
+    "collective_replay_contexts",
+    "record_communication",
+    "run_sub_batches",
+]
+
+_local = threading.local()
+
+
+class _TurnTaking:
+    """Round-robin turns between sub-batch threads; one computes at a time."""
+
+    def __init__(self, count: int) -> None:
+        self._condition = threading.Condition()
+        self._turn = 0
+        self._finished = [False] * count
+
+    def _pass_turn(self, index: int) -> None:
+        count = len(self._finished)
+        for step in range(1, count + 1):
+            candidate = (index + step) % count
+            if not self._finished[candidate]:
+                self._turn = candidate
+                break
+        self._condition.notify_all()
+
+    def wait_for_turn(self, index: int) -> None:
+        with self._condition:
+            self._condition.wait_for(lambda: self._turn == index)
+
+    def yield_turn(self, index: int) -> None:
+        with self._condition:
+            self._pass_turn(index)
+            self._condition.wait_for(lambda: self._turn == index)
+
+    def finish(self, index: int) -> None:
+        with self._condition:
+            self._finished[index] = True
+            self._pass_turn(index)
+
+
+def _yield_if_in_sub_batch() -> None:
+    turns: Optional[_TurnTaking] = getattr(_local, "turns", None)
+    if turns is not None:
+        turns.yield_turn(_local.index)
+
+
+@contextlib.contextmanager
+def _thread_state(grad: bool, inference: bool, autocast: list[tuple[str, torch.dtype]], cuda_device: Optional[int]):
+    """Carry the caller's thread-local torch modes into a sub-batch thread."""
+    with contextlib.ExitStack() as stack:
+        if cuda_device is not None:
+            torch.cuda.set_device(cuda_device)
+        stack.enter_context(torch.inference_mode(inference))
+        stack.enter_context(torch.set_grad_enabled(grad))
+        for device_type, dtype in autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+        yield
+
+
+def _caller_state(grad: bool) -> dict[str, Any]:
+    autocast = [(device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+                if torch.is_autocast_enabled(device)]
+    cuda_device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return {"grad": grad, "inference": torch.is_inference_mode_enabled(), "autocast": autocast,
+            "cuda_device": cuda_device}
+
+
+def _run_in_turns(tasks: list[Callable[[], Any]], state: dict[str, Any]) -> list[Any]:
+    """Run ``tasks`` as round-robin coroutines (switching at collectives); results in order."""
+    turns = _TurnTaking(len(tasks))
+    results: list[Any] = [None] * len(tasks)
+    errors: list[Optional[BaseException]] = [None] * len(tasks)
+
+    def work(index: int, task: Callable[[], Any]) -> None:
+        _local.turns, _local.index = turns, index
+        try:
+            turns.wait_for_turn(index)
+            with _thread_state(**state):
+                results[index] = task()
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+            errors[index] = error
+        finally:
+            _local.turns = None
+            turns.finish(index)
+
+    threads = [threading.Thread(target=work, args=(i, task), name=f"merak-sub-batch-{i}", daemon=True)
+               for i, task in enumerate(tasks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for error in errors:
+        if error is not None:
+            raise error
+    return results
+
+
+# Communication trace -------------------------------------------------------------------------
+
+
+@dataclass
+class CommunicationTrace:
+    """Tensor-parallel collectives of a run: when each was launched, completed and waited for.
+
+    ``exposed_s`` is the time ranks spent blocked on a collective (no computation could run),
+    ``busy_s`` the time at least one collective was in flight.
+    """
+
+    events: list[dict[str, float]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, event: dict[str, float]) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    @staticmethod
+    def _union(intervals: list[tuple[float, float]]) -> float:
+        total, end = 0.0, float("-inf")
+        for start, stop in sorted(intervals):
+            if stop <= end:
+                continue
+            total += stop - max(start, end)
+            end = stop
+        return total
+
+    @property
+    def exposed_s(self) -> float:
+        return self._union([(e["wait_start"], e["wait_end"]) for e in self.events])
+
+    @property
+    def busy_s(self) -> float:
+        return self._union([(e["launch"], e["complete"]) for e in self.events])
+
+    @property
+    def exposed_fraction(self) -> float:
+        """Share of the communication time that computation did not hide."""
+        busy = self.busy_s
+        return self.exposed_s / busy if busy > 0 else 0.0
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """The events as a Chrome/Perfetto trace (one row per sub-batch, one for the wire)."""
+        if not self.events:
+            return {"traceEvents": []}
+        origin = min(e["launch"] for e in self.events)
+        rows = []
+        for event in self.events:
+            lane = int(event["sub_batch"])
+            rows.append({"name": "all_reduce in flight", "ph": "X", "pid": 0, "tid": "wire",
+                         "ts": (event["launch"] - origin) * 1e6, "dur": (event["complete"] - event["launch"]) * 1e6})
+            rows.append({"name": "exposed wait", "ph": "X", "pid": 0, "tid": f"sub-batch {lane}",
+                         "ts": (event["wait_start"] - origin) * 1e6,
+                         "dur": (event["wait_end"] - event["wait_start"]) * 1e6})
+        return {"traceEvents": rows}
+
+
+_trace: Optional[CommunicationTrace] = None
+
+
+@contextlib.contextmanager
+def record_communication() -> Iterator[CommunicationTrace]:
+    """Record every tensor-parallel collective issued inside the block (any thread)."""
+    global _trace
+    previous, _trace = _trace, CommunicationTrace()
+    try:
+        yield _trace
+    finally:
+        _trace = previous
+
+
+# Collectives --------------------------------------------------------------------------------
+
+
+class _CollectiveReplay:
+    """Post-collective tensors of one checkpointed forward, handed back on recomputation."""
+
+    def __init__(self) -> None:
+        self.outputs: list[torch.Tensor] = []
+        self.mode = "record"
+
+
+def _replay_stack() -> list[_CollectiveReplay]:
+    if not hasattr(_local, "replay"):
+        _local.replay = []
+    return _local.replay
+
+
+@contextlib.contextmanager
+def _replaying(replay: _CollectiveReplay, mode: str) -> Iterator[None]:
+    stack = _replay_stack()
+    replay.mode = mode
+    stack.append(replay)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def collective_replay_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """``context_fn`` for ``torch.utils.checkpoint``: record collectives, then replay them.
+
+    The forward context stores each collective's result; the recompute context returns
+    them in order instead of communicating again.
+    """
+    replay = _CollectiveReplay()
+    return _replaying(replay, "record"), _replaying(replay, "replay")
+
+
+def all_reduce_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum ``tensor`` over ``group`` in place, letting other sub-batches compute meanwhile.
+
+    Inside a recomputed checkpoint region the recorded result is returned instead.
+    """
+    stack = _replay_stack()
+    replay = stack[-1] if stack else None
+    if replay is not None and replay.mode == "replay":
+        if not replay.outputs:
+            raise RuntimeError("recomputation issued more tensor-parallel collectives than the forward recorded")
+        return replay.outputs.pop(0)
+    if tensor.is_meta or dist.get_world_size(group) == 1:
+        return tensor
+    trace = _trace
+    launch = time.perf_counter()
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    completion: dict[str, float] = {}
+    if trace is not None:
+        work.get_future().then(lambda _: completion.setdefault("complete", time.perf_counter()))
+    _yield_if_in_sub_batch()
+    wait_start = time.perf_counter()
+    work.wait()
+    wait_end = time.perf_counter()
+    if trace is not None:
+        trace.add({"sub_batch": getattr(_local, "index", 0), "launch": launch, "wait_start": wait_start,
+                   "wait_end": wait_end, "complete": completion.get("complete", wait_end)})
+    if replay is not None:
+        replay.outputs.append(tensor.detach())
+    return tensor
+
+
+# The sub-batch region ------------------------------------------------------------------------
+
+
+def _split(value: Any, batch: int, parts: int) -> list[Any]:
+    if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape[0] == batch:
+        return list(value.chunk(parts))
+    return [value] * parts
+
+
+def _merge(outputs: list[Any], sub_batch: int) -> tuple[Any, bool]:
+    """One output from the sub-batches' outputs, and whether it was concatenated."""
+    first = outputs[0]
+    if not isinstance(first, torch.Tensor):
+        return first, False
+    if first.ndim > 0 and first.shape[0] == sub_batch and len(outputs) > 1:
+        return torch.cat(outputs), True
+    if not first.is_meta and any(not torch.equal(first, other) for other in outputs[1:]):
+        raise ValueError(
+            f"an output of shape {tuple(first.shape)} differs between sub-batches but its first dimension is "
+            f"not the batch; tp_overlap needs batch-first outputs (or set tp_overlap=1)"
+        )
+    return first, False
+
+
+class _SubBatchRegion(torch.autograd.Function):
+    """Forward of ``k`` sub-batches with separate graphs; backward runs them in turns too."""
+
+    @staticmethod
+    def forward(ctx: Any, call: dict[str, Any], *inputs_and_parameters: torch.Tensor) -> Any:
+        parts, batch = call["parts"], call["batch"]
+        inputs = inputs_and_parameters[: call["input_count"]]
+        ctx.parameters = inputs_and_parameters[call["input_count"]:]
+        leaves = [[None] * len(inputs) for _ in range(parts)]
+        split_inputs = []
+        for position, tensor in enumerate(inputs):
+            pieces = _split(tensor, batch, parts)
+            split_inputs.append(pieces[0] is not tensor)
+            for index, piece in enumerate(pieces):
+                leaf = piece.detach()
+                if tensor.requires_grad:
+                    leaf.requires_grad_(True)
+                leaves[index][position] = leaf
+
+        def task(index: int) -> Callable[[], list[Any]]:
+            return lambda: tree_flatten(call["run"](leaves[index]))
+
+        results = _run_in_turns([task(i) for i in range(parts)], _caller_state(grad=True))
+        flat_outputs = [flat for flat, _ in results]
+        call["spec"] = results[0][1]
+        merged, concatenated = [], []
+        for position in range(len(flat_outputs[0])):
+            value, joined = _merge([flat[position] for flat in flat_outputs], batch // parts)
+            merged.append(value.detach() if isinstance(value, torch.Tensor) else value)
+            concatenated.append(joined)
+        ctx.parts, ctx.leaves, ctx.split_inputs = parts, leaves, split_inputs
+        ctx.sub_outputs, ctx.concatenated = flat_outputs, concatenated
+        ctx.set_materialize_grads(False)
+        call["non_tensor"] = {i: v for i, v in enumerate(merged) if not isinstance(v, torch.Tensor)}
+        return tuple(v for v in merged if isinstance(v, torch.Tensor))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Any:
+        tensor_positions = [i for i, v in enumerate(ctx.sub_outputs[0]) if isinstance(v, torch.Tensor)]
+        per_part: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in range(ctx.parts)]
+        for grad, position in zip(grads, tensor_positions):
+            if grad is None:
+                continue
+            pieces = grad.chunk(ctx.parts) if ctx.concatenated[position] else [grad] + [None] * (ctx.parts - 1)
+            for index, piece in enumerate(pieces):
+                output = ctx.sub_outputs[index][position]
+                if piece is not None and output.requires_grad:
+                    per_part[index][0].append(output)
+                    per_part[index][1].append(piece)
+
+        parameters = [p for p in ctx.parameters if p.requires_grad]
+
+        def wanted(index: int) -> list[torch.Tensor]:
+            return [leaf for leaf in ctx.leaves[index] if leaf.requires_grad] + parameters
+
+        def gradients(outputs: list[torch.Tensor], output_grads: list[torch.Tensor],
+                      inputs: list[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
+            if not outputs:
+                return [None] * len(inputs)
+            return torch.autograd.grad(outputs, inputs, output_grads, allow_unused=True)
+
+        def task(index: int) -> Callable[[], Sequence[Optional[torch.Tensor]]]:
+            return lambda: gradients(*per_part[index], wanted(index))
+
+        if any(output.is_cuda for outputs, _ in per_part for output in outputs):
+            # CUDA nodes run on the autograd device thread, which must not block on other threads:
+            # one reentrant backward over all sub-batches lets the engine interleave them instead.
+            everything = [t for index in range(ctx.parts) for t in wanted(index)]
+            flat = gradients([o for part, _ in per_part for o in part], [g for _, part in per_part for g in part],
+                             everything)
+            sizes = [len(wanted(index)) for index in range(ctx.parts)]
+            results = [flat[sum(sizes[:i]): sum(sizes[: i + 1])] for i in range(ctx.parts)]
+        else:
+            results = _run_in_turns([task(i) for i in range(ctx.parts)], _caller_state(grad=False))
+        leaf_grads: list[dict[int, torch.Tensor]] = []
+        parameter_grads: list[Optional[torch.Tensor]] = [None] * len(parameters)
+        for index, grads_of_part in enumerate(results):
+            leaves = [leaf for leaf in ctx.leaves[index] if leaf.requires_grad]
+            leaf_grads.append({id(leaf): grad for leaf, grad in zip(leaves, grads_of_part) if grad is not None})
+            for position, grad in enumerate(grads_of_part[len(leaves):]):
+                if grad is not None:
+                    total = parameter_grads[position]
+                    parameter_grads[position] = grad if total is None else total + grad
+        input_grads: list[Optional[torch.Tensor]] = []
+        for position, split in enumerate(ctx.split_inputs):
+            pieces = [grads.get(id(leaves[position])) for grads, leaves in zip(leaf_grads, ctx.leaves)]
+            if all(piece is None for piece in pieces):
+                input_grads.append(None)
+            elif split:
+                input_grads.append(torch.cat([
+                    piece if piece is not None else torch.zeros_like(leaves[position])
+                    for piece, leaves in zip(pieces, ctx.leaves)
+                ]))
+            else:
+                input_grads.append(sum(piece for piece in pieces if piece is not None))
+        by_parameter = dict(zip(map(id, parameters), parameter_grads))
+        ctx.sub_outputs = ctx.leaves = None
+        return (None, *input_grads, *(by_parameter.get(id(p)) for p in ctx.parameters))
+
+
+def run_sub_batches(
+    forward: Callable[..., Any],
+    parts: int,
+    args: tuple = (),
+    kwargs: Optional[dict[str, Any]] = None,
+    parameters: Sequence[torch.Tensor] = (),
+) -> Any:
+    """``forward(*args, **kwargs)`` computed as ``parts`` overlapped sub-batches.
+
+    Tensors whose first dimension is the batch (that of the first tensor argument) are
+    split; outputs whose first dimension is the sub-batch are concatenated back.
+    ``parameters`` are those ``forward`` uses: their gradients flow through the region.
+    """
+    leaves, spec = tree_flatten((args, kwargs or {}))
+    tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    if parts == 1 or not tensor_positions:
+        return forward(*args, **(kwargs or {}))
+    batch = leaves[tensor_positions[0]].shape[0]
+    if batch % parts:
+        raise ValueError(
+            f"a micro-batch of {batch} samples cannot be split into tp_overlap={parts} sub-batches; "
+            f"choose a tp_overlap that divides the micro-batch size"
+        )
+
+    def run(tensors: list[torch.Tensor]) -> Any:
+        values = list(leaves)
+        for position, tensor in zip(tensor_positions, tensors):
+            values[position] = tensor
+        call_args, call_kwargs = tree_unflatten(values, spec)
+        return forward(*call_args, **call_kwargs)
+
+    inputs = [leaves[i] for i in tensor_positions]
+    if not torch.is_grad_enabled():
+        pieces = [_split(tensor, batch, parts) for tensor in inputs]
+        results = _run_in_turns(
+            [lambda index=index: tree_flatten(run([p[index] for p in pieces])) for index in range(parts)],
+            _caller_state(grad=False),
+        )
+        flat = [_merge([r[0][position] for r in results], batch // parts)[0] for position in range(len(results[0][0]))]
+        return tree_unflatten(flat, results[0][1])
+    call: dict[str, Any] = {"parts": parts, "batch": batch, "run": run, "input_count": len(inputs)}
+    tensors = iter(_SubBatchRegion.apply(call, *inputs, *parameters))
+    non_tensor = call["non_tensor"]
+    count = call["spec"].num_leaves
+    flat = [non_tensor[i] if i in non_tensor else next(tensors) for i in range(count)]
+    return tree_unflatten(flat, call["spec"])
+
+
+class SubBatchForward:
+    """A module's ``forward`` run as overlapped sub-batches; install with ``module.forward = SubBatchForward(module, k)``."""
+
+    def __init__(self, module: torch.nn.Module, parts: int) -> None:
+        self.module, self.parts, self.forward = module, parts, module.forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        parameters = [p for p in self.module.parameters() if p.requires_grad]
+        return run_sub_batches(self.forward, self.parts, args, kwargs, parameters)

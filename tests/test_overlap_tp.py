@@ -1,0 +1,170 @@
+"""Sub-batch overlapped tensor parallelism: equal to plain TP, per-sample exact, no repeated collectives."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_merak.strategies import overlap
+from lightning_merak.strategies.merak3d import Merak3DStrategy, _checkpointed
+from lightning_merak.strategies.overlap import SubBatchForward, record_communication, run_sub_batches
+from lightning_merak.testing import assert_traces_match, run_distributed
+from tests.test_merak3d import _merge, _reference, _train_rank
+
+VOCAB, SEQ = 96, 16
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+def _assert_relative(actual: torch.Tensor, expected: torch.Tensor, tolerance: float = 1e-6, name: str = "") -> None:
+    """Relative error of the whole tensor: gradients summed over sub-batches differ in rounding only."""
+    error = (actual - expected).norm() / expected.norm().clamp_min(1e-30)
+    assert error <= tolerance, f"{name}: relative error {error:.2e} > {tolerance:.0e}"
+
+
+def _stack() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[_Residual() for _ in range(3)])
+
+
+def test_sub_batches_equal_the_whole_batch_without_communication():
+    model = _stack()
+    inputs = torch.randn(4, 5, 8, requires_grad=True)
+    expected = model(inputs)
+    expected.square().sum().backward()
+    expected_grads = [p.grad.clone() for p in model.parameters()]
+    expected_input_grad = inputs.grad.clone()
+    model.zero_grad()
+    inputs.grad = None
+    output = SubBatchForward(model, 2)(inputs)
+    output.square().sum().backward()
+    torch.testing.assert_close(output, expected, rtol=1e-6, atol=0)
+    for grad, reference in zip((p.grad for p in model.parameters()), expected_grads):
+        _assert_relative(grad, reference)
+    _assert_relative(inputs.grad, expected_input_grad)
+
+
+def test_each_sample_keeps_its_own_residual():
+    """A sub-batch that took another's residual would change these rows."""
+    model = _stack()
+    inputs = torch.cat([torch.zeros(2, 5, 8), 10 * torch.randn(2, 5, 8)])
+    output = SubBatchForward(model, 2)(inputs)
+    for row in range(4):
+        torch.testing.assert_close(output[row: row + 1], model(inputs[row: row + 1]), rtol=1e-6, atol=1e-6)
+
+
+def test_turns_alternate_between_sub_batches():
+    order: list[tuple[int, int]] = []
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for segment in range(3):
+            order.append((overlap._local.index, segment))
+            overlap._yield_if_in_sub_batch()
+        return x
+
+    run_sub_batches(forward, 3, (torch.zeros(6, 2),))
+    assert order == [(s, seg) for seg in range(3) for s in range(3)]
+
+
+def test_sub_batch_errors_reach_the_caller_and_release_every_thread():
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x[0, 0] > 0:
+            raise RuntimeError("sub-batch failure")
+        overlap._yield_if_in_sub_batch()
+        return x
+
+    before = threading.active_count()
+    with pytest.raises(RuntimeError, match="sub-batch failure"):
+        run_sub_batches(forward, 2, (torch.cat([torch.zeros(1, 2), torch.ones(1, 2)]),))
+    assert threading.active_count() == before
+
+
+def test_bad_splits_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="tp_overlap=3 sub-batches"):
+        run_sub_batches(lambda x: x, 3, (torch.zeros(4, 2),))
+    with pytest.raises(ValueError, match="batch-first"):
+        run_sub_batches(lambda x: x.sum(0, keepdim=True), 2, (torch.randn(4, 2),))
+    with pytest.raises(ValueError, match="tensor_parallel=1"):
+        Merak3DStrategy(tp_overlap=2)._check_overlap(1)
+    with pytest.raises(ValueError, match="interleaved_zero_bubble"):
+        Merak3DStrategy(tensor_parallel=2, tp_overlap=2, schedule="interleaved_zero_bubble")
+
+
+def _sharded_step(rank: int, world_size: int, parts: int, recompute: bool) -> dict:
+    """One forward/backward of a tensor-parallel Llama; outputs, local gradients and collectives."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_merak.config import ModelConfig
+    from lightning_merak.models import build_causal_lm, logits_of
+    from lightning_merak.strategies.merak3d import _call_model
+    from lightning_merak.strategies.pipeline.trace import trace_model
+    from lightning_merak.strategies.tensor_parallel import apply_tensor_parallel
+
+    torch.manual_seed(0)
+    config = ModelConfig(name="llama", model_type="llama", config={
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2})
+    model = build_causal_lm(config, vocab_size=VOCAB)
+    model.config.use_cache = False
+    inputs = torch.randint(VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(1))
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    trace = trace_model(model, inputs, _call_model, profile=False)
+    trunk = model.get_submodule(trace.trunk_path)
+    plan = Merak3DStrategy._tensor_parallel_plan(trunk[0], trace)
+    for block in trunk:
+        apply_tensor_parallel(block, plan, mesh)
+        if recompute:
+            block.forward = __import__("functools").partial(_checkpointed, block.forward)
+    with record_communication() as communication:
+        logits = logits_of(SubBatchForward(model, parts)(inputs))
+        logits.square().mean().backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad
+        grads[name] = (grad.to_local() if hasattr(grad, "to_local") else grad).clone()
+    return {"logits": logits.detach(), "grads": grads, "collectives": len(communication.events),
+            "sub_batches": sorted({int(e["sub_batch"]) for e in communication.events})}
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
+def test_overlapped_tensor_parallel_equals_plain_tensor_parallel(recompute):
+    plain = run_distributed(_sharded_step, 2, args=(1, False), timeout_s=300)
+    overlapped = run_distributed(_sharded_step, 2, args=(2, recompute), timeout_s=300)
+    for reference, result in zip(plain, overlapped):
+        _assert_relative(result["logits"], reference["logits"])
+        for name, grad in reference["grads"].items():
+            _assert_relative(result["grads"][name], grad, name=name)
+    blocks = 3
+    # Two all-reduces per block in forward and two in backward, once per sub-batch: a recomputed
+    # block must not add any.
+    assert plain[0]["collectives"] == 4 * blocks
+    assert overlapped[0]["collectives"] == 2 * 4 * blocks
+    assert overlapped[0]["sub_batches"] == [0, 1]
+
+
+OVERLAP_LAYOUTS = [
+    {"data_parallel": 1, "pipeline_parallel": 1, "tensor_parallel": 2, "tp_overlap": 2},
+    {"data_parallel": 1, "pipeline_parallel": 1, "tensor_parallel": 2, "tp_overlap": 4, "recompute": "full"},
+    {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 2, "tp_overlap": 2},
+]
+
+
+@pytest.mark.parametrize("layout", OVERLAP_LAYOUTS,
+                         ids=lambda l: "pp{pipeline_parallel}-tp{tensor_parallel}-k{tp_overlap}".format(**l)
+                         + ("-recompute" if "recompute" in l else ""))
+def test_merak3d_with_overlap_matches_single_process(layout):
+    model_name = "gpt2" if "recompute" in layout else "llama"
+    world_size = layout["data_parallel"] * layout["pipeline_parallel"] * layout["tensor_parallel"]
+    results = run_distributed(_train_rank, world_size, args=(model_name, layout), timeout_s=600)
+    assert_traces_match(_reference(model_name), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
