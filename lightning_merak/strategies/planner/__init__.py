@@ -1,0 +1,44 @@
+"""Pure core of the merak3d layout planner (spec 1.6 and 1.7).
+
+Plain Python over measured numbers: no process groups, no Lightning, no timing. A profiler
+fills the records of :mod:`.profile`; :func:`plan` predicts every data x pipeline x tensor
+layout with its micro-batches, tensor-parallel overlap degree and recompute ratio, and picks
+the fastest that fits memory.
+"""
+
+from lightning_merak.strategies.planner.cost_model import COMPONENTS, Layout, Prediction, micro_batch_samples, predict
+from lightning_merak.strategies.planner.overlap import OverlapResult, simulate_overlapped_chain
+from lightning_merak.strategies.planner.profile import (
+    BlockTimes,
+    CollectiveCost,
+    ModelProfile,
+    NetworkProfile,
+    SearchSpace,
+)
+from lightning_merak.strategies.planner.search import (
+    Plan,
+    ProfileKeys,
+    candidate_layouts,
+    plan,
+    required_profile_keys,
+)
+
+__all__ = [
+    "COMPONENTS",
+    "BlockTimes",
+    "CollectiveCost",
+    "Layout",
+    "ModelProfile",
+    "NetworkProfile",
+    "OverlapResult",
+    "Plan",
+    "Prediction",
+    "ProfileKeys",
+    "SearchSpace",
+    "candidate_layouts",
+    "micro_batch_samples",
+    "plan",
+    "predict",
+    "required_profile_keys",
+    "simulate_overlapped_chain",
+]

@@ -1,0 +1,217 @@
+"""Inputs of the layout planner: what the machine and the model cost, and what to search.
+
+These records hold plain numbers. A profiler fills them by measuring the machine (or a test
+writes them by hand); the cost model and the search only read them, so the planner's
+choice can be reproduced from a saved profile without touching a process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeVar
+
+from lightning_merak.strategies.pipeline import SCHEDULES
+
+
+def _check_non_negative(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if value < 0:
+            raise ValueError(f"{owner}: {name} must be >= 0, got {value}")
+
+
+def _check_positive(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if value <= 0:
+            raise ValueError(f"{owner}: {name} must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """Alpha-beta cost of one kind of collective on one group: a fixed latency plus bytes over bandwidth."""
+
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        _check_non_negative("CollectiveCost", latency_s=self.latency_s)
+        _check_positive("CollectiveCost", bandwidth_bytes_per_s=self.bandwidth_bytes_per_s)
+
+    def all_reduce_s(self, nbytes: float, ranks: int) -> float:
+        """Ring all-reduce of ``nbytes`` over ``ranks``: each rank moves 2(ranks - 1)/ranks of the data."""
+        _check_non_negative("all_reduce_s", nbytes=nbytes)
+        if ranks < 1:
+            raise ValueError(f"all_reduce_s: ranks must be >= 1, got {ranks}")
+        if ranks == 1:
+            return 0.0
+        return self.latency_s + 2.0 * (ranks - 1) / ranks * nbytes / self.bandwidth_bytes_per_s
+
+    def send_s(self, nbytes: float) -> float:
+        """Point-to-point transfer of ``nbytes``."""
+        _check_non_negative("send_s", nbytes=nbytes)
+        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class NetworkProfile:
+    """Measured collective costs: all-reduce per group size (links differ by size), and the pipeline p2p link."""
+
+    all_reduce: dict[int, CollectiveCost]
+    p2p: CollectiveCost
+
+    def __post_init__(self) -> None:
+        bad_sizes = [size for size in self.all_reduce if size < 2]
+        if bad_sizes:
+            raise ValueError(
+                f"NetworkProfile.all_reduce is keyed by group sizes >= 2 (a single rank needs no collective), "
+                f"got {sorted(bad_sizes)}"
+            )
+
+    def all_reduce_s(self, nbytes: float, ranks: int) -> float:
+        """All-reduce time over a group of ``ranks``, from the cost measured for that group size."""
+        if ranks == 1:
+            return 0.0
+        if ranks not in self.all_reduce:
+            raise ValueError(
+                f"the network profile has no all-reduce cost for groups of {ranks} ranks "
+                f"(measured: {sorted(self.all_reduce)}); profile all-reduce over {ranks} ranks"
+            )
+        return self.all_reduce[ranks].all_reduce_s(nbytes, ranks)
+
+
+@dataclass(frozen=True)
+class BlockTimes:
+    """Compute time of one transformer block on one rank, split at its tensor-parallel collectives.
+
+    Forward: (attention part, MLP part), each ending where an all-reduce of the block's hidden
+    state follows when tp > 1. Backward, in execution order: (MLP part, attention part), each
+    ending where the all-reduce of its input gradient follows.
+    """
+
+    forward_segments_s: tuple[float, ...]
+    backward_segments_s: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.forward_segments_s or not self.backward_segments_s:
+            raise ValueError("BlockTimes needs at least one forward and one backward segment")
+        for name in ("forward_segments_s", "backward_segments_s"):
+            if any(value < 0 for value in getattr(self, name)):
+                raise ValueError(f"BlockTimes: every entry of {name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def forward_s(self) -> float:
+        return sum(self.forward_segments_s)
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What one model costs per rank, at the tensor-parallel degrees and sub-batch sizes the search needs.
+
+    ``hidden_bytes_per_sample`` is one sample's hidden state (seq x hidden x dtype bytes): the size
+    per sample of every tensor-parallel all-reduce and of the send between pipeline stages.
+    ``block_times`` is keyed by (tp, samples per sub-batch); ``prefix_times`` and ``suffix_times``
+    (embedding; final norm and LM head, never tensor-parallel) by samples, as (forward_s, backward_s).
+    Parameter and activation bytes are those held by one rank; activation bytes are what one
+    block saves for backward per sample without recompute. The optimizer step takes
+    ``optimizer_s_per_parameter_byte`` per parameter byte, and every parameter byte costs
+    ``bytes_per_parameter_state`` bytes of state (parameter, gradient and two Adam moments).
+    """
+
+    num_blocks: int
+    hidden_bytes_per_sample: int
+    block_times: dict[tuple[int, int], BlockTimes]
+    prefix_times: dict[int, tuple[float, float]]
+    suffix_times: dict[int, tuple[float, float]]
+    block_parameter_bytes: dict[int, int]
+    prefix_parameter_bytes: int
+    suffix_parameter_bytes: int
+    block_activation_bytes_per_sample: dict[int, int]
+    optimizer_s_per_parameter_byte: float
+    bytes_per_parameter_state: float = 4.0
+
+    def __post_init__(self) -> None:
+        _check_positive("ModelProfile", num_blocks=self.num_blocks)
+        _check_non_negative(
+            "ModelProfile",
+            hidden_bytes_per_sample=self.hidden_bytes_per_sample,
+            prefix_parameter_bytes=self.prefix_parameter_bytes,
+            suffix_parameter_bytes=self.suffix_parameter_bytes,
+            optimizer_s_per_parameter_byte=self.optimizer_s_per_parameter_byte,
+            bytes_per_parameter_state=self.bytes_per_parameter_state,
+        )
+        for name in ("prefix_times", "suffix_times"):
+            for samples, times in getattr(self, name).items():
+                if len(times) != 2 or min(times) < 0:
+                    raise ValueError(
+                        f"ModelProfile.{name}[{samples}] must be (forward_s, backward_s), both >= 0, got {times}"
+                    )
+
+    def block_times_at(self, tp: int, samples: int) -> BlockTimes:
+        return _lookup(self.block_times, (tp, samples), "block_times", "(tp, samples)")
+
+    def prefix_times_at(self, samples: int) -> tuple[float, float]:
+        return _lookup(self.prefix_times, samples, "prefix_times", "samples")
+
+    def suffix_times_at(self, samples: int) -> tuple[float, float]:
+        return _lookup(self.suffix_times, samples, "suffix_times", "samples")
+
+    def block_parameter_bytes_at(self, tp: int) -> int:
+        return _lookup(self.block_parameter_bytes, tp, "block_parameter_bytes", "tp")
+
+    def block_activation_bytes_at(self, tp: int) -> int:
+        return _lookup(self.block_activation_bytes_per_sample, tp, "block_activation_bytes_per_sample", "tp")
+
+
+_Key = TypeVar("_Key")
+_Value = TypeVar("_Value")
+
+
+def _lookup(table: dict[_Key, _Value], key: _Key, table_name: str, key_name: str) -> _Value:
+    if key not in table:
+        raise ValueError(
+            f"the model profile has no {table_name} entry for {key_name}={key} (present: {sorted(table)}); "
+            "profile the keys that required_profile_keys(space) lists"
+        )
+    return table[key]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The layouts the planner may choose from.
+
+    ``micro_batch_choices=None`` allows every micro-batch count that divides the per-replica
+    batch. ``recompute_ratios`` are first-stage ratios of stage-aware recompute (spec 1.4);
+    a single-stage layout only takes 0 ("none") or 1 ("full"). ``memory_limit_bytes=None``
+    means no limit.
+    """
+
+    world_size: int
+    global_batch_size: int
+    tp_degrees_allowed: tuple[int, ...]
+    max_pipeline_stages: int
+    micro_batch_choices: tuple[int, ...] | None = None
+    overlap_choices: tuple[int, ...] = (1, 2, 4)
+    recompute_ratios: tuple[float, ...] = (0.0, 0.5, 1.0)
+    memory_limit_bytes: float | None = None
+    schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        _check_positive(
+            "SearchSpace",
+            world_size=self.world_size,
+            global_batch_size=self.global_batch_size,
+            max_pipeline_stages=self.max_pipeline_stages,
+        )
+        for name in ("tp_degrees_allowed", "overlap_choices"):
+            values = getattr(self, name)
+            if not values or min(values) < 1:
+                raise ValueError(f"SearchSpace.{name} needs at least one value, all >= 1, got {values}")
+        if self.micro_batch_choices is not None and (not self.micro_batch_choices or min(self.micro_batch_choices) < 1):
+            raise ValueError(
+                f"SearchSpace.micro_batch_choices must be None or values >= 1, got {self.micro_batch_choices}"
+            )
+        if not self.recompute_ratios or not all(0.0 <= ratio <= 1.0 for ratio in self.recompute_ratios):
+            raise ValueError(f"SearchSpace.recompute_ratios needs values in [0, 1], got {self.recompute_ratios}")
+        if self.memory_limit_bytes is not None:
+            _check_positive("SearchSpace", memory_limit_bytes=self.memory_limit_bytes)
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"SearchSpace.schedule={self.schedule!r} is unknown; choose one of {SCHEDULES}")

@@ -1,0 +1,173 @@
+"""Exhaustive search over layouts: every candidate is predicted, the fastest that fits memory wins.
+
+The space is small (a few hundred layouts for a node or two), so enumeration is exact and
+cheap; the order of equally fast layouts is fixed (:attr:`Layout.tie_break_key`) so every
+rank computing the plan gets the same answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_merak.strategies.planner.cost_model import (
+    COMPONENTS,
+    Layout,
+    Prediction,
+    micro_batch_samples,
+    predict,
+)
+from lightning_merak.strategies.planner.profile import ModelProfile, NetworkProfile, SearchSpace
+
+_GIB = 1024**3
+
+
+def _divisors(value: int) -> list[int]:
+    return [divisor for divisor in range(1, value + 1) if value % divisor == 0]
+
+
+def candidate_layouts(space: SearchSpace, num_blocks: int | None = None) -> list[Layout]:
+    """Every layout of ``space``, in a fixed order.
+
+    dp x pp x tp = world size with tp from ``tp_degrees_allowed`` and pp at most
+    ``max_pipeline_stages`` (and ``num_blocks + 2`` nodes when given). One stage runs one
+    micro-batch; several run a micro-batch count of at least pp dividing the per-replica batch.
+    Overlap degrees divide the micro-batch and exceed 1 only with tp > 1; one stage takes
+    recompute ratios 0 or 1 only.
+    """
+    max_stages = space.max_pipeline_stages if num_blocks is None else min(space.max_pipeline_stages, num_blocks + 2)
+    layouts = []
+    for tp in sorted(set(space.tp_degrees_allowed)):
+        if space.world_size % tp:
+            continue
+        for pp in _divisors(space.world_size // tp):
+            dp = space.world_size // (tp * pp)
+            if pp > max_stages or space.global_batch_size % dp:
+                continue
+            per_replica = space.global_batch_size // dp
+            if pp == 1:
+                micro_batch_counts = [1]
+            else:
+                choices = _divisors(per_replica) if space.micro_batch_choices is None else space.micro_batch_choices
+                micro_batch_counts = sorted({count for count in choices if count >= pp and per_replica % count == 0})
+            ratios = sorted(set(space.recompute_ratios) if pp > 1 else set(space.recompute_ratios) & {0.0, 1.0})
+            for micro_batches in micro_batch_counts:
+                samples = per_replica // micro_batches
+                overlaps = sorted({k for k in space.overlap_choices if samples % k == 0}) if tp > 1 else [1]
+                for overlap in overlaps:
+                    for ratio in ratios:
+                        layouts.append(Layout(dp, pp, tp, micro_batches, overlap, ratio))
+    return layouts
+
+
+@dataclass(frozen=True)
+class ProfileKeys:
+    """What a profiler must measure for one search, and nothing more.
+
+    Block times per (tp, samples per sub-batch), prefix and suffix times per samples, block
+    parameter and activation bytes per tp, and all-reduce costs per group size (the p2p link
+    is always needed).
+    """
+
+    block_times: frozenset[tuple[int, int]]
+    prefix_suffix_samples: frozenset[int]
+    tp_degrees: frozenset[int]
+    all_reduce_group_sizes: frozenset[int]
+
+
+def required_profile_keys(space: SearchSpace, num_blocks: int | None = None) -> ProfileKeys:
+    """The profile entries :func:`plan` reads for ``space``, so a profiler measures nothing more."""
+    block_times, samples_needed, tp_degrees, group_sizes = set(), set(), set(), set()
+    for layout in candidate_layouts(space, num_blocks):
+        sub = micro_batch_samples(layout, space.global_batch_size) // layout.overlap
+        block_times.add((layout.tp, sub))
+        samples_needed.add(sub)
+        tp_degrees.add(layout.tp)
+        group_sizes.update(size for size in (layout.tp, layout.dp) if size > 1)
+    return ProfileKeys(
+        frozenset(block_times), frozenset(samples_needed), frozenset(tp_degrees), frozenset(group_sizes)
+    )
+
+
+def _missing_entries(keys: ProfileKeys, model_profile: ModelProfile, network: NetworkProfile) -> list[str]:
+    needed = [
+        ("block_times", keys.block_times, model_profile.block_times),
+        ("prefix_times", keys.prefix_suffix_samples, model_profile.prefix_times),
+        ("suffix_times", keys.prefix_suffix_samples, model_profile.suffix_times),
+        ("block_parameter_bytes", keys.tp_degrees, model_profile.block_parameter_bytes),
+        ("block_activation_bytes_per_sample", keys.tp_degrees, model_profile.block_activation_bytes_per_sample),
+        ("network.all_reduce", keys.all_reduce_group_sizes, network.all_reduce),
+    ]
+    return [f"{name}[{key}]" for name, wanted, present in needed for key in sorted(wanted - present.keys())]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The search result: fitting layouts fastest first (``ranked``), and those that did not fit, with why."""
+
+    ranked: tuple[Prediction, ...]
+    rejected: tuple[tuple[Layout, str], ...]
+
+    @property
+    def best(self) -> Prediction:
+        return self.ranked[0]
+
+    @property
+    def runner_up(self) -> Prediction | None:
+        return self.ranked[1] if len(self.ranked) > 1 else None
+
+    def describe(self) -> str:
+        """A few lines for the log: the choice, its predicted step time and parts, and the runner-up."""
+        best = self.best
+        parts = ", ".join(f"{name} {best.components[name]:.4g} s" for name in COMPONENTS)
+        lines = [
+            f"planner chose {best.layout.describe()}",
+            f"  predicted step {best.step_time_s:.4g} s ({parts}); memory {best.memory_bytes / _GIB:.3g} GiB per rank",
+        ]
+        if self.runner_up is not None:
+            slower = self.runner_up.step_time_s / best.step_time_s - 1.0 if best.step_time_s > 0 else 0.0
+            lines.append(
+                f"  runner-up {self.runner_up.layout.describe()}: {self.runner_up.step_time_s:.4g} s "
+                f"({100 * slower:+.1f}%)"
+            )
+        lines.append(f"  {len(self.ranked)} layouts fit, {len(self.rejected)} rejected for memory")
+        return "\n".join(lines)
+
+
+def _rank_key(prediction: Prediction) -> tuple:
+    return (prediction.step_time_s, *prediction.layout.tie_break_key)
+
+
+def plan(space: SearchSpace, model_profile: ModelProfile, network: NetworkProfile) -> Plan:
+    """Predict every candidate layout and rank those that fit ``space.memory_limit_bytes``, fastest first.
+
+    Raises before predicting anything when the profiles lack an entry the search needs, and
+    when no layout fits, naming the memory the smallest one needs.
+    """
+    layouts = candidate_layouts(space, model_profile.num_blocks)
+    if not layouts:
+        raise ValueError(
+            f"no candidate layout for world_size={space.world_size}, global_batch_size={space.global_batch_size}, "
+            f"tp_degrees_allowed={space.tp_degrees_allowed}, max_pipeline_stages={space.max_pipeline_stages}; "
+            "allow more degrees, micro-batch or overlap choices, or a batch divisible by the data-parallel degree"
+        )
+    missing = _missing_entries(required_profile_keys(space, model_profile.num_blocks), model_profile, network)
+    if missing:
+        raise ValueError(f"the profiles lack entries the search needs: {', '.join(missing)}; profile them first")
+
+    predictions = [predict(layout, model_profile, network, space) for layout in layouts]
+    fitting = sorted((prediction for prediction in predictions if prediction.fits), key=_rank_key)
+    if not fitting:
+        smallest = min(predictions, key=lambda prediction: (prediction.memory_bytes, *_rank_key(prediction)))
+        raise ValueError(
+            f"no layout fits memory_limit_bytes={space.memory_limit_bytes:.0f}; the smallest needs "
+            f"{smallest.memory_bytes:.0f} bytes ({smallest.layout.describe()}): raise the limit or the world size"
+        )
+    rejected = tuple(
+        (
+            prediction.layout,
+            f"needs {prediction.memory_bytes:.0f} bytes > memory_limit_bytes={space.memory_limit_bytes:.0f}",
+        )
+        for prediction in predictions
+        if not prediction.fits
+    )
+    return Plan(ranked=tuple(fitting), rejected=rejected)
