@@ -20,12 +20,19 @@ Each rank runs every method in turn on identical data and initial weights:
   sparse all-reduce (an all-gather of indices and values); the summed sparse gradient
   is densified locally so the optimizer is the same AdamW;
 * ``s2``: the S2 comm hook of ``SparseCommunication(method="s2")`` in exact mode;
-* ``embrace``: the column-sharded table of ``SparseCommunication(method="embrace")``.
+* ``embrace``: the column-sharded table of ``SparseCommunication(method="embrace")``;
+* ``embrace_priority``: the same, told the next batch's ids (``ShardedEmbedding.prioritize``),
+  so its backward sends the gradient rows the next batch looks up first, in their own
+  all-to-all, and the rest after.
 
 Bytes on the wire are counted per rank from each collective's payload (ring formulas
 of ``lightning_merak.callbacks.sparse_comm.cost_model``), split into embedding-table
 and dense traffic. Step time is the median over timed steps of the slowest rank.
-Final loss is the mean global loss of the last ``FINAL_LOSS_STEPS`` steps.
+Final loss is the mean global loss of the last ``FINAL_LOSS_STEPS`` steps. For the EmbRace
+methods, ``needed_rows_ms`` is the time from launching the backward row exchange until the
+rows the next batch looks up are in the slice gradient (without priority: all rows), and
+``all_rows_ms`` until every row is; both are medians of the slowest rank over the timed
+steps that have a next batch.
 """
 
 # No `from __future__ import annotations`: DDP checks comm hooks' annotations at runtime.
@@ -45,8 +52,9 @@ from benchmarks.netem import EmulatedCluster, EmulationUnavailable, LinkSpec, ch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "sparse_comm.json"
-METHODS = ("dense", "powersgd", "allgather", "s2", "embrace")
-OURS = ("s2", "embrace")
+METHODS = ("dense", "powersgd", "allgather", "s2", "embrace", "embrace_priority")
+OURS = ("s2", "embrace", "embrace_priority")
+EMBRACE = ("embrace", "embrace_priority")
 RANKS_TIMEOUT_S = 900.0
 WARMUP_STEPS = 2
 FINAL_LOSS_STEPS = 5
@@ -174,7 +182,7 @@ def _train(method: str, workload: Workload, batches: list[tuple[Any, Any]]) -> d
     ledger = CommLedger(world_size)
     model = _build_model(workload, sparse=method == "allgather")
     table_ids = {id(model.embed.weight)}
-    if method == "embrace":
+    if method in EMBRACE:
         group = dist.new_group(ranks=list(range(world_size)))
         shard_embeddings(model, ["embed"], group, ledger)
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["embed.shard"])
@@ -193,11 +201,13 @@ def _train(method: str, workload: Workload, batches: list[tuple[Any, Any]]) -> d
     else:
         ddp.register_comm_hook(None, _counting_allreduce_hook(table_ids, ledger))
     optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr, weight_decay=0.0)
-    step_seconds, losses, bytes_per_step = [], [], []
-    for ids, labels in batches:
+    step_seconds, losses, bytes_per_step, exchange_seconds = [], [], [], []
+    for step, (ids, labels) in enumerate(batches):
         before = ledger.snapshot()
         dist.barrier()
         start = time.perf_counter()
+        if method == "embrace_priority" and step + 1 < len(batches):
+            model.embed.prioritize(batches[step + 1][0])
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(ddp(ids), labels)
         loss.backward()
@@ -213,13 +223,22 @@ def _train(method: str, workload: Workload, batches: list[tuple[Any, Any]]) -> d
         losses.append(mean_loss.item() / world_size)
         after = ledger.snapshot()
         bytes_per_step.append({key: after.get(key, 0.0) - before.get(key, 0.0) for key in after})
+        if method in EMBRACE and step + 1 < len(batches):
+            timing = model.embed.last_exchange
+            needed = timing.priority_rows_s if timing.priority_rows_s is not None else timing.all_rows_s
+            slowest_exchange = torch.tensor([needed, timing.all_rows_s], dtype=torch.float64)
+            dist.all_reduce(slowest_exchange, op=dist.ReduceOp.MAX)
+            exchange_seconds.append(slowest_exchange.tolist())
     timed = bytes_per_step[WARMUP_STEPS:]
+    timed_exchanges = exchange_seconds[WARMUP_STEPS:]
     return {
         "method": method,
         "step_s": statistics.median(step_seconds[WARMUP_STEPS:]),
         "losses": losses,
         "embedding_bytes": statistics.mean(step.get("embedding", 0.0) for step in timed),
         "dense_bytes": statistics.mean(step.get("dense", 0.0) for step in timed),
+        "needed_rows_s": statistics.median(e[0] for e in timed_exchanges) if timed_exchanges else None,
+        "all_rows_s": statistics.median(e[1] for e in timed_exchanges) if timed_exchanges else None,
     }
 
 
@@ -251,6 +270,8 @@ class Row:
     speedup_vs_dense: float
     final_loss: float
     loss_vs_dense: float
+    needed_rows_ms: float | None
+    all_rows_ms: float | None
 
 
 def _network_name(rate_mbit: float) -> str:
@@ -279,6 +300,8 @@ def measure(world_size: int, rate_mbit: float, workload: Workload) -> list[Row]:
             speedup_vs_dense=dense["step_s"] / entry["step_s"],
             final_loss=final(entry),
             loss_vs_dense=final(entry) / final(dense) - 1,
+            needed_rows_ms=None if entry["needed_rows_s"] is None else entry["needed_rows_s"] * 1e3,
+            all_rows_ms=None if entry["all_rows_s"] is None else entry["all_rows_s"] * 1e3,
         )
         for method, entry in measured.items()
     ]

@@ -170,6 +170,33 @@ def test_callback_refuses_bad_arguments_before_training() -> None:
         SparseCommunication("s2", sketch_rows=4)
     with pytest.raises(ValueError, match="lossy"):
         SparseCommunication("auto", mode="sketch")
+    with pytest.raises(ValueError, match="method='embrace'"):
+        SparseCommunication("s2", priority=True)
+
+
+def test_priority_chunks_put_the_next_batch_rows_first_and_cover_every_token_once() -> None:
+    from lightning_merak.callbacks.sparse_comm.embrace import exchange_chunks
+
+    all_ids = torch.tensor([5, 9, 5, 2, 7, 9, 1])
+    chunks = exchange_chunks(all_ids, torch.tensor([9, 1, 100]))
+    assert [priority for priority, _ in chunks] == [True, False]
+    assert all_ids[chunks[0][1]].tolist() == [9, 9, 1]
+    assert all_ids[chunks[1][1]].tolist() == [5, 5, 2, 7]
+    assert [p for p, _ in exchange_chunks(all_ids, torch.empty(0, dtype=torch.int64))] == [False]
+    assert [p for p, _ in exchange_chunks(all_ids, all_ids)] == [True]
+    assert exchange_chunks(torch.empty(0, dtype=torch.int64), all_ids) == []
+
+
+def test_lookahead_yields_the_same_items_and_peeks_one_ahead() -> None:
+    from lightning_merak.callbacks.sparse_comm.callback import _Lookahead
+
+    items = _Lookahead(iter([1, 2, 3]))
+    assert next(items) == 1
+    assert items.peek() == 2 and items.peek() == 2
+    assert list(items) == [2, 3]
+    assert items.peek() is None
+    with pytest.raises(StopIteration):
+        next(items)
 
 
 def test_callback_state_round_trips_the_seed() -> None:

@@ -156,6 +156,41 @@ def embrace_against_unsharded(rank: int, world_size: int, tied: bool) -> float:
     return worst
 
 
+def embrace_priority_against_plain(rank: int, world_size: int) -> dict[str, object]:
+    """The priority exchange (next batch's rows first, on the table's own group) against the
+    plain exchange and the unsharded embedding, over three steps with a next batch each."""
+    group = dist.new_group(ranks=list(range(world_size)))
+    torch.manual_seed(0)
+    reference = TinyLM()
+    models = {}
+    for name in ("plain", "priority"):
+        torch.manual_seed(0)
+        models[name] = TinyLM()
+        shard_embeddings(models[name], ["embed"], group)
+    worst_vs_unsharded, worst_vs_plain, timings = 0.0, 0.0, []
+    for step in range(3):
+        ids = _batch(rank, step, tokens=30 + 7 * rank)
+        upcoming = torch.cat([ids[: 3 + rank], _batch(rank, step + 1)[:5]])  # overlaps this batch, like real text
+        models["priority"].embed.prioritize(upcoming)
+        outputs = {name: model(ids) for name, model in models.items()}
+        expected = reference(ids)
+        for model in (*models.values(), reference):
+            model.zero_grad()
+        expected.square().mean().backward()
+        for output in outputs.values():
+            output.square().mean().backward()
+        dist.all_reduce(reference.embed.weight.grad)
+        start, stop = models["priority"].embed.bounds[rank]
+        expected_columns = reference.embed.weight.grad[:, start:stop] / world_size
+        priority_grad = models["priority"].embed.shard.grad
+        worst_vs_unsharded = max(worst_vs_unsharded, (priority_grad - expected_columns).abs().max().item(),
+                                 (outputs["priority"] - expected).abs().max().item())
+        worst_vs_plain = max(worst_vs_plain, (priority_grad - models["plain"].embed.shard.grad).abs().max().item())
+        timings.append(models["priority"].embed.last_exchange)
+    return {"vs_unsharded": worst_vs_unsharded, "vs_plain": worst_vs_plain, "timings": timings,
+            "plain_timing": models["plain"].embed.last_exchange}
+
+
 HOOK_METHODS = ("s2_exact", "allgather", "auto")
 
 
@@ -164,6 +199,7 @@ def all_checks(rank: int, world_size: int) -> dict[str, object]:
     results: dict[str, object] = {f"hook_{method}": compare_hook_with_dense(rank, world_size, method, False)
                                   for method in HOOK_METHODS}
     results["embrace"] = embrace_against_unsharded(rank, world_size, False)
+    results["embrace_priority"] = embrace_priority_against_plain(rank, world_size)
     if world_size == 2:
         results["hook_sparse_bucket"] = compare_hook_with_dense(rank, world_size, "s2_exact", True)
         results["excluded"] = excluded_table_path(rank, world_size)
@@ -191,6 +227,22 @@ def test_embrace_forward_and_backward_equal_the_unsharded_embedding(
 ) -> None:
     _, results = checks
     assert max(r["embrace"] for r in results) <= 1e-6
+
+
+def test_embrace_priority_exchange_changes_the_order_not_the_gradient(
+    checks: tuple[int, list[dict[str, object]]],
+) -> None:
+    """Each row's contributions travel in one chunk in their original order: bit for bit the
+    plain exchange, and the unsharded embedding's averaged gradient."""
+    _, results = checks
+    for result in results:
+        check = result["embrace_priority"]
+        assert check["vs_plain"] == 0.0
+        assert check["vs_unsharded"] <= 1e-6
+        for timing in check["timings"]:
+            assert 0 < timing.priority_tokens < timing.tokens
+            assert timing.priority_rows_s <= timing.all_rows_s
+        assert check["plain_timing"].priority_tokens == 0 and check["plain_timing"].priority_rows_s is None
 
 
 def test_two_rank_extras(checks: tuple[int, list[dict[str, object]]]) -> None:

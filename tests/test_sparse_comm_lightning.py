@@ -70,6 +70,8 @@ def lightning_runs(rank: int, world_size: int, checkpoint: str) -> dict[str, dic
         "auto": _fit(False, SparseCommunication("auto", min_table_rows=1000, bandwidth_gbit=1.0)),
         "sketch": _fit(False, SparseCommunication("s2", mode="sketch", column_factor=1.0, min_table_rows=1000)),
         "embrace": _fit(False, SparseCommunication("embrace", min_table_rows=1000), Path(checkpoint)),
+        "embrace_priority": _fit(False, SparseCommunication(
+            "embrace", min_table_rows=1000, priority=True, priority_ids=lambda batch: batch[0][:, :-1])),
         "dense_tied": _fit(True, None),
         "embrace_tied": _fit(True, SparseCommunication("embrace", min_table_rows=1000)),
     }
@@ -83,6 +85,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, dict[
 
 @pytest.mark.parametrize(("candidate", "reference", "rtol"), [
     ("s2", "dense", 1e-6), ("auto", "dense", 1e-6), ("embrace", "dense", 1e-4), ("embrace_tied", "dense_tied", 1e-4),
+    ("embrace_priority", "embrace", 0.0),
 ])
 def test_training_curves_match_dense_ddp(runs, candidate: str, reference: str, rtol: float) -> None:
     for rank_runs in runs[0]:
@@ -97,7 +100,7 @@ def test_sketch_mode_trains_close_to_dense(runs) -> None:
 
 def test_replicated_weights_stay_identical_across_ranks(runs) -> None:
     rank0, rank1 = runs[0]
-    for name in ("s2", "auto", "sketch", "embrace", "embrace_tied"):
+    for name in ("s2", "auto", "sketch", "embrace", "embrace_tied", "embrace_priority"):
         assert torch.equal(rank0[name]["mix"], rank1[name]["mix"]), name
 
 

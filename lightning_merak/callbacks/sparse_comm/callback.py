@@ -1,4 +1,5 @@
-"""``SparseCommunication``: S2 Reducer or EmbRace for a model's embedding tables under DDP.
+"""``SparseCommunication``: S2 Reducer or EmbRace for a model's embedding tables under
+Lightning's DDP or merak3d.
 
 Data-parallel group: the callback reduces over ``strategy.data_parallel_group`` when
 the strategy defines it (a ``ProcessGroup``, or a zero-argument method returning
@@ -6,7 +7,15 @@ one), so a 3D-parallel strategy can hand over its data-parallel group; otherwise
 world group (plain ``DDPStrategy``). A strategy may also expose
 ``sparse_comm_process_group`` for the dedicated group on which excluded tables and
 EmbRace communicate; without it the callback creates one spanning the data-parallel
-ranks (when that is the world group) or reuses the data-parallel group.
+ranks (one per data-parallel group of merak3d's device mesh) or reuses the
+data-parallel group.
+
+Under merak3d, which averages gradients itself after ``on_after_backward``, the
+tables (and, with ``pipeline_parallel>1``, the tied LM-head copy on the last stage)
+are reduced by S2 in ``on_after_backward`` over the data-parallel group and named in
+``_ddp_params_and_buffers_to_ignore`` so merak3d skips them; names are looked up
+after the layout is built, since pipeline stages rename parameters. EmbRace shards
+the tables over the data-parallel group with ``pipeline_parallel=1``.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -28,6 +38,8 @@ from lightning_merak.callbacks.sparse_comm.cost_model import NetworkModel
 from lightning_merak.callbacks.sparse_comm.embrace import ShardedEmbedding, shard_embeddings, tied_head_names
 from lightning_merak.callbacks.sparse_comm.s2_hook import AUTO, S2Reducer, s2_comm_hook
 from lightning_merak.callbacks.sparse_comm.sketch import CountSketch
+from lightning_merak.strategies.merak3d import Merak3DStrategy
+from lightning_merak.strategies.pipeline.stage import RankStages, tied_parameter_names
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +90,12 @@ class SparseCommunication(pl.Callback):
         rows_from_ids: take a table's non-zero rows from its lookup ids (cheap) rather than by
             scanning its gradient; tied tables are always scanned. Set ``False`` if the model
             reads a table's weight outside its ``nn.Embedding`` (e.g. ``F.linear(x, emb.weight)``).
+        priority: for ``"embrace"``: send the gradient rows the next batch looks up first
+            (the next batch is read one step ahead from Lightning's batch iterator; the
+            gradient is unchanged, only the order of communication). Timings land in each
+            table's ``last_exchange``.
+        priority_ids: maps a batch to the token ids the tables look up; default
+            ``pl_module.split_batch(batch)[0]`` (merak3d's module contract).
     """
 
     def __init__(
@@ -93,6 +111,8 @@ class SparseCommunication(pl.Callback):
         latency_us: float = 50.0,
         freeze_dense_after: int = 3,
         rows_from_ids: bool = True,
+        priority: bool = False,
+        priority_ids: Callable[[Any], torch.Tensor] | None = None,
     ) -> None:
         if method not in ("s2", "embrace", "auto"):
             raise ValueError(f"method must be 's2', 'embrace' or 'auto', got {method!r}")
@@ -108,6 +128,8 @@ class SparseCommunication(pl.Callback):
             raise ValueError(f"bandwidth_gbit must be positive or None (measure), got {bandwidth_gbit}")
         if freeze_dense_after < 1:
             raise ValueError(f"freeze_dense_after must be >= 1, got {freeze_dense_after}")
+        if priority and method != "embrace":
+            raise ValueError("priority=True orders EmbRace's row exchange; use it with method='embrace'")
         self.method = method
         self.mode = mode
         self.sketch = CountSketch(sketch_rows, seed)
@@ -118,6 +140,8 @@ class SparseCommunication(pl.Callback):
         self.latency_us = latency_us
         self.freeze_dense_after = freeze_dense_after
         self.rows_from_ids = rows_from_ids
+        self.priority = priority
+        self.priority_ids = priority_ids
         self.ledger: CommLedger | None = None
         self.hook_reducer: S2Reducer | None = None
         self.excluded_reducer: S2Reducer | None = None
@@ -125,6 +149,8 @@ class SparseCommunication(pl.Callback):
         self.sharded_tables: dict[str, ShardedEmbedding] = {}
         self._restored_frozen: set[str] = set()
         self._active = False
+        self._merak3d = False
+        self._merak3d_tables: dict[str, str] = {}
 
     @property
     def seed(self) -> int:
@@ -151,13 +177,24 @@ class SparseCommunication(pl.Callback):
         if stage != "fit":
             return
         strategy = trainer.strategy
-        if not isinstance(strategy, DDPStrategy):
+        self._merak3d = isinstance(strategy, Merak3DStrategy)
+        if not self._merak3d and not isinstance(strategy, DDPStrategy):
             if trainer.world_size == 1:
                 log.warning("SparseCommunication: single process, no gradient communication to replace")
                 return
             raise TypeError(
-                f"SparseCommunication works under DDP; the trainer uses {type(strategy).__name__}. "
-                "Use strategy='ddp' (or a DDPStrategy subclass)"
+                f"SparseCommunication works under DDP or merak3d; the trainer uses {type(strategy).__name__}. "
+                "Use strategy='ddp' (or a DDPStrategy subclass) or Merak3DStrategy"
+            )
+        if self._merak3d:
+            self._check_merak3d(trainer, strategy)
+            if strategy.data_parallel == 1:
+                log.warning("SparseCommunication: merak3d has data_parallel=1, no gradient communication to replace")
+                return
+        if self.priority and self.priority_ids is None and not callable(getattr(pl_module, "split_batch", None)):
+            raise ValueError(
+                f"priority=True needs the token ids of a batch: {type(pl_module).__name__} has no split_batch; "
+                "pass priority_ids=<function from a batch to its ids>"
             )
         tables = self._find_tables(pl_module)
         if not tables:
@@ -171,9 +208,17 @@ class SparseCommunication(pl.Callback):
         self.ledger = CommLedger(dist.get_world_size(group))
         ignored: list[str] = []
         if self.method == "embrace":
+            if self._merak3d:
+                for module in tables.values():
+                    dist.broadcast(module.weight.data, src=0)  # merak3d's replicas all start from rank 0's weights
             self.sharded_tables = shard_embeddings(pl_module, list(tables), comm_group, self.ledger)
             ignored = [f"{name}.shard" for name in self.sharded_tables]
-            self._install_global_norm_clipping(trainer, comm_group)
+            if not self._merak3d:
+                self._install_global_norm_clipping(trainer, comm_group)
+        elif self._merak3d:
+            self._merak3d_tables = self._merak3d_table_names(pl_module, tables)
+            self.excluded_reducer = self._reducer({}, comm_group)
+            self._watch_lookups(pl_module, tables)
         else:
             self.excluded_tables = {name: m.weight for name, m in tables.items() if m.sparse}
             hooked = {id(m.weight): name for name, m in tables.items() if not m.sparse}
@@ -207,7 +252,7 @@ class SparseCommunication(pl.Callback):
         scanned, since its gradient has rows no id names."""
         for name, module in tables.items():
             holders = [m for m in pl_module.modules() if any(p is module.weight for p in m.parameters(recurse=False))]
-            reducer = self.excluded_reducer if module.sparse else self.hook_reducer
+            reducer = self.excluded_reducer if module.sparse or self._merak3d else self.hook_reducer
             if self.rows_from_ids and len(holders) == 1 and reducer is not None:
                 reducer.watch_lookups(name, module)
             elif len(holders) > 1:
@@ -218,9 +263,43 @@ class SparseCommunication(pl.Callback):
         provided = getattr(strategy, "sparse_comm_process_group", None)
         if provided is not None:
             return provided() if callable(provided) else provided
+        if isinstance(strategy, Merak3DStrategy):
+            return _new_data_parallel_groups(strategy)
         if group is None or group is dist.group.WORLD:
             return dist.new_group(ranks=list(range(dist.get_world_size())))
         return group
+
+    def _check_merak3d(self, trainer: pl.Trainer, strategy: Merak3DStrategy) -> None:
+        """Refuse what EmbRace cannot do under merak3d, before any collective."""
+        if self.method != "embrace":
+            return
+        if strategy.pipeline_parallel > 1:
+            raise ValueError(
+                "method='embrace' under merak3d needs pipeline_parallel=1: with pipeline stages the layout "
+                "trace runs the first stage on rank 0 alone, which a sharded table cannot; use method='s2'"
+            )
+        if trainer.gradient_clip_val:
+            raise ValueError(
+                "method='embrace' under merak3d cannot clip gradients: merak3d's norm would count each rank's "
+                "table columns as the whole table; set gradient_clip_val=None or use method='s2'"
+            )
+
+    @staticmethod
+    def _merak3d_table_names(pl_module: pl.LightningModule, tables: dict[str, nn.Embedding]) -> dict[str, str]:
+        """Each table's weight and its tied copies, by name in ``pl_module.model`` before the layout
+        is built, mapped to the name the reducer knows the table by (its module name)."""
+        model = pl_module.model
+        owners = {f"{name}.weight": name for name in tables}
+        prefix = "model."
+        if any(not weight.startswith(prefix) for weight in owners):
+            raise ValueError(
+                f"merak3d parallelises pl_module.model; tables {sorted(tables)} must live inside it"
+            )
+        names = {weight[len(prefix):]: owner for weight, owner in owners.items()}
+        for group in tied_parameter_names(model):
+            if any(name in names for name in group):
+                names.update({name: f"{prefix}{name}" for name in group if name not in names})
+        return names
 
     @staticmethod
     def _ignore_in_ddp(pl_module: pl.LightningModule, names: list[str]) -> None:
@@ -257,6 +336,50 @@ class SparseCommunication(pl.Callback):
 
         precision.clip_grad_by_norm = clip_grad_by_norm
 
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Under merak3d: reduce this rank's table gradients over the data-parallel group with S2
+        and name them in ``_ddp_params_and_buffers_to_ignore``, right before merak3d averages the rest."""
+        if not (self._active and self._merak3d and self.excluded_reducer is not None):
+            return
+        model = pl_module.model
+        rename = model.original_name if isinstance(model, RankStages) else (lambda name: name)
+        local = [
+            (f"model.{name}", self._merak3d_tables[rename(name)], parameter)
+            for name, parameter in model.named_parameters()
+            if rename(name) in self._merak3d_tables
+        ]
+        self._ignore_in_ddp(pl_module, [name for name, _, _ in local])
+        reduced = self.excluded_reducer.reduce_now([(table, p.grad, p.shape) for _, table, p in local])
+        for (_, _, parameter), gradient in zip(local, reduced):
+            parameter.grad = gradient
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """With ``priority``: hand each sharded table the ids of the next batch."""
+        if not (self._active and self.priority and self.sharded_tables):
+            return
+        upcoming = self._next_batch_ids(trainer, pl_module)
+        for table in self.sharded_tables.values():
+            table.prioritize(upcoming)
+
+    def _next_batch_ids(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> torch.Tensor | None:
+        """The ids of the batch after this one, or ``None`` at the end of the epoch."""
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        if getattr(fetcher, "iterator", None) is None:
+            raise RuntimeError(
+                "priority=True reads the next batch from the iterator of Lightning's data fetcher "
+                "(trainer.fit_loop._data_fetcher.iterator), which this Lightning version lacks; set priority=False"
+            )
+        if not isinstance(fetcher.iterator, _Lookahead):
+            fetcher.iterator = _Lookahead(fetcher.iterator)
+        upcoming = fetcher.iterator.peek()
+        if upcoming is None:
+            return None
+        next_batch = upcoming[0]  # the iterator yields (batch, batch_idx, dataloader_idx)
+        ids = self.priority_ids(next_batch) if self.priority_ids is not None else pl_module.split_batch(next_batch)[0]
+        return ids.to(pl_module.device)
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._active:
             return
@@ -285,7 +408,7 @@ class SparseCommunication(pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if not self.excluded_tables or self.excluded_reducer is None:
+        if self._merak3d or not self.excluded_tables or self.excluded_reducer is None:
             return
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
         tables = [(name, p) for name, p in self.excluded_tables.items() if id(p) in in_optimizer]
@@ -316,7 +439,10 @@ class SparseCommunication(pl.Callback):
                 state[f"{head}.weight"] = full
 
     def state_dict(self) -> dict[str, Any]:
-        frozen = sorted(self.hook_reducer._frozen_dense) if self.hook_reducer is not None else []
+        frozen = sorted({
+            name for reducer in (self.hook_reducer, self.excluded_reducer) if reducer is not None
+            for name in reducer._frozen_dense
+        })
         return {
             "method": self.method,
             "mode": self.mode,
@@ -335,3 +461,52 @@ class SparseCommunication(pl.Callback):
             if reducer is not None:
                 reducer.sketch = self.sketch
                 reducer._frozen_dense.update(self._restored_frozen)
+
+
+def _new_data_parallel_groups(strategy: Merak3DStrategy) -> dist.ProcessGroup:
+    """A new group per data-parallel group of merak3d's mesh (every rank creates all of them,
+    in the same order); returns this rank's."""
+    mesh = strategy.device_mesh.mesh
+    rank = dist.get_rank()
+    own = None
+    for pipeline_rank in range(mesh.shape[0]):
+        for tensor_rank in range(mesh.shape[2]):
+            ranks = [int(r) for r in mesh[pipeline_rank, :, tensor_rank]]
+            group = dist.new_group(ranks=ranks)
+            if rank in ranks:
+                own = group
+    assert own is not None, "every rank lies in one data-parallel group of the mesh"
+    return own
+
+
+_NOTHING = object()
+_EXHAUSTED = object()
+
+
+class _Lookahead(Iterator[Any]):
+    """An iterator whose next item can be read before its turn; it yields exactly the items,
+    in the order, of the iterator it wraps."""
+
+    def __init__(self, iterator: Iterator[Any]) -> None:
+        self._iterator = iterator
+        self._peeked: Any = _NOTHING
+
+    def __iter__(self) -> _Lookahead:
+        return self
+
+    def __next__(self) -> Any:
+        if self._peeked is _NOTHING:
+            return next(self._iterator)
+        item, self._peeked = self._peeked, _NOTHING
+        if item is _EXHAUSTED:
+            raise StopIteration
+        return item
+
+    def peek(self) -> Any | None:
+        """The next item without consuming it; ``None`` when the iterator is exhausted."""
+        if self._peeked is _NOTHING:
+            try:
+                self._peeked = next(self._iterator)
+            except StopIteration:
+                self._peeked = _EXHAUSTED
+        return None if self._peeked is _EXHAUSTED else self._peeked

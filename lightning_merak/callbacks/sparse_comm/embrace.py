@@ -12,6 +12,14 @@ awaited at the end of the backward pass (an autograd engine callback), so it ove
 DDP's all-reduce of the last dense buckets. Issue order on that group follows the
 model's graph, identical on every rank.
 
+Priority ("rows needed first sent first"): when the ids of the next batch are known
+(:meth:`ShardedEmbedding.prioritize`), they travel with this step's id all-gather, and
+backward splits the gradient exchange into two all-to-alls launched back to back on the
+table's group: first the tokens whose row the next batch looks up, then the rest. The
+priority chunk is awaited and added first. Every row's contributions fall in one chunk,
+in their original order, so the gradient is the same as without priority;
+:attr:`ShardedEmbedding.last_exchange` records when each chunk's rows were in place.
+
 A tied output head (a ``Linear`` whose weight *is* the table) is swapped for
 :class:`ShardedTiedHead`: it all-gathers the full table for the logits and
 reduce-scatters the head's gradient back to the owners. The head's gradient is dense,
@@ -21,6 +29,8 @@ without editing them.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,23 +61,48 @@ def column_bounds(dim: int, world_size: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def exchange_chunks(all_ids: torch.Tensor, upcoming_ids: torch.Tensor) -> list[tuple[bool, torch.Tensor]]:
+    """``(is_priority, mask over all_ids)`` in sending order: the tokens whose row is among
+    ``upcoming_ids`` (needed by the next lookup) first, then the rest; empty chunks dropped."""
+    needed = torch.isin(all_ids, upcoming_ids)
+    return [(priority, mask) for priority, mask in ((True, needed), (False, ~needed)) if bool(mask.any())]
+
+
+@dataclass(frozen=True)
+class ExchangeTiming:
+    """One backward gradient exchange of a table: seconds from launch until the rows of the
+    priority chunk, and of all chunks, were added into the slice gradient."""
+
+    priority_rows_s: float | None
+    all_rows_s: float
+    priority_tokens: int
+    tokens: int
+
+
 class _ShardedLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, ids: torch.Tensor, table: ShardedEmbedding) -> torch.Tensor:
+    def forward(
+        ctx: Any, shard: torch.Tensor, ids: torch.Tensor, upcoming: torch.Tensor, table: ShardedEmbedding
+    ) -> torch.Tensor:
         group, world_size, rank = table.process_group, table.world_size, table.group_rank
         flat_ids = ids.reshape(-1).to(torch.int64)
-        local_count = torch.tensor([flat_ids.numel()], dtype=torch.int64, device=shard.device)
-        counts = torch.empty(world_size, dtype=torch.int64, device=shard.device)
+        upcoming = upcoming.to(flat_ids.device)
+        local_count = torch.tensor([flat_ids.numel(), upcoming.numel()], dtype=torch.int64, device=shard.device)
+        counts = torch.empty(2 * world_size, dtype=torch.int64, device=shard.device)
         _all_gather_into_tensor(counts, local_count, group=group)
-        counts_list = counts.tolist()
-        longest = max(counts_list)
+        per_rank = counts.view(world_size, 2).tolist()
+        counts_list = [current for current, _ in per_rank]
+        longest = max(current + ahead for current, ahead in per_rank)
         padded = flat_ids.new_zeros(longest)
         padded[: flat_ids.numel()] = flat_ids
+        padded[flat_ids.numel() : flat_ids.numel() + upcoming.numel()] = upcoming
         gathered = flat_ids.new_empty(world_size * longest)
         _all_gather_into_tensor(gathered, padded, group=group)
         table.record("all_gather", local_count.numel() * local_count.element_size())
         table.record("all_gather", padded.numel() * padded.element_size())
-        all_ids = torch.cat([gathered[r * longest : r * longest + count] for r, count in enumerate(counts_list)])
+        blocks = gathered.view(world_size, longest)
+        all_ids = torch.cat([blocks[r, :current] for r, (current, _) in enumerate(per_rank)])
+        all_upcoming = torch.cat([blocks[r, current : current + ahead] for r, (current, ahead) in enumerate(per_rank)])
 
         widths = table.widths
         looked_up = shard.index_select(0, all_ids)
@@ -79,43 +114,58 @@ class _ShardedLookup(torch.autograd.Function):
             group=group,
         )
         table.record_lookup(counts_list, shard.element_size())
-        blocks = received.split([flat_ids.numel() * width for width in widths])
-        output = torch.cat([block.view(flat_ids.numel(), width) for block, width in zip(blocks, widths)], dim=1)
+        received_blocks = received.split([flat_ids.numel() * width for width in widths])
+        output = torch.cat(
+            [block.view(flat_ids.numel(), width) for block, width in zip(received_blocks, widths)], dim=1
+        )
         ctx.table = table
         ctx.counts = counts_list
-        ctx.save_for_backward(all_ids)
+        ctx.save_for_backward(all_ids, all_upcoming.unique())
         return output.view(*ids.shape, table.dim)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[None, None, None]:
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[None, None, None, None]:
         table: ShardedEmbedding = ctx.table
-        (all_ids,) = ctx.saved_tensors
+        all_ids, upcoming = ctx.saved_tensors
         widths, rank = table.widths, table.group_rank
         local_tokens = grad_output.numel() // table.dim
         grad = grad_output.reshape(local_tokens, table.dim)
-        send = torch.cat([grad[:, start:stop].reshape(-1) for start, stop in table.bounds])
-        received = grad.new_empty(all_ids.numel() * widths[rank])
-        work = dist.all_to_all_single(
-            received, send,
-            output_split_sizes=[count * widths[rank] for count in ctx.counts],
-            input_split_sizes=[local_tokens * width for width in widths],
-            group=table.process_group, async_op=True,
-        )
-        table.record_lookup(ctx.counts, grad.element_size())
+        launched = time.perf_counter()
+        chunks = []
+        for priority, mask in exchange_chunks(all_ids, upcoming):
+            chunk_counts = [int(part.sum()) for part in mask.split(ctx.counts)]
+            mine = grad[mask.split(ctx.counts)[rank]]
+            send = torch.cat([mine[:, start:stop].reshape(-1) for start, stop in table.bounds])
+            received = grad.new_empty(sum(chunk_counts) * widths[rank])
+            work = dist.all_to_all_single(
+                received, send,
+                output_split_sizes=[count * widths[rank] for count in chunk_counts],
+                input_split_sizes=[mine.shape[0] * width for width in widths],
+                group=table.process_group, async_op=True,
+            )
+            table.record_lookup(chunk_counts, grad.element_size())
+            chunks.append((priority, work, received, all_ids[mask]))
 
         def accumulate() -> None:
-            work.wait()
-            rows = received.view(all_ids.numel(), widths[rank])
-            if table.padding_idx is not None:
-                rows = rows.masked_fill(all_ids.eq(table.padding_idx).unsqueeze(1), 0)
-            shard_grad = torch.zeros_like(table.shard).index_add_(0, all_ids, rows).div_(table.world_size)
+            shard_grad = torch.zeros_like(table.shard)
+            priority_ready, all_ready, priority_tokens = None, 0.0, 0
+            for priority, work, received, ids in chunks:
+                work.wait()
+                rows = received.view(ids.numel(), widths[rank]).div(table.world_size)
+                if table.padding_idx is not None:
+                    rows = rows.masked_fill(ids.eq(table.padding_idx).unsqueeze(1), 0)
+                shard_grad.index_add_(0, ids, rows)
+                all_ready = time.perf_counter() - launched
+                if priority:
+                    priority_ready, priority_tokens = all_ready, ids.numel()
+            table.last_exchange = ExchangeTiming(priority_ready, all_ready, priority_tokens, all_ids.numel())
             if table.shard.grad is None:
                 table.shard.grad = shard_grad
             else:
                 table.shard.grad.add_(shard_grad)
 
         torch.autograd.Variable._execution_engine.queue_callback(accumulate)
-        return None, None, None
+        return None, None, None, None
 
 
 class _GatherColumns(torch.autograd.Function):
@@ -170,6 +220,8 @@ class ShardedEmbedding(nn.Module):
         self.ledger = ledger
         start, stop = self.bounds[self.group_rank]
         self.shard = nn.Parameter(weight.detach()[:, start:stop].clone())
+        self._upcoming_ids: torch.Tensor | None = None
+        self.last_exchange: ExchangeTiming | None = None
 
     @classmethod
     def from_embedding(
@@ -204,8 +256,23 @@ class ShardedEmbedding(nn.Module):
         sent = sum(count for r, count in enumerate(counts) if r != rank) * self.widths[rank] * element_bytes
         self.ledger.record_received(sent, EMBEDDING)
 
+    def prioritize(self, upcoming_ids: torch.Tensor | None) -> None:
+        """The ids this rank's next lookup will use: the next gradient-enabled lookup sends
+        them along, and its backward sends the gradient rows of those ids first.
+
+        Only the order of communication changes, never the gradient; ``None`` clears it.
+        """
+        self._upcoming_ids = None if upcoming_ids is None else upcoming_ids.detach().reshape(-1).to(torch.int64)
+
+    def _take_upcoming_ids(self) -> torch.Tensor:
+        """The ids set by :meth:`prioritize` (consumed by a lookup that will have a backward), else none."""
+        if self._upcoming_ids is None or not (torch.is_grad_enabled() and self.shard.requires_grad):
+            return torch.empty(0, dtype=torch.int64)
+        upcoming, self._upcoming_ids = self._upcoming_ids, None
+        return upcoming
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return _ShardedLookup.apply(self.shard, ids, self)
+        return _ShardedLookup.apply(self.shard, ids, self._take_upcoming_ids(), self)
 
     def gathered_weight(self) -> torch.Tensor:
         """The full ``[V, H]`` table, differentiable (used by a tied head)."""

@@ -46,13 +46,15 @@ class S2CommConfig(CallbackOptionConfig):
 
 @dataclass
 class EmbraceCommConfig(CallbackOptionConfig):
-    """EmbRace: tables column-sharded over the data-parallel ranks."""
+    """EmbRace: tables column-sharded over the data-parallel ranks; ``priority`` sends the
+    gradient rows the next batch looks up first."""
 
     name: str = "embrace"
     min_table_rows: int = 1024
+    priority: bool = False
 
     def build_callbacks(self) -> list[pl.Callback]:
-        return [SparseCommunication("embrace", min_table_rows=self.min_table_rows)]
+        return [SparseCommunication("embrace", min_table_rows=self.min_table_rows, priority=self.priority)]
 
 
 @dataclass
