@@ -11,6 +11,7 @@ from lightning_merak.callbacks.delta.planner import (
     BlockProfile,
     PlannerSettings,
     StepProfile,
+    calibrate_outside,
     plan_memory,
     simulate_timeline,
 )
@@ -201,3 +202,47 @@ def test_ledger_counts_each_storage_once_and_tracks_the_peak():
     assert ledger.resident_bytes == 80 and ledger.peak_bytes == 150
     ledger.start_step()
     assert ledger.peak_bytes == 80 and ledger.timeline[0].label == "step start"
+
+
+def test_simulation_follows_recorded_events_so_micro_batches_in_flight_add_up():
+    blocks = (BlockProfile("a", 0.01, 0.02, 10, 2, 1.0), BlockProfile("b", 0.01, 0.02, 10, 2, 1.0))
+    one_at_a_time = StepProfile(blocks, 0, (("F", 0), ("F", 1), ("B", 1), ("B", 0)) * 2)
+    two_in_flight = StepProfile(blocks, 0, (("F", 0), ("F", 1)) * 2 + (("B", 1), ("B", 0)) * 2)
+    keep = {"a": Action.KEEP, "b": Action.KEEP}
+    assert max(b for _, b in simulate_timeline(one_at_a_time, keep)) == 20
+    assert max(b for _, b in simulate_timeline(two_in_flight, keep)) == 40
+    assert simulate_timeline(two_in_flight, keep)[-1][1] == 0
+    plan = plan_memory(two_in_flight, settings(budget=30))
+    assert plan.unmanaged_peak_bytes == 40 and plan.fits
+    with pytest.raises(ValueError, match="names no forward"):
+        StepProfile(blocks, 0, (("F", 2),))
+
+
+def test_profile_from_records_averages_micro_batches_and_keeps_the_event_order():
+    records = [
+        BlockRecord("a", 0.0, 1.0, 4.0, 5.0, saved_bytes=10),
+        BlockRecord("a", 2.0, 3.0, 6.0, 7.0, saved_bytes=30),
+    ]
+    profile = profile_from_records(records, outside_bytes=0)
+    (a,) = profile.blocks
+    assert a.saved_bytes == 20 and a.stale_s == 3.0
+    assert profile.events == (("F", 0), ("F", 0), ("B", 0), ("B", 0))
+
+
+def test_outside_bytes_are_calibrated_to_the_measured_peak():
+    profile = chain(n=3, saved=10 * MIB, outside=0)
+    keep = {b.name: Action.KEEP for b in profile.blocks}
+    calibrated = calibrate_outside(profile, keep, measured_peak_bytes=34 * MIB)
+    assert calibrated.outside_bytes == 4 * MIB
+    assert max(b for _, b in simulate_timeline(calibrated, keep)) == 34 * MIB
+    assert calibrate_outside(profile, keep, measured_peak_bytes=MIB).outside_bytes == 0
+
+
+def test_plan_table_logs_every_block_with_its_action_and_reason():
+    plan = plan_memory(chain(), settings(45 * MIB, overrides={"layer5": Action.SWAP}))
+    rows = plan.table().splitlines()
+    assert len(rows) == 1 + 6 + 1
+    for decision, row in zip(plan.decisions, rows[1:-1]):
+        assert row.split()[:2] == [decision.name, decision.action.value]
+        assert row.endswith(decision.reason)
+    assert "user override" in rows[6] and "fits budget" in rows[4]

@@ -4,14 +4,21 @@ No model edits: blocks are found in the module Lightning trains (or in whatever 
 strategy hands over, such as a pipeline stage, through :meth:`DeltaMemory.manage`), their
 ``forward`` is switched on the instance before the strategy wraps the model, and all the
 rest happens through hooks. See :mod:`lightning_merak.callbacks.delta.runtime`.
+
+Strategies that cut and shard the model on the first batch (``merak3d``: they expose
+``layout_built`` and ``local_blocks``) are handled per rank: the selection is checked on
+the whole model at ``setup``, and on the first training batch, once the layout exists,
+each rank manages the blocks of its own pipeline stages under its own budget. Blocks the
+strategy already recomputes are left alone and logged, like user checkpointing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -24,7 +31,7 @@ from lightning_merak.callbacks.delta.budget import Budget, BudgetLike, parse_bud
 from lightning_merak.callbacks.delta.planner import Action, Plan
 from lightning_merak.callbacks.delta.plot import save_timeline_plot
 from lightning_merak.callbacks.delta.profiler import agree_profile
-from lightning_merak.callbacks.delta.recompute import user_checkpointing
+from lightning_merak.callbacks.delta.recompute import strategy_recompute, user_checkpointing
 from lightning_merak.callbacks.delta.runtime import ManagerOptions, MemoryManager, StepReport, iter_tensors
 
 __all__ = ["DeltaMemory"]
@@ -123,6 +130,7 @@ class DeltaMemory(pl.Callback):
         self._last_report: Optional[StepReport] = None
         self._patched_configure_model: Optional[nn.Module] = None
         self._active = False
+        self._layout_candidates: Optional[set[str]] = None
 
     # public ------------------------------------------------------------------------------
 
@@ -140,15 +148,9 @@ class DeltaMemory(pl.Callback):
         if self._active:
             raise RuntimeError("DeltaMemory already manages a module; use one callback per model")
         found = discover_blocks(module, self.blocks)
-        managed = []
-        for name, block in found:
-            qualified = f"{prefix}{name}"
-            reason = user_checkpointing(block)
-            if reason is None:
-                managed.append((qualified, block))
-            else:
-                self.excluded[qualified] = reason
-                rank_zero_info(f"DeltaMemory: leaving {qualified} alone: {reason}")
+        managed = self._respect_existing_checkpointing([(f"{prefix}{name}", block) for name, block in found])
+        for name in self.excluded:
+            rank_zero_info(f"DeltaMemory: leaving {name} alone: {self.excluded[name]}")
         if not managed:
             warnings.warn(
                 f"DeltaMemory: nothing to manage in {type(module).__name__} "
@@ -167,6 +169,9 @@ class DeltaMemory(pl.Callback):
         if stage != "fit" or self._active:
             return
         self._warn_deepspeed(trainer)
+        if _builds_layout_on_first_batch(trainer.strategy):
+            self._check_selection_before_layout(pl_module)
+            return
         if self._has_blocks(pl_module) or not _overrides_configure_model(pl_module):
             self._manage_or_fail(pl_module)
             return
@@ -182,7 +187,7 @@ class DeltaMemory(pl.Callback):
         self._patched_configure_model = pl_module
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._active:
+        if not self._active and self._layout_candidates is None:
             return
         device = pl_module.device
         if self.swap_tier is None:
@@ -193,9 +198,12 @@ class DeltaMemory(pl.Callback):
                 "frees nothing; use swap_tier='disk'",
                 stacklevel=2,
             )
-        self.manager.start(pl_module, device)
+        if self._active:
+            self.manager.start(pl_module, device)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self._active and self._layout_candidates is not None:
+            self._manage_layout_blocks(trainer.strategy, pl_module)
         if not self._active:
             return
         tensors = list(iter_tensors(batch))
@@ -259,6 +267,59 @@ class DeltaMemory(pl.Callback):
             self.manager.close()
             self._active = False
 
+    def _respect_existing_checkpointing(
+        self, found: list[tuple[str, nn.Module]], strategy: Any = None
+    ) -> list[tuple[str, nn.Module]]:
+        """The blocks nobody else recomputes; the others go to :attr:`excluded` with the reason."""
+        managed = []
+        for name, block in found:
+            reason = strategy_recompute(block, strategy) or user_checkpointing(block)
+            if reason is None:
+                managed.append((name, block))
+            else:
+                self.excluded[name] = reason
+        return managed
+
+    def _check_selection_before_layout(self, pl_module: pl.LightningModule) -> None:
+        """Validate blocks and overrides on the whole model, before the strategy cuts it."""
+        found = [name for name, _ in discover_blocks(pl_module, self.blocks)]
+        if not found:
+            raise ValueError(
+                f"DeltaMemory found no repeated blocks in {type(pl_module).__name__}; pass "
+                "blocks=[qualified names] or blocks=<module class> to choose what to manage"
+            )
+        unknown = sorted(set(self._options.overrides) - set(found))
+        if unknown:
+            raise ValueError(f"DeltaMemory overrides name unknown blocks {unknown}; the model's blocks are {found}")
+        self._layout_candidates = set(found)
+        rank_zero_info("DeltaMemory: the strategy builds its layout on the first batch; each rank manages its blocks then")
+
+    def _manage_layout_blocks(self, strategy: Any, pl_module: pl.LightningModule) -> None:
+        """Manage this rank's blocks of a layout the strategy has just built (first batch).
+
+        Every rank gets a manager, even one with nothing left to manage, because the plan
+        exchange at the end of warm-up is a collective over all ranks.
+        """
+        if not strategy.layout_built:
+            raise RuntimeError(
+                f"DeltaMemory: {type(strategy).__name__} has not built its layout by the first training batch; "
+                "it must build it in batch_to_device (before on_train_batch_start)"
+            )
+        names = _original_module_names(pl_module)
+        local = [(names[id(block)], block) for _, block in sorted(strategy.local_blocks.items()) if id(block) in names]
+        selected = [(name, block) for name, block in local if name in self._layout_candidates]
+        managed = self._respect_existing_checkpointing(selected, strategy)
+        managed_names = {name for name, _ in managed}
+        say = _log_once_per_stage((sorted(managed_names), sorted(self.excluded)))
+        for name, reason in self.excluded.items():
+            say(f"DeltaMemory: leaving {name} alone: {reason}")
+        options = dataclasses.replace(
+            self._options, overrides={n: a for n, a in self._options.overrides.items() if n in managed_names}
+        )
+        self.manager = MemoryManager(managed, options, log=say, share=_share_across_ranks)
+        self._active = True
+        self.manager.start(pl_module, pl_module.device)
+
     def _has_blocks(self, module: nn.Module) -> bool:
         return bool(discover_blocks(module, self.blocks))
 
@@ -280,6 +341,41 @@ class DeltaMemory(pl.Callback):
                 "remove one of the two",
                 stacklevel=2,
             )
+
+
+def _builds_layout_on_first_batch(strategy: Any) -> bool:
+    return hasattr(strategy, "layout_built") and hasattr(strategy, "local_blocks")
+
+
+def _original_module_names(pl_module: pl.LightningModule) -> dict[int, str]:
+    """Qualified names in the unsplit model of ``pl_module``'s modules, by ``id``.
+
+    A pipelined model is a ``RankStages`` with ``original_name``; its module names map back
+    the same way its parameter names do, so plans and logs use the names users know.
+    """
+    model = getattr(pl_module, "model", None)
+    rename = getattr(model, "original_name", None)
+    names = {}
+    for name, module in pl_module.named_modules():
+        if rename is not None and name.startswith("model."):
+            name = "model." + rename(name[len("model."):])
+        names[id(module)] = name
+    return names
+
+
+def _log_once_per_stage(stage_key: Any) -> Callable[[str], None]:
+    """A logger that speaks on the lowest rank with this ``stage_key``: one plan per pipeline stage.
+
+    Collective (every rank calls it at the same point); messages carry the rank.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return rank_zero_info
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, stage_key)
+    rank = dist.get_rank()
+    if gathered.index(stage_key) != rank:
+        return lambda message: None
+    return lambda message: log.info(message.replace("DeltaMemory", f"DeltaMemory [rank {rank}]", 1))
 
 
 def _overrides_configure_model(pl_module: pl.LightningModule) -> bool:

@@ -8,6 +8,10 @@ returns decisions, so it is unit-tested on synthetic profiles without torch or L
 * **Director**: for each released block, recompute when its forward is cheaper than the
   swap time that cannot be hidden behind neighbouring compute (``director="exposed"``),
   or DELTA's published rule ``2 x swap > forward -> recompute`` (``director="delta"``).
+
+The simulated step follows the forward/backward events the profile recorded, so a
+pipeline stage with several micro-batches in flight (1F1B, GPipe, interleaved) is planned
+for the activations it really holds at once, not for one micro-batch.
 """
 
 from __future__ import annotations
@@ -24,9 +28,14 @@ __all__ = [
     "Plan",
     "PlannerSettings",
     "StepProfile",
+    "calibrate_outside",
     "plan_memory",
     "simulate_timeline",
 ]
+
+FORWARD, BACKWARD = "F", "B"
+Event = tuple[str, int]
+"""``(FORWARD | BACKWARD, block index)``: one block's forward or backward of one micro-batch."""
 
 
 class Action(str, enum.Enum):
@@ -57,10 +66,20 @@ class BlockProfile:
 
 @dataclass(frozen=True)
 class StepProfile:
-    """Profiles of the managed blocks in forward order, plus saved bytes outside them."""
+    """Per-micro-batch profiles of the managed blocks in forward order, plus saved bytes outside them.
+
+    ``events`` is the order in which block forwards and backwards ran during one step;
+    empty means a single forward through all blocks followed by the backward in reverse.
+    """
 
     blocks: tuple[BlockProfile, ...]
     outside_bytes: int = 0
+    events: tuple[Event, ...] = ()
+
+    def __post_init__(self) -> None:
+        for kind, index in self.events:
+            if kind not in (FORWARD, BACKWARD) or not 0 <= index < len(self.blocks):
+                raise ValueError(f"event {(kind, index)!r} names no forward/backward of the {len(self.blocks)} blocks")
 
     def scaled(self, factor: float) -> StepProfile:
         """Linear extrapolation to another input size (an assumption: attention is superlinear)."""
@@ -79,15 +98,23 @@ class StepProfile:
                 for b in self.blocks
             ),
             outside_bytes=round(self.outside_bytes * factor),
+            events=self.events,
         )
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(b.name for b in self.blocks)
 
+    def step_events(self) -> tuple[Event, ...]:
+        """The recorded events, or the single-pass default."""
+        if self.events:
+            return self.events
+        forward = tuple((FORWARD, i) for i in range(len(self.blocks)))
+        return forward + tuple((BACKWARD, i) for i in reversed(range(len(self.blocks))))
+
     @staticmethod
     def median(steps: Sequence[StepProfile]) -> StepProfile:
-        """Per-block median over warm-up steps, robust to one noisy step."""
+        """Per-block median over warm-up steps, robust to one noisy step; events of the last step."""
         if not steps:
             raise ValueError("no profiled steps to summarise")
         names = steps[0].names
@@ -110,7 +137,7 @@ class StepProfile:
                     stale_s=med([b.stale_s for b in column]),
                 )
             )
-        return StepProfile(tuple(blocks), round(med([s.outside_bytes for s in steps])))
+        return StepProfile(tuple(blocks), round(med([s.outside_bytes for s in steps])), steps[-1].events)
 
 
 @dataclass(frozen=True)
@@ -213,18 +240,20 @@ def simulate_timeline(profile: StepProfile, actions: Mapping[str, Action]) -> li
     Model: saved bytes outside the blocks are resident throughout; during a block's forward
     its saved tensors are all resident at once (a swap copies them out as they are made);
     at its backward, recompute re-materialises ``saved - boundary`` and swap brings back
-    ``saved``; after its backward everything of the block is freed.
+    ``saved``; after its backward everything of that micro-batch's block is freed. Events
+    follow ``profile.step_events()``, so micro-batches in flight add up.
     """
     resident = profile.outside_bytes
     points: list[tuple[str, int]] = [("start", resident)]
-    for block in profile.blocks:
+    for kind, index in profile.step_events():
+        block = profile.blocks[index]
         action = actions.get(block.name, Action.KEEP)
-        if action is not Action.RECOMPUTE:
-            points.append((f"fwd {block.name}", resident + block.saved_bytes))
-        resident += _resident_after_forward(block, action)
-        points.append((f"fwd {block.name} done", resident))
-    for block in reversed(profile.blocks):
-        action = actions.get(block.name, Action.KEEP)
+        if kind == FORWARD:
+            if action is not Action.RECOMPUTE:
+                points.append((f"fwd {block.name}", resident + block.saved_bytes))
+            resident += _resident_after_forward(block, action)
+            points.append((f"fwd {block.name} done", resident))
+            continue
         if action is Action.RECOMPUTE:
             peak = resident + block.saved_bytes - block.boundary_bytes
         elif action is Action.SWAP:
@@ -235,6 +264,18 @@ def simulate_timeline(profile: StepProfile, actions: Mapping[str, Action]) -> li
         resident -= _resident_after_forward(block, action)
         points.append((f"bwd {block.name} done", resident))
     return points
+
+
+def calibrate_outside(profile: StepProfile, actions: Mapping[str, Action], measured_peak_bytes: int) -> StepProfile:
+    """``profile`` with ``outside_bytes`` set so that its simulated peak equals a measured one.
+
+    Saved tensors outside the blocks (embeddings, the LM head, the loss of each micro-batch)
+    come and go; the constant the model needs is whatever the measured peak of resident
+    saved bytes holds beyond the blocks' own simulated peak under the same ``actions``.
+    """
+    blocks_only = replace(profile, outside_bytes=0)
+    outside = max(0, measured_peak_bytes - _peak(blocks_only, actions))
+    return replace(profile, outside_bytes=outside)
 
 
 def _peak(profile: StepProfile, actions: Mapping[str, Action]) -> int:

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import os
 import resource
+import statistics
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from lightning_merak.callbacks.delta.ledger import ResidentLedger
-from lightning_merak.callbacks.delta.planner import BlockProfile, StepProfile
+from lightning_merak.callbacks.delta.planner import BACKWARD, FORWARD, BlockProfile, StepProfile
 
 __all__ = [
     "BlockRecord",
@@ -33,13 +34,20 @@ __all__ = [
 OUTSIDE = "<outside blocks>"
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor behind a distributed tensor (tensor parallelism), else itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
 def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     """Identity of the memory behind ``tensor``: views of one storage share it."""
-    return (str(tensor.device), tensor.untyped_storage().data_ptr())
+    local = _local(tensor)
+    return (str(local.device), local.untyped_storage().data_ptr())
 
 
 def storage_nbytes(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().nbytes()
+    return _local(tensor).untyped_storage().nbytes()
 
 
 @dataclass
@@ -60,30 +68,39 @@ class BlockRecord:
 
 
 def profile_from_records(records: Iterable[BlockRecord], outside_bytes: int) -> StepProfile:
-    """One step's profile, blocks ordered by when their forward ran.
+    """One step's profile, blocks ordered by when their first forward ran.
 
-    A block whose input needs no gradient has no backward-end event; its backward time is
-    then taken as twice its forward time (the usual ratio for matmul-heavy blocks).
+    A block that ran several times in the step (one record per micro-batch of a pipeline
+    schedule) gets the mean of its records, and the profile keeps the order of every
+    forward and backward start as its events. A block whose input needs no gradient has no
+    backward-end event; its backward time is then taken as twice its forward time (the
+    usual ratio for matmul-heavy blocks).
     """
-    complete = [r for r in records if r.complete]
-    complete.sort(key=lambda r: r.forward_start)
+    by_name: dict[str, list[BlockRecord]] = {}
+    for r in sorted((r for r in records if r.complete), key=lambda r: r.forward_start):
+        by_name.setdefault(r.name, []).append(r)
+    index = {name: i for i, name in enumerate(by_name)}
     blocks = []
-    for r in complete:
-        forward_s = max(0.0, r.forward_end - r.forward_start)
-        backward_s = (
-            max(0.0, r.backward_end - r.backward_start) if r.backward_end is not None else 2 * forward_s
-        )
+    for name, runs in by_name.items():
+        forward = [max(0.0, r.forward_end - r.forward_start) for r in runs]
+        backward = [
+            max(0.0, r.backward_end - r.backward_start) if r.backward_end is not None else 2 * f
+            for r, f in zip(runs, forward)
+        ]
         blocks.append(
             BlockProfile(
-                name=r.name,
-                forward_s=forward_s,
-                backward_s=backward_s,
-                saved_bytes=r.saved_bytes,
-                boundary_bytes=r.boundary_bytes,
-                stale_s=max(0.0, r.backward_start - r.forward_end),
+                name=name,
+                forward_s=statistics.fmean(forward),
+                backward_s=statistics.fmean(backward),
+                saved_bytes=round(statistics.fmean(r.saved_bytes for r in runs)),
+                boundary_bytes=round(statistics.fmean(r.boundary_bytes for r in runs)),
+                stale_s=statistics.fmean(max(0.0, r.backward_start - r.forward_end) for r in runs),
             )
         )
-    return StepProfile(tuple(blocks), outside_bytes)
+    timed = [(r.forward_start, FORWARD, index[r.name]) for runs in by_name.values() for r in runs]
+    timed += [(r.backward_start, BACKWARD, index[r.name]) for runs in by_name.values() for r in runs]
+    events = tuple((kind, i) for _, kind, i in sorted(timed))
+    return StepProfile(tuple(blocks), outside_bytes, events)
 
 
 def agree_profile(gathered: Sequence[tuple[tuple[str, ...], Any]], rank: int) -> Any:
@@ -123,6 +140,8 @@ class SavedTensorTracker:
     """
 
     ledger: ResidentLedger
+    on_keep: Optional[Callable[[], None]] = None
+    """Called after each kept tensor is counted (the swap stash settles its copy-outs then)."""
     _excluded: set[tuple[str, int]] = field(default_factory=set)
     _seen: dict[str, dict[Hashable, int]] = field(default_factory=dict)
     _boundary: dict[str, set[tuple[str, int]]] = field(default_factory=dict)
@@ -161,7 +180,10 @@ class SavedTensorTracker:
             return tensor
         key = storage_key(tensor)
         self.note(owner, key, storage_nbytes(tensor))
-        return _KeptTensor(tensor, key, self.ledger)
+        kept = _KeptTensor(tensor, key, self.ledger)
+        if self.on_keep is not None:
+            self.on_keep()
+        return kept
 
     def hooks(self, owner: str) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self.keep(owner, t), unpack_kept)

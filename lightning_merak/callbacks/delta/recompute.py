@@ -8,13 +8,14 @@ only flips :attr:`SwitchableForward.recompute` afterwards.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["SwitchableForward", "install_switch", "remove_switch", "user_checkpointing"]
+__all__ = ["SwitchableForward", "install_switch", "remove_switch", "strategy_recompute", "user_checkpointing"]
 
 
 class SwitchableForward:
@@ -63,4 +64,20 @@ def user_checkpointing(module: nn.Module) -> Optional[str]:
     forward = module.__dict__.get("forward")
     if forward is not None and not isinstance(forward, SwitchableForward):
         return "its forward was replaced on the instance by another wrapper"
+    return None
+
+
+def strategy_recompute(module: nn.Module, strategy: Any) -> Optional[str]:
+    """Why ``module`` is recomputed by the training strategy, or None.
+
+    merak3d (``recompute="full"``/``"stage_aware"``) wraps a block by replacing its forward
+    on the instance with a ``functools.partial`` of a checkpointing function of its own
+    module; that is what is recognised here.
+    """
+    if strategy is None or getattr(strategy, "recompute", "none") == "none":
+        return None
+    forward = module.__dict__.get("forward")
+    if isinstance(forward, functools.partial) and forward.func.__module__ == type(strategy).__module__:
+        name = getattr(strategy, "strategy_name", type(strategy).__name__)
+        return f"recomputed by the {name} strategy (recompute={strategy.recompute!r})"
     return None

@@ -7,10 +7,15 @@ maps Lightning's hooks onto it:
     manager.begin_step(signature, numel)   # before the forward
     manager.end_forward()                  # forward done, backward about to run
     manager.end_backward()                 # after backward
+
+A block may run several times per step (one forward and one backward per micro-batch
+inside a pipeline schedule); each run is an *invocation* with its own record and its own
+swap owner, so prefetching brings back the micro-batch whose backward is next.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 import time
@@ -28,6 +33,7 @@ from lightning_merak.callbacks.delta.planner import (
     Plan,
     PlannerSettings,
     StepProfile,
+    calibrate_outside,
     plan_memory,
 )
 from lightning_merak.callbacks.delta.profiler import (
@@ -90,14 +96,23 @@ class StepReport:
 
 
 @dataclass
+class _Invocation:
+    """One forward (and later backward) of a block within a step: one micro-batch."""
+
+    owner: str
+    position: int
+    record: BlockRecord
+    transient_bytes: int = 0
+
+
+@dataclass
 class _Block:
     name: str
     module: nn.Module
     switch: SwitchableForward
     action: Action = Action.KEEP
-    record: Optional[BlockRecord] = None
+    invocations: list[_Invocation] = field(default_factory=list)
     context: Any = None
-    transient_bytes: int = 0
     handles: list = field(default_factory=list)
 
 
@@ -118,6 +133,8 @@ class MemoryManager:
     Warm-up steps run every block in keep mode and record a profile; then a plan is made
     (shared through ``share`` so data-parallel ranks agree) and blocks switch to their
     actions. A new input size re-plans from the profile scaled by the input's element count.
+    ``blocks`` may be empty on a rank whose blocks are all managed by someone else (a
+    pipeline stage the strategy recomputes entirely): it still takes part in ``share``.
     """
 
     def __init__(
@@ -127,8 +144,6 @@ class MemoryManager:
         log: Callable[[str], None] = print,
         share: ShareFn = lambda payload: payload,
     ) -> None:
-        if not blocks:
-            raise ValueError("no blocks to manage")
         names = [n for n, _ in blocks]
         unknown = sorted(set(options.overrides) - set(names))
         if unknown:
@@ -207,8 +222,7 @@ class MemoryManager:
         self.device_memory.reset_peak()
         self.ledger.start_step()
         for block in self.blocks:
-            block.record = None
-            block.transient_bytes = 0
+            block.invocations = []
         self._outside_hooks = self.tracker.hooks(OUTSIDE)
         self._outside_hooks.__enter__()
 
@@ -226,7 +240,8 @@ class MemoryManager:
         self.end_forward()
         self.swap.end_step()
         for block in self.blocks:
-            self._drop_transient(block)
+            for invocation in block.invocations:
+                self._drop_transient(invocation)
         self._in_step = False
         device_peak = self.device_memory.peak()
         if self.warming_up:
@@ -267,12 +282,15 @@ class MemoryManager:
 
     # planning ----------------------------------------------------------------------------
 
+    def _step_records(self) -> list[BlockRecord]:
+        return [invocation.record for block in self.blocks for invocation in block.invocations]
+
     def _record_warmup(self, device_peak: int) -> None:
-        records = [b.record for b in self.blocks if b.record is not None]
-        profile = profile_from_records(records, self.tracker.saved_bytes(OUTSIDE))
+        profile = profile_from_records(self._step_records(), 0)
         self.timelines["unmanaged"] = list(self.ledger.timeline)
-        if not profile.blocks:
+        if self.blocks and not profile.blocks:
             return
+        profile = calibrate_outside(profile, {}, self.ledger.peak_bytes)
         if self._base_numel is None:
             self._base_numel = self._numel
         self._warmup.append(profile.scaled(self._base_numel / self._numel))
@@ -289,7 +307,6 @@ class MemoryManager:
         )
         self.profile, non_activation, total, self._base_numel = self.share(local)
         self.budget_bytes = self._resolve_budget(non_activation, total)
-        self.swap.budget_bytes = self.budget_bytes
         self._plans.clear()
         self._apply(self._plan_for(self._signature))
 
@@ -340,20 +357,21 @@ class MemoryManager:
     def _refine(self, report: StepReport) -> None:
         """Over budget: measured saved bytes of keep/swap blocks replace the scaled estimates."""
         self._refined.add(self._signature)
-        measured = {r.name: r for r in (b.record for b in self.blocks) if r is not None}
         current = self._plans[self._signature]
+        measured = {b.name: b for b in profile_from_records(self._step_records(), 0).blocks}
         factor = self._numel / self._base_numel
         scaled = self.profile.scaled(factor)
         blocks = []
         for profile_block in scaled.blocks:
-            record = measured.get(profile_block.name)
-            if record is not None and current.action(profile_block.name) is not Action.RECOMPUTE:
-                profile_block = type(profile_block)(
-                    profile_block.name, profile_block.forward_s, profile_block.backward_s,
-                    record.saved_bytes, record.boundary_bytes, profile_block.stale_s,
+            found = measured.get(profile_block.name)
+            if found is not None and current.action(profile_block.name) is not Action.RECOMPUTE:
+                profile_block = dataclasses.replace(
+                    profile_block, saved_bytes=found.saved_bytes, boundary_bytes=found.boundary_bytes
                 )
             blocks.append(profile_block)
-        refined = StepProfile(tuple(blocks), self.tracker.saved_bytes(OUTSIDE))
+        refined = calibrate_outside(
+            dataclasses.replace(scaled, blocks=tuple(blocks)), current.actions, report.peak_saved_bytes
+        )
         self.log(
             f"DeltaMemory: saved activations peaked at {report.peak_saved_bytes / 2**20:.1f} MiB, over the "
             f"budget of {report.budget_bytes / 2**20:.1f} MiB; re-planning from measured sizes"
@@ -367,6 +385,9 @@ class MemoryManager:
         if plan is self.plan:
             return
         self.plan = plan
+        # the stash and prefetches may fill memory only up to the planned peak; the rest of
+        # the budget stays free for what the model does not see (a swap-in nobody prefetched)
+        self.swap.budget_bytes = min(plan.predicted_peak_bytes, self.budget_bytes) if plan.fits else self.budget_bytes
         actions = plan.actions
         for block in self.blocks:
             block.action = actions.get(block.name, Action.KEEP)
@@ -382,17 +403,22 @@ class MemoryManager:
         if not (self._in_step and torch.is_grad_enabled() and module.training):
             return
         self._warn_foreign_hooks(block)
-        block.record = BlockRecord(block.name, forward_start=time.perf_counter())
+        invocation = _Invocation(
+            owner=f"{block.name}@{len(block.invocations)}",
+            position=len(block.invocations),
+            record=BlockRecord(block.name, forward_start=time.perf_counter()),
+        )
+        block.invocations.append(invocation)
         inputs = list(iter_tensors((args, kwargs)))
-        self.tracker.set_boundary(block.name, inputs)
+        self.tracker.set_boundary(invocation.owner, inputs)
         needs_grad = [t for t in inputs if t.requires_grad]
         if needs_grad:
             main_input = max(needs_grad, key=lambda t: t.numel())
-            main_input.register_hook(functools.partial(self._backward_end, block))
+            main_input.register_hook(functools.partial(self._backward_end, invocation))
         if block.action is Action.SWAP:
-            block.context = self.swap.hooks(block.name)
+            block.context = self.swap.hooks(invocation.owner)
         else:
-            block.context = self.tracker.hooks(block.name)
+            block.context = self.tracker.hooks(invocation.owner)
         block.context.__enter__()
 
     def _forward_end(self, block: _Block, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -400,38 +426,59 @@ class MemoryManager:
             return
         block.context.__exit__(None, None, None)
         block.context = None
-        block.record.forward_end = time.perf_counter()
-        block.record.saved_bytes = self.tracker.saved_bytes(block.name)
-        block.record.boundary_bytes = self.tracker.boundary_bytes(block.name)
-        self.ledger.mark(f"fwd {block.name}")
+        invocation = block.invocations[-1]
+        record = invocation.record
+        record.forward_end = time.perf_counter()
+        record.saved_bytes = self.tracker.saved_bytes(invocation.owner)
+        record.boundary_bytes = self.tracker.boundary_bytes(invocation.owner)
+        self.ledger.mark(f"fwd {invocation.owner}")
         for tensor in iter_tensors(output):
             if tensor.grad_fn is not None:
-                tensor.grad_fn.register_prehook(functools.partial(self._backward_start, block))
+                tensor.grad_fn.register_prehook(functools.partial(self._backward_start, block, invocation))
                 break
 
-    def _backward_start(self, block: _Block, grad_outputs: Any) -> None:
-        record = block.record
-        if record is None or record.backward_start is not None:
+    def _backward_start(self, block: _Block, invocation: _Invocation, grad_outputs: Any) -> None:
+        record = invocation.record
+        if record.backward_start is not None:
             return
         record.backward_start = time.perf_counter()
         if block.action is Action.RECOMPUTE and self.plan is not None:
-            decision = next(d for d in self.plan.decisions if d.name == block.name)
-            block.transient_bytes = decision.released_bytes
-            self.ledger.adjust(block.transient_bytes, f"recompute {block.name}")
+            decision = self.plan.decisions[self._forward_position[block.name]]
+            invocation.transient_bytes = decision.released_bytes
+            self.ledger.adjust(invocation.transient_bytes, f"recompute {invocation.owner}")
         position = self._forward_position.get(block.name)
         if self._swap_order and position is not None:
-            ahead = [i for i in reversed(self._swap_order) if i <= position][: self.options.prefetch_depth]
-            self.swap.prefetch(self.plan.decisions[i].name for i in ahead)
+            self.swap.prefetch(self._prefetch_targets(position, invocation.position))
 
-    def _backward_end(self, block: _Block, grad: torch.Tensor) -> None:
-        if block.record is not None and block.record.backward_end is None:
-            block.record.backward_end = time.perf_counter()
-            self._drop_transient(block)
+    def _prefetch_targets(self, position: int, micro_batch: int) -> list[tuple[str, int]]:
+        """Swapped blocks whose backward comes next (same micro-batch), with the room to keep free.
 
-    def _drop_transient(self, block: _Block) -> None:
-        if block.transient_bytes:
-            self.ledger.adjust(-block.transient_bytes, f"recomputed {block.name} freed")
-            block.transient_bytes = 0
+        Blocks are walked in backward order from ``position``; a recomputed block met on the
+        way re-materialises its released bytes before the swapped block's turn.
+        """
+        targets: list[tuple[str, int]] = []
+        headroom = 0
+        for decision in reversed(self.plan.decisions[:position]):
+            if len(targets) == self.options.prefetch_depth:
+                break
+            if decision.action is Action.RECOMPUTE:
+                headroom = max(headroom, decision.released_bytes)
+            elif decision.action is Action.SWAP:
+                targets.append((f"{decision.name}@{micro_batch}", headroom))
+        current = self.plan.decisions[position]
+        if current.action is Action.SWAP:
+            targets.insert(0, (f"{current.name}@{micro_batch}", 0))
+        return targets[: self.options.prefetch_depth]
+
+    def _backward_end(self, invocation: _Invocation, grad: torch.Tensor) -> None:
+        if invocation.record.backward_end is None:
+            invocation.record.backward_end = time.perf_counter()
+            self._drop_transient(invocation)
+
+    def _drop_transient(self, invocation: _Invocation) -> None:
+        if invocation.transient_bytes:
+            self.ledger.adjust(-invocation.transient_bytes, f"recomputed {invocation.owner} freed")
+            invocation.transient_bytes = 0
 
     def _warn_foreign_hooks(self, block: _Block) -> None:
         if self._foreign_hooks_warned:

@@ -415,6 +415,7 @@ class SwapManager:
         self._by_key: dict[tuple[str, int], _SwappedStorage] = {}
         self._by_owner: dict[str, list[weakref.ref]] = {}
         self.wait_s = 0.0
+        tracker.on_keep = self._settle_over_budget
 
     def take_wait_seconds(self) -> float:
         """Host time spent blocked on copies since the last call (copy time not hidden)."""
@@ -426,7 +427,8 @@ class SwapManager:
 
     def _swappable(self, tensor: torch.Tensor) -> bool:
         return (
-            tensor.layout is torch.strided
+            type(tensor) is torch.Tensor
+            and tensor.layout is torch.strided
             and tensor.device.type in ("cpu", "cuda")
             and not tensor.is_sparse
             and storage_nbytes(tensor) >= self.min_offload_bytes
@@ -470,6 +472,11 @@ class SwapManager:
             self._pending.popleft().finish_copy_out()
         self.wait_s += time.perf_counter() - started
 
+    def _settle_over_budget(self) -> None:
+        """A kept tensor pushed resident bytes over the budget: finish copy-outs still holding memory."""
+        if self._pending and self.ledger.resident_bytes > self.budget_bytes:
+            self._trim_stash()
+
     def flush(self) -> None:
         """Finish every pending copy-out (end of forward)."""
         started = time.perf_counter()
@@ -477,15 +484,19 @@ class SwapManager:
             self._pending.popleft().finish_copy_out()
         self.wait_s += time.perf_counter() - started
 
-    def prefetch(self, owners: Iterable[str]) -> None:
-        """Start copy-ins for ``owners``' storages, in order, while they fit the budget."""
+    def prefetch(self, owners: Iterable[tuple[str, int]]) -> None:
+        """Start copy-ins for the storages of each ``(owner, headroom)``, in order, while they fit.
+
+        ``headroom`` is memory that must stay free until that owner's backward (recomputed
+        blocks running in between), so a prefetch never pushes a later step over the budget.
+        """
         self.flush()
-        for owner in owners:
+        for owner, headroom in owners:
             for ref in self._by_owner.get(owner, []):
                 storage = ref()
                 if storage is None or storage.loaded is not None or storage.incoming is not None:
                     continue
-                if self.ledger.resident_bytes + storage.nbytes > self.budget_bytes:
+                if self.ledger.resident_bytes + storage.nbytes + headroom > self.budget_bytes:
                     return
                 storage.start_copy_in()
 
