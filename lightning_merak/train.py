@@ -135,6 +135,10 @@ def train(config: TrainConfig) -> Path:
             f"loss floor (entropy rate) {data.language.entropy_rate:.3f} nats"
         )
     trainer.fit(module, datamodule=data)
+    if getattr(strategy, "plan_only", False):
+        if trainer.is_global_zero:
+            print(f"merak-train: plan only, nothing trained. Planned layout: {strategy.layout_plan.best.layout.describe()}")
+        return output_dir
     final_checkpoint = output_dir / "checkpoints" / "final.ckpt"
     trainer.save_checkpoint(final_checkpoint)
     if trainer.is_global_zero:

@@ -394,3 +394,18 @@ def test_search_over_hundreds_of_layouts_is_fast():
     started = time.process_time()
     plan(search, profile, SLOW)
     assert time.process_time() - started < 1.0
+
+
+def test_replica_batch_ranks_by_time_per_sample():
+    """Under merak3d a dataloader's batch is per replica: dp=2 trains twice the samples per step."""
+    search = SearchSpace(world_size=2, global_batch_size=None, replica_batch_size=4, tp_degrees_allowed=(1, 2),
+                         max_pipeline_stages=2, overlap_choices=(1,), recompute_ratios=(0.0,))
+    result = plan(search, synthetic_model(), FAST)
+    by_layout = {(p.layout.dp, p.layout.pp, p.layout.tp): p for p in result.ranked}
+    assert by_layout[(2, 1, 1)].samples_per_step == 8
+    assert by_layout[(1, 1, 2)].samples_per_step == 4
+    per_sample = [p.time_per_sample_s for p in result.ranked]
+    assert per_sample == sorted(per_sample)
+    with pytest.raises(ValueError, match="exactly one"):
+        SearchSpace(world_size=2, global_batch_size=8, replica_batch_size=4, tp_degrees_allowed=(1,),
+                    max_pipeline_stages=1)

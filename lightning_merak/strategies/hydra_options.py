@@ -14,13 +14,16 @@ __all__ = ["Merak3DStrategyConfig", "register"]
 class Merak3DStrategyConfig(StrategyConfig):
     """``strategy=merak3d``: every argument of :class:`~lightning_merak.strategies.merak3d.Merak3DStrategy`.
 
-    Degrees take an integer or ``auto``.
+    Degrees take an integer or ``auto``; ``pipeline_parallel``, ``tensor_parallel``,
+    ``tp_overlap`` or ``recompute`` set to ``auto`` run the layout planner, and
+    ``plan_only=true`` prints the planned layout and exits.
     """
 
     name: str = "merak3d"
     data_parallel: Any = "auto"
     pipeline_parallel: Any = 1
     tensor_parallel: Any = 1
+    tp_overlap: Any = 1
     micro_batches: Optional[int] = None
     schedule: str = "1f1b"
     virtual_stages: int = 2
@@ -28,12 +31,15 @@ class Merak3DStrategyConfig(StrategyConfig):
     recompute_ratio: float = 0.5
     partition: str = "autopipe"
     timeout_s: float = 600.0
+    memory_limit: Optional[float] = None
+    plan_only: bool = False
 
     def strategy_kwargs(self) -> dict[str, Any]:
         return {
             "data_parallel": self.data_parallel,
             "pipeline_parallel": self.pipeline_parallel,
             "tensor_parallel": self.tensor_parallel,
+            "tp_overlap": self.tp_overlap,
             "micro_batches": self.micro_batches,
             "schedule": self.schedule,
             "virtual_stages": self.virtual_stages,
@@ -41,6 +47,8 @@ class Merak3DStrategyConfig(StrategyConfig):
             "recompute_ratio": self.recompute_ratio,
             "partition": self.partition,
             "timeout_s": self.timeout_s,
+            "memory_limit": self.memory_limit,
+            "plan_only": self.plan_only,
             **self.kwargs,
         }
 

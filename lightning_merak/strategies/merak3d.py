@@ -57,7 +57,7 @@ __all__ = ["Merak3DStrategy"]
 LIGHTNING_CHECKPOINT = "lightning.ckpt"
 SCHEDULES = ("1f1b", "gpipe", "shifted_critical_path", "interleaved_1f1b", "interleaved_zero_bubble")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")
-RECOMPUTE_MODES = ("none", "full", "stage_aware")
+RECOMPUTE_MODES = ("none", "full", "stage_aware", "auto")
 PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
 Degree = Union[int, Literal["auto"]]
 
@@ -80,6 +80,14 @@ def _check_stage_count(num_stages: int, num_blocks: int) -> None:
         )
 
 
+def _divides_model(config: Any, tensor_parallel: int) -> bool:
+    try:
+        check_tensor_parallel_degree(config, tensor_parallel)
+    except ValueError:
+        return False
+    return True
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -87,13 +95,19 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 class Merak3DStrategy(ParallelStrategy):
     """Automated 3D parallelism: ``data_parallel × pipeline_parallel × tensor_parallel`` ranks.
 
+    When ``pipeline_parallel``, ``tensor_parallel``, ``tp_overlap`` or ``recompute`` is
+    ``"auto"``, the layout planner profiles this machine and model at setup (one batch of the
+    training dataloader gives the shapes) and picks the layout with the least predicted time
+    per sample that fits ``memory_limit``; it logs its choice, the runner-up and the predicted
+    step time (``layout_plan`` keeps the whole ranking). ``plan_only=True`` stops after that.
+
     Args:
         data_parallel: replicas of the model; ``"auto"`` takes what the other degrees leave.
-        pipeline_parallel: pipeline stages the model is cut into.
-        tensor_parallel: ranks each transformer block is split over.
+        pipeline_parallel: pipeline stages the model is cut into (``"auto"``: planned).
+        tensor_parallel: ranks each transformer block is split over (``"auto"``: planned).
         tp_overlap: sub-batches each micro-batch is split into so that one sub-batch's
             tensor-parallel all-reduce runs while the next computes, across blocks, in forward and
-            backward (1 = no overlap). It must divide the micro-batch size.
+            backward (1 = no overlap; ``"auto"``: planned). It must divide the micro-batch size.
         micro_batches: micro-batches per batch in the pipeline schedule (default: 2 × stages).
         schedule: ``"1f1b"``, ``"gpipe"``, ``"shifted_critical_path"`` (Merak: cool-down forwards
             keep no activations and are recomputed while their gradients are in flight) or
@@ -101,12 +115,16 @@ class Merak3DStrategy(ParallelStrategy):
             stages, round-robin; zero-bubble also splits backward into input and weight gradients).
         virtual_stages: stages per rank for the interleaved schedules.
         recompute: ``"none"``, ``"full"`` (every block) or ``"stage_aware"`` (Merak: stage i of
-            S recomputes a fraction 1 − (1 − r)(S − 1)/(S − 1 − i) of its blocks, the last none).
+            S recomputes a fraction 1 − (1 − r)(S − 1)/(S − 1 − i) of its blocks, the last none),
+            or ``"auto"`` (planned among ratios 0, 0.5 and 1).
         recompute_ratio: r above, the fraction recomputed on the first stage.
         partition: ``"autopipe"`` (min–max split refined by simulating the schedule),
             ``"min_max"``, ``"parameters"`` or ``"uniform"`` (equal blocks per stage).
         process_group_backend: ``gloo``/``nccl``; default from the device.
         timeout_s: collective timeout, so a failed rank ends every rank.
+        memory_limit: bytes per rank the planner must fit (default: 90% of the device's memory,
+            or of the host memory available per process on CPU).
+        plan_only: plan the layout, log it, and stop before training.
     """
 
     strategy_name = "merak3d"
@@ -116,7 +134,7 @@ class Merak3DStrategy(ParallelStrategy):
         data_parallel: Degree = "auto",
         pipeline_parallel: Degree = 1,
         tensor_parallel: Degree = 1,
-        tp_overlap: int = 1,
+        tp_overlap: Degree = 1,
         micro_batches: Optional[int] = None,
         schedule: str = "1f1b",
         virtual_stages: int = 2,
@@ -125,15 +143,17 @@ class Merak3DStrategy(ParallelStrategy):
         partition: str = "autopipe",
         process_group_backend: Optional[str] = None,
         timeout_s: float = 600.0,
+        memory_limit: Optional[float] = None,
+        plan_only: bool = False,
     ) -> None:
         super().__init__()
         for name, value in (("data_parallel", data_parallel), ("pipeline_parallel", pipeline_parallel),
                             ("tensor_parallel", tensor_parallel)):
             if value != "auto" and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer or 'auto'")
-        if not isinstance(tp_overlap, int) or tp_overlap < 1:
-            raise ValueError(f"tp_overlap={tp_overlap!r} must be a positive integer (1 = no overlap)")
-        if tp_overlap > 1 and schedule == "interleaved_zero_bubble":
+        if tp_overlap != "auto" and (not isinstance(tp_overlap, int) or tp_overlap < 1):
+            raise ValueError(f"tp_overlap={tp_overlap!r} must be a positive integer (1 = no overlap) or 'auto'")
+        if tp_overlap != 1 and schedule == "interleaved_zero_bubble":
             raise ValueError(
                 "tp_overlap>1 runs each stage's backward as a whole, which interleaved_zero_bubble splits into "
                 "input and weight gradients; use schedule='interleaved_1f1b' or tp_overlap=1"
@@ -160,6 +180,10 @@ class Merak3DStrategy(ParallelStrategy):
         self._degrees: dict[str, Degree] = {"dp": data_parallel, "pp": pipeline_parallel, "tp": tensor_parallel}
         self._micro_batches = micro_batches
         self.tp_overlap = tp_overlap
+        self.memory_limit = memory_limit
+        self.plan_only = plan_only
+        self.layout_plan: Optional[Any] = None
+        self._reading_planning_batch = False
         self.schedule = schedule
         self.virtual_stages = virtual_stages if schedule in MULTI_STAGE_SCHEDULES else 1
         self.recompute = recompute
@@ -246,15 +270,28 @@ class Merak3DStrategy(ParallelStrategy):
 
     def validate_before_launch(self, module: pl.LightningModule, world_size: int) -> None:
         """Check the layout against the world size and the model before any process starts."""
+        model = getattr(module, "model", None)
+        if self.needs_planning:
+            fixed = [value for value in self._degrees.values() if value != "auto"]
+            if world_size % math.prod(fixed):
+                raise ValueError(
+                    f"world size {world_size} is not divisible by the fixed degrees {fixed}; "
+                    "choose degrees whose product divides the number of processes"
+                )
+            return
         dp, pp, tp = self.resolve_layout(world_size)
         self._check_overlap(tp)
-        model = getattr(module, "model", None)
         check_tensor_parallel_degree(getattr(model, "config", None), tp)
         if pp > 1 and isinstance(model, nn.Module):
             _check_stage_count(pp * self.virtual_stages, len(find_trunk(model)[1]))
 
+    @property
+    def needs_planning(self) -> bool:
+        """Whether the layout planner chooses part of the layout (an ``"auto"`` beyond data_parallel)."""
+        return "auto" in (self._degrees["pp"], self._degrees["tp"], self.tp_overlap, self.recompute)
+
     def _check_overlap(self, tensor_parallel: int) -> None:
-        if self.tp_overlap > 1 and tensor_parallel == 1:
+        if self.tp_overlap != 1 and tensor_parallel == 1:
             raise ValueError(
                 f"tp_overlap={self.tp_overlap} overlaps tensor-parallel communication, but tensor_parallel=1; "
                 "set tensor_parallel>1 or tp_overlap=1"
@@ -278,6 +315,8 @@ class Merak3DStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._reading_planning_batch:
+            return {"num_replicas": 1, "rank": 0}
         mesh = self.device_mesh["dp"]
         return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
 
@@ -295,6 +334,10 @@ class Merak3DStrategy(ParallelStrategy):
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
         self._process_group_backend = backend
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        if not self.needs_planning:
+            self._create_mesh()
+
+    def _create_mesh(self) -> None:
         dp, pp, tp = self.resolve_layout(self.world_size)
         self._mesh = init_device_mesh(self.root_device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
         rank_zero_info(f"merak3d: data_parallel={dp} pipeline_parallel={pp} tensor_parallel={tp}, "
@@ -317,6 +360,12 @@ class Merak3DStrategy(ParallelStrategy):
                 "merak3d splits each batch into micro-batches itself; set accumulate_grad_batches=1 "
                 "and raise micro_batches (and the batch size) instead"
             )
+        if self.needs_planning:
+            self._plan_layout(trainer)
+            self._create_mesh()
+            if self.plan_only:
+                trainer.should_stop = True
+                trainer.num_sanity_val_steps = 0
         check_tensor_parallel_degree(getattr(module.model, "config", None), self.tensor_parallel)
         self._check_overlap(self.tensor_parallel)
         self.model_to_device()
@@ -352,6 +401,99 @@ class Merak3DStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+    # Planning --------------------------------------------------------------------------
+
+    def _planning_batch(self, trainer: pl.Trainer) -> torch.Tensor:
+        """The inputs of one training batch: the planner profiles at the real shapes.
+
+        The layout (and so the data-parallel rank) does not exist yet: a dataloader built
+        now sees one replica.
+        """
+        source = getattr(trainer.fit_loop, "_data_source", None)
+        if source is None or not hasattr(source, "dataloader") or not source.is_defined():
+            raise RuntimeError(
+                "the layout planner reads one training batch for its shapes but found no train dataloader; "
+                "fit with training data, or set pipeline_parallel, tensor_parallel, tp_overlap and recompute"
+            )
+        self._reading_planning_batch = True
+        try:
+            batch = next(iter(source.dataloader()))
+        finally:
+            self._reading_planning_batch = False
+        inputs, _ = self.lightning_module.split_batch(super().batch_to_device(batch))
+        return inputs
+
+    def _plan_layout(self, trainer: pl.Trainer) -> None:
+        """Profile this machine and model, search the layouts, and adopt the best one."""
+        from lightning_merak.strategies.layout_profiler import profile_model, profile_network
+        from lightning_merak.strategies.planner import SearchSpace, plan, required_profile_keys
+
+        module = self.lightning_module
+        model: nn.Module = module.model
+        config = getattr(model, "config", None)
+        if config is not None and getattr(config, "use_cache", False):
+            config.use_cache = False
+        inputs = self._planning_batch(trainer)
+        world = self.world_size
+        if self._degrees["tp"] != "auto":
+            tp_degrees = (self._degrees["tp"],)
+        else:
+            tp_degrees = tuple(d for d in range(1, self.num_processes + 1)
+                               if world % d == 0 and _divides_model(config, d))
+        num_blocks = len(find_trunk(model)[1])
+        fixed_pp = self._degrees["pp"] if self._degrees["pp"] != "auto" else None
+        ratios = {"none": (0.0,), "full": (1.0,), "stage_aware": (self.recompute_ratio,),
+                  "auto": (0.0, 0.5, 1.0)}[self.recompute]
+        space = SearchSpace(
+            world_size=world, global_batch_size=None, replica_batch_size=inputs.shape[0],
+            tp_degrees_allowed=tp_degrees, max_pipeline_stages=fixed_pp or min(world, num_blocks + 2),
+            micro_batch_choices=(self._micro_batches,) if self._micro_batches else None,
+            overlap_choices=(1, 2, 4) if self.tp_overlap == "auto" else (self.tp_overlap,),
+            recompute_ratios=ratios, memory_limit_bytes=self.memory_limit or self._default_memory_limit(),
+        )
+        keys = required_profile_keys(space, num_blocks)
+        optimizer = self.optimizers[0] if self.optimizers else None
+        factory = (lambda params: type(optimizer)(params, **optimizer.defaults)) if optimizer is not None else (
+            lambda params: torch.optim.AdamW(params))
+        profile = profile_model(model, inputs, _call_model, self._tensor_parallel_plan, keys, factory)
+        profile = self.broadcast(profile, src=0)
+        network = profile_network(keys.all_reduce_group_sizes, self.root_device,
+                                  large_bytes=min(64 << 20, max(1 << 16, profile.hidden_bytes_per_sample * inputs.shape[0])))
+        result = plan(space, profile, network)
+        allowed = [p for p in result.ranked
+                   if all(self._degrees[name] in ("auto", value) for name, value in
+                          (("dp", p.layout.dp), ("pp", p.layout.pp), ("tp", p.layout.tp)))]
+        if not allowed:
+            raise ValueError(f"no planned layout matches the fixed degrees {self._degrees}; set more of them to 'auto'")
+        best = allowed[0]
+        self.layout_plan = result
+        layout = best.layout
+        self._degrees = {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp}
+        if layout.pp > 1:
+            self._micro_batches = layout.micro_batches
+        self.tp_overlap = layout.overlap
+        if layout.recompute_ratio == 0.0:
+            self.recompute = "none"
+        elif layout.pp == 1:
+            self.recompute = "full"
+        else:
+            self.recompute, self.recompute_ratio = "stage_aware", layout.recompute_ratio
+        runner_up = allowed[1] if len(allowed) > 1 else None
+        lines = [f"merak3d planner: chose {layout.describe()}, predicted step {best.step_time_s:.4g} s "
+                 f"({best.samples_per_step} samples, {best.memory_bytes / 2**30:.3g} GiB per rank)"]
+        if runner_up is not None:
+            lines.append(f"merak3d planner: runner-up {runner_up.layout.describe()}, predicted step "
+                         f"{runner_up.step_time_s:.4g} s ({runner_up.samples_per_step} samples)")
+        lines.append(f"merak3d planner: {len(allowed)} layouts ranked, {len(result.rejected)} rejected for memory")
+        rank_zero_info("\n".join(lines))
+
+    def _default_memory_limit(self) -> float:
+        if self.root_device.type == "cuda":
+            return 0.9 * torch.cuda.mem_get_info(self.root_device)[1]
+        with open("/proc/meminfo") as meminfo:
+            available_kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
+        return 0.9 * available_kib * 1024 / max(1, self.num_processes)
 
     # Building the layout on the first batch ----------------------------------------------
 

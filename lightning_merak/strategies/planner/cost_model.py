@@ -79,19 +79,25 @@ class Prediction:
 
     layout: Layout
     step_time_s: float
+    samples_per_step: int
     memory_bytes: float
     components: dict[str, float]
     fits: bool
 
+    @property
+    def time_per_sample_s(self) -> float:
+        """What the search minimises: step time for a fixed batch, inverse throughput when dp changes it."""
+        return self.step_time_s / self.samples_per_step
 
-def micro_batch_samples(layout: Layout, global_batch_size: int) -> int:
+
+def micro_batch_samples(layout: Layout, space: SearchSpace) -> int:
     """Samples per micro-batch, with a clear error when the batch does not split evenly."""
-    if global_batch_size % layout.dp:
+    per_replica = space.replica_batch(layout.dp)
+    if per_replica is None:
         raise ValueError(
-            f"global_batch_size={global_batch_size} is not divisible by dp={layout.dp}; "
+            f"global_batch_size={space.global_batch_size} is not divisible by dp={layout.dp}; "
             "choose a batch that every data-parallel replica gets an equal share of"
         )
-    per_replica = global_batch_size // layout.dp
     if per_replica % layout.micro_batches:
         raise ValueError(
             f"the per-replica batch {per_replica} is not divisible by micro_batches={layout.micro_batches}; "
@@ -225,7 +231,7 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     (those exist only with tp > 1). Prefix and suffix activations are not counted.
     """
     _check_against_space(layout, model_profile, space)
-    samples = micro_batch_samples(layout, space.global_batch_size)
+    samples = micro_batch_samples(layout, space)
     sub = samples // layout.overlap
     hidden_bytes = model_profile.hidden_bytes_per_sample
     comm_s = network.all_reduce_s(hidden_bytes * sub, layout.tp)
@@ -294,6 +300,7 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     return Prediction(
         layout=layout,
         step_time_s=iteration_s + dp_allreduce_s + optimizer_s,
+        samples_per_step=samples * layout.micro_batches * layout.dp,
         memory_bytes=peak_bytes,
         components=components,
         fits=space.memory_limit_bytes is None or peak_bytes <= space.memory_limit_bytes,

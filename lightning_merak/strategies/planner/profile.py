@@ -182,10 +182,15 @@ class SearchSpace:
     batch. ``recompute_ratios`` are first-stage ratios of stage-aware recompute (spec 1.4);
     a single-stage layout only takes 0 ("none") or 1 ("full"). ``memory_limit_bytes=None``
     means no limit.
+
+    The batch is either ``global_batch_size`` (samples per step, split over the data-parallel
+    replicas) or ``replica_batch_size`` (samples each replica trains on per step, as a
+    Lightning dataloader's ``batch_size`` under merak3d: the global batch grows with dp). Give
+    exactly one; layouts are ranked by time per sample, which is step time for a fixed batch.
     """
 
     world_size: int
-    global_batch_size: int
+    global_batch_size: int | None
     tp_degrees_allowed: tuple[int, ...]
     max_pipeline_stages: int
     micro_batch_choices: tuple[int, ...] | None = None
@@ -193,13 +198,16 @@ class SearchSpace:
     recompute_ratios: tuple[float, ...] = (0.0, 0.5, 1.0)
     memory_limit_bytes: float | None = None
     schedule: str = "1f1b"
+    replica_batch_size: int | None = None
 
     def __post_init__(self) -> None:
+        if (self.global_batch_size is None) == (self.replica_batch_size is None):
+            raise ValueError("SearchSpace needs exactly one of global_batch_size and replica_batch_size")
         _check_positive(
             "SearchSpace",
             world_size=self.world_size,
-            global_batch_size=self.global_batch_size,
             max_pipeline_stages=self.max_pipeline_stages,
+            batch_size=self.global_batch_size or self.replica_batch_size,
         )
         for name in ("tp_degrees_allowed", "overlap_choices"):
             values = getattr(self, name)
@@ -215,3 +223,10 @@ class SearchSpace:
             _check_positive("SearchSpace", memory_limit_bytes=self.memory_limit_bytes)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"SearchSpace.schedule={self.schedule!r} is unknown; choose one of {SCHEDULES}")
+
+    def replica_batch(self, dp: int) -> int | None:
+        """Samples each of ``dp`` replicas trains on per step, or None when the batch does not split."""
+        if self.replica_batch_size is not None:
+            return self.replica_batch_size
+        assert self.global_batch_size is not None
+        return self.global_batch_size // dp if self.global_batch_size % dp == 0 else None

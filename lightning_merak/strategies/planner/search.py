@@ -41,9 +41,9 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None) -> list
             continue
         for pp in _divisors(space.world_size // tp):
             dp = space.world_size // (tp * pp)
-            if pp > max_stages or space.global_batch_size % dp:
+            per_replica = space.replica_batch(dp)
+            if pp > max_stages or per_replica is None:
                 continue
-            per_replica = space.global_batch_size // dp
             if pp == 1:
                 micro_batch_counts = [1]
             else:
@@ -78,7 +78,7 @@ def required_profile_keys(space: SearchSpace, num_blocks: int | None = None) -> 
     """The profile entries :func:`plan` reads for ``space``, so a profiler measures nothing more."""
     block_times, samples_needed, tp_degrees, group_sizes = set(), set(), set(), set()
     for layout in candidate_layouts(space, num_blocks):
-        sub = micro_batch_samples(layout, space.global_batch_size) // layout.overlap
+        sub = micro_batch_samples(layout, space) // layout.overlap
         block_times.add((layout.tp, sub))
         samples_needed.add(sub)
         tp_degrees.add(layout.tp)
@@ -121,20 +121,22 @@ class Plan:
         parts = ", ".join(f"{name} {best.components[name]:.4g} s" for name in COMPONENTS)
         lines = [
             f"planner chose {best.layout.describe()}",
-            f"  predicted step {best.step_time_s:.4g} s ({parts}); memory {best.memory_bytes / _GIB:.3g} GiB per rank",
+            f"  predicted step {best.step_time_s:.4g} s for {best.samples_per_step} samples ({parts}); "
+            f"memory {best.memory_bytes / _GIB:.3g} GiB per rank",
         ]
         if self.runner_up is not None:
-            slower = self.runner_up.step_time_s / best.step_time_s - 1.0 if best.step_time_s > 0 else 0.0
+            runner_up = self.runner_up
+            slower = runner_up.time_per_sample_s / best.time_per_sample_s - 1.0 if best.step_time_s > 0 else 0.0
             lines.append(
-                f"  runner-up {self.runner_up.layout.describe()}: {self.runner_up.step_time_s:.4g} s "
-                f"({100 * slower:+.1f}%)"
+                f"  runner-up {runner_up.layout.describe()}: {runner_up.step_time_s:.4g} s for "
+                f"{runner_up.samples_per_step} samples ({100 * slower:+.1f}% per sample)"
             )
         lines.append(f"  {len(self.ranked)} layouts fit, {len(self.rejected)} rejected for memory")
         return "\n".join(lines)
 
 
 def _rank_key(prediction: Prediction) -> tuple:
-    return (prediction.step_time_s, *prediction.layout.tie_break_key)
+    return (prediction.time_per_sample_s, *prediction.layout.tie_break_key)
 
 
 def plan(space: SearchSpace, model_profile: ModelProfile, network: NetworkProfile) -> Plan:

@@ -1,0 +1,186 @@
+"""The merak3d layout planner against measurement: predicted vs measured step time per layout.
+
+Run from the repo root::
+
+    python -m benchmarks.planner [--quick] [--out PATH]
+
+One planning run (``plan_only=True`` with ``pipeline_parallel``, ``tensor_parallel`` and
+``tp_overlap`` on ``"auto"``) profiles this machine inside 2 gloo ranks and returns the
+prediction for every layout of its grid. Then every layout of the grid trains for a few
+steps with the layout fixed, in fresh ranks (one torch thread each), and its median step
+time (slowest rank, warm-up excluded) is compared with the prediction:
+
+* prediction error = predicted / measured − 1 per layout (target |error| ≤ 10%);
+* regret = measured time per sample of the planner's pick / the best measured − 1
+  (target ≤ 5%). Each data-parallel replica trains on the dataloader's batch, so layouts
+  with more replicas train more samples per step; layouts are compared per sample.
+
+Everything is measured on this machine; nothing is simulated except the predictions
+themselves, which come from the planner's cost model. Other load on the machine skews both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from benchmarks.merak3d import Workload, _quiet_lightning, _StepTimer
+from benchmarks.report import print_table, write_json
+from lightning_merak.config import TrainerConfig
+from lightning_merak.models import CausalLMModule, build_causal_lm
+from lightning_merak.strategies.merak3d import Merak3DStrategy
+from lightning_merak.testing import run_distributed
+from lightning_merak.testing.distributed import DistributedRunError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "planner.json"
+WORLD_SIZE = 2
+RANK_TIMEOUT_S = 300.0
+WORKLOAD = Workload(hidden=256, layers=4, vocab=4096, seq=64, global_batch=8)
+"""``global_batch`` here is the batch of each data-parallel replica (the dataloader's batch_size)."""
+ERROR_TARGET, REGRET_TARGET = 0.10, 0.05
+
+
+@dataclass(frozen=True)
+class Mode:
+    warmup: int
+    steps: int
+    micro_batch_choices: tuple[int, ...] | None
+    overlap: str | int
+
+
+QUICK = Mode(warmup=2, steps=6, micro_batch_choices=(4,), overlap="auto")
+FULL = Mode(warmup=3, steps=14, micro_batch_choices=None, overlap="auto")
+
+
+class _ReplicaData(pl.LightningDataModule):
+    """Every data-parallel replica reads its own ``batch``-sample slice of each step's tokens."""
+
+    def __init__(self, workload: Workload, steps: int) -> None:
+        super().__init__()
+        self.workload, self.steps = workload, steps
+
+    def train_dataloader(self) -> DataLoader:
+        w = self.workload
+        kwargs = self.trainer.strategy.distributed_sampler_kwargs
+        replicas, rank = kwargs["num_replicas"], kwargs["rank"]
+        tokens = torch.randint(w.vocab, (self.steps, w.global_batch * replicas, w.seq),
+                               generator=torch.Generator().manual_seed(0))
+        local = tokens[:, rank * w.global_batch:(rank + 1) * w.global_batch].reshape(-1, w.seq)
+        return DataLoader(TensorDataset(local), batch_size=w.global_batch, shuffle=False)
+
+
+def _layout_key(layout: dict[str, Any]) -> str:
+    return "dp{dp} pp{pp} tp{tp} M{micro_batches} k{overlap}".format(**layout)
+
+
+def _run_rank(rank: int, world_size: int, merak: dict[str, Any], steps: int) -> dict[str, Any]:
+    _quiet_lightning()
+    torch.manual_seed(0)
+    model = build_causal_lm(WORKLOAD.model_config(), WORKLOAD.vocab)
+    model.config.use_cache = False
+    module = CausalLMModule(model, TrainerConfig(max_steps=steps, warmup_steps=1))
+    timer = _StepTimer()
+    strategy = Merak3DStrategy(**merak, timeout_s=RANK_TIMEOUT_S)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[timer],
+    )
+    trainer.fit(module, datamodule=_ReplicaData(WORKLOAD, steps))
+    result: dict[str, Any] = {"step_s": timer.step_s}
+    if strategy.layout_plan is not None and rank == 0:
+        result["predictions"] = [
+            {"layout": {"dp": p.layout.dp, "pp": p.layout.pp, "tp": p.layout.tp,
+                        "micro_batches": p.layout.micro_batches, "overlap": p.layout.overlap},
+             "step_s": p.step_time_s, "samples": p.samples_per_step, "components": dict(p.components)}
+            for p in strategy.layout_plan.ranked
+        ]
+    return result
+
+
+def _plan(mode: Mode) -> list[dict[str, Any]]:
+    merak = {"pipeline_parallel": "auto", "tensor_parallel": "auto", "tp_overlap": mode.overlap,
+             "plan_only": True, "micro_batches": mode.micro_batch_choices[0] if mode.micro_batch_choices else None}
+    ranks = run_distributed(_run_rank, WORLD_SIZE, args=(merak, 2), timeout_s=RANK_TIMEOUT_S, threads_per_rank=1)
+    return ranks[0]["predictions"]
+
+
+def _measure(layout: dict[str, Any], mode: Mode) -> float | str:
+    merak = {"data_parallel": layout["dp"], "pipeline_parallel": layout["pp"], "tensor_parallel": layout["tp"],
+             "tp_overlap": layout["overlap"]}
+    if layout["pp"] > 1:
+        merak["micro_batches"] = layout["micro_batches"]
+    try:
+        ranks = run_distributed(_run_rank, WORLD_SIZE, args=(merak, mode.steps), timeout_s=RANK_TIMEOUT_S,
+                                threads_per_rank=1)
+    except DistributedRunError as error:
+        return str(error).strip().splitlines()[-1]
+    slowest = [max(steps) for steps in zip(*(rank["step_s"] for rank in ranks))]
+    return statistics.median(slowest[mode.warmup:] or slowest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and a smaller grid (under 3 minutes)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    mode = QUICK if args.quick else FULL
+    started = time.perf_counter()
+    print(f"planner benchmark: {WORKLOAD.describe()} per replica, {WORLD_SIZE} gloo ranks "
+          f"({'quick' if args.quick else 'full'})", flush=True)
+    predictions = _plan(mode)
+    print(f"  planned {len(predictions)} layouts ({time.perf_counter() - started:.0f} s)", flush=True)
+    rows = []
+    for prediction in predictions:
+        layout = prediction["layout"]
+        measured = _measure(layout, mode)
+        row = {"layout": _layout_key(layout), "samples": prediction["samples"],
+               "predicted_s": prediction["step_s"], "measured_s": measured}
+        if isinstance(measured, float):
+            row["error"] = prediction["step_s"] / measured - 1.0
+            row["measured_per_sample_ms"] = 1e3 * measured / prediction["samples"]
+        rows.append(row)
+        print(f"  {row['layout']}: predicted {prediction['step_s'] * 1e3:.0f} ms, measured "
+              f"{measured * 1e3 if isinstance(measured, float) else measured} ms", flush=True)
+    measured_rows = [row for row in rows if "error" in row]
+    pick = rows[0]
+    best = min(measured_rows, key=lambda row: row["measured_per_sample_ms"])
+    regret = pick["measured_per_sample_ms"] / best["measured_per_sample_ms"] - 1.0 if "error" in pick else None
+    errors = [abs(row["error"]) for row in measured_rows]
+    print("\nPlanner predictions (ranked by predicted time per sample) vs measured steps")
+    print_table(
+        [{"layout": r["layout"], "samples/step": r["samples"], "predicted ms": round(r["predicted_s"] * 1e3, 1),
+          "measured ms": round(r["measured_s"] * 1e3, 1) if "error" in r else r["measured_s"],
+          "error": f"{100 * r['error']:+.1f}%" if "error" in r else "-",
+          "ms/sample": round(r["measured_per_sample_ms"], 2) if "error" in r else "-"} for r in rows],
+    )
+    summary = {
+        "mean_abs_error": statistics.mean(errors), "max_abs_error": max(errors),
+        "pick": pick["layout"], "best_measured": best["layout"], "regret": regret,
+        "error_target_met": max(errors) <= ERROR_TARGET,
+        "regret_target_met": regret is not None and regret <= REGRET_TARGET,
+    }
+    print(f"prediction error: mean {100 * summary['mean_abs_error']:.1f}%, max {100 * summary['max_abs_error']:.1f}% "
+          f"(target ≤ {100 * ERROR_TARGET:.0f}%: {'PASS' if summary['error_target_met'] else 'FAIL'})")
+    print(f"regret: pick {pick['layout']} vs best measured {best['layout']}: "
+          f"{100 * regret:.1f}% (target ≤ {100 * REGRET_TARGET:.0f}%: "
+          f"{'PASS' if summary['regret_target_met'] else 'FAIL'})" if regret is not None else "regret: pick failed")
+    write_json(args.out, rows, "measured", predictions="the planner's cost model from its own profile",
+               workload=WORKLOAD.describe() + " per replica", world_size=WORLD_SIZE,
+               mode="quick" if args.quick else "full", summary=summary, wall_s=time.perf_counter() - started)
+    print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""Measure what the layout planner needs, on the machine and model at hand.
+
+The thin, impure side of the planner (:mod:`lightning_merak.strategies.planner` is the pure
+core): it times one transformer block split as tensor parallelism would split it (rank 0's
+shard, no communication) at every sub-batch size the search needs, with the block's time
+cut at the points where its collectives go; the embedding and head from a profiled trace;
+all-reduce and point-to-point latency and bandwidth over real process groups; and the
+optimizer step. Every rank measures at once (as they would compute during training) and
+rank 0's figures are used everywhere, so every rank plans the same layout.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_merak.strategies.pipeline.trace import ModelTrace, trace_model
+from lightning_merak.strategies.planner import BlockTimes, CollectiveCost, ModelProfile, NetworkProfile, ProfileKeys
+from lightning_merak.strategies.tensor_parallel import (
+    TensorParallelPlan,
+    _conv1d_to_linear,
+    _features,
+    _is_conv1d,
+    _scale_attention_attributes,
+)
+
+__all__ = ["local_shard_of_block", "profile_model", "profile_network"]
+
+
+def _median_time(run: Callable[[], Any], repeats: int) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def local_shard_of_block(block: nn.Module, plan: TensorParallelPlan, tensor_parallel: int) -> nn.Module:
+    """A copy of ``block`` holding one rank's shard of every split layer, computing without collectives.
+
+    Its compute equals one tensor-parallel rank's; the values differ (no all-reduce), which
+    timing does not mind.
+    """
+    shard = copy.deepcopy(block)
+    for names, divide_output in ((plan.column, True), (plan.row, False)):
+        for name in names:
+            layer = shard.get_submodule(name)
+            if _is_conv1d(layer):
+                layer = _conv1d_to_linear(layer)
+            in_features, out_features = _features(layer)
+            smaller = nn.Linear(in_features if divide_output else in_features // tensor_parallel,
+                                out_features // tensor_parallel if divide_output else out_features,
+                                bias=layer.bias is not None, dtype=layer.weight.dtype, device=layer.weight.device)
+            shard.set_submodule(name, smaller)
+    _scale_attention_attributes(shard, plan.column, tensor_parallel)
+    return shard
+
+
+def _side_tensors_for(trace: ModelTrace, samples: int) -> tuple[torch.Tensor, ...]:
+    batch = trace.sample_hidden.shape[0]
+    return tuple(t[:samples] if t.ndim and t.shape[0] == batch and samples <= batch else t
+                 for t in trace.sample_side_tensors)
+
+
+def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, samples: int,
+                 repeats: int) -> tuple[BlockTimes, int]:
+    """Forward and backward time of ``shard`` cut at its collectives, and the bytes it saves for backward."""
+    hidden = trace.sample_hidden
+    batch = hidden.shape[0]
+    source = hidden if samples <= batch else hidden.repeat(-(-samples // batch), *[1] * (hidden.ndim - 1))
+    inputs = source[:samples].detach().clone().requires_grad_(True)
+    args, kwargs = trace.block_arguments(_side_tensors_for(trace, samples))
+    marks: dict[str, float] = {}
+    handles = []
+    first_row = shard.get_submodule(plan.row[0])
+    handles.append(first_row.register_forward_hook(lambda *_: marks.__setitem__("row", time.perf_counter())))
+    for index, group in enumerate(plan.column_groups):
+        def watch(module: nn.Module, args_: tuple, key: str = f"group{index}") -> None:
+            if args_[0].requires_grad:
+                args_[0].register_hook(lambda grad: marks.__setitem__(key, time.perf_counter()))
+        handles.append(shard.get_submodule(group[0]).register_forward_pre_hook(watch))
+    forward_parts: list[tuple[float, float]] = []
+    backward_parts: list[tuple[float, float]] = []
+    parameters = {p.data_ptr() for p in shard.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.data_ptr() not in parameters:
+            saved[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    def run() -> None:
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            output = trace.hidden_of(shard(inputs, *args, **kwargs))
+        end_forward = time.perf_counter()
+        output.backward(torch.ones_like(output))
+        end_backward = time.perf_counter()
+        forward_parts.append((marks["row"] - start, end_forward - marks["row"]))
+        last_group = f"group{len(plan.column_groups) - 1}"
+        mlp_ready = marks.get(last_group, end_forward)
+        backward_parts.append((mlp_ready - end_forward, end_backward - mlp_ready))
+
+    try:
+        run()
+        forward_parts.clear()
+        backward_parts.clear()
+        for _ in range(repeats):
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    middle = sorted(range(repeats), key=lambda i: sum(forward_parts[i]) + sum(backward_parts[i]))[repeats // 2]
+    times = BlockTimes(forward_segments_s=forward_parts[middle], backward_segments_s=backward_parts[middle])
+    return times, sum(saved.values())
+
+
+def profile_model(
+    model: nn.Module,
+    sample_inputs: torch.Tensor,
+    call_model: Callable[[nn.Module, torch.Tensor], Any],
+    plan_of: Callable[[nn.Module, ModelTrace], TensorParallelPlan],
+    keys: ProfileKeys,
+    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    repeats: int = 5,
+) -> ModelProfile:
+    """Time ``model``'s parts at every (tp, sub-batch samples) the search needs (``keys``)."""
+    needed_samples = sorted({samples for _, samples in keys.block_times} | set(keys.prefix_suffix_samples))
+    traces: dict[int, ModelTrace] = {}
+    for samples in needed_samples:
+        inputs = sample_inputs[:samples] if samples <= sample_inputs.shape[0] else sample_inputs.repeat(
+            -(-samples // sample_inputs.shape[0]), 1)[:samples]
+        traces[samples] = trace_model(model, inputs, call_model, profile=True, profile_repeats=repeats)
+    largest = traces[needed_samples[-1]]
+    trunk = model.get_submodule(largest.trunk_path)
+    block = trunk[0]
+    plan = plan_of(block, largest)
+    block_times: dict[tuple[int, int], BlockTimes] = {}
+    parameter_bytes: dict[int, int] = {}
+    activation_bytes: dict[int, int] = {}
+    for tp in sorted(keys.tp_degrees | {1}):
+        shard = local_shard_of_block(block, plan, tp)
+        parameter_bytes[tp] = sum(p.numel() * p.element_size() for p in shard.parameters())
+        for samples in sorted(s for t, s in keys.block_times if t == tp) or [needed_samples[-1]]:
+            times, saved = _block_times(shard, plan, traces[samples], samples, repeats)
+            block_times[(tp, samples)] = times
+            activation_bytes.setdefault(tp, saved // samples)
+    hidden = largest.sample_hidden
+    prefix, suffix = largest.costs[0], largest.costs[-1]
+    scratch = [nn.Parameter(torch.zeros(parameter_bytes[1] // 4, device=hidden.device))]
+    optimizer = optimizer_factory(scratch)
+
+    def optimizer_step() -> None:
+        scratch[0].grad = torch.ones_like(scratch[0])
+        optimizer.step()
+
+    optimizer_s = _median_time(optimizer_step, repeats)
+    return ModelProfile(
+        num_blocks=len(trunk),
+        hidden_bytes_per_sample=hidden[0].numel() * hidden.element_size(),
+        block_times=block_times,
+        prefix_times={s: (traces[s].costs[0].forward_s, traces[s].costs[0].backward_s) for s in needed_samples},
+        suffix_times={s: (traces[s].costs[-1].forward_s, traces[s].costs[-1].backward_s) for s in needed_samples},
+        block_parameter_bytes=parameter_bytes,
+        prefix_parameter_bytes=prefix.param_bytes,
+        suffix_parameter_bytes=suffix.param_bytes,
+        block_activation_bytes_per_sample=activation_bytes,
+        optimizer_s_per_parameter_byte=optimizer_s / max(1, parameter_bytes[1]),
+    )
+
+
+def _fit(small: tuple[int, float], large: tuple[int, float], factor: float) -> CollectiveCost:
+    """Latency and bandwidth through two (bytes, seconds) points of ``t = latency + factor · bytes / bandwidth``."""
+    (n_small, t_small), (n_large, t_large) = small, large
+    slope = max((t_large - t_small) / (n_large - n_small), 1e-15)
+    latency = max(t_small - slope * n_small, 0.0)
+    return CollectiveCost(latency_s=latency, bandwidth_bytes_per_s=factor / slope)
+
+
+def profile_network(group_sizes: Iterable[int], device: torch.device, large_bytes: int,
+                    small_bytes: int = 4096, repeats: int = 5) -> NetworkProfile:
+    """All-reduce cost per group size (groups of consecutive ranks, all busy at once) and rank 0 ↔ 1 p2p.
+
+    Every rank must call this; the figures of rank 0's groups are returned on every rank.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:
+        return NetworkProfile(all_reduce={}, p2p=CollectiveCost(latency_s=0.0, bandwidth_bytes_per_s=1e30))
+    all_reduce: dict[int, CollectiveCost] = {}
+    for size in sorted(set(group_sizes)):
+        mine = None
+        for first in range(0, world, size):
+            group = dist.new_group(list(range(first, first + size)))
+            if first <= rank < first + size:
+                mine = group
+        points = []
+        for nbytes in (small_bytes, large_bytes):
+            tensor = torch.ones(max(1, nbytes // 4), device=device)
+            dist.barrier()
+            points.append((nbytes, _median_time(lambda: dist.all_reduce(tensor, group=mine), repeats)))
+        all_reduce[size] = _fit(points[0], points[1], 2.0 * (size - 1) / size)
+    points = []
+    for nbytes in (small_bytes, large_bytes):
+        tensor = torch.ones(max(1, nbytes // 4), device=device)
+
+        def ping() -> None:
+            if rank == 0:
+                dist.send(tensor, 1)
+                dist.recv(tensor, 1)
+            elif rank == 1:
+                dist.recv(tensor, 0)
+                dist.send(tensor, 0)
+
+        dist.barrier()
+        points.append((nbytes, _median_time(ping, repeats) / 2))
+    network = NetworkProfile(all_reduce=all_reduce, p2p=_fit(points[0], points[1], 1.0))
+    holder = [network]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
