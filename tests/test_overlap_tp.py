@@ -168,3 +168,59 @@ def test_merak3d_with_overlap_matches_single_process(layout):
     world_size = layout["data_parallel"] * layout["pipeline_parallel"] * layout["tensor_parallel"]
     results = run_distributed(_train_rank, world_size, args=(model_name, layout), timeout_s=600)
     assert_traces_match(_reference(model_name), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
+
+
+def _planned_rank(rank: int, world_size: int) -> dict:
+    losses, gradients = _train_rank(rank, world_size, "llama",
+                                    {"pipeline_parallel": "auto", "tensor_parallel": "auto", "tp_overlap": "auto"})
+    return {"losses": losses, "gradients": gradients}
+
+
+def test_planned_layout_trains_like_a_single_process():
+    """Whatever layout the planner picks from its profile, training must equal the reference."""
+    results = run_distributed(_planned_rank, 2, timeout_s=600)
+    merged = _merge([(r["losses"], r["gradients"]) for r in results])
+    assert_traces_match(_reference("llama"), merged, loss_rtol=1e-5, grad_rtol=1e-4)
+
+
+def _plan_only_rank(rank: int, world_size: int) -> dict:
+    import lightning.pytorch as pl
+
+    from tests.test_merak3d import _module, _ShardedData
+
+    strategy = Merak3DStrategy(pipeline_parallel="auto", tensor_parallel="auto", plan_only=True, timeout_s=120)
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False)
+    trainer.fit(_module("llama"), datamodule=_ShardedData(0, 5))
+    best = strategy.layout_plan.best
+    return {"layout": best.layout, "steps": trainer.global_step, "built": strategy.layout_built,
+            "layouts": [p.layout for p in strategy.layout_plan.ranked]}
+
+
+def test_plan_only_plans_the_same_layout_everywhere_and_trains_nothing():
+    results = run_distributed(_plan_only_rank, 2, timeout_s=300)
+    assert results[0]["layout"] == results[1]["layout"]
+    assert all(r["steps"] == 0 and not r["built"] for r in results)
+    degrees = {(layout.dp, layout.pp, layout.tp) for layout in results[0]["layouts"]}
+    assert degrees == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
+
+
+def test_local_shard_of_a_block_holds_one_rank_of_every_split_layer():
+    from lightning_merak.config import ModelConfig
+    from lightning_merak.models import build_causal_lm
+    from lightning_merak.strategies.layout_profiler import local_shard_of_block
+    from lightning_merak.strategies.merak3d import _call_model
+    from lightning_merak.strategies.pipeline.trace import trace_model
+
+    model = build_causal_lm(ModelConfig(name="gpt2", model_type="gpt2", config={"n_embd": 32, "n_layer": 2,
+                                                                                "n_head": 4}), vocab_size=VOCAB)
+    model.config.use_cache = False
+    trace = trace_model(model, torch.randint(VOCAB, (2, SEQ)), _call_model, profile=False)
+    block = model.get_submodule(trace.trunk_path)[0]
+    plan = Merak3DStrategy._tensor_parallel_plan(block, trace)
+    shard = local_shard_of_block(block, plan, 2)
+    assert shard.attn.c_attn.out_features == 48 and shard.mlp.c_proj.in_features == 64
+    args, kwargs = trace.block_arguments(trace.sample_side_tensors)
+    output = trace.hidden_of(shard(trace.sample_hidden, *args, **kwargs))
+    assert output.shape == trace.sample_hidden.shape
