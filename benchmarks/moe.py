@@ -17,10 +17,13 @@ the same routing; each rank runs every policy in turn on identical data:
 * ``deepspeed_cf1.25``: the same with ``drop_tokens=True``, capacity factor 1.25 (drops);
 * ``dropless``: our layer, dropless split-size all-to-all, no replication;
 * ``fastermoe``: our layer, dropless, FasterMoE-style shadowing (hot experts to all ranks);
-* ``ours``: our layer, dropless, Pro-Prophet replication + scheduler + Lancet chunks (auto).
+* ``ours``: our layer, dropless, Pro-Prophet replication + scheduler + Lancet chunks (auto), expert
+  weight gradients computed while the backward all-to-all is in flight;
+* ``ours_no_dw_overlap``: the same, but the backward waits for each all-to-all before going on.
 
 Per policy: load max/mean and σ of tokens computed per rank, step time (median over
-timed steps of the slowest rank), exposed all-to-all fraction, and the calibrated cost
+timed steps of the slowest rank), exposed all-to-all fraction (total and backward only; DeepSpeed's
+layer times only its forward all-to-alls, so its total counts them twice), and the calibrated cost
 model's predicted MoE time vs the measured step. Heatmaps of per-rank load over steps
 are written next to the JSON. A second table extrapolates to 8–64 ranks with the cost
 model calibrated in this run: it is *simulated*.
@@ -45,7 +48,7 @@ DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "moe.json"
 RANKS_TIMEOUT_S = 900
 DRIFT_EVERY = 4
 ZIPF_EXPONENT = 1.2
-POLICIES = ("deepspeed", "deepspeed_cf1.25", "dropless", "fastermoe", "ours")
+POLICIES = ("deepspeed", "deepspeed_cf1.25", "dropless", "fastermoe", "ours", "ours_no_dw_overlap")
 
 
 @dataclass(frozen=True)
@@ -98,9 +101,11 @@ def _build(policy: str, setup: Setup, world: int) -> Any:
             elif policy == "deepspeed_cf1.25":
                 self.moe = DeepSpeedMoE(**common, capacity_factor=1.25, drop_tokens=True)
             else:
-                placement = {"dropless": "none", "fastermoe": "shadowing", "ours": "pro_prophet"}[policy]
+                placement = {"dropless": "none", "fastermoe": "shadowing"}.get(policy, "pro_prophet")
+                ours = policy.startswith("ours")
                 self.moe = MoE(**common, drop_tokens=False, dispatch="dropless", placement=placement,
-                               lancet_chunks="auto" if policy == "ours" else 1, scheduler=scheduler)
+                               lancet_chunks="auto" if ours else 1, lancet_backward=policy != "ours_no_dw_overlap",
+                               scheduler=scheduler)
 
         def forward(self, x: Any) -> Any:
             h = x + 0.1 * torch.tanh(self.dense(x))
@@ -162,7 +167,10 @@ def _run_policy(policy: str, setup: Setup, rank: int, world: int) -> dict[str, A
             if isinstance(layer, PlacementMOELayer):
                 stats = layer.stats
                 layers.append(dict(counts=stats["counts"], plan=[asdict(r) for r in stats["plan"].replications],
-                                   padding=asdict(stats["padding"]), exposed_a2a_s=stats.get("exposed_a2a_s", 0.0),
+                                   padding=asdict(stats["padding"]),
+                                   exposed_a2a_s=stats.get("exposed_a2a_forward_s", 0.0)
+                                   + stats.get("exposed_a2a_backward_s", 0.0),
+                                   exposed_a2a_backward_s=stats.get("exposed_a2a_backward_s", 0.0),
                                    exposed_trans_s=stats.get("exposed_trans_s", 0.0), chunks=stats["chunks"],
                                    dropped=stats["dropped_routes"]))
             else:
@@ -173,11 +181,13 @@ def _run_policy(policy: str, setup: Setup, rank: int, world: int) -> dict[str, A
                 forward_a2a_s = (cumulative_ms - getattr(layer, "_previous_a2a_ms", 0.0)) / 1000.0
                 layer._previous_a2a_ms = cumulative_ms
                 layers.append(dict(counts=counts, plan=[], padding=asdict(padding), exposed_a2a_s=2 * forward_a2a_s,
-                                   exposed_trans_s=0.0, chunks=1, dropped=None))
-        exposed = torch.tensor([sum(entry["exposed_a2a_s"] for entry in layers)])
+                                   exposed_a2a_backward_s=forward_a2a_s, exposed_trans_s=0.0, chunks=1, dropped=None))
+        exposed = torch.tensor([sum(entry["exposed_a2a_s"] for entry in layers),
+                                sum(entry["exposed_a2a_backward_s"] for entry in layers)])
         dist.all_reduce(exposed, op=dist.ReduceOp.MAX)
         if step >= setup.warmup_steps:
-            steps.append(dict(step_s=elapsed.item(), exposed_a2a_s=exposed.item(), layers=layers))
+            steps.append(dict(step_s=elapsed.item(), exposed_a2a_s=exposed[0].item(),
+                              exposed_a2a_backward_s=exposed[1].item(), layers=layers))
         del out, x
     cost = None
     for block in blocks:
@@ -250,6 +260,7 @@ def _summarise(policy: str, record: dict[str, Any], cost: Any, setup: Setup) -> 
         predicted.append(total_pred)
     step_s = statistics.median(s["step_s"] for s in record["steps"])
     exposed = statistics.median(s["exposed_a2a_s"] / s["step_s"] for s in record["steps"])
+    exposed_backward = statistics.median(s["exposed_a2a_backward_s"] / s["step_s"] for s in record["steps"])
     replicas = statistics.mean(sum(len(r["replicas"]) for l in s["layers"] for r in l["plan"]) for s in record["steps"])
     row = {
         "policy": policy,
@@ -257,6 +268,7 @@ def _summarise(policy: str, record: dict[str, Any], cost: Any, setup: Setup) -> 
         "load_std": statistics.mean(sigmas),
         "step_ms": 1000 * step_s,
         "exposed_a2a_frac": exposed,
+        "exposed_bwd_a2a_frac": exposed_backward,
         "predicted_moe_ms": 1000 * statistics.median(predicted),
         "pred_over_measured": statistics.median(predicted) / step_s,
         "replicas_per_step": replicas,

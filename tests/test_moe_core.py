@@ -1,9 +1,13 @@
-"""Pure parts of the MoE plugin: planner, shadowing, cost model, layout, Lancet chunks, config, swap."""
+"""Pure parts of the MoE plugin: planner, shadowing, cost model, layout, Lancet chunks and deferred
+weight gradients, config, swap."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from torch import nn
 
 from lightning_merak.plugins.moe import (
     CommCurve,
@@ -173,3 +177,103 @@ def test_hydra_composes_moe_options_with_mixtral_tiny() -> None:
             assert isinstance(cfg.moe, cls) and cfg.model.config["num_local_experts"] == 4
         with pytest.raises(Exception, match="placement_policy"):
             compose("config", overrides=["moe=prophet", "moe.placement_policy=x", "output_dir=/tmp/unused"])
+
+
+class _ExpertWithNorm(nn.Module):
+    """A Linear called twice plus a LayerNorm: shared weights and a parameter autograd must handle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(6, 10)
+        self.norm = nn.LayerNorm(10)
+        self.down = nn.Linear(10, 6, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down(torch.nn.functional.gelu(self.norm(self.up(x))))
+        return self.down(torch.tanh(self.up(h)))
+
+
+@pytest.mark.parametrize("build", [lambda: nn.Sequential(nn.Linear(6, 9), nn.GELU(), nn.Linear(9, 6)),
+                                   _ExpertWithNorm])
+def test_deferred_weight_grads_equal_autograd(build: Any) -> None:
+    from lightning_merak.plugins.moe.weight_grads import DeferredWeightGrads
+
+    experts = [build(), build()]
+    params = [p for expert in experts for p in expert.parameters()]
+    x = torch.randn(7, 6, requires_grad=True)
+    pieces = x.split([3, 4])
+    probe = torch.randn(7, 6)
+    expected_y = torch.cat([expert(piece) for expert, piece in zip(experts, pieces)])
+    expected = torch.autograd.grad(expected_y, [x, *params], probe)
+
+    deferred = DeferredWeightGrads(experts)
+    x2 = x.detach().requires_grad_(True)
+    with deferred.recording():
+        y = torch.cat([expert(piece) for expert, piece in zip(experts, x2.split([3, 4]))])
+    dx = deferred.input_grad(y, x2, probe)
+    assert all(call.grad_output is not None for call in deferred.calls), "a Linear output gradient was not kept"
+    grads = deferred.compute(y, probe, params)
+    torch.testing.assert_close(dx, expected[0])
+    for param_grad, want in zip(grads, expected[1:]):
+        torch.testing.assert_close(param_grad, want)
+    assert all(len(m._forward_hooks) == 0 for expert in experts for m in expert.modules()), "hooks left behind"
+
+
+def test_select_local_experts_keeps_this_ranks_slice() -> None:
+    from lightning_merak.plugins.moe.checkpoint import expert_param_positions, select_local_experts
+
+    prefix = "block.moe.deepspeed_moe.experts.deepspeed_experts."
+    full = {f"{prefix}{e}.0.weight": torch.full((2,), float(e)) for e in range(6)}
+    full["block.dense.weight"] = torch.zeros(1)
+    state = dict(full)
+    assert select_local_experts(state, prefix, ep_rank=1, experts_per_rank=2, num_experts=6)
+    assert sorted(state) == ["block.dense.weight", f"{prefix}0.0.weight", f"{prefix}1.0.weight"]
+    assert state[f"{prefix}0.0.weight"][0] == 2.0 and state[f"{prefix}1.0.weight"][0] == 3.0
+    assert not select_local_experts(state, prefix, ep_rank=1, experts_per_rank=2, num_experts=6), "local passes"
+    partial = {f"{prefix}{e}.0.weight": torch.zeros(1) for e in range(4)}
+    with pytest.raises(ValueError, match="num_experts"):
+        select_local_experts(partial, prefix, ep_rank=0, experts_per_rank=2, num_experts=6)
+
+    expert = nn.Linear(2, 2)
+    for p in expert.parameters():
+        p.allreduce = False
+    dense = nn.Linear(2, 2)
+    groups = [{"params": list(dense.parameters())}, {"params": list(expert.parameters()), "moe": True}]
+    assert expert_param_positions(groups) == [2, 3]
+
+
+def test_data_parallel_groups_from_a_3d_mesh() -> None:
+    from lightning_merak.plugins.moe.groups import data_parallel_groups_from_mesh
+
+    mesh = torch.arange(8).reshape(2, 2, 2).tolist()
+    groups = data_parallel_groups_from_mesh(mesh, ["pp", "dp", "tp"])
+    assert groups == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert carve_expert_groups(groups[2], 2) == ([[4, 6]], [[4], [6]])
+    assert data_parallel_groups_from_mesh(torch.arange(4).reshape(2, 2, 1).tolist(), ["pp", "dp", "tp"]) == [
+        [0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="'dp'"):
+        data_parallel_groups_from_mesh(mesh, ["pp", "x", "tp"])
+
+
+def test_moe_param_groups_split_experts_for_zero() -> None:
+    from lightning_merak.plugins.moe import moe_param_groups
+
+    model = nn.ModuleDict({
+        "dense": nn.Linear(4, 4),
+        "moe": MoE(hidden_size=4, expert=nn.Linear(4, 4), num_experts=2, ep_size=1, k=1),
+    })
+    model["dense"].bias.requires_grad_(False)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = moe_param_groups([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}])
+    expert_ids = {id(p) for p in model["moe"].deepspeed_moe.experts.parameters()}
+    seen = [id(p) for group in groups for p in group["params"]]
+    assert len(seen) == len(set(seen)) == sum(p.requires_grad for p in model.parameters())
+    for group in groups:
+        is_expert = {id(p) in expert_ids for p in group["params"]}
+        assert is_expert == {bool(group.get("moe"))}, "a group mixes expert and dense parameters"
+        if group.get("moe"):
+            assert group["name"] == model["moe"].expert_group_name
+    assert {g["weight_decay"] for g in groups if g.get("moe")} == {0.1, 0.0}, "options must carry over"
+    with pytest.raises(ValueError, match="no parameters"):
+        moe_param_groups([])

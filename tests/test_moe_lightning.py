@@ -1,5 +1,6 @@
 """A Mixtral-style tiny model, swapped to our MoE (ep_size=2), trains under Lightning DDP on 2 gloo
-ranks exactly like the original single-process model on the union of the ranks' batches."""
+ranks, and under merak3d with pipeline_parallel=2 × data_parallel=2 on 4, exactly like the original
+single-process model on the union of the data-parallel ranks' batches."""
 
 from __future__ import annotations
 
@@ -98,3 +99,97 @@ def test_mixtral_tiny_trains_like_the_original_under_lightning_ddp() -> None:
     assert not torch.equal(results[0]["expert"], results[1]["expert"]), "each EP rank must hold different experts"
     assert len(results[0]["history"]) == STEPS
     assert {"moe/layer0/rb", "moe/layer0/maxvio", "moe/layer0/aux_loss"} <= set(results[0]["logged"])
+
+
+class _LoggedLoss(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+
+SGD_LR = 1.0
+
+
+def _sgd_module(model: torch.nn.Module) -> pl.LightningModule:
+    """Plain SGD: a wrongly scaled expert gradient changes the trajectory (Adam would hide it)."""
+    from lightning_merak.models import CausalLMModule
+
+    class SGDModule(CausalLMModule):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.model.parameters(), lr=SGD_LR)
+
+    return SGDModule(model, OPTIM)
+
+
+def train_merak3d(rank: int, world_size: int, options: dict[str, Any]) -> dict[str, Any]:
+    from lightning_merak.plugins.moe.hydra_options import ProphetMoEConfig
+    from lightning_merak.plugins.moe.layer import PlacementMOELayer
+    from lightning_merak.strategies.merak3d import Merak3DStrategy
+
+    config = ProphetMoEConfig(ep_size=2, aux_loss_coef=0.0, log_every_n_steps=1, **options)
+    module = _sgd_module(config.apply(_model()))
+    recorder, moe_callback = _LoggedLoss(), config.build_callbacks()[0]
+    strategy = Merak3DStrategy(data_parallel=2, pipeline_parallel=2, tensor_parallel=1, micro_batches=2,
+                               partition="uniform", timeout_s=150)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0, use_distributed_sampler=False, callbacks=[recorder, moe_callback],
+    )
+    data_rank = rank % 2  # mesh (pp, dp, tp) = (2, 2, 1): rank = 2·pp + dp
+    trainer.fit(module, DataLoader(TensorDataset(_batches(data_rank)), batch_size=BATCH))
+    local = [layer for layer in moe_callback._layers if layer.stats]
+    experts = {}
+    for index, block in strategy.local_blocks.items():
+        for layer in (m for m in block.modules() if isinstance(m, PlacementMOELayer)):
+            first = layer.ep_rank * layer.num_local_experts
+            for j, expert in enumerate(layer.experts.deepspeed_experts):
+                experts[(index, first + j)] = expert.gate_up.weight.detach().clone()
+    return {"losses": recorder.losses, "ep_ranks": [layer.groups.ep_ranks for layer in local], "experts": experts,
+            "sampler_rank": strategy.distributed_sampler_kwargs["rank"]}
+
+
+def _sgd_reference(learning_rate: float = SGD_LR) -> tuple[list[float], dict[tuple[int, int], torch.Tensor]]:
+    """Losses of one process on the union of the data-parallel batches, and (layer, expert) → gate/up weight."""
+    module = _sgd_module(_model())
+    optimizer = module.configure_optimizers()
+    optimizer.param_groups[0]["lr"] = learning_rate
+    data = [_batches(rank) for rank in range(2)]
+    losses = []
+    for step in range(STEPS):
+        batch = torch.cat([d[step * BATCH:(step + 1) * BATCH] for d in data])
+        optimizer.zero_grad()
+        loss = module.compute_loss((batch,))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    blocks = [m for m in module.model.modules() if hasattr(getattr(m, "experts", None), "gate_up_proj")]
+    experts = {(i, e): block.experts.gate_up_proj[e].detach().clone()
+               for i, block in enumerate(blocks) for e in range(block.experts.gate_up_proj.shape[0])}
+    return losses, experts
+
+
+@pytest.mark.timeout(300)
+def test_mixtral_tiny_under_merak3d_pipeline_and_data_parallel() -> None:
+    """pp=2 × dp=2: EP groups are carved from each stage's data-parallel ranks; training equals one process."""
+    options = dict(dispatch="dropless", placement="pro_prophet", lancet_chunks="2")
+    results = run_distributed(train_merak3d, 4, args=(options,), timeout_s=240)
+    reference, reference_experts = _sgd_reference()
+    untrained, initial_experts = _sgd_reference(learning_rate=0.0)
+    moved = max(abs(a - b) for a, b in zip(reference, untrained))
+    assert moved > 1e-2, f"training moved the losses by {moved:.3g} only; the comparison would prove nothing"
+    trained_experts = {key: value for result in results for key, value in result["experts"].items()}
+    assert set(trained_experts) == set(reference_experts), "every (layer, expert) must live on some rank"
+    for key, expected in reference_experts.items():
+        step, want = trained_experts[key] - initial_experts[key], expected - initial_experts[key]
+        error = (step - want).norm() / want.norm()
+        assert error < 1e-3, f"(layer, expert) {key}: update off by {error:.3g} relative (wrongly scaled gradient?)"
+    for rank, result in enumerate(results):
+        stage_ranks = [rank - rank % 2, rank - rank % 2 + 1]
+        assert result["ep_ranks"] and all(ranks == stage_ranks for ranks in result["ep_ranks"]), result["ep_ranks"]
+        for step, (ours, expected) in enumerate(zip(result["losses"], reference)):
+            assert abs(ours - expected) < 1e-5 * abs(expected), f"rank {rank} step {step}: {ours} vs {expected}"
+        assert len(result["losses"]) == STEPS
+    assert [result["sampler_rank"] for result in results] == [0, 1, 0, 1], "data shards do not follow the mesh"

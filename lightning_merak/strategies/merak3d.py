@@ -526,7 +526,8 @@ class Merak3DStrategy(ParallelStrategy):
                 "sub-batches; choose a tp_overlap that divides the micro-batch size"
             )
         pp, tp = self.pipeline_parallel, self.tensor_parallel
-        trace = trace_model(model, micro, _call_model, profile=pp > 1 and self.global_rank == 0)
+        # Every rank profiles: blocks may hold collectives (MoE all-to-alls) that need all their peers.
+        trace = trace_model(model, micro, _call_model, profile=pp > 1)
         trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
         plan = self._tensor_parallel_plan(trunk[0], trace) if tp > 1 else None
         if pp > 1:

@@ -19,6 +19,7 @@ _EXPORTS = {
     "profile_cost_model": "profile",
     "plan_shadowing": "shadowing",
     "swap_sparse_moe_blocks": "swap",
+    "moe_param_groups": "optim",
 }
 
 __all__ = sorted(_EXPORTS)

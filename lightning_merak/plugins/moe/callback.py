@@ -1,11 +1,15 @@
-"""Lightning callback for swapped MoE layers: groups, DDP gradients, balance metrics, heatmap.
+"""Lightning callback for swapped MoE layers: groups, DDP gradients, checkpoints, balance metrics, heatmap.
 
 Under plain DDP the expert parameters differ per EP rank, so they must not be
 averaged by DDP: ``setup`` (after the process group exists, before DDP wraps the
 module) attaches the EP groups and tells DDP to ignore them, and
 ``on_before_optimizer_step`` sums their gradients over the expert-data-parallel group
-and divides by the world size — the gradient of the mean loss, like DDP's dense
-average. Under DeepSpeed's engine both are left to DeepSpeed.
+and divides by the data-parallel size — the gradient of the mean loss, like DDP's dense
+average. Under merak3d the EP groups are carved from each stage's data-parallel ranks.
+Under DeepSpeed's engine groups are attached here too, and gradients are left to DeepSpeed.
+DDP checkpoints get every rank's experts and expert optimizer state (DeepSpeed writes
+per-rank expert files itself; merak3d's sharded checkpoints are not handled here); a
+``weights_only`` save skips callbacks in Lightning and so keeps only rank 0's experts.
 """
 
 from __future__ import annotations
@@ -18,11 +22,15 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from lightning_merak.plugins.moe.layer import PlacementMOELayer
+from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, expert_param_positions, gather_expert_state
+from lightning_merak.plugins.moe.groups import data_parallel_groups_from_mesh
+from lightning_merak.plugins.moe.layer import MoE, PlacementMOELayer
 from lightning_merak.plugins.moe.placement import PlacementPlan, rank_loads
 from lightning_merak.plugins.moe.swap import SwappedSparseBlock
 
 __all__ = ["MoEPlacementCallback", "balance_metrics", "plot_load_heatmap"]
+
+_EXPERT_OPTIMIZER_KEY = "moe_expert_optimizer_states"
 
 
 def balance_metrics(layer: PlacementMOELayer) -> dict[str, float]:
@@ -42,7 +50,8 @@ def balance_metrics(layer: PlacementMOELayer) -> dict[str, float]:
         "max_over_mean": max(after) / mean_after if mean_after > 0 else 1.0,
         "replicas": float(plan.num_replicas),
         "dropped_routes": float(stats["dropped_routes"]),
-        "exposed_a2a_s": float(stats.get("exposed_a2a_s", 0.0)),
+        "exposed_a2a_s": float(stats.get("exposed_a2a_forward_s", 0.0) + stats.get("exposed_a2a_backward_s", 0.0)),
+        "exposed_a2a_backward_s": float(stats.get("exposed_a2a_backward_s", 0.0)),
         "aux_loss": float(layer.l_aux.detach()),
     }
 
@@ -86,32 +95,112 @@ class MoEPlacementCallback(pl.Callback):
         self.history: dict[int, tuple[list[list[int]], list[list[int]]]] = {}
         self._layers: list[PlacementMOELayer] = []
         self._uses_deepspeed = False
+        self._data_parallel_group: Any = None
+        self._data_parallel_size = 1
+        self._uses_mesh = False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._uses_deepspeed = "deepspeed" in type(trainer.strategy).__name__.lower()
+        """Attach every layer's expert groups, on every rank in model order, before any layout change.
+
+        Under a 3D strategy (a ``device_mesh`` with a "dp" dimension, as merak3d's) EP groups are
+        carved from each pipeline/tensor position's data-parallel ranks; this runs while every
+        rank still holds the whole model, so the collective group creation matches across
+        pipeline stages.
+        """
+        strategy = trainer.strategy
+        self._uses_deepspeed = "deepspeed" in type(strategy).__name__.lower()
+        self._layers = [m for m in pl_module.modules() if isinstance(m, PlacementMOELayer)]
+        mesh = getattr(strategy, "device_mesh", None) if dist.is_initialized() else None
+        dp_groups = None
+        if mesh is not None and "dp" in (mesh.mesh_dim_names or ()):
+            dp_groups = data_parallel_groups_from_mesh(mesh.mesh.tolist(), list(mesh.mesh_dim_names))
+            self._data_parallel_group = strategy.data_parallel_group
+            self._data_parallel_size = len(dp_groups[0])
+            self._uses_mesh = True
+        elif dist.is_initialized():
+            self._data_parallel_group, self._data_parallel_size = None, dist.get_world_size()
+        for layer in self._layers:
+            if dp_groups is not None:
+                if layer.groups is not None and layer.data_parallel_groups != dp_groups:
+                    raise ValueError(
+                        "an MoE layer attached its expert groups before the 3D layout was known; build the model "
+                        "before the trainer runs it, without calling it first")
+                layer.data_parallel_groups = dp_groups
+            if dist.is_initialized():
+                layer._attach()
         for module in pl_module.modules():
             if isinstance(module, SwappedSparseBlock) and dist.is_initialized():
                 module.materialize()
-        self._layers = [m for m in pl_module.modules() if isinstance(m, PlacementMOELayer)]
         if not self._uses_deepspeed:
             ignored = [name for name, p in pl_module.named_parameters() if getattr(p, "allreduce", True) is False]
             existing = list(getattr(pl_module, "_ddp_params_and_buffers_to_ignore", []))
             pl_module._ddp_params_and_buffers_to_ignore = sorted(set(existing) | set(ignored))
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self._uses_deepspeed or not dist.is_initialized() or dist.get_world_size() == 1:
+        """Expert gradients: sum over the ranks holding the same experts, divide by the data-parallel size.
+
+        Every data-parallel rank's tokens reach an expert through the all-to-all, so the summed
+        gradient over its expert-data-parallel group counts each rank's loss once; dividing by
+        the data-parallel size gives the gradient of the mean loss, like the dense average.
+        """
+        if self._uses_deepspeed or not dist.is_initialized() or self._data_parallel_size == 1:
             return
-        world = dist.get_world_size()
         for layer in self._layers:
             grads = [p.grad for p in layer.experts.parameters() if p.grad is not None]
             if not grads:
                 continue
             flat = torch.cat([g.reshape(-1) for g in grads])
-            if layer.groups is not None and len(layer.groups.edp_ranks) > 1:
+            if layer.groups is None:
+                dist.all_reduce(flat, group=self._data_parallel_group)
+            elif len(layer.groups.edp_ranks) > 1:
                 dist.all_reduce(flat, group=layer.groups.edp_group)
-            flat.div_(world)
+            flat.div_(self._data_parallel_size)
             for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
                 grad.copy_(piece.view_as(grad))
+
+    def _expert_layers(self, pl_module: pl.LightningModule) -> list[tuple[str, MoE]]:
+        return [(name, m) for name, m in pl_module.named_modules() if isinstance(m, MoE) and m.ep_size > 1]
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Every rank's experts and their optimizer state into the checkpoint (collective, all ranks).
+
+        DeepSpeed's engine writes per-rank expert files itself, so its checkpoints are left alone;
+        so are merak3d's, which it writes sharded with its own naming.
+        """
+        if self._uses_deepspeed or self._uses_mesh or not dist.is_initialized():
+            return
+        layers = self._expert_layers(pl_module)
+        for name, moe in layers:
+            layer = moe.deepspeed_moe
+            layer._attach()
+            gather_expert_state(checkpoint["state_dict"], f"{name}.{EXPERTS_KEY}", layer.num_local_experts,
+                                layer.ep_size, layer.ep_group)
+        if layers and "optimizer_states" in checkpoint:
+            group = layers[0][1].deepspeed_moe.ep_group
+            saved = []
+            for optimizer, state in zip(trainer.optimizers, checkpoint["optimizer_states"]):
+                positions = expert_param_positions(optimizer.param_groups)
+                local = {i: state["state"][i] for i in positions if i in state["state"]}
+                gathered: list[Any] = [None] * dist.get_world_size(group)
+                dist.all_gather_object(gathered, local, group=group)
+                saved.append(gathered)
+            checkpoint[_EXPERT_OPTIMIZER_KEY] = {"ep_size": layers[0][1].ep_size, "states": saved}
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Put this EP rank's expert optimizer state in place of rank 0's before the optimizers load."""
+        saved = checkpoint.get(_EXPERT_OPTIMIZER_KEY)
+        if saved is None or "optimizer_states" not in checkpoint:
+            return
+        layers = self._expert_layers(pl_module)
+        ep_size = layers[0][1].ep_size if layers else 1
+        if ep_size != saved["ep_size"]:
+            raise ValueError(
+                f"checkpoint's expert optimizer state was saved with ep_size={saved['ep_size']}, this run uses "
+                f"ep_size={ep_size}; resume with the same ep_size (weights alone load with any)")
+        layer = layers[0][1].deepspeed_moe
+        layer._attach()
+        for state, per_rank in zip(checkpoint["optimizer_states"], saved["states"]):
+            state["state"].update(per_rank[layer.ep_rank])
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         for index, layer in enumerate(self._layers):

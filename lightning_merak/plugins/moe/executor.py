@@ -2,9 +2,10 @@
 
 Forward: replica parameters arrive (Trans), replica ranks compute their own tokens
 for those experts, the remaining rows go through chunked all-to-alls to their owners'
-experts and back. Backward: the reverse all-to-alls, expert dX before dW so a chunk's
-dX all-to-all is in flight while its dW is computed (Lancet), and replica gradients
-summed back into the owner's gradients (Agg). Everything is returned from
+experts and back. Backward: the reverse all-to-alls; with Lancet's backward on, each chunk's
+expert backward is split into a dX-only pass and deferred weight gradients
+(:class:`~.weight_grads.DeferredWeightGrads`), computed while that chunk's dX all-to-all is
+in flight; replica gradients summed back into the owner's gradients (Agg). Everything is returned from
 ``backward``, so AccumulateGrad — and therefore DDP and ZeRO-1/2 hooks — sees the full
 expert gradient. Every rank creates this node once per layer call and issues the same
 collectives in the same order (all-to-alls on the EP group, Trans/Agg on a separate
@@ -14,6 +15,7 @@ transfer group), also with zero rows anywhere, so a plan can never cause a hang.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -24,6 +26,7 @@ from torch.func import functional_call
 
 from lightning_merak.plugins.moe.dispatch import ExchangeLayout
 from lightning_merak.plugins.moe.placement import PlacementPlan
+from lightning_merak.plugins.moe.weight_grads import DeferredWeightGrads
 
 __all__ = ["ExpertExchange", "ReplicaTransfer", "TransferScheduler", "flatten_params"]
 
@@ -198,17 +201,18 @@ class ExpertExchange:
             if c + 1 < lay.chunks:
                 dispatches.append(_start_all_to_all(
                     sent_chunks[c + 1], lay.send_splits[c + 1], lay.recv_splits[c + 1], self.group, lay.ep_size))
-            received = dispatches[c].wait(stats, "exposed_a2a_s")
+            received = dispatches[c].wait(stats, "exposed_a2a_forward_s")
             order = lay.recv_by_expert[c].to(received.device)
             x = received.index_select(0, order).detach().requires_grad_(build_graph)
+            deferred = DeferredWeightGrads(self.experts) if build_graph and self.lancet_backward else None
             start = time.perf_counter()
-            with torch.set_grad_enabled(build_graph):
+            with torch.set_grad_enabled(build_graph), deferred.recording() if deferred else nullcontext():
                 y = self._run_experts(x, lay.expert_rows[c])
             stats["expert_s"] = stats.get("expert_s", 0.0) + time.perf_counter() - start
-            chunk_graphs.append((x, y, order))
+            chunk_graphs.append((x, y, order, deferred))
             back = torch.empty_like(received).index_copy_(0, order, y.detach())
             combines.append(_start_all_to_all(back, lay.recv_splits[c], lay.send_splits[c], self.group, lay.ep_size))
-        outputs = [pending.wait(stats, "exposed_a2a_s") for pending in combines]
+        outputs = [pending.wait(stats, "exposed_a2a_forward_s") for pending in combines]
         routed_out = torch.cat(outputs + replica_outs) if outputs or replica_outs else routed_in.new_zeros(0, routed_in.size(1))
         return routed_out, {"chunks": chunk_graphs, "replicas": replica_graphs}
 
@@ -229,22 +233,23 @@ class ExpertExchange:
         aggregation = self.agg_start(replica_grads)
         param_grads = [torch.zeros_like(p) for p in params]
         dispatch_grads = []
-        for c, (x, y, order) in enumerate(state["chunks"]):
-            g = returns[c].wait(stats, "exposed_a2a_s").index_select(0, order)
-            if self.lancet_backward:
-                (dx,) = torch.autograd.grad(y, [x], g, retain_graph=True)
-                dispatch_grads.append(self._return_dx(dx, order, c))
-                weight_grads = torch.autograd.grad(y, params, g, allow_unused=True)
+        for c, (x, y, order, deferred) in enumerate(state["chunks"]):
+            g = returns[c].wait(stats, "exposed_a2a_backward_s").index_select(0, order)
+            if deferred is not None:
+                dispatch_grads.append(self._return_dx(deferred.input_grad(y, x, g), order, c))
+                start = time.perf_counter()
+                weight_grads = deferred.compute(y, g, params)
+                stats["deferred_dw_s"] = stats.get("deferred_dw_s", 0.0) + time.perf_counter() - start
             else:
                 dx, *weight_grads = torch.autograd.grad(y, [x, *params], g, allow_unused=True)
                 pending = self._return_dx(dx, order, c)
-                pending.wait(stats, "exposed_a2a_s")
+                pending.wait(stats, "exposed_a2a_backward_s")
                 dispatch_grads.append(pending)
             for acc, grad in zip(param_grads, weight_grads):
                 if grad is not None:
                     acc.add_(grad)
         self._add_aggregated(aggregation.wait(stats, "exposed_agg_s"), params, param_grads)
-        chunks = [pending.wait(stats, "exposed_a2a_s") for pending in dispatch_grads]
+        chunks = [pending.wait(stats, "exposed_a2a_backward_s") for pending in dispatch_grads]
         if chunks:
             grad_in[: lay.num_sent] = torch.cat(chunks)
         return grad_in, param_grads

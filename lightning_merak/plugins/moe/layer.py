@@ -26,6 +26,7 @@ from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed.moe.sharded_moe import MOELayer, TopKGate
 from torch import nn
 
+from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, expert_indices, select_local_experts
 from lightning_merak.plugins.moe.cost_model import CostModel
 from lightning_merak.plugins.moe.dispatch import ExchangeLayout, decode, encode
 from lightning_merak.plugins.moe.executor import (
@@ -325,3 +326,39 @@ class MoE(DeepSpeedMoE):
         self.deepspeed_moe = PlacementMOELayer(
             stock.gate, stock.experts, stock.ep_group_name, ep_size, self.num_local_experts, options,
             cost_model=cost_model, scheduler=scheduler, data_parallel_groups=data_parallel_groups)
+        self.register_load_state_dict_pre_hook(_keep_local_experts)
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        """Called by DeepSpeed's engine: attach the expert groups once, however often it is called.
+
+        The layer may already have attached its groups (a Lightning callback's ``setup`` or a
+        first forward), and ``MOELayer._set_ep_group`` refuses a second call, so an attached
+        layer is left as it is. Groups carved from a 3D layout's data-parallel ranks follow
+        DeepSpeed's default order, which ``use_data_before_expert_parallel_`` would change.
+        """
+        layer = self.deepspeed_moe
+        if layer.ep_group is not None:
+            return
+        if use_data_before_expert_parallel_ and layer.data_parallel_groups is not None:
+            raise ValueError(
+                "use_data_before_expert_parallel_ reorders expert groups, which conflicts with data_parallel_groups; "
+                "drop one of them")
+        if self.ep_size == 1 or use_data_before_expert_parallel_:
+            super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
+            return
+        layer._attach()
+
+
+def _keep_local_experts(module: MoE, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """Load hook: a state with every expert (a gathered checkpoint) loads this rank's slice.
+
+    Finding the EP rank attaches the expert groups, which is collective; ``load_state_dict``
+    runs on every rank in the same module order, so every rank gets here together.
+    """
+    layer = module.deepspeed_moe
+    key_prefix = prefix + EXPERTS_KEY
+    if expert_indices(state_dict, key_prefix) != list(range(layer.num_experts)):
+        select_local_experts(state_dict, key_prefix, 0, layer.num_local_experts, layer.num_experts)
+        return
+    layer._attach()
+    select_local_experts(state_dict, key_prefix, layer.ep_rank, layer.num_local_experts, layer.num_experts)
