@@ -84,8 +84,10 @@ def _yield_if_in_sub_batch() -> None:
 
 
 @contextlib.contextmanager
-def _thread_state(grad: bool, inference: bool, autocast: list[tuple[str, torch.dtype]], cuda_device: Optional[int]):
-    """Carry the caller's thread-local torch modes into a sub-batch thread."""
+def _thread_state(grad: bool, inference: bool, autocast: list[tuple[str, torch.dtype]], cuda_device: Optional[int],
+                  threads: int):
+    """Carry the caller's thread-local torch modes (and intra-op thread count) into a sub-batch thread."""
+    torch.set_num_threads(threads)
     with contextlib.ExitStack() as stack:
         if cuda_device is not None:
             torch.cuda.set_device(cuda_device)
@@ -101,7 +103,7 @@ def _caller_state(grad: bool) -> dict[str, Any]:
                 if torch.is_autocast_enabled(device)]
     cuda_device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return {"grad": grad, "inference": torch.is_inference_mode_enabled(), "autocast": autocast,
-            "cuda_device": cuda_device}
+            "cuda_device": cuda_device, "threads": torch.get_num_threads()}
 
 
 def _run_in_turns(tasks: list[Callable[[], Any]], state: dict[str, Any]) -> list[Any]:

@@ -1,0 +1,428 @@
+"""Overlapped tensor parallelism on an emulated cluster network: exposed communication and step time.
+
+Run from the repo root, as root (the shaped links need network namespaces)::
+
+    python -m benchmarks.overlap_tp [--quick] [--out PATH]
+
+Every configuration trains a randomly initialised transformers Llama (built from its
+config) with ``Merak3DStrategy(data_parallel=1, pipeline_parallel=1, tensor_parallel=N)``
+through an ordinary ``pl.Trainer(...).fit`` on N gloo ranks, one compute thread each
+(``torch.set_num_threads(1)`` and ``OMP_NUM_THREADS=MKL_NUM_THREADS=1``, which the sub-batch
+threads need too), each rank in its own network namespace on a tbf-shaped veth link (``benchmarks.netem``; this
+kernel has no sch_netem, so only the rate is emulated, not latency). The same rank
+processes train plain TP (``tp_overlap=1``) and then overlapped TP (``tp_overlap=k``), each
+from the same seed on the same token batches.
+
+Each step is timed from Lightning's batch-start hook to its batch-end hook (optimizer step
+included) and recorded with :func:`lightning_merak.strategies.overlap.record_communication`,
+which times every tensor-parallel all-reduce: ``exposed`` is the time a rank was blocked
+waiting for one (including the wake-up after it completed, so under CPU contention it can
+exceed ``busy``), ``busy`` the time at least one was in flight. Per configuration:
+
+* ``step_ms``: median over the timed steps (warm-up steps dropped) of the slowest rank's step;
+* ``exposed_fraction``: exposed / busy over the timed steps, of the worst rank: the share of
+  communication that computation did not hide (target <= 30 %);
+* ``exposed_of_step``: median exposed time per step of the worst rank / ``step_ms``;
+  for plain TP this is ``comm_of_plain_step``, the communication share of its step;
+* ``speedup``: plain TP's ``step_ms`` / this row's (target >= 1.2x where ``comm_of_plain_step``
+  >= 30 %, not applicable elsewhere);
+* ``final_loss`` and ``loss_max_rel_diff``: the largest relative difference from plain TP's
+  loss over all steps, which must stay at rounding level (the runs are equal in exact arithmetic).
+
+A timeline of one step of rank 0 (plain and overlapped, from the trace) is saved as a PNG
+beside the JSON, with the overlapped step's Chrome/Perfetto trace. Everything here is
+measured on this machine's CPU over an emulated network (JSON label "emulated"); nothing
+is simulated. A second process on the machine (tests, another benchmark) skews the timings,
+and with more ranks than cores the ranks take turns on the CPU, so plain TP's ranks already
+compute while others wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from benchmarks import report
+from benchmarks.netem import (
+    EmulatedCluster,
+    EmulationUnavailable,
+    LinkSpec,
+    LoopbackCluster,
+    RankFailure,
+    RankTimeout,
+    check_prerequisites,
+)
+from lightning_merak.config import ModelConfig, TrainerConfig
+from lightning_merak.models import CausalLMModule, build_causal_lm
+from lightning_merak.strategies.merak3d import Merak3DStrategy
+from lightning_merak.strategies.overlap import CommunicationTrace, record_communication
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "overlap_tp.json"
+RESULT_MARKER = "OVERLAP_TP_RESULT "
+RANK_TIMEOUT_S = 300.0
+TARGET_EXPOSED_FRACTION = 0.30
+TARGET_SPEEDUP = 1.2
+SPEEDUP_APPLIES_FROM_COMM = 0.30
+LOSS_RTOL = 1e-5
+"""Largest relative loss difference from plain TP that counts as rounding (as in tests/test_overlap_tp.py)."""
+RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+"""One compute thread in every thread of a rank: ``torch.set_num_threads`` in the rank's main thread does not
+reach the sub-batch threads, whose OpenMP/MKL calls would otherwise start teams of the machine's size."""
+PLOT_RANKS = 2
+PLOT_RATE_MBIT = 500.0
+PLOT_OVERLAP = 2
+"""The timeline shows rank 0's last plain and overlapped steps of this configuration."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A Llama, its token batches (the same on every rank: dp = 1) and the steps it trains."""
+
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int
+    seq: int
+    batch: int
+    steps: int
+    warmup: int
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(name="llama", model_type="llama", config={
+            "hidden_size": self.hidden, "intermediate_size": self.hidden * 8 // 3 // 8 * 8,
+            "num_hidden_layers": self.layers, "num_attention_heads": self.heads, "num_key_value_heads": self.heads,
+            "tie_word_embeddings": False,
+        })
+
+    def describe(self) -> str:
+        return (f"llama hidden {self.hidden}, {self.layers} layers, {self.heads} heads, vocab {self.vocab}, "
+                f"seq {self.seq}, batch {self.batch}, {self.steps} steps ({self.warmup} warm-up)")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """Which configurations run: every world size x link rate, each with every overlap degree."""
+
+    workload: Workload
+    world_sizes: tuple[int, ...]
+    rates_mbit: tuple[float, ...]
+    overlaps: tuple[int, ...]
+
+
+MODEL = {"hidden": 256, "layers": 4, "heads": 8, "vocab": 512, "seq": 128, "batch": 8}
+RATES_MBIT = (1000.0, 500.0, 200.0)
+QUICK = Mode(Workload(**MODEL, steps=6, warmup=2), world_sizes=(2,), rates_mbit=RATES_MBIT, overlaps=(1, 2, 4))
+FULL = Mode(Workload(**MODEL, steps=12, warmup=3), world_sizes=(2, 4), rates_mbit=RATES_MBIT, overlaps=(1, 2, 4))
+
+
+def network_name(rate_mbit: float | None) -> str:
+    if rate_mbit is None:
+        return "loopback"
+    return f"{rate_mbit / 1000:g}Gbit" if rate_mbit >= 1000 else f"{rate_mbit:g}Mbit"
+
+
+# Inside a rank ---------------------------------------------------------------------------
+
+
+def _quiet_lightning() -> None:
+    """Keep Lightning's banners and deprecation chatter out of the rank's output."""
+    warnings.filterwarnings("ignore", module="lightning")
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+
+
+class StepRecorder(pl.Callback):
+    """Wall time, loss and tensor-parallel collectives of every training step (optimizer step included)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self.last_events: list[dict[str, float]] = []
+        self._recording = contextlib.ExitStack()
+        self._trace: CommunicationTrace | None = None
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._trace = self._recording.enter_context(record_communication())
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step_s = time.perf_counter() - self._start
+        self._recording.close()
+        trace = self._trace
+        assert trace is not None
+        self.steps.append({"step_s": step_s, "exposed_s": trace.exposed_s, "busy_s": trace.busy_s,
+                           "collectives": len(trace.events), "loss": float(outputs["loss"])})
+        self.last_events = [{key: value if key == "sub_batch" else value - self._start for key, value in event.items()}
+                            for event in trace.events]
+
+
+def _train(workload: Workload, world_size: int, tp_overlap: int) -> dict[str, Any]:
+    """Train ``workload`` with tensor_parallel = world size and ``tp_overlap``; per-step figures of this rank."""
+    torch.manual_seed(0)
+    model = build_causal_lm(workload.model_config(), workload.vocab)
+    module = CausalLMModule(model, TrainerConfig(max_steps=workload.steps, warmup_steps=1))
+    tokens = torch.randint(workload.vocab, (workload.steps * workload.batch, workload.seq),
+                           generator=torch.Generator().manual_seed(1))
+    recorder = StepRecorder()
+    strategy = Merak3DStrategy(data_parallel=1, pipeline_parallel=1, tensor_parallel=world_size,
+                               tp_overlap=tp_overlap, timeout_s=RANK_TIMEOUT_S)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=workload.steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[recorder],
+    )
+    trainer.fit(module, train_dataloaders=DataLoader(TensorDataset(tokens), batch_size=workload.batch))
+    return {"tp_overlap": tp_overlap, "steps": recorder.steps, "last_step_events": recorder.last_events,
+            "last_step_s": recorder.steps[-1]["step_s"]}
+
+
+def rank_main(workload: Workload, overlaps: Sequence[int]) -> None:
+    """One rank of a cluster: train with every overlap degree in turn; print the results as one JSON line.
+
+    The launcher starts every rank itself, so Lightning is told so (``LOCAL_RANK``) and joins them.
+    """
+    torch.set_num_threads(1)
+    _quiet_lightning()
+    world_size = int(os.environ["WORLD_SIZE"])
+    os.environ["LOCAL_RANK"] = os.environ["RANK"]
+    results = [_train(workload, world_size, k) for k in overlaps]
+    print(RESULT_MARKER + json.dumps(results), flush=True)
+
+
+def rank_argv(workload: Workload, overlaps: Sequence[int]) -> list[str]:
+    """Command line running :func:`rank_main` in a rank process."""
+    return [sys.executable, "-m", "benchmarks.overlap_tp", "--rank", "--workload", json.dumps(asdict(workload)),
+            "--overlaps", ",".join(map(str, overlaps))]
+
+
+# Driver ----------------------------------------------------------------------------------
+
+
+def parse_rank_output(stdout: str) -> list[dict[str, Any]]:
+    """The results a rank printed (the last line carrying RESULT_MARKER)."""
+    lines = [line for line in stdout.splitlines() if line.startswith(RESULT_MARKER)]
+    if not lines:
+        raise ValueError(f"rank printed no line starting with {RESULT_MARKER!r}; stdout tail:\n{stdout[-2000:]}")
+    return json.loads(lines[-1][len(RESULT_MARKER):])
+
+
+def check_configuration(workload: Workload, world_size: int, overlaps: Sequence[int]) -> None:
+    """Refuse, before any rank starts, a configuration the strategy would reject."""
+    if overlaps[0] != 1:
+        raise ValueError(f"overlaps must start with 1 (plain TP, the baseline), got {tuple(overlaps)}")
+    for k in overlaps:
+        if workload.batch % k:
+            raise ValueError(f"tp_overlap={k} does not divide the batch of {workload.batch}; choose divisors of it")
+    intermediate = workload.hidden * 8 // 3 // 8 * 8
+    for name, value in (("heads", workload.heads), ("hidden", workload.hidden), ("intermediate", intermediate)):
+        if value % world_size:
+            raise ValueError(f"{world_size} ranks (tensor_parallel) do not divide {name}={value}; change the model")
+    if workload.steps <= workload.warmup:
+        raise ValueError(f"steps={workload.steps} must exceed warmup={workload.warmup}")
+
+
+def measure(world_size: int, rate_mbit: float | None, workload: Workload,
+            overlaps: Sequence[int]) -> list[list[dict[str, Any]]]:
+    """Run one cluster (loopback when ``rate_mbit`` is None); results per rank, per overlap degree."""
+    check_configuration(workload, world_size, overlaps)
+    cluster = (LoopbackCluster(world_size) if rate_mbit is None
+               else EmulatedCluster(world_size, LinkSpec(rate_mbit=rate_mbit)))
+    with cluster:
+        results = cluster.run(rank_argv(workload, overlaps), timeout_s=RANK_TIMEOUT_S, extra_env=RANK_ENV,
+                              cwd=REPO_ROOT)
+    return [parse_rank_output(result.stdout) for result in results]
+
+
+def _relative_difference(value: float, reference: float) -> float:
+    return abs(value - reference) / max(abs(reference), 1e-30)
+
+
+def summarise(world_size: int, network: str, ranks: Sequence[Sequence[dict[str, Any]]],
+              warmup: int) -> list[dict[str, Any]]:
+    """Report rows of one cluster from its ranks' results, plain TP (the first degree) first."""
+    rows: list[dict[str, Any]] = []
+    for position, per_rank in enumerate(zip(*ranks)):
+        timed = [rank["steps"][warmup:] for rank in per_rank]
+        slowest = [max(step["step_s"] for step in steps) for steps in zip(*timed)]
+        step_s = statistics.median(slowest)
+        exposed_fraction = max(
+            sum(step["exposed_s"] for step in steps) / max(sum(step["busy_s"] for step in steps), 1e-30)
+            for steps in timed
+        )
+        exposed_s = max(statistics.median(step["exposed_s"] for step in steps) for steps in timed)
+        busy_s = max(statistics.median(step["busy_s"] for step in steps) for steps in timed)
+        losses = [step["loss"] for step in per_rank[0]["steps"]]
+        rows.append({
+            "ranks": world_size, "network": network, "tp_overlap": per_rank[0]["tp_overlap"],
+            "step_ms": step_s * 1e3, "exposed_ms": exposed_s * 1e3, "busy_ms": busy_s * 1e3,
+            "exposed_fraction": exposed_fraction, "exposed_of_step": exposed_s / step_s,
+            "collectives_per_step": per_rank[0]["steps"][-1]["collectives"],
+            "final_loss": losses[-1], "losses": losses, "timed_steps": len(slowest),
+        })
+    plain = rows[0]
+    for row in rows:
+        row["comm_of_plain_step"] = plain["exposed_of_step"]
+        row["speedup"] = plain["step_ms"] / row["step_ms"]
+        row["loss_max_rel_diff"] = max(_relative_difference(value, reference)
+                                       for value, reference in zip(row["losses"], plain["losses"]))
+        row.update(judge(row))
+    return rows
+
+
+def judge(row: dict[str, Any]) -> dict[str, str]:
+    """PASS/FAIL of an overlapped row against the issue's targets ("-" for plain TP, "n/a" where none applies)."""
+    if row["tp_overlap"] == 1:
+        return {"exposed_target": "-", "speedup_target": "-", "loss_equal": "-"}
+    exposed = "PASS" if row["exposed_fraction"] <= TARGET_EXPOSED_FRACTION else "FAIL"
+    if row["comm_of_plain_step"] < SPEEDUP_APPLIES_FROM_COMM:
+        speedup = "n/a"
+    else:
+        speedup = "PASS" if row["speedup"] >= TARGET_SPEEDUP else "FAIL"
+    return {"exposed_target": exposed, "speedup_target": speedup,
+            "loss_equal": "PASS" if row["loss_max_rel_diff"] <= LOSS_RTOL else "FAIL"}
+
+
+def failed_rows(world_size: int, network: str, overlaps: Sequence[int], error: Exception) -> list[dict[str, Any]]:
+    """Rows of a cluster that did not finish, with the line that says why."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    reason = next((line for line in reversed(lines) if "Error" in line), lines[0] if lines else type(error).__name__)
+    return [{"ranks": world_size, "network": network, "tp_overlap": k, "error": reason} for k in overlaps]
+
+
+def plot_steps(plain_events: list[dict[str, float]], plain_step_s: float, overlapped_events: list[dict[str, float]],
+               overlapped_step_s: float, path: Path, title: str) -> Path:
+    """Rank 0's last plain and overlapped steps on one time axis: wire lane and sub-batch lanes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    wire, wait = "#4c72b0", "#c44e52"
+    panels = [("plain TP (tp_overlap=1)", plain_events, plain_step_s),
+              (f"overlapped TP (tp_overlap={PLOT_OVERLAP})", overlapped_events, overlapped_step_s)]
+    figure = Figure(figsize=(12.0, 5.5))
+    FigureCanvasAgg(figure)
+    axes_list = figure.subplots(2, 1, sharex=True)
+    for axes, (label, events, step_s) in zip(axes_list, panels):
+        lanes = sorted({int(event["sub_batch"]) for event in events})
+        rows = {lane: len(lanes) - position for position, lane in enumerate(lanes)}
+        for event in events:
+            in_flight = (event["launch"] * 1e3, (event["complete"] - event["launch"]) * 1e3)
+            blocked = (event["wait_start"] * 1e3, (event["wait_end"] - event["wait_start"]) * 1e3)
+            axes.broken_barh([in_flight], (len(lanes) + 0.6, 0.8), facecolors=wire, alpha=0.5, edgecolors="none")
+            axes.broken_barh([blocked], (rows[int(event["sub_batch"])] - 0.4, 0.8), facecolors=wait,
+                             edgecolors="none")
+        axes.axvline(step_s * 1e3, color="black", linewidth=1)
+        axes.set_yticks([len(lanes) + 1, *rows.values()], ["wire", *(f"sub-batch {lane}" for lane in rows)])
+        exposed = sum(event["wait_end"] - event["wait_start"] for event in events)
+        axes.set_title(f"{label}: step {step_s * 1e3:.0f} ms, exposed waits {exposed * 1e3:.0f} ms", fontsize=10)
+    axes_list[-1].set_xlabel("time since the step started (ms); black line: step end")
+    legend = [Patch(color=wire, alpha=0.5, label="all-reduce in flight"),
+              Patch(color=wait, label="exposed wait (blocked on it)")]
+    axes_list[0].legend(handles=legend, loc="upper right", fontsize=8)
+    figure.suptitle(title, fontsize=11)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png", dpi=110)
+    return path
+
+
+COLUMNS = ["ranks", "network", "tp_overlap", "step_ms", "exposed_ms", "busy_ms", "exposed_fraction",
+           "exposed_of_step", "comm_of_plain_step", "speedup", "final_loss", "loss_max_rel_diff",
+           "exposed_target", "speedup_target", "loss_equal", "error"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Benchmark entry point; exit status 0 when every configuration ran with equal losses, 1 otherwise,
+    2 when the host cannot emulate the network."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"2 ranks only, {QUICK.workload.steps} steps per run (under 3 minutes)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
+    parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", help=argparse.SUPPRESS)
+    parser.add_argument("--overlaps", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rank:
+        rank_main(Workload(**json.loads(args.workload)), [int(k) for k in args.overlaps.split(",")])
+        return 0
+
+    try:
+        check_prerequisites()
+    except EmulationUnavailable as error:
+        print(f"cannot emulate the cluster network: {error}", file=sys.stderr)
+        return 2
+    mode = QUICK if args.quick else FULL
+    workload = mode.workload
+    for world_size in mode.world_sizes:
+        check_configuration(workload, world_size, mode.overlaps)
+    started = time.monotonic()
+    print(f"{workload.describe()}; tp_overlap {mode.overlaps}; emulated links {mode.rates_mbit} Mbit/s", flush=True)
+    rows: list[dict[str, Any]] = []
+    step_events: dict[tuple[int, str, int], tuple[list[dict[str, float]], float]] = {}
+    for world_size in mode.world_sizes:
+        for rate in mode.rates_mbit:
+            network = network_name(rate)
+            run_started = time.monotonic()
+            try:
+                ranks = measure(world_size, rate, workload, mode.overlaps)
+            except (RankFailure, RankTimeout, ValueError) as error:
+                rows += failed_rows(world_size, network, mode.overlaps, error)
+                print(f"  {world_size} ranks, {network}: failed ({error.__class__.__name__})", flush=True)
+                continue
+            cluster_rows = summarise(world_size, network, ranks, workload.warmup)
+            rows += cluster_rows
+            for result in ranks[0]:
+                step_events[(world_size, network, result["tp_overlap"])] = (result["last_step_events"],
+                                                                           result["last_step_s"])
+            steps = ", ".join(f"k={row['tp_overlap']} {row['step_ms']:.0f} ms" for row in cluster_rows)
+            print(f"  {world_size} ranks, {network}: {steps} ({time.monotonic() - run_started:.0f} s)", flush=True)
+
+    print(f"\nOverlapped vs plain tensor parallelism (emulated network, measured; {workload.describe()})")
+    report.print_table(rows, COLUMNS)
+    print(f"targets: exposed_fraction <= {TARGET_EXPOSED_FRACTION:.0%}; speedup >= {TARGET_SPEEDUP}x where "
+          f"comm_of_plain_step >= {SPEEDUP_APPLIES_FROM_COMM:.0%}; losses equal to plain TP within {LOSS_RTOL:g}")
+
+    timeline = args.out.with_name(f"{args.out.stem}_timeline.png")
+    chrome = args.out.with_name(f"{args.out.stem}_trace.json")
+    network = network_name(PLOT_RATE_MBIT)
+    plotted = (PLOT_RANKS, network, PLOT_OVERLAP) in step_events
+    if plotted:
+        plain, overlapped = (step_events[(PLOT_RANKS, network, k)] for k in (1, PLOT_OVERLAP))
+        plot_steps(*plain, *overlapped, timeline,
+                   f"rank 0 of {PLOT_RANKS}, {network} emulated link, last training step (measured)")
+        chrome.write_text(json.dumps(CommunicationTrace(events=overlapped[0]).chrome_trace()) + "\n")
+    wall_s = round(time.monotonic() - started, 1)
+    targets = {"exposed_fraction_max": TARGET_EXPOSED_FRACTION, "speedup_min": TARGET_SPEEDUP,
+               "speedup_applies_from_comm_of_plain_step": SPEEDUP_APPLIES_FROM_COMM, "loss_rtol": LOSS_RTOL}
+    out = report.write_json(
+        args.out, rows, label="emulated", benchmark="overlap_tp", quick=args.quick, backend="gloo",
+        threads_per_rank=1, rank_env=RANK_ENV, workload=asdict(workload),
+        layout="data_parallel=1, pipeline_parallel=1, tensor_parallel=ranks", targets=targets,
+        network_note="tbf rate shaping on veth links; no latency emulation (no sch_netem)",
+        timeline_png=timeline.name if plotted else None, chrome_trace=chrome.name if plotted else None,
+        gpu_leg="not run: this benchmark's runs are CPU/gloo on an emulated network", wall_s=wall_s,
+    )
+    print(f"wrote {out}" + (f", {timeline.name} and {chrome.name}" if plotted else "") + f" in {wall_s:.0f} s")
+    failed = any("error" in row or row.get("loss_equal") == "FAIL" for row in rows)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
