@@ -12,7 +12,6 @@ rank 0's figures are used everywhere, so every rank plans the same layout.
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 from typing import Any, Callable, Iterable
 
@@ -29,18 +28,9 @@ from lightning_merak.strategies.tensor_parallel import (
     _is_conv1d,
     _scale_attention_attributes,
 )
+from lightning_merak.timing import median_call_time
 
 __all__ = ["local_shard_of_block", "profile_model", "profile_network"]
-
-
-def _median_time(run: Callable[[], Any], repeats: int) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def local_shard_of_block(block: nn.Module, plan: TensorParallelPlan, tensor_parallel: int) -> nn.Module:
@@ -162,7 +152,7 @@ def profile_model(
         scratch[0].grad = torch.ones_like(scratch[0])
         optimizer.step()
 
-    optimizer_s = _median_time(optimizer_step, repeats)
+    optimizer_s = median_call_time(optimizer_step, repeats)
     return ModelProfile(
         num_blocks=len(trunk),
         hidden_bytes_per_sample=hidden[0].numel() * hidden.element_size(),
@@ -205,7 +195,7 @@ def profile_network(group_sizes: Iterable[int], device: torch.device, large_byte
         for nbytes in (small_bytes, large_bytes):
             tensor = torch.ones(max(1, nbytes // 4), device=device)
             dist.barrier()
-            points.append((nbytes, _median_time(lambda: dist.all_reduce(tensor, group=mine), repeats)))
+            points.append((nbytes, median_call_time(lambda: dist.all_reduce(tensor, group=mine), repeats)))
         all_reduce[size] = _fit(points[0], points[1], 2.0 * (size - 1) / size)
     points = []
     for nbytes in (small_bytes, large_bytes):
@@ -220,7 +210,7 @@ def profile_network(group_sizes: Iterable[int], device: torch.device, large_byte
                 dist.send(tensor, 0)
 
         dist.barrier()
-        points.append((nbytes, _median_time(ping, repeats) / 2))
+        points.append((nbytes, median_call_time(ping, repeats) / 2))
     network = NetworkProfile(all_reduce=all_reduce, p2p=_fit(points[0], points[1], 1.0))
     holder = [network]
     dist.broadcast_object_list(holder, src=0)

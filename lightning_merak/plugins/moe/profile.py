@@ -6,29 +6,18 @@ so all ranks hold bitwise identical constants and plan identically.
 
 from __future__ import annotations
 
-import statistics
-import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_merak.plugins.moe.cost_model import CommCurve, CostModel
+from lightning_merak.timing import median_call_time
 
 __all__ = ["profile_cost_model"]
 
 _SIZES_BYTES = (1 << 10, 1 << 13, 1 << 16, 1 << 19, 1 << 22)
-
-
-def _median_time(fn: Callable[[], None], repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def profile_cost_model(
@@ -51,7 +40,7 @@ def profile_cost_model(
         send = torch.zeros(numel, dtype=dtype, device=device)
         recv = torch.empty_like(send)
         if ep_size > 1:
-            figures.append(_median_time(lambda: dist.all_to_all_single(recv, send, group=group), repeats))
+            figures.append(median_call_time(lambda: dist.all_to_all_single(recv, send, group=group), repeats))
         else:
             figures.append(0.0)
     partner = rank ^ 1
@@ -63,12 +52,12 @@ def profile_cost_model(
                          dist.irecv(torch.empty_like(buffer), ep_ranks[partner], group=group)]
                 for work in works:
                     work.wait()
-            figures.append(_median_time(exchange, repeats))
+            figures.append(median_call_time(exchange, repeats))
         else:
             figures.append(0.0)
     tokens = torch.ones(1024, hidden_size, dtype=dtype, device=device)
     with torch.no_grad():
-        figures.append(_median_time(lambda: expert(tokens), repeats))
+        figures.append(median_call_time(lambda: expert(tokens), repeats))
     measured = torch.tensor(figures, dtype=torch.float64)
     if ep_size > 1:
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)

@@ -19,8 +19,6 @@ saved for backward), giving the :class:`BlockCost` list the partitioner balances
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -30,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_merak.models import logits_of
 from lightning_merak.strategies.pipeline.costs import BlockCost
+from lightning_merak.timing import median_call_time
 
 __all__ = ["ModelTrace", "TraceError", "find_trunk", "trace_model"]
 
@@ -173,17 +172,6 @@ def _suffix_chain(after_trunk: list[tuple[str, tuple, Any]], hidden: torch.Tenso
     )
 
 
-def _timed(fn: Callable[[], Any], repeats: int) -> float:
-    """Median time of ``repeats`` calls after one warm-up call: robust to a busy machine."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _measure(run: Callable[[], torch.Tensor], params: list[nn.Parameter], repeats: int) -> tuple[float, float, int]:
     """(forward seconds, backward seconds, bytes saved for backward) of one node."""
     saved = {"bytes": 0}
@@ -193,7 +181,7 @@ def _measure(run: Callable[[], torch.Tensor], params: list[nn.Parameter], repeat
         return tensor
 
     with torch.no_grad():
-        forward_s = _timed(run, repeats)
+        forward_s = median_call_time(run, repeats)
 
     def forward_backward() -> None:
         out = run()
@@ -202,7 +190,7 @@ def _measure(run: Callable[[], torch.Tensor], params: list[nn.Parameter], repeat
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         run()
-    total_s = _timed(forward_backward, repeats)
+    total_s = median_call_time(forward_backward, repeats)
     for param in params:
         param.grad = None
     return forward_s, max(total_s - forward_s, 0.0), saved["bytes"]
