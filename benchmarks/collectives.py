@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import report
-from benchmarks.netem import EmulatedCluster, EmulationUnavailable, LinkSpec, LoopbackCluster, check_prerequisites
+from benchmarks.netem import EmulatedCluster, LinkSpec, LoopbackCluster, emulation_available
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -209,10 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rank_main([int(size) for size in args.sizes.split(",")], args.ops.split(","))
         return 0
 
-    try:
-        check_prerequisites()
-    except EmulationUnavailable as error:
-        print(f"cannot emulate the cluster network: {error}", file=sys.stderr)
+    if not emulation_available():
         return 2
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     world_sizes = (2,) if args.quick else (2, 4)

@@ -37,6 +37,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -272,6 +273,19 @@ def check_prerequisites() -> None:
             f"the emulated cluster needs {' and '.join(missing)} from iproute2; "
             "install it (e.g. `apt-get install iproute2`)"
         )
+
+
+def emulation_available() -> bool:
+    """Whether this host can emulate a cluster; when not, say why (with the fix) on stderr.
+
+    Benchmarks exit with status 2 when it returns False.
+    """
+    try:
+        check_prerequisites()
+    except EmulationUnavailable as error:
+        print(f"cannot emulate the cluster network: {error}", file=sys.stderr)
+        return False
+    return True
 
 
 def _run_network_command(command: Sequence[str]) -> str:

@@ -60,12 +60,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from benchmarks import report
 from benchmarks.netem import (
     EmulatedCluster,
-    EmulationUnavailable,
     LinkSpec,
     LoopbackCluster,
     RankFailure,
     RankTimeout,
-    check_prerequisites,
+    emulation_available,
 )
 from lightning_merak.config import ModelConfig, TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
@@ -363,10 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rank_main(Workload(**json.loads(args.workload)), [int(k) for k in args.overlaps.split(",")])
         return 0
 
-    try:
-        check_prerequisites()
-    except EmulationUnavailable as error:
-        print(f"cannot emulate the cluster network: {error}", file=sys.stderr)
+    if not emulation_available():
         return 2
     mode = QUICK if args.quick else FULL
     workload = mode.workload

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report
-from benchmarks.netem import EmulatedCluster, EmulationUnavailable, LinkSpec, check_prerequisites
+from benchmarks.netem import EmulatedCluster, LinkSpec, emulation_available
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "sparse_comm.json"
@@ -334,10 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rank_main(Workload(**json.loads(args.workload)), METHODS)
         return 0
 
-    try:
-        check_prerequisites()
-    except EmulationUnavailable as error:
-        print(f"cannot emulate the cluster network: {error}", file=sys.stderr)
+    if not emulation_available():
         return 2
     workload = QUICK if args.quick else FULL
     world_sizes = (2,) if args.quick else (2, 4)
