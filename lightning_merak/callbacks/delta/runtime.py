@@ -169,6 +169,7 @@ class MemoryManager:
         self.device_memory: Optional[DeviceMemory] = None
         self.swap: Optional[SwapManager] = None
         self.bandwidth: tuple[float, float] = (1.0, 1.0)
+        self._swap_capacity_bytes: Optional[int] = None
         self.budget_bytes: Optional[int] = None
         self.plan: Optional[Plan] = None
         self.profile: Optional[StepProfile] = None
@@ -258,8 +259,7 @@ class MemoryManager:
         )
         self.step_reports.append(report)
         self.timelines["managed"] = list(self.ledger.timeline)
-        over_budget = report.peak_saved_bytes > self.budget_bytes
-        if over_budget and self.plan.fits and self._signature not in self._refined:
+        if self.plan.fits and self._signature not in self._refined:
             self._refine(report)
         return report
 
@@ -304,8 +304,13 @@ class MemoryManager:
             int(statistics.median(self._non_activation)),
             self.device_memory.total(),
             self._base_numel,
+            self.bandwidth,
+            self.swap.tier.capacity_bytes(),
         )
-        self.profile, non_activation, total, self._base_numel = self.share(local)
+        # Swap bandwidth and capacity are shared too: the director weighs them against forward
+        # times, and replicas measuring slightly different copy speeds must not decide differently.
+        (self.profile, non_activation, total, self._base_numel, self.bandwidth,
+         self._swap_capacity_bytes) = self.share(local)
         self.budget_bytes = self._resolve_budget(non_activation, total)
         self._plans.clear()
         self._apply(self._plan_for(self._signature))
@@ -331,7 +336,7 @@ class MemoryManager:
             budget_bytes=self.budget_bytes,
             swap_write_bytes_per_s=self.bandwidth[0],
             swap_read_bytes_per_s=self.bandwidth[1],
-            swap_capacity_bytes=self.swap.tier.capacity_bytes(),
+            swap_capacity_bytes=self._swap_capacity_bytes,
             director=self.options.director,
             prefetch_depth=self.options.prefetch_depth,
             overrides=self.options.overrides,
@@ -355,12 +360,31 @@ class MemoryManager:
         return plan
 
     def _refine(self, report: StepReport) -> None:
-        """Over budget: measured saved bytes of keep/swap blocks replace the scaled estimates."""
+        """After the first managed step of an input size: re-plan if it went over budget.
+
+        Measured saved bytes of keep/swap blocks replace the scaled estimates. Every rank
+        takes part in ``share`` once per input size, and all replicas follow the lowest
+        rank's verdict, so data-parallel ranks keep identical plans.
+        """
         self._refined.add(self._signature)
+        scaled = self.profile.scaled(self._numel / self._base_numel)
+        refined = self._measured_profile(report, scaled) if report.peak_saved_bytes > self.budget_bytes else None
+        _, refined, peak_saved_bytes = self.share((scaled, refined, report.peak_saved_bytes))
+        if refined is None:
+            return
+        self.log(
+            f"DeltaMemory: saved activations peaked at {peak_saved_bytes / 2**20:.1f} MiB, over the "
+            f"budget of {report.budget_bytes / 2**20:.1f} MiB; re-planning from measured sizes"
+        )
+        del self._plans[self._signature]
+        plan = plan_memory(refined, self._settings())
+        self._plans[self._signature] = plan
+        self.log(f"DeltaMemory re-plan for inputs {self._signature}:\n{plan.table()}")
+
+    def _measured_profile(self, report: StepReport, scaled: Any) -> Any:
+        """The scaled profile with this step's measured sizes, calibrated to its measured peak."""
         current = self._plans[self._signature]
         measured = {b.name: b for b in profile_from_records(self._step_records(), 0).blocks}
-        factor = self._numel / self._base_numel
-        scaled = self.profile.scaled(factor)
         blocks = []
         for profile_block in scaled.blocks:
             found = measured.get(profile_block.name)
@@ -369,17 +393,9 @@ class MemoryManager:
                     profile_block, saved_bytes=found.saved_bytes, boundary_bytes=found.boundary_bytes
                 )
             blocks.append(profile_block)
-        refined = calibrate_outside(
+        return calibrate_outside(
             dataclasses.replace(scaled, blocks=tuple(blocks)), current.actions, report.peak_saved_bytes
         )
-        self.log(
-            f"DeltaMemory: saved activations peaked at {report.peak_saved_bytes / 2**20:.1f} MiB, over the "
-            f"budget of {report.budget_bytes / 2**20:.1f} MiB; re-planning from measured sizes"
-        )
-        del self._plans[self._signature]
-        plan = plan_memory(refined, self._settings())
-        self._plans[self._signature] = plan
-        self.log(f"DeltaMemory re-plan for inputs {self._signature}:\n{plan.table()}")
 
     def _apply(self, plan: Plan) -> None:
         if plan is self.plan:
