@@ -13,10 +13,12 @@ from lightning_merak.strategies.planner import (
     BlockTimes,
     CollectiveCost,
     Layout,
+    MeasuredBlocks,
     ModelProfile,
     NetworkProfile,
     SearchSpace,
     candidate_layouts,
+    fit_collective_cost,
     plan,
     predict,
     required_profile_keys,
@@ -409,3 +411,102 @@ def test_replica_batch_ranks_by_time_per_sample():
     with pytest.raises(ValueError, match="exactly one"):
         SearchSpace(world_size=2, global_batch_size=8, replica_batch_size=4, tp_degrees_allowed=(1,),
                     max_pipeline_stages=1)
+
+
+# --- measured refinements: robust fits, real blocks, gradient sync, per-block optimizer ---------------
+
+
+def test_collective_fit_recovers_an_exact_alpha_beta_line():
+    link = CollectiveCost(latency_s=3e-4, bandwidth_bytes_per_s=2e9)
+    points = [(n, link.send_s(n)) for n in (4096, 65536, 1 << 20, 16 << 20)]
+    fitted = fit_collective_cost(points)
+    assert fitted.latency_s == pytest.approx(3e-4, rel=1e-6)
+    assert fitted.bandwidth_bytes_per_s == pytest.approx(2e9, rel=1e-6)
+    ring = fit_collective_cost([(n, link.all_reduce_s(n, 4)) for n, _ in points], factor=1.5)
+    assert ring.all_reduce_s(8 << 20, 4) == pytest.approx(link.all_reduce_s(8 << 20, 4), rel=1e-6)
+
+
+def test_collective_fit_keeps_relative_error_small_at_both_ends():
+    # 2 ms of latency noise at the small end must not wreck the large end (a two-point fit through
+    # a noisy small point and a large point gave an infinite bandwidth on a busy machine)
+    points = [(4096, 2.5e-3), (131072, 1.0e-3), (524288, 1.4e-3), (22 << 20, 16e-3)]
+    fitted = fit_collective_cost(points)
+    assert fitted.bandwidth_bytes_per_s < 1e10
+    assert fitted.send_s(22 << 20) == pytest.approx(16e-3, rel=0.15)
+
+
+def test_collective_fit_pins_negative_terms_to_zero():
+    falling = fit_collective_cost([(1000, 2e-3), (1_000_000, 1e-3)])
+    assert falling.bandwidth_bytes_per_s == float("inf") and 1e-3 < falling.latency_s < 2e-3
+    proportional = fit_collective_cost([(1000, 1e-6), (1_000_000, 2e-3)])
+    assert proportional.latency_s == 0.0 and proportional.bandwidth_bytes_per_s > 0
+
+
+@pytest.mark.parametrize("points", [[(1000, 1e-3)], [(1000, 1e-3), (1000, 2e-3)], [(1000, 0.0), (2000, 1e-3)]])
+def test_collective_fit_rejects_unusable_points(points):
+    with pytest.raises(ValueError, match="fit_collective_cost"):
+        fit_collective_cost(points)
+
+
+def test_gradient_sync_replaces_the_plain_all_reduce_for_data_parallel_only():
+    link = CollectiveCost(latency_s=0.0, bandwidth_bytes_per_s=1e9)
+    sync = CollectiveCost(latency_s=0.01, bandwidth_bytes_per_s=1e8)
+    plain, measured = NetworkProfile({2: link}, link), NetworkProfile({2: link}, link, gradient_sync={2: sync})
+    assert plain.gradient_sync_s(1e8, 2) == pytest.approx(link.all_reduce_s(1e8, 2))
+    assert measured.gradient_sync_s(1e8, 2) == pytest.approx(1.01)
+    assert measured.gradient_sync_s(1e8, 1) == 0.0
+    profile, search = synthetic_model(), space()
+    layout = Layout(2, 1, 4, 1, 1, 0.0)
+    slow_sync = dataclasses.replace(SLOW, gradient_sync={2: sync})
+    before, after = predict(layout, profile, SLOW, search), predict(layout, profile, slow_sync, search)
+    parameter_bytes = 8 * profile.block_parameter_bytes[4] + 600_000_000
+    assert after.components["dp_allreduce"] == pytest.approx(sync.send_s(parameter_bytes))
+    assert after.components["exposed_tp_comm"] == pytest.approx(before.components["exposed_tp_comm"])
+
+
+def test_measured_blocks_replace_the_simulated_chain():
+    profile, search = synthetic_model(num_blocks=4), space(world_size=2, global_batch_size=8)
+    layout = Layout(1, 1, 2, 1, 2, 0.0)
+    modelled = predict(layout, profile, SLOW, search)
+    blocks = MeasuredBlocks(forward_first_s=0.05, forward_next_s=0.04, backward_first_s=0.09, backward_next_s=0.08)
+    measured_profile = dataclasses.replace(profile, measured_blocks={(2, 2, 8): blocks})
+    measured = predict(layout, measured_profile, SLOW, search)
+    prefix_forward, prefix_backward = profile.prefix_times[4]
+    suffix_forward, suffix_backward = profile.suffix_times[4]
+    outside_s = 2 * (prefix_forward + suffix_forward + prefix_backward + suffix_backward)
+    optimizer_s = profile.optimizer_s_per_parameter_byte * (4 * profile.block_parameter_bytes[2] + 600_000_000)
+    assert measured.step_time_s == pytest.approx(outside_s + 0.05 + 3 * 0.04 + 0.09 + 3 * 0.08 + optimizer_s)
+    assert measured.components["compute"] == pytest.approx(modelled.components["compute"])
+    assert sum(measured.components.values()) == pytest.approx(measured.step_time_s)
+    # another overlap degree, or tp=1, is not covered by the measurement and keeps the model
+    other = Layout(1, 1, 2, 1, 4, 0.0)
+    assert predict(other, measured_profile, SLOW, search).step_time_s == predict(other, profile, SLOW, search).step_time_s
+
+
+def test_measured_blocks_feed_the_pipeline_split():
+    profile, search = synthetic_model(num_blocks=4), space(world_size=4, global_batch_size=8)
+    layout = Layout(1, 2, 2, 4, 1, 0.0)
+    slow_blocks = MeasuredBlocks(1.0, 1.0, 2.0, 2.0)
+    measured = predict(layout, dataclasses.replace(profile, measured_blocks={(2, 1, 2): slow_blocks}), SLOW, search)
+    # four blocks of 3 s per micro-batch dominate: the busiest stage holds two of them
+    assert measured.step_time_s > 4 * 2 * 3.0
+    assert measured.components["exposed_tp_comm"] > 0
+
+
+def test_block_optimizer_time_is_counted_per_block():
+    profile, search = synthetic_model(num_blocks=4), space(world_size=2, global_batch_size=8)
+    layout = Layout(1, 1, 2, 1, 1, 0.0)
+    per_block = dataclasses.replace(profile, block_optimizer_s={2: 0.5})
+    optimizer = predict(layout, per_block, SLOW, search).components["optimizer"]
+    assert optimizer == pytest.approx(4 * 0.5 + profile.optimizer_s_per_parameter_byte * 600_000_000)
+
+
+def test_required_keys_list_the_real_blocks_to_measure():
+    keys = required_profile_keys(space(world_size=2, global_batch_size=8, tp_degrees_allowed=(1, 2),
+                                       max_pipeline_stages=1, overlap_choices=(1, 2)))
+    assert keys.measured_blocks == frozenset({(2, 1, 8), (2, 2, 8)})
+
+
+def test_measured_blocks_reject_negative_times():
+    with pytest.raises(ValueError, match="MeasuredBlocks"):
+        MeasuredBlocks(-1.0, 0.0, 0.0, 0.0)

@@ -4,29 +4,44 @@ The thin, impure side of the planner (:mod:`lightning_merak.strategies.planner` 
 core): it times one transformer block split as tensor parallelism would split it (rank 0's
 shard, no communication) at every sub-batch size the search needs, with the block's time
 cut at the points where its collectives go; the embedding and head from a profiled trace;
-all-reduce and point-to-point latency and bandwidth over real process groups; and the
-optimizer step. Every rank measures at once (as they would compute during training) and
-rank 0's figures are used everywhere, so every rank plans the same layout.
+all-reduce and point-to-point latency and bandwidth over real process groups, and the
+data-parallel gradient synchronisation as the runtime performs it; the optimizer step over
+one block's parameters. With a process group, real tensor-parallel blocks (sharded layers,
+their collectives, ``tp_overlap`` sub-batch turns) are timed too, as the runtime will run
+them. Every rank measures at once (as they would compute during training) and rank 0's
+figures are used everywhere, so every rank plans the same layout.
 """
 
 from __future__ import annotations
 
 import copy
+import statistics
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_merak.strategies.pipeline.trace import ModelTrace, trace_model
-from lightning_merak.strategies.planner import BlockTimes, CollectiveCost, ModelProfile, NetworkProfile, ProfileKeys
+from lightning_merak.strategies.overlap import SubBatchForward
+from lightning_merak.strategies.planner import (
+    BlockTimes,
+    CollectiveCost,
+    MeasuredBlocks,
+    ModelProfile,
+    NetworkProfile,
+    ProfileKeys,
+    fit_collective_cost,
+)
 from lightning_merak.strategies.tensor_parallel import (
     TensorParallelPlan,
     _conv1d_to_linear,
     _features,
     _is_conv1d,
     _scale_attention_attributes,
+    apply_tensor_parallel,
 )
 from lightning_merak.timing import median_call_time
 
@@ -113,6 +128,101 @@ def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, 
     return times, sum(saved.values())
 
 
+class _BlockRun(nn.Module):
+    """``blocks`` applied in turn to the hidden state, with the side arguments the trunk passes every block."""
+
+    def __init__(self, blocks: list[nn.Module], trace: ModelTrace) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.trace = trace
+
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        for block in self.blocks:
+            hidden = self.trace.hidden_of(block(hidden, *args, **kwargs))
+        return hidden
+
+
+def _forward_backward_times(run: nn.Module, hidden: torch.Tensor, args: tuple, kwargs: dict,
+                            repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds of ``run`` after one warm-up; every rank runs the same calls."""
+    forward, backward = [], []
+    for attempt in range(repeats + 1):
+        inputs = hidden.detach().requires_grad_(True)
+        start = time.perf_counter()
+        output = run(inputs, *args, **kwargs)
+        middle = time.perf_counter()
+        output.backward(torch.ones_like(output))
+        end = time.perf_counter()
+        if attempt:
+            forward.append(middle - start)
+            backward.append(end - middle)
+    return statistics.median(forward), statistics.median(backward)
+
+
+def _block_optimizer_s(block: nn.Module, optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                       repeats: int) -> float:
+    """One optimizer step over ``block``'s parameters (plain or sharded), gradients already present."""
+    parameters = [p for p in block.parameters() if p.requires_grad]
+    for parameter in parameters:
+        if parameter.grad is None:
+            parameter.grad = torch.ones_like(parameter)
+    optimizer = optimizer_factory(parameters)
+    return median_call_time(optimizer.step, repeats)
+
+
+def tensor_parallel_mesh(device: torch.device, tensor_parallel: int) -> DeviceMesh:
+    """The tensor-parallel groups merak3d uses (consecutive ranks); every rank must call this."""
+    world = dist.get_world_size()
+    return init_device_mesh(device.type, (world // tensor_parallel, tensor_parallel),
+                            mesh_dim_names=("replica", "tp"))["tp"]
+
+
+def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dict[int, ModelTrace],
+                         keys: ProfileKeys, device: torch.device, repeats: int) -> dict[tuple[int, int, int], MeasuredBlocks]:
+    """Regions of one and two real tensor-parallel blocks, timed at every (tp, overlap, samples) of ``keys``."""
+    measured: dict[tuple[int, int, int], MeasuredBlocks] = {}
+    meshes: dict[int, DeviceMesh] = {}
+    for tp, overlap, samples in sorted(keys.measured_blocks):
+        if tp not in meshes:
+            meshes[tp] = tensor_parallel_mesh(device, tp)
+        trace = traces[samples]
+        hidden = trace.sample_hidden[:samples]
+        args, kwargs = trace.block_arguments(_side_tensors_for(trace, samples))
+        times = []
+        for count in (1, 2):
+            blocks = []
+            for _ in range(count):
+                sharded = copy.deepcopy(block)
+                apply_tensor_parallel(sharded, plan, meshes[tp])
+                blocks.append(sharded)
+            run = _BlockRun(blocks, trace)
+            if overlap > 1:
+                run.forward = SubBatchForward(run, overlap)
+            dist.barrier()
+            times.append(_forward_backward_times(run, hidden, args, kwargs, repeats))
+        (forward_one, backward_one), (forward_two, backward_two) = times
+        measured[(tp, overlap, samples)] = MeasuredBlocks(
+            forward_first_s=forward_one, forward_next_s=max(0.0, forward_two - forward_one),
+            backward_first_s=backward_one, backward_next_s=max(0.0, backward_two - backward_one),
+        )
+    return measured
+
+
+def _block_optimizer_times(block: nn.Module, plan: TensorParallelPlan, keys: ProfileKeys,
+                           optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                           device: Optional[torch.device], repeats: int) -> dict[int, float]:
+    """Optimizer step over one block's parameters per tp: real shards with a process group, local shards without."""
+    times = {}
+    for tp in sorted(keys.tp_degrees | {1}):
+        if tp > 1 and device is not None:
+            sharded = copy.deepcopy(block)
+            apply_tensor_parallel(sharded, plan, tensor_parallel_mesh(device, tp))
+        else:
+            sharded = local_shard_of_block(block, plan, tp)
+        times[tp] = _block_optimizer_s(sharded, optimizer_factory, repeats)
+    return times
+
+
 def profile_model(
     model: nn.Module,
     sample_inputs: torch.Tensor,
@@ -121,9 +231,18 @@ def profile_model(
     keys: ProfileKeys,
     optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     repeats: int = 5,
+    process_group_device: Optional[torch.device] = None,
 ) -> ModelProfile:
-    """Time ``model``'s parts at every (tp, sub-batch samples) the search needs (``keys``)."""
-    needed_samples = sorted({samples for _, samples in keys.block_times} | set(keys.prefix_suffix_samples))
+    """Time ``model``'s parts at every (tp, sub-batch samples) the search needs (``keys``).
+
+    With ``process_group_device`` (every rank of the default process group calling at once),
+    real tensor-parallel blocks are timed at ``keys.measured_blocks`` and their optimizer step
+    over sharded parameters; without it those stay unmeasured and the planner models them.
+    """
+    real_blocks = process_group_device is not None and dist.is_initialized() and dist.get_world_size() > 1
+    measured_samples = {samples for _, _, samples in keys.measured_blocks} if real_blocks else set()
+    needed_samples = sorted({samples for _, samples in keys.block_times} | set(keys.prefix_suffix_samples)
+                            | measured_samples)
     traces: dict[int, ModelTrace] = {}
     for samples in needed_samples:
         inputs = sample_inputs[:samples] if samples <= sample_inputs.shape[0] else sample_inputs.repeat(
@@ -153,6 +272,8 @@ def profile_model(
         optimizer.step()
 
     optimizer_s = median_call_time(optimizer_step, repeats)
+    device = process_group_device if real_blocks else None
+    measured = _measure_real_blocks(block, plan, traces, keys, device, repeats) if device is not None else {}
     return ModelProfile(
         num_blocks=len(trunk),
         hidden_bytes_per_sample=hidden[0].numel() * hidden.element_size(),
@@ -164,27 +285,44 @@ def profile_model(
         suffix_parameter_bytes=suffix.param_bytes,
         block_activation_bytes_per_sample=activation_bytes,
         optimizer_s_per_parameter_byte=optimizer_s / max(1, parameter_bytes[1]),
+        measured_blocks=measured,
+        block_optimizer_s=_block_optimizer_times(block, plan, keys, optimizer_factory, device, repeats),
     )
 
 
-def _fit(small: tuple[int, float], large: tuple[int, float], factor: float) -> CollectiveCost:
-    """Latency and bandwidth through two (bytes, seconds) points of ``t = latency + factor · bytes / bandwidth``."""
-    (n_small, t_small), (n_large, t_large) = small, large
-    slope = max((t_large - t_small) / (n_large - n_small), 1e-15)
-    latency = max(t_small - slope * n_small, 0.0)
-    return CollectiveCost(latency_s=latency, bandwidth_bytes_per_s=factor / slope)
+def _sizes(small_bytes: int, large_bytes: int) -> list[int]:
+    """Message sizes from ``small_bytes`` to ``large_bytes``, a factor of about 4 apart."""
+    sizes = [large_bytes]
+    while sizes[-1] // 4 > small_bytes:
+        sizes.append(sizes[-1] // 4)
+    return sorted({small_bytes, *sizes[:3]})
+
+
+def _synchronize_like_runtime(grads: list[torch.Tensor], group: dist.ProcessGroup, replicas: int) -> None:
+    """What merak3d does with data-parallel gradients: flatten, all-reduce, average, copy back."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= replicas
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
 
 
 def profile_network(group_sizes: Iterable[int], device: torch.device, large_bytes: int,
-                    small_bytes: int = 4096, repeats: int = 5) -> NetworkProfile:
+                    small_bytes: int = 4096, repeats: int = 5, gradient_bytes: int = 0) -> NetworkProfile:
     """All-reduce cost per group size (groups of consecutive ranks, all busy at once) and rank 0 ↔ 1 p2p.
 
+    Each cost is fitted to several message sizes up to ``large_bytes``. With
+    ``gradient_bytes``, the data-parallel gradient synchronisation is fitted per group size
+    too, at sizes up to that many bytes (the largest gradient a candidate layout syncs).
     Every rank must call this; the figures of rank 0's groups are returned on every rank.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if world == 1:
         return NetworkProfile(all_reduce={}, p2p=CollectiveCost(latency_s=0.0, bandwidth_bytes_per_s=1e30))
     all_reduce: dict[int, CollectiveCost] = {}
+    gradient_sync: dict[int, CollectiveCost] = {}
     for size in sorted(set(group_sizes)):
         mine = None
         for first in range(0, world, size):
@@ -192,13 +330,21 @@ def profile_network(group_sizes: Iterable[int], device: torch.device, large_byte
             if first <= rank < first + size:
                 mine = group
         points = []
-        for nbytes in (small_bytes, large_bytes):
+        for nbytes in _sizes(small_bytes, large_bytes):
             tensor = torch.ones(max(1, nbytes // 4), device=device)
             dist.barrier()
             points.append((nbytes, median_call_time(lambda: dist.all_reduce(tensor, group=mine), repeats)))
-        all_reduce[size] = _fit(points[0], points[1], 2.0 * (size - 1) / size)
+        all_reduce[size] = fit_collective_cost(points, 2.0 * (size - 1) / size)
+        if gradient_bytes > 0:
+            points = []
+            for nbytes in _sizes(min(small_bytes, gradient_bytes // 2), gradient_bytes):
+                grads = list(torch.ones(max(8, nbytes // 4), device=device).chunk(8))
+                dist.barrier()
+                points.append((nbytes, median_call_time(
+                    lambda: _synchronize_like_runtime(grads, mine, size), repeats)))
+            gradient_sync[size] = fit_collective_cost(points)
     points = []
-    for nbytes in (small_bytes, large_bytes):
+    for nbytes in _sizes(small_bytes, large_bytes):
         tensor = torch.ones(max(1, nbytes // 4), device=device)
 
         def ping() -> None:
@@ -211,7 +357,7 @@ def profile_network(group_sizes: Iterable[int], device: torch.device, large_byte
 
         dist.barrier()
         points.append((nbytes, median_call_time(ping, repeats) / 2))
-    network = NetworkProfile(all_reduce=all_reduce, p2p=_fit(points[0], points[1], 1.0))
+    network = NetworkProfile(all_reduce=all_reduce, p2p=fit_collective_cost(points), gradient_sync=gradient_sync)
     holder = [network]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]

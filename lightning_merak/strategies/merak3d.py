@@ -456,10 +456,13 @@ class Merak3DStrategy(ParallelStrategy):
         optimizer = self.optimizers[0] if self.optimizers else None
         factory = (lambda params: type(optimizer)(params, **optimizer.defaults)) if optimizer is not None else (
             lambda params: torch.optim.AdamW(params))
-        profile = profile_model(model, inputs, _call_model, self._tensor_parallel_plan, keys, factory)
+        profile = profile_model(model, inputs, _call_model, self._tensor_parallel_plan, keys, factory,
+                                process_group_device=self.root_device)
         profile = self.broadcast(profile, src=0)
+        gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         network = profile_network(keys.all_reduce_group_sizes, self.root_device,
-                                  large_bytes=min(64 << 20, max(1 << 16, profile.hidden_bytes_per_sample * inputs.shape[0])))
+                                  large_bytes=min(64 << 20, max(1 << 16, profile.hidden_bytes_per_sample * inputs.shape[0])),
+                                  gradient_bytes=min(256 << 20, gradient_bytes))
         result = plan(space, profile, network)
         allowed = [p for p in result.ranked
                    if all(self._degrees[name] in ("auto", value) for name, value in

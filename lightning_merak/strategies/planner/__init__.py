@@ -11,9 +11,11 @@ from lightning_merak.strategies.planner.overlap import OverlapResult, simulate_o
 from lightning_merak.strategies.planner.profile import (
     BlockTimes,
     CollectiveCost,
+    MeasuredBlocks,
     ModelProfile,
     NetworkProfile,
     SearchSpace,
+    fit_collective_cost,
 )
 from lightning_merak.strategies.planner.search import (
     Plan,
@@ -28,6 +30,7 @@ __all__ = [
     "BlockTimes",
     "CollectiveCost",
     "Layout",
+    "MeasuredBlocks",
     "ModelProfile",
     "NetworkProfile",
     "OverlapResult",
@@ -36,6 +39,7 @@ __all__ = [
     "ProfileKeys",
     "SearchSpace",
     "candidate_layouts",
+    "fit_collective_cost",
     "micro_batch_samples",
     "plan",
     "predict",

@@ -21,7 +21,7 @@ from lightning_merak.strategies.pipeline import (
     stage_aware_recompute_ratios,
 )
 from lightning_merak.strategies.planner.overlap import OverlapResult, simulate_overlapped_chain
-from lightning_merak.strategies.planner.profile import ModelProfile, NetworkProfile, SearchSpace
+from lightning_merak.strategies.planner.profile import MeasuredBlocks, ModelProfile, NetworkProfile, SearchSpace
 
 COMPONENTS = ("compute", "exposed_tp_comm", "pipeline_bubble", "dp_allreduce", "optimizer")
 """The parts a predicted step time is split into; they add up to the step time."""
@@ -174,18 +174,24 @@ def _stages(layout: Layout, profile: ModelProfile, samples: int, comm_s: float) 
     if layout.pp == 1:
         return (_Stage(True, num_blocks, True),)
     sub = samples // layout.overlap
-    block_times = profile.block_times_at(layout.tp, sub)
-    whole_forward, whole_backward = (
-        _chain(_chain_segments(0.0, segments_s, num_blocks, 0.0), comm_s, layout.overlap)
-        for segments_s in (block_times.forward_segments_s, block_times.backward_segments_s)
-    )
+    measured = _measured_blocks(layout, profile, samples)
+    if measured is not None:
+        block_forward_s = measured.forward_s(num_blocks) / num_blocks
+        block_backward_s = measured.backward_s(num_blocks) / num_blocks
+    else:
+        block_times = profile.block_times_at(layout.tp, sub)
+        whole_forward, whole_backward = (
+            _chain(_chain_segments(0.0, segments_s, num_blocks, 0.0), comm_s, layout.overlap)
+            for segments_s in (block_times.forward_segments_s, block_times.backward_segments_s)
+        )
+        block_forward_s, block_backward_s = whole_forward.time_s / num_blocks, whole_backward.time_s / num_blocks
     prefix_forward, prefix_backward = profile.prefix_times_at(sub)
     suffix_forward, suffix_backward = profile.suffix_times_at(sub)
     hidden_bytes = profile.hidden_bytes_per_sample * samples
     block = BlockCost(
         name="block",
-        forward_s=whole_forward.time_s / num_blocks,
-        backward_s=whole_backward.time_s / num_blocks,
+        forward_s=block_forward_s,
+        backward_s=block_backward_s,
         param_bytes=profile.block_parameter_bytes_at(layout.tp),
         output_bytes=hidden_bytes,
         saved_bytes=profile.block_activation_bytes_at(layout.tp) * samples,
@@ -210,6 +216,22 @@ def _stages(layout: Layout, profile: ModelProfile, samples: int, comm_s: float) 
     return _split_block_counts((prefix, *[block] * num_blocks, suffix), layout.pp, layout.micro_batches)
 
 
+def _measured_blocks(layout: Layout, profile: ModelProfile, samples: int) -> MeasuredBlocks | None:
+    """The real runtime's measured block times for this layout, when the profile has them (tp > 1 only)."""
+    if layout.tp == 1:
+        return None
+    return profile.measured_blocks.get((layout.tp, layout.overlap, samples))
+
+
+def _optimizer_s(layout: Layout, profile: ModelProfile, stage: _Stage, parameter_bytes: int) -> float:
+    """Optimizer step of one stage: measured per block where profiled, per parameter byte otherwise."""
+    per_block = profile.block_optimizer_s.get(layout.tp)
+    if per_block is None:
+        return profile.optimizer_s_per_parameter_byte * parameter_bytes
+    outside_blocks = parameter_bytes - stage.num_blocks * profile.block_parameter_bytes_at(layout.tp)
+    return stage.num_blocks * per_block + profile.optimizer_s_per_parameter_byte * outside_blocks
+
+
 def _check_against_space(layout: Layout, profile: ModelProfile, space: SearchSpace) -> None:
     if layout.dp * layout.pp * layout.tp != space.world_size:
         raise ValueError(
@@ -226,6 +248,9 @@ def _check_against_space(layout: Layout, profile: ModelProfile, space: SearchSpa
 def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile, space: SearchSpace) -> Prediction:
     """Step time (pipeline iteration + data-parallel gradient all-reduce + optimizer) and peak memory per rank.
 
+    Where the profile holds measured real tensor-parallel blocks for the layout, they replace
+    the simulated chain (the simulated compute stays the "compute" component, the rest is
+    exposed communication and runtime overhead).
     Recomputed blocks add their forward compute, never their collectives, to the backward,
     and keep only their input plus the two post-collective outputs the runtime caches
     (those exist only with tp > 1). Prefix and suffix activations are not counted.
@@ -239,6 +264,7 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     stages = _stages(layout, model_profile, samples, comm_s)
 
     block_times = model_profile.block_times_at(layout.tp, sub)
+    measured = _measured_blocks(layout, model_profile, samples)
     block_parameter_bytes = model_profile.block_parameter_bytes_at(layout.tp)
     activation_bytes = model_profile.block_activation_bytes_at(layout.tp)
     recomputed_extra_bytes = 2 * hidden_bytes if layout.tp > 1 else 0
@@ -258,10 +284,18 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         )
         recomputed = blocks_to_recompute(stage.num_blocks, ratios[index])
         recompute_s = recomputed * layout.overlap * block_times.forward_s
-        forward_s.append(forward.time_s)
-        backward_s.append(backward.time_s + recompute_s)
-        compute_s.append(forward.compute_s + backward.compute_s + recompute_s)
-        exposed_s.append(forward.exposed_comm_s + backward.exposed_comm_s)
+        local_s = forward.compute_s + backward.compute_s + recompute_s
+        if measured is not None:
+            outside_s = layout.overlap * (prefix_forward + suffix_forward)
+            forward_total = outside_s + measured.forward_s(stage.num_blocks)
+            outside_s = layout.overlap * (prefix_backward + suffix_backward)
+            backward_total = outside_s + measured.backward_s(stage.num_blocks) + recompute_s
+        else:
+            forward_total, backward_total = forward.time_s, backward.time_s + recompute_s
+        forward_s.append(forward_total)
+        backward_s.append(backward_total)
+        compute_s.append(local_s)
+        exposed_s.append(max(0.0, forward_total + backward_total - local_s))
 
         parameter_bytes = (
             stage.has_prefix * model_profile.prefix_parameter_bytes
@@ -277,8 +311,8 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         )
         after_pipeline_s.append(
             (
-                network.all_reduce_s(parameter_bytes, layout.dp),
-                model_profile.optimizer_s_per_parameter_byte * parameter_bytes,
+                network.gradient_sync_s(parameter_bytes, layout.dp),
+                _optimizer_s(layout, model_profile, stage, parameter_bytes),
             )
         )
 

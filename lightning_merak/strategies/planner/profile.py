@@ -7,7 +7,7 @@ choice can be reproduced from a saved profile without touching a process group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from lightning_merak.strategies.pipeline import SCHEDULES
@@ -51,12 +51,47 @@ class CollectiveCost:
         return self.latency_s + nbytes / self.bandwidth_bytes_per_s
 
 
+def fit_collective_cost(points: list[tuple[float, float]], factor: float = 1.0) -> CollectiveCost:
+    """The alpha-beta cost ``t = latency + factor · bytes / bandwidth`` closest to measured ``(bytes, seconds)`` points.
+
+    Least squares on the *relative* error, so a fit spanning kilobytes to tens of megabytes
+    is as good at the small end as at the large one. Noise that would make the latency or
+    the per-byte cost negative pins that term to zero and refits the other.
+    """
+    if len(points) < 2 or len({nbytes for nbytes, _ in points}) < 2:
+        raise ValueError(f"fit_collective_cost needs points at two or more sizes, got {points}")
+    if any(nbytes < 0 or seconds <= 0 for nbytes, seconds in points):
+        raise ValueError(f"fit_collective_cost needs bytes >= 0 and seconds > 0, got {points}")
+    # minimise sum(((latency + slope * n) / t - 1) ** 2): linear least squares in (latency, slope)
+    s_aa = sum(1 / t**2 for _, t in points)
+    s_ab = sum(n / t**2 for n, t in points)
+    s_bb = sum(n * n / t**2 for n, t in points)
+    s_a = sum(1 / t for _, t in points)
+    s_b = sum(n / t for n, t in points)
+    determinant = s_aa * s_bb - s_ab * s_ab
+    latency = (s_a * s_bb - s_b * s_ab) / determinant
+    slope = (s_aa * s_b - s_ab * s_a) / determinant
+    if slope <= 0:
+        latency, slope = s_a / s_aa, 0.0
+    elif latency < 0:
+        latency, slope = 0.0, s_b / s_bb
+    bandwidth = factor / slope if slope > 0 else float("inf")
+    return CollectiveCost(latency_s=latency, bandwidth_bytes_per_s=bandwidth)
+
+
 @dataclass(frozen=True)
 class NetworkProfile:
-    """Measured collective costs: all-reduce per group size (links differ by size), and the pipeline p2p link."""
+    """Measured collective costs: all-reduce per group size (links differ by size), and the pipeline p2p link.
+
+    ``gradient_sync`` (optional, per data-parallel group size) is the whole data-parallel
+    gradient synchronisation as the runtime performs it (flatten, all-reduce, average, copy
+    back), as latency plus gradient bytes over an effective bandwidth; without it the plain
+    all-reduce cost stands in.
+    """
 
     all_reduce: dict[int, CollectiveCost]
     p2p: CollectiveCost
+    gradient_sync: dict[int, CollectiveCost] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         bad_sizes = [size for size in self.all_reduce if size < 2]
@@ -76,6 +111,14 @@ class NetworkProfile:
                 f"(measured: {sorted(self.all_reduce)}); profile all-reduce over {ranks} ranks"
             )
         return self.all_reduce[ranks].all_reduce_s(nbytes, ranks)
+
+    def gradient_sync_s(self, nbytes: float, ranks: int) -> float:
+        """Data-parallel gradient synchronisation of ``nbytes`` over ``ranks`` replicas."""
+        if ranks == 1:
+            return 0.0
+        if ranks in self.gradient_sync:
+            return self.gradient_sync[ranks].send_s(nbytes)
+        return self.all_reduce_s(nbytes, ranks)
 
 
 @dataclass(frozen=True)
@@ -103,6 +146,35 @@ class BlockTimes:
 
 
 @dataclass(frozen=True)
+class MeasuredBlocks:
+    """Time through real tensor-parallel blocks on one rank: collectives and sub-batch turns included.
+
+    Measured over regions of one and of two blocks, so a region of ``n`` blocks costs the
+    first block (which carries the sub-batch pipeline's fill and drain) plus ``n - 1`` times
+    the next one. This is what the runtime actually pays, where the modelled chain
+    (:class:`BlockTimes` plus an all-reduce cost) misses contention between computation and
+    communication on shared cores, the layers' own overhead, and the turn switches.
+    """
+
+    forward_first_s: float
+    forward_next_s: float
+    backward_first_s: float
+    backward_next_s: float
+
+    def __post_init__(self) -> None:
+        _check_non_negative(
+            "MeasuredBlocks", forward_first_s=self.forward_first_s, forward_next_s=self.forward_next_s,
+            backward_first_s=self.backward_first_s, backward_next_s=self.backward_next_s,
+        )
+
+    def forward_s(self, num_blocks: int) -> float:
+        return self.forward_first_s + (num_blocks - 1) * self.forward_next_s if num_blocks else 0.0
+
+    def backward_s(self, num_blocks: int) -> float:
+        return self.backward_first_s + (num_blocks - 1) * self.backward_next_s if num_blocks else 0.0
+
+
+@dataclass(frozen=True)
 class ModelProfile:
     """What one model costs per rank, at the tensor-parallel degrees and sub-batch sizes the search needs.
 
@@ -114,6 +186,10 @@ class ModelProfile:
     block saves for backward per sample without recompute. The optimizer step takes
     ``optimizer_s_per_parameter_byte`` per parameter byte, and every parameter byte costs
     ``bytes_per_parameter_state`` bytes of state (parameter, gradient and two Adam moments).
+
+    Optional measurements of the real runtime refine the model where present:
+    ``measured_blocks`` by (tp, overlap, samples per micro-batch) for tp > 1, and
+    ``block_optimizer_s`` by tp, the optimizer step over one block's (sharded) parameters.
     """
 
     num_blocks: int
@@ -127,6 +203,8 @@ class ModelProfile:
     block_activation_bytes_per_sample: dict[int, int]
     optimizer_s_per_parameter_byte: float
     bytes_per_parameter_state: float = 4.0
+    measured_blocks: dict[tuple[int, int, int], MeasuredBlocks] = field(default_factory=dict)
+    block_optimizer_s: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_positive("ModelProfile", num_blocks=self.num_blocks)

@@ -65,26 +65,33 @@ class ProfileKeys:
 
     Block times per (tp, samples per sub-batch), prefix and suffix times per samples, block
     parameter and activation bytes per tp, and all-reduce costs per group size (the p2p link
-    is always needed).
+    is always needed). ``measured_blocks`` lists the (tp, overlap, samples per micro-batch)
+    at which a profiler that can run real tensor-parallel blocks should time them (optional
+    entries: the model falls back to its simulated chain).
     """
 
     block_times: frozenset[tuple[int, int]]
     prefix_suffix_samples: frozenset[int]
     tp_degrees: frozenset[int]
     all_reduce_group_sizes: frozenset[int]
+    measured_blocks: frozenset[tuple[int, int, int]] = frozenset()
 
 
 def required_profile_keys(space: SearchSpace, num_blocks: int | None = None) -> ProfileKeys:
     """The profile entries :func:`plan` reads for ``space``, so a profiler measures nothing more."""
-    block_times, samples_needed, tp_degrees, group_sizes = set(), set(), set(), set()
+    block_times, samples_needed, tp_degrees, group_sizes, measured = set(), set(), set(), set(), set()
     for layout in candidate_layouts(space, num_blocks):
-        sub = micro_batch_samples(layout, space) // layout.overlap
+        samples = micro_batch_samples(layout, space)
+        sub = samples // layout.overlap
         block_times.add((layout.tp, sub))
         samples_needed.add(sub)
         tp_degrees.add(layout.tp)
         group_sizes.update(size for size in (layout.tp, layout.dp) if size > 1)
+        if layout.tp > 1:
+            measured.add((layout.tp, layout.overlap, samples))
     return ProfileKeys(
-        frozenset(block_times), frozenset(samples_needed), frozenset(tp_degrees), frozenset(group_sizes)
+        frozenset(block_times), frozenset(samples_needed), frozenset(tp_degrees), frozenset(group_sizes),
+        frozenset(measured),
     )
 
 

@@ -1,0 +1,56 @@
+"""Layout profiler on real gloo ranks: real tensor-parallel blocks, gradient sync and optimizer are measured."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_merak.testing import run_distributed
+
+VOCAB, SEQ = 96, 16
+
+
+def _profile_rank(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from lightning_merak.config import ModelConfig
+    from lightning_merak.models import build_causal_lm
+    from lightning_merak.strategies.layout_profiler import _synchronize_like_runtime, profile_model, profile_network
+    from lightning_merak.strategies.merak3d import Merak3DStrategy, _call_model
+    from lightning_merak.strategies.planner import SearchSpace, required_profile_keys
+    from lightning_merak.timing import median_call_time
+
+    torch.manual_seed(0)
+    model = build_causal_lm(ModelConfig(name="llama", model_type="llama", config={
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2}), vocab_size=VOCAB)
+    model.config.use_cache = False
+    inputs = torch.randint(VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(1))
+    space = SearchSpace(world_size=world_size, global_batch_size=None, replica_batch_size=4,
+                        tp_degrees_allowed=(1, 2), max_pipeline_stages=1, overlap_choices=(1, 2))
+    keys = required_profile_keys(space, 2)
+    profile = profile_model(model, inputs, _call_model, Merak3DStrategy._tensor_parallel_plan, keys,
+                            lambda params: torch.optim.AdamW(params), repeats=3,
+                            process_group_device=torch.device("cpu"))
+    gradient_bytes = 4 << 20
+    network = profile_network(keys.all_reduce_group_sizes, torch.device("cpu"), large_bytes=1 << 16,
+                              repeats=3, gradient_bytes=gradient_bytes)
+    grads = list(torch.ones(gradient_bytes // 4).chunk(8))
+    world = dist.new_group(list(range(world_size)))
+    synced_s = median_call_time(lambda: _synchronize_like_runtime(grads, world, world_size), 5)
+    return {"keys": keys.measured_blocks, "profile": profile, "network": network, "synced_s": synced_s,
+            "grads_averaged": grads[0][:4].tolist()}
+
+
+def test_profiler_measures_real_blocks_gradient_sync_and_optimizer_on_two_ranks():
+    results = run_distributed(_profile_rank, 2, timeout_s=300)
+    profile, network = results[0]["profile"], results[0]["network"]
+    assert set(profile.measured_blocks) == set(results[0]["keys"]) == {(2, 1, 4), (2, 2, 4)}
+    for blocks in profile.measured_blocks.values():
+        assert blocks.forward_first_s > 0 and blocks.backward_first_s > 0
+    assert set(profile.block_optimizer_s) == {1, 2} and min(profile.block_optimizer_s.values()) > 0
+    assert set(network.gradient_sync) == {2}
+    # the fitted synchronisation cost predicts a fresh measurement of the same operation
+    predicted = network.gradient_sync_s(4 << 20, 2)
+    measured = max(r["synced_s"] for r in results)
+    assert measured / 4 < predicted < measured * 4, (predicted, measured)
+    assert results[0]["grads_averaged"] == [1.0] * 4
