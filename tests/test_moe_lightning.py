@@ -104,9 +104,13 @@ def test_mixtral_tiny_trains_like_the_original_under_lightning_ddp() -> None:
 class _LoggedLoss(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.gradient_norms: list[float] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
+        norm = getattr(trainer.strategy, "last_gradient_norm", None)
+        if norm is not None:
+            self.gradient_norms.append(norm)
 
 
 SGD_LR = 1.0
@@ -123,7 +127,7 @@ def _sgd_module(model: torch.nn.Module) -> pl.LightningModule:
     return SGDModule(model, OPTIM)
 
 
-def train_merak3d(rank: int, world_size: int, options: dict[str, Any]) -> dict[str, Any]:
+def train_merak3d(rank: int, world_size: int, options: dict[str, Any], clip: float | None = None) -> dict[str, Any]:
     from lightning_merak.plugins.moe.hydra_options import ProphetMoEConfig
     from lightning_merak.plugins.moe.layer import PlacementMOELayer
     from lightning_merak.strategies.merak3d import Merak3DStrategy
@@ -137,6 +141,7 @@ def train_merak3d(rank: int, world_size: int, options: dict[str, Any]) -> dict[s
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0, use_distributed_sampler=False, callbacks=[recorder, moe_callback],
+        gradient_clip_val=clip,
     )
     data_rank = rank % 2  # mesh (pp, dp, tp) = (2, 2, 1): rank = 2·pp + dp
     trainer.fit(module, DataLoader(TensorDataset(_batches(data_rank)), batch_size=BATCH))
@@ -147,12 +152,16 @@ def train_merak3d(rank: int, world_size: int, options: dict[str, Any]) -> dict[s
             first = layer.ep_rank * layer.num_local_experts
             for j, expert in enumerate(layer.experts.deepspeed_experts):
                 experts[(index, first + j)] = expert.gate_up.weight.detach().clone()
-    return {"losses": recorder.losses, "ep_ranks": [layer.groups.ep_ranks for layer in local], "experts": experts,
+    return {"losses": recorder.losses, "gradient_norms": recorder.gradient_norms, "ep_ranks": [layer.groups.ep_ranks for layer in local], "experts": experts,
             "sampler_rank": strategy.distributed_sampler_kwargs["rank"]}
 
 
-def _sgd_reference(learning_rate: float = SGD_LR) -> tuple[list[float], dict[tuple[int, int], torch.Tensor]]:
-    """Losses of one process on the union of the data-parallel batches, and (layer, expert) → gate/up weight."""
+def _sgd_reference(learning_rate: float = SGD_LR, clip: float | None = None,
+                   norms: list[float] | None = None) -> tuple[list[float], dict[tuple[int, int], torch.Tensor]]:
+    """Losses of one process on the union of the data-parallel batches, and (layer, expert) → gate/up weight.
+
+    With ``clip``, gradients are clipped to that norm and the norms before clipping appended to ``norms``.
+    """
     module = _sgd_module(_model())
     optimizer = module.configure_optimizers()
     optimizer.param_groups[0]["lr"] = learning_rate
@@ -163,6 +172,11 @@ def _sgd_reference(learning_rate: float = SGD_LR) -> tuple[list[float], dict[tup
         optimizer.zero_grad()
         loss = module.compute_loss((batch,))
         loss.backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(module.model.parameters(), clip)
+            assert norm > clip, f"step {step}: gradient norm {norm:.3g} <= {clip}; the clipping test would prove nothing"
+            if norms is not None:
+                norms.append(float(norm))
         optimizer.step()
         losses.append(loss.item())
     blocks = [m for m in module.model.modules() if hasattr(getattr(m, "experts", None), "gate_up_proj")]
@@ -193,3 +207,26 @@ def test_mixtral_tiny_under_merak3d_pipeline_and_data_parallel() -> None:
             assert abs(ours - expected) < 1e-5 * abs(expected), f"rank {rank} step {step}: {ours} vs {expected}"
         assert len(result["losses"]) == STEPS
     assert [result["sampler_rank"] for result in results] == [0, 1, 0, 1], "data shards do not follow the mesh"
+
+
+@pytest.mark.timeout(300)
+def test_gradient_clipping_under_merak3d_counts_every_expert_once() -> None:
+    """The clipping norm sums expert weights over their expert-parallel group (each rank holds other experts)."""
+    clip = 0.05
+    options = dict(dispatch="capacity", placement="none")
+    results = run_distributed(train_merak3d, 4, args=(options, clip), timeout_s=240)
+    norms: list[float] = []
+    reference, reference_experts = _sgd_reference(clip=clip, norms=norms)
+    _, initial_experts = _sgd_reference(learning_rate=0.0)
+    for rank, result in enumerate(results):
+        assert len(result["gradient_norms"]) == STEPS
+        for step, (ours, expected) in enumerate(zip(result["gradient_norms"], norms)):
+            assert abs(ours - expected) < 1e-5 * expected, f"rank {rank} step {step}: norm {ours} vs {expected}"
+    trained_experts = {key: value for result in results for key, value in result["experts"].items()}
+    for key, expected in reference_experts.items():
+        step, want = trained_experts[key] - initial_experts[key], expected - initial_experts[key]
+        error = (step - want).norm() / want.norm()
+        assert error < 1e-3, f"(layer, expert) {key}: clipped update off by {error:.3g} relative"
+    for rank, result in enumerate(results):
+        for step, (ours, expected) in enumerate(zip(result["losses"], reference)):
+            assert abs(ours - expected) < 1e-5 * abs(expected), f"rank {rank} step {step}: {ours} vs {expected}"

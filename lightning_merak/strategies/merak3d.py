@@ -88,6 +88,18 @@ def _divides_model(config: Any, tensor_parallel: int) -> bool:
     return True
 
 
+def _expert_parallel_group(group_name: Optional[str]) -> dist.ProcessGroup:
+    """DeepSpeed's expert-parallel group of the expert weights named ``group_name``."""
+    from deepspeed.utils import groups
+
+    if group_name is None or group_name not in groups._get_expert_parallel_group_dict():
+        raise RuntimeError(
+            f"expert weights (allreduce=False) of group {group_name!r} have no DeepSpeed expert-parallel group; "
+            "create the MoE layers' groups (lightning_merak.plugins.moe) before clipping gradients"
+        )
+    return groups._get_expert_parallel_group(group_name)
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -183,6 +195,8 @@ class Merak3DStrategy(ParallelStrategy):
         self.memory_limit = memory_limit
         self.plan_only = plan_only
         self.layout_plan: Optional[Any] = None
+        self.last_gradient_norm: Optional[float] = None
+        """Total gradient norm (all stages, shards and experts) before the last clipping."""
         self._reading_planning_batch = False
         self.schedule = schedule
         self.virtual_stages = virtual_stages if schedule in MULTI_STAGE_SCHEDULES else 1
@@ -802,10 +816,16 @@ class Merak3DStrategy(ParallelStrategy):
             offset += grad.numel()
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
-        """Clip by the norm over every stage and shard, counting replicated tensors once."""
+        """Clip by the norm over every stage and shard, counting replicated tensors once.
+
+        Expert-parallel weights (``allreduce=False``, DeepSpeed's convention) differ between
+        the ranks of their expert-parallel group, so their squares are summed over that group
+        first; every other tensor is the same on all data-parallel replicas.
+        """
         duplicated = {id(param) for _, param, is_first in self._tied_groups if not is_first}
         tp_rank = self.device_mesh["tp"].get_local_rank()
         grads, squares = [], torch.zeros((), dtype=torch.float64, device=self.root_device)
+        expert_squares: dict[str, torch.Tensor] = {}
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if param.grad is None:
@@ -817,11 +837,21 @@ class Merak3DStrategy(ParallelStrategy):
                 )
                 if id(param) in duplicated or (replicated and tp_rank != 0):
                     continue
-                squares += grad.double().pow(2).sum()
+                if getattr(param, "allreduce", True) is False:
+                    name = getattr(param, "group_name", None)
+                    if name not in expert_squares:
+                        expert_squares[name] = torch.zeros((), dtype=torch.float64, device=self.root_device)
+                    expert_squares[name] += grad.double().pow(2).sum()
+                else:
+                    squares += grad.double().pow(2).sum()
+        for name in sorted(expert_squares, key=str):
+            dist.all_reduce(expert_squares[name], group=_expert_parallel_group(name))
+            squares += expert_squares[name]
         for dim in ("pp", "tp"):
             if self.device_mesh[dim].size() > 1:
                 dist.all_reduce(squares, group=self.device_mesh[dim].get_group())
-        coefficient = float(clip_val) / (math.sqrt(squares.item()) + 1e-6)
+        self.last_gradient_norm = math.sqrt(squares.item())
+        coefficient = float(clip_val) / (self.last_gradient_norm + 1e-6)
         if coefficient < 1.0:
             for grad in grads:
                 grad.mul_(coefficient)
