@@ -7,52 +7,81 @@ group derives the same plan from the same all-gathered counts.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from lightning_merak.plugins.moe.cost_model import CostModel
 from lightning_merak.plugins.moe.placement import (
     Counts,
     Padding,
     PlacementPlan,
     Replication,
+    block_rows,
     owner_of,
     rank_loads,
+    replica_rows,
     validate_counts,
 )
 
 __all__ = ["plan_pro_prophet"]
 
 
-def plan_pro_prophet(
+def _balancing_replicas(
+    expert: int,
+    owner: int,
+    eligible: Sequence[int],
+    counts: Counts,
+    plan: PlacementPlan,
+    padding: Padding,
+    computed: Sequence[int],
+) -> tuple[int, ...]:
+    """The eligible senders that should compute their own rows of ``expert``.
+
+    A sender ``r`` taking its rows moves them off the owner: the owner computes its
+    current block from ``r`` less, ``r`` computes ``replica_rows`` more. Senders are
+    added lightest resulting load first while that load stays below the owner's
+    remaining load, so every addition lowers the larger of the two and no replica
+    rank ends up heavier than the owner was. Replicating to every sender instead
+    moves all of a hot expert's remote rows at once and can overshoot: the owner
+    becomes the lightest rank and the senders, already busy, the heaviest.
+    """
+    rows = block_rows(counts, plan, padding)
+    added = {r: replica_rows(counts, r, expert, padding) for r in eligible}
+    owner_load = computed[owner]
+    replicas = []
+    for r in sorted(eligible, key=lambda r: (computed[r] + added[r], r)):
+        if computed[r] + added[r] >= owner_load:
+            break
+        replicas.append(r)
+        owner_load -= rows[r][expert]
+    return tuple(sorted(replicas))
+
+
+def _greedy_path(
     counts: Counts,
     cost_model: CostModel,
-    padding: Padding = Padding(),
-    *,
-    exclude_fewest: int = 0,
-    alpha: float = 0.25,
-    slots_per_rank: int | None = None,
-) -> PlacementPlan:
-    """The replication prefix with the lowest predicted layer time.
+    padding: Padding,
+    threshold: float,
+    exclude_fewest: int,
+    slots_per_rank: int | None,
+    balancing: bool,
+) -> list[PlacementPlan]:
+    """Every prefix of one greedy run, shortest first.
 
-    Each step takes the heaviest rank, picks its unused expert with the most remote
-    load and replicates it to every rank that sends it tokens except the
-    ``exclude_fewest`` lightest senders and ranks whose ``slots_per_rank`` replica
-    budget is full. Stops when loads are balanced (max−min < α·I/D, D ranks: the
-    paper's α·I/E with one expert per rank; its α = 3 never replicated anything at Zipf
-    1.2 in our measurements, hence α = 0.25), when the
-    heaviest rank has nothing left to replicate, or when no slot is free.
+    Each step takes the heaviest rank and its unused expert with the most remote
+    load. The candidate replica ranks are that expert's senders, less the
+    ``exclude_fewest`` lightest senders (the paper's n) and ranks whose
+    ``slots_per_rank`` budget is full. The paper replicates to all of them; with
+    ``balancing`` only those that lower the load maximum get a replica. Stops when
+    max−min load < ``threshold``, when the heaviest rank has nothing left to
+    replicate, or when no slot is free.
     """
     ep_size = len(counts)
-    num_experts = len(counts[0]) if counts else 0
-    validate_counts(counts, ep_size, num_experts)
+    num_experts = len(counts[0])
     per_rank = cost_model.experts_per_rank
-    if per_rank * ep_size != num_experts:
-        raise ValueError(f"cost model has {per_rank} experts per rank but counts are {ep_size} x {num_experts}")
-    empty = PlacementPlan(num_experts, ep_size)
-    best_time = cost_model.total(counts, empty, padding)
-    best_len = 0
     chosen: list[Replication] = []
+    prefixes: list[PlacementPlan] = []
     used: set[int] = set()
     slots = [0] * ep_size
-    threshold = alpha * sum(map(sum, counts)) / ep_size
     while len(used) < num_experts:
         plan = PlacementPlan(num_experts, ep_size, tuple(chosen))
         computed = rank_loads(counts, plan, padding, per_rank).computed
@@ -73,7 +102,11 @@ def plan_pro_prophet(
             if r != owner and counts[r][expert] > 0 and (slots_per_rank is None or slots[r] < slots_per_rank)
         ]
         senders.sort(key=lambda r: (counts[r][expert], r))
-        replicas = tuple(sorted(senders[exclude_fewest:]))
+        eligible = senders[exclude_fewest:]
+        if balancing:
+            replicas = _balancing_replicas(expert, owner, eligible, counts, plan, padding, computed)
+        else:
+            replicas = tuple(sorted(eligible))
         if not replicas:
             if slots_per_rank is not None and all(s >= slots_per_rank for i, s in enumerate(slots) if i != owner):
                 break
@@ -81,7 +114,49 @@ def plan_pro_prophet(
         for r in replicas:
             slots[r] += 1
         chosen.append(Replication(expert, owner, replicas))
-        candidate_time = cost_model.total(counts, PlacementPlan(num_experts, ep_size, tuple(chosen)), padding)
-        if candidate_time < best_time:
-            best_time, best_len = candidate_time, len(chosen)
-    return PlacementPlan(num_experts, ep_size, tuple(chosen[:best_len]))
+        prefixes.append(PlacementPlan(num_experts, ep_size, tuple(chosen)))
+    return prefixes
+
+
+def plan_pro_prophet(
+    counts: Counts,
+    cost_model: CostModel,
+    padding: Padding = Padding(),
+    *,
+    exclude_fewest: int = 0,
+    alpha: float = 0.25,
+    slots_per_rank: int | None = None,
+) -> PlacementPlan:
+    """The fastest balanced replication plan, or the fastest plan when none is balanced.
+
+    Loads are balanced when max−min < α·I/E (I routed tokens, E experts: the paper's
+    rule; its α = 3 never replicated anything at Zipf 1.2 in our measurements, hence
+    α = 0.25). Candidates are the prefixes of two greedy runs (:func:`_greedy_path`),
+    one with the paper's replica sets and one with load-balancing sets: the first
+    cuts all-to-all traffic most, the second evens compute without overshooting.
+    Only plans the cost model predicts faster than the stock placement qualify;
+    among them a balanced plan beats an unbalanced one, then the lower predicted
+    time wins, ties going to the paper's run and the shorter prefix.
+    """
+    ep_size = len(counts)
+    num_experts = len(counts[0]) if counts else 0
+    if num_experts == 0:
+        raise ValueError("counts is empty: pass one row per EP rank with one count per expert")
+    validate_counts(counts, ep_size, num_experts)
+    per_rank = cost_model.experts_per_rank
+    if per_rank * ep_size != num_experts:
+        raise ValueError(f"cost model has {per_rank} experts per rank but counts are {ep_size} x {num_experts}")
+    threshold = alpha * sum(map(sum, counts)) / num_experts
+    best = PlacementPlan(num_experts, ep_size)
+    stock_time = cost_model.total(counts, best, padding)
+    best_key: tuple[bool, float] | None = None
+    for balancing in (False, True):
+        for plan in _greedy_path(counts, cost_model, padding, threshold, exclude_fewest, slots_per_rank, balancing):
+            time = cost_model.total(counts, plan, padding)
+            if time >= stock_time:
+                continue
+            computed = rank_loads(counts, plan, padding, per_rank).computed
+            key = (max(computed) - min(computed) >= threshold, time)
+            if best_key is None or key < best_key:
+                best, best_key = plan, key
+    return best
