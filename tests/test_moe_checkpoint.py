@@ -93,3 +93,97 @@ def test_resume_keeps_every_ranks_experts(tmp_path: Path) -> None:
             assert error < 1e-5, f"rank {rank}: {name} differs by {error:.3g} after resuming"
     assert not torch.equal(results[0]["straight_experts"][EXPERT + "0.0.weight"],
                            results[1]["straight_experts"][EXPERT + "0.0.weight"]), "ranks must hold different experts"
+
+
+def merak3d_resume_run(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """pp=2 × dp=2, experts split over each stage's two data-parallel ranks; saved after an epoch of 2 steps, resumed.
+
+    The uninterrupted run trains one epoch of all steps; the interrupted one an epoch of the first steps,
+    and the resumed one continues with the rest as its second epoch (a constant learning rate, so
+    epochs of other lengths train alike)."""
+    from lightning_merak.plugins.moe.hydra_options import ProphetMoEConfig
+    from lightning_merak.plugins.moe.layer import PlacementMOELayer
+    from lightning_merak.strategies.merak3d import Merak3DStrategy
+    from tests.test_moe_lightning import BATCH, OPTIM, STEPS, _batches, _model
+
+    config = ProphetMoEConfig(ep_size=2, aux_loss_coef=0.0, dispatch="dropless", placement="none")
+    data = _batches(rank % 2)  # mesh (pp, dp, tp) = (2, 2, 1): rank = 2·pp + dp
+
+    def fit(seed: int, first_step: int, last_step: int, epochs: int = 1, ckpt_path: str | None = None) -> tuple:
+        torch.manual_seed(seed)
+        module = _AdamModule(config.apply(_model() if seed == 0 else _reinitialised()), OPTIM)
+        recorder = _LossRecorder()
+        strategy = Merak3DStrategy(data_parallel=2, pipeline_parallel=2, tensor_parallel=1, micro_batches=2,
+                                   partition="uniform", timeout_s=150)
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=epochs, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+            callbacks=[recorder, config.build_callbacks()[0]],
+        )
+        loader = DataLoader(TensorDataset(data[first_step * BATCH:last_step * BATCH]), batch_size=BATCH)
+        trainer.fit(module, loader, ckpt_path=ckpt_path)
+        experts = {}
+        for index, block in strategy.local_blocks.items():
+            for layer in (m for m in block.modules() if isinstance(m, PlacementMOELayer)):
+                for j, expert in enumerate(layer.experts.deepspeed_experts):
+                    experts[(index, layer.ep_rank * layer.num_local_experts + j)] = expert.gate_up.weight.detach().clone()
+        return trainer, recorder.losses, experts
+
+    path = str(Path(directory) / "merak3d-moe")
+    _, straight, straight_experts = fit(0, 0, STEPS)
+    trainer, interrupted, _ = fit(0, 0, RESUME_AT)
+    trainer.save_checkpoint(path)
+    _, resumed, resumed_experts = fit(1, RESUME_AT, STEPS, epochs=2, ckpt_path=path)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = sorted(FileSystemReader(path).read_metadata().state_dict_metadata)
+    return {"straight": straight, "interrupted": interrupted, "resumed": resumed, "saved": saved,
+            "straight_experts": straight_experts, "resumed_experts": resumed_experts}
+
+
+def _AdamModule(model: torch.nn.Module, optim: Any) -> pl.LightningModule:
+    """Adam at a constant rate: moments to restore, and no schedule tied to the run's length."""
+    from lightning_merak.models import CausalLMModule
+
+    class AdamModule(CausalLMModule):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.model.parameters(), lr=3e-3)
+
+    return AdamModule(model, optim)
+
+
+def _reinitialised() -> torch.nn.Module:
+    from lightning_merak.models import build_causal_lm
+    from tests.test_moe_lightning import MODEL, VOCAB
+
+    return build_causal_lm(MODEL, VOCAB)
+
+
+class _LossRecorder(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+@pytest.mark.timeout(400)
+def test_merak3d_checkpoint_keeps_every_ranks_experts(tmp_path: Path) -> None:
+    """merak3d writes each rank's experts under their global numbers, and resuming picks each rank's own back."""
+    from tests.test_moe_lightning import STEPS
+
+    results = run_distributed(merak3d_resume_run, 4, args=(str(tmp_path),), timeout_s=360)
+    expert_keys = [key for key in results[0]["saved"] if key.startswith("model.") and "deepspeed_experts." in key]
+    numbers = sorted({int(key.split("deepspeed_experts.")[1].split(".")[0]) for key in expert_keys})
+    assert numbers == [0, 1, 2, 3], f"the checkpoint must hold all 4 experts of every layer, found {numbers}"
+    assert any(key.startswith("optim.") and "deepspeed_experts.3." in key for key in results[0]["saved"]), \
+        "expert optimizer state of the second EP rank is missing"
+    for rank, result in enumerate(results):
+        assert result["interrupted"] == pytest.approx(result["straight"][:RESUME_AT], rel=1e-6)
+        assert len(result["resumed"]) == STEPS - RESUME_AT
+        assert result["resumed"] == pytest.approx(result["straight"][RESUME_AT:], rel=1e-5), f"rank {rank}"
+        assert set(result["resumed_experts"]) == set(result["straight_experts"])
+        for key, value in result["straight_experts"].items():
+            error = (result["resumed_experts"][key] - value).abs().max().item()
+            assert error < 1e-5, f"rank {rank}: expert {key} differs by {error:.3g} after resuming"

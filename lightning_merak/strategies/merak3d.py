@@ -23,6 +23,8 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import re
+import sys
 from pathlib import Path
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
@@ -98,6 +100,23 @@ def _expert_parallel_group(group_name: Optional[str]) -> dist.ProcessGroup:
             "create the MoE layers' groups (lightning_merak.plugins.moe) before clipping gradients"
         )
     return groups._get_expert_parallel_group(group_name)
+
+
+def _expert_layers(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Key prefix of each expert-parallel MoE layer's experts in ``model`` → (ep_size, experts per rank).
+
+    Every EP rank numbers its experts from 0; checkpoints number them globally.
+    """
+    moe_layer = sys.modules.get("lightning_merak.plugins.moe.layer")
+    if moe_layer is None:
+        return {}
+    from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY
+
+    return {
+        f"{name}.{EXPERTS_KEY}": (module.ep_size, module.num_local_experts)
+        for name, module in model.named_modules()
+        if isinstance(module, moe_layer.MoE) and module.ep_size > 1
+    }
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -196,6 +215,7 @@ class Merak3DStrategy(ParallelStrategy):
         self.plan_only = plan_only
         self.layout_plan: Optional[Any] = None
         self.last_gradient_norm: Optional[float] = None
+        self._expert_prefixes: dict[str, tuple[int, int]] = {}
         """Total gradient norm (all stages, shards and experts) before the last clipping."""
         self._reading_planning_batch = False
         self.schedule = schedule
@@ -543,6 +563,7 @@ class Merak3DStrategy(ParallelStrategy):
                 "sub-batches; choose a tp_overlap that divides the micro-batch size"
             )
         pp, tp = self.pipeline_parallel, self.tensor_parallel
+        self._expert_prefixes = _expert_layers(model)
         # Every rank profiles: blocks may hold collectives (MoE all-to-alls) that need all their peers.
         trace = trace_model(model, micro, _call_model, profile=pp > 1)
         trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
@@ -871,13 +892,53 @@ class Merak3DStrategy(ParallelStrategy):
     def _original_names(self) -> dict[int, str]:
         model = self.lightning_module.model
         rename = model.original_name if isinstance(model, RankStages) else (lambda name: name)
-        return {id(param): rename(name) for name, param in model.named_parameters()}
+        return {id(param): self._global_expert_name(rename(name)) for name, param in model.named_parameters()}
 
     def _checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Shards stay DTensors; a shard whose layout sharding changed is saved whole, as the original."""
         if isinstance(tensor, DTensor) and name in self._layout_changes:
             return self.to_original_layout(name, tensor.full_tensor()).detach()
         return tensor.detach()
+
+    def _expert_rank(self, ep_size: int) -> int:
+        """This rank's place in its expert-parallel group, carved from its data-parallel ranks as the MoE layers do."""
+        from lightning_merak.plugins.moe.groups import carve_expert_groups
+
+        degrees = self._degrees
+        if self._built:
+            pp, dp, tp = self.pipeline_parallel, self.data_parallel, self.tensor_parallel
+        elif all(isinstance(degrees[name], int) for name in ("pp", "dp", "tp")):
+            pp, dp, tp = degrees["pp"], degrees["dp"], degrees["tp"]
+        else:
+            raise ValueError(
+                f"resuming expert-parallel MoE layers needs fixed degrees to know which experts each rank holds, "
+                f"got {degrees}; pass the data_parallel, pipeline_parallel and tensor_parallel the plan chose"
+            )
+        stage, rest = divmod(self.global_rank, dp * tp)
+        tp_index = rest % tp
+        data_parallel_ranks = [stage * dp * tp + replica * tp + tp_index for replica in range(dp)]
+        ep_groups, _ = carve_expert_groups(data_parallel_ranks, ep_size)
+        return next(group.index(self.global_rank) for group in ep_groups if self.global_rank in group)
+
+    def _global_expert_name(self, name: str) -> str:
+        """``name`` of the unsplit model, with a local expert number replaced by its global one."""
+        for prefix, (ep_size, per_rank) in self._expert_prefixes.items():
+            if name.startswith(prefix):
+                match = re.match(r"(\d+)\.(.+)", name[len(prefix):])
+                if match:
+                    number = self._expert_rank(ep_size) * per_rank + int(match.group(1))
+                    return f"{prefix}{number}.{match.group(2)}"
+        return name
+
+    def _local_expert_name(self, name: str) -> str:
+        """Inverse of :meth:`_global_expert_name` for this rank's experts."""
+        for prefix, (ep_size, per_rank) in self._expert_prefixes.items():
+            if name.startswith(prefix):
+                match = re.match(r"(\d+)\.(.+)", name[len(prefix):])
+                if match:
+                    number = int(match.group(1)) - self._expert_rank(ep_size) * per_rank
+                    return f"{prefix}{number}.{match.group(2)}"
+        return name
 
     def _gather_objects(self, local: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
@@ -893,7 +954,7 @@ class Merak3DStrategy(ParallelStrategy):
         for key, value in module.state_dict().items():
             rest = key[len("model."):]
             name = model.original_name(rest) if isinstance(model, RankStages) else rest
-            state["model." + name] = self._checkpoint_tensor(name, value)
+            state["model." + self._global_expert_name(name)] = self._checkpoint_tensor(name, value)
         return state
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -955,7 +1016,9 @@ class Merak3DStrategy(ParallelStrategy):
                 "(Trainer.fit/validate/predict with ckpt_path=...)"
             )
         checkpoint = torch.load(path / LIGHTNING_CHECKPOINT, map_location="cpu", weights_only=False)
-        model_state = {key: value.detach().clone() for key, value in self.lightning_module.state_dict().items()}
+        self._expert_prefixes = _expert_layers(self.lightning_module.model)
+        model_state = {"model." + self._global_expert_name(key[len("model."):]) if key.startswith("model.") else key:
+                       value.detach().clone() for key, value in self.lightning_module.state_dict().items()}
         optim_state: dict[str, Any] = {}
         for layout in checkpoint["merak3d_optimizers"]:
             for key, entry in layout["entries"].items():
@@ -965,7 +1028,9 @@ class Merak3DStrategy(ParallelStrategy):
                     optim_state[key] = entry
         tensors = {"model": model_state, "optim": optim_state}
         dcp.load(tensors, checkpoint_id=path)
-        checkpoint["state_dict"] = tensors["model"]
+        checkpoint["state_dict"] = {"model." + self._local_expert_name(key[len("model."):])
+                                    if key.startswith("model.") else key: value
+                                    for key, value in tensors["model"].items()}
         checkpoint["optimizer_states"] = []
         for index, layout in enumerate(checkpoint.pop("merak3d_optimizers")):
             state: dict[str, dict[str, Any]] = {}
