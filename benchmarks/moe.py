@@ -19,7 +19,10 @@ the same routing; each rank runs every policy in turn on identical data:
 * ``fastermoe``: our layer, dropless, FasterMoE-style shadowing (hot experts to all ranks);
 * ``ours``: our layer, dropless, Pro-Prophet replication + scheduler + Lancet chunks (auto), expert
   weight gradients computed while the backward all-to-all is in flight;
-* ``ours_no_dw_overlap``: the same, but the backward waits for each all-to-all before going on.
+* ``ours_no_dw_overlap``: the same, but the backward waits for each all-to-all before going on;
+* ``ours_block``: ``ours`` plus block-scope Lancet (``lancet_overlap(blocks, "auto")``): each
+  [dense → MoE] block runs as sub-batches, so one sub-batch's all-to-alls overlap the others'
+  expert and dense computation, forward and backward (``sub_batches`` column: the count chosen).
 
 Per policy: load max/mean and σ of tokens computed per rank, step time (median over
 timed steps of the slowest rank), exposed all-to-all fraction (total and backward only; DeepSpeed's
@@ -48,7 +51,7 @@ DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "moe.json"
 RANKS_TIMEOUT_S = 900
 DRIFT_EVERY = 4
 ZIPF_EXPONENT = 1.2
-POLICIES = ("deepspeed", "deepspeed_cf1.25", "dropless", "fastermoe", "ours", "ours_no_dw_overlap")
+POLICIES = ("deepspeed", "deepspeed_cf1.25", "dropless", "fastermoe", "ours", "ours_no_dw_overlap", "ours_block")
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ def _build(policy: str, setup: Setup, world: int) -> Any:
     from torch import nn
 
     from lightning_merak.plugins.moe import MoE, TransferScheduler
+    from lightning_merak.plugins.moe.lancet_block import lancet_overlap
 
     scheduler = TransferScheduler()
 
@@ -118,6 +122,8 @@ def _build(policy: str, setup: Setup, world: int) -> Any:
         if policy.startswith("deepspeed"):
             block.moe.set_deepspeed_parallelism()
             block.moe.deepspeed_moe.wall_clock_breakdown = True
+    if policy == "ours_block":
+        lancet_overlap(blocks, "auto")
     return blocks
 
 
@@ -172,7 +178,7 @@ def _run_policy(policy: str, setup: Setup, rank: int, world: int) -> dict[str, A
                                    + stats.get("exposed_a2a_backward_s", 0.0),
                                    exposed_a2a_backward_s=stats.get("exposed_a2a_backward_s", 0.0),
                                    exposed_trans_s=stats.get("exposed_trans_s", 0.0), chunks=stats["chunks"],
-                                   dropped=stats["dropped_routes"]))
+                                   sub_batches=stats.get("sub_batches", 1), dropped=stats["dropped_routes"]))
             else:
                 counts = _gathered_counts(layer, world)
                 padding = Padding("max") if policy == "deepspeed" else Padding(
@@ -181,7 +187,8 @@ def _run_policy(policy: str, setup: Setup, rank: int, world: int) -> dict[str, A
                 forward_a2a_s = (cumulative_ms - getattr(layer, "_previous_a2a_ms", 0.0)) / 1000.0
                 layer._previous_a2a_ms = cumulative_ms
                 layers.append(dict(counts=counts, plan=[], padding=asdict(padding), exposed_a2a_s=2 * forward_a2a_s,
-                                   exposed_a2a_backward_s=forward_a2a_s, exposed_trans_s=0.0, chunks=1, dropped=None))
+                                   exposed_a2a_backward_s=forward_a2a_s, exposed_trans_s=0.0, chunks=1, sub_batches=1,
+                                   dropped=None))
         exposed = torch.tensor([sum(entry["exposed_a2a_s"] for entry in layers),
                                 sum(entry["exposed_a2a_backward_s"] for entry in layers)])
         dist.all_reduce(exposed, op=dist.ReduceOp.MAX)
@@ -272,6 +279,7 @@ def _summarise(policy: str, record: dict[str, Any], cost: Any, setup: Setup) -> 
         "predicted_moe_ms": 1000 * statistics.median(predicted),
         "pred_over_measured": statistics.median(predicted) / step_s,
         "replicas_per_step": replicas,
+        "sub_batches": statistics.median(s["layers"][0]["sub_batches"] for s in record["steps"]),
     }
     return row, before_map, after_map
 

@@ -27,7 +27,8 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+import weakref
+from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,11 +36,17 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = [
     "CommunicationTrace",
+    "PendingCollective",
     "SubBatchForward",
     "all_reduce_in_turn",
+    "all_to_all_in_turn",
     "collective_replay_contexts",
+    "in_sub_batch_region",
+    "mark_sub_batch_share",
+    "meet_in_turn",
     "record_communication",
     "run_sub_batches",
+    "start_all_to_all_in_turn",
 ]
 
 _local = threading.local()
@@ -277,6 +284,144 @@ def all_reduce_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.
     return tensor
 
 
+class PendingCollective:
+    """An asynchronous collective launched in turn; :meth:`wait` hands the turn on first.
+
+    The turn is handed on whether or not the collective has already completed, so the
+    turn order (and with it the order of every later collective) is the same on every rank.
+    ``exposed_s`` is the time this rank then stayed blocked on it.
+    """
+
+    def __init__(self, result: torch.Tensor, work: Any) -> None:
+        self.result, self._work = result, work
+        self.exposed_s = 0.0
+        self._launch = time.perf_counter()
+        self._completion: dict[str, float] = {}
+        self._trace = _trace
+        if work is not None and self._trace is not None:
+            work.get_future().then(lambda _: self._completion.setdefault("complete", time.perf_counter()))
+
+    def wait(self) -> torch.Tensor:
+        if self._work is None:
+            return self.result
+        work, self._work = self._work, None
+        _yield_if_in_sub_batch()
+        wait_start = time.perf_counter()
+        work.wait()
+        wait_end = time.perf_counter()
+        self.exposed_s = wait_end - wait_start
+        if self._trace is not None:
+            self._trace.add({"sub_batch": getattr(_local, "index", 0), "launch": self._launch,
+                             "wait_start": wait_start, "wait_end": wait_end,
+                             "complete": self._completion.get("complete", wait_end)})
+        return self.result
+
+
+def start_all_to_all_in_turn(
+    send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group: Optional[dist.ProcessGroup]
+) -> PendingCollective:
+    """Launch ``all_to_all_single`` of the rows of ``send`` (split sizes per rank) without waiting.
+
+    Inside a sub-batch region the other sub-batches compute until the caller waits; with a
+    single rank nothing is exchanged.
+    """
+    if dist.get_world_size(group) == 1:
+        return PendingCollective(send, None)
+    recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
+    work = dist.all_to_all_single(recv, send.contiguous(), list(recv_splits), list(send_splits), group=group,
+                                  async_op=True)
+    return PendingCollective(recv, work)
+
+
+def all_to_all_in_turn(
+    send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group: Optional[dist.ProcessGroup]
+) -> torch.Tensor:
+    """``all_to_all_single`` with split sizes, letting other sub-batches compute meanwhile."""
+    return start_all_to_all_in_turn(send, send_splits, recv_splits, group).wait()
+
+
+def in_sub_batch_region() -> bool:
+    """Whether the calling code runs as one sub-batch of a region (:func:`run_sub_batches`)."""
+    return getattr(_local, "turns", None) is not None
+
+
+@dataclass
+class _Meeting:
+    key: Hashable
+    values: dict[int, Any] = field(default_factory=dict)
+    results: Optional[list[Any]] = None
+    failed: bool = False
+
+
+@dataclass
+class _Meetings:
+    """The meetings of one region, in the order its sub-batches reach them."""
+
+    reached: list[int]
+    meetings: list[_Meeting] = field(default_factory=list)
+
+
+_meetings: "weakref.WeakKeyDictionary[_TurnTaking, _Meetings]" = weakref.WeakKeyDictionary()
+
+
+def meet_in_turn(key: Hashable, value: Any, combine: Callable[[list[Any]], Sequence[Any]]) -> Any:
+    """Join ``value`` with the other sub-batches' values; ``combine`` sees them all once.
+
+    Every sub-batch of the region submits its value and hands the turn on until all have;
+    ``combine`` then runs once (on the last arrival's thread, so collectives inside it are
+    issued once per rank) with the values in sub-batch order, and returns one result per
+    sub-batch. The n-th meeting of each sub-batch is the same meeting; ``key`` guards
+    against sub-batches that take different paths. Outside a region: ``combine([value])[0]``.
+    """
+    turns: Optional[_TurnTaking] = getattr(_local, "turns", None)
+    if turns is None:
+        return combine([value])[0]
+    index, parts = _local.index, len(turns._finished)
+    state = _meetings.setdefault(turns, _Meetings([0] * parts))
+    number = state.reached[index]
+    state.reached[index] += 1
+    if number == len(state.meetings):
+        state.meetings.append(_Meeting(key))
+    meeting = state.meetings[number]
+    if meeting.key != key:
+        raise RuntimeError(
+            f"sub-batch {index} reached meeting {key!r} where another sub-batch reached {meeting.key!r}; "
+            f"every sub-batch of a region must run the same layers in the same order")
+    meeting.values[index] = value
+    if len(meeting.values) == parts:
+        try:
+            results = list(combine([meeting.values[i] for i in range(parts)]))
+        except BaseException:
+            meeting.failed = True
+            raise
+        if len(results) != parts:
+            meeting.failed = True
+            raise RuntimeError(f"combine returned {len(results)} results for {parts} sub-batches")
+        meeting.results, meeting.values = results, {}
+    while meeting.results is None:
+        if meeting.failed:
+            raise RuntimeError(f"meeting {key!r} failed in another sub-batch")
+        gone = [i for i in range(parts) if i not in meeting.values and turns._finished[i]]
+        if gone:
+            raise RuntimeError(f"sub-batch {gone[0]} finished without reaching meeting {key!r}")
+        turns.yield_turn(index)
+    return meeting.results[index]
+
+
+_SHARE_FLAG = "_merak_sub_batch_share"
+
+
+def mark_sub_batch_share(tensor: torch.Tensor) -> torch.Tensor:
+    """Mark ``tensor`` as this sub-batch's additive share of a value of the whole batch.
+
+    A region returns the sum of its sub-batches' marked outputs (not the first of equal
+    ones), and the gradient of that sum reaches every share.
+    """
+    setattr(tensor, _SHARE_FLAG, True)
+    return tensor
+
+
+
 # The sub-batch region ------------------------------------------------------------------------
 
 
@@ -286,19 +431,24 @@ def _split(value: Any, batch: int, parts: int) -> list[Any]:
     return [value] * parts
 
 
-def _merge(outputs: list[Any], sub_batch: int) -> tuple[Any, bool]:
-    """One output from the sub-batches' outputs, and whether it was concatenated."""
+def _merge(outputs: list[Any], sub_batch: int) -> tuple[Any, str]:
+    """One output from the sub-batches' outputs, and how: "cat", "sum" (of shares) or "same"."""
     first = outputs[0]
     if not isinstance(first, torch.Tensor):
-        return first, False
+        return first, "same"
+    if len(outputs) > 1 and all(getattr(output, _SHARE_FLAG, False) for output in outputs):
+        total = outputs[0]
+        for share in outputs[1:]:
+            total = total + share
+        return total, "sum"
     if first.ndim > 0 and first.shape[0] == sub_batch and len(outputs) > 1:
-        return torch.cat(outputs), True
+        return torch.cat(outputs), "cat"
     if not first.is_meta and any(not torch.equal(first, other) for other in outputs[1:]):
         raise ValueError(
             f"an output of shape {tuple(first.shape)} differs between sub-batches but its first dimension is "
             f"not the batch; tp_overlap needs batch-first outputs (or set tp_overlap=1)"
         )
-    return first, False
+    return first, "same"
 
 
 class _SubBatchRegion(torch.autograd.Function):
@@ -326,13 +476,13 @@ class _SubBatchRegion(torch.autograd.Function):
         results = _run_in_turns([task(i) for i in range(parts)], _caller_state(grad=True))
         flat_outputs = [flat for flat, _ in results]
         call["spec"] = results[0][1]
-        merged, concatenated = [], []
+        merged, merges = [], []
         for position in range(len(flat_outputs[0])):
-            value, joined = _merge([flat[position] for flat in flat_outputs], batch // parts)
+            value, how = _merge([flat[position] for flat in flat_outputs], batch // parts)
             merged.append(value.detach() if isinstance(value, torch.Tensor) else value)
-            concatenated.append(joined)
+            merges.append(how)
         ctx.parts, ctx.leaves, ctx.split_inputs = parts, leaves, split_inputs
-        ctx.sub_outputs, ctx.concatenated = flat_outputs, concatenated
+        ctx.sub_outputs, ctx.merges = flat_outputs, merges
         ctx.set_materialize_grads(False)
         call["non_tensor"] = {i: v for i, v in enumerate(merged) if not isinstance(v, torch.Tensor)}
         return tuple(v for v in merged if isinstance(v, torch.Tensor))
@@ -344,7 +494,9 @@ class _SubBatchRegion(torch.autograd.Function):
         for grad, position in zip(grads, tensor_positions):
             if grad is None:
                 continue
-            pieces = grad.chunk(ctx.parts) if ctx.concatenated[position] else [grad] + [None] * (ctx.parts - 1)
+            how = ctx.merges[position]
+            pieces = (grad.chunk(ctx.parts) if how == "cat" else [grad] * ctx.parts if how == "sum"
+                      else [grad] + [None] * (ctx.parts - 1))
             for index, piece in enumerate(pieces):
                 output = ctx.sub_outputs[index][position]
                 if piece is not None and output.requires_grad:

@@ -12,6 +12,7 @@ _EXPORTS = {
     "TransferScheduler": "executor",
     "ExpertGroups": "groups", "carve_expert_groups": "groups", "ensure_expert_groups": "groups",
     "choose_chunks": "lancet", "pipelined_time": "lancet",
+    "block_pipelined_time": "lancet", "choose_block_chunks": "lancet", "lancet_overlap": "lancet_block",
     "MoE": "layer", "MoEOptions": "layer", "PlacementMOELayer": "layer",
     "Padding": "placement", "PlacementPlan": "placement", "Replication": "placement",
     "block_rows": "placement", "rank_loads": "placement",

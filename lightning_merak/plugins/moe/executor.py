@@ -9,7 +9,9 @@ in flight; replica gradients summed back into the owner's gradients (Agg). Every
 ``backward``, so AccumulateGrad — and therefore DDP and ZeRO-1/2 hooks — sees the full
 expert gradient. Every rank creates this node once per layer call and issues the same
 collectives in the same order (all-to-alls on the EP group, Trans/Agg on a separate
-transfer group), also with zero rows anywhere, so a plan can never cause a hang.
+transfer group), also with zero rows anywhere, so a plan can never cause a hang. All-to-alls
+are launched "in turn" (:mod:`lightning_merak.strategies.overlap`): inside a sub-batch region
+every wait, forward and backward, lets the other sub-batches compute first.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.func import functional_call
 from lightning_merak.plugins.moe.dispatch import ExchangeLayout
 from lightning_merak.plugins.moe.placement import PlacementPlan
 from lightning_merak.plugins.moe.weight_grads import DeferredWeightGrads
+from lightning_merak.strategies.overlap import PendingCollective, start_all_to_all_in_turn
 
 __all__ = ["ExpertExchange", "ReplicaTransfer", "TransferScheduler", "flatten_params"]
 
@@ -46,27 +49,29 @@ def _first(output: Any) -> torch.Tensor:
 
 
 class _Pending:
-    """An async collective and the tensor it fills; ``wait`` charges exposed time."""
+    """An all-to-all in flight; ``wait`` charges the time this rank stayed blocked on it.
 
-    def __init__(self, tensor: torch.Tensor, work: Any) -> None:
-        self.tensor, self.work = tensor, work
+    Inside a sub-batch region (block-scope Lancet) waiting first hands the turn to the
+    other sub-batches, so their computation runs while this all-to-all is in flight.
+    """
+
+    def __init__(self, collective: PendingCollective, launched: bool) -> None:
+        self.collective, self.uncharged = collective, launched
 
     def wait(self, stats: dict[str, float], key: str) -> torch.Tensor:
-        if self.work is not None:
-            start = time.perf_counter()
-            self.work.wait()
-            stats[key] = stats.get(key, 0.0) + time.perf_counter() - start
-        return self.tensor
+        tensor = self.collective.wait()
+        if self.uncharged:
+            stats[key] = stats.get(key, 0.0) + self.collective.exposed_s
+            self.uncharged = False
+        return tensor
 
 
 def _start_all_to_all(
     send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: Any, ep_size: int
 ) -> _Pending:
     if ep_size == 1:
-        return _Pending(send, None)
-    recv = send.new_empty((sum(recv_splits), send.size(1)))
-    work = dist.all_to_all_single(recv, send.contiguous(), recv_splits, send_splits, group=group, async_op=True)
-    return _Pending(recv, work)
+        return _Pending(PendingCollective(send, None), launched=False)
+    return _Pending(start_all_to_all_in_turn(send, send_splits, recv_splits, group), launched=True)
 
 
 @dataclass

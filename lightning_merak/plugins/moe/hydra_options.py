@@ -1,6 +1,7 @@
 """Hydra ``moe`` options: DeepSpeed-MoE, Pro-Prophet and FasterMoE-style shadowing.
 
-``apply`` swaps a Mixtral-style model's sparse blocks before any process exists; the
+``apply`` swaps a Mixtral-style model's sparse blocks before any process exists (and,
+with ``lancet_scope=block``, runs each decoder layer as Lancet sub-batches); the
 layers attach their expert groups lazily, and :meth:`ProphetMoEConfig.build_callbacks`
 returns the callback that prepares them for DDP and logs balance metrics.
 """
@@ -31,6 +32,8 @@ class ProphetMoEConfig(MoEConfig):
     dispatch: str = "dropless"
     placement: str = "pro_prophet"
     lancet_chunks: str = "auto"
+    lancet_scope: str = "layer"
+    lancet_block_chunks: str = "auto"
     lancet_backward: bool = True
     overlap_transfer: bool = True
     replan_every: int = 1
@@ -48,7 +51,18 @@ class ProphetMoEConfig(MoEConfig):
             raise ValueError(f"moe.lancet_chunks={self.lancet_chunks!r}: use auto or a positive integer")
         return int(self.lancet_chunks)
 
+    def _block_chunks(self) -> int | str:
+        if self.lancet_scope not in ("layer", "block"):
+            raise ValueError(f"moe.lancet_scope={self.lancet_scope!r}: use layer (inside the MoE layer) or block "
+                             "(attention + MoE of each decoder layer as sub-batches)")
+        if self.lancet_block_chunks == "auto":
+            return "auto"
+        if not str(self.lancet_block_chunks).isdigit() or int(self.lancet_block_chunks) < 1:
+            raise ValueError(f"moe.lancet_block_chunks={self.lancet_block_chunks!r}: use auto or a positive integer")
+        return int(self.lancet_block_chunks)
+
     def apply(self, model: nn.Module) -> nn.Module:
+        from lightning_merak.plugins.moe.lancet_block import lancet_overlap
         from lightning_merak.plugins.moe.layer import MoEOptions
         from lightning_merak.plugins.moe.swap import swap_sparse_moe_blocks
 
@@ -69,10 +83,15 @@ class ProphetMoEConfig(MoEConfig):
             exclude_fewest=self.exclude_fewest, slots_per_rank=self.slots_per_rank, alpha=self.alpha,
         )
         options.validate(self.drop_tokens)
+        block_chunks = self._block_chunks()
         swap_sparse_moe_blocks(
             model, self.ep_size, options, capacity_factor=self.capacity_factor,
             drop_tokens=self.drop_tokens, aux_loss_coef=self.aux_loss_coef,
         )
+        if self.lancet_scope == "block":
+            if getattr(config, "use_cache", False):
+                config.use_cache = False  # a KV cache spans the whole batch; Lancet sub-batches cannot share it
+            lancet_overlap(model, block_chunks)
         return model
 
     def build_callbacks(self) -> list[pl.Callback]:

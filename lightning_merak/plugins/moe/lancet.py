@@ -4,6 +4,11 @@ Simulator (Lancet §1.5, range limited to the MoE layer): chunk c's dispatch, ex
 compute and combine are stages; a stage starts when its dependency ends and the
 previous op of its kind (the link, or the compute unit) is free. All-to-alls are
 issued in the executor's order D0, D1, C0, D2, C1, ... and share one link.
+
+Block scope (:func:`block_pipelined_time`) widens the range to the decoder block: the
+batch runs as k sub-batches through the block's dense computation (attention), the
+joint gate (which needs every sub-batch's logits), dispatch, experts and combine, and a
+sub-batch's combine overlaps the other sub-batches' experts and next dense computation.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 from lightning_merak.plugins.moe.cost_model import CostModel
 from lightning_merak.plugins.moe.placement import Counts, Padding, PlacementPlan, rank_loads
 
-__all__ = ["CHUNK_CHOICES", "choose_chunks", "pipelined_time"]
+__all__ = ["CHUNK_CHOICES", "block_pipelined_time", "choose_block_chunks", "choose_chunks", "pipelined_time"]
 
 CHUNK_CHOICES = (1, 2, 4, 8)
 
@@ -49,6 +54,59 @@ def choose_chunks(cost_model: CostModel, counts: Counts, plan: PlacementPlan, pa
     for chunks in CHUNK_CHOICES:
         per_chunk = cost_model.all_to_all.time(traffic_bytes / chunks)
         simulated = pipelined_time(per_chunk, compute_s / chunks, chunks)
+        if simulated < best_time - 1e-12:
+            best, best_time = chunks, simulated
+    return best
+
+
+def block_pipelined_time(dense_s: float, all_to_all_s: float, expert_s: float, chunks: int, blocks: int = 2) -> float:
+    """Forward time of ``blocks`` decoder blocks run as ``chunks`` sub-batches (times are per sub-batch).
+
+    The compute unit runs each block's dense parts of sub-batches 0…k−1, then their experts;
+    the link carries the dispatches 0…k−1 (after the joint gate, i.e. after the last dense
+    part), then each combine once its experts are done. Sub-batch i enters the next block
+    when its combine has arrived.
+    """
+    if chunks < 1 or blocks < 1:
+        raise ValueError(f"chunks={chunks} and blocks={blocks} must be at least 1")
+    compute_free = link_free = 0.0
+    ready = [0.0] * chunks
+    for _ in range(blocks):
+        dense_end = []
+        for c in range(chunks):
+            compute_free = max(compute_free, ready[c]) + dense_s
+            dense_end.append(compute_free)
+        gated = max(dense_end)
+        dispatch_end = []
+        for _c in range(chunks):
+            link_free = max(link_free, gated) + all_to_all_s
+            dispatch_end.append(link_free)
+        for c in range(chunks):
+            compute_free = max(compute_free, dispatch_end[c]) + expert_s
+            link_free = max(link_free, compute_free) + all_to_all_s
+            ready[c] = link_free
+    return max(ready)
+
+
+def choose_block_chunks(
+    cost_model: CostModel, counts: Counts, plan: PlacementPlan, dense_s: float, batch: int, blocks: int = 2
+) -> int:
+    """The sub-batch count (dividing ``batch``) with the least simulated block time; ties go to fewer.
+
+    ``dense_s`` is the measured dense (non-MoE) forward time of one block on the whole
+    batch; sub-batches exchange their kept routes only, so traffic is priced unpadded.
+    """
+    if dense_s < 0 or batch < 1:
+        raise ValueError(f"dense_s={dense_s} must be >= 0 and batch={batch} >= 1")
+    loads = rank_loads(counts, plan, Padding("dropless"), cost_model.experts_per_rank)
+    traffic_bytes = max(max(s, r) for s, r in zip(loads.sent, loads.received)) * cost_model.bytes_per_token
+    expert_s = max(loads.computed) / cost_model.expert_tokens_per_s
+    best, best_time = 1, float("inf")
+    for chunks in CHUNK_CHOICES:
+        if batch % chunks:
+            continue
+        per_chunk = cost_model.all_to_all.time(traffic_bytes / chunks)
+        simulated = block_pipelined_time(dense_s / chunks, per_chunk, expert_s / chunks, chunks, blocks)
         if simulated < best_time - 1e-12:
             best, best_time = chunks, simulated
     return best

@@ -12,6 +12,12 @@ Per call: the gate routes the full local batch (DeepSpeed's decisions, k = 1 or 
 the per-rank counts are all-gathered over the EP group (one small collective, one
 host sync); the plan computed from the previous call's counts decides which rows
 stay local on replica ranks; rows go through :class:`~.executor.ExchangeFunction`.
+
+Inside a sub-batch region (block-scope Lancet, :mod:`.lancet_block`) each sub-batch
+computes its gate logits, and the sub-batches meet once per call: the routing is
+decided on their concatenation (:mod:`.joint_gate`), counts are gathered, replicas
+received and the next plan made once, from the joint counts. Each sub-batch then
+exchanges only its own kept routes and returns its share of ``l_aux``.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ from typing import Any, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
-from deepspeed.moe.sharded_moe import MOELayer, TopKGate
+from deepspeed.moe.sharded_moe import MOELayer, TopKGate, multiplicative_jitter, top1gating, top2gating
 from torch import nn
 
 from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, expert_indices, select_local_experts
@@ -37,11 +44,13 @@ from lightning_merak.plugins.moe.executor import (
     flatten_params,
 )
 from lightning_merak.plugins.moe.groups import ExpertGroups, ensure_expert_groups
+from lightning_merak.plugins.moe.joint_gate import compact_routes, first_choice_fraction, sub_batch_gates
 from lightning_merak.plugins.moe.lancet import choose_chunks
 from lightning_merak.plugins.moe.placement import Padding, PlacementPlan
 from lightning_merak.plugins.moe.planner import plan_pro_prophet
 from lightning_merak.plugins.moe.profile import profile_cost_model
 from lightning_merak.plugins.moe.shadowing import plan_shadowing
+from lightning_merak.strategies.overlap import in_sub_batch_region, mark_sub_batch_share, meet_in_turn
 
 __all__ = ["MoE", "MoEOptions", "PlacementMOELayer"]
 
@@ -91,6 +100,30 @@ def _routes_from_dense(combine_weights: torch.Tensor, dispatch_mask: torch.Tenso
     indices = torch.where(kept, slots // capacity, torch.full_like(slots, -1))
     gates = combine_weights.reshape(num_tokens, -1).gather(1, slots) * kept
     return indices.t(), (slots % capacity).t(), gates.t(), torch.tensor(capacity)
+
+
+@dataclass
+class _JointCall:
+    """What the sub-batches of one layer call share: decided once, from all their tokens."""
+
+    plan: PlacementPlan
+    replica_params: dict[int, torch.Tensor]
+    stats: dict[str, Any]
+    exp_counts: torch.Tensor
+    first_fraction: torch.Tensor
+    total_tokens: int
+
+
+@dataclass
+class _SubBatchRoutes:
+    """One sub-batch's slice of the joint routing, renumbered for an unpadded exchange."""
+
+    indices: torch.Tensor
+    locations: torch.Tensor
+    counts: list[list[int]]
+    chunks: int
+    first: bool
+    joint: _JointCall
 
 
 class PlacementMOELayer(MOELayer):
@@ -156,6 +189,26 @@ class PlacementMOELayer(MOELayer):
         l_aux, combine_weights, dispatch_mask, counts = self.gate(tokens, used_token, use_tutel=False)
         indices, locations, gates, capacity = _routes_from_dense(combine_weights, dispatch_mask, self.gate.k)
         return l_aux, capacity, indices, locations, gates, counts
+
+    def _route(self, logits: torch.Tensor, used_token: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """DeepSpeed's gating of ``logits`` (a copy: top-2 sampling edits them in place), without its l_aux."""
+        gate = self.gate
+        capacity_factor = gate.capacity_factor if gate.training else gate.eval_capacity_factor
+        scratch = logits.detach().clone()
+        sparse = {"sparse_routes": True} if _GATE_TAKES_SPARSE_ROUTES else {}
+        if gate.k == 1:
+            routed = top1gating(scratch, capacity_factor, gate.min_capacity, used_token,
+                                gate.noisy_gate_policy if gate.training else None, gate.drop_tokens, gate.use_rts,
+                                gate.ep_group, use_tutel=False, **sparse)
+        else:
+            routed = top2gating(scratch, capacity_factor, gate.min_capacity, gate.drop_tokens, gate.ep_group,
+                                gate.top2_2nd_expert_sampling, **sparse)
+        if sparse:
+            _, capacity, _, indices, locations, _, counts = routed
+        else:
+            _, combine_weights, dispatch_mask, counts = routed
+            indices, locations, _, capacity = _routes_from_dense(combine_weights, dispatch_mask, gate.k)
+        return capacity, indices, locations, counts
 
     def _gather_counts(self, local: torch.Tensor) -> list[list[int]]:
         local = local.to(torch.int64).reshape(1, -1)
@@ -224,10 +277,42 @@ class PlacementMOELayer(MOELayer):
             counts, self.cost_model, padding, exclude_fewest=self.options.exclude_fewest,
             alpha=self.options.alpha, slots_per_rank=self.options.slots_per_rank)
 
+    def _receive_replicas(self, stats: dict[str, Any]) -> dict[int, torch.Tensor]:
+        """This call's replica parameters (prefetched by the previous layer when overlapping)."""
+        transfer = self.scheduler.take(self, stats) if self.options.overlap_transfer else None
+        if transfer is None:
+            transfer = self.start_trans()
+        received = transfer.wait(stats, "exposed_trans_s") if transfer is not None else {}
+        return {e: bufs[0] for e, bufs in received.items()}
+
+    def _exchange(
+        self, tokens: torch.Tensor, layout: ExchangeLayout, rows: torch.Tensor, gates: torch.Tensor,
+        plan: PlacementPlan, replica_params: dict[int, torch.Tensor], stats: dict[str, Any], prefetch: bool,
+    ) -> torch.Tensor:
+        """Tokens → experts (local, replica, or over the all-to-alls) → gate-weighted sum per token."""
+        routed_in = encode(tokens, rows, layout.num_rows)
+        params = [p for expert in self.experts.deepspeed_experts for p in expert.parameters()]
+        build_graph = torch.is_grad_enabled() and (routed_in.requires_grad or any(p.requires_grad for p in params))
+        exchange = ExpertExchange(
+            layout=layout,
+            group=self.ep_group,
+            experts=list(self.experts.deepspeed_experts),
+            replica_params=replica_params,
+            agg_start=self._start_agg(plan),
+            lancet_backward=self.options.lancet_backward,
+            after_first_dispatch=(lambda: self.scheduler.prefetch_after(self))
+            if self.options.overlap_transfer and prefetch else (lambda: None),
+            stats=stats,
+        )
+        routed_out = ExchangeFunction.apply(exchange, build_graph, routed_in, *params)
+        return decode(routed_out, rows, gates)
+
     def forward(self, *input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         hidden = input[0]
         used_token = input[1] if len(input) > 1 else None
         self._attach()
+        if in_sub_batch_region():
+            return self._forward_sub_batch(hidden, used_token)
         if self._needs_cost_model():
             self._ensure_cost_model(hidden)
         tokens = hidden.reshape(-1, hidden.size(-1))
@@ -237,28 +322,10 @@ class PlacementMOELayer(MOELayer):
         chunks = self._chunks(counts, padding)
         layout = ExchangeLayout.build(self.ep_rank, counts, self.plan, padding, self.num_local_experts, chunks)
         rows = layout.route_rows(indices, locations)
-        routed_in = encode(tokens, rows, layout.num_rows)
 
         stats: dict[str, Any] = {}
-        transfer = self.scheduler.take(self, stats) if self.options.overlap_transfer else None
-        if transfer is None:
-            transfer = self.start_trans()
-        received = transfer.wait(stats, "exposed_trans_s") if transfer is not None else {}
-        params = [p for expert in self.experts.deepspeed_experts for p in expert.parameters()]
-        build_graph = torch.is_grad_enabled() and (routed_in.requires_grad or any(p.requires_grad for p in params))
-        exchange = ExpertExchange(
-            layout=layout,
-            group=self.ep_group,
-            experts=list(self.experts.deepspeed_experts),
-            replica_params={e: bufs[0] for e, bufs in received.items()},
-            agg_start=self._start_agg(self.plan),
-            lancet_backward=self.options.lancet_backward,
-            after_first_dispatch=(lambda: self.scheduler.prefetch_after(self))
-            if self.options.overlap_transfer else (lambda: None),
-            stats=stats,
-        )
-        routed_out = ExchangeFunction.apply(exchange, build_graph, routed_in, *params)
-        output = decode(routed_out, rows, gates)
+        replica_params = self._receive_replicas(stats)
+        output = self._exchange(tokens, layout, rows, gates, self.plan, replica_params, stats, prefetch=True)
 
         stats.update(
             counts=counts,
@@ -272,6 +339,60 @@ class PlacementMOELayer(MOELayer):
         self._calls += 1
         self.plan = self._next_plan(counts, padding)
         return output.reshape(hidden.shape)
+
+    def _forward_sub_batch(self, hidden: torch.Tensor, used_token: torch.Tensor | None) -> torch.Tensor:
+        """One sub-batch's call: joint routing (met once per call), own gates, l_aux share and exchange."""
+        tokens = hidden.reshape(-1, hidden.size(-1))
+        gate_input = tokens.float()
+        if self.gate.noisy_gate_policy == "Jitter" and self.gate.training:
+            gate_input = multiplicative_jitter(gate_input, device=gate_input.device)
+        logits = F.linear(gate_input, weight=self.gate.wg.weight.float(), bias=None)
+        used = used_token.detach().reshape(-1) if used_token is not None else None
+        submission = (logits.detach(), used, hidden.new_empty(0, hidden.size(-1)))
+        part: _SubBatchRoutes = meet_in_turn(("moe", id(self)), submission, self._route_jointly)
+        joint = part.joint
+        gates, l_aux = sub_batch_gates(logits, part.indices, joint.first_fraction, joint.total_tokens)
+        layout = ExchangeLayout.build(self.ep_rank, part.counts, joint.plan, Padding("dropless"),
+                                      self.num_local_experts, part.chunks)
+        rows = layout.route_rows(part.indices, part.locations)
+        output = self._exchange(tokens, layout, rows, gates, joint.plan, joint.replica_params, joint.stats,
+                                prefetch=part.first)
+        joint.stats["routed_rows"] += layout.num_rows
+        self.l_aux = mark_sub_batch_share(l_aux)
+        self.exp_counts = joint.exp_counts
+        self.stats = joint.stats
+        return output.reshape(hidden.shape)
+
+    def _route_jointly(self, submissions: list[tuple[Any, ...]]) -> list[_SubBatchRoutes]:
+        """Runs once per call on one thread: everything that must see all sub-batches' tokens."""
+        like = submissions[0][2]
+        if self._needs_cost_model():
+            self._ensure_cost_model(like)
+        logits = torch.cat([s[0] for s in submissions])
+        used = torch.cat([s[1] for s in submissions]) if submissions[0][1] is not None else None
+        sizes = [s[0].size(0) for s in submissions]
+        capacity, indices, locations, exp_counts = self._route(logits, used)
+        first_fraction = (exp_counts.float() / logits.size(0) if self.gate.k == 1
+                          else first_choice_fraction(logits))
+        pieces = [compact_routes(i, l, self.num_experts)
+                  for i, l in zip(indices.split(sizes, dim=1), locations.split(sizes, dim=1))]
+        local = torch.stack([exp_counts.to(torch.int64)] + [counts for _, counts in pieces])
+        gathered = [torch.tensor(row).view(len(pieces) + 1, -1).tolist() for row in self._gather_counts(local)]
+        counts = [rank_rows[0] for rank_rows in gathered]
+        sub_counts = [[rank_rows[1 + i] for rank_rows in gathered] for i in range(len(pieces))]
+        padding = self._padding(capacity)
+        stats: dict[str, Any] = {}
+        replica_params = self._receive_replicas(stats)
+        chunks = [self._chunks(c, Padding("dropless")) for c in sub_counts]
+        stats.update(counts=counts, plan=self.plan, chunks=max(chunks), padding=padding,
+                     dropped_routes=int((indices < 0).sum()), routed_rows=0, sub_batches=len(pieces))
+        joint = _JointCall(self.plan, replica_params, stats, exp_counts, first_fraction, logits.size(0))
+        self._calls += 1
+        self.plan = self._next_plan(counts, padding)
+        return [
+            _SubBatchRoutes(i.to(torch.int64), compact, sub_counts[n], chunks[n], n == 0, joint)
+            for n, (i, (compact, _)) in enumerate(zip(indices.split(sizes, dim=1), pieces))
+        ]
 
 
 class MoE(DeepSpeedMoE):

@@ -1,0 +1,145 @@
+"""Block-scope Lancet: each decoder block that holds our ``MoE`` runs as overlapped sub-batches.
+
+The batch is split into ``chunks`` sub-batches that run the whole block (attention, then
+the MoE layer) as round-robin coroutines (:func:`~lightning_merak.strategies.overlap.run_sub_batches`):
+a sub-batch computes until it waits for an all-to-all, and the other sub-batches' expert
+or dense computation runs meanwhile, in the forward and in the backward. The MoE layer
+gates all sub-batches jointly, so tokens are kept and dropped exactly as without the
+split, and each sub-batch returns its share of ``l_aux``, which the region sums.
+
+The model is not edited: :func:`lancet_overlap` replaces the blocks' ``forward``. With
+``chunks="auto"`` the first call of each block runs unsplit and measures the block's
+dense compute time (block minus MoE), which, with the layer's cost model and expert
+counts, picks the sub-batch count by simulation (:func:`~.lancet.choose_block_chunks`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_merak.plugins.moe.lancet import choose_block_chunks
+from lightning_merak.plugins.moe.layer import MoE, PlacementMOELayer
+from lightning_merak.strategies.overlap import run_sub_batches
+
+__all__ = ["LancetBlockForward", "lancet_overlap"]
+
+Chunks = Union[int, str]
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def _check_chunks(chunks: Chunks) -> None:
+    if chunks != "auto" and not (isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1):
+        raise ValueError(f"chunks={chunks!r}: use 'auto' or an integer >= 1 (the number of sub-batches)")
+
+
+def _batch_size(args: tuple, kwargs: dict[str, Any]) -> Optional[int]:
+    leaves, _ = tree_flatten((args, kwargs))
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    return tensors[0].shape[0] if tensors and tensors[0].ndim > 0 else None
+
+
+class LancetBlockForward:
+    """A block's ``forward`` as ``chunks`` overlapped sub-batches; install with :func:`lancet_overlap`."""
+
+    def __init__(self, block: nn.Module, chunks: Chunks) -> None:
+        _check_chunks(chunks)
+        self.block, self.forward = block, block.forward
+        self.layers = [m.deepspeed_moe for m in block.modules() if isinstance(m, MoE)]
+        if not self.layers:
+            raise ValueError(f"{type(block).__name__} holds no lightning_merak MoE layer; wrap the blocks that do")
+        self.chunks: Optional[int] = None if chunks == "auto" else int(chunks)
+        self.dense_s: Optional[float] = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        cache = [name for name in _CACHE_ARGUMENTS if kwargs.get(name) is not None]
+        if cache:
+            raise ValueError(
+                f"{type(self.block).__name__} got a key/value cache ({cache[0]}), which spans the whole batch and "
+                f"cannot be shared by Lancet sub-batches; run with use_cache=False (model.config.use_cache=False)")
+        batch = _batch_size(args, kwargs)
+        if batch is None:
+            raise ValueError(f"{type(self.block).__name__}.forward got no batch-first tensor to split into sub-batches")
+        if self.chunks is None:
+            return self._measure_and_choose(batch, args, kwargs)
+        if batch % self.chunks:
+            raise ValueError(
+                f"a batch of {batch} samples cannot be split into {self.chunks} Lancet sub-batches; "
+                f"choose chunks that divide the micro-batch size (or chunks='auto')")
+        parameters = [p for p in self.block.parameters() if p.requires_grad]
+        return run_sub_batches(self.forward, self.chunks, args, kwargs, parameters)
+
+    def _measure_and_choose(self, batch: int, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Run unsplit once, timing the block and its MoE layers; then fix the sub-batch count."""
+        moe_s = [0.0]
+
+        def started(*_: Any) -> None:
+            moe_s[0] -= time.perf_counter()
+
+        def finished(*_: Any) -> None:
+            moe_s[0] += time.perf_counter()
+
+        handles = [h for layer in self.layers
+                   for h in (layer.register_forward_pre_hook(started), layer.register_forward_hook(finished))]
+        try:
+            start = time.perf_counter()
+            output = self.forward(*args, **kwargs)
+            block_s = time.perf_counter() - start
+        finally:
+            for handle in handles:
+                handle.remove()
+        layer = self.layers[0]
+        measured = torch.tensor([max(block_s - moe_s[0], 0.0)], dtype=torch.float64)
+        if layer.ep_size > 1:
+            dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=layer.ep_group)
+        self.dense_s = measured.item()
+        cost_model = layer._ensure_cost_model(layer.gate.wg.weight.detach())
+        self.chunks = choose_block_chunks(cost_model, layer.stats["counts"], layer.stats["plan"], self.dense_s, batch)
+        return output
+
+
+def _enclosing_blocks(model: nn.Module) -> list[nn.Module]:
+    """For each MoE, its nearest ancestor (or itself) held by an ``nn.ModuleList`` or ``nn.Sequential``."""
+    modules = dict(model.named_modules())
+    blocks: list[nn.Module] = []
+    for name, module in modules.items():
+        if not isinstance(module, MoE):
+            continue
+        parts = name.split(".") if name else []
+        for cut in range(len(parts), 0, -1):
+            parent = modules[".".join(parts[: cut - 1])]
+            if isinstance(parent, (nn.ModuleList, nn.Sequential)):
+                block = modules[".".join(parts[:cut])]
+                break
+        else:
+            raise ValueError(
+                f"MoE layer {name or type(model).__name__!r} is not inside a block held by an nn.ModuleList or "
+                f"nn.Sequential; pass the decoder blocks explicitly: lancet_overlap(model, chunks, blocks=[...])")
+        if all(block is not seen for seen in blocks):
+            blocks.append(block)
+    return blocks
+
+
+def lancet_overlap(model: nn.Module, chunks: Chunks = "auto",
+                   blocks: Optional[Sequence[nn.Module]] = None) -> list[nn.Module]:
+    """Run every decoder block holding our ``MoE`` as ``chunks`` overlapped sub-batches; return the blocks.
+
+    ``blocks`` defaults to each MoE's nearest ancestor held by a ``ModuleList``/``Sequential``
+    (a transformer's layer list). A block's outputs must be batch-first, ``l_aux`` as
+    returned by the MoE (summed over sub-batches), or equal across sub-batches.
+    """
+    _check_chunks(chunks)
+    if not any(isinstance(m, PlacementMOELayer) for m in model.modules()):
+        raise ValueError(f"{type(model).__name__} has no lightning_merak MoE layer; build or swap one in first")
+    targets = list(blocks) if blocks is not None else _enclosing_blocks(model)
+    for block in targets:
+        if isinstance(block.forward, LancetBlockForward):
+            raise ValueError(f"{type(block).__name__} already runs block-scope Lancet; call lancet_overlap once")
+    for block in targets:
+        block.forward = LancetBlockForward(block, chunks)
+    return targets
