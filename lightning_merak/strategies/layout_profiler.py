@@ -103,6 +103,7 @@ def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, 
         return tensor
 
     def run() -> None:
+        shard.zero_grad(set_to_none=True)  # as every training step: backward allocates fresh gradients
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             output = trace.hidden_of(shard(inputs, *args, **kwargs))
@@ -148,6 +149,7 @@ def _forward_backward_times(run: nn.Module, hidden: torch.Tensor, args: tuple, k
     forward, backward = [], []
     for attempt in range(repeats + 1):
         inputs = hidden.detach().requires_grad_(True)
+        run.zero_grad(set_to_none=True)  # as every training step: backward allocates fresh gradients
         start = time.perf_counter()
         output = run(inputs, *args, **kwargs)
         middle = time.perf_counter()
