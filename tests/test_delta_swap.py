@@ -4,6 +4,7 @@ recompute switches, accounting, and cleanup of the disk tier."""
 from __future__ import annotations
 
 import copy
+import ctypes
 import os
 
 import pytest
@@ -15,7 +16,7 @@ from lightning_merak.callbacks.delta.blocks import discover_blocks
 from lightning_merak.callbacks.delta.budget import parse_budget
 from lightning_merak.callbacks.delta.ledger import ResidentLedger
 from lightning_merak.callbacks.delta.planner import Action
-from lightning_merak.callbacks.delta.profiler import SavedTensorTracker
+from lightning_merak.callbacks.delta.profiler import DeviceMemory, SavedTensorTracker
 from lightning_merak.callbacks.delta.recompute import user_checkpointing
 from lightning_merak.callbacks.delta.runtime import ManagerOptions, MemoryManager
 from lightning_merak.callbacks.delta.swap import DiskTier, HostTier, SwapManager
@@ -157,3 +158,78 @@ def test_manager_recompute_and_swap_match_plain_training_with_dropout():
     }
     assert manager.blocks[0].switch.recompute
     manager.close()
+
+
+def test_disk_tier_batches_round_trip_and_reuse_the_file_every_step(tmp_path):
+    tier = DiskTier(torch.device("cpu"), str(tmp_path), batch_bytes=10_000)
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for step in range(3):
+            sources = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator) for n in (3000, 0, 5000, 4097, 7)]
+            outgoing = [tier.copy_out(source) for source in sources]
+            # waiting on a member of a batch nobody sent yet must send it, not hang
+            stored = [outgoing[-1].finish()] + [t.finish() for t in outgoing[:-1]]
+            stored = stored[1:] + stored[:1]
+            incoming = [tier.copy_in(s, torch.device("cpu")) for s in stored]
+            tier.submit()
+            for source, transfer in zip(reversed(sources), reversed(incoming)):
+                assert torch.equal(transfer.finish(), source)
+            assert os.path.getsize(tier.path) == sum(s.numel() for s in sources), f"step {step} grew the file"
+            for s in stored:
+                tier.discard(s)
+        assert tier.files() == ["arena.bin"]
+    finally:
+        tier.close()
+    assert not os.path.exists(tier.directory)
+
+
+class Wide(nn.Module):
+    """Saves large tensors inside a swapped part and keeps others in a kept part."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.swapped = nn.Sequential(*(m for i in range(4) for m in (nn.Linear(64 if i == 0 else 256, 256), nn.Tanh())))
+        self.kept = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 64), nn.Tanh())
+
+
+def test_stash_makes_room_before_a_tensor_counts_so_the_budget_is_never_crossed(tmp_path):
+    torch.manual_seed(0)
+    model = Wide()
+    x = torch.randn(128, 64)
+    ledger = ResidentLedger()
+    tracker = SavedTensorTracker(ledger)
+    tracker.exclude_module_state(model)
+    tier = DiskTier(torch.device("cpu"), str(tmp_path))
+    swap = SwapManager(tier, tracker, min_offload_bytes=0, stash_depth=64)
+    swap.budget_bytes = 3 * 128 * 256 * 4  # three saved activations of the wide layers
+    ledger.start_step()
+    with swap.hooks("swapped"):
+        hidden = model.swapped(x)
+    with tracker.hooks("kept"):
+        out = model.kept(hidden)
+    swap.flush()
+    assert tracker.saved_bytes("swapped") > swap.budget_bytes, "the test needs more swapped bytes than the budget"
+    assert ledger.peak_bytes <= swap.budget_bytes
+    out.sum().backward()
+    swap.end_step()
+    assert ledger.resident_bytes == 0
+    tier.close()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm", encoding="ascii") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(
+    not hasattr(ctypes.CDLL(None), "malloc_trim") or not os.path.exists("/proc/self/statm"), reason="needs glibc on Linux"
+)
+def test_release_free_gives_freed_heap_holes_back_to_the_os():
+    # small blocks live on the heap, not in their own mappings; freeing every other one
+    # leaves holes inside the heap that free() alone never returns
+    blocks = [torch.ones(48 * 1024, dtype=torch.uint8) for _ in range(1200)]
+    del blocks[::2]
+    before = _rss_bytes()
+    DeviceMemory(torch.device("cpu")).release_free()
+    assert before - _rss_bytes() >= 10 * 2**20, "malloc_trim should return most of the ~28 MiB of holes"
+    del blocks

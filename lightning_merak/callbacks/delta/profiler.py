@@ -8,6 +8,7 @@ device's memory (:class:`DeviceMemory`).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import statistics
@@ -140,8 +141,8 @@ class SavedTensorTracker:
     """
 
     ledger: ResidentLedger
-    on_keep: Optional[Callable[[], None]] = None
-    """Called after each kept tensor is counted (the swap stash settles its copy-outs then)."""
+    before_keep: Optional[Callable[[int], None]] = None
+    """Called with the size of a kept storage about to be counted (the swap stash makes room)."""
     _excluded: set[tuple[str, int]] = field(default_factory=set)
     _seen: dict[str, dict[Hashable, int]] = field(default_factory=dict)
     _boundary: dict[str, set[tuple[str, int]]] = field(default_factory=dict)
@@ -179,11 +180,11 @@ class SavedTensorTracker:
         if self.is_state(tensor) or tensor.layout is not torch.strided:
             return tensor
         key = storage_key(tensor)
-        self.note(owner, key, storage_nbytes(tensor))
-        kept = _KeptTensor(tensor, key, self.ledger)
-        if self.on_keep is not None:
-            self.on_keep()
-        return kept
+        nbytes = storage_nbytes(tensor)
+        self.note(owner, key, nbytes)
+        if self.before_keep is not None and not self.ledger.is_resident(key):
+            self.before_keep(nbytes)
+        return _KeptTensor(tensor, key, self.ledger)
 
     def hooks(self, owner: str) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self.keep(owner, t), unpack_kept)
@@ -218,6 +219,17 @@ def _host_total_bytes() -> int:
     return total
 
 
+def _find_malloc_trim() -> Optional[Callable[[int], int]]:
+    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
 class DeviceMemory:
     """Total, current and peak memory of the training device (CUDA) or of this process (CPU).
 
@@ -247,6 +259,20 @@ class DeviceMemory:
         if hwm is not None:
             return hwm * 1024
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def release_free(self) -> None:
+        """On CPU, give the pages of freed heap memory back to the OS (glibc ``malloc_trim``).
+
+        The heap keeps the layout of whatever ran before (warm-up at another input size, a
+        previous plan); its free pages stay resident and count in the process's memory
+        until the new plan's allocations happen to reuse them. Worth it once per plan
+        change, not per step (pages given back are faulted in again when reused).
+        """
+        if self.is_cuda:
+            return
+        trim = _find_malloc_trim()
+        if trim is not None:
+            trim(0)
 
     def reset_peak(self) -> None:
         if self.is_cuda:

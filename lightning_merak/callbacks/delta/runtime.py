@@ -349,6 +349,7 @@ class MemoryManager:
             profile = self.profile if factor == 1 else self.profile.scaled(factor)
             plan = plan_memory(profile, self._settings())
             self._plans[signature] = plan
+            self.device_memory.release_free()
             self.log(f"DeltaMemory plan for inputs {signature} (x{factor:.2f} of warm-up size):\n{plan.table()}")
             if not plan.fits:
                 warnings.warn(
@@ -379,6 +380,7 @@ class MemoryManager:
         del self._plans[self._signature]
         plan = plan_memory(refined, self._settings())
         self._plans[self._signature] = plan
+        self.device_memory.release_free()
         self.log(f"DeltaMemory re-plan for inputs {self._signature}:\n{plan.table()}")
 
     def _measured_profile(self, report: StepReport, scaled: Any) -> Any:

@@ -5,8 +5,8 @@ storage (views of one storage are copied once) starts an asynchronous copy-out t
 
 * :class:`HostTier` - pinned host memory from a pre-allocated slab, copied on a CUDA side
   stream (the default on GPU). On CPU it is a plain copy, useful only for testing.
-* :class:`DiskTier` - one file per storage in a private directory, written and read by a
-  background thread (the default on CPU, where host memory *is* the device memory).
+* :class:`DiskTier` - extents of one reused file in a private directory, written and read
+  by a background thread (the default on CPU, where host memory *is* the device memory).
 
 The device copy is held (the "stash") until its copy-out completes; then it is dropped and
 stops counting in the ledger. :meth:`SwapManager.prefetch` starts copy-ins before a
@@ -21,10 +21,11 @@ import itertools
 import os
 import shutil
 import tempfile
+import threading
 import time
 import warnings
 import weakref
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional, Protocol
 
 import torch
 
@@ -45,6 +46,14 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
 
 
+class _Pending(Protocol):
+    """A result computed elsewhere: a ``concurrent.futures.Future`` or a batch member."""
+
+    def done(self) -> bool: ...
+
+    def result(self) -> object: ...
+
+
 class _Transfer:
     """An asynchronous copy; ``done`` polls, ``wait`` blocks, ``finish`` returns the result.
 
@@ -55,7 +64,7 @@ class _Transfer:
     def __init__(
         self,
         result: object = None,
-        future: Optional[concurrent.futures.Future] = None,
+        future: Optional[_Pending] = None,
         event: Optional["torch.cuda.Event"] = None,
         compute_stream: Optional["torch.cuda.Stream"] = None,
         keep_alive: object = None,
@@ -99,6 +108,9 @@ class SwapTier:
 
     def discard(self, stored: object) -> None:
         """Free what ``copy_out`` produced once nothing can unpack it again."""
+
+    def submit(self) -> None:
+        """Start the transfers a tier may hold back to send together (a block's worth)."""
 
     def end_step(self) -> None:
         """All transfers of the step are finished; reusable space may be recycled."""
@@ -222,66 +234,178 @@ class HostTier(SwapTier):
         self.slab = None
 
 
-def _write_file(path: str, data: torch.Tensor) -> tuple[str, int]:
-    with open(path, "wb") as f:
-        f.write(data.numpy().data)
-    return path, data.numel()
+_IOV_MAX = 1024
 
 
-def _read_file(stored: tuple[str, int], buffer: torch.Tensor) -> torch.Tensor:
-    path, nbytes = stored
-    with open(path, "rb") as f:
-        read = f.readinto(buffer.numpy().data)
-    if read != nbytes:
-        raise RuntimeError(f"DeltaMemory: swap file {path} is truncated ({read} of {nbytes} bytes)")
-    return buffer
+def _transfer_run(syscall: Callable[[int, list, int], int], fd: int, offset: int, views: list[memoryview]) -> None:
+    """``os.pwritev``/``os.preadv`` of buffers that lie back to back in the file from ``offset``."""
+    views = [v for v in views if len(v)]
+    while views:
+        moved = syscall(fd, views[:_IOV_MAX], offset)
+        if moved == 0:
+            raise RuntimeError(f"DeltaMemory: swap file ends early at offset {offset}")
+        offset += moved
+        while views and moved >= len(views[0]):
+            moved -= len(views[0])
+            views.pop(0)
+        if moved:
+            views[0] = views[0][moved:]
 
 
-def _remove_file(path: str) -> None:
+def _run_batch(syscall: Callable[[int, list, int], int], fd: int, items: list[tuple[int, torch.Tensor]]) -> None:
+    """Every ``(offset, buffer)`` of a batch, one system call per stretch of adjacent extents.
+
+    The batch's list is emptied afterwards, so written activations are freed as soon as
+    they are on disk, not when the last member's handle goes.
+    """
+    run_start, run_end, run = -1, -1, []
+    for offset, buffer in sorted(items, key=lambda item: item[0]):
+        if offset != run_end and run:
+            _transfer_run(syscall, fd, run_start, run)
+            run = []
+        if not run:
+            run_start = offset
+        run.append(buffer.numpy().data)
+        run_end = offset + buffer.numel()
+    if run:
+        _transfer_run(syscall, fd, run_start, run)
+    items.clear()
+
+
+class _Batch:
+    """Transfers queued for the worker thread and sent to it as one task.
+
+    Each task wakes the worker, which then competes with the training thread for the GIL
+    and, on a busy machine, for a core; a few tasks per block instead of one per storage
+    keep that cost small. Waiting for any member sends the batch first; once sent, a batch
+    takes no more members (``add`` returns False).
+    """
+
+    def __init__(self, executor: concurrent.futures.ThreadPoolExecutor, syscall: Callable, fd: int) -> None:
+        self.executor = executor
+        self.syscall = syscall
+        self.fd = fd
+        self.items: list[tuple[int, torch.Tensor]] = []
+        self.nbytes = 0
+        self.future: Optional[concurrent.futures.Future] = None
+        self._lock = threading.Lock()
+
+    def add(self, offset: int, buffer: torch.Tensor) -> bool:
+        with self._lock:
+            if self.future is not None:
+                return False
+            self.items.append((offset, buffer))
+            self.nbytes += buffer.numel()
+            return True
+
+    def submit(self) -> None:
+        with self._lock:
+            if self.future is None:
+                self.future = self.executor.submit(_run_batch, self.syscall, self.fd, self.items)
+
+    def done(self) -> bool:
+        return self.future is not None and self.future.done()
+
+    def wait(self) -> None:
+        self.submit()
+        self.future.result()
+
+
+class _BatchMember:
+    """The future-like handle of one transfer inside a :class:`_Batch`."""
+
+    __slots__ = ("batch", "value")
+
+    def __init__(self, batch: _Batch, value: object) -> None:
+        self.batch = batch
+        self.value = value
+
+    def done(self) -> bool:
+        return self.batch.done()
+
+    def result(self) -> object:
+        self.batch.wait()
+        return self.value
+
+
+def _close_and_remove(fd: int, directory: str) -> None:
     try:
-        os.remove(path)
-    except FileNotFoundError:
+        os.close(fd)
+    except OSError:
         pass
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 class DiskTier(SwapTier):
-    """Files in a private directory, written and read by one background thread.
+    """One swap file in a private directory, used as an arena and written and read by one thread.
 
-    One thread keeps the order of operations on a file (write, read, delete) without locks.
-    The directory is removed by :meth:`close`, and at interpreter exit if close never ran.
+    Storages get adjacent extents handed out by a bump pointer; when no stored extent is
+    left alive (after each step's backward) the pointer returns to the start, so every step
+    overwrites pages the page cache already holds. That costs a memory copy, where a file
+    per storage also pays for page-cache allocation, block allocation and unlinking (about
+    3.5x the CPU time on ext4). Copy-outs are batched until ``batch_bytes`` or until
+    :meth:`submit`; copy-ins are batched per :meth:`submit` (one block's prefetch). One
+    thread keeps the order of the writes and reads of an extent. The directory is removed
+    by :meth:`close`, and at interpreter exit if close never ran.
     """
 
     name = "disk"
 
-    def __init__(self, device: torch.device, directory: Optional[str] = None) -> None:
+    def __init__(self, device: torch.device, directory: Optional[str] = None, batch_bytes: int = 4 * 2**20) -> None:
         if directory is not None:
             os.makedirs(directory, exist_ok=True)
         self.device = device
+        self.batch_bytes = batch_bytes
         self.directory = tempfile.mkdtemp(prefix="delta-swap-", dir=directory)
+        self.path = os.path.join(self.directory, "arena.bin")
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="delta-swap")
-        self._names = itertools.count()
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self.directory, True)
+        self._lock = threading.Lock()
+        self._end = 0
+        self._live = 0
+        self._writes = _Batch(self._executor, os.pwritev, self._fd)
+        self._reads = _Batch(self._executor, os.preadv, self._fd)
+        self._cleanup = weakref.finalize(self, _close_and_remove, self._fd, self.directory)
+
+    def _allocate(self, nbytes: int) -> int:
+        with self._lock:
+            offset = self._end
+            self._end += nbytes
+            self._live += 1
+            return offset
 
     def copy_out(self, data: torch.Tensor) -> _Transfer:
         host = data.to("cpu") if data.device.type != "cpu" else data
-        path = os.path.join(self.directory, f"{next(self._names)}.bin")
-        return _Transfer(future=self._executor.submit(_write_file, path, host), keep_alive=data)
+        offset = self._allocate(host.numel())
+        while not self._writes.add(offset, host):
+            self._writes = _Batch(self._executor, os.pwritev, self._fd)
+        batch = self._writes
+        if batch.nbytes >= self.batch_bytes:
+            batch.submit()
+        return _Transfer(future=_BatchMember(batch, (offset, host.numel())), keep_alive=data)
 
     def copy_in(self, stored: object, device: torch.device) -> _Transfer:
         # allocated here, on the training thread: a buffer malloc'ed by the worker thread
         # would come from that thread's arena and not be reused by the training thread
         buffer = torch.empty(stored[1], dtype=torch.uint8)
-        future = self._executor.submit(_read_file, stored, buffer)
+        while not self._reads.add(stored[0], buffer):
+            self._reads = _Batch(self._executor, os.preadv, self._fd)
+        member = _BatchMember(self._reads, buffer)
         if device.type == "cpu":
-            return _Transfer(future=future)
-        return _Transfer(result=_FutureToDevice(future, device))
+            return _Transfer(future=member)
+        return _Transfer(result=_FutureToDevice(member, device))
+
+    def submit(self) -> None:
+        for batch in (self._writes, self._reads):
+            if batch.items:
+                batch.submit()
 
     def discard(self, stored: object) -> None:
-        path, _ = stored
-        try:
-            self._executor.submit(_remove_file, path)
-        except RuntimeError:
-            _remove_file(path)
+        """Called from whichever thread drops the last reference, hence the lock."""
+        with self._lock:
+            self._live -= 1
+            if self._live == 0:
+                self._end = 0
 
     def capacity_bytes(self) -> int:
         return shutil.disk_usage(self.directory).free // 2
@@ -297,7 +421,7 @@ class DiskTier(SwapTier):
 class _FutureToDevice:
     """Disk tier on an accelerator: the read finishes on the worker, the H2D on use."""
 
-    def __init__(self, future: concurrent.futures.Future, device: torch.device) -> None:
+    def __init__(self, future: _Pending, device: torch.device) -> None:
         self.future = future
         self.device = device
 
@@ -389,6 +513,18 @@ class _SwappedView:
         self.offset = tensor.storage_offset()
 
 
+class _SwapHooks(torch.autograd.graph.saved_tensors_hooks):
+    """The pack/unpack hooks of one swapped block; leaving them sends the block's last copy-outs."""
+
+    def __init__(self, manager: SwapManager, owner: str) -> None:
+        super().__init__(lambda tensor: manager.pack(owner, tensor), manager.unpack)
+        self.tier = manager.tier
+
+    def __exit__(self, *exc_info: object) -> None:
+        super().__exit__(*exc_info)
+        self.tier.submit()
+
+
 class SwapManager:
     """Pack/unpack hooks of swap-mode blocks, the copy-out stash and prefetching.
 
@@ -415,7 +551,7 @@ class SwapManager:
         self._by_key: dict[tuple[str, int], _SwappedStorage] = {}
         self._by_owner: dict[str, list[weakref.ref]] = {}
         self.wait_s = 0.0
-        tracker.on_keep = self._settle_over_budget
+        tracker.before_keep = self._make_room
 
     def take_wait_seconds(self) -> float:
         """Host time spent blocked on copies since the last call (copy time not hidden)."""
@@ -423,7 +559,7 @@ class SwapManager:
         return waited
 
     def hooks(self, owner: str) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(owner, t), self.unpack)
+        return _SwapHooks(self, owner)
 
     def _swappable(self, tensor: torch.Tensor) -> bool:
         return (
@@ -440,12 +576,13 @@ class SwapManager:
         key = storage_key(tensor)
         storage = self._by_key.get(key)
         if storage is None:
+            # the tensor exists already; make room for it in the stash before counting it
+            self._trim_stash(incoming_bytes=storage_nbytes(tensor), incoming_count=1)
             storage = _SwappedStorage(self, _as_bytes(tensor), key)
             self._by_key[key] = storage
             self._pending.append(storage)
             self._by_owner.setdefault(owner, []).append(weakref.ref(storage))
         self.tracker.note(owner, ("swapped", storage.serial), storage.nbytes)
-        self._trim_stash()
         return _SwappedView(storage, tensor)
 
     @staticmethod
@@ -462,20 +599,25 @@ class SwapManager:
         if self._by_key.get(storage.key) is storage:
             del self._by_key[storage.key]
 
-    def _trim_stash(self) -> None:
+    def _trim_stash(self, incoming_bytes: int = 0, incoming_count: int = 0) -> None:
+        """Drop finished copy-outs, then wait for the oldest while the stash is too deep or too big.
+
+        ``incoming_*`` is a storage about to join the stash, counted as if it had already.
+        """
         while self._pending and self._pending[0].copy_out_done():
             self._pending.popleft().finish_copy_out()
         started = time.perf_counter()
         while self._pending and (
-            len(self._pending) > self.stash_depth or self.ledger.resident_bytes > self.budget_bytes
+            len(self._pending) + incoming_count > self.stash_depth
+            or self.ledger.resident_bytes + incoming_bytes > self.budget_bytes
         ):
             self._pending.popleft().finish_copy_out()
         self.wait_s += time.perf_counter() - started
 
-    def _settle_over_budget(self) -> None:
-        """A kept tensor pushed resident bytes over the budget: finish copy-outs still holding memory."""
-        if self._pending and self.ledger.resident_bytes > self.budget_bytes:
-            self._trim_stash()
+    def _make_room(self, nbytes: int) -> None:
+        """A kept tensor of ``nbytes`` is about to count: finish copy-outs until it fits the budget."""
+        if self._pending and self.ledger.resident_bytes + nbytes > self.budget_bytes:
+            self._trim_stash(incoming_bytes=nbytes)
 
     def flush(self) -> None:
         """Finish every pending copy-out (end of forward)."""
@@ -497,8 +639,10 @@ class SwapManager:
                 if storage is None or storage.loaded is not None or storage.incoming is not None:
                     continue
                 if self.ledger.resident_bytes + storage.nbytes + headroom > self.budget_bytes:
+                    self.tier.submit()
                     return
                 storage.start_copy_in()
+            self.tier.submit()
 
     def end_step(self) -> None:
         """Backward is over: finish all transfers and forget the step's storages."""
