@@ -180,10 +180,16 @@ def tensor_parallel_mesh(device: torch.device, tensor_parallel: int) -> DeviceMe
 
 
 def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dict[int, ModelTrace],
-                         keys: ProfileKeys, device: torch.device, repeats: int) -> dict[tuple[int, int, int], MeasuredBlocks]:
-    """Regions of one and two real tensor-parallel blocks, timed at every (tp, overlap, samples) of ``keys``."""
+                         keys: ProfileKeys, device: torch.device, repeats: int,
+                         max_blocks: int) -> dict[tuple[int, int, int], MeasuredBlocks]:
+    """Regions of one and of ``max_blocks`` real tensor-parallel blocks, at every (tp, overlap, samples) of ``keys``.
+
+    The per-block cost is the difference over ``max_blocks - 1`` blocks, so timing noise is
+    divided by that many instead of landing whole on every further block.
+    """
     measured: dict[tuple[int, int, int], MeasuredBlocks] = {}
     meshes: dict[int, DeviceMesh] = {}
+    counts = (1, max(2, max_blocks))
     for tp, overlap, samples in sorted(keys.measured_blocks):
         if tp not in meshes:
             meshes[tp] = tensor_parallel_mesh(device, tp)
@@ -191,7 +197,7 @@ def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dic
         hidden = trace.sample_hidden[:samples]
         args, kwargs = trace.block_arguments(_side_tensors_for(trace, samples))
         times = []
-        for count in (1, 2):
+        for count in counts:
             blocks = []
             for _ in range(count):
                 sharded = copy.deepcopy(block)
@@ -202,10 +208,11 @@ def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dic
                 run.forward = SubBatchForward(run, overlap)
             dist.barrier()
             times.append(_forward_backward_times(run, hidden, args, kwargs, repeats))
-        (forward_one, backward_one), (forward_two, backward_two) = times
+        (forward_one, backward_one), (forward_many, backward_many) = times
+        further = counts[1] - 1
         measured[(tp, overlap, samples)] = MeasuredBlocks(
-            forward_first_s=forward_one, forward_next_s=max(0.0, forward_two - forward_one),
-            backward_first_s=backward_one, backward_next_s=max(0.0, backward_two - backward_one),
+            forward_first_s=forward_one, forward_next_s=max(0.0, forward_many - forward_one) / further,
+            backward_first_s=backward_one, backward_next_s=max(0.0, backward_many - backward_one) / further,
         )
     return measured
 
@@ -275,7 +282,8 @@ def profile_model(
 
     optimizer_s = median_call_time(optimizer_step, repeats)
     device = process_group_device if real_blocks else None
-    measured = _measure_real_blocks(block, plan, traces, keys, device, repeats) if device is not None else {}
+    measured = (_measure_real_blocks(block, plan, traces, keys, device, repeats, max_blocks=min(len(trunk), 4))
+                if device is not None else {})
     return ModelProfile(
         num_blocks=len(trunk),
         hidden_bytes_per_sample=hidden[0].numel() * hidden.element_size(),

@@ -149,9 +149,9 @@ class BlockTimes:
 class MeasuredBlocks:
     """Time through real tensor-parallel blocks on one rank: collectives and sub-batch turns included.
 
-    Measured over regions of one and of two blocks, so a region of ``n`` blocks costs the
+    Measured over regions of one and of several blocks, so a region of ``n`` blocks costs the
     first block (which carries the sub-batch pipeline's fill and drain) plus ``n - 1`` times
-    the next one. This is what the runtime actually pays, where the modelled chain
+    each further one. This is what the runtime actually pays, where the modelled chain
     (:class:`BlockTimes` plus an all-reduce cost) misses contention between computation and
     communication on shared cores, the layers' own overhead, and the turn switches.
     """
