@@ -93,6 +93,23 @@ def test_block_chunk_choice_follows_dense_time_latency_and_batch() -> None:
         choose_block_chunks(_cost(1e8), counts, plan, dense_s=-1.0, batch=8)
 
 
+def test_measured_sub_batch_overhead_limits_the_chunk_count() -> None:
+    from lightning_merak.plugins.moe.lancet import simulated_block_time
+
+    counts = [[0, 2000], [2000, 0]]
+    plan = PlacementPlan(2, 2)
+    free = choose_block_chunks(_cost(1e8), counts, plan, dense_s=0.002, batch=8)
+    assert free > 1
+    # each sub-batch adds its overhead once per block: k sub-batches of one block pay it k times
+    for chunks in (1, 2, 4):
+        extra = (simulated_block_time(_cost(1e8), counts, plan, 0.002, chunks, blocks=1, sub_batch_overhead_s=0.01)
+                 - simulated_block_time(_cost(1e8), counts, plan, 0.002, chunks, blocks=1))
+        assert extra == pytest.approx(0.01 * chunks, rel=1e-6)
+    assert choose_block_chunks(_cost(1e8), counts, plan, dense_s=0.002, batch=8, sub_batch_overhead_s=1.0) == 1
+    with pytest.raises(ValueError, match="sub_batch_overhead_s"):
+        simulated_block_time(_cost(1e8), counts, plan, 0.002, 2, sub_batch_overhead_s=-1.0)
+
+
 def _normalise_by_batch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     total = meet_in_turn("norm", x.detach().abs().sum(), lambda parts: [sum(parts)] * len(parts))
     return x / total, mark_sub_batch_share((x ** 2).sum())
@@ -364,6 +381,38 @@ def test_auto_chunks_measure_the_dense_time_once_then_split() -> None:
     for block in blocks:
         assert block.forward.dense_s is not None and block.forward.dense_s > 0
         assert block.forward.chunks == 1, "one rank has no all-to-all to hide"
+
+
+def _auto_rank(rank: int, world_size: int) -> dict[str, Any]:
+    import deepspeed
+
+    from lightning_merak.plugins.moe.lancet_block import lancet_overlap
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    case = dict(num_experts=4, k=2, capacity_factor=0.5, options=dict())
+    reference, split = _stack(world_size, case), _stack(world_size, case)
+    blocks = lancet_overlap(split, "auto")
+    worst = 0.0
+    for step in range(3):
+        x = _inputs(rank, step)
+        outputs = []
+        for model in (reference, split):
+            torch.manual_seed(77 + step)
+            outputs.append(model(x)[0].detach())
+        worst = max(worst, (outputs[0] - outputs[1]).abs().max().item())
+    return {"chunks": [b.forward.chunks for b in blocks], "overhead": [b.forward.sub_batch_overhead_s for b in blocks],
+            "worst": worst}
+
+
+@pytest.mark.timeout(300)
+def test_auto_chunks_calibrate_the_sub_batch_overhead_on_two_ranks() -> None:
+    """Call 1 unsplit, call 2 as two sub-batches (the overhead is measured), then the chosen count; same on every rank."""
+    results = run_distributed(_auto_rank, 2, timeout_s=240)
+    for result in results:
+        assert all(chunks in (1, 2, 4, 8) for chunks in result["chunks"])
+        assert all(overhead is not None and overhead >= 0 for overhead in result["overhead"])
+        assert result["worst"] <= TOLERANCE
+    assert results[0]["chunks"] == results[1]["chunks"], "ranks chose different sub-batch counts"
 
 
 def test_hydra_composes_block_scope_lancet() -> None:

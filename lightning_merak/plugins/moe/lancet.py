@@ -16,7 +16,8 @@ from __future__ import annotations
 from lightning_merak.plugins.moe.cost_model import CostModel
 from lightning_merak.plugins.moe.placement import Counts, Padding, PlacementPlan, rank_loads
 
-__all__ = ["CHUNK_CHOICES", "block_pipelined_time", "choose_block_chunks", "choose_chunks", "pipelined_time"]
+__all__ = ["CHUNK_CHOICES", "block_pipelined_time", "choose_block_chunks", "choose_chunks", "pipelined_time",
+           "simulated_block_time"]
 
 CHUNK_CHOICES = (1, 2, 4, 8)
 
@@ -88,25 +89,38 @@ def block_pipelined_time(dense_s: float, all_to_all_s: float, expert_s: float, c
     return max(ready)
 
 
-def choose_block_chunks(
-    cost_model: CostModel, counts: Counts, plan: PlacementPlan, dense_s: float, batch: int, blocks: int = 2
-) -> int:
-    """The sub-batch count (dividing ``batch``) with the least simulated block time; ties go to fewer.
+def simulated_block_time(
+    cost_model: CostModel, counts: Counts, plan: PlacementPlan, dense_s: float, chunks: int, blocks: int = 2,
+    sub_batch_overhead_s: float = 0.0,
+) -> float:
+    """:func:`block_pipelined_time` for ``chunks`` sub-batches of a measured block under ``counts`` and ``plan``.
 
     ``dense_s`` is the measured dense (non-MoE) forward time of one block on the whole
     batch; sub-batches exchange their kept routes only, so traffic is priced unpadded.
+    ``sub_batch_overhead_s`` is what each sub-batch adds per block beyond its share of the
+    work (switching turns, smaller kernels), measured by :class:`~.lancet_block.LancetBlockForward`.
     """
-    if dense_s < 0 or batch < 1:
-        raise ValueError(f"dense_s={dense_s} must be >= 0 and batch={batch} >= 1")
+    if dense_s < 0 or sub_batch_overhead_s < 0:
+        raise ValueError(f"dense_s={dense_s} and sub_batch_overhead_s={sub_batch_overhead_s} must be >= 0")
     loads = rank_loads(counts, plan, Padding("dropless"), cost_model.experts_per_rank)
     traffic_bytes = max(max(s, r) for s, r in zip(loads.sent, loads.received)) * cost_model.bytes_per_token
     expert_s = max(loads.computed) / cost_model.expert_tokens_per_s
+    per_chunk = cost_model.all_to_all.time(traffic_bytes / chunks)
+    return block_pipelined_time(dense_s / chunks + sub_batch_overhead_s, per_chunk, expert_s / chunks, chunks, blocks)
+
+
+def choose_block_chunks(
+    cost_model: CostModel, counts: Counts, plan: PlacementPlan, dense_s: float, batch: int, blocks: int = 2,
+    sub_batch_overhead_s: float = 0.0,
+) -> int:
+    """The sub-batch count (dividing ``batch``) with the least simulated block time; ties go to fewer."""
+    if dense_s < 0 or batch < 1:
+        raise ValueError(f"dense_s={dense_s} must be >= 0 and batch={batch} >= 1")
     best, best_time = 1, float("inf")
     for chunks in CHUNK_CHOICES:
         if batch % chunks:
             continue
-        per_chunk = cost_model.all_to_all.time(traffic_bytes / chunks)
-        simulated = block_pipelined_time(dense_s / chunks, per_chunk, expert_s / chunks, chunks, blocks)
+        simulated = simulated_block_time(cost_model, counts, plan, dense_s, chunks, blocks, sub_batch_overhead_s)
         if simulated < best_time - 1e-12:
             best, best_time = chunks, simulated
     return best

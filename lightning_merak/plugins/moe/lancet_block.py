@@ -9,8 +9,10 @@ split, and each sub-batch returns its share of ``l_aux``, which the region sums.
 
 The model is not edited: :func:`lancet_overlap` replaces the blocks' ``forward``. With
 ``chunks="auto"`` the first call of each block runs unsplit and measures the block's
-dense compute time (block minus MoE), which, with the layer's cost model and expert
-counts, picks the sub-batch count by simulation (:func:`~.lancet.choose_block_chunks`).
+dense compute time (block minus MoE); the second runs as two sub-batches, and what it
+costs beyond the simulation is each sub-batch's overhead (switching turns, smaller
+kernels). With both, the layer's cost model and expert counts, the sub-batch count is
+picked by simulation (:func:`~.lancet.choose_block_chunks`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from lightning_merak.plugins.moe.lancet import choose_block_chunks
+from lightning_merak.plugins.moe.lancet import choose_block_chunks, simulated_block_time
 from lightning_merak.plugins.moe.layer import MoE, PlacementMOELayer
 from lightning_merak.strategies.overlap import run_sub_batches
 
@@ -55,6 +57,8 @@ class LancetBlockForward:
             raise ValueError(f"{type(block).__name__} holds no lightning_merak MoE layer; wrap the blocks that do")
         self.chunks: Optional[int] = None if chunks == "auto" else int(chunks)
         self.dense_s: Optional[float] = None
+        self.sub_batch_overhead_s: Optional[float] = None
+        self._unsplit_s: Optional[float] = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = [name for name in _CACHE_ARGUMENTS if kwargs.get(name) is not None]
@@ -66,7 +70,9 @@ class LancetBlockForward:
         if batch is None:
             raise ValueError(f"{type(self.block).__name__}.forward got no batch-first tensor to split into sub-batches")
         if self.chunks is None:
-            return self._measure_and_choose(batch, args, kwargs)
+            if self.dense_s is None:
+                return self._measure_unsplit(batch, args, kwargs)
+            return self._measure_split_and_choose(batch, args, kwargs)
         if batch % self.chunks:
             raise ValueError(
                 f"a batch of {batch} samples cannot be split into {self.chunks} Lancet sub-batches; "
@@ -74,8 +80,22 @@ class LancetBlockForward:
         parameters = [p for p in self.block.parameters() if p.requires_grad]
         return run_sub_batches(self.forward, self.chunks, args, kwargs, parameters)
 
-    def _measure_and_choose(self, batch: int, args: tuple, kwargs: dict[str, Any]) -> Any:
-        """Run unsplit once, timing the block and its MoE layers; then fix the sub-batch count."""
+    def _agreed(self, seconds: float) -> float:
+        """The largest of the EP group's measurements, so every rank chooses alike."""
+        layer = self.layers[0]
+        measured = torch.tensor([seconds], dtype=torch.float64)
+        if layer.ep_size > 1:
+            dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=layer.ep_group)
+        return measured.item()
+
+    def _choose(self, batch: int) -> int:
+        layer = self.layers[0]
+        cost_model = layer._ensure_cost_model(layer.gate.wg.weight.detach())
+        return choose_block_chunks(cost_model, layer.stats["counts"], layer.stats["plan"], self.dense_s, batch,
+                                   sub_batch_overhead_s=self.sub_batch_overhead_s or 0.0)
+
+    def _measure_unsplit(self, batch: int, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """First call: run unsplit, timing the block and its MoE layers."""
         moe_s = [0.0]
 
         def started(*_: Any) -> None:
@@ -93,13 +113,26 @@ class LancetBlockForward:
         finally:
             for handle in handles:
                 handle.remove()
+        self.dense_s = self._agreed(max(block_s - moe_s[0], 0.0))
+        self._unsplit_s = self._agreed(block_s)
+        if batch % 2 or self.layers[0].ep_size == 1:
+            self.chunks = self._choose(batch)
+        return output
+
+    def _measure_split_and_choose(self, batch: int, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Second call: run as two sub-batches; the time the simulation misses is the per-sub-batch overhead."""
         layer = self.layers[0]
-        measured = torch.tensor([max(block_s - moe_s[0], 0.0)], dtype=torch.float64)
-        if layer.ep_size > 1:
-            dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=layer.ep_group)
-        self.dense_s = measured.item()
+        parameters = [p for p in self.block.parameters() if p.requires_grad]
+        start = time.perf_counter()
+        output = run_sub_batches(self.forward, 2, args, kwargs, parameters)
+        split_s = self._agreed(time.perf_counter() - start)
         cost_model = layer._ensure_cost_model(layer.gate.wg.weight.detach())
-        self.chunks = choose_block_chunks(cost_model, layer.stats["counts"], layer.stats["plan"], self.dense_s, batch)
+        counts, plan = layer.stats["counts"], layer.stats["plan"]
+        simulated_gain = (simulated_block_time(cost_model, counts, plan, self.dense_s, 1, blocks=1)
+                          - simulated_block_time(cost_model, counts, plan, self.dense_s, 2, blocks=1))
+        # two sub-batches pay the overhead twice, one whole batch once: the difference is one overhead
+        self.sub_batch_overhead_s = max(0.0, split_s - (self._unsplit_s - simulated_gain))
+        self.chunks = self._choose(batch)
         return output
 
 
