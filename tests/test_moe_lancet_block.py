@@ -225,7 +225,8 @@ def _compare(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]
     moe_inputs: list[torch.Tensor] = []
     hook = reference.layers[0].moe.deepspeed_moe.register_forward_pre_hook(
         lambda _, args: moe_inputs.append(args[0].detach().reshape(-1, HIDDEN)))
-    out: dict[str, Any] = {"diffs": [], "dropped": [], "sub_batches": [], "plans": [], "wrapped": len(wrapped)}
+    out: dict[str, Any] = {"diffs": [], "dropped": [], "sub_batches": [], "plans": [], "logged_aux": [],
+                           "wrapped": len(wrapped)}
     for step in range(3):
         x = _inputs(rank, step)
         results = []
@@ -249,6 +250,8 @@ def _compare(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]
         out["diffs"].append(diffs)
         out["dropped"].append([(r["dropped_routes"], s["dropped_routes"]) for r, s in zip(ref_stats, stats)])
         out["sub_batches"].append([s.get("sub_batches") for s in stats])
+        out["logged_aux"].append([(float(layer.moe.deepspeed_moe.l_aux), s.get("aux_loss"))
+                                  for layer, s in zip(reference.layers, stats)])
         out["plans"].append([[(r.expert, r.owner, r.replicas) for r in s["plan"].replications] for s in stats]
                             + [[(r.expert, r.owner, r.replicas) for r in s["plan"].replications] for s in ref_stats])
     hook.remove()
@@ -282,6 +285,8 @@ def test_block_scope_lancet_equals_the_unsplit_stack_on_two_ranks() -> None:
                 worst = max(diffs, key=diffs.get)
                 assert diffs[worst] <= TOLERANCE, f"{name} rank {rank} step {step}: {worst} differs by {diffs[worst]:.3g}"
             assert all(counts == [2, 2] for counts in result["sub_batches"]), f"{name}: not run as 2 sub-batches"
+            for step_aux in result["logged_aux"]:
+                assert all(abs(ref - logged) <= TOLERANCE for ref, logged in step_aux), f"{name}: logged {step_aux}"
             for step_drops in result["dropped"]:
                 assert all(ref == ours for ref, ours in step_drops), f"{name} rank {rank}: dropped {step_drops}"
             plans = result["plans"]

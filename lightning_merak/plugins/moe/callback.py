@@ -52,7 +52,7 @@ def balance_metrics(layer: PlacementMOELayer) -> dict[str, float]:
         "dropped_routes": float(stats["dropped_routes"]),
         "exposed_a2a_s": float(stats.get("exposed_a2a_forward_s", 0.0) + stats.get("exposed_a2a_backward_s", 0.0)),
         "exposed_a2a_backward_s": float(stats.get("exposed_a2a_backward_s", 0.0)),
-        "aux_loss": float(layer.l_aux.detach()),
+        "aux_loss": float(stats.get("aux_loss", layer.l_aux.detach())),  # block-scope Lancet: sum of shares
     }
 
 

@@ -358,6 +358,7 @@ class PlacementMOELayer(MOELayer):
         output = self._exchange(tokens, layout, rows, gates, joint.plan, joint.replica_params, joint.stats,
                                 prefetch=part.first)
         joint.stats["routed_rows"] += layout.num_rows
+        joint.stats["aux_loss"] = joint.stats.get("aux_loss", 0.0) + float(l_aux.detach())
         self.l_aux = mark_sub_batch_share(l_aux)
         self.exp_counts = joint.exp_counts
         self.stats = joint.stats
