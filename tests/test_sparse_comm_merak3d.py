@@ -63,9 +63,10 @@ def _fit(model_name: str, layout: dict[str, int], comm: SparseCommunication | No
     model = build_causal_lm(MODELS[model_name], vocab_size=VOCAB)
     module = _SGDModule(model, TrainerConfig(max_steps=STEPS))
     recorder = _Recorder()
+    # a uniform split: the profiled (AutoPipe) split may differ between the runs compared rank by rank
     trainer = pl.Trainer(
         accelerator="cpu", devices=layout["data_parallel"] * layout["pipeline_parallel"],
-        strategy=Merak3DStrategy(**layout, timeout_s=120), max_epochs=1, logger=False,
+        strategy=Merak3DStrategy(**layout, partition="uniform", timeout_s=120), max_epochs=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
         callbacks=[recorder, *([comm] if comm else [])],
