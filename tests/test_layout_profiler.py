@@ -14,8 +14,8 @@ def _profile_rank(rank: int, world_size: int) -> dict:
 
     from lightning_merak.config import ModelConfig
     from lightning_merak.models import build_causal_lm
-    from lightning_merak.strategies.layout_profiler import _synchronize_like_runtime, profile_model, profile_network
-    from lightning_merak.strategies.merak3d import Merak3DStrategy, _call_model
+    from lightning_merak.strategies.layout_profiler import profile_model, profile_network
+    from lightning_merak.strategies.merak3d import Merak3DStrategy, _call_model, average_gradients
     from lightning_merak.strategies.planner import SearchSpace, required_profile_keys
     from lightning_merak.timing import median_call_time
 
@@ -36,7 +36,7 @@ def _profile_rank(rank: int, world_size: int) -> dict:
                               repeats=3, gradient_bytes=gradient_bytes)
     grads = list(torch.ones(gradient_bytes // 4).chunk(8))
     world = dist.new_group(list(range(world_size)))
-    synced_s = median_call_time(lambda: _synchronize_like_runtime(grads, world, world_size), 5)
+    synced_s = median_call_time(lambda: average_gradients(grads, world, world_size), 5)
     return {"keys": keys.measured_blocks, "profile": profile, "network": network, "synced_s": synced_s,
             "grads_averaged": grads[0][:4].tolist()}
 

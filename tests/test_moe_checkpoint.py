@@ -102,17 +102,15 @@ def merak3d_resume_run(rank: int, world_size: int, directory: str) -> dict[str, 
     and the resumed one continues with the rest as its second epoch (a constant learning rate, so
     epochs of other lengths train alike)."""
     from lightning_merak.plugins.moe.hydra_options import ProphetMoEConfig
-    from lightning_merak.plugins.moe.layer import PlacementMOELayer
     from lightning_merak.strategies.merak3d import Merak3DStrategy
-    from tests.test_moe_lightning import BATCH, OPTIM, STEPS, _batches, _model
+    from tests.test_moe_lightning import BATCH, OPTIM, STEPS, _batches, _model, _Recorder, local_experts
 
     config = ProphetMoEConfig(ep_size=2, aux_loss_coef=0.0, dispatch="dropless", placement="none")
     data = _batches(rank % 2)  # mesh (pp, dp, tp) = (2, 2, 1): rank = 2·pp + dp
 
     def fit(seed: int, first_step: int, last_step: int, epochs: int = 1, ckpt_path: str | None = None) -> tuple:
-        torch.manual_seed(seed)
-        module = _AdamModule(config.apply(_model() if seed == 0 else _reinitialised()), OPTIM)
-        recorder = _LossRecorder()
+        module = _AdamModule(config.apply(_model(seed)), OPTIM)
+        recorder = _Recorder()
         strategy = Merak3DStrategy(data_parallel=2, pipeline_parallel=2, tensor_parallel=1, micro_batches=2,
                                    partition="uniform", timeout_s=150)
         trainer = pl.Trainer(
@@ -123,12 +121,7 @@ def merak3d_resume_run(rank: int, world_size: int, directory: str) -> dict[str, 
         )
         loader = DataLoader(TensorDataset(data[first_step * BATCH:last_step * BATCH]), batch_size=BATCH)
         trainer.fit(module, loader, ckpt_path=ckpt_path)
-        experts = {}
-        for index, block in strategy.local_blocks.items():
-            for layer in (m for m in block.modules() if isinstance(m, PlacementMOELayer)):
-                for j, expert in enumerate(layer.experts.deepspeed_experts):
-                    experts[(index, layer.ep_rank * layer.num_local_experts + j)] = expert.gate_up.weight.detach().clone()
-        return trainer, recorder.losses, experts
+        return trainer, recorder.losses, local_experts(strategy)
 
     path = str(Path(directory) / "merak3d-moe")
     _, straight, straight_experts = fit(0, 0, STEPS)
@@ -151,21 +144,6 @@ def _AdamModule(model: torch.nn.Module, optim: Any) -> pl.LightningModule:
             return torch.optim.Adam(self.model.parameters(), lr=3e-3)
 
     return AdamModule(model, optim)
-
-
-def _reinitialised() -> torch.nn.Module:
-    from lightning_merak.models import build_causal_lm
-    from tests.test_moe_lightning import MODEL, VOCAB
-
-    return build_causal_lm(MODEL, VOCAB)
-
-
-class _LossRecorder(pl.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
-        self.losses.append(float(outputs["loss"]))
 
 
 @pytest.mark.timeout(400)

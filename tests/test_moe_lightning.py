@@ -21,10 +21,10 @@ MODEL = ModelConfig(name="mixtral_test", model_type="mixtral", config=dict(
 OPTIM = TrainerConfig(max_steps=STEPS, learning_rate=3e-3, warmup_steps=2)
 
 
-def _model() -> torch.nn.Module:
+def _model(seed: int = 0) -> torch.nn.Module:
     from lightning_merak.models import build_causal_lm
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return build_causal_lm(MODEL, VOCAB)
 
 
@@ -67,12 +67,12 @@ def train_swapped(rank: int, world_size: int, options: dict[str, Any]) -> dict[s
     }
 
 
-def _reference_losses() -> list[float]:
-    from lightning_merak.models import CausalLMModule
+def _train_on_union(module: pl.LightningModule, optimizer: torch.optim.Optimizer, scheduler: Any = None,
+                    clip: float | None = None, norms: list[float] | None = None) -> list[float]:
+    """Losses of one process trained on the union of the two data-parallel ranks' batches.
 
-    module = CausalLMModule(_model(), OPTIM)
-    setup = module.configure_optimizers()
-    optimizer, scheduler = setup["optimizer"], setup["lr_scheduler"]["scheduler"]
+    With ``clip``, gradients are clipped to that norm and the norms before clipping appended to ``norms``.
+    """
     data = [_batches(rank) for rank in range(2)]
     losses = []
     for step in range(STEPS):
@@ -80,10 +80,24 @@ def _reference_losses() -> list[float]:
         optimizer.zero_grad()
         loss = module.compute_loss((batch,))
         loss.backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(module.model.parameters(), clip)
+            assert norm > clip, f"step {step}: gradient norm {norm:.3g} <= {clip}; the clipping test would prove nothing"
+            if norms is not None:
+                norms.append(float(norm))
         optimizer.step()
-        scheduler.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(loss.item())
     return losses
+
+
+def _reference_losses() -> list[float]:
+    from lightning_merak.models import CausalLMModule
+
+    module = CausalLMModule(_model(), OPTIM)
+    setup = module.configure_optimizers()
+    return _train_on_union(module, setup["optimizer"], setup["lr_scheduler"]["scheduler"])
 
 
 @pytest.mark.timeout(240)
@@ -129,7 +143,6 @@ def _sgd_module(model: torch.nn.Module) -> pl.LightningModule:
 
 def train_merak3d(rank: int, world_size: int, options: dict[str, Any], clip: float | None = None) -> dict[str, Any]:
     from lightning_merak.plugins.moe.hydra_options import ProphetMoEConfig
-    from lightning_merak.plugins.moe.layer import PlacementMOELayer
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
     config = ProphetMoEConfig(ep_size=2, aux_loss_coef=0.0, log_every_n_steps=1, **options)
@@ -146,39 +159,34 @@ def train_merak3d(rank: int, world_size: int, options: dict[str, Any], clip: flo
     data_rank = rank % 2  # mesh (pp, dp, tp) = (2, 2, 1): rank = 2·pp + dp
     trainer.fit(module, DataLoader(TensorDataset(_batches(data_rank)), batch_size=BATCH))
     local = [layer for layer in moe_callback._layers if layer.stats]
+    return {"losses": recorder.losses, "gradient_norms": recorder.gradient_norms,
+            "ep_ranks": [layer.groups.ep_ranks for layer in local], "experts": local_experts(strategy),
+            "sampler_rank": strategy.distributed_sampler_kwargs["rank"]}
+
+
+def local_experts(strategy: Any) -> dict[tuple[int, int], torch.Tensor]:
+    """(block index, global expert number) → gate/up weight of every expert on this rank under merak3d."""
+    from lightning_merak.plugins.moe.layer import PlacementMOELayer
+
     experts = {}
     for index, block in strategy.local_blocks.items():
         for layer in (m for m in block.modules() if isinstance(m, PlacementMOELayer)):
             first = layer.ep_rank * layer.num_local_experts
             for j, expert in enumerate(layer.experts.deepspeed_experts):
                 experts[(index, first + j)] = expert.gate_up.weight.detach().clone()
-    return {"losses": recorder.losses, "gradient_norms": recorder.gradient_norms, "ep_ranks": [layer.groups.ep_ranks for layer in local], "experts": experts,
-            "sampler_rank": strategy.distributed_sampler_kwargs["rank"]}
+    return experts
 
 
 def _sgd_reference(learning_rate: float = SGD_LR, clip: float | None = None,
                    norms: list[float] | None = None) -> tuple[list[float], dict[tuple[int, int], torch.Tensor]]:
     """Losses of one process on the union of the data-parallel batches, and (layer, expert) → gate/up weight.
 
-    With ``clip``, gradients are clipped to that norm and the norms before clipping appended to ``norms``.
+    ``clip`` and ``norms`` as in :func:`_train_on_union`.
     """
     module = _sgd_module(_model())
     optimizer = module.configure_optimizers()
     optimizer.param_groups[0]["lr"] = learning_rate
-    data = [_batches(rank) for rank in range(2)]
-    losses = []
-    for step in range(STEPS):
-        batch = torch.cat([d[step * BATCH:(step + 1) * BATCH] for d in data])
-        optimizer.zero_grad()
-        loss = module.compute_loss((batch,))
-        loss.backward()
-        if clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(module.model.parameters(), clip)
-            assert norm > clip, f"step {step}: gradient norm {norm:.3g} <= {clip}; the clipping test would prove nothing"
-            if norms is not None:
-                norms.append(float(norm))
-        optimizer.step()
-        losses.append(loss.item())
+    losses = _train_on_union(module, optimizer, clip=clip, norms=norms)
     blocks = [m for m in module.model.modules() if hasattr(getattr(m, "experts", None), "gate_up_proj")]
     experts = {(i, e): block.experts.gate_up_proj[e].detach().clone()
                for i, block in enumerate(blocks) for e in range(block.experts.gate_up_proj.shape[0])}

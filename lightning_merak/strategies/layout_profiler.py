@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_merak.strategies.pipeline.trace import ModelTrace, trace_model
+from lightning_merak.strategies.merak3d import average_gradients
 from lightning_merak.strategies.overlap import SubBatchForward
 from lightning_merak.strategies.planner import (
     BlockTimes,
@@ -180,19 +181,17 @@ def tensor_parallel_mesh(device: torch.device, tensor_parallel: int) -> DeviceMe
 
 
 def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dict[int, ModelTrace],
-                         keys: ProfileKeys, device: torch.device, repeats: int,
+                         keys: ProfileKeys, meshes: dict[int, DeviceMesh], repeats: int,
                          max_blocks: int) -> dict[tuple[int, int, int], MeasuredBlocks]:
-    """Regions of one and of ``max_blocks`` real tensor-parallel blocks, at every (tp, overlap, samples) of ``keys``.
+    """Regions of one and of ``max_blocks`` real tensor-parallel blocks, at each (tp, overlap, samples) of ``keys``
+    whose tp has a mesh.
 
     The per-block cost is the difference over ``max_blocks - 1`` blocks, so timing noise is
     divided by that many instead of landing whole on every further block.
     """
     measured: dict[tuple[int, int, int], MeasuredBlocks] = {}
-    meshes: dict[int, DeviceMesh] = {}
     counts = (1, max(2, max_blocks))
-    for tp, overlap, samples in sorted(keys.measured_blocks):
-        if tp not in meshes:
-            meshes[tp] = tensor_parallel_mesh(device, tp)
+    for tp, overlap, samples in sorted(key for key in keys.measured_blocks if key[0] in meshes):
         trace = traces[samples]
         hidden = trace.sample_hidden[:samples]
         args, kwargs = trace.block_arguments(_side_tensors_for(trace, samples))
@@ -219,13 +218,13 @@ def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dic
 
 def _block_optimizer_times(block: nn.Module, plan: TensorParallelPlan, keys: ProfileKeys,
                            optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                           device: Optional[torch.device], repeats: int) -> dict[int, float]:
-    """Optimizer step over one block's parameters per tp: real shards with a process group, local shards without."""
+                           meshes: dict[int, DeviceMesh], repeats: int) -> dict[int, float]:
+    """Optimizer step over one block's parameters per tp: real shards where ``meshes`` has the tp, local shards else."""
     times = {}
     for tp in sorted(keys.tp_degrees | {1}):
-        if tp > 1 and device is not None:
+        if tp in meshes:
             sharded = copy.deepcopy(block)
-            apply_tensor_parallel(sharded, plan, tensor_parallel_mesh(device, tp))
+            apply_tensor_parallel(sharded, plan, meshes[tp])
         else:
             sharded = local_shard_of_block(block, plan, tp)
         times[tp] = _block_optimizer_s(sharded, optimizer_factory, repeats)
@@ -281,9 +280,10 @@ def profile_model(
         optimizer.step()
 
     optimizer_s = median_call_time(optimizer_step, repeats)
-    device = process_group_device if real_blocks else None
-    measured = (_measure_real_blocks(block, plan, traces, keys, device, repeats, max_blocks=min(len(trunk), 4))
-                if device is not None else {})
+    # one mesh per tensor-parallel degree (creating one is collective), shared by both measurements
+    meshes = ({tp: tensor_parallel_mesh(process_group_device, tp) for tp in sorted(keys.tp_degrees) if tp > 1}
+              if real_blocks else {})
+    measured = _measure_real_blocks(block, plan, traces, keys, meshes, repeats, max_blocks=min(len(trunk), 4))
     return ModelProfile(
         num_blocks=len(trunk),
         hidden_bytes_per_sample=hidden[0].numel() * hidden.element_size(),
@@ -296,7 +296,7 @@ def profile_model(
         block_activation_bytes_per_sample=activation_bytes,
         optimizer_s_per_parameter_byte=optimizer_s / max(1, parameter_bytes[1]),
         measured_blocks=measured,
-        block_optimizer_s=_block_optimizer_times(block, plan, keys, optimizer_factory, device, repeats),
+        block_optimizer_s=_block_optimizer_times(block, plan, keys, optimizer_factory, meshes, repeats),
     )
 
 
@@ -306,17 +306,6 @@ def _sizes(small_bytes: int, large_bytes: int) -> list[int]:
     while sizes[-1] // 4 > small_bytes:
         sizes.append(sizes[-1] // 4)
     return sorted({small_bytes, *sizes[:3]})
-
-
-def _synchronize_like_runtime(grads: list[torch.Tensor], group: dist.ProcessGroup, replicas: int) -> None:
-    """What merak3d does with data-parallel gradients: flatten, all-reduce, average, copy back."""
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= replicas
-    offset = 0
-    for grad in grads:
-        grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
 
 
 def profile_network(group_sizes: Iterable[int], device: torch.device, large_bytes: int,
@@ -351,7 +340,7 @@ def profile_network(group_sizes: Iterable[int], device: torch.device, large_byte
                 grads = list(torch.ones(max(8, nbytes // 4), device=device).chunk(8))
                 dist.barrier()
                 points.append((nbytes, median_call_time(
-                    lambda: _synchronize_like_runtime(grads, mine, size), repeats)))
+                    lambda: average_gradients(grads, mine, size), repeats)))
             gradient_sync[size] = fit_collective_cost(points)
     points = []
     for nbytes in _sizes(small_bytes, large_bytes):

@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import functools
 import math
-import re
 import sys
 from pathlib import Path
 from datetime import timedelta
@@ -42,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
+from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, split_expert_key
 from lightning_merak.strategies.overlap import SubBatchForward, collective_replay_contexts
 from lightning_merak.strategies.pipeline.schedules import ScheduleShiftedCriticalPath, shifted_schedule_available
 from lightning_merak.strategies.pipeline.stage import RankStages, build_stage_module, tied_parameter_names
@@ -102,6 +102,17 @@ def _expert_parallel_group(group_name: Optional[str]) -> dist.ProcessGroup:
     return groups._get_expert_parallel_group(group_name)
 
 
+def average_gradients(grads: list[torch.Tensor], group: dist.ProcessGroup, replicas: int) -> None:
+    """Average ``grads`` in place over ``replicas`` data-parallel ranks with one all-reduce of their concatenation."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= replicas
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
 def _expert_layers(model: nn.Module) -> dict[str, tuple[int, int]]:
     """Key prefix of each expert-parallel MoE layer's experts in ``model`` → (ep_size, experts per rank).
 
@@ -110,8 +121,6 @@ def _expert_layers(model: nn.Module) -> dict[str, tuple[int, int]]:
     moe_layer = sys.modules.get("lightning_merak.plugins.moe.layer")
     if moe_layer is None:
         return {}
-    from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY
-
     return {
         f"{name}.{EXPERTS_KEY}": (module.ep_size, module.num_local_experts)
         for name, module in model.named_modules()
@@ -495,7 +504,8 @@ class Merak3DStrategy(ParallelStrategy):
         profile = self.broadcast(profile, src=0)
         gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         network = profile_network(keys.all_reduce_group_sizes, self.root_device,
-                                  large_bytes=min(64 << 20, max(1 << 16, profile.hidden_bytes_per_sample * inputs.shape[0])),
+                                  large_bytes=min(64 << 20, max(1 << 16, profile.hidden_bytes_per_sample
+                                                                * inputs.shape[0])),
                                   gradient_bytes=min(256 << 20, gradient_bytes))
         result = plan(space, profile, network)
         allowed = [p for p in result.ranked
@@ -826,15 +836,8 @@ class Merak3DStrategy(ParallelStrategy):
         if self.data_parallel == 1:
             return
         grads = [_local(p.grad) for p in self._replicated_parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.data_parallel_group)
-        flat /= self.data_parallel
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        if grads:
+            average_gradients(grads, self.data_parallel_group, self.data_parallel)
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
         """Clip by the norm over every stage and shard, counting replicated tensors once.
@@ -892,7 +895,8 @@ class Merak3DStrategy(ParallelStrategy):
     def _original_names(self) -> dict[int, str]:
         model = self.lightning_module.model
         rename = model.original_name if isinstance(model, RankStages) else (lambda name: name)
-        return {id(param): self._global_expert_name(rename(name)) for name, param in model.named_parameters()}
+        return {id(param): self._renumbered_expert(rename(name), to_global=True)
+                for name, param in model.named_parameters()}
 
     def _checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Shards stay DTensors; a shard whose layout sharding changed is saved whole, as the original."""
@@ -902,7 +906,7 @@ class Merak3DStrategy(ParallelStrategy):
 
     def _expert_rank(self, ep_size: int) -> int:
         """This rank's place in its expert-parallel group, carved from its data-parallel ranks as the MoE layers do."""
-        from lightning_merak.plugins.moe.groups import carve_expert_groups
+        from lightning_merak.plugins.moe.groups import carve_expert_groups, data_parallel_groups_from_mesh
 
         degrees = self._degrees
         if self._built:
@@ -914,31 +918,29 @@ class Merak3DStrategy(ParallelStrategy):
                 f"resuming expert-parallel MoE layers needs fixed degrees to know which experts each rank holds, "
                 f"got {degrees}; pass the data_parallel, pipeline_parallel and tensor_parallel the plan chose"
             )
-        stage, rest = divmod(self.global_rank, dp * tp)
-        tp_index = rest % tp
-        data_parallel_ranks = [stage * dp * tp + replica * tp + tp_index for replica in range(dp)]
+        mesh = torch.arange(pp * dp * tp).reshape(pp, dp, tp).tolist()  # the layout of merak3d's device mesh
+        rank = self.global_rank
+        data_parallel_ranks = next(group for group in data_parallel_groups_from_mesh(mesh, ("pp", "dp", "tp"))
+                                   if rank in group)
         ep_groups, _ = carve_expert_groups(data_parallel_ranks, ep_size)
-        return next(group.index(self.global_rank) for group in ep_groups if self.global_rank in group)
+        return next(group.index(rank) for group in ep_groups if rank in group)
 
-    def _global_expert_name(self, name: str) -> str:
-        """``name`` of the unsplit model, with a local expert number replaced by its global one."""
+    def _renumbered_expert(self, name: str, to_global: bool) -> str:
+        """``name`` of the unsplit model with an expert's local number made global, or (``to_global=False``)
+        a global number of this rank's expert made local again; other names unchanged."""
         for prefix, (ep_size, per_rank) in self._expert_prefixes.items():
-            if name.startswith(prefix):
-                match = re.match(r"(\d+)\.(.+)", name[len(prefix):])
-                if match:
-                    number = self._expert_rank(ep_size) * per_rank + int(match.group(1))
-                    return f"{prefix}{number}.{match.group(2)}"
+            found = split_expert_key(name, prefix)
+            if found is not None:
+                number, rest = found
+                first = self._expert_rank(ep_size) * per_rank
+                return f"{prefix}{number + first if to_global else number - first}.{rest}"
         return name
 
-    def _local_expert_name(self, name: str) -> str:
-        """Inverse of :meth:`_global_expert_name` for this rank's experts."""
-        for prefix, (ep_size, per_rank) in self._expert_prefixes.items():
-            if name.startswith(prefix):
-                match = re.match(r"(\d+)\.(.+)", name[len(prefix):])
-                if match:
-                    number = int(match.group(1)) - self._expert_rank(ep_size) * per_rank
-                    return f"{prefix}{number}.{match.group(2)}"
-        return name
+    def _renumbered_state(self, state: dict[str, Any], to_global: bool) -> dict[str, Any]:
+        """A module state (keys ``model.<name>``) with expert numbers renumbered as :meth:`_renumbered_expert` does."""
+        prefix = "model."
+        return {prefix + self._renumbered_expert(key[len(prefix):], to_global) if key.startswith(prefix) else key: value
+                for key, value in state.items()}
 
     def _gather_objects(self, local: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
@@ -954,7 +956,7 @@ class Merak3DStrategy(ParallelStrategy):
         for key, value in module.state_dict().items():
             rest = key[len("model."):]
             name = model.original_name(rest) if isinstance(model, RankStages) else rest
-            state["model." + self._global_expert_name(name)] = self._checkpoint_tensor(name, value)
+            state["model." + self._renumbered_expert(name, to_global=True)] = self._checkpoint_tensor(name, value)
         return state
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -1017,8 +1019,8 @@ class Merak3DStrategy(ParallelStrategy):
             )
         checkpoint = torch.load(path / LIGHTNING_CHECKPOINT, map_location="cpu", weights_only=False)
         self._expert_prefixes = _expert_layers(self.lightning_module.model)
-        model_state = {"model." + self._global_expert_name(key[len("model."):]) if key.startswith("model.") else key:
-                       value.detach().clone() for key, value in self.lightning_module.state_dict().items()}
+        model_state = self._renumbered_state(
+            {key: value.detach().clone() for key, value in self.lightning_module.state_dict().items()}, to_global=True)
         optim_state: dict[str, Any] = {}
         for layout in checkpoint["merak3d_optimizers"]:
             for key, entry in layout["entries"].items():
@@ -1028,9 +1030,7 @@ class Merak3DStrategy(ParallelStrategy):
                     optim_state[key] = entry
         tensors = {"model": model_state, "optim": optim_state}
         dcp.load(tensors, checkpoint_id=path)
-        checkpoint["state_dict"] = {"model." + self._local_expert_name(key[len("model."):])
-                                    if key.startswith("model.") else key: value
-                                    for key, value in tensors["model"].items()}
+        checkpoint["state_dict"] = self._renumbered_state(tensors["model"], to_global=False)
         checkpoint["optimizer_states"] = []
         for index, layout in enumerate(checkpoint.pop("merak3d_optimizers")):
             state: dict[str, dict[str, Any]] = {}

@@ -18,12 +18,14 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["EXPERTS_KEY", "expert_indices", "expert_param_positions", "gather_expert_state", "select_local_experts"]
+__all__ = ["EXPERTS_KEY", "expert_indices", "expert_param_positions", "gather_expert_state", "select_local_experts",
+           "split_expert_key"]
 
 EXPERTS_KEY = "deepspeed_moe.experts.deepspeed_experts."
 
 
-def _split(key: str, prefix: str) -> tuple[int, str] | None:
+def split_expert_key(key: str, prefix: str) -> tuple[int, str] | None:
+    """``(expert number, rest of the key)`` of a key under ``prefix``, or None for any other key."""
     if not key.startswith(prefix):
         return None
     match = re.match(r"(\d+)\.(.+)", key[len(prefix):])
@@ -32,7 +34,7 @@ def _split(key: str, prefix: str) -> tuple[int, str] | None:
 
 def expert_indices(state_dict: dict[str, Any], prefix: str) -> list[int]:
     """The expert numbers present under ``prefix`` (``<module>.deepspeed_moe.experts.deepspeed_experts.``)."""
-    return sorted({found[0] for key in state_dict if (found := _split(key, prefix)) is not None})
+    return sorted({found[0] for key in state_dict if (found := split_expert_key(key, prefix)) is not None})
 
 
 def select_local_experts(
@@ -52,8 +54,8 @@ def select_local_experts(
             f"(a gathered checkpoint) or its {experts_per_rank} local ones; was it saved with another num_experts?"
         )
     first = ep_rank * experts_per_rank
-    for key in [k for k in state_dict if _split(k, prefix) is not None]:
-        index, rest = _split(key, prefix)  # type: ignore[misc]
+    for key in [k for k in state_dict if split_expert_key(k, prefix) is not None]:
+        index, rest = split_expert_key(key, prefix)  # type: ignore[misc]
         value = state_dict.pop(key)
         if first <= index < first + experts_per_rank:
             state_dict[f"{prefix}{index - first}.{rest}"] = value
@@ -64,12 +66,12 @@ def gather_expert_state(
     state_dict: dict[str, Any], prefix: str, experts_per_rank: int, ep_size: int, group: Any
 ) -> None:
     """Replace the local expert entries under ``prefix`` by every EP rank's, globally numbered (collective)."""
-    local_keys = [key for key in state_dict if _split(key, prefix) is not None]
+    local_keys = [key for key in state_dict if split_expert_key(key, prefix) is not None]
     present = expert_indices(state_dict, prefix)
     if present != list(range(experts_per_rank)):
         raise ValueError(f"expected local experts 0..{experts_per_rank - 1} under {prefix!r}, found {present}")
     for key in local_keys:
-        index, rest = _split(key, prefix)  # type: ignore[misc]
+        index, rest = split_expert_key(key, prefix)  # type: ignore[misc]
         local = state_dict.pop(key).detach().contiguous()
         pieces = [torch.empty_like(local) for _ in range(ep_size)]
         dist.all_gather(pieces, local, group=group)
