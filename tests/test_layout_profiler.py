@@ -17,7 +17,6 @@ def _profile_rank(rank: int, world_size: int) -> dict:
     from lightning_merak.strategies.layout_profiler import profile_model, profile_network
     from lightning_merak.strategies.merak3d import Merak3DStrategy, _call_model, average_gradients
     from lightning_merak.strategies.planner import SearchSpace, required_profile_keys
-    from lightning_merak.timing import median_call_time
 
     torch.manual_seed(0)
     model = build_causal_lm(ModelConfig(name="llama", model_type="llama", config={
@@ -34,11 +33,10 @@ def _profile_rank(rank: int, world_size: int) -> dict:
     gradient_bytes = 4 << 20
     network = profile_network(keys.all_reduce_group_sizes, torch.device("cpu"), large_bytes=1 << 16,
                               repeats=3, gradient_bytes=gradient_bytes)
-    grads = list(torch.ones(gradient_bytes // 4).chunk(8))
-    world = dist.new_group(list(range(world_size)))
-    synced_s = median_call_time(lambda: average_gradients(grads, world, world_size), 5)
-    return {"keys": keys.measured_blocks, "profile": profile, "network": network, "synced_s": synced_s,
-            "grads_averaged": grads[0][:4].tolist()}
+    grads = list(torch.full((gradient_bytes // 4,), float(rank + 1)).chunk(8))
+    average_gradients(grads, dist.new_group(list(range(world_size))), world_size)
+    return {"keys": keys.measured_blocks, "profile": profile, "network": network,
+            "grads_averaged": sorted({value for grad in grads for value in grad.unique().tolist()})}
 
 
 def test_profiler_measures_real_blocks_gradient_sync_and_optimizer_on_two_ranks():
@@ -49,8 +47,6 @@ def test_profiler_measures_real_blocks_gradient_sync_and_optimizer_on_two_ranks(
         assert blocks.forward_first_s > 0 and blocks.backward_first_s > 0
     assert set(profile.block_optimizer_s) == {1, 2} and min(profile.block_optimizer_s.values()) > 0
     assert set(network.gradient_sync) == {2}
-    # the fitted synchronisation cost predicts a fresh measurement of the same operation
-    predicted = network.gradient_sync_s(4 << 20, 2)
-    measured = max(r["synced_s"] for r in results)
-    assert measured / 4 < predicted < measured * 4, (predicted, measured)
-    assert results[0]["grads_averaged"] == [1.0] * 4
+    # timings belong to benchmarks/planner.py; here: a usable fit, and the averaging it times is right
+    assert 0 < network.gradient_sync_s(1 << 20, 2) <= network.gradient_sync_s(4 << 20, 2) < float("inf")
+    assert all(r["grads_averaged"] == [1.5] for r in results)
