@@ -27,15 +27,21 @@ def _profile_rank(rank: int, world_size: int) -> dict:
     space = SearchSpace(world_size=world_size, global_batch_size=None, replica_batch_size=4,
                         tp_degrees_allowed=(1, 2), max_pipeline_stages=1, overlap_choices=(1, 2))
     keys = required_profile_keys(space, 2)
+    loss_batches = []
+
+    def loss_of(logits: torch.Tensor, samples: int) -> torch.Tensor:
+        loss_batches.append(logits.shape[0])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), inputs[:samples].flatten())
+
     profile = profile_model(model, inputs, _call_model, Merak3DStrategy._tensor_parallel_plan, keys,
                             lambda params: torch.optim.AdamW(params), repeats=3,
-                            process_group_device=torch.device("cpu"))
+                            process_group_device=torch.device("cpu"), loss_of=loss_of)
     gradient_bytes = 4 << 20
     network = profile_network(keys.all_reduce_group_sizes, torch.device("cpu"), large_bytes=1 << 16,
                               repeats=3, gradient_bytes=gradient_bytes)
     grads = list(torch.full((gradient_bytes // 4,), float(rank + 1)).chunk(8))
     average_gradients(grads, dist.new_group(list(range(world_size))), world_size)
-    return {"keys": keys.measured_blocks, "profile": profile, "network": network,
+    return {"keys": keys.measured_blocks, "profile": profile, "network": network, "loss_batches": set(loss_batches),
             "grads_averaged": sorted({value for grad in grads for value in grad.unique().tolist()})}
 
 
@@ -46,6 +52,9 @@ def test_profiler_measures_real_blocks_gradient_sync_and_optimizer_on_two_ranks(
     for blocks in profile.measured_blocks.values():
         assert blocks.forward_first_s > 0 and blocks.backward_first_s > 0
     assert set(profile.block_optimizer_s) == {1, 2} and min(profile.block_optimizer_s.values()) > 0
+    # the loss is timed on whole micro-batches (4 samples here), never on sub-batches
+    assert set(profile.loss_times) == results[0]["loss_batches"] == {4}
+    assert min(profile.loss_times[4]) > 0
     assert set(network.gradient_sync) == {2}
     # timings belong to benchmarks/planner.py; here: a usable fit, and the averaging it times is right
     assert 0 < network.gradient_sync_s(1 << 20, 2) <= network.gradient_sync_s(4 << 20, 2) < float("inf")

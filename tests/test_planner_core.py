@@ -510,3 +510,30 @@ def test_required_keys_list_the_real_blocks_to_measure():
 def test_measured_blocks_reject_negative_times():
     with pytest.raises(ValueError, match="MeasuredBlocks"):
         MeasuredBlocks(-1.0, 0.0, 0.0, 0.0)
+
+
+def test_loss_is_counted_once_per_micro_batch_on_the_last_stage():
+    profile, search = synthetic_model(num_blocks=4), space(world_size=2, global_batch_size=8)
+    with_loss = dataclasses.replace(profile, loss_times={8: (0.3, 0.1), 4: (0.2, 0.05), 2: (0.1, 0.02)})
+    # one stage with two sub-batches: the loss runs once, on the whole micro-batch of 8 samples
+    layout = Layout(1, 1, 2, 1, 2, 0.0)
+    added = predict(layout, with_loss, SLOW, search).step_time_s - predict(layout, profile, SLOW, search).step_time_s
+    assert added == pytest.approx(0.4)
+    assert predict(layout, with_loss, SLOW, search).components["compute"] == pytest.approx(
+        predict(layout, profile, SLOW, search).components["compute"] + 0.4)
+    # two stages, four micro-batches of 2: only the last stage pays, once per micro-batch
+    piped = Layout(1, 2, 1, 4, 1, 0.0)
+    plain, lossy = predict(piped, profile, SLOW, search), predict(piped, with_loss, SLOW, search)
+    assert lossy.step_time_s > plain.step_time_s
+    assert lossy.step_time_s - plain.step_time_s <= 4 * 0.12 + 1e-9
+
+
+def test_a_profile_with_loss_times_needs_every_micro_batch_size():
+    search = space(world_size=2, global_batch_size=8, tp_degrees_allowed=(1, 2), max_pipeline_stages=2)
+    keys = required_profile_keys(search, 4)
+    assert keys.loss_samples == frozenset({8, 4, 2, 1})  # 1, 2, 4 and 8 micro-batches
+    profile = dataclasses.replace(synthetic_model(num_blocks=4), loss_times={8: (0.3, 0.1)})
+    with pytest.raises(ValueError, match=r"loss_times\[1\].*loss_times\[2\].*loss_times\[4\]"):
+        plan(search, profile, SLOW)
+    with pytest.raises(ValueError, match="loss_times"):
+        dataclasses.replace(profile, loss_times={8: (-1.0, 0.1)})

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_merak.models import logits_of
 from lightning_merak.strategies.pipeline.trace import ModelTrace, trace_model
 from lightning_merak.strategies.merak3d import average_gradients
 from lightning_merak.strategies.overlap import SubBatchForward
@@ -231,6 +232,26 @@ def _block_optimizer_times(block: nn.Module, plan: TensorParallelPlan, keys: Pro
     return times
 
 
+def _loss_times(model: nn.Module, sample_inputs: torch.Tensor, call_model: Callable[[nn.Module, torch.Tensor], Any],
+                loss_of: Callable[[Any, int], torch.Tensor], samples: int, repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds of the training loss on the model's output for ``samples`` samples."""
+    with torch.no_grad():
+        output = call_model(model, sample_inputs[:samples])
+    logits = logits_of(output).detach()
+    forward, backward = [], []
+    for attempt in range(repeats + 1):
+        leaf = logits.clone().requires_grad_(True)
+        start = time.perf_counter()
+        loss = loss_of(leaf, samples)
+        middle = time.perf_counter()
+        loss.backward()
+        end = time.perf_counter()
+        if attempt:
+            forward.append(middle - start)
+            backward.append(end - middle)
+    return statistics.median(forward), statistics.median(backward)
+
+
 def profile_model(
     model: nn.Module,
     sample_inputs: torch.Tensor,
@@ -240,12 +261,15 @@ def profile_model(
     optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     repeats: int = 5,
     process_group_device: Optional[torch.device] = None,
+    loss_of: Optional[Callable[[Any, int], torch.Tensor]] = None,
 ) -> ModelProfile:
     """Time ``model``'s parts at every (tp, sub-batch samples) the search needs (``keys``).
 
     With ``process_group_device`` (every rank of the default process group calling at once),
     real tensor-parallel blocks are timed at ``keys.measured_blocks`` and their optimizer step
     over sharded parameters; without it those stay unmeasured and the planner models them.
+    With ``loss_of(logits, samples)`` (the training loss of the first ``samples`` samples'
+    logits), the loss is timed at every micro-batch size of ``keys.loss_samples``.
     """
     real_blocks = process_group_device is not None and dist.is_initialized() and dist.get_world_size() > 1
     measured_samples = {samples for _, _, samples in keys.measured_blocks} if real_blocks else set()
@@ -297,6 +321,8 @@ def profile_model(
         optimizer_s_per_parameter_byte=optimizer_s / max(1, parameter_bytes[1]),
         measured_blocks=measured,
         block_optimizer_s=_block_optimizer_times(block, plan, keys, optimizer_factory, meshes, repeats),
+        loss_times={samples: _loss_times(model, sample_inputs, call_model, loss_of, samples, repeats)
+                    for samples in sorted(keys.loss_samples)} if loss_of is not None else {},
     )
 
 

@@ -447,8 +447,8 @@ class Merak3DStrategy(ParallelStrategy):
 
     # Planning --------------------------------------------------------------------------
 
-    def _planning_batch(self, trainer: pl.Trainer) -> torch.Tensor:
-        """The inputs of one training batch: the planner profiles at the real shapes.
+    def _planning_batch(self, trainer: pl.Trainer) -> tuple[torch.Tensor, Any]:
+        """The inputs and targets of one training batch: the planner profiles at the real shapes.
 
         The layout (and so the data-parallel rank) does not exist yet: a dataloader built
         now sees one replica.
@@ -464,8 +464,7 @@ class Merak3DStrategy(ParallelStrategy):
             batch = next(iter(source.dataloader()))
         finally:
             self._reading_planning_batch = False
-        inputs, _ = self.lightning_module.split_batch(super().batch_to_device(batch))
-        return inputs
+        return self.lightning_module.split_batch(super().batch_to_device(batch))
 
     def _plan_layout(self, trainer: pl.Trainer) -> None:
         """Profile this machine and model, search the layouts, and adopt the best one."""
@@ -477,7 +476,7 @@ class Merak3DStrategy(ParallelStrategy):
         config = getattr(model, "config", None)
         if config is not None and getattr(config, "use_cache", False):
             config.use_cache = False
-        inputs = self._planning_batch(trainer)
+        inputs, targets = self._planning_batch(trainer)
         world = self.world_size
         if self._degrees["tp"] != "auto":
             tp_degrees = (self._degrees["tp"],)
@@ -500,7 +499,8 @@ class Merak3DStrategy(ParallelStrategy):
         factory = (lambda params: type(optimizer)(params, **optimizer.defaults)) if optimizer is not None else (
             lambda params: torch.optim.AdamW(params))
         profile = profile_model(model, inputs, _call_model, self._tensor_parallel_plan, keys, factory,
-                                process_group_device=self.root_device)
+                                process_group_device=self.root_device,
+                                loss_of=lambda logits, samples: module.loss_from_logits(logits, targets[:samples]))
         profile = self.broadcast(profile, src=0)
         gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         network = profile_network(keys.all_reduce_group_sizes, self.root_device,

@@ -251,6 +251,7 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     Where the profile holds measured real tensor-parallel blocks for the layout, they replace
     the simulated chain (the simulated compute stays the "compute" component, the rest is
     exposed communication and runtime overhead).
+    The last stage adds the training loss once per micro-batch (never split into sub-batches).
     Recomputed blocks add their forward compute, never their collectives, to the backward,
     and keep only their input plus the two post-collective outputs the runtime caches
     (those exist only with tp > 1). Prefix and suffix activations are not counted.
@@ -292,6 +293,10 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
             backward_total = outside_s + measured.backward_s(stage.num_blocks) + recompute_s
         else:
             forward_total, backward_total = forward.time_s, backward.time_s + recompute_s
+        loss_forward, loss_backward = model_profile.loss_times_at(samples) if stage.has_suffix else (0.0, 0.0)
+        forward_total += loss_forward
+        backward_total += loss_backward
+        local_s += loss_forward + loss_backward
         forward_s.append(forward_total)
         backward_s.append(backward_total)
         compute_s.append(local_s)

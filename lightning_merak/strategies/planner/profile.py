@@ -189,7 +189,10 @@ class ModelProfile:
 
     Optional measurements of the real runtime refine the model where present:
     ``measured_blocks`` by (tp, overlap, samples per micro-batch) for tp > 1, and
-    ``block_optimizer_s`` by tp, the optimizer step over one block's (sharded) parameters.
+    ``block_optimizer_s`` by tp, the optimizer step over one block's (sharded) parameters;
+    ``loss_times`` by samples per micro-batch, the training loss on the model's output as
+    (forward_s, backward_s), paid once per micro-batch on the last stage (a profile without
+    it, such as one written by hand, predicts no loss cost).
     """
 
     num_blocks: int
@@ -205,6 +208,7 @@ class ModelProfile:
     bytes_per_parameter_state: float = 4.0
     measured_blocks: dict[tuple[int, int, int], MeasuredBlocks] = field(default_factory=dict)
     block_optimizer_s: dict[int, float] = field(default_factory=dict)
+    loss_times: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_positive("ModelProfile", num_blocks=self.num_blocks)
@@ -216,7 +220,7 @@ class ModelProfile:
             optimizer_s_per_parameter_byte=self.optimizer_s_per_parameter_byte,
             bytes_per_parameter_state=self.bytes_per_parameter_state,
         )
-        for name in ("prefix_times", "suffix_times"):
+        for name in ("prefix_times", "suffix_times", "loss_times"):
             for samples, times in getattr(self, name).items():
                 if len(times) != 2 or min(times) < 0:
                     raise ValueError(
@@ -231,6 +235,12 @@ class ModelProfile:
 
     def suffix_times_at(self, samples: int) -> tuple[float, float]:
         return _lookup(self.suffix_times, samples, "suffix_times", "samples")
+
+    def loss_times_at(self, samples: int) -> tuple[float, float]:
+        """The loss on one micro-batch of ``samples``; zero when the profile measured no loss at all."""
+        if not self.loss_times:
+            return 0.0, 0.0
+        return _lookup(self.loss_times, samples, "loss_times", "samples")
 
     def block_parameter_bytes_at(self, tp: int) -> int:
         return _lookup(self.block_parameter_bytes, tp, "block_parameter_bytes", "tp")

@@ -67,7 +67,8 @@ class ProfileKeys:
     parameter and activation bytes per tp, and all-reduce costs per group size (the p2p link
     is always needed). ``measured_blocks`` lists the (tp, overlap, samples per micro-batch)
     at which a profiler that can run real tensor-parallel blocks should time them (optional
-    entries: the model falls back to its simulated chain).
+    entries: the model falls back to its simulated chain). ``loss_samples`` are the micro-batch
+    sizes at which the training loss is timed (optional too: without them no loss is counted).
     """
 
     block_times: frozenset[tuple[int, int]]
@@ -75,23 +76,25 @@ class ProfileKeys:
     tp_degrees: frozenset[int]
     all_reduce_group_sizes: frozenset[int]
     measured_blocks: frozenset[tuple[int, int, int]] = frozenset()
+    loss_samples: frozenset[int] = frozenset()
 
 
 def required_profile_keys(space: SearchSpace, num_blocks: int | None = None) -> ProfileKeys:
     """The profile entries :func:`plan` reads for ``space``, so a profiler measures nothing more."""
-    block_times, samples_needed, tp_degrees, group_sizes, measured = set(), set(), set(), set(), set()
+    block_times, samples_needed, tp_degrees, group_sizes, measured, loss_samples = set(), set(), set(), set(), set(), set()
     for layout in candidate_layouts(space, num_blocks):
         samples = micro_batch_samples(layout, space)
         sub = samples // layout.overlap
         block_times.add((layout.tp, sub))
         samples_needed.add(sub)
+        loss_samples.add(samples)
         tp_degrees.add(layout.tp)
         group_sizes.update(size for size in (layout.tp, layout.dp) if size > 1)
         if layout.tp > 1:
             measured.add((layout.tp, layout.overlap, samples))
     return ProfileKeys(
         frozenset(block_times), frozenset(samples_needed), frozenset(tp_degrees), frozenset(group_sizes),
-        frozenset(measured),
+        frozenset(measured), frozenset(loss_samples),
     )
 
 
@@ -104,6 +107,8 @@ def _missing_entries(keys: ProfileKeys, model_profile: ModelProfile, network: Ne
         ("block_activation_bytes_per_sample", keys.tp_degrees, model_profile.block_activation_bytes_per_sample),
         ("network.all_reduce", keys.all_reduce_group_sizes, network.all_reduce),
     ]
+    if model_profile.loss_times:  # optional, but a profile that timed the loss must have every size
+        needed.append(("loss_times", keys.loss_samples, model_profile.loss_times))
     return [f"{name}[{key}]" for name, wanted, present in needed for key in sorted(wanted - present.keys())]
 
 
