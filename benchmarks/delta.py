@@ -23,11 +23,17 @@ Two memory figures, side by side:
   warm-up.
 The targets are evaluated on both.
 
+Workload: a GPT-style model (``BenchGPT``), batch 8, seq 128; hidden 256 and 6 layers with
+``--quick``, hidden 384 and 8 layers otherwise. The full run adds a sweep of ``none`` vs
+``delta`` over hidden 128, 256 and 512 (6 layers): the bytes DELTA copies grow with hidden x
+tokens, a block's compute with hidden² x tokens, so the share of the step the swap costs shrinks
+as the model grows, and at small hidden sizes per-tensor costs dominate.
+
 Allocator: glibc returns the top of its heap to the OS whenever enough of it is free. DELTA
 frees most activations during the forward and allocates them again in the backward, so
 with glibc's defaults the pages it gives back are faulted in again (a few thousand page
 faults per step, microseconds each), while ``none`` reuses one resident heap. The
-equal-batch leg therefore runs twice: under glibc's defaults, and for ``none`` and
+full run's equal-batch leg therefore runs twice: under glibc's defaults, and for ``none`` and
 ``delta`` under ``glibc-no-trim`` (``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``
 in the workers' environment), where freed pages stay resident like in a caching allocator:
 fewer faults, more resident memory. Each leg's ratios are to its own ``none``.
@@ -69,6 +75,7 @@ from typing import Any
 
 DEFAULT_OUT = Path("benchmarks/results/delta.json")
 CONFIGS = ("none", "checkpoint", "offload-all", "delta", "delta-paper-rule")
+QUICK_CONFIGS = ("none", "checkpoint", "offload-all", "delta")
 ALLOCATORS: dict[str, dict[str, str]] = {
     "glibc-default": {},
     # the heap serves every allocation under 32 MiB and is never trimmed automatically:
@@ -76,6 +83,8 @@ ALLOCATORS: dict[str, dict[str, str]] = {
     "glibc-no-trim": {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)},
 }
 MIB = 2**20
+SWEEP_HIDDEN = (128, 256, 512)
+"""Hidden sizes of the full run's sweep: the swap's copies grow with hidden, the blocks' compute with its square."""
 
 
 # worker (runs in a fresh process) ----------------------------------------------------------
@@ -341,20 +350,29 @@ def main(argv: list[str] | None = None) -> None:
     load_average = os.getloadavg()
     repeats = args.repeats or (1 if args.quick else 3)
     # ten timed steps even when quick: a median of three swings by 10-20% on a shared CPU
-    shape = dict(hidden=128, layers=6, seq=128, steps=10) if args.quick else dict(hidden=192, layers=8, seq=256, steps=10)
+    shape = dict(hidden=256, layers=6, seq=128, steps=10) if args.quick else dict(hidden=384, layers=8, seq=128, steps=10)
     base_batch = 8
-    max_batch_factor = 8 if args.quick else 16
+    max_batch_factor = 8
     with tempfile.TemporaryDirectory(prefix="delta-bench-") as swap_dir:
         common = dict(shape, threads=args.threads, swap_dir=swap_dir)
 
         def progress(message: str) -> None:
             print(f"[{time.perf_counter() - started:6.1f}s] {message}", flush=True)
 
-        progress(f"equal batch {base_batch}: {', '.join(CONFIGS)} ({repeats} repeat(s) each)")
-        rows, none, delta_budget = _equal_batch_leg(common, base_batch, CONFIGS, "glibc-default", args, repeats, progress)
-        progress(f"equal batch {base_batch} with the allocator never trimming: none, delta")
-        no_trim_rows, _, _ = _equal_batch_leg(common, base_batch, ("none", "delta"), "glibc-no-trim", args, repeats, progress)
-        rows += no_trim_rows
+        configs = QUICK_CONFIGS if args.quick else CONFIGS
+        progress(f"equal batch {base_batch}: {', '.join(configs)} ({repeats} repeat(s) each)")
+        rows, none, delta_budget = _equal_batch_leg(common, base_batch, configs, "glibc-default", args, repeats, progress)
+        if not args.quick:
+            progress(f"equal batch {base_batch} with the allocator never trimming: none, delta")
+            no_trim_rows, _, _ = _equal_batch_leg(common, base_batch, ("none", "delta"), "glibc-no-trim", args,
+                                                  repeats, progress)
+            rows += no_trim_rows
+            progress(f"hidden-size sweep at batch {base_batch}: none, delta at hidden {SWEEP_HIDDEN}")
+            for hidden in SWEEP_HIDDEN:
+                sweep_common = dict(common, hidden=hidden, layers=6)
+                sweep_rows, _, _ = _equal_batch_leg(sweep_common, base_batch, ("none", "delta"), "glibc-default", args,
+                                                    1, progress)
+                rows += [dict(row, leg=f"sweep hidden {hidden}", hidden=hidden) for row in sweep_rows]
 
         memory_budget = none["activation_peak_MiB"]
         transient_per_sample = (none["activation_peak_MiB"] - none["saved_peak_MiB"]) / base_batch
@@ -386,7 +404,9 @@ def main(argv: list[str] | None = None) -> None:
     delta_max = next(r for r in max_rows if r["config"] == "delta")
     targets: dict[str, Any] = {"max_batch_ge_2x_none": delta_max["batch_vs_none"] >= 2}
     for allocator in ALLOCATORS:
-        delta_row = next(r for r in rows if r["config"] == "delta" and r["leg"].endswith(allocator))
+        delta_row = next((r for r in rows if r["config"] == "delta" and r["leg"] == f"equal batch, {allocator}"), None)
+        if delta_row is None:
+            continue
         allocated_vs_none = delta_row.get("allocated_vs_none")
         targets[allocator] = {
             "activation_reduction_ge_60pct_rss": 1 - delta_row["activation_vs_none"] >= 0.6,
