@@ -26,6 +26,10 @@ exceed ``busy``), ``busy`` the time at least one was in flight. Per configuratio
   for plain TP this is ``comm_of_plain_step``, the communication share of its step;
 * ``speedup``: plain TP's ``step_ms`` / this row's (target >= 1.2x where ``comm_of_plain_step``
   >= 30 %, not applicable elsewhere);
+* ``cpu_ms_per_rank``: median CPU time of a rank process per step (all its threads, worst
+  rank), and ``idle_cores``: the machine's idle core-seconds per second of step (rank 0's
+  steps; 10 ms ticks): where no core is idle, hiding communication cannot shorten the step;
+  ``page_faults_per_rank``: median minor page faults of a rank per step (worst rank);
 * ``final_loss`` and ``loss_max_rel_diff``: the largest relative difference from plain TP's
   loss over all steps, which must stay at rounding level (the runs are equal in exact arithmetic).
 
@@ -44,6 +48,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import statistics
 import sys
 import time
@@ -145,29 +150,47 @@ def _quiet_lightning() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
 
 
+def machine_idle_s() -> float:
+    """Idle (and I/O-wait) time summed over the machine's cores since boot, from ``/proc/stat`` (10 ms ticks)."""
+    with open("/proc/stat", encoding="ascii") as stat:
+        fields = stat.readline().split()
+    return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
+
+
 class StepRecorder(pl.Callback):
-    """Wall time, loss and tensor-parallel collectives of every training step (optimizer step included)."""
+    """Wall time, CPU time, loss and tensor-parallel collectives of every training step (optimizer step included).
+
+    ``cpu_s`` is the rank process's CPU time (every thread: compute, sub-batches, gloo) and
+    ``machine_idle_s`` the idle core time of the whole machine during the step: overlap can
+    only hide communication behind computation while a core is free to compute.
+    """
 
     def __init__(self) -> None:
         self.steps: list[dict[str, float]] = []
         self.last_events: list[dict[str, float]] = []
         self._recording = contextlib.ExitStack()
         self._trace: CommunicationTrace | None = None
-        self._start = 0.0
+        self._start = self._start_cpu = self._start_idle = 0.0
+        self._start_faults = 0
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._trace = self._recording.enter_context(record_communication())
+        self._start_idle, self._start_cpu = machine_idle_s(), time.process_time()
+        self._start_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step_s = time.perf_counter() - self._start
+        cpu_s, idle_s = time.process_time() - self._start_cpu, machine_idle_s() - self._start_idle
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self._start_faults
         self._recording.close()
         trace = self._trace
         assert trace is not None
         self.steps.append({"step_s": step_s, "exposed_s": trace.exposed_s, "busy_s": trace.busy_s,
-                           "collectives": len(trace.events), "loss": float(outputs["loss"])})
+                           "collectives": len(trace.events), "loss": float(outputs["loss"]),
+                           "cpu_s": cpu_s, "machine_idle_s": idle_s, "page_faults": faults})
         self.last_events = [{key: value if key == "sub_batch" else value - self._start for key, value in event.items()}
                             for event in trace.events]
 
@@ -268,11 +291,16 @@ def summarise(world_size: int, network: str, ranks: Sequence[Sequence[dict[str, 
         exposed_s = max(statistics.median(step["exposed_s"] for step in steps) for steps in timed)
         busy_s = max(statistics.median(step["busy_s"] for step in steps) for steps in timed)
         losses = [step["loss"] for step in per_rank[0]["steps"]]
+        cpu_s = max(statistics.median(step["cpu_s"] for step in steps) for steps in timed)
+        idle_cores = (sum(step["machine_idle_s"] for step in timed[0])
+                      / max(sum(step["step_s"] for step in timed[0]), 1e-30))
         rows.append({
             "ranks": world_size, "network": network, "tp_overlap": per_rank[0]["tp_overlap"],
             "step_ms": step_s * 1e3, "exposed_ms": exposed_s * 1e3, "busy_ms": busy_s * 1e3,
             "exposed_fraction": exposed_fraction, "exposed_of_step": exposed_s / step_s,
             "collectives_per_step": per_rank[0]["steps"][-1]["collectives"],
+            "cpu_ms_per_rank": cpu_s * 1e3, "idle_cores": idle_cores,
+            "page_faults_per_rank": max(statistics.median(step["page_faults"] for step in steps) for steps in timed),
             "final_loss": losses[-1], "losses": losses, "timed_steps": len(slowest),
         })
     plain = rows[0]
@@ -343,7 +371,7 @@ def plot_steps(plain_events: list[dict[str, float]], plain_step_s: float, overla
 
 
 COLUMNS = ["ranks", "network", "tp_overlap", "step_ms", "exposed_ms", "busy_ms", "exposed_fraction",
-           "exposed_of_step", "comm_of_plain_step", "speedup", "final_loss", "loss_max_rel_diff",
+           "exposed_of_step", "comm_of_plain_step", "speedup", "cpu_ms_per_rank", "idle_cores", "page_faults_per_rank", "final_loss", "loss_max_rel_diff",
            "exposed_target", "speedup_target", "loss_equal", "error"]
 
 

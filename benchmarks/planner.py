@@ -8,7 +8,8 @@ One planning run (``plan_only=True`` with ``pipeline_parallel``, ``tensor_parall
 ``tp_overlap`` on ``"auto"``) profiles this machine inside 2 gloo ranks and returns the
 prediction for every layout of its grid. Then every layout of the grid trains for a few
 steps with the layout fixed, in fresh ranks (one torch thread each), and its median step
-time (slowest rank, warm-up excluded) is compared with the prediction:
+time (slowest rank, warm-up excluded; the median over ``rounds`` such runs, taken in turn
+over the grid) is compared with the prediction:
 
 * prediction error = predicted / measured − 1 per layout (target |error| ≤ 10%);
 * regret = measured time per sample of the planner's pick / the best measured − 1
@@ -56,10 +57,13 @@ class Mode:
     steps: int
     micro_batch_choices: tuple[int, ...] | None
     overlap: str | int
+    rounds: int
+    """Every layout is measured once per round, rounds one after another (the median counts), so a
+    slow spell of the shared machine lands on every layout instead of on one."""
 
 
-QUICK = Mode(warmup=2, steps=6, micro_batch_choices=(4,), overlap="auto")
-FULL = Mode(warmup=3, steps=14, micro_batch_choices=None, overlap="auto")
+QUICK = Mode(warmup=2, steps=6, micro_batch_choices=(4,), overlap="auto", rounds=1)
+FULL = Mode(warmup=3, steps=14, micro_batch_choices=None, overlap="auto", rounds=3)
 
 
 class _ReplicaData(pl.LightningDataModule):
@@ -140,18 +144,26 @@ def main(argv: list[str] | None = None) -> int:
           f"({'quick' if args.quick else 'full'})", flush=True)
     predictions = _plan(mode)
     print(f"  planned {len(predictions)} layouts ({time.perf_counter() - started:.0f} s)", flush=True)
+    runs: list[list[float | str]] = [[] for _ in predictions]
+    for round_index in range(mode.rounds):
+        for prediction, layout_runs in zip(predictions, runs):
+            layout_runs.append(_measure(prediction["layout"], mode))
+            value = layout_runs[-1]
+            print(f"  round {round_index + 1}/{mode.rounds} {_layout_key(prediction['layout'])}: predicted "
+                  f"{prediction['step_s'] * 1e3:.0f} ms, measured "
+                  f"{f'{value * 1e3:.0f}' if isinstance(value, float) else value} ms", flush=True)
     rows = []
-    for prediction in predictions:
-        layout = prediction["layout"]
-        measured = _measure(layout, mode)
-        row = {"layout": _layout_key(layout), "samples": prediction["samples"],
-               "predicted_s": prediction["step_s"], "measured_s": measured}
+    for prediction, layout_runs in zip(predictions, runs):
+        failures = [run for run in layout_runs if isinstance(run, str)]
+        measured = failures[0] if failures else statistics.median(layout_runs)
+        row = {"layout": _layout_key(prediction["layout"]), "samples": prediction["samples"],
+               "predicted_s": prediction["step_s"], "measured_s": measured,
+               "measured_rounds_s": [run for run in layout_runs if isinstance(run, float)],
+               "predicted_components_s": prediction["components"]}
         if isinstance(measured, float):
             row["error"] = prediction["step_s"] / measured - 1.0
             row["measured_per_sample_ms"] = 1e3 * measured / prediction["samples"]
         rows.append(row)
-        print(f"  {row['layout']}: predicted {prediction['step_s'] * 1e3:.0f} ms, measured "
-              f"{measured * 1e3 if isinstance(measured, float) else measured} ms", flush=True)
     measured_rows = [row for row in rows if "error" in row]
     pick = rows[0]
     best = min(measured_rows, key=lambda row: row["measured_per_sample_ms"])
@@ -176,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{100 * regret:.1f}% (target ≤ {100 * REGRET_TARGET:.0f}%: "
           f"{'PASS' if summary['regret_target_met'] else 'FAIL'})" if regret is not None else "regret: pick failed")
     write_json(args.out, rows, "measured", predictions="the planner's cost model from its own profile",
+               rounds=mode.rounds,
                workload=WORKLOAD.describe() + " per replica", world_size=WORLD_SIZE,
                mode="quick" if args.quick else "full", summary=summary, wall_s=time.perf_counter() - started)
     print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s)")

@@ -53,35 +53,41 @@ _local = threading.local()
 
 
 class _TurnTaking:
-    """Round-robin turns between sub-batch threads; one computes at a time."""
+    """Round-robin turns between sub-batch threads; one computes at a time.
+
+    Each thread sleeps on its own lock and only the thread whose turn comes is woken: a
+    shared condition woke every waiting sub-batch at every switch, and each of them then
+    took the GIL from the computing thread just to go back to sleep.
+    """
 
     def __init__(self, count: int) -> None:
-        self._condition = threading.Condition()
-        self._turn = 0
+        self._lock = threading.Lock()
         self._finished = [False] * count
+        self._wake = [threading.Lock() for _ in range(count)]
+        for index in range(1, count):
+            self._wake[index].acquire()
 
     def _pass_turn(self, index: int) -> None:
+        """Wake the next unfinished sub-batch after ``index`` (``index`` itself when it is the last one left)."""
         count = len(self._finished)
-        for step in range(1, count + 1):
-            candidate = (index + step) % count
-            if not self._finished[candidate]:
-                self._turn = candidate
-                break
-        self._condition.notify_all()
+        with self._lock:
+            for step in range(1, count + 1):
+                candidate = (index + step) % count
+                if not self._finished[candidate]:
+                    self._wake[candidate].release()
+                    return
 
     def wait_for_turn(self, index: int) -> None:
-        with self._condition:
-            self._condition.wait_for(lambda: self._turn == index)
+        self._wake[index].acquire()
 
     def yield_turn(self, index: int) -> None:
-        with self._condition:
-            self._pass_turn(index)
-            self._condition.wait_for(lambda: self._turn == index)
+        self._pass_turn(index)
+        self.wait_for_turn(index)
 
     def finish(self, index: int) -> None:
-        with self._condition:
+        with self._lock:
             self._finished[index] = True
-            self._pass_turn(index)
+        self._pass_turn(index)
 
 
 def _yield_if_in_sub_batch() -> None:
