@@ -16,23 +16,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from benchmarks.delta_models import CausalLMModule, ImageClassifierModule, SmallResNet, tiny_gpt2, tiny_llama
 from lightning_merak.callbacks.delta import Action, DeltaMemory
 from lightning_merak.callbacks.delta.callback import PLOT_NAME
-from lightning_merak.testing import TrainingTrace, assert_traces_match, run_distributed, snapshot_gradients
+from lightning_merak.testing import TraceRecorder, assert_traces_match, run_distributed
 
 STEPS = 4
-
-
-class TraceRecorder(pl.Callback):
-    """Loss and full gradients per optimizer step, as a :class:`TrainingTrace`."""
-
-    def __init__(self) -> None:
-        self.trace = TrainingTrace()
-        self._gradients: dict = {}
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self._gradients = snapshot_gradients(pl_module)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.trace.append(outputs["loss"].item(), self._gradients)
 
 
 def token_data(seq_len: int = 32, count: int = 16) -> TensorDataset:

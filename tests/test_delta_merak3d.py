@@ -15,7 +15,7 @@ from lightning_merak.callbacks.delta import Action, DeltaMemory
 from lightning_merak.config import ModelConfig, TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
 from lightning_merak.strategies.merak3d import Merak3DStrategy
-from lightning_merak.testing import TrainingTrace, assert_traces_match, run_distributed, snapshot_gradients
+from lightning_merak.testing import TraceRecorder, TrainingTrace, assert_traces_match, run_distributed
 
 STEPS, BATCH, SEQ, VOCAB = 4, 8, 16, 96
 LLAMA = ModelConfig(name="llama", model_type="llama", config={
@@ -26,20 +26,6 @@ LLAMA = ModelConfig(name="llama", model_type="llama", config={
 class _SGDModule(CausalLMModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.model.parameters(), lr=0.5)
-
-
-class _Recorder(pl.Callback):
-    """This rank's loss and local gradients at every optimizer step."""
-
-    def __init__(self) -> None:
-        self.trace = TrainingTrace()
-        self._gradients: dict = {}
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self._gradients = snapshot_gradients(pl_module)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.trace.append(float(trainer.callback_metrics["train/loss"]), self._gradients)
 
 
 class _ShardedTokens(pl.LightningDataModule):
@@ -56,7 +42,7 @@ def _fit(layout: dict, callback: DeltaMemory | None) -> TrainingTrace:
     model = build_causal_lm(LLAMA, vocab_size=VOCAB)
     model.config.use_cache = False
     module = _SGDModule(model, TrainerConfig(max_steps=STEPS))
-    recorder = _Recorder()
+    recorder = TraceRecorder(loss_metric="train/loss")
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=Merak3DStrategy(**layout, timeout_s=120), max_epochs=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

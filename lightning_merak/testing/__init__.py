@@ -2,6 +2,7 @@
 step-by-step comparison with a single-process reference."""
 
 from lightning_merak.testing.compare import (
+    TraceRecorder,
     TrainingTrace,
     assert_traces_match,
     record_reference_trace,
@@ -11,6 +12,7 @@ from lightning_merak.testing.distributed import DistributedRunError, find_free_p
 
 __all__ = [
     "DistributedRunError",
+    "TraceRecorder",
     "TrainingTrace",
     "assert_traces_match",
     "find_free_port",

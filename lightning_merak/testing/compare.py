@@ -10,12 +10,13 @@ names the step, the parameter and the size of the disagreement.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
+import lightning.pytorch as pl
 import torch
 from torch import nn
 
-__all__ = ["TrainingTrace", "assert_traces_match", "record_reference_trace", "snapshot_gradients"]
+__all__ = ["TraceRecorder", "TrainingTrace", "assert_traces_match", "record_reference_trace", "snapshot_gradients"]
 
 
 @dataclass
@@ -37,6 +38,28 @@ def snapshot_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
         for name, param in model.named_parameters()
         if param.grad is not None
     }
+
+
+class TraceRecorder(pl.Callback):
+    """The loss and this rank's gradients at every optimizer step of a Lightning fit, as a :class:`TrainingTrace`.
+
+    ``loss_metric`` records a logged metric instead of the loss the training step returned:
+    under merak3d's pipeline only the last stage computes the loss, while a value logged
+    with ``sync_dist`` is the same on every rank.
+    """
+
+    def __init__(self, loss_metric: Optional[str] = None) -> None:
+        self.trace = TrainingTrace()
+        self.loss_metric = loss_metric
+        self._gradients: dict[str, torch.Tensor] = {}
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._gradients = snapshot_gradients(pl_module)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = trainer.callback_metrics[self.loss_metric] if self.loss_metric else outputs["loss"]
+        self.trace.append(float(loss), self._gradients)
 
 
 def record_reference_trace(

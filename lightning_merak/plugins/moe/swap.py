@@ -62,7 +62,6 @@ class SwappedSparseBlock(nn.Module):
         self.moe = moe
         self.aux_loss_coef = aux_loss_coef
         self._original_experts: dict[str, torch.Tensor] | None = original_experts
-        self.last_aux_loss: torch.Tensor | None = None
 
     def materialize(self) -> None:
         """Attach EP groups (collective) and keep only this rank's experts' original weights."""
@@ -80,7 +79,6 @@ class SwappedSparseBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         self.materialize()
         output, aux_loss, _ = self.moe(hidden_states)
-        self.last_aux_loss = aux_loss.detach()
         if self.training and self.aux_loss_coef > 0 and torch.is_grad_enabled():
             output = _AuxLossGradient.apply(output, aux_loss * self.aux_loss_coef)
         return output
