@@ -349,10 +349,10 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     load_average = os.getloadavg()
     repeats = args.repeats or (1 if args.quick else 3)
-    # ten timed steps even when quick: a median of three swings by 10-20% on a shared CPU
-    shape = dict(hidden=256, layers=6, seq=128, steps=10) if args.quick else dict(hidden=384, layers=8, seq=128, steps=10)
+    # eight or ten timed steps even when quick: a median of three swings by 10-20% on a shared CPU
+    shape = dict(hidden=256, layers=6, seq=128, steps=8) if args.quick else dict(hidden=384, layers=8, seq=128, steps=10)
     base_batch = 8
-    max_batch_factor = 8
+    max_batch_factor = 4 if args.quick else 8
     with tempfile.TemporaryDirectory(prefix="delta-bench-") as swap_dir:
         common = dict(shape, threads=args.threads, swap_dir=swap_dir)
 
