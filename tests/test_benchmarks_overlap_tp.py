@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from benchmarks.overlap_tp import Workload, check_configuration, measure, plot_steps, summarise
 
 
-def _rank(tp_overlap: int, steps: list[tuple[float, float, float, float]]) -> dict:
-    """A rank's result: per step (step_s, exposed_s, busy_s, loss)."""
+def _rank(tp_overlap: int, steps: list[tuple[float, float, float, float]], cpu_s: float = 0.5,
+          idle_s: float = 0.25, page_faults: int = 100) -> dict:
+    """A rank's result: per step (step_s, exposed_s, busy_s, loss); CPU, machine idle time and faults per step."""
     return {"tp_overlap": tp_overlap, "steps": [
-        {"step_s": step, "exposed_s": exposed, "busy_s": busy, "collectives": 8, "loss": loss}
+        {"step_s": step, "exposed_s": exposed, "busy_s": busy, "collectives": 8, "loss": loss,
+         "cpu_s": cpu_s, "machine_idle_s": idle_s, "page_faults": page_faults}
         for step, exposed, busy, loss in steps
     ]}
 
@@ -19,7 +23,7 @@ def test_rows_use_the_slowest_rank_and_judge_the_targets():
     # Step 0 is warm-up. Rank 1 is slower on step 2 and hides less of its communication;
     # the overlapped run's last loss is off by 1e-3.
     plain = [_rank(1, [(9.0, 5.0, 5.0, 2.0), (1.0, 0.4, 0.4, 1.9), (1.0, 0.4, 0.4, 1.8)]),
-             _rank(1, [(9.0, 5.0, 5.0, 2.0), (1.0, 0.4, 0.4, 1.9), (1.2, 0.4, 0.4, 1.8)])]
+             _rank(1, [(9.0, 5.0, 5.0, 2.0), (1.0, 0.4, 0.4, 1.9), (1.2, 0.4, 0.4, 1.8)], cpu_s=0.7, page_faults=300)]
     overlapped = [_rank(2, [(9.0, 5.0, 5.0, 2.0), (0.8, 0.1, 0.5, 1.9), (0.8, 0.1, 0.5, 1.8 * (1 + 1e-3))]),
                   _rank(2, [(9.0, 5.0, 5.0, 2.0), (0.8, 0.2, 0.5, 1.9), (0.8, 0.2, 0.5, 1.8 * (1 + 1e-3))])]
     ranks = [[plain[rank], overlapped[rank]] for rank in range(2)]
@@ -33,6 +37,10 @@ def test_rows_use_the_slowest_rank_and_judge_the_targets():
     assert overlapped_row["speedup"] == pytest.approx(1.1 / 0.8)
     assert overlapped_row["loss_max_rel_diff"] == pytest.approx(1e-3)
     assert plain_row["exposed_target"] == "-"
+    # CPU and faults: the worst rank's median; idle cores: rank 0's idle time over its step time
+    assert plain_row["cpu_ms_per_rank"] == pytest.approx(700.0)
+    assert plain_row["page_faults_per_rank"] == 300
+    assert plain_row["idle_cores"] == pytest.approx(0.5 / 2.0)
     assert (overlapped_row["exposed_target"], overlapped_row["speedup_target"], overlapped_row["loss_equal"]) == (
         "FAIL", "PASS", "FAIL")
 
@@ -68,6 +76,8 @@ def test_plain_and_overlapped_training_on_loopback_ranks(tmp_path):
     assert overlapped["collectives_per_step"] == 2 * 4 * workload.layers
     for row in (plain, overlapped):  # exposed may exceed busy by wake-up delays, so each is bounded alone
         assert 0 < row["exposed_ms"] < row["step_ms"] and 0 < row["busy_ms"] < row["step_ms"]
+        assert row["cpu_ms_per_rank"] > 0 and row["page_faults_per_rank"] >= 0
+        assert 0 <= row["idle_cores"] <= os.cpu_count() + 0.5  # 10 ms ticks over short steps
     events = {result["tp_overlap"]: (result["last_step_events"], result["last_step_s"]) for result in ranks[0]}
     assert {int(event["sub_batch"]) for event in events[2][0]} == {0, 1}
     path = plot_steps(*events[1], *events[2], tmp_path / "timeline.png", "loopback")
