@@ -174,6 +174,13 @@ def _block_optimizer_s(block: nn.Module, optimizer_factory: Callable[[list[nn.Pa
     return median_call_time(optimizer.step, repeats)
 
 
+def _sharded_copy(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh) -> nn.Module:
+    """A copy of ``block`` with real tensor-parallel layers over ``mesh`` (collectives included)."""
+    sharded = copy.deepcopy(block)
+    apply_tensor_parallel(sharded, plan, mesh)
+    return sharded
+
+
 def tensor_parallel_mesh(device: torch.device, tensor_parallel: int) -> DeviceMesh:
     """The tensor-parallel groups merak3d uses (consecutive ranks); every rank must call this."""
     world = dist.get_world_size()
@@ -198,12 +205,7 @@ def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dic
         args, kwargs = trace.block_arguments(_side_tensors_for(trace, samples))
         times = []
         for count in counts:
-            blocks = []
-            for _ in range(count):
-                sharded = copy.deepcopy(block)
-                apply_tensor_parallel(sharded, plan, meshes[tp])
-                blocks.append(sharded)
-            run = _BlockRun(blocks, trace)
+            run = _BlockRun([_sharded_copy(block, plan, meshes[tp]) for _ in range(count)], trace)
             if overlap > 1:
                 run.forward = SubBatchForward(run, overlap)
             dist.barrier()
@@ -223,33 +225,28 @@ def _block_optimizer_times(block: nn.Module, plan: TensorParallelPlan, keys: Pro
     """Optimizer step over one block's parameters per tp: real shards where ``meshes`` has the tp, local shards else."""
     times = {}
     for tp in sorted(keys.tp_degrees | {1}):
-        if tp in meshes:
-            sharded = copy.deepcopy(block)
-            apply_tensor_parallel(sharded, plan, meshes[tp])
-        else:
-            sharded = local_shard_of_block(block, plan, tp)
+        sharded = _sharded_copy(block, plan, meshes[tp]) if tp in meshes else local_shard_of_block(block, plan, tp)
         times[tp] = _block_optimizer_s(sharded, optimizer_factory, repeats)
     return times
+
+
+class _Loss(nn.Module):
+    """The training loss of the first ``samples`` samples' logits, as a module :func:`_forward_backward_times` runs."""
+
+    def __init__(self, loss_of: Callable[[Any, int], torch.Tensor], samples: int) -> None:
+        super().__init__()
+        self.loss_of, self.samples = loss_of, samples
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.loss_of(logits, self.samples)
 
 
 def _loss_times(model: nn.Module, sample_inputs: torch.Tensor, call_model: Callable[[nn.Module, torch.Tensor], Any],
                 loss_of: Callable[[Any, int], torch.Tensor], samples: int, repeats: int) -> tuple[float, float]:
     """Median forward and backward seconds of the training loss on the model's output for ``samples`` samples."""
     with torch.no_grad():
-        output = call_model(model, sample_inputs[:samples])
-    logits = logits_of(output).detach()
-    forward, backward = [], []
-    for attempt in range(repeats + 1):
-        leaf = logits.clone().requires_grad_(True)
-        start = time.perf_counter()
-        loss = loss_of(leaf, samples)
-        middle = time.perf_counter()
-        loss.backward()
-        end = time.perf_counter()
-        if attempt:
-            forward.append(middle - start)
-            backward.append(end - middle)
-    return statistics.median(forward), statistics.median(backward)
+        logits = logits_of(call_model(model, sample_inputs[:samples]))
+    return _forward_backward_times(_Loss(loss_of, samples), logits, (), {}, repeats)
 
 
 def profile_model(

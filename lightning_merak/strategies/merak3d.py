@@ -227,8 +227,8 @@ class Merak3DStrategy(ParallelStrategy):
         self.plan_only = plan_only
         self.layout_plan: Optional[Any] = None
         self.last_gradient_norm: Optional[float] = None
-        self._expert_prefixes: dict[str, tuple[int, int]] = {}
         """Total gradient norm (all stages, shards and experts) before the last clipping."""
+        self._expert_prefixes: dict[str, tuple[int, int]] = {}
         self._reading_planning_batch = False
         self.schedule = schedule
         self.virtual_stages = virtual_stages if schedule in MULTI_STAGE_SCHEDULES else 1

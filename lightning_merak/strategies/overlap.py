@@ -272,19 +272,8 @@ def all_reduce_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.
         return replay.outputs.pop(0)
     if tensor.is_meta or dist.get_world_size(group) == 1:
         return tensor
-    trace = _trace
     launch = time.perf_counter()
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    completion: dict[str, float] = {}
-    if trace is not None:
-        work.get_future().then(lambda _: completion.setdefault("complete", time.perf_counter()))
-    _yield_if_in_sub_batch()
-    wait_start = time.perf_counter()
-    work.wait()
-    wait_end = time.perf_counter()
-    if trace is not None:
-        trace.add({"sub_batch": getattr(_local, "index", 0), "launch": launch, "wait_start": wait_start,
-                   "wait_end": wait_end, "complete": completion.get("complete", wait_end)})
+    PendingCollective(tensor, dist.all_reduce(tensor, group=group, async_op=True), launch).wait()
     if replay is not None:
         replay.outputs.append(tensor.detach())
     return tensor
@@ -298,10 +287,11 @@ class PendingCollective:
     ``exposed_s`` is the time this rank then stayed blocked on it.
     """
 
-    def __init__(self, result: torch.Tensor, work: Any) -> None:
+    def __init__(self, result: torch.Tensor, work: Any, launch: Optional[float] = None) -> None:
+        """``launch`` is the ``time.perf_counter()`` taken just before the collective was issued (default: now)."""
         self.result, self._work = result, work
         self.exposed_s = 0.0
-        self._launch = time.perf_counter()
+        self._launch = time.perf_counter() if launch is None else launch
         self._completion: dict[str, float] = {}
         self._trace = _trace
         if work is not None and self._trace is not None:
@@ -334,9 +324,10 @@ def start_all_to_all_in_turn(
     if dist.get_world_size(group) == 1:
         return PendingCollective(send, None)
     recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
+    launch = time.perf_counter()
     work = dist.all_to_all_single(recv, send.contiguous(), list(recv_splits), list(send_splits), group=group,
                                   async_op=True)
-    return PendingCollective(recv, work)
+    return PendingCollective(recv, work, launch)
 
 
 def all_to_all_in_turn(

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from lightning_merak.plugins.moe.cost_model import CostModel
 from lightning_merak.plugins.moe.lancet import choose_block_chunks, simulated_block_time
 from lightning_merak.plugins.moe.layer import MoE, PlacementMOELayer
 from lightning_merak.strategies.overlap import run_sub_batches
@@ -77,8 +78,17 @@ class LancetBlockForward:
             raise ValueError(
                 f"a batch of {batch} samples cannot be split into {self.chunks} Lancet sub-batches; "
                 f"choose chunks that divide the micro-batch size (or chunks='auto')")
+        return self._run_split(self.chunks, args, kwargs)
+
+    def _run_split(self, chunks: int, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The block's forward as ``chunks`` overlapped sub-batches."""
         parameters = [p for p in self.block.parameters() if p.requires_grad]
-        return run_sub_batches(self.forward, self.chunks, args, kwargs, parameters)
+        return run_sub_batches(self.forward, chunks, args, kwargs, parameters)
+
+    def _cost_model(self) -> CostModel:
+        """The first MoE layer's cost model (profiled on first use)."""
+        layer = self.layers[0]
+        return layer._ensure_cost_model(layer.gate.wg.weight.detach())
 
     def _agreed(self, seconds: float) -> float:
         """The largest of the EP group's measurements, so every rank chooses alike."""
@@ -90,8 +100,7 @@ class LancetBlockForward:
 
     def _choose(self, batch: int) -> int:
         layer = self.layers[0]
-        cost_model = layer._ensure_cost_model(layer.gate.wg.weight.detach())
-        return choose_block_chunks(cost_model, layer.stats["counts"], layer.stats["plan"], self.dense_s, batch,
+        return choose_block_chunks(self._cost_model(), layer.stats["counts"], layer.stats["plan"], self.dense_s, batch,
                                    sub_batch_overhead_s=self.sub_batch_overhead_s or 0.0)
 
     def _measure_unsplit(self, batch: int, args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -122,11 +131,10 @@ class LancetBlockForward:
     def _measure_split_and_choose(self, batch: int, args: tuple, kwargs: dict[str, Any]) -> Any:
         """Second call: run as two sub-batches; the time the simulation misses is the per-sub-batch overhead."""
         layer = self.layers[0]
-        parameters = [p for p in self.block.parameters() if p.requires_grad]
         start = time.perf_counter()
-        output = run_sub_batches(self.forward, 2, args, kwargs, parameters)
+        output = self._run_split(2, args, kwargs)
         split_s = self._agreed(time.perf_counter() - start)
-        cost_model = layer._ensure_cost_model(layer.gate.wg.weight.detach())
+        cost_model = self._cost_model()
         counts, plan = layer.stats["counts"], layer.stats["plan"]
         simulated_gain = (simulated_block_time(cost_model, counts, plan, self.dense_s, 1, blocks=1)
                           - simulated_block_time(cost_model, counts, plan, self.dense_s, 2, blocks=1))
