@@ -10,9 +10,9 @@ from benchmarks.overlap_tp import Workload, check_configuration, measure, plot_s
 
 
 def _rank(tp_overlap: int, steps: list[tuple[float, float, float, float]], cpu_s: float = 0.5,
-          idle_s: float = 0.25, page_faults: int = 100) -> dict:
+          idle_s: float = 0.25, page_faults: int = 100, sequence_parallel: bool = False) -> dict:
     """A rank's result: per step (step_s, exposed_s, busy_s, loss); CPU, machine idle time and faults per step."""
-    return {"tp_overlap": tp_overlap, "steps": [
+    return {"tp_overlap": tp_overlap, "sequence_parallel": sequence_parallel, "steps": [
         {"step_s": step, "exposed_s": exposed, "busy_s": busy, "collectives": 8, "loss": loss,
          "cpu_s": cpu_s, "machine_idle_s": idle_s, "page_faults": page_faults}
         for step, exposed, busy, loss in steps
@@ -52,6 +52,18 @@ def test_speedup_target_does_not_apply_below_thirty_percent_communication():
     assert (row["exposed_target"], row["speedup_target"], row["loss_equal"]) == ("PASS", "n/a", "PASS")
 
 
+def test_sequence_parallel_rows_are_judged_against_plain_tensor_parallelism():
+    plain = _rank(1, [(1.0, 0.5, 0.5, 1.0)])
+    sequence = _rank(1, [(0.9, 0.5, 0.5, 1.0 + 1e-3)], sequence_parallel=True)
+    overlapped = _rank(2, [(0.75, 0.1, 0.5, 1.0)], sequence_parallel=True)
+    _, sequence_row, overlapped_row = summarise(2, "1Gbit", [[plain, sequence, overlapped]], warmup=0)
+    assert sequence_row["sequence_parallel"] and sequence_row["speedup"] == pytest.approx(1.0 / 0.9)
+    assert (sequence_row["exposed_target"], sequence_row["speedup_target"], sequence_row["loss_equal"]) == (
+        "-", "-", "FAIL")
+    assert (overlapped_row["exposed_target"], overlapped_row["speedup_target"], overlapped_row["loss_equal"]) == (
+        "PASS", "PASS", "PASS")
+
+
 def test_bad_configurations_are_refused_before_any_rank_starts():
     workload = Workload(hidden=64, layers=2, heads=4, vocab=128, seq=32, batch=4, steps=3, warmup=1)
     with pytest.raises(ValueError, match="start with 1"):
@@ -60,6 +72,8 @@ def test_bad_configurations_are_refused_before_any_rank_starts():
         check_configuration(workload, 2, (1, 3))
     with pytest.raises(ValueError, match="do not divide heads=4"):
         check_configuration(workload, 8, (1, 2))
+    with pytest.raises(ValueError, match="do not divide seq=30"):
+        check_configuration(Workload(64, 2, 4, 128, 30, 4, steps=3, warmup=1), 4, (1,), (1,))
     with pytest.raises(ValueError, match="must exceed warmup"):
         check_configuration(Workload(64, 2, 4, 128, 32, 4, steps=1, warmup=1), 2, (1, 2))
 
@@ -67,14 +81,17 @@ def test_bad_configurations_are_refused_before_any_rank_starts():
 def test_plain_and_overlapped_training_on_loopback_ranks(tmp_path):
     """Real rank processes through Lightning: equal losses, one collective set per sub-batch, a timeline."""
     workload = Workload(hidden=64, layers=2, heads=4, vocab=128, seq=32, batch=4, steps=3, warmup=1)
-    ranks = measure(2, None, workload, (1, 2))
-    plain, overlapped = summarise(2, "loopback", ranks, workload.warmup)
-    assert overlapped["loss_equal"] == "PASS"
+    ranks = measure(2, None, workload, (1, 2), (2,))
+    plain, overlapped, sequence = summarise(2, "loopback", ranks, workload.warmup)
+    assert overlapped["loss_equal"] == sequence["loss_equal"] == "PASS"
     assert plain["losses"][0] != plain["losses"][-1]
-    # Two all-reduces per block in forward and two in backward, once per sub-batch.
+    # Two all-reduces per block in forward and two in backward, once per sub-batch; sequence
+    # parallelism turns each into a reduce-scatter and an all-gather, plus one gather each way
+    # at the ends of the trunk.
     assert plain["collectives_per_step"] == 4 * workload.layers
     assert overlapped["collectives_per_step"] == 2 * 4 * workload.layers
-    for row in (plain, overlapped):  # exposed may exceed busy by wake-up delays, so each is bounded alone
+    assert sequence["collectives_per_step"] == 2 * (8 * workload.layers + 2)
+    for row in (plain, overlapped, sequence):  # exposed may exceed busy by wake-up delays, so each is bounded alone
         assert 0 < row["exposed_ms"] < row["step_ms"] and 0 < row["busy_ms"] < row["step_ms"]
         assert row["cpu_ms_per_rank"] > 0 and row["page_faults_per_rank"] >= 0
         assert 0 <= row["idle_cores"] <= os.cpu_count() + 0.5  # 10 ms ticks over short steps

@@ -24,6 +24,7 @@ class Merak3DStrategyConfig(StrategyConfig):
     pipeline_parallel: Any = 1
     tensor_parallel: Any = 1
     tp_overlap: Any = 1
+    sequence_parallel: bool = False
     micro_batches: Optional[int] = None
     schedule: str = "1f1b"
     virtual_stages: int = 2
@@ -40,6 +41,7 @@ class Merak3DStrategyConfig(StrategyConfig):
             "pipeline_parallel": self.pipeline_parallel,
             "tensor_parallel": self.tensor_parallel,
             "tp_overlap": self.tp_overlap,
+            "sequence_parallel": self.sequence_parallel,
             "micro_batches": self.micro_batches,
             "schedule": self.schedule,
             "virtual_stages": self.virtual_stages,

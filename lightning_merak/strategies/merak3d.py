@@ -46,6 +46,13 @@ from lightning_merak.strategies.overlap import SubBatchForward, collective_repla
 from lightning_merak.strategies.pipeline.schedules import ScheduleShiftedCriticalPath, shifted_schedule_available
 from lightning_merak.strategies.pipeline.stage import RankStages, build_stage_module, tied_parameter_names
 from lightning_merak.strategies.pipeline.trace import ModelTrace, find_trunk, trace_model
+from lightning_merak.strategies.sequence_parallel import (
+    SequenceParallelPlan,
+    check_sequence_length,
+    find_sequence_parallel_plan,
+    sequence_partial_parameters,
+    split_sequence_between,
+)
 from lightning_merak.strategies.tensor_parallel import (
     LayoutChange,
     TensorParallelPlan,
@@ -106,7 +113,7 @@ def _expert_parallel_group(group_name: Optional[str]) -> dist.ProcessGroup:
 
 
 def average_gradients(grads: list[torch.Tensor], group: dist.ProcessGroup, replicas: int) -> None:
-    """Average ``grads`` in place over ``replicas`` data-parallel ranks with one all-reduce of their concatenation."""
+    """Average ``grads`` in place over ``replicas`` ranks with one all-reduce of their concatenation (1: the sum)."""
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     flat /= replicas
@@ -131,6 +138,11 @@ def _expert_layers(model: nn.Module) -> dict[str, tuple[int, int]]:
     }
 
 
+def _has_moe_layers(model: nn.Module) -> bool:
+    moe_layer = sys.modules.get("lightning_merak.plugins.moe.layer")
+    return moe_layer is not None and any(isinstance(module, moe_layer.MoE) for module in model.modules())
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -151,6 +163,11 @@ class Merak3DStrategy(ParallelStrategy):
         tp_overlap: sub-batches each micro-batch is split into so that one sub-batch's
             tensor-parallel all-reduce runs while the next computes, across blocks, in forward and
             backward (1 = no overlap; ``"auto"``: planned). It must divide the micro-batch size.
+        sequence_parallel: split the blocks' norms, dropout and residual stream along the sequence
+            over the tensor-parallel ranks (:mod:`~lightning_merak.strategies.sequence_parallel`):
+            each all-reduce becomes a reduce-scatter and an all-gather, activations between the
+            split layers shrink by ``tensor_parallel``. The sequence length must divide by it. The
+            planner counts it as plain tensor parallelism (the same bytes, less memory).
         micro_batches: micro-batches per batch in the pipeline schedule (default: 2 × stages).
         schedule: ``"1f1b"``, ``"gpipe"``, ``"shifted_critical_path"`` (Merak: cool-down forwards
             keep no activations and are recomputed while their gradients are in flight) or
@@ -178,6 +195,7 @@ class Merak3DStrategy(ParallelStrategy):
         pipeline_parallel: Degree = 1,
         tensor_parallel: Degree = 1,
         tp_overlap: Degree = 1,
+        sequence_parallel: bool = False,
         micro_batches: Optional[int] = None,
         schedule: str = "1f1b",
         virtual_stages: int = 2,
@@ -196,6 +214,11 @@ class Merak3DStrategy(ParallelStrategy):
                 raise ValueError(f"{name}={value!r} must be a positive integer or 'auto'")
         if tp_overlap != "auto" and (not isinstance(tp_overlap, int) or tp_overlap < 1):
             raise ValueError(f"tp_overlap={tp_overlap!r} must be a positive integer (1 = no overlap) or 'auto'")
+        if sequence_parallel and tensor_parallel == 1:
+            raise ValueError(
+                "sequence_parallel=True splits the sequence over the tensor-parallel ranks, but tensor_parallel=1; "
+                "set tensor_parallel>1 (or 'auto') or sequence_parallel=False"
+            )
         if tp_overlap != 1 and schedule == "interleaved_zero_bubble":
             raise ValueError(
                 "tp_overlap>1 runs each stage's backward as a whole, which interleaved_zero_bubble splits into "
@@ -223,6 +246,7 @@ class Merak3DStrategy(ParallelStrategy):
         self._degrees: dict[str, Degree] = {"dp": data_parallel, "pp": pipeline_parallel, "tp": tensor_parallel}
         self._micro_batches = micro_batches
         self.tp_overlap = tp_overlap
+        self.sequence_parallel = sequence_parallel
         self.memory_limit = memory_limit
         self.plan_only = plan_only
         self.layout_plan: Optional[Any] = None
@@ -245,6 +269,7 @@ class Merak3DStrategy(ParallelStrategy):
         self._layout_changes: dict[str, LayoutChange] = {}
         self._pending_optimizer_states: list[dict[str, Any]] = []
         self._local_blocks: dict[int, nn.Module] = {}
+        self._sequence_partial: list[nn.Parameter] = []
         self.partition: Optional[Any] = None
         self.num_nodes = 1
 
@@ -387,7 +412,8 @@ class Merak3DStrategy(ParallelStrategy):
         dp, pp, tp = self.resolve_layout(self.world_size)
         self._mesh = init_device_mesh(self.root_device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
         rank_zero_info(f"merak3d: data_parallel={dp} pipeline_parallel={pp} tensor_parallel={tp}, "
-                       f"tp_overlap={self.tp_overlap}, schedule={self.schedule}, micro_batches={self.micro_batches}, "
+                       f"tp_overlap={self.tp_overlap}, sequence_parallel={self.sequence_parallel}, "
+                       f"schedule={self.schedule}, micro_batches={self.micro_batches}, "
                        f"recompute={self.recompute}")
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -577,10 +603,18 @@ class Merak3DStrategy(ParallelStrategy):
             )
         pp, tp = self.pipeline_parallel, self.tensor_parallel
         self._expert_prefixes = _expert_layers(model)
+        sequence_parallel = self.sequence_parallel and tp > 1
+        if self.sequence_parallel and tp == 1:
+            rank_zero_info("merak3d: tensor_parallel=1, so sequence_parallel has nothing to split")
+        if sequence_parallel:
+            check_sequence_length(micro.shape[1], tp)
+            if _has_moe_layers(model):
+                raise ValueError("sequence_parallel does not support MoE layers; use sequence_parallel=False")
         # Every rank profiles: blocks may hold collectives (MoE all-to-alls) that need all their peers.
         trace = trace_model(model, micro, _call_model, profile=pp > 1)
         trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
         plan = self._tensor_parallel_plan(trunk[0], trace) if tp > 1 else None
+        sequence_plan = self._sequence_parallel_plan(trunk[0], trace, plan) if sequence_parallel else None
         if pp > 1:
             num_stages = pp * self.virtual_stages
             _check_stage_count(num_stages, trace.num_blocks)
@@ -600,7 +634,10 @@ class Merak3DStrategy(ParallelStrategy):
             stage = None
             local_blocks = dict(enumerate(trunk))
         if plan is not None and local_blocks:
-            self._shard_blocks(local_blocks, trace, plan)
+            self._shard_blocks(local_blocks, trace, plan, sequence_plan)
+        if sequence_plan is not None:
+            self._split_sequence(local_blocks, [part.block_indices for part in stage] if stage is not None
+                                 else [list(local_blocks)], trace)
         self._wrap_recompute(list(local_blocks.values()))
         self._local_blocks = local_blocks
         if self.tp_overlap > 1:
@@ -661,12 +698,28 @@ class Merak3DStrategy(ParallelStrategy):
             )
         return plan
 
-    def _shard_blocks(self, blocks: dict[int, nn.Module], trace: ModelTrace, plan: TensorParallelPlan) -> None:
+    @staticmethod
+    def _sequence_parallel_plan(block: nn.Module, trace: ModelTrace, plan: TensorParallelPlan) -> SequenceParallelPlan:
+        """Where each block gathers the sequence, found on the unsplit ``block``."""
+        args, kwargs = trace.block_arguments(trace.sample_side_tensors)
+        return find_sequence_parallel_plan(block, lambda: block(trace.sample_hidden, *args, **kwargs),
+                                           plan.column_groups, plan.row)
+
+    def _shard_blocks(self, blocks: dict[int, nn.Module], trace: ModelTrace, plan: TensorParallelPlan,
+                      sequence_plan: Optional[SequenceParallelPlan]) -> None:
         """Split every local block (by trunk index) over the tensor-parallel group."""
         mesh = self.device_mesh["tp"]
         for index, block in blocks.items():
-            changes = apply_tensor_parallel(block, plan, mesh)
+            changes = apply_tensor_parallel(block, plan, mesh, sequence_plan)
             self._layout_changes.update({f"{trace.trunk_path}.{index}.{name}": c for name, c in changes.items()})
+
+    def _split_sequence(self, blocks: dict[int, nn.Module], segments: list[list[int]], trace: ModelTrace) -> None:
+        """Each run of consecutive local blocks (one per stage) works on sequence slices."""
+        group = self.device_mesh["tp"].get_group()
+        for indices in segments:
+            if indices:
+                split_sequence_between(blocks[indices[0]], blocks[indices[-1]], group, trace.block_output_index)
+        self._sequence_partial = sequence_partial_parameters(list(blocks.values()))
 
     def _wrap_recompute(self, blocks: list[nn.Module]) -> None:
         if self.recompute == "none" or not blocks:
@@ -833,6 +886,9 @@ class Merak3DStrategy(ParallelStrategy):
         ]
 
     def _synchronize_gradients(self) -> None:
+        partial = [_local(p.grad) for p in self._sequence_partial if p.grad is not None]
+        if partial:
+            average_gradients(partial, self.device_mesh["tp"].get_group(), replicas=1)
         for group, param, _ in self._tied_groups:
             if param.grad is not None:
                 dist.all_reduce(_local(param.grad), group=group)

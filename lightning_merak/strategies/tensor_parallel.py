@@ -13,7 +13,9 @@ row biases ``Replicate``) so checkpoints reshard between layouts; the layers com
 local shards and issue their collectives through :func:`~lightning_merak.strategies.overlap.all_reduce_in_turn`,
 which lets sub-batches overlap them (``tp_overlap``) and never repeats one on recomputation.
 A column group's layers share one input all-reduce in backward (q, k and v sum their
-input gradients first).
+input gradients first). With sequence parallelism
+(:mod:`~lightning_merak.strategies.sequence_parallel`) the row layers reduce-scatter over the
+sequence instead and the column groups' inputs arrive all-gathered.
 
 GPT-2's ``Conv1D`` layers are swapped for equivalent ``nn.Linear`` layers first; a
 fused q/k/v projection has its output features regrouped so each rank's shard holds its
@@ -35,6 +37,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from lightning_merak.strategies.overlap import all_reduce_in_turn
+from lightning_merak.strategies.sequence_parallel import (
+    SequenceParallelPlan,
+    install_sequence_gathers,
+    reduce_scatter_sequence,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -237,9 +244,13 @@ class ColumnGroupInput:
 
 
 class ColumnParallelLinear(nn.Module):
-    """A linear layer holding its output features' shard; output stays split over the group."""
+    """A linear layer holding its output features' shard; output stays split over the group.
 
-    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, group_input: ColumnGroupInput) -> None:
+    ``group_input`` enters the input into the tensor-parallel region; without one (sequence
+    parallelism) the input arrives gathered, its gradient reduce-scattered by the gather.
+    """
+
+    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, group_input: Optional[ColumnGroupInput]) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Shard(0)]))
@@ -249,13 +260,19 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to_local() if self.bias is not None else None
-        return F.linear(self.group_input(tensor), self.weight.to_local(), bias)
+        if self.group_input is not None:
+            tensor = self.group_input(tensor)
+        return F.linear(tensor, self.weight.to_local(), bias)
 
 
 class RowParallelLinear(nn.Module):
-    """A linear layer holding its input features' shard; partial outputs are summed over the group."""
+    """A linear layer holding its input features' shard; partial outputs are summed over the group.
 
-    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, partner_input: Optional[ColumnGroupInput] = None) -> None:
+    With ``sequence_parallel`` the sum is reduce-scattered: each rank keeps its slice of the sequence.
+    """
+
+    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, partner_input: Optional[ColumnGroupInput] = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Shard(1)]))
@@ -263,16 +280,24 @@ class RowParallelLinear(nn.Module):
                      if linear.bias is not None else None)
         self.group = mesh.get_group()
         self.partner_input = partner_input
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.partner_input is not None:
             self.partner_input.release()
-        output = _ReduceFromTensorParallel.apply(F.linear(tensor, self.weight.to_local()), self.group)
+        partial = F.linear(tensor, self.weight.to_local())
+        output = (reduce_scatter_sequence(partial, self.group) if self.sequence_parallel
+                  else _ReduceFromTensorParallel.apply(partial, self.group))
         return output + self.bias.to_local() if self.bias is not None else output
 
 
-def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh) -> dict[str, LayoutChange]:
+def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh,
+                          sequence_parallel: Optional[SequenceParallelPlan] = None) -> dict[str, LayoutChange]:
     """Shard ``block`` in place over the 1-D ``mesh`` following ``plan``.
+
+    With a ``sequence_parallel`` plan the block runs on sequence slices between its split
+    layers (:mod:`~lightning_merak.strategies.sequence_parallel`); the caller splits the
+    sequence before the first such block and gathers it after the last.
 
     Returns, by parameter name within the block, the layout changes a checkpoint must
     undo to stay loadable into the unsharded model.
@@ -291,11 +316,15 @@ def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: Devi
     group = mesh.get_group()
     partners: dict[str, ColumnGroupInput] = {}
     for members, row in zip(plan.column_groups, plan.row, strict=True):
-        group_input = ColumnGroupInput(group)
+        group_input = ColumnGroupInput(group) if sequence_parallel is None else None
         for name in members:
             block.set_submodule(name, ColumnParallelLinear(block.get_submodule(name), mesh, group_input))
-        partners[row] = group_input
+        if group_input is not None:
+            partners[row] = group_input
     for name in plan.row:
-        block.set_submodule(name, RowParallelLinear(block.get_submodule(name), mesh, partners.get(name)))
+        block.set_submodule(name, RowParallelLinear(block.get_submodule(name), mesh, partners.get(name),
+                                                    sequence_parallel=sequence_parallel is not None))
     _scale_attention_attributes(block, plan.column, tensor_parallel)
+    if sequence_parallel is not None:
+        install_sequence_gathers(block, sequence_parallel, group)
     return changes

@@ -1,0 +1,286 @@
+"""Sequence parallelism for the tensor-parallel blocks of the trunk (Megatron-style).
+
+With tensor parallelism alone, everything between a block's split layers (norms, dropout,
+residual adds) is computed and stored whole on every rank. Sequence parallelism splits that
+part along the sequence: each rank keeps ``1/tp`` of the residual stream's tokens. The
+all-reduce after each row layer becomes a reduce-scatter over the sequence (all-gather in
+backward), and the input of each column group is all-gathered (reduce-scattered in backward),
+so the bytes on the wire stay those of the all-reduce while activation memory and norm work
+shrink by ``tp``.
+
+The gather is placed at the entry of the submodule that holds a column group and its row
+layer (the attention or MLP module), not in the column layer: such modules read the sequence
+length from their input (``hidden_states.shape[:-1]``) and must see the whole sequence. This
+needs blocks whose attention and MLP submodules return the row layer's output unchanged
+(pre-norm blocks such as GPT-2's and Llama's); :func:`find_sequence_parallel_plan` checks that
+on one recorded forward and names what does not fit.
+
+A rank's run of consecutive blocks enters the split at its first block (each rank keeps its
+slice; the gradient is all-gathered in backward) and leaves it after its last (all-gather;
+the gradient of the replicated rest of the model is sliced). Parameters outside the split
+layers then see only their rank's tokens: :func:`sequence_partial_parameters` lists them so
+the strategy sums their gradients over the tensor-parallel group.
+
+Dropout inside the split region draws on each rank's generator in the same state, so the
+ranks' slices share one mask pattern (the masks stay unbiased; they are correlated across
+slices).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_merak.strategies.overlap import all_gather_in_turn, reduce_scatter_in_turn
+
+__all__ = [
+    "SEQUENCE_DIM",
+    "SequenceParallelPlan",
+    "check_sequence_length",
+    "find_sequence_parallel_plan",
+    "gather_sequence",
+    "install_sequence_gathers",
+    "reduce_scatter_sequence",
+    "sequence_partial_parameters",
+    "split_sequence_between",
+]
+
+SEQUENCE_DIM = 1
+"""Hidden states are ``[batch, sequence, hidden]``."""
+
+
+def check_sequence_length(sequence_length: int, tensor_parallel: int) -> None:
+    """Refuse a sequence that does not split evenly over the tensor-parallel ranks, naming the fix."""
+    if sequence_length % tensor_parallel:
+        raise ValueError(
+            f"sequence_parallel splits the sequence over tensor_parallel={tensor_parallel} ranks, but the sequence "
+            f"length {sequence_length} is not divisible by it; pad or cut sequences to a multiple of {tensor_parallel}"
+        )
+
+
+def _slice_of_rank(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    ranks = dist.get_world_size(group)
+    check_sequence_length(tensor.shape[SEQUENCE_DIM], ranks)
+    return tensor.chunk(ranks, dim=SEQUENCE_DIM)[dist.get_rank(group)].contiguous()
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather over the sequence; the gradient, partial on each rank, is reduce-scattered."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return all_gather_in_turn(tensor, group, SEQUENCE_DIM)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return reduce_scatter_in_turn(grad.contiguous(), ctx.group, SEQUENCE_DIM), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Sum of the ranks' partial outputs, each keeping its slice of the sequence; all-gather in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return reduce_scatter_in_turn(tensor.contiguous(), group, SEQUENCE_DIM)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return all_gather_in_turn(grad.contiguous(), ctx.group, SEQUENCE_DIM), None
+
+
+class _EnterSequenceSplit(torch.autograd.Function):
+    """Keep this rank's slice of a replicated tensor; the slices' gradients are all-gathered."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _slice_of_rank(tensor, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return all_gather_in_turn(grad.contiguous(), ctx.group, SEQUENCE_DIM), None
+
+
+class _LeaveSequenceSplit(torch.autograd.Function):
+    """All-gather the slices into the replicated tensor; its gradient (equal on every rank) is sliced."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return all_gather_in_turn(tensor.contiguous(), group, SEQUENCE_DIM)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _slice_of_rank(grad, ctx.group), None
+
+
+def gather_sequence(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The whole sequence from every rank's slice, for layers whose input gradient is partial."""
+    return _GatherSequence.apply(tensor, group)
+
+
+def reduce_scatter_sequence(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's slice of the sum of the ranks' partial ``tensor``."""
+    return _ReduceScatterSequence.apply(tensor, group)
+
+
+@dataclass
+class SequenceParallelPlan:
+    """Where a block's sequence is gathered: ``owners[i]`` holds column group i and its row layer.
+
+    ``owner_inputs[i]`` is the owner's argument the column group reads: a position in its
+    call, or a keyword.
+    """
+
+    owners: list[str]
+    owner_inputs: list[Union[int, str]]
+
+
+def _common_owner(names: list[str]) -> str:
+    parts = [name.split(".")[:-1] for name in names]
+    owner: list[str] = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        owner.append(level[0])
+    return ".".join(owner)
+
+
+def _first_tensor(output: Any) -> Optional[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr()
+            and a.shape == b.shape)
+
+
+def find_sequence_parallel_plan(block: nn.Module, run_block: Callable[[], Any], column_groups: list[list[str]],
+                                rows: list[str]) -> SequenceParallelPlan:
+    """Record ``run_block()`` (one forward of the unsplit ``block``) and find where to gather the sequence.
+
+    Raises ``ValueError`` naming the layer or module that does not fit sequence parallelism.
+    """
+    block_name = type(block).__name__
+    owners = []
+    for members, row in zip(column_groups, rows, strict=True):
+        owner = _common_owner(members + [row])
+        if not owner:
+            raise ValueError(
+                f"sequence_parallel gathers the sequence at the entry of the submodule holding a column group and its "
+                f"row layer, but {block_name} holds {members[0]} and {row} directly; use sequence_parallel=False"
+            )
+        owners.append(owner)
+    if len(set(owners)) != len(owners):
+        raise ValueError(f"sequence_parallel needs each column/row pair of {block_name} in its own submodule "
+                         f"(attention, MLP); {owners} share one; use sequence_parallel=False")
+    owner_calls: dict[str, list[tuple[tuple, dict, Any]]] = {owner: [] for owner in owners}
+    layer_io: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    handles = []
+    for owner in owners:
+        handles.append(block.get_submodule(owner).register_forward_hook(
+            lambda module, args, kwargs, output, owner=owner: owner_calls[owner].append((args, kwargs, output)),
+            with_kwargs=True))
+
+    def record_layer(module: nn.Module, args: tuple, output: Any, name: str) -> None:
+        layer_io.setdefault(name, (args[0], output))
+
+    for name in [members[0] for members in column_groups] + rows:
+        handles.append(block.get_submodule(name).register_forward_hook(
+            functools.partial(record_layer, name=name)))
+    modes = {module: module.training for module in block.modules()}
+    block.eval()
+    try:
+        with torch.no_grad():
+            run_block()
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, training in modes.items():
+            module.training = training
+    owner_inputs: list[Union[int, str]] = []
+    for owner, members, row in zip(owners, column_groups, rows):
+        calls = owner_calls[owner]
+        if len(calls) != 1:
+            raise ValueError(f"{block_name}.{owner} ran {len(calls)} times in one forward; sequence_parallel needs "
+                             "it to run once; use sequence_parallel=False")
+        args, kwargs, output = calls[0]
+        column_input = layer_io[members[0]][0]
+        candidates: list[Union[int, str]] = [i for i, a in enumerate(args) if _same(a, column_input)]
+        candidates += [key for key, value in kwargs.items() if _same(value, column_input)]
+        if not candidates or column_input.ndim != 3:
+            raise ValueError(
+                f"sequence_parallel gathers the input of {block_name}.{owner}, but {members[0]} does not read a "
+                f"[batch, sequence, hidden] argument of it unchanged; use sequence_parallel=False"
+            )
+        if not _same(_first_tensor(output), layer_io[row][1]):
+            raise ValueError(
+                f"sequence_parallel needs {block_name}.{owner} to return the output of its row layer {row} unchanged "
+                f"(pre-norm blocks such as GPT-2's and Llama's); {type(block.get_submodule(owner)).__name__} changes "
+                "it; use sequence_parallel=False"
+            )
+        owner_inputs.append(candidates[0])
+    return SequenceParallelPlan(owners=owners, owner_inputs=owner_inputs)
+
+
+def install_sequence_gathers(block: nn.Module, plan: SequenceParallelPlan, group: dist.ProcessGroup) -> None:
+    """Gather the sequence at the entry of each owner of a column group (hooks on ``block``'s submodules)."""
+    for owner, position in zip(plan.owners, plan.owner_inputs):
+        def gather(module: nn.Module, args: tuple, kwargs: dict, position: Union[int, str] = position) -> tuple:
+            if isinstance(position, int):
+                args = (*args[:position], gather_sequence(args[position], group), *args[position + 1:])
+            else:
+                kwargs = {**kwargs, position: gather_sequence(kwargs[position], group)}
+            return args, kwargs
+
+        block.get_submodule(owner).register_forward_pre_hook(gather, with_kwargs=True)
+
+
+def split_sequence_between(first: nn.Module, last: nn.Module, group: dist.ProcessGroup,
+                           hidden_index: Optional[int]) -> None:
+    """Run the blocks from ``first`` to ``last`` (consecutive, called in order) on sequence slices.
+
+    ``first`` receives the hidden state as its first argument; ``last`` returns it (as
+    ``output[hidden_index]`` when the output is a tuple). The gather is placed ahead of every
+    other forward hook of ``last``, so they see the whole sequence.
+    """
+
+    def enter(module: nn.Module, args: tuple) -> tuple:
+        return (_EnterSequenceSplit.apply(args[0], group), *args[1:])
+
+    def leave(module: nn.Module, args: tuple, output: Any) -> Any:
+        if hidden_index is None:
+            return _LeaveSequenceSplit.apply(output, group)
+        values = list(output)
+        values[hidden_index] = _LeaveSequenceSplit.apply(values[hidden_index], group)
+        return values if isinstance(output, list) else tuple(values)
+
+    first.register_forward_pre_hook(enter)
+    last.register_forward_hook(leave, prepend=True)
+
+
+def sequence_partial_parameters(blocks: list[nn.Module]) -> list[nn.Parameter]:
+    """Trainable parameters of sequence-split blocks not split by tensor parallelism.
+
+    They see only their rank's tokens, so their gradients are partial: the strategy sums
+    them over the tensor-parallel group.
+    """
+    partial = []
+    for block in blocks:
+        for param in block.parameters():
+            sharded = isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements)
+            if param.requires_grad and not sharded:
+                partial.append(param)
+    return partial

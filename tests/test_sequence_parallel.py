@@ -1,0 +1,193 @@
+"""Sequence parallelism: where the sequence is gathered, and equality with plain tensor parallelism."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_merak.strategies.merak3d import Merak3DStrategy, _checkpointed
+from lightning_merak.strategies.sequence_parallel import check_sequence_length, find_sequence_parallel_plan
+from lightning_merak.strategies.tensor_parallel import find_tensor_parallel_plan
+from lightning_merak.testing import assert_traces_match, run_distributed
+from tests.test_merak3d import _merge, _reference, _train_rank
+
+VOCAB, SEQ = 96, 16
+MODELS = {
+    "llama": {"model_type": "llama", "config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+                                                "num_attention_heads": 4, "num_key_value_heads": 2}},
+    "mistral": {"model_type": "mistral", "config": {"hidden_size": 32, "intermediate_size": 64,
+                                                    "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                    "num_key_value_heads": 2}},
+    "gpt2": {"model_type": "gpt2", "config": {"n_embd": 32, "n_layer": 3, "n_head": 4, "resid_pdrop": 0.0,
+                                              "embd_pdrop": 0.0, "attn_pdrop": 0.0}},
+}
+
+
+def _model_and_trace(name: str):
+    from lightning_merak.config import ModelConfig
+    from lightning_merak.models import build_causal_lm
+    from lightning_merak.strategies.merak3d import _call_model
+    from lightning_merak.strategies.pipeline.trace import trace_model
+
+    torch.manual_seed(0)
+    model = build_causal_lm(ModelConfig(name=name, **MODELS[name]), vocab_size=VOCAB)
+    model.config.use_cache = False
+    inputs = torch.randint(VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(1))
+    return model, inputs, trace_model(model, inputs, _call_model, profile=False)
+
+
+def _plans(block: nn.Module, trace):
+    args, kwargs = trace.block_arguments(trace.sample_side_tensors)
+    run = lambda: block(trace.sample_hidden, *args, **kwargs)  # noqa: E731
+    plan = Merak3DStrategy._tensor_parallel_plan(block, trace)
+    return plan, find_sequence_parallel_plan(block, run, plan.column_groups, plan.row)
+
+
+@pytest.mark.parametrize("name, owners", [("llama", ["self_attn", "mlp"]), ("mistral", ["self_attn", "mlp"]),
+                                         ("gpt2", ["attn", "mlp"])])
+def test_the_sequence_is_gathered_at_the_attention_and_mlp_entries(name, owners):
+    model, _, trace = _model_and_trace(name)
+    _, plan = _plans(model.get_submodule(trace.trunk_path)[0], trace)
+    assert plan.owners == owners
+    assert len(plan.owner_inputs) == 2
+
+
+class _FlatBlock(nn.Module):
+    """Linear layers directly in the block: no submodule to gather at."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _PostNormOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.norm = nn.Linear(8, 16), nn.Linear(16, 8), nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.down(torch.relu(self.up(x))))
+
+
+class _PostNormBlock(nn.Module):
+    """A BERT-like block: the submodule adds the residual and normalises after its row layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = _PostNormOutput()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+@pytest.mark.parametrize("block, message", [(_FlatBlock(), "holds up and down directly"),
+                                            (_PostNormBlock(), "return the output of its row layer mlp.down unchanged")])
+def test_blocks_that_do_not_fit_are_refused_with_the_reason(block, message):
+    hidden = torch.randn(2, 4, 8)
+    plan = find_tensor_parallel_plan(block, lambda: block(hidden), 8)
+    with pytest.raises(ValueError, match=message):
+        find_sequence_parallel_plan(block, lambda: block(hidden), plan.column_groups, plan.row)
+
+
+def test_plan_recording_leaves_training_modes_as_they_were():
+    model, _, trace = _model_and_trace("gpt2")
+    block = model.get_submodule(trace.trunk_path)[0]
+    block.train()
+    block.attn.eval()
+    _plans(block, trace)
+    assert block.training and block.mlp.training and not block.attn.training
+
+
+def test_uneven_sequence_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="sequence length 15 is not divisible by it; pad or cut"):
+        check_sequence_length(15, 2)
+
+
+def _step(rank: int, world_size: int, name: str, sequence_parallel: bool, parts: int, recompute: bool) -> dict:
+    """One forward/backward of a tensor-parallel model; outputs, local gradients and collectives."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_merak.models import logits_of
+    from lightning_merak.strategies.overlap import SubBatchForward, record_communication
+    from lightning_merak.strategies.sequence_parallel import sequence_partial_parameters, split_sequence_between
+    from lightning_merak.strategies.tensor_parallel import apply_tensor_parallel
+
+    model, inputs, trace = _model_and_trace(name)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    trunk = model.get_submodule(trace.trunk_path)
+    plan, sequence_plan = _plans(trunk[0], trace)
+    for block in trunk:
+        apply_tensor_parallel(block, plan, mesh, sequence_plan if sequence_parallel else None)
+        if recompute:
+            block.forward = functools.partial(_checkpointed, block.forward)
+    if sequence_parallel:
+        split_sequence_between(trunk[0], trunk[-1], mesh.get_group(), trace.block_output_index)
+    with record_communication() as communication:
+        logits = logits_of(SubBatchForward(model, parts)(inputs))
+        logits.square().mean().backward()
+    if sequence_parallel:
+        for param in sequence_partial_parameters(list(trunk)):
+            dist.all_reduce(param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad)
+    grads = {}
+    for param_name, param in model.named_parameters():
+        grad = param.grad
+        grads[param_name] = (grad.to_local() if hasattr(grad, "to_local") else grad).clone()
+    return {"logits": logits.detach(), "grads": grads, "ops": Counter(event["op"] for event in communication.events)}
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    error = (actual - expected).norm() / expected.norm().clamp_min(1e-30)
+    assert error <= 1e-5, f"{name}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("name, parts, recompute", [("llama", 1, False), ("gpt2", 2, False), ("llama", 2, True)],
+                         ids=["llama", "gpt2-overlapped", "llama-overlapped-recomputed"])
+def test_sequence_parallel_equals_plain_tensor_parallel(name, parts, recompute):
+    plain = run_distributed(_step, 2, args=(name, False, 1, False), timeout_s=300)
+    split = run_distributed(_step, 2, args=(name, True, parts, recompute), timeout_s=300)
+    for reference, result in zip(plain, split):
+        _assert_close(result["logits"], reference["logits"], "logits")
+        for param_name, grad in reference["grads"].items():
+            _assert_close(result["grads"][param_name], grad, param_name)
+    blocks = 3
+    assert plain[0]["ops"] == {"all_reduce": 4 * blocks}
+    # Per block: two all-gathers and two reduce-scatters in forward, as many in backward (a recomputed
+    # block adds none); one gather leaving the split in forward and one entering it in backward.
+    assert split[0]["ops"] == {"all_gather": parts * (4 * blocks + 2), "reduce_scatter": parts * 4 * blocks}
+
+
+SEQUENCE_LAYOUTS = [
+    ("llama", {"data_parallel": 1, "pipeline_parallel": 1, "tensor_parallel": 2, "sequence_parallel": True}),
+    ("gpt2", {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 2, "tp_overlap": 2,
+              "sequence_parallel": True, "recompute": "full"}),
+]
+
+
+def _train_rank_recording(rank: int, world_size: int, model_name: str, layout: dict) -> tuple:
+    from lightning_merak.strategies.overlap import record_communication
+
+    with record_communication() as communication:
+        losses, gradients = _train_rank(rank, world_size, model_name, layout)
+    return losses, gradients, {event["op"] for event in communication.events}
+
+
+@pytest.mark.parametrize("model_name, layout", SEQUENCE_LAYOUTS, ids=["llama-tp2", "gpt2-pp2-tp2-k2-recompute"])
+def test_merak3d_with_sequence_parallel_matches_single_process(model_name, layout):
+    world_size = layout["pipeline_parallel"] * layout["tensor_parallel"]
+    results = run_distributed(_train_rank_recording, world_size, args=(model_name, layout), timeout_s=600)
+    assert all(ops == {"all_gather", "reduce_scatter"} for _, _, ops in results)
+    merged = _merge([(losses, gradients) for losses, gradients, _ in results])
+    assert_traces_match(_reference(model_name), merged, loss_rtol=1e-5, grad_rtol=1e-4)
+
+
+def test_sequence_parallel_without_tensor_parallel_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="set tensor_parallel>1"):
+        Merak3DStrategy(tensor_parallel=1, sequence_parallel=True)
