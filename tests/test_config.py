@@ -59,3 +59,12 @@ def test_help_lists_the_groups():
     for group in GROUPS:
         assert f"{group}:" in result.stdout
     assert "merak-train" in result.stdout
+
+
+def test_merak3d_options_reach_the_strategy():
+    from lightning_merak.train import build_strategy
+
+    config = OmegaConf.to_object(_compose("output_dir=/tmp/unused", "strategy.tensor_parallel=2",
+                                          "strategy.tp_overlap=2", "strategy.sequence_parallel=true"))
+    strategy = build_strategy(config.strategy)
+    assert strategy.sequence_parallel and strategy.tp_overlap == 2

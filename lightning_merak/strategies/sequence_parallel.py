@@ -4,9 +4,11 @@ With tensor parallelism alone, everything between a block's split layers (norms,
 residual adds) is computed and stored whole on every rank. Sequence parallelism splits that
 part along the sequence: each rank keeps ``1/tp`` of the residual stream's tokens. The
 all-reduce after each row layer becomes a reduce-scatter over the sequence (all-gather in
-backward), and the input of each column group is all-gathered (reduce-scattered in backward),
-so the bytes on the wire stay those of the all-reduce while activation memory and norm work
-shrink by ``tp``.
+backward), and the input of each column group is all-gathered (reduce-scattered in backward).
+The column layers keep only the slice of that input for their weight gradients and gather it
+again in backward (:func:`linear_on_gathered`), so activation memory between and at the split
+layers shrinks by ``tp``, as does the norm work; the wire carries the all-reduce's bytes plus
+that one extra all-gather per column group.
 
 The gather is placed at the entry of the submodule that holds a column group and its row
 layer (the attention or MLP module), not in the column layer: such modules read the sequence
@@ -29,11 +31,14 @@ slices).
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -46,6 +51,7 @@ __all__ = [
     "find_sequence_parallel_plan",
     "gather_sequence",
     "install_sequence_gathers",
+    "linear_on_gathered",
     "reduce_scatter_sequence",
     "sequence_partial_parameters",
     "split_sequence_between",
@@ -122,9 +128,60 @@ class _LeaveSequenceSplit(torch.autograd.Function):
         return _slice_of_rank(grad, ctx.group), None
 
 
+class _Regather:
+    """Saved-tensor hooks that keep a gathered input as its slice and gather it again in backward.
+
+    Every column layer reading the gathered tensor would keep it whole for its weight
+    gradient; packing it as (shape, stride, offset) of the gathered storage keeps only this
+    rank's slice, and the first layer to need it in backward gathers it once for all of them.
+    """
+
+    def __init__(self, shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup) -> None:
+        self.shard, self.group = shard.detach(), group
+        self.storage = full.untyped_storage().data_ptr()
+        self.pending = 0
+        self.full: Optional[torch.Tensor] = None
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if tensor.untyped_storage().data_ptr() != self.storage:
+            return tensor
+        self.pending += 1
+        return tensor.shape, tensor.stride(), tensor.storage_offset()
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if self.full is None:
+            self.full = all_gather_in_turn(self.shard, self.group, SEQUENCE_DIM)
+        view = self.full.as_strided(*packed)
+        self.pending -= 1
+        if self.pending == 0:
+            self.full = None
+        return view
+
+
+_last_gather = threading.local()
+
+
 def gather_sequence(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The whole sequence from every rank's slice, for layers whose input gradient is partial."""
-    return _GatherSequence.apply(tensor, group)
+    """The whole sequence from every rank's slice, for layers whose input gradient is partial.
+
+    Layers applied through :func:`linear_on_gathered` keep only the slice for backward.
+    """
+    full = _GatherSequence.apply(tensor, group)
+    _last_gather.full, _last_gather.regather = weakref.ref(full), _Regather(tensor, full, group)
+    return full
+
+
+def linear_on_gathered(tensor: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear`` that saves ``tensor``, when it is this thread's last gathered sequence, as its slice."""
+    last = getattr(_last_gather, "full", None)
+    full = last() if last is not None else None
+    if full is None or full.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
+        return F.linear(tensor, weight, bias)
+    regather = _last_gather.regather
+    with torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack):
+        return F.linear(tensor, weight, bias)
 
 
 def reduce_scatter_sequence(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

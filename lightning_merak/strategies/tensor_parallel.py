@@ -40,6 +40,7 @@ from lightning_merak.strategies.overlap import all_reduce_in_turn
 from lightning_merak.strategies.sequence_parallel import (
     SequenceParallelPlan,
     install_sequence_gathers,
+    linear_on_gathered,
     reduce_scatter_sequence,
 )
 
@@ -247,7 +248,8 @@ class ColumnParallelLinear(nn.Module):
     """A linear layer holding its output features' shard; output stays split over the group.
 
     ``group_input`` enters the input into the tensor-parallel region; without one (sequence
-    parallelism) the input arrives gathered, its gradient reduce-scattered by the gather.
+    parallelism) the input arrives gathered, its gradient reduce-scattered by the gather, and
+    only this rank's slice of it is kept for the weight gradient (gathered again in backward).
     """
 
     def __init__(self, linear: nn.Linear, mesh: DeviceMesh, group_input: Optional[ColumnGroupInput]) -> None:
@@ -260,9 +262,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to_local() if self.bias is not None else None
-        if self.group_input is not None:
-            tensor = self.group_input(tensor)
-        return F.linear(tensor, self.weight.to_local(), bias)
+        if self.group_input is None:
+            return linear_on_gathered(tensor, self.weight.to_local(), bias)
+        return F.linear(self.group_input(tensor), self.weight.to_local(), bias)
 
 
 class RowParallelLinear(nn.Module):
