@@ -42,6 +42,7 @@ __all__ = [
     "all_reduce_in_turn",
     "all_to_all_in_turn",
     "collective_replay_contexts",
+    "in_checkpointed_region",
     "in_sub_batch_region",
     "mark_sub_batch_share",
     "meet_in_turn",
@@ -398,6 +399,12 @@ def all_to_all_in_turn(
 ) -> torch.Tensor:
     """``all_to_all_single`` with split sizes, letting other sub-batches compute meanwhile."""
     return start_all_to_all_in_turn(send, send_splits, recv_splits, group).wait()
+
+
+def in_checkpointed_region() -> bool:
+    """Whether the calling code runs inside a checkpointed region whose collectives are recorded
+    for its recomputation (:func:`collective_replay_contexts`), or is that recomputation."""
+    return bool(_replay_stack())
 
 
 def in_sub_batch_region() -> bool:

@@ -6,9 +6,9 @@ part along the sequence: each rank keeps ``1/tp`` of the residual stream's token
 all-reduce after each row layer becomes a reduce-scatter over the sequence (all-gather in
 backward), and the input of each column group is all-gathered (reduce-scattered in backward).
 The column layers keep only the slice of that input for their weight gradients and gather it
-again in backward (:func:`linear_on_gathered`), so activation memory between and at the split
-layers shrinks by ``tp``, as does the norm work; the wire carries the all-reduce's bytes plus
-that one extra all-gather per column group.
+again in backward (:func:`linear_on_gathered`; recomputed blocks need no gather for that), so
+activation memory between and at the split layers shrinks by ``tp``, as does the norm work; the
+wire carries the all-reduce's bytes plus that one extra all-gather per column group.
 
 The gather is placed at the entry of the submodule that holds a column group and its row
 layer (the attention or MLP module), not in the column layer: such modules read the sequence
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_merak.strategies.overlap import all_gather_in_turn, reduce_scatter_in_turn
+from lightning_merak.strategies.overlap import all_gather_in_turn, in_checkpointed_region, reduce_scatter_in_turn
 
 __all__ = [
     "SEQUENCE_DIM",
@@ -174,10 +174,15 @@ def gather_sequence(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
 
 
 def linear_on_gathered(tensor: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``F.linear`` that saves ``tensor``, when it is this thread's last gathered sequence, as its slice."""
+    """``F.linear`` that saves ``tensor``, when it is this thread's last gathered sequence, as its slice.
+
+    Inside a checkpointed block nothing is saved to begin with: recomputation rebuilds the
+    input from the gather's recorded result, with no collective.
+    """
     last = getattr(_last_gather, "full", None)
     full = last() if last is not None else None
-    if full is None or full.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
+    if (full is None or full.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+            or in_checkpointed_region()):
         return F.linear(tensor, weight, bias)
     regather = _last_gather.regather
     with torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack):
