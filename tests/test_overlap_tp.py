@@ -84,10 +84,40 @@ def test_sub_batch_errors_reach_the_caller_and_release_every_thread():
         overlap._yield_if_in_sub_batch()
         return x
 
+    run_sub_batches(forward, 2, (torch.zeros(2, 2),))
     before = threading.active_count()
     with pytest.raises(RuntimeError, match="sub-batch failure"):
         run_sub_batches(forward, 2, (torch.cat([torch.zeros(1, 2), torch.ones(1, 2)]),))
+    # Both sub-batch threads went back to the pool: the next region reuses them.
+    run_sub_batches(forward, 2, (torch.zeros(2, 2),))
     assert threading.active_count() == before
+
+
+def test_sub_batch_threads_are_reused_between_regions():
+    seen: list[set[int]] = []
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        seen[-1].add(threading.get_ident())
+        overlap._yield_if_in_sub_batch()
+        return x
+
+    for _ in range(3):
+        seen.append(set())
+        run_sub_batches(forward, 2, (torch.zeros(2, 2),))
+    assert len(seen[0]) == 2 and seen[0] == seen[1] == seen[2]
+
+
+def test_a_region_inside_a_sub_batch_gets_its_own_threads():
+    def inner(x: torch.Tensor) -> torch.Tensor:
+        overlap._yield_if_in_sub_batch()
+        return x * 2
+
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        overlap._yield_if_in_sub_batch()
+        return run_sub_batches(inner, 2, (x,))
+
+    torch.testing.assert_close(run_sub_batches(outer, 2, (torch.arange(8.0).view(4, 2),)),
+                               torch.arange(8.0).view(4, 2) * 2)
 
 
 def test_bad_splits_are_refused_with_the_fix():
