@@ -194,7 +194,15 @@ SEQUENCE_LAYOUTS = [
     ("llama", {"data_parallel": 1, "pipeline_parallel": 1, "tensor_parallel": 2, "sequence_parallel": True}),
     ("gpt2", {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 2, "tp_overlap": 2,
               "sequence_parallel": True, "recompute": "full"}),
+    ("llama", {"data_parallel": 2, "pipeline_parallel": 1, "tensor_parallel": 2, "tp_overlap": 2,
+               "sequence_parallel": True}),
+    ("llama", {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 2, "tp_overlap": 2,
+               "sequence_parallel": True, "schedule": "interleaved_1f1b"}),
+    ("gpt2", {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 2, "sequence_parallel": True,
+              "schedule": "shifted_critical_path"}),
 ]
+SEQUENCE_LAYOUT_IDS = ["llama-tp2", "gpt2-pp2-tp2-k2-recompute", "llama-dp2-tp2-k2", "llama-pp2-tp2-k2-interleaved",
+                       "gpt2-pp2-tp2-shifted"]
 
 
 def _train_rank_recording(rank: int, world_size: int, model_name: str, layout: dict) -> tuple:
@@ -205,9 +213,9 @@ def _train_rank_recording(rank: int, world_size: int, model_name: str, layout: d
     return losses, gradients, {event["op"] for event in communication.events}
 
 
-@pytest.mark.parametrize("model_name, layout", SEQUENCE_LAYOUTS, ids=["llama-tp2", "gpt2-pp2-tp2-k2-recompute"])
+@pytest.mark.parametrize("model_name, layout", SEQUENCE_LAYOUTS, ids=SEQUENCE_LAYOUT_IDS)
 def test_merak3d_with_sequence_parallel_matches_single_process(model_name, layout):
-    world_size = layout["pipeline_parallel"] * layout["tensor_parallel"]
+    world_size = layout["data_parallel"] * layout["pipeline_parallel"] * layout["tensor_parallel"]
     results = run_distributed(_train_rank_recording, world_size, args=(model_name, layout), timeout_s=600)
     assert all(ops == {"all_gather", "reduce_scatter"} for _, _, ops in results)
     merged = _merge([(losses, gradients) for losses, gradients, _ in results])
