@@ -9,10 +9,11 @@ import torch
 from torch import nn
 
 from lightning_merak.strategies import overlap
-from lightning_merak.strategies.merak3d import Merak3DStrategy, _checkpointed
-from lightning_merak.strategies.overlap import SubBatchForward, record_communication, run_sub_batches
+from lightning_merak.strategies.merak3d import Merak3DStrategy
+from lightning_merak.strategies.overlap import SubBatchForward, run_sub_batches
 from lightning_merak.testing import assert_traces_match, run_distributed
 from tests.test_merak3d import _merge, _reference, _train_rank
+from tests.test_sequence_parallel import _step
 
 VOCAB, SEQ = 96, 16
 
@@ -131,46 +132,10 @@ def test_bad_splits_are_refused_with_the_fix():
         Merak3DStrategy(tensor_parallel=2, tp_overlap=2, schedule="interleaved_zero_bubble")
 
 
-def _sharded_step(rank: int, world_size: int, parts: int, recompute: bool) -> dict:
-    """One forward/backward of a tensor-parallel Llama; outputs, local gradients and collectives."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from lightning_merak.config import ModelConfig
-    from lightning_merak.models import build_causal_lm, logits_of
-    from lightning_merak.strategies.merak3d import _call_model
-    from lightning_merak.strategies.pipeline.trace import trace_model
-    from lightning_merak.strategies.tensor_parallel import apply_tensor_parallel
-
-    torch.manual_seed(0)
-    config = ModelConfig(name="llama", model_type="llama", config={
-        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
-        "num_key_value_heads": 2})
-    model = build_causal_lm(config, vocab_size=VOCAB)
-    model.config.use_cache = False
-    inputs = torch.randint(VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(1))
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    trace = trace_model(model, inputs, _call_model, profile=False)
-    trunk = model.get_submodule(trace.trunk_path)
-    plan = Merak3DStrategy._tensor_parallel_plan(trunk[0], trace)
-    for block in trunk:
-        apply_tensor_parallel(block, plan, mesh)
-        if recompute:
-            block.forward = __import__("functools").partial(_checkpointed, block.forward)
-    with record_communication() as communication:
-        logits = logits_of(SubBatchForward(model, parts)(inputs))
-        logits.square().mean().backward()
-    grads = {}
-    for name, param in model.named_parameters():
-        grad = param.grad
-        grads[name] = (grad.to_local() if hasattr(grad, "to_local") else grad).clone()
-    return {"logits": logits.detach(), "grads": grads, "collectives": len(communication.events),
-            "sub_batches": sorted({int(e["sub_batch"]) for e in communication.events})}
-
-
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
 def test_overlapped_tensor_parallel_equals_plain_tensor_parallel(recompute):
-    plain = run_distributed(_sharded_step, 2, args=(1, False), timeout_s=300)
-    overlapped = run_distributed(_sharded_step, 2, args=(2, recompute), timeout_s=300)
+    plain = run_distributed(_step, 2, args=("llama", False, 1, False), timeout_s=300)
+    overlapped = run_distributed(_step, 2, args=("llama", False, 2, recompute), timeout_s=300)
     for reference, result in zip(plain, overlapped):
         _assert_relative(result["logits"], reference["logits"])
         for name, grad in reference["grads"].items():

@@ -159,7 +159,9 @@ def _step(rank: int, world_size: int, name: str, sequence_parallel: bool, parts:
     for param_name, param in model.named_parameters():
         grad = param.grad
         grads[param_name] = (grad.to_local() if hasattr(grad, "to_local") else grad).clone()
-    return {"logits": logits.detach(), "grads": grads, "ops": Counter(event["op"] for event in communication.events),
+    events = communication.events
+    return {"logits": logits.detach(), "grads": grads, "ops": Counter(event["op"] for event in events),
+            "collectives": len(events), "sub_batches": sorted({int(event["sub_batch"]) for event in events}),
             "saved_bytes": sum(saved.values())}
 
 

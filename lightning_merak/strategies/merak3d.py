@@ -123,24 +123,24 @@ def average_gradients(grads: list[torch.Tensor], group: dist.ProcessGroup, repli
         offset += grad.numel()
 
 
+def _moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every MoE layer in ``model`` (none unless the MoE plugin was imported)."""
+    moe_layer = sys.modules.get("lightning_merak.plugins.moe.layer")
+    if moe_layer is None:
+        return []
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, moe_layer.MoE)]
+
+
 def _expert_layers(model: nn.Module) -> dict[str, tuple[int, int]]:
     """Key prefix of each expert-parallel MoE layer's experts in ``model`` → (ep_size, experts per rank).
 
     Every EP rank numbers its experts from 0; checkpoints number them globally.
     """
-    moe_layer = sys.modules.get("lightning_merak.plugins.moe.layer")
-    if moe_layer is None:
-        return {}
     return {
         f"{name}.{EXPERTS_KEY}": (module.ep_size, module.num_local_experts)
-        for name, module in model.named_modules()
-        if isinstance(module, moe_layer.MoE) and module.ep_size > 1
+        for name, module in _moe_layers(model)
+        if module.ep_size > 1
     }
-
-
-def _has_moe_layers(model: nn.Module) -> bool:
-    moe_layer = sys.modules.get("lightning_merak.plugins.moe.layer")
-    return moe_layer is not None and any(isinstance(module, moe_layer.MoE) for module in model.modules())
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -608,7 +608,7 @@ class Merak3DStrategy(ParallelStrategy):
             rank_zero_info("merak3d: tensor_parallel=1, so sequence_parallel has nothing to split")
         if sequence_parallel:
             check_sequence_length(micro.shape[1], tp)
-            if _has_moe_layers(model):
+            if _moe_layers(model):
                 raise ValueError("sequence_parallel does not support MoE layers; use sequence_parallel=False")
         # Every rank profiles: blocks may hold collectives (MoE all-to-alls) that need all their peers.
         trace = trace_model(model, micro, _call_model, profile=pp > 1)
