@@ -4,17 +4,21 @@ Run from the repo root::
 
     python -m benchmarks.planner [--quick] [--out PATH]
 
-One planning run (``plan_only=True`` with ``pipeline_parallel``, ``tensor_parallel`` and
-``tp_overlap`` on ``"auto"``) profiles this machine inside 2 gloo ranks and returns the
-prediction for every layout of its grid. Then every layout of the grid trains for a few
-steps with the layout fixed, in fresh ranks (one torch thread each), and its median step
-time (slowest rank, warm-up excluded; the median over ``rounds`` such runs, taken in turn
-over the grid) is compared with the prediction:
+Each round plans once (``plan_only=True`` with ``pipeline_parallel``, ``tensor_parallel`` and
+``tp_overlap`` on ``"auto"``: the planner profiles this machine inside 2 gloo ranks and returns
+its prediction for every layout of its grid), then trains every layout of the grid for a few
+steps with the layout fixed, in fresh ranks (one torch thread each). A layout's measured step
+time is the median over rounds of its median step (slowest rank, warm-up excluded); its
+predicted step time is the median over rounds of the planner's prediction. Planning in every
+round puts a profile into each stretch of time the measurements come from: on a shared
+machine whose speed drifts by 10–20% over minutes, one profile taken at the start predicts
+the machine of that moment, not the one the later measurements ran on.
 
 * prediction error = predicted / measured − 1 per layout (target |error| ≤ 10%);
-* regret = measured time per sample of the planner's pick / the best measured − 1
-  (target ≤ 5%). Each data-parallel replica trains on the dataloader's batch, so layouts
-  with more replicas train more samples per step; layouts are compared per sample.
+* regret = measured time per sample of the planner's pick (the layout ranked first by the
+  median predictions) / the best measured − 1 (target ≤ 5%). Each data-parallel replica
+  trains on the dataloader's batch, so layouts with more replicas train more samples per
+  step; layouts are compared per sample.
 
 Everything is measured on this machine; nothing is simulated except the predictions
 themselves, which come from the planner's cost model. Other load on the machine skews both.
@@ -58,8 +62,9 @@ class Mode:
     micro_batch_choices: tuple[int, ...] | None
     overlap: str | int
     rounds: int
-    """Every layout is measured once per round, rounds one after another (the median counts), so a
-    slow spell of the shared machine lands on every layout instead of on one."""
+    """Each round plans, then measures every layout once; rounds run one after another and the
+    medians count, so a slow spell of the shared machine lands on every layout and on a profile
+    instead of on one of them."""
 
 
 QUICK = Mode(warmup=2, steps=6, micro_batch_choices=(4,), overlap="auto", rounds=1)
@@ -133,6 +138,38 @@ def _measure(layout: dict[str, Any], mode: Mode) -> float | str:
     return statistics.median(slowest[mode.warmup:] or slowest)
 
 
+def combine_rounds(plans: list[list[dict[str, Any]]], measured: list[list[float | str]]) -> list[dict[str, Any]]:
+    """One row per layout from every round's predictions and measurements, ranked by median predicted time per sample.
+
+    ``plans[r]`` is round r's prediction list (any order); ``measured[r][i]`` is round r's step
+    time of ``plans[0][i]``'s layout, or the error text of a failed run. The components shown
+    are those of the round whose prediction is the median one.
+    """
+    keys = [_layout_key(p["layout"]) for p in plans[0]]
+    by_round = [{_layout_key(p["layout"]): p for p in plan} for plan in plans]
+    for round_index, plan in enumerate(by_round):
+        if set(plan) != set(keys):
+            raise ValueError(f"round {round_index + 1} planned other layouts than round 1: "
+                             f"{sorted(set(plan) ^ set(keys))}")
+    rows = []
+    for index, key in enumerate(keys):
+        predictions = sorted((plan[key] for plan in by_round), key=lambda p: p["step_s"])
+        middle = predictions[(len(predictions) - 1) // 2]
+        runs = [round_runs[index] for round_runs in measured]
+        failures = [run for run in runs if isinstance(run, str)]
+        step = failures[0] if failures else statistics.median(runs)
+        row = {"layout": key, "samples": middle["samples"],
+               "predicted_s": statistics.median(p["step_s"] for p in predictions), "measured_s": step,
+               "predicted_rounds_s": [plan[key]["step_s"] for plan in by_round],
+               "measured_rounds_s": [run for run in runs if isinstance(run, float)],
+               "predicted_components_s": middle["components"]}
+        if isinstance(step, float):
+            row["error"] = row["predicted_s"] / step - 1.0
+            row["measured_per_sample_ms"] = 1e3 * step / row["samples"]
+        rows.append(row)
+    return sorted(rows, key=lambda row: row["predicted_s"] / row["samples"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and a smaller grid (under 3 minutes)")
@@ -141,35 +178,29 @@ def main(argv: list[str] | None = None) -> int:
     mode = QUICK if args.quick else FULL
     started = time.perf_counter()
     print(f"planner benchmark: {WORKLOAD.describe()} per replica, {WORLD_SIZE} gloo ranks "
-          f"({'quick' if args.quick else 'full'})", flush=True)
-    predictions = _plan(mode)
-    print(f"  planned {len(predictions)} layouts ({time.perf_counter() - started:.0f} s)", flush=True)
-    runs: list[list[float | str]] = [[] for _ in predictions]
+          f"({'quick' if args.quick else 'full'}, {mode.rounds} round{'s' * (mode.rounds > 1)})", flush=True)
+    plans: list[list[dict[str, Any]]] = []
+    measured: list[list[float | str]] = []
     for round_index in range(mode.rounds):
-        for prediction, layout_runs in zip(predictions, runs):
-            layout_runs.append(_measure(prediction["layout"], mode))
-            value = layout_runs[-1]
-            print(f"  round {round_index + 1}/{mode.rounds} {_layout_key(prediction['layout'])}: predicted "
-                  f"{prediction['step_s'] * 1e3:.0f} ms, measured "
+        plans.append(_plan(mode))
+        print(f"  round {round_index + 1}/{mode.rounds}: planned {len(plans[-1])} layouts, picked "
+              f"{_layout_key(plans[-1][0]['layout'])} ({time.perf_counter() - started:.0f} s)", flush=True)
+        by_key = {_layout_key(p["layout"]): p for p in plans[-1]}
+        measured.append([])
+        for reference in plans[0]:
+            key = _layout_key(reference["layout"])
+            value = _measure(reference["layout"], mode)
+            measured[-1].append(value)
+            print(f"  round {round_index + 1}/{mode.rounds} {key}: predicted "
+                  f"{by_key[key]['step_s'] * 1e3:.0f} ms, measured "
                   f"{f'{value * 1e3:.0f}' if isinstance(value, float) else value} ms", flush=True)
-    rows = []
-    for prediction, layout_runs in zip(predictions, runs):
-        failures = [run for run in layout_runs if isinstance(run, str)]
-        measured = failures[0] if failures else statistics.median(layout_runs)
-        row = {"layout": _layout_key(prediction["layout"]), "samples": prediction["samples"],
-               "predicted_s": prediction["step_s"], "measured_s": measured,
-               "measured_rounds_s": [run for run in layout_runs if isinstance(run, float)],
-               "predicted_components_s": prediction["components"]}
-        if isinstance(measured, float):
-            row["error"] = prediction["step_s"] / measured - 1.0
-            row["measured_per_sample_ms"] = 1e3 * measured / prediction["samples"]
-        rows.append(row)
+    rows = combine_rounds(plans, measured)
     measured_rows = [row for row in rows if "error" in row]
     pick = rows[0]
     best = min(measured_rows, key=lambda row: row["measured_per_sample_ms"])
     regret = pick["measured_per_sample_ms"] / best["measured_per_sample_ms"] - 1.0 if "error" in pick else None
     errors = [abs(row["error"]) for row in measured_rows]
-    print("\nPlanner predictions (ranked by predicted time per sample) vs measured steps")
+    print("\nPlanner predictions (ranked by median predicted time per sample) vs measured steps")
     print_table(
         [{"layout": r["layout"], "samples/step": r["samples"], "predicted ms": round(r["predicted_s"] * 1e3, 1),
           "measured ms": round(r["measured_s"] * 1e3, 1) if "error" in r else r["measured_s"],
@@ -178,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     summary = {
         "mean_abs_error": statistics.mean(errors), "max_abs_error": max(errors),
-        "pick": pick["layout"], "best_measured": best["layout"], "regret": regret,
+        "pick": pick["layout"], "picks_per_round": [_layout_key(plan[0]["layout"]) for plan in plans],
+        "best_measured": best["layout"], "regret": regret,
         "error_target_met": max(errors) <= ERROR_TARGET,
         "regret_target_met": regret is not None and regret <= REGRET_TARGET,
     }
@@ -187,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"regret: pick {pick['layout']} vs best measured {best['layout']}: "
           f"{100 * regret:.1f}% (target ≤ {100 * REGRET_TARGET:.0f}%: "
           f"{'PASS' if summary['regret_target_met'] else 'FAIL'})" if regret is not None else "regret: pick failed")
-    write_json(args.out, rows, "measured", predictions="the planner's cost model from its own profile",
+    write_json(args.out, rows, "measured",
+               predictions="the planner's cost model from its own profile, one planning run per round",
                rounds=mode.rounds,
                workload=WORKLOAD.describe() + " per replica", world_size=WORLD_SIZE,
                mode="quick" if args.quick else "full", summary=summary, wall_s=time.perf_counter() - started)

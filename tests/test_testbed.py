@@ -1,6 +1,7 @@
 """The multi-process test bed itself: results, failures, hangs, and DDP vs a single-process reference."""
 
 import multiprocessing as mp
+import pickle
 import time
 
 import pytest
@@ -81,6 +82,14 @@ def test_a_failing_rank_fails_fast_with_its_traceback():
     with pytest.raises(DistributedRunError, match="rank 1 failed(.|\n)*rank one is broken"):
         run_distributed(_rank_one_raises, world_size=2, timeout_s=60)
     assert time.monotonic() - start < 30
+    assert not mp.active_children()
+
+
+def test_a_rank_that_cannot_start_raises_its_own_error():
+    # The function does not pickle, so no rank process starts; the pickling error is what the
+    # caller must see, not a failure to clean up the processes that never ran.
+    with pytest.raises((pickle.PicklingError, AttributeError), match="pickle"):
+        run_distributed(lambda rank, world_size: rank, world_size=2, timeout_s=20)
     assert not mp.active_children()
 
 

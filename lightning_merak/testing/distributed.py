@@ -94,11 +94,13 @@ def _rank_main(
 
 
 def _reap(processes: list[mp.Process]) -> None:
-    for proc in processes:
+    """End every started rank; one that failed to start (its arguments did not pickle) has nothing to end."""
+    started = [proc for proc in processes if proc.pid is not None]
+    for proc in started:
         if proc.is_alive():
             proc.terminate()
     deadline = time.monotonic() + _REAP_GRACE_S
-    for proc in processes:
+    for proc in started:
         proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             proc.kill()

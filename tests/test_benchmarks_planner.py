@@ -1,0 +1,43 @@
+"""The planner benchmark's rows from several rounds of planning and measuring."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.planner import combine_rounds
+
+
+def _prediction(dp: int, pp: int, tp: int, step_s: float, samples: int) -> dict:
+    return {"layout": {"dp": dp, "pp": pp, "tp": tp, "micro_batches": 1 if pp == 1 else 4, "overlap": 1},
+            "step_s": step_s, "samples": samples, "components": {"compute": step_s}}
+
+
+def test_rows_take_median_predictions_and_measurements_and_rank_per_sample():
+    # Round 2 planned in another order and on a slower machine; round 3 on a faster one.
+    plans = [
+        [_prediction(2, 1, 1, 0.20, 16), _prediction(1, 2, 1, 0.15, 8)],
+        [_prediction(1, 2, 1, 0.18, 8), _prediction(2, 1, 1, 0.24, 16)],
+        [_prediction(2, 1, 1, 0.18, 16), _prediction(1, 2, 1, 0.14, 8)],
+    ]
+    measured = [[0.22, 0.16], [0.25, 0.19], [0.19, 0.15]]
+    rows = combine_rounds(plans, measured)
+    assert [row["layout"] for row in rows] == ["dp2 pp1 tp1 M1 k1", "dp1 pp2 tp1 M4 k1"]
+    data_parallel, pipeline = rows
+    assert data_parallel["predicted_s"] == pytest.approx(0.20)
+    assert data_parallel["predicted_rounds_s"] == [0.20, 0.24, 0.18]
+    assert data_parallel["measured_s"] == pytest.approx(0.22)
+    assert data_parallel["error"] == pytest.approx(0.20 / 0.22 - 1)
+    assert data_parallel["measured_per_sample_ms"] == pytest.approx(1e3 * 0.22 / 16)
+    assert pipeline["predicted_s"] == pytest.approx(0.15)
+    assert pipeline["measured_rounds_s"] == [0.16, 0.19, 0.15]
+    assert pipeline["predicted_components_s"] == {"compute": 0.15}
+
+
+def test_a_failed_run_marks_the_layout_and_other_layouts_are_refused():
+    plans = [[_prediction(2, 1, 1, 0.2, 16), _prediction(1, 1, 2, 0.3, 8)]] * 2
+    rows = combine_rounds(plans, [[0.2, 0.3], [0.21, "rank 1 ran out of memory"]])
+    failed = next(row for row in rows if row["layout"] == "dp1 pp1 tp2 M1 k1")
+    assert failed["measured_s"] == "rank 1 ran out of memory" and "error" not in failed
+    assert failed["measured_rounds_s"] == [0.3]
+    with pytest.raises(ValueError, match="round 2 planned other layouts"):
+        combine_rounds([plans[0], [_prediction(2, 1, 1, 0.2, 16)]], [[0.2, 0.3], [0.2]])
