@@ -9,21 +9,27 @@ from lightning_merak.testing import run_distributed
 VOCAB, SEQ = 96, 16
 
 
-def _profile_rank(rank: int, world_size: int) -> dict:
-    import torch.distributed as dist
-
+def _llama_and_tokens() -> tuple[torch.nn.Module, torch.Tensor]:
+    """A two-block Llama and a batch of 4 sequences, the same on every rank."""
     from lightning_merak.config import ModelConfig
     from lightning_merak.models import build_causal_lm
-    from lightning_merak.strategies.layout_profiler import profile_model, profile_network
-    from lightning_merak.strategies.merak3d import Merak3DStrategy, _call_model, average_gradients
-    from lightning_merak.strategies.planner import SearchSpace, required_profile_keys
 
     torch.manual_seed(0)
     model = build_causal_lm(ModelConfig(name="llama", model_type="llama", config={
         "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2}), vocab_size=VOCAB)
     model.config.use_cache = False
-    inputs = torch.randint(VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(1))
+    return model, torch.randint(VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _profile_rank(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from lightning_merak.strategies.layout_profiler import profile_model, profile_network
+    from lightning_merak.strategies.merak3d import Merak3DStrategy, _call_model, average_gradients
+    from lightning_merak.strategies.planner import SearchSpace, required_profile_keys
+
+    model, inputs = _llama_and_tokens()
     space = SearchSpace(world_size=world_size, global_batch_size=None, replica_batch_size=4,
                         tp_degrees_allowed=(1, 2), max_pipeline_stages=1, overlap_choices=(1, 2))
     keys = required_profile_keys(space, 2)
@@ -59,3 +65,28 @@ def test_profiler_measures_real_blocks_gradient_sync_and_optimizer_on_two_ranks(
     # timings belong to benchmarks/planner.py; here: a usable fit, and the averaging it times is right
     assert 0 < network.gradient_sync_s(1 << 20, 2) <= network.gradient_sync_s(4 << 20, 2) < float("inf")
     assert all(r["grads_averaged"] == [1.5] for r in results)
+
+
+def _real_block_collectives_rank(rank: int, world_size: int, sequence_parallel: bool) -> dict:
+    from lightning_merak.strategies.layout_profiler import profile_model
+    from lightning_merak.strategies.merak3d import Merak3DStrategy, _call_model
+    from lightning_merak.strategies.overlap import record_communication
+    from lightning_merak.strategies.planner import SearchSpace, required_profile_keys
+
+    model, inputs = _llama_and_tokens()
+    space = SearchSpace(world_size=world_size, global_batch_size=None, replica_batch_size=4,
+                        tp_degrees_allowed=(2,), max_pipeline_stages=1, overlap_choices=(2,))
+    with record_communication() as trace:
+        profile = profile_model(
+            model, inputs, _call_model, Merak3DStrategy._tensor_parallel_plan, required_profile_keys(space, 2),
+            lambda params: torch.optim.AdamW(params), repeats=1, process_group_device=torch.device("cpu"),
+            sequence_plan_of=Merak3DStrategy._sequence_parallel_plan if sequence_parallel else None)
+    return {"ops": sorted({event["op"] for event in trace.events}), "measured": set(profile.measured_blocks)}
+
+
+def test_profiler_times_sequence_parallel_blocks_with_their_own_collectives():
+    plain = run_distributed(_real_block_collectives_rank, 2, args=(False,), timeout_s=300)[0]
+    sequence = run_distributed(_real_block_collectives_rank, 2, args=(True,), timeout_s=300)[0]
+    assert plain["measured"] == sequence["measured"] == {(2, 2, 4)}
+    assert plain["ops"] == ["all_reduce"]
+    assert sequence["ops"] == ["all_gather", "reduce_scatter"]

@@ -178,16 +178,22 @@ def test_planned_layout_trains_like_a_single_process():
     assert_traces_match(_reference("llama"), merged, loss_rtol=1e-5, grad_rtol=1e-4)
 
 
-def _plan_only_rank(rank: int, world_size: int) -> dict:
+def _plan_only_rank(rank: int, world_size: int, sequence_parallel: bool = False, sequence: int = SEQ) -> dict:
     import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
 
-    from tests.test_merak3d import _module, _ShardedData
+    from tests.test_merak3d import BATCH, _batches, _module
 
-    strategy = Merak3DStrategy(pipeline_parallel="auto", tensor_parallel="auto", plan_only=True, timeout_s=120)
+    class FirstTokens(pl.LightningDataModule):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(TensorDataset(_batches()[0, :, :sequence]), batch_size=BATCH)
+
+    strategy = Merak3DStrategy(pipeline_parallel="auto", tensor_parallel="auto", plan_only=True,
+                               sequence_parallel=sequence_parallel, timeout_s=120)
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False)
-    trainer.fit(_module("llama"), datamodule=_ShardedData(0, 5))
+    trainer.fit(_module("llama"), datamodule=FirstTokens())
     best = strategy.layout_plan.best
     return {"layout": best.layout, "steps": trainer.global_step, "built": strategy.layout_built,
             "layouts": [p.layout for p in strategy.layout_plan.ranked]}
@@ -199,6 +205,15 @@ def test_plan_only_plans_the_same_layout_everywhere_and_trains_nothing():
     assert all(r["steps"] == 0 and not r["built"] for r in results)
     degrees = {(layout.dp, layout.pp, layout.tp) for layout in results[0]["layouts"]}
     assert degrees == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
+
+
+@pytest.mark.parametrize("sequence", [SEQ, SEQ - 1], ids=["even", "odd"])
+def test_sequence_parallel_planning_keeps_only_degrees_that_split_the_sequence(sequence):
+    results = run_distributed(_plan_only_rank, 2, args=(True, sequence), timeout_s=300)
+    assert results[0]["layout"] == results[1]["layout"]
+    degrees = {(layout.dp, layout.pp, layout.tp) for layout in results[0]["layouts"]}
+    expected = {(2, 1, 1), (1, 2, 1)} | ({(1, 1, 2)} if sequence % 2 == 0 else set())
+    assert degrees == expected
 
 
 def test_local_shard_of_a_block_holds_one_rank_of_every_split_layer():

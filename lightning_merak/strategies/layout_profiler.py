@@ -28,6 +28,7 @@ from lightning_merak.models import logits_of
 from lightning_merak.strategies.pipeline.trace import ModelTrace, trace_model
 from lightning_merak.strategies.merak3d import average_gradients
 from lightning_merak.strategies.overlap import SubBatchForward
+from lightning_merak.strategies.sequence_parallel import SequenceParallelPlan, split_sequence_between
 from lightning_merak.strategies.planner import (
     BlockTimes,
     CollectiveCost,
@@ -174,10 +175,11 @@ def _block_optimizer_s(block: nn.Module, optimizer_factory: Callable[[list[nn.Pa
     return median_call_time(optimizer.step, repeats)
 
 
-def _sharded_copy(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh) -> nn.Module:
+def _sharded_copy(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh,
+                  sequence_plan: Optional[SequenceParallelPlan] = None) -> nn.Module:
     """A copy of ``block`` with real tensor-parallel layers over ``mesh`` (collectives included)."""
     sharded = copy.deepcopy(block)
-    apply_tensor_parallel(sharded, plan, mesh)
+    apply_tensor_parallel(sharded, plan, mesh, sequence_plan)
     return sharded
 
 
@@ -190,12 +192,15 @@ def tensor_parallel_mesh(device: torch.device, tensor_parallel: int) -> DeviceMe
 
 def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dict[int, ModelTrace],
                          keys: ProfileKeys, meshes: dict[int, DeviceMesh], repeats: int,
-                         max_blocks: int) -> dict[tuple[int, int, int], MeasuredBlocks]:
+                         max_blocks: int, sequence_plan: Optional[SequenceParallelPlan] = None,
+                         ) -> dict[tuple[int, int, int], MeasuredBlocks]:
     """Regions of one and of ``max_blocks`` real tensor-parallel blocks, at each (tp, overlap, samples) of ``keys``
     whose tp has a mesh.
 
     The per-block cost is the difference over ``max_blocks - 1`` blocks, so timing noise is
-    divided by that many instead of landing whole on every further block.
+    divided by that many instead of landing whole on every further block. With a
+    ``sequence_plan`` the blocks run sequence-parallel, as the runtime runs them: the region
+    splits the sequence at its first block and gathers it after its last.
     """
     measured: dict[tuple[int, int, int], MeasuredBlocks] = {}
     counts = (1, max(2, max_blocks))
@@ -205,7 +210,10 @@ def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dic
         args, kwargs = trace.block_arguments(_side_tensors_for(trace, samples))
         times = []
         for count in counts:
-            run = _BlockRun([_sharded_copy(block, plan, meshes[tp]) for _ in range(count)], trace)
+            blocks = [_sharded_copy(block, plan, meshes[tp], sequence_plan) for _ in range(count)]
+            if sequence_plan is not None:
+                split_sequence_between(blocks[0], blocks[-1], meshes[tp].get_group(), trace.block_output_index)
+            run = _BlockRun(blocks, trace)
             if overlap > 1:
                 run.forward = SubBatchForward(run, overlap)
             dist.barrier()
@@ -259,6 +267,7 @@ def profile_model(
     repeats: int = 5,
     process_group_device: Optional[torch.device] = None,
     loss_of: Optional[Callable[[Any, int], torch.Tensor]] = None,
+    sequence_plan_of: Optional[Callable[[nn.Module, ModelTrace, TensorParallelPlan], SequenceParallelPlan]] = None,
 ) -> ModelProfile:
     """Time ``model``'s parts at every (tp, sub-batch samples) the search needs (``keys``).
 
@@ -266,7 +275,9 @@ def profile_model(
     real tensor-parallel blocks are timed at ``keys.measured_blocks`` and their optimizer step
     over sharded parameters; without it those stay unmeasured and the planner models them.
     With ``loss_of(logits, samples)`` (the training loss of the first ``samples`` samples'
-    logits), the loss is timed at every micro-batch size of ``keys.loss_samples``.
+    logits), the loss is timed at every micro-batch size of ``keys.loss_samples``. With
+    ``sequence_plan_of(block, trace, plan)`` the real blocks are timed sequence-parallel; the
+    sequence length must divide by every tp of ``keys``.
     """
     real_blocks = process_group_device is not None and dist.is_initialized() and dist.get_world_size() > 1
     measured_samples = {samples for _, _, samples in keys.measured_blocks} if real_blocks else set()
@@ -304,7 +315,9 @@ def profile_model(
     # one mesh per tensor-parallel degree (creating one is collective), shared by both measurements
     meshes = ({tp: tensor_parallel_mesh(process_group_device, tp) for tp in sorted(keys.tp_degrees) if tp > 1}
               if real_blocks else {})
-    measured = _measure_real_blocks(block, plan, traces, keys, meshes, repeats, max_blocks=min(len(trunk), 4))
+    sequence_plan = sequence_plan_of(block, largest, plan) if sequence_plan_of is not None and meshes else None
+    measured = _measure_real_blocks(block, plan, traces, keys, meshes, repeats, max_blocks=min(len(trunk), 4),
+                                    sequence_plan=sequence_plan)
     return ModelProfile(
         num_blocks=len(trunk),
         hidden_bytes_per_sample=hidden[0].numel() * hidden.element_size(),

@@ -167,7 +167,8 @@ class Merak3DStrategy(ParallelStrategy):
             over the tensor-parallel ranks (:mod:`~lightning_merak.strategies.sequence_parallel`):
             each all-reduce becomes a reduce-scatter and an all-gather, activations between the
             split layers shrink by ``tensor_parallel``. The sequence length must divide by it. The
-            planner counts it as plain tensor parallelism (the same bytes, less memory).
+            planner times real sequence-parallel blocks and only tensor-parallel degrees dividing
+            the sequence; it prices their memory as plain tensor parallelism (an upper bound).
         micro_batches: micro-batches per batch in the pipeline schedule (default: 2 × stages).
         schedule: ``"1f1b"``, ``"gpipe"``, ``"shifted_critical_path"`` (Merak: cool-down forwards
             keep no activations and are recomputed while their gradients are in flight) or
@@ -510,8 +511,10 @@ class Merak3DStrategy(ParallelStrategy):
         if self._degrees["tp"] != "auto":
             tp_degrees = (self._degrees["tp"],)
         else:
+            sequence = inputs.shape[1] if inputs.ndim > 1 else 1
             tp_degrees = tuple(d for d in range(1, self.num_processes + 1)
-                               if world % d == 0 and _divides_model(config, d))
+                               if world % d == 0 and _divides_model(config, d)
+                               and not (self.sequence_parallel and sequence % d))
         num_blocks = len(find_trunk(model)[1])
         fixed_pp = self._degrees["pp"] if self._degrees["pp"] != "auto" else None
         ratios = {"none": (0.0,), "full": (1.0,), "stage_aware": (self.recompute_ratio,),
@@ -529,7 +532,8 @@ class Merak3DStrategy(ParallelStrategy):
             lambda params: torch.optim.AdamW(params))
         profile = profile_model(model, inputs, _call_model, self._tensor_parallel_plan, keys, factory,
                                 repeats=PLANNER_REPEATS, process_group_device=self.root_device,
-                                loss_of=lambda logits, samples: module.loss_from_logits(logits, targets[:samples]))
+                                loss_of=lambda logits, samples: module.loss_from_logits(logits, targets[:samples]),
+                                sequence_plan_of=self._sequence_parallel_plan if self.sequence_parallel else None)
         profile = self.broadcast(profile, src=0)
         gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         network = profile_network(keys.all_reduce_group_sizes, self.root_device,
