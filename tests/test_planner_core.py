@@ -149,8 +149,8 @@ def test_network_profile_names_a_missing_group_size():
 # --- cost model ------------------------------------------------------------------------------------
 
 
-def test_single_stage_prediction_matches_hand_computation():
-    profile = ModelProfile(
+def _one_block_profile(**overrides) -> ModelProfile:
+    fields = dict(
         num_blocks=1,
         hidden_bytes_per_sample=100,
         block_times={(2, 2): BlockTimes((1.0, 2.0), (3.0, 4.0))},
@@ -162,8 +162,15 @@ def test_single_stage_prediction_matches_hand_computation():
         block_activation_bytes_per_sample={2: 1000},
         optimizer_s_per_parameter_byte=0.01,
     )
-    link = CollectiveCost(latency_s=0.1, bandwidth_bytes_per_s=100.0)
-    two_ranks = NetworkProfile(all_reduce={2: link}, p2p=link)
+    return ModelProfile(**(fields | overrides))
+
+
+_LINK = CollectiveCost(latency_s=0.1, bandwidth_bytes_per_s=100.0)
+_TWO_RANKS = NetworkProfile(all_reduce={2: _LINK}, p2p=_LINK)
+
+
+def test_single_stage_prediction_matches_hand_computation():
+    profile, two_ranks = _one_block_profile(), _TWO_RANKS
     search = SearchSpace(world_size=2, global_batch_size=2, tp_degrees_allowed=(2,), max_pipeline_stages=1)
     # Each all-reduce: 0.1 + 2 * 1/2 * 200 / 100 = 2.1 s, two in forward and two in backward.
     # Forward chain [0.5 + 1, 2, 1]: 4.5 + 4.2; backward [2 + 3, 4, 0.25]: 9.25 + 4.2; optimizer 60 B x 0.01.
@@ -178,6 +185,25 @@ def test_single_stage_prediction_matches_hand_computation():
     recomputed = predict(Layout(1, 1, 2, 1, 1, 1.0), profile, two_ranks, search)
     assert recomputed.step_time_s == pytest.approx(plain.step_time_s + 3.0)
     assert recomputed.memory_bytes == pytest.approx(4 * 60 + 2 * 300)
+
+
+def test_sequence_parallelism_splits_the_sequence_split_activations_and_recomputed_inputs():
+    profile = _one_block_profile(block_sequence_split_bytes_per_sample={2: 600})
+    search = SearchSpace(world_size=2, global_batch_size=2, tp_degrees_allowed=(2,), max_pipeline_stages=1,
+                         sequence_parallel=True)
+    plain_search = dataclasses.replace(search, sequence_parallel=False)
+    stored, recomputed = Layout(1, 1, 2, 1, 1, 0.0), Layout(1, 1, 2, 1, 1, 1.0)
+    # 400 bytes per sample stay whole, the 600 sequence-split ones are halved
+    assert predict(stored, profile, _TWO_RANKS, search).memory_bytes == pytest.approx(4 * 60 + 2 * 700)
+    # a recomputed block keeps its input slice (50), two gathered (2 x 100) and two scattered (2 x 50) outputs
+    assert predict(recomputed, profile, _TWO_RANKS, search).memory_bytes == pytest.approx(4 * 60 + 2 * 350)
+    # the time is the profile's, taken with or without sequence parallelism
+    assert predict(stored, profile, _TWO_RANKS, search).step_time_s == pytest.approx(
+        predict(stored, profile, _TWO_RANKS, plain_search).step_time_s)
+    # a profile that did not tell the split part prices activations as plain tensor parallelism
+    assert predict(stored, _one_block_profile(), _TWO_RANKS, search).memory_bytes == pytest.approx(4 * 60 + 2 * 1000)
+    with pytest.raises(ValueError, match=r"block_sequence_split_bytes_per_sample\[2\]=1200 must be within \[0, 1000\]"):
+        _one_block_profile(block_sequence_split_bytes_per_sample={2: 1200}).block_activation_bytes_at(2, True)
 
 
 def test_components_add_up_to_the_step_time():

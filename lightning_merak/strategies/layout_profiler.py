@@ -79,8 +79,13 @@ def _side_tensors_for(trace: ModelTrace, samples: int) -> tuple[torch.Tensor, ..
 
 
 def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, samples: int,
-                 repeats: int) -> tuple[BlockTimes, int]:
-    """Forward and backward time of ``shard`` cut at its collectives, and the bytes it saves for backward."""
+                 repeats: int) -> tuple[BlockTimes, int, int]:
+    """Forward and backward time of ``shard`` cut at its collectives, the bytes it saves for backward, and
+    how many of those are saved outside the span from a column layer to its row partner.
+
+    Sequence parallelism splits those along the sequence (norms, residuals, dropout, and the
+    column layers' inputs); what is saved inside the span is split by heads already.
+    """
     hidden = trace.sample_hidden
     batch = hidden.shape[0]
     source = hidden if samples <= batch else hidden.repeat(-(-samples // batch), *[1] * (hidden.ndim - 1))
@@ -95,18 +100,29 @@ def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, 
             if args_[0].requires_grad:
                 args_[0].register_hook(lambda grad: marks.__setitem__(key, time.perf_counter()))
         handles.append(shard.get_submodule(group[0]).register_forward_pre_hook(watch))
+    inside_span = [False]
+    for names, inside in ((plan.column, True), (plan.row, False)):
+        for name in names:
+            handles.append(shard.get_submodule(name).register_forward_hook(
+                lambda *_, inside=inside: inside_span.__setitem__(0, inside)))
     forward_parts: list[tuple[float, float]] = []
     backward_parts: list[tuple[float, float]] = []
     parameters = {p.data_ptr() for p in shard.parameters()}
     saved: dict[int, int] = {}
+    outside_span: set[int] = set()
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.data_ptr() not in parameters:
+        if tensor.data_ptr() not in parameters and tensor.data_ptr() not in saved:
             saved[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+            if not inside_span[0]:
+                outside_span.add(tensor.data_ptr())
         return tensor
 
     def run() -> None:
         shard.zero_grad(set_to_none=True)  # as every training step: backward allocates fresh gradients
+        saved.clear()
+        outside_span.clear()
+        inside_span[0] = False
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             output = trace.hidden_of(shard(inputs, *args, **kwargs))
@@ -129,7 +145,7 @@ def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, 
             handle.remove()
     middle = sorted(range(repeats), key=lambda i: sum(forward_parts[i]) + sum(backward_parts[i]))[repeats // 2]
     times = BlockTimes(forward_segments_s=forward_parts[middle], backward_segments_s=backward_parts[middle])
-    return times, sum(saved.values())
+    return times, sum(saved.values()), sum(saved[pointer] for pointer in outside_span)
 
 
 class _BlockRun(nn.Module):
@@ -295,13 +311,15 @@ def profile_model(
     block_times: dict[tuple[int, int], BlockTimes] = {}
     parameter_bytes: dict[int, int] = {}
     activation_bytes: dict[int, int] = {}
+    sequence_split_bytes: dict[int, int] = {}
     for tp in sorted(keys.tp_degrees | {1}):
         shard = local_shard_of_block(block, plan, tp)
         parameter_bytes[tp] = sum(p.numel() * p.element_size() for p in shard.parameters())
         for samples in sorted(s for t, s in keys.block_times if t == tp) or [needed_samples[-1]]:
-            times, saved = _block_times(shard, plan, traces[samples], samples, repeats)
+            times, saved, outside = _block_times(shard, plan, traces[samples], samples, repeats)
             block_times[(tp, samples)] = times
             activation_bytes.setdefault(tp, saved // samples)
+            sequence_split_bytes.setdefault(tp, outside // samples)
     hidden = largest.sample_hidden
     prefix, suffix = largest.costs[0], largest.costs[-1]
     scratch = [nn.Parameter(torch.zeros(parameter_bytes[1] // 4, device=hidden.device))]
@@ -328,6 +346,7 @@ def profile_model(
         prefix_parameter_bytes=prefix.param_bytes,
         suffix_parameter_bytes=suffix.param_bytes,
         block_activation_bytes_per_sample=activation_bytes,
+        block_sequence_split_bytes_per_sample=sequence_split_bytes,
         optimizer_s_per_parameter_byte=optimizer_s / max(1, parameter_bytes[1]),
         measured_blocks=measured,
         block_optimizer_s=_block_optimizer_times(block, plan, keys, optimizer_factory, meshes, repeats),

@@ -167,8 +167,8 @@ class Merak3DStrategy(ParallelStrategy):
             over the tensor-parallel ranks (:mod:`~lightning_merak.strategies.sequence_parallel`):
             each all-reduce becomes a reduce-scatter and an all-gather, activations between the
             split layers shrink by ``tensor_parallel``. The sequence length must divide by it. The
-            planner times real sequence-parallel blocks and only tensor-parallel degrees dividing
-            the sequence; it prices their memory as plain tensor parallelism (an upper bound).
+            planner times real sequence-parallel blocks, prices the activations they split over the
+            sequence, and searches only tensor-parallel degrees dividing the sequence.
         micro_batches: micro-batches per batch in the pipeline schedule (default: 2 × stages).
         schedule: ``"1f1b"``, ``"gpipe"``, ``"shifted_critical_path"`` (Merak: cool-down forwards
             keep no activations and are recomputed while their gradients are in flight) or
@@ -525,6 +525,7 @@ class Merak3DStrategy(ParallelStrategy):
             micro_batch_choices=(self._micro_batches,) if self._micro_batches else None,
             overlap_choices=(1, 2, 4) if self.tp_overlap == "auto" else (self.tp_overlap,),
             recompute_ratios=ratios, memory_limit_bytes=self.memory_limit or self._default_memory_limit(),
+            sequence_parallel=self.sequence_parallel,
         )
         keys = required_profile_keys(space, num_blocks)
         optimizer = self.optimizers[0] if self.optimizers else None

@@ -253,8 +253,10 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     exposed communication and runtime overhead).
     The last stage adds the training loss once per micro-batch (never split into sub-batches).
     Recomputed blocks add their forward compute, never their collectives, to the backward,
-    and keep only their input plus the two post-collective outputs the runtime caches
-    (those exist only with tp > 1). Prefix and suffix activations are not counted.
+    and keep only their input plus the post-collective outputs the runtime caches (those exist
+    only with tp > 1). With ``space.sequence_parallel`` a tensor-parallel block saves its
+    sequence-split activations (and a recomputed one its input) for 1/tp of the sequence.
+    Prefix and suffix activations are not counted.
     """
     _check_against_space(layout, model_profile, space)
     samples = micro_batch_samples(layout, space)
@@ -267,8 +269,13 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     block_times = model_profile.block_times_at(layout.tp, sub)
     measured = _measured_blocks(layout, model_profile, samples)
     block_parameter_bytes = model_profile.block_parameter_bytes_at(layout.tp)
-    activation_bytes = model_profile.block_activation_bytes_at(layout.tp)
-    recomputed_extra_bytes = 2 * hidden_bytes if layout.tp > 1 else 0
+    sequence_split = space.sequence_parallel and layout.tp > 1
+    activation_bytes = model_profile.block_activation_bytes_at(layout.tp, sequence_split)
+    recomputed_input_bytes = hidden_bytes // layout.tp if sequence_split else hidden_bytes
+    # the recorded collective outputs a recomputed block replays: two all-reduces, or two
+    # all-gathers (whole sequence) and two reduce-scatters (this rank's slice)
+    recomputed_extra_bytes = (2 * hidden_bytes + 2 * hidden_bytes // layout.tp if sequence_split
+                              else 2 * hidden_bytes if layout.tp > 1 else 0)
     forward_s, backward_s, compute_s, exposed_s, memory_bytes, after_pipeline_s = [], [], [], [], [], []
     for index, stage in enumerate(stages):
         prefix_forward, prefix_backward = model_profile.prefix_times_at(sub) if stage.has_prefix else (0.0, 0.0)
@@ -308,7 +315,8 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
             + stage.has_suffix * model_profile.suffix_parameter_bytes
         )
         kept_per_sample = (
-            (stage.num_blocks - recomputed) * activation_bytes + recomputed * (hidden_bytes + recomputed_extra_bytes)
+            (stage.num_blocks - recomputed) * activation_bytes
+            + recomputed * (recomputed_input_bytes + recomputed_extra_bytes)
         )
         in_flight = peak_inflight_microbatches(index, layout.pp, layout.micro_batches, space.schedule)
         memory_bytes.append(

@@ -192,7 +192,10 @@ class ModelProfile:
     ``block_optimizer_s`` by tp, the optimizer step over one block's (sharded) parameters;
     ``loss_times`` by samples per micro-batch, the training loss on the model's output as
     (forward_s, backward_s), paid once per micro-batch on the last stage (a profile without
-    it, such as one written by hand, predicts no loss cost).
+    it, such as one written by hand, predicts no loss cost). ``block_sequence_split_bytes_per_sample``
+    by tp is the part of the activation bytes saved outside the split layers (norms, residuals,
+    the column layers' inputs): sequence parallelism splits it over tp (a profile without it
+    prices sequence parallelism's memory as plain tensor parallelism's).
     """
 
     num_blocks: int
@@ -209,6 +212,7 @@ class ModelProfile:
     measured_blocks: dict[tuple[int, int, int], MeasuredBlocks] = field(default_factory=dict)
     block_optimizer_s: dict[int, float] = field(default_factory=dict)
     loss_times: dict[int, tuple[float, float]] = field(default_factory=dict)
+    block_sequence_split_bytes_per_sample: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_positive("ModelProfile", num_blocks=self.num_blocks)
@@ -245,8 +249,16 @@ class ModelProfile:
     def block_parameter_bytes_at(self, tp: int) -> int:
         return _lookup(self.block_parameter_bytes, tp, "block_parameter_bytes", "tp")
 
-    def block_activation_bytes_at(self, tp: int) -> int:
-        return _lookup(self.block_activation_bytes_per_sample, tp, "block_activation_bytes_per_sample", "tp")
+    def block_activation_bytes_at(self, tp: int, sequence_parallel: bool = False) -> int:
+        """Bytes one block saves per sample on one rank; with ``sequence_parallel`` its sequence-split part is 1/tp."""
+        saved = _lookup(self.block_activation_bytes_per_sample, tp, "block_activation_bytes_per_sample", "tp")
+        if not sequence_parallel or tp == 1:
+            return saved
+        split = self.block_sequence_split_bytes_per_sample.get(tp, 0)
+        if not 0 <= split <= saved:
+            raise ValueError(f"ModelProfile.block_sequence_split_bytes_per_sample[{tp}]={split} must be within "
+                             f"[0, {saved}], the block's activation bytes per sample")
+        return saved - split + split // tp
 
 
 _Key = TypeVar("_Key")
@@ -269,7 +281,8 @@ class SearchSpace:
     ``micro_batch_choices=None`` allows every micro-batch count that divides the per-replica
     batch. ``recompute_ratios`` are first-stage ratios of stage-aware recompute (spec 1.4);
     a single-stage layout only takes 0 ("none") or 1 ("full"). ``memory_limit_bytes=None``
-    means no limit.
+    means no limit. ``sequence_parallel`` runs every tensor-parallel layout sequence-parallel
+    (less activation memory; its time comes from the profile, which must then be taken so).
 
     The batch is either ``global_batch_size`` (samples per step, split over the data-parallel
     replicas) or ``replica_batch_size`` (samples each replica trains on per step, as a
@@ -287,6 +300,7 @@ class SearchSpace:
     memory_limit_bytes: float | None = None
     schedule: str = "1f1b"
     replica_batch_size: int | None = None
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if (self.global_batch_size is None) == (self.replica_batch_size is None):
