@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_merak.strategies import overlap
 from lightning_merak.strategies.merak3d import Merak3DStrategy
-from lightning_merak.strategies.overlap import SubBatchForward, run_sub_batches
+from lightning_merak.strategies.overlap import SubBatchForward, meet_in_turn, run_sub_batches
 from lightning_merak.testing import assert_traces_match, run_distributed
 from tests.test_merak3d import _merge, _reference, _train_rank
 from tests.test_sequence_parallel import _step
@@ -119,6 +119,36 @@ def test_a_region_inside_a_sub_batch_gets_its_own_threads():
 
     torch.testing.assert_close(run_sub_batches(outer, 2, (torch.arange(8.0).view(4, 2),)),
                                torch.arange(8.0).view(4, 2) * 2)
+
+
+def test_each_sub_batch_draws_its_own_random_stream_and_the_callers_is_left_as_it_was():
+    def dropped(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x, p=0.5)
+
+    same_halves = torch.ones(8, 16).repeat(2, 1)
+    torch.manual_seed(3)
+    out = run_sub_batches(dropped, 2, (same_halves,))
+    after_region = torch.rand(4)
+    assert not torch.equal(out[:8], out[8:])  # sub-batches do not share a dropout mask
+    torch.manual_seed(3)
+    torch.testing.assert_close(run_sub_batches(dropped, 2, (same_halves,)), out)
+    torch.manual_seed(3)
+    torch.testing.assert_close(torch.rand(4), after_region)
+
+
+def test_whole_batch_work_at_a_meeting_draws_from_the_callers_stream():
+    def noise_of_the_whole_batch(x: torch.Tensor) -> torch.Tensor:
+        noise = meet_in_turn("noise", x, lambda parts: torch.rand(sum(len(p) for p in parts)).split(
+            [len(p) for p in parts]))
+        return torch.nn.functional.dropout(x, p=0.5) + noise[:, None]
+
+    torch.manual_seed(4)
+    out = run_sub_batches(noise_of_the_whole_batch, 2, (torch.zeros(8, 3),))
+    after_region = torch.rand(2)
+    torch.manual_seed(4)
+    noise = torch.rand(8)  # what the unsplit batch draws
+    torch.testing.assert_close(out[:, 0], noise)
+    torch.testing.assert_close(torch.rand(2), after_region)
 
 
 def test_bad_splits_are_refused_with_the_fix():

@@ -25,6 +25,8 @@ MODELS = {
                                                     "num_key_value_heads": 2}},
     "gpt2": {"model_type": "gpt2", "config": {"n_embd": 32, "n_layer": 3, "n_head": 4, "resid_pdrop": 0.0,
                                               "embd_pdrop": 0.0, "attn_pdrop": 0.0}},
+    "gpt2-dropout": {"model_type": "gpt2", "config": {"n_embd": 32, "n_layer": 3, "n_head": 4, "resid_pdrop": 0.3,
+                                                      "embd_pdrop": 0.0, "attn_pdrop": 0.3}},
 }
 
 
@@ -210,6 +212,18 @@ def _predicted_sequence_parallel_saving(name: str) -> int:
                             required_profile_keys(space, 3), lambda params: torch.optim.AdamW(params), repeats=1)
     per_sample = profile.block_activation_bytes_at(2) - profile.block_activation_bytes_at(2, sequence_parallel=True)
     return profile.num_blocks * samples * per_sample
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tensor-parallel", "sequence-parallel"])
+def test_recomputed_sub_batches_draw_the_dropout_masks_of_their_forward(sequence_parallel):
+    # Sub-batches interleave at every collective; a recomputed block restores the random state
+    # it started from, so it must find the draws of its own sub-batch only.
+    stored = run_distributed(_step, 2, args=("gpt2-dropout", sequence_parallel, 2, False), timeout_s=300)
+    recomputed = run_distributed(_step, 2, args=("gpt2-dropout", sequence_parallel, 2, True), timeout_s=300)
+    for reference, result in zip(stored, recomputed):
+        _assert_close(result["logits"], reference["logits"], "logits")
+        for param_name, grad in reference["grads"].items():
+            _assert_close(result["grads"][param_name], grad, param_name)
 
 
 SEQUENCE_LAYOUTS = [

@@ -17,6 +17,11 @@ Recomputation never repeats a collective: inside a checkpointed block the post-c
 tensors are recorded during the forward (:func:`collective_replay_contexts`) and handed back
 when the block is recomputed.
 
+Each sub-batch draws random numbers (dropout) from its own generator state, swapped in and
+out at every turn: a recomputed block restores the state it started from and must draw the
+same masks again, which it would not if other sub-batches had drawn in between. Work done for
+the whole batch at a meeting (:func:`meet_in_turn`) draws from the caller's state instead.
+
 The model code is not changed: the region wraps a module's ``forward``; tensors whose first
 dimension is the batch are split, the others are passed to every sub-batch whole.
 """
@@ -57,6 +62,59 @@ __all__ = [
 _local = threading.local()
 
 
+class _RandomStreams:
+    """One random generator state per sub-batch, held in the process-wide generators while it has the turn.
+
+    The sub-batches' seeds derive from the caller's generator state without advancing it (the
+    same on every rank, so replicated computation stays replicated). The caller's stream is
+    left to what stands for the whole batch: a meeting's combined computation draws from it, as
+    the unsplit model would, and the caller continues from there.
+    """
+
+    _SPREAD = 0x9E3779B97F4A7C15
+    """Odd constant spacing the sub-batches' seeds apart (the 64-bit golden ratio)."""
+
+    def __init__(self, count: int) -> None:
+        self._cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self._caller = self._current()
+        base = int(torch.randint(2**62, (1,), generator=torch.Generator().set_state(self._caller[0])))
+        self._states = [self._seeded((base + (index + 1) * self._SPREAD) % 2**63) for index in range(count)]
+
+    def _current(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        return torch.get_rng_state(), None if self._cuda is None else torch.cuda.get_rng_state(self._cuda)
+
+    def _seeded(self, seed: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        cpu = torch.Generator().manual_seed(seed).get_state()
+        if self._cuda is None:
+            return cpu, None
+        return cpu, torch.Generator(device=f"cuda:{self._cuda}").manual_seed(seed).get_state()
+
+    def _load(self, states: tuple[torch.Tensor, Optional[torch.Tensor]]) -> None:
+        torch.set_rng_state(states[0])
+        if states[1] is not None:
+            torch.cuda.set_rng_state(states[1], self._cuda)
+
+    def resume(self, index: int) -> None:
+        self._load(self._states[index])
+
+    def pause(self, index: int) -> None:
+        self._states[index] = self._current()
+
+    @contextlib.contextmanager
+    def as_caller(self, index: int) -> Iterator[None]:
+        """Draw from the caller's stream (whole-batch work) inside sub-batch ``index``'s turn."""
+        self.pause(index)
+        self._load(self._caller)
+        try:
+            yield
+        finally:
+            self._caller = self._current()
+            self.resume(index)
+
+    def restore_caller(self) -> None:
+        self._load(self._caller)
+
+
 class _TurnTaking:
     """Round-robin turns between sub-batch threads; one computes at a time.
 
@@ -65,7 +123,9 @@ class _TurnTaking:
     took the GIL from the computing thread just to go back to sleep.
     """
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, streams: Optional[_RandomStreams] = None) -> None:
+        """With ``streams``, a thread's random generator state goes with its turn."""
+        self._streams = streams
         self._lock = threading.Lock()
         self._finished = [False] * count
         self._wake = [threading.Lock() for _ in range(count)]
@@ -84,10 +144,18 @@ class _TurnTaking:
 
     def wait_for_turn(self, index: int) -> None:
         self._wake[index].acquire()
+        if self._streams is not None:
+            self._streams.resume(index)
 
     def yield_turn(self, index: int) -> None:
+        if self._streams is not None:
+            self._streams.pause(index)
         self._pass_turn(index)
         self.wait_for_turn(index)
+
+    def whole_batch_random(self, index: int) -> contextlib.AbstractContextManager:
+        """Random draws of whole-batch work done in ``index``'s turn come from the caller's stream."""
+        return contextlib.nullcontext() if self._streams is None else self._streams.as_caller(index)
 
     def finish(self, index: int) -> None:
         with self._lock:
@@ -167,8 +235,12 @@ def _take_worker() -> _Worker:
 
 
 def _run_in_turns(tasks: list[Callable[[], Any]], state: dict[str, Any]) -> list[Any]:
-    """Run ``tasks`` as round-robin coroutines (switching at collectives); results in order."""
-    turns = _TurnTaking(len(tasks))
+    """Run ``tasks`` as round-robin coroutines (switching at collectives); results in order.
+
+    Each task has its own random stream (:class:`_RandomStreams`); a single task needs none.
+    """
+    streams = _RandomStreams(len(tasks)) if len(tasks) > 1 else None
+    turns = _TurnTaking(len(tasks), streams)
     results: list[Any] = [None] * len(tasks)
     errors: list[Optional[BaseException]] = [None] * len(tasks)
 
@@ -187,6 +259,8 @@ def _run_in_turns(tasks: list[Callable[[], Any]], state: dict[str, Any]) -> list
     done = [_take_worker().run(functools.partial(work, i, task)) for i, task in enumerate(tasks)]
     for finished in done:
         finished.wait()
+    if streams is not None:
+        streams.restore_caller()
     for error in errors:
         if error is not None:
             raise error
@@ -498,7 +572,8 @@ def meet_in_turn(key: Hashable, value: Any, combine: Callable[[list[Any]], Seque
     meeting.values[index] = value
     if len(meeting.values) == parts:
         try:
-            results = list(combine([meeting.values[i] for i in range(parts)]))
+            with turns.whole_batch_random(index):
+                results = list(combine([meeting.values[i] for i in range(parts)]))
         except BaseException:
             meeting.failed = True
             raise
