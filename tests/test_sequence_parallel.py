@@ -26,7 +26,8 @@ MODELS = {
     "gpt2": {"model_type": "gpt2", "config": {"n_embd": 32, "n_layer": 3, "n_head": 4, "resid_pdrop": 0.0,
                                               "embd_pdrop": 0.0, "attn_pdrop": 0.0}},
     "gpt2-dropout": {"model_type": "gpt2", "config": {"n_embd": 32, "n_layer": 3, "n_head": 4, "resid_pdrop": 0.3,
-                                                      "embd_pdrop": 0.0, "attn_pdrop": 0.3}},
+                                                      "embd_pdrop": 0.0, "attn_pdrop": 0.3,
+                                                      "attn_implementation": "eager"}},
 }
 
 
@@ -113,14 +114,11 @@ def test_uneven_sequence_is_refused_with_the_fix():
         check_sequence_length(15, 2)
 
 
-def _step(rank: int, world_size: int, name: str, sequence_parallel: bool, parts: int, recompute: bool) -> dict:
-    """One forward/backward of a tensor-parallel model; outputs, local gradients and collectives."""
-    import torch.distributed as dist
+def _tensor_parallel_model(name: str, world_size: int, sequence_parallel: bool, recompute: bool):
+    """The test model with every block split over all ranks (and the sequence, and recomputed, if asked)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_merak.models import logits_of
-    from lightning_merak.strategies.overlap import SubBatchForward, record_communication
-    from lightning_merak.strategies.sequence_parallel import sequence_partial_parameters, split_sequence_between
+    from lightning_merak.strategies.sequence_parallel import split_sequence_between
     from lightning_merak.strategies.tensor_parallel import apply_tensor_parallel
 
     model, inputs, trace = _model_and_trace(name)
@@ -133,6 +131,17 @@ def _step(rank: int, world_size: int, name: str, sequence_parallel: bool, parts:
             block.forward = functools.partial(_checkpointed, block.forward)
     if sequence_parallel:
         split_sequence_between(trunk[0], trunk[-1], mesh.get_group(), trace.block_output_index)
+    return model, inputs, trunk
+
+
+def _step(rank: int, world_size: int, name: str, sequence_parallel: bool, parts: int, recompute: bool) -> dict:
+    """One forward/backward of a tensor-parallel model; outputs, local gradients and collectives."""
+    import torch.distributed as dist
+    from lightning_merak.models import logits_of
+    from lightning_merak.strategies.overlap import SubBatchForward, record_communication
+    from lightning_merak.strategies.sequence_parallel import sequence_partial_parameters
+
+    model, inputs, trunk = _tensor_parallel_model(name, world_size, sequence_parallel, recompute)
     from lightning_merak.strategies.sequence_parallel import _Regather
 
     saved: dict[int, int] = {}
@@ -224,6 +233,40 @@ def test_recomputed_sub_batches_draw_the_dropout_masks_of_their_forward(sequence
         _assert_close(result["logits"], reference["logits"], "logits")
         for param_name, grad in reference["grads"].items():
             _assert_close(result["grads"][param_name], grad, param_name)
+
+
+def _dropout_masks(rank: int, world_size: int, sequence_parallel: bool) -> dict:
+    """Which elements the first block's attention and residual dropout zeroed, and the logits."""
+    from lightning_merak.models import logits_of
+
+    model, inputs, _ = _tensor_parallel_model("gpt2-dropout", world_size, sequence_parallel, recompute=False)
+    # GPT-2's attention calls dropout functionally: record every dropout call's zeroed elements
+    dropout, zeroed = torch.nn.functional.dropout, []
+
+    def recording_dropout(tensor: torch.Tensor, p: float = 0.5, *args, **kwargs) -> torch.Tensor:
+        output = dropout(tensor, p, *args, **kwargs)
+        if p > 0:
+            zeroed.append(output.detach() == 0)
+        return output
+
+    torch.nn.functional.dropout = recording_dropout
+    torch.manual_seed(11)
+    logits = logits_of(model(inputs)).detach()
+    # the first block's attention-weight dropout, then its residual dropout after the row layer
+    return {"zeroed": {"attention": zeroed[0], "residual": zeroed[1]}, "logits": logits}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tensor-parallel", "sequence-parallel"])
+def test_dropout_draws_each_ranks_own_mask_where_ranks_hold_their_own_part(sequence_parallel):
+    ranks = run_distributed(_dropout_masks, 2, args=(sequence_parallel,), timeout_s=300)
+    heads = [rank["zeroed"]["attention"] for rank in ranks]
+    assert heads[0].shape == heads[1].shape and not torch.equal(*heads)  # each rank's heads
+    residual = [rank["zeroed"]["residual"] for rank in ranks]
+    if sequence_parallel:  # each rank's slice of the sequence
+        assert residual[0].shape == residual[1].shape and not torch.equal(*residual)
+    else:  # after the row all-reduce every rank holds the same tensor and must drop the same elements
+        assert torch.equal(*residual)
+        torch.testing.assert_close(ranks[0]["logits"], ranks[1]["logits"], rtol=0, atol=0)
 
 
 SEQUENCE_LAYOUTS = [

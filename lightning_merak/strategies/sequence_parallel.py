@@ -23,9 +23,8 @@ the gradient of the replicated rest of the model is sliced). Parameters outside 
 layers then see only their rank's tokens: :func:`sequence_partial_parameters` lists them so
 the strategy sums their gradients over the tensor-parallel group.
 
-Dropout inside the split region draws on each rank's generator in the same state, so the
-ranks' slices share one mask pattern (the masks stay unbiased; they are correlated across
-slices).
+Dropout anywhere in a sequence-split block draws this rank's own masks
+(:mod:`~lightning_merak.strategies.rank_random`), so the ranks' slices do not repeat one pattern.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ input gradients first). With sequence parallelism
 (:mod:`~lightning_merak.strategies.sequence_parallel`) the row layers reduce-scatter over the
 sequence instead and the column groups' inputs arrive all-gathered.
 
+Dropout between a column layer and its row partner (with sequence parallelism: anywhere in
+the block) draws each rank's own mask (:mod:`~lightning_merak.strategies.rank_random`).
+
 GPT-2's ``Conv1D`` layers are swapped for equivalent ``nn.Linear`` layers first; a
 fused q/k/v projection has its output features regrouped so each rank's shard holds its
 own q, k and v heads, and the attention's ``split_size`` is divided accordingly.
@@ -37,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from lightning_merak.strategies.overlap import all_reduce_in_turn
+from lightning_merak.strategies.rank_random import install_rank_streams
 from lightning_merak.strategies.sequence_parallel import (
     SequenceParallelPlan,
     install_sequence_gathers,
@@ -329,4 +333,6 @@ def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: Devi
     _scale_attention_attributes(block, plan.column, tensor_parallel)
     if sequence_parallel is not None:
         install_sequence_gathers(block, sequence_parallel, group)
+    install_rank_streams(block, plan.column_groups, plan.row, mesh.get_local_rank(),
+                         whole_block=sequence_parallel is not None)
     return changes
