@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_merak.strategies import random_state
+
 __all__ = [
     "CommunicationTrace",
     "PendingCollective",
@@ -71,48 +73,30 @@ class _RandomStreams:
     the unsplit model would, and the caller continues from there.
     """
 
-    _SPREAD = 0x9E3779B97F4A7C15
-    """Odd constant spacing the sub-batches' seeds apart (the 64-bit golden ratio)."""
-
     def __init__(self, count: int) -> None:
-        self._cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        self._caller = self._current()
+        self._caller = random_state.capture()
         base = int(torch.randint(2**62, (1,), generator=torch.Generator().set_state(self._caller[0])))
-        self._states = [self._seeded((base + (index + 1) * self._SPREAD) % 2**63) for index in range(count)]
-
-    def _current(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        return torch.get_rng_state(), None if self._cuda is None else torch.cuda.get_rng_state(self._cuda)
-
-    def _seeded(self, seed: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        cpu = torch.Generator().manual_seed(seed).get_state()
-        if self._cuda is None:
-            return cpu, None
-        return cpu, torch.Generator(device=f"cuda:{self._cuda}").manual_seed(seed).get_state()
-
-    def _load(self, states: tuple[torch.Tensor, Optional[torch.Tensor]]) -> None:
-        torch.set_rng_state(states[0])
-        if states[1] is not None:
-            torch.cuda.set_rng_state(states[1], self._cuda)
+        self._states = [random_state.seeded(random_state.spread_seed(base, index)) for index in range(count)]
 
     def resume(self, index: int) -> None:
-        self._load(self._states[index])
+        random_state.restore(self._states[index])
 
     def pause(self, index: int) -> None:
-        self._states[index] = self._current()
+        self._states[index] = random_state.capture()
 
     @contextlib.contextmanager
     def as_caller(self, index: int) -> Iterator[None]:
         """Draw from the caller's stream (whole-batch work) inside sub-batch ``index``'s turn."""
         self.pause(index)
-        self._load(self._caller)
+        random_state.restore(self._caller)
         try:
             yield
         finally:
-            self._caller = self._current()
+            self._caller = random_state.capture()
             self.resume(index)
 
     def restore_caller(self) -> None:
-        self._load(self._caller)
+        random_state.restore(self._caller)
 
 
 class _TurnTaking:

@@ -13,20 +13,19 @@ keep separate stacks.
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["enter_rank_stream", "install_rank_streams", "leave_rank_stream"]
+from lightning_merak.strategies import random_state
 
-_SPREAD = 0x9E3779B97F4A7C15
-"""Odd constant spacing the ranks' seeds apart (the 64-bit golden ratio)."""
+__all__ = ["enter_rank_stream", "install_rank_streams", "leave_rank_stream"]
 
 _local = threading.local()
 
 
-def _open_regions() -> list[tuple[object, torch.Tensor, Optional[torch.Tensor], Optional[int]]]:
+def _open_regions() -> list[tuple[object, random_state.GeneratorStates]]:
     regions = getattr(_local, "regions", None)
     if regions is None:
         regions = _local.regions = []
@@ -39,23 +38,15 @@ def enter_rank_stream(key: object, rank: int) -> None:
     if regions and regions[-1][0] is key:
         return
     seed = int(torch.randint(2**62, (1,)))
-    cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    regions.append((key, torch.get_rng_state(), None if cuda is None else torch.cuda.get_rng_state(cuda), cuda))
-    rank_seed = (seed + (rank + 1) * _SPREAD) % 2**63
-    torch.set_rng_state(torch.Generator().manual_seed(rank_seed).get_state())
-    if cuda is not None:
-        torch.cuda.set_rng_state(torch.Generator(device=f"cuda:{cuda}").manual_seed(rank_seed).get_state(), cuda)
+    regions.append((key, random_state.capture()))
+    random_state.restore(random_state.seeded(random_state.spread_seed(seed, rank)))
 
 
 def leave_rank_stream(key: object) -> None:
     """Restore the shared stream if the region ``key`` is the innermost one open."""
     regions = _open_regions()
-    if not regions or regions[-1][0] is not key:
-        return
-    _, cpu, cuda_state, cuda = regions.pop()
-    torch.set_rng_state(cpu)
-    if cuda_state is not None:
-        torch.cuda.set_rng_state(cuda_state, cuda)
+    if regions and regions[-1][0] is key:
+        random_state.restore(regions.pop()[1])
 
 
 def install_rank_streams(block: nn.Module, column_groups: list[list[str]], rows: list[str], rank: int,

@@ -27,6 +27,8 @@ import torch
 from torch.distributed.pipelining import Schedule1F1B
 from torch.distributed.pipelining import schedules as _schedules
 
+from lightning_merak.strategies import random_state
+
 __all__ = ["ScheduleShiftedCriticalPath", "shifted_schedule_available"]
 
 _REQUIRED = ("_check_inputs", "_initialize_stage", "_maybe_compute_loss", "_maybe_get_loss", "_update_losses")
@@ -37,16 +39,6 @@ def shifted_schedule_available() -> bool:
     return all(hasattr(Schedule1F1B, name) for name in _REQUIRED) and all(
         hasattr(_schedules, name) for name in ("_batch_p2p", "_wait_batch_p2p")
     )
-
-
-def _rng_state() -> tuple[torch.Tensor, Optional[list[torch.Tensor]]]:
-    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-
-
-def _set_rng_state(state: tuple[torch.Tensor, Optional[list[torch.Tensor]]]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
 
 
 def _drop_saved(tensor: torch.Tensor) -> None:
@@ -76,14 +68,14 @@ class ScheduleShiftedCriticalPath(Schedule1F1B):
         count = self._n_microbatches
         warmup = min(count, self._num_stages - stage.stage_index)
         deferred = set() if stage.is_last or not self._has_backward else set(range(count - warmup + 1, count))
-        rng_before: dict[int, tuple] = {}
+        rng_before: dict[int, random_state.GeneratorStates] = {}
         forward_sends: dict[int, list] = {}
         pending: list[list] = []
 
         def run_forward(index: int) -> None:
             _schedules._wait_batch_p2p(_schedules._batch_p2p(stage.get_fwd_recv_ops(index), desc="fwd_recv"))
             if index in deferred:
-                rng_before[index] = _rng_state()
+                rng_before[index] = random_state.capture()
                 with torch.autograd.graph.saved_tensors_hooks(_drop_saved, _saved_was_dropped):
                     output = stage.forward_one_chunk(index, arg_mbs[index], kwarg_mbs[index], return_outputs)
             else:
@@ -93,10 +85,10 @@ class ScheduleShiftedCriticalPath(Schedule1F1B):
 
         def recompute(index: int) -> None:
             _schedules._wait_batch_p2p(forward_sends.pop(index))
-            resume = _rng_state()
-            _set_rng_state(rng_before.pop(index))
+            resume = random_state.capture()
+            random_state.restore(rng_before.pop(index))
             stage.forward_one_chunk(index, arg_mbs[index], kwarg_mbs[index], False)
-            _set_rng_state(resume)
+            random_state.restore(resume)
 
         def run_backward(index: int) -> None:
             gradients_in_flight = _schedules._batch_p2p(stage.get_bwd_recv_ops(index), desc="bwd_recv")
