@@ -195,17 +195,48 @@ def test_merak3d_with_overlap_matches_single_process(layout):
     assert_traces_match(_reference(model_name), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
 
 
-def _planned_rank(rank: int, world_size: int) -> dict:
-    losses, gradients = _train_rank(rank, world_size, "llama",
-                                    {"pipeline_parallel": "auto", "tensor_parallel": "auto", "tp_overlap": "auto"})
-    return {"losses": losses, "gradients": gradients}
+def _planned_rank(rank: int, world_size: int, log_dir: str) -> dict:
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_merak.strategies import merak3d
+    from lightning_merak.strategies.pipeline.stage import tied_parameter_names
+    from tests.test_merak3d import STEPS, _module, _Recorder, _ShardedData
+
+    merak3d.STEP_CHECK_WARMUP, merak3d.STEP_CHECK_BATCHES = 1, STEPS - 2
+    module = _module("llama")
+    recorder = _Recorder(tied_parameter_names(module.model))
+    strategy = Merak3DStrategy(pipeline_parallel="auto", tensor_parallel="auto", tp_overlap="auto", timeout_s=120)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1,
+        logger=CSVLogger(log_dir, name="", version=""), enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+        callbacks=[recorder],
+    )
+    trainer.fit(module, datamodule=_ShardedData(0, STEPS))
+    chosen = next(p for p in strategy.layout_plan.ranked if p.layout.dp == strategy.data_parallel
+                  and p.layout.pp == strategy.pipeline_parallel and p.layout.tp == strategy.tensor_parallel)
+    return {"losses": recorder.losses, "gradients": recorder.gradients, "check": strategy.step_time_check,
+            "best_predicted_s": strategy.layout_plan.ranked[0].step_time_s, "chosen_predicted_s": chosen.step_time_s}
 
 
-def test_planned_layout_trains_like_a_single_process():
-    """Whatever layout the planner picks from its profile, training must equal the reference."""
-    results = run_distributed(_planned_rank, 2, timeout_s=600)
+def test_planned_layout_trains_like_a_single_process_and_reports_its_real_step(tmp_path):
+    """Whatever layout the planner picks from its profile, training must equal the reference; after its
+    first batches the run puts the slowest rank's median step next to the prediction, in the log and the logger."""
+    import csv
+
+    results = run_distributed(_planned_rank, 2, args=(str(tmp_path),), timeout_s=600)
     merged = _merge([(r["losses"], r["gradients"]) for r in results])
     assert_traces_match(_reference("llama"), merged, loss_rtol=1e-5, grad_rtol=1e-4)
+    checks = [r["check"] for r in results]
+    assert checks[0] is not None and checks[0] == checks[1], "every rank holds the same check"
+    assert checks[0].predicted_s == results[0]["best_predicted_s"] == results[0]["chosen_predicted_s"]
+    assert checks[0].batches == 3 and checks[0].measured_s > 0
+    with open(tmp_path / "metrics.csv") as metrics:
+        rows = [row for row in csv.DictReader(metrics) if row.get("planner/measured_step_s")]
+    assert len(rows) == 1
+    assert float(rows[0]["planner/measured_step_s"]) == pytest.approx(checks[0].measured_s)
+    assert float(rows[0]["planner/predicted_step_s"]) == pytest.approx(checks[0].predicted_s)
 
 
 def _plan_only_rank(rank: int, world_size: int, sequence_parallel: bool = False, sequence: int = SEQ) -> dict:

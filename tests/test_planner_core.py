@@ -10,6 +10,7 @@ import pytest
 
 from lightning_merak.strategies.planner import (
     COMPONENTS,
+    BatchClock,
     BlockTimes,
     CollectiveCost,
     Layout,
@@ -17,6 +18,7 @@ from lightning_merak.strategies.planner import (
     ModelProfile,
     NetworkProfile,
     SearchSpace,
+    StepTimeCheck,
     candidate_layouts,
     fit_collective_cost,
     plan,
@@ -563,3 +565,29 @@ def test_a_profile_with_loss_times_needs_every_micro_batch_size():
         plan(search, profile, SLOW)
     with pytest.raises(ValueError, match="loss_times"):
         dataclasses.replace(profile, loss_times={8: (-1.0, 0.1)})
+
+
+def test_batch_clock_leaves_out_warm_up_batches_and_intervals_across_a_pause():
+    clock = BatchClock(warmup=1, batches=3)
+    for start in (0.0, 5.0, 6.0, 8.0):  # batch 0 (warm-up) takes 5 s, then 1 s and 2 s
+        clock.batch_started(start)
+    clock.pause()  # validation between batch 2 and batch 3
+    clock.batch_started(100.0)
+    assert not clock.ready and clock.durations_s == [1.0, 2.0]
+    clock.batch_started(104.0)
+    clock.batch_started(200.0)  # the clock has stopped
+    assert clock.ready and clock.durations_s == [1.0, 2.0, 4.0] and clock.median_s() == 2.0
+
+
+def test_batch_clock_refuses_a_bad_window_and_an_empty_median():
+    with pytest.raises(ValueError, match="batches >= 1"):
+        BatchClock(warmup=0, batches=0)
+    with pytest.raises(ValueError, match="no batch yet"):
+        BatchClock(warmup=0, batches=1).median_s()
+
+
+def test_step_time_check_signs_an_optimistic_prediction_negative_and_flags_large_errors():
+    close = StepTimeCheck(predicted_s=0.9, measured_s=1.0, batches=5)
+    assert close.error == pytest.approx(-0.1) and not close.suspect
+    assert "prediction -10%" in close.describe()
+    assert StepTimeCheck(predicted_s=0.5, measured_s=1.0, batches=5).suspect

@@ -24,8 +24,9 @@ import copy
 import functools
 import math
 import sys
-from pathlib import Path
+import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
@@ -35,7 +36,7 @@ from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -69,6 +70,8 @@ MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")
 RECOMPUTE_MODES = ("none", "full", "stage_aware", "auto")
 PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
 PLANNER_REPEATS = 11
+STEP_CHECK_WARMUP, STEP_CHECK_BATCHES = 2, 5
+"""A planned run compares the median of batches 3–7 with the prediction (the first ones build and warm up)."""
 """Timed repeats per profiled quantity (median). With 5, three planning runs on 2 shared cores
 predicted the same layouts up to 25% apart; with 11, within about 8%."""
 Degree = Union[int, Literal["auto"]]
@@ -251,6 +254,10 @@ class Merak3DStrategy(ParallelStrategy):
         self.memory_limit = memory_limit
         self.plan_only = plan_only
         self.layout_plan: Optional[Any] = None
+        self.step_time_check: Optional[Any] = None
+        """A planned run's measured step next to its prediction, once its first batches ran (:class:`StepTimeCheck`)."""
+        self._predicted_step_s: Optional[float] = None
+        self._batch_clock: Optional[Any] = None
         self.last_gradient_norm: Optional[float] = None
         """Total gradient norm (all stages, shards and experts) before the last clipping."""
         self._expert_prefixes: dict[str, tuple[int, int]] = {}
@@ -549,6 +556,7 @@ class Merak3DStrategy(ParallelStrategy):
             raise ValueError(f"no planned layout matches the fixed degrees {self._degrees}; set more of them to 'auto'")
         best = allowed[0]
         self.layout_plan = result
+        self._predicted_step_s = best.step_time_s
         layout = best.layout
         self._degrees = {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp}
         if layout.pp > 1:
@@ -663,8 +671,45 @@ class Merak3DStrategy(ParallelStrategy):
 
     def on_train_start(self) -> None:
         """Modules built during the sanity check were left in eval mode by the check's restore."""
+        from lightning_merak.strategies.planner import BatchClock
+
         if self._built:
             self.lightning_module.model.train()
+        if self._predicted_step_s is not None and self.step_time_check is None:
+            self._batch_clock = BatchClock(STEP_CHECK_WARMUP, STEP_CHECK_BATCHES)
+
+    def on_validation_start(self) -> None:
+        if self._batch_clock is not None:
+            self._batch_clock.pause()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        clock = self._batch_clock
+        if clock is None:
+            return
+        clock.batch_started(time.perf_counter())
+        if clock.ready:
+            self._batch_clock = None
+            self._check_step_time(clock)
+
+    def _check_step_time(self, clock: Any) -> None:
+        """Log the slowest rank's median step next to the plan's prediction; warn when they disagree."""
+        from lightning_merak.strategies.planner import StepTimeCheck
+
+        slowest = torch.tensor(clock.median_s(), dtype=torch.float64, device=self.root_device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        assert self._predicted_step_s is not None
+        check = StepTimeCheck(self._predicted_step_s, float(slowest), len(clock.durations_s))
+        self.step_time_check = check
+        rank_zero_info(check.describe())
+        if check.suspect:
+            rank_zero_warn(
+                f"the planner's predicted step is {100 * check.error:+.0f}% off the measured one, so layouts it "
+                "ranked close to this one may be faster; fix the degrees, or plan again on a quieter machine"
+            )
+        trainer = self.lightning_module.trainer
+        for logger in trainer.loggers:
+            logger.log_metrics({"planner/predicted_step_s": check.predicted_s,
+                                "planner/measured_step_s": check.measured_s}, step=trainer.global_step)
 
     @property
     def pipeline_rank(self) -> int:

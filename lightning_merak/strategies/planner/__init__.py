@@ -24,9 +24,11 @@ from lightning_merak.strategies.planner.search import (
     plan,
     required_profile_keys,
 )
+from lightning_merak.strategies.planner.step_check import BatchClock, StepTimeCheck
 
 __all__ = [
     "COMPONENTS",
+    "BatchClock",
     "BlockTimes",
     "CollectiveCost",
     "Layout",
@@ -38,6 +40,7 @@ __all__ = [
     "Prediction",
     "ProfileKeys",
     "SearchSpace",
+    "StepTimeCheck",
     "candidate_layouts",
     "fit_collective_cost",
     "micro_batch_samples",
