@@ -21,6 +21,12 @@ MODELS = {
     "llama": ModelConfig(name="llama", model_type="llama", config={
         "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
         "num_key_value_heads": 2, "tie_word_embeddings": False}),
+    "qwen3": ModelConfig(name="qwen3", model_type="qwen3", config={
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8, "tie_word_embeddings": False}),
+    "falcon": ModelConfig(name="falcon", model_type="falcon", config={
+        "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_dropout": 0.0,
+        "attention_dropout": 0.0}),
     "gpt2_dropout": ModelConfig(name="gpt2", model_type="gpt2", config={"n_embd": 32, "n_layer": 4, "n_head": 4}),
     "gpt2": ModelConfig(name="gpt2", model_type="gpt2", config={
         "n_embd": 32, "n_layer": 4, "n_head": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),

@@ -60,6 +60,8 @@ from lightning_merak.strategies.tensor_parallel import (
     apply_tensor_parallel,
     check_tensor_parallel_degree,
     find_tensor_parallel_plan,
+    region_partial_parameters,
+    verify_tensor_parallel_plan,
 )
 
 __all__ = ["Merak3DStrategy"]
@@ -277,7 +279,8 @@ class Merak3DStrategy(ParallelStrategy):
         self._layout_changes: dict[str, LayoutChange] = {}
         self._pending_optimizer_states: list[dict[str, Any]] = []
         self._local_blocks: dict[int, nn.Module] = {}
-        self._sequence_partial: list[nn.Parameter] = []
+        self._tensor_partial: list[nn.Parameter] = []
+        """Unsplit parameters of split blocks that see only this rank's heads or tokens: gradients summed over tp."""
         self.partition: Optional[Any] = None
         self.num_nodes = 1
 
@@ -522,6 +525,7 @@ class Merak3DStrategy(ParallelStrategy):
             tp_degrees = tuple(d for d in range(1, self.num_processes + 1)
                                if world % d == 0 and _divides_model(config, d)
                                and not (self.sequence_parallel and sequence % d))
+        tp_degrees = self._splittable_degrees(model, inputs, tp_degrees)
         num_blocks = len(find_trunk(model)[1])
         fixed_pp = self._degrees["pp"] if self._degrees["pp"] != "auto" else None
         ratios = {"none": (0.0,), "full": (1.0,), "stage_aware": (self.recompute_ratio,),
@@ -577,6 +581,36 @@ class Merak3DStrategy(ParallelStrategy):
         lines.append(f"merak3d planner: {len(allowed)} layouts ranked, {len(result.rejected)} rejected for memory")
         rank_zero_info("\n".join(lines))
 
+    def _splittable_degrees(self, model: nn.Module, inputs: torch.Tensor, degrees: tuple[int, ...]) -> tuple[int, ...]:
+        """The degrees at which a split block computes what the whole block does; the planner searches only those.
+
+        A degree the user fixed that fails is an error; an automatic one is left out and logged.
+        """
+        from lightning_merak.strategies.layout_profiler import tensor_parallel_mesh
+
+        if all(degree == 1 for degree in degrees):
+            return degrees
+        trace = trace_model(model, inputs[:1], _call_model, profile=False)
+        block = model.get_submodule(trace.trunk_path)[0]
+        try:
+            plan: Optional[TensorParallelPlan] = self._tensor_parallel_plan(block, trace)
+            unsplittable = None
+        except ValueError as error:
+            plan, unsplittable = None, str(error)
+        kept = []
+        for degree in degrees:
+            problem = None
+            if degree > 1:
+                problem = unsplittable if plan is None else self._split_block_problem(
+                    block, trace, plan, tensor_parallel_mesh(self.root_device, degree))
+            if problem is None:
+                kept.append(degree)
+            elif self._degrees["tp"] != "auto":
+                raise ValueError(f"tensor_parallel={degree}: {problem}")
+            else:
+                rank_zero_info(f"merak3d planner: leaves out tensor_parallel={degree}: {problem}")
+        return tuple(kept)
+
     def _default_memory_limit(self) -> float:
         if self.root_device.type == "cuda":
             return 0.9 * torch.cuda.mem_get_info(self.root_device)[1]
@@ -627,6 +661,10 @@ class Merak3DStrategy(ParallelStrategy):
         trace = trace_model(model, micro, _call_model, profile=pp > 1)
         trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
         plan = self._tensor_parallel_plan(trunk[0], trace) if tp > 1 else None
+        if plan is not None:
+            problem = self._split_block_problem(trunk[0], trace, plan, self.device_mesh["tp"])
+            if problem is not None:
+                raise ValueError(f"tensor_parallel={tp}: {problem}")
         sequence_plan = self._sequence_parallel_plan(trunk[0], trace, plan) if sequence_parallel else None
         if pp > 1:
             num_stages = pp * self.virtual_stages
@@ -762,6 +800,19 @@ class Merak3DStrategy(ParallelStrategy):
         for index, block in blocks.items():
             changes = apply_tensor_parallel(block, plan, mesh, sequence_plan)
             self._layout_changes.update({f"{trace.trunk_path}.{index}.{name}": c for name, c in changes.items()})
+            self._tensor_partial.extend(region_partial_parameters(block, plan))
+
+    def _split_block_problem(self, block: nn.Module, trace: ModelTrace, plan: TensorParallelPlan,
+                             mesh: DeviceMesh) -> Optional[str]:
+        """Why ``block`` split by ``plan`` over ``mesh`` would not compute the whole block, or None (rank 0's verdict)."""
+        args, kwargs = trace.block_arguments(trace.sample_side_tensors)
+        try:
+            verify_tensor_parallel_plan(block, plan, mesh, lambda module, hidden: trace.hidden_of(
+                module(hidden, *args, **kwargs)), trace.sample_hidden)
+            problem = None
+        except ValueError as error:
+            problem = str(error)
+        return self.broadcast(problem, src=0)
 
     def _split_sequence(self, blocks: dict[int, nn.Module], segments: list[list[int]], trace: ModelTrace) -> None:
         """Each run of consecutive local blocks (one per stage) works on sequence slices."""
@@ -769,7 +820,7 @@ class Merak3DStrategy(ParallelStrategy):
         for indices in segments:
             if indices:
                 split_sequence_between(blocks[indices[0]], blocks[indices[-1]], group, trace.block_output_index)
-        self._sequence_partial = sequence_partial_parameters(list(blocks.values()))
+        self._tensor_partial = sequence_partial_parameters(list(blocks.values()))
 
     def _wrap_recompute(self, blocks: list[nn.Module]) -> None:
         if self.recompute == "none" or not blocks:
@@ -936,7 +987,7 @@ class Merak3DStrategy(ParallelStrategy):
         ]
 
     def _synchronize_gradients(self) -> None:
-        partial = [_local(p.grad) for p in self._sequence_partial if p.grad is not None]
+        partial = [_local(p.grad) for p in self._tensor_partial if p.grad is not None]
         if partial:
             average_gradients(partial, self.device_mesh["tp"].get_group(), replicas=1)
         for group, param, _ in self._tied_groups:

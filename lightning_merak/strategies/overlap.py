@@ -323,6 +323,17 @@ def record_communication() -> Iterator[CommunicationTrace]:
         _trace = previous
 
 
+@contextlib.contextmanager
+def unrecorded_communication() -> Iterator[None]:
+    """Leave the collectives issued inside out of an enclosing :func:`record_communication` (setup checks)."""
+    global _trace
+    previous, _trace = _trace, None
+    try:
+        yield
+    finally:
+        _trace = previous
+
+
 # Collectives --------------------------------------------------------------------------------
 
 

@@ -27,9 +27,10 @@ own q, k and v heads, and the attention's ``split_size`` is divided accordingly.
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -39,7 +40,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from lightning_merak.strategies.overlap import all_reduce_in_turn
+from lightning_merak.strategies.overlap import all_reduce_in_turn, unrecorded_communication
 from lightning_merak.strategies.rank_random import install_rank_streams
 from lightning_merak.strategies.sequence_parallel import (
     SequenceParallelPlan,
@@ -56,6 +57,8 @@ __all__ = [
     "apply_tensor_parallel",
     "check_tensor_parallel_degree",
     "find_tensor_parallel_plan",
+    "region_partial_parameters",
+    "verify_tensor_parallel_plan",
 ]
 
 _HEAD_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head")
@@ -83,6 +86,9 @@ class TensorParallelPlan:
     row: list[str]
     fused_qkv: list[str]
     column_groups: list[list[str]]
+    in_region: list[str] = field(default_factory=list)
+    """Other modules with parameters that run between a column group and its row partner (a per-head
+    q/k norm): they see only this rank's heads, so their gradients are partial sums over the ranks."""
 
 
 def _is_fused_qkv(block: nn.Module, name: str) -> bool:
@@ -94,14 +100,22 @@ def _is_fused_qkv(block: nn.Module, name: str) -> bool:
 
 
 def find_tensor_parallel_plan(block: nn.Module, run_block: Callable[[], Any], hidden_size: int) -> TensorParallelPlan:
-    """Record ``run_block()`` (one forward of ``block``) and pair its linear layers."""
+    """Record ``run_block()`` (one forward of ``block``) and pair its linear layers.
+
+    Modules with parameters that start between a column group's first layer and its row
+    partner are listed in ``in_region``; one that also runs outside such a span is refused,
+    since its gradient would be partly a per-rank share and partly whole.
+    """
     calls: list[tuple[str, int, torch.Tensor]] = []
+    starts: list[str] = []
     handles = []
     for name, module in block.named_modules():
         if isinstance(module, nn.Linear) or _is_conv1d(module):
             handles.append(module.register_forward_hook(
                 lambda mod, args, out, name=name: calls.append((name, args[0].data_ptr(), out))
             ))
+        if name and next(module.parameters(recurse=False), None) is not None:
+            handles.append(module.register_forward_pre_hook(lambda mod, args, name=name: starts.append(name)))
     try:
         with torch.no_grad():
             run_block()
@@ -128,7 +142,34 @@ def find_tensor_parallel_plan(block: nn.Module, run_block: Callable[[], Any], hi
             group, group_input = [], None
         elif in_features == hidden_size:
             group, group_input = [name], input_ptr
-    return TensorParallelPlan(column=column, row=row, fused_qkv=fused, column_groups=groups)
+    return TensorParallelPlan(column=column, row=row, fused_qkv=fused, column_groups=groups,
+                              in_region=_modules_in_regions(starts, groups, row))
+
+
+def _modules_in_regions(starts: list[str], groups: list[list[str]], rows: list[str]) -> list[str]:
+    """Modules (not split layers) whose calls in ``starts`` fall inside a column → row span."""
+    split = {name for group in groups for name in group} | set(rows)
+    inside: list[str] = []
+    outside: set[str] = set()
+    spans = []
+    for group, row in zip(groups, rows):
+        first = min(starts.index(name) for name in group)
+        spans.append((first, first + starts[first:].index(row)))
+    for position, name in enumerate(starts):
+        if name in split:
+            continue
+        if any(first < position < end for first, end in spans):
+            if name not in inside:
+                inside.append(name)
+        else:
+            outside.add(name)
+    mixed = [name for name in inside if name in outside]
+    if mixed:
+        raise ValueError(
+            f"{', '.join(mixed)} run both inside and outside the span from a column layer to its row partner, so "
+            "tensor parallelism cannot tell whether their gradients are per-rank shares; use tensor_parallel=1"
+        )
+    return inside
 
 
 def check_tensor_parallel_degree(config: Any, tensor_parallel: int) -> None:
@@ -336,3 +377,75 @@ def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: Devi
     install_rank_streams(block, plan.column_groups, plan.row, mesh.get_local_rank(),
                          whole_block=sequence_parallel is not None)
     return changes
+
+
+def region_partial_parameters(block: nn.Module, plan: TensorParallelPlan) -> list[nn.Parameter]:
+    """Trainable parameters of ``plan.in_region`` modules: the strategy sums their gradients over the group."""
+    return [param for name in plan.in_region for param in block.get_submodule(name).parameters(recurse=False)
+            if param.requires_grad]
+
+
+_FIT_HINT = ("use tensor_parallel=1 for this model. Blocks split automatically need heads that stay independent "
+             "between a column layer and its row partner (no norm over the whole projection, no per-head "
+             "parameter outside the split layers) and fused q/k/v projections laid out as [q | k | v]")
+
+
+def verify_tensor_parallel_plan(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh,
+                                run_block: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+                                hidden: torch.Tensor) -> None:
+    """Split a copy of ``block`` over ``mesh`` and check it computes what the whole block does.
+
+    One forward and backward (dropout off) of both copies on ``hidden``: the output, the
+    input gradient and every parameter gradient (shards gathered, in-region parameters
+    summed over the group) must agree, or a ValueError names what differs and the fix.
+    Every rank of ``mesh`` must call this together, with the same ``hidden``. Its collectives
+    are left out of :func:`~lightning_merak.strategies.overlap.record_communication`.
+    """
+    with unrecorded_communication():
+        _verify_split(block, plan, mesh, run_block, hidden)
+
+
+def _verify_split(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh,
+                  run_block: Callable[[nn.Module, torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> None:
+    whole, split = copy.deepcopy(block).eval(), copy.deepcopy(block).eval()
+    changes = apply_tensor_parallel(split, plan, mesh)
+    direction = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(0)).to(hidden)
+    results = []
+    for module in (whole, split):
+        inputs = hidden.detach().clone().requires_grad_(True)
+        try:
+            output = run_block(module, inputs)
+            output.backward(direction)
+        except RuntimeError as error:
+            raise ValueError(f"{type(block).__name__} does not run split over {mesh.size()} ranks "
+                             f"({str(error).splitlines()[0]}); {_FIT_HINT}") from error
+        results.append((output.detach(), inputs.grad))
+    group = mesh.get_group()
+    for param in region_partial_parameters(split, plan):
+        if param.grad is not None:
+            dist.all_reduce(param.grad, group=group)
+    expected = {"output": results[0][0], "input gradient": results[0][1]}
+    actual = {"output": results[1][0], "input gradient": results[1][1]}
+    for name, param in whole.named_parameters():
+        if param.grad is not None:
+            expected[f"{name} gradient"] = param.grad
+    for name, param in split.named_parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+        actual[f"{name} gradient"] = changes[name].to_original(grad) if name in changes else grad
+    tolerance = 1e-3 if hidden.dtype == torch.float32 else 5e-2
+    largest = max(float(t.float().norm()) for t in expected.values())
+    wrong = []
+    for name, reference in expected.items():
+        value = actual.get(name)
+        if value is None or value.shape != reference.shape:
+            wrong.append(f"{name} (missing)")
+            continue
+        error = float((value.float() - reference.float()).norm())
+        if error > tolerance * max(float(reference.float().norm()), 1e-3 * largest):
+            wrong.append(f"{name} (relative error {error / max(float(reference.float().norm()), 1e-30):.1e})")
+    if wrong:
+        raise ValueError(f"{type(block).__name__} split over {mesh.size()} ranks does not compute what the whole "
+                         f"block does: {', '.join(wrong[:6])}{' …' if len(wrong) > 6 else ''}; {_FIT_HINT}")

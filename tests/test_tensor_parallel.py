@@ -1,0 +1,131 @@
+"""Automatic tensor parallelism beyond the pairing of linear layers: partial gradients inside split
+spans (per-head q/k norms) and the numerical check of a split block against the whole one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_merak.strategies.tensor_parallel import find_tensor_parallel_plan, verify_tensor_parallel_plan
+from lightning_merak.testing import assert_traces_match, run_distributed
+from lightning_merak.testing.distributed import DistributedRunError
+from tests.test_merak3d import _merge, _reference, _train_rank
+
+HIDDEN, HEADS = 16, 4
+
+
+class _Attention(nn.Module):
+    """Heads normalised per head (as Qwen3's q/k norms) or over the whole projection (``whole_width_norm``)."""
+
+    def __init__(self, whole_width_norm: bool = False, norm_outside_too: bool = False) -> None:
+        super().__init__()
+        self.num_heads = HEADS
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(HIDDEN, HIDDEN) for _ in range(3))
+        self.o_proj = nn.Linear(HIDDEN, HIDDEN)
+        self.q_norm = nn.LayerNorm(HIDDEN // HEADS)
+        self.whole_width_norm, self.norm_outside_too = whole_width_norm, norm_outside_too
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        if self.norm_outside_too:
+            x = self.q_norm(x.unflatten(-1, (-1, HIDDEN // HEADS))).flatten(-2)
+        q = self.q_proj(x)
+        heads = (batch, length, self.num_heads, -1)
+        if self.whole_width_norm:  # as OLMo2, without weights
+            q = (q * torch.rsqrt(q.square().mean(-1, keepdim=True) + 1e-6)).view(heads).transpose(1, 2)
+        else:
+            q = self.q_norm(q.view(heads)).transpose(1, 2)
+        k, v = (layer(x).view(heads).transpose(1, 2) for layer in (self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class _Block(nn.Module):
+    def __init__(self, **attention: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.attention = _Attention(**attention)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attention(self.norm(x))
+
+
+def _hidden() -> torch.Tensor:
+    return torch.randn(2, 6, HIDDEN, generator=torch.Generator().manual_seed(0))
+
+
+def test_modules_between_a_column_layer_and_its_row_partner_are_listed():
+    torch.manual_seed(0)
+    block, hidden = _Block(), _hidden()
+    plan = find_tensor_parallel_plan(block, lambda: block(hidden), HIDDEN)
+    assert plan.column_groups == [["attention.q_proj", "attention.k_proj", "attention.v_proj"]]
+    assert plan.row == ["attention.o_proj"] and plan.in_region == ["attention.q_norm"]
+
+
+def test_a_module_running_inside_and_outside_a_split_span_is_refused():
+    torch.manual_seed(0)
+    block, hidden = _Block(norm_outside_too=True), _hidden()
+    with pytest.raises(ValueError, match="attention.q_norm run both inside and outside.*tensor_parallel=1"):
+        find_tensor_parallel_plan(block, lambda: block(hidden), HIDDEN)
+
+
+def _verify_rank(rank: int, world_size: int) -> dict[str, str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    verdicts = {}
+    for name, options in (("per_head", {}), ("whole_width", {"whole_width_norm": True})):
+        torch.manual_seed(0)
+        block, hidden = _Block(**options), _hidden()
+        plan = find_tensor_parallel_plan(block, lambda: block(hidden), HIDDEN)
+        try:
+            verify_tensor_parallel_plan(block, plan, mesh, lambda module, x: module(x), hidden)
+            verdicts[name] = "verified"
+        except ValueError as error:
+            verdicts[name] = str(error)
+    return verdicts
+
+
+def test_a_split_block_is_checked_against_the_whole_block():
+    """Per-head norms split exactly (their gradients summed over the ranks); a norm over the whole
+    projection would silently compute something else on half of it, and is refused with the fix."""
+    for verdicts in run_distributed(_verify_rank, 2, timeout_s=120):
+        assert verdicts["per_head"] == "verified"
+        assert "does not compute what the whole block does: output" in verdicts["whole_width"]
+        assert "use tensor_parallel=1" in verdicts["whole_width"]
+
+
+@pytest.mark.parametrize("layout", [
+    {"data_parallel": 1, "pipeline_parallel": 1, "tensor_parallel": 2},
+    {"data_parallel": 1, "pipeline_parallel": 1, "tensor_parallel": 2, "tp_overlap": 2, "sequence_parallel": True},
+], ids=["tp2", "tp2-k2-sequence-parallel"])
+def test_qwen3_per_head_norms_train_split_like_a_single_process(layout):
+    """Qwen3 normalises q and k per head between the split projections: the norms' gradients are
+    summed over the tensor-parallel ranks (without that they were off by 74%)."""
+    results = run_distributed(_train_rank, 2, args=("qwen3", layout), timeout_s=300)
+    assert_traces_match(_reference("qwen3"), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
+
+
+def test_a_model_that_does_not_split_is_refused_before_training_and_left_out_by_the_planner():
+    """Falcon's fused multi-query projection is not [q | k | v]: a fixed tensor_parallel=2 fails at the
+    first batch with the fix; the planner searches tensor_parallel=1 only."""
+    with pytest.raises(DistributedRunError, match="tensor_parallel=2: FalconDecoderLayer does not run split"):
+        run_distributed(_train_rank, 2, args=("falcon", {"data_parallel": 1, "tensor_parallel": 2}), timeout_s=300)
+    planned = run_distributed(_plan_only_rank, 2, args=("falcon",), timeout_s=300)
+    assert {layout.tp for layout in planned[0]} == {1}
+
+
+def _plan_only_rank(rank: int, world_size: int, model_name: str) -> list:
+    import lightning.pytorch as pl
+
+    from lightning_merak.strategies.merak3d import Merak3DStrategy
+    from tests.test_merak3d import STEPS, _module, _ShardedData
+
+    strategy = Merak3DStrategy(pipeline_parallel="auto", tensor_parallel="auto", plan_only=True, timeout_s=120)
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False)
+    trainer.fit(_module(model_name), datamodule=_ShardedData(0, STEPS))
+    return [prediction.layout for prediction in strategy.layout_plan.ranked]
