@@ -47,6 +47,7 @@ from lightning_merak.strategies.overlap import SubBatchForward, collective_repla
 from lightning_merak.strategies.pipeline.schedules import ScheduleShiftedCriticalPath, shifted_schedule_available
 from lightning_merak.strategies.pipeline.stage import RankStages, build_stage_module, tied_parameter_names
 from lightning_merak.strategies.pipeline.trace import ModelTrace, find_trunk, trace_model
+from lightning_merak.strategies.planner.step_check import BatchClock, StepTimeCheck
 from lightning_merak.strategies.sequence_parallel import (
     SequenceParallelPlan,
     check_sequence_length,
@@ -72,10 +73,10 @@ MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")
 RECOMPUTE_MODES = ("none", "full", "stage_aware", "auto")
 PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
 PLANNER_REPEATS = 11
-STEP_CHECK_WARMUP, STEP_CHECK_BATCHES = 2, 5
-"""A planned run compares the median of batches 3–7 with the prediction (the first ones build and warm up)."""
 """Timed repeats per profiled quantity (median). With 5, three planning runs on 2 shared cores
 predicted the same layouts up to 25% apart; with 11, within about 8%."""
+STEP_CHECK_WARMUP, STEP_CHECK_BATCHES = 2, 5
+"""A planned run compares the median of batches 3–7 with the prediction (the first ones build and warm up)."""
 Degree = Union[int, Literal["auto"]]
 
 
@@ -256,10 +257,10 @@ class Merak3DStrategy(ParallelStrategy):
         self.memory_limit = memory_limit
         self.plan_only = plan_only
         self.layout_plan: Optional[Any] = None
-        self.step_time_check: Optional[Any] = None
-        """A planned run's measured step next to its prediction, once its first batches ran (:class:`StepTimeCheck`)."""
+        self.step_time_check: Optional[StepTimeCheck] = None
+        """A planned run's measured step next to its prediction, once its first batches ran."""
         self._predicted_step_s: Optional[float] = None
-        self._batch_clock: Optional[Any] = None
+        self._batch_clock: Optional[BatchClock] = None
         self.last_gradient_norm: Optional[float] = None
         """Total gradient norm (all stages, shards and experts) before the last clipping."""
         self._expert_prefixes: dict[str, tuple[int, int]] = {}
@@ -709,8 +710,6 @@ class Merak3DStrategy(ParallelStrategy):
 
     def on_train_start(self) -> None:
         """Modules built during the sanity check were left in eval mode by the check's restore."""
-        from lightning_merak.strategies.planner import BatchClock
-
         if self._built:
             self.lightning_module.model.train()
         if self._predicted_step_s is not None and self.step_time_check is None:
@@ -729,10 +728,8 @@ class Merak3DStrategy(ParallelStrategy):
             self._batch_clock = None
             self._check_step_time(clock)
 
-    def _check_step_time(self, clock: Any) -> None:
+    def _check_step_time(self, clock: BatchClock) -> None:
         """Log the slowest rank's median step next to the plan's prediction; warn when they disagree."""
-        from lightning_merak.strategies.planner import StepTimeCheck
-
         slowest = torch.tensor(clock.median_s(), dtype=torch.float64, device=self.root_device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         assert self._predicted_step_s is not None
