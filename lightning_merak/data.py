@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -26,6 +26,7 @@ from lightning_merak.config import DataConfig
 __all__ = [
     "ByteTokenizer",
     "LanguageModelingData",
+    "ResumableDataLoader",
     "SyntheticLanguage",
     "load_text_documents",
     "load_tokenizer",
@@ -139,6 +140,61 @@ def _chunk(token_ids: list[int], seq_len: int) -> torch.Tensor:
     return torch.tensor(token_ids[:usable], dtype=torch.long).view(-1, seq_len)
 
 
+class ResumableDataLoader(DataLoader):
+    """A training loader that resumes in the middle of a pass where the interrupted run stopped.
+
+    Each pass over the data is numbered, and its shuffle order depends only on ``shuffle_seed``
+    and that number: the loader's generator is reseeded, and a distributed sampler gets the
+    number as its epoch. Lightning saves the loader's ``state_dict`` in checkpoints: the pass
+    and how many of its batches the loop has trained (``trained_batches()``). On restore the
+    run continues that pass (or starts the next one if it was done) and reads and drops the
+    batches already trained.
+
+    Passes follow the trainer's epoch (``epoch()``), shifted by what a restore found: Lightning
+    counts an epoch as done when ``max_steps`` stops it half-way, and it may open the loader
+    more than once for one epoch, so neither its epoch nor the number of passes opened alone
+    names the pass. Without a trainer (``epoch()`` is None) every opening is a new pass.
+    """
+
+    def __init__(self, *args: Any, epoch: Callable[[], Optional[int]], trained_batches: Callable[[], int],
+                 shuffle_seed: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.epoch, self.trained_batches, self.shuffle_seed = epoch, trained_batches, shuffle_seed
+        self._openings, self._current_pass = 0, 0
+        self._resume: Optional[tuple[int, int]] = None
+        self._epoch_shift: Optional[int] = None
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pass": self._current_pass, "batches": self.trained_batches()}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        finished = state["batches"] >= len(self)
+        self._resume = (state["pass"] + finished, 0 if finished else state["batches"])
+        self._epoch_shift = None
+
+    def _pass_now(self) -> int:
+        epoch = self.epoch()
+        if epoch is None:
+            return self._resume[0] + self._openings if self._resume is not None else self._openings
+        if self._epoch_shift is None:
+            self._epoch_shift = self._resume[0] - epoch if self._resume is not None else 0
+        return epoch + self._epoch_shift
+
+    def __iter__(self) -> Iterator[Any]:
+        current = self._pass_now()
+        self._openings += 1
+        self._current_pass = current
+        if self.generator is not None:
+            self.generator.manual_seed(self.shuffle_seed + current)
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(current)
+        batches = super().__iter__()
+        if self._resume is not None and self._resume[0] == current:
+            for _ in range(self._resume[1]):
+                next(batches)
+        return batches
+
+
 class LanguageModelingData(pl.LightningDataModule):
     """Blocks of ``seq_len`` token ids for causal language modelling.
 
@@ -200,19 +256,23 @@ class LanguageModelingData(pl.LightningDataModule):
             self.train_set = TensorDataset(train_blocks)
             self.val_set = TensorDataset(val_blocks)
 
-    def _loader(self, dataset: Optional[Dataset], shuffle: bool) -> DataLoader:
-        assert dataset is not None, "setup() must run before the data loaders are requested"
-        return DataLoader(
-            dataset,
-            batch_size=self.config.batch_size,
-            shuffle=shuffle,
-            drop_last=shuffle,
-            num_workers=self.config.num_workers,
-            generator=torch.Generator().manual_seed(self.config.seed) if shuffle else None,
-        )
+    def _epoch(self) -> Optional[int]:
+        return None if self.trainer is None else self.trainer.current_epoch
+
+    def _trained_batches(self) -> int:
+        """Batches of the current epoch the fit loop has trained (0 outside a fit)."""
+        trainer = self.trainer
+        return 0 if trainer is None else trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        assert self.train_set is not None, "setup() must run before the data loaders are requested"
+        return ResumableDataLoader(
+            self.train_set, batch_size=self.config.batch_size, shuffle=True, drop_last=True,
+            num_workers=self.config.num_workers, generator=torch.Generator(),
+            epoch=self._epoch, trained_batches=self._trained_batches, shuffle_seed=self.config.seed,
+        )
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        assert self.val_set is not None, "setup() must run before the data loaders are requested"
+        return DataLoader(self.val_set, batch_size=self.config.batch_size, shuffle=False,
+                          num_workers=self.config.num_workers)

@@ -701,7 +701,11 @@ class Merak3DStrategy(ParallelStrategy):
         self._built = True
         trainer = module.trainer
         if trainer.state.fn == TrainerFn.FITTING:
+            # the schedulers Lightning restored from a checkpoint are replaced with the optimizers
+            scheduler_states = [config.scheduler.state_dict() for config in self.lr_scheduler_configs]
             self.setup_optimizers(trainer)
+            for config, state in zip(self.lr_scheduler_configs, scheduler_states, strict=True):
+                config.scheduler.load_state_dict(state)
             self.setup_precision_plugin()
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
             for optimizer, state in zip(self.optimizers, self._pending_optimizer_states):
