@@ -170,7 +170,7 @@ class ResumableDataLoader(DataLoader):
     def load_state_dict(self, state: dict[str, int]) -> None:
         finished = state["batches"] >= len(self)
         self._resume = (state["pass"] + finished, 0 if finished else state["batches"])
-        self._epoch_shift = None
+        self._epoch_shift, self._openings = None, 0
 
     def _pass_now(self) -> int:
         epoch = self.epoch()

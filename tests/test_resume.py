@@ -81,3 +81,17 @@ def test_data_parallel_ranks_resume_mid_epoch_with_their_learning_rate_schedule(
     warm-up + cosine schedule continues from the checkpoint (it restarted from step 0 before)."""
     for result in run_distributed(_interrupted_rank, 2, args=(strategy_name, str(tmp_path)), timeout_s=300):
         assert result["resumed"] == pytest.approx(result["straight"][3:], rel=1e-6)
+
+
+def test_outside_a_trainer_a_restored_loader_continues_its_pass():
+    data = LanguageModelingData(DataConfig(name="synthetic", seq_len=8, batch_size=2, vocab_size=32,
+                                           num_sequences=24))
+    data.setup("fit")
+    first = data.train_dataloader()
+    passes = [[batch.clone() for (batch,) in first] for _ in range(2)]
+    restored = data.train_dataloader()
+    restored.load_state_dict({"pass": 1, "batches": 3})
+    continued = [batch for (batch,) in restored]
+    assert len(continued) == len(passes[1]) - 3
+    assert all(torch.equal(a, b) for a, b in zip(continued, passes[1][3:]))
+    assert not torch.equal(passes[0][0], passes[1][0]), "each pass has its own order"
