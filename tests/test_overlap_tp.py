@@ -239,7 +239,8 @@ def test_planned_layout_trains_like_a_single_process_and_reports_its_real_step(t
     assert float(rows[0]["planner/predicted_step_s"]) == pytest.approx(checks[0].predicted_s)
 
 
-def _plan_only_rank(rank: int, world_size: int, sequence_parallel: bool = False, sequence: int = SEQ) -> dict:
+def _plan_only_rank(rank: int, world_size: int, sequence_parallel: bool = False, sequence: int = SEQ,
+                    model_name: str = "llama") -> dict:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -254,7 +255,7 @@ def _plan_only_rank(rank: int, world_size: int, sequence_parallel: bool = False,
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False)
-    trainer.fit(_module("llama"), datamodule=FirstTokens())
+    trainer.fit(_module(model_name), datamodule=FirstTokens())
     best = strategy.layout_plan.best
     return {"layout": best.layout, "steps": trainer.global_step, "built": strategy.layout_built,
             "layouts": [p.layout for p in strategy.layout_plan.ranked]}

@@ -12,6 +12,7 @@ from lightning_merak.strategies.tensor_parallel import find_tensor_parallel_plan
 from lightning_merak.testing import assert_traces_match, run_distributed
 from lightning_merak.testing.distributed import DistributedRunError
 from tests.test_merak3d import _merge, _reference, _train_rank
+from tests.test_overlap_tp import _plan_only_rank
 
 HIDDEN, HEADS = 16, 4
 
@@ -113,22 +114,8 @@ def test_a_model_that_does_not_split_is_refused_before_training_and_left_out_by_
     first batch with the fix; the planner searches tensor_parallel=1 only."""
     with pytest.raises(DistributedRunError, match="tensor_parallel=2: FalconDecoderLayer does not run split"):
         run_distributed(_train_rank, 2, args=("falcon", {"data_parallel": 1, "tensor_parallel": 2}), timeout_s=300)
-    planned = run_distributed(_plan_only_rank, 2, args=("falcon",), timeout_s=300)
-    assert {layout.tp for layout in planned[0]} == {1}
-
-
-def _plan_only_rank(rank: int, world_size: int, model_name: str) -> list:
-    import lightning.pytorch as pl
-
-    from lightning_merak.strategies.merak3d import Merak3DStrategy
-    from tests.test_merak3d import STEPS, _module, _ShardedData
-
-    strategy = Merak3DStrategy(pipeline_parallel="auto", tensor_parallel="auto", plan_only=True, timeout_s=120)
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         use_distributed_sampler=False)
-    trainer.fit(_module(model_name), datamodule=_ShardedData(0, STEPS))
-    return [prediction.layout for prediction in strategy.layout_plan.ranked]
+    planned = run_distributed(_plan_only_rank, 2, kwargs={"model_name": "falcon"}, timeout_s=300)
+    assert {layout.tp for layout in planned[0]["layouts"]} == {1}
 
 
 SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4}

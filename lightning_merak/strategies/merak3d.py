@@ -260,6 +260,8 @@ class Merak3DStrategy(ParallelStrategy):
         self.step_time_check: Optional[StepTimeCheck] = None
         """A planned run's measured step next to its prediction, once its first batches ran."""
         self._predicted_step_s: Optional[float] = None
+        self._verified_tp_degrees: set[int] = set()
+        """Tensor-parallel degrees whose split was already checked against the whole block (while planning)."""
         self._batch_clock: Optional[BatchClock] = None
         self.last_gradient_norm: Optional[float] = None
         """Total gradient norm (all stages, shards and experts) before the last clipping."""
@@ -606,6 +608,7 @@ class Merak3DStrategy(ParallelStrategy):
                     block, trace, plan, tensor_parallel_mesh(self.root_device, degree))
             if problem is None:
                 kept.append(degree)
+                self._verified_tp_degrees.add(degree)
             elif self._degrees["tp"] != "auto":
                 raise ValueError(f"tensor_parallel={degree}: {problem}")
             else:
@@ -662,7 +665,7 @@ class Merak3DStrategy(ParallelStrategy):
         trace = trace_model(model, micro, _call_model, profile=pp > 1)
         trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
         plan = self._tensor_parallel_plan(trunk[0], trace) if tp > 1 else None
-        if plan is not None:
+        if plan is not None and tp not in self._verified_tp_degrees:
             problem = self._split_block_problem(trunk[0], trace, plan, self.device_mesh["tp"])
             if problem is not None:
                 raise ValueError(f"tensor_parallel={tp}: {problem}")
@@ -801,7 +804,11 @@ class Merak3DStrategy(ParallelStrategy):
         for index, block in blocks.items():
             changes = apply_tensor_parallel(block, plan, mesh, sequence_plan)
             self._layout_changes.update({f"{trace.trunk_path}.{index}.{name}": c for name, c in changes.items()})
-            self._tensor_partial.extend(region_partial_parameters(block, plan))
+        # sequence-split blocks see only their tokens everywhere; plain TP blocks only their heads inside a region
+        if sequence_plan is not None:
+            self._tensor_partial = sequence_partial_parameters(list(blocks.values()))
+        else:
+            self._tensor_partial = [param for block in blocks.values() for param in region_partial_parameters(block, plan)]
 
     def _split_block_problem(self, block: nn.Module, trace: ModelTrace, plan: TensorParallelPlan,
                              mesh: DeviceMesh) -> Optional[str]:
@@ -821,7 +828,6 @@ class Merak3DStrategy(ParallelStrategy):
         for indices in segments:
             if indices:
                 split_sequence_between(blocks[indices[0]], blocks[indices[-1]], group, trace.block_output_index)
-        self._tensor_partial = sequence_partial_parameters(list(blocks.values()))
 
     def _wrap_recompute(self, blocks: list[nn.Module]) -> None:
         if self.recompute == "none" or not blocks:
