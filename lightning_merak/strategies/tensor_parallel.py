@@ -106,13 +106,16 @@ def find_tensor_parallel_plan(block: nn.Module, run_block: Callable[[], Any], hi
     partner are listed in ``in_region``; one that also runs outside such a span is refused,
     since its gradient would be partly a per-rank share and partly whole.
     """
-    calls: list[tuple[str, int, torch.Tensor]] = []
+    # Each call keeps its input alive until pairing ends: a freed input's address can be reused by a
+    # later layer's input (OPT's fc2 reads the activation where fc1's input lay), and two layers reading
+    # one tensor are told apart from two reading different tensors only by their addresses.
+    calls: list[tuple[str, torch.Tensor]] = []
     starts: list[str] = []
     handles = []
     for name, module in block.named_modules():
         if isinstance(module, nn.Linear) or _is_conv1d(module):
-            handles.append(module.register_forward_hook(
-                lambda mod, args, out, name=name: calls.append((name, args[0].data_ptr(), out))
+            handles.append(module.register_forward_pre_hook(
+                lambda mod, args, name=name: calls.append((name, args[0]))
             ))
         if name and next(module.parameters(recurse=False), None) is not None:
             handles.append(module.register_forward_pre_hook(lambda mod, args, name=name: starts.append(name)))
@@ -128,7 +131,8 @@ def find_tensor_parallel_plan(block: nn.Module, run_block: Callable[[], Any], hi
     groups: list[list[str]] = []
     group: list[str] = []
     group_input: int | None = None
-    for name, input_ptr, _ in calls:
+    for name, inputs in calls:
+        input_ptr = inputs.data_ptr()
         layer = block.get_submodule(name)
         in_features, out_features = _features(layer)
         if group and input_ptr == group_input:
@@ -443,9 +447,9 @@ def _verify_split(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh,
         if value is None or value.shape != reference.shape:
             wrong.append(f"{name} (missing)")
             continue
-        error = float((value.float() - reference.float()).norm())
-        if error > tolerance * max(float(reference.float().norm()), 1e-3 * largest):
-            wrong.append(f"{name} (relative error {error / max(float(reference.float().norm()), 1e-30):.1e})")
+        error, size = float((value.float() - reference.float()).norm()), float(reference.float().norm())
+        if error > tolerance * max(size, 1e-3 * largest):
+            wrong.append(f"{name} (relative error {error / max(size, 1e-30):.1e})")
     if wrong:
         raise ValueError(f"{type(block).__name__} split over {mesh.size()} ranks does not compute what the whole "
                          f"block does: {', '.join(wrong[:6])}{' …' if len(wrong) > 6 else ''}; {_FIT_HINT}")
