@@ -179,7 +179,8 @@ def test_single_stage_prediction_matches_hand_computation():
     plain = predict(Layout(1, 1, 2, 1, 1, 0.0), profile, two_ranks, search)
     assert plain.step_time_s == pytest.approx(8.7 + 13.45 + 0.6)
     assert plain.components == pytest.approx(
-        {"compute": 13.75, "exposed_tp_comm": 8.4, "pipeline_bubble": 0.0, "dp_allreduce": 0.0, "optimizer": 0.6}
+        {"compute": 13.75, "exposed_tp_comm": 8.4, "pipeline_bubble": 0.0, "dp_allreduce": 0.0, "grad_clip": 0.0,
+             "optimizer": 0.6}
     )
     assert plain.memory_bytes == pytest.approx(4 * 60 + 2 * 1000)
     # Full recompute replays the block's compute (1 + 2 s), not its collectives, and keeps only
@@ -527,6 +528,34 @@ def test_block_optimizer_time_is_counted_per_block():
     per_block = dataclasses.replace(profile, block_optimizer_s={2: 0.5})
     optimizer = predict(layout, per_block, SLOW, search).components["optimizer"]
     assert optimizer == pytest.approx(4 * 0.5 + profile.optimizer_s_per_parameter_byte * 600_000_000)
+
+
+def test_gradient_clipping_is_counted_when_the_run_clips():
+    profile, network_ = synthetic_model(num_blocks=4), SLOW
+    clipping = dataclasses.replace(profile, block_clip_s={tp: 0.25 / tp for tp in TP_DEGREES},
+                                   clip_s_per_parameter_byte=1e-10)
+    layout = Layout(1, 2, 2, 4, 1, 0.0)
+    search = space(world_size=4, global_batch_size=8)
+    without = predict(layout, clipping, network_, search)
+    assert without.components["grad_clip"] == 0.0
+    clipped = predict(layout, clipping, network_, dataclasses.replace(search, clip_gradients=True))
+    # the slowest stage's passes (its blocks at 0.125 s, embedding or head by the byte) and a scalar
+    # all-reduce over each of the pipeline and tensor-parallel groups
+    scalar_s = 2 * network_.all_reduce_s(8, 2)
+    stage_passes = [blocks * 0.125 + 1e-10 * 300_000_000 for blocks in range(5)]
+    assert clipped.components["grad_clip"] - scalar_s == pytest.approx(max(stage_passes), rel=0.5)
+    assert clipped.components["grad_clip"] > scalar_s + 2 * 0.125
+    assert clipped.step_time_s == pytest.approx(without.step_time_s + clipped.components["grad_clip"])
+    assert sum(clipped.components.values()) == pytest.approx(clipped.step_time_s)
+    with pytest.raises(ValueError, match=r"block_clip_s\[1\].*profile them first"):
+        plan(dataclasses.replace(search, clip_gradients=True), profile, network_)
+
+
+def test_clipping_needs_the_pipeline_groups_all_reduce_cost():
+    # an odd batch leaves no data-parallel layout: only pp=2 uses a group of two ranks
+    search = space(world_size=2, global_batch_size=3, tp_degrees_allowed=(1,), max_pipeline_stages=2)
+    assert required_profile_keys(search).all_reduce_group_sizes == frozenset()
+    assert required_profile_keys(dataclasses.replace(search, clip_gradients=True)).all_reduce_group_sizes == {2}
 
 
 def test_required_keys_list_the_real_blocks_to_measure():

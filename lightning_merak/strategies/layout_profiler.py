@@ -5,8 +5,8 @@ core): it times one transformer block split as tensor parallelism would split it
 shard, no communication) at every sub-batch size the search needs, with the block's time
 cut at the points where its collectives go; the embedding and head from a profiled trace;
 all-reduce and point-to-point latency and bandwidth over real process groups, and the
-data-parallel gradient synchronisation as the runtime performs it; the optimizer step over
-one block's parameters. With a process group, real tensor-parallel blocks (sharded layers,
+data-parallel gradient synchronisation as the runtime performs it; the optimizer step and
+gradient clipping's passes over one block's parameters. With a process group, real tensor-parallel blocks (sharded layers,
 their collectives, ``tp_overlap`` sub-batch turns) are timed too, as the runtime will run
 them. Every rank measures at once (as they would compute during training) and rank 0's
 figures are used everywhere, so every rank plans the same layout.
@@ -15,6 +15,7 @@ figures are used everywhere, so every rank plans the same layout.
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from typing import Any, Callable, Iterable, Optional
@@ -23,10 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from lightning_merak.models import logits_of
 from lightning_merak.strategies.pipeline.trace import ModelTrace, trace_model
-from lightning_merak.strategies.merak3d import average_gradients
+from lightning_merak.strategies.merak3d import average_gradients, scale_gradients, squared_norm
 from lightning_merak.strategies.overlap import SubBatchForward
 from lightning_merak.strategies.sequence_parallel import SequenceParallelPlan, split_sequence_between
 from lightning_merak.strategies.planner import (
@@ -180,15 +182,35 @@ def _forward_backward_times(run: nn.Module, hidden: torch.Tensor, args: tuple, k
     return statistics.median(forward), statistics.median(backward)
 
 
-def _block_optimizer_s(block: nn.Module, optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                       repeats: int) -> float:
-    """One optimizer step over ``block``'s parameters (plain or sharded), gradients already present."""
-    parameters = [p for p in block.parameters() if p.requires_grad]
+def _with_gradients(module: nn.Module) -> list[nn.Parameter]:
+    """``module``'s trainable parameters, each given a gradient of ones where it has none."""
+    parameters = [p for p in module.parameters() if p.requires_grad]
     for parameter in parameters:
         if parameter.grad is None:
             parameter.grad = torch.ones_like(parameter)
+    return parameters
+
+
+def _optimizer_step_s(parameters: list[nn.Parameter],
+                      optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], repeats: int) -> float:
+    """One optimizer step over ``parameters`` (plain or sharded), gradients already present."""
     optimizer = optimizer_factory(parameters)
     return median_call_time(optimizer.step, repeats)
+
+
+def _clip_passes_s(parameters: list[nn.Parameter], repeats: int) -> float:
+    """Clipping by norm over ``parameters``' gradients without its all-reduce: the norm's pass and the scaling pass.
+
+    The coefficient is always below 1, as when clipping takes effect, and shrinks the
+    gradients slowly enough that no repeat meets subnormal numbers.
+    """
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters]
+    device = grads[0].device if grads else torch.device("cpu")
+
+    def clip() -> None:
+        scale_gradients(grads, 1.0 / (math.sqrt(squared_norm(grads, device).item()) + 1.0))
+
+    return median_call_time(clip, repeats)
 
 
 def _sharded_copy(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh,
@@ -243,15 +265,18 @@ def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dic
     return measured
 
 
-def _block_optimizer_times(block: nn.Module, plan: TensorParallelPlan, keys: ProfileKeys,
-                           optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                           meshes: dict[int, DeviceMesh], repeats: int) -> dict[int, float]:
-    """Optimizer step over one block's parameters per tp: real shards where ``meshes`` has the tp, local shards else."""
-    times = {}
+def _block_update_times(block: nn.Module, plan: TensorParallelPlan, keys: ProfileKeys,
+                        optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                        meshes: dict[int, DeviceMesh], repeats: int) -> tuple[dict[int, float], dict[int, float]]:
+    """Optimizer step and clipping passes over one block's parameters per tp: real shards where ``meshes`` has
+    the tp, local shards else."""
+    optimizer_s, clip_s = {}, {}
     for tp in sorted(keys.tp_degrees | {1}):
         sharded = _sharded_copy(block, plan, meshes[tp]) if tp in meshes else local_shard_of_block(block, plan, tp)
-        times[tp] = _block_optimizer_s(sharded, optimizer_factory, repeats)
-    return times
+        parameters = _with_gradients(sharded)
+        clip_s[tp] = _clip_passes_s(parameters, repeats)
+        optimizer_s[tp] = _optimizer_step_s(parameters, optimizer_factory, repeats)
+    return optimizer_s, clip_s
 
 
 class _Loss(nn.Module):
@@ -330,10 +355,12 @@ def profile_model(
         optimizer.step()
 
     optimizer_s = median_call_time(optimizer_step, repeats)
+    clip_s = _clip_passes_s(scratch, repeats)
     # one mesh per tensor-parallel degree (creating one is collective), shared by both measurements
     meshes = ({tp: tensor_parallel_mesh(process_group_device, tp) for tp in sorted(keys.tp_degrees) if tp > 1}
               if real_blocks else {})
     sequence_plan = sequence_plan_of(block, largest, plan) if sequence_plan_of is not None and meshes else None
+    block_optimizer_s, block_clip_s = _block_update_times(block, plan, keys, optimizer_factory, meshes, repeats)
     measured = _measure_real_blocks(block, plan, traces, keys, meshes, repeats, max_blocks=min(len(trunk), 4),
                                     sequence_plan=sequence_plan)
     return ModelProfile(
@@ -349,7 +376,9 @@ def profile_model(
         block_sequence_split_bytes_per_sample=sequence_split_bytes,
         optimizer_s_per_parameter_byte=optimizer_s / max(1, parameter_bytes[1]),
         measured_blocks=measured,
-        block_optimizer_s=_block_optimizer_times(block, plan, keys, optimizer_factory, meshes, repeats),
+        block_optimizer_s=block_optimizer_s,
+        block_clip_s=block_clip_s,
+        clip_s_per_parameter_byte=clip_s / max(1, parameter_bytes[1]),
         loss_times={samples: _loss_times(model, sample_inputs, call_model, loss_of, samples, repeats)
                     for samples in sorted(keys.loss_samples)} if loss_of is not None else {},
     )

@@ -129,6 +129,25 @@ def average_gradients(grads: list[torch.Tensor], group: dist.ProcessGroup, repli
         offset += grad.numel()
 
 
+def squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of the squares of ``grads``, accumulated in float64 so every layout sums to the same norm.
+
+    ``vector_norm`` with a float64 ``dtype`` converts inside the reduction; squaring a float64
+    copy of each gradient (``grad.double().pow(2).sum()``) gives the same figure several times
+    slower, since it writes two gradient-sized temporaries per tensor.
+    """
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for grad in grads:
+        squares += torch.linalg.vector_norm(grad, dtype=torch.float64).square()
+    return squares
+
+
+def scale_gradients(grads: list[torch.Tensor], coefficient: float) -> None:
+    """Multiply ``grads`` in place by ``coefficient`` (clipping's second pass)."""
+    for grad in grads:
+        grad.mul_(coefficient)
+
+
 def _moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every MoE layer in ``model`` (none unless the MoE plugin was imported)."""
     moe_layer = sys.modules.get("lightning_merak.plugins.moe.layer")
@@ -540,6 +559,7 @@ class Merak3DStrategy(ParallelStrategy):
             overlap_choices=(1, 2, 4) if self.tp_overlap == "auto" else (self.tp_overlap,),
             recompute_ratios=ratios, memory_limit_bytes=self.memory_limit or self._default_memory_limit(),
             sequence_parallel=self.sequence_parallel,
+            clip_gradients=bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (None, "norm"),
         )
         keys = required_profile_keys(space, num_blocks)
         optimizer = self.optimizers[0] if self.optimizers else None
@@ -1015,8 +1035,8 @@ class Merak3DStrategy(ParallelStrategy):
         """
         duplicated = {id(param) for _, param, is_first in self._tied_groups if not is_first}
         tp_rank = self.device_mesh["tp"].get_local_rank()
-        grads, squares = [], torch.zeros((), dtype=torch.float64, device=self.root_device)
-        expert_squares: dict[str, torch.Tensor] = {}
+        grads, counted = [], []
+        expert_grads: dict[str, list[torch.Tensor]] = {}
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if param.grad is None:
@@ -1029,23 +1049,21 @@ class Merak3DStrategy(ParallelStrategy):
                 if id(param) in duplicated or (replicated and tp_rank != 0):
                     continue
                 if getattr(param, "allreduce", True) is False:
-                    name = getattr(param, "group_name", None)
-                    if name not in expert_squares:
-                        expert_squares[name] = torch.zeros((), dtype=torch.float64, device=self.root_device)
-                    expert_squares[name] += grad.double().pow(2).sum()
+                    expert_grads.setdefault(getattr(param, "group_name", None), []).append(grad)
                 else:
-                    squares += grad.double().pow(2).sum()
-        for name in sorted(expert_squares, key=str):
-            dist.all_reduce(expert_squares[name], group=_expert_parallel_group(name))
-            squares += expert_squares[name]
+                    counted.append(grad)
+        squares = squared_norm(counted, self.root_device)
+        for name in sorted(expert_grads, key=str):
+            expert_squares = squared_norm(expert_grads[name], self.root_device)
+            dist.all_reduce(expert_squares, group=_expert_parallel_group(name))
+            squares += expert_squares
         for dim in ("pp", "tp"):
             if self.device_mesh[dim].size() > 1:
                 dist.all_reduce(squares, group=self.device_mesh[dim].get_group())
         self.last_gradient_norm = math.sqrt(squares.item())
         coefficient = float(clip_val) / (self.last_gradient_norm + 1e-6)
         if coefficient < 1.0:
-            for grad in grads:
-                grad.mul_(coefficient)
+            scale_gradients(grads, coefficient)
 
     # Checkpoints ------------------------------------------------------------------------
     # Once the layout is built, a checkpoint is a directory written with torch distributed

@@ -38,7 +38,7 @@ from lightning_merak.callbacks.sparse_comm.cost_model import NetworkModel
 from lightning_merak.callbacks.sparse_comm.embrace import ShardedEmbedding, shard_embeddings, tied_head_names
 from lightning_merak.callbacks.sparse_comm.s2_hook import AUTO, S2Reducer, s2_comm_hook
 from lightning_merak.callbacks.sparse_comm.sketch import CountSketch
-from lightning_merak.strategies.merak3d import Merak3DStrategy
+from lightning_merak.strategies.merak3d import Merak3DStrategy, scale_gradients, squared_norm
 from lightning_merak.strategies.pipeline.stage import RankStages, tied_parameter_names
 
 log = logging.getLogger(__name__)
@@ -320,19 +320,12 @@ class SparseCommunication(pl.Callback):
 
         def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
             parameters = [p for group_ in optimizer.param_groups for p in group_["params"] if p.grad is not None]
-            replicated_sq = torch.zeros((), dtype=torch.float64)
-            sharded_sq = torch.zeros(1, dtype=torch.float64)
-            for parameter in parameters:
-                square = parameter.grad.detach().double().norm() ** 2
-                if id(parameter) in shards:
-                    sharded_sq += square
-                else:
-                    replicated_sq += square
+            device = parameters[0].grad.device if parameters else torch.device("cpu")
+            replicated_sq = squared_norm([p.grad.detach() for p in parameters if id(p) not in shards], device)
+            sharded_sq = squared_norm([p.grad.detach() for p in parameters if id(p) in shards], device)
             dist.all_reduce(sharded_sq, group=group)
             total = math.sqrt(replicated_sq.item() + sharded_sq.item())
-            scale = min(1.0, clip_val / (total + _CLIP_EPSILON))
-            for parameter in parameters:
-                parameter.grad.mul_(scale)
+            scale_gradients([p.grad for p in parameters], min(1.0, clip_val / (total + _CLIP_EPSILON)))
 
         precision.clip_grad_by_norm = clip_grad_by_norm
 

@@ -23,7 +23,7 @@ from lightning_merak.strategies.pipeline import (
 from lightning_merak.strategies.planner.overlap import OverlapResult, simulate_overlapped_chain
 from lightning_merak.strategies.planner.profile import MeasuredBlocks, ModelProfile, NetworkProfile, SearchSpace
 
-COMPONENTS = ("compute", "exposed_tp_comm", "pipeline_bubble", "dp_allreduce", "optimizer")
+COMPONENTS = ("compute", "exposed_tp_comm", "pipeline_bubble", "dp_allreduce", "grad_clip", "optimizer")
 """The parts a predicted step time is split into; they add up to the step time."""
 
 
@@ -232,6 +232,16 @@ def _optimizer_s(layout: Layout, profile: ModelProfile, stage: _Stage, parameter
     return stage.num_blocks * per_block + profile.optimizer_s_per_parameter_byte * outside_blocks
 
 
+def _clip_s(layout: Layout, profile: ModelProfile, network: NetworkProfile, stage: _Stage,
+            parameter_bytes: int) -> float:
+    """Clipping by the global norm on one stage: the passes over its gradients, and the norm's scalar all-reduces."""
+    outside_blocks = parameter_bytes - stage.num_blocks * profile.block_parameter_bytes_at(layout.tp)
+    passes_s = (stage.num_blocks * profile.block_clip_s_at(layout.tp)
+                + profile.clip_s_per_parameter_byte * outside_blocks)
+    scalar_bytes = 8
+    return passes_s + network.all_reduce_s(scalar_bytes, layout.pp) + network.all_reduce_s(scalar_bytes, layout.tp)
+
+
 def _check_against_space(layout: Layout, profile: ModelProfile, space: SearchSpace) -> None:
     if layout.dp * layout.pp * layout.tp != space.world_size:
         raise ValueError(
@@ -246,7 +256,7 @@ def _check_against_space(layout: Layout, profile: ModelProfile, space: SearchSpa
 
 
 def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile, space: SearchSpace) -> Prediction:
-    """Step time (pipeline iteration + data-parallel gradient all-reduce + optimizer) and peak memory per rank.
+    """Step time (pipeline iteration + data-parallel gradient all-reduce + clipping + optimizer) and peak memory per rank.
 
     Where the profile holds measured real tensor-parallel blocks for the layout, they replace
     the simulated chain (the simulated compute stays the "compute" component, the rest is
@@ -325,6 +335,7 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         after_pipeline_s.append(
             (
                 network.gradient_sync_s(parameter_bytes, layout.dp),
+                _clip_s(layout, model_profile, network, stage, parameter_bytes) if space.clip_gradients else 0.0,
                 _optimizer_s(layout, model_profile, stage, parameter_bytes),
             )
         )
@@ -333,7 +344,7 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     iteration_s = _iteration_s(tuple(forward_s), tuple(backward_s), layout.micro_batches, space.schedule, p2p_s)
     busiest = max(range(len(stages)), key=lambda stage: (forward_s[stage] + backward_s[stage], -stage))
     slowest_update = max(range(len(stages)), key=lambda stage: (sum(after_pipeline_s[stage]), -stage))
-    dp_allreduce_s, optimizer_s = after_pipeline_s[slowest_update]
+    dp_allreduce_s, clip_s, optimizer_s = after_pipeline_s[slowest_update]
     components = {
         "compute": layout.micro_batches * compute_s[busiest],
         "exposed_tp_comm": layout.micro_batches * exposed_s[busiest],
@@ -341,12 +352,13 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
             0.0, iteration_s - layout.micro_batches * (forward_s[busiest] + backward_s[busiest])
         ),
         "dp_allreduce": dp_allreduce_s,
+        "grad_clip": clip_s,
         "optimizer": optimizer_s,
     }
     peak_bytes = max(memory_bytes)
     return Prediction(
         layout=layout,
-        step_time_s=iteration_s + dp_allreduce_s + optimizer_s,
+        step_time_s=iteration_s + dp_allreduce_s + clip_s + optimizer_s,
         samples_per_step=samples * layout.micro_batches * layout.dp,
         memory_bytes=peak_bytes,
         components=components,

@@ -195,7 +195,10 @@ class ModelProfile:
     it, such as one written by hand, predicts no loss cost). ``block_sequence_split_bytes_per_sample``
     by tp is the part of the activation bytes saved outside the split layers (norms, residuals,
     the column layers' inputs): sequence parallelism splits it over tp (a profile without it
-    prices sequence parallelism's memory as plain tensor parallelism's).
+    prices sequence parallelism's memory as plain tensor parallelism's). Gradient clipping by
+    norm (read only when the search space clips) takes ``block_clip_s`` by tp over one block's
+    (sharded) gradients and ``clip_s_per_parameter_byte`` over the rest: the norm's pass and the
+    scaling pass, as when clipping takes effect.
     """
 
     num_blocks: int
@@ -213,6 +216,8 @@ class ModelProfile:
     block_optimizer_s: dict[int, float] = field(default_factory=dict)
     loss_times: dict[int, tuple[float, float]] = field(default_factory=dict)
     block_sequence_split_bytes_per_sample: dict[int, int] = field(default_factory=dict)
+    block_clip_s: dict[int, float] = field(default_factory=dict)
+    clip_s_per_parameter_byte: float = 0.0
 
     def __post_init__(self) -> None:
         _check_positive("ModelProfile", num_blocks=self.num_blocks)
@@ -223,6 +228,7 @@ class ModelProfile:
             suffix_parameter_bytes=self.suffix_parameter_bytes,
             optimizer_s_per_parameter_byte=self.optimizer_s_per_parameter_byte,
             bytes_per_parameter_state=self.bytes_per_parameter_state,
+            clip_s_per_parameter_byte=self.clip_s_per_parameter_byte,
         )
         for name in ("prefix_times", "suffix_times", "loss_times"):
             for samples, times in getattr(self, name).items():
@@ -245,6 +251,9 @@ class ModelProfile:
         if not self.loss_times:
             return 0.0, 0.0
         return _lookup(self.loss_times, samples, "loss_times", "samples")
+
+    def block_clip_s_at(self, tp: int) -> float:
+        return _lookup(self.block_clip_s, tp, "block_clip_s", "tp")
 
     def block_parameter_bytes_at(self, tp: int) -> int:
         return _lookup(self.block_parameter_bytes, tp, "block_parameter_bytes", "tp")
@@ -283,6 +292,9 @@ class SearchSpace:
     a single-stage layout only takes 0 ("none") or 1 ("full"). ``memory_limit_bytes=None``
     means no limit. ``sequence_parallel`` runs every tensor-parallel layout sequence-parallel
     (less activation memory; its time comes from the profile, which must then be taken so).
+    ``clip_gradients`` counts clipping by the global gradient norm in every step (as Lightning's
+    ``gradient_clip_val`` with the "norm" algorithm): its passes over the gradients and a scalar
+    all-reduce over the pipeline and the tensor-parallel groups.
 
     The batch is either ``global_batch_size`` (samples per step, split over the data-parallel
     replicas) or ``replica_batch_size`` (samples each replica trains on per step, as a
@@ -301,6 +313,7 @@ class SearchSpace:
     schedule: str = "1f1b"
     replica_batch_size: int | None = None
     sequence_parallel: bool = False
+    clip_gradients: bool = False
 
     def __post_init__(self) -> None:
         if (self.global_batch_size is None) == (self.replica_batch_size is None):

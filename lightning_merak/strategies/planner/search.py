@@ -90,6 +90,8 @@ def required_profile_keys(space: SearchSpace, num_blocks: int | None = None) -> 
         loss_samples.add(samples)
         tp_degrees.add(layout.tp)
         group_sizes.update(size for size in (layout.tp, layout.dp) if size > 1)
+        if space.clip_gradients and layout.pp > 1:
+            group_sizes.add(layout.pp)
         if layout.tp > 1:
             measured.add((layout.tp, layout.overlap, samples))
     return ProfileKeys(
@@ -98,7 +100,8 @@ def required_profile_keys(space: SearchSpace, num_blocks: int | None = None) -> 
     )
 
 
-def _missing_entries(keys: ProfileKeys, model_profile: ModelProfile, network: NetworkProfile) -> list[str]:
+def _missing_entries(keys: ProfileKeys, model_profile: ModelProfile, network: NetworkProfile,
+                     clip_gradients: bool) -> list[str]:
     needed = [
         ("block_times", keys.block_times, model_profile.block_times),
         ("prefix_times", keys.prefix_suffix_samples, model_profile.prefix_times),
@@ -109,6 +112,8 @@ def _missing_entries(keys: ProfileKeys, model_profile: ModelProfile, network: Ne
     ]
     if model_profile.loss_times:  # optional, but a profile that timed the loss must have every size
         needed.append(("loss_times", keys.loss_samples, model_profile.loss_times))
+    if clip_gradients:
+        needed.append(("block_clip_s", keys.tp_degrees, model_profile.block_clip_s))
     return [f"{name}[{key}]" for name, wanted, present in needed for key in sorted(wanted - present.keys())]
 
 
@@ -164,7 +169,8 @@ def plan(space: SearchSpace, model_profile: ModelProfile, network: NetworkProfil
             f"tp_degrees_allowed={space.tp_degrees_allowed}, max_pipeline_stages={space.max_pipeline_stages}; "
             "allow more degrees, micro-batch or overlap choices, or a batch divisible by the data-parallel degree"
         )
-    missing = _missing_entries(required_profile_keys(space, model_profile.num_blocks), model_profile, network)
+    missing = _missing_entries(required_profile_keys(space, model_profile.num_blocks), model_profile, network,
+                               space.clip_gradients)
     if missing:
         raise ValueError(f"the profiles lack entries the search needs: {', '.join(missing)}; profile them first")
 
