@@ -7,14 +7,22 @@ Run from the repo root::
 Each round plans once (``plan_only=True`` with ``pipeline_parallel``, ``tensor_parallel`` and
 ``tp_overlap`` on ``"auto"``: the planner profiles this machine inside 2 gloo ranks and returns
 its prediction for every layout of its grid), then trains every layout of the grid for a few
-steps with the layout fixed, in fresh ranks (one torch thread each). A layout's measured step
-time is the median over rounds of its median step (slowest rank, warm-up excluded); its
-predicted step time is the median over rounds of the planner's prediction. Planning in every
-round puts a profile into each stretch of time the measurements come from: on a shared
-machine whose speed drifts by 10–20% over minutes, one profile taken at the start predicts
-the machine of that moment, not the one the later measurements ran on.
+steps in fresh ranks (one torch thread each). A layout's measured step time is the median over
+rounds of its median step (slowest rank, warm-up excluded); its predicted step time is the
+median over rounds of the planner's prediction. Planning in every round puts a profile into
+each stretch of time the measurements come from: on a shared machine whose speed drifts by
+10–20% over minutes, one profile taken at the start predicts the machine of that moment, not
+the one the later measurements ran on.
 
-* prediction error = predicted / measured − 1 per layout (target |error| ≤ 10%);
+Each training run is also planned by itself, the way a user's run with ``"auto"`` is: its
+data-parallel, pipeline, micro-batch and overlap degrees are fixed and ``tensor_parallel`` is
+``"auto"`` (the only layout left), so the planner profiles the machine seconds before that
+layout trains and predicts it. The *paired* error compares that prediction with the same
+run's steps: the cost model's error without the drift between a round's profile and its
+later measurements.
+
+* prediction error = predicted / measured − 1 per layout (target |error| ≤ 10%), from the
+  round's plan and, paired, from the run's own plan (median over rounds);
 * regret = measured time per sample of the planner's pick (the layout ranked first by the
   median predictions) / the best measured − 1 (target ≤ 5%). Each data-parallel replica
   trains on the dataloader's batch, so layouts with more replicas train more samples per
@@ -32,7 +40,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -106,7 +114,11 @@ def _run_rank(rank: int, world_size: int, merak: dict[str, Any], steps: int) -> 
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[timer],
     )
     trainer.fit(module, datamodule=_ReplicaData(WORKLOAD, steps))
-    result: dict[str, Any] = {"step_s": timer.step_s}
+    result: dict[str, Any] = {"step_s": timer.step_s, "layout": {
+        "dp": strategy.data_parallel, "pp": strategy.pipeline_parallel, "tp": strategy.tensor_parallel,
+        "micro_batches": strategy.micro_batches, "overlap": strategy.tp_overlap}}
+    if strategy.layout_choice is not None:
+        result["predicted_step_s"] = strategy.layout_choice.step_time_s
     if strategy.layout_plan is not None and rank == 0:
         result["predictions"] = [
             {"layout": {"dp": p.layout.dp, "pp": p.layout.pp, "tp": p.layout.tp,
@@ -124,8 +136,16 @@ def _plan(mode: Mode) -> list[dict[str, Any]]:
     return ranks[0]["predictions"]
 
 
-def _measure(layout: dict[str, Any], mode: Mode) -> float | str:
-    merak = {"data_parallel": layout["dp"], "pipeline_parallel": layout["pp"], "tensor_parallel": layout["tp"],
+class Measured(NamedTuple):
+    """One training run of a layout: its median step and the prediction of the run's own plan."""
+
+    step_s: float
+    predicted_s: float
+
+
+def _measure(layout: dict[str, Any], mode: Mode) -> Measured | str:
+    """Train ``layout``, planned by its own run (only ``tensor_parallel`` is ``"auto"``, and one layout is left)."""
+    merak = {"data_parallel": layout["dp"], "pipeline_parallel": layout["pp"], "tensor_parallel": "auto",
              "tp_overlap": layout["overlap"]}
     if layout["pp"] > 1:
         merak["micro_batches"] = layout["micro_batches"]
@@ -134,16 +154,19 @@ def _measure(layout: dict[str, Any], mode: Mode) -> float | str:
                                 threads_per_rank=1)
     except DistributedRunError as error:
         return str(error).strip().splitlines()[-1]
+    if ranks[0]["layout"] != layout:
+        raise RuntimeError(f"the run planned {ranks[0]['layout']} instead of {layout}")
     slowest = [max(steps) for steps in zip(*(rank["step_s"] for rank in ranks))]
-    return statistics.median(slowest[mode.warmup:] or slowest)
+    return Measured(statistics.median(slowest[mode.warmup:] or slowest), ranks[0]["predicted_step_s"])
 
 
-def combine_rounds(plans: list[list[dict[str, Any]]], measured: list[list[float | str]]) -> list[dict[str, Any]]:
+def combine_rounds(plans: list[list[dict[str, Any]]], measured: list[list[Measured | str]]) -> list[dict[str, Any]]:
     """One row per layout from every round's predictions and measurements, ranked by median predicted time per sample.
 
-    ``plans[r]`` is round r's prediction list (any order); ``measured[r][i]`` is round r's step
-    time of ``plans[0][i]``'s layout, or the error text of a failed run. The components shown
-    are those of the round whose prediction is the median one.
+    ``plans[r]`` is round r's prediction list (any order); ``measured[r][i]`` is round r's run
+    of ``plans[0][i]``'s layout, or the error text of a failed run. The components shown are
+    those of the round whose prediction is the median one. The paired error is the median over
+    rounds of each run's own prediction against its own steps.
     """
     keys = [_layout_key(p["layout"]) for p in plans[0]]
     by_round = [{_layout_key(p["layout"]): p for p in plan} for plan in plans]
@@ -157,14 +180,17 @@ def combine_rounds(plans: list[list[dict[str, Any]]], measured: list[list[float 
         middle = predictions[(len(predictions) - 1) // 2]
         runs = [round_runs[index] for round_runs in measured]
         failures = [run for run in runs if isinstance(run, str)]
-        step = failures[0] if failures else statistics.median(runs)
+        done = [run for run in runs if isinstance(run, Measured)]
+        step = failures[0] if failures else statistics.median(run.step_s for run in done)
         row = {"layout": key, "samples": middle["samples"],
                "predicted_s": statistics.median(p["step_s"] for p in predictions), "measured_s": step,
                "predicted_rounds_s": [plan[key]["step_s"] for plan in by_round],
-               "measured_rounds_s": [run for run in runs if isinstance(run, float)],
+               "measured_rounds_s": [run.step_s for run in done],
+               "paired_predicted_rounds_s": [run.predicted_s for run in done],
                "predicted_components_s": middle["components"]}
         if isinstance(step, float):
             row["error"] = row["predicted_s"] / step - 1.0
+            row["paired_error"] = statistics.median(run.predicted_s / run.step_s - 1.0 for run in done)
             row["measured_per_sample_ms"] = 1e3 * step / row["samples"]
         rows.append(row)
     return sorted(rows, key=lambda row: row["predicted_s"] / row["samples"])
@@ -180,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"planner benchmark: {WORKLOAD.describe()} per replica, {WORLD_SIZE} gloo ranks "
           f"({'quick' if args.quick else 'full'}, {mode.rounds} round{'s' * (mode.rounds > 1)})", flush=True)
     plans: list[list[dict[str, Any]]] = []
-    measured: list[list[float | str]] = []
+    measured: list[list[Measured | str]] = []
     for round_index in range(mode.rounds):
         plans.append(_plan(mode))
         print(f"  round {round_index + 1}/{mode.rounds}: planned {len(plans[-1])} layouts, picked "
@@ -191,9 +217,10 @@ def main(argv: list[str] | None = None) -> int:
             key = _layout_key(reference["layout"])
             value = _measure(reference["layout"], mode)
             measured[-1].append(value)
-            print(f"  round {round_index + 1}/{mode.rounds} {key}: predicted "
-                  f"{by_key[key]['step_s'] * 1e3:.0f} ms, measured "
-                  f"{f'{value * 1e3:.0f}' if isinstance(value, float) else value} ms", flush=True)
+            outcome = (f"measured {value.step_s * 1e3:.0f} ms (its own plan predicted {value.predicted_s * 1e3:.0f} ms)"
+                       if isinstance(value, Measured) else f"failed: {value}")
+            print(f"  round {round_index + 1}/{mode.rounds} {key}: predicted {by_key[key]['step_s'] * 1e3:.0f} ms, "
+                  f"{outcome}", flush=True)
     rows = combine_rounds(plans, measured)
     measured_rows = [row for row in rows if "error" in row]
     pick = rows[0]
@@ -205,22 +232,30 @@ def main(argv: list[str] | None = None) -> int:
         [{"layout": r["layout"], "samples/step": r["samples"], "predicted ms": round(r["predicted_s"] * 1e3, 1),
           "measured ms": round(r["measured_s"] * 1e3, 1) if "error" in r else r["measured_s"],
           "error": f"{100 * r['error']:+.1f}%" if "error" in r else "-",
+          "paired error": f"{100 * r['paired_error']:+.1f}%" if "error" in r else "-",
           "ms/sample": round(r["measured_per_sample_ms"], 2) if "error" in r else "-"} for r in rows],
     )
+    paired_errors = [abs(row["paired_error"]) for row in measured_rows]
     summary = {
         "mean_abs_error": statistics.mean(errors), "max_abs_error": max(errors),
+        "mean_abs_paired_error": statistics.mean(paired_errors), "max_abs_paired_error": max(paired_errors),
         "pick": pick["layout"], "picks_per_round": [_layout_key(plan[0]["layout"]) for plan in plans],
         "best_measured": best["layout"], "regret": regret,
         "error_target_met": max(errors) <= ERROR_TARGET,
+        "paired_error_target_met": max(paired_errors) <= ERROR_TARGET,
         "regret_target_met": regret is not None and regret <= REGRET_TARGET,
     }
     print(f"prediction error: mean {100 * summary['mean_abs_error']:.1f}%, max {100 * summary['max_abs_error']:.1f}% "
-          f"(target ≤ {100 * ERROR_TARGET:.0f}%: {'PASS' if summary['error_target_met'] else 'FAIL'})")
+          f"(target ≤ {100 * ERROR_TARGET:.0f}%: {'PASS' if summary['error_target_met'] else 'FAIL'}); "
+          f"paired with each run's own plan: mean {100 * summary['mean_abs_paired_error']:.1f}%, "
+          f"max {100 * summary['max_abs_paired_error']:.1f}% "
+          f"({'PASS' if summary['paired_error_target_met'] else 'FAIL'})")
     print(f"regret: pick {pick['layout']} vs best measured {best['layout']}: "
           f"{100 * regret:.1f}% (target ≤ {100 * REGRET_TARGET:.0f}%: "
           f"{'PASS' if summary['regret_target_met'] else 'FAIL'})" if regret is not None else "regret: pick failed")
     write_json(args.out, rows, "measured",
-               predictions="the planner's cost model from its own profile, one planning run per round",
+               predictions="the planner's cost model from its own profile: one planning run per round "
+                           "(error), and each training run's own plan (paired_error)",
                rounds=mode.rounds,
                workload=WORKLOAD.describe() + " per replica", world_size=WORLD_SIZE,
                mode="quick" if args.quick else "full", summary=summary, wall_s=time.perf_counter() - started)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.planner import combine_rounds
+from benchmarks.planner import Measured, combine_rounds
 
 
 def _prediction(dp: int, pp: int, tp: int, step_s: float, samples: int) -> dict:
@@ -19,7 +19,8 @@ def test_rows_take_median_predictions_and_measurements_and_rank_per_sample():
         [_prediction(1, 2, 1, 0.18, 8), _prediction(2, 1, 1, 0.24, 16)],
         [_prediction(2, 1, 1, 0.18, 16), _prediction(1, 2, 1, 0.14, 8)],
     ]
-    measured = [[0.22, 0.16], [0.25, 0.19], [0.19, 0.15]]
+    measured = [[Measured(0.22, 0.21), Measured(0.16, 0.16)], [Measured(0.25, 0.20), Measured(0.19, 0.17)],
+                [Measured(0.19, 0.20), Measured(0.15, 0.16)]]
     rows = combine_rounds(plans, measured)
     assert [row["layout"] for row in rows] == ["dp2 pp1 tp1 M1 k1", "dp1 pp2 tp1 M4 k1"]
     data_parallel, pipeline = rows
@@ -28,6 +29,9 @@ def test_rows_take_median_predictions_and_measurements_and_rank_per_sample():
     assert data_parallel["measured_s"] == pytest.approx(0.22)
     assert data_parallel["error"] == pytest.approx(0.20 / 0.22 - 1)
     assert data_parallel["measured_per_sample_ms"] == pytest.approx(1e3 * 0.22 / 16)
+    # each run against its own plan: -4.5%, -20%, +5.3% -> the median round
+    assert data_parallel["paired_error"] == pytest.approx(0.21 / 0.22 - 1)
+    assert data_parallel["paired_predicted_rounds_s"] == [0.21, 0.20, 0.20]
     assert pipeline["predicted_s"] == pytest.approx(0.15)
     assert pipeline["measured_rounds_s"] == [0.16, 0.19, 0.15]
     assert pipeline["predicted_components_s"] == {"compute": 0.15}
@@ -35,9 +39,11 @@ def test_rows_take_median_predictions_and_measurements_and_rank_per_sample():
 
 def test_a_failed_run_marks_the_layout_and_other_layouts_are_refused():
     plans = [[_prediction(2, 1, 1, 0.2, 16), _prediction(1, 1, 2, 0.3, 8)]] * 2
-    rows = combine_rounds(plans, [[0.2, 0.3], [0.21, "rank 1 ran out of memory"]])
+    rows = combine_rounds(plans, [[Measured(0.2, 0.2), Measured(0.3, 0.3)],
+                                  [Measured(0.21, 0.2), "rank 1 ran out of memory"]])
     failed = next(row for row in rows if row["layout"] == "dp1 pp1 tp2 M1 k1")
     assert failed["measured_s"] == "rank 1 ran out of memory" and "error" not in failed
     assert failed["measured_rounds_s"] == [0.3]
     with pytest.raises(ValueError, match="round 2 planned other layouts"):
-        combine_rounds([plans[0], [_prediction(2, 1, 1, 0.2, 16)]], [[0.2, 0.3], [0.2]])
+        combine_rounds([plans[0], [_prediction(2, 1, 1, 0.2, 16)]],
+                       [[Measured(0.2, 0.2), Measured(0.3, 0.3)], [Measured(0.2, 0.2)]])

@@ -179,7 +179,8 @@ class Merak3DStrategy(ParallelStrategy):
     ``"auto"``, the layout planner profiles this machine and model at setup (one batch of the
     training dataloader gives the shapes) and picks the layout with the least predicted time
     per sample that fits ``memory_limit``; it logs its choice, the runner-up and the predicted
-    step time (``layout_plan`` keeps the whole ranking). ``plan_only=True`` stops after that.
+    step time (``layout_plan`` keeps the whole ranking, ``layout_choice`` the chosen layout's
+    prediction, within the degrees fixed by the user). ``plan_only=True`` stops after that.
 
     Args:
         data_parallel: replicas of the model; ``"auto"`` takes what the other degrees leave.
@@ -276,9 +277,10 @@ class Merak3DStrategy(ParallelStrategy):
         self.memory_limit = memory_limit
         self.plan_only = plan_only
         self.layout_plan: Optional[Any] = None
+        self.layout_choice: Optional[Any] = None
+        """The planner's prediction for the layout this run adopted (a ``planner.Prediction``)."""
         self.step_time_check: Optional[StepTimeCheck] = None
         """A planned run's measured step next to its prediction, once its first batches ran."""
-        self._predicted_step_s: Optional[float] = None
         self._verified_tp_degrees: set[int] = set()
         """Tensor-parallel degrees whose split was already checked against the whole block (while planning)."""
         self._batch_clock: Optional[BatchClock] = None
@@ -583,7 +585,7 @@ class Merak3DStrategy(ParallelStrategy):
             raise ValueError(f"no planned layout matches the fixed degrees {self._degrees}; set more of them to 'auto'")
         best = allowed[0]
         self.layout_plan = result
-        self._predicted_step_s = best.step_time_s
+        self.layout_choice = best
         layout = best.layout
         self._degrees = {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp}
         if layout.pp > 1:
@@ -739,7 +741,7 @@ class Merak3DStrategy(ParallelStrategy):
         """Modules built during the sanity check were left in eval mode by the check's restore."""
         if self._built:
             self.lightning_module.model.train()
-        if self._predicted_step_s is not None and self.step_time_check is None:
+        if self.layout_choice is not None and self.step_time_check is None:
             self._batch_clock = BatchClock(STEP_CHECK_WARMUP, STEP_CHECK_BATCHES)
 
     def on_validation_start(self) -> None:
@@ -759,8 +761,8 @@ class Merak3DStrategy(ParallelStrategy):
         """Log the slowest rank's median step next to the plan's prediction; warn when they disagree."""
         slowest = torch.tensor(clock.median_s(), dtype=torch.float64, device=self.root_device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        assert self._predicted_step_s is not None
-        check = StepTimeCheck(self._predicted_step_s, float(slowest), len(clock.durations_s))
+        assert self.layout_choice is not None
+        check = StepTimeCheck(self.layout_choice.step_time_s, float(slowest), len(clock.durations_s))
         self.step_time_check = check
         rank_zero_info(check.describe())
         if check.suspect:
