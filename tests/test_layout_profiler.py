@@ -60,6 +60,7 @@ def test_profiler_measures_real_blocks_gradient_sync_and_optimizer_on_two_ranks(
     assert set(profile.block_optimizer_s) == {1, 2} and min(profile.block_optimizer_s.values()) > 0
     assert set(profile.block_clip_s) == {1, 2} and min(profile.block_clip_s.values()) > 0
     assert profile.clip_s_per_parameter_byte > 0
+    assert min(profile.prefix_update_s) > 0 and min(profile.suffix_update_s) > 0
     # norms, residuals and column inputs are saved outside the split layers; attention inside them
     for tp in (1, 2):
         assert 0 < profile.block_sequence_split_bytes_per_sample[tp] < profile.block_activation_bytes_per_sample[tp]

@@ -530,6 +530,22 @@ def test_block_optimizer_time_is_counted_per_block():
     assert optimizer == pytest.approx(4 * 0.5 + profile.optimizer_s_per_parameter_byte * 600_000_000)
 
 
+def test_embedding_and_head_updates_are_counted_as_measured():
+    profile, search = synthetic_model(num_blocks=4), space(world_size=2, global_batch_size=8)
+    per_block = dataclasses.replace(profile, block_optimizer_s={1: 0.5, 2: 0.25})
+    measured = dataclasses.replace(per_block, prefix_update_s=(3.0, 0.1), suffix_update_s=(5.0, 0.2))
+    single = Layout(2, 1, 1, 1, 1, 0.0)
+    assert predict(single, measured, SLOW, search).components["optimizer"] == pytest.approx(4 * 0.5 + 3.0 + 5.0)
+    # two stages: the slower update is the head's stage, with whatever blocks AutoPipe gave it
+    pipeline = predict(Layout(1, 2, 1, 2, 1, 0.0), measured, SLOW, search)
+    assert any(pipeline.components["optimizer"] == pytest.approx(blocks * 0.5 + 5.0) for blocks in range(5))
+    # without them the embedding and head are priced per byte
+    assert predict(single, per_block, SLOW, search).components["optimizer"] == pytest.approx(
+        4 * 0.5 + profile.optimizer_s_per_parameter_byte * 600_000_000)
+    with pytest.raises(ValueError, match="prefix_update_s must be"):
+        dataclasses.replace(profile, prefix_update_s=(1.0,))
+
+
 def test_gradient_clipping_is_counted_when_the_run_clips():
     profile, network_ = synthetic_model(num_blocks=4), SLOW
     clipping = dataclasses.replace(profile, block_clip_s={tp: 0.25 / tp for tp in TP_DEGREES},

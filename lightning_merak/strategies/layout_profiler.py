@@ -6,7 +6,7 @@ shard, no communication) at every sub-batch size the search needs, with the bloc
 cut at the points where its collectives go; the embedding and head from a profiled trace;
 all-reduce and point-to-point latency and bandwidth over real process groups, and the
 data-parallel gradient synchronisation as the runtime performs it; the optimizer step and
-gradient clipping's passes over one block's parameters. With a process group, real tensor-parallel blocks (sharded layers,
+gradient clipping's passes over one block's parameters and over the embedding's and the head's. With a process group, real tensor-parallel blocks (sharded layers,
 their collectives, ``tp_overlap`` sub-batch turns) are timed too, as the runtime will run
 them. Every rank measures at once (as they would compute during training) and rank 0's
 figures are used everywhere, so every rank plans the same layout.
@@ -182,20 +182,18 @@ def _forward_backward_times(run: nn.Module, hidden: torch.Tensor, args: tuple, k
     return statistics.median(forward), statistics.median(backward)
 
 
-def _with_gradients(module: nn.Module) -> list[nn.Parameter]:
-    """``module``'s trainable parameters, each given a gradient of ones where it has none."""
-    parameters = [p for p in module.parameters() if p.requires_grad]
-    for parameter in parameters:
-        if parameter.grad is None:
-            parameter.grad = torch.ones_like(parameter)
-    return parameters
-
-
-def _optimizer_step_s(parameters: list[nn.Parameter],
-                      optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], repeats: int) -> float:
-    """One optimizer step over ``parameters`` (plain or sharded), gradients already present."""
-    optimizer = optimizer_factory(parameters)
-    return median_call_time(optimizer.step, repeats)
+def _update_s(parameters: list[nn.Parameter],
+              optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+              repeats: int) -> tuple[float, float]:
+    """Optimizer step and clipping passes over ``parameters`` (plain or sharded), each given a gradient of ones."""
+    trainable = [p for p in parameters if p.requires_grad]
+    if not trainable:
+        return 0.0, 0.0
+    for parameter in trainable:
+        parameter.grad = torch.ones_like(parameter)
+    clip_s = _clip_passes_s(trainable, repeats)
+    optimizer = optimizer_factory(trainable)
+    return median_call_time(optimizer.step, repeats), clip_s
 
 
 def _clip_passes_s(parameters: list[nn.Parameter], repeats: int) -> float:
@@ -205,12 +203,29 @@ def _clip_passes_s(parameters: list[nn.Parameter], repeats: int) -> float:
     gradients slowly enough that no repeat meets subnormal numbers.
     """
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters]
-    device = grads[0].device if grads else torch.device("cpu")
+    device = grads[0].device
 
     def clip() -> None:
         scale_gradients(grads, 1.0 / (math.sqrt(squared_norm(grads, device).item()) + 1.0))
 
     return median_call_time(clip, repeats)
+
+
+def _outside_update_s(model: nn.Module, trace: ModelTrace,
+                      optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                      repeats: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """:func:`_update_s` over copies of the embedding's and the head's parameters, grouped as the trace's costs
+    group them (a tied weight belongs to the head); the model's own parameters stay untouched."""
+    trunk_ids = {id(p) for p in model.get_submodule(trace.trunk_path).parameters()}
+    suffix = list({id(p): p for path in trace.suffix_paths for p in model.get_submodule(path).parameters()}.values())
+    suffix_ids = {id(p) for p in suffix}
+    prefix = [p for p in model.parameters() if id(p) not in trunk_ids and id(p) not in suffix_ids]
+
+    def copies(parameters: list[nn.Parameter]) -> list[nn.Parameter]:
+        return [nn.Parameter(p.detach().clone()) for p in parameters if p.requires_grad]
+
+    return (_update_s(copies(prefix), optimizer_factory, repeats),
+            _update_s(copies(suffix), optimizer_factory, repeats))
 
 
 def _sharded_copy(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh,
@@ -273,9 +288,7 @@ def _block_update_times(block: nn.Module, plan: TensorParallelPlan, keys: Profil
     optimizer_s, clip_s = {}, {}
     for tp in sorted(keys.tp_degrees | {1}):
         sharded = _sharded_copy(block, plan, meshes[tp]) if tp in meshes else local_shard_of_block(block, plan, tp)
-        parameters = _with_gradients(sharded)
-        clip_s[tp] = _clip_passes_s(parameters, repeats)
-        optimizer_s[tp] = _optimizer_step_s(parameters, optimizer_factory, repeats)
+        optimizer_s[tp], clip_s[tp] = _update_s(list(sharded.parameters()), optimizer_factory, repeats)
     return optimizer_s, clip_s
 
 
@@ -347,20 +360,12 @@ def profile_model(
             sequence_split_bytes.setdefault(tp, outside // samples)
     hidden = largest.sample_hidden
     prefix, suffix = largest.costs[0], largest.costs[-1]
-    scratch = [nn.Parameter(torch.zeros(parameter_bytes[1] // 4, device=hidden.device))]
-    optimizer = optimizer_factory(scratch)
-
-    def optimizer_step() -> None:
-        scratch[0].grad = torch.ones_like(scratch[0])
-        optimizer.step()
-
-    optimizer_s = median_call_time(optimizer_step, repeats)
-    clip_s = _clip_passes_s(scratch, repeats)
     # one mesh per tensor-parallel degree (creating one is collective), shared by both measurements
     meshes = ({tp: tensor_parallel_mesh(process_group_device, tp) for tp in sorted(keys.tp_degrees) if tp > 1}
               if real_blocks else {})
     sequence_plan = sequence_plan_of(block, largest, plan) if sequence_plan_of is not None and meshes else None
     block_optimizer_s, block_clip_s = _block_update_times(block, plan, keys, optimizer_factory, meshes, repeats)
+    prefix_update_s, suffix_update_s = _outside_update_s(model, largest, optimizer_factory, repeats)
     measured = _measure_real_blocks(block, plan, traces, keys, meshes, repeats, max_blocks=min(len(trunk), 4),
                                     sequence_plan=sequence_plan)
     return ModelProfile(
@@ -374,11 +379,13 @@ def profile_model(
         suffix_parameter_bytes=suffix.param_bytes,
         block_activation_bytes_per_sample=activation_bytes,
         block_sequence_split_bytes_per_sample=sequence_split_bytes,
-        optimizer_s_per_parameter_byte=optimizer_s / max(1, parameter_bytes[1]),
+        optimizer_s_per_parameter_byte=block_optimizer_s[1] / max(1, parameter_bytes[1]),
         measured_blocks=measured,
         block_optimizer_s=block_optimizer_s,
         block_clip_s=block_clip_s,
-        clip_s_per_parameter_byte=clip_s / max(1, parameter_bytes[1]),
+        clip_s_per_parameter_byte=block_clip_s[1] / max(1, parameter_bytes[1]),
+        prefix_update_s=prefix_update_s,
+        suffix_update_s=suffix_update_s,
         loss_times={samples: _loss_times(model, sample_inputs, call_model, loss_of, samples, repeats)
                     for samples in sorted(keys.loss_samples)} if loss_of is not None else {},
     )

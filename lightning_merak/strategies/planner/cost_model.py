@@ -223,21 +223,30 @@ def _measured_blocks(layout: Layout, profile: ModelProfile, samples: int) -> Mea
     return profile.measured_blocks.get((layout.tp, layout.overlap, samples))
 
 
+def _outside_blocks_s(profile: ModelProfile, stage: _Stage, part: int, per_byte_s: float) -> float:
+    """Part ``part`` (0: optimizer step, 1: clipping passes) of the update of a stage's embedding and head."""
+    total = 0.0
+    for held, measured, parameter_bytes in (
+        (stage.has_prefix, profile.prefix_update_s, profile.prefix_parameter_bytes),
+        (stage.has_suffix, profile.suffix_update_s, profile.suffix_parameter_bytes),
+    ):
+        if held:
+            total += measured[part] if measured is not None else per_byte_s * parameter_bytes
+    return total
+
+
 def _optimizer_s(layout: Layout, profile: ModelProfile, stage: _Stage, parameter_bytes: int) -> float:
-    """Optimizer step of one stage: measured per block where profiled, per parameter byte otherwise."""
+    """Optimizer step of one stage: measured per block and on the embedding and head where profiled, per byte otherwise."""
     per_block = profile.block_optimizer_s.get(layout.tp)
     if per_block is None:
         return profile.optimizer_s_per_parameter_byte * parameter_bytes
-    outside_blocks = parameter_bytes - stage.num_blocks * profile.block_parameter_bytes_at(layout.tp)
-    return stage.num_blocks * per_block + profile.optimizer_s_per_parameter_byte * outside_blocks
+    return stage.num_blocks * per_block + _outside_blocks_s(profile, stage, 0, profile.optimizer_s_per_parameter_byte)
 
 
-def _clip_s(layout: Layout, profile: ModelProfile, network: NetworkProfile, stage: _Stage,
-            parameter_bytes: int) -> float:
+def _clip_s(layout: Layout, profile: ModelProfile, network: NetworkProfile, stage: _Stage) -> float:
     """Clipping by the global norm on one stage: the passes over its gradients, and the norm's scalar all-reduces."""
-    outside_blocks = parameter_bytes - stage.num_blocks * profile.block_parameter_bytes_at(layout.tp)
     passes_s = (stage.num_blocks * profile.block_clip_s_at(layout.tp)
-                + profile.clip_s_per_parameter_byte * outside_blocks)
+                + _outside_blocks_s(profile, stage, 1, profile.clip_s_per_parameter_byte))
     scalar_bytes = 8
     return passes_s + network.all_reduce_s(scalar_bytes, layout.pp) + network.all_reduce_s(scalar_bytes, layout.tp)
 
@@ -335,7 +344,7 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         after_pipeline_s.append(
             (
                 network.gradient_sync_s(parameter_bytes, layout.dp),
-                _clip_s(layout, model_profile, network, stage, parameter_bytes) if space.clip_gradients else 0.0,
+                _clip_s(layout, model_profile, network, stage) if space.clip_gradients else 0.0,
                 _optimizer_s(layout, model_profile, stage, parameter_bytes),
             )
         )

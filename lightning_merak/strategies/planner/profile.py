@@ -198,7 +198,11 @@ class ModelProfile:
     prices sequence parallelism's memory as plain tensor parallelism's). Gradient clipping by
     norm (read only when the search space clips) takes ``block_clip_s`` by tp over one block's
     (sharded) gradients and ``clip_s_per_parameter_byte`` over the rest: the norm's pass and the
-    scaling pass, as when clipping takes effect.
+    scaling pass, as when clipping takes effect. ``prefix_update_s`` and ``suffix_update_s``,
+    where measured, are (optimizer step, clipping passes) over the embedding's and the head's
+    own parameters: per byte, a large embedding table's update can cost several times a block's
+    (each step writes temporaries of the whole table), so the per-byte figures stand in only
+    where these are absent.
     """
 
     num_blocks: int
@@ -218,6 +222,8 @@ class ModelProfile:
     block_sequence_split_bytes_per_sample: dict[int, int] = field(default_factory=dict)
     block_clip_s: dict[int, float] = field(default_factory=dict)
     clip_s_per_parameter_byte: float = 0.0
+    prefix_update_s: tuple[float, float] | None = None
+    suffix_update_s: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         _check_positive("ModelProfile", num_blocks=self.num_blocks)
@@ -230,6 +236,10 @@ class ModelProfile:
             bytes_per_parameter_state=self.bytes_per_parameter_state,
             clip_s_per_parameter_byte=self.clip_s_per_parameter_byte,
         )
+        for name in ("prefix_update_s", "suffix_update_s"):
+            times = getattr(self, name)
+            if times is not None and (len(times) != 2 or min(times) < 0):
+                raise ValueError(f"ModelProfile.{name} must be (optimizer_s, clip_s), both >= 0, got {times}")
         for name in ("prefix_times", "suffix_times", "loss_times"):
             for samples, times in getattr(self, name).items():
                 if len(times) != 2 or min(times) < 0:
