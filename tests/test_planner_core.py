@@ -19,6 +19,7 @@ from lightning_merak.strategies.planner import (
     NetworkProfile,
     SearchSpace,
     StepTimeCheck,
+    average_profiles,
     candidate_layouts,
     fit_collective_cost,
     plan,
@@ -544,6 +545,28 @@ def test_embedding_and_head_updates_are_counted_as_measured():
         4 * 0.5 + profile.optimizer_s_per_parameter_byte * 600_000_000)
     with pytest.raises(ValueError, match="prefix_update_s must be"):
         dataclasses.replace(profile, prefix_update_s=(1.0,))
+
+
+def test_ranks_profiles_are_averaged_time_by_time_and_must_describe_one_model():
+    fast = dataclasses.replace(synthetic_model(num_blocks=4), prefix_update_s=(1.0, 0.25),
+                               measured_blocks={(2, 1, 8): MeasuredBlocks(1.0, 2.0, 3.0, 4.0)})
+    slow = dataclasses.replace(
+        fast, block_times={key: BlockTimes(tuple(2 * t for t in times.forward_segments_s),
+                                           tuple(3 * t for t in times.backward_segments_s))
+                           for key, times in fast.block_times.items()},
+        prefix_update_s=(3.0, 0.75), measured_blocks={(2, 1, 8): MeasuredBlocks(3.0, 4.0, 5.0, 6.0)})
+    mean = average_profiles([fast, slow])
+    times = fast.block_times[(2, 4)]
+    assert mean.block_times[(2, 4)].forward_segments_s == pytest.approx([1.5 * t for t in times.forward_segments_s])
+    assert mean.block_times[(2, 4)].backward_segments_s == pytest.approx([2 * t for t in times.backward_segments_s])
+    assert mean.prefix_update_s == (2.0, 0.5) and mean.suffix_update_s is None
+    assert mean.measured_blocks[(2, 1, 8)] == MeasuredBlocks(2.0, 3.0, 4.0, 5.0)
+    assert mean.block_parameter_bytes == fast.block_parameter_bytes and mean.num_blocks == 4
+    assert average_profiles([fast]) == fast
+    with pytest.raises(ValueError, match=r"ModelProfile.num_blocks differs"):
+        average_profiles([fast, dataclasses.replace(fast, num_blocks=5)])
+    with pytest.raises(ValueError, match=r"ModelProfile.loss_times has different keys"):
+        average_profiles([fast, dataclasses.replace(fast, loss_times={8: (0.1, 0.2)})])
 
 
 def test_gradient_clipping_is_counted_when_the_run_clips():

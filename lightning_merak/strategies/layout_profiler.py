@@ -8,8 +8,9 @@ all-reduce and point-to-point latency and bandwidth over real process groups, an
 data-parallel gradient synchronisation as the runtime performs it; the optimizer step and
 gradient clipping's passes over one block's parameters and over the embedding's and the head's. With a process group, real tensor-parallel blocks (sharded layers,
 their collectives, ``tp_overlap`` sub-batch turns) are timed too, as the runtime will run
-them. Every rank measures at once (as they would compute during training) and rank 0's
-figures are used everywhere, so every rank plans the same layout.
+them. Every rank measures at once (as they would compute during training); merak3d averages
+the ranks' figures (:func:`~lightning_merak.strategies.planner.average_profiles`), so every rank
+plans the same layout from every core's timings.
 """
 
 from __future__ import annotations

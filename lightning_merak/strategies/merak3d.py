@@ -533,7 +533,7 @@ class Merak3DStrategy(ParallelStrategy):
     def _plan_layout(self, trainer: pl.Trainer) -> None:
         """Profile this machine and model, search the layouts, and adopt the best one."""
         from lightning_merak.strategies.layout_profiler import profile_model, profile_network
-        from lightning_merak.strategies.planner import SearchSpace, plan, required_profile_keys
+        from lightning_merak.strategies.planner import SearchSpace, average_profiles, plan, required_profile_keys
 
         module = self.lightning_module
         model: nn.Module = module.model
@@ -571,7 +571,9 @@ class Merak3DStrategy(ParallelStrategy):
                                 repeats=PLANNER_REPEATS, process_group_device=self.root_device,
                                 loss_of=lambda logits, samples: module.loss_from_logits(logits, targets[:samples]),
                                 sequence_plan_of=self._sequence_parallel_plan if self.sequence_parallel else None)
-        profile = self.broadcast(profile, src=0)
+        every_rank: list[Any] = [None] * world
+        dist.all_gather_object(every_rank, profile)
+        profile = average_profiles(every_rank)
         gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         network = profile_network(keys.all_reduce_group_sizes, self.root_device,
                                   large_bytes=min(64 << 20, max(1 << 16, profile.hidden_bytes_per_sample

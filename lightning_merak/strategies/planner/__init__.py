@@ -15,6 +15,7 @@ from lightning_merak.strategies.planner.profile import (
     ModelProfile,
     NetworkProfile,
     SearchSpace,
+    average_profiles,
     fit_collective_cost,
 )
 from lightning_merak.strategies.planner.search import (
@@ -41,6 +42,7 @@ __all__ = [
     "ProfileKeys",
     "SearchSpace",
     "StepTimeCheck",
+    "average_profiles",
     "candidate_layouts",
     "fit_collective_cost",
     "micro_batch_samples",

@@ -7,8 +7,10 @@ choice can be reproduced from a saved profile without touching a process group.
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, Sequence, TypeVar
 
 from lightning_merak.strategies.pipeline import SCHEDULES
 
@@ -278,6 +280,40 @@ class ModelProfile:
             raise ValueError(f"ModelProfile.block_sequence_split_bytes_per_sample[{tp}]={split} must be within "
                              f"[0, {saved}], the block's activation bytes per sample")
         return saved - split + split // tp
+
+
+def average_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
+    """One profile from every rank's measurement of the same model: times averaged, sizes checked equal.
+
+    Ranks profile at once, and on a shared machine their cores differ in speed from moment to
+    moment (one block's time measured 25% apart on two ranks in the same second), while a
+    layout's step runs on all of them; rank 0's figures alone would carry its core's luck.
+    """
+    if not profiles:
+        raise ValueError("average_profiles needs at least one profile")
+    return _average(list(profiles), "ModelProfile")
+
+
+def _average(values: list[Any], where: str) -> Any:
+    first = values[0]
+    if first is None or isinstance(first, int):
+        if any(value != first for value in values):
+            raise ValueError(f"{where} differs between the profiles ({values}); they must describe one model")
+        return first
+    if isinstance(first, float):
+        return statistics.fmean(values)
+    if isinstance(first, tuple):
+        if len({len(value) for value in values}) != 1:
+            raise ValueError(f"{where} has different lengths in the profiles: {values}")
+        return tuple(_average(list(parts), f"{where}[{index}]") for index, parts in enumerate(zip(*values)))
+    if isinstance(first, dict):
+        if any(value.keys() != first.keys() for value in values):
+            raise ValueError(f"{where} has different keys in the profiles: {[sorted(v) for v in values]}")
+        return {key: _average([value[key] for value in values], f"{where}[{key}]") for key in first}
+    if dataclasses.is_dataclass(first):
+        return type(first)(**{f.name: _average([getattr(value, f.name) for value in values], f"{where}.{f.name}")
+                              for f in dataclasses.fields(first)})
+    raise TypeError(f"{where}: cannot average values of type {type(first).__name__}")
 
 
 _Key = TypeVar("_Key")
