@@ -563,6 +563,9 @@ def test_ranks_profiles_are_averaged_time_by_time_and_must_describe_one_model():
     assert mean.measured_blocks[(2, 1, 8)] == MeasuredBlocks(2.0, 3.0, 4.0, 5.0)
     assert mean.block_parameter_bytes == fast.block_parameter_bytes and mean.num_blocks == 4
     assert average_profiles([fast]) == fast
+    fuller = dataclasses.replace(fast, block_activation_bytes_per_sample={
+        tp: 2 * saved for tp, saved in fast.block_activation_bytes_per_sample.items()})
+    assert average_profiles([fast, fuller]).block_activation_bytes_per_sample == fuller.block_activation_bytes_per_sample
     with pytest.raises(ValueError, match=r"ModelProfile.num_blocks differs"):
         average_profiles([fast, dataclasses.replace(fast, num_blocks=5)])
     with pytest.raises(ValueError, match=r"ModelProfile.loss_times has different keys"):

@@ -288,14 +288,22 @@ def average_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
     Ranks profile at once, and on a shared machine their cores differ in speed from moment to
     moment (one block's time measured 25% apart on two ranks in the same second), while a
     layout's step runs on all of them; rank 0's figures alone would carry its core's luck.
+    Saved-activation bytes, which data-dependent shapes can make differ between ranks, take
+    the largest, so memory is planned for the fullest rank.
     """
     if not profiles:
         raise ValueError("average_profiles needs at least one profile")
     return _average(list(profiles), "ModelProfile")
 
 
-def _average(values: list[Any], where: str) -> Any:
+_LARGEST_OF = ("block_activation_bytes_per_sample", "block_sequence_split_bytes_per_sample")
+
+
+def _average(values: list[Any], where: str, largest: bool = False) -> Any:
+    """The mean of measured times; sizes must agree, except those marked ``largest``, which take the maximum."""
     first = values[0]
+    if isinstance(first, int) and largest:
+        return max(values)
     if first is None or isinstance(first, int):
         if any(value != first for value in values):
             raise ValueError(f"{where} differs between the profiles ({values}); they must describe one model")
@@ -305,13 +313,14 @@ def _average(values: list[Any], where: str) -> Any:
     if isinstance(first, tuple):
         if len({len(value) for value in values}) != 1:
             raise ValueError(f"{where} has different lengths in the profiles: {values}")
-        return tuple(_average(list(parts), f"{where}[{index}]") for index, parts in enumerate(zip(*values)))
+        return tuple(_average(list(parts), f"{where}[{index}]", largest) for index, parts in enumerate(zip(*values)))
     if isinstance(first, dict):
         if any(value.keys() != first.keys() for value in values):
             raise ValueError(f"{where} has different keys in the profiles: {[sorted(v) for v in values]}")
-        return {key: _average([value[key] for value in values], f"{where}[{key}]") for key in first}
+        return {key: _average([value[key] for value in values], f"{where}[{key}]", largest) for key in first}
     if dataclasses.is_dataclass(first):
-        return type(first)(**{f.name: _average([getattr(value, f.name) for value in values], f"{where}.{f.name}")
+        return type(first)(**{f.name: _average([getattr(value, f.name) for value in values], f"{where}.{f.name}",
+                                               f.name in _LARGEST_OF)
                               for f in dataclasses.fields(first)})
     raise TypeError(f"{where}: cannot average values of type {type(first).__name__}")
 
