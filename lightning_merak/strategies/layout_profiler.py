@@ -217,10 +217,7 @@ def _outside_update_s(model: nn.Module, trace: ModelTrace,
                       repeats: int) -> tuple[tuple[float, float], tuple[float, float]]:
     """:func:`_update_s` over copies of the embedding's and the head's parameters, grouped as the trace's costs
     group them (a tied weight belongs to the head); the model's own parameters stay untouched."""
-    trunk_ids = {id(p) for p in model.get_submodule(trace.trunk_path).parameters()}
-    suffix = list({id(p): p for path in trace.suffix_paths for p in model.get_submodule(path).parameters()}.values())
-    suffix_ids = {id(p) for p in suffix}
-    prefix = [p for p in model.parameters() if id(p) not in trunk_ids and id(p) not in suffix_ids]
+    prefix, suffix = trace.outside_parameters(model)
 
     def copies(parameters: list[nn.Parameter]) -> list[nn.Parameter]:
         return [nn.Parameter(p.detach().clone()) for p in parameters if p.requires_grad]

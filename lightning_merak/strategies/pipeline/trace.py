@@ -69,6 +69,17 @@ class ModelTrace:
         """The hidden state inside a block's output (a tensor, or one element of a tuple)."""
         return block_output if self.block_output_index is None else block_output[self.block_output_index]
 
+    def outside_parameters(self, model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """``(prefix, suffix)``: ``model``'s parameters before the blocks and those of the suffix modules.
+
+        A weight tied between the embedding and the head belongs to the suffix, as the costs count it.
+        """
+        trunk_ids = {id(p) for p in model.get_submodule(self.trunk_path).parameters()}
+        suffix = list({id(p): p for path in self.suffix_paths for p in model.get_submodule(path).parameters()}.values())
+        suffix_ids = {id(p) for p in suffix}
+        prefix = [p for p in model.parameters() if id(p) not in trunk_ids and id(p) not in suffix_ids]
+        return prefix, suffix
+
 
 def find_trunk(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """``(path, blocks)`` of the ModuleList of same-class blocks holding the most parameters."""
@@ -284,9 +295,7 @@ def _trace(model: nn.Module, sample_inputs: torch.Tensor, call_model: Callable[[
 def _profile(model: nn.Module, trace: ModelTrace, trunk: nn.ModuleList, call_model: Callable, sample_inputs: torch.Tensor,
              hidden_in: torch.Tensor, side_tensors: tuple, last_hidden: torch.Tensor, repeats: int) -> list[BlockCost]:
     suffix = [model.get_submodule(path) for path in trace.suffix_paths]
-    suffix_ids = {id(p) for module in suffix for p in module.parameters()}
-    trunk_ids = {id(p) for p in trunk.parameters()}
-    prefix_params = [p for p in model.parameters() if id(p) not in trunk_ids and id(p) not in suffix_ids]
+    prefix_params, suffix_params = trace.outside_parameters(model)
     seen: set[int] = set()
     output_bytes = hidden_in.numel() * hidden_in.element_size() + sum(t.numel() * t.element_size() for t in side_tensors)
 
@@ -316,7 +325,7 @@ def _profile(model: nn.Module, trace: ModelTrace, trunk: nn.ModuleList, call_mod
             out = module(out)
         return out
 
-    fwd, bwd, saved = _measure(run_suffix, [p for m in suffix for p in m.parameters()], repeats)
+    fwd, bwd, saved = _measure(run_suffix, suffix_params, repeats)
     costs.append(BlockCost("suffix", fwd, bwd, _param_bytes(suffix, seen),
                            last_hidden.numel() * last_hidden.element_size(), saved))
     return costs
