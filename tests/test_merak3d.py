@@ -235,3 +235,18 @@ def test_interleaved_schedules_match_single_process(model_name, schedule):
               "schedule": schedule, "virtual_stages": 2}
     results = run_distributed(_train_rank, 2, args=(model_name, layout), timeout_s=180)
     assert_traces_match(_reference(model_name), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
+
+
+def _reduce_rank(rank: int, world_size: int) -> list:
+    strategy = Merak3DStrategy()
+    value = lambda: torch.tensor([rank + 1.0])  # noqa: E731
+    return [strategy.reduce(value()), strategy.reduce(value(), reduce_op="sum"),
+            strategy.reduce(value(), reduce_op="max"), strategy.reduce(value(), reduce_op=torch.distributed.ReduceOp.MIN),
+            strategy.reduce(torch.tensor([3 * (rank + 1)])), strategy.reduce("not a tensor")]
+
+
+def test_reduce_is_the_mean_by_default_and_takes_lightning_reduce_ops():
+    for result in run_distributed(_reduce_rank, 2, timeout_s=60):
+        assert result[:5] == [torch.tensor([1.5]), torch.tensor([3.0]), torch.tensor([2.0]), torch.tensor([1.0]),
+                              torch.tensor([4])]
+        assert result[5] == "not a tensor"

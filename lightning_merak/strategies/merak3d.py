@@ -44,7 +44,12 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, split_expert_key
 from lightning_merak.strategies.overlap import SubBatchForward, collective_replay_contexts
-from lightning_merak.strategies.pipeline.schedules import ScheduleShiftedCriticalPath, shifted_schedule_available
+from lightning_merak.strategies.pipeline.schedules import (
+    EarlyReceiveStage,
+    ScheduleShiftedCriticalPath,
+    early_receive_available,
+    shifted_schedule_available,
+)
 from lightning_merak.strategies.pipeline.stage import RankStages, build_stage_module, tied_parameter_names
 from lightning_merak.strategies.pipeline.trace import ModelTrace, find_trunk, trace_model
 from lightning_merak.strategies.planner.step_check import BatchClock, StepTimeCheck
@@ -499,9 +504,27 @@ class Merak3DStrategy(ParallelStrategy):
         return holder[0]
 
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+        """Reduce a tensor (``self.log(..., sync_dist=True)``) over ``group`` in place, with one all-reduce.
 
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, torch.Tensor) else tensor
+        Lightning's DDP reduction puts a barrier before the all-reduce; the all-reduce
+        synchronises the ranks by itself, and the barrier cost every synced metric another
+        round trip per step (0.2 ms of 0.4 on 2 gloo ranks).
+        """
+        if not isinstance(tensor, torch.Tensor) or not dist.is_initialized():
+            return tensor
+        group = dist.group.WORLD if group is None else group
+        mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+        if reduce_op is None or mean:
+            op = dist.ReduceOp.SUM
+        elif isinstance(reduce_op, str):
+            op = getattr(dist.ReduceOp, reduce_op.upper())
+        else:
+            op = reduce_op
+        dist.all_reduce(tensor, op=op, group=group)
+        if not mean:
+            return tensor
+        ranks = dist.get_world_size(group)
+        return tensor.div_(ranks) if tensor.is_floating_point() else tensor.copy_(tensor / ranks)
 
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
@@ -901,9 +924,12 @@ class Merak3DStrategy(ParallelStrategy):
                 f"micro_batches={self.micro_batches} is smaller than pipeline_parallel={self.pipeline_parallel}; "
                 "pipeline schedules need at least one micro-batch per stage"
             )
+        # one stage per rank: every receive of a step can be posted at its start
+        stage_class = (EarlyReceiveStage if self.schedule not in MULTI_STAGE_SCHEDULES and early_receive_available()
+                       else PipelineStage)
         pipeline_stages = [
-            PipelineStage(part, part.stage_index, part.num_stages, self.root_device,
-                          group=self.device_mesh["pp"].get_group())
+            stage_class(part, part.stage_index, part.num_stages, self.root_device,
+                        group=self.device_mesh["pp"].get_group())
             for part in stages
         ]
         module = self.lightning_module

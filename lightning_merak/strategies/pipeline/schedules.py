@@ -1,4 +1,4 @@
-"""Merak's shifted-critical-path schedule on torch.distributed.pipelining stages.
+"""Merak's shifted-critical-path schedule, and a stage that receives early, on torch.distributed.pipelining.
 
 Under 1F1B, stage ``s`` of ``S`` finishes with ``S - s - 1`` backward passes whose
 gradients arrive one after another from the next stage; the stage idles while it waits.
@@ -17,6 +17,12 @@ Recomputation restores the RNG state of the original forward, so dropout draws t
 same masks and gradients equal plain 1F1B. The stage methods used here are torch's
 pipelining internals (pinned torch range); :func:`shifted_schedule_available` checks
 they exist before the schedule is offered.
+
+:class:`EarlyReceiveStage` posts all of a step's receives when the step starts, instead of
+just before each micro-batch needs its input: on gloo a message whose receive is not posted
+yet waits for the sender's transport thread, which a sender busy computing its next chunk
+runs late (measured on 2 CPU cores: 2 ms median, 5–6 ms p90, against 0.02 ms when the
+receive was already posted).
 """
 
 from __future__ import annotations
@@ -24,14 +30,17 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from torch.distributed.pipelining import Schedule1F1B
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.pipelining import schedules as _schedules
 
 from lightning_merak.strategies import random_state
 
-__all__ = ["ScheduleShiftedCriticalPath", "shifted_schedule_available"]
+__all__ = ["EarlyReceiveStage", "ScheduleShiftedCriticalPath", "early_receive_available", "shifted_schedule_available"]
 
 _REQUIRED = ("_check_inputs", "_initialize_stage", "_maybe_compute_loss", "_maybe_get_loss", "_update_losses")
+_STAGE_REQUIRED = ("get_fwd_recv_ops", "get_bwd_recv_ops", "forward_one_chunk", "backward_one_chunk",
+                   "clear_runtime_states", "is_last")
 
 
 def shifted_schedule_available() -> bool:
@@ -39,6 +48,85 @@ def shifted_schedule_available() -> bool:
     return all(hasattr(Schedule1F1B, name) for name in _REQUIRED) and all(
         hasattr(_schedules, name) for name in ("_batch_p2p", "_wait_batch_p2p")
     )
+
+
+def early_receive_available() -> bool:
+    """Whether this torch's pipeline stage has the receive hooks :class:`EarlyReceiveStage` overrides."""
+    return all(hasattr(PipelineStage, name) for name in _STAGE_REQUIRED) and all(
+        hasattr(_schedules, name) for name in ("_batch_p2p", "_wait_batch_p2p"))
+
+
+class EarlyReceiveStage(PipelineStage):
+    """A pipeline stage that posts every receive of a step (forward inputs, then output gradients) at its start.
+
+    Schedules that hold one stage per rank (1F1B, GPipe, shifted critical path) ask for a
+    micro-batch's receive just before running it; here the request returns nothing to post,
+    and the micro-batch waits for the receive posted at the step's start instead. Every
+    micro-batch has its own receive buffer, and messages between two ranks go one way per
+    kind (activations forward, gradients back), each in micro-batch order, so posting them
+    all at once matches every message to the buffer it would have reached. Schedules with
+    several stages per rank interleave both kinds between the same ranks and must not use it.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Takes :class:`~torch.distributed.pipelining.PipelineStage`'s arguments."""
+        self._posted: dict[tuple[str, int], list[dist.Work]] = {}
+        self._received: set[tuple[str, int]] = set()
+        self._receives_posted = False
+        super().__init__(*args, **kwargs)
+
+    def clear_runtime_states(self) -> None:
+        """Start of a step (training or evaluation): nothing is posted yet."""
+        if self._posted:
+            raise RuntimeError(f"pipeline stage {self.stage_index} left receives {sorted(self._posted)} unconsumed")
+        self._received.clear()
+        self._receives_posted = False
+        super().clear_runtime_states()
+
+    def _receive_ops(self, kind: str, chunk: int) -> list[dist.P2POp]:
+        if kind == "forward":
+            return super().get_fwd_recv_ops(chunk)
+        return super().get_bwd_recv_ops(chunk)
+
+    def _post_receives(self) -> None:
+        if self._receives_posted:
+            return
+        self._receives_posted = True
+        kinds = [("forward", sorted(self.args_recv_info))]
+        if self.has_backward and not self.is_last:
+            kinds.append(("backward", sorted(self.grad_recv_info)))
+        for kind, chunks in kinds:
+            for chunk in chunks:
+                works = _schedules._batch_p2p(self._receive_ops(kind, chunk), desc=f"{kind} receive")
+                if works:
+                    self._posted[(kind, chunk)] = works
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        self._post_receives()
+        return []
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        self._post_receives()
+        return []
+
+    def _wait_posted(self, kind: str, chunk: int) -> None:
+        """Wait for the micro-batch's receive; a recomputed forward finds its input already received."""
+        self._post_receives()
+        key = (kind, chunk)
+        works = self._posted.pop(key, None)
+        if works is not None:
+            _schedules._wait_batch_p2p(works)
+            self._received.add(key)
+        elif key not in self._received and self._receive_ops(kind, chunk):
+            raise RuntimeError(f"pipeline stage {self.stage_index} has no posted {kind} receive for micro-batch {chunk}")
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        self._wait_posted("forward", fwd_chunk_id)
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        self._wait_posted("backward", bwd_chunk_id)
+        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
 def _drop_saved(tensor: torch.Tensor) -> None:
