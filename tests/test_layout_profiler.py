@@ -96,3 +96,43 @@ def test_profiler_times_sequence_parallel_blocks_with_their_own_collectives():
     assert plain["measured"] == sequence["measured"] == {(2, 2, 4)}
     assert plain["ops"] == ["all_reduce"]
     assert sequence["ops"] == ["all_gather", "reduce_scatter"]
+
+
+def test_large_parameters_are_timed_on_a_part_and_scaled(monkeypatch):
+    """A large embedding's update is timed on a bounded copy: setup never copies the whole table."""
+    from lightning_merak.strategies import layout_profiler
+    from lightning_merak.strategies.pipeline.trace import trace_model
+    from lightning_merak.strategies.merak3d import _call_model
+
+    model, inputs = _llama_and_tokens()
+    trace = trace_model(model, inputs, _call_model)
+    prefix, suffix = trace.outside_parameters(model)
+    largest = 1000
+    timed: list[list[int]] = []
+
+    def fake_update_s(parameters, optimizer_factory, repeats):
+        timed.append([p.numel() for p in parameters])
+        return 1.0, 2.0
+
+    monkeypatch.setattr(layout_profiler, "LARGEST_TIMED_ELEMENTS", largest)
+    monkeypatch.setattr(layout_profiler, "_update_s", fake_update_s)
+    before = [p.detach().clone() for p in model.parameters()]
+    prefix_s, suffix_s = layout_profiler._outside_update_s(model, trace, torch.optim.AdamW, repeats=1)
+    for group, times, sizes in zip((prefix, suffix), (prefix_s, suffix_s), timed):
+        total = sum(p.numel() for p in group)
+        assert max(sizes) <= largest < total
+        assert times == (total / sum(sizes), 2.0 * total / sum(sizes))
+    for original, param in zip(before, model.parameters()):
+        assert torch.equal(original, param)
+
+
+def test_timing_copies_keep_small_parameters_whole():
+    from lightning_merak.strategies.layout_profiler import _timing_copies
+
+    small, large = torch.nn.Parameter(torch.randn(10)), torch.nn.Parameter(torch.randn(30, 100))
+    frozen = torch.nn.Parameter(torch.randn(5), requires_grad=False)
+    copies, scale = _timing_copies([small, large, frozen], largest=1000)
+    assert [c.numel() for c in copies] == [10, 1000]
+    assert scale == 3010 / 1010
+    assert torch.equal(copies[0], small) and copies[0] is not small
+    assert torch.equal(copies[1], large.reshape(-1)[:1000])

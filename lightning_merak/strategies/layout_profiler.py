@@ -212,18 +212,38 @@ def _clip_passes_s(parameters: list[nn.Parameter], repeats: int) -> float:
     return median_call_time(clip, repeats)
 
 
+LARGEST_TIMED_ELEMENTS = 1 << 25
+"""A parameter outside the blocks with more elements is timed on a copy of this many of them, and
+the time scaled by its size: a whole copy of a large embedding, with its gradient and optimizer
+state, would need about four times the table's bytes at setup. Past a few megabytes an update
+is bound by memory bandwidth, so its time grows with the elements."""
+
+
+def _timing_copies(parameters: list[nn.Parameter], largest: int) -> tuple[list[nn.Parameter], float]:
+    """Detached copies of the trainable ``parameters``, each cut to its first ``largest`` elements,
+    and the ratio of all their elements to those copied."""
+    trainable = [p for p in parameters if p.requires_grad]
+    copies = [nn.Parameter(p.detach().reshape(-1)[:largest].clone() if p.numel() > largest else p.detach().clone())
+              for p in trainable]
+    copied = sum(c.numel() for c in copies)
+    return copies, (sum(p.numel() for p in trainable) / copied if copied else 1.0)
+
+
 def _outside_update_s(model: nn.Module, trace: ModelTrace,
                       optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                       repeats: int) -> tuple[tuple[float, float], tuple[float, float]]:
     """:func:`_update_s` over copies of the embedding's and the head's parameters, grouped as the trace's costs
-    group them (a tied weight belongs to the head); the model's own parameters stay untouched."""
-    prefix, suffix = trace.outside_parameters(model)
+    group them (a tied weight belongs to the head); the model's own parameters stay untouched.
 
-    def copies(parameters: list[nn.Parameter]) -> list[nn.Parameter]:
-        return [nn.Parameter(p.detach().clone()) for p in parameters if p.requires_grad]
-
-    return (_update_s(copies(prefix), optimizer_factory, repeats),
-            _update_s(copies(suffix), optimizer_factory, repeats))
+    Parameters beyond :data:`LARGEST_TIMED_ELEMENTS` are timed on a part and scaled.
+    """
+    times = []
+    for group in trace.outside_parameters(model):
+        copies, scale = _timing_copies(group, LARGEST_TIMED_ELEMENTS)
+        optimizer_s, clip_s = _update_s(copies, optimizer_factory, repeats)
+        times.append((scale * optimizer_s, scale * clip_s))
+    prefix_s, suffix_s = times
+    return prefix_s, suffix_s
 
 
 def _sharded_copy(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh,

@@ -924,12 +924,14 @@ class Merak3DStrategy(ParallelStrategy):
                 f"micro_batches={self.micro_batches} is smaller than pipeline_parallel={self.pipeline_parallel}; "
                 "pipeline schedules need at least one micro-batch per stage"
             )
-        # one stage per rank: every receive of a step can be posted at its start
-        stage_class = (EarlyReceiveStage if self.schedule not in MULTI_STAGE_SCHEDULES and early_receive_available()
-                       else PipelineStage)
+        pp_group = self.device_mesh["pp"].get_group()
+        # gloo, one stage per rank: every receive of a step can be posted at its start (NCCL runs
+        # a pair's sends and receives on one stream, where a receive posted early blocks the sends)
+        early = (dist.get_backend(pp_group) == "gloo" and self.schedule not in MULTI_STAGE_SCHEDULES
+                 and early_receive_available())
+        stage_class = EarlyReceiveStage if early else PipelineStage
         pipeline_stages = [
-            stage_class(part, part.stage_index, part.num_stages, self.root_device,
-                        group=self.device_mesh["pp"].get_group())
+            stage_class(part, part.stage_index, part.num_stages, self.root_device, group=pp_group)
             for part in stages
         ]
         module = self.lightning_module

@@ -65,7 +65,9 @@ class EarlyReceiveStage(PipelineStage):
     micro-batch has its own receive buffer, and messages between two ranks go one way per
     kind (activations forward, gradients back), each in micro-batch order, so posting them
     all at once matches every message to the buffer it would have reached. Schedules with
-    several stages per rank interleave both kinds between the same ranks and must not use it.
+    several stages per rank interleave both kinds between the same ranks and must not use it;
+    nor must NCCL, which runs a pair's sends and receives in order on one stream, so a
+    receive posted early would hold up the sends the other stage is waiting for.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
