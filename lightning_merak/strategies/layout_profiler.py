@@ -49,7 +49,7 @@ from lightning_merak.strategies.tensor_parallel import (
     _scale_attention_attributes,
     apply_tensor_parallel,
 )
-from lightning_merak.timing import median_call_time
+from lightning_merak.timing import mean_call_time, median_call_time
 
 __all__ = ["local_shard_of_block", "profile_model", "profile_network"]
 
@@ -146,8 +146,8 @@ def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, 
     finally:
         for handle in handles:
             handle.remove()
-    middle = sorted(range(repeats), key=lambda i: sum(forward_parts[i]) + sum(backward_parts[i]))[repeats // 2]
-    times = BlockTimes(forward_segments_s=forward_parts[middle], backward_segments_s=backward_parts[middle])
+    times = BlockTimes(forward_segments_s=tuple(map(statistics.fmean, zip(*forward_parts))),
+                       backward_segments_s=tuple(map(statistics.fmean, zip(*backward_parts))))
     return times, sum(saved.values()), sum(saved[pointer] for pointer in outside_span)
 
 
@@ -167,7 +167,7 @@ class _BlockRun(nn.Module):
 
 def _forward_backward_times(run: nn.Module, hidden: torch.Tensor, args: tuple, kwargs: dict,
                             repeats: int) -> tuple[float, float]:
-    """Median forward and backward seconds of ``run`` after one warm-up; every rank runs the same calls."""
+    """Mean forward and backward seconds of ``run`` after one warm-up; every rank runs the same calls."""
     forward, backward = [], []
     for attempt in range(repeats + 1):
         inputs = hidden.detach().requires_grad_(True)
@@ -180,7 +180,7 @@ def _forward_backward_times(run: nn.Module, hidden: torch.Tensor, args: tuple, k
         if attempt:
             forward.append(middle - start)
             backward.append(end - middle)
-    return statistics.median(forward), statistics.median(backward)
+    return statistics.fmean(forward), statistics.fmean(backward)
 
 
 def _update_s(parameters: list[nn.Parameter],
@@ -194,7 +194,7 @@ def _update_s(parameters: list[nn.Parameter],
         parameter.grad = torch.ones_like(parameter)
     clip_s = _clip_passes_s(trainable, repeats)
     optimizer = optimizer_factory(trainable)
-    return median_call_time(optimizer.step, repeats), clip_s
+    return mean_call_time(optimizer.step, repeats), clip_s
 
 
 def _clip_passes_s(parameters: list[nn.Parameter], repeats: int) -> float:
@@ -209,7 +209,7 @@ def _clip_passes_s(parameters: list[nn.Parameter], repeats: int) -> float:
     def clip() -> None:
         scale_gradients(grads, 1.0 / (math.sqrt(squared_norm(grads, device).item()) + 1.0))
 
-    return median_call_time(clip, repeats)
+    return mean_call_time(clip, repeats)
 
 
 LARGEST_TIMED_ELEMENTS = 1 << 25
@@ -323,7 +323,7 @@ class _Loss(nn.Module):
 
 def _loss_times(model: nn.Module, sample_inputs: torch.Tensor, call_model: Callable[[nn.Module, torch.Tensor], Any],
                 loss_of: Callable[[Any, int], torch.Tensor], samples: int, repeats: int) -> tuple[float, float]:
-    """Median forward and backward seconds of the training loss on the model's output for ``samples`` samples."""
+    """Mean forward and backward seconds of the training loss on the model's output for ``samples`` samples."""
     with torch.no_grad():
         logits = logits_of(call_model(model, sample_inputs[:samples]))
     return _forward_backward_times(_Loss(loss_of, samples), logits, (), {}, repeats)
@@ -421,7 +421,9 @@ def profile_network(group_sizes: Iterable[int], device: torch.device, large_byte
                     small_bytes: int = 4096, repeats: int = 5, gradient_bytes: int = 0) -> NetworkProfile:
     """All-reduce cost per group size (groups of consecutive ranks, all busy at once) and rank 0 ↔ 1 p2p.
 
-    Each cost is fitted to several message sizes up to ``large_bytes``. With
+    Each cost is fitted to several message sizes up to ``large_bytes``, from the median of a
+    few transfers per size: one stalled transfer would move a fitted latency or bandwidth far
+    more than it moves a run of many transfers (computation is timed by the mean). With
     ``gradient_bytes``, the data-parallel gradient synchronisation is fitted per group size
     too, at sizes up to that many bytes (the largest gradient a candidate layout syncs).
     Every rank must call this; the figures of rank 0's groups are returned on every rank.

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_merak.models import logits_of
 from lightning_merak.strategies.pipeline.costs import BlockCost
-from lightning_merak.timing import median_call_time
+from lightning_merak.timing import mean_call_time
 
 __all__ = ["ModelTrace", "TraceError", "find_trunk", "trace_model"]
 
@@ -192,7 +192,7 @@ def _measure(run: Callable[[], torch.Tensor], params: list[nn.Parameter], repeat
         return tensor
 
     with torch.no_grad():
-        forward_s = median_call_time(run, repeats)
+        forward_s = mean_call_time(run, repeats)
 
     def forward_backward() -> None:
         out = run()
@@ -201,7 +201,7 @@ def _measure(run: Callable[[], torch.Tensor], params: list[nn.Parameter], repeat
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         run()
-    total_s = median_call_time(forward_backward, repeats)
+    total_s = mean_call_time(forward_backward, repeats)
     for param in params:
         param.grad = None
     return forward_s, max(total_s - forward_s, 0.0), saved["bytes"]
