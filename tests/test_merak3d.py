@@ -239,7 +239,10 @@ def test_interleaved_schedules_match_single_process(model_name, schedule):
 
 def _reduce_rank(rank: int, world_size: int) -> list:
     strategy = Merak3DStrategy()
-    value = lambda: torch.tensor([rank + 1.0])  # noqa: E731
+
+    def value() -> torch.Tensor:
+        return torch.tensor([rank + 1.0])
+
     return [strategy.reduce(value()), strategy.reduce(value(), reduce_op="sum"),
             strategy.reduce(value(), reduce_op="max"), strategy.reduce(value(), reduce_op=torch.distributed.ReduceOp.MIN),
             strategy.reduce(torch.tensor([3 * (rank + 1)])), strategy.reduce("not a tensor")]
