@@ -10,9 +10,12 @@ through an ordinary ``pl.Trainer(...).fit`` on N gloo ranks, one compute thread 
 (``torch.set_num_threads(1)`` and ``OMP_NUM_THREADS=MKL_NUM_THREADS=1``, which the sub-batch
 threads need too), each rank in its own network namespace on a tbf-shaped veth link (``benchmarks.netem``; this
 kernel has no sch_netem, so only the rate is emulated, not latency). The same rank
-processes train plain TP (``tp_overlap=1``), then overlapped TP (``tp_overlap=k``), then
+processes train every variant in turn, each from the same seed on the same token batches:
+plain TP (``tp_overlap=1``, ``tp_weight_grad_overlap=False``: nothing overlapped, the
+baseline); the column groups' backward all-reduce overlapped with their weight gradients
+(``wgrad``); sub-batch overlap (``tp_overlap=k``) with and without it; then
 sequence-parallel TP (``sequence_parallel=True``: reduce-scatter and all-gather instead of
-all-reduce), plain and overlapped, each from the same seed on the same token batches.
+all-reduce), without and with sub-batch overlap.
 
 Each step is timed from Lightning's batch-start hook to its batch-end hook (optimizer step
 included) and recorded with :func:`lightning_merak.strategies.overlap.record_communication`,
@@ -25,7 +28,7 @@ exceed ``busy``), ``busy`` the time at least one was in flight. Per configuratio
   communication that computation did not hide (target <= 30 %);
 * ``exposed_of_step``: median exposed time per step of the worst rank / ``step_ms``;
   for the row without overlap this is ``comm_of_plain_step``, the communication share of its step;
-* ``speedup``: ``step_ms`` without overlap / this row's, both with or both without sequence
+* ``speedup``: ``step_ms`` without any overlap / this row's, both with or both without sequence
   parallelism (target >= 1.2x for overlapped rows where ``comm_of_plain_step`` >= 30 %, not
   applicable elsewhere); ``speedup_vs_plain_tp``: plain TP's (no overlap, no sequence
   parallelism) ``step_ms`` / this row's;
@@ -93,8 +96,31 @@ RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 reach the sub-batch threads, whose OpenMP/MKL calls would otherwise start teams of the machine's size."""
 PLOT_RANKS = 2
 PLOT_RATE_MBIT = 500.0
-PLOT_OVERLAP = 2
-"""The timeline shows rank 0's last plain and overlapped steps of this configuration."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One training run of a cluster: sub-batches, the column groups' backward overlap, sequence parallelism."""
+
+    tp_overlap: int
+    weight_grad_overlap: bool
+    sequence_parallel: bool = False
+
+    @property
+    def overlapped(self) -> bool:
+        return self.tp_overlap > 1 or self.weight_grad_overlap
+
+    @property
+    def label(self) -> str:
+        return (f"k={self.tp_overlap}" + (" wgrad" if self.weight_grad_overlap else "")
+                + (" sp" if self.sequence_parallel else ""))
+
+
+PLAIN = Variant(1, False)
+PLOT_VARIANT = Variant(2, True)
+"""The timeline shows rank 0's last plain and overlapped (this variant) steps of the plotted cluster."""
+VARIANTS = (PLAIN, Variant(1, True), Variant(2, False), Variant(2, True), Variant(4, True),
+            Variant(1, False, True), Variant(2, False, True))
 
 
 @dataclass(frozen=True)
@@ -124,22 +150,18 @@ class Workload:
 
 @dataclass(frozen=True)
 class Mode:
-    """Which configurations run: every world size x link rate, each with every overlap degree."""
+    """Which configurations run: every world size x link rate, each with every variant."""
 
     workload: Workload
     world_sizes: tuple[int, ...]
     rates_mbit: tuple[float, ...]
-    overlaps: tuple[int, ...]
-    sequence_overlaps: tuple[int, ...]
-    """Overlap degrees run again with ``sequence_parallel=True``."""
+    variants: tuple[Variant, ...]
 
 
 MODEL = {"hidden": 256, "layers": 4, "heads": 8, "vocab": 512, "seq": 128, "batch": 8}
 RATES_MBIT = (1000.0, 500.0, 200.0)
-QUICK = Mode(Workload(**MODEL, steps=6, warmup=2), world_sizes=(2,), rates_mbit=RATES_MBIT, overlaps=(1, 2, 4),
-             sequence_overlaps=(1, 2))
-FULL = Mode(Workload(**MODEL, steps=12, warmup=3), world_sizes=(2, 4), rates_mbit=RATES_MBIT, overlaps=(1, 2, 4),
-            sequence_overlaps=(1, 2))
+QUICK = Mode(Workload(**MODEL, steps=6, warmup=2), world_sizes=(2,), rates_mbit=RATES_MBIT, variants=VARIANTS)
+FULL = Mode(Workload(**MODEL, steps=12, warmup=3), world_sizes=(2, 4), rates_mbit=RATES_MBIT, variants=VARIANTS)
 
 
 def network_name(rate_mbit: float | None) -> str:
@@ -203,9 +225,8 @@ class StepRecorder(pl.Callback):
                             for event in trace.events]
 
 
-def _train(workload: Workload, world_size: int, tp_overlap: int, sequence_parallel: bool) -> dict[str, Any]:
-    """Train ``workload`` with tensor_parallel = world size, ``tp_overlap`` and ``sequence_parallel``;
-    per-step figures of this rank."""
+def _train(workload: Workload, world_size: int, variant: Variant) -> dict[str, Any]:
+    """Train ``workload`` with tensor_parallel = world size and ``variant``; per-step figures of this rank."""
     torch.manual_seed(0)
     model = build_causal_lm(workload.model_config(), workload.vocab)
     module = CausalLMModule(model, TrainerConfig(max_steps=workload.steps, warmup_steps=1))
@@ -213,21 +234,20 @@ def _train(workload: Workload, world_size: int, tp_overlap: int, sequence_parall
                            generator=torch.Generator().manual_seed(1))
     recorder = StepRecorder()
     strategy = Merak3DStrategy(data_parallel=1, pipeline_parallel=1, tensor_parallel=world_size,
-                               tp_overlap=tp_overlap, sequence_parallel=sequence_parallel,
-                               timeout_s=RANK_TIMEOUT_S)
+                               tp_overlap=variant.tp_overlap, tp_weight_grad_overlap=variant.weight_grad_overlap,
+                               sequence_parallel=variant.sequence_parallel, timeout_s=RANK_TIMEOUT_S)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=workload.steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[recorder],
     )
     trainer.fit(module, train_dataloaders=DataLoader(TensorDataset(tokens), batch_size=workload.batch))
-    return {"tp_overlap": tp_overlap, "sequence_parallel": sequence_parallel, "steps": recorder.steps, "last_step_events": recorder.last_events,
+    return {**asdict(variant), "steps": recorder.steps, "last_step_events": recorder.last_events,
             "last_step_s": recorder.steps[-1]["step_s"]}
 
 
-def rank_main(workload: Workload, overlaps: Sequence[int], sequence_overlaps: Sequence[int]) -> None:
-    """One rank of a cluster: train with every overlap degree in turn, then with sequence parallelism;
-    print the results as one JSON line.
+def rank_main(workload: Workload, variants: Sequence[Variant]) -> None:
+    """One rank of a cluster: train every variant in turn; print the results as one JSON line.
 
     The launcher starts every rank itself, so Lightning is told so (``LOCAL_RANK``) and joins them.
     """
@@ -235,15 +255,14 @@ def rank_main(workload: Workload, overlaps: Sequence[int], sequence_overlaps: Se
     _quiet_lightning()
     world_size = int(os.environ["WORLD_SIZE"])
     os.environ["LOCAL_RANK"] = os.environ["RANK"]
-    results = ([_train(workload, world_size, k, False) for k in overlaps]
-               + [_train(workload, world_size, k, True) for k in sequence_overlaps])
+    results = [_train(workload, world_size, variant) for variant in variants]
     print(RESULT_MARKER + json.dumps(results), flush=True)
 
 
-def rank_argv(workload: Workload, overlaps: Sequence[int], sequence_overlaps: Sequence[int]) -> list[str]:
+def rank_argv(workload: Workload, variants: Sequence[Variant]) -> list[str]:
     """Command line running :func:`rank_main` in a rank process."""
     return [sys.executable, "-m", "benchmarks.overlap_tp", "--rank", "--workload", json.dumps(asdict(workload)),
-            "--overlaps", ",".join(map(str, overlaps)), "--sequence-overlaps", ",".join(map(str, sequence_overlaps))]
+            "--variants", json.dumps([asdict(variant) for variant in variants])]
 
 
 # Driver ----------------------------------------------------------------------------------
@@ -257,20 +276,23 @@ def parse_rank_output(stdout: str) -> list[dict[str, Any]]:
     return json.loads(lines[-1][len(RESULT_MARKER):])
 
 
-def check_configuration(workload: Workload, world_size: int, overlaps: Sequence[int],
-                        sequence_overlaps: Sequence[int] = ()) -> None:
-    """Refuse, before any rank starts, a configuration the strategy would reject."""
-    if overlaps[0] != 1:
-        raise ValueError(f"overlaps must start with 1 (plain TP, the baseline), got {tuple(overlaps)}")
-    if sequence_overlaps and sequence_overlaps[0] != 1:
-        raise ValueError(f"sequence_overlaps must start with 1 (the sequence-parallel baseline), got "
-                         f"{tuple(sequence_overlaps)}")
-    if sequence_overlaps and workload.seq % world_size:
+def check_configuration(workload: Workload, world_size: int, variants: Sequence[Variant]) -> None:
+    """Refuse, before any rank starts, a configuration the strategy would reject or the report could not judge."""
+    if not variants or variants[0] != PLAIN:
+        raise ValueError(f"variants must start with {PLAIN} (plain TP, the baseline), got {tuple(variants)}")
+    sequence = [variant for variant in variants if variant.sequence_parallel]
+    if sequence and Variant(1, False, True) not in sequence:
+        raise ValueError("sequence-parallel variants need Variant(1, False, True), their baseline without overlap")
+    if any(variant.weight_grad_overlap for variant in sequence):
+        raise ValueError("weight_grad_overlap does not apply with sequence parallelism (the column groups' inputs "
+                         "arrive gathered); set it False in sequence-parallel variants")
+    if sequence and workload.seq % world_size:
         raise ValueError(f"{world_size} ranks do not divide seq={workload.seq}, which sequence parallelism splits; "
                          "change the sequence length")
-    for k in (*overlaps, *sequence_overlaps):
-        if workload.batch % k:
-            raise ValueError(f"tp_overlap={k} does not divide the batch of {workload.batch}; choose divisors of it")
+    for variant in variants:
+        if workload.batch % variant.tp_overlap:
+            raise ValueError(f"tp_overlap={variant.tp_overlap} does not divide the batch of {workload.batch}; "
+                             "choose divisors of it")
     intermediate = workload.hidden * 8 // 3 // 8 * 8
     for name, value in (("heads", workload.heads), ("hidden", workload.hidden), ("intermediate", intermediate)):
         if value % world_size:
@@ -279,15 +301,14 @@ def check_configuration(workload: Workload, world_size: int, overlaps: Sequence[
         raise ValueError(f"steps={workload.steps} must exceed warmup={workload.warmup}")
 
 
-def measure(world_size: int, rate_mbit: float | None, workload: Workload, overlaps: Sequence[int],
-            sequence_overlaps: Sequence[int] = ()) -> list[list[dict[str, Any]]]:
-    """Run one cluster (loopback when ``rate_mbit`` is None); results per rank, per variant
-    (``overlaps``, then ``sequence_overlaps`` with sequence parallelism)."""
-    check_configuration(workload, world_size, overlaps, sequence_overlaps)
+def measure(world_size: int, rate_mbit: float | None, workload: Workload,
+            variants: Sequence[Variant]) -> list[list[dict[str, Any]]]:
+    """Run one cluster (loopback when ``rate_mbit`` is None); results per rank, per variant."""
+    check_configuration(workload, world_size, variants)
     cluster = (LoopbackCluster(world_size) if rate_mbit is None
                else EmulatedCluster(world_size, LinkSpec(rate_mbit=rate_mbit)))
     with cluster:
-        results = cluster.run(rank_argv(workload, overlaps, sequence_overlaps), timeout_s=RANK_TIMEOUT_S, extra_env=RANK_ENV,
+        results = cluster.run(rank_argv(workload, variants), timeout_s=RANK_TIMEOUT_S, extra_env=RANK_ENV,
                               cwd=REPO_ROOT)
     return [parse_rank_output(result.stdout) for result in results]
 
@@ -298,9 +319,9 @@ def _relative_difference(value: float, reference: float) -> float:
 
 def summarise(world_size: int, network: str, ranks: Sequence[Sequence[dict[str, Any]]],
               warmup: int) -> list[dict[str, Any]]:
-    """Report rows of one cluster from its ranks' results, plain TP (the first degree) first.
+    """Report rows of one cluster from its ranks' results, plain TP (the first variant) first.
 
-    Every sequence-parallel overlap degree needs the sequence-parallel run without overlap as its baseline.
+    Every sequence-parallel variant needs the sequence-parallel run without overlap as its baseline.
     """
     rows: list[dict[str, Any]] = []
     for position, per_rank in enumerate(zip(*ranks)):
@@ -319,6 +340,7 @@ def summarise(world_size: int, network: str, ranks: Sequence[Sequence[dict[str, 
                       / max(sum(step["step_s"] for step in timed[0]), 1e-30))
         rows.append({
             "ranks": world_size, "network": network, "tp_overlap": per_rank[0]["tp_overlap"],
+            "weight_grad_overlap": per_rank[0]["weight_grad_overlap"],
             "sequence_parallel": per_rank[0]["sequence_parallel"],
             "step_ms": step_s * 1e3, "exposed_ms": exposed_s * 1e3, "busy_ms": busy_s * 1e3,
             "exposed_fraction": exposed_fraction, "exposed_of_step": exposed_s / step_s,
@@ -328,7 +350,8 @@ def summarise(world_size: int, network: str, ranks: Sequence[Sequence[dict[str, 
             "final_loss": losses[-1], "losses": losses, "timed_steps": len(slowest),
         })
     plain = rows[0]
-    unoverlapped = {row["sequence_parallel"]: row for row in rows if row["tp_overlap"] == 1}
+    unoverlapped = {row["sequence_parallel"]: row for row in rows
+                    if row["tp_overlap"] == 1 and not row["weight_grad_overlap"]}
     for row in rows:
         baseline = unoverlapped[row["sequence_parallel"]]
         row["comm_of_plain_step"] = baseline["exposed_of_step"]
@@ -346,7 +369,7 @@ def judge(row: dict[str, Any]) -> dict[str, str]:
     Rows without overlap are judged on equal losses only.
     """
     loss_equal = "PASS" if row["loss_max_rel_diff"] <= LOSS_RTOL else "FAIL"
-    if row["tp_overlap"] == 1:
+    if row["tp_overlap"] == 1 and not row["weight_grad_overlap"]:
         return {"exposed_target": "-", "speedup_target": "-",
                 "loss_equal": loss_equal if row["sequence_parallel"] else "-"}
     exposed = "PASS" if row["exposed_fraction"] <= TARGET_EXPOSED_FRACTION else "FAIL"
@@ -357,14 +380,11 @@ def judge(row: dict[str, Any]) -> dict[str, str]:
     return {"exposed_target": exposed, "speedup_target": speedup, "loss_equal": loss_equal}
 
 
-def failed_rows(world_size: int, network: str, overlaps: Sequence[int], sequence_overlaps: Sequence[int],
-                error: Exception) -> list[dict[str, Any]]:
+def failed_rows(world_size: int, network: str, variants: Sequence[Variant], error: Exception) -> list[dict[str, Any]]:
     """Rows of a cluster that did not finish, with the line that says why."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     reason = next((line for line in reversed(lines) if "Error" in line), lines[0] if lines else type(error).__name__)
-    variants = [(k, False) for k in overlaps] + [(k, True) for k in sequence_overlaps]
-    return [{"ranks": world_size, "network": network, "tp_overlap": k, "sequence_parallel": sequence, "error": reason}
-            for k, sequence in variants]
+    return [{"ranks": world_size, "network": network, **asdict(variant), "error": reason} for variant in variants]
 
 
 def plot_steps(plain_events: list[dict[str, float]], plain_step_s: float, overlapped_events: list[dict[str, float]],
@@ -375,8 +395,8 @@ def plot_steps(plain_events: list[dict[str, float]], plain_step_s: float, overla
     from matplotlib.patches import Patch
 
     wire, wait = "#4c72b0", "#c44e52"
-    panels = [("plain TP (tp_overlap=1)", plain_events, plain_step_s),
-              (f"overlapped TP (tp_overlap={PLOT_OVERLAP})", overlapped_events, overlapped_step_s)]
+    panels = [("plain TP (tp_overlap=1, no weight-gradient overlap)", plain_events, plain_step_s),
+              (f"overlapped TP ({PLOT_VARIANT.label})", overlapped_events, overlapped_step_s)]
     figure = Figure(figsize=(12.0, 5.5))
     FigureCanvasAgg(figure)
     axes_list = figure.subplots(2, 1, sharex=True)
@@ -404,7 +424,7 @@ def plot_steps(plain_events: list[dict[str, float]], plain_step_s: float, overla
     return path
 
 
-COLUMNS = ["ranks", "network", "tp_overlap", "sequence_parallel", "step_ms", "exposed_ms", "busy_ms", "exposed_fraction",
+COLUMNS = ["ranks", "network", "tp_overlap", "weight_grad_overlap", "sequence_parallel", "step_ms", "exposed_ms", "busy_ms", "exposed_fraction",
            "exposed_of_step", "comm_of_plain_step", "speedup", "speedup_vs_plain_tp", "cpu_ms_per_rank", "idle_cores", "page_faults_per_rank", "final_loss", "loss_max_rel_diff",
            "exposed_target", "speedup_target", "loss_equal", "error"]
 
@@ -418,12 +438,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
-    parser.add_argument("--overlaps", help=argparse.SUPPRESS)
-    parser.add_argument("--sequence-overlaps", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--variants", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank:
-        rank_main(Workload(**json.loads(args.workload)), [int(k) for k in args.overlaps.split(",")],
-                  [int(k) for k in args.sequence_overlaps.split(",") if k])
+        rank_main(Workload(**json.loads(args.workload)), [Variant(**fields) for fields in json.loads(args.variants)])
         return 0
 
     if not emulation_available():
@@ -431,43 +449,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = QUICK if args.quick else FULL
     workload = mode.workload
     for world_size in mode.world_sizes:
-        check_configuration(workload, world_size, mode.overlaps, mode.sequence_overlaps)
+        check_configuration(workload, world_size, mode.variants)
     started = time.monotonic()
-    print(f"{workload.describe()}; tp_overlap {mode.overlaps}, with sequence_parallel {mode.sequence_overlaps}; "
+    print(f"{workload.describe()}; variants {', '.join(variant.label for variant in mode.variants)}; "
           f"emulated links {mode.rates_mbit} Mbit/s", flush=True)
     rows: list[dict[str, Any]] = []
-    step_events: dict[tuple[int, str, int, bool], tuple[list[dict[str, Any]], float]] = {}
+    step_events: dict[tuple[int, str, Variant], tuple[list[dict[str, Any]], float]] = {}
     for world_size in mode.world_sizes:
         for rate in mode.rates_mbit:
             network = network_name(rate)
             run_started = time.monotonic()
             try:
-                ranks = measure(world_size, rate, workload, mode.overlaps, mode.sequence_overlaps)
+                ranks = measure(world_size, rate, workload, mode.variants)
             except (RankFailure, RankTimeout, ValueError) as error:
-                rows += failed_rows(world_size, network, mode.overlaps, mode.sequence_overlaps, error)
+                rows += failed_rows(world_size, network, mode.variants, error)
                 print(f"  {world_size} ranks, {network}: failed ({error.__class__.__name__})", flush=True)
                 continue
             cluster_rows = summarise(world_size, network, ranks, workload.warmup)
             rows += cluster_rows
-            for result in ranks[0]:
-                key = (world_size, network, result["tp_overlap"], result["sequence_parallel"])
-                step_events[key] = (result["last_step_events"], result["last_step_s"])
-            steps = ", ".join(f"k={row['tp_overlap']}{' sp' if row['sequence_parallel'] else ''} {row['step_ms']:.0f} ms"
-                              for row in cluster_rows)
+            for variant, result in zip(mode.variants, ranks[0]):
+                step_events[(world_size, network, variant)] = (result["last_step_events"], result["last_step_s"])
+            steps = ", ".join(f"{variant.label} {row['step_ms']:.0f} ms" for variant, row in zip(mode.variants, cluster_rows))
             print(f"  {world_size} ranks, {network}: {steps} ({time.monotonic() - run_started:.0f} s)", flush=True)
 
     print(f"\nOverlapped vs plain tensor parallelism (emulated network, measured; {workload.describe()})")
     report.print_table(rows, COLUMNS)
     print(f"targets: exposed_fraction <= {TARGET_EXPOSED_FRACTION:.0%}; speedup >= {TARGET_SPEEDUP}x where "
           f"comm_of_plain_step >= {SPEEDUP_APPLIES_FROM_COMM:.0%} (overlapped rows); losses equal to plain TP "
-          f"within {LOSS_RTOL:g}; speedup is against the same mode (with or without sequence parallelism) without overlap")
+          f"within {LOSS_RTOL:g}; speedup is against the same mode (with or without sequence parallelism) without "
+          "any overlap (tp_overlap=1, weight_grad_overlap=False)")
 
     timeline = args.out.with_name(f"{args.out.stem}_timeline.png")
     chrome = args.out.with_name(f"{args.out.stem}_trace.json")
     network = network_name(PLOT_RATE_MBIT)
-    plotted = (PLOT_RANKS, network, PLOT_OVERLAP, False) in step_events
+    plotted = all((PLOT_RANKS, network, variant) in step_events for variant in (PLAIN, PLOT_VARIANT))
     if plotted:
-        plain, overlapped = (step_events[(PLOT_RANKS, network, k, False)] for k in (1, PLOT_OVERLAP))
+        plain, overlapped = (step_events[(PLOT_RANKS, network, variant)] for variant in (PLAIN, PLOT_VARIANT))
         plot_steps(*plain, *overlapped, timeline,
                    f"rank 0 of {PLOT_RANKS}, {network} emulated link, last training step (measured)")
         chrome.write_text(json.dumps(CommunicationTrace(events=overlapped[0]).chrome_trace()) + "\n")

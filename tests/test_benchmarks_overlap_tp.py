@@ -6,13 +6,15 @@ import os
 
 import pytest
 
-from benchmarks.overlap_tp import Workload, check_configuration, measure, plot_steps, summarise
+from benchmarks.overlap_tp import PLAIN, Variant, Workload, check_configuration, measure, plot_steps, summarise
 
 
 def _rank(tp_overlap: int, steps: list[tuple[float, float, float, float]], cpu_s: float = 0.5,
-          idle_s: float = 0.25, page_faults: int = 100, sequence_parallel: bool = False) -> dict:
+          idle_s: float = 0.25, page_faults: int = 100, sequence_parallel: bool = False,
+          weight_grad_overlap: bool = False) -> dict:
     """A rank's result: per step (step_s, exposed_s, busy_s, loss); CPU, machine idle time and faults per step."""
-    return {"tp_overlap": tp_overlap, "sequence_parallel": sequence_parallel, "steps": [
+    return {"tp_overlap": tp_overlap, "weight_grad_overlap": weight_grad_overlap,
+            "sequence_parallel": sequence_parallel, "steps": [
         {"step_s": step, "exposed_s": exposed, "busy_s": busy, "collectives": 8, "loss": loss,
          "cpu_s": cpu_s, "machine_idle_s": idle_s, "page_faults": page_faults}
         for step, exposed, busy, loss in steps
@@ -45,6 +47,14 @@ def test_rows_use_the_slowest_rank_and_judge_the_targets():
         "FAIL", "PASS", "FAIL")
 
 
+def test_weight_gradient_overlap_alone_is_an_overlapped_row():
+    plain = _rank(1, [(1.0, 0.5, 0.5, 1.0)])
+    overlapped = _rank(1, [(0.8, 0.1, 0.5, 1.0)], weight_grad_overlap=True)
+    _, row = summarise(2, "1Gbit", [[plain, overlapped]], warmup=0)
+    assert row["weight_grad_overlap"] and row["speedup"] == pytest.approx(1.25)
+    assert (row["exposed_target"], row["speedup_target"], row["loss_equal"]) == ("PASS", "PASS", "PASS")
+
+
 def test_speedup_target_does_not_apply_below_thirty_percent_communication():
     plain = _rank(1, [(1.0, 0.1, 0.1, 1.0), (1.0, 0.1, 0.1, 1.0)])
     overlapped = _rank(2, [(1.0, 0.01, 0.1, 1.0), (1.0, 0.01, 0.1, 1.0)])
@@ -70,38 +80,40 @@ def test_sequence_parallel_rows_are_judged_against_plain_tensor_parallelism():
 
 def test_bad_configurations_are_refused_before_any_rank_starts():
     workload = Workload(hidden=64, layers=2, heads=4, vocab=128, seq=32, batch=4, steps=3, warmup=1)
-    with pytest.raises(ValueError, match="start with 1"):
-        check_configuration(workload, 2, (2, 4))
+    with pytest.raises(ValueError, match="must start with .*plain TP"):
+        check_configuration(workload, 2, (Variant(2, True), Variant(4, True)))
     with pytest.raises(ValueError, match="tp_overlap=3 does not divide"):
-        check_configuration(workload, 2, (1, 3))
+        check_configuration(workload, 2, (PLAIN, Variant(3, True)))
     with pytest.raises(ValueError, match="do not divide heads=4"):
-        check_configuration(workload, 8, (1, 2))
-    with pytest.raises(ValueError, match="sequence_overlaps must start with 1"):
-        check_configuration(workload, 2, (1,), (2,))
+        check_configuration(workload, 8, (PLAIN, Variant(2, True)))
+    with pytest.raises(ValueError, match="need Variant\\(1, False, True\\)"):
+        check_configuration(workload, 2, (PLAIN, Variant(2, False, True)))
+    with pytest.raises(ValueError, match="does not apply with sequence parallelism"):
+        check_configuration(workload, 2, (PLAIN, Variant(1, False, True), Variant(1, True, True)))
     with pytest.raises(ValueError, match="do not divide seq=30"):
-        check_configuration(Workload(64, 2, 4, 128, 30, 4, steps=3, warmup=1), 4, (1,), (1,))
+        check_configuration(Workload(64, 2, 4, 128, 30, 4, steps=3, warmup=1), 4, (PLAIN, Variant(1, False, True)))
     with pytest.raises(ValueError, match="must exceed warmup"):
-        check_configuration(Workload(64, 2, 4, 128, 32, 4, steps=1, warmup=1), 2, (1, 2))
+        check_configuration(Workload(64, 2, 4, 128, 32, 4, steps=1, warmup=1), 2, (PLAIN, Variant(2, True)))
 
 
 def test_plain_and_overlapped_training_on_loopback_ranks(tmp_path):
     """Real rank processes through Lightning: equal losses, one collective set per sub-batch, a timeline."""
     workload = Workload(hidden=64, layers=2, heads=4, vocab=128, seq=32, batch=4, steps=3, warmup=1)
-    ranks = measure(2, None, workload, (1, 2), (1,))
-    plain, overlapped, sequence = summarise(2, "loopback", ranks, workload.warmup)
-    assert overlapped["loss_equal"] == sequence["loss_equal"] == "PASS"
+    ranks = measure(2, None, workload, (PLAIN, Variant(1, True), Variant(2, True), Variant(1, False, True)))
+    plain, weight_grad, overlapped, sequence = summarise(2, "loopback", ranks, workload.warmup)
+    assert weight_grad["loss_equal"] == overlapped["loss_equal"] == sequence["loss_equal"] == "PASS"
     assert plain["losses"][0] != plain["losses"][-1]
     # Two all-reduces per block in forward and two in backward, once per sub-batch; sequence
     # parallelism turns each into a reduce-scatter and an all-gather, gathers each column group's
     # input again in backward, and adds one gather each way at the ends of the trunk.
-    assert plain["collectives_per_step"] == 4 * workload.layers
+    assert plain["collectives_per_step"] == weight_grad["collectives_per_step"] == 4 * workload.layers
     assert overlapped["collectives_per_step"] == 2 * 4 * workload.layers
     assert sequence["collectives_per_step"] == 10 * workload.layers + 2
-    for row in (plain, overlapped, sequence):  # exposed may exceed busy by wake-up delays, so each is bounded alone
+    for row in (plain, weight_grad, overlapped, sequence):  # exposed may exceed busy by wake-up delays, so each is bounded alone
         assert 0 < row["exposed_ms"] < row["step_ms"] and 0 < row["busy_ms"] < row["step_ms"]
         assert row["cpu_ms_per_rank"] > 0 and row["page_faults_per_rank"] >= 0
         assert 0 <= row["idle_cores"] <= os.cpu_count() + 0.5  # 10 ms ticks over short steps
-    events = {result["tp_overlap"]: (result["last_step_events"], result["last_step_s"]) for result in ranks[0]}
+    events = [(result["last_step_events"], result["last_step_s"]) for result in ranks[0]]
     assert {int(event["sub_batch"]) for event in events[2][0]} == {0, 1}
-    path = plot_steps(*events[1], *events[2], tmp_path / "timeline.png", "loopback")
+    path = plot_steps(*events[0], *events[2], tmp_path / "timeline.png", "loopback")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -160,6 +160,10 @@ def test_bad_splits_are_refused_with_the_fix():
         Merak3DStrategy(tp_overlap=2)._check_overlap(1)
     with pytest.raises(ValueError, match="interleaved_zero_bubble"):
         Merak3DStrategy(tensor_parallel=2, tp_overlap=2, schedule="interleaved_zero_bubble")
+    with pytest.raises(ValueError, match="tp_weight_grad_overlap=True .* interleaved_zero_bubble"):
+        Merak3DStrategy(tensor_parallel=2, tp_weight_grad_overlap=True, schedule="interleaved_zero_bubble")
+    assert not Merak3DStrategy(tensor_parallel=2, schedule="interleaved_zero_bubble").tp_weight_grad_overlap
+    assert Merak3DStrategy(tensor_parallel=2).tp_weight_grad_overlap
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])

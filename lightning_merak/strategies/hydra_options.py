@@ -24,6 +24,7 @@ class Merak3DStrategyConfig(StrategyConfig):
     pipeline_parallel: Any = 1
     tensor_parallel: Any = 1
     tp_overlap: Any = 1
+    tp_weight_grad_overlap: Optional[bool] = None
     sequence_parallel: bool = False
     micro_batches: Optional[int] = None
     schedule: str = "1f1b"
@@ -41,6 +42,7 @@ class Merak3DStrategyConfig(StrategyConfig):
             "pipeline_parallel": self.pipeline_parallel,
             "tensor_parallel": self.tensor_parallel,
             "tp_overlap": self.tp_overlap,
+            "tp_weight_grad_overlap": self.tp_weight_grad_overlap,
             "sequence_parallel": self.sequence_parallel,
             "micro_batches": self.micro_batches,
             "schedule": self.schedule,

@@ -247,10 +247,11 @@ def _outside_update_s(model: nn.Module, trace: ModelTrace,
 
 
 def _sharded_copy(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh,
-                  sequence_plan: Optional[SequenceParallelPlan] = None) -> nn.Module:
+                  sequence_plan: Optional[SequenceParallelPlan] = None,
+                  overlap_weight_gradients: bool = True) -> nn.Module:
     """A copy of ``block`` with real tensor-parallel layers over ``mesh`` (collectives included)."""
     sharded = copy.deepcopy(block)
-    apply_tensor_parallel(sharded, plan, mesh, sequence_plan)
+    apply_tensor_parallel(sharded, plan, mesh, sequence_plan, overlap_weight_gradients)
     return sharded
 
 
@@ -264,14 +265,15 @@ def tensor_parallel_mesh(device: torch.device, tensor_parallel: int) -> DeviceMe
 def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dict[int, ModelTrace],
                          keys: ProfileKeys, meshes: dict[int, DeviceMesh], repeats: int,
                          max_blocks: int, sequence_plan: Optional[SequenceParallelPlan] = None,
-                         ) -> dict[tuple[int, int, int], MeasuredBlocks]:
+                         overlap_weight_gradients: bool = True) -> dict[tuple[int, int, int], MeasuredBlocks]:
     """Regions of one and of ``max_blocks`` real tensor-parallel blocks, at each (tp, overlap, samples) of ``keys``
     whose tp has a mesh.
 
     The per-block cost is the difference over ``max_blocks - 1`` blocks, so timing noise is
     divided by that many instead of landing whole on every further block. With a
     ``sequence_plan`` the blocks run sequence-parallel, as the runtime runs them: the region
-    splits the sequence at its first block and gathers it after its last.
+    splits the sequence at its first block and gathers it after its last. ``overlap_weight_gradients``
+    is the runtime's setting for the column groups' backward.
     """
     measured: dict[tuple[int, int, int], MeasuredBlocks] = {}
     counts = (1, max(2, max_blocks))
@@ -281,7 +283,8 @@ def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dic
         args, kwargs = trace.block_arguments(_side_tensors_for(trace, samples))
         times = []
         for count in counts:
-            blocks = [_sharded_copy(block, plan, meshes[tp], sequence_plan) for _ in range(count)]
+            blocks = [_sharded_copy(block, plan, meshes[tp], sequence_plan, overlap_weight_gradients)
+                      for _ in range(count)]
             if sequence_plan is not None:
                 split_sequence_between(blocks[0], blocks[-1], meshes[tp].get_group(), trace.block_output_index)
             run = _BlockRun(blocks, trace)
@@ -340,6 +343,7 @@ def profile_model(
     process_group_device: Optional[torch.device] = None,
     loss_of: Optional[Callable[[Any, int], torch.Tensor]] = None,
     sequence_plan_of: Optional[Callable[[nn.Module, ModelTrace, TensorParallelPlan], SequenceParallelPlan]] = None,
+    overlap_weight_gradients: bool = True,
 ) -> ModelProfile:
     """Time ``model``'s parts at every (tp, sub-batch samples) the search needs (``keys``).
 
@@ -349,7 +353,8 @@ def profile_model(
     With ``loss_of(logits, samples)`` (the training loss of the first ``samples`` samples'
     logits), the loss is timed at every micro-batch size of ``keys.loss_samples``. With
     ``sequence_plan_of(block, trace, plan)`` the real blocks are timed sequence-parallel; the
-    sequence length must divide by every tp of ``keys``.
+    sequence length must divide by every tp of ``keys``. ``overlap_weight_gradients`` is the
+    runtime's setting for the real blocks' column groups (:func:`apply_tensor_parallel`).
     """
     real_blocks = process_group_device is not None and dist.is_initialized() and dist.get_world_size() > 1
     measured_samples = {samples for _, _, samples in keys.measured_blocks} if real_blocks else set()
@@ -385,7 +390,7 @@ def profile_model(
     block_optimizer_s, block_clip_s = _block_update_times(block, plan, keys, optimizer_factory, meshes, repeats)
     prefix_update_s, suffix_update_s = _outside_update_s(model, largest, optimizer_factory, repeats)
     measured = _measure_real_blocks(block, plan, traces, keys, meshes, repeats, max_blocks=min(len(trunk), 4),
-                                    sequence_plan=sequence_plan)
+                                    sequence_plan=sequence_plan, overlap_weight_gradients=overlap_weight_gradients)
     return ModelProfile(
         num_blocks=len(trunk),
         hidden_bytes_per_sample=hidden[0].numel() * hidden.element_size(),

@@ -194,6 +194,10 @@ class Merak3DStrategy(ParallelStrategy):
         tp_overlap: sub-batches each micro-batch is split into so that one sub-batch's
             tensor-parallel all-reduce runs while the next computes, across blocks, in forward and
             backward (1 = no overlap; ``"auto"``: planned). It must divide the micro-batch size.
+        tp_weight_grad_overlap: in backward, each column group (q/k/v, gate/up) all-reduces its
+            input gradient while it computes its weight gradients, so that collective is hidden
+            without sub-batches too. Default: on, except with ``"interleaved_zero_bubble"``, which
+            computes weight gradients in a pass of their own (``True`` is refused there).
         sequence_parallel: split the blocks' norms, dropout and residual stream along the sequence
             over the tensor-parallel ranks (:mod:`~lightning_merak.strategies.sequence_parallel`):
             each all-reduce becomes a reduce-scatter and an all-gather, activations between the
@@ -227,6 +231,7 @@ class Merak3DStrategy(ParallelStrategy):
         pipeline_parallel: Degree = 1,
         tensor_parallel: Degree = 1,
         tp_overlap: Degree = 1,
+        tp_weight_grad_overlap: Optional[bool] = None,
         sequence_parallel: bool = False,
         micro_batches: Optional[int] = None,
         schedule: str = "1f1b",
@@ -256,6 +261,11 @@ class Merak3DStrategy(ParallelStrategy):
                 "tp_overlap>1 runs each stage's backward as a whole, which interleaved_zero_bubble splits into "
                 "input and weight gradients; use schedule='interleaved_1f1b' or tp_overlap=1"
             )
+        if tp_weight_grad_overlap and schedule == "interleaved_zero_bubble":
+            raise ValueError(
+                "tp_weight_grad_overlap=True computes weight gradients in the input-gradient pass, which "
+                "interleaved_zero_bubble keeps apart; leave tp_weight_grad_overlap unset or use another schedule"
+            )
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is not supported; choose one of {', '.join(SCHEDULES)}")
         if schedule == "shifted_critical_path" and not shifted_schedule_available():
@@ -278,6 +288,8 @@ class Merak3DStrategy(ParallelStrategy):
         self._degrees: dict[str, Degree] = {"dp": data_parallel, "pp": pipeline_parallel, "tp": tensor_parallel}
         self._micro_batches = micro_batches
         self.tp_overlap = tp_overlap
+        self.tp_weight_grad_overlap = (schedule != "interleaved_zero_bubble" if tp_weight_grad_overlap is None
+                                       else tp_weight_grad_overlap)
         self.sequence_parallel = sequence_parallel
         self.memory_limit = memory_limit
         self.plan_only = plan_only
@@ -593,7 +605,8 @@ class Merak3DStrategy(ParallelStrategy):
         profile = profile_model(model, inputs, _call_model, self._tensor_parallel_plan, keys, factory,
                                 repeats=PLANNER_REPEATS, process_group_device=self.root_device,
                                 loss_of=lambda logits, samples: module.loss_from_logits(logits, targets[:samples]),
-                                sequence_plan_of=self._sequence_parallel_plan if self.sequence_parallel else None)
+                                sequence_plan_of=self._sequence_parallel_plan if self.sequence_parallel else None,
+                                overlap_weight_gradients=self.tp_weight_grad_overlap)
         every_rank: list[Any] = [None] * world
         dist.all_gather_object(every_rank, profile)
         profile = average_profiles(every_rank)
@@ -849,7 +862,7 @@ class Merak3DStrategy(ParallelStrategy):
         """Split every local block (by trunk index) over the tensor-parallel group."""
         mesh = self.device_mesh["tp"]
         for index, block in blocks.items():
-            changes = apply_tensor_parallel(block, plan, mesh, sequence_plan)
+            changes = apply_tensor_parallel(block, plan, mesh, sequence_plan, self.tp_weight_grad_overlap)
             self._layout_changes.update({f"{trace.trunk_path}.{index}.{name}": c for name, c in changes.items()})
         # sequence-split blocks see only their tokens everywhere; plain TP blocks only their heads inside a region
         if sequence_plan is not None:

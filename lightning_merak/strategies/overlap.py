@@ -58,6 +58,7 @@ __all__ = [
     "record_communication",
     "reduce_scatter_in_turn",
     "run_sub_batches",
+    "start_all_reduce_in_turn",
     "start_all_to_all_in_turn",
 ]
 
@@ -400,6 +401,21 @@ def all_reduce_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.
                                  "all_reduce").wait()
 
     return _communicate_once(communicate)
+
+
+def start_all_reduce_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup) -> "PendingCollective":
+    """Launch the in-place sum of ``tensor`` over ``group``; the caller computes until it waits.
+
+    For work the caller itself has to do meanwhile (a column group's weight gradients while
+    its input gradient is summed). Inside a checkpointed region, where collectives are
+    recorded or replayed, the sum is done at once.
+    """
+    if tensor.is_meta or dist.get_world_size(group) == 1:
+        return PendingCollective(tensor, None)
+    if _replay_stack():
+        return PendingCollective(all_reduce_in_turn(tensor, group), None)
+    launch = time.perf_counter()
+    return PendingCollective(tensor, dist.all_reduce(tensor, group=group, async_op=True), launch, "all_reduce")
 
 
 def all_gather_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:

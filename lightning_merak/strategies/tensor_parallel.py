@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from lightning_merak.strategies.overlap import all_reduce_in_turn, unrecorded_communication
+from lightning_merak.strategies.overlap import all_reduce_in_turn, start_all_reduce_in_turn, unrecorded_communication
 from lightning_merak.strategies.rank_random import install_rank_streams
 from lightning_merak.strategies.sequence_parallel import (
     SequenceParallelPlan,
@@ -270,27 +270,130 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
+class _DeferredWeightGradients:
+    """Weight-gradient work a column group's layers leave to the group's entry (one per entered input).
+
+    A column layer's backward computes only its input gradient and leaves its output gradient
+    and input here; the entry computes the weight gradients while the summed input gradient
+    is all-reduced, so that collective runs behind computation even without sub-batches.
+    """
+
+    def __init__(self, layers: int, input_needs_grad: bool) -> None:
+        self.input_needs_grad = input_needs_grad
+        self._work: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(layers)]
+
+    def add(self, index: int, output_grad: torch.Tensor, layer_input: torch.Tensor) -> None:
+        self._work[index].append((output_grad, layer_input))
+
+    def weight_gradients(self, dtypes: tuple[torch.dtype, ...]) -> list[Optional[torch.Tensor]]:
+        """Each layer's ``output_grad^T @ input`` summed over its calls (None for a layer that left none)."""
+        gradients: list[Optional[torch.Tensor]] = []
+        for work, dtype in zip(self._work, dtypes, strict=True):
+            total = None
+            for output_grad, layer_input in work:
+                grad = output_grad.t().mm(layer_input.reshape(-1, layer_input.shape[-1])).to(dtype)
+                total = grad if total is None else total + grad
+            gradients.append(total)
+        self._work = [[] for _ in self._work]
+        return gradients
+
+
+class _ColumnGroupEntry(torch.autograd.Function):
+    """Identity forward on a column group's input; its parameters are the group's local weights.
+
+    Backward launches the all-reduce of the input gradient (partial on each rank), computes the
+    group's deferred weight gradients meanwhile, then waits.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup, deferred: _DeferredWeightGradients,
+                *weights: torch.Tensor) -> torch.Tensor:
+        ctx.group, ctx.deferred = group, deferred
+        ctx.weight_dtypes = tuple(weight.dtype for weight in weights)
+        ctx.set_materialize_grads(False)
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+        pending = (start_all_reduce_in_turn(grad.contiguous().clone(), ctx.group)
+                   if grad is not None and ctx.needs_input_grad[0] else None)
+        weight_grads = ctx.deferred.weight_gradients(ctx.weight_dtypes)
+        return (pending.wait() if pending is not None else None, None, None, *weight_grads)
+
+
+class _ColumnLinear(torch.autograd.Function):
+    """``F.linear`` whose backward computes the input and bias gradients and defers the weight's."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                deferred: _DeferredWeightGradients, index: int) -> torch.Tensor:
+        device = tensor.device.type
+        ctx.input_dtype = tensor.dtype
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            tensor, weight = tensor.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        with torch.autocast(device, enabled=False):
+            output = F.linear(tensor, weight, bias)
+        ctx.save_for_backward(tensor, weight)
+        ctx.deferred, ctx.index = deferred, index
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        tensor, weight = ctx.saved_tensors
+        grad = grad.to(weight.dtype)
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        input_grad = (grad.matmul(weight).to(ctx.input_dtype)
+                      if ctx.deferred.input_needs_grad and ctx.needs_input_grad[0] else None)
+        bias_grad = flat_grad.sum(0) if ctx.needs_input_grad[2] else None
+        if ctx.needs_input_grad[1]:
+            ctx.deferred.add(ctx.index, flat_grad, tensor)
+        return input_grad, None, bias_grad, None, None
+
+
 class ColumnGroupInput:
     """The input of a column group, entered into the tensor-parallel region once for all its layers.
 
     Held from the group's first column layer until its row layer runs (per thread, so
-    sub-batches keep their own).
+    sub-batches keep their own). With ``overlap_weight_gradients`` the entry also takes the
+    group's weights, and computes their gradients while the input gradient is all-reduced.
     """
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, overlap_weight_gradients: bool = True) -> None:
         self.group = group
+        self.overlap_weight_gradients = overlap_weight_gradients
+        self._layers: list[ColumnParallelLinear] = []
         self._last = threading.local()
 
-    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+    def add_layer(self, layer: "ColumnParallelLinear") -> int:
+        """Register a column layer of the group; returns its index among the group's weights."""
+        self._layers.append(layer)
+        return len(self._layers) - 1
+
+    def enter(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Optional[_DeferredWeightGradients]]:
+        """``tensor`` in the tensor-parallel region, and where the group's layers leave their weight gradients."""
         source: Optional[weakref.ref] = getattr(self._last, "source", None)
         if source is not None and source() is tensor:
-            return self._last.copied
-        copied = _CopyToTensorParallel.apply(tensor, self.group)
-        self._last.source, self._last.copied = weakref.ref(tensor), copied
-        return copied
+            return self._last.entered, self._last.deferred
+        if self.overlap_weight_gradients:
+            deferred = _DeferredWeightGradients(len(self._layers), tensor.requires_grad)
+            weights = [layer.weight.to_local() for layer in self._layers]
+            entered = _ColumnGroupEntry.apply(tensor, self.group, deferred, *weights)
+        else:
+            deferred, entered = None, _CopyToTensorParallel.apply(tensor, self.group)
+        self._last.source, self._last.entered, self._last.deferred = weakref.ref(tensor), entered, deferred
+        return entered, deferred
 
     def release(self) -> None:
-        self._last.source = self._last.copied = None
+        self._last.source = self._last.entered = self._last.deferred = None
+
+
+def _sharded_parameter(parameter: nn.Parameter, mesh: DeviceMesh, placement: Any) -> nn.Parameter:
+    """``parameter`` as a DTensor over ``mesh``; a frozen one stays frozen."""
+    return nn.Parameter(distribute_tensor(parameter.detach(), mesh, [placement]),
+                        requires_grad=parameter.requires_grad)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -304,16 +407,20 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, mesh: DeviceMesh, group_input: Optional[ColumnGroupInput]) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Shard(0)]))
-        self.bias = (nn.Parameter(distribute_tensor(linear.bias.detach(), mesh, [Shard(0)]))
+        self.weight = _sharded_parameter(linear.weight, mesh, Shard(0))
+        self.bias = (_sharded_parameter(linear.bias, mesh, Shard(0))
                      if linear.bias is not None else None)
         self.group_input = group_input
+        self._index = group_input.add_layer(self) if group_input is not None else -1
 
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to_local() if self.bias is not None else None
         if self.group_input is None:
             return linear_on_gathered(tensor, self.weight.to_local(), bias)
-        return F.linear(self.group_input(tensor), self.weight.to_local(), bias)
+        entered, deferred = self.group_input.enter(tensor)
+        if deferred is None:
+            return F.linear(entered, self.weight.to_local(), bias)
+        return _ColumnLinear.apply(entered, self.weight.to_local(), bias, deferred, self._index)
 
 
 class RowParallelLinear(nn.Module):
@@ -326,8 +433,8 @@ class RowParallelLinear(nn.Module):
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Shard(1)]))
-        self.bias = (nn.Parameter(distribute_tensor(linear.bias.detach(), mesh, [Replicate()]))
+        self.weight = _sharded_parameter(linear.weight, mesh, Shard(1))
+        self.bias = (_sharded_parameter(linear.bias, mesh, Replicate())
                      if linear.bias is not None else None)
         self.group = mesh.get_group()
         self.partner_input = partner_input
@@ -343,7 +450,8 @@ class RowParallelLinear(nn.Module):
 
 
 def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh,
-                          sequence_parallel: Optional[SequenceParallelPlan] = None) -> dict[str, LayoutChange]:
+                          sequence_parallel: Optional[SequenceParallelPlan] = None,
+                          overlap_weight_gradients: bool = True) -> dict[str, LayoutChange]:
     """Shard ``block`` in place over the 1-D ``mesh`` following ``plan``.
 
     With a ``sequence_parallel`` plan the block runs on sequence slices between its split
@@ -367,7 +475,7 @@ def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: Devi
     group = mesh.get_group()
     partners: dict[str, ColumnGroupInput] = {}
     for members, row in zip(plan.column_groups, plan.row, strict=True):
-        group_input = ColumnGroupInput(group) if sequence_parallel is None else None
+        group_input = (ColumnGroupInput(group, overlap_weight_gradients) if sequence_parallel is None else None)
         for name in members:
             block.set_submodule(name, ColumnParallelLinear(block.get_submodule(name), mesh, group_input))
         if group_input is not None:

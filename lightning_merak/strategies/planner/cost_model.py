@@ -2,8 +2,11 @@
 
 The model composes the pipeline core: the proxy graph [prefix, block x n, suffix] is split
 into stages (AutoPipe when there are several), each stage's forward and backward per
-micro-batch come from the overlapped tensor-parallel chain (:mod:`.overlap`), and the
-pipeline schedule simulator turns those into an iteration. The data-parallel gradient
+micro-batch come from real tensor-parallel blocks where the profile timed them (their time
+includes whatever the runtime overlaps: sub-batches, and the column groups' input-gradient
+all-reduce behind their weight gradients), else from the overlapped tensor-parallel chain
+(:mod:`.overlap`), which knows sub-batches only and so leaves that backward all-reduce
+exposed; the pipeline schedule simulator turns those into an iteration. The data-parallel gradient
 all-reduce and the optimizer step follow, not overlapped with compute.
 """
 
