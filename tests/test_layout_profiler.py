@@ -44,7 +44,7 @@ def _profile_rank(rank: int, world_size: int) -> dict:
                             process_group_device=torch.device("cpu"), loss_of=loss_of)
     gradient_bytes = 4 << 20
     network = profile_network(keys.all_reduce_group_sizes, torch.device("cpu"), large_bytes=1 << 16,
-                              repeats=3, gradient_bytes=gradient_bytes)
+                              repeats=3, gradient_bytes=gradient_bytes, pipeline=True)
     grads = list(torch.full((gradient_bytes // 4,), float(rank + 1)).chunk(8))
     average_gradients(grads, dist.new_group(list(range(world_size))), world_size)
     return {"keys": keys.measured_blocks, "profile": profile, "network": network, "loss_batches": set(loss_batches),
@@ -71,6 +71,9 @@ def test_profiler_measures_real_blocks_gradient_sync_and_optimizer_on_two_ranks(
     # timings belong to benchmarks/planner.py; here: a usable fit, and the averaging it times is right
     assert 0 < network.gradient_sync_s(1 << 20, 2) <= network.gradient_sync_s(4 << 20, 2) < float("inf")
     assert all(r["grads_averaged"] == [1.5] for r in results)
+    # two stages that compute nothing still cost the pipeline runtime something per chunk
+    assert 0 < network.pipeline_action_s < 0.05 and 0 <= network.pipeline_step_s < 0.05
+    assert results[1]["network"] == network
 
 
 def _real_block_collectives_rank(rank: int, world_size: int, sequence_parallel: bool) -> dict:

@@ -22,6 +22,7 @@ from lightning_merak.strategies.planner import (
     average_profiles,
     candidate_layouts,
     fit_collective_cost,
+    fit_pipeline_runtime,
     plan,
     predict,
     required_profile_keys,
@@ -180,7 +181,7 @@ def test_single_stage_prediction_matches_hand_computation():
     plain = predict(Layout(1, 1, 2, 1, 1, 0.0), profile, two_ranks, search)
     assert plain.step_time_s == pytest.approx(8.7 + 13.45 + 0.6)
     assert plain.components == pytest.approx(
-        {"compute": 13.75, "exposed_tp_comm": 8.4, "pipeline_bubble": 0.0, "dp_allreduce": 0.0, "grad_clip": 0.0,
+        {"compute": 13.75, "exposed_tp_comm": 8.4, "pipeline_runtime": 0.0, "pipeline_bubble": 0.0, "dp_allreduce": 0.0, "grad_clip": 0.0,
              "optimizer": 0.6}
     )
     assert plain.memory_bytes == pytest.approx(4 * 60 + 2 * 1000)
@@ -217,6 +218,41 @@ def test_components_add_up_to_the_step_time():
         assert set(prediction.components) == set(COMPONENTS)
         assert min(prediction.components.values()) >= 0.0
         assert sum(prediction.components.values()) == pytest.approx(prediction.step_time_s, rel=1e-9)
+
+
+def test_components_add_up_with_the_pipeline_runtime_priced():
+    profile, search = synthetic_model(), space()
+    priced = dataclasses.replace(SLOW, pipeline_action_s=1e-3, pipeline_step_s=2e-3)
+    for layout in candidate_layouts(search, profile.num_blocks):
+        prediction, without = predict(layout, profile, priced, search), predict(layout, profile, SLOW, search)
+        assert sum(prediction.components.values()) == pytest.approx(prediction.step_time_s, rel=1e-9)
+        if layout.pp == 1:
+            assert prediction.step_time_s == without.step_time_s
+            assert prediction.components["pipeline_runtime"] == 0.0
+        else:
+            # every chunk of the busiest stage pays the action time, the step its fixed part
+            assert prediction.components["pipeline_runtime"] == pytest.approx(layout.micro_batches * 2e-3 + 2e-3)
+            assert prediction.step_time_s >= without.step_time_s + prediction.components["pipeline_runtime"] - 1e-12
+
+
+@pytest.mark.parametrize("action_s, step_s, p2p_s", [(4e-4, 3e-4, 1e-4), (1e-3, 0.0, 0.0), (0.0, 5e-4, 2e-4)])
+def test_pipeline_runtime_is_recovered_from_steps_of_stages_that_compute_nothing(action_s, step_s, p2p_s):
+    from lightning_merak.strategies.pipeline import simulate_schedule
+
+    steps = {count: simulate_schedule([action_s] * 2, [action_s] * 2, count, "1f1b", p2p_s).iteration_s + step_s
+             for count in (2, 8)}
+    fitted_action_s, fitted_step_s = fit_pipeline_runtime(steps, p2p_s)
+    assert fitted_action_s == pytest.approx(action_s, abs=1e-9)
+    assert fitted_step_s == pytest.approx(step_s, abs=1e-9)
+
+
+def test_pipeline_runtime_fit_clamps_noise_and_refuses_bad_input():
+    # a step that shrank with more micro-batches (noise) means no action time, never a negative one
+    assert fit_pipeline_runtime({2: 2e-3, 8: 1e-3}, 0.0) == (0.0, 2e-3)
+    with pytest.raises(ValueError, match="two or more micro-batch counts"):
+        fit_pipeline_runtime({2: 1e-3}, 0.0)
+    with pytest.raises(ValueError, match="pipeline_action_s"):
+        dataclasses.replace(SLOW, pipeline_action_s=-1.0)
 
 
 def test_faster_network_lowers_every_predicted_time():

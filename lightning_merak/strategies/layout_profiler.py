@@ -40,6 +40,7 @@ from lightning_merak.strategies.planner import (
     NetworkProfile,
     ProfileKeys,
     fit_collective_cost,
+    fit_pipeline_runtime,
 )
 from lightning_merak.strategies.tensor_parallel import (
     TensorParallelPlan,
@@ -422,15 +423,52 @@ def _sizes(small_bytes: int, large_bytes: int) -> list[int]:
     return sorted({small_bytes, *sizes[:3]})
 
 
+PIPELINE_PROBE_MICRO_BATCHES = (2, 8)
+"""Micro-batch counts of the pipeline runtime probe: its time per chunk comes from the difference."""
+
+
+def _pipeline_runtime(device: torch.device, repeats: int, p2p: CollectiveCost) -> tuple[float, float]:
+    """The pipeline runtime's time per chunk action and per step on ranks 0 and 1 (every rank must call).
+
+    Two stages that compute nothing (an 8-wide linear layer on one row per micro-batch) run
+    the runtime's 1F1B schedule, with the stage class merak3d uses on this backend, at two
+    micro-batch counts; :func:`fit_pipeline_runtime` turns the steps into per-action and
+    per-step times. Other ranks return zeros; the caller takes rank 0's figures.
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from lightning_merak.strategies.pipeline.schedules import EarlyReceiveStage, early_receive_available
+
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
+    stage_class = (EarlyReceiveStage if dist.get_backend(group) == "gloo" and early_receive_available()
+                   else PipelineStage)
+    steps: dict[int, float] = {}
+    for micro_batches in PIPELINE_PROBE_MICRO_BATCHES:
+        if rank > 1:
+            continue
+        stage = stage_class(nn.Linear(8, 8).to(device), rank, 2, device, group=group)
+        schedule = Schedule1F1B(stage, micro_batches, loss_fn=lambda output, target: output.sum())
+        rows = torch.zeros(micro_batches, 1, 8, device=device)
+        dist.barrier(group=group)
+        steps[micro_batches] = mean_call_time(
+            (lambda: schedule.step(rows)) if rank == 0 else (lambda: schedule.step(target=rows)), repeats)
+    dist.barrier()
+    return fit_pipeline_runtime(steps, p2p.send_s(8 * 4)) if rank == 0 else (0.0, 0.0)
+
+
 def profile_network(group_sizes: Iterable[int], device: torch.device, large_bytes: int,
-                    small_bytes: int = 4096, repeats: int = 5, gradient_bytes: int = 0) -> NetworkProfile:
+                    small_bytes: int = 4096, repeats: int = 5, gradient_bytes: int = 0,
+                    pipeline: bool = False) -> NetworkProfile:
     """All-reduce cost per group size (groups of consecutive ranks, all busy at once) and rank 0 ↔ 1 p2p.
 
     Each cost is fitted to several message sizes up to ``large_bytes``, from the median of a
     few transfers per size: one stalled transfer would move a fitted latency or bandwidth far
     more than it moves a run of many transfers (computation is timed by the mean). With
     ``gradient_bytes``, the data-parallel gradient synchronisation is fitted per group size
-    too, at sizes up to that many bytes (the largest gradient a candidate layout syncs).
+    too, at sizes up to that many bytes (the largest gradient a candidate layout syncs). With
+    ``pipeline`` (some candidate layout has several stages) the pipeline runtime's own time is
+    measured too (:func:`_pipeline_runtime`).
     Every rank must call this; the figures of rank 0's groups are returned on every rank.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -472,7 +510,10 @@ def profile_network(group_sizes: Iterable[int], device: torch.device, large_byte
 
         dist.barrier()
         points.append((nbytes, median_call_time(ping, repeats) / 2))
-    network = NetworkProfile(all_reduce=all_reduce, p2p=fit_collective_cost(points), gradient_sync=gradient_sync)
+    p2p = fit_collective_cost(points)
+    action_s, step_s = _pipeline_runtime(device, repeats, p2p) if pipeline else (0.0, 0.0)
+    network = NetworkProfile(all_reduce=all_reduce, p2p=p2p, gradient_sync=gradient_sync,
+                             pipeline_action_s=action_s, pipeline_step_s=step_s)
     holder = [network]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]

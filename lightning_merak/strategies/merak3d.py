@@ -568,7 +568,13 @@ class Merak3DStrategy(ParallelStrategy):
     def _plan_layout(self, trainer: pl.Trainer) -> None:
         """Profile this machine and model, search the layouts, and adopt the best one."""
         from lightning_merak.strategies.layout_profiler import profile_model, profile_network
-        from lightning_merak.strategies.planner import SearchSpace, average_profiles, plan, required_profile_keys
+        from lightning_merak.strategies.planner import (
+            SearchSpace,
+            average_profiles,
+            candidate_layouts,
+            plan,
+            required_profile_keys,
+        )
 
         module = self.lightning_module
         model: nn.Module = module.model
@@ -614,7 +620,8 @@ class Merak3DStrategy(ParallelStrategy):
         network = profile_network(keys.all_reduce_group_sizes, self.root_device,
                                   large_bytes=min(64 << 20, max(1 << 16, profile.hidden_bytes_per_sample
                                                                 * inputs.shape[0])),
-                                  gradient_bytes=min(256 << 20, gradient_bytes), repeats=PLANNER_REPEATS)
+                                  gradient_bytes=min(256 << 20, gradient_bytes), repeats=PLANNER_REPEATS,
+                                  pipeline=any(layout.pp > 1 for layout in candidate_layouts(space, num_blocks)))
         result = plan(space, profile, network)
         allowed = [p for p in result.ranked
                    if all(self._degrees[name] in ("auto", value) for name, value in

@@ -17,6 +17,7 @@ from lightning_merak.strategies.planner.profile import (
     SearchSpace,
     average_profiles,
     fit_collective_cost,
+    fit_pipeline_runtime,
 )
 from lightning_merak.strategies.planner.search import (
     Plan,
@@ -45,6 +46,7 @@ __all__ = [
     "average_profiles",
     "candidate_layouts",
     "fit_collective_cost",
+    "fit_pipeline_runtime",
     "micro_batch_samples",
     "plan",
     "predict",

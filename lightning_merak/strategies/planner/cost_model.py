@@ -6,7 +6,8 @@ micro-batch come from real tensor-parallel blocks where the profile timed them (
 includes whatever the runtime overlaps: sub-batches, and the column groups' input-gradient
 all-reduce behind their weight gradients), else from the overlapped tensor-parallel chain
 (:mod:`.overlap`), which knows sub-batches only and so leaves that backward all-reduce
-exposed; the pipeline schedule simulator turns those into an iteration. The data-parallel gradient
+exposed; with the pipeline runtime's own time per chunk added, the pipeline schedule
+simulator turns those into an iteration. The data-parallel gradient
 all-reduce and the optimizer step follow, not overlapped with compute.
 """
 
@@ -26,7 +27,8 @@ from lightning_merak.strategies.pipeline import (
 from lightning_merak.strategies.planner.overlap import OverlapResult, simulate_overlapped_chain
 from lightning_merak.strategies.planner.profile import MeasuredBlocks, ModelProfile, NetworkProfile, SearchSpace
 
-COMPONENTS = ("compute", "exposed_tp_comm", "pipeline_bubble", "dp_allreduce", "grad_clip", "optimizer")
+COMPONENTS = ("compute", "exposed_tp_comm", "pipeline_runtime", "pipeline_bubble", "dp_allreduce", "grad_clip",
+              "optimizer")
 """The parts a predicted step time is split into; they add up to the step time."""
 
 
@@ -278,7 +280,9 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     and keep only their input plus the post-collective outputs the runtime caches (those exist
     only with tp > 1). With ``space.sequence_parallel`` a tensor-parallel block saves its
     sequence-split activations (and a recomputed one its input) for 1/tp of the sequence.
-    Prefix and suffix activations are not counted.
+    Prefix and suffix activations are not counted. With several stages every forward and
+    backward chunk also pays the pipeline runtime's own time (``network.pipeline_action_s``), and
+    the step its per-step time: the "pipeline_runtime" component.
     """
     _check_against_space(layout, model_profile, space)
     samples = micro_batch_samples(layout, space)
@@ -298,6 +302,8 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     # all-gathers (whole sequence) and two reduce-scatters (this rank's slice)
     recomputed_extra_bytes = (2 * hidden_bytes + 2 * hidden_bytes // layout.tp if sequence_split
                               else 2 * hidden_bytes if layout.tp > 1 else 0)
+    action_s, pipeline_step_s = ((network.pipeline_action_s, network.pipeline_step_s) if layout.pp > 1
+                                 else (0.0, 0.0))
     forward_s, backward_s, compute_s, exposed_s, memory_bytes, after_pipeline_s = [], [], [], [], [], []
     for index, stage in enumerate(stages):
         prefix_forward, prefix_backward = model_profile.prefix_times_at(sub) if stage.has_prefix else (0.0, 0.0)
@@ -326,10 +332,10 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         forward_total += loss_forward
         backward_total += loss_backward
         local_s += loss_forward + loss_backward
-        forward_s.append(forward_total)
-        backward_s.append(backward_total)
         compute_s.append(local_s)
         exposed_s.append(max(0.0, forward_total + backward_total - local_s))
+        forward_s.append(forward_total + action_s)
+        backward_s.append(backward_total + action_s)
 
         parameter_bytes = (
             stage.has_prefix * model_profile.prefix_parameter_bytes
@@ -360,6 +366,7 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     components = {
         "compute": layout.micro_batches * compute_s[busiest],
         "exposed_tp_comm": layout.micro_batches * exposed_s[busiest],
+        "pipeline_runtime": layout.micro_batches * 2 * action_s + pipeline_step_s,
         "pipeline_bubble": max(
             0.0, iteration_s - layout.micro_batches * (forward_s[busiest] + backward_s[busiest])
         ),
@@ -370,7 +377,7 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     peak_bytes = max(memory_bytes)
     return Prediction(
         layout=layout,
-        step_time_s=iteration_s + dp_allreduce_s + clip_s + optimizer_s,
+        step_time_s=iteration_s + pipeline_step_s + dp_allreduce_s + clip_s + optimizer_s,
         samples_per_step=samples * layout.micro_batches * layout.dp,
         memory_bytes=peak_bytes,
         components=components,

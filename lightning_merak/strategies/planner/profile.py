@@ -12,7 +12,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Sequence, TypeVar
 
-from lightning_merak.strategies.pipeline import SCHEDULES
+from lightning_merak.strategies.pipeline import SCHEDULES, simulate_schedule
 
 
 def _check_non_negative(owner: str, **values: float) -> None:
@@ -81,6 +81,39 @@ def fit_collective_cost(points: list[tuple[float, float]], factor: float = 1.0) 
     return CollectiveCost(latency_s=latency, bandwidth_bytes_per_s=bandwidth)
 
 
+def fit_pipeline_runtime(step_s: dict[int, float], p2p_s: float, stages: int = 2) -> tuple[float, float]:
+    """The pipeline runtime's time per chunk action and per step, from steps of stages that compute nothing.
+
+    ``step_s`` maps two or more micro-batch counts to the measured 1F1B step of ``stages``
+    stages with no computation, whose messages each take ``p2p_s`` on the wire. The action
+    time is the one for which the schedule simulator, given forward and backward chunks of
+    that length, reproduces how the step grows from the fewest micro-batches to the most;
+    the per-step time is what the fewest micro-batches' step leaves beyond the simulation.
+    Returns ``(action_s, step_s)``, both >= 0.
+    """
+    if len(step_s) < 2 or any(count < 1 for count in step_s):
+        raise ValueError(f"fit_pipeline_runtime needs steps at two or more micro-batch counts >= 1, got {step_s}")
+    if any(seconds < 0 for seconds in step_s.values()) or p2p_s < 0:
+        raise ValueError(f"fit_pipeline_runtime needs times >= 0, got steps {step_s} and p2p_s={p2p_s}")
+    fewest, most = min(step_s), max(step_s)
+
+    def simulated(count: int, action_s: float) -> float:
+        return simulate_schedule([action_s] * stages, [action_s] * stages, count, "1f1b", p2p_s).iteration_s
+
+    growth = step_s[most] - step_s[fewest]
+    low, high = 0.0, max(growth, 0.0)
+    if simulated(most, 0.0) - simulated(fewest, 0.0) >= growth:
+        high = 0.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        if simulated(most, middle) - simulated(fewest, middle) < growth:
+            low = middle
+        else:
+            high = middle
+    action_s = high
+    return action_s, max(0.0, step_s[fewest] - simulated(fewest, action_s))
+
+
 @dataclass(frozen=True)
 class NetworkProfile:
     """Measured collective costs: all-reduce per group size (links differ by size), and the pipeline p2p link.
@@ -88,14 +121,21 @@ class NetworkProfile:
     ``gradient_sync`` (optional, per data-parallel group size) is the whole data-parallel
     gradient synchronisation as the runtime performs it (flatten, all-reduce, average, copy
     back), as latency plus gradient bytes over an effective bandwidth; without it the plain
-    all-reduce cost stands in.
+    all-reduce cost stands in. ``pipeline_action_s`` is what the pipeline runtime itself
+    spends on each forward or backward chunk of a stage beyond its computation and the wire
+    (running the schedule, posting and completing the chunk's sends and receives), and
+    ``pipeline_step_s`` what it spends once per step (:func:`fit_pipeline_runtime`).
     """
 
     all_reduce: dict[int, CollectiveCost]
     p2p: CollectiveCost
     gradient_sync: dict[int, CollectiveCost] = field(default_factory=dict)
+    pipeline_action_s: float = 0.0
+    pipeline_step_s: float = 0.0
 
     def __post_init__(self) -> None:
+        _check_non_negative("NetworkProfile", pipeline_action_s=self.pipeline_action_s,
+                            pipeline_step_s=self.pipeline_step_s)
         bad_sizes = [size for size in self.all_reduce if size < 2]
         if bad_sizes:
             raise ValueError(
