@@ -88,8 +88,6 @@ def test_bad_configurations_are_refused_before_any_rank_starts():
         check_configuration(workload, 8, (PLAIN, Variant(2, True)))
     with pytest.raises(ValueError, match="need Variant\\(1, False, True\\)"):
         check_configuration(workload, 2, (PLAIN, Variant(2, False, True)))
-    with pytest.raises(ValueError, match="does not apply with sequence parallelism"):
-        check_configuration(workload, 2, (PLAIN, Variant(1, False, True), Variant(1, True, True)))
     with pytest.raises(ValueError, match="do not divide seq=30"):
         check_configuration(Workload(64, 2, 4, 128, 30, 4, steps=3, warmup=1), 4, (PLAIN, Variant(1, False, True)))
     with pytest.raises(ValueError, match="must exceed warmup"):

@@ -114,7 +114,8 @@ def test_uneven_sequence_is_refused_with_the_fix():
         check_sequence_length(15, 2)
 
 
-def _tensor_parallel_model(name: str, world_size: int, sequence_parallel: bool, recompute: bool):
+def _tensor_parallel_model(name: str, world_size: int, sequence_parallel: bool, recompute: bool,
+                           overlap_weight_gradients: bool = True):
     """The test model with every block split over all ranks (and the sequence, and recomputed, if asked)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -126,7 +127,8 @@ def _tensor_parallel_model(name: str, world_size: int, sequence_parallel: bool, 
     trunk = model.get_submodule(trace.trunk_path)
     plan, sequence_plan = _plans(trunk[0], trace)
     for block in trunk:
-        apply_tensor_parallel(block, plan, mesh, sequence_plan if sequence_parallel else None)
+        apply_tensor_parallel(block, plan, mesh, sequence_plan if sequence_parallel else None,
+                              overlap_weight_gradients)
         if recompute:
             block.forward = functools.partial(_checkpointed, block.forward)
     if sequence_parallel:
@@ -205,6 +207,41 @@ def test_sequence_parallel_equals_plain_tensor_parallel(name, parts, recompute):
         # (it leaves out what the real layers save beyond a local shard: 0.67 of the saving here).
         saving = plain[0]["saved_bytes"] - split[0]["saved_bytes"]
         assert 0.5 * saving <= _predicted_sequence_parallel_saving(name) <= saving
+
+
+def _weight_gradient_order_rank(rank: int, world_size: int) -> dict:
+    from lightning_merak.models import logits_of
+    from lightning_merak.strategies import sequence_parallel, weight_gradients
+    from lightning_merak.strategies.overlap import PendingCollective
+
+    events: list[str] = []
+    start, weights, wait = (sequence_parallel.start_reduce_scatter_in_turn,
+                            weight_gradients.DeferredWeightGradients.weight_gradients, PendingCollective.wait)
+    sequence_parallel.start_reduce_scatter_in_turn = lambda *a: (events.append("launch"), start(*a))[1]
+    weight_gradients.DeferredWeightGradients.weight_gradients = (
+        lambda self, *a: (events.append("weights"), weights(self, *a))[1])
+    PendingCollective.wait = lambda self: (
+        events.append("wait") if self._op == "reduce_scatter" and self._work is not None else None, wait(self))[1]
+    grads = {}
+    for overlap in (True, False):
+        model, inputs, _ = _tensor_parallel_model("llama", world_size, True, False, overlap_weight_gradients=overlap)
+        logits = logits_of(model(inputs))
+        events.clear()
+        logits.square().mean().backward()
+        if overlap:
+            order = list(events)
+        grads[overlap] = {name: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
+                          for name, p in model.named_parameters()}
+    return {"order": order, "grads": grads}
+
+
+def test_sequence_parallel_reduce_scatters_input_gradients_behind_weight_gradients():
+    """Each column group's gather launches the reduce-scatter of its input gradient, computes the
+    group's weight gradients, then waits; gradients are bit-identical to the order without it."""
+    for result in run_distributed(_weight_gradient_order_rank, 2, timeout_s=300):
+        assert result["order"] == ["launch", "weights", "wait"] * (2 * 3)
+        for name, grad in result["grads"][False].items():
+            assert torch.equal(result["grads"][True][name], grad), name
 
 
 def _predicted_sequence_parallel_saving(name: str) -> int:

@@ -229,9 +229,9 @@ def _weight_grad_overlap_rank(rank: int, world_size: int) -> dict[str, object]:
     plan = find_tensor_parallel_plan(block, lambda: block(hidden), HIDDEN)
     events: list[str] = []
     start, weights, wait = (tensor_parallel.start_all_reduce_in_turn,
-                            tensor_parallel._DeferredWeightGradients.weight_gradients, PendingCollective.wait)
+                            tensor_parallel.DeferredWeightGradients.weight_gradients, PendingCollective.wait)
     tensor_parallel.start_all_reduce_in_turn = lambda *a: (events.append("launch"), start(*a))[1]
-    tensor_parallel._DeferredWeightGradients.weight_gradients = (
+    tensor_parallel.DeferredWeightGradients.weight_gradients = (
         lambda self, *a: (events.append("weights"), weights(self, *a))[1])
     PendingCollective.wait = lambda self: (events.append("wait") if self._work is not None else None, wait(self))[1]
 

@@ -195,8 +195,8 @@ class Merak3DStrategy(ParallelStrategy):
             tensor-parallel all-reduce runs while the next computes, across blocks, in forward and
             backward (1 = no overlap; ``"auto"``: planned). It must divide the micro-batch size.
         tp_weight_grad_overlap: in backward, each column group (q/k/v, gate/up) all-reduces its
-            input gradient while it computes its weight gradients, so that collective is hidden
-            without sub-batches too. Default: on, except with ``"interleaved_zero_bubble"``, which
+            input gradient (reduce-scatters it, with sequence parallelism) while it computes its
+            weight gradients, so that collective is hidden without sub-batches too. Default: on, except with ``"interleaved_zero_bubble"``, which
             computes weight gradients in a pass of their own (``True`` is refused there).
         sequence_parallel: split the blocks' norms, dropout and residual stream along the sequence
             over the tensor-parallel ranks (:mod:`~lightning_merak.strategies.sequence_parallel`):

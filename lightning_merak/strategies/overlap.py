@@ -59,6 +59,7 @@ __all__ = [
     "reduce_scatter_in_turn",
     "run_sub_batches",
     "start_all_reduce_in_turn",
+    "start_reduce_scatter_in_turn",
     "start_all_to_all_in_turn",
 ]
 
@@ -453,19 +454,34 @@ def reduce_scatter_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup, dim: 
         raise ValueError(f"dimension {dim} of a {tuple(tensor.shape)} tensor does not split over {ranks} ranks")
     if tensor.is_meta:
         return tensor.chunk(ranks, dim=dim)[0].clone()
+    return _communicate_once(lambda: _launch_reduce_scatter(tensor, group, dim).wait())
 
-    def communicate() -> torch.Tensor:
-        pieces = torch.cat(tensor.chunk(ranks, dim=dim))
-        launch = time.perf_counter()
-        if dist.get_backend(group) == "gloo":
-            received = torch.empty_like(pieces)
-            work = dist.all_to_all_single(received, pieces, group=group, async_op=True)
-            return PendingCollective(received, work, launch, "reduce_scatter").wait().unflatten(0, (ranks, -1)).sum(0)
-        result = pieces.new_empty((pieces.shape[0] // ranks, *pieces.shape[1:]))
-        work = dist.reduce_scatter_single(result, pieces, group=group, async_op=True)
-        return PendingCollective(result, work, launch, "reduce_scatter").wait()
 
-    return _communicate_once(communicate)
+def _launch_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> "PendingCollective":
+    ranks = dist.get_world_size(group)
+    pieces = torch.cat(tensor.chunk(ranks, dim=dim))
+    launch = time.perf_counter()
+    if dist.get_backend(group) == "gloo":
+        received = torch.empty_like(pieces)
+        work = dist.all_to_all_single(received, pieces, group=group, async_op=True)
+        return PendingCollective(received, work, launch, "reduce_scatter",
+                                 finish=lambda slices: slices.unflatten(0, (ranks, -1)).sum(0))
+    result = pieces.new_empty((pieces.shape[0] // ranks, *pieces.shape[1:]))
+    work = dist.reduce_scatter_single(result, pieces, group=group, async_op=True)
+    return PendingCollective(result, work, launch, "reduce_scatter")
+
+
+def start_reduce_scatter_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> "PendingCollective":
+    """Launch :func:`reduce_scatter_in_turn`; the caller computes until it waits for this rank's slice.
+
+    Inside a checkpointed region, where collectives are recorded or replayed, it is done at once.
+    """
+    ranks = dist.get_world_size(group)
+    if ranks == 1 or tensor.is_meta or _replay_stack():
+        return PendingCollective(reduce_scatter_in_turn(tensor, group, dim), None)
+    if tensor.shape[dim] % ranks:
+        raise ValueError(f"dimension {dim} of a {tuple(tensor.shape)} tensor does not split over {ranks} ranks")
+    return _launch_reduce_scatter(tensor, group, dim)
 
 
 class PendingCollective:
@@ -477,9 +493,10 @@ class PendingCollective:
     """
 
     def __init__(self, result: torch.Tensor, work: Any, launch: Optional[float] = None,
-                 op: str = "collective") -> None:
-        """``launch`` is the ``time.perf_counter()`` taken just before the collective was issued (default: now)."""
-        self.result, self._work, self._op = result, work, op
+                 op: str = "collective", finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
+        """``launch`` is the ``time.perf_counter()`` taken just before the collective was issued (default: now);
+        ``finish`` turns the completed buffer into the result (a local sum, say)."""
+        self.result, self._work, self._op, self._finish = result, work, op, finish
         self.exposed_s = 0.0
         self._launch = time.perf_counter() if launch is None else launch
         self._completion: dict[str, float] = {}
@@ -500,6 +517,8 @@ class PendingCollective:
             self._trace.add({"op": self._op, "sub_batch": getattr(_local, "index", 0), "launch": self._launch,
                              "wait_start": wait_start, "wait_end": wait_end,
                              "complete": self._completion.get("complete", wait_end)})
+        if self._finish is not None:
+            self.result = self._finish(self.result)
         return self.result
 
 

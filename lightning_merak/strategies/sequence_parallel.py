@@ -8,7 +8,9 @@ backward), and the input of each column group is all-gathered (reduce-scattered 
 The column layers keep only the slice of that input for their weight gradients and gather it
 again in backward (:func:`linear_on_gathered`; recomputed blocks need no gather for that), so
 activation memory between and at the split layers shrinks by ``tp``, as does the norm work; the
-wire carries the all-reduce's bytes plus that one extra all-gather per column group.
+wire carries the all-reduce's bytes plus that one extra all-gather per column group. The
+reduce-scatter of a column group's input gradient runs while the group's weight gradients are
+computed (:mod:`~lightning_merak.strategies.weight_gradients`).
 
 The gather is placed at the entry of the submodule that holds a column group and its row
 layer (the attention or MLP module), not in the column layer: such modules read the sequence
@@ -33,7 +35,7 @@ import functools
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -41,7 +43,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_merak.strategies.overlap import all_gather_in_turn, in_checkpointed_region, reduce_scatter_in_turn
+from lightning_merak.strategies.overlap import (
+    all_gather_in_turn,
+    in_checkpointed_region,
+    reduce_scatter_in_turn,
+    start_reduce_scatter_in_turn,
+)
+from lightning_merak.strategies.weight_gradients import DeferredWeightGradients, linear_deferring_weight_gradient
 
 __all__ = [
     "SEQUENCE_DIM",
@@ -76,16 +84,28 @@ def _slice_of_rank(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
 
 
 class _GatherSequence(torch.autograd.Function):
-    """All-gather over the sequence; the gradient, partial on each rank, is reduce-scattered."""
+    """All-gather over the sequence; the gradient, partial on each rank, is reduce-scattered.
+
+    With ``deferred`` its inputs also include the column group's weights: backward launches the
+    reduce-scatter, computes the weight gradients the group's layers left, then waits.
+    """
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup,
+                deferred: Optional[DeferredWeightGradients], *weights: torch.Tensor) -> torch.Tensor:
+        ctx.group, ctx.deferred = group, deferred
+        ctx.weight_dtypes = tuple(weight.dtype for weight in weights)
+        ctx.set_materialize_grads(deferred is None)
         return all_gather_in_turn(tensor, group, SEQUENCE_DIM)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return reduce_scatter_in_turn(grad.contiguous(), ctx.group, SEQUENCE_DIM), None
+    def backward(ctx: Any, grad: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+        if ctx.deferred is None:
+            return reduce_scatter_in_turn(grad.contiguous(), ctx.group, SEQUENCE_DIM), None, None
+        pending = (start_reduce_scatter_in_turn(grad.contiguous(), ctx.group, SEQUENCE_DIM)
+                   if grad is not None and ctx.needs_input_grad[0] else None)
+        weight_grads = ctx.deferred.weight_gradients(ctx.weight_dtypes)
+        return (pending.wait() if pending is not None else None, None, None, *weight_grads)
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
@@ -162,30 +182,47 @@ class _Regather:
 _last_gather = threading.local()
 
 
-def gather_sequence(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def gather_sequence(tensor: torch.Tensor, group: dist.ProcessGroup, column_layers: Sequence[nn.Module] = ()
+                    ) -> torch.Tensor:
     """The whole sequence from every rank's slice, for layers whose input gradient is partial.
 
-    Layers applied through :func:`linear_on_gathered` keep only the slice for backward.
+    Layers applied through :func:`linear_on_gathered` keep only the slice for backward. Those of
+    ``column_layers`` (modules with a DTensor ``weight``) leave their weight gradients to the
+    gather's backward, which computes them while the input gradient is reduce-scattered.
     """
-    full = _GatherSequence.apply(tensor, group)
+    layers = list(column_layers)
+    deferred = DeferredWeightGradients(len(layers), tensor.requires_grad) if layers else None
+    full = _GatherSequence.apply(tensor, group, deferred, *(layer.weight.to_local() for layer in layers))
     _last_gather.full, _last_gather.regather = weakref.ref(full), _Regather(tensor, full, group)
+    _last_gather.deferred, _last_gather.layers = deferred, layers
     return full
 
 
-def linear_on_gathered(tensor: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def linear_on_gathered(tensor: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                       layer: Optional[nn.Module] = None) -> torch.Tensor:
     """``F.linear`` that saves ``tensor``, when it is this thread's last gathered sequence, as its slice.
 
-    Inside a checkpointed block nothing is saved to begin with: recomputation rebuilds the
-    input from the gather's recorded result, with no collective.
+    When ``layer`` is one of that gather's ``column_layers`` its weight gradient is left to the
+    gather's backward. Inside a checkpointed block nothing is saved to begin with:
+    recomputation rebuilds the input from the gather's recorded result, with no collective.
     """
     last = getattr(_last_gather, "full", None)
     full = last() if last is not None else None
-    if (full is None or full.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
-            or in_checkpointed_region()):
-        return F.linear(tensor, weight, bias)
+    gathered = full is not None and full.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+    deferred = _last_gather.deferred if gathered else None
+    index = (next((i for i, known in enumerate(_last_gather.layers) if known is layer), None)
+             if deferred is not None else None)
+
+    def linear() -> torch.Tensor:
+        if index is None:
+            return F.linear(tensor, weight, bias)
+        return linear_deferring_weight_gradient(tensor, weight, bias, deferred, index)
+
+    if not gathered or in_checkpointed_region():
+        return linear()
     regather = _last_gather.regather
     with torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack):
-        return F.linear(tensor, weight, bias)
+        return linear()
 
 
 def reduce_scatter_sequence(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -296,14 +333,21 @@ def find_sequence_parallel_plan(block: nn.Module, run_block: Callable[[], Any], 
     return SequenceParallelPlan(owners=owners, owner_inputs=owner_inputs)
 
 
-def install_sequence_gathers(block: nn.Module, plan: SequenceParallelPlan, group: dist.ProcessGroup) -> None:
-    """Gather the sequence at the entry of each owner of a column group (hooks on ``block``'s submodules)."""
-    for owner, position in zip(plan.owners, plan.owner_inputs):
-        def gather(module: nn.Module, args: tuple, kwargs: dict, position: Union[int, str] = position) -> tuple:
+def install_sequence_gathers(block: nn.Module, plan: SequenceParallelPlan, group: dist.ProcessGroup,
+                             column_layers: Optional[list[list[nn.Module]]] = None) -> None:
+    """Gather the sequence at the entry of each owner of a column group (hooks on ``block``'s submodules).
+
+    With ``column_layers`` (group i's layers at position i) each gather computes its group's
+    weight gradients while it reduce-scatters the input gradient (:func:`gather_sequence`).
+    """
+    layers_of = column_layers if column_layers is not None else [[] for _ in plan.owners]
+    for owner, position, layers in zip(plan.owners, plan.owner_inputs, layers_of, strict=True):
+        def gather(module: nn.Module, args: tuple, kwargs: dict, position: Union[int, str] = position,
+                   layers: list[nn.Module] = layers) -> tuple:
             if isinstance(position, int):
-                args = (*args[:position], gather_sequence(args[position], group), *args[position + 1:])
+                args = (*args[:position], gather_sequence(args[position], group, layers), *args[position + 1:])
             else:
-                kwargs = {**kwargs, position: gather_sequence(kwargs[position], group)}
+                kwargs = {**kwargs, position: gather_sequence(kwargs[position], group, layers)}
             return args, kwargs
 
         block.get_submodule(owner).register_forward_pre_hook(gather, with_kwargs=True)

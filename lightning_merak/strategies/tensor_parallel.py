@@ -13,7 +13,8 @@ row biases ``Replicate``) so checkpoints reshard between layouts; the layers com
 local shards and issue their collectives through :func:`~lightning_merak.strategies.overlap.all_reduce_in_turn`,
 which lets sub-batches overlap them (``tp_overlap``) and never repeats one on recomputation.
 A column group's layers share one input all-reduce in backward (q, k and v sum their
-input gradients first). With sequence parallelism
+input gradients first), which runs while the group's weight gradients are computed
+(:mod:`~lightning_merak.strategies.weight_gradients`). With sequence parallelism
 (:mod:`~lightning_merak.strategies.sequence_parallel`) the row layers reduce-scatter over the
 sequence instead and the column groups' inputs arrive all-gathered.
 
@@ -42,6 +43,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from lightning_merak.strategies.overlap import all_reduce_in_turn, start_all_reduce_in_turn, unrecorded_communication
 from lightning_merak.strategies.rank_random import install_rank_streams
+from lightning_merak.strategies.weight_gradients import DeferredWeightGradients, linear_deferring_weight_gradient
 from lightning_merak.strategies.sequence_parallel import (
     SequenceParallelPlan,
     install_sequence_gathers,
@@ -270,34 +272,6 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
-class _DeferredWeightGradients:
-    """Weight-gradient work a column group's layers leave to the group's entry (one per entered input).
-
-    A column layer's backward computes only its input gradient and leaves its output gradient
-    and input here; the entry computes the weight gradients while the summed input gradient
-    is all-reduced, so that collective runs behind computation even without sub-batches.
-    """
-
-    def __init__(self, layers: int, input_needs_grad: bool) -> None:
-        self.input_needs_grad = input_needs_grad
-        self._work: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(layers)]
-
-    def add(self, index: int, output_grad: torch.Tensor, layer_input: torch.Tensor) -> None:
-        self._work[index].append((output_grad, layer_input))
-
-    def weight_gradients(self, dtypes: tuple[torch.dtype, ...]) -> list[Optional[torch.Tensor]]:
-        """Each layer's ``output_grad^T @ input`` summed over its calls (None for a layer that left none)."""
-        gradients: list[Optional[torch.Tensor]] = []
-        for work, dtype in zip(self._work, dtypes, strict=True):
-            total = None
-            for output_grad, layer_input in work:
-                grad = output_grad.t().mm(layer_input.reshape(-1, layer_input.shape[-1])).to(dtype)
-                total = grad if total is None else total + grad
-            gradients.append(total)
-        self._work = [[] for _ in self._work]
-        return gradients
-
-
 class _ColumnGroupEntry(torch.autograd.Function):
     """Identity forward on a column group's input; its parameters are the group's local weights.
 
@@ -306,7 +280,7 @@ class _ColumnGroupEntry(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup, deferred: _DeferredWeightGradients,
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup, deferred: DeferredWeightGradients,
                 *weights: torch.Tensor) -> torch.Tensor:
         ctx.group, ctx.deferred = group, deferred
         ctx.weight_dtypes = tuple(weight.dtype for weight in weights)
@@ -319,38 +293,6 @@ class _ColumnGroupEntry(torch.autograd.Function):
                    if grad is not None and ctx.needs_input_grad[0] else None)
         weight_grads = ctx.deferred.weight_gradients(ctx.weight_dtypes)
         return (pending.wait() if pending is not None else None, None, None, *weight_grads)
-
-
-class _ColumnLinear(torch.autograd.Function):
-    """``F.linear`` whose backward computes the input and bias gradients and defers the weight's."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                deferred: _DeferredWeightGradients, index: int) -> torch.Tensor:
-        device = tensor.device.type
-        ctx.input_dtype = tensor.dtype
-        if torch.is_autocast_enabled(device):
-            dtype = torch.get_autocast_dtype(device)
-            tensor, weight = tensor.to(dtype), weight.to(dtype)
-            bias = bias.to(dtype) if bias is not None else None
-        with torch.autocast(device, enabled=False):
-            output = F.linear(tensor, weight, bias)
-        ctx.save_for_backward(tensor, weight)
-        ctx.deferred, ctx.index = deferred, index
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        return output
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        tensor, weight = ctx.saved_tensors
-        grad = grad.to(weight.dtype)
-        flat_grad = grad.reshape(-1, grad.shape[-1])
-        input_grad = (grad.matmul(weight).to(ctx.input_dtype)
-                      if ctx.deferred.input_needs_grad and ctx.needs_input_grad[0] else None)
-        bias_grad = flat_grad.sum(0) if ctx.needs_input_grad[2] else None
-        if ctx.needs_input_grad[1]:
-            ctx.deferred.add(ctx.index, flat_grad, tensor)
-        return input_grad, None, bias_grad, None, None
 
 
 class ColumnGroupInput:
@@ -372,13 +314,13 @@ class ColumnGroupInput:
         self._layers.append(layer)
         return len(self._layers) - 1
 
-    def enter(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Optional[_DeferredWeightGradients]]:
+    def enter(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Optional[DeferredWeightGradients]]:
         """``tensor`` in the tensor-parallel region, and where the group's layers leave their weight gradients."""
         source: Optional[weakref.ref] = getattr(self._last, "source", None)
         if source is not None and source() is tensor:
             return self._last.entered, self._last.deferred
         if self.overlap_weight_gradients:
-            deferred = _DeferredWeightGradients(len(self._layers), tensor.requires_grad)
+            deferred = DeferredWeightGradients(len(self._layers), tensor.requires_grad)
             weights = [layer.weight.to_local() for layer in self._layers]
             entered = _ColumnGroupEntry.apply(tensor, self.group, deferred, *weights)
         else:
@@ -416,11 +358,11 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to_local() if self.bias is not None else None
         if self.group_input is None:
-            return linear_on_gathered(tensor, self.weight.to_local(), bias)
+            return linear_on_gathered(tensor, self.weight.to_local(), bias, layer=self)
         entered, deferred = self.group_input.enter(tensor)
         if deferred is None:
             return F.linear(entered, self.weight.to_local(), bias)
-        return _ColumnLinear.apply(entered, self.weight.to_local(), bias, deferred, self._index)
+        return linear_deferring_weight_gradient(entered, self.weight.to_local(), bias, deferred, self._index)
 
 
 class RowParallelLinear(nn.Module):
@@ -485,7 +427,9 @@ def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: Devi
                                                     sequence_parallel=sequence_parallel is not None))
     _scale_attention_attributes(block, plan.column, tensor_parallel)
     if sequence_parallel is not None:
-        install_sequence_gathers(block, sequence_parallel, group)
+        column_layers = ([[block.get_submodule(name) for name in members] for members in plan.column_groups]
+                         if overlap_weight_gradients else None)
+        install_sequence_gathers(block, sequence_parallel, group, column_layers)
     install_rank_streams(block, plan.column_groups, plan.row, mesh.get_local_rank(),
                          whole_block=sequence_parallel is not None)
     return changes
