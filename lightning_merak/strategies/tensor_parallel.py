@@ -398,7 +398,9 @@ def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: Devi
 
     With a ``sequence_parallel`` plan the block runs on sequence slices between its split
     layers (:mod:`~lightning_merak.strategies.sequence_parallel`); the caller splits the
-    sequence before the first such block and gathers it after the last.
+    sequence before the first such block and gathers it after the last. With
+    ``overlap_weight_gradients`` each column group computes its weight gradients while its
+    input gradient's collective is in flight (:mod:`~lightning_merak.strategies.weight_gradients`).
 
     Returns, by parameter name within the block, the layout changes a checkpoint must
     undo to stay loadable into the unsharded model.
