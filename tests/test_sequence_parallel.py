@@ -217,7 +217,9 @@ def _weight_gradient_order_rank(rank: int, world_size: int) -> dict:
     events: list[str] = []
     start, weights, wait = (sequence_parallel.start_reduce_scatter_in_turn,
                             weight_gradients.DeferredWeightGradients.weight_gradients, PendingCollective.wait)
+    prefetch = sequence_parallel.start_all_gather_in_turn
     sequence_parallel.start_reduce_scatter_in_turn = lambda *a: (events.append("launch"), start(*a))[1]
+    sequence_parallel.start_all_gather_in_turn = lambda *a: (events.append("prefetch"), prefetch(*a))[1]
     weight_gradients.DeferredWeightGradients.weight_gradients = (
         lambda self, *a: (events.append("weights"), weights(self, *a))[1])
     PendingCollective.wait = lambda self: (
@@ -236,10 +238,11 @@ def _weight_gradient_order_rank(rank: int, world_size: int) -> dict:
 
 
 def test_sequence_parallel_reduce_scatters_input_gradients_behind_weight_gradients():
-    """Each column group's gather launches the reduce-scatter of its input gradient, computes the
-    group's weight gradients, then waits; gradients are bit-identical to the order without it."""
+    """Each column group's input is gathered again from its row layer's backward on (prefetch); the
+    group's gather then launches the reduce-scatter of its input gradient, computes the group's
+    weight gradients, and waits. Gradients are bit-identical to the order without it."""
     for result in run_distributed(_weight_gradient_order_rank, 2, timeout_s=300):
-        assert result["order"] == ["launch", "weights", "wait"] * (2 * 3)
+        assert result["order"] == ["prefetch", "launch", "weights", "wait"] * (2 * 3)
         for name, grad in result["grads"][False].items():
             assert torch.equal(result["grads"][True][name], grad), name
 

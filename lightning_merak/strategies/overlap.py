@@ -58,6 +58,7 @@ __all__ = [
     "record_communication",
     "reduce_scatter_in_turn",
     "run_sub_batches",
+    "start_all_gather_in_turn",
     "start_all_reduce_in_turn",
     "start_reduce_scatter_in_turn",
     "start_all_to_all_in_turn",
@@ -429,15 +430,26 @@ def all_gather_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int)
         return tensor
     if tensor.is_meta:
         return torch.cat([tensor] * ranks, dim=dim)
+    return _communicate_once(lambda: _launch_all_gather(tensor, group, dim).wait())
 
-    def communicate() -> torch.Tensor:
-        pieces = tensor.new_empty((ranks * tensor.shape[0], *tensor.shape[1:]))
-        launch = time.perf_counter()
-        work = dist.all_gather_single(pieces, tensor.contiguous(), group=group, async_op=True)
-        PendingCollective(pieces, work, launch, "all_gather").wait()
-        return torch.cat(pieces.chunk(ranks), dim=dim)
 
-    return _communicate_once(communicate)
+def _launch_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> "PendingCollective":
+    ranks = dist.get_world_size(group)
+    pieces = tensor.new_empty((ranks * tensor.shape[0], *tensor.shape[1:]))
+    launch = time.perf_counter()
+    work = dist.all_gather_single(pieces, tensor.contiguous(), group=group, async_op=True)
+    return PendingCollective(pieces, work, launch, "all_gather",
+                             finish=lambda gathered: torch.cat(gathered.chunk(ranks), dim=dim))
+
+
+def start_all_gather_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> "PendingCollective":
+    """Launch :func:`all_gather_in_turn`; the caller computes until it waits for the concatenation.
+
+    Inside a checkpointed region, where collectives are recorded or replayed, it is done at once.
+    """
+    if dist.get_world_size(group) == 1 or tensor.is_meta or _replay_stack():
+        return PendingCollective(all_gather_in_turn(tensor, group, dim), None)
+    return _launch_all_gather(tensor, group, dim)
 
 
 def reduce_scatter_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:

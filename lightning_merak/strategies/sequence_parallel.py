@@ -44,9 +44,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_merak.strategies.overlap import (
+    PendingCollective,
     all_gather_in_turn,
     in_checkpointed_region,
     reduce_scatter_in_turn,
+    start_all_gather_in_turn,
     start_reduce_scatter_in_turn,
 )
 from lightning_merak.strategies.weight_gradients import DeferredWeightGradients, linear_deferring_weight_gradient
@@ -109,16 +111,24 @@ class _GatherSequence(torch.autograd.Function):
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
-    """Sum of the ranks' partial outputs, each keeping its slice of the sequence; all-gather in backward."""
+    """Sum of the ranks' partial outputs, each keeping its slice of the sequence; all-gather in backward.
+
+    With the column group's ``regather``, backward also launches the gather of the group's
+    input, which the column layers need a little later for their weight gradients.
+    """
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup,
+                regather: Optional["_Regather"]) -> torch.Tensor:
+        ctx.group, ctx.regather = group, regather
         return reduce_scatter_in_turn(tensor.contiguous(), group, SEQUENCE_DIM)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_gather_in_turn(grad.contiguous(), ctx.group, SEQUENCE_DIM), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        gathered = all_gather_in_turn(grad.contiguous(), ctx.group, SEQUENCE_DIM)
+        if ctx.regather is not None:
+            ctx.regather.prefetch()
+        return gathered, None, None
 
 
 class _EnterSequenceSplit(torch.autograd.Function):
@@ -152,7 +162,9 @@ class _Regather:
 
     Every column layer reading the gathered tensor would keep it whole for its weight
     gradient; packing it as (shape, stride, offset) of the gathered storage keeps only this
-    rank's slice, and the first layer to need it in backward gathers it once for all of them.
+    rank's slice, and it is gathered once for all of them in backward: launched by the partner
+    row layer's backward (:meth:`prefetch`), so it travels while the attention or activation
+    backward computes, and waited for by the first layer that needs it.
     """
 
     def __init__(self, shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -160,6 +172,12 @@ class _Regather:
         self.storage = full.untyped_storage().data_ptr()
         self.pending = 0
         self.full: Optional[torch.Tensor] = None
+        self._prefetched: Optional[PendingCollective] = None
+
+    def prefetch(self) -> None:
+        """Launch the gather ahead of the first unpack (from the row layer's backward), if anything was packed."""
+        if self.pending > 0 and self.full is None and self._prefetched is None:
+            self._prefetched = start_all_gather_in_turn(self.shard, self.group, SEQUENCE_DIM)
 
     def pack(self, tensor: torch.Tensor) -> Any:
         if tensor.untyped_storage().data_ptr() != self.storage:
@@ -171,7 +189,9 @@ class _Regather:
         if isinstance(packed, torch.Tensor):
             return packed
         if self.full is None:
-            self.full = all_gather_in_turn(self.shard, self.group, SEQUENCE_DIM)
+            prefetched, self._prefetched = self._prefetched, None
+            self.full = (prefetched.wait() if prefetched is not None
+                         else all_gather_in_turn(self.shard, self.group, SEQUENCE_DIM))
         view = self.full.as_strided(*packed)
         self.pending -= 1
         if self.pending == 0:
@@ -226,8 +246,12 @@ def linear_on_gathered(tensor: torch.Tensor, weight: torch.Tensor, bias: Optiona
 
 
 def reduce_scatter_sequence(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """This rank's slice of the sum of the ranks' partial ``tensor``."""
-    return _ReduceScatterSequence.apply(tensor, group)
+    """This rank's slice of the sum of the ranks' partial ``tensor`` (a row layer's output).
+
+    Its backward starts gathering the input of this thread's last gathered column group, the
+    row layer's partner, for that group's weight gradients.
+    """
+    return _ReduceScatterSequence.apply(tensor, group, getattr(_last_gather, "regather", None))
 
 
 @dataclass
