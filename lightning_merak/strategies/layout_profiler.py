@@ -435,24 +435,22 @@ def _pipeline_runtime(device: torch.device, repeats: int, p2p: CollectiveCost) -
     micro-batch counts; :func:`fit_pipeline_runtime` turns the steps into per-action and
     per-step times. Other ranks return zeros; the caller takes rank 0's figures.
     """
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import Schedule1F1B
 
-    from lightning_merak.strategies.pipeline.schedules import EarlyReceiveStage, early_receive_available
+    from lightning_merak.strategies.pipeline.schedules import pipeline_stage_class
 
     rank = dist.get_rank()
     group = dist.new_group([0, 1])
-    stage_class = (EarlyReceiveStage if dist.get_backend(group) == "gloo" and early_receive_available()
-                   else PipelineStage)
     steps: dict[int, float] = {}
-    for micro_batches in PIPELINE_PROBE_MICRO_BATCHES:
-        if rank > 1:
-            continue
-        stage = stage_class(nn.Linear(8, 8).to(device), rank, 2, device, group=group)
-        schedule = Schedule1F1B(stage, micro_batches, loss_fn=lambda output, target: output.sum())
-        rows = torch.zeros(micro_batches, 1, 8, device=device)
-        dist.barrier(group=group)
-        steps[micro_batches] = mean_call_time(
-            (lambda: schedule.step(rows)) if rank == 0 else (lambda: schedule.step(target=rows)), repeats)
+    if rank < 2:
+        stage_class = pipeline_stage_class(dist.get_backend(group))
+        for micro_batches in PIPELINE_PROBE_MICRO_BATCHES:
+            stage = stage_class(nn.Linear(8, 8).to(device), rank, 2, device, group=group)
+            schedule = Schedule1F1B(stage, micro_batches, loss_fn=lambda output, target: output.sum())
+            rows = torch.zeros(micro_batches, 1, 8, device=device)
+            dist.barrier(group=group)
+            steps[micro_batches] = mean_call_time(
+                (lambda: schedule.step(rows)) if rank == 0 else (lambda: schedule.step(target=rows)), repeats)
     dist.barrier()
     return fit_pipeline_runtime(steps, p2p.send_s(8 * 4)) if rank == 0 else (0.0, 0.0)
 

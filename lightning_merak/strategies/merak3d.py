@@ -45,9 +45,8 @@ from torch.utils.checkpoint import checkpoint
 from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, split_expert_key
 from lightning_merak.strategies.overlap import SubBatchForward, collective_replay_contexts
 from lightning_merak.strategies.pipeline.schedules import (
-    EarlyReceiveStage,
     ScheduleShiftedCriticalPath,
-    early_receive_available,
+    pipeline_stage_class,
     shifted_schedule_available,
 )
 from lightning_merak.strategies.pipeline.stage import RankStages, build_stage_module, tied_parameter_names
@@ -196,8 +195,9 @@ class Merak3DStrategy(ParallelStrategy):
             backward (1 = no overlap; ``"auto"``: planned). It must divide the micro-batch size.
         tp_weight_grad_overlap: in backward, each column group (q/k/v, gate/up) all-reduces its
             input gradient (reduce-scatters it, with sequence parallelism) while it computes its
-            weight gradients, so that collective is hidden without sub-batches too. Default: on, except with ``"interleaved_zero_bubble"``, which
-            computes weight gradients in a pass of their own (``True`` is refused there).
+            weight gradients, so that collective is hidden without sub-batches too. Default: on,
+            except with ``"interleaved_zero_bubble"``, which computes weight gradients in a pass of
+            their own (``True`` is refused there).
         sequence_parallel: split the blocks' norms, dropout and residual stream along the sequence
             over the tensor-parallel ranks (:mod:`~lightning_merak.strategies.sequence_parallel`):
             each all-reduce becomes a reduce-scatter and an all-gather, activations between the
@@ -932,7 +932,6 @@ class Merak3DStrategy(ParallelStrategy):
 
     def _start_pipeline(self, stages: RankStages) -> None:
         from torch.distributed.pipelining import (
-            PipelineStage,
             Schedule1F1B,
             ScheduleGPipe,
             ScheduleInterleaved1F1B,
@@ -945,11 +944,7 @@ class Merak3DStrategy(ParallelStrategy):
                 "pipeline schedules need at least one micro-batch per stage"
             )
         pp_group = self.device_mesh["pp"].get_group()
-        # gloo, one stage per rank: every receive of a step can be posted at its start (NCCL runs
-        # a pair's sends and receives on one stream, where a receive posted early blocks the sends)
-        early = (dist.get_backend(pp_group) == "gloo" and self.schedule not in MULTI_STAGE_SCHEDULES
-                 and early_receive_available())
-        stage_class = EarlyReceiveStage if early else PipelineStage
+        stage_class = pipeline_stage_class(dist.get_backend(pp_group), self.virtual_stages)
         pipeline_stages = [
             stage_class(part, part.stage_index, part.num_stages, self.root_device, group=pp_group)
             for part in stages

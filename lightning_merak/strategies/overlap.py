@@ -396,28 +396,31 @@ def all_reduce_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.
     """
     if tensor.is_meta or dist.get_world_size(group) == 1:
         return tensor
+    return _communicate_once(lambda: _launch_all_reduce(tensor, group).wait())
 
-    def communicate() -> torch.Tensor:
-        launch = time.perf_counter()
-        return PendingCollective(tensor, dist.all_reduce(tensor, group=group, async_op=True), launch,
-                                 "all_reduce").wait()
 
-    return _communicate_once(communicate)
+def _launch_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "PendingCollective":
+    launch = time.perf_counter()
+    return PendingCollective(tensor, dist.all_reduce(tensor, group=group, async_op=True), launch, "all_reduce")
+
+
+def _start_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup, now: Callable[[], torch.Tensor],
+                   launch: Callable[[], "PendingCollective"]) -> "PendingCollective":
+    """``launch()``, or ``now()`` done at once where nothing is launched: a single rank, a meta
+    tensor, or a checkpointed region, where collectives are recorded or replayed."""
+    if dist.get_world_size(group) == 1 or tensor.is_meta or _replay_stack():
+        return PendingCollective(now(), None)
+    return launch()
 
 
 def start_all_reduce_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup) -> "PendingCollective":
     """Launch the in-place sum of ``tensor`` over ``group``; the caller computes until it waits.
 
     For work the caller itself has to do meanwhile (a column group's weight gradients while
-    its input gradient is summed). Inside a checkpointed region, where collectives are
-    recorded or replayed, the sum is done at once.
+    its input gradient is summed). Done at once where :func:`_start_in_turn` says so.
     """
-    if tensor.is_meta or dist.get_world_size(group) == 1:
-        return PendingCollective(tensor, None)
-    if _replay_stack():
-        return PendingCollective(all_reduce_in_turn(tensor, group), None)
-    launch = time.perf_counter()
-    return PendingCollective(tensor, dist.all_reduce(tensor, group=group, async_op=True), launch, "all_reduce")
+    return _start_in_turn(tensor, group, lambda: all_reduce_in_turn(tensor, group),
+                          lambda: _launch_all_reduce(tensor, group))
 
 
 def all_gather_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
@@ -445,11 +448,10 @@ def _launch_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int)
 def start_all_gather_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> "PendingCollective":
     """Launch :func:`all_gather_in_turn`; the caller computes until it waits for the concatenation.
 
-    Inside a checkpointed region, where collectives are recorded or replayed, it is done at once.
+    Done at once where :func:`_start_in_turn` says so.
     """
-    if dist.get_world_size(group) == 1 or tensor.is_meta or _replay_stack():
-        return PendingCollective(all_gather_in_turn(tensor, group, dim), None)
-    return _launch_all_gather(tensor, group, dim)
+    return _start_in_turn(tensor, group, lambda: all_gather_in_turn(tensor, group, dim),
+                          lambda: _launch_all_gather(tensor, group, dim))
 
 
 def reduce_scatter_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
@@ -462,15 +464,20 @@ def reduce_scatter_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup, dim: 
     ranks = dist.get_world_size(group)
     if ranks == 1:
         return tensor
-    if tensor.shape[dim] % ranks:
-        raise ValueError(f"dimension {dim} of a {tuple(tensor.shape)} tensor does not split over {ranks} ranks")
     if tensor.is_meta:
+        _check_splits(tensor, ranks, dim)
         return tensor.chunk(ranks, dim=dim)[0].clone()
     return _communicate_once(lambda: _launch_reduce_scatter(tensor, group, dim).wait())
 
 
+def _check_splits(tensor: torch.Tensor, ranks: int, dim: int) -> None:
+    if tensor.shape[dim] % ranks:
+        raise ValueError(f"dimension {dim} of a {tuple(tensor.shape)} tensor does not split over {ranks} ranks")
+
+
 def _launch_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> "PendingCollective":
     ranks = dist.get_world_size(group)
+    _check_splits(tensor, ranks, dim)
     pieces = torch.cat(tensor.chunk(ranks, dim=dim))
     launch = time.perf_counter()
     if dist.get_backend(group) == "gloo":
@@ -486,14 +493,10 @@ def _launch_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup, dim: 
 def start_reduce_scatter_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> "PendingCollective":
     """Launch :func:`reduce_scatter_in_turn`; the caller computes until it waits for this rank's slice.
 
-    Inside a checkpointed region, where collectives are recorded or replayed, it is done at once.
+    Done at once where :func:`_start_in_turn` says so.
     """
-    ranks = dist.get_world_size(group)
-    if ranks == 1 or tensor.is_meta or _replay_stack():
-        return PendingCollective(reduce_scatter_in_turn(tensor, group, dim), None)
-    if tensor.shape[dim] % ranks:
-        raise ValueError(f"dimension {dim} of a {tuple(tensor.shape)} tensor does not split over {ranks} ranks")
-    return _launch_reduce_scatter(tensor, group, dim)
+    return _start_in_turn(tensor, group, lambda: reduce_scatter_in_turn(tensor, group, dim),
+                          lambda: _launch_reduce_scatter(tensor, group, dim))
 
 
 class PendingCollective:

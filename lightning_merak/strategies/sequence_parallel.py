@@ -96,7 +96,6 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup,
                 deferred: Optional[DeferredWeightGradients], *weights: torch.Tensor) -> torch.Tensor:
         ctx.group, ctx.deferred = group, deferred
-        ctx.weight_dtypes = tuple(weight.dtype for weight in weights)
         ctx.set_materialize_grads(deferred is None)
         return all_gather_in_turn(tensor, group, SEQUENCE_DIM)
 
@@ -106,7 +105,7 @@ class _GatherSequence(torch.autograd.Function):
             return reduce_scatter_in_turn(grad.contiguous(), ctx.group, SEQUENCE_DIM), None, None
         pending = (start_reduce_scatter_in_turn(grad.contiguous(), ctx.group, SEQUENCE_DIM)
                    if grad is not None and ctx.needs_input_grad[0] else None)
-        weight_grads = ctx.deferred.weight_gradients(ctx.weight_dtypes)
+        weight_grads = ctx.deferred.weight_gradients()
         return (pending.wait() if pending is not None else None, None, None, *weight_grads)
 
 
@@ -211,8 +210,9 @@ def gather_sequence(tensor: torch.Tensor, group: dist.ProcessGroup, column_layer
     gather's backward, which computes them while the input gradient is reduce-scattered.
     """
     layers = list(column_layers)
-    deferred = DeferredWeightGradients(len(layers), tensor.requires_grad) if layers else None
-    full = _GatherSequence.apply(tensor, group, deferred, *(layer.weight.to_local() for layer in layers))
+    weights = [layer.weight.to_local() for layer in layers]
+    deferred = DeferredWeightGradients(weights, tensor.requires_grad) if layers else None
+    full = _GatherSequence.apply(tensor, group, deferred, *weights)
     _last_gather.full, _last_gather.regather = weakref.ref(full), _Regather(tensor, full, group)
     _last_gather.deferred, _last_gather.layers = deferred, layers
     return full

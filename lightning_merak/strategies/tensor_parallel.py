@@ -283,7 +283,6 @@ class _ColumnGroupEntry(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup, deferred: DeferredWeightGradients,
                 *weights: torch.Tensor) -> torch.Tensor:
         ctx.group, ctx.deferred = group, deferred
-        ctx.weight_dtypes = tuple(weight.dtype for weight in weights)
         ctx.set_materialize_grads(False)
         return tensor.view_as(tensor)
 
@@ -291,7 +290,7 @@ class _ColumnGroupEntry(torch.autograd.Function):
     def backward(ctx: Any, grad: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
         pending = (start_all_reduce_in_turn(grad.contiguous().clone(), ctx.group)
                    if grad is not None and ctx.needs_input_grad[0] else None)
-        weight_grads = ctx.deferred.weight_gradients(ctx.weight_dtypes)
+        weight_grads = ctx.deferred.weight_gradients()
         return (pending.wait() if pending is not None else None, None, None, *weight_grads)
 
 
@@ -320,8 +319,8 @@ class ColumnGroupInput:
         if source is not None and source() is tensor:
             return self._last.entered, self._last.deferred
         if self.overlap_weight_gradients:
-            deferred = DeferredWeightGradients(len(self._layers), tensor.requires_grad)
             weights = [layer.weight.to_local() for layer in self._layers]
+            deferred = DeferredWeightGradients(weights, tensor.requires_grad)
             entered = _ColumnGroupEntry.apply(tensor, self.group, deferred, *weights)
         else:
             deferred, entered = None, _CopyToTensorParallel.apply(tensor, self.group)

@@ -12,7 +12,7 @@ weights as inputs, so their gradients flow through autograd as usual.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,17 +27,19 @@ class DeferredWeightGradients:
     upstream wants the input gradient, so the layers skip it.
     """
 
-    def __init__(self, layers: int, input_needs_grad: bool) -> None:
+    def __init__(self, weights: Sequence[torch.Tensor], input_needs_grad: bool) -> None:
+        """``weights`` are the group's layers' weights, in the order of their ``index``."""
         self.input_needs_grad = input_needs_grad
-        self._work: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(layers)]
+        self._dtypes = tuple(weight.dtype for weight in weights)
+        self._work: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in weights]
 
     def add(self, index: int, output_grad: torch.Tensor, layer_input: torch.Tensor) -> None:
         self._work[index].append((output_grad, layer_input))
 
-    def weight_gradients(self, dtypes: tuple[torch.dtype, ...]) -> list[Optional[torch.Tensor]]:
+    def weight_gradients(self) -> list[Optional[torch.Tensor]]:
         """Each layer's ``output_grad^T @ input`` summed over its calls (None for a layer that left none)."""
         gradients: list[Optional[torch.Tensor]] = []
-        for work, dtype in zip(self._work, dtypes, strict=True):
+        for work, dtype in zip(self._work, self._dtypes, strict=True):
             total = None
             for output_grad, layer_input in work:
                 grad = output_grad.t().mm(layer_input.reshape(-1, layer_input.shape[-1])).to(dtype)

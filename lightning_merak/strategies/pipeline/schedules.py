@@ -36,7 +36,8 @@ from torch.distributed.pipelining import schedules as _schedules
 
 from lightning_merak.strategies import random_state
 
-__all__ = ["EarlyReceiveStage", "ScheduleShiftedCriticalPath", "early_receive_available", "shifted_schedule_available"]
+__all__ = ["EarlyReceiveStage", "ScheduleShiftedCriticalPath", "early_receive_available", "pipeline_stage_class",
+           "shifted_schedule_available"]
 
 _REQUIRED = ("_check_inputs", "_initialize_stage", "_maybe_compute_loss", "_maybe_get_loss", "_update_losses")
 _STAGE_REQUIRED = ("get_fwd_recv_ops", "get_bwd_recv_ops", "forward_one_chunk", "backward_one_chunk",
@@ -54,6 +55,15 @@ def early_receive_available() -> bool:
     """Whether this torch's pipeline stage has the receive hooks :class:`EarlyReceiveStage` overrides."""
     return all(hasattr(PipelineStage, name) for name in _STAGE_REQUIRED) and all(
         hasattr(_schedules, name) for name in ("_batch_p2p", "_wait_batch_p2p"))
+
+
+def pipeline_stage_class(backend: str, stages_per_rank: int = 1) -> type[PipelineStage]:
+    """:class:`EarlyReceiveStage` on gloo with one stage per rank, where every receive of a step can
+    be posted at its start; torch's ``PipelineStage`` elsewhere (NCCL runs a pair's sends and
+    receives on one stream, where a receive posted early blocks the sends)."""
+    if backend == "gloo" and stages_per_rank == 1 and early_receive_available():
+        return EarlyReceiveStage
+    return PipelineStage
 
 
 class EarlyReceiveStage(PipelineStage):

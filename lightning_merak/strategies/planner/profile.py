@@ -100,18 +100,17 @@ def fit_pipeline_runtime(step_s: dict[int, float], p2p_s: float, stages: int = 2
     def simulated(count: int, action_s: float) -> float:
         return simulate_schedule([action_s] * stages, [action_s] * stages, count, "1f1b", p2p_s).iteration_s
 
+    def simulated_growth(action_s: float) -> float:
+        return simulated(most, action_s) - simulated(fewest, action_s)
+
     growth = step_s[most] - step_s[fewest]
-    low, high = 0.0, max(growth, 0.0)
-    if simulated(most, 0.0) - simulated(fewest, 0.0) >= growth:
-        high = 0.0
-    for _ in range(60):
-        middle = (low + high) / 2
-        if simulated(most, middle) - simulated(fewest, middle) < growth:
-            low = middle
-        else:
-            high = middle
-    action_s = high
-    return action_s, max(0.0, step_s[fewest] - simulated(fewest, action_s))
+    low, high = 0.0, 0.0
+    if simulated_growth(0.0) < growth:
+        high = growth  # each added micro-batch adds at least two actions, so this is an upper bound
+        for _ in range(60):
+            middle = (low + high) / 2
+            low, high = (middle, high) if simulated_growth(middle) < growth else (low, middle)
+    return high, max(0.0, step_s[fewest] - simulated(fewest, high))
 
 
 @dataclass(frozen=True)
