@@ -237,6 +237,15 @@ def test_interleaved_schedules_match_single_process(model_name, schedule):
     assert_traces_match(_reference(model_name), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
 
 
+def test_interleaved_zero_bubble_with_sequence_parallel_tensor_shards_matches_single_process():
+    """The weight pass runs apart from the input pass while every layer is split over 2 ranks and
+    the sequence is sharded between its blocks: 4 ranks, 2 stages each."""
+    layout = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 2, "micro_batches": 4,
+              "schedule": "interleaved_zero_bubble", "virtual_stages": 2, "sequence_parallel": True}
+    results = run_distributed(_train_rank, 4, args=("llama", layout), timeout_s=300)
+    assert_traces_match(_reference("llama"), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
+
+
 def _reduce_rank(rank: int, world_size: int) -> list:
     strategy = Merak3DStrategy()
 
