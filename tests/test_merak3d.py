@@ -30,6 +30,15 @@ MODELS = {
     "gpt2_dropout": ModelConfig(name="gpt2", model_type="gpt2", config={"n_embd": 32, "n_layer": 4, "n_head": 4}),
     "gpt2": ModelConfig(name="gpt2", model_type="gpt2", config={
         "n_embd": 32, "n_layer": 4, "n_head": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
+    # logits scaled after the tied LM head, outside any module
+    "cohere": ModelConfig(name="cohere", model_type="cohere", config={
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "logit_scale": 0.25, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # sliding-window and global layers read different masks; logits soft-capped (at 30) after the tied LM head
+    "gemma2": ModelConfig(name="gemma2", model_type="gemma2", config={
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 4,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
 }
 
 
@@ -153,6 +162,18 @@ LAYOUTS = [
 def test_layout_matches_single_process(model_name, layout):
     world_size = layout["data_parallel"] * layout["pipeline_parallel"] * layout["tensor_parallel"]
     results = run_distributed(_train_rank, world_size, args=(model_name, layout), timeout_s=300)
+    assert_traces_match(_reference(model_name), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
+
+
+@pytest.mark.parametrize(("model_name", "layout"), [
+    ("cohere", LAYOUTS[4]),
+    ("gemma2", {**LAYOUTS[4], "micro_batches": 2, "tp_overlap": 2, "sequence_parallel": True}),
+], ids=["cohere-pp2tp2", "gemma2-pp2tp2-sp-overlap2"])
+def test_heads_with_tensor_operations_and_per_layer_masks_match_single_process(model_name, layout):
+    """Pipeline and tensor parallel at once on models whose logits are scaled or soft-capped outside any
+    module and, for Gemma 2, whose layers read different attention masks: the first stage gathers them
+    in each sub-batch's thread."""
+    results = run_distributed(_train_rank, 4, args=(model_name, layout), timeout_s=300)
     assert_traces_match(_reference(model_name), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
 
 

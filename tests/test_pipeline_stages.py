@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 from transformers import (
-    BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-    MistralForCausalLM,
+    BertConfig, BertForMaskedLM, CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, GPT2Config,
+    GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
 )
 
 from lightning_merak.models import logits_of
@@ -59,10 +59,17 @@ def _models() -> dict[str, nn.Module]:
         "gpt2": GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=4, n_head=4, vocab_size=100, use_cache=False)),
         "bert": BertForMaskedLM(BertConfig(**small)),
         "user": UserTransformer(),
+        # logits scaled after the LM head, outside any module
+        "cohere": CohereForCausalLM(CohereConfig(**small, num_key_value_heads=2, logit_scale=0.25, pad_token_id=0,
+                                                 bos_token_id=1, eos_token_id=2)),
+        # sliding-window and global layers read different masks; logits soft-capped after the LM head
+        "gemma2": Gemma2ForCausalLM(Gemma2Config(**small, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                                 final_logit_softcapping=2.0, pad_token_id=0, bos_token_id=1,
+                                                 eos_token_id=2)),
     }
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "gpt2", "bert", "user"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "gpt2", "bert", "user", "cohere", "gemma2"])
 @pytest.mark.parametrize("boundaries", [(0, 3), (0, 1, 4, 5), (0, 5), (0, 2, 3, 4)])
 def test_chained_stages_reproduce_the_logits(name, boundaries):
     model = _models()[name].eval()
@@ -143,8 +150,44 @@ class _LongSkips(nn.Module):
 
 
 def test_skip_connections_across_blocks_are_refused():
-    with pytest.raises(TraceError, match="block 2 of blocks receives arguments block 0 does not"):
+    with pytest.raises(TraceError, match="block 2 of blocks receives another block's output"):
         trace_model(_LongSkips(), torch.randint(10, (1, 4)), profile=False)
+
+
+class _DerivedSkips(_LongSkips):
+    """Each block also reads a value computed from the previous block's input."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = skip = self.embedding(ids)
+        for block in self.blocks:
+            x, skip = block(x, skip), 0.5 * x
+        return self.head(x)
+
+
+def test_values_derived_from_other_blocks_are_refused():
+    with pytest.raises(TraceError, match="do not reproduce its logits"):
+        trace_model(_DerivedSkips(), torch.randint(10, (1, 4)), profile=False)
+
+
+class _HeadWeightOutsideModule(UserTransformer):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(ids) + self.positions[:ids.shape[1]]
+        for block in self.blocks:
+            x = block(x, torch.zeros(ids.shape[1], ids.shape[1]))
+        return self.norm(x) @ self.embedding.weight.T
+
+
+def test_head_weight_used_outside_its_module_is_refused():
+    with pytest.raises(TraceError, match="outside a module call"):
+        trace_model(_HeadWeightOutsideModule(), torch.randint(100, (1, 4)), profile=False)
+
+
+def test_head_replays_operations_after_the_lm_head():
+    model = _models()["gemma2"]
+    trace = trace_model(model, torch.randint(100, (2, 8)), profile=False)
+    assert trace.suffix_paths == ["model.norm", "lm_head"]
+    assert [step.function.__name__ for step in trace.head if step.module is None][-3:] == ["div", "tanh", "mul"]
+    assert trace.block_signatures[0] != trace.block_signatures[1]
 
 
 def test_model_without_block_list_is_refused():

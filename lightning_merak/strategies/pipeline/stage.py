@@ -5,21 +5,22 @@ attribute ``net``: its parameter names are the original names prefixed by ``net.
 checkpoints, gradients and optimizer groups map back to the unsplit model.
 
 * The first stage runs the model's own forward (embeddings, masks, rotary tables —
-  whatever the model computes before its blocks) with the trunk replaced by its local
-  blocks followed by an exit that hands back the hidden state and the side tensors.
-* Later stages call their blocks directly with the side tensors they received.
-* The last stage applies the recorded suffix chain (final norm, LM head) to get logits.
+  whatever the model computes before its blocks) with its local blocks in place and the
+  others skipped; it leaves the forward once its last block ran and every side tensor
+  the blocks read has been seen, handing back the hidden state and the side tensors.
+* Later stages call their blocks directly, each with its own side tensors.
+* The last stage replays the recorded head (final norm, LM head, logit scaling) to get logits.
 
 Stage inputs and outputs are ``(hidden, *side_tensors)``; the last stage outputs logits.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from lightning_merak.strategies.pipeline.trace import ModelTrace, TraceError
 
@@ -40,16 +41,25 @@ class _RemovedModule(nn.Module):
 
 
 class _TrunkExit(Exception):
-    def __init__(self, hidden: torch.Tensor, args: tuple, kwargs: dict) -> None:
+    def __init__(self, hidden: torch.Tensor) -> None:
         super().__init__()
-        self.hidden, self.args, self.kwargs = hidden, args, kwargs
+        self.hidden = hidden
 
 
-class _ExitBlock(nn.Module):
-    """Stands for block 0 on a first stage that holds no block: ends the forward there."""
+class _SkippedBlock(nn.Module):
+    """Stands for a block of another stage inside the first stage's forward: notes its side tensors and hands
+    the hidden state on unchanged."""
+
+    def __init__(self, index: int, stage: "PipelineStageModule") -> None:
+        super().__init__()
+        self.index = index
+        self._stage = [stage]
 
     def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        raise _TrunkExit(hidden, args, kwargs)
+        stage = self._stage[0]
+        stage.note_block_call(self.index, hidden, args, kwargs)
+        stage.exit_if_done(self.index, hidden)
+        return stage.trace.output_with_hidden(hidden)
 
 
 def tied_parameter_names(model: nn.Module) -> list[tuple[str, ...]]:
@@ -102,15 +112,33 @@ class PipelineStageModule(nn.Module):
         self.net = model
 
     def _install_exit(self, trunk: nn.ModuleList) -> None:
-        """End the first stage's forward right after its last block, keeping the block arguments."""
-        if not self.block_indices:
-            trunk[0] = _ExitBlock()
-            return
+        """Skip the blocks of other stages; end the forward once the last local block ran and every
+        side tensor has been seen (blocks of different kinds may read different ones)."""
+        self._last_local_block = self.block_indices[-1] if self.block_indices else -1
+        self._seen_side: dict[int, dict[int, torch.Tensor]] = {}
+        for index in range(len(trunk)):
+            if index not in self.block_indices:
+                trunk[index] = _SkippedBlock(index, self)
+                continue
 
-        def leave(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            raise _TrunkExit(self.trace.hidden_of(output), args[1:], kwargs)
+            def note(module: nn.Module, args: tuple, kwargs: dict, index: int = index) -> None:
+                self.note_block_call(index, args[0], args[1:], kwargs)
 
-        trunk[self.block_indices[-1]].register_forward_hook(leave, with_kwargs=True)
+            def leave(module: nn.Module, args: tuple, kwargs: dict, output: Any, index: int = index) -> None:
+                self.exit_if_done(index, self.trace.hidden_of(output))
+
+            trunk[index].register_forward_pre_hook(note, with_kwargs=True)
+            trunk[index].register_forward_hook(leave, with_kwargs=True)
+
+    def note_block_call(self, index: int, hidden: torch.Tensor, args: tuple, kwargs: dict) -> None:
+        """Record the side tensors block ``index`` is called with (first stage; per thread, as sub-batches
+        run the forward in threads of their own)."""
+        self._seen_side[threading.get_ident()].update(self.trace.side_tensors_of(index, args, kwargs))
+
+    def exit_if_done(self, index: int, hidden: torch.Tensor) -> None:
+        """Leave the model's forward after block ``index`` if nothing more is needed from it."""
+        if index >= self._last_local_block and len(self._seen_side[threading.get_ident()]) == self.trace.side_tensor_count:
+            raise _TrunkExit(hidden)
 
     def _remove_prefix(self, model: nn.Module) -> None:
         """Replace every module with state that neither the trunk nor the suffix needs."""
@@ -130,17 +158,14 @@ class PipelineStageModule(nn.Module):
         return stage_name[len(_NET_PREFIX):] if stage_name.startswith(_NET_PREFIX) else stage_name
 
     def _run_first(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        thread = threading.get_ident()
+        self._seen_side[thread] = seen = {}
         try:
             self._call_model(self.net, input_ids)
         except _TrunkExit as exit_:
-            leaves, _ = tree_flatten((tuple(exit_.args), dict(exit_.kwargs)))
-            side = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
-            if len(side) != self.trace.side_tensor_count:
-                raise TraceError(
-                    f"the blocks received {len(side)} side tensors, {self.trace.side_tensor_count} when traced; "
-                    "merak3d needs the same block arguments at every step (fixed shapes and options)"
-                ) from None
-            return (exit_.hidden, *side)
+            return (exit_.hidden, *(seen[slot] for slot in range(self.trace.side_tensor_count)))
+        finally:
+            del self._seen_side[thread]
         raise TraceError("the model's forward finished without reaching the pipeline exit")
 
     def forward(self, *inputs: torch.Tensor) -> Any:
@@ -148,16 +173,13 @@ class PipelineStageModule(nn.Module):
             hidden, *side = self._run_first(inputs[0])
         else:
             hidden, *side = inputs
-        if not self.is_first:
             trunk = self.net.get_submodule(self.trace.trunk_path)
-            args, kwargs = self.trace.block_arguments(tuple(side))
             for index in self.block_indices:
+                args, kwargs = self.trace.block_arguments(tuple(side), index)
                 hidden = self.trace.hidden_of(trunk[index](hidden, *args, **kwargs))
         if not self.is_last:
             return (hidden, *side)
-        for path in self.trace.suffix_paths:
-            hidden = self.net.get_submodule(path)(hidden)
-        return hidden
+        return self.trace.run_head(self.net, hidden)
 
 
 def build_stage_module(
