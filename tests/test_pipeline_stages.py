@@ -193,3 +193,15 @@ def test_head_replays_operations_after_the_lm_head():
 def test_model_without_block_list_is_refused():
     with pytest.raises(TraceError, match="no nn.ModuleList of repeated blocks"):
         trace_model(nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10)), torch.randint(10, (1, 4)))
+
+
+def test_first_stage_blocks_called_outside_its_forward_just_compute():
+    """Recomputation or a profiler may call a first-stage block directly: the stage's exit stays out of it."""
+    model = _models()["llama"].eval()
+    with torch.no_grad():
+        trace = trace_model(model, torch.randint(100, (2, 8)), profile=False)
+        stage = build_stage_module(copy.deepcopy(model), trace, (0, 3), 0, lambda m, x: m(x))
+        args, kwargs = trace.block_arguments(trace.sample_side_tensors, 1)
+        alone = stage.net.model.layers[1](trace.sample_hidden, *args, **kwargs)
+        expected = model.model.layers[1](trace.sample_hidden, *args, **kwargs)
+    torch.testing.assert_close(trace.hidden_of(alone), trace.hidden_of(expected), rtol=0, atol=0)

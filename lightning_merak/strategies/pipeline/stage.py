@@ -57,7 +57,7 @@ class _SkippedBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         stage = self._stage[0]
-        stage.note_block_call(self.index, hidden, args, kwargs)
+        stage.note_block_call(self.index, args, kwargs)
         stage.exit_if_done(self.index, hidden)
         return stage.trace.output_with_hidden(hidden)
 
@@ -122,7 +122,7 @@ class PipelineStageModule(nn.Module):
                 continue
 
             def note(module: nn.Module, args: tuple, kwargs: dict, index: int = index) -> None:
-                self.note_block_call(index, args[0], args[1:], kwargs)
+                self.note_block_call(index, args[1:], kwargs)
 
             def leave(module: nn.Module, args: tuple, kwargs: dict, output: Any, index: int = index) -> None:
                 self.exit_if_done(index, self.trace.hidden_of(output))
@@ -130,14 +130,17 @@ class PipelineStageModule(nn.Module):
             trunk[index].register_forward_pre_hook(note, with_kwargs=True)
             trunk[index].register_forward_hook(leave, with_kwargs=True)
 
-    def note_block_call(self, index: int, hidden: torch.Tensor, args: tuple, kwargs: dict) -> None:
-        """Record the side tensors block ``index`` is called with (first stage; per thread, as sub-batches
-        run the forward in threads of their own)."""
-        self._seen_side[threading.get_ident()].update(self.trace.side_tensors_of(index, args, kwargs))
+    def note_block_call(self, index: int, args: tuple, kwargs: dict) -> None:
+        """Record the side tensors block ``index`` is called with, inside this stage's forward (per thread, as
+        sub-batches run it in threads of their own); a block called from anywhere else is left alone."""
+        seen = self._seen_side.get(threading.get_ident())
+        if seen is not None:
+            seen.update(self.trace.side_tensors_of(index, args, kwargs))
 
     def exit_if_done(self, index: int, hidden: torch.Tensor) -> None:
         """Leave the model's forward after block ``index`` if nothing more is needed from it."""
-        if index >= self._last_local_block and len(self._seen_side[threading.get_ident()]) == self.trace.side_tensor_count:
+        seen = self._seen_side.get(threading.get_ident())
+        if seen is not None and index >= self._last_local_block and len(seen) == self.trace.side_tensor_count:
             raise _TrunkExit(hidden)
 
     def _remove_prefix(self, model: nn.Module) -> None:
