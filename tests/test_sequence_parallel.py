@@ -312,14 +312,16 @@ def test_dropout_draws_each_ranks_own_mask_where_ranks_hold_their_own_part(seque
 SEQUENCE_LAYOUTS = [
     ("llama", {"data_parallel": 1, "pipeline_parallel": 1, "tensor_parallel": 2, "sequence_parallel": True}),
     ("gpt2", {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 2, "tp_overlap": 2,
-              "sequence_parallel": True, "recompute": "full"}),
+              "sequence_parallel": True, "recompute": "full", "partition": "uniform"}),
     ("llama", {"data_parallel": 2, "pipeline_parallel": 1, "tensor_parallel": 2, "tp_overlap": 2,
                "sequence_parallel": True}),
     ("llama", {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 2, "tp_overlap": 2,
-               "sequence_parallel": True, "schedule": "interleaved_1f1b"}),
+               "sequence_parallel": True, "schedule": "interleaved_1f1b", "partition": "uniform"}),
     ("gpt2", {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 2, "sequence_parallel": True,
-              "schedule": "shifted_critical_path"}),
+              "schedule": "shifted_critical_path", "partition": "uniform"}),
 ]
+"""Pipelined layouts split uniformly: a timed split may leave a stage only the embedding, whose ranks
+then issue no sequence-parallel collective."""
 SEQUENCE_LAYOUT_IDS = ["llama-tp2", "gpt2-pp2-tp2-k2-recompute", "llama-dp2-tp2-k2", "llama-pp2-tp2-k2-interleaved",
                        "gpt2-pp2-tp2-shifted"]
 
