@@ -53,7 +53,7 @@ class _SkippedBlock(nn.Module):
     def __init__(self, index: int, stage: "PipelineStageModule") -> None:
         super().__init__()
         self.index = index
-        self._stage = [stage]
+        self._stage = [stage]  # in a list, so the stage is not registered as this module's child (a cycle)
 
     def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         stage = self._stage[0]

@@ -131,7 +131,7 @@ class ModelTrace:
 
     def output_with_hidden(self, hidden: torch.Tensor) -> Any:
         """A block output carrying ``hidden`` where the model reads it (for a block that is skipped)."""
-        if self.block_output_index is None or self.block_output_template is None:
+        if self.block_output_index is None:
             return hidden
         output = list(self.block_output_template)
         output[self.block_output_index] = hidden
@@ -280,8 +280,7 @@ def _block_signatures(trunk_path: str, block_calls: list[tuple[tuple, dict, Any]
                     f"blocks of {trunk_path} receive a {type(leaf).__name__} argument, which cannot cross pipeline "
                     "stages; for transformers models disable the KV cache (model.config.use_cache = False)"
                 )
-        signature = BlockSignature(spec, tuple(template))
-        signatures.append(signatures[-1] if signatures and signatures[-1] == signature else signature)
+        signatures.append(BlockSignature(spec, tuple(template)))
     return signatures, side
 
 
@@ -291,7 +290,6 @@ def _head_steps(after_trunk: list[tuple], hidden: torch.Tensor, logits: torch.Te
     from_parameters: set[int] = set()
     steps: list[HeadStep] = []
     inputs_of: list[set[int]] = []
-    followed: list[str] = []
 
     def of_parameter(leaf: Any) -> bool:
         return isinstance(leaf, torch.Tensor) and (
@@ -320,10 +318,10 @@ def _head_steps(after_trunk: list[tuple], hidden: torch.Tensor, logits: torch.Te
                 template.append(leaf.detach() if isinstance(leaf, torch.Tensor) else leaf)
         steps.append(HeadStep(module, None if module is not None else function, spec, template))
         inputs_of.append(inputs)
-        followed.append(module or getattr(function, "__name__", str(function)))
         value_of[id(output)] = len(steps)
         if output is logits:
             return _prune(steps, inputs_of)
+    followed = [step.module or getattr(step.function, "__name__", str(step.function)) for step in steps]
     raise TraceError(
         "could not follow the last block's output to the logits through module calls and tensor operations "
         f"(followed {followed or 'nothing'}); merak3d needs the logits computed from the last block's output"
