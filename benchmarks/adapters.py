@@ -39,7 +39,7 @@ from peft import LoraConfig, get_peft_model
 from peft.tuners.lora.gptq import GPTQLoraLinear
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks.report import print_table, write_json
+from benchmarks.report import default_out, out_help, print_table, write_json
 from lightning_merak.adapters import QAHiRAConfig, QBaRAConfig, QuantLinearInt4, quantize_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -74,9 +74,12 @@ class Setting:
 
 
 QUICK = Setting(
-    hidden=128, layers=2, pretrain_steps=600, finetune_steps=100, seeds=(0, 1), tasks=("majority", "max"), eval_examples=256
+    hidden=128, layers=2, pretrain_steps=600, finetune_steps=100, seeds=(0, 1), tasks=("majority", "max"),
+    eval_examples=256,
 )
-FULL = Setting(hidden=128, layers=2, pretrain_steps=600, finetune_steps=300, seeds=(0, 1, 2), tasks=("majority", "max", "min"))
+FULL = Setting(
+    hidden=128, layers=2, pretrain_steps=600, finetune_steps=300, seeds=(0, 1, 2), tasks=("majority", "max", "min")
+)
 
 
 # ---------------------------------------------------------------- generated data
@@ -156,7 +159,12 @@ def parity_ranks(setting: Setting, base: torch.nn.Module) -> dict[str, int]:
     layer = base.model.layers[0]
     modules = {**dict(layer.self_attn.named_children()), **dict(layer.mlp.named_children())}
     return {
-        name: max(1, round(setting.r * (m.in_features + m.out_features) / (m.in_features // setting.group_size + m.out_features)))
+        name: max(
+            1,
+            round(
+                setting.r * (m.in_features + m.out_features) / (m.in_features // setting.group_size + m.out_features)
+            ),
+        )
         for name, m in modules.items()
         if name in TARGETS
     }
@@ -309,11 +317,16 @@ def summarize(rows: list[dict], setting: Setting) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 tasks x 2 seeds x 100 steps (under 5 minutes on 2 CPU cores)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "adapters.json")
+    parser.add_argument(
+        "--quick", action="store_true", help="2 tasks x 2 seeds x 100 steps (under 5 minutes on 2 CPU cores)"
+    )
+    parser.add_argument("--out", type=Path, help=out_help("adapters"))
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--tune", action="store_true", help="sweep each method's learning rate (validation set of the max task)")
+    parser.add_argument(
+        "--tune", action="store_true", help="sweep each method's learning rate (validation set of the max task)"
+    )
     args = parser.parse_args(argv)
+    args.out = args.out or default_out("adapters", args.quick)
     setting = QUICK if args.quick else FULL
     device = torch.device(args.device)
     # One thread: on a shared 2-core machine, multi-threaded tiny matmuls are 10-30x slower and erratic.
@@ -334,7 +347,10 @@ def main(argv: list[str] | None = None) -> None:
     chance = {"majority": 0.1, "max": 1 / len(WORDS), "min": 1 / len(WORDS)}
     print("chance accuracy: " + ", ".join(f"{t} {100 * chance[t]:.1f}%" for t in setting.tasks))
     wall = time.perf_counter() - started
-    print(f"wall time {wall:.0f} s on {device}; memory: {'peak CUDA allocation' if device.type == 'cuda' else 'computed static (weights+adapters+Adam)'}")
+    print(
+        f"wall time {wall:.0f} s on {device}; memory: "
+        f"{'peak CUDA allocation' if device.type == 'cuda' else 'computed static (weights+adapters+Adam)'}"
+    )
     write_json(
         args.out,
         rows,
@@ -345,11 +361,16 @@ def main(argv: list[str] | None = None) -> None:
         setting=setting.__dict__,
         summary=table,
         wall_seconds=round(wall, 1),
-        memory_column="peak CUDA allocation" if device.type == "cuda" else "computed: stored weights + buffers + 2x fp32 Adam state",
+        memory_column=(
+            "peak CUDA allocation" if device.type == "cuda"
+            else "computed: stored weights + buffers + 2x fp32 Adam state"
+        ),
         notes=[
-            "qalora_peft runs PEFT's QALoraLinearVariant on the project INT4 base via LoraConfig._register_custom_module"
+            "qalora_peft runs PEFT's QALoraLinearVariant on the project INT4 base via "
+            "LoraConfig._register_custom_module"
             " (GPTQ/gptqmodel unavailable); PEFT silently ignores use_qalora on bitsandbytes and float bases",
-            "evaluation runs in train mode (no dropout is used) because bitsandbytes' CPU eval path repacks 4-bit weights",
+            "evaluation runs in train mode (no dropout is used) because bitsandbytes' CPU eval path "
+            "repacks 4-bit weights",
         ],
     )
     print(f"wrote {args.out}")

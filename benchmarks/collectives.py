@@ -57,7 +57,6 @@ CHECK_RATE_MBIT = 1000.0
 CHECK_MIN_BYTES = 16 * MIB
 CHECK_TOLERANCE = 0.10
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "collectives.json"
 
 
 def bus_factor(operation: str, world_size: int) -> float:
@@ -200,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Benchmark entry point; exit status 0 on PASS, 1 on FAIL, 2 when the host cannot emulate."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2 ranks, loopback and 1 Gbit/s, 4 sizes (about 30 s)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
+    parser.add_argument("--out", type=Path, help=report.out_help("collectives"))
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--sizes", help=argparse.SUPPRESS)
     parser.add_argument("--ops", help=argparse.SUPPRESS)
@@ -208,6 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rank:
         rank_main([int(size) for size in args.sizes.split(",")], args.ops.split(","))
         return 0
+    args.out = args.out or report.default_out("collectives", args.quick)
 
     if not emulation_available():
         return 2

@@ -1,6 +1,6 @@
 """Benchmark DeltaMemory against no management, full checkpointing and offload-everything.
 
-    python -m benchmarks.delta [--quick] [--out benchmarks/results/delta.json]
+    python -m benchmarks.delta [--quick] [--out PATH]
 
 Every configuration runs in its own fresh subprocess, so the process's peak resident
 memory (VmHWM) is its own; activation memory is the peak minus the resident memory just
@@ -73,7 +73,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_OUT = Path("benchmarks/results/delta.json")
+from benchmarks.report import default_out, out_help
+
 CONFIGS = ("none", "checkpoint", "offload-all", "delta", "delta-paper-rule")
 QUICK_CONFIGS = ("none", "checkpoint", "offload-all", "delta")
 ALLOCATORS: dict[str, dict[str, str]] = {
@@ -112,7 +113,8 @@ class _AllocatedSampler:
 
         class MallInfo2(ctypes.Structure):
             _fields_ = [(name, ctypes.c_size_t) for name in (
-                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                "keepcost",
             )]
 
         try:
@@ -156,7 +158,8 @@ def _sync_disk_offload(directory: str, excluded: set) -> Any:
     counter = iter(range(10**12))
 
     def pack(tensor: torch.Tensor) -> Any:
-        if (str(tensor.device), tensor.untyped_storage().data_ptr()) in excluded or tensor.numel() * tensor.element_size() < 1024:
+        if ((str(tensor.device), tensor.untyped_storage().data_ptr()) in excluded
+                or tensor.numel() * tensor.element_size() < 1024):
             return tensor
         path = os.path.join(directory, f"{next(counter)}.bin")
         contiguous = tensor.contiguous()
@@ -329,7 +332,7 @@ def _equal_batch_leg(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller model, fewer repeats (under 3 minutes)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, help=out_help("delta"))
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per worker (the CPU is shared)")
     parser.add_argument(
@@ -341,6 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         print(json.dumps(run_worker(json.loads(args.worker))))
         return
+    args.out = args.out or default_out("delta", args.quick)
     if not 0 < args.delta_budget_fraction < 1:
         parser.error(f"--delta-budget-fraction must lie in (0, 1), got {args.delta_budget_fraction}")
 
@@ -350,7 +354,8 @@ def main(argv: list[str] | None = None) -> None:
     load_average = os.getloadavg()
     repeats = args.repeats or (1 if args.quick else 3)
     # eight or ten timed steps even when quick: a median of three swings by 10-20% on a shared CPU
-    shape = dict(hidden=256, layers=6, seq=128, steps=8) if args.quick else dict(hidden=384, layers=8, seq=128, steps=10)
+    shape = (dict(hidden=256, layers=6, seq=128, steps=8) if args.quick
+             else dict(hidden=384, layers=8, seq=128, steps=10))
     base_batch = 8
     max_batch_factor = 4 if args.quick else 8
     with tempfile.TemporaryDirectory(prefix="delta-bench-") as swap_dir:
@@ -361,7 +366,8 @@ def main(argv: list[str] | None = None) -> None:
 
         configs = QUICK_CONFIGS if args.quick else CONFIGS
         progress(f"equal batch {base_batch}: {', '.join(configs)} ({repeats} repeat(s) each)")
-        rows, none, delta_budget = _equal_batch_leg(common, base_batch, configs, "glibc-default", args, repeats, progress)
+        rows, none, delta_budget = _equal_batch_leg(common, base_batch, configs, "glibc-default", args, repeats,
+                                                    progress)
         if not args.quick:
             progress(f"equal batch {base_batch} with the allocator never trimming: none, delta")
             no_trim_rows, _, _ = _equal_batch_leg(common, base_batch, ("none", "delta"), "glibc-no-trim", args,
@@ -410,13 +416,16 @@ def main(argv: list[str] | None = None) -> None:
         allocated_vs_none = delta_row.get("allocated_vs_none")
         targets[allocator] = {
             "activation_reduction_ge_60pct_rss": 1 - delta_row["activation_vs_none"] >= 0.6,
-            "activation_reduction_ge_60pct_allocated": None if allocated_vs_none is None else 1 - allocated_vs_none >= 0.6,
+            "activation_reduction_ge_60pct_allocated": (
+                None if allocated_vs_none is None else 1 - allocated_vs_none >= 0.6
+            ),
             "step_time_overhead_le_10pct": delta_row["time_vs_none"] <= 1.10,
         }
     wall = time.perf_counter() - started
     print(f"load average before the run: {load_average}")
     print(f"targets: {targets}")
-    gpu_leg = "skipped: no CUDA device on this machine" if not _cuda() else "skipped: the GPU leg is not implemented yet"
+    gpu_leg = ("skipped: no CUDA device on this machine" if not _cuda()
+               else "skipped: the GPU leg is not implemented yet")
     print(f"GPU leg: {gpu_leg}")
     path = write_json(
         args.out, rows + max_rows, label="measured", quick=args.quick, wall_s=wall, targets=targets,

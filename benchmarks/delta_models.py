@@ -150,7 +150,9 @@ class BenchBlock(nn.Module):
 class BenchGPT(nn.Module):
     """A GPT-style LM without transformers' import cost, for many short benchmark processes."""
 
-    def __init__(self, vocab: int = 128, hidden: int = 256, layers: int = 8, heads: int = 4, dropout: float = 0.1) -> None:
+    def __init__(
+        self, vocab: int = 128, hidden: int = 256, layers: int = 8, heads: int = 4, dropout: float = 0.1
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
         self.blocks = nn.ModuleList(BenchBlock(hidden, heads, dropout) for _ in range(layers))

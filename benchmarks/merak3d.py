@@ -48,7 +48,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.report import print_table, write_json
+from benchmarks.report import default_out, out_help, print_table, write_json
 from lightning_merak.config import ModelConfig, TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
 from lightning_merak.strategies import pipeline
@@ -59,7 +59,6 @@ from lightning_merak.testing import run_distributed
 from lightning_merak.testing.distributed import DistributedRunError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "merak3d.json"
 WORLD_SIZE = 2
 RANK_TIMEOUT_S = 240.0
 PIPELINE_MICRO_BATCHES = 4
@@ -289,7 +288,7 @@ def _rejected_before_launch(job: Job) -> str | None:
     try:
         pl.Trainer(accelerator="cpu", devices=WORLD_SIZE, strategy=_make_strategy(job), logger=False,
                    enable_checkpointing=False, enable_progress_bar=False)
-    except Exception as error:  # noqa: BLE001 - whatever Lightning rejects is this configuration's result
+    except Exception as error:
         return f"{type(error).__name__}: {error}"
     return None
 
@@ -482,8 +481,9 @@ def _print_section(title: str, rows: list[dict[str, Any]], columns: list[str]) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps (under 3 minutes on 2 cores)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
+    parser.add_argument("--out", type=Path, help=out_help("merak3d"))
     args = parser.parse_args(argv)
+    args.out = args.out or default_out("merak3d", args.quick)
     mode = QUICK if args.quick else FULL
     torch.set_num_threads(1)
     _quiet_lightning()

@@ -46,8 +46,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from benchmarks.report import default_out, out_help
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "moe.json"
 RANKS_TIMEOUT_S = 900
 DRIFT_EVERY = 4
 ZIPF_EXPONENT = 1.2
@@ -253,7 +254,8 @@ def _summarise(policy: str, record: dict[str, Any], cost: Any, setup: Setup) -> 
         total_pred = 0.0
         for index, layer in enumerate(step["layers"]):
             plan = PlacementPlan(setup.experts, setup.world_size,
-                                 tuple(Replication(r["expert"], r["owner"], tuple(r["replicas"])) for r in layer["plan"]))
+                                 tuple(Replication(r["expert"], r["owner"], tuple(r["replicas"]))
+                                       for r in layer["plan"]))
             tokens = rank_loads(layer["counts"], plan, Padding("dropless"), per_rank).computed
             mean = sum(tokens) / len(tokens)
             ratios.append(max(tokens) / mean)
@@ -330,13 +332,14 @@ def simulate(cost_data: dict[str, Any], tokens_per_rank: int) -> list[dict[str, 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and tokens (under 3 minutes)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, help=out_help("moe"))
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     setup = QUICK if args.quick else FULL
     if args.worker is not None:
         worker(setup, args.worker)
         return
+    args.out = args.out or default_out("moe", args.quick)
 
     from benchmarks.netem import EmulatedCluster, LinkSpec
     from benchmarks.report import print_table, write_json

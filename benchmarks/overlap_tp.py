@@ -84,7 +84,6 @@ from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.strategies.overlap import CommunicationTrace, record_communication
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "overlap_tp.json"
 RESULT_MARKER = "OVERLAP_TP_RESULT "
 RANK_TIMEOUT_S = 300.0
 TARGET_EXPOSED_FRACTION = 0.30
@@ -322,7 +321,7 @@ def summarise(world_size: int, network: str, ranks: Sequence[Sequence[dict[str, 
     Every sequence-parallel variant needs the sequence-parallel run without overlap as its baseline.
     """
     rows: list[dict[str, Any]] = []
-    for position, per_rank in enumerate(zip(*ranks)):
+    for per_rank in zip(*ranks):
         timed = [rank["steps"][warmup:] for rank in per_rank]
         slowest = [max(step["step_s"] for step in steps) for steps in zip(*timed)]
         step_s = statistics.median(slowest)
@@ -422,8 +421,9 @@ def plot_steps(plain_events: list[dict[str, float]], plain_step_s: float, overla
     return path
 
 
-COLUMNS = ["ranks", "network", "tp_overlap", "weight_grad_overlap", "sequence_parallel", "step_ms", "exposed_ms", "busy_ms", "exposed_fraction",
-           "exposed_of_step", "comm_of_plain_step", "speedup", "speedup_vs_plain_tp", "cpu_ms_per_rank", "idle_cores", "page_faults_per_rank", "final_loss", "loss_max_rel_diff",
+COLUMNS = ["ranks", "network", "tp_overlap", "weight_grad_overlap", "sequence_parallel", "step_ms", "exposed_ms",
+           "busy_ms", "exposed_fraction", "exposed_of_step", "comm_of_plain_step", "speedup", "speedup_vs_plain_tp",
+           "cpu_ms_per_rank", "idle_cores", "page_faults_per_rank", "final_loss", "loss_max_rel_diff",
            "exposed_target", "speedup_target", "loss_equal", "error"]
 
 
@@ -433,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help=f"2 ranks only, {QUICK.workload.steps} steps per run (under 3 minutes)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
+    parser.add_argument("--out", type=Path, help=report.out_help("overlap_tp"))
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     parser.add_argument("--variants", help=argparse.SUPPRESS)
@@ -441,6 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rank:
         rank_main(Workload(**json.loads(args.workload)), [Variant(**fields) for fields in json.loads(args.variants)])
         return 0
+    args.out = args.out or report.default_out("overlap_tp", args.quick)
 
     if not emulation_available():
         return 2
@@ -467,7 +468,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows += cluster_rows
             for variant, result in zip(mode.variants, ranks[0]):
                 step_events[(world_size, network, variant)] = (result["last_step_events"], result["last_step_s"])
-            steps = ", ".join(f"{variant.label} {row['step_ms']:.0f} ms" for variant, row in zip(mode.variants, cluster_rows))
+            steps = ", ".join(f"{variant.label} {row['step_ms']:.0f} ms"
+                              for variant, row in zip(mode.variants, cluster_rows))
             print(f"  {world_size} ranks, {network}: {steps} ({time.monotonic() - run_started:.0f} s)", flush=True)
 
     print(f"\nOverlapped vs plain tensor parallelism (emulated network, measured; {workload.describe()})")

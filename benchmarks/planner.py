@@ -47,7 +47,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.merak3d import Workload, _quiet_lightning, _StepTimer
-from benchmarks.report import print_table, write_json
+from benchmarks.report import default_out, out_help, print_table, write_json
 from lightning_merak.config import TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
 from lightning_merak.strategies.merak3d import Merak3DStrategy
@@ -55,7 +55,6 @@ from lightning_merak.testing import run_distributed
 from lightning_merak.testing.distributed import DistributedRunError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "planner.json"
 WORLD_SIZE = 2
 RANK_TIMEOUT_S = 300.0
 WORKLOAD = Workload(hidden=256, layers=4, vocab=4096, seq=64, global_batch=8)
@@ -199,8 +198,9 @@ def combine_rounds(plans: list[list[dict[str, Any]]], measured: list[list[Measur
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and a smaller grid (under 3 minutes)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, help=out_help("planner"))
     args = parser.parse_args(argv)
+    args.out = args.out or default_out("planner", args.quick)
     mode = QUICK if args.quick else FULL
     started = time.perf_counter()
     print(f"planner benchmark: {WORKLOAD.describe()} per replica, {WORLD_SIZE} gloo ranks "

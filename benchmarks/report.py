@@ -3,6 +3,9 @@
 Numbers mean little without the machine they came from and how they were obtained,
 so every JSON file carries both: ``machine`` (no hostname) and ``label``, which says
 whether the figures are measured on real hardware, emulated or simulated.
+
+Result files follow one naming rule (:func:`default_out`): ``results/NAME.json`` is a full
+run, ``results/NAME.quick.json`` a ``--quick`` one. Importing this module does not import torch.
 """
 
 from __future__ import annotations
@@ -14,13 +17,24 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
-import torch
-
 Label = Literal["measured", "emulated", "simulated"]
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def default_out(name: str, quick: bool) -> Path:
+    """Where benchmark ``name`` writes unless ``--out`` says otherwise: ``NAME.json``, or ``NAME.quick.json``."""
+    return RESULTS_DIR / (f"{name}.quick.json" if quick else f"{name}.json")
+
+
+def out_help(name: str) -> str:
+    """The ``--out`` help text that states the naming rule for benchmark ``name``."""
+    return f"JSON output (default benchmarks/results/{name}.json, or {name}.quick.json with --quick)"
 
 
 def machine_info() -> dict[str, object]:
     """What the figures depend on, and nothing that identifies the host."""
+    import torch
+
     return {
         "cpu_count": os.cpu_count(),
         "usable_cpus": len(os.sched_getaffinity(0)),

@@ -51,7 +51,6 @@ from benchmarks import report
 from benchmarks.netem import EmulatedCluster, LinkSpec, emulation_available
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "sparse_comm.json"
 METHODS = ("dense", "powersgd", "allgather", "s2", "embrace", "embrace_priority")
 OURS = ("s2", "embrace", "embrace_priority")
 EMBRACE = ("embrace", "embrace_priority")
@@ -326,13 +325,14 @@ def check_targets(rows: Sequence[Row]) -> list[dict[str, object]]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2 ranks, 200k-row table, 14 steps (< 3 min)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
+    parser.add_argument("--out", type=Path, help=report.out_help("sparse_comm"))
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank:
         rank_main(Workload(**json.loads(args.workload)), METHODS)
         return 0
+    args.out = args.out or report.default_out("sparse_comm", args.quick)
 
     if not emulation_available():
         return 2

@@ -1,0 +1,374 @@
+"""Write docs/results.md, one table per benchmark area, from the JSON files in benchmarks/results/.
+
+    python -m benchmarks.results_table [--results DIR] [--out PATH]
+
+Each area is taken from its full run (``NAME.json``) or, where there is none, from its
+``--quick`` run (``NAME.quick.json``); the page says which file, its label and its machine.
+Every figure on the page comes from those files. A file that cannot be read, or whose
+content contradicts its name (a ``quick`` or ``mode`` field), stops the command with its name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import RESULTS_DIR
+
+REPO_ROOT = RESULTS_DIR.parents[1]
+DEFAULT_PAGE = REPO_ROOT / "docs" / "results.md"
+NOT_RESULTS = "_trace.json"  # Chrome traces that overlap_tp writes next to its results (git-ignored)
+
+
+class ResultsError(Exception):
+    """A results file that cannot be used; the message starts with its path."""
+
+
+@dataclass
+class Table:
+    headers: Sequence[str]
+    rows: list[Sequence[object]]
+    notes: list[str] = field(default_factory=list)
+
+
+def ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}×"
+
+
+def percent(value: float | None, signed: bool = False) -> str:
+    return "-" if value is None else f"{100 * value:{'+' if signed else ''}.1f}%"
+
+
+def met(value: object) -> str:
+    return "n/a" if value is None else ("met" if value else "not met")
+
+
+def brief(error: str, limit: int = 60) -> str:
+    """The first sentence of an error message, cut to ``limit`` characters."""
+    first = error.split(". ")[0]
+    return first if len(first) <= limit else first[: limit - 1] + "…"
+
+
+def flat(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as ``outer / inner`` keys."""
+    out: dict[str, Any] = {}
+    for key, value in mapping.items():
+        name = f"{prefix}{key}"
+        out.update(flat(value, f"{name} / ") if isinstance(value, dict) else {name: value})
+    return out
+
+
+# ---------------------------------------------------------------- one function per area
+
+
+def collectives(data: dict[str, Any]) -> Table:
+    networks = list(dict.fromkeys(row["network"] for row in data["rows"]))
+    shaped = [n for n in networks if n != "loopback"]
+    cells: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for row in data["rows"]:
+        cells.setdefault((row["ranks"], row["op"], row["size"]), {})[row["network"]] = row
+    headers = ["ranks", "op", "size", *(f"{n} Gbit/s" for n in networks), *(f"{n}: of set rate" for n in shaped)]
+    rows = []
+    for (ranks, op, size), by_network in cells.items():
+        bandwidth = [f"{by_network[n]['busbw_gbit']:.2f}" if n in by_network else "-" for n in networks]
+        share = [percent(by_network[n].get("vs_set_rate")) if n in by_network else "-" for n in shaped]
+        rows.append([ranks, op, size, *bandwidth, *share])
+    return Table(headers, rows, [f"check: {data['check']['verdict']}"])
+
+
+def merak3d(data: dict[str, Any]) -> Table:
+    rows: list[Sequence[object]] = []
+    none_ms = {r["partition"]: r["step_ms"] for r in data["rows"]
+               if r["section"] == "recompute" and r["recompute"] == "none"}
+    for r in data["rows"]:
+        section = r["section"]
+        if section == "throughput":
+            value = ratio(r["vs_ddp"]) if r["error"] is None else f"refused: {brief(r['error'])}"
+            rows.append([section, f"{r['strategy']} {r['layout']}", "tokens/s vs Lightning DDP", value, r["label"]])
+        elif section == "balance":
+            rows.append([section, f"{r['partition']} split, {r['stages']} stages, {r['micro_batches']} micro-batches",
+                         "bubble fraction", f"{r['bubble_fraction']:.2f}", r["label"]])
+        elif section == "balance_measured":
+            value = ratio(r["vs_uniform"]) if r["error"] is None else brief(r["error"])
+            rows.append([section, f"{r['partition']} split, {r['stages']} stages", "step vs uniform split",
+                         value + (f" ({r['note']})" if r["note"] else ""), r["label"]])
+        elif section == "recompute":
+            value = brief(r["error"]) if r["error"] else (
+                f"{r['saved_mb_per_microbatch_stage0']:.1f}; {ratio(none_ms[r['partition']] / r['step_ms'])}")
+            rows.append([section, f"recompute={r['recompute']}", "saved MB per micro-batch on stage 0; speed vs none",
+                         value, r["label"]])
+        elif section == "memory_cap":
+            value = f"{r['completed_steps']}/{r['of_steps']}" + (f" ({brief(r['error'])})" if r["error"] else "")
+            rows.append([section, f"{r['strategy']} {r['layout']}", "steps completed under the cap", value,
+                         r["label"]])
+    notes = [f"{name}: {text}" for name, text in data["workloads"].items()]
+    notes.append(f"memory cap: baseline + {data['cap_param_multiple']} × parameter bytes per rank")
+    return Table(["part", "case", "figure", "value", "label"], rows, notes)
+
+
+def _tp_variant(row: dict[str, Any]) -> str:
+    name = "SP" if row["sequence_parallel"] else "TP"
+    name += f" k={row['tp_overlap']}" if row["tp_overlap"] > 1 else ""
+    return name + (" +wgrad" if row.get("weight_grad_overlap") else "")
+
+
+def overlap_tp(data: dict[str, Any]) -> Table:
+    variants = list(dict.fromkeys(_tp_variant(r) for r in data["rows"]))[1:]  # the first is plain TP
+    groups: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for r in data["rows"]:
+        groups.setdefault((r["ranks"], r["network"]), {})[_tp_variant(r)] = r
+    rows = []
+    for (ranks, network), by_variant in groups.items():
+        plain = by_variant["TP"]
+        passing = {target: ", ".join(v for v in variants if by_variant.get(v, {}).get(target) == "PASS") or "none"
+                   for target in ("speedup_target", "exposed_target")}
+        rows.append([ranks, network, f"{plain['step_ms']:.0f}", percent(plain["comm_of_plain_step"]),
+                     *(ratio(by_variant[v]["speedup_vs_plain_tp"]) if v in by_variant else "-" for v in variants),
+                     passing["speedup_target"], passing["exposed_target"]])
+    unequal = [f"{r['ranks']} ranks {r['network']} {_tp_variant(r)}" for r in data["rows"] if r["loss_equal"] == "FAIL"]
+    targets = ", ".join(f"{k} {v}" for k, v in data["targets"].items())
+    return Table(
+        ["ranks", "link", "plain TP ms", "comm of plain step", *variants, "speedup target met", "exposed target met"],
+        rows,
+        [f"variant columns: plain TP's step time / the variant's (>1 is faster); k = `tp_overlap`, "
+         f"+wgrad = `tp_weight_grad_overlap`, SP = sequence parallelism; the JSON judges SP variants against SP "
+         f"without overlap. Targets: {targets}.",
+         "losses equal to plain TP in every run" if not unequal else f"losses differ: {', '.join(unequal)}"],
+    )
+
+
+def planner(data: dict[str, Any]) -> Table:
+    rows = [[r["layout"], f"{1e3 * r['measured_s']:.0f}", f"{1e3 * r['predicted_s']:.0f}",
+             percent(r["error"], signed=True), percent(r.get("paired_error"), signed=True)] for r in data["rows"]]
+    s = data["summary"]
+    notes = [
+        f"mean |error| {percent(s['mean_abs_error'])}, max {percent(s['max_abs_error'])}; paired mean "
+        f"{percent(s.get('mean_abs_paired_error'))}, max {percent(s.get('max_abs_paired_error'))}",
+        f"picked {s['pick']}, fastest measured {s['best_measured']}, regret {percent(s['regret'])}",
+        "targets: " + ", ".join(f"{k.removesuffix('_target_met')} {met(v)}" for k, v in s.items()
+                                if k.endswith("_target_met")),
+        f"{data['rounds']} rounds; {data['workload']}, {data['world_size']} ranks; {data['predictions']}",
+    ]
+    return Table(["layout", "measured ms", "predicted ms", "error", "paired error"], rows, notes)
+
+
+def delta(data: dict[str, Any]) -> Table:
+    rows = []
+    for r in data["rows"]:
+        if r["config"] == "none":
+            continue
+        if r["leg"] == "max batch":
+            rows.append([r["leg"], r["config"], "-", "-", "-", f"{r['batch']} ({ratio(r['batch_vs_none'])})"])
+        else:
+            rows.append([r["leg"], r["config"], percent(r["activation_vs_none"]),
+                         percent(r.get("allocated_vs_none")), ratio(r["time_vs_none"]), "-"])
+    notes = ["targets: " + ", ".join(f"{k} {met(v)}" for k, v in flat(data["targets"]).items()),
+             f"GPU leg: {data['gpu_leg']}"]
+    return Table(["leg", "config", "activation RSS, share of none's", "allocator in-use, share of none's",
+                  "step time vs none", "max batch (vs none)"], rows, notes)
+
+
+def sparse_comm(data: dict[str, Any]) -> Table:
+    targets = {(t["ranks"], t["network"], t["method"]): t for t in data["targets"]}
+    rows = []
+    for r in data["rows"]:
+        if r["method"] == "dense":
+            continue
+        checks = {k: v for k, v in targets.get((r["ranks"], r["network"], r["method"]), {}).items()
+                  if k not in ("ranks", "network", "method")}
+        failed = [k for k, v in checks.items() if v is False]
+        verdict = "-" if not checks else ("all met" if not failed else "not met: " + ", ".join(failed))
+        rows.append([r["ranks"], r["network"], r["method"], percent(r["emb_bytes_vs_dense"]),
+                     ratio(r["speedup_vs_dense"]), percent(r["loss_vs_dense"], signed=True), verdict])
+    checked = dict.fromkeys(k for t in data["targets"] for k in t if k not in ("ranks", "network", "method"))
+    notes = [f"workload: {', '.join(f'{k} {v}' for k, v in data['workload'].items())}",
+             f"targets checked: {', '.join(checked)}", f"GPU leg: {data['gpu_leg']}"]
+    return Table(["ranks", "link", "method", "embedding bytes vs dense", "speed vs dense", "final loss vs dense",
+                  "targets"], rows, notes)
+
+
+def moe(data: dict[str, Any]) -> Table:
+    rows = [[r["policy"], f"{r['load_max_over_mean']:.3f}", ratio(r["speedup_vs_deepspeed"]),
+             percent(r["exposed_a2a_frac"]), f"{r['sub_batches']:g}"] for r in data["rows"]]
+    setup = data["setup"]
+    simulated = data["simulated"]["rows"]
+    notes = [
+        f"{setup['world_size']} ranks at {setup['rate_mbit']} Mbit/s, {setup['experts']} experts, "
+        f"{setup['tokens_per_rank']} tokens per rank, Zipf {data['zipf_exponent']} drifting every "
+        f"{data['drift_every']} steps",
+        "targets: " + ", ".join(f"{k} {met(v)}" for k, v in data["targets"].items()),
+        f"{data['simulated']['label']} with this run's calibrated cost model: ours vs DeepSpeed-MoE "
+        + ", ".join(f"{ratio(s['speedup_vs_deepspeed'])} at {s['ranks']} ranks" for s in simulated)
+        + "; vs FasterMoE " + ", ".join(ratio(s["speedup_vs_fastermoe"]) for s in simulated),
+    ]
+    return Table(["policy", "load max/mean", "step speed vs DeepSpeed-MoE", "exposed all-to-all of step",
+                  "sub-batches"], rows, notes)
+
+
+def adapters(data: dict[str, Any]) -> Table:
+    tasks = data["setting"]["tasks"]
+    by_method: dict[str, list[dict[str, Any]]] = {}
+    for r in data["rows"]:
+        by_method.setdefault(r["method"], []).append(r)
+
+    def mean_accuracy(runs: list[dict[str, Any]], task: str | None = None, key: str = "accuracy") -> float | None:
+        values = [r[key] for r in runs if (task is None or r["task"] == task) and r[key] is not None]
+        return statistics.mean(values) if values else None
+
+    baseline = mean_accuracy(by_method["qlora"])
+    rows = []
+    for method, runs in by_method.items():
+        adapted, merged = mean_accuracy(runs), mean_accuracy(runs, key="merged_accuracy")
+        rows.append([method, runs[0]["trainable"], *(percent(mean_accuracy(runs, t)) for t in tasks),
+                     f"{100 * (adapted - baseline):+.1f}",
+                     "-" if merged is None else f"{100 * (merged - adapted):+.1f}", runs[0]["merge"]])
+    setting = data["setting"]
+    notes = [f"mean over {len(setting['seeds'])} seeds; {setting['finetune_steps']} steps, r={setting['r']}, "
+             f"group size {setting['group_size']}; memory column of the JSON: {data['memory_column']}",
+             *data["notes"]]
+    return Table(["method", "trainable", *(f"{t} acc" for t in tasks), "mean vs qlora (points)",
+                  "merge change (points)", "merge"], rows, notes)
+
+
+def adapters_lr_sweep(data: dict[str, Any]) -> str:
+    """One line for the adapters section: the best validation rate of each method."""
+    best: dict[str, dict[str, Any]] = {}
+    for r in data["rows"]:
+        if r["method"] not in best or r["accuracy"] > best[r["method"]]["accuracy"]:
+            best[r["method"]] = r
+    return "learning-rate sweep (validation accuracy on `max`): best " + ", ".join(
+        f"{m} {r['lr']:g} ({percent(r['accuracy'])})" for m, r in best.items())
+
+
+AREAS: dict[str, Callable[[dict[str, Any]], Table]] = {
+    "collectives": collectives, "merak3d": merak3d, "overlap_tp": overlap_tp, "planner": planner,
+    "delta": delta, "sparse_comm": sparse_comm, "moe": moe, "adapters": adapters,
+}
+AUXILIARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+    "adapters_lr_sweep": ("adapters", adapters_lr_sweep),
+}
+
+
+# ---------------------------------------------------------------- files and page
+
+
+@dataclass
+class Result:
+    path: Path
+    name: str
+    quick: bool
+    data: dict[str, Any]
+
+
+def load(path: Path) -> Result:
+    """Read one results file and check it against the naming rule."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ResultsError(f"{path}: cannot read: {error}") from error
+    if not isinstance(data, dict) or not {"label", "machine", "rows"} <= data.keys():
+        raise ResultsError(f"{path}: not a benchmark result (needs label, machine and rows)")
+    quick = path.name.endswith(".quick.json")
+    name = path.name.removesuffix(".quick.json" if quick else ".json")
+    said = data.get("quick", {"quick": True, "full": False}.get(data.get("mode")))
+    if said is not None and said != quick:
+        raise ResultsError(f"{path}: the file says it is a {'quick' if said else 'full'} run, its name says otherwise "
+                           f"(NAME.json is a full run, NAME.quick.json a --quick run)")
+    return Result(path, name, quick, data)
+
+
+def machine_line(result: Result, page: Path) -> str:
+    m = result.data["machine"]
+    source = result.path.relative_to(REPO_ROOT) if result.path.is_relative_to(REPO_ROOT) else result.path
+    link = os.path.relpath(result.path, page.resolve().parent)
+    return (f"From [`{source}`]({link}) ({'quick' if result.quick else 'full'} run), "
+            f"label **{result.data['label']}**; machine: {m['cpu_count']} CPUs ({m['usable_cpus']} usable), "
+            f"{m['arch']}, kernel {m['kernel']}, Python {m['python']}, torch {m['torch']}.")
+
+
+def markdown(table: Table) -> list[str]:
+    def line(cells: Sequence[object]) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    return [line(table.headers), line(["---"] * len(table.headers)), *(line(r) for r in table.rows)]
+
+
+def area_section(name: str, result: Result | None, extra: list[str], page: Path) -> list[str]:
+    lines = [f"## {name}", ""]
+    if result is None:
+        return [*lines, f"No `{name}.json` or `{name}.quick.json` in benchmarks/results/.", ""]
+    try:
+        table = AREAS[name](result.data)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise ResultsError(f"{result.path}: unexpected content for {name}: {error!r}") from error
+    notes = [*table.notes, *extra]
+    return [*lines, machine_line(result, page), "", *markdown(table), "", *(f"- {note}" for note in notes), ""]
+
+
+def build(results_dir: Path, page: Path) -> tuple[str, list[str]]:
+    """The page's text and a log of the files used."""
+    files = sorted(results_dir.glob("*.json"))
+    skipped = [p for p in files if p.name.endswith(NOT_RESULTS)]
+    results = [load(p) for p in files if p not in skipped]
+    chosen = {}
+    for name in AREAS:
+        candidates = {r.quick: r for r in results if r.name == name}
+        chosen[name] = candidates.get(False) or candidates.get(True)
+    extras: dict[str, list[str]] = {name: [] for name in AREAS}
+    log = []
+    for result in results:
+        if result.name in AUXILIARY:
+            area, describe = AUXILIARY[result.name]
+            try:
+                extras[area].append(f"{describe(result.data)} (from `{result.path.name}`)")
+            except (KeyError, TypeError, ValueError) as error:
+                raise ResultsError(f"{result.path}: unexpected content: {error!r}") from error
+            log.append(f"used     {result.path.name} (auxiliary, in the {area} section)")
+        elif result.name in chosen and chosen[result.name] is result:
+            log.append(f"used     {result.path.name} ({'quick' if result.quick else 'full'} run of {result.name})")
+        elif result.name in AREAS:
+            log.append(f"read     {result.path.name} (not shown: a full run of {result.name} exists)")
+        else:
+            log.append(f"read     {result.path.name} (no area of this page)")
+    log += [f"skipped  {p.name} (trace, not a result)" for p in skipped]
+    lines = [
+        "# Benchmark results",
+        "",
+        "Generated by `python -m benchmarks.results_table` from `benchmarks/results/*.json`; do not edit by hand,",
+        "rerun the command. Each area shows its full run (`NAME.json`), or its `--quick` run (`NAME.quick.json`)",
+        "where no full run exists. Labels: *measured* (real runs on the machine named), *emulated* (network shaped",
+        "by `benchmarks/netem.py`), *simulated* (cost model). Design decisions behind the figures:",
+        "[findings](findings.md).",
+        "",
+    ]
+    for name in AREAS:
+        lines += area_section(name, chosen[name], extras[name], page)
+    return "\n".join(lines).rstrip() + "\n", log
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="directory of result JSON files")
+    parser.add_argument("--out", type=Path, default=DEFAULT_PAGE, help=f"page to write (default {DEFAULT_PAGE})")
+    args = parser.parse_args(argv)
+    try:
+        text, log = build(args.results.resolve(), args.out)
+    except ResultsError as error:
+        print(f"results_table: {error}", file=sys.stderr)
+        return 1
+    print("\n".join(log))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
