@@ -79,7 +79,10 @@ def main() -> None:
         adapted = model(input_ids=probe).logits
         merged = model.merge_and_unload()
         merged_logits = merged(input_ids=probe).logits
-    print(f"max |merged - adapted| / max |adapted| = {((merged_logits - adapted).abs().max() / adapted.abs().max()):.2e}")
+    print(
+        "max |merged - adapted| / max |adapted| = "
+        f"{((merged_logits - adapted).abs().max() / adapted.abs().max()):.2e}"
+    )
     if args.method == "qahira":
         save_int4_model(merged, args.out / "merged_int4")
         with torch.no_grad():

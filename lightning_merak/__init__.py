@@ -1,12 +1,50 @@
 """lightning-merak: systems techniques for training large models with PyTorch Lightning.
 
-Importing the package registers its strategies in Lightning's ``StrategyRegistry``.
+Importing the package registers its strategies in Lightning's ``StrategyRegistry`` — at once
+when ``lightning.pytorch`` is already imported, otherwise right after it is — so that
+``import lightning_merak`` itself stays light (``merak-train --help`` imports no torch).
 """
 
-from lightning_merak.strategies import register_strategies
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+from typing import Any, Optional, Sequence
 
 __version__ = "0.1.0"
 
-register_strategies()
-
 __all__ = ["__version__", "register_strategies"]
+
+
+def register_strategies(registry: Any = None) -> list[str]:
+    """Register the plugin's strategies in ``registry`` (Lightning's ``StrategyRegistry`` by default)."""
+    from lightning_merak.strategies import register_strategies as register
+
+    return register(registry)
+
+
+class _RegisterAfterLightningImport(importlib.abc.MetaPathFinder):
+    """Runs :func:`register_strategies` once ``lightning.pytorch`` has finished importing."""
+
+    def find_spec(self, fullname: str, path: Optional[Sequence[str]], target: Any = None) -> Any:
+        if fullname != "lightning.pytorch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def execute_then_register(module: Any) -> None:
+            execute(module)
+            register_strategies()
+
+        spec.loader.exec_module = execute_then_register  # type: ignore[method-assign]
+        return spec
+
+
+if "lightning.pytorch" in sys.modules:
+    register_strategies()
+else:
+    sys.meta_path.insert(0, _RegisterAfterLightningImport())

@@ -14,17 +14,19 @@ Groups whose options add behaviour to a run follow one small protocol each, so t
 * ``moe`` options transform the model too (:meth:`MoEConfig.apply`).
 
 Features register their own options with :func:`register_option` from a ``register()``
-function in a module listed in :data:`FEATURE_OPTION_MODULES`.
+function in a module of :mod:`lightning_merak.options` listed in :data:`FEATURE_OPTION_MODULES`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -83,6 +85,7 @@ class TrainerConfig:
     val_check_interval: Optional[int] = 100
     limit_val_batches: int = 8
     enable_progress_bar: bool = True
+    save_last: bool = False
     seed: int = 1234
     learning_rate: float = 3e-3
     weight_decay: float = 0.01
@@ -149,6 +152,27 @@ class TrainConfig:
     output_dir: str = "${hydra:runtime.output_dir}"
 
 
+def reject_unknown_keys(cfg: DictConfig, path: str = "") -> None:
+    """Refuse keys that no schema declares, however they were added.
+
+    Hydra's ``+group.key=value`` opens a typed node to add a key, and ``OmegaConf.to_object``
+    then drops it without a word, so a misspelled option would silently do nothing.
+    Free-form ``dict`` fields (``model.config``, ``strategy.kwargs``) are not checked.
+    """
+    schema = OmegaConf.get_type(cfg)
+    if schema is not None and dataclasses.is_dataclass(schema):
+        known = [item.name for item in dataclasses.fields(schema)]
+        for key in cfg.keys():
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f"; did you mean {path}{close[0]}?" if close else f"; known keys: {', '.join(known)}"
+                raise ValueError(f"unknown option {path}{key}: {schema.__name__} has no key {key!r}{hint}")
+    for key in cfg.keys():
+        child = cfg._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            reject_unknown_keys(child, f"{path}{key}.")
+
+
 def register_option(group: str, name: str, node: type) -> None:
     """Register ``node`` as the schema of ``<group>=<name>`` (``conf/<group>/<name>.yaml``)."""
     if group not in GROUPS:
@@ -157,11 +181,11 @@ def register_option(group: str, name: str, node: type) -> None:
 
 
 FEATURE_OPTION_MODULES = (
-    "lightning_merak.strategies.hydra_options",
-    "lightning_merak.callbacks.delta.hydra_options",
-    "lightning_merak.callbacks.sparse_comm.hydra_options",
-    "lightning_merak.adapters.hydra_options",
-    "lightning_merak.plugins.moe.hydra_options",
+    "lightning_merak.options.strategy",
+    "lightning_merak.options.memory",
+    "lightning_merak.options.comm",
+    "lightning_merak.options.adapter",
+    "lightning_merak.options.moe",
 )
 
 

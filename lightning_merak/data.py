@@ -230,7 +230,9 @@ class LanguageModelingData(pl.LightningDataModule):
     def _build_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         config = self.config
         if self.language is not None:
-            num_val = max(1, int(config.num_sequences * config.val_fraction))
+            # At least one full validation batch on every rank (the loader drops partial ones).
+            world_size = 1 if self.trainer is None else self.trainer.world_size
+            num_val = max(config.batch_size * world_size, int(config.num_sequences * config.val_fraction))
             return (
                 self.language.sample(config.num_sequences, config.seq_len),
                 self.language.sample(num_val, config.seq_len, seed_offset=1),
@@ -273,6 +275,7 @@ class LanguageModelingData(pl.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader:
+        """Full batches only: a pipeline splits every batch into a fixed number of micro-batches."""
         assert self.val_set is not None, "setup() must run before the data loaders are requested"
-        return DataLoader(self.val_set, batch_size=self.config.batch_size, shuffle=False,
+        return DataLoader(self.val_set, batch_size=self.config.batch_size, shuffle=False, drop_last=True,
                           num_workers=self.config.num_workers)

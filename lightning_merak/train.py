@@ -19,27 +19,31 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from lightning.pytorch.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
-from lightning.pytorch.strategies import Strategy, StrategyRegistry
-from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-import lightning_merak  # noqa: F401 - importing registers the plugin's strategies
-from lightning_merak.config import StrategyConfig, TrainConfig, TrainerConfig, register_configs
-from lightning_merak.data import LanguageModelingData
-from lightning_merak.models import CausalLMModule, build_causal_lm
+from lightning_merak.config import (
+    StrategyConfig,
+    TrainConfig,
+    TrainerConfig,
+    register_configs,
+    reject_unknown_keys,
+)
+from lightning_merak.console import quiet_dependency_noise
+from lightning_merak.termination import install_termination_handler
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import Strategy
 
 __all__ = ["build_strategy", "main", "train", "validate_run"]
 
 
 def _launched_world_size() -> int | None:
     """World size set by an external launcher (torchrun or SLURM), if one started us."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
     if TorchElasticEnvironment.detect():
         return int(os.environ["WORLD_SIZE"])
     if SLURMEnvironment.detect():
@@ -75,6 +79,8 @@ def validate_run(config: TrainerConfig) -> None:
 
 def build_strategy(config: StrategyConfig) -> Strategy:
     """Instantiate a registered strategy by name, overriding its registered defaults with ``kwargs``."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
     if config.name not in StrategyRegistry:
         raise ValueError(
             f"strategy.name={config.name!r} is not a registered strategy; available: "
@@ -84,31 +90,70 @@ def build_strategy(config: StrategyConfig) -> Strategy:
     return entry["strategy"](**{**entry["init_params"], **config.strategy_kwargs()})
 
 
+def _callbacks(config: TrainConfig, output_dir: Path) -> list[Any]:
+    """merak-train's own callbacks (checkpoints, learning rate, progress) plus each feature's."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    from lightning_merak.callbacks.checkpoint import PeriodicCheckpoint
+    from lightning_merak.callbacks.progress import StepProgressBar
+
+    trainer_config = config.trainer
+    callbacks: list[Any] = [
+        PeriodicCheckpoint(
+            dirpath=output_dir / "checkpoints",
+            filename="step={step}",
+            auto_insert_metric_name=False,
+            every_n_train_steps=trainer_config.val_check_interval,
+            save_last="link" if trainer_config.save_last else None,
+        ),
+        LearningRateMonitor(logging_interval="step"),
+    ]
+    if trainer_config.enable_progress_bar:
+        callbacks.append(StepProgressBar(log_every_n_steps=trainer_config.log_every_n_steps))
+    callbacks += config.moe.build_callbacks()
+    callbacks += config.memory.build_callbacks()
+    callbacks += config.comm.build_callbacks()
+    return callbacks
+
+
+def _link_last_to_final(checkpoints: Path, final_checkpoint: Path) -> None:
+    """Point ``last.ckpt`` at the final checkpoint (a link, not a copy)."""
+    last = checkpoints / "last.ckpt"
+    if last.is_symlink() or last.exists():
+        last.unlink()
+    last.symlink_to(final_checkpoint.name)
+
+
 def train(config: TrainConfig) -> Path:
     """Train as configured and return the output directory."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from lightning_merak.console import quiet_other_ranks
+
+    quiet_other_ranks()
     validate_run(config.trainer)
-    pl.seed_everything(config.trainer.seed, workers=True)
+    strategy = build_strategy(config.strategy)
+    world_size = config.trainer.devices * config.trainer.num_nodes
+    batch_shape = {"batch_size": config.data.batch_size, "sequence_length": config.data.seq_len,
+                   "accumulate_grad_batches": config.trainer.accumulate_grad_batches}
+    if hasattr(strategy, "validate_arguments"):
+        strategy.validate_arguments(world_size, **batch_shape)
+
+    from lightning_merak.data import LanguageModelingData
+    from lightning_merak.models import CausalLMModule, build_causal_lm
+
+    pl.seed_everything(config.trainer.seed, workers=True, verbose=rank_zero_only.rank == 0)
     data = LanguageModelingData(config.data)
     model = build_causal_lm(config.model, vocab_size=data.vocab_size)
     model = config.moe.apply(model)
     model = config.adapter.apply(model)
     module = CausalLMModule(model, config.trainer)
-    strategy = build_strategy(config.strategy)
     if hasattr(strategy, "validate_before_launch"):
-        strategy.validate_before_launch(module, config.trainer.devices * config.trainer.num_nodes)
+        strategy.validate_before_launch(module, world_size, **batch_shape)
 
     output_dir = Path(config.output_dir)
-    checkpoint = ModelCheckpoint(
-        dirpath=output_dir / "checkpoints", save_last=True, every_n_train_steps=config.trainer.val_check_interval
-    )
-    callbacks: list[pl.Callback] = [checkpoint, LearningRateMonitor(logging_interval="step")]
-    callbacks += config.moe.build_callbacks()
-    callbacks += config.memory.build_callbacks()
-    callbacks += config.comm.build_callbacks()
-    loggers = [
-        CSVLogger(output_dir, name="csv", version=""),
-        TensorBoardLogger(output_dir, name="tensorboard", version=""),
-    ]
     trainer_config = config.trainer
     trainer = pl.Trainer(
         accelerator=trainer_config.accelerator,
@@ -125,8 +170,11 @@ def train(config: TrainConfig) -> Path:
         check_val_every_n_epoch=None if trainer_config.val_check_interval else 1,
         limit_val_batches=trainer_config.limit_val_batches,
         enable_progress_bar=trainer_config.enable_progress_bar,
-        callbacks=callbacks,
-        logger=loggers,
+        callbacks=_callbacks(config, output_dir),
+        logger=[
+            CSVLogger(output_dir, name="csv", version=""),
+            TensorBoardLogger(output_dir, name="tensorboard", version=""),
+        ],
         default_root_dir=output_dir,
     )
     if rank_zero_only.rank == 0 and data.language is not None:
@@ -137,11 +185,17 @@ def train(config: TrainConfig) -> Path:
     trainer.fit(module, datamodule=data)
     if getattr(strategy, "plan_only", False):
         if trainer.is_global_zero:
-            print(f"merak-train: plan only, nothing trained. Planned layout: {strategy.layout_plan.best.layout.describe()}")
+            print(
+                "merak-train: plan only, nothing trained. Planned layout: "
+                f"{strategy.layout_plan.best.layout.describe()}"
+            )
         return output_dir
-    final_checkpoint = output_dir / "checkpoints" / "final.ckpt"
-    trainer.save_checkpoint(final_checkpoint)
+    checkpoints = output_dir / "checkpoints"
+    final_checkpoint = checkpoints / "final.ckpt"
+    trainer.save_checkpoint(final_checkpoint, weights_only=False)
     if trainer.is_global_zero:
+        if trainer_config.save_last:
+            _link_last_to_final(checkpoints, final_checkpoint)
         print(
             f"merak-train: done. Outputs in {output_dir.resolve()} — checkpoint: "
             f"{final_checkpoint}, metrics: {output_dir / 'csv' / 'metrics.csv'}, "
@@ -152,12 +206,15 @@ def train(config: TrainConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def _hydra_entry(cfg: DictConfig) -> None:
+    reject_unknown_keys(cfg)
     config: Any = OmegaConf.to_object(cfg)
     train(config)
 
 
 def main() -> None:
     """Console entry point of ``merak-train``."""
+    install_termination_handler()
+    quiet_dependency_noise()
     register_configs()
     _hydra_entry()
 

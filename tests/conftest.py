@@ -1,11 +1,64 @@
-"""Shared pytest set-up: one thread per process, so multi-process tests do not oversubscribe."""
+"""Shared pytest set-up.
+
+* One thread per process, so multi-process tests do not oversubscribe the cores.
+* The ``distributed`` marker is honest: a test without it that starts a Python process
+  (``multiprocessing`` or a ``subprocess`` of the interpreter) fails with the fix, so
+  ``pytest -m "not distributed"`` is always the single-process suite. Compilers and
+  other non-Python tools (DeepSpeed builds an op with gcc at first use) are allowed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.process
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
+
+_UNMARKED_START = (
+    "this test starts a Python process but is not marked distributed; add @pytest.mark.distributed "
+    "(or pytestmark = pytest.mark.distributed for the module)"
+)
+
+
+def _starts_python(args: object) -> bool:
+    """Whether a Popen command line runs the interpreter or one of its console scripts."""
+    if isinstance(args, (str, bytes)):
+        words = os.fsdecode(args).split()
+    elif isinstance(args, os.PathLike):
+        words = [os.fsdecode(args)]
+    else:
+        words = [os.fsdecode(word) for word in args]
+    if not words:
+        return False
+    name = os.path.basename(words[0])
+    return words[0] == sys.executable or name.startswith(("python", "merak-", "torchrun", "make"))
 
 
 @pytest.fixture(autouse=True)
 def _single_thread_and_seed():
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _processes_only_when_marked(request, monkeypatch):
+    if request.node.get_closest_marker("distributed") is not None:
+        yield
+        return
+    original_popen_init = subprocess.Popen.__init__
+
+    def guarded_popen_init(self, args, *rest, **kwargs):
+        if _starts_python(args):
+            raise AssertionError(_UNMARKED_START)
+        original_popen_init(self, args, *rest, **kwargs)
+
+    def refuse_start(self):
+        raise AssertionError(_UNMARKED_START)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded_popen_init)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse_start)
     yield

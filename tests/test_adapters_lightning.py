@@ -12,8 +12,8 @@ from peft import PeftModel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_merak.adapters import QAHiRAConfig, QBaRAConfig, quantize_model
-from lightning_merak.adapters.hydra_options import register
 from lightning_merak.config import register_configs
+from lightning_merak.options.adapter import register
 
 TINY = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -48,8 +48,22 @@ class TinyCausalLM(pl.LightningModule):
 @pytest.mark.parametrize(
     "quantization,config",
     [
-        ("nf4", QBaRAConfig(r=4, alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])),
-        ("int4", QAHiRAConfig(lambda_in=16, lambda_out=1, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])),
+        (
+            "nf4",
+            QBaRAConfig(
+                r=4,
+                alpha=16,
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            ),
+        ),
+        (
+            "int4",
+            QAHiRAConfig(
+                lambda_in=16,
+                lambda_out=1,
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            ),
+        ),
     ],
 )
 def test_lightning_fine_tuning_lowers_the_loss(quantization: str, config: QBaRAConfig) -> None:
@@ -81,7 +95,9 @@ def adapter_options():
     GlobalHydra.instance().clear()
 
 
-@pytest.mark.parametrize("option,quantized_type", [("lora", "Linear4bit"), ("qbara", "Linear4bit"), ("qahira", "QuantLinearInt4")])
+@pytest.mark.parametrize(
+    "option,quantized_type", [("lora", "Linear4bit"), ("qbara", "Linear4bit"), ("qahira", "QuantLinearInt4")]
+)
 def test_hydra_adapter_options_build_a_trainable_model(adapter_options, option: str, quantized_type: str) -> None:
     cfg = compose(overrides=[f"+adapter={option}", "adapter.r=4", "adapter.group_size=16"])
     options = OmegaConf.to_object(cfg.adapter)

@@ -37,7 +37,7 @@ def randomize_adapters(model: torch.nn.Module, seed: int = 1) -> None:
     """Give the (zero-initialised) adapters a non-trivial value so merges have something to check."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
+        for _name, parameter in model.named_parameters():
             if parameter.requires_grad:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
 
@@ -76,7 +76,9 @@ def test_qahira_shapes_and_zero_init() -> None:
     model = get_peft_model(tiny_llama("int4"), QAHiRAConfig(lambda_in=16, lambda_out=2, target_modules=ALL_LINEAR))
     down = model.base_model.model.model.layers[1].mlp.down_proj
     assert down.qahira_H["default"].shape == (64 // 2, 128 // 16)
-    assert trainable(model) == 2 * sum(o * i // 32 for o, i in [(64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128)])
+    assert trainable(model) == 2 * sum(
+        o * i // 32 for o, i in [(64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128)]
+    )
     ids = inputs()
     with model.disable_adapter():
         base = model(ids).logits
@@ -136,7 +138,10 @@ def test_int4_export_of_merged_model_round_trips(tmp_path) -> None:
 @pytest.mark.parametrize("quantization", ["none", "int4", "nf4"])
 def test_save_load_round_trip_is_bit_exact(tmp_path, quantization: str) -> None:
     lambdas = dict(lambda_in=16, lambda_out=1) if quantization == "int4" else {}
-    model = get_peft_model(tiny_llama(quantization), QAHiRAConfig(target_modules=ALL_LINEAR, **lambdas) if lambdas else QBaRAConfig(r=4, target_modules=ALL_LINEAR))
+    model = get_peft_model(
+        tiny_llama(quantization),
+        QAHiRAConfig(target_modules=ALL_LINEAR, **lambdas) if lambdas else QBaRAConfig(r=4, target_modules=ALL_LINEAR),
+    )
     randomize_adapters(model)
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "adapter_config.json").read_text())
@@ -219,15 +224,22 @@ def test_int8_smoke() -> None:
 
 def test_indivisible_pooling_names_the_layer_before_wrapping() -> None:
     model = tiny_llama()
-    with pytest.raises(ValueError, match=r"layer 'model.layers.0.self_attn.k_proj' has out_features=32.*lambda_overrides"):
+    with pytest.raises(
+        ValueError, match=r"layer 'model.layers.0.self_attn.k_proj' has out_features=32.*lambda_overrides"
+    ):
         get_peft_model(model, QBaRAConfig(r=4, lambda_in=1, lambda_out=64, target_modules=ALL_LINEAR))
     assert not any("qbara_" in n for n, _ in model.named_parameters())
-    fixed = QBaRAConfig(r=4, lambda_in=1, lambda_out=64, target_modules=ALL_LINEAR, lambda_overrides={"k_proj": [1, 32], "v_proj": [1, 32]})
+    fixed = QBaRAConfig(
+        r=4, lambda_in=1, lambda_out=64, target_modules=ALL_LINEAR,
+        lambda_overrides={"k_proj": [1, 32], "v_proj": [1, 32]},
+    )
     get_peft_model(tiny_llama(), fixed)
 
 
 def test_misaligned_int4_groups_are_rejected_for_qahira() -> None:
-    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_proj' is INT4 with group_size=16, misaligned with lambda_in=8"):
+    with pytest.raises(
+        ValueError, match=r"'model.layers.0.self_attn.q_proj' is INT4 with group_size=16, misaligned with lambda_in=8"
+    ):
         get_peft_model(tiny_llama("int4"), QAHiRAConfig(lambda_in=8, target_modules=ALL_LINEAR))
 
 

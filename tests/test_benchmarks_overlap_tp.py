@@ -94,6 +94,7 @@ def test_bad_configurations_are_refused_before_any_rank_starts():
         check_configuration(Workload(64, 2, 4, 128, 32, 4, steps=1, warmup=1), 2, (PLAIN, Variant(2, True)))
 
 
+@pytest.mark.distributed
 def test_plain_and_overlapped_training_on_loopback_ranks(tmp_path):
     """Real rank processes through Lightning: equal losses, one collective set per sub-batch, a timeline."""
     workload = Workload(hidden=64, layers=2, heads=4, vocab=128, seq=32, batch=4, steps=3, warmup=1)
@@ -107,7 +108,8 @@ def test_plain_and_overlapped_training_on_loopback_ranks(tmp_path):
     assert plain["collectives_per_step"] == weight_grad["collectives_per_step"] == 4 * workload.layers
     assert overlapped["collectives_per_step"] == 2 * 4 * workload.layers
     assert sequence["collectives_per_step"] == 10 * workload.layers + 2
-    for row in (plain, weight_grad, overlapped, sequence):  # exposed may exceed busy by wake-up delays, so each is bounded alone
+    # exposed may exceed busy by wake-up delays, so each is bounded alone
+    for row in (plain, weight_grad, overlapped, sequence):
         assert 0 < row["exposed_ms"] < row["step_ms"] and 0 < row["busy_ms"] < row["step_ms"]
         assert row["cpu_ms_per_rank"] > 0 and row["page_faults_per_rank"] >= 0
         assert 0 <= row["idle_cores"] <= os.cpu_count() + 0.5  # 10 ms ticks over short steps

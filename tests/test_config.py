@@ -7,7 +7,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from lightning_merak.config import GROUPS, CallbackOptionConfig, TrainConfig, register_configs
+from lightning_merak.config import GROUPS, CallbackOptionConfig, TrainConfig, register_configs, reject_unknown_keys
 
 
 def _compose(*overrides: str):
@@ -51,6 +51,26 @@ def test_gpt2_and_any_transformers_model():
     assert config.model.model_type == "mistral" and config.model.config.hidden_size == 64
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+strategy.pipline_parallel=2", "strategy.pipline_parallel: .* did you mean strategy.pipeline_parallel"),
+        ("+trainer.nodes=2", "unknown option trainer.nodes"),
+        ("+memory.budgett=1GiB", "unknown option memory.budgett"),
+        ("+foo=1", "unknown option foo"),
+    ],
+)
+def test_keys_added_with_plus_are_refused_unless_a_schema_declares_them(override, message):
+    with pytest.raises(ValueError, match=message):
+        reject_unknown_keys(_compose("output_dir=/tmp/unused", override))
+
+
+def test_free_form_dicts_accept_new_keys():
+    reject_unknown_keys(_compose("output_dir=/tmp/unused", "+model.config.rope_theta=1e4",
+                                 "+strategy.kwargs.timeout_s=60"))
+
+
+@pytest.mark.distributed
 def test_help_lists_the_groups():
     result = subprocess.run(
         [sys.executable, "-m", "lightning_merak.train", "--help"], capture_output=True, text=True, timeout=120

@@ -33,7 +33,7 @@ def test_text_file_with_byte_tokenizer(tmp_path):
     assert data.vocab_size == ByteTokenizer.vocab_size
     data.setup("fit")
     (batch,) = next(iter(data.train_dataloader()))
-    assert bytes(batch[0].tolist()).decode().strip("hello merak ") == ""
+    assert set(bytes(batch[0].tolist()).decode()) <= set("hello merak ")
 
 
 def test_jsonl_file(tmp_path):

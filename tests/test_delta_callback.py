@@ -27,7 +27,9 @@ def token_data(seq_len: int = 32, count: int = 16) -> TensorDataset:
 
 def image_data(count: int = 16) -> TensorDataset:
     generator = torch.Generator().manual_seed(1)
-    return TensorDataset(torch.randn(count, 3, 16, 16, generator=generator), torch.randint(0, 10, (count,), generator=generator))
+    return TensorDataset(
+        torch.randn(count, 3, 16, 16, generator=generator), torch.randint(0, 10, (count,), generator=generator)
+    )
 
 
 def fit(make_module, data, callbacks, root: Path, steps: int = STEPS, batch_size: int = 4, **trainer_kwargs):
@@ -45,9 +47,12 @@ def fit(make_module, data, callbacks, root: Path, steps: int = STEPS, batch_size
 
 
 MODELS = {
-    "llama": (lambda: CausalLMModule(tiny_llama()), token_data, {"model.model.layers.0": "swap", "model.model.layers.1": "recompute"}),
-    "gpt2": (lambda: CausalLMModule(tiny_gpt2()), token_data, {"model.transformer.h.0": "recompute", "model.transformer.h.1": "swap"}),
-    "resnet": (lambda: ImageClassifierModule(SmallResNet()), image_data, {"model.stages.0.0": "recompute", "model.stages.1.1": "swap"}),
+    "llama": (lambda: CausalLMModule(tiny_llama()), token_data,
+              {"model.model.layers.0": "swap", "model.model.layers.1": "recompute"}),
+    "gpt2": (lambda: CausalLMModule(tiny_gpt2()), token_data,
+             {"model.transformer.h.0": "recompute", "model.transformer.h.1": "swap"}),
+    "resnet": (lambda: ImageClassifierModule(SmallResNet()), image_data,
+               {"model.stages.0.0": "recompute", "model.stages.1.1": "swap"}),
 }
 
 
@@ -68,7 +73,7 @@ def test_gradients_match_unmanaged_training(name, tmp_path):
 
 
 def test_budget_is_respected_by_the_callbacks_own_accounting(tmp_path):
-    make_module = lambda: CausalLMModule(tiny_gpt2(layers=6))  # noqa: E731
+    make_module = lambda: CausalLMModule(tiny_gpt2(layers=6))
     probe = DeltaMemory(budget=2**40, warmup_steps=1, plot=False)
     fit(make_module, token_data(), [probe], tmp_path, steps=2)
     unmanaged = probe.plan.unmanaged_peak_bytes
@@ -88,7 +93,8 @@ def test_budget_is_respected_by_the_callbacks_own_accounting(tmp_path):
 def test_replans_when_input_shapes_change(tmp_path):
     data = token_data(seq_len=32, count=8)
     longer = token_data(seq_len=64, count=8)
-    loader = DataLoader(torch.utils.data.ConcatDataset([data, longer]), batch_size=4, collate_fn=lambda items: (torch.stack([i[0] for i in items]),))
+    loader = DataLoader(torch.utils.data.ConcatDataset([data, longer]), batch_size=4,
+                        collate_fn=lambda items: (torch.stack([i[0] for i in items]),))
     callback = DeltaMemory(budget="150KiB", warmup_steps=1, plot=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -131,7 +137,7 @@ def test_hydra_option_builds_the_callback():
     from omegaconf import OmegaConf
 
     import lightning_merak
-    from lightning_merak.callbacks.delta.hydra_options import DeltaMemoryConfig, register
+    from lightning_merak.options.memory import DeltaMemoryConfig, register
 
     register()
     conf_dir = os.path.join(os.path.dirname(lightning_merak.__file__), "conf")
@@ -175,6 +181,7 @@ def ddp_rank(rank: int, world_size: int, root: str) -> dict:
     return results
 
 
+@pytest.mark.distributed
 def test_ddp_two_gloo_ranks_agree_on_the_plan_and_match_unmanaged(tmp_path):
     results = run_distributed(ddp_rank, world_size=2, args=(str(tmp_path),), timeout_s=150)
     assert results[0]["plan"] == results[1]["plan"]

@@ -89,6 +89,7 @@ def _check_rank(result: dict) -> None:
     assert all(peak <= result["budget"] for peak in result["peaks"]), (result["peaks"], result["table"])
 
 
+@pytest.mark.distributed
 def test_pipeline_stages_are_managed_per_rank_and_merak3d_recompute_is_respected(tmp_path):
     layout = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1, "partition": "uniform",
               "recompute": "stage_aware"}
@@ -106,6 +107,7 @@ def test_pipeline_stages_are_managed_per_rank_and_merak3d_recompute_is_respected
     assert [e[0] for e in last["events"]][:2] == ["F", "F"] and last["events"][2][0] == "B", last["events"]
 
 
+@pytest.mark.distributed
 def test_data_parallel_replicas_share_one_plan_and_match_unmanaged(tmp_path):
     layout = {"data_parallel": 2, "pipeline_parallel": 1, "tensor_parallel": 1}
     results = run_distributed(_rank, world_size=2, args=(layout, str(tmp_path)), timeout_s=300)

@@ -165,7 +165,8 @@ def test_disk_tier_batches_round_trip_and_reuse_the_file_every_step(tmp_path):
     generator = torch.Generator().manual_seed(0)
     try:
         for step in range(3):
-            sources = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator) for n in (3000, 0, 5000, 4097, 7)]
+            sources = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator)
+                       for n in (3000, 0, 5000, 4097, 7)]
             outgoing = [tier.copy_out(source) for source in sources]
             # waiting on a member of a batch nobody sent yet must send it, not hang
             stored = [outgoing[-1].finish()] + [t.finish() for t in outgoing[:-1]]
@@ -222,7 +223,8 @@ def _rss_bytes() -> int:
 
 
 @pytest.mark.skipif(
-    not hasattr(ctypes.CDLL(None), "malloc_trim") or not os.path.exists("/proc/self/statm"), reason="needs glibc on Linux"
+    not hasattr(ctypes.CDLL(None), "malloc_trim") or not os.path.exists("/proc/self/statm"),
+    reason="needs glibc on Linux",
 )
 def test_release_free_gives_freed_heap_holes_back_to_the_os():
     # small blocks live on the heap, not in their own mappings; freeing every other one

@@ -76,6 +76,7 @@ def _reference() -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
 pytestmark = pytest.mark.skipif(not early_receive_available(), reason="torch's pipeline stage lacks the receive hooks")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("schedule_name", ["1f1b", "gpipe"])
 def test_early_receives_give_the_single_process_gradients(schedule_name):
     ranks = run_distributed(_run_pipeline, 2, args=("early", schedule_name), timeout_s=120)
@@ -88,6 +89,7 @@ def test_early_receives_give_the_single_process_gradients(schedule_name):
     torch.testing.assert_close(ranks[1]["eval"], output, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.distributed
 def test_every_receive_of_a_step_is_posted_before_its_first_micro_batch():
     ranks = run_distributed(_run_pipeline, 2, args=("early", "1f1b"), timeout_s=120)
     first_stage, last_stage = ranks[0]["outstanding"], ranks[1]["outstanding"]
@@ -99,6 +101,7 @@ def test_every_receive_of_a_step_is_posted_before_its_first_micro_batch():
     assert [count for _, _, count in backward] == [4, 3, 2, 1]
 
 
+@pytest.mark.distributed
 def test_plain_and_early_stages_agree():
     plain = run_distributed(_run_pipeline, 2, args=("plain", "1f1b"), timeout_s=120)
     early = run_distributed(_run_pipeline, 2, args=("early", "1f1b"), timeout_s=120)

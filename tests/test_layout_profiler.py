@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightning_merak.testing import run_distributed
@@ -51,6 +52,7 @@ def _profile_rank(rank: int, world_size: int) -> dict:
             "grads_averaged": sorted({value for grad in grads for value in grad.unique().tolist()})}
 
 
+@pytest.mark.distributed
 def test_profiler_measures_real_blocks_gradient_sync_and_optimizer_on_two_ranks():
     results = run_distributed(_profile_rank, 2, timeout_s=300)
     profile, network = results[0]["profile"], results[0]["network"]
@@ -93,6 +95,7 @@ def _real_block_collectives_rank(rank: int, world_size: int, sequence_parallel: 
     return {"ops": sorted({event["op"] for event in trace.events}), "measured": set(profile.measured_blocks)}
 
 
+@pytest.mark.distributed
 def test_profiler_times_sequence_parallel_blocks_with_their_own_collectives():
     plain = run_distributed(_real_block_collectives_rank, 2, args=(False,), timeout_s=300)[0]
     sequence = run_distributed(_real_block_collectives_rank, 2, args=(True,), timeout_s=300)[0]
@@ -104,8 +107,8 @@ def test_profiler_times_sequence_parallel_blocks_with_their_own_collectives():
 def test_large_parameters_are_timed_on_a_part_and_scaled(monkeypatch):
     """A large embedding's update is timed on a bounded copy: setup never copies the whole table."""
     from lightning_merak.strategies import layout_profiler
-    from lightning_merak.strategies.pipeline.trace import trace_model
     from lightning_merak.strategies.merak3d import _call_model
+    from lightning_merak.strategies.pipeline.trace import trace_model
 
     model, inputs = _llama_and_tokens()
     trace = trace_model(model, inputs, _call_model)

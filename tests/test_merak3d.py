@@ -16,6 +16,8 @@ from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.strategies.pipeline.stage import RankStages, tied_parameter_names
 from lightning_merak.testing import TrainingTrace, assert_traces_match, run_distributed, snapshot_gradients
 
+pytestmark = pytest.mark.distributed  # every test here runs gloo ranks
+
 STEPS, BATCH, SEQ, VOCAB = 5, 8, 16, 96
 MODELS = {
     "llama": ModelConfig(name="llama", model_type="llama", config={
@@ -158,7 +160,8 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("model_name", ["gpt2", "llama"])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "dp{data_parallel}-pp{pipeline_parallel}-tp{tensor_parallel}".format(**l))
+@pytest.mark.parametrize("layout", LAYOUTS,
+                         ids=lambda l: "dp{data_parallel}-pp{pipeline_parallel}-tp{tensor_parallel}".format(**l))
 def test_layout_matches_single_process(model_name, layout):
     world_size = layout["data_parallel"] * layout["pipeline_parallel"] * layout["tensor_parallel"]
     results = run_distributed(_train_rank, world_size, args=(model_name, layout), timeout_s=300)
@@ -274,7 +277,8 @@ def _reduce_rank(rank: int, world_size: int) -> list:
         return torch.tensor([rank + 1.0])
 
     return [strategy.reduce(value()), strategy.reduce(value(), reduce_op="sum"),
-            strategy.reduce(value(), reduce_op="max"), strategy.reduce(value(), reduce_op=torch.distributed.ReduceOp.MIN),
+            strategy.reduce(value(), reduce_op="max"),
+            strategy.reduce(value(), reduce_op=torch.distributed.ReduceOp.MIN),
             strategy.reduce(torch.tensor([3 * (rank + 1)])), strategy.reduce("not a tensor")]
 
 

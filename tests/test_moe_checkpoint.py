@@ -20,6 +20,8 @@ from lightning_merak.testing import run_distributed
 from tests.test_moe_layer import HIDDEN, cheap_transfer_cost_model, expert_mlp
 from tests.test_moe_zero import TinyMoENet
 
+pytestmark = pytest.mark.distributed  # every test here runs gloo ranks or a subprocess
+
 NUM_EXPERTS, EP_SIZE, TOTAL_STEPS, RESUME_AT = 4, 2, 4, 2
 EXPERT = "net.moe.deepspeed_moe.experts.deepspeed_experts."
 
@@ -101,7 +103,7 @@ def merak3d_resume_run(rank: int, world_size: int, directory: str) -> dict[str, 
     The uninterrupted run trains one epoch of all steps; the interrupted one an epoch of the first steps,
     and the resumed one continues with the rest as its second epoch (a constant learning rate, so
     epochs of other lengths train alike)."""
-    from lightning_merak.plugins.moe.hydra_options import ProphetMoEConfig
+    from lightning_merak.options.moe import ProphetMoEConfig
     from lightning_merak.strategies.merak3d import Merak3DStrategy
     from tests.test_moe_lightning import BATCH, OPTIM, STEPS, _batches, _model, _Recorder, local_experts
 

@@ -145,7 +145,7 @@ def test_bad_arguments_fail_before_work_with_the_fix() -> None:
 def test_swapped_mixtral_computes_the_original_function_on_one_rank() -> None:
     from lightning_merak.config import ModelConfig
     from lightning_merak.models import build_causal_lm
-    from lightning_merak.plugins.moe.hydra_options import ProphetMoEConfig
+    from lightning_merak.options.moe import ProphetMoEConfig
     from lightning_merak.plugins.moe.swap import SwappedSparseBlock
 
     config = ModelConfig(name="m", model_type="mixtral", config=dict(
@@ -167,13 +167,15 @@ def test_hydra_composes_moe_options_with_mixtral_tiny() -> None:
     from omegaconf import OmegaConf
 
     from lightning_merak.config import register_configs
-    from lightning_merak.plugins.moe.hydra_options import DeepSpeedMoEConfig, ProphetMoEConfig, register
+    from lightning_merak.options.moe import DeepSpeedMoEConfig, ProphetMoEConfig, register
 
     register_configs()
     register()
     with initialize_config_module("lightning_merak.conf", version_base="1.3"):
         for option, cls in (("prophet", ProphetMoEConfig), ("deepspeed", DeepSpeedMoEConfig)):
-            cfg = OmegaConf.to_object(compose("config", overrides=[f"moe={option}", "model=mixtral_tiny", "output_dir=/tmp/unused"]))
+            cfg = OmegaConf.to_object(
+                compose("config", overrides=[f"moe={option}", "model=mixtral_tiny", "output_dir=/tmp/unused"])
+            )
             assert isinstance(cfg.moe, cls) and cfg.model.config["num_local_experts"] == 4
         with pytest.raises(Exception, match="placement_policy"):
             compose("config", overrides=["moe=prophet", "moe.placement_policy=x", "output_dir=/tmp/unused"])

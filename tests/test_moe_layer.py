@@ -15,6 +15,8 @@ from torch import nn
 
 from lightning_merak.testing import run_distributed
 
+pytestmark = pytest.mark.distributed  # every test here runs gloo ranks or a subprocess
+
 HIDDEN = 16
 TOLERANCE = 2e-5
 
@@ -131,7 +133,9 @@ def _check(results: list[dict[str, Any]], cases: dict[str, dict[str, Any]]) -> N
         for name, result in per_case.items():
             for step, diffs in enumerate(result["diffs"]):
                 worst = max(diffs, key=diffs.get)
-                assert diffs[worst] < TOLERANCE, f"{name} rank {rank} step {step}: {worst} differs by {diffs[worst]:.3g}"
+                assert diffs[worst] < TOLERANCE, (
+                    f"{name} rank {rank} step {step}: {worst} differs by {diffs[worst]:.3g}"
+                )
             case = cases[name]
             if case["options"].get("placement") in ("pro_prophet", "shadowing") or "force_plan" in case:
                 assert any(result["plans"][1:]), f"{name}: no expert was ever replicated"

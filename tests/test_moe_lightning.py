@@ -43,7 +43,7 @@ class _Recorder(pl.Callback):
 
 def train_swapped(rank: int, world_size: int, options: dict[str, Any]) -> dict[str, Any]:
     from lightning_merak.models import CausalLMModule
-    from lightning_merak.plugins.moe.hydra_options import ProphetMoEConfig
+    from lightning_merak.options.moe import ProphetMoEConfig
     from lightning_merak.plugins.moe.swap import SwappedSparseBlock
 
     config = ProphetMoEConfig(ep_size=2, aux_loss_coef=0.0, log_every_n_steps=1, **options)
@@ -82,7 +82,9 @@ def _train_on_union(module: pl.LightningModule, optimizer: torch.optim.Optimizer
         loss.backward()
         if clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(module.model.parameters(), clip)
-            assert norm > clip, f"step {step}: gradient norm {norm:.3g} <= {clip}; the clipping test would prove nothing"
+            assert norm > clip, (
+                f"step {step}: gradient norm {norm:.3g} <= {clip}; the clipping test would prove nothing"
+            )
             if norms is not None:
                 norms.append(float(norm))
         optimizer.step()
@@ -100,6 +102,7 @@ def _reference_losses() -> list[float]:
     return _train_on_union(module, setup["optimizer"], setup["lr_scheduler"]["scheduler"])
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_mixtral_tiny_trains_like_the_original_under_lightning_ddp() -> None:
     options = dict(dispatch="dropless", placement="pro_prophet", lancet_chunks="2")
@@ -142,7 +145,7 @@ def _sgd_module(model: torch.nn.Module) -> pl.LightningModule:
 
 
 def train_merak3d(rank: int, world_size: int, options: dict[str, Any], clip: float | None = None) -> dict[str, Any]:
-    from lightning_merak.plugins.moe.hydra_options import ProphetMoEConfig
+    from lightning_merak.options.moe import ProphetMoEConfig
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
     config = ProphetMoEConfig(ep_size=2, aux_loss_coef=0.0, log_every_n_steps=1, **options)
@@ -193,6 +196,7 @@ def _sgd_reference(learning_rate: float = SGD_LR, clip: float | None = None,
     return losses, experts
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_mixtral_tiny_under_merak3d_pipeline_and_data_parallel() -> None:
     """pp=2 × dp=2: EP groups are carved from each stage's data-parallel ranks; training equals one process."""
@@ -217,6 +221,7 @@ def test_mixtral_tiny_under_merak3d_pipeline_and_data_parallel() -> None:
     assert [result["sampler_rank"] for result in results] == [0, 1, 0, 1], "data shards do not follow the mesh"
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_gradient_clipping_under_merak3d_counts_every_expert_once() -> None:
     """The clipping norm sums expert weights over their expert-parallel group (each rank holds other experts)."""
@@ -238,3 +243,53 @@ def test_gradient_clipping_under_merak3d_counts_every_expert_once() -> None:
     for rank, result in enumerate(results):
         for step, (ours, expected) in enumerate(zip(result["losses"], reference)):
             assert abs(ours - expected) < 1e-5 * abs(expected), f"rank {rank} step {step}: {ours} vs {expected}"
+
+
+# Load heatmap: where it goes ------------------------------------------------------------------
+
+
+class _TrainerStub:
+    """The trainer attributes the heatmap needs; counts reads of ``log_dir`` (a broadcast in Lightning)."""
+
+    def __init__(self, log_dir: str, is_global_zero: bool, loggers: tuple[str, ...] = ("csv",)) -> None:
+        self._log_dir, self.is_global_zero, self.default_root_dir, self.log_dir_reads = log_dir, is_global_zero, "", 0
+        self.loggers = list(loggers)
+
+    @property
+    def log_dir(self) -> str:
+        self.log_dir_reads += 1
+        return self._log_dir
+
+
+def test_heatmap_in_log_dir_reads_the_log_dir_on_every_rank_and_rank_0_writes_it(tmp_path: Any) -> None:
+    from lightning_merak.plugins.moe.callback import MoEPlacementCallback
+
+    callback = MoEPlacementCallback(heatmap_in_log_dir=True)
+    other, zero = _TrainerStub(str(tmp_path / "other"), False), _TrainerStub(str(tmp_path), True)
+    callback.on_train_end(other, None)  # type: ignore[arg-type]  # this rank saw no MoE layer (history empty)
+    assert other.log_dir_reads == 1, "a rank other than 0 skipped trainer.log_dir, a collective: rank 0 would hang"
+    assert not (tmp_path / "other").exists()
+    callback.history = {1: ([[3, 1], [2, 2]], [[2, 2], [2, 2]])}  # a pipeline stage holding layer 1 only
+    callback.on_train_end(zero, None)  # type: ignore[arg-type]
+    assert zero.log_dir_reads == 1 and (tmp_path / MoEPlacementCallback.HEATMAP_FILE).is_file()
+    unlogged = _TrainerStub(str(tmp_path / "unlogged"), True, loggers=())
+    callback.on_train_end(unlogged, None)  # type: ignore[arg-type]  # logger=False: no log files, no heatmap
+    assert unlogged.log_dir_reads == 0 and not (tmp_path / "unlogged").exists()
+    with pytest.raises(ValueError, match="pass one of them"):
+        MoEPlacementCallback(heatmap_path=str(tmp_path / "h.png"), heatmap_in_log_dir=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(420)
+def test_merak_train_moe_prophet_writes_the_load_heatmap_in_the_log_dir(tmp_path: Any) -> None:
+    """The README's `merak-train model=mixtral_tiny moe=prophet` ends with a heatmap (2 processes, merak3d)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_merak.train", "model=mixtral_tiny", "moe=prophet", "trainer.max_steps=4",
+         "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "data.num_sequences=128",
+         "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "csv" / "moe_load_heatmap.png").is_file(), sorted(p.name for p in tmp_path.rglob("*"))

@@ -23,6 +23,8 @@ from torch import nn
 from lightning_merak.testing import run_distributed
 from tests.test_moe_layer import HIDDEN, cheap_transfer_cost_model, expert_mlp
 
+pytestmark = pytest.mark.distributed  # every test here runs gloo ranks or a subprocess
+
 STEPS = 3
 TOKENS = 24
 LR = 0.5

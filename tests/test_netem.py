@@ -159,6 +159,7 @@ def test_refuses_without_iproute2(monkeypatch: pytest.MonkeyPatch) -> None:
             pass
 
 
+@pytest.mark.distributed
 def test_loopback_ranks_get_rendezvous_env_and_failures_name_the_rank() -> None:
     with LoopbackCluster(2) as cluster:
         results = cluster.run(_python("import os; print(os.environ['RANK'], os.environ['MASTER_ADDR'])"), timeout_s=30)
@@ -223,6 +224,7 @@ def test_latency_is_emulated_or_refused_naming_netem() -> None:
     assert _leftovers(prefix) == []
 
 
+@pytest.mark.distributed
 @needs_emulation
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_tears_the_cluster_down(signum: int) -> None:

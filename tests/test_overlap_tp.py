@@ -166,6 +166,7 @@ def test_bad_splits_are_refused_with_the_fix():
     assert Merak3DStrategy(tensor_parallel=2).tp_weight_grad_overlap
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
 def test_overlapped_tensor_parallel_equals_plain_tensor_parallel(recompute):
     plain = run_distributed(_step, 2, args=("llama", False, 1, False), timeout_s=300)
@@ -189,6 +190,7 @@ OVERLAP_LAYOUTS = [
 ]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("layout", OVERLAP_LAYOUTS,
                          ids=lambda l: "pp{pipeline_parallel}-tp{tensor_parallel}-k{tp_overlap}".format(**l)
                          + ("-recompute" if "recompute" in l else ""))
@@ -224,6 +226,7 @@ def _planned_rank(rank: int, world_size: int, log_dir: str) -> dict:
             "best_predicted_s": strategy.layout_plan.ranked[0].step_time_s, "chosen_predicted_s": chosen.step_time_s}
 
 
+@pytest.mark.distributed
 def test_planned_layout_trains_like_a_single_process_and_reports_its_real_step(tmp_path):
     """Whatever layout the planner picks from its profile, training must equal the reference; after its
     first batches the run puts the slowest rank's median step next to the prediction, in the log and the logger."""
@@ -265,6 +268,7 @@ def _plan_only_rank(rank: int, world_size: int, sequence_parallel: bool = False,
             "layouts": [p.layout for p in strategy.layout_plan.ranked]}
 
 
+@pytest.mark.distributed
 def test_plan_only_plans_the_same_layout_everywhere_and_trains_nothing():
     results = run_distributed(_plan_only_rank, 2, timeout_s=300)
     assert results[0]["layout"] == results[1]["layout"]
@@ -273,6 +277,7 @@ def test_plan_only_plans_the_same_layout_everywhere_and_trains_nothing():
     assert degrees == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sequence", [SEQ, SEQ - 1], ids=["even", "odd"])
 def test_sequence_parallel_planning_keeps_only_degrees_that_split_the_sequence(sequence):
     results = run_distributed(_plan_only_rank, 2, args=(True, sequence), timeout_s=300)

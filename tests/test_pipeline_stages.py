@@ -6,8 +6,18 @@ import pytest
 import torch
 from torch import nn
 from transformers import (
-    BertConfig, BertForMaskedLM, CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, GPT2Config,
-    GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+    BertConfig,
+    BertForMaskedLM,
+    CohereConfig,
+    CohereForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
 )
 
 from lightning_merak.models import logits_of

@@ -181,8 +181,8 @@ def test_single_stage_prediction_matches_hand_computation():
     plain = predict(Layout(1, 1, 2, 1, 1, 0.0), profile, two_ranks, search)
     assert plain.step_time_s == pytest.approx(8.7 + 13.45 + 0.6)
     assert plain.components == pytest.approx(
-        {"compute": 13.75, "exposed_tp_comm": 8.4, "pipeline_runtime": 0.0, "pipeline_bubble": 0.0, "dp_allreduce": 0.0, "grad_clip": 0.0,
-             "optimizer": 0.6}
+        {"compute": 13.75, "exposed_tp_comm": 8.4, "pipeline_runtime": 0.0, "pipeline_bubble": 0.0,
+         "dp_allreduce": 0.0, "grad_clip": 0.0, "optimizer": 0.6}
     )
     assert plain.memory_bytes == pytest.approx(4 * 60 + 2 * 1000)
     # Full recompute replays the block's compute (1 + 2 s), not its collectives, and keeps only
@@ -546,7 +546,8 @@ def test_measured_blocks_replace_the_simulated_chain():
     assert sum(measured.components.values()) == pytest.approx(measured.step_time_s)
     # another overlap degree, or tp=1, is not covered by the measurement and keeps the model
     other = Layout(1, 1, 2, 1, 4, 0.0)
-    assert predict(other, measured_profile, SLOW, search).step_time_s == predict(other, profile, SLOW, search).step_time_s
+    assert (predict(other, measured_profile, SLOW, search).step_time_s
+            == predict(other, profile, SLOW, search).step_time_s)
 
 
 def test_measured_blocks_feed_the_pipeline_split():
@@ -601,7 +602,8 @@ def test_ranks_profiles_are_averaged_time_by_time_and_must_describe_one_model():
     assert average_profiles([fast]) == fast
     fuller = dataclasses.replace(fast, block_activation_bytes_per_sample={
         tp: 2 * saved for tp, saved in fast.block_activation_bytes_per_sample.items()})
-    assert average_profiles([fast, fuller]).block_activation_bytes_per_sample == fuller.block_activation_bytes_per_sample
+    assert (average_profiles([fast, fuller]).block_activation_bytes_per_sample
+            == fuller.block_activation_bytes_per_sample)
     with pytest.raises(ValueError, match=r"ModelProfile.num_blocks differs"):
         average_profiles([fast, dataclasses.replace(fast, num_blocks=5)])
     with pytest.raises(ValueError, match=r"ModelProfile.loss_times has different keys"):

@@ -5,6 +5,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 import lightning_merak
 from lightning_merak import strategies
 from lightning_merak.strategies import StrategyEntry, register_strategies
+from lightning_merak.strategies.merak3d import Merak3DStrategy
 
 
 class _ExampleStrategy(DDPStrategy):
@@ -13,14 +14,17 @@ class _ExampleStrategy(DDPStrategy):
 
 def test_import_registers_every_listed_strategy():
     for entry in strategies.STRATEGIES:
-        assert StrategyRegistry[entry.name]["strategy"] is entry.strategy_class
+        assert StrategyRegistry[entry.name]["strategy"] == entry.constructor()
+    assert isinstance(StrategyRegistry.get("merak3d"), Merak3DStrategy)
     assert lightning_merak.register_strategies() == [entry.name for entry in strategies.STRATEGIES]
 
 
 def test_registration_is_idempotent(monkeypatch):
     registry = _StrategyRegistry()
     monkeypatch.setattr(
-        strategies, "STRATEGIES", [StrategyEntry("merak_example", _ExampleStrategy, "example", {"find_unused_parameters": True})]
+        strategies,
+        "STRATEGIES",
+        [StrategyEntry("merak_example", _ExampleStrategy, "example", {"find_unused_parameters": True})],
     )
     assert register_strategies(registry) == ["merak_example"]
     assert register_strategies(registry) == ["merak_example"]

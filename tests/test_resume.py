@@ -32,7 +32,8 @@ class _Losses(pl.Callback):
 
 
 def _fit(max_steps: int, strategy: Any = "auto", devices: int = 1, resume_from: str | None = None,
-         save_to: str | None = None, checkpoint_dir: str | None = None, checkpoint_every: int | None = None) -> list[float]:
+         save_to: str | None = None, checkpoint_dir: str | None = None,
+         checkpoint_every: int | None = None) -> list[float]:
     """A run of the tiny Llama on generated data (10 batches an epoch on one rank), AdamW with warm-up + cosine."""
     pl.seed_everything(0, workers=True)
     data = LanguageModelingData(DataConfig(name="synthetic", seq_len=16, batch_size=4, vocab_size=64,
@@ -74,6 +75,7 @@ def _interrupted_rank(rank: int, world_size: int, strategy_name: str, directory:
     return {"straight": straight, "resumed": _fit(9, strategy(), world_size, resume_from=path)}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("strategy_name", ["ddp", "merak3d"])
 def test_data_parallel_ranks_resume_mid_epoch_with_their_learning_rate_schedule(tmp_path: Path,
                                                                                 strategy_name: str) -> None:

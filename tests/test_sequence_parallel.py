@@ -46,7 +46,7 @@ def _model_and_trace(name: str):
 
 def _plans(block: nn.Module, trace):
     args, kwargs = trace.block_arguments(trace.sample_side_tensors)
-    run = lambda: block(trace.sample_hidden, *args, **kwargs)  # noqa: E731
+    run = lambda: block(trace.sample_hidden, *args, **kwargs)
     plan = Merak3DStrategy._tensor_parallel_plan(block, trace)
     return plan, find_sequence_parallel_plan(block, run, plan.column_groups, plan.row)
 
@@ -91,8 +91,10 @@ class _PostNormBlock(nn.Module):
         return self.mlp(x)
 
 
-@pytest.mark.parametrize("block, message", [(_FlatBlock(), "holds up and down directly"),
-                                            (_PostNormBlock(), "return the output of its row layer mlp.down unchanged")])
+@pytest.mark.parametrize("block, message", [
+    (_FlatBlock(), "holds up and down directly"),
+    (_PostNormBlock(), "return the output of its row layer mlp.down unchanged"),
+])
 def test_blocks_that_do_not_fit_are_refused_with_the_reason(block, message):
     hidden = torch.randn(2, 4, 8)
     plan = find_tensor_parallel_plan(block, lambda: block(hidden), 8)
@@ -139,6 +141,7 @@ def _tensor_parallel_model(name: str, world_size: int, sequence_parallel: bool, 
 def _step(rank: int, world_size: int, name: str, sequence_parallel: bool, parts: int, recompute: bool) -> dict:
     """One forward/backward of a tensor-parallel model; outputs, local gradients and collectives."""
     import torch.distributed as dist
+
     from lightning_merak.models import logits_of
     from lightning_merak.strategies.overlap import SubBatchForward, record_communication
     from lightning_merak.strategies.sequence_parallel import sequence_partial_parameters
@@ -183,6 +186,7 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> No
     assert error <= 1e-5, f"{name}: relative error {error:.2e}"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name, parts, recompute", [("llama", 1, False), ("gpt2", 2, False), ("llama", 2, True)],
                          ids=["llama", "gpt2-overlapped", "llama-overlapped-recomputed"])
 def test_sequence_parallel_equals_plain_tensor_parallel(name, parts, recompute):
@@ -237,6 +241,7 @@ def _weight_gradient_order_rank(rank: int, world_size: int) -> dict:
     return {"order": order, "grads": grads}
 
 
+@pytest.mark.distributed
 def test_sequence_parallel_reduce_scatters_input_gradients_behind_weight_gradients():
     """Each column group's input is gathered again from its row layer's backward on (prefetch); the
     group's gather then launches the reduce-scatter of its input gradient, computes the group's
@@ -263,6 +268,7 @@ def _predicted_sequence_parallel_saving(name: str) -> int:
     return profile.num_blocks * samples * per_sample
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tensor-parallel", "sequence-parallel"])
 def test_recomputed_sub_batches_draw_the_dropout_masks_of_their_forward(sequence_parallel):
     # Sub-batches interleave at every collective; a recomputed block restores the random state
@@ -296,6 +302,7 @@ def _dropout_masks(rank: int, world_size: int, sequence_parallel: bool) -> dict:
     return {"zeroed": {"attention": zeroed[0], "residual": zeroed[1]}, "logits": logits}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tensor-parallel", "sequence-parallel"])
 def test_dropout_draws_each_ranks_own_mask_where_ranks_hold_their_own_part(sequence_parallel):
     ranks = run_distributed(_dropout_masks, 2, args=(sequence_parallel,), timeout_s=300)
@@ -334,6 +341,7 @@ def _train_rank_recording(rank: int, world_size: int, model_name: str, layout: d
     return losses, gradients, {event["op"] for event in communication.events}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("model_name, layout", SEQUENCE_LAYOUTS, ids=SEQUENCE_LAYOUT_IDS)
 def test_merak3d_with_sequence_parallel_matches_single_process(model_name, layout):
     world_size = layout["data_parallel"] * layout["pipeline_parallel"] * layout["tensor_parallel"]

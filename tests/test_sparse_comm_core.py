@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -214,7 +215,7 @@ def test_hydra_comm_options_compose_and_build(option: str) -> None:
     from omegaconf import OmegaConf
 
     from lightning_merak.callbacks.sparse_comm import SparseCommunication
-    from lightning_merak.callbacks.sparse_comm.hydra_options import register
+    from lightning_merak.options.comm import register
 
     register()
     conf_dir = Path(__file__).resolve().parents[1] / "lightning_merak" / "conf"
@@ -226,3 +227,50 @@ def test_hydra_comm_options_compose_and_build(option: str) -> None:
         assert callbacks == []
     else:
         assert [type(c) for c in callbacks] == [SparseCommunication] and callbacks[0].method == option
+
+
+def _default_run(*overrides: str) -> tuple[Any, Any]:
+    """merak-train's composed config (the embedded default model unless overridden) and its LightningModule."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from lightning_merak.config import register_configs
+    from lightning_merak.models import CausalLMModule, build_causal_lm
+
+    register_configs()
+    with initialize_config_module(config_module="lightning_merak.conf", version_base="1.3"):
+        config = OmegaConf.to_object(compose(config_name="config", overrides=["output_dir=/tmp/unused", *overrides]))
+    return config, CausalLMModule(build_causal_lm(config.model, vocab_size=config.data.vocab_size), config.trainer)
+
+
+@pytest.mark.parametrize("option", ["s2", "embrace", "auto"])
+def test_comm_option_on_the_default_model_warns_what_it_skipped_and_the_override(option: str) -> None:
+    """The default 256-token table is below the yaml's min_table_rows: the run says so, with the fix."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    config, module = _default_run(f"comm={option}")
+    (callback,) = config.comm.build_callbacks()
+    trainer = SimpleNamespace(strategy=DDPStrategy(), world_size=2)
+    with pytest.warns(UserWarning, match="replaces nothing") as warned:
+        callback.setup(trainer, module, "fit")  # warns before any collective, so no process group is needed
+    message = str(warned[0].message)
+    assert "model.model.embed_tokens: 256 rows" in message and "min_table_rows=1024" in message
+    assert "comm.min_table_rows=256" in message, message
+    assert not callback._active
+
+
+def test_embrace_refusal_under_merak3d_names_the_trainer_argument_and_the_hydra_override() -> None:
+    """merak-train's default trainer clips (gradient_clip_val=1.0), which EmbRace under merak3d cannot."""
+    from types import SimpleNamespace
+
+    config, _ = _default_run("comm=embrace")
+    assert config.trainer.gradient_clip_val, "the default trainer no longer clips: this test checks nothing"
+    (callback,) = config.comm.build_callbacks()
+    trainer = SimpleNamespace(gradient_clip_val=config.trainer.gradient_clip_val)
+    with pytest.raises(ValueError, match="cannot clip gradients") as refused:
+        callback._check_merak3d(trainer, SimpleNamespace(pipeline_parallel=1))
+    assert "trainer.gradient_clip_val=null" in str(refused.value) and "gradient_clip_val=None" in str(refused.value)
+    with pytest.raises(ValueError, match=r"strategy\.pipeline_parallel=1"):
+        callback._check_merak3d(trainer, SimpleNamespace(pipeline_parallel=2))

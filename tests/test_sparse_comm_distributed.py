@@ -20,6 +20,8 @@ from lightning_merak.callbacks.sparse_comm import (
 from lightning_merak.callbacks.sparse_comm.bytes_counter import CommLedger
 from lightning_merak.testing import run_distributed
 
+pytestmark = pytest.mark.distributed  # every test here runs gloo ranks or a subprocess
+
 VOCAB, DIM, PADDING = 3000, 6, 0  # DIM 6 over 4 ranks: uneven column shards
 
 

@@ -14,6 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_merak.callbacks.sparse_comm import ShardedEmbedding, SparseCommunication
 from lightning_merak.testing import run_distributed
 
+pytestmark = pytest.mark.distributed  # every test here runs gloo ranks or a subprocess
+
 VOCAB, DIM, SEQ, STEPS = 4096, 16, 16, 8
 
 

@@ -115,6 +115,7 @@ def _verify_rank(rank: int, world_size: int) -> dict[str, str]:
     return verdicts
 
 
+@pytest.mark.distributed
 def test_a_split_block_is_checked_against_the_whole_block():
     """Per-head norms split exactly (their gradients summed over the ranks); a norm over the whole
     projection would silently compute something else on half of it, and is refused with the fix."""
@@ -128,6 +129,7 @@ def test_a_split_block_is_checked_against_the_whole_block():
     {"data_parallel": 1, "pipeline_parallel": 1, "tensor_parallel": 2},
     {"data_parallel": 1, "pipeline_parallel": 1, "tensor_parallel": 2, "tp_overlap": 2, "sequence_parallel": True},
 ], ids=["tp2", "tp2-k2-sequence-parallel"])
+@pytest.mark.distributed
 def test_qwen3_per_head_norms_train_split_like_a_single_process(layout):
     """Qwen3 normalises q and k per head between the split projections: the norms' gradients are
     summed over the tensor-parallel ranks (without that they were off by 74%)."""
@@ -135,6 +137,7 @@ def test_qwen3_per_head_norms_train_split_like_a_single_process(layout):
     assert_traces_match(_reference("qwen3"), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
 
 
+@pytest.mark.distributed
 def test_a_model_that_does_not_split_is_refused_before_training_and_left_out_by_the_planner():
     """Falcon's fused multi-query projection is not [q | k | v]: a fixed tensor_parallel=2 fails at the
     first batch with the fix; the planner searches tensor_parallel=1 only."""
@@ -148,10 +151,13 @@ SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "nu
 ARCHITECTURES = {
     "llama": dict(SMALL, num_key_value_heads=2), "mistral": dict(SMALL, num_key_value_heads=2),
     "qwen2": dict(SMALL, num_key_value_heads=2), "qwen3": dict(SMALL, num_key_value_heads=2, head_dim=8),
-    "gemma": dict(SMALL, num_key_value_heads=2, head_dim=8), "gemma3_text": dict(SMALL, num_key_value_heads=2, head_dim=8),
+    "gemma": dict(SMALL, num_key_value_heads=2, head_dim=8),
+    "gemma3_text": dict(SMALL, num_key_value_heads=2, head_dim=8),
     "phi": SMALL, "olmo": dict(SMALL, num_key_value_heads=2), "stablelm": dict(SMALL, num_key_value_heads=2),
     "starcoder2": dict(SMALL, num_key_value_heads=2), "gpt_neox": SMALL, "bert": dict(SMALL, is_decoder=True),
-    "opt": {"hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "word_embed_proj_dim": 32},
+    "opt": {
+        "hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "word_embed_proj_dim": 32
+    },
     "gpt2": {"n_embd": 32, "n_layer": 1, "n_head": 4},
     "gptj": {"n_embd": 32, "n_layer": 1, "n_head": 4, "rotary_dim": 4},
     "falcon": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4},
@@ -189,6 +195,7 @@ def _architecture_rank(rank: int, world_size: int) -> dict[str, str]:
     return verdicts
 
 
+@pytest.mark.distributed
 def test_the_split_is_exact_on_common_architectures_and_refused_where_it_is_not():
     """transformers 5 architectures at tp=2: what the README lists as splitting exactly, and as refused."""
     verdicts = run_distributed(_architecture_rank, 2, timeout_s=300)[0]
@@ -270,6 +277,7 @@ def _weight_grad_overlap_rank(rank: int, world_size: int) -> dict[str, object]:
     return {"worst": worst, "frozen_grads": frozen_grads}
 
 
+@pytest.mark.distributed
 def test_column_groups_compute_weight_gradients_while_their_input_gradient_is_all_reduced():
     """Each column group launches its input-gradient all-reduce, computes its layers' weight
     gradients, then waits; gradients equal the whole block's (and the same split without the

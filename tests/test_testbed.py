@@ -73,10 +73,12 @@ def _ddp_trace(rank: int, world_size: int) -> TrainingTrace:
     return trace
 
 
+@pytest.mark.distributed
 def test_returns_per_rank_results():
     assert run_distributed(_sum_of_ranks, world_size=3, args=(2.0,)) == [6.0, 6.0, 6.0]
 
 
+@pytest.mark.distributed
 def test_a_failing_rank_fails_fast_with_its_traceback():
     start = time.monotonic()
     with pytest.raises(DistributedRunError, match="rank 1 failed(.|\n)*rank one is broken"):
@@ -85,6 +87,7 @@ def test_a_failing_rank_fails_fast_with_its_traceback():
     assert not mp.active_children()
 
 
+@pytest.mark.distributed
 def test_a_rank_that_cannot_start_raises_its_own_error():
     # The function does not pickle, so no rank process starts; the pickling error is what the
     # caller must see, not a failure to clean up the processes that never ran.
@@ -93,6 +96,7 @@ def test_a_rank_that_cannot_start_raises_its_own_error():
     assert not mp.active_children()
 
 
+@pytest.mark.distributed
 def test_a_hanging_rank_is_killed_at_the_deadline():
     start = time.monotonic()
     with pytest.raises(DistributedRunError, match=r"ranks \[(0, )?1\] did not finish within 20s"):
@@ -101,6 +105,7 @@ def test_a_hanging_rank_is_killed_at_the_deadline():
     assert not mp.active_children()
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ddp_matches_single_process_reference(world_size):
     model = _make_model()

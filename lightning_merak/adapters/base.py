@@ -170,7 +170,12 @@ class PooledAdapterLayer(nn.Module, BaseTunerLayer):
         raise NotImplementedError
 
     def update_layer(
-        self, adapter_name: str, config: PooledAdapterConfig, lambda_in: int, lambda_out: int, inference_mode: bool = False
+        self,
+        adapter_name: str,
+        config: PooledAdapterConfig,
+        lambda_in: int,
+        lambda_out: int,
+        inference_mode: bool = False,
     ) -> None:
         check_target_layer(
             self.method_name, self.layer_name, self, lambda_in, lambda_out, self.requires_group_alignment
@@ -198,7 +203,9 @@ class PooledAdapterLayer(nn.Module, BaseTunerLayer):
             if adapter_name not in self.lambda_in:
                 continue
             if safe_merge and not torch.isfinite(self.pooled_matrix(adapter_name)).all():
-                raise ValueError(f"{self.method_name}: NaN/inf in adapter '{adapter_name}' of layer '{self.layer_name}'")
+                raise ValueError(
+                    f"{self.method_name}: NaN/inf in adapter '{adapter_name}' of layer '{self.layer_name}'"
+                )
             self._add_to_base(adapter_name, sign=1.0)
             self.merged_adapters.append(adapter_name)
 

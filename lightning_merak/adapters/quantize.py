@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from .int4 import replace_submodule, quantize_linear_layers_int4
+from .int4 import quantize_linear_layers_int4, replace_submodule
 
 Quantization = Literal["none", "nf4", "fp4", "int8", "int4"]
 QUANTIZATIONS = ("none", "nf4", "fp4", "int8", "int4")

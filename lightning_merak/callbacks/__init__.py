@@ -1,18 +1,20 @@
 """Lightning callbacks of lightning-merak.
 
-``MoEPlacementCallback`` pulls in DeepSpeed, so it is imported on first use.
+Names are imported on first use: each callback pulls in its feature (``MoEPlacementCallback``
+pulls in DeepSpeed), and the Hydra options only need the pure parts.
 """
 
-from importlib import import_module
-from typing import Any
+from lightning_merak.lazy import lazy_attributes
 
-from lightning_merak.callbacks.delta import DeltaMemory
-from lightning_merak.callbacks.sparse_comm import SparseCommunication
+_EXPORTS = {
+    "DeltaMemory": "lightning_merak.callbacks.delta",
+    "MoEPlacementCallback": "lightning_merak.plugins.moe.callback",
+    "PeriodicCheckpoint": "lightning_merak.callbacks.checkpoint",
+    "SparseCommunication": "lightning_merak.callbacks.sparse_comm",
+    "StepProgressBar": "lightning_merak.callbacks.progress",
+}
 
-__all__ = ["DeltaMemory", "MoEPlacementCallback", "SparseCommunication"]
+__all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name == "MoEPlacementCallback":
-        return import_module("lightning_merak.plugins.moe.callback").MoEPlacementCallback
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _EXPORTS)

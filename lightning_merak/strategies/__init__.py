@@ -1,62 +1,78 @@
-"""Lightning strategies shipped by lightning-merak, registered by name on import.
+"""Lightning strategies shipped by lightning-merak, registered by name.
 
 Each strategy lives in its own module and is listed in :data:`STRATEGIES` with the name
-users pass to ``Trainer(strategy=...)``. Only strategies that work are listed.
+users pass to ``Trainer(strategy=...)``. Only strategies that work are listed. Entries name
+their class as ``"module:Class"`` so that registering them imports nothing heavy: the class
+is imported when Lightning first builds the strategy.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
-from lightning.pytorch.strategies import Strategy, StrategyRegistry
+__all__ = ["STRATEGIES", "LazyStrategy", "StrategyEntry", "register_strategies"]
+
+
+@dataclass(frozen=True)
+class LazyStrategy:
+    """A registry constructor that imports ``target`` (``"module:Class"``) on first use."""
+
+    target: str
+
+    def load(self) -> type:
+        module_name, class_name = self.target.split(":")
+        return getattr(importlib.import_module(module_name), class_name)
+
+    def __call__(self, **kwargs: Any) -> Any:
+        return self.load()(**kwargs)
+
+
+def _describe(constructor: Any) -> str:
+    return constructor.target if isinstance(constructor, LazyStrategy) else constructor.__qualname__
 
 
 @dataclass(frozen=True)
 class StrategyEntry:
-    """A strategy class published under ``name`` with default constructor arguments."""
+    """A strategy published under ``name``: a class, or ``"module:Class"`` imported on first use."""
 
     name: str
-    strategy_class: type[Strategy]
+    strategy: Union[type, str]
     description: str
     init_params: dict[str, Any] = field(default_factory=dict)
 
-
-def _entries() -> list[StrategyEntry]:
-    from lightning_merak.strategies.merak3d import Merak3DStrategy
-
-    return [
-        StrategyEntry(
-            "merak3d",
-            Merak3DStrategy,
-            "Automated data × pipeline × tensor parallelism for unmodified models",
-        )
-    ]
+    def constructor(self) -> Any:
+        """What the registry calls with ``init_params`` to build the strategy."""
+        return LazyStrategy(self.strategy) if isinstance(self.strategy, str) else self.strategy
 
 
-STRATEGIES: list[StrategyEntry] = _entries()
+STRATEGIES: list[StrategyEntry] = [
+    StrategyEntry(
+        "merak3d",
+        "lightning_merak.strategies.merak3d:Merak3DStrategy",
+        "Automated data × pipeline × tensor parallelism for unmodified models",
+    )
+]
 
 
-def register_strategies(registry: dict[str, Any] = StrategyRegistry) -> list[str]:
-    """Register every entry of :data:`STRATEGIES` in ``registry``; safe to call repeatedly.
+def register_strategies(registry: Any = None) -> list[str]:
+    """Register every entry of :data:`STRATEGIES` in ``registry`` (Lightning's by default); idempotent.
 
-    Returns the names registered. An entry already registered with the same class is
+    Returns the names registered. An entry already registered with the same constructor is
     left alone; a name taken by another class is an error rather than a silent override.
     """
+    if registry is None:
+        from lightning.pytorch.strategies import StrategyRegistry as registry
     for entry in STRATEGIES:
+        constructor = entry.constructor()
         if entry.name in registry:
-            existing = registry[entry.name]
-            if existing["strategy"] is not entry.strategy_class:
+            existing = registry[entry.name]["strategy"]
+            if existing != constructor:
                 raise RuntimeError(
                     f"strategy name {entry.name!r} is already registered for "
-                    f"{existing['strategy'].__qualname__}; lightning-merak cannot register "
-                    f"{entry.strategy_class.__qualname__} under it"
+                    f"{_describe(existing)}; lightning-merak cannot register {_describe(constructor)} under it"
                 )
             continue
-        registry.register(
-            entry.name, entry.strategy_class, description=entry.description, **entry.init_params
-        )
+        registry.register(entry.name, constructor, description=entry.description, **entry.init_params)
     return [entry.name for entry in STRATEGIES]
-
-
-__all__ = ["STRATEGIES", "StrategyEntry", "register_strategies"]

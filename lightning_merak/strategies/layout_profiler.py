@@ -6,7 +6,8 @@ shard, no communication) at every sub-batch size the search needs, with the bloc
 cut at the points where its collectives go; the embedding and head from a profiled trace;
 all-reduce and point-to-point latency and bandwidth over real process groups, and the
 data-parallel gradient synchronisation as the runtime performs it; the optimizer step and
-gradient clipping's passes over one block's parameters and over the embedding's and the head's. With a process group, real tensor-parallel blocks (sharded layers,
+gradient clipping's passes over one block's parameters and over the embedding's and the head's.
+With a process group, real tensor-parallel blocks (sharded layers,
 their collectives, ``tp_overlap`` sub-batch turns) are timed too, as the runtime will run
 them. Every rank measures at once (as they would compute during training); merak3d averages
 the ranks' figures (:func:`~lightning_merak.strategies.planner.average_profiles`), so every rank
@@ -28,10 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from lightning_merak.models import logits_of
-from lightning_merak.strategies.pipeline.trace import ModelTrace, trace_model
 from lightning_merak.strategies.merak3d import average_gradients, scale_gradients, squared_norm
 from lightning_merak.strategies.overlap import SubBatchForward
-from lightning_merak.strategies.sequence_parallel import SequenceParallelPlan, split_sequence_between
+from lightning_merak.strategies.pipeline.trace import ModelTrace, trace_model
 from lightning_merak.strategies.planner import (
     BlockTimes,
     CollectiveCost,
@@ -42,6 +42,7 @@ from lightning_merak.strategies.planner import (
     fit_collective_cost,
     fit_pipeline_runtime,
 )
+from lightning_merak.strategies.sequence_parallel import SequenceParallelPlan, split_sequence_between
 from lightning_merak.strategies.tensor_parallel import (
     TensorParallelPlan,
     _conv1d_to_linear,

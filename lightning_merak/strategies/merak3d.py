@@ -20,6 +20,7 @@ recomputation, and the optimizers are rebuilt over the parameters the rank now o
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -27,7 +28,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Iterator, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -43,6 +44,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, split_expert_key
+from lightning_merak.strategies import random_state
 from lightning_merak.strategies.overlap import SubBatchForward, collective_replay_contexts
 from lightning_merak.strategies.pipeline.schedules import (
     ScheduleShiftedCriticalPath,
@@ -68,6 +70,7 @@ from lightning_merak.strategies.tensor_parallel import (
     region_partial_parameters,
     verify_tensor_parallel_plan,
 )
+from lightning_merak.termination import install_termination_handler
 
 __all__ = ["Merak3DStrategy"]
 
@@ -99,6 +102,56 @@ def _check_stage_count(num_stages: int, num_blocks: int) -> None:
         raise ValueError(
             f"{num_stages} pipeline stages (pipeline_parallel × virtual_stages) exceed the {nodes} nodes of "
             f"the model (embedding, {num_blocks} blocks, head); use at most {nodes} stages"
+        )
+
+
+def _default_micro_batches(pipeline_parallel: int) -> int:
+    """Two micro-batches per stage keep the pipeline's bubble small; without stages the batch stays whole."""
+    return 2 * pipeline_parallel if pipeline_parallel > 1 else 1
+
+
+def _schedule_problem(micro_batches: int, pipeline_parallel: int, schedule: str) -> Optional[str]:
+    """Why ``schedule`` cannot run ``micro_batches`` micro-batches over ``pipeline_parallel`` stages, or None.
+
+    Every schedule needs a micro-batch per stage; torch's interleaved schedules run them in
+    ``micro_batches // pipeline_parallel`` rounds of equal size.
+    """
+    if pipeline_parallel == 1:
+        return None
+    if micro_batches < pipeline_parallel:
+        return (f"micro_batches={micro_batches} is smaller than pipeline_parallel={pipeline_parallel}; "
+                "pipeline schedules need at least one micro-batch per stage")
+    rounds = micro_batches // pipeline_parallel
+    if schedule in MULTI_STAGE_SCHEDULES and micro_batches % rounds:
+        return (f"schedule={schedule!r} runs micro_batches={micro_batches} in {micro_batches} // "
+                f"pipeline_parallel={pipeline_parallel} = {rounds} rounds of equal size, and {rounds} does not "
+                f"divide {micro_batches}")
+    return None
+
+
+def _check_micro_batches(micro_batches: int, pipeline_parallel: int, schedule: str) -> None:
+    """Refuse a micro-batch count the pipeline schedule cannot run; a multiple of the stages always runs."""
+    problem = _schedule_problem(micro_batches, pipeline_parallel, schedule)
+    if problem is not None:
+        raise ValueError(f"{problem}; set micro_batches to a multiple of pipeline_parallel={pipeline_parallel} "
+                         f"(the default is {_default_micro_batches(pipeline_parallel)})")
+
+
+def _check_accumulation(accumulate_grad_batches: int) -> None:
+    if accumulate_grad_batches != 1:
+        raise ValueError(
+            "merak3d splits each batch into micro-batches itself; set accumulate_grad_batches=1 "
+            "and raise micro_batches (and the batch size) instead"
+        )
+
+
+def _check_module_members(module: pl.LightningModule) -> None:
+    missing = [name for name in ("model", "split_batch", "loss_from_logits", "compute_loss")
+               if not hasattr(module, name)]
+    if missing:
+        raise TypeError(
+            f"merak3d needs {', '.join(missing)} on {type(module).__name__}: see "
+            "lightning_merak.strategies.merak3d for the four members it relies on"
         )
 
 
@@ -174,6 +227,37 @@ def _expert_layers(model: nn.Module) -> dict[str, tuple[int, int]]:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@contextlib.contextmanager
+def _in_training_mode(model: nn.Module) -> Iterator[None]:
+    """Every module of ``model`` in training mode meanwhile, then back in its own mode.
+
+    The build records and times the model as a training batch runs it, whichever loop brought
+    the batch (evaluation loops put the module in eval mode).
+    """
+    modes = {module: module.training for module in model.modules()}
+    model.train()
+    try:
+        yield
+    finally:
+        for module, training in modes.items():
+            module.training = training
+
+
+@contextlib.contextmanager
+def _random_state_kept() -> Iterator[None]:
+    """The random generators as they were before, whatever was drawn inside.
+
+    Lightning restores them after its sanity check but not after a training batch, so a draw
+    while building (dropout in the traced forwards, a layer's initialisation) moved the masks of
+    a run whose layout was built on a training batch and not those of one built in the check.
+    """
+    states = random_state.capture()
+    try:
+        yield
+    finally:
+        random_state.restore(states)
 
 
 class Merak3DStrategy(ParallelStrategy):
@@ -285,6 +369,8 @@ class Merak3DStrategy(ParallelStrategy):
             )
         if micro_batches is not None and micro_batches < 1:
             raise ValueError(f"micro_batches={micro_batches} must be at least 1")
+        if micro_batches is not None and isinstance(pipeline_parallel, int):
+            _check_micro_batches(micro_batches, pipeline_parallel, schedule)
         self._degrees: dict[str, Degree] = {"dp": data_parallel, "pp": pipeline_parallel, "tp": tensor_parallel}
         self._micro_batches = micro_batches
         self.tp_overlap = tp_overlap
@@ -314,6 +400,7 @@ class Merak3DStrategy(ParallelStrategy):
         self._timeout = timedelta(seconds=timeout_s)
         self._mesh: Optional[DeviceMesh] = None
         self._built = False
+        self._built_in_evaluation = False
         self._schedule: Any = None
         self._tied_groups: list[tuple[Any, nn.Parameter, bool]] = []
         self._pending_gradients: list[tuple[nn.Parameter, Optional[torch.Tensor]]] = []
@@ -347,7 +434,7 @@ class Merak3DStrategy(ParallelStrategy):
 
     @property
     def micro_batches(self) -> int:
-        return self._micro_batches or (2 * self.pipeline_parallel if self.pipeline_parallel > 1 else 1)
+        return self._micro_batches or _default_micro_batches(self.pipeline_parallel)
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup:
@@ -391,22 +478,82 @@ class Merak3DStrategy(ParallelStrategy):
             )
         return resolved["dp"], resolved["pp"], resolved["tp"]
 
-    def validate_before_launch(self, module: pl.LightningModule, world_size: int) -> None:
-        """Check the layout against the world size and the model before any process starts."""
-        model = getattr(module, "model", None)
-        if self.needs_planning:
-            fixed = [value for value in self._degrees.values() if value != "auto"]
-            if world_size % math.prod(fixed):
-                raise ValueError(
-                    f"world size {world_size} is not divisible by the fixed degrees {fixed}; "
-                    "choose degrees whose product divides the number of processes"
-                )
+    def validate_arguments(self, world_size: int, *, batch_size: Optional[int] = None,
+                           sequence_length: Optional[int] = None, accumulate_grad_batches: int = 1) -> None:
+        """Refuse, before the model is even built, a layout that the world size or the batches rule out.
+
+        ``batch_size`` is the batch each data-parallel replica's dataloader yields and
+        ``sequence_length`` its tokens per sample; the checks that need them are skipped without
+        them. Degrees left to the planner are checked once it has chosen them, at setup.
+        """
+        _check_accumulation(accumulate_grad_batches)
+        pp, tp = self._launch_degrees(world_size)
+        if tp is not None:
+            self._check_overlap(tp)
+            if self.sequence_parallel and tp > 1 and sequence_length is not None:
+                check_sequence_length(sequence_length, tp)
+        if batch_size is not None and (self._micro_batches is not None or not self.needs_planning):
+            self._check_batch_split(batch_size, pp or 1)
+
+    def validate_before_launch(self, module: pl.LightningModule, world_size: int, *, batch_size: Optional[int] = None,
+                               sequence_length: Optional[int] = None, accumulate_grad_batches: int = 1) -> None:
+        """Refuse, before any process starts, a layout that the world size, the batches or the model rule out.
+
+        Runs :meth:`validate_arguments` first. What is left for the first batch needs the traced
+        model or the real batch: whether a block splits exactly over the tensor-parallel ranks, and
+        the shape of each batch.
+        """
+        self.validate_arguments(world_size, batch_size=batch_size, sequence_length=sequence_length,
+                                accumulate_grad_batches=accumulate_grad_batches)
+        _check_module_members(module)
+        self._check_model(module.model, *self._launch_degrees(world_size))
+
+    def _launch_degrees(self, world_size: int) -> tuple[Optional[int], Optional[int]]:
+        """``(pp, tp)`` this run will use on ``world_size`` ranks; None for a degree the planner chooses."""
+        if not self.needs_planning:
+            _, pp, tp = self.resolve_layout(world_size)
+            return pp, tp
+        fixed = [value for value in self._degrees.values() if value != "auto"]
+        if world_size % math.prod(fixed):
+            raise ValueError(
+                f"world size {world_size} is not divisible by the fixed degrees {fixed}; "
+                "choose degrees whose product divides the number of processes"
+            )
+        pp, tp = self._degrees["pp"], self._degrees["tp"]
+        return (pp if isinstance(pp, int) else None), (tp if isinstance(tp, int) else None)
+
+    def _check_model(self, model: nn.Module, pipeline_parallel: Optional[int], tensor_parallel: Optional[int]) -> None:
+        """Refuse degrees the unsplit model's config or structure rules out (None: not chosen yet)."""
+        if tensor_parallel is not None:
+            check_tensor_parallel_degree(getattr(model, "config", None), tensor_parallel)
+        if self.sequence_parallel and tensor_parallel is not None and tensor_parallel > 1 and _moe_layers(model):
+            raise ValueError("sequence_parallel does not support MoE layers; use sequence_parallel=False")
+        if pipeline_parallel is not None and pipeline_parallel > 1:
+            _check_stage_count(pipeline_parallel * self.virtual_stages, len(find_trunk(model)[1]))
+
+    def _check_batch_split(self, batch_size: int, pipeline_parallel: int) -> None:
+        """Refuse a batch that does not split into the micro-batches, and those into tp_overlap sub-batches.
+
+        The error lists the micro-batch counts that would split it.
+        """
+        micro_batches = self._micro_batches or _default_micro_batches(pipeline_parallel)
+        overlap = self.tp_overlap if isinstance(self.tp_overlap, int) else 1
+
+        def splits(count: int) -> bool:
+            return batch_size % count == 0 and (batch_size // count) % overlap == 0
+
+        if splits(micro_batches):
             return
-        dp, pp, tp = self.resolve_layout(world_size)
-        self._check_overlap(tp)
-        check_tensor_parallel_degree(getattr(model, "config", None), tp)
-        if pp > 1 and isinstance(model, nn.Module):
-            _check_stage_count(pp * self.virtual_stages, len(find_trunk(model)[1]))
+        if batch_size % micro_batches:
+            origin = "" if self._micro_batches else f" (the default, 2 × pipeline_parallel={pipeline_parallel})"
+            problem = f"batch size {batch_size} is not divisible by micro_batches={micro_batches}{origin}"
+        else:
+            problem = (f"micro-batches of {batch_size // micro_batches} samples (batch size {batch_size} / "
+                       f"micro_batches={micro_batches}) cannot be split into tp_overlap={overlap} sub-batches")
+        fits = [count for count in range(1, batch_size + 1)
+                if splits(count) and _schedule_problem(count, pipeline_parallel, self.schedule) is None]
+        choices = f"set micro_batches to {' or '.join(map(str, fits))}, or " if fits else ""
+        raise ValueError(f"{problem}; {choices}make the batch size a multiple of {micro_batches * overlap}")
 
     @property
     def needs_planning(self) -> bool:
@@ -414,7 +561,7 @@ class Merak3DStrategy(ParallelStrategy):
         return "auto" in (self._degrees["pp"], self._degrees["tp"], self.tp_overlap, self.recompute)
 
     def _check_overlap(self, tensor_parallel: int) -> None:
-        if self.tp_overlap != 1 and tensor_parallel == 1:
+        if isinstance(self.tp_overlap, int) and self.tp_overlap != 1 and tensor_parallel == 1:
             raise ValueError(
                 f"tp_overlap={self.tp_overlap} overlaps tensor-parallel communication, but tensor_parallel=1; "
                 "set tensor_parallel>1 or tp_overlap=1"
@@ -449,6 +596,8 @@ class Merak3DStrategy(ParallelStrategy):
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
+        # before the rendezvous, so a rank waiting for its peers also ends on SIGTERM/SIGINT
+        install_termination_handler()
         super().setup_environment()
         assert self.cluster_environment is not None
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
@@ -457,7 +606,8 @@ class Merak3DStrategy(ParallelStrategy):
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
         self._process_group_backend = backend
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        if not self.needs_planning:
+        # a layout built by an earlier validate/predict keeps its mesh: its shards and groups live on it
+        if not self.needs_planning and self._mesh is None:
             self._create_mesh()
 
     def _create_mesh(self) -> None:
@@ -472,29 +622,23 @@ class Merak3DStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        missing = [name for name in ("model", "split_batch", "loss_from_logits", "compute_loss")
-                   if not hasattr(module, name)]
-        if missing:
-            raise TypeError(
-                f"merak3d needs {', '.join(missing)} on {type(module).__name__}: see "
-                "lightning_merak.strategies.merak3d for the four members it relies on"
-            )
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                "merak3d splits each batch into micro-batches itself; set accumulate_grad_batches=1 "
-                "and raise micro_batches (and the batch size) instead"
-            )
+        _check_module_members(module)
+        _check_accumulation(trainer.accumulate_grad_batches)
         if self.needs_planning:
+            self._check_model(module.model, *self._launch_degrees(self.world_size))
             self._plan_layout(trainer)
             self._create_mesh()
             if self.plan_only:
                 trainer.should_stop = True
                 trainer.num_sanity_val_steps = 0
-        check_tensor_parallel_degree(getattr(module.model, "config", None), self.tensor_parallel)
-        self._check_overlap(self.tensor_parallel)
+        if not self._built:  # a layout built by an earlier validate or predict passed these and holds only its part
+            _check_micro_batches(self.micro_batches, self.pipeline_parallel, self.schedule)
+            self._check_overlap(self.tensor_parallel)
+            self._check_model(module.model, self.pipeline_parallel, self.tensor_parallel)
         self.model_to_device()
-        for tensor in [*self._replicated_parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, src=0)
+        if not self._built:  # once built, ranks hold different stages and shards, synchronised when built
+            for tensor in [*self._replicated_parameters(), *module.buffers()]:
+                dist.broadcast(tensor.data, src=0)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -694,31 +838,30 @@ class Merak3DStrategy(ParallelStrategy):
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if not self._built:
-            self._build(batch)
+            # Evaluation loops bring their batch under no_grad or inference mode; the split check
+            # needs a backward, and the parameters the build creates must not be inference tensors.
+            with torch.inference_mode(False), torch.enable_grad(), _random_state_kept():
+                self._build(batch)
         return batch
 
     def _micro_batch(self, inputs: torch.Tensor) -> torch.Tensor:
-        batch_size = inputs.shape[0]
-        if batch_size % self.micro_batches:
-            raise ValueError(
-                f"batch size {batch_size} is not divisible by micro_batches={self.micro_batches}; "
-                "choose a batch size that is a multiple of micro_batches"
-            )
-        return inputs[: batch_size // self.micro_batches]
+        """The first micro-batch of ``inputs``, once the batch is known to split into micro- and sub-batches."""
+        self._check_batch_split(inputs.shape[0], self.pipeline_parallel)
+        return inputs[: inputs.shape[0] // self.micro_batches]
 
     def _build(self, batch: Any) -> None:
+        """Cut, split and wrap the model for this rank on the shapes of ``batch``;
+        grad enabled, not in inference mode.
+        """
         module = self.lightning_module
         model: nn.Module = module.model
+        existing = set(module.modules())
         config = getattr(model, "config", None)
         if config is not None and getattr(config, "use_cache", False):
             config.use_cache = False
         inputs, _ = module.split_batch(batch)
-        micro = self._micro_batch(inputs)
-        if micro.shape[0] % self.tp_overlap:
-            raise ValueError(
-                f"micro-batches of {micro.shape[0]} samples cannot be split into tp_overlap={self.tp_overlap} "
-                "sub-batches; choose a tp_overlap that divides the micro-batch size"
-            )
+        # a copy: an evaluation loop's batch may be an inference tensor, which autograd refuses
+        micro = self._micro_batch(inputs).clone()
         pp, tp = self.pipeline_parallel, self.tensor_parallel
         self._expert_prefixes = _expert_layers(model)
         sequence_parallel = self.sequence_parallel and tp > 1
@@ -726,20 +869,18 @@ class Merak3DStrategy(ParallelStrategy):
             rank_zero_info("merak3d: tensor_parallel=1, so sequence_parallel has nothing to split")
         if sequence_parallel:
             check_sequence_length(micro.shape[1], tp)
-            if _moe_layers(model):
-                raise ValueError("sequence_parallel does not support MoE layers; use sequence_parallel=False")
-        # Every rank profiles: blocks may hold collectives (MoE all-to-alls) that need all their peers.
-        trace = trace_model(model, micro, _call_model, profile=pp > 1)
-        trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
-        plan = self._tensor_parallel_plan(trunk[0], trace) if tp > 1 else None
-        if plan is not None and tp not in self._verified_tp_degrees:
-            problem = self._split_block_problem(trunk[0], trace, plan, self.device_mesh["tp"])
-            if problem is not None:
-                raise ValueError(f"tensor_parallel={tp}: {problem}")
-        sequence_plan = self._sequence_parallel_plan(trunk[0], trace, plan) if sequence_parallel else None
+        with _in_training_mode(model):
+            # Every rank profiles: blocks may hold collectives (MoE all-to-alls) that need all their peers.
+            trace = trace_model(model, micro, _call_model, profile=pp > 1)
+            trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
+            plan = self._tensor_parallel_plan(trunk[0], trace) if tp > 1 else None
+            if plan is not None and tp not in self._verified_tp_degrees:
+                problem = self._split_block_problem(trunk[0], trace, plan, self.device_mesh["tp"])
+                if problem is not None:
+                    raise ValueError(f"tensor_parallel={tp}: {problem}")
+            sequence_plan = self._sequence_parallel_plan(trunk[0], trace, plan) if sequence_parallel else None
         if pp > 1:
             num_stages = pp * self.virtual_stages
-            _check_stage_count(num_stages, trace.num_blocks)
             tied = tied_parameter_names(model)
             self.partition = self._agree_on_partition(trace, num_stages)
             stage_ids = [self.pipeline_rank + k * pp for k in range(self.virtual_stages)]
@@ -768,7 +909,11 @@ class Merak3DStrategy(ParallelStrategy):
         if stage is not None:
             module.model = stage
             self._start_pipeline(stage)
+        for part in module.modules():
+            if part not in existing:  # stage wrappers and pruned containers join the loop's mode
+                part.training = module.training
         self._built = True
+        self._built_in_evaluation = not module.training
         trainer = module.trainer
         if trainer.state.fn == TrainerFn.FITTING:
             # the schedulers Lightning restored from a checkpoint are replaced with the optimizers
@@ -782,8 +927,18 @@ class Merak3DStrategy(ParallelStrategy):
                 self._load_consolidated_optimizer_state(optimizer, state)
             self._pending_optimizer_states = []
 
+    def on_validation_end(self) -> None:
+        """A layout built in a fit's sanity check trains afterwards.
+
+        Lightning restores the modes of the modules it saw before the loop, by name; the build
+        renamed and wrapped them, so they would start training in eval mode.
+        """
+        if self._built_in_evaluation and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            self.lightning_module.model.train()
+        self._built_in_evaluation = False
+
     def on_train_start(self) -> None:
-        """Modules built during the sanity check were left in eval mode by the check's restore."""
+        """Modules built in an evaluation loop (the sanity check, validate, predict) are still in eval mode."""
         if self._built:
             self.lightning_module.model.train()
         if self.layout_choice is not None and self.step_time_check is None:
@@ -875,11 +1030,15 @@ class Merak3DStrategy(ParallelStrategy):
         if sequence_plan is not None:
             self._tensor_partial = sequence_partial_parameters(list(blocks.values()))
         else:
-            self._tensor_partial = [param for block in blocks.values() for param in region_partial_parameters(block, plan)]
+            self._tensor_partial = [
+                param for block in blocks.values() for param in region_partial_parameters(block, plan)
+            ]
 
     def _split_block_problem(self, block: nn.Module, trace: ModelTrace, plan: TensorParallelPlan,
                              mesh: DeviceMesh) -> Optional[str]:
-        """Why ``block`` split by ``plan`` over ``mesh`` would not compute the whole block, or None (rank 0's verdict)."""
+        """Why ``block`` split by ``plan`` over ``mesh`` would not compute the whole block,
+        or None (rank 0's verdict).
+        """
         args, kwargs = trace.block_arguments(trace.sample_side_tensors)
         try:
             verify_tensor_parallel_plan(block, plan, mesh, lambda module, hidden: trace.hidden_of(
@@ -938,11 +1097,6 @@ class Merak3DStrategy(ParallelStrategy):
             ScheduleInterleavedZeroBubble,
         )
 
-        if self.micro_batches < self.pipeline_parallel:
-            raise ValueError(
-                f"micro_batches={self.micro_batches} is smaller than pipeline_parallel={self.pipeline_parallel}; "
-                "pipeline schedules need at least one micro-batch per stage"
-            )
         pp_group = self.device_mesh["pp"].get_group()
         stage_class = pipeline_stage_class(dist.get_backend(pp_group), self.virtual_stages)
         pipeline_stages = [
@@ -990,7 +1144,8 @@ class Merak3DStrategy(ParallelStrategy):
         else:
             with torch.no_grad():
                 self._schedule.eval(*args, return_outputs=False, **kwargs)
-        loss = torch.stack([l.detach() for l in losses]).mean() if stage.is_last else torch.zeros((), device=self.root_device)
+        loss = (torch.stack([l.detach() for l in losses]).mean() if stage.is_last
+                else torch.zeros((), device=self.root_device))
         pp_group, last_rank = self._last_stage_source()
         dist.broadcast(loss, src=last_rank, group=pp_group)
         return loss
@@ -1296,7 +1451,9 @@ class Merak3DStrategy(ParallelStrategy):
             for param in group["params"]:
                 entry = saved["state"].get(names[id(param)])
                 if entry is not None:
-                    state[index] = {key: self._local_like(param, names[id(param)], value) for key, value in entry.items()}
+                    state[index] = {
+                        key: self._local_like(param, names[id(param)], value) for key, value in entry.items()
+                    }
                 ids.append(index)
                 index += 1
             groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})

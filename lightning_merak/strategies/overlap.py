@@ -33,8 +33,8 @@ import functools
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 import weakref
+from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
 
 import torch
@@ -237,7 +237,7 @@ def _run_in_turns(tasks: list[Callable[[], Any]], state: dict[str, Any]) -> list
             turns.wait_for_turn(index)
             with _thread_state(**state):
                 results[index] = task()
-        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+        except BaseException as error:
             errors[index] = error
         finally:
             _local.turns = None
@@ -830,7 +830,9 @@ def run_sub_batches(
 
 
 class SubBatchForward:
-    """A module's ``forward`` run as overlapped sub-batches; install with ``module.forward = SubBatchForward(module, k)``."""
+    """A module's ``forward`` run as overlapped sub-batches;
+    install with ``module.forward = SubBatchForward(module, k)``.
+    """
 
     def __init__(self, module: torch.nn.Module, parts: int) -> None:
         self.module, self.parts, self.forward = module, parts, module.forward

@@ -43,13 +43,13 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from lightning_merak.strategies.overlap import all_reduce_in_turn, start_all_reduce_in_turn, unrecorded_communication
 from lightning_merak.strategies.rank_random import install_rank_streams
-from lightning_merak.strategies.weight_gradients import DeferredWeightGradients, linear_deferring_weight_gradient
 from lightning_merak.strategies.sequence_parallel import (
     SequenceParallelPlan,
     install_sequence_gathers,
     linear_on_gathered,
     reduce_scatter_sequence,
 )
+from lightning_merak.strategies.weight_gradients import DeferredWeightGradients, linear_deferring_weight_gradient
 
 __all__ = [
     "ColumnParallelLinear",

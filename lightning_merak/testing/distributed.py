@@ -86,7 +86,7 @@ def _rank_main(
         # Plain pickle copies tensor data; torch's multiprocessing pickler would share
         # it through file descriptors that vanish when this process exits.
         outcomes.put(_RankOutcome(rank, True, pickle.dumps(value)))
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+    except BaseException:
         outcomes.put(_RankOutcome(rank, False, error=traceback.format_exc()))
     finally:
         if dist.is_initialized():

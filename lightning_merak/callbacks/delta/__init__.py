@@ -3,36 +3,31 @@
 The core (budget parsing, profiles, the planner, the ledger) is plain Python; the torch
 side is saved-tensor hooks and instance-level forward switches; :class:`DeltaMemory`
 wires both into Lightning.
+
+Names are imported on first use, so the pure budget parser can be read by the Hydra options
+without importing torch.
 """
 
-from lightning_merak.callbacks.delta.blocks import discover_blocks
-from lightning_merak.callbacks.delta.budget import Budget, parse_budget
-from lightning_merak.callbacks.delta.callback import DeltaMemory
-from lightning_merak.callbacks.delta.planner import (
-    Action,
-    BlockDecision,
-    BlockProfile,
-    Plan,
-    PlannerSettings,
-    StepProfile,
-    plan_memory,
-    simulate_timeline,
-)
-from lightning_merak.callbacks.delta.runtime import ManagerOptions, MemoryManager
+from lightning_merak.lazy import lazy_attributes
 
-__all__ = [
-    "Action",
-    "BlockDecision",
-    "BlockProfile",
-    "Budget",
-    "DeltaMemory",
-    "ManagerOptions",
-    "MemoryManager",
-    "Plan",
-    "PlannerSettings",
-    "StepProfile",
-    "discover_blocks",
-    "parse_budget",
-    "plan_memory",
-    "simulate_timeline",
-]
+_EXPORTS = {
+    "discover_blocks": ".blocks",
+    "Budget": ".budget",
+    "parse_budget": ".budget",
+    "DeltaMemory": ".callback",
+    "Action": ".planner",
+    "BlockDecision": ".planner",
+    "BlockProfile": ".planner",
+    "Plan": ".planner",
+    "PlannerSettings": ".planner",
+    "StepProfile": ".planner",
+    "plan_memory": ".planner",
+    "simulate_timeline": ".planner",
+    "ManagerOptions": ".runtime",
+    "MemoryManager": ".runtime",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+__getattr__ = lazy_attributes(__name__, _EXPORTS)

@@ -201,7 +201,9 @@ class DeltaMemory(pl.Callback):
         if self._active:
             self.manager.start(pl_module, device)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not self._active and self._layout_candidates is not None:
             self._manage_layout_blocks(trainer.strategy, pl_module)
         if not self._active:
@@ -218,7 +220,9 @@ class DeltaMemory(pl.Callback):
         if self._active:
             self._last_report = self.manager.end_backward()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         report, self._last_report = self._last_report, None
         if report is None:
             return
@@ -238,9 +242,16 @@ class DeltaMemory(pl.Callback):
         )
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.manager is None or not self.plot or not trainer.is_global_zero:
+        """Rank 0 saves the timeline plot into the log directory.
+
+        ``trainer.log_dir`` broadcasts from rank 0, so every rank resolves it, before any
+        rank-dependent test: a rank that skipped it would leave the others waiting.
+        """
+        if not self.plot:
             return
         directory = trainer.log_dir or trainer.default_root_dir
+        if self.manager is None or not trainer.is_global_zero:
+            return
         self.plot_path = save_timeline_plot(
             os.path.join(directory, PLOT_NAME),
             self.manager.timelines,
@@ -292,7 +303,9 @@ class DeltaMemory(pl.Callback):
         if unknown:
             raise ValueError(f"DeltaMemory overrides name unknown blocks {unknown}; the model's blocks are {found}")
         self._layout_candidates = set(found)
-        rank_zero_info("DeltaMemory: the strategy builds its layout on the first batch; each rank manages its blocks then")
+        rank_zero_info(
+            "DeltaMemory: the strategy builds its layout on the first batch; each rank manages its blocks then"
+        )
 
     def _manage_layout_blocks(self, strategy: Any, pl_module: pl.LightningModule) -> None:
         """Manage this rank's blocks of a layout the strategy has just built (first batch).

@@ -259,7 +259,7 @@ class MemoryManager:
         )
         self.step_reports.append(report)
         self.timelines["managed"] = list(self.ledger.timeline)
-        if self.plan.fits and self._signature not in self._refined:
+        if self._signature not in self._refined:  # not per-rank state such as plan.fits: share is collective
             self._refine(report)
         return report
 
@@ -361,15 +361,17 @@ class MemoryManager:
         return plan
 
     def _refine(self, report: StepReport) -> None:
-        """After the first managed step of an input size: re-plan if it went over budget.
+        """After the first managed step of an input size: re-plan if a plan that fits went over budget.
 
         Measured saved bytes of keep/swap blocks replace the scaled estimates. Every rank
-        takes part in ``share`` once per input size, and all replicas follow the lowest
-        rank's verdict, so data-parallel ranks keep identical plans.
+        takes part in ``share`` once per input size, whatever its own plan, since pipeline
+        stages plan apart and one whose plan cannot fit must still join the collective;
+        all replicas follow the lowest rank's verdict, so data-parallel ranks keep identical plans.
         """
         self._refined.add(self._signature)
         scaled = self.profile.scaled(self._numel / self._base_numel)
-        refined = self._measured_profile(report, scaled) if report.peak_saved_bytes > self.budget_bytes else None
+        over_budget = self.plan.fits and report.peak_saved_bytes > self.budget_bytes
+        refined = self._measured_profile(report, scaled) if over_budget else None
         _, refined, peak_saved_bytes = self.share((scaled, refined, report.peak_saved_bytes))
         if refined is None:
             return

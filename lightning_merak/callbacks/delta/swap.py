@@ -121,7 +121,9 @@ class SwapTier:
     def close(self) -> None:
         """Release every resource of the tier; safe to call more than once."""
 
-    def measure_bandwidth(self, device: torch.device, nbytes: int = 32 * 2**20, repeats: int = 3) -> tuple[float, float]:
+    def measure_bandwidth(
+        self, device: torch.device, nbytes: int = 32 * 2**20, repeats: int = 3
+    ) -> tuple[float, float]:
         """(copy-out, copy-in) bytes per second through this tier's own code path."""
         probe = torch.ones(nbytes, dtype=torch.uint8, device=device)
         best_out, best_in = float("inf"), float("inf")
@@ -494,7 +496,7 @@ class _SwappedStorage:
         if self.outgoing is not None:
             try:
                 self.stored = self.outgoing.finish()
-            except Exception:  # noqa: BLE001 - the tier is closing; nothing left to free
+            except Exception:
                 return
         if self.stored is not None:
             self.manager.tier.discard(self.stored)

@@ -2,29 +2,31 @@
 
 ``sketch`` and ``cost_model`` are pure tensor/Python code; ``s2_hook`` and
 ``embrace`` hold the collectives; ``callback`` wires them into Lightning.
+
+Names are imported on first use, so the package costs nothing until a name is used.
 """
 
-from lightning_merak.callbacks.sparse_comm.bytes_counter import CommLedger
-from lightning_merak.callbacks.sparse_comm.callback import SparseCommunication, data_parallel_group
-from lightning_merak.callbacks.sparse_comm.cost_model import NetworkModel, TableTraffic, choose_method, method_costs
-from lightning_merak.callbacks.sparse_comm.embrace import ShardedEmbedding, ShardedTiedHead, shard_embeddings
-from lightning_merak.callbacks.sparse_comm.s2_hook import S2Reducer, s2_comm_hook
-from lightning_merak.callbacks.sparse_comm.sketch import CountSketch, error_bound, failure_probability
+from lightning_merak.lazy import lazy_attributes
 
-__all__ = [
-    "CommLedger",
-    "CountSketch",
-    "NetworkModel",
-    "S2Reducer",
-    "ShardedEmbedding",
-    "ShardedTiedHead",
-    "SparseCommunication",
-    "TableTraffic",
-    "choose_method",
-    "data_parallel_group",
-    "error_bound",
-    "failure_probability",
-    "method_costs",
-    "s2_comm_hook",
-    "shard_embeddings",
-]
+_EXPORTS = {
+    "CommLedger": ".bytes_counter",
+    "SparseCommunication": ".callback",
+    "data_parallel_group": ".callback",
+    "NetworkModel": ".cost_model",
+    "TableTraffic": ".cost_model",
+    "choose_method": ".cost_model",
+    "method_costs": ".cost_model",
+    "ShardedEmbedding": ".embrace",
+    "ShardedTiedHead": ".embrace",
+    "shard_embeddings": ".embrace",
+    "S2Reducer": ".s2_hook",
+    "s2_comm_hook": ".s2_hook",
+    "CountSketch": ".sketch",
+    "error_bound": ".sketch",
+    "failure_probability": ".sketch",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+__getattr__ = lazy_attributes(__name__, _EXPORTS)

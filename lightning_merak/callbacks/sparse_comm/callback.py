@@ -30,6 +30,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -173,6 +174,27 @@ class SparseCommunication(pl.Callback):
             return {name: embeddings[name] for name in self.table_names}
         return {name: m for name, m in embeddings.items() if m.num_embeddings >= self.min_table_rows}
 
+    def _no_table_message(self, pl_module: pl.LightningModule) -> str:
+        """Why nothing was replaced, with the embeddings' sizes and the override that would pick them.
+
+        A run that asked for a sparse method and silently trains dense is easy to mistake for one
+        that used it; the override is named in both spellings, as the callback cannot tell whether
+        it was built in Python or by ``merak-train``'s ``comm`` option.
+        """
+        skipped = f"SparseCommunication({self.method!r}) replaces nothing, every gradient stays dense"
+        sizes = {name: m.num_embeddings for name, m in pl_module.named_modules() if isinstance(m, nn.Embedding)}
+        if not sizes:
+            return f"{skipped}: {type(pl_module).__name__} has no nn.Embedding; drop it (merak-train: comm=dense)"
+        listed = ", ".join(f"{name}: {rows} rows" for name, rows in sizes.items())
+        if self.table_names is not None:
+            return f"{skipped}: tables=[] names no table; name some of: {listed}"
+        largest = max(sizes.values())
+        return (
+            f"{skipped}: no nn.Embedding has min_table_rows={self.min_table_rows} rows or more ({listed}). "
+            f"To use {self.method!r} on them, set min_table_rows={largest} "
+            f"(merak-train: comm.min_table_rows={largest})"
+        )
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -198,10 +220,7 @@ class SparseCommunication(pl.Callback):
             )
         tables = self._find_tables(pl_module)
         if not tables:
-            log.warning(
-                "SparseCommunication: no nn.Embedding with >= %d rows; nothing to do (lower min_table_rows)",
-                self.min_table_rows,
-            )
+            rank_zero_warn(self._no_table_message(pl_module))
             return
         group = data_parallel_group(strategy)
         comm_group = self._dedicated_group(strategy, group)
@@ -273,15 +292,19 @@ class SparseCommunication(pl.Callback):
         """Refuse what EmbRace cannot do under merak3d, before any collective."""
         if self.method != "embrace":
             return
+        # each fix in both spellings: the Trainer argument and merak-train's Hydra override
         if strategy.pipeline_parallel > 1:
             raise ValueError(
                 "method='embrace' under merak3d needs pipeline_parallel=1: with pipeline stages the layout "
-                "trace runs the first stage on rank 0 alone, which a sharded table cannot; use method='s2'"
+                "trace runs the first stage on rank 0 alone, which a sharded table cannot; set pipeline_parallel=1 "
+                "(merak-train: strategy.pipeline_parallel=1) or use method='s2' (merak-train: comm=s2)"
             )
         if trainer.gradient_clip_val:
             raise ValueError(
-                "method='embrace' under merak3d cannot clip gradients: merak3d's norm would count each rank's "
-                "table columns as the whole table; set gradient_clip_val=None or use method='s2'"
+                f"method='embrace' under merak3d cannot clip gradients (gradient_clip_val="
+                f"{trainer.gradient_clip_val}): merak3d's norm would count each rank's table columns as the whole "
+                "table; set Trainer(gradient_clip_val=None) (merak-train: trainer.gradient_clip_val=null) "
+                "or use method='s2' (merak-train: comm=s2)"
             )
 
     @staticmethod

@@ -213,7 +213,9 @@ class S2Reducer:
             return _TablePlan(name, shape, sparse_output, method, union, compact.flatten())
         if method == "s2_sketch":
             columns = columns_for_union(union.numel(), self.column_factor)
-            return _TablePlan(name, shape, sparse_output, method, union, self.sketch.encode(ids, scaled, columns).flatten())
+            return _TablePlan(
+                name, shape, sparse_output, method, union, self.sketch.encode(ids, scaled, columns).flatten()
+            )
         padded = scaled.new_zeros(max(local_counts), dim)
         padded[: ids.numel()] = scaled
         gathered = torch.empty(world_size * padded.numel(), dtype=padded.dtype, device=padded.device)
@@ -306,7 +308,8 @@ def s2_comm_hook(reducer: S2Reducer, bucket: dist.GradBucket) -> torch.futures.F
         work = dist.all_reduce(buffer, group=reducer.process_group, async_op=True)
         return work.get_future().then(lambda future: future.value()[0])
 
-    dense_part = torch.cat([buffer[span] for span in dense_slices]) / world_size if dense_slices else buffer.new_zeros(0)
+    dense_part = (torch.cat([buffer[span] for span in dense_slices]) / world_size if dense_slices
+                  else buffer.new_zeros(0))
     plans = reducer.plan(tables)
     payload = torch.cat([dense_part, *[plan.payload for plan in plans]])
     reducer._record("all_reduce", dense_part.numel() * dense_part.element_size(), DENSE)

@@ -87,11 +87,27 @@ def plot_load_heatmap(
 
 
 class MoEPlacementCallback(pl.Callback):
-    """Prepares swapped MoE layers for DDP and logs ``moe/layer<i>/<metric>`` every step."""
+    """Prepares swapped MoE layers for DDP and logs ``moe/layer<i>/<metric>`` every step.
 
-    def __init__(self, log_every_n_steps: int = 1, heatmap_path: str | None = None) -> None:
+    At the end of training rank 0 writes the load heatmap of its first MoE layer (steps × EP rank,
+    before and after the placement plan) to ``heatmap_path``, or, with ``heatmap_in_log_dir=True``,
+    to ``<trainer.log_dir>/moe_load_heatmap.png``: the directory of the first logger (for
+    ``merak-train``, ``<output dir>/csv/`` next to ``metrics.csv``); a trainer without loggers
+    keeps no log files, so it gets no heatmap either. The ``moe`` Hydra options use the latter,
+    as the log dir is only known once the trainer exists.
+    """
+
+    HEATMAP_FILE = "moe_load_heatmap.png"
+
+    def __init__(self, log_every_n_steps: int = 1, heatmap_path: str | Path | None = None,
+                 heatmap_in_log_dir: bool = False) -> None:
+        if heatmap_path is not None and heatmap_in_log_dir:
+            raise ValueError(
+                f"heatmap_path={str(heatmap_path)!r} and heatmap_in_log_dir=True both place the load heatmap; "
+                "pass one of them")
         self.log_every_n_steps = log_every_n_steps
         self.heatmap_path = heatmap_path
+        self.heatmap_in_log_dir = heatmap_in_log_dir
         self.history: dict[int, tuple[list[list[int]], list[list[int]]]] = {}
         self._layers: list[PlacementMOELayer] = []
         self._uses_deepspeed = False
@@ -161,7 +177,9 @@ class MoEPlacementCallback(pl.Callback):
     def _expert_layers(self, pl_module: pl.LightningModule) -> list[tuple[str, MoE]]:
         return [(name, m) for name, m in pl_module.named_modules() if isinstance(m, MoE) and m.ep_size > 1]
 
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         """Every rank's experts and their optimizer state into the checkpoint (collective, all ranks).
 
         DeepSpeed's engine writes per-rank expert files itself, so its checkpoints are left alone;
@@ -186,7 +204,9 @@ class MoEPlacementCallback(pl.Callback):
                 saved.append(gathered)
             checkpoint[_EXPERT_OPTIMIZER_KEY] = {"ep_size": layers[0][1].ep_size, "states": saved}
 
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         """Put this EP rank's expert optimizer state in place of rank 0's before the optimizers load."""
         saved = checkpoint.get(_EXPERT_OPTIMIZER_KEY)
         if saved is None or "optimizer_states" not in checkpoint:
@@ -215,7 +235,17 @@ class MoEPlacementCallback(pl.Callback):
                 for key, value in balance_metrics(layer).items():
                     pl_module.log(f"moe/layer{index}/{key}", value, on_step=True, on_epoch=False)
 
+    def _heatmap_file(self, trainer: pl.Trainer) -> Path | None:
+        """Where the heatmap goes; ``trainer.log_dir`` broadcasts from rank 0, so every rank must call this."""
+        if self.heatmap_in_log_dir:
+            if not trainer.loggers:  # alike on every rank, so skipping the broadcast here is safe
+                return None
+            return Path(trainer.log_dir or trainer.default_root_dir) / self.HEATMAP_FILE
+        return None if self.heatmap_path is None else Path(self.heatmap_path)
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.heatmap_path and trainer.is_global_zero and self.history:
-            before, after = self.history[0]
-            plot_load_heatmap(before, after, Path(self.heatmap_path), "MoE layer 0")
+        path = self._heatmap_file(trainer)  # before any rank-dependent test: it may be a collective
+        if path is not None and trainer.is_global_zero and self.history:
+            index = min(self.history)  # a pipeline stage holds only some layers
+            before, after = self.history[index]
+            plot_load_heatmap(before, after, path, f"MoE layer {index}")

@@ -190,7 +190,9 @@ class ExpertExchange:
     def forward(self, routed_in: torch.Tensor, build_graph: bool) -> tuple[torch.Tensor, dict[str, Any]]:
         lay, stats = self.layout, self.stats
         sent_chunks = routed_in[: lay.num_sent].split([sum(s) for s in lay.send_splits])
-        dispatches = [_start_all_to_all(sent_chunks[0], lay.send_splits[0], lay.recv_splits[0], self.group, lay.ep_size)]
+        dispatches = [
+            _start_all_to_all(sent_chunks[0], lay.send_splits[0], lay.recv_splits[0], self.group, lay.ep_size)
+        ]
         self.after_first_dispatch()
         replica_graphs = []
         replica_outs = []
@@ -218,7 +220,8 @@ class ExpertExchange:
             back = torch.empty_like(received).index_copy_(0, order, y.detach())
             combines.append(_start_all_to_all(back, lay.recv_splits[c], lay.send_splits[c], self.group, lay.ep_size))
         outputs = [pending.wait(stats, "exposed_a2a_forward_s") for pending in combines]
-        routed_out = torch.cat(outputs + replica_outs) if outputs or replica_outs else routed_in.new_zeros(0, routed_in.size(1))
+        routed_out = (torch.cat(outputs + replica_outs) if outputs or replica_outs
+                      else routed_in.new_zeros(0, routed_in.size(1)))
         return routed_out, {"chunks": chunk_graphs, "replicas": replica_graphs}
 
     def backward(self, state: dict[str, Any], grad_out: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -281,7 +284,9 @@ class ExchangeFunction(torch.autograd.Function):
     """Autograd node ``(routed rows, *local expert params) -> expert outputs per row``."""
 
     @staticmethod
-    def forward(ctx: Any, exchange: ExpertExchange, build_graph: bool, routed_in: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, exchange: ExpertExchange, build_graph: bool, routed_in: torch.Tensor, *params: torch.Tensor
+    ) -> torch.Tensor:
         out, state = exchange.forward(routed_in, build_graph)
         ctx.exchange, ctx.state = exchange, state
         return out

@@ -84,7 +84,8 @@ def ensure_expert_groups(
         )
     _ensure_deepspeed_comm()
     rank = dist.get_rank()
-    dp_groups = [list(g) for g in data_parallel_groups] if data_parallel_groups else [list(range(dist.get_world_size()))]
+    dp_groups = ([list(g) for g in data_parallel_groups] if data_parallel_groups
+                 else [list(range(dist.get_world_size()))])
     all_ep: list[list[int]] = []
     if group_name not in groups._get_expert_parallel_group_dict():
         for dp_ranks in dp_groups:

@@ -20,7 +20,9 @@ import torch.nn.functional as F
 __all__ = ["compact_routes", "first_choice_fraction", "sub_batch_gates"]
 
 
-def compact_routes(indices: torch.Tensor, locations: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def compact_routes(
+    indices: torch.Tensor, locations: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Renumber a sub-batch's kept routes ``[k, n]`` per expert from 0, in joint-location order.
 
     Returns the new locations (0 for dropped routes, index −1) and the kept routes per

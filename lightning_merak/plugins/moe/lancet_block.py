@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
+from transformers.cache_utils import Cache
 
 from lightning_merak.plugins.moe.cost_model import CostModel
 from lightning_merak.plugins.moe.lancet import choose_block_chunks, simulated_block_time
@@ -33,12 +34,26 @@ from lightning_merak.strategies.overlap import run_sub_batches
 __all__ = ["LancetBlockForward", "lancet_overlap"]
 
 Chunks = Union[int, str]
-_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+# Keyword names transformers has given a block's key/value cache: ``past_key_values`` before, ``cache`` in v5.24.
+# A ``Cache`` object is recognised by its type as well, so a further rename cannot slip past the check.
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 def _check_chunks(chunks: Chunks) -> None:
     if chunks != "auto" and not (isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1):
         raise ValueError(f"chunks={chunks!r}: use 'auto' or an integer >= 1 (the number of sub-batches)")
+
+
+def _cache_argument(args: tuple, kwargs: dict[str, Any]) -> Optional[str]:
+    """The name (or position) of a key/value cache given to a block, if any.
+
+    Sub-batches would each append their keys to the one whole-batch cache, so later sub-batches
+    would attend to earlier ones' tokens: a wrong result, not an error, hence refused up front.
+    """
+    for name, value in kwargs.items():
+        if value is not None and (name in _CACHE_ARGUMENTS or isinstance(value, Cache)):
+            return name
+    return next((f"positional argument {i}" for i, value in enumerate(args) if isinstance(value, Cache)), None)
 
 
 def _batch_size(args: tuple, kwargs: dict[str, Any]) -> Optional[int]:
@@ -62,10 +77,10 @@ class LancetBlockForward:
         self._unsplit_s: Optional[float] = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        cache = [name for name in _CACHE_ARGUMENTS if kwargs.get(name) is not None]
-        if cache:
+        cache = _cache_argument(args, kwargs)
+        if cache is not None:
             raise ValueError(
-                f"{type(self.block).__name__} got a key/value cache ({cache[0]}), which spans the whole batch and "
+                f"{type(self.block).__name__} got a key/value cache ({cache}), which spans the whole batch and "
                 f"cannot be shared by Lancet sub-batches; run with use_cache=False (model.config.use_cache=False)")
         batch = _batch_size(args, kwargs)
         if batch is None:

@@ -130,7 +130,9 @@ class EarlyReceiveStage(PipelineStage):
             _schedules._wait_batch_p2p(works)
             self._received.add(key)
         elif key not in self._received and self._receive_ops(kind, chunk):
-            raise RuntimeError(f"pipeline stage {self.stage_index} has no posted {kind} receive for micro-batch {chunk}")
+            raise RuntimeError(
+                f"pipeline stage {self.stage_index} has no posted {kind} receive for micro-batch {chunk}"
+            )
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         self._wait_posted("forward", fwd_chunk_id)

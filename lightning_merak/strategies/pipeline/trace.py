@@ -338,7 +338,8 @@ def _prune(steps: list[HeadStep], inputs_of: list[set[int]]) -> list[HeadStep]:
     kept = []
     for value, step in enumerate(steps, start=1):
         if value in needed:
-            leaves = [_HeadValue(renumber[leaf.index]) if isinstance(leaf, _HeadValue) else leaf for leaf in step.leaves]
+            leaves = [_HeadValue(renumber[leaf.index]) if isinstance(leaf, _HeadValue) else leaf
+                      for leaf in step.leaves]
             kept.append(HeadStep(step.module, step.function, step.spec, leaves))
     return kept
 
@@ -489,12 +490,14 @@ def _verify_split(model: nn.Module, trace: ModelTrace, trunk: nn.ModuleList,
         )
 
 
-def _profile(model: nn.Module, trace: ModelTrace, trunk: nn.ModuleList, call_model: Callable, sample_inputs: torch.Tensor,
-             hidden_in: torch.Tensor, side_tensors: tuple, last_hidden: torch.Tensor, repeats: int) -> list[BlockCost]:
+def _profile(model: nn.Module, trace: ModelTrace, trunk: nn.ModuleList, call_model: Callable,
+             sample_inputs: torch.Tensor, hidden_in: torch.Tensor, side_tensors: tuple, last_hidden: torch.Tensor,
+             repeats: int) -> list[BlockCost]:
     suffix = [model.get_submodule(path) for path in trace.suffix_paths]
     prefix_params, suffix_params = trace.outside_parameters(model)
     seen: set[int] = set()
-    output_bytes = hidden_in.numel() * hidden_in.element_size() + sum(t.numel() * t.element_size() for t in side_tensors)
+    output_bytes = (hidden_in.numel() * hidden_in.element_size()
+                    + sum(t.numel() * t.element_size() for t in side_tensors))
 
     def run_prefix() -> torch.Tensor:
         return _prefix_output(model, trunk, call_model, sample_inputs)
@@ -513,7 +516,8 @@ def _profile(model: nn.Module, trace: ModelTrace, trunk: nn.ModuleList, call_mod
             return trace.hidden_of(block(block_input, *args, **kwargs))
 
         fwd, bwd, saved = _measure(run_block, list(block.parameters()), repeats)
-        costs.append(BlockCost(f"{trace.trunk_path}.{index}", fwd, bwd, _param_bytes([block], seen), output_bytes, saved))
+        costs.append(BlockCost(f"{trace.trunk_path}.{index}", fwd, bwd, _param_bytes([block], seen), output_bytes,
+                               saved))
 
     suffix_input = last_hidden.detach().clone().requires_grad_(True)
 

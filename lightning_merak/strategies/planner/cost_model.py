@@ -241,7 +241,9 @@ def _outside_blocks_s(profile: ModelProfile, stage: _Stage, part: int, per_byte_
 
 
 def _optimizer_s(layout: Layout, profile: ModelProfile, stage: _Stage, parameter_bytes: int) -> float:
-    """Optimizer step of one stage: measured per block and on the embedding and head where profiled, per byte otherwise."""
+    """Optimizer step of one stage: measured per block and on the embedding and head where profiled,
+    per byte otherwise.
+    """
     per_block = profile.block_optimizer_s.get(layout.tp)
     if per_block is None:
         return profile.optimizer_s_per_parameter_byte * parameter_bytes
@@ -270,7 +272,8 @@ def _check_against_space(layout: Layout, profile: ModelProfile, space: SearchSpa
 
 
 def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile, space: SearchSpace) -> Prediction:
-    """Step time (pipeline iteration + data-parallel gradient all-reduce + clipping + optimizer) and peak memory per rank.
+    """Step time (pipeline iteration + data-parallel gradient all-reduce + clipping + optimizer)
+    and peak memory per rank.
 
     Where the profile holds measured real tensor-parallel blocks for the layout, they replace
     the simulated chain (the simulated compute stays the "compute" component, the rest is

@@ -81,7 +81,9 @@ class ProfileKeys:
 
 def required_profile_keys(space: SearchSpace, num_blocks: int | None = None) -> ProfileKeys:
     """The profile entries :func:`plan` reads for ``space``, so a profiler measures nothing more."""
-    block_times, samples_needed, tp_degrees, group_sizes, measured, loss_samples = set(), set(), set(), set(), set(), set()
+    block_times, samples_needed, tp_degrees, group_sizes, measured, loss_samples = (
+        set(), set(), set(), set(), set(), set()
+    )
     for layout in candidate_layouts(space, num_blocks):
         samples = micro_batch_samples(layout, space)
         sub = samples // layout.overlap

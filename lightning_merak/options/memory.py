@@ -9,12 +9,13 @@ bad value fails with a message naming the accepted forms before training starts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
-import lightning.pytorch as pl
+from typing import TYPE_CHECKING, Optional
 
 from lightning_merak.callbacks.delta.budget import parse_budget
 from lightning_merak.config import CallbackOptionConfig, register_option
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["DeltaMemoryConfig", "register"]
 

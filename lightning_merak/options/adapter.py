@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
-
-from torch import nn
+from typing import TYPE_CHECKING, Optional
 
 from lightning_merak.config import AdapterConfig, register_option
+
+if TYPE_CHECKING:
+    from torch import nn
 
 LLAMA_LINEAR_LAYERS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

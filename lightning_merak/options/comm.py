@@ -8,12 +8,12 @@ schemas under ``schema/comm/<name>`` for the YAMLs in ``conf/comm/``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import lightning.pytorch as pl
-
-from lightning_merak.callbacks.sparse_comm.callback import SparseCommunication
 from lightning_merak.config import CallbackOptionConfig, register_option
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 
 @dataclass
@@ -37,6 +37,8 @@ class S2CommConfig(CallbackOptionConfig):
     latency_us: float = 50.0
 
     def build_callbacks(self) -> list[pl.Callback]:
+        from lightning_merak.callbacks.sparse_comm.callback import SparseCommunication
+
         return [SparseCommunication(
             "s2", mode=self.mode, sketch_rows=self.sketch_rows, column_factor=self.column_factor,
             seed=self.seed, min_table_rows=self.min_table_rows, bandwidth_gbit=self.bandwidth_gbit,
@@ -54,6 +56,8 @@ class EmbraceCommConfig(CallbackOptionConfig):
     priority: bool = False
 
     def build_callbacks(self) -> list[pl.Callback]:
+        from lightning_merak.callbacks.sparse_comm.callback import SparseCommunication
+
         return [SparseCommunication("embrace", min_table_rows=self.min_table_rows, priority=self.priority)]
 
 
@@ -68,6 +72,8 @@ class AutoCommConfig(CallbackOptionConfig):
     freeze_dense_after: int = 3
 
     def build_callbacks(self) -> list[pl.Callback]:
+        from lightning_merak.callbacks.sparse_comm.callback import SparseCommunication
+
         return [SparseCommunication(
             "auto", min_table_rows=self.min_table_rows, bandwidth_gbit=self.bandwidth_gbit,
             latency_us=self.latency_us, freeze_dense_after=self.freeze_dense_after,

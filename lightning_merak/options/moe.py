@@ -3,18 +3,21 @@
 ``apply`` swaps a Mixtral-style model's sparse blocks before any process exists (and,
 with ``lancet_scope=block``, runs each decoder layer as Lancet sub-batches); the
 layers attach their expert groups lazily, and :meth:`ProphetMoEConfig.build_callbacks`
-returns the callback that prepares them for DDP and logs balance metrics.
+returns the callback that prepares them for DDP and logs balance metrics. At the end of
+training it writes the expert-load heatmap to ``<output dir>/csv/moe_load_heatmap.png``
+(``trainer.log_dir``, next to ``metrics.csv``; ``merak-train`` prints the output dir).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
-import lightning.pytorch as pl
-from torch import nn
+from typing import TYPE_CHECKING, Optional
 
 from lightning_merak.config import MoEConfig, register_option
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch import nn
 
 __all__ = ["DeepSpeedMoEConfig", "ProphetMoEConfig", "ShadowingMoEConfig", "register"]
 
@@ -97,7 +100,7 @@ class ProphetMoEConfig(MoEConfig):
     def build_callbacks(self) -> list[pl.Callback]:
         from lightning_merak.plugins.moe.callback import MoEPlacementCallback
 
-        return [MoEPlacementCallback(log_every_n_steps=self.log_every_n_steps)]
+        return [MoEPlacementCallback(log_every_n_steps=self.log_every_n_steps, heatmap_in_log_dir=True)]
 
 
 @dataclass

@@ -1,0 +1,285 @@
+"""Every command the README shows runs as a newcomer would type it, with tiny step counts.
+
+Commands are read from the README itself: fenced ``bash`` blocks and inline `merak-train …`,
+`python …` and `make …` in the prose. Each has an entry in :data:`CASES` saying what it must
+produce; a README command without an entry fails :func:`test_every_readme_command_has_a_case`,
+so no command lands untested. Hydra commands keep their process counts; step counts, data
+size and validation are made tiny, and the output directory is the test's. Python blocks are
+complete programs: each runs as written (under ``torchrun`` when its first line says so),
+with its step counts made tiny by substitutions that must each match.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+BIN = Path(sys.executable).parent
+SHELL_PROGRAMS = ("merak-train", "python", "make", "torchrun", "srun")
+TINY_OVERRIDES = {
+    "trainer.max_steps": "2",
+    "trainer.val_check_interval": "2",
+    "trainer.limit_val_batches": "1",
+    "trainer.log_every_n_steps": "1",
+    "data.num_sequences": "128",
+}
+
+
+def readme_commands() -> list[str]:
+    """Shell commands of the README, in order, without comments or line continuations."""
+    commands: list[str] = []
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            command = line.split("  #")[0].split(" # ")[0].strip()
+            if command and not command.startswith("#"):
+                commands.append(" ".join(command.split()))
+    prose = re.sub(r"```.*?```", "", README, flags=re.S)
+    for command in re.findall(r"`((?:%s)\b[^`]*)`" % "|".join(SHELL_PROGRAMS), prose):
+        if command not in ("make", "python"):  # the tools named, not commands
+            commands.append(" ".join(command.split()))
+    return list(dict.fromkeys(commands))
+
+
+def readme_python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README, re.S)
+
+
+@dataclass(frozen=True)
+class Case:
+    """What a README command must do here.
+
+    ``trains``: a finished merak-train run (exit 0, its "done" line, one final checkpoint,
+    losses in metrics.csv, TensorBoard events). ``output``: substrings of its output.
+    ``files``: globs under the run's output directory. ``not_run``: why the command cannot
+    run on this machine; such a command is checked by ``substitute`` instead, a command
+    that exercises the same path here.
+    """
+
+    trains: bool = True
+    output: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
+    timeout: float = 300
+    not_run: str = ""
+    substitute: str = ""
+
+
+CASES: dict[str, Case] = {
+    "make train": Case(),
+    "make test": Case(trains=False, not_run="it is the command that runs this suite"),
+    "make lock": Case(trains=False, not_run="re-resolves and reinstalls every dependency, then runs the suite",
+                      substitute="make -n lock"),
+    "make train TORCH=torch==2.13.0": Case(
+        not_run="installs torch's CUDA build for a CUDA machine (several GB)", substitute="make train"),
+    'make train ARGS="trainer.max_steps=50"': Case(),
+    "merak-train": Case(output=("loss floor (entropy rate)",)),
+    "merak-train --help": Case(trains=False, output=("== Configuration groups ==", "strategy:", "comm:")),
+    "merak-train trainer.max_steps=1000 data.batch_size=32": Case(),
+    "merak-train model=gpt2_tiny": Case(),
+    "merak-train model=hf model.model_type=mistral +model.config.hidden_size=128 "
+    "+model.config.num_hidden_layers=2": Case(),
+    "merak-train data=text data.path=/abs/path/corpus.jsonl data.text_field=text": Case(),
+    "merak-train data=text data.path=/abs/corpus.txt data.tokenizer_path=/abs/tokenizer_dir": Case(),
+    "python -m lightning_merak.train ...": Case(),
+    "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29400 -m "
+    "lightning_merak.train trainer=gpu trainer.num_nodes=2 trainer.devices=8": Case(
+        not_run="needs two hosts with 8 GPUs each",
+        substitute="torchrun --standalone --nproc-per-node 2 -m lightning_merak.train trainer.devices=2"),
+    "srun python -m lightning_merak.train trainer=gpu trainer.num_nodes=2 trainer.devices=8": Case(
+        not_run="needs a SLURM cluster with GPUs",
+        substitute="torchrun --standalone --nproc-per-node 2 -m lightning_merak.train trainer.devices=2"),
+    "merak-train strategy.pipeline_parallel=2 strategy.micro_batches=4": Case(
+        output=("pipeline_parallel=2",)),
+    "merak-train trainer.devices=4 strategy.pipeline_parallel=2 strategy.tensor_parallel=2": Case(
+        output=("pipeline_parallel=2 tensor_parallel=2",)),
+    "merak-train strategy.tensor_parallel=2 strategy.sequence_parallel=true": Case(
+        output=("tensor_parallel=2", "sequence_parallel=True")),
+    "merak-train strategy.tensor_parallel=auto strategy.pipeline_parallel=auto strategy.tp_overlap=auto "
+    "strategy.plan_only=true": Case(trains=False, output=("plan only, nothing trained. Planned layout",),
+                                    timeout=600),
+    "merak-train memory=delta memory.budget=2GiB": Case(files=("**/delta_memory_timeline.png",)),
+    "merak-train strategy=ddp comm=s2": Case(),
+    "merak-train model=mixtral_tiny moe=prophet": Case(files=("**/*heatmap*.png",)),
+    "merak-train model=mixtral_tiny moe=deepspeed": Case(),
+    "merak-train model=mixtral_tiny moe=shadowing moe.ep_size=2": Case(),
+    "merak-train adapter=qbara adapter.r=8 adapter.quantization=nf4": Case(),
+    "python examples/finetune_adapter.py [--method qbara]": Case(trains=False, output=("NF4 merge re-quantizes",)),
+}
+# Benchmarks are measurements that take minutes each (some need root for the emulated network);
+# here each must parse its arguments. Their figures live in benchmarks/results.
+BENCHMARK = re.compile(r"^python -m benchmarks\.(\w+|<name>)( \[--quick\]| --quick)?$")
+
+
+def _write_corpus(directory: Path) -> dict[str, Path]:
+    """A text corpus, the same as JSONL, and a local tokenizer trained on it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()
+    lines = [" ".join(words[(i * 7 + j) % len(words)] for j in range(40)) for i in range(200)]
+    text = directory / "corpus.txt"
+    text.write_text("\n".join(lines))
+    jsonl = directory / "corpus.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"text": line}) for line in lines))
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train([str(text)], trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
+    tokenizer_dir = directory / "tokenizer"
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="</s>").save_pretrained(
+        tokenizer_dir)
+    return {"/abs/path/corpus.jsonl": jsonl, "/abs/corpus.txt": text, "/abs/tokenizer_dir": tokenizer_dir}
+
+
+def _tiny(overrides: list[str], run_dir: Path) -> list[str]:
+    """The README's Hydra overrides with tiny step counts and this test's output directory."""
+    values = {key: f"{key}={value}" for key, value in TINY_OVERRIDES.items()}
+    kept = []
+    for override in overrides:
+        key = override.lstrip("+").split("=", 1)[0]
+        if key in values:
+            continue
+        kept.append(override)
+    return [*kept, *values.values(), f"hydra.run.dir={run_dir}"]
+
+
+def _argv(command: str, tmp_path: Path) -> list[str]:
+    """The argument vector that runs a README command here."""
+    for placeholder, path in (_write_corpus(tmp_path) if "/abs/" in command else {}).items():
+        command = command.replace(placeholder, str(path))
+    words = [word for word in shlex.split(command) if word not in ("...", "[--method", "qbara]")]
+    if command.endswith("[--method qbara]"):
+        words += ["--method", "qbara"]
+    run_dir = tmp_path / "run"
+    program = words[0]
+    if program == "make":
+        args = [word.split("=", 1)[1] for word in words if word.startswith("ARGS=")]
+        rest = [word for word in words[1:] if not word.startswith("ARGS=")]
+        tiny = _tiny(shlex.split(args[0]) if args else [], run_dir)
+        return ["make", "--no-print-directory", "-C", str(ROOT), "VENV=" + str(BIN.parent), *rest,
+                "ARGS=" + shlex.join(tiny)]
+    if program == "merak-train":
+        words[0] = str(BIN / "merak-train")
+    elif program == "torchrun":
+        words[0] = str(BIN / "torchrun")
+    elif program == "python":
+        words[0] = sys.executable
+    if program == "python" and words[1].endswith(".py"):
+        return [words[0], str(ROOT / words[1]), *words[2:], "--steps", "2", "--out", str(tmp_path / "out")]
+    if "--help" in words:
+        return words
+    module_at = words.index("-m") + 2 if "-m" in words else 1
+    return [*words[:module_at], *_tiny(words[module_at:], run_dir)]
+
+
+def _check_trained(output: str, run_dir: Path) -> None:
+    last_line = output.strip().splitlines()[-1]
+    assert last_line.startswith("merak-train: done. Outputs in"), last_line
+    checkpoints = sorted(path.name for path in (run_dir / "checkpoints").iterdir())
+    assert checkpoints == ["final.ckpt"], f"one final checkpoint expected, found {checkpoints}"
+    with (run_dir / "csv" / "metrics.csv").open() as metrics:
+        losses = [float(row["train/loss"]) for row in csv.DictReader(metrics) if row.get("train/loss")]
+    assert len(losses) == int(TINY_OVERRIDES["trainer.max_steps"]), losses
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_every_readme_command_has_a_case() -> None:
+    commands = [command for command in readme_commands() if not BENCHMARK.match(command)]
+    missing = [command for command in commands if command not in CASES]
+    stale = [command for command in CASES if command not in commands]
+    assert not missing, f"README commands without a test case: {missing}"
+    assert not stale, f"test cases for commands the README no longer shows: {stale}"
+
+
+@pytest.mark.parametrize("command", list(CASES))
+def test_readme_command(command: str, tmp_path: Path) -> None:
+    case = CASES[command]
+    if case.not_run:
+        if not case.substitute:
+            pytest.skip(f"not run here: {case.not_run}")
+        command = case.substitute
+    result = subprocess.run(_argv(command, tmp_path), cwd=tmp_path, capture_output=True, text=True,
+                            timeout=case.timeout)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    for expected in case.output:
+        assert expected in output, f"{expected!r} not in the output of {command!r}:\n{output[-3000:]}"
+    run_dir = tmp_path / "run"
+    for pattern in case.files:
+        assert list(run_dir.glob(pattern)), f"{command!r} wrote no {pattern} under {run_dir}"
+    if case.trains:
+        _check_trained(result.stdout, run_dir)
+
+
+@pytest.mark.parametrize("name", sorted({m.group(1) for c in readme_commands() if (m := BENCHMARK.match(c))}
+                                        - {"<name>"}))
+def test_readme_benchmark_parses_its_arguments(name: str) -> None:
+    result = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--help"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "--quick" in result.stdout, result.stdout + result.stderr
+
+
+def test_help_imports_no_torch() -> None:
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "lightning_merak.train", "--help"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if "|" in line}
+    heavy = sorted(imported & {"torch", "lightning", "transformers", "deepspeed", "bitsandbytes", "peft"})
+    assert not heavy, f"merak-train --help imports {heavy}"
+
+
+# Python blocks: a line that identifies each, the substitutions that make it tiny, and what
+# it must print.
+PYTHON_CASES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+    'strategy="ddp", max_steps=300': ({"max_steps=300": "max_steps=3"}, ()),
+    "Merak3DStrategy(data_parallel=1": ({"max_steps=100": "max_steps=2"}, ()),
+    "DeltaMemory(budget=": ({"max_steps=50": "max_steps=4"}, ("DeltaMemory: memory timeline saved to",)),
+    'SparseCommunication("s2"': ({"max_steps=50": "max_steps=3"}, ()),
+    "from lightning_merak.plugins.moe import MoE": ({}, ("tokens per expert",)),
+    "from peft import get_peft_model": ({"range(20)": "range(2)"}, ()),
+    "from benchmarks.netem import": ({}, ("['joined', 'joined']",)),
+}
+
+
+def _python_block_case(block: str) -> str:
+    keys = [key for key in PYTHON_CASES if key in block]
+    assert len(keys) == 1, f"a README Python block matches {len(keys)} cases:\n{block[:400]}"
+    return keys[0]
+
+
+def test_every_readme_python_block_has_a_case() -> None:
+    for block in readme_python_blocks():
+        _python_block_case(block)
+
+
+@pytest.mark.parametrize("index", range(len(readme_python_blocks())))
+def test_readme_python_block(index: int, tmp_path: Path) -> None:
+    block = readme_python_blocks()[index]
+    substitutions, expected_output = PYTHON_CASES[_python_block_case(block)]
+    for old, new in substitutions.items():
+        assert old in block, f"substitution {old!r} no longer matches the block"
+        block = block.replace(old, new)
+    script = tmp_path / "block.py"
+    script.write_text(block)
+    first_line = block.splitlines()[0]
+    if first_line.startswith("# torchrun "):
+        argv = [str(BIN / "torchrun"), *shlex.split(first_line[2:])[1:-1], str(script)]
+    else:
+        argv = [sys.executable, str(script)]
+    result = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    for expected in expected_output:
+        assert expected in output, f"{expected!r} not in the block's output:\n{output[-3000:]}"
