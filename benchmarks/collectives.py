@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import report
-from benchmarks.netem import EmulatedCluster, LinkSpec, LoopbackCluster, emulation_available
+from lightning_merak.testing.netem import EmulatedCluster, LinkSpec, LoopbackCluster, emulation_available
 
 KIB = 1024
 MIB = 1024 * KIB

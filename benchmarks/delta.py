@@ -184,11 +184,11 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    from benchmarks.delta_models import BenchGPT
     from lightning_merak.callbacks.delta.blocks import discover_blocks
     from lightning_merak.callbacks.delta.budget import parse_budget
     from lightning_merak.callbacks.delta.profiler import SavedTensorTracker, storage_key
     from lightning_merak.callbacks.delta.runtime import ManagerOptions, MemoryManager
+    from lightning_merak.testing.delta_models import BenchGPT
 
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)

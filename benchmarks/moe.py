@@ -4,7 +4,7 @@ Run from the repo root, as root (shaped links need network namespaces)::
 
     python -m benchmarks.moe [--quick] [--out PATH]
 
-Each rank sits in its own network namespace on a tbf-shaped link (``benchmarks.netem``;
+Each rank sits in its own network namespace on a tbf-shaped link (``lightning_merak.testing.netem``;
 this kernel cannot emulate latency, only rate), so figures are labelled *emulated*.
 Model: ``LAYERS`` blocks of [dense residual layer → MoE layer] with ``EXPERTS`` experts over
 all ranks (ep_size = world size), top-2. Routing is skewed on purpose: every token is
@@ -341,9 +341,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     args.out = args.out or default_out("moe", args.quick)
 
-    from benchmarks.netem import EmulatedCluster, LinkSpec
     from benchmarks.report import print_table, write_json
     from lightning_merak.plugins.moe.callback import plot_load_heatmap
+    from lightning_merak.testing.netem import EmulatedCluster, LinkSpec
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -8,8 +8,9 @@ Every configuration trains a randomly initialised transformers Llama (built from
 config) with ``Merak3DStrategy(data_parallel=1, pipeline_parallel=1, tensor_parallel=N)``
 through an ordinary ``pl.Trainer(...).fit`` on N gloo ranks, one compute thread each
 (``torch.set_num_threads(1)`` and ``OMP_NUM_THREADS=MKL_NUM_THREADS=1``, which the sub-batch
-threads need too), each rank in its own network namespace on a tbf-shaped veth link (``benchmarks.netem``; this
-kernel has no sch_netem, so only the rate is emulated, not latency). The same rank
+threads need too), each rank in its own network namespace on a tbf-shaped veth link
+(``lightning_merak.testing.netem``; this kernel has no sch_netem, so only the rate is emulated,
+not latency). The same rank
 processes train every variant in turn, each from the same seed on the same token batches:
 plain TP (``tp_overlap=1``, ``tp_weight_grad_overlap=False``: nothing overlapped, the
 baseline); the column groups' backward all-reduce overlapped with their weight gradients
@@ -19,7 +20,7 @@ all-reduce; there ``wgrad`` hides the backward reduce-scatter), without overlap,
 and with both.
 
 Each step is timed from Lightning's batch-start hook to its batch-end hook (optimizer step
-included) and recorded with :func:`lightning_merak.strategies.overlap.record_communication`,
+included) and recorded with :func:`lightning_merak.runtime.collectives.record_communication`,
 which times every tensor-parallel collective: ``exposed`` is the time a rank was blocked
 waiting for one (including the wake-up after it completed, so under CPU contention it can
 exceed ``busy``), ``busy`` the time at least one was in flight. Per configuration:
@@ -70,7 +71,11 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks import report
-from benchmarks.netem import (
+from lightning_merak.config import ModelConfig, TrainerConfig
+from lightning_merak.models import CausalLMModule, build_causal_lm
+from lightning_merak.runtime.collectives import CommunicationTrace, record_communication
+from lightning_merak.strategies.merak3d import Merak3DStrategy
+from lightning_merak.testing.netem import (
     EmulatedCluster,
     LinkSpec,
     LoopbackCluster,
@@ -78,10 +83,6 @@ from benchmarks.netem import (
     RankTimeout,
     emulation_available,
 )
-from lightning_merak.config import ModelConfig, TrainerConfig
-from lightning_merak.models import CausalLMModule, build_causal_lm
-from lightning_merak.strategies.merak3d import Merak3DStrategy
-from lightning_merak.strategies.overlap import CommunicationTrace, record_communication
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULT_MARKER = "OVERLAP_TP_RESULT "

@@ -7,7 +7,7 @@ Run from the repo root, as root (the shaped links need network namespaces)::
 Model: an embedding-heavy classifier (a large vocabulary table, one small transformer
 layer, an 8-class head) on Zipf-distributed token ids, trained with AdamW (no weight
 decay) by plain ``DistributedDataParallel`` on gloo ranks, each rank in its own
-network namespace on a tbf-shaped veth link (``benchmarks.netem``; latency cannot be
+network namespace on a tbf-shaped veth link (``lightning_merak.testing.netem``; latency cannot be
 emulated on this kernel, only rate). The figures are therefore labelled *emulated*.
 Each rank runs every method in turn on identical data and initial weights:
 
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report
-from benchmarks.netem import EmulatedCluster, LinkSpec, emulation_available
+from lightning_merak.testing.netem import EmulatedCluster, LinkSpec, emulation_available
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("dense", "powersgd", "allgather", "s2", "embrace", "embrace_priority")

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.delta_models import tiny_gpt2
 from lightning_merak.callbacks.delta.blocks import discover_blocks
 from lightning_merak.callbacks.delta.budget import parse_budget
 from lightning_merak.callbacks.delta.callback import PLOT_NAME
 from lightning_merak.callbacks.delta.runtime import ManagerOptions, MemoryManager
+from lightning_merak.testing.delta_models import tiny_gpt2
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 240  # a normal run takes well under a minute; before the fix rank 0 waited 10 minutes

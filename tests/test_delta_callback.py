@@ -13,10 +13,16 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.delta_models import CausalLMModule, ImageClassifierModule, SmallResNet, tiny_gpt2, tiny_llama
 from lightning_merak.callbacks.delta import Action, DeltaMemory
 from lightning_merak.callbacks.delta.callback import PLOT_NAME
 from lightning_merak.testing import TraceRecorder, assert_traces_match, run_distributed
+from lightning_merak.testing.delta_models import (
+    CausalLMModule,
+    ImageClassifierModule,
+    SmallResNet,
+    tiny_gpt2,
+    tiny_llama,
+)
 
 STEPS = 4
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.delta_models import BasicBlock, SmallResNet, tiny_gpt2, tiny_llama
 from lightning_merak.callbacks.delta.blocks import discover_blocks
 from lightning_merak.callbacks.delta.budget import parse_budget
 from lightning_merak.callbacks.delta.ledger import ResidentLedger
@@ -20,6 +19,7 @@ from lightning_merak.callbacks.delta.profiler import DeviceMemory, SavedTensorTr
 from lightning_merak.callbacks.delta.recompute import user_checkpointing
 from lightning_merak.callbacks.delta.runtime import ManagerOptions, MemoryManager
 from lightning_merak.callbacks.delta.swap import DiskTier, HostTier, SwapManager
+from lightning_merak.testing.delta_models import BasicBlock, SmallResNet, tiny_gpt2, tiny_llama
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -198,7 +198,7 @@ class _ExpertWithNorm(nn.Module):
 @pytest.mark.parametrize("build", [lambda: nn.Sequential(nn.Linear(6, 9), nn.GELU(), nn.Linear(9, 6)),
                                    _ExpertWithNorm])
 def test_deferred_weight_grads_equal_autograd(build: Any) -> None:
-    from lightning_merak.plugins.moe.weight_grads import DeferredWeightGrads
+    from lightning_merak.runtime.weight_gradients import SplitBackward
 
     experts = [build(), build()]
     params = [p for expert in experts for p in expert.parameters()]
@@ -208,7 +208,7 @@ def test_deferred_weight_grads_equal_autograd(build: Any) -> None:
     expected_y = torch.cat([expert(piece) for expert, piece in zip(experts, pieces)])
     expected = torch.autograd.grad(expected_y, [x, *params], probe)
 
-    deferred = DeferredWeightGrads(experts)
+    deferred = SplitBackward(experts)
     x2 = x.detach().requires_grad_(True)
     with deferred.recording():
         y = torch.cat([expert(piece) for expert, piece in zip(experts, x2.split([3, 4]))])

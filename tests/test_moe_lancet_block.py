@@ -18,7 +18,8 @@ from torch import nn
 from lightning_merak.plugins.moe import CommCurve, CostModel, PlacementPlan
 from lightning_merak.plugins.moe.joint_gate import compact_routes, first_choice_fraction, sub_batch_gates
 from lightning_merak.plugins.moe.lancet import block_pipelined_time, choose_block_chunks
-from lightning_merak.strategies.overlap import mark_sub_batch_share, meet_in_turn, run_sub_batches
+from lightning_merak.runtime.sub_batches import mark_sub_batch_share, run_sub_batches
+from lightning_merak.runtime.turns import meet_in_turn
 from lightning_merak.testing import run_distributed
 
 HIDDEN, HEADS, BATCH, SEQ = 16, 2, 4, 6

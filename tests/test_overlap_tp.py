@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_merak.strategies import overlap
+from lightning_merak.runtime import turns
+from lightning_merak.runtime.sub_batches import SubBatchForward, run_sub_batches
+from lightning_merak.runtime.turns import meet_in_turn
 from lightning_merak.strategies.merak3d import Merak3DStrategy
-from lightning_merak.strategies.overlap import SubBatchForward, meet_in_turn, run_sub_batches
 from lightning_merak.testing import assert_traces_match, run_distributed
 from tests.test_merak3d import _merge, _reference, _train_rank
 from tests.test_sequence_parallel import _step
@@ -70,8 +71,8 @@ def test_turns_alternate_between_sub_batches():
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         for segment in range(3):
-            order.append((overlap._local.index, segment))
-            overlap._yield_if_in_sub_batch()
+            order.append((turns.sub_batch_index(), segment))
+            turns.yield_turn()
         return x
 
     run_sub_batches(forward, 3, (torch.zeros(6, 2),))
@@ -82,7 +83,7 @@ def test_sub_batch_errors_reach_the_caller_and_release_every_thread():
     def forward(x: torch.Tensor) -> torch.Tensor:
         if x[0, 0] > 0:
             raise RuntimeError("sub-batch failure")
-        overlap._yield_if_in_sub_batch()
+        turns.yield_turn()
         return x
 
     run_sub_batches(forward, 2, (torch.zeros(2, 2),))
@@ -99,7 +100,7 @@ def test_sub_batch_threads_are_reused_between_regions():
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         seen[-1].add(threading.get_ident())
-        overlap._yield_if_in_sub_batch()
+        turns.yield_turn()
         return x
 
     for _ in range(3):
@@ -110,11 +111,11 @@ def test_sub_batch_threads_are_reused_between_regions():
 
 def test_a_region_inside_a_sub_batch_gets_its_own_threads():
     def inner(x: torch.Tensor) -> torch.Tensor:
-        overlap._yield_if_in_sub_batch()
+        turns.yield_turn()
         return x * 2
 
     def outer(x: torch.Tensor) -> torch.Tensor:
-        overlap._yield_if_in_sub_batch()
+        turns.yield_turn()
         return run_sub_batches(inner, 2, (x,))
 
     torch.testing.assert_close(run_sub_batches(outer, 2, (torch.arange(8.0).view(4, 2),)),

@@ -248,7 +248,7 @@ PYTHON_CASES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     'SparseCommunication("s2"': ({"max_steps=50": "max_steps=3"}, ()),
     "from lightning_merak.plugins.moe import MoE": ({}, ("tokens per expert",)),
     "from peft import get_peft_model": ({"range(20)": "range(2)"}, ()),
-    "from benchmarks.netem import": ({}, ("['joined', 'joined']",)),
+    "from lightning_merak.testing.netem import": ({}, ("['joined', 'joined']",)),
 }
 
 

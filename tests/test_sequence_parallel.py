@@ -143,7 +143,8 @@ def _step(rank: int, world_size: int, name: str, sequence_parallel: bool, parts:
     import torch.distributed as dist
 
     from lightning_merak.models import logits_of
-    from lightning_merak.strategies.overlap import SubBatchForward, record_communication
+    from lightning_merak.runtime.collectives import record_communication
+    from lightning_merak.runtime.sub_batches import SubBatchForward
     from lightning_merak.strategies.sequence_parallel import sequence_partial_parameters
 
     model, inputs, trunk = _tensor_parallel_model(name, world_size, sequence_parallel, recompute)
@@ -215,8 +216,9 @@ def test_sequence_parallel_equals_plain_tensor_parallel(name, parts, recompute):
 
 def _weight_gradient_order_rank(rank: int, world_size: int) -> dict:
     from lightning_merak.models import logits_of
-    from lightning_merak.strategies import sequence_parallel, weight_gradients
-    from lightning_merak.strategies.overlap import PendingCollective
+    from lightning_merak.runtime import weight_gradients
+    from lightning_merak.runtime.collectives import PendingCollective
+    from lightning_merak.strategies import sequence_parallel
 
     events: list[str] = []
     start, weights, wait = (sequence_parallel.start_reduce_scatter_in_turn,
@@ -334,7 +336,7 @@ SEQUENCE_LAYOUT_IDS = ["llama-tp2", "gpt2-pp2-tp2-k2-recompute", "llama-dp2-tp2-
 
 
 def _train_rank_recording(rank: int, world_size: int, model_name: str, layout: dict) -> tuple:
-    from lightning_merak.strategies.overlap import record_communication
+    from lightning_merak.runtime.collectives import record_communication
 
     with record_communication() as communication:
         losses, gradients = _train_rank(rank, world_size, model_name, layout)

@@ -224,8 +224,8 @@ def _weight_grad_overlap_rank(rank: int, world_size: int) -> dict[str, object]:
 
     from torch.distributed.device_mesh import init_device_mesh
 
+    from lightning_merak.runtime.collectives import PendingCollective
     from lightning_merak.strategies import tensor_parallel
-    from lightning_merak.strategies.overlap import PendingCollective
     from lightning_merak.strategies.tensor_parallel import apply_tensor_parallel
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))

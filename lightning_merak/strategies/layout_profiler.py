@@ -29,8 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from lightning_merak.models import logits_of
-from lightning_merak.strategies.merak3d import average_gradients, scale_gradients, squared_norm
-from lightning_merak.strategies.overlap import SubBatchForward
+from lightning_merak.runtime.sub_batches import SubBatchForward
+from lightning_merak.strategies.merak3d.gradients import average_gradients, scale_gradients, squared_norm
 from lightning_merak.strategies.pipeline.trace import ModelTrace, trace_model
 from lightning_merak.strategies.planner import (
     BlockTimes,

@@ -10,7 +10,7 @@ again in backward (:func:`linear_on_gathered`; recomputed blocks need no gather 
 activation memory between and at the split layers shrinks by ``tp``, as does the norm work; the
 wire carries the all-reduce's bytes plus that one extra all-gather per column group. The
 reduce-scatter of a column group's input gradient runs while the group's weight gradients are
-computed (:mod:`~lightning_merak.strategies.weight_gradients`).
+computed (:mod:`~lightning_merak.runtime.weight_gradients`).
 
 The gather is placed at the entry of the submodule that holds a column group and its row
 layer (the attention or MLP module), not in the column layer: such modules read the sequence
@@ -26,7 +26,7 @@ layers then see only their rank's tokens: :func:`sequence_partial_parameters` li
 the strategy sums their gradients over the tensor-parallel group.
 
 Dropout anywhere in a sequence-split block draws this rank's own masks
-(:mod:`~lightning_merak.strategies.rank_random`), so the ranks' slices do not repeat one pattern.
+(:mod:`~lightning_merak.runtime.rank_streams`), so the ranks' slices do not repeat one pattern.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_merak.strategies.overlap import (
+from lightning_merak.runtime.collectives import (
     PendingCollective,
     all_gather_in_turn,
     in_checkpointed_region,
@@ -51,7 +51,7 @@ from lightning_merak.strategies.overlap import (
     start_all_gather_in_turn,
     start_reduce_scatter_in_turn,
 )
-from lightning_merak.strategies.weight_gradients import DeferredWeightGradients, linear_deferring_weight_gradient
+from lightning_merak.runtime.weight_gradients import DeferredWeightGradients, linear_deferring_weight_gradient
 
 __all__ = [
     "SEQUENCE_DIM",

@@ -10,16 +10,16 @@ in forward (after the row layer) and in backward (of the column group's input gr
 
 Parameters are DTensors (column weights and biases ``Shard(0)``, row weights ``Shard(1)``,
 row biases ``Replicate``) so checkpoints reshard between layouts; the layers compute on the
-local shards and issue their collectives through :func:`~lightning_merak.strategies.overlap.all_reduce_in_turn`,
+local shards and issue their collectives through :func:`~lightning_merak.runtime.collectives.all_reduce_in_turn`,
 which lets sub-batches overlap them (``tp_overlap``) and never repeats one on recomputation.
 A column group's layers share one input all-reduce in backward (q, k and v sum their
 input gradients first), which runs while the group's weight gradients are computed
-(:mod:`~lightning_merak.strategies.weight_gradients`). With sequence parallelism
+(:mod:`~lightning_merak.runtime.weight_gradients`). With sequence parallelism
 (:mod:`~lightning_merak.strategies.sequence_parallel`) the row layers reduce-scatter over the
 sequence instead and the column groups' inputs arrive all-gathered.
 
 Dropout between a column layer and its row partner (with sequence parallelism: anywhere in
-the block) draws each rank's own mask (:mod:`~lightning_merak.strategies.rank_random`).
+the block) draws each rank's own mask (:mod:`~lightning_merak.runtime.rank_streams`).
 
 GPT-2's ``Conv1D`` layers are swapped for equivalent ``nn.Linear`` layers first; a
 fused q/k/v projection has its output features regrouped so each rank's shard holds its
@@ -41,15 +41,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from lightning_merak.strategies.overlap import all_reduce_in_turn, start_all_reduce_in_turn, unrecorded_communication
-from lightning_merak.strategies.rank_random import install_rank_streams
+from lightning_merak.runtime.collectives import all_reduce_in_turn, start_all_reduce_in_turn, unrecorded_communication
+from lightning_merak.runtime.rank_streams import enter_rank_stream, leave_rank_stream
+from lightning_merak.runtime.weight_gradients import DeferredWeightGradients, linear_deferring_weight_gradient
 from lightning_merak.strategies.sequence_parallel import (
     SequenceParallelPlan,
     install_sequence_gathers,
     linear_on_gathered,
     reduce_scatter_sequence,
 )
-from lightning_merak.strategies.weight_gradients import DeferredWeightGradients, linear_deferring_weight_gradient
 
 __all__ = [
     "ColumnParallelLinear",
@@ -390,6 +390,30 @@ class RowParallelLinear(nn.Module):
         return output + self.bias.to_local() if self.bias is not None else output
 
 
+def _install_rank_streams(block: nn.Module, column_groups: list[list[str]], rows: list[str], rank: int,
+                         whole_block: bool) -> None:
+    """Fork ``rank``'s stream from each column group's first layer to its row partner, or over ``block``.
+
+    ``whole_block`` is for sequence parallelism, where everything inside the block is this
+    rank's own. Only training forwards fork (evaluation draws nothing).
+    """
+    if whole_block:
+        key = object()
+        block.register_forward_pre_hook(lambda module, args: enter_rank_stream(key, rank) if module.training else None)
+        block.register_forward_hook(lambda module, args, output: leave_rank_stream(key), prepend=True)
+        return
+    for members, row in zip(column_groups, rows, strict=True):
+        key = object()
+
+        def enter(module: nn.Module, args: Any, key: object = key) -> None:
+            if module.training:
+                enter_rank_stream(key, rank)
+
+        for name in members:
+            block.get_submodule(name).register_forward_pre_hook(enter)
+        block.get_submodule(row).register_forward_pre_hook(lambda module, args, key=key: leave_rank_stream(key))
+
+
 def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh,
                           sequence_parallel: Optional[SequenceParallelPlan] = None,
                           overlap_weight_gradients: bool = True) -> dict[str, LayoutChange]:
@@ -399,7 +423,7 @@ def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: Devi
     layers (:mod:`~lightning_merak.strategies.sequence_parallel`); the caller splits the
     sequence before the first such block and gathers it after the last. With
     ``overlap_weight_gradients`` each column group computes its weight gradients while its
-    input gradient's collective is in flight (:mod:`~lightning_merak.strategies.weight_gradients`).
+    input gradient's collective is in flight (:mod:`~lightning_merak.runtime.weight_gradients`).
 
     Returns, by parameter name within the block, the layout changes a checkpoint must
     undo to stay loadable into the unsharded model.
@@ -431,7 +455,7 @@ def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: Devi
         column_layers = ([[block.get_submodule(name) for name in members] for members in plan.column_groups]
                          if overlap_weight_gradients else None)
         install_sequence_gathers(block, sequence_parallel, group, column_layers)
-    install_rank_streams(block, plan.column_groups, plan.row, mesh.get_local_rank(),
+    _install_rank_streams(block, plan.column_groups, plan.row, mesh.get_local_rank(),
                          whole_block=sequence_parallel is not None)
     return changes
 
@@ -456,7 +480,7 @@ def verify_tensor_parallel_plan(block: nn.Module, plan: TensorParallelPlan, mesh
     input gradient and every parameter gradient (shards gathered, in-region parameters
     summed over the group) must agree, or a ValueError names what differs and the fix.
     Every rank of ``mesh`` must call this together, with the same ``hidden``. Its collectives
-    are left out of :func:`~lightning_merak.strategies.overlap.record_communication`.
+    are left out of :func:`~lightning_merak.runtime.collectives.record_communication`.
     """
     with unrecorded_communication():
         _verify_split(block, plan, mesh, run_block, hidden)

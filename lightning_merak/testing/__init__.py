@@ -1,5 +1,9 @@
 """Test bed shared by the test suite and the benchmarks: real multi-process runs and
-step-by-step comparison with a single-process reference."""
+step-by-step comparison with a single-process reference.
+
+Imported on demand, not from here: :mod:`lightning_merak.testing.netem` (ranks on an emulated
+cluster network; needs root) and :mod:`lightning_merak.testing.delta_models` (small models and
+Lightning wrappers for the DeltaMemory tests and benchmark)."""
 
 from lightning_merak.testing.compare import (
     TraceRecorder,

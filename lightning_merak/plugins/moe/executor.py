@@ -4,13 +4,13 @@ Forward: replica parameters arrive (Trans), replica ranks compute their own toke
 for those experts, the remaining rows go through chunked all-to-alls to their owners'
 experts and back. Backward: the reverse all-to-alls; with Lancet's backward on, each chunk's
 expert backward is split into a dX-only pass and deferred weight gradients
-(:class:`~.weight_grads.DeferredWeightGrads`), computed while that chunk's dX all-to-all is
+(:class:`~lightning_merak.runtime.weight_gradients.SplitBackward`), computed while that chunk's dX all-to-all is
 in flight; replica gradients summed back into the owner's gradients (Agg). Everything is returned from
 ``backward``, so AccumulateGrad — and therefore DDP and ZeRO-1/2 hooks — sees the full
 expert gradient. Every rank creates this node once per layer call and issues the same
 collectives in the same order (all-to-alls on the EP group, Trans/Agg on a separate
 transfer group), also with zero rows anywhere, so a plan can never cause a hang. All-to-alls
-are launched "in turn" (:mod:`lightning_merak.strategies.overlap`): inside a sub-batch region
+are launched "in turn" (:mod:`lightning_merak.runtime.collectives`): inside a sub-batch region
 every wait, forward and backward, lets the other sub-batches compute first.
 """
 
@@ -28,8 +28,8 @@ from torch.func import functional_call
 
 from lightning_merak.plugins.moe.dispatch import ExchangeLayout
 from lightning_merak.plugins.moe.placement import PlacementPlan
-from lightning_merak.plugins.moe.weight_grads import DeferredWeightGrads
-from lightning_merak.strategies.overlap import PendingCollective, start_all_to_all_in_turn
+from lightning_merak.runtime.collectives import PendingCollective, start_all_to_all_in_turn
+from lightning_merak.runtime.weight_gradients import SplitBackward
 
 __all__ = ["ExpertExchange", "ReplicaTransfer", "TransferScheduler", "flatten_params"]
 
@@ -211,7 +211,7 @@ class ExpertExchange:
             received = dispatches[c].wait(stats, "exposed_a2a_forward_s")
             order = lay.recv_by_expert[c].to(received.device)
             x = received.index_select(0, order).detach().requires_grad_(build_graph)
-            deferred = DeferredWeightGrads(self.experts) if build_graph and self.lancet_backward else None
+            deferred = SplitBackward(self.experts) if build_graph and self.lancet_backward else None
             start = time.perf_counter()
             with torch.set_grad_enabled(build_graph), deferred.recording() if deferred else nullcontext():
                 y = self._run_experts(x, lay.expert_rows[c])

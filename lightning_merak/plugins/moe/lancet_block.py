@@ -1,7 +1,7 @@
 """Block-scope Lancet: each decoder block that holds our ``MoE`` runs as overlapped sub-batches.
 
 The batch is split into ``chunks`` sub-batches that run the whole block (attention, then
-the MoE layer) as round-robin coroutines (:func:`~lightning_merak.strategies.overlap.run_sub_batches`):
+the MoE layer) as round-robin coroutines (:func:`~lightning_merak.runtime.sub_batches.run_sub_batches`):
 a sub-batch computes until it waits for an all-to-all, and the other sub-batches' expert
 or dense computation runs meanwhile, in the forward and in the backward. The MoE layer
 gates all sub-batches jointly, so tokens are kept and dropped exactly as without the
@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache
 from lightning_merak.plugins.moe.cost_model import CostModel
 from lightning_merak.plugins.moe.lancet import choose_block_chunks, simulated_block_time
 from lightning_merak.plugins.moe.layer import MoE, PlacementMOELayer
-from lightning_merak.strategies.overlap import run_sub_batches
+from lightning_merak.runtime.sub_batches import run_sub_batches
 
 __all__ = ["LancetBlockForward", "lancet_overlap"]
 

@@ -50,7 +50,8 @@ from lightning_merak.plugins.moe.placement import Padding, PlacementPlan
 from lightning_merak.plugins.moe.planner import plan_pro_prophet
 from lightning_merak.plugins.moe.profile import profile_cost_model
 from lightning_merak.plugins.moe.shadowing import plan_shadowing
-from lightning_merak.strategies.overlap import in_sub_batch_region, mark_sub_batch_share, meet_in_turn
+from lightning_merak.runtime.sub_batches import mark_sub_batch_share
+from lightning_merak.runtime.turns import in_sub_batch_region, meet_in_turn
 
 __all__ = ["MoE", "MoEOptions", "PlacementMOELayer"]
 

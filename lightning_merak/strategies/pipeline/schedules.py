@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.pipelining import schedules as _schedules
 
-from lightning_merak.strategies import random_state
+from lightning_merak.runtime import random_state
 
 __all__ = ["EarlyReceiveStage", "ScheduleShiftedCriticalPath", "early_receive_available", "pipeline_stage_class",
            "shifted_schedule_available"]

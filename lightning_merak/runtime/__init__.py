@@ -1,0 +1,14 @@
+"""The shared runtime that strategies (:mod:`lightning_merak.strategies`) and plugins
+(:mod:`lightning_merak.plugins`) both build on; it imports neither.
+
+- :mod:`~lightning_merak.runtime.turns`: turn-taking between sub-batch threads, meetings of
+  all sub-batches (:func:`~lightning_merak.runtime.turns.meet_in_turn`).
+- :mod:`~lightning_merak.runtime.sub_batches`: a forward (and its backward) run as overlapped
+  sub-batches (:func:`~lightning_merak.runtime.sub_batches.run_sub_batches`).
+- :mod:`~lightning_merak.runtime.collectives`: collectives that hand the turn on while in flight,
+  replayed rather than repeated on recomputation, and their trace.
+- :mod:`~lightning_merak.runtime.weight_gradients`: weight gradients computed while the input
+  gradient's collective is in flight.
+- :mod:`~lightning_merak.runtime.random_state`: snapshots of the random generators;
+  :mod:`~lightning_merak.runtime.rank_streams`: a random stream of each rank's own in a region.
+"""

@@ -1,0 +1,259 @@
+"""The arguments of ``Merak3DStrategy`` as the user gave them, checked in one place.
+
+:class:`Merak3DArguments` refuses a bad argument when it is made (the strategy's constructor);
+:meth:`~Merak3DArguments.validate` and :meth:`~Merak3DArguments.validate_model` refuse, before any
+process starts, what the world size, the batches or the model rule out. Degrees may still be
+``"auto"`` here; :meth:`~Merak3DArguments.layout` resolves fixed ones into a
+:class:`~lightning_merak.strategies.merak3d.layout.Layout`, the planner the others.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Union
+
+import lightning.pytorch as pl
+from torch import nn
+
+from lightning_merak.strategies.merak3d.layout import (
+    MULTI_STAGE_SCHEDULES,
+    SCHEDULES,
+    Layout,
+    check_batch_split,
+    check_micro_batches,
+    check_overlap,
+    default_micro_batches,
+)
+from lightning_merak.strategies.pipeline.schedules import shifted_schedule_available
+from lightning_merak.strategies.pipeline.trace import find_trunk
+from lightning_merak.strategies.sequence_parallel import check_sequence_length
+from lightning_merak.strategies.tensor_parallel import check_tensor_parallel_degree
+
+__all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "Degree", "Merak3DArguments", "check_accumulation",
+           "check_module_members", "moe_layers"]
+
+RECOMPUTE_MODES = ("none", "full", "stage_aware", "auto")
+PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
+Degree = Union[int, Literal["auto"]]
+
+
+def check_stage_count(num_stages: int, num_blocks: int) -> None:
+    nodes = num_blocks + 2
+    if num_stages > nodes:
+        raise ValueError(
+            f"{num_stages} pipeline stages (pipeline_parallel × virtual_stages) exceed the {nodes} nodes of "
+            f"the model (embedding, {num_blocks} blocks, head); use at most {nodes} stages"
+        )
+
+
+def check_accumulation(accumulate_grad_batches: int) -> None:
+    if accumulate_grad_batches != 1:
+        raise ValueError(
+            "merak3d splits each batch into micro-batches itself; set accumulate_grad_batches=1 "
+            "and raise micro_batches (and the batch size) instead"
+        )
+
+
+def check_module_members(module: pl.LightningModule) -> None:
+    missing = [name for name in ("model", "split_batch", "loss_from_logits", "compute_loss")
+               if not hasattr(module, name)]
+    if missing:
+        raise TypeError(
+            f"merak3d needs {', '.join(missing)} on {type(module).__name__}: see "
+            "lightning_merak.strategies.merak3d for the four members it relies on"
+        )
+
+
+def divides_model(config: Any, tensor_parallel: int) -> bool:
+    try:
+        check_tensor_parallel_degree(config, tensor_parallel)
+    except ValueError:
+        return False
+    return True
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every MoE layer in ``model`` (none unless the MoE plugin was imported)."""
+    moe_layer = sys.modules.get("lightning_merak.plugins.moe.layer")
+    if moe_layer is None:
+        return []
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, moe_layer.MoE)]
+
+
+@dataclass(frozen=True)
+class Merak3DArguments:
+    """``Merak3DStrategy``'s arguments (documented there), refused when made if any is out of range."""
+
+    data_parallel: Degree = "auto"
+    pipeline_parallel: Degree = 1
+    tensor_parallel: Degree = 1
+    tp_overlap: Degree = 1
+    tp_weight_grad_overlap: Optional[bool] = None
+    sequence_parallel: bool = False
+    micro_batches: Optional[int] = None
+    schedule: str = "1f1b"
+    virtual_stages: int = 2
+    recompute: str = "none"
+    recompute_ratio: float = 0.5
+    partition: str = "autopipe"
+    process_group_backend: Optional[str] = None
+    timeout_s: float = 600.0
+    memory_limit: Optional[float] = None
+    plan_only: bool = False
+
+    def __post_init__(self) -> None:
+        for name, value in (("data_parallel", self.data_parallel), ("pipeline_parallel", self.pipeline_parallel),
+                            ("tensor_parallel", self.tensor_parallel)):
+            if value != "auto" and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer or 'auto'")
+        tp_overlap, schedule = self.tp_overlap, self.schedule
+        if tp_overlap != "auto" and (not isinstance(tp_overlap, int) or tp_overlap < 1):
+            raise ValueError(f"tp_overlap={tp_overlap!r} must be a positive integer (1 = no overlap) or 'auto'")
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ValueError(
+                "sequence_parallel=True splits the sequence over the tensor-parallel ranks, but tensor_parallel=1; "
+                "set tensor_parallel>1 (or 'auto') or sequence_parallel=False"
+            )
+        if tp_overlap != 1 and schedule == "interleaved_zero_bubble":
+            raise ValueError(
+                "tp_overlap>1 runs each stage's backward as a whole, which interleaved_zero_bubble splits into "
+                "input and weight gradients; use schedule='interleaved_1f1b' or tp_overlap=1"
+            )
+        if self.tp_weight_grad_overlap and schedule == "interleaved_zero_bubble":
+            raise ValueError(
+                "tp_weight_grad_overlap=True computes weight gradients in the input-gradient pass, which "
+                "interleaved_zero_bubble keeps apart; leave tp_weight_grad_overlap unset or use another schedule"
+            )
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r} is not supported; choose one of {', '.join(SCHEDULES)}")
+        if schedule == "shifted_critical_path" and not shifted_schedule_available():
+            raise ValueError(
+                "schedule='shifted_critical_path' needs pipelining internals this torch does not have; "
+                "use schedule='1f1b' or the tested torch 2.13"
+            )
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(
+                f"recompute={self.recompute!r} is not supported; choose one of {', '.join(RECOMPUTE_MODES)}")
+        if not 0.0 <= self.recompute_ratio <= 1.0:
+            raise ValueError(f"recompute_ratio={self.recompute_ratio} must lie in [0, 1]")
+        if self.partition not in PARTITION_METHODS:
+            raise ValueError(
+                f"partition={self.partition!r} is not supported; choose one of {', '.join(PARTITION_METHODS)}")
+        if self.virtual_stages < 1 or (schedule in MULTI_STAGE_SCHEDULES and self.virtual_stages < 2):
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} must be at least 2 with schedule={schedule!r} (1 otherwise)"
+            )
+        if self.micro_batches is not None and self.micro_batches < 1:
+            raise ValueError(f"micro_batches={self.micro_batches} must be at least 1")
+        if self.micro_batches is not None and isinstance(self.pipeline_parallel, int):
+            check_micro_batches(self.micro_batches, self.pipeline_parallel, schedule)
+
+    # What the arguments decide ---------------------------------------------------------------
+
+    @property
+    def weight_grad_overlap(self) -> bool:
+        """``tp_weight_grad_overlap`` with its default: on, except under ``interleaved_zero_bubble``."""
+        if self.tp_weight_grad_overlap is None:
+            return self.schedule != "interleaved_zero_bubble"
+        return self.tp_weight_grad_overlap
+
+    @property
+    def stages_per_rank(self) -> int:
+        """``virtual_stages`` where the schedule runs several stages per rank, 1 otherwise."""
+        return self.virtual_stages if self.schedule in MULTI_STAGE_SCHEDULES else 1
+
+    @property
+    def degrees(self) -> dict[str, Degree]:
+        """The three degrees as given, ``"auto"`` included, by mesh dimension name."""
+        return {"dp": self.data_parallel, "pp": self.pipeline_parallel, "tp": self.tensor_parallel}
+
+    @property
+    def needs_planning(self) -> bool:
+        """Whether the layout planner chooses part of the layout (an ``"auto"`` beyond data_parallel)."""
+        return "auto" in (self.pipeline_parallel, self.tensor_parallel, self.tp_overlap, self.recompute)
+
+    def resolve_degrees(self, world_size: int) -> tuple[int, int, int]:
+        """``(dp, pp, tp)`` for ``world_size`` ranks, or a clear error when they cannot multiply to it."""
+        fixed = {name: value for name, value in self.degrees.items() if value != "auto"}
+        product = math.prod(fixed.values())
+        auto = [name for name in ("dp", "pp", "tp") if name not in fixed]
+        if world_size % product:
+            raise ValueError(
+                f"world size {world_size} is not divisible by the fixed degrees {fixed}; "
+                "choose data_parallel × pipeline_parallel × tensor_parallel = world size"
+            )
+        resolved = dict(fixed)
+        for name in auto:
+            resolved[name] = 1
+        if auto:
+            resolved["dp" if "dp" in auto else auto[0]] = world_size // product
+        if math.prod(resolved.values()) != world_size:
+            raise ValueError(
+                f"data_parallel={resolved['dp']} × pipeline_parallel={resolved['pp']} × "
+                f"tensor_parallel={resolved['tp']} = {math.prod(resolved.values())} ≠ world size {world_size}; "
+                "make the product equal the number of processes (devices × num_nodes)"
+            )
+        return resolved["dp"], resolved["pp"], resolved["tp"]
+
+    def layout(self, world_size: int) -> Layout:
+        """The layout of a run whose arguments fix everything but perhaps data_parallel (no planning)."""
+        assert not self.needs_planning, "the planner chooses this layout"
+        dp, pp, tp = self.resolve_degrees(world_size)
+        assert isinstance(self.tp_overlap, int)
+        return Layout(
+            data_parallel=dp, pipeline_parallel=pp, tensor_parallel=tp, virtual_stages=self.stages_per_rank,
+            schedule=self.schedule, micro_batches=self.micro_batches or default_micro_batches(pp),
+            micro_batches_by_default=self.micro_batches is None, tp_overlap=self.tp_overlap,
+            recompute=self.recompute, recompute_ratio=self.recompute_ratio,
+        )
+
+    def launch_degrees(self, world_size: int) -> tuple[Optional[int], Optional[int]]:
+        """``(pp, tp)`` this run will use on ``world_size`` ranks; None for a degree the planner chooses."""
+        if not self.needs_planning:
+            _, pp, tp = self.resolve_degrees(world_size)
+            return pp, tp
+        fixed = [value for value in self.degrees.values() if value != "auto"]
+        if world_size % math.prod(fixed):
+            raise ValueError(
+                f"world size {world_size} is not divisible by the fixed degrees {fixed}; "
+                "choose degrees whose product divides the number of processes"
+            )
+        pp, tp = self.pipeline_parallel, self.tensor_parallel
+        return (pp if isinstance(pp, int) else None), (tp if isinstance(tp, int) else None)
+
+    # Refusals before launch ------------------------------------------------------------------
+
+    def validate(self, world_size: int, *, batch_size: Optional[int] = None, sequence_length: Optional[int] = None,
+                 accumulate_grad_batches: int = 1) -> None:
+        """Refuse, before the model is even built, a layout that the world size or the batches rule out.
+
+        ``batch_size`` is the batch each data-parallel replica's dataloader yields and
+        ``sequence_length`` its tokens per sample; the checks that need them are skipped without
+        them. Degrees left to the planner are checked once it has chosen them, at setup.
+        """
+        check_accumulation(accumulate_grad_batches)
+        pp, tp = self.launch_degrees(world_size)
+        if tp is not None:
+            if isinstance(self.tp_overlap, int):
+                check_overlap(self.tp_overlap, tp)
+            if self.sequence_parallel and tp > 1 and sequence_length is not None:
+                check_sequence_length(sequence_length, tp)
+        if batch_size is not None and (self.micro_batches is not None or not self.needs_planning):
+            overlap = self.tp_overlap if isinstance(self.tp_overlap, int) else 1
+            check_batch_split(batch_size, pp or 1, self.micro_batches, overlap, self.schedule)
+
+    def validate_model(self, module: pl.LightningModule, world_size: int) -> None:
+        """Refuse a module without the members merak3d drives, or degrees its model rules out."""
+        check_module_members(module)
+        self.check_model(module.model, *self.launch_degrees(world_size))
+
+    def check_model(self, model: nn.Module, pipeline_parallel: Optional[int], tensor_parallel: Optional[int]) -> None:
+        """Refuse degrees the unsplit model's config or structure rules out (None: not chosen yet)."""
+        if tensor_parallel is not None:
+            check_tensor_parallel_degree(getattr(model, "config", None), tensor_parallel)
+        if self.sequence_parallel and tensor_parallel is not None and tensor_parallel > 1 and moe_layers(model):
+            raise ValueError("sequence_parallel does not support MoE layers; use sequence_parallel=False")
+        if pipeline_parallel is not None and pipeline_parallel > 1:
+            check_stage_count(pipeline_parallel * self.stages_per_rank, len(find_trunk(model)[1]))

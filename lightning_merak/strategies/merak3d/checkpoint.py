@@ -1,0 +1,242 @@
+"""Sharded checkpoints of a built merak3d layout, readable by any other layout.
+
+Once the layout is built, a checkpoint is a directory written with torch distributed
+checkpoint (each rank writes its own shards, replicas once) plus ``lightning.ckpt`` with the
+rest of Lightning's checkpoint. Tensors are keyed by the unsplit model's names, and any layout
+can load them: on resume the whole model is still unsplit, so the shards are read into full
+tensors and the new layout is cut from those. Expert-parallel MoE layers number their experts
+from 0 on every rank; checkpoints number them globally.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, split_expert_key
+from lightning_merak.strategies.merak3d.arguments import moe_layers
+from lightning_merak.strategies.pipeline.stage import RankStages
+from lightning_merak.strategies.tensor_parallel import LayoutChange
+
+__all__ = ["LIGHTNING_CHECKPOINT", "ShardedCheckpointer", "expert_layers", "is_sharded_checkpoint"]
+
+LIGHTNING_CHECKPOINT = "lightning.ckpt"
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a directory merak3d wrote (and not a checkpoint file Lightning reads itself)."""
+    return path.is_dir() and (path / LIGHTNING_CHECKPOINT).is_file()
+
+
+def expert_layers(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Key prefix of each expert-parallel MoE layer's experts in ``model`` → (ep_size, experts per rank).
+
+    Every EP rank numbers its experts from 0; checkpoints number them globally.
+    """
+    return {
+        f"{name}.{EXPERTS_KEY}": (module.ep_size, module.num_local_experts)
+        for name, module in moe_layers(model)
+        if module.ep_size > 1
+    }
+
+
+class ShardedCheckpointer:
+    """Saves and loads a built layout's state under the unsplit model's names.
+
+    Args:
+        placement: ``() -> (global rank, (pp, dp, tp))``: where this rank sits, to tell which
+            experts it holds. It may raise when the degrees are not known yet.
+    """
+
+    def __init__(self, placement: Callable[[], tuple[int, tuple[int, int, int]]]) -> None:
+        self._placement = placement
+        self.layout_changes: dict[str, LayoutChange] = {}
+        """Parameters whose layout the tensor-parallel split changed, by unsplit name."""
+        self.expert_prefixes: dict[str, tuple[int, int]] = {}
+
+    def find_experts(self, model: nn.Module) -> None:
+        """Note ``model``'s expert-parallel layers (on the unsplit model, before pruning)."""
+        self.expert_prefixes = expert_layers(model)
+
+    # Names and layouts ------------------------------------------------------------------------
+
+    def to_original_layout(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """``full`` (a gathered parameter-shaped tensor) in the unsplit model's layout."""
+        change = self.layout_changes.get(name)
+        return change.to_original(full) if change else full
+
+    def _original_names(self, model: nn.Module) -> dict[int, str]:
+        rename = model.original_name if isinstance(model, RankStages) else (lambda name: name)
+        return {id(param): self._renumbered_expert(rename(name), to_global=True)
+                for name, param in model.named_parameters()}
+
+    def _checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Shards stay DTensors; a shard whose layout sharding changed is saved whole, as the original."""
+        if isinstance(tensor, DTensor) and name in self.layout_changes:
+            return self.to_original_layout(name, tensor.full_tensor()).detach()
+        return tensor.detach()
+
+    def _expert_rank(self, ep_size: int) -> int:
+        """This rank's place in its expert-parallel group, carved from its data-parallel ranks as the MoE layers do."""
+        from lightning_merak.plugins.moe.groups import carve_expert_groups, data_parallel_groups_from_mesh
+
+        rank, (pp, dp, tp) = self._placement()
+        mesh = torch.arange(pp * dp * tp).reshape(pp, dp, tp).tolist()  # the layout of merak3d's device mesh
+        data_parallel_ranks = next(group for group in data_parallel_groups_from_mesh(mesh, ("pp", "dp", "tp"))
+                                   if rank in group)
+        ep_groups, _ = carve_expert_groups(data_parallel_ranks, ep_size)
+        return next(group.index(rank) for group in ep_groups if rank in group)
+
+    def _renumbered_expert(self, name: str, to_global: bool) -> str:
+        """``name`` of the unsplit model with an expert's local number made global, or (``to_global=False``)
+        a global number of this rank's expert made local again; other names unchanged."""
+        for prefix, (ep_size, per_rank) in self.expert_prefixes.items():
+            found = split_expert_key(name, prefix)
+            if found is not None:
+                number, rest = found
+                first = self._expert_rank(ep_size) * per_rank
+                return f"{prefix}{number + first if to_global else number - first}.{rest}"
+        return name
+
+    def _renumbered_state(self, state: dict[str, Any], to_global: bool) -> dict[str, Any]:
+        """A module state (keys ``model.<name>``) with expert numbers renumbered as :meth:`_renumbered_expert` does."""
+        prefix = "model."
+        return {prefix + self._renumbered_expert(key[len(prefix):], to_global) if key.startswith(prefix) else key: value
+                for key, value in state.items()}
+
+    # Saving -----------------------------------------------------------------------------------
+
+    def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """``module``'s state under the unsplit names; shards stay DTensors."""
+        model = module.model
+        state = {}
+        for key, value in module.state_dict().items():
+            rest = key[len("model."):]
+            name = model.original_name(rest) if isinstance(model, RankStages) else rest
+            state["model." + self._renumbered_expert(name, to_global=True)] = self._checkpoint_tensor(name, value)
+        return state
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
+        """``optimizer``'s state keyed by the unsplit names of ``model``'s parameters."""
+        names = self._original_names(model)
+        state = {
+            names[id(param)]: {key: self._checkpoint_tensor(names[id(param)], value)
+                               if isinstance(value, torch.Tensor) else value
+                               for key, value in optimizer.state[param].items()}
+            for group in optimizer.param_groups for param in group["params"] if param in optimizer.state
+        }
+        groups = [{**{k: v for k, v in group.items() if k != "params"},
+                   "params": [names[id(param)] for param in group["params"]]} for group in optimizer.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def save(self, checkpoint: dict[str, Any], path: Path, *, pipeline_rank: int, global_rank: int,
+             world_size: int) -> None:
+        """Write ``checkpoint`` (its ``state_dict`` and ``optimizer_states`` from the methods above) to ``path``.
+
+        Every rank writes its shards; rank 0 writes the rest with each optimizer's parameter
+        groups gathered over the stages. The caller waits at a barrier afterwards.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        optimizer_states = checkpoint.pop("optimizer_states", [])
+        tensors = {"model": checkpoint.pop("state_dict"), "optim": {}}
+        layouts = []
+        for index, saved in enumerate(optimizer_states):
+            entries = {}
+            for name, values in saved["state"].items():
+                for key, value in values.items():
+                    tensors["optim"][f"{index}/{name}/{key}"] = value
+                    entries[f"{index}/{name}/{key}"] = (tuple(value.shape), value.dtype) if isinstance(
+                        value, torch.Tensor) else value
+            stage_groups: list[Any] = [None] * world_size
+            dist.all_gather_object(stage_groups, (pipeline_rank, saved["param_groups"], entries))
+            by_stage = {stage: groups for stage, groups, _ in stage_groups}
+            per_stage = [by_stage[stage] for stage in sorted(by_stage)]
+            layouts.append({
+                "param_groups": [
+                    {**per_stage[0][g], "params": list(dict.fromkeys(
+                        name for groups in per_stage for name in groups[g]["params"]))}
+                    for g in range(len(per_stage[0]))
+                ],
+                "entries": {key: value for _, _, part in stage_groups for key, value in part.items()},
+            })
+        dcp.save(tensors, checkpoint_id=path)
+        if global_rank == 0:
+            torch.save({**checkpoint, "merak3d_optimizers": layouts}, path / LIGHTNING_CHECKPOINT)
+
+    # Loading ----------------------------------------------------------------------------------
+
+    def load(self, path: Path, module: nn.Module) -> dict[str, Any]:
+        """Read a sharded checkpoint into full tensors, keyed as ``module`` (still unsplit) names them.
+
+        Optimizer states come back consolidated (``"merak3d_consolidated"``), for
+        :meth:`load_optimizer_state` once the layout is built.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        checkpoint = torch.load(path / LIGHTNING_CHECKPOINT, map_location="cpu", weights_only=False)
+        self.find_experts(module.model)
+        model_state = self._renumbered_state(
+            {key: value.detach().clone() for key, value in module.state_dict().items()}, to_global=True)
+        optim_state: dict[str, Any] = {}
+        for layout in checkpoint["merak3d_optimizers"]:
+            for key, entry in layout["entries"].items():
+                if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], torch.dtype):
+                    optim_state[key] = torch.empty(entry[0], dtype=entry[1])
+                else:
+                    optim_state[key] = entry
+        tensors = {"model": model_state, "optim": optim_state}
+        dcp.load(tensors, checkpoint_id=path)
+        checkpoint["state_dict"] = self._renumbered_state(tensors["model"], to_global=False)
+        checkpoint["optimizer_states"] = []
+        for index, layout in enumerate(checkpoint.pop("merak3d_optimizers")):
+            state: dict[str, dict[str, Any]] = {}
+            for key in layout["entries"]:
+                _, name, field_name = key.split("/", 2)
+                if key.startswith(f"{index}/"):
+                    state.setdefault(name, {})[field_name] = tensors["optim"][key]
+            checkpoint["optimizer_states"].append(
+                {"merak3d_consolidated": True, "state": state, "param_groups": layout["param_groups"]}
+            )
+        return checkpoint
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, saved: dict[str, Any], model: nn.Module) -> None:
+        """Load ``saved`` into ``optimizer`` over the built ``model``'s parameters, each entry placed like its own."""
+        if not saved.get("merak3d_consolidated"):
+            optimizer.load_state_dict(saved)
+            return
+        names = self._original_names(model)
+        state: dict[int, Any] = {}
+        groups = []
+        index = 0
+        for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+            ids = []
+            for param in group["params"]:
+                entry = saved["state"].get(names[id(param)])
+                if entry is not None:
+                    state[index] = {
+                        key: self._local_like(param, names[id(param)], value) for key, value in entry.items()
+                    }
+                ids.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def _local_like(self, param: nn.Parameter, name: str, value: Any) -> Any:
+        """A saved full optimizer-state entry placed like ``param`` (sharded, in its layout)."""
+        if not isinstance(value, torch.Tensor) or value.ndim == 0:
+            return value
+        change = self.layout_changes.get(name)
+        full = change.from_original(value) if change else value
+        if full.shape != param.shape:
+            return value
+        if isinstance(param, DTensor):
+            from torch.distributed.tensor import distribute_tensor
+
+            return distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
+        return full.to(param.device)

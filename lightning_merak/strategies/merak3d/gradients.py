@@ -1,0 +1,154 @@
+"""Gradients after backward: summed where a shard saw part of the work, averaged over replicas, clipped.
+
+The one owner of merak3d's gradient arithmetic. :func:`average_gradients`, :func:`squared_norm`
+and :func:`scale_gradients` are the primitives (the layout profiler times them, callbacks that
+replace the data-parallel reduction reuse them); :func:`synchronize_gradients` and
+:func:`clip_by_total_norm` apply them to a built layout. This module imports nothing of the
+strategy, so anything may import it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from lightning_merak.strategies.merak3d.layout import LayoutGroups
+
+__all__ = ["TiedParameter", "average_gradients", "clip_by_total_norm", "replicated_parameters", "scale_gradients",
+           "squared_norm", "synchronize_gradients"]
+
+
+class TiedParameter(NamedTuple):
+    """A tied parameter's copy on the first or last stage, and the group joining the two stages' ranks."""
+
+    group: Any
+    param: nn.Parameter
+    is_first: bool
+
+
+def average_gradients(grads: list[torch.Tensor], group: dist.ProcessGroup, replicas: int) -> None:
+    """Average ``grads`` in place over ``replicas`` ranks with one all-reduce of their concatenation (1: the sum)."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= replicas
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+def squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of the squares of ``grads``, accumulated in float64 so every layout sums to the same norm.
+
+    ``vector_norm`` with a float64 ``dtype`` converts inside the reduction; squaring a float64
+    copy of each gradient (``grad.double().pow(2).sum()``) gives the same figure several times
+    slower, since it writes two gradient-sized temporaries per tensor.
+    """
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for grad in grads:
+        squares += torch.linalg.vector_norm(grad, dtype=torch.float64).square()
+    return squares
+
+
+def scale_gradients(grads: list[torch.Tensor], coefficient: float) -> None:
+    """Multiply ``grads`` in place by ``coefficient`` (clipping's second pass)."""
+    for grad in grads:
+        grad.mul_(coefficient)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _expert_parallel_group(group_name: Optional[str]) -> dist.ProcessGroup:
+    """DeepSpeed's expert-parallel group of the expert weights named ``group_name``."""
+    from deepspeed.utils import groups
+
+    if group_name is None or group_name not in groups._get_expert_parallel_group_dict():
+        raise RuntimeError(
+            f"expert weights (allreduce=False) of group {group_name!r} have no DeepSpeed expert-parallel group; "
+            "create the MoE layers' groups (lightning_merak.plugins.moe) before clipping gradients"
+        )
+    return groups._get_expert_parallel_group(group_name)
+
+
+def replicated_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters every data-parallel replica holds a copy of.
+
+    Parameters a plugin reduces itself are left out, by the conventions DDP and
+    DeepSpeed use: names in ``_ddp_params_and_buffers_to_ignore`` on the module, or
+    ``param.allreduce = False`` (expert-parallel weights).
+    """
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    return [
+        param for name, param in module.named_parameters()
+        if name not in ignored and getattr(param, "allreduce", True) is not False
+    ]
+
+
+def synchronize_gradients(module: nn.Module, tensor_partial: list[nn.Parameter], tied: list[TiedParameter],
+                          groups: LayoutGroups) -> None:
+    """Sum the gradients of parameters that saw part of the heads or tokens over the tensor-parallel
+    group, sum tied parameters between first and last stage, then average over the replicas."""
+    partial = [_local(p.grad) for p in tensor_partial if p.grad is not None]
+    if partial:
+        average_gradients(partial, groups.tensor_group, replicas=1)
+    for group, param, _ in tied:
+        if param.grad is not None:
+            dist.all_reduce(_local(param.grad), group=group)
+    data_parallel = groups.layout.data_parallel
+    if data_parallel == 1:
+        return
+    grads = [_local(p.grad) for p in replicated_parameters(module) if p.grad is not None]
+    if grads:
+        average_gradients(grads, groups.data_parallel_group, data_parallel)
+
+
+def clip_by_total_norm(optimizer: torch.optim.Optimizer, clip_val: Union[int, float], tied: list[TiedParameter],
+                       groups: LayoutGroups, device: torch.device) -> float:
+    """Clip by the norm over every stage and shard, counting replicated tensors once; return that norm.
+
+    The squares are summed in float64 over the pipeline and tensor-parallel groups.
+    Expert-parallel weights (``allreduce=False``, DeepSpeed's convention) differ between the
+    ranks of their expert-parallel group, so their squares are summed over that group first;
+    every other tensor is the same on all data-parallel replicas.
+    """
+    duplicated = {id(param) for _, param, is_first in tied if not is_first}
+    tensor_rank = groups.tensor_rank
+    grads, counted = [], []
+    expert_grads: dict[str, list[torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            grad = _local(param.grad)
+            grads.append(grad)
+            replicated = not isinstance(param.grad, DTensor) or all(
+                isinstance(p, Replicate) for p in param.grad.placements
+            )
+            if id(param) in duplicated or (replicated and tensor_rank != 0):
+                continue
+            if getattr(param, "allreduce", True) is False:
+                expert_grads.setdefault(getattr(param, "group_name", None), []).append(grad)
+            else:
+                counted.append(grad)
+    squares = squared_norm(counted, device)
+    for name in sorted(expert_grads, key=str):
+        expert_squares = squared_norm(expert_grads[name], device)
+        dist.all_reduce(expert_squares, group=_expert_parallel_group(name))
+        squares += expert_squares
+    layout = groups.layout
+    if layout.pipeline_parallel > 1:
+        dist.all_reduce(squares, group=groups.pipeline_group)
+    if layout.tensor_parallel > 1:
+        dist.all_reduce(squares, group=groups.tensor_group)
+    norm = math.sqrt(squares.item())
+    coefficient = float(clip_val) / (norm + 1e-6)
+    if coefficient < 1.0:
+        scale_gradients(grads, coefficient)
+    return norm

@@ -1,0 +1,187 @@
+"""The layout a merak3d run adopts, decided once: degrees, stages, micro-batches, overlap, recomputation.
+
+:class:`Layout` is a value: the user's fixed arguments resolve into one at launch, or the planner
+produces one at setup; either way it is checked when it is made and never changes afterwards.
+:class:`LayoutGroups` joins it to the device mesh built from it, and answers which group and
+which rank a dimension has. Nothing else in merak3d keeps a degree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = [
+    "MULTI_STAGE_SCHEDULES",
+    "SCHEDULES",
+    "Layout",
+    "LayoutGroups",
+    "check_batch_split",
+    "check_micro_batches",
+    "check_overlap",
+    "default_micro_batches",
+    "schedule_problem",
+]
+
+SCHEDULES = ("1f1b", "gpipe", "shifted_critical_path", "interleaved_1f1b", "interleaved_zero_bubble")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")
+MESH_DIMENSIONS = ("pp", "dp", "tp")
+"""The device mesh's dimensions, outermost first: a replica's stages are furthest apart, its tensor ranks closest."""
+
+
+def default_micro_batches(pipeline_parallel: int) -> int:
+    """Two micro-batches per stage keep the pipeline's bubble small; without stages the batch stays whole."""
+    return 2 * pipeline_parallel if pipeline_parallel > 1 else 1
+
+
+def schedule_problem(micro_batches: int, pipeline_parallel: int, schedule: str) -> Optional[str]:
+    """Why ``schedule`` cannot run ``micro_batches`` micro-batches over ``pipeline_parallel`` stages, or None.
+
+    Every schedule needs a micro-batch per stage; torch's interleaved schedules run them in
+    ``micro_batches // pipeline_parallel`` rounds of equal size.
+    """
+    if pipeline_parallel == 1:
+        return None
+    if micro_batches < pipeline_parallel:
+        return (f"micro_batches={micro_batches} is smaller than pipeline_parallel={pipeline_parallel}; "
+                "pipeline schedules need at least one micro-batch per stage")
+    rounds = micro_batches // pipeline_parallel
+    if schedule in MULTI_STAGE_SCHEDULES and micro_batches % rounds:
+        return (f"schedule={schedule!r} runs micro_batches={micro_batches} in {micro_batches} // "
+                f"pipeline_parallel={pipeline_parallel} = {rounds} rounds of equal size, and {rounds} does not "
+                f"divide {micro_batches}")
+    return None
+
+
+def check_micro_batches(micro_batches: int, pipeline_parallel: int, schedule: str) -> None:
+    """Refuse a micro-batch count the pipeline schedule cannot run; a multiple of the stages always runs."""
+    problem = schedule_problem(micro_batches, pipeline_parallel, schedule)
+    if problem is not None:
+        raise ValueError(f"{problem}; set micro_batches to a multiple of pipeline_parallel={pipeline_parallel} "
+                         f"(the default is {default_micro_batches(pipeline_parallel)})")
+
+
+def check_overlap(tp_overlap: int, tensor_parallel: int) -> None:
+    """Refuse sub-batch overlap without tensor-parallel communication to overlap."""
+    if tp_overlap != 1 and tensor_parallel == 1:
+        raise ValueError(
+            f"tp_overlap={tp_overlap} overlaps tensor-parallel communication, but tensor_parallel=1; "
+            "set tensor_parallel>1 or tp_overlap=1"
+        )
+
+
+def check_batch_split(batch_size: int, pipeline_parallel: int, micro_batches: Optional[int], tp_overlap: int,
+                      schedule: str) -> None:
+    """Refuse a batch that does not split into the micro-batches, and those into ``tp_overlap`` sub-batches.
+
+    ``micro_batches=None`` stands for the default count. The error lists the micro-batch counts
+    that would split the batch.
+    """
+    count = micro_batches or default_micro_batches(pipeline_parallel)
+
+    def splits(candidate: int) -> bool:
+        return batch_size % candidate == 0 and (batch_size // candidate) % tp_overlap == 0
+
+    if splits(count):
+        return
+    if batch_size % count:
+        origin = "" if micro_batches else f" (the default, 2 × pipeline_parallel={pipeline_parallel})"
+        problem = f"batch size {batch_size} is not divisible by micro_batches={count}{origin}"
+    else:
+        problem = (f"micro-batches of {batch_size // count} samples (batch size {batch_size} / "
+                   f"micro_batches={count}) cannot be split into tp_overlap={tp_overlap} sub-batches")
+    fits = [candidate for candidate in range(1, batch_size + 1)
+            if splits(candidate) and schedule_problem(candidate, pipeline_parallel, schedule) is None]
+    choices = f"set micro_batches to {' or '.join(map(str, fits))}, or " if fits else ""
+    raise ValueError(f"{problem}; {choices}make the batch size a multiple of {count * tp_overlap}")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything about how a run is laid out over its ranks, checked when made.
+
+    Attributes:
+        data_parallel, pipeline_parallel, tensor_parallel: the degrees; their product is the world size.
+        virtual_stages: stages per rank (above 1 only with an interleaved schedule).
+        schedule: the pipeline schedule.
+        micro_batches: micro-batches per batch.
+        micro_batches_by_default: whether ``micro_batches`` is the default (2 × stages), which error
+            messages say.
+        tp_overlap: sub-batches per micro-batch that take turns over tensor-parallel collectives.
+        recompute: ``"none"``, ``"full"`` or ``"stage_aware"``.
+        recompute_ratio: the first stage's recomputed fraction under ``"stage_aware"``.
+    """
+
+    data_parallel: int
+    pipeline_parallel: int
+    tensor_parallel: int
+    virtual_stages: int
+    schedule: str
+    micro_batches: int
+    micro_batches_by_default: bool
+    tp_overlap: int
+    recompute: str
+    recompute_ratio: float
+
+    def __post_init__(self) -> None:
+        check_micro_batches(self.micro_batches, self.pipeline_parallel, self.schedule)
+        check_overlap(self.tp_overlap, self.tensor_parallel)
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel * self.pipeline_parallel * self.tensor_parallel
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages the model is cut into."""
+        return self.pipeline_parallel * self.virtual_stages
+
+    def check_batch(self, batch_size: int) -> None:
+        """Refuse a batch that does not split into this layout's micro-batches and sub-batches."""
+        check_batch_split(batch_size, self.pipeline_parallel, None if self.micro_batches_by_default
+                          else self.micro_batches, self.tp_overlap, self.schedule)
+
+
+@dataclass(frozen=True)
+class LayoutGroups:
+    """A :class:`Layout` and the device mesh built from it (dimensions ``pp``, ``dp``, ``tp``), with its groups."""
+
+    layout: Layout
+    mesh: DeviceMesh
+
+    @classmethod
+    def create(cls, layout: Layout, device_type: str) -> LayoutGroups:
+        """Build the mesh (a collective: every rank calls it)."""
+        shape = (layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel)
+        return cls(layout, init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMENSIONS))
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        return self.mesh["dp"].get_group()
+
+    @property
+    def pipeline_group(self) -> dist.ProcessGroup:
+        return self.mesh["pp"].get_group()
+
+    @property
+    def tensor_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+    @property
+    def tensor_group(self) -> dist.ProcessGroup:
+        return self.mesh["tp"].get_group()
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.mesh["pp"].get_local_rank()
+
+    @property
+    def tensor_rank(self) -> int:
+        return self.mesh["tp"].get_local_rank()

@@ -1,0 +1,127 @@
+"""A pipelined module's step: torch.distributed.pipelining's schedule in place of ``compute_loss`` and ``forward``.
+
+Once the model is cut into stages, :class:`PipelineStep` runs each batch through the schedule:
+training batches compute their gradients inside the schedule (held aside until Lightning's
+``backward``), evaluation batches run without gradients, and every rank of a replica gets the
+last stage's loss or logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_merak.strategies.merak3d.layout import MULTI_STAGE_SCHEDULES, LayoutGroups
+from lightning_merak.strategies.pipeline.schedules import ScheduleShiftedCriticalPath, pipeline_stage_class
+from lightning_merak.strategies.pipeline.stage import RankStages
+
+__all__ = ["PipelineStep"]
+
+
+class PipelineStep:
+    """The schedule over this rank's ``stages`` of ``module`` (a LightningModule), and what it left to do.
+
+    :meth:`loss` replaces the module's ``compute_loss`` and :meth:`forward` its ``forward``.
+    """
+
+    def __init__(self, module: Any, stages: RankStages, groups: LayoutGroups, device: torch.device) -> None:
+        from torch.distributed.pipelining import (
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble,
+        )
+
+        self._module = module
+        self._groups = groups
+        self._device = device
+        self._pending_gradients: list[tuple[nn.Parameter, Optional[torch.Tensor]]] = []
+        layout = groups.layout
+        pp_group = groups.pipeline_group
+        stage_class = pipeline_stage_class(dist.get_backend(pp_group), layout.virtual_stages)
+        pipeline_stages = [
+            stage_class(part, part.stage_index, part.num_stages, device, group=pp_group)
+            for part in stages
+        ]
+        if layout.schedule in MULTI_STAGE_SCHEDULES:
+            schedule_class = {"interleaved_1f1b": ScheduleInterleaved1F1B,
+                              "interleaved_zero_bubble": ScheduleInterleavedZeroBubble}[layout.schedule]
+            self._schedule = schedule_class(pipeline_stages, layout.micro_batches,
+                                            loss_fn=module.loss_from_logits, scale_grads=True)
+        else:
+            schedule_class = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
+                              "shifted_critical_path": ScheduleShiftedCriticalPath}[layout.schedule]
+            self._schedule = schedule_class(pipeline_stages[0], layout.micro_batches,
+                                            loss_fn=module.loss_from_logits, scale_grads=True)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        """Run the schedule on ``batch``; every rank returns the mean micro-batch loss.
+
+        The schedule computes gradients inside the training step, but Lightning zeroes
+        gradients between ``training_step`` and ``backward``; they are held aside here and
+        put back by :meth:`restore_gradients`.
+        """
+        module = self._module
+        inputs, targets = module.split_batch(batch)
+        self._groups.layout.check_batch(inputs.shape[0])
+        stage: RankStages = module.model
+        args = (inputs,) if stage.is_first else ()
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": targets, "losses": losses} if stage.is_last else {}
+        if module.training:
+            parameters = [p for p in stage.parameters() if p.requires_grad]
+            for param in parameters:
+                param.grad = None
+            self._schedule.step(*args, return_outputs=False, **kwargs)
+            self._pending_gradients = [(param, param.grad) for param in parameters]
+            for param in parameters:
+                param.grad = None
+        else:
+            with torch.no_grad():
+                self._schedule.eval(*args, return_outputs=False, **kwargs)
+        loss = (torch.stack([l.detach() for l in losses]).mean() if stage.is_last
+                else torch.zeros((), device=self._device))
+        pp_group, last_rank = self._last_stage_source()
+        dist.broadcast(loss, src=last_rank, group=pp_group)
+        return loss
+
+    def restore_gradients(self) -> None:
+        """Put back the gradients the last training step's schedule computed."""
+        for param, grad in self._pending_gradients:
+            param.grad = grad
+        self._pending_gradients = []
+
+    def _last_stage_source(self) -> tuple[dist.ProcessGroup, int]:
+        """This replica's pipeline group and the global rank of its last stage, which broadcasts results."""
+        pp_group = self._groups.pipeline_group
+        return pp_group, dist.get_global_rank(pp_group, self._groups.layout.pipeline_parallel - 1)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Logits of a whole batch through every stage (no gradients); the same on every rank.
+
+        This is what ``module(inputs)`` runs once the model is pipelined, so ``predict_step``
+        and inference code keep working; training goes through ``compute_loss``.
+        """
+        if torch.is_grad_enabled() and self._module.training:
+            raise RuntimeError(
+                "with pipeline_parallel>1 the module's forward runs only without gradients (predict, "
+                "inference); training_step must call self.compute_loss(batch)"
+            )
+        stage: RankStages = self._module.model
+        self._groups.layout.check_batch(inputs.shape[0])
+        args = (inputs,) if stage.is_first else ()
+        # The schedule scores every micro-batch on the last stage; the inputs stand in for the
+        # targets and those losses are discarded.
+        scoring = {"target": inputs, "losses": []} if stage.is_last else {}
+        with torch.no_grad():
+            output = self._schedule.eval(*args, **scoring)
+        pp_group, last_rank = self._last_stage_source()
+        header = [(tuple(output.shape), output.dtype) if stage.is_last else None]
+        dist.broadcast_object_list(header, src=last_rank, group=pp_group)
+        shape, dtype = header[0]
+        logits = output if stage.is_last else torch.empty(shape, dtype=dtype, device=self._device)
+        dist.broadcast(logits, src=last_rank, group=pp_group)
+        return logits

@@ -1,0 +1,220 @@
+"""Planning a merak3d layout: search space from the arguments → profile → plan → a new :class:`Layout`.
+
+The impure orchestration around the pure planner (:mod:`lightning_merak.strategies.planner`):
+which tensor-parallel degrees split the model exactly, what this machine and model measure
+(:mod:`~lightning_merak.strategies.layout_profiler`, averaged over the ranks), and the best
+layout within the degrees the user fixed. Afterwards, :func:`check_step_time` puts the
+measured step next to the prediction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from lightning_merak.strategies.layout_profiler import profile_model, profile_network, tensor_parallel_mesh
+from lightning_merak.strategies.merak3d.arguments import Merak3DArguments, divides_model
+from lightning_merak.strategies.merak3d.build import (
+    Broadcast,
+    call_model,
+    no_cache,
+    sequence_parallel_plan,
+    split_block_problem,
+    tensor_parallel_plan,
+)
+from lightning_merak.strategies.merak3d.layout import Layout, default_micro_batches
+from lightning_merak.strategies.pipeline.trace import find_trunk, trace_model
+from lightning_merak.strategies.planner import (
+    SearchSpace,
+    average_profiles,
+    candidate_layouts,
+    plan,
+    required_profile_keys,
+)
+from lightning_merak.strategies.planner.step_check import BatchClock, StepTimeCheck
+
+__all__ = ["PLANNER_REPEATS", "PlannedLayout", "check_step_time", "first_training_batch", "plan_layout"]
+
+PLANNER_REPEATS = 11
+"""Timed repeats per profiled quantity (median). With 5, three planning runs on 2 shared cores
+predicted the same layouts up to 25% apart; with 11, within about 8%."""
+
+
+@dataclass(frozen=True)
+class PlannedLayout:
+    """The planner's answer: the layout to adopt, the whole ranking, the chosen layout's prediction
+    (a ``planner.Prediction``) and the tensor-parallel degrees whose split was checked on the way."""
+
+    layout: Layout
+    plan: Any
+    choice: Any
+    verified_tp_degrees: frozenset[int]
+
+
+def first_training_batch(trainer: Any) -> Any:
+    """One batch of the training dataloader, read before the layout (and the data-parallel rank) exists."""
+    source = getattr(trainer.fit_loop, "_data_source", None)
+    if source is None or not hasattr(source, "dataloader") or not source.is_defined():
+        raise RuntimeError(
+            "the layout planner reads one training batch for its shapes but found no train dataloader; "
+            "fit with training data, or set pipeline_parallel, tensor_parallel, tp_overlap and recompute"
+        )
+    return next(iter(source.dataloader()))
+
+
+def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, targets: Any, *, world_size: int,
+                num_processes: int, device: torch.device, optimizer: Optional[torch.optim.Optimizer],
+                clip_gradients: bool, broadcast: Broadcast) -> PlannedLayout:
+    """Profile this machine and ``module``'s model on one batch, search the layouts, and return the best one."""
+    model: nn.Module = module.model
+    config = getattr(model, "config", None)
+    no_cache(model)
+    world = world_size
+    if arguments.tensor_parallel != "auto":
+        tp_degrees: tuple[int, ...] = (arguments.tensor_parallel,)
+    else:
+        sequence = inputs.shape[1] if inputs.ndim > 1 else 1
+        tp_degrees = tuple(d for d in range(1, num_processes + 1)
+                           if world % d == 0 and divides_model(config, d)
+                           and not (arguments.sequence_parallel and sequence % d))
+    verified: set[int] = set()
+    tp_degrees = _splittable_degrees(model, inputs, tp_degrees, arguments.tensor_parallel != "auto", device,
+                                     broadcast, verified)
+    num_blocks = len(find_trunk(model)[1])
+    fixed_pp = arguments.pipeline_parallel if arguments.pipeline_parallel != "auto" else None
+    ratios = {"none": (0.0,), "full": (1.0,), "stage_aware": (arguments.recompute_ratio,),
+              "auto": (0.0, 0.5, 1.0)}[arguments.recompute]
+    space = SearchSpace(
+        world_size=world, global_batch_size=None, replica_batch_size=inputs.shape[0],
+        tp_degrees_allowed=tp_degrees, max_pipeline_stages=fixed_pp or min(world, num_blocks + 2),
+        micro_batch_choices=(arguments.micro_batches,) if arguments.micro_batches else None,
+        overlap_choices=(1, 2, 4) if arguments.tp_overlap == "auto" else (arguments.tp_overlap,),
+        recompute_ratios=ratios,
+        memory_limit_bytes=arguments.memory_limit or default_memory_limit(device, num_processes),
+        sequence_parallel=arguments.sequence_parallel,
+        clip_gradients=clip_gradients,
+    )
+    keys = required_profile_keys(space, num_blocks)
+    factory: Callable[[Any], torch.optim.Optimizer] = (
+        (lambda params: type(optimizer)(params, **optimizer.defaults)) if optimizer is not None
+        else (lambda params: torch.optim.AdamW(params)))
+    profile = profile_model(model, inputs, call_model, tensor_parallel_plan, keys, factory,
+                            repeats=PLANNER_REPEATS, process_group_device=device,
+                            loss_of=lambda logits, samples: module.loss_from_logits(logits, targets[:samples]),
+                            sequence_plan_of=sequence_parallel_plan if arguments.sequence_parallel else None,
+                            overlap_weight_gradients=arguments.weight_grad_overlap)
+    every_rank: list[Any] = [None] * world
+    dist.all_gather_object(every_rank, profile)
+    profile = average_profiles(every_rank)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    network = profile_network(keys.all_reduce_group_sizes, device,
+                              large_bytes=min(64 << 20, max(1 << 16, profile.hidden_bytes_per_sample
+                                                            * inputs.shape[0])),
+                              gradient_bytes=min(256 << 20, gradient_bytes), repeats=PLANNER_REPEATS,
+                              pipeline=any(layout.pp > 1 for layout in candidate_layouts(space, num_blocks)))
+    result = plan(space, profile, network)
+    degrees = arguments.degrees
+    allowed = [p for p in result.ranked
+               if all(degrees[name] in ("auto", value) for name, value in
+                      (("dp", p.layout.dp), ("pp", p.layout.pp), ("tp", p.layout.tp)))]
+    if not allowed:
+        raise ValueError(f"no planned layout matches the fixed degrees {degrees}; set more of them to 'auto'")
+    best = allowed[0]
+    chosen = best.layout
+    runner_up = allowed[1] if len(allowed) > 1 else None
+    lines = [f"merak3d planner: chose {chosen.describe()}, predicted step {best.step_time_s:.4g} s "
+             f"({best.samples_per_step} samples, {best.memory_bytes / 2**30:.3g} GiB per rank)"]
+    if runner_up is not None:
+        lines.append(f"merak3d planner: runner-up {runner_up.layout.describe()}, predicted step "
+                     f"{runner_up.step_time_s:.4g} s ({runner_up.samples_per_step} samples)")
+    lines.append(f"merak3d planner: {len(allowed)} layouts ranked, {len(result.rejected)} rejected for memory")
+    layout = _adopted_layout(arguments, chosen)
+    rank_zero_info("\n".join(lines))
+    return PlannedLayout(layout, result, best, frozenset(verified))
+
+
+def _adopted_layout(arguments: Merak3DArguments, chosen: Any) -> Layout:
+    """The run's :class:`Layout` for the planner's ``chosen`` one (a ``planner.Layout``).
+
+    Micro-batches are the planner's with several stages, the user's (or the default) without;
+    a recomputed ratio becomes ``"full"`` without stages and ``"stage_aware"`` with them.
+    """
+    if chosen.pp > 1:
+        micro_batches, by_default = chosen.micro_batches, False
+    else:
+        micro_batches = arguments.micro_batches or default_micro_batches(chosen.pp)
+        by_default = arguments.micro_batches is None
+    if chosen.recompute_ratio == 0.0:
+        recompute, ratio = "none", arguments.recompute_ratio
+    elif chosen.pp == 1:
+        recompute, ratio = "full", arguments.recompute_ratio
+    else:
+        recompute, ratio = "stage_aware", chosen.recompute_ratio
+    return Layout(
+        data_parallel=chosen.dp, pipeline_parallel=chosen.pp, tensor_parallel=chosen.tp,
+        virtual_stages=arguments.stages_per_rank, schedule=arguments.schedule, micro_batches=micro_batches,
+        micro_batches_by_default=by_default, tp_overlap=chosen.overlap, recompute=recompute, recompute_ratio=ratio,
+    )
+
+
+def _splittable_degrees(model: nn.Module, inputs: torch.Tensor, degrees: tuple[int, ...], fixed: bool,
+                        device: torch.device, broadcast: Broadcast, verified: set[int]) -> tuple[int, ...]:
+    """The degrees at which a split block computes what the whole block does; the planner searches only those.
+
+    A degree the user fixed that fails is an error; an automatic one is left out and logged.
+    Those that pass are added to ``verified``.
+    """
+    if all(degree == 1 for degree in degrees):
+        return degrees
+    trace = trace_model(model, inputs[:1], call_model, profile=False)
+    block = model.get_submodule(trace.trunk_path)[0]
+    try:
+        block_plan = tensor_parallel_plan(block, trace)
+        unsplittable = None
+    except ValueError as error:
+        block_plan, unsplittable = None, str(error)
+    kept = []
+    for degree in degrees:
+        problem = None
+        if degree > 1:
+            problem = unsplittable if block_plan is None else split_block_problem(
+                block, trace, block_plan, tensor_parallel_mesh(device, degree), broadcast)
+        if problem is None:
+            kept.append(degree)
+            verified.add(degree)
+        elif fixed:
+            raise ValueError(f"tensor_parallel={degree}: {problem}")
+        else:
+            rank_zero_info(f"merak3d planner: leaves out tensor_parallel={degree}: {problem}")
+    return tuple(kept)
+
+
+def default_memory_limit(device: torch.device, num_processes: int) -> float:
+    """90% of the device's memory, or of the host memory available per process on CPU."""
+    if device.type == "cuda":
+        return 0.9 * torch.cuda.mem_get_info(device)[1]
+    with open("/proc/meminfo") as meminfo:
+        available_kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
+    return 0.9 * available_kib * 1024 / max(1, num_processes)
+
+
+def check_step_time(clock: BatchClock, choice: Any, device: torch.device, trainer: Any) -> StepTimeCheck:
+    """Log the slowest rank's median step next to the plan's prediction; warn when they disagree."""
+    slowest = torch.tensor(clock.median_s(), dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    check = StepTimeCheck(choice.step_time_s, float(slowest), len(clock.durations_s))
+    rank_zero_info(check.describe())
+    if check.suspect:
+        rank_zero_warn(
+            f"the planner's predicted step is {100 * check.error:+.0f}% off the measured one, so layouts it "
+            "ranked close to this one may be faster; fix the degrees, or plan again on a quieter machine"
+        )
+    for logger in trainer.loggers:
+        logger.log_metrics({"planner/predicted_step_s": check.predicted_s,
+                            "planner/measured_step_s": check.measured_s}, step=trainer.global_step)
+    return check
