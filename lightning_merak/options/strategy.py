@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from lightning_merak.config import StrategyConfig, register_option
@@ -37,24 +37,9 @@ class Merak3DStrategyConfig(StrategyConfig):
     plan_only: bool = False
 
     def strategy_kwargs(self) -> dict[str, Any]:
-        return {
-            "data_parallel": self.data_parallel,
-            "pipeline_parallel": self.pipeline_parallel,
-            "tensor_parallel": self.tensor_parallel,
-            "tp_overlap": self.tp_overlap,
-            "tp_weight_grad_overlap": self.tp_weight_grad_overlap,
-            "sequence_parallel": self.sequence_parallel,
-            "micro_batches": self.micro_batches,
-            "schedule": self.schedule,
-            "virtual_stages": self.virtual_stages,
-            "recompute": self.recompute,
-            "recompute_ratio": self.recompute_ratio,
-            "partition": self.partition,
-            "timeout_s": self.timeout_s,
-            "memory_limit": self.memory_limit,
-            "plan_only": self.plan_only,
-            **self.kwargs,
-        }
+        """Every field but the option's name, as constructor arguments, with ``kwargs`` on top."""
+        own = {item.name: getattr(self, item.name) for item in fields(self) if item.name not in ("name", "kwargs")}
+        return {**own, **self.kwargs}
 
 
 def register() -> None:
