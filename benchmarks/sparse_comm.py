@@ -26,7 +26,7 @@ Each rank runs every method in turn on identical data and initial weights:
   all-to-all, and the rest after.
 
 Bytes on the wire are counted per rank from each collective's payload (ring formulas
-of ``lightning_merak.callbacks.sparse_comm.cost_model``), split into embedding-table
+of ``lightning_merak.callbacks.sparse_comm.wire_cost_model``), split into embedding-table
 and dense traffic. Step time is the median over timed steps of the slowest rank.
 Final loss is the mean global loss of the last ``FINAL_LOSS_STEPS`` steps. For the EmbRace
 methods, ``needed_rows_ms`` is the time from launching the backward row exchange until the

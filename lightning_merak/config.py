@@ -37,16 +37,40 @@ GROUPS = ("model", "data", "trainer", "strategy", "moe", "memory", "comm", "adap
 
 @dataclass
 class ModelConfig:
-    """A transformers causal LM built from its config class (random init, nothing downloaded).
+    """A transformers causal LM: built from its config class (random init), or pretrained from ``path``.
 
     ``model_type`` is any key of ``transformers.CONFIG_MAPPING`` whose model has a
     causal-LM head (``llama``, ``gpt2``, ``mistral``, ...); ``config`` holds keyword
     arguments for that config class. ``vocab_size`` is taken from the data's tokenizer.
+
+    ``path`` is a local transformers directory (``config.json`` and safetensors weights): the
+    model type, sizes and vocabulary come from its ``config.json`` (``model_type`` may be
+    omitted; ``config`` entries override its values) and the weights are loaded, not initialised.
     """
 
     name: str = MISSING
-    model_type: str = MISSING
+    model_type: Optional[str] = None
     config: dict[str, Any] = field(default_factory=dict)
+    path: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.path is None:
+            if not self.model_type:
+                raise ValueError("model.model_type is required (e.g. llama), or model.path=DIR to load a "
+                                 "pretrained transformers directory")
+            return
+        import json
+        from pathlib import Path
+
+        config_file = Path(self.path).expanduser() / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"model.path={self.path} has no config.json; pass a local transformers model directory "
+                             "(save_pretrained output)")
+        saved_type = json.loads(config_file.read_text()).get("model_type")
+        if self.model_type and self.model_type != saved_type:
+            raise ValueError(f"model.model_type={self.model_type!r} but {config_file} says {saved_type!r}; "
+                             "omit model.model_type when model.path is given")
+        self.model_type = saved_type
 
 
 @dataclass

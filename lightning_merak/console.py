@@ -21,6 +21,8 @@ _IGNORED_WARNINGS = (
 _IGNORED_LOG_MESSAGES = {
     # bitsandbytes tries an optional Hub kernel for 4-bit CPU matmuls and falls back to its own.
     "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",),
+    # DeepSpeed (imported by transformers' loading code, or by the MoE plugins) on a machine without a GPU.
+    "DeepSpeed": ("Setting accelerator to CPU",),
     # an advertisement for a hosted logger (Lightning's rank_zero_info logger).
     "lightning.pytorch.utilities.rank_zero": ("💡 Tip:",),
 }

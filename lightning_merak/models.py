@@ -17,7 +17,7 @@ Without any strategy the module trains on one device like any other LightningMod
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -67,12 +67,47 @@ def build_causal_lm(config: ModelConfig, vocab_size: int) -> nn.Module:
 
 
 class CausalLMModule(pl.LightningModule):
-    """Next-token prediction on blocks of token ids, with AdamW and warm-up + cosine decay."""
+    """Next-token prediction on blocks of token ids, with AdamW and warm-up + cosine decay.
 
-    def __init__(self, model: nn.Module, optim: TrainerConfig) -> None:
+    Pass the ``model``, or a ``model_factory`` that :meth:`configure_model` calls inside the strategy's
+    sharded context (on the meta device under merak3d, so no rank builds the whole model). With
+    ``pretrained_path`` (a local transformers directory), merak3d fills each rank's part from it
+    (:meth:`load_pretrained_weights`).
+    """
+
+    def __init__(self, model: Optional[nn.Module], optim: TrainerConfig,
+                 model_factory: Optional[Callable[[], nn.Module]] = None,
+                 pretrained_path: Optional[str] = None) -> None:
         super().__init__()
+        if model is None and model_factory is None:
+            raise ValueError("CausalLMModule needs a model or a model_factory")
         self.model = model
         self.optim = optim
+        self.model_factory = model_factory
+        self.pretrained_path = pretrained_path
+
+    def configure_model(self) -> None:
+        """Build the model from ``model_factory`` once, in the context the strategy sets (meta under merak3d)."""
+        if self.model is None and self.model_factory is not None:
+            self.model = self.model_factory()
+
+    def load_pretrained_weights(self, tensors: dict[str, torch.Tensor], layout_changes: dict[str, Any]) -> None:
+        """merak3d's pretrained seam: fill this rank's ``tensors`` (by unsplit name; shards as DTensors)
+        from ``pretrained_path``, undoing the split's ``layout_changes``. Without a path, the random init stays."""
+        if self.pretrained_path is None:
+            return
+        from lightning_merak.hf import load_pretrained
+
+        load_pretrained(tensors, self.pretrained_path, layout_changes)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Record the transformers config (and adapter configs) so ``merak-export`` can write a Hugging Face
+        directory from the checkpoint alone."""
+        from lightning_merak.hf.names import MODEL_RECORD_KEY, model_record
+
+        record = model_record(self.model) if self.model is not None else None
+        if record is not None:
+            checkpoint[MODEL_RECORD_KEY] = record
 
     def split_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``(model inputs, targets)``: both are the token ids; the loss shifts them."""

@@ -146,10 +146,28 @@ def train(config: TrainConfig) -> Path:
 
     pl.seed_everything(config.trainer.seed, workers=True, verbose=rank_zero_only.rank == 0)
     data = LanguageModelingData(config.data)
-    model = build_causal_lm(config.model, vocab_size=data.vocab_size)
-    model = config.moe.apply(model)
-    model = config.adapter.apply(model)
-    module = CausalLMModule(model, config.trainer)
+
+    # merak3d builds the model in configure_model(), inside its sharded context: on the meta device, each rank
+    # materialising only its part later (and reading only its part of a pretrained checkpoint). DDP builds it
+    # whole, and so do MoE plugins and adapters, which rewrite (quantise, regroup) weights that must exist.
+    on_meta = (getattr(strategy, "strategy_name", None) == "merak3d" and config.moe.name == "none"
+               and config.adapter.name == "none")
+    pretrained = config.model.path
+
+    def build_model() -> Any:
+        if pretrained:
+            from lightning_merak.hf import pretrained_causal_lm
+
+            base = pretrained_causal_lm(pretrained, data.vocab_size, config.model.config, weights=not on_meta)
+        else:
+            base = build_causal_lm(config.model, vocab_size=data.vocab_size)
+        return config.adapter.apply(config.moe.apply(base))
+
+    module = CausalLMModule(None if on_meta else build_model(), config.trainer, model_factory=build_model,
+                            pretrained_path=pretrained if on_meta else None)
+    if on_meta:  # now, so the launch checks see the (meta) model; Lightning's own call then finds it built
+        with strategy.model_sharded_context():
+            module.configure_model()
     if hasattr(strategy, "validate_before_launch"):
         strategy.validate_before_launch(module, world_size, **batch_shape)
 
@@ -187,7 +205,7 @@ def train(config: TrainConfig) -> Path:
         if trainer.is_global_zero:
             print(
                 "merak-train: plan only, nothing trained. Planned layout: "
-                f"{strategy.layout_plan.best.layout.describe()}"
+                f"{strategy.layout_plan.best.layout.describe() if strategy.layout_plan else strategy.layout}"
             )
         return output_dir
     checkpoints = output_dir / "checkpoints"

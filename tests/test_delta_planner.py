@@ -6,7 +6,7 @@ import pytest
 
 from lightning_merak.callbacks.delta.budget import parse_budget
 from lightning_merak.callbacks.delta.ledger import ResidentLedger
-from lightning_merak.callbacks.delta.planner import (
+from lightning_merak.callbacks.delta.memory_planner import (
     Action,
     BlockProfile,
     PlannerSettings,

@@ -11,14 +11,15 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_merak.callbacks.delta.activation_swap import SwapManager
 from lightning_merak.callbacks.delta.blocks import discover_blocks
 from lightning_merak.callbacks.delta.budget import parse_budget
 from lightning_merak.callbacks.delta.ledger import ResidentLedger
-from lightning_merak.callbacks.delta.planner import Action
+from lightning_merak.callbacks.delta.memory_planner import Action
 from lightning_merak.callbacks.delta.profiler import DeviceMemory, SavedTensorTracker
-from lightning_merak.callbacks.delta.recompute import user_checkpointing
+from lightning_merak.callbacks.delta.recompute_switch import user_checkpointing
 from lightning_merak.callbacks.delta.runtime import ManagerOptions, MemoryManager
-from lightning_merak.callbacks.delta.swap import DiskTier, HostTier, SwapManager
+from lightning_merak.callbacks.delta.swap_tiers import DiskTier, HostTier
 from lightning_merak.testing.delta_models import BasicBlock, SmallResNet, tiny_gpt2, tiny_llama
 
 

@@ -27,7 +27,8 @@ def _profile_rank(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
     from lightning_merak.strategies.layout_profiler import profile_model, profile_network
-    from lightning_merak.strategies.merak3d import Merak3DStrategy, _call_model, average_gradients
+    from lightning_merak.strategies.merak3d import average_gradients
+    from lightning_merak.strategies.merak3d.build import call_model, tensor_parallel_plan
     from lightning_merak.strategies.planner import SearchSpace, required_profile_keys
 
     model, inputs = _llama_and_tokens()
@@ -40,7 +41,7 @@ def _profile_rank(rank: int, world_size: int) -> dict:
         loss_batches.append(logits.shape[0])
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), inputs[:samples].flatten())
 
-    profile = profile_model(model, inputs, _call_model, Merak3DStrategy._tensor_parallel_plan, keys,
+    profile = profile_model(model, inputs, call_model, tensor_parallel_plan, keys,
                             lambda params: torch.optim.AdamW(params), repeats=3,
                             process_group_device=torch.device("cpu"), loss_of=loss_of)
     gradient_bytes = 4 << 20
@@ -73,15 +74,17 @@ def test_profiler_measures_real_blocks_gradient_sync_and_optimizer_on_two_ranks(
     # timings belong to benchmarks/planner.py; here: a usable fit, and the averaging it times is right
     assert 0 < network.gradient_sync_s(1 << 20, 2) <= network.gradient_sync_s(4 << 20, 2) < float("inf")
     assert all(r["grads_averaged"] == [1.5] for r in results)
-    # two stages that compute nothing still cost the pipeline runtime something per chunk (how much is a figure)
-    assert 0 < network.pipeline_action_s < float("inf") and 0 <= network.pipeline_step_s < float("inf")
+    # two stages that compute nothing still cost the pipeline runtime something; how it splits between
+    # chunks and steps is a fit on noisy timings (a figure, see test_planner_core for the fit itself)
+    assert 0 <= network.pipeline_action_s < float("inf") and 0 <= network.pipeline_step_s < float("inf")
+    assert network.pipeline_action_s + network.pipeline_step_s > 0
     assert results[1]["network"] == network
 
 
 def _real_block_collectives_rank(rank: int, world_size: int, sequence_parallel: bool) -> dict:
     from lightning_merak.runtime.collectives import record_communication
     from lightning_merak.strategies.layout_profiler import profile_model
-    from lightning_merak.strategies.merak3d import Merak3DStrategy, _call_model
+    from lightning_merak.strategies.merak3d.build import call_model, sequence_parallel_plan, tensor_parallel_plan
     from lightning_merak.strategies.planner import SearchSpace, required_profile_keys
 
     model, inputs = _llama_and_tokens()
@@ -89,9 +92,9 @@ def _real_block_collectives_rank(rank: int, world_size: int, sequence_parallel: 
                         tp_degrees_allowed=(2,), max_pipeline_stages=1, overlap_choices=(2,))
     with record_communication() as trace:
         profile = profile_model(
-            model, inputs, _call_model, Merak3DStrategy._tensor_parallel_plan, required_profile_keys(space, 2),
+            model, inputs, call_model, tensor_parallel_plan, required_profile_keys(space, 2),
             lambda params: torch.optim.AdamW(params), repeats=1, process_group_device=torch.device("cpu"),
-            sequence_plan_of=Merak3DStrategy._sequence_parallel_plan if sequence_parallel else None)
+            sequence_plan_of=sequence_parallel_plan if sequence_parallel else None)
     return {"ops": sorted({event["op"] for event in trace.events}), "measured": set(profile.measured_blocks)}
 
 
@@ -107,11 +110,11 @@ def test_profiler_times_sequence_parallel_blocks_with_their_own_collectives():
 def test_large_parameters_are_timed_on_a_part_and_scaled(monkeypatch):
     """A large embedding's update is timed on a bounded copy: setup never copies the whole table."""
     from lightning_merak.strategies import layout_profiler
-    from lightning_merak.strategies.merak3d import _call_model
+    from lightning_merak.strategies.merak3d.build import call_model
     from lightning_merak.strategies.pipeline.trace import trace_model
 
     model, inputs = _llama_and_tokens()
-    trace = trace_model(model, inputs, _call_model)
+    trace = trace_model(model, inputs, call_model)
     prefix, suffix = trace.outside_parameters(model)
     largest = 1000
     timed: list[list[int]] = []

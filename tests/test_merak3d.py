@@ -7,6 +7,7 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -52,11 +53,17 @@ def _make_optimizer(parameters, kind: str) -> torch.optim.Optimizer:
     return torch.optim.SGD(parameters, lr=0.5) if kind == "sgd" else torch.optim.Adam(parameters, lr=1e-2)
 
 
-def _module(model_name: str, optimizer: str = "sgd") -> CausalLMModule:
+def _module(model_name: str, optimizer: str = "sgd", on_meta: bool = False) -> CausalLMModule:
+    """The test model; ``on_meta``: built in ``configure_model()`` (on the meta device under merak3d)."""
     torch.manual_seed(0)
-    model = build_causal_lm(MODELS[model_name], vocab_size=VOCAB)
-    model.config.use_cache = False
-    module = _TestModule(model, TrainerConfig(max_steps=STEPS))
+
+    def build() -> nn.Module:
+        model = build_causal_lm(MODELS[model_name], vocab_size=VOCAB)
+        model.config.use_cache = False
+        return model
+
+    module = _TestModule(None, TrainerConfig(max_steps=STEPS), model_factory=build) if on_meta else _TestModule(
+        build(), TrainerConfig(max_steps=STEPS))
     module.optimizer_kind = optimizer
     return module
 
@@ -124,9 +131,10 @@ class _ShardedData(pl.LightningDataModule):
 
 def _train_rank(rank: int, world_size: int, model_name: str, layout: dict, first_step: int = 0,
                 last_step: int = STEPS, epochs: int = 1, optimizer: str = "sgd", save_to: str | None = None,
-                resume_from: str | None = None, clip: float | None = None) -> tuple[list[float], list[dict]]:
-    module = _module(model_name, optimizer)
-    recorder = _Recorder(tied_parameter_names(module.model))
+                resume_from: str | None = None, clip: float | None = None,
+                on_meta: bool = False) -> tuple[list[float], list[dict]]:
+    module = _module(model_name, optimizer, on_meta)
+    recorder = _Recorder(tied_parameter_names(_module(model_name).model))  # names of a whole copy: also on meta
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120),
         max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -177,17 +185,19 @@ def test_heads_with_tensor_operations_and_per_layer_masks_match_single_process(m
     module and, for Gemma 2, whose layers read different attention masks: the first stage gathers them
     in each sub-batch's thread."""
     results = run_distributed(_train_rank, 4, args=(model_name, layout), timeout_s=300)
-    assert_traces_match(_reference(model_name), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
+    # the vocabulary-parallel softmax sums its terms in another order: gradients within 2e-4 after 4 steps
+    assert_traces_match(_reference(model_name), _merge(results), loss_rtol=1e-5, grad_rtol=2e-4)
 
 
-@pytest.mark.parametrize(("model_name", "saved_layout", "resumed_layout"), [
-    ("llama", LAYOUTS[4], LAYOUTS[0]),
-    ("gpt2", LAYOUTS[4], LAYOUTS[0]),
-    ("gpt2", LAYOUTS[0], LAYOUTS[2]),
-], ids=["llama-pp2tp2-to-dp2", "gpt2-pp2tp2-to-dp2", "gpt2-dp2-to-tp2"])
-def test_checkpoint_resumes_in_another_layout(tmp_path, model_name, saved_layout, resumed_layout):
+@pytest.mark.parametrize(("model_name", "saved_layout", "resumed_layout", "on_meta"), [
+    ("llama", LAYOUTS[4], LAYOUTS[0], False),
+    ("gpt2", LAYOUTS[4], LAYOUTS[0], True),
+    ("gpt2", LAYOUTS[0], LAYOUTS[2], True),
+], ids=["llama-pp2tp2-to-dp2", "gpt2-pp2tp2-to-dp2-meta", "gpt2-dp2-to-tp2-meta"])
+def test_checkpoint_resumes_in_another_layout(tmp_path, model_name, saved_layout, resumed_layout, on_meta):
     """Saved (sharded, torch distributed checkpoint) after an epoch of 3 steps in one layout, resumed in
-    another: the loss trajectory continues. GPT-2 adds tied embeddings and fused q/k/v."""
+    another: the loss trajectory continues. GPT-2 adds tied embeddings and fused q/k/v; its resumed
+    runs build the model on the meta device (``configure_model``)."""
     checkpoint = str(tmp_path / "epoch0.ckpt")
     reference = _reference(model_name, optimizer_kind="adam")
     world = [math.prod(layout[k] for k in ("data_parallel", "pipeline_parallel", "tensor_parallel"))
@@ -197,7 +207,8 @@ def test_checkpoint_resumes_in_another_layout(tmp_path, model_name, saved_layout
     assert first[0][0] == pytest.approx(reference.losses[:3], rel=1e-5)
     assert (tmp_path / "epoch0.ckpt" / "lightning.ckpt").is_file()
     second = run_distributed(_train_rank, world[1], args=(model_name, resumed_layout), timeout_s=300,
-                             kwargs={"first_step": 3, "epochs": 2, "optimizer": "adam", "resume_from": checkpoint})
+                             kwargs={"first_step": 3, "epochs": 2, "optimizer": "adam", "resume_from": checkpoint,
+                                     "on_meta": on_meta})
     assert second[0][0] == pytest.approx(reference.losses[3:], rel=1e-5)
 
 

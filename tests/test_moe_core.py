@@ -146,7 +146,7 @@ def test_swapped_mixtral_computes_the_original_function_on_one_rank() -> None:
     from lightning_merak.config import ModelConfig
     from lightning_merak.models import build_causal_lm
     from lightning_merak.options.moe import ProphetMoEConfig
-    from lightning_merak.plugins.moe.swap import SwappedSparseBlock
+    from lightning_merak.plugins.moe.block_replacement import SwappedSparseBlock
 
     config = ModelConfig(name="m", model_type="mixtral", config=dict(
         hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

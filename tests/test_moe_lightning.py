@@ -44,7 +44,7 @@ class _Recorder(pl.Callback):
 def train_swapped(rank: int, world_size: int, options: dict[str, Any]) -> dict[str, Any]:
     from lightning_merak.models import CausalLMModule
     from lightning_merak.options.moe import ProphetMoEConfig
-    from lightning_merak.plugins.moe.swap import SwappedSparseBlock
+    from lightning_merak.plugins.moe.block_replacement import SwappedSparseBlock
 
     config = ProphetMoEConfig(ep_size=2, aux_loss_coef=0.0, log_every_n_steps=1, **options)
     model = config.apply(_model())

@@ -12,6 +12,8 @@ from lightning_merak.runtime import turns
 from lightning_merak.runtime.sub_batches import SubBatchForward, run_sub_batches
 from lightning_merak.runtime.turns import meet_in_turn
 from lightning_merak.strategies.merak3d import Merak3DStrategy
+from lightning_merak.strategies.merak3d.build import tensor_parallel_plan
+from lightning_merak.strategies.merak3d.layout import check_overlap
 from lightning_merak.testing import assert_traces_match, run_distributed
 from tests.test_merak3d import _merge, _reference, _train_rank
 from tests.test_sequence_parallel import _step
@@ -158,7 +160,7 @@ def test_bad_splits_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="batch-first"):
         run_sub_batches(lambda x: x.sum(0, keepdim=True), 2, (torch.randn(4, 2),))
     with pytest.raises(ValueError, match="tensor_parallel=1"):
-        Merak3DStrategy(tp_overlap=2)._check_overlap(1)
+        check_overlap(2, 1)
     with pytest.raises(ValueError, match="interleaved_zero_bubble"):
         Merak3DStrategy(tensor_parallel=2, tp_overlap=2, schedule="interleaved_zero_bubble")
     with pytest.raises(ValueError, match="tp_weight_grad_overlap=True .* interleaved_zero_bubble"):
@@ -292,15 +294,15 @@ def test_local_shard_of_a_block_holds_one_rank_of_every_split_layer():
     from lightning_merak.config import ModelConfig
     from lightning_merak.models import build_causal_lm
     from lightning_merak.strategies.layout_profiler import local_shard_of_block
-    from lightning_merak.strategies.merak3d import _call_model
+    from lightning_merak.strategies.merak3d.build import call_model
     from lightning_merak.strategies.pipeline.trace import trace_model
 
     model = build_causal_lm(ModelConfig(name="gpt2", model_type="gpt2", config={"n_embd": 32, "n_layer": 2,
                                                                                 "n_head": 4}), vocab_size=VOCAB)
     model.config.use_cache = False
-    trace = trace_model(model, torch.randint(VOCAB, (2, SEQ)), _call_model, profile=False)
+    trace = trace_model(model, torch.randint(VOCAB, (2, SEQ)), call_model, profile=False)
     block = model.get_submodule(trace.trunk_path)[0]
-    plan = Merak3DStrategy._tensor_parallel_plan(block, trace)
+    plan = tensor_parallel_plan(block, trace)
     shard = local_shard_of_block(block, plan, 2)
     assert shard.attn.c_attn.out_features == 48 and shard.mlp.c_proj.in_features == 64
     args, kwargs = trace.block_arguments(trace.sample_side_tensors)

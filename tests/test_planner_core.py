@@ -177,19 +177,24 @@ def test_single_stage_prediction_matches_hand_computation():
     profile, two_ranks = _one_block_profile(), _TWO_RANKS
     search = SearchSpace(world_size=2, global_batch_size=2, tp_degrees_allowed=(2,), max_pipeline_stages=1)
     # Each all-reduce: 0.1 + 2 * 1/2 * 200 / 100 = 2.1 s, two in forward and two in backward.
-    # Forward chain [0.5 + 1, 2, 1]: 4.5 + 4.2; backward [2 + 3, 4, 0.25]: 9.25 + 4.2; optimizer 60 B x 0.01.
+    # Forward chain [0.5 + 1, 2, 1]: 4.5 + 4.2; backward [2 + 3, 4, 0.25]: 9.25 + 4.2; optimizer 40 B x 0.01
+    # (the block's 20 B per rank, and the embedding's 10 and the head's 30 split by vocabulary over 2 ranks).
     plain = predict(Layout(1, 1, 2, 1, 1, 0.0), profile, two_ranks, search)
-    assert plain.step_time_s == pytest.approx(8.7 + 13.45 + 0.6)
+    assert plain.step_time_s == pytest.approx(8.7 + 13.45 + 0.4)
     assert plain.components == pytest.approx(
         {"compute": 13.75, "exposed_tp_comm": 8.4, "pipeline_runtime": 0.0, "pipeline_bubble": 0.0,
-         "dp_allreduce": 0.0, "grad_clip": 0.0, "optimizer": 0.6}
+         "dp_allreduce": 0.0, "grad_clip": 0.0, "optimizer": 0.4}
     )
-    assert plain.memory_bytes == pytest.approx(4 * 60 + 2 * 1000)
+    whole_vocabulary = predict(Layout(1, 1, 2, 1, 1, 0.0), profile, two_ranks,
+                               dataclasses.replace(search, vocab_parallel=False))
+    assert whole_vocabulary.components["optimizer"] == pytest.approx(0.6)
+    assert whole_vocabulary.memory_bytes == pytest.approx(4 * 60 + 2 * 1000)
+    assert plain.memory_bytes == pytest.approx(4 * 40 + 2 * 1000)
     # Full recompute replays the block's compute (1 + 2 s), not its collectives, and keeps only
     # the block input plus the two cached post-collective outputs: 3 x 100 bytes per sample.
     recomputed = predict(Layout(1, 1, 2, 1, 1, 1.0), profile, two_ranks, search)
     assert recomputed.step_time_s == pytest.approx(plain.step_time_s + 3.0)
-    assert recomputed.memory_bytes == pytest.approx(4 * 60 + 2 * 300)
+    assert recomputed.memory_bytes == pytest.approx(4 * 40 + 2 * 300)
 
 
 def test_sequence_parallelism_splits_the_sequence_split_activations_and_recomputed_inputs():
@@ -199,14 +204,14 @@ def test_sequence_parallelism_splits_the_sequence_split_activations_and_recomput
     plain_search = dataclasses.replace(search, sequence_parallel=False)
     stored, recomputed = Layout(1, 1, 2, 1, 1, 0.0), Layout(1, 1, 2, 1, 1, 1.0)
     # 400 bytes per sample stay whole, the 600 sequence-split ones are halved
-    assert predict(stored, profile, _TWO_RANKS, search).memory_bytes == pytest.approx(4 * 60 + 2 * 700)
+    assert predict(stored, profile, _TWO_RANKS, search).memory_bytes == pytest.approx(4 * 40 + 2 * 700)
     # a recomputed block keeps its input slice (50), two gathered (2 x 100) and two scattered (2 x 50) outputs
-    assert predict(recomputed, profile, _TWO_RANKS, search).memory_bytes == pytest.approx(4 * 60 + 2 * 350)
+    assert predict(recomputed, profile, _TWO_RANKS, search).memory_bytes == pytest.approx(4 * 40 + 2 * 350)
     # the time is the profile's, taken with or without sequence parallelism
     assert predict(stored, profile, _TWO_RANKS, search).step_time_s == pytest.approx(
         predict(stored, profile, _TWO_RANKS, plain_search).step_time_s)
     # a profile that did not tell the split part prices activations as plain tensor parallelism
-    assert predict(stored, _one_block_profile(), _TWO_RANKS, search).memory_bytes == pytest.approx(4 * 60 + 2 * 1000)
+    assert predict(stored, _one_block_profile(), _TWO_RANKS, search).memory_bytes == pytest.approx(4 * 40 + 2 * 1000)
     with pytest.raises(ValueError, match=r"block_sequence_split_bytes_per_sample\[2\]=1200 must be within \[0, 1000\]"):
         _one_block_profile(block_sequence_split_bytes_per_sample={2: 1200}).block_activation_bytes_at(2, True)
 
@@ -525,7 +530,7 @@ def test_gradient_sync_replaces_the_plain_all_reduce_for_data_parallel_only():
     layout = Layout(2, 1, 4, 1, 1, 0.0)
     slow_sync = dataclasses.replace(SLOW, gradient_sync={2: sync})
     before, after = predict(layout, profile, SLOW, search), predict(layout, profile, slow_sync, search)
-    parameter_bytes = 8 * profile.block_parameter_bytes[4] + 600_000_000
+    parameter_bytes = 8 * profile.block_parameter_bytes[4] + 600_000_000 // 4  # embedding and head split by vocabulary
     assert after.components["dp_allreduce"] == pytest.approx(sync.send_s(parameter_bytes))
     assert after.components["exposed_tp_comm"] == pytest.approx(before.components["exposed_tp_comm"])
 
@@ -540,7 +545,7 @@ def test_measured_blocks_replace_the_simulated_chain():
     prefix_forward, prefix_backward = profile.prefix_times[4]
     suffix_forward, suffix_backward = profile.suffix_times[4]
     outside_s = 2 * (prefix_forward + suffix_forward + prefix_backward + suffix_backward)
-    optimizer_s = profile.optimizer_s_per_parameter_byte * (4 * profile.block_parameter_bytes[2] + 600_000_000)
+    optimizer_s = profile.optimizer_s_per_parameter_byte * (4 * profile.block_parameter_bytes[2] + 600_000_000 // 2)
     assert measured.step_time_s == pytest.approx(outside_s + 0.05 + 3 * 0.04 + 0.09 + 3 * 0.08 + optimizer_s)
     assert measured.components["compute"] == pytest.approx(modelled.components["compute"])
     assert sum(measured.components.values()) == pytest.approx(measured.step_time_s)

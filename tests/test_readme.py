@@ -65,7 +65,8 @@ class Case:
     losses in metrics.csv, TensorBoard events). ``output``: substrings of its output.
     ``files``: globs under the run's output directory. ``not_run``: why the command cannot
     run on this machine; such a command is checked by ``substitute`` instead, a command
-    that exercises the same path here.
+    that exercises the same path here. ``before``: a README command that must run first
+    (it makes the files this one reads).
     """
 
     trains: bool = True
@@ -74,6 +75,7 @@ class Case:
     timeout: float = 300
     not_run: str = ""
     substitute: str = ""
+    before: str = ""
 
 
 CASES: dict[str, Case] = {
@@ -115,6 +117,10 @@ CASES: dict[str, Case] = {
     "merak-train model=mixtral_tiny moe=deepspeed": Case(),
     "merak-train model=mixtral_tiny moe=shadowing moe.ep_size=2": Case(),
     "merak-train adapter=qbara adapter.r=8 adapter.quantization=nf4": Case(),
+    "merak-train model=hf model.path=/abs/checkpoint_dir strategy.pipeline_parallel=2": Case(),
+    "merak-export /abs/run_dir/checkpoints/final.ckpt /abs/exported_dir": Case(
+        trains=False, output=("merak-export: wrote",),
+        before="merak-train model=hf model.path=/abs/checkpoint_dir strategy.pipeline_parallel=2"),
     "python examples/finetune_adapter.py [--method qbara]": Case(trains=False, output=("NF4 merge re-quantizes",)),
 }
 # Benchmarks are measurements that take minutes each (some need root for the emulated network);
@@ -139,7 +145,22 @@ def _write_corpus(directory: Path) -> dict[str, Path]:
     tokenizer_dir = directory / "tokenizer"
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="</s>").save_pretrained(
         tokenizer_dir)
-    return {"/abs/path/corpus.jsonl": jsonl, "/abs/corpus.txt": text, "/abs/tokenizer_dir": tokenizer_dir}
+    return {"/abs/path/corpus.jsonl": jsonl, "/abs/corpus.txt": text, "/abs/tokenizer_dir": tokenizer_dir,
+            "/abs/checkpoint_dir": _write_checkpoint(directory / "checkpoint"), "/abs/run_dir": directory / "run",
+            "/abs/exported_dir": directory / "exported"}
+
+
+def _write_checkpoint(directory: Path) -> Path:
+    """A small pretrained-style transformers directory (Llama, random weights) whose vocabulary fits the data."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if not directory.exists():
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+        AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
 
 
 def _tiny(overrides: list[str], run_dir: Path) -> list[str]:
@@ -169,15 +190,15 @@ def _argv(command: str, tmp_path: Path) -> list[str]:
         tiny = _tiny(shlex.split(args[0]) if args else [], run_dir)
         return ["make", "--no-print-directory", "-C", str(ROOT), "VENV=" + str(BIN.parent), *rest,
                 "ARGS=" + shlex.join(tiny)]
-    if program == "merak-train":
-        words[0] = str(BIN / "merak-train")
+    if program in ("merak-train", "merak-export"):
+        words[0] = str(BIN / program)
     elif program == "torchrun":
         words[0] = str(BIN / "torchrun")
     elif program == "python":
         words[0] = sys.executable
     if program == "python" and words[1].endswith(".py"):
         return [words[0], str(ROOT / words[1]), *words[2:], "--steps", "2", "--out", str(tmp_path / "out")]
-    if "--help" in words:
+    if "--help" in words or program == "merak-export":
         return words
     module_at = words.index("-m") + 2 if "-m" in words else 1
     return [*words[:module_at], *_tiny(words[module_at:], run_dir)]
@@ -186,7 +207,7 @@ def _argv(command: str, tmp_path: Path) -> list[str]:
 # Noise a run must not print: a dependency's optional-kernel notice, checkpoints overwritten,
 # modules left in eval mode by the layout build, informational lines repeated by other ranks.
 NOISE = ("Failed to load CPU gemm_4bit_forward", "overwriting", "module(s) in eval mode", "[rank: 1]",
-         "weights_only` was not set")
+         "weights_only` was not set", "Setting accelerator to CPU")
 
 
 def _check_trained(stdout: str, output: str, run_dir: Path) -> None:
@@ -217,6 +238,10 @@ def test_readme_command(command: str, tmp_path: Path) -> None:
         if not case.substitute:
             pytest.skip(f"not run here: {case.not_run}")
         command = case.substitute
+    if case.before:
+        first = subprocess.run(_argv(case.before, tmp_path), cwd=tmp_path, capture_output=True, text=True,
+                               timeout=CASES[case.before].timeout)
+        assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
     result = subprocess.run(_argv(command, tmp_path), cwd=tmp_path, capture_output=True, text=True,
                             timeout=case.timeout)
     output = result.stdout + result.stderr

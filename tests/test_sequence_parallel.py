@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections import Counter
 
@@ -10,7 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_merak.strategies.merak3d import Merak3DStrategy, _checkpointed
+from lightning_merak.runtime.layout_aware import RecomputedForward
+from lightning_merak.strategies.merak3d import Merak3DStrategy
+from lightning_merak.strategies.merak3d.build import tensor_parallel_plan
 from lightning_merak.strategies.sequence_parallel import check_sequence_length, find_sequence_parallel_plan
 from lightning_merak.strategies.tensor_parallel import find_tensor_parallel_plan
 from lightning_merak.testing import assert_traces_match, run_distributed
@@ -34,20 +35,20 @@ MODELS = {
 def _model_and_trace(name: str):
     from lightning_merak.config import ModelConfig
     from lightning_merak.models import build_causal_lm
-    from lightning_merak.strategies.merak3d import _call_model
+    from lightning_merak.strategies.merak3d.build import call_model
     from lightning_merak.strategies.pipeline.trace import trace_model
 
     torch.manual_seed(0)
     model = build_causal_lm(ModelConfig(name=name, **MODELS[name]), vocab_size=VOCAB)
     model.config.use_cache = False
     inputs = torch.randint(VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(1))
-    return model, inputs, trace_model(model, inputs, _call_model, profile=False)
+    return model, inputs, trace_model(model, inputs, call_model, profile=False)
 
 
 def _plans(block: nn.Module, trace):
     args, kwargs = trace.block_arguments(trace.sample_side_tensors)
     run = lambda: block(trace.sample_hidden, *args, **kwargs)
-    plan = Merak3DStrategy._tensor_parallel_plan(block, trace)
+    plan = tensor_parallel_plan(block, trace)
     return plan, find_sequence_parallel_plan(block, run, plan.column_groups, plan.row)
 
 
@@ -132,7 +133,7 @@ def _tensor_parallel_model(name: str, world_size: int, sequence_parallel: bool, 
         apply_tensor_parallel(block, plan, mesh, sequence_plan if sequence_parallel else None,
                               overlap_weight_gradients)
         if recompute:
-            block.forward = functools.partial(_checkpointed, block.forward)
+            block.forward = RecomputedForward(block.forward)
     if sequence_parallel:
         split_sequence_between(trunk[0], trunk[-1], mesh.get_group(), trace.block_output_index)
     return model, inputs, trunk
@@ -257,14 +258,14 @@ def test_sequence_parallel_reduce_scatters_input_gradients_behind_weight_gradien
 def _predicted_sequence_parallel_saving(name: str) -> int:
     """Activation bytes the planner expects sequence parallelism to save on the whole model at tp=2."""
     from lightning_merak.strategies.layout_profiler import profile_model
-    from lightning_merak.strategies.merak3d import _call_model
+    from lightning_merak.strategies.merak3d.build import call_model
     from lightning_merak.strategies.planner import SearchSpace, required_profile_keys
 
     model, inputs, _ = _model_and_trace(name)
     samples = inputs.shape[0]
     space = SearchSpace(world_size=2, global_batch_size=None, replica_batch_size=samples, tp_degrees_allowed=(2,),
                         max_pipeline_stages=1, overlap_choices=(1,))
-    profile = profile_model(model, inputs, _call_model, Merak3DStrategy._tensor_parallel_plan,
+    profile = profile_model(model, inputs, call_model, tensor_parallel_plan,
                             required_profile_keys(space, 3), lambda params: torch.optim.AdamW(params), repeats=1)
     per_sample = profile.block_activation_bytes_at(2) - profile.block_activation_bytes_at(2, sequence_parallel=True)
     return profile.num_blocks * samples * per_sample

@@ -1,5 +1,5 @@
 """SparseCommunication under merak3d's data-parallel group (real gloo ranks): the same losses
-and gradients as merak3d's own dense averaging, with and without pipeline stages."""
+and gradients as merak3d's own dense averaging, with and without pipeline stages and clipping."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from lightning_merak.testing import run_distributed
 pytestmark = pytest.mark.distributed  # every test here runs gloo ranks or a subprocess
 
 STEPS, BATCH, SEQ, VOCAB, TABLE_ROWS = 4, 8, 16, 512, 256
+CLIP = 0.05
 MODELS = {
     "gpt2_tied": ModelConfig(name="gpt2", model_type="gpt2", config={
         "n_embd": 32, "n_layer": 2, "n_head": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
@@ -44,23 +45,26 @@ class _DataParallelSlices(pl.LightningDataModule):
 
 
 class _Recorder(pl.Callback):
-    """Per step: the logged loss, this rank's gradients as the optimizer used them and the
-    sharded tables' exchange timings."""
+    """Per step: the logged loss, this rank's gradients as the optimizer used them, the norm merak3d
+    clipped by and the sharded tables' exchange timings."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.norms: list[float | None] = []
         self.gradients: list[dict[str, torch.Tensor]] = []
         self.exchanges: list[object] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
+        self.norms.append(trainer.strategy.last_gradient_norm)
         self.gradients.append({
             name: param.grad.detach().clone() for name, param in pl_module.named_parameters() if param.grad is not None
         })
         self.exchanges += [m.last_exchange for m in pl_module.modules() if isinstance(m, ShardedEmbedding)]
 
 
-def _fit(model_name: str, layout: dict[str, int], comm: SparseCommunication | None) -> dict[str, object]:
+def _fit(model_name: str, layout: dict[str, int], comm: SparseCommunication | None,
+         clip: float | None = None) -> dict[str, object]:
     torch.manual_seed(0)
     model = build_causal_lm(MODELS[model_name], vocab_size=VOCAB)
     module = _SGDModule(model, TrainerConfig(max_steps=STEPS))
@@ -70,11 +74,11 @@ def _fit(model_name: str, layout: dict[str, int], comm: SparseCommunication | No
         accelerator="cpu", devices=layout["data_parallel"] * layout["pipeline_parallel"],
         strategy=Merak3DStrategy(**layout, partition="uniform", timeout_s=120), max_epochs=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, gradient_clip_val=clip,
         callbacks=[recorder, *([comm] if comm else [])],
     )
     trainer.fit(module, datamodule=_DataParallelSlices())
-    result: dict[str, object] = {"losses": recorder.losses, "gradients": recorder.gradients}
+    result: dict[str, object] = {"losses": recorder.losses, "gradients": recorder.gradients, "norms": recorder.norms}
     if comm is not None and comm.excluded_reducer is not None:
         result["decisions"] = list(comm.excluded_reducer.decision_log)
         result["embedding_wire"] = comm.ledger.snapshot().get("embedding", 0.0)
@@ -94,17 +98,20 @@ def data_parallel_runs(rank: int, world_size: int) -> dict[str, dict[str, object
                                                                 bandwidth_gbit=1.0)),
         "llama_embrace_priority": _fit("llama", layout, SparseCommunication(
             "embrace", min_table_rows=TABLE_ROWS, priority=True)),
+        "llama_dense_clipped": _fit("llama", layout, None, clip=CLIP),
+        "llama_embrace_clipped": _fit("llama", layout, SparseCommunication("embrace", min_table_rows=TABLE_ROWS),
+                                      clip=CLIP),
     }
 
 
-def _refusal(layout: dict[str, int], **trainer_kwargs: object) -> str:
+def _refusal(layout: dict[str, int]) -> str:
     """The error of an EmbRace run merak3d cannot host (raised in setup, before any collective)."""
     module = _SGDModule(build_causal_lm(MODELS["llama"], vocab_size=VOCAB), TrainerConfig(max_steps=STEPS))
     trainer = pl.Trainer(
         accelerator="cpu", devices=layout["data_parallel"] * layout["pipeline_parallel"],
         strategy=Merak3DStrategy(**layout, timeout_s=120), max_epochs=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        callbacks=[SparseCommunication("embrace", min_table_rows=TABLE_ROWS)], **trainer_kwargs,
+        callbacks=[SparseCommunication("embrace", min_table_rows=TABLE_ROWS)],
     )
     try:
         trainer.fit(module, datamodule=_DataParallelSlices())
@@ -119,8 +126,6 @@ def pipeline_runs(rank: int, world_size: int) -> dict[str, object]:
         "gpt2_dense": _fit("gpt2_tied", layout, None),
         "gpt2_s2": _fit("gpt2_tied", layout, SparseCommunication("s2", min_table_rows=TABLE_ROWS)),
         "embrace_pipeline_refusal": _refusal(layout),
-        "embrace_clip_refusal": _refusal({**layout, "pipeline_parallel": 1, "data_parallel": 4},
-                                         gradient_clip_val=1.0),
     }
 
 
@@ -188,7 +193,17 @@ def test_s2_under_merak3d_pipeline_with_tied_head_equals_dense(dp2_pp2) -> None:
 def test_embrace_refuses_what_merak3d_cannot_host(dp2_pp2) -> None:
     for runs in dp2_pp2:
         assert "pipeline_parallel=1" in runs["embrace_pipeline_refusal"]
-        assert "gradient_clip_val=None" in runs["embrace_clip_refusal"]
+
+
+def test_clipped_embrace_under_merak3d_trains_like_clipped_dense(dp2) -> None:
+    """merak3d's clipping sums the squares of EmbRace's column shards over the data-parallel group:
+    the same norm as the dense table's, so the same clipped steps."""
+    for runs in dp2:
+        dense, embrace = runs["llama_dense_clipped"], runs["llama_embrace_clipped"]
+        assert all(norm is not None and norm > CLIP for norm in dense["norms"]), dense["norms"]
+        torch.testing.assert_close(embrace["norms"], dense["norms"], rtol=1e-5, atol=0)
+        _assert_same_training(runs, "llama_embrace_clipped", "llama_dense_clipped", rtol=1e-4,
+                              skip=("embed_tokens",))
 
 
 @pytest.mark.timeout(420)

@@ -10,9 +10,7 @@ from torch import nn
 
 from lightning_merak.strategies.tensor_parallel import find_tensor_parallel_plan, verify_tensor_parallel_plan
 from lightning_merak.testing import assert_traces_match, run_distributed
-from lightning_merak.testing.distributed import DistributedRunError
 from tests.test_merak3d import _merge, _reference, _train_rank
-from tests.test_overlap_tp import _plan_only_rank
 
 HIDDEN, HEADS = 16, 4
 
@@ -118,10 +116,11 @@ def _verify_rank(rank: int, world_size: int) -> dict[str, str]:
 @pytest.mark.distributed
 def test_a_split_block_is_checked_against_the_whole_block():
     """Per-head norms split exactly (their gradients summed over the ranks); a norm over the whole
-    projection would silently compute something else on half of it, and is refused with the fix."""
+    projection written inline (no RMS norm module to split) makes every rank read all of q, so the
+    split does not run, and is refused with the fix."""
     for verdicts in run_distributed(_verify_rank, 2, timeout_s=120):
         assert verdicts["per_head"] == "verified"
-        assert "does not compute what the whole block does: output" in verdicts["whole_width"]
+        assert "_Block does not run split over 2 ranks" in verdicts["whole_width"]
         assert "use tensor_parallel=1" in verdicts["whole_width"]
 
 
@@ -138,70 +137,27 @@ def test_qwen3_per_head_norms_train_split_like_a_single_process(layout):
 
 
 @pytest.mark.distributed
-def test_a_model_that_does_not_split_is_refused_before_training_and_left_out_by_the_planner():
-    """Falcon's fused multi-query projection is not [q | k | v]: a fixed tensor_parallel=2 fails at the
-    first batch with the fix; the planner searches tensor_parallel=1 only."""
-    with pytest.raises(DistributedRunError, match="tensor_parallel=2: FalconDecoderLayer does not run split"):
-        run_distributed(_train_rank, 2, args=("falcon", {"data_parallel": 1, "tensor_parallel": 2}), timeout_s=300)
-    planned = run_distributed(_plan_only_rank, 2, kwargs={"model_name": "falcon"}, timeout_s=300)
-    assert {layout.tp for layout in planned[0]["layouts"]} == {1}
+def test_falcon_multi_query_trains_split_like_a_single_process():
+    """Falcon's fused projection holds all query heads and one key/value head: each rank keeps its query
+    heads and that key/value head, whose gradient is summed over the ranks in backward."""
+    results = run_distributed(_train_rank, 2, args=("falcon", {"data_parallel": 1, "tensor_parallel": 2}),
+                              timeout_s=300)
+    assert_traces_match(_reference("falcon"), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
 
 
-SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4}
-ARCHITECTURES = {
-    "llama": dict(SMALL, num_key_value_heads=2), "mistral": dict(SMALL, num_key_value_heads=2),
-    "qwen2": dict(SMALL, num_key_value_heads=2), "qwen3": dict(SMALL, num_key_value_heads=2, head_dim=8),
-    "gemma": dict(SMALL, num_key_value_heads=2, head_dim=8),
-    "gemma3_text": dict(SMALL, num_key_value_heads=2, head_dim=8),
-    "phi": SMALL, "olmo": dict(SMALL, num_key_value_heads=2), "stablelm": dict(SMALL, num_key_value_heads=2),
-    "starcoder2": dict(SMALL, num_key_value_heads=2), "gpt_neox": SMALL, "bert": dict(SMALL, is_decoder=True),
-    "opt": {
-        "hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "word_embed_proj_dim": 32
-    },
-    "gpt2": {"n_embd": 32, "n_layer": 1, "n_head": 4},
-    "gptj": {"n_embd": 32, "n_layer": 1, "n_head": 4, "rotary_dim": 4},
-    "falcon": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4},
-    "bloom": {"hidden_size": 32, "n_layer": 1, "n_head": 4},
-    "olmo2": dict(SMALL, num_key_value_heads=2),
-}
-REFUSED = {"falcon", "bloom", "olmo2"}
+def test_a_family_that_does_not_split_is_refused_up_front_and_left_out_by_the_planner():
+    from types import SimpleNamespace
 
+    from lightning_merak.strategies.merak3d.arguments import divides_model
+    from lightning_merak.strategies.tensor_parallel import check_tensor_parallel_degree
 
-def _architecture_rank(rank: int, world_size: int) -> dict[str, str]:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from lightning_merak.config import ModelConfig
-    from lightning_merak.models import build_causal_lm
-    from lightning_merak.strategies.merak3d import Merak3DStrategy, _call_model
-    from lightning_merak.strategies.pipeline.trace import trace_model
-
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    verdicts = {}
-    for model_type, config in ARCHITECTURES.items():
-        torch.manual_seed(0)
-        model = build_causal_lm(ModelConfig(name=model_type, model_type=model_type, config=config), vocab_size=96)
-        model.config.use_cache = False
-        trace = trace_model(model, torch.randint(96, (2, 16), generator=torch.Generator().manual_seed(1)),
-                            _call_model, profile=False)
-        block = model.get_submodule(trace.trunk_path)[0]
-        args, kwargs = trace.block_arguments(trace.sample_side_tensors)
-        try:
-            verify_tensor_parallel_plan(block, Merak3DStrategy._tensor_parallel_plan(block, trace), mesh,
-                                        lambda module, x: trace.hidden_of(module(x, *args, **kwargs)),
-                                        trace.sample_hidden)
-            verdicts[model_type] = "verified"
-        except ValueError as error:
-            verdicts[model_type] = str(error)
-    return verdicts
-
-
-@pytest.mark.distributed
-def test_the_split_is_exact_on_common_architectures_and_refused_where_it_is_not():
-    """transformers 5 architectures at tp=2: what the README lists as splitting exactly, and as refused."""
-    verdicts = run_distributed(_architecture_rank, 2, timeout_s=300)[0]
-    assert {name for name, verdict in verdicts.items() if verdict == "verified"} == set(ARCHITECTURES) - REFUSED
-    for name in REFUSED:
-        assert "use tensor_parallel=1" in verdicts[name], verdicts[name]
+    mamba = SimpleNamespace(model_type="mamba", hidden_size=32)
+    with pytest.raises(ValueError, match="tensor_parallel=2: mamba cannot be split.*use tensor_parallel=1"):
+        check_tensor_parallel_degree(mamba, 2)
+    assert not divides_model(mamba, 2) and divides_model(mamba, 1)
+    with pytest.raises(ValueError, match="neither divides nor is a multiple of the 3 key/value heads"):
+        check_tensor_parallel_degree(SimpleNamespace(num_attention_heads=12, num_key_value_heads=3), 2)
+    check_tensor_parallel_degree(SimpleNamespace(num_attention_heads=4, num_key_value_heads=1), 4)
 
 
 class _TwoGroupBlock(nn.Module):
@@ -225,7 +181,7 @@ def _weight_grad_overlap_rank(rank: int, world_size: int) -> dict[str, object]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_merak.runtime.collectives import PendingCollective
-    from lightning_merak.strategies import tensor_parallel
+    from lightning_merak.strategies import tensor_parallel_layers as tensor_parallel
     from lightning_merak.strategies.tensor_parallel import apply_tensor_parallel
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))

@@ -6,14 +6,21 @@ layers attach their expert groups lazily, and :meth:`ProphetMoEConfig.build_call
 returns the callback that prepares them for DDP and logs balance metrics. At the end of
 training it writes the expert-load heatmap to ``<output dir>/csv/moe_load_heatmap.png``
 (``trainer.log_dir``, next to ``metrics.csv``; ``merak-train`` prints the output dir).
+
+The layer's options are not listed here: the schema takes :class:`~lightning_merak.plugins.moe.options.MoEOptions`'
+fields (a ``Literal`` becomes ``str``, ``lancet_chunks``' union ``Any``) and each preset names only the
+defaults it changes; ``MoEOptions`` checks the values.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass
+from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_merak.config import MoEConfig, register_option
+from lightning_merak.plugins.moe.options import MoEOptions
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -21,38 +28,57 @@ if TYPE_CHECKING:
 
 __all__ = ["DeepSpeedMoEConfig", "ProphetMoEConfig", "ShadowingMoEConfig", "register"]
 
+_HYDRA_TYPES = (int, float, bool, str)
+
+
+def _schema_type(annotation: Any) -> Any:
+    """The type a structured config can hold: a ``Literal`` of strings is a ``str``, ``Optional[X]`` stays,
+    any other union is ``Any`` (the options class checks the value)."""
+    origin, arguments = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return str
+    if annotation in _HYDRA_TYPES:
+        return annotation
+    if origin in (typing.Union, types.UnionType) and len(arguments) == 2 and type(None) in arguments:
+        (inner,) = [argument for argument in arguments if argument is not type(None)]
+        return Optional[inner] if inner in _HYDRA_TYPES else Any
+    return Any
+
+
+def _schema_of(options: type, name: str, **defaults: Any) -> type:
+    """A structured-config dataclass with ``options``' fields (``defaults`` replacing some defaults)."""
+    hints = typing.get_type_hints(options)
+    return make_dataclass(name, [
+        (item.name, _schema_type(hints[item.name]), field(default=defaults.get(item.name, item.default)))
+        for item in fields(options) if item.default is not MISSING
+    ])
+
 
 @dataclass
-class ProphetMoEConfig(MoEConfig):
-    """Swap sparse blocks for ``lightning_merak.plugins.moe.MoE`` (Pro-Prophet placement by default)."""
-
+class _SwapOptions(MoEConfig):
     name: str = "prophet"
     ep_size: int = 2
     num_experts: Optional[int] = None
     k: Optional[int] = None
     capacity_factor: float = 1.0
     drop_tokens: bool = False
-    dispatch: str = "dropless"
-    placement: str = "pro_prophet"
-    lancet_chunks: str = "auto"
+
+
+_ProphetLayerOptions = _schema_of(MoEOptions, "_ProphetLayerOptions", dispatch="dropless", placement="pro_prophet",
+                                  lancet_chunks="auto")
+
+
+@dataclass
+class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc,valid-type]
+    """Swap sparse blocks for ``lightning_merak.plugins.moe.MoE`` (Pro-Prophet placement by default).
+
+    The layer's options are :class:`~lightning_merak.plugins.moe.options.MoEOptions`' fields, checked there.
+    """
+
     lancet_scope: str = "layer"
     lancet_block_chunks: str = "auto"
-    lancet_backward: bool = True
-    overlap_transfer: bool = True
-    replan_every: int = 1
-    replan_threshold: Optional[float] = None
-    exclude_fewest: int = 0
-    slots_per_rank: Optional[int] = None
-    alpha: float = 0.25
     aux_loss_coef: float = 0.01
     log_every_n_steps: int = 10
-
-    def _chunks(self) -> int | str:
-        if self.lancet_chunks == "auto":
-            return "auto"
-        if not str(self.lancet_chunks).isdigit() or int(self.lancet_chunks) < 1:
-            raise ValueError(f"moe.lancet_chunks={self.lancet_chunks!r}: use auto or a positive integer")
-        return int(self.lancet_chunks)
 
     def _block_chunks(self) -> int | str:
         if self.lancet_scope not in ("layer", "block"):
@@ -65,9 +91,8 @@ class ProphetMoEConfig(MoEConfig):
         return int(self.lancet_block_chunks)
 
     def apply(self, model: nn.Module) -> nn.Module:
+        from lightning_merak.plugins.moe.block_replacement import swap_sparse_moe_blocks
         from lightning_merak.plugins.moe.lancet_block import lancet_overlap
-        from lightning_merak.plugins.moe.layer import MoEOptions
-        from lightning_merak.plugins.moe.swap import swap_sparse_moe_blocks
 
         config = getattr(model, "config", None)
         model_experts = getattr(config, "num_local_experts", None)
@@ -79,12 +104,7 @@ class ProphetMoEConfig(MoEConfig):
             )
         if self.k is not None and self.k != model_k:
             raise ValueError(f"moe.k={self.k} but the model routes top-{model_k}; set model.config.num_experts_per_tok")
-        options = MoEOptions(
-            dispatch=self.dispatch, placement=self.placement, lancet_chunks=self._chunks(),
-            lancet_backward=self.lancet_backward, overlap_transfer=self.overlap_transfer,
-            replan_every=self.replan_every, replan_threshold=self.replan_threshold,
-            exclude_fewest=self.exclude_fewest, slots_per_rank=self.slots_per_rank, alpha=self.alpha,
-        )
+        options = MoEOptions(**{item.name: getattr(self, item.name) for item in fields(MoEOptions)})
         options.validate(self.drop_tokens)
         block_chunks = self._block_chunks()
         swap_sparse_moe_blocks(
@@ -108,10 +128,10 @@ class DeepSpeedMoEConfig(ProphetMoEConfig):
     """Plain DeepSpeed-MoE behaviour: capacity-padded dispatch, no replication, no chunking."""
 
     name: str = "deepspeed"
-    dispatch: str = "capacity"
+    dispatch: str = MoEOptions.dispatch
     drop_tokens: bool = True
-    placement: str = "none"
-    lancet_chunks: str = "1"
+    placement: str = MoEOptions.placement
+    lancet_chunks: Any = str(MoEOptions.lancet_chunks)
     capacity_factor: float = 1.25
 
 
@@ -121,7 +141,7 @@ class ShadowingMoEConfig(ProphetMoEConfig):
 
     name: str = "shadowing"
     placement: str = "shadowing"
-    lancet_chunks: str = "1"
+    lancet_chunks: Any = "1"
 
 
 def register() -> None:

@@ -35,6 +35,7 @@ class Merak3DStrategyConfig(StrategyConfig):
     timeout_s: float = 600.0
     memory_limit: Optional[float] = None
     plan_only: bool = False
+    vocab_parallel: bool = True
 
     def strategy_kwargs(self) -> dict[str, Any]:
         """Every field but the option's name, as constructor arguments, with ``kwargs`` on top."""

@@ -11,4 +11,8 @@
   gradient's collective is in flight.
 - :mod:`~lightning_merak.runtime.random_state`: snapshots of the random generators;
   :mod:`~lightning_merak.runtime.rank_streams`: a random stream of each rank's own in a region.
+- :mod:`~lightning_merak.runtime.gradient_norm`: the arithmetic of clipping by the total norm, and
+  gradients split over a group's ranks (:class:`~lightning_merak.runtime.gradient_norm.ShardedGradients`).
+- :mod:`~lightning_merak.runtime.layout_aware`: the protocol through which callbacks and plugins
+  see a parallel strategy, and the marker of a block the strategy recomputes.
 """

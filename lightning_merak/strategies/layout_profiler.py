@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from lightning_merak.models import logits_of
 from lightning_merak.runtime.sub_batches import SubBatchForward
 from lightning_merak.strategies.merak3d.gradients import average_gradients, scale_gradients, squared_norm
+from lightning_merak.strategies.pipeline.meta_trace import materialized_copy
 from lightning_merak.strategies.pipeline.trace import ModelTrace, trace_model
 from lightning_merak.strategies.planner import (
     BlockTimes,
@@ -225,7 +226,8 @@ def _timing_copies(parameters: list[nn.Parameter], largest: int) -> tuple[list[n
     """Detached copies of the trainable ``parameters``, each cut to its first ``largest`` elements,
     and the ratio of all their elements to those copied."""
     trainable = [p for p in parameters if p.requires_grad]
-    copies = [nn.Parameter(p.detach().reshape(-1)[:largest].clone() if p.numel() > largest else p.detach().clone())
+    copies = [nn.Parameter(torch.randn(min(p.numel(), largest), dtype=p.dtype) if p.is_meta
+                           else p.detach().reshape(-1)[:largest].clone() if p.numel() > largest else p.detach().clone())
               for p in trainable]
     copied = sum(c.numel() for c in copies)
     return copies, (sum(p.numel() for p in trainable) / copied if copied else 1.0)
@@ -327,8 +329,13 @@ class _Loss(nn.Module):
 
 
 def _loss_times(model: nn.Module, sample_inputs: torch.Tensor, call_model: Callable[[nn.Module, torch.Tensor], Any],
-                loss_of: Callable[[Any, int], torch.Tensor], samples: int, repeats: int) -> tuple[float, float]:
-    """Mean forward and backward seconds of the training loss on the model's output for ``samples`` samples."""
+                loss_of: Callable[[Any, int], torch.Tensor], samples: int, repeats: int,
+                logits_shape: Optional[tuple[int, ...]] = None) -> tuple[float, float]:
+    """Mean forward and backward seconds of the training loss on the model's output for ``samples`` samples
+    (on random logits of ``logits_shape`` for a model on the meta device)."""
+    if logits_shape is not None:
+        logits = torch.randn((samples, *logits_shape[1:]), device=sample_inputs.device)
+        return _forward_backward_times(_Loss(loss_of, samples), logits, (), {}, repeats)
     with torch.no_grad():
         logits = logits_of(call_model(model, sample_inputs[:samples]))
     return _forward_backward_times(_Loss(loss_of, samples), logits, (), {}, repeats)
@@ -346,6 +353,7 @@ def profile_model(
     loss_of: Optional[Callable[[Any, int], torch.Tensor]] = None,
     sequence_plan_of: Optional[Callable[[nn.Module, ModelTrace, TensorParallelPlan], SequenceParallelPlan]] = None,
     overlap_weight_gradients: bool = True,
+    materialize_with: Optional[Callable[[nn.Module], Callable[..., None]]] = None,
 ) -> ModelProfile:
     """Time ``model``'s parts at every (tp, sub-batch samples) the search needs (``keys``).
 
@@ -356,7 +364,9 @@ def profile_model(
     logits), the loss is timed at every micro-batch size of ``keys.loss_samples``. With
     ``sequence_plan_of(block, trace, plan)`` the real blocks are timed sequence-parallel; the
     sequence length must divide by every tp of ``keys``. ``overlap_weight_gradients`` is the
-    runtime's setting for the real blocks' column groups (:func:`apply_tensor_parallel`).
+    runtime's setting for the real blocks' column groups (:func:`apply_tensor_parallel`). A model on the
+    meta device stays there: ``materialize_with`` (see :func:`~lightning_merak.strategies.pipeline.trace.trace_model`)
+    materialises one block (and the prefix, then the head, in the traces) at a time.
     """
     real_blocks = process_group_device is not None and dist.is_initialized() and dist.get_world_size() > 1
     measured_samples = {samples for _, _, samples in keys.measured_blocks} if real_blocks else set()
@@ -366,10 +376,12 @@ def profile_model(
     for samples in needed_samples:
         inputs = sample_inputs[:samples] if samples <= sample_inputs.shape[0] else sample_inputs.repeat(
             -(-samples // sample_inputs.shape[0]), 1)[:samples]
-        traces[samples] = trace_model(model, inputs, call_model, profile=True, profile_repeats=repeats)
+        traces[samples] = trace_model(model, inputs, call_model, profile=True, profile_repeats=repeats,
+                                      materialize_with=materialize_with)
     largest = traces[needed_samples[-1]]
     trunk = model.get_submodule(largest.trunk_path)
-    block = trunk[0]
+    on_meta = any(p.is_meta for p in trunk[0].parameters())
+    block = materialized_copy(trunk[0], f"{largest.trunk_path}.0", materialize_with) if on_meta else trunk[0]
     plan = plan_of(block, largest)
     block_times: dict[tuple[int, int], BlockTimes] = {}
     parameter_bytes: dict[int, int] = {}
@@ -411,7 +423,8 @@ def profile_model(
         clip_s_per_parameter_byte=block_clip_s[1] / max(1, parameter_bytes[1]),
         prefix_update_s=prefix_update_s,
         suffix_update_s=suffix_update_s,
-        loss_times={samples: _loss_times(model, sample_inputs, call_model, loss_of, samples, repeats)
+        loss_times={samples: _loss_times(model, sample_inputs, call_model, loss_of, samples, repeats,
+                                         largest.logits_shape if on_meta else None)
                     for samples in sorted(keys.loss_samples)} if loss_of is not None else {},
     )
 

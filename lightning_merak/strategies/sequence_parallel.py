@@ -51,6 +51,7 @@ from lightning_merak.runtime.collectives import (
     start_all_gather_in_turn,
     start_reduce_scatter_in_turn,
 )
+from lightning_merak.runtime.module_mode import hooks_removed_after, modules_in_mode
 from lightning_merak.runtime.weight_gradients import DeferredWeightGradients, linear_deferring_weight_gradient
 
 __all__ = [
@@ -210,7 +211,7 @@ def gather_sequence(tensor: torch.Tensor, group: dist.ProcessGroup, column_layer
     gather's backward, which computes them while the input gradient is reduce-scattered.
     """
     layers = list(column_layers)
-    weights = [layer.weight.to_local() for layer in layers]
+    weights = [layer.local(layer.weight) if hasattr(layer, "local") else layer.weight.to_local() for layer in layers]
     deferred = DeferredWeightGradients(weights, tensor.requires_grad) if layers else None
     full = _GatherSequence.apply(tensor, group, deferred, *weights)
     _last_gather.full, _last_gather.regather = weakref.ref(full), _Regather(tensor, full, group)
@@ -322,16 +323,8 @@ def find_sequence_parallel_plan(block: nn.Module, run_block: Callable[[], Any], 
     for name in [members[0] for members in column_groups] + rows:
         handles.append(block.get_submodule(name).register_forward_hook(
             functools.partial(record_layer, name=name)))
-    modes = {module: module.training for module in block.modules()}
-    block.eval()
-    try:
-        with torch.no_grad():
-            run_block()
-    finally:
-        for handle in handles:
-            handle.remove()
-        for module, training in modes.items():
-            module.training = training
+    with hooks_removed_after(handles), modules_in_mode(block, training=False), torch.no_grad():
+        run_block()
     owner_inputs: list[Union[int, str]] = []
     for owner, members, row in zip(owners, column_groups, rows):
         calls = owner_calls[owner]

@@ -2,60 +2,61 @@
 
 One recorded forward pass of a block finds its column/row pairs by data flow:
 linear layers that read the same input tensor form a *column group* (attention
-q/k/v, MLP gate/up, GPT-2's fused ``c_attn`` or ``c_fc``); the next linear that reads
-something else and maps back to the hidden size is the group's *row partner*
-(attention output, MLP down). Column layers are split by output features, row layers
-by input features, so each block needs one all-reduce in attention and one in the MLP,
-in forward (after the row layer) and in backward (of the column group's input gradient).
-
-Parameters are DTensors (column weights and biases ``Shard(0)``, row weights ``Shard(1)``,
-row biases ``Replicate``) so checkpoints reshard between layouts; the layers compute on the
-local shards and issue their collectives through :func:`~lightning_merak.runtime.collectives.all_reduce_in_turn`,
-which lets sub-batches overlap them (``tp_overlap``) and never repeats one on recomputation.
-A column group's layers share one input all-reduce in backward (q, k and v sum their
-input gradients first), which runs while the group's weight gradients are computed
-(:mod:`~lightning_merak.runtime.weight_gradients`). With sequence parallelism
+q/k/v, MLP gate/up, fused projections such as GPT-2's ``c_attn`` or Phi-3's ``qkv_proj``);
+the next linear that reads something else and maps back to the hidden size is the group's
+*row partner* (attention output, MLP down). Row layers are split by input features; a second
+pass (:mod:`~lightning_merak.strategies.tensor_parallel_rows`) finds which output rows of each
+column layer a rank's slice of those features reads, so fused and interleaved projections split
+per part and key/value heads fewer than the degree are held by every rank that needs them. Each
+block needs one all-reduce in attention and one in the MLP, in forward (after the row layer) and
+in backward (of the column group's input gradient); the layers are in
+:mod:`~lightning_merak.strategies.tensor_parallel_layers`. With sequence parallelism
 (:mod:`~lightning_merak.strategies.sequence_parallel`) the row layers reduce-scatter over the
 sequence instead and the column groups' inputs arrive all-gathered.
+
+Per-head block arguments (BLOOM's and MPT's ALiBi biases, built outside the blocks) are sliced
+to the rank's heads on entry. A norm over a whole projection (OLMo 2's q/k norms) makes every
+rank read every row of it, so those rows stay whole on each rank (``docs/findings.md``).
 
 Dropout between a column layer and its row partner (with sequence parallelism: anywhere in
 the block) draws each rank's own mask (:mod:`~lightning_merak.runtime.rank_streams`).
 
-GPT-2's ``Conv1D`` layers are swapped for equivalent ``nn.Linear`` layers first; a
-fused q/k/v projection has its output features regrouped so each rank's shard holds its
-own q, k and v heads, and the attention's ``split_size`` is divided accordingly.
+GPT-2's ``Conv1D`` layers are swapped for equivalent ``nn.Linear`` layers first, and the
+attention modules' head counts and widths are set to the rank's share.
 """
 
 from __future__ import annotations
 
 import copy
-import threading
-import weakref
+import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from lightning_merak.runtime.collectives import all_reduce_in_turn, start_all_reduce_in_turn, unrecorded_communication
+from lightning_merak.runtime.collectives import all_reduce_in_turn, unrecorded_communication
 from lightning_merak.runtime.rank_streams import enter_rank_stream, leave_rank_stream
-from lightning_merak.runtime.weight_gradients import DeferredWeightGradients, linear_deferring_weight_gradient
-from lightning_merak.strategies.sequence_parallel import (
-    SequenceParallelPlan,
-    install_sequence_gathers,
-    linear_on_gathered,
-    reduce_scatter_sequence,
+from lightning_merak.strategies.sequence_parallel import SequenceParallelPlan, install_sequence_gathers
+from lightning_merak.strategies.tensor_parallel_layers import (
+    ColumnGroupInput,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    WholeWidthRMSNorm,
+    is_rms_norm,
 )
+from lightning_merak.strategies.tensor_parallel_rows import LayoutChange, probe_row_units, rank_rows, unit_count
 
 __all__ = [
+    "ColumnGroupInput",
     "ColumnParallelLinear",
     "LayoutChange",
     "RowParallelLinear",
     "TensorParallelPlan",
+    "UNSPLIT_FAMILIES",
     "apply_tensor_parallel",
     "check_tensor_parallel_degree",
     "find_tensor_parallel_plan",
@@ -63,8 +64,10 @@ __all__ = [
     "verify_tensor_parallel_plan",
 ]
 
-_HEAD_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head")
-_SPLIT_SIZE_ATTRIBUTES = ("split_size",)
+_QUERY_HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+_KEY_VALUE_HEADS = ("num_key_value_heads", "num_kv_heads", "kv_heads")
+_WIDTHS = ("split_size", "embed_dim", "all_head_size")
+_HEAD_COUNT_ATTRIBUTES = _QUERY_HEADS + _KEY_VALUE_HEADS
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -86,19 +89,47 @@ class TensorParallelPlan:
 
     column: list[str]
     row: list[str]
-    fused_qkv: list[str]
     column_groups: list[list[str]]
     in_region: list[str] = field(default_factory=list)
     """Other modules with parameters that run between a column group and its row partner (a per-head
     q/k norm): they see only this rank's heads, so their gradients are partial sums over the ranks."""
+    units: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)
+    """Per column layer, the output rows each equal slice of its row partner's input reads
+    (:func:`~lightning_merak.strategies.tensor_parallel_rows.probe_row_units`); a degree takes consecutive slices."""
+    whole_width_norms: dict[str, str] = field(default_factory=dict)
+    """RMS norms over a whole column layer's output (OLMo 2's q/k norms), by name, with that layer: split
+    with it, their statistic summed over the group (:class:`WholeWidthRMSNorm`)."""
+    head_arguments: list[Union[int, str]] = field(default_factory=list)
+    """Block arguments (positions or keyword names) laid out by attention head: ALiBi biases."""
+    heads: Optional[int] = None
 
 
-def _is_fused_qkv(block: nn.Module, name: str) -> bool:
-    """A lone column layer of an attention module producing three hidden-sized outputs."""
-    in_features, out_features = _features(block.get_submodule(name))
-    owner = name.rpartition(".")[0]
-    attention = block.get_submodule(owner) if owner else block
-    return out_features == 3 * in_features and any(hasattr(attention, a) for a in _HEAD_COUNT_ATTRIBUTES)
+def _head_count(block: nn.Module, owners: list[str]) -> Optional[int]:
+    """The query head count of the attention module among ``owners``, else of any module of ``block``."""
+    modules = [block.get_submodule(owner) if owner else block for owner in owners] + list(block.modules())
+    holders = modules + [module.config for module in modules if getattr(module, "config", None) is not None]
+    for holder in holders:
+        for attribute in _QUERY_HEADS:
+            value = getattr(holder, attribute, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def _per_head_arguments(args: tuple, kwargs: dict, heads: Optional[int]) -> list[Union[int, str]]:
+    """Arguments laid out by head, sliced per rank: ALiBi biases ``(heads or batch·heads, 1, keys)``
+    and relative position biases ``(batch, heads, queries, keys)``."""
+    if not heads or heads == 1 or not args or not isinstance(args[0], torch.Tensor):
+        return []
+    batch = args[0].shape[0]
+    found: list[Union[int, str]] = []
+    for key, value in [*enumerate(args), *kwargs.items()]:
+        if key == 0 or not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue
+        if ((value.ndim == 3 and value.shape[1] == 1 and value.shape[0] in (heads, batch * heads))
+                or (value.ndim == 4 and value.shape[1] == heads)):
+            found.append(key)
+    return found
 
 
 def find_tensor_parallel_plan(block: nn.Module, run_block: Callable[[], Any], hidden_size: int) -> TensorParallelPlan:
@@ -106,14 +137,17 @@ def find_tensor_parallel_plan(block: nn.Module, run_block: Callable[[], Any], hi
 
     Modules with parameters that start between a column group's first layer and its row
     partner are listed in ``in_region``; one that also runs outside such a span is refused,
-    since its gradient would be partly a per-rank share and partly whole.
+    since its gradient would be partly a per-rank share and partly whole. A second forward
+    finds which rows of each column layer every slice of its row partner's input reads.
     """
     # Each call keeps its input alive until pairing ends: a freed input's address can be reused by a
     # later layer's input (OPT's fc2 reads the activation where fc1's input lay), and two layers reading
     # one tensor are told apart from two reading different tensors only by their addresses.
     calls: list[tuple[str, torch.Tensor]] = []
     starts: list[str] = []
-    handles = []
+    block_calls: list[tuple[tuple, dict]] = []
+    handles = [block.register_forward_pre_hook(lambda mod, args, kwargs: block_calls.append((args, kwargs)),
+                                               with_kwargs=True)]
     for name, module in block.named_modules():
         if isinstance(module, nn.Linear) or _is_conv1d(module):
             handles.append(module.register_forward_pre_hook(
@@ -129,7 +163,6 @@ def find_tensor_parallel_plan(block: nn.Module, run_block: Callable[[], Any], hi
             handle.remove()
     column: list[str] = []
     row: list[str] = []
-    fused: list[str] = []
     groups: list[list[str]] = []
     group: list[str] = []
     group_input: int | None = None
@@ -143,13 +176,26 @@ def find_tensor_parallel_plan(block: nn.Module, run_block: Callable[[], Any], hi
             column.extend(group)
             groups.append(group)
             row.append(name)
-            if len(group) == 1 and _is_fused_qkv(block, group[0]):
-                fused.append(group[0])
             group, group_input = [], None
         elif in_features == hidden_size:
             group, group_input = [name], input_ptr
-    return TensorParallelPlan(column=column, row=row, fused_qkv=fused, column_groups=groups,
+    plan = TensorParallelPlan(column=column, row=row, column_groups=groups,
                               in_region=_modules_in_regions(starts, groups, row))
+    if groups:
+        plan.heads = _head_count(block, [name.rpartition(".")[0] for name in column])
+        units = [unit_count(_features(block.get_submodule(name))[0], plan.heads) for name in row]
+        column_widths = {_features(block.get_submodule(name))[1] for name in column}
+        row_widths = {_features(block.get_submodule(name))[0] for name in row}
+        whole = [name for name in plan.in_region if is_rms_norm(block.get_submodule(name))
+                 and block.get_submodule(name).weight.shape[0] in column_widths | row_widths]
+        plan.units, fed_by = probe_row_units(block, run_block, groups, row, units, whole)
+        # a whole-width norm no column layer feeds directly normalises a row layer's input (BitNet's sub-norms)
+        plan.whole_width_norms = {name: fed_by.get(name, "") for name in whole
+                                  if name in fed_by or block.get_submodule(name).weight.shape[0] in row_widths}
+        plan.in_region = [name for name in plan.in_region if name not in plan.whole_width_norms]
+        if block_calls:
+            plan.head_arguments = _per_head_arguments(*block_calls[0], plan.heads)
+    return plan
 
 
 def _modules_in_regions(starts: list[str], groups: list[list[str]], rows: list[str]) -> list[str]:
@@ -178,17 +224,44 @@ def _modules_in_regions(starts: list[str], groups: list[list[str]], rows: list[s
     return inside
 
 
+UNSPLIT_FAMILIES = {
+    "bailing_hybrid": "its linear-attention layers keep per-head gate biases and state outside nn.Linear pairs",
+    "diffllama": "differential attention's lambda parameters are shared by all heads inside the attention",
+    "doge": "its dynamic mask projection reads every value head",
+    "falcon_mamba": "Mamba mixers (convolution and state-space scan) are not column/row linear pairs",
+    "jamba": "Mamba mixers (convolution and state-space scan) are not column/row linear pairs",
+    "jetmoe": "its mixture-of-attention-heads layers hold no column/row linear pairs",
+    "lfm3": "its short-convolution layers mix the projected channels outside nn.Linear pairs",
+    "llama4_text": "its MoE router returns a tuple from inside the split span",
+    "mamba": "Mamba mixers (convolution and state-space scan) are not column/row linear pairs",
+    "minimax": "its lightning (linear) attention keeps state outside nn.Linear pairs",
+    "recurrent_gemma": "its recurrent blocks (convolution and RG-LRU) are not column/row linear pairs",
+    "rwkv": "RWKV time mixing is not column/row linear pairs",
+    "xlstm": "xLSTM cells are not column/row linear pairs",
+}
+"""transformers families the pipeline tracer cuts but tensor parallelism cannot split, with the reason
+(the coverage sweep in ``tests/test_tp_families.py`` and ``docs/findings.md``)."""
+
+
 def check_tensor_parallel_degree(config: Any, tensor_parallel: int) -> None:
-    """Refuse a degree that does not divide the model's head counts or widths, naming the fix."""
+    """Refuse, before any work, a family that does not split or a degree its head counts and widths rule out."""
     if tensor_parallel == 1 or config is None:
         return
-    for attribute in ("num_attention_heads", "num_key_value_heads", "n_head", "intermediate_size", "hidden_size"):
+    family = getattr(config, "model_type", None)
+    if family in UNSPLIT_FAMILIES:
+        raise ValueError(f"tensor_parallel={tensor_parallel}: {family} cannot be split by tensor parallelism "
+                         f"({UNSPLIT_FAMILIES[family]}); use tensor_parallel=1")
+    for attribute in ("num_attention_heads", "n_head", "n_heads", "intermediate_size", "hidden_size"):
         value = getattr(config, attribute, None)
-        if isinstance(value, int) and value % tensor_parallel:
+        if isinstance(value, int) and not isinstance(value, bool) and value % tensor_parallel:
             raise ValueError(
                 f"tensor_parallel={tensor_parallel} does not divide {attribute}={value}; choose a "
                 f"tensor_parallel that divides it"
             )
+    for attribute in ("num_key_value_heads", "num_kv_heads"):
+        value = getattr(config, attribute, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            _local_key_value_heads(value, tensor_parallel)
 
 
 def _conv1d_to_linear(conv: nn.Module) -> nn.Linear:
@@ -202,192 +275,131 @@ def _conv1d_to_linear(conv: nn.Module) -> nn.Linear:
     return linear
 
 
-def fused_qkv_order(out_features: int, tensor_parallel: int) -> torch.Tensor:
-    """Row order that puts rank r's slices of q, k and v next to each other."""
-    third = out_features // 3
-    shard = third // tensor_parallel
-    return torch.cat([
-        torch.arange(part * third + rank * shard, part * third + (rank + 1) * shard)
-        for rank in range(tensor_parallel) for part in range(3)
-    ])
-
-
-def _regroup_fused(linear: nn.Linear, tensor_parallel: int) -> None:
-    order = fused_qkv_order(linear.out_features, tensor_parallel)
-    with torch.no_grad():
-        linear.weight.copy_(linear.weight[order])
-        if linear.bias is not None:
-            linear.bias.copy_(linear.bias[order])
+def _local_key_value_heads(heads: int, tensor_parallel: int) -> int:
+    """Key/value heads per rank: its share, or the one its query heads read when there are fewer than ranks."""
+    if heads % tensor_parallel == 0:
+        return heads // tensor_parallel
+    if tensor_parallel % heads == 0:
+        return 1
+    raise ValueError(f"tensor_parallel={tensor_parallel} neither divides nor is a multiple of the {heads} key/value "
+                     "heads; choose a tensor_parallel that divides the key/value heads or is a multiple of them")
 
 
 def _scale_attention_attributes(block: nn.Module, column_names: list[str], tensor_parallel: int) -> None:
+    """Set the head counts and widths the owners of ``column_names`` reshape by to this rank's share.
+
+    An owner that reads head counts from its ``config`` (Phi-3) gets a copy with its share.
+    """
     owners = {name.rpartition(".")[0] for name in column_names}
     for owner in owners:
         module = block.get_submodule(owner) if owner else block
-        for attribute in _HEAD_COUNT_ATTRIBUTES + _SPLIT_SIZE_ATTRIBUTES:
-            value = getattr(module, attribute, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                setattr(module, attribute, value // tensor_parallel)
+        integer = {a: v for a in _HEAD_COUNT_ATTRIBUTES + _WIDTHS + ("num_key_value_groups", "kv_dim", "head_dim")
+                   for v in [getattr(module, a, None)] if isinstance(v, int) and not isinstance(v, bool)}
+        for attribute in _QUERY_HEADS + _WIDTHS:
+            if attribute in integer:
+                setattr(module, attribute, integer[attribute] // tensor_parallel)
+        for attribute in _KEY_VALUE_HEADS:
+            if attribute in integer:
+                setattr(module, attribute, _local_key_value_heads(integer[attribute], tensor_parallel))
+        query = next((getattr(module, a) for a in _QUERY_HEADS if a in integer), None)
+        key_value = next((getattr(module, a) for a in _KEY_VALUE_HEADS if a in integer), None)
+        if "num_key_value_groups" in integer and query and key_value:
+            module.num_key_value_groups = query // key_value
+        if "kv_dim" in integer and "head_dim" in integer:
+            module.kv_dim = (key_value or 1) * module.head_dim
+        config = getattr(module, "config", None)
+        if config is not None and any(isinstance(getattr(config, a, None), int) for a in _HEAD_COUNT_ATTRIBUTES):
+            config = module.config = copy.copy(config)
+            for attribute in _QUERY_HEADS:
+                if isinstance(getattr(config, attribute, None), int):
+                    setattr(config, attribute, getattr(config, attribute) // tensor_parallel)
+            for attribute in _KEY_VALUE_HEADS:
+                if isinstance(getattr(config, attribute, None), int):
+                    setattr(config, attribute, _local_key_value_heads(getattr(config, attribute), tensor_parallel))
 
 
-@dataclass(frozen=True)
-class LayoutChange:
-    """How a parameter's full tensor differs from the original model's after sharding."""
+def _shard_per_head_parameters(block: nn.Module, column_names: list[str], heads: int, mesh: DeviceMesh) -> None:
+    """Split parameters of the attention modules laid out by query head (attention sinks) by head.
 
-    transposed: bool
-    fused_qkv_parts: int
-
-    def to_original(self, full: torch.Tensor) -> torch.Tensor:
-        if self.fused_qkv_parts:
-            full = full[torch.argsort(fused_qkv_order(full.shape[0], self.fused_qkv_parts))]
-        return full.t() if self.transposed and full.ndim == 2 else full
-
-    def from_original(self, full: torch.Tensor) -> torch.Tensor:
-        full = full.t() if self.transposed and full.ndim == 2 else full
-        return full[fused_qkv_order(full.shape[0], self.fused_qkv_parts)] if self.fused_qkv_parts else full
-
-
-class _CopyToTensorParallel(torch.autograd.Function):
-    """Identity forward; the input gradient, partial on each rank, is all-reduced in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_reduce_in_turn(grad.contiguous().clone(), ctx.group), None
+    The parameter stays a DTensor for checkpoints; each forward the module reads its local shard
+    (an instance attribute, found before the parameter, refreshed by a pre-hook so gradients reach it).
+    """
+    for owner in {name.rpartition(".")[0] for name in column_names}:
+        module = block.get_submodule(owner) if owner else block
+        names = [name for name, param in module.named_parameters(recurse=False)
+                 if param.ndim >= 1 and param.shape[0] == heads and not isinstance(param.data, DTensor)]
+        for name in names:
+            param = getattr(module, name)
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)]),
+                                                         requires_grad=param.requires_grad))
+        if names:
+            module.register_forward_pre_hook(functools.partial(_read_local_shards, names=names))
 
 
-class _ReduceFromTensorParallel(torch.autograd.Function):
-    """All-reduce of the row layer's partial output in forward; identity backward."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        return all_reduce_in_turn(tensor.contiguous(), group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+def _read_local_shards(module: nn.Module, args: Any, names: list[str]) -> None:
+    for name in names:
+        module.__dict__[name] = module._parameters[name].to_local()
 
 
-class _ColumnGroupEntry(torch.autograd.Function):
-    """Identity forward on a column group's input; its parameters are the group's local weights.
+def _column_rows(plan: TensorParallelPlan, name: str, out_features: int,
+                 tensor_parallel: int) -> Optional[list[list[int]]]:
+    """The original rows each rank holds of column layer ``name``, or None for the contiguous split."""
+    units = plan.units.get(name)
+    if units is None:
+        return None
+    if len(units) % tensor_parallel:
+        raise ValueError(f"tensor_parallel={tensor_parallel} does not divide the {len(units)} heads or slices of "
+                         f"{name}; choose a tensor_parallel that divides them")
+    rows = [rank_rows(units, rank, tensor_parallel) for rank in range(tensor_parallel)]
+    if len({len(part) for part in rows}) > 1 or not rows[0]:
+        raise ValueError(f"{name} does not split into equal parts over {tensor_parallel} ranks; use tensor_parallel=1")
+    flat = [row for part in rows for row in part]
+    if len(set(flat)) < out_features:
+        raise ValueError(f"{name} has outputs no rank's heads read; use tensor_parallel=1")
+    return None if flat == list(range(out_features)) else rows
 
-    Backward launches the all-reduce of the input gradient (partial on each rank), computes the
-    group's deferred weight gradients meanwhile, then waits.
+
+class _OwnHeads(torch.autograd.Function):
+    """This rank's heads of a per-head tensor; in backward the ranks' head gradients are put together.
+
+    A learned bias computed before the blocks (CPM-Ant's relative positions) then gets its whole gradient.
     """
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup, deferred: DeferredWeightGradients,
-                *weights: torch.Tensor) -> torch.Tensor:
-        ctx.group, ctx.deferred = group, deferred
-        ctx.set_materialize_grads(False)
-        return tensor.view_as(tensor)
+    def forward(ctx: Any, value: torch.Tensor, heads: int, rank: int, tensor_parallel: int,
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.shape, ctx.heads, ctx.rank, ctx.group = value.shape, heads, rank, group
+        share = heads // tensor_parallel
+        ctx.share = share
+        if value.ndim == 4:
+            return value[:, rank * share:(rank + 1) * share]
+        return value.unflatten(0, (-1, heads))[:, rank * share:(rank + 1) * share].flatten(0, 1)
 
     @staticmethod
-    def backward(ctx: Any, grad: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
-        pending = (start_all_reduce_in_turn(grad.contiguous().clone(), ctx.group)
-                   if grad is not None and ctx.needs_input_grad[0] else None)
-        weight_grads = ctx.deferred.weight_gradients()
-        return (pending.wait() if pending is not None else None, None, None, *weight_grads)
-
-
-class ColumnGroupInput:
-    """The input of a column group, entered into the tensor-parallel region once for all its layers.
-
-    Held from the group's first column layer until its row layer runs (per thread, so
-    sub-batches keep their own). With ``overlap_weight_gradients`` the entry also takes the
-    group's weights, and computes their gradients while the input gradient is all-reduced.
-    """
-
-    def __init__(self, group: dist.ProcessGroup, overlap_weight_gradients: bool = True) -> None:
-        self.group = group
-        self.overlap_weight_gradients = overlap_weight_gradients
-        self._layers: list[ColumnParallelLinear] = []
-        self._last = threading.local()
-
-    def add_layer(self, layer: "ColumnParallelLinear") -> int:
-        """Register a column layer of the group; returns its index among the group's weights."""
-        self._layers.append(layer)
-        return len(self._layers) - 1
-
-    def enter(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Optional[DeferredWeightGradients]]:
-        """``tensor`` in the tensor-parallel region, and where the group's layers leave their weight gradients."""
-        source: Optional[weakref.ref] = getattr(self._last, "source", None)
-        if source is not None and source() is tensor:
-            return self._last.entered, self._last.deferred
-        if self.overlap_weight_gradients:
-            weights = [layer.weight.to_local() for layer in self._layers]
-            deferred = DeferredWeightGradients(weights, tensor.requires_grad)
-            entered = _ColumnGroupEntry.apply(tensor, self.group, deferred, *weights)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        share, rank = ctx.share, ctx.rank
+        if len(ctx.shape) == 4:
+            full = grad.new_zeros(ctx.shape)
+            full[:, rank * share:(rank + 1) * share] = grad
         else:
-            deferred, entered = None, _CopyToTensorParallel.apply(tensor, self.group)
-        self._last.source, self._last.entered, self._last.deferred = weakref.ref(tensor), entered, deferred
-        return entered, deferred
-
-    def release(self) -> None:
-        self._last.source = self._last.entered = self._last.deferred = None
+            full = grad.new_zeros(ctx.shape).unflatten(0, (-1, ctx.heads))
+            full[:, rank * share:(rank + 1) * share] = grad.unflatten(0, (-1, share))
+            full = full.flatten(0, 1)
+        return all_reduce_in_turn(full, ctx.group), None, None, None, None
 
 
-def _sharded_parameter(parameter: nn.Parameter, mesh: DeviceMesh, placement: Any) -> nn.Parameter:
-    """``parameter`` as a DTensor over ``mesh``; a frozen one stays frozen."""
-    return nn.Parameter(distribute_tensor(parameter.detach(), mesh, [placement]),
-                        requires_grad=parameter.requires_grad)
+def _slice_head_arguments(block: nn.Module, arguments: list[Union[int, str]], heads: int, rank: int,
+                          tensor_parallel: int, group: dist.ProcessGroup) -> None:
+    """Hand ``block`` only this rank's heads of its per-head arguments (ALiBi and relative position biases)."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args, kwargs = list(args), dict(kwargs)
+        for key in arguments:
+            holder = args if isinstance(key, int) else kwargs
+            if (key in kwargs if isinstance(key, str) else key < len(args)) and holder[key] is not None:
+                holder[key] = _OwnHeads.apply(holder[key], heads, rank, tensor_parallel, group)
+        return tuple(args), kwargs
 
-
-class ColumnParallelLinear(nn.Module):
-    """A linear layer holding its output features' shard; output stays split over the group.
-
-    ``group_input`` enters the input into the tensor-parallel region; without one (sequence
-    parallelism) the input arrives gathered, its gradient reduce-scattered by the gather, and
-    only this rank's slice of it is kept for the weight gradient (gathered again in backward).
-    """
-
-    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, group_input: Optional[ColumnGroupInput]) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = _sharded_parameter(linear.weight, mesh, Shard(0))
-        self.bias = (_sharded_parameter(linear.bias, mesh, Shard(0))
-                     if linear.bias is not None else None)
-        self.group_input = group_input
-        self._index = group_input.add_layer(self) if group_input is not None else -1
-
-    def forward(self, tensor: torch.Tensor) -> torch.Tensor:
-        bias = self.bias.to_local() if self.bias is not None else None
-        if self.group_input is None:
-            return linear_on_gathered(tensor, self.weight.to_local(), bias, layer=self)
-        entered, deferred = self.group_input.enter(tensor)
-        if deferred is None:
-            return F.linear(entered, self.weight.to_local(), bias)
-        return linear_deferring_weight_gradient(entered, self.weight.to_local(), bias, deferred, self._index)
-
-
-class RowParallelLinear(nn.Module):
-    """A linear layer holding its input features' shard; partial outputs are summed over the group.
-
-    With ``sequence_parallel`` the sum is reduce-scattered: each rank keeps its slice of the sequence.
-    """
-
-    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, partner_input: Optional[ColumnGroupInput] = None,
-                 sequence_parallel: bool = False) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = _sharded_parameter(linear.weight, mesh, Shard(1))
-        self.bias = (_sharded_parameter(linear.bias, mesh, Replicate())
-                     if linear.bias is not None else None)
-        self.group = mesh.get_group()
-        self.partner_input = partner_input
-        self.sequence_parallel = sequence_parallel
-
-    def forward(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.partner_input is not None:
-            self.partner_input.release()
-        partial = F.linear(tensor, self.weight.to_local())
-        output = (reduce_scatter_sequence(partial, self.group) if self.sequence_parallel
-                  else _ReduceFromTensorParallel.apply(partial, self.group))
-        return output + self.bias.to_local() if self.bias is not None else output
+    block.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _install_rank_streams(block: nn.Module, column_groups: list[list[str]], rows: list[str], rank: int,
@@ -430,27 +442,39 @@ def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: Devi
     """
     tensor_parallel = mesh.size()
     changes: dict[str, LayoutChange] = {}
+    rows: dict[str, Optional[list[list[int]]]] = {}
     for name in plan.column + plan.row:
         layer = block.get_submodule(name)
-        if _is_conv1d(layer) or name in plan.fused_qkv:
-            change = LayoutChange(_is_conv1d(layer), tensor_parallel if name in plan.fused_qkv else 0)
+        if name in plan.column:
+            rows[name] = _column_rows(plan, name, _features(layer)[1], tensor_parallel)
+        if _is_conv1d(layer) or rows.get(name) is not None:
+            order = rows.get(name)
+            change = LayoutChange(_is_conv1d(layer), tuple(row for part in order for row in part) if order else None)
             changes.update({f"{name}.{p}": change for p, _ in layer.named_parameters()})
         if _is_conv1d(layer):
             block.set_submodule(name, _conv1d_to_linear(layer))
-    for name in plan.fused_qkv:
-        _regroup_fused(block.get_submodule(name), tensor_parallel)
     group = mesh.get_group()
     partners: dict[str, ColumnGroupInput] = {}
     for members, row in zip(plan.column_groups, plan.row, strict=True):
         group_input = (ColumnGroupInput(group, overlap_weight_gradients) if sequence_parallel is None else None)
         for name in members:
-            block.set_submodule(name, ColumnParallelLinear(block.get_submodule(name), mesh, group_input))
+            block.set_submodule(name, ColumnParallelLinear(block.get_submodule(name), mesh, group_input, rows[name]))
         if group_input is not None:
             partners[row] = group_input
     for name in plan.row:
         block.set_submodule(name, RowParallelLinear(block.get_submodule(name), mesh, partners.get(name),
                                                     sequence_parallel=sequence_parallel is not None))
+    for name, column in plan.whole_width_norms.items():
+        order = rows[column] if column else None
+        block.set_submodule(name, WholeWidthRMSNorm(block.get_submodule(name), mesh, order))
+        if order is not None:
+            changes[f"{name}.weight"] = LayoutChange(rows=tuple(row for part in order for row in part))
+    if plan.heads:
+        _shard_per_head_parameters(block, plan.column, plan.heads, mesh)
     _scale_attention_attributes(block, plan.column, tensor_parallel)
+    if plan.head_arguments and plan.heads:
+        _slice_head_arguments(block, plan.head_arguments, plan.heads, mesh.get_local_rank(), tensor_parallel,
+                              mesh.get_group())
     if sequence_parallel is not None:
         column_layers = ([[block.get_submodule(name) for name in members] for members in plan.column_groups]
                          if overlap_weight_gradients else None)
@@ -466,9 +490,9 @@ def region_partial_parameters(block: nn.Module, plan: TensorParallelPlan) -> lis
             if param.requires_grad]
 
 
-_FIT_HINT = ("use tensor_parallel=1 for this model. Blocks split automatically need heads that stay independent "
-             "between a column layer and its row partner (no norm over the whole projection, no per-head "
-             "parameter outside the split layers) and fused q/k/v projections laid out as [q | k | v]")
+_FIT_HINT = ("use tensor_parallel=1 for this model. Blocks split automatically need each head's work to stay "
+             "on the rank holding that head between a column layer and its row partner: a norm over a whole "
+             "projection only as an RMS norm module, no parameter shared by all heads inside that span")
 
 
 def verify_tensor_parallel_plan(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh,

@@ -5,11 +5,12 @@ strategy hands over, such as a pipeline stage, through :meth:`DeltaMemory.manage
 ``forward`` is switched on the instance before the strategy wraps the model, and all the
 rest happens through hooks. See :mod:`lightning_merak.callbacks.delta.runtime`.
 
-Strategies that cut and shard the model on the first batch (``merak3d``: they expose
-``layout_built`` and ``local_blocks``) are handled per rank: the selection is checked on
-the whole model at ``setup``, and on the first training batch, once the layout exists,
-each rank manages the blocks of its own pipeline stages under its own budget. Blocks the
-strategy already recomputes are left alone and logged, like user checkpointing.
+Strategies that cut and shard the model on the first batch (layout-aware ones,
+:class:`~lightning_merak.runtime.layout_aware.LayoutAwareStrategy`: merak3d) are handled per
+rank: the selection is checked on the whole model at ``setup``, and on the first training
+batch, once the layout exists, each rank manages the blocks of its own pipeline stages under
+its own budget. Blocks the strategy already recomputes are left alone and logged, like user
+checkpointing.
 """
 
 from __future__ import annotations
@@ -28,18 +29,20 @@ from torch import nn
 
 from lightning_merak.callbacks.delta.blocks import BlockSelector, discover_blocks
 from lightning_merak.callbacks.delta.budget import Budget, BudgetLike, parse_budget
-from lightning_merak.callbacks.delta.planner import Action, Plan
+from lightning_merak.callbacks.delta.memory_planner import Action, Plan
+from lightning_merak.callbacks.delta.options import DeltaOptions
 from lightning_merak.callbacks.delta.plot import save_timeline_plot
 from lightning_merak.callbacks.delta.profiler import agree_profile
-from lightning_merak.callbacks.delta.recompute import strategy_recompute, user_checkpointing
+from lightning_merak.callbacks.delta.recompute_switch import strategy_recompute, user_checkpointing
 from lightning_merak.callbacks.delta.runtime import ManagerOptions, MemoryManager, StepReport, iter_tensors
+from lightning_merak.runtime.layout_aware import layout_aware
 
 __all__ = ["DeltaMemory"]
 
 log = logging.getLogger(__name__)
 
 PLOT_NAME = "delta_memory_timeline.png"
-_TIERS = ("host", "disk")
+_DEFAULTS = DeltaOptions()
 
 
 def _parse_overrides(overrides: Optional[Mapping[str, str]]) -> dict[str, Action]:
@@ -74,55 +77,42 @@ class DeltaMemory(pl.Callback):
         host_pool_bytes: cap of the pinned pool (default: half the available host RAM).
         replan_on_shape_change: re-plan (from the scaled profile) when input shapes change.
         plot: save the memory timeline PNG into the trainer's log directory.
+
+    The defaults and checks of every setting but ``budget``, ``blocks`` and ``overrides`` live in
+    :class:`~lightning_merak.callbacks.delta.options.DeltaOptions`.
     """
 
     def __init__(
         self,
         budget: BudgetLike | Budget = "auto",
         *,
-        swap_tier: Optional[str] = None,
-        swap_dir: Optional[str] = None,
-        warmup_steps: int = 2,
-        director: str = "exposed",
-        prefetch_depth: int = 5,
+        swap_tier: Optional[str] = _DEFAULTS.swap_tier,
+        swap_dir: Optional[str] = _DEFAULTS.swap_dir,
+        warmup_steps: int = _DEFAULTS.warmup_steps,
+        director: str = _DEFAULTS.director,
+        prefetch_depth: int = _DEFAULTS.prefetch_depth,
         blocks: BlockSelector = None,
         overrides: Optional[Mapping[str, str]] = None,
-        min_offload_bytes: int = 1024,
-        stash_depth: int = 8,
-        host_pool_bytes: Optional[int] = None,
-        replan_on_shape_change: bool = True,
-        plot: bool = True,
+        min_offload_bytes: int = _DEFAULTS.min_offload_bytes,
+        stash_depth: int = _DEFAULTS.stash_depth,
+        host_pool_bytes: Optional[int] = _DEFAULTS.host_pool_bytes,
+        replan_on_shape_change: bool = _DEFAULTS.replan_on_shape_change,
+        plot: bool = _DEFAULTS.plot,
     ) -> None:
-        if swap_tier is not None and swap_tier not in _TIERS:
-            raise ValueError(f"swap_tier {swap_tier!r} is unknown; choose 'host', 'disk' or None (automatic)")
-        if director not in ("exposed", "delta"):
-            raise ValueError(f"director {director!r} is unknown; choose 'exposed' or 'delta'")
-        for name, value, low in (
-            ("warmup_steps", warmup_steps, 1),
-            ("prefetch_depth", prefetch_depth, 1),
-            ("stash_depth", stash_depth, 1),
-            ("min_offload_bytes", min_offload_bytes, 0),
-        ):
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if host_pool_bytes is not None and host_pool_bytes <= 0:
-            raise ValueError(f"host_pool_bytes must be positive or None, got {host_pool_bytes}")
+        settings = DeltaOptions(
+            swap_tier=swap_tier, swap_dir=swap_dir, warmup_steps=warmup_steps, director=director,
+            prefetch_depth=prefetch_depth, min_offload_bytes=min_offload_bytes, stash_depth=stash_depth,
+            host_pool_bytes=host_pool_bytes, replan_on_shape_change=replan_on_shape_change, plot=plot,
+        )
+        settings.validate()
         self.budget = parse_budget(budget)
         self.swap_tier = swap_tier
         self.blocks = blocks
         self.plot = plot
         self._options = ManagerOptions(
+            **{**vars(settings), "swap_tier": swap_tier or "disk"},
             budget=self.budget,
-            swap_tier=swap_tier or "disk",
-            swap_dir=swap_dir,
-            warmup_steps=warmup_steps,
-            director=director,
-            prefetch_depth=prefetch_depth,
-            min_offload_bytes=min_offload_bytes,
-            stash_depth=stash_depth,
-            host_pool_bytes=host_pool_bytes,
             overrides=_parse_overrides(overrides),
-            replan_on_shape_change=replan_on_shape_change,
         )
         self.manager: Optional[MemoryManager] = None
         self.excluded: dict[str, str] = {}
@@ -357,7 +347,7 @@ class DeltaMemory(pl.Callback):
 
 
 def _builds_layout_on_first_batch(strategy: Any) -> bool:
-    return hasattr(strategy, "layout_built") and hasattr(strategy, "local_blocks")
+    return layout_aware(strategy) is not None
 
 
 def _original_module_names(pl_module: pl.LightningModule) -> dict[int, str]:

@@ -9,7 +9,7 @@ import os
 from typing import Mapping, Optional, Sequence
 
 from lightning_merak.callbacks.delta.ledger import TimelinePoint
-from lightning_merak.callbacks.delta.planner import Action, Plan, StepProfile, simulate_timeline
+from lightning_merak.callbacks.delta.memory_planner import Action, Plan, StepProfile, simulate_timeline
 
 __all__ = ["save_timeline_plot"]
 

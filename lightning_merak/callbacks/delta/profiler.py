@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lightning_merak.callbacks.delta.ledger import ResidentLedger
-from lightning_merak.callbacks.delta.planner import BACKWARD, FORWARD, BlockProfile, StepProfile
+from lightning_merak.callbacks.delta.memory_planner import BACKWARD, FORWARD, BlockProfile, StepProfile
 
 __all__ = [
     "BlockRecord",

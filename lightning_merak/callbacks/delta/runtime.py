@@ -26,9 +26,10 @@ from typing import Any, Callable, Hashable, Iterator, Mapping, Optional, Sequenc
 import torch
 from torch import nn
 
+from lightning_merak.callbacks.delta.activation_swap import SwapManager
 from lightning_merak.callbacks.delta.budget import AUTO_FRACTION, Budget
 from lightning_merak.callbacks.delta.ledger import ResidentLedger, TimelinePoint
-from lightning_merak.callbacks.delta.planner import (
+from lightning_merak.callbacks.delta.memory_planner import (
     Action,
     Plan,
     PlannerSettings,
@@ -36,6 +37,7 @@ from lightning_merak.callbacks.delta.planner import (
     calibrate_outside,
     plan_memory,
 )
+from lightning_merak.callbacks.delta.options import DeltaOptions
 from lightning_merak.callbacks.delta.profiler import (
     OUTSIDE,
     BlockRecord,
@@ -43,8 +45,8 @@ from lightning_merak.callbacks.delta.profiler import (
     SavedTensorTracker,
     profile_from_records,
 )
-from lightning_merak.callbacks.delta.recompute import SwitchableForward, install_switch, remove_switch
-from lightning_merak.callbacks.delta.swap import HostTier, SwapManager, make_tier
+from lightning_merak.callbacks.delta.recompute_switch import SwitchableForward, install_switch, remove_switch
+from lightning_merak.callbacks.delta.swap_tiers import HostTier, make_tier
 
 __all__ = ["ManagerOptions", "MemoryManager", "StepReport", "iter_tensors"]
 
@@ -65,21 +67,14 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
         yield from iter_tensors(obj.to_tuple())
 
 
-@dataclass
-class ManagerOptions:
-    """Everything the manager needs besides the model; validated by the callback."""
+@dataclass(kw_only=True)
+class ManagerOptions(DeltaOptions):
+    """Everything the manager needs besides the model: the callback's settings with the budget parsed,
+    the swap tier chosen and the per-block overrides; validated by the callback."""
 
     budget: Budget
     swap_tier: str
-    swap_dir: Optional[str] = None
-    warmup_steps: int = 2
-    director: str = "exposed"
-    prefetch_depth: int = 5
-    min_offload_bytes: int = 1024
-    stash_depth: int = 8
-    host_pool_bytes: Optional[int] = None
     overrides: Mapping[str, Action] = field(default_factory=dict)
-    replan_on_shape_change: bool = True
 
 
 @dataclass(frozen=True)

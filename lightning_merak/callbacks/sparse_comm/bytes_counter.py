@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from lightning_merak.callbacks.sparse_comm.cost_model import all_gather_bytes, all_reduce_bytes, all_to_all_bytes
+from lightning_merak.callbacks.sparse_comm.wire_cost_model import all_gather_bytes, all_reduce_bytes, all_to_all_bytes
 
 _WIRE_FORMULAS = {
     "all_reduce": all_reduce_bytes,

@@ -10,18 +10,24 @@ EmbRace communicate; without it the callback creates one spanning the data-paral
 ranks (one per data-parallel group of merak3d's device mesh) or reuses the
 data-parallel group.
 
-Under merak3d, which averages gradients itself after ``on_after_backward``, the
-tables (and, with ``pipeline_parallel>1``, the tied LM-head copy on the last stage)
-are reduced by S2 in ``on_after_backward`` over the data-parallel group and named in
-``_ddp_params_and_buffers_to_ignore`` so merak3d skips them; names are looked up
-after the layout is built, since pipeline stages rename parameters. EmbRace shards
-the tables over the data-parallel group with ``pipeline_parallel=1``.
+Under a layout-aware strategy (:class:`~lightning_merak.runtime.layout_aware.LayoutAwareStrategy`:
+merak3d), which averages gradients itself after ``on_after_backward``, the tables (and,
+with ``pipeline_parallel>1``, the tied LM-head copy on the last stage) are reduced by S2
+in ``on_after_backward`` over the data-parallel group and named in
+``_ddp_params_and_buffers_to_ignore`` so the strategy skips them; names are looked up
+after the layout is built, since pipeline stages rename parameters. EmbRace shards the
+tables over the data-parallel group with ``pipeline_parallel=1``.
+
+Clipping has one owner per run. A layout-aware strategy clips, and EmbRace registers its
+column shards with it (``register_sharded_gradients``) so the norm sums their squares over
+the group. Lightning's DDP has no owner that could know of shards: there EmbRace installs
+:meth:`~lightning_merak.runtime.gradient_norm.ShardedGradients.clip` as the precision plugin's
+``clip_grad_by_norm``, the only clipping of that run.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -35,11 +41,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_merak.callbacks.sparse_comm.bytes_counter import CommLedger
-from lightning_merak.callbacks.sparse_comm.cost_model import NetworkModel
 from lightning_merak.callbacks.sparse_comm.embrace import ShardedEmbedding, shard_embeddings, tied_head_names
 from lightning_merak.callbacks.sparse_comm.s2_hook import AUTO, S2Reducer, s2_comm_hook
 from lightning_merak.callbacks.sparse_comm.sketch import CountSketch
-from lightning_merak.strategies.merak3d import Merak3DStrategy, scale_gradients, squared_norm
+from lightning_merak.callbacks.sparse_comm.wire_cost_model import NetworkModel
+from lightning_merak.runtime.gradient_norm import ShardedGradients
+from lightning_merak.runtime.layout_aware import LayoutAwareStrategy, data_parallel_groups_from_mesh, layout_aware
 from lightning_merak.strategies.pipeline.stage import RankStages, tied_parameter_names
 
 log = logging.getLogger(__name__)
@@ -48,7 +55,6 @@ Method = Literal["s2", "embrace", "auto"]
 Mode = Literal["exact", "sketch"]
 _BANDWIDTH_PROBE_BYTES = 4 * 1024 * 1024
 _BANDWIDTH_PROBE_REPEATS = 3
-_CLIP_EPSILON = 1e-6
 
 
 def data_parallel_group(strategy: pl.strategies.Strategy) -> dist.ProcessGroup | None:
@@ -150,8 +156,8 @@ class SparseCommunication(pl.Callback):
         self.sharded_tables: dict[str, ShardedEmbedding] = {}
         self._restored_frozen: set[str] = set()
         self._active = False
-        self._merak3d = False
-        self._merak3d_tables: dict[str, str] = {}
+        self._layout_aware = False
+        self._layout_tables: dict[str, str] = {}
 
     @property
     def seed(self) -> int:
@@ -199,8 +205,9 @@ class SparseCommunication(pl.Callback):
         if stage != "fit":
             return
         strategy = trainer.strategy
-        self._merak3d = isinstance(strategy, Merak3DStrategy)
-        if not self._merak3d and not isinstance(strategy, DDPStrategy):
+        layout = layout_aware(strategy)
+        self._layout_aware = layout is not None
+        if layout is None and not isinstance(strategy, DDPStrategy):
             if trainer.world_size == 1:
                 log.warning("SparseCommunication: single process, no gradient communication to replace")
                 return
@@ -208,9 +215,9 @@ class SparseCommunication(pl.Callback):
                 f"SparseCommunication works under DDP or merak3d; the trainer uses {type(strategy).__name__}. "
                 "Use strategy='ddp' (or a DDPStrategy subclass) or Merak3DStrategy"
             )
-        if self._merak3d:
-            self._check_merak3d(trainer, strategy)
-            if strategy.data_parallel == 1:
+        if layout is not None:
+            self._check_layout(layout)
+            if layout.data_parallel == 1:
                 log.warning("SparseCommunication: merak3d has data_parallel=1, no gradient communication to replace")
                 return
         if self.priority and self.priority_ids is None and not callable(getattr(pl_module, "split_batch", None)):
@@ -227,15 +234,18 @@ class SparseCommunication(pl.Callback):
         self.ledger = CommLedger(dist.get_world_size(group))
         ignored: list[str] = []
         if self.method == "embrace":
-            if self._merak3d:
+            if self._layout_aware:
                 for module in tables.values():
                     dist.broadcast(module.weight.data, src=0)  # merak3d's replicas all start from rank 0's weights
             self.sharded_tables = shard_embeddings(pl_module, list(tables), comm_group, self.ledger)
             ignored = [f"{name}.shard" for name in self.sharded_tables]
-            if not self._merak3d:
-                self._install_global_norm_clipping(trainer, comm_group)
-        elif self._merak3d:
-            self._merak3d_tables = self._merak3d_table_names(pl_module, tables)
+            shards = [table.shard for table in self.sharded_tables.values()]
+            if layout is not None:
+                layout.register_sharded_gradients(shards, comm_group)
+            else:
+                self._clip_with_shards(trainer, shards, comm_group)
+        elif self._layout_aware:
+            self._layout_tables = self._layout_table_names(pl_module, tables)
             self.excluded_reducer = self._reducer({}, comm_group)
             self._watch_lookups(pl_module, tables)
         else:
@@ -271,7 +281,7 @@ class SparseCommunication(pl.Callback):
         scanned, since its gradient has rows no id names."""
         for name, module in tables.items():
             holders = [m for m in pl_module.modules() if any(p is module.weight for p in m.parameters(recurse=False))]
-            reducer = self.excluded_reducer if module.sparse or self._merak3d else self.hook_reducer
+            reducer = self.excluded_reducer if module.sparse or self._layout_aware else self.hook_reducer
             if self.rows_from_ids and len(holders) == 1 and reducer is not None:
                 reducer.watch_lookups(name, module)
             elif len(holders) > 1:
@@ -282,33 +292,27 @@ class SparseCommunication(pl.Callback):
         provided = getattr(strategy, "sparse_comm_process_group", None)
         if provided is not None:
             return provided() if callable(provided) else provided
-        if isinstance(strategy, Merak3DStrategy):
-            return _new_data_parallel_groups(strategy)
+        layout = layout_aware(strategy)
+        if layout is not None:
+            return _new_data_parallel_groups(layout)
         if group is None or group is dist.group.WORLD:
             return dist.new_group(ranks=list(range(dist.get_world_size())))
         return group
 
-    def _check_merak3d(self, trainer: pl.Trainer, strategy: Merak3DStrategy) -> None:
+    def _check_layout(self, strategy: LayoutAwareStrategy) -> None:
         """Refuse what EmbRace cannot do under merak3d, before any collective."""
         if self.method != "embrace":
             return
-        # each fix in both spellings: the Trainer argument and merak-train's Hydra override
+        # the fix in both spellings: the strategy argument and merak-train's Hydra override
         if strategy.pipeline_parallel > 1:
             raise ValueError(
                 "method='embrace' under merak3d needs pipeline_parallel=1: with pipeline stages the layout "
                 "trace runs the first stage on rank 0 alone, which a sharded table cannot; set pipeline_parallel=1 "
                 "(merak-train: strategy.pipeline_parallel=1) or use method='s2' (merak-train: comm=s2)"
             )
-        if trainer.gradient_clip_val:
-            raise ValueError(
-                f"method='embrace' under merak3d cannot clip gradients (gradient_clip_val="
-                f"{trainer.gradient_clip_val}): merak3d's norm would count each rank's table columns as the whole "
-                "table; set Trainer(gradient_clip_val=None) (merak-train: trainer.gradient_clip_val=null) "
-                "or use method='s2' (merak-train: comm=s2)"
-            )
 
     @staticmethod
-    def _merak3d_table_names(pl_module: pl.LightningModule, tables: dict[str, nn.Embedding]) -> dict[str, str]:
+    def _layout_table_names(pl_module: pl.LightningModule, tables: dict[str, nn.Embedding]) -> dict[str, str]:
         """Each table's weight and its tied copies, by name in ``pl_module.model`` before the layout
         is built, mapped to the name the reducer knows the table by (its module name)."""
         model = pl_module.model
@@ -335,34 +339,25 @@ class SparseCommunication(pl.Callback):
         already = list(getattr(pl_module, "_ddp_params_and_buffers_to_ignore", []))
         ignore(pl_module, sorted(set(already) | set(names)))
 
-    def _install_global_norm_clipping(self, trainer: pl.Trainer, group: dist.ProcessGroup | None) -> None:
-        """Gradient-norm clipping must see the whole sharded tables, not this rank's columns:
-        otherwise ranks clip by different factors and the replicated weights drift apart."""
-        precision = trainer.strategy.precision_plugin
-        shards = {id(table.shard) for table in self.sharded_tables.values()}
-
-        def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-            parameters = [p for group_ in optimizer.param_groups for p in group_["params"] if p.grad is not None]
-            device = parameters[0].grad.device if parameters else torch.device("cpu")
-            replicated_sq = squared_norm([p.grad.detach() for p in parameters if id(p) not in shards], device)
-            sharded_sq = squared_norm([p.grad.detach() for p in parameters if id(p) in shards], device)
-            dist.all_reduce(sharded_sq, group=group)
-            total = math.sqrt(replicated_sq.item() + sharded_sq.item())
-            scale_gradients([p.grad for p in parameters], min(1.0, clip_val / (total + _CLIP_EPSILON)))
-
-        precision.clip_grad_by_norm = clip_grad_by_norm
+    @staticmethod
+    def _clip_with_shards(trainer: pl.Trainer, shards: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+        """Under DDP, which has no clipping owner of its own, clip by the norm over the whole sharded tables,
+        not this rank's columns: otherwise ranks clip by different factors and replicated weights drift apart."""
+        sharded = ShardedGradients()
+        sharded.register(shards, group)
+        trainer.strategy.precision_plugin.clip_grad_by_norm = sharded.clip
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Under merak3d: reduce this rank's table gradients over the data-parallel group with S2
         and name them in ``_ddp_params_and_buffers_to_ignore``, right before merak3d averages the rest."""
-        if not (self._active and self._merak3d and self.excluded_reducer is not None):
+        if not (self._active and self._layout_aware and self.excluded_reducer is not None):
             return
         model = pl_module.model
         rename = model.original_name if isinstance(model, RankStages) else (lambda name: name)
         local = [
-            (f"model.{name}", self._merak3d_tables[rename(name)], parameter)
+            (f"model.{name}", self._layout_tables[rename(name)], parameter)
             for name, parameter in model.named_parameters()
-            if rename(name) in self._merak3d_tables
+            if rename(name) in self._layout_tables
         ]
         self._ignore_in_ddp(pl_module, [name for name, _, _ in local])
         reduced = self.excluded_reducer.reduce_now([(table, p.grad, p.shape) for _, table, p in local])
@@ -424,7 +419,7 @@ class SparseCommunication(pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if self._merak3d or not self.excluded_tables or self.excluded_reducer is None:
+        if self._layout_aware or not self.excluded_tables or self.excluded_reducer is None:
             return
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
         tables = [(name, p) for name, p in self.excluded_tables.items() if id(p) in in_optimizer]
@@ -479,18 +474,16 @@ class SparseCommunication(pl.Callback):
                 reducer._frozen_dense.update(self._restored_frozen)
 
 
-def _new_data_parallel_groups(strategy: Merak3DStrategy) -> dist.ProcessGroup:
-    """A new group per data-parallel group of merak3d's mesh (every rank creates all of them,
+def _new_data_parallel_groups(strategy: LayoutAwareStrategy) -> dist.ProcessGroup:
+    """A new group per data-parallel group of the strategy's mesh (every rank creates all of them,
     in the same order); returns this rank's."""
-    mesh = strategy.device_mesh.mesh
+    mesh = strategy.device_mesh
     rank = dist.get_rank()
     own = None
-    for pipeline_rank in range(mesh.shape[0]):
-        for tensor_rank in range(mesh.shape[2]):
-            ranks = [int(r) for r in mesh[pipeline_rank, :, tensor_rank]]
-            group = dist.new_group(ranks=ranks)
-            if rank in ranks:
-                own = group
+    for ranks in data_parallel_groups_from_mesh(mesh.mesh.tolist(), list(mesh.mesh_dim_names)):
+        group = dist.new_group(ranks=ranks)
+        if rank in ranks:
+            own = group
     assert own is not None, "every rank lies in one data-parallel group of the mesh"
     return own
 

@@ -30,13 +30,6 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_merak.callbacks.sparse_comm.bytes_counter import CommLedger
-from lightning_merak.callbacks.sparse_comm.cost_model import (
-    HOOK_METHODS,
-    Decision,
-    NetworkModel,
-    TableTraffic,
-    choose_method,
-)
 from lightning_merak.callbacks.sparse_comm.sketch import (
     CountSketch,
     bitmap_rows,
@@ -46,6 +39,13 @@ from lightning_merak.callbacks.sparse_comm.sketch import (
     nonzero_rows,
     pack_bitmap,
     unpack_bitmap,
+)
+from lightning_merak.callbacks.sparse_comm.wire_cost_model import (
+    HOOK_METHODS,
+    Decision,
+    NetworkModel,
+    TableTraffic,
+    choose_method,
 )
 
 log = logging.getLogger(__name__)

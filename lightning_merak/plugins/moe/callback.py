@@ -22,11 +22,11 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
+from lightning_merak.plugins.moe.block_replacement import SwappedSparseBlock
 from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, expert_param_positions, gather_expert_state
-from lightning_merak.plugins.moe.groups import data_parallel_groups_from_mesh
 from lightning_merak.plugins.moe.layer import MoE, PlacementMOELayer
 from lightning_merak.plugins.moe.placement import PlacementPlan, rank_loads
-from lightning_merak.plugins.moe.swap import SwappedSparseBlock
+from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh, layout_aware
 
 __all__ = ["MoEPlacementCallback", "balance_metrics", "plot_load_heatmap"]
 
@@ -118,7 +118,8 @@ class MoEPlacementCallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Attach every layer's expert groups, on every rank in model order, before any layout change.
 
-        Under a 3D strategy (a ``device_mesh`` with a "dp" dimension, as merak3d's) EP groups are
+        Under a layout-aware strategy (:class:`~lightning_merak.runtime.layout_aware.LayoutAwareStrategy`,
+        merak3d; its ``device_mesh`` has a "dp" dimension) EP groups are
         carved from each pipeline/tensor position's data-parallel ranks; this runs while every
         rank still holds the whole model, so the collective group creation matches across
         pipeline stages.
@@ -126,11 +127,12 @@ class MoEPlacementCallback(pl.Callback):
         strategy = trainer.strategy
         self._uses_deepspeed = "deepspeed" in type(strategy).__name__.lower()
         self._layers = [m for m in pl_module.modules() if isinstance(m, PlacementMOELayer)]
-        mesh = getattr(strategy, "device_mesh", None) if dist.is_initialized() else None
+        layout = layout_aware(strategy) if dist.is_initialized() else None
         dp_groups = None
-        if mesh is not None and "dp" in (mesh.mesh_dim_names or ()):
+        if layout is not None:
+            mesh = layout.device_mesh
             dp_groups = data_parallel_groups_from_mesh(mesh.mesh.tolist(), list(mesh.mesh_dim_names))
-            self._data_parallel_group = strategy.data_parallel_group
+            self._data_parallel_group = layout.data_parallel_group
             self._data_parallel_size = len(dp_groups[0])
             self._uses_mesh = True
         elif dist.is_initialized():

@@ -8,18 +8,26 @@ another EP size. On load each rank keeps its own slice and renumbers it from 0. 
 numbered locally (DeepSpeed's own engine checkpoints load that way) passes through untouched.
 Expert optimizer state is per rank too: it is gathered per parameter index and each rank
 takes back its EP rank's entries.
+
+A strategy whose checkpoints are keyed by parameter name (merak3d's sharded checkpointer)
+renames instead of gathering: :class:`ExpertNumbering` turns a local expert number in a name
+into the global one and back, so the strategy needs to know nothing of MoE key formats.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+import sys
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-__all__ = ["EXPERTS_KEY", "expert_indices", "expert_param_positions", "gather_expert_state", "select_local_experts",
-           "split_expert_key"]
+from lightning_merak.plugins.moe.groups import carve_expert_groups
+
+__all__ = ["EXPERTS_KEY", "ExpertNumbering", "expert_indices", "expert_param_positions", "gather_expert_state",
+           "select_local_experts", "split_expert_key"]
 
 EXPERTS_KEY = "deepspeed_moe.experts.deepspeed_experts."
 
@@ -83,3 +91,49 @@ def expert_param_positions(param_groups: Sequence[dict[str, Any]]) -> list[int]:
     """Positions (optimizer state-dict indices) of expert parameters (``allreduce=False``)."""
     params = [p for group in param_groups for p in group["params"]]
     return [i for i, p in enumerate(params) if getattr(p, "allreduce", True) is False]
+
+
+DataParallelRanks = Callable[[], tuple[int, Sequence[int]]]
+"""``() -> (this rank, the global ranks of its data-parallel group)``; expert groups are carved from them."""
+
+
+class ExpertNumbering:
+    """Expert numbers in parameter names: local (each EP rank numbers its experts from 0) ↔ global.
+
+    Args:
+        layers: the key prefix of each expert-parallel layer's experts → ``(ep_size, experts per rank)``.
+        data_parallel_ranks: where this rank sits, asked only when a name is renumbered (it may raise
+            while the layout is not known yet).
+    """
+
+    def __init__(self, layers: dict[str, tuple[int, int]], data_parallel_ranks: DataParallelRanks) -> None:
+        self.layers = layers
+        self._data_parallel_ranks = data_parallel_ranks
+
+    @classmethod
+    def of(cls, model: nn.Module, data_parallel_ranks: DataParallelRanks) -> ExpertNumbering:
+        """The numbering of ``model``'s expert-parallel layers (read on the unsplit model, before pruning)."""
+        # no MoE layer exists unless its module was imported; importing it here would pull in DeepSpeed
+        layer = sys.modules.get(f"{__package__}.layer")
+        layers = {} if layer is None else {
+            f"{name}.{EXPERTS_KEY}": (module.ep_size, module.num_local_experts)
+            for name, module in model.named_modules() if isinstance(module, layer.MoE) and module.ep_size > 1
+        }
+        return cls(layers, data_parallel_ranks)
+
+    def _expert_rank(self, ep_size: int) -> int:
+        """This rank's place in its expert-parallel group, carved from its data-parallel ranks as the layers do."""
+        rank, data_parallel_ranks = self._data_parallel_ranks()
+        ep_groups, _ = carve_expert_groups(data_parallel_ranks, ep_size)
+        return next(group.index(rank) for group in ep_groups if rank in group)
+
+    def renamed(self, name: str, to_global: bool) -> str:
+        """``name`` with an expert's local number made global, or (``to_global=False``) a global number of this
+        rank's expert made local again; other names unchanged."""
+        for prefix, (ep_size, per_rank) in self.layers.items():
+            found = split_expert_key(name, prefix)
+            if found is not None:
+                number, rest = found
+                first = self._expert_rank(ep_size) * per_rank
+                return f"{prefix}{number + first if to_global else number - first}.{rest}"
+        return name

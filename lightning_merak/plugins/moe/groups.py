@@ -9,11 +9,12 @@ Every process calls these functions in the same order (``new_group`` is collecti
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch.distributed as dist
+
+from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh
 
 __all__ = ["ExpertGroups", "carve_expert_groups", "data_parallel_groups_from_mesh", "ensure_expert_groups"]
 
@@ -31,28 +32,6 @@ def carve_expert_groups(data_parallel_ranks: Sequence[int], ep_size: int) -> tup
     ep_groups = [ranks[i: i + ep_size] for i in range(0, len(ranks), ep_size)]
     edp_groups = [[group[pos] for group in ep_groups] for pos in range(ep_size)]
     return ep_groups, edp_groups
-
-
-def data_parallel_groups_from_mesh(mesh_ranks: Sequence[Any], dim_names: Sequence[str]) -> list[list[int]]:
-    """Every data-parallel group of a device mesh (nested lists of global ranks, one axis named "dp")."""
-    if "dp" not in dim_names:
-        raise ValueError(f"mesh dimensions {tuple(dim_names)} have no 'dp' dimension to carve expert groups from")
-    axis = list(dim_names).index("dp")
-    shape: list[int] = []
-    level: Any = mesh_ranks
-    for _ in dim_names:
-        shape.append(len(level))
-        level = level[0]
-    groups = []
-    for index in itertools.product(*(range(n) if i != axis else [0] for i, n in enumerate(shape))):
-        group = []
-        for position in range(shape[axis]):
-            entry: Any = mesh_ranks
-            for i, coordinate in enumerate(index):
-                entry = entry[position if i == axis else coordinate]
-            group.append(int(entry))
-        groups.append(group)
-    return groups
 
 
 @dataclass

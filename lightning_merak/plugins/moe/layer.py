@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from deepspeed.moe.sharded_moe import MOELayer, TopKGate, multiplicative_jitter,
 from torch import nn
 
 from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, expert_indices, select_local_experts
-from lightning_merak.plugins.moe.cost_model import CostModel
+from lightning_merak.plugins.moe.cost_measurement import profile_cost_model
 from lightning_merak.plugins.moe.dispatch import ExchangeLayout, decode, encode
 from lightning_merak.plugins.moe.executor import (
     ExchangeFunction,
@@ -46,51 +46,19 @@ from lightning_merak.plugins.moe.executor import (
 from lightning_merak.plugins.moe.groups import ExpertGroups, ensure_expert_groups
 from lightning_merak.plugins.moe.joint_gate import compact_routes, first_choice_fraction, sub_batch_gates
 from lightning_merak.plugins.moe.lancet import choose_chunks
+from lightning_merak.plugins.moe.options import MoEOptions
 from lightning_merak.plugins.moe.placement import Padding, PlacementPlan
-from lightning_merak.plugins.moe.planner import plan_pro_prophet
-from lightning_merak.plugins.moe.profile import profile_cost_model
+from lightning_merak.plugins.moe.placement_cost_model import CostModel
+from lightning_merak.plugins.moe.placement_planner import plan_pro_prophet
 from lightning_merak.plugins.moe.shadowing import plan_shadowing
 from lightning_merak.runtime.sub_batches import mark_sub_batch_share
 from lightning_merak.runtime.turns import in_sub_batch_region, meet_in_turn
 
 __all__ = ["MoE", "MoEOptions", "PlacementMOELayer"]
 
-DispatchPath = Literal["capacity", "dropless"]
-PlacementPolicy = Literal["none", "pro_prophet", "shadowing"]
-
 _GATE_TAKES_SPARSE_ROUTES = "sparse_routes" in inspect.signature(TopKGate.forward).parameters
 _PROFILED: dict[tuple[Any, ...], CostModel] = {}
 _LAYER_TAG_STRIDE = 1 << 16
-
-
-@dataclass
-class MoEOptions:
-    """What this layer adds to DeepSpeed's: dispatch path, placement policy, overlap."""
-
-    dispatch: DispatchPath = "capacity"
-    placement: PlacementPolicy = "none"
-    lancet_chunks: Union[int, str] = 1
-    lancet_backward: bool = True
-    overlap_transfer: bool = True
-    replan_every: int = 1
-    replan_threshold: Optional[float] = None
-    exclude_fewest: int = 0
-    slots_per_rank: Optional[int] = None
-    alpha: float = 0.25
-
-    def validate(self, drop_tokens: bool) -> None:
-        if self.dispatch not in ("capacity", "dropless"):
-            raise ValueError(f"dispatch={self.dispatch!r}: choose 'capacity' or 'dropless'")
-        if self.placement not in ("none", "pro_prophet", "shadowing"):
-            raise ValueError(f"placement={self.placement!r}: choose 'none', 'pro_prophet' or 'shadowing'")
-        if self.dispatch == "dropless" and drop_tokens:
-            raise ValueError("dispatch='dropless' never drops tokens; pass drop_tokens=False")
-        if self.lancet_chunks != "auto" and not (isinstance(self.lancet_chunks, int) and self.lancet_chunks >= 1):
-            raise ValueError(f"lancet_chunks={self.lancet_chunks!r}: use 'auto' or an integer >= 1")
-        if self.replan_every < 1:
-            raise ValueError(f"replan_every={self.replan_every} must be at least 1")
-        if self.exclude_fewest < 0 or (self.slots_per_rank is not None and self.slots_per_rank < 1):
-            raise ValueError("exclude_fewest must be >= 0 and slots_per_rank >= 1 (or None)")
 
 
 def _routes_from_dense(combine_weights: torch.Tensor, dispatch_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:

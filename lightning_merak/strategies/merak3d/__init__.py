@@ -48,8 +48,6 @@ STEP_CHECK_WARMUP, STEP_CHECK_BATCHES = 2, 5
 
 _LAZY = {
     "Merak3DStrategy": ("strategy", "Merak3DStrategy"),
-    "_checkpointed": ("strategy", "_checkpointed"),
-    "_call_model": ("build", "call_model"),
 }
 
 

@@ -30,6 +30,7 @@ from lightning_merak.strategies.pipeline.schedules import shifted_schedule_avail
 from lightning_merak.strategies.pipeline.trace import find_trunk
 from lightning_merak.strategies.sequence_parallel import check_sequence_length
 from lightning_merak.strategies.tensor_parallel import check_tensor_parallel_degree
+from lightning_merak.strategies.vocab_parallel import check_vocabulary_split
 
 __all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "Degree", "Merak3DArguments", "check_accumulation",
            "check_module_members", "moe_layers"]
@@ -102,6 +103,7 @@ class Merak3DArguments:
     timeout_s: float = 600.0
     memory_limit: Optional[float] = None
     plan_only: bool = False
+    vocab_parallel: bool = True
 
     def __post_init__(self) -> None:
         for name, value in (("data_parallel", self.data_parallel), ("pipeline_parallel", self.pipeline_parallel),
@@ -253,6 +255,9 @@ class Merak3DArguments:
         """Refuse degrees the unsplit model's config or structure rules out (None: not chosen yet)."""
         if tensor_parallel is not None:
             check_tensor_parallel_degree(getattr(model, "config", None), tensor_parallel)
+            vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+            if self.vocab_parallel and tensor_parallel > 1 and isinstance(vocab_size, int):
+                check_vocabulary_split(vocab_size, tensor_parallel)
         if self.sequence_parallel and tensor_parallel is not None and tensor_parallel > 1 and moe_layers(model):
             raise ValueError("sequence_parallel does not support MoE layers; use sequence_parallel=False")
         if pipeline_parallel is not None and pipeline_parallel > 1:

@@ -25,12 +25,23 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_merak.runtime import random_state
+from lightning_merak.runtime.layout_aware import RecomputedForward
+from lightning_merak.runtime.module_mode import modules_in_mode
 from lightning_merak.runtime.sub_batches import SubBatchForward
 from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
 from lightning_merak.strategies.merak3d.gradients import TiedParameter
 from lightning_merak.strategies.merak3d.layout import Layout, LayoutGroups
+from lightning_merak.strategies.merak3d.materialize import (
+    Materializer,
+    WeightLoader,
+    copy_full_tensors,
+    has_meta,
+    init_owners,
+    local_tensors,
+)
+from lightning_merak.strategies.pipeline.meta_trace import materialized_copy
 from lightning_merak.strategies.pipeline.stage import RankStages, build_stage_module, tied_parameter_names
-from lightning_merak.strategies.pipeline.trace import ModelTrace, trace_model
+from lightning_merak.strategies.pipeline.trace import ModelTrace, TraceError, find_trunk, trace_model
 from lightning_merak.strategies.sequence_parallel import (
     SequenceParallelPlan,
     check_sequence_length,
@@ -46,6 +57,7 @@ from lightning_merak.strategies.tensor_parallel import (
     region_partial_parameters,
     verify_tensor_parallel_plan,
 )
+from lightning_merak.strategies.vocab_parallel import split_vocabulary
 
 __all__ = ["BuiltModel", "build_model", "call_model", "in_training_mode", "random_state_kept",
            "sequence_parallel_plan", "split_block_problem", "tensor_parallel_plan"]
@@ -65,20 +77,13 @@ def no_cache(model: nn.Module) -> None:
         config.use_cache = False
 
 
-@contextlib.contextmanager
-def in_training_mode(model: nn.Module) -> Iterator[None]:
+def in_training_mode(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     """Every module of ``model`` in training mode meanwhile, then back in its own mode.
 
     The build records and times the model as a training batch runs it, whichever loop brought
     the batch (evaluation loops put the module in eval mode).
     """
-    modes = {module: module.training for module in model.modules()}
-    model.train()
-    try:
-        yield
-    finally:
-        for module, training in modes.items():
-            module.training = training
+    return modules_in_mode(model, training=True)
 
 
 @contextlib.contextmanager
@@ -163,34 +168,60 @@ class BuiltModel:
     partition: Optional[Any]
 
 
+def weight_loader(module: nn.Module, restored_state: Optional[dict[str, Any]]) -> Optional[WeightLoader]:
+    """What fills a rank's materialised part: a checkpoint Lightning restored before the build (the
+    LightningModule's state, its model under ``model.``), else the module's pretrained seam
+    (``load_pretrained_weights(tensors, layout_changes)``, if it has one)."""
+    if restored_state is not None:
+        state = {name[len("model."):]: tensor for name, tensor in restored_state.items() if name.startswith("model.")}
+        return functools.partial(copy_full_tensors, state_dict=state)
+    return getattr(module, "load_pretrained_weights", None)
+
+
+def meta_materializers(model: nn.Module, device: torch.device, broadcast: Broadcast) -> Callable[[nn.Module], Any]:
+    """``materialize_with(copy)`` for the meta ``model``: a fresh Materializer's ``materialize`` per copy, on
+    ``device``, seeded alike on every rank (rank 0's seed), so replicated modules start equal."""
+    seed, owners = int(broadcast(torch.initial_seed(), 0)), init_owners(model)
+    return lambda copy_: Materializer(device, seed, owners).materialize
+
+
 def build_model(model: nn.Module, inputs: torch.Tensor, *, arguments: Merak3DArguments, groups: LayoutGroups,
                 global_rank: int, broadcast: Broadcast, verified_tp_degrees: frozenset[int],
-                checkpointed: Callable[..., Any]) -> BuiltModel:
+                load_weights: Optional[WeightLoader] = None) -> BuiltModel:
     """Cut, split and wrap ``model`` for this rank on the shapes of ``inputs``; grad enabled, not in inference mode.
 
-    ``verified_tp_degrees`` are the degrees planning already checked the split at;
-    ``checkpointed(forward, *args, **kwargs)`` runs a recomputed block.
+    ``verified_tp_degrees`` are the degrees planning already checked the split at; recomputed
+    blocks run a :class:`~lightning_merak.runtime.layout_aware.RecomputedForward`. A model on
+    the meta device is traced and cut there; this rank then materialises only what it holds,
+    block by block (each split right after), and ``load_weights`` (the pretrained seam) fills it.
+    With ``pipeline_parallel=1`` and ``tensor_parallel=1`` nothing is traced: plain data parallelism.
     """
     layout = groups.layout
     no_cache(model)
     # a copy: an evaluation loop's batch may be an inference tensor, which autograd refuses
     micro = first_micro_batch(layout, inputs).clone()
     pp, tp = layout.pipeline_parallel, layout.tensor_parallel
-    sequence_parallel = arguments.sequence_parallel and tp > 1
     if arguments.sequence_parallel and tp == 1:
         rank_zero_info("merak3d: tensor_parallel=1, so sequence_parallel has nothing to split")
+    materialize_with = meta_materializers(model, micro.device, broadcast) if has_meta(model) else None
+    if pp == 1 and tp == 1:
+        return _data_parallel_only(model, layout, groups, materialize_with, load_weights)
+    sequence_parallel = arguments.sequence_parallel and tp > 1
     if sequence_parallel:
         check_sequence_length(micro.shape[1], tp)
     with in_training_mode(model):
         # Every rank profiles: blocks may hold collectives (MoE all-to-alls) that need all their peers.
-        trace = trace_model(model, micro, call_model, profile=pp > 1)
+        trace = trace_model(model, micro, call_model, profile=pp > 1, materialize_with=materialize_with)
         trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
-        plan = tensor_parallel_plan(trunk[0], trace) if tp > 1 else None
+        probe = (trunk[0] if materialize_with is None or tp == 1
+                 else materialized_copy(trunk[0], f"{trace.trunk_path}.0", materialize_with))
+        plan = tensor_parallel_plan(probe, trace) if tp > 1 else None
         if plan is not None and tp not in verified_tp_degrees:
-            problem = split_block_problem(trunk[0], trace, plan, groups.tensor_mesh, broadcast)
+            problem = split_block_problem(probe, trace, plan, groups.tensor_mesh, broadcast)
             if problem is not None:
                 raise ValueError(f"tensor_parallel={tp}: {problem}")
-        sequence_plan = sequence_parallel_plan(trunk[0], trace, plan) if sequence_parallel else None
+        sequence_plan = sequence_parallel_plan(probe, trace, plan) if sequence_parallel else None
+        del probe
     stages, partition, tied = None, None, []
     if pp > 1:
         tied_names = tied_parameter_names(model)
@@ -204,18 +235,31 @@ def build_model(model: nn.Module, inputs: torch.Tensor, *, arguments: Merak3DArg
         local_blocks = {
             index: part.net.get_submodule(trace.trunk_path)[index] for part in stages for index in part.block_indices
         }
-        tied = _tied_gradient_groups(stages, tied_names, groups.mesh, global_rank)
     else:
         local_blocks = dict(enumerate(trunk))
+    parts: list[nn.Module] = [part.net for part in stages] if stages is not None else [model]
+    if materialize_with is not None:
+        for part in parts:
+            _materialize_outside_trunk(part, trace.trunk_path, materialize_with(part))
+    if stages is not None:  # the materialised parameters, not the meta ones they replaced
+        tied = _tied_gradient_groups(stages, tied_names, groups.mesh, global_rank)
     layout_changes: dict[str, LayoutChange] = {}
     tensor_partial: list[nn.Parameter] = []
-    if plan is not None and local_blocks:
+    if (plan is not None or materialize_with is not None) and local_blocks:
         layout_changes, tensor_partial = _shard_blocks(local_blocks, trace, plan, sequence_plan, groups.tensor_mesh,
-                                                       arguments.weight_grad_overlap)
+                                                       arguments.weight_grad_overlap, materialize_with)
+    if materialize_with is not None and tied:
+        _start_tied_equal(tied, groups.mesh, global_rank)
+    if load_weights is not None:
+        load_weights(_local_tensors(stages if stages is not None else model), layout_changes)
+    if tp > 1 and arguments.vocab_parallel:
+        replaced = split_vocabulary(list(stages) if stages is not None else [model], groups.tensor_mesh,
+                                    sequence_parallel=sequence_plan is not None)
+        tied = [entry._replace(param=replaced.get(id(entry.param), entry.param)) for entry in tied]
     if sequence_plan is not None:
         segments = [part.block_indices for part in stages] if stages is not None else [list(local_blocks)]
         _split_sequence(local_blocks, segments, trace, groups.tensor_group)
-    _wrap_recompute(list(local_blocks.values()), groups, checkpointed)
+    _wrap_recompute(list(local_blocks.values()), groups)
     if layout.tp_overlap > 1:
         for part in stages if stages is not None else [model]:
             part.forward = SubBatchForward(part, layout.tp_overlap)
@@ -270,17 +314,25 @@ def _tied_gradient_groups(stages: RankStages, tied_names: list[tuple[str, ...]],
     return tied
 
 
-def _shard_blocks(blocks: dict[int, nn.Module], trace: ModelTrace, plan: TensorParallelPlan,
-                  sequence_plan: Optional[SequenceParallelPlan], mesh: DeviceMesh,
-                  weight_grad_overlap: bool) -> tuple[dict[str, LayoutChange], list[nn.Parameter]]:
-    """Split every local block (by trunk index) over the tensor-parallel group.
+def _shard_blocks(blocks: dict[int, nn.Module], trace: ModelTrace, plan: Optional[TensorParallelPlan],
+                  sequence_plan: Optional[SequenceParallelPlan], mesh: DeviceMesh, weight_grad_overlap: bool,
+                  materialize_with: Optional[Callable[[nn.Module], Any]] = None,
+                  ) -> tuple[dict[str, LayoutChange], list[nn.Parameter]]:
+    """Split every local block (by trunk index) over the tensor-parallel group (materialised first when on
+    meta: one whole block at a time, so a rank never holds more than its shards and one block).
 
     Returns the parameters whose layout changed and those left whole that see only part of the work.
     """
     layout_changes = {}
     for index, block in blocks.items():
+        if materialize_with is not None:
+            materialize_with(block)(block, f"{trace.trunk_path}.{index}")
+        if plan is None:
+            continue
         changes = apply_tensor_parallel(block, plan, mesh, sequence_plan, weight_grad_overlap)
         layout_changes.update({f"{trace.trunk_path}.{index}.{name}": c for name, c in changes.items()})
+    if plan is None:
+        return layout_changes, []
     # sequence-split blocks see only their tokens everywhere; plain TP blocks only their heads inside a region
     if sequence_plan is not None:
         return layout_changes, sequence_partial_parameters(list(blocks.values()))
@@ -295,7 +347,7 @@ def _split_sequence(blocks: dict[int, nn.Module], segments: list[list[int]], tra
             split_sequence_between(blocks[indices[0]], blocks[indices[-1]], group, trace.block_output_index)
 
 
-def _wrap_recompute(blocks: list[nn.Module], groups: LayoutGroups, checkpointed: Callable[..., Any]) -> None:
+def _wrap_recompute(blocks: list[nn.Module], groups: LayoutGroups) -> None:
     layout = groups.layout
     if layout.recompute == "none" or not blocks:
         return
@@ -307,4 +359,60 @@ def _wrap_recompute(blocks: list[nn.Module], groups: LayoutGroups, checkpointed:
         ratio = stage_aware_recompute_ratios(layout.recompute_ratio, layout.pipeline_parallel)[groups.pipeline_rank]
     count = math.floor(len(blocks) * ratio + 1e-9)
     for block in blocks[:count]:
-        block.forward = functools.partial(checkpointed, block.forward)
+        block.forward = RecomputedForward(block.forward)
+
+
+# Meta-device models --------------------------------------------------------------------------
+
+def _materialize_outside_trunk(part: nn.Module, trunk_path: str, materialize: Callable[..., None]) -> None:
+    """Materialise what ``part`` holds besides its blocks: the prefix and head modules it kept, and the
+    trunk's containers' own tensors."""
+    done: list[str] = []
+    for name, module in part.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in done) or name == trunk_path \
+                or name.startswith(trunk_path + "."):
+            continue
+        if name == "" or trunk_path.startswith(name + "."):
+            materialize(module, name, False)
+        elif has_meta(module):
+            materialize(module, name)
+            done.append(name)
+
+
+def _start_tied_equal(tied: list[TiedParameter], mesh: DeviceMesh, global_rank: int) -> None:
+    """Tied copies initialised on different stages start from the first stage's values."""
+    ranks = mesh.mesh
+    _, d, t = (int(i) for i in (ranks == global_rank).nonzero()[0])
+    for parameter in tied:
+        dist.broadcast(parameter.param.data, src=int(ranks[0, d, t]), group=parameter.group)
+
+
+def _local_tensors(root: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's parameters and persistent buffers by their unsplit names (the pretrained loader's view)."""
+    original = root.original_name if isinstance(root, RankStages) else (lambda name: name)
+    non_persistent = {f"{prefix}.{name}" if prefix else name for prefix, module in root.named_modules()
+                      for name in module._non_persistent_buffers_set}
+    return local_tensors(root.named_parameters(), root.named_buffers(), non_persistent, original)
+
+
+def _data_parallel_only(model: nn.Module, layout: Layout, groups: LayoutGroups,
+                        materialize_with: Optional[Callable[[nn.Module], Any]],
+                        load_weights: Optional[WeightLoader]) -> BuiltModel:
+    """pp=1, tp=1: the whole model on every rank, untraced, so any model DDP trains trains here too.
+
+    Recomputation wraps the blocks of the model's ModuleList trunk, which it then needs.
+    """
+    try:
+        blocks = dict(enumerate(find_trunk(model)[1]))
+    except TraceError as error:
+        if layout.recompute != "none":
+            raise ValueError(f"recompute={layout.recompute!r} recomputes transformer blocks: {error}") from error
+        blocks = {}
+    if materialize_with is not None:
+        materialize_with(model)(model, "")
+    if load_weights is not None:
+        load_weights(_local_tensors(model), {})
+    _wrap_recompute(list(blocks.values()), groups)
+    if layout.tp_overlap > 1:
+        model.forward = SubBatchForward(model, layout.tp_overlap)
+    return BuiltModel(None, blocks, [], [], {}, None)

@@ -11,38 +11,34 @@ from 0 on every rank; checkpoints number them globally.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, split_expert_key
-from lightning_merak.strategies.merak3d.arguments import moe_layers
+from lightning_merak.plugins.moe.checkpoint import ExpertNumbering
+from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh
 from lightning_merak.strategies.pipeline.stage import RankStages
 from lightning_merak.strategies.tensor_parallel import LayoutChange
 
-__all__ = ["LIGHTNING_CHECKPOINT", "ShardedCheckpointer", "expert_layers", "is_sharded_checkpoint"]
+__all__ = ["LIGHTNING_CHECKPOINT", "ShardedCheckpointer", "is_sharded_checkpoint"]
 
 LIGHTNING_CHECKPOINT = "lightning.ckpt"
+
+
+def _read_target(tensor: torch.Tensor) -> torch.Tensor:
+    """Where a saved tensor is read to: a copy of the unsplit tensor, or, for a model still on the meta
+    device, CPU storage of its shape (the build then copies this rank's part into its shards)."""
+    if tensor.is_meta:
+        return torch.empty(tensor.shape, dtype=tensor.dtype)
+    return tensor.detach().clone()
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
     """Whether ``path`` is a directory merak3d wrote (and not a checkpoint file Lightning reads itself)."""
     return path.is_dir() and (path / LIGHTNING_CHECKPOINT).is_file()
-
-
-def expert_layers(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """Key prefix of each expert-parallel MoE layer's experts in ``model`` → (ep_size, experts per rank).
-
-    Every EP rank numbers its experts from 0; checkpoints number them globally.
-    """
-    return {
-        f"{name}.{EXPERTS_KEY}": (module.ep_size, module.num_local_experts)
-        for name, module in moe_layers(model)
-        if module.ep_size > 1
-    }
 
 
 class ShardedCheckpointer:
@@ -57,11 +53,21 @@ class ShardedCheckpointer:
         self._placement = placement
         self.layout_changes: dict[str, LayoutChange] = {}
         """Parameters whose layout the tensor-parallel split changed, by unsplit name."""
-        self.expert_prefixes: dict[str, tuple[int, int]] = {}
+        self.experts = ExpertNumbering({}, self._data_parallel_ranks)
+        """Expert-parallel MoE layers number their experts from 0 on every rank; checkpoints number them globally."""
+        self.model_record: Optional[dict[str, Any]] = None
+        """The unsplit model's transformers config (and adapters), saved with each checkpoint."""
 
     def find_experts(self, model: nn.Module) -> None:
-        """Note ``model``'s expert-parallel layers (on the unsplit model, before pruning)."""
-        self.expert_prefixes = expert_layers(model)
+        """Note ``model``'s expert-parallel layers and its transformers config (on the unsplit model, before pruning).
+
+        The config (:func:`~lightning_merak.hf.names.model_record`) lets ``merak-export`` write the
+        checkpoint as a Hugging Face directory.
+        """
+        from lightning_merak.hf.names import model_record
+
+        self.experts = ExpertNumbering.of(model, self._data_parallel_ranks)
+        self.model_record = model_record(model)
 
     # Names and layouts ------------------------------------------------------------------------
 
@@ -72,7 +78,7 @@ class ShardedCheckpointer:
 
     def _original_names(self, model: nn.Module) -> dict[int, str]:
         rename = model.original_name if isinstance(model, RankStages) else (lambda name: name)
-        return {id(param): self._renumbered_expert(rename(name), to_global=True)
+        return {id(param): self.experts.renamed(rename(name), to_global=True)
                 for name, param in model.named_parameters()}
 
     def _checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -81,32 +87,17 @@ class ShardedCheckpointer:
             return self.to_original_layout(name, tensor.full_tensor()).detach()
         return tensor.detach()
 
-    def _expert_rank(self, ep_size: int) -> int:
-        """This rank's place in its expert-parallel group, carved from its data-parallel ranks as the MoE layers do."""
-        from lightning_merak.plugins.moe.groups import carve_expert_groups, data_parallel_groups_from_mesh
-
+    def _data_parallel_ranks(self) -> tuple[int, list[int]]:
+        """This rank and its data-parallel group's ranks, the ones its expert groups are carved from."""
         rank, (pp, dp, tp) = self._placement()
         mesh = torch.arange(pp * dp * tp).reshape(pp, dp, tp).tolist()  # the layout of merak3d's device mesh
-        data_parallel_ranks = next(group for group in data_parallel_groups_from_mesh(mesh, ("pp", "dp", "tp"))
-                                   if rank in group)
-        ep_groups, _ = carve_expert_groups(data_parallel_ranks, ep_size)
-        return next(group.index(rank) for group in ep_groups if rank in group)
-
-    def _renumbered_expert(self, name: str, to_global: bool) -> str:
-        """``name`` of the unsplit model with an expert's local number made global, or (``to_global=False``)
-        a global number of this rank's expert made local again; other names unchanged."""
-        for prefix, (ep_size, per_rank) in self.expert_prefixes.items():
-            found = split_expert_key(name, prefix)
-            if found is not None:
-                number, rest = found
-                first = self._expert_rank(ep_size) * per_rank
-                return f"{prefix}{number + first if to_global else number - first}.{rest}"
-        return name
+        return rank, next(group for group in data_parallel_groups_from_mesh(mesh, ("pp", "dp", "tp"))
+                          if rank in group)
 
     def _renumbered_state(self, state: dict[str, Any], to_global: bool) -> dict[str, Any]:
-        """A module state (keys ``model.<name>``) with expert numbers renumbered as :meth:`_renumbered_expert` does."""
+        """A module state (keys ``model.<name>``) with expert numbers renumbered (:class:`ExpertNumbering`)."""
         prefix = "model."
-        return {prefix + self._renumbered_expert(key[len(prefix):], to_global) if key.startswith(prefix) else key: value
+        return {prefix + self.experts.renamed(key[len(prefix):], to_global) if key.startswith(prefix) else key: value
                 for key, value in state.items()}
 
     # Saving -----------------------------------------------------------------------------------
@@ -118,7 +109,7 @@ class ShardedCheckpointer:
         for key, value in module.state_dict().items():
             rest = key[len("model."):]
             name = model.original_name(rest) if isinstance(model, RankStages) else rest
-            state["model." + self._renumbered_expert(name, to_global=True)] = self._checkpoint_tensor(name, value)
+            state["model." + self.experts.renamed(name, to_global=True)] = self._checkpoint_tensor(name, value)
         return state
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
@@ -167,7 +158,10 @@ class ShardedCheckpointer:
             })
         dcp.save(tensors, checkpoint_id=path)
         if global_rank == 0:
-            torch.save({**checkpoint, "merak3d_optimizers": layouts}, path / LIGHTNING_CHECKPOINT)
+            from lightning_merak.hf.names import MODEL_RECORD_KEY
+
+            record = {MODEL_RECORD_KEY: self.model_record} if self.model_record is not None else {}
+            torch.save({**checkpoint, **record, "merak3d_optimizers": layouts}, path / LIGHTNING_CHECKPOINT)
 
     # Loading ----------------------------------------------------------------------------------
 
@@ -182,7 +176,7 @@ class ShardedCheckpointer:
         checkpoint = torch.load(path / LIGHTNING_CHECKPOINT, map_location="cpu", weights_only=False)
         self.find_experts(module.model)
         model_state = self._renumbered_state(
-            {key: value.detach().clone() for key, value in module.state_dict().items()}, to_global=True)
+            {key: _read_target(value) for key, value in module.state_dict().items()}, to_global=True)
         optim_state: dict[str, Any] = {}
         for layout in checkpoint["merak3d_optimizers"]:
             for key, entry in layout["entries"].items():

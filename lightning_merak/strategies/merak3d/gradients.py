@@ -1,10 +1,11 @@
 """Gradients after backward: summed where a shard saw part of the work, averaged over replicas, clipped.
 
 The one owner of merak3d's gradient arithmetic. :func:`average_gradients`, :func:`squared_norm`
-and :func:`scale_gradients` are the primitives (the layout profiler times them, callbacks that
-replace the data-parallel reduction reuse them); :func:`synchronize_gradients` and
-:func:`clip_by_total_norm` apply them to a built layout. This module imports nothing of the
-strategy, so anything may import it.
+and :func:`scale_gradients` are the primitives the layout profiler times (the last two live in
+:mod:`lightning_merak.runtime.gradient_norm`); :func:`synchronize_gradients` and
+:func:`clip_by_total_norm` apply them to a built layout. Callbacks that shard a parameter over a
+group (EmbRace's tables) do not clip themselves: they register the shards with the strategy
+(``register_sharded_gradients``), and the norm here sums their squares over that group.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from lightning_merak.runtime.gradient_norm import ShardedGradients, clip_coefficient, scale_gradients, squared_norm
 from lightning_merak.strategies.merak3d.layout import LayoutGroups
 
 __all__ = ["TiedParameter", "average_gradients", "clip_by_total_norm", "replicated_parameters", "scale_gradients",
@@ -40,25 +42,6 @@ def average_gradients(grads: list[torch.Tensor], group: dist.ProcessGroup, repli
     for grad in grads:
         grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
         offset += grad.numel()
-
-
-def squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of the squares of ``grads``, accumulated in float64 so every layout sums to the same norm.
-
-    ``vector_norm`` with a float64 ``dtype`` converts inside the reduction; squaring a float64
-    copy of each gradient (``grad.double().pow(2).sum()``) gives the same figure several times
-    slower, since it writes two gradient-sized temporaries per tensor.
-    """
-    squares = torch.zeros((), dtype=torch.float64, device=device)
-    for grad in grads:
-        squares += torch.linalg.vector_norm(grad, dtype=torch.float64).square()
-    return squares
-
-
-def scale_gradients(grads: list[torch.Tensor], coefficient: float) -> None:
-    """Multiply ``grads`` in place by ``coefficient`` (clipping's second pass)."""
-    for grad in grads:
-        grad.mul_(coefficient)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -110,18 +93,26 @@ def synchronize_gradients(module: nn.Module, tensor_partial: list[nn.Parameter],
 
 
 def clip_by_total_norm(optimizer: torch.optim.Optimizer, clip_val: Union[int, float], tied: list[TiedParameter],
-                       groups: LayoutGroups, device: torch.device) -> float:
+                       groups: LayoutGroups, device: torch.device,
+                       sharded: Optional[ShardedGradients] = None,
+                       row_shares: Optional[dict[int, torch.Tensor]] = None) -> float:
     """Clip by the norm over every stage and shard, counting replicated tensors once; return that norm.
 
     The squares are summed in float64 over the pipeline and tensor-parallel groups.
     Expert-parallel weights (``allreduce=False``, DeepSpeed's convention) differ between the
-    ranks of their expert-parallel group, so their squares are summed over that group first;
-    every other tensor is the same on all data-parallel replicas.
+    ranks of their expert-parallel group, so their squares are summed over that group first, and
+    so are those of the parameters ``sharded`` splits over a group of data-parallel ranks; every
+    other tensor is the same on all data-parallel replicas. ``row_shares`` maps a split
+    parameter whose rows several tensor-parallel ranks hold (key/value heads shared by more
+    query heads than there are ranks) to 1 / copies per local row, so each row counts once.
     """
+    sharded = sharded if sharded is not None else ShardedGradients()
+    row_shares = row_shares or {}
     duplicated = {id(param) for _, param, is_first in tied if not is_first}
     tensor_rank = groups.tensor_rank
     grads, counted = [], []
     expert_grads: dict[str, list[torch.Tensor]] = {}
+    sharded_grads: dict[int, list[torch.Tensor]] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             if param.grad is None:
@@ -133,11 +124,17 @@ def clip_by_total_norm(optimizer: torch.optim.Optimizer, clip_val: Union[int, fl
             )
             if id(param) in duplicated or (replicated and tensor_rank != 0):
                 continue
-            if getattr(param, "allreduce", True) is False:
+            shard_group = sharded.group_index(param)
+            if shard_group is not None:
+                sharded_grads.setdefault(shard_group, []).append(grad)
+            elif getattr(param, "allreduce", True) is False:
                 expert_grads.setdefault(getattr(param, "group_name", None), []).append(grad)
+            elif id(param) in row_shares:
+                share = row_shares[id(param)].to(grad.device, grad.dtype)
+                counted.append(grad * share.sqrt().view(-1, *[1] * (grad.ndim - 1)))
             else:
                 counted.append(grad)
-    squares = squared_norm(counted, device)
+    squares = squared_norm(counted, device) + sharded.squares(sharded_grads, device)
     for name in sorted(expert_grads, key=str):
         expert_squares = squared_norm(expert_grads[name], device)
         dist.all_reduce(expert_squares, group=_expert_parallel_group(name))
@@ -148,7 +145,7 @@ def clip_by_total_norm(optimizer: torch.optim.Optimizer, clip_val: Union[int, fl
     if layout.tensor_parallel > 1:
         dist.all_reduce(squares, group=groups.tensor_group)
     norm = math.sqrt(squares.item())
-    coefficient = float(clip_val) / (norm + 1e-6)
+    coefficient = clip_coefficient(clip_val, norm)
     if coefficient < 1.0:
         scale_gradients(grads, coefficient)
     return norm

@@ -17,6 +17,7 @@ from torch import nn
 from lightning_merak.strategies.merak3d.layout import MULTI_STAGE_SCHEDULES, LayoutGroups
 from lightning_merak.strategies.pipeline.schedules import ScheduleShiftedCriticalPath, pipeline_stage_class
 from lightning_merak.strategies.pipeline.stage import RankStages
+from lightning_merak.strategies.vocab_parallel import vocab_parallel_loss
 
 __all__ = ["PipelineStep"]
 
@@ -40,6 +41,7 @@ class PipelineStep:
         self._device = device
         self._pending_gradients: list[tuple[nn.Parameter, Optional[torch.Tensor]]] = []
         layout = groups.layout
+        loss_fn = vocab_parallel_loss(module.loss_from_logits, stages)
         pp_group = groups.pipeline_group
         stage_class = pipeline_stage_class(dist.get_backend(pp_group), layout.virtual_stages)
         pipeline_stages = [
@@ -50,12 +52,12 @@ class PipelineStep:
             schedule_class = {"interleaved_1f1b": ScheduleInterleaved1F1B,
                               "interleaved_zero_bubble": ScheduleInterleavedZeroBubble}[layout.schedule]
             self._schedule = schedule_class(pipeline_stages, layout.micro_batches,
-                                            loss_fn=module.loss_from_logits, scale_grads=True)
+                                            loss_fn=loss_fn, scale_grads=True)
         else:
             schedule_class = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
                               "shifted_critical_path": ScheduleShiftedCriticalPath}[layout.schedule]
             self._schedule = schedule_class(pipeline_stages[0], layout.micro_batches,
-                                            loss_fn=module.loss_from_logits, scale_grads=True)
+                                            loss_fn=loss_fn, scale_grads=True)
 
     def loss(self, batch: Any) -> torch.Tensor:
         """Run the schedule on ``batch``; every rank returns the mean micro-batch loss.

@@ -22,13 +22,16 @@ from lightning_merak.strategies.merak3d.arguments import Merak3DArguments, divid
 from lightning_merak.strategies.merak3d.build import (
     Broadcast,
     call_model,
+    meta_materializers,
     no_cache,
     sequence_parallel_plan,
     split_block_problem,
     tensor_parallel_plan,
 )
 from lightning_merak.strategies.merak3d.layout import Layout, default_micro_batches
-from lightning_merak.strategies.pipeline.trace import find_trunk, trace_model
+from lightning_merak.strategies.merak3d.materialize import has_meta
+from lightning_merak.strategies.pipeline.meta_trace import materialized_copy
+from lightning_merak.strategies.pipeline.trace import TraceError, find_trunk, trace_model
 from lightning_merak.strategies.planner import (
     SearchSpace,
     average_profiles,
@@ -74,6 +77,8 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
     model: nn.Module = module.model
     config = getattr(model, "config", None)
     no_cache(model)
+    # a model on the meta device is profiled one materialised piece at a time, seeded alike on every rank
+    materialize_with = meta_materializers(model, inputs.device, broadcast) if has_meta(model) else None
     world = world_size
     if arguments.tensor_parallel != "auto":
         tp_degrees: tuple[int, ...] = (arguments.tensor_parallel,)
@@ -84,9 +89,15 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
                            and not (arguments.sequence_parallel and sequence % d))
     verified: set[int] = set()
     tp_degrees = _splittable_degrees(model, inputs, tp_degrees, arguments.tensor_parallel != "auto", device,
-                                     broadcast, verified)
-    num_blocks = len(find_trunk(model)[1])
+                                     broadcast, verified, materialize_with)
     fixed_pp = arguments.pipeline_parallel if arguments.pipeline_parallel != "auto" else None
+    try:
+        num_blocks = len(find_trunk(model)[1])
+    except TraceError as error:
+        if fixed_pp != 1 or tp_degrees != (1,):
+            raise
+        rank_zero_info(f"merak3d planner: plain data parallelism, nothing to plan ({error})")
+        return PlannedLayout(_data_parallel_layout(arguments, world), None, None, frozenset())
     ratios = {"none": (0.0,), "full": (1.0,), "stage_aware": (arguments.recompute_ratio,),
               "auto": (0.0, 0.5, 1.0)}[arguments.recompute]
     space = SearchSpace(
@@ -98,6 +109,7 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
         memory_limit_bytes=arguments.memory_limit or default_memory_limit(device, num_processes),
         sequence_parallel=arguments.sequence_parallel,
         clip_gradients=clip_gradients,
+        vocab_parallel=arguments.vocab_parallel,
     )
     keys = required_profile_keys(space, num_blocks)
     factory: Callable[[Any], torch.optim.Optimizer] = (
@@ -107,7 +119,8 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
                             repeats=PLANNER_REPEATS, process_group_device=device,
                             loss_of=lambda logits, samples: module.loss_from_logits(logits, targets[:samples]),
                             sequence_plan_of=sequence_parallel_plan if arguments.sequence_parallel else None,
-                            overlap_weight_gradients=arguments.weight_grad_overlap)
+                            overlap_weight_gradients=arguments.weight_grad_overlap,
+                            materialize_with=materialize_with)
     every_rank: list[Any] = [None] * world
     dist.all_gather_object(every_rank, profile)
     profile = average_profiles(every_rank)
@@ -138,6 +151,16 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
     return PlannedLayout(layout, result, best, frozenset(verified))
 
 
+def _data_parallel_layout(arguments: Merak3DArguments, world_size: int) -> Layout:
+    """Every rank a whole replica: what is left for a model without a trunk of blocks to split or recompute."""
+    return Layout(
+        data_parallel=world_size, pipeline_parallel=1, tensor_parallel=1, virtual_stages=arguments.stages_per_rank,
+        schedule=arguments.schedule, micro_batches=arguments.micro_batches or default_micro_batches(1),
+        micro_batches_by_default=arguments.micro_batches is None, tp_overlap=1, recompute="none",
+        recompute_ratio=arguments.recompute_ratio,
+    )
+
+
 def _adopted_layout(arguments: Merak3DArguments, chosen: Any) -> Layout:
     """The run's :class:`Layout` for the planner's ``chosen`` one (a ``planner.Layout``).
 
@@ -163,7 +186,8 @@ def _adopted_layout(arguments: Merak3DArguments, chosen: Any) -> Layout:
 
 
 def _splittable_degrees(model: nn.Module, inputs: torch.Tensor, degrees: tuple[int, ...], fixed: bool,
-                        device: torch.device, broadcast: Broadcast, verified: set[int]) -> tuple[int, ...]:
+                        device: torch.device, broadcast: Broadcast, verified: set[int],
+                        materialize_with: Optional[Callable[[nn.Module], Any]] = None) -> tuple[int, ...]:
     """The degrees at which a split block computes what the whole block does; the planner searches only those.
 
     A degree the user fixed that fails is an error; an automatic one is left out and logged.
@@ -171,8 +195,10 @@ def _splittable_degrees(model: nn.Module, inputs: torch.Tensor, degrees: tuple[i
     """
     if all(degree == 1 for degree in degrees):
         return degrees
-    trace = trace_model(model, inputs[:1], call_model, profile=False)
+    trace = trace_model(model, inputs[:1], call_model, profile=False, materialize_with=materialize_with)
     block = model.get_submodule(trace.trunk_path)[0]
+    if materialize_with is not None:
+        block = materialized_copy(block, f"{trace.trunk_path}.0", materialize_with)
     try:
         block_plan = tensor_parallel_plan(block, trace)
         unsplittable = None

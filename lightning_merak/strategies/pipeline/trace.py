@@ -101,6 +101,7 @@ class ModelTrace:
     sample_side_tensors: tuple[torch.Tensor, ...]
     block_output_template: tuple[Any, ...] | None = None
     costs: list[BlockCost] = field(default_factory=list)
+    logits_shape: tuple[int, ...] | None = None
 
     @property
     def suffix_paths(self) -> list[str]:
@@ -176,6 +177,8 @@ def find_trunk(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 
 def _same_tensor(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (a.is_meta or b.is_meta):
+        return a is b  # meta tensors have no storage to compare
     return (
         isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
         and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
@@ -384,14 +387,33 @@ def trace_model(
     call_model: Callable[[nn.Module, torch.Tensor], Any] = lambda model, ids: model(ids),
     profile: bool = True,
     profile_repeats: int = 5,
+    materialize_with: Callable[[nn.Module], Callable[..., None]] | None = None,
 ) -> ModelTrace:
     """Record ``model`` on ``sample_inputs`` (one micro-batch) and, with ``profile``, measure every node.
 
     Returns the trace with ``costs`` = [prefix, block 0 … block n−1, suffix]. The random
     number generators are left as they were, so tracing does not change a run's dropout masks.
+    A model on the meta device is traced by :mod:`~lightning_merak.strategies.pipeline.meta_trace`
+    and stays there; ``materialize_with(copy)`` gives the function materialising the pieces of a
+    copy it needs real (default: a :class:`~lightning_merak.strategies.merak3d.materialize.Materializer`
+    seeded with the current seed).
     """
     with torch.random.fork_rng(devices=[]):
+        if any(param.is_meta for param in model.parameters()):
+            from lightning_merak.strategies.pipeline.meta_trace import trace_meta_model
+
+            if materialize_with is None:
+                materialize_with = default_materializer(model, sample_inputs.device)
+            return trace_meta_model(model, sample_inputs, call_model, profile, profile_repeats, materialize_with)
         return _trace(model, sample_inputs, call_model, profile, profile_repeats)
+
+
+def default_materializer(model: nn.Module, device: torch.device) -> Callable[[nn.Module], Callable[..., None]]:
+    """``materialize_with`` for :func:`trace_model` of ``model``: Materializers on ``device`` with the current seed."""
+    from lightning_merak.strategies.merak3d.materialize import Materializer, init_owners
+
+    seed, owners = torch.initial_seed(), init_owners(model)
+    return lambda copy_: Materializer(device, seed, owners).materialize
 
 
 def _trace(model: nn.Module, sample_inputs: torch.Tensor, call_model: Callable[[nn.Module, torch.Tensor], Any],

@@ -169,7 +169,8 @@ def _split_block_counts(nodes: tuple[BlockCost, ...], num_stages: int, micro_bat
     return tuple(stages)
 
 
-def _stages(layout: Layout, profile: ModelProfile, samples: int, comm_s: float) -> tuple[_Stage, ...]:
+def _stages(layout: Layout, profile: ModelProfile, samples: int, comm_s: float,
+            vocab_parallel: bool) -> tuple[_Stage, ...]:
     """The pipeline split: one stage holds everything; several come from AutoPipe over per-node costs.
 
     A block's cost is its share of the whole model's overlapped chain, so the split sees
@@ -205,7 +206,7 @@ def _stages(layout: Layout, profile: ModelProfile, samples: int, comm_s: float) 
         name="prefix",
         forward_s=layout.overlap * prefix_forward,
         backward_s=layout.overlap * prefix_backward,
-        param_bytes=profile.prefix_parameter_bytes,
+        param_bytes=_outside_parameter_bytes(profile, layout.tp, vocab_parallel)[0],
         output_bytes=hidden_bytes,
         saved_bytes=0,
         is_embedding=True,
@@ -214,11 +215,19 @@ def _stages(layout: Layout, profile: ModelProfile, samples: int, comm_s: float) 
         name="suffix",
         forward_s=layout.overlap * suffix_forward,
         backward_s=layout.overlap * suffix_backward,
-        param_bytes=profile.suffix_parameter_bytes,
+        param_bytes=_outside_parameter_bytes(profile, layout.tp, vocab_parallel)[1],
         output_bytes=0,
         saved_bytes=0,
     )
     return _split_block_counts((prefix, *[block] * num_blocks, suffix), layout.pp, layout.micro_batches)
+
+
+def _outside_parameter_bytes(profile: ModelProfile, tp: int, vocab_parallel: bool) -> tuple[int, int]:
+    """``(prefix, suffix)`` parameter bytes per rank: vocabulary parallelism splits the embedding and the LM head
+    over the tensor-parallel ranks (both counted as split: their vocabulary matrices dominate them)."""
+    if not vocab_parallel:
+        return profile.prefix_parameter_bytes, profile.suffix_parameter_bytes
+    return -(-profile.prefix_parameter_bytes // tp), -(-profile.suffix_parameter_bytes // tp)
 
 
 def _measured_blocks(layout: Layout, profile: ModelProfile, samples: int) -> MeasuredBlocks | None:
@@ -293,11 +302,13 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     hidden_bytes = model_profile.hidden_bytes_per_sample
     comm_s = network.all_reduce_s(hidden_bytes * sub, layout.tp)
     ratios = stage_aware_recompute_ratios(layout.recompute_ratio, layout.pp)
-    stages = _stages(layout, model_profile, samples, comm_s)
+    stages = _stages(layout, model_profile, samples, comm_s, space.vocab_parallel)
 
     block_times = model_profile.block_times_at(layout.tp, sub)
     measured = _measured_blocks(layout, model_profile, samples)
     block_parameter_bytes = model_profile.block_parameter_bytes_at(layout.tp)
+    prefix_parameter_bytes, suffix_parameter_bytes = _outside_parameter_bytes(model_profile, layout.tp,
+                                                                              space.vocab_parallel)
     sequence_split = space.sequence_parallel and layout.tp > 1
     activation_bytes = model_profile.block_activation_bytes_at(layout.tp, sequence_split)
     recomputed_input_bytes = hidden_bytes // layout.tp if sequence_split else hidden_bytes
@@ -341,9 +352,9 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         backward_s.append(backward_total + action_s)
 
         parameter_bytes = (
-            stage.has_prefix * model_profile.prefix_parameter_bytes
+            stage.has_prefix * prefix_parameter_bytes
             + stage.num_blocks * block_parameter_bytes
-            + stage.has_suffix * model_profile.suffix_parameter_bytes
+            + stage.has_suffix * suffix_parameter_bytes
         )
         kept_per_sample = (
             (stage.num_blocks - recomputed) * activation_bytes

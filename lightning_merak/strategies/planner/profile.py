@@ -388,7 +388,8 @@ class SearchSpace:
     (less activation memory; its time comes from the profile, which must then be taken so).
     ``clip_gradients`` counts clipping by the global gradient norm in every step (as Lightning's
     ``gradient_clip_val`` with the "norm" algorithm): its passes over the gradients and a scalar
-    all-reduce over the pipeline and the tensor-parallel groups.
+    all-reduce over the pipeline and the tensor-parallel groups. ``vocab_parallel`` splits the
+    embedding and LM head (the parameters outside the blocks) over the tensor-parallel ranks.
 
     The batch is either ``global_batch_size`` (samples per step, split over the data-parallel
     replicas) or ``replica_batch_size`` (samples each replica trains on per step, as a
@@ -408,6 +409,7 @@ class SearchSpace:
     replica_batch_size: int | None = None
     sequence_parallel: bool = False
     clip_gradients: bool = False
+    vocab_parallel: bool = True
 
     def __post_init__(self) -> None:
         if (self.global_batch_size is None) == (self.replica_batch_size is None):

@@ -1,23 +1,17 @@
-"""Swap saved activations out of device memory during forward and back before backward.
-
-A block in swap mode runs its forward inside :meth:`SwapManager.hooks`. Each saved
-storage (views of one storage are copied once) starts an asynchronous copy-out to a tier:
+"""Where swapped activations live between forward and backward: the swap tiers.
 
 * :class:`HostTier` - pinned host memory from a pre-allocated slab, copied on a CUDA side
   stream (the default on GPU). On CPU it is a plain copy, useful only for testing.
 * :class:`DiskTier` - extents of one reused file in a private directory, written and read
   by a background thread (the default on CPU, where host memory *is* the device memory).
 
-The device copy is held (the "stash") until its copy-out completes; then it is dropped and
-stops counting in the ledger. :meth:`SwapManager.prefetch` starts copy-ins before a
-block's backward; unpacking waits for them, or copies synchronously if none was issued.
+Each copy is a :class:`Transfer` the caller polls or finishes;
+:mod:`~lightning_merak.callbacks.delta.activation_swap` decides what is copied and when.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
-import itertools
 import os
 import shutil
 import tempfile
@@ -25,23 +19,16 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Callable, Iterable, Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
-from lightning_merak.callbacks.delta.profiler import (
-    SavedTensorTracker,
-    storage_key,
-    storage_nbytes,
-    unpack_kept,
-)
-
-__all__ = ["DiskTier", "HostTier", "PinnedSlab", "SwapManager", "SwapTier", "make_tier"]
+__all__ = ["DiskTier", "FutureToDevice", "HostTier", "PinnedSlab", "SwapTier", "Transfer", "as_bytes", "make_tier"]
 
 _ALIGN = 512
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 tensor over the whole storage behind ``tensor``."""
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
 
@@ -54,7 +41,7 @@ class _Pending(Protocol):
     def result(self) -> object: ...
 
 
-class _Transfer:
+class Transfer:
     """An asynchronous copy; ``done`` polls, ``wait`` blocks, ``finish`` returns the result.
 
     ``finish`` is called on the thread that will use the result: on CUDA it makes the
@@ -100,10 +87,10 @@ class SwapTier:
 
     name = "abstract"
 
-    def copy_out(self, data: torch.Tensor) -> _Transfer:
+    def copy_out(self, data: torch.Tensor) -> Transfer:
         raise NotImplementedError
 
-    def copy_in(self, stored: object, device: torch.device) -> _Transfer:
+    def copy_in(self, stored: object, device: torch.device) -> Transfer:
         raise NotImplementedError
 
     def discard(self, stored: object) -> None:
@@ -189,9 +176,9 @@ class HostTier(SwapTier):
             self.slab = None
             self.slab = PinnedSlab(nbytes)
 
-    def copy_out(self, data: torch.Tensor) -> _Transfer:
+    def copy_out(self, data: torch.Tensor) -> Transfer:
         if not self.is_cuda:
-            return _Transfer(result=data.to("cpu", copy=True))
+            return Transfer(result=data.to("cpu", copy=True))
         compute = torch.cuda.current_stream(self.device)
         host = self.slab.allocate(data.numel()) if self.slab is not None else None
         if host is None:
@@ -208,18 +195,18 @@ class HostTier(SwapTier):
             host.copy_(data, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
-        return _Transfer(result=host, event=event, compute_stream=compute, keep_alive=data)
+        return Transfer(result=host, event=event, compute_stream=compute, keep_alive=data)
 
-    def copy_in(self, stored: object, device: torch.device) -> _Transfer:
+    def copy_in(self, stored: object, device: torch.device) -> Transfer:
         if not self.is_cuda:
-            return _Transfer(result=stored)
+            return Transfer(result=stored)
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.copy_stream):
             data = torch.empty(stored.numel(), dtype=torch.uint8, device=device)
             data.copy_(stored, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
-        return _Transfer(result=data, event=event, compute_stream=compute)
+        return Transfer(result=data, event=event, compute_stream=compute)
 
     def end_step(self) -> None:
         if self.is_cuda:
@@ -376,7 +363,7 @@ class DiskTier(SwapTier):
             self._live += 1
             return offset
 
-    def copy_out(self, data: torch.Tensor) -> _Transfer:
+    def copy_out(self, data: torch.Tensor) -> Transfer:
         host = data.to("cpu") if data.device.type != "cpu" else data
         offset = self._allocate(host.numel())
         while not self._writes.add(offset, host):
@@ -384,9 +371,9 @@ class DiskTier(SwapTier):
         batch = self._writes
         if batch.nbytes >= self.batch_bytes:
             batch.submit()
-        return _Transfer(future=_BatchMember(batch, (offset, host.numel())), keep_alive=data)
+        return Transfer(future=_BatchMember(batch, (offset, host.numel())), keep_alive=data)
 
-    def copy_in(self, stored: object, device: torch.device) -> _Transfer:
+    def copy_in(self, stored: object, device: torch.device) -> Transfer:
         # allocated here, on the training thread: a buffer malloc'ed by the worker thread
         # would come from that thread's arena and not be reused by the training thread
         buffer = torch.empty(stored[1], dtype=torch.uint8)
@@ -394,8 +381,8 @@ class DiskTier(SwapTier):
             self._reads = _Batch(self._executor, os.preadv, self._fd)
         member = _BatchMember(self._reads, buffer)
         if device.type == "cpu":
-            return _Transfer(future=member)
-        return _Transfer(result=_FutureToDevice(member, device))
+            return Transfer(future=member)
+        return Transfer(result=FutureToDevice(member, device))
 
     def submit(self) -> None:
         for batch in (self._writes, self._reads):
@@ -420,7 +407,7 @@ class DiskTier(SwapTier):
         self._cleanup()
 
 
-class _FutureToDevice:
+class FutureToDevice:
     """Disk tier on an accelerator: the read finishes on the worker, the H2D on use."""
 
     def __init__(self, future: _Pending, device: torch.device) -> None:
@@ -434,228 +421,3 @@ def make_tier(name: str, device: torch.device, directory: Optional[str], pool_by
     if name == "disk":
         return DiskTier(device, directory)
     raise ValueError(f"unknown swap tier {name!r}; choose 'host' (pinned host memory) or 'disk'")
-
-
-class _SwappedStorage:
-    """One device storage on its way out, away, or back; shared by all views packed from it."""
-
-    _serials = itertools.count()
-
-    def __init__(self, manager: SwapManager, data: torch.Tensor, key: tuple[str, int]) -> None:
-        self.serial = next(self._serials)
-        self.manager = manager
-        self.device = data.device
-        self.nbytes = data.numel()
-        self.key = key
-        self.outgoing: Optional[_Transfer] = manager.tier.copy_out(data)
-        self.device_data: Optional[torch.Tensor] = data
-        self.stored: object = None
-        self.incoming: Optional[_Transfer] = None
-        self.loaded: Optional[torch.Tensor] = None
-        manager.ledger.acquire(key, self.nbytes)
-
-    def copy_out_done(self) -> bool:
-        return self.outgoing is None or self.outgoing.done()
-
-    def finish_copy_out(self) -> None:
-        if self.outgoing is None:
-            return
-        self.stored = self.outgoing.finish()
-        self.outgoing = None
-        self.device_data = None
-        self.manager.forget(self)
-        self.manager.ledger.release(self.key)
-
-    def start_copy_in(self) -> None:
-        if self.loaded is not None or self.incoming is not None or self.device_data is not None:
-            return
-        self.finish_copy_out()
-        self.incoming = self.manager.tier.copy_in(self.stored, self.device)
-        self.manager.ledger.acquire(("swap-in", id(self)), self.nbytes)
-
-    def materialize(self) -> torch.Tensor:
-        if self.device_data is not None:
-            return self.device_data
-        if self.loaded is None:
-            started = time.perf_counter()
-            self.start_copy_in()
-            result = self.incoming.finish()
-            if isinstance(result, _FutureToDevice):
-                result = result.future.result().to(result.device)
-            self.loaded = result
-            self.incoming = None
-            self.manager.wait_s += time.perf_counter() - started
-        return self.loaded
-
-    def __del__(self) -> None:
-        ledger = self.manager.ledger
-        if self.outgoing is not None:
-            ledger.release(self.key)
-        if self.incoming is not None or self.loaded is not None:
-            ledger.release(("swap-in", id(self)))
-        if self.outgoing is not None:
-            try:
-                self.stored = self.outgoing.finish()
-            except Exception:
-                return
-        if self.stored is not None:
-            self.manager.tier.discard(self.stored)
-
-
-class _SwappedView:
-    """What autograd keeps for a swapped saved tensor: its storage and how to view it."""
-
-    __slots__ = ("storage", "dtype", "size", "stride", "offset")
-
-    def __init__(self, storage: _SwappedStorage, tensor: torch.Tensor) -> None:
-        self.storage = storage
-        self.dtype = tensor.dtype
-        self.size = tensor.size()
-        self.stride = tensor.stride()
-        self.offset = tensor.storage_offset()
-
-
-class _SwapHooks(torch.autograd.graph.saved_tensors_hooks):
-    """The pack/unpack hooks of one swapped block; leaving them sends the block's last copy-outs."""
-
-    def __init__(self, manager: SwapManager, owner: str) -> None:
-        super().__init__(lambda tensor: manager.pack(owner, tensor), manager.unpack)
-        self.tier = manager.tier
-
-    def __exit__(self, *exc_info: object) -> None:
-        super().__exit__(*exc_info)
-        self.tier.submit()
-
-
-class SwapManager:
-    """Pack/unpack hooks of swap-mode blocks, the copy-out stash and prefetching.
-
-    ``budget_bytes`` is enforced on the ledger: if the stash would push resident saved
-    bytes over it, the oldest copy-outs are waited for (slower, never over budget).
-    """
-
-    def __init__(
-        self,
-        tier: SwapTier,
-        tracker: SavedTensorTracker,
-        min_offload_bytes: int = 1024,
-        stash_depth: int = 8,
-    ) -> None:
-        if min_offload_bytes < 0 or stash_depth < 1:
-            raise ValueError("min_offload_bytes must be >= 0 and stash_depth >= 1")
-        self.tier = tier
-        self.tracker = tracker
-        self.ledger = tracker.ledger
-        self.min_offload_bytes = min_offload_bytes
-        self.stash_depth = stash_depth
-        self.budget_bytes: float = float("inf")
-        self._pending: collections.deque[_SwappedStorage] = collections.deque()
-        self._by_key: dict[tuple[str, int], _SwappedStorage] = {}
-        self._by_owner: dict[str, list[weakref.ref]] = {}
-        self.wait_s = 0.0
-        tracker.before_keep = self._make_room
-
-    def take_wait_seconds(self) -> float:
-        """Host time spent blocked on copies since the last call (copy time not hidden)."""
-        waited, self.wait_s = self.wait_s, 0.0
-        return waited
-
-    def hooks(self, owner: str) -> torch.autograd.graph.saved_tensors_hooks:
-        return _SwapHooks(self, owner)
-
-    def _swappable(self, tensor: torch.Tensor) -> bool:
-        return (
-            type(tensor) is torch.Tensor
-            and tensor.layout is torch.strided
-            and tensor.device.type in ("cpu", "cuda")
-            and not tensor.is_sparse
-            and storage_nbytes(tensor) >= self.min_offload_bytes
-        )
-
-    def pack(self, owner: str, tensor: torch.Tensor) -> object:
-        if self.tracker.is_state(tensor) or not self._swappable(tensor):
-            return self.tracker.keep(owner, tensor)
-        key = storage_key(tensor)
-        storage = self._by_key.get(key)
-        if storage is None:
-            # the tensor exists already; make room for it in the stash before counting it
-            self._trim_stash(incoming_bytes=storage_nbytes(tensor), incoming_count=1)
-            storage = _SwappedStorage(self, _as_bytes(tensor), key)
-            self._by_key[key] = storage
-            self._pending.append(storage)
-            self._by_owner.setdefault(owner, []).append(weakref.ref(storage))
-        self.tracker.note(owner, ("swapped", storage.serial), storage.nbytes)
-        return _SwappedView(storage, tensor)
-
-    @staticmethod
-    def unpack(packed: object) -> torch.Tensor:
-        if not isinstance(packed, _SwappedView):
-            return unpack_kept(packed)
-        data = packed.storage.materialize()
-        return torch.empty(0, dtype=packed.dtype, device=data.device).set_(
-            data.untyped_storage(), packed.offset, packed.size, packed.stride
-        )
-
-    def forget(self, storage: _SwappedStorage) -> None:
-        """The device copy is gone: a new storage may now reuse its address."""
-        if self._by_key.get(storage.key) is storage:
-            del self._by_key[storage.key]
-
-    def _trim_stash(self, incoming_bytes: int = 0, incoming_count: int = 0) -> None:
-        """Drop finished copy-outs, then wait for the oldest while the stash is too deep or too big.
-
-        ``incoming_*`` is a storage about to join the stash, counted as if it had already.
-        """
-        while self._pending and self._pending[0].copy_out_done():
-            self._pending.popleft().finish_copy_out()
-        started = time.perf_counter()
-        while self._pending and (
-            len(self._pending) + incoming_count > self.stash_depth
-            or self.ledger.resident_bytes + incoming_bytes > self.budget_bytes
-        ):
-            self._pending.popleft().finish_copy_out()
-        self.wait_s += time.perf_counter() - started
-
-    def _make_room(self, nbytes: int) -> None:
-        """A kept tensor of ``nbytes`` is about to count: finish copy-outs until it fits the budget."""
-        if self._pending and self.ledger.resident_bytes + nbytes > self.budget_bytes:
-            self._trim_stash(incoming_bytes=nbytes)
-
-    def flush(self) -> None:
-        """Finish every pending copy-out (end of forward)."""
-        started = time.perf_counter()
-        while self._pending:
-            self._pending.popleft().finish_copy_out()
-        self.wait_s += time.perf_counter() - started
-
-    def prefetch(self, owners: Iterable[tuple[str, int]]) -> None:
-        """Start copy-ins for the storages of each ``(owner, headroom)``, in order, while they fit.
-
-        ``headroom`` is memory that must stay free until that owner's backward (recomputed
-        blocks running in between), so a prefetch never pushes a later step over the budget.
-        """
-        self.flush()
-        for owner, headroom in owners:
-            for ref in self._by_owner.get(owner, []):
-                storage = ref()
-                if storage is None or storage.loaded is not None or storage.incoming is not None:
-                    continue
-                if self.ledger.resident_bytes + storage.nbytes + headroom > self.budget_bytes:
-                    self.tier.submit()
-                    return
-                storage.start_copy_in()
-            self.tier.submit()
-
-    def end_step(self) -> None:
-        """Backward is over: finish all transfers and forget the step's storages."""
-        self.flush()
-        self._by_key.clear()
-        self._by_owner.clear()
-        self.tier.end_step()
-
-    def close(self) -> None:
-        self._pending.clear()
-        self._by_key.clear()
-        self._by_owner.clear()
-        self.tier.close()
-

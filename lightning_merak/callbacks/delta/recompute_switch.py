@@ -8,12 +8,13 @@ only flips :attr:`SwitchableForward.recompute` afterwards.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from lightning_merak.runtime.layout_aware import RecomputedForward
 
 __all__ = ["SwitchableForward", "install_switch", "remove_switch", "strategy_recompute", "user_checkpointing"]
 
@@ -70,14 +71,10 @@ def user_checkpointing(module: nn.Module) -> Optional[str]:
 def strategy_recompute(module: nn.Module, strategy: Any) -> Optional[str]:
     """Why ``module`` is recomputed by the training strategy, or None.
 
-    merak3d (``recompute="full"``/``"stage_aware"``) wraps a block by replacing its forward
-    on the instance with a ``functools.partial`` of a checkpointing function of its own
-    module; that is what is recognised here.
+    A strategy that recomputes a block installs a :class:`~lightning_merak.runtime.layout_aware.RecomputedForward`
+    on it (merak3d with ``recompute="full"``/``"stage_aware"``).
     """
-    if strategy is None or getattr(strategy, "recompute", "none") == "none":
+    if not isinstance(module.__dict__.get("forward"), RecomputedForward):
         return None
-    forward = module.__dict__.get("forward")
-    if isinstance(forward, functools.partial) and forward.func.__module__ == type(strategy).__module__:
-        name = getattr(strategy, "strategy_name", type(strategy).__name__)
-        return f"recomputed by the {name} strategy (recompute={strategy.recompute!r})"
-    return None
+    name = getattr(strategy, "strategy_name", type(strategy).__name__)
+    return f"recomputed by the {name} strategy (recompute={getattr(strategy, 'recompute', None)!r})"

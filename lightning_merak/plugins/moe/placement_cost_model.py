@@ -1,6 +1,6 @@
 """Pro-Prophet's per-layer cost model, generalised to any padding and replica sets.
 
-All constants come from :mod:`.profile` measurements on the running machine (or
+All constants come from :mod:`.cost_measurement` measurements on the running machine (or
 from a caller who measured elsewhere); nothing here is hard-coded. Times are per
 MoE layer per training step. Traffic is priced per rank (the busiest sender or
 receiver sets an all-to-all's time), which is what a switch-connected cluster

@@ -21,6 +21,8 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
+from lightning_merak.callbacks.delta.options import DeltaOptions
+
 __all__ = [
     "Action",
     "BlockDecision",
@@ -153,8 +155,8 @@ class PlannerSettings:
     swap_write_bytes_per_s: float
     swap_read_bytes_per_s: float
     swap_capacity_bytes: int
-    director: str = "exposed"
-    prefetch_depth: int = 5
+    director: str = DeltaOptions.director
+    prefetch_depth: int = DeltaOptions.prefetch_depth
     min_block_fraction: float = 0.01
     overrides: Mapping[str, Action] = field(default_factory=dict)
 

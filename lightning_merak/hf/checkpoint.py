@@ -1,0 +1,250 @@
+"""Pretrained Hugging Face weights into a model's tensors, whole or as this rank's DTensor shards.
+
+:func:`load_pretrained` fills tensors named as in the unsplit transformers model, each read from a
+local ``config.json`` + ``model.safetensors`` (or a sharded index) directory. A DTensor shard
+reads only the slice it covers (``safe_open(...).get_slice(key)[...]``: memory-mapped, lazy), so
+no rank ever holds more than its share; the copy converts the dtype. Why not torch's
+``HuggingFaceStorageReader``: DCP requests whole-tensor global shapes that equal the file's, so
+the row-regrouped fused projections and padded vocabularies of a tensor-parallel layout would
+need a second copy; reading the rows each shard needs directly is exact and needs none.
+
+Everything is checked before the first read: unknown and missing names, shapes, conversions
+transformers applies that are more than renamings (refused, naming the family).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from lightning_merak.hf.names import build_meta_model, checkpoint_names, load_config, strip_wrappers
+
+__all__ = ["LoadReport", "PretrainedFiles", "load_pretrained"]
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+@dataclass
+class PretrainedFiles:
+    """Where each checkpoint key of a local transformers directory lives, and its shape."""
+
+    directory: Path
+    weight_map: dict[str, str]
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, directory: Union[str, Path]) -> PretrainedFiles:
+        from safetensors import safe_open
+
+        directory = Path(directory)
+        if (directory / SAFE_WEIGHTS_INDEX).is_file():
+            weight_map = dict(json.loads((directory / SAFE_WEIGHTS_INDEX).read_text())["weight_map"])
+        elif (directory / SAFE_WEIGHTS).is_file():
+            with safe_open(directory / SAFE_WEIGHTS, "pt") as handle:
+                weight_map = dict.fromkeys(handle.keys(), SAFE_WEIGHTS)
+        else:
+            raise FileNotFoundError(
+                f"{directory} has neither {SAFE_WEIGHTS} nor {SAFE_WEIGHTS_INDEX}; save the model with "
+                "save_pretrained(..., safe_serialization=True) (PyTorch .bin checkpoints are not read)"
+            )
+        files = cls(directory, weight_map)
+        for name in sorted(set(weight_map.values())):
+            with safe_open(directory / name, "pt") as handle:
+                for key in handle.keys():
+                    files.shapes[key] = tuple(handle.get_slice(key).get_shape())
+        return files
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_pretrained` did: tensors filled, names left alone, bytes read from the files."""
+
+    loaded: list[str] = field(default_factory=list)
+    left_alone: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+
+
+@dataclass
+class _Read:
+    name: str
+    target: torch.Tensor  # this rank's local tensor, filled in place
+    key: str  # checkpoint key
+    global_shape: tuple[int, ...]
+    shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    change: Any  # a LayoutChange (from_original / to_original) or None
+
+
+def _region(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``(local tensor, global shape, local shape, global offset)`` of a whole tensor or a DTensor shard."""
+    from torch.distributed.tensor import DTensor
+
+    if tensor.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device; materialise the model (to_empty) before loading weights")
+    if not isinstance(tensor, DTensor):
+        return tensor, tuple(tensor.shape), tuple(tensor.shape), (0,) * tensor.ndim
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError as error:  # private helper: present in the torch versions the project pins
+        raise RuntimeError("this torch has no compute_local_shape_and_global_offset; DTensor shards "
+                           "cannot be located in the checkpoint") from error
+    global_shape = tuple(tensor.shape)
+    shape, offset = compute_local_shape_and_global_offset(global_shape, tensor.device_mesh, tensor.placements)
+    return tensor.to_local(), global_shape, tuple(shape), tuple(offset)
+
+
+def _expected_file_shape(read: _Read) -> tuple[int, ...]:
+    if read.change is None:
+        return read.global_shape
+    return tuple(read.change.to_original(torch.empty(read.global_shape, device="meta")).shape)
+
+
+def _is_vocabulary_padding(file_shape: tuple[int, ...], expected: tuple[int, ...], vocab_size: Optional[int]) -> bool:
+    """The model pads the vocabulary rows (tensor-parallel vocabularies): the file holds ``vocab_size`` rows."""
+    return (vocab_size is not None and len(file_shape) == len(expected) >= 1 and file_shape[0] == vocab_size
+            and expected[0] > vocab_size and file_shape[1:] == expected[1:])
+
+
+def _read_box(part: Any, file_shape: tuple[int, ...], shape: tuple[int, ...], offset: tuple[int, ...]) -> torch.Tensor:
+    """The ``shape`` box at ``offset``; rows past the file's (a padded vocabulary) are zeros."""
+    if not shape:
+        return part[...]
+    stop = min(offset[0] + shape[0], file_shape[0])
+    box = (slice(offset[0], max(stop, offset[0])),) + tuple(slice(o, o + s) for o, s in zip(offset[1:], shape[1:]))
+    data = part[box]
+    if data.shape[0] < shape[0]:
+        data = torch.cat([data, torch.zeros((shape[0] - data.shape[0], *shape[1:]), dtype=data.dtype)])
+    return data
+
+
+def _read_changed(part: Any, file_shape: tuple[int, ...], read: _Read) -> torch.Tensor:
+    """This shard of a tensor whose layout the split changed, reading only the file rows it needs.
+
+    ``change.from_original`` applied to the flat indices of the file's tensor (1-based; 0 marks
+    a value the change creates, such as padding) tells which file element each local element is.
+    """
+    numel = math.prod(file_shape)
+    index_dtype = torch.int32 if numel < 2**31 - 1 else torch.int64
+    probe = torch.arange(1, numel + 1, dtype=index_dtype).view(file_shape)
+    mapped = read.change.from_original(probe)
+    if tuple(mapped.shape) != read.global_shape:
+        raise ValueError(f"{read.key}: the layout change maps the file's {file_shape} to {tuple(mapped.shape)}, "
+                         f"not the model's {read.global_shape}")
+    local = mapped[tuple(slice(o, o + s) for o, s in zip(read.offset, read.shape))].reshape(-1).long() - 1
+    del probe, mapped
+    valid = local >= 0
+    row_len = numel // file_shape[0]
+    rows, inner = local[valid] // row_len, local[valid] % row_len
+    first_column = int(inner.min()) if len(file_shape) == 2 and inner.numel() else 0
+    columns = slice(first_column, int(inner.max()) + 1) if len(file_shape) == 2 and inner.numel() else slice(None)
+    needed = torch.unique(rows)
+    starts = [0, *(torch.nonzero(needed.diff() != 1).flatten() + 1).tolist()]
+    ends = [*starts[1:], len(needed)]
+    pieces = [part[int(needed[a]):int(needed[b - 1]) + 1, columns] if len(file_shape) == 2
+              else part[int(needed[a]):int(needed[b - 1]) + 1] for a, b in zip(starts, ends)]
+    out = torch.zeros(len(local), dtype=read.target.dtype)
+    if pieces:
+        buffer = torch.cat(pieces).reshape(len(needed), -1)
+        position = torch.full((file_shape[0],), -1, dtype=torch.long)
+        position[needed] = torch.arange(len(needed))
+        out[valid] = buffer[position[rows], inner - first_column].to(read.target.dtype)
+    return out.view(read.shape)
+
+
+def _ignored(patterns: Optional[list[str]], name: str) -> bool:
+    return any(re.search(pattern, name) for pattern in patterns or [])
+
+
+def load_pretrained(tensors: Mapping[str, torch.Tensor], directory: Union[str, Path],
+                    layout_changes: Optional[Mapping[str, Any]] = None, *,
+                    model: Optional[nn.Module] = None) -> LoadReport:
+    """Fill ``tensors`` in place from the transformers checkpoint in ``directory``.
+
+    Args:
+        tensors: the unsplit model's parameter and buffer names (as transformers names them,
+            optionally under Lightning's ``model.`` or PEFT's ``base_model.model.``) → this rank's
+            tensor: a whole tensor, or a DTensor whose shard alone is read.
+        directory: a local directory with ``config.json`` and safetensors weights.
+        layout_changes: names (as in ``tensors`` or bare) → a ``LayoutChange`` whose
+            ``from_original`` turns the file's tensor into the model's layout (fused projections
+            regrouped per rank, Conv1D transposed).
+        model: the unsplit transformers model (meta is fine) for names, tied weights and
+            conversions; built on the meta device from ``config.json`` when omitted.
+
+    Non-persistent buffers and adapter weights are left alone. A tied weight absent from the
+    file (``lm_head.weight``) is read from the tensor it is tied to.
+    """
+    files = PretrainedFiles.open(directory)
+    if model is None:
+        model = build_meta_model(load_config(directory))
+    config = model.config
+    layout_changes = dict(layout_changes or {})
+    persistent = model.state_dict()
+    known = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers()), **persistent}
+    by_module = checkpoint_names(files.weight_map, model)
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+
+    unexpected = sorted(name for name in by_module if name not in persistent
+                        and not _ignored(getattr(model, "_keys_to_ignore_on_load_unexpected", None), name))
+    missing = sorted(name for name in persistent if name not in by_module and tied.get(name) not in by_module
+                     and not _ignored(getattr(model, "_keys_to_ignore_on_load_missing", None), name))
+    if unexpected or missing:
+        raise ValueError(
+            f"{directory} does not match {type(model).__name__} built from its config.json: "
+            f"missing {missing or 'none'}; unexpected {unexpected or 'none'}"
+        )
+    prefix, resolved = strip_wrappers(tensors, known)
+    foreign = sorted(name for name, bare in resolved.items() if bare is None)
+    if foreign and "base_model." not in prefix:
+        raise ValueError(f"{type(model).__name__} has no tensors named {foreign[:8]}; pass the unsplit model's "
+                         "parameter and buffer names (as in model.named_parameters())")
+    report = LoadReport(left_alone=foreign)
+    reads: list[_Read] = []
+    for name, bare in resolved.items():
+        if bare is None:
+            continue
+        if bare not in persistent or (bare not in by_module and tied.get(bare) not in by_module):
+            report.left_alone.append(name)  # a non-persistent buffer, or a key transformers ignores too
+            continue
+        key = by_module[bare] if bare in by_module else by_module[tied[bare]]
+        target, global_shape, shape, offset = _region(name, tensors[name])
+        reads.append(_Read(name, target, key, global_shape, shape, offset,
+                           layout_changes.get(name, layout_changes.get(bare))))
+    mismatched = []
+    for read in reads:
+        file_shape, expected = files.shapes[read.key], _expected_file_shape(read)
+        if file_shape != expected and not _is_vocabulary_padding(file_shape, expected,
+                                                                 getattr(config, "vocab_size", None)):
+            mismatched.append(f"{read.key}: file {file_shape}, model {expected}")
+    if mismatched:
+        raise ValueError(f"shapes in {directory} differ from the model's: {'; '.join(mismatched)}")
+    _fill(files, reads, report)
+    return report
+
+
+def _fill(files: PretrainedFiles, reads: list[_Read], report: LoadReport) -> None:
+    """Read each shard's slice, file by file, and copy it (converting the dtype) into place."""
+    from safetensors import safe_open
+
+    by_file: dict[str, list[_Read]] = {}
+    for read in reads:
+        by_file.setdefault(files.weight_map[read.key], []).append(read)
+    with torch.no_grad():
+        for file_name, file_reads in sorted(by_file.items()):
+            with safe_open(files.directory / file_name, "pt") as handle:
+                for read in file_reads:
+                    part = handle.get_slice(read.key)
+                    file_shape = files.shapes[read.key]
+                    data = (_read_changed(part, file_shape, read) if read.change is not None
+                            else _read_box(part, file_shape, read.shape, read.offset))
+                    read.target.copy_(data.view(read.target.shape))
+                    report.bytes_read += data.numel() * data.element_size()
+                    report.loaded.append(read.name)

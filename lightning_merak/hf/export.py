@@ -1,0 +1,262 @@
+"""``merak-export``: a lightning-merak checkpoint as a Hugging Face directory ``from_pretrained`` reads.
+
+    merak-export outputs/.../checkpoints/final.ckpt OUT [--merge-adapters] [--max-shard-size 2GB]
+
+The input is a merak3d sharded checkpoint (a torch distributed checkpoint directory keyed by the
+unsplit model's names, taken in any layout) or a Lightning ``.ckpt`` file (DDP). The output is
+``config.json`` (plus generation config and tokenizer files when the model was loaded from a
+directory that has them), ``model-0000k-of-0000N.safetensors`` and ``model.safetensors.index.json``.
+
+Streaming: tensors are read one at a time (``dcp.load`` of a one-key state dict, or a memory-mapped
+``torch.load``) and written shard by shard, so peak memory is about one output shard. Names,
+tied weights and transformers' renamings are undone as ``save_pretrained`` does
+(:mod:`lightning_merak.hf.names`); rows of a padded vocabulary are dropped. Checkpoints already
+hold the unsplit layout (tensor-parallel regrouping undone, experts numbered globally).
+
+Adapters: a PEFT user saving a ``PeftModel`` gets the adapter alone; a user exporting for
+``from_pretrained`` wants plain weights. So a checkpoint with adapter weights is refused unless
+``--merge-adapters`` is given, which writes ``base + delta`` (PEFT's own merge, one layer at a time)
+under the base names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ExportReport", "export_checkpoint", "main"]
+
+_COPIED_FILES = ("generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
+                 "vocab.*", "merges.txt", "chat_template*", "spiece.model")
+
+
+@dataclass
+class ExportReport:
+    """Files written and the largest tensor group held in memory at once (one shard)."""
+
+    files: list[str] = field(default_factory=list)
+    total_size: int = 0
+    largest_shard_bytes: int = 0
+
+
+class _Source:
+    """Tensors of a checkpoint under Lightning's names (``model.<name>``), read one at a time."""
+
+    def __init__(self, path: Path) -> None:
+        import torch
+
+        from lightning_merak.strategies.merak3d.checkpoint import LIGHTNING_CHECKPOINT, is_sharded_checkpoint
+
+        self.path = path
+        self.sharded = is_sharded_checkpoint(path)
+        if self.sharded:
+            from torch.distributed.checkpoint import FileSystemReader
+            from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+            self.metadata = torch.load(path / LIGHTNING_CHECKPOINT, map_location="cpu", weights_only=False)
+            stored = FileSystemReader(path).read_metadata().state_dict_metadata
+            self.entries = {key[len("model."):]: (tuple(entry.size), entry.properties.dtype)
+                            for key, entry in stored.items()
+                            if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
+        elif path.is_file():
+            self.metadata = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+            self.state = self.metadata.get("state_dict", {})
+            self.entries = {key: (tuple(value.shape), value.dtype) for key, value in self.state.items()
+                            if isinstance(value, torch.Tensor)}
+        else:
+            raise FileNotFoundError(f"{path} is neither a merak3d checkpoint directory nor a Lightning .ckpt file")
+
+    def read(self, key: str) -> torch.Tensor:
+        import torch
+
+        if not self.sharded:
+            return self.state[key]
+        import torch.distributed.checkpoint as dcp
+
+        shape, dtype = self.entries[key]
+        state = {"model." + key: torch.empty(shape, dtype=dtype)}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=self.path, no_dist=True)
+        return state["model." + key]
+
+
+def _merged_weight(layer_name: str, base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor],
+                   adapters: dict[str, Any]) -> torch.Tensor:
+    """``layer_name``'s weight with every recorded adapter merged, by PEFT's own layer on a one-layer skeleton."""
+    import torch
+    from peft import PeftConfig, inject_adapter_in_model
+    from torch import nn
+
+    import lightning_merak.adapters  # noqa: F401  (registers Q-BaRA and QA-HiRA with PEFT)
+
+    weight = base["weight"]
+    if not weight.is_floating_point():
+        raise ValueError(f"--merge-adapters: the base of {layer_name} is stored quantized ({weight.dtype}); "
+                         "train the adapter on an unquantized base (adapter.quantization=none) to export it merged")
+    skeleton = nn.Module()
+    parent = skeleton
+    *path, leaf = layer_name.split(".")
+    for part in path:
+        parent.add_module(part, nn.Module())
+        parent = getattr(parent, part)
+    parent.add_module(leaf, nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in base, dtype=weight.dtype))
+    for name, values in adapters.items():
+        inject_adapter_in_model(PeftConfig.from_peft_type(**values), skeleton, adapter_name=name)
+    layer = skeleton.get_submodule(layer_name)
+    layer.load_state_dict({**{f"base_layer.{key}": value for key, value in base.items()}, **adapter})
+    with torch.no_grad():
+        layer.merge(adapter_names=list(adapters))
+    return layer.get_base_layer().weight.detach()
+
+
+def _copy_source_files(record_config: dict[str, Any], out: Path) -> list[str]:
+    source = Path(str(record_config.get("_name_or_path") or ""))
+    if not str(source) or not source.is_dir():
+        return []
+    copied = []
+    for pattern in _COPIED_FILES:
+        for file in sorted(source.glob(pattern)):
+            if file.is_file():
+                shutil.copy2(file, out / file.name)
+                copied.append(file.name)
+    return copied
+
+
+def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, merge_adapters: bool = False,
+                      max_shard_size: Union[int, str] = "2GB", config: Optional[Union[str, Path]] = None,
+                      dtype: Optional[str] = None) -> ExportReport:
+    """Write ``checkpoint`` to ``out`` as a Hugging Face directory; see the module docstring.
+
+    ``config`` (a transformers directory or config.json) stands in for a checkpoint that recorded
+    none; ``dtype`` (e.g. ``"bfloat16"``) converts the weights on the way out.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers.utils.hub import convert_file_size_to_int
+
+    from lightning_merak.hf.names import (
+        MODEL_RECORD_KEY,
+        PEFT_LAYER_INFIX,
+        build_meta_model,
+        export_names,
+        load_config,
+        strip_wrappers,
+    )
+
+    source = _Source(Path(checkpoint))
+    record = source.metadata.get(MODEL_RECORD_KEY) or {}
+    if config is None and not record.get("config"):
+        raise ValueError(f"{checkpoint} records no transformers config (saved before merak-export existed, or "
+                         "not from a transformers model); pass --config DIR with the model's config.json")
+    hf_config = load_config(config if config is not None else record["config"])
+    model = build_meta_model(hf_config)
+    names = export_names(model)
+    meta_state = model.state_dict()
+    prefix, resolved = strip_wrappers(source.entries, meta_state)
+    by_module = {bare: key for key, bare in resolved.items() if bare is not None}
+    extra = sorted(key for key, bare in resolved.items() if bare is None)
+    adapters = record.get("adapters") or {}
+    if extra and "base_model." not in prefix:
+        raise ValueError(f"{checkpoint} holds tensors {type(model).__name__} does not have: {extra[:8]}")
+    if extra and not merge_adapters:
+        raise ValueError(f"{checkpoint} holds adapter weights ({extra[:3]}, ...); pass --merge-adapters to write "
+                         "them merged into the base weights")
+    if extra and not adapters:
+        raise ValueError(f"{checkpoint} holds adapter weights but records no adapter config to merge them with")
+    missing = sorted(name for name in names if name not in by_module)
+    if missing:
+        raise ValueError(f"{checkpoint} lacks tensors of {type(model).__name__}: {missing[:8]}")
+    adapted = {key[len(prefix):].split(PEFT_LAYER_INFIX)[0]: key.split(PEFT_LAYER_INFIX)[0]
+               for key in source.entries if PEFT_LAYER_INFIX in key} if extra else {}
+    out_dtype = getattr(torch, dtype) if dtype else None
+
+    def shape_of(name: str) -> tuple[int, ...]:
+        stored, expected = source.entries[by_module[name]][0], tuple(meta_state[name].shape)
+        padded = stored[0] > expected[0] == getattr(hf_config, "vocab_size", -1) and stored[1:] == expected[1:]
+        if stored != expected and not padded:
+            raise ValueError(f"{by_module[name]} has shape {stored} in {checkpoint}, {type(model).__name__} "
+                             f"expects {expected}")
+        return expected
+
+    def tensor_of(name: str) -> torch.Tensor:
+        tensor = source.read(by_module[name])
+        if tensor.ndim:
+            tensor = tensor[:shape_of(name)[0]]  # rows of a padded vocabulary dropped
+        layer = name.rpartition(".")[0]
+        if name.endswith(".weight") and layer in adapted:
+            full = adapted[layer]
+            base = {key.rpartition(".")[2]: source.read(key) for key in source.entries
+                    if key.startswith(full + PEFT_LAYER_INFIX)}
+            adapter = {key[len(full) + 1:]: source.read(key) for key in extra if key.startswith(full + ".")}
+            tensor = _merged_weight(layer, base, adapter, adapters)
+        return (tensor.to(out_dtype) if out_dtype else tensor).contiguous()
+
+    sizes = {name: torch.Size(shape_of(name)).numel() * (out_dtype or source.entries[by_module[name]][1]).itemsize
+             for name in names}
+    limit = convert_file_size_to_int(max_shard_size)
+    shards: list[list[str]] = [[]]
+    for name in names:
+        if shards[-1] and sum(sizes[n] for n in shards[-1]) + sizes[name] > limit:
+            shards.append([])
+        shards[-1].append(name)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = ExportReport(total_size=sum(sizes.values()))
+    weight_map = {}
+    for number, shard in enumerate(shards, start=1):
+        file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {names[name]: tensor_of(name) for name in shard}
+        save_file(tensors, out / file_name, metadata={"format": "pt"})
+        report.largest_shard_bytes = max(report.largest_shard_bytes, sum(sizes[name] for name in shard))
+        weight_map.update(dict.fromkeys(tensors, file_name))
+        report.files.append(file_name)
+        del tensors
+    index = {"metadata": {"total_size": report.total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if out_dtype is not None:
+        hf_config.dtype = out_dtype
+    hf_config.save_pretrained(out)
+    report.files += ["model.safetensors.index.json", "config.json", *_copy_source_files(record.get("config") or {},
+                                                                                         out)]
+    return report
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="merak-export",
+        description="Write a lightning-merak checkpoint (merak3d sharded directory, any layout, or a Lightning "
+                    ".ckpt) as a Hugging Face directory that AutoModelForCausalLM.from_pretrained loads.")
+    parser.add_argument("checkpoint", help="merak3d checkpoint directory or Lightning .ckpt file")
+    parser.add_argument("out", help="output directory")
+    parser.add_argument("--merge-adapters", action="store_true",
+                        help="merge adapter (LoRA, Q-BaRA, QA-HiRA) weights into the base weights")
+    parser.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (default 2GB)")
+    parser.add_argument("--config", default=None,
+                        help="transformers directory or config.json, for checkpoints that recorded no config")
+    parser.add_argument("--dtype", default=None, help="write weights in this dtype, e.g. bfloat16")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Console entry point of ``merak-export``."""
+    args = _parser().parse_args(argv)
+    from lightning_merak.console import quiet_dependency_noise
+
+    quiet_dependency_noise()
+    report = export_checkpoint(args.checkpoint, args.out, merge_adapters=args.merge_adapters,
+                               max_shard_size=args.max_shard_size, config=args.config, dtype=args.dtype)
+    print(f"merak-export: wrote {len(report.files)} files ({report.total_size / 2**20:.1f} MiB of weights) "
+          f"to {Path(args.out).resolve()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""``model.path``: what ``merak-train`` does with a local pretrained transformers directory.
+
+Under DDP every rank loads the whole model (:func:`pretrained_causal_lm`, i.e. ``from_pretrained``).
+Under merak3d the model is built from :func:`pretrained_config` (on the meta device), split, and each
+rank fills only its shards with :func:`~lightning_merak.hf.checkpoint.load_pretrained`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+__all__ = ["check_vocabulary", "pretrained_causal_lm", "pretrained_config"]
+
+
+def pretrained_config(path: Union[str, Path], overrides: Optional[Mapping[str, Any]] = None) -> Any:
+    """The transformers config saved in ``path``, with ``overrides`` (``model.config``) applied."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(Path(path).expanduser(), **dict(overrides or {}))
+
+
+def check_vocabulary(data_vocab_size: int, config: Any, path: Union[str, Path]) -> None:
+    """Refuse data whose token ids the checkpoint's embedding cannot look up."""
+    model_vocab = getattr(config, "vocab_size", None)
+    if model_vocab is not None and data_vocab_size > model_vocab:
+        raise ValueError(
+            f"the data has a vocabulary of {data_vocab_size} tokens but the checkpoint in {path} embeds "
+            f"{model_vocab}; tokenize with the checkpoint's tokenizer (data=text data.tokenizer_path={path}) "
+            f"or, for generated data, set data.vocab_size<={model_vocab}"
+        )
+
+
+def pretrained_causal_lm(path: Union[str, Path], data_vocab_size: int,
+                         overrides: Optional[Mapping[str, Any]] = None, *, weights: bool = True) -> nn.Module:
+    """The pretrained model of ``path`` in float32, as ``AutoModelForCausalLM.from_pretrained(path)`` loads it.
+
+    With ``weights=False`` only its structure is built (``from_config``, in the caller's device
+    context: the meta device under merak3d, whose ranks then load their shards).
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = pretrained_config(path, overrides)
+    check_vocabulary(data_vocab_size, config, path)
+    if not weights:
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(Path(path).expanduser(), config=config, dtype=torch.float32)

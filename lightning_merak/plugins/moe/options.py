@@ -1,0 +1,53 @@
+"""What the MoE layer adds to DeepSpeed's: its options, declared and checked once.
+
+Plain Python (no torch, no DeepSpeed): ``merak-train``'s ``moe`` options derive their schema
+from :class:`MoEOptions`'s fields, so composing a configuration stays light.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
+
+__all__ = ["DispatchPath", "MoEOptions", "PlacementPolicy"]
+
+DispatchPath = Literal["capacity", "dropless"]
+PlacementPolicy = Literal["none", "pro_prophet", "shadowing"]
+
+
+@dataclass
+class MoEOptions:
+    """What this layer adds to DeepSpeed's: dispatch path, placement policy, overlap.
+
+    The defaults are plain DeepSpeed-MoE's behaviour. ``lancet_chunks`` is ``"auto"`` or a chunk
+    count; a count written as digits (as a config file may hold it) becomes an integer.
+    """
+
+    dispatch: DispatchPath = "capacity"
+    placement: PlacementPolicy = "none"
+    lancet_chunks: Union[int, str] = 1
+    lancet_backward: bool = True
+    overlap_transfer: bool = True
+    replan_every: int = 1
+    replan_threshold: Optional[float] = None
+    exclude_fewest: int = 0
+    slots_per_rank: Optional[int] = None
+    alpha: float = 0.25
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lancet_chunks, str) and self.lancet_chunks.isdigit():
+            self.lancet_chunks = int(self.lancet_chunks)
+
+    def validate(self, drop_tokens: bool) -> None:
+        if self.dispatch not in ("capacity", "dropless"):
+            raise ValueError(f"dispatch={self.dispatch!r}: choose 'capacity' or 'dropless'")
+        if self.placement not in ("none", "pro_prophet", "shadowing"):
+            raise ValueError(f"placement={self.placement!r}: choose 'none', 'pro_prophet' or 'shadowing'")
+        if self.dispatch == "dropless" and drop_tokens:
+            raise ValueError("dispatch='dropless' never drops tokens; pass drop_tokens=False")
+        if self.lancet_chunks != "auto" and not (isinstance(self.lancet_chunks, int) and self.lancet_chunks >= 1):
+            raise ValueError(f"lancet_chunks={self.lancet_chunks!r}: use 'auto' or an integer >= 1")
+        if self.replan_every < 1:
+            raise ValueError(f"replan_every={self.replan_every} must be at least 1")
+        if self.exclude_fewest < 0 or (self.slots_per_rank is not None and self.slots_per_rank < 1):
+            raise ValueError("exclude_fewest must be >= 0 and slots_per_rank >= 1 (or None)")

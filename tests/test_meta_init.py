@@ -1,0 +1,285 @@
+"""merak3d on the meta device: no rank ever holds more than its share, and training is unchanged.
+
+A model created in ``configure_model()`` (merak3d's sharded context is the meta device) is traced,
+cut and split on meta; each rank materialises only its part, one block at a time. Materialised
+parameter bytes are counted on every rank at every point of the build (each materialisation, each
+tensor-parallel split, the first training step) and must stay within the rank's final share plus
+one whole block plus the embedding and the head. With the same weights loaded through the
+pretrained seam, losses and gradients equal the single-process reference.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_merak.config import TrainerConfig
+from lightning_merak.models import build_causal_lm
+from lightning_merak.strategies.merak3d import Merak3DStrategy
+from lightning_merak.strategies.merak3d.materialize import Materializer, copy_full_tensors, init_owners
+from lightning_merak.strategies.pipeline.stage import tied_parameter_names
+from lightning_merak.strategies.pipeline.trace import find_trunk
+from lightning_merak.testing import assert_traces_match, run_distributed
+from tests.test_merak3d import MODELS, STEPS, VOCAB, _merge, _Recorder, _reference, _ShardedData, _TestModule
+
+
+def _materialised_bytes() -> int:
+    """Bytes of every live parameter with storage in this process (a DTensor's local shard)."""
+    gc.collect()
+    total = 0
+    for obj in gc.get_objects():
+        if type(obj) in (nn.Parameter, DTensor) and not obj.is_meta and isinstance(obj, nn.Parameter):
+            local = obj.to_local() if isinstance(obj, DTensor) else obj
+            total += local.numel() * local.element_size()
+    return total
+
+
+class _Peak:
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def __call__(self) -> None:
+        self.bytes = max(self.bytes, _materialised_bytes())
+
+
+class _MetaModule(_TestModule):
+    """Builds its model in ``configure_model`` and loads ``state_dict`` through the pretrained seam."""
+
+    def __init__(self, model_name: str, state_dict: dict[str, torch.Tensor]) -> None:
+        super().__init__(None, TrainerConfig(max_steps=STEPS),
+                         model_factory=lambda: build_causal_lm(MODELS[model_name], vocab_size=VOCAB))
+        self.state_dict_to_load = state_dict
+        self.loaded_names: list[str] = []
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        self.model.config.use_cache = False
+        self.built_on_meta = all(p.is_meta for p in self.model.parameters())
+
+    def load_pretrained_weights(self, tensors, layout_changes) -> None:
+        self.loaded_names = sorted(tensors)
+        copy_full_tensors(tensors, layout_changes, self.state_dict_to_load)
+
+
+class _Watch(pl.Callback):
+    def __init__(self, peak: _Peak) -> None:
+        self.peak = peak
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.peak()
+
+
+def _meta_rank(rank: int, world_size: int, model_name: str, layout: dict) -> tuple:
+    from lightning_merak.strategies import tensor_parallel
+    from lightning_merak.strategies.merak3d import build
+
+    gc.freeze()  # what the imports made: never a parameter, and not scanned again
+    peak = _Peak()
+    Materializer.observer = peak
+    for owner in (tensor_parallel, build):  # the split check's copies and each block's split
+        split = owner.apply_tensor_parallel
+
+        def observed(*args, split=split, **kwargs):
+            changes = split(*args, **kwargs)
+            peak()
+            return changes
+        owner.apply_tensor_parallel = observed
+    torch.manual_seed(0)
+    reference = build_causal_lm(MODELS[model_name], vocab_size=VOCAB)
+    state_dict = {name: tensor.detach().clone() for name, tensor in reference.state_dict().items()}
+    tied = tied_parameter_names(reference)
+    trunk = find_trunk(reference)[1]
+    block = sum(p.numel() * p.element_size() for p in trunk[0].parameters())
+    outside = sum(p.numel() * p.element_size() for p in reference.parameters()) - len(trunk) * block
+    del reference, trunk
+    module = _MetaModule(model_name, state_dict)
+    recorder = _Recorder(tied)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120), max_epochs=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[recorder, _Watch(peak)],
+    )
+    trainer.fit(module, datamodule=_ShardedData(0, STEPS))
+    share = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+                for p in module.model.parameters())
+    return (recorder.losses, recorder.gradients), (module.built_on_meta, peak.bytes, share, block, outside,
+                                                   module.loaded_names)
+
+
+PP2 = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1}
+TP2 = {"data_parallel": 1, "pipeline_parallel": 1, "tensor_parallel": 2}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("model_name", "layout"), [("llama", PP2), ("llama", TP2), ("gpt2", PP2)],
+                         ids=["llama-pp2", "llama-tp2", "gpt2-tied-pp2"])
+def test_meta_build_holds_only_its_share_and_trains_like_the_reference(model_name, layout):
+    results = run_distributed(_meta_rank, 2, args=(model_name, layout), timeout_s=300)
+    for rank, (_, (on_meta, peak, share, block, outside, loaded)) in enumerate(results):
+        assert on_meta, "configure_model did not build on the meta device"
+        assert loaded, "the pretrained seam was not called"
+        assert peak <= share + block + outside, f"rank {rank} held {peak} bytes, its share is {share}"
+        if layout["pipeline_parallel"] == 2:
+            assert share < 0.75 * (4 * block + outside), f"rank {rank} kept more than its stage"
+    assert_traces_match(_reference(model_name), _merge([trace for trace, _ in results]), loss_rtol=1e-5,
+                        grad_rtol=1e-4)
+
+
+FAMILIES = {
+    "llama": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4},
+    "qwen2": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2},
+    "mistral": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2},
+    "gpt_neox": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "rotary_pct": 0.5},
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_materialised_buffers_equal_a_model_built_on_cpu(family):
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    config = CONFIG_MAPPING[family](vocab_size=VOCAB, **FAMILIES[family])
+    expected = AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    materialize = Materializer(torch.device("cpu"), 0, init_owners(model)).materialize
+    for name, child in model.named_children():  # part by part, as a rank materialises its stage
+        materialize(child, name)
+    buffers = dict(model.named_buffers())
+    assert sorted(buffers) == sorted(name for name, _ in expected.named_buffers())
+    for name, buffer in expected.named_buffers():
+        torch.testing.assert_close(buffers[name], buffer, rtol=0, atol=0, msg=name)
+    assert not any(p.is_meta for p in model.parameters())
+    if config.tie_word_embeddings:
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def test_a_parameter_nothing_initialises_is_refused_by_name():
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(4))
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), Scaled())
+    materializer = Materializer(torch.device("cpu"), 0, init_owners(model))
+    materializer.materialize(model[0], "0")
+    assert not torch.isnan(model[0].weight).any()
+    with pytest.raises(RuntimeError, match=r"1\.scale \(Scaled\).*reset_parameters"):
+        materializer.materialize(model[1], "1")
+
+
+class _SkipNet(nn.Module):
+    """No ModuleList of blocks, and a skip connection across its layers: nothing merak3d could pipeline."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        embedded = self.embed(ids)
+        return self.head(torch.tanh(self.second(torch.tanh(self.first(embedded)))) + embedded)
+
+
+def _skip_net_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return _SkipNet().state_dict()
+
+
+class _SkipModule(_TestModule):
+    def __init__(self) -> None:
+        super().__init__(None, TrainerConfig(max_steps=STEPS), model_factory=_SkipNet)
+
+    def load_pretrained_weights(self, tensors, layout_changes) -> None:
+        copy_full_tensors(tensors, layout_changes, _skip_net_state())
+
+
+def _skip_rank(rank: int, world_size: int) -> tuple:
+    module = _SkipModule()
+    recorder = _Recorder([])
+    strategy = Merak3DStrategy(pipeline_parallel=1, tensor_parallel=1, recompute="auto", timeout_s=120)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0, use_distributed_sampler=False, callbacks=[recorder],
+    )
+    trainer.fit(module, datamodule=_ShardedData(0, STEPS))
+    return recorder.losses, recorder.gradients
+
+
+@pytest.mark.distributed
+def test_without_pipeline_or_tensor_parallelism_any_model_trains_as_data_parallel():
+    """A model DDP trains (no trunk, a skip connection) trains under merak3d at pp=tp=1, planned or not."""
+    from lightning_merak.testing import TrainingTrace, snapshot_gradients
+    from tests.test_merak3d import _batches, _make_optimizer
+
+    module = _SkipModule()
+    module.model = _SkipNet()
+    module.model.load_state_dict(_skip_net_state())
+    optimizer = _make_optimizer(module.model.parameters(), "sgd")
+    reference = TrainingTrace()
+    for batch in _batches():
+        optimizer.zero_grad()
+        loss = module.compute_loss((batch,))
+        loss.backward()
+        reference.append(loss.item(), snapshot_gradients(module.model))
+        optimizer.step()
+    results = run_distributed(_skip_rank, 2, timeout_s=300)
+    assert_traces_match(reference, _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_meta_model_traces_like_the_real_one_and_stays_on_meta(family):
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from lightning_merak.strategies.pipeline.trace import trace_model
+
+    config = CONFIG_MAPPING[family](vocab_size=VOCAB, use_cache=False, **FAMILIES[family])
+    torch.manual_seed(0)
+    real = AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    expected = trace_model(real, ids, profile=True, profile_repeats=1)
+    traced = trace_model(meta, ids, profile=True, profile_repeats=1)
+    assert all(p.is_meta for p in meta.parameters())
+    assert (traced.trunk_path, traced.num_blocks, traced.block_output_index) == (
+        expected.trunk_path, expected.num_blocks, expected.block_output_index)
+    assert [(s.module, s.function) for s in traced.head] == [(s.module, s.function) for s in expected.head]
+    assert [c.param_bytes for c in traced.costs] == [c.param_bytes for c in expected.costs]
+    assert traced.sample_hidden.shape == expected.sample_hidden.shape and not traced.sample_hidden.is_meta
+    for side, reference in zip(traced.sample_side_tensors, expected.sample_side_tensors, strict=True):
+        torch.testing.assert_close(side, reference)  # masks and rotary tables: computed, not shapes only
+
+
+def test_a_skip_connection_across_blocks_is_refused_on_meta():
+    from lightning_merak.strategies.pipeline.trace import TraceError, trace_model
+
+    class Skipping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, 8)
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+            self.head = nn.Linear(8, VOCAB)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            first = hidden = self.embed(ids)
+            for block in self.blocks:
+                hidden = block(hidden) + first
+            return self.head(hidden)
+
+    with torch.device("meta"):
+        model = Skipping()
+    with pytest.raises(TraceError, match="skip connection across blocks"):
+        trace_model(model, torch.randint(VOCAB, (2, 4)), profile=False)
