@@ -48,7 +48,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.report import default_out, out_help, print_table, write_json
+from benchmarks.report import default_out, out_help, print_table, proc_status_mb, write_json
 from lightning_merak.config import ModelConfig, TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
 from lightning_merak.strategies import pipeline
@@ -175,16 +175,6 @@ class _StepTimer(pl.Callback):
         self.step_s.append(time.perf_counter() - self._start)
 
 
-def _proc_status_mb(key: str) -> float:
-    """A ``/proc/self/status`` figure (VmSize, VmPeak, VmRSS) in MiB."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            name, value = line.split(":", 1)
-            if name == key:
-                return int(value.split()[0]) / 1024
-    raise KeyError(key)
-
-
 def _quiet_lightning() -> None:
     """Keep Lightning's banners and deprecation chatter out of the tables."""
     warnings.filterwarnings("ignore", module="lightning")
@@ -239,8 +229,8 @@ def _saved_activation_bytes(module: CausalLMModule, workload: Workload, micro_ba
 def _run_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     """Train ``job`` on this rank; returns its step times and memory figures."""
     _quiet_lightning()
-    baseline_rss_mb = _proc_status_mb("VmRSS")
-    baseline_vm_mb = _proc_status_mb("VmSize")
+    baseline_rss_mb = proc_status_mb("VmRSS")
+    baseline_vm_mb = proc_status_mb("VmSize")
     torch.manual_seed(0)
     model = build_causal_lm(job.workload.model_config(), job.workload.vocab)
     model.config.use_cache = False
@@ -263,7 +253,7 @@ def _run_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     if isinstance(strategy, Merak3DStrategy) and strategy.partition is not None:
         result["boundaries"] = list(strategy.partition.boundaries)
     result.update(step_s=timer.step_s, max_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  peak_vm_mb=_proc_status_mb("VmPeak"))
+                  peak_vm_mb=proc_status_mb("VmPeak"))
     if job.count_saved_activations:
         assert isinstance(strategy, Merak3DStrategy)
         result["saved_mb"] = _saved_activation_bytes(module, job.workload, strategy.micro_batches) / MIB

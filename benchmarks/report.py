@@ -68,3 +68,13 @@ def write_json(path: Path, rows: Sequence[Mapping[str, object]], label: Label, *
     payload = {"label": label, "machine": machine_info(), **context, "rows": list(rows)}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def proc_status_mb(key: str) -> float:
+    """A ``/proc/self/status`` memory figure of this process (VmRSS, VmHWM, VmSize, VmPeak) in MiB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            name, value = line.split(":", 1)
+            if name == key:
+                return int(value.split()[0]) / 1024
+    raise KeyError(key)

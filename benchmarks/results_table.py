@@ -247,9 +247,43 @@ def adapters_lr_sweep(data: dict[str, Any]) -> str:
         f"{m} {r['lr']:g} ({percent(r['accuracy'])})" for m, r in best.items())
 
 
+def scale(data: dict[str, Any]) -> Table:
+    top = max(data["ladder_layers"])
+    runs = {r["leg"]: r for r in data["rows"] if r["section"] == "memory" and r["layers"] == top}
+    loads = {r["leg"]: r for r in data["rows"] if r["section"] == "load"}
+    rows = []
+    for r in (r for r in data["rows"] if r["section"] == "largest"):
+        run, load = runs.get(r["leg"], {}), loads.get(r["leg"], {})
+        if r["refused"]:
+            rows.append([r["leg"], f"refused: {brief(r['error'])}", "-", "-", "-", "-"])
+            continue
+        fitted = "none" if r["layers"] is None else (
+            f"{r['layers']} layers, {r['params_m']:.1f} M params" + (" (weights + AdamW exceed the cap)"
+                                                                     if r["full_state_exceeds_cap"] else ""))
+        used = "-" if run.get("max_used_mb") is None else f"{run['max_used_mb']:.0f}"
+        rows.append([r["leg"], fitted, used, ratio(run.get("peak_over_ideal")),
+                     "-" if load.get("load_s") is None else f"{load['load_s']:.2f}",
+                     "-" if load.get("gb_per_s") is None else f"{load['gb_per_s']:.2f}"])
+    reference = loads.get("from_pretrained (1 process)")
+    if reference:
+        rows.append([reference["leg"], "-", "-", "-", f"{reference['load_s']:.2f}", f"{reference['gb_per_s']:.2f}"])
+    goal, rel_err = data["peak_over_ideal_goal"], data["logits_max_rel_err"]
+    notes = [
+        f"{data['workload']}; cap {data['cap_mb']:.0f} MiB per rank above the baseline; ladder "
+        f"{data['ladder_layers']} decoder layers; {data['steps']} training steps per run",
+        f"peak/ideal: worst rank's (peak RSS − baseline) / (4 × its parameter bytes + measured activations); "
+        f"worst merak3d layout {ratio(data['peak_over_ideal'])} ({data['peak_over_ideal_layout']}), goal ≤ {goal} "
+        f"{met(None if data['peak_over_ideal'] is None else data['peak_over_ideal'] <= goal)}",
+        f"logits vs from_pretrained, max relative error over layouts: {'-' if rel_err is None else f'{rel_err:.1e}'}; "
+        f"export round trip (load → merak3d checkpoint → merak-export) max |diff|: {data['export_roundtrip_max_abs']}",
+    ]
+    return Table(["leg", "largest model under the cap", f"MiB above baseline, {top} layers",
+                  f"peak/ideal, {top} layers", "load s", "load GB/s"], rows, notes)
+
+
 AREAS: dict[str, Callable[[dict[str, Any]], Table]] = {
     "collectives": collectives, "merak3d": merak3d, "overlap_tp": overlap_tp, "planner": planner,
-    "delta": delta, "sparse_comm": sparse_comm, "moe": moe, "adapters": adapters,
+    "delta": delta, "sparse_comm": sparse_comm, "moe": moe, "adapters": adapters, "scale": scale,
 }
 AUXILIARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "adapters_lr_sweep": ("adapters", adapters_lr_sweep),

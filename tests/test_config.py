@@ -88,3 +88,16 @@ def test_merak3d_options_reach_the_strategy():
                                           "strategy.tp_overlap=2", "strategy.sequence_parallel=true"))
     strategy = build_strategy(config.strategy)
     assert strategy.sequence_parallel and strategy.tp_overlap == 2
+
+
+def test_merak3d_constructor_defaults_are_the_declared_options():
+    """The strategy's signature repeats its options for readers and IDEs; the defaults must be the declared ones."""
+    import dataclasses
+    import inspect
+
+    from lightning_merak.options.strategy import Merak3DOptions
+    from lightning_merak.strategies.merak3d import Merak3DStrategy
+
+    signature = inspect.signature(Merak3DStrategy.__init__).parameters
+    declared = {item.name: item.default for item in dataclasses.fields(Merak3DOptions)}
+    assert {name: signature[name].default for name in declared if name in signature} == declared

@@ -107,40 +107,46 @@ def test_merak3d_checkpoint_exports_bit_exact(tmp_path, config, layout):
     AutoModelForCausalLM.from_pretrained(tmp_path / "out")
 
 
-def _predict_pretrained_rank(rank: int, world_size: int, source: str, config, layout: dict) -> torch.Tensor:
-    """merak3d's pretrained seam filled by load_pretrained on a randomly initialised model, then predict."""
+def _predict_pretrained_rank(rank: int, world_size: int, source: str, layout: dict) -> torch.Tensor:
+    """The product's path: the model built from the directory's config in ``configure_model`` (on the meta
+    device under merak3d), each rank reading its shards from ``source``; then predict."""
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_merak.config import TrainerConfig
-    from lightning_merak.hf import load_pretrained
+    from lightning_merak.hf import pretrained_causal_lm
     from lightning_merak.models import CausalLMModule
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
-    class Pretrained(CausalLMModule):
-        def load_pretrained_weights(self, tensors, layout_changes) -> None:
-            load_pretrained(tensors, source, layout_changes)
+    def build():
+        model = pretrained_causal_lm(source, VOCAB, weights=False)
+        model.config.use_cache = False
+        return model
 
-    torch.manual_seed(1)  # not the checkpoint's weights
-    model = AutoModelForCausalLM.from_config(config)
-    model.config.use_cache = False
+    module = CausalLMModule(None, TrainerConfig(), model_factory=build, pretrained_path=source)
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120),
-                         logger=False, enable_progress_bar=False, enable_model_summary=False)
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False)  # every replica predicts the whole batch
     batches = torch.randint(VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
-    return torch.cat(trainer.predict(Pretrained(model, TrainerConfig()), DataLoader(TensorDataset(batches),
-                                                                                    batch_size=4)))
+    logits = torch.cat(trainer.predict(module, DataLoader(TensorDataset(batches), batch_size=4)))
+    assert not any(p.is_meta for p in module.parameters()), "a parameter was never materialised"
+    return logits
 
 
 @pytest.mark.parametrize(("config", "layout"), [
     (GPT2, {"data_parallel": 1, "pipeline_parallel": 1, "tensor_parallel": 2}),
     (LlamaConfig(**{**LLAMA.to_dict(), "tie_word_embeddings": True}),
      {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1}),
-], ids=["gpt2-tp2", "llama-tied-pp2"])
+    (LLAMA, {"data_parallel": 2, "pipeline_parallel": 1, "tensor_parallel": 1}),
+    (LLAMA, {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 2}),
+], ids=["gpt2-tp2", "llama-tied-pp2", "llama-dp2", "llama-pp2tp2"])
 def test_merak3d_ranks_load_their_shards_and_match_from_pretrained(tmp_path, config, layout):
+    """Logits of every layout equal ``from_pretrained``'s to 1e-5."""
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, max_shard_size="40KB")
     batches = torch.randint(VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()(batches).logits
-    for logits in run_distributed(_predict_pretrained_rank, 2, args=(str(tmp_path), config, layout), timeout_s=180):
+    world = layout["data_parallel"] * layout["pipeline_parallel"] * layout["tensor_parallel"]
+    for logits in run_distributed(_predict_pretrained_rank, world, args=(str(tmp_path), layout), timeout_s=180):
         torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)

@@ -14,12 +14,11 @@ defaults it changes; ``MoEOptions`` checks the values.
 
 from __future__ import annotations
 
-import types
-import typing
-from dataclasses import MISSING, dataclass, field, fields, make_dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_merak.config import MoEConfig, register_option
+from lightning_merak.options.schema import schema_of
 from lightning_merak.plugins.moe.options import MoEOptions
 
 if TYPE_CHECKING:
@@ -27,32 +26,6 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = ["DeepSpeedMoEConfig", "ProphetMoEConfig", "ShadowingMoEConfig", "register"]
-
-_HYDRA_TYPES = (int, float, bool, str)
-
-
-def _schema_type(annotation: Any) -> Any:
-    """The type a structured config can hold: a ``Literal`` of strings is a ``str``, ``Optional[X]`` stays,
-    any other union is ``Any`` (the options class checks the value)."""
-    origin, arguments = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Literal:
-        return str
-    if annotation in _HYDRA_TYPES:
-        return annotation
-    if origin in (typing.Union, types.UnionType) and len(arguments) == 2 and type(None) in arguments:
-        (inner,) = [argument for argument in arguments if argument is not type(None)]
-        return Optional[inner] if inner in _HYDRA_TYPES else Any
-    return Any
-
-
-def _schema_of(options: type, name: str, **defaults: Any) -> type:
-    """A structured-config dataclass with ``options``' fields (``defaults`` replacing some defaults)."""
-    hints = typing.get_type_hints(options)
-    return make_dataclass(name, [
-        (item.name, _schema_type(hints[item.name]), field(default=defaults.get(item.name, item.default)))
-        for item in fields(options) if item.default is not MISSING
-    ])
-
 
 @dataclass
 class _SwapOptions(MoEConfig):
@@ -64,7 +37,7 @@ class _SwapOptions(MoEConfig):
     drop_tokens: bool = False
 
 
-_ProphetLayerOptions = _schema_of(MoEOptions, "_ProphetLayerOptions", dispatch="dropless", placement="pro_prophet",
+_ProphetLayerOptions = schema_of(MoEOptions, "_ProphetLayerOptions", dispatch="dropless", placement="pro_prophet",
                                   lancet_chunks="auto")
 
 

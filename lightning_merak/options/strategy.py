@@ -1,29 +1,33 @@
-"""Hydra options of the ``strategy`` group that need typed arguments (``strategy=merak3d``)."""
+"""``strategy=merak3d``: the strategy's options, declared once, and the Hydra schema derived from them.
+
+:class:`Merak3DOptions` (plain Python, no torch) holds every argument of
+:class:`~lightning_merak.strategies.merak3d.Merak3DStrategy` with its default;
+:class:`~lightning_merak.strategies.merak3d.arguments.Merak3DArguments` extends it with the checks,
+and the Hydra schema :class:`Merak3DStrategyConfig` takes its fields (degrees, which may be
+``"auto"``, become ``Any`` there).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 from lightning_merak.config import StrategyConfig, register_option
+from lightning_merak.options.schema import schema_of
 
-__all__ = ["Merak3DStrategyConfig", "register"]
+__all__ = ["Degree", "Merak3DOptions", "Merak3DStrategyConfig", "register"]
+
+Degree = Union[int, Literal["auto"]]
 
 
-@dataclass
-class Merak3DStrategyConfig(StrategyConfig):
-    """``strategy=merak3d``: every argument of :class:`~lightning_merak.strategies.merak3d.Merak3DStrategy`.
+@dataclass(frozen=True)
+class Merak3DOptions:
+    """``Merak3DStrategy``'s arguments and their defaults (documented on the strategy)."""
 
-    Degrees take an integer or ``auto``; ``pipeline_parallel``, ``tensor_parallel``,
-    ``tp_overlap`` or ``recompute`` set to ``auto`` run the layout planner, and
-    ``plan_only=true`` prints the planned layout and exits.
-    """
-
-    name: str = "merak3d"
-    data_parallel: Any = "auto"
-    pipeline_parallel: Any = 1
-    tensor_parallel: Any = 1
-    tp_overlap: Any = 1
+    data_parallel: Degree = "auto"
+    pipeline_parallel: Degree = 1
+    tensor_parallel: Degree = 1
+    tp_overlap: Degree = 1
     tp_weight_grad_overlap: Optional[bool] = None
     sequence_parallel: bool = False
     micro_batches: Optional[int] = None
@@ -32,14 +36,30 @@ class Merak3DStrategyConfig(StrategyConfig):
     recompute: str = "none"
     recompute_ratio: float = 0.5
     partition: str = "autopipe"
+    process_group_backend: Optional[str] = None
     timeout_s: float = 600.0
     memory_limit: Optional[float] = None
     plan_only: bool = False
     vocab_parallel: bool = True
 
+
+_Merak3DFields = schema_of(Merak3DOptions, "_Merak3DFields")
+
+
+@dataclass
+class Merak3DStrategyConfig(_Merak3DFields, StrategyConfig):  # type: ignore[misc,valid-type]
+    """``strategy=merak3d``: every argument of :class:`~lightning_merak.strategies.merak3d.Merak3DStrategy`.
+
+    Degrees take an integer or ``auto``; ``pipeline_parallel``, ``tensor_parallel``,
+    ``tp_overlap`` or ``recompute`` set to ``auto`` run the layout planner, and
+    ``plan_only=true`` prints the planned layout and exits.
+    """
+
+    name: str = "merak3d"
+
     def strategy_kwargs(self) -> dict[str, Any]:
-        """Every field but the option's name, as constructor arguments, with ``kwargs`` on top."""
-        own = {item.name: getattr(self, item.name) for item in fields(self) if item.name not in ("name", "kwargs")}
+        """Every option as a constructor argument, with ``kwargs`` on top."""
+        own = {item.name: getattr(self, item.name) for item in fields(Merak3DOptions)}
         return {**own, **self.kwargs}
 
 

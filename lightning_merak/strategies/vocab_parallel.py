@@ -342,7 +342,9 @@ class _VocabParallelLoss:
         finally:
             if not backward_follows:  # no backward will pass the logits' hook
                 leave(logits)
-        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        # a view of the DTensor's local value; pipeline schedules detach their losses in place, which views refuse
+        return loss.clone() if loss._is_view() else loss
 
 
 def vocab_parallel_loss(loss_fn: Callable[[Any, Any], torch.Tensor],

@@ -12,11 +12,12 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 from torch import nn
 
+from lightning_merak.options.strategy import Degree, Merak3DOptions
 from lightning_merak.strategies.merak3d.layout import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
@@ -37,7 +38,6 @@ __all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "Degree", "Merak3DArguments",
 
 RECOMPUTE_MODES = ("none", "full", "stage_aware", "auto")
 PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
-Degree = Union[int, Literal["auto"]]
 
 
 def check_stage_count(num_stages: int, num_blocks: int) -> None:
@@ -84,26 +84,9 @@ def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 @dataclass(frozen=True)
-class Merak3DArguments:
-    """``Merak3DStrategy``'s arguments (documented there), refused when made if any is out of range."""
-
-    data_parallel: Degree = "auto"
-    pipeline_parallel: Degree = 1
-    tensor_parallel: Degree = 1
-    tp_overlap: Degree = 1
-    tp_weight_grad_overlap: Optional[bool] = None
-    sequence_parallel: bool = False
-    micro_batches: Optional[int] = None
-    schedule: str = "1f1b"
-    virtual_stages: int = 2
-    recompute: str = "none"
-    recompute_ratio: float = 0.5
-    partition: str = "autopipe"
-    process_group_backend: Optional[str] = None
-    timeout_s: float = 600.0
-    memory_limit: Optional[float] = None
-    plan_only: bool = False
-    vocab_parallel: bool = True
+class Merak3DArguments(Merak3DOptions):
+    """``Merak3DStrategy``'s arguments (declared in :class:`~lightning_merak.options.strategy.Merak3DOptions`,
+    documented on the strategy), refused when made if any is out of range."""
 
     def __post_init__(self) -> None:
         for name, value in (("data_parallel", self.data_parallel), ("pipeline_parallel", self.pipeline_parallel),

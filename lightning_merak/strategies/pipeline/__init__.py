@@ -1,7 +1,10 @@
-"""Pure core of the pipeline partitioner and schedule simulator (spec sections 1.2-1.5).
+"""Pipeline parallelism: a pure core (exported here) and the runtime merak3d builds on it.
 
-Plain Python over per-block costs: no process groups, no Lightning. The ``merak3d``
-runtime measures the blocks, calls a partitioner here, and builds stages from the result.
+Pure core, plain Python over per-block costs (no process groups, no Lightning): ``costs``,
+``partition``, ``recompute``, ``simulate``, ``timeline`` — the partitioners and the schedule
+simulator (spec sections 1.2-1.5). Runtime, imported by merak3d directly: ``trace`` and
+``meta_trace`` (recording one forward), ``stage`` (stage modules cut from the model) and
+``schedules`` (torch.distributed.pipelining stages and schedules).
 """
 
 from lightning_merak.strategies.pipeline.costs import DEFAULT_BACKWARD_RATIO, BlockCost, Partition, build_partition

@@ -1,0 +1,328 @@
+"""What one rank of ``python -m benchmarks.scale`` runs: a few training steps or a pretrained load, with memory.
+
+Each function here runs inside a fresh gloo rank (``run_distributed``) and returns plain
+numbers. Memory is ``/proc/self/status``: ``VmRSS`` once everything the leg needs is imported
+and before any model exists (the baseline), and ``VmHWM`` (the peak resident size) at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+import transformers.models.llama.modeling_llama  # noqa: F401  (imported before the baseline, as the model needs it)
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from benchmarks.report import proc_status_mb
+from lightning_merak.config import TrainerConfig
+from lightning_merak.models import CausalLMModule
+
+MIB = 2**20
+RANK_TIMEOUT_S = 600.0
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A Llama built from its config (no download) and the token batches it trains on."""
+
+    hidden: int
+    layers: int
+    vocab: int
+    seq: int = 64
+    global_batch: int = 4
+    micro_batches: int = 2
+
+    def config(self) -> LlamaConfig:
+        heads = max(2, self.hidden // 64)
+        return LlamaConfig(hidden_size=self.hidden, intermediate_size=self.hidden * 8 // 3 // 8 * 8,
+                           num_hidden_layers=self.layers, num_attention_heads=heads, num_key_value_heads=heads,
+                           vocab_size=self.vocab, max_position_embeddings=self.seq, tie_word_embeddings=False,
+                           use_cache=False)
+
+    def parameters(self) -> int:
+        with torch.device("meta"):
+            return sum(p.numel() for p in AutoModelForCausalLM.from_config(self.config()).parameters())
+
+    def describe(self) -> str:
+        return (f"llama hidden {self.hidden}, {self.layers} layers, vocab {self.vocab}, seq {self.seq}, "
+                f"global batch {self.global_batch}")
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One layout of one strategy; ``merak`` holds Merak3DStrategy's degrees."""
+
+    name: str
+    strategy: str  # merak3d | ddp | fsdp2 | zero3
+    world_size: int
+    merak: Optional[dict[str, int]] = None
+
+
+def _quiet() -> None:
+    warnings.filterwarnings("ignore")
+    for name in ("lightning.pytorch", "lightning.fabric", "DeepSpeed", "deepspeed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _tokens(workload: Workload, steps: int, rank: int, replicas: int) -> torch.Tensor:
+    """This data-parallel rank's slice of every global batch: ``(steps * local batch, seq)``."""
+    w = workload
+    tokens = torch.randint(w.vocab, (steps, w.global_batch, w.seq), generator=torch.Generator().manual_seed(0))
+    local = w.global_batch // replicas
+    return tokens[:, rank * local:(rank + 1) * local].reshape(-1, w.seq)
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def _holdings(named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """Which decoder layers, and whether the embedding and the LM head, this rank's parameters belong to."""
+    names = [name for name, _ in named]
+    return {"layers_held": sorted({int(m.group(1)) for n in names if (m := _LAYER.search(n))}),
+            "has_head": any("lm_head" in n for n in names)}
+
+
+class _TokenData(pl.LightningDataModule):
+    """Each data-parallel rank reads its slice of every global batch (as the strategy numbers the replicas)."""
+
+    def __init__(self, workload: Workload, steps: int) -> None:
+        super().__init__()
+        self.workload, self.steps = workload, steps
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = self.trainer.strategy.distributed_sampler_kwargs
+        replicas = sampler["num_replicas"]
+        tokens = _tokens(self.workload, self.steps, sampler["rank"], replicas)
+        return DataLoader(TensorDataset(tokens), batch_size=self.workload.global_batch // replicas)
+
+
+class _StepTimer(pl.Callback):
+    """Each step's wall time, and resident/peak memory after Lightning's setup and after each step."""
+
+    def __init__(self) -> None:
+        self.step_s: list[float] = []
+        self.trace: list[tuple[str, float, float]] = []
+        self._start = 0.0
+
+    def mark(self, point: str) -> None:
+        self.trace.append((point, proc_status_mb("VmRSS"), proc_status_mb("VmHWM")))
+
+    def on_train_start(self, *args: Any) -> None:
+        self.mark("setup")
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.step_s.append(time.perf_counter() - self._start)
+        self.mark(f"step {len(self.step_s)}")
+
+
+class _FullyShardedLM(CausalLMModule):
+    """FSDP2 (``fully_shard`` per decoder layer, then the root) over ModelParallelStrategy's data-parallel mesh."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+def _trainer(leg: Leg, steps: int, callbacks: list[pl.Callback]) -> pl.Trainer:
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    from lightning_merak.strategies.merak3d import Merak3DStrategy
+
+    if leg.strategy == "merak3d":
+        strategy: Any = Merak3DStrategy(**(leg.merak or {}), partition="uniform", timeout_s=RANK_TIMEOUT_S)
+    elif leg.strategy == "ddp":
+        strategy = DDPStrategy()
+    else:
+        strategy = ModelParallelStrategy(data_parallel_size=leg.world_size, tensor_parallel_size=1)
+    return pl.Trainer(accelerator="cpu", devices=leg.world_size, strategy=strategy, max_steps=steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+                      callbacks=callbacks)
+
+
+def _lightning_leg(rank: int, leg: Leg, workload: Workload, steps: int) -> dict[str, Any]:
+    """merak3d (meta init via ``configure_model``), FSDP2 (meta init via ``init_module``) or DDP (built whole)."""
+    optim = TrainerConfig(max_steps=steps, warmup_steps=1)
+    timer = _StepTimer()
+    trainer = _trainer(leg, steps, [timer])
+    config = workload.config()
+    if leg.strategy == "merak3d":
+        module: CausalLMModule = CausalLMModule(None, optim, model_factory=lambda: AutoModelForCausalLM.from_config(
+            config))
+    elif leg.strategy == "fsdp2":
+        with trainer.init_module(empty_init=True):
+            model = AutoModelForCausalLM.from_config(config)
+        module = _FullyShardedLM(model, optim)
+    else:
+        module = CausalLMModule(AutoModelForCausalLM.from_config(config), optim)
+    trainer.fit(module, datamodule=_TokenData(workload, steps))
+    local = workload.global_batch // trainer.strategy.distributed_sampler_kwargs["num_replicas"]
+    named = list(module.model.named_parameters())
+    result = {"step_s": timer.step_s, "trace": timer.trace, "param_bytes": sum(_local_bytes(p) for _, p in named),
+              **_holdings(named)}
+    if leg.strategy == "merak3d":
+        strategy = trainer.strategy
+        result.update(pipeline_rank=strategy.pipeline_rank, pipeline_parallel=strategy.pipeline_parallel,
+                      tensor_parallel=strategy.tensor_parallel, micro_batch=local // strategy.micro_batches,
+                      micro_batches=strategy.micro_batches)
+    else:
+        result.update(pipeline_rank=0, pipeline_parallel=1, tensor_parallel=1, micro_batch=local, micro_batches=1)
+    return result
+
+
+def _zero3_leg(rank: int, leg: Leg, workload: Workload, steps: int) -> dict[str, Any]:
+    """DeepSpeed ZeRO-3 driven directly (Lightning's DeepSpeedStrategy refuses CPU); built partitioned by zero.Init."""
+    import deepspeed
+
+    ds_config = {"train_micro_batch_size_per_gpu": workload.global_batch // leg.world_size,
+                 "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 3}, "steps_per_print": 10**9}
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = AutoModelForCausalLM.from_config(workload.config())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                      dist_init_required=False)
+    local = workload.global_batch // leg.world_size
+    tokens = _tokens(workload, steps, rank, leg.world_size)
+    timer = _StepTimer()
+    timer.mark("setup")
+    for step in range(steps):
+        start = time.perf_counter()
+        ids = tokens[step * local:(step + 1) * local]
+        logits = engine(ids).logits
+        loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        timer.step_s.append(time.perf_counter() - start)
+        timer.mark(f"step {step + 1}")
+    named = list(model.named_parameters())
+    param_bytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for _, p in named)
+    return {"step_s": timer.step_s, "trace": timer.trace, "param_bytes": param_bytes, "pipeline_rank": 0,
+            "pipeline_parallel": 1, "tensor_parallel": 1, "micro_batch": local, "micro_batches": 1, **_holdings(named)}
+
+
+def train_rank(rank: int, world_size: int, leg: Leg, workload: Workload, steps: int) -> dict[str, Any]:
+    """Train ``steps`` steps of ``workload`` under ``leg``; this rank's memory next to what it holds."""
+    _quiet()
+    if leg.strategy == "zero3":
+        import deepspeed  # noqa: F401  (its import is part of the baseline, not of the model)
+    else:
+        from lightning_merak.strategies.merak3d import Merak3DStrategy  # noqa: F401
+    torch.manual_seed(0)
+    baseline = proc_status_mb("VmRSS")
+    run = _zero3_leg if leg.strategy == "zero3" else _lightning_leg
+    result = run(rank, leg, workload, steps)
+    result.update(baseline_mb=baseline, peak_mb=proc_status_mb("VmHWM"))
+    return result
+
+
+# Pretrained load -------------------------------------------------------------------------
+
+
+class _TimedPretrained(CausalLMModule):
+    """merak3d's pretrained seam filled by ``lightning_merak.hf.load_pretrained``, timed."""
+
+    def __init__(self, directory: str, vocab: int) -> None:
+        from lightning_merak.hf import pretrained_causal_lm
+
+        super().__init__(None, TrainerConfig(), model_factory=lambda: pretrained_causal_lm(directory, vocab,
+                                                                                            weights=False))
+        self.directory = directory
+        self.load_s = 0.0
+        self.bytes_read = 0
+
+    def load_pretrained_weights(self, tensors: dict[str, torch.Tensor], layout_changes: dict[str, Any]) -> None:
+        from lightning_merak.hf import load_pretrained
+
+        start = time.perf_counter()
+        report = load_pretrained(tensors, self.directory, layout_changes)
+        self.load_s = time.perf_counter() - start
+        self.bytes_read = report.bytes_read
+
+
+def load_rank(rank: int, world_size: int, directory: str, merak: dict[str, int], tokens: torch.Tensor,
+              checkpoint: Optional[str]) -> dict[str, Any]:
+    """Load ``directory`` into this rank's shard under ``merak``'s layout, predict ``tokens``, optionally save.
+
+    The checkpoint (``checkpoint``) is taken right after the load, with no training step, for the export round trip.
+    """
+    from lightning_merak.strategies.merak3d import Merak3DStrategy
+
+    _quiet()
+    module = _TimedPretrained(directory, int(tokens.max()) + 1)
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False,
+                         strategy=Merak3DStrategy(**merak, partition="uniform", timeout_s=RANK_TIMEOUT_S))
+    logits = torch.cat(trainer.predict(module, DataLoader(TensorDataset(tokens), batch_size=len(tokens))))
+    if checkpoint is not None:
+        trainer.save_checkpoint(checkpoint)
+    return {"load_s": module.load_s, "bytes_read": module.bytes_read, "logits": logits}
+
+
+def from_pretrained_rank(rank: int, world_size: int, directory: str, tokens: torch.Tensor) -> dict[str, Any]:
+    """The reference: ``AutoModelForCausalLM.from_pretrained(DIR, dtype=float32)`` in one process, timed.
+
+    ``call_s`` is the call alone; ``load_s`` adds reading every weight once, because the call may map
+    the file and leave the reads to the first forward (merak3d's load copies into its shards).
+    """
+    _quiet()
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    call_s = time.perf_counter() - start
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.sum()
+        load_s = time.perf_counter() - start
+        logits = model.eval()(tokens).logits
+    return {"call_s": call_s, "load_s": load_s, "logits": logits}
+
+
+# Activations -----------------------------------------------------------------------------
+
+
+def _saved_bytes(workload: Workload) -> int:
+    """Bytes autograd saves for backward in a one-sample forward and loss (parameters excluded, storages once)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(workload.config()).train()
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    ids = torch.randint(workload.vocab, (1, workload.seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logits = model(ids).logits
+        nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1))
+    return sum(saved.values())
+
+
+def measure_activations(workload: Workload) -> dict[str, float]:
+    """Saved-activation bytes per sample: per decoder layer, and of the rest (embedding, final norm, head, loss).
+
+    Measured on the same model with 1 and 2 decoder layers, so no full-size model is built here.
+    """
+    one, two = (_saved_bytes(Workload(workload.hidden, layers, workload.vocab, workload.seq)) for layers in (1, 2))
+    return {"per_layer": float(two - one), "head": float(2 * one - two)}
