@@ -102,12 +102,13 @@ def test_plain_and_overlapped_training_on_loopback_ranks(tmp_path):
     plain, weight_grad, overlapped, sequence = summarise(2, "loopback", ranks, workload.warmup)
     assert weight_grad["loss_equal"] == overlapped["loss_equal"] == sequence["loss_equal"] == "PASS"
     assert plain["losses"][0] != plain["losses"][-1]
-    # Two all-reduces per block in forward and two in backward, once per sub-batch; sequence
-    # parallelism turns each into a reduce-scatter and an all-gather, gathers each column group's
-    # input again in backward, and adds one gather each way at the ends of the trunk.
-    assert plain["collectives_per_step"] == weight_grad["collectives_per_step"] == 4 * workload.layers
-    assert overlapped["collectives_per_step"] == 2 * 4 * workload.layers
-    assert sequence["collectives_per_step"] == 10 * workload.layers + 2
+    # Two all-reduces per block in forward and two in backward, once per sub-batch, plus the
+    # vocabulary-parallel embedding's sum in forward and the LM head's input gradient in backward;
+    # sequence parallelism turns each into a reduce-scatter and an all-gather, gathers each column
+    # group's input again in backward, and adds one gather each way at the ends of the trunk.
+    assert plain["collectives_per_step"] == weight_grad["collectives_per_step"] == 4 * workload.layers + 2
+    assert overlapped["collectives_per_step"] == 2 * (4 * workload.layers + 2)
+    assert sequence["collectives_per_step"] == 10 * workload.layers + 2 + 4
     # exposed may exceed busy by wake-up delays, so each is bounded alone
     for row in (plain, weight_grad, overlapped, sequence):
         assert 0 < row["exposed_ms"] < row["step_ms"] and 0 < row["busy_ms"] < row["step_ms"]

@@ -82,7 +82,7 @@ def test_signal_to_merak_train_ends_both_ranks(tmp_path, signum):
         assert process.poll() is None, (tmp_path / "output.log").read_text()[-4000:]
         assert len(_live_members(process.pid)) >= 2, "rank 1 should be running next to rank 0"
         process.send_signal(signum)
-        _wait_until(lambda: process.poll() is not None and not _live_members(process.pid), 20,
+        _wait_until(lambda: process.poll() is not None and not _live_members(process.pid), 60,
                     f"merak-train processes still running after {signum.name}")
     finally:
         _kill_group(process.pid)
