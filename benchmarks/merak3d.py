@@ -5,7 +5,7 @@ Run from the repo root::
     python -m benchmarks.merak3d [--quick] [--out PATH]
 
 Every configuration trains a randomly initialised transformers Llama on 2 gloo ranks
-(``lightning_merak.testing.run_distributed``: fresh spawned processes, one torch thread
+(``lightning_merak.testing.run_distributed``: fresh rank processes, one torch thread
 each) through an ordinary ``pl.Trainer(...).fit``. Step times are the slowest rank's,
 warm-up steps excluded, median over the rest. Four sections:
 

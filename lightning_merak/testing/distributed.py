@@ -11,8 +11,12 @@ in both cases every process is terminated and reaped before the error is raised.
 
     results = run_distributed(check, world_size=2, args=(1.0,))
 
-``fn`` must be importable (defined at module level) because ranks are started with
-the ``spawn`` method, which is the only start method that is safe with torch's threads.
+``fn`` must be importable (defined at module level): ranks are forked from a
+``forkserver`` that imported torch, Lightning and transformers once and never ran an
+operation (so it has no thread to lose in a fork). A rank then starts in well under a
+second instead of importing those libraries again, as ``spawn`` does (measured: five
+2-rank merak3d training tests took 17 s instead of 46 s). Each rank gets the caller's
+environment as it is at the call, as ``spawn`` would give it, plus ``env``.
 """
 
 from __future__ import annotations
@@ -47,6 +51,10 @@ class _RankOutcome:
     error: str = ""
 
 
+_PRELOADED = ("torch", "torch.distributed", "lightning.pytorch", "transformers")
+"""Imported once by the forkserver the ranks are forked from (imports only: no thread has started)."""
+
+
 def find_free_port() -> int:
     """Ask the kernel for a free TCP port on the loopback interface."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -68,6 +76,7 @@ def _rank_main(
 ) -> None:
     import torch.distributed as dist
 
+    os.environ.clear()  # the forkserver's environment is the one of its start: take the caller's
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -126,14 +135,15 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(_PRELOADED))
     outcomes: mp.Queue = ctx.Queue()
     port = find_free_port()
     processes = [
         ctx.Process(
             target=_rank_main,
             args=(fn, rank, world_size, port, tuple(args), dict(kwargs or {}), timeout_s,
-                  threads_per_rank, dict(env or {}), outcomes),
+                  threads_per_rank, {**os.environ, **(env or {})}, outcomes),
             name=f"merak-rank{rank}",
             daemon=True,
         )
