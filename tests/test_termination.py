@@ -64,6 +64,10 @@ def _read_line(process: subprocess.Popen, timeout_s: float) -> str:
     return line.strip()
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_to_merak_train_ends_both_ranks(tmp_path, signum):
     """Only rank 0 is signalled, as SLURM signals the task it started; rank 1 is its child."""
@@ -73,8 +77,10 @@ def test_signal_to_merak_train_ends_both_ranks(tmp_path, signum):
         f"hydra.run.dir={tmp_path}",
     ]
     with open(tmp_path / "output.log", "w") as log:
+        # SIGINT at its default, as from a terminal: a shell running this suite in the background
+        # starts it with SIGINT ignored, which every child inherits (and Python then keeps)
         process = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+                                   start_new_session=True, preexec_fn=_default_sigint)
     try:
         # a checkpoint of step 2 means both ranks trained two steps (its save is collective)
         _wait_until(lambda: any((tmp_path / "checkpoints").glob("*.ckpt")) or process.poll() is not None,
@@ -83,7 +89,8 @@ def test_signal_to_merak_train_ends_both_ranks(tmp_path, signum):
         assert len(_live_members(process.pid)) >= 2, "rank 1 should be running next to rank 0"
         process.send_signal(signum)
         _wait_until(lambda: process.poll() is not None and not _live_members(process.pid), 60,
-                    f"merak-train processes still running after {signum.name}")
+                    f"merak-train processes still running after {signum.name} (this process's SIGINT handler: "
+                    f"{signal.getsignal(signal.SIGINT)}); output:\n" + (tmp_path / "output.log").read_text()[-2000:])
     finally:
         _kill_group(process.pid)
         process.wait()
