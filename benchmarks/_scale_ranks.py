@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from benchmarks.merak3d import FullyShardedLM
 from benchmarks.report import proc_status_mb
 from lightning_merak.config import TrainerConfig
 from lightning_merak.models import CausalLMModule
@@ -131,18 +132,6 @@ class _StepTimer(pl.Callback):
         self.mark(f"step {len(self.step_s)}")
 
 
-class _FullyShardedLM(CausalLMModule):
-    """FSDP2 (``fully_shard`` per decoder layer, then the root) over ModelParallelStrategy's data-parallel mesh."""
-
-    def configure_model(self) -> None:
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = self.device_mesh["data_parallel"]
-        for layer in self.model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
-
-
 def _trainer(leg: Leg, steps: int, callbacks: list[pl.Callback]) -> pl.Trainer:
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
@@ -172,7 +161,7 @@ def _lightning_leg(rank: int, leg: Leg, workload: Workload, steps: int) -> dict[
     elif leg.strategy == "fsdp2":
         with trainer.init_module(empty_init=True):
             model = AutoModelForCausalLM.from_config(config)
-        module = _FullyShardedLM(model, optim)
+        module = FullyShardedLM(model, optim)
     else:
         module = CausalLMModule(AutoModelForCausalLM.from_config(config), optim)
     trainer.fit(module, datamodule=_TokenData(workload, steps))

@@ -130,7 +130,7 @@ FULL = Mode(warmup=3, throughput_steps=20, pipeline_steps=12, capped_steps=4)
 # Inside a rank ---------------------------------------------------------------------------
 
 
-class _FullyShardedLM(CausalLMModule):
+class FullyShardedLM(CausalLMModule):
     """The LM for ModelParallelStrategy: FSDP2 over its data-parallel mesh, per decoder layer then the root."""
 
     def configure_model(self) -> None:
@@ -240,7 +240,7 @@ def _run_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:
         cap = int(baseline_vm_mb * MIB + job.cap_param_multiple * param_bytes)
         resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
         result.update(cap_mb=cap / MIB, param_mb=param_bytes / MIB)
-    module_class = _FullyShardedLM if job.strategy == "model_parallel" else CausalLMModule
+    module_class = FullyShardedLM if job.strategy == "model_parallel" else CausalLMModule
     module = module_class(model, TrainerConfig(max_steps=job.steps, warmup_steps=1))
     timer = _StepTimer()
     trainer = pl.Trainer(

@@ -145,9 +145,17 @@ def _write_corpus(directory: Path) -> dict[str, Path]:
     tokenizer_dir = directory / "tokenizer"
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="</s>").save_pretrained(
         tokenizer_dir)
-    return {"/abs/path/corpus.jsonl": jsonl, "/abs/corpus.txt": text, "/abs/tokenizer_dir": tokenizer_dir,
-            "/abs/checkpoint_dir": _write_checkpoint(directory / "checkpoint"), "/abs/run_dir": directory / "run",
-            "/abs/exported_dir": directory / "exported"}
+    return {"/abs/path/corpus.jsonl": jsonl, "/abs/corpus.txt": text, "/abs/tokenizer_dir": tokenizer_dir}
+
+
+def _placeholders(command: str, directory: Path) -> dict[str, Path]:
+    """The README's absolute placeholder paths in ``command``, each made real under ``directory``."""
+    paths: dict[str, Path] = {}
+    if any(name in command for name in ("/abs/path/corpus.jsonl", "/abs/corpus.txt", "/abs/tokenizer_dir")):
+        paths.update(_write_corpus(directory))
+    if "/abs/checkpoint_dir" in command:
+        paths["/abs/checkpoint_dir"] = _write_checkpoint(directory / "checkpoint")
+    return {**paths, "/abs/run_dir": directory / "run", "/abs/exported_dir": directory / "exported"}
 
 
 def _write_checkpoint(directory: Path) -> Path:
@@ -177,7 +185,7 @@ def _tiny(overrides: list[str], run_dir: Path) -> list[str]:
 
 def _argv(command: str, tmp_path: Path) -> list[str]:
     """The argument vector that runs a README command here."""
-    for placeholder, path in (_write_corpus(tmp_path) if "/abs/" in command else {}).items():
+    for placeholder, path in _placeholders(command, tmp_path).items():
         command = command.replace(placeholder, str(path))
     words = [word for word in shlex.split(command) if word not in ("...", "[--method", "qbara]")]
     if command.endswith("[--method qbara]"):

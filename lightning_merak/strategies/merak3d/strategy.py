@@ -146,6 +146,8 @@ class Merak3DStrategy(ParallelStrategy):
         self._pending_optimizer_states: list[dict[str, Any]] = []
         self._restored_state: Optional[dict[str, Any]] = None
         self._sharded_gradients = ShardedGradients()
+        self._row_shares: dict[int, torch.Tensor] = {}
+        """1 / copies of each local row of split parameters whose rows several ranks hold, set by the build."""
         self.partition: Optional[Any] = None
         self.num_nodes = 1
 
@@ -475,6 +477,7 @@ class Merak3DStrategy(ParallelStrategy):
             if part not in existing:  # stage wrappers and pruned containers join the loop's mode
                 part.training = module.training
         self._built = built
+        self._row_shares = {id(param): share for param, share in shared_row_weights(module)}
         self._built_in_evaluation = not module.training
         trainer = module.trainer
         if trainer.state.fn == TrainerFn.FITTING:
@@ -525,9 +528,9 @@ class Merak3DStrategy(ParallelStrategy):
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
         """Clip by the norm over every stage and shard (:func:`~.gradients.clip_by_total_norm`)."""
         tied = self._built.tied if self._built is not None else []
-        row_shares = {id(param): share for param, share in shared_row_weights(self.lightning_module)}
         self.last_gradient_norm = gradients.clip_by_total_norm(optimizer, clip_val, tied, self.groups,
-                                                               self.root_device, self._sharded_gradients, row_shares)
+                                                               self.root_device, self._sharded_gradients,
+                                                               self._row_shares)
 
     # Checkpoints ------------------------------------------------------------------------
 
