@@ -42,12 +42,16 @@ class Workload:
     global_batch: int = 4
     micro_batches: int = 2
 
-    def config(self) -> LlamaConfig:
+    def config(self, tensor_parallel: int = 1) -> LlamaConfig:
+        """The model's config; at ``tensor_parallel`` > 1, the part one tensor-parallel rank computes: its
+        heads, its columns of the MLP and its rows of the vocabulary, at the full hidden width."""
         heads = max(2, self.hidden // 64)
-        return LlamaConfig(hidden_size=self.hidden, intermediate_size=self.hidden * 8 // 3 // 8 * 8,
-                           num_hidden_layers=self.layers, num_attention_heads=heads, num_key_value_heads=heads,
-                           vocab_size=self.vocab, max_position_embeddings=self.seq, tie_word_embeddings=False,
-                           use_cache=False)
+        return LlamaConfig(hidden_size=self.hidden,
+                           intermediate_size=self.hidden * 8 // 3 // 8 * 8 // tensor_parallel,
+                           num_hidden_layers=self.layers, num_attention_heads=heads // tensor_parallel,
+                           num_key_value_heads=heads // tensor_parallel, head_dim=self.hidden // heads,
+                           vocab_size=self.vocab // tensor_parallel, max_position_embeddings=self.seq,
+                           tie_word_embeddings=False, use_cache=False)
 
     def parameters(self) -> int:
         with torch.device("meta"):
@@ -288,10 +292,11 @@ def from_pretrained_rank(rank: int, world_size: int, directory: str, tokens: tor
 # Activations -----------------------------------------------------------------------------
 
 
-def _saved_bytes(workload: Workload) -> int:
-    """Bytes autograd saves for backward in a one-sample forward and loss (parameters excluded, storages once)."""
+def _saved_bytes(workload: Workload, tensor_parallel: int) -> int:
+    """Bytes autograd saves for backward in a one-sample forward and loss (parameters excluded, storages once)
+    of the part of the model one of ``tensor_parallel`` ranks computes."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(workload.config()).train()
+    model = AutoModelForCausalLM.from_config(workload.config(tensor_parallel)).train()
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -301,17 +306,21 @@ def _saved_bytes(workload: Workload) -> int:
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    ids = torch.randint(workload.vocab, (1, workload.seq))
+    ids = torch.randint(workload.vocab // tensor_parallel, (1, workload.seq))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         logits = model(ids).logits
         nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1))
     return sum(saved.values())
 
 
-def measure_activations(workload: Workload) -> dict[str, float]:
-    """Saved-activation bytes per sample: per decoder layer, and of the rest (embedding, final norm, head, loss).
+def measure_activations(workload: Workload, tensor_parallel: int = 1) -> dict[str, float]:
+    """Saved-activation bytes per sample of one of ``tensor_parallel`` ranks: per decoder layer, and of the rest
+    (embedding, final norm, head, loss).
 
-    Measured on the same model with 1 and 2 decoder layers, so no full-size model is built here.
+    Measured on the part of the model one rank computes (its heads, MLP columns and vocabulary rows;
+    norms and the residual stream at full width, as tensor parallelism without sequence parallelism
+    keeps them), with 1 and 2 decoder layers, so no full-size model is built here.
     """
-    one, two = (_saved_bytes(Workload(workload.hidden, layers, workload.vocab, workload.seq)) for layers in (1, 2))
+    one, two = (_saved_bytes(Workload(workload.hidden, layers, workload.vocab, workload.seq), tensor_parallel)
+                for layers in (1, 2))
     return {"per_layer": float(two - one), "head": float(2 * one - two)}

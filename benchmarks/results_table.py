@@ -274,6 +274,11 @@ def scale(data: dict[str, Any]) -> Table:
         f"peak/ideal: worst rank's (peak RSS − baseline) / (4 × its parameter bytes + measured activations); "
         f"worst merak3d layout {ratio(data['peak_over_ideal'])} ({data['peak_over_ideal_layout']}), goal ≤ {goal} "
         f"{met(None if data['peak_over_ideal'] is None else data['peak_over_ideal'] <= goal)}",
+        *([f"with compact_host_memory=True: worst {ratio(data['peak_over_ideal_compact'])} "
+           f"({data['peak_over_ideal_compact_layout']}), "
+           f"{met(data['peak_over_ideal_compact'] <= goal)}; step time up to "
+           f"{data['compact_step_time_ratio_max']:.2f}× the default's"]
+          if data.get("peak_over_ideal_compact") is not None else []),
         f"logits vs from_pretrained, max relative error over layouts: {'-' if rel_err is None else f'{rel_err:.1e}'}; "
         f"export round trip (load → merak3d checkpoint → merak-export) max |diff|: {data['export_roundtrip_max_abs']}",
     ]

@@ -12,12 +12,15 @@ torch thread each) and trains a few steps of a randomly initialised Llama built 
    gradients and AdamW's two moments (4 × its parameter bytes, as counted on the rank after
    training: DTensor shards and ZeRO-3 partitions locally) plus activations. Activations are
    *measured*, not derived: bytes autograd saves for backward in a separate one-sample forward of
-   the same model with 1 and with 2 decoder layers (parameters excluded), giving per-layer and
-   embedding/head/loss figures; a rank holds (its micro-batch) × (micro-batches in flight under
-   1F1B: pp − stage) × (its layers, plus the head part on the last stage) ÷ tp. Dividing by tp
-   counts replicated tensor-parallel activations (norm inputs) as split, so the ideal is a lower
-   bound. ``peak_over_ideal`` is the worst rank's (peak − baseline) / ideal. Legs: merak3d dp2,
-   pp2, tp2 (2 ranks) and pp2×tp2 (4 ranks) under meta init (``configure_model``); Lightning's
+   the part of the model one tensor-parallel rank computes (its heads, MLP columns and vocabulary
+   rows; norms and residual stream at full width) with 1 and with 2 decoder layers (parameters
+   excluded), giving per-layer and embedding/head/loss figures; a rank holds (its micro-batch) ×
+   (micro-batches in flight under 1F1B: pp − stage) × (its layers, plus the head part on the last
+   stage). ``peak_over_ideal`` is the worst rank's (peak − baseline) / ideal over merak3d's
+   default legs: dp2, pp2, tp2 (2 ranks) and pp2×tp2 (4 ranks) under meta init
+   (``configure_model``); ``peak_over_ideal_compact`` the same with ``compact_host_memory=True``
+   (glibc returns freed memory at once), and ``compact_step_time_ratio_max`` what that costs in
+   step time (the largest ratio over the layouts). Baselines: Lightning's
    ModelParallelStrategy (FSDP2 ``fully_shard``, meta init via ``trainer.init_module(empty_init=True)``;
    Lightning materialises it with ``reset_parameters()``, which RMSNorm and rotary buffers lack, so
    its losses mean nothing, while its memory does);
@@ -68,11 +71,17 @@ from lightning_merak.testing.distributed import DistributedRunError
 
 PEAK_OVER_IDEAL_GOAL = 1.3
 PP_TP = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 2, "micro_batches": 2}
+MERAK_LAYOUTS = (
+    ("dp2", 2, {"data_parallel": 2}),
+    ("pp2", 2, {"data_parallel": 1, "pipeline_parallel": 2, "micro_batches": 2}),
+    ("tp2", 2, {"data_parallel": 1, "tensor_parallel": 2}),
+    ("pp2xtp2", 4, PP_TP),
+)
+COMPACT = " (compact host memory)"
 LEGS = (
-    Leg("merak3d dp2", "merak3d", 2, {"data_parallel": 2}),
-    Leg("merak3d pp2", "merak3d", 2, {"data_parallel": 1, "pipeline_parallel": 2, "micro_batches": 2}),
-    Leg("merak3d tp2", "merak3d", 2, {"data_parallel": 1, "tensor_parallel": 2}),
-    Leg("merak3d pp2xtp2", "merak3d", 4, PP_TP),
+    *(Leg(f"merak3d {name}", "merak3d", ranks, merak) for name, ranks, merak in MERAK_LAYOUTS),
+    *(Leg(f"merak3d {name}{COMPACT}", "merak3d", ranks, {**merak, "compact_host_memory": True})
+      for name, ranks, merak in MERAK_LAYOUTS),
     Leg("FSDP2 (ModelParallelStrategy)", "fsdp2", 2),
     Leg("DeepSpeed ZeRO-3", "zero3", 2),
     Leg("DDP", "ddp", 2),
@@ -105,8 +114,9 @@ def _ideal_mb(rank: dict[str, Any], activations: dict[str, float]) -> float:
     """What this rank must hold: parameters, gradients, AdamW's two moments, and its activations."""
     pp, stage = rank["pipeline_parallel"], rank["pipeline_rank"]
     in_flight = min(pp - stage, rank["micro_batches"]) if pp > 1 else 1
-    per_sample = len(rank["layers_held"]) * activations["per_layer"] + (activations["head"] if rank["has_head"] else 0)
-    return (4 * rank["param_bytes"] + rank["micro_batch"] * in_flight * per_sample / rank["tensor_parallel"]) / MIB
+    measured = activations[str(rank["tensor_parallel"])]
+    per_sample = len(rank["layers_held"]) * measured["per_layer"] + (measured["head"] if rank["has_head"] else 0)
+    return (4 * rank["param_bytes"] + rank["micro_batch"] * in_flight * per_sample) / MIB
 
 
 def train_leg(leg: Leg, workload: Workload, steps: int, cap_mb: float,
@@ -144,12 +154,13 @@ def train_leg(leg: Leg, workload: Workload, steps: int, cap_mb: float,
 
 
 def memory(mode: Mode, activations: dict[str, dict[str, float]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``activations``: per tensor-parallel degree, the measured activation bytes per sample."""
     """Each leg from the largest rung down until it fits the cap: every run's row, and each leg's largest."""
     runs, largest = [], []
     for leg in LEGS:
         fitted: Optional[dict[str, Any]] = None
         for layers in sorted(mode.ladder, reverse=True):
-            row = train_leg(leg, replace(mode.base, layers=layers), mode.steps, mode.cap_mb, activations[str(layers)])
+            row = train_leg(leg, replace(mode.base, layers=layers), mode.steps, mode.cap_mb, activations)
             runs.append(row)
             if row["error"] is not None or row["under_cap"]:
                 fitted = row if row["error"] is None else None
@@ -227,12 +238,15 @@ def ratio_table(runs: list[dict[str, Any]], loads: list[dict[str, Any]], layers:
     load = {row["leg"]: row for row in loads if row.get("error") is None}
     reference = load.get("from_pretrained (1 process)", {}).get("gb_per_s")
     table = []
-    for leg in LEGS[:4]:
+    baselines = {"FSDP2": "fsdp2", "ZeRO-3": "zero3", "DDP": "ddp"}
+    baseline_leg = {name: next(leg.name for leg in LEGS if leg.strategy == strategy)
+                    for name, strategy in baselines.items()}
+    for leg in (leg for leg in LEGS if leg.strategy == "merak3d"):
         used = at_top.get(leg.name, {}).get("max_used_mb")
         table.append({
             "layout": leg.name, "used_mb": used,
             **{f"vs {name}": _ratio(used, at_top.get(full, {}).get("max_used_mb"))
-               for name, full in (("FSDP2", LEGS[4].name), ("ZeRO-3", LEGS[5].name), ("DDP", LEGS[6].name))},
+               for name, full in baseline_leg.items()},
             "load GB/s vs from_pretrained": _ratio(load.get(leg.name, {}).get("gb_per_s"), reference),
         })
     return table
@@ -263,7 +277,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.set_num_threads(1)
     started = time.perf_counter()
     top = replace(mode.base, layers=max(mode.ladder))
-    activations = {str(layers): measure_activations(replace(mode.base, layers=layers)) for layers in mode.ladder}
+    degrees = sorted({(leg.merak or {}).get("tensor_parallel", 1) for leg in LEGS})
+    activations = {str(tp): measure_activations(mode.base, tp) for tp in degrees}
     print(f"1./2. memory: {top.describe()} and down to {min(mode.ladder)} layers, "
           f"cap {mode.cap_mb:.0f} MiB per rank above the baseline", flush=True)
     runs, largest = memory(mode, activations)
@@ -278,7 +293,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     merak_top = [row for row in runs if row["strategy"] == "merak3d" and row["layers"] == top.layers
                  and row["error"] is None]
-    worst = max(merak_top, key=lambda row: row["peak_over_ideal"]) if merak_top else None
+    worst = max((row for row in merak_top if COMPACT not in row["leg"]), key=lambda row: row["peak_over_ideal"],
+                default=None)
+    worst_compact = max((row for row in merak_top if COMPACT in row["leg"]), key=lambda row: row["peak_over_ideal"],
+                        default=None)
+    step = {row["leg"]: row["step_s"] for row in merak_top}
+    compact_step = [step[leg] / step[leg.replace(COMPACT, "")] for leg in step
+                    if COMPACT in leg and leg.replace(COMPACT, "") in step]
     errors = [row for row in runs + loads if row.get("error") and not row.get("refused")]
     rel_errs = [row["logits_rel_err"] for row in loads if row.get("error") is None and row["leg"].startswith("merak3d")]
 
@@ -295,11 +316,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = write_json(
         args.out, [*runs, *largest, *loads], label="measured", benchmark="scale", quick=args.quick, backend="gloo",
         threads_per_rank=1, steps=mode.steps, cap_mb=mode.cap_mb, ladder_layers=list(mode.ladder),
-        workload=top.describe(), activations_per_sample_mb={k: {n: v / MIB for n, v in a.items()}
-                                                            for k, a in activations.items()},
+        workload=top.describe(), activations_per_sample_mb_by_tp={k: {n: v / MIB for n, v in a.items()}
+                                                                  for k, a in activations.items()},
         logits_max_rel_err=max(rel_errs) if rel_errs else None, export_roundtrip_max_abs=roundtrip,
         peak_over_ideal=worst["peak_over_ideal"] if worst else None,
         peak_over_ideal_layout=worst["leg"] if worst else None, peak_over_ideal_goal=PEAK_OVER_IDEAL_GOAL,
+        peak_over_ideal_compact=worst_compact["peak_over_ideal"] if worst_compact else None,
+        peak_over_ideal_compact_layout=worst_compact["leg"] if worst_compact else None,
+        compact_step_time_ratio_max=max(compact_step) if compact_step else None,
         layouts=layout_rows(runs, loads, top.layers), ratios=ratio_table(runs, loads, top.layers),
         wall_s=round(wall_s, 1),
     )

@@ -8,7 +8,7 @@ from benchmarks._scale_ranks import MIB, Workload, measure_activations
 from benchmarks.results_table import scale
 from benchmarks.scale import _ideal_mb
 
-ACTIVATIONS = {"per_layer": 1.0 * MIB, "head": 3.0 * MIB}
+ACTIVATIONS = {"1": {"per_layer": 1.0 * MIB, "head": 3.0 * MIB}, "2": {"per_layer": 0.75 * MIB, "head": 1.5 * MIB}}
 
 
 def _rank(**fields: object) -> dict:
@@ -21,13 +21,20 @@ def test_ideal_is_four_parameter_copies_plus_activations_in_flight():
     # first of two stages, four micro-batches: two in flight under 1F1B, no head
     first = _rank(has_head=False, pipeline_parallel=2, micro_batches=4, micro_batch=1)
     assert _ideal_mb(first, ACTIVATIONS) == pytest.approx(40 + 2 * 2)
-    # tensor parallelism divides the activations
-    assert _ideal_mb(_rank(tensor_parallel=2), ACTIVATIONS) == pytest.approx(40 + 2 * 5 / 2)
+    # a tensor-parallel rank holds what was measured on its part of the model
+    assert _ideal_mb(_rank(tensor_parallel=2), ACTIVATIONS) == pytest.approx(40 + 2 * (2 * 0.75 + 1.5))
 
 
 def test_activations_grow_with_layers_and_the_head_holds_the_rest():
     measured = measure_activations(Workload(hidden=32, layers=4, vocab=64, seq=8))
     assert measured["per_layer"] > 0 and measured["head"] > 0
+
+
+def test_a_tensor_parallel_rank_holds_more_than_its_share_of_activations():
+    """Norm inputs and the residual stream stay whole under tensor parallelism without sequence parallelism."""
+    workload = Workload(hidden=128, layers=4, vocab=256, seq=16)
+    whole, part = measure_activations(workload), measure_activations(workload, tensor_parallel=2)
+    assert whole["per_layer"] / 2 < part["per_layer"] < whole["per_layer"]
 
 
 def test_results_table_shows_each_leg_and_the_refused_baseline():

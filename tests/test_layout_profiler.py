@@ -108,7 +108,10 @@ def test_profiler_times_sequence_parallel_blocks_with_their_own_collectives():
 
 
 def test_large_parameters_are_timed_on_a_part_and_scaled(monkeypatch):
-    """A large embedding's update is timed on a bounded copy: setup never copies the whole table."""
+    """A large embedding's update is timed on a bounded copy: setup never copies the whole table.
+
+    The update's timing is replaced by fixed figures, so the scaling is checked exactly.
+    """
     from lightning_merak.strategies import layout_profiler
     from lightning_merak.strategies.merak3d.build import call_model
     from lightning_merak.strategies.pipeline.trace import trace_model
@@ -119,14 +122,14 @@ def test_large_parameters_are_timed_on_a_part_and_scaled(monkeypatch):
     largest = 1000
     timed: list[list[int]] = []
 
-    def fake_update_s(parameters, optimizer_factory, repeats):
+    def fixed_update_times(parameters, optimizer_factory, repeats):
         timed.append([p.numel() for p in parameters])
         return 1.0, 2.0
 
-    monkeypatch.setattr(layout_profiler, "LARGEST_TIMED_ELEMENTS", largest)
-    monkeypatch.setattr(layout_profiler, "_update_s", fake_update_s)
+    monkeypatch.setattr(layout_profiler, "time_parameter_update", fixed_update_times)
     before = [p.detach().clone() for p in model.parameters()]
-    prefix_s, suffix_s = layout_profiler._outside_update_s(model, trace, torch.optim.AdamW, repeats=1)
+    prefix_s, suffix_s = layout_profiler.time_outside_update(model, trace, torch.optim.AdamW, repeats=1,
+                                                             largest=largest)
     for group, times, sizes in zip((prefix, suffix), (prefix_s, suffix_s), timed):
         total = sum(p.numel() for p in group)
         assert max(sizes) <= largest < total
@@ -136,12 +139,24 @@ def test_large_parameters_are_timed_on_a_part_and_scaled(monkeypatch):
 
 
 def test_timing_copies_keep_small_parameters_whole():
-    from lightning_merak.strategies.layout_profiler import _timing_copies
+    from lightning_merak.strategies.layout_profiler import timing_copies
 
     small, large = torch.nn.Parameter(torch.randn(10)), torch.nn.Parameter(torch.randn(30, 100))
     frozen = torch.nn.Parameter(torch.randn(5), requires_grad=False)
-    copies, scale = _timing_copies([small, large, frozen], largest=1000)
+    copies, scale = timing_copies([small, large, frozen], largest=1000)
     assert [c.numel() for c in copies] == [10, 1000]
     assert scale == 3010 / 1010
     assert torch.equal(copies[0], small) and copies[0] is not small
     assert torch.equal(copies[1], large.reshape(-1)[:1000])
+
+
+def test_parameter_update_is_timed_on_trainable_parameters_only():
+    from lightning_merak.strategies.layout_profiler import time_parameter_update
+
+    frozen = torch.nn.Parameter(torch.randn(5), requires_grad=False)
+    assert time_parameter_update([frozen], torch.optim.SGD, repeats=1) == (0.0, 0.0)
+    trainable = torch.nn.Parameter(torch.zeros(8))
+    optimizer_s, clip_s = time_parameter_update([trainable, frozen], lambda params: torch.optim.SGD(params, lr=1.0),
+                                                repeats=2)
+    assert optimizer_s > 0 and clip_s > 0
+    assert bool((trainable < 0).all())  # stepped along its (clipped) gradient of ones

@@ -4,13 +4,15 @@ A model created in ``configure_model()`` (merak3d's sharded context is the meta 
 cut and split on meta; each rank materialises only its part, one block at a time. Materialised
 parameter bytes are counted on every rank at every point of the build (each materialisation, each
 tensor-parallel split, the first training step) and must stay within the rank's final share plus
-one whole block plus the embedding and the head. With the same weights loaded through the
-pretrained seam, losses and gradients equal the single-process reference.
+one whole block plus the embedding and the head; while the model is traced, no embedding table is
+ever whole on a rank (only the rows the traced batch looks up). With the same weights loaded through
+the pretrained seam, losses and gradients equal the single-process reference.
 """
 
 from __future__ import annotations
 
 import gc
+import weakref
 
 import lightning.pytorch as pl
 import pytest
@@ -39,12 +41,27 @@ def _materialised_bytes() -> int:
     return total
 
 
+def _whole_tables(shapes: set[tuple[int, ...]]) -> set[tuple[int, ...]]:
+    """Shapes among ``shapes`` of the embedding tables (nn.Embedding) materialised whole in this process."""
+    return {tuple(obj.weight.shape) for obj in gc.get_objects()
+            if isinstance(obj, nn.Embedding) and not obj.weight.is_meta and tuple(obj.weight.shape) in shapes}
+
+
 class _Peak:
+    """Peak materialised parameter bytes; while ``tracing``, also the trace's peak and the tables it held whole."""
+
     def __init__(self) -> None:
-        self.bytes = 0
+        self.bytes = self.trace_bytes = 0
+        self.tracing = False
+        self.table_shapes: set[tuple[int, ...]] = set()
+        self.whole_tables: set[tuple[int, ...]] = set()
 
     def __call__(self) -> None:
-        self.bytes = max(self.bytes, _materialised_bytes())
+        held = _materialised_bytes()
+        self.bytes = max(self.bytes, held)
+        if self.tracing:
+            self.trace_bytes = max(self.trace_bytes, held)
+            self.whole_tables |= _whole_tables(self.table_shapes)
 
 
 class _MetaModule(_TestModule):
@@ -77,6 +94,7 @@ class _Watch(pl.Callback):
 def _meta_rank(rank: int, world_size: int, model_name: str, layout: dict) -> tuple:
     from lightning_merak.strategies import tensor_parallel
     from lightning_merak.strategies.merak3d import build
+    from lightning_merak.strategies.pipeline import meta_trace
 
     gc.freeze()  # what the imports made: never a parameter, and not scanned again
     peak = _Peak()
@@ -89,8 +107,18 @@ def _meta_rank(rank: int, world_size: int, model_name: str, layout: dict) -> tup
             peak()
             return changes
         owner.apply_tensor_parallel = observed
+    trace_meta_model = meta_trace.trace_meta_model
+
+    def traced(*args, **kwargs):
+        peak.tracing = True
+        try:
+            return trace_meta_model(*args, **kwargs)
+        finally:
+            peak.tracing = False
+    meta_trace.trace_meta_model = traced
     torch.manual_seed(0)
     reference = build_causal_lm(MODELS[model_name], vocab_size=VOCAB)
+    peak.table_shapes = {tuple(m.weight.shape) for m in reference.modules() if isinstance(m, nn.Embedding)}
     state_dict = {name: tensor.detach().clone() for name, tensor in reference.state_dict().items()}
     tied = tied_parameter_names(reference)
     trunk = find_trunk(reference)[1]
@@ -108,7 +136,7 @@ def _meta_rank(rank: int, world_size: int, model_name: str, layout: dict) -> tup
     share = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
                 for p in module.model.parameters())
     return (recorder.losses, recorder.gradients), (module.built_on_meta, peak.bytes, share, block, outside,
-                                                   module.loaded_names)
+                                                   module.loaded_names, peak.trace_bytes, peak.whole_tables)
 
 
 PP2 = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1}
@@ -120,9 +148,11 @@ TP2 = {"data_parallel": 1, "pipeline_parallel": 1, "tensor_parallel": 2}
                          ids=["llama-pp2", "llama-tp2", "gpt2-tied-pp2"])
 def test_meta_build_holds_only_its_share_and_trains_like_the_reference(model_name, layout):
     results = run_distributed(_meta_rank, 2, args=(model_name, layout), timeout_s=300)
-    for rank, (_, (on_meta, peak, share, block, outside, loaded)) in enumerate(results):
+    for rank, (_, (on_meta, peak, share, block, outside, loaded, trace_peak, whole)) in enumerate(results):
         assert on_meta, "configure_model did not build on the meta device"
         assert loaded, "the pretrained seam was not called"
+        assert trace_peak > 0, "the trace was not observed"
+        assert not whole, f"rank {rank} materialised whole embedding tables {sorted(whole)} while tracing"
         assert peak <= share + block + outside, f"rank {rank} held {peak} bytes, its share is {share}"
         if layout["pipeline_parallel"] == 2:
             assert share < 0.75 * (4 * block + outside), f"rank {rank} kept more than its stage"
@@ -140,6 +170,12 @@ FAMILIES = {
                 "num_key_value_heads": 2},
     "gpt_neox": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                  "rotary_pct": 0.5},
+    # a scaled embedding (a buffer beside its table) with a zero padding row, tied to the head
+    "gemma": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 8},
+    # learned positions computed inside the table's forward (offset by 2)
+    "opt": {"hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "word_embed_proj_dim": 32},
 }
 
 
@@ -239,7 +275,7 @@ def test_without_pipeline_or_tensor_parallelism_any_model_trains_as_data_paralle
     assert_traces_match(reference, _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma", "opt"])
 def test_a_meta_model_traces_like_the_real_one_and_stays_on_meta(family):
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
@@ -283,3 +319,97 @@ def test_a_skip_connection_across_blocks_is_refused_on_meta():
         model = Skipping()
     with pytest.raises(TraceError, match="skip connection across blocks"):
         trace_model(model, torch.randint(VOCAB, (2, 4)), profile=False)
+
+
+class _Held:
+    """What a meta trace materialises: the peak bytes of its live parameters and the embedding tables it held whole."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from lightning_merak.strategies.pipeline.trace import default_materializer
+
+        self._base = default_materializer(model, torch.device("cpu"))
+        self._shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Embedding)}
+        self._params: weakref.WeakSet = weakref.WeakSet()
+        self.peak, self.whole_tables = 0, []
+
+    def materialize_with(self, copy_: nn.Module):
+        materialize = self._base(copy_)
+
+        def observed(module: nn.Module, name: str, recurse: bool = True) -> None:
+            materialize(module, name, recurse)
+            self._params.update(p for p in module.parameters() if not p.is_meta)
+            self.whole_tables += [path for path, sub in module.named_modules(prefix=name)
+                                  if isinstance(sub, nn.Embedding)
+                                  and not sub.weight.is_meta and tuple(sub.weight.shape) in self._shapes]
+            gc.collect()
+            self.peak = max(self.peak, sum(p.numel() * p.element_size() for p in self._params))
+        return observed
+
+
+def _bytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in params}.values())
+
+
+@pytest.mark.parametrize("profile", [False, True], ids=["trace", "profile"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma", "opt"])
+def test_a_meta_trace_materialises_only_the_embedding_rows_it_looks_up(family, profile):
+    """A 4096-row table is never whole: the trace holds the rows its batch looks up (the head's profile holds the
+    head, tied or not), and those rows look like a materialised table's (shape, dtype, scale, zero padding row)."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from lightning_merak.strategies.pipeline.trace import trace_model
+
+    vocab = 4096
+    config = CONFIG_MAPPING[family](vocab_size=vocab, use_cache=False, **FAMILIES[family])
+    torch.manual_seed(0)
+    real = AutoModelForCausalLM.from_config(config).eval()  # no dropout: zeros are padding rows only
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+    ids[0, :3] = config.pad_token_id if config.pad_token_id is not None else 0
+    held = _Held(meta)
+    gc.freeze()  # what exists now is never a parameter the trace made: its collections skip it
+    try:
+        traced = trace_model(meta, ids, profile=profile, profile_repeats=1, materialize_with=held.materialize_with)
+    finally:
+        gc.unfreeze()
+    expected = trace_model(real, ids, profile=profile, profile_repeats=1)
+    assert not held.whole_tables, f"the trace materialised whole tables {held.whole_tables}"
+    tables = _bytes(m.weight for m in real.modules() if isinstance(m, nn.Embedding))
+    block = _bytes(find_trunk(real)[1][0].parameters())
+    head = _bytes(expected.outside_parameters(real)[1])
+    assert held.peak <= (block + head if profile else tables / 8), (held.peak, tables, block, head)
+    hidden, reference = traced.sample_hidden, expected.sample_hidden
+    assert (hidden.shape, hidden.dtype) == (reference.shape, reference.dtype)
+    assert 0.7 < (hidden.std() / reference.std()).item() < 1.4, "stand-in rows drawn unlike the table's"
+    assert torch.equal(hidden == 0, reference == 0), "a padding row is not zero (or another row is)"
+    if profile:
+        assert [c.param_bytes for c in traced.costs] == [c.param_bytes for c in expected.costs]
+        assert traced.costs[0].forward_s > 0 and traced.costs[0].backward_s >= 0
+
+
+def test_a_table_read_outside_a_lookup_is_materialised_whole_and_traced():
+    from lightning_merak.strategies.pipeline.trace import trace_model
+
+    class Indexed(nn.Embedding):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.weight[ids]
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = Indexed(VOCAB, 8)
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+            self.head = nn.Linear(8, VOCAB)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            hidden = self.embed(ids)
+            for block in self.blocks:
+                hidden = block(hidden)
+            return self.head(hidden)
+
+    with torch.device("meta"):
+        model = Net()
+    trace = trace_model(model, torch.randint(VOCAB, (2, 4)), profile=True, profile_repeats=1)
+    assert not trace.sample_hidden.is_meta and trace.sample_hidden.shape == (2, 4, 8)
+    assert all(p.is_meta for p in model.parameters())

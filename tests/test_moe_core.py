@@ -25,7 +25,7 @@ from lightning_merak.plugins.moe import (
     plan_shadowing,
     rank_loads,
 )
-from lightning_merak.plugins.moe.dispatch import ExchangeLayout, chunk_sizes
+from lightning_merak.plugins.moe.core.dispatch import ExchangeLayout, chunk_sizes
 
 
 def _model(per_rank: int = 1, transfer_bw: float = 1e12, a2a_bw: float = 1e6, overlap: bool = True) -> CostModel:

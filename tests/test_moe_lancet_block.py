@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from lightning_merak.plugins.moe import CommCurve, CostModel, PlacementPlan
-from lightning_merak.plugins.moe.joint_gate import compact_routes, first_choice_fraction, sub_batch_gates
-from lightning_merak.plugins.moe.lancet import block_pipelined_time, choose_block_chunks
+from lightning_merak.plugins.moe.core.joint_gate import compact_routes, first_choice_fraction, sub_batch_gates
+from lightning_merak.plugins.moe.core.lancet import block_pipelined_time, choose_block_chunks
 from lightning_merak.runtime.sub_batches import mark_sub_batch_share, run_sub_batches
 from lightning_merak.runtime.turns import meet_in_turn
 from lightning_merak.testing import run_distributed
@@ -95,7 +95,7 @@ def test_block_chunk_choice_follows_dense_time_latency_and_batch() -> None:
 
 
 def test_measured_sub_batch_overhead_limits_the_chunk_count() -> None:
-    from lightning_merak.plugins.moe.lancet import simulated_block_time
+    from lightning_merak.plugins.moe.core.lancet import simulated_block_time
 
     counts = [[0, 2000], [2000, 0]]
     plan = PlacementPlan(2, 2)

@@ -15,11 +15,10 @@ transformers applies that are more than renamings (refused, naming the family).
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -80,7 +79,7 @@ class _Read:
     global_shape: tuple[int, ...]
     shape: tuple[int, ...]
     offset: tuple[int, ...]
-    change: Any  # a LayoutChange (from_original / to_original) or None
+    change: Any  # a LayoutChange (rows, transposed) or None
 
 
 def _region(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -125,38 +124,50 @@ def _read_box(part: Any, file_shape: tuple[int, ...], shape: tuple[int, ...], of
     return data
 
 
-def _read_changed(part: Any, file_shape: tuple[int, ...], read: _Read) -> torch.Tensor:
-    """This shard of a tensor whose layout the split changed, reading only the file rows it needs.
+def _segments(rows: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(position, first row, length)`` of each maximal stretch of ``rows`` that counts up by one."""
+    segments: list[tuple[int, int, int]] = []
+    for position, row in enumerate(rows):
+        if segments and segments[-1][1] + segments[-1][2] == row:
+            segments[-1] = (segments[-1][0], segments[-1][1], segments[-1][2] + 1)
+        else:
+            segments.append((position, row, 1))
+    return segments
 
-    ``change.from_original`` applied to the flat indices of the file's tensor (1-based; 0 marks
-    a value the change creates, such as padding) tells which file element each local element is.
+
+def _copy_changed(part: Any, file_shape: tuple[int, ...], read: _Read) -> int:
+    """Copy this shard of a tensor whose layout the split changed into ``read.target``; the bytes read.
+
+    The model's row ``i`` is the original's row ``change.rows[i]`` (a file column for a transposed
+    Conv1D weight), so the shard's rows name what to read: one read per stretch of consecutive
+    rows, copied straight into place (the dtype converted), nothing file-sized built. Rows past
+    the file's (a padded vocabulary) are zeros.
     """
-    numel = math.prod(file_shape)
-    index_dtype = torch.int32 if numel < 2**31 - 1 else torch.int64
-    probe = torch.arange(1, numel + 1, dtype=index_dtype).view(file_shape)
-    mapped = read.change.from_original(probe)
-    if tuple(mapped.shape) != read.global_shape:
-        raise ValueError(f"{read.key}: the layout change maps the file's {file_shape} to {tuple(mapped.shape)}, "
-                         f"not the model's {read.global_shape}")
-    local = mapped[tuple(slice(o, o + s) for o, s in zip(read.offset, read.shape))].reshape(-1).long() - 1
-    del probe, mapped
-    valid = local >= 0
-    row_len = numel // file_shape[0]
-    rows, inner = local[valid] // row_len, local[valid] % row_len
-    first_column = int(inner.min()) if len(file_shape) == 2 and inner.numel() else 0
-    columns = slice(first_column, int(inner.max()) + 1) if len(file_shape) == 2 and inner.numel() else slice(None)
-    needed = torch.unique(rows)
-    starts = [0, *(torch.nonzero(needed.diff() != 1).flatten() + 1).tolist()]
-    ends = [*starts[1:], len(needed)]
-    pieces = [part[int(needed[a]):int(needed[b - 1]) + 1, columns] if len(file_shape) == 2
-              else part[int(needed[a]):int(needed[b - 1]) + 1] for a, b in zip(starts, ends)]
-    out = torch.zeros(len(local), dtype=read.target.dtype)
-    if pieces:
-        buffer = torch.cat(pieces).reshape(len(needed), -1)
-        position = torch.full((file_shape[0],), -1, dtype=torch.long)
-        position[needed] = torch.arange(len(needed))
-        out[valid] = buffer[position[rows], inner - first_column].to(read.target.dtype)
-    return out.view(read.shape)
+    change, start, count = read.change, read.offset[0], read.shape[0]
+    transposed = bool(change.transposed) and len(file_shape) == 2
+    wanted = change.rows[start:start + count] if change.rows is not None else range(start, start + count)
+    across = (slice(read.offset[1], read.offset[1] + read.shape[1]),) if len(file_shape) == 2 else ()
+    limit, read_bytes = file_shape[1 if transposed else 0], 0
+    for position, first, length in _segments(wanted):
+        stop = min(first + length, limit)
+        if stop > first:
+            rows = slice(first, stop)
+            piece = part[across + (rows,)].t() if transposed else part[(rows,) + across]
+            read.target[position:position + stop - first].copy_(piece)
+            read_bytes += piece.numel() * piece.element_size()
+        read.target[position + max(stop - first, 0):position + length].zero_()
+    return read_bytes
+
+
+def _layout_problem(read: _Read) -> Optional[str]:
+    """Why ``read.change`` cannot describe this tensor, or None."""
+    if not all(hasattr(read.change, field_name) for field_name in ("rows", "transposed", "to_original")):
+        return (f"{read.key}: layout change {read.change!r} is not a LayoutChange (rows, transposed, to_original); "
+                "pass the changes apply_tensor_parallel returned")
+    if read.change.rows is not None and len(read.change.rows) != read.global_shape[0]:
+        return (f"{read.key}: the layout change lists {len(read.change.rows)} rows, the model's tensor has "
+                f"{read.global_shape[0]}")
+    return None
 
 
 def _ignored(patterns: Optional[list[str]], name: str) -> bool:
@@ -173,9 +184,9 @@ def load_pretrained(tensors: Mapping[str, torch.Tensor], directory: Union[str, P
             optionally under Lightning's ``model.`` or PEFT's ``base_model.model.``) → this rank's
             tensor: a whole tensor, or a DTensor whose shard alone is read.
         directory: a local directory with ``config.json`` and safetensors weights.
-        layout_changes: names (as in ``tensors`` or bare) → a ``LayoutChange`` whose
-            ``from_original`` turns the file's tensor into the model's layout (fused projections
-            regrouped per rank, Conv1D transposed).
+        layout_changes: names (as in ``tensors`` or bare) → the ``LayoutChange`` the split
+            applied (fused projections regrouped per rank, key/value rows held by several ranks,
+            Conv1D transposed); each shard reads only the file rows its own rows come from.
         model: the unsplit transformers model (meta is fine) for names, tied weights and
             conversions; built on the meta device from ``config.json`` when omitted.
 
@@ -218,6 +229,9 @@ def load_pretrained(tensors: Mapping[str, torch.Tensor], directory: Union[str, P
         target, global_shape, shape, offset = _region(name, tensors[name])
         reads.append(_Read(name, target, key, global_shape, shape, offset,
                            layout_changes.get(name, layout_changes.get(bare))))
+    problems = [problem for read in reads if read.change is not None and (problem := _layout_problem(read))]
+    if problems:
+        raise ValueError(f"layout changes do not fit the model's tensors: {'; '.join(problems)}")
     mismatched = []
     for read in reads:
         file_shape, expected = files.shapes[read.key], _expected_file_shape(read)
@@ -243,8 +257,10 @@ def _fill(files: PretrainedFiles, reads: list[_Read], report: LoadReport) -> Non
                 for read in file_reads:
                     part = handle.get_slice(read.key)
                     file_shape = files.shapes[read.key]
-                    data = (_read_changed(part, file_shape, read) if read.change is not None
-                            else _read_box(part, file_shape, read.shape, read.offset))
-                    read.target.copy_(data.view(read.target.shape))
-                    report.bytes_read += data.numel() * data.element_size()
+                    if read.change is not None:
+                        report.bytes_read += _copy_changed(part, file_shape, read)
+                    else:
+                        data = _read_box(part, file_shape, read.shape, read.offset)
+                        read.target.copy_(data.view(read.target.shape))
+                        report.bytes_read += data.numel() * data.element_size()
                     report.loaded.append(read.name)

@@ -41,6 +41,7 @@ class Merak3DOptions:
     memory_limit: Optional[float] = None
     plan_only: bool = False
     vocab_parallel: bool = True
+    compact_host_memory: bool = False
 
 
 _Merak3DFields = schema_of(Merak3DOptions, "_Merak3DFields")

@@ -13,6 +13,9 @@
   :mod:`~lightning_merak.runtime.rank_streams`: a random stream of each rank's own in a region.
 - :mod:`~lightning_merak.runtime.gradient_norm`: the arithmetic of clipping by the total norm, and
   gradients split over a group's ranks (:class:`~lightning_merak.runtime.gradient_norm.ShardedGradients`).
+- :mod:`~lightning_merak.runtime.gradient_buffer`: gradients as views of one flat tensor per dtype,
+  for collectives on it in place; :mod:`~lightning_merak.runtime.host_memory`: freed host memory
+  returned to the system at once.
 - :mod:`~lightning_merak.runtime.layout_aware`: the protocol through which callbacks and plugins
   see a parallel strategy, and the marker of a block the strategy recomputes.
 """

@@ -54,7 +54,8 @@ from lightning_merak.strategies.tensor_parallel import (
 )
 from lightning_merak.timing import mean_call_time, median_call_time
 
-__all__ = ["local_shard_of_block", "profile_model", "profile_network"]
+__all__ = ["LARGEST_TIMED_ELEMENTS", "local_shard_of_block", "profile_model", "profile_network", "tensor_parallel_mesh",
+           "time_outside_update", "time_parameter_update", "timing_copies"]
 
 
 def local_shard_of_block(block: nn.Module, plan: TensorParallelPlan, tensor_parallel: int) -> nn.Module:
@@ -186,10 +187,14 @@ def _forward_backward_times(run: nn.Module, hidden: torch.Tensor, args: tuple, k
     return statistics.fmean(forward), statistics.fmean(backward)
 
 
-def _update_s(parameters: list[nn.Parameter],
-              optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-              repeats: int) -> tuple[float, float]:
-    """Optimizer step and clipping passes over ``parameters`` (plain or sharded), each given a gradient of ones."""
+def time_parameter_update(parameters: list[nn.Parameter],
+                          optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                          repeats: int) -> tuple[float, float]:
+    """Mean seconds of the optimizer step and of clipping's passes over ``parameters`` (plain or sharded).
+
+    The planner prices a stage's update by these figures. Each trainable parameter is given a
+    gradient of ones (overwriting any it had), so pass copies where the gradients matter.
+    """
     trainable = [p for p in parameters if p.requires_grad]
     if not trainable:
         return 0.0, 0.0
@@ -222,9 +227,13 @@ state, would need about four times the table's bytes at setup. Past a few megaby
 is bound by memory bandwidth, so its time grows with the elements."""
 
 
-def _timing_copies(parameters: list[nn.Parameter], largest: int) -> tuple[list[nn.Parameter], float]:
+def timing_copies(parameters: list[nn.Parameter], largest: int) -> tuple[list[nn.Parameter], float]:
     """Detached copies of the trainable ``parameters``, each cut to its first ``largest`` elements,
-    and the ratio of all their elements to those copied."""
+    and the ratio of all their elements to those copied.
+
+    Timing an update on the copies leaves the model untouched, and multiplying the time by the
+    ratio prices the whole (see :data:`LARGEST_TIMED_ELEMENTS`). A meta parameter's copy is random.
+    """
     trainable = [p for p in parameters if p.requires_grad]
     copies = [nn.Parameter(torch.randn(min(p.numel(), largest), dtype=p.dtype) if p.is_meta
                            else p.detach().reshape(-1)[:largest].clone() if p.numel() > largest else p.detach().clone())
@@ -233,18 +242,20 @@ def _timing_copies(parameters: list[nn.Parameter], largest: int) -> tuple[list[n
     return copies, (sum(p.numel() for p in trainable) / copied if copied else 1.0)
 
 
-def _outside_update_s(model: nn.Module, trace: ModelTrace,
-                      optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                      repeats: int) -> tuple[tuple[float, float], tuple[float, float]]:
-    """:func:`_update_s` over copies of the embedding's and the head's parameters, grouped as the trace's costs
-    group them (a tied weight belongs to the head); the model's own parameters stay untouched.
+def time_outside_update(model: nn.Module, trace: ModelTrace,
+                        optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                        repeats: int, largest: int = LARGEST_TIMED_ELEMENTS,
+                        ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """:func:`time_parameter_update` over copies of the embedding's and the head's parameters, grouped as the
+    trace's costs group them (a tied weight belongs to the head): ``(prefix, suffix)``, each
+    ``(optimizer_s, clip_s)``. The model's own parameters stay untouched.
 
-    Parameters beyond :data:`LARGEST_TIMED_ELEMENTS` are timed on a part and scaled.
+    Parameters beyond ``largest`` elements are timed on a part and scaled (:func:`timing_copies`).
     """
     times = []
     for group in trace.outside_parameters(model):
-        copies, scale = _timing_copies(group, LARGEST_TIMED_ELEMENTS)
-        optimizer_s, clip_s = _update_s(copies, optimizer_factory, repeats)
+        copies, scale = timing_copies(group, largest)
+        optimizer_s, clip_s = time_parameter_update(copies, optimizer_factory, repeats)
         times.append((scale * optimizer_s, scale * clip_s))
     prefix_s, suffix_s = times
     return prefix_s, suffix_s
@@ -313,7 +324,7 @@ def _block_update_times(block: nn.Module, plan: TensorParallelPlan, keys: Profil
     optimizer_s, clip_s = {}, {}
     for tp in sorted(keys.tp_degrees | {1}):
         sharded = _sharded_copy(block, plan, meshes[tp]) if tp in meshes else local_shard_of_block(block, plan, tp)
-        optimizer_s[tp], clip_s[tp] = _update_s(list(sharded.parameters()), optimizer_factory, repeats)
+        optimizer_s[tp], clip_s[tp] = time_parameter_update(list(sharded.parameters()), optimizer_factory, repeats)
     return optimizer_s, clip_s
 
 
@@ -402,7 +413,7 @@ def profile_model(
               if real_blocks else {})
     sequence_plan = sequence_plan_of(block, largest, plan) if sequence_plan_of is not None and meshes else None
     block_optimizer_s, block_clip_s = _block_update_times(block, plan, keys, optimizer_factory, meshes, repeats)
-    prefix_update_s, suffix_update_s = _outside_update_s(model, largest, optimizer_factory, repeats)
+    prefix_update_s, suffix_update_s = time_outside_update(model, largest, optimizer_factory, repeats)
     measured = _measure_real_blocks(block, plan, traces, keys, meshes, repeats, max_blocks=min(len(trunk), 4),
                                     sequence_plan=sequence_plan, overlap_weight_gradients=overlap_weight_gradients)
     return ModelProfile(

@@ -7,17 +7,18 @@ cost model and the Hydra options do not need.
 from lightning_merak.lazy import lazy_attributes
 
 _EXPORTS = {
-    "CommCurve": ".placement_cost_model", "CostModel": ".placement_cost_model", "CostTerms": ".placement_cost_model",
+    "CommCurve": ".core.placement_cost_model", "CostModel": ".core.placement_cost_model",
+    "CostTerms": ".core.placement_cost_model",
     "TransferScheduler": ".executor",
     "ExpertGroups": ".groups", "carve_expert_groups": ".groups", "ensure_expert_groups": ".groups",
-    "choose_chunks": ".lancet", "pipelined_time": ".lancet",
-    "block_pipelined_time": ".lancet", "choose_block_chunks": ".lancet", "lancet_overlap": ".lancet_block",
+    "choose_chunks": ".core.lancet", "pipelined_time": ".core.lancet",
+    "block_pipelined_time": ".core.lancet", "choose_block_chunks": ".core.lancet", "lancet_overlap": ".lancet_block",
     "MoE": ".layer", "MoEOptions": ".options", "PlacementMOELayer": ".layer",
-    "Padding": ".placement", "PlacementPlan": ".placement", "Replication": ".placement",
-    "block_rows": ".placement", "rank_loads": ".placement",
-    "plan_pro_prophet": ".placement_planner",
+    "Padding": ".core.placement", "PlacementPlan": ".core.placement", "Replication": ".core.placement",
+    "block_rows": ".core.placement", "rank_loads": ".core.placement",
+    "plan_pro_prophet": ".core.placement_planner",
     "profile_cost_model": ".cost_measurement",
-    "plan_shadowing": ".shadowing",
+    "plan_shadowing": ".core.shadowing",
     "swap_sparse_moe_blocks": ".block_replacement",
     "moe_param_groups": ".optim",
 }

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from lightning_merak.plugins.moe.core.placement_cost_model import CostModel
 from lightning_merak.plugins.moe.executor import TransferScheduler
 from lightning_merak.plugins.moe.layer import MoE, MoEOptions
-from lightning_merak.plugins.moe.placement_cost_model import CostModel
 
 __all__ = ["SwappedSparseBlock", "SwiGLUExpert", "swap_sparse_moe_blocks"]
 

@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from lightning_merak.plugins.moe.block_replacement import SwappedSparseBlock
 from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, expert_param_positions, gather_expert_state
+from lightning_merak.plugins.moe.core.placement import PlacementPlan, rank_loads
 from lightning_merak.plugins.moe.layer import MoE, PlacementMOELayer
-from lightning_merak.plugins.moe.placement import PlacementPlan, rank_loads
 from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh, layout_aware
 
 __all__ = ["MoEPlacementCallback", "balance_metrics", "plot_load_heatmap"]

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_merak.plugins.moe.placement_cost_model import CommCurve, CostModel
+from lightning_merak.plugins.moe.core.placement_cost_model import CommCurve, CostModel
 from lightning_merak.timing import median_call_time
 
 __all__ = ["profile_cost_model"]

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from lightning_merak.plugins.moe.dispatch import ExchangeLayout
-from lightning_merak.plugins.moe.placement import PlacementPlan
+from lightning_merak.plugins.moe.core.dispatch import ExchangeLayout
+from lightning_merak.plugins.moe.core.placement import PlacementPlan
 from lightning_merak.runtime.collectives import PendingCollective, start_all_to_all_in_turn
 from lightning_merak.runtime.weight_gradients import SplitBackward
 

@@ -26,9 +26,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from transformers.cache_utils import Cache
 
-from lightning_merak.plugins.moe.lancet import choose_block_chunks, simulated_block_time
+from lightning_merak.plugins.moe.core.lancet import choose_block_chunks, simulated_block_time
+from lightning_merak.plugins.moe.core.placement_cost_model import CostModel
 from lightning_merak.plugins.moe.layer import MoE, PlacementMOELayer
-from lightning_merak.plugins.moe.placement_cost_model import CostModel
 from lightning_merak.runtime.sub_batches import run_sub_batches
 
 __all__ = ["LancetBlockForward", "lancet_overlap"]

@@ -34,8 +34,14 @@ from deepspeed.moe.sharded_moe import MOELayer, TopKGate, multiplicative_jitter,
 from torch import nn
 
 from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, expert_indices, select_local_experts
+from lightning_merak.plugins.moe.core.dispatch import ExchangeLayout, decode, encode
+from lightning_merak.plugins.moe.core.joint_gate import compact_routes, first_choice_fraction, sub_batch_gates
+from lightning_merak.plugins.moe.core.lancet import choose_chunks
+from lightning_merak.plugins.moe.core.placement import Padding, PlacementPlan
+from lightning_merak.plugins.moe.core.placement_cost_model import CostModel
+from lightning_merak.plugins.moe.core.placement_planner import plan_pro_prophet
+from lightning_merak.plugins.moe.core.shadowing import plan_shadowing
 from lightning_merak.plugins.moe.cost_measurement import profile_cost_model
-from lightning_merak.plugins.moe.dispatch import ExchangeLayout, decode, encode
 from lightning_merak.plugins.moe.executor import (
     ExchangeFunction,
     ExpertExchange,
@@ -44,13 +50,7 @@ from lightning_merak.plugins.moe.executor import (
     flatten_params,
 )
 from lightning_merak.plugins.moe.groups import ExpertGroups, ensure_expert_groups
-from lightning_merak.plugins.moe.joint_gate import compact_routes, first_choice_fraction, sub_batch_gates
-from lightning_merak.plugins.moe.lancet import choose_chunks
 from lightning_merak.plugins.moe.options import MoEOptions
-from lightning_merak.plugins.moe.placement import Padding, PlacementPlan
-from lightning_merak.plugins.moe.placement_cost_model import CostModel
-from lightning_merak.plugins.moe.placement_planner import plan_pro_prophet
-from lightning_merak.plugins.moe.shadowing import plan_shadowing
 from lightning_merak.runtime.sub_batches import mark_sub_batch_share
 from lightning_merak.runtime.turns import in_sub_batch_region, meet_in_turn
 

@@ -154,6 +154,16 @@ class Merak3DArguments(Merak3DOptions):
         """The three degrees as given, ``"auto"`` included, by mesh dimension name."""
         return {"dp": self.data_parallel, "pp": self.pipeline_parallel, "tp": self.tensor_parallel}
 
+    def fixed_degrees(self, purpose: str) -> tuple[int, int, int]:
+        """``(pp, dp, tp)`` as given, for ``purpose`` (words for the error), which cannot wait for a plan."""
+        degrees = self.degrees
+        if not all(isinstance(degrees[name], int) for name in ("pp", "dp", "tp")):
+            raise ValueError(
+                f"{purpose} needs fixed degrees to know which experts each rank holds, got {degrees}; "
+                "pass the data_parallel, pipeline_parallel and tensor_parallel the plan chose"
+            )
+        return int(degrees["pp"]), int(degrees["dp"]), int(degrees["tp"])
+
     @property
     def needs_planning(self) -> bool:
         """Whether the layout planner chooses part of the layout (an ``"auto"`` beyond data_parallel)."""

@@ -18,11 +18,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from lightning_merak.runtime.gradient_buffer import GradientBuffer
 from lightning_merak.runtime.gradient_norm import ShardedGradients, clip_coefficient, scale_gradients, squared_norm
 from lightning_merak.strategies.merak3d.layout import LayoutGroups
 
-__all__ = ["TiedParameter", "average_gradients", "clip_by_total_norm", "replicated_parameters", "scale_gradients",
-           "squared_norm", "synchronize_gradients"]
+__all__ = ["TiedParameter", "average_gradients", "clip_by_total_norm", "gradient_buffer", "replicated_parameters",
+           "scale_gradients", "squared_norm", "synchronize_gradients"]
 
 
 class TiedParameter(NamedTuple):
@@ -75,9 +76,11 @@ def replicated_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 def synchronize_gradients(module: nn.Module, tensor_partial: list[nn.Parameter], tied: list[TiedParameter],
-                          groups: LayoutGroups) -> None:
+                          groups: LayoutGroups, buffer: Optional[GradientBuffer] = None) -> Optional[GradientBuffer]:
     """Sum the gradients of parameters that saw part of the heads or tokens over the tensor-parallel
-    group, sum tied parameters between first and last stage, then average over the replicas."""
+    group, sum tied parameters between first and last stage, then average over the replicas: in place
+    on ``buffer`` (the replicated parameters' gradients, :func:`gradient_buffer`) when given, else on a
+    concatenated copy. Returns the buffer to use from now on (rebuilt if the replicated set changed)."""
     partial = [_local(p.grad) for p in tensor_partial if p.grad is not None]
     if partial:
         average_gradients(partial, groups.tensor_group, replicas=1)
@@ -86,10 +89,30 @@ def synchronize_gradients(module: nn.Module, tensor_partial: list[nn.Parameter],
             dist.all_reduce(_local(param.grad), group=group)
     data_parallel = groups.layout.data_parallel
     if data_parallel == 1:
-        return
+        return buffer
+    if buffer is not None:
+        buffer = gradient_buffer(module, buffer)
+        buffer.gather()
+        for flat in buffer.flats:
+            dist.all_reduce(flat, group=groups.data_parallel_group)
+            flat /= data_parallel
+        return buffer
     grads = [_local(p.grad) for p in replicated_parameters(module) if p.grad is not None]
     if grads:
         average_gradients(grads, groups.data_parallel_group, data_parallel)
+    return None
+
+
+def gradient_buffer(module: nn.Module, current: Optional[GradientBuffer] = None) -> GradientBuffer:
+    """``current`` if it holds exactly the gradients of ``module``'s trainable replicated parameters, else a
+    new buffer for them (a callback may take parameters out of the average after the build, as the
+    sparse-communication callbacks do with their tables)."""
+    params = [param for param in replicated_parameters(module) if param.requires_grad]
+    if current is not None:
+        if {id(param) for param in current.params} == {id(param) for param in params}:
+            return current
+        current.remove()
+    return GradientBuffer(params)
 
 
 def clip_by_total_norm(optimizer: torch.optim.Optimizer, clip_val: Union[int, float], tied: list[TiedParameter],

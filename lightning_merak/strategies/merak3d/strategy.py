@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from dataclasses import fields
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ContextManager, Iterable, Optional, Union
@@ -27,8 +28,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_merak.options.strategy import Merak3DOptions
 from lightning_merak.runtime.collectives import reduce_in_place
+from lightning_merak.runtime.gradient_buffer import GradientBuffer
 from lightning_merak.runtime.gradient_norm import ShardedGradients
+from lightning_merak.runtime.host_memory import release_freed_host_memory
 from lightning_merak.strategies import merak3d as package
 from lightning_merak.strategies.merak3d import arguments, build, gradients, planning
 from lightning_merak.strategies.merak3d.arguments import Degree, Merak3DArguments
@@ -92,6 +96,10 @@ class Merak3DStrategy(ParallelStrategy):
         vocab_parallel: with ``tensor_parallel>1``, split the input embedding and the LM head by vocabulary
             rows over the tensor-parallel ranks and compute the loss on the sharded logits
             (:mod:`~lightning_merak.strategies.vocab_parallel`); nothing to do at ``tensor_parallel=1``.
+        compact_host_memory: on each rank, return freed host memory to the system at once (glibc: every
+            allocation over 128 KiB mapped on its own, :mod:`~lightning_merak.runtime.host_memory`), so
+            peak resident memory stays near the live tensors' instead of the heap's high-water mark;
+            steps take longer (page faults). For CPU runs near their memory limit.
     """
 
     strategy_name = "merak3d"
@@ -115,15 +123,11 @@ class Merak3DStrategy(ParallelStrategy):
         memory_limit: Optional[float] = None,
         plan_only: bool = False,
         vocab_parallel: bool = True,
+        compact_host_memory: bool = False,
     ) -> None:
         super().__init__()
-        self._arguments = Merak3DArguments(
-            data_parallel=data_parallel, pipeline_parallel=pipeline_parallel, tensor_parallel=tensor_parallel,
-            tp_overlap=tp_overlap, tp_weight_grad_overlap=tp_weight_grad_overlap, sequence_parallel=sequence_parallel,
-            micro_batches=micro_batches, schedule=schedule, virtual_stages=virtual_stages, recompute=recompute,
-            recompute_ratio=recompute_ratio, partition=partition, process_group_backend=process_group_backend,
-            timeout_s=timeout_s, memory_limit=memory_limit, plan_only=plan_only, vocab_parallel=vocab_parallel,
-        )
+        given = locals()
+        self._arguments = Merak3DArguments(**{option.name: given[option.name] for option in fields(Merak3DOptions)})
         self._groups: Optional[LayoutGroups] = None
         """The layout, once decided, and its device mesh: the one place a degree lives."""
         self.layout_plan: Optional[Any] = None
@@ -146,6 +150,8 @@ class Merak3DStrategy(ParallelStrategy):
         self._pending_optimizer_states: list[dict[str, Any]] = []
         self._restored_state: Optional[dict[str, Any]] = None
         self._sharded_gradients = ShardedGradients()
+        self._gradient_buffer: Optional[GradientBuffer] = None
+        """The replicated parameters' gradients in one flat tensor per dtype, averaged in place (dp > 1)."""
         self._row_shares: dict[int, torch.Tensor] = {}
         """1 / copies of each local row of split parameters whose rows several ranks hold, set by the build."""
         self.partition: Optional[Any] = None
@@ -325,6 +331,8 @@ class Merak3DStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         # before the rendezvous, so a rank waiting for its peers also ends on SIGTERM/SIGINT
         install_termination_handler()
+        if self._arguments.compact_host_memory:
+            release_freed_host_memory()
         super().setup_environment()
         assert self.cluster_environment is not None
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
@@ -481,6 +489,8 @@ class Merak3DStrategy(ParallelStrategy):
         self._built_in_evaluation = not module.training
         trainer = module.trainer
         if trainer.state.fn == TrainerFn.FITTING:
+            if self.layout.data_parallel > 1:
+                self._gradient_buffer = gradients.gradient_buffer(module)
             # the schedulers Lightning restored from a checkpoint are replaced with the optimizers
             scheduler_states = [config.scheduler.state_dict() for config in self.lr_scheduler_configs]
             self.setup_optimizers(trainer)
@@ -516,8 +526,9 @@ class Merak3DStrategy(ParallelStrategy):
             closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
             self.post_backward(closure_loss)
         built = self._built
-        gradients.synchronize_gradients(self.lightning_module, built.tensor_partial if built else [],
-                                        built.tied if built else [], self.groups)
+        self._gradient_buffer = gradients.synchronize_gradients(
+            self.lightning_module, built.tensor_partial if built else [], built.tied if built else [], self.groups,
+            self._gradient_buffer)
         return closure_loss
 
     def register_sharded_gradients(self, params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup]) -> None:
@@ -540,18 +551,10 @@ class Merak3DStrategy(ParallelStrategy):
 
     def _expert_placement(self) -> tuple[int, tuple[int, int, int]]:
         """This rank and the ``(pp, dp, tp)`` degrees, for the checkpointer to tell which experts it holds."""
-        degrees = self._arguments.degrees
         if self._built is not None or (self.layout_choice is not None and self._groups is not None):
             layout = self.layout
-            placement = (layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel)
-        elif all(isinstance(degrees[name], int) for name in ("pp", "dp", "tp")):
-            placement = (int(degrees["pp"]), int(degrees["dp"]), int(degrees["tp"]))
-        else:
-            raise ValueError(
-                f"resuming expert-parallel MoE layers needs fixed degrees to know which experts each rank holds, "
-                f"got {degrees}; pass the data_parallel, pipeline_parallel and tensor_parallel the plan chose"
-            )
-        return self.global_rank, placement
+            return self.global_rank, (layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel)
+        return self.global_rank, self._arguments.fixed_degrees("resuming expert-parallel MoE layers")
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self._built is None:

@@ -10,8 +10,16 @@ is shapes only. A pipeline needs each block to read the previous block's output 
 computed before the blocks: on meta that is checked by identity (a side tensor left on the meta
 device, or a block input that is not the previous block's output, was derived from a block).
 
-Profiling materialises one node at a time, times it on real samples and frees it: the prefix,
-one block of each distinct signature (repeated blocks share its figures) and the head.
+An embedding table (an ``nn.Embedding`` or a subclass, e.g. Gemma's scaled one) is never
+materialised whole: its lookups on real ids are answered by a stand-in of the same class holding only
+the rows looked up, initialised by the model's own init, so every rank reads a few rows where the
+table is vocabulary × hidden (2.4 GB at 150k × 4096 in fp32). Values differ from the full table's
+draws, not their distribution, shape or dtype; a padding row stays zero.
+
+Profiling materialises one node at a time, times it on real samples and frees it: the prefix (its
+tables as stand-ins, plus an estimate of the full table's dense gradient), one block of each distinct
+signature (repeated blocks share its figures) and the head, whose weight a tied embedding shares: the
+head's full weight is the largest piece the trace holds at once.
 """
 
 from __future__ import annotations
@@ -21,9 +29,12 @@ import functools
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_merak.runtime.module_mode import hooks_removed_after
 from lightning_merak.strategies.pipeline.costs import BlockCost
 from lightning_merak.strategies.pipeline.trace import (
     ModelTrace,
@@ -36,6 +47,7 @@ from lightning_merak.strategies.pipeline.trace import (
     _record,
     find_trunk,
 )
+from lightning_merak.timing import mean_call_time
 
 __all__ = ["materialized_copy", "trace_meta_model"]
 
@@ -59,23 +71,127 @@ def _on_meta(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return forward(*_to_meta(args), **_to_meta(kwargs))
 
 
-def _materialize_prefix_on_call(model: nn.Module, trunk_path: str, materialize: Materialize) -> list[Any]:
-    """Hooks materialising, when first called on a real tensor, each module that does not hold the trunk."""
+def _embedding_arguments(input: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None,
+                         max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                         sparse: bool = False) -> tuple:
+    return input, weight, (max_norm, norm_type, scale_grad_by_freq, sparse)
+
+
+class _TableRows(TorchFunctionMode):
+    """Answers ``F.embedding`` on a meta table with real ids from a stand-in holding only the rows looked up.
+
+    ``tables`` maps each table's weight (by id) to its module and unsplit name. A stand-in is a deep
+    copy of the module (same class, so the model's ``_init_weights`` treats it alike) with a weight of
+    those rows; it is kept for later lookups of the same rows (profiling repeats the prefix). Ids filling
+    most of a range from 0 (positions) keep the table's first rows, so an init that depends on the row (a
+    sinusoidal table) is reproduced; scattered ids (tokens) keep only theirs, as random inits draw every
+    row alike. The table's other tensors (Gemma's ``embed_scale``) are taken from the stand-in.
+    """
+
+    def __init__(self, tables: dict[int, tuple[str, nn.Embedding]],
+                 materialize_with: Callable[[nn.Module], Materialize]) -> None:
+        super().__init__()
+        self.tables = tables
+        self.materialize_with = materialize_with
+        self.stand_ins: dict[int, tuple[torch.Tensor, nn.Embedding]] = {}
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.embedding:
+            ids, weight, options = _embedding_arguments(*args, **kwargs)
+            if id(weight) in self.tables and weight.is_meta and not ids.is_meta:
+                rows, stand_in = self._stand_in(weight, ids)
+                return F.embedding(torch.searchsorted(rows, ids), stand_in.weight, stand_in.padding_idx, *options)
+        return func(*args, **kwargs)
+
+    def weights(self) -> list[nn.Parameter]:
+        """The stand-ins' weights (their gradients are cleared after timing)."""
+        return [stand_in.weight for _, stand_in in self.stand_ins.values()]
+
+    def missing_bytes(self) -> int:
+        """Bytes of the full tables that train (with dense gradients) but that the stand-ins leave out."""
+        total = 0
+        for key, (_, stand_in) in self.stand_ins.items():
+            table = self.tables[key][1]  # materialised whole if its forward read the weight otherwise
+            if table.weight.is_meta and stand_in.weight.requires_grad and not stand_in.sparse:
+                total += (table.weight.numel() - stand_in.weight.numel()) * stand_in.weight.element_size()
+        return total
+
+    def _stand_in(self, weight: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, nn.Embedding]:
+        name, table = self.tables[id(weight)]
+        wanted = torch.unique(ids)
+        outside = wanted[(wanted < 0) | (wanted >= weight.shape[0])]
+        if outside.numel():
+            raise IndexError(f"{name} looks up id {int(outside[0])} in a table of {weight.shape[0]} rows")
+        cached = self.stand_ins.get(id(weight))
+        if cached is not None and bool(torch.isin(wanted, cached[0]).all()):
+            return cached
+        if cached is not None:
+            wanted = torch.unique(torch.cat([cached[0], wanted]))
+        top = int(wanted[-1]) + 1 if wanted.numel() else 0
+        contiguous = top <= 2 * wanted.numel() and top < weight.shape[0]  # positions, not a vocabulary's ids
+        rows = torch.arange(top, device=wanted.device) if contiguous else wanted
+        stand_in = copy.deepcopy(table)
+        stand_in.weight = nn.Parameter(torch.empty((len(rows), *weight.shape[1:]), dtype=weight.dtype, device="meta"),
+                                       requires_grad=weight.requires_grad)
+        padding = (rows == table.padding_idx).nonzero() if table.padding_idx is not None else rows[:0]
+        stand_in.num_embeddings, stand_in.padding_idx = len(rows), int(padding[0]) if len(padding) else None
+        self.materialize_with(stand_in)(stand_in, name)
+        for store, own in ((stand_in._parameters, table._parameters), (stand_in._buffers, table._buffers)):
+            for key, tensor in own.items():
+                if key != "weight" and tensor is not None and tensor.is_meta:
+                    own[key] = store[key]
+        self.stand_ins[id(weight)] = rows, stand_in
+        return rows, stand_in
+
+
+def _tables(model: nn.Module, trunk_path: str) -> dict[int, tuple[str, nn.Embedding]]:
+    """The meta embedding tables outside the trunk, by their weight's id."""
+    return {id(module.weight): (name, module) for name, module in model.named_modules()
+            if isinstance(module, nn.Embedding) and module.weight.is_meta and not name.startswith(trunk_path + ".")}
+
+
+def _real(value: Any) -> bool:
+    return any(isinstance(leaf, torch.Tensor) and not leaf.is_meta for leaf in tree_flatten(value)[0])
+
+
+def _meta(value: Any) -> bool:
+    return any(isinstance(leaf, torch.Tensor) and leaf.is_meta for leaf in tree_flatten(value)[0])
+
+
+def _materialize_prefix_on_call(model: nn.Module, trunk_path: str, materialize: Materialize,
+                                tables: dict[int, tuple[str, nn.Embedding]]) -> list[Any]:
+    """Hooks materialising, when first called on a real tensor, each module that does not hold the trunk
+    (everything under it but the ``tables``, which :class:`_TableRows` answers).
+
+    A table whose forward reads its weight other than by ``F.embedding`` gives a meta output on
+    real ids: it is then materialised whole and called again, as before stand-ins existed.
+    """
     def holds_trunk(name: str) -> bool:
         return (name == "" or trunk_path == name or trunk_path.startswith(name + ".")
                 or name.startswith(trunk_path + "."))
 
-    def hook(name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        leaves = tree_flatten((args, kwargs))[0]
-        if any(isinstance(leaf, torch.Tensor) and not leaf.is_meta for leaf in leaves):
-            if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-                materialize(module, name)
+    table_modules = {id(module) for _, module in tables.values()}
+
+    def on_call(name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if _real((args, kwargs)):
+            for path, sub in module.named_modules(prefix=name):
+                if id(sub) not in table_modules and _meta((sub._parameters, sub._buffers)):
+                    materialize(sub, path, False)
+
+    def whole_table(name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if _real((args, kwargs)) and _meta(output):
+            materialize(module, name)
+            return module.forward(*args, **kwargs)
+        return None
 
     for name, module in model.named_modules():
         if holds_trunk(name) and not name.startswith(trunk_path):
             materialize(module, name, False)  # what the trunk's containers hold themselves
-    return [module.register_forward_pre_hook(functools.partial(hook, name), with_kwargs=True)
-            for name, module in model.named_modules() if not holds_trunk(name)]
+    handles = [module.register_forward_pre_hook(functools.partial(on_call, name), with_kwargs=True)
+               for name, module in model.named_modules() if not holds_trunk(name)]
+    return handles + [module.register_forward_hook(functools.partial(whole_table, name), with_kwargs=True)
+                      for name, module in tables.values()]
 
 
 def trace_meta_model(model: nn.Module, sample_inputs: torch.Tensor,
@@ -88,11 +204,14 @@ def trace_meta_model(model: nn.Module, sample_inputs: torch.Tensor,
     """
     work = copy.deepcopy(model)
     trunk_path, trunk = find_trunk(work)
-    handles = _materialize_prefix_on_call(work, trunk_path, materialize_with(work))
+    tables = _tables(work, trunk_path)
+    handles = _materialize_prefix_on_call(work, trunk_path, materialize_with(work), tables)
+    table_rows = _TableRows(tables, materialize_with)
     for block in trunk:
         block.forward = functools.partial(_on_meta, block.forward)
     try:
-        recording = _record(work, call_model, sample_inputs, trunk)
+        with hooks_removed_after(handles), table_rows:
+            recording = _record(work, call_model, sample_inputs, trunk)
     except RuntimeError as error:
         if "meta" not in str(error):
             raise
@@ -101,9 +220,6 @@ def trace_meta_model(model: nn.Module, sample_inputs: torch.Tensor,
             f"the model combines the output of a block of {trunk_path} with values computed before the blocks, "
             "outside its blocks (a skip connection across blocks?); merak3d carries only the hidden state and "
             f"values computed before the blocks ({str(error).splitlines()[0]})") from error
-    finally:
-        for handle in handles:
-            handle.remove()
     block_calls = recording["blocks"]
     if len(block_calls) != len(trunk):
         raise TraceError(f"{trunk_path} holds {len(trunk)} blocks but {len(block_calls)} ran in one forward pass; "
@@ -130,8 +246,8 @@ def trace_meta_model(model: nn.Module, sample_inputs: torch.Tensor,
         logits_shape=tuple(recording["logits"].shape),
     )
     if profile:
-        prefix = _profile_prefix(model, work, trace, call_model, sample_inputs, profile_repeats)
-        del work, trunk, recording, block_calls  # the materialised prefix goes before a block is
+        prefix = _profile_prefix(model, work, trace, call_model, sample_inputs, profile_repeats, table_rows)
+        del work, trunk, recording, block_calls, table_rows, tables  # the prefix goes before a block is
         trace.costs = [prefix, *_profile_rest(model, trace, profile_repeats, materialize_with)]
     return trace
 
@@ -168,14 +284,44 @@ def _output_bytes(trace: ModelTrace) -> int:
 
 
 def _profile_prefix(model: nn.Module, work: nn.Module, trace: ModelTrace, call_model: Callable,
-                    sample_inputs: torch.Tensor, repeats: int) -> BlockCost:
-    """The prefix's cost, timed on ``work`` (whose prefix the recording materialised)."""
+                    sample_inputs: torch.Tensor, repeats: int, table_rows: _TableRows) -> BlockCost:
+    """The prefix's cost, timed on ``work`` (whose prefix the recording materialised, its tables as stand-ins).
+
+    A full table's backward also writes a dense gradient of the whole table (and adds it to the
+    accumulated one): that part is timed on a bounded slice and scaled, see :func:`_dense_gradient_s`.
+    """
     prefix_params, _ = trace.outside_parameters(model)
     work_trunk = work.get_submodule(trace.trunk_path)
-    fwd, bwd, saved = _measure(lambda: _prefix_output(work, work_trunk, call_model, sample_inputs),
-                               trace.outside_parameters(work)[0], repeats)
+    params = [p for p in trace.outside_parameters(work)[0] if not p.is_meta] + table_rows.weights()
+    with table_rows:
+        fwd, bwd, saved = _measure(lambda: _prefix_output(work, work_trunk, call_model, sample_inputs), params,
+                                   repeats)
+    bwd += _dense_gradient_s(table_rows.missing_bytes(), trace.sample_hidden.device, repeats)
     return BlockCost("prefix", fwd, bwd, sum(p.numel() * p.element_size() for p in prefix_params),
                      _output_bytes(trace), saved, is_embedding=True)
+
+
+DENSE_GRADIENT_SLICE_BYTES = 64 << 20
+"""Size of the slice on which the dense gradient of the table rows a stand-in leaves out is timed: above
+glibc's largest mmap threshold (32 MiB), so each fresh slice page-faults as a table-sized gradient does
+(a 16 MiB slice, served from the heap, gave half the full table's time on CPU)."""
+
+
+def _dense_gradient_s(num_bytes: int, device: torch.device, repeats: int) -> float:
+    """Seconds to create a zero gradient of ``num_bytes`` and add it to the accumulated one: the part of an
+    embedding backward that grows with the table, not with the ids (memory-bound, so timed on a slice of
+    at most :data:`DENSE_GRADIENT_SLICE_BYTES` and scaled by bytes)."""
+    if num_bytes <= 0:
+        return 0.0
+    size = max(min(num_bytes, DENSE_GRADIENT_SLICE_BYTES) // 4, 1)
+    accumulated = torch.zeros(size, device=device)
+
+    def create_and_add() -> None:
+        accumulated.add_(torch.zeros(size, device=device))
+        if accumulated.is_cuda:
+            torch.cuda.synchronize(accumulated.device)
+
+    return mean_call_time(create_and_add, repeats) * num_bytes / (4 * size)
 
 
 def _profile_rest(model: nn.Module, trace: ModelTrace, repeats: int,

@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_merak.models import logits_of
+from lightning_merak.runtime.module_mode import hooks_removed_after, modules_in_mode
 from lightning_merak.strategies.pipeline.costs import BlockCost
 from lightning_merak.timing import mean_call_time
 
@@ -241,12 +242,8 @@ def _record(model: nn.Module, call_model: Callable[[nn.Module, torch.Tensor], An
         if module is not model and module is not trunk and not any(module is block for block in trunk):
             handles.append(module.register_forward_pre_hook(pre_any, with_kwargs=True))
             handles.append(module.register_forward_hook(post_any, with_kwargs=True))
-    try:
-        with torch.no_grad(), _HeadOperations(state, after_trunk):
-            logits = logits_of(call_model(model, inputs))
-    finally:
-        for handle in handles:
-            handle.remove()
+    with hooks_removed_after(handles), torch.no_grad(), _HeadOperations(state, after_trunk):
+        logits = logits_of(call_model(model, inputs))
     return {"blocks": block_calls, "after_trunk": after_trunk, "logits": logits}
 
 
@@ -479,30 +476,20 @@ def _verify_split(model: nn.Module, trace: ModelTrace, trunk: nn.ModuleList,
     def skip(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         return trace.output_with_hidden(args[0])
 
-    training = {module: module.training for module in model.modules()}
-    model.eval()
-    handles = []
-    try:
-        with torch.no_grad():
-            expected = logits_of(call_model(model, inputs))
-            for index, block in enumerate(trunk):
-                handles.append(block.register_forward_pre_hook(gather(index), with_kwargs=True))
-                handles.append(block.register_forward_hook(skip, with_kwargs=True))
+    with modules_in_mode(model, training=False), torch.no_grad():
+        expected = logits_of(call_model(model, inputs))
+        handles = []
+        for index, block in enumerate(trunk):
+            handles.append(block.register_forward_pre_hook(gather(index), with_kwargs=True))
+            handles.append(block.register_forward_hook(skip, with_kwargs=True))
+        with hooks_removed_after(handles):
             call_model(model, inputs)
-            for handle in handles:
-                handle.remove()
-            handles.clear()
-            side_tensors = tuple(side[slot] for slot in range(trace.side_tensor_count))
-            hidden = first_hidden[0]
-            for index, block in enumerate(trunk):
-                args, kwargs = trace.block_arguments(side_tensors, index)
-                hidden = trace.hidden_of(block(hidden, *args, **kwargs))
-            logits = trace.run_head(model, hidden)
-    finally:
-        for handle in handles:
-            handle.remove()
-        for module, mode in training.items():
-            module.training = mode
+        side_tensors = tuple(side[slot] for slot in range(trace.side_tensor_count))
+        hidden = first_hidden[0]
+        for index, block in enumerate(trunk):
+            args, kwargs = trace.block_arguments(side_tensors, index)
+            hidden = trace.hidden_of(block(hidden, *args, **kwargs))
+        logits = trace.run_head(model, hidden)
     scale = expected.abs().max().item() if expected.numel() else 0.0
     if logits.shape != expected.shape or not torch.allclose(logits, expected, rtol=1e-4, atol=1e-5 * max(scale, 1.0)):
         raise TraceError(
@@ -562,11 +549,9 @@ def _prefix_output(model: nn.Module, trunk: nn.ModuleList, call_model: Callable,
     def stop(module: nn.Module, args: tuple) -> None:
         raise _StopAtTrunk(args[0])
 
-    handle = trunk[0].register_forward_pre_hook(stop)
-    try:
-        call_model(model, inputs)
-    except _StopAtTrunk as stopped:
-        return stopped.hidden
-    finally:
-        handle.remove()
+    with hooks_removed_after([trunk[0].register_forward_pre_hook(stop)]):
+        try:
+            call_model(model, inputs)
+        except _StopAtTrunk as stopped:
+            return stopped.hidden
     raise TraceError("the model finished its forward pass without reaching its first block")

@@ -7,8 +7,8 @@ other ranks of the EP group, whose tokens for it then stay local.
 
 from __future__ import annotations
 
-from lightning_merak.plugins.moe.placement import Counts, PlacementPlan, Replication, owner_of, validate_counts
-from lightning_merak.plugins.moe.placement_cost_model import CostModel
+from lightning_merak.plugins.moe.core.placement import Counts, PlacementPlan, Replication, owner_of, validate_counts
+from lightning_merak.plugins.moe.core.placement_cost_model import CostModel
 
 __all__ = ["plan_shadowing"]
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_merak.plugins.moe.placement import Counts, Padding, PlacementPlan, block_rows, replica_rows
+from lightning_merak.plugins.moe.core.placement import Counts, Padding, PlacementPlan, block_rows, replica_rows
 
 __all__ = ["ExchangeLayout", "chunk_sizes", "decode", "encode"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from lightning_merak.plugins.moe.placement import Counts, Padding, PlacementPlan, rank_loads
+from lightning_merak.plugins.moe.core.placement import Counts, Padding, PlacementPlan, rank_loads
 
 __all__ = ["CommCurve", "CostModel", "CostTerms"]
 

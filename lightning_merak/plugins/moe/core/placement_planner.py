@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from lightning_merak.plugins.moe.placement import (
+from lightning_merak.plugins.moe.core.placement import (
     Counts,
     Padding,
     PlacementPlan,
@@ -20,7 +20,7 @@ from lightning_merak.plugins.moe.placement import (
     replica_rows,
     validate_counts,
 )
-from lightning_merak.plugins.moe.placement_cost_model import CostModel
+from lightning_merak.plugins.moe.core.placement_cost_model import CostModel
 
 __all__ = ["plan_pro_prophet"]
 

@@ -13,8 +13,8 @@ sub-batch's combine overlaps the other sub-batches' experts and next dense compu
 
 from __future__ import annotations
 
-from lightning_merak.plugins.moe.placement import Counts, Padding, PlacementPlan, rank_loads
-from lightning_merak.plugins.moe.placement_cost_model import CostModel
+from lightning_merak.plugins.moe.core.placement import Counts, Padding, PlacementPlan, rank_loads
+from lightning_merak.plugins.moe.core.placement_cost_model import CostModel
 
 __all__ = ["CHUNK_CHOICES", "block_pipelined_time", "choose_block_chunks", "choose_chunks", "pipelined_time",
            "simulated_block_time"]

@@ -1,0 +1,66 @@
+"""GradientBuffer: gradients live in one flat tensor per dtype and keep autograd's values."""
+
+import torch
+from torch import nn
+
+from lightning_merak.runtime.gradient_buffer import GradientBuffer
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3), nn.Linear(3, 2, bias=False))
+
+
+def _loss(model: nn.Module, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return model(torch.randn(4, 6)).square().sum()
+
+
+def _inside(flat: torch.Tensor, tensor: torch.Tensor) -> bool:
+    start = flat.data_ptr()
+    return start <= tensor.data_ptr() < start + flat.numel() * flat.element_size()
+
+
+def test_accumulated_gradients_are_views_of_the_buffer_with_autograds_values() -> None:
+    reference, model = _model(), _model()
+    buffer = GradientBuffer(list(model.parameters()))
+    for seed in (1, 2):  # the second backward accumulates into the slices in place
+        _loss(reference, seed).backward()
+        _loss(model, seed).backward()
+    (flat,) = buffer.flats
+    assert flat.numel() == sum(p.numel() for p in model.parameters())
+    for expected, param in zip(reference.parameters(), model.parameters()):
+        assert _inside(flat, param.grad)
+        torch.testing.assert_close(param.grad, expected.grad, rtol=0, atol=0)
+
+
+def test_assigned_gradients_are_gathered_and_absent_ones_stay_absent() -> None:
+    model = _model()
+    buffer = GradientBuffer(list(model.parameters()))
+    _loss(model, 1).backward()
+    first, last = model[0].weight, model[3].weight
+    assigned = torch.full_like(first, 7.0)
+    first.grad = assigned
+    last.grad = None
+    buffer.gather()
+    assert _inside(buffer.flats[0], first.grad) and torch.equal(first.grad, assigned)
+    assert last.grad is None
+    (flat,) = buffer.flats
+    assert float(flat.abs().sum()) > 0
+    buffer.flats[0].zero_()
+    assert float(first.grad.abs().sum()) == 0
+
+
+def test_one_flat_per_dtype_and_frozen_or_repeated_parameters_left_out() -> None:
+    model = _model()
+    model[2].to(torch.float64)
+    model[3].weight.requires_grad_(False)
+    params = list(model.parameters())
+    buffer = GradientBuffer(params + params)
+    assert len(buffer.flats) == 2 and {flat.dtype for flat in buffer.flats} == {torch.float32, torch.float64}
+    assert sum(flat.numel() for flat in buffer.flats) == sum(p.numel() for p in params if p.requires_grad)
+    assert all(p.requires_grad for p in buffer.params)
+    buffer.remove()
+    model[2].to(torch.float32)
+    _loss(model, 1).backward()
+    assert not any(_inside(flat, model[0].weight.grad) for flat in buffer.flats)

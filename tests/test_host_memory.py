@@ -1,0 +1,35 @@
+"""release_freed_host_memory: glibc takes the setting; a freed large tensor leaves resident memory."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from lightning_merak.runtime.host_memory import release_freed_host_memory
+
+
+def test_refuses_a_threshold_that_is_not_positive() -> None:
+    with pytest.raises(ValueError, match="threshold_bytes=0"):
+        release_freed_host_memory(0)
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_freed_mid_sized_tensors_leave_resident_memory() -> None:
+    """Holes between live 256 KiB tensors stay resident by default and are returned with the setting."""
+    script = textwrap.dedent("""
+        import sys, torch
+        from lightning_merak.runtime.host_memory import release_freed_host_memory
+        def rss():
+            return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) // 1024
+        if sys.argv[1] == "1":
+            assert release_freed_host_memory()
+        before = rss()
+        tensors = [torch.ones(64 * 1024) for _ in range(2000)]  # 256 KiB each, 500 MiB
+        del tensors[::2]
+        print(rss() - before)
+    """)
+    grown = [int(subprocess.run([sys.executable, "-c", script, flag], capture_output=True, text=True,
+                                check=True, timeout=120).stdout.split()[-1]) for flag in ("0", "1")]
+    assert grown[1] < 0.7 * grown[0], grown
