@@ -53,7 +53,7 @@ from lightning_merak.config import ModelConfig, TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
 from lightning_merak.strategies import pipeline
 from lightning_merak.strategies.merak3d import Merak3DStrategy
-from lightning_merak.strategies.pipeline.stage import PipelineStageModule
+from lightning_merak.strategies.pipeline.stage import RankStages
 from lightning_merak.strategies.pipeline.trace import trace_model
 from lightning_merak.testing import run_distributed
 from lightning_merak.testing.distributed import DistributedRunError
@@ -195,14 +195,19 @@ def _make_strategy(job: Job) -> Any:
     raise ValueError(f"unknown strategy {job.strategy!r}")
 
 
+REFUSING_BASELINES = {"fsdp"}
+"""Baselines that refuse this machine (Lightning's FSDPStrategy needs a GPU): their error is the result."""
+
+
 def _saved_activation_bytes(module: CausalLMModule, workload: Workload, micro_batches: int) -> int:
     """Bytes autograd saves for backward in one micro-batch's forward of this rank's stage (and loss).
 
     Parameters are left out and every storage counts once, so this is activation memory a
     stage holds per in-flight micro-batch.
     """
-    stage = module.model
-    assert isinstance(stage, PipelineStageModule)
+    stages = module.model
+    assert isinstance(stages, RankStages) and len(stages) == 1, "one stage per rank (a non-interleaved schedule)"
+    stage = stages[0]
     micro = workload.global_batch // micro_batches
     ids = torch.randint(workload.vocab, (micro, workload.seq))
     if stage.is_first:
@@ -519,7 +524,14 @@ def main(argv: list[str] | None = None) -> int:
         cap_param_multiple=CAP_PARAM_MULTIPLE, timeline_png=timeline.name, wall_s=round(wall_s, 1),
     )
     print(f"\nwrote {out} and {timeline} in {wall_s:.0f} s")
-    return 0
+    # a baseline refusing this machine, or DDP running out under the cap, is a result; any other error fails
+    failed = [row for row in (*throughput_table, *measured_balance, *recompute_table, *cap_table)
+              if row.get("error") and row.get("strategy") not in REFUSING_BASELINES
+              and not (row.get("section") == "memory_cap" and row.get("strategy") != "merak3d")]
+    for row in failed:
+        print(f"merak3d: {row.get('section')} {row.get('strategy', row.get('partition', row.get('recompute')))} "
+              f"failed: {row['error']}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -47,18 +47,27 @@ def _whole_tables(shapes: set[tuple[int, ...]]) -> set[tuple[int, ...]]:
             if isinstance(obj, nn.Embedding) and not obj.weight.is_meta and tuple(obj.weight.shape) in shapes}
 
 
+def _whole_parameters(shapes: set[tuple[int, ...]]) -> set[tuple[int, ...]]:
+    """Shapes among ``shapes`` of the plain (unsplit) parameters materialised in this process."""
+    return {tuple(obj.shape) for obj in gc.get_objects()
+            if type(obj) is nn.Parameter and not obj.is_meta and tuple(obj.shape) in shapes}
+
+
 class _Peak:
-    """Peak materialised parameter bytes; while ``tracing``, also the trace's peak and the tables it held whole."""
+    """Peak materialised parameter bytes and the vocabulary-sized parameters ever whole (shapes among
+    ``table_shapes``); while ``tracing``, also the trace's peak and the tables it held whole."""
 
     def __init__(self) -> None:
         self.bytes = self.trace_bytes = 0
         self.tracing = False
         self.table_shapes: set[tuple[int, ...]] = set()
         self.whole_tables: set[tuple[int, ...]] = set()
+        self.whole_vocabulary: set[tuple[int, ...]] = set()
 
     def __call__(self) -> None:
         held = _materialised_bytes()
         self.bytes = max(self.bytes, held)
+        self.whole_vocabulary |= _whole_parameters(self.table_shapes)
         if self.tracing:
             self.trace_bytes = max(self.trace_bytes, held)
             self.whole_tables |= _whole_tables(self.table_shapes)
@@ -90,8 +99,12 @@ class _Watch(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.peak()
 
+    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self.peak()
 
-def _meta_rank(rank: int, world_size: int, model_name: str, layout: dict) -> tuple:
+
+def _observed_peak() -> _Peak:
+    """A :class:`_Peak` taken after every materialisation and every block's split, and told when the trace runs."""
     from lightning_merak.strategies import tensor_parallel
     from lightning_merak.strategies.merak3d import build
     from lightning_merak.strategies.pipeline import meta_trace
@@ -116,6 +129,11 @@ def _meta_rank(rank: int, world_size: int, model_name: str, layout: dict) -> tup
         finally:
             peak.tracing = False
     meta_trace.trace_meta_model = traced
+    return peak
+
+
+def _meta_rank(rank: int, world_size: int, model_name: str, layout: dict) -> tuple:
+    peak = _observed_peak()
     torch.manual_seed(0)
     reference = build_causal_lm(MODELS[model_name], vocab_size=VOCAB)
     peak.table_shapes = {tuple(m.weight.shape) for m in reference.modules() if isinstance(m, nn.Embedding)}
@@ -136,7 +154,8 @@ def _meta_rank(rank: int, world_size: int, model_name: str, layout: dict) -> tup
     share = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
                 for p in module.model.parameters())
     return (recorder.losses, recorder.gradients), (module.built_on_meta, peak.bytes, share, block, outside,
-                                                   module.loaded_names, peak.trace_bytes, peak.whole_tables)
+                                                   module.loaded_names, peak.trace_bytes, peak.whole_tables,
+                                                   peak.whole_vocabulary)
 
 
 PP2 = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1}
@@ -148,16 +167,131 @@ TP2 = {"data_parallel": 1, "pipeline_parallel": 1, "tensor_parallel": 2}
                          ids=["llama-pp2", "llama-tp2", "gpt2-tied-pp2"])
 def test_meta_build_holds_only_its_share_and_trains_like_the_reference(model_name, layout):
     results = run_distributed(_meta_rank, 2, args=(model_name, layout), timeout_s=300)
-    for rank, (_, (on_meta, peak, share, block, outside, loaded, trace_peak, whole)) in enumerate(results):
+    for rank, (_, (on_meta, peak, share, block, outside, loaded, trace_peak, whole, vocabulary)) in enumerate(
+            results):
         assert on_meta, "configure_model did not build on the meta device"
         assert loaded, "the pretrained seam was not called"
         assert trace_peak > 0, "the trace was not observed"
         assert not whole, f"rank {rank} materialised whole embedding tables {sorted(whole)} while tracing"
         assert peak <= share + block + outside, f"rank {rank} held {peak} bytes, its share is {share}"
+        if layout["tensor_parallel"] == 2:  # the vocabulary is split before it is materialised
+            assert not vocabulary, f"rank {rank} materialised whole vocabulary tensors {sorted(vocabulary)}"
+            assert peak <= share + block, f"rank {rank} held {peak} bytes, its share is {share}"
         if layout["pipeline_parallel"] == 2:
             assert share < 0.75 * (4 * block + outside), f"rank {rank} kept more than its stage"
     assert_traces_match(_reference(model_name), _merge([trace for trace, _ in results]), loss_rtol=1e-5,
                         grad_rtol=1e-4)
+
+
+def _vocabulary_shapes(build) -> set[tuple[int, ...]]:
+    with torch.device("meta"):
+        model = build()
+    return {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Embedding)
+            and m.weight.shape[0] == model.config.vocab_size}
+
+
+def _pretrained_rank(rank: int, world_size: int, source: str, vocab: int, layout: dict) -> tuple:
+    """The product's path (``configure_model`` on meta, ``pretrained_path``), watched: peak bytes, share, logits."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_merak.hf import load_pretrained, pretrained_causal_lm
+    from lightning_merak.models import CausalLMModule
+
+    def build():
+        model = pretrained_causal_lm(source, vocab, weights=False)
+        model.config.use_cache = False
+        return model
+
+    peak = _observed_peak()
+    peak.table_shapes = _vocabulary_shapes(build)
+    module = CausalLMModule(None, TrainerConfig(), model_factory=build, pretrained_path=source)
+    read = []
+
+    def load_and_watch(tensors, layout_changes) -> None:  # CausalLMModule's seam, counting the bytes read
+        read.append(load_pretrained(tensors, source, layout_changes).bytes_read)
+        peak()
+    module.load_pretrained_weights = load_and_watch
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120),
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False, callbacks=[_Watch(peak)])
+    batches = torch.randint(vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+    logits = torch.cat(trainer.predict(module, DataLoader(TensorDataset(batches), batch_size=2)))
+    share = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+                for p in module.model.parameters())
+    return logits, peak.bytes, share, peak.whole_vocabulary, sum(read)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", ["llama", "gemma"], ids=["llama-untied", "gemma-tied-scaled"])
+def test_a_pretrained_tp2_build_holds_only_its_vocabulary_rows(tmp_path, family):
+    """tp=2, a vocabulary of 4097 rows (uneven halves) that outweighs the blocks: no rank ever materialises a
+    whole table or head, nor more than its share plus one block, and reads no more than its share from the file;
+    logits equal ``from_pretrained``'s."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    vocab = 4097
+    config = CONFIG_MAPPING[family](vocab_size=vocab, max_position_embeddings=64, tie_word_embeddings=family == "gemma",
+                                    **FAMILIES[family])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    block = _bytes(find_trunk(reference)[1][0].parameters())
+    with torch.no_grad():
+        expected = reference(torch.randint(vocab, (2, 16), generator=torch.Generator().manual_seed(1))).logits
+    layout = {"data_parallel": 1, "pipeline_parallel": 1, "tensor_parallel": 2}
+    results = run_distributed(_pretrained_rank, 2, args=(str(tmp_path), vocab, layout), timeout_s=180)
+    for rank, (logits, peak, share, whole, read) in enumerate(results):
+        assert not whole, f"rank {rank} materialised whole vocabulary tensors {sorted(whole)}"
+        assert peak <= share + block, f"rank {rank} held {peak} bytes: share {share} + one block {block}"
+        assert 0 < read <= share, f"rank {rank} read {read} bytes from the checkpoint, its share is {share}"
+        torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+
+
+def _random_init_rank(rank: int, world_size: int, family: str, config: dict, layout: dict) -> tuple:
+    """A meta model without pretrained weights: each rank's vocabulary rows, and the seed the build drew with."""
+    from torch.utils.data import DataLoader, TensorDataset
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from lightning_merak.models import CausalLMModule
+    from lightning_merak.strategies.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
+
+    class Seed(pl.Callback):
+        def on_predict_start(self, trainer, pl_module) -> None:
+            self.seed = torch.initial_seed()  # the build's materialisers use rank 0's
+
+    def build():
+        return AutoModelForCausalLM.from_config(CONFIG_MAPPING[family](**config))
+
+    seed = Seed()
+    module = CausalLMModule(None, TrainerConfig(), model_factory=build)
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120),
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False, callbacks=[seed])
+    trainer.predict(module, DataLoader(TensorDataset(torch.randint(config["vocab_size"], (4, 8))), batch_size=4))
+    rows = [(type(m).__name__, m.start, m.weight.to_local().detach().clone()) for m in module.model.modules()
+            if isinstance(m, (VocabParallelEmbedding, VocabParallelLMHead))]
+    return seed.seed, rows
+
+
+@pytest.mark.distributed
+def test_random_init_rows_equal_the_single_process_init_at_pp2_tp2():
+    """Without pretrained weights each rank's rows are those of the table materialised whole (GPT-2 ties the head
+    to the embedding: the last stage's head rows are the first stage's embedding rows)."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    config = {"vocab_size": VOCAB + 1, "n_positions": 64, "use_cache": False, **FAMILIES["gpt2"]}
+    layout = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 2}
+    results = run_distributed(_random_init_rank, 4, args=("gpt2", config, layout), timeout_s=180)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(GPT2Config(**config))
+    Materializer(torch.device("cpu"), results[0][0], init_owners(meta)).materialize(meta.transformer.wte,
+                                                                                    "transformer.wte")
+    table = meta.transformer.wte.weight.detach()
+    kinds = [kind for _, rows in results for kind, _, _ in rows]
+    assert sorted(set(kinds)) == ["VocabParallelEmbedding", "VocabParallelLMHead"], kinds
+    for _, rows in results:
+        for kind, start, local in rows:
+            assert torch.equal(local, table[start:start + local.shape[0]]), (kind, start)
 
 
 FAMILIES = {
@@ -322,15 +456,17 @@ def test_a_skip_connection_across_blocks_is_refused_on_meta():
 
 
 class _Held:
-    """What a meta trace materialises: the peak bytes of its live parameters and the embedding tables it held whole."""
+    """What a meta trace materialises: the peak bytes of its live parameters, the embedding tables it held whole
+    and (given ``vocab``) every parameter with all ``vocab`` rows."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, vocab: int = -1) -> None:
         from lightning_merak.strategies.pipeline.trace import default_materializer
 
         self._base = default_materializer(model, torch.device("cpu"))
         self._shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Embedding)}
+        self._vocab = vocab
         self._params: weakref.WeakSet = weakref.WeakSet()
-        self.peak, self.whole_tables = 0, []
+        self.peak, self.whole_tables, self.whole_vocabulary = 0, [], []
 
     def materialize_with(self, copy_: nn.Module):
         materialize = self._base(copy_)
@@ -338,6 +474,8 @@ class _Held:
         def observed(module: nn.Module, name: str, recurse: bool = True) -> None:
             materialize(module, name, recurse)
             self._params.update(p for p in module.parameters() if not p.is_meta)
+            self.whole_vocabulary += [name for name, p in module.named_parameters(prefix=name)
+                                      if not p.is_meta and p.shape[0] == self._vocab]
             self.whole_tables += [path for path, sub in module.named_modules(prefix=name)
                                   if isinstance(sub, nn.Embedding)
                                   and not sub.weight.is_meta and tuple(sub.weight.shape) in self._shapes]
@@ -413,3 +551,39 @@ def test_a_table_read_outside_a_lookup_is_materialised_whole_and_traced():
     trace = trace_model(model, torch.randint(VOCAB, (2, 4)), profile=True, profile_repeats=1)
     assert not trace.sample_hidden.is_meta and trace.sample_hidden.shape == (2, 4, 8)
     assert all(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+def test_profiling_times_the_head_on_a_slice_of_its_rows(family, monkeypatch):
+    """With a head larger than the slice, no vocabulary-sized tensor is ever whole (Llama untied, GPT-2 tied,
+    Gemma 2 soft-capping its logits after the head); saved bytes equal the whole head's, times are positive."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from lightning_merak.strategies.pipeline import meta_trace
+    from lightning_merak.strategies.pipeline.trace import trace_model
+
+    vocab = 4096
+    options = FAMILIES.get(family, {**FAMILIES["gemma"], "final_logit_softcapping": 30.0})
+    config = CONFIG_MAPPING[family](vocab_size=vocab, use_cache=False, **options)
+    torch.manual_seed(0)
+    real = AutoModelForCausalLM.from_config(config).eval()
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config).eval()
+    head = _bytes(real.get_output_embeddings().parameters())
+    monkeypatch.setattr(meta_trace, "HEAD_SLICE_BYTES", head // 8)
+    ids = torch.randint(vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+    held = _Held(meta, vocab)
+    gc.freeze()
+    try:
+        traced = trace_model(meta, ids, profile=True, profile_repeats=1, materialize_with=held.materialize_with)
+    finally:
+        gc.unfreeze()
+    expected = trace_model(real, ids, profile=True, profile_repeats=1)
+    assert not held.whole_tables and not held.whole_vocabulary, (held.whole_tables, held.whole_vocabulary)
+    block = _bytes(find_trunk(real)[1][0].parameters())
+    # one node materialised at a time: a block, or a slice of the head
+    assert held.peak <= block + head // 4, (held.peak, block, head)
+    suffix, reference = traced.costs[-1], expected.costs[-1]
+    assert (suffix.param_bytes, suffix.output_bytes, suffix.saved_bytes) == (
+        reference.param_bytes, reference.output_bytes, reference.saved_bytes)
+    assert suffix.forward_s > 0 and suffix.backward_s > 0

@@ -38,8 +38,13 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from lightning_merak.runtime.collectives import all_gather_in_turn, all_reduce_in_turn, reduce_scatter_in_turn
 from lightning_merak.strategies.sequence_parallel import SEQUENCE_DIM
 
-__all__ = ["VocabParallelEmbedding", "VocabParallelLMHead", "check_vocabulary_split", "pad_vocab_shard",
-           "padded_vocab_size", "split_vocabulary", "vocab_parallel_loss", "vocab_shard_range"]
+__all__ = ["LocalRows", "VocabParallelEmbedding", "VocabParallelLMHead", "check_vocabulary_split",
+           "pad_vocab_shard", "padded_vocab_size", "split_vocabulary", "vocab_parallel_loss", "vocab_shard_range",
+           "vocabulary_modules"]
+
+LocalRows = Callable[[nn.Module, str, int, int], nn.Module]
+"""``(module, unsplit path, start, end) -> rows``: for an embedding or head still on the meta device, a real
+module of its kind holding only its vocabulary rows ``[start, end)`` (and its other tensors, e.g. a scale)."""
 
 
 # Pure helpers ---------------------------------------------------------------------------------
@@ -135,26 +140,42 @@ def _rows(parameter: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
                         requires_grad=parameter.requires_grad)
 
 
+def _held_rows(local: torch.Tensor, global_rows: int, mesh: DeviceMesh) -> nn.Parameter:
+    """``local``, this rank's rows only, as the row-sharded parameter of a ``global_rows``-row tensor
+    (no whole tensor ever exists: a meta model materialised row-split)."""
+    start, end = vocab_shard_range(global_rows, mesh.size(), mesh.get_local_rank())
+    if local.shape[0] != end - start:
+        raise ValueError(f"rank {mesh.get_local_rank()} holds rows [{start}, {end}) of {global_rows}, "
+                         f"got {local.shape[0]}")
+    shape = torch.Size((global_rows, *local.shape[1:]))
+    return nn.Parameter(DTensor.from_local(local.detach(), mesh, [Shard(0)], run_check=False, shape=shape,
+                                           stride=_contiguous_strides(shape)), requires_grad=local.requires_grad)
+
+
 class VocabParallelEmbedding(nn.Module):
     """An ``nn.Embedding`` holding this rank's vocabulary rows; lookups are summed over the group (then scaled
     by ``embed_scale`` where transformers' scaled word embeddings have one).
 
-    ``weight`` is the row-sharded parameter to use (the head's, when they are tied).
+    ``weight`` is the row-sharded parameter to use (the head's, when they are tied); ``rows`` (see
+    :data:`LocalRows`) holds this rank's rows of a meta ``embedding``.
     """
 
     def __init__(self, embedding: nn.Embedding, mesh: DeviceMesh, weight: Optional[nn.Parameter] = None,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, rows: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.sequence_parallel = sequence_parallel
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         check_vocabulary_split(self.num_embeddings, mesh.size())
-        self.weight = weight if weight is not None else _rows(embedding.weight, mesh)
+        if weight is None:
+            weight = (_rows(embedding.weight, mesh) if rows is None
+                      else _held_rows(rows.weight, self.num_embeddings, mesh))
+        self.weight = weight
         self.group = mesh.get_group()
         self.start, self.end = vocab_shard_range(self.num_embeddings, mesh.size(), mesh.get_local_rank())
         padding = embedding.padding_idx
         self.padding_idx = padding
         self._local_padding = padding - self.start if padding is not None and self.start <= padding < self.end else None
-        scale = getattr(embedding, "embed_scale", None)
+        scale = getattr(rows if rows is not None else embedding, "embed_scale", None)
         self.embed_scale: Optional[torch.Tensor]
         self.register_buffer("embed_scale", torch.as_tensor(scale) if scale is not None else None, persistent=False)
 
@@ -201,17 +222,23 @@ class VocabParallelLMHead(nn.Module):
     """An LM head (``nn.Linear``) holding this rank's vocabulary rows.
 
     Returns full logits, or with ``shard_logits`` set (by :func:`vocab_parallel_loss`) and
-    gradients enabled, a DTensor sharded on the vocabulary.
+    gradients enabled, a DTensor sharded on the vocabulary. ``weight`` and ``rows`` as for
+    :class:`VocabParallelEmbedding`.
     """
 
     def __init__(self, head: nn.Linear, mesh: DeviceMesh, weight: Optional[nn.Parameter] = None,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, rows: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.sequence_parallel = sequence_parallel
         self.in_features, self.out_features = head.in_features, head.out_features
         check_vocabulary_split(self.out_features, mesh.size())
-        self.weight = weight if weight is not None else _rows(head.weight, mesh)
-        self.bias = _rows(head.bias, mesh) if head.bias is not None else None
+
+        def split(name: str) -> nn.Parameter:
+            whole = getattr(head, name)
+            return _rows(whole, mesh) if rows is None else _held_rows(getattr(rows, name), self.out_features, mesh)
+
+        self.weight = weight if weight is not None else split("weight")
+        self.bias = split("bias") if head.bias is not None else None
         self.mesh = mesh
         self.group = mesh.get_group()
         self.start, _ = vocab_shard_range(self.out_features, mesh.size(), mesh.get_local_rank())
@@ -249,7 +276,7 @@ def _plain_embedding(module: Optional[nn.Module]) -> bool:
                                             and hasattr(module, "embed_scale"))
 
 
-def _vocabulary_modules(model: nn.Module) -> tuple[Optional[str], Optional[str], list[str]]:
+def vocabulary_modules(model: nn.Module) -> tuple[Optional[str], Optional[str], list[str]]:
     """Paths of ``model``'s input embedding and LM head where they are plain ``nn.Embedding`` / ``nn.Linear``,
     and the types of those left whole (a module of another pipeline stage is neither)."""
     found = {
@@ -269,8 +296,8 @@ def _vocabulary_modules(model: nn.Module) -> tuple[Optional[str], Optional[str],
     return paths["embedding"], paths["head"], whole
 
 
-def split_vocabulary(parts: Sequence[nn.Module], mesh: DeviceMesh,
-                     sequence_parallel: bool = False) -> dict[int, nn.Parameter]:
+def split_vocabulary(parts: Sequence[nn.Module], mesh: DeviceMesh, sequence_parallel: bool = False,
+                     local_rows: Optional[LocalRows] = None) -> dict[int, nn.Parameter]:
     """Split the input embedding and LM head of each of ``parts`` (a model, or a rank's pipeline stages) by
     vocabulary rows over the 1-D ``mesh``; a part keeps what it lacks (another stage's) or cannot split.
 
@@ -278,12 +305,13 @@ def split_vocabulary(parts: Sequence[nn.Module], mesh: DeviceMesh,
     over the sequence (dimension 1, divisible by the ranks).
 
     Parts are transformers models or stages holding one under ``net``. Returns the new parameters
-    by ``id`` of those they replace, so tied-parameter bookkeeping can follow them.
+    by ``id`` of those they replace, so tied-parameter bookkeeping can follow them. Parts still on the
+    meta device need ``local_rows``: each rank then materialises only its rows, never the whole table.
     """
     replaced: dict[int, nn.Parameter] = {}
     for part in parts:
         model = getattr(part, "net", part)
-        embedding_path, head_path, whole = _vocabulary_modules(model)
+        embedding_path, head_path, whole = vocabulary_modules(model)
         if whole:
             rank_zero_info(f"merak3d: vocab_parallel leaves {', '.join(whole)} of {type(model).__name__} whole "
                            "(it splits nn.Embedding, transformers' scaled word embeddings and nn.Linear layers)")
@@ -293,8 +321,12 @@ def split_vocabulary(parts: Sequence[nn.Module], mesh: DeviceMesh,
             module = model.get_submodule(path)
             old = module.weight
             shared = replaced.get(id(old))
-            split = (VocabParallelEmbedding(module, mesh, shared, sequence_parallel) if path == embedding_path
-                     else VocabParallelLMHead(module, mesh, shared, sequence_parallel))
+            rows = None
+            others = [t for key, t in (*module._parameters.items(), *module._buffers.items()) if key != "weight"]
+            if local_rows is not None and (shared is None or any(t is not None and t.is_meta for t in others)):
+                rows = local_rows(module, path, *vocab_shard_range(old.shape[0], mesh.size(), mesh.get_local_rank()))
+            split = (VocabParallelEmbedding(module, mesh, shared, sequence_parallel, rows) if path == embedding_path
+                     else VocabParallelLMHead(module, mesh, shared, sequence_parallel, rows))
             replaced[id(old)] = split.weight
             if isinstance(module, nn.Linear) and module.bias is not None:
                 replaced[id(module.bias)] = split.bias

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from lightning_merak.runtime import random_state
 from lightning_merak.runtime.layout_aware import RecomputedForward
@@ -39,6 +40,7 @@ from lightning_merak.strategies.merak3d.materialize import (
     init_owners,
     local_tensors,
 )
+from lightning_merak.strategies.merak3d.vocabulary_build import VocabularyRows
 from lightning_merak.strategies.pipeline.meta_trace import materialized_copy
 from lightning_merak.strategies.pipeline.stage import RankStages, build_stage_module, tied_parameter_names
 from lightning_merak.strategies.pipeline.trace import ModelTrace, TraceError, find_trunk, trace_model
@@ -193,7 +195,9 @@ def build_model(model: nn.Module, inputs: torch.Tensor, *, arguments: Merak3DArg
     ``verified_tp_degrees`` are the degrees planning already checked the split at; recomputed
     blocks run a :class:`~lightning_merak.runtime.layout_aware.RecomputedForward`. A model on
     the meta device is traced and cut there; this rank then materialises only what it holds,
-    block by block (each split right after), and ``load_weights`` (the pretrained seam) fills it.
+    block by block (each split right after), and ``load_weights`` (the pretrained seam) fills it; with
+    ``tensor_parallel>1`` and a loader, the embedding and head are split over the vocabulary before they are
+    materialised (:class:`~lightning_merak.strategies.merak3d.vocabulary_build.VocabularyRows`).
     With ``pipeline_parallel=1`` and ``tensor_parallel=1`` nothing is traced: plain data parallelism.
     """
     layout = groups.layout
@@ -238,6 +242,12 @@ def build_model(model: nn.Module, inputs: torch.Tensor, *, arguments: Merak3DArg
     else:
         local_blocks = dict(enumerate(trunk))
     parts: list[nn.Module] = [part.net for part in stages] if stages is not None else [model]
+    split_vocabulary_now = tp > 1 and arguments.vocab_parallel
+    vocabulary = None
+    if materialize_with is not None and split_vocabulary_now and load_weights is not None:
+        # each rank allocates and reads only its vocabulary rows; see VocabularyRows for random init
+        vocabulary = VocabularyRows(parts, groups.tensor_mesh, sequence_plan is not None, materialize_with)
+        split_vocabulary_now = False
     if materialize_with is not None:
         for part in parts:
             _materialize_outside_trunk(part, trace.trunk_path, materialize_with(part))
@@ -248,11 +258,16 @@ def build_model(model: nn.Module, inputs: torch.Tensor, *, arguments: Merak3DArg
     if (plan is not None or materialize_with is not None) and local_blocks:
         layout_changes, tensor_partial = _shard_blocks(local_blocks, trace, plan, sequence_plan, groups.tensor_mesh,
                                                        arguments.weight_grad_overlap, materialize_with)
-    if materialize_with is not None and tied:
+    if materialize_with is not None and tied and vocabulary is None:
         _start_tied_equal(tied, groups.mesh, global_rank)
-    if load_weights is not None:
-        load_weights(_local_tensors(stages if stages is not None else model), layout_changes)
-    if tp > 1 and arguments.vocab_parallel:
+    root = stages if stages is not None else model
+    if vocabulary is not None:
+        vocabulary.load(lambda: load_weights(_local_tensors(root), layout_changes))
+        if tied:  # random init draws the tied rows per stage; loaded ones are equal already
+            _start_tied_equal(tied, groups.mesh, global_rank)
+    elif load_weights is not None:
+        load_weights(_local_tensors(root), layout_changes)
+    if split_vocabulary_now:
         replaced = split_vocabulary(list(stages) if stages is not None else [model], groups.tensor_mesh,
                                     sequence_parallel=sequence_plan is not None)
         tied = [entry._replace(param=replaced.get(id(entry.param), entry.param)) for entry in tied]
@@ -384,7 +399,9 @@ def _start_tied_equal(tied: list[TiedParameter], mesh: DeviceMesh, global_rank: 
     ranks = mesh.mesh
     _, d, t = (int(i) for i in (ranks == global_rank).nonzero()[0])
     for parameter in tied:
-        dist.broadcast(parameter.param.data, src=int(ranks[0, d, t]), group=parameter.group)
+        data = parameter.param.data
+        dist.broadcast(data.to_local() if isinstance(data, DTensor) else data, src=int(ranks[0, d, t]),
+                       group=parameter.group)
 
 
 def _local_tensors(root: nn.Module) -> dict[str, torch.Tensor]:

@@ -18,8 +18,8 @@ draws, not their distribution, shape or dtype; a padding row stays zero.
 
 Profiling materialises one node at a time, times it on real samples and frees it: the prefix (its
 tables as stand-ins, plus an estimate of the full table's dense gradient), one block of each distinct
-signature (repeated blocks share its figures) and the head, whose weight a tied embedding shares: the
-head's full weight is the largest piece the trace holds at once.
+signature (repeated blocks share its figures) and the head, a large LM head as a slice of its
+vocabulary rows whose times are scaled by the fraction: no piece of the vocabulary's size is ever whole.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from lightning_merak.strategies.pipeline.trace import (
 )
 from lightning_merak.timing import mean_call_time
 
-__all__ = ["materialized_copy", "trace_meta_model"]
+__all__ = ["HEAD_SLICE_BYTES", "materialized_copy", "row_stand_in", "trace_meta_model"]
 
 Materialize = Callable[..., None]
 """``(module, unsplit name, recurse=True) -> None``: storage and initial values for ``module`` (a Materializer's)."""
@@ -60,6 +60,25 @@ def materialized_copy(module: nn.Module, name: str, materialize_with: Callable[[
     real = copy.deepcopy(module)
     materialize_with(real)(real, name)
     return real
+
+
+def row_stand_in(module: nn.Module, rows: torch.Tensor) -> nn.Module:
+    """A meta copy of the embedding or linear ``module`` holding only rows ``rows`` (sorted ids) of its weight
+    (and bias): the same class, so the model's init treats it alike, and its padding row, if kept, still
+    the padding row. Its other tensors (Gemma's ``embed_scale``) stay as they are."""
+    stand_in = copy.deepcopy(module)
+    for name in ("weight", "bias"):
+        whole = module._parameters.get(name)
+        if whole is not None:
+            stand_in._parameters[name] = nn.Parameter(
+                torch.empty((len(rows), *whole.shape[1:]), dtype=whole.dtype, device="meta"),
+                requires_grad=whole.requires_grad)
+    if isinstance(stand_in, nn.Embedding):
+        padding = (rows == module.padding_idx).nonzero() if module.padding_idx is not None else rows[:0]
+        stand_in.num_embeddings, stand_in.padding_idx = len(rows), int(padding[0]) if len(padding) else None
+    elif isinstance(stand_in, nn.Linear):
+        stand_in.out_features = len(rows)
+    return stand_in
 
 
 def _to_meta(value: Any) -> Any:
@@ -131,11 +150,7 @@ class _TableRows(TorchFunctionMode):
         top = int(wanted[-1]) + 1 if wanted.numel() else 0
         contiguous = top <= 2 * wanted.numel() and top < weight.shape[0]  # positions, not a vocabulary's ids
         rows = torch.arange(top, device=wanted.device) if contiguous else wanted
-        stand_in = copy.deepcopy(table)
-        stand_in.weight = nn.Parameter(torch.empty((len(rows), *weight.shape[1:]), dtype=weight.dtype, device="meta"),
-                                       requires_grad=weight.requires_grad)
-        padding = (rows == table.padding_idx).nonzero() if table.padding_idx is not None else rows[:0]
-        stand_in.num_embeddings, stand_in.padding_idx = len(rows), int(padding[0]) if len(padding) else None
+        stand_in = row_stand_in(table, rows)
         self.materialize_with(stand_in)(stand_in, name)
         for store, own in ((stand_in._parameters, table._parameters), (stand_in._buffers, table._buffers)):
             for key, tensor in own.items():
@@ -349,13 +364,105 @@ def _profile_rest(model: nn.Module, trace: ModelTrace, repeats: int,
         fwd, bwd, saved = figures[kind]
         costs.append(BlockCost(f"{trace.trunk_path}.{index}", fwd, bwd, _param_bytes([block], seen), output_bytes,
                                saved))
-    head_model = copy.deepcopy(model)
-    materialize = materialize_with(head_model)
-    for path in trace.suffix_paths:
-        materialize(head_model.get_submodule(path), path)
-    _, head_params = trace.outside_parameters(head_model)
-    suffix_input = block_output.detach().clone().requires_grad_(True)
-    fwd, bwd, saved = _measure(lambda: trace.run_head(head_model, suffix_input), head_params, repeats)
+    fwd, bwd, saved = _profile_head(model, trace, block_output, repeats, materialize_with)
     costs.append(BlockCost("suffix", fwd, bwd, _param_bytes([model.get_submodule(p) for p in trace.suffix_paths], seen),
                            block_output.numel() * block_output.element_size(), saved))
     return costs
+
+
+HEAD_SLICE_BYTES = 64 << 20
+"""Weight bytes of the slice of an LM head's vocabulary rows timed in place of a larger head (see
+:func:`_profile_head`): its weight and gradient exceed glibc's largest mmap threshold (32 MiB), so they
+page-fault as the whole head's do. On this CPU a 32k × 512 head scaled from 32 or 16 MiB slices agrees
+with the whole head within noise; from 8 MiB it over-reads (docs/findings.md, Scale)."""
+
+
+def _head_rows(model: nn.Module, trace: ModelTrace) -> tuple[str, int, int] | None:
+    """``(path, rows to time, all rows)`` of an ``nn.Linear`` LM head whose weight exceeds :data:`HEAD_SLICE_BYTES`,
+    else None (timed whole)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:
+        return None
+    path = next((name for name, module in model.named_modules() if module is head), None)
+    rows = max(HEAD_SLICE_BYTES // (head.in_features * head.weight.element_size()), 2)
+    return (path, rows, head.out_features) if path in trace.suffix_paths and rows < head.out_features else None
+
+
+def _sliced_head(model: nn.Module, trace: ModelTrace, materialize_with: Callable[[nn.Module], Materialize],
+                 rows: tuple[str, int] | None) -> tuple[nn.Module, list[nn.Parameter]]:
+    """A copy of ``model`` whose head alone is materialised (its LM head cut to ``rows = (path, count)`` rows),
+    and the head's parameters."""
+    head_model = copy.deepcopy(model)
+    if rows is not None:
+        path, count = rows
+        head_model.set_submodule(path, row_stand_in(head_model.get_submodule(path), torch.arange(count)))
+    materialize = materialize_with(head_model)
+    for path in trace.suffix_paths:
+        materialize(head_model.get_submodule(path), path)
+    return head_model, trace.outside_parameters(head_model)[1]
+
+
+def _replay(steps: list[Any], model: nn.Module, values: list[torch.Tensor]) -> torch.Tensor:
+    """Run head ``steps`` after the head's values so far (``values[0]`` is the last block's output)."""
+    values = list(values)
+    for step in steps:
+        values.append(step.run(model, values))
+    return values[-1]
+
+
+def _saved_bytes(run: Callable[[], torch.Tensor]) -> int:
+    """Bytes ``run``'s forward saves for backward. The hook keeps a detached alias: a node saving its own output
+    as is would hold itself, a cycle through C++ that Python's collector never frees (with the parameters)."""
+    saved = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        saved += tensor.numel() * tensor.element_size()
+        return tensor.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return saved
+
+
+def _profile_head(model: nn.Module, trace: ModelTrace, hidden: torch.Tensor, repeats: int,
+                  materialize_with: Callable[[nn.Module], Materialize]) -> tuple[float, float, int]:
+    """``(forward s, backward s, saved bytes)`` of the head (final norm, LM head, what follows the logits).
+
+    An LM head larger than :data:`HEAD_SLICE_BYTES` is never materialised whole (152k × 4096 rows are
+    2.5 GB of weight, as much of gradient, and logits of the vocabulary's width): the steps before it (the
+    final norm) are timed as they are, the LM head and what follows it (elementwise work on the logits)
+    on its first rows, their times scaled by the fraction of rows. Scaling the norm too over-read by its
+    whole time times the fraction (on this CPU an RMSNorm over 512 × 512 takes 10 % of a 32k-row head).
+    Saved bytes are affine in the rows (input fixed, weight and logits per row): counted at two slice
+    widths and extrapolated.
+    """
+    sliced = _head_rows(model, trace)
+    if sliced is None:
+        head_model, params = _sliced_head(model, trace, materialize_with, None)
+        block_output = hidden.detach().clone().requires_grad_(True)
+        return _measure(lambda: trace.run_head(head_model, block_output), params, repeats)
+    path, rows, total = sliced
+    first = next(index for index, step in enumerate(trace.head) if step.module == path)
+    pre, post, values = _time_head_slice(model, trace, hidden, repeats, materialize_with, (path, rows), first)
+    half_model, _ = _sliced_head(model, trace, materialize_with, (path, rows // 2))
+    post_half = _saved_bytes(lambda: _replay(trace.head[first:], half_model, values))
+    scale = total / rows
+    saved = post[2] + (post[2] - post_half) / (rows - rows // 2) * (total - rows)
+    return pre[0] + post[0] * scale, pre[1] + post[1] * scale, pre[2] + round(saved)
+
+
+def _time_head_slice(model: nn.Module, trace: ModelTrace, hidden: torch.Tensor, repeats: int,
+                     materialize_with: Callable[[nn.Module], Materialize], rows: tuple[str, int],
+                     first: int) -> tuple[tuple[float, float, int], tuple[float, float, int], list[torch.Tensor]]:
+    """``_measure`` figures of the head's steps before its LM head (``trace.head[:first]``) and of the rest on
+    ``rows`` of the LM head, and the values the first steps compute (inputs of the rest)."""
+    before, after = trace.head[:first], trace.head[first:]
+    head_model, params = _sliced_head(model, trace, materialize_with, rows)
+    values = [hidden.detach().clone().requires_grad_(True)]
+    with torch.no_grad():
+        for step in before:
+            values.append(step.run(head_model, values))
+    values = [value.detach().requires_grad_(value.is_floating_point()) for value in values]
+    pre = _measure(lambda: _replay(before, head_model, values[:1]), params, repeats) if before else (0.0, 0.0, 0)
+    return pre, _measure(lambda: _replay(after, head_model, values), params, repeats), values

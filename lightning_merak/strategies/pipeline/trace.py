@@ -350,7 +350,9 @@ def _measure(run: Callable[[], torch.Tensor], params: list[nn.Parameter], repeat
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         saved["bytes"] += tensor.numel() * tensor.element_size()
-        return tensor
+        # this forward is never differentiated; a node's own output saved as itself would make a cycle
+        # through its grad_fn that keeps the materialised node alive
+        return tensor.detach()
 
     with torch.no_grad():
         forward_s = mean_call_time(run, repeats)
