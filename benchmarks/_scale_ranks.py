@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from benchmarks.merak3d import FullyShardedLM
-from benchmarks.report import proc_status_mb
+from benchmarks.report import proc_status_mb, saved_activation_bytes
 from lightning_merak.config import TrainerConfig
 from lightning_merak.models import CausalLMModule
 
@@ -297,20 +297,13 @@ def _saved_bytes(workload: Workload, tensor_parallel: int) -> int:
     of the part of the model one of ``tensor_parallel`` ranks computes."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(workload.config(tensor_parallel)).train()
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     ids = torch.randint(workload.vocab // tensor_parallel, (1, workload.seq))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+
+    def forward_and_loss() -> None:
         logits = model(ids).logits
         nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1))
-    return sum(saved.values())
+
+    return saved_activation_bytes(forward_and_loss, model.parameters())
 
 
 def measure_activations(workload: Workload, tensor_parallel: int = 1) -> dict[str, float]:

@@ -48,7 +48,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.report import default_out, out_help, print_table, proc_status_mb, write_json
+from benchmarks.report import default_out, out_help, print_table, proc_status_mb, saved_activation_bytes, write_json
 from lightning_merak.config import ModelConfig, TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
 from lightning_merak.strategies import pipeline
@@ -214,21 +214,14 @@ def _saved_activation_bytes(module: CausalLMModule, workload: Workload, micro_ba
         inputs: tuple[torch.Tensor, ...] = (ids,)
     else:
         inputs = (stage.trace.sample_hidden.clone().requires_grad_(True), *stage.trace.sample_side_tensors)
-    parameters = {param.untyped_storage().data_ptr() for param in stage.parameters()}
-    saved: dict[int, int] = {}
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    stage.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    def forward_and_loss() -> None:
         output = stage(*inputs)
         if stage.is_last:
             module.loss_from_logits(output, ids)
-    return sum(saved.values())
+
+    stage.train()
+    return saved_activation_bytes(forward_and_loss, stage.parameters())
 
 
 def _run_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:

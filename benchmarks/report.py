@@ -13,9 +13,12 @@ from __future__ import annotations
 import json
 import os
 import platform
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
+
+if TYPE_CHECKING:
+    import torch
 
 Label = Literal["measured", "emulated", "simulated"]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -78,3 +81,22 @@ def proc_status_mb(key: str) -> float:
             if name == key:
                 return int(value.split()[0]) / 1024
     raise KeyError(key)
+
+
+def saved_activation_bytes(run: Callable[[], Any], parameters: Iterable[torch.Tensor]) -> int:
+    """Bytes autograd saves for backward in ``run``'s forward (never differentiated), every storage once and
+    ``parameters``' storages left out: the activation memory that forward holds."""
+    import torch
+
+    excluded = {param.untyped_storage().data_ptr() for param in parameters}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sum(saved.values())

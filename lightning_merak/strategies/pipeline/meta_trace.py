@@ -46,6 +46,7 @@ from lightning_merak.strategies.pipeline.trace import (
     _prefix_output,
     _record,
     find_trunk,
+    saved_bytes,
 )
 from lightning_merak.timing import mean_call_time
 
@@ -410,21 +411,6 @@ def _replay(steps: list[Any], model: nn.Module, values: list[torch.Tensor]) -> t
     return values[-1]
 
 
-def _saved_bytes(run: Callable[[], torch.Tensor]) -> int:
-    """Bytes ``run``'s forward saves for backward. The hook keeps a detached alias: a node saving its own output
-    as is would hold itself, a cycle through C++ that Python's collector never frees (with the parameters)."""
-    saved = 0
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        nonlocal saved
-        saved += tensor.numel() * tensor.element_size()
-        return tensor.detach()
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        run()
-    return saved
-
-
 def _profile_head(model: nn.Module, trace: ModelTrace, hidden: torch.Tensor, repeats: int,
                   materialize_with: Callable[[nn.Module], Materialize]) -> tuple[float, float, int]:
     """``(forward s, backward s, saved bytes)`` of the head (final norm, LM head, what follows the logits).
@@ -446,7 +432,7 @@ def _profile_head(model: nn.Module, trace: ModelTrace, hidden: torch.Tensor, rep
     first = next(index for index, step in enumerate(trace.head) if step.module == path)
     pre, post, values = _time_head_slice(model, trace, hidden, repeats, materialize_with, (path, rows), first)
     half_model, _ = _sliced_head(model, trace, materialize_with, (path, rows // 2))
-    post_half = _saved_bytes(lambda: _replay(trace.head[first:], half_model, values))
+    post_half = saved_bytes(lambda: _replay(trace.head[first:], half_model, values))
     scale = total / rows
     saved = post[2] + (post[2] - post_half) / (rows - rows // 2) * (total - rows)
     return pre[0] + post[0] * scale, pre[1] + post[1] * scale, pre[2] + round(saved)

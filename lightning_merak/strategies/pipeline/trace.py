@@ -37,7 +37,7 @@ from lightning_merak.runtime.module_mode import hooks_removed_after, modules_in_
 from lightning_merak.strategies.pipeline.costs import BlockCost
 from lightning_merak.timing import mean_call_time
 
-__all__ = ["ModelTrace", "TraceError", "find_trunk", "trace_model"]
+__all__ = ["ModelTrace", "TraceError", "find_trunk", "saved_bytes", "trace_model"]
 
 
 class TraceError(ValueError):
@@ -344,16 +344,24 @@ def _prune(steps: list[HeadStep], inputs_of: list[set[int]]) -> list[HeadStep]:
     return kept
 
 
-def _measure(run: Callable[[], torch.Tensor], params: list[nn.Parameter], repeats: int) -> tuple[float, float, int]:
-    """(forward seconds, backward seconds, bytes saved for backward) of one node."""
-    saved = {"bytes": 0}
+def saved_bytes(run: Callable[[], Any]) -> int:
+    """Bytes ``run``'s forward saves for backward (a forward never differentiated). The hook keeps a detached
+    alias: a node saving its own output as is would hold itself, a cycle through C++ that Python's collector
+    never frees (with the parameters)."""
+    saved = 0
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        saved["bytes"] += tensor.numel() * tensor.element_size()
-        # this forward is never differentiated; a node's own output saved as itself would make a cycle
-        # through its grad_fn that keeps the materialised node alive
+        nonlocal saved
+        saved += tensor.numel() * tensor.element_size()
         return tensor.detach()
 
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return saved
+
+
+def _measure(run: Callable[[], torch.Tensor], params: list[nn.Parameter], repeats: int) -> tuple[float, float, int]:
+    """(forward seconds, backward seconds, bytes saved for backward) of one node."""
     with torch.no_grad():
         forward_s = mean_call_time(run, repeats)
 
@@ -362,12 +370,11 @@ def _measure(run: Callable[[], torch.Tensor], params: list[nn.Parameter], repeat
         if out.requires_grad:
             out.backward(torch.ones_like(out))
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        run()
+    saved = saved_bytes(run)
     total_s = mean_call_time(forward_backward, repeats)
     for param in params:
         param.grad = None
-    return forward_s, max(total_s - forward_s, 0.0), saved["bytes"]
+    return forward_s, max(total_s - forward_s, 0.0), saved
 
 
 def _param_bytes(modules: list[nn.Module], seen: set[int]) -> int:
