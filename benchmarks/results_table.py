@@ -286,9 +286,40 @@ def scale(data: dict[str, Any]) -> Table:
                   f"peak/ideal, {top} layers", "load s", "load GB/s"], rows, notes)
 
 
+def sharding(data: dict[str, Any]) -> Table:
+    rows = []
+    for r in (r for r in data["rows"] if r["section"] == "modes"):
+        if r["error"]:
+            rows.append([r["layout"], r["name"], ("refused: " if r["refused"] else "failed: ") + brief(r["error"]),
+                         *["-"] * 7])
+            continue
+        worst = r["worst_rank"]
+        fraction = r.get("exposed_grad_comm_fraction")
+        rows.append([r["layout"], r["name"], f"{r['step_ms']:.0f}", ratio(r.get("step_over_merak3d_none")),
+                     ratio(r.get("step_over_ddp")), ratio(r.get("step_over_fsdp2")),
+                     ratio(r.get("optimizer_state_ratio")), "-" if fraction is None else f"{fraction:.2f}",
+                     "-" if r.get("loss_max_rel_diff_vs_ddp") is None else f"{r['loss_max_rel_diff_vs_ddp']:.1e}",
+                     f"{r['used_mb'][worst]:.0f} ({ratio(r['peak_over_ideal'])})"])
+    largest = ", ".join(f"{r['name']} {r['largest_layers']} layers ({r['params_m']:.1f} M)" if r["params_m"]
+                        else f"{r['name']} {'none' if r['error'] is None else brief(r['error'])}"
+                        for r in data["rows"] if r["section"] == "largest")
+    met_goals = data["goals_met"]
+    notes = [
+        f"{data['workload']}, {data['steps']} steps, network {data['network']}; step time: median of the slowest "
+        "rank; exposed: reduction wait with overlap over without; MiB: worst rank's peak above its baseline "
+        "(its peak over the ideal: parameters, the mode's gradients and AdamW state, activations)",
+        "goals: " + ", ".join(f"{key} {'-' if data[key] is None else f'{data[key]:.3g}'} ({data['goals'][key]}: "
+                              f"{met(met_goals[key])})" for key in data["goals"]),
+        f"largest model under {data['cap_mb']:.0f} MiB per rank, 4 ranks ({data['search_workload']}): {largest}",
+    ]
+    return Table(["layout", "run", "step ms", "vs merak3d none", "vs DDP", "vs FSDP2", "optimizer bytes vs none",
+                  "exposed reduce", "loss vs DDP", "MiB (peak/ideal)"], rows, notes)
+
+
 AREAS: dict[str, Callable[[dict[str, Any]], Table]] = {
     "collectives": collectives, "merak3d": merak3d, "overlap_tp": overlap_tp, "planner": planner,
     "delta": delta, "sparse_comm": sparse_comm, "moe": moe, "adapters": adapters, "scale": scale,
+    "sharding": sharding,
 }
 AUXILIARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "adapters_lr_sweep": ("adapters", adapters_lr_sweep),

@@ -77,8 +77,10 @@ class _TestModule(CausalLMModule):
         return _make_optimizer(self.model.parameters(), self.optimizer_kind)
 
 
-def _reference(model_name: str, optimizer_kind: str = "sgd", clip: float | None = None) -> TrainingTrace:
-    module = _module(model_name)
+def _reference(model_name: str, optimizer_kind: str = "sgd", clip: float | None = None,
+               module: CausalLMModule | None = None) -> TrainingTrace:
+    """Losses and gradients of one process on the whole batches; ``module`` (default: a fresh one) is trained."""
+    module = module if module is not None else _module(model_name)
     optimizer = _make_optimizer(module.model.parameters(), optimizer_kind)
     trace = TrainingTrace()
     for batch in _batches():

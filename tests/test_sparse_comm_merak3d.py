@@ -3,6 +3,8 @@ and gradients as merak3d's own dense averaging, with and without pipeline stages
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -63,7 +65,7 @@ class _Recorder(pl.Callback):
         self.exchanges += [m.last_exchange for m in pl_module.modules() if isinstance(m, ShardedEmbedding)]
 
 
-def _fit(model_name: str, layout: dict[str, int], comm: SparseCommunication | None,
+def _fit(model_name: str, layout: dict[str, Any], comm: SparseCommunication | None,
          clip: float | None = None) -> dict[str, object]:
     torch.manual_seed(0)
     model = build_causal_lm(MODELS[model_name], vocab_size=VOCAB)
@@ -101,6 +103,10 @@ def data_parallel_runs(rank: int, world_size: int) -> dict[str, dict[str, object
         "llama_dense_clipped": _fit("llama", layout, None, clip=CLIP),
         "llama_embrace_clipped": _fit("llama", layout, SparseCommunication("embrace", min_table_rows=TABLE_ROWS),
                                       clip=CLIP),
+        "llama_s2_zero2": _fit("llama", {**layout, "data_parallel_sharding": "gradients"},
+                               SparseCommunication("s2", min_table_rows=TABLE_ROWS)),
+        "llama_embrace_zero1_clipped": _fit("llama", {**layout, "data_parallel_sharding": "optimizer"},
+                                            SparseCommunication("embrace", min_table_rows=TABLE_ROWS), clip=CLIP),
     }
 
 
@@ -169,6 +175,16 @@ def test_embrace_under_merak3d_trains_like_dense(dp2, candidate: str, reference:
     """Replicated weights' gradients and losses match; the tables' columns are rank-local."""
     for runs in dp2:
         _assert_same_training(runs, candidate, reference, rtol=1e-4, skip=("wte", "lm_head", "embed_tokens"))
+
+
+def test_sparse_tables_compose_with_data_parallel_sharding(dp2) -> None:
+    """The tables S2 and EmbRace reduce themselves stay whole in the optimizer; ZeRO shards the rest, and the
+    clipping norm counts both kinds of shard once (the parameters' own gradients are the shards' then)."""
+    for runs in dp2:
+        torch.testing.assert_close(runs["llama_s2_zero2"]["losses"], runs["llama_dense"]["losses"], rtol=1e-5, atol=0)
+        dense, sharded = runs["llama_dense_clipped"], runs["llama_embrace_zero1_clipped"]
+        torch.testing.assert_close(sharded["norms"], dense["norms"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(sharded["losses"], dense["losses"], rtol=1e-4, atol=0)
 
 
 def test_embrace_priority_sends_next_batch_rows_first(dp2) -> None:

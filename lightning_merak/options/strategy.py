@@ -42,6 +42,10 @@ class Merak3DOptions:
     plan_only: bool = False
     vocab_parallel: bool = True
     compact_host_memory: bool = False
+    data_parallel_sharding: str = "none"
+    data_parallel_shard_size: Optional[int] = None
+    overlap_grad_reduce: bool = True
+    grad_bucket_mb: Optional[float] = None
 
 
 _Merak3DFields = schema_of(Merak3DOptions, "_Merak3DFields")

@@ -67,6 +67,11 @@ class ShardedGradients:
                 return
         self._groups.append((group, ids))
 
+    def remove(self, params: Iterable[nn.Parameter]) -> None:
+        """Stop counting ``params`` as parts of a split whole (they are no longer stepped)."""
+        ids = {id(param) for param in params}
+        self._groups = [(group, registered - ids) for group, registered in self._groups if registered - ids]
+
     def __bool__(self) -> bool:
         return bool(self._groups)
 

@@ -33,11 +33,12 @@ from lightning_merak.strategies.sequence_parallel import check_sequence_length
 from lightning_merak.strategies.tensor_parallel import check_tensor_parallel_degree
 from lightning_merak.strategies.vocab_parallel import check_vocabulary_split
 
-__all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "Degree", "Merak3DArguments", "check_accumulation",
+__all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "SHARDING_MODES", "Degree", "Merak3DArguments", "check_accumulation",
            "check_module_members", "moe_layers"]
 
 RECOMPUTE_MODES = ("none", "full", "stage_aware", "auto")
 PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
+SHARDING_MODES = ("none", "optimizer", "gradients", "full", "auto")
 
 
 def check_stage_count(num_stages: int, num_blocks: int) -> None:
@@ -81,6 +82,22 @@ def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     if moe_layer is None:
         return []
     return [(name, module) for name, module in model.named_modules() if isinstance(module, moe_layer.MoE)]
+
+
+def check_fully_shardable(model: nn.Module, tensor_parallel: Optional[int]) -> None:
+    """Refuse a model FSDP2 cannot shard over the data-parallel ranks (``data_parallel_sharding="full"``)."""
+    if moe_layers(model):
+        raise ValueError(
+            "data_parallel_sharding='full' cannot shard MoE layers: their experts are spread over the data-parallel "
+            "ranks (expert parallelism), not copies FSDP2 may split; use data_parallel_sharding='none'")
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    if tensor_parallel is not None and isinstance(heads, int) and tensor_parallel > heads:
+        raise ValueError(
+            f"data_parallel_sharding='full' cannot shard key/value heads that several tensor-parallel ranks share "
+            f"(tensor_parallel={tensor_parallel} > {heads} key/value heads): their rows count once per copy in the "
+            f"gradient norm, which a second split hides; choose tensor_parallel <= {heads} or "
+            "data_parallel_sharding='optimizer'/'gradients'")
 
 
 @dataclass(frozen=True)
@@ -130,10 +147,42 @@ class Merak3DArguments(Merak3DOptions):
             raise ValueError(
                 f"virtual_stages={self.virtual_stages} must be at least 2 with schedule={schedule!r} (1 otherwise)"
             )
+        if self.data_parallel_sharding not in SHARDING_MODES:
+            raise ValueError(f"data_parallel_sharding={self.data_parallel_sharding!r} is not supported; "
+                             f"choose one of {', '.join(SHARDING_MODES)}")
+        shard_size = self.data_parallel_shard_size
+        if shard_size is not None:
+            if not isinstance(shard_size, int) or shard_size < 1:
+                raise ValueError(f"data_parallel_shard_size={shard_size!r} must be a positive integer (None: all "
+                                 "data-parallel ranks)")
+            if self.data_parallel_sharding == "none":
+                raise ValueError(f"data_parallel_shard_size={shard_size} shards over groups of ranks, but "
+                                 "data_parallel_sharding='none'; choose a sharding mode or leave the size unset")
+            if isinstance(self.data_parallel, int) and self.data_parallel % shard_size:
+                raise ValueError(f"data_parallel_shard_size={shard_size} does not divide data_parallel="
+                                 f"{self.data_parallel}; data_parallel = shard size × replicas")
+        if self.grad_bucket_mb is not None and not self.grad_bucket_mb > 0:
+            raise ValueError(f"grad_bucket_mb={self.grad_bucket_mb} must be positive")
+        if self.data_parallel_sharding == "full":
+            self._check_full_sharding()
         if self.micro_batches is not None and self.micro_batches < 1:
             raise ValueError(f"micro_batches={self.micro_batches} must be at least 1")
         if self.micro_batches is not None and isinstance(self.pipeline_parallel, int):
             check_micro_batches(self.micro_batches, self.pipeline_parallel, schedule)
+
+    def _check_full_sharding(self) -> None:
+        """Refuse what FSDP2 (``data_parallel_sharding="full"``, :mod:`.fully_sharded`) cannot run."""
+        other_modes = "or data_parallel_sharding='optimizer'/'gradients', which keep whole parameters"
+        if self.schedule == "shifted_critical_path":
+            raise ValueError(
+                "data_parallel_sharding='full' cannot run schedule='shifted_critical_path': its cool-down forwards "
+                "drop their activations and run again inside the backward, which FSDP2's forward and backward hooks "
+                f"(gather, reduce-scatter) do not follow; choose schedule='1f1b' (or another), {other_modes}")
+        if self.tp_overlap != 1:
+            raise ValueError(
+                f"data_parallel_sharding='full' cannot split micro-batches into tp_overlap={self.tp_overlap!r} "
+                "sub-batches: they run in threads of their own, each through FSDP2's per-module gather and free; "
+                f"set tp_overlap=1 (tp_weight_grad_overlap still hides tensor-parallel collectives), {other_modes}")
 
     # What the arguments decide ---------------------------------------------------------------
 
@@ -166,8 +215,10 @@ class Merak3DArguments(Merak3DOptions):
 
     @property
     def needs_planning(self) -> bool:
-        """Whether the layout planner chooses part of the layout (an ``"auto"`` beyond data_parallel)."""
-        return "auto" in (self.pipeline_parallel, self.tensor_parallel, self.tp_overlap, self.recompute)
+        """Whether the layout planner chooses part of the layout (an ``"auto"`` beyond data_parallel, the sharding
+        mode included)."""
+        return "auto" in (self.pipeline_parallel, self.tensor_parallel, self.tp_overlap, self.recompute,
+                          self.data_parallel_sharding)
 
     def resolve_degrees(self, world_size: int) -> tuple[int, int, int]:
         """``(dp, pp, tp)`` for ``world_size`` ranks, or a clear error when they cannot multiply to it."""
@@ -202,6 +253,7 @@ class Merak3DArguments(Merak3DOptions):
             schedule=self.schedule, micro_batches=self.micro_batches or default_micro_batches(pp),
             micro_batches_by_default=self.micro_batches is None, tp_overlap=self.tp_overlap,
             recompute=self.recompute, recompute_ratio=self.recompute_ratio,
+            data_parallel_sharding=self.data_parallel_sharding, data_parallel_shard_size=self.data_parallel_shard_size,
         )
 
     def launch_degrees(self, world_size: int) -> tuple[Optional[int], Optional[int]]:
@@ -253,5 +305,7 @@ class Merak3DArguments(Merak3DOptions):
                 check_vocabulary_split(vocab_size, tensor_parallel)
         if self.sequence_parallel and tensor_parallel is not None and tensor_parallel > 1 and moe_layers(model):
             raise ValueError("sequence_parallel does not support MoE layers; use sequence_parallel=False")
+        if self.data_parallel_sharding == "full":
+            check_fully_shardable(model, tensor_parallel)
         if pipeline_parallel is not None and pipeline_parallel > 1:
             check_stage_count(pipeline_parallel * self.stages_per_rank, len(find_trunk(model)[1]))

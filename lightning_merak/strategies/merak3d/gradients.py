@@ -11,18 +11,20 @@ group (EmbRace's tables) do not clip themselves: they register the shards with t
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
-from lightning_merak.runtime.gradient_buffer import GradientBuffer
 from lightning_merak.runtime.gradient_norm import ShardedGradients, clip_coefficient, scale_gradients, squared_norm
 from lightning_merak.strategies.merak3d.layout import LayoutGroups
 
-__all__ = ["TiedParameter", "average_gradients", "clip_by_total_norm", "gradient_buffer", "replicated_parameters",
+if TYPE_CHECKING:
+    from lightning_merak.strategies.merak3d.data_parallel import DataParallelGradients
+
+__all__ = ["TiedParameter", "average_gradients", "averaged_parameters", "clip_by_total_norm", "replicated_parameters",
            "scale_gradients", "squared_norm", "synchronize_gradients"]
 
 
@@ -76,43 +78,61 @@ def replicated_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 def synchronize_gradients(module: nn.Module, tensor_partial: list[nn.Parameter], tied: list[TiedParameter],
-                          groups: LayoutGroups, buffer: Optional[GradientBuffer] = None) -> Optional[GradientBuffer]:
+                          groups: LayoutGroups, data_parallel: Optional[DataParallelGradients] = None) -> None:
     """Sum the gradients of parameters that saw part of the heads or tokens over the tensor-parallel
-    group, sum tied parameters between first and last stage, then average over the replicas: in place
-    on ``buffer`` (the replicated parameters' gradients, :func:`gradient_buffer`) when given, else on a
-    concatenated copy. Returns the buffer to use from now on (rebuilt if the replicated set changed)."""
+    group, sum tied parameters between first and last stage, then average over the replicas: with
+    ``data_parallel`` (its buckets, some already reduced during the backward), else on a concatenated copy."""
     partial = [_local(p.grad) for p in tensor_partial if p.grad is not None]
     if partial:
         average_gradients(partial, groups.tensor_group, replicas=1)
     for group, param, _ in tied:
         if param.grad is not None:
             dist.all_reduce(_local(param.grad), group=group)
-    data_parallel = groups.layout.data_parallel
-    if data_parallel == 1:
-        return buffer
-    if buffer is not None:
-        buffer = gradient_buffer(module, buffer)
-        buffer.gather()
-        for flat in buffer.flats:
-            dist.all_reduce(flat, group=groups.data_parallel_group)
-            flat /= data_parallel
-        return buffer
+    replicas = groups.layout.data_parallel
+    if replicas == 1 or groups.layout.data_parallel_sharding == "full":  # FSDP2 reduced them in the backward
+        return
+    if data_parallel is not None:
+        data_parallel.finish()
+        return
     grads = [_local(p.grad) for p in replicated_parameters(module) if p.grad is not None]
     if grads:
-        average_gradients(grads, groups.data_parallel_group, data_parallel)
-    return None
+        average_gradients(grads, groups.data_parallel_group, replicas)
 
 
-def gradient_buffer(module: nn.Module, current: Optional[GradientBuffer] = None) -> GradientBuffer:
-    """``current`` if it holds exactly the gradients of ``module``'s trainable replicated parameters, else a
-    new buffer for them (a callback may take parameters out of the average after the build, as the
-    sparse-communication callbacks do with their tables)."""
-    params = [param for param in replicated_parameters(module) if param.requires_grad]
-    if current is not None:
-        if {id(param) for param in current.params} == {id(param) for param in params}:
-            return current
-        current.remove()
-    return GradientBuffer(params)
+def averaged_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The trainable replicated parameters of ``module``, whose gradients the data-parallel ranks average."""
+    return [param for param in replicated_parameters(module) if param.requires_grad]
+
+
+def _row_weights(share: torch.Tensor, owner: nn.Parameter, param: nn.Parameter) -> torch.Tensor:
+    """``share`` (one weight per local row of ``owner``) broadcast over ``param``: ``owner`` itself, or a
+    data-parallel shard holding its flattened elements from ``param.shard_start`` on."""
+    local = _local(owner)
+    if param is owner:
+        return share.to(local.device, local.dtype).view(-1, *[1] * (local.ndim - 1))
+    row_numel = local[0].numel()
+    rows = torch.arange(param.shard_start, param.shard_start + param.numel(), device=share.device) // row_numel
+    return share[rows].to(param.device, param.dtype)
+
+
+_DATA_PARALLEL_DIMENSIONS = ("dp", "dp_replicate", "dp_shard")
+"""Mesh dimensions over data-parallel ranks (:mod:`.fully_sharded` shards over ``dp`` or, hybrid, ``dp_shard``)."""
+
+
+def _spread(param: torch.Tensor) -> tuple[bool, Optional[dist.ProcessGroup]]:
+    """Whether ``param`` is split over a model-parallel dimension (its squares count on every such rank; a copy
+    counts once), and the data-parallel group FSDP2 splits it over (its squares are summed over it), if any."""
+    if not isinstance(param, DTensor):
+        return False, None
+    model_split, fsdp_group = False, None
+    for index, (name, placement) in enumerate(zip(param.device_mesh.mesh_dim_names or (), param.placements)):
+        if placement.is_replicate():
+            continue
+        if name not in _DATA_PARALLEL_DIMENSIONS:
+            model_split = True
+        elif name != "dp_replicate":
+            fsdp_group = param.device_mesh.get_group(index)
+    return model_split, fsdp_group
 
 
 def clip_by_total_norm(optimizer: torch.optim.Optimizer, clip_val: Union[int, float], tied: list[TiedParameter],
@@ -125,7 +145,8 @@ def clip_by_total_norm(optimizer: torch.optim.Optimizer, clip_val: Union[int, fl
     Expert-parallel weights (``allreduce=False``, DeepSpeed's convention) differ between the
     ranks of their expert-parallel group, so their squares are summed over that group first, and
     so are those of the parameters ``sharded`` splits over a group of data-parallel ranks; every
-    other tensor is the same on all data-parallel replicas. ``row_shares`` maps a split
+    other tensor is the same on all data-parallel replicas, except parameters FSDP2 shards over the
+    data-parallel ranks (``"full"``), whose squares are summed over that group. ``row_shares`` maps a split
     parameter whose rows several tensor-parallel ranks hold (key/value heads shared by more
     query heads than there are ranks) to 1 / copies per local row, so each row counts once.
     """
@@ -136,28 +157,34 @@ def clip_by_total_norm(optimizer: torch.optim.Optimizer, clip_val: Union[int, fl
     grads, counted = [], []
     expert_grads: dict[str, list[torch.Tensor]] = {}
     sharded_grads: dict[int, list[torch.Tensor]] = {}
+    fsdp_grads: dict[str, tuple[dist.ProcessGroup, list[torch.Tensor]]] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             if param.grad is None:
                 continue
             grad = _local(param.grad)
             grads.append(grad)
-            replicated = not isinstance(param.grad, DTensor) or all(
-                isinstance(p, Replicate) for p in param.grad.placements
-            )
-            if id(param) in duplicated or (replicated and tensor_rank != 0):
+            owner = getattr(param, "sharded_from", param)  # a data-parallel shard counts as the parameter it slices
+            model_split, fsdp_group = _spread(owner)
+            if id(owner) in duplicated or (not model_split and tensor_rank != 0):
                 continue
+            if id(owner) in row_shares:
+                grad = grad * _row_weights(row_shares[id(owner)], owner, param).sqrt()
             shard_group = sharded.group_index(param)
             if shard_group is not None:
                 sharded_grads.setdefault(shard_group, []).append(grad)
             elif getattr(param, "allreduce", True) is False:
                 expert_grads.setdefault(getattr(param, "group_name", None), []).append(grad)
-            elif id(param) in row_shares:
-                share = row_shares[id(param)].to(grad.device, grad.dtype)
-                counted.append(grad * share.sqrt().view(-1, *[1] * (grad.ndim - 1)))
+            elif fsdp_group is not None:
+                fsdp_grads.setdefault(fsdp_group.group_name, (fsdp_group, []))[1].append(grad)
             else:
                 counted.append(grad)
     squares = squared_norm(counted, device) + sharded.squares(sharded_grads, device)
+    for name in sorted(fsdp_grads):
+        fsdp_group, shard_grads = fsdp_grads[name]
+        shard_squares = squared_norm(shard_grads, device)
+        dist.all_reduce(shard_squares, group=fsdp_group)
+        squares += shard_squares
     for name in sorted(expert_grads, key=str):
         expert_squares = squared_norm(expert_grads[name], device)
         dist.all_reduce(expert_squares, group=_expert_parallel_group(name))

@@ -113,6 +113,9 @@ class Layout:
         tp_overlap: sub-batches per micro-batch that take turns over tensor-parallel collectives.
         recompute: ``"none"``, ``"full"`` or ``"stage_aware"``.
         recompute_ratio: the first stage's recomputed fraction under ``"stage_aware"``.
+        data_parallel_sharding: what the data-parallel ranks split (``"none"``, ``"optimizer"``,
+            ``"gradients"``, ``"full"``).
+        data_parallel_shard_size: ranks each shard group spans (``None``: every data-parallel rank).
     """
 
     data_parallel: int
@@ -125,6 +128,8 @@ class Layout:
     tp_overlap: int
     recompute: str
     recompute_ratio: float
+    data_parallel_sharding: str = "none"
+    data_parallel_shard_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_micro_batches(self.micro_batches, self.pipeline_parallel, self.schedule)

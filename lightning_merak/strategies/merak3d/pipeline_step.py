@@ -40,6 +40,10 @@ class PipelineStep:
         self._groups = groups
         self._device = device
         self._pending_gradients: list[tuple[nn.Parameter, Optional[torch.Tensor]]] = []
+        self.scaled_later: frozenset[int] = frozenset()
+        """Parameters (by id) whose summed micro-batch gradients the data-parallel reduction divides by the
+        micro-batches, with the replicas; the step divides the others' (collectives may still be running on the
+        former's, so the schedule's own scaling, which would touch all of them, is off)."""
         layout = groups.layout
         loss_fn = vocab_parallel_loss(module.loss_from_logits, stages)
         pp_group = groups.pipeline_group
@@ -52,12 +56,12 @@ class PipelineStep:
             schedule_class = {"interleaved_1f1b": ScheduleInterleaved1F1B,
                               "interleaved_zero_bubble": ScheduleInterleavedZeroBubble}[layout.schedule]
             self._schedule = schedule_class(pipeline_stages, layout.micro_batches,
-                                            loss_fn=loss_fn, scale_grads=True)
+                                            loss_fn=loss_fn, scale_grads=False)
         else:
             schedule_class = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
                               "shifted_critical_path": ScheduleShiftedCriticalPath}[layout.schedule]
             self._schedule = schedule_class(pipeline_stages[0], layout.micro_batches,
-                                            loss_fn=loss_fn, scale_grads=True)
+                                            loss_fn=loss_fn, scale_grads=False)
 
     def loss(self, batch: Any) -> torch.Tensor:
         """Run the schedule on ``batch``; every rank returns the mean micro-batch loss.
@@ -78,14 +82,19 @@ class PipelineStep:
             for param in parameters:
                 param.grad = None
             self._schedule.step(*args, return_outputs=False, **kwargs)
+            with torch.no_grad():
+                for param in parameters:
+                    if param.grad is not None and id(param) not in self.scaled_later:
+                        param.grad.div_(self._groups.layout.micro_batches)
             self._pending_gradients = [(param, param.grad) for param in parameters]
             for param in parameters:
                 param.grad = None
         else:
             with torch.no_grad():
                 self._schedule.eval(*args, return_outputs=False, **kwargs)
-        loss = (torch.stack([l.detach() for l in losses]).mean() if stage.is_last
-                else torch.zeros((), device=self._device))
+        # float32 on every stage: the broadcast must agree in size whatever the precision (bf16-true)
+        loss = (torch.stack([l.detach() for l in losses]).float().mean() if stage.is_last
+                else torch.zeros((), dtype=torch.float32, device=self._device))
         pp_group, last_rank = self._last_stage_source()
         dist.broadcast(loss, src=last_rank, group=pp_group)
         return loss

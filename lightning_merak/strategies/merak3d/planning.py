@@ -9,6 +9,7 @@ measured step next to the prediction.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -18,7 +19,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_merak.strategies.layout_profiler import profile_model, profile_network, tensor_parallel_mesh
-from lightning_merak.strategies.merak3d.arguments import Merak3DArguments, divides_model
+from lightning_merak.strategies.merak3d.arguments import (
+    Merak3DArguments,
+    check_fully_shardable,
+    divides_model,
+    moe_layers,
+)
 from lightning_merak.strategies.merak3d.build import (
     Broadcast,
     call_model,
@@ -28,6 +34,7 @@ from lightning_merak.strategies.merak3d.build import (
     split_block_problem,
     tensor_parallel_plan,
 )
+from lightning_merak.strategies.merak3d.data_parallel import DEFAULT_BUCKET_MB, check_shardable_optimizer
 from lightning_merak.strategies.merak3d.layout import Layout, default_micro_batches
 from lightning_merak.strategies.merak3d.materialize import has_meta
 from lightning_merak.strategies.pipeline.meta_trace import materialized_copy
@@ -39,6 +46,7 @@ from lightning_merak.strategies.planner import (
     plan,
     required_profile_keys,
 )
+from lightning_merak.strategies.planner.profile import DATA_PARALLEL_SHARDING
 from lightning_merak.strategies.planner.step_check import BatchClock, StepTimeCheck
 
 __all__ = ["PLANNER_REPEATS", "PlannedLayout", "check_step_time", "first_training_batch", "plan_layout"]
@@ -98,18 +106,30 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
             raise
         rank_zero_info(f"merak3d planner: plain data parallelism, nothing to plan ({error})")
         return PlannedLayout(_data_parallel_layout(arguments, world), None, None, frozenset())
+    trainer = getattr(module, "_trainer", None)
+    precision = getattr(trainer, "precision_plugin", None)
+    modes = sharding_modes(arguments, model, precision, optimizer)
+    only_sharding_planned = "auto" not in (arguments.pipeline_parallel, arguments.tensor_parallel,
+                                           arguments.tp_overlap, arguments.recompute)
+    micro_batches = arguments.micro_batches
+    if only_sharding_planned and micro_batches is None and isinstance(fixed_pp, int):
+        micro_batches = default_micro_batches(fixed_pp)  # the layout is fixed but for its sharding
     ratios = {"none": (0.0,), "full": (1.0,), "stage_aware": (arguments.recompute_ratio,),
               "auto": (0.0, 0.5, 1.0)}[arguments.recompute]
     space = SearchSpace(
         world_size=world, global_batch_size=None, replica_batch_size=inputs.shape[0],
         tp_degrees_allowed=tp_degrees, max_pipeline_stages=fixed_pp or min(world, num_blocks + 2),
-        micro_batch_choices=(arguments.micro_batches,) if arguments.micro_batches else None,
+        micro_batch_choices=(micro_batches,) if micro_batches else None,
         overlap_choices=(1, 2, 4) if arguments.tp_overlap == "auto" else (arguments.tp_overlap,),
         recompute_ratios=ratios,
         memory_limit_bytes=arguments.memory_limit or default_memory_limit(device, num_processes),
         sequence_parallel=arguments.sequence_parallel,
         clip_gradients=clip_gradients,
         vocab_parallel=arguments.vocab_parallel,
+        sharding_modes=modes,
+        shard_size=arguments.data_parallel_shard_size,
+        overlap_grad_reduce=arguments.overlap_grad_reduce,
+        grad_bucket_bytes=(arguments.grad_bucket_mb or DEFAULT_BUCKET_MB) * 2**20,
     )
     keys = required_profile_keys(space, num_blocks)
     factory: Callable[[Any], torch.optim.Optimizer] = (
@@ -123,7 +143,8 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
                             materialize_with=materialize_with)
     every_rank: list[Any] = [None] * world
     dist.all_gather_object(every_rank, profile)
-    profile = average_profiles(every_rank)
+    profile = dataclasses.replace(average_profiles(every_rank), **state_bytes_per_parameter_byte(model, precision,
+                                                                                               factory))
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     network = profile_network(keys.all_reduce_group_sizes, device,
                               large_bytes=min(64 << 20, max(1 << 16, profile.hidden_bytes_per_sample
@@ -134,14 +155,19 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
     degrees = arguments.degrees
     allowed = [p for p in result.ranked
                if all(degrees[name] in ("auto", value) for name, value in
-                      (("dp", p.layout.dp), ("pp", p.layout.pp), ("tp", p.layout.tp)))]
+                      (("dp", p.layout.dp), ("pp", p.layout.pp), ("tp", p.layout.tp)))
+               and (p.layout.sharding != "full" or _fully_shardable(model, p.layout.tp))]
     if not allowed:
-        raise ValueError(f"no planned layout matches the fixed degrees {degrees}; set more of them to 'auto'")
+        full_only = " (data_parallel_sharding='full' needs tensor_parallel <= key/value heads)" if modes == (
+            "full",) else ""
+        raise ValueError(f"no planned layout matches the fixed degrees {degrees}{full_only}; set more of them to "
+                         "'auto'")
     best = allowed[0]
     chosen = best.layout
     runner_up = allowed[1] if len(allowed) > 1 else None
     lines = [f"merak3d planner: chose {chosen.describe()}, predicted step {best.step_time_s:.4g} s "
-             f"({best.samples_per_step} samples, {best.memory_bytes / 2**30:.3g} GiB per rank)"]
+             f"({best.samples_per_step} samples, {best.memory_bytes / 2**30:.3g} GiB per rank, "
+             f"data_parallel_sharding={chosen.sharding})"]
     if runner_up is not None:
         lines.append(f"merak3d planner: runner-up {runner_up.layout.describe()}, predicted step "
                      f"{runner_up.step_time_s:.4g} s ({runner_up.samples_per_step} samples)")
@@ -151,21 +177,79 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
     return PlannedLayout(layout, result, best, frozenset(verified))
 
 
+def sharding_modes(arguments: Merak3DArguments, model: nn.Module, precision: Any,
+                   optimizer: Optional[torch.optim.Optimizer]) -> tuple[str, ...]:
+    """The data-parallel sharding modes the planner searches: the one the user fixed, or with ``"auto"`` every
+    mode this run can use (the strategy refuses the others): no sharded mode under a loss-scaling precision
+    (16-mixed), ``"optimizer"``/``"gradients"`` only with an optimizer that steps element by element (when it
+    is known already), ``"full"`` not with MoE layers, the shifted critical-path schedule or sub-batches."""
+    if arguments.data_parallel_sharding != "auto":
+        return (arguments.data_parallel_sharding,)
+    if getattr(precision, "scaler", None) is not None:
+        return ("none",)
+    modes = list(DATA_PARALLEL_SHARDING)
+    if optimizer is not None:
+        try:
+            check_shardable_optimizer(optimizer, "auto")
+        except ValueError:
+            modes = [mode for mode in modes if mode not in ("optimizer", "gradients")]
+    if moe_layers(model) or arguments.schedule == "shifted_critical_path" or arguments.tp_overlap not in (1, "auto"):
+        modes.remove("full")
+    return tuple(modes)
+
+
+def _fully_shardable(model: nn.Module, tensor_parallel: int) -> bool:
+    try:
+        check_fully_shardable(model, tensor_parallel)
+    except ValueError:
+        return False
+    return True
+
+
+def state_bytes_per_parameter_byte(model: nn.Module, precision: Any,
+                                   optimizer_factory: Callable[[Any], torch.optim.Optimizer]) -> dict[str, float]:
+    """What each byte of ``model``'s parameters brings with it in this run, for the planner's memory model:
+    the optimizer's state (counted on a small parameter it steps once: Adam's two moments are 2.0) and, under
+    ``*-mixed`` precision, the 16-bit copies autocast makes of the fp32 parameters (the master weights) in use."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    probe = nn.Parameter(torch.zeros(64, dtype=dtype))
+    probe.grad = torch.ones_like(probe)
+    optimizer = optimizer_factory([probe])
+    optimizer.step()
+    state = sum(value.numel() * value.element_size() for value in optimizer.state[probe].values()
+                if isinstance(value, torch.Tensor) and value.numel() == probe.numel())
+    parameter_bytes = probe.numel() * probe.element_size()
+    mixed = str(getattr(precision, "precision", "")).endswith("-mixed")
+    copy = 2 / probe.element_size() if mixed and probe.element_size() > 2 else 0.0
+    return {"optimizer_bytes_per_parameter_byte": state / parameter_bytes,
+            "compute_copy_bytes_per_parameter_byte": copy}
+
+
 def _data_parallel_layout(arguments: Merak3DArguments, world_size: int) -> Layout:
-    """Every rank a whole replica: what is left for a model without a trunk of blocks to split or recompute."""
+    """Every rank a whole replica: what is left for a model without a trunk of blocks to split or recompute
+    (unprofiled, so ``data_parallel_sharding="auto"`` keeps whole replicas too)."""
     return Layout(
         data_parallel=world_size, pipeline_parallel=1, tensor_parallel=1, virtual_stages=arguments.stages_per_rank,
         schedule=arguments.schedule, micro_batches=arguments.micro_batches or default_micro_batches(1),
         micro_batches_by_default=arguments.micro_batches is None, tp_overlap=1, recompute="none",
         recompute_ratio=arguments.recompute_ratio,
+        **_sharding_fields(arguments, "none" if arguments.data_parallel_sharding == "auto"
+                           else arguments.data_parallel_sharding),
     )
+
+
+def _sharding_fields(arguments: Merak3DArguments, mode: str) -> dict[str, Any]:
+    """The adopted layout's sharding: the mode, and the user's shard size where a mode shards at all."""
+    return {"data_parallel_sharding": mode,
+            "data_parallel_shard_size": None if mode == "none" else arguments.data_parallel_shard_size}
 
 
 def _adopted_layout(arguments: Merak3DArguments, chosen: Any) -> Layout:
     """The run's :class:`Layout` for the planner's ``chosen`` one (a ``planner.Layout``).
 
     Micro-batches are the planner's with several stages, the user's (or the default) without;
-    a recomputed ratio becomes ``"full"`` without stages and ``"stage_aware"`` with them.
+    a recomputed ratio becomes ``"full"`` without stages and ``"stage_aware"`` with them. The
+    planner's sharding mode is what ``layout.data_parallel_sharding`` reads.
     """
     if chosen.pp > 1:
         micro_batches, by_default = chosen.micro_batches, False
@@ -182,6 +266,7 @@ def _adopted_layout(arguments: Merak3DArguments, chosen: Any) -> Layout:
         data_parallel=chosen.dp, pipeline_parallel=chosen.pp, tensor_parallel=chosen.tp,
         virtual_stages=arguments.stages_per_rank, schedule=arguments.schedule, micro_batches=micro_batches,
         micro_batches_by_default=by_default, tp_overlap=chosen.overlap, recompute=recompute, recompute_ratio=ratio,
+        **_sharding_fields(arguments, chosen.sharding),
     )
 
 

@@ -14,7 +14,6 @@ import time
 import weakref
 from dataclasses import fields
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, ContextManager, Iterable, Optional, Union
 
 import lightning.pytorch as pl
@@ -22,7 +21,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import nn
@@ -30,13 +28,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_merak.options.strategy import Merak3DOptions
 from lightning_merak.runtime.collectives import reduce_in_place
-from lightning_merak.runtime.gradient_buffer import GradientBuffer
 from lightning_merak.runtime.gradient_norm import ShardedGradients
 from lightning_merak.runtime.host_memory import release_freed_host_memory
 from lightning_merak.strategies import merak3d as package
-from lightning_merak.strategies.merak3d import arguments, build, gradients, planning
+from lightning_merak.strategies.merak3d import arguments, build, data_parallel, fully_sharded, gradients, planning
 from lightning_merak.strategies.merak3d.arguments import Degree, Merak3DArguments
-from lightning_merak.strategies.merak3d.checkpoint import ShardedCheckpointer, is_sharded_checkpoint
+from lightning_merak.strategies.merak3d.checkpoint import ShardedCheckpointer
+from lightning_merak.strategies.merak3d.checkpoint_hooks import CheckpointHooks
 from lightning_merak.strategies.merak3d.layout import Layout, LayoutGroups
 from lightning_merak.strategies.merak3d.materialize import has_meta, meta_device
 from lightning_merak.strategies.merak3d.pipeline_step import PipelineStep
@@ -48,7 +46,7 @@ from lightning_merak.termination import install_termination_handler
 __all__ = ["Merak3DStrategy"]
 
 
-class Merak3DStrategy(ParallelStrategy):
+class Merak3DStrategy(CheckpointHooks):
     """Automated 3D parallelism: ``data_parallel × pipeline_parallel × tensor_parallel`` ranks.
 
     When ``pipeline_parallel``, ``tensor_parallel``, ``tp_overlap`` or ``recompute`` is
@@ -100,6 +98,18 @@ class Merak3DStrategy(ParallelStrategy):
             allocation over 128 KiB mapped on its own, :mod:`~lightning_merak.runtime.host_memory`), so
             peak resident memory stays near the live tensors' instead of the heap's high-water mark;
             steps take longer (page faults). For CPU runs near their memory limit.
+        data_parallel_sharding: what the data-parallel ranks split instead of each holding a copy
+            (:mod:`~lightning_merak.strategies.merak3d.data_parallel`): ``"none"``; ``"optimizer"``
+            (ZeRO-1: each rank keeps and steps the optimizer state of one slice of the parameters,
+            gradients are reduce-scattered, updated parameters all-gathered); ``"gradients"`` (ZeRO-2:
+            the full gradient buffer is freed once reduce-scattered); ``"full"`` (parameters too:
+            FSDP2's ``fully_shard`` on the data-parallel dimension); ``"auto"`` (planned).
+        data_parallel_shard_size: ranks each shard group spans (hybrid sharding: shard inside groups
+            of this size, replicate across them); default all data-parallel ranks.
+        overlap_grad_reduce: reduce each bucket of gradients as soon as the last micro-batch's backward
+            has finished it, while the backward goes on (otherwise all at once after it).
+        grad_bucket_mb: size of a gradient bucket, the unit of that reduction (default: 25 MB, or an eighth
+            of the stage's gradients when that is smaller, at least 1 MB, so a small model still overlaps).
     """
 
     strategy_name = "merak3d"
@@ -124,6 +134,10 @@ class Merak3DStrategy(ParallelStrategy):
         plan_only: bool = False,
         vocab_parallel: bool = True,
         compact_host_memory: bool = False,
+        data_parallel_sharding: str = "none",
+        data_parallel_shard_size: Optional[int] = None,
+        overlap_grad_reduce: bool = True,
+        grad_bucket_mb: Optional[float] = None,
     ) -> None:
         super().__init__()
         given = locals()
@@ -150,8 +164,10 @@ class Merak3DStrategy(ParallelStrategy):
         self._pending_optimizer_states: list[dict[str, Any]] = []
         self._restored_state: Optional[dict[str, Any]] = None
         self._sharded_gradients = ShardedGradients()
-        self._gradient_buffer: Optional[GradientBuffer] = None
-        """The replicated parameters' gradients in one flat tensor per dtype, averaged in place (dp > 1)."""
+        self._data_parallel: Optional[data_parallel.DataParallelGradients] = None
+        self._fully_sharded: Optional[fully_sharded.FullySharded] = None
+        """FSDP2's modules with ``data_parallel_sharding="full"`` (they reduce their gradients themselves)."""
+        """The replicated parameters' gradient buckets, reduced over the replicas, and ZeRO's shards (dp > 1)."""
         self._row_shares: dict[int, torch.Tensor] = {}
         """1 / copies of each local row of split parameters whose rows several ranks hold, set by the build."""
         self.partition: Optional[Any] = None
@@ -206,6 +222,11 @@ class Merak3DStrategy(ParallelStrategy):
         return self.groups.tensor_group
 
     # what the layout decides once adopted, the arguments until then
+    @property
+    def reduction_stats(self) -> dict[str, float]:
+        """The data-parallel gradient reduction so far (:meth:`.DataParallelGradients.stats`); empty at dp=1."""
+        return self._data_parallel.stats() if self._data_parallel is not None else {}
+
     @property
     def tp_overlap(self) -> Degree:
         return (self._groups.layout if self._groups is not None else self._arguments).tp_overlap
@@ -359,12 +380,14 @@ class Merak3DStrategy(ParallelStrategy):
                 trainer.num_sanity_val_steps = 0
         if self._built is None:  # a layout built by an earlier validate or predict holds only its part
             self._arguments.check_model(module.model, self.pipeline_parallel, self.tensor_parallel)
+            self.precision_plugin.convert_module(module)  # bf16-true: weights in bf16 (on meta too)
         self.model_to_device()
         if self._built is None and not has_meta(module):  # built or meta: ranks' parts start equal when built
             for tensor in [*gradients.replicated_parameters(module), *module.buffers()]:
                 dist.broadcast(tensor.data, src=0)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            data_parallel.check_sharding(self.layout, self.optimizers, self.precision_plugin, trainer.callbacks)
         self.setup_precision_plugin()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
 
@@ -484,13 +507,17 @@ class Merak3DStrategy(ParallelStrategy):
         for part in module.modules():
             if part not in existing:  # stage wrappers and pruned containers join the loop's mode
                 part.training = module.training
-        self._built = built
         self._row_shares = {id(param): share for param, share in shared_row_weights(module)}
+        layout = self.layout
+        if layout.data_parallel_sharding == "full" and layout.data_parallel > 1:  # before the optimizers see them
+            data_parallel.check_precision(self.precision_plugin, "full")
+            self._fully_sharded, built = fully_sharded.shard_built_model(
+                module.model, built, self.groups, layout.data_parallel_shard_size, row_shared=bool(self._row_shares))
+        self._built = built
         self._built_in_evaluation = not module.training
         trainer = module.trainer
         if trainer.state.fn == TrainerFn.FITTING:
-            if self.layout.data_parallel > 1:
-                self._gradient_buffer = gradients.gradient_buffer(module)
+            self._data_parallel = data_parallel.data_parallel_gradients(module, built, self.groups, self._arguments)
             # the schedulers Lightning restored from a checkpoint are replaced with the optimizers
             scheduler_states = [config.scheduler.state_dict() for config in self.lr_scheduler_configs]
             self.setup_optimizers(trainer)
@@ -501,6 +528,12 @@ class Merak3DStrategy(ParallelStrategy):
             for optimizer, state in zip(self.optimizers, self._pending_optimizer_states):
                 self._checkpointer.load_optimizer_state(optimizer, state, module.model)
             self._pending_optimizer_states = []
+            self._shard_optimizers()
+
+    def _shard_optimizers(self) -> None:
+        """With a sharded data-parallel mode, each optimizer steps this rank's slices; clipping counts them once."""
+        if self._data_parallel is not None:
+            self._data_parallel.attach(self.optimizers, self.precision_plugin, self._sharded_gradients)
 
     def on_validation_end(self) -> None:
         """A layout built in a fit's sanity check trains afterwards: Lightning restores the modes of the modules
@@ -512,6 +545,10 @@ class Merak3DStrategy(ParallelStrategy):
     # Steps ------------------------------------------------------------------------------
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._data_parallel is not None:  # a pipelined step runs its micro-batches' backward passes in here
+            averaged_later = self._data_parallel.arm(self.micro_batches if self._pipeline is not None else 1)
+            if self._pipeline is not None:
+                self._pipeline.scaled_later = averaged_later
         with self.precision_plugin.train_step_context():
             return self.lightning_module.training_step(*args, **kwargs)
 
@@ -526,9 +563,16 @@ class Merak3DStrategy(ParallelStrategy):
             closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
             self.post_backward(closure_loss)
         built = self._built
-        self._gradient_buffer = gradients.synchronize_gradients(
+        current = self._data_parallel
+        if current is not None:  # a callback may take parameters out of the average on the first step
+            self._data_parallel = data_parallel.refreshed(current, self.lightning_module, built, self.groups,
+                                                          self._arguments, self.optimizers)
+            if self._data_parallel is not current:
+                self._sharded_gradients.remove(current.shard_parameters)
+                self._shard_optimizers()
+        gradients.synchronize_gradients(
             self.lightning_module, built.tensor_partial if built else [], built.tied if built else [], self.groups,
-            self._gradient_buffer)
+            self._data_parallel)
         return closure_loss
 
     def register_sharded_gradients(self, params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup]) -> None:
@@ -543,58 +587,9 @@ class Merak3DStrategy(ParallelStrategy):
                                                                self.root_device, self._sharded_gradients,
                                                                self._row_shares)
 
-    # Checkpoints ------------------------------------------------------------------------
-
-    def to_original_layout(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """``full`` (a gathered parameter-shaped tensor) in the unsplit model's layout."""
-        return self._checkpointer.to_original_layout(name, full)
-
     def _expert_placement(self) -> tuple[int, tuple[int, int, int]]:
         """This rank and the ``(pp, dp, tp)`` degrees, for the checkpointer to tell which experts it holds."""
         if self._built is not None or (self.layout_choice is not None and self._groups is not None):
             layout = self.layout
             return self.global_rank, (layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel)
         return self.global_rank, self._arguments.fixed_degrees("resuming expert-parallel MoE layers")
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._built is None:
-            return self.lightning_module.state_dict()
-        return self._checkpointer.module_state_dict(self.lightning_module)
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        if self._built is None:
-            return optimizer.state_dict()
-        return self._checkpointer.optimizer_state(optimizer, self.lightning_module.model)
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if self._built is None:
-            super().save_checkpoint(checkpoint, filepath, storage_options)
-            return
-        self._checkpointer.save(checkpoint, Path(filepath), pipeline_rank=self.pipeline_rank,
-                                global_rank=self.global_rank, world_size=self.world_size)
-        self.barrier()
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = Path(checkpoint_path)
-        if not is_sharded_checkpoint(path):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        if self._built is not None:
-            raise RuntimeError(
-                f"{path} is a sharded merak3d checkpoint; load it before the first batch "
-                "(Trainer.fit/validate/predict with ckpt_path=...)"
-            )
-        return self._checkpointer.load(path, self.lightning_module)
-
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if has_meta(self.lightning_module):  # a meta model has nowhere to put it: filled once materialised
-            self._restored_state = checkpoint["state_dict"]
-        else:
-            super().load_model_state_dict(checkpoint, strict)
-
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        states = checkpoint["optimizer_states"]
-        if self._built is not None:
-            for optimizer, state in zip(self.optimizers, states):
-                self._checkpointer.load_optimizer_state(optimizer, state, self.lightning_module.model)
-        else:
-            self._pending_optimizer_states = list(states)

@@ -7,13 +7,16 @@ includes whatever the runtime overlaps: sub-batches, and the column groups' inpu
 all-reduce behind their weight gradients), else from the overlapped tensor-parallel chain
 (:mod:`.overlap`), which knows sub-batches only and so leaves that backward all-reduce
 exposed; with the pipeline runtime's own time per chunk added, the pipeline schedule
-simulator turns those into an iteration. The data-parallel gradient
-all-reduce and the optimizer step follow, not overlapped with compute.
+simulator turns those into an iteration. The data-parallel communication, clipping and the
+optimizer step follow; the part of the communication hidden behind the backward (and, fully
+sharded, the forward) is left out (:func:`data_parallel_s`). Per-rank memory counts what each
+data-parallel sharding mode keeps (:func:`model_state_bytes`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from lightning_merak.strategies.pipeline import (
@@ -25,16 +28,26 @@ from lightning_merak.strategies.pipeline import (
     stage_aware_recompute_ratios,
 )
 from lightning_merak.strategies.planner.overlap import OverlapResult, simulate_overlapped_chain
-from lightning_merak.strategies.planner.profile import MeasuredBlocks, ModelProfile, NetworkProfile, SearchSpace
+from lightning_merak.strategies.planner.profile import (
+    DATA_PARALLEL_SHARDING,
+    MeasuredBlocks,
+    ModelProfile,
+    NetworkProfile,
+    SearchSpace,
+)
 
 COMPONENTS = ("compute", "exposed_tp_comm", "pipeline_runtime", "pipeline_bubble", "dp_allreduce", "grad_clip",
               "optimizer")
-"""The parts a predicted step time is split into; they add up to the step time."""
+"""The parts a predicted step time is split into; they add up to the step time ("dp_allreduce": the exposed
+data-parallel communication, whatever its collectives)."""
+MEMORY_COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations")
+"""The parts of a rank's predicted peak memory; they add up to it."""
 
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to run the model: degrees, micro-batches per step, sub-batches per micro-batch, recompute.
+    """One way to run the model: degrees, micro-batches per step, sub-batches per micro-batch, recompute,
+    and what the data-parallel ranks shard (:data:`DATA_PARALLEL_SHARDING`).
 
     ``recompute_ratio`` is the first stage's ratio of stage-aware recompute (spec 1.4); with a
     single stage it must be 0 ("none") or 1 ("full"), the two modes the runtime has there.
@@ -46,6 +59,7 @@ class Layout:
     micro_batches: int
     overlap: int
     recompute_ratio: float
+    sharding: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "micro_batches", "overlap"):
@@ -65,22 +79,31 @@ class Layout:
                 f"micro_batches={self.micro_batches} < pp={self.pp}; pipeline schedules need at least one "
                 "micro-batch per stage"
             )
+        if self.sharding not in DATA_PARALLEL_SHARDING:
+            raise ValueError(f"Layout.sharding={self.sharding!r} is unknown; choose one of {DATA_PARALLEL_SHARDING}")
+        if self.sharding == "full" and self.overlap > 1:
+            raise ValueError(f"sharding='full' cannot run overlap={self.overlap} sub-batches (each would gather and "
+                             "free the parameters on its own); use overlap=1")
 
     @property
-    def tie_break_key(self) -> tuple[int, int, int, int, float]:
-        """Order among equally fast layouts: fewer stages, less TP, fewer micro-batches, less overlap and recompute."""
-        return (self.pp, self.tp, self.micro_batches, self.overlap, self.recompute_ratio)
+    def tie_break_key(self) -> tuple[int, int, int, int, float, int]:
+        """Order among equally fast layouts: fewer stages, less TP, fewer micro-batches, less overlap and recompute,
+        less sharding."""
+        return (self.pp, self.tp, self.micro_batches, self.overlap, self.recompute_ratio,
+                DATA_PARALLEL_SHARDING.index(self.sharding))
 
     def describe(self) -> str:
+        sharding = "" if self.sharding == "none" else f" sharding={self.sharding}"
         return (
             f"dp={self.dp} pp={self.pp} tp={self.tp} micro_batches={self.micro_batches} "
-            f"overlap={self.overlap} recompute_ratio={self.recompute_ratio:g}"
+            f"overlap={self.overlap} recompute_ratio={self.recompute_ratio:g}{sharding}"
         )
 
 
 @dataclass(frozen=True)
 class Prediction:
-    """Predicted cost of a layout: step time, its parts (:data:`COMPONENTS`), and peak bytes on the fullest rank."""
+    """Predicted cost of a layout: step time, its parts (:data:`COMPONENTS`), and peak bytes on the fullest rank
+    with their parts (:data:`MEMORY_COMPONENTS`)."""
 
     layout: Layout
     step_time_s: float
@@ -88,6 +111,7 @@ class Prediction:
     memory_bytes: float
     components: dict[str, float]
     fits: bool
+    memory_components: dict[str, float] = field(default_factory=dict)
 
     @property
     def time_per_sample_s(self) -> float:
@@ -259,12 +283,106 @@ def _optimizer_s(layout: Layout, profile: ModelProfile, stage: _Stage, parameter
     return stage.num_blocks * per_block + _outside_blocks_s(profile, stage, 0, profile.optimizer_s_per_parameter_byte)
 
 
-def _clip_s(layout: Layout, profile: ModelProfile, network: NetworkProfile, stage: _Stage) -> float:
-    """Clipping by the global norm on one stage: the passes over its gradients, and the norm's scalar all-reduces."""
+def _clip_s(layout: Layout, profile: ModelProfile, network: NetworkProfile, stage: _Stage, shards: int) -> float:
+    """Clipping by the global norm on one stage: the passes over its gradients (this rank's 1/``shards`` of them
+    when sharded), and the norm's scalar all-reduces (over the shard group too)."""
     passes_s = (stage.num_blocks * profile.block_clip_s_at(layout.tp)
                 + _outside_blocks_s(profile, stage, 1, profile.clip_s_per_parameter_byte))
     scalar_bytes = 8
-    return passes_s + network.all_reduce_s(scalar_bytes, layout.pp) + network.all_reduce_s(scalar_bytes, layout.tp)
+    return (passes_s / shards + network.all_reduce_s(scalar_bytes, layout.pp)
+            + network.all_reduce_s(scalar_bytes, layout.tp) + network.all_reduce_s(scalar_bytes, shards))
+
+
+def model_state_bytes(mode: str, shards: int, pipelined: bool, parameter_bytes: float, in_flight_bytes: float,
+                      bucket_bytes: float | None, profile: ModelProfile) -> dict[str, float]:
+    """Peak bytes of parameters, gradients and optimizer state on a rank holding ``parameter_bytes`` of a stage
+    (its 1/(pp·tp)), its state sharded over ``shards`` data-parallel ranks by ``mode``.
+
+    With P the parameter bytes, S the shards, g, o, c the profile's gradient, optimizer-state and
+    compute-copy bytes per parameter byte, B a gradient bucket (None: one of all gradients) and U
+    ``in_flight_bytes`` (what FSDP2 holds gathered at once without pipelining: two blocks, the one
+    computing and the one prefetched, plus the stage root's embedding and head, which it keeps
+    for the whole step):
+
+    - parameters: (1 + c)·P; ``"full"``: P/S + (1 + c)·G, G = P with several stages (gathered
+      parameters stay from a micro-batch's forward to the last backward), else min(P, U).
+    - gradients: g·P for ``"none"``/``"optimizer"`` and for any mode with several stages (they
+      accumulate whole over the micro-batches); ``"gradients"``: min(g·P, g·P/S + 2B) (its slice
+      and two buckets, one filling, one in its reduce-scatter); ``"full"``: g·(P/S + min(P, U)).
+    - optimizer state: o·P, divided by S in every sharded mode.
+
+    One shard (``shards=1``) splits nothing: every mode costs what ``"none"`` does. Under
+    ``*-mixed`` precision P is the fp32 master weights and c·P their 16-bit compute copies.
+    """
+    P, S = parameter_bytes, shards
+    gradient, optimizer, copy = (profile.gradient_bytes_per_parameter_byte,
+                                 profile.optimizer_bytes_per_parameter_byte,
+                                 profile.compute_copy_bytes_per_parameter_byte)
+    if S == 1 or mode == "none":
+        mode, S = "none", 1
+    if mode == "full":
+        gathered = P if pipelined else min(P, in_flight_bytes)
+        parameters = P / S + (1 + copy) * gathered
+    else:
+        parameters = (1 + copy) * P
+    if pipelined or mode in ("none", "optimizer"):
+        gradients = gradient * P
+    elif mode == "gradients":
+        gradients = min(gradient * P, gradient * P / S + 2 * (gradient * P if bucket_bytes is None else bucket_bytes))
+    else:
+        gradients = gradient * (P / S + min(P, in_flight_bytes))
+    return {"parameters": parameters, "gradients": gradients, "optimizer_state": optimizer * P / S}
+
+
+def exposed_comm_s(comm_s: float, window_s: float, last_fraction: float) -> float:
+    """What stays exposed of ``comm_s`` started piece by piece during ``window_s`` of computation: what exceeds
+    the window, and at least the last piece (``last_fraction`` of it), which is ready only when the window ends."""
+    return max(comm_s - window_s, comm_s * min(1.0, last_fraction))
+
+
+def data_parallel_s(layout: Layout, space: SearchSpace, network: NetworkProfile, parameter_bytes: float,
+                    block_bytes: float, units: int, forward_s: float, backward_s: float) -> float:
+    """Exposed data-parallel communication of a stage holding ``parameter_bytes`` in ``units`` FSDP2 modules
+    (its blocks and its root), after its last micro-batch's ``forward_s`` and ``backward_s``.
+
+    ``"none"``: the gradient all-reduce. ``"optimizer"``/``"gradients"``: a reduce-scatter and an
+    all-gather, together the bytes of a ring all-reduce over the shard group (each half of it),
+    plus with hybrid sharding an all-reduce of the 1/S slices across the replicas; the all-gather
+    of the updated parameters follows the optimizer step, exposed. These run one collective per
+    bucket of ``space.grad_bucket_bytes`` (each paying its latency); with ``space.overlap_grad_reduce``
+    the reduction runs bucket by bucket during the last backward (:func:`exposed_comm_s`).
+    ``"full"`` (FSDP2, always overlapped, one collective per unit, prefetched): a parameter
+    all-gather in the forward and one more with the reduce-scatter in the backward; with several
+    stages the gathered parameters stay, so one all-gather (first forward) and one reduce-scatter
+    (last backward).
+    """
+    shards = space.shards(layout.sharding, layout.dp)
+    if layout.dp == 1 or parameter_bytes == 0:
+        return 0.0
+    bucket = parameter_bytes if space.grad_bucket_bytes is None else min(parameter_bytes, space.grad_bucket_bytes)
+    pieces = units if layout.sharding == "full" and shards > 1 else math.ceil(parameter_bytes / bucket)
+
+    def collectives_s(nbytes: float, ranks: int) -> float:
+        """``nbytes`` synchronised over ``ranks`` in ``pieces`` collectives."""
+        return pieces * network.gradient_sync_s(nbytes / pieces, ranks) if ranks > 1 else 0.0
+
+    def reduced_s(reduce_s: float) -> float:
+        """What the bucketed gradient reduction leaves exposed."""
+        if not space.overlap_grad_reduce:
+            return reduce_s
+        return exposed_comm_s(reduce_s, backward_s, bucket / parameter_bytes)
+
+    if shards == 1:
+        return reduced_s(collectives_s(parameter_bytes, layout.dp))
+    ring_s = collectives_s(parameter_bytes, shards)
+    reduce_s = ring_s / 2 + collectives_s(parameter_bytes / shards, layout.dp // shards)
+    gather_s = ring_s / 2
+    if layout.sharding != "full":
+        return reduced_s(reduce_s) + gather_s
+    block_fraction = block_bytes / parameter_bytes
+    backward_comm_s = reduce_s if layout.pp > 1 else gather_s + reduce_s
+    return (exposed_comm_s(gather_s, forward_s, block_fraction)
+            + exposed_comm_s(backward_comm_s, backward_s, block_fraction))
 
 
 def _check_against_space(layout: Layout, profile: ModelProfile, space: SearchSpace) -> None:
@@ -278,11 +396,14 @@ def _check_against_space(layout: Layout, profile: ModelProfile, space: SearchSpa
             f"pp={layout.pp} exceeds the {profile.num_blocks + 2} nodes (prefix, {profile.num_blocks} blocks, suffix); "
             f"use pp <= {profile.num_blocks + 2}"
         )
+    space.shards(layout.sharding, layout.dp)  # refuses a shard size that does not divide dp
 
 
 def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile, space: SearchSpace) -> Prediction:
-    """Step time (pipeline iteration + data-parallel gradient all-reduce + clipping + optimizer)
-    and peak memory per rank.
+    """Step time (pipeline iteration + exposed data-parallel communication + clipping + optimizer)
+    and peak memory per rank (:func:`model_state_bytes` plus activations).
+
+    A sharded mode steps the optimizer and clips over this rank's 1/S of the parameters.
 
     Where the profile holds measured real tensor-parallel blocks for the layout, they replace
     the simulated chain (the simulated compute stays the "compute" component, the rest is
@@ -318,6 +439,7 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
                               else 2 * hidden_bytes if layout.tp > 1 else 0)
     action_s, pipeline_step_s = ((network.pipeline_action_s, network.pipeline_step_s) if layout.pp > 1
                                  else (0.0, 0.0))
+    shards = space.shards(layout.sharding, layout.dp)
     forward_s, backward_s, compute_s, exposed_s, memory_bytes, after_pipeline_s = [], [], [], [], [], []
     for index, stage in enumerate(stages):
         prefix_forward, prefix_backward = model_profile.prefix_times_at(sub) if stage.has_prefix else (0.0, 0.0)
@@ -361,14 +483,17 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
             + recomputed * (recomputed_input_bytes + recomputed_extra_bytes)
         )
         in_flight = peak_inflight_microbatches(index, layout.pp, layout.micro_batches, space.schedule)
-        memory_bytes.append(
-            model_profile.bytes_per_parameter_state * parameter_bytes + in_flight * samples * kept_per_sample
-        )
+        outside_bytes = stage.has_prefix * prefix_parameter_bytes + stage.has_suffix * suffix_parameter_bytes
+        memory = model_state_bytes(layout.sharding, shards, layout.pp > 1, parameter_bytes,
+                                   2 * block_parameter_bytes + outside_bytes, space.grad_bucket_bytes, model_profile)
+        memory["activations"] = in_flight * samples * kept_per_sample
+        memory_bytes.append(memory)
         after_pipeline_s.append(
             (
-                network.gradient_sync_s(parameter_bytes, layout.dp),
-                _clip_s(layout, model_profile, network, stage) if space.clip_gradients else 0.0,
-                _optimizer_s(layout, model_profile, stage, parameter_bytes),
+                data_parallel_s(layout, space, network, parameter_bytes, block_parameter_bytes,
+                                stage.num_blocks + 1, forward_total, backward_total),
+                _clip_s(layout, model_profile, network, stage, shards) if space.clip_gradients else 0.0,
+                _optimizer_s(layout, model_profile, stage, parameter_bytes) / shards,
             )
         )
 
@@ -388,7 +513,8 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         "grad_clip": clip_s,
         "optimizer": optimizer_s,
     }
-    peak_bytes = max(memory_bytes)
+    fullest = max(memory_bytes, key=lambda parts: sum(parts.values()))
+    peak_bytes = sum(fullest.values())
     return Prediction(
         layout=layout,
         step_time_s=iteration_s + pipeline_step_s + dp_allreduce_s + clip_s + optimizer_s,
@@ -396,4 +522,5 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         memory_bytes=peak_bytes,
         components=components,
         fits=space.memory_limit_bytes is None or peak_bytes <= space.memory_limit_bytes,
+        memory_components={name: fullest[name] for name in MEMORY_COMPONENTS},
     )

@@ -14,6 +14,10 @@ from typing import Any, Sequence, TypeVar
 
 from lightning_merak.strategies.pipeline import SCHEDULES, simulate_schedule
 
+DATA_PARALLEL_SHARDING = ("none", "optimizer", "gradients", "full")
+"""What the data-parallel ranks may split, least sharded first (the order ties between equally fast layouts take):
+nothing, the optimizer state (ZeRO-1), gradients too (ZeRO-2), parameters too (FSDP2)."""
+
 
 def _check_non_negative(owner: str, **values: float) -> None:
     for name, value in values.items():
@@ -225,8 +229,11 @@ class ModelProfile:
     (embedding; final norm and LM head, never tensor-parallel) by samples, as (forward_s, backward_s).
     Parameter and activation bytes are those held by one rank; activation bytes are what one
     block saves for backward per sample without recompute. The optimizer step takes
-    ``optimizer_s_per_parameter_byte`` per parameter byte, and every parameter byte costs
-    ``bytes_per_parameter_state`` bytes of state (parameter, gradient and two Adam moments).
+    ``optimizer_s_per_parameter_byte`` per parameter byte. Each parameter byte also brings
+    ``gradient_bytes_per_parameter_byte`` of gradient, ``optimizer_bytes_per_parameter_byte`` of
+    optimizer state (two Adam moments in the parameters' dtype by default) and, under
+    ``*-mixed`` precision, ``compute_copy_bytes_per_parameter_byte`` for the 16-bit copies autocast
+    makes of the parameters in use (the parameters themselves are then the fp32 master weights).
 
     Optional measurements of the real runtime refine the model where present:
     ``measured_blocks`` by (tp, overlap, samples per micro-batch) for tp > 1, and
@@ -256,7 +263,9 @@ class ModelProfile:
     suffix_parameter_bytes: int
     block_activation_bytes_per_sample: dict[int, int]
     optimizer_s_per_parameter_byte: float
-    bytes_per_parameter_state: float = 4.0
+    gradient_bytes_per_parameter_byte: float = 1.0
+    optimizer_bytes_per_parameter_byte: float = 2.0
+    compute_copy_bytes_per_parameter_byte: float = 0.0
     measured_blocks: dict[tuple[int, int, int], MeasuredBlocks] = field(default_factory=dict)
     block_optimizer_s: dict[int, float] = field(default_factory=dict)
     loss_times: dict[int, tuple[float, float]] = field(default_factory=dict)
@@ -274,7 +283,9 @@ class ModelProfile:
             prefix_parameter_bytes=self.prefix_parameter_bytes,
             suffix_parameter_bytes=self.suffix_parameter_bytes,
             optimizer_s_per_parameter_byte=self.optimizer_s_per_parameter_byte,
-            bytes_per_parameter_state=self.bytes_per_parameter_state,
+            gradient_bytes_per_parameter_byte=self.gradient_bytes_per_parameter_byte,
+            optimizer_bytes_per_parameter_byte=self.optimizer_bytes_per_parameter_byte,
+            compute_copy_bytes_per_parameter_byte=self.compute_copy_bytes_per_parameter_byte,
             clip_s_per_parameter_byte=self.clip_s_per_parameter_byte,
         )
         for name in ("prefix_update_s", "suffix_update_s"):
@@ -391,6 +402,13 @@ class SearchSpace:
     all-reduce over the pipeline and the tensor-parallel groups. ``vocab_parallel`` splits the
     embedding and LM head (the parameters outside the blocks) over the tensor-parallel ranks.
 
+    ``sharding_modes`` are the :data:`DATA_PARALLEL_SHARDING` modes searched together with the
+    degrees (one fixed mode, or several for ``data_parallel_sharding="auto"``); ``shard_size``
+    the ranks a shard group spans (hybrid sharding; None: every data-parallel rank).
+    Gradients are reduced in collectives of ``grad_bucket_bytes`` (None: all in one, after the
+    backward, the default of a hand-written space); ``overlap_grad_reduce`` hides that reduction
+    behind the backward, bucket by bucket.
+
     The batch is either ``global_batch_size`` (samples per step, split over the data-parallel
     replicas) or ``replica_batch_size`` (samples each replica trains on per step, as a
     Lightning dataloader's ``batch_size`` under merak3d: the global batch grows with dp). Give
@@ -410,6 +428,10 @@ class SearchSpace:
     sequence_parallel: bool = False
     clip_gradients: bool = False
     vocab_parallel: bool = True
+    sharding_modes: tuple[str, ...] = ("none",)
+    shard_size: int | None = None
+    overlap_grad_reduce: bool = False
+    grad_bucket_bytes: float | None = None
 
     def __post_init__(self) -> None:
         if (self.global_batch_size is None) == (self.replica_batch_size is None):
@@ -434,6 +456,23 @@ class SearchSpace:
             _check_positive("SearchSpace", memory_limit_bytes=self.memory_limit_bytes)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"SearchSpace.schedule={self.schedule!r} is unknown; choose one of {SCHEDULES}")
+        unknown = [mode for mode in self.sharding_modes if mode not in DATA_PARALLEL_SHARDING]
+        if not self.sharding_modes or unknown:
+            raise ValueError(f"SearchSpace.sharding_modes={self.sharding_modes} needs at least one mode, all from "
+                             f"{DATA_PARALLEL_SHARDING}")
+        if self.shard_size is not None:
+            _check_positive("SearchSpace", shard_size=self.shard_size)
+        if self.grad_bucket_bytes is not None:
+            _check_positive("SearchSpace", grad_bucket_bytes=self.grad_bucket_bytes)
+
+    def shards(self, mode: str, dp: int) -> int:
+        """Ranks that split the state of ``mode`` over ``dp`` replicas: 1 when nothing is split."""
+        if mode == "none" or dp == 1:
+            return 1
+        if self.shard_size is not None and dp % self.shard_size:
+            raise ValueError(f"shard_size={self.shard_size} does not divide dp={dp}; data-parallel ranks = shard "
+                             "size x replicas")
+        return self.shard_size or dp
 
     def replica_batch(self, dp: int) -> int | None:
         """Samples each of ``dp`` replicas trains on per step, or None when the batch does not split."""

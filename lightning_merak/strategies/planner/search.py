@@ -1,6 +1,6 @@
 """Exhaustive search over layouts: every candidate is predicted, the fastest that fits memory wins.
 
-The space is small (a few hundred layouts for a node or two), so enumeration is exact and
+The space is small (a few hundred layouts for a node or two, per sharding mode searched), so enumeration is exact and
 cheap; the order of equally fast layouts is fixed (:attr:`Layout.tie_break_key`) so every
 rank computing the plan gets the same answer.
 """
@@ -32,7 +32,8 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None) -> list
     ``max_pipeline_stages`` (and ``num_blocks + 2`` nodes when given). One stage runs one
     micro-batch; several run a micro-batch count of at least pp dividing the per-replica batch.
     Overlap degrees divide the micro-batch and exceed 1 only with tp > 1; one stage takes
-    recompute ratios 0 or 1 only.
+    recompute ratios 0 or 1 only. Each takes every mode of ``sharding_modes`` it can run
+    (:func:`sharding_modes_for`).
     """
     max_stages = space.max_pipeline_stages if num_blocks is None else min(space.max_pipeline_stages, num_blocks + 2)
     layouts = []
@@ -55,8 +56,24 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None) -> list
                 overlaps = sorted({k for k in space.overlap_choices if samples % k == 0}) if tp > 1 else [1]
                 for overlap in overlaps:
                     for ratio in ratios:
-                        layouts.append(Layout(dp, pp, tp, micro_batches, overlap, ratio))
+                        for mode in sharding_modes_for(space, dp, overlap):
+                            layouts.append(Layout(dp, pp, tp, micro_batches, overlap, ratio, mode))
     return layouts
+
+
+def sharding_modes_for(space: SearchSpace, dp: int, overlap: int) -> list[str]:
+    """The modes of ``space.sharding_modes`` a layout of ``dp`` replicas and ``overlap`` sub-batches runs.
+
+    ``"full"`` runs without sub-batches only; no mode runs where the shard size does not divide
+    dp. Searching several modes, a sharded one is left out where it splits nothing (dp = 1 or
+    shard size 1: it is ``"none"``); one fixed mode is kept there, as the run will be told.
+    """
+    modes = [mode for mode in space.sharding_modes
+             if not (mode == "full" and overlap > 1)
+             and not (mode != "none" and dp > 1 and space.shard_size is not None and dp % space.shard_size)]
+    if len(space.sharding_modes) > 1:
+        modes = [mode for mode in modes if mode == "none" or space.shards(mode, dp) > 1]
+    return modes
 
 
 @dataclass(frozen=True)
@@ -91,7 +108,8 @@ def required_profile_keys(space: SearchSpace, num_blocks: int | None = None) -> 
         samples_needed.add(sub)
         loss_samples.add(samples)
         tp_degrees.add(layout.tp)
-        group_sizes.update(size for size in (layout.tp, layout.dp) if size > 1)
+        shards = space.shards(layout.sharding, layout.dp)
+        group_sizes.update(size for size in (layout.tp, layout.dp, shards, layout.dp // shards) if size > 1)
         if space.clip_gradients and layout.pp > 1:
             group_sizes.add(layout.pp)
         if layout.tp > 1:

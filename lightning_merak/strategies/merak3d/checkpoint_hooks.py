@@ -1,0 +1,86 @@
+"""The checkpoint hooks of ``Merak3DStrategy``: a built layout saves and loads sharded (:mod:`.checkpoint`)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, ContextManager, Optional
+
+import torch
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+
+from lightning_merak.strategies.merak3d.checkpoint import ShardedCheckpointer, is_sharded_checkpoint
+from lightning_merak.strategies.merak3d.data_parallel import DataParallelGradients
+from lightning_merak.strategies.merak3d.materialize import has_meta
+
+__all__ = ["CheckpointHooks"]
+
+
+class CheckpointHooks(ParallelStrategy):
+    """Lightning's checkpoint hooks for a layout that is built on the first batch.
+
+    Before the build the model is whole (or on the meta device) and Lightning's own behaviour
+    applies; afterwards :class:`~.checkpoint.ShardedCheckpointer` writes and reads the shards
+    under the unsplit model's names. The strategy provides ``pipeline_rank`` and sets ``_checkpointer``, ``_built``,
+    ``_restored_state``, ``_pending_optimizer_states`` and ``_data_parallel``.
+    """
+
+    _checkpointer: ShardedCheckpointer
+    _built: Optional[Any]
+    _restored_state: Optional[dict[str, Any]]
+    _pending_optimizer_states: list[dict[str, Any]]
+    _data_parallel: Optional[DataParallelGradients]
+
+    def _whole_optimizer(self, optimizer: torch.optim.Optimizer) -> ContextManager[None]:
+        """``optimizer`` with whole parameters and states while inside, when data-parallel sharding slices them."""
+        reduction = self._data_parallel
+        return reduction.consolidated(optimizer) if reduction is not None else contextlib.nullcontext()
+
+    def to_original_layout(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """``full`` (a gathered parameter-shaped tensor) in the unsplit model's layout."""
+        return self._checkpointer.to_original_layout(name, full)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._built is None:
+            return self.lightning_module.state_dict()
+        return self._checkpointer.module_state_dict(self.lightning_module)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self._built is None:
+            return optimizer.state_dict()
+        with self._whole_optimizer(optimizer):  # saved as an unsharded run's, loadable by any mode
+            return self._checkpointer.optimizer_state(optimizer, self.lightning_module.model)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if self._built is None:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        self._checkpointer.save(checkpoint, Path(filepath), pipeline_rank=self.pipeline_rank,
+                                global_rank=self.global_rank, world_size=self.world_size)
+        self.barrier()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(checkpoint_path)
+        if not is_sharded_checkpoint(path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if self._built is not None:
+            raise RuntimeError(
+                f"{path} is a sharded merak3d checkpoint; load it before the first batch "
+                "(Trainer.fit/validate/predict with ckpt_path=...)"
+            )
+        return self._checkpointer.load(path, self.lightning_module)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if has_meta(self.lightning_module):  # a meta model has nowhere to put it: filled once materialised
+            self._restored_state = checkpoint["state_dict"]
+        else:
+            super().load_model_state_dict(checkpoint, strict)
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint["optimizer_states"]
+        if self._built is not None:
+            for optimizer, state in zip(self.optimizers, states):
+                with self._whole_optimizer(optimizer):
+                    self._checkpointer.load_optimizer_state(optimizer, state, self.lightning_module.model)
+        else:
+            self._pending_optimizer_states = list(states)

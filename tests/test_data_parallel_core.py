@@ -1,0 +1,79 @@
+"""The pure parts of data-parallel reduction and sharding: buckets, their shards, readiness, release."""
+
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_merak.runtime.gradient_buffer import GradientBuffer
+from lightning_merak.strategies.merak3d.data_parallel import check_precision, check_shardable_optimizer
+from tests.test_gradient_buffer import _loss, _model
+
+
+def test_buckets_close_at_the_size_pad_to_the_shards_and_their_shards_tile_every_parameter() -> None:
+    model = _model()
+    buffer = GradientBuffer(list(model.parameters()), bucket_bytes=60, shards=3)
+    assert len(buffer.buckets) > 1
+    assert [p for p in buffer.params] == list(reversed(list(model.parameters())))
+    for bucket in buffer.buckets:
+        assert bucket.flat.numel() % 3 == 0
+        covered = {id(p): torch.zeros(p.numel(), dtype=torch.int64) for p in bucket.params}
+        for shard in range(3):
+            for piece in bucket.shard_slices(shard):
+                assert 0 <= piece.offset and piece.offset + piece.stop - piece.start <= bucket.shard_numel
+                covered[id(piece.param)][piece.start:piece.stop] += 1
+        assert all(bool((count == 1).all()) for count in covered.values())
+
+
+def test_a_bucket_is_ready_once_every_parameter_saw_the_steps_backward_passes() -> None:
+    model = _model()
+    ready = []
+    late = [model[0].bias]
+    buffer = GradientBuffer(list(model.parameters()), bucket_bytes=40, late=late, on_ready=ready.append)
+    buffer.arm(2)
+    _loss(model, 1).backward()
+    assert ready == []
+    _loss(model, 2).backward()
+    early = [bucket for bucket in buffer.buckets if not bucket.late]
+    assert ready == early and all(all(p is not model[0].bias for p in bucket.params) for bucket in ready)
+    with pytest.raises(RuntimeError, match="overlap_grad_reduce=False"):
+        _loss(model, 3).backward()
+
+
+def test_a_released_bucket_comes_back_zeroed_and_adopts_new_gradients() -> None:
+    model = _model()
+    buffer = GradientBuffer(list(model.parameters()))
+    (bucket,) = buffer.buckets
+    _loss(model, 1).backward()
+    buffer.drop_gradients(bucket)
+    bucket.release()
+    assert bucket.released and all(p.grad is None for p in model.parameters())
+    _loss(model, 2).backward()
+    assert not bucket.released
+    reference = _model()
+    _loss(reference, 2).backward()
+    for expected, param in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad, rtol=0, atol=0)
+
+
+def test_loss_scaling_and_non_elementwise_optimizers_are_refused_with_the_fix() -> None:
+    scaled = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="bf16-mixed"):
+        check_precision(scaled, "optimizer")
+    check_precision(MixedPrecision("bf16-mixed", "cpu"), "optimizer")
+    with pytest.raises(ValueError, match="LBFGS does not update element by element"):
+        check_shardable_optimizer(torch.optim.LBFGS(_model().parameters()), "gradients")
+    check_shardable_optimizer(torch.optim.AdamW(_model().parameters()), "gradients")
+
+
+def test_callbacks_fsdp2_cannot_host_are_refused_with_full_sharding() -> None:
+    from types import SimpleNamespace
+
+    from lightning_merak.callbacks import DeltaMemory, SparseCommunication
+    from lightning_merak.strategies.merak3d.data_parallel import check_sharding
+
+    full = SimpleNamespace(data_parallel_sharding="full", data_parallel=2)
+    for callback in (DeltaMemory(budget="auto", plot=False), SparseCommunication("s2")):
+        refusal = f"{type(callback).__name__} cannot run with data_parallel_sharding='full'"
+        with pytest.raises(ValueError, match=refusal):
+            check_sharding(full, [], None, [callback])
+        check_sharding(SimpleNamespace(data_parallel_sharding="gradients", data_parallel=2), [], None, [callback])
