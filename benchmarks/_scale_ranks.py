@@ -25,6 +25,7 @@ from benchmarks.merak3d import FullyShardedLM
 from benchmarks.report import proc_status_mb, saved_activation_bytes
 from lightning_merak.config import TrainerConfig
 from lightning_merak.models import CausalLMModule
+from lightning_merak.runtime.host_memory import heap_stats
 
 MIB = 2**20
 RANK_TIMEOUT_S = 600.0
@@ -115,15 +116,21 @@ class _TokenData(pl.LightningDataModule):
 
 
 class _StepTimer(pl.Callback):
-    """Each step's wall time, and resident/peak memory after Lightning's setup and after each step."""
+    """Each step's wall time; resident and peak memory, and the freed-but-kept heap, after Lightning's setup,
+    after each step's forward and backward (before the optimizer steps) and after each step."""
 
     def __init__(self) -> None:
         self.step_s: list[float] = []
-        self.trace: list[tuple[str, float, float]] = []
+        self.trace: list[tuple[str, float, float, Optional[float]]] = []
         self._start = 0.0
 
     def mark(self, point: str) -> None:
-        self.trace.append((point, proc_status_mb("VmRSS"), proc_status_mb("VmHWM")))
+        heap = heap_stats()
+        self.trace.append((point, proc_status_mb("VmRSS"), proc_status_mb("VmHWM"),
+                           heap.free / MIB if heap is not None else None))
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self.mark(f"step {len(self.step_s) + 1} before optimizer")
 
     def on_train_start(self, *args: Any) -> None:
         self.mark("setup")

@@ -67,6 +67,7 @@ class Job:
     mode: str = "none"
     layout: dict[str, int] = field(default_factory=dict)
     overlap: bool = True
+    param_gather_overlap: bool = False
     bucket_mb: float = 25.0
     stage: int = 0
     meta_init: bool = False
@@ -152,7 +153,7 @@ def _strategy(job: Job) -> Any:
     if job.kind == "merak3d":
         return Merak3DStrategy(**job.layout, partition="uniform", timeout_s=RANK_TIMEOUT_S,
                                data_parallel_sharding=job.mode, overlap_grad_reduce=job.overlap,
-                               grad_bucket_mb=job.bucket_mb)
+                               overlap_param_gather=job.param_gather_overlap, grad_bucket_mb=job.bucket_mb)
     if job.kind == "ddp":
         return DDPStrategy(timeout=timedelta(seconds=RANK_TIMEOUT_S))
     if job.kind == "fsdp2":

@@ -312,6 +312,16 @@ def sharding(data: dict[str, Any]) -> Table:
                               f"{met(met_goals[key])})" for key in data["goals"]),
         f"largest model under {data['cap_mb']:.0f} MiB per rank, 4 ranks ({data['search_workload']}): {largest}",
     ]
+    short = data.get("exposed_grad_comm_fraction_short_sequences")
+    if data.get("exposed_grad_comm_fraction_workload"):
+        notes.append(f"exposed_grad_comm_fraction measured on {data['exposed_grad_comm_fraction_workload']}; on the "
+                     f"short sequences {'-' if short is None else f'{short:.2f}'}, where a rank's backward is shorter "
+                     "than reducing its gradients at 1 Gbit/s")
+    default_zero1 = data.get("zero1_default_step_over_merak3d_none")
+    if default_zero1 is not None:
+        notes.append(f"ZeRO-1 step over merak3d none (worst layout): {ratio(default_zero1)} by default, "
+                     f"{ratio(data['zero1_step_over_ddp'])} with overlap_param_gather=True; the latter over "
+                     f"Lightning DDP {ratio(data.get('zero1_step_over_lightning_ddp'))}")
     return Table(["layout", "run", "step ms", "vs merak3d none", "vs DDP", "vs FSDP2", "optimizer bytes vs none",
                   "exposed reduce", "loss vs DDP", "MiB (peak/ideal)"], rows, notes)
 

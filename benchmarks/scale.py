@@ -2,7 +2,11 @@
 
 Run from the repo root::
 
-    python -m benchmarks.scale [--quick] [--out PATH]
+    python -m benchmarks.scale [--quick] [--out PATH] [--legs NAME ...]
+
+``--legs`` runs only the named legs (``pp2xtp2``, ``"tp2 (compact host memory)"``, ``DDP``: a leg's name, with
+or without its ``merak3d`` prefix), for investigating one layout; the load section then covers only those
+merak3d layouts (none: skipped).
 
 Every leg runs in fresh gloo rank processes (``lightning_merak.testing.run_distributed``, one
 torch thread each) and trains a few steps of a randomly initialised Llama built from its config:
@@ -20,7 +24,10 @@ torch thread each) and trains a few steps of a randomly initialised Llama built 
    default legs: dp2, pp2, tp2 (2 ranks) and pp2×tp2 (4 ranks) under meta init
    (``configure_model``); ``peak_over_ideal_compact`` the same with ``compact_host_memory=True``
    (glibc returns freed memory at once), and ``compact_step_time_ratio_max`` what that costs in
-   step time (the largest ratio over the layouts). Baselines: Lightning's
+   step time (the largest ratio over the layouts). Each row's ``worst_rank_trace_mb`` follows its worst
+   rank through setup, each step's forward and backward, and each optimizer step: resident and peak
+   memory above the baseline, and ``heap_free``, the freed-but-kept heap (glibc's ``mallinfo2``) that
+   resident memory holds beyond live allocations. Baselines: Lightning's
    ModelParallelStrategy (FSDP2 ``fully_shard``, meta init via ``trainer.init_module(empty_init=True)``;
    Lightning materialises it with ``reset_parameters()``, which RMSNorm and rotary buffers lack, so
    its losses mean nothing, while its memory does);
@@ -87,6 +94,8 @@ LEGS = (
     Leg("DDP", "ddp", 2),
 )
 MAY_REFUSE = {"zero3"}
+LOAD_LEGS = LEGS[:4]
+"""merak3d's default layouts, which the load section also runs."""
 """Baselines whose refusal to run on this machine is a result, not a failure."""
 
 
@@ -144,8 +153,9 @@ def train_leg(leg: Leg, workload: Workload, steps: int, cap_mb: float,
         completed_steps=min(len(rank["step_s"]) for rank in ranks), of_steps=steps,
         step_s=max(max(rank["step_s"][1:] or rank["step_s"]) for rank in ranks), error=None, refused=False,
         worst_rank_trace_mb=[{"at": at, "rss": round(rss - ranks[worst]["baseline_mb"], 1),
-                              "peak": round(hwm - ranks[worst]["baseline_mb"], 1)}
-                             for at, rss, hwm in ranks[worst]["trace"]],
+                              "peak": round(hwm - ranks[worst]["baseline_mb"], 1),
+                              "heap_free": None if free is None else round(free, 1)}
+                             for at, rss, hwm, free in ranks[worst]["trace"]],
     )
     print(f"  {leg.name}, {workload.layers} layers ({row['params_m']:.1f} M params): max used "
           f"{row['max_used_mb']:.0f} MiB, peak/ideal {row['peak_over_ideal']:.2f} "
@@ -153,11 +163,25 @@ def train_leg(leg: Leg, workload: Workload, steps: int, cap_mb: float,
     return row
 
 
-def memory(mode: Mode, activations: dict[str, dict[str, float]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """``activations``: per tensor-parallel degree, the measured activation bytes per sample."""
-    """Each leg from the largest rung down until it fits the cap: every run's row, and each leg's largest."""
+def select_legs(names: Optional[list[str]]) -> tuple[Leg, ...]:
+    """The legs ``names`` picks (all without it), each named in full or without its ``merak3d`` prefix."""
+    if not names:
+        return LEGS
+    known = {alias: leg for leg in LEGS for alias in (leg.name, leg.name.removeprefix("merak3d "))}
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise SystemExit(f"--legs: no leg named {unknown}; the legs are {[leg.name for leg in LEGS]}")
+    return tuple(leg for leg in LEGS if any(known[name] is leg for name in names))
+
+
+def memory(mode: Mode, activations: dict[str, dict[str, float]],
+           legs: tuple[Leg, ...] = LEGS) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Each leg from the largest rung down until it fits the cap: every run's row, and each leg's largest.
+
+    ``activations``: per tensor-parallel degree, the measured activation bytes per sample.
+    """
     runs, largest = [], []
-    for leg in LEGS:
+    for leg in legs:
         fitted: Optional[dict[str, Any]] = None
         for layers in sorted(mode.ladder, reverse=True):
             row = train_leg(leg, replace(mode.base, layers=layers), mode.steps, mode.cap_mb, activations)
@@ -181,7 +205,8 @@ def _rel_err(logits: torch.Tensor, reference: torch.Tensor) -> float:
     return float((logits - reference).abs().max() / reference.abs().max())
 
 
-def load_and_export(workload: Workload, directory: Path, work: Path) -> tuple[list[dict[str, Any]], Optional[float]]:
+def load_and_export(workload: Workload, directory: Path, work: Path,
+                    legs: tuple[Leg, ...] = LOAD_LEGS) -> tuple[list[dict[str, Any]], Optional[float]]:
     """``from_pretrained`` here, then merak3d's sharded load in each layout; the export round trip's max |diff|."""
     from safetensors.torch import load_file
 
@@ -197,7 +222,7 @@ def load_and_export(workload: Workload, directory: Path, work: Path) -> tuple[li
              "logits_rel_err": 0.0, "error": None}]
     print(f"  from_pretrained: {reference['load_s']:.2f} s", flush=True)
     exported_from = work / "merak3d.ckpt"
-    for leg in LEGS[:4]:
+    for leg in legs:
         assert leg.merak is not None
         saving = leg.merak is PP_TP
         try:
@@ -271,25 +296,33 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer steps")
     parser.add_argument("--out", type=Path, help=out_help("scale"))
+    parser.add_argument("--legs", nargs="+", metavar="NAME",
+                        help="run only these legs (default: all; output default scale.legs.json)")
     args = parser.parse_args(argv)
-    args.out = args.out or default_out("scale", args.quick)
+    legs = select_legs(args.legs)
+    load_legs = tuple(leg for leg in LOAD_LEGS if leg in legs)
+    # a run of some legs must not overwrite the full run's figures
+    args.out = args.out or default_out("scale.legs" if args.legs else "scale", args.quick)
     mode = QUICK if args.quick else FULL
     torch.set_num_threads(1)
     started = time.perf_counter()
     top = replace(mode.base, layers=max(mode.ladder))
-    degrees = sorted({(leg.merak or {}).get("tensor_parallel", 1) for leg in LEGS})
+    degrees = sorted({(leg.merak or {}).get("tensor_parallel", 1) for leg in legs})
     activations = {str(tp): measure_activations(mode.base, tp) for tp in degrees}
     print(f"1./2. memory: {top.describe()} and down to {min(mode.ladder)} layers, "
           f"cap {mode.cap_mb:.0f} MiB per rank above the baseline", flush=True)
-    runs, largest = memory(mode, activations)
-    print(f"3. load: {top.describe()}, fp32", flush=True)
-    with tempfile.TemporaryDirectory(prefix="merak-scale-") as tmp:
-        work = Path(tmp)
-        torch.manual_seed(0)
-        from transformers import AutoModelForCausalLM
+    runs, largest = memory(mode, activations, legs)
+    loads: list[dict[str, Any]] = []
+    roundtrip: Optional[float] = None
+    if load_legs:
+        print(f"3. load: {top.describe()}, fp32", flush=True)
+        with tempfile.TemporaryDirectory(prefix="merak-scale-") as tmp:
+            work = Path(tmp)
+            torch.manual_seed(0)
+            from transformers import AutoModelForCausalLM
 
-        AutoModelForCausalLM.from_config(top.config()).save_pretrained(work / "source")
-        loads, roundtrip = load_and_export(top, work / "source", work)
+            AutoModelForCausalLM.from_config(top.config()).save_pretrained(work / "source")
+            loads, roundtrip = load_and_export(top, work / "source", work, load_legs)
 
     merak_top = [row for row in runs if row["strategy"] == "merak3d" and row["layers"] == top.layers
                  and row["error"] is None]
@@ -315,7 +348,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     wall_s = time.perf_counter() - started
     out = write_json(
         args.out, [*runs, *largest, *loads], label="measured", benchmark="scale", quick=args.quick, backend="gloo",
-        threads_per_rank=1, steps=mode.steps, cap_mb=mode.cap_mb, ladder_layers=list(mode.ladder),
+        threads_per_rank=1, steps=mode.steps, legs=[leg.name for leg in legs], cap_mb=mode.cap_mb,
+        ladder_layers=list(mode.ladder),
         workload=top.describe(), activations_per_sample_mb_by_tp={k: {n: v / MIB for n, v in a.items()}
                                                                   for k, a in activations.items()},
         logits_max_rel_err=max(rel_errs) if rel_errs else None, export_roundtrip_max_abs=roundtrip,

@@ -33,11 +33,15 @@ gradients, full), on the same model, batch and seed:
 
 JSON top level (goals of issue #29): ``optimizer_state_ratio`` (optimizer bytes with ``optimizer``
 sharding over ``none``'s, worst rank, at the largest data-parallel degree run; goal ≤ 1/dp + 5 %),
-``zero1_step_over_ddp`` (step with ``optimizer`` over ``none``, worst layout; ≤ 1.05),
-``exposed_grad_comm_fraction`` (worst mode and layout; ≤ 0.3), ``loss_max_rel_diff`` (worst merak3d
-run; ≤ 1e-5), ``largest_model_ratio_vs_fsdp2`` (merak3d's best candidate's parameters over FSDP2's;
-≥ 1.0); per-layout detail in ``targets``. ``exposed_s_mean`` covers every step, the first too (whose
-reduction never overlaps), in both runs of a pair. A bar chart of per-rank memory per mode is written
+``zero1_step_over_ddp`` (step with ``optimizer`` and ``overlap_param_gather=True`` over plain data parallelism,
+merak3d's ``none``, worst layout; ≤ 1.05; ``zero1_default_step_over_merak3d_none`` is the same without overlapped
+gathering, ``zero1_step_over_lightning_ddp`` the overlapped one over Lightning's DDPStrategy),
+``exposed_grad_comm_fraction`` (worst mode of dp=2 on 4× longer sequences, where a backward outlasts the
+reduction; ≤ 0.3; the short-sequence layouts' worst is ``exposed_grad_comm_fraction_short_sequences``),
+``loss_max_rel_diff`` (worst merak3d run; ≤ 1e-5), ``largest_model_ratio_vs_fsdp2`` (merak3d's best
+candidate's parameters over FSDP2's; ≥ 1.0); per-layout detail in ``targets``. ``exposed_s_mean`` is
+the mean over the steps after the first (which runs without overlap while it confirms the averaged
+parameters). A bar chart of per-rank memory per mode is written
 beside the JSON (``NAME_memory.png``). ``load_average`` (1-minute, at start and end) says whether other
 work shared the machine: step times and exposed fractions mean something only on a quiet one. A merak3d
 mode the strategy does not offer yet is reported with its error; any error except a DeepSpeed baseline
@@ -128,6 +132,9 @@ class Setting:
     cap_mb: float
     search_steps: int
     candidates: tuple[Candidate, ...]
+    overlap_seq: int
+    """Sequence length of the overlap measurement: the same model on longer sequences, so that a rank's backward
+    takes longer than reducing its gradients at 1 Gbit/s (otherwise no schedule can hide the reduction)."""
     bucket_mb: float
     """merak3d's ``grad_bucket_mb`` (and DeepSpeed's reduce bucket): small enough that the model spans many
     buckets, so that reduction can overlap the backward at all."""
@@ -137,12 +144,12 @@ QUICK = Setting(Workload(hidden=128, layers=8, vocab=1024, seq=64, global_batch=
                 layouts=("dp2", "pp2xdp2"), overlap_off_modes=("none", "optimizer"), zero_stages=(1, 2),
                 search_workload=Workload(hidden=256, layers=0, vocab=2048, seq=64, global_batch=8),
                 ladder=(8, 16, 24, 32), cap_mb=300.0, search_steps=2,
-                candidates=tuple(c for c in CANDIDATES if c.mode != "gradients"), bucket_mb=0.5)
+                candidates=tuple(c for c in CANDIDATES if c.mode != "gradients"), overlap_seq=256, bucket_mb=0.5)
 FULL = Setting(Workload(hidden=256, layers=8, vocab=2048, seq=64, global_batch=8), steps=20, warmup=3,
                layouts=("dp2", "dp4", "pp2xdp2"), overlap_off_modes=REDUCING_MODES, zero_stages=(1, 2),
                search_workload=Workload(hidden=256, layers=0, vocab=2048, seq=64, global_batch=8),
                ladder=(8, 12, 16, 24, 32, 40, 48), cap_mb=400.0, search_steps=2, candidates=CANDIDATES,
-               bucket_mb=2.0)
+               overlap_seq=256, bucket_mb=2.0)
 
 
 # Jobs ------------------------------------------------------------------------------------------
@@ -166,6 +173,8 @@ def mode_jobs(setting: Setting, world_size: int) -> list[Job]:
                      bucket_mb=setting.bucket_mb) for mode in MODES]
         jobs += [Job(f"merak3d {layout} {mode} no-overlap", "merak3d", workload, setting.steps, mode=mode,
                      layout=degrees, overlap=False, bucket_mb=setting.bucket_mb) for mode in setting.overlap_off_modes]
+        jobs.append(Job(f"merak3d {layout} optimizer gather-overlap", "merak3d", workload, setting.steps,
+                        mode="optimizer", layout=degrees, param_gather_overlap=True, bucket_mb=setting.bucket_mb))
     if not jobs:
         return []
     jobs += [Job(f"DDP dp{world_size}", "ddp", workload, setting.steps),
@@ -174,6 +183,18 @@ def mode_jobs(setting: Setting, world_size: int) -> list[Job]:
                  bucket_mb=setting.bucket_mb)
              for stage in setting.zero_stages]
     return jobs
+
+
+OVERLAP_LAYOUT = "dp2 long sequences"
+OVERLAP_MODES = ("none", "optimizer")
+
+
+def overlap_jobs(setting: Setting) -> list[Job]:
+    """The exposed-communication measurement at dp=2 on ``overlap_seq``-token sequences: overlap on and off."""
+    workload = asdict(replace(setting.workload, seq=setting.overlap_seq))
+    return [Job(f"merak3d {OVERLAP_LAYOUT} {mode}{'' if overlap else ' no-overlap'}", "merak3d", workload,
+                setting.steps, mode=mode, layout=LAYOUTS["dp2"][1], overlap=overlap, bucket_mb=setting.bucket_mb)
+            for mode in OVERLAP_MODES for overlap in (True, False)]
 
 
 def search_jobs(setting: Setting) -> list[Job]:
@@ -270,7 +291,8 @@ def job_row(job: Job, layout: str, world_size: int, outcome: list[dict[str, Any]
     """One report row of the mode comparison: memory against the ideal per rank, step time, losses, exposure."""
     row: dict[str, Any] = {"section": "modes", "name": job.name, "layout": layout, "ranks": world_size,
                            "kind": job.kind, "mode": job.mode if job.kind == "merak3d" else None,
-                           "stage": job.stage or None, "overlap": job.overlap, "error": None, "refused": False}
+                           "stage": job.stage or None, "overlap": job.overlap,
+                           "param_gather_overlap": job.param_gather_overlap, "error": None, "refused": False}
     if isinstance(outcome, str):
         row.update(error=outcome, refused=job.kind in MAY_REFUSE)
         return row
@@ -315,10 +337,11 @@ def compare(rows: list[dict[str, Any]]) -> None:
     for row in ok:
         mine = plain.get(row["layout"]) if row["kind"] == "merak3d" else None
         row["step_over_merak3d_none"] = row["step_ms"] / mine["step_ms"] if mine else None
+        own_workload = row["layout"] != OVERLAP_LAYOUT  # the baselines ran the short sequences only
         for key, name in BASELINES.items():
-            other = baseline.get((row["ranks"], name))
+            other = baseline.get((row["ranks"], name)) if own_workload else None
             row[f"step_over_{key}"] = row["step_ms"] / other["step_ms"] if other else None
-        ddp = baseline.get((row["ranks"], "DDP"))
+        ddp = baseline.get((row["ranks"], "DDP")) if own_workload else None
         row["loss_max_rel_diff_vs_ddp"] = _max_rel_diff(row["losses"], ddp["losses"]) if ddp else None
         if mine and row["mode"] == "optimizer":
             row["optimizer_state_ratio"] = max(a / b for a, b in zip(row["optimizer_bytes"], mine["optimizer_bytes"]))
@@ -355,14 +378,18 @@ def summary(rows: list[dict[str, Any]], largest: list[dict[str, Any]], setting: 
     per_layout: dict[str, dict[str, Any]] = {}
     for layout in setting.layouts:
         dp = LAYOUTS[layout][1]["data_parallel"]
-        zero1 = next((r for r in merak if r["layout"] == layout and r["mode"] == "optimizer" and r["overlap"]), None)
+        zero1, gathered = (next((r for r in merak if r["layout"] == layout and r["mode"] == "optimizer"
+                                 and r["overlap"] and r.get("param_gather_overlap", False) is variant), None)
+                           for variant in (False, True))
         exposed = {r["mode"]: r.get("exposed_grad_comm_fraction") for r in merak
                    if r["layout"] == layout and r["overlap"] and r.get("exposed_grad_comm_fraction") is not None}
         ratio = zero1.get("optimizer_state_ratio") if zero1 else None
         per_layout[layout] = {
             "optimizer_state_ratio": ratio, "optimizer_state_goal": 1 / dp + 0.05,
             "optimizer_state_goal_met": None if ratio is None else ratio <= 1 / dp + 0.05,
-            "zero1_step_over_ddp": zero1.get("step_over_merak3d_none") if zero1 else None,
+            "zero1_default_step_over_merak3d_none": zero1.get("step_over_merak3d_none") if zero1 else None,
+            "zero1_step_over_ddp": gathered.get("step_over_merak3d_none") if gathered else None,
+            "zero1_step_over_lightning_ddp": gathered.get("step_over_ddp") if gathered else None,
             "exposed_grad_comm_fraction": exposed,
         }
     by_dp = sorted(setting.layouts, key=lambda name: -LAYOUTS[name][1]["data_parallel"])
@@ -377,12 +404,37 @@ def summary(rows: list[dict[str, Any]], largest: list[dict[str, Any]], setting: 
         "optimizer_state_ratio": per_layout[headline]["optimizer_state_ratio"] if headline else None,
         "optimizer_state_ratio_layout": headline,
         "zero1_step_over_ddp": max(steps) if steps else None,
+        "zero1_step_over_ddp_config": "data_parallel_sharding='optimizer', overlap_param_gather=True",
+        "zero1_default_step_over_merak3d_none": _worst(per_layout, "zero1_default_step_over_merak3d_none"),
+        "zero1_step_over_lightning_ddp": _worst(per_layout, "zero1_step_over_lightning_ddp"),
         "exposed_grad_comm_fraction": max(exposed) if exposed else None,
         "loss_max_rel_diff": max(losses) if losses else None,
         "largest_model_ratio_vs_fsdp2": best["params_m"] / fsdp2 if best and fsdp2 else None,
         "largest_model_best": best["name"] if best else None,
         "targets": per_layout,
     }
+
+
+def overlap_summary(rows: list[dict[str, Any]], setting: Setting) -> dict[str, Any]:
+    """``exposed_grad_comm_fraction`` from the long-sequence measurement (worst mode), and the short-sequence
+    layouts' worst as ``exposed_grad_comm_fraction_short_sequences``: there a rank's backward is shorter than
+    reducing its gradients at 1 Gbit/s, so at least their difference stays exposed whatever the schedule."""
+    fractions = {row["mode"]: row["exposed_grad_comm_fraction"] for row in rows
+                 if row["layout"] == OVERLAP_LAYOUT and row["error"] is None and row["overlap"]
+                 and row.get("exposed_grad_comm_fraction") is not None}
+    short = [f for layout in setting.layouts for f in (row.get("exposed_grad_comm_fraction") for row in rows
+             if row["layout"] == layout and row["error"] is None and row["overlap"]) if f is not None]
+    return {
+        "exposed_grad_comm_fraction": max(fractions.values()) if fractions else None,
+        "exposed_grad_comm_fraction_by_mode": fractions,
+        "exposed_grad_comm_fraction_workload": replace(setting.workload, seq=setting.overlap_seq).describe() + ", dp2",
+        "exposed_grad_comm_fraction_short_sequences": max(short) if short else None,
+    }
+
+
+def _worst(per_layout: dict[str, dict[str, Any]], key: str) -> Optional[float]:
+    values = [v[key] for v in per_layout.values() if v[key] is not None]
+    return max(values) if values else None
 
 
 def goals_met(top: dict[str, Any]) -> dict[str, Optional[bool]]:
@@ -417,7 +469,7 @@ def plot_memory(rows: list[dict[str, Any]], layouts: tuple[str, ...], path: Path
     axes_list = figure.subplots(1, len(layouts), squeeze=False)[0]
     for axes, layout in zip(axes_list, layouts):
         ranks = LAYOUTS[layout][0]
-        shown = [row for row in rows if row["error"] is None and row["overlap"]
+        shown = [row for row in rows if row["error"] is None and row["overlap"] and not row.get("param_gather_overlap")
                  and (row["layout"] == layout or (row["kind"] != "merak3d" and row["ranks"] == ranks))]
         labels = [row["mode"] if row["kind"] == "merak3d" else row["name"].replace(" (ModelParallelStrategy)", "")
                   .replace("DeepSpeed ", "") for row in shown]
@@ -468,6 +520,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             layout = next((name for name, (_, degrees) in LAYOUTS.items()
                            if job.kind == "merak3d" and degrees == job.layout), f"dp{world_size}")
             jobs.append((len(jobs), job, layout, world_size))
+    overlap_offset = len(jobs)
+    jobs += [(overlap_offset + i, job, OVERLAP_LAYOUT, 2) for i, job in enumerate(overlap_jobs(setting))]
     searches = search_jobs(setting)
     search_offset = len(jobs)
     jobs += [(search_offset + i, job, c.layout, 4)
@@ -490,11 +544,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"{world_size} ranks: {len(runnable)} jobs", flush=True)
                 outcomes.update(run_cluster(world_size, runnable, emulated, Path(work)))
 
-    rows = [job_row(job, layout, size, outcomes.get(index, "not run"), setting.warmup, per_sample)
+    overlap_per_sample = measure_activations(replace(setting.workload, seq=setting.overlap_seq))
+    rows = [job_row(job, layout, size, outcomes.get(index, "not run"), setting.warmup,
+                    overlap_per_sample if layout == OVERLAP_LAYOUT else per_sample)
             for index, job, layout, size in jobs if index < search_offset]
     compare(rows)
     largest = search_rows(searches, outcomes, search_offset)
     top = summary(rows, largest, setting)
+    top.update(overlap_summary(rows, setting))
     met = goals_met(top)
 
     print(f"\nSharded data parallelism ({network}; {setting.workload.describe()})")

@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks._scale_ranks import MIB, Workload, measure_activations
 from benchmarks.results_table import scale
-from benchmarks.scale import _ideal_mb
+from benchmarks.scale import LEGS, _ideal_mb, select_legs
 
 ACTIVATIONS = {"1": {"per_layer": 1.0 * MIB, "head": 3.0 * MIB}, "2": {"per_layer": 0.75 * MIB, "head": 1.5 * MIB}}
 
@@ -57,3 +57,11 @@ def test_results_table_shows_each_leg_and_the_refused_baseline():
                              "1.20×", "0.50", "0.20"]
     assert table.rows[1][1] == "refused: RuntimeError: no accelerator"
     assert any("goal ≤ 1.3 met" in note for note in table.notes)
+
+
+def test_legs_are_picked_by_name_with_or_without_the_merak3d_prefix():
+    picked = select_legs(["DDP", "pp2xtp2", "merak3d tp2 (compact host memory)"])
+    assert [leg.name for leg in picked] == ["merak3d pp2xtp2", "merak3d tp2 (compact host memory)", "DDP"]
+    assert select_legs(None) == LEGS
+    with pytest.raises(SystemExit, match="no leg named"):
+        select_legs(["pp3"])

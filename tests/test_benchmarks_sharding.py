@@ -32,16 +32,19 @@ def test_a_first_stage_holds_its_micro_batches_in_flight_without_the_head():
 
 
 def _row(name: str, kind: str, mode: str | None, step_ms: float, optimizer: int, exposed: float | None,
-         overlap: bool = True, losses: tuple[float, ...] = (2.0, 1.0)) -> dict:
+         overlap: bool = True, losses: tuple[float, ...] = (2.0, 1.0),
+         gather_overlap: bool = False) -> dict:
     return {"section": "modes", "name": name, "layout": "dp2", "ranks": 2, "kind": kind, "mode": mode,
-            "overlap": overlap, "error": None, "refused": False, "step_ms": step_ms, "losses": list(losses),
+            "overlap": overlap, "param_gather_overlap": gather_overlap, "error": None, "refused": False,
+            "step_ms": step_ms, "losses": list(losses),
             "optimizer_bytes": [optimizer, optimizer], "exposed_ms": exposed, "worst_rank": 0, "used_mb": [50.0, 40.0],
             "peak_over_ideal": 1.5}
 
 
 def test_the_top_level_figures_come_from_the_rows():
     rows = [_row("merak3d dp2 none", "merak3d", "none", 100.0, 800, 30.0),
-            _row("merak3d dp2 optimizer", "merak3d", "optimizer", 103.0, 400, 20.0, losses=(2.0, 1.00001)),
+            _row("merak3d dp2 optimizer", "merak3d", "optimizer", 108.0, 400, 20.0, losses=(2.0, 1.00001)),
+            _row("merak3d dp2 optimizer gather-overlap", "merak3d", "optimizer", 103.0, 400, 20.0, gather_overlap=True),
             _row("merak3d dp2 none no-overlap", "merak3d", "none", 120.0, 800, 100.0, overlap=False),
             _row("merak3d dp2 optimizer no-overlap", "merak3d", "optimizer", 125.0, 400, 50.0, overlap=False),
             _row("DDP dp2", "ddp", None, 90.0, 800, None)]
@@ -50,7 +53,9 @@ def test_the_top_level_figures_come_from_the_rows():
                {"kind": "merak3d", "params_m": 15.0, "name": "merak3d pp2xdp2 full"}]
     top = summary(rows, largest, QUICK)
     assert top["optimizer_state_ratio"] == 0.5 and top["optimizer_state_ratio_layout"] == "dp2"
-    assert top["zero1_step_over_ddp"] == pytest.approx(1.03)
+    assert top["zero1_step_over_ddp"] == pytest.approx(1.03)  # with the parameters gathered during the forward
+    assert top["zero1_default_step_over_merak3d_none"] == pytest.approx(1.08)
+    assert top["zero1_step_over_lightning_ddp"] == pytest.approx(103 / 90)
     assert top["exposed_grad_comm_fraction"] == pytest.approx(0.4)  # optimizer's 20/50, worse than none's 30/100
     assert top["loss_max_rel_diff"] == pytest.approx(1e-5)
     assert top["largest_model_ratio_vs_fsdp2"] == 1.5

@@ -77,3 +77,11 @@ def test_callbacks_fsdp2_cannot_host_are_refused_with_full_sharding() -> None:
         with pytest.raises(ValueError, match=refusal):
             check_sharding(full, [], None, [callback])
         check_sharding(SimpleNamespace(data_parallel_sharding="gradients", data_parallel=2), [], None, [callback])
+
+
+def test_overlapped_parameter_gathering_needs_zero1() -> None:
+    from lightning_merak.strategies.merak3d import Merak3DStrategy
+
+    with pytest.raises(ValueError, match="use 'optimizer' or overlap_param_gather=False"):
+        Merak3DStrategy(data_parallel_sharding="gradients", overlap_param_gather=True)
+    Merak3DStrategy(data_parallel_sharding="optimizer", overlap_param_gather=True)

@@ -1,12 +1,14 @@
-"""release_freed_host_memory: glibc takes the setting; a freed large tensor leaves resident memory."""
+"""release_freed_host_memory: glibc takes the setting; a freed large tensor leaves resident memory.
+heap_stats: freed-but-kept heap told apart from live allocations."""
 
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch
 
-from lightning_merak.runtime.host_memory import release_freed_host_memory
+from lightning_merak.runtime.host_memory import heap_stats, release_freed_host_memory
 
 
 def test_refuses_a_threshold_that_is_not_positive() -> None:
@@ -33,3 +35,17 @@ def test_freed_mid_sized_tensors_leave_resident_memory() -> None:
     grown = [int(subprocess.run([sys.executable, "-c", script, flag], capture_output=True, text=True,
                                 check=True, timeout=120).stdout.split()[-1]) for flag in ("0", "1")]
     assert grown[1] < 0.7 * grown[0], grown
+
+
+@pytest.mark.skipif(heap_stats() is None, reason="glibc's mallinfo2")
+def test_heap_stats_tells_freed_heap_from_live() -> None:
+    """Every other 4 KiB tensor freed: the holes between live ones count as free heap, the rest as in use."""
+    before = heap_stats()
+    tensors = [torch.ones(1024) for _ in range(4000)]  # 4 KiB each: in the heap under any mmap threshold
+    filled = heap_stats()
+    del tensors[::2]
+    after = heap_stats()
+    assert before is not None and filled is not None and after is not None
+    assert filled.in_use - before.in_use >= 4000 * 4096
+    assert after.free - filled.free >= 0.9 * 2000 * 4096
+    assert filled.in_use - after.in_use >= 0.9 * 2000 * 4096

@@ -28,7 +28,7 @@ LAYOUTS = {
     "tp2dp2": {"data_parallel": 2, "tensor_parallel": 2},
     "pp2tp2": {"pipeline_parallel": 2, "tensor_parallel": 2},
 }
-# each precision meets each layout once, and each sharding mode at every layout with replicas
+# each precision meets each layout once, and each sharding mode at every layout with replicas; FSDP2 twice
 CASES = [
     ("32-true", "dp2", "gradients"), ("32-true", "pp2dp2", "optimizer"), ("32-true", "tp2dp2", "none"),
     ("32-true", "pp2tp2", "none"),
@@ -36,6 +36,7 @@ CASES = [
     ("bf16-mixed", "pp2tp2", "none"),
     ("bf16-true", "dp2", "none"), ("bf16-true", "pp2dp2", "gradients"), ("bf16-true", "tp2dp2", "optimizer"),
     ("bf16-true", "pp2tp2", "none"),
+    ("bf16-mixed", "tp2dp2", "full"), ("bf16-true", "pp2dp2", "full"),
 ]
 
 

@@ -72,18 +72,20 @@ def _check(results: list[dict], reference: tuple[list[float], dict[str, torch.Te
 
 def test_zero_matches_single_process_and_splits_the_optimizer_state():
     """dp=2 with small buckets, so several are reduced while the backward runs; with ZeRO-1 and ZeRO-2 each rank
-    keeps Adam's state for half of the elements, and the arithmetic is plain data parallelism's, element by element."""
+    keeps Adam's state for half of the elements, and the arithmetic is plain data parallelism's, element by element
+    (also when ZeRO-1's updated parameters are gathered while the next forward runs)."""
     plain = run_distributed(_train_rank, 2, args=("llama", {"data_parallel": 2, "grad_bucket_mb": 0.01}),
                             timeout_s=300)
     _check(plain, _reference("llama"))
     assert plain[0]["early_launches"] > 0
-    for mode in ("optimizer", "gradients"):
-        sharded = {"data_parallel": 2, "data_parallel_sharding": mode, "grad_bucket_mb": 0.01}
+    for options in ({"data_parallel_sharding": "optimizer"}, {"data_parallel_sharding": "gradients"},
+                    {"data_parallel_sharding": "optimizer", "overlap_param_gather": True}):
+        sharded = {"data_parallel": 2, "grad_bucket_mb": 0.01, **options}
         results = run_distributed(_train_rank, 2, args=("llama", sharded), timeout_s=300)
         _check(results, (plain[0]["losses"], plain[0]["weights"]), atol=1e-7)
         for result in results:
-            assert result["optimizer_elements"] <= plain[0]["optimizer_elements"] / 2 + 64, mode
-            assert result["early_launches"] > 0, mode
+            assert result["optimizer_elements"] <= plain[0]["optimizer_elements"] / 2 + 64, options
+            assert result["early_launches"] > 0, options
 
 
 @pytest.mark.parametrize(("model_name", "layout", "clip"), [
@@ -102,13 +104,22 @@ def test_zero_composes_with_pipeline_tensor_parallel_clipping_and_hybrid_shardin
 
 def test_checkpoints_resume_across_sharding_modes_and_layouts(tmp_path):
     """Saved with ZeRO-1 at dp=2 after 3 steps, resumed unsharded at pp=2 and with ZeRO-2 at dp=2: Adam's state
-    comes back whole, so both continue the single-process trajectory."""
+    comes back whole, so both continue the single-process trajectory; the checkpoint exports to Hugging Face."""
     checkpoint = str(tmp_path / "zero1.ckpt")
     losses, _ = _reference("llama")
-    saved = {"data_parallel": 2, "data_parallel_sharding": "optimizer"}
+    saved = {"data_parallel": 2, "data_parallel_sharding": "optimizer", "overlap_param_gather": True}
     first = run_distributed(_train_rank, 2, args=("llama", saved), timeout_s=300,
                             kwargs={"last_step": 3, "save_to": checkpoint})
     assert first[0]["losses"] == pytest.approx(losses[:3], rel=1e-5)
+    from transformers import AutoModelForCausalLM
+
+    from lightning_merak.hf.export import export_checkpoint
+
+    export_checkpoint(checkpoint, tmp_path / "hf")  # a sharded run's checkpoint exports as any other's
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    for name, value in exported.state_dict().items():
+        if name in first[0]["weights"]:
+            assert torch.equal(value, first[0]["weights"][name]), name
     for resumed in ({"data_parallel": 1, "pipeline_parallel": 2},
                     {"data_parallel": 2, "data_parallel_sharding": "gradients"}):
         second = run_distributed(_train_rank, 2, args=("llama", resumed), timeout_s=300,
@@ -133,3 +144,35 @@ def _refused_rank(rank: int, world_size: int) -> str:
 def test_an_optimizer_that_is_not_elementwise_is_refused_by_name():
     for result in run_distributed(_refused_rank, 2, timeout_s=120):
         assert "LBFGS does not update element by element" in result
+
+
+def _adapter_rank(rank: int, world_size: int, sharding: str) -> dict:
+    from lightning_merak.options.adapter import QBaRAAdapterConfig, Quantization
+
+    module = _module("llama", "adam")
+    module.model = QBaRAAdapterConfig(quantization=Quantization.nf4, r=2, target_modules=("q_proj", "v_proj")).apply(
+        module.model)
+    recorder = _Losses()
+    strategy = Merak3DStrategy(data_parallel=2, data_parallel_sharding=sharding, timeout_s=120)
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=3, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False, limit_val_batches=0, callbacks=[recorder])
+    trainer.fit(module, datamodule=_ShardedData(0, 3))
+    optimizer = strategy.optimizers[0]
+    return {"losses": recorder.losses,
+            "trainable": sum(p.numel() for p in module.parameters() if p.requires_grad),
+            "optimizer_params": sum(p.numel() for group in optimizer.param_groups for p in group["params"]
+                                    if p.requires_grad),  # the frozen base stays in its group, never stepped
+            "quantized_frozen": not any(p.requires_grad for n, p in module.named_parameters() if "base_layer" in n)}
+
+
+def test_adapters_shard_only_their_trainable_parameters():
+    """Q-BaRA on an NF4 base: the frozen quantized weights stay out of the buckets and the optimizer; ZeRO-1 splits
+    the trainable parameters (adapters and everything left trainable) over the replicas, with the same losses."""
+    plain = run_distributed(_adapter_rank, 2, args=("none",), timeout_s=300)
+    sharded = run_distributed(_adapter_rank, 2, args=("optimizer",), timeout_s=300)
+    for result in sharded:
+        assert result["losses"] == pytest.approx(plain[0]["losses"], rel=1e-5)
+        assert result["quantized_frozen"]
+        assert plain[0]["optimizer_params"] == result["trainable"]
+        assert result["optimizer_params"] <= result["trainable"] / 2 + 64

@@ -45,6 +45,7 @@ class Merak3DOptions:
     data_parallel_sharding: str = "none"
     data_parallel_shard_size: Optional[int] = None
     overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
     grad_bucket_mb: Optional[float] = None
 
 

@@ -134,6 +134,9 @@ class GradientBuffer:
             self._add_bucket(group, is_late, shards)
         self._bucket_of = {id(param): bucket for bucket in self.buckets for param in bucket.params}
         self._on_ready = on_ready
+        self.before_write: Optional[Callable[[Bucket], None]] = None
+        """Called with a bucket before gradients are written into it (a caller using the bucket for something
+        else in between waits for that here)."""
         self._backwards = 0
         self._accumulated: dict[int, int] = {}
         self._hooks = [param.register_post_accumulate_grad_hook(self._adopt_hook(param, view))
@@ -180,6 +183,8 @@ class GradientBuffer:
         bucket = self._bucket_of[id(param)]
 
         def adopt(tensor: nn.Parameter) -> None:
+            if self.before_write is not None:
+                self.before_write(bucket)
             bucket.restore()
             _adopt(tensor, view)
             if self._backwards and not bucket.late:
@@ -206,6 +211,8 @@ class GradientBuffer:
 
     def gather_bucket(self, bucket: Bucket) -> None:
         """:meth:`gather` for one bucket (its padding stays zero)."""
+        if self.before_write is not None:
+            self.before_write(bucket)
         bucket.restore()
         for param, view in zip(bucket.params, bucket.views):
             if param.grad is None:

@@ -21,7 +21,8 @@ class CheckpointHooks(ParallelStrategy):
 
     Before the build the model is whole (or on the meta device) and Lightning's own behaviour
     applies; afterwards :class:`~.checkpoint.ShardedCheckpointer` writes and reads the shards
-    under the unsplit model's names. The strategy provides ``pipeline_rank`` and sets ``_checkpointer``, ``_built``,
+    under the unsplit model's names. The strategy provides ``pipeline_rank``, ``layout``,
+    ``layout_choice``, ``_groups`` and ``_arguments``, and sets ``_checkpointer``, ``_built``,
     ``_restored_state``, ``_pending_optimizer_states`` and ``_data_parallel``.
     """
 
@@ -40,9 +41,18 @@ class CheckpointHooks(ParallelStrategy):
         """``full`` (a gathered parameter-shaped tensor) in the unsplit model's layout."""
         return self._checkpointer.to_original_layout(name, full)
 
+    def _expert_placement(self) -> tuple[int, tuple[int, int, int]]:
+        """This rank and the ``(pp, dp, tp)`` degrees, for the checkpointer to tell which experts it holds."""
+        if self._built is not None or (self.layout_choice is not None and self._groups is not None):
+            layout = self.layout
+            return self.global_rank, (layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel)
+        return self.global_rank, self._arguments.fixed_degrees("resuming expert-parallel MoE layers")
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self._built is None:
             return self.lightning_module.state_dict()
+        if self._data_parallel is not None:  # parameters gathered while the next forward would run
+            self._data_parallel.wait_for_parameters()
         return self._checkpointer.module_state_dict(self.lightning_module)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

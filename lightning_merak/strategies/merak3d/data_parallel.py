@@ -109,10 +109,13 @@ class DataParallelGradients:
         shards: ranks a bucket is split over (the data-parallel degree unless hybrid).
         overlap: start a bucket's collective when the last backward pass has finished it.
         bucket_bytes: bucket size.
+        overlap_param_gather: with ``"optimizer"``, the module whose forward waits for each bucket of
+            updated parameters just before the first of its modules that uses it (``None``: gathered at once).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], late: Sequence[nn.Parameter], *, groups: LayoutGroups,
-                 mode: str, shards: int, overlap: bool, bucket_bytes: int) -> None:
+                 mode: str, shards: int, overlap: bool, bucket_bytes: int,
+                 overlap_param_gather: Optional[nn.Module] = None) -> None:
         self.mode = mode
         self.sharded = mode in SHARDED_MODES
         self._data_parallel = groups.layout.data_parallel
@@ -138,6 +141,15 @@ class DataParallelGradients:
         """Each sharded optimizer's parameter groups as they were, by ``id`` of the optimizer."""
         if self.sharded:
             self._make_shard_parameters()
+        self._pending_gathers: dict[int, Any] = {}
+        self._forward_hooks: list[Any] = []
+        if overlap_param_gather is not None:
+            self.buffer.before_write = self._finish_gather
+            for owner in overlap_param_gather.modules():
+                indices = sorted({self.buffer.bucket_of(param).index for param in owner._parameters.values()
+                                  if param is not None and id(param) in self._positions})
+                if indices:
+                    self._forward_hooks.append(owner.register_forward_pre_hook(self._gathered_before(indices)))
         self.exposed_s: list[float] = []
         """Seconds each step waited for the gradient collectives after its backward ended."""
 
@@ -208,6 +220,7 @@ class DataParallelGradients:
         if not self.sharded:
             yield
             return
+        self.wait_for_parameters()
         self.unshard(optimizer)
         try:
             yield
@@ -279,8 +292,11 @@ class DataParallelGradients:
         slice, and the bucket itself (its gradients were dropped after the reduction) receives the gather. With
         ZeRO-2 a released bucket is restored for its gather and released again, two at a time."""
         in_flight: list[tuple[Bucket, Any]] = []
+        overlapped = bool(self._forward_hooks)
+        # buckets lie in backward order; overlapped with a forward, the first one it needs goes first
+        order = reversed(self.buffer.buckets) if overlapped else self.buffer.buckets
         with torch.no_grad():
-            for bucket in self.buffer.buckets:
+            for bucket in order:
                 self.buffer.drop_gradients(bucket)
                 bucket.restore()
                 part = self._shard_grads[bucket.index]
@@ -289,12 +305,32 @@ class DataParallelGradients:
                     if owner is bucket:
                         self._check_view(piece, shard)
                         part[piece.offset:piece.offset + shard.numel()] = shard
-                in_flight.append((bucket, dist.all_gather_single(bucket.flat, part, group=self._shard_group,
-                                                                 async_op=True)))
+                work = dist.all_gather_single(bucket.flat, part, group=self._shard_group, async_op=True)
+                if overlapped:  # finished by the next forward (or whatever reads the parameters first)
+                    self._pending_gathers[bucket.index] = work
+                    continue
+                in_flight.append((bucket, work))
                 if self.mode == "gradients" and len(in_flight) == 2:
                     self._copy_into_parameters(*in_flight.pop(0))
             for gathered in in_flight:
                 self._copy_into_parameters(*gathered)
+
+    def _gathered_before(self, indices: list[int]) -> Any:
+        def wait(module: nn.Module, args: Any) -> None:
+            for index in indices:
+                self._finish_gather(self.buffer.buckets[index])
+        return wait
+
+    def _finish_gather(self, bucket: Bucket) -> None:
+        work = self._pending_gathers.pop(bucket.index, None)
+        if work is not None:
+            with torch.no_grad():
+                self._copy_into_parameters(bucket, work)
+
+    def wait_for_parameters(self) -> None:
+        """Finish every parameter gather still in flight (before anything outside a forward reads the parameters)."""
+        for bucket in self.buffer.buckets:
+            self._finish_gather(bucket)
 
     def _copy_into_parameters(self, bucket: Bucket, work: Any) -> None:
         work.wait()
@@ -394,6 +430,14 @@ class DataParallelGradients:
             "early_launches": float(self.early_launches),
         }
 
+    def close(self) -> None:
+        """Stop adopting gradients and gathering before forwards, once every gather in flight is done."""
+        self.wait_for_parameters()
+        self.buffer.remove()
+        for hook in self._forward_hooks:
+            hook.remove()
+        self._forward_hooks = []
+
     def holds(self, params: Sequence[nn.Parameter]) -> bool:
         """Whether the buckets hold exactly the gradients of ``params``."""
         return {id(param) for param in params} == set(self._positions)
@@ -430,7 +474,8 @@ def data_parallel_gradients(module: nn.Module, built: Any, groups: LayoutGroups,
     params = averaged_parameters(module)
     return DataParallelGradients(params, late, groups=groups, mode=layout.data_parallel_sharding, shards=shards,
                                  overlap=arguments.overlap_grad_reduce,
-                                 bucket_bytes=bucket_bytes(arguments.grad_bucket_mb, params))
+                                 bucket_bytes=bucket_bytes(arguments.grad_bucket_mb, params),
+                                 overlap_param_gather=module if arguments.overlap_param_gather else None)
 
 
 DEFAULT_BUCKET_MB = 25.0
@@ -463,10 +508,10 @@ def refreshed(current: DataParallelGradients, module: nn.Module, built: Any, gro
             "the parameters averaged over data-parallel ranks changed after the first step (a callback added to "
             "_ddp_params_and_buffers_to_ignore); name them before or during the first backward"
         )
+    current.close()
     for optimizer in optimizers:
         if current.sharded:
             current.unshard(optimizer)
-    current.buffer.remove()
     rebuilt = data_parallel_gradients(module, built, groups, arguments)
     assert rebuilt is not None
     return rebuilt

@@ -108,6 +108,10 @@ class Merak3DStrategy(CheckpointHooks):
             of this size, replicate across them); default all data-parallel ranks.
         overlap_grad_reduce: reduce each bucket of gradients as soon as the last micro-batch's backward
             has finished it, while the backward goes on (otherwise all at once after it).
+        overlap_param_gather: with ``"optimizer"``, gather each bucket of updated parameters while the next
+            forward runs, waiting for a bucket just before the first module that uses it; until then
+            parameters read outside the strategy (a callback's ``on_train_batch_end``) are the previous
+            step's. Checkpoints, validation and the end of training wait for them.
         grad_bucket_mb: size of a gradient bucket, the unit of that reduction (default: 25 MB, or an eighth
             of the stage's gradients when that is smaller, at least 1 MB, so a small model still overlaps).
     """
@@ -137,6 +141,7 @@ class Merak3DStrategy(CheckpointHooks):
         data_parallel_sharding: str = "none",
         data_parallel_shard_size: Optional[int] = None,
         overlap_grad_reduce: bool = True,
+        overlap_param_gather: bool = False,
         grad_bucket_mb: Optional[float] = None,
     ) -> None:
         super().__init__()
@@ -460,8 +465,13 @@ class Merak3DStrategy(CheckpointHooks):
             self._batch_clock = BatchClock(package.STEP_CHECK_WARMUP, package.STEP_CHECK_BATCHES)
 
     def on_validation_start(self) -> None:
+        self.on_train_end()  # parameters gathered while the next forward would run are complete before evaluation
         if self._batch_clock is not None:
             self._batch_clock.pause()
+
+    def on_train_end(self) -> None:
+        if self._data_parallel is not None:
+            self._data_parallel.wait_for_parameters()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         clock = self._batch_clock
@@ -586,10 +596,3 @@ class Merak3DStrategy(CheckpointHooks):
         self.last_gradient_norm = gradients.clip_by_total_norm(optimizer, clip_val, tied, self.groups,
                                                                self.root_device, self._sharded_gradients,
                                                                self._row_shares)
-
-    def _expert_placement(self) -> tuple[int, tuple[int, int, int]]:
-        """This rank and the ``(pp, dp, tp)`` degrees, for the checkpointer to tell which experts it holds."""
-        if self._built is not None or (self.layout_choice is not None and self._groups is not None):
-            layout = self.layout
-            return self.global_rank, (layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel)
-        return self.global_rank, self._arguments.fixed_degrees("resuming expert-parallel MoE layers")
