@@ -176,3 +176,32 @@ def test_adapters_shard_only_their_trainable_parameters():
         assert result["quantized_frozen"]
         assert plain[0]["optimizer_params"] == result["trainable"]
         assert result["optimizer_params"] <= result["trainable"] / 2 + 64
+
+
+def _validated_first_rank(rank: int, world_size: int) -> dict:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.test_merak3d import SEQ, _batches
+
+    module = _module("llama", "adam")
+    recorder = _Losses()
+    strategy = Merak3DStrategy(data_parallel=2, data_parallel_sharding="optimizer", timeout_s=120)
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=1, use_distributed_sampler=False,
+                         callbacks=[recorder])
+    trainer.validate(module, dataloaders=DataLoader(TensorDataset(_batches()[0, :4].reshape(-1, SEQ)), batch_size=4))
+    trainer.fit(module, datamodule=_ShardedData(0, STEPS))
+    optimizer = strategy.optimizers[0]
+    return {"losses": recorder.losses,
+            "trainable": sum(p.numel() for p in module.parameters() if p.requires_grad),
+            "optimizer_elements": sum(v.numel() for s in optimizer.state.values() for v in s.values()
+                                      if isinstance(v, torch.Tensor) and v.ndim > 0)}
+
+
+def test_a_layout_built_by_validate_shards_the_optimizers_fit_creates():
+    """The layout is built in ``validate``; ``fit`` then makes new optimizers, which are sharded all the same."""
+    losses, _ = _reference("llama")
+    for result in run_distributed(_validated_first_rank, 2, timeout_s=300):
+        assert result["losses"] == pytest.approx(losses, rel=1e-5)
+        assert result["optimizer_elements"] <= result["trainable"] + 64  # Adam's two moments of half the elements

@@ -135,7 +135,8 @@ class DataParallelGradients:
         self._works: dict[int, Any] = {}
         self._shard_grads = ([torch.zeros(bucket.shard_numel, dtype=bucket.flat.dtype, device=bucket.flat.device)
                               for bucket in self.buffer.buckets] if self.sharded else [])
-        self._shards: list[tuple[Bucket, ShardSlice, nn.Parameter]] = []
+        self._shards_of: list[list[tuple[ShardSlice, nn.Parameter]]] = [[] for _ in self.buffer.buckets]
+        """By bucket index: the parts of parameters this rank steps, and the shard parameter viewing each."""
         self._step_hooks: list[Any] = []
         self._whole_groups: dict[int, list[list[nn.Parameter]]] = {}
         """Each sharded optimizer's parameter groups as they were, by ``id`` of the optimizer."""
@@ -165,7 +166,12 @@ class DataParallelGradients:
                 shard = nn.Parameter(storage.view(-1)[piece.start:piece.stop])
                 shard.sharded_from = piece.param  # type: ignore[attr-defined]
                 shard.shard_start = piece.start  # type: ignore[attr-defined]
-                self._shards.append((bucket, piece, shard))
+                self._shards_of[bucket.index].append((piece, shard))
+
+    @property
+    def _shards(self) -> list[tuple[Bucket, ShardSlice, nn.Parameter]]:
+        return [(bucket, piece, shard) for bucket in self.buffer.buckets
+                for piece, shard in self._shards_of[bucket.index]]
 
     @property
     def shard_parameters(self) -> list[nn.Parameter]:
@@ -259,7 +265,7 @@ class DataParallelGradients:
                 scalar_state.setdefault(index, {}).update(values)
         states: dict[nn.Parameter, dict[str, Any]] = {}
         for bucket in self.buffer.buckets:
-            mine = [(piece, shard) for owner, piece, shard in self._shards if owner is bucket]
+            mine = self._shards_of[bucket.index]
             for key in keys:
                 part = torch.zeros(bucket.shard_numel, dtype=torch.float32, device=bucket.flat.device)
                 for piece, shard in mine:
@@ -301,10 +307,9 @@ class DataParallelGradients:
                 bucket.restore()
                 part = self._shard_grads[bucket.index]
                 part.zero_()
-                for owner, piece, shard in self._shards:
-                    if owner is bucket:
-                        self._check_view(piece, shard)
-                        part[piece.offset:piece.offset + shard.numel()] = shard
+                for piece, shard in self._shards_of[bucket.index]:
+                    self._check_view(piece, shard)
+                    part[piece.offset:piece.offset + shard.numel()] = shard
                 work = dist.all_gather_single(bucket.flat, part, group=self._shard_group, async_op=True)
                 if overlapped:  # finished by the next forward (or whatever reads the parameters first)
                     self._pending_gathers[bucket.index] = work

@@ -77,26 +77,23 @@ def replicated_parameters(module: nn.Module) -> list[nn.Parameter]:
     ]
 
 
-def synchronize_gradients(module: nn.Module, tensor_partial: list[nn.Parameter], tied: list[TiedParameter],
-                          groups: LayoutGroups, data_parallel: Optional[DataParallelGradients] = None) -> None:
+def synchronize_gradients(tensor_partial: list[nn.Parameter], tied: list[TiedParameter], groups: LayoutGroups,
+                          data_parallel: Optional[DataParallelGradients]) -> None:
     """Sum the gradients of parameters that saw part of the heads or tokens over the tensor-parallel
-    group, sum tied parameters between first and last stage, then average over the replicas: with
-    ``data_parallel`` (its buckets, some already reduced during the backward), else on a concatenated copy."""
+    group, sum tied parameters between first and last stage, then average over the replicas with
+    ``data_parallel`` (its buckets, some already reduced during the backward)."""
     partial = [_local(p.grad) for p in tensor_partial if p.grad is not None]
     if partial:
         average_gradients(partial, groups.tensor_group, replicas=1)
     for group, param, _ in tied:
         if param.grad is not None:
             dist.all_reduce(_local(param.grad), group=group)
-    replicas = groups.layout.data_parallel
-    if replicas == 1 or groups.layout.data_parallel_sharding == "full":  # FSDP2 reduced them in the backward
+    if groups.layout.data_parallel == 1 or groups.layout.data_parallel_sharding == "full":  # FSDP2 reduced them
         return
-    if data_parallel is not None:
-        data_parallel.finish()
-        return
-    grads = [_local(p.grad) for p in replicated_parameters(module) if p.grad is not None]
-    if grads:
-        average_gradients(grads, groups.data_parallel_group, replicas)
+    if data_parallel is None:
+        raise RuntimeError("data_parallel>1 averages gradients through the strategy's buckets, which setup creates "
+                           "for a fit; this backward ran without them")
+    data_parallel.finish()
 
 
 def averaged_parameters(module: nn.Module) -> list[nn.Parameter]:

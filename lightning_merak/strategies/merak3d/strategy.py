@@ -108,10 +108,9 @@ class Merak3DStrategy(CheckpointHooks):
             of this size, replicate across them); default all data-parallel ranks.
         overlap_grad_reduce: reduce each bucket of gradients as soon as the last micro-batch's backward
             has finished it, while the backward goes on (otherwise all at once after it).
-        overlap_param_gather: with ``"optimizer"``, gather each bucket of updated parameters while the next
-            forward runs, waiting for a bucket just before the first module that uses it; until then
-            parameters read outside the strategy (a callback's ``on_train_batch_end``) are the previous
-            step's. Checkpoints, validation and the end of training wait for them.
+        overlap_param_gather: with ``"optimizer"``, gather updated parameters while the next forward runs (each
+            bucket just before the first module using it); until then a callback's ``on_train_batch_end`` reads
+            the previous step's. Checkpoints, validation and the end of training wait for them.
         grad_bucket_mb: size of a gradient bucket, the unit of that reduction (default: 25 MB, or an eighth
             of the stage's gradients when that is smaller, at least 1 MB, so a small model still overlaps).
     """
@@ -393,6 +392,8 @@ class Merak3DStrategy(CheckpointHooks):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             data_parallel.check_sharding(self.layout, self.optimizers, self.precision_plugin, trainer.callbacks)
+            if self._built is not None:  # built by an earlier validate, predict or fit: these optimizers are new
+                self._shard_optimizers()
         self.setup_precision_plugin()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
 
@@ -527,7 +528,6 @@ class Merak3DStrategy(CheckpointHooks):
         self._built_in_evaluation = not module.training
         trainer = module.trainer
         if trainer.state.fn == TrainerFn.FITTING:
-            self._data_parallel = data_parallel.data_parallel_gradients(module, built, self.groups, self._arguments)
             # the schedulers Lightning restored from a checkpoint are replaced with the optimizers
             scheduler_states = [config.scheduler.state_dict() for config in self.lr_scheduler_configs]
             self.setup_optimizers(trainer)
@@ -541,7 +541,9 @@ class Merak3DStrategy(CheckpointHooks):
             self._shard_optimizers()
 
     def _shard_optimizers(self) -> None:
-        """With a sharded data-parallel mode, each optimizer steps this rank's slices; clipping counts them once."""
+        """Bucketed gradient reduction (dp > 1); with a sharded mode each optimizer steps this rank's slices."""
+        self._data_parallel = self._data_parallel or data_parallel.data_parallel_gradients(
+            self.lightning_module, self._built, self.groups, self._arguments)
         if self._data_parallel is not None:
             self._data_parallel.attach(self.optimizers, self.precision_plugin, self._sharded_gradients)
 
@@ -580,9 +582,8 @@ class Merak3DStrategy(CheckpointHooks):
             if self._data_parallel is not current:
                 self._sharded_gradients.remove(current.shard_parameters)
                 self._shard_optimizers()
-        gradients.synchronize_gradients(
-            self.lightning_module, built.tensor_partial if built else [], built.tied if built else [], self.groups,
-            self._data_parallel)
+        gradients.synchronize_gradients(built.tensor_partial if built else [], built.tied if built else [],
+                                        self.groups, self._data_parallel)
         return closure_loss
 
     def register_sharded_gradients(self, params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup]) -> None:
