@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,8 @@ from benchmarks.merak3d import Workload, _quiet_lightning, _StepTimer
 from benchmarks.report import default_out, out_help, print_table, write_json
 from lightning_merak.config import TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
+from lightning_merak.profiler import MerakTraceProfiler, Trace
+from lightning_merak.profiler.synthesize import LayoutSpec, ModelShape, calibrate, predict_layout
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import run_distributed
 from lightning_merak.testing.distributed import DistributedRunError
@@ -60,6 +63,8 @@ RANK_TIMEOUT_S = 300.0
 WORKLOAD = Workload(hidden=256, layers=4, vocab=4096, seq=64, global_batch=8)
 """``global_batch`` here is the batch of each data-parallel replica (the dataloader's batch_size)."""
 ERROR_TARGET, REGRET_TARGET = 0.10, 0.05
+TRACE_SKIP, TRACE_STEPS = 2, 3
+"""The replayer's calibration run: warm-up steps, then traced steps."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,8 @@ def _layout_key(layout: dict[str, Any]) -> str:
     return "dp{dp} pp{pp} tp{tp} M{micro_batches} k{overlap}".format(**layout)
 
 
-def _run_rank(rank: int, world_size: int, merak: dict[str, Any], steps: int) -> dict[str, Any]:
+def _run_rank(rank: int, world_size: int, merak: dict[str, Any], steps: int,
+              trace_dir: str | None = None) -> dict[str, Any]:
     _quiet_lightning()
     torch.manual_seed(0)
     model = build_causal_lm(WORKLOAD.model_config(), WORKLOAD.vocab)
@@ -111,6 +117,7 @@ def _run_rank(rank: int, world_size: int, merak: dict[str, Any], steps: int) -> 
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[timer],
+        profiler=MerakTraceProfiler(trace_dir, skip_steps=TRACE_SKIP, steps=TRACE_STEPS) if trace_dir else None,
     )
     trainer.fit(module, datamodule=_ReplicaData(WORKLOAD, steps))
     result: dict[str, Any] = {"step_s": timer.step_s, "layout": {
@@ -133,6 +140,35 @@ def _plan(mode: Mode) -> list[dict[str, Any]]:
              "plan_only": True, "micro_batches": mode.micro_batch_choices[0] if mode.micro_batch_choices else None}
     ranks = run_distributed(_run_rank, WORLD_SIZE, args=(merak, 2), timeout_s=RANK_TIMEOUT_S, threads_per_rank=1)
     return ranks[0]["predictions"]
+
+
+def _replay_predictions(plan: list[dict[str, Any]], mode: Mode) -> dict[str, float]:
+    """The replayer's prediction for every layout of ``plan``, calibrated on one short traced run of dp=2.
+
+    The traced steps carry the profiler's cost; predictions are scaled by that run's untraced steps
+    over its traced ones. Overlap (k) is not modelled by the replayer: layouts differing only in k get
+    the same prediction.
+    """
+    steps = TRACE_SKIP + TRACE_STEPS + 2
+    with tempfile.TemporaryDirectory(prefix="merak-planner-trace-") as trace_dir:
+        ranks = run_distributed(_run_rank, WORLD_SIZE, args=({"data_parallel": 2, "pipeline_parallel": 1,
+                                                              "tensor_parallel": 1}, steps, trace_dir),
+                                timeout_s=RANK_TIMEOUT_S, threads_per_rank=1)
+        trace = Trace.load(Path(trace_dir) / "merak_trace.json")
+    slowest = [max(step) for step in zip(*(rank["step_s"] for rank in ranks))]
+    window = range(TRACE_SKIP, TRACE_SKIP + TRACE_STEPS - 1)
+    untraced = [t for i, t in enumerate(slowest) if i >= mode.warmup and i not in window and
+                i != TRACE_SKIP + TRACE_STEPS - 1] or slowest
+    correction = statistics.median(untraced) / statistics.median(slowest[i] for i in window)
+    model = build_causal_lm(WORKLOAD.model_config(), WORKLOAD.vocab)
+    blocks = model.model.layers
+    block_params = sum(p.numel() for p in blocks[0].parameters())
+    shape = ModelShape(len(blocks), block_params, sum(p.numel() for p in model.parameters())
+                       - len(blocks) * block_params, WORKLOAD.hidden, WORKLOAD.seq)
+    costs = calibrate(trace, shape, LayoutSpec(2, 1, 1, 1, WORKLOAD.global_batch))
+    return {_layout_key(p["layout"]): correction * predict_layout(costs, shape, LayoutSpec(
+        p["layout"]["dp"], p["layout"]["pp"], p["layout"]["tp"], p["layout"]["micro_batches"] or 1,
+        WORKLOAD.global_batch)).step_time for p in plan}
 
 
 class Measured(NamedTuple):
@@ -207,8 +243,10 @@ def main(argv: list[str] | None = None) -> int:
           f"({'quick' if args.quick else 'full'}, {mode.rounds} round{'s' * (mode.rounds > 1)})", flush=True)
     plans: list[list[dict[str, Any]]] = []
     measured: list[list[Measured | str]] = []
+    replayed: list[dict[str, float]] = []
     for round_index in range(mode.rounds):
         plans.append(_plan(mode))
+        replayed.append(_replay_predictions(plans[-1], mode))
         print(f"  round {round_index + 1}/{mode.rounds}: planned {len(plans[-1])} layouts, picked "
               f"{_layout_key(plans[-1][0]['layout'])} ({time.perf_counter() - started:.0f} s)", flush=True)
         by_key = {_layout_key(p["layout"]): p for p in plans[-1]}
@@ -222,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  round {round_index + 1}/{mode.rounds} {key}: predicted {by_key[key]['step_s'] * 1e3:.0f} ms, "
                   f"{outcome}", flush=True)
     rows = combine_rounds(plans, measured)
+    for row in rows:
+        row["replay_predicted_s"] = statistics.median(round_[row["layout"]] for round_ in replayed)
+        if "error" in row:
+            row["replay_error"] = row["replay_predicted_s"] / row["measured_s"] - 1.0
     measured_rows = [row for row in rows if "error" in row]
     pick = rows[0]
     best = min(measured_rows, key=lambda row: row["measured_per_sample_ms"])
@@ -233,10 +275,15 @@ def main(argv: list[str] | None = None) -> int:
           "measured ms": round(r["measured_s"] * 1e3, 1) if "error" in r else r["measured_s"],
           "error": f"{100 * r['error']:+.1f}%" if "error" in r else "-",
           "paired error": f"{100 * r['paired_error']:+.1f}%" if "error" in r else "-",
+          "replay ms": round(r["replay_predicted_s"] * 1e3, 1),
+          "replay error": f"{100 * r['replay_error']:+.1f}%" if "error" in r else "-",
           "ms/sample": round(r["measured_per_sample_ms"], 2) if "error" in r else "-"} for r in rows],
     )
     paired_errors = [abs(row["paired_error"]) for row in measured_rows]
+    replay_errors = [abs(row["replay_error"]) for row in measured_rows]
     summary = {
+        "mean_abs_replay_error": statistics.mean(replay_errors), "max_abs_replay_error": max(replay_errors),
+        "replay_error_target_met": max(replay_errors) <= ERROR_TARGET,
         "mean_abs_error": statistics.mean(errors), "max_abs_error": max(errors),
         "mean_abs_paired_error": statistics.mean(paired_errors), "max_abs_paired_error": max(paired_errors),
         "pick": pick["layout"], "picks_per_round": [_layout_key(plan[0]["layout"]) for plan in plans],
@@ -253,9 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"regret: pick {pick['layout']} vs best measured {best['layout']}: "
           f"{100 * regret:.1f}% (target ≤ {100 * REGRET_TARGET:.0f}%: "
           f"{'PASS' if summary['regret_target_met'] else 'FAIL'})" if regret is not None else "regret: pick failed")
+    print(f"replayer (calibrated on one traced dp2 run per round): mean {100 * summary['mean_abs_replay_error']:.1f}%, "
+          f"max {100 * summary['max_abs_replay_error']:.1f}% "
+          f"({'PASS' if summary['replay_error_target_met'] else 'FAIL'})")
     write_json(args.out, rows, "measured",
                predictions="the planner's cost model from its own profile: one planning run per round "
-                           "(error), and each training run's own plan (paired_error)",
+                           "(error), and each training run's own plan (paired_error); the trace replayer "
+                           "calibrated on one traced dp2 run per round (replay_error)",
                rounds=mode.rounds,
                workload=WORKLOAD.describe() + " per replica", world_size=WORLD_SIZE,
                mode="quick" if args.quick else "full", summary=summary, wall_s=time.perf_counter() - started)

@@ -24,7 +24,8 @@ from benchmarks.report import RESULTS_DIR
 
 REPO_ROOT = RESULTS_DIR.parents[1]
 DEFAULT_PAGE = REPO_ROOT / "docs" / "results.md"
-NOT_RESULTS = "_trace.json"  # Chrome traces that overlap_tp writes next to its results (git-ignored)
+NOT_RESULTS = ("_trace.json", ".perfetto.json")
+"""Chrome traces next to the results: overlap_tp's (git-ignored), benchmarks.replay's committed Perfetto example."""
 
 
 class ResultsError(Exception):
@@ -195,21 +196,29 @@ def sparse_comm(data: dict[str, Any]) -> Table:
 
 
 def moe(data: dict[str, Any]) -> Table:
-    rows = [[r["policy"], f"{r['load_max_over_mean']:.3f}", ratio(r["speedup_vs_deepspeed"]),
-             percent(r["exposed_a2a_frac"]), f"{r['sub_batches']:g}"] for r in data["rows"]]
-    setup = data["setup"]
+    rows = []
+    for r in data["rows"]:
+        p = r["policies"]
+        rows.append([r["config"], f"{p['ours']['max_over_mean_all_steps']:.3f}",
+                     f"{p['ours']['max_over_mean_worst_step']:.3f}", f"{p['dropless']['max_over_mean_all_steps']:.3f}",
+                     ratio(p["deepspeed"]["step_ms"] / p["ours"]["step_ms"]),
+                     f"{ratio(r['ours_over_best_baseline'])} ({r['best_baseline']})",
+                     ", ".join(f"{k} {n}" for k, n in p["ours"]["kinds"].items())])
     simulated = data["simulated"]["rows"]
+    goals = data["goals"]
     notes = [
-        f"{setup['world_size']} ranks at {setup['rate_mbit']} Mbit/s, {setup['experts']} experts, "
-        f"{setup['tokens_per_rank']} tokens per rank, Zipf {data['zipf_exponent']} drifting every "
-        f"{data['drift_every']} steps",
-        "targets: " + ", ".join(f"{k} {met(v)}" for k, v in data["targets"].items()),
-        f"{data['simulated']['label']} with this run's calibrated cost model: ours vs DeepSpeed-MoE "
-        + ", ".join(f"{ratio(s['speedup_vs_deepspeed'])} at {s['ranks']} ranks" for s in simulated)
-        + "; vs FasterMoE " + ", ".join(ratio(s["speedup_vs_fastermoe"]) for s in simulated),
+        f"{data['world_size']} ranks, 8 experts, top-2; configurations: base at 400 Mbit/s on each routing "
+        "(drift4: Zipf 1.2 shifting every 4 steps; rotateK: hot set redrawn every K steps), then one factor "
+        "swept on rotate3",
+        f"all_steps_max_over_mean {data['all_steps_max_over_mean']:.3f} ({data['all_steps_max_over_mean_config']}) "
+        f"{met(goals['all_steps_max_over_mean_le_1.15'])} (goal ≤ 1.15); ours_over_best_baseline_min "
+        f"{data['ours_over_best_baseline_min']:.3f} ({data['ours_over_best_baseline_min_config']}) "
+        f"{met(goals['ours_over_best_baseline_min_ge_1.0'])} (goal ≥ 1.0)",
+        f"{data['simulated']['label']} with this run's calibrated cost model, ours over the best baseline: "
+        + ", ".join(f"{s['ranks']} ranks {s['routing']} {ratio(s['ours_over_best_baseline'])}" for s in simulated),
     ]
-    return Table(["policy", "load max/mean", "step speed vs DeepSpeed-MoE", "exposed all-to-all of step",
-                  "sub-batches"], rows, notes)
+    return Table(["configuration", "ours load max/mean (all steps)", "ours worst step", "dropless all steps",
+                  "ours vs DeepSpeed-MoE", "ours vs best baseline", "kinds ours ran (layer-steps)"], rows, notes)
 
 
 def adapters(data: dict[str, Any]) -> Table:
@@ -326,10 +335,40 @@ def sharding(data: dict[str, Any]) -> Table:
                   "exposed reduce", "loss vs DDP", "MiB (peak/ideal)"], rows, notes)
 
 
+def dynapipe(data: dict[str, Any]) -> Table:
+    rows = [[r["layout"], r["mode"], f"{r['step_ms']:.0f}", f"{r['real_tokens_per_s']:.0f}",
+             percent(r["padding_fraction"]), percent(r["bubble"]), r["micro_batches_per_replica"]]
+            for r in data["rows"]]
+    settings = data["settings"]
+    notes = [f"dynamic over pack {ratio(data['speedup_vs_pack'])} (goal 1.3x), "
+             f"over pad {ratio(data['speedup_vs_pad'])} (goal 2x) at {data['headline_layout']}; "
+             + "; ".join(f"{layout}: {ratio(s['vs_pack'])} / {ratio(s['vs_pad'])}"
+                         for layout, s in sorted(data["speedups_by_layout"].items())),
+             f"loss, dynamic vs pad over the same samples: max relative difference {data['loss_max_rel_diff']:.1e}",
+             f"context {settings['context']} tokens, {settings['batch']}-sample global batches, "
+             f"{settings['measured']} measured steps; {data['note']}"]
+    return Table(["layout", "mode", "step ms", "real tokens/s", "padding", "bubble", "micro-batches per replica"],
+                 rows, notes)
+
+
+def replay(data: dict[str, Any]) -> Table:
+    """Trace replay (dPRO): the traced steps replayed, what-ifs against measured runs, simulated rank counts."""
+    rows = [[r["kind"], r["what"], f"{r['predicted_ms']:.0f}",
+             "-" if r.get("measured_ms") is None else f"{r['measured_ms']:.0f}",
+             percent(r.get("error"), signed=True)] for r in data["rows"]]
+    overhead = data.get("recording_overhead", {})
+    notes = [f"replay error {percent(data['replay_error'])} (goal ≤ {percent(data['replay_target'])}), what-if error "
+             f"max {percent(data['whatif_error_max'])} (goal ≤ {percent(data['whatif_target'])})",
+             f"recording costs {overhead.get('overhead_per_op_us', float('nan')):.0f} µs per collective or "
+             f"point-to-point op; Perfetto example: benchmarks/results/{data['perfetto_example']}",
+             f"{data['workload']}; {data['note']}"]
+    return Table(["kind", "what", "predicted ms", "measured ms", "error"], rows, notes)
+
+
 AREAS: dict[str, Callable[[dict[str, Any]], Table]] = {
     "collectives": collectives, "merak3d": merak3d, "overlap_tp": overlap_tp, "planner": planner,
     "delta": delta, "sparse_comm": sparse_comm, "moe": moe, "adapters": adapters, "scale": scale,
-    "sharding": sharding,
+    "sharding": sharding, "dynapipe": dynapipe, "replay": replay,
 }
 AUXILIARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "adapters_lr_sweep": ("adapters", adapters_lr_sweep),

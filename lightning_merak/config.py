@@ -28,11 +28,13 @@ from typing import TYPE_CHECKING, Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from lightning_merak.options.faults import FaultsConfig
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch import nn
 
-GROUPS = ("model", "data", "trainer", "strategy", "moe", "memory", "comm", "adapter")
+GROUPS = ("model", "data", "trainer", "strategy", "moe", "memory", "comm", "adapter", "profiler")
 
 
 @dataclass
@@ -91,6 +93,9 @@ class DataConfig:
     text_field: str = "text"
     tokenizer_path: Optional[str] = None
     val_fraction: float = 0.02
+    # fixed: blocks of seq_len tokens; variable: each sample keeps its length (up to max_length), in global batches
+    lengths: str = "fixed"
+    max_length: int = 2048
 
 
 @dataclass
@@ -173,7 +178,13 @@ class TrainConfig:
     memory: Any = MISSING
     comm: Any = MISSING
     adapter: Any = MISSING
+    profiler: Any = MISSING
     output_dir: str = "${hydra:runtime.output_dir}"
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    """Hangs, lost ranks and non-finite steps (:class:`~lightning_merak.options.faults.FaultsConfig`)."""
+    resume: Optional[str] = None
+    """``auto``: continue from the newest complete checkpoint in ``<output_dir>/checkpoints`` (if any), e.g. when
+    ``torchrun --max-restarts`` restarts a failed run; or a checkpoint path (:mod:`lightning_merak.runtime.resume`)."""
 
 
 def reject_unknown_keys(cfg: DictConfig, path: str = "") -> None:
@@ -210,6 +221,7 @@ FEATURE_OPTION_MODULES = (
     "lightning_merak.options.comm",
     "lightning_merak.options.adapter",
     "lightning_merak.options.moe",
+    "lightning_merak.options.profiler",
 )
 
 

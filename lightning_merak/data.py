@@ -22,6 +22,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_merak.config import DataConfig
+from lightning_merak.micro_batching.samples import (
+    check_consumer,
+    global_batch_loader,
+    synthetic_samples,
+    token_samples,
+)
 
 __all__ = [
     "ByteTokenizer",
@@ -106,7 +112,7 @@ def load_tokenizer(tokenizer_path: Optional[str]) -> tuple[Callable[[str], list[
     return encode, len(tokenizer), tokenizer.eos_token_id
 
 
-def load_text_documents(path: str, text_field: str) -> list[str]:
+def load_text_documents(path: str, text_field: str) -> list[Any]:
     """Read the documents of a ``.txt`` or ``.jsonl`` file, with errors that name the fix."""
     file = Path(path).expanduser()
     if not file.is_file():
@@ -131,7 +137,8 @@ def load_text_documents(path: str, text_field: str) -> list[str]:
                     f"{path}:{line_number} has no field {text_field!r} (fields: {sorted(record)}); "
                     "set data.text_field to the field holding the text"
                 )
-            documents.append(str(record[text_field]))
+            value = record[text_field]  # a list of token ids in a tokenised jsonl
+            documents.append(value if isinstance(value, list) else str(value))
     return documents
 
 
@@ -196,7 +203,9 @@ class ResumableDataLoader(DataLoader):
 
 
 class LanguageModelingData(pl.LightningDataModule):
-    """Blocks of ``seq_len`` token ids for causal language modelling.
+    """Blocks of ``seq_len`` token ids for causal language modelling, or (``lengths="variable"``) samples of their
+    own lengths in global batches (:class:`~lightning_merak.micro_batching.VariableBatch`) for merak3d's
+    ``micro_batching``.
 
     ``vocab_size`` is known right after construction, so the model can be built to match
     before the data is materialised. Under a distributed strategy Lightning inserts the
@@ -213,9 +222,11 @@ class LanguageModelingData(pl.LightningDataModule):
             raise ValueError(f"data.batch_size must be at least 1, got {config.batch_size}")
         if not 0.0 < config.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must lie in (0, 1), got {config.val_fraction}")
+        if config.lengths not in ("fixed", "variable"):
+            raise ValueError(f"data.lengths={config.lengths!r}; choose fixed (blocks of seq_len) or variable")
         self.config = config
         self.language: Optional[SyntheticLanguage] = None
-        self._documents: list[str] = []
+        self._documents: list[Any] = []
         if config.name == "synthetic":
             self.language = SyntheticLanguage(config.vocab_size, config.branching, config.seed)
             self.vocab_size = config.vocab_size
@@ -224,8 +235,8 @@ class LanguageModelingData(pl.LightningDataModule):
                 raise ValueError("data=text needs data.path=/path/to/file.txt or .jsonl")
             self._documents = load_text_documents(config.path, config.text_field)
             self._encode, self.vocab_size, self._eos = load_tokenizer(config.tokenizer_path)
-        self.train_set: Optional[Dataset] = None
-        self.val_set: Optional[Dataset] = None
+        self.train_set: Optional[Dataset | list[torch.Tensor]] = None
+        self.val_set: Optional[Dataset | list[torch.Tensor]] = None
 
     def _build_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         config = self.config
@@ -252,8 +263,30 @@ class LanguageModelingData(pl.LightningDataModule):
         num_val = max(1, math.ceil(len(blocks) * config.val_fraction))
         return blocks[order[num_val:]], blocks[order[:num_val]]
 
+    def _variable_samples(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Samples of their own lengths (``data.lengths=variable``): documents, or generated multi-task lengths."""
+        config = self.config
+        if self.language is not None:
+            num_val = max(config.batch_size, int(config.num_sequences * config.val_fraction))
+            return (synthetic_samples(self.language.sample, config.num_sequences, config.seed, config.max_length),
+                    synthetic_samples(lambda n, length: self.language.sample(n, length, seed_offset=1), num_val,
+                                      config.seed + 1, config.max_length))
+        samples = token_samples([document if isinstance(document, list) else
+                                 self._encode(document) + ([self._eos] if self._eos is not None else [])
+                                 for document in self._documents], config.max_length)
+        order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(config.seed)).tolist()
+        num_val = max(config.batch_size, math.ceil(len(samples) * config.val_fraction))
+        if len(samples) < num_val + config.batch_size:
+            raise ValueError(f"data.path={config.path!r} has {len(samples)} documents, too few for a training and a "
+                             f"validation global batch of data.batch_size={config.batch_size}; lower the batch size")
+        return [samples[i] for i in order[num_val:]], [samples[i] for i in order[:num_val]]
+
     def setup(self, stage: str) -> None:
-        if self.train_set is None:
+        if self.train_set is None and self.config.lengths == "variable":
+            if self.trainer is not None:
+                check_consumer(self.trainer.strategy)
+            self.train_set, self.val_set = self._variable_samples()
+        elif self.train_set is None:
             train_blocks, val_blocks = self._build_blocks()
             self.train_set = TensorDataset(train_blocks)
             self.val_set = TensorDataset(val_blocks)
@@ -268,6 +301,8 @@ class LanguageModelingData(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "setup() must run before the data loaders are requested"
+        if self.config.lengths == "variable":
+            return global_batch_loader(self.train_set, self.config.batch_size, self.config.seed, shuffle=True)
         return ResumableDataLoader(
             self.train_set, batch_size=self.config.batch_size, shuffle=True, drop_last=True,
             num_workers=self.config.num_workers, generator=torch.Generator(),
@@ -277,5 +312,7 @@ class LanguageModelingData(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         """Full batches only: a pipeline splits every batch into a fixed number of micro-batches."""
         assert self.val_set is not None, "setup() must run before the data loaders are requested"
+        if self.config.lengths == "variable":
+            return global_batch_loader(self.val_set, self.config.batch_size, self.config.seed, shuffle=False)
         return DataLoader(self.val_set, batch_size=self.config.batch_size, shuffle=False, drop_last=True,
                           num_workers=self.config.num_workers)

@@ -19,8 +19,10 @@ do) and, on the first SIGTERM or SIGINT:
 3. then ends it with exit status ``128 + signum``, printing one line that names the signal and
    the rank.
 
-A launched rank (``LOCAL_RANK`` > 0) also watches its parent and sends itself SIGTERM when the
-parent is gone, so no rank outlives the process that started it. Nothing here imports torch.
+A launched rank (``LOCAL_RANK`` > 0) also watches its parent and, when the parent is gone, says
+so (naming the lost launcher) and sends itself SIGTERM, so no rank outlives the process that
+started it. Other lost peers are named by :mod:`lightning_merak.runtime.watchdog`. Nothing here
+imports torch.
 """
 
 from __future__ import annotations
@@ -106,6 +108,11 @@ class _Watcher:
                     if received is None:
                         received, deadline = signum, time.monotonic() + self.grace_s
             if self.parent is not None and os.getppid() != self.parent:
+                message = (
+                    f"lightning_merak: rank {_rank()} stops: the process that launched it (pid {self.parent}, "
+                    "local rank 0 of this host) is gone\n"
+                )
+                os.write(2, message.encode())
                 self.parent = None  # once: from here on it is an ordinary SIGTERM
                 os.kill(os.getpid(), signal.SIGTERM)
         assert received is not None, "the deadline is only set by a signal"

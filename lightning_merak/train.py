@@ -3,6 +3,8 @@
     merak-train                                   # embedded default: tiny Llama, generated data, 2 CPU ranks
     merak-train model=gpt2_tiny trainer.max_steps=50
     merak-train data=text data.path=/abs/corpus.jsonl
+    torchrun --max-restarts 3 --nproc-per-node 2 -m lightning_merak.train resume=auto hydra.run.dir=runs/a
+                                                  # restarts resume from the newest complete checkpoint
     python -m lightning_merak.train --help        # config groups and every key
 
 Configuration is validated while Hydra composes it (typed schemas in
@@ -32,6 +34,8 @@ from lightning_merak.config import (
     reject_unknown_keys,
 )
 from lightning_merak.console import quiet_dependency_noise
+from lightning_merak.runtime.elastic import isolate_restart_attempts
+from lightning_merak.runtime.resume import resume_path
 from lightning_merak.termination import install_termination_handler
 
 if TYPE_CHECKING:
@@ -113,7 +117,13 @@ def _callbacks(config: TrainConfig, output_dir: Path) -> list[Any]:
     callbacks += config.moe.build_callbacks()
     callbacks += config.memory.build_callbacks()
     callbacks += config.comm.build_callbacks()
+    callbacks += config.faults.build_callbacks()
     return callbacks
+
+
+def _profiler(config: TrainConfig, output_dir: Path) -> Any:
+    """The ``profiler`` option's Lightning profiler (``profiler=trace``), or None."""
+    return config.profiler.build(output_dir)
 
 
 def _link_last_to_final(checkpoints: Path, final_checkpoint: Path) -> None:
@@ -131,9 +141,13 @@ def train(config: TrainConfig) -> Path:
     from lightning.pytorch.utilities import rank_zero_only
 
     from lightning_merak.console import quiet_other_ranks
+    from lightning_merak.plugins.checkpoint_io import SafeCheckpointIO
 
     quiet_other_ranks()
     validate_run(config.trainer)
+    output_dir = Path(config.output_dir)
+    resume_from = resume_path(config.resume, output_dir / "checkpoints")
+    isolate_restart_attempts()  # a torchrun restart's ranks must not find the failed attempt's addresses
     strategy = build_strategy(config.strategy)
     world_size = config.trainer.devices * config.trainer.num_nodes
     batch_shape = {"batch_size": config.data.batch_size, "sequence_length": config.data.seq_len,
@@ -171,7 +185,6 @@ def train(config: TrainConfig) -> Path:
     if hasattr(strategy, "validate_before_launch"):
         strategy.validate_before_launch(module, world_size, **batch_shape)
 
-    output_dir = Path(config.output_dir)
     trainer_config = config.trainer
     trainer = pl.Trainer(
         accelerator=trainer_config.accelerator,
@@ -194,13 +207,17 @@ def train(config: TrainConfig) -> Path:
             TensorBoardLogger(output_dir, name="tensorboard", version=""),
         ],
         default_root_dir=output_dir,
+        plugins=[SafeCheckpointIO()],
+        profiler=_profiler(config, output_dir),
     )
     if rank_zero_only.rank == 0 and data.language is not None:
         print(
             f"merak-train: generated language with vocab {data.vocab_size}; "
             f"loss floor (entropy rate) {data.language.entropy_rate:.3f} nats"
         )
-    trainer.fit(module, datamodule=data)
+    if rank_zero_only.rank == 0 and resume_from is not None:
+        print(f"merak-train: resuming from {resume_from}")
+    trainer.fit(module, datamodule=data, ckpt_path=resume_from)
     if getattr(strategy, "plan_only", False):
         if trainer.is_global_zero:
             print(

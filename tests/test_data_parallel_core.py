@@ -85,3 +85,56 @@ def test_overlapped_parameter_gathering_needs_zero1() -> None:
     with pytest.raises(ValueError, match="use 'optimizer' or overlap_param_gather=False"):
         Merak3DStrategy(data_parallel_sharding="gradients", overlap_param_gather=True)
     Merak3DStrategy(data_parallel_sharding="optimizer", overlap_param_gather=True)
+
+
+def _uneven_use_rank(rank: int, world_size: int) -> list[float]:
+    """Two buckets; rank 1's batch skips the layer of the first bucket (its gradients never become ready there)."""
+    import copy
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from lightning_merak.strategies.merak3d.data_parallel import DataParallelGradients
+
+    torch.manual_seed(0)
+    first, second = nn.Linear(16, 8), nn.Linear(8, 8)
+    params = [*first.parameters(), *second.parameters()]
+    groups = SimpleNamespace(layout=SimpleNamespace(data_parallel=world_size, data_parallel_sharding="none"),
+                             data_parallel_group=dist.group.WORLD)
+    reduction = DataParallelGradients(params, [], groups=groups, mode="none", shards=1, overlap=True,
+                                      bucket_bytes=8 * 8 * 4)
+    assert [len(bucket.params) for bucket in reduction.buffer.buckets] == [2, 2]  # second's, then first's
+    errors = []
+    for step in range(3):  # the first step confirms the parameters; later ones overlap
+        inputs = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+        reference = [copy.deepcopy(first), copy.deepcopy(second)]
+
+        def loss_of(layers: list[nn.Module]) -> torch.Tensor:
+            hidden = layers[0](inputs)
+            return (layers[1](hidden) if rank == 0 else hidden).square().sum()
+
+        expected = torch.autograd.grad(loss_of(reference), [p for layer in reference for p in layer.parameters()],
+                                       allow_unused=True)
+        expected = [torch.zeros_like(p) if g is None else g for p, g in zip(params, expected)]
+        for grad in expected:
+            dist.all_reduce(grad)
+            grad /= world_size
+        for param in params:
+            param.grad = None
+        reduction.arm(1)
+        loss_of([first, second]).backward()
+        reduction.finish()
+        averaged = {id(p): view for bucket in reduction.buffer.buckets for p, view in zip(bucket.params, bucket.views)}
+        errors.append(max((averaged[id(p)] - g).abs().max().item() for p, g in zip(params, expected)))
+    return errors
+
+
+@pytest.mark.distributed
+def test_buckets_start_in_order_when_ranks_finish_them_in_another_order() -> None:
+    """A parameter one rank's batch does not use keeps its bucket from being ready there; the later bucket, ready on
+    both ranks, must still start after it, or the ranks' collectives pair different buckets."""
+    from lightning_merak.testing import run_distributed
+
+    for errors in run_distributed(_uneven_use_rank, 2, timeout_s=60):
+        assert max(errors) < 1e-6

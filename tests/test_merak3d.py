@@ -15,7 +15,13 @@ from lightning_merak.config import ModelConfig, TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.strategies.pipeline.stage import RankStages, tied_parameter_names
-from lightning_merak.testing import TrainingTrace, assert_traces_match, run_distributed, snapshot_gradients
+from lightning_merak.testing import (
+    TrainingTrace,
+    assert_traces_match,
+    merge_rank_traces,
+    run_distributed,
+    snapshot_gradients,
+)
 
 pytestmark = pytest.mark.distributed  # every test here runs gloo ranks
 
@@ -149,15 +155,6 @@ def _train_rank(rank: int, world_size: int, model_name: str, layout: dict, first
     return recorder.losses, recorder.gradients
 
 
-def _merge(results: list[tuple[list[float], list[dict]]]) -> TrainingTrace:
-    losses = results[0][0]
-    for other, _ in results[1:]:
-        assert other == pytest.approx(losses, rel=1e-6), "ranks logged different losses"
-    gradients = [{} for _ in losses]
-    for _, rank_gradients in results:
-        for step, grads in enumerate(rank_gradients):
-            gradients[step].update(grads)
-    return TrainingTrace(losses=losses, gradients=gradients)
 
 
 LAYOUTS = [
@@ -175,7 +172,7 @@ LAYOUTS = [
 def test_layout_matches_single_process(model_name, layout):
     world_size = layout["data_parallel"] * layout["pipeline_parallel"] * layout["tensor_parallel"]
     results = run_distributed(_train_rank, world_size, args=(model_name, layout), timeout_s=300)
-    assert_traces_match(_reference(model_name), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
+    assert_traces_match(_reference(model_name), merge_rank_traces(results), loss_rtol=1e-5, grad_rtol=1e-4)
 
 
 @pytest.mark.parametrize(("model_name", "layout"), [
@@ -188,7 +185,7 @@ def test_heads_with_tensor_operations_and_per_layer_masks_match_single_process(m
     in each sub-batch's thread."""
     results = run_distributed(_train_rank, 4, args=(model_name, layout), timeout_s=300)
     # the vocabulary-parallel softmax sums its terms in another order: gradients within 2e-4 after 4 steps
-    assert_traces_match(_reference(model_name), _merge(results), loss_rtol=1e-5, grad_rtol=2e-4)
+    assert_traces_match(_reference(model_name), merge_rank_traces(results), loss_rtol=1e-5, grad_rtol=2e-4)
 
 
 @pytest.mark.parametrize(("model_name", "saved_layout", "resumed_layout", "on_meta"), [
@@ -217,9 +214,9 @@ def test_checkpoint_resumes_in_another_layout(tmp_path, model_name, saved_layout
 def test_recompute_replays_dropout_exactly():
     """With dropout on, recomputed blocks draw the same masks: identical to keeping activations."""
     plain = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1, "partition": "uniform"}
-    kept = _merge(run_distributed(_train_rank, 2, args=("gpt2_dropout", plain), timeout_s=300))
-    recomputed = _merge(run_distributed(_train_rank, 2, args=("gpt2_dropout", {**plain, "recompute": "full"}),
-                                        timeout_s=300))
+    kept = merge_rank_traces(run_distributed(_train_rank, 2, args=("gpt2_dropout", plain), timeout_s=300))
+    recomputed = merge_rank_traces(
+        run_distributed(_train_rank, 2, args=("gpt2_dropout", {**plain, "recompute": "full"}), timeout_s=300))
     assert_traces_match(kept, recomputed, loss_rtol=1e-6, grad_rtol=1e-6)
 
 
@@ -243,7 +240,7 @@ def test_gradient_clipping_spans_all_stages_and_shards():
     """The norm is taken over every stage and tensor-parallel shard, as clip_grad_norm_ does on one process."""
     layout = LAYOUTS[4]
     results = run_distributed(_train_rank, 4, args=("gpt2", layout), kwargs={"clip": 0.05}, timeout_s=300)
-    assert_traces_match(_reference("gpt2", clip=0.05), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
+    assert_traces_match(_reference("gpt2", clip=0.05), merge_rank_traces(results), loss_rtol=1e-5, grad_rtol=1e-4)
 
 
 def test_shifted_critical_path_equals_1f1b():
@@ -252,14 +249,14 @@ def test_shifted_critical_path_equals_1f1b():
         layout = {"data_parallel": 1, "pipeline_parallel": world_size, "tensor_parallel": 1,
                   "schedule": "shifted_critical_path", "micro_batches": 4}
         results = run_distributed(_train_rank, world_size, args=("llama", layout), timeout_s=300)
-        assert_traces_match(_reference("llama"), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
+        assert_traces_match(_reference("llama"), merge_rank_traces(results), loss_rtol=1e-5, grad_rtol=1e-4)
 
 
 def test_shifted_critical_path_replays_dropout_exactly():
     plain = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1, "micro_batches": 4,
              "partition": "uniform"}
-    kept = _merge(run_distributed(_train_rank, 2, args=("gpt2_dropout", plain), timeout_s=300))
-    shifted = _merge(run_distributed(
+    kept = merge_rank_traces(run_distributed(_train_rank, 2, args=("gpt2_dropout", plain), timeout_s=300))
+    shifted = merge_rank_traces(run_distributed(
         _train_rank, 2, args=("gpt2_dropout", {**plain, "schedule": "shifted_critical_path"}), timeout_s=300))
     assert_traces_match(kept, shifted, loss_rtol=1e-6, grad_rtol=1e-6)
 
@@ -271,7 +268,7 @@ def test_interleaved_schedules_match_single_process(model_name, schedule):
     layout = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1, "micro_batches": 4,
               "schedule": schedule, "virtual_stages": 2}
     results = run_distributed(_train_rank, 2, args=(model_name, layout), timeout_s=180)
-    assert_traces_match(_reference(model_name), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
+    assert_traces_match(_reference(model_name), merge_rank_traces(results), loss_rtol=1e-5, grad_rtol=1e-4)
 
 
 def test_interleaved_zero_bubble_with_sequence_parallel_tensor_shards_matches_single_process():
@@ -280,7 +277,7 @@ def test_interleaved_zero_bubble_with_sequence_parallel_tensor_shards_matches_si
     layout = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 2, "micro_batches": 4,
               "schedule": "interleaved_zero_bubble", "virtual_stages": 2, "sequence_parallel": True}
     results = run_distributed(_train_rank, 4, args=("llama", layout), timeout_s=300)
-    assert_traces_match(_reference("llama"), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
+    assert_traces_match(_reference("llama"), merge_rank_traces(results), loss_rtol=1e-5, grad_rtol=1e-4)
 
 
 def _reduce_rank(rank: int, world_size: int) -> list:

@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.strategies.pipeline.stage import tied_parameter_names
-from lightning_merak.testing import assert_traces_match, run_distributed
-from tests.test_merak3d import BATCH, SEQ, STEPS, VOCAB, _batches, _merge, _module, _Recorder, _reference
+from lightning_merak.testing import assert_traces_match, merge_rank_traces, run_distributed
+from tests.test_merak3d import BATCH, SEQ, STEPS, VOCAB, _batches, _module, _Recorder, _reference
 
 TP2 = {"data_parallel": 1, "pipeline_parallel": 1, "tensor_parallel": 2}
 TP2_SP = {**TP2, "sequence_parallel": True}
@@ -112,7 +112,7 @@ def _train_after_first_batch_rank(rank: int, world_size: int, model_name: str, l
 def _check_against_reference(model_name: str, results: list[tuple]) -> None:
     for _, _, wrong_modes in results:
         assert not wrong_modes, f"modules in the wrong train/eval mode: {wrong_modes}"
-    trace = _merge([(losses, gradients) for losses, gradients, _ in results])
+    trace = merge_rank_traces([(losses, gradients) for losses, gradients, _ in results])
     assert len(trace.losses) == STEPS
     assert_traces_match(_reference(model_name), trace, loss_rtol=1e-5, grad_rtol=1e-4)
 
@@ -148,7 +148,7 @@ def test_sanity_check_build_draws_no_dropout_mask():
                                   kwargs={"validate_every": None}, timeout_s=300)
         for _, _, wrong_modes in results:
             assert not wrong_modes, f"modules in the wrong train/eval mode: {wrong_modes}"
-        return _merge([(losses, gradients) for losses, gradients, _ in results])
+        return merge_rank_traces([(losses, gradients) for losses, gradients, _ in results])
 
     assert_traces_match(run(0), run(2), loss_rtol=1e-6, grad_rtol=1e-6)
 
@@ -159,10 +159,13 @@ def _merak_train(*overrides: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("extra", [[], ["strategy.sequence_parallel=true"]], ids=["tp2", "tp2-sp"])
-def test_merak_train_with_tensor_parallel_validates_and_trains(tmp_path: Path, extra: list[str]):
-    """The default Llama at tensor_parallel=2, its sanity check and a validation every 2 steps (2 processes)."""
-    result = _merak_train("strategy.tensor_parallel=2", *extra, "trainer.max_steps=4", "trainer.val_check_interval=2",
+def test_merak_train_with_tensor_parallel_validates_and_trains(tmp_path: Path):
+    """The default Llama at tensor_parallel=2, its sanity check and a validation every 2 steps (2 processes).
+
+    With sequence parallelism, merak-train is the README's command (tests/test_readme.py) and validation
+    every 2 steps is test_layout_built_in_the_sanity_check_trains_like_the_reference[tp2-sp].
+    """
+    result = _merak_train("strategy.tensor_parallel=2", "trainer.max_steps=4", "trainer.val_check_interval=2",
                           "trainer.limit_val_batches=1", "data.num_sequences=128", "trainer.enable_progress_bar=false",
                           f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -26,8 +26,8 @@ from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.strategies.merak3d.materialize import Materializer, copy_full_tensors, init_owners
 from lightning_merak.strategies.pipeline.stage import tied_parameter_names
 from lightning_merak.strategies.pipeline.trace import find_trunk
-from lightning_merak.testing import assert_traces_match, run_distributed
-from tests.test_merak3d import MODELS, STEPS, VOCAB, _merge, _Recorder, _reference, _ShardedData, _TestModule
+from lightning_merak.testing import assert_traces_match, merge_rank_traces, run_distributed
+from tests.test_merak3d import MODELS, STEPS, VOCAB, _Recorder, _reference, _ShardedData, _TestModule
 
 
 def _materialised_bytes() -> int:
@@ -179,7 +179,7 @@ def test_meta_build_holds_only_its_share_and_trains_like_the_reference(model_nam
             assert peak <= share + block, f"rank {rank} held {peak} bytes, its share is {share}"
         if layout["pipeline_parallel"] == 2:
             assert share < 0.75 * (4 * block + outside), f"rank {rank} kept more than its stage"
-    assert_traces_match(_reference(model_name), _merge([trace for trace, _ in results]), loss_rtol=1e-5,
+    assert_traces_match(_reference(model_name), merge_rank_traces([trace for trace, _ in results]), loss_rtol=1e-5,
                         grad_rtol=1e-4)
 
 
@@ -406,7 +406,7 @@ def test_without_pipeline_or_tensor_parallelism_any_model_trains_as_data_paralle
         reference.append(loss.item(), snapshot_gradients(module.model))
         optimizer.step()
     results = run_distributed(_skip_rank, 2, timeout_s=300)
-    assert_traces_match(reference, _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
+    assert_traces_match(reference, merge_rank_traces(results), loss_rtol=1e-5, grad_rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gemma", "opt"])

@@ -219,6 +219,7 @@ def _separate_gating_drops(layer: Any, tokens: torch.Tensor) -> tuple[int, int]:
 
 
 def _compare(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
+    from lightning_merak.plugins.moe.callback import balance_metrics
     from lightning_merak.plugins.moe.lancet_block import lancet_overlap
 
     reference, split = _stack(world_size, case), _stack(world_size, case)
@@ -227,7 +228,7 @@ def _compare(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]
     hook = reference.layers[0].moe.deepspeed_moe.register_forward_pre_hook(
         lambda _, args: moe_inputs.append(args[0].detach().reshape(-1, HIDDEN)))
     out: dict[str, Any] = {"diffs": [], "dropped": [], "sub_batches": [], "plans": [], "logged_aux": [],
-                           "wrapped": len(wrapped)}
+                           "last_share": [], "wrapped": len(wrapped)}
     for step in range(3):
         x = _inputs(rank, step)
         results = []
@@ -251,8 +252,10 @@ def _compare(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]
         out["diffs"].append(diffs)
         out["dropped"].append([(r["dropped_routes"], s["dropped_routes"]) for r, s in zip(ref_stats, stats)])
         out["sub_batches"].append([s.get("sub_batches") for s in stats])
-        out["logged_aux"].append([(float(layer.moe.deepspeed_moe.l_aux), s.get("aux_loss"))
-                                  for layer, s in zip(reference.layers, stats)])
+        logged = [balance_metrics(layer.moe.deepspeed_moe)["aux_loss"] for layer in split.layers]
+        out["logged_aux"].append([(float(layer.moe.deepspeed_moe.l_aux), value)
+                                  for layer, value in zip(reference.layers, logged)])
+        out["last_share"].append([float(layer.moe.deepspeed_moe.l_aux) for layer in split.layers])
         out["plans"].append([[(r.expert, r.owner, r.replicas) for r in s["plan"].replications] for s in stats]
                             + [[(r.expert, r.owner, r.replicas) for r in s["plan"].replications] for s in ref_stats])
     hook.remove()
@@ -289,8 +292,10 @@ def test_block_scope_lancet_equals_the_unsplit_stack_on_two_ranks() -> None:
                     f"{name} rank {rank} step {step}: {worst} differs by {diffs[worst]:.3g}"
                 )
             assert all(counts == [2, 2] for counts in result["sub_batches"]), f"{name}: not run as 2 sub-batches"
-            for step_aux in result["logged_aux"]:
+            for step_aux, shares in zip(result["logged_aux"], result["last_share"]):  # the callback logs the total
                 assert all(abs(ref - logged) <= TOLERANCE for ref, logged in step_aux), f"{name}: logged {step_aux}"
+                assert any(abs(ref - share) > TOLERANCE for (ref, _), share in zip(step_aux, shares)), (
+                    f"{name}: the last sub-batch's share equals the total, so the check above proves nothing")
             for step_drops in result["dropped"]:
                 assert all(ref == ours for ref, ours in step_drops), f"{name} rank {rank}: dropped {step_drops}"
             plans = result["plans"]

@@ -2,7 +2,9 @@
 
 Same weights, same inputs and the same RNG state before each forward, so the gate
 decisions are identical; every combination of dispatch path, placement (including a
-replica that receives zero tokens) and Lancet chunking must reproduce DeepSpeed.
+replica that receives zero tokens), plan kind and timing (this step's counts with transfers in
+flight during the dispatch, or the previous step's prefetched) and Lancet chunking must
+reproduce DeepSpeed.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def _tokens(rank: int, step: int, count: int, gate_weight: torch.Tensor, case: d
 def _run_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
-    from lightning_merak.plugins.moe import MoE, PlacementPlan, Replication
+    from lightning_merak.plugins.moe import MoE, PlacementPlan, Replication, StepChoice
 
     num_experts = case["num_experts"]
     kwargs = dict(
@@ -68,10 +70,14 @@ def _run_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any
     ours.load_state_dict(reference.state_dict())
     layer = ours.deepspeed_moe
     gate_weight = reference.deepspeed_moe.gate.wg.weight.detach()
-    out: dict[str, Any] = {"diffs": [], "plans": [], "counts": [], "chunks": []}
+    out: dict[str, Any] = {"diffs": [], "plans": [], "counts": [], "chunks": [], "kinds": []}
+    if "force_plan" in case:
+        forced = PlacementPlan(num_experts, world_size, tuple(Replication(*r) for r in case["force_plan"]))
+        timing = case.get("force_timing", "current")
+        layer._choose = lambda counts, padding, prefetched: StepChoice("pro_prophet", timing, forced, padding, 0.0)
     for step in range(3):
-        if "force_plan" in case:
-            layer.plan = PlacementPlan(num_experts, world_size, tuple(Replication(*r) for r in case["force_plan"]))
+        if case.get("force_timing") == "predicted":
+            layer.prefetch_plan = forced
         x = _tokens(rank, step, 24, gate_weight, case)
         results = []
         for model in (reference, ours):
@@ -92,6 +98,7 @@ def _run_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any
         out["plans"].append([(r.expert, r.owner, r.replicas) for r in layer.stats["plan"].replications])
         out["counts"].append(layer.stats["counts"])
         out["chunks"].append(layer.stats["chunks"])
+        out["kinds"].append((layer.stats["plan_kind"], layer.stats["plan_timing"]))
     return out
 
 
@@ -114,7 +121,12 @@ TWO_RANK_CASES = {
     "dropless_zero_token_replica": dict(num_experts=4, k=2, drop_tokens=False, starve_rank=1,
                                         force_plan=[(0, 0, (1,))], options=dict(dispatch="dropless")),
     "capacity_zero_token_replica": dict(num_experts=4, k=2, starve_rank=1, force_plan=[(0, 0, (1,))],
-                                        options=dict(lancet_chunks=2)),
+                                        force_timing="predicted", options=dict(lancet_chunks=2)),
+    "padded_max_auto_current": dict(num_experts=4, k=2, drop_tokens=False,
+                                    options=dict(placement="auto", plan_from="current", alpha=0.0)),
+    "dropless_auto_previous_lancet2": dict(num_experts=4, k=2, drop_tokens=False,
+                                           options=dict(dispatch="dropless", placement="auto", plan_from="previous",
+                                                        alpha=0.0, lancet_chunks=2)),
 }
 
 FOUR_RANK_CASES = {
@@ -125,6 +137,9 @@ FOUR_RANK_CASES = {
     "dropless_zero_token_replicas": dict(num_experts=8, k=2, drop_tokens=False, starve_rank=3,
                                          force_plan=[(0, 0, (1, 2, 3)), (5, 2, (0, 3))],
                                          options=dict(dispatch="dropless", lancet_chunks=3)),
+    "dropless_auto_lancet_auto": dict(num_experts=8, k=2, drop_tokens=False,
+                                      options=dict(dispatch="dropless", placement="auto", alpha=0.0,
+                                                   lancet_chunks="auto")),
 }
 
 
@@ -137,8 +152,13 @@ def _check(results: list[dict[str, Any]], cases: dict[str, dict[str, Any]]) -> N
                     f"{name} rank {rank} step {step}: {worst} differs by {diffs[worst]:.3g}"
                 )
             case = cases[name]
-            if case["options"].get("placement") in ("pro_prophet", "shadowing") or "force_plan" in case:
+            if case["options"].get("placement") in ("pro_prophet", "shadowing", "auto") or "force_plan" in case:
                 assert any(result["plans"][1:]), f"{name}: no expert was ever replicated"
+            timings = {timing for kind, timing in result["kinds"] if kind in ("shadowing", "pro_prophet")}
+            if case["options"].get("plan_from") == "previous" or case.get("force_timing") == "predicted":
+                assert "predicted" in timings, f"{name}: never ran a prefetched plan ({result['kinds']})"
+            elif case["options"].get("placement") == "auto":
+                assert "current" in timings, f"{name}: never ran a plan from this step's counts"
             if "starve_rank" in case:
                 assert result["counts"][-1][case["starve_rank"]][0] == 0, f"{name}: starved rank still routes to 0"
             chunks = case["options"].get("lancet_chunks", 1)
@@ -147,6 +167,7 @@ def _check(results: list[dict[str, Any]], cases: dict[str, dict[str, Any]]) -> N
     for name in cases:
         plans = [per_case[name]["plans"] for per_case in results]
         assert all(p == plans[0] for p in plans), f"{name}: ranks disagree on the plan"
+        assert all(per_case[name]["kinds"] == results[0][name]["kinds"] for per_case in results)
 
 
 @pytest.mark.timeout(240)

@@ -162,6 +162,9 @@ TWO_RANK_CASES = {
                                                                             lancet_chunks=2)),
     "dropless_top2_lancet2_clipped": dict(num_experts=4, k=2, drop_tokens=False, clip=0.05, attach_first=True,
                                           options=dict(dispatch="dropless", lancet_chunks=2)),
+    "dropless_top2_auto_previous": dict(num_experts=4, k=2, drop_tokens=False,
+                                        options=dict(dispatch="dropless", placement="auto", plan_from="previous",
+                                                     alpha=0.0)),
 }
 
 FOUR_RANK_CASES = {

@@ -14,8 +14,8 @@ from lightning_merak.runtime.turns import meet_in_turn
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.strategies.merak3d.build import tensor_parallel_plan
 from lightning_merak.strategies.merak3d.layout import check_overlap
-from lightning_merak.testing import assert_traces_match, run_distributed
-from tests.test_merak3d import _merge, _reference, _train_rank
+from lightning_merak.testing import assert_traces_match, merge_rank_traces, run_distributed
+from tests.test_merak3d import _reference, _train_rank
 from tests.test_sequence_parallel import _step
 
 VOCAB, SEQ = 96, 16
@@ -201,7 +201,7 @@ def test_merak3d_with_overlap_matches_single_process(layout):
     model_name = "gpt2" if "recompute" in layout else "llama"
     world_size = layout["data_parallel"] * layout["pipeline_parallel"] * layout["tensor_parallel"]
     results = run_distributed(_train_rank, world_size, args=(model_name, layout), timeout_s=600)
-    assert_traces_match(_reference(model_name), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
+    assert_traces_match(_reference(model_name), merge_rank_traces(results), loss_rtol=1e-5, grad_rtol=1e-4)
 
 
 def _planned_rank(rank: int, world_size: int, log_dir: str) -> dict:
@@ -236,7 +236,7 @@ def test_planned_layout_trains_like_a_single_process_and_reports_its_real_step(t
     import csv
 
     results = run_distributed(_planned_rank, 2, args=(str(tmp_path),), timeout_s=600)
-    merged = _merge([(r["losses"], r["gradients"]) for r in results])
+    merged = merge_rank_traces([(r["losses"], r["gradients"]) for r in results])
     assert_traces_match(_reference("llama"), merged, loss_rtol=1e-5, grad_rtol=1e-4)
     checks = [r["check"] for r in results]
     assert checks[0] is not None and checks[0] == checks[1], "every rank holds the same check"

@@ -7,6 +7,11 @@ so no command lands untested. Hydra commands keep their process counts; step cou
 size and validation are made tiny, and the output directory is the test's. Python blocks are
 complete programs: each runs as written (under ``torchrun`` when its first line says so),
 with its step counts made tiny by substitutions that must each match.
+
+Runs are the suite's slowest part, so none is repeated: commands that come down to the same
+argument vector share one run (``make train`` and its variants run exactly the ``merak-train``
+command, checked by ``make -n``; a command's ``before`` is the other case's run), and the
+benchmarks' ``--help`` run in one interpreter, which imports torch and Lightning once.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -66,7 +73,11 @@ class Case:
     ``files``: globs under the run's output directory. ``not_run``: why the command cannot
     run on this machine; such a command is checked by ``substitute`` instead, a command
     that exercises the same path here. ``before``: a README command that must run first
-    (it makes the files this one reads).
+    (it makes the files this one reads). ``config_only``: the command, as the README writes it,
+    goes only as far as its composed configuration (Hydra's ``--cfg job``: composed and checked
+    against the schemas, nothing trained), which ``output`` and ``same_config_as`` (a README
+    command whose composed configuration it must equal) check; for a command whose training
+    would repeat what other tests run (the case names them).
     """
 
     trains: bool = True
@@ -76,6 +87,8 @@ class Case:
     not_run: str = ""
     substitute: str = ""
     before: str = ""
+    config_only: bool = False
+    same_config_as: str = ""
 
 
 CASES: dict[str, Case] = {
@@ -88,13 +101,17 @@ CASES: dict[str, Case] = {
     'make train ARGS="trainer.max_steps=50"': Case(),
     "merak-train": Case(output=("loss floor (entropy rate)",)),
     "merak-train --help": Case(trains=False, output=("== Configuration groups ==", "strategy:", "comm:")),
-    "merak-train trainer.max_steps=1000 data.batch_size=32": Case(),
+    # trains as `merak-train` does (that case runs it) with other numbers: its overrides must land
+    "merak-train trainer.max_steps=1000 data.batch_size=32": Case(
+        trains=False, config_only=True, output=("  batch_size: 32\n", "  max_steps: 1000\n")),
     "merak-train model=gpt2_tiny": Case(),
     "merak-train model=hf model.model_type=mistral +model.config.hidden_size=128 "
     "+model.config.num_hidden_layers=2": Case(),
     "merak-train data=text data.path=/abs/path/corpus.jsonl data.text_field=text": Case(),
     "merak-train data=text data.path=/abs/corpus.txt data.tokenizer_path=/abs/tokenizer_dir": Case(),
-    "python -m lightning_merak.train ...": Case(),
+    # the same app as merak-train; `python -m lightning_merak.train` trains (Lightning relaunching it for
+    # rank 1) in test_merak3d_first_batch's and test_termination's merak-train runs, and under torchrun below
+    "python -m lightning_merak.train ...": Case(trains=False, config_only=True, same_config_as="merak-train"),
     "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29400 -m "
     "lightning_merak.train trainer=gpu trainer.num_nodes=2 trainer.devices=8": Case(
         not_run="needs two hosts with 8 GPUs each",
@@ -106,6 +123,8 @@ CASES: dict[str, Case] = {
         output=("pipeline_parallel=2",)),
     "merak-train trainer.devices=4 strategy.pipeline_parallel=2 strategy.tensor_parallel=2": Case(
         output=("pipeline_parallel=2 tensor_parallel=2",)),
+    "merak-train data.lengths=variable data.max_length=512 strategy.pipeline_parallel=2 "
+    "strategy.micro_batching=dynamic": Case(output=("pipeline_parallel=2",)),
     "merak-train strategy.tensor_parallel=2 strategy.sequence_parallel=true": Case(
         output=("tensor_parallel=2", "sequence_parallel=True")),
     "merak-train strategy.tensor_parallel=auto strategy.pipeline_parallel=auto strategy.tp_overlap=auto "
@@ -113,7 +132,7 @@ CASES: dict[str, Case] = {
                                     timeout=600),
     "merak-train memory=delta memory.budget=2GiB": Case(files=("**/delta_memory_timeline.png",)),
     "merak-train strategy=ddp comm=s2": Case(),
-    "merak-train model=mixtral_tiny moe=prophet": Case(files=("**/*heatmap*.png",)),
+    "merak-train model=mixtral_tiny moe=prophet": Case(files=("csv/moe_load_heatmap.png",)),  # in the log dir
     "merak-train model=mixtral_tiny moe=deepspeed": Case(),
     "merak-train model=mixtral_tiny moe=shadowing moe.ep_size=2": Case(),
     "merak-train adapter=qbara adapter.r=8 adapter.quantization=nf4": Case(),
@@ -128,7 +147,17 @@ CASES: dict[str, Case] = {
 BENCHMARK = re.compile(r"^python -m benchmarks\.(\w+|<name>)( \[--quick\]| --quick)?$")
 
 
-def _write_corpus(directory: Path) -> dict[str, Path]:
+# Where a command's README placeholders point, under the directory it runs in.
+PLACEHOLDERS = {"/abs/path/corpus.jsonl": "corpus.jsonl", "/abs/corpus.txt": "corpus.txt",
+                "/abs/tokenizer_dir": "tokenizer", "/abs/checkpoint_dir": "checkpoint", "/abs/run_dir": "run",
+                "/abs/exported_dir": "exported"}
+CORPUS = ("corpus.jsonl", "corpus.txt", "tokenizer")
+# Stands for the directory a command runs in: argument vectors are compared (and runs shared)
+# with it, and it is replaced by a fresh directory when the command runs.
+RUN_DIRECTORY = Path("/readme-run")
+
+
+def _write_corpus(directory: Path) -> None:
     """A text corpus, the same as JSONL, and a local tokenizer trained on it."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -145,17 +174,15 @@ def _write_corpus(directory: Path) -> dict[str, Path]:
     tokenizer_dir = directory / "tokenizer"
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="</s>").save_pretrained(
         tokenizer_dir)
-    return {"/abs/path/corpus.jsonl": jsonl, "/abs/corpus.txt": text, "/abs/tokenizer_dir": tokenizer_dir}
 
 
-def _placeholders(command: str, directory: Path) -> dict[str, Path]:
-    """The README's absolute placeholder paths in ``command``, each made real under ``directory``."""
-    paths: dict[str, Path] = {}
-    if any(name in command for name in ("/abs/path/corpus.jsonl", "/abs/corpus.txt", "/abs/tokenizer_dir")):
-        paths.update(_write_corpus(directory))
-    if "/abs/checkpoint_dir" in command:
-        paths["/abs/checkpoint_dir"] = _write_checkpoint(directory / "checkpoint")
-    return {**paths, "/abs/run_dir": directory / "run", "/abs/exported_dir": directory / "exported"}
+def _write_inputs(argv: list[str], directory: Path) -> None:
+    """Make real the placeholder inputs (corpus, tokenizer, checkpoint) that ``argv`` reads from ``directory``."""
+    words = " ".join(argv)
+    if any(str(RUN_DIRECTORY / name) in words for name in CORPUS):
+        _write_corpus(directory)
+    if str(RUN_DIRECTORY / PLACEHOLDERS["/abs/checkpoint_dir"]) in words:
+        _write_checkpoint(directory / PLACEHOLDERS["/abs/checkpoint_dir"])
 
 
 def _write_checkpoint(directory: Path) -> Path:
@@ -183,10 +210,10 @@ def _tiny(overrides: list[str], run_dir: Path) -> list[str]:
     return [*kept, *values.values(), f"hydra.run.dir={run_dir}"]
 
 
-def _argv(command: str, tmp_path: Path) -> list[str]:
-    """The argument vector that runs a README command here."""
-    for placeholder, path in _placeholders(command, tmp_path).items():
-        command = command.replace(placeholder, str(path))
+def _argv(command: str, tmp_path: Path = RUN_DIRECTORY, tiny: bool = True) -> list[str]:
+    """The argument vector that runs a README command here (with tiny step counts unless ``tiny`` is false)."""
+    for placeholder, name in PLACEHOLDERS.items():
+        command = command.replace(placeholder, str(tmp_path / name))
     words = [word for word in shlex.split(command) if word not in ("...", "[--method", "qbara]")]
     if command.endswith("[--method qbara]"):
         words += ["--method", "qbara"]
@@ -206,7 +233,7 @@ def _argv(command: str, tmp_path: Path) -> list[str]:
         words[0] = sys.executable
     if program == "python" and words[1].endswith(".py"):
         return [words[0], str(ROOT / words[1]), *words[2:], "--steps", "2", "--out", str(tmp_path / "out")]
-    if "--help" in words or program == "merak-export":
+    if "--help" in words or program == "merak-export" or not tiny:
         return words
     module_at = words.index("-m") + 2 if "-m" in words else 1
     return [*words[:module_at], *_tiny(words[module_at:], run_dir)]
@@ -231,6 +258,54 @@ def _check_trained(stdout: str, output: str, run_dir: Path) -> None:
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
+@dataclass(frozen=True)
+class Run:
+    """A finished command: its exit status, its output, and the directory it ran in."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    directory: Path
+
+
+def _run(argv: list[str], directory: Path, timeout: float) -> Run:
+    """Run ``argv`` in ``directory``, its inputs written first; past ``timeout``, end its ranks too and fail."""
+    _write_inputs(argv, directory)
+    argv = [word.replace(str(RUN_DIRECTORY), str(directory)) for word in argv]
+    process = subprocess.Popen(argv, cwd=directory, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{shlex.join(argv)} did not finish within {timeout:.0f}s:\n{(stdout + stderr)[-4000:]}")
+    return Run(process.returncode, stdout, stderr, directory)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Run]:
+    """Runs each distinct argument vector once, in a directory of its own unless given one; repeats share it."""
+    done: dict[tuple[str, ...], Run] = {}
+
+    def run(argv: list[str], timeout: float, directory: Path | None = None) -> Run:
+        key = tuple(argv)
+        if key not in done:
+            done[key] = _run(argv, directory or tmp_path_factory.mktemp("readme"), timeout)
+        return done[key]
+
+    return run
+
+
+def _make_recipe(argv: list[str]) -> list[str]:
+    """The one command ``make`` runs for ``argv`` (read with ``make -n``), split into its arguments."""
+    dry = subprocess.run([argv[0], "-n", *argv[1:]], capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    commands = dry.stdout.splitlines()
+    assert len(commands) == 1, f"{shlex.join(argv)} would run more than one command (make setup first?): {commands}"
+    return shlex.split(commands[0])
+
+
 def test_every_readme_command_has_a_case() -> None:
     commands = [command for command in readme_commands() if not BENCHMARK.match(command)]
     missing = [command for command in commands if command not in CASES]
@@ -240,35 +315,75 @@ def test_every_readme_command_has_a_case() -> None:
 
 
 @pytest.mark.parametrize("command", list(CASES))
-def test_readme_command(command: str, tmp_path: Path) -> None:
+def test_readme_command(command: str, runs: Callable[..., Run]) -> None:
     case = CASES[command]
     if case.not_run:
         if not case.substitute:
             pytest.skip(f"not run here: {case.not_run}")
         command = case.substitute
+    argv = _argv(command)
+    if case.config_only:
+        argv = [*_argv(command, tiny=False), "--cfg", "job"]
+    if argv[0] == "make" and "train" in argv:
+        # `make train` runs merak-train with ARGS and nothing else; that merak-train run is the `merak-train` case's
+        recipe = _make_recipe(argv)
+        assert recipe == [str(BIN / "merak-train"), *shlex.split(argv[-1].removeprefix("ARGS="))], recipe
+        argv = recipe
+    directory = None
     if case.before:
-        first = subprocess.run(_argv(case.before, tmp_path), cwd=tmp_path, capture_output=True, text=True,
-                               timeout=CASES[case.before].timeout)
+        first = runs(_argv(case.before), CASES[case.before].timeout)
         assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
-    result = subprocess.run(_argv(command, tmp_path), cwd=tmp_path, capture_output=True, text=True,
-                            timeout=case.timeout)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
+        directory = first.directory
+    run = runs(argv, case.timeout, directory)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-4000:]
+    if case.same_config_as:
+        other = runs([*_argv(case.same_config_as, tiny=False), "--cfg", "job"], case.timeout)
+        assert other.returncode == 0, (other.stdout + other.stderr)[-4000:]
+        assert run.stdout == other.stdout, f"{command!r} composes another configuration than {case.same_config_as!r}"
     for expected in case.output:
         assert expected in output, f"{expected!r} not in the output of {command!r}:\n{output[-3000:]}"
-    run_dir = tmp_path / "run"
+    run_dir = run.directory / "run"
     for pattern in case.files:
         assert list(run_dir.glob(pattern)), f"{command!r} wrote no {pattern} under {run_dir}"
     if case.trains:
-        _check_trained(result.stdout, output, run_dir)
+        _check_trained(run.stdout, output, run_dir)
 
 
-@pytest.mark.parametrize("name", sorted({m.group(1) for c in readme_commands() if (m := BENCHMARK.match(c))}
-                                        - {"<name>"}))
-def test_readme_benchmark_parses_its_arguments(name: str) -> None:
-    result = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--help"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and "--quick" in result.stdout, result.stdout + result.stderr
+BENCHMARKS = sorted({m.group(1) for c in readme_commands() if (m := BENCHMARK.match(c))} - {"<name>"})
+# `python -m benchmarks.<name> --help` for each name given, in one interpreter: each module runs as
+# __main__ with its own argv; prints {name: [exit status, output]} as JSON on its last line.
+HELP_EACH = """
+import contextlib, io, json, runpy, sys, traceback
+outputs = {}
+for name in sys.argv[1:]:
+    sys.argv = ["benchmarks." + name, "--help"]
+    buffer, status = io.StringIO(), 0
+    with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+        try:
+            runpy.run_module("benchmarks." + name, run_name="__main__", alter_sys=True)
+        except SystemExit as exit_:
+            status = exit_.code or 0
+        except Exception:
+            status = 1
+            buffer.write(traceback.format_exc())
+    outputs[name] = [status, buffer.getvalue()]
+print(json.dumps(outputs))
+"""
+
+
+@pytest.fixture(scope="module")
+def benchmark_help() -> dict[str, list]:
+    result = subprocess.run([sys.executable, "-c", HELP_EACH, *BENCHMARKS], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_readme_benchmark_parses_its_arguments(name: str, benchmark_help: dict[str, list]) -> None:
+    status, output = benchmark_help[name]
+    assert status == 0 and "--quick" in output, output
 
 
 def test_help_imports_no_torch() -> None:

@@ -14,8 +14,8 @@ from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.strategies.merak3d.build import tensor_parallel_plan
 from lightning_merak.strategies.sequence_parallel import check_sequence_length, find_sequence_parallel_plan
 from lightning_merak.strategies.tensor_parallel import find_tensor_parallel_plan
-from lightning_merak.testing import assert_traces_match, run_distributed
-from tests.test_merak3d import _merge, _reference, _train_rank
+from lightning_merak.testing import assert_traces_match, merge_rank_traces, run_distributed
+from tests.test_merak3d import _reference, _train_rank
 
 VOCAB, SEQ = 96, 16
 MODELS = {
@@ -350,7 +350,7 @@ def test_merak3d_with_sequence_parallel_matches_single_process(model_name, layou
     world_size = layout["data_parallel"] * layout["pipeline_parallel"] * layout["tensor_parallel"]
     results = run_distributed(_train_rank_recording, world_size, args=(model_name, layout), timeout_s=600)
     assert all(ops == {"all_gather", "reduce_scatter"} for _, _, ops in results)
-    merged = _merge([(losses, gradients) for losses, gradients, _ in results])
+    merged = merge_rank_traces([(losses, gradients) for losses, gradients, _ in results])
     assert_traces_match(_reference(model_name), merged, loss_rtol=1e-5, grad_rtol=1e-4)
 
 

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_merak.strategies.tensor_parallel import find_tensor_parallel_plan, verify_tensor_parallel_plan
-from lightning_merak.testing import assert_traces_match, run_distributed
-from tests.test_merak3d import _merge, _reference, _train_rank
+from lightning_merak.testing import assert_traces_match, merge_rank_traces, run_distributed
+from tests.test_merak3d import _reference, _train_rank
 
 HIDDEN, HEADS = 16, 4
 
@@ -133,7 +133,7 @@ def test_qwen3_per_head_norms_train_split_like_a_single_process(layout):
     """Qwen3 normalises q and k per head between the split projections: the norms' gradients are
     summed over the tensor-parallel ranks (without that they were off by 74%)."""
     results = run_distributed(_train_rank, 2, args=("qwen3", layout), timeout_s=300)
-    assert_traces_match(_reference("qwen3"), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
+    assert_traces_match(_reference("qwen3"), merge_rank_traces(results), loss_rtol=1e-5, grad_rtol=1e-4)
 
 
 @pytest.mark.distributed
@@ -142,7 +142,7 @@ def test_falcon_multi_query_trains_split_like_a_single_process():
     heads and that key/value head, whose gradient is summed over the ranks in backward."""
     results = run_distributed(_train_rank, 2, args=("falcon", {"data_parallel": 1, "tensor_parallel": 2}),
                               timeout_s=300)
-    assert_traces_match(_reference("falcon"), _merge(results), loss_rtol=1e-5, grad_rtol=1e-4)
+    assert_traces_match(_reference("falcon"), merge_rank_traces(results), loss_rtol=1e-5, grad_rtol=1e-4)
 
 
 def test_a_family_that_does_not_split_is_refused_up_front_and_left_out_by_the_planner():

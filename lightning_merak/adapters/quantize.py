@@ -14,6 +14,19 @@ from .int4 import quantize_linear_layers_int4, replace_submodule
 
 Quantization = Literal["none", "nf4", "fp4", "int8", "int4"]
 QUANTIZATIONS = ("none", "nf4", "fp4", "int8", "int4")
+BNB_CPU_PACK_ROWS = 32
+
+
+def bnb_cpu_packable(in_features: int, out_features: int, blocksize: int) -> bool:
+    """Whether bitsandbytes' CPU inference repacking (0.50) can take a 4-bit weight of this shape.
+
+    On hosts with AVX512-BF16, an eval-mode forward without autograd repacks the weight for a fused
+    kernel, which needs whole blocks of ``BNB_CPU_PACK_ROWS`` output rows and whole quantization blocks
+    per input row; any other shape crashes there (``shape '[160, 1]' is invalid`` for 96 -> 160).
+    Found by trying nf4/fp4/int8, train and eval, on in/out features 1..256: train mode, forwards
+    with autograd and int8 run every shape.
+    """
+    return out_features % BNB_CPU_PACK_ROWS == 0 and in_features % blocksize == 0
 
 
 def quantize_model(
@@ -28,6 +41,8 @@ def quantize_model(
     ``group_size`` applies to ``int4`` only (bitsandbytes 4-bit always uses blocks of 64) and
     ``double_quant`` to ``nf4``/``fp4`` only. bitsandbytes models get ``is_loaded_in_4bit`` /
     ``is_loaded_in_8bit`` set, so PEFT's LoRA picks its bitsandbytes layers (QLoRA baseline).
+    4-bit layers whose shape bitsandbytes' CPU repacking cannot take (:func:`bnb_cpu_packable`)
+    keep its generic dequantize-and-matmul path in eval mode too, the one training uses.
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
@@ -65,6 +80,8 @@ def quantize_model(
                 compress_statistics=double_quant,
                 quant_type=quantization,
             )
+            if not bnb_cpu_packable(linear.in_features, linear.out_features, layer.weight.blocksize):
+                layer.support_avx512bf16_for_cpu = False
         if has_bias:
             layer.bias = nn.Parameter(linear.bias.data.clone(), requires_grad=False)
         replace_submodule(model, name, layer.to(device))

@@ -8,7 +8,9 @@ from lightning_merak.lazy import lazy_attributes
 
 _EXPORTS = {
     "DeltaMemory": "lightning_merak.callbacks.delta",
+    "FaultWatch": "lightning_merak.callbacks.faults",
     "MoEPlacementCallback": "lightning_merak.plugins.moe.callback",
+    "NonFiniteGuard": "lightning_merak.callbacks.nonfinite",
     "PeriodicCheckpoint": "lightning_merak.callbacks.checkpoint",
     "SparseCommunication": "lightning_merak.callbacks.sparse_comm",
     "StepProgressBar": "lightning_merak.callbacks.progress",

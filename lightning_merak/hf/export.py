@@ -8,7 +8,8 @@ unsplit model's names, taken in any layout) or a Lightning ``.ckpt`` file (DDP).
 directory that has them), ``model-0000k-of-0000N.safetensors`` and ``model.safetensors.index.json``.
 
 Streaming: tensors are read one at a time (``dcp.load`` of a one-key state dict, or a memory-mapped
-``torch.load``) and written shard by shard, so peak memory is about one output shard. Names,
+weights-only ``torch.load``: nothing is unpickled, :mod:`lightning_merak.runtime.safe_load`) and
+written shard by shard, so peak memory is about one output shard. Names,
 tied weights and transformers' renamings are undone as ``save_pretrained`` does
 (:mod:`lightning_merak.hf.names`); rows of a padded vocabulary are dropped. Checkpoints already
 hold the unsplit layout (tensor-parallel regrouping undone, experts numbered globally).
@@ -53,21 +54,21 @@ class _Source:
     def __init__(self, path: Path) -> None:
         import torch
 
+        from lightning_merak.runtime.safe_load import SafeFileSystemReader, load_torch_file
         from lightning_merak.strategies.merak3d.checkpoint import LIGHTNING_CHECKPOINT, is_sharded_checkpoint
 
         self.path = path
         self.sharded = is_sharded_checkpoint(path)
         if self.sharded:
-            from torch.distributed.checkpoint import FileSystemReader
             from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-            self.metadata = torch.load(path / LIGHTNING_CHECKPOINT, map_location="cpu", weights_only=False)
-            stored = FileSystemReader(path).read_metadata().state_dict_metadata
+            self.metadata = load_torch_file(path / LIGHTNING_CHECKPOINT)
+            stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
             self.entries = {key[len("model."):]: (tuple(entry.size), entry.properties.dtype)
                             for key, entry in stored.items()
                             if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
         elif path.is_file():
-            self.metadata = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+            self.metadata = load_torch_file(path, mmap=True)
             self.state = self.metadata.get("state_dict", {})
             self.entries = {key: (tuple(value.shape), value.dtype) for key, value in self.state.items()
                             if isinstance(value, torch.Tensor)}
@@ -81,11 +82,13 @@ class _Source:
             return self.state[key]
         import torch.distributed.checkpoint as dcp
 
+        from lightning_merak.runtime.safe_load import SafeFileSystemReader, SafeLoadPlanner
+
         shape, dtype = self.entries[key]
         state = {"model." + key: torch.empty(shape, dtype=dtype)}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, checkpoint_id=self.path, no_dist=True)
+            dcp.load(state, storage_reader=SafeFileSystemReader(self.path), planner=SafeLoadPlanner(), no_dist=True)
         return state["model." + key]
 
 

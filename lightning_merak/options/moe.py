@@ -37,13 +37,13 @@ class _SwapOptions(MoEConfig):
     drop_tokens: bool = False
 
 
-_ProphetLayerOptions = schema_of(MoEOptions, "_ProphetLayerOptions", dispatch="dropless", placement="pro_prophet",
+_ProphetLayerOptions = schema_of(MoEOptions, "_ProphetLayerOptions", dispatch="dropless", placement="auto",
                                   lancet_chunks="auto")
 
 
 @dataclass
 class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc,valid-type]
-    """Swap sparse blocks for ``lightning_merak.plugins.moe.MoE`` (Pro-Prophet placement by default).
+    """Swap sparse blocks for ``lightning_merak.plugins.moe.MoE`` (placement planned per step by default: ``auto``).
 
     The layer's options are :class:`~lightning_merak.plugins.moe.options.MoEOptions`' fields, checked there.
     """

@@ -47,6 +47,9 @@ class Merak3DOptions:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     grad_bucket_mb: Optional[float] = None
+    micro_batching: str = "none"
+    micro_batch_tokens: Optional[int] = None
+    micro_batching_cost: Optional[tuple[float, float, float]] = None
 
 
 _Merak3DFields = schema_of(Merak3DOptions, "_Merak3DFields")

@@ -16,6 +16,12 @@
 - :mod:`~lightning_merak.runtime.gradient_buffer`: gradients as views of one flat tensor per dtype,
   for collectives on it in place; :mod:`~lightning_merak.runtime.host_memory`: freed host memory
   returned to the system at once.
+- :mod:`~lightning_merak.runtime.dtensors`: a rank's part of a tensor the layout split.
+- :mod:`~lightning_merak.runtime.watchdog`: a hang or a lost rank ends every rank, naming it.
+- :mod:`~lightning_merak.runtime.checkpoint_files`: checkpoints written atomically, the newest complete one;
+  :mod:`~lightning_merak.runtime.resume`: what ``resume=auto`` continues from;
+  :mod:`~lightning_merak.runtime.elastic`: restarted attempts of an elastic run kept apart;
+  :mod:`~lightning_merak.runtime.safe_load`: checkpoints and exports read without unpickling code.
 - :mod:`~lightning_merak.runtime.layout_aware`: the protocol through which callbacks and plugins
   see a parallel strategy, and the marker of a block the strategy recomputes.
 """

@@ -30,11 +30,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_merak.runtime.dtensors import local_tensor
+
 __all__ = ["Bucket", "GradientBuffer", "ShardSlice"]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class ShardSlice(NamedTuple):
@@ -73,7 +71,7 @@ class Bucket:
         low, high = shard * self.shard_numel, (shard + 1) * self.shard_numel
         slices = []
         for param, offset in zip(self.params, self.offsets):
-            numel = _local(param).numel()
+            numel = local_tensor(param).numel()
             start, stop = max(low, offset), min(high, offset + numel)
             if start < stop:
                 slices.append(ShardSlice(param, start - offset, stop - offset, start - low))
@@ -123,7 +121,7 @@ class GradientBuffer:
         groups: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
         filled: dict[tuple[torch.dtype, bool], int] = {}
         for param in ordered:
-            local = _local(param)
+            local = local_tensor(param)
             key = (local.dtype, id(param) in late_ids)
             groups.setdefault(key, []).append(param)
             filled[key] = filled.get(key, 0) + local.numel() * local.element_size()
@@ -143,7 +141,7 @@ class GradientBuffer:
                        for bucket in self.buckets for param, view in zip(bucket.params, bucket.views)]
 
     def _add_bucket(self, params: list[nn.Parameter], late: bool, shards: int) -> None:
-        locals_ = [_local(param) for param in params]
+        locals_ = [local_tensor(param) for param in params]
         offsets, total = [], 0
         for local in locals_:
             offsets.append(total)
@@ -235,7 +233,7 @@ class GradientBuffer:
 def _adopt(param: nn.Parameter, view: torch.Tensor) -> None:
     """Point ``param.grad`` at ``view``, copying the gradient there unless it already lives there."""
     grad = param.grad
-    local = _local(grad)
+    local = local_tensor(grad)
     if local.data_ptr() == view.data_ptr() and local.shape == view.shape:
         return
     view.copy_(local)

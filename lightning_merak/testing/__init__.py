@@ -9,6 +9,7 @@ from lightning_merak.testing.compare import (
     TraceRecorder,
     TrainingTrace,
     assert_traces_match,
+    merge_rank_traces,
     record_reference_trace,
     snapshot_gradients,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "TrainingTrace",
     "assert_traces_match",
     "find_free_port",
+    "merge_rank_traces",
     "record_reference_trace",
     "run_distributed",
     "snapshot_gradients",

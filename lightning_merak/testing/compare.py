@@ -16,7 +16,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-__all__ = ["TraceRecorder", "TrainingTrace", "assert_traces_match", "record_reference_trace", "snapshot_gradients"]
+__all__ = ["TraceRecorder", "TrainingTrace", "assert_traces_match", "merge_rank_traces", "record_reference_trace",
+           "snapshot_gradients"]
 
 
 @dataclass
@@ -29,6 +30,20 @@ class TrainingTrace:
     def append(self, loss: float, gradients: dict[str, torch.Tensor]) -> None:
         self.losses.append(float(loss))
         self.gradients.append(gradients)
+
+
+def merge_rank_traces(results: list[tuple[list[float], list[dict[str, torch.Tensor]]]]) -> TrainingTrace:
+    """One trace from every rank's ``(losses, gradients)``: the losses every rank agrees on (to 1e-6, or this
+    raises), each step's gradients merged over the ranks (each holds the parameters of its stage or shard)."""
+    losses = results[0][0]
+    for other, _ in results[1:]:
+        if len(other) != len(losses) or any(abs(a - b) > 1e-6 * max(abs(b), 1e-12) for a, b in zip(other, losses)):
+            raise AssertionError(f"ranks logged different losses: {other} vs {losses}")
+    gradients: list[dict[str, torch.Tensor]] = [{} for _ in losses]
+    for _, rank_gradients in results:
+        for step, grads in enumerate(rank_gradients):
+            gradients[step].update(grads)
+    return TrainingTrace(losses=losses, gradients=gradients)
 
 
 def snapshot_gradients(model: nn.Module) -> dict[str, torch.Tensor]:

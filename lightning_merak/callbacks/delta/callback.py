@@ -149,7 +149,8 @@ class DeltaMemory(pl.Callback):
                 stacklevel=2,
             )
             return []
-        self.manager = MemoryManager(managed, self._options, log=rank_zero_info, share=_share_across_ranks)
+        self.manager = MemoryManager(managed, self._options, log=rank_zero_info, share=_share_across_ranks,
+                                     any_rank=_any_rank)
         self._active = True
         return [n for n, _ in managed]
 
@@ -319,7 +320,8 @@ class DeltaMemory(pl.Callback):
         options = dataclasses.replace(
             self._options, overrides={n: a for n, a in self._options.overrides.items() if n in managed_names}
         )
-        self.manager = MemoryManager(managed, options, log=say, share=_share_across_ranks)
+        self.manager = MemoryManager(managed, options, log=say, share=_share_across_ranks,
+                                     any_rank=_any_rank)
         self._active = True
         self.manager.start(pl_module, pl_module.device)
 
@@ -383,6 +385,16 @@ def _log_once_per_stage(stage_key: Any) -> Callable[[str], None]:
 
 def _overrides_configure_model(pl_module: pl.LightningModule) -> bool:
     return type(pl_module).configure_model is not pl.LightningModule.configure_model
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (one small all-reduce)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    votes = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+    return bool(votes.item())
 
 
 def _share_across_ranks(payload: Any) -> Any:

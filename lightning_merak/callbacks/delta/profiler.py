@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_merak.callbacks.delta.ledger import ResidentLedger
 from lightning_merak.callbacks.delta.memory_planner import BACKWARD, FORWARD, BlockProfile, StepProfile
+from lightning_merak.runtime.dtensors import local_tensor
 
 __all__ = [
     "BlockRecord",
@@ -35,20 +36,14 @@ __all__ = [
 OUTSIDE = "<outside blocks>"
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor behind a distributed tensor (tensor parallelism), else itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
-
-
 def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     """Identity of the memory behind ``tensor``: views of one storage share it."""
-    local = _local(tensor)
+    local = local_tensor(tensor)
     return (str(local.device), local.untyped_storage().data_ptr())
 
 
 def storage_nbytes(tensor: torch.Tensor) -> int:
-    return _local(tensor).untyped_storage().nbytes()
+    return local_tensor(tensor).untyped_storage().nbytes()
 
 
 @dataclass

@@ -138,6 +138,7 @@ class MemoryManager:
         options: ManagerOptions,
         log: Callable[[str], None] = print,
         share: ShareFn = lambda payload: payload,
+        any_rank: Callable[[bool], bool] = lambda flag: flag,
     ) -> None:
         names = [n for n, _ in blocks]
         unknown = sorted(set(options.overrides) - set(names))
@@ -148,6 +149,8 @@ class MemoryManager:
         self.options = options
         self.log = log
         self.share = share
+        self.any_rank = any_rank
+        """Whether any rank says so (collective): ranks whose inputs differ in size meet new sizes apart."""
         self.ledger = ResidentLedger()
         self.tracker = SavedTensorTracker(self.ledger)
         self.blocks = [_Block(n, m, install_switch(m)) for n, m in blocks]
@@ -254,7 +257,8 @@ class MemoryManager:
         )
         self.step_reports.append(report)
         self.timelines["managed"] = list(self.ledger.timeline)
-        if self._signature not in self._refined:  # not per-rank state such as plan.fits: share is collective
+        # share is collective: every rank joins when any rank meets an input size it has not refined
+        if self.any_rank(self._signature not in self._refined):
             self._refine(report)
         return report
 
@@ -363,9 +367,10 @@ class MemoryManager:
         stages plan apart and one whose plan cannot fit must still join the collective;
         all replicas follow the lowest rank's verdict, so data-parallel ranks keep identical plans.
         """
+        new_size = self._signature not in self._refined
         self._refined.add(self._signature)
         scaled = self.profile.scaled(self._numel / self._base_numel)
-        over_budget = self.plan.fits and report.peak_saved_bytes > self.budget_bytes
+        over_budget = new_size and self.plan.fits and report.peak_saved_bytes > self.budget_bytes
         refined = self._measured_profile(report, scaled) if over_budget else None
         _, refined, peak_saved_bytes = self.share((scaled, refined, report.peak_saved_bytes))
         if refined is None:

@@ -19,6 +19,7 @@ _EXPORTS = {
     "ShardedEmbedding": ".embrace",
     "ShardedTiedHead": ".embrace",
     "shard_embeddings": ".embrace",
+    "join_lookups": ".embrace",
     "S2Reducer": ".s2_hook",
     "s2_comm_hook": ".s2_hook",
     "CountSketch": ".sketch",

@@ -41,9 +41,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_merak.callbacks.sparse_comm.bytes_counter import CommLedger
-from lightning_merak.callbacks.sparse_comm.embrace import ShardedEmbedding, shard_embeddings, tied_head_names
+from lightning_merak.callbacks.sparse_comm.embrace import (
+    ShardedEmbedding,
+    join_lookups,
+    shard_embeddings,
+    tied_head_names,
+)
 from lightning_merak.callbacks.sparse_comm.s2_hook import AUTO, S2Reducer, s2_comm_hook
-from lightning_merak.callbacks.sparse_comm.sketch import CountSketch
+from lightning_merak.callbacks.sparse_comm.sketch import CountSketch, drop_zero_rows
 from lightning_merak.callbacks.sparse_comm.wire_cost_model import NetworkModel
 from lightning_merak.runtime.gradient_norm import ShardedGradients
 from lightning_merak.runtime.layout_aware import LayoutAwareStrategy, data_parallel_groups_from_mesh, layout_aware
@@ -77,15 +82,33 @@ def _measure_bandwidth(group: dist.ProcessGroup | None) -> NetworkModel:
     return NetworkModel(bandwidth_bytes_per_s=wire_bytes / max(elapsed.item(), 1e-9))
 
 
+def _measure_scan_speed(device: torch.device) -> float:
+    """Bytes per second at which this rank finds all-zero gradient rows (local, no collective)."""
+    probe = torch.ones(_BANDWIDTH_PROBE_BYTES // 4 // 64, 64, device=device)
+    drop_zero_rows(torch.arange(probe.shape[0], device=device), probe)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(_BANDWIDTH_PROBE_REPEATS):
+        drop_zero_rows(torch.arange(probe.shape[0], device=device), probe)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = (time.perf_counter() - start) / _BANDWIDTH_PROBE_REPEATS
+    return _BANDWIDTH_PROBE_BYTES / max(elapsed, 1e-9)
+
+
 class SparseCommunication(pl.Callback):
     """Replace DDP's dense all-reduce of large embedding tables by a sparse method.
 
     Args:
         method: ``"s2"`` (S2 reducer: bitmaps + union rows or count sketch), ``"embrace"``
             (column-sharded tables, all-to-all lookups) or ``"auto"`` (per table and step,
-            the cheapest of dense / s2_exact / allgather by the cost model, reasons logged).
+            the fastest of dense / s2_exact / allgather by the cost model among those sending no
+            more bytes than s2_exact, reasons logged).
         mode: for ``"s2"``: ``"exact"`` reproduces dense all-reduce; ``"sketch"`` sends an
-            ``sketch_rows x ceil(column_factor * U)`` count sketch (lossy, see ``sketch.error_bound``).
+            ``sketch_rows x ceil(column_factor * U)`` count sketch (lossy, see ``sketch.error_bound``)
+            when that is fewer rows than the union's U, i.e. ``sketch_rows * column_factor < 1``, and
+            the union exactly otherwise (so with the defaults, 3 x 2.0, it sends exactly).
         sketch_rows: odd number of sketch rows (median decode).
         column_factor: sketch columns per union row (alpha).
         seed: hash seed, identical on all ranks and stored in checkpoints.
@@ -347,6 +370,17 @@ class SparseCommunication(pl.Callback):
         sharded.register(shards, group)
         trainer.strategy.precision_plugin.clip_grad_by_norm = sharded.clip
 
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        """EmbRace: answer the peers' lookups this rank's batch did not make, so none of them waits forever."""
+        if self.sharded_tables:
+            join_lookups(self.sharded_tables.values(), loss)
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        """EmbRace: the same after an evaluation forward, which has no backward pass to wait for."""
+        if self.sharded_tables:
+            join_lookups(self.sharded_tables.values())
+
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Under merak3d: reduce this rank's table gradients over the data-parallel group with S2
         and name them in ``_ddp_params_and_buffers_to_ignore``, right before merak3d averages the rest."""
@@ -401,9 +435,11 @@ class SparseCommunication(pl.Callback):
             measured = _measure_bandwidth(data_parallel_group(strategy))
             network = NetworkModel(measured.bandwidth_bytes_per_s, self.latency_us * 1e-6)
             log.info("SparseCommunication: measured %.3g Gbit/s", network.bandwidth_bytes_per_s * 8 / 1e9)
+        scan_speed = _measure_scan_speed(pl_module.device)
         for reducer in (self.hook_reducer, self.excluded_reducer):
             if reducer is not None:
                 reducer.network = network
+                reducer.scan_bytes_per_s = scan_speed
         if self.hook_reducer is None or not self.hook_reducer.tables:
             return
         model = strategy.model

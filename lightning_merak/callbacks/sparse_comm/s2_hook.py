@@ -14,7 +14,11 @@ Per table and step, every rank:
 ``s2_exact`` all-reduces the union rows compacted (a sketch whose hash is the position
 in the union: one row, U buckets, no collisions), so it reproduces dense all-reduce;
 ``s2_sketch`` all-reduces an ``r x ceil(alpha U)`` count sketch and decodes by median,
-within :func:`sketch.error_bound`. Only dense collectives are used (all-gather and
+within :func:`sketch.error_bound`, when that is smaller than the union's rows
+(:func:`wire_cost_model.sketch_pays`), and sends the union exactly otherwise. Rows
+found from lookup ids skip the padding row, and all-zero rows (masked tokens) when
+scanning for them costs less than sending them (:func:`wire_cost_model.scan_pays`).
+Only dense collectives are used (all-gather and
 all-reduce of dense tensors), so the same code runs on gloo and on NCCL, which has no
 sparse all-reduce. Every rank takes part in every collective even when its batch
 touched no row: its bitmap is empty and its payload is zeros of the agreed size.
@@ -34,7 +38,7 @@ from lightning_merak.callbacks.sparse_comm.sketch import (
     CountSketch,
     bitmap_rows,
     check_row_ids_hashable,
-    columns_for_union,
+    drop_zero_rows,
     merge_bitmaps,
     nonzero_rows,
     pack_bitmap,
@@ -46,6 +50,9 @@ from lightning_merak.callbacks.sparse_comm.wire_cost_model import (
     NetworkModel,
     TableTraffic,
     choose_method,
+    scan_pays,
+    sketch_columns,
+    sketch_pays,
 )
 
 log = logging.getLogger(__name__)
@@ -75,6 +82,8 @@ class S2Reducer:
 
     ``tables`` maps ``id(parameter)`` to a display name; parameters not in it are
     reduced densely. ``method`` is one of :data:`cost_model.HOOK_METHODS` or ``"auto"``.
+    ``scan_bytes_per_s`` (how fast this rank finds zero rows; the callback measures it) and
+    ``rescan_every`` drive the search for looked-up rows with a zero gradient.
     """
 
     tables: dict[int, str]
@@ -86,16 +95,23 @@ class S2Reducer:
     ledger: CommLedger | None = None
     auto_candidates: tuple[str, ...] = ("dense", "s2_exact", "allgather")
     freeze_dense_after: int = 3
+    scan_bytes_per_s: float = 8e9
+    rescan_every: int = 16
+    zero_fractions: dict[str, float] = field(default_factory=dict)
     token_counts: dict[str, int] = field(default_factory=dict)
     row_hints: dict[str, torch.Tensor] = field(default_factory=dict)
     decisions: dict[str, Decision] = field(default_factory=dict)
     decision_log: list[str] = field(default_factory=list)
     _dense_streak: dict[str, int] = field(default_factory=dict)
     _frozen_dense: set[str] = field(default_factory=set)
+    _steps_since_scan: dict[str, int] = field(default_factory=dict)
+    _sketch_declined: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.method not in (*HOOK_METHODS, AUTO):
             raise ValueError(f"method must be one of {(*HOOK_METHODS, AUTO)}, got {self.method!r}")
+        if self.rescan_every < 1:
+            raise ValueError(f"rescan_every must be >= 1, got {self.rescan_every}")
 
     @property
     def world_size(self) -> int:
@@ -106,7 +122,8 @@ class S2Reducer:
 
         Valid only when the table's weight is read by this module alone (no tied head, no
         functional use); the ids of every gradient-enabled forward since the last
-        reduction are kept, so gradient accumulation is covered.
+        reduction are kept, so gradient accumulation is covered. The padding row never gets a
+        gradient, so its id is left out.
         """
 
         def remember(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
@@ -114,6 +131,8 @@ class S2Reducer:
             if not torch.is_grad_enabled():
                 return
             ids = inputs[0].reshape(-1).unique()
+            if embedding.padding_idx is not None:
+                ids = ids[ids != embedding.padding_idx]
             previous = self.row_hints.get(name)
             self.row_hints[name] = ids if previous is None else torch.cat([previous, ids]).unique()
 
@@ -163,7 +182,10 @@ class S2Reducer:
             if gradient is None:
                 ids, rows = torch.empty(0, dtype=torch.int64), torch.zeros(0, shape[1])
             elif hint is not None and not gradient.is_sparse:
-                ids, rows = hint.to(gradient.device), gradient.index_select(0, hint.to(gradient.device))
+                hint = hint.to(gradient.device)
+                ids, rows = self._without_zero_rows(name, hint, gradient.index_select(0, hint))
+            elif gradient.is_sparse:
+                ids, rows = self._without_zero_rows(name, *nonzero_rows(gradient))
             else:
                 ids, rows = nonzero_rows(gradient)
             local.append((name, shape, gradient is not None and gradient.is_sparse, ids, rows))
@@ -184,6 +206,39 @@ class S2Reducer:
         by_name = {plan.name: plan for plan in plans} | dense_plans
         return [by_name[name] for name, _, _ in named_gradients]
 
+    def _without_zero_rows(self, name: str, ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drop rows found from lookups whose gradient is zero, when scanning for them pays.
+
+        Whether it pays is judged from the zero fraction this table's last scan found; a table
+        is scanned on its first step and at least every ``rescan_every`` steps. Rank-local: the
+        bitmaps exchanged next carry the result, so ranks need not agree.
+        """
+        since = self._steps_since_scan.get(name, self.rescan_every)
+        fraction = self.zero_fractions.get(name, 1.0)
+        if since < self.rescan_every and not scan_pays(fraction, self.world_size, self.network, self.scan_bytes_per_s):
+            self._steps_since_scan[name] = since + 1
+            return ids, rows
+        kept_ids, kept_rows = drop_zero_rows(ids, rows)
+        self.zero_fractions[name] = 1.0 - kept_ids.numel() / max(ids.numel(), 1)
+        self._steps_since_scan[name] = 1
+        return kept_ids, kept_rows
+
+    def _sketch_or_exact(self, name: str, union_rows: int) -> str:
+        """``s2_sketch`` when the sketch is smaller than the union's rows, else ``s2_exact`` (logged once)."""
+        if sketch_pays(union_rows, self.sketch.num_rows, self.column_factor):
+            return "s2_sketch"
+        if name not in self._sketch_declined:
+            self._sketch_declined.add(name)
+            sketch_rows = self.sketch.num_rows * sketch_columns(union_rows, self.column_factor)
+            message = (
+                f"{name}: a {self.sketch.num_rows} x ceil({self.column_factor:g} U) count sketch of U={union_rows} "
+                f"rows holds {sketch_rows} rows, no fewer than the union; sending the union exactly "
+                f"(a sketch pays only when sketch_rows * column_factor < 1)"
+            )
+            self.decision_log.append(message)
+            log.info("sparse_comm: %s", message)
+        return "s2_exact"
+
     def _plan_table(
         self,
         name: str,
@@ -201,6 +256,8 @@ class S2Reducer:
             name, num_rows, dim, rows.element_size(), local_counts, union.numel(), self.token_counts.get(name) or None
         )
         method = self._decide(name, traffic)
+        if method == "s2_sketch":
+            method = self._sketch_or_exact(name, union.numel())
         scaled = rows / world_size
         if method == DENSE:
             dense = scaled.new_zeros(num_rows, dim).index_put_((ids,), scaled)
@@ -212,7 +269,7 @@ class S2Reducer:
             compact[torch.searchsorted(union, ids)] = scaled
             return _TablePlan(name, shape, sparse_output, method, union, compact.flatten())
         if method == "s2_sketch":
-            columns = columns_for_union(union.numel(), self.column_factor)
+            columns = sketch_columns(union.numel(), self.column_factor)
             return _TablePlan(
                 name, shape, sparse_output, method, union, self.sketch.encode(ids, scaled, columns).flatten()
             )

@@ -19,6 +19,9 @@ _EXPORTS = {
     "plan_pro_prophet": ".core.placement_planner",
     "profile_cost_model": ".cost_measurement",
     "plan_shadowing": ".core.shadowing",
+    "PLAN_KINDS": ".core.step_planner", "PlannerSettings": ".core.step_planner", "StepChoice": ".core.step_planner",
+    "choose_step_plan": ".core.step_planner", "predicted_plan": ".core.step_planner",
+    "prefetch_pays": ".core.step_planner",
     "swap_sparse_moe_blocks": ".block_replacement",
     "moe_param_groups": ".optim",
 }

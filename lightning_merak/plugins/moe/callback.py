@@ -25,6 +25,7 @@ import torch.distributed as dist
 from lightning_merak.plugins.moe.block_replacement import SwappedSparseBlock
 from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, expert_param_positions, gather_expert_state
 from lightning_merak.plugins.moe.core.placement import PlacementPlan, rank_loads
+from lightning_merak.plugins.moe.core.step_planner import PLAN_KINDS
 from lightning_merak.plugins.moe.layer import MoE, PlacementMOELayer
 from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh, layout_aware
 
@@ -34,7 +35,12 @@ _EXPERT_OPTIMIZER_KEY = "moe_expert_optimizer_states"
 
 
 def balance_metrics(layer: PlacementMOELayer) -> dict[str, float]:
-    """σ of per-rank compute load before/after the plan, RB, maxvio, dropped routes, exposed time."""
+    """σ of per-rank compute load before/after the plan, RB, maxvio, dropped routes, exposed time, plan kind.
+
+    ``plan_kind`` is the kind the step planner ran, as its index in ``PLAN_KINDS`` (none 0, dropless 1,
+    shadowing 2, pro_prophet 3: loggers take numbers); ``plan_from_previous_step`` is 1 where it ran a
+    prefetched plan made from the previous step's counts.
+    """
     stats = layer.stats
     counts, plan, padding = stats["counts"], stats["plan"], stats["padding"]
     per_rank = layer.num_local_experts
@@ -53,6 +59,9 @@ def balance_metrics(layer: PlacementMOELayer) -> dict[str, float]:
         "exposed_a2a_s": float(stats.get("exposed_a2a_forward_s", 0.0) + stats.get("exposed_a2a_backward_s", 0.0)),
         "exposed_a2a_backward_s": float(stats.get("exposed_a2a_backward_s", 0.0)),
         "aux_loss": float(stats.get("aux_loss", layer.l_aux.detach())),  # block-scope Lancet: sum of shares
+        "plan_kind": float(PLAN_KINDS.index(stats.get("plan_kind", "none"))),
+        "plan_from_previous_step": float(stats.get("plan_timing") == "predicted"),
+        "predicted_ms": 1000.0 * float(stats.get("predicted_s", 0.0)),
     }
 
 

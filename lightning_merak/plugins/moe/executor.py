@@ -2,7 +2,9 @@
 
 Forward: replica parameters arrive (Trans), replica ranks compute their own tokens
 for those experts, the remaining rows go through chunked all-to-alls to their owners'
-experts and back. Backward: the reverse all-to-alls; with Lancet's backward on, each chunk's
+experts and back. A plan made from this call's counts has its Trans still in flight: the
+replica rows are then computed after the local experts, so Trans runs under the dispatch.
+Backward: the reverse all-to-alls; with Lancet's backward on, each chunk's
 expert backward is split into a dX-only pass and deferred weight gradients
 (:class:`~lightning_merak.runtime.weight_gradients.SplitBackward`), computed while that chunk's dX all-to-all is
 in flight; replica gradients summed back into the owner's gradients (Agg). Everything is returned from
@@ -140,28 +142,27 @@ class TransferScheduler:
     def __init__(self) -> None:
         self.layers: list[Any] = []
         self._pending: tuple[Any, ReplicaTransfer] | None = None
-        self._previous: Any = None
 
     def register(self, layer: Any) -> int:
         self.layers.append(layer)
         return len(self.layers) - 1
 
-    def take(self, layer: Any, stats: dict[str, float]) -> ReplicaTransfer | None:
+    def take(self, layer: Any) -> ReplicaTransfer | None:
+        """The transfer prefetched for ``layer``'s call now, if the previous layer posted one for it."""
         pending, self._pending = self._pending, None
-        self._previous = layer
         if pending is None:
             return None
         target, transfer = pending
-        if target is layer and transfer.plan is layer.plan:
+        if target is layer and transfer.plan is layer.prefetch_plan:
             return transfer
-        transfer.wait(stats, "discarded_trans_s")
+        transfer.wait({}, "discarded_trans_s")
         return None
 
     def prefetch_after(self, layer: Any) -> None:
         index = self.layers.index(layer)
         if index + 1 < len(self.layers):
             nxt = self.layers[index + 1]
-            transfer = nxt.start_trans()
+            transfer = nxt.start_trans(nxt.prefetch_plan) if nxt.prefetch_plan is not None else None
             if transfer is not None:
                 self._pending = (nxt, transfer)
 
@@ -178,6 +179,7 @@ class ExpertExchange:
     lancet_backward: bool
     after_first_dispatch: Any
     stats: dict[str, float]
+    replica_transfer: ReplicaTransfer | None = None
 
     def params(self) -> list[nn.Parameter]:
         return [p for expert in self.experts for p in expert.parameters()]
@@ -194,15 +196,10 @@ class ExpertExchange:
             _start_all_to_all(sent_chunks[0], lay.send_splits[0], lay.recv_splits[0], self.group, lay.ep_size)
         ]
         self.after_first_dispatch()
-        replica_graphs = []
-        replica_outs = []
-        for expert, start, length in lay.replica_segments:
-            x = routed_in[start: start + length].detach().requires_grad_(build_graph)
-            flat = self.replica_params[expert].detach().requires_grad_(build_graph)
-            with torch.set_grad_enabled(build_graph):
-                y = _first(functional_call(self.experts[0], _unflatten(self.experts[0], flat), (x,)))
-            replica_graphs.append((expert, x, flat, y))
-            replica_outs.append(y.detach())
+        replica_graphs: list[tuple[Any, ...]] = []
+        replica_outs: list[torch.Tensor] = []
+        if self.replica_transfer is None:
+            self._run_replicas(routed_in, build_graph, replica_graphs, replica_outs)
         chunk_graphs, combines = [], []
         for c in range(lay.chunks):
             if c + 1 < lay.chunks:
@@ -219,10 +216,25 @@ class ExpertExchange:
             chunk_graphs.append((x, y, order, deferred))
             back = torch.empty_like(received).index_copy_(0, order, y.detach())
             combines.append(_start_all_to_all(back, lay.recv_splits[c], lay.send_splits[c], self.group, lay.ep_size))
+        if self.replica_transfer is not None:
+            received = self.replica_transfer.wait(stats, "exposed_trans_s")
+            self.replica_params = {e: buffers[0] for e, buffers in received.items()}
+            self._run_replicas(routed_in, build_graph, replica_graphs, replica_outs)
         outputs = [pending.wait(stats, "exposed_a2a_forward_s") for pending in combines]
         routed_out = (torch.cat(outputs + replica_outs) if outputs or replica_outs
                       else routed_in.new_zeros(0, routed_in.size(1)))
         return routed_out, {"chunks": chunk_graphs, "replicas": replica_graphs}
+
+    def _run_replicas(self, routed_in: torch.Tensor, build_graph: bool, graphs: list[tuple[Any, ...]],
+                      outs: list[torch.Tensor]) -> None:
+        """This rank's own rows of the experts it hosts a replica of, with the received parameters."""
+        for expert, start, length in self.layout.replica_segments:
+            x = routed_in[start: start + length].detach().requires_grad_(build_graph)
+            flat = self.replica_params[expert].detach().requires_grad_(build_graph)
+            with torch.set_grad_enabled(build_graph):
+                y = _first(functional_call(self.experts[0], _unflatten(self.experts[0], flat), (x,)))
+            graphs.append((expert, x, flat, y))
+            outs.append(y.detach())
 
     def backward(self, state: dict[str, Any], grad_out: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         lay, stats = self.layout, self.stats

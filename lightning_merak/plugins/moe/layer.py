@@ -10,8 +10,11 @@ the same layer order.
 
 Per call: the gate routes the full local batch (DeepSpeed's decisions, k = 1 or 2);
 the per-rank counts are all-gathered over the EP group (one small collective, one
-host sync); the plan computed from the previous call's counts decides which rows
-stay local on replica ranks; rows go through :class:`~.executor.ExchangeFunction`.
+host sync); the step planner (:mod:`.core.step_planner`) picks, from these counts, the
+cheapest of no replication, dropless dispatch, shadowing, Pro-Prophet replica sets and
+the plan prefetched from the previous call's counts; replica ranks keep their rows of
+replicated experts; rows go through :class:`~.executor.ExchangeFunction`. A plan made
+from this call's counts moves its parameters while the dispatch all-to-all runs.
 
 Inside a sub-batch region (block-scope Lancet, :mod:`.lancet_block`) each sub-batch
 computes its gate logits, and the sub-batches meet once per call: the routing is
@@ -39,8 +42,15 @@ from lightning_merak.plugins.moe.core.joint_gate import compact_routes, first_ch
 from lightning_merak.plugins.moe.core.lancet import choose_chunks
 from lightning_merak.plugins.moe.core.placement import Padding, PlacementPlan
 from lightning_merak.plugins.moe.core.placement_cost_model import CostModel
-from lightning_merak.plugins.moe.core.placement_planner import plan_pro_prophet
 from lightning_merak.plugins.moe.core.shadowing import plan_shadowing
+from lightning_merak.plugins.moe.core.step_planner import (
+    PLAN_KINDS,
+    PlannerSettings,
+    StepChoice,
+    choose_step_plan,
+    predicted_plan,
+    prefetch_pays,
+)
 from lightning_merak.plugins.moe.cost_measurement import profile_cost_model
 from lightning_merak.plugins.moe.executor import (
     ExchangeFunction,
@@ -59,6 +69,8 @@ __all__ = ["MoE", "MoEOptions", "PlacementMOELayer"]
 _GATE_TAKES_SPARSE_ROUTES = "sparse_routes" in inspect.signature(TopKGate.forward).parameters
 _PROFILED: dict[tuple[Any, ...], CostModel] = {}
 _LAYER_TAG_STRIDE = 1 << 16
+_CURRENT_TAG_OFFSET = 1 << 15  # current-step Trans: never paired with a prefetch still in flight
+_KINDS_OF = {"pro_prophet": ("none", "dropless", "pro_prophet"), "auto": PLAN_KINDS}
 
 
 def _routes_from_dense(combine_weights: torch.Tensor, dispatch_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
@@ -120,6 +132,9 @@ class PlacementMOELayer(MOELayer):
         self.data_parallel_groups = data_parallel_groups
         self.groups: ExpertGroups | None = None
         self.plan = PlacementPlan(self.num_experts, ep_size)
+        self.prefetch_plan: PlacementPlan | None = None
+        self._prefetch_kind = "none"
+        self._predicted: tuple[str, PlacementPlan] | None = None
         self._plan_counts: list[list[int]] | None = None
         self._calls = 0
         self.stats: dict[str, Any] = {}
@@ -194,25 +209,25 @@ class PlacementMOELayer(MOELayer):
             return Padding("fixed", int(capacity))
         return Padding("max")
 
-    def _chunks(self, counts: list[list[int]], padding: Padding) -> int:
+    def _chunks(self, counts: list[list[int]], plan: PlacementPlan, padding: Padding) -> int:
         if self.ep_size == 1:
             return 1
         if self.options.lancet_chunks == "auto":
-            return choose_chunks(self.cost_model, counts, self.plan, padding)
+            return choose_chunks(self.cost_model, counts, plan, padding)
         return int(self.options.lancet_chunks)
 
-    def start_trans(self) -> ReplicaTransfer | None:
-        """Post this layer's parameter transfers for its current plan (None when nothing moves)."""
-        if not self.plan.replications or self.groups is None:
+    def start_trans(self, plan: PlacementPlan, current: bool = False) -> ReplicaTransfer | None:
+        """Post this layer's parameter transfers for ``plan`` (None when nothing moves)."""
+        if not plan.replications or self.groups is None:
             return None
         first = self.ep_rank * self.num_local_experts
         local = self.experts.deepspeed_experts
-        owned = {rep.expert: flatten_params(local[rep.expert - first]) for rep in self.plan.owned_by(self.ep_rank)}
+        owned = {rep.expert: flatten_params(local[rep.expert - first]) for rep in plan.owned_by(self.ep_rank)}
         template = local[0]
+        tag = self.layer_index * _LAYER_TAG_STRIDE + (_CURRENT_TAG_OFFSET if current else 0)
         return ReplicaTransfer.start_trans(
-            self.plan, self.ep_rank, self.groups.ep_ranks, self.groups.transfer_group,
-            self.layer_index * _LAYER_TAG_STRIDE, owned, sum(p.numel() for p in template.parameters()),
-            next(template.parameters()).detach())
+            plan, self.ep_rank, self.groups.ep_ranks, self.groups.transfer_group, tag, owned,
+            sum(p.numel() for p in template.parameters()), next(template.parameters()).detach())
 
     def _start_agg(self, plan: PlacementPlan) -> Any:
         template = self.experts.deepspeed_experts[0]
@@ -228,35 +243,75 @@ class PlacementMOELayer(MOELayer):
 
         return start
 
-    def _next_plan(self, counts: list[list[int]], padding: Padding) -> PlacementPlan:
+    def _choose(self, counts: list[list[int]], padding: Padding, prefetched: ReplicaTransfer | None) -> StepChoice:
+        """This call's plan, from this call's counts (identical on every EP rank)."""
         policy = self.options.placement
+        empty = PlacementPlan(self.num_experts, self.ep_size)
+        plain = "dropless" if padding.mode == "dropless" else "none"
         if policy == "none" or self.ep_size == 1:
-            return self.plan
+            return StepChoice(plain, "current", empty, padding, 0.0)
         if policy == "shadowing":
-            return plan_shadowing(counts, self.cost_model)
+            plan = plan_shadowing(counts, self.cost_model)
+            return StepChoice("shadowing" if plan.replications else plain, "current", plan, padding,
+                              self.cost_model.total(counts, plan, padding, "current"))
+        offered = (self._prefetch_kind, prefetched.plan) if prefetched is not None else None
+        return choose_step_plan(counts, self.cost_model, padding, self._settings(), prefetched=offered,
+                                current=self.options.plan_from != "previous")
+
+    def _settings(self) -> PlannerSettings:
+        options = self.options
+        return PlannerSettings(_KINDS_OF[options.placement], options.exclude_fewest, options.alpha,
+                               options.slots_per_rank)
+
+    def _replan_due(self, counts: list[list[int]]) -> bool:
         due = self._calls % self.options.replan_every == 0
         if not due and self.options.replan_threshold is not None and self._plan_counts is not None:
             before = sum(map(sum, self._plan_counts))
             drift = sum(abs(a - b) for ra, rb in zip(counts, self._plan_counts) for a, b in zip(ra, rb))
             due = drift > self.options.replan_threshold * max(before, 1)
-        if not due:
-            return self.plan
-        self._plan_counts = counts
-        return plan_pro_prophet(
-            counts, self.cost_model, padding, exclude_fewest=self.options.exclude_fewest,
-            alpha=self.options.alpha, slots_per_rank=self.options.slots_per_rank)
+        return due or self._plan_counts is None
 
-    def _receive_replicas(self, stats: dict[str, Any]) -> dict[int, torch.Tensor]:
-        """This call's replica parameters (prefetched by the previous layer when overlapping)."""
-        transfer = self.scheduler.take(self, stats) if self.options.overlap_transfer else None
-        if transfer is None:
-            transfer = self.start_trans()
-        received = transfer.wait(stats, "exposed_trans_s") if transfer is not None else {}
-        return {e: bufs[0] for e, bufs in received.items()}
+    def _plan_next(self, counts: list[list[int]], choice: StepChoice) -> None:
+        """Predict the next call's plan from these counts; prefetch it only where the model says it pays.
+
+        ``plan_from="previous"`` always prefetches (Pro-Prophet), ``current`` never; ``auto`` prefetches
+        when the previous prediction, priced on these counts, beat this call's best current-step plan.
+        """
+        self.prefetch_plan = None
+        if self.options.placement in ("none", "shadowing") or self.ep_size == 1 or self.options.plan_from == "current":
+            return
+        previous = self._predicted
+        if self._replan_due(counts):
+            self._plan_counts = counts
+            self._predicted = predicted_plan(counts, self.cost_model, choice.padding, self._settings())
+        if self._predicted is None:
+            return
+        pays = self.options.plan_from == "previous" or (previous is not None and prefetch_pays(
+            counts, self.cost_model, previous[1], choice.padding, choice.best_current_s))
+        if pays:
+            self._prefetch_kind, self.prefetch_plan = self._predicted
+
+    def _replicas(self, choice: StepChoice, prefetched: ReplicaTransfer | None,
+                  stats: dict[str, Any]) -> tuple[dict[int, torch.Tensor], ReplicaTransfer | None]:
+        """Replica parameters ready now (a used prefetch), or the current-step transfer still in flight."""
+        if prefetched is not None and choice.timing != "predicted":
+            prefetched.wait(stats, "discarded_trans_s")
+        if choice.timing == "predicted":
+            received = prefetched.wait(stats, "exposed_trans_s")
+            return {e: bufs[0] for e, bufs in received.items()}, None
+        return {}, self.start_trans(choice.plan, current=True)
+
+    def _take_prefetch(self) -> ReplicaTransfer | None:
+        """The prefetched transfer of this call (posted under the previous layer, or now for the first layer)."""
+        if self.prefetch_plan is None:
+            return None
+        transfer = self.scheduler.take(self) if self.options.overlap_transfer else None
+        return transfer if transfer is not None else self.start_trans(self.prefetch_plan)
 
     def _exchange(
         self, tokens: torch.Tensor, layout: ExchangeLayout, rows: torch.Tensor, gates: torch.Tensor,
         plan: PlacementPlan, replica_params: dict[int, torch.Tensor], stats: dict[str, Any], prefetch: bool,
+        replica_transfer: ReplicaTransfer | None = None,
     ) -> torch.Tensor:
         """Tokens → experts (local, replica, or over the all-to-alls) → gate-weighted sum per token."""
         routed_in = encode(tokens, rows, layout.num_rows)
@@ -272,6 +327,7 @@ class PlacementMOELayer(MOELayer):
             after_first_dispatch=(lambda: self.scheduler.prefetch_after(self))
             if self.options.overlap_transfer and prefetch else (lambda: None),
             stats=stats,
+            replica_transfer=replica_transfer,
         )
         routed_out = ExchangeFunction.apply(exchange, build_graph, routed_in, *params)
         return decode(routed_out, rows, gates)
@@ -287,27 +343,28 @@ class PlacementMOELayer(MOELayer):
         tokens = hidden.reshape(-1, hidden.size(-1))
         self.l_aux, capacity, indices, locations, gates, self.exp_counts = self._gate(tokens, used_token)
         counts = self._gather_counts(self.exp_counts)
-        padding = self._padding(capacity)
-        chunks = self._chunks(counts, padding)
-        layout = ExchangeLayout.build(self.ep_rank, counts, self.plan, padding, self.num_local_experts, chunks)
-        rows = layout.route_rows(indices, locations)
-
         stats: dict[str, Any] = {}
-        replica_params = self._receive_replicas(stats)
-        output = self._exchange(tokens, layout, rows, gates, self.plan, replica_params, stats, prefetch=True)
-
-        stats.update(
-            counts=counts,
-            plan=self.plan,
-            chunks=chunks,
-            padding=padding,
-            dropped_routes=int((indices < 0).sum()),
-            routed_rows=layout.num_rows,
-        )
-        self.stats = stats
-        self._calls += 1
-        self.plan = self._next_plan(counts, padding)
+        prefetched = self._take_prefetch()
+        choice = self._choose(counts, self._padding(capacity), prefetched)
+        chunks = self._chunks(counts, choice.plan, choice.padding)
+        layout = ExchangeLayout.build(self.ep_rank, counts, choice.plan, choice.padding, self.num_local_experts,
+                                      chunks)
+        rows = layout.route_rows(indices, locations)
+        replica_params, in_flight = self._replicas(choice, prefetched, stats)
+        output = self._exchange(tokens, layout, rows, gates, choice.plan, replica_params, stats, prefetch=True,
+                                replica_transfer=in_flight)
+        self._record(stats, counts, choice, chunks, int((indices < 0).sum()), layout.num_rows)
+        self._plan_next(counts, choice)
         return output.reshape(hidden.shape)
+
+    def _record(self, stats: dict[str, Any], counts: list[list[int]], choice: StepChoice, chunks: int,
+                dropped: int, routed_rows: int) -> None:
+        stats.update(counts=counts, plan=choice.plan, chunks=chunks, padding=choice.padding, dropped_routes=dropped,
+                     routed_rows=routed_rows, plan_kind=choice.kind, plan_timing=choice.timing,
+                     predicted_s=choice.predicted_s)
+        self.stats = stats
+        self.plan = choice.plan
+        self._calls += 1
 
     def _forward_sub_batch(self, hidden: torch.Tensor, used_token: torch.Tensor | None) -> torch.Tensor:
         """One sub-batch's call: joint routing (met once per call), own gates, l_aux share and exchange."""
@@ -350,15 +407,17 @@ class PlacementMOELayer(MOELayer):
         gathered = [torch.tensor(row).view(len(pieces) + 1, -1).tolist() for row in self._gather_counts(local)]
         counts = [rank_rows[0] for rank_rows in gathered]
         sub_counts = [[rank_rows[1 + i] for rank_rows in gathered] for i in range(len(pieces))]
-        padding = self._padding(capacity)
         stats: dict[str, Any] = {}
-        replica_params = self._receive_replicas(stats)
-        chunks = [self._chunks(c, Padding("dropless")) for c in sub_counts]
-        stats.update(counts=counts, plan=self.plan, chunks=max(chunks), padding=padding,
-                     dropped_routes=int((indices < 0).sum()), routed_rows=0, sub_batches=len(pieces))
-        joint = _JointCall(self.plan, replica_params, stats, exp_counts, first_fraction, logits.size(0))
-        self._calls += 1
-        self.plan = self._next_plan(counts, padding)
+        prefetched = self._take_prefetch()
+        choice = self._choose(counts, self._padding(capacity), prefetched)  # as the unsplit layer would
+        replica_params, in_flight = self._replicas(choice, prefetched, stats)
+        if in_flight is not None:  # the sub-batches share the replicas: the first dispatch cannot wait for them
+            replica_params = {e: bufs[0] for e, bufs in in_flight.wait(stats, "exposed_trans_s").items()}
+        chunks = [self._chunks(c, choice.plan, Padding("dropless")) for c in sub_counts]
+        self._record(stats, counts, choice, max(chunks), int((indices < 0).sum()), 0)
+        stats.update(sub_batches=len(pieces))
+        joint = _JointCall(choice.plan, replica_params, stats, exp_counts, first_fraction, logits.size(0))
+        self._plan_next(counts, choice)
         return [
             _SubBatchRoutes(i.to(torch.int64), compact, sub_counts[n], chunks[n], n == 0, joint)
             for n, (i, (compact, _)) in enumerate(zip(indices.split(sizes, dim=1), pieces))

@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
-__all__ = ["DispatchPath", "MoEOptions", "PlacementPolicy"]
+__all__ = ["DispatchPath", "MoEOptions", "PlacementPolicy", "PlanFrom"]
 
 DispatchPath = Literal["capacity", "dropless"]
-PlacementPolicy = Literal["none", "pro_prophet", "shadowing"]
+PlacementPolicy = Literal["none", "pro_prophet", "shadowing", "auto"]
+PlanFrom = Literal["auto", "current", "previous"]
 
 
 @dataclass
@@ -21,6 +22,14 @@ class MoEOptions:
 
     The defaults are plain DeepSpeed-MoE's behaviour. ``lancet_chunks`` is ``"auto"`` or a chunk
     count; a count written as digits (as a config file may hold it) becomes an integer.
+
+    ``placement``: ``auto`` lets one planner pick, per call, between no replication, dropless
+    dispatch, FasterMoE shadowing and Pro-Prophet replica sets by predicted cost
+    (:mod:`.core.step_planner`); ``pro_prophet`` offers only Pro-Prophet's sets against no
+    replication; ``shadowing`` is the FasterMoE baseline (its own rule, this step's counts).
+    ``plan_from``: ``current`` plans from this call's counts (transfers overlap the dispatch),
+    ``previous`` from the previous call's (Pro-Prophet's prediction, transfers prefetched under
+    the previous layer), ``auto`` prefetches only while the cost model says the prediction pays.
     """
 
     dispatch: DispatchPath = "capacity"
@@ -33,6 +42,7 @@ class MoEOptions:
     exclude_fewest: int = 0
     slots_per_rank: Optional[int] = None
     alpha: float = 0.25
+    plan_from: PlanFrom = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.lancet_chunks, str) and self.lancet_chunks.isdigit():
@@ -41,8 +51,10 @@ class MoEOptions:
     def validate(self, drop_tokens: bool) -> None:
         if self.dispatch not in ("capacity", "dropless"):
             raise ValueError(f"dispatch={self.dispatch!r}: choose 'capacity' or 'dropless'")
-        if self.placement not in ("none", "pro_prophet", "shadowing"):
-            raise ValueError(f"placement={self.placement!r}: choose 'none', 'pro_prophet' or 'shadowing'")
+        if self.placement not in ("none", "pro_prophet", "shadowing", "auto"):
+            raise ValueError(f"placement={self.placement!r}: choose 'none', 'pro_prophet', 'shadowing' or 'auto'")
+        if self.plan_from not in ("auto", "current", "previous"):
+            raise ValueError(f"plan_from={self.plan_from!r}: choose 'auto', 'current' or 'previous'")
         if self.dispatch == "dropless" and drop_tokens:
             raise ValueError("dispatch='dropless' never drops tokens; pass drop_tokens=False")
         if self.lancet_chunks != "auto" and not (isinstance(self.lancet_chunks, int) and self.lancet_chunks >= 1):

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 from torch import nn
 
+from lightning_merak.micro_batching.options import MicroBatching
 from lightning_merak.options.strategy import Degree, Merak3DOptions
 from lightning_merak.strategies.merak3d.layout import (
     MULTI_STAGE_SCHEDULES,
@@ -34,7 +35,7 @@ from lightning_merak.strategies.tensor_parallel import check_tensor_parallel_deg
 from lightning_merak.strategies.vocab_parallel import check_vocabulary_split
 
 __all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "SHARDING_MODES", "Degree", "Merak3DArguments", "check_accumulation",
-           "check_module_members", "moe_layers"]
+           "check_module_members", "checked_arguments", "moe_layers"]
 
 RECOMPUTE_MODES = ("none", "full", "stage_aware", "auto")
 PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
@@ -314,3 +315,12 @@ class Merak3DArguments(Merak3DOptions):
             check_fully_shardable(model, tensor_parallel)
         if pipeline_parallel is not None and pipeline_parallel > 1:
             check_stage_count(pipeline_parallel * self.stages_per_rank, len(find_trunk(model)[1]))
+
+
+def checked_arguments(given: dict[str, Any]) -> tuple[Merak3DArguments, MicroBatching]:
+    """The strategy's checked arguments from its constructor's ``locals()``, and its micro-batching options."""
+    checked = Merak3DArguments(**{option.name: given[option.name] for option in fields(Merak3DOptions)})
+    options = MicroBatching.of(checked.micro_batching, checked.micro_batch_tokens, checked.micro_batching_cost,
+                               pipeline_parallel=checked.pipeline_parallel, tp_overlap=checked.tp_overlap,
+                               schedule=checked.schedule, multi_stage_schedules=MULTI_STAGE_SCHEDULES)
+    return checked, options

@@ -6,6 +6,11 @@ rest of Lightning's checkpoint. Tensors are keyed by the unsplit model's names, 
 can load them: on resume the whole model is still unsplit, so the shards are read into full
 tensors and the new layout is cut from those. Expert-parallel MoE layers number their experts
 from 0 on every rank; checkpoints number them globally.
+
+A checkpoint directory is written under a temporary name and renamed once every rank's shards and
+``lightning.ckpt`` are on disk (:mod:`~lightning_merak.runtime.checkpoint_files`), so a run killed
+while saving keeps its previous checkpoint. Loading builds nothing but tensors and plain values
+(:mod:`~lightning_merak.runtime.safe_load`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_merak.plugins.moe.checkpoint import ExpertNumbering
+from lightning_merak.runtime.checkpoint_files import partial_path, publish_directory
 from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh
 from lightning_merak.strategies.pipeline.stage import RankStages
 from lightning_merak.strategies.tensor_parallel import LayoutChange
@@ -130,7 +136,8 @@ class ShardedCheckpointer:
         """Write ``checkpoint`` (its ``state_dict`` and ``optimizer_states`` from the methods above) to ``path``.
 
         Every rank writes its shards; rank 0 writes the rest with each optimizer's parameter
-        groups gathered over the stages. The caller waits at a barrier afterwards.
+        groups gathered over the stages, then publishes the directory under ``path``. The caller
+        waits at a barrier afterwards.
         """
         import torch.distributed.checkpoint as dcp
 
@@ -156,12 +163,14 @@ class ShardedCheckpointer:
                 ],
                 "entries": {key: value for _, _, part in stage_groups for key, value in part.items()},
             })
-        dcp.save(tensors, checkpoint_id=path)
+        temporary = partial_path(path)
+        dcp.save(tensors, checkpoint_id=temporary)  # returns once every rank's shards are written
         if global_rank == 0:
             from lightning_merak.hf.names import MODEL_RECORD_KEY
 
             record = {MODEL_RECORD_KEY: self.model_record} if self.model_record is not None else {}
-            torch.save({**checkpoint, **record, "merak3d_optimizers": layouts}, path / LIGHTNING_CHECKPOINT)
+            torch.save({**checkpoint, **record, "merak3d_optimizers": layouts}, temporary / LIGHTNING_CHECKPOINT)
+            publish_directory(temporary, path)
 
     # Loading ----------------------------------------------------------------------------------
 
@@ -173,7 +182,9 @@ class ShardedCheckpointer:
         """
         import torch.distributed.checkpoint as dcp
 
-        checkpoint = torch.load(path / LIGHTNING_CHECKPOINT, map_location="cpu", weights_only=False)
+        from lightning_merak.runtime.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_torch_file
+
+        checkpoint = load_torch_file(path / LIGHTNING_CHECKPOINT)
         self.find_experts(module.model)
         model_state = self._renumbered_state(
             {key: _read_target(value) for key, value in module.state_dict().items()}, to_global=True)
@@ -185,7 +196,7 @@ class ShardedCheckpointer:
                 else:
                     optim_state[key] = entry
         tensors = {"model": model_state, "optim": optim_state}
-        dcp.load(tensors, checkpoint_id=path)
+        dcp.load(tensors, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
         checkpoint["state_dict"] = self._renumbered_state(tensors["model"], to_global=False)
         checkpoint["optimizer_states"] = []
         for index, layout in enumerate(checkpoint.pop("merak3d_optimizers")):

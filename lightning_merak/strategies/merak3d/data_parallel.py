@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_merak.runtime.dtensors import local_tensor
 from lightning_merak.runtime.gradient_buffer import Bucket, GradientBuffer, ShardSlice
 from lightning_merak.runtime.gradient_norm import ShardedGradients
 from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh
@@ -53,13 +54,9 @@ ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, 
 flattened parameter is stepping the parameter."""
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _storage(param: nn.Parameter) -> torch.Tensor:
     """The tensor holding ``param``'s local elements, outside autograd."""
-    return _local(param.detach())
+    return local_tensor(param.detach())
 
 
 def check_shardable_optimizer(optimizer: torch.optim.Optimizer, mode: str) -> None:
@@ -133,6 +130,9 @@ class DataParallelGradients:
         self.validated = False
         """Whether a step has confirmed the averaged parameters (overlap starts after it)."""
         self._works: dict[int, Any] = {}
+        self._ready: set[int] = set()
+        self._next_launch = 0
+        """Buckets ready during this backward, and the index of the next one to start (starts go in order)."""
         self._shard_grads = ([torch.zeros(bucket.shard_numel, dtype=bucket.flat.dtype, device=bucket.flat.device)
                               for bucket in self.buffer.buckets] if self.sharded else [])
         self._shards_of: list[list[tuple[ShardSlice, nn.Parameter]]] = [[] for _ in self.buffer.buckets]
@@ -363,6 +363,7 @@ class DataParallelGradients:
         Returns the parameters (by id) whose summed gradients :meth:`finish` will also divide by ``backwards``:
         collectives may be running on them when the backward ends, so the caller must not scale them."""
         self._micro_batches = 1
+        self._ready, self._next_launch = set(), 0
         if not (self._overlap and self.validated):
             return frozenset()
         self.buffer.arm(backwards)
@@ -370,8 +371,14 @@ class DataParallelGradients:
         return frozenset(self._positions)
 
     def _launch_early(self, bucket: Bucket) -> None:
-        self.early_launches += 1
-        self._launch(bucket)
+        """Start the collectives of the ready buckets in bucket order, the same on every rank: gloo and NCCL
+        pair a group's collectives by order, and readiness order differs between ranks (an MoE expert with no
+        tokens on one rank, a parameter unused by one rank's batch)."""
+        self._ready.add(bucket.index)
+        while self._next_launch in self._ready:
+            self.early_launches += 1
+            self._launch(self.buffer.buckets[self._next_launch])
+            self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
         if self.sharded:
@@ -459,7 +466,7 @@ def _sliced_state(state: dict[str, Any], shard: nn.Parameter) -> dict[str, Any]:
     sliced = {}
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.shape == param.shape and value.ndim > 0:
-            sliced[key] = _local(value).reshape(-1)[start:start + shard.numel()].clone()
+            sliced[key] = local_tensor(value).reshape(-1)[start:start + shard.numel()].clone()
         else:
             sliced[key] = value
     return sliced
@@ -494,7 +501,7 @@ def bucket_bytes(bucket_mb: Optional[float], params: Sequence[nn.Parameter]) -> 
     1 MB): one bucket holding a small model's every gradient could start only when the backward ends."""
     if bucket_mb is not None:
         return int(bucket_mb * 2**20)
-    total = sum(_local(param).numel() * _local(param).element_size() for param in params if param.requires_grad)
+    total = sum(local_tensor(param).nbytes for param in params if param.requires_grad)
     return int(min(DEFAULT_BUCKET_MB * 2**20, max(MIN_DEFAULT_BUCKET_MB * 2**20, total / MIN_DEFAULT_BUCKETS)))
 
 

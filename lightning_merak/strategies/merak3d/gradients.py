@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_merak.runtime.dtensors import local_tensor
 from lightning_merak.runtime.gradient_norm import ShardedGradients, clip_coefficient, scale_gradients, squared_norm
 from lightning_merak.strategies.merak3d.layout import LayoutGroups
 
@@ -45,10 +46,6 @@ def average_gradients(grads: list[torch.Tensor], group: dist.ProcessGroup, repli
     for grad in grads:
         grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
         offset += grad.numel()
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _expert_parallel_group(group_name: Optional[str]) -> dist.ProcessGroup:
@@ -82,12 +79,12 @@ def synchronize_gradients(tensor_partial: list[nn.Parameter], tied: list[TiedPar
     """Sum the gradients of parameters that saw part of the heads or tokens over the tensor-parallel
     group, sum tied parameters between first and last stage, then average over the replicas with
     ``data_parallel`` (its buckets, some already reduced during the backward)."""
-    partial = [_local(p.grad) for p in tensor_partial if p.grad is not None]
+    partial = [local_tensor(p.grad) for p in tensor_partial if p.grad is not None]
     if partial:
         average_gradients(partial, groups.tensor_group, replicas=1)
     for group, param, _ in tied:
         if param.grad is not None:
-            dist.all_reduce(_local(param.grad), group=group)
+            dist.all_reduce(local_tensor(param.grad), group=group)
     if groups.layout.data_parallel == 1 or groups.layout.data_parallel_sharding == "full":  # FSDP2 reduced them
         return
     if data_parallel is None:
@@ -104,7 +101,7 @@ def averaged_parameters(module: nn.Module) -> list[nn.Parameter]:
 def _row_weights(share: torch.Tensor, owner: nn.Parameter, param: nn.Parameter) -> torch.Tensor:
     """``share`` (one weight per local row of ``owner``) broadcast over ``param``: ``owner`` itself, or a
     data-parallel shard holding its flattened elements from ``param.shard_start`` on."""
-    local = _local(owner)
+    local = local_tensor(owner)
     if param is owner:
         return share.to(local.device, local.dtype).view(-1, *[1] * (local.ndim - 1))
     row_numel = local[0].numel()
@@ -159,7 +156,7 @@ def clip_by_total_norm(optimizer: torch.optim.Optimizer, clip_val: Union[int, fl
         for param in group["params"]:
             if param.grad is None:
                 continue
-            grad = _local(param.grad)
+            grad = local_tensor(param.grad)
             grads.append(grad)
             owner = getattr(param, "sharded_from", param)  # a data-parallel shard counts as the parameter it slices
             model_split, fsdp_group = _spread(owner)

@@ -99,6 +99,10 @@ class PipelineStep:
         dist.broadcast(loss, src=last_rank, group=pp_group)
         return loss
 
+    def backward_passes(self, batch: Any) -> int:
+        """Micro-batches a training step on ``batch`` runs (what the data-parallel reduction is armed with)."""
+        return self._groups.layout.micro_batches
+
     def restore_gradients(self) -> None:
         """Put back the gradients the last training step's schedule computed."""
         for param, grad in self._pending_gradients:

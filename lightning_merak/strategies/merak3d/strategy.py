@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import fields
 from datetime import timedelta
 from typing import Any, ContextManager, Iterable, Optional, Union
 
@@ -26,18 +25,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_merak.options.strategy import Merak3DOptions
 from lightning_merak.runtime.collectives import reduce_in_place
 from lightning_merak.runtime.gradient_norm import ShardedGradients
 from lightning_merak.runtime.host_memory import release_freed_host_memory
 from lightning_merak.strategies import merak3d as package
 from lightning_merak.strategies.merak3d import arguments, build, data_parallel, fully_sharded, gradients, planning
-from lightning_merak.strategies.merak3d.arguments import Degree, Merak3DArguments
+from lightning_merak.strategies.merak3d.arguments import Degree
 from lightning_merak.strategies.merak3d.checkpoint import ShardedCheckpointer
 from lightning_merak.strategies.merak3d.checkpoint_hooks import CheckpointHooks
 from lightning_merak.strategies.merak3d.layout import Layout, LayoutGroups
 from lightning_merak.strategies.merak3d.materialize import has_meta, meta_device
-from lightning_merak.strategies.merak3d.pipeline_step import PipelineStep
+from lightning_merak.strategies.merak3d.variable_step import PipelineSteps, install_pipeline_step
 from lightning_merak.strategies.planner.step_check import BatchClock, StepTimeCheck
 from lightning_merak.strategies.tensor_parallel_layers import shared_row_weights
 from lightning_merak.strategies.vocab_parallel import vocab_parallel_loss
@@ -113,6 +111,7 @@ class Merak3DStrategy(CheckpointHooks):
             the previous step's. Checkpoints, validation and the end of training wait for them.
         grad_bucket_mb: size of a gradient bucket, the unit of that reduction (default: 25 MB, or an eighth
             of the stage's gradients when that is smaller, at least 1 MB, so a small model still overlaps).
+        micro_batching, micro_batch_tokens, micro_batching_cost: see :mod:`lightning_merak.micro_batching`.
     """
 
     strategy_name = "merak3d"
@@ -142,10 +141,11 @@ class Merak3DStrategy(CheckpointHooks):
         overlap_grad_reduce: bool = True,
         overlap_param_gather: bool = False,
         grad_bucket_mb: Optional[float] = None,
+        micro_batching: str = "none", micro_batch_tokens: Optional[int] = None, micro_batching_cost: Any = None,
     ) -> None:
         super().__init__()
         given = locals()
-        self._arguments = Merak3DArguments(**{option.name: given[option.name] for option in fields(Merak3DOptions)})
+        self._arguments, self.micro_batching = arguments.checked_arguments(given)  # read by data.lengths=variable
         self._groups: Optional[LayoutGroups] = None
         """The layout, once decided, and its device mesh: the one place a degree lives."""
         self.layout_plan: Optional[Any] = None
@@ -163,7 +163,7 @@ class Merak3DStrategy(CheckpointHooks):
         self._timeout = timedelta(seconds=timeout_s)
         self._built: Optional[build.BuiltModel] = None
         self._built_in_evaluation = False
-        self._pipeline: Optional[PipelineStep] = None
+        self._pipeline: Optional[PipelineSteps] = None
         self._checkpointer = ShardedCheckpointer(self._expert_placement)
         self._pending_optimizer_states: list[dict[str, Any]] = []
         self._restored_state: Optional[dict[str, Any]] = None
@@ -510,9 +510,8 @@ class Merak3DStrategy(CheckpointHooks):
         self.partition = built.partition
         if built.stages is not None:
             module.model = built.stages
-            self._pipeline = PipelineStep(module, built.stages, self.groups, self.root_device)
-            module.compute_loss = self._pipeline.loss
-            module.forward = self._pipeline.forward
+            self._pipeline = install_pipeline_step(self.micro_batching, module, built.stages, self.groups,
+                                                   self.root_device)
         else:  # the pipeline's schedule wraps the loss itself
             module.loss_from_logits = vocab_parallel_loss(module.loss_from_logits, module.model)
         for part in module.modules():
@@ -558,7 +557,7 @@ class Merak3DStrategy(CheckpointHooks):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._data_parallel is not None:  # a pipelined step runs its micro-batches' backward passes in here
-            averaged_later = self._data_parallel.arm(self.micro_batches if self._pipeline is not None else 1)
+            averaged_later = self._data_parallel.arm(self._pipeline.backward_passes(args[0]) if self._pipeline else 1)
             if self._pipeline is not None:
                 self._pipeline.scaled_later = averaged_later
         with self.precision_plugin.train_step_context():

@@ -160,20 +160,24 @@ class PipelineStageModule(nn.Module):
         """The name a parameter of this stage has in the unsplit model."""
         return stage_name[len(_NET_PREFIX):] if stage_name.startswith(_NET_PREFIX) else stage_name
 
-    def _run_first(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _run_first(self, input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
         thread = threading.get_ident()
         self._seen_side[thread] = seen = {}
         try:
-            self._call_model(self.net, input_ids)
+            if model_kwargs:  # e.g. position_ids of packed rows (micro_batching=pack)
+                self.net(input_ids, **model_kwargs)
+            else:
+                self._call_model(self.net, input_ids)
         except _TrunkExit as exit_:
             return (exit_.hidden, *(seen[slot] for slot in range(self.trace.side_tensor_count)))
         finally:
             del self._seen_side[thread]
         raise TraceError("the model's forward finished without reaching the pipeline exit")
 
-    def forward(self, *inputs: torch.Tensor) -> Any:
+    def forward(self, *inputs: torch.Tensor, **model_kwargs: Any) -> Any:
+        """``model_kwargs`` go to the first stage's model call; later stages get them as side tensors."""
         if self.is_first:
-            hidden, *side = self._run_first(inputs[0])
+            hidden, *side = self._run_first(inputs[0], model_kwargs)
         else:
             hidden, *side = inputs
             trunk = self.net.get_submodule(self.trace.trunk_path)

@@ -47,7 +47,13 @@ def pipelined_time(all_to_all_s: float, compute_s: float, chunks: int) -> float:
 
 
 def choose_chunks(cost_model: CostModel, counts: Counts, plan: PlacementPlan, padding: Padding) -> int:
-    """The chunk count with the least simulated forward time; ties go to fewer chunks."""
+    """The chunk count with the least simulated forward time; ties go to fewer chunks.
+
+    Chunks pay only by overlapping all-to-alls with expert compute: where the measured all-to-all
+    overlap efficiency is under one half (an oversubscribed CPU), one chunk.
+    """
+    if cost_model.all_to_all_overlap_efficiency < 0.5:
+        return 1
     loads = rank_loads(counts, plan, padding, cost_model.experts_per_rank)
     traffic_bytes = max(max(s, r) for s, r in zip(loads.sent, loads.received)) * cost_model.bytes_per_token
     compute_s = max(loads.computed) / cost_model.expert_tokens_per_s

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Literal
 
 from lightning_merak.plugins.moe.core.placement import Counts, Padding, PlacementPlan, rank_loads
 
-__all__ = ["CommCurve", "CostModel", "CostTerms"]
+__all__ = ["CommCurve", "CostModel", "CostTerms", "TransferTiming"]
+
+TransferTiming = Literal["prefetched", "current", "done"]
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,10 @@ class CostModel:
     ``all_to_all`` prices one rank's traffic in one all-to-all by its total bytes;
     ``point_to_point`` prices one expert's parameters (or gradients) between two ranks.
     ``nonmoe_forward_s``/``nonmoe_backward_s`` are the adjacent dense layer's times under
-    which the scheduler hides Trans and Agg.
+    which the scheduler hides Trans and Agg. ``overlap_efficiency`` (measured: the share of a
+    transfer that compute running beside it hides; near 0 on an oversubscribed CPU) scales every
+    window that hides a transfer; ``all_to_all_overlap_efficiency`` is the same for an all-to-all,
+    which Lancet's chunks hide under expert compute.
     """
 
     all_to_all: CommCurve
@@ -85,27 +91,56 @@ class CostModel:
     nonmoe_forward_s: float = 0.0
     nonmoe_backward_s: float = 0.0
     overlap: bool = True
+    overlap_efficiency: float = 1.0
+    all_to_all_overlap_efficiency: float = 1.0
     measured: dict[str, float] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.expert_tokens_per_s <= 0 or self.bytes_per_token <= 0 or self.experts_per_rank <= 0:
             raise ValueError("expert_tokens_per_s, bytes_per_token and experts_per_rank must be positive")
+        for name in ("overlap_efficiency", "all_to_all_overlap_efficiency"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must lie in [0, 1]")
 
-    def terms(self, counts: Counts, plan: PlacementPlan, padding: Padding) -> CostTerms:
+    def terms(
+        self, counts: Counts, plan: PlacementPlan, padding: Padding, transfer_timing: TransferTiming = "prefetched"
+    ) -> CostTerms:
+        """Predicted times; ``transfer_timing`` says when the replicas' parameters move.
+
+        ``prefetched``: planned from the previous step's counts, Trans issued during the previous
+        layer and hidden under its dense and expert compute (Pro-Prophet's scheduler). ``current``:
+        planned from this step's counts, Trans issued with the dispatch all-to-all; it shares each
+        rank's links with it, and what outlasts the all-to-all and the expert compute after it is
+        exposed. ``done``: already transferred (a prefetch that arrived), nothing left to pay.
+        """
         loads = rank_loads(counts, plan, padding, self.experts_per_rank)
         traffic = max(max(s, r) for s, r in zip(loads.sent, loads.received))
         all_to_all = self.all_to_all.time(traffic * self.bytes_per_token)
         expert_forward = max(loads.computed) / self.expert_tokens_per_s
         copies = max(max(s, r) for s, r in zip(loads.params_sent, loads.params_received))
-        transfer = copies * self.point_to_point.time(self.expert_param_bytes) if copies else 0.0
+        per_copy = self.point_to_point.time(self.expert_param_bytes) if copies else 0.0
+        transfer = copies * per_copy
         aggregate = transfer
-        if self.overlap:
-            hidden_transfer = max(0.0, transfer - expert_forward - self.nonmoe_forward_s)
-            hidden_aggregate = max(0.0, aggregate - 2 * expert_forward - self.nonmoe_backward_s)
-            total = 4 * all_to_all + 3 * expert_forward + hidden_transfer + hidden_aggregate
+        if not self.overlap:
+            exposed_transfer, exposed_aggregate = transfer, aggregate
         else:
-            total = 4 * all_to_all + 3 * expert_forward + transfer + aggregate
+            hide = self.overlap_efficiency
+            exposed_aggregate = max(0.0, aggregate - hide * (2 * expert_forward + self.nonmoe_backward_s))
+            if transfer_timing == "current":
+                shared = max(
+                    max(self.all_to_all.time(sent * self.bytes_per_token) + p_sent * per_copy,
+                        self.all_to_all.time(received * self.bytes_per_token) + p_received * per_copy)
+                    for sent, received, p_sent, p_received
+                    in zip(loads.sent, loads.received, loads.params_sent, loads.params_received))
+                exposed_transfer = max(0.0, shared - all_to_all - hide * expert_forward)
+            else:
+                exposed_transfer = max(0.0, transfer - hide * (expert_forward + self.nonmoe_forward_s))
+        if transfer_timing == "done":
+            exposed_transfer = 0.0
+        total = 4 * all_to_all + 3 * expert_forward + exposed_transfer + exposed_aggregate
         return CostTerms(all_to_all, expert_forward, transfer, aggregate, total)
 
-    def total(self, counts: Counts, plan: PlacementPlan, padding: Padding) -> float:
-        return self.terms(counts, plan, padding).total
+    def total(
+        self, counts: Counts, plan: PlacementPlan, padding: Padding, transfer_timing: TransferTiming = "prefetched"
+    ) -> float:
+        return self.terms(counts, plan, padding, transfer_timing).total

@@ -20,7 +20,7 @@ from lightning_merak.plugins.moe.core.placement import (
     replica_rows,
     validate_counts,
 )
-from lightning_merak.plugins.moe.core.placement_cost_model import CostModel
+from lightning_merak.plugins.moe.core.placement_cost_model import CostModel, TransferTiming
 
 __all__ = ["plan_pro_prophet"]
 
@@ -126,6 +126,7 @@ def plan_pro_prophet(
     exclude_fewest: int = 0,
     alpha: float = 0.25,
     slots_per_rank: int | None = None,
+    transfer_timing: TransferTiming = "prefetched",
 ) -> PlacementPlan:
     """The fastest balanced replication plan, or the fastest plan when none is balanced.
 
@@ -136,7 +137,8 @@ def plan_pro_prophet(
     cuts all-to-all traffic most, the second evens compute without overshooting.
     Only plans the cost model predicts faster than the stock placement qualify;
     among them a balanced plan beats an unbalanced one, then the lower predicted
-    time wins, ties going to the paper's run and the shorter prefix.
+    time wins, ties going to the paper's run and the shorter prefix. ``transfer_timing`` prices
+    the transfers as the layer will issue them (see :meth:`CostModel.terms`).
     """
     ep_size = len(counts)
     num_experts = len(counts[0]) if counts else 0
@@ -152,7 +154,7 @@ def plan_pro_prophet(
     best_key: tuple[bool, float] | None = None
     for balancing in (False, True):
         for plan in _greedy_path(counts, cost_model, padding, threshold, exclude_fewest, slots_per_rank, balancing):
-            time = cost_model.total(counts, plan, padding)
+            time = cost_model.total(counts, plan, padding, transfer_timing)
             if time >= stock_time:
                 continue
             computed = rank_loads(counts, plan, padding, per_rank).computed

@@ -1,0 +1,53 @@
+"""Hydra ``profiler`` options: ``profiler=none`` (default) and ``profiler=trace`` (:class:`MerakTraceProfiler`).
+
+``merak-train profiler=trace profiler.steps=3`` records a few steps on every rank after
+``skip_steps`` warm-up steps and writes ``merak_trace.json`` and ``merak_trace.perfetto.json``
+into the run's output directory, with the replay summary in the log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning_merak.config import register_option
+
+__all__ = ["NoProfilerConfig", "TraceProfilerConfig", "register"]
+
+
+@dataclass
+class NoProfilerConfig:
+    """No profiler: nothing is wrapped or recorded."""
+
+    name: str = "none"
+
+    def build(self, output_dir: Path) -> Optional[Any]:
+        return None
+
+
+@dataclass
+class TraceProfilerConfig(NoProfilerConfig):
+    """Trace ``steps`` training steps after ``skip_steps`` on every rank, then replay them."""
+
+    name: str = "trace"
+    skip_steps: int = 2
+    steps: int = 3
+    block_spans: bool = True
+    filename: str = "merak_trace"
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.skip_steps < 0:
+            raise ValueError(f"profiler.steps must be >= 1 and profiler.skip_steps >= 0, got steps={self.steps}, "
+                             f"skip_steps={self.skip_steps}")
+
+    def build(self, output_dir: Path) -> Any:
+        from lightning_merak.profiler import MerakTraceProfiler
+
+        return MerakTraceProfiler(dirpath=output_dir, filename=self.filename, skip_steps=self.skip_steps,
+                                  steps=self.steps, block_spans=self.block_spans)
+
+
+def register() -> None:
+    register_option("profiler", "none", NoProfilerConfig)
+    register_option("profiler", "trace", TraceProfilerConfig)

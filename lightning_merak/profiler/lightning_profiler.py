@@ -1,0 +1,155 @@
+"""``Trainer(profiler=MerakTraceProfiler())``: trace a few training steps on every rank, then replay them.
+
+Lightning calls a profiler's ``start``/``stop`` around every hook; this one skips ``skip_steps``
+training batches (warm-up), records the next ``steps`` on every rank (Lightning's training step,
+backward and optimizer step, pipeline chunks, blocks, every collective and point-to-point op),
+then, while every rank is still in the same place, aligns the ranks' clocks by round trips,
+gathers the records on rank 0 and writes there the raw trace (``<filename>.json``, for
+:meth:`Trace.load`) and a Perfetto/Chrome trace (``<filename>.perfetto.json``). The summary of
+the critical path and exposed communication is logged, returned by :meth:`summary` and printed by
+Lightning at the end of the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.profilers import Profiler
+
+from lightning_merak.profiler.chrome import chrome_trace, write_chrome_trace
+from lightning_merak.profiler.recorder import TraceRecorder
+from lightning_merak.profiler.summary import summarize
+from lightning_merak.profiler.trace import Span, Trace, offset_from_round_trips
+
+__all__ = ["MerakTraceProfiler", "estimate_clock_offsets"]
+
+log = logging.getLogger(__name__)
+
+_STRATEGY_HOOK = re.compile(r"^\[Strategy\]\w+\.(training_step|backward)$")
+_OPTIMIZER_STEP = re.compile(r"^\[LightningModule\]\w+\.optimizer_step$")
+
+
+def estimate_clock_offsets(rounds: int = 8) -> list[float]:
+    """Every rank's offset to rank 0's ``perf_counter`` (index = rank), by NTP-style round trips over the world group.
+
+    Rank 0 pings each rank in turn; the round trip with the shortest network time bounds the
+    error by half of it (tens of microseconds on a LAN). All ranks get the list.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    offsets = torch.zeros(world, dtype=torch.float64)
+    stamp = torch.zeros(2, dtype=torch.float64)
+    for peer in range(1, world):
+        samples = []
+        for _ in range(rounds):
+            if rank == 0:
+                t0 = time.perf_counter()
+                dist.send(torch.tensor([t0, 0.0], dtype=torch.float64), peer)
+                dist.recv(stamp, peer)
+                samples.append((t0, stamp[0].item(), stamp[1].item(), time.perf_counter()))
+            elif rank == peer:
+                dist.recv(stamp, 0)
+                t1 = time.perf_counter()
+                dist.send(torch.tensor([t1, time.perf_counter()], dtype=torch.float64), 0)
+        if rank == 0:
+            offsets[peer] = offset_from_round_trips(samples)
+    dist.broadcast(offsets, 0)
+    return offsets.tolist()
+
+
+class MerakTraceProfiler(Profiler):
+    """Trace ``steps`` training steps after ``skip_steps`` on every rank; rank 0 writes and summarizes them.
+
+    ``block_spans`` times each block of the model's largest ``ModuleList`` (one forward hook pair
+    per block while recording). The trace is written under ``dirpath`` (default: the trainer's
+    log directory).
+    """
+
+    def __init__(self, dirpath: Optional[Union[str, Path]] = None, filename: str = "merak_trace",
+                 skip_steps: int = 2, steps: int = 3, block_spans: bool = True) -> None:
+        if steps < 1 or skip_steps < 0:
+            raise ValueError(f"steps must be >= 1 and skip_steps >= 0, got steps={steps}, skip_steps={skip_steps}")
+        super().__init__(dirpath=dirpath, filename=filename)
+        self.skip_steps, self.steps, self.block_spans = skip_steps, steps, block_spans
+        self.trace: Optional[Trace] = None
+        """The gathered trace (rank 0, after the window)."""
+        self.paths: dict[str, Path] = {}
+        self._summary = ""
+        self._batch = -1
+        self._recorder: Optional[TraceRecorder] = None
+        self._open: dict[str, list[Span]] = {}
+        self._last_backward_end: Optional[float] = None
+        self._finished = False
+
+    def _recording(self) -> bool:
+        return self._recorder is not None
+
+    def start(self, action_name: str) -> None:
+        if action_name == "run_training_batch":
+            self._batch += 1
+            if self._batch == self.skip_steps and not self._finished:
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                self._recorder = TraceRecorder(rank, self.block_spans)
+                self._recorder.install()
+            if self._recorder is not None:
+                self._last_backward_end = None
+                self._open.setdefault(action_name, []).append(self._recorder.begin_step(self._batch - self.skip_steps))
+            return
+        if self._recorder is None:
+            return
+        match = _STRATEGY_HOOK.match(action_name)
+        if match:
+            category = "FW" if match.group(1) == "training_step" else "BW"
+            self._open.setdefault(action_name, []).append(self._recorder.open_span(match.group(1), category))
+        elif _OPTIMIZER_STEP.match(action_name):
+            self._open.setdefault(action_name, []).append(self._recorder.open_span("optimizer_step", "UPDATE"))
+
+    def stop(self, action_name: str) -> None:
+        recorder = self._recorder
+        stack = self._open.get(action_name)
+        if recorder is None or not stack:
+            return
+        span = stack.pop()
+        if span.category == "UPDATE":
+            # The optimizer step runs the closure (training step and backward): its own work starts after them.
+            span.start = max(span.start, self._last_backward_end or span.start)
+        recorder.close_span(span)
+        if span.category == "BW":
+            self._last_backward_end = span.end
+        if action_name == "run_training_batch" and span.step == self.steps - 1:
+            self._finish(recorder)
+
+    def _finish(self, recorder: TraceRecorder) -> None:
+        """Stop recording; align clocks, gather on rank 0, write and summarize (every rank takes part)."""
+        recorder.finish()
+        self._recorder, self._finished = None, True
+        if dist.is_initialized():
+            offsets = estimate_clock_offsets()
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, recorder.trace)
+            if dist.get_rank() != 0:
+                return
+            ranks = sorted(gathered, key=lambda r: r.rank)
+        else:
+            offsets, ranks = [0.0], [recorder.trace]
+        self.trace = Trace(ranks, offsets, {"skip_steps": self.skip_steps, "steps": self.steps})
+        directory = Path(self.dirpath or ".")
+        self.paths = {"trace": self.trace.save(directory / f"{self.filename}.json"),
+                      "perfetto": write_chrome_trace(chrome_trace(self.trace),
+                                                     directory / f"{self.filename}.perfetto.json")}
+        self._summary = summarize(self.trace)
+        log.info("%s", self._summary)
+
+    def summary(self) -> str:
+        return self._summary
+
+    def teardown(self, stage: Optional[str]) -> None:
+        if self._recorder is not None:
+            self._recorder.uninstall()
+            self._recorder = None
+        super().teardown(stage)

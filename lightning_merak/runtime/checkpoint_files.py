@@ -1,0 +1,147 @@
+"""Checkpoints that appear whole or not at all, and finding the newest whole one.
+
+A checkpoint is written under a hidden temporary name next to its final one (``.<name>.partial``,
+same directory, hence same file system), flushed to disk with ``fsync`` and only then renamed to
+its final name; the rename is atomic, so a run killed while saving leaves the previous checkpoint
+and a ``.partial`` leftover, never a truncated ``<name>``. This applies to single files (Lightning's
+``.ckpt``) and to merak3d's checkpoint directories alike.
+
+:func:`newest_complete` picks the checkpoint a restarted run resumes from: the newest (by the time it
+was written) whose content is whole, skipping leftovers and checkpoints written without these
+guarantees that were cut short.
+
+Test hook (used by ``tests/test_faults_restart.py`` to kill a run inside a save deterministically): with
+``LIGHTNING_MERAK_TEST_STALL_SAVE=<checkpoint name>`` set, the first save of that name writes its
+temporary copy, records the saving process's id in ``<name>.stalled`` next to it and waits (up to
+:data:`STALL_S`) before the rename, long enough to be killed. Later saves of that name (the marker
+exists) do not wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Optional
+
+__all__ = ["PARTIAL_SUFFIX", "STALL_ENV", "atomic_file", "fsync_tree", "is_complete", "newest_complete",
+           "partial_path", "publish_directory"]
+
+PARTIAL_SUFFIX = ".partial"
+STALL_ENV = "LIGHTNING_MERAK_TEST_STALL_SAVE"
+STALL_S = 300.0
+# merak3d's checkpoint directories: torch distributed checkpoint's index, and Lightning's own state.
+_DCP_METADATA = ".metadata"
+_LIGHTNING_STATE = "lightning.ckpt"
+
+
+def partial_path(path: Path) -> Path:
+    """The temporary name ``path`` is written under before it is published."""
+    return path.parent / f".{path.name}{PARTIAL_SUFFIX}"
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush ``path`` (a file, or a directory with every file below it) to disk."""
+    if path.is_dir():
+        for child in path.rglob("*"):
+            if child.is_file():
+                _fsync(child)
+    _fsync(path)
+
+
+def _stall_if_requested(path: Path) -> None:
+    """The test hook described in the module docstring."""
+    if os.environ.get(STALL_ENV) != path.name:
+        return
+    marker = path.parent / f"{path.name}.stalled"
+    if marker.exists():
+        return
+    marker.write_text(str(os.getpid()))
+    time.sleep(STALL_S)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """Yield the temporary path to write ``path``'s content to; on success it becomes ``path`` atomically.
+
+    On an exception the temporary file is removed and ``path`` is left as it was.
+    """
+    path = Path(path)
+    temporary = partial_path(path)
+    try:
+        yield temporary
+        _fsync(temporary)
+        _stall_if_requested(path)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    _fsync(path.parent)
+
+
+def publish_directory(temporary: Path, path: Path) -> None:
+    """Flush the fully written directory ``temporary`` and rename it to ``path`` (replacing an older one)."""
+    fsync_tree(temporary)
+    _stall_if_requested(path)
+    if path.exists():  # a directory cannot replace another by rename: move the old one aside first (a kill
+        # between the two renames leaves this name absent, the older checkpoints of the run untouched)
+        retired = path.parent / f".{path.name}.old"
+        shutil.rmtree(retired, ignore_errors=True)
+        os.replace(path, retired)
+        os.replace(temporary, path)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        os.replace(temporary, path)
+    _fsync(path.parent)
+
+
+def _whole_zip(path: Path) -> bool:
+    """Whether ``path`` is a torch.save file whose end (zip central directory) was written."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return bool(archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def is_complete(path: Path) -> bool:
+    """Whether ``path`` is a whole checkpoint: a ``torch.save`` file, or a merak3d directory with its index."""
+    path = Path(path)
+    if path.is_dir():
+        return (path / _DCP_METADATA).is_file() and _whole_zip(path / _LIGHTNING_STATE)
+    return path.is_file() and _whole_zip(path)
+
+
+def _written_at(path: Path) -> float:
+    return (path / _LIGHTNING_STATE if path.is_dir() else path).stat().st_mtime
+
+
+def newest_complete(directory: Path) -> Optional[Path]:
+    """The newest whole ``*.ckpt`` in ``directory`` (by the time its content was written), or None.
+
+    Hidden temporary copies and links (``last.ckpt`` points at another checkpoint) are not candidates.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    candidates = [path for path in directory.glob("*.ckpt") if not path.name.startswith(".") and not path.is_symlink()]
+    written: list[tuple[float, Path]] = []
+    for path in candidates:
+        with contextlib.suppress(OSError):  # removed meanwhile, or a directory without its state file
+            written.append((_written_at(path), path))
+    for _, path in sorted(written, reverse=True):
+        if is_complete(path):
+            return path
+    return None

@@ -1,0 +1,133 @@
+"""Issue #27 item 5: a non-finite loss or gradient skips the step on every rank (or stops every rank)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_merak.callbacks.nonfinite import NonFiniteError, NonFiniteGuard
+from lightning_merak.config import ModelConfig, TrainerConfig
+from lightning_merak.models import CausalLMModule, build_causal_lm
+from lightning_merak.strategies.merak3d import Merak3DStrategy
+from lightning_merak.testing import run_distributed
+
+STEPS = 4
+
+
+class _Regression(pl.LightningModule):
+    """A linear model whose loss turns NaN on rank ``nan_rank`` at step ``nan_step``."""
+
+    def __init__(self, nan_rank: int, nan_step: int) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 1)
+        self.nan_rank, self.nan_step = nan_rank, nan_step
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        features, target = batch
+        loss = F.mse_loss(self.layer(features), target)
+        if self.global_rank == self.nan_rank and batch_idx == self.nan_step:
+            loss = loss * float("nan")
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+
+class _Snapshots(pl.Callback):
+    """This rank's parameters after every step; with ``poison``, NaN in one gradient on one rank and step."""
+
+    def __init__(self, poison: tuple[int, int] | None = None) -> None:
+        self.poison = poison
+        self.parameters: list[dict[str, torch.Tensor]] = []
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.poison == (trainer.global_rank, trainer.global_step):
+            first = next(p for p in pl_module.parameters() if p.grad is not None)
+            first.grad.view(-1)[0] = float("inf")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
+        self.parameters.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
+
+
+def ddp_run(rank: int, world_size: int, action: str) -> dict[str, object]:
+    pl.seed_everything(0, verbose=False)
+    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    guard, snapshots = NonFiniteGuard(action), _Snapshots()
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy="ddp", max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[guard, snapshots])
+    try:
+        trainer.fit(_Regression(nan_rank=1, nan_step=2), DataLoader(data, batch_size=4))
+    except NonFiniteError as error:
+        return {"error": str(error), "steps": len(snapshots.parameters)}
+    return {"skipped": guard.skipped, "parameters": snapshots.parameters}
+
+
+def _assert_only_step_skipped(parameters: list[dict[str, torch.Tensor]], skipped_step: int) -> None:
+    for step in range(1, len(parameters)):
+        for name, value in parameters[step].items():
+            assert torch.isfinite(value).all(), (step, name)
+            moved = not torch.equal(value, parameters[step - 1][name])
+            assert moved == (step != skipped_step), (step, name)
+
+
+@pytest.mark.distributed
+def test_nan_loss_on_one_rank_skips_the_step_on_every_rank() -> None:
+    results = run_distributed(ddp_run, world_size=2, args=("skip",), timeout_s=90)
+    for result in results:
+        assert result["skipped"] == 1
+        _assert_only_step_skipped(result["parameters"], skipped_step=2)
+    for name, value in results[0]["parameters"][-1].items():
+        torch.testing.assert_close(value, results[1]["parameters"][-1][name], rtol=0, atol=0)
+
+
+@pytest.mark.distributed
+def test_stop_raises_on_every_rank_naming_the_step() -> None:
+    results = run_distributed(ddp_run, world_size=2, args=("stop",), timeout_s=90)
+    for result in results:
+        assert "step 2: non-finite loss" in result["error"] and result["steps"] == 2
+
+
+VOCAB, SEQ = 64, 8
+LLAMA = ModelConfig(name="llama", model_type="llama", config={
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "tie_word_embeddings": False})
+
+
+class _SGDModule(CausalLMModule):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+
+def pipeline_run(rank: int, world_size: int) -> dict[str, object]:
+    """merak3d pp=2: an infinite gradient on the first stage only (rank 0) at step 1."""
+    torch.manual_seed(0)
+    module = _SGDModule(build_causal_lm(LLAMA, vocab_size=VOCAB), TrainerConfig(max_steps=STEPS))
+    guard, snapshots = NonFiniteGuard("skip"), _Snapshots(poison=(0, 1))
+    tokens = torch.randint(VOCAB, (STEPS * 4, SEQ), generator=torch.Generator().manual_seed(1))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        strategy=Merak3DStrategy(data_parallel=1, pipeline_parallel=2, tensor_parallel=1, timeout_s=120),
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        use_distributed_sampler=False, callbacks=[guard, snapshots],
+    )
+    trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=4))
+    return {"skipped": guard.skipped, "parameters": snapshots.parameters}
+
+
+@pytest.mark.distributed
+def test_gradient_not_finite_on_one_pipeline_stage_skips_every_stage() -> None:
+    for result in run_distributed(pipeline_run, world_size=2, timeout_s=120):
+        assert result["skipped"] == 1
+        _assert_only_step_skipped(result["parameters"], skipped_step=1)
+
+
+def test_options_are_checked_before_training() -> None:
+    with pytest.raises(ValueError, match="'skip' or 'stop'"):
+        NonFiniteGuard("ignore")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_skipped"):
+        NonFiniteGuard(max_skipped=0)
