@@ -222,7 +222,10 @@ def _launch(scenario: Callable[..., None], world_size: int, directory: Path) -> 
 @pytest.mark.distributed
 def test_watchdog_names_the_collective_the_group_and_the_rank_that_did_not_arrive(tmp_path: Path) -> None:
     (code0, err0, _), (code1, err1, _) = _launch(_skip_a_collective, 2, tmp_path)
-    assert code0 == code1 == EXIT_CODE, (err0[-2000:], err1[-2000:])
+    # the first rank to finish its report exits with EXIT_CODE; its peer, once it has written its own, may be
+    # ended first by its blocked collective failing as that connection closes
+    assert EXIT_CODE in (code0, code1) and code0 not in (0, None) and code1 not in (0, None), (err0[-2000:],
+                                                                                               err1[-2000:])
     assert "gloo:all_gather" in err0 and "collective #2 of process group 1, ranks [0, 1]" in err0, err0[-2000:]
     assert "rank 1 did not arrive (waits in collective #1 of group 0)" in err0, err0[-2000:]
     assert "did not arrive" in err1 and "faults.collective_timeout_s" in err1, err1[-2000:]

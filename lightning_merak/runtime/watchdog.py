@@ -389,9 +389,11 @@ class Watchdog:
             stuck.append(StuckCollective(name, tuple(group_ranks), sequence, _operation(name, sequence),
                                          tuple(behind), tuple(silent), elsewhere))
         message = describe_stall(self.rank, waited_s, stuck, self.timeout_option)
+        # written now: once a peer ends, this rank's own blocked collective may fail and end it first
+        os.write(2, (message + "\n").encode())
         store.set(f"{_PREFIX}/message/{self.rank}", message)
         time.sleep(2 * self.poll_s + 1.0)  # the store may live in this process: let the peers read the message
-        self._end(message)
+        self._end("")
 
     def _post(self, progress: Progress) -> None:
         report = {name: [group.enqueued, group.completed] for name, group in progress.items()}
@@ -419,6 +421,7 @@ class Watchdog:
                           + self._store.get(key).decode())
 
     def _end(self, message: str) -> None:
-        """Write ``message`` and end this process (the main thread may be blocked inside a collective)."""
-        os.write(2, (message + "\n").encode())
+        """Write ``message`` (if any) and end this process (the main thread may be blocked inside a collective)."""
+        if message:
+            os.write(2, (message + "\n").encode())
         os._exit(EXIT_CODE)
