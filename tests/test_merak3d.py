@@ -8,16 +8,16 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.config import ModelConfig, TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
 from lightning_merak.strategies.merak3d import Merak3DStrategy
-from lightning_merak.strategies.pipeline.stage import RankStages, tied_parameter_names
+from lightning_merak.strategies.pipeline.stage import tied_parameter_names
 from lightning_merak.testing import (
     TrainingTrace,
     assert_traces_match,
+    layout_gradients,
     merge_rank_traces,
     run_distributed,
     snapshot_gradients,
@@ -109,17 +109,8 @@ class _Recorder(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         """Loss and the gradients as the optimizer used them (after clipping)."""
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
-        model = pl_module.model
-        grads = {}
-        for name, param in model.named_parameters():
-            if param.grad is None:
-                continue
-            original = model.original_name(name) if isinstance(model, RankStages) else name
-            grad = param.grad
-            if isinstance(grad, DTensor):
-                grad = trainer.strategy.to_original_layout(original, grad.full_tensor())
-            grads[self.canonical.get(original, original)] = grad.detach().clone()
-        self.gradients.append(grads)
+        grads = layout_gradients(trainer.strategy, pl_module.model)
+        self.gradients.append({self.canonical.get(name, name): grad for name, grad in grads.items()})
 
 
 class _ShardedData(pl.LightningDataModule):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_merak.config import ModelConfig, TrainerConfig
@@ -14,10 +13,10 @@ from lightning_merak.micro_batching.plan import MicroBatch
 from lightning_merak.micro_batching.samples import micro_batch_tensors, summed_token_loss, target_count
 from lightning_merak.models import CausalLMModule, build_causal_lm
 from lightning_merak.strategies.merak3d import Merak3DStrategy
-from lightning_merak.strategies.pipeline.stage import RankStages
 from lightning_merak.testing import (
     TrainingTrace,
     assert_traces_match,
+    layout_gradients,
     merge_rank_traces,
     run_distributed,
     snapshot_gradients,
@@ -89,17 +88,7 @@ class _Recorder(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
-        model = pl_module.model
-        grads = {}
-        for name, param in model.named_parameters():
-            if param.grad is None:
-                continue
-            original = model.original_name(name) if isinstance(model, RankStages) else name
-            grad = param.grad
-            if isinstance(grad, DTensor):
-                grad = trainer.strategy.to_original_layout(original, grad.full_tensor())
-            grads[original] = grad.detach().clone()
-        self.gradients.append(grads)
+        self.gradients.append(layout_gradients(trainer.strategy, pl_module.model))
 
 
 def _train_rank(rank: int, world_size: int, layout: dict) -> tuple[list[float], list[dict]]:

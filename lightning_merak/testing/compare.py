@@ -16,8 +16,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-__all__ = ["TraceRecorder", "TrainingTrace", "assert_traces_match", "merge_rank_traces", "record_reference_trace",
-           "snapshot_gradients"]
+__all__ = ["TraceRecorder", "TrainingTrace", "assert_traces_match", "layout_gradients", "merge_rank_traces",
+           "record_reference_trace", "snapshot_gradients"]
 
 
 @dataclass
@@ -30,6 +30,25 @@ class TrainingTrace:
     def append(self, loss: float, gradients: dict[str, torch.Tensor]) -> None:
         self.losses.append(float(loss))
         self.gradients.append(gradients)
+
+
+def layout_gradients(strategy: Any, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of this rank's gradients under the unsplit model's names, tensor-parallel shards gathered whole and
+    put back in the unsplit layout (``strategy.to_original_layout``): comparable with a single-process run's."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_merak.strategies.pipeline.stage import RankStages
+
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        original = model.original_name(name) if isinstance(model, RankStages) else name
+        grad = param.grad
+        if isinstance(grad, DTensor):
+            grad = strategy.to_original_layout(original, grad.full_tensor())
+        grads[original] = grad.detach().clone()
+    return grads
 
 
 def merge_rank_traces(results: list[tuple[list[float], list[dict[str, torch.Tensor]]]]) -> TrainingTrace:
