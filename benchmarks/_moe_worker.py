@@ -19,7 +19,8 @@ __all__ = ["BASELINES", "Config", "EXTRA_POLICIES", "worker"]
 
 RANKS_TIMEOUT_S = 1800
 BASELINES = ("deepspeed", "dropless", "fastermoe")
-EXTRA_POLICIES = ("deepspeed_cf1.25", "ours_previous", "ours_one_chunk", "ours_no_dw_overlap", "ours_block")
+EXTRA_POLICIES = ("deepspeed_cf1.25", "ours_previous", "ours_one_chunk", "ours_no_dw_overlap", "ours_block",
+                  "ours_model_only")
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def _moe(policy: str, config: Config, world: int, expert: Any, scheduler: Any) -
         options = dict(placement="pro_prophet", plan_from="previous", lancet_chunks="auto")
     else:
         options = dict(placement="auto", plan_from="auto", lancet_chunks=1 if policy == "ours_one_chunk" else "auto",
-                       lancet_backward=policy != "ours_no_dw_overlap")
+                       lancet_backward=policy != "ours_no_dw_overlap", online_check=policy != "ours_model_only")
     return MoE(**common, drop_tokens=False, dispatch="dropless", scheduler=scheduler, **options)
 
 
@@ -118,7 +119,11 @@ def _layer_record(layer: Any, world: int) -> dict[str, Any]:
     return dict(counts=stats["counts"], plan=[asdict(r) for r in stats["plan"].replications],
                 kind=stats["plan_kind"], timing=stats["plan_timing"], sub_batches=stats.get("sub_batches", 1),
                 chunks=stats["chunks"], exposed_trans_s=stats.get("exposed_trans_s", 0.0),
-                exposed_a2a_s=stats.get("exposed_a2a_forward_s", 0.0) + stats.get("exposed_a2a_backward_s", 0.0))
+                exposed_a2a_s=stats.get("exposed_a2a_forward_s", 0.0) + stats.get("exposed_a2a_backward_s", 0.0),
+                predicted_s=stats["predicted_s"], corrected_s=stats.get("corrected_s"),
+                explored=bool(stats.get("explored")), planning_s=stats.get("planning_s", 0.0),
+                discarded_trans_s=stats.get("discarded_trans_s", 0.0),
+                measured_s=stats.get("exchange_forward_s", 0.0) + stats.get("exchange_backward_s", 0.0))
 
 
 def _step(blocks: Any, config: Config, rank: int, world: int, step: int, gate_weight: Any) -> dict[str, Any]:

@@ -71,6 +71,7 @@ class Leg:
     strategy: str  # merak3d | ddp | fsdp2 | zero3
     world_size: int
     merak: Optional[dict[str, int]] = None
+    accelerator: str = "cpu"  # "cuda": one process per GPU (the GPU leg)
 
 
 def _quiet() -> None:
@@ -136,11 +137,19 @@ class _StepTimer(pl.Callback):
         self.mark("setup")
 
     def on_train_batch_start(self, *args: Any) -> None:
+        _synchronize()
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, *args: Any) -> None:
+        _synchronize()
         self.step_s.append(time.perf_counter() - self._start)
         self.mark(f"step {len(self.step_s)}")
+
+
+def _synchronize() -> None:
+    """Wait for queued GPU work, so a step's wall time includes it (nothing to wait for on the CPU)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _trainer(leg: Leg, steps: int, callbacks: list[pl.Callback]) -> pl.Trainer:
@@ -154,8 +163,8 @@ def _trainer(leg: Leg, steps: int, callbacks: list[pl.Callback]) -> pl.Trainer:
         strategy = DDPStrategy()
     else:
         strategy = ModelParallelStrategy(data_parallel_size=leg.world_size, tensor_parallel_size=1)
-    return pl.Trainer(accelerator="cpu", devices=leg.world_size, strategy=strategy, max_steps=steps, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    return pl.Trainer(accelerator=leg.accelerator, devices=leg.world_size, strategy=strategy, max_steps=steps,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
                       callbacks=callbacks)
 
@@ -229,9 +238,16 @@ def train_rank(rank: int, world_size: int, leg: Leg, workload: Workload, steps: 
         from lightning_merak.strategies.merak3d import Merak3DStrategy  # noqa: F401
     torch.manual_seed(0)
     baseline = proc_status_mb("VmRSS")
+    cuda = leg.accelerator == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        cuda_baseline = torch.cuda.memory_allocated()
     run = _zero3_leg if leg.strategy == "zero3" else _lightning_leg
     result = run(rank, leg, workload, steps)
     result.update(baseline_mb=baseline, peak_mb=proc_status_mb("VmHWM"))
+    if cuda:  # the GPU leg's memory is the device's: its allocator's peak above what existed before the model
+        result.update(baseline_mb=cuda_baseline / MIB, peak_mb=torch.cuda.max_memory_allocated() / MIB,
+                      cuda_reserved_peak_mb=torch.cuda.max_memory_reserved() / MIB)
     return result
 
 
@@ -260,7 +276,7 @@ class _TimedPretrained(CausalLMModule):
 
 
 def load_rank(rank: int, world_size: int, directory: str, merak: dict[str, int], tokens: torch.Tensor,
-              checkpoint: Optional[str]) -> dict[str, Any]:
+              checkpoint: Optional[str], accelerator: str = "cpu") -> dict[str, Any]:
     """Load ``directory`` into this rank's shard under ``merak``'s layout, predict ``tokens``, optionally save.
 
     The checkpoint (``checkpoint``) is taken right after the load, with no training step, for the export round trip.
@@ -269,42 +285,47 @@ def load_rank(rank: int, world_size: int, directory: str, merak: dict[str, int],
 
     _quiet()
     module = _TimedPretrained(directory, int(tokens.max()) + 1)
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False,
+    trainer = pl.Trainer(accelerator=accelerator, devices=world_size, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False,
                          strategy=Merak3DStrategy(**merak, partition="uniform", timeout_s=RANK_TIMEOUT_S))
-    logits = torch.cat(trainer.predict(module, DataLoader(TensorDataset(tokens), batch_size=len(tokens))))
+    logits = torch.cat(trainer.predict(module, DataLoader(TensorDataset(tokens), batch_size=len(tokens)))).cpu()
     if checkpoint is not None:
         trainer.save_checkpoint(checkpoint)
     return {"load_s": module.load_s, "bytes_read": module.bytes_read, "logits": logits}
 
 
-def from_pretrained_rank(rank: int, world_size: int, directory: str, tokens: torch.Tensor) -> dict[str, Any]:
+def from_pretrained_rank(rank: int, world_size: int, directory: str, tokens: torch.Tensor,
+                         device: str = "cpu") -> dict[str, Any]:
     """The reference: ``AutoModelForCausalLM.from_pretrained(DIR, dtype=float32)`` in one process, timed.
 
     ``call_s`` is the call alone; ``load_s`` adds reading every weight once, because the call may map
-    the file and leave the reads to the first forward (merak3d's load copies into its shards).
+    the file and leave the reads to the first forward (merak3d's load copies into its shards). On
+    ``device="cuda"`` the call places every weight on the GPU (``device_map``).
     """
     _quiet()
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    placement = {} if device == "cpu" else {"device_map": device}
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **placement)
     call_s = time.perf_counter() - start
     with torch.no_grad():
         for tensor in model.state_dict().values():
             tensor.sum()
+        _synchronize()
         load_s = time.perf_counter() - start
-        logits = model.eval()(tokens).logits
+        logits = model.eval()(tokens.to(device)).logits.cpu()
     return {"call_s": call_s, "load_s": load_s, "logits": logits}
 
 
 # Activations -----------------------------------------------------------------------------
 
 
-def _saved_bytes(workload: Workload, tensor_parallel: int) -> int:
+def _saved_bytes(workload: Workload, tensor_parallel: int, device: str = "cpu") -> int:
     """Bytes autograd saves for backward in a one-sample forward and loss (parameters excluded, storages once)
-    of the part of the model one of ``tensor_parallel`` ranks computes."""
+    of the part of the model one of ``tensor_parallel`` ranks computes, on ``device`` (its attention kernels
+    decide what is saved)."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(workload.config(tensor_parallel)).train()
-    ids = torch.randint(workload.vocab // tensor_parallel, (1, workload.seq))
+    model = AutoModelForCausalLM.from_config(workload.config(tensor_parallel)).to(device).train()
+    ids = torch.randint(workload.vocab // tensor_parallel, (1, workload.seq), device=device)
 
     def forward_and_loss() -> None:
         logits = model(ids).logits
@@ -313,7 +334,7 @@ def _saved_bytes(workload: Workload, tensor_parallel: int) -> int:
     return saved_activation_bytes(forward_and_loss, model.parameters())
 
 
-def measure_activations(workload: Workload, tensor_parallel: int = 1) -> dict[str, float]:
+def measure_activations(workload: Workload, tensor_parallel: int = 1, device: str = "cpu") -> dict[str, float]:
     """Saved-activation bytes per sample of one of ``tensor_parallel`` ranks: per decoder layer, and of the rest
     (embedding, final norm, head, loss).
 
@@ -321,6 +342,6 @@ def measure_activations(workload: Workload, tensor_parallel: int = 1) -> dict[st
     norms and the residual stream at full width, as tensor parallelism without sequence parallelism
     keeps them), with 1 and 2 decoder layers, so no full-size model is built here.
     """
-    one, two = (_saved_bytes(Workload(workload.hidden, layers, workload.vocab, workload.seq), tensor_parallel)
+    one, two = (_saved_bytes(Workload(workload.hidden, layers, workload.vocab, workload.seq), tensor_parallel, device)
                 for layers in (1, 2))
     return {"per_layer": float(two - one), "head": float(2 * one - two)}

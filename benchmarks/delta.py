@@ -1,6 +1,6 @@
 """Benchmark DeltaMemory against no management, full checkpointing and offload-everything.
 
-    python -m benchmarks.delta [--quick] [--out PATH]
+    python -m benchmarks.delta [--quick] [--out PATH] [--device cpu|cuda]
 
 Every configuration runs in its own fresh subprocess, so the process's peak resident
 memory (VmHWM) is its own; activation memory is the peak minus the resident memory just
@@ -44,7 +44,8 @@ CPU leg (this machine): DELTA with the disk tier (and recompute) vs
 * ``offload-all`` - ``save_on_cpu``-style: every saved activation written out and read
   back synchronously (on CPU ``save_on_cpu`` itself would copy within the same memory,
   so its CPU analogue is a synchronous disk store), no prefetch.
-The GPU leg (``max_memory_allocated``, host tier) is not implemented yet; the JSON says so.
+The GPU leg (``--device cuda``, ``benchmarks/_delta_gpu.py``: ``max_memory_allocated``, host tier,
+``save_on_cpu(pin_memory=True)`` as offload-all) writes ``delta.gpu.json``.
 
 Equal-batch budget: DELTA's budget counts saved activations only, while the target is on
 all activation memory (saved tensors, the transients of the step and the allocator's
@@ -339,14 +340,20 @@ def main(argv: list[str] | None = None) -> None:
         "--delta-budget-fraction", type=float, default=0.25,
         help="DELTA's equal-batch budget as a fraction of none's peak of saved bytes",
     )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the one-GPU leg (benchmarks/_delta_gpu.py) instead of the CPU run")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(run_worker(json.loads(args.worker))))
         return
-    args.out = args.out or default_out("delta", args.quick)
     if not 0 < args.delta_budget_fraction < 1:
         parser.error(f"--delta-budget-fraction must lie in (0, 1), got {args.delta_budget_fraction}")
+    if args.device == "cuda":
+        from benchmarks._delta_gpu import gpu_main
+
+        sys.exit(gpu_main(args.out or default_out("delta.gpu", args.quick), args.quick, args.delta_budget_fraction))
+    args.out = args.out or default_out("delta", args.quick)
 
     from benchmarks.report import print_table, write_json
 
@@ -424,8 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     wall = time.perf_counter() - started
     print(f"load average before the run: {load_average}")
     print(f"targets: {targets}")
-    gpu_leg = ("skipped: no CUDA device on this machine" if not _cuda()
-               else "skipped: the GPU leg is not implemented yet")
+    gpu_leg = "run separately: python -m benchmarks.delta --device cuda (delta.gpu.json)"
     print(f"GPU leg: {gpu_leg}")
     path = write_json(
         args.out, rows + max_rows, label="measured", quick=args.quick, wall_s=wall, targets=targets,
@@ -434,12 +440,6 @@ def main(argv: list[str] | None = None) -> None:
         transient_per_sample_MiB=transient_per_sample, gpu_leg=gpu_leg,
     )
     print(f"wrote {path} in {wall:.0f}s")
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

@@ -25,10 +25,15 @@ Policies (:mod:`benchmarks._moe_worker`):
   where it pays) + Lancet chunks (auto) + expert weight gradients under the backward all-to-all;
 * full run only, drift4 and rotate1 routings: ``deepspeed_cf1.25`` (drops tokens), ``ours_previous`` (Pro-Prophet
   as published: plans from the previous step's counts), ``ours_one_chunk`` (no Lancet chunks),
-  ``ours_no_dw_overlap``, ``ours_block`` (block-scope Lancet).
+  ``ours_no_dw_overlap``, ``ours_block`` (block-scope Lancet), ``ours_model_only`` (no online plan check:
+  the cost model's choice every call).
 
+Every policy runs 4 untimed warm-up steps (8 layer calls): besides the first calls' one-off costs, they
+cover most of the online plan check's first run of each arm (explorations in timed steps are counted).
 Per configuration and policy: load max/mean of tokens computed per rank, per step and over all
-steps; step time (median over timed steps of the slowest rank); the kinds ours ran. Top level:
+steps; step time (median over timed steps of the slowest rank); the kinds ours ran, with chunks, how
+many calls the online plan check explored, and per arm the median measured exchange time (this rank's
+forward + backward) over the cost model's prediction. Top level:
 ``all_steps_max_over_mean`` (ours, worst configuration, every step counted; goal ≤ 1.15) and
 ``ours_over_best_baseline_min`` (worst configuration's fastest baseline step time over ours; goal
 ≥ 1.0). A second table prices 8–64 ranks on the same routings with the cost model calibrated in
@@ -64,7 +69,7 @@ def configs(quick: bool) -> list[Config]:
     """The base configuration on every routing, then one-factor sweeps on hot sets rotating every 3 steps."""
     base = Config(name="", routing=ROUTINGS[0], rate_mbit=400, hidden=128, ffn=512,
                   tokens_per_rank=1024 if quick else 2048, layers=2, experts=8,
-                  warmup_steps=2, steps=8 if quick else 12)
+                  warmup_steps=4, steps=8 if quick else 12)
     out = []
     for routing in ROUTINGS:
         extras = not quick and routing in ROUTINGS[:2]
@@ -111,6 +116,21 @@ def _ratio(loads: list[int]) -> float:
     return max(loads) / statistics.mean(loads)
 
 
+def _check_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the online plan check did: arms run (kind/timing/chunks), explorations, measured over predicted."""
+    layers = [layer for s in steps for layer in s["layers"] if layer.get("corrected_s") is not None]
+    if not layers:
+        return {}
+    arms = [f"{layer['kind']}/{layer['timing']}/x{layer['chunks']}" for layer in layers]
+    ratios: dict[str, list[float]] = {}
+    for arm, layer in zip(arms, layers):
+        if layer["predicted_s"] > 0 and layer["measured_s"] > 0:
+            ratios.setdefault(arm, []).append(layer["measured_s"] / layer["predicted_s"])
+    return {"arms": {a: arms.count(a) for a in sorted(set(arms))},
+            "explored_calls": sum(layer["explored"] for layer in layers),
+            "measured_over_predicted": {a: round(statistics.median(r), 3) for a, r in sorted(ratios.items())}}
+
+
 def summarise(result: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[list, list]]]:
     """One row per configuration: per policy balance per step and over all steps, step time, ours' kinds."""
     config = Config.from_dict(result["config"])
@@ -128,6 +148,7 @@ def summarise(result: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[l
             "replicas_per_step": statistics.mean(sum(len(r["replicas"]) for layer in s["layers"] for r in layer["plan"])
                                                  for s in steps),
             "kinds": {k: kinds.count(k) for k in sorted(set(kinds))},
+            **_check_summary(steps),
         }
         maps[policy] = ([_loads(dict(s, layers=[dict(layer, plan=[]) for layer in s["layers"]]), config.experts)[0]
                          for s in steps], [_loads(s, config.experts)[0] for s in steps])

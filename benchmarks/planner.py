@@ -28,8 +28,15 @@ later measurements.
   trains on the dataloader's batch, so layouts with more replicas train more samples per
   step; layouts are compared per sample.
 
+A second predictor, the trace replayer (``planner_calibration`` with trace files), is calibrated
+each round from one short traced dp=2 run and probes: short traced runs on the model cut to
+``PROBE_LAYERS`` blocks of each tensor-parallel degree and overlap of the grid
+(:mod:`lightning_merak.profiler.calibration`). Rows carry both predictions (``predicted_s``/``error``:
+the cost model; ``replay_predicted_s``/``replay_error``: the replay), the summary both maxima and
+each predictor's pick and regret.
+
 Everything is measured on this machine; nothing is simulated except the predictions
-themselves, which come from the planner's cost model. Other load on the machine skews both.
+themselves. Other load on the machine skews both.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -52,7 +59,8 @@ from benchmarks.report import default_out, out_help, print_table, write_json
 from lightning_merak.config import TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
 from lightning_merak.profiler import MerakTraceProfiler, Trace
-from lightning_merak.profiler.synthesize import LayoutSpec, ModelShape, calibrate, predict_layout
+from lightning_merak.profiler.calibration import Probe, ReplayPredictor, calibrate_from_traces
+from lightning_merak.profiler.synthesize import LayoutSpec, ModelShape
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import run_distributed
 from lightning_merak.testing.distributed import DistributedRunError
@@ -64,7 +72,9 @@ WORKLOAD = Workload(hidden=256, layers=4, vocab=4096, seq=64, global_batch=8)
 """``global_batch`` here is the batch of each data-parallel replica (the dataloader's batch_size)."""
 ERROR_TARGET, REGRET_TARGET = 0.10, 0.05
 TRACE_SKIP, TRACE_STEPS = 2, 3
-"""The replayer's calibration run: warm-up steps, then traced steps."""
+"""The replayer's calibration runs: warm-up steps, then traced steps."""
+PROBE_LAYERS = 2
+"""Blocks of the tensor-parallel probe runs (the workload has 4)."""
 
 
 @dataclass(frozen=True)
@@ -105,10 +115,11 @@ def _layout_key(layout: dict[str, Any]) -> str:
 
 
 def _run_rank(rank: int, world_size: int, merak: dict[str, Any], steps: int,
-              trace_dir: str | None = None) -> dict[str, Any]:
+              trace_dir: str | None = None, layers: int = 0) -> dict[str, Any]:
     _quiet_lightning()
     torch.manual_seed(0)
-    model = build_causal_lm(WORKLOAD.model_config(), WORKLOAD.vocab)
+    workload = replace(WORKLOAD, layers=layers) if layers else WORKLOAD
+    model = build_causal_lm(workload.model_config(), WORKLOAD.vocab)
     model.config.use_cache = False
     module = CausalLMModule(model, TrainerConfig(max_steps=steps, warmup_steps=1))
     timer = _StepTimer()
@@ -142,33 +153,56 @@ def _plan(mode: Mode) -> list[dict[str, Any]]:
     return ranks[0]["predictions"]
 
 
-def _replay_predictions(plan: list[dict[str, Any]], mode: Mode) -> dict[str, float]:
-    """The replayer's prediction for every layout of ``plan``, calibrated on one short traced run of dp=2.
-
-    The traced steps carry the profiler's cost; predictions are scaled by that run's untraced steps
-    over its traced ones. Overlap (k) is not modelled by the replayer: layouts differing only in k get
-    the same prediction.
-    """
+def _traced_run(merak: dict[str, Any], mode: Mode, layers: int = 0) -> tuple[Trace, float]:
+    """A short traced run of ``merak``'s layout (the workload cut to ``layers`` blocks if given): its trace, and
+    its untraced steps' median over its traced steps' (the profiler's own cost, removed from predictions)."""
     steps = TRACE_SKIP + TRACE_STEPS + 2
     with tempfile.TemporaryDirectory(prefix="merak-planner-trace-") as trace_dir:
-        ranks = run_distributed(_run_rank, WORLD_SIZE, args=({"data_parallel": 2, "pipeline_parallel": 1,
-                                                              "tensor_parallel": 1}, steps, trace_dir),
+        ranks = run_distributed(_run_rank, WORLD_SIZE, args=(merak, steps, trace_dir, layers),
                                 timeout_s=RANK_TIMEOUT_S, threads_per_rank=1)
         trace = Trace.load(Path(trace_dir) / "merak_trace.json")
     slowest = [max(step) for step in zip(*(rank["step_s"] for rank in ranks))]
     window = range(TRACE_SKIP, TRACE_SKIP + TRACE_STEPS - 1)
     untraced = [t for i, t in enumerate(slowest) if i >= mode.warmup and i not in window and
                 i != TRACE_SKIP + TRACE_STEPS - 1] or slowest
-    correction = statistics.median(untraced) / statistics.median(slowest[i] for i in window)
-    model = build_causal_lm(WORKLOAD.model_config(), WORKLOAD.vocab)
+    return trace, statistics.median(untraced) / statistics.median(slowest[i] for i in window)
+
+
+def _shape(workload: Workload) -> ModelShape:
+    model = build_causal_lm(workload.model_config(), workload.vocab)
     blocks = model.model.layers
     block_params = sum(p.numel() for p in blocks[0].parameters())
-    shape = ModelShape(len(blocks), block_params, sum(p.numel() for p in model.parameters())
-                       - len(blocks) * block_params, WORKLOAD.hidden, WORKLOAD.seq)
-    costs = calibrate(trace, shape, LayoutSpec(2, 1, 1, 1, WORKLOAD.global_batch))
-    return {_layout_key(p["layout"]): correction * predict_layout(costs, shape, LayoutSpec(
+    return ModelShape(len(blocks), block_params, sum(p.numel() for p in model.parameters())
+                      - len(blocks) * block_params, workload.hidden, workload.seq)
+
+
+def _replay_predictor(plan: list[dict[str, Any]], mode: Mode) -> ReplayPredictor:
+    """The replay predictor calibrated on one short traced run of dp=2 and probes: short traced runs on the
+    workload cut to ``PROBE_LAYERS`` blocks of every tensor-parallel degree and overlap in ``plan`` (what a
+    data-parallel trace lacks: the vocabulary-parallel head, sub-batches, the blocks' collectives). Pipelines
+    are replayed from the dp trace: a 2-block pipeline probe predicted worse (docs/findings.md).
+
+    The traced steps carry the profiler's cost; each run's predictions are scaled by its untraced steps over its
+    traced ones. Sharding is not modelled (no layout of the grid shards).
+    """
+    trace, correction = _traced_run({"data_parallel": 2, "pipeline_parallel": 1, "tensor_parallel": 1}, mode)
+    probe_workload = replace(WORKLOAD, layers=PROBE_LAYERS)
+    probes = []
+    for tp, overlap in sorted({(p["layout"]["tp"], p["layout"]["overlap"]) for p in plan if p["layout"]["tp"] > 1}):
+        merak = {"data_parallel": WORLD_SIZE // tp, "pipeline_parallel": 1, "tensor_parallel": tp,
+                 "tp_overlap": overlap}
+        probe_trace, probe_correction = _traced_run(merak, mode, PROBE_LAYERS)
+        probes.append(Probe(probe_trace, _shape(probe_workload), LayoutSpec(WORLD_SIZE // tp, 1, tp, 1,
+                            WORKLOAD.global_batch, overlap=overlap), probe_correction))
+    return ReplayPredictor(calibrate_from_traces(trace, _shape(WORKLOAD), LayoutSpec(2, 1, 1, 1, WORKLOAD.global_batch),
+                                                 probes, correction))
+
+
+def _replay_predictions(plan: list[dict[str, Any]], predictor: ReplayPredictor) -> dict[str, float]:
+    """The replay predictor's step time for every layout of ``plan``."""
+    return {_layout_key(p["layout"]): predictor.step_time(LayoutSpec(
         p["layout"]["dp"], p["layout"]["pp"], p["layout"]["tp"], p["layout"]["micro_batches"] or 1,
-        WORKLOAD.global_batch)).step_time for p in plan}
+        WORKLOAD.global_batch, overlap=p["layout"]["overlap"])) for p in plan}
 
 
 class Measured(NamedTuple):
@@ -244,9 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     plans: list[list[dict[str, Any]]] = []
     measured: list[list[Measured | str]] = []
     replayed: list[dict[str, float]] = []
+    calibrations: list[dict[str, Any]] = []
     for round_index in range(mode.rounds):
         plans.append(_plan(mode))
-        replayed.append(_replay_predictions(plans[-1], mode))
+        predictor = _replay_predictor(plans[-1], mode)
+        calibrations.append(predictor.calibration.describe())
+        replayed.append(_replay_predictions(plans[-1], predictor))
         print(f"  round {round_index + 1}/{mode.rounds}: planned {len(plans[-1])} layouts, picked "
               f"{_layout_key(plans[-1][0]['layout'])} ({time.perf_counter() - started:.0f} s)", flush=True)
         by_key = {_layout_key(p["layout"]): p for p in plans[-1]}
@@ -269,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     best = min(measured_rows, key=lambda row: row["measured_per_sample_ms"])
     regret = pick["measured_per_sample_ms"] / best["measured_per_sample_ms"] - 1.0 if "error" in pick else None
     errors = [abs(row["error"]) for row in measured_rows]
+    replay_pick = min(rows, key=lambda row: row["replay_predicted_s"] / row["samples"])
+    replay_regret = (replay_pick["measured_per_sample_ms"] / best["measured_per_sample_ms"] - 1.0
+                     if "error" in replay_pick else None)
     print("\nPlanner predictions (ranked by median predicted time per sample) vs measured steps")
     print_table(
         [{"layout": r["layout"], "samples/step": r["samples"], "predicted ms": round(r["predicted_s"] * 1e3, 1),
@@ -291,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         "error_target_met": max(errors) <= ERROR_TARGET,
         "paired_error_target_met": max(paired_errors) <= ERROR_TARGET,
         "regret_target_met": regret is not None and regret <= REGRET_TARGET,
+        "replay_pick": replay_pick["layout"], "replay_regret": replay_regret,
     }
     print(f"prediction error: mean {100 * summary['mean_abs_error']:.1f}%, max {100 * summary['max_abs_error']:.1f}% "
           f"(target ≤ {100 * ERROR_TARGET:.0f}%: {'PASS' if summary['error_target_met'] else 'FAIL'}); "
@@ -300,13 +341,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"regret: pick {pick['layout']} vs best measured {best['layout']}: "
           f"{100 * regret:.1f}% (target ≤ {100 * REGRET_TARGET:.0f}%: "
           f"{'PASS' if summary['regret_target_met'] else 'FAIL'})" if regret is not None else "regret: pick failed")
-    print(f"replayer (calibrated on one traced dp2 run per round): mean {100 * summary['mean_abs_replay_error']:.1f}%, "
-          f"max {100 * summary['max_abs_replay_error']:.1f}% "
-          f"({'PASS' if summary['replay_error_target_met'] else 'FAIL'})")
+    print(f"replayer (one traced dp2 run and {PROBE_LAYERS}-block tp probes per round): mean "
+          f"{100 * summary['mean_abs_replay_error']:.1f}%, max {100 * summary['max_abs_replay_error']:.1f}% "
+          f"({'PASS' if summary['replay_error_target_met'] else 'FAIL'}); its pick {replay_pick['layout']}, regret "
+          + (f"{100 * replay_regret:.1f}%" if replay_regret is not None else "- (pick failed)"))
     write_json(args.out, rows, "measured",
                predictions="the planner's cost model from its own profile: one planning run per round "
                            "(error), and each training run's own plan (paired_error); the trace replayer "
-                           "calibrated on one traced dp2 run per round (replay_error)",
+                           "calibrated on one traced dp2 run and traced probes of each tensor-parallel degree "
+                           f"and overlap ({PROBE_LAYERS} blocks) per round (replay_error)",
+               calibrations=calibrations, probe_layers=PROBE_LAYERS,
                rounds=mode.rounds,
                workload=WORKLOAD.describe() + " per replica", world_size=WORLD_SIZE,
                mode="quick" if args.quick else "full", summary=summary, wall_s=time.perf_counter() - started)

@@ -8,7 +8,10 @@ Two gloo ranks on tbf-shaped links train a small Llama under merak3d. Runs with
 ``MerakTraceProfiler`` record a few steps; the replay of a trace predicts its own steps
 (``replay_error``, target ≤ 5%), and what-ifs on it predict other runs that are then measured
 (target ≤ 10% each): (a) the link at 500 and 200 Mbit/s from a trace at 1 Gbit/s; (b) pp=2 and
-tp=2 from a trace of dp=2 (layout re-derived: :mod:`lightning_merak.profiler.synthesize`);
+tp=2 from a trace of dp=2 (layout re-derived: :mod:`lightning_merak.profiler.synthesize`), tp=2 with a
+probe: a traced tp=2 run of the model cut to ``PROBE_LAYERS`` blocks, whose costs (vocabulary-parallel
+head, sub-batch machinery, the blocks' collectives) replace the dp trace's
+(:mod:`lightning_merak.profiler.calibration`; the row "no probe" predicts tp=2 from the dp trace alone);
 (c) other micro-batch counts from a trace of pp=2 with 2 micro-batches. A step's time is the
 period between the ends of consecutive training batches (loop and data loading included), the
 slowest rank's, median over the steps after warm-up. Rows for 8–64 ranks are replays of layouts
@@ -25,7 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -38,6 +41,7 @@ from benchmarks.merak3d import Workload, _quiet_lightning
 from lightning_merak.config import TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
 from lightning_merak.profiler import MerakTraceProfiler, Trace, WhatIf, chrome_trace, replay_trace, write_chrome_trace
+from lightning_merak.profiler.calibration import Probe, ReplayPredictor, calibrate_from_traces
 from lightning_merak.profiler.replay import measured_step_time
 from lightning_merak.profiler.synthesize import LayoutSpec, ModelShape, calibrate, predict_layout
 from lightning_merak.testing.netem import EmulatedCluster, LinkSpec, emulation_available
@@ -50,6 +54,8 @@ WORKLOAD = Workload(hidden=128, layers=4, vocab=4096, seq=64, global_batch=8)
 """``global_batch`` is each data-parallel replica's batch (the samples a layout's replica trains per step)."""
 BASE_RATE_MBIT = 1000.0
 REPLAY_TARGET, WHATIF_TARGET = 0.05, 0.10
+PROBE_LAYERS = 2
+"""Blocks of the probe runs (the workload has 4)."""
 SIMULATED = ((8, 1, 1, 1), (16, 2, 2, 4), (16, 4, 1, 8), (32, 2, 1, 4), (64, 1, 1, 1))
 """(dp, pp, tp, micro-batches) replayed beyond this machine."""
 
@@ -68,9 +74,14 @@ class Job:
     warmup: int = 2
     trace_skip: int = 2
     trace_steps: int = 3
+    layers: int = 0
+    """Blocks of the model (0: the workload's); a probe runs fewer."""
 
     def layout(self) -> LayoutSpec:
         return LayoutSpec(self.dp, self.pp, self.tp, self.micro_batches, WORKLOAD.global_batch)
+
+    def workload(self) -> Workload:
+        return replace(WORKLOAD, layers=self.layers) if self.layers else WORKLOAD
 
 
 @dataclass(frozen=True)
@@ -103,7 +114,7 @@ def _run_job(job: Job, out_dir: str, rank: int, world: int) -> dict[str, Any]:
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
     torch.manual_seed(0)
-    model = build_causal_lm(WORKLOAD.model_config(), WORKLOAD.vocab)
+    model = build_causal_lm(job.workload().model_config(), WORKLOAD.vocab)
     model.config.use_cache = False
     module = CausalLMModule(model, TrainerConfig(max_steps=job.steps, warmup_steps=1))
     periods = _Periods()
@@ -200,8 +211,8 @@ def recording_overhead_us(calls: int = 2000) -> dict[str, float]:
     return {"plain_call_us": plain, "recorded_call_us": recorded, "overhead_per_op_us": recorded - plain}
 
 
-def _shape() -> ModelShape:
-    model = build_causal_lm(WORKLOAD.model_config(), WORKLOAD.vocab)
+def _shape(workload: Workload = WORKLOAD) -> ModelShape:
+    model = build_causal_lm(workload.model_config(), workload.vocab)
     blocks = model.model.layers
     block_params = sum(p.numel() for p in blocks[0].parameters())
     total = sum(p.numel() for p in model.parameters())
@@ -257,7 +268,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     steps = mode.steps
     base = [Job("dp2", 2, 1, 1, 1, True, steps), Job("pp2_m2", 1, 2, 1, 2, True, steps),
             Job("tp2", 1, 1, 2, 1, False, steps)]
-    base += [Job(f"pp2_m{m}", 1, 2, 1, m, False, steps) for m in mode.micro_batch_counts]
+    probe_jobs = [Job("tp2_probe", 1, 1, 2, 1, True, steps, layers=PROBE_LAYERS)]
+    base += [Job(f"pp2_m{m}", 1, 2, 1, m, False, steps) for m in mode.micro_batch_counts] + probe_jobs
     print(f"replay benchmark: {WORKLOAD.describe()} per replica, 2 gloo ranks, emulated links "
           f"({'quick' if args.quick else 'full'})", flush=True)
     rows: list[dict[str, Any]] = []
@@ -271,11 +283,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"  {rate:g} Mbit: dp2 {measured[rate]['dp2']['period_s'] * 1e3:.0f} ms "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
         at_base = measured[BASE_RATE_MBIT]
-        traces = {name: Trace.load(at_base[name]["trace"]) for name in ("dp2", "pp2_m2")}
+        traces = {name: Trace.load(at_base[name]["trace"]) for name in ("dp2", "pp2_m2", "tp2_probe")}
         if args.traces:
             for name, trace in traces.items():
                 trace.save(args.traces / f"{name}.json")
     for name, trace in traces.items():
+        if name.endswith("_probe"):
+            continue
         replayed = replay_trace(trace)
         rows.append(_row("replay", f"{name} at 1 Gbit (traced steps)", replayed.step_time, measured_step_time(trace),
                          overhead=at_base[name]["traced_period_s"] / at_base[name]["period_s"] - 1.0))
@@ -289,9 +303,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          measured[rate]["dp2"]["period_s"]))
     costs_dp = calibrate(dp2, shape, Job("dp2", 2, 1, 1, 1, True, steps).layout())
     correction = at_base["dp2"]["period_s"] / traced_period
+    probes = [Probe(traces[job.name], _shape(job.workload()), job.layout(),
+                    at_base[job.name]["period_s"] / measured_step_time(traces[job.name])) for job in probe_jobs]
+    predictor = ReplayPredictor(calibrate_from_traces(dp2, shape, base[0].layout(), probes, correction))
     for job in base[1:3]:
-        predicted = predict_layout(costs_dp, shape, job.layout()).step_time * correction
-        rows.append(_row("what-if layout", f"{job.name} from dp2", predicted, at_base[job.name]["period_s"]))
+        probed = f" and a {PROBE_LAYERS}-block probe" if job.tp > 1 else ""
+        rows.append(_row("what-if layout", f"{job.name} from dp2{probed}", predictor.step_time(job.layout()),
+                         at_base[job.name]["period_s"]))
+    unprobed = predict_layout(costs_dp, shape, base[2].layout()).step_time * correction
+    rows.append(_row("what-if layout (no probe)", "tp2 from dp2 alone", unprobed, at_base["tp2"]["period_s"]))
     pp_trace = traces["pp2_m2"]
     costs_pp = calibrate(pp_trace, shape, Job("pp2_m2", 1, 2, 1, 2, True, steps).layout())
     pp_correction = at_base["pp2_m2"]["period_s"] / measured_step_time(pp_trace)
@@ -310,17 +330,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     example = args.out.with_name(f"{args.out.name.removesuffix('.json')}_pp2_step.perfetto.json")
     write_chrome_trace(chrome_trace(one_step_trace(pp_trace, pp_trace.steps()[-1])), example)
     replay_error = abs(max((r["error"] for r in rows if r["kind"] == "replay"), key=abs))
-    whatif = [abs(r["error"]) for r in rows if r["kind"].startswith("what-if") and "error" in r]
+    whatif = [abs(r["error"]) for r in rows if r["kind"].startswith("what-if") and "error" in r
+              and r["kind"] != "what-if layout (no probe)"]
+    without_probes = [abs(r["error"]) for r in rows if r["kind"].startswith("what-if") and "error" in r
+                      and "probe" not in r["what"]]
     print("\nReplay and what-if predictions vs measured step periods (2 ranks, emulated links; 8-64 ranks simulated)")
     report.print_table([{**r, "error": f"{100 * r['error']:+.1f}%" if "error" in r else "-"} for r in rows],
                        ["kind", "what", "predicted_ms", "measured_ms", "error"])
     print(f"replay error {100 * replay_error:.1f}% (target ≤ {100 * REPLAY_TARGET:.0f}%), what-if error max "
-          f"{100 * max(whatif):.1f}% (target ≤ {100 * WHATIF_TARGET:.0f}%)")
+          f"{100 * max(whatif):.1f}% (target ≤ {100 * WHATIF_TARGET:.0f}%; without the probes "
+          f"{100 * max(without_probes):.1f}%)")
     report.write_json(args.out, rows, "emulated", replay_error=replay_error, whatif_error_max=max(whatif),
+                      whatif_error_max_without_probes=max(without_probes), probe_layers=PROBE_LAYERS,
                       replay_target=REPLAY_TARGET, whatif_target=WHATIF_TARGET, workload=WORKLOAD.describe(),
                       mode="quick" if args.quick else "full", perfetto_example=example.name,
                       recording_overhead=overhead, runs=_runs_without_paths(measured, mode.rates),
-                      calibrated_costs={"dp2": asdict(costs_dp), "pp2_m2": asdict(costs_pp)},
+                      calibrated_costs={"dp2": asdict(costs_dp), "pp2_m2": asdict(costs_pp),
+                                        "predictor": predictor.calibration.describe()},
                       note="emulated: tbf-shaped veth links, 2 gloo ranks, one thread each; simulated rows are "
                            "replays only; timings on a shared machine are noisy",
                       gpu_leg="not run: CPU/gloo on an emulated network", wall_s=time.perf_counter() - started)

@@ -147,17 +147,23 @@ def overlap_tp(data: dict[str, Any]) -> Table:
 
 def planner(data: dict[str, Any]) -> Table:
     rows = [[r["layout"], f"{1e3 * r['measured_s']:.0f}", f"{1e3 * r['predicted_s']:.0f}",
-             percent(r["error"], signed=True), percent(r.get("paired_error"), signed=True)] for r in data["rows"]]
+             percent(r["error"], signed=True), percent(r.get("paired_error"), signed=True),
+             f"{1e3 * r['replay_predicted_s']:.0f}" if "replay_predicted_s" in r else "-",
+             percent(r.get("replay_error"), signed=True)] for r in data["rows"]]
     s = data["summary"]
     notes = [
-        f"mean |error| {percent(s['mean_abs_error'])}, max {percent(s['max_abs_error'])}; paired mean "
+        f"cost model: mean |error| {percent(s['mean_abs_error'])}, max {percent(s['max_abs_error'])}; paired mean "
         f"{percent(s.get('mean_abs_paired_error'))}, max {percent(s.get('max_abs_paired_error'))}",
+        f"trace replay: mean |error| {percent(s.get('mean_abs_replay_error'))}, max "
+        f"{percent(s.get('max_abs_replay_error'))}; its pick {s.get('replay_pick', '-')}, regret "
+        f"{percent(s.get('replay_regret'))}",
         f"picked {s['pick']}, fastest measured {s['best_measured']}, regret {percent(s['regret'])}",
         "targets: " + ", ".join(f"{k.removesuffix('_target_met')} {met(v)}" for k, v in s.items()
                                 if k.endswith("_target_met")),
         f"{data['rounds']} rounds; {data['workload']}, {data['world_size']} ranks; {data['predictions']}",
     ]
-    return Table(["layout", "measured ms", "predicted ms", "error", "paired error"], rows, notes)
+    return Table(["layout", "measured ms", "predicted ms", "error", "paired error", "replay ms", "replay error"],
+                 rows, notes)
 
 
 def delta(data: dict[str, Any]) -> Table:
@@ -203,7 +209,9 @@ def moe(data: dict[str, Any]) -> Table:
                      f"{p['ours']['max_over_mean_worst_step']:.3f}", f"{p['dropless']['max_over_mean_all_steps']:.3f}",
                      ratio(p["deepspeed"]["step_ms"] / p["ours"]["step_ms"]),
                      f"{ratio(r['ours_over_best_baseline'])} ({r['best_baseline']})",
-                     ", ".join(f"{k} {n}" for k, n in p["ours"]["kinds"].items())])
+                     ", ".join(f"{k} {n}" for k, n in p["ours"]["kinds"].items()),
+                     str(p["ours"].get("explored_calls", "-")),
+                     ratio(p["ours_model_only"]["step_ms"] / p["ours"]["step_ms"]) if "ours_model_only" in p else "-"])
     simulated = data["simulated"]["rows"]
     goals = data["goals"]
     notes = [
@@ -218,7 +226,8 @@ def moe(data: dict[str, Any]) -> Table:
         + ", ".join(f"{s['ranks']} ranks {s['routing']} {ratio(s['ours_over_best_baseline'])}" for s in simulated),
     ]
     return Table(["configuration", "ours load max/mean (all steps)", "ours worst step", "dropless all steps",
-                  "ours vs DeepSpeed-MoE", "ours vs best baseline", "kinds ours ran (layer-steps)"], rows, notes)
+                  "ours vs DeepSpeed-MoE", "ours vs best baseline", "kinds ours ran (layer-steps)",
+                  "explored (online check)", "ours vs model only"], rows, notes)
 
 
 def adapters(data: dict[str, Any]) -> Table:
@@ -295,6 +304,52 @@ def scale(data: dict[str, Any]) -> Table:
                   f"peak/ideal, {top} layers", "load s", "load GB/s"], rows, notes)
 
 
+def scale_gpu(data: dict[str, Any]) -> str:
+    """One line for the scale section: the one-GPU leg's memory and load against its baselines."""
+    memory = [r for r in data["rows"] if r["section"] == "memory"]
+    loads = {r["leg"]: r for r in data["rows"] if r["section"] == "load"}
+    ours = next(r for r in loads.values() if r["leg"].startswith("merak3d"))
+    reference = next(r for r in loads.values() if r["leg"].startswith("from_pretrained"))
+    return (f"GPU leg ({data['device']}, torch {data['machine']['torch']}, {data['workload']}, fp32, one rank): "
+            "peak CUDA allocation / ideal " + ", ".join(
+                f"{r['leg']} {ratio(r.get('peak_over_ideal'))} (step {r['step_s']:.2f} s)" if r.get("error") is None
+                else f"{r['leg']} failed: {brief(r['error'])}" for r in memory)
+            + f"; load {ours['gb_per_s']:.2f} GB/s vs from_pretrained(device_map=cuda) {reference['gb_per_s']:.2f} "
+            f"({ours['gb_per_s'] / reference['gb_per_s']:.2f}×), logits rel err {ours['logits_rel_err']:.1e}; "
+            f"not run: {data['not_run']}")
+
+
+def delta_gpu(data: dict[str, Any]) -> str:
+    """One line for the delta section: the one-GPU leg's activation memory and step time against ``none``."""
+    setting = data["setting"]
+    cells = [f"{r['config']} failed: {brief(r['error'])}" if r.get("error") else
+             f"{r['config']} {ratio(r['activation_vs_none'])} memory, {ratio(r['time_vs_none'])} time"
+             for r in data["rows"]]
+    return (f"GPU leg ({data['device']}, torch {data['machine']['torch']}; BenchGPT hidden {setting['hidden']}, "
+            f"{setting['layers']} layers, batch {setting['batch']} × {setting['seq']}; budget "
+            f"{data['delta_budget_fraction']:g} of none's saved activations; CUDA allocator peak above the start): "
+            + ", ".join(cells) + f"; targets {data['targets']}")
+
+
+def sharding_gpu(data: dict[str, Any]) -> str:
+    """One line for the sharding section: the one-GPU precision leg against Lightning's single-device training."""
+    cells = []
+    for r in data["rows"]:
+        if r.get("refused"):
+            cells.append(f"{r['precision']} refused by Lightning here ({brief(r['refused'])})")
+        elif r.get("error"):
+            cells.append(f"{r['precision']} failed: {brief(r['error'])}")
+        else:
+            floor = r.get("lightning_rerun_rel_diff")
+            cells.append(f"{r['precision']} loss rel diff {r['loss_max_rel_diff']:.1e}"
+                         + ("" if floor is None else f" (Lightning against itself {floor:.1e})") + ", step "
+                         f"{ratio(r['step_over_lightning'])}, peak {ratio(r['peak_over_lightning'])}, optimizer "
+                         f"in {r['optimizer_dtype']}")
+    return (f"GPU leg ({data['device']}, torch {data['machine']['torch']}, {data['workload']}, {data['steps']} steps, "
+            "merak3d dp1 against Lightning's single-device training): " + "; ".join(cells)
+            + f"; not run: {data['not_run']}")
+
+
 def sharding(data: dict[str, Any]) -> Table:
     rows = []
     for r in (r for r in data["rows"] if r["section"] == "modes"):
@@ -358,20 +413,60 @@ def replay(data: dict[str, Any]) -> Table:
              percent(r.get("error"), signed=True)] for r in data["rows"]]
     overhead = data.get("recording_overhead", {})
     notes = [f"replay error {percent(data['replay_error'])} (goal ≤ {percent(data['replay_target'])}), what-if error "
-             f"max {percent(data['whatif_error_max'])} (goal ≤ {percent(data['whatif_target'])})",
+             f"max {percent(data['whatif_error_max'])} (goal ≤ {percent(data['whatif_target'])}; without the "
+             f"probes {percent(data.get('whatif_error_max_without_probes'))})",
              f"recording costs {overhead.get('overhead_per_op_us', float('nan')):.0f} µs per collective or "
              f"point-to-point op; Perfetto example: benchmarks/results/{data['perfetto_example']}",
              f"{data['workload']}; {data['note']}"]
     return Table(["kind", "what", "predicted ms", "measured ms", "error"], rows, notes)
 
 
+def moe_families(data: dict[str, Any]) -> Table:
+    rows = [[r["family"], "failed", brief(r["error"]), "", "", "", "", ""] if "error" in r else
+            [r["family"], f"{r['num_experts']} / top-{r['top_k']}", f"{r['output_diff']:.1e} / {r['grad_diff']:.1e}",
+             *(f"{r['step_min_ms'][v]:.1f}" for v in ("eager", "grouped_mm", "ours")),
+             f"{ratio(r['speedup_vs_eager'])} / {ratio(r['speedup_vs_grouped_mm'])}", ratio(r["exchange_cost"])]
+            for r in data["rows"]]
+    goals = data["goals"]
+    notes = [
+        f"ep={data['ep']} on {data['world_size']} {data['backend']} ranks, tiny configs from each family's config "
+        f"class (hidden {data['size']['hidden']}, batch {data['size']['batch']} × {data['size']['seq']} per rank), "
+        f"fastest of {data['steps']} interleaved training steps (medians in the JSON); eager and grouped_mm hold "
+        "every expert on every rank; exchange cost: ours over our grouped core without expert parallelism",
+        f"families_exact: {', '.join(data['families_exact'])}; max_output_diff {data['max_output_diff']:.1e} "
+        f"{met(goals['max_output_diff_le_1e-5'])} (goal ≤ 1e-5); speedup_vs_hf_min "
+        f"{ratio(data['speedup_vs_hf_min'])} {met(goals['speedup_vs_hf_min_ge_1.3'])} (goal ≥ 1.3)",
+        "refused: " + ", ".join(sorted(data["families_refused"])) + f"; pp=2 × ep=2: {data['pp2_ep2']['status']}",
+    ]
+    replicated = [r["replicated_over_ours"] for r in data["rows"] if "replicated_over_ours" in r]
+    if replicated:
+        notes.append(f"each layer's hottest expert shadowed on every rank (Pro-Prophet/FasterMoE replicas run by "
+                     f"merak_ep): max diff from ours {data['max_replicated_diff']:.1e}, step "
+                     f"{ratio(min(replicated))}–{ratio(max(replicated))} of ours")
+    return Table(["family", "experts / k", "output / grad max diff", "eager ms", "grouped_mm ms", "ours ms",
+                  "ours vs eager / grouped_mm", "exchange cost"], rows, notes)
+
+
+def moe_families_gpu(data: dict[str, Any]) -> str:
+    """One line for the moe_families section: the single-GPU leg, ours against eager and grouped_mm."""
+    cells = [f"{r['family']} {r['dtype']} failed: {brief(r['error'])}" if r.get("error") else
+             f"{r['family']} {r['dtype']} {ratio(r.get('speedup_vs_eager'))} / {ratio(r.get('speedup_vs_grouped_mm'))}"
+             for r in data["rows"]]
+    return (f"GPU leg ({data['device_name']}, torch {data['machine']['torch']}, ep=1, one process; ours vs eager / "
+            "vs grouped_mm): " + ", ".join(cells))
+
+
 AREAS: dict[str, Callable[[dict[str, Any]], Table]] = {
     "collectives": collectives, "merak3d": merak3d, "overlap_tp": overlap_tp, "planner": planner,
     "delta": delta, "sparse_comm": sparse_comm, "moe": moe, "adapters": adapters, "scale": scale,
-    "sharding": sharding, "dynapipe": dynapipe, "replay": replay,
+    "sharding": sharding, "dynapipe": dynapipe, "replay": replay, "moe_families": moe_families,
 }
 AUXILIARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "adapters_lr_sweep": ("adapters", adapters_lr_sweep),
+    "scale.gpu": ("scale", scale_gpu),
+    "delta.gpu": ("delta", delta_gpu),
+    "sharding.gpu": ("sharding", sharding_gpu),
+    "moe_families.gpu": ("moe_families", moe_families_gpu),
 }
 
 

@@ -2,7 +2,7 @@
 
 Run from the repo root::
 
-    python -m benchmarks.scale [--quick] [--out PATH] [--legs NAME ...]
+    python -m benchmarks.scale [--quick] [--out PATH] [--legs NAME ...] [--device cpu|cuda]
 
 ``--legs`` runs only the named legs (``pp2xtp2``, ``"tp2 (compact host memory)"``, ``DDP``: a leg's name, with
 or without its ``merak3d`` prefix), for investigating one layout; the load section then covers only those
@@ -45,6 +45,9 @@ torch thread each) and trains a few steps of a randomly initialised Llama built 
    (``logits_max_rel_err``: max |difference| / max |reference|, worst layout). The pp2×tp2 load is
    saved as a merak3d checkpoint with no training step and exported with ``merak-export``;
    ``export_roundtrip_max_abs`` compares every exported tensor with the original file's.
+
+``--device cuda`` runs the GPU leg instead (``benchmarks/_scale_gpu.py``: one GPU, one rank per
+leg, written to ``scale.gpu.json``).
 
 Figures are measured on this machine (label "measured"; CPU, gloo). A leg that errors makes the
 command exit 1, except a baseline that refuses this machine (ZeRO-3), which is recorded.
@@ -298,7 +301,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", type=Path, help=out_help("scale"))
     parser.add_argument("--legs", nargs="+", metavar="NAME",
                         help="run only these legs (default: all; output default scale.legs.json)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the one-GPU leg (benchmarks/_scale_gpu.py) instead of the CPU run")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        from benchmarks._scale_gpu import gpu_main
+
+        return gpu_main(args.out or default_out("scale.gpu", args.quick), args.quick)
     legs = select_legs(args.legs)
     load_legs = tuple(leg for leg in LOAD_LEGS if leg in legs)
     # a run of some legs must not overwrite the full run's figures

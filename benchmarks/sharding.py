@@ -2,7 +2,9 @@
 
 Run from the repo root, as root (the shaped links need network namespaces)::
 
-    python -m benchmarks.sharding [--quick] [--out PATH]
+    python -m benchmarks.sharding [--quick] [--out PATH] [--device cpu|cuda]
+
+(``--device cuda``: the one-GPU precision leg of ``benchmarks/_sharding_gpu.py`` instead, ``sharding.gpu.json``.)
 
 Every job trains a randomly initialised transformers Llama (built from its config, fp32) on gloo
 ranks, one compute thread each, each rank in its own network namespace on a tbf-shaped 1 Gbit/s
@@ -505,7 +507,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="dp=2 and pp=2 × dp=2, fewer steps (under 4 minutes)")
     parser.add_argument("--out", type=Path, help=report.out_help("sharding"))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the one-GPU precision leg (benchmarks/_sharding_gpu.py) instead of the CPU run")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        from benchmarks._sharding_gpu import gpu_main
+
+        return gpu_main(args.out or report.default_out("sharding.gpu", args.quick), args.quick)
     args.out = args.out or report.default_out("sharding", args.quick)
     setting = QUICK if args.quick else FULL
     emulated = emulation_available()

@@ -72,7 +72,8 @@ class CausalLMModule(pl.LightningModule):
     Pass the ``model``, or a ``model_factory`` that :meth:`configure_model` calls inside the strategy's
     sharded context (on the meta device under merak3d, so no rank builds the whole model). With
     ``pretrained_path`` (a local transformers directory), merak3d fills each rank's part from it
-    (:meth:`load_pretrained_weights`).
+    (:meth:`load_pretrained_weights`). For adapters the factory returns
+    :func:`~lightning_merak.adapters.meta.attach_on_meta` of the model: each rank then quantises its own part.
     """
 
     def __init__(self, model: Optional[nn.Module], optim: TrainerConfig,
@@ -96,9 +97,9 @@ class CausalLMModule(pl.LightningModule):
         from ``pretrained_path``, undoing the split's ``layout_changes``. Without a path, the random init stays."""
         if self.pretrained_path is None:
             return
-        from lightning_merak.hf import load_pretrained
+        from lightning_merak.hf import load_rank_pretrained
 
-        load_pretrained(tensors, self.pretrained_path, layout_changes)
+        load_rank_pretrained(self.model, tensors, self.pretrained_path, layout_changes)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record the transformers config (and adapter configs) so ``merak-export`` can write a Hugging Face

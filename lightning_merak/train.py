@@ -162,10 +162,10 @@ def train(config: TrainConfig) -> Path:
     data = LanguageModelingData(config.data)
 
     # merak3d builds the model in configure_model(), inside its sharded context: on the meta device, each rank
-    # materialising only its part later (and reading only its part of a pretrained checkpoint). DDP builds it
-    # whole, and so do MoE plugins and adapters, which rewrite (quantise, regroup) weights that must exist.
-    on_meta = (getattr(strategy, "strategy_name", None) == "merak3d" and config.moe.name == "none"
-               and config.adapter.name == "none")
+    # materialising only its part later (and reading only its part of a pretrained checkpoint). Adapters attach
+    # on meta too; each rank quantises its own frozen base once it is real. DDP builds it whole, and so do MoE
+    # plugins, which regroup weights that must exist.
+    on_meta = getattr(strategy, "strategy_name", None) == "merak3d" and config.moe.name == "none"
     pretrained = config.model.path
 
     def build_model() -> Any:
@@ -175,6 +175,10 @@ def train(config: TrainConfig) -> Path:
             base = pretrained_causal_lm(pretrained, data.vocab_size, config.model.config, weights=not on_meta)
         else:
             base = build_causal_lm(config.model, vocab_size=data.vocab_size)
+        if on_meta and config.adapter.name != "none":
+            from lightning_merak.adapters.meta import attach_on_meta
+
+            return attach_on_meta(config.adapter, base)
         return config.adapter.apply(config.moe.apply(base))
 
     module = CausalLMModule(None if on_meta else build_model(), config.trainer, model_factory=build_model,

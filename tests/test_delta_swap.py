@@ -236,3 +236,33 @@ def test_release_free_gives_freed_heap_holes_back_to_the_os():
     DeviceMemory(torch.device("cpu")).release_free()
     assert before - _rss_bytes() >= 10 * 2**20, "malloc_trim should return most of the ~28 MiB of holes"
     del blocks
+
+
+def test_block_times_wait_for_the_gpu_in_warm_up_steps_only(monkeypatch):
+    """On a GPU a block's time must be its kernels' run, not their launch: every block event of a profiled
+    (warm-up) step synchronises the device first; managed steps never do."""
+    model = tiny_gpt2(layers=2)
+    model.train()
+    options = ManagerOptions(budget=parse_budget(10**9), swap_tier="host", warmup_steps=1)
+    manager = MemoryManager(discover_blocks(model), options, log=lambda message: None)
+    manager.start(model, torch.device("cpu"))
+    manager.device_memory.is_cuda = True  # the events' path as on a GPU; the synchronisations are counted
+    synchronized = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synchronized.append(device))
+    monkeypatch.setattr(manager.device_memory, "peak", lambda: 0)
+    monkeypatch.setattr(manager.device_memory, "reset_peak", lambda: None)
+    monkeypatch.setattr(manager.device_memory, "release_free", lambda: None)
+    monkeypatch.setattr(manager.device_memory, "total", lambda: 2**34)
+    ids = torch.randint(0, 128, (2, 16))
+    per_step = []
+    for _ in range(2):
+        before = len(synchronized)
+        manager.begin_step("ids", ids.numel())
+        loss = model(input_ids=ids, labels=ids).loss
+        manager.end_forward()
+        loss.backward()
+        manager.end_backward()
+        per_step.append(len(synchronized) - before)
+    manager.close()
+    assert per_step[0] >= 4 * 2, "a warm-up step synchronises at each block's four events"
+    assert per_step[1] == 0, "a managed step must not synchronise"

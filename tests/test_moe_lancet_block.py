@@ -195,7 +195,8 @@ def _stack(world_size: int, case: dict[str, Any]) -> Stack:
         HIDDEN, _expert(), num_experts=num_experts, ep_size=world_size, k=case["k"],
         capacity_factor=case.get("capacity_factor", 1.0), min_capacity=2, drop_tokens=case.get("drop_tokens", True),
         use_rts=case.get("use_rts", False), top2_2nd_expert_sampling=case.get("sampling", False),
-        cost_model=_cheap_transfers(num_experts // world_size), scheduler=scheduler, **case["options"],
+        cost_model=_cheap_transfers(num_experts // world_size), scheduler=scheduler,
+        **{"online_check": False, **case["options"]},  # sub-batches run the model's plan; so must the unsplit stack
     )) for _ in range(2)]
     return Stack(blocks)
 

@@ -3,8 +3,8 @@
 Same weights, same inputs and the same RNG state before each forward, so the gate
 decisions are identical; every combination of dispatch path, placement (including a
 replica that receives zero tokens), plan kind and timing (this step's counts with transfers in
-flight during the dispatch, or the previous step's prefetched) and Lancet chunking must
-reproduce DeepSpeed.
+flight during the dispatch, or the previous step's prefetched), Lancet chunking and the online
+plan check exploring a different arm on every call must reproduce DeepSpeed.
 """
 
 from __future__ import annotations
@@ -65,12 +65,13 @@ def _run_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any
     torch.manual_seed(0)
     reference = DeepSpeedMoE(expert=expert_mlp(), **kwargs)
     reference.set_deepspeed_parallelism()
+    options = {"online_check": False, **case["options"]}  # the model's choice: each case runs the kinds it names
     ours = MoE(expert=expert_mlp(), **kwargs, cost_model=cheap_transfer_cost_model(num_experts // world_size),
-               **case["options"])
+               **options)
     ours.load_state_dict(reference.state_dict())
     layer = ours.deepspeed_moe
     gate_weight = reference.deepspeed_moe.gate.wg.weight.detach()
-    out: dict[str, Any] = {"diffs": [], "plans": [], "counts": [], "chunks": [], "kinds": []}
+    out: dict[str, Any] = {"diffs": [], "plans": [], "counts": [], "chunks": [], "kinds": [], "explored": []}
     if "force_plan" in case:
         forced = PlacementPlan(num_experts, world_size, tuple(Replication(*r) for r in case["force_plan"]))
         timing = case.get("force_timing", "current")
@@ -99,6 +100,7 @@ def _run_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any
         out["counts"].append(layer.stats["counts"])
         out["chunks"].append(layer.stats["chunks"])
         out["kinds"].append((layer.stats["plan_kind"], layer.stats["plan_timing"]))
+        out["explored"].append(layer.stats.get("explored", False))
     return out
 
 
@@ -140,6 +142,9 @@ FOUR_RANK_CASES = {
     "dropless_auto_lancet_auto": dict(num_experts=8, k=2, drop_tokens=False,
                                       options=dict(dispatch="dropless", placement="auto", alpha=0.0,
                                                    lancet_chunks="auto")),
+    "padded_auto_exploring_every_call": dict(num_experts=8, k=2, drop_tokens=False,
+                                             options=dict(placement="auto", alpha=0.0, lancet_chunks="auto",
+                                                          online_check=True, explore_every=1, explore_regret=1e9)),
 }
 
 
@@ -161,6 +166,8 @@ def _check(results: list[dict[str, Any]], cases: dict[str, dict[str, Any]]) -> N
                 assert "current" in timings, f"{name}: never ran a plan from this step's counts"
             if "starve_rank" in case:
                 assert result["counts"][-1][case["starve_rank"]][0] == 0, f"{name}: starved rank still routes to 0"
+            if case["options"].get("explore_every") == 1:
+                assert all(result["explored"]), f"{name}: the online check did not explore ({result['kinds']})"
             chunks = case["options"].get("lancet_chunks", 1)
             if isinstance(chunks, int):
                 assert result["chunks"] == [chunks] * 3

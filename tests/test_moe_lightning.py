@@ -119,7 +119,8 @@ def test_mixtral_tiny_trains_like_the_original_under_lightning_ddp() -> None:
     assert not torch.equal(results[0]["expert"], results[1]["expert"]), "each EP rank must hold different experts"
     assert len(results[0]["history"]) == STEPS
     assert {"moe/layer0/rb", "moe/layer0/maxvio", "moe/layer0/aux_loss", "moe/layer0/plan_kind",
-            "moe/layer0/plan_from_previous_step"} <= set(results[0]["logged"])
+            "moe/layer0/plan_from_previous_step", "moe/layer0/measured_ms", "moe/layer0/corrected_ms",
+            "moe/layer0/explored"} <= set(results[0]["logged"])
 
 
 class _LoggedLoss(pl.Callback):

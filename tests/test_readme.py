@@ -137,6 +137,8 @@ CASES: dict[str, Case] = {
     "merak-train model=mixtral_tiny moe=shadowing moe.ep_size=2": Case(),
     "merak-train adapter=qbara adapter.r=8 adapter.quantization=nf4": Case(),
     "merak-train model=hf model.path=/abs/checkpoint_dir strategy.pipeline_parallel=2": Case(),
+    "merak-train model=hf model.path=/abs/checkpoint_dir adapter=qbara adapter.quantization=nf4 "
+    "strategy.pipeline_parallel=2": Case(output=("pipeline_parallel=2",)),
     "merak-export /abs/run_dir/checkpoints/final.ckpt /abs/exported_dir": Case(
         trains=False, output=("merak-export: wrote",),
         before="merak-train model=hf model.path=/abs/checkpoint_dir strategy.pipeline_parallel=2"),

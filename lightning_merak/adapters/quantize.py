@@ -50,40 +50,50 @@ def quantize_model(
         return model
     if quantization == "int4":
         return quantize_linear_layers_int4(model, group_size, skip)
-    import bitsandbytes as bnb
-
     targets = [
         (name, module)
         for name, module in model.named_modules()
         if type(module) is nn.Linear and name.split(".")[-1] not in skip
     ]
     for name, linear in targets:
-        device = linear.weight.device
-        has_bias = linear.bias is not None
-        if quantization == "int8":
-            layer = bnb.nn.Linear8bitLt(
-                linear.in_features, linear.out_features, bias=has_bias, has_fp16_weights=False, threshold=6.0
-            )
-            layer.weight = bnb.nn.Int8Params(linear.weight.data.clone(), requires_grad=False, has_fp16_weights=False)
-        else:
-            layer = bnb.nn.Linear4bit(
-                linear.in_features,
-                linear.out_features,
-                bias=has_bias,
-                compute_dtype=torch.float32,
-                compress_statistics=double_quant,
-                quant_type=quantization,
-            )
-            layer.weight = bnb.nn.Params4bit(
-                linear.weight.data.clone(),
-                requires_grad=False,
-                compress_statistics=double_quant,
-                quant_type=quantization,
-            )
-            if not bnb_cpu_packable(linear.in_features, linear.out_features, layer.weight.blocksize):
-                layer.support_avx512bf16_for_cpu = False
-        if has_bias:
-            layer.bias = nn.Parameter(linear.bias.data.clone(), requires_grad=False)
-        replace_submodule(model, name, layer.to(device))
+        replace_submodule(model, name, quantized_linear(linear, quantization, double_quant))
     setattr(model, "is_loaded_in_8bit" if quantization == "int8" else "is_loaded_in_4bit", True)
     return model
+
+
+def quantized_linear(linear: nn.Linear, quantization: Quantization, double_quant: bool = True) -> nn.Module:
+    """A bitsandbytes ``nf4``/``fp4``/``int8`` layer computing ``linear`` from its quantised weight (frozen).
+
+    One layer at a time, so a model built on the meta device quantises each rank's part as the whole model does.
+    """
+    import bitsandbytes as bnb
+
+    device = linear.weight.device
+    has_bias = linear.bias is not None
+    if quantization == "int8":
+        layer = bnb.nn.Linear8bitLt(
+            linear.in_features, linear.out_features, bias=has_bias, has_fp16_weights=False, threshold=6.0
+        )
+        layer.weight = bnb.nn.Int8Params(linear.weight.data.clone(), requires_grad=False, has_fp16_weights=False)
+    elif quantization in ("nf4", "fp4"):
+        layer = bnb.nn.Linear4bit(
+            linear.in_features,
+            linear.out_features,
+            bias=has_bias,
+            compute_dtype=torch.float32,
+            compress_statistics=double_quant,
+            quant_type=quantization,
+        )
+        layer.weight = bnb.nn.Params4bit(
+            linear.weight.data.clone(),
+            requires_grad=False,
+            compress_statistics=double_quant,
+            quant_type=quantization,
+        )
+        if not bnb_cpu_packable(linear.in_features, linear.out_features, layer.weight.blocksize):
+            layer.support_avx512bf16_for_cpu = False
+    else:
+        raise ValueError(f"quantized_linear: {quantization!r} is not a bitsandbytes quantization (nf4, fp4, int8)")
+    if has_bias:
+        layer.bias = nn.Parameter(linear.bias.data.clone(), requires_grad=False)
+    return layer.to(device)

@@ -176,7 +176,8 @@ def _ignored(patterns: Optional[list[str]], name: str) -> bool:
 
 def load_pretrained(tensors: Mapping[str, torch.Tensor], directory: Union[str, Path],
                     layout_changes: Optional[Mapping[str, Any]] = None, *,
-                    model: Optional[nn.Module] = None) -> LoadReport:
+                    model: Optional[nn.Module] = None,
+                    read_elsewhere: Optional[Mapping[str, Sequence[str]]] = None) -> LoadReport:
     """Fill ``tensors`` in place from the transformers checkpoint in ``directory``.
 
     Args:
@@ -189,6 +190,9 @@ def load_pretrained(tensors: Mapping[str, torch.Tensor], directory: Union[str, P
             Conv1D transposed); each shard reads only the file rows its own rows come from.
         model: the unsplit transformers model (meta is fine) for names, tied weights and
             conversions; built on the meta device from ``config.json`` when omitted.
+        read_elsewhere: module name → the checkpoint keys another reader fills it from
+            (:func:`~lightning_merak.hf.experts.load_pretrained_experts`): those keys are not
+            renamed here, those names not required.
 
     Non-persistent buffers and adapter weights are left alone. A tied weight absent from the
     file (``lm_head.weight``) is read from the tensor it is tied to.
@@ -200,12 +204,15 @@ def load_pretrained(tensors: Mapping[str, torch.Tensor], directory: Union[str, P
     layout_changes = dict(layout_changes or {})
     persistent = model.state_dict()
     known = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers()), **persistent}
-    by_module = checkpoint_names(files.weight_map, model)
+    elsewhere = dict(read_elsewhere or {})
+    skipped = {key for keys in elsewhere.values() for key in keys}
+    by_module = checkpoint_names([key for key in files.weight_map if key not in skipped], model)
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
 
     unexpected = sorted(name for name in by_module if name not in persistent
                         and not _ignored(getattr(model, "_keys_to_ignore_on_load_unexpected", None), name))
     missing = sorted(name for name in persistent if name not in by_module and tied.get(name) not in by_module
+                     and name not in elsewhere
                      and not _ignored(getattr(model, "_keys_to_ignore_on_load_missing", None), name))
     if unexpected or missing:
         raise ValueError(

@@ -12,7 +12,9 @@ weights-only ``torch.load``: nothing is unpickled, :mod:`lightning_merak.runtime
 written shard by shard, so peak memory is about one output shard. Names,
 tied weights and transformers' renamings are undone as ``save_pretrained`` does
 (:mod:`lightning_merak.hf.names`); rows of a padded vocabulary are dropped. Checkpoints already
-hold the unsplit layout (tensor-parallel regrouping undone, experts numbered globally).
+hold the unsplit layout (tensor-parallel regrouping undone, experts numbered globally). Fused MoE
+expert parameters are written as ``save_pretrained`` writes them (per expert for Mixtral, Qwen-MoE,
+OLMoE, DeepSeek; :mod:`lightning_merak.hf.experts`), cut from one whole parameter read at a time.
 
 Adapters: a PEFT user saving a ``PeftModel`` gets the adapter alone; a user exporting for
 ``from_pretrained`` wants plain weights. So a checkpoint with adapter weights is refused unless
@@ -146,11 +148,11 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
     from safetensors.torch import save_file
     from transformers.utils.hub import convert_file_size_to_int
 
+    from lightning_merak.hf.experts import export_layout
     from lightning_merak.hf.names import (
         MODEL_RECORD_KEY,
         PEFT_LAYER_INFIX,
         build_meta_model,
-        export_names,
         load_config,
         strip_wrappers,
     )
@@ -162,7 +164,7 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
                          "not from a transformers model); pass --config DIR with the model's config.json")
     hf_config = load_config(config if config is not None else record["config"])
     model = build_meta_model(hf_config)
-    names = export_names(model)
+    names, experts = export_layout(model)
     meta_state = model.state_dict()
     prefix, resolved = strip_wrappers(source.entries, meta_state)
     by_module = {bare: key for key, bare in resolved.items() if bare is not None}
@@ -175,7 +177,7 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
                          "them merged into the base weights")
     if extra and not adapters:
         raise ValueError(f"{checkpoint} holds adapter weights but records no adapter config to merge them with")
-    missing = sorted(name for name in names if name not in by_module)
+    missing = sorted(name for name in [*names, *experts] if name not in by_module)
     if missing:
         raise ValueError(f"{checkpoint} lacks tensors of {type(model).__name__}: {missing[:8]}")
     adapted = {key[len(prefix):].split(PEFT_LAYER_INFIX)[0]: key.split(PEFT_LAYER_INFIX)[0]
@@ -203,23 +205,38 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
             tensor = _merged_weight(layer, base, adapter, adapters)
         return (tensor.to(out_dtype) if out_dtype else tensor).contiguous()
 
-    sizes = {name: torch.Size(shape_of(name)).numel() * (out_dtype or source.entries[by_module[name]][1]).itemsize
-             for name in names}
+    outputs: dict[str, tuple[str, Optional[int], Any]] = {}  # key → (module name, expert, part of an expert)
+    for name in meta_state:
+        if name in names:
+            outputs[names[name]] = (name, None, None)
+        elif name in experts:  # per expert, as save_pretrained writes them (hf/experts.py)
+            outputs.update((key, (name, expert, part)) for key, expert, part in experts[name].pieces())
+    held: dict[str, torch.Tensor] = {}  # the last tensor read: an expert parameter's pieces are cut from it
+
+    def output(key: str) -> torch.Tensor:
+        name, expert, part = outputs[key]
+        if name not in held:
+            held.clear()
+            held[name] = tensor_of(name)
+        return held[name] if part is None else experts[name].piece(held[name], expert, part).clone()
+
+    sizes = {key: torch.Size(shape_of(name) if part is None else experts[name].piece_shape(part)).numel()
+             * (out_dtype or source.entries[by_module[name]][1]).itemsize for key, (name, _, part) in outputs.items()}
     limit = convert_file_size_to_int(max_shard_size)
     shards: list[list[str]] = [[]]
-    for name in names:
-        if shards[-1] and sum(sizes[n] for n in shards[-1]) + sizes[name] > limit:
+    for key in outputs:
+        if shards[-1] and sum(sizes[k] for k in shards[-1]) + sizes[key] > limit:
             shards.append([])
-        shards[-1].append(name)
+        shards[-1].append(key)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report = ExportReport(total_size=sum(sizes.values()))
     weight_map = {}
     for number, shard in enumerate(shards, start=1):
         file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {names[name]: tensor_of(name) for name in shard}
+        tensors = {key: output(key) for key in shard}
         save_file(tensors, out / file_name, metadata={"format": "pt"})
-        report.largest_shard_bytes = max(report.largest_shard_bytes, sum(sizes[name] for name in shard))
+        report.largest_shard_bytes = max(report.largest_shard_bytes, sum(sizes[key] for key in shard))
         weight_map.update(dict.fromkeys(tensors, file_name))
         report.files.append(file_name)
         del tensors

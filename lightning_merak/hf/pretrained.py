@@ -2,7 +2,7 @@
 
 Under DDP every rank loads the whole model (:func:`pretrained_causal_lm`, i.e. ``from_pretrained``).
 Under merak3d the model is built from :func:`pretrained_config` (on the meta device), split, and each
-rank fills only its shards with :func:`~lightning_merak.hf.checkpoint.load_pretrained`.
+rank fills only its shards with :func:`load_rank_pretrained` (its experts only under expert parallelism).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
-__all__ = ["check_vocabulary", "pretrained_causal_lm", "pretrained_config"]
+__all__ = ["check_vocabulary", "load_rank_pretrained", "pretrained_causal_lm", "pretrained_config"]
 
 
 def pretrained_config(path: Union[str, Path], overrides: Optional[Mapping[str, Any]] = None) -> Any:
@@ -48,3 +48,25 @@ def pretrained_causal_lm(path: Union[str, Path], data_vocab_size: int,
     if not weights:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return AutoModelForCausalLM.from_pretrained(Path(path).expanduser(), config=config, dtype=torch.float32)
+
+
+def load_rank_pretrained(model: nn.Module, tensors: Mapping[str, torch.Tensor], path: Union[str, Path],
+                         layout_changes: Optional[Mapping[str, Any]] = None) -> Any:
+    """Fill this rank's ``tensors`` of ``model`` from ``path``: merak3d's pretrained seam, MoE models included.
+
+    Expert parameters are read for the experts
+    :func:`~lightning_merak.plugins.moe.experts.enable.enable_expert_parallel` left on this rank (every
+    expert without expert parallelism); everything else as
+    :func:`~lightning_merak.hf.checkpoint.load_pretrained` reads it. Returns the
+    :class:`~lightning_merak.hf.experts.ExpertLoadReport`.
+    """
+    from lightning_merak.hf.experts import load_pretrained_experts
+    from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
+
+    places = {(shard.ep_rank, shard.ep_size) for module in model.modules()
+              if (shard := getattr(module, SHARD_ATTRIBUTE, None)) is not None}
+    if len(places) > 1:
+        raise ValueError(f"experts modules of one model sit at different expert-parallel places {sorted(places)}; "
+                         "enable expert parallelism once per model (enable_expert_parallel)")
+    ep_rank, ep_size = places.pop() if places else (0, 1)
+    return load_pretrained_experts(tensors, path, ep_rank=ep_rank, ep_size=ep_size, layout_changes=layout_changes)

@@ -52,6 +52,10 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
     lancet_block_chunks: str = "auto"
     aux_loss_coef: float = 0.01
     log_every_n_steps: int = 10
+    experts: str = "deepspeed"
+    """``deepspeed``: swap sparse blocks for our DeepSpeed-MoE layer. ``merak_ep``: keep the family's own blocks
+    (any transformers-5 MoE family, any top-k) and run its experts expert-parallel over ``ep_size`` ranks
+    (:mod:`lightning_merak.plugins.moe.experts`); the layer options above do not apply."""
 
     def _block_chunks(self) -> int | str:
         if self.lancet_scope not in ("layer", "block"):
@@ -66,6 +70,16 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
     def apply(self, model: nn.Module) -> nn.Module:
         from lightning_merak.plugins.moe.block_replacement import swap_sparse_moe_blocks
         from lightning_merak.plugins.moe.lancet_block import lancet_overlap
+
+        if self.experts == "merak_ep":
+            from lightning_merak.plugins.moe.experts import family_support
+
+            supported, reason = family_support(model)
+            if not supported:
+                raise ValueError(f"moe.experts=merak_ep refused: {reason}; use moe.experts=deepspeed or moe=none")
+            return model  # sliced per rank by ExpertParallelCallback once the process group exists
+        if self.experts != "deepspeed":
+            raise ValueError(f"moe.experts={self.experts!r}: use deepspeed or merak_ep")
 
         config = getattr(model, "config", None)
         model_experts = getattr(config, "num_local_experts", None)
@@ -92,6 +106,11 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
 
     def build_callbacks(self) -> list[pl.Callback]:
         from lightning_merak.plugins.moe.callback import MoEPlacementCallback
+
+        if self.experts == "merak_ep":
+            from lightning_merak.plugins.moe.experts import ExpertParallelCallback
+
+            return [ExpertParallelCallback(ep_size=self.ep_size, log_every_n_steps=self.log_every_n_steps)]
 
         return [MoEPlacementCallback(log_every_n_steps=self.log_every_n_steps, heatmap_in_log_dir=True)]
 

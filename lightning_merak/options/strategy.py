@@ -40,6 +40,7 @@ class Merak3DOptions:
     timeout_s: float = 600.0
     memory_limit: Optional[float] = None
     plan_only: bool = False
+    planner_calibration: str = "analytic"
     vocab_parallel: bool = True
     compact_host_memory: bool = False
     data_parallel_sharding: str = "none"

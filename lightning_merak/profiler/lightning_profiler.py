@@ -7,7 +7,8 @@ then, while every rank is still in the same place, aligns the ranks' clocks by r
 gathers the records on rank 0 and writes there the raw trace (``<filename>.json``, for
 :meth:`Trace.load`) and a Perfetto/Chrome trace (``<filename>.perfetto.json``). The summary of
 the critical path and exposed communication is logged, returned by :meth:`summary` and printed by
-Lightning at the end of the run.
+Lightning at the end of the run. The trace's meta records the run's layout and model shape
+(:func:`run_meta`), from which the layout planner calibrates (:mod:`.calibration`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from lightning.pytorch.profilers import Profiler
 from lightning_merak.profiler.chrome import chrome_trace, write_chrome_trace
 from lightning_merak.profiler.recorder import TraceRecorder
 from lightning_merak.profiler.summary import summarize
+from lightning_merak.profiler.synthesize import ModelShape
 from lightning_merak.profiler.trace import Span, Trace, offset_from_round_trips
 
-__all__ = ["MerakTraceProfiler", "estimate_clock_offsets"]
+__all__ = ["MerakTraceProfiler", "estimate_clock_offsets", "model_shape", "run_meta"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,45 @@ def estimate_clock_offsets(rounds: int = 8) -> list[float]:
             offsets[peer] = offset_from_round_trips(samples)
     dist.broadcast(offsets, 0)
     return offsets.tolist()
+
+
+def model_shape(model: torch.nn.Module, seq: int) -> Optional[ModelShape]:
+    """The unsplit model's blocks, parameters and hidden size, as the replay needs them (None: no blocks found).
+
+    Split parameters are DTensors, whose ``numel`` counts the unsplit tensor: a tensor-parallel rank counts
+    the whole model too.
+    """
+    from lightning_merak.strategies.pipeline.trace import TraceError, find_trunk
+
+    try:
+        blocks = find_trunk(model)[1]
+    except TraceError:
+        return None
+    block_params = sum(p.numel() for p in blocks[0].parameters())
+    total = sum(p.numel() for p in model.parameters())
+    hidden = getattr(getattr(model, "config", None), "hidden_size", 0)
+    return ModelShape(len(blocks), block_params, max(total - len(blocks) * block_params, 0), hidden, seq)
+
+
+def run_meta(module: Any) -> dict[str, Any]:
+    """The traced run's layout (merak3d's degrees, or data parallelism over every rank) and, where each rank
+    holds every block (one pipeline stage), the model's shape: what calibrating the planner needs to know."""
+    trainer = getattr(module, "trainer", None) if module is not None else None
+    strategy = getattr(trainer, "strategy", None)
+    if strategy is None:
+        return {}
+    if hasattr(strategy, "pipeline_parallel") and hasattr(strategy, "tensor_parallel"):
+        layout = {"dp": strategy.data_parallel, "pp": strategy.pipeline_parallel, "tp": strategy.tensor_parallel,
+                  "micro_batches": strategy.micro_batches or 1, "overlap": strategy.tp_overlap}
+    else:
+        layout = {"dp": trainer.world_size, "pp": 1, "tp": 1, "micro_batches": 1, "overlap": 1}
+    meta: dict[str, Any] = {"layout": layout}
+    model = getattr(module, "model", None)
+    shape = model_shape(model, 0) if layout["pp"] == 1 and isinstance(model, torch.nn.Module) else None
+    if shape is not None:
+        meta["model"] = {"blocks": shape.blocks, "block_params": shape.block_params,
+                         "other_params": shape.other_params, "hidden": shape.hidden}
+    return meta
 
 
 class MerakTraceProfiler(Profiler):
@@ -137,7 +178,8 @@ class MerakTraceProfiler(Profiler):
             ranks = sorted(gathered, key=lambda r: r.rank)
         else:
             offsets, ranks = [0.0], [recorder.trace]
-        self.trace = Trace(ranks, offsets, {"skip_steps": self.skip_steps, "steps": self.steps})
+        meta = run_meta(getattr(self, "_lightning_module", None))
+        self.trace = Trace(ranks, offsets, {"skip_steps": self.skip_steps, "steps": self.steps, **meta})
         directory = Path(self.dirpath or ".")
         self.paths = {"trace": self.trace.save(directory / f"{self.filename}.json"),
                       "perfetto": write_chrome_trace(chrome_trace(self.trace),

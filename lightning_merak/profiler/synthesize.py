@@ -8,14 +8,17 @@ layout — data, pipeline and tensor parallel degrees, micro-batches, recomputat
 (beyond the traced machine: simulated) — as the same task graph the trace replay uses: 1F1B
 order per stage (:func:`~lightning_merak.strategies.pipeline.simulate.stage_op_order`), activations
 between stages, two all-reduces per block and pass under tensor parallelism, the gradient
-all-reduce over data-parallel replicas.
+all-reduce over data-parallel replicas. Each op is priced by the link of its group kind
+(``StepCosts.links``: data-parallel, pipeline or tensor-parallel), the traced one where known.
+A cost set calibrated from a probe trace of a tensor-parallel run (``tp_comm_in_compute``) already
+holds the tensor-parallel collectives' exposed time in its block and head times: no op is added for them.
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from lightning_merak.profiler.replay import (
     CommOp,
@@ -29,10 +32,11 @@ from lightning_merak.profiler.replay import (
     main_thread_waits,
     replay,
 )
-from lightning_merak.profiler.trace import Trace, comm_key, wire_bytes
+from lightning_merak.profiler.trace import RankTrace, Trace, comm_key, wire_bytes
 from lightning_merak.strategies.pipeline.simulate import stage_op_order
 
-__all__ = ["LayoutSpec", "ModelShape", "StepCosts", "calibrate", "layout_graph", "predict_layout"]
+__all__ = ["BLOCK_BACKWARD_RATIO", "LayoutSpec", "ModelShape", "StepCosts", "calibrate", "group_kind", "layout_graph",
+           "predict_layout"]
 
 
 @dataclass(frozen=True)
@@ -49,14 +53,19 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class LayoutSpec:
-    """A layout's degrees, micro-batches and the samples each data-parallel replica trains per step."""
+    """A layout's degrees, micro-batches and the samples each data-parallel replica trains per step.
+
+    ``recompute`` is the fraction of blocks whose forward is recomputed in backward (``True``: all);
+    ``overlap`` the tensor-parallel sub-batches, which only selects a probe's costs (:class:`StepCosts`).
+    """
 
     dp: int
     pp: int
     tp: int
     micro_batches: int
     samples: int
-    recompute: bool = False
+    recompute: float = 0.0
+    overlap: int = 1
 
     @property
     def ranks(self) -> int:
@@ -65,7 +74,15 @@ class LayoutSpec:
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Layout-free costs read from a trace (seconds)."""
+    """Layout-free costs read from a trace (seconds).
+
+    ``links`` holds (group kind, fixed s per op, bytes/s) per kind the trace had ops of
+    (:func:`group_kind`); other kinds use ``op_fixed_s`` and ``link_bytes_per_s``.
+    ``tp_comm_in_compute``: block and head times include the tensor-parallel collectives' exposed time.
+    ``backward_ratio`` is a block's backward over its forward; ``rest_backward_ratio`` the head's and loss's
+    (None: the same). ``stage_blocks``: the traced pipeline's blocks per stage (the partitioner's choice, kept
+    for layouts with as many stages; others split the blocks evenly).
+    """
 
     block_forward_per_sample: float
     rest_forward_per_sample: float
@@ -74,16 +91,46 @@ class StepCosts:
     host_per_step: float
     op_fixed_s: float
     link_bytes_per_s: float
+    links: tuple[tuple[str, float, float], ...] = ()
+    tp_comm_in_compute: bool = False
+    rest_backward_ratio: Optional[float] = None
+    stage_blocks: tuple[int, ...] = ()
+
+    def link(self, kind: str) -> tuple[float, float]:
+        """(fixed seconds per op, bytes/s) for ops of ``kind``."""
+        for name, fixed, rate in self.links:
+            if name == kind:
+                return fixed, rate
+        return self.op_fixed_s, self.link_bytes_per_s
 
 
-def _rank_breakdown(trace: Trace) -> list[dict[str, float]]:
-    """Per rank and step: FW, BW, UPDATE compute (their waits removed), block forward, host, and step time."""
+def group_kind(key: tuple, layout: LayoutSpec) -> str:
+    """"dp", "pp" or "tp" for an op's key (:func:`~lightning_merak.profiler.trace.comm_key`) in a run of ``layout``
+    (ranks ordered data-parallel outermost, then stage, then tensor-parallel rank); "world" for groups that
+    span several dimensions. Point-to-point ops are the pipeline's."""
+    if key[0] != "collective":
+        return "pp"
+    coords = [(r // (layout.pp * layout.tp), (r // layout.tp) % layout.pp, r % layout.tp) for r in key[1]]
+    varying = [name for index, name in enumerate(("dp", "pp", "tp")) if len({c[index] for c in coords}) > 1]
+    return varying[0] if len(varying) == 1 else "world"
+
+
+BLOCK_BACKWARD_RATIO = 2.0
+"""A block's backward over its forward: input and weight gradients, each a forward's matmuls (FLOPs)."""
+
+
+def _rank_breakdown(trace: Trace, kept: Optional[LayoutSpec] = None) -> list[dict[str, float]]:
+    """Per rank and step: FW, BW, UPDATE compute (their waits removed), block forward, host, and step time.
+
+    With ``kept``, waits only for that layout's tensor-parallel collectives stay in the compute.
+    """
     aligned = trace.aligned()
     steps = max(len(aligned.steps()), 1)
     result = []
     for rank in aligned.ranks:
         records = [(comm_key(rank.rank, c), c) for c in rank.comms]
-        waits = [(w[0], w[1]) for w in main_thread_waits(rank.spans, records, True)]
+        waits = [(w[0], w[1]) for w in main_thread_waits(rank.spans, records, True)
+                 if not (kept and w[2] and all(group_kind(k, kept) == "tp" for k in w[2]))]
 
         def busy(start: float, end: float) -> float:
             waited = sum(max(0.0, min(end, b) - max(start, a)) for a, b in waits)
@@ -111,38 +158,56 @@ def _rank_breakdown(trace: Trace) -> list[dict[str, float]]:
     return result
 
 
-def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec) -> StepCosts:
+def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec, tp_comm_in_compute: bool = False) -> StepCosts:
     """The layout-free costs of ``trace``, a run of ``layout`` on a model of ``shape``.
 
     Ranks are ordered data-parallel outermost, then pipeline stage, then tensor-parallel rank.
+    ``tp_comm_in_compute`` (a probe of a tensor-parallel layout) keeps the time spent waiting for
+    tensor-parallel collectives in the blocks' and the head's times.
     """
-    per_rank = _rank_breakdown(trace)
-    blocks_local = shape.blocks / layout.pp
-    block_fw, rest_fw, ratio, update, host = [], [], [], [], []
+    per_rank = _rank_breakdown(trace, layout if tp_comm_in_compute and layout.tp > 1 else None)
+    # The partitioner balances stages (a heavy head shares its stage with fewer blocks): each rank's blocks are
+    # the ones it recorded; a trace without block spans is taken as evenly split.
+    counted = [_blocks_recorded(rank) for rank in trace.ranks]
+    timed = any(counted)
+    block_fw, rest_fw, ratio, rest_ratio, update, host = [], [], [], [], [], []
     for rank, totals in enumerate(per_rank):
         stage = (rank // layout.tp) % layout.pp
-        block_fw.append(totals["block"] * layout.tp / (blocks_local * layout.samples))
+        blocks_here = counted[rank] if timed else shape.blocks / layout.pp
+        if blocks_here:
+            block_fw.append(totals["block"] * layout.tp / (blocks_here * layout.samples))
+        rest = max(totals["FW"] - totals["block"], 0.0)
         if stage == layout.pp - 1:
-            rest_fw.append(max(totals["FW"] - totals["block"], 0.0) * layout.tp / layout.samples)
+            rest_fw.append(rest * layout.tp / layout.samples)
         if totals["FW"] > 0:
             ratio.append(totals["BW"] / totals["FW"])
-        update.append(totals["UPDATE"] / _params_on_rank(shape, layout, stage))
+        if stage == layout.pp - 1 and totals["block"] > 0 and rest > 0:  # no backward span per block: priced by FLOPs
+            rest_ratio.append(max(totals["BW"] - BLOCK_BACKWARD_RATIO * totals["block"], 0.0) / rest)
+        update.append(totals["UPDATE"] / _params_on_rank(shape, layout, stage, blocks_here))
         host.append(totals["host"])
     fixed = estimate_fixed_cost(comm_ops(trace.aligned()))
     bandwidth = estimate_bandwidth(trace)
     if bandwidth is None:
         raise ValueError("the trace has no op large enough to estimate the link's bandwidth; trace a layout with "
                          "data or pipeline parallelism on more than 32 KiB per op")
-    return StepCosts(statistics.mean(block_fw), statistics.mean(rest_fw) if rest_fw else 0.0,
-                     statistics.mean(ratio) if ratio else 2.0, statistics.mean(update), statistics.mean(host),
-                     fixed, bandwidth)
+    whole = statistics.mean(ratio) if ratio else BLOCK_BACKWARD_RATIO
+    return StepCosts(statistics.mean(block_fw) if block_fw else 0.0, statistics.mean(rest_fw) if rest_fw else 0.0,
+                     BLOCK_BACKWARD_RATIO if block_fw and rest_ratio else whole, statistics.mean(update),
+                     statistics.mean(host), fixed, bandwidth, tp_comm_in_compute=tp_comm_in_compute and layout.tp > 1,
+                     rest_backward_ratio=statistics.mean(rest_ratio) if block_fw and rest_ratio else None,
+                     stage_blocks=tuple(counted[s * layout.tp] for s in range(layout.pp)) if timed and layout.pp > 1
+                     else ())
 
 
-def _params_on_rank(shape: ModelShape, layout: LayoutSpec, stage: int) -> float:
-    """Parameters a rank holds: its stage's blocks, the rest split between first and last stage, over tp."""
-    blocks = shape.blocks / layout.pp * shape.block_params
+def _blocks_recorded(rank: RankTrace) -> int:
+    """The distinct blocks whose forward a rank recorded."""
+    return len({s.name for s in rank.spans if s.category == "FW" and s.name.startswith("block ")})
+
+
+def _params_on_rank(shape: ModelShape, layout: LayoutSpec, stage: int, blocks: float) -> float:
+    """Parameters a rank holds: its stage's ``blocks``, the rest split between first and last stage, over tp."""
     rest = shape.other_params * ((stage == 0) + (stage == layout.pp - 1)) / 2
-    return (blocks + rest) / layout.tp
+    return (blocks * shape.block_params + rest) / layout.tp
 
 
 class _Builder:
@@ -156,23 +221,25 @@ class _Builder:
     def compute(self, rank: int, category: str, seconds: float) -> None:
         self.pieces[rank].append(("compute", (category, seconds)))
 
-    def op(self, key: tuple, name: str, ranks: list[int], nbytes: float, channel: str, group_size: int) -> None:
+    def op(self, key: tuple, name: str, ranks: list[int], nbytes: float, channel: str, group_size: int,
+           kind: str) -> None:
         if key not in self.ops:
             wire = wire_bytes(name, int(nbytes), group_size)
-            fixed = self.costs.op_fixed_s * max(group_size - 1, 1)
-            self.ops[key] = CommOp(key, name, channel, wire, fixed + wire / self.costs.link_bytes_per_s, 0.0,
+            fixed, rate = self.costs.link(kind)
+            self.ops[key] = CommOp(key, name, channel, wire, fixed * max(group_size - 1, 1) + wire / rate, 0.0,
                                    {r: None for r in ranks})
 
     def send(self, rank: int, key: tuple, nbytes: float, channel: str) -> None:
         """An activation or gradient sent to the next or previous stage, whose receive was posted at the step's
         start (the receiver waits for it where it needs it)."""
-        self.op(key, "send", [rank], nbytes, channel, 2)
+        self.op(key, "send", [rank], nbytes, channel, 2, "pp")
         self.pieces[rank].append(("launch", key))
 
-    def collective(self, rank: int, key: tuple, name: str, ranks: list[int], nbytes: float, channel: str) -> None:
+    def collective(self, rank: int, key: tuple, name: str, ranks: list[int], nbytes: float, channel: str,
+                   kind: str) -> None:
         """A blocking collective: the rank waits for it where it issues it."""
         if len(ranks) > 1:
-            self.op(key, name, ranks, nbytes, channel, len(ranks))
+            self.op(key, name, ranks, nbytes, channel, len(ranks), kind)
             self.pieces[rank].append(("wait", ([key], [key], 0.0)))
 
 
@@ -181,7 +248,9 @@ def layout_graph(costs: StepCosts, shape: ModelShape, layout: LayoutSpec) -> tup
     b = _Builder(costs)
     mb = layout.samples / layout.micro_batches
     activation = mb * shape.seq * shape.hidden * shape.bytes_per_element
-    blocks_local = shape.blocks / layout.pp
+    per_stage = list(costs.stage_blocks)
+    if len(per_stage) != layout.pp or sum(per_stage) != shape.blocks:
+        per_stage = [shape.blocks // layout.pp + (s < shape.blocks % layout.pp) for s in range(layout.pp)]
 
     def rank_of(d: int, s: int, t: int) -> int:
         return (d * layout.pp + s) * layout.tp + t
@@ -199,27 +268,32 @@ def layout_graph(costs: StepCosts, shape: ModelShape, layout: LayoutSpec) -> tup
                         b.pieces[rank].append(("wait", ([("act", d, s - 1, t, m)], [], 0.0)))
                     if not forward and s < layout.pp - 1:
                         b.pieces[rank].append(("wait", ([("grad", d, s + 1, t, m)], [], 0.0)))
-                    factor = 1.0 if forward else costs.backward_ratio + (1.0 if layout.recompute else 0.0)
+                    factor = 1.0 if forward else costs.backward_ratio + float(layout.recompute)
+                    rest_factor = 1.0 if forward else (costs.backward_ratio if costs.rest_backward_ratio is None
+                                                       else costs.rest_backward_ratio)
                     block = costs.block_forward_per_sample * mb / layout.tp * factor
-                    for index in range(int(round(blocks_local))):
+                    for index in range(per_stage[s]):
                         for half in range(2):
                             b.compute(rank, "FW" if forward else "BW", block / 2)
-                            b.collective(rank, ("tp", d, s, kind, m, index, half), "all_reduce", tp_ranks, activation,
-                                         f"tp{d},{s}")
+                            if not costs.tp_comm_in_compute:
+                                b.collective(rank, ("tp", d, s, kind, m, index, half), "all_reduce", tp_ranks,
+                                             activation, f"tp{d},{s}", "tp")
                     if s == layout.pp - 1:
                         b.compute(rank, "FW" if forward else "BW",
-                                  costs.rest_forward_per_sample * mb / layout.tp * factor)
+                                  costs.rest_forward_per_sample * mb / layout.tp * rest_factor)
                     if forward and s < layout.pp - 1:
                         b.send(rank, ("act", d, s, t, m), activation / layout.tp, f"p2p{rank}->{rank_of(d, s + 1, t)}")
                     if not forward and s > 0:
                         b.send(rank, ("grad", d, s, t, m), activation / layout.tp, f"p2p{rank}->{rank_of(d, s - 1, t)}")
                 dp_ranks = [rank_of(e, s, t) for e in range(layout.dp)]
                 b.collective(rank, ("dp", s, t), "all_reduce", dp_ranks,
-                             _params_on_rank(shape, layout, s) * shape.bytes_per_element, f"dp{s},{t}")
-                b.compute(rank, "UPDATE", costs.update_per_param * _params_on_rank(shape, layout, s))
+                             _params_on_rank(shape, layout, s, per_stage[s]) * shape.bytes_per_element,
+                             f"dp{s},{t}", "dp")
+                b.compute(rank, "UPDATE", costs.update_per_param * _params_on_rank(shape, layout, s, per_stage[s]))
                 b.compute(rank, "host", costs.host_per_step / 2)
     graph = build_graph(b.pieces, b.ops, {r: {} for r in b.pieces}, 0.0, WhatIf())
-    return graph, {"micro_batch_samples": mb, "activation_bytes": activation, "ranks": layout.ranks}
+    return graph, {"micro_batch_samples": mb, "activation_bytes": activation, "ranks": layout.ranks,
+                   "stage_blocks": per_stage}
 
 
 def predict_layout(costs: StepCosts, shape: ModelShape, layout: LayoutSpec) -> ReplayResult:

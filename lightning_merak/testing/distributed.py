@@ -82,6 +82,7 @@ def _rank_main(
     threads_per_rank: int,
     env: dict[str, str],
     outcomes: mp.Queue,
+    backend: str,
 ) -> None:
     import torch.distributed as dist
 
@@ -97,8 +98,10 @@ def _rank_main(
     )
     torch.set_num_threads(threads_per_rank)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )
         value = fn(rank, world_size, *args, **kwargs)
         # Plain pickle copies tensor data; torch's multiprocessing pickler would share
@@ -133,8 +136,10 @@ def run_distributed(
     timeout_s: float = 120.0,
     threads_per_rank: int = 1,
     env: dict[str, str] | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks (gloo; ``backend="nccl"`` puts
+    rank ``r`` on GPU ``r``, for benchmarks' GPU legs).
 
     Returns the values the ranks returned, ordered by rank. Raises
     :class:`DistributedRunError` as soon as a rank fails, or when ``timeout_s`` passes
@@ -152,7 +157,7 @@ def run_distributed(
         ctx.Process(
             target=_rank_main,
             args=(fn, rank, world_size, port, tuple(args), dict(kwargs or {}), timeout_s,
-                  threads_per_rank, {**os.environ, **(env or {})}, outcomes),
+                  threads_per_rank, {**os.environ, **(env or {})}, outcomes, backend),
             name=f"merak-rank{rank}",
             daemon=True,
         )

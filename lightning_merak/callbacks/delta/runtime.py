@@ -419,6 +419,14 @@ class MemoryManager:
 
     # block hooks -------------------------------------------------------------------------
 
+    def _now(self) -> float:
+        """The time of a block's event. During warm-up on a GPU, after the device has run everything queued
+        before it (a synchronisation per block boundary, in the profiled steps only): otherwise a block's
+        time would be its kernels' launch, not their run, and recompute would look nearly free."""
+        if self.warming_up and self.device_memory.is_cuda:
+            torch.cuda.synchronize(self.device_memory.device)
+        return time.perf_counter()
+
     def _forward_start(self, block: _Block, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not (self._in_step and torch.is_grad_enabled() and module.training):
             return
@@ -426,7 +434,7 @@ class MemoryManager:
         invocation = _Invocation(
             owner=f"{block.name}@{len(block.invocations)}",
             position=len(block.invocations),
-            record=BlockRecord(block.name, forward_start=time.perf_counter()),
+            record=BlockRecord(block.name, forward_start=self._now()),
         )
         block.invocations.append(invocation)
         inputs = list(iter_tensors((args, kwargs)))
@@ -448,7 +456,7 @@ class MemoryManager:
         block.context = None
         invocation = block.invocations[-1]
         record = invocation.record
-        record.forward_end = time.perf_counter()
+        record.forward_end = self._now()
         record.saved_bytes = self.tracker.saved_bytes(invocation.owner)
         record.boundary_bytes = self.tracker.boundary_bytes(invocation.owner)
         self.ledger.mark(f"fwd {invocation.owner}")
@@ -461,7 +469,7 @@ class MemoryManager:
         record = invocation.record
         if record.backward_start is not None:
             return
-        record.backward_start = time.perf_counter()
+        record.backward_start = self._now()
         if block.action is Action.RECOMPUTE and self.plan is not None:
             decision = self.plan.decisions[self._forward_position[block.name]]
             invocation.transient_bytes = decision.released_bytes
@@ -492,7 +500,7 @@ class MemoryManager:
 
     def _backward_end(self, invocation: _Invocation, grad: torch.Tensor) -> None:
         if invocation.record.backward_end is None:
-            invocation.record.backward_end = time.perf_counter()
+            invocation.record.backward_end = self._now()
             self._drop_transient(invocation)
 
     def _drop_transient(self, invocation: _Invocation) -> None:

@@ -21,9 +21,11 @@ _EXPORTS = {
     "plan_shadowing": ".core.shadowing",
     "PLAN_KINDS": ".core.step_planner", "PlannerSettings": ".core.step_planner", "StepChoice": ".core.step_planner",
     "choose_step_plan": ".core.step_planner", "predicted_plan": ".core.step_planner",
-    "prefetch_pays": ".core.step_planner",
+    "prefetch_pays": ".core.step_planner", "step_candidates": ".core.step_planner",
+    "PlanCheck": ".core.plan_check", "chunk_times": ".core.lancet",
     "swap_sparse_moe_blocks": ".block_replacement",
     "moe_param_groups": ".optim",
+    "enable_expert_parallel": ".experts.enable",
 }
 
 __all__ = sorted(_EXPORTS)

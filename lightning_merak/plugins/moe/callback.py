@@ -39,7 +39,10 @@ def balance_metrics(layer: PlacementMOELayer) -> dict[str, float]:
 
     ``plan_kind`` is the kind the step planner ran, as its index in ``PLAN_KINDS`` (none 0, dropless 1,
     shadowing 2, pro_prophet 3: loggers take numbers); ``plan_from_previous_step`` is 1 where it ran a
-    prefetched plan made from the previous step's counts.
+    prefetched plan made from the previous step's counts. ``predicted_ms`` is the cost model's time for
+    the plan run, ``corrected_ms`` the online check's correction of it (the prediction where the check is
+    off), ``measured_ms`` this rank's exchange forward + backward time (0 before the backward has run),
+    ``explored`` 1 where the check ran the runner-up to measure it.
     """
     stats = layer.stats
     counts, plan, padding = stats["counts"], stats["plan"], stats["padding"]
@@ -62,6 +65,10 @@ def balance_metrics(layer: PlacementMOELayer) -> dict[str, float]:
         "plan_kind": float(PLAN_KINDS.index(stats.get("plan_kind", "none"))),
         "plan_from_previous_step": float(stats.get("plan_timing") == "predicted"),
         "predicted_ms": 1000.0 * float(stats.get("predicted_s", 0.0)),
+        "corrected_ms": 1000.0 * float(stats.get("corrected_s") or stats.get("predicted_s", 0.0)),
+        "measured_ms": 1000.0 * float(stats.get("exchange_forward_s", 0.0) + stats.get("exchange_backward_s", 0.0))
+        if "exchange_backward_s" in stats else 0.0,
+        "explored": float(bool(stats.get("explored"))),
     }
 
 

@@ -30,6 +30,7 @@ from torch.func import functional_call
 
 from lightning_merak.plugins.moe.core.dispatch import ExchangeLayout
 from lightning_merak.plugins.moe.core.placement import PlacementPlan
+from lightning_merak.plugins.moe.core.plan_check import PlanCheck
 from lightning_merak.runtime.collectives import PendingCollective, start_all_to_all_in_turn
 from lightning_merak.runtime.weight_gradients import SplitBackward
 
@@ -136,12 +137,15 @@ class TransferScheduler:
 
     Shared by the MoE layers of one model. A prefetch is used only by the layer called
     next, which is the same layer on every rank, so the choice is deterministic; an
-    unused prefetch is completed and discarded.
+    unused prefetch is completed and discarded. The layers also share one online plan check
+    (``plan_check``, set by the first layer that checks): every layer's measurements correct
+    the same per-arm ratios, so they are learnt once per model, not once per layer.
     """
 
     def __init__(self) -> None:
         self.layers: list[Any] = []
         self._pending: tuple[Any, ReplicaTransfer] | None = None
+        self.plan_check: PlanCheck | None = None
 
     def register(self, layer: Any) -> int:
         self.layers.append(layer)
@@ -305,6 +309,10 @@ class ExchangeFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        """The reverse exchange; its seconds go to ``stats["exchange_backward_s"]`` for the online plan check."""
+        start = time.perf_counter()
         grad_in, param_grads = ctx.exchange.backward(ctx.state, grad_out.contiguous())
+        stats = ctx.exchange.stats
+        stats["exchange_backward_s"] = stats.get("exchange_backward_s", 0.0) + time.perf_counter() - start
         ctx.state = None
         return (None, None, grad_in, *param_grads)

@@ -16,6 +16,11 @@ the plan prefetched from the previous call's counts; replica ranks keep their ro
 replicated experts; rows go through :class:`~.executor.ExchangeFunction`. A plan made
 from this call's counts moves its parameters while the dispatch all-to-all runs.
 
+The online check (:mod:`.core.plan_check`, ``online_check``) corrects those predictions per arm
+(kind, timing, chunked or not) by the exchange's measured forward + backward seconds; the previous
+call's measurement rides on the count all-gather as one more column, whose maximum is the slowest
+rank's, so every rank corrects, explores and chooses alike without another collective.
+
 Inside a sub-batch region (block-scope Lancet, :mod:`.lancet_block`) each sub-batch
 computes its gate logits, and the sub-batches meet once per call: the routing is
 decided on their concatenation (:mod:`.joint_gate`), counts are gathered, replicas
@@ -26,7 +31,8 @@ exchanges only its own kept routes and returns its share of ``l_aux``.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -39,9 +45,10 @@ from torch import nn
 from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, expert_indices, select_local_experts
 from lightning_merak.plugins.moe.core.dispatch import ExchangeLayout, decode, encode
 from lightning_merak.plugins.moe.core.joint_gate import compact_routes, first_choice_fraction, sub_batch_gates
-from lightning_merak.plugins.moe.core.lancet import choose_chunks
+from lightning_merak.plugins.moe.core.lancet import choose_chunks, chunk_times
 from lightning_merak.plugins.moe.core.placement import Padding, PlacementPlan
 from lightning_merak.plugins.moe.core.placement_cost_model import CostModel
+from lightning_merak.plugins.moe.core.plan_check import Candidate, PlanCheck
 from lightning_merak.plugins.moe.core.shadowing import plan_shadowing
 from lightning_merak.plugins.moe.core.step_planner import (
     PLAN_KINDS,
@@ -50,6 +57,7 @@ from lightning_merak.plugins.moe.core.step_planner import (
     choose_step_plan,
     predicted_plan,
     prefetch_pays,
+    step_candidates,
 )
 from lightning_merak.plugins.moe.cost_measurement import profile_cost_model
 from lightning_merak.plugins.moe.executor import (
@@ -107,6 +115,12 @@ class _SubBatchRoutes:
     joint: _JointCall
 
 
+def _candidate(choice: StepChoice) -> Candidate:
+    """What the online check sees of a choice: a chunked plan is a variant of the same plan unchunked."""
+    base = f"{choice.kind}/{choice.timing}" if choice.chunks is not None and choice.chunks > 1 else None
+    return Candidate(choice.arm, choice.predicted_s, base)
+
+
 class PlacementMOELayer(MOELayer):
     """DeepSpeed's ``MOELayer`` with dropless dispatch, expert replication and chunked overlap."""
 
@@ -138,6 +152,11 @@ class PlacementMOELayer(MOELayer):
         self._plan_counts: list[list[int]] | None = None
         self._calls = 0
         self.stats: dict[str, Any] = {}
+        if self.scheduler.plan_check is None:
+            self.scheduler.plan_check = PlanCheck(explore_every=options.explore_every,
+                                                  max_regret=options.explore_regret, seed=options.explore_seed)
+        self.plan_check = self.scheduler.plan_check
+        self._checked: tuple[Candidate, dict[str, Any]] | None = None
 
     @property
     def ep_rank(self) -> int:
@@ -202,6 +221,29 @@ class PlacementMOELayer(MOELayer):
         dist.all_gather(gathered, local, group=self.ep_group)
         return torch.cat(gathered).tolist()
 
+    def _checking(self) -> bool:
+        """Whether the online check picks this call's plan (layer scope, a placement that chooses, EP > 1)."""
+        return (self.options.online_check and self.options.placement in _KINDS_OF and self.ep_size > 1
+                and not in_sub_batch_region())
+
+    def _gather_and_check(self, local: torch.Tensor) -> list[list[int]]:
+        """Counts over the EP group; the previous checked call's measured microseconds ride along as a column.
+
+        Their maximum (the slowest rank's time, zero where no backward ran) is what the check learns.
+        """
+        if not self._checking():
+            return self._gather_counts(local)
+        last, self._checked = self._checked, None
+        measured_us = 0
+        if last is not None and "exchange_backward_s" in last[1]:
+            measured_us = round(1e6 * (last[1]["exchange_forward_s"] + last[1]["exchange_backward_s"]))
+        local = local.to(torch.int64).reshape(-1)
+        rows = self._gather_counts(torch.cat([local, local.new_tensor([measured_us])]))
+        slowest_us = max(row[-1] for row in rows)
+        if last is not None and slowest_us > 0:
+            self.plan_check.observe(last[0].arm, last[0].predicted_s, slowest_us / 1e6, last[0].base)
+        return [row[:-1] for row in rows]
+
     def _padding(self, capacity: torch.Tensor) -> Padding:
         if self.options.dispatch == "dropless":
             return Padding("dropless")
@@ -255,8 +297,30 @@ class PlacementMOELayer(MOELayer):
             return StepChoice("shadowing" if plan.replications else plain, "current", plan, padding,
                               self.cost_model.total(counts, plan, padding, "current"))
         offered = (self._prefetch_kind, prefetched.plan) if prefetched is not None else None
-        return choose_step_plan(counts, self.cost_model, padding, self._settings(), prefetched=offered,
-                                current=self.options.plan_from != "previous")
+        current = self.options.plan_from != "previous"
+        if not self._checking():
+            return choose_step_plan(counts, self.cost_model, padding, self._settings(), prefetched=offered,
+                                    current=current)
+        candidates = step_candidates(counts, self.cost_model, padding, self._settings(), prefetched=offered,
+                                     current=current)
+        arms = [variant for candidate in candidates for variant in self._chunk_variants(counts, candidate)]
+        offers = [_candidate(arm) for arm in arms]
+        picked = self.plan_check.select(offers)
+        best_current_s = min(self.plan_check.corrected(offer) for offer, arm in zip(offers, arms)
+                             if arm.timing == "current")
+        return replace(arms[picked.index], best_current_s=best_current_s, corrected_s=picked.corrected_s,
+                       explored=picked.explored)
+
+    def _chunk_variants(self, counts: list[list[int]], candidate: StepChoice) -> list[StepChoice]:
+        """``candidate`` at its chunk count; where ``auto`` chose several, at one chunk too (priced without
+        the overlap the simulation credits the chunks with), so the check can tell whether chunks pay."""
+        chunks = self._chunks(counts, candidate.plan, candidate.padding)
+        if chunks == 1 or self.options.lancet_chunks != "auto":
+            return [replace(candidate, chunks=chunks)]
+        times = chunk_times(self.cost_model, counts, candidate.plan, candidate.padding)
+        saved = max(0.0, times[1] - times[chunks])
+        return [replace(candidate, chunks=1),
+                replace(candidate, chunks=chunks, predicted_s=max(0.0, candidate.predicted_s - saved))]
 
     def _settings(self) -> PlannerSettings:
         options = self.options
@@ -286,8 +350,9 @@ class PlacementMOELayer(MOELayer):
             self._predicted = predicted_plan(counts, self.cost_model, choice.padding, self._settings())
         if self._predicted is None:
             return
+        correction = self.plan_check.correction(f"{previous[0]}/predicted") if previous and self._checking() else 1.0
         pays = self.options.plan_from == "previous" or (previous is not None and prefetch_pays(
-            counts, self.cost_model, previous[1], choice.padding, choice.best_current_s))
+            counts, self.cost_model, previous[1], choice.padding, choice.best_current_s, correction))
         if pays:
             self._prefetch_kind, self.prefetch_plan = self._predicted
 
@@ -342,17 +407,23 @@ class PlacementMOELayer(MOELayer):
             self._ensure_cost_model(hidden)
         tokens = hidden.reshape(-1, hidden.size(-1))
         self.l_aux, capacity, indices, locations, gates, self.exp_counts = self._gate(tokens, used_token)
-        counts = self._gather_counts(self.exp_counts)
+        counts = self._gather_and_check(self.exp_counts)
         stats: dict[str, Any] = {}
         prefetched = self._take_prefetch()
+        planning = time.perf_counter()
         choice = self._choose(counts, self._padding(capacity), prefetched)
-        chunks = self._chunks(counts, choice.plan, choice.padding)
+        chunks = choice.chunks if choice.chunks is not None else self._chunks(counts, choice.plan, choice.padding)
+        stats["planning_s"] = time.perf_counter() - planning
         layout = ExchangeLayout.build(self.ep_rank, counts, choice.plan, choice.padding, self.num_local_experts,
                                       chunks)
         rows = layout.route_rows(indices, locations)
+        start = time.perf_counter()
         replica_params, in_flight = self._replicas(choice, prefetched, stats)
         output = self._exchange(tokens, layout, rows, gates, choice.plan, replica_params, stats, prefetch=True,
                                 replica_transfer=in_flight)
+        stats["exchange_forward_s"] = time.perf_counter() - start
+        if choice.corrected_s is not None:
+            self._checked = (_candidate(choice), stats)
         self._record(stats, counts, choice, chunks, int((indices < 0).sum()), layout.num_rows)
         self._plan_next(counts, choice)
         return output.reshape(hidden.shape)
@@ -361,7 +432,7 @@ class PlacementMOELayer(MOELayer):
                 dropped: int, routed_rows: int) -> None:
         stats.update(counts=counts, plan=choice.plan, chunks=chunks, padding=choice.padding, dropped_routes=dropped,
                      routed_rows=routed_rows, plan_kind=choice.kind, plan_timing=choice.timing,
-                     predicted_s=choice.predicted_s)
+                     predicted_s=choice.predicted_s, corrected_s=choice.corrected_s, explored=choice.explored)
         self.stats = stats
         self.plan = choice.plan
         self._calls += 1

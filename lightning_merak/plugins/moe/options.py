@@ -30,6 +30,12 @@ class MoEOptions:
     ``plan_from``: ``current`` plans from this call's counts (transfers overlap the dispatch),
     ``previous`` from the previous call's (Pro-Prophet's prediction, transfers prefetched under
     the previous layer), ``auto`` prefetches only while the cost model says the prediction pays.
+    ``online_check`` (``auto`` and ``pro_prophet``): the planner's predictions are corrected per plan
+    kind, timing and chunking by the layer time measured when each ran; each of these arms runs once
+    to be measured, then about every ``explore_every`` calls (0: never; seeded by ``explore_seed``) the
+    runner-up runs instead if its corrected prediction is within ``explore_regret`` of the best
+    (:mod:`.core.plan_check`). Layers sharing a scheduler share the check (the first one's settings);
+    block-scope Lancet's sub-batches run the model's choice unchecked.
     """
 
     dispatch: DispatchPath = "capacity"
@@ -43,6 +49,10 @@ class MoEOptions:
     slots_per_rank: Optional[int] = None
     alpha: float = 0.25
     plan_from: PlanFrom = "auto"
+    online_check: bool = True
+    explore_every: int = 16
+    explore_regret: float = 0.25
+    explore_seed: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.lancet_chunks, str) and self.lancet_chunks.isdigit():
@@ -61,5 +71,8 @@ class MoEOptions:
             raise ValueError(f"lancet_chunks={self.lancet_chunks!r}: use 'auto' or an integer >= 1")
         if self.replan_every < 1:
             raise ValueError(f"replan_every={self.replan_every} must be at least 1")
+        if self.explore_every < 0 or self.explore_regret < 0:
+            raise ValueError(f"explore_every={self.explore_every} (0: never) and explore_regret={self.explore_regret} "
+                             "must be >= 0")
         if self.exclude_fewest < 0 or (self.slots_per_rank is not None and self.slots_per_rank < 1):
             raise ValueError("exclude_fewest must be >= 0 and slots_per_rank >= 1 (or None)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -136,6 +137,11 @@ class Merak3DArguments(Merak3DOptions):
                 "schedule='shifted_critical_path' needs pipelining internals this torch does not have; "
                 "use schedule='1f1b' or the tested torch 2.13"
             )
+        if self.planner_calibration != "analytic":
+            missing = [path for path in self.planner_calibration.split(",") if not Path(path.strip()).is_file()]
+            if missing:
+                raise ValueError(f"planner_calibration: no trace file at {', '.join(missing)}; give 'analytic' or the "
+                                 "paths of traces MerakTraceProfiler wrote")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(
                 f"recompute={self.recompute!r} is not supported; choose one of {', '.join(RECOMPUTE_MODES)}")
@@ -309,6 +315,10 @@ class Merak3DArguments(Merak3DOptions):
             vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
             if self.vocab_parallel and tensor_parallel > 1 and isinstance(vocab_size, int):
                 check_vocabulary_split(vocab_size, tensor_parallel)
+            if tensor_parallel > 1 and getattr(model, "peft_config", None):
+                raise ValueError(f"tensor_parallel={tensor_parallel}: adapters (PEFT) are not split by tensor "
+                                 "parallelism yet; train adapters with tensor_parallel=1 and pipeline_parallel / "
+                                 "data_parallel (docs/findings.md, Scale)")
         if self.sequence_parallel and tensor_parallel is not None and tensor_parallel > 1 and moe_layers(model):
             raise ValueError("sequence_parallel does not support MoE layers; use sequence_parallel=False")
         if self.data_parallel_sharding == "full":

@@ -34,6 +34,7 @@ from lightning_merak.strategies.merak3d.gradients import TiedParameter
 from lightning_merak.strategies.merak3d.layout import Layout, LayoutGroups
 from lightning_merak.strategies.merak3d.materialize import (
     Materializer,
+    RestoreAfterRewrite,
     WeightLoader,
     copy_full_tensors,
     has_meta,
@@ -176,6 +177,9 @@ def weight_loader(module: nn.Module, restored_state: Optional[dict[str, Any]]) -
     (``load_pretrained_weights(tensors, layout_changes)``, if it has one)."""
     if restored_state is not None:
         state = {name[len("model."):]: tensor for name, tensor in restored_state.items() if name.startswith("model.")}
+        hook = getattr(getattr(module, "model", None), "after_materialize", None)
+        if hook is not None and not getattr(hook, "restores_from_checkpoint", True):  # a quantised adapter base
+            return RestoreAfterRewrite(getattr(module, "load_pretrained_weights", None), state)
         return functools.partial(copy_full_tensors, state_dict=state)
     return getattr(module, "load_pretrained_weights", None)
 
@@ -267,6 +271,8 @@ def build_model(model: nn.Module, inputs: torch.Tensor, *, arguments: Merak3DArg
             _start_tied_equal(tied, groups.mesh, global_rank)
     elif load_weights is not None:
         load_weights(_local_tensors(root), layout_changes)
+    if materialize_with is not None:
+        _after_materialize(parts, root, layout_changes, load_weights)
     if split_vocabulary_now:
         replaced = split_vocabulary(list(stages) if stages is not None else [model], groups.tensor_mesh,
                                     sequence_parallel=sequence_plan is not None)
@@ -404,6 +410,19 @@ def _start_tied_equal(tied: list[TiedParameter], mesh: DeviceMesh, global_rank: 
                        group=parameter.group)
 
 
+def _after_materialize(parts: list[nn.Module], root: nn.Module, layout_changes: dict[str, LayoutChange],
+                       load_weights: Optional[WeightLoader]) -> None:
+    """Run each meta-built part's ``after_materialize(part)`` hook, if it has one, once its weights are in (an
+    adapter model quantises its frozen base there: :mod:`lightning_merak.adapters.meta`); then a checkpoint of the
+    rewritten model is copied in (:class:`~lightning_merak.strategies.merak3d.materialize.RestoreAfterRewrite`)."""
+    for part in parts:
+        hook = getattr(part, "after_materialize", None)
+        if hook is not None:
+            hook(part)
+    if isinstance(load_weights, RestoreAfterRewrite):
+        load_weights.restore(_local_tensors(root), layout_changes)
+
+
 def _local_tensors(root: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's parameters and persistent buffers by their unsplit names (the pretrained loader's view)."""
     original = root.original_name if isinstance(root, RankStages) else (lambda name: name)
@@ -429,6 +448,8 @@ def _data_parallel_only(model: nn.Module, layout: Layout, groups: LayoutGroups,
         materialize_with(model)(model, "")
     if load_weights is not None:
         load_weights(_local_tensors(model), {})
+    if materialize_with is not None:
+        _after_materialize([model], model, {}, load_weights)
     _wrap_recompute(list(blocks.values()), groups)
     if layout.tp_overlap > 1:
         model.forward = SubBatchForward(model, layout.tp_overlap)

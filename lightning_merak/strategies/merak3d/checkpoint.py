@@ -42,6 +42,18 @@ def _read_target(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().clone()
 
 
+def _saved_storage_where_rewritten(model_state: dict[str, torch.Tensor], metadata: Any) -> None:
+    """Read a tensor as saved where a meta model's float tensor differs in shape or dtype: its ``after_materialize``
+    hook rewrites it (a quantised adapter base, packed), and the build compares it with the rewritten one."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for key, target in model_state.items():
+        saved = metadata.state_dict_metadata.get(f"model.{key}")
+        if target.is_floating_point() and isinstance(saved, TensorStorageMetadata) and (
+                tuple(saved.size) != tuple(target.shape) or saved.properties.dtype != target.dtype):
+            model_state[key] = torch.empty(saved.size, dtype=saved.properties.dtype)
+
+
 def is_sharded_checkpoint(path: Path) -> bool:
     """Whether ``path`` is a directory merak3d wrote (and not a checkpoint file Lightning reads itself)."""
     return path.is_dir() and (path / LIGHTNING_CHECKPOINT).is_file()
@@ -188,6 +200,7 @@ class ShardedCheckpointer:
         self.find_experts(module.model)
         model_state = self._renumbered_state(
             {key: _read_target(value) for key, value in module.state_dict().items()}, to_global=True)
+        _saved_storage_where_rewritten(model_state, SafeFileSystemReader(path).read_metadata())
         optim_state: dict[str, Any] = {}
         for layout in checkpoint["merak3d_optimizers"]:
             for key, entry in layout["entries"].items():

@@ -6,9 +6,10 @@ the meta model and then materialises only what this rank holds, module by module
 (:class:`Materializer`): storage on the device (ties between parameters kept), then the
 initialisation the model itself would run — a transformers model's ``_init_weights`` on each
 module (it recomputes rotary ``inv_freq`` buffers too), ``reset_parameters()`` elsewhere, the
-convention of Lightning's ``_materialize_distributed_module``. Storage is filled with NaN (integers
-with their minimum) first, so a parameter or buffer that no initialisation wrote is refused by name
-instead of training on garbage.
+convention of Lightning's ``_materialize_distributed_module``; a module carrying a ``materialize_init``
+callable (adapter weights: :mod:`lightning_merak.adapters.meta`) is initialised by it instead. Storage
+is filled with NaN (integers with their minimum) first, so a parameter or buffer that no initialisation
+wrote is refused by name instead of training on garbage.
 
 Each module is seeded from its name in the unsplit model, so every rank that holds a module
 (data-parallel replicas, the tensor-parallel ranks before the split) draws the same values
@@ -20,13 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import zlib
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
 
-__all__ = ["Materializer", "WeightLoader", "copy_full_tensors", "has_meta", "init_owners", "local_tensors",
-           "meta_device"]
+__all__ = ["Materializer", "RestoreAfterRewrite", "WeightLoader", "copy_full_tensors", "has_meta", "init_owners",
+           "local_tensors", "meta_device"]
 
 WeightLoader = Callable[[dict[str, torch.Tensor], dict[str, Any]], None]
 """``(tensors, layout_changes) -> None``: fill this rank's ``tensors`` (by unsplit name: plain tensors, or
@@ -137,7 +139,10 @@ class Materializer:
     def _initialise(self, name: str, module: nn.Module) -> None:
         torch.manual_seed((self.seed + zlib.crc32(name.encode())) % (2**63))
         owner = self._owners.get(name)
-        if owner is not None:
+        own_init = getattr(module, "materialize_init", None)  # a module's own init (adapter weights), else the model's
+        if own_init is not None:
+            own_init(module)
+        elif owner is not None:
             owner._init_weights(module)
         if _unwritten(module) and hasattr(module, "reset_parameters"):
             module.reset_parameters()
@@ -194,3 +199,31 @@ def copy_full_tensors(tensors: dict[str, torch.Tensor], layout_changes: dict[str
                 target.to_local().copy_(shard)
             else:
                 target.copy_(full)
+
+
+@dataclass(frozen=True)
+class RestoreAfterRewrite:
+    """A :data:`WeightLoader` for a checkpoint of a model whose ``after_materialize`` hook rewrites its weights
+    (quantises an adapter's frozen base), so the checkpoint holds rewritten tensors the float part cannot take.
+
+    Called as a loader it rebuilds the float part as the run that wrote the checkpoint did (its ``pretrained``
+    seam, else the same seeded init); once the hook has run, :meth:`restore` copies the checkpoint's trainable
+    tensors in and requires every frozen one to equal what was rebuilt.
+    """
+
+    pretrained: Optional[WeightLoader]
+    state: dict[str, torch.Tensor]
+
+    def __call__(self, tensors: dict[str, torch.Tensor], layout_changes: dict[str, Any]) -> None:
+        if self.pretrained is not None:
+            self.pretrained(tensors, layout_changes)
+
+    def restore(self, tensors: dict[str, torch.Tensor], layout_changes: dict[str, Any]) -> None:
+        missing = sorted(set(tensors) - set(self.state))
+        if missing:
+            raise ValueError(f"the checkpoint has no {', '.join(missing[:3])}; resume from one this model wrote")
+        for name, tensor in tensors.items():
+            if not tensor.requires_grad and not torch.equal(tensor, self.state[name]):
+                raise ValueError(f"{name} is frozen but differs from the checkpoint's: resume with the model.path "
+                                 "and seed of the run that wrote it")
+        copy_full_tensors({name: t for name, t in tensors.items() if t.requires_grad}, layout_changes, self.state)

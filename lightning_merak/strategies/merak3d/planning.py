@@ -45,6 +45,7 @@ from lightning_merak.strategies.planner import (
     candidate_layouts,
     plan,
     required_profile_keys,
+    rerank,
 )
 from lightning_merak.strategies.planner.profile import DATA_PARALLEL_SHARDING
 from lightning_merak.strategies.planner.step_check import BatchClock, StepTimeCheck
@@ -152,6 +153,8 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
                               gradient_bytes=min(256 << 20, gradient_bytes), repeats=PLANNER_REPEATS,
                               pipeline=any(layout.pp > 1 for layout in candidate_layouts(space, num_blocks)))
     result = plan(space, profile, network)
+    if arguments.planner_calibration != "analytic":  # rank by replaying the traced runs (memory stays the model's)
+        result = replay_ranked(result, arguments.planner_calibration, model, inputs)
     degrees = arguments.degrees
     allowed = [p for p in result.ranked
                if all(degrees[name] in ("auto", value) for name, value in
@@ -175,6 +178,18 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
     layout = _adopted_layout(arguments, chosen)
     rank_zero_info("\n".join(lines))
     return PlannedLayout(layout, result, best, frozenset(verified))
+
+
+def replay_ranked(ranked: Any, paths: str, model: nn.Module, inputs: torch.Tensor) -> Any:
+    """``ranked`` re-ranked by the replay predictor calibrated from the comma-separated trace ``paths``."""
+    from lightning_merak.profiler.calibration import predictor_from_files
+    from lightning_merak.profiler.lightning_profiler import model_shape
+
+    shape = model_shape(model, inputs.shape[1] if inputs.ndim > 1 else 1)
+    if shape is None:
+        raise ValueError("planner_calibration needs a model with a list of blocks; use 'analytic'")
+    predictor = predictor_from_files([p.strip() for p in paths.split(",")], shape, inputs.shape[0])
+    return rerank(ranked, lambda layout: predictor.planner_step_time(layout, inputs.shape[0]))
 
 
 def sharding_modes(arguments: Merak3DArguments, model: nn.Module, precision: Any,

@@ -89,6 +89,11 @@ class Merak3DStrategy(CheckpointHooks):
         memory_limit: bytes per rank the planner must fit (default: 90% of the device's memory,
             or of the host memory available per process on CPU).
         plan_only: plan the layout, log it, and stop before training.
+        planner_calibration: ``"analytic"`` (the cost model from the planner's profile), or the paths, comma
+            separated, of traces written by ``MerakTraceProfiler`` in short runs of this model and batch: the
+            first (any layout) calibrates, the others are probes (tensor-parallel runs of the model cut to a few
+            blocks, one per overlap); the planner then ranks layouts by replaying them
+            (:mod:`lightning_merak.profiler.calibration`).
         vocab_parallel: with ``tensor_parallel>1``, split the input embedding and the LM head by vocabulary
             rows over the tensor-parallel ranks and compute the loss on the sharded logits
             (:mod:`~lightning_merak.strategies.vocab_parallel`); nothing to do at ``tensor_parallel=1``.
@@ -134,6 +139,7 @@ class Merak3DStrategy(CheckpointHooks):
         timeout_s: float = 600.0,
         memory_limit: Optional[float] = None,
         plan_only: bool = False,
+        planner_calibration: str = "analytic",
         vocab_parallel: bool = True,
         compact_host_memory: bool = False,
         data_parallel_sharding: str = "none",

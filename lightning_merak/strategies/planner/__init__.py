@@ -25,6 +25,7 @@ from lightning_merak.strategies.planner.search import (
     candidate_layouts,
     plan,
     required_profile_keys,
+    rerank,
 )
 from lightning_merak.strategies.planner.step_check import BatchClock, StepTimeCheck
 
@@ -51,5 +52,6 @@ __all__ = [
     "plan",
     "predict",
     "required_profile_keys",
+    "rerank",
     "simulate_overlapped_chain",
 ]

@@ -7,7 +7,9 @@ rank computing the plan gets the same answer.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 from lightning_merak.strategies.planner.cost_model import (
     COMPONENTS,
@@ -174,6 +176,23 @@ class Plan:
 
 def _rank_key(prediction: Prediction) -> tuple:
     return (prediction.time_per_sample_s, *prediction.layout.tie_break_key)
+
+
+def rerank(ranked: Plan, step_time_of: Callable[[Layout], float]) -> Plan:
+    """``ranked`` with every fitting layout's step time from ``step_time_of`` (e.g. a trace replay), ranked again.
+
+    Memory fits and the components stay the cost model's; the cost model's own step time is kept as the
+    ``"analytic_step_s"`` component, so both predictors can be compared.
+    """
+    predictions = []
+    for prediction in ranked.ranked:
+        seconds = float(step_time_of(prediction.layout))
+        if not seconds > 0:
+            raise ValueError(f"the step time predictor returned {seconds} for {prediction.layout.describe()}; "
+                             "it must be positive (check its calibration)")
+        components = {**prediction.components, "analytic_step_s": prediction.step_time_s}
+        predictions.append(dataclasses.replace(prediction, step_time_s=seconds, components=components))
+    return Plan(ranked=tuple(sorted(predictions, key=_rank_key)), rejected=ranked.rejected)
 
 
 def plan(space: SearchSpace, model_profile: ModelProfile, network: NetworkProfile) -> Plan:

@@ -16,8 +16,8 @@ from __future__ import annotations
 from lightning_merak.plugins.moe.core.placement import Counts, Padding, PlacementPlan, rank_loads
 from lightning_merak.plugins.moe.core.placement_cost_model import CostModel
 
-__all__ = ["CHUNK_CHOICES", "block_pipelined_time", "choose_block_chunks", "choose_chunks", "pipelined_time",
-           "simulated_block_time"]
+__all__ = ["CHUNK_CHOICES", "block_pipelined_time", "choose_block_chunks", "choose_chunks", "chunk_times",
+           "pipelined_time", "simulated_block_time"]
 
 CHUNK_CHOICES = (1, 2, 4, 8)
 
@@ -46,6 +46,15 @@ def pipelined_time(all_to_all_s: float, compute_s: float, chunks: int) -> float:
     return combine_end
 
 
+def chunk_times(cost_model: CostModel, counts: Counts, plan: PlacementPlan, padding: Padding) -> dict[int, float]:
+    """Simulated forward seconds of the layer for each chunk count of :data:`CHUNK_CHOICES`."""
+    loads = rank_loads(counts, plan, padding, cost_model.experts_per_rank)
+    traffic_bytes = max(max(s, r) for s, r in zip(loads.sent, loads.received)) * cost_model.bytes_per_token
+    compute_s = max(loads.computed) / cost_model.expert_tokens_per_s
+    return {chunks: pipelined_time(cost_model.all_to_all.time(traffic_bytes / chunks), compute_s / chunks, chunks)
+            for chunks in CHUNK_CHOICES}
+
+
 def choose_chunks(cost_model: CostModel, counts: Counts, plan: PlacementPlan, padding: Padding) -> int:
     """The chunk count with the least simulated forward time; ties go to fewer chunks.
 
@@ -54,13 +63,8 @@ def choose_chunks(cost_model: CostModel, counts: Counts, plan: PlacementPlan, pa
     """
     if cost_model.all_to_all_overlap_efficiency < 0.5:
         return 1
-    loads = rank_loads(counts, plan, padding, cost_model.experts_per_rank)
-    traffic_bytes = max(max(s, r) for s, r in zip(loads.sent, loads.received)) * cost_model.bytes_per_token
-    compute_s = max(loads.computed) / cost_model.expert_tokens_per_s
     best, best_time = 1, float("inf")
-    for chunks in CHUNK_CHOICES:
-        per_chunk = cost_model.all_to_all.time(traffic_bytes / chunks)
-        simulated = pipelined_time(per_chunk, compute_s / chunks, chunks)
+    for chunks, simulated in chunk_times(cost_model, counts, plan, padding).items():
         if simulated < best_time - 1e-12:
             best, best_time = chunks, simulated
     return best

@@ -20,7 +20,7 @@ transfer hidden, must beat the best current-step plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Sequence
 
 from lightning_merak.plugins.moe.core.placement import Counts, Padding, PlacementPlan
@@ -29,7 +29,7 @@ from lightning_merak.plugins.moe.core.placement_planner import plan_pro_prophet
 from lightning_merak.plugins.moe.core.shadowing import plan_shadowing
 
 __all__ = ["PLAN_KINDS", "PlanKind", "PlannerSettings", "StepChoice", "choose_step_plan", "predicted_plan",
-           "prefetch_pays"]
+           "prefetch_pays", "step_candidates"]
 
 PlanKind = Literal["none", "dropless", "shadowing", "pro_prophet"]
 PLAN_KINDS: tuple[str, ...] = ("none", "dropless", "shadowing", "pro_prophet")
@@ -53,7 +53,12 @@ class PlannerSettings:
 
 @dataclass(frozen=True)
 class StepChoice:
-    """The plan a layer call runs, why (its predicted seconds) and how its transfers happen."""
+    """The plan a layer call runs, why (its predicted seconds) and how its transfers happen.
+
+    ``chunks`` is the Lancet chunk count where the online check chose it too (None: the layer's
+    own rule); ``corrected_s`` the prediction after the check's correction, ``explored`` whether
+    the check ran this runner-up to measure it (:mod:`.plan_check`).
+    """
 
     kind: str
     timing: Timing
@@ -61,11 +66,20 @@ class StepChoice:
     padding: Padding
     predicted_s: float
     best_current_s: float = float("inf")
+    chunks: int | None = None
+    corrected_s: float | None = None
+    explored: bool = False
 
     @property
     def kind_index(self) -> int:
         """A number for loggers that take only floats: the position in :data:`PLAN_KINDS`."""
         return PLAN_KINDS.index(self.kind)
+
+    @property
+    def arm(self) -> str:
+        """What the online check keeps a correction for: kind, timing, and whether chunked."""
+        chunked = "/chunked" if self.chunks is not None and self.chunks > 1 else ""
+        return f"{self.kind}/{self.timing}{chunked}"
 
 
 def _replicating_plan(
@@ -87,7 +101,7 @@ def _plain_kind(padding: Padding) -> str:
     return "dropless" if padding.mode == "dropless" else "none"
 
 
-def choose_step_plan(
+def step_candidates(
     counts: Counts,
     cost: CostModel,
     stock_padding: Padding,
@@ -95,12 +109,11 @@ def choose_step_plan(
     *,
     prefetched: tuple[str, PlacementPlan] | None = None,
     current: bool = True,
-) -> StepChoice:
-    """The cheapest candidate for this step's ``counts`` (all ranks derive the same one).
+) -> list[StepChoice]:
+    """Every candidate for this step's ``counts``, priced, in the tie-breaking order above.
 
     ``prefetched`` is (kind, plan) whose parameters already arrived; ``current=False`` leaves
     out the plans made from this step's counts (Pro-Prophet's original, prediction-only timing).
-    The choice carries the best current-step price too, for :func:`prefetch_pays`.
     """
     empty = PlacementPlan(len(counts[0]), len(counts))
     candidates: list[StepChoice] = []
@@ -116,12 +129,29 @@ def choose_step_plan(
                 if plan.replications:
                     candidates.append(StepChoice(kind, "current", plan, padding,
                                                  cost.total(counts, plan, padding, "current")))
+    return candidates
+
+
+def choose_step_plan(
+    counts: Counts,
+    cost: CostModel,
+    stock_padding: Padding,
+    settings: PlannerSettings = PlannerSettings(),
+    *,
+    prefetched: tuple[str, PlacementPlan] | None = None,
+    current: bool = True,
+) -> StepChoice:
+    """The cheapest of :func:`step_candidates` (all ranks derive the same one).
+
+    The choice carries the best current-step price too, for :func:`prefetch_pays`.
+    """
+    candidates = step_candidates(counts, cost, stock_padding, settings, prefetched=prefetched, current=current)
     best = candidates[0]
     for candidate in candidates[1:]:
         if candidate.predicted_s < best.predicted_s:
             best = candidate
     best_current_s = min(c.predicted_s for c in candidates if c.timing == "current")
-    return StepChoice(best.kind, best.timing, best.plan, best.padding, best.predicted_s, best_current_s)
+    return replace(best, best_current_s=best_current_s)
 
 
 def predicted_plan(
@@ -146,11 +176,13 @@ def predicted_plan(
 
 
 def prefetch_pays(counts: Counts, cost: CostModel, previous: PlacementPlan, padding: Padding,
-                  best_current_s: float) -> bool:
+                  best_current_s: float, correction: float = 1.0) -> bool:
     """Would the plan predicted from the previous step's counts have beaten this step's best current plan?
 
     The previous plan is priced on this step's counts with its transfer as the scheduler issues
     it, so routing that changes between steps (a rotating hot set) turns prefetching off and
-    routing that holds still turns it on.
+    routing that holds still turns it on. ``correction`` scales that price as the online check
+    scales prefetched plans' (then ``best_current_s`` is the corrected best too).
     """
-    return bool(previous.replications) and cost.total(counts, previous, padding, "prefetched") < best_current_s
+    return bool(previous.replications) and (
+        correction * cost.total(counts, previous, padding, "prefetched") < best_current_s)

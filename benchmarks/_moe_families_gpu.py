@@ -1,0 +1,92 @@
+"""The single-GPU leg of ``benchmarks.moe_families`` (ep=1, one process, CUDA).
+
+Per family and dtype: a training step (forward and backward) of the unswapped model with
+transformers' eager expert loop, with its ``grouped_mm`` implementation, and with ours
+(``merak_grouped``, the dropless grouped core), timed with ``torch.cuda.synchronize``; plus
+ours' largest output difference from the eager loop. Imports torch, transformers and the
+experts package only (no DeepSpeed, no Hydra), so it runs on a bare GPU machine.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from lightning_merak.plugins.moe.experts import FAMILY_CONFIGS, enable_grouped_experts, tiny_moe_model
+
+_WIDTHS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def _scaled(family: str, factor: int) -> dict[str, int]:
+    extra = FAMILY_CONFIGS[family][1]
+    return {key: extra[key] * factor for key in _WIDTHS if key in extra}
+
+
+def _step(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(model: torch.nn.Module, ids: torch.Tensor, warmup: int, steps: int, device: str) -> float:
+    for _ in range(warmup):
+        _step(model, ids)
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        start = time.perf_counter()
+        _step(model, ids)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def run_gpu(families: list[str], quick: bool, device: str = "cuda",
+            size: tuple[int, int, int, int] | None = None, repeats: tuple[int, int] | None = None
+            ) -> list[dict[str, Any]]:
+    """One row per (family, dtype); a failure is a row with its error.
+
+    ``size`` is (hidden, width factor, batch, sequence), ``repeats`` (warm-up, timed steps);
+    ``device="cpu"`` only checks the path here.
+    """
+    hidden, factor, batch, seq = size or ((256, 4, 4, 128) if quick else (1024, 16, 8, 512))
+    warmup, steps = repeats or ((2, 5) if quick else (3, 20))
+    rows = []
+    for family in families:
+        for dtype in (torch.bfloat16, torch.float32):
+            row: dict[str, Any] = {"family": family, "dtype": str(dtype).removeprefix("torch.")}
+            try:
+                base = tiny_moe_model(family, hidden=hidden, layers=2, vocab=1024, dtype=dtype,
+                                      **_scaled(family, factor)).to(device)
+                ids = torch.randint(0, 1024, (batch, seq), device=device,
+                                    generator=torch.Generator(device).manual_seed(0))
+                grouped = copy.deepcopy(base)
+                grouped.set_experts_implementation("grouped_mm")
+                ours = copy.deepcopy(base)
+                enable_grouped_experts(ours)
+                row["output_diff_vs_eager"] = (_step(ours, ids) - _step(base, ids)).abs().max().item()
+                row["step_ms"] = {"ours": _time(ours, ids, warmup, steps, device)}
+                for name, model in (("eager", base), ("grouped_mm", grouped)):
+                    try:  # a baseline that fails here (e.g. no grouped_mm kernel for this dtype) is noted, not fatal
+                        row["step_ms"][name] = _time(model, ids, warmup, steps, device)
+                        row[f"speedup_vs_{name}"] = row["step_ms"][name] / row["step_ms"]["ours"]
+                    except Exception as error:
+                        row[f"{name}_error"] = f"{type(error).__name__}: {error}"
+                        row[f"speedup_vs_{name}"] = None
+                del base, grouped, ours
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            except Exception as error:  # one family failing is a failed row
+                row["error"] = f"{type(error).__name__}: {error}"
+            rows.append(row)
+    return rows

@@ -1,0 +1,125 @@
+"""One gloo rank of ``benchmarks.moe_families``' ep=2 leg: swap equality and step times per family.
+
+Every variant runs a training step (forward, backward, the data-parallel gradient average) on this
+rank's own batch: ``eager`` and ``grouped_mm`` are the unswapped model (every expert on every rank,
+transformers' expert loop or its grouped_mm implementation), ``ours`` is ``merak_ep`` over the two ranks
+(expert gradients stay local and are divided by the rank count; the rest is averaged), and
+``ours_grouped_no_ep`` our grouped core with every expert on every rank (what the exchange costs), and
+``ours_replicated`` ``merak_ep`` with each layer's hottest expert (from the first step) shadowed on
+every rank (what replication's transfers cost; its difference from ``ours`` is checked too).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_merak.plugins.moe.core.placement import PlacementPlan, Replication
+from lightning_merak.plugins.moe.experts import (
+    enable_expert_parallel,
+    enable_grouped_experts,
+    expert_load,
+    set_replica_plans,
+    tiny_moe_model,
+)
+
+
+def _batch(rank: int, batch: int, seq: int, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(100 + rank))
+
+
+def _step(model: torch.nn.Module, ids: torch.Tensor, world: int, local: set[str]) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        if name not in local:
+            dist.all_reduce(param.grad)
+        grads[name] = param.grad / world
+    return out.logits.detach(), grads
+
+
+def _times(variants: dict[str, tuple[torch.nn.Module, set[str]]], ids: torch.Tensor, world: int, warmup: int,
+           steps: int) -> dict[str, dict[str, float]]:
+    """Median and fastest step time (ms) of each variant, interleaved step by step so all see the same load."""
+    for model, local in variants.values():
+        for _ in range(warmup):
+            _step(model, ids, world, local)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(steps):
+        for name, (model, local) in variants.items():
+            dist.barrier()
+            start = time.perf_counter()
+            _step(model, ids, world, local)
+            times[name].append(time.perf_counter() - start)
+    return {"median": {name: statistics.median(values) * 1e3 for name, values in times.items()},
+            "min": {name: min(values) * 1e3 for name, values in times.items()}}
+
+
+def _hottest_shadowed(loads: dict[str, torch.Tensor], world: int) -> dict[str, PlacementPlan]:
+    """Per layer, its most loaded expert replicated to every other rank (FasterMoE's shadowing of one expert)."""
+    plans = {}
+    for name, counts in loads.items():
+        expert = int(counts.sum(0).argmax())
+        owner = expert // (counts.shape[1] // world)
+        plans[name] = PlacementPlan(counts.shape[1], world,
+                                    (Replication(expert, owner, tuple(r for r in range(world) if r != owner)),))
+    return plans
+
+
+def run_family(rank: int, world: int, family: str, size: dict[str, int], warmup: int, steps: int) -> dict[str, Any]:
+    """Diffs against the unswapped eager model and the median step time of each variant on this rank."""
+    reference = tiny_moe_model(family, hidden=size["hidden"], layers=size["layers"], vocab=size["vocab"])
+    ids = _batch(rank, size["batch"], size["seq"], size["vocab"])
+    grouped = copy.deepcopy(reference)
+    grouped.set_experts_implementation("grouped_mm")
+    grouped_dp = copy.deepcopy(reference)
+    enable_grouped_experts(grouped_dp)
+    ours = copy.deepcopy(reference)
+    report = enable_expert_parallel(ours)
+    experts = set(report.expert_parameters)
+
+    ref_logits, ref_grads = _step(reference, ids, world, set())
+    logits, grads = _step(ours, ids, world, experts)
+    grad_diff = 0.0
+    for name, grad in grads.items():
+        ref = ref_grads[name]
+        if name in experts:
+            ref = ref[report.local_experts.start:report.local_experts.stop]
+        grad_diff = max(grad_diff, (grad - ref).abs().max().item())
+    missing = sorted(set(ref_grads) - set(grads))
+    replicated = copy.deepcopy(reference)
+    enable_expert_parallel(replicated)
+    _step(replicated, ids, world, experts)
+    set_replica_plans(replicated, _hottest_shadowed(expert_load(replicated), world))
+    rep_logits, rep_grads = _step(replicated, ids, world, experts)
+    rep_diff = max([(rep_logits - ref_logits).abs().max().item()]
+                   + [(rep_grads[n] - grads[n]).abs().max().item() for n in grads])
+    times = _times({"eager": (reference, set()), "grouped_mm": (grouped, set()), "ours": (ours, experts),
+                    "ours_grouped_no_ep": (grouped_dp, set()), "ours_replicated": (replicated, experts)},
+                   ids, world, warmup, steps)
+    return {"family": family, "output_diff": (logits - ref_logits).abs().max().item(), "grad_diff": grad_diff,
+            "grads_missing": missing, "step_ms": times["median"], "step_min_ms": times["min"],
+            "local_experts": len(report.local_experts), "replicated_diff": rep_diff,
+            "num_experts": report.num_experts, "top_k": int(reference.config.num_experts_per_tok)}
+
+
+def run_all(rank: int, world: int, families: list[str], size: dict[str, int], warmup: int,
+            steps: int) -> list[dict[str, Any]]:
+    """Every family in order on this rank; a family that fails becomes a row with its error."""
+    torch.set_num_threads(1)
+    rows = []
+    for family in families:
+        try:
+            rows.append(run_family(rank, world, family, size, warmup, steps))
+        except Exception as error:  # a failed row, not a failed run
+            rows.append({"family": family, "error": f"{type(error).__name__}: {error}"})
+    return rows

@@ -1,0 +1,204 @@
+"""Adapters on a model built on the meta device: attach first, quantise each rank's part once it is real.
+
+PEFT wraps layers without reading their weights, so an adapter attaches to a meta model as to a real one
+and the parameter names are those of the whole-model path. Quantisation does read the weights, so it
+waits: :func:`attach_on_meta` records it as the model's ``after_materialize`` hook, and the strategy
+calls that hook on each part a rank holds once its weights are in (random init or a pretrained
+checkpoint's slices). Each layer is quantised as the whole-model path quantises it (the same
+bitsandbytes or INT4 call on the same float weight), so the frozen base is identical. A checkpoint of
+such a model holds the packed base: resuming rebuilds and quantises the float part first, then checks
+the frozen tensors against the checkpoint and copies the rest (``restores_from_checkpoint`` is False).
+
+Materialisation initialises each module by the model's own init; adapter weights instead carry a
+``materialize_init`` callable drawing what their method draws (LoRA: Kaiming-uniform ``A``, zero ``B``;
+Q-BaRA likewise; QA-HiRA zero or Kaiming ``H``), so training starts from the base model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+from .base import PooledAdapterLayer, check_target_layer
+from .int4 import QuantLinearInt4, check_int4_shape, replace_submodule
+from .quantize import QUANTIZATIONS, quantized_linear
+
+__all__ = ["AFTER_MATERIALIZE", "MATERIALIZE_INIT", "DeferredQuantization", "attach_on_meta", "mark_adapter_inits"]
+
+AFTER_MATERIALIZE = "after_materialize"
+"""Attribute of a model: ``(part) -> None``, run on each part a rank holds once its weights are loaded."""
+MATERIALIZE_INIT = "materialize_init"
+"""Attribute of a module: ``(module) -> None``, its initialisation after materialisation (instead of the model's)."""
+
+
+def kaiming_init(module: nn.Module) -> None:
+    """Kaiming-uniform (a=√5) on each of ``module``'s own parameters: ``nn.Linear``'s and LoRA's ``A`` init."""
+    for param in module.parameters(recurse=False):
+        nn.init.kaiming_uniform_(param, a=math.sqrt(5))
+
+
+def zero_init(module: nn.Module) -> None:
+    """Zeros on each of ``module``'s own parameters: adapter outputs start at zero."""
+    for param in module.parameters(recurse=False):
+        nn.init.zeros_(param)
+
+
+def normal_init(module: nn.Module, std: float) -> None:
+    """Normal(0, std) on each of ``module``'s own parameters (LoRA's ``init_lora_weights="gaussian"``)."""
+    for param in module.parameters(recurse=False):
+        nn.init.normal_(param, std=std)
+
+
+def _lora_inits(layer: nn.Module, config: Any) -> dict[str, Any]:
+    init = config.init_lora_weights
+    if config.use_dora or init not in (True, "gaussian"):
+        raise ValueError(f"adapter=lora on the meta device supports init_lora_weights True or 'gaussian' without "
+                         f"DoRA (got init_lora_weights={init!r}, use_dora={config.use_dora}); build the model whole "
+                         "(strategy=ddp) for other initialisations")
+    inits = {}
+    for adapter in layer.lora_A:
+        inits[f"lora_A.{adapter}"] = (kaiming_init if init is True
+                                      else functools.partial(normal_init, std=1 / layer.r[adapter]))
+        inits[f"lora_B.{adapter}"] = zero_init
+    return inits
+
+
+def _pooled_inits(layer: PooledAdapterLayer, config: Any) -> dict[str, Any]:
+    """Mirrors the layers' ``_create_adapter_weights``: Q-BaRA ``A`` Kaiming, ``B`` zero; QA-HiRA ``H`` by ``init``."""
+    kaiming = {"qbara_A"} | ({"qahira_H"} if getattr(config, "init", "zero") == "kaiming" else set())
+    return {container: kaiming_init if container in kaiming else zero_init
+            for container in layer.adapter_layer_names}
+
+
+def mark_adapter_inits(model: nn.Module) -> None:
+    """Give every adapter weight of the PEFT ``model`` its method's ``materialize_init``."""
+    configs = getattr(model, "peft_config", {})
+    for layer in model.modules():
+        if not isinstance(layer, BaseTunerLayer):
+            continue
+        config = configs[layer.active_adapters[0]]
+        inits = (_pooled_inits(layer, config) if isinstance(layer, PooledAdapterLayer)
+                 else _lora_inits(layer, config))
+        for path, init in inits.items():
+            setattr(layer.get_submodule(path), MATERIALIZE_INIT, init)
+
+
+@dataclass(frozen=True)
+class DeferredQuantization:
+    """The base quantisation of an adapter model built on meta, applied to each part a rank holds (callable)."""
+
+    quantization: str
+    group_size: int = 32
+    double_quant: bool = True
+    skip: tuple[str, ...] = ("lm_head",)
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+
+    @property
+    def restores_from_checkpoint(self) -> bool:
+        """Whether a checkpoint of the model can fill its float part before this runs (not once quantised)."""
+        return self.quantization == "none"
+
+    def __call__(self, part: nn.Module) -> None:
+        """Quantise ``part``'s frozen base layers in place, then rebind the adapters to the quantised bases."""
+        if self.quantization == "none":
+            return
+        targets = _base_linears(part, self.skip)
+        if self.quantization == "int4":
+            for name, linear in targets:
+                check_int4_shape(name, linear.in_features, self.group_size)
+        for name, linear in targets:
+            layer = (QuantLinearInt4.from_linear(linear, self.group_size) if self.quantization == "int4"
+                     else quantized_linear(linear, self.quantization, self.double_quant))
+            replace_submodule(part, name, layer)
+        _rebind_adapters(part)
+        base = part.get_base_model() if hasattr(part, "get_base_model") else part
+        if self.quantization in ("nf4", "fp4", "int8"):
+            setattr(base, "is_loaded_in_8bit" if self.quantization == "int8" else "is_loaded_in_4bit", True)
+
+
+def _base_linears(part: nn.Module, skip: tuple[str, ...]) -> list[tuple[str, nn.Linear]]:
+    """The float linear layers the whole-model path quantises: all but adapter weights and those ``skip`` names
+    (a tuner layer's ``base_layer`` judged by the tuner layer's name, as before the adapter wrapped it)."""
+    adapter_weights = {id(sub) for layer in part.modules() if isinstance(layer, BaseTunerLayer)
+                       for container in layer.adapter_layer_names for sub in getattr(layer, container).modules()}
+    return [(name, module) for name, module in part.named_modules()
+            if type(module) is nn.Linear and id(module) not in adapter_weights
+            and name.removesuffix(".base_layer").split(".")[-1] not in skip]
+
+
+def _rebind_adapters(part: nn.Module) -> None:
+    """After their bases were quantised: pooled layers pick the quantised backend (and recheck INT4 alignment);
+    a LoRA layer is replaced by PEFT's class for that base (as ``get_peft_model`` on a quantised model picks),
+    keeping its adapter weights."""
+    from peft.tuners.lora import LoraLayer, LoraModel
+    from peft.utils import resolve_quantization_backend
+
+    for name, layer in list(part.named_modules()):
+        if isinstance(layer, PooledAdapterLayer):
+            layer.quantization_backend = resolve_quantization_backend(layer.get_base_layer())
+            for adapter in layer.lambda_in:
+                check_target_layer(layer.method_name, layer.layer_name, layer, layer.lambda_in[adapter],
+                                   layer.lambda_out[adapter], layer.requires_group_alignment)
+        elif isinstance(layer, LoraLayer) and type(layer.get_base_layer()) is not nn.Linear:
+            adapter = layer.active_adapters[0]
+            config = _peft_config_of(part, adapter)
+            base = layer.get_base_layer()
+            kind = type(base).__name__
+            replacement = LoraModel._create_new_module(
+                config, adapter, base, r=layer.r[adapter], lora_alpha=layer.lora_alpha[adapter],
+                loaded_in_4bit=kind == "Linear4bit", loaded_in_8bit=kind == "Linear8bitLt")
+            for container in ("lora_A", "lora_B", "lora_dropout"):
+                setattr(replacement, container, getattr(layer, container))
+            replace_submodule(part, name, replacement)
+
+
+def _peft_config_of(part: nn.Module, adapter: str) -> Any:
+    configs = getattr(part, "peft_config", None)
+    if not configs or adapter not in configs:
+        raise ValueError(f"the part holds LoRA layers but no PEFT config for adapter {adapter!r}")
+    return configs[adapter]
+
+
+def attach_on_meta(option: Any, model: nn.Module) -> nn.Module:
+    """Wrap the meta ``model`` with the adapter ``option`` (an ``adapter=`` option) leaving its base in float,
+    and record the option's quantisation as the model's ``after_materialize`` hook.
+
+    Refuses, before any weight exists, what the option would refuse on a quantised base.
+    """
+    quantization = option.quantization.value
+    if option.name == "lora" and quantization == "int4":
+        raise ValueError("adapter=lora: PEFT LoRA has no layer for the project INT4 base; use nf4/fp4/int8/none")
+    deferred = DeferredQuantization(quantization, option.group_size, option.double_quant)
+    wrapped = dataclasses.replace(option, quantization=type(option.quantization)("none")).apply(model)
+    if quantization == "int4":
+        _check_int4_alignment(wrapped, option.group_size, deferred.skip)
+    mark_adapter_inits(wrapped)
+    setattr(wrapped, AFTER_MATERIALIZE, deferred)
+    return wrapped
+
+
+def _check_int4_alignment(model: nn.Module, group_size: int, skip: tuple[str, ...]) -> None:
+    """The INT4 checks quantising the whole model makes first: every quantised width and QA-HiRA's pooling."""
+    for name, linear in _base_linears(model, skip):
+        check_int4_shape(name, linear.in_features, group_size)
+    for layer in model.modules():
+        if isinstance(layer, PooledAdapterLayer) and layer.requires_group_alignment:
+            for lambda_in in layer.lambda_in.values():
+                if lambda_in % group_size:
+                    raise ValueError(
+                        f"{layer.method_name}: layer '{layer.layer_name}' will be INT4 with group_size={group_size}, "
+                        f"misaligned with lambda_in={lambda_in}: the exact merge needs lambda_in to be a multiple of "
+                        f"the group size. Set lambda_in={group_size} or quantize with a group size dividing "
+                        f"{lambda_in}.")
+
+
+

@@ -1,0 +1,82 @@
+"""Lightning glue for ``merak_ep``: enable it in every process, keep DDP off the experts, log the load.
+
+Thin: :func:`~lightning_merak.plugins.moe.experts.enable.enable_expert_parallel` does the work. The
+callback runs it in ``setup`` (processes and the process group exist, DDP and the optimizer do not
+yet), over expert groups of ``ep_size`` consecutive ranks; every rank holding the same experts forms
+an expert-data-parallel group. Before each optimizer step an expert gradient is summed over that
+group and divided by the world size, the gradient of the mean loss that DDP's average gives the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from lightning_merak.plugins.moe.experts.enable import enable_expert_parallel, expert_load
+
+__all__ = ["ExpertParallelCallback"]
+
+
+class ExpertParallelCallback(pl.Callback):
+    """Run a transformers MoE model's experts expert-parallel (``merak_ep``) under Lightning's DDP.
+
+    ``ep_size`` defaults to the world size. Logs ``moe_ep/max_over_mean`` (the most loaded expert over
+    the mean, worst layer) every ``log_every_n_steps``.
+    """
+
+    def __init__(self, ep_size: int | None = None, log_every_n_steps: int = 10) -> None:
+        self.ep_size = ep_size
+        self.log_every_n_steps = log_every_n_steps
+        self._expert_params: list[torch.nn.Parameter] = []
+        self._edp_group: Any = None
+        self._edp_size = 1
+        self._world = 1
+
+    def _groups(self) -> Any:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        ep = self.ep_size or world
+        if ep < 1 or world % ep:
+            raise ValueError(f"moe.ep_size={ep} does not divide the world size {world}; choose a divisor of {world}")
+        ep_groups = [dist.new_group(list(range(i * ep, (i + 1) * ep))) for i in range(world // ep)]
+        edp_groups = [dist.new_group(list(range(j, world, ep))) for j in range(ep)]
+        self._edp_group, self._edp_size, self._world = edp_groups[rank % ep], world // ep, world
+        return None if ep == world else ep_groups[rank // ep]
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        strategy = type(trainer.strategy).__name__
+        if "DDP" not in strategy and "SingleDevice" not in strategy:
+            raise ValueError(f"moe.experts=merak_ep runs under DDP (strategy=ddp), not {strategy}: expert parallelism "
+                             "under merak3d or DeepSpeed is not built; use strategy=ddp or moe.experts=deepspeed")
+        if self._expert_params or not (dist.is_available() and dist.is_initialized()):
+            return
+        group = self._groups()
+        report = enable_expert_parallel(pl_module, group)
+        params = dict(pl_module.named_parameters())
+        self._expert_params = [params[name] for name in report.expert_parameters]
+        ignored = set(getattr(pl_module, "_ddp_params_and_buffers_to_ignore", [])) | set(report.expert_parameters)
+        pl_module._ddp_params_and_buffers_to_ignore = sorted(ignored)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        grads = [p.grad for p in self._expert_params if p.grad is not None]
+        if not grads or self._world == 1:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self._edp_size > 1:
+            dist.all_reduce(flat, group=self._edp_group)
+        flat.div_(self._world)
+        for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
+            grad.copy_(piece.view_as(grad))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self._expert_params or (trainer.global_step % self.log_every_n_steps):
+            return
+        worst = 0.0
+        for counts in expert_load(pl_module).values():
+            per_expert = counts.sum(0).double()
+            if per_expert.sum() > 0:
+                worst = max(worst, float(per_expert.max() / per_expert.mean()))
+        pl_module.log("moe_ep/max_over_mean", worst, rank_zero_only=True)

@@ -1,0 +1,69 @@
+"""Tiny models of the named MoE families, built from each family's own config class (no download).
+
+Used by the tests and ``benchmarks.moe_families``: each config keeps what makes the family's router
+and block distinct (softmax or sigmoid scores, normalised top-k, group-limited routing, routed scaling,
+shared experts, DeepSeek-V3's score-correction bias) at hidden sizes a CPU runs in milliseconds.
+Sizes are multiples of 16 so torch's grouped matmul can run on them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["FAMILY_CONFIGS", "tiny_moe_model"]
+
+
+def _common(hidden: int, layers: int, vocab: int) -> dict[str, Any]:
+    return {"vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 128, "tie_word_embeddings": False,
+            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mixtral": ("MixtralConfig", {"intermediate_size": 64, "num_local_experts": 8, "num_experts_per_tok": 2}),
+    "qwen2_moe": ("Qwen2MoeConfig", {"intermediate_size": 64, "moe_intermediate_size": 32, "num_experts": 8,
+                                     "num_experts_per_tok": 4, "shared_expert_intermediate_size": 64,
+                                     "norm_topk_prob": False, "decoder_sparse_step": 1}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"intermediate_size": 64, "moe_intermediate_size": 32, "num_experts": 16,
+                                     "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                                     "head_dim": 16}),
+    "olmoe": ("OlmoeConfig", {"intermediate_size": 32, "num_experts": 16, "num_experts_per_tok": 8}),
+    "deepseek_v2": ("DeepseekV2Config", {"intermediate_size": 64, "moe_intermediate_size": 32, "n_routed_experts": 8,
+                                         "num_experts_per_tok": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                                         "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+                                         "routed_scaling_factor": 1.5, "num_key_value_heads": 4,
+                                         "kv_lora_rank": 16, "q_lora_rank": 32,
+                                         "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16}),
+    "deepseek_v3": ("DeepseekV3Config", {"intermediate_size": 64, "moe_intermediate_size": 32, "n_routed_experts": 16,
+                                         "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                                         "n_group": 4, "topk_group": 2, "norm_topk_prob": True,
+                                         "routed_scaling_factor": 2.5, "num_key_value_heads": 4,
+                                         "kv_lora_rank": 16, "q_lora_rank": 32,
+                                         "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16}),
+}
+"""family → (config class in ``transformers``, tiny overrides). Qwen3-MoE, OLMoE and DeepSeek-V3 route top-8."""
+
+
+def tiny_moe_model(family: str, *, hidden: int = 64, layers: int = 2, vocab: int = 128, seed: int = 0,
+                   experts_implementation: str = "eager", dtype: torch.dtype = torch.float32,
+                   **overrides: Any) -> torch.nn.Module:
+    """A seeded tiny ``*ForCausalLM`` of ``family``; DeepSeek-V3's score-correction bias is made non-zero."""
+    import transformers
+
+    if family not in FAMILY_CONFIGS:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILY_CONFIGS)}")
+    class_name, extra = FAMILY_CONFIGS[family]
+    config = getattr(transformers, class_name)(**{**_common(hidden, layers, vocab), **extra, **overrides})
+    config._experts_implementation = experts_implementation
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "gate.weight" in name or name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+                param.normal_(0.0, 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.05, 0.05)
+    return model

@@ -1,0 +1,178 @@
+"""The layout planner calibrated from traced runs: constants from a trace, and a replay predictor (pure).
+
+:func:`link_costs` reads each group kind's link from a trace (fixed time per op, effective bytes/s);
+:func:`calibrate_from_traces` turns one short traced run (any layout, usually data-parallel) into the
+planner's constants (:class:`~lightning_merak.profiler.synthesize.StepCosts`: compute per block and
+sample, the rest of the forward, backward ratio, optimizer time per parameter, the loop's time per
+step, and the links), plus *probes*: traces of short runs of what the main trace lacks on a model cut to
+a few blocks (a tensor-parallel layout at each sub-batch overlap; a pipeline), whose costs replace the
+main trace's for layouts of that kind (:meth:`TraceCalibration.costs_for`). :class:`ReplayPredictor`
+replays any layout's step with them (:func:`~lightning_merak.profiler.synthesize.predict_layout`); the
+planner ranks its candidates by it (:func:`~lightning_merak.strategies.planner.rerank`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+from lightning_merak.profiler.replay import SMALL_OP_BYTES, comm_ops, estimate_fixed_cost
+from lightning_merak.profiler.synthesize import LayoutSpec, ModelShape, StepCosts, calibrate, group_kind, predict_layout
+from lightning_merak.profiler.trace import Trace
+
+__all__ = ["LARGE_OP_BYTES", "Probe", "ReplayPredictor", "TraceCalibration", "calibrate_from_traces",
+           "layout_from_meta", "link_costs", "predictor_from_files", "probe_key", "traced_blocks"]
+
+LARGE_OP_BYTES = 32768.0
+"""Ops with at least this many wire bytes set a link's rate (below, the fixed cost dominates)."""
+
+
+def link_costs(trace: Trace, layout: LayoutSpec) -> dict[str, tuple[float, float]]:
+    """(fixed seconds per op, effective bytes/s) per group kind (:func:`group_kind`) that ``trace`` has large ops of.
+
+    The fixed time is the median transfer of the kind's ops under ``SMALL_OP_BYTES`` (the whole trace's
+    where the kind has none); the rate is the large ops' wire bytes over their transfer time beyond it.
+    """
+    ops = comm_ops(trace.aligned())
+    overall = estimate_fixed_cost(ops)
+    by_kind: dict[str, dict] = {}
+    for key, op in ops.items():
+        by_kind.setdefault(group_kind(key, layout), {})[key] = op
+    result = {}
+    for kind, kind_ops in by_kind.items():
+        fixed = estimate_fixed_cost(kind_ops) if any(op.wire < SMALL_OP_BYTES for op in kind_ops.values()) else overall
+        large = [op for op in kind_ops.values() if op.wire >= LARGE_OP_BYTES]
+        seconds = sum(max(op.duration - fixed, 0.0) for op in large)
+        if large and seconds > 0:
+            result[kind] = (fixed, sum(op.wire for op in large) / seconds)
+    return result
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A short traced run of a layout the main trace lacks (e.g. tensor-parallel), on a model of ``shape``;
+    ``correction`` as :class:`TraceCalibration`'s, for this run."""
+
+    trace: Trace
+    shape: ModelShape
+    layout: LayoutSpec
+    correction: float = 1.0
+
+
+@dataclass(frozen=True)
+class TraceCalibration:
+    """The planner's constants from traced runs: ``base`` from the main trace, ``probes`` per
+    (pipelined, tp, overlap) (:func:`probe_key`).
+
+    ``correction`` multiplies the predictions made with ``base``: the traced run's untraced step time over
+    its traced one (the profiler's own cost), 1.0 where unknown (it does not change a ranking); each
+    probe has its own, after its costs.
+    """
+
+    base: StepCosts
+    shape: ModelShape
+    traced: LayoutSpec
+    probes: tuple[tuple[tuple[bool, int, int], StepCosts, float], ...] = ()
+    correction: float = 1.0
+
+    def costs_for(self, layout: LayoutSpec) -> tuple[StepCosts, float]:
+        """The costs and correction ``layout`` is replayed with: the probe of its kind (pipelined, tp, overlap);
+        else, with tp > 1, the unpipelined probe of its tp and overlap; else, pipelined, the pipeline probe at
+        tp = 1; else the main trace's."""
+        probes = {key: (costs, correction) for key, costs, correction in self.probes}
+        pipelined = layout.pp > 1
+        for key in ((pipelined, layout.tp, layout.overlap), (False, layout.tp, layout.overlap) if layout.tp > 1
+                    else None, (True, 1, 1) if pipelined else None):
+            if key in probes:
+                return probes[key]
+        return self.base, self.correction
+
+    def describe(self) -> dict[str, Any]:
+        """The constants, for logs and benchmark reports."""
+        return {"base": dataclasses.asdict(self.base), "correction": self.correction,
+                "probes": {f"{'pp ' if pipelined else ''}tp{tp} k{k}": {**dataclasses.asdict(c), "correction": f}
+                           for (pipelined, tp, k), c, f in self.probes}}
+
+
+def probe_key(layout: LayoutSpec) -> tuple[bool, int, int]:
+    """What a probe of ``layout`` stands for: (pipelined, tensor-parallel degree, overlap)."""
+    return layout.pp > 1, layout.tp, layout.overlap
+
+
+def _with_links(costs: StepCosts, trace: Trace, layout: LayoutSpec,
+                fallback: Sequence[tuple[str, float, float]] = ()) -> StepCosts:
+    links = {kind: (fixed, rate) for kind, fixed, rate in fallback}
+    links.update(link_costs(trace, layout))
+    return dataclasses.replace(costs, links=tuple((kind, *links[kind]) for kind in sorted(links)))
+
+
+def calibrate_from_traces(trace: Trace, shape: ModelShape, layout: LayoutSpec, probes: Sequence[Probe] = (),
+                          correction: float = 1.0) -> TraceCalibration:
+    """The planner's constants from ``trace`` (a run of ``layout`` on a model of ``shape``) and ``probes``.
+
+    A probe of a tensor-parallel layout keeps the collectives' exposed time inside its blocks' and head's
+    times (its sub-batch overlap and vocabulary-parallel head are measured, not modelled); its other links
+    default to the main trace's. Raises before calibrating when two probes stand for the same :func:`probe_key`.
+    """
+    keys = [probe_key(p.layout) for p in probes]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"two probes trace the same (pipelined, tensor_parallel, overlap): {keys}; keep one of each")
+    if min([correction] + [p.correction for p in probes]) <= 0:
+        raise ValueError("corrections must be positive (untraced over traced step time)")
+    base = _with_links(calibrate(trace, shape, layout), trace, layout)
+    probed = []
+    for probe in probes:
+        costs = calibrate(probe.trace, probe.shape, probe.layout, tp_comm_in_compute=True)
+        probed.append((probe_key(probe.layout), _with_links(costs, probe.trace, probe.layout, base.links),
+                       probe.correction))
+    return TraceCalibration(base, shape, layout, tuple(probed), correction)
+
+
+class ReplayPredictor:
+    """Predicts a layout's step time by replaying it with a :class:`TraceCalibration`'s constants."""
+
+    def __init__(self, calibration: TraceCalibration) -> None:
+        self.calibration = calibration
+
+    def step_time(self, layout: LayoutSpec) -> float:
+        """Seconds per step of ``layout`` on the calibration's model."""
+        costs, correction = self.calibration.costs_for(layout)
+        return predict_layout(costs, self.calibration.shape, layout).step_time * correction
+
+    def planner_step_time(self, layout: Any, samples_per_replica: int) -> float:
+        """:meth:`step_time` of a planner ``Layout`` (sharding is not modelled: priced as none)."""
+        return self.step_time(LayoutSpec(layout.dp, layout.pp, layout.tp, layout.micro_batches, samples_per_replica,
+                                         recompute=layout.recompute_ratio, overlap=layout.overlap))
+
+
+def layout_from_meta(meta: dict[str, Any], samples: Optional[int] = None) -> LayoutSpec:
+    """The traced layout a :class:`~lightning_merak.profiler.MerakTraceProfiler` trace's meta records.
+
+    Raises, naming the fix, when the trace does not say (it was not written under merak3d or DDP).
+    """
+    layout = meta.get("layout")
+    if not isinstance(layout, dict):
+        raise ValueError("the trace's meta records no layout; trace a run under Merak3DStrategy or DDP with "
+                         "MerakTraceProfiler, which records it")
+    return LayoutSpec(int(layout["dp"]), int(layout["pp"]), int(layout["tp"]), int(layout.get("micro_batches") or 1),
+                      int(samples or layout.get("samples") or 1), overlap=int(layout.get("overlap") or 1))
+
+
+def traced_blocks(trace: Trace) -> int:
+    """How many blocks the traced model has: the distinct blocks whose forward any rank recorded (0: none)."""
+    return len({s.name for r in trace.ranks for s in r.spans if s.category == "FW" and s.name.startswith("block ")})
+
+
+def predictor_from_files(paths: Sequence[Union[str, Path]], shape: ModelShape, samples: int) -> ReplayPredictor:
+    """A predictor from trace files of this model (``shape``) at ``samples`` per replica and step: the first
+    calibrates, the others are probes (their meta gives their layouts, their block spans how many blocks
+    their models kept)."""
+    if not paths:
+        raise ValueError("predictor_from_files needs at least one trace file")
+    traces = [Trace.load(path) for path in paths]
+    probes = [Probe(t, dataclasses.replace(shape, blocks=traced_blocks(t) or shape.blocks),
+                    layout_from_meta(t.meta, samples)) for t in traces[1:]]
+    main = traces[0]
+    return ReplayPredictor(calibrate_from_traces(main, shape, layout_from_meta(main.meta, samples), probes))

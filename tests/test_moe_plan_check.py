@@ -1,0 +1,107 @@
+"""The online plan check (issue #25): predictions corrected by measured layer time, bounded exploration.
+
+Pure: synthetic timings in, choices out. Each arm has a "true" cost the test makes up; the
+check only ever sees the cost model's prediction and that measured time.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_merak.plugins.moe import Padding, PlanCheck, step_candidates
+from lightning_merak.plugins.moe.core.plan_check import Candidate
+
+
+def _run(check: PlanCheck, predicted: dict[str, float], true_s: dict[str, float], calls: int) -> list[str]:
+    """Select, then observe the chosen arm's true time, ``calls`` times; the arms run in order."""
+    ran = []
+    candidates = [Candidate(arm, seconds) for arm, seconds in predicted.items()]
+    for _ in range(calls):
+        picked = check.select(candidates)
+        arm = candidates[picked.index].arm
+        ran.append(arm)
+        check.observe(arm, predicted[arm], true_s[arm])
+    return ran
+
+
+def test_a_plan_that_runs_slower_than_predicted_loses_to_the_one_that_keeps_its_promise() -> None:
+    """The model prices replicas far below dropless; measured, they are the slowest: the check moves to dropless."""
+    predicted = {"dropless/current": 2.3, "shadowing/current": 1.8, "pro_prophet/current": 1.0}
+    true_s = {"dropless/current": 2.0, "shadowing/current": 2.4, "pro_prophet/current": 3.5}
+    ran = _run(PlanCheck(explore_every=0), predicted, true_s, 8)
+    assert ran[:3] == ["pro_prophet/current", "shadowing/current", "dropless/current"]  # model's pick, then each once
+    assert ran[3:] == ["dropless/current"] * 5
+
+
+def test_a_uniformly_slow_machine_changes_no_ranking() -> None:
+    """A 3× slower machine: each arm runs once to be measured, then the model's choice holds."""
+    predicted = {"dropless/current": 1.0, "pro_prophet/current": 0.7}
+    true_s = {arm: 3.0 * seconds for arm, seconds in predicted.items()}
+    check = PlanCheck(explore_every=0)
+    ran = _run(check, predicted, true_s, 6)
+    assert ran == ["pro_prophet/current", "dropless/current"] + ["pro_prophet/current"] * 4
+    assert check.correction("dropless/current") == pytest.approx(3.0)
+    assert PlanCheck().correction("never-ran") == 1.0
+
+
+def test_exploration_is_seeded_bounded_and_only_within_the_regret() -> None:
+    predicted = {"a": 1.0, "b": 1.1, "c": 5.0}
+    runs = [_run(PlanCheck(explore_every=4, max_regret=0.25, seed=seed), predicted, predicted, 40)
+            for seed in (3, 3, 4)]
+    assert runs[0] == runs[1]  # same seed, same measurements: same choices (as on every rank)
+    assert runs[0] != runs[2]
+    for ran in runs:
+        assert ran.count("c") == 1  # measured once, 5× the best: beyond the regret from then on
+        explored = [i for i, arm in enumerate(ran) if arm == "b"][1:]
+        assert 40 // 7 <= len(explored) <= 40 // 2  # after its first run, once every 2–6 calls
+        assert all(later - earlier >= 2 for earlier, later in zip(explored, explored[1:]))
+    assert _run(PlanCheck(explore_every=0), predicted, predicted, 40)[3:] == ["a"] * 37
+
+
+def test_exploration_finds_an_arm_the_model_overprices() -> None:
+    """Chunks promised a saving that the machine does not deliver: one run of the unchunked arm shows it."""
+    predicted = {"dropless/current/chunked": 1.0, "dropless/current": 1.2}
+    true_s = {"dropless/current/chunked": 2.0, "dropless/current": 1.2}
+    ran = _run(PlanCheck(explore_every=2, max_regret=0.5, seed=0), predicted, true_s, 12)
+    assert ran[1] == "dropless/current"
+    assert ran[1:].count("dropless/current") >= len(ran) - 2
+
+
+def test_one_chunked_run_teaches_every_kinds_chunked_correction() -> None:
+    """Chunks cost twice what the model says: measured once on dropless, shadowing's chunked arm is not run."""
+    check = PlanCheck(explore_every=0)
+    check.observe("dropless/current", 1.0, 1.0)
+    check.observe("shadowing/current", 1.0, 1.5)
+    chunked = [Candidate("dropless/current", 1.0), Candidate("dropless/current/chunked", 0.8, "dropless/current")]
+    assert chunked[check.select(chunked).index].arm == "dropless/current/chunked"  # never ran: explored once
+    check.observe("dropless/current/chunked", 0.8, 1.6, "dropless/current")
+    assert check.correction("shadowing/current/chunked", "shadowing/current") == pytest.approx(1.5 * 2.0)
+    offers = [Candidate("shadowing/current", 1.0), Candidate("shadowing/current/chunked", 0.8, "shadowing/current")]
+    assert [check.select(offers).index for _ in range(5)] == [0] * 5
+
+
+def test_corrections_follow_recent_measurements_and_ignore_empty_ones() -> None:
+    check = PlanCheck(window=3, explore_every=0)
+    for measured in (1.0, 1.0, 1.0, 4.0, 4.0):
+        check.observe("x", 1.0, measured)
+    assert check.correction("x") == pytest.approx(4.0)  # the window keeps the last three: 1, 4, 4
+    check.observe("y", 0.0, 1.0)
+    check.observe("y", 1.0, 0.0)
+    assert check.samples("y") == 0
+    with pytest.raises(ValueError, match="explore_every"):
+        PlanCheck(explore_every=-1)
+    with pytest.raises(ValueError, match="at least one candidate"):
+        check.select([])
+
+
+def test_step_candidates_are_what_the_planner_chooses_from() -> None:
+    from lightning_merak.plugins.moe import CommCurve, CostModel, choose_step_plan
+
+    cost = CostModel(CommCurve.from_bandwidth(1e6), CommCurve.from_bandwidth(1e8), 1e7, 64, 4096, 1)
+    counts = [[400 if e == 0 else 10 for e in range(4)] for _ in range(4)]
+    candidates = step_candidates(counts, cost, Padding())
+    kinds = [c.kind for c in candidates]
+    assert kinds[0] == "dropless" and {"shadowing", "pro_prophet"} <= set(kinds)
+    chosen = choose_step_plan(counts, cost, Padding())
+    assert chosen.predicted_s == min(c.predicted_s for c in candidates)
+    assert chosen.arm == f"{chosen.kind}/current" and chosen.chunks is None

@@ -1,0 +1,164 @@
+"""Calibrating the planner from traces (pure): group kinds, links per kind, probes, the replay predictor, re-ranking."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_merak.profiler.calibration import (
+    Probe,
+    ReplayPredictor,
+    TraceCalibration,
+    calibrate_from_traces,
+    layout_from_meta,
+    link_costs,
+    probe_key,
+    traced_blocks,
+)
+from lightning_merak.profiler.lightning_profiler import run_meta
+from lightning_merak.profiler.synthesize import BLOCK_BACKWARD_RATIO, LayoutSpec, ModelShape, group_kind, layout_graph
+from lightning_merak.profiler.trace import CommRecord, RankTrace, Span, Trace
+from lightning_merak.strategies.planner import Layout, Plan, Prediction, rerank
+
+SHAPE = ModelShape(blocks=2, block_params=100_000, other_params=50_000, hidden=8, seq=4)
+"""250 000 parameters: a 1 MB fp32 gradient all-reduce at dp=2."""
+DP2 = LayoutSpec(dp=2, pp=1, tp=1, micro_batches=1, samples=4)
+TP2 = LayoutSpec(dp=1, pp=1, tp=2, micro_batches=1, samples=4)
+
+
+def _dp2_trace() -> Trace:
+    """Both ranks: FW 0-30 ms (blocks 5-15, 15-25), BW 30-80 ms with the gradient all-reduce (1 MB, launched at 60,
+    waited 75-80), UPDATE 80-95, a blocking 1 KiB all-reduce 96-97, step 0-100 ms."""
+    ranks = []
+    for rank in range(2):
+        spans = [Span("step 0", "step", 0.0, 0.100, 0), Span("training_step", "FW", 0.0, 0.030, 0, 1),
+                 Span("block 0", "FW", 0.005, 0.015, 0, 2), Span("block 1", "FW", 0.015, 0.025, 0, 2),
+                 Span("backward", "BW", 0.030, 0.080, 0, 1), Span("optimizer_step", "UPDATE", 0.080, 0.095, 0, 1)]
+        comms = [CommRecord("all_reduce", "collective", (0, 1), 0, 1_000_000, 0.060, 0, complete=0.080,
+                            wait_start=0.075, wait_end=0.080),
+                 CommRecord("all_reduce", "collective", (0, 1), 1, 1024, 0.096, 0, complete=0.097, wait_end=0.097,
+                            blocking=True)]
+        ranks.append(RankTrace(rank, spans, comms))
+    return Trace(ranks, [0.0, 0.0])
+
+
+def _tp2_probe() -> Trace:
+    """Both ranks: FW 0-30 ms whose blocks each wait 2 ms for a 64 KiB tensor-parallel all-reduce, BW 30-80,
+    UPDATE 80-90, step 0-100 ms."""
+    ranks = []
+    for rank in range(2):
+        spans = [Span("step 0", "step", 0.0, 0.100, 0), Span("training_step", "FW", 0.0, 0.030, 0, 1),
+                 Span("block 0", "FW", 0.005, 0.015, 0, 2), Span("block 1", "FW", 0.015, 0.025, 0, 2),
+                 Span("backward", "BW", 0.030, 0.080, 0, 1), Span("optimizer_step", "UPDATE", 0.080, 0.090, 0, 1)]
+        comms = [CommRecord("all_reduce", "collective", (0, 1), seq, 65536, start, 0, complete=start + 0.002,
+                            wait_end=start + 0.002, blocking=True) for seq, start in enumerate((0.010, 0.020))]
+        ranks.append(RankTrace(rank, spans, comms))
+    return Trace(ranks, [0.0, 0.0], {"layout": {"dp": 1, "pp": 1, "tp": 2, "micro_batches": 1, "overlap": 1}})
+
+
+def test_group_kind_names_the_dimension_a_group_spans() -> None:
+    layout = LayoutSpec(dp=2, pp=2, tp=2, micro_batches=2, samples=4)
+    assert group_kind(("collective", (0, 4), 0), layout) == "dp"
+    assert group_kind(("collective", (0, 2), 0), layout) == "pp"
+    assert group_kind(("collective", (0, 1), 0), layout) == "tp"
+    assert group_kind(("collective", (0, 1, 2, 3), 0), layout) == "world"
+    assert group_kind(("p2p", 0, 2, 0, 0), layout) == "pp"
+
+
+def test_link_costs_take_the_fixed_time_from_small_ops_and_the_rate_from_large_ones() -> None:
+    links = link_costs(_dp2_trace(), DP2)
+    fixed, rate = links["dp"]
+    assert fixed == pytest.approx(0.001)
+    assert rate == pytest.approx(1_000_000 / 0.019)  # 20 ms transfer, 1 ms of it fixed
+
+
+def test_calibration_reads_the_planner_constants() -> None:
+    calibration = calibrate_from_traces(_dp2_trace(), SHAPE, DP2)
+    base = calibration.base
+    assert base.block_forward_per_sample == pytest.approx(0.020 / (2 * 4))
+    assert base.rest_forward_per_sample == pytest.approx(0.010 / 4)
+    # its 5 ms wait removed; a block's backward priced at twice its forward, the head's takes the rest
+    assert base.backward_ratio == BLOCK_BACKWARD_RATIO
+    assert base.rest_backward_ratio == pytest.approx((0.045 - 2 * 0.020) / 0.010)
+    assert base.update_per_param == pytest.approx(0.015 / 250_000)
+    assert base.host_per_step == pytest.approx(0.100 - 0.006 - 0.030 - 0.045 - 0.015)
+    assert base.link("dp") == pytest.approx((0.001, 1_000_000 / 0.019))
+    assert base.link("pp") == (base.op_fixed_s, base.link_bytes_per_s)  # not traced: the whole trace's link
+
+
+def test_a_tensor_parallel_probe_keeps_its_collectives_in_the_compute_and_replays_its_own_step() -> None:
+    calibration = calibrate_from_traces(_dp2_trace(), SHAPE, DP2, [Probe(_tp2_probe(), SHAPE, TP2)])
+    probe, correction = calibration.costs_for(TP2)
+    assert correction == 1.0
+    assert probe.tp_comm_in_compute
+    assert probe.block_forward_per_sample == pytest.approx(0.020 * 2 / (2 * 4))  # waits kept, times tp
+    assert {kind for kind, _, _ in probe.links} == {"dp", "tp"}  # the main trace's dp link carried over
+    assert calibration.costs_for(LayoutSpec(1, 1, 2, 1, 4, overlap=2))[0] is calibration.base
+    predictor = ReplayPredictor(calibration)
+    assert predictor.step_time(TP2) == pytest.approx(0.100)
+    deeper = ModelShape(4, SHAPE.block_params, SHAPE.other_params, SHAPE.hidden, SHAPE.seq)
+    more_blocks = ReplayPredictor(calibrate_from_traces(_dp2_trace(), deeper, DP2, [Probe(_tp2_probe(), SHAPE, TP2)]))
+    # two more blocks: their forward (10 ms each at tp=2), backward (twice that) and optimizer work
+    assert more_blocks.step_time(TP2) == pytest.approx(0.100 + 2 * 0.010 * 3 + 2 * 100_000 / 2 * probe.update_per_param)
+    with pytest.raises(ValueError, match="same"):
+        calibrate_from_traces(_dp2_trace(), SHAPE, DP2, [Probe(_tp2_probe(), SHAPE, TP2)] * 2)
+
+
+def _prediction(layout: Layout, seconds: float) -> Prediction:
+    return Prediction(layout, seconds, 8, 1.0, {"compute": seconds}, True)
+
+
+def test_rerank_orders_the_plan_by_another_predictor_and_keeps_the_analytic_time() -> None:
+    dp, tp = Layout(2, 1, 1, 1, 1, 0.0), Layout(1, 1, 2, 1, 1, 0.0)
+    analytic = Plan(ranked=(_prediction(dp, 0.1), _prediction(tp, 0.2)), rejected=())
+    replayed = rerank(analytic, lambda layout: 0.3 if layout.dp == 2 else 0.15)
+    assert [p.layout for p in replayed.ranked] == [tp, dp]
+    assert replayed.best.step_time_s == 0.15 and replayed.best.components["analytic_step_s"] == 0.2
+    with pytest.raises(ValueError, match="positive"):
+        rerank(analytic, lambda layout: 0.0)
+    calibration = calibrate_from_traces(_dp2_trace(), SHAPE, DP2)
+    predictor = ReplayPredictor(calibration)
+    assert predictor.planner_step_time(dp, 4) == pytest.approx(predictor.step_time(DP2))
+
+
+def test_meta_gives_the_traced_layout_or_names_the_fix() -> None:
+    assert layout_from_meta(_tp2_probe().meta, samples=4) == TP2
+    with pytest.raises(ValueError, match="MerakTraceProfiler"):
+        layout_from_meta({})
+    assert traced_blocks(_tp2_probe()) == 2
+
+
+def test_run_meta_records_a_merak3d_layout_and_the_model() -> None:
+    blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+    model = torch.nn.Module()
+    model.layers, model.head = blocks, torch.nn.Linear(4, 3, bias=False)
+    strategy = SimpleNamespace(data_parallel=1, pipeline_parallel=1, tensor_parallel=2, micro_batches=None,
+                               tp_overlap=2)
+    module = SimpleNamespace(trainer=SimpleNamespace(strategy=strategy, world_size=2), model=model)
+    meta = run_meta(module)
+    assert meta["layout"] == {"dp": 1, "pp": 1, "tp": 2, "micro_batches": 1, "overlap": 2}
+    assert meta["model"] == {"blocks": 2, "block_params": 20, "other_params": 12, "hidden": 0}
+    assert run_meta(None) == {}
+
+
+def test_a_layout_takes_the_probe_of_its_kind_then_the_nearest() -> None:
+    base = calibrate_from_traces(_dp2_trace(), SHAPE, DP2).base
+    tp, pp, both = (dataclasses.replace(base, host_per_step=seconds) for seconds in (1.0, 2.0, 3.0))
+    calibration = TraceCalibration(base, SHAPE, DP2, (((False, 2, 1), tp, 1.1), ((True, 1, 1), pp, 1.2),
+                                                      ((True, 2, 1), both, 1.3)), correction=0.9)
+    assert calibration.costs_for(LayoutSpec(1, 1, 2, 1, 4)) == (tp, 1.1)
+    assert calibration.costs_for(LayoutSpec(1, 2, 1, 4, 4)) == (pp, 1.2)
+    assert calibration.costs_for(LayoutSpec(1, 2, 2, 4, 4)) == (both, 1.3)
+    assert calibration.costs_for(LayoutSpec(1, 4, 2, 4, 4, overlap=2)) == (pp, 1.2)
+    assert calibration.costs_for(LayoutSpec(2, 1, 1, 1, 4)) == (base, 0.9)
+    assert probe_key(LayoutSpec(1, 2, 2, 4, 4, overlap=2)) == (True, 2, 2)
+
+
+def test_a_pipeline_keeps_the_traced_partition_where_the_stage_count_matches() -> None:
+    costs = dataclasses.replace(calibrate_from_traces(_dp2_trace(), SHAPE, DP2).base, stage_blocks=(2, 0))
+    assert layout_graph(costs, SHAPE, LayoutSpec(1, 2, 1, 2, 4))[1]["stage_blocks"] == [2, 0]
+    deeper = ModelShape(4, SHAPE.block_params, SHAPE.other_params, SHAPE.hidden, SHAPE.seq)
+    assert layout_graph(costs, deeper, LayoutSpec(1, 2, 1, 2, 4))[1]["stage_blocks"] == [2, 2]  # another model
