@@ -7,8 +7,9 @@ fp32) the largest difference of outputs and parameter gradients from the unswapp
 training-step time of ours (``merak_ep``) against the unswapped model's own expert loop (``eager``)
 and its ``grouped_mm`` implementation on the same ranks. Variants run interleaved step by step;
 speedups compare the fastest step of each (load from other jobs on a shared machine only adds time),
-medians are kept beside them. pp=2 × ep=2 is reported as not
-built (MoE under merak3d does not exist yet). ``--device cuda``: the single-GPU leg (ep=1, one
+medians are kept beside them. ``pp2_ep2``: four gloo ranks, merak3d pipeline_parallel=2 × data_parallel=2, each
+stage's experts spread over its two data-parallel ranks, against the unswapped model (eager, grouped_mm) in the
+same layout (``benchmarks._moe_families_pp2``). ``--device cuda``: the single-GPU leg (ep=1, one
 process; bf16 and fp32), see ``benchmarks._moe_families_gpu``. A family that fails is a row with its
 error and the command exits non-zero after writing the JSON.
 """
@@ -25,7 +26,6 @@ from benchmarks.report import default_out, out_help, print_table, write_json
 
 NAME = "moe_families"
 TOLERANCE = 1e-5
-PP2_EP2 = {"status": "not built", "reason": "MoE under merak3d (issue #30 item 4) does not exist yet"}
 
 
 def _families() -> list[str]:
@@ -43,6 +43,7 @@ def _cpu_leg(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         {"hidden": 128, "layers": 2, "vocab": 256, "batch": 4, "seq": 64}
     warmup, steps = (1, 9) if quick else (3, 25)
     per_rank = run_distributed(run_all, 2, args=(_families(), size, warmup, steps), timeout_s=900)
+    pp2_ep2 = _pp2_leg(size, warmup, steps)
     rows = []
     for index, row in enumerate(per_rank[0]):
         peers = [ranks[index] for ranks in per_rank]
@@ -78,9 +79,36 @@ def _cpu_leg(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         "speedup_vs_grouped_mm_min": min((r["speedup_vs_grouped_mm"] for r in ok), default=None),
         "goals": {"max_output_diff_le_1e-5": bool(ok) and max(r["output_diff"] for r in ok) <= TOLERANCE,
                   "speedup_vs_hf_min_ge_1.3": bool(ok) and min(r["speedup_vs_eager"] for r in ok) >= 1.3},
-        "ep": 2, "world_size": 2, "backend": "gloo", "size": size, "steps": steps, "pp2_ep2": PP2_EP2,
+        "ep": 2, "world_size": 2, "backend": "gloo", "size": size, "steps": steps, "pp2_ep2": pp2_ep2,
     }
     return rows, summary
+
+
+def _pp2_leg(size: dict[str, Any], warmup: int, steps: int) -> dict[str, Any]:
+    """pp=2 × ep=2 on 4 ranks (merak3d): per family, loss difference from the unswapped model and step times."""
+    from benchmarks._moe_families_pp2 import run_all
+    from lightning_merak.testing import run_distributed
+
+    per_rank = run_distributed(run_all, 4, args=(_families(), size, warmup, steps), timeout_s=1800)
+    rows = []
+    for index, row in enumerate(per_rank[0]):
+        peers = [ranks[index] for ranks in per_rank]
+        errors = [p["error"] for p in peers if "error" in p]
+        if errors:
+            rows.append({"family": row["family"], "error": errors[0]})
+            continue
+        fastest = {name: max(p["step_min_ms"][name] for p in peers) for name in row["step_min_ms"]}
+        rows.append({"family": row["family"], "loss_diff": max(p["loss_diff"] for p in peers),
+                     "step_ms": {name: max(p["step_ms"][name] for p in peers) for name in row["step_ms"]},
+                     "step_min_ms": fastest, "speedup_vs_eager": fastest["eager"] / fastest["ours"],
+                     "speedup_vs_grouped_mm": fastest["grouped_mm"] / fastest["ours"]})
+    ok = [r for r in rows if "error" not in r]
+    return {"status": "measured" if len(ok) == len(rows) else "failed", "world_size": 4, "pipeline_parallel": 2,
+            "ep": 2, "steps": steps, "rows": rows,
+            "families_failed": {r["family"]: r["error"] for r in rows if "error" in r},
+            "max_loss_diff": max((r["loss_diff"] for r in ok), default=None),
+            "speedup_vs_hf_min": min((r["speedup_vs_eager"] for r in ok), default=None),
+            "speedup_vs_grouped_mm_min": min((r["speedup_vs_grouped_mm"] for r in ok), default=None)}
 
 
 def _gpu_leg(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -119,11 +147,15 @@ def main(argv: Sequence[str] | None = None) -> int:
               "vs_eager": r.get("speedup_vs_eager"), "vs_grouped_mm": r.get("speedup_vs_grouped_mm"),
               "error": r.get("error", "")[:60]} for r in rows]
     print_table(table)
+    for row in summary.get("pp2_ep2", {}).get("rows", []):
+        print(f"pp2×ep2 {row['family']}: " + (row["error"][:80] if "error" in row else
+              f"loss diff {row['loss_diff']:.1e}, ours vs eager {row['speedup_vs_eager']:.2f}×, "
+              f"vs grouped_mm {row['speedup_vs_grouped_mm']:.2f}×"))
     name = NAME if args.device == "cpu" else f"{NAME}.gpu"
     out = Path(args.out) if args.out else default_out(name, args.quick)
     path = write_json(out, rows, "measured", quick=args.quick, device=args.device, **summary)
     print(f"wrote {path}")
-    failed = [r for r in rows if "error" in r]
+    failed = [r for r in rows if "error" in r] + list(summary.get("pp2_ep2", {}).get("families_failed", {}))
     return 1 if failed else 0
 
 

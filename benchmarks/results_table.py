@@ -436,7 +436,8 @@ def moe_families(data: dict[str, Any]) -> Table:
         f"families_exact: {', '.join(data['families_exact'])}; max_output_diff {data['max_output_diff']:.1e} "
         f"{met(goals['max_output_diff_le_1e-5'])} (goal ≤ 1e-5); speedup_vs_hf_min "
         f"{ratio(data['speedup_vs_hf_min'])} {met(goals['speedup_vs_hf_min_ge_1.3'])} (goal ≥ 1.3)",
-        "refused: " + ", ".join(sorted(data["families_refused"])) + f"; pp=2 × ep=2: {data['pp2_ep2']['status']}",
+        "refused: " + ", ".join(sorted(data["families_refused"])),
+        _pp2_ep2_note(data["pp2_ep2"]),
     ]
     replicated = [r["replicated_over_ours"] for r in data["rows"] if "replicated_over_ours" in r]
     if replicated:
@@ -445,6 +446,17 @@ def moe_families(data: dict[str, Any]) -> Table:
                      f"{ratio(min(replicated))}–{ratio(max(replicated))} of ours")
     return Table(["family", "experts / k", "output / grad max diff", "eager ms", "grouped_mm ms", "ours ms",
                   "ours vs eager / grouped_mm", "exchange cost"], rows, notes)
+
+
+def _pp2_ep2_note(leg: dict[str, Any]) -> str:
+    """The merak3d pipeline × expert-parallel leg: each family's loss difference and speed, or why it did not run."""
+    if leg.get("status") != "measured":
+        return f"pp=2 × ep=2: {leg.get('status')} ({leg.get('reason', '')})"
+    cells = [f"{r['family']} {ratio(r['speedup_vs_eager'])} / {ratio(r['speedup_vs_grouped_mm'])} (loss diff "
+             f"{r['loss_diff']:.1e})" if "error" not in r else f"{r['family']} failed: {brief(r['error'])}"
+             for r in leg["rows"]]
+    return (f"merak3d pp=2 × ep=2 ({leg['world_size']} ranks, {leg['steps']} steps; ours vs eager / grouped_mm in the "
+            "same layout): " + ", ".join(cells))
 
 
 def moe_families_gpu(data: dict[str, Any]) -> str:

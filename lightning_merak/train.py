@@ -154,6 +154,13 @@ def train(config: TrainConfig) -> Path:
                    "accumulate_grad_batches": config.trainer.accumulate_grad_batches}
     if hasattr(strategy, "validate_arguments"):
         strategy.validate_arguments(world_size, **batch_shape)
+    if getattr(strategy, "strategy_name", None) == "merak3d" and getattr(config.moe, "experts", None) == "merak_ep":
+        from lightning_merak.strategies.merak3d.experts import check_merak3d_experts
+
+        check_merak3d_experts(strategy, world_size, getattr(config.moe, "ep_size", None))
+        raise ValueError("moe.experts=merak_ep under strategy=merak3d: merak-train writes checkpoints, and sharded "
+                         "checkpoints of expert-parallel experts under merak3d are not built yet; use strategy=ddp, "
+                         "or Merak3DStrategy from Python with enable_checkpointing=False")
 
     from lightning_merak.data import LanguageModelingData
     from lightning_merak.models import CausalLMModule, build_causal_lm

@@ -247,8 +247,9 @@ def test_a_pretrained_checkpoint_fine_tunes_with_a_quantised_adapter_at_pp2(tmp_
 
 
 def test_adapters_at_tensor_parallel_are_refused_before_any_work():
+    """LoRA on a float base splits (``tests/test_adapters_tp.py``); a quantised base does not yet."""
     with torch.device("meta"):
-        model = attach_on_meta(OPTIONS["lora-fp32"](), build_causal_lm(MODELS["llama"], vocab_size=VOCAB))
+        model = attach_on_meta(OPTIONS["qbara-nf4"](), build_causal_lm(MODELS["llama"], vocab_size=VOCAB))
     with pytest.raises(ValueError, match="tensor_parallel=2: adapters .* tensor_parallel=1"):
         Merak3DStrategy(tensor_parallel=2)._arguments.check_model(model, 1, 2)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_merak.testing import run_distributed
+from lightning_merak.testing import module_losses, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -172,16 +172,9 @@ def test_hydra_option_trains_like_one_process_under_lightning_ddp() -> None:
 
     results = run_distributed(_train_merak_ep, 2, timeout_s=120)
     module = CausalLMModule(tiny_moe_model("qwen3_moe"), _optim())
-    setup = module.configure_optimizers()
     data = [_lm_batches(rank) for rank in range(2)]
-    reference = []
-    for step in range(STEPS):
-        setup["optimizer"].zero_grad()
-        loss = module.compute_loss((torch.cat([d[step * BATCH:(step + 1) * BATCH] for d in data]),))
-        loss.backward()
-        setup["optimizer"].step()
-        setup["lr_scheduler"]["scheduler"].step()
-        reference.append(loss.item())
+    reference = module_losses(module, [(torch.cat([d[step * BATCH:(step + 1) * BATCH] for d in data]),)
+                                       for step in range(STEPS)])
     for result in results:
         assert result["local"] == 8 and result["implementation"] == "merak_ep" and result["logged"]
     mean = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"])]

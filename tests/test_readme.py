@@ -135,6 +135,7 @@ CASES: dict[str, Case] = {
     "merak-train model=mixtral_tiny moe=prophet": Case(files=("csv/moe_load_heatmap.png",)),  # in the log dir
     "merak-train model=mixtral_tiny moe=deepspeed": Case(),
     "merak-train model=mixtral_tiny moe=shadowing moe.ep_size=2": Case(),
+    "merak-train model=mixtral_tiny strategy=ddp moe=prophet moe.experts=merak_ep moe.ep_size=2": Case(),
     "merak-train adapter=qbara adapter.r=8 adapter.quantization=nf4": Case(),
     "merak-train model=hf model.path=/abs/checkpoint_dir strategy.pipeline_parallel=2": Case(),
     "merak-train model=hf model.path=/abs/checkpoint_dir adapter=qbara adapter.quantization=nf4 "
@@ -146,7 +147,8 @@ CASES: dict[str, Case] = {
 }
 # Benchmarks are measurements that take minutes each (some need root for the emulated network);
 # here each must parse its arguments. Their figures live in benchmarks/results.
-BENCHMARK = re.compile(r"^python -m benchmarks\.(\w+|<name>)( \[--quick\]| --quick)?$")
+BENCHMARK = re.compile(
+    r"^python -m benchmarks\.(\w+|<name>)( \[--quick\]| --quick)?( \[--device cuda\]| --device cuda)?$")
 
 
 # Where a command's README placeholders point, under the directory it runs in.
@@ -407,6 +409,8 @@ PYTHON_CASES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     "from lightning_merak.plugins.moe import MoE": ({}, ("tokens per expert",)),
     "from peft import get_peft_model": ({"range(20)": "range(2)"}, ()),
     "from lightning_merak.testing.netem import": ({}, ("['joined', 'joined']",)),
+    "from lightning_merak.plugins.moe.experts import enable_expert_parallel": (
+        {}, ("rank 1 holds experts [4, 5, 6, 7]",)),
 }
 
 

@@ -23,6 +23,9 @@ the block) draws each rank's own mask (:mod:`~lightning_merak.runtime.rank_strea
 
 GPT-2's ``Conv1D`` layers are swapped for equivalent ``nn.Linear`` layers first, and the
 attention modules' head counts and widths are set to the rank's share.
+
+A PEFT LoRA layer is paired as one layer and split with its base, its ``A`` and ``B`` following the
+split (:mod:`~lightning_merak.strategies.tensor_parallel_adapters`).
 """
 
 from __future__ import annotations
@@ -39,8 +42,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_merak.runtime.collectives import all_reduce_in_turn, unrecorded_communication
+from lightning_merak.runtime.dtensors import local_tensor
 from lightning_merak.runtime.rank_streams import enter_rank_stream, leave_rank_stream
 from lightning_merak.strategies.sequence_parallel import SequenceParallelPlan, install_sequence_gathers
+from lightning_merak.strategies.tensor_parallel_adapters import (
+    adapter_partial_parameters,
+    is_tuner_layer,
+    linear_features,
+    row_following_parameters,
+    split_linear,
+)
 from lightning_merak.strategies.tensor_parallel_layers import (
     ColumnGroupInput,
     ColumnParallelLinear,
@@ -75,6 +86,9 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 
 def _features(module: nn.Module) -> tuple[int, int]:
+    adapted = linear_features(module)
+    if adapted is not None:
+        return adapted
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
     return module.weight.shape[0], module.weight.shape[1]
@@ -148,12 +162,15 @@ def find_tensor_parallel_plan(block: nn.Module, run_block: Callable[[], Any], hi
     block_calls: list[tuple[tuple, dict]] = []
     handles = [block.register_forward_pre_hook(lambda mod, args, kwargs: block_calls.append((args, kwargs)),
                                                with_kwargs=True)]
+    units = _linear_units(block)
     for name, module in block.named_modules():
-        if isinstance(module, nn.Linear) or _is_conv1d(module):
+        if any(name.startswith(unit + ".") for unit in units):
+            continue  # inside a LoRA layer: the layer is the unit
+        if name in units:
             handles.append(module.register_forward_pre_hook(
                 lambda mod, args, name=name: calls.append((name, args[0]))
             ))
-        if name and next(module.parameters(recurse=False), None) is not None:
+        if name in units or (name and next(module.parameters(recurse=False), None) is not None):
             handles.append(module.register_forward_pre_hook(lambda mod, args, name=name: starts.append(name)))
     try:
         with torch.no_grad():
@@ -196,6 +213,17 @@ def find_tensor_parallel_plan(block: nn.Module, run_block: Callable[[], Any], hi
         if block_calls:
             plan.head_arguments = _per_head_arguments(*block_calls[0], plan.heads)
     return plan
+
+
+def _linear_units(block: nn.Module) -> list[str]:
+    """The layers a split pairs: ``nn.Linear`` and Conv1D layers, a LoRA layer with its base as one."""
+    units: list[str] = []
+    for name, module in block.named_modules():
+        if any(name.startswith(unit + ".") for unit in units):
+            continue
+        if is_tuner_layer(module) or isinstance(module, nn.Linear) or _is_conv1d(module):
+            units.append(name)
+    return units
 
 
 def _modules_in_regions(starts: list[str], groups: list[list[str]], rows: list[str]) -> list[str]:
@@ -450,7 +478,7 @@ def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: Devi
         if _is_conv1d(layer) or rows.get(name) is not None:
             order = rows.get(name)
             change = LayoutChange(_is_conv1d(layer), tuple(row for part in order for row in part) if order else None)
-            changes.update({f"{name}.{p}": change for p, _ in layer.named_parameters()})
+            changes.update({f"{name}.{p}": change for p in row_following_parameters(layer)})
         if _is_conv1d(layer):
             block.set_submodule(name, _conv1d_to_linear(layer))
     group = mesh.get_group()
@@ -458,12 +486,14 @@ def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: Devi
     for members, row in zip(plan.column_groups, plan.row, strict=True):
         group_input = (ColumnGroupInput(group, overlap_weight_gradients) if sequence_parallel is None else None)
         for name in members:
-            block.set_submodule(name, ColumnParallelLinear(block.get_submodule(name), mesh, group_input, rows[name]))
+            block.set_submodule(name, split_linear(block.get_submodule(name), mesh, column=True,
+                                                   group_input=group_input, rows=rows[name]))
         if group_input is not None:
             partners[row] = group_input
     for name in plan.row:
-        block.set_submodule(name, RowParallelLinear(block.get_submodule(name), mesh, partners.get(name),
-                                                    sequence_parallel=sequence_parallel is not None))
+        block.set_submodule(name, split_linear(block.get_submodule(name), mesh, column=False,
+                                               group_input=partners.get(name),
+                                               sequence_parallel=sequence_parallel is not None))
     for name, column in plan.whole_width_norms.items():
         order = rows[column] if column else None
         block.set_submodule(name, WholeWidthRMSNorm(block.get_submodule(name), mesh, order))
@@ -485,9 +515,11 @@ def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: Devi
 
 
 def region_partial_parameters(block: nn.Module, plan: TensorParallelPlan) -> list[nn.Parameter]:
-    """Trainable parameters of ``plan.in_region`` modules: the strategy sums their gradients over the group."""
-    return [param for name in plan.in_region for param in block.get_submodule(name).parameters(recurse=False)
-            if param.requires_grad]
+    """Trainable parameters of ``plan.in_region`` modules and the whole weights of split LoRA layers
+    (:mod:`~lightning_merak.strategies.tensor_parallel_adapters`): the strategy sums their gradients over the group."""
+    region = [param for name in plan.in_region for param in block.get_submodule(name).parameters(recurse=False)
+              if param.requires_grad]
+    return region + adapter_partial_parameters(block)
 
 
 _FIT_HINT = ("use tensor_parallel=1 for this model. Blocks split automatically need each head's work to stay "
@@ -528,7 +560,7 @@ def _verify_split(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh,
     group = mesh.get_group()
     for param in region_partial_parameters(split, plan):
         if param.grad is not None:
-            dist.all_reduce(param.grad, group=group)
+            dist.all_reduce(local_tensor(param.grad), group=group)
     expected = {"output": results[0][0], "input gradient": results[0][1]}
     actual = {"output": results[1][0], "input gradient": results[1][1]}
     for name, param in whole.named_parameters():

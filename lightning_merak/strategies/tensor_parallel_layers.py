@@ -31,7 +31,7 @@ from lightning_merak.runtime.weight_gradients import DeferredWeightGradients, li
 from lightning_merak.strategies.sequence_parallel import linear_on_gathered, reduce_scatter_sequence
 
 __all__ = ["ColumnGroupInput", "ColumnParallelLinear", "RowParallelLinear", "WholeWidthRMSNorm", "is_rms_norm",
-           "shared_row_weights"]
+           "shared_row_weights", "sharded_parameter"]
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -152,7 +152,7 @@ class _SumSharedRows(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def _sharded_parameter(parameter: nn.Parameter, mesh: DeviceMesh, placement: Any) -> nn.Parameter:
+def sharded_parameter(parameter: nn.Parameter, mesh: DeviceMesh, placement: Any) -> nn.Parameter:
     """``parameter`` as a DTensor over ``mesh``; a frozen one stays frozen."""
     return nn.Parameter(distribute_tensor(parameter.detach(), mesh, [placement]),
                         requires_grad=parameter.requires_grad)
@@ -179,11 +179,13 @@ class ColumnParallelLinear(nn.Module):
         self.register_buffer("row_share", _row_shares(rows, mesh.get_local_rank()).to(weight.device)
                              if self._shared is not None else None, persistent=False)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.weight = _sharded_parameter(weight, mesh, Shard(0))
-        self.bias = _sharded_parameter(bias, mesh, Shard(0)) if bias is not None else None
+        self.weight = sharded_parameter(weight, mesh, Shard(0))
+        self.bias = sharded_parameter(bias, mesh, Shard(0)) if bias is not None else None
         self.group = mesh.get_group()
         self.group_input = group_input
         self._index = group_input.add_layer(self) if group_input is not None else -1
+        # other split parameters laid out by this layer's output rows (a LoRA ``B``): shared rows counted once
+        self.rows_alike: tuple[nn.Parameter, ...] = ()
 
     def local(self, parameter: Optional[nn.Parameter]) -> Optional[torch.Tensor]:
         """This rank's shard of ``parameter``, whose shared rows get their gradient summed over the group."""
@@ -222,7 +224,8 @@ def shared_row_weights(module: nn.Module) -> list[tuple[nn.Parameter, torch.Tens
     for layer in module.modules():
         share = getattr(layer, "row_share", None)
         if isinstance(share, torch.Tensor):
-            found += [(param, share) for param in (layer.weight, getattr(layer, "bias", None)) if param is not None]
+            params = (layer.weight, getattr(layer, "bias", None), *getattr(layer, "rows_alike", ()))
+            found += [(param, share) for param in params if param is not None]
     return found
 
 
@@ -251,17 +254,20 @@ class RowParallelLinear(nn.Module):
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = _sharded_parameter(linear.weight, mesh, Shard(1))
-        self.bias = (_sharded_parameter(linear.bias, mesh, Replicate())
+        self.weight = sharded_parameter(linear.weight, mesh, Shard(1))
+        self.bias = (sharded_parameter(linear.bias, mesh, Replicate())
                      if linear.bias is not None else None)
         self.group = mesh.get_group()
         self.partner_input = partner_input
         self.sequence_parallel = sequence_parallel
 
-    def forward(self, tensor: torch.Tensor) -> torch.Tensor:
+    def forward(self, tensor: torch.Tensor, addend: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``addend``: another partial output summed with this one (a LoRA path on this rank's input features)."""
         if self.partner_input is not None:
             self.partner_input.release()
         partial = F.linear(tensor, self.weight.to_local())
+        if addend is not None:
+            partial = partial + addend
         bias = self.bias.to_local() if self.bias is not None else None
         if not self.sequence_parallel:
             return _ReduceFromTensorParallel.apply(partial, self.group, bias)
@@ -299,7 +305,7 @@ class WholeWidthRMSNorm(nn.Module):
         rows = rows if rows is not None else [range(r * width // mesh.size(), (r + 1) * width // mesh.size())
                                               for r in range(mesh.size())]
         order = torch.tensor([row for part in rows for row in part], device=norm.weight.device)
-        self.weight = _sharded_parameter(norm.weight[order], mesh, Shard(0))
+        self.weight = sharded_parameter(norm.weight[order], mesh, Shard(0))
         self.eps = next(getattr(norm, a) for a in ("variance_epsilon", "eps") if hasattr(norm, a))
         self.width, self.group = width, mesh.get_group()
         self.register_buffer("_share", _row_shares(rows, mesh.get_local_rank()).to(norm.weight.device),

@@ -11,6 +11,7 @@ from lightning_merak.testing.compare import (
     assert_traces_match,
     layout_gradients,
     merge_rank_traces,
+    module_losses,
     record_reference_trace,
     snapshot_gradients,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "find_free_port",
     "layout_gradients",
     "merge_rank_traces",
+    "module_losses",
     "record_reference_trace",
     "run_distributed",
     "snapshot_gradients",

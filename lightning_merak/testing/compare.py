@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 __all__ = ["TraceRecorder", "TrainingTrace", "assert_traces_match", "layout_gradients", "merge_rank_traces",
-           "record_reference_trace", "snapshot_gradients"]
+           "module_losses", "record_reference_trace", "snapshot_gradients"]
 
 
 @dataclass
@@ -161,3 +161,22 @@ def assert_traces_match(
                 raise AssertionError(
                     f"step {step}: gradient of {name} differs (relative error {rel:.2e} > {grad_rtol:.0e})"
                 )
+
+
+def module_losses(module: Any, batches: Iterable[Any]) -> list[float]:
+    """Losses of ``module`` (a ``CausalLMModule``-like LightningModule: ``compute_loss``, and ``configure_optimizers``
+    returning ``{"optimizer": ..., "lr_scheduler": {"scheduler": ...}}``) trained on ``batches`` in this process, as
+    Lightning's automatic optimisation steps it: the reference for the mean loss of a data-parallel run whose ranks'
+    batches, concatenated, are ``batches``."""
+    setup = module.configure_optimizers()
+    optimizer, scheduler = setup["optimizer"], setup.get("lr_scheduler", {}).get("scheduler")
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad()
+        loss = module.compute_loss(batch)
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses

@@ -33,6 +33,7 @@ from lightning_merak.strategies.pipeline.schedules import shifted_schedule_avail
 from lightning_merak.strategies.pipeline.trace import find_trunk
 from lightning_merak.strategies.sequence_parallel import check_sequence_length
 from lightning_merak.strategies.tensor_parallel import check_tensor_parallel_degree
+from lightning_merak.strategies.tensor_parallel_adapters import check_adapter_split
 from lightning_merak.strategies.vocab_parallel import check_vocabulary_split
 
 __all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "SHARDING_MODES", "Degree", "Merak3DArguments", "check_accumulation",
@@ -315,10 +316,8 @@ class Merak3DArguments(Merak3DOptions):
             vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
             if self.vocab_parallel and tensor_parallel > 1 and isinstance(vocab_size, int):
                 check_vocabulary_split(vocab_size, tensor_parallel)
-            if tensor_parallel > 1 and getattr(model, "peft_config", None):
-                raise ValueError(f"tensor_parallel={tensor_parallel}: adapters (PEFT) are not split by tensor "
-                                 "parallelism yet; train adapters with tensor_parallel=1 and pipeline_parallel / "
-                                 "data_parallel (docs/findings.md, Scale)")
+            # LoRA on float bases splits with its layers; what does not (quantised bases, pooled adapters) is refused
+            check_adapter_split(model, tensor_parallel, self.sequence_parallel)
         if self.sequence_parallel and tensor_parallel is not None and tensor_parallel > 1 and moe_layers(model):
             raise ValueError("sequence_parallel does not support MoE layers; use sequence_parallel=False")
         if self.data_parallel_sharding == "full":

@@ -83,6 +83,10 @@ def _poisoned(tensor: torch.Tensor) -> bool:
     return bool((tensor == torch.iinfo(tensor.dtype).min).any())
 
 
+_KEPT_MARKS = ("allreduce", "group_name")
+"""Parameter attributes a real parameter keeps from its meta one (DeepSpeed's and ``merak_ep``'s expert marks)."""
+
+
 class Materializer:
     """Materialises parts of one meta model on ``device``; parameters tied in it stay tied.
 
@@ -126,7 +130,11 @@ class Materializer:
         if id(meta) not in self._memo:
             real = torch.empty_like(meta, device=self.device)
             _poison(real)
-            self._memo[id(meta)] = nn.Parameter(real, requires_grad=meta.requires_grad)
+            param = nn.Parameter(real, requires_grad=meta.requires_grad)
+            for mark in _KEPT_MARKS:  # expert weights stay out of the data-parallel average once real
+                if hasattr(meta, mark):
+                    setattr(param, mark, getattr(meta, mark))
+            self._memo[id(meta)] = param
         return self._memo[id(meta)]
 
     def _buffer(self, meta: torch.Tensor) -> torch.Tensor:

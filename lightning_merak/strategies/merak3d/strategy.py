@@ -66,12 +66,10 @@ class Merak3DStrategy(CheckpointHooks):
             weight gradients, so that collective is hidden without sub-batches too. Default: on,
             except with ``"interleaved_zero_bubble"``, which computes weight gradients in a pass of
             their own (``True`` is refused there).
-        sequence_parallel: split the blocks' norms, dropout and residual stream along the sequence
-            over the tensor-parallel ranks (:mod:`~lightning_merak.strategies.sequence_parallel`):
-            each all-reduce becomes a reduce-scatter and an all-gather, activations between the
-            split layers shrink by ``tensor_parallel``. The sequence length must divide by it. The
-            planner times real sequence-parallel blocks, prices the activations they split over the
-            sequence, and searches only tensor-parallel degrees dividing the sequence.
+        sequence_parallel: split the blocks' norms, dropout and residual stream along the sequence over the
+            tensor-parallel ranks (:mod:`~lightning_merak.strategies.sequence_parallel`): each all-reduce becomes a
+            reduce-scatter and an all-gather, activations between the split layers shrink by ``tensor_parallel``
+            (which must divide the sequence length; the planner searches only such degrees).
         micro_batches: micro-batches per batch in the pipeline schedule (default: 2 × stages).
         schedule: ``"1f1b"``, ``"gpipe"``, ``"shifted_critical_path"`` (Merak: cool-down forwards
             keep no activations and are recomputed while their gradients are in flight) or
@@ -86,21 +84,18 @@ class Merak3DStrategy(CheckpointHooks):
             ``"min_max"``, ``"parameters"`` or ``"uniform"`` (equal blocks per stage).
         process_group_backend: ``gloo``/``nccl``; default from the device.
         timeout_s: collective timeout, so a failed rank ends every rank.
-        memory_limit: bytes per rank the planner must fit (default: 90% of the device's memory,
-            or of the host memory available per process on CPU).
+        memory_limit: bytes per rank the planner must fit (default: 90% of the device's or, on CPU, of the
+            host memory available per process).
         plan_only: plan the layout, log it, and stop before training.
-        planner_calibration: ``"analytic"`` (the cost model from the planner's profile), or the paths, comma
-            separated, of traces written by ``MerakTraceProfiler`` in short runs of this model and batch: the
-            first (any layout) calibrates, the others are probes (tensor-parallel runs of the model cut to a few
-            blocks, one per overlap); the planner then ranks layouts by replaying them
-            (:mod:`lightning_merak.profiler.calibration`).
+        planner_calibration: ``"analytic"`` (the planner's cost model), or comma-separated paths of
+            ``MerakTraceProfiler`` traces of short runs of this model and batch, by which the planner ranks layouts
+            by replay (:mod:`lightning_merak.profiler.calibration`: the first calibrates, the rest are probes).
         vocab_parallel: with ``tensor_parallel>1``, split the input embedding and the LM head by vocabulary
             rows over the tensor-parallel ranks and compute the loss on the sharded logits
             (:mod:`~lightning_merak.strategies.vocab_parallel`); nothing to do at ``tensor_parallel=1``.
-        compact_host_memory: on each rank, return freed host memory to the system at once (glibc: every
-            allocation over 128 KiB mapped on its own, :mod:`~lightning_merak.runtime.host_memory`), so
-            peak resident memory stays near the live tensors' instead of the heap's high-water mark;
-            steps take longer (page faults). For CPU runs near their memory limit.
+        compact_host_memory: return freed host memory to the system at once (glibc: allocations over 128 KiB
+            mapped on their own, :mod:`~lightning_merak.runtime.host_memory`), so peak resident memory stays near
+            the live tensors' instead of the heap's high-water mark; steps take longer. For CPU runs near their limit.
         data_parallel_sharding: what the data-parallel ranks split instead of each holding a copy
             (:mod:`~lightning_merak.strategies.merak3d.data_parallel`): ``"none"``; ``"optimizer"``
             (ZeRO-1: each rank keeps and steps the optimizer state of one slice of the parameters,
@@ -109,8 +104,8 @@ class Merak3DStrategy(CheckpointHooks):
             FSDP2's ``fully_shard`` on the data-parallel dimension); ``"auto"`` (planned).
         data_parallel_shard_size: ranks each shard group spans (hybrid sharding: shard inside groups
             of this size, replicate across them); default all data-parallel ranks.
-        overlap_grad_reduce: reduce each bucket of gradients as soon as the last micro-batch's backward
-            has finished it, while the backward goes on (otherwise all at once after it).
+        overlap_grad_reduce: reduce each bucket of gradients once the last micro-batch's backward has finished
+            it, while the backward goes on (otherwise all at once after it).
         overlap_param_gather: with ``"optimizer"``, gather updated parameters while the next forward runs (each
             bucket just before the first module using it); until then a callback's ``on_train_batch_end`` reads
             the previous step's. Checkpoints, validation and the end of training wait for them.

@@ -5,6 +5,8 @@ callback runs it in ``setup`` (processes and the process group exist, DDP and th
 yet), over expert groups of ``ep_size`` consecutive ranks; every rank holding the same experts forms
 an expert-data-parallel group. Before each optimizer step an expert gradient is summed over that
 group and divided by the world size, the gradient of the mean loss that DDP's average gives the rest.
+Under merak3d the groups are carved from each stage's data-parallel ranks instead
+(:mod:`lightning_merak.strategies.merak3d.experts`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class ExpertParallelCallback(pl.Callback):
         self._edp_group: Any = None
         self._edp_size = 1
         self._world = 1
+        self._merak3d: Any = None
 
     def _groups(self) -> Any:
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -47,10 +50,19 @@ class ExpertParallelCallback(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = type(trainer.strategy).__name__
-        if "DDP" not in strategy and "SingleDevice" not in strategy:
-            raise ValueError(f"moe.experts=merak_ep runs under DDP (strategy=ddp), not {strategy}: expert parallelism "
-                             "under merak3d or DeepSpeed is not built; use strategy=ddp or moe.experts=deepspeed")
-        if self._expert_params or not (dist.is_available() and dist.is_initialized()):
+        merak3d = getattr(trainer.strategy, "strategy_name", None) == "merak3d"
+        if not merak3d and "DDP" not in strategy and "SingleDevice" not in strategy:
+            raise ValueError(f"moe.experts=merak_ep runs under DDP (strategy=ddp) or merak3d, not {strategy}: expert "
+                             "parallelism under DeepSpeed is not built; use strategy=ddp, strategy=merak3d or "
+                             "moe.experts=deepspeed")
+        if self._expert_params or self._merak3d is not None or not (dist.is_available() and dist.is_initialized()):
+            return
+        if merak3d:
+            from lightning_merak.strategies.merak3d.experts import Merak3DExperts
+
+            self._merak3d = Merak3DExperts(trainer.strategy, self.ep_size)
+            if getattr(pl_module, "model", None) is not None:  # else built by configure_model: on_fit_start
+                self._merak3d.enable(pl_module)
             return
         group = self._groups()
         report = enable_expert_parallel(pl_module, group)
@@ -59,7 +71,15 @@ class ExpertParallelCallback(pl.Callback):
         ignored = set(getattr(pl_module, "_ddp_params_and_buffers_to_ignore", [])) | set(report.expert_parameters)
         pl_module._ddp_params_and_buffers_to_ignore = sorted(ignored)
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Under merak3d, a model ``configure_model`` built (on meta) after ``setup``: switched before its build."""
+        if self._merak3d is not None and self._merak3d.report is None:
+            self._merak3d.enable(pl_module)
+
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._merak3d is not None:
+            self._merak3d.reduce_gradients(pl_module)
+            return
         grads = [p.grad for p in self._expert_params if p.grad is not None]
         if not grads or self._world == 1:
             return
@@ -70,9 +90,16 @@ class ExpertParallelCallback(pl.Callback):
         for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
             grad.copy_(piece.view_as(grad))
 
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        if self._merak3d is not None:
+            from lightning_merak.strategies.merak3d.experts import CHECKPOINTS_REFUSED
+
+            raise ValueError(CHECKPOINTS_REFUSED)
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not self._expert_params or (trainer.global_step % self.log_every_n_steps):
+        if not (self._expert_params or self._merak3d) or (trainer.global_step % self.log_every_n_steps):
             return
         worst = 0.0
         for counts in expert_load(pl_module).values():

@@ -139,7 +139,8 @@ def enable_expert_parallel(model: nn.Module, group: Any = None) -> ExpertParalle
     """Keep this rank's experts and run every experts module with ``merak_ep`` over ``group``.
 
     ``group`` is the expert-parallel process group (default: the world; without an initialised
-    process group, one rank holding every expert). Expert parameters are marked ``allreduce=False``:
+    process group, one rank holding every expert). LoRA factors on the experts (PEFT ``target_parameters``)
+    are cut to the local experts too and listed with them. Expert parameters are marked ``allreduce=False``:
     a data-parallel wrapper must leave them out (their gradient already sums every rank's tokens;
     divide it by the data-parallel size for the gradient of the mean loss, as
     :class:`~lightning_merak.plugins.moe.experts.callback.ExpertParallelCallback` does).
@@ -173,6 +174,10 @@ def enable_expert_parallel(model: nn.Module, group: Any = None) -> ExpertParalle
             before, after = before + param.numel(), after + local.numel()
             names.append(f"{name}.{tensor}" if name else tensor)
         setattr(module, SHARD_ATTRIBUTE, ExpertShard(group, ep_rank, ep_size, total, mine))
+    if any(hasattr(m, "lora_A") and hasattr(m, "parameter_name") for m in model.modules()):  # PEFT on experts
+        from lightning_merak.adapters.moe import shard_expert_adapters
+
+        names += shard_expert_adapters(model)
     _set_implementation(model, modules, EP_IMPLEMENTATION)
     return ExpertParallelReport(_model_type(model), ep_rank, ep_size, total, mine,
                                 tuple(n for n, _ in modules), tuple(names), before, after)

@@ -14,7 +14,7 @@ slices travel to the replica ranks first, which then compute their own routes to
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -56,6 +56,11 @@ class ExpertShard:
 
     def record(self, counts: torch.Tensor) -> None:
         self.load = counts.clone() if self.load.numel() == 0 else self.load + counts
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ExpertShard:
+        """A copy over the same group: process groups cannot be copied, and a model's copy (merak3d's trace,
+        its virtual stages) runs over the same ranks."""
+        return replace(self, load=self.load.clone())
 
     def take_load(self) -> torch.Tensor:
         """The accumulated ``[ep, E]`` route counts, reset to empty."""
@@ -147,6 +152,8 @@ def expert_parallel_forward(
     if shard is None:
         raise RuntimeError(f"{type(module).__name__} runs experts_implementation={EP_IMPLEMENTATION!r} but holds no "
                            "expert shard; call lightning_merak.plugins.moe.experts.enable_expert_parallel(model)")
+    if hidden_states.is_meta:  # merak3d's trace of a meta model records shapes only: nothing to route or exchange
+        return hidden_states * top_k_weights.sum(-1, keepdim=True).to(hidden_states.dtype)
     k, num_experts, device = top_k_index.size(-1), shard.num_experts, hidden_states.device
     _, counts = sort_routes(top_k_index, num_experts)
     matrix = _gather_counts(counts, shard)

@@ -1,0 +1,324 @@
+"""Adapters on MoE models: LoRA on attention and on fused expert tensors, per-expert adapters sharded with experts.
+
+transformers 5 keeps a family's routed experts as fused 3D parameters (``gate_up_proj [E, 2I, H]``,
+``down_proj [E, H, I]``) that the experts registry reads by attribute. PEFT's LoRA on ``nn.Parameter``
+(``target_parameters``, ``ParamWrapper``) adds ``scaling * B_e A_e`` to every expert's slice through a
+parametrization for the duration of the forward, so ``merak_grouped`` and ``merak_ep`` compute with the
+adapted weight unchanged. A PEFT model built after
+:func:`~lightning_merak.plugins.moe.experts.enable_expert_parallel` holds the adapters of this rank's
+experts only, and one built before is cut down by it (:func:`shard_expert_adapters`): an expert's
+adapter lives where the expert does. Q-BaRA and QA-HiRA pool the inputs of an
+``nn.Linear`` (or quantized Linear) base, so they adapt attention projections; on fused expert tensors they
+are refused with the reason.
+
+Layout (PEFT's, kept so a saved adapter loads into an unsharded ``PeftModel``): ``lora_A`` is
+``[E * r, in]`` expert-major, ``lora_B`` is ``[out, r * E]`` with the expert index fastest. The pure
+functions :func:`slice_expert_factor` / :func:`join_expert_factors` move between the whole factor and a
+rank's contiguous experts; :func:`expert_adapter_state_dict`, :func:`save_moe_adapter`,
+:func:`load_moe_adapter` and :func:`merged_state_dict` are the collective wrappers over the expert group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "ATTENTION_PROJECTIONS",
+    "EXPERT_PROJECTIONS",
+    "ExpertAdapter",
+    "add_moe_adapters",
+    "expert_adapter_state_dict",
+    "expert_adapters",
+    "join_expert_factors",
+    "load_moe_adapter",
+    "merged_state_dict",
+    "moe_adapter_config",
+    "save_moe_adapter",
+    "shard_expert_adapters",
+    "slice_expert_factor",
+]
+
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                         "kv_b_proj")
+"""Attention projection names of the six families (MLA's low-rank projections included)."""
+
+EXPERT_PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
+"""Fused expert weights LoRA can target; expert biases are not adapted (PEFT's ParamWrapper has no bias path)."""
+
+_POOLED_REFUSAL = ("{method} pools the inputs of an nn.Linear (or 4-bit/INT4 Linear) base; fused expert tensors are "
+                   "3D nn.Parameters holding one weight per expert and no quantized Linear layout, so {method} "
+                   "cannot adapt them. Use method='lora' for the experts, or experts=False to adapt attention only")
+
+Factor = Literal["A", "B"]
+
+
+def slice_expert_factor(kind: Factor, weight: torch.Tensor, experts: range, num_experts: int) -> torch.Tensor:
+    """The rows (``A``) or columns (``B``) of a whole-model LoRA factor that belong to ``experts``."""
+    if kind == "A":
+        rank = weight.shape[0] // num_experts
+        return weight.reshape(num_experts, rank, -1)[experts.start:experts.stop].reshape(-1, weight.shape[1])
+    rank = weight.shape[1] // num_experts
+    folded = weight.reshape(weight.shape[0], rank, num_experts)[:, :, experts.start:experts.stop]
+    return folded.reshape(weight.shape[0], -1)
+
+
+def join_expert_factors(kind: Factor, parts: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+    """The whole-model LoRA factor from the factors of contiguous expert ranges, in expert order."""
+    if kind == "A":
+        return torch.cat(list(parts))
+    out = parts[0].shape[0]
+    return torch.cat([p.reshape(out, rank, -1) for p in parts], dim=2).reshape(out, -1)
+
+
+@dataclass(frozen=True)
+class ExpertAdapter:
+    """One PEFT ``ParamWrapper`` on a fused expert tensor, with the expert shard it lives on (or none)."""
+
+    name: str
+    wrapper: nn.Module
+    shard: Any
+
+    @property
+    def experts(self) -> range:
+        """The global expert ids this rank's factors hold."""
+        return self.shard.experts if self.shard is not None else range(int(self.wrapper.num_experts))
+
+    @property
+    def num_experts(self) -> int:
+        """The layer's expert count over the whole expert group."""
+        return self.shard.num_experts if self.shard is not None else int(self.wrapper.num_experts)
+
+
+def _experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    from lightning_merak.plugins.moe.experts.enable import experts_modules
+
+    return experts_modules(model)
+
+
+def _shard_of(module: nn.Module) -> Any:
+    from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
+
+    return getattr(module, SHARD_ATTRIBUTE, None)
+
+
+def expert_adapters(model: nn.Module) -> list[ExpertAdapter]:
+    """Every LoRA ``ParamWrapper`` on a fused expert tensor of ``model``, by qualified name (named_modules order)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    experts = {id(module) for _, module in _experts_modules(model)}
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, ParamWrapper) and id(base := module.get_base_layer()) in experts:
+            shard = _shard_of(base)
+            if shard is not None and int(module.num_experts) != len(shard.experts):
+                raise ValueError(f"{name} adapts {module.num_experts} experts but its experts module holds "
+                                 f"{len(shard.experts)}: call enable_expert_parallel before add_moe_adapters")
+            found.append(ExpertAdapter(name, module, shard))
+    return found
+
+
+def shard_expert_adapters(model: nn.Module) -> list[str]:
+    """Cut every expert adapter built for all experts down to its experts module's local experts.
+
+    :func:`~lightning_merak.plugins.moe.experts.enable_expert_parallel` calls it after slicing the experts,
+    so adapters added before expert parallelism (e.g. by a model's own construction) end up where their
+    experts are. Returns the names of all expert adapter factors (marked ``allreduce=False`` under
+    expert parallelism, as the experts are).
+    """
+    from peft.tuners.lora.layer import ParamWrapper
+
+    experts = {id(module) for _, module in _experts_modules(model)}
+    names = []
+    for name, module in model.named_modules():
+        if not (isinstance(module, ParamWrapper) and id(base := module.get_base_layer()) in experts):
+            continue
+        shard = _shard_of(base)
+        if shard is None:
+            continue
+        whole = int(module.num_experts)
+        if whole not in (shard.num_experts, len(shard.experts)):
+            raise ValueError(f"{name} adapts {whole} experts; its layer has {shard.num_experts}")
+        for kind in ("A", "B"):
+            for adapter, layer in getattr(module, f"lora_{kind}").items():
+                if whole != len(shard.experts):
+                    weight = layer.weight
+                    local = slice_expert_factor(kind, weight.data, shard.experts, whole).clone()
+                    layer.weight = nn.Parameter(local, requires_grad=weight.requires_grad)
+                if shard.ep_size > 1:
+                    layer.weight.allreduce = False  # type: ignore[attr-defined]
+                names.append(f"{name}.lora_{kind}.{adapter}.weight")
+        module.num_experts = len(shard.experts)
+    return names
+
+
+def moe_adapter_config(model: nn.Module, method: Literal["lora", "qbara", "qahira"] = "lora", *, r: int = 8,
+                       alpha: float = 16.0, attention: bool = True, experts: bool = True, **options: Any) -> Any:
+    """A PEFT config adapting ``model``'s attention projections and (LoRA only) its fused expert tensors.
+
+    Targets are read from the model: the attention projections it has (:data:`ATTENTION_PROJECTIONS`) and
+    each experts module's fused weights (:data:`EXPERT_PROJECTIONS`). ``options`` go to the config class.
+    """
+    if method not in ("lora", "qbara", "qahira"):
+        raise ValueError(f"method={method!r}: use lora, qbara or qahira")
+    if not (attention or experts):
+        raise ValueError("nothing to adapt: set attention=True and/or experts=True")
+    if experts and method != "lora":
+        raise ValueError(_POOLED_REFUSAL.format(method={"qbara": "Q-BaRA", "qahira": "QA-HiRA"}[method]))
+    present = {name.rpartition(".")[2] for name, module in model.named_modules() if hasattr(module, "in_features")}
+    modules = sorted(present & set(ATTENTION_PROJECTIONS)) if attention else []
+    if attention and not modules:
+        raise ValueError(f"{type(model).__name__} has none of the attention projections {ATTENTION_PROJECTIONS}")
+    parameters = []
+    if experts:
+        experts_found = _experts_modules(model)
+        if not experts_found:
+            raise ValueError(f"{type(model).__name__} has no experts module going through transformers' experts "
+                             "registry; adapt attention only (experts=False)")
+        parameters = sorted({f"{name.rpartition('.')[2]}.{tensor}" for name, module in experts_found
+                             for tensor in EXPERT_PROJECTIONS
+                             if isinstance(getattr(module, tensor, None), nn.Parameter)})
+    if method == "lora":
+        from peft import LoraConfig
+
+        if experts and options.get("lora_dropout"):
+            raise ValueError("lora_dropout must be 0 when adapting fused expert tensors (PEFT's ParamWrapper "
+                             "cannot factor dropout out of the merged weight)")
+        return LoraConfig(r=r, lora_alpha=alpha, target_modules=modules, target_parameters=parameters or None,
+                          **options)
+    import lightning_merak.adapters as adapters
+
+    config_class = adapters.QBaRAConfig if method == "qbara" else adapters.QAHiRAConfig
+    return config_class(r=r, alpha=alpha, target_modules=modules, **options)
+
+
+def _check_config(config: Any) -> None:
+    targets = getattr(config, "target_parameters", None) or []
+    if targets and getattr(config, "peft_type", None) != "LORA":
+        raise ValueError(_POOLED_REFUSAL.format(method=config.peft_type))
+    for target in targets:
+        if target.rpartition(".")[2] not in EXPERT_PROJECTIONS:
+            raise ValueError(f"target_parameters entry {target!r} is not a fused expert weight "
+                             f"{EXPERT_PROJECTIONS}; expert biases and other tensors are not adapted")
+
+
+def add_moe_adapters(model: nn.Module, config: Any, adapter_name: str = "default") -> Any:
+    """``get_peft_model(model, config)``, checked, with expert adapters marked like their experts.
+
+    After :func:`~lightning_merak.plugins.moe.experts.enable_expert_parallel` each rank builds the adapters
+    of its own experts (before it, ``enable_expert_parallel`` cuts them down); under expert parallelism
+    their factors get ``allreduce=False`` (their gradient already sums every rank's tokens, as the
+    experts' own does).
+    """
+    from peft import get_peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    _check_config(config)
+    if any(isinstance(module, BaseTunerLayer) for module in model.modules()):
+        raise ValueError(f"{type(model).__name__} already carries adapters; build the model again")
+    peft_model = get_peft_model(model, config, adapter_name=adapter_name)
+    shard_expert_adapters(peft_model)
+    return peft_model
+
+
+def _gather(tensor: torch.Tensor, shard: Any) -> list[torch.Tensor]:
+    """Every expert-group rank's ``tensor``, in rank order (its own alone without expert parallelism)."""
+    if shard is None or shard.ep_size == 1:
+        return [tensor]
+    parts = [torch.empty_like(tensor) for _ in range(shard.ep_size)]
+    dist.all_gather(parts, tensor.contiguous(), group=shard.group)
+    return parts
+
+
+def _factor_keys(adapter: ExpertAdapter, state: dict[str, torch.Tensor]) -> dict[str, Factor]:
+    keys: dict[str, Factor] = {}
+    for key in state:
+        for kind in ("A", "B"):
+            if key.startswith(f"{adapter.name}.lora_{kind}."):
+                keys[key] = kind  # type: ignore[assignment]
+    return keys
+
+
+def expert_adapter_state_dict(model: nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """PEFT's adapter state dict with every expert factor whole (collective over each expert group).
+
+    The same on every rank and equal to what an unsharded ``PeftModel`` holds, so it loads there as is.
+    """
+    from peft import get_peft_model_state_dict
+
+    state = dict(get_peft_model_state_dict(model, adapter_name=adapter_name))
+    for adapter in expert_adapters(model):
+        for key, kind in _factor_keys(adapter, state).items():
+            if not key.endswith(".weight"):
+                raise ValueError(f"{key}: expert adapters carry no bias (lora_bias=False)")
+            parts = _gather(state[key].detach(), adapter.shard)
+            state[key] = join_expert_factors(kind, parts, int(adapter.wrapper.r[adapter_name]))
+    return state
+
+
+def save_moe_adapter(model: nn.Module, directory: Union[str, Path], adapter_name: str = "default") -> None:
+    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` with whole expert factors (rank 0 writes).
+
+    Collective over the expert groups; ``PeftModel.from_pretrained`` on the unsharded model reads it.
+    """
+    from safetensors.torch import save_file
+
+    state = expert_adapter_state_dict(model, adapter_name)
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    model.peft_config[adapter_name].save_pretrained(str(out))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def load_moe_adapter(model: nn.Module, source: Union[str, Path, dict[str, torch.Tensor]],
+                     adapter_name: str = "default") -> None:
+    """Load a whole-model adapter (a PEFT directory or state dict) into ``model``, each rank its experts' slice.
+
+    A factor whose shape does not match this rank's adapter is refused before anything is loaded.
+    """
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+
+    state = dict(source) if isinstance(source, dict) else load_peft_weights(str(source), device="cpu")
+    local = {}
+    for adapter in expert_adapters(model):
+        for key, kind in _factor_keys(adapter, state).items():
+            local[key] = slice_expert_factor(kind, state[key], adapter.experts, adapter.num_experts)
+    mine = model.state_dict()
+    for key, value in {**state, **local}.items():
+        target = key.replace(".weight", f".{adapter_name}.weight")
+        if target in mine and tuple(mine[target].shape) != tuple(value.shape):
+            raise ValueError(f"{key} has shape {tuple(value.shape)}, this rank's adapter {tuple(mine[target].shape)}; "
+                             "was the adapter trained with another r or another model?")
+    result = set_peft_model_state_dict(model, {**state, **local}, adapter_name=adapter_name)
+    if getattr(result, "unexpected_keys", None):
+        raise ValueError(f"adapter keys the model has no place for: {result.unexpected_keys[:4]}")
+
+
+def merged_state_dict(model: nn.Module,
+                      adapter_name: Optional[str] = None) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Merge the adapters into their bases and return ``(base model, its state dict with whole experts)``.
+
+    Collective over the expert groups. Each rank merges its own experts' adapters into its own slices
+    (PEFT's ``merge_and_unload``), then the slices are gathered, so ``base.save_pretrained(dir,
+    state_dict=state)`` on one rank writes what the merged unsharded model would.
+    """
+    from lightning_merak.plugins.moe.experts.grouped import EXPERT_TENSORS
+
+    base = model.merge_and_unload(adapter_names=[adapter_name] if adapter_name else None)
+    state = dict(base.state_dict())
+    for name, module in _experts_modules(base):
+        shard = _shard_of(module)
+        for tensor in EXPERT_TENSORS:
+            value = getattr(module, tensor, None)
+            if value is not None and shard is not None:
+                state[f"{name}.{tensor}"] = torch.cat(_gather(value.detach(), shard))
+    return base, state

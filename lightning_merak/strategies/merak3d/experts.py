@@ -1,0 +1,197 @@
+"""``merak_ep`` under merak3d: each stage's experts spread over that stage's data-parallel ranks (#30 item 4).
+
+Expert groups are carved from each pipeline stage's data-parallel ranks: ``ep`` consecutive ranks of one
+data-parallel group share out the stage's experts (contiguous ownership, as
+:func:`~lightning_merak.plugins.moe.experts.exchange.local_expert_range` fixes it) and exchange tokens by
+all-to-all; the ranks holding the same experts across those groups form an expert-data-parallel group. Every
+rank runs ``enable_expert_parallel`` on its whole model before the build, so the trace (which runs every block
+on every rank) pairs each all-to-all within the rank's own data-parallel group, a meta model materialises only
+the local experts, and the pretrained seam reads only those. Expert weights are marked ``allreduce=False`` and
+so stay out of merak3d's data-parallel average; their gradient, already the sum over every data-parallel
+rank's tokens (the all-to-all's backward brings them home), is summed over the expert-data-parallel group and
+divided by the data-parallel size: the gradient of the mean loss the dense average gives the rest. Clipping
+counts each expert once: the expert weights are registered as split over the expert group.
+
+:func:`expert_layout_problem` and :func:`expert_group_ranks` are pure; :class:`Merak3DExperts` is the thin
+integration the experts callback drives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_merak.plugins.moe.experts.enable import ExpertParallelReport, enable_expert_parallel, experts_modules
+from lightning_merak.plugins.moe.experts.grouped import EXPERT_TENSORS
+from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh
+
+__all__ = ["CHECKPOINTS_REFUSED", "ExpertGroups", "Merak3DExperts", "check_merak3d_experts", "expert_group_ranks",
+           "expert_layout_problem"]
+
+
+def expert_layout_problem(*, data_parallel: int, tensor_parallel: int, sharding: str, schedule: str,
+                          micro_batching: str, ep_size: Optional[int]) -> Optional[str]:
+    """Why ``merak_ep`` cannot run in this merak3d layout, with the fix; ``None`` when it can."""
+    if tensor_parallel != 1:
+        return (f"tensor_parallel={tensor_parallel}: merak_ep spreads experts over data-parallel ranks and the "
+                "tensor-parallel split does not cut the fused expert tensors; use tensor_parallel=1 and give the "
+                "ranks to data_parallel")
+    if sharding != "none":
+        return (f"data_parallel_sharding={sharding!r}: the sharded modes split the replicated parameters' state "
+                "over the data-parallel ranks, where merak_ep's experts already differ per rank; use "
+                "data_parallel_sharding='none'")
+    if schedule == "interleaved_zero_bubble":
+        return ("schedule='interleaved_zero_bubble' computes weight gradients in a pass of their own, which the "
+                "experts' all-to-all backward is not split for; use 1f1b, gpipe, shifted_critical_path or "
+                "interleaved_1f1b")
+    if micro_batching != "none":
+        return (f"micro_batching={micro_batching!r}: data-parallel ranks may then run different micro-batch counts, "
+                "and every expert all-to-all needs all of its ranks; use micro_batching='none'")
+    ep = data_parallel if ep_size is None else ep_size
+    if ep < 1 or data_parallel % ep:
+        return (f"moe.ep_size={ep} does not divide data_parallel={data_parallel}: under merak3d experts are "
+                f"spread over each stage's data-parallel ranks; choose a divisor of {data_parallel}")
+    return None
+
+
+def expert_group_ranks(data_parallel_groups: list[list[int]], ep_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The expert groups (``ep_size`` consecutive ranks of each data-parallel group) and the
+    expert-data-parallel groups (the ranks at one position of each expert group of a data-parallel group),
+    in the same order on every rank."""
+    ep_groups, edp_groups = [], []
+    for ranks in data_parallel_groups:
+        if len(ranks) % ep_size:
+            raise ValueError(f"ep_size={ep_size} does not divide a data-parallel group of {len(ranks)} ranks")
+        ep_groups += [ranks[i:i + ep_size] for i in range(0, len(ranks), ep_size)]
+        edp_groups += [ranks[j::ep_size] for j in range(ep_size)]
+    return ep_groups, edp_groups
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's expert group, its expert-data-parallel group, and the data-parallel size gradients divide by."""
+
+    ep_group: Any
+    edp_group: Any
+    edp_size: int
+    data_parallel: int
+
+
+def _layout_values(strategy: Any, world_size: int) -> dict[str, Any]:
+    if strategy.needs_planning:
+        raise ValueError("merak_ep under merak3d needs the layout fixed before training: set pipeline_parallel, "
+                         "tensor_parallel and data_parallel_sharding instead of 'auto'")
+    if strategy.layout_built or getattr(strategy, "_groups", None) is not None:
+        layout = strategy.layout
+        dp, tp, sharding = layout.data_parallel, layout.tensor_parallel, layout.data_parallel_sharding
+    else:
+        dp, _, tp = strategy.resolve_layout(world_size)
+        sharding = strategy._arguments.data_parallel_sharding
+    return {"data_parallel": dp, "tensor_parallel": tp, "sharding": sharding, "schedule": strategy.schedule,
+            "micro_batching": strategy.micro_batching.mode}
+
+
+def check_merak3d_experts(strategy: Any, world_size: int, ep_size: Optional[int] = None) -> None:
+    """Refuse, before any process starts, a merak3d layout ``merak_ep`` does not run in (see
+    :func:`expert_layout_problem`)."""
+    problem = expert_layout_problem(**_layout_values(strategy, world_size), ep_size=ep_size)
+    if problem is not None:
+        raise ValueError(f"moe.experts=merak_ep under merak3d refused: {problem}")
+
+
+CHECKPOINTS_REFUSED = ("sharded checkpoints of merak_ep experts under merak3d are not built: every data-parallel "
+                       "rank holds other experts under the same parameter name, so a checkpoint would keep one rank's "
+                       "experts; train without checkpoints (enable_checkpointing=False, no save_checkpoint) or use "
+                       "strategy=ddp")
+"""Why a merak3d run with ``merak_ep`` writes no checkpoint (refused at setup and at any save)."""
+
+
+class Merak3DExperts:
+    """``merak_ep`` on one merak3d rank: its groups, the experts switch, and the expert gradients' reduction."""
+
+    def __init__(self, strategy: Any, ep_size: Optional[int] = None) -> None:
+        """Check the layout and create every expert and expert-data-parallel group (collective: all ranks)."""
+        check_merak3d_experts(strategy, dist.get_world_size(), ep_size)
+        trainer = getattr(strategy.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.checkpoint_callbacks:
+            raise ValueError(CHECKPOINTS_REFUSED)
+        self._strategy = strategy
+        mesh = strategy.device_mesh
+        dp_groups = data_parallel_groups_from_mesh(mesh.mesh.tolist(), list(mesh.mesh_dim_names))
+        data_parallel = len(dp_groups[0])
+        ep = data_parallel if ep_size is None else ep_size
+        ep_ranks, edp_ranks = expert_group_ranks(dp_groups, ep)
+        rank = dist.get_rank()
+        mine: dict[str, Any] = {}
+        for kind, all_ranks in (("ep", ep_ranks), ("edp", edp_ranks)):
+            for ranks in all_ranks:
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mine[kind] = group
+        self.groups = ExpertGroups(mine["ep"], mine["edp"], data_parallel // ep, data_parallel)
+        self._registered: set[int] = set()
+        self.report: Optional[ExpertParallelReport] = None
+        """What :meth:`enable` did on this rank (None until then)."""
+
+    def enable(self, model: nn.Module) -> ExpertParallelReport:
+        """Keep this rank's experts of ``model`` (the whole model, meta or real, before the build); once."""
+        if self.report is None:
+            self.report = enable_expert_parallel(model, self.groups.ep_group)
+            for _, experts in experts_modules(model):
+                experts.materialize_init = _LocalExpertsInit(self.report.ep_rank)
+        return self.report
+
+    def reduce_gradients(self, module: nn.Module) -> None:
+        """Expert gradients: summed over the ranks holding the same experts, divided by the data-parallel size.
+
+        Also registers the (built, materialised) expert weights as split over the expert group, so clipping
+        sums their squares there and counts every expert once."""
+        params = expert_parameters(module)
+        fresh = [p for p in params if id(p) not in self._registered]
+        if fresh:
+            self._strategy.register_sharded_gradients(fresh, self.groups.ep_group)
+            self._registered |= {id(p) for p in fresh}
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads or self.groups.data_parallel == 1:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.groups.edp_size > 1:
+            dist.all_reduce(flat, group=self.groups.edp_group)
+        flat.div_(self.groups.data_parallel)
+        for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
+            grad.copy_(piece.view_as(grad))
+
+
+class _LocalExpertsInit:
+    """Random init of a meta-built experts module's local slice, drawn per expert rank.
+
+    merak3d seeds a module's init by its name alone, which every rank of the expert group shares: their
+    slices would start equal (expert ``e`` a copy of ``e + E/ep``). Offsetting the seed by the expert rank
+    keeps the experts distinct without drawing the whole tensor. Pretrained weights replace it anyway."""
+
+    def __init__(self, ep_rank: int) -> None:
+        self.ep_rank = ep_rank
+
+    def __call__(self, module: nn.Module) -> None:
+        torch.manual_seed((torch.initial_seed() + 7919 * self.ep_rank) % (2**63))
+        with torch.no_grad():
+            for tensor in EXPERT_TENSORS:
+                param = getattr(module, tensor, None)
+                if isinstance(param, nn.Parameter) and tensor.endswith("_bias"):
+                    nn.init.zeros_(param)
+                elif isinstance(param, nn.Parameter):  # the registry families' own init of expert weights
+                    nn.init.normal_(param, std=_initializer_range(module))
+
+
+def _initializer_range(module: nn.Module) -> float:
+    return float(getattr(getattr(module, "config", None), "initializer_range", 0.02))
+
+
+def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The expert weights this rank holds now (after the build: its stages' experts, materialised)."""
+    return [param for _, experts in experts_modules(module) for tensor in EXPERT_TENSORS
+            if isinstance(param := getattr(experts, tensor, None), nn.Parameter)]
