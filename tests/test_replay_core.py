@@ -129,3 +129,16 @@ def test_simulated_rank_counts_replay() -> None:
     result = predict_layout(COSTS, SHAPE, LayoutSpec(dp=16, pp=2, tp=2, micro_batches=4, samples=8))
     assert {task.rank for task in result.graph.tasks} == set(range(64))
     assert result.step_time > 0
+
+
+def test_a_link_faster_than_the_trace_resolves_still_gets_a_rate() -> None:
+    """Large ops no slower than the fixed cost (a fast loopback) leave nothing beyond it: their whole time bounds the
+    rate from below, so calibration never fails for a link that is too fast."""
+    from lightning_merak.profiler.replay import CommOp, transfer_seconds
+
+    def op(wire: float, duration: float) -> CommOp:
+        return CommOp(key=("ar", wire), op="all_reduce", channel="dp", wire=wire, duration=duration, done=0.0,
+                      participants={})
+
+    assert transfer_seconds([op(65536, 3e-4), op(131072, 5e-4)], fixed=1e-4) == pytest.approx(6e-4)
+    assert transfer_seconds([op(65536, 1e-4), op(131072, 0.9e-4)], fixed=1e-4) == pytest.approx(1.9e-4)

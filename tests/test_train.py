@@ -34,6 +34,8 @@ def _merak_train(*overrides: str, timeout: float = 300) -> subprocess.CompletedP
         (["+strategy.pipline_parallel=2"], "unknown option strategy.pipline_parallel: Merak3DStrategyConfig has no "
                                            "key 'pipline_parallel'; did you mean strategy.pipeline_parallel?"),
         (["+trainer.max_stepz=2"], "unknown option trainer.max_stepz"),
+        (["model=mixtral_tiny", "moe=prophet", "moe.experts=merak_ep"],
+         "moe.experts=merak_ep under strategy=merak3d: merak-train writes checkpoints"),
     ],
 )
 @pytest.mark.distributed

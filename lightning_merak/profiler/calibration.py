@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from lightning_merak.profiler.replay import SMALL_OP_BYTES, comm_ops, estimate_fixed_cost
+from lightning_merak.profiler.replay import SMALL_OP_BYTES, comm_ops, estimate_fixed_cost, transfer_seconds
 from lightning_merak.profiler.synthesize import LayoutSpec, ModelShape, StepCosts, calibrate, group_kind, predict_layout
 from lightning_merak.profiler.trace import Trace
 
@@ -44,7 +44,7 @@ def link_costs(trace: Trace, layout: LayoutSpec) -> dict[str, tuple[float, float
     for kind, kind_ops in by_kind.items():
         fixed = estimate_fixed_cost(kind_ops) if any(op.wire < SMALL_OP_BYTES for op in kind_ops.values()) else overall
         large = [op for op in kind_ops.values() if op.wire >= LARGE_OP_BYTES]
-        seconds = sum(max(op.duration - fixed, 0.0) for op in large)
+        seconds = transfer_seconds(large, fixed)
         if large and seconds > 0:
             result[kind] = (fixed, sum(op.wire for op in large) / seconds)
     return result

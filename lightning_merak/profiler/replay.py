@@ -23,7 +23,7 @@ from lightning_merak.profiler.trace import CommRecord, RankTrace, Span, Trace, c
 
 __all__ = ["CommOp", "ReplayResult", "Task", "TaskGraph", "WhatIf", "build_graph", "comm_ops", "estimate_bandwidth",
            "estimate_fixed_cost", "graph_from_trace", "main_thread_waits", "measured_step_time", "replay",
-           "replay_trace"]
+           "replay_trace", "transfer_seconds"]
 
 PRIORITY = {"FW": 0, "BW": 2, "UPDATE": 3, "comm": 100}
 """dPRO's ready-queue order among tasks ready at the same time."""
@@ -187,8 +187,15 @@ def estimate_bandwidth(trace: Trace, min_wire_bytes: float = 32768.0) -> Optiona
     ops = comm_ops(trace.aligned())
     fixed = estimate_fixed_cost(ops)
     large = [op for op in ops.values() if op.wire >= min_wire_bytes]
-    seconds = sum(max(op.duration - fixed, 0.0) for op in large)
+    seconds = transfer_seconds(large, fixed)
     return sum(op.wire for op in large) / seconds if large and seconds > 0 else None
+
+
+def transfer_seconds(large: list[CommOp], fixed: float) -> float:
+    """The large ops' time beyond the fixed cost; where none is slower than it (a link faster than the trace
+    resolves), their whole time, which bounds the rate from below instead of leaving it unknown."""
+    beyond = sum(max(op.duration - fixed, 0.0) for op in large)
+    return beyond if beyond > 0 else sum(op.duration for op in large)
 
 
 @dataclass
