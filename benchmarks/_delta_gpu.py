@@ -13,6 +13,7 @@ the allocator's peak is reset between them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import time
@@ -22,7 +23,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.report import print_table, write_json
+from benchmarks.delta import train_step
+from benchmarks.report import cuda_device_name, print_table, write_json
 
 MIB = 2**20
 CONFIGS = ("none", "checkpoint", "offload-all", "delta")
@@ -99,20 +101,8 @@ def run_config(config: str, setting: GpuSetting, budget_bytes: int) -> dict[str,
         ids = small if (manager is not None and step < WARMUP) else data
         torch.cuda.synchronize()
         start = time.perf_counter()
-        if manager is not None:
-            manager.begin_step(tuple(ids.shape), ids.numel())
-        if offload:
-            with torch.autograd.graph.save_on_cpu(pin_memory=True):
-                loss = model(ids)
-        else:
-            loss = model(ids)
-        if manager is not None:
-            manager.end_forward()
-        loss.backward()
-        if manager is not None:
-            manager.end_backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        saved_tensors = torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else contextlib.nullcontext()
+        train_step(model, optimizer, ids, manager, saved_tensors)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     row: dict[str, Any] = {"config": config, "batch": setting.batch,
@@ -131,11 +121,9 @@ def run_config(config: str, setting: GpuSetting, budget_bytes: int) -> dict[str,
 
 def gpu_main(out: Path, quick: bool, budget_fraction: float) -> int:
     """Run every configuration on the GPU and write ``out``; 1 when one failed."""
-    if not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here (the CPU run is the default)")
+    device_name = cuda_device_name()
     started = time.perf_counter()
     setting = GPU_QUICK if quick else GPU_FULL
-    device_name = torch.cuda.get_device_name()
     print(f"GPU leg on {device_name}: BenchGPT {setting}", flush=True)
     torch.manual_seed(0)
     probe = run_config("none", setting, 0)

@@ -18,6 +18,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks._moe_families_ranks import each_family
+
 OVERRIDES = {"deepseek_v2": {"first_k_dense_replace": 0}, "deepseek_v3": {"first_k_dense_replace": 0}}
 """Every block a MoE block, so both stages hold experts."""
 
@@ -93,12 +95,5 @@ def run_family(family: str, size: dict[str, int], warmup: int, steps: int) -> di
 
 def run_all(rank: int, world: int, families: list[str], size: dict[str, int], warmup: int,
             steps: int) -> list[dict[str, Any]]:
-    """Every family in order on this rank; a family that fails becomes a row with its error."""
-    torch.set_num_threads(1)
-    rows = []
-    for family in families:
-        try:
-            rows.append(run_family(family, size, warmup, steps))
-        except Exception as error:  # a failed row, not a failed run
-            rows.append({"family": family, "error": f"{type(error).__name__}: {error}"})
-    return rows
+    """Every family in order on this rank at pp=2 × ep=2."""
+    return each_family(families, lambda family: run_family(family, size, warmup, steps))

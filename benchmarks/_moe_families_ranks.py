@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -112,14 +112,20 @@ def run_family(rank: int, world: int, family: str, size: dict[str, int], warmup:
             "num_experts": report.num_experts, "top_k": int(reference.config.num_experts_per_tok)}
 
 
-def run_all(rank: int, world: int, families: list[str], size: dict[str, int], warmup: int,
-            steps: int) -> list[dict[str, Any]]:
-    """Every family in order on this rank; a family that fails becomes a row with its error."""
+def each_family(families: list[str], run: Callable[[str], dict[str, Any]]) -> list[dict[str, Any]]:
+    """``run(family)`` for every family in order on this rank (one thread); a family that fails becomes a row
+    with its error."""
     torch.set_num_threads(1)
     rows = []
     for family in families:
         try:
-            rows.append(run_family(rank, world, family, size, warmup, steps))
+            rows.append(run(family))
         except Exception as error:  # a failed row, not a failed run
             rows.append({"family": family, "error": f"{type(error).__name__}: {error}"})
     return rows
+
+
+def run_all(rank: int, world: int, families: list[str], size: dict[str, int], warmup: int,
+            steps: int) -> list[dict[str, Any]]:
+    """Every family in order on this rank at ep=2."""
+    return each_family(families, lambda family: run_family(rank, world, family, size, warmup, steps))

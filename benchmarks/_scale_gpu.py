@@ -34,7 +34,7 @@ from benchmarks._scale_ranks import (
     measure_activations,
     train_rank,
 )
-from benchmarks.report import print_table, write_json
+from benchmarks.report import cuda_device_name, error_line, print_table, write_json
 from lightning_merak.testing import run_distributed
 from lightning_merak.testing.distributed import DistributedRunError
 
@@ -49,10 +49,6 @@ STEPS = 4
 BACKEND = "nccl"
 
 
-def _error_line(error: Exception) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[-1] if lines else type(error).__name__
-
 
 def _memory_row(leg: Leg, workload: Workload, activations: dict[str, float]) -> dict[str, Any]:
     row: dict[str, Any] = {"section": "memory", "leg": leg.name, "params_m": workload.parameters() / 1e6}
@@ -60,7 +56,7 @@ def _memory_row(leg: Leg, workload: Workload, activations: dict[str, float]) -> 
         (rank,) = run_distributed(train_rank, 1, args=(leg, workload, STEPS), timeout_s=RANK_TIMEOUT_S,
                                   backend=BACKEND)
     except DistributedRunError as error:
-        row["error"] = _error_line(error)
+        row["error"] = error_line(error)
         print(f"  {leg.name}: FAILED: {row['error']}", flush=True)
         return row
     used = rank["peak_mb"] - rank["baseline_mb"]
@@ -92,7 +88,7 @@ def _load_rows(workload: Workload) -> list[dict[str, Any]]:
             (ours,) = run_distributed(load_rank, 1, timeout_s=RANK_TIMEOUT_S, backend=BACKEND,
                                       args=(str(source), {"data_parallel": 1}, tokens, None, "cuda"))
         except DistributedRunError as error:
-            rows.append({"section": "load", "leg": "merak3d dp1 (GPU)", "error": _error_line(error)})
+            rows.append({"section": "load", "leg": "merak3d dp1 (GPU)", "error": error_line(error)})
             return rows
     rel_err = float((ours["logits"] - reference["logits"]).abs().max() / reference["logits"].abs().max())
     rows.append({"section": "load", "leg": "merak3d dp1 (GPU)", "load_s": ours["load_s"],
@@ -102,11 +98,9 @@ def _load_rows(workload: Workload) -> list[dict[str, Any]]:
 
 def gpu_main(out: Path, quick: bool) -> int:
     """Run the GPU leg and write ``out``; 1 when a leg failed (none may refuse: one GPU runs them all)."""
-    if not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here (the CPU run is the default)")
+    device_name = cuda_device_name()
     started = time.perf_counter()
     workload = GPU_QUICK_WORKLOAD if quick else GPU_WORKLOAD
-    device_name = torch.cuda.get_device_name()
     print(f"GPU leg on {device_name}: {workload.describe()}, {STEPS} fp32 steps per leg", flush=True)
     activations = measure_activations(workload, 1, device="cuda")
     torch.cuda.empty_cache()

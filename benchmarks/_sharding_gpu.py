@@ -23,7 +23,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.report import print_table, write_json
+from benchmarks.report import cuda_device_name, error_line, print_table, write_json
 from lightning_merak.testing import run_distributed
 from lightning_merak.testing.distributed import DistributedRunError
 
@@ -94,18 +94,12 @@ def _max_rel_diff(losses: list[float], reference: list[float]) -> float:
     return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference))
 
 
-def _error_line(error: Exception) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[-1] if lines else type(error).__name__
-
 
 def gpu_main(out: Path, quick: bool) -> int:
     """Run the precision matrix on one GPU and write ``out``; 1 when a run failed that is not a refusal."""
-    if not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here (the CPU run is the default)")
+    device_name = cuda_device_name()
     started = time.perf_counter()
     steps = QUICK_STEPS if quick else FULL_STEPS
-    device_name = torch.cuda.get_device_name()
     print(f"GPU leg on {device_name}: Llama hidden {HIDDEN}, {LAYERS} layers, vocab {VOCAB}, batch {BATCH} × {SEQ}, "
           f"{steps} steps per run", flush=True)
     rows, failed = [], []
@@ -116,7 +110,7 @@ def gpu_main(out: Path, quick: bool) -> int:
                 (runs[name],) = run_distributed(train_rank, 1, args=(name, precision, steps), timeout_s=600,
                                                 backend="nccl", env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
             except DistributedRunError as error:
-                runs[name] = _error_line(error)
+                runs[name] = error_line(error)
         ours, theirs, again = runs["merak3d"], runs["lightning"], runs["lightning rerun"]
         row: dict[str, Any] = {"precision": precision}
         if isinstance(theirs, str):  # Lightning itself cannot run this precision here: a refusal, not a failure

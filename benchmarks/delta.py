@@ -63,6 +63,7 @@ DELTA's warm-up steps use a quarter of the batch, and the plan is scaled to the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -72,7 +73,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ContextManager
 
 from benchmarks.report import default_out, out_help
 
@@ -181,6 +182,22 @@ def _sync_disk_offload(directory: str, excluded: set) -> Any:
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
+def train_step(model: Any, optimizer: Any, ids: Any, manager: Any, saved_tensors: ContextManager[Any]) -> None:
+    """One step of a configuration: the forward under ``saved_tensors`` (an offloading hook, or a null context),
+    with DELTA's ``manager`` (or None) told where the step, its forward and its backward end."""
+    if manager is not None:
+        manager.begin_step(tuple(ids.shape), ids.numel())
+    with saved_tensors:
+        loss = model(ids)
+    if manager is not None:
+        manager.end_forward()
+    loss.backward()
+    if manager is not None:
+        manager.end_backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+
+
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch.utils.checkpoint import checkpoint
@@ -229,20 +246,8 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     for step in range(steps):
         ids = small if (manager is not None and step < warmup) else data
         start, start_cpu, start_thread = time.perf_counter(), time.process_time(), time.thread_time()
-        if manager is not None:
-            manager.begin_step(tuple(ids.shape), ids.numel())
-        if offload_dir is not None:
-            with _sync_disk_offload(offload_dir, excluded):
-                loss = model(ids)
-        else:
-            loss = model(ids)
-        if manager is not None:
-            manager.end_forward()
-        loss.backward()
-        if manager is not None:
-            manager.end_backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        offload = _sync_disk_offload(offload_dir, excluded) if offload_dir is not None else contextlib.nullcontext()
+        train_step(model, optimizer, ids, manager, offload)
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - start_cpu)
         thread_times.append(time.thread_time() - start_thread)

@@ -48,7 +48,15 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.report import default_out, out_help, print_table, proc_status_mb, saved_activation_bytes, write_json
+from benchmarks.report import (
+    default_out,
+    error_line,
+    out_help,
+    print_table,
+    proc_status_mb,
+    saved_activation_bytes,
+    write_json,
+)
 from lightning_merak.config import ModelConfig, TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
 from lightning_merak.strategies import pipeline
@@ -261,11 +269,6 @@ def _run_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:
 # Driver ----------------------------------------------------------------------------------
 
 
-def _error_line(error: Exception) -> str:
-    """The exception line of a rank's traceback (or the run's own message)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[-1] if lines else type(error).__name__
-
 
 def _rejected_before_launch(job: Job) -> str | None:
     """The error Lightning raises when building the Trainer for ``job``, if it does.
@@ -292,7 +295,7 @@ def run_job(job: Job, warmup: int) -> dict[str, Any]:
         ranks = run_distributed(_run_rank, WORLD_SIZE, args=(job,), timeout_s=RANK_TIMEOUT_S, threads_per_rank=1)
     except DistributedRunError as error:
         print(f"  {job.strategy} {job.layout}: failed ({time.perf_counter() - started:.0f} s)", flush=True)
-        return {"error": _error_line(error)}
+        return {"error": error_line(error)}
     slowest = [max(steps) for steps in zip(*(rank["step_s"] for rank in ranks))]
     timed = slowest[warmup:] or slowest
     step_s = statistics.median(timed)

@@ -20,9 +20,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from benchmarks.report import default_out, out_help, print_table, write_json
+from benchmarks.report import cuda_device_name, default_out, out_help, print_table, write_json
 
 NAME = "moe_families"
 TOLERANCE = 1e-5
@@ -32,6 +32,24 @@ def _families() -> list[str]:
     from lightning_merak.plugins.moe.experts import EXACT_FAMILIES
 
     return list(EXACT_FAMILIES)
+
+
+def _family_rows(per_rank: list[list[dict[str, Any]]],
+                 row_of: Callable[[dict[str, Any], list[dict[str, Any]], dict[str, float], dict[str, float]],
+                                  dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per family from every rank's rows: a rank's error, or ``row_of(first rank's row, every rank's row,
+    median step ms, fastest step ms)`` with each time the slowest rank's."""
+    rows = []
+    for index, row in enumerate(per_rank[0]):
+        peers = [ranks[index] for ranks in per_rank]
+        errors = [p["error"] for p in peers if "error" in p]
+        if errors:
+            rows.append({"family": row["family"], "error": errors[0]})
+            continue
+        step = {name: max(p["step_ms"][name] for p in peers) for name in row["step_ms"]}
+        fastest = {name: max(p["step_min_ms"][name] for p in peers) for name in row["step_min_ms"]}
+        rows.append(row_of(row, peers, step, fastest))
+    return rows
 
 
 def _cpu_leg(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -44,16 +62,10 @@ def _cpu_leg(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     warmup, steps = (1, 9) if quick else (3, 25)
     per_rank = run_distributed(run_all, 2, args=(_families(), size, warmup, steps), timeout_s=900)
     pp2_ep2 = _pp2_leg(size, warmup, steps)
-    rows = []
-    for index, row in enumerate(per_rank[0]):
-        peers = [ranks[index] for ranks in per_rank]
-        errors = [p["error"] for p in peers if "error" in p]
-        if errors:
-            rows.append({"family": row["family"], "error": errors[0]})
-            continue
-        step = {name: max(p["step_ms"][name] for p in peers) for name in row["step_ms"]}
-        fastest = {name: max(p["step_min_ms"][name] for p in peers) for name in row["step_min_ms"]}
-        rows.append({
+
+    def family_row(row: dict[str, Any], peers: list[dict[str, Any]], step: dict[str, float],
+                   fastest: dict[str, float]) -> dict[str, Any]:
+        return {
             "family": row["family"], "num_experts": row["num_experts"], "top_k": row["top_k"],
             "experts_per_rank": row["local_experts"],
             "output_diff": max(p["output_diff"] for p in peers), "grad_diff": max(p["grad_diff"] for p in peers),
@@ -65,7 +77,9 @@ def _cpu_leg(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             "exchange_cost": fastest["ours"] / fastest["ours_grouped_no_ep"],
             "replicated_diff": max(p["replicated_diff"] for p in peers),
             "replicated_over_ours": fastest["ours_replicated"] / fastest["ours"],
-        })
+        }
+
+    rows = _family_rows(per_rank, family_row)
     ok = [r for r in rows if "error" not in r]
     exact = [r["family"] for r in ok if max(r["output_diff"], r["grad_diff"]) <= TOLERANCE and not r["grads_missing"]]
     summary = {
@@ -90,18 +104,10 @@ def _pp2_leg(size: dict[str, Any], warmup: int, steps: int) -> dict[str, Any]:
     from lightning_merak.testing import run_distributed
 
     per_rank = run_distributed(run_all, 4, args=(_families(), size, warmup, steps), timeout_s=1800)
-    rows = []
-    for index, row in enumerate(per_rank[0]):
-        peers = [ranks[index] for ranks in per_rank]
-        errors = [p["error"] for p in peers if "error" in p]
-        if errors:
-            rows.append({"family": row["family"], "error": errors[0]})
-            continue
-        fastest = {name: max(p["step_min_ms"][name] for p in peers) for name in row["step_min_ms"]}
-        rows.append({"family": row["family"], "loss_diff": max(p["loss_diff"] for p in peers),
-                     "step_ms": {name: max(p["step_ms"][name] for p in peers) for name in row["step_ms"]},
-                     "step_min_ms": fastest, "speedup_vs_eager": fastest["eager"] / fastest["ours"],
-                     "speedup_vs_grouped_mm": fastest["grouped_mm"] / fastest["ours"]})
+    rows = _family_rows(per_rank, lambda row, peers, step, fastest: {
+        "family": row["family"], "loss_diff": max(p["loss_diff"] for p in peers), "step_ms": step,
+        "step_min_ms": fastest, "speedup_vs_eager": fastest["eager"] / fastest["ours"],
+        "speedup_vs_grouped_mm": fastest["grouped_mm"] / fastest["ours"]})
     ok = [r for r in rows if "error" not in r]
     return {"status": "measured" if len(ok) == len(rows) else "failed", "world_size": 4, "pipeline_parallel": 2,
             "ep": 2, "steps": steps, "rows": rows,
@@ -112,17 +118,14 @@ def _pp2_leg(size: dict[str, Any], warmup: int, steps: int) -> dict[str, Any]:
 
 
 def _gpu_leg(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    import torch
-
     from benchmarks._moe_families_gpu import run_gpu
 
-    if not torch.cuda.is_available():
-        raise SystemExit("--device cuda needs a CUDA device; run without --device for the CPU leg")
+    device_name = cuda_device_name()
     rows = run_gpu(_families(), quick)
     ok = [r for r in rows if "error" not in r]
     fp32 = [r for r in ok if r["dtype"] == "float32"]
     summary = {
-        "device_name": torch.cuda.get_device_name(), "ep": 1,
+        "device_name": device_name, "ep": 1,
         "families_failed": {f"{r['family']}/{r['dtype']}": r["error"] for r in rows if "error" in r},
         "max_output_diff_fp32": max((r["output_diff_vs_eager"] for r in fp32), default=None),
         "speedup_vs_hf_min": min((r["speedup_vs_eager"] for r in ok if r["speedup_vs_eager"]), default=None),

@@ -73,6 +73,21 @@ def write_json(path: Path, rows: Sequence[Mapping[str, object]], label: Label, *
     return path
 
 
+def cuda_device_name() -> str:
+    """The GPU a ``--device cuda`` leg runs on; exits naming the CPU run where there is none."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (run without --device for the CPU run)")
+    return torch.cuda.get_device_name()
+
+
+def error_line(error: Exception) -> str:
+    """The exception line of a rank's traceback (or the run's own message): what a failed row records."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
 def proc_status_mb(key: str) -> float:
     """A ``/proc/self/status`` memory figure of this process (VmRSS, VmHWM, VmSize, VmPeak) in MiB."""
     with open("/proc/self/status") as status:

@@ -75,7 +75,7 @@ from benchmarks._scale_ranks import (
     measure_activations,
     train_rank,
 )
-from benchmarks.report import default_out, out_help, print_table, write_json
+from benchmarks.report import default_out, error_line, out_help, print_table, write_json
 from lightning_merak.testing import run_distributed
 from lightning_merak.testing.distributed import DistributedRunError
 
@@ -116,11 +116,6 @@ QUICK = Mode(Workload(hidden=256, layers=0, vocab=4000), ladder=(2, 24), cap_mb=
 FULL = Mode(Workload(hidden=512, layers=0, vocab=16000), ladder=(2, 8, 24), cap_mb=800.0, steps=4)
 
 
-def _error_line(error: Exception) -> str:
-    """The exception line of a rank's traceback (or the run's own message)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[-1] if lines else type(error).__name__
-
 
 def _ideal_mb(rank: dict[str, Any], activations: dict[str, float]) -> float:
     """What this rank must hold: parameters, gradients, AdamW's two moments, and its activations."""
@@ -141,7 +136,7 @@ def train_leg(leg: Leg, workload: Workload, steps: int, cap_mb: float,
     try:
         ranks = run_distributed(train_rank, leg.world_size, args=(leg, workload, steps), timeout_s=RANK_TIMEOUT_S)
     except DistributedRunError as error:
-        row.update(error=_error_line(error), refused=leg.strategy in MAY_REFUSE)
+        row.update(error=error_line(error), refused=leg.strategy in MAY_REFUSE)
         print(f"  {leg.name}, {workload.layers} layers: {'refused' if row['refused'] else 'FAILED'}: {row['error']}",
               flush=True)
         return row
@@ -232,7 +227,7 @@ def load_and_export(workload: Workload, directory: Path, work: Path,
             ranks = run_distributed(load_rank, leg.world_size, timeout_s=RANK_TIMEOUT_S,
                                     args=(str(directory), leg.merak, tokens, str(exported_from) if saving else None))
         except DistributedRunError as error:
-            rows.append({"section": "load", "leg": leg.name, "error": _error_line(error)})
+            rows.append({"section": "load", "leg": leg.name, "error": error_line(error)})
             print(f"  {leg.name}: load FAILED: {rows[-1]['error']}", flush=True)
             continue
         seconds = max(rank["load_s"] for rank in ranks)
