@@ -96,7 +96,7 @@ class ExpertAdapter:
 
 
 def _experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from lightning_merak.plugins.moe.experts.enable import experts_modules
+    from lightning_merak.plugins.moe.experts import experts_modules
 
     return experts_modules(model)
 

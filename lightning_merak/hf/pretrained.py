@@ -61,7 +61,7 @@ def load_rank_pretrained(model: nn.Module, tensors: Mapping[str, torch.Tensor], 
     :class:`~lightning_merak.hf.experts.ExpertLoadReport`.
     """
     from lightning_merak.hf.experts import load_pretrained_experts
-    from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
+    from lightning_merak.plugins.moe.experts import SHARD_ATTRIBUTE
 
     places = {(shard.ep_rank, shard.ep_size) for module in model.modules()
               if (shard := getattr(module, SHARD_ATTRIBUTE, None)) is not None}

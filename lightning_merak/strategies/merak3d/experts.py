@@ -25,8 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_merak.plugins.moe.experts.enable import ExpertParallelReport, enable_expert_parallel, experts_modules
-from lightning_merak.plugins.moe.experts.grouped import EXPERT_TENSORS
+from lightning_merak.plugins.moe.experts import (
+    EXPERT_TENSORS,
+    ExpertParallelReport,
+    enable_expert_parallel,
+    experts_modules,
+)
 from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh
 
 __all__ = ["CHECKPOINTS_REFUSED", "ExpertGroups", "Merak3DExperts", "check_merak3d_experts", "expert_group_ranks",

@@ -15,8 +15,9 @@ _EXPORTS = {
     "set_replica_plans": ".enable",
     "DroplessExchange": ".exchange", "local_expert_range": ".exchange",
     "grouped_experts_forward": ".grouped", "grouped_linear": ".grouped", "grouped_mm_applies": ".grouped",
-    "expert_mlp": ".grouped", "sort_routes": ".grouped",
-    "ExpertShard": ".parallel", "expert_parallel_forward": ".parallel", "register": ".parallel",
+    "expert_mlp": ".grouped", "sort_routes": ".grouped", "EXPERT_TENSORS": ".grouped",
+    "ExpertShard": ".parallel", "SHARD_ATTRIBUTE": ".parallel", "expert_parallel_forward": ".parallel",
+    "register": ".parallel",
     "FAMILY_CONFIGS": ".families", "tiny_moe_model": ".families",
     "ExpertParallelCallback": ".callback",
 }
