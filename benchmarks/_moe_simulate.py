@@ -3,7 +3,9 @@
 One expert per rank. Per step the policies are priced as the layer runs them: DeepSpeed-MoE
 (padded to the largest block), dropless dispatch, FasterMoE shadowing planned from the step's
 counts, and ours (the step planner, prefetching the previous step's plan only where the model
-says it pays, as :meth:`PlacementMOELayer._plan_next` does). Nothing here is measured.
+says it pays, as :meth:`PlacementMOELayer._plan_next` does). Nothing here is measured. The simulated
+ranks have a device each, so the emulated run's lone-rank expert rate (ranks sharing two cores) is
+left out: an imbalance costs its busiest rank's rows at the shared rate.
 """
 
 from __future__ import annotations

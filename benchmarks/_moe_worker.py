@@ -15,12 +15,17 @@ from typing import Any
 
 from benchmarks._moe_routing import Routing, routing_inputs
 
-__all__ = ["BASELINES", "Config", "EXTRA_POLICIES", "worker"]
+__all__ = ["BASELINES", "Config", "DIAGNOSTIC_KINDS", "EXTRA_POLICIES", "worker"]
 
 RANKS_TIMEOUT_S = 1800
 BASELINES = ("deepspeed", "dropless", "fastermoe")
 EXTRA_POLICIES = ("deepspeed_cf1.25", "ours_previous", "ours_one_chunk", "ours_no_dw_overlap", "ours_block",
                   "ours_model_only")
+# Diagnostics (``--policies``): ours' code path restricted to one replicating kind, to tell the planner's
+# choice apart from the overhead ours pays around a plan (shadowing: beside the fastermoe baseline; sets:
+# Pro-Prophet's balanced replica sets on every call where they replicate).
+DIAGNOSTIC_KINDS = {"ours_shadowing": ("none", "dropless", "shadowing"),
+                    "ours_sets": ("none", "dropless", "pro_prophet")}
 
 
 @dataclass(frozen=True)
@@ -63,8 +68,20 @@ def _moe(policy: str, config: Config, world: int, expert: Any, scheduler: Any) -
         options = dict(placement="pro_prophet", plan_from="previous", lancet_chunks="auto")
     else:
         options = dict(placement="auto", plan_from="auto", lancet_chunks=1 if policy == "ours_one_chunk" else "auto",
-                       lancet_backward=policy != "ours_no_dw_overlap", online_check=policy != "ours_model_only")
-    return MoE(**common, drop_tokens=False, dispatch="dropless", scheduler=scheduler, **options)
+                       lancet_backward=policy != "ours_no_dw_overlap",
+                       online_check=policy not in ("ours_model_only", "ours_sets"))
+    moe = MoE(**common, drop_tokens=False, dispatch="dropless", scheduler=scheduler, **options)
+    if policy in DIAGNOSTIC_KINDS:
+        _restrict_kinds(moe.deepspeed_moe, DIAGNOSTIC_KINDS[policy])
+    return moe
+
+
+def _restrict_kinds(layer: Any, kinds: tuple[str, ...]) -> None:
+    """Offer the layer's planner only ``kinds`` (a diagnostic; the options expose whole policies only)."""
+    from dataclasses import replace as replace_settings
+
+    settings = layer._settings
+    layer._settings = lambda: replace_settings(settings(), kinds=kinds)
 
 
 def _build(policy: str, config: Config, world: int) -> Any:
@@ -148,7 +165,8 @@ def _cost_model_dict(cost: Any) -> dict[str, Any]:
         all_to_all=dict(sizes_bytes=list(cost.all_to_all.sizes_bytes), seconds=list(cost.all_to_all.seconds)),
         point_to_point=dict(sizes_bytes=list(cost.point_to_point.sizes_bytes),
                             seconds=list(cost.point_to_point.seconds)),
-        expert_tokens_per_s=cost.expert_tokens_per_s, bytes_per_token=cost.bytes_per_token,
+        expert_tokens_per_s=cost.expert_tokens_per_s, expert_tokens_per_s_alone=cost.expert_tokens_per_s_alone,
+        bytes_per_token=cost.bytes_per_token,
         expert_param_bytes=cost.expert_param_bytes, experts_per_rank=cost.experts_per_rank,
         overlap_efficiency=cost.overlap_efficiency,
         all_to_all_overlap_efficiency=cost.all_to_all_overlap_efficiency, measured=cost.measured,

@@ -2,7 +2,7 @@
 
 Run from the repo root, as root (shaped links need network namespaces)::
 
-    python -m benchmarks.moe [--quick] [--out PATH]
+    python -m benchmarks.moe [--quick] [--out PATH] [--configs NAME ...] [--policies POLICY ...]
 
 Each rank sits in its own network namespace on a tbf-shaped link (``lightning_merak.testing.netem``;
 this kernel cannot emulate latency, only rate), so figures are labelled *emulated*; one cluster
@@ -26,14 +26,18 @@ Policies (:mod:`benchmarks._moe_worker`):
 * full run only, drift4 and rotate1 routings: ``deepspeed_cf1.25`` (drops tokens), ``ours_previous`` (Pro-Prophet
   as published: plans from the previous step's counts), ``ours_one_chunk`` (no Lancet chunks),
   ``ours_no_dw_overlap``, ``ours_block`` (block-scope Lancet), ``ours_model_only`` (no online plan check:
-  the cost model's choice every call).
+  the cost model's choice every call);
+* diagnostics, on request (``--policies``, with ``--configs`` to run a few configurations):
+  ``ours_shadowing`` (ours' code path offered only shadowing: its overhead beside ``fastermoe``) and
+  ``ours_sets`` (only Pro-Prophet's replica sets, no check: what balance costs in time).
 
 Every policy runs 4 untimed warm-up steps (8 layer calls): besides the first calls' one-off costs, they
 cover most of the online plan check's first run of each arm (explorations in timed steps are counted).
 Per configuration and policy: load max/mean of tokens computed per rank, per step and over all
 steps; step time (median over timed steps of the slowest rank); the kinds ours ran, with chunks, how
 many calls the online plan check explored, and per arm the median measured exchange time (this rank's
-forward + backward) over the cost model's prediction. Top level:
+forward + backward) over the cost model's prediction; per layer call the planning time, per kind the
+exchange time, and per timed step its time and the kinds its layers ran (``steps``). Top level:
 ``all_steps_max_over_mean`` (ours, worst configuration, every step counted; goal ≤ 1.15) and
 ``ours_over_best_baseline_min`` (worst configuration's fastest baseline step time over ours; goal
 ≥ 1.0). A second table prices 8–64 ranks on the same routings with the cost model calibrated in
@@ -55,7 +59,7 @@ from typing import Any
 
 from benchmarks._moe_routing import Routing
 from benchmarks._moe_simulate import simulate
-from benchmarks._moe_worker import BASELINES, EXTRA_POLICIES, RANKS_TIMEOUT_S, Config, worker
+from benchmarks._moe_worker import BASELINES, DIAGNOSTIC_KINDS, EXTRA_POLICIES, RANKS_TIMEOUT_S, Config, worker
 from benchmarks.report import default_out, out_help
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -131,6 +135,21 @@ def _check_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
             "measured_over_predicted": {a: round(statistics.median(r), 3) for a, r in sorted(ratios.items())}}
 
 
+def _call_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per layer call (this rank): planning seconds, discarded prefetches, and per kind the exchange time."""
+    layers = [layer for s in steps for layer in s["layers"] if "planning_s" in layer]
+    if not layers:
+        return {}
+    by_kind: dict[str, list[float]] = {}
+    for layer in layers:
+        by_kind.setdefault(f"{layer['kind']}/{layer['timing']}", []).append(layer["measured_s"])
+    return {"planning_ms_per_call": round(1000 * statistics.median(layer["planning_s"] for layer in layers), 3),
+            "discarded_trans_ms_per_step": round(1000 * sum(layer["discarded_trans_s"] for layer in layers)
+                                                 / len(steps), 3),
+            "exchange_ms_by_kind": {k: round(1000 * statistics.median(v), 1) for k, v in sorted(by_kind.items())},
+            "steps": [[round(1000 * s["step_s"], 1)] + [layer["kind"] for layer in s["layers"]] for s in steps]}
+
+
 def summarise(result: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[list, list]]]:
     """One row per configuration: per policy balance per step and over all steps, step time, ours' kinds."""
     config = Config.from_dict(result["config"])
@@ -149,6 +168,7 @@ def summarise(result: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[l
                                                  for s in steps),
             "kinds": {k: kinds.count(k) for k in sorted(set(kinds))},
             **_check_summary(steps),
+            **_call_summary(steps),
         }
         maps[policy] = ([_loads(dict(s, layers=[dict(layer, plan=[]) for layer in s["layers"]]), config.experts)[0]
                          for s in steps], [_loads(s, config.experts)[0] for s in steps])
@@ -181,6 +201,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help=out_help("moe"))
     parser.add_argument("--records", type=Path, help="raw per-step records: summarise these if the file exists, "
                         "else run and keep them there")
+    parser.add_argument("--configs", nargs="+", metavar="NAME", help="run only these configurations: a full name, "
+                        "a name less its routing suffix (base/rotate1) or a group (base, skew, rate, expert, tokens)")
+    parser.add_argument("--policies", nargs="+", default=(), choices=EXTRA_POLICIES + tuple(DIAGNOSTIC_KINDS),
+                        help="extra policies for every configuration run (diagnostics: ours_shadowing, ours_sets)")
     parser.add_argument("--worker", type=Path, nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
@@ -193,6 +217,12 @@ def main(argv: list[str] | None = None) -> None:
 
     started = time.perf_counter()
     plan = configs(args.quick)
+    if args.configs:
+        plan = [c for c in plan if any(name in (c.name, c.name.split("/")[0]) or c.name.startswith(name + "_")
+                                       for name in args.configs)]
+        if not plan:
+            parser.error(f"--configs {args.configs} matches none of {[c.name for c in configs(args.quick)]}")
+    plan = [replace(c, policies=tuple(dict.fromkeys(c.policies + tuple(args.policies)))) for c in plan]
     results: list[dict[str, Any]] = []
     if args.records is not None and args.records.exists():
         results = json.loads(args.records.read_text())
@@ -226,10 +256,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nall_steps_max_over_mean {all_steps:.3f} ({worst_balance['config']}), ours_over_best_baseline_min "
           f"{ours_over_best:.3f} ({worst_speed['config']}); goals {goals}; wall {wall:.0f} s")
     heatmaps = {}
+    shown = next((c.name for c in plan if c.routing == ROUTINGS[1]), plan[0].name)
     for policy in ("ours", "fastermoe"):
-        before, after = maps[plan[1].name][policy]
+        before, after = maps[shown][policy]
         path = args.out.with_name(f"{args.out.stem}_heatmap_{policy}.png")
-        plot_load_heatmap(before, after, path, f"{plan[1].name}, layer 0 tokens computed per rank: {policy}")
+        plot_load_heatmap(before, after, path, f"{shown}, layer 0 tokens computed per rank: {policy}")
         heatmaps[policy] = str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path)
     write_json(args.out, rows, "emulated", world_size=WORLD_SIZE, all_steps_max_over_mean=all_steps,
                all_steps_max_over_mean_config=worst_balance["config"], ours_over_best_baseline_min=ours_over_best,

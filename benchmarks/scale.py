@@ -2,7 +2,7 @@
 
 Run from the repo root::
 
-    python -m benchmarks.scale [--quick] [--out PATH] [--legs NAME ...] [--device cpu|cuda]
+    python -m benchmarks.scale [--quick] [--out PATH] [--legs NAME ...] [--device cpu|cuda] [--rank-heap merak3d|glibc]
 
 ``--legs`` runs only the named legs (``pp2xtp2``, ``"tp2 (compact host memory)"``, ``DDP``: a leg's name, with
 or without its ``merak3d`` prefix), for investigating one layout; the load section then covers only those
@@ -46,6 +46,13 @@ torch thread each) and trains a few steps of a randomly initialised Llama built 
    saved as a merak3d checkpoint with no training step and exported with ``merak-export``;
    ``export_roundtrip_max_abs`` compares every exported tensor with the original file's.
 
+Ranks start as merak3d's launcher starts the ranks it creates: with ``GLIBC_TUNABLES`` holding
+``lightning_merak.runtime.host_memory.HEAP_TUNABLES`` (glibc's per-thread cache and fast bins off, so freed
+tensor storage merges into holes the heap reuses; recorded as ``rank_glibc_tunables``), for every leg, the
+baselines included. ``--rank-heap glibc`` starts them with glibc's defaults instead, as ranks another launcher
+starts (merak3d ranks still turn fast bins off at setup; the forkserver every rank is forked from reads the
+variable once, so one run measures one setting).
+
 ``--device cuda`` runs the GPU leg instead (``benchmarks/_scale_gpu.py``: one GPU, one rank per
 leg, written to ``scale.gpu.json``).
 
@@ -56,6 +63,7 @@ command exit 1, except a baseline that refuses this machine (ZeRO-3), which is r
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -76,6 +84,7 @@ from benchmarks._scale_ranks import (
     train_rank,
 )
 from benchmarks.report import default_out, error_line, out_help, print_table, write_json
+from lightning_merak.runtime.host_memory import export_heap_tunables
 from lightning_merak.testing import run_distributed
 from lightning_merak.testing.distributed import DistributedRunError
 
@@ -298,7 +307,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="run only these legs (default: all; output default scale.legs.json)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the one-GPU leg (benchmarks/_scale_gpu.py) instead of the CPU run")
+    parser.add_argument("--rank-heap", choices=("merak3d", "glibc"), default="merak3d",
+                        help="merak3d: ranks start with merak3d's glibc tunables, as its launcher starts "
+                             "ranks (default); glibc: with glibc's defaults")
     args = parser.parse_args(argv)
+    if args.rank_heap == "merak3d":
+        export_heap_tunables()  # before the forkserver the ranks are forked from starts
     if args.device == "cuda":
         from benchmarks._scale_gpu import gpu_main
 
@@ -352,7 +366,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     wall_s = time.perf_counter() - started
     out = write_json(
         args.out, [*runs, *largest, *loads], label="measured", benchmark="scale", quick=args.quick, backend="gloo",
-        threads_per_rank=1, steps=mode.steps, legs=[leg.name for leg in legs], cap_mb=mode.cap_mb,
+        threads_per_rank=1, rank_glibc_tunables=os.environ.get("GLIBC_TUNABLES"), steps=mode.steps,
+        legs=[leg.name for leg in legs], cap_mb=mode.cap_mb,
         ladder_layers=list(mode.ladder),
         workload=top.describe(), activations_per_sample_mb_by_tp={k: {n: v / MIB for n, v in a.items()}
                                                                   for k, a in activations.items()},

@@ -2,9 +2,10 @@
 
 Run from the repo root, as root (the shaped links need network namespaces)::
 
-    python -m benchmarks.sharding [--quick] [--out PATH] [--device cpu|cuda]
+    python -m benchmarks.sharding [--quick] [--out PATH] [--legs LAYOUT ...] [--device cpu|cuda]
 
-(``--device cuda``: the one-GPU precision leg of ``benchmarks/_sharding_gpu.py`` instead, ``sharding.gpu.json``.)
+(``--legs dp2 pp2xdp2``: only merak3d's modes at those layouts, no baselines, overlap measurement or largest-model
+search, into ``sharding.legs.json``; ``--device cuda``: the one-GPU precision leg of ``benchmarks/_sharding_gpu.py``.)
 
 Every job trains a randomly initialised transformers Llama (built from its config, fp32) on gloo
 ranks, one compute thread each, each rank in its own network namespace on a tbf-shaped 1 Gbit/s
@@ -138,8 +139,9 @@ class Setting:
     """Sequence length of the overlap measurement: the same model on longer sequences, so that a rank's backward
     takes longer than reducing its gradients at 1 Gbit/s (otherwise no schedule can hide the reduction)."""
     bucket_mb: float
-    """merak3d's ``grad_bucket_mb`` (and DeepSpeed's reduce bucket): small enough that the model spans many
-    buckets, so that reduction can overlap the backward at all."""
+    """merak3d's ``grad_bucket_mb`` (and DeepSpeed's reduce bucket): many buckets, so that reduction can overlap."""
+    legs_only: bool = False
+    """Only merak3d's mode comparison (``--legs``): no baselines, overlap measurement or largest-model search."""
 
 
 QUICK = Setting(Workload(hidden=128, layers=8, vocab=1024, seq=64, global_batch=8), steps=8, warmup=2,
@@ -177,8 +179,8 @@ def mode_jobs(setting: Setting, world_size: int) -> list[Job]:
                      layout=degrees, overlap=False, bucket_mb=setting.bucket_mb) for mode in setting.overlap_off_modes]
         jobs.append(Job(f"merak3d {layout} optimizer gather-overlap", "merak3d", workload, setting.steps,
                         mode="optimizer", layout=degrees, param_gather_overlap=True, bucket_mb=setting.bucket_mb))
-    if not jobs:
-        return []
+    if not jobs or setting.legs_only:
+        return jobs
     jobs += [Job(f"DDP dp{world_size}", "ddp", workload, setting.steps),
              Job(f"FSDP2 (ModelParallelStrategy) dp{world_size}", "fsdp2", workload, setting.steps)]
     jobs += [Job(f"DeepSpeed ZeRO-{stage} dp{world_size}", "zero", workload, setting.steps, stage=stage,
@@ -196,7 +198,7 @@ def overlap_jobs(setting: Setting) -> list[Job]:
     workload = asdict(replace(setting.workload, seq=setting.overlap_seq))
     return [Job(f"merak3d {OVERLAP_LAYOUT} {mode}{'' if overlap else ' no-overlap'}", "merak3d", workload,
                 setting.steps, mode=mode, layout=LAYOUTS["dp2"][1], overlap=overlap, bucket_mb=setting.bucket_mb)
-            for mode in OVERLAP_MODES for overlap in (True, False)]
+            for mode in OVERLAP_MODES for overlap in (True, False) if not setting.legs_only]
 
 
 def search_jobs(setting: Setting) -> list[Job]:
@@ -507,6 +509,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="dp=2 and pp=2 × dp=2, fewer steps (under 4 minutes)")
     parser.add_argument("--out", type=Path, help=report.out_help("sharding"))
+    parser.add_argument("--legs", nargs="+", choices=tuple(LAYOUTS), help="only merak3d's modes at these layouts")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the one-GPU precision leg (benchmarks/_sharding_gpu.py) instead of the CPU run")
     args = parser.parse_args(argv)
@@ -514,8 +517,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from benchmarks._sharding_gpu import gpu_main
 
         return gpu_main(args.out or report.default_out("sharding.gpu", args.quick), args.quick)
-    args.out = args.out or report.default_out("sharding", args.quick)
+    args.out = args.out or report.default_out("sharding.legs" if args.legs else "sharding", args.quick)
     setting = QUICK if args.quick else FULL
+    if args.legs:
+        setting = replace(setting, layouts=tuple(args.legs), candidates=(), legs_only=True)
     emulated = emulation_available()
     network = f"{RATE_MBIT / 1000:g}Gbit (emulated)" if emulated else "loopback (unshaped: emulation unavailable)"
     started, load_at_start = time.monotonic(), os.getloadavg()[0]

@@ -35,6 +35,7 @@ from lightning_merak.config import (
 )
 from lightning_merak.console import quiet_dependency_noise
 from lightning_merak.runtime.elastic import isolate_restart_attempts
+from lightning_merak.runtime.host_memory import restart_with_heap_tunables
 from lightning_merak.runtime.resume import resume_path
 from lightning_merak.termination import install_termination_handler
 
@@ -158,9 +159,6 @@ def train(config: TrainConfig) -> Path:
         from lightning_merak.strategies.merak3d.experts import check_merak3d_experts
 
         check_merak3d_experts(strategy, world_size, getattr(config.moe, "ep_size", None))
-        raise ValueError("moe.experts=merak_ep under strategy=merak3d: merak-train writes checkpoints, and sharded "
-                         "checkpoints of expert-parallel experts under merak3d are not built yet; use strategy=ddp, "
-                         "or Merak3DStrategy from Python with enable_checkpointing=False")
 
     from lightning_merak.data import LanguageModelingData
     from lightning_merak.models import CausalLMModule, build_causal_lm
@@ -259,6 +257,7 @@ def _hydra_entry(cfg: DictConfig) -> None:
 
 def main() -> None:
     """Console entry point of ``merak-train``."""
+    restart_with_heap_tunables()
     install_termination_handler()
     quiet_dependency_noise()
     register_configs()

@@ -231,3 +231,40 @@ def test_callback_refuses_strategies_other_than_ddp() -> None:
 
     with pytest.raises(ValueError, match="not Merak3DStrategy.*use strategy=ddp"):
         ExpertParallelCallback().setup(SimpleNamespace(strategy=Merak3DStrategy()), None, "fit")
+
+
+def test_permutation_gathers_both_ways_and_sentinel_routes_get_zeros() -> None:
+    from lightning_merak.plugins.moe.experts.grouped import permute_rows, restore_route_order
+
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(7, 4, generator=gen, requires_grad=True)
+    index = torch.randperm(7, generator=gen)
+    upstream = torch.randn(7, 4, generator=gen)
+    (permute_rows(rows, index) * upstream).sum().backward()
+    expected = rows.detach().clone().requires_grad_()
+    (expected[index] * upstream).sum().backward()
+    assert torch.equal(permute_rows(rows, index), expected[index]) and torch.equal(rows.grad, expected.grad)
+    with pytest.raises(ValueError, match="permutation of 7 rows"):
+        permute_rows(rows, index[:3])
+    flat = torch.tensor([2, 9, 0, 2])  # expert 9 is a sentinel past 4 experts: sorts last, never computed
+    order = torch.sort(flat, stable=True).indices
+    computed = torch.arange(3.0).view(3, 1)  # outputs of the routes to experts 0, 2, 2 in sorted order
+    assert restore_route_order(computed, order).view(-1).tolist() == [1.0, 0.0, 0.0, 2.0]
+    assert restore_route_order(torch.arange(4.0).view(4, 1), order).view(-1).tolist() == [1.0, 3.0, 0.0, 2.0]
+
+
+def test_intermediate_sets_every_intermediate_size() -> None:
+    config = tiny_moe_model("qwen2_moe", intermediate=48).config
+    assert config.intermediate_size == config.moe_intermediate_size == config.shared_expert_intermediate_size == 48
+    assert tiny_moe_model("mixtral", intermediate=48).config.intermediate_size == 48
+
+
+def test_expert_ids_for_biases_follow_from_counts() -> None:
+    module = _experts(4)
+    module.has_bias = True
+    module.gate_up_proj_bias = torch.nn.Parameter(torch.randn(4, 32, generator=torch.Generator().manual_seed(1)))
+    module.down_proj_bias = torch.nn.Parameter(torch.randn(4, 32, generator=torch.Generator().manual_seed(2)))
+    rows, counts = torch.randn(9, 32, generator=torch.Generator().manual_seed(3)), [3, 0, 4, 2]
+    explicit = expert_mlp(module, rows, counts, torch.tensor([0, 0, 0, 2, 2, 2, 2, 3, 3]))
+    assert torch.equal(expert_mlp(module, rows, counts), explicit)
+    assert not torch.equal(explicit, expert_mlp(module, rows, counts, torch.zeros(9, dtype=torch.long)))

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.distributed
 FAMILIES = ("mixtral", "deepseek_v3", "qwen2_moe")  # softmax top-k; sigmoid + group-limited + bias; shared expert
 
 
-def _family_case(rank: int, world: int, family: str, replicate: bool = False) -> dict[str, float]:
+def _family_case(rank: int, world: int, family: str, replicate: bool = False,
+                 one_way: bool = False) -> dict[str, float]:
     from lightning_merak.plugins.moe.core.placement import PlacementPlan, Replication
     from lightning_merak.plugins.moe.experts import (
         enable_expert_parallel,
@@ -34,9 +35,10 @@ def _family_case(rank: int, world: int, family: str, replicate: bool = False) ->
     reference = tiny_moe_model(family)
     swapped = copy.deepcopy(reference)
     report = enable_expert_parallel(swapped)
-    if replicate:  # rank 0's expert 0 hosted by rank 1 and rank 1's last expert by rank 0
+    if replicate:  # rank 0's expert 0 hosted by rank 1 and (unless one way) rank 1's last expert by rank 0
         last = report.num_experts - 1
-        plan = PlacementPlan(report.num_experts, 2, (Replication(0, 0, (1,)), Replication(last, 1, (0,))))
+        replications = (Replication(0, 0, (1,)),) + (() if one_way else (Replication(last, 1, (0,)),))
+        plan = PlacementPlan(report.num_experts, 2, replications)
         set_replica_plans(swapped, {name: plan for name, _ in experts_modules(swapped)})
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(10 + rank))
 
@@ -74,6 +76,8 @@ def _family_case(rank: int, world: int, family: str, replicate: bool = False) ->
 def _run_families(rank: int, world: int) -> dict[str, dict[str, float]]:
     results = {family: _family_case(rank, world, family) for family in FAMILIES}
     results.update({f"{family}+replicas": _family_case(rank, world, family, True) for family in FAMILIES[:2]})
+    # rank 0 hosts nothing yet must still keep its routes to the replicated expert out of what it sends
+    results["mixtral+one-way replica"] = _family_case(rank, world, "mixtral", True, one_way=True)
     return results
 
 

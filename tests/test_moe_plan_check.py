@@ -58,6 +58,30 @@ def test_exploration_is_seeded_bounded_and_only_within_the_regret() -> None:
     assert _run(PlanCheck(explore_every=0), predicted, predicted, 40)[3:] == ["a"] * 37
 
 
+def test_one_lucky_run_does_not_make_a_slower_arm_the_choice() -> None:
+    """Sets ran once in a quiet moment (0.5 s), then as slow as they are (1.2 s): chosen on their worst ratio
+    until measured ``confident`` times, they lose to shadowing after one bad run instead of two."""
+    predicted = {"shadowing/current": 1.0, "pro_prophet/current": 0.6}
+    candidates = [Candidate(arm, seconds) for arm, seconds in predicted.items()]
+
+    def run(check: PlanCheck) -> list[str]:
+        ran, sets_runs = [], 0
+        for _ in range(8):
+            arm = candidates[check.select(candidates).index].arm
+            if arm == "pro_prophet/current":
+                measured, sets_runs = (0.5 if sets_runs == 0 else 1.2), sets_runs + 1
+            else:
+                measured = 1.0
+            check.observe(arm, predicted[arm], measured)
+            ran.append(arm)
+        return ran
+
+    assert run(PlanCheck(explore_every=0)).count("pro_prophet/current") == 2
+    assert run(PlanCheck(explore_every=0, confident=1)).count("pro_prophet/current") == 3  # the median alone
+    with pytest.raises(ValueError, match="confident"):
+        PlanCheck(window=3, confident=4)
+
+
 def test_exploration_finds_an_arm_the_model_overprices() -> None:
     """Chunks promised a saving that the machine does not deliver: one run of the unchunked arm shows it."""
     predicted = {"dropless/current/chunked": 1.0, "dropless/current": 1.2}

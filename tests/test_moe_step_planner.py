@@ -139,3 +139,28 @@ def test_measured_overlap_efficiency_limits_what_transfers_and_chunks_hide() -> 
                          PlacementPlan(RANKS, RANKS), Padding()) == 1
     with pytest.raises(ValueError, match="overlap_efficiency"):
         replace(cheap_latency, overlap_efficiency=1.5)
+
+
+def test_a_plan_that_moves_no_rows_still_pays_the_all_to_all_latency() -> None:
+    """Replicating every expert everywhere leaves the all-to-alls empty, but the layer still issues all four."""
+    latency = 0.01
+    cost = CostModel(CommCurve.from_bandwidth(1e6, latency_s=latency), CommCurve.from_bandwidth(1e9), 1e7, 64, 4096, 1)
+    everywhere = PlacementPlan(RANKS, RANKS, tuple(Replication(e, e, tuple(r for r in range(RANKS) if r != e))
+                                                   for e in range(RANKS)))
+    terms = cost.terms(_hot(0), everywhere, Padding("dropless"), "done")
+    assert rank_loads(_hot(0), everywhere, Padding("dropless"), 1).sent == [0] * RANKS
+    assert terms.all_to_all == pytest.approx(latency, rel=1e-3)
+    assert terms.total >= 4 * latency
+
+
+def test_ranks_sharing_cores_make_an_imbalance_cheaper_than_its_rows_at_the_shared_rate() -> None:
+    """Busiest rank 2x the mean: on one device per rank it pays 2x; where the idle ranks' cores speed it up
+    (measured: alone 2x the shared rate) it pays no more than a balanced step; the lone rate is never slower."""
+    shared = CostModel(CommCurve.from_bandwidth(1e6), CommCurve.from_bandwidth(1e6), 1000.0, 64, 4096, 1)
+    alone = replace(shared, expert_tokens_per_s_alone=2000.0)
+    unbalanced, balanced = [400, 100, 100, 200], [200, 200, 200, 200]
+    assert shared.expert_compute(unbalanced) == pytest.approx(0.4)
+    assert alone.expert_compute(unbalanced) == pytest.approx(0.2)
+    assert alone.expert_compute(balanced) == pytest.approx(shared.expert_compute(balanced))
+    with pytest.raises(ValueError, match="expert_tokens_per_s_alone"):
+        replace(shared, expert_tokens_per_s_alone=500.0)

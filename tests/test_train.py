@@ -34,8 +34,8 @@ def _merak_train(*overrides: str, timeout: float = 300) -> subprocess.CompletedP
         (["+strategy.pipline_parallel=2"], "unknown option strategy.pipline_parallel: Merak3DStrategyConfig has no "
                                            "key 'pipline_parallel'; did you mean strategy.pipeline_parallel?"),
         (["+trainer.max_stepz=2"], "unknown option trainer.max_stepz"),
-        (["model=mixtral_tiny", "moe=prophet", "moe.experts=merak_ep"],
-         "moe.experts=merak_ep under strategy=merak3d: merak-train writes checkpoints"),
+        (["model=mixtral_tiny", "moe=prophet", "moe.experts=merak_ep", "strategy.data_parallel_sharding=optimizer"],
+         "moe.experts=merak_ep under merak3d refused: data_parallel_sharding='optimizer'"),
     ],
 )
 @pytest.mark.distributed

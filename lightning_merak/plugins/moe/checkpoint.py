@@ -12,6 +12,8 @@ takes back its EP rank's entries.
 A strategy whose checkpoints are keyed by parameter name (merak3d's sharded checkpointer)
 renames instead of gathering: :class:`ExpertNumbering` turns a local expert number in a name
 into the global one and back, so the strategy needs to know nothing of MoE key formats.
+``merak_ep``'s fused expert tensors keep their name and change shape instead: :class:`FusedExpertSlices`
+presents each rank's ``[E/ep, ...]`` as its slice of the ``[E, ...]`` whole.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from torch import nn
 
 from lightning_merak.plugins.moe.groups import carve_expert_groups
 
-__all__ = ["EXPERTS_KEY", "ExpertNumbering", "expert_indices", "expert_param_positions", "gather_expert_state",
-           "select_local_experts", "split_expert_key"]
+__all__ = ["EXPERTS_KEY", "ExpertNumbering", "FusedExpertSlices", "expert_indices", "expert_param_positions",
+           "gather_expert_state", "select_local_experts", "split_expert_key"]
 
 EXPERTS_KEY = "deepspeed_moe.experts.deepspeed_experts."
 
@@ -137,3 +139,121 @@ class ExpertNumbering:
                 first = self._expert_rank(ep_size) * per_rank
                 return f"{prefix}{number + first if to_global else number - first}.{rest}"
         return name
+
+
+class FusedExpertSlices:
+    """``merak_ep``'s fused expert tensors (``[E/ep, ...]`` on each rank) seen as slices of their ``[E, ...]`` whole.
+
+    A tensor is wrapped as a DTensor sharded on dim 0 over its expert group, so torch distributed checkpoint writes
+    each expert group's slice at its global offset under the unsplit name (the ranks holding the same slice in
+    other expert groups once: DCP drops duplicate chunks) and reads back whatever slice another layout holds — its
+    resharding, rather than a file format of our own. Optimizer state shaped like an expert tensor is sliced the
+    same way.
+
+    Args:
+        shards: unsplit name of each fused expert tensor → the ``ExpertShard`` of its experts module.
+    """
+
+    def __init__(self, shards: dict[str, Any]) -> None:
+        self.shards = shards
+        self._meshes: dict[int, Any] = {}
+
+    @classmethod
+    def of(cls, model: nn.Module) -> FusedExpertSlices:
+        """The fused expert tensors of ``model`` (unsplit, experts already cut by ``enable_expert_parallel``)."""
+        # nothing is expert parallel unless merak_ep was imported; importing it here would pull in transformers
+        parallel = sys.modules.get(f"{__package__}.experts.parallel")
+        grouped = sys.modules.get(f"{__package__}.experts.grouped")
+        if parallel is None or grouped is None:
+            return cls({})
+        shards = {}
+        for name, module in model.named_modules():
+            shard = getattr(module, parallel.SHARD_ATTRIBUTE, None)
+            if shard is None:
+                continue
+            for tensor in grouped.EXPERT_TENSORS:
+                if isinstance(getattr(module, tensor, None), torch.Tensor):
+                    shards[f"{name}.{tensor}" if name else tensor] = shard
+        return cls(shards)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shards
+
+    def _mesh(self, shard: Any, device_type: str) -> Any:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        group = dist.group.WORLD if shard.group is None else shard.group  # DDP's callback: None is the world
+        key = id(group)
+        if key not in self._meshes:
+            self._meshes[key] = DeviceMesh.from_group(group, device_type)
+        return self._meshes[key]
+
+    def global_view(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (this rank's experts of ``name``, or optimizer state shaped so) as a slice of the whole;
+        unchanged for any other tensor and where one rank holds every expert."""
+        shard = self.shards.get(name)
+        if shard is None or shard.ep_size == 1 or local.ndim == 0 or local.shape[0] != len(shard.experts):
+            return local
+        from torch.distributed.tensor import DTensor, Shard
+
+        whole = (shard.num_experts, *local.shape[1:])
+        stride = torch.empty(whole, device="meta").stride()
+        return DTensor.from_local(local, self._mesh(shard, local.device.type), [Shard(0)], run_check=False,
+                                  shape=whole, stride=stride)
+
+    def read_target(self, name: str, saved_shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+        """Where a saved ``[E, ...]`` tensor of ``name`` is read to: ``like`` (this rank's slice shape) seen as a
+        slice of the whole; ``like`` unchanged for any other tensor."""
+        shard = self.shards.get(name)
+        if shard is None or len(saved_shape) == 0 or saved_shape[0] != shard.num_experts:
+            return like
+        if tuple(like.shape) == tuple(saved_shape):  # one rank holds every expert
+            return like
+        return self.global_view(name, like)
+
+    # Whole tensors, for strategies that write one file from rank 0 (Lightning's DDP) --------------------------
+
+    def gathered(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """``local`` gathered over its expert group into its ``[E, ...]`` whole (collective over that group)."""
+        shard = self.shards.get(name)
+        if shard is None or shard.ep_size == 1 or local.ndim == 0 or local.shape[0] != len(shard.experts):
+            return local
+        pieces = [torch.empty_like(local) for _ in range(shard.ep_size)]
+        dist.all_gather(pieces, local.detach().contiguous(), group=shard.group)
+        return torch.cat(pieces)
+
+    def sliced(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a saved ``[E, ...]`` tensor of ``name``; any other tensor unchanged."""
+        shard = self.shards.get(name)
+        if shard is None or whole.ndim == 0 or whole.shape[0] != shard.num_experts or shard.ep_size == 1:
+            return whole
+        return whole[shard.experts.start:shard.experts.stop].clone()
+
+    def whole_checkpoint(self, checkpoint: dict[str, Any], module: nn.Module,
+                         optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Every fused expert tensor of a Lightning checkpoint of ``module`` (these slices keyed by its names) and
+        its optimizer state made whole, in place, on every rank (collective): rank 0's file then holds every
+        expert, at any ``ep``."""
+        state = checkpoint.get("state_dict", {})
+        for key in list(state):
+            state[key] = self.gathered(key, state[key])
+        names = {id(param): name for name, param in module.named_parameters()}
+        for optimizer, saved in zip(optimizers, checkpoint.get("optimizer_states", [])):
+            params = [param for group in optimizer.param_groups for param in group["params"]]
+            for index in sorted(saved["state"]):
+                name = names.get(id(params[index]), "")
+                saved["state"][index] = {field: self.gathered(name, value) if isinstance(value, torch.Tensor) else value
+                                         for field, value in saved["state"][index].items()}
+
+    def local_checkpoint(self, checkpoint: dict[str, Any], module: nn.Module) -> None:
+        """The inverse of :meth:`whole_checkpoint` on load, in place: this rank's experts of each whole tensor.
+        Optimizer state is matched by the parameters' order in ``module`` (an optimizer over its parameters)."""
+        state = checkpoint.get("state_dict", {})
+        for key in list(state):
+            state[key] = self.sliced(key, state[key])
+        names = [name for name, _ in module.named_parameters()]
+        for saved in checkpoint.get("optimizer_states", []):
+            for index, entry in saved.get("state", {}).items():
+                name = names[index] if isinstance(index, int) and index < len(names) else ""
+                saved["state"][index] = {field: self.sliced(name, value) if isinstance(value, torch.Tensor) else value
+                                         for field, value in entry.items()}

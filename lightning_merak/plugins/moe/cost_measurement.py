@@ -31,7 +31,8 @@ def profile_cost_model(
     device: torch.device | str = "cpu",
     repeats: int = 3,
 ) -> CostModel:
-    """All-to-all and point-to-point curves at log-spaced sizes from 1 KiB, expert throughput, overlap efficiency.
+    """All-to-all and point-to-point curves at log-spaced sizes from 1 KiB, expert throughput (every rank at once
+    and rank 0 alone), overlap efficiency.
 
     The efficiency says how much of a transfer runs hidden beside expert compute; the cost model
     and Lancet's chunk choice hide transfers only to that extent.
@@ -62,6 +63,7 @@ def profile_cost_model(
             figures.append(0.0)
     tokens = torch.ones(1024, hidden_size, dtype=dtype, device=device)
     with torch.no_grad():
+        figures.append(_expert_alone(expert, tokens, rank, group, ep_size, repeats))
         figures.append(median_call_time(lambda: expert(tokens), repeats))
         figures.append(_transfer_beside_compute(expert, tokens, ep_ranks, rank, group, dtype, device, repeats))
         figures.append(_all_to_all_beside_compute(expert, tokens, ep_size, group, dtype, device, repeats))
@@ -77,18 +79,37 @@ def profile_cost_model(
     a2a = CommCurve(sizes, tuple(max(v, floor) for v in values[:count]))
     p2p = CommCurve(sizes, tuple(max(v, floor) for v in values[count: 2 * count]))
     param_bytes = sum(p.numel() for p in expert.parameters()) * element
+    alone_s = values[-2]
+    shared_rate = 1024 / max(values[-1], floor)
+    alone_rate = 1024 / max(alone_s, floor)
     return CostModel(
         all_to_all=a2a,
         point_to_point=p2p,
-        expert_tokens_per_s=1024 / max(values[-1], floor),
+        expert_tokens_per_s=shared_rate,
+        expert_tokens_per_s_alone=alone_rate if alone_s > 0 and alone_rate > shared_rate else None,
         bytes_per_token=hidden_size * element,
         expert_param_bytes=param_bytes,
         experts_per_rank=experts_per_rank,
         overlap_efficiency=_efficiency(values[count + _OVERLAP_SIZE_INDEX], values[-1], overlap_s),
         all_to_all_overlap_efficiency=_efficiency(values[_OVERLAP_SIZE_INDEX], values[-1], all_to_all_overlap_s),
-        measured={"expert_forward_1024_tokens_s": values[-1], "transfer_beside_compute_s": overlap_s,
+        measured={"expert_forward_1024_tokens_s": values[-1], "expert_forward_alone_1024_tokens_s": alone_s,
+                  "transfer_beside_compute_s": overlap_s,
                   "all_to_all_beside_compute_s": all_to_all_overlap_s},
     )
+
+
+def _expert_alone(expert: nn.Module, tokens: torch.Tensor, rank: int, group: Any, ep_size: int, repeats: int) -> float:
+    """Seconds of an expert forward on EP rank 0 while the others wait (the MAX over ranks keeps rank 0's figure).
+
+    Beside the same forward on every rank at once, this tells whether ranks share cores: then the
+    busiest rank of an unbalanced step runs faster than the shared rate (:class:`CostModel`).
+    """
+    if ep_size < 2:
+        return 0.0
+    dist.barrier(group=group)
+    alone = median_call_time(lambda: expert(tokens), repeats) if rank == 0 else 0.0
+    dist.barrier(group=group)
+    return alone
 
 
 def _transfer_beside_compute(expert: nn.Module, tokens: torch.Tensor, ep_ranks: Sequence[int], rank: int, group: Any,

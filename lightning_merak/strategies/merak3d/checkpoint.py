@@ -5,7 +5,10 @@ checkpoint (each rank writes its own shards, replicas once) plus ``lightning.ckp
 rest of Lightning's checkpoint. Tensors are keyed by the unsplit model's names, and any layout
 can load them: on resume the whole model is still unsplit, so the shards are read into full
 tensors and the new layout is cut from those. Expert-parallel MoE layers number their experts
-from 0 on every rank; checkpoints number them globally.
+from 0 on every rank; checkpoints number them globally. ``merak_ep``'s fused expert tensors, already
+cut to each rank's experts before the build, are saved as slices of their ``[E, ...]`` whole and
+read back as the slice this layout holds (:class:`~lightning_merak.plugins.moe.checkpoint.FusedExpertSlices`),
+Adam's moments with them.
 
 A checkpoint directory is written under a temporary name and renamed once every rank's shards and
 ``lightning.ckpt`` are on disk (:mod:`~lightning_merak.runtime.checkpoint_files`), so a run killed
@@ -20,16 +23,17 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_merak.plugins.moe.checkpoint import ExpertNumbering
+from lightning_merak.plugins.moe.checkpoint import ExpertNumbering, FusedExpertSlices
 from lightning_merak.runtime.checkpoint_files import partial_path, publish_directory
 from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh
 from lightning_merak.strategies.pipeline.stage import RankStages
 from lightning_merak.strategies.tensor_parallel import LayoutChange
 
-__all__ = ["LIGHTNING_CHECKPOINT", "ShardedCheckpointer", "is_sharded_checkpoint"]
+__all__ = ["LIGHTNING_CHECKPOINT", "ExpertParallelCheckpointIO", "ShardedCheckpointer", "is_sharded_checkpoint"]
 
 LIGHTNING_CHECKPOINT = "lightning.ckpt"
 
@@ -75,6 +79,11 @@ class ShardedCheckpointer:
         """Expert-parallel MoE layers number their experts from 0 on every rank; checkpoints number them globally."""
         self.model_record: Optional[dict[str, Any]] = None
         """The unsplit model's transformers config (and adapters), saved with each checkpoint."""
+        self.fused_experts = FusedExpertSlices({})
+        """``merak_ep``'s fused expert tensors, each rank's experts a slice of the saved whole."""
+        self.before_load: Optional[Callable[[nn.Module], Any]] = None
+        """Run on the LightningModule before a checkpoint is read (``merak_ep`` cuts a model that
+        ``configure_model`` built to its experts there, so that only those are read)."""
 
     def find_experts(self, model: nn.Module) -> None:
         """Note ``model``'s expert-parallel layers and its transformers config (on the unsplit model, before pruning).
@@ -85,6 +94,7 @@ class ShardedCheckpointer:
         from lightning_merak.hf.names import model_record
 
         self.experts = ExpertNumbering.of(model, self._data_parallel_ranks)
+        self.fused_experts = FusedExpertSlices.of(model)
         self.model_record = model_record(model)
 
     # Names and layouts ------------------------------------------------------------------------
@@ -100,10 +110,11 @@ class ShardedCheckpointer:
                 for name, param in model.named_parameters()}
 
     def _checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Shards stay DTensors; a shard whose layout sharding changed is saved whole, as the original."""
+        """Shards stay DTensors; a shard whose layout sharding changed is saved whole, as the original; a rank's
+        fused experts (and their optimizer state) as their slice of the whole."""
         if isinstance(tensor, DTensor) and name in self.layout_changes:
             return self.to_original_layout(name, tensor.full_tensor()).detach()
-        return tensor.detach()
+        return self.fused_experts.global_view(name, tensor.detach())
 
     def _data_parallel_ranks(self) -> tuple[int, list[int]]:
         """This rank and its data-parallel group's ranks, the ones its expert groups are carved from."""
@@ -197,19 +208,29 @@ class ShardedCheckpointer:
         from lightning_merak.runtime.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_torch_file
 
         checkpoint = load_torch_file(path / LIGHTNING_CHECKPOINT)
+        if self.before_load is not None:
+            self.before_load(module)
         self.find_experts(module.model)
-        model_state = self._renumbered_state(
+        metadata = SafeFileSystemReader(path).read_metadata()
+        targets = self._renumbered_state(
             {key: _read_target(value) for key, value in module.state_dict().items()}, to_global=True)
-        _saved_storage_where_rewritten(model_state, SafeFileSystemReader(path).read_metadata())
+        model_state = dict(targets)
+        _saved_storage_where_rewritten(model_state, metadata)
+        for key, target in targets.items():
+            saved = metadata.state_dict_metadata.get(f"model.{key}")
+            if key.startswith("model.") and key[len("model."):] in self.fused_experts and hasattr(saved, "size"):
+                model_state[key] = self.fused_experts.read_target(key[len("model."):], tuple(saved.size), target)
         optim_state: dict[str, Any] = {}
         for layout in checkpoint["merak3d_optimizers"]:
             for key, entry in layout["entries"].items():
                 if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], torch.dtype):
-                    optim_state[key] = torch.empty(entry[0], dtype=entry[1])
+                    optim_state[key] = self._optimizer_target(key, entry[0], entry[1])
                 else:
                     optim_state[key] = entry
         tensors = {"model": model_state, "optim": optim_state}
         dcp.load(tensors, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+        for part in tensors.values():  # this rank's slice of each fused expert tensor, as a plain tensor again
+            part.update({key: value.to_local() for key, value in part.items() if isinstance(value, DTensor)})
         checkpoint["state_dict"] = self._renumbered_state(tensors["model"], to_global=False)
         checkpoint["optimizer_states"] = []
         for index, layout in enumerate(checkpoint.pop("merak3d_optimizers")):
@@ -222,6 +243,16 @@ class ShardedCheckpointer:
                 {"merak3d_consolidated": True, "state": state, "param_groups": layout["param_groups"]}
             )
         return checkpoint
+
+    def _optimizer_target(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Where saved optimizer entry ``key`` (``<index>/<name>/<field>``) is read to: the whole tensor, or this
+        rank's slice of a fused expert tensor's state."""
+        name = key.split("/", 2)[1]
+        shard = self.fused_experts.shards.get(name)
+        if shard is None or not shape or shape[0] != shard.num_experts:
+            return torch.empty(shape, dtype=dtype)
+        local = torch.empty((len(shard.experts), *shape[1:]), dtype=dtype)
+        return self.fused_experts.read_target(name, shape, local)
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, saved: dict[str, Any], model: nn.Module) -> None:
         """Load ``saved`` into ``optimizer`` over the built ``model``'s parameters, each entry placed like its own."""
@@ -258,3 +289,52 @@ class ShardedCheckpointer:
 
             return distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
         return full.to(param.device)
+
+
+def _torch_optimizer_state(saved: dict[str, Any], order: dict[str, int]) -> dict[str, Any]:
+    """A consolidated state (keyed by parameter name) in torch's own format, parameters numbered by ``order``
+    (their place in the model), so that ``Optimizer.load_state_dict`` pairs them with an optimizer built over the
+    model's parameters in that order."""
+    state, groups = {}, []
+    for group in saved["param_groups"]:
+        names = sorted(group["params"], key=order.__getitem__)
+        state.update({order[name]: saved["state"][name] for name in names if name in saved["state"]})
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [order[n] for n in names]})
+    return {"state": state, "param_groups": groups}
+
+
+class ExpertParallelCheckpointIO(CheckpointIO):
+    """A DDP run's checkpoint IO that resumes merak3d's sharded checkpoints and whole-expert files (as
+    :class:`~lightning_merak.plugins.moe.experts.ExpertParallelCallback` saves them), each rank keeping its experts.
+
+    DDP keeps the whole model on every rank except ``merak_ep``'s experts, so a merak3d checkpoint is read as an
+    unsplit model's (experts sliced to this rank's, :class:`ShardedCheckpointer`) and its optimizer state put in
+    torch's format over the model's parameter order. Everything else goes to ``inner``.
+
+    Args:
+        inner: the strategy's own checkpoint IO.
+        module: the LightningModule, experts already cut to this rank's (its ``model`` not yet wrapped by DDP).
+    """
+
+    def __init__(self, inner: CheckpointIO, module: nn.Module) -> None:
+        self.inner = inner
+        self.module = module
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        self.inner.save_checkpoint(checkpoint, path, storage_options)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.inner.remove_checkpoint(path)
+
+    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if not is_sharded_checkpoint(Path(path)):  # a DDP run's file: its experts whole, this rank keeps its own
+            checkpoint = self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            FusedExpertSlices.of(self.module).local_checkpoint(checkpoint, self.module)
+            return checkpoint
+        rank, world = dist.get_rank(), dist.get_world_size()
+        checkpoint = ShardedCheckpointer(lambda: (rank, (1, world, 1))).load(Path(path), self.module)
+        order = {name: index for index, (name, _) in enumerate(self.module.model.named_parameters())}
+        checkpoint["optimizer_states"] = [_torch_optimizer_state(saved, order)
+                                          for saved in checkpoint["optimizer_states"]]
+        return checkpoint

@@ -7,12 +7,13 @@ pass (a pipeline stage's last micro-batch) has finished a bucket, its collective
 backward goes on; :meth:`~DataParallelGradients.finish` launches the rest, waits, and averages.
 
 - ``"none"``: every bucket is all-reduced; each replica steps the whole optimizer.
-- ``"optimizer"`` (ZeRO-1): each bucket is reduce-scattered over the shard group, so rank ``i``
-  receives the averaged ``i``-th part of every bucket (the parameters' own ``.grad`` are ``None``
-  after the backward: the averaged gradients are the shard parameters'). The optimizer's parameter groups hold
-  *shard parameters*, views of those parts of the real parameters, so the optimizer keeps state
-  for one ``1/shards`` of the elements and updates them in place; after the step each bucket's
-  updated values are all-gathered into every replica's parameters.
+- ``"optimizer"`` (ZeRO-1): each bucket is reduce-scattered over the shard group (two CPU ranks swap halves
+  instead: :class:`PairwiseReduceScatter`), so rank ``i`` receives the averaged ``i``-th part of every bucket
+  (the parameters' own ``.grad`` are ``None`` after the backward: the averaged gradients are the shard
+  parameters'). The optimizer's parameter groups hold *shard parameters*, views of those parts of
+  the real parameters, so the optimizer keeps state for one ``1/shards`` of the elements and updates
+  them in place; after the step each bucket's updated values are all-gathered into every replica's
+  parameters.
 - ``"gradients"`` (ZeRO-2): as above, and a bucket's full gradients are freed as soon as its
   reduce-scatter is done (during the backward where the step has one backward pass).
 
@@ -43,8 +44,8 @@ from lightning_merak.runtime.gradient_norm import ShardedGradients
 from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh
 from lightning_merak.strategies.merak3d.layout import LayoutGroups
 
-__all__ = ["SHARDED_MODES", "DataParallelGradients", "check_precision", "check_shardable_optimizer", "check_sharding",
-           "data_parallel_gradients", "refreshed", "shard_groups"]
+__all__ = ["SHARDED_MODES", "DataParallelGradients", "PairwiseReduceScatter", "check_precision",
+           "check_shardable_optimizer", "check_sharding", "data_parallel_gradients", "refreshed", "shard_groups"]
 
 SHARDED_MODES = ("optimizer", "gradients")
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
@@ -120,6 +121,8 @@ class DataParallelGradients:
         if self.sharded:
             self._shard_group, self._replicate_group = shard_groups(groups, shards)
             self._shard_rank = dist.get_rank(self._shard_group)
+            self._pairwise = shards == 2
+            """Reduce-scatter a CPU bucket by exchanging halves (:class:`PairwiseReduceScatter`)."""
         self.buffer = GradientBuffer(params, bucket_bytes=bucket_bytes, shards=shards if self.sharded else 1,
                                      late=late, on_ready=self._launch_early if overlap else None)
         self._positions = {id(param): index for index, param in enumerate(self.buffer.params)}
@@ -382,8 +385,11 @@ class DataParallelGradients:
 
     def _launch(self, bucket: Bucket) -> None:
         if self.sharded:
-            self._works[bucket.index] = dist.reduce_scatter_single(
-                self._shard_grads[bucket.index], bucket.flat, group=self._shard_group, async_op=True)
+            part = self._shard_grads[bucket.index]
+            self._works[bucket.index] = (
+                PairwiseReduceScatter(part, bucket.flat, self._shard_rank, self._shard_group)
+                if self._pairwise and bucket.flat.device.type == "cpu" else
+                dist.reduce_scatter_single(part, bucket.flat, group=self._shard_group, async_op=True))
             if self.mode == "gradients":
                 self._release_finished()
         else:
@@ -453,6 +459,32 @@ class DataParallelGradients:
     def holds(self, params: Sequence[nn.Parameter]) -> bool:
         """Whether the buckets hold exactly the gradients of ``params``."""
         return {id(param) for param in params} == set(self._positions)
+
+
+class PairwiseReduceScatter:
+    """A reduce-scatter over two CPU ranks as an all-to-all that sends only the peer's half, then one addition.
+
+    Gloo reduces-scatters by all-reducing the whole tensor and slicing it, so each rank sends the whole bucket
+    once: measured on the emulated 1 Gbit/s link, as long as an all-reduce (72 against 68 ms for 8 MB at dp2) and
+    1.6 times an exchange of halves (45 ms). The sum is exact: two addends in either order give gloo's bits. An
+    all-to-all rather than a send and a receive keeps the exchange in the group's queue of collectives."""
+
+    def __init__(self, out: torch.Tensor, flat: torch.Tensor, rank: int, group: dist.ProcessGroup) -> None:
+        halves, peer = flat.view(2, -1), 1 - rank
+        self._out, self._own, self._summed = out, halves[rank], False
+        splits = [0, 0]
+        splits[peer] = out.numel()
+        self._work = dist.all_to_all_single(out, halves[peer], splits, splits, group=group, async_op=True)
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def wait(self) -> None:
+        """Wait for the exchange and add this rank's half to the peer's."""
+        self._work.wait()
+        if not self._summed:
+            self._out += self._own
+            self._summed = True
 
 
 def _elementwise(value: Any, shard: nn.Parameter) -> bool:

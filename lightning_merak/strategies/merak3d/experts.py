@@ -10,7 +10,13 @@ the local experts, and the pretrained seam reads only those. Expert weights are 
 so stay out of merak3d's data-parallel average; their gradient, already the sum over every data-parallel
 rank's tokens (the all-to-all's backward brings them home), is summed over the expert-data-parallel group and
 divided by the data-parallel size: the gradient of the mean loss the dense average gives the rest. Clipping
-counts each expert once: the expert weights are registered as split over the expert group.
+counts each expert once: the expert weights are registered as split over the expert group. Tensor parallelism
+does not cut the experts: merak3d's data-parallel groups are per tensor-parallel index, so each tp rank of a
+data-parallel position holds the same experts and exchanges with its own index's peers, and since every tp
+rank sees the same tokens at the MoE block (with sequence parallelism too), their expert outputs and gradients
+are identical and clipping counts them on tp rank 0 as any replicated weight. Checkpoints keep
+each fused expert tensor whole, each expert group writing its slice (:mod:`.checkpoint`), so any layout, any
+``ep`` and ``strategy=ddp`` resume them.
 
 :func:`expert_layout_problem` and :func:`expert_group_ranks` are pure; :class:`Merak3DExperts` is the thin
 integration the experts callback drives.
@@ -33,17 +39,13 @@ from lightning_merak.plugins.moe.experts import (
 )
 from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh
 
-__all__ = ["CHECKPOINTS_REFUSED", "ExpertGroups", "Merak3DExperts", "check_merak3d_experts", "expert_group_ranks",
-           "expert_layout_problem"]
+__all__ = ["ADAPTER_CHECKPOINTS_REFUSED", "ExpertGroups", "Merak3DExperts", "check_merak3d_experts",
+           "expert_group_ranks", "expert_layout_problem"]
 
 
-def expert_layout_problem(*, data_parallel: int, tensor_parallel: int, sharding: str, schedule: str,
+def expert_layout_problem(*, data_parallel: int, sharding: str, schedule: str,
                           micro_batching: str, ep_size: Optional[int]) -> Optional[str]:
     """Why ``merak_ep`` cannot run in this merak3d layout, with the fix; ``None`` when it can."""
-    if tensor_parallel != 1:
-        return (f"tensor_parallel={tensor_parallel}: merak_ep spreads experts over data-parallel ranks and the "
-                "tensor-parallel split does not cut the fused expert tensors; use tensor_parallel=1 and give the "
-                "ranks to data_parallel")
     if sharding != "none":
         return (f"data_parallel_sharding={sharding!r}: the sharded modes split the replicated parameters' state "
                 "over the data-parallel ranks, where merak_ep's experts already differ per rank; use "
@@ -91,11 +93,11 @@ def _layout_values(strategy: Any, world_size: int) -> dict[str, Any]:
                          "tensor_parallel and data_parallel_sharding instead of 'auto'")
     if strategy.layout_built or getattr(strategy, "_groups", None) is not None:
         layout = strategy.layout
-        dp, tp, sharding = layout.data_parallel, layout.tensor_parallel, layout.data_parallel_sharding
+        dp, sharding = layout.data_parallel, layout.data_parallel_sharding
     else:
-        dp, _, tp = strategy.resolve_layout(world_size)
+        dp, _, _ = strategy.resolve_layout(world_size)
         sharding = strategy._arguments.data_parallel_sharding
-    return {"data_parallel": dp, "tensor_parallel": tp, "sharding": sharding, "schedule": strategy.schedule,
+    return {"data_parallel": dp, "sharding": sharding, "schedule": strategy.schedule,
             "micro_batching": strategy.micro_batching.mode}
 
 
@@ -107,11 +109,12 @@ def check_merak3d_experts(strategy: Any, world_size: int, ep_size: Optional[int]
         raise ValueError(f"moe.experts=merak_ep under merak3d refused: {problem}")
 
 
-CHECKPOINTS_REFUSED = ("sharded checkpoints of merak_ep experts under merak3d are not built: every data-parallel "
-                       "rank holds other experts under the same parameter name, so a checkpoint would keep one rank's "
-                       "experts; train without checkpoints (enable_checkpointing=False, no save_checkpoint) or use "
-                       "strategy=ddp")
-"""Why a merak3d run with ``merak_ep`` writes no checkpoint (refused at setup and at any save)."""
+ADAPTER_CHECKPOINTS_REFUSED = (
+    "sharded checkpoints of adapters on merak_ep experts under merak3d are not built: PEFT's factors are cut per "
+    "expert in their own layout (lora_A expert-major, lora_B expert-fastest), which the checkpoint does not slice "
+    "yet; train without checkpoints (enable_checkpointing=False, no save_checkpoint) or adapt attention only")
+"""Why a merak3d run with adapters on ``merak_ep`` experts writes no checkpoint (refused at setup and at any save).
+The fused expert tensors themselves are saved as slices of their whole (:mod:`.checkpoint`)."""
 
 
 class Merak3DExperts:
@@ -120,10 +123,8 @@ class Merak3DExperts:
     def __init__(self, strategy: Any, ep_size: Optional[int] = None) -> None:
         """Check the layout and create every expert and expert-data-parallel group (collective: all ranks)."""
         check_merak3d_experts(strategy, dist.get_world_size(), ep_size)
-        trainer = getattr(strategy.lightning_module, "_trainer", None)
-        if trainer is not None and trainer.checkpoint_callbacks:
-            raise ValueError(CHECKPOINTS_REFUSED)
         self._strategy = strategy
+        strategy._checkpointer.before_load = self.enable  # a model configure_model built: cut before it is read
         mesh = strategy.device_mesh
         dp_groups = data_parallel_groups_from_mesh(mesh.mesh.tolist(), list(mesh.mesh_dim_names))
         data_parallel = len(dp_groups[0])
@@ -140,6 +141,8 @@ class Merak3DExperts:
         self._registered: set[int] = set()
         self.report: Optional[ExpertParallelReport] = None
         """What :meth:`enable` did on this rank (None until then)."""
+        self.checkpoint_problem: Optional[str] = None
+        """Why this run can write no checkpoint (adapters on the experts), or None."""
 
     def enable(self, model: nn.Module) -> ExpertParallelReport:
         """Keep this rank's experts of ``model`` (the whole model, meta or real, before the build); once."""
@@ -147,6 +150,11 @@ class Merak3DExperts:
             self.report = enable_expert_parallel(model, self.groups.ep_group)
             for _, experts in experts_modules(model):
                 experts.materialize_init = _LocalExpertsInit(self.report.ep_rank)
+            if any(not name.endswith(EXPERT_TENSORS) for name in self.report.expert_parameters):
+                self.checkpoint_problem = ADAPTER_CHECKPOINTS_REFUSED
+                trainer = getattr(self._strategy.lightning_module, "_trainer", None)
+                if trainer is not None and trainer.checkpoint_callbacks:
+                    raise ValueError(ADAPTER_CHECKPOINTS_REFUSED)
         return self.report
 
     def reduce_gradients(self, module: nn.Module) -> None:

@@ -25,9 +25,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_merak.runtime import host_memory
 from lightning_merak.runtime.collectives import reduce_in_place
 from lightning_merak.runtime.gradient_norm import ShardedGradients
-from lightning_merak.runtime.host_memory import release_freed_host_memory
 from lightning_merak.strategies import merak3d as package
 from lightning_merak.strategies.merak3d import arguments, build, data_parallel, fully_sharded, gradients, planning
 from lightning_merak.strategies.merak3d.arguments import Degree
@@ -353,12 +353,12 @@ class Merak3DStrategy(CheckpointHooks):
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            host_memory.export_heap_tunables()  # the ranks it starts keep freed host memory reusable
 
     def setup_environment(self) -> None:
         # before the rendezvous, so a rank waiting for its peers also ends on SIGTERM/SIGINT
         install_termination_handler()
-        if self._arguments.compact_host_memory:
-            release_freed_host_memory()
+        host_memory.prepare_heap(compact=self._arguments.compact_host_memory)
         super().setup_environment()
         assert self.cluster_environment is not None
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)

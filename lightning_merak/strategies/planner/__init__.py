@@ -7,6 +7,7 @@ the fastest that fits memory.
 """
 
 from lightning_merak.strategies.planner.cost_model import COMPONENTS, Layout, Prediction, micro_batch_samples, predict
+from lightning_merak.strategies.planner.experts import ExpertLayers
 from lightning_merak.strategies.planner.overlap import OverlapResult, simulate_overlapped_chain
 from lightning_merak.strategies.planner.profile import (
     BlockTimes,
@@ -34,6 +35,7 @@ __all__ = [
     "BatchClock",
     "BlockTimes",
     "CollectiveCost",
+    "ExpertLayers",
     "Layout",
     "MeasuredBlocks",
     "ModelProfile",

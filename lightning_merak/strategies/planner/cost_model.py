@@ -10,7 +10,8 @@ exposed; with the pipeline runtime's own time per chunk added, the pipeline sche
 simulator turns those into an iteration. The data-parallel communication, clipping and the
 optimizer step follow; the part of the communication hidden behind the backward (and, fully
 sharded, the forward) is left out (:func:`data_parallel_s`). Per-rank memory counts what each
-data-parallel sharding mode keeps (:func:`model_state_bytes`).
+data-parallel sharding mode keeps (:func:`model_state_bytes`). MoE layers run expert parallel add their
+token exchange to each micro-batch and keep 1/ep of their experts (:mod:`.experts`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from lightning_merak.strategies.planner.profile import (
     SearchSpace,
 )
 
-COMPONENTS = ("compute", "exposed_tp_comm", "pipeline_runtime", "pipeline_bubble", "dp_allreduce", "grad_clip",
-              "optimizer")
+COMPONENTS = ("compute", "exposed_tp_comm", "expert_all_to_all", "pipeline_runtime", "pipeline_bubble", "dp_allreduce",
+              "grad_clip", "optimizer")
 """The parts a predicted step time is split into; they add up to the step time ("dp_allreduce": the exposed
 data-parallel communication, whatever its collectives)."""
 MEMORY_COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations")
@@ -50,7 +51,8 @@ class Layout:
     and what the data-parallel ranks shard (:data:`DATA_PARALLEL_SHARDING`).
 
     ``recompute_ratio`` is the first stage's ratio of stage-aware recompute (spec 1.4); with a
-    single stage it must be 0 ("none") or 1 ("full"), the two modes the runtime has there.
+    single stage it must be 0 ("none") or 1 ("full"), the two modes the runtime has there. ``ep`` is
+    the expert-parallel size of a model's MoE layers: ``ep`` of the dp ranks share out each stage's experts.
     """
 
     dp: int
@@ -60,9 +62,10 @@ class Layout:
     overlap: int
     recompute_ratio: float
     sharding: str = "none"
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp", "micro_batches", "overlap"):
+        for name in ("dp", "pp", "tp", "micro_batches", "overlap", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Layout.{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.recompute_ratio <= 1.0:
@@ -84,19 +87,23 @@ class Layout:
         if self.sharding == "full" and self.overlap > 1:
             raise ValueError(f"sharding='full' cannot run overlap={self.overlap} sub-batches (each would gather and "
                              "free the parameters on its own); use overlap=1")
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide dp={self.dp}: experts are spread over data-parallel ranks; "
+                             "choose a divisor of dp")
 
     @property
-    def tie_break_key(self) -> tuple[int, int, int, int, float, int]:
+    def tie_break_key(self) -> tuple[int, int, int, int, float, int, int]:
         """Order among equally fast layouts: fewer stages, less TP, fewer micro-batches, less overlap and recompute,
-        less sharding."""
+        less sharding, smaller expert groups."""
         return (self.pp, self.tp, self.micro_batches, self.overlap, self.recompute_ratio,
-                DATA_PARALLEL_SHARDING.index(self.sharding))
+                DATA_PARALLEL_SHARDING.index(self.sharding), self.ep)
 
     def describe(self) -> str:
         sharding = "" if self.sharding == "none" else f" sharding={self.sharding}"
+        experts = "" if self.ep == 1 else f" ep={self.ep}"
         return (
             f"dp={self.dp} pp={self.pp} tp={self.tp} micro_batches={self.micro_batches} "
-            f"overlap={self.overlap} recompute_ratio={self.recompute_ratio:g}{sharding}"
+            f"overlap={self.overlap} recompute_ratio={self.recompute_ratio:g}{sharding}{experts}"
         )
 
 
@@ -399,6 +406,34 @@ def _check_against_space(layout: Layout, profile: ModelProfile, space: SearchSpa
     space.shards(layout.sharding, layout.dp)  # refuses a shard size that does not divide dp
 
 
+@dataclass(frozen=True)
+class _StageExperts:
+    """A stage's MoE layers on one rank: exchange time per micro-batch, expert bytes kept and not kept."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    kept_bytes: float = 0.0
+    dropped_bytes: float = 0.0
+
+
+def _stage_experts(layout: Layout, profile: ModelProfile, network: NetworkProfile, stage: _Stage,
+                   samples: int) -> _StageExperts:
+    """The expert exchange of each of a stage's MoE layers (per sub-batch, over the expert group's link) and the
+    ``E/ep`` experts of each a rank keeps (:class:`~.experts.ExpertLayers`)."""
+    experts = profile.experts
+    if experts is None:
+        return _StageExperts()
+    experts.check_ep(layout.ep)
+    layers = experts.stage_layers(stage.num_blocks, profile.num_blocks)
+    forward_s = backward_s = 0.0
+    if layout.ep > 1:
+        forward_s, backward_s = experts.layer_exchange_s(samples // layout.overlap, layout.ep,
+                                                         network.all_to_all_link(layout.ep))
+    kept = experts.kept_bytes(layout.ep)
+    return _StageExperts(layers * layout.overlap * forward_s, layers * layout.overlap * backward_s,
+                         layers * kept, layers * (experts.expert_parameter_bytes - kept))
+
+
 def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile, space: SearchSpace) -> Prediction:
     """Step time (pipeline iteration + exposed data-parallel communication + clipping + optimizer)
     and peak memory per rank (:func:`model_state_bytes` plus activations).
@@ -415,9 +450,15 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     sequence-split activations (and a recomputed one its input) for 1/tp of the sequence.
     Prefix and suffix activations are not counted. With several stages every forward and
     backward chunk also pays the pipeline runtime's own time (``network.pipeline_action_s``), and
-    the step its per-step time: the "pipeline_runtime" component.
+    the step its per-step time: the "pipeline_runtime" component. MoE layers run expert parallel
+    (``model_profile.experts``) add their exchange to each micro-batch's forward and backward (the
+    "expert_all_to_all" component, on the expert group's link), keep 1/ep of their experts, and
+    sum the expert gradients over the dp/ep ranks holding the same experts after the backward.
     """
     _check_against_space(layout, model_profile, space)
+    if model_profile.experts is not None and layout.sharding != "none":
+        raise ValueError(f"sharding={layout.sharding!r} with expert-parallel MoE layers: merak_ep runs with "
+                         "data_parallel_sharding='none' only; search sharding_modes=('none',)")
     samples = micro_batch_samples(layout, space)
     sub = samples // layout.overlap
     hidden_bytes = model_profile.hidden_bytes_per_sample
@@ -441,6 +482,7 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
                                  else (0.0, 0.0))
     shards = space.shards(layout.sharding, layout.dp)
     forward_s, backward_s, compute_s, exposed_s, memory_bytes, after_pipeline_s = [], [], [], [], [], []
+    expert_s: list[float] = []
     for index, stage in enumerate(stages):
         prefix_forward, prefix_backward = model_profile.prefix_times_at(sub) if stage.has_prefix else (0.0, 0.0)
         suffix_forward, suffix_backward = model_profile.suffix_times_at(sub) if stage.has_suffix else (0.0, 0.0)
@@ -470,6 +512,10 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         local_s += loss_forward + loss_backward
         compute_s.append(local_s)
         exposed_s.append(max(0.0, forward_total + backward_total - local_s))
+        experts = _stage_experts(layout, model_profile, network, stage, samples)
+        forward_total += experts.forward_s
+        backward_total += experts.backward_s
+        expert_s.append(experts.forward_s + experts.backward_s)
         forward_s.append(forward_total + action_s)
         backward_s.append(backward_total + action_s)
 
@@ -477,6 +523,7 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
             stage.has_prefix * prefix_parameter_bytes
             + stage.num_blocks * block_parameter_bytes
             + stage.has_suffix * suffix_parameter_bytes
+            - experts.dropped_bytes
         )
         kept_per_sample = (
             (stage.num_blocks - recomputed) * activation_bytes
@@ -490,8 +537,9 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         memory_bytes.append(memory)
         after_pipeline_s.append(
             (
-                data_parallel_s(layout, space, network, parameter_bytes, block_parameter_bytes,
-                                stage.num_blocks + 1, forward_total, backward_total),
+                data_parallel_s(layout, space, network, parameter_bytes - experts.kept_bytes, block_parameter_bytes,
+                                stage.num_blocks + 1, forward_total, backward_total)
+                + (network.gradient_sync_s(experts.kept_bytes, layout.dp // layout.ep) if experts.kept_bytes else 0.0),
                 _clip_s(layout, model_profile, network, stage, shards) if space.clip_gradients else 0.0,
                 _optimizer_s(layout, model_profile, stage, parameter_bytes) / shards,
             )
@@ -505,6 +553,7 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     components = {
         "compute": layout.micro_batches * compute_s[busiest],
         "exposed_tp_comm": layout.micro_batches * exposed_s[busiest],
+        "expert_all_to_all": layout.micro_batches * expert_s[busiest],
         "pipeline_runtime": layout.micro_batches * 2 * action_s + pipeline_step_s,
         "pipeline_bubble": max(
             0.0, iteration_s - layout.micro_batches * (forward_s[busiest] + backward_s[busiest])

@@ -10,9 +10,12 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Sequence, TypeVar
 
 from lightning_merak.strategies.pipeline import SCHEDULES, simulate_schedule
+
+if TYPE_CHECKING:
+    from lightning_merak.strategies.planner.experts import ExpertLayers
 
 DATA_PARALLEL_SHARDING = ("none", "optimizer", "gradients", "full")
 """What the data-parallel ranks may split, least sharded first (the order ties between equally fast layouts take):
@@ -127,7 +130,9 @@ class NetworkProfile:
     all-reduce cost stands in. ``pipeline_action_s`` is what the pipeline runtime itself
     spends on each forward or backward chunk of a stage beyond its computation and the wire
     (running the schedule, posting and completing the chunk's sends and receives), and
-    ``pipeline_step_s`` what it spends once per step (:func:`fit_pipeline_runtime`).
+    ``pipeline_step_s`` what it spends once per step (:func:`fit_pipeline_runtime`). ``all_to_all``
+    (optional, per expert group size) is the expert group's link for the MoE token exchange, as the
+    bytes one rank sends; without it the all-reduce link of that group size stands in.
     """
 
     all_reduce: dict[int, CollectiveCost]
@@ -135,6 +140,7 @@ class NetworkProfile:
     gradient_sync: dict[int, CollectiveCost] = field(default_factory=dict)
     pipeline_action_s: float = 0.0
     pipeline_step_s: float = 0.0
+    all_to_all: dict[int, CollectiveCost] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_non_negative("NetworkProfile", pipeline_action_s=self.pipeline_action_s,
@@ -164,6 +170,15 @@ class NetworkProfile:
         if ranks in self.gradient_sync:
             return self.gradient_sync[ranks].send_s(nbytes)
         return self.all_reduce_s(nbytes, ranks)
+
+    def all_to_all_link(self, ranks: int) -> CollectiveCost:
+        """The link an all-to-all over ``ranks`` runs on: measured, else the all-reduce link of that group size."""
+        if ranks in self.all_to_all:
+            return self.all_to_all[ranks]
+        if ranks not in self.all_reduce:
+            raise ValueError(f"the network profile has no all-to-all or all-reduce cost for groups of {ranks} ranks "
+                             f"(measured: {sorted(self.all_to_all)}, {sorted(self.all_reduce)}); profile one")
+        return self.all_reduce[ranks]
 
 
 @dataclass(frozen=True)
@@ -250,7 +265,8 @@ class ModelProfile:
     where measured, are (optimizer step, clipping passes) over the embedding's and the head's
     own parameters: per byte, a large embedding table's update can cost several times a block's
     (each step writes temporaries of the whole table), so the per-byte figures stand in only
-    where these are absent.
+    where these are absent. ``experts`` describes MoE layers run expert parallel (``merak_ep``):
+    their token exchange and the experts each rank keeps (:mod:`.experts`).
     """
 
     num_blocks: int
@@ -274,6 +290,7 @@ class ModelProfile:
     clip_s_per_parameter_byte: float = 0.0
     prefix_update_s: tuple[float, float] | None = None
     suffix_update_s: tuple[float, float] | None = None
+    experts: ExpertLayers | None = None
 
     def __post_init__(self) -> None:
         _check_positive("ModelProfile", num_blocks=self.num_blocks)
@@ -407,7 +424,9 @@ class SearchSpace:
     the ranks a shard group spans (hybrid sharding; None: every data-parallel rank).
     Gradients are reduced in collectives of ``grad_bucket_bytes`` (None: all in one, after the
     backward, the default of a hand-written space); ``overlap_grad_reduce`` hides that reduction
-    behind the backward, bucket by bucket.
+    behind the backward, bucket by bucket. ``ep_size`` is the expert-parallel size of a model with
+    expert layers (``ModelProfile.experts``): each layout's ``ep``, None for its whole data-parallel
+    group (merak3d's default); layouts whose dp it does not divide are left out.
 
     The batch is either ``global_batch_size`` (samples per step, split over the data-parallel
     replicas) or ``replica_batch_size`` (samples each replica trains on per step, as a
@@ -432,6 +451,7 @@ class SearchSpace:
     shard_size: int | None = None
     overlap_grad_reduce: bool = False
     grad_bucket_bytes: float | None = None
+    ep_size: int | None = 1
 
     def __post_init__(self) -> None:
         if (self.global_batch_size is None) == (self.replica_batch_size is None):
@@ -464,6 +484,8 @@ class SearchSpace:
             _check_positive("SearchSpace", shard_size=self.shard_size)
         if self.grad_bucket_bytes is not None:
             _check_positive("SearchSpace", grad_bucket_bytes=self.grad_bucket_bytes)
+        if self.ep_size is not None:
+            _check_positive("SearchSpace", ep_size=self.ep_size)
 
     def shards(self, mode: str, dp: int) -> int:
         """Ranks that split the state of ``mode`` over ``dp`` replicas: 1 when nothing is split."""
@@ -473,6 +495,11 @@ class SearchSpace:
             raise ValueError(f"shard_size={self.shard_size} does not divide dp={dp}; data-parallel ranks = shard "
                              "size x replicas")
         return self.shard_size or dp
+
+    def expert_parallel(self, dp: int) -> int | None:
+        """The expert-parallel size of a layout with ``dp`` replicas, or None when it does not divide dp."""
+        ep = dp if self.ep_size is None else self.ep_size
+        return ep if dp % ep == 0 else None
 
     def replica_batch(self, dp: int) -> int | None:
         """Samples each of ``dp`` replicas trains on per step, or None when the batch does not split."""

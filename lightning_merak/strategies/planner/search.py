@@ -35,7 +35,8 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None) -> list
     micro-batch; several run a micro-batch count of at least pp dividing the per-replica batch.
     Overlap degrees divide the micro-batch and exceed 1 only with tp > 1; one stage takes
     recompute ratios 0 or 1 only. Each takes every mode of ``sharding_modes`` it can run
-    (:func:`sharding_modes_for`).
+    (:func:`sharding_modes_for`), and the expert-parallel size ``space.ep_size`` gives its dp (left out where
+    it does not divide dp).
     """
     max_stages = space.max_pipeline_stages if num_blocks is None else min(space.max_pipeline_stages, num_blocks + 2)
     layouts = []
@@ -44,8 +45,8 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None) -> list
             continue
         for pp in _divisors(space.world_size // tp):
             dp = space.world_size // (tp * pp)
-            per_replica = space.replica_batch(dp)
-            if pp > max_stages or per_replica is None:
+            per_replica, ep = space.replica_batch(dp), space.expert_parallel(dp)
+            if pp > max_stages or per_replica is None or ep is None:
                 continue
             if pp == 1:
                 micro_batch_counts = [1]
@@ -59,7 +60,7 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None) -> list
                 for overlap in overlaps:
                     for ratio in ratios:
                         for mode in sharding_modes_for(space, dp, overlap):
-                            layouts.append(Layout(dp, pp, tp, micro_batches, overlap, ratio, mode))
+                            layouts.append(Layout(dp, pp, tp, micro_batches, overlap, ratio, mode, ep))
     return layouts
 
 

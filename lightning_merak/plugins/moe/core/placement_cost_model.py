@@ -80,6 +80,13 @@ class CostModel:
     transfer that compute running beside it hides; near 0 on an oversubscribed CPU) scales every
     window that hides a transfer; ``all_to_all_overlap_efficiency`` is the same for an all-to-all,
     which Lancet's chunks hide under expert compute.
+
+    ``expert_tokens_per_s`` is measured with every rank computing at once; ``expert_tokens_per_s_alone``
+    (None: the same) with the other ranks idle. Where ranks share cores (an oversubscribed CPU) the
+    busiest rank runs faster while the others wait for it, so an imbalance costs less than its
+    rows at the shared rate: expert compute is the larger of the busiest rank's rows at the lone rate
+    and the mean rows at the shared rate. On one device per rank the two rates agree and this is the
+    busiest rank's rows at that rate.
     """
 
     all_to_all: CommCurve
@@ -93,14 +100,30 @@ class CostModel:
     overlap: bool = True
     overlap_efficiency: float = 1.0
     all_to_all_overlap_efficiency: float = 1.0
+    expert_tokens_per_s_alone: float | None = None
     measured: dict[str, float] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.expert_tokens_per_s <= 0 or self.bytes_per_token <= 0 or self.experts_per_rank <= 0:
             raise ValueError("expert_tokens_per_s, bytes_per_token and experts_per_rank must be positive")
+        if self.expert_tokens_per_s_alone is not None and self.expert_tokens_per_s_alone < self.expert_tokens_per_s:
+            raise ValueError(f"expert_tokens_per_s_alone={self.expert_tokens_per_s_alone} is below the shared rate "
+                             f"{self.expert_tokens_per_s}: pass None where ranks do not share cores")
         for name in ("overlap_efficiency", "all_to_all_overlap_efficiency"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must lie in [0, 1]")
+
+    def expert_compute(self, computed: list[int]) -> float:
+        """Seconds until every rank has run its expert rows (see the class docstring for shared cores)."""
+        if self.expert_tokens_per_s_alone is None:
+            return max(computed) / self.expert_tokens_per_s
+        return max(max(computed) / self.expert_tokens_per_s_alone,
+                   sum(computed) / len(computed) / self.expert_tokens_per_s)
+
+    def _issued_all_to_all(self, size_bytes: float) -> float:
+        """One all-to-all's seconds: the layer issues it on every call, with no rows too (a plan that
+        replicates every expert still pays its latency), so it never costs less than the smallest message."""
+        return self.all_to_all.time(max(size_bytes, 1.0))
 
     def terms(
         self, counts: Counts, plan: PlacementPlan, padding: Padding, transfer_timing: TransferTiming = "prefetched"
@@ -115,8 +138,8 @@ class CostModel:
         """
         loads = rank_loads(counts, plan, padding, self.experts_per_rank)
         traffic = max(max(s, r) for s, r in zip(loads.sent, loads.received))
-        all_to_all = self.all_to_all.time(traffic * self.bytes_per_token)
-        expert_forward = max(loads.computed) / self.expert_tokens_per_s
+        all_to_all = self._issued_all_to_all(traffic * self.bytes_per_token)
+        expert_forward = self.expert_compute(loads.computed)
         copies = max(max(s, r) for s, r in zip(loads.params_sent, loads.params_received))
         per_copy = self.point_to_point.time(self.expert_param_bytes) if copies else 0.0
         transfer = copies * per_copy
@@ -128,8 +151,8 @@ class CostModel:
             exposed_aggregate = max(0.0, aggregate - hide * (2 * expert_forward + self.nonmoe_backward_s))
             if transfer_timing == "current":
                 shared = max(
-                    max(self.all_to_all.time(sent * self.bytes_per_token) + p_sent * per_copy,
-                        self.all_to_all.time(received * self.bytes_per_token) + p_received * per_copy)
+                    max(self._issued_all_to_all(sent * self.bytes_per_token) + p_sent * per_copy,
+                        self._issued_all_to_all(received * self.bytes_per_token) + p_received * per_copy)
                     for sent, received, p_sent, p_received
                     in zip(loads.sent, loads.received, loads.params_sent, loads.params_received))
                 exposed_transfer = max(0.0, shared - all_to_all - hide * expert_forward)

@@ -18,7 +18,10 @@ margin (on a 2-core CPU it priced dropless dispatch at 2.3× Pro-Prophet's sets,
 as fast). That costs at most one call per arm, and the arms are few. After that, the runner-up
 runs now and then, only if its corrected prediction is within ``max_regret`` of the best's, the
 calls between two such runs drawn from a seeded generator (``explore_every`` on average, never
-fewer than half of it). Plain Python: given the same
+fewer than half of it). An arm measured fewer than ``confident`` times is chosen on its *worst*
+ratio so far, not its median: a single lucky run (a quiet moment on a shared machine) cannot make
+a plan that is slower on average the choice for the next calls — every such call is lost against
+the arm it displaced. Plain Python: given the same
 measurements in the same order (the layer max-reduces them over its ranks first) every rank makes
 the same choices.
 """
@@ -56,11 +59,13 @@ class Selection:
 class PlanCheck:
     """Per-arm multiplicative corrections fitted from measured layer time, with bounded exploration."""
 
-    def __init__(self, window: int = 5, explore_every: int = 16, max_regret: float = 0.25, seed: int = 0) -> None:
-        if window < 1 or explore_every < 0 or max_regret < 0:
-            raise ValueError(f"window={window} must be >= 1, explore_every={explore_every} >= 0 (0: never) and "
-                             f"max_regret={max_regret} >= 0")
+    def __init__(self, window: int = 5, explore_every: int = 16, max_regret: float = 0.25, seed: int = 0,
+                 confident: int = 3) -> None:
+        if window < 1 or explore_every < 0 or max_regret < 0 or not 1 <= confident <= window:
+            raise ValueError(f"window={window} must be >= 1, explore_every={explore_every} >= 0 (0: never), "
+                             f"max_regret={max_regret} >= 0 and confident={confident} in [1, window]")
         self.window = window
+        self.confident = confident
         self.explore_every = explore_every
         self.max_regret = max_regret
         self._ratios: dict[str, deque[float]] = {}
@@ -96,11 +101,19 @@ class PlanCheck:
     def corrected(self, candidate: Candidate) -> float:
         return candidate.predicted_s * self.correction(candidate.arm, candidate.base)
 
+    def _score(self, candidate: Candidate) -> float:
+        """The corrected prediction a choice is made on: an arm measured fewer than ``confident`` times
+        counts its worst ratio so far."""
+        own = self._ratios.get(candidate.arm)
+        if own and len(own) < self.confident:
+            return candidate.predicted_s * max(own)
+        return self.corrected(candidate)
+
     def select(self, candidates: Sequence[Candidate]) -> Selection:
         """The least corrected prediction (ties to the earlier candidate), or an exploration when one is due."""
         if not candidates:
             raise ValueError("select needs at least one candidate")
-        corrected = [self.corrected(c) for c in candidates]
+        corrected = [self._score(c) for c in candidates]
         best = min(range(len(candidates)), key=lambda i: (corrected[i], i))
         if self._until_explore > 0:
             self._until_explore -= 1

@@ -37,6 +37,7 @@ class ExpertParallelCallback(pl.Callback):
         self._edp_size = 1
         self._world = 1
         self._merak3d: Any = None
+        self._slices: Any = None
 
     def _groups(self) -> Any:
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -70,6 +71,12 @@ class ExpertParallelCallback(pl.Callback):
         self._expert_params = [params[name] for name in report.expert_parameters]
         ignored = set(getattr(pl_module, "_ddp_params_and_buffers_to_ignore", [])) | set(report.expert_parameters)
         pl_module._ddp_params_and_buffers_to_ignore = sorted(ignored)
+        from lightning_merak.plugins.moe.checkpoint import FusedExpertSlices
+        from lightning_merak.strategies.merak3d.checkpoint import ExpertParallelCheckpointIO
+
+        # rank 0's file holds every expert (on_save_checkpoint); it, and a merak3d checkpoint, resume at any ep
+        self._slices = FusedExpertSlices.of(pl_module)
+        trainer.strategy.checkpoint_io = ExpertParallelCheckpointIO(trainer.strategy.checkpoint_io, pl_module)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Under merak3d, a model ``configure_model`` built (on meta) after ``setup``: switched before its build."""
@@ -92,10 +99,10 @@ class ExpertParallelCallback(pl.Callback):
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
-        if self._merak3d is not None:
-            from lightning_merak.strategies.merak3d.experts import CHECKPOINTS_REFUSED
-
-            raise ValueError(CHECKPOINTS_REFUSED)
+        if self._merak3d is not None and self._merak3d.checkpoint_problem is not None:
+            raise ValueError(self._merak3d.checkpoint_problem)
+        if self._slices is not None:  # every rank: the experts are gathered whole for rank 0's file
+            self._slices.whole_checkpoint(checkpoint, pl_module, trainer.optimizers)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

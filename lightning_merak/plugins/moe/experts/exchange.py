@@ -38,6 +38,8 @@ class DroplessExchange:
     expert_rows: list[int]
     recv_to_expert_major: torch.Tensor
     local_expert_ids: torch.Tensor
+    expert_major_to_recv: torch.Tensor
+    """The inverse of ``recv_to_expert_major``: expert outputs back in the received (source-major) order."""
 
     @classmethod
     def build(cls, counts: torch.Tensor, ep_rank: int) -> DroplessExchange:
@@ -51,4 +53,6 @@ class DroplessExchange:
         expert_rows = received.sum(0).tolist()
         expert_of_row = torch.arange(per_rank).repeat(ep_size).repeat_interleave(received.reshape(-1))
         order = torch.sort(expert_of_row, stable=True)
-        return cls(send_splits, recv_splits, expert_rows, order.indices, order.values)
+        inverse = torch.empty_like(order.indices)
+        inverse[order.indices] = torch.arange(order.indices.numel())
+        return cls(send_splits, recv_splits, expert_rows, order.indices, order.values, inverse)

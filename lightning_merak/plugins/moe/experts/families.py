@@ -48,13 +48,19 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 
 def tiny_moe_model(family: str, *, hidden: int = 64, layers: int = 2, vocab: int = 128, seed: int = 0,
                    experts_implementation: str = "eager", dtype: torch.dtype = torch.float32,
-                   **overrides: Any) -> torch.nn.Module:
-    """A seeded tiny ``*ForCausalLM`` of ``family``; DeepSeek-V3's score-correction bias is made non-zero."""
+                   intermediate: int | None = None, **overrides: Any) -> torch.nn.Module:
+    """A seeded tiny ``*ForCausalLM`` of ``family``; DeepSeek-V3's score-correction bias is made non-zero.
+
+    ``intermediate`` sets every intermediate size of the family's config (experts, shared experts, dense
+    layers) to one value, so a larger workload is the same size for every family.
+    """
     import transformers
 
     if family not in FAMILY_CONFIGS:
         raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILY_CONFIGS)}")
     class_name, extra = FAMILY_CONFIGS[family]
+    if intermediate is not None:
+        extra = {**extra, **{key: intermediate for key in extra if key.endswith("intermediate_size")}}
     config = getattr(transformers, class_name)(**{**_common(hidden, layers, vocab), **extra, **overrides})
     config._experts_implementation = experts_implementation
     torch.manual_seed(seed)

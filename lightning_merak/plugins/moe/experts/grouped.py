@@ -23,6 +23,10 @@ __all__ = [
     "grouped_experts_forward",
     "grouped_linear",
     "grouped_mm_applies",
+    "inverse_permutation",
+    "permute_rows",
+    "restore_route_order",
+    "route_counts",
     "sort_routes",
 ]
 
@@ -115,17 +119,60 @@ def sort_routes(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     expert-parallel sentinels) sort last and are not counted.
     """
     flat = top_k_index.reshape(-1)
-    order = torch.sort(flat, stable=True).indices
-    valid = flat[flat < num_experts]
-    counts = torch.bincount(valid, minlength=num_experts)
-    return order, counts
+    return torch.sort(flat, stable=True).indices, route_counts(flat, num_experts)
+
+
+def route_counts(flat_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routes per expert; sentinel ids (``>= num_experts``) land past the end and are cut off."""
+    return torch.bincount(flat_index, minlength=num_experts)[:num_experts]
+
+
+def inverse_permutation(index: torch.Tensor) -> torch.Tensor:
+    """``inverse`` with ``inverse[index[i]] == i``."""
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(index.numel(), device=index.device, dtype=index.dtype)
+    return inverse
+
+
+class _PermuteRows(torch.autograd.Function):
+    """Rows gathered by a permutation. Its backward gathers by the inverse instead of autograd's scatter into a
+    zero-filled buffer (``index_select``'s backward), which measured as the largest bookkeeping cost on CPU."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return rows.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def permute_rows(rows: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor | None = None) -> torch.Tensor:
+    """``rows[index]`` for a permutation ``index`` of ``rows``' first dimension (``inverse`` if already known)."""
+    if index.numel() != rows.shape[0]:
+        raise ValueError(f"permute_rows needs a permutation of {rows.shape[0]} rows, got {index.numel()} indices")
+    return _PermuteRows.apply(rows, index, inverse_permutation(index) if inverse is None else inverse)
+
+
+def restore_route_order(sorted_out: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Outputs of the first ``len(sorted_out)`` routes of ``order`` put back in route order.
+
+    Routes past them (sentinel ids, never computed) get zeros; when every route was computed this is a
+    permutation, with a gather for its backward.
+    """
+    if sorted_out.shape[0] == order.numel():
+        return permute_rows(sorted_out, inverse_permutation(order), order)
+    computed = order[:sorted_out.shape[0]]
+    return sorted_out.new_zeros(order.numel(), *sorted_out.shape[1:]).index_copy(0, computed, sorted_out)
 
 
 EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 """The per-expert tensors an experts module may hold, each ``[E, ...]``."""
 
 
-def expert_mlp(module: nn.Module, rows: torch.Tensor, counts: Sequence[int], expert_ids: torch.Tensor,
+def expert_mlp(module: nn.Module, rows: torch.Tensor, counts: Sequence[int], expert_ids: torch.Tensor | None = None,
                use_grouped_mm: bool | None = None, tensors: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """The family's expert MLP on rows sorted by (local) expert, using the module's own layout flags.
 
@@ -133,6 +180,7 @@ def expert_mlp(module: nn.Module, rows: torch.Tensor, counts: Sequence[int], exp
     its ``has_gate``, ``has_bias``, ``is_transposed``, ``_apply_gate``, ``act_fn`` and
     ``post_expert_norm`` decide the computation, exactly as in transformers' own implementations.
     ``tensors`` replaces the module's expert tensors by name (e.g. local experts plus replicas).
+    ``expert_ids`` (each row's expert) is only read for biases; left out, it follows from ``counts``.
     """
     def tensor(name: str) -> torch.Tensor | None:
         return tensors[name] if tensors is not None and name in tensors else getattr(module, name, None)
@@ -143,6 +191,9 @@ def expert_mlp(module: nn.Module, rows: torch.Tensor, counts: Sequence[int], exp
     weight, bias = (tensor("gate_up_proj"), tensor("gate_up_proj_bias")) if gated else \
         (tensor("up_proj"), tensor("up_proj_bias"))
     rows = rows.to(weight.dtype)
+    if has_bias and expert_ids is None:
+        expert_ids = torch.arange(len(counts), device=rows.device).repeat_interleave(
+            torch.tensor(list(counts), device=rows.device), output_size=rows.shape[0])
     hidden = grouped_linear(rows, weight, counts, transposed=transposed,
                             bias_rows=bias[expert_ids] if has_bias else None, use_grouped_mm=use_grouped_mm)
     hidden = module._apply_gate(hidden) if gated else module.act_fn(hidden)
@@ -171,7 +222,6 @@ def grouped_experts_forward(
     k = top_k_index.size(-1)
     order, counts = sort_routes(top_k_index, module.num_experts)
     counts_list = counts.tolist()
-    valid = order[:sum(counts_list)]
-    out = expert_mlp(module, hidden_states[valid // k], counts_list, top_k_index.reshape(-1)[valid])
-    route_out = out.new_zeros(order.numel(), out.shape[1]).index_copy(0, valid, out)
-    return combine_routes(route_out, top_k_weights, hidden_states.dtype)
+    computed = order[:sum(counts_list)]
+    out = expert_mlp(module, hidden_states.index_select(0, computed // k), counts_list)
+    return combine_routes(restore_route_order(out, order), top_k_weights, hidden_states.dtype)

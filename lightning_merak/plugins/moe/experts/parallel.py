@@ -27,7 +27,9 @@ from lightning_merak.plugins.moe.experts.grouped import (
     combine_routes,
     expert_mlp,
     grouped_experts_forward,
-    sort_routes,
+    permute_rows,
+    restore_route_order,
+    route_counts,
 )
 
 __all__ = ["EP_IMPLEMENTATION", "GROUPED_IMPLEMENTATION", "ExpertShard", "expert_parallel_forward", "register"]
@@ -154,38 +156,39 @@ def expert_parallel_forward(
                            "expert shard; call lightning_merak.plugins.moe.experts.enable_expert_parallel(model)")
     if hidden_states.is_meta:  # merak3d's trace of a meta model records shapes only: nothing to route or exchange
         return hidden_states * top_k_weights.sum(-1, keepdim=True).to(hidden_states.dtype)
-    k, num_experts, device = top_k_index.size(-1), shard.num_experts, hidden_states.device
-    _, counts = sort_routes(top_k_index, num_experts)
-    matrix = _gather_counts(counts, shard)
-    shard.record(matrix)
-    replicating = shard.plan is not None and bool(shard.plan.replications) and shard.ep_size > 1
-    hosted, tensors = _replica_tensors(module, shard, shard.plan) if replicating else ([], None)
-    sent = matrix.clone()
-    for rep in shard.plan.replications if replicating else ():
-        sent[list(rep.replicas), rep.expert] = 0
+    k, num_experts, ep = top_k_index.size(-1), shard.num_experts, shard.ep_size
     flat = top_k_index.reshape(-1)
-    key = flat.clone()
-    for slot, expert in enumerate(hosted):
-        key[flat == expert] = num_experts + slot  # routes to hosted replicas sort after the sent ones
+    matrix = _gather_counts(route_counts(flat, num_experts), shard)
+    shard.record(matrix)
+    replicating = shard.plan is not None and bool(shard.plan.replications) and ep > 1
+    hosted, tensors = _replica_tensors(module, shard, shard.plan) if replicating else ([], None)
+    sent, key = matrix, flat
+    if replicating:  # every rank's routes to a replica it hosts stay home, whether or not this rank hosts one
+        sent, key = matrix.clone(), flat.clone()
+        for rep in shard.plan.replications:
+            sent[list(rep.replicas), rep.expert] = 0
+        for slot, expert in enumerate(hosted):
+            key[flat == expert] = num_experts + slot  # routes to hosted replicas sort after the sent ones
     order = torch.sort(key, stable=True).indices
     plan = DroplessExchange.build(sent, shard.ep_rank)
     num_sent = sum(plan.send_splits)
     hosted_rows = [int(matrix[shard.ep_rank, e]) for e in hosted]
-    send = hidden_states[order[:num_sent] // k]
-    received = _all_to_all(send, plan.recv_splits, plan.send_splits, shard.group) if shard.ep_size > 1 else send
-    perm = plan.recv_to_expert_major.to(device)
-    rows = torch.cat([received[perm], hidden_states[order[num_sent:num_sent + sum(hosted_rows)] // k]])
-    per_rank = len(shard.experts)
-    expert_ids = torch.cat([plan.local_expert_ids, torch.arange(per_rank, per_rank + len(hosted)).repeat_interleave(
-        torch.tensor(hosted_rows, dtype=torch.long))]).to(device)
-    out = expert_mlp(module, rows, plan.expert_rows + hosted_rows, expert_ids, tensors=tensors)
-    num_received = perm.numel()
-    back = out[:num_received].new_empty(num_received, out.shape[1]).index_copy(0, perm, out[:num_received])
-    if shard.ep_size > 1:
+    rows = hidden_states.index_select(0, order[:num_sent + sum(hosted_rows)] // k)
+    send, own = rows.split([num_sent, sum(hosted_rows)]) if hosted else (rows, None)
+    received = send
+    if ep > 1:  # source-major from the exchange, expert-major for the grouped call (at ep=1 it already is)
+        received = _all_to_all(send, plan.recv_splits, plan.send_splits, shard.group)
+        received = permute_rows(received, plan.recv_to_expert_major.to(rows.device),
+                                plan.expert_major_to_recv.to(rows.device))
+    num_received = received.shape[0]
+    out = expert_mlp(module, torch.cat([received, own]) if hosted else received, plan.expert_rows + hosted_rows,
+                     tensors=tensors)
+    back, own_out = out.split([num_received, out.shape[0] - num_received]) if hosted else (out, None)
+    if ep > 1:
+        back = permute_rows(back, plan.expert_major_to_recv.to(out.device), plan.recv_to_expert_major.to(out.device))
         back = _all_to_all(back, plan.send_splits, plan.recv_splits, shard.group)
-    local_out = torch.cat([back, out[num_received:]])
-    route_out = out.new_zeros(order.numel(), out.shape[1]).index_copy(0, order[:local_out.shape[0]], local_out)
-    return combine_routes(route_out, top_k_weights, hidden_states.dtype)
+    local_out = torch.cat([back, own_out]) if hosted else back
+    return combine_routes(restore_route_order(local_out, order), top_k_weights, hidden_states.dtype)
 
 
 def register() -> None:
