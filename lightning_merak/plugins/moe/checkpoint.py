@@ -188,11 +188,19 @@ class FusedExpertSlices:
             self._meshes[key] = DeviceMesh.from_group(group, device_type)
         return self._meshes[key]
 
+    def _split_shard(self, name: str, local: torch.Tensor) -> Any:
+        """The ``ExpertShard`` ``local`` is this rank's slice of (shaped like its local experts, more than one
+        expert group), else ``None``."""
+        shard = self.shards.get(name)
+        if shard is None or shard.ep_size == 1 or local.ndim == 0 or local.shape[0] != len(shard.experts):
+            return None
+        return shard
+
     def global_view(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """``local`` (this rank's experts of ``name``, or optimizer state shaped so) as a slice of the whole;
         unchanged for any other tensor and where one rank holds every expert."""
-        shard = self.shards.get(name)
-        if shard is None or shard.ep_size == 1 or local.ndim == 0 or local.shape[0] != len(shard.experts):
+        shard = self._split_shard(name, local)
+        if shard is None:
             return local
         from torch.distributed.tensor import DTensor, Shard
 
@@ -215,8 +223,8 @@ class FusedExpertSlices:
 
     def gathered(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """``local`` gathered over its expert group into its ``[E, ...]`` whole (collective over that group)."""
-        shard = self.shards.get(name)
-        if shard is None or shard.ep_size == 1 or local.ndim == 0 or local.shape[0] != len(shard.experts):
+        shard = self._split_shard(name, local)
+        if shard is None:
             return local
         pieces = [torch.empty_like(local) for _ in range(shard.ep_size)]
         dist.all_gather(pieces, local.detach().contiguous(), group=shard.group)
