@@ -2,7 +2,7 @@
 
 Run from the repo root::
 
-    python -m benchmarks.planner [--quick] [--out PATH]
+    python -m benchmarks.planner [--quick] [--moe] [--out PATH]
 
 Each round plans once (``plan_only=True`` with ``pipeline_parallel``, ``tensor_parallel`` and
 ``tp_overlap`` on ``"auto"``: the planner profiles this machine inside 2 gloo ranks and returns
@@ -269,7 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and a smaller grid (under 3 minutes)")
     parser.add_argument("--out", type=Path, help=out_help("planner"))
+    parser.add_argument("--moe", action="store_true",
+                        help="instead: merak_ep's predicted vs measured step at dp2 and pp2 x dp2 "
+                             "(benchmarks/_planner_moe.py; default out planner_moe[.quick].json)")
     args = parser.parse_args(argv)
+    if args.moe:
+        from benchmarks._planner_moe import main as moe_main
+
+        return moe_main(args.quick, args.out)
     args.out = args.out or default_out("planner", args.quick)
     mode = QUICK if args.quick else FULL
     started = time.perf_counter()

@@ -15,8 +15,18 @@ head, sub-batch machinery, the blocks' collectives) replace the dp trace's
 (c) other micro-batch counts from a trace of pp=2 with 2 micro-batches. A step's time is the
 period between the ends of consecutive training batches (loop and data loading included), the
 slowest rank's, median over the steps after warm-up. Rows for 8–64 ranks are replays of layouts
-calibrated on the same trace: labelled simulated, nothing measured. Timings on a shared machine
-are noisy; the profiler's overhead is the traced steps' period against the same run's untraced steps.
+calibrated on the same trace: labelled simulated, nothing measured.
+
+On a shared machine a run's steps slow down whenever another process takes a core: runs are therefore
+repeated (``Mode.repeats``), each repeat tracing and measuring everything again, measured runs next to
+their traced counterparts and in reversed order every other repeat (as are the link-rate clusters). A
+row's predicted and measured figures are the medians over repeats of each repeat's own, its error their
+ratio; the rows also keep every repeat's figures, their spread, and the first repeat's error (the single
+run the benchmark used to report). Every step also records how long each rank's main thread waited for a
+CPU (Linux schedstat), reported per run as ``cpu_wait_share``: contention, not our code, where it is high.
+autopipe splits the blocks by timings taken at start-up, which contention moves too: rows of kind
+``PARTITIONED`` replay each pipeline what-if again with the split its measured run got; like the tp2 row
+without its probe, they are reported beside the goal's rows and left out of the maxima.
 """
 
 from __future__ import annotations
@@ -56,6 +66,9 @@ BASE_RATE_MBIT = 1000.0
 REPLAY_TARGET, WHATIF_TARGET = 0.05, 0.10
 PROBE_LAYERS = 2
 """Blocks of the probe runs (the workload has 4)."""
+PARTITIONED = "what-if (measured run's partition)"
+SECONDARY_KINDS = ("what-if layout (no probe)", PARTITIONED)
+"""Rows beside the goal's: no what-if error maximum counts them."""
 SIMULATED = ((8, 1, 1, 1), (16, 2, 2, 4), (16, 4, 1, 8), (32, 2, 1, 4), (64, 1, 1, 1))
 """(dp, pp, tp, micro-batches) replayed beyond this machine."""
 
@@ -86,28 +99,47 @@ class Job:
 
 @dataclass(frozen=True)
 class Mode:
+    """Steps per run, the micro-batch counts predicted from the M=2 trace, and how often everything is repeated."""
+
     steps: int
     micro_batch_counts: tuple[int, ...]
+    repeats: int
+    trace_steps: int = 3
+    """Steps a traced run records (its replay, and its traced over untraced ratio, average over them)."""
     rates: tuple[float, ...] = (500.0, 200.0)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-QUICK = Mode(steps=8, micro_batch_counts=(4,))
-FULL = Mode(steps=12, micro_batch_counts=(1, 4))
+QUICK = Mode(steps=12, micro_batch_counts=(4,), repeats=2)
+FULL = Mode(steps=20, micro_batch_counts=(4, 8), repeats=4, trace_steps=5)
 
 
 # Inside a rank -------------------------------------------------------------------------------
 
 
+def thread_schedstat() -> Optional[tuple[float, float]]:
+    """The calling thread's CPU time and its time runnable but waiting for a CPU, in seconds (Linux schedstat);
+    None where the kernel does not expose them."""
+    try:
+        with open("/proc/thread-self/schedstat") as stat:
+            cpu, waiting = stat.read().split()[:2]
+        return int(cpu) / 1e9, int(waiting) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
 class _Periods(pl.Callback):
-    """perf_counter at the end of every training batch (a step's period is the difference)."""
+    """perf_counter and the main thread's schedstat at the end of every training batch (a step's period is the
+    difference)."""
 
     def __init__(self) -> None:
         self.ends: list[float] = []
+        self.sched: list[Optional[tuple[float, float]]] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.ends.append(time.perf_counter())
+        self.sched.append(thread_schedstat())
 
 
 def _run_job(job: Job, out_dir: str, rank: int, world: int) -> dict[str, Any]:
@@ -134,7 +166,9 @@ def _run_job(job: Job, out_dir: str, rank: int, world: int) -> dict[str, Any]:
                            generator=torch.Generator().manual_seed(1))
     local = tokens[:, replica * WORKLOAD.global_batch:(replica + 1) * WORKLOAD.global_batch].reshape(-1, WORKLOAD.seq)
     trainer.fit(module, DataLoader(TensorDataset(local), batch_size=WORKLOAD.global_batch))
-    return {"job": job.name, "ends": periods.ends,
+    partition = getattr(trainer.strategy, "partition", None)
+    return {"job": job.name, "ends": periods.ends, "sched": periods.sched,
+            "partition": list(partition.boundaries) if partition is not None else None,
             "trace": str(profiler.paths["trace"]) if profiler is not None and profiler.paths else None}
 
 
@@ -162,7 +196,8 @@ def _parse(stdout: str) -> list[dict[str, Any]]:
 
 
 def run_cluster(rate_mbit: float, jobs: Sequence[Job], out_dir: str) -> dict[str, dict[str, Any]]:
-    """Run ``jobs`` in one 2-rank emulated cluster; per job: the measured period, and the trace on rank 0."""
+    """Run ``jobs`` in one 2-rank emulated cluster; per job: its periods (:func:`summarize_run`), the stage
+    boundaries its partitioner chose, and the trace on rank 0."""
     argv = [sys.executable, "-m", "benchmarks.replay", "--rank", "--jobs", json.dumps([asdict(j) for j in jobs]),
             "--dir", out_dir]
     with EmulatedCluster(2, LinkSpec(rate_mbit=rate_mbit)) as cluster:
@@ -170,17 +205,43 @@ def run_cluster(rate_mbit: float, jobs: Sequence[Job], out_dir: str) -> dict[str
                                                            cwd=REPO_ROOT)]
     out = {}
     for index, job in enumerate(jobs):
-        ends = [rank[index]["ends"] for rank in results]
+        per_rank = [rank[index] for rank in results]
+        ends = [r["ends"] for r in per_rank]
         periods = [max(e[i + 1] - e[i] for e in ends) for i in range(len(ends[0]) - 1)]
-        # periods[i] is batch i+1's; the last traced batch also gathers and writes the trace
-        first = job.trace_skip - 1
-        traced = set(range(first, first + job.trace_steps)) if job.traced else set()
-        untraced = [p for i, p in enumerate(periods) if i >= job.warmup - 1 and i not in traced]
-        in_window = [p for i, p in enumerate(periods) if first <= i < first + job.trace_steps - 1] if job.traced else []
-        out[job.name] = {"period_s": statistics.median(untraced), "periods_s": periods,
-                         "traced_period_s": statistics.median(in_window) if in_window else None,
-                         "trace": results[0][index]["trace"]}
+        out[job.name] = {**summarize_run(periods, _step_deltas([r["sched"] for r in per_rank], 1), job),
+                         "partition": per_rank[0]["partition"], "trace": per_rank[0]["trace"]}
     return out
+
+
+def _step_deltas(sched: Sequence[Sequence[Optional[tuple[float, float]]]], field_index: int) -> Optional[list[float]]:
+    """Per step, the largest increase over ranks of one schedstat field (0: CPU time, 1: waiting for a CPU)."""
+    if any(s is None for rank in sched for s in rank):
+        return None
+    return [max(rank[i + 1][field_index] - rank[i][field_index] for rank in sched)  # type: ignore[index]
+            for i in range(len(sched[0]) - 1)]
+
+
+def summarize_run(periods: Sequence[float], cpu_waits: Optional[Sequence[float]], job: Job) -> dict[str, Any]:
+    """A run's statistics from its step ``periods`` (``periods[i]`` is batch i+1's; the last traced batch also
+    gathers and writes the trace): ``period_s``, the median over the untraced steps after warm-up, and
+    ``traced_period_s`` over the traced ones; with ``cpu_waits`` (each step's longest wait for a CPU over the
+    ranks' main threads), ``cpu_wait_share`` (that wait over the period) and ``period_less_cpu_wait_s``, medians
+    over the measured steps."""
+    first = job.trace_skip - 1
+    traced = set(range(first, first + job.trace_steps)) if job.traced else set()
+    measured = [i for i in range(len(periods)) if i >= job.warmup - 1 and i not in traced]
+    if not measured:
+        raise ValueError(f"job {job.name} leaves no untraced step after warm-up; give it more steps")
+    in_window = [periods[i] for i in range(first, first + job.trace_steps - 1)] if job.traced else []
+    summary: dict[str, Any] = {"period_s": statistics.median(periods[i] for i in measured),
+                               "periods_s": list(periods), "measured_steps": measured,
+                               "traced_period_s": statistics.median(in_window) if in_window else None}
+    if cpu_waits is not None:
+        summary["cpu_waits_s"] = list(cpu_waits)
+        summary["cpu_wait_share"] = statistics.median(cpu_waits[i] / periods[i] for i in measured)
+        # A diagnostic only (no error uses it): roughly what the steps take where nothing else wants the cores.
+        summary["period_less_cpu_wait_s"] = statistics.median(periods[i] - cpu_waits[i] for i in measured)
+    return summary
 
 
 def recording_overhead_us(calls: int = 2000) -> dict[str, float]:
@@ -220,18 +281,59 @@ def _shape(workload: Workload = WORKLOAD) -> ModelShape:
 
 
 def _row(kind: str, what: str, predicted: float, measured: Optional[float], **extra: Any) -> dict[str, Any]:
-    row = {"kind": kind, "what": what, "predicted_ms": round(predicted * 1e3, 2),
-           "measured_ms": round(measured * 1e3, 2) if measured else None, **extra}
-    if measured:
-        row["error"] = predicted / measured - 1.0
-    return row
+    """One repeat's row: seconds predicted and measured (None: nothing measured)."""
+    return {"kind": kind, "what": what, "predicted_s": predicted, "measured_s": measured, **extra}
 
 
-def _runs_without_paths(measured: dict[float, dict[str, dict[str, Any]]],
-                        rates: Sequence[float]) -> dict[str, dict[str, Any]]:
-    """Every run's periods for the JSON (the traces' temporary paths left out)."""
-    runs = dict(measured[BASE_RATE_MBIT]) | {f"dp2@{rate:g}Mbit": measured[rate]["dp2"] for rate in rates}
-    return {name: {k: v for k, v in run.items() if k != "trace"} for name, run in runs.items()}
+def merge_rows(repeats: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The rows over repeats (each a list of :func:`_row`'s, in the same order): predicted and measured ms are the
+    medians of the repeats' own, ``error`` their ratio less one; every repeat's figures, the measured spread
+    ((max - min) / median) and ``error_first_repeat`` (one run alone: what a single run reports) stay beside."""
+    if not repeats or any(len(rows) != len(repeats[0]) for rows in repeats):
+        raise ValueError("every repeat needs the same rows")
+    merged = []
+    for rows in zip(*repeats):
+        if len({(r["kind"], r["what"]) for r in rows}) != 1:
+            raise ValueError(f"repeats disagree on a row: {[(r['kind'], r['what']) for r in rows]}")
+        first = rows[0]
+        predicted = [r["predicted_s"] for r in rows]
+        row = {"kind": first["kind"], "what": first["what"],
+               "predicted_ms": round(1e3 * statistics.median(predicted), 2), "measured_ms": None}
+        for key in first:
+            if key not in ("kind", "what", "predicted_s", "measured_s"):
+                values = [r.get(key) for r in rows]
+                row[key] = (statistics.median(values) if all(isinstance(v, float) for v in values)
+                            else values[0])
+        if first["measured_s"] is not None:
+            measured = [r["measured_s"] for r in rows]
+            median = statistics.median(measured)
+            row["measured_ms"] = round(1e3 * median, 2)
+            row["error"] = statistics.median(predicted) / median - 1.0
+            row["error_first_repeat"] = predicted[0] / measured[0] - 1.0
+            row["errors_by_repeat"] = [p / m - 1.0 for p, m in zip(predicted, measured)]
+            row["measured_ms_by_repeat"] = [round(1e3 * m, 2) for m in measured]
+            row["predicted_ms_by_repeat"] = [round(1e3 * p, 2) for p in predicted]
+            row["measured_spread"] = (max(measured) - min(measured)) / median
+        merged.append(row)
+    return merged
+
+
+def merge_runs(repeats: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Every run over repeats for the JSON: ``period_s`` the median of the repeats' (``period_s_first_repeat``:
+    one run alone), their spread, and each repeat's statistics (the traces' temporary paths left out)."""
+    merged = {}
+    for name in repeats[0]:
+        runs = [{k: v for k, v in repeat[name].items() if k != "trace"} for repeat in repeats]
+        periods = [run["period_s"] for run in runs]
+        median = statistics.median(periods)
+        merged[name] = {"period_s": median, "period_s_first_repeat": periods[0],
+                        "period_spread": (max(periods) - min(periods)) / median, "repeats": runs}
+    return merged
+
+
+def _named_runs(measured: dict[float, dict[str, dict[str, Any]]], rates: Sequence[float]) -> dict[str, dict[str, Any]]:
+    """One repeat's runs by name: the 1 Gbit cluster's jobs and ``dp2@<rate>Mbit``."""
+    return dict(measured[BASE_RATE_MBIT]) | {f"dp2@{rate:g}Mbit": measured[rate]["dp2"] for rate in rates}
 
 
 def one_step_trace(trace: Trace, step: int) -> Trace:
@@ -243,9 +345,117 @@ def one_step_trace(trace: Trace, step: int) -> Trace:
     return Trace(ranks, trace.offsets, {**trace.meta, "step": step})
 
 
+def jobs_by_name(mode: Mode) -> dict[str, Job]:
+    """Every 1 Gbit job: traced dp2, the tp2 probe and pp2 M=2, and the runs their what-ifs predict."""
+    steps, traced = mode.steps, mode.trace_steps
+    jobs = [Job("dp2", 2, 1, 1, 1, True, steps, trace_steps=traced),
+            Job("tp2_probe", 1, 1, 2, 1, True, steps, trace_steps=traced, layers=PROBE_LAYERS),
+            Job("tp2", 1, 1, 2, 1, False, steps), Job("pp2_m2", 1, 2, 1, 2, True, steps, trace_steps=traced)]
+    jobs += [Job(f"pp2_m{m}", 1, 2, 1, m, False, steps) for m in mode.micro_batch_counts]
+    return {job.name: job for job in jobs}
+
+
+def measure_repeat(mode: Mode, repeat: int, out_dir: str, started: float) -> dict[float, dict[str, dict[str, Any]]]:
+    """One repeat of every cluster; each measured run next to its traced counterpart, and the order of the
+    jobs and of the link rates reversed every other repeat (a drifting machine then favours no run)."""
+    base = list(jobs_by_name(mode).values())
+    clusters = [(BASE_RATE_MBIT, base)] + [(rate, [Job("dp2", 2, 1, 1, 1, False, mode.steps)]) for rate in mode.rates]
+    measured = {}
+    for rate, jobs in clusters[::-1] if repeat % 2 else clusters:
+        load = os.getloadavg()[0]
+        runs = run_cluster(rate, jobs[::-1] if repeat % 2 else jobs, out_dir)
+        for run in runs.values():
+            run["load_1m_before"] = load
+        measured[rate] = runs
+        periods = ", ".join(f"{name} {1e3 * run['period_s']:.0f} ms" for name, run in runs.items())
+        print(f"  repeat {repeat + 1}/{mode.repeats}, {rate:g} Mbit: {periods} (load {load:.1f}; "
+              f"{time.perf_counter() - started:.0f} s)", flush=True)
+    return measured
+
+
+def predict_repeat(measured: dict[float, dict[str, dict[str, Any]]], traces: dict[str, Trace], mode: Mode,
+                   shape: ModelShape) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One repeat's rows (:func:`_row`) from its own traces and runs; and the costs calibrated on them."""
+    jobs = jobs_by_name(mode)
+    at_base = measured[BASE_RATE_MBIT]
+    rows = []
+    for name in ("dp2", "pp2_m2"):
+        replayed = replay_trace(traces[name])
+        rows.append(_row("replay", f"{name} at 1 Gbit (traced steps)", replayed.step_time,
+                         measured_step_time(traces[name]),
+                         overhead=at_base[name]["traced_period_s"] / at_base[name]["period_s"] - 1.0))
+    dp2 = traces["dp2"]
+    # The traced steps carry the profiler's overhead, measured runs do not: scale by the traced run's own ratio.
+    correction = at_base["dp2"]["period_s"] / measured_step_time(dp2)
+    for rate in mode.rates:
+        predicted = replay_trace(dp2, WhatIf(bandwidth_ratio=rate / BASE_RATE_MBIT)).step_time * correction
+        rows.append(_row("what-if link", f"dp2 at {rate:g} Mbit from 1 Gbit", predicted,
+                         measured[rate]["dp2"]["period_s"], **_contention(measured[rate]["dp2"])))
+    costs_dp = calibrate(dp2, shape, jobs["dp2"].layout())
+    probe_job = jobs["tp2_probe"]
+    probe = Probe(traces["tp2_probe"], _shape(probe_job.workload()), probe_job.layout(),
+                  at_base["tp2_probe"]["period_s"] / measured_step_time(traces["tp2_probe"]))
+    predictor = ReplayPredictor(calibrate_from_traces(dp2, shape, jobs["dp2"].layout(), [probe], correction))
+    for name in ("pp2_m2", "tp2"):
+        probed = f" and a {PROBE_LAYERS}-block probe" if jobs[name].tp > 1 else ""
+        rows.append(_row("what-if layout", f"{name} from dp2{probed}", predictor.step_time(jobs[name].layout()),
+                         at_base[name]["period_s"], **_contention(at_base[name])))
+    unprobed = predict_layout(costs_dp, shape, jobs["tp2"].layout()).step_time * correction
+    rows.append(_row("what-if layout (no probe)", "tp2 from dp2 alone", unprobed, at_base["tp2"]["period_s"],
+                     **_contention(at_base["tp2"])))
+    pp_trace = traces["pp2_m2"]
+    costs_pp = calibrate(pp_trace, shape, jobs["pp2_m2"].layout())
+    pp_correction = at_base["pp2_m2"]["period_s"] / measured_step_time(pp_trace)
+    for m in mode.micro_batch_counts:
+        job = jobs[f"pp2_m{m}"]
+        predicted = predict_layout(costs_pp, shape, job.layout()).step_time * pp_correction
+        rows.append(_row("what-if micro-batches", f"pp2 M={m} from M=2", predicted, at_base[job.name]["period_s"],
+                         **_contention(at_base[job.name])))
+    # autopipe splits the blocks by timings taken at start-up, which a busy machine moves: the pipeline what-ifs
+    # again with the split each measured run got (the replay's error apart from the partitioner's choice)
+    base_costs, base_correction = predictor.calibration.costs_for(jobs["pp2_m2"].layout())
+    pipelines = [("pp2_m2", "pp2_m2 from dp2", base_costs, base_correction)]
+    pipelines += [(f"pp2_m{m}", f"pp2 M={m} from M=2", costs_pp, pp_correction) for m in mode.micro_batch_counts]
+    for name, what, costs, factor in pipelines:
+        split = replace(costs, stage_blocks=stage_blocks(at_base[name]["partition"], shape.blocks))
+        rows.append(_row(PARTITIONED, what, predict_layout(split, shape, jobs[name].layout()).step_time * factor,
+                         at_base[name]["period_s"], **_contention(at_base[name])))
+    rows.append(_row("what-if (not measured)", "dp2, overlap off", replay_trace(dp2, WhatIf(overlap=False)).step_time
+                     * correction, None))
+    rows.append(_row("what-if (not measured)", "dp2, full recompute",
+                     replay_trace(dp2, WhatIf(recompute_fraction=1.0)).step_time * correction, None))
+    for dp, pp, tp, m in SIMULATED:
+        layout = LayoutSpec(dp, pp, tp, m, WORKLOAD.global_batch)
+        rows.append(_row("simulated", f"{layout.ranks} ranks: dp{dp} pp{pp} tp{tp} M{m}",
+                         predict_layout(costs_dp, shape, layout).step_time * correction, None, label="simulated"))
+    costs = {"dp2": asdict(costs_dp), "pp2_m2": asdict(costs_pp), "predictor": predictor.calibration.describe()}
+    return rows, costs
+
+
+def stage_blocks(boundaries: Optional[Sequence[int]], blocks: int) -> tuple[int, ...]:
+    """Blocks per stage of a merak3d partition's ``boundaries`` (graph nodes: 0 the embedding, 1 to ``blocks``
+    the blocks, then the head); () where the run reported none."""
+    if not boundaries:
+        return ()
+    ends = [*boundaries[1:], blocks + 2]
+    return tuple(len(range(max(start, 1), min(end, blocks + 1))) for start, end in zip(boundaries, ends))
+
+
+def _contention(run: dict[str, Any]) -> dict[str, float]:
+    """The measured run's ``cpu_wait_share`` for its row, where the kernel reported it."""
+    return {"measured_cpu_wait_share": run["cpu_wait_share"]} if "cpu_wait_share" in run else {}
+
+
+def _error_max(rows: Sequence[dict[str, Any]], key: str = "error", probes: bool = True) -> float:
+    """The largest |error| of the what-if rows against measurement (the secondary rows, tp2 without its probe
+    and the pipelines at the measured runs' partitions, left out)."""
+    return max(abs(r[key]) for r in rows if r["kind"].startswith("what-if") and key in r
+               and r["kind"] not in SECONDARY_KINDS and (probes or "probe" not in r["what"]))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps and micro-batch counts (under 4 minutes)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps, repeats and micro-batch counts")
     parser.add_argument("--out", type=Path, help=report.out_help("replay"))
     parser.add_argument("--traces", type=Path, help="keep the raw traces in this directory")
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
@@ -265,90 +475,50 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     overhead = recording_overhead_us()
     print(f"recording overhead: {overhead['overhead_per_op_us']:.1f} us per op "
           f"(plain call {overhead['plain_call_us']:.1f} us)", flush=True)
-    steps = mode.steps
-    base = [Job("dp2", 2, 1, 1, 1, True, steps), Job("pp2_m2", 1, 2, 1, 2, True, steps),
-            Job("tp2", 1, 1, 2, 1, False, steps)]
-    probe_jobs = [Job("tp2_probe", 1, 1, 2, 1, True, steps, layers=PROBE_LAYERS)]
-    base += [Job(f"pp2_m{m}", 1, 2, 1, m, False, steps) for m in mode.micro_batch_counts] + probe_jobs
     print(f"replay benchmark: {WORKLOAD.describe()} per replica, 2 gloo ranks, emulated links "
-          f"({'quick' if args.quick else 'full'})", flush=True)
-    rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="merak-replay-") as out_dir:
-        os.chmod(out_dir, 0o777)
-        measured = {BASE_RATE_MBIT: run_cluster(BASE_RATE_MBIT, base, out_dir)}
-        periods = ", ".join(f"{name} {1e3 * run['period_s']:.0f} ms" for name, run in measured[BASE_RATE_MBIT].items())
-        print(f"  1 Gbit: {periods} ({time.perf_counter() - started:.0f} s)", flush=True)
-        for rate in mode.rates:
-            measured[rate] = run_cluster(rate, [Job("dp2", 2, 1, 1, 1, False, steps)], out_dir)
-            print(f"  {rate:g} Mbit: dp2 {measured[rate]['dp2']['period_s'] * 1e3:.0f} ms "
-                  f"({time.perf_counter() - started:.0f} s)", flush=True)
-        at_base = measured[BASE_RATE_MBIT]
-        traces = {name: Trace.load(at_base[name]["trace"]) for name in ("dp2", "pp2_m2", "tp2_probe")}
+          f"({'quick' if args.quick else 'full'}: {mode.repeats} repeats of {mode.steps} steps per run)", flush=True)
+    repeat_rows, repeat_runs, repeat_costs, pp_traces = [], [], [], []
+    for repeat in range(mode.repeats):
+        with tempfile.TemporaryDirectory(prefix="merak-replay-") as out_dir:
+            os.chmod(out_dir, 0o777)
+            measured = measure_repeat(mode, repeat, out_dir, started)
+            traces = {name: Trace.load(measured[BASE_RATE_MBIT][name]["trace"])
+                      for name in ("dp2", "pp2_m2", "tp2_probe")}
         if args.traces:
             for name, trace in traces.items():
-                trace.save(args.traces / f"{name}.json")
-    for name, trace in traces.items():
-        if name.endswith("_probe"):
-            continue
-        replayed = replay_trace(trace)
-        rows.append(_row("replay", f"{name} at 1 Gbit (traced steps)", replayed.step_time, measured_step_time(trace),
-                         overhead=at_base[name]["traced_period_s"] / at_base[name]["period_s"] - 1.0))
-    dp2 = traces["dp2"]
-    traced_period = measured_step_time(dp2)
-    for rate in mode.rates:
-        predicted = replay_trace(dp2, WhatIf(bandwidth_ratio=rate / BASE_RATE_MBIT)).step_time
-        # The traced steps carry the profiler's overhead, measured runs do not: scale by the traced run's own ratio.
-        untraced = predicted * at_base["dp2"]["period_s"] / traced_period
-        rows.append(_row("what-if link", f"dp2 at {rate:g} Mbit from 1 Gbit", untraced,
-                         measured[rate]["dp2"]["period_s"]))
-    costs_dp = calibrate(dp2, shape, Job("dp2", 2, 1, 1, 1, True, steps).layout())
-    correction = at_base["dp2"]["period_s"] / traced_period
-    probes = [Probe(traces[job.name], _shape(job.workload()), job.layout(),
-                    at_base[job.name]["period_s"] / measured_step_time(traces[job.name])) for job in probe_jobs]
-    predictor = ReplayPredictor(calibrate_from_traces(dp2, shape, base[0].layout(), probes, correction))
-    for job in base[1:3]:
-        probed = f" and a {PROBE_LAYERS}-block probe" if job.tp > 1 else ""
-        rows.append(_row("what-if layout", f"{job.name} from dp2{probed}", predictor.step_time(job.layout()),
-                         at_base[job.name]["period_s"]))
-    unprobed = predict_layout(costs_dp, shape, base[2].layout()).step_time * correction
-    rows.append(_row("what-if layout (no probe)", "tp2 from dp2 alone", unprobed, at_base["tp2"]["period_s"]))
-    pp_trace = traces["pp2_m2"]
-    costs_pp = calibrate(pp_trace, shape, Job("pp2_m2", 1, 2, 1, 2, True, steps).layout())
-    pp_correction = at_base["pp2_m2"]["period_s"] / measured_step_time(pp_trace)
-    for m in mode.micro_batch_counts:
-        job = Job(f"pp2_m{m}", 1, 2, 1, m, False, steps)
-        predicted = predict_layout(costs_pp, shape, job.layout()).step_time * pp_correction
-        rows.append(_row("what-if micro-batches", f"pp2 M={m} from M=2", predicted, at_base[job.name]["period_s"]))
-    rows.append(_row("what-if (not measured)", "dp2, overlap off", replay_trace(dp2, WhatIf(overlap=False)).step_time
-                     * correction, None))
-    rows.append(_row("what-if (not measured)", "dp2, full recompute",
-                     replay_trace(dp2, WhatIf(recompute_fraction=1.0)).step_time * correction, None))
-    for dp, pp, tp, m in SIMULATED:
-        layout = LayoutSpec(dp, pp, tp, m, WORKLOAD.global_batch)
-        rows.append(_row("simulated", f"{layout.ranks} ranks: dp{dp} pp{pp} tp{tp} M{m}",
-                         predict_layout(costs_dp, shape, layout).step_time * correction, None, label="simulated"))
+                trace.save(args.traces / f"r{repeat}_{name}.json")
+        rows, costs = predict_repeat(measured, traces, mode, shape)
+        repeat_rows.append(rows)
+        repeat_runs.append(_named_runs(measured, mode.rates))
+        repeat_costs.append(costs)
+        pp_traces.append(traces["pp2_m2"])
+    rows = merge_rows(repeat_rows)
     example = args.out.with_name(f"{args.out.name.removesuffix('.json')}_pp2_step.perfetto.json")
-    write_chrome_trace(chrome_trace(one_step_trace(pp_trace, pp_trace.steps()[-1])), example)
+    write_chrome_trace(chrome_trace(one_step_trace(pp_traces[0], pp_traces[0].steps()[-1])), example)
     replay_error = abs(max((r["error"] for r in rows if r["kind"] == "replay"), key=abs))
-    whatif = [abs(r["error"]) for r in rows if r["kind"].startswith("what-if") and "error" in r
-              and r["kind"] != "what-if layout (no probe)"]
-    without_probes = [abs(r["error"]) for r in rows if r["kind"].startswith("what-if") and "error" in r
-                      and "probe" not in r["what"]]
-    print("\nReplay and what-if predictions vs measured step periods (2 ranks, emulated links; 8-64 ranks simulated)")
-    report.print_table([{**r, "error": f"{100 * r['error']:+.1f}%" if "error" in r else "-"} for r in rows],
-                       ["kind", "what", "predicted_ms", "measured_ms", "error"])
+    whatif, without_probes = _error_max(rows), _error_max(rows, probes=False)
+    print(f"\nReplay and what-if predictions vs measured step periods (2 ranks, emulated links; 8-64 ranks simulated; "
+          f"medians over {mode.repeats} repeats)")
+    report.print_table([{**r, "error": f"{100 * r['error']:+.1f}%" if "error" in r else "-",
+                         "by repeat": " ".join(f"{100 * e:+.0f}%" for e in r.get("errors_by_repeat", [])),
+                         "spread": f"{100 * r['measured_spread']:.0f}%" if "measured_spread" in r else "-"}
+                        for r in rows], ["kind", "what", "predicted_ms", "measured_ms", "error", "by repeat", "spread"])
     print(f"replay error {100 * replay_error:.1f}% (target ≤ {100 * REPLAY_TARGET:.0f}%), what-if error max "
-          f"{100 * max(whatif):.1f}% (target ≤ {100 * WHATIF_TARGET:.0f}%; without the probes "
-          f"{100 * max(without_probes):.1f}%)")
-    report.write_json(args.out, rows, "emulated", replay_error=replay_error, whatif_error_max=max(whatif),
-                      whatif_error_max_without_probes=max(without_probes), probe_layers=PROBE_LAYERS,
+          f"{100 * whatif:.1f}% (target ≤ {100 * WHATIF_TARGET:.0f}%; without the probes "
+          f"{100 * without_probes:.1f}%; first repeat alone {100 * _error_max(rows, 'error_first_repeat'):.1f}%)")
+    report.write_json(args.out, rows, "emulated", replay_error=replay_error, whatif_error_max=whatif,
+                      whatif_error_max_without_probes=without_probes,
+                      whatif_error_max_first_repeat=_error_max(rows, "error_first_repeat"),
+                      statistic=f"medians over {mode.repeats} repeats (each run's period: median of its untraced "
+                                "steps after warm-up); error_first_repeat: the first repeat alone, as a single run "
+                                "reported before repeats",
+                      repeats=mode.repeats, steps_per_run=mode.steps, probe_layers=PROBE_LAYERS,
                       replay_target=REPLAY_TARGET, whatif_target=WHATIF_TARGET, workload=WORKLOAD.describe(),
                       mode="quick" if args.quick else "full", perfetto_example=example.name,
-                      recording_overhead=overhead, runs=_runs_without_paths(measured, mode.rates),
-                      calibrated_costs={"dp2": asdict(costs_dp), "pp2_m2": asdict(costs_pp),
-                                        "predictor": predictor.calibration.describe()},
+                      recording_overhead=overhead, runs=merge_runs(repeat_runs), calibrated_costs=repeat_costs[0],
                       note="emulated: tbf-shaped veth links, 2 gloo ranks, one thread each; simulated rows are "
-                           "replays only; timings on a shared machine are noisy",
+                           "replays only; timings on a shared machine are noisy (cpu_wait_share per run: the main "
+                           "threads' wait for a CPU over the period)",
                       gpu_leg="not run: CPU/gloo on an emulated network", wall_s=time.perf_counter() - started)
     print(f"wrote {args.out} and {example.name} ({time.perf_counter() - started:.0f} s)")
     return 0

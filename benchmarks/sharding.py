@@ -4,8 +4,9 @@ Run from the repo root, as root (the shaped links need network namespaces)::
 
     python -m benchmarks.sharding [--quick] [--out PATH] [--legs LAYOUT ...] [--device cpu|cuda]
 
-(``--legs dp2 pp2xdp2``: only merak3d's modes at those layouts, no baselines, overlap measurement or largest-model
-search, into ``sharding.legs.json``; ``--device cuda``: the one-GPU precision leg of ``benchmarks/_sharding_gpu.py``.)
+(``--legs dp2 pp2xdp2``: only merak3d's modes at those layouts, no baselines or largest-model search, into
+``sharding.legs.json``, and the overlap measurement only if ``dp2-long`` is named; ``--device cuda``: the one-GPU
+precision leg of ``benchmarks/_sharding_gpu.py``.)
 
 Every job trains a randomly initialised transformers Llama (built from its config, fp32) on gloo
 ranks, one compute thread each, each rank in its own network namespace on a tbf-shaped 1 Gbit/s
@@ -86,10 +87,8 @@ MODES = ("none", "optimizer", "gradients", "full")
 REDUCING_MODES = ("none", "optimizer", "gradients")
 """Modes whose gradients merak3d's own buckets reduce (``full`` leaves it to FSDP2)."""
 LAYOUTS: dict[str, tuple[int, dict[str, int]]] = {
-    "dp2": (2, {"data_parallel": 2}),
-    "dp4": (4, {"data_parallel": 4}),
-    "pp2xdp2": (4, {"data_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2}),
-}
+    "dp2": (2, {"data_parallel": 2}), "dp4": (4, {"data_parallel": 4}),
+    "pp2xdp2": (4, {"data_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2})}
 BASELINES = {"ddp": "DDP", "fsdp2": "FSDP2 (ModelParallelStrategy)", "zero1": "DeepSpeed ZeRO-1",
              "zero2": "DeepSpeed ZeRO-2"}
 """Step-time columns ``step_over_KEY``: this run's step over the baseline's of that name at the same world size."""
@@ -141,14 +140,16 @@ class Setting:
     bucket_mb: float
     """merak3d's ``grad_bucket_mb`` (and DeepSpeed's reduce bucket): many buckets, so that reduction can overlap."""
     legs_only: bool = False
-    """Only merak3d's mode comparison (``--legs``): no baselines, overlap measurement or largest-model search."""
+    """Only merak3d's mode comparison (``--legs``): no baselines or largest-model search; the overlap measurement
+    only with ``overlap_leg`` (``--legs`` names ``OVERLAP_LEG``)."""
+    overlap_leg: bool = False
 
 
 QUICK = Setting(Workload(hidden=128, layers=8, vocab=1024, seq=64, global_batch=8), steps=8, warmup=2,
                 layouts=("dp2", "pp2xdp2"), overlap_off_modes=("none", "optimizer"), zero_stages=(1, 2),
                 search_workload=Workload(hidden=256, layers=0, vocab=2048, seq=64, global_batch=8),
-                ladder=(8, 16, 24, 32), cap_mb=300.0, search_steps=2,
-                candidates=tuple(c for c in CANDIDATES if c.mode != "gradients"), overlap_seq=256, bucket_mb=0.5)
+                ladder=(8, 16, 24, 32), cap_mb=300.0, search_steps=2, overlap_seq=256, bucket_mb=0.5,
+                candidates=tuple(c for c in CANDIDATES if c.mode != "gradients"))
 FULL = Setting(Workload(hidden=256, layers=8, vocab=2048, seq=64, global_batch=8), steps=20, warmup=3,
                layouts=("dp2", "dp4", "pp2xdp2"), overlap_off_modes=REDUCING_MODES, zero_stages=(1, 2),
                search_workload=Workload(hidden=256, layers=0, vocab=2048, seq=64, global_batch=8),
@@ -190,6 +191,7 @@ def mode_jobs(setting: Setting, world_size: int) -> list[Job]:
 
 
 OVERLAP_LAYOUT = "dp2 long sequences"
+OVERLAP_LEG = "dp2-long"
 OVERLAP_MODES = ("none", "optimizer")
 
 
@@ -198,7 +200,7 @@ def overlap_jobs(setting: Setting) -> list[Job]:
     workload = asdict(replace(setting.workload, seq=setting.overlap_seq))
     return [Job(f"merak3d {OVERLAP_LAYOUT} {mode}{'' if overlap else ' no-overlap'}", "merak3d", workload,
                 setting.steps, mode=mode, layout=LAYOUTS["dp2"][1], overlap=overlap, bucket_mb=setting.bucket_mb)
-            for mode in OVERLAP_MODES for overlap in (True, False) if not setting.legs_only]
+            for mode in OVERLAP_MODES for overlap in (True, False) if setting.overlap_leg or not setting.legs_only]
 
 
 def search_jobs(setting: Setting) -> list[Job]:
@@ -500,16 +502,16 @@ def plot_memory(rows: list[dict[str, Any]], layouts: tuple[str, ...], path: Path
 
 
 COLUMNS = ["layout", "name", "step_ms", "step_over_merak3d_none", *(f"step_over_{key}" for key in BASELINES),
-           "optimizer_state_ratio",
-           "optimizer_over_ideal", "exposed_grad_comm_fraction", "loss_max_rel_diff_vs_ddp", "peak_over_ideal",
-           "error"]
+           "optimizer_state_ratio", "optimizer_over_ideal", "exposed_grad_comm_fraction", "loss_max_rel_diff_vs_ddp",
+           "peak_over_ideal", "error"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="dp=2 and pp=2 × dp=2, fewer steps (under 4 minutes)")
     parser.add_argument("--out", type=Path, help=report.out_help("sharding"))
-    parser.add_argument("--legs", nargs="+", choices=tuple(LAYOUTS), help="only merak3d's modes at these layouts")
+    parser.add_argument("--legs", nargs="+", choices=(*LAYOUTS, OVERLAP_LEG), help="only merak3d's modes at these "
+                        f"layouts ({OVERLAP_LEG}: the overlap measurement)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the one-GPU precision leg (benchmarks/_sharding_gpu.py) instead of the CPU run")
     args = parser.parse_args(argv)
@@ -520,7 +522,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.out = args.out or report.default_out("sharding.legs" if args.legs else "sharding", args.quick)
     setting = QUICK if args.quick else FULL
     if args.legs:
-        setting = replace(setting, layouts=tuple(args.legs), candidates=(), legs_only=True)
+        setting = replace(setting, layouts=tuple(leg for leg in args.legs if leg in LAYOUTS), candidates=(),
+                          legs_only=True, overlap_leg=OVERLAP_LEG in args.legs)
     emulated = emulation_available()
     network = f"{RATE_MBIT / 1000:g}Gbit (emulated)" if emulated else "loopback (unshaped: emulation unavailable)"
     started, load_at_start = time.monotonic(), os.getloadavg()[0]
@@ -533,8 +536,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             layout = next((name for name, (_, degrees) in LAYOUTS.items()
                            if job.kind == "merak3d" and degrees == job.layout), f"dp{world_size}")
             jobs.append((len(jobs), job, layout, world_size))
-    overlap_offset = len(jobs)
-    jobs += [(overlap_offset + i, job, OVERLAP_LAYOUT, 2) for i, job in enumerate(overlap_jobs(setting))]
+    jobs += [(len(jobs) + i, job, OVERLAP_LAYOUT, 2) for i, job in enumerate(overlap_jobs(setting))]
     searches = search_jobs(setting)
     search_offset = len(jobs)
     jobs += [(search_offset + i, job, c.layout, 4)
@@ -544,11 +546,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="merak-sharding-") as work:
         for world_size in (2, 4):
             runnable = []
-            for index, job, _, size in jobs:
-                if size != world_size:
-                    continue
-                refusal = refused_before_launch(job)
-                if refusal is not None:
+            for index, job, _, _ in (entry for entry in jobs if entry[3] == world_size):
+                if (refusal := refused_before_launch(job)) is not None:
                     outcomes[index] = refusal
                     print(f"  {job.name}: refused before launch: {refusal}", flush=True)
                 else:
@@ -575,8 +574,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("\n" + "\n".join(f"{key}: {top[key]} (goal {GOALS[key]}: {met[key]})" for key in GOALS))
 
     chart = args.out.with_name(f"{args.out.stem}_memory.png")
-    plot_memory(rows, setting.layouts, chart, f"per-rank memory by sharding mode ({network}, "
-                                              f"{setting.workload.describe()})")
+    if setting.layouts:  # not for the overlap measurement alone
+        plot_memory(rows, setting.layouts, chart, f"per-rank memory by sharding mode ({network}, "
+                                                  f"{setting.workload.describe()})")
     wall_s = round(time.monotonic() - started, 1)
     label: report.Label = "emulated" if emulated else "measured"
     out = report.write_json(
@@ -585,7 +585,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         search_workload=ladder_description(setting), ladder_layers=list(setting.ladder),
         cap_mb=setting.cap_mb, steps=setting.steps, warmup_steps=setting.warmup, modes=list(MODES),
         activations_per_sample=per_sample, **{key: value for key, value in top.items()}, goals=GOALS,
-        goals_met=met, memory_png=chart.name, wall_s=wall_s,
+        goals_met=met, memory_png=chart.name if setting.layouts else None, wall_s=wall_s,
         load_average={"start": load_at_start, "end": os.getloadavg()[0]},
         gpu_leg="not run: CPU/gloo ranks on an emulated network",
     )

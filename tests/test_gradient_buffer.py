@@ -64,3 +64,54 @@ def test_one_flat_per_dtype_and_frozen_or_repeated_parameters_left_out() -> None
     model[2].to(torch.float32)
     _loss(model, 1).backward()
     assert not any(_inside(flat, model[0].weight.grad) for flat in buffer.flats)
+
+
+def test_tail_first_sizes_keep_the_last_buckets_small_and_double_up_to_the_bucket_size() -> None:
+    from lightning_merak.runtime.gradient_buffer import tail_first_sizes
+
+    assert tail_first_sizes([4] * 10, 16, 4) == [3, 4, 2, 1]
+    assert tail_first_sizes([4] * 10, 16, None) == [2, 4, 4]
+    assert tail_first_sizes([4] * 10, 16, 64) == [2, 4, 4]  # a tail above the bucket size is the bucket size
+    assert tail_first_sizes([1, 1, 40], 16, 4) == [2, 1]  # a large last item closes its bucket alone
+    assert tail_first_sizes([4] * 3, None, 4) == [3]
+    assert tail_first_sizes([], 16, 4) == []
+
+
+class _UsedOutOfOrder(nn.Module):
+    """Registers ``last`` before ``first`` but uses ``first`` first, like a decoder layer's norms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.last, self.middle, self.first = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.middle(self.first(x)))
+
+
+def test_buckets_in_the_order_a_backward_finished_them_start_without_memory_and_adopt_autograds_values() -> None:
+    model, reference = _UsedOutOfOrder(), _UsedOutOfOrder()
+    params = list(model.parameters())
+    guessed = GradientBuffer(params, bucket_bytes=40)
+    assert guessed.params == list(reversed(params))  # the guess puts ``first`` last and ``last`` first...
+    model(torch.randn(3, 6)).sum().backward()
+    order = guessed.finish_order()
+    finished = [model.last.bias, model.last.weight, model.middle.bias, model.middle.weight, model.first.bias,
+                model.first.weight]
+    assert {id(p) for p in order} == {id(p) for p in params}
+    assert [id(p) for p in order[-2:]] == [id(p) for p in finished[-2:]]  # ...which the backward finished last
+    guessed.remove()
+    for param in params:
+        param.grad = None
+    buffer = GradientBuffer(params, bucket_bytes=40, ready_order=order, released=True)
+    assert [id(p) for p in buffer.params] == [id(p) for p in order]
+    assert all(bucket.released for bucket in buffer.buckets)
+    assert [id(p) for p in buffer.buckets[-1].params] == [id(model.first.weight)]  # alone: 96 bytes, over 40
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        inputs = torch.randn(3, 6)
+        reference(inputs).sum().backward()
+        model(inputs).sum().backward()
+    for expected, param in zip(reference.parameters(), params):
+        assert _inside(buffer.bucket_of(param).flat, param.grad)
+        torch.testing.assert_close(param.grad, expected.grad, rtol=0, atol=0)

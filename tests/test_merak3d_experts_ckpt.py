@@ -12,11 +12,11 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.config import TrainerConfig
 from lightning_merak.models import CausalLMModule
 from lightning_merak.testing import run_distributed
+from lightning_merak.testing.data import ReplicaBatches
 
 STEPS, SAVED_AT, BATCH, SEQ, VOCAB, LR = 4, 2, 8, 8, 128, 0.01
 FAMILY = "qwen3_moe"  # 16 experts, top-8
@@ -54,20 +54,6 @@ def _reference() -> list[float]:
     return losses
 
 
-class _Data(pl.LightningDataModule):
-    """Each data-parallel rank's slice of the global batches ``first`` to ``last``."""
-
-    def __init__(self, first: int, last: int) -> None:
-        super().__init__()
-        self.first, self.last = first, last
-
-    def train_dataloader(self) -> DataLoader:
-        kwargs = self.trainer.strategy.distributed_sampler_kwargs
-        shard = BATCH // kwargs["num_replicas"]
-        local = _batches()[self.first:self.last, kwargs["rank"] * shard:(kwargs["rank"] + 1) * shard]
-        return DataLoader(TensorDataset(local.reshape(-1, SEQ)), batch_size=shard, shuffle=False)
-
-
 class _Losses(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -96,7 +82,7 @@ def _train_rank(rank: int, world_size: int, layout: dict[str, int] | None, ep_si
         limit_val_batches=0, use_distributed_sampler=False,
         callbacks=[ExpertParallelCallback(ep_size=ep_size, log_every_n_steps=1), recorder],
     )
-    trainer.fit(module, datamodule=_Data(first, last), ckpt_path=resume_from)
+    trainer.fit(module, datamodule=ReplicaBatches(_batches(), first, last), ckpt_path=resume_from)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     return recorder.losses

@@ -217,8 +217,11 @@ def test_strategy_is_checked_before_launch() -> None:
         check_merak3d_experts(Merak3DStrategy(data_parallel=1, pipeline_parallel=2, tensor_parallel=2), 4, 2)
     with pytest.raises(ValueError, match="data_parallel_sharding='full'"):
         check_merak3d_experts(Merak3DStrategy(data_parallel=4, data_parallel_sharding="full"), 4)
-    with pytest.raises(ValueError, match="instead of 'auto'"):
-        check_merak3d_experts(Merak3DStrategy(pipeline_parallel="auto"), 4)
+    check_merak3d_experts(Merak3DStrategy(pipeline_parallel="auto", data_parallel_sharding="auto"), 4)  # planned
+    with pytest.raises(ValueError, match="data_parallel_sharding='optimizer'"):
+        check_merak3d_experts(Merak3DStrategy(tensor_parallel="auto", data_parallel_sharding="optimizer"), 4)
+    with pytest.raises(ValueError, match="moe.ep_size=4 does not divide data_parallel=2"):
+        check_merak3d_experts(Merak3DStrategy(pipeline_parallel=2, tensor_parallel="auto"), 4, 4)
 
 
 def test_meta_built_local_experts_start_distinct_on_each_expert_rank() -> None:
@@ -233,19 +236,3 @@ def test_meta_built_local_experts_start_distinct_on_each_expert_rank() -> None:
         drawn.append(experts.gate_up_proj.detach().clone())
     assert torch.equal(drawn[0], drawn[2]) and not torch.equal(drawn[0], drawn[1])
     assert 0.01 < drawn[0].std().item() < 0.03  # the family's initializer_range (0.02)
-
-
-def test_checkpoints_of_adapters_on_experts_are_refused() -> None:
-    """Fused experts are saved sharded (tests/test_merak3d_experts_ckpt.py); PEFT factors on them are not yet."""
-    from types import SimpleNamespace
-
-    from lightning_merak.plugins.moe.experts import ExpertParallelCallback
-    from lightning_merak.strategies.merak3d.experts import ADAPTER_CHECKPOINTS_REFUSED
-
-    callback = ExpertParallelCallback()
-    callback.on_save_checkpoint(None, None, {})  # DDP: not refused here
-    callback._merak3d = SimpleNamespace(checkpoint_problem=None)
-    callback.on_save_checkpoint(None, None, {})
-    callback._merak3d = SimpleNamespace(checkpoint_problem=ADAPTER_CHECKPOINTS_REFUSED)
-    with pytest.raises(ValueError, match="enable_checkpointing=False"):
-        callback.on_save_checkpoint(None, None, {})

@@ -120,3 +120,48 @@ def test_layouts_the_runtime_cannot_run_are_refused_with_the_fix() -> None:
                 dataclasses.replace(SPACE, sharding_modes=("optimizer",)))
     with pytest.raises(ValueError, match="top_k=8 exceeds num_experts=4"):
         dataclasses.replace(EXPERTS, top_k=8)
+
+
+def test_moe_layers_where_the_model_has_them_are_counted_per_stage() -> None:
+    """A family whose first blocks are dense (DeepSeek's first_k_dense_replace) has its MoE layers on the later
+    stages: the profile names their trunk positions and each stage counts its own."""
+    placed = dataclasses.replace(EXPERTS, moe_blocks=2, block_indices=(2, 3))
+    assert [placed.stage_layers(first, 2, 4) for first in (0, 2)] == [0, 2]
+    assert [EXPERTS.stage_layers(first, 2, 4) for first in (0, 2)] == [0.5, 0.5]  # no positions: an even spread
+    with pytest.raises(ValueError, match="must name moe_blocks=2 distinct"):
+        dataclasses.replace(EXPERTS, moe_blocks=2, block_indices=(1, 1))
+
+
+def test_the_profile_reads_the_moe_layers_from_the_model() -> None:
+    from lightning_merak.plugins.moe.experts import tiny_moe_model
+    from lightning_merak.strategies.expert_profiler import expert_layers_of, grouped_experts
+
+    model = tiny_moe_model("deepseek_v3", hidden=32, layers=3, vocab=64)  # block 0 dense, 16 experts, top-8
+    experts = model.model.layers[1].mlp.experts
+    layers = expert_layers_of(model, tokens_per_sample=8, hidden_bytes_per_sample=8 * 32 * 4)
+    assert (layers.num_experts, layers.top_k, layers.hidden_size, layers.moe_blocks) == (16, 8, 32, 2)
+    assert layers.block_indices == (1, 2) and layers.dtype_bytes == 4
+    assert layers.expert_parameter_bytes == 4 * (experts.gate_up_proj.numel() + experts.down_proj.numel())
+    original = experts.config._experts_implementation
+    with grouped_experts(model):  # the profiler times merak_ep's local grouped core, then the model is as it was
+        assert experts.config._experts_implementation == "merak_grouped"
+    assert experts.config._experts_implementation == original
+
+
+def test_the_search_asks_for_the_expert_groups_links_and_leaves_out_uneven_expert_splits() -> None:
+    from lightning_merak.strategies.planner import plan, required_profile_keys
+
+    space = SearchSpace(world_size=4, global_batch_size=8, tp_degrees_allowed=(1,), max_pipeline_stages=2,
+                        ep_size=None)
+    keys = required_profile_keys(space)
+    assert keys.all_to_all_group_sizes == {2, 4} and {2, 4} <= keys.all_reduce_group_sizes
+    assert required_profile_keys(dataclasses.replace(space, ep_size=1)).all_to_all_group_sizes == frozenset()
+    profile = dataclasses.replace(
+        _profile(dataclasses.replace(EXPERTS, num_experts=2, top_k=1)),
+        block_times={(1, 2): BlockTimes((1.0,), (3.0,)), (1, 1): BlockTimes((0.5,), (1.5,))},
+        prefix_times={2: (0.5, 0.25), 1: (0.25, 0.125)}, suffix_times={2: (1.0, 2.0), 1: (0.5, 1.0)})
+    network = NetworkProfile(all_reduce={2: _LINK, 4: _LINK}, p2p=_LINK, all_to_all={2: _FAST_EXCHANGE})
+    ranked = plan(space, profile, network).ranked  # dp4 would split 2 experts over 4 ranks: left out
+    assert {(p.layout.dp, p.layout.pp, p.layout.ep) for p in ranked} == {(2, 2, 2)}
+    with pytest.raises(ValueError, match="divides the 2 experts; set moe.ep_size"):
+        plan(dataclasses.replace(space, max_pipeline_stages=1), profile, network)

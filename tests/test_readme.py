@@ -136,6 +136,10 @@ CASES: dict[str, Case] = {
     "merak-train model=mixtral_tiny moe=deepspeed": Case(),
     "merak-train model=mixtral_tiny moe=shadowing moe.ep_size=2": Case(),
     "merak-train model=mixtral_tiny strategy=ddp moe=prophet moe.experts=merak_ep moe.ep_size=2": Case(),
+    "merak-train model=mixtral_tiny strategy=ddp moe=prophet moe.experts=merak_ep moe.ep_size=2 adapter=lora "
+    "adapter.experts=true adapter.quantization=none": Case(
+        trains=False, config_only=True, output=("  experts: true\n", "  experts: merak_ep\n")),
+    # trained by tests/test_moe_adapters_options.py (the options) and tests/test_moe_adapters_merak3d.py (DDP runs)
     "merak-train adapter=qbara adapter.r=8 adapter.quantization=nf4": Case(),
     "merak-train model=hf model.path=/abs/checkpoint_dir strategy.pipeline_parallel=2": Case(),
     "merak-train model=hf model.path=/abs/checkpoint_dir adapter=qbara adapter.quantization=nf4 "

@@ -16,6 +16,8 @@ Layout (PEFT's, kept so a saved adapter loads into an unsharded ``PeftModel``): 
 functions :func:`slice_expert_factor` / :func:`join_expert_factors` move between the whole factor and a
 rank's contiguous experts; :func:`expert_adapter_state_dict`, :func:`save_moe_adapter`,
 :func:`load_moe_adapter` and :func:`merged_state_dict` are the collective wrappers over the expert group.
+:func:`factor_view` and :func:`expert_factor_shards` let checkpoints store each rank's factors as slices of the
+whole (:class:`~lightning_merak.strategies.merak3d.checkpoint.ExpertSlices`).
 """
 
 from __future__ import annotations
@@ -33,8 +35,13 @@ __all__ = [
     "EXPERT_PROJECTIONS",
     "ExpertAdapter",
     "add_moe_adapters",
+    "expert_adapter_parameters",
     "expert_adapter_state_dict",
     "expert_adapters",
+    "expert_factor_shards",
+    "expert_target_parameters",
+    "factor_view",
+    "pooled_refusal",
     "join_expert_factors",
     "load_moe_adapter",
     "merged_state_dict",
@@ -56,6 +63,11 @@ _POOLED_REFUSAL = ("{method} pools the inputs of an nn.Linear (or 4-bit/INT4 Lin
                    "cannot adapt them. Use method='lora' for the experts, or experts=False to adapt attention only")
 
 Factor = Literal["A", "B"]
+
+
+def pooled_refusal(method: str) -> str:
+    """Why Q-BaRA / QA-HiRA (``method``: qbara or qahira) cannot adapt fused expert tensors, with the fix."""
+    return _POOLED_REFUSAL.format(method={"qbara": "Q-BaRA", "qahira": "QA-HiRA"}.get(method, method))
 
 
 def slice_expert_factor(kind: Factor, weight: torch.Tensor, experts: range, num_experts: int) -> torch.Tensor:
@@ -123,6 +135,33 @@ def expert_adapters(model: nn.Module) -> list[ExpertAdapter]:
     return found
 
 
+def expert_adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The LoRA factors of every expert adapter of ``model`` on a sharded experts module: reduced, clipped and
+    checkpointed like the experts."""
+    return [layer.weight for adapter in expert_adapters(model) if adapter.shard is not None
+            for kind in ("A", "B") for layer in getattr(adapter.wrapper, f"lora_{kind}").values()]
+
+
+def factor_view(kind: Factor, factor: torch.Tensor, experts: int) -> torch.Tensor:
+    """A factor (or a tensor shaped like it) of ``experts`` consecutive experts in a layout where the experts are
+    one dimension: ``lora_A`` as is (``[experts·r, in]``, expert-major rows), ``lora_B [out, r·experts]`` as
+    ``[out, r, experts]``, a reshape, so a rank's experts are a contiguous block of the whole factor's view."""
+    return factor if kind == "A" else factor.reshape(factor.shape[0], -1, experts)
+
+
+def expert_factor_shards(model: nn.Module) -> dict[str, tuple[Factor, Any]]:
+    """Every LoRA factor of an expert adapter on a ``merak_ep`` experts module of ``model``, by parameter name:
+    its kind and its experts module's ``ExpertShard`` (whose experts its rows or columns hold)."""
+    factors: dict[str, tuple[Factor, Any]] = {}
+    for adapter in expert_adapters(model):
+        if adapter.shard is None:
+            continue
+        for kind in ("A", "B"):
+            for key in getattr(adapter.wrapper, f"lora_{kind}"):
+                factors[f"{adapter.name}.lora_{kind}.{key}.weight"] = (kind, adapter.shard)  # type: ignore[assignment]
+    return factors
+
+
 def shard_expert_adapters(model: nn.Module) -> list[str]:
     """Cut every expert adapter built for all experts down to its experts module's local experts.
 
@@ -169,20 +208,12 @@ def moe_adapter_config(model: nn.Module, method: Literal["lora", "qbara", "qahir
     if not (attention or experts):
         raise ValueError("nothing to adapt: set attention=True and/or experts=True")
     if experts and method != "lora":
-        raise ValueError(_POOLED_REFUSAL.format(method={"qbara": "Q-BaRA", "qahira": "QA-HiRA"}[method]))
+        raise ValueError(pooled_refusal(method))
     present = {name.rpartition(".")[2] for name, module in model.named_modules() if hasattr(module, "in_features")}
     modules = sorted(present & set(ATTENTION_PROJECTIONS)) if attention else []
     if attention and not modules:
         raise ValueError(f"{type(model).__name__} has none of the attention projections {ATTENTION_PROJECTIONS}")
-    parameters = []
-    if experts:
-        experts_found = _experts_modules(model)
-        if not experts_found:
-            raise ValueError(f"{type(model).__name__} has no experts module going through transformers' experts "
-                             "registry; adapt attention only (experts=False)")
-        parameters = sorted({f"{name.rpartition('.')[2]}.{tensor}" for name, module in experts_found
-                             for tensor in EXPERT_PROJECTIONS
-                             if isinstance(getattr(module, tensor, None), nn.Parameter)})
+    parameters = expert_target_parameters(model) if experts else []
     if method == "lora":
         from peft import LoraConfig
 
@@ -195,6 +226,17 @@ def moe_adapter_config(model: nn.Module, method: Literal["lora", "qbara", "qahir
 
     config_class = adapters.QBaRAConfig if method == "qbara" else adapters.QAHiRAConfig
     return config_class(r=r, alpha=alpha, target_modules=modules, **options)
+
+
+def expert_target_parameters(model: nn.Module) -> list[str]:
+    """PEFT ``target_parameters`` naming every fused expert weight of ``model`` (:data:`EXPERT_PROJECTIONS`);
+    refused for a model without an experts module going through transformers' experts registry."""
+    experts_found = _experts_modules(model)
+    if not experts_found:
+        raise ValueError(f"{type(model).__name__} has no experts module going through transformers' experts "
+                         "registry; adapt attention only (experts=False)")
+    return sorted({f"{name.rpartition('.')[2]}.{tensor}" for name, module in experts_found
+                   for tensor in EXPERT_PROJECTIONS if isinstance(getattr(module, tensor, None), nn.Parameter)})
 
 
 def _check_config(config: Any) -> None:

@@ -19,7 +19,11 @@ OLMoE, DeepSeek; :mod:`lightning_merak.hf.experts`), cut from one whole paramete
 Adapters: a PEFT user saving a ``PeftModel`` gets the adapter alone; a user exporting for
 ``from_pretrained`` wants plain weights. So a checkpoint with adapter weights is refused unless
 ``--merge-adapters`` is given, which writes ``base + delta`` (PEFT's own merge, one layer at a time)
-under the base names.
+under the base names. LoRA on fused expert tensors (PEFT's ``target_parameters``, one nested
+``ParamWrapper`` per tensor) is merged one experts module at a time the same way: the meta model's module
+wrapped by the recorded config, the checkpoint's base and factors assigned in (``lora_B`` back from a
+merak3d directory's ``[out, r, E]``), PEFT's merge, then cut per expert as ``save_pretrained`` writes it; that
+module's tensors are held twice (read and merged) while it merges.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
 __all__ = ["ExportReport", "export_checkpoint", "main"]
 
@@ -94,33 +99,91 @@ class _Source:
         return state["model." + key]
 
 
+def _skeleton(path: str, leaf: nn.Module) -> nn.Module:
+    """A module tree holding only ``leaf``, under its name in the model, so PEFT's targets match as they did there."""
+    from torch import nn
+
+    skeleton = nn.Module()
+    parent = skeleton
+    *parents, name = path.split(".")
+    for part in parents:
+        parent.add_module(part, nn.Module())
+        parent = getattr(parent, part)
+    parent.add_module(name, leaf)
+    return skeleton
+
+
+def _inject(skeleton: nn.Module, adapters: dict[str, Any]) -> None:
+    """Wrap ``skeleton`` as each recorded adapter config wrapped the model (its other targets are elsewhere)."""
+    from peft import PeftConfig, inject_adapter_in_model
+
+    import lightning_merak.adapters  # noqa: F401  (registers Q-BaRA and QA-HiRA with PEFT)
+
+    with warnings.catch_warnings():  # "target_modules/target_parameters ... no module was matched": expected here
+        warnings.filterwarnings("ignore", message=".*(were set but no|did not match any targeted).*")
+        for name, values in adapters.items():
+            inject_adapter_in_model(PeftConfig.from_peft_type(**values), skeleton, adapter_name=name)
+
+
 def _merged_weight(layer_name: str, base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor],
                    adapters: dict[str, Any]) -> torch.Tensor:
     """``layer_name``'s weight with every recorded adapter merged, by PEFT's own layer on a one-layer skeleton."""
     import torch
-    from peft import PeftConfig, inject_adapter_in_model
     from torch import nn
-
-    import lightning_merak.adapters  # noqa: F401  (registers Q-BaRA and QA-HiRA with PEFT)
 
     weight = base["weight"]
     if not weight.is_floating_point():
         raise ValueError(f"--merge-adapters: the base of {layer_name} is stored quantized ({weight.dtype}); "
                          "train the adapter on an unquantized base (adapter.quantization=none) to export it merged")
-    skeleton = nn.Module()
-    parent = skeleton
-    *path, leaf = layer_name.split(".")
-    for part in path:
-        parent.add_module(part, nn.Module())
-        parent = getattr(parent, part)
-    parent.add_module(leaf, nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in base, dtype=weight.dtype))
-    for name, values in adapters.items():
-        inject_adapter_in_model(PeftConfig.from_peft_type(**values), skeleton, adapter_name=name)
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in base, dtype=weight.dtype)
+    skeleton = _skeleton(layer_name, linear)
+    _inject(skeleton, adapters)
     layer = skeleton.get_submodule(layer_name)
     layer.load_state_dict({**{f"base_layer.{key}": value for key, value in base.items()}, **adapter})
     with torch.no_grad():
         layer.merge(adapter_names=list(adapters))
     return layer.get_base_layer().weight.detach()
+
+
+def _merged_experts(module_name: str, experts: nn.Module, stored: dict[str, torch.Tensor],
+                    adapters: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The parameters of the fused experts module ``module_name`` with every recorded adapter merged.
+
+    PEFT adapts each fused tensor with its own ``ParamWrapper``, nested around the module in PEFT's order, so
+    the wrapping is PEFT's own: the meta model's module is wrapped by the recorded configs (still on meta),
+    ``stored`` (the checkpoint's tensors under the wrapped module, by PEFT's names) is assigned in, and each
+    wrapper merges its ``scaling·B_e A_e`` into its tensor, as ``merge_and_unload`` does on the live model. A
+    ``lora_B`` a merak3d checkpoint holds as ``[out, r, E]`` is reshaped back to PEFT's ``[out, r·E]``.
+    """
+    import copy
+
+    import torch
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    skeleton = _skeleton(module_name, copy.deepcopy(experts))
+    _inject(skeleton, adapters)
+    wrapped = skeleton.get_submodule(module_name)
+    expected = wrapped.state_dict()
+    if sorted(expected) != sorted(stored):
+        raise ValueError(f"--merge-adapters: the recorded adapter config wraps {module_name} as "
+                         f"{sorted(expected)}, the checkpoint holds {sorted(stored)}; export with the adapter "
+                         "config the run trained")
+    values = {}
+    for key, target in expected.items():
+        value = stored[key]
+        if "lora_B." in key and value.ndim == 3 and value.numel() == target.numel():
+            value = value.reshape(target.shape)  # as merak3d stores it
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"{module_name}.{key} has shape {tuple(value.shape)} in the checkpoint, the recorded "
+                             f"adapter config makes it {tuple(target.shape)}")
+        values[key] = value.clone()  # merged in place; a memory-mapped checkpoint stays untouched
+    wrapped.load_state_dict(values, assign=True)
+    with torch.no_grad():
+        for module in wrapped.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.merge(adapter_names=list(adapters))
+    base = wrapped.get_base_layer()
+    return {name: param.detach() for name, param in base.named_parameters(recurse=False)}
 
 
 def _copy_source_files(record_config: dict[str, Any], out: Path) -> list[str]:
@@ -192,11 +255,21 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
                              f"expects {expected}")
         return expected
 
+    merged_experts: dict[str, dict[str, torch.Tensor]] = {}  # the last adapted experts module, merged
+
     def tensor_of(name: str) -> torch.Tensor:
+        layer, _, leaf = name.rpartition(".")
+        if name in experts and layer in adapted:
+            if layer not in merged_experts:
+                merged_experts.clear()
+                full = adapted[layer]
+                stored = {key[len(full) + 1:]: source.read(key) for key in source.entries if key.startswith(full + ".")}
+                merged_experts[layer] = _merged_experts(layer, model.get_submodule(layer), stored, adapters)
+            tensor = merged_experts[layer][leaf]
+            return (tensor.to(out_dtype) if out_dtype else tensor).contiguous()
         tensor = source.read(by_module[name])
         if tensor.ndim:
             tensor = tensor[:shape_of(name)[0]]  # rows of a padded vocabulary dropped
-        layer = name.rpartition(".")[0]
         if name.endswith(".weight") and layer in adapted:
             full = adapted[layer]
             base = {key.rpartition(".")[2]: source.read(key) for key in source.entries

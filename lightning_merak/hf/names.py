@@ -136,14 +136,17 @@ def strip_wrappers(names: Iterable[str], known: Mapping[str, Any]) -> tuple[str,
     """The wrapper prefix under which ``names`` match ``known`` module names, and each name's module name.
 
     The prefix that matches most names wins (the longest on a tie); PEFT's ``.base_layer.`` is
-    dropped. A name that does not match under it maps to None.
+    dropped, nested ones too (PEFT wraps a module once per adapted parameter: ``experts.base_layer.base_layer.
+    gate_up_proj``). A name that does not match under it maps to None.
     """
     names = list(names)
 
     def resolve(name: str, prefix: str) -> Optional[str]:
         if not name.startswith(prefix):
             return None
-        bare = name[len(prefix):].replace(PEFT_LAYER_INFIX, ".")
+        bare = name[len(prefix):]
+        while PEFT_LAYER_INFIX in bare:  # one replace leaves every second of adjacent infixes
+            bare = bare.replace(PEFT_LAYER_INFIX, ".")
         return bare if bare in known else None
 
     best = max(WRAPPER_PREFIXES, key=lambda prefix: sum(resolve(name, prefix) is not None for name in names))

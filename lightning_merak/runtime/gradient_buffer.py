@@ -32,7 +32,12 @@ from torch.distributed.tensor import DTensor
 
 from lightning_merak.runtime.dtensors import local_tensor
 
-__all__ = ["Bucket", "GradientBuffer", "ShardSlice"]
+__all__ = ["Bucket", "GradientBuffer", "ShardSlice", "TAIL_BUCKET_BYTES", "tail_first_sizes"]
+
+TAIL_BUCKET_BYTES = 2**19
+"""The last bucket of a buffer in ready order closes at this size (or ``bucket_bytes`` when smaller), and the buckets
+before it double up to ``bucket_bytes``: the last ones start only as the backward ends, so they are what is left
+exposed once the link has kept up (DDP keeps its first bucket, the same role in its order, at 1 MiB)."""
 
 
 class ShardSlice(NamedTuple):
@@ -98,6 +103,11 @@ class GradientBuffer:
         late: parameters whose gradients the caller still changes after the backward; their
             buckets are never ready early.
         on_ready: called with a bucket when an armed step has finished its gradients.
+        ready_order: the order an earlier step finished these gradients in (:meth:`finish_order`); buckets
+            then follow it and are filled from the last one (:func:`tail_first_sizes`) instead of from the
+            reversed ``params``. Parameters it leaves out go last, in reverse order.
+        released: start every bucket without memory (:meth:`Bucket.restore` gives it on the first write),
+            so that gradients can move in from another buffer bucket by bucket.
 
     A gradient assigned directly (``param.grad = ...``, as zero-bubble schedules do for weight
     gradients) is moved into its slice by :meth:`gather`, which a collective's caller runs first.
@@ -107,7 +117,8 @@ class GradientBuffer:
 
     def __init__(self, params: Sequence[nn.Parameter], *, bucket_bytes: Optional[int] = None, shards: int = 1,
                  late: Collection[nn.Parameter] = (),
-                 on_ready: Optional[Callable[[Bucket], None]] = None) -> None:
+                 on_ready: Optional[Callable[[Bucket], None]] = None,
+                 ready_order: Optional[Sequence[nn.Parameter]] = None, released: bool = False) -> None:
         seen: set[int] = set()
         trainable = []
         for param in params:
@@ -115,9 +126,30 @@ class GradientBuffer:
                 seen.add(id(param))
                 trainable.append(param)
         late_ids = {id(param) for param in late}
+        self.buckets: list[Bucket] = []
+        self._released = released
+        if ready_order is None:
+            self._reversed_buckets(trainable, late_ids, bucket_bytes, shards)
+        else:
+            self._ready_order_buckets(trainable, late_ids, ready_order, bucket_bytes, shards)
+        self._bucket_of = {id(param): bucket for bucket in self.buckets for param in bucket.params}
+        self._on_ready = on_ready
+        self.before_write: Optional[Callable[[Bucket], None]] = None
+        """Called with a bucket before gradients are written into it (a caller using the bucket for something
+        else in between waits for that here)."""
+        self._backwards = 0
+        self._accumulated: dict[int, int] = {}
+        self._accumulations = 0
+        self._finished: dict[int, int] = {}
+        """By ``id``: when each parameter's gradient was last accumulated (a count of accumulations)."""
+        self._hooks = [param.register_post_accumulate_grad_hook(self._adopt_hook(param, view))
+                       for bucket in self.buckets for param, view in zip(bucket.params, bucket.views)]
+
+    def _reversed_buckets(self, trainable: list[nn.Parameter], late_ids: set[int], bucket_bytes: Optional[int],
+                          shards: int) -> None:
+        """Reversed ``params``, each dtype's bucket closed once it holds ``bucket_bytes``."""
         ordered = [param for param in reversed(trainable) if id(param) not in late_ids]
         ordered += [param for param in reversed(trainable) if id(param) in late_ids]
-        self.buckets: list[Bucket] = []
         groups: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
         filled: dict[tuple[torch.dtype, bool], int] = {}
         for param in ordered:
@@ -130,15 +162,31 @@ class GradientBuffer:
                 del filled[key]
         for (_, is_late), group in groups.items():
             self._add_bucket(group, is_late, shards)
-        self._bucket_of = {id(param): bucket for bucket in self.buckets for param in bucket.params}
-        self._on_ready = on_ready
-        self.before_write: Optional[Callable[[Bucket], None]] = None
-        """Called with a bucket before gradients are written into it (a caller using the bucket for something
-        else in between waits for that here)."""
-        self._backwards = 0
-        self._accumulated: dict[int, int] = {}
-        self._hooks = [param.register_post_accumulate_grad_hook(self._adopt_hook(param, view))
-                       for bucket in self.buckets for param, view in zip(bucket.params, bucket.views)]
+
+    def _ready_order_buckets(self, trainable: list[nn.Parameter], late_ids: set[int],
+                             ready_order: Sequence[nn.Parameter], bucket_bytes: Optional[int], shards: int) -> None:
+        """Each dtype's gradients in ``ready_order`` cut by :func:`tail_first_sizes`; buckets ordered by when their
+        last gradient is finished, the late ones after (in reverse order, as they are never ready early)."""
+        members = {id(param) for param in trainable if id(param) not in late_ids}
+        position = {}
+        for param in [*ready_order, *reversed(trainable)]:
+            if id(param) in members and id(param) not in position:
+                position[id(param)] = len(position)
+        ordered = sorted((param for param in trainable if id(param) in members), key=lambda p: position[id(p)])
+        groups: dict[torch.dtype, list[nn.Parameter]] = {}
+        for param in ordered:
+            groups.setdefault(local_tensor(param).dtype, []).append(param)
+        cuts = []
+        for group in groups.values():
+            sizes = [local_tensor(param).nbytes for param in group]
+            start = 0
+            for count in tail_first_sizes(sizes, bucket_bytes, TAIL_BUCKET_BYTES):
+                cuts.append(group[start:start + count])
+                start += count
+        for cut in sorted(cuts, key=lambda cut: position[id(cut[-1])]):
+            self._add_bucket(cut, False, shards)
+        self._reversed_buckets([param for param in trainable if id(param) in late_ids], late_ids, bucket_bytes,
+                               shards)
 
     def _add_bucket(self, params: list[nn.Parameter], late: bool, shards: int) -> None:
         locals_ = [local_tensor(param) for param in params]
@@ -147,10 +195,13 @@ class GradientBuffer:
             offsets.append(total)
             total += local.numel()
         padded = -(-total // shards) * shards
-        flat = torch.zeros(padded, dtype=locals_[0].dtype, device=locals_[0].device)
+        make = torch.empty if self._released else torch.zeros
+        flat = make(padded, dtype=locals_[0].dtype, device=locals_[0].device)
         bucket = Bucket(len(self.buckets), flat, params, offsets, late, shards)
         bucket.views = [flat[offset:offset + local.numel()].view(local.shape)
                         for offset, local in zip(offsets, locals_)]
+        if self._released:
+            bucket.release()
         self.buckets.append(bucket)
 
     @property
@@ -165,6 +216,13 @@ class GradientBuffer:
 
     def bucket_of(self, param: nn.Parameter) -> Bucket:
         return self._bucket_of[id(param)]
+
+    def finish_order(self) -> list[nn.Parameter]:
+        """The parameters of the early buckets by when their gradients were last accumulated, earliest first (the
+        order the last backward finished them in), then those never accumulated, in buffer order."""
+        early = [param for bucket in self.buckets if not bucket.late for param in bucket.params]
+        seen = sorted((param for param in early if id(param) in self._finished), key=lambda p: self._finished[id(p)])
+        return seen + [param for param in early if id(param) not in self._finished]
 
     def arm(self, backwards: int) -> None:
         """Announce a step of ``backwards`` backward passes: a bucket is ready once each of its parameters has
@@ -185,6 +243,8 @@ class GradientBuffer:
                 self.before_write(bucket)
             bucket.restore()
             _adopt(tensor, view)
+            self._accumulations += 1
+            self._finished[id(param)] = self._accumulations
             if self._backwards and not bucket.late:
                 self._count(param, bucket)
         return adopt
@@ -228,6 +288,25 @@ class GradientBuffer:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+def tail_first_sizes(sizes: Sequence[int], bucket_bytes: Optional[int], tail_bytes: Optional[int]) -> list[int]:
+    """How many of consecutive items of ``sizes`` bytes each bucket holds, first to last, filled from the last: the
+    last bucket closes once it holds ``tail_bytes`` (``None``: ``bucket_bytes``), each one before it at twice the
+    size of the one after, up to ``bucket_bytes``, and the first keeps what is left (``bucket_bytes=None``: one
+    bucket). A bucket waits for its last gradient, so the buckets finished as the backward ends stay small."""
+    if bucket_bytes is None:
+        return [len(sizes)] if sizes else []
+    counts: list[int] = []
+    count, filled, limit = 0, 0, min(bucket_bytes, bucket_bytes if tail_bytes is None else tail_bytes)
+    for size in reversed(sizes):
+        count, filled = count + 1, filled + size
+        if filled >= limit:
+            counts.append(count)
+            count, filled, limit = 0, 0, min(bucket_bytes, 2 * limit)
+    if count:
+        counts.append(count)
+    return counts[::-1]
 
 
 def _adopt(param: nn.Parameter, view: torch.Tensor) -> None:

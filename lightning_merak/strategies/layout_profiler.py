@@ -440,6 +440,17 @@ def profile_model(
     )
 
 
+def consecutive_group(size: int) -> dist.ProcessGroup:
+    """This rank's group of ``size`` consecutive ranks; every rank creates every such group (collective)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = None
+    for first in range(0, world, size):
+        group = dist.new_group(list(range(first, first + size)))
+        if first <= rank < first + size:
+            mine = group
+    return mine
+
+
 def _sizes(small_bytes: int, large_bytes: int) -> list[int]:
     """Message sizes from ``small_bytes`` to ``large_bytes``, a factor of about 4 apart."""
     sizes = [large_bytes]
@@ -500,11 +511,7 @@ def profile_network(group_sizes: Iterable[int], device: torch.device, large_byte
     all_reduce: dict[int, CollectiveCost] = {}
     gradient_sync: dict[int, CollectiveCost] = {}
     for size in sorted(set(group_sizes)):
-        mine = None
-        for first in range(0, world, size):
-            group = dist.new_group(list(range(first, first + size)))
-            if first <= rank < first + size:
-                mine = group
+        mine = consecutive_group(size)
         points = []
         for nbytes in _sizes(small_bytes, large_bytes):
             tensor = torch.ones(max(1, nbytes // 4), device=device)

@@ -1,7 +1,8 @@
 """Test bed shared by the test suite and the benchmarks: real multi-process runs and
 step-by-step comparison with a single-process reference.
 
-Imported on demand, not from here: :mod:`lightning_merak.testing.netem` (ranks on an emulated
+Imported on demand, not from here: :mod:`lightning_merak.testing.data` (each rank's share of fixed global
+batches), :mod:`lightning_merak.testing.netem` (ranks on an emulated
 cluster network; needs root) and :mod:`lightning_merak.testing.delta_models` (small models and
 Lightning wrappers for the DeltaMemory tests and benchmark)."""
 

@@ -8,7 +8,7 @@ tensors and the new layout is cut from those. Expert-parallel MoE layers number 
 from 0 on every rank; checkpoints number them globally. ``merak_ep``'s fused expert tensors, already
 cut to each rank's experts before the build, are saved as slices of their ``[E, ...]`` whole and
 read back as the slice this layout holds (:class:`~lightning_merak.plugins.moe.checkpoint.FusedExpertSlices`),
-Adam's moments with them.
+Adam's moments with them; so are the LoRA factors of adapters on those experts (:class:`ExpertSlices`).
 
 A checkpoint directory is written under a temporary name and renamed once every rank's shards and
 ``lightning.ckpt`` are on disk (:mod:`~lightning_merak.runtime.checkpoint_files`), so a run killed
@@ -18,8 +18,9 @@ while saving keeps its previous checkpoint. Loading builds nothing but tensors a
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,9 +34,12 @@ from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh
 from lightning_merak.strategies.pipeline.stage import RankStages
 from lightning_merak.strategies.tensor_parallel import LayoutChange
 
-__all__ = ["LIGHTNING_CHECKPOINT", "ExpertParallelCheckpointIO", "ShardedCheckpointer", "is_sharded_checkpoint"]
+__all__ = ["LIGHTNING_CHECKPOINT", "ExpertParallelCheckpointIO", "ExpertSlices", "ShardedCheckpointer",
+           "is_sharded_checkpoint"]
 
 LIGHTNING_CHECKPOINT = "lightning.ckpt"
+OPTIMIZER_NAMES = "merak_ep_optimizer_names"
+"""Key of a DDP checkpoint of ``merak_ep``: each optimizer's parameter names in its state's order."""
 
 
 def _read_target(tensor: torch.Tensor) -> torch.Tensor:
@@ -56,6 +60,142 @@ def _saved_storage_where_rewritten(model_state: dict[str, torch.Tensor], metadat
         if target.is_floating_point() and isinstance(saved, TensorStorageMetadata) and (
                 tuple(saved.size) != tuple(target.shape) or saved.properties.dtype != target.dtype):
             model_state[key] = torch.empty(saved.size, dtype=saved.properties.dtype)
+
+
+class ExpertSlices(FusedExpertSlices):
+    """``merak_ep``'s fused expert tensors and the LoRA factors of adapters on them, each rank's part a slice of
+    the whole (:class:`~lightning_merak.plugins.moe.checkpoint.FusedExpertSlices` for the experts).
+
+    PEFT cuts a factor per expert in its own layout: ``lora_A [E·r, in]`` is expert-major, so a rank's rows are
+    one block as the experts' are; ``lora_B [out, r·E]`` has the expert fastest, so a rank's columns are strided.
+    A checkpoint stores ``lora_B`` as ``[out, r, E]`` (a reshape of the single-process factor,
+    :func:`~lightning_merak.adapters.moe.factor_view`) sharded on its last dimension, which DCP writes and reshards
+    like any slice; Adam's moments with them. A ``lora_B`` saved flat (a run without ``merak_ep``) is read whole and
+    sliced. Lightning's DDP gathers and slices the factors in PEFT's own layout instead.
+
+    Args:
+        shards: as :class:`FusedExpertSlices`'.
+        factors: parameter name of each expert adapter factor → ``(kind, ExpertShard, this rank's shape)``.
+    """
+
+    def __init__(self, shards: dict[str, Any], factors: dict[str, tuple[str, Any, tuple[int, ...]]]) -> None:
+        super().__init__(shards)
+        self.factors = factors
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ExpertSlices:
+        """The fused expert tensors and expert adapter factors of ``model`` (experts already cut)."""
+        factors = {}
+        if "peft" in sys.modules:  # else no adapter exists, and importing the adapters would pull PEFT in
+            from lightning_merak.adapters.moe import expert_factor_shards
+
+            params = dict(model.named_parameters())
+            factors = {name: (kind, shard, tuple(params[name].shape))
+                       for name, (kind, shard) in expert_factor_shards(model).items()}
+        return cls(FusedExpertSlices.of(model).shards, factors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.factors or super().__contains__(name)
+
+    def _factor(self, name: str, local: torch.Tensor) -> Optional[tuple[str, Any]]:
+        """``(kind, shard)`` when ``local`` is this rank's part of an expert adapter factor (or its moment)."""
+        found = self.factors.get(name)
+        return None if found is None or tuple(local.shape) != found[2] else found[:2]
+
+    def global_view(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        found = self._factor(name, local)
+        if found is None:
+            return super().global_view(name, local)
+        from torch.distributed.tensor import Shard
+
+        from lightning_merak.adapters.moe import factor_view
+
+        kind, shard = found
+        view = factor_view(kind, local, len(shard.experts))
+        if shard.ep_size == 1:
+            return view
+        dim = 0 if kind == "A" else 2
+        whole = list(view.shape)
+        whole[dim] = whole[dim] // len(shard.experts) * shard.num_experts
+        stride = torch.empty(whole, device="meta").stride()
+        return DTensor.from_local(view, self._mesh(shard, local.device.type), [Shard(dim)], run_check=False,
+                                  shape=torch.Size(whole), stride=stride)
+
+    def read_target(self, name: str, saved_shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+        found = self._factor(name, like)
+        if found is None:
+            return super().read_target(name, saved_shape, like)
+        if found[0] == "B" and len(saved_shape) == 2 and tuple(saved_shape) != tuple(like.shape):
+            return torch.empty(tuple(saved_shape), dtype=like.dtype)  # saved flat: read whole, sliced by loaded()
+        return self.global_view(name, like)
+
+    def local_shape(self, name: str, saved_shape: Sequence[int]) -> Optional[tuple[int, ...]]:
+        """This rank's shape of a saved tensor of ``name`` (optimizer state included) when it is a slice of an
+        expert tensor or factor; ``None`` for any other (read whole)."""
+        if name in self.factors:
+            return self.factors[name][2] if len(saved_shape) else None
+        shard = self.shards.get(name)
+        if shard is None or not saved_shape or saved_shape[0] != shard.num_experts:
+            return None
+        return (len(shard.experts), *saved_shape[1:])
+
+    def loaded(self, name: str, value: Any) -> Any:
+        """A tensor :meth:`read_target` read, in this rank's layout again (a plain tensor of its own experts)."""
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        found = self.factors.get(name)
+        if found is None or not isinstance(value, torch.Tensor) or value.ndim < 2 or tuple(value.shape) == found[2]:
+            return value
+        kind, shard, shape = found
+        if value.ndim == 3:
+            return value.reshape(shape)
+        from lightning_merak.adapters.moe import slice_expert_factor
+
+        return slice_expert_factor(kind, value, shard.experts, shard.num_experts).clone()  # type: ignore[arg-type]
+
+    def gathered(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        found = self._factor(name, local)
+        if found is None:
+            return super().gathered(name, local)
+        from lightning_merak.adapters.moe import join_expert_factors
+
+        kind, shard = found
+        if shard.ep_size == 1:
+            return local
+        pieces = [torch.empty_like(local) for _ in range(shard.ep_size)]
+        dist.all_gather(pieces, local.detach().contiguous(), group=shard.group)
+        rank = (local.shape[0] if kind == "A" else local.shape[1]) // len(shard.experts)
+        return join_expert_factors(kind, pieces, rank)  # type: ignore[arg-type]
+
+    def sliced(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        if name not in self.factors:
+            return super().sliced(name, whole)
+        return self.loaded(name, whole)
+
+    def whole_checkpoint(self, checkpoint: dict[str, Any], module: nn.Module,
+                         optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """As :class:`FusedExpertSlices`', and the name of each optimizer entry recorded: an optimizer over the
+        trainable parameters alone (adapters) numbers its state otherwise than the module's parameter order."""
+        super().whole_checkpoint(checkpoint, module, optimizers)
+        names = {id(param): name for name, param in module.named_parameters()}
+        checkpoint[OPTIMIZER_NAMES] = [[names.get(id(param), "") for group in optimizer.param_groups
+                                        for param in group["params"]] for optimizer in optimizers]
+
+    def local_checkpoint(self, checkpoint: dict[str, Any], module: nn.Module) -> None:
+        """As :class:`FusedExpertSlices`', optimizer entries matched by the names :meth:`whole_checkpoint` recorded
+        (by the module's parameter order in a file written without them)."""
+        recorded = checkpoint.pop(OPTIMIZER_NAMES, None)
+        if recorded is None:
+            super().local_checkpoint(checkpoint, module)
+            return
+        state = checkpoint.get("state_dict", {})
+        for key in list(state):
+            state[key] = self.sliced(key, state[key])
+        for names, saved in zip(recorded, checkpoint.get("optimizer_states", [])):
+            for index, entry in saved.get("state", {}).items():
+                name = names[index] if isinstance(index, int) and index < len(names) else ""
+                saved["state"][index] = {field: self.sliced(name, value) if isinstance(value, torch.Tensor) else value
+                                         for field, value in entry.items()}
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
@@ -79,8 +219,8 @@ class ShardedCheckpointer:
         """Expert-parallel MoE layers number their experts from 0 on every rank; checkpoints number them globally."""
         self.model_record: Optional[dict[str, Any]] = None
         """The unsplit model's transformers config (and adapters), saved with each checkpoint."""
-        self.fused_experts = FusedExpertSlices({})
-        """``merak_ep``'s fused expert tensors, each rank's experts a slice of the saved whole."""
+        self.fused_experts = ExpertSlices({}, {})
+        """``merak_ep``'s fused expert tensors and adapter factors on them, each rank's part a slice of the whole."""
         self.before_load: Optional[Callable[[nn.Module], Any]] = None
         """Run on the LightningModule before a checkpoint is read (``merak_ep`` cuts a model that
         ``configure_model`` built to its experts there, so that only those are read)."""
@@ -94,7 +234,7 @@ class ShardedCheckpointer:
         from lightning_merak.hf.names import model_record
 
         self.experts = ExpertNumbering.of(model, self._data_parallel_ranks)
-        self.fused_experts = FusedExpertSlices.of(model)
+        self.fused_experts = ExpertSlices.of(model)
         self.model_record = model_record(model)
 
     # Names and layouts ------------------------------------------------------------------------
@@ -229,8 +369,11 @@ class ShardedCheckpointer:
                     optim_state[key] = entry
         tensors = {"model": model_state, "optim": optim_state}
         dcp.load(tensors, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
-        for part in tensors.values():  # this rank's slice of each fused expert tensor, as a plain tensor again
-            part.update({key: value.to_local() for key, value in part.items() if isinstance(value, DTensor)})
+        # this rank's slice of each fused expert tensor or adapter factor, as a plain tensor in its layout again
+        tensors["model"] = {key: self.fused_experts.loaded(key[len("model."):], value)
+                            for key, value in tensors["model"].items()}
+        tensors["optim"] = {key: self.fused_experts.loaded(key.split("/", 2)[1], value) if "/" in key else value
+                            for key, value in tensors["optim"].items()}
         checkpoint["state_dict"] = self._renumbered_state(tensors["model"], to_global=False)
         checkpoint["optimizer_states"] = []
         for index, layout in enumerate(checkpoint.pop("merak3d_optimizers")):
@@ -248,11 +391,10 @@ class ShardedCheckpointer:
         """Where saved optimizer entry ``key`` (``<index>/<name>/<field>``) is read to: the whole tensor, or this
         rank's slice of a fused expert tensor's state."""
         name = key.split("/", 2)[1]
-        shard = self.fused_experts.shards.get(name)
-        if shard is None or not shape or shape[0] != shard.num_experts:
+        local = self.fused_experts.local_shape(name, shape)
+        if local is None:
             return torch.empty(shape, dtype=dtype)
-        local = torch.empty((len(shard.experts), *shape[1:]), dtype=dtype)
-        return self.fused_experts.read_target(name, shape, local)
+        return self.fused_experts.read_target(name, shape, torch.empty(local, dtype=dtype))
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, saved: dict[str, Any], model: nn.Module) -> None:
         """Load ``saved`` into ``optimizer`` over the built ``model``'s parameters, each entry placed like its own."""
@@ -330,7 +472,7 @@ class ExpertParallelCheckpointIO(CheckpointIO):
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         if not is_sharded_checkpoint(Path(path)):  # a DDP run's file: its experts whole, this rank keeps its own
             checkpoint = self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-            FusedExpertSlices.of(self.module).local_checkpoint(checkpoint, self.module)
+            ExpertSlices.of(self.module).local_checkpoint(checkpoint, self.module)
             return checkpoint
         rank, world = dist.get_rank(), dist.get_world_size()
         checkpoint = ShardedCheckpointer(lambda: (rank, (1, world, 1))).load(Path(path), self.module)

@@ -27,7 +27,6 @@ the optimizer with the real parameters and whole states while a checkpoint is wr
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -43,32 +42,20 @@ from lightning_merak.runtime.gradient_buffer import Bucket, GradientBuffer, Shar
 from lightning_merak.runtime.gradient_norm import ShardedGradients
 from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh
 from lightning_merak.strategies.merak3d.layout import LayoutGroups
+from lightning_merak.strategies.merak3d.sharding_checks import (
+    SHARDED_MODES,
+    check_precision,
+    check_shardable_optimizer,
+    check_sharding,
+)
 
 __all__ = ["SHARDED_MODES", "DataParallelGradients", "PairwiseReduceScatter", "check_precision",
            "check_shardable_optimizer", "check_sharding", "data_parallel_gradients", "refreshed", "shard_groups"]
-
-SHARDED_MODES = ("optimizer", "gradients")
-ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
-                          torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
-                          torch.optim.Adadelta)
-"""Optimizers whose update of an element reads only that element's gradient and state, so stepping a slice of a
-flattened parameter is stepping the parameter."""
 
 
 def _storage(param: nn.Parameter) -> torch.Tensor:
     """The tensor holding ``param``'s local elements, outside autograd."""
     return local_tensor(param.detach())
-
-
-def check_shardable_optimizer(optimizer: torch.optim.Optimizer, mode: str) -> None:
-    """Refuse an optimizer whose update of a slice of a parameter differs from its update of the parameter."""
-    inner = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer
-    if not isinstance(inner, ELEMENTWISE_OPTIMIZERS):
-        names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
-        raise ValueError(
-            f"data_parallel_sharding={mode!r} steps a slice of each parameter, which {type(inner).__name__} "
-            f"does not update element by element; use one of {names}, or data_parallel_sharding='none' or 'full'"
-        )
 
 
 def shard_groups(groups: LayoutGroups, shards: int) -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup]]:
@@ -109,11 +96,20 @@ class DataParallelGradients:
         bucket_bytes: bucket size.
         overlap_param_gather: with ``"optimizer"``, the module whose forward waits for each bucket of
             updated parameters just before the first of its modules that uses it (``None``: gathered at once).
+        ready_order: the order the first step finished the gradients in, agreed over the replicas
+            (:meth:`agreed_finish_order`); the buckets follow it, their memory given on first use
+            (:meth:`take_gradients` moves a previous reduction's gradients in).
+
+    With overlap, the first step's reduction (no overlap yet) is replaced by one in ready order (:func:`refreshed`):
+    laid out in reversed registration order, a decoder layer's norms (registered last, finished last) held each
+    bucket back until the layer's whole backward had run, and the last 6 MB became ready only as the backward ended
+    (``docs/findings.md``, #29).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], late: Sequence[nn.Parameter], *, groups: LayoutGroups,
                  mode: str, shards: int, overlap: bool, bucket_bytes: int,
-                 overlap_param_gather: Optional[nn.Module] = None) -> None:
+                 overlap_param_gather: Optional[nn.Module] = None,
+                 ready_order: Optional[Sequence[nn.Parameter]] = None) -> None:
         self.mode = mode
         self.sharded = mode in SHARDED_MODES
         self._data_parallel = groups.layout.data_parallel
@@ -124,7 +120,9 @@ class DataParallelGradients:
             self._pairwise = shards == 2
             """Reduce-scatter a CPU bucket by exchanging halves (:class:`PairwiseReduceScatter`)."""
         self.buffer = GradientBuffer(params, bucket_bytes=bucket_bytes, shards=shards if self.sharded else 1,
-                                     late=late, on_ready=self._launch_early if overlap else None)
+                                     late=late, on_ready=self._launch_early if overlap else None,
+                                     ready_order=ready_order, released=ready_order is not None)
+        self.ready_ordered = ready_order is not None
         self._positions = {id(param): index for index, param in enumerate(self.buffer.params)}
         self._overlap = overlap
         self._micro_batches = 1
@@ -357,6 +355,37 @@ class DataParallelGradients:
                 "views it); replace parameters before the first batch, or use data_parallel_sharding='none'"
             )
 
+    # Bucket order --------------------------------------------------------------------------------
+
+    @property
+    def wants_ready_order(self) -> bool:
+        """Whether the first step is still running (on buckets in the guessed order) and would overlap afterwards."""
+        return self._overlap and not self.validated and not self.ready_ordered
+
+    def agreed_finish_order(self) -> list[nn.Parameter]:
+        """The order the first data-parallel rank's last backward finished the gradients in, on every replica (their
+        buckets must match, and a rank whose batch skips a parameter finishes it at another time). A collective."""
+        params = self.buffer.params
+        mine = [[self._positions[id(param)] for param in self.buffer.finish_order()]]
+        dist.broadcast_object_list(mine, src=dist.get_global_rank(self._group, 0), group=self._group)
+        return [params[position] for position in mine[0]]
+
+    def take_gradients(self, previous: DataParallelGradients) -> None:
+        """Move ``previous``'s gradients into these buckets one at a time, freeing each of its buckets once all of its
+        gradients have moved, so that the two layouts never hold every gradient twice."""
+        moving = {id(param) for param in self.buffer.params}
+        left = {bucket.index: len(bucket.params) for bucket in previous.buffer.buckets
+                if all(id(param) in moving for param in bucket.params)}  # one kept by a callback stays
+        for bucket in self.buffer.buckets:
+            self.buffer.gather_bucket(bucket)
+            for param in bucket.params:
+                if id(param) in previous._positions:
+                    old = previous.buffer.bucket_of(param)
+                    if old.index in left:
+                        left[old.index] -= 1
+                        if left[old.index] == 0:
+                            old.release()
+
     # Reduction -----------------------------------------------------------------------------------
 
     def arm(self, backwards: int) -> frozenset[int]:
@@ -449,9 +478,11 @@ class DataParallelGradients:
         }
 
     def close(self) -> None:
-        """Stop adopting gradients and gathering before forwards, once every gather in flight is done."""
+        """Stop adopting gradients and gathering before forwards, once every gather in flight is done (and drop the
+        shards of averaged gradients: a replacement allocates its own)."""
         self.wait_for_parameters()
         self.buffer.remove()
+        self._shard_grads = []
         for hook in self._forward_hooks:
             hook.remove()
         self._forward_hooks = []
@@ -504,8 +535,8 @@ def _sliced_state(state: dict[str, Any], shard: nn.Parameter) -> dict[str, Any]:
     return sliced
 
 
-def data_parallel_gradients(module: nn.Module, built: Any, groups: LayoutGroups,
-                            arguments: Any) -> Optional[DataParallelGradients]:
+def data_parallel_gradients(module: nn.Module, built: Any, groups: LayoutGroups, arguments: Any,
+                            ready_order: Optional[Sequence[nn.Parameter]] = None) -> Optional[DataParallelGradients]:
     """The bucketed reduction (and ZeRO sharding) of ``module``'s replicated gradients, for a layout with more
     than one replica that does not shard fully (FSDP2 reduces its own)."""
     layout = groups.layout
@@ -519,7 +550,8 @@ def data_parallel_gradients(module: nn.Module, built: Any, groups: LayoutGroups,
     return DataParallelGradients(params, late, groups=groups, mode=layout.data_parallel_sharding, shards=shards,
                                  overlap=arguments.overlap_grad_reduce,
                                  bucket_bytes=bucket_bytes(arguments.grad_bucket_mb, params),
-                                 overlap_param_gather=module if arguments.overlap_param_gather else None)
+                                 overlap_param_gather=module if arguments.overlap_param_gather else None,
+                                 ready_order=ready_order)
 
 
 DEFAULT_BUCKET_MB = 25.0
@@ -539,58 +571,27 @@ def bucket_bytes(bucket_mb: Optional[float], params: Sequence[nn.Parameter]) -> 
 
 def refreshed(current: DataParallelGradients, module: nn.Module, built: Any, groups: LayoutGroups, arguments: Any,
               optimizers: Sequence[torch.optim.Optimizer]) -> DataParallelGradients:
-    """``current`` if it holds the gradients of exactly ``module``'s averaged parameters, else a new reduction for
-    them, the optimizers unsharded (the caller shards them again). The set may change only before the first step
-    completes: a callback names the parameters it reduces itself in its first ``on_after_backward``."""
+    """After a backward: ``current`` if it holds the gradients of exactly ``module``'s averaged parameters in
+    buckets of the order they are finished in, else a new reduction for them (holding the step's gradients), the
+    optimizers unsharded (the caller shards them again). Both change only before the first step completes: a
+    callback names the parameters it reduces itself in its first ``on_after_backward``, and the first backward
+    shows the order its gradients are finished in (:attr:`DataParallelGradients.wants_ready_order`)."""
     from lightning_merak.strategies.merak3d.gradients import averaged_parameters
 
     params = averaged_parameters(module)
-    if current.holds(params):
+    if current.holds(params) and not current.wants_ready_order:
         return current
     if current.validated:
         raise RuntimeError(
             "the parameters averaged over data-parallel ranks changed after the first step (a callback added to "
             "_ddp_params_and_buffers_to_ignore); name them before or during the first backward"
         )
+    order = current.agreed_finish_order() if current.wants_ready_order else None
     current.close()
     for optimizer in optimizers:
         if current.sharded:
             current.unshard(optimizer)
-    rebuilt = data_parallel_gradients(module, built, groups, arguments)
+    rebuilt = data_parallel_gradients(module, built, groups, arguments, ready_order=order)
     assert rebuilt is not None
+    rebuilt.take_gradients(current)
     return rebuilt
-
-
-FULLY_SHARDED_REFUSED_CALLBACKS = {
-    ("lightning_merak.callbacks.delta", "DeltaMemory"): "it resizes storage that FSDP2's parameters own",
-    ("lightning_merak.callbacks.sparse_comm", "SparseCommunication"):
-        "its tables' gradients are plain tensors where FSDP2's are sharded DTensors",
-}
-"""Callbacks (module, class) that cannot run with ``data_parallel_sharding="full"``, and why."""
-
-
-def check_sharding(layout: Any, optimizers: Sequence[torch.optim.Optimizer], precision: Any,
-                   callbacks: Sequence[Any] = ()) -> None:
-    """Refuse, before the first batch, an optimizer, precision or callback ``layout``'s sharding mode cannot work
-    with."""
-    mode = layout.data_parallel_sharding
-    if mode == "full" and layout.data_parallel > 1:
-        for (module_name, class_name), reason in FULLY_SHARDED_REFUSED_CALLBACKS.items():
-            module = sys.modules.get(module_name)  # not imported: no such callback in this run
-            if module is not None and any(isinstance(callback, getattr(module, class_name)) for callback in callbacks):
-                raise ValueError(f"{class_name} cannot run with data_parallel_sharding='full': {reason}; "
-                                 "use data_parallel_sharding='optimizer' or 'gradients' with it")
-    if mode in SHARDED_MODES and layout.data_parallel > 1:
-        check_precision(precision, mode)
-        for optimizer in optimizers:
-            check_shardable_optimizer(optimizer, mode)
-
-
-def check_precision(precision: Any, mode: str) -> None:
-    """Refuse a loss-scaling precision with sharded optimizer state: each rank would find overflows only in its
-    own slice of the gradients and skip steps the others take."""
-    if getattr(precision, "scaler", None) is not None:
-        raise ValueError(
-            f"data_parallel_sharding={mode!r} with a loss-scaling precision (16-mixed) would let ranks skip different "
-            "steps; use precision='bf16-mixed' or '32-true', or data_parallel_sharding='none'"
-        )

@@ -16,7 +16,8 @@ data-parallel position holds the same experts and exchanges with its own index's
 rank sees the same tokens at the MoE block (with sequence parallelism too), their expert outputs and gradients
 are identical and clipping counts them on tp rank 0 as any replicated weight. Checkpoints keep
 each fused expert tensor whole, each expert group writing its slice (:mod:`.checkpoint`), so any layout, any
-``ep`` and ``strategy=ddp`` resume them.
+``ep`` and ``strategy=ddp`` resume them. LoRA factors of adapters on the experts are cut, reduced, clipped and
+checkpointed with them.
 
 :func:`expert_layout_problem` and :func:`expert_group_ranks` are pure; :class:`Merak3DExperts` is the thin
 integration the experts callback drives.
@@ -24,6 +25,7 @@ integration the experts callback drives.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -39,7 +41,7 @@ from lightning_merak.plugins.moe.experts import (
 )
 from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh
 
-__all__ = ["ADAPTER_CHECKPOINTS_REFUSED", "ExpertGroups", "Merak3DExperts", "check_merak3d_experts",
+__all__ = ["ExpertGroups", "Merak3DExperts", "check_merak3d_experts",
            "expert_group_ranks", "expert_layout_problem"]
 
 
@@ -88,12 +90,16 @@ class ExpertGroups:
 
 
 def _layout_values(strategy: Any, world_size: int) -> dict[str, Any]:
-    if strategy.needs_planning:
-        raise ValueError("merak_ep under merak3d needs the layout fixed before training: set pipeline_parallel, "
-                         "tensor_parallel and data_parallel_sharding instead of 'auto'")
+    """The layout :func:`expert_layout_problem` checks. Left to the planner: the largest data-parallel degree it may
+    choose (an expert group must fit one) and ``"none"`` for ``data_parallel_sharding="auto"`` (all it searches)."""
     if strategy.layout_built or getattr(strategy, "_groups", None) is not None:
         layout = strategy.layout
         dp, sharding = layout.data_parallel, layout.data_parallel_sharding
+    elif strategy.needs_planning:
+        degrees = strategy._arguments.degrees
+        pp, tp = strategy._arguments.launch_degrees(world_size)
+        dp = degrees["dp"] if isinstance(degrees["dp"], int) else world_size // ((pp or 1) * (tp or 1))
+        sharding = strategy._arguments.data_parallel_sharding.replace("auto", "none")
     else:
         dp, _, _ = strategy.resolve_layout(world_size)
         sharding = strategy._arguments.data_parallel_sharding
@@ -103,18 +109,22 @@ def _layout_values(strategy: Any, world_size: int) -> dict[str, Any]:
 
 def check_merak3d_experts(strategy: Any, world_size: int, ep_size: Optional[int] = None) -> None:
     """Refuse, before any process starts, a merak3d layout ``merak_ep`` does not run in (see
-    :func:`expert_layout_problem`)."""
+    :func:`expert_layout_problem`).
+
+    With processes running (the expert groups are created next, from the layout), a layout left to ``"auto"`` is
+    planned first, the experts' exchange over ``ep_size`` ranks priced, and checked as chosen."""
     problem = expert_layout_problem(**_layout_values(strategy, world_size), ep_size=ep_size)
+    module = getattr(strategy, "_lightning_module", None)
+    if problem is None and strategy.needs_planning and dist.is_initialized() and module is not None:
+        if getattr(module, "model", None) is None:
+            raise ValueError("moe.experts=merak_ep under merak3d refused: an 'auto' layout is planned when the "
+                             "expert groups are created (the callbacks' setup), before configure_model builds the "
+                             "model; build it in the LightningModule's __init__, or fix pipeline_parallel, "
+                             "tensor_parallel and data_parallel_sharding")
+        strategy.adopt_planned_layout(module.trainer, merak_ep=True, ep_size=ep_size)
+        problem = expert_layout_problem(**_layout_values(strategy, world_size), ep_size=ep_size)
     if problem is not None:
         raise ValueError(f"moe.experts=merak_ep under merak3d refused: {problem}")
-
-
-ADAPTER_CHECKPOINTS_REFUSED = (
-    "sharded checkpoints of adapters on merak_ep experts under merak3d are not built: PEFT's factors are cut per "
-    "expert in their own layout (lora_A expert-major, lora_B expert-fastest), which the checkpoint does not slice "
-    "yet; train without checkpoints (enable_checkpointing=False, no save_checkpoint) or adapt attention only")
-"""Why a merak3d run with adapters on ``merak_ep`` experts writes no checkpoint (refused at setup and at any save).
-The fused expert tensors themselves are saved as slices of their whole (:mod:`.checkpoint`)."""
 
 
 class Merak3DExperts:
@@ -141,8 +151,6 @@ class Merak3DExperts:
         self._registered: set[int] = set()
         self.report: Optional[ExpertParallelReport] = None
         """What :meth:`enable` did on this rank (None until then)."""
-        self.checkpoint_problem: Optional[str] = None
-        """Why this run can write no checkpoint (adapters on the experts), or None."""
 
     def enable(self, model: nn.Module) -> ExpertParallelReport:
         """Keep this rank's experts of ``model`` (the whole model, meta or real, before the build); once."""
@@ -150,11 +158,6 @@ class Merak3DExperts:
             self.report = enable_expert_parallel(model, self.groups.ep_group)
             for _, experts in experts_modules(model):
                 experts.materialize_init = _LocalExpertsInit(self.report.ep_rank)
-            if any(not name.endswith(EXPERT_TENSORS) for name in self.report.expert_parameters):
-                self.checkpoint_problem = ADAPTER_CHECKPOINTS_REFUSED
-                trainer = getattr(self._strategy.lightning_module, "_trainer", None)
-                if trainer is not None and trainer.checkpoint_callbacks:
-                    raise ValueError(ADAPTER_CHECKPOINTS_REFUSED)
         return self.report
 
     def reduce_gradients(self, module: nn.Module) -> None:
@@ -204,6 +207,12 @@ def _initializer_range(module: nn.Module) -> float:
 
 
 def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The expert weights this rank holds now (after the build: its stages' experts, materialised)."""
-    return [param for _, experts in experts_modules(module) for tensor in EXPERT_TENSORS
-            if isinstance(param := getattr(experts, tensor, None), nn.Parameter)]
+    """The expert weights this rank holds now (after the build: its stages' experts, materialised), and the LoRA
+    factors of adapters on them (cut with their experts, so reduced like them)."""
+    experts = [param for _, experts in experts_modules(module) for tensor in EXPERT_TENSORS
+               if isinstance(param := getattr(experts, tensor, None), nn.Parameter)]
+    if "peft" not in sys.modules:  # no adapter exists; importing the adapters would pull PEFT in
+        return experts
+    from lightning_merak.adapters.moe import expert_adapter_parameters
+
+    return experts + expert_adapter_parameters(module)

@@ -9,6 +9,7 @@ measured step next to the prediction.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_merak.strategies.expert_profiler import expert_layers_of, grouped_experts, measure_all_to_all
 from lightning_merak.strategies.layout_profiler import profile_model, profile_network, tensor_parallel_mesh
 from lightning_merak.strategies.merak3d.arguments import (
     Merak3DArguments,
@@ -81,8 +83,14 @@ def first_training_batch(trainer: Any) -> Any:
 
 def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, targets: Any, *, world_size: int,
                 num_processes: int, device: torch.device, optimizer: Optional[torch.optim.Optimizer],
-                clip_gradients: bool, broadcast: Broadcast) -> PlannedLayout:
-    """Profile this machine and ``module``'s model on one batch, search the layouts, and return the best one."""
+                clip_gradients: bool, broadcast: Broadcast, merak_ep: bool = False,
+                ep_size: Optional[int] = None) -> PlannedLayout:
+    """Profile this machine and ``module``'s model on one batch, search the layouts, and return the best one.
+
+    With ``merak_ep`` the model's MoE layers run expert parallel over ``ep_size`` of each stage's data-parallel
+    ranks (None: all of them): the profile describes them and measures their all-to-all, the search prices the
+    exchange and keeps the data-parallel ranks unsharded. Rank 0's choice is every rank's.
+    """
     model: nn.Module = module.model
     config = getattr(model, "config", None)
     no_cache(model)
@@ -109,7 +117,7 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
         return PlannedLayout(_data_parallel_layout(arguments, world), None, None, frozenset())
     trainer = getattr(module, "_trainer", None)
     precision = getattr(trainer, "precision_plugin", None)
-    modes = sharding_modes(arguments, model, precision, optimizer)
+    modes = ("none",) if merak_ep else sharding_modes(arguments, model, precision, optimizer)
     only_sharding_planned = "auto" not in (arguments.pipeline_parallel, arguments.tensor_parallel,
                                            arguments.tp_overlap, arguments.recompute)
     micro_batches = arguments.micro_batches
@@ -131,17 +139,19 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
         shard_size=arguments.data_parallel_shard_size,
         overlap_grad_reduce=arguments.overlap_grad_reduce,
         grad_bucket_bytes=(arguments.grad_bucket_mb or DEFAULT_BUCKET_MB) * 2**20,
+        ep_size=ep_size if merak_ep else 1,
     )
     keys = required_profile_keys(space, num_blocks)
     factory: Callable[[Any], torch.optim.Optimizer] = (
         (lambda params: type(optimizer)(params, **optimizer.defaults)) if optimizer is not None
         else (lambda params: torch.optim.AdamW(params)))
-    profile = profile_model(model, inputs, call_model, tensor_parallel_plan, keys, factory,
-                            repeats=PLANNER_REPEATS, process_group_device=device,
-                            loss_of=lambda logits, samples: module.loss_from_logits(logits, targets[:samples]),
-                            sequence_plan_of=sequence_parallel_plan if arguments.sequence_parallel else None,
-                            overlap_weight_gradients=arguments.weight_grad_overlap,
-                            materialize_with=materialize_with)
+    with grouped_experts(model) if merak_ep else contextlib.nullcontext():  # the expert compute merak_ep runs
+        profile = profile_model(model, inputs, call_model, tensor_parallel_plan, keys, factory,
+                                repeats=PLANNER_REPEATS, process_group_device=device,
+                                loss_of=lambda logits, samples: module.loss_from_logits(logits, targets[:samples]),
+                                sequence_plan_of=sequence_parallel_plan if arguments.sequence_parallel else None,
+                                overlap_weight_gradients=arguments.weight_grad_overlap,
+                                materialize_with=materialize_with)
     every_rank: list[Any] = [None] * world
     dist.all_gather_object(every_rank, profile)
     profile = dataclasses.replace(average_profiles(every_rank), **state_bytes_per_parameter_byte(model, precision,
@@ -152,6 +162,14 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
                                                             * inputs.shape[0])),
                               gradient_bytes=min(256 << 20, gradient_bytes), repeats=PLANNER_REPEATS,
                               pipeline=any(layout.pp > 1 for layout in candidate_layouts(space, num_blocks)))
+    if merak_ep:
+        sequence = inputs.shape[1] if inputs.ndim > 1 else 1
+        profile = dataclasses.replace(profile, experts=expert_layers_of(model, sequence,
+                                                                        profile.hidden_bytes_per_sample))
+        exchange_bytes = inputs.shape[0] * profile.experts.top_k * profile.hidden_bytes_per_sample
+        network = dataclasses.replace(network, all_to_all=measure_all_to_all(
+            keys.all_to_all_group_sizes, device, large_bytes=min(64 << 20, max(1 << 16, exchange_bytes)),
+            repeats=PLANNER_REPEATS))
     result = plan(space, profile, network)
     if arguments.planner_calibration != "analytic":  # rank by replaying the traced runs (memory stays the model's)
         result = replay_ranked(result, arguments.planner_calibration, model, inputs)
@@ -175,7 +193,7 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
         lines.append(f"merak3d planner: runner-up {runner_up.layout.describe()}, predicted step "
                      f"{runner_up.step_time_s:.4g} s ({runner_up.samples_per_step} samples)")
     lines.append(f"merak3d planner: {len(allowed)} layouts ranked, {len(result.rejected)} rejected for memory")
-    layout = _adopted_layout(arguments, chosen)
+    layout, best = broadcast((_adopted_layout(arguments, chosen), best), 0)  # rank 0's, whatever each measured
     rank_zero_info("\n".join(lines))
     return PlannedLayout(layout, result, best, frozenset(verified))
 

@@ -377,12 +377,7 @@ class Merak3DStrategy(CheckpointHooks):
         module = self.lightning_module
         arguments.check_module_members(module)
         arguments.check_accumulation(trainer.accumulate_grad_batches)
-        if self.needs_planning:
-            self._arguments.check_model(module.model, *self._arguments.launch_degrees(self.world_size))
-            self._adopt(self._plan_layout(trainer))
-            if self.plan_only:
-                trainer.should_stop = True
-                trainer.num_sanity_val_steps = 0
+        self.adopt_planned_layout(trainer)
         if self._built is None:  # a layout built by an earlier validate or predict holds only its part
             self._arguments.check_model(module.model, self.pipeline_parallel, self.tensor_parallel)
             self.precision_plugin.convert_module(module)  # bf16-true: weights in bf16 (on meta too)
@@ -434,19 +429,25 @@ class Merak3DStrategy(CheckpointHooks):
 
     # Planning --------------------------------------------------------------------------
 
-    def _plan_layout(self, trainer: pl.Trainer) -> Layout:
-        """Profile this machine and model on one training batch, search the layouts, and return the best one."""
+    def adopt_planned_layout(self, trainer: pl.Trainer, *, merak_ep: bool = False, ep_size: int | None = None) -> None:
+        """Plan what is left on one batch and build its mesh (all ranks at once), once: from ``setup``, or first from
+        merak_ep's expert groups (their ranks follow the chosen dp), pricing their exchange over ``ep_size`` ranks."""
+        if not self.needs_planning:
+            return
+        arguments.check_module_members(self.lightning_module)
+        self._arguments.check_model(self.lightning_module.model, *self._arguments.launch_degrees(self.world_size))
         inputs, targets = self._planning_batch(trainer)
-        optimizer = self.optimizers[0] if self.optimizers else None
         planned = planning.plan_layout(
             self._arguments, self.lightning_module, inputs, targets, world_size=self.world_size,
-            num_processes=self.num_processes, device=self.root_device, optimizer=optimizer,
+            num_processes=self.num_processes, device=self.root_device,
+            optimizer=self.optimizers[0] if self.optimizers else None,
             clip_gradients=bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (None, "norm"),
-            broadcast=self.broadcast,
-        )
+            broadcast=self.broadcast, merak_ep=merak_ep, ep_size=ep_size)
         self.layout_plan, self.layout_choice = planned.plan, planned.choice
         self._verified_tp_degrees = planned.verified_tp_degrees
-        return planned.layout
+        self._adopt(planned.layout)
+        if self.plan_only:
+            trainer.should_stop, trainer.num_sanity_val_steps = True, 0
 
     def _planning_batch(self, trainer: pl.Trainer) -> tuple[torch.Tensor, Any]:
         """The inputs and targets of one training batch, for the planner to profile at the real shapes (the layout,

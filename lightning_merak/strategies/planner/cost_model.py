@@ -416,15 +416,16 @@ class _StageExperts:
     dropped_bytes: float = 0.0
 
 
-def _stage_experts(layout: Layout, profile: ModelProfile, network: NetworkProfile, stage: _Stage,
+def _stage_experts(layout: Layout, profile: ModelProfile, network: NetworkProfile, stage: _Stage, first_block: int,
                    samples: int) -> _StageExperts:
     """The expert exchange of each of a stage's MoE layers (per sub-batch, over the expert group's link) and the
-    ``E/ep`` experts of each a rank keeps (:class:`~.experts.ExpertLayers`)."""
+    ``E/ep`` experts of each a rank keeps (:class:`~.experts.ExpertLayers`); the stage's blocks start at trunk
+    position ``first_block``."""
     experts = profile.experts
     if experts is None:
         return _StageExperts()
     experts.check_ep(layout.ep)
-    layers = experts.stage_layers(stage.num_blocks, profile.num_blocks)
+    layers = experts.stage_layers(first_block, stage.num_blocks, profile.num_blocks)
     forward_s = backward_s = 0.0
     if layout.ep > 1:
         forward_s, backward_s = experts.layer_exchange_s(samples // layout.overlap, layout.ep,
@@ -512,7 +513,8 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         local_s += loss_forward + loss_backward
         compute_s.append(local_s)
         exposed_s.append(max(0.0, forward_total + backward_total - local_s))
-        experts = _stage_experts(layout, model_profile, network, stage, samples)
+        experts = _stage_experts(layout, model_profile, network, stage,
+                                 sum(earlier.num_blocks for earlier in stages[:index]), samples)
         forward_total += experts.forward_s
         backward_total += experts.backward_s
         expert_s.append(experts.forward_s + experts.backward_s)

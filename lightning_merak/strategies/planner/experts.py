@@ -26,9 +26,11 @@ _COUNT_BYTES = 8
 class ExpertLayers:
     """A model's MoE layers as ``merak_ep`` runs them.
 
-    ``moe_blocks`` of the profile's blocks hold an MoE layer (spread evenly over the stages, so a stage's share
-    is its blocks' fraction); ``expert_parameter_bytes`` are one layer's ``E`` experts, as the profile's block
-    parameter bytes count them (tensor parallelism does not cut the fused expert tensors).
+    ``moe_blocks`` of the profile's blocks hold an MoE layer: those at ``block_indices`` (trunk positions, as a
+    profiler reads them from the model; a family may keep its first blocks dense), or, without them, spread evenly
+    over the stages (a stage's share is its blocks' fraction). ``expert_parameter_bytes`` are one layer's ``E``
+    experts, as the profile's block parameter bytes count them (tensor parallelism does not cut the fused expert
+    tensors).
     """
 
     num_experts: int
@@ -38,6 +40,7 @@ class ExpertLayers:
     moe_blocks: int
     expert_parameter_bytes: int
     dtype_bytes: int = 4
+    block_indices: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "hidden_size", "tokens_per_sample", "dtype_bytes"):
@@ -47,6 +50,10 @@ class ExpertLayers:
             raise ValueError("ExpertLayers.moe_blocks and expert_parameter_bytes must be >= 0")
         if self.top_k > self.num_experts:
             raise ValueError(f"ExpertLayers.top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if self.block_indices is not None and (len(set(self.block_indices)) != self.moe_blocks
+                                               or min(self.block_indices, default=0) < 0):
+            raise ValueError(f"ExpertLayers.block_indices={self.block_indices} must name moe_blocks={self.moe_blocks} "
+                             "distinct trunk positions >= 0")
 
     def check_ep(self, ep: int) -> None:
         """Refuse an expert-parallel size that does not split the experts evenly (as the runtime does)."""
@@ -67,9 +74,12 @@ class ExpertLayers:
         counts_s = link.send_s((ep - 1) * self.num_experts * _COUNT_BYTES)
         return counts_s + 2 * direction_s, 2 * direction_s
 
-    def stage_layers(self, stage_blocks: int, num_blocks: int) -> float:
-        """MoE layers on a stage of ``stage_blocks`` of the model's ``num_blocks`` blocks (an even spread)."""
-        return stage_blocks * self.moe_blocks / num_blocks
+    def stage_layers(self, first_block: int, stage_blocks: int, num_blocks: int) -> float:
+        """MoE layers on a stage holding blocks ``first_block`` to ``first_block + stage_blocks - 1`` of the model's
+        ``num_blocks``: those of :attr:`block_indices` there, else the stage's share of an even spread."""
+        if self.block_indices is None:
+            return stage_blocks * self.moe_blocks / num_blocks
+        return sum(first_block <= index < first_block + stage_blocks for index in self.block_indices)
 
     def kept_bytes(self, ep: int) -> float:
         """One MoE layer's expert bytes a rank keeps: ``E/ep`` of its experts."""

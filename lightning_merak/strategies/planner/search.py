@@ -89,6 +89,8 @@ class ProfileKeys:
     at which a profiler that can run real tensor-parallel blocks should time them (optional
     entries: the model falls back to its simulated chain). ``loss_samples`` are the micro-batch
     sizes at which the training loss is timed (optional too: without them no loss is counted).
+    ``all_to_all_group_sizes`` are the expert groups' sizes (``ep`` > 1) whose all-to-all a model with
+    expert-parallel MoE layers exchanges over (optional: the all-reduce link of that size stands in).
     """
 
     block_times: frozenset[tuple[int, int]]
@@ -97,12 +99,13 @@ class ProfileKeys:
     all_reduce_group_sizes: frozenset[int]
     measured_blocks: frozenset[tuple[int, int, int]] = frozenset()
     loss_samples: frozenset[int] = frozenset()
+    all_to_all_group_sizes: frozenset[int] = frozenset()
 
 
 def required_profile_keys(space: SearchSpace, num_blocks: int | None = None) -> ProfileKeys:
     """The profile entries :func:`plan` reads for ``space``, so a profiler measures nothing more."""
-    block_times, samples_needed, tp_degrees, group_sizes, measured, loss_samples = (
-        set(), set(), set(), set(), set(), set()
+    block_times, samples_needed, tp_degrees, group_sizes, measured, loss_samples, expert_groups = (
+        set(), set(), set(), set(), set(), set(), set()
     )
     for layout in candidate_layouts(space, num_blocks):
         samples = micro_batch_samples(layout, space)
@@ -117,9 +120,12 @@ def required_profile_keys(space: SearchSpace, num_blocks: int | None = None) -> 
             group_sizes.add(layout.pp)
         if layout.tp > 1:
             measured.add((layout.tp, layout.overlap, samples))
+        if layout.ep > 1:  # the exchange's group, and the experts' gradient sum over the ranks holding the same ones
+            expert_groups.add(layout.ep)
+            group_sizes.update(size for size in (layout.ep, layout.dp // layout.ep) if size > 1)
     return ProfileKeys(
         frozenset(block_times), frozenset(samples_needed), frozenset(tp_degrees), frozenset(group_sizes),
-        frozenset(measured), frozenset(loss_samples),
+        frozenset(measured), frozenset(loss_samples), frozenset(expert_groups),
     )
 
 
@@ -137,6 +143,9 @@ def _missing_entries(keys: ProfileKeys, model_profile: ModelProfile, network: Ne
         needed.append(("loss_times", keys.loss_samples, model_profile.loss_times))
     if clip_gradients:
         needed.append(("block_clip_s", keys.tp_degrees, model_profile.block_clip_s))
+    if model_profile.experts is not None:  # the exchange's link: measured, or the all-reduce link of that size
+        links = network.all_to_all.keys() | network.all_reduce.keys()
+        needed.append(("network.all_to_all", keys.all_to_all_group_sizes, dict.fromkeys(links)))
     return [f"{name}[{key}]" for name, wanted, present in needed for key in sorted(wanted - present.keys())]
 
 
@@ -199,10 +208,16 @@ def rerank(ranked: Plan, step_time_of: Callable[[Layout], float]) -> Plan:
 def plan(space: SearchSpace, model_profile: ModelProfile, network: NetworkProfile) -> Plan:
     """Predict every candidate layout and rank those that fit ``space.memory_limit_bytes``, fastest first.
 
-    Raises before predicting anything when the profiles lack an entry the search needs, and
-    when no layout fits, naming the memory the smallest one needs.
+    Layouts whose expert-parallel size does not divide the model's experts are left out. Raises before predicting
+    anything when the profiles lack an entry the search needs, and when no layout fits, naming the memory the
+    smallest one needs.
     """
-    layouts = candidate_layouts(space, model_profile.num_blocks)
+    experts = model_profile.experts  # the runtime splits each layer's experts evenly over an expert group
+    layouts = [layout for layout in candidate_layouts(space, model_profile.num_blocks)
+               if experts is None or experts.num_experts % layout.ep == 0]
+    if not layouts and experts is not None and candidate_layouts(space, model_profile.num_blocks):
+        raise ValueError(f"no candidate layout's expert-parallel size divides the {experts.num_experts} experts; "
+                         "set moe.ep_size to a divisor of them")
     if not layouts:
         raise ValueError(
             f"no candidate layout for world_size={space.world_size}, global_batch_size={space.global_batch_size}, "

@@ -71,11 +71,11 @@ class ExpertParallelCallback(pl.Callback):
         self._expert_params = [params[name] for name in report.expert_parameters]
         ignored = set(getattr(pl_module, "_ddp_params_and_buffers_to_ignore", [])) | set(report.expert_parameters)
         pl_module._ddp_params_and_buffers_to_ignore = sorted(ignored)
-        from lightning_merak.plugins.moe.checkpoint import FusedExpertSlices
-        from lightning_merak.strategies.merak3d.checkpoint import ExpertParallelCheckpointIO
+        from lightning_merak.strategies.merak3d.checkpoint import ExpertParallelCheckpointIO, ExpertSlices
 
-        # rank 0's file holds every expert (on_save_checkpoint); it, and a merak3d checkpoint, resume at any ep
-        self._slices = FusedExpertSlices.of(pl_module)
+        # rank 0's file holds every expert and expert adapter factor (on_save_checkpoint); it, and a merak3d
+        # checkpoint, resume at any ep
+        self._slices = ExpertSlices.of(pl_module)
         trainer.strategy.checkpoint_io = ExpertParallelCheckpointIO(trainer.strategy.checkpoint_io, pl_module)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -99,9 +99,7 @@ class ExpertParallelCallback(pl.Callback):
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
-        if self._merak3d is not None and self._merak3d.checkpoint_problem is not None:
-            raise ValueError(self._merak3d.checkpoint_problem)
-        if self._slices is not None:  # every rank: the experts are gathered whole for rank 0's file
+        if self._slices is not None:  # every rank: experts and their adapters' factors gathered whole for rank 0
             self._slices.whole_checkpoint(checkpoint, pl_module, trainer.optimizers)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

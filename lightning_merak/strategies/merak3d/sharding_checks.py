@@ -1,0 +1,69 @@
+"""What data-parallel sharding cannot work with, refused before the first batch with the fix.
+
+Kept apart from the reduction itself (:mod:`.data_parallel`, which re-exports these): plain checks of an
+optimizer, a precision plugin and the callbacks against a layout's ``data_parallel_sharding``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "FULLY_SHARDED_REFUSED_CALLBACKS", "SHARDED_MODES", "check_precision",
+           "check_shardable_optimizer", "check_sharding"]
+
+SHARDED_MODES = ("optimizer", "gradients")
+ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                          torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
+                          torch.optim.Adadelta)
+"""Optimizers whose update of an element reads only that element's gradient and state, so stepping a slice of a
+flattened parameter is stepping the parameter."""
+
+
+def check_shardable_optimizer(optimizer: torch.optim.Optimizer, mode: str) -> None:
+    """Refuse an optimizer whose update of a slice of a parameter differs from its update of the parameter."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer
+    if not isinstance(inner, ELEMENTWISE_OPTIMIZERS):
+        names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+        raise ValueError(
+            f"data_parallel_sharding={mode!r} steps a slice of each parameter, which {type(inner).__name__} "
+            f"does not update element by element; use one of {names}, or data_parallel_sharding='none' or 'full'"
+        )
+
+
+FULLY_SHARDED_REFUSED_CALLBACKS = {
+    ("lightning_merak.callbacks.delta", "DeltaMemory"): "it resizes storage that FSDP2's parameters own",
+    ("lightning_merak.callbacks.sparse_comm", "SparseCommunication"):
+        "its tables' gradients are plain tensors where FSDP2's are sharded DTensors",
+}
+"""Callbacks (module, class) that cannot run with ``data_parallel_sharding="full"``, and why."""
+
+
+def check_sharding(layout: Any, optimizers: Sequence[torch.optim.Optimizer], precision: Any,
+                   callbacks: Sequence[Any] = ()) -> None:
+    """Refuse, before the first batch, an optimizer, precision or callback ``layout``'s sharding mode cannot work
+    with."""
+    mode = layout.data_parallel_sharding
+    if mode == "full" and layout.data_parallel > 1:
+        for (module_name, class_name), reason in FULLY_SHARDED_REFUSED_CALLBACKS.items():
+            module = sys.modules.get(module_name)  # not imported: no such callback in this run
+            if module is not None and any(isinstance(callback, getattr(module, class_name)) for callback in callbacks):
+                raise ValueError(f"{class_name} cannot run with data_parallel_sharding='full': {reason}; "
+                                 "use data_parallel_sharding='optimizer' or 'gradients' with it")
+    if mode in SHARDED_MODES and layout.data_parallel > 1:
+        check_precision(precision, mode)
+        for optimizer in optimizers:
+            check_shardable_optimizer(optimizer, mode)
+
+
+def check_precision(precision: Any, mode: str) -> None:
+    """Refuse a loss-scaling precision with sharded optimizer state: each rank would find overflows only in its
+    own slice of the gradients and skip steps the others take."""
+    if getattr(precision, "scaler", None) is not None:
+        raise ValueError(
+            f"data_parallel_sharding={mode!r} with a loss-scaling precision (16-mixed) would let ranks skip different "
+            "steps; use precision='bf16-mixed' or '32-true', or data_parallel_sharding='none'"
+        )

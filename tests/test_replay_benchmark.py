@@ -1,0 +1,108 @@
+"""The replay benchmark's statistics: a run's periods, and rows and runs merged over repeats (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.replay import (
+    FULL,
+    PARTITIONED,
+    QUICK,
+    WORKLOAD,
+    Job,
+    _error_max,
+    _row,
+    _step_deltas,
+    jobs_by_name,
+    merge_rows,
+    merge_runs,
+    stage_blocks,
+    summarize_run,
+)
+
+
+def test_a_run_is_the_median_of_its_untraced_steps_after_warm_up() -> None:
+    job = Job("pp2_m2", 1, 2, 1, 2, True, steps=10)  # warm-up 2, traced batches 2..4 (periods 1..3)
+    periods = [9.0, 5.0, 5.0, 6.0, 1.0, 2.0, 3.0, 4.0, 100.0]
+    waits = [0.0, 0.0, 0.0, 0.0, 0.5, 1.0, 1.5, 2.0, 96.0]
+    run = summarize_run(periods, waits, job)
+    assert run["measured_steps"] == [4, 5, 6, 7, 8]
+    assert run["period_s"] == 3.0
+    assert run["traced_period_s"] == 5.0  # the last traced batch (it writes the trace) is left out
+    assert run["cpu_wait_share"] == pytest.approx(0.5)
+    assert run["period_less_cpu_wait_s"] == pytest.approx(1.5)
+    untraced = summarize_run(periods, None, Job("tp2", 1, 1, 2, 1, False, steps=10))
+    assert untraced["measured_steps"] == list(range(1, 9)) and untraced["traced_period_s"] is None
+    assert "cpu_wait_share" not in untraced
+
+
+def test_a_run_without_an_untraced_step_is_refused() -> None:
+    with pytest.raises(ValueError, match="more steps"):
+        summarize_run([1.0, 1.0, 1.0], None, Job("dp2", 2, 1, 1, 1, True, steps=4))
+
+
+def test_step_deltas_take_the_slowest_rank_and_need_every_sample() -> None:
+    sched = [[(0.0, 0.0), (1.0, 0.5), (2.0, 0.6)], [(0.0, 0.0), (0.5, 0.1), (1.5, 0.9)]]
+    assert _step_deltas(sched, 1) == pytest.approx([0.5, 0.8])
+    assert _step_deltas(sched, 0) == pytest.approx([1.0, 1.0])
+    assert _step_deltas([[(0.0, 0.0), None]], 1) is None
+
+
+def test_rows_merge_to_medians_and_keep_every_repeat_and_the_first_alone() -> None:
+    repeats = [[_row("what-if", "a", 0.10, 0.20, overhead=0.1), _row("simulated", "b", 1.0, None, label="simulated")],
+               [_row("what-if", "a", 0.12, 0.10, overhead=0.3), _row("simulated", "b", 2.0, None, label="simulated")],
+               [_row("what-if", "a", 0.11, 0.11, overhead=0.2), _row("simulated", "b", 3.0, None, label="simulated")]]
+    measured, simulated = merge_rows(repeats)
+    assert measured["predicted_ms"] == pytest.approx(110.0) and measured["measured_ms"] == pytest.approx(110.0)
+    assert measured["error"] == pytest.approx(0.0)
+    assert measured["error_first_repeat"] == pytest.approx(-0.5)
+    assert measured["errors_by_repeat"] == pytest.approx([-0.5, 0.2, 0.0])
+    assert measured["measured_spread"] == pytest.approx(0.10 / 0.11)  # (max - min) / median
+    assert measured["overhead"] == pytest.approx(0.2)
+    assert simulated["predicted_ms"] == pytest.approx(2000.0) and simulated["measured_ms"] is None
+    assert simulated["label"] == "simulated" and "error" not in simulated
+
+
+def test_rows_of_repeats_must_agree() -> None:
+    with pytest.raises(ValueError, match="disagree"):
+        merge_rows([[_row("what-if", "a", 1.0, 1.0)], [_row("what-if", "b", 1.0, 1.0)]])
+    with pytest.raises(ValueError, match="same rows"):
+        merge_rows([[_row("what-if", "a", 1.0, 1.0)], []])
+
+
+def test_runs_merge_to_the_median_period_beside_the_first_repeat() -> None:
+    runs = merge_runs([{"dp2": {"period_s": 0.3, "trace": "/tmp/x"}}, {"dp2": {"period_s": 0.1, "trace": None}},
+                       {"dp2": {"period_s": 0.2, "trace": None}}])
+    assert runs["dp2"]["period_s"] == pytest.approx(0.2)
+    assert runs["dp2"]["period_s_first_repeat"] == pytest.approx(0.3)
+    assert runs["dp2"]["period_spread"] == pytest.approx(1.0)
+    assert all("trace" not in run for run in runs["dp2"]["repeats"])
+
+
+def test_every_mode_runs_valid_pipelines_with_untraced_steps_to_measure() -> None:
+    from lightning_merak.strategies.merak3d.layout import schedule_problem
+
+    for mode in (QUICK, FULL):
+        for job in jobs_by_name(mode).values():
+            assert job.pp == 1 or schedule_problem(job.micro_batches, job.pp, "1f1b") is None, job
+            assert WORKLOAD.global_batch % job.micro_batches == 0, job
+            summarize_run([1.0] * (job.steps - 1), None, job)
+
+
+
+def test_stage_blocks_from_a_partitions_graph_nodes() -> None:
+    # node 0 is the embedding, nodes 1-4 the blocks, node 5 the head
+    assert stage_blocks([0, 5], 4) == (4, 0)
+    assert stage_blocks([0, 2], 4) == (1, 3)
+    assert stage_blocks([0, 2, 4], 4) == (1, 2, 1)
+    assert stage_blocks(None, 4) == ()
+
+
+def test_the_what_if_maximum_leaves_the_secondary_rows_out() -> None:
+    rows = [{"kind": "what-if link", "what": "a", "error": -0.1, "error_first_repeat": 0.3},
+            {"kind": "what-if layout", "what": "tp2 and a probe", "error": 0.2},
+            {"kind": "what-if layout (no probe)", "what": "tp2 alone", "error": 0.9},
+            {"kind": PARTITIONED, "what": "pp2", "error": 0.8}, {"kind": "replay", "what": "dp2", "error": 0.7}]
+    assert _error_max(rows) == pytest.approx(0.2)
+    assert _error_max(rows, probes=False) == pytest.approx(0.1)
+    assert _error_max(rows, "error_first_repeat") == pytest.approx(0.3)
