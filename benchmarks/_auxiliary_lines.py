@@ -71,3 +71,12 @@ def moe_families_gpu(data: dict[str, Any]) -> str:
              for r in data["rows"]]
     return (f"GPU leg ({data['device_name']}, torch {data['machine']['torch']}, ep=1, one process; ours vs eager / "
             "vs grouped_mm): " + ", ".join(cells))
+
+
+def planner_moe(data: dict[str, Any]) -> str:
+    """One line for the planner section: each merak_ep layout's predicted step against its measured one."""
+    cells = [f"{r['layout']} predicted {1e3 * r['predicted_s']:.0f} ms (exchange "
+             f"{1e3 * r['predicted_components_s']['expert_all_to_all']:.0f}) vs measured "
+             f"{1e3 * r['measured_s']:.0f} ms ({percent(r['error'], signed=True)})" for r in data["rows"]]
+    return (f"MoE layouts (`--moe`, {data['workload']}, {data['rounds']} rounds, medians; moe.experts=merak_ep, the "
+            "plan's own profile): " + "; ".join(cells))

@@ -20,7 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks._auxiliary_lines import adapters_lr_sweep, delta_gpu, moe_families_gpu, scale_gpu, sharding_gpu
+from benchmarks._auxiliary_lines import (
+    adapters_lr_sweep,
+    delta_gpu,
+    moe_families_gpu,
+    planner_moe,
+    scale_gpu,
+    sharding_gpu,
+)
 from benchmarks._table_cells import ResultsError, Table, brief, flat, met, percent, ratio
 from benchmarks.report import RESULTS_DIR
 
@@ -387,6 +394,7 @@ AUXILIARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "delta.gpu": ("delta", delta_gpu),
     "sharding.gpu": ("sharding", sharding_gpu),
     "moe_families.gpu": ("moe_families", moe_families_gpu),
+    "planner_moe": ("planner", planner_moe),
 }
 
 
