@@ -12,7 +12,8 @@ tp=2 from a trace of dp=2 (layout re-derived: :mod:`lightning_merak.profiler.syn
 probe: a traced tp=2 run of the model cut to ``PROBE_LAYERS`` blocks, whose costs (vocabulary-parallel
 head, sub-batch machinery, the blocks' collectives) replace the dp trace's
 (:mod:`lightning_merak.profiler.calibration`; the row "no probe" predicts tp=2 from the dp trace alone);
-(c) other micro-batch counts from a trace of pp=2 with 2 micro-batches. A step's time is the
+(c) other micro-batch counts from a trace of pp=2 with 2 micro-batches, whose block calls beside dp=2's (8 samples
+a call against 4) give a block call's fixed time, which smaller micro-batches do not shrink. A step's time is the
 period between the ends of consecutive training batches (loop and data loading included), the
 slowest rank's, median over the steps after warm-up. Rows for 8–64 ranks are replays of layouts
 calibrated on the same trace: labelled simulated, nothing measured.
@@ -51,9 +52,9 @@ from benchmarks.merak3d import Workload, _quiet_lightning
 from lightning_merak.config import TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
 from lightning_merak.profiler import MerakTraceProfiler, Trace, WhatIf, chrome_trace, replay_trace, write_chrome_trace
-from lightning_merak.profiler.calibration import Probe, ReplayPredictor, calibrate_from_traces
+from lightning_merak.profiler.calibration import Probe, ReplayPredictor, block_call_cost, calibrate_from_traces
 from lightning_merak.profiler.replay import measured_step_time
-from lightning_merak.profiler.synthesize import LayoutSpec, ModelShape, calibrate, predict_layout
+from lightning_merak.profiler.synthesize import LayoutSpec, ModelShape, calibrate, predict_layout, with_block_call_cost
 from lightning_merak.testing.netem import EmulatedCluster, LinkSpec, emulation_available
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -403,8 +404,10 @@ def predict_repeat(measured: dict[float, dict[str, dict[str, Any]]], traces: dic
     unprobed = predict_layout(costs_dp, shape, jobs["tp2"].layout()).step_time * correction
     rows.append(_row("what-if layout (no probe)", "tp2 from dp2 alone", unprobed, at_base["tp2"]["period_s"],
                      **_contention(at_base["tp2"])))
-    pp_trace = traces["pp2_m2"]
-    costs_pp = calibrate(pp_trace, shape, jobs["pp2_m2"].layout())
+    pp_trace, pp_layout = traces["pp2_m2"], jobs["pp2_m2"].layout()
+    # a block call's fixed time, which smaller micro-batches do not shrink: dp2's calls hold 8 samples, M=2's 4
+    costs_pp = with_block_call_cost(calibrate(pp_trace, shape, pp_layout), pp_layout,
+                                    block_call_cost(dp2, jobs["dp2"].layout(), pp_trace, pp_layout))
     pp_correction = at_base["pp2_m2"]["period_s"] / measured_step_time(pp_trace)
     for m in mode.micro_batch_counts:
         job = jobs[f"pp2_m{m}"]

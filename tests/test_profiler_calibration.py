@@ -12,6 +12,7 @@ from lightning_merak.profiler.calibration import (
     Probe,
     ReplayPredictor,
     TraceCalibration,
+    block_call_cost,
     calibrate_from_traces,
     layout_from_meta,
     link_costs,
@@ -19,7 +20,17 @@ from lightning_merak.profiler.calibration import (
     traced_blocks,
 )
 from lightning_merak.profiler.lightning_profiler import run_meta
-from lightning_merak.profiler.synthesize import BLOCK_BACKWARD_RATIO, LayoutSpec, ModelShape, group_kind, layout_graph
+from lightning_merak.profiler.synthesize import (
+    BLOCK_BACKWARD_RATIO,
+    LayoutSpec,
+    ModelShape,
+    StepCosts,
+    calibrate,
+    group_kind,
+    layout_graph,
+    predict_layout,
+    with_block_call_cost,
+)
 from lightning_merak.profiler.trace import CommRecord, RankTrace, Span, Trace
 from lightning_merak.strategies.planner import Layout, Plan, Prediction, rerank
 
@@ -27,6 +38,7 @@ SHAPE = ModelShape(blocks=2, block_params=100_000, other_params=50_000, hidden=8
 """250 000 parameters: a 1 MB fp32 gradient all-reduce at dp=2."""
 DP2 = LayoutSpec(dp=2, pp=1, tp=1, micro_batches=1, samples=4)
 TP2 = LayoutSpec(dp=1, pp=1, tp=2, micro_batches=1, samples=4)
+PP2 = LayoutSpec(dp=1, pp=2, tp=1, micro_batches=2, samples=4)
 
 
 def _dp2_trace() -> Trace:
@@ -162,3 +174,63 @@ def test_a_pipeline_keeps_the_traced_partition_where_the_stage_count_matches() -
     assert layout_graph(costs, SHAPE, LayoutSpec(1, 2, 1, 2, 4))[1]["stage_blocks"] == [2, 0]
     deeper = ModelShape(4, SHAPE.block_params, SHAPE.other_params, SHAPE.hidden, SHAPE.seq)
     assert layout_graph(costs, deeper, LayoutSpec(1, 2, 1, 2, 4))[1]["stage_blocks"] == [2, 2]  # another model
+
+
+def _pp2_trace() -> Trace:
+    """Two micro-batches of 2 samples on 2 stages of one block each (2 ms a forward call). Stage 0: each forward
+    chunk 1 ms beyond its block (the stage's own work), 6 ms backward chunks, 0.5 ms of the loop between chunks;
+    stage 1: 3 ms of head after its block (1 ms of it the stage's own work), 8 ms backward chunks, 1.5 ms gaps.
+    A blocking 1 MB all-reduce (35-42 ms) gives the link's rate; UPDATE 42-47 ms, steps of 50 ms."""
+    ms = 0.001
+    ranks = []
+    for rank, (forward, backward, gap) in enumerate(((3, 6, 0.5), (5, 8, 1.5))):
+        spans, at = [], 1.0
+        for kind, m in (("forward", 0), ("forward", 1), ("backward", 0), ("backward", 1)):
+            length = forward if kind == "forward" else backward
+            spans.append(Span(f"stage {rank} {kind} mb{m}", "FW" if kind == "forward" else "BW", at * ms,
+                              (at + length) * ms, 0, 2))
+            if kind == "forward":
+                start = at + 1.0 if rank == 0 else at
+                spans.append(Span(f"block {rank}", "FW", start * ms, (start + 2) * ms, 0, 3))
+            at += length + gap
+        spans += [Span("step 0", "step", 0.0, 0.050, 0), Span("training_step", "FW", 0.0, (at - gap) * ms, 0, 1),
+                  Span("optimizer_step", "UPDATE", 0.042, 0.047, 0, 1)]
+        comms = [CommRecord("all_reduce", "collective", (0, 1), 0, 1_000_000, 0.035, 0, complete=0.042,
+                            wait_end=0.042, blocking=True)]
+        ranks.append(RankTrace(rank, spans, comms))
+    return Trace(ranks, [0.0, 0.0], {"layout": {"dp": 1, "pp": 2, "tp": 1, "micro_batches": 2, "overlap": 1}})
+
+
+def test_a_pipeline_trace_gives_the_fixed_costs_per_chunk_and_per_gap() -> None:
+    costs = calibrate(_pp2_trace(), SHAPE, PP2)
+    assert costs.chunk_forward_s == pytest.approx(0.001)
+    assert costs.chunk_host_s == pytest.approx((0.0005, 0.0015))
+    assert costs.block_forward_per_sample == pytest.approx(0.001)  # 2 ms calls of 2 samples
+    assert costs.rest_forward_per_sample == pytest.approx(0.001)  # 3 ms of head less the stage's own 1 ms, 2 samples
+    assert costs.stage_blocks == (1, 1)
+    # the gaps leave the loop's time per step: each rank's step less its work, wait and gaps (18.5 and 7.5 ms)
+    assert costs.host_per_step == pytest.approx((0.0185 + 0.0075) / 2)
+
+
+def _block_calls(seconds: float) -> Trace:
+    return Trace([RankTrace(0, [Span("block 0", "FW", 0.0, seconds, 0, 2), Span("block 1", "FW", seconds, 2 * seconds,
+                                                                                  0, 2)], [])], [0.0])
+
+
+def test_two_traces_at_different_samples_per_call_separate_a_blocks_fixed_cost() -> None:
+    # 0.5 ms fixed + 0.25 ms a sample: 8 samples a call (data parallel) 2.5 ms, 4 (two micro-batches) 1.5 ms
+    dp, pp = LayoutSpec(2, 1, 1, 1, 8), LayoutSpec(1, 2, 1, 2, 8)
+    fixed = block_call_cost(_block_calls(0.0025), dp, _block_calls(0.0015), pp)
+    assert fixed == pytest.approx(0.0005)
+    assert block_call_cost(_block_calls(0.0025), dp, _block_calls(0.0010), pp) == 0.0  # tilted by noise: none
+    costs = StepCosts(block_forward_per_sample=0.0015 / 4, rest_forward_per_sample=0.0, backward_ratio=2.0,
+                      update_per_param=0.0, host_per_step=0.0, op_fixed_s=0.0, link_bytes_per_s=1e15)
+    split = with_block_call_cost(costs, pp, fixed)
+    assert split.block_call_s + 4 * split.block_forward_per_sample == pytest.approx(0.0015)  # the traced call kept
+    shape = ModelShape(2, 1000, 0, 8, 4)
+    one_sample = LayoutSpec(1, 2, 1, 8, 8)
+    # M=8: 8 calls of 0.75 ms per stage instead of 0.375 ms, over 9 slots of forward and backward
+    assert predict_layout(split, shape, one_sample).step_time == pytest.approx(9 * 3 * 0.00075)
+    assert predict_layout(costs, shape, one_sample).step_time == pytest.approx(9 * 3 * 0.000375)
+    with pytest.raises(ValueError, match="different micro-batch sizes"):
+        block_call_cost(_block_calls(0.0025), dp, _block_calls(0.0015), LayoutSpec(1, 1, 1, 1, 8))

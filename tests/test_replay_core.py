@@ -142,3 +142,21 @@ def test_a_link_faster_than_the_trace_resolves_still_gets_a_rate() -> None:
 
     assert transfer_seconds([op(65536, 3e-4), op(131072, 5e-4)], fixed=1e-4) == pytest.approx(6e-4)
     assert transfer_seconds([op(65536, 1e-4), op(131072, 0.9e-4)], fixed=1e-4) == pytest.approx(1.9e-4)
+
+
+def test_fixed_costs_per_call_are_not_divided_away_by_smaller_micro_batches() -> None:
+    # per sample only: 4 samples in 2 or 4 micro-batches of 2 or 1 sample, (M + 1) * (f + b) with f = b / 2
+    assert predict_layout(COSTS, SHAPE, LayoutSpec(1, 2, 1, 2, 4)).step_time == pytest.approx(3 * 0.006)
+    assert predict_layout(COSTS, SHAPE, LayoutSpec(1, 2, 1, 4, 4)).step_time == pytest.approx(5 * 0.003)
+    # 1 ms fixed per block call or per chunk, no per-sample cost: every micro-batch costs its 1 + 2 ms
+    for fixed in ({"block_call_s": 0.001}, {"chunk_forward_s": 0.001}):
+        costs = StepCosts(**{**COSTS.__dict__, "block_forward_per_sample": 0.0, **fixed})
+        for m in (2, 4):
+            assert predict_layout(costs, SHAPE, LayoutSpec(1, 2, 1, m, 4)).step_time == pytest.approx((m + 1) * 0.003)
+
+
+def test_the_loops_work_between_chunks_follows_every_chunk_but_the_last() -> None:
+    gaps = StepCosts(**{**COSTS.__dict__, "block_forward_per_sample": 0.0, "chunk_host_s": (0.001, 0.001)})
+    # stage 1 runs F0 B0 F1 B1, each gap holding up stage 0's next chunk: three gaps in a row
+    assert predict_layout(gaps, SHAPE, LayoutSpec(1, 2, 1, 2, 4)).step_time == pytest.approx(0.003)
+    assert predict_layout(gaps, SHAPE, LayoutSpec(1, 1, 1, 2, 4)).step_time == pytest.approx(0.0)  # no pipeline

@@ -9,11 +9,14 @@ a few blocks (a tensor-parallel layout at each sub-batch overlap; a pipeline), w
 main trace's for layouts of that kind (:meth:`TraceCalibration.costs_for`). :class:`ReplayPredictor`
 replays any layout's step with them (:func:`~lightning_merak.profiler.synthesize.predict_layout`); the
 planner ranks its candidates by it (:func:`~lightning_merak.strategies.planner.rerank`).
+:func:`block_call_cost` separates a block call's fixed time from its per-sample time with two traces whose
+calls hold different numbers of samples (a data-parallel step and a pipeline's micro-batches).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -22,8 +25,9 @@ from lightning_merak.profiler.replay import SMALL_OP_BYTES, comm_ops, estimate_f
 from lightning_merak.profiler.synthesize import LayoutSpec, ModelShape, StepCosts, calibrate, group_kind, predict_layout
 from lightning_merak.profiler.trace import Trace
 
-__all__ = ["LARGE_OP_BYTES", "Probe", "ReplayPredictor", "TraceCalibration", "calibrate_from_traces",
-           "layout_from_meta", "link_costs", "predictor_from_files", "probe_key", "traced_blocks"]
+__all__ = ["LARGE_OP_BYTES", "Probe", "ReplayPredictor", "TraceCalibration", "block_call_cost", "block_call_seconds",
+           "calibrate_from_traces", "layout_from_meta", "link_costs", "predictor_from_files", "probe_key",
+           "traced_blocks"]
 
 LARGE_OP_BYTES = 32768.0
 """Ops with at least this many wire bytes set a link's rate (below, the fixed cost dominates)."""
@@ -158,6 +162,35 @@ def layout_from_meta(meta: dict[str, Any], samples: Optional[int] = None) -> Lay
                          "MerakTraceProfiler, which records it")
     return LayoutSpec(int(layout["dp"]), int(layout["pp"]), int(layout["tp"]), int(layout.get("micro_batches") or 1),
                       int(samples or layout.get("samples") or 1), overlap=int(layout.get("overlap") or 1))
+
+
+def block_call_seconds(trace: Trace) -> float:
+    """The median time of one block's forward call in ``trace`` (medians: a preempted call moves them least)."""
+    calls = [s.end - s.start for r in trace.ranks for s in r.spans
+             if s.category == "FW" and s.name.startswith("block ")]
+    if not calls:
+        raise ValueError("the trace has no block spans; trace a run with MerakTraceProfiler, which times each block")
+    return statistics.median(calls)
+
+
+def block_call_cost(first: Trace, first_layout: LayoutSpec, second: Trace, second_layout: LayoutSpec) -> float:
+    """The fixed seconds of a block forward call (its time at no samples), from two traces of the same model
+    whose calls hold different numbers of samples: the line through their median calls, clamped to
+    [0, the shorter call] (noise can tilt it either way).
+
+    Raises, naming the fix, where both hold as many samples per call (nothing to tell the costs apart).
+    """
+    points = []
+    for trace, layout in ((first, first_layout), (second, second_layout)):
+        if layout.tp != 1:
+            raise ValueError("block calls of a tensor-parallel trace hold its collectives' waits; pass traces at tp=1")
+        points.append((layout.samples / layout.micro_batches, block_call_seconds(trace)))
+    (n1, t1), (n2, t2) = points
+    if n1 == n2:
+        raise ValueError(f"both traces hold {n1:g} samples per block call; pass two with different micro-batch sizes "
+                         "(e.g. a data-parallel trace and a pipeline trace with several micro-batches)")
+    fixed = (n1 * t2 - n2 * t1) / (n1 - n2)
+    return min(max(fixed, 0.0), t1, t2)
 
 
 def traced_blocks(trace: Trace) -> int:

@@ -16,6 +16,7 @@ holds the tensor-parallel collectives' exposed time in its block and head times:
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -36,7 +37,7 @@ from lightning_merak.profiler.trace import RankTrace, Trace, comm_key, wire_byte
 from lightning_merak.strategies.pipeline.simulate import stage_op_order
 
 __all__ = ["BLOCK_BACKWARD_RATIO", "LayoutSpec", "ModelShape", "StepCosts", "calibrate", "group_kind", "layout_graph",
-           "predict_layout"]
+           "predict_layout", "with_block_call_cost"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,12 @@ class StepCosts:
     ``backward_ratio`` is a block's backward over its forward; ``rest_backward_ratio`` the head's and loss's
     (None: the same). ``stage_blocks``: the traced pipeline's blocks per stage (the partitioner's choice, kept
     for layouts with as many stages; others split the blocks evenly).
+
+    Fixed costs per call, which smaller micro-batches do not shrink: ``block_call_s`` per block forward call
+    beyond its samples' share (:func:`with_block_call_cost`: two traces at different samples per call tell them
+    apart); in a pipeline, ``chunk_forward_s`` per micro-batch and stage beyond its blocks and head (the stage's
+    own machinery, the embedding on the first stage), and ``chunk_host_s`` per stage, the loop's work between
+    two consecutive chunks (launching sends, the loss). Backward prices both forward costs at ``backward_ratio``.
     """
 
     block_forward_per_sample: float
@@ -95,6 +102,9 @@ class StepCosts:
     tp_comm_in_compute: bool = False
     rest_backward_ratio: Optional[float] = None
     stage_blocks: tuple[int, ...] = ()
+    block_call_s: float = 0.0
+    chunk_forward_s: float = 0.0
+    chunk_host_s: tuple[float, ...] = ()
 
     def link(self, kind: str) -> tuple[float, float]:
         """(fixed seconds per op, bytes/s) for ops of ``kind``."""
@@ -122,7 +132,9 @@ BLOCK_BACKWARD_RATIO = 2.0
 def _rank_breakdown(trace: Trace, kept: Optional[LayoutSpec] = None) -> list[dict[str, float]]:
     """Per rank and step: FW, BW, UPDATE compute (their waits removed), block forward, host, and step time.
 
-    With ``kept``, waits only for that layout's tensor-parallel collectives stay in the compute.
+    With ``kept``, waits only for that layout's tensor-parallel collectives stay in the compute. Pipeline
+    ranks add the chunks and gaps between them per step, the median gap's busy time ("gap") and the median
+    forward chunk's time beyond its blocks ("chunk extra"): medians, as a preempted chunk moves them least.
     """
     aligned = trace.aligned()
     steps = max(len(aligned.steps()), 1)
@@ -136,7 +148,8 @@ def _rank_breakdown(trace: Trace, kept: Optional[LayoutSpec] = None) -> list[dic
             waited = sum(max(0.0, min(end, b) - max(start, a)) for a, b in waits)
             return end - start - waited
 
-        totals = {"FW": 0.0, "BW": 0.0, "UPDATE": 0.0, "block": 0.0, "step": 0.0, "waits": 0.0}
+        totals = {"FW": 0.0, "BW": 0.0, "UPDATE": 0.0, "block": 0.0, "step": 0.0, "waits": 0.0, "gaps": 0.0,
+                  "FW chunks": 0.0}
         top = {c: min((s.depth for s in rank.spans if s.category == c), default=0) for c in ("FW", "BW", "UPDATE")}
         # Under a pipeline schedule Lightning's training step holds every chunk, forward and backward: the
         # chunks are the compute, the rest of the step (the schedule's own work) counts as the loop's.
@@ -153,8 +166,21 @@ def _rank_breakdown(trace: Trace, kept: Optional[LayoutSpec] = None) -> list[dic
             elif span.category == "step":
                 totals["step"] += span.end - span.start
                 totals["waits"] += span.end - span.start - seconds
+        gaps, extras = [], []
+        if chunked:
+            blocks = [s for s in rank.spans if s.category == "FW" and s.name.startswith("block")]
+            for step in aligned.steps():
+                chunks = sorted((s for s in rank.spans if s.step == step and s.name.startswith("stage ")),
+                                key=lambda s: s.start)
+                gaps += [busy(a.end, b.start) for a, b in zip(chunks, chunks[1:])]
+                extras += [busy(c.start, c.end) - sum(busy(b.start, b.end) for b in blocks
+                                                      if c.start <= b.start and b.end <= c.end)
+                           for c in chunks if c.category == "FW"]
+            totals["gaps"], totals["FW chunks"] = len(gaps), len(extras)
         totals["host"] = totals["step"] - totals["waits"] - totals["FW"] - totals["BW"] - totals["UPDATE"]
-        result.append({key: value / steps for key, value in totals.items()})
+        result.append({key: value / steps for key, value in totals.items()}
+                      | {"gap": statistics.median(gaps) if gaps else 0.0,
+                         "chunk extra": statistics.median(extras) if extras else 0.0})
     return result
 
 
@@ -164,27 +190,38 @@ def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec, tp_comm_in_co
     Ranks are ordered data-parallel outermost, then pipeline stage, then tensor-parallel rank.
     ``tp_comm_in_compute`` (a probe of a tensor-parallel layout) keeps the time spent waiting for
     tensor-parallel collectives in the blocks' and the head's times.
+
+    In a pipeline trace a chunk's forward beyond its blocks on the stages before the last (no head there) is
+    taken as fixed per chunk (``chunk_forward_s``, also charged to the last stage's chunks before its head),
+    and the loop's work between chunks as fixed per gap (``chunk_host_s``): the per-sample costs are what is left.
     """
     per_rank = _rank_breakdown(trace, layout if tp_comm_in_compute and layout.tp > 1 else None)
     # The partitioner balances stages (a heavy head shares its stage with fewer blocks): each rank's blocks are
     # the ones it recorded; a trace without block spans is taken as evenly split.
     counted = [_blocks_recorded(rank) for rank in trace.ranks]
     timed = any(counted)
+    stages = [(rank // layout.tp) % layout.pp for rank in range(len(per_rank))]
+    chunk_fw = [t["chunk extra"] for t, stage in zip(per_rank, stages) if stage < layout.pp - 1 and t["FW chunks"]]
+    chunk_forward = max(statistics.mean(chunk_fw), 0.0) if chunk_fw else 0.0
+    gaps: dict[int, list[float]] = {}
     block_fw, rest_fw, ratio, rest_ratio, update, host = [], [], [], [], [], []
     for rank, totals in enumerate(per_rank):
-        stage = (rank // layout.tp) % layout.pp
+        stage = stages[rank]
         blocks_here = counted[rank] if timed else shape.blocks / layout.pp
         if blocks_here:
             block_fw.append(totals["block"] * layout.tp / (blocks_here * layout.samples))
-        rest = max(totals["FW"] - totals["block"], 0.0)
+        own = chunk_forward * totals["FW chunks"]
+        rest = max(totals["FW"] - totals["block"] - own, 0.0)
         if stage == layout.pp - 1:
             rest_fw.append(rest * layout.tp / layout.samples)
         if totals["FW"] > 0:
             ratio.append(totals["BW"] / totals["FW"])
         if stage == layout.pp - 1 and totals["block"] > 0 and rest > 0:  # no backward span per block: priced by FLOPs
-            rest_ratio.append(max(totals["BW"] - BLOCK_BACKWARD_RATIO * totals["block"], 0.0) / rest)
+            rest_ratio.append(max(totals["BW"] - BLOCK_BACKWARD_RATIO * (totals["block"] + own), 0.0) / rest)
         update.append(totals["UPDATE"] / _params_on_rank(shape, layout, stage, blocks_here))
-        host.append(totals["host"])
+        host.append(totals["host"] - totals["gap"] * totals["gaps"])
+        if totals["gaps"]:
+            gaps.setdefault(stage, []).append(totals["gap"])
     fixed = estimate_fixed_cost(comm_ops(trace.aligned()))
     bandwidth = estimate_bandwidth(trace)
     if bandwidth is None:
@@ -196,7 +233,20 @@ def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec, tp_comm_in_co
                      statistics.mean(host), fixed, bandwidth, tp_comm_in_compute=tp_comm_in_compute and layout.tp > 1,
                      rest_backward_ratio=statistics.mean(rest_ratio) if block_fw and rest_ratio else None,
                      stage_blocks=tuple(counted[s * layout.tp] for s in range(layout.pp)) if timed and layout.pp > 1
+                     else (), chunk_forward_s=chunk_forward,
+                     chunk_host_s=tuple(statistics.mean(gaps[s]) for s in range(layout.pp)) if len(gaps) == layout.pp
                      else ())
+
+
+def with_block_call_cost(costs: StepCosts, layout: LayoutSpec, fixed_s: float) -> StepCosts:
+    """``costs`` (calibrated on a run of ``layout``) with ``fixed_s`` of every block forward call fixed: the
+    per-sample cost keeps the traced call's time, so only other micro-batch sizes replay differently."""
+    if fixed_s < 0:
+        raise ValueError(f"a fixed cost per call cannot be negative, got {fixed_s}")
+    samples = layout.samples / layout.micro_batches / layout.tp
+    call = costs.block_call_s + costs.block_forward_per_sample * samples
+    return dataclasses.replace(costs, block_call_s=min(fixed_s, call),
+                               block_forward_per_sample=max(call - fixed_s, 0.0) / samples)
 
 
 def _blocks_recorded(rank: RankTrace) -> int:
@@ -252,6 +302,8 @@ def layout_graph(costs: StepCosts, shape: ModelShape, layout: LayoutSpec) -> tup
     if len(per_stage) != layout.pp or sum(per_stage) != shape.blocks:
         per_stage = [shape.blocks // layout.pp + (s < shape.blocks % layout.pp) for s in range(layout.pp)]
 
+    pipelined, gaps = layout.pp > 1, costs.chunk_host_s
+
     def rank_of(d: int, s: int, t: int) -> int:
         return (d * layout.pp + s) * layout.tp + t
 
@@ -262,7 +314,8 @@ def layout_graph(costs: StepCosts, shape: ModelShape, layout: LayoutSpec) -> tup
                 b.pieces[rank] = []
                 b.compute(rank, "host", costs.host_per_step / 2)
                 tp_ranks = [rank_of(d, s, u) for u in range(layout.tp)]
-                for kind, m in stage_op_order(s, layout.pp, layout.micro_batches, "1f1b"):
+                order = stage_op_order(s, layout.pp, layout.micro_batches, "1f1b")
+                for position, (kind, m) in enumerate(order):
                     forward = kind == "F"
                     if forward and s > 0:
                         b.pieces[rank].append(("wait", ([("act", d, s - 1, t, m)], [], 0.0)))
@@ -271,7 +324,9 @@ def layout_graph(costs: StepCosts, shape: ModelShape, layout: LayoutSpec) -> tup
                     factor = 1.0 if forward else costs.backward_ratio + float(layout.recompute)
                     rest_factor = 1.0 if forward else (costs.backward_ratio if costs.rest_backward_ratio is None
                                                        else costs.rest_backward_ratio)
-                    block = costs.block_forward_per_sample * mb / layout.tp * factor
+                    block = (costs.block_call_s + costs.block_forward_per_sample * mb / layout.tp) * factor
+                    if pipelined and costs.chunk_forward_s:
+                        b.compute(rank, "FW" if forward else "BW", costs.chunk_forward_s * factor)
                     for index in range(per_stage[s]):
                         for half in range(2):
                             b.compute(rank, "FW" if forward else "BW", block / 2)
@@ -285,6 +340,8 @@ def layout_graph(costs: StepCosts, shape: ModelShape, layout: LayoutSpec) -> tup
                         b.send(rank, ("act", d, s, t, m), activation / layout.tp, f"p2p{rank}->{rank_of(d, s + 1, t)}")
                     if not forward and s > 0:
                         b.send(rank, ("grad", d, s, t, m), activation / layout.tp, f"p2p{rank}->{rank_of(d, s - 1, t)}")
+                    if pipelined and position < len(order) - 1 and gaps:
+                        b.compute(rank, "host", gaps[s] if len(gaps) == layout.pp else statistics.mean(gaps))
                 dp_ranks = [rank_of(e, s, t) for e in range(layout.dp)]
                 b.collective(rank, ("dp", s, t), "all_reduce", dp_ranks,
                              _params_on_rank(shape, layout, s, per_stage[s]) * shape.bytes_per_element,

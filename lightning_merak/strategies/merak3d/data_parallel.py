@@ -7,8 +7,9 @@ pass (a pipeline stage's last micro-batch) has finished a bucket, its collective
 backward goes on; :meth:`~DataParallelGradients.finish` launches the rest, waits, and averages.
 
 - ``"none"``: every bucket is all-reduced; each replica steps the whole optimizer.
-- ``"optimizer"`` (ZeRO-1): each bucket is reduce-scattered over the shard group (two CPU ranks swap halves
-  instead: :class:`PairwiseReduceScatter`), so rank ``i`` receives the averaged ``i``-th part of every bucket
+- ``"optimizer"`` (ZeRO-1): each bucket is reduce-scattered over the shard group (CPU ranks send each rank only
+  its part, in one all-to-all: :mod:`~lightning_merak.strategies.merak3d.reduce_scatter`), so rank ``i``
+  receives the averaged ``i``-th part of every bucket
   (the parameters' own ``.grad`` are ``None`` after the backward: the averaged gradients are the shard
   parameters'). The optimizer's parameter groups hold *shard parameters*, views of those parts of
   the real parameters, so the optimizer keeps state for one ``1/shards`` of the elements and updates
@@ -42,6 +43,7 @@ from lightning_merak.runtime.gradient_buffer import Bucket, GradientBuffer, Shar
 from lightning_merak.runtime.gradient_norm import ShardedGradients
 from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh
 from lightning_merak.strategies.merak3d.layout import LayoutGroups
+from lightning_merak.strategies.merak3d.reduce_scatter import start_reduce_scatter
 from lightning_merak.strategies.merak3d.sharding_checks import (
     SHARDED_MODES,
     check_precision,
@@ -49,7 +51,7 @@ from lightning_merak.strategies.merak3d.sharding_checks import (
     check_sharding,
 )
 
-__all__ = ["SHARDED_MODES", "DataParallelGradients", "PairwiseReduceScatter", "check_precision",
+__all__ = ["SHARDED_MODES", "DataParallelGradients", "check_precision",
            "check_shardable_optimizer", "check_sharding", "data_parallel_gradients", "refreshed", "shard_groups"]
 
 
@@ -117,8 +119,6 @@ class DataParallelGradients:
         if self.sharded:
             self._shard_group, self._replicate_group = shard_groups(groups, shards)
             self._shard_rank = dist.get_rank(self._shard_group)
-            self._pairwise = shards == 2
-            """Reduce-scatter a CPU bucket by exchanging halves (:class:`PairwiseReduceScatter`)."""
         self.buffer = GradientBuffer(params, bucket_bytes=bucket_bytes, shards=shards if self.sharded else 1,
                                      late=late, on_ready=self._launch_early if overlap else None,
                                      ready_order=ready_order, released=ready_order is not None)
@@ -415,23 +415,21 @@ class DataParallelGradients:
     def _launch(self, bucket: Bucket) -> None:
         if self.sharded:
             part = self._shard_grads[bucket.index]
-            self._works[bucket.index] = (
-                PairwiseReduceScatter(part, bucket.flat, self._shard_rank, self._shard_group)
-                if self._pairwise and bucket.flat.device.type == "cpu" else
-                dist.reduce_scatter_single(part, bucket.flat, group=self._shard_group, async_op=True))
-            if self.mode == "gradients":
-                self._release_finished()
+            self._works[bucket.index] = start_reduce_scatter(part, bucket.flat, self._shard_group)
+            self._release_finished()
         else:
             self._works[bucket.index] = dist.all_reduce(bucket.flat, group=self._group, async_op=True)
 
     def _release_finished(self) -> None:
-        """ZeRO-2: free the full gradients of buckets whose reduce-scatter is done."""
+        """Finish the reduce-scatters that are done: an exchange over three or more CPU ranks sums and frees its
+        receive buffer, and ZeRO-2 frees the bucket's full gradients (so neither outlives a bucket in flight)."""
         for index, work in self._works.items():
             bucket = self.buffer.buckets[index]
             if not bucket.released and work.is_completed():
                 work.wait()
-                self.buffer.drop_gradients(bucket)
-                bucket.release()
+                if self.mode == "gradients":
+                    self.buffer.drop_gradients(bucket)
+                    bucket.release()
 
     def finish(self) -> None:
         """After the backward (and any tensor-parallel or pipeline sums): reduce the buckets not yet started,
@@ -490,32 +488,6 @@ class DataParallelGradients:
     def holds(self, params: Sequence[nn.Parameter]) -> bool:
         """Whether the buckets hold exactly the gradients of ``params``."""
         return {id(param) for param in params} == set(self._positions)
-
-
-class PairwiseReduceScatter:
-    """A reduce-scatter over two CPU ranks as an all-to-all that sends only the peer's half, then one addition.
-
-    Gloo reduces-scatters by all-reducing the whole tensor and slicing it, so each rank sends the whole bucket
-    once: measured on the emulated 1 Gbit/s link, as long as an all-reduce (72 against 68 ms for 8 MB at dp2) and
-    1.6 times an exchange of halves (45 ms). The sum is exact: two addends in either order give gloo's bits. An
-    all-to-all rather than a send and a receive keeps the exchange in the group's queue of collectives."""
-
-    def __init__(self, out: torch.Tensor, flat: torch.Tensor, rank: int, group: dist.ProcessGroup) -> None:
-        halves, peer = flat.view(2, -1), 1 - rank
-        self._out, self._own, self._summed = out, halves[rank], False
-        splits = [0, 0]
-        splits[peer] = out.numel()
-        self._work = dist.all_to_all_single(out, halves[peer], splits, splits, group=group, async_op=True)
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
-
-    def wait(self) -> None:
-        """Wait for the exchange and add this rank's half to the peer's."""
-        self._work.wait()
-        if not self._summed:
-            self._out += self._own
-            self._summed = True
 
 
 def _elementwise(value: Any, shard: nn.Parameter) -> bool:
