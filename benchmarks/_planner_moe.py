@@ -52,7 +52,7 @@ def _run_rank(rank: int, world_size: int, merak: dict[str, Any], steps: int) -> 
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0, use_distributed_sampler=False,
-        callbacks=[ExpertParallelCallback(log_every_n_steps=10**6), timer],
+        callbacks=[ExpertParallelCallback(ep_size=2, log_every_n_steps=10**6), timer],  # the layouts are named ep2
     )
     torch.manual_seed(0)
     trainer.fit(CausalLMModule(model, TrainerConfig(max_steps=steps, warmup_steps=1)),

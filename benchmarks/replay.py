@@ -12,8 +12,10 @@ tp=2 from a trace of dp=2 (layout re-derived: :mod:`lightning_merak.profiler.syn
 probe: a traced tp=2 run of the model cut to ``PROBE_LAYERS`` blocks, whose costs (vocabulary-parallel
 head, sub-batch machinery, the blocks' collectives) replace the dp trace's
 (:mod:`lightning_merak.profiler.calibration`; the row "no probe" predicts tp=2 from the dp trace alone);
-(c) other micro-batch counts from a trace of pp=2 with 2 micro-batches, whose block calls beside dp=2's (8 samples
-a call against 4) give a block call's fixed time, which smaller micro-batches do not shrink. A step's time is the
+(c) other micro-batch counts from a trace of pp=2 with 2 micro-batches: block and head calls of other sizes follow
+call curves an in-process probe measures in the driver before every repeat, and the step is the traced run's period
+times the re-derived ratio (:mod:`benchmarks._replay_microbatch`; rows of kind "two-trace line" keep the earlier model,
+a block call's fixed time from dp=2's and M=2's calls, beside them). A step's time is the
 period between the ends of consecutive training batches (loop and data loading included), the
 slowest rank's, median over the steps after warm-up. Rows for 8–64 ranks are replays of layouts
 calibrated on the same trace: labelled simulated, nothing measured.
@@ -48,13 +50,15 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks import report
+from benchmarks._replay_microbatch import LINE_KIND, microbatch_rows, probe_curves, probe_sizes
 from benchmarks.merak3d import Workload, _quiet_lightning
 from lightning_merak.config import TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
 from lightning_merak.profiler import MerakTraceProfiler, Trace, WhatIf, chrome_trace, replay_trace, write_chrome_trace
-from lightning_merak.profiler.calibration import Probe, ReplayPredictor, block_call_cost, calibrate_from_traces
+from lightning_merak.profiler.calibration import Probe, ReplayPredictor, calibrate_from_traces
+from lightning_merak.profiler.call_curve import CallCurve
 from lightning_merak.profiler.replay import measured_step_time
-from lightning_merak.profiler.synthesize import LayoutSpec, ModelShape, calibrate, predict_layout, with_block_call_cost
+from lightning_merak.profiler.synthesize import LayoutSpec, ModelShape, StepCosts, calibrate, predict_layout
 from lightning_merak.testing.netem import EmulatedCluster, LinkSpec, emulation_available
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +72,7 @@ REPLAY_TARGET, WHATIF_TARGET = 0.05, 0.10
 PROBE_LAYERS = 2
 """Blocks of the probe runs (the workload has 4)."""
 PARTITIONED = "what-if (measured run's partition)"
-SECONDARY_KINDS = ("what-if layout (no probe)", PARTITIONED)
+SECONDARY_KINDS = ("what-if layout (no probe)", PARTITIONED, LINE_KIND)
 """Rows beside the goal's: no what-if error maximum counts them."""
 SIMULATED = ((8, 1, 1, 1), (16, 2, 2, 4), (16, 4, 1, 8), (32, 2, 1, 4), (64, 1, 1, 1))
 """(dp, pp, tp, micro-batches) replayed beyond this machine."""
@@ -375,8 +379,10 @@ def measure_repeat(mode: Mode, repeat: int, out_dir: str, started: float) -> dic
 
 
 def predict_repeat(measured: dict[float, dict[str, dict[str, Any]]], traces: dict[str, Trace], mode: Mode,
-                   shape: ModelShape) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """One repeat's rows (:func:`_row`) from its own traces and runs; and the costs calibrated on them."""
+                   shape: ModelShape, curves: tuple[CallCurve, CallCurve]
+                   ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One repeat's rows (:func:`_row`) from its own traces, runs and probed call ``curves``; and the costs
+    calibrated on them."""
     jobs = jobs_by_name(mode)
     at_base = measured[BASE_RATE_MBIT]
     rows = []
@@ -404,25 +410,18 @@ def predict_repeat(measured: dict[float, dict[str, dict[str, Any]]], traces: dic
     unprobed = predict_layout(costs_dp, shape, jobs["tp2"].layout()).step_time * correction
     rows.append(_row("what-if layout (no probe)", "tp2 from dp2 alone", unprobed, at_base["tp2"]["period_s"],
                      **_contention(at_base["tp2"])))
-    pp_trace, pp_layout = traces["pp2_m2"], jobs["pp2_m2"].layout()
-    # a block call's fixed time, which smaller micro-batches do not shrink: dp2's calls hold 8 samples, M=2's 4
-    costs_pp = with_block_call_cost(calibrate(pp_trace, shape, pp_layout), pp_layout,
-                                    block_call_cost(dp2, jobs["dp2"].layout(), pp_trace, pp_layout))
-    pp_correction = at_base["pp2_m2"]["period_s"] / measured_step_time(pp_trace)
-    for m in mode.micro_batch_counts:
-        job = jobs[f"pp2_m{m}"]
-        predicted = predict_layout(costs_pp, shape, job.layout()).step_time * pp_correction
-        rows.append(_row("what-if micro-batches", f"pp2 M={m} from M=2", predicted, at_base[job.name]["period_s"],
-                         **_contention(at_base[job.name])))
     # autopipe splits the blocks by timings taken at start-up, which a busy machine moves: the pipeline what-ifs
     # again with the split each measured run got (the replay's error apart from the partitioner's choice)
+    def split_of(costs: StepCosts, name: str) -> StepCosts:
+        return replace(costs, stage_blocks=stage_blocks(at_base[name]["partition"], shape.blocks))
+
     base_costs, base_correction = predictor.calibration.costs_for(jobs["pp2_m2"].layout())
-    pipelines = [("pp2_m2", "pp2_m2 from dp2", base_costs, base_correction)]
-    pipelines += [(f"pp2_m{m}", f"pp2 M={m} from M=2", costs_pp, pp_correction) for m in mode.micro_batch_counts]
-    for name, what, costs, factor in pipelines:
-        split = replace(costs, stage_blocks=stage_blocks(at_base[name]["partition"], shape.blocks))
-        rows.append(_row(PARTITIONED, what, predict_layout(split, shape, jobs[name].layout()).step_time * factor,
-                         at_base[name]["period_s"], **_contention(at_base[name])))
+    rows.append(_row(PARTITIONED, "pp2_m2 from dp2", predict_layout(split_of(base_costs, "pp2_m2"), shape,
+                                                                    jobs["pp2_m2"].layout()).step_time
+                     * base_correction, at_base["pp2_m2"]["period_s"], **_contention(at_base["pp2_m2"])))
+    micro_rows, costs_pp = microbatch_rows(traces, at_base, {name: job.layout() for name, job in jobs.items()},
+                                           mode.micro_batch_counts, shape, curves, _row, PARTITIONED, split_of)
+    rows += micro_rows
     rows.append(_row("what-if (not measured)", "dp2, overlap off", replay_trace(dp2, WhatIf(overlap=False)).step_time
                      * correction, None))
     rows.append(_row("what-if (not measured)", "dp2, full recompute",
@@ -431,7 +430,7 @@ def predict_repeat(measured: dict[float, dict[str, dict[str, Any]]], traces: dic
         layout = LayoutSpec(dp, pp, tp, m, WORKLOAD.global_batch)
         rows.append(_row("simulated", f"{layout.ranks} ranks: dp{dp} pp{pp} tp{tp} M{m}",
                          predict_layout(costs_dp, shape, layout).step_time * correction, None, label="simulated"))
-    costs = {"dp2": asdict(costs_dp), "pp2_m2": asdict(costs_pp), "predictor": predictor.calibration.describe()}
+    costs = {"dp2": asdict(costs_dp), **costs_pp, "predictor": predictor.calibration.describe()}
     return rows, costs
 
 
@@ -484,13 +483,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for repeat in range(mode.repeats):
         with tempfile.TemporaryDirectory(prefix="merak-replay-") as out_dir:
             os.chmod(out_dir, 0o777)
+            curves = probe_curves(WORKLOAD.model_config(), WORKLOAD.vocab, WORKLOAD.seq,
+                                  probe_sizes(WORKLOAD.global_batch, mode.micro_batch_counts))
             measured = measure_repeat(mode, repeat, out_dir, started)
             traces = {name: Trace.load(measured[BASE_RATE_MBIT][name]["trace"])
                       for name in ("dp2", "pp2_m2", "tp2_probe")}
         if args.traces:
             for name, trace in traces.items():
                 trace.save(args.traces / f"r{repeat}_{name}.json")
-        rows, costs = predict_repeat(measured, traces, mode, shape)
+        rows, costs = predict_repeat(measured, traces, mode, shape, curves)
+        costs["call_curves"] = {"block": curves[0].describe(), "head": curves[1].describe()}
         repeat_rows.append(rows)
         repeat_runs.append(_named_runs(measured, mode.rates))
         repeat_costs.append(costs)

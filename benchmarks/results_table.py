@@ -286,7 +286,9 @@ def sharding(data: dict[str, Any]) -> Table:
     notes = [
         f"{data['workload']}, {data['steps']} steps, network {data['network']}; step time: median of the slowest "
         "rank; exposed: reduction wait with overlap over without; MiB: worst rank's peak above its baseline "
-        "(its peak over the ideal: parameters, the mode's gradients and AdamW state, activations)",
+        + (f"in a {data['memory_steps']}-step run with glibc's mmap threshold pinned, so that freed tensors leave "
+           "the resident size " if data.get("memory_steps") else "")
+        + "(its peak over the ideal: parameters, the mode's gradients and AdamW state, activations)",
         "goals: " + ", ".join(f"{key} {'-' if data[key] is None else f'{data[key]:.3g}'} ({data['goals'][key]}: "
                               f"{met(met_goals[key])})" for key in data["goals"]),
         f"largest model under {data['cap_mb']:.0f} MiB per rank, 4 ranks ({data['search_workload']}): {largest}",
@@ -299,7 +301,8 @@ def sharding(data: dict[str, Any]) -> Table:
     default_zero1 = data.get("zero1_default_step_over_merak3d_none")
     if default_zero1 is not None:
         notes.append(f"ZeRO-1 step over merak3d none (worst layout): {ratio(default_zero1)} by default, "
-                     f"{ratio(data['zero1_step_over_ddp'])} with overlap_param_gather=True; the latter over "
+                     f"{ratio(data['zero1_step_over_ddp'])} with overlap_param_gather=True (each layout's median of "
+                     "back-to-back pairs); the latter over "
                      f"Lightning DDP {ratio(data.get('zero1_step_over_lightning_ddp'))}")
     return Table(["layout", "run", "step ms", "vs merak3d none", "vs DDP", "vs FSDP2", "optimizer bytes vs none",
                   "exposed reduce", "loss vs DDP", "MiB (peak/ideal)"], rows, notes)

@@ -16,9 +16,12 @@ its jobs in turn (``benchmarks._sharding_ranks``; memory is reset and measured p
 layout (dp=2, dp=4, pp=2 × dp=2) and per ``data_parallel_sharding`` mode (none, optimizer,
 gradients, full), on the same model, batch and seed:
 
-* *memory*, per rank: peak resident size above the rank's resident size when the job began
-  (``used_mb``; every rank builds the whole seeded model first, so that losses compare, and its peak
-  includes that model once; the largest-model search below builds on the meta device instead), next
+* *memory*, per rank: peak resident size above the rank's resident size when the job began, in a
+  separate short run of the same job (``MEMORY_STEPS``) whose ranks start with glibc's mmap threshold
+  pinned (``LIVE_HEAP_ENV``), so that freed tensors leave the resident size (``used_mb``; the timed run's
+  figure on glibc's default heap is ``used_mb_default_heap``; every rank builds the whole seeded model
+  first, so that losses compare, and its peak includes that model once; the largest-model search below
+  runs on the same heap and builds on the meta device instead), next
   to the rank's *ideal* (its parameters, the gradients and AdamW state its mode keeps, and the
   activations of its in-flight micro-batches, measured per sample with ``saved_activation_bytes``);
   optimizer-state bytes counted in the optimizer, against the ideal (AdamW's two moments of the
@@ -38,8 +41,9 @@ gradients, full), on the same model, batch and seed:
 JSON top level (goals of issue #29): ``optimizer_state_ratio`` (optimizer bytes with ``optimizer``
 sharding over ``none``'s, worst rank, at the largest data-parallel degree run; goal ≤ 1/dp + 5 %),
 ``zero1_step_over_ddp`` (step with ``optimizer`` and ``overlap_param_gather=True`` over plain data parallelism,
-merak3d's ``none``, worst layout; ≤ 1.05; ``zero1_default_step_over_merak3d_none`` is the same without overlapped
-gathering, ``zero1_step_over_lightning_ddp`` the overlapped one over Lightning's DDPStrategy),
+merak3d's ``none``, worst layout, each layout's the median over ``paired_repeats`` runs of the two jobs back to
+back, ``zero1_step_over_ddp_pairs`` in ``targets``; ≤ 1.05; ``zero1_default_step_over_merak3d_none`` is the same
+without overlapped gathering, ``zero1_step_over_lightning_ddp`` the overlapped one over Lightning's DDPStrategy),
 ``exposed_grad_comm_fraction`` (worst mode of dp=2 on 4× longer sequences, where a backward outlasts the
 reduction; ≤ 0.3; the short-sequence layouts' worst is ``exposed_grad_comm_fraction_short_sequences``),
 ``loss_max_rel_diff`` (worst merak3d run; ≤ 1e-5), ``largest_model_ratio_vs_fsdp2`` (merak3d's best
@@ -68,6 +72,16 @@ from typing import Any, Optional
 from benchmarks import report
 from benchmarks._scale_ranks import Workload, measure_activations
 from benchmarks._sharding_ranks import Job, job_entries
+from benchmarks._sharding_rows import (
+    BASELINES,
+    LAYOUTS,
+    OVERLAP_LAYOUT,
+    compare,
+    job_row,
+    plot_memory,
+    repeat_row,
+    search_rows,
+)
 from lightning_merak.testing.netem import (
     EmulatedCluster,
     LinkSpec,
@@ -78,22 +92,21 @@ from lightning_merak.testing.netem import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-MIB = 2**20
 RATE_MBIT = 1000.0
 CLUSTER_TIMEOUT_S = 1200.0
 RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+LIVE_HEAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+"""Added to ``RANK_ENV`` for the memory runs: glibc's mmap threshold pinned at its 128 KiB default, so every tensor
+storage from 128 KiB up has its own mapping, unmapped when freed, and the resident peak follows the tensors alive
+at once (``torch.cuda.max_memory_allocated``'s view on a GPU). With glibc's dynamic threshold a freed bucket raises
+the threshold and later ones stay in the heap: a dp=4 rank's resident size grew step after step, to 145 MiB after
+6 steps with ZeRO-2 against 98 MiB pinned (plain dp 152 / 140), which hid most of what sharding saves."""
+MEMORY_STEPS = 4
+"""Steps of a job's memory run: its resident peak no longer grows after the second with the pinned threshold."""
 MODES = ("none", "optimizer", "gradients", "full")
 """merak3d's ``data_parallel_sharding`` modes, each run on every layout."""
 REDUCING_MODES = ("none", "optimizer", "gradients")
 """Modes whose gradients merak3d's own buckets reduce (``full`` leaves it to FSDP2)."""
-LAYOUTS: dict[str, tuple[int, dict[str, int]]] = {
-    "dp2": (2, {"data_parallel": 2}), "dp4": (4, {"data_parallel": 4}),
-    "pp2xdp2": (4, {"data_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2})}
-BASELINES = {"ddp": "DDP", "fsdp2": "FSDP2 (ModelParallelStrategy)", "zero1": "DeepSpeed ZeRO-1",
-             "zero2": "DeepSpeed ZeRO-2"}
-"""Step-time columns ``step_over_KEY``: this run's step over the baseline's of that name at the same world size."""
-MAY_REFUSE = {"zero"}
-"""Baselines whose refusal to run on this machine is a result, not a failure."""
 GOALS = {"optimizer_state_ratio": "<= 1/dp + 0.05 on each layout", "zero1_step_over_ddp": "<= 1.05",
          "exposed_grad_comm_fraction": "<= 0.3", "loss_max_rel_diff": "<= 1e-5",
          "largest_model_ratio_vs_fsdp2": ">= 1.0"}
@@ -139,6 +152,10 @@ class Setting:
     takes longer than reducing its gradients at 1 Gbit/s (otherwise no schedule can hide the reduction)."""
     bucket_mb: float
     """merak3d's ``grad_bucket_mb`` (and DeepSpeed's reduce bucket): many buckets, so that reduction can overlap."""
+    paired_repeats: int = 3
+    """Runs of each layout's headline pair (plain dp, then ZeRO-1 with the gather overlapped), back to back:
+    ``zero1_step_over_ddp`` is the median of the pairs' ratios, so that a slow spell on this shared machine during
+    one of two jobs minutes apart does not decide it."""
     legs_only: bool = False
     """Only merak3d's mode comparison (``--legs``): no baselines or largest-model search; the overlap measurement
     only with ``overlap_leg`` (``--legs`` names ``OVERLAP_LEG``)."""
@@ -148,12 +165,13 @@ class Setting:
 QUICK = Setting(Workload(hidden=128, layers=8, vocab=1024, seq=64, global_batch=8), steps=8, warmup=2,
                 layouts=("dp2", "pp2xdp2"), overlap_off_modes=("none", "optimizer"), zero_stages=(1, 2),
                 search_workload=Workload(hidden=256, layers=0, vocab=2048, seq=64, global_batch=8),
-                ladder=(8, 16, 24, 32), cap_mb=300.0, search_steps=2, overlap_seq=256, bucket_mb=0.5,
+                ladder=(8, 16, 32, 48, 64), cap_mb=300.0, search_steps=2, overlap_seq=256, bucket_mb=0.5,
+                paired_repeats=2,
                 candidates=tuple(c for c in CANDIDATES if c.mode != "gradients"))
 FULL = Setting(Workload(hidden=256, layers=8, vocab=2048, seq=64, global_batch=8), steps=20, warmup=3,
                layouts=("dp2", "dp4", "pp2xdp2"), overlap_off_modes=REDUCING_MODES, zero_stages=(1, 2),
                search_workload=Workload(hidden=256, layers=0, vocab=2048, seq=64, global_batch=8),
-               ladder=(8, 12, 16, 24, 32, 40, 48), cap_mb=400.0, search_steps=2, candidates=CANDIDATES,
+               ladder=(8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 96), cap_mb=400.0, search_steps=2, candidates=CANDIDATES,
                overlap_seq=256, bucket_mb=2.0)
 
 
@@ -190,7 +208,31 @@ def mode_jobs(setting: Setting, world_size: int) -> list[Job]:
     return jobs
 
 
-OVERLAP_LAYOUT = "dp2 long sequences"
+HEADLINE_PAIR = ("none", "optimizer gather-overlap")
+"""The name suffixes of the two jobs whose step ratio is ``zero1_step_over_ddp``."""
+REPEAT = " (repeat {})"
+
+
+def paired_repeat_jobs(setting: Setting, jobs: list[Job]) -> list[Job]:
+    """Runs 2 … ``paired_repeats`` of each layout's headline pair among ``jobs``, each pair back to back."""
+    pairs = [[job for suffix in HEADLINE_PAIR for job in jobs if job.kind == "merak3d" and job.name.endswith(suffix)
+              and job.layout == degrees] for _, degrees in LAYOUTS.values()]
+    return [replace(job, name=job.name + REPEAT.format(run)) for run in range(2, setting.paired_repeats + 1)
+            for pair in pairs if len(pair) == 2 for job in pair]
+
+
+def paired_ratios(steps_ms: dict[str, float], layouts: tuple[str, ...], repeats: int) -> dict[str, list[float]]:
+    """Per layout, each run's ZeRO-1 step over plain dp's in the same pair (``steps_ms`` by job name)."""
+    ratios: dict[str, list[float]] = {}
+    for layout in layouts:
+        for run in range(1, repeats + 1):
+            tail = REPEAT.format(run) if run > 1 else ""
+            none, zero1 = (steps_ms.get(f"merak3d {layout} {suffix}{tail}") for suffix in HEADLINE_PAIR)
+            if none and zero1:
+                ratios.setdefault(layout, []).append(zero1 / none)
+    return ratios
+
+
 OVERLAP_LEG = "dp2-long"
 OVERLAP_MODES = ("none", "optimizer")
 
@@ -229,9 +271,10 @@ def _error_line(error: Exception) -> str:
     return next((line for line in reversed(lines) if "Error" in line), lines[0] if lines else type(error).__name__)
 
 
-def run_cluster(world_size: int, jobs: list[tuple[int, Job]], emulated: bool,
-                work: Path) -> dict[int, list[dict[str, Any]] | str]:
-    """Every job on ``world_size`` ranks: by index, the ranks' results or the error that stopped the job.
+def run_cluster(world_size: int, jobs: list[tuple[int, Job]], emulated: bool, work: Path,
+                extra_env: dict[str, str]) -> dict[int, list[dict[str, Any]] | str]:
+    """Every job on ``world_size`` ranks started with ``extra_env``: by index, the ranks' results or the error that
+    stopped the job.
 
     A rank that fails ends the cluster; it is started again on the jobs after the failed one."""
     outcomes: dict[int, list[dict[str, Any]] | str] = {}
@@ -246,7 +289,7 @@ def run_cluster(world_size: int, jobs: list[tuple[int, Job]], emulated: bool,
         started = time.monotonic()
         try:
             with cluster:
-                cluster.run(argv, timeout_s=CLUSTER_TIMEOUT_S, extra_env=RANK_ENV, cwd=REPO_ROOT)
+                cluster.run(argv, timeout_s=CLUSTER_TIMEOUT_S, extra_env=extra_env, cwd=REPO_ROOT)
         except (RankFailure, RankTimeout) as failure:
             error = failure
         finished = []
@@ -269,117 +312,10 @@ def run_cluster(world_size: int, jobs: list[tuple[int, Job]], emulated: bool,
 # Figures ---------------------------------------------------------------------------------------
 
 
-def shard_fractions(job: Job, shards: int) -> tuple[float, float]:
-    """The share of its parameters' gradients and AdamW state a rank must keep under ``job``'s sharding
-    (parameters sharded themselves, as under FSDP2, are already counted as this rank's share)."""
-    if job.kind == "zero":
-        return (1 / shards if job.stage >= 2 else 1.0), 1 / shards
-    if job.kind == "merak3d" and job.mode in ("optimizer", "gradients"):
-        return (1 / shards if job.mode == "gradients" else 1.0), 1 / shards
-    return 1.0, 1.0
-
-
-def activation_bytes(rank: dict[str, Any], per_sample: dict[str, float]) -> float:
-    """Activations this rank holds at once: its in-flight micro-batches through the layers (and head) it computes."""
-    pp, micro_batches = rank["pipeline_parallel"], rank["micro_batches"]
-    in_flight = min(pp - rank["pipeline_rank"], micro_batches) if pp > 1 else 1
-    sample = len(rank["layers_held"]) * per_sample["per_layer"] + (per_sample["head"] if rank["has_head"] else 0)
-    return rank["local_batch"] // micro_batches * in_flight * sample
-
-
-def _median_slowest(ranks: list[dict[str, Any]], warmup: int) -> float:
-    slowest = [max(step) for step in zip(*(rank["step_s"] for rank in ranks))]
-    return statistics.median(slowest[warmup:] or slowest)
-
-
-def job_row(job: Job, layout: str, world_size: int, outcome: list[dict[str, Any]] | str, warmup: int,
-            per_sample: dict[str, float]) -> dict[str, Any]:
-    """One report row of the mode comparison: memory against the ideal per rank, step time, losses, exposure."""
-    row: dict[str, Any] = {"section": "modes", "name": job.name, "layout": layout, "ranks": world_size,
-                           "kind": job.kind, "mode": job.mode if job.kind == "merak3d" else None,
-                           "stage": job.stage or None, "overlap": job.overlap,
-                           "param_gather_overlap": job.param_gather_overlap, "error": None, "refused": False}
-    if isinstance(outcome, str):
-        row.update(error=outcome, refused=job.kind in MAY_REFUSE)
-        return row
-    grad_share, optimizer_share = shard_fractions(job, outcome[0]["data_parallel"])
-    ideal, grad_ideal, optimizer_ideal, activations = [], [], [], []
-    for rank in outcome:
-        activations.append(activation_bytes(rank, per_sample))
-        grad_ideal.append(rank["param_bytes"] * grad_share)
-        optimizer_ideal.append(2 * rank["param_bytes"] * optimizer_share)
-        ideal.append(rank["param_bytes"] + grad_ideal[-1] + optimizer_ideal[-1] + activations[-1])
-    used = [rank["used_mb"] for rank in outcome]
-    worst = max(range(world_size), key=lambda i: used[i] * MIB / ideal[i])
-    exposed = [rank["reduction_stats"].get("exposed_s_mean") for rank in outcome if rank["reduction_stats"]]
-    row.update(
-        step_ms=1e3 * _median_slowest(outcome, warmup), losses=outcome[0]["losses"],
-        job_s=round(max(rank["wall_s"] for rank in outcome), 1),
-        used_mb=[round(u, 1) for u in used], ideal_mb=[round(i / MIB, 1) for i in ideal],
-        peak_over_ideal=used[worst] * MIB / ideal[worst], worst_rank=worst,
-        param_mb=[round(rank["param_bytes"] / MIB, 2) for rank in outcome],
-        grad_ideal_mb=[round(g / MIB, 2) for g in grad_ideal],
-        grad_at_step_mb=[round(rank["grad_bytes"] / MIB, 2) for rank in outcome],
-        optimizer_bytes=[rank["optimizer_bytes"] for rank in outcome],
-        optimizer_mb=[round(rank["optimizer_bytes"] / MIB, 2) for rank in outcome],
-        optimizer_ideal_mb=[round(i / MIB, 2) for i in optimizer_ideal],
-        optimizer_over_ideal=max(rank["optimizer_bytes"] / i for rank, i in zip(outcome, optimizer_ideal)),
-        activation_mb=[round(a / MIB, 2) for a in activations],
-        exposed_ms=1e3 * max(exposed) if exposed and None not in exposed else None,
-        reduction_stats=[rank["reduction_stats"] for rank in outcome],
-    )
-    return row
-
-
-def _max_rel_diff(losses: list[float], reference: list[float]) -> float:
-    return max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses, reference))
-
-
-def compare(rows: list[dict[str, Any]]) -> None:
-    """Add to each row its ratios against merak3d ``none`` on its layout and the baselines at its world size."""
-    ok = [row for row in rows if row["error"] is None]
-    plain = {row["layout"]: row for row in ok if row["kind"] == "merak3d" and row["mode"] == "none" and row["overlap"]}
-    baseline = {(row["ranks"], row["name"].rsplit(" ", 1)[0]): row for row in ok if row["kind"] != "merak3d"}
-    for row in ok:
-        mine = plain.get(row["layout"]) if row["kind"] == "merak3d" else None
-        row["step_over_merak3d_none"] = row["step_ms"] / mine["step_ms"] if mine else None
-        own_workload = row["layout"] != OVERLAP_LAYOUT  # the baselines ran the short sequences only
-        for key, name in BASELINES.items():
-            other = baseline.get((row["ranks"], name)) if own_workload else None
-            row[f"step_over_{key}"] = row["step_ms"] / other["step_ms"] if other else None
-        ddp = baseline.get((row["ranks"], "DDP")) if own_workload else None
-        row["loss_max_rel_diff_vs_ddp"] = _max_rel_diff(row["losses"], ddp["losses"]) if ddp else None
-        if mine and row["mode"] == "optimizer":
-            row["optimizer_state_ratio"] = max(a / b for a, b in zip(row["optimizer_bytes"], mine["optimizer_bytes"]))
-        if row["kind"] == "merak3d" and row["overlap"] and row["exposed_ms"] is not None:
-            off = next((other for other in ok if other["layout"] == row["layout"] and other["mode"] == row["mode"]
-                        and other["kind"] == "merak3d" and not other["overlap"]), None)
-            if off and off["exposed_ms"]:
-                row["exposed_grad_comm_fraction"] = row["exposed_ms"] / off["exposed_ms"]
-                row["reduce_ms_without_overlap"] = off["exposed_ms"]
-
-
-def search_rows(jobs: list[Job], outcomes: dict[int, Any], offset: int) -> list[dict[str, Any]]:
-    rows = []
-    for index, job in enumerate(jobs, start=offset):
-        outcome = outcomes.get(index, "not run")
-        row: dict[str, Any] = {"section": "largest", "name": job.name, "kind": job.kind, "mode": job.mode,
-                               "ranks": 4, "cap_mb": job.cap_mb, "ladder": list(job.ladder), "error": None,
-                               "refused": False}
-        if isinstance(outcome, str):
-            row.update(error=outcome, largest_layers=None, params_m=None)
-        else:
-            result = outcome[0]
-            largest = result["largest_layers"]
-            params = replace(Workload(**job.workload), layers=largest).parameters() if largest else None
-            row.update(largest_layers=largest, params_m=params / 1e6 if params else None,
-                       attempts=result["attempts"])
-        rows.append(row)
-    return rows
-
-
-def summary(rows: list[dict[str, Any]], largest: list[dict[str, Any]], setting: Setting) -> dict[str, Any]:
-    """The issue's top-level figures, and per layout the values and goals behind them."""
+def summary(rows: list[dict[str, Any]], largest: list[dict[str, Any]], setting: Setting,
+            paired: Optional[dict[str, list[float]]] = None) -> dict[str, Any]:
+    """The issue's top-level figures, and per layout the values and goals behind them (``zero1_step_over_ddp`` the
+    median of ``paired``'s ratios where it has the layout's)."""
     merak = [row for row in rows if row["kind"] == "merak3d" and row["error"] is None]
     per_layout: dict[str, dict[str, Any]] = {}
     for layout in setting.layouts:
@@ -394,7 +330,9 @@ def summary(rows: list[dict[str, Any]], largest: list[dict[str, Any]], setting: 
             "optimizer_state_ratio": ratio, "optimizer_state_goal": 1 / dp + 0.05,
             "optimizer_state_goal_met": None if ratio is None else ratio <= 1 / dp + 0.05,
             "zero1_default_step_over_merak3d_none": zero1.get("step_over_merak3d_none") if zero1 else None,
-            "zero1_step_over_ddp": gathered.get("step_over_merak3d_none") if gathered else None,
+            "zero1_step_over_ddp": (statistics.median(paired[layout]) if paired and paired.get(layout)
+                                    else gathered.get("step_over_merak3d_none") if gathered else None),
+            "zero1_step_over_ddp_pairs": paired.get(layout) if paired else None,
             "zero1_step_over_lightning_ddp": gathered.get("step_over_ddp") if gathered else None,
             "exposed_grad_comm_fraction": exposed,
         }
@@ -460,44 +398,6 @@ def goals_met(top: dict[str, Any]) -> dict[str, Optional[bool]]:
     }
 
 
-# Chart -----------------------------------------------------------------------------------------
-
-
-def plot_memory(rows: list[dict[str, Any]], layouts: tuple[str, ...], path: Path, title: str) -> Path:
-    """Per layout, each run's worst rank: its ideal as stacked parts, and what it measured above its baseline."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    parts = (("param_mb", "parameters", "#4c72b0"), ("grad_ideal_mb", "gradients", "#55a868"),
-             ("optimizer_mb", "optimizer state", "#c44e52"), ("activation_mb", "activations", "#8172b2"))
-    figure = Figure(figsize=(5.0 * len(layouts), 5.0))
-    FigureCanvasAgg(figure)
-    axes_list = figure.subplots(1, len(layouts), squeeze=False)[0]
-    for axes, layout in zip(axes_list, layouts):
-        ranks = LAYOUTS[layout][0]
-        shown = [row for row in rows if row["error"] is None and row["overlap"] and not row.get("param_gather_overlap")
-                 and (row["layout"] == layout or (row["kind"] != "merak3d" and row["ranks"] == ranks))]
-        labels = [row["mode"] if row["kind"] == "merak3d" else row["name"].replace(" (ModelParallelStrategy)", "")
-                  .replace("DeepSpeed ", "") for row in shown]
-        for position, row in enumerate(shown):
-            rank, bottom = row["worst_rank"], 0.0
-            for key, name, colour in parts:
-                value = row[key][rank]
-                axes.bar(position, value, bottom=bottom, color=colour, width=0.6, label=name if position == 0 else None)
-                bottom += value
-            axes.plot(position, row["used_mb"][rank], marker="_", markersize=22, markeredgewidth=2.5, color="black",
-                      label="measured peak − baseline" if position == 0 else None)
-        axes.set_xticks(range(len(shown)), labels, rotation=35, ha="right", fontsize=8)
-        axes.set_title(f"{layout} ({ranks} ranks): worst rank per run", fontsize=10)
-        axes.set_ylabel("MiB")
-    axes_list[0].legend(fontsize=8, loc="upper left")
-    figure.suptitle(title, fontsize=11)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, format="png", dpi=100)
-    return path
-
-
 # Driver ----------------------------------------------------------------------------------------
 
 
@@ -531,12 +431,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     per_sample = measure_activations(setting.workload)
 
     jobs: list[tuple[int, Job, str, int]] = []  # index, job, layout, world size
+    repeats: set[int] = set()
     for world_size in (2, 4):
-        for job in mode_jobs(setting, world_size):
+        modes = mode_jobs(setting, world_size)
+        for job in [*modes, *paired_repeat_jobs(setting, modes)]:
             layout = next((name for name, (_, degrees) in LAYOUTS.items()
                            if job.kind == "merak3d" and degrees == job.layout), f"dp{world_size}")
+            if job not in modes:
+                repeats.add(len(jobs))
             jobs.append((len(jobs), job, layout, world_size))
     jobs += [(len(jobs) + i, job, OVERLAP_LAYOUT, 2) for i, job in enumerate(overlap_jobs(setting))]
+    timed = len(jobs)
+    memory_of: dict[int, int] = {}
+    for index, job, layout, size in list(jobs):
+        if index not in repeats:
+            memory_of[index] = len(jobs)
+            jobs.append((len(jobs), replace(job, steps=MEMORY_STEPS), layout, size))
     searches = search_jobs(setting)
     search_offset = len(jobs)
     jobs += [(search_offset + i, job, c.layout, 4)
@@ -545,24 +455,30 @@ def main(argv: Optional[list[str]] = None) -> int:
     outcomes: dict[int, Any] = {}
     with tempfile.TemporaryDirectory(prefix="merak-sharding-") as work:
         for world_size in (2, 4):
-            runnable = []
-            for index, job, _, _ in (entry for entry in jobs if entry[3] == world_size):
-                if (refusal := refused_before_launch(job)) is not None:
-                    outcomes[index] = refusal
-                    print(f"  {job.name}: refused before launch: {refusal}", flush=True)
-                else:
-                    runnable.append((index, job))
-            if runnable:
-                print(f"{world_size} ranks: {len(runnable)} jobs", flush=True)
-                outcomes.update(run_cluster(world_size, runnable, emulated, Path(work)))
+            for live_heap in (False, True):  # memory runs and the search on the heap that returns freed tensors
+                runnable = []
+                for index, job, _, _ in (entry for entry in jobs if entry[3] == world_size
+                                         and (entry[0] >= timed) == live_heap):
+                    if (refusal := refused_before_launch(job)) is not None:
+                        outcomes[index] = refusal
+                        print(f"  {job.name}: refused before launch: {refusal}", flush=True)
+                    else:
+                        runnable.append((index, job))
+                if runnable:
+                    print(f"{world_size} ranks: {len(runnable)} {'memory' if live_heap else 'timed'} jobs", flush=True)
+                    env = {**RANK_ENV, **LIVE_HEAP_ENV} if live_heap else RANK_ENV
+                    outcomes.update(run_cluster(world_size, runnable, emulated, Path(work), env))
 
     overlap_per_sample = measure_activations(replace(setting.workload, seq=setting.overlap_seq))
-    rows = [job_row(job, layout, size, outcomes.get(index, "not run"), setting.warmup,
-                    overlap_per_sample if layout == OVERLAP_LAYOUT else per_sample)
-            for index, job, layout, size in jobs if index < search_offset]
+    rows = [job_row(job, layout, size, outcomes.get(index, "not run"), outcomes.get(memory_of[index], "not run"),
+                    setting.warmup, overlap_per_sample if layout == OVERLAP_LAYOUT else per_sample)
+            for index, job, layout, size in jobs if index < timed and index not in repeats]
     compare(rows)
+    repeat_rows = [repeat_row(job, outcomes.get(index, "not run"), setting.warmup)
+                   for index, job, _, _ in jobs if index in repeats]
+    steps_ms = {row["name"]: row["step_ms"] for row in [*rows, *repeat_rows] if row["error"] is None}
     largest = search_rows(searches, outcomes, search_offset)
-    top = summary(rows, largest, setting)
+    top = summary(rows, largest, setting, paired_ratios(steps_ms, setting.layouts, setting.paired_repeats))
     top.update(overlap_summary(rows, setting))
     met = goals_met(top)
 
@@ -580,8 +496,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     wall_s = round(time.monotonic() - started, 1)
     label: report.Label = "emulated" if emulated else "measured"
     out = report.write_json(
-        args.out, [*rows, *largest], label=label, benchmark="sharding", quick=args.quick, backend="gloo",
-        network=network, threads_per_rank=1, rank_env=RANK_ENV, workload=setting.workload.describe(),
+        args.out, [*rows, *largest], repeats=repeat_rows, label=label, benchmark="sharding", quick=args.quick,
+        backend="gloo",
+        network=network, threads_per_rank=1, rank_env=RANK_ENV, memory_rank_env=LIVE_HEAP_ENV,
+        memory_steps=MEMORY_STEPS, workload=setting.workload.describe(),
         search_workload=ladder_description(setting), ladder_layers=list(setting.ladder),
         cap_mb=setting.cap_mb, steps=setting.steps, warmup_steps=setting.warmup, modes=list(MODES),
         activations_per_sample=per_sample, **{key: value for key, value in top.items()}, goals=GOALS,
@@ -590,7 +508,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         gpu_leg="not run: CPU/gloo ranks on an emulated network",
     )
     print(f"wrote {out} and {chart.name} in {wall_s:.0f} s")
-    failed = [row for row in [*rows, *largest] if row["error"] and not row["refused"]]
+    failed = [row for row in [*rows, *repeat_rows, *largest] if row["error"] and not row["refused"]]
     for row in failed:
         print(f"sharding: {row['name']} failed: {row['error']}", file=sys.stderr)
     return 1 if failed else 0

@@ -3,8 +3,9 @@
 import pytest
 
 from benchmarks._sharding_ranks import Job, job_entries
+from benchmarks._sharding_rows import activation_bytes, compare, shard_fractions
 from benchmarks.results_table import sharding as sharding_table
-from benchmarks.sharding import QUICK, activation_bytes, compare, goals_met, shard_fractions, summary
+from benchmarks.sharding import QUICK, goals_met, summary
 
 WORKLOAD = {"hidden": 32, "layers": 2, "vocab": 64}
 PER_SAMPLE = {"per_layer": 10.0, "head": 100.0}
@@ -86,3 +87,26 @@ def test_each_kind_of_job_is_warmed_up_once_before_the_measured_ones():
     entries = job_entries(jobs)
     assert [entry["index"] for entry in entries] == [-1, -2, 0, 1, 2]
     assert [entry["job"]["kind"] for entry in entries[:2]] == ["merak3d", "ddp"]
+
+
+def test_the_zero1_ratio_is_the_median_of_back_to_back_pairs():
+    from benchmarks.sharding import FULL, mode_jobs, paired_ratios, paired_repeat_jobs
+
+    modes = mode_jobs(FULL, 4)
+    repeats = paired_repeat_jobs(FULL, modes)
+    assert [job.name for job in repeats[:4]] == [
+        "merak3d dp4 none (repeat 2)", "merak3d dp4 optimizer gather-overlap (repeat 2)",
+        "merak3d pp2xdp2 none (repeat 2)", "merak3d pp2xdp2 optimizer gather-overlap (repeat 2)"]
+    assert len(repeats) == 2 * 2 * (FULL.paired_repeats - 1)
+    steps = {"merak3d dp2 none": 100.0, "merak3d dp2 optimizer gather-overlap": 130.0,
+             "merak3d dp2 none (repeat 2)": 100.0, "merak3d dp2 optimizer gather-overlap (repeat 2)": 95.0,
+             "merak3d dp2 none (repeat 3)": 200.0, "merak3d dp2 optimizer gather-overlap (repeat 3)": 200.0}
+    paired = paired_ratios(steps, ("dp2",), 3)
+    assert paired == {"dp2": pytest.approx([1.3, 0.95, 1.0])}
+    rows = [_row("merak3d dp2 none", "merak3d", "none", 100.0, 800, 30.0),
+            _row("merak3d dp2 optimizer gather-overlap", "merak3d", "optimizer", 130.0, 400, 20.0,
+                 gather_overlap=True)]
+    compare(rows)
+    top = summary(rows, [], QUICK, paired)
+    assert top["zero1_step_over_ddp"] == pytest.approx(1.0)  # the median pair, not the first pair's 1.3
+    assert top["targets"]["dp2"]["zero1_step_over_ddp_pairs"] == pytest.approx([1.3, 0.95, 1.0])

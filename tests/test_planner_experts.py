@@ -161,7 +161,7 @@ def test_the_search_asks_for_the_expert_groups_links_and_leaves_out_uneven_exper
         block_times={(1, 2): BlockTimes((1.0,), (3.0,)), (1, 1): BlockTimes((0.5,), (1.5,))},
         prefix_times={2: (0.5, 0.25), 1: (0.25, 0.125)}, suffix_times={2: (1.0, 2.0), 1: (0.5, 1.0)})
     network = NetworkProfile(all_reduce={2: _LINK, 4: _LINK}, p2p=_LINK, all_to_all={2: _FAST_EXCHANGE})
-    ranked = plan(space, profile, network).ranked  # dp4 would split 2 experts over 4 ranks: left out
-    assert {(p.layout.dp, p.layout.pp, p.layout.ep) for p in ranked} == {(2, 2, 2)}
+    ranked = plan(space, profile, network).ranked  # ep=4 would split 2 experts over 4 ranks: left out
+    assert {(p.layout.dp, p.layout.pp, p.layout.ep) for p in ranked} == {(4, 1, 1), (4, 1, 2), (2, 2, 1), (2, 2, 2)}
     with pytest.raises(ValueError, match="divides the 2 experts; set moe.ep_size"):
-        plan(dataclasses.replace(space, max_pipeline_stages=1), profile, network)
+        plan(dataclasses.replace(space, max_pipeline_stages=1, ep_size=4), profile, network)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from benchmarks._replay_microbatch import LINE_KIND, microbatch_rows, probe_sizes
 from benchmarks.replay import (
     FULL,
     PARTITIONED,
@@ -19,6 +22,7 @@ from benchmarks.replay import (
     stage_blocks,
     summarize_run,
 )
+from lightning_merak.profiler.call_curve import CallCurve
 
 
 def test_a_run_is_the_median_of_its_untraced_steps_after_warm_up() -> None:
@@ -106,3 +110,31 @@ def test_the_what_if_maximum_leaves_the_secondary_rows_out() -> None:
     assert _error_max(rows) == pytest.approx(0.2)
     assert _error_max(rows, probes=False) == pytest.approx(0.1)
     assert _error_max(rows, "error_first_repeat") == pytest.approx(0.3)
+
+
+def test_the_probe_sizes_are_the_traced_call_and_each_predicted_one() -> None:
+    assert probe_sizes(8, (4, 8)) == (1, 2, 4)
+    assert probe_sizes(8, (4,)) == (2, 4)
+
+
+def test_micro_batch_rows_report_both_models_and_keep_the_line_out_of_the_maxima() -> None:
+    from tests.test_profiler_calibration import DP2, PP2, SHAPE, _dp2_trace, _pp2_trace
+
+    curves = (CallCurve((1.0, 2.0), (0.0015, 0.002), (0.002, 0.004)),) * 2
+    layouts = {"dp2": DP2, "pp2_m2": PP2, "pp2_m4": replace(PP2, micro_batches=4)}
+
+    def rows_for(counts: tuple[int, ...]) -> list[dict]:
+        runs = {"pp2_m2": {"period_s": 0.05, "partition": [0, 2]}, "pp2_m4": {"period_s": 0.06, "partition": [0, 2]}}
+        return microbatch_rows({"dp2": _dp2_trace(), "pp2_m2": _pp2_trace()}, runs, layouts, counts, SHAPE, curves,
+                               _row, PARTITIONED, lambda costs, name: replace(costs, stage_blocks=(1, 1)))[0]
+
+    rows = rows_for((4,))
+    assert [r["kind"] for r in rows] == ["what-if micro-batches", LINE_KIND, PARTITIONED]
+    assert rows[0]["call_model"] == rows[2]["call_model"] != rows[1]["call_model"]
+    assert rows[2]["predicted_s"] == pytest.approx(rows[0]["predicted_s"])  # the traced partition again
+    # asked for the traced count, the curve model gives the traced run's period; the line re-derives the step
+    traced = rows_for((2,))
+    assert traced[0]["predicted_s"] == pytest.approx(0.05)
+    assert traced[1]["predicted_s"] != pytest.approx(0.05, rel=0.01)
+    assert _error_max([{**r, "error": r["predicted_s"] / r["measured_s"] - 1} for r in rows]) == pytest.approx(
+        abs(rows[0]["predicted_s"] / 0.06 - 1))

@@ -31,14 +31,9 @@ class _Losses(pl.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def _fit(max_steps: int, strategy: Any = "auto", devices: int = 1, resume_from: str | None = None,
-         save_to: str | None = None, checkpoint_dir: str | None = None,
-         checkpoint_every: int | None = None) -> list[float]:
-    """A run of the tiny Llama on generated data (10 batches an epoch on one rank), AdamW with warm-up + cosine."""
-    pl.seed_everything(0, workers=True)
-    data = LanguageModelingData(DataConfig(name="synthetic", seq_len=16, batch_size=4, vocab_size=64,
-                                           num_sequences=40))
-    module = CausalLMModule(build_causal_lm(MODEL, 64), TrainerConfig(max_steps=30, warmup_steps=2))
+def checkpointing_trainer(max_steps: int, strategy: Any, devices: int, checkpoint_dir: str | None,
+                          checkpoint_every: int | None, plugins: tuple[Any, ...] = ()) -> tuple[pl.Trainer, _Losses]:
+    """A quiet CPU trainer that records each step's loss and, with ``checkpoint_every``, keeps every checkpoint."""
     losses = _Losses()
     callbacks: list[pl.Callback] = [losses]
     if checkpoint_every is not None:
@@ -47,7 +42,19 @@ def _fit(max_steps: int, strategy: Any = "auto", devices: int = 1, resume_from: 
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
                          enable_checkpointing=checkpoint_every is not None, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                         callbacks=callbacks)
+                         callbacks=callbacks, plugins=list(plugins))
+    return trainer, losses
+
+
+def _fit(max_steps: int, strategy: Any = "auto", devices: int = 1, resume_from: str | None = None,
+         save_to: str | None = None, checkpoint_dir: str | None = None,
+         checkpoint_every: int | None = None) -> list[float]:
+    """A run of the tiny Llama on generated data (10 batches an epoch on one rank), AdamW with warm-up + cosine."""
+    pl.seed_everything(0, workers=True)
+    data = LanguageModelingData(DataConfig(name="synthetic", seq_len=16, batch_size=4, vocab_size=64,
+                                           num_sequences=40))
+    module = CausalLMModule(build_causal_lm(MODEL, 64), TrainerConfig(max_steps=30, warmup_steps=2))
+    trainer, losses = checkpointing_trainer(max_steps, strategy, devices, checkpoint_dir, checkpoint_every)
     trainer.fit(module, datamodule=data, ckpt_path=resume_from)
     if save_to is not None:
         trainer.save_checkpoint(save_to)

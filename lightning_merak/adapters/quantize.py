@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .int4 import quantize_linear_layers_int4, replace_submodule
+from .resume import refuse_mismatched_checkpoints, restore_packed_4bit
 
 Quantization = Literal["none", "nf4", "fp4", "int8", "int4"]
 QUANTIZATIONS = ("none", "nf4", "fp4", "int8", "int4")
@@ -43,13 +44,15 @@ def quantize_model(
     ``is_loaded_in_8bit`` set, so PEFT's LoRA picks its bitsandbytes layers (QLoRA baseline).
     4-bit layers whose shape bitsandbytes' CPU repacking cannot take (:func:`bnb_cpu_packable`)
     keep its generic dequantize-and-matmul path in eval mode too, the one training uses.
+    The model's ``load_state_dict`` reads its checkpoints back, packed base included, and refuses one of
+    another quantisation or adapter shape (:func:`~lightning_merak.adapters.resume.refuse_mismatched_checkpoints`).
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     if quantization == "none":
-        return model
+        return refuse_mismatched_checkpoints(model)
     if quantization == "int4":
-        return quantize_linear_layers_int4(model, group_size, skip)
+        return refuse_mismatched_checkpoints(quantize_linear_layers_int4(model, group_size, skip))
     targets = [
         (name, module)
         for name, module in model.named_modules()
@@ -58,7 +61,7 @@ def quantize_model(
     for name, linear in targets:
         replace_submodule(model, name, quantized_linear(linear, quantization, double_quant))
     setattr(model, "is_loaded_in_8bit" if quantization == "int8" else "is_loaded_in_4bit", True)
-    return model
+    return refuse_mismatched_checkpoints(model)
 
 
 def quantized_linear(linear: nn.Linear, quantization: Quantization, double_quant: bool = True) -> nn.Module:
@@ -92,6 +95,7 @@ def quantized_linear(linear: nn.Linear, quantization: Quantization, double_quant
         )
         if not bnb_cpu_packable(linear.in_features, linear.out_features, layer.weight.blocksize):
             layer.support_avx512bf16_for_cpu = False
+        restore_packed_4bit(layer)
     else:
         raise ValueError(f"quantized_linear: {quantization!r} is not a bitsandbytes quantization (nf4, fp4, int8)")
     if has_bias:

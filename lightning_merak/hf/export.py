@@ -19,11 +19,12 @@ OLMoE, DeepSeek; :mod:`lightning_merak.hf.experts`), cut from one whole paramete
 Adapters: a PEFT user saving a ``PeftModel`` gets the adapter alone; a user exporting for
 ``from_pretrained`` wants plain weights. So a checkpoint with adapter weights is refused unless
 ``--merge-adapters`` is given, which writes ``base + delta`` (PEFT's own merge, one layer at a time)
-under the base names. LoRA on fused expert tensors (PEFT's ``target_parameters``, one nested
-``ParamWrapper`` per tensor) is merged one experts module at a time the same way: the meta model's module
-wrapped by the recorded config, the checkpoint's base and factors assigned in (``lora_B`` back from a
-merak3d directory's ``[out, r, E]``), PEFT's merge, then cut per expert as ``save_pretrained`` writes it; that
-module's tensors are held twice (read and merged) while it merges.
+under the base names. A checkpoint whose base is quantised (bitsandbytes nf4/fp4/int8, the project's int4)
+is refused, naming the fix: the export writes float weights. LoRA on fused expert tensors (PEFT's
+``target_parameters``, one nested ``ParamWrapper`` per tensor) is merged one experts module at a time the
+same way: the meta model's module wrapped by the recorded config, the checkpoint's base and factors assigned
+in (``lora_B`` back from a merak3d directory's ``[out, r, E]``), PEFT's merge, then cut per expert as
+``save_pretrained`` writes it; that module's tensors are held twice (read and merged) while it merges.
 """
 
 from __future__ import annotations
@@ -211,6 +212,7 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
     from safetensors.torch import save_file
     from transformers.utils.hub import convert_file_size_to_int
 
+    from lightning_merak.adapters.resume import quantized_layers
     from lightning_merak.hf.experts import export_layout
     from lightning_merak.hf.names import (
         MODEL_RECORD_KEY,
@@ -221,6 +223,13 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
     )
 
     source = _Source(Path(checkpoint))
+    quantized = quantized_layers(source.entries)
+    if quantized:
+        layer, kind = next(iter(quantized.items()))
+        raise ValueError(f"{checkpoint} holds a quantised base ({kind}: {layer} and {len(quantized) - 1} more layers); "
+                         "merak-export writes float weights and does not dequantise. Train on a float base "
+                         "(adapter.quantization=none) to export merged, or save the adapter alone from the PEFT "
+                         "model (save_pretrained)")
     record = source.metadata.get(MODEL_RECORD_KEY) or {}
     if config is None and not record.get("config"):
         raise ValueError(f"{checkpoint} records no transformers config (saved before merak-export existed, or "

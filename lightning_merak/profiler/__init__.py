@@ -1,7 +1,8 @@
 """Trace distributed steps on every rank and replay them (dPRO): profiler, Perfetto traces, what-if replay.
 
 :class:`MerakTraceProfiler` records a few steps (``Trainer(profiler=...)``); :mod:`.trace` holds the
-records, :mod:`.replay` the pure replay core, :mod:`.chrome` the Perfetto export.
+records, :mod:`.replay` the pure replay core, :mod:`.chrome` the Perfetto export; :mod:`.call_curve` and
+:mod:`.probe` the call times by micro-batch size that the micro-batch what-if scales traced calls with.
 """
 
 from lightning_merak.profiler.chrome import chrome_trace, replayed_chrome_trace, write_chrome_trace

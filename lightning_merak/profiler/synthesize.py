@@ -21,6 +21,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from lightning_merak.profiler.call_curve import CallCurve
 from lightning_merak.profiler.replay import (
     CommOp,
     ReplayResult,
@@ -37,7 +38,7 @@ from lightning_merak.profiler.trace import RankTrace, Trace, comm_key, wire_byte
 from lightning_merak.strategies.pipeline.simulate import stage_op_order
 
 __all__ = ["BLOCK_BACKWARD_RATIO", "LayoutSpec", "ModelShape", "StepCosts", "calibrate", "group_kind", "layout_graph",
-           "predict_layout", "with_block_call_cost"]
+           "predict_from_traced", "predict_layout", "with_block_call_cost", "with_call_curves"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,8 @@ class StepCosts:
     apart); in a pipeline, ``chunk_forward_s`` per micro-batch and stage beyond its blocks and head (the stage's
     own machinery, the embedding on the first stage), and ``chunk_host_s`` per stage, the loop's work between
     two consecutive chunks (launching sends, the loss). Backward prices both forward costs at ``backward_ratio``.
+    ``block_curve`` and ``head_curve`` (:func:`with_call_curves`), measured calls at several sizes, replace the
+    fixed-plus-per-sample line of blocks and head for sizes other than ``curve_reference_samples``.
     """
 
     block_forward_per_sample: float
@@ -105,6 +108,37 @@ class StepCosts:
     block_call_s: float = 0.0
     chunk_forward_s: float = 0.0
     chunk_host_s: tuple[float, ...] = ()
+    block_curve: Optional[CallCurve] = None
+    head_curve: Optional[CallCurve] = None
+    curve_reference_samples: float = 0.0
+
+    def block_seconds(self, samples: float, forward: bool, recompute: float = 0.0) -> float:
+        """One block call's forward (or backward, with ``recompute`` of its forward) on ``samples`` samples.
+
+        With a ``block_curve`` (:func:`with_call_curves`) the call at the calibrated size keeps its traced time
+        and other sizes follow the curve's shape; without, a fixed part plus a time per sample.
+        """
+        if self.block_curve is None:
+            call = self.block_call_s + self.block_forward_per_sample * samples
+            return call * (1.0 if forward else self.backward_ratio + recompute)
+        reference = self.curve_reference_samples
+        traced = self.block_call_s + self.block_forward_per_sample * reference
+        call = traced * self.block_curve.forward_scale(samples, reference)
+        if forward:
+            return call
+        return traced * self.backward_ratio * self.block_curve.backward_scale(samples, reference) + recompute * call
+
+    def rest_seconds(self, samples: float, forward: bool) -> float:
+        """The head's and loss's forward (or backward) on ``samples`` samples; with a ``head_curve``, shaped as
+        :meth:`block_seconds`."""
+        ratio = 1.0 if forward else (self.backward_ratio if self.rest_backward_ratio is None
+                                     else self.rest_backward_ratio)
+        if self.head_curve is None:
+            return self.rest_forward_per_sample * samples * ratio
+        reference = self.curve_reference_samples
+        scale = (self.head_curve.forward_scale(samples, reference) if forward
+                 else self.head_curve.backward_scale(samples, reference))
+        return self.rest_forward_per_sample * reference * ratio * scale
 
     def link(self, kind: str) -> tuple[float, float]:
         """(fixed seconds per op, bytes/s) for ops of ``kind``."""
@@ -249,6 +283,21 @@ def with_block_call_cost(costs: StepCosts, layout: LayoutSpec, fixed_s: float) -
                                block_forward_per_sample=max(call - fixed_s, 0.0) / samples)
 
 
+def with_call_curves(costs: StepCosts, layout: LayoutSpec, block: CallCurve, head: Optional[CallCurve] = None
+                     ) -> StepCosts:
+    """``costs`` (calibrated on a run of ``layout``) with measured call curves (:mod:`.call_curve`): block and head
+    calls of other sizes cost their traced time scaled by the curves' shape, so the traced layout replays as before.
+
+    Raises where the traced call size lies outside a curve's sizes (the scale would be extrapolated).
+    """
+    reference = layout.samples / layout.micro_batches / layout.tp
+    for curve in (block, head):
+        if curve is not None and not curve.samples[0] <= reference <= curve.samples[-1]:
+            raise ValueError(f"the traced calls hold {reference:g} samples, outside the curve's {curve.samples}; "
+                             "probe sizes around the traced one")
+    return dataclasses.replace(costs, block_curve=block, head_curve=head, curve_reference_samples=reference)
+
+
 def _blocks_recorded(rank: RankTrace) -> int:
     """The distinct blocks whose forward a rank recorded."""
     return len({s.name for s in rank.spans if s.category == "FW" and s.name.startswith("block ")})
@@ -322,9 +371,7 @@ def layout_graph(costs: StepCosts, shape: ModelShape, layout: LayoutSpec) -> tup
                     if not forward and s < layout.pp - 1:
                         b.pieces[rank].append(("wait", ([("grad", d, s + 1, t, m)], [], 0.0)))
                     factor = 1.0 if forward else costs.backward_ratio + float(layout.recompute)
-                    rest_factor = 1.0 if forward else (costs.backward_ratio if costs.rest_backward_ratio is None
-                                                       else costs.rest_backward_ratio)
-                    block = (costs.block_call_s + costs.block_forward_per_sample * mb / layout.tp) * factor
+                    block = costs.block_seconds(mb / layout.tp, forward, float(layout.recompute))
                     if pipelined and costs.chunk_forward_s:
                         b.compute(rank, "FW" if forward else "BW", costs.chunk_forward_s * factor)
                     for index in range(per_stage[s]):
@@ -334,8 +381,7 @@ def layout_graph(costs: StepCosts, shape: ModelShape, layout: LayoutSpec) -> tup
                                 b.collective(rank, ("tp", d, s, kind, m, index, half), "all_reduce", tp_ranks,
                                              activation, f"tp{d},{s}", "tp")
                     if s == layout.pp - 1:
-                        b.compute(rank, "FW" if forward else "BW",
-                                  costs.rest_forward_per_sample * mb / layout.tp * rest_factor)
+                        b.compute(rank, "FW" if forward else "BW", costs.rest_seconds(mb / layout.tp, forward))
                     if forward and s < layout.pp - 1:
                         b.send(rank, ("act", d, s, t, m), activation / layout.tp, f"p2p{rank}->{rank_of(d, s + 1, t)}")
                     if not forward and s > 0:
@@ -357,3 +403,17 @@ def predict_layout(costs: StepCosts, shape: ModelShape, layout: LayoutSpec) -> R
     """Replay one step of ``layout``: ``step_time`` is the prediction."""
     graph, _ = layout_graph(costs, shape, layout)
     return replay(graph)
+
+
+def predict_from_traced(costs: StepCosts, shape: ModelShape, traced: LayoutSpec, target: LayoutSpec,
+                        traced_step_s: float, target_costs: Optional[StepCosts] = None) -> float:
+    """``target``'s step time as the traced run's measured ``traced_step_s`` times the re-derived step of ``target``
+    over the re-derived step of ``traced``: what the re-derivation gets wrong on the traced layout itself (it rebuilds
+    the step from costs, where the trace replay reproduces it) cancels, only the change is predicted.
+
+    ``target_costs`` (default ``costs``) replay ``target``, e.g. with another partition of the blocks."""
+    if traced_step_s <= 0:
+        raise ValueError(f"the traced run's step time must be positive, got {traced_step_s}")
+    ratio = (predict_layout(target_costs or costs, shape, target).step_time
+             / predict_layout(costs, shape, traced).step_time)
+    return traced_step_s * ratio

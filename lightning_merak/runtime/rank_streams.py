@@ -18,7 +18,7 @@ import torch
 
 from lightning_merak.runtime import random_state
 
-__all__ = ["enter_rank_stream", "leave_rank_stream"]
+__all__ = ["enter_rank_stream", "leave_rank_stream", "shared_stream_state"]
 
 _local = threading.local()
 
@@ -46,3 +46,9 @@ def leave_rank_stream(key: object) -> None:
     if regions and regions[-1][0] is key:
         random_state.restore(regions.pop()[1])
 
+
+def shared_stream_state() -> random_state.GeneratorStates | None:
+    """The shared stream's states as the innermost open region left them (None outside any region): a draw
+    from a copy of them is the same on every rank, and a recomputed region replays it."""
+    regions = _open_regions()
+    return regions[-1][1] if regions else None

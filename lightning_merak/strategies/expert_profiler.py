@@ -24,12 +24,12 @@ from lightning_merak.strategies.pipeline.trace import find_trunk
 from lightning_merak.strategies.planner import CollectiveCost, ExpertLayers, fit_collective_cost
 from lightning_merak.timing import median_call_time
 
-__all__ = ["expert_layers_of", "grouped_experts", "measure_all_to_all"]
+__all__ = ["expert_layers_of", "experts_per_layer", "grouped_experts", "measure_all_to_all"]
 
 
-def expert_layers_of(model: nn.Module, tokens_per_sample: int, hidden_bytes_per_sample: int) -> ExpertLayers:
-    """The MoE layers of ``model`` as ``merak_ep`` runs them, for samples of ``tokens_per_sample`` tokens whose hidden
-    state takes ``hidden_bytes_per_sample`` (the exchanged rows have its dtype)."""
+def _moe_blocks(model: nn.Module) -> tuple[list[int], int, int]:
+    """``(trunk positions of the MoE blocks, experts per layer, one layer's expert bytes)`` of ``model`` (whole, its
+    experts not yet cut); refused where the planner cannot price the layers alike."""
     from lightning_merak.plugins.moe.experts import EXPERT_TENSORS, experts_modules
 
     _, blocks = find_trunk(model)
@@ -50,13 +50,25 @@ def expert_layers_of(model: nn.Module, tokens_per_sample: int, hidden_bytes_per_
     if len(counts) != 1 or len(layer_bytes) != 1:
         raise ValueError(f"the MoE layers differ (experts {sorted(counts)}, bytes {sorted(layer_bytes)}); the planner "
                          "prices identical layers: fix the layout instead of 'auto'")
+    return positions, counts.pop(), layer_bytes.pop()
+
+
+def experts_per_layer(model: nn.Module) -> int:
+    """The experts of each of ``model``'s MoE layers: the expert-parallel sizes a plan may choose divide it."""
+    return _moe_blocks(model)[1]
+
+
+def expert_layers_of(model: nn.Module, tokens_per_sample: int, hidden_bytes_per_sample: int) -> ExpertLayers:
+    """The MoE layers of ``model`` as ``merak_ep`` runs them, for samples of ``tokens_per_sample`` tokens whose hidden
+    state takes ``hidden_bytes_per_sample`` (the exchanged rows have its dtype)."""
+    positions, num_experts, layer_bytes = _moe_blocks(model)
     config = getattr(model, "config", None)
     top_k, hidden = getattr(config, "num_experts_per_tok", None), getattr(config, "hidden_size", None)
     if not isinstance(top_k, int) or not isinstance(hidden, int):
         raise ValueError("the model's config names no num_experts_per_tok and hidden_size; fix the layout instead "
                          "of 'auto'")
-    return ExpertLayers(num_experts=counts.pop(), top_k=top_k, hidden_size=hidden, tokens_per_sample=tokens_per_sample,
-                        moe_blocks=len(positions), expert_parameter_bytes=layer_bytes.pop(),
+    return ExpertLayers(num_experts=num_experts, top_k=top_k, hidden_size=hidden, tokens_per_sample=tokens_per_sample,
+                        moe_blocks=len(positions), expert_parameter_bytes=layer_bytes,
                         dtype_bytes=max(1, hidden_bytes_per_sample // (tokens_per_sample * hidden)),
                         block_indices=tuple(positions))
 

@@ -15,9 +15,16 @@ of ``W`` so that no extra collective is needed:
 
 Whole parameters whose gradients are summed are Replicate DTensors (checkpoints read them like the
 row layers' biases), reported by :func:`adapter_partial_parameters`. Parameter names stay those of
-the PEFT model, so checkpoints and the merged export keep working. Dropout on the adapter's input
-runs in the rank's own random stream, as other dropout inside a split span does: with
-``lora_dropout>0`` the masks differ from one process's (the training is as valid, not bit-equal).
+the PEFT model, so checkpoints and the merged export keep working.
+
+Dropout on the adapter's input (``lora_dropout>0``) follows what each layer reads. A column layer's ``A``
+reads the group's whole, replicated input, so its ranks draw one mask: its seed comes from a copy of the
+shared random stream as the split span entered it (the same on every rank, replayed by recomputation,
+distinct per layer and per forward), so no collective is needed. A row layer's ``A`` reads this rank's
+input features, so each rank draws its slice's mask from a generator of its own, seeded by one draw of the
+shared stream and the rank: the slices are independent, as those of one full mask are (the row layer runs
+after the span has closed, where a plain ``nn.Dropout`` would repeat one pattern on every rank's slice).
+The model trained at ``tensor_parallel>1`` is thus the single-process model under some dropout masks.
 
 What is not split here is refused by :func:`check_adapter_split` before any work: pooled adapters
 (Q-BaRA, QA-HiRA), quantised bases, DoRA and other LoRA variants, ``lora_bias``, several adapters on
@@ -26,6 +33,7 @@ one layer, adapters outside the transformer blocks, and sequence parallelism.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from typing import Optional, Sequence
 
@@ -35,6 +43,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
+from lightning_merak.runtime.random_state import spread_seed
+from lightning_merak.runtime.rank_streams import shared_stream_state
 from lightning_merak.strategies.tensor_parallel_layers import (
     ColumnGroupInput,
     ColumnParallelLinear,
@@ -102,8 +112,12 @@ def check_adapter_split(model: nn.Module, tensor_parallel: int, sequence_paralle
         raise ValueError(f"tensor_parallel={tensor_parallel}: adapters on a {quantization} base are not split yet "
                          "(each shard would be quantised after the split, its width a multiple of the quantisation "
                          f"block); use quantization=none, or {_FIX}")
+    from lightning_merak.adapters.moe import expert_adapters
+
+    # tensor parallelism splits attention only: fused experts and their factors stay whole on every tp rank
+    on_experts = {id(adapter.wrapper) for adapter in expert_adapters(model)}
     for name, module in model.named_modules():
-        if not is_tuner_layer(module):
+        if not is_tuner_layer(module) or id(module) in on_experts:
             continue
         if trunk_path is not None and not name.startswith(trunk_path + "."):
             raise ValueError(f"tensor_parallel={tensor_parallel}: adapter on {name}, outside the transformer blocks, "
@@ -144,16 +158,37 @@ class _LoRAParts(nn.Module):
     def b(self) -> nn.Linear:
         return self.lora_B[self.adapter]
 
+    def mask_generator(self, device: torch.device) -> Optional[torch.Generator]:
+        """Where this layer's dropout mask is drawn from: None for the current stream."""
+        return None
+
+    def dropout_mask(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+        """The adapter input's dropout mask for this forward, kept entries scaled by ``1/(1-p)`` as
+        ``nn.Dropout`` scales them; None when no dropout applies (``p=0`` or evaluation)."""
+        dropout = self.lora_dropout[self.adapter]
+        if not isinstance(dropout, nn.Dropout) or not dropout.training or dropout.p == 0:
+            return None
+        keep = 1.0 - dropout.p
+        generator = self.mask_generator(tensor.device)
+        return torch.empty_like(tensor).bernoulli_(keep, generator=generator).div_(keep)
+
     def adapter_path(self, tensor: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(self.lora_dropout[self.adapter](tensor), a), b) * self.scaling
+        mask = self.dropout_mask(tensor)
+        dropped = tensor if mask is None else tensor * mask
+        return F.linear(F.linear(dropped, a), b) * self.scaling
 
 
 class ColumnParallelLoRA(_LoRAParts):
-    """A LoRA layer over a column layer: the base's rows split, ``A`` whole (gradient summed), ``B`` by the rows."""
+    """A LoRA layer over a column layer: the base's rows split, ``A`` whole (gradient summed), ``B`` by the rows;
+    its dropout mask is one for the group (module docstring)."""
+
+    _numbering = itertools.count()
+    """Numbers the layers in the order they are split, which every rank of a group follows."""
 
     def __init__(self, layer: nn.Module, mesh: DeviceMesh, group_input: Optional[ColumnGroupInput],
                  rows: Optional[Sequence[Sequence[int]]] = None) -> None:
         super().__init__(layer)
+        self.mask_index = next(self._numbering)
         if group_input is None:
             raise ValueError(f"a LoRA column layer needs its group's input; {_FIX} or sequence_parallel=False")
         self.base_layer = ColumnParallelLinear(layer.get_base_layer(), mesh, group_input, rows)
@@ -163,6 +198,16 @@ class ColumnParallelLoRA(_LoRAParts):
         self.a.weight = sharded_parameter(self.a.weight, mesh, Replicate())
         self.b.weight = sharded_parameter(b, mesh, Shard(0))
         self.base_layer.rows_alike = (self.b.weight,)
+
+    def mask_generator(self, device: torch.device) -> torch.Generator:
+        """A generator seeded alike on every rank of the group: from a copy of the shared stream where the
+        split span entered it (outside a span, the current stream is the shared one and is drawn from)."""
+        shared = shared_stream_state()
+        if shared is None:
+            draw = torch.randint(2**62, (1,))
+        else:
+            draw = torch.randint(2**62, (1,), generator=torch.Generator().set_state(shared[0]))
+        return torch.Generator(device=device).manual_seed(spread_seed(int(draw), self.mask_index))
 
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
         result = self.base_layer(tensor)
@@ -183,8 +228,15 @@ class RowParallelLoRA(_LoRAParts):
         if sequence_parallel:
             raise ValueError("adapters are not split along the sequence; use sequence_parallel=False")
         self.base_layer = RowParallelLinear(layer.get_base_layer(), mesh, partner_input)
+        self.rank = mesh.get_local_rank()
         self.a.weight = sharded_parameter(self.a.weight, mesh, Shard(1))
         self.b.weight = sharded_parameter(self.b.weight, mesh, Replicate())
+
+    def mask_generator(self, device: torch.device) -> torch.Generator:
+        """This rank's generator for its slice's mask: one draw of the current stream (alike on every rank,
+        replayed by recomputation) spread by the rank."""
+        draw = int(torch.randint(2**62, (1,)))
+        return torch.Generator(device=device).manual_seed(spread_seed(draw, self.rank))
 
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.base_layer(tensor, self.adapter_path(tensor, self.a.weight.to_local(), self.b.weight.to_local()))

@@ -9,6 +9,9 @@ from 0 on every rank; checkpoints number them globally. ``merak_ep``'s fused exp
 cut to each rank's experts before the build, are saved as slices of their ``[E, ...]`` whole and
 read back as the slice this layout holds (:class:`~lightning_merak.plugins.moe.checkpoint.FusedExpertSlices`),
 Adam's moments with them; so are the LoRA factors of adapters on those experts (:class:`ExpertSlices`).
+A Lightning ``.ckpt`` file (a DDP run's, its experts and their factors gathered whole) is read the same way once in
+memory: :meth:`ShardedCheckpointer.read_file` cuts the experts to this rank's and
+:meth:`ShardedCheckpointer.named_optimizer_state` keys its optimizer state by name for the built layout.
 
 A checkpoint directory is written under a temporary name and renamed once every rank's shards and
 ``lightning.ckpt`` are on disk (:mod:`~lightning_merak.runtime.checkpoint_files`), so a run killed
@@ -387,6 +390,44 @@ class ShardedCheckpointer:
             )
         return checkpoint
 
+    def read_file(self, checkpoint: dict[str, Any], module: nn.Module) -> dict[str, Any]:
+        """A Lightning checkpoint file's contents (a DDP run's: the whole model, ``merak_ep``'s experts and the LoRA
+        factors on them gathered whole) with each fused expert tensor and expert factor cut to this rank's experts,
+        in place. Its optimizer states stay in torch's format until :meth:`named_optimizer_state` keys them by name
+        (the names are known once the optimizers exist)."""
+        if self.before_load is not None:
+            self.before_load(module)
+        self.find_experts(module.model)
+        state = checkpoint.get("state_dict", {})
+        prefix = "model."
+        for key in list(state):
+            if not key.startswith(prefix):
+                continue
+            shard = self.fused_experts.shards.get(key[len(prefix):])
+            if shard is not None and state[key].ndim and state[key].shape[0] != shard.num_experts:
+                raise ValueError(f"{key} holds {state[key].shape[0]} experts, this model {shard.num_experts}: the file "
+                                 "is of another expert count, or a merak_ep DDP run's that kept rank 0's experts only "
+                                 "(before they were gathered whole); resume from a file holding every expert")
+            state[key] = self.fused_experts.sliced(key[len(prefix):], state[key])
+        return checkpoint
+
+    def named_optimizer_state(self, saved: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+        """A file's optimizer state (torch's format, entries numbered by the optimizer's parameter order) as
+        :meth:`load` returns one, keyed by the unsplit names (``names[i]``: the ``i``-th parameter of the optimizer
+        that saved it), expert entries cut to this rank's experts; :meth:`load_optimizer_state` then places each
+        entry on this rank's stage and shard."""
+        order = [index for group in saved["param_groups"] for index in group["params"]]
+        if len(order) != len(names):
+            raise ValueError(f"the checkpoint's optimizer holds {len(order)} parameters, this run's {len(names)}: "
+                             "resume with the configure_optimizers (and adapters) the checkpoint was trained with")
+        name_of = dict(zip(order, names))
+        state = {name_of[index]: {field: self.fused_experts.sliced(name_of[index], value)
+                                  if isinstance(value, torch.Tensor) else value for field, value in entry.items()}
+                 for index, entry in saved["state"].items()}
+        groups = [{**{k: v for k, v in group.items() if k != "params"},
+                   "params": [name_of[index] for index in group["params"]]} for group in saved["param_groups"]]
+        return {"merak3d_consolidated": True, "state": state, "param_groups": groups}
+
     def _optimizer_target(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Where saved optimizer entry ``key`` (``<index>/<name>/<field>``) is read to: the whole tensor, or this
         rank's slice of a fused expert tensor's state."""
@@ -426,11 +467,13 @@ class ShardedCheckpointer:
         full = change.from_original(value) if change else value
         if full.shape != param.shape:
             return value
+        # a copy: the value may be a memory-mapped file's pages (:meth:`read_file`), which must not back the state
+        full = full.to(param.device, copy=True)
         if isinstance(param, DTensor):
             from torch.distributed.tensor import distribute_tensor
 
-            return distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
-        return full.to(param.device)
+            return distribute_tensor(full, param.device_mesh, param.placements)
+        return full
 
 
 def _torch_optimizer_state(saved: dict[str, Any], order: dict[str, int]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The checkpoint hooks of ``Merak3DStrategy``: a built layout saves and loads sharded (:mod:`.checkpoint`)."""
+"""The checkpoint hooks of ``Merak3DStrategy``: a built layout saves and loads sharded (:mod:`.checkpoint`); a
+Lightning ``.ckpt`` file (a DDP run's) resumes too, each rank keeping its experts, stage and shard of it."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from pathlib import Path
 from typing import Any, ContextManager, Optional
 
 import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 
-from lightning_merak.strategies.merak3d.checkpoint import ShardedCheckpointer, is_sharded_checkpoint
+from lightning_merak.runtime.safe_load import load_torch_file
+from lightning_merak.strategies.merak3d.checkpoint import OPTIMIZER_NAMES, ShardedCheckpointer, is_sharded_checkpoint
 from lightning_merak.strategies.merak3d.data_parallel import DataParallelGradients
 from lightning_merak.strategies.merak3d.materialize import has_meta
 
@@ -72,13 +75,45 @@ class CheckpointHooks(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(checkpoint_path)
         if not is_sharded_checkpoint(path):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            if self._built is not None:  # loaded into the built model as it is (plain data parallelism reads it)
+                return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            # a file (a DDP run's): this rank's experts of it now, its stage and shard when the layout is built
+            return self._checkpointer.read_file(self._read_file(checkpoint_path, weights_only), self.lightning_module)
         if self._built is not None:
             raise RuntimeError(
                 f"{path} is a sharded merak3d checkpoint; load it before the first batch "
                 "(Trainer.fit/validate/predict with ckpt_path=...)"
             )
         return self._checkpointer.load(path, self.lightning_module)
+
+    def _read_file(self, checkpoint_path: Any, weights_only: Optional[bool]) -> dict[str, Any]:
+        """A local ``.ckpt`` file read memory-mapped and weights-only, so that a rank reads the pages of what it keeps
+        (its experts' rows, and on a meta model its stage's blocks); any other through the checkpoint IO."""
+        path = Path(checkpoint_path)
+        if weights_only is False or not isinstance(self.checkpoint_io, TorchCheckpointIO) or not path.is_file():
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        return load_torch_file(path, mmap=True)
+
+    def _named_optimizer_states(self, checkpoint: dict[str, Any]) -> list[dict[str, Any]]:
+        """The file's optimizer states keyed by parameter name: by the names a DDP run of ``merak_ep`` recorded, else
+        by this run's optimizers (the same ``configure_optimizers`` over the same unsplit model)."""
+        recorded = checkpoint.get(OPTIMIZER_NAMES)
+        model_names = {id(param): name for name, param in self.lightning_module.model.named_parameters()}
+        states = []
+        for index, (optimizer, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
+            if state.get("merak3d_consolidated"):
+                states.append(state)
+                continue
+            if recorded is not None:
+                names = [name[len("model."):] if name.startswith("model.") else "" for name in recorded[index]]
+            else:
+                names = [model_names.get(id(param), "") for group in optimizer.param_groups
+                         for param in group["params"]]
+            if "" in names:
+                raise ValueError("merak3d resumes an optimizer over the LightningModule's `model` only; a parameter "
+                                 "outside it has no place in the layout: move it into `model`")
+            states.append(self._checkpointer.named_optimizer_state(state, names))
+        return states
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         if has_meta(self.lightning_module):  # a meta model has nowhere to put it: filled once materialised
@@ -93,4 +128,4 @@ class CheckpointHooks(ParallelStrategy):
                 with self._whole_optimizer(optimizer):
                     self._checkpointer.load_optimizer_state(optimizer, state, self.lightning_module.model)
         else:
-            self._pending_optimizer_states = list(states)
+            self._pending_optimizer_states = self._named_optimizer_states(checkpoint)

@@ -43,7 +43,7 @@ from lightning_merak.runtime.gradient_buffer import Bucket, GradientBuffer, Shar
 from lightning_merak.runtime.gradient_norm import ShardedGradients
 from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh
 from lightning_merak.strategies.merak3d.layout import LayoutGroups
-from lightning_merak.strategies.merak3d.reduce_scatter import start_reduce_scatter
+from lightning_merak.strategies.merak3d.reduce_scatter import ReduceScatterQueue
 from lightning_merak.strategies.merak3d.sharding_checks import (
     SHARDED_MODES,
     check_precision,
@@ -131,6 +131,8 @@ class DataParallelGradients:
         self.validated = False
         """Whether a step has confirmed the averaged parameters (overlap starts after it)."""
         self._works: dict[int, Any] = {}
+        """Plain data parallelism's all-reduces by bucket index (sharded modes queue reduce-scatters instead)."""
+        self._scatters = ReduceScatterQueue(self._shard_group, self._reduced) if self.sharded else None
         self._ready: set[int] = set()
         self._next_launch = 0
         """Buckets ready during this backward, and the index of the next one to start (starts go in order)."""
@@ -411,25 +413,25 @@ class DataParallelGradients:
             self.early_launches += 1
             self._launch(self.buffer.buckets[self._next_launch])
             self._next_launch += 1
+        if self._scatters is not None:
+            self._scatters.poll()
 
     def _launch(self, bucket: Bucket) -> None:
-        if self.sharded:
-            part = self._shard_grads[bucket.index]
-            self._works[bucket.index] = start_reduce_scatter(part, bucket.flat, self._shard_group)
-            self._release_finished()
+        if self._scatters is not None:
+            self._scatters.submit(bucket.index, self._shard_grads[bucket.index], bucket.flat)
         else:
             self._works[bucket.index] = dist.all_reduce(bucket.flat, group=self._group, async_op=True)
 
-    def _release_finished(self) -> None:
-        """Finish the reduce-scatters that are done: an exchange over three or more CPU ranks sums and frees its
-        receive buffer, and ZeRO-2 frees the bucket's full gradients (so neither outlives a bucket in flight)."""
-        for index, work in self._works.items():
-            bucket = self.buffer.buckets[index]
-            if not bucket.released and work.is_completed():
-                work.wait()
-                if self.mode == "gradients":
-                    self.buffer.drop_gradients(bucket)
-                    bucket.release()
+    def _launched(self, bucket: Bucket) -> bool:
+        return bucket.index in (self._scatters if self._scatters is not None else self._works)
+
+    def _reduced(self, index: int) -> None:
+        """A bucket's reduce-scatter is done (its exchange's receive buffer summed and freed): ZeRO-2 frees the
+        bucket's full gradients, so that they do not outlive the reduction."""
+        bucket = self.buffer.buckets[index]
+        if self.mode == "gradients" and not bucket.released:
+            self.buffer.drop_gradients(bucket)
+            bucket.release()
 
     def finish(self) -> None:
         """After the backward (and any tensor-parallel or pipeline sums): reduce the buckets not yet started,
@@ -439,9 +441,11 @@ class DataParallelGradients:
         self.validated = True
         start = time.perf_counter()
         for bucket in self.buffer.buckets:
-            if bucket.index not in self._works:
+            if not self._launched(bucket):
                 self.buffer.gather_bucket(bucket)
                 self._launch(bucket)
+        if self._scatters is not None:
+            self._scatters.drain()
         for index in sorted(self._works):
             self._works[index].wait()
         self._works = {}

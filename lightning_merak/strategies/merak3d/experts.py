@@ -42,7 +42,7 @@ from lightning_merak.plugins.moe.experts import (
 from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh
 
 __all__ = ["ExpertGroups", "Merak3DExperts", "check_merak3d_experts",
-           "expert_group_ranks", "expert_layout_problem"]
+           "expert_group_ranks", "expert_layout_problem", "planned_expert_parallel"]
 
 
 def expert_layout_problem(*, data_parallel: int, sharding: str, schedule: str,
@@ -112,7 +112,8 @@ def check_merak3d_experts(strategy: Any, world_size: int, ep_size: Optional[int]
     :func:`expert_layout_problem`).
 
     With processes running (the expert groups are created next, from the layout), a layout left to ``"auto"`` is
-    planned first, the experts' exchange over ``ep_size`` ranks priced, and checked as chosen."""
+    planned first, the experts' exchange over ``ep_size`` ranks priced (unset: each ep dividing dp and the experts,
+    :func:`planned_expert_parallel` then reads the chosen one), and checked as chosen."""
     problem = expert_layout_problem(**_layout_values(strategy, world_size), ep_size=ep_size)
     module = getattr(strategy, "_lightning_module", None)
     if problem is None and strategy.needs_planning and dist.is_initialized() and module is not None:
@@ -127,6 +128,16 @@ def check_merak3d_experts(strategy: Any, world_size: int, ep_size: Optional[int]
         raise ValueError(f"moe.experts=merak_ep under merak3d refused: {problem}")
 
 
+def planned_expert_parallel(strategy: Any, ep_size: Optional[int], data_parallel: int) -> int:
+    """The expert-parallel size the groups are carved for: ``ep_size`` when set, else the one an ``auto`` layout's
+    plan chose (it searched every size dividing dp and the experts), else the whole data-parallel group."""
+    if ep_size is not None:
+        return ep_size
+    choice = getattr(strategy, "layout_choice", None)
+    planned = getattr(getattr(choice, "layout", None), "ep", None)
+    return planned if isinstance(planned, int) else data_parallel
+
+
 class Merak3DExperts:
     """``merak_ep`` on one merak3d rank: its groups, the experts switch, and the expert gradients' reduction."""
 
@@ -138,7 +149,7 @@ class Merak3DExperts:
         mesh = strategy.device_mesh
         dp_groups = data_parallel_groups_from_mesh(mesh.mesh.tolist(), list(mesh.mesh_dim_names))
         data_parallel = len(dp_groups[0])
-        ep = data_parallel if ep_size is None else ep_size
+        ep = planned_expert_parallel(strategy, ep_size, data_parallel)
         ep_ranks, edp_ranks = expert_group_ranks(dp_groups, ep)
         rank = dist.get_rank()
         mine: dict[str, Any] = {}

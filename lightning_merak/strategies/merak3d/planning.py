@@ -19,7 +19,12 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_merak.strategies.expert_profiler import expert_layers_of, grouped_experts, measure_all_to_all
+from lightning_merak.strategies.expert_profiler import (
+    expert_layers_of,
+    experts_per_layer,
+    grouped_experts,
+    measure_all_to_all,
+)
 from lightning_merak.strategies.layout_profiler import profile_model, profile_network, tensor_parallel_mesh
 from lightning_merak.strategies.merak3d.arguments import (
     Merak3DArguments,
@@ -88,8 +93,9 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
     """Profile this machine and ``module``'s model on one batch, search the layouts, and return the best one.
 
     With ``merak_ep`` the model's MoE layers run expert parallel over ``ep_size`` of each stage's data-parallel
-    ranks (None: all of them): the profile describes them and measures their all-to-all, the search prices the
-    exchange and keeps the data-parallel ranks unsharded. Rank 0's choice is every rank's.
+    ranks (None: planned, every size dividing dp and the experts searched; the choice's ``layout.ep``): the profile
+    describes them and measures their all-to-all, the search prices the exchange and the experts kept and keeps the
+    data-parallel ranks unsharded. Rank 0's choice is every rank's.
     """
     model: nn.Module = module.model
     config = getattr(model, "config", None)
@@ -141,7 +147,8 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
         grad_bucket_bytes=(arguments.grad_bucket_mb or DEFAULT_BUCKET_MB) * 2**20,
         ep_size=ep_size if merak_ep else 1,
     )
-    keys = required_profile_keys(space, num_blocks)
+    num_experts = experts_per_layer(model) if merak_ep else None  # with ep_size unset, each ep dividing them is planned
+    keys = required_profile_keys(space, num_blocks, num_experts)
     factory: Callable[[Any], torch.optim.Optimizer] = (
         (lambda params: type(optimizer)(params, **optimizer.defaults)) if optimizer is not None
         else (lambda params: torch.optim.AdamW(params)))
@@ -161,7 +168,8 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
                               large_bytes=min(64 << 20, max(1 << 16, profile.hidden_bytes_per_sample
                                                             * inputs.shape[0])),
                               gradient_bytes=min(256 << 20, gradient_bytes), repeats=PLANNER_REPEATS,
-                              pipeline=any(layout.pp > 1 for layout in candidate_layouts(space, num_blocks)))
+                              pipeline=any(layout.pp > 1 for layout in candidate_layouts(space, num_blocks,
+                                                                                         num_experts)))
     if merak_ep:
         sequence = inputs.shape[1] if inputs.ndim > 1 else 1
         profile = dataclasses.replace(profile, experts=expert_layers_of(model, sequence,

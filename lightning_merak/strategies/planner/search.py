@@ -27,7 +27,18 @@ def _divisors(value: int) -> list[int]:
     return [divisor for divisor in range(1, value + 1) if value % divisor == 0]
 
 
-def candidate_layouts(space: SearchSpace, num_blocks: int | None = None) -> list[Layout]:
+def expert_parallel_sizes(space: SearchSpace, dp: int, num_experts: int | None = None) -> list[int]:
+    """The expert-parallel sizes a layout of ``dp`` replicas is searched at: ``space.ep_size`` where it divides dp;
+    left unset (None) for a model of ``num_experts`` experts per MoE layer, every size dividing both dp and the
+    experts (ep < dp replicates each expert group's experts over dp/ep groups); else dp."""
+    if space.ep_size is None and num_experts is not None:
+        return [ep for ep in _divisors(dp) if num_experts % ep == 0]
+    ep = space.expert_parallel(dp)
+    return [] if ep is None else [ep]
+
+
+def candidate_layouts(space: SearchSpace, num_blocks: int | None = None,
+                      num_experts: int | None = None) -> list[Layout]:
     """Every layout of ``space``, in a fixed order.
 
     dp x pp x tp = world size with tp from ``tp_degrees_allowed`` and pp at most
@@ -35,8 +46,8 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None) -> list
     micro-batch; several run a micro-batch count of at least pp dividing the per-replica batch.
     Overlap degrees divide the micro-batch and exceed 1 only with tp > 1; one stage takes
     recompute ratios 0 or 1 only. Each takes every mode of ``sharding_modes`` it can run
-    (:func:`sharding_modes_for`), and the expert-parallel size ``space.ep_size`` gives its dp (left out where
-    it does not divide dp).
+    (:func:`sharding_modes_for`), and each expert-parallel size :func:`expert_parallel_sizes` gives its dp
+    (``num_experts``: the experts of each MoE layer, searched over when ``space.ep_size`` is unset).
     """
     max_stages = space.max_pipeline_stages if num_blocks is None else min(space.max_pipeline_stages, num_blocks + 2)
     layouts = []
@@ -45,8 +56,8 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None) -> list
             continue
         for pp in _divisors(space.world_size // tp):
             dp = space.world_size // (tp * pp)
-            per_replica, ep = space.replica_batch(dp), space.expert_parallel(dp)
-            if pp > max_stages or per_replica is None or ep is None:
+            per_replica, expert_sizes = space.replica_batch(dp), expert_parallel_sizes(space, dp, num_experts)
+            if pp > max_stages or per_replica is None or not expert_sizes:
                 continue
             if pp == 1:
                 micro_batch_counts = [1]
@@ -60,7 +71,8 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None) -> list
                 for overlap in overlaps:
                     for ratio in ratios:
                         for mode in sharding_modes_for(space, dp, overlap):
-                            layouts.append(Layout(dp, pp, tp, micro_batches, overlap, ratio, mode, ep))
+                            layouts += [Layout(dp, pp, tp, micro_batches, overlap, ratio, mode, ep)
+                                        for ep in expert_sizes]
     return layouts
 
 
@@ -102,12 +114,14 @@ class ProfileKeys:
     all_to_all_group_sizes: frozenset[int] = frozenset()
 
 
-def required_profile_keys(space: SearchSpace, num_blocks: int | None = None) -> ProfileKeys:
-    """The profile entries :func:`plan` reads for ``space``, so a profiler measures nothing more."""
+def required_profile_keys(space: SearchSpace, num_blocks: int | None = None,
+                          num_experts: int | None = None) -> ProfileKeys:
+    """The profile entries :func:`plan` reads for ``space`` (a model of ``num_experts`` experts per MoE layer), so a
+    profiler measures nothing more."""
     block_times, samples_needed, tp_degrees, group_sizes, measured, loss_samples, expert_groups = (
         set(), set(), set(), set(), set(), set(), set()
     )
-    for layout in candidate_layouts(space, num_blocks):
+    for layout in candidate_layouts(space, num_blocks, num_experts):
         samples = micro_batch_samples(layout, space)
         sub = samples // layout.overlap
         block_times.add((layout.tp, sub))
@@ -208,12 +222,16 @@ def rerank(ranked: Plan, step_time_of: Callable[[Layout], float]) -> Plan:
 def plan(space: SearchSpace, model_profile: ModelProfile, network: NetworkProfile) -> Plan:
     """Predict every candidate layout and rank those that fit ``space.memory_limit_bytes``, fastest first.
 
-    Layouts whose expert-parallel size does not divide the model's experts are left out. Raises before predicting
+    Layouts whose expert-parallel size does not divide the model's experts are left out; with ``space.ep_size``
+    unset every size dividing dp and the experts is searched, each priced by the cost model (the experts a rank
+    keeps, their gradients' sum over the dp/ep ranks holding the same ones, the exchange over ep ranks). Raises
+    before predicting
     anything when the profiles lack an entry the search needs, and when no layout fits, naming the memory the
     smallest one needs.
     """
     experts = model_profile.experts  # the runtime splits each layer's experts evenly over an expert group
-    layouts = [layout for layout in candidate_layouts(space, model_profile.num_blocks)
+    num_experts = None if experts is None else experts.num_experts
+    layouts = [layout for layout in candidate_layouts(space, model_profile.num_blocks, num_experts)
                if experts is None or experts.num_experts % layout.ep == 0]
     if not layouts and experts is not None and candidate_layouts(space, model_profile.num_blocks):
         raise ValueError(f"no candidate layout's expert-parallel size divides the {experts.num_experts} experts; "
@@ -224,8 +242,8 @@ def plan(space: SearchSpace, model_profile: ModelProfile, network: NetworkProfil
             f"tp_degrees_allowed={space.tp_degrees_allowed}, max_pipeline_stages={space.max_pipeline_stages}; "
             "allow more degrees, micro-batch or overlap choices, or a batch divisible by the data-parallel degree"
         )
-    missing = _missing_entries(required_profile_keys(space, model_profile.num_blocks), model_profile, network,
-                               space.clip_gradients)
+    missing = _missing_entries(required_profile_keys(space, model_profile.num_blocks, num_experts), model_profile,
+                               network, space.clip_gradients)
     if missing:
         raise ValueError(f"the profiles lack entries the search needs: {', '.join(missing)}; profile them first")
 

@@ -1,0 +1,88 @@
+"""The replay benchmark's micro-batch what-ifs: an in-process probe of the block's and head's call curves, and the
+rows that predict other micro-batch counts from the traced pp2 M=2 run (:mod:`benchmarks.replay`).
+
+Two models are reported side by side. "probe curve": block and head calls of other sizes follow the curves the probe
+measured in the driver process (:func:`~lightning_merak.profiler.probe.probe_call_curves`), and the step is the
+traced run's measured period times the re-derived step of M over that of M=2
+(:func:`~lightning_merak.profiler.synthesize.predict_from_traced`). "two-trace line": a block call's fixed time from
+the line through the dp2 and M=2 traces' median calls (:func:`~lightning_merak.profiler.calibration.block_call_cost`),
+the re-derived step scaled by the traced run's untraced over traced ratio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any, Callable, Sequence
+
+import torch
+
+from lightning_merak.models import build_causal_lm
+from lightning_merak.profiler.calibration import block_call_cost
+from lightning_merak.profiler.call_curve import CallCurve
+from lightning_merak.profiler.probe import probe_call_curves
+from lightning_merak.profiler.replay import measured_step_time
+from lightning_merak.profiler.synthesize import (
+    LayoutSpec,
+    ModelShape,
+    StepCosts,
+    calibrate,
+    predict_from_traced,
+    predict_layout,
+    with_block_call_cost,
+    with_call_curves,
+)
+from lightning_merak.profiler.trace import Trace
+
+CURVE_MODEL = "probe curve, relative to the traced M=2 step"
+LINE_MODEL = "two-trace line (dp2 and M=2 block calls)"
+LINE_KIND = "what-if micro-batches (two-trace line)"
+"""The earlier model's rows: reported beside the goal's, out of the maxima."""
+
+
+def probe_sizes(samples: int, micro_batch_counts: Sequence[int]) -> tuple[int, ...]:
+    """The samples per call the what-ifs need: the traced M=2 run's and each predicted count's."""
+    return tuple(sorted({samples // m for m in (2, *micro_batch_counts)}))
+
+
+def probe_curves(model_config: Any, vocab: int, seq: int, sizes: Sequence[int]) -> tuple[CallCurve, CallCurve]:
+    """(block, head) call curves of the benchmark's model, built and seeded as the ranks build it, on one thread as
+    the ranks run."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = build_causal_lm(model_config, vocab)
+        model.config.use_cache = False
+        tokens = torch.randint(vocab, (max(sizes), seq), generator=torch.Generator().manual_seed(1))
+        return probe_call_curves(model, tokens, sizes)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def microbatch_rows(traces: dict[str, Trace], runs: dict[str, dict[str, Any]], layouts: dict[str, LayoutSpec],
+                    counts: Sequence[int], shape: ModelShape, curves: tuple[CallCurve, CallCurve],
+                    row: Callable[..., dict[str, Any]], partitioned_kind: str,
+                    split_of: Callable[[StepCosts, str], StepCosts]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows predicting ``pp2_m<M>`` for every M in ``counts`` from the traced ``pp2_m2`` (and ``dp2``) runs, by both
+    models, and again at each measured run's partition (``split_of``); and the costs used, for the JSON."""
+    pp_trace, pp_layout = traces["pp2_m2"], layouts["pp2_m2"]
+    costs = calibrate(pp_trace, shape, pp_layout)
+    curve_costs = with_call_curves(costs, pp_layout, *curves)
+    line_costs = with_block_call_cost(costs, pp_layout, block_call_cost(traces["dp2"], layouts["dp2"], pp_trace,
+                                                                        pp_layout))
+    traced_period = runs["pp2_m2"]["period_s"]
+    correction = traced_period / measured_step_time(pp_trace)
+    rows, partitioned = [], []
+    for m in counts:
+        name, what = f"pp2_m{m}", f"pp2 M={m} from M=2"
+        run, layout = runs[name], layouts[name]
+        contention = {"measured_cpu_wait_share": run["cpu_wait_share"]} if "cpu_wait_share" in run else {}
+        rows.append(row("what-if micro-batches", what, predict_from_traced(curve_costs, shape, pp_layout, layout,
+                                                                           traced_period),
+                        run["period_s"], call_model=CURVE_MODEL, **contention))
+        rows.append(row(LINE_KIND, what, predict_layout(line_costs, shape, layout).step_time * correction,
+                        run["period_s"], call_model=LINE_MODEL, **contention))
+        partitioned.append(row(partitioned_kind, what, predict_from_traced(
+            curve_costs, shape, pp_layout, layout, traced_period, target_costs=split_of(curve_costs, name)),
+            run["period_s"], call_model=CURVE_MODEL, **contention))
+    return rows + partitioned, {"pp2_m2": asdict(curve_costs), "pp2_m2_two_trace_line": asdict(line_costs)}

@@ -1,0 +1,149 @@
+"""Whole-model checkpoints of adapters on a quantised base: the packed base read back, mismatches refused.
+
+A bitsandbytes 4-bit layer writes its packed weight and, beside it, its quantisation state
+(``weight.absmax``, ``weight.quant_map``, the nested statistics and ``weight.quant_state.bitsandbytes__nf4``)
+but reads none of it back into a built layer, so ``load_state_dict`` (Lightning's resume from a ``.ckpt``
+included) stopped at those "unexpected" keys. :func:`restore_packed_4bit` gives a layer a load hook that
+rebuilds its quantisation state from them with bitsandbytes' own ``QuantState.from_dict`` and takes the
+checkpoint's packed bytes. bitsandbytes' int8 layer reads its scales (``SCB``) itself.
+
+:func:`refuse_mismatched_checkpoints` guards a model's load: before any tensor is copied it compares, layer
+by layer, the base quantisation the checkpoint holds (nf4, fp4, int8, the project's int4, or float) with
+the model's, and the shapes of the trainable (adapter) tensors, and raises one error naming the differences
+and the fix, where torch would list dozens of unexpected keys and size mismatches.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from .int4 import QuantLinearInt4
+
+__all__ = ["base_quantization", "checkpoint_quantization", "quantized_layers", "refuse_mismatched_checkpoints",
+           "restore_packed_4bit"]
+
+_QUANT_STATE_KEY = "weight.quant_state.bitsandbytes__"
+_QUANTIZED_SUFFIXES = (("." + _QUANT_STATE_KEY + "nf4", "nf4"), ("." + _QUANT_STATE_KEY + "fp4", "fp4"),
+                       (".SCB", "int8"), (".qweight", "int4"))
+_HOOKED = "merak_checkpoint_hook"
+"""Attribute marking a module whose load hook is registered, so registering again adds no second one."""
+_FOUR_BIT_TYPES = ("nf4", "fp4")
+
+
+def base_quantization(layer: nn.Module) -> Optional[str]:
+    """How a base linear layer stores its weight (``nf4``, ``fp4``, ``int8``, ``int4``, ``none``), or None
+    for a module that is no base linear layer. bitsandbytes is only consulted if already imported."""
+    if isinstance(layer, QuantLinearInt4):
+        return "int4"
+    if type(layer) is nn.Linear:
+        return "none"
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is None:
+        return None
+    if isinstance(layer, bnb.nn.Linear4bit):
+        return str(layer.weight.quant_type)
+    if isinstance(layer, bnb.nn.Linear8bitLt):
+        return "int8"
+    return None
+
+
+def checkpoint_quantization(state_dict: dict[str, Any], layer_prefix: str) -> Optional[str]:
+    """How the checkpoint stores the layer at ``layer_prefix`` (its keys' common prefix, dot included): the
+    names of :func:`base_quantization`, or None where the checkpoint does not hold that layer."""
+    for quant_type in _FOUR_BIT_TYPES:
+        if layer_prefix + _QUANT_STATE_KEY + quant_type in state_dict:
+            return quant_type
+    if layer_prefix + "SCB" in state_dict:
+        return "int8"
+    if layer_prefix + "qweight" in state_dict:
+        return "int4"
+    weight = state_dict.get(layer_prefix + "weight")
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        return "none"
+    return None
+
+
+def quantized_layers(keys: Iterable[str]) -> dict[str, str]:
+    """The layers a checkpoint's ``keys`` store quantised (their name: nf4, fp4, int8 or int4)."""
+    layers = {}
+    for key in keys:
+        for suffix, kind in _QUANTIZED_SUFFIXES:
+            if key.endswith(suffix):
+                layers[key[: -len(suffix)]] = kind
+    return layers
+
+
+def _load_packed_4bit(layer: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Load pre-hook of a bitsandbytes 4-bit layer: its quantisation state and packed bytes from the checkpoint.
+
+    The quant-state keys are consumed here (torch would report them as unexpected); the packed weight stays
+    for the regular load to copy into the weight, now shaped as the checkpoint's (a CPU-repacked weight is not).
+    """
+    from bitsandbytes.functional import QuantState
+
+    stats_prefix = prefix + "weight."
+    stats = {key[len(stats_prefix):]: state_dict.pop(key) for key in list(state_dict) if key.startswith(stats_prefix)}
+    packed = state_dict.get(prefix + "weight")
+    if not stats or packed is None:
+        return
+    weight = layer.weight
+    quant_state = QuantState.from_dict(qs_dict=stats, device=weight.device)
+    if quant_state.quant_type != weight.quant_type:
+        raise ValueError(f"{prefix.rstrip('.')}: the checkpoint's base is {quant_state.quant_type}, this layer's "
+                         f"{weight.quant_type}; build the model with quantization={quant_state.quant_type}")
+    weight.data = torch.empty_like(packed, device=weight.device)
+    weight.quant_state = quant_state
+    weight.blocksize = quant_state.blocksize
+    weight.compress_statistics = quant_state.nested
+    weight.bnb_quantized = True
+    if hasattr(layer, "quant_state"):
+        layer.quant_state = quant_state
+
+
+def restore_packed_4bit(layer: nn.Module) -> nn.Module:
+    """Let the bitsandbytes ``Linear4bit`` ``layer`` load its own state dict back (returns it)."""
+    if not getattr(layer, _HOOKED, False):
+        layer.register_load_state_dict_pre_hook(_load_packed_4bit)
+        setattr(layer, _HOOKED, True)
+    return layer
+
+
+def _mismatches(model: nn.Module, state_dict: dict[str, Any], prefix: str) -> list[str]:
+    problems = []
+    for name, layer in model.named_modules():
+        kind = base_quantization(layer)
+        stored = checkpoint_quantization(state_dict, f"{prefix}{name}." if name else prefix)
+        if kind is not None and stored is not None and stored != kind:
+            problems.append(f"{name}: base {stored} in the checkpoint, {kind} here")
+    for name, param in model.named_parameters():
+        stored_tensor = state_dict.get(prefix + name)
+        if param.requires_grad and isinstance(stored_tensor, torch.Tensor) and stored_tensor.shape != param.shape:
+            problems.append(f"{name}: shape {tuple(stored_tensor.shape)} in the checkpoint, {tuple(param.shape)} here")
+    return problems
+
+
+def _refuse_mismatches(model: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    problems = _mismatches(model, state_dict, prefix)
+    if problems:
+        listed = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+        raise ValueError(
+            f"the checkpoint was made by a different adapter model ({listed}). Build the model as the run that "
+            "saved it did: the same base quantization (adapter.quantization), adapter rank (adapter.r, lambda_in, "
+            "lambda_out) and target_modules")
+
+
+def refuse_mismatched_checkpoints(model: nn.Module) -> nn.Module:
+    """Make ``model``'s ``load_state_dict`` refuse a checkpoint of another quantisation or adapter shape before
+    copying anything, and let its bitsandbytes 4-bit layers load their packed state (returns ``model``)."""
+    bnb = sys.modules.get("bitsandbytes")
+    for layer in model.modules():
+        if bnb is not None and isinstance(layer, bnb.nn.Linear4bit):
+            restore_packed_4bit(layer)
+    if not getattr(model, _HOOKED, False):
+        model.register_load_state_dict_pre_hook(_refuse_mismatches)
+        setattr(model, _HOOKED, True)
+    return model

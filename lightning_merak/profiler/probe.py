@@ -1,0 +1,101 @@
+"""Time one block and the head of a model at several micro-batch sizes, in this process (no group, no network).
+
+A trace holds block calls of one size; the replay's micro-batch what-ifs need calls of others.
+:func:`probe_call_curves` records the model once per size (:func:`~lightning_merak.strategies.pipeline.trace.
+trace_model`, no profiling), then times a block's forward and backward and the head's (everything after the
+blocks, and the loss) at each size, the sizes interleaved round after round so that a slow spell of a shared
+machine falls on every size alike, and keeps each size's fastest call as a
+:class:`~lightning_merak.profiler.call_curve.CallCurve` point: another process taking the core only adds time, and
+adds a larger share to a short call than to a long one, which would bend the curve's shape (medians did, at load
+averages above 10).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from lightning_merak.profiler.call_curve import CallCurve
+from lightning_merak.strategies.pipeline.trace import ModelTrace, find_trunk, trace_model
+
+__all__ = ["next_token_loss", "probe_call_curves"]
+
+
+def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """A causal language model's loss: cross-entropy of each position's logits against the next token."""
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1))
+
+
+def _timed(run: Callable[[], torch.Tensor]) -> tuple[float, float]:
+    """(forward seconds, backward seconds) of one call of ``run`` and the backward of its output."""
+    start = time.perf_counter()
+    out = run()
+    middle = time.perf_counter()
+    out.backward(torch.ones_like(out))
+    return middle - start, time.perf_counter() - middle
+
+
+def probe_call_curves(model: nn.Module, tokens: torch.Tensor, sizes: Sequence[int], rounds: int = 30,
+                      warmup: int = 2, loss: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+                      ) -> tuple[CallCurve, CallCurve]:
+    """(block curve, head curve): the fastest forward and backward seconds of block 0 and of the head (with ``loss``,
+    default :func:`next_token_loss`) on the first ``n`` rows of ``tokens`` for each ``n`` in ``sizes``.
+
+    ``rounds`` timed calls per size after ``warmup`` untimed ones; the model's gradients are cleared afterwards.
+    Raises before timing anything where ``sizes`` are fewer than two, not increasing, or above ``tokens``' rows.
+    """
+    sizes = list(sizes)
+    if len(sizes) < 2 or any(b <= a for a, b in zip(sizes, sizes[1:])) or sizes[0] < 1:
+        raise ValueError(f"probe at least two increasing micro-batch sizes of one sample or more, got {sizes}")
+    if sizes[-1] > tokens.size(0):
+        raise ValueError(f"the largest size ({sizes[-1]}) needs as many rows of tokens, got {tokens.size(0)}")
+    if rounds < 1 or warmup < 0:
+        raise ValueError(f"rounds must be positive and warmup not negative, got {rounds} / {warmup}")
+    loss = loss or next_token_loss
+    _, blocks = find_trunk(model)
+    block = blocks[0]
+    calls: list[tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]] = []
+    for n in sizes:
+        batch = tokens[:n]
+        recorded = trace_model(model, batch, profile=False)
+        args, kwargs = recorded.block_arguments(recorded.sample_side_tensors)
+        block_input = recorded.sample_hidden.detach().clone().requires_grad_(True)
+        with torch.no_grad():
+            last = recorded.sample_hidden.detach()
+            for each in blocks:
+                last = recorded.hidden_of(each(last, *args, **kwargs))
+        head_input = last.detach().clone().requires_grad_(True)
+
+        def run_block(block_input: torch.Tensor = block_input, args: tuple = args, kwargs: dict = kwargs,
+                      recorded: ModelTrace = recorded) -> torch.Tensor:
+            return recorded.hidden_of(block(block_input, *args, **kwargs))
+
+        def run_head(head_input: torch.Tensor = head_input, recorded: ModelTrace = recorded,
+                     batch: torch.Tensor = batch) -> torch.Tensor:
+            return loss(recorded.run_head(model, head_input), batch)
+
+        calls.append((run_block, run_head))
+    times: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    was_training = model.training
+    model.train()
+    try:
+        for round_index in range(warmup + rounds):
+            for index, pair in enumerate(calls):
+                for part, run in enumerate(pair):
+                    measured = _timed(run)
+                    if round_index >= warmup:
+                        times.setdefault((index, part), []).append(measured)
+    finally:
+        model.train(was_training)
+        for param in model.parameters():
+            param.grad = None
+
+    def curve(part: int) -> CallCurve:
+        fastest = [(min(f for f, _ in times[index, part]),
+                    min(b for _, b in times[index, part])) for index in range(len(sizes))]
+        return CallCurve(tuple(float(n) for n in sizes), tuple(f for f, _ in fastest), tuple(b for _, b in fastest))
+
+    return curve(0), curve(1)

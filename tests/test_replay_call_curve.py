@@ -1,0 +1,127 @@
+"""Call curves for the micro-batch what-if (pure), the replay's use of them, and the in-process probe."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lightning_merak.config import ModelConfig
+from lightning_merak.models import build_causal_lm
+from lightning_merak.profiler.call_curve import CallCurve, interpolate
+from lightning_merak.profiler.probe import next_token_loss, probe_call_curves
+from lightning_merak.profiler.synthesize import (
+    LayoutSpec,
+    ModelShape,
+    StepCosts,
+    predict_from_traced,
+    predict_layout,
+    with_call_curves,
+)
+
+COSTS = StepCosts(block_forward_per_sample=0.001, rest_forward_per_sample=0.0, backward_ratio=2.0,
+                  update_per_param=0.0, host_per_step=0.0, op_fixed_s=0.0, link_bytes_per_s=1e15)
+SHAPE = ModelShape(blocks=2, block_params=1000, other_params=0, hidden=8, seq=4)
+PP2_M2 = LayoutSpec(dp=1, pp=2, tp=1, micro_batches=2, samples=4)
+"""Two samples per call: each stage's block call is 2 ms forward and 4 ms backward (1 ms per sample, backward 2x)."""
+CURVE = CallCurve(samples=(1.0, 2.0, 4.0), forward_s=(0.003, 0.004, 0.006), backward_s=(0.004, 0.008, 0.016))
+"""Forward with a fixed part (1 ms at 1 sample is 3/4 of 2 samples'); backward proportional to samples."""
+
+
+def test_interpolation_is_piecewise_linear_and_extends_the_end_segments() -> None:
+    xs, ys = (1.0, 2.0, 4.0), (3.0, 4.0, 8.0)
+    assert [interpolate(xs, ys, x) for x in (1.0, 1.5, 2.0, 3.0, 4.0)] == pytest.approx([3.0, 3.5, 4.0, 6.0, 8.0])
+    assert interpolate(xs, ys, 8.0) == pytest.approx(16.0)  # the last segment's slope, 2 per sample
+    assert interpolate(xs, ys, 0.5) == pytest.approx(2.5)  # the first segment's slope, 1 per sample
+    assert interpolate((1.0, 2.0), (1.0, 4.0), 0.0) == 0.0  # floored at zero
+    with pytest.raises(ValueError, match="two points"):
+        interpolate((1.0,), (1.0,), 1.0)
+
+
+def test_a_curve_refuses_sizes_and_times_it_cannot_interpolate() -> None:
+    with pytest.raises(ValueError, match="increasing"):
+        CallCurve((2.0, 1.0), (1.0, 1.0), (1.0, 1.0))
+    with pytest.raises(ValueError, match="same number"):
+        CallCurve((1.0, 2.0), (1.0,), (1.0, 1.0))
+    with pytest.raises(ValueError, match="positive"):
+        CallCurve((1.0, 2.0), (1.0, 0.0), (1.0, 1.0))
+    assert CURVE.forward_scale(1.0, 2.0) == pytest.approx(0.75)
+    assert CURVE.backward_scale(4.0, 2.0) == pytest.approx(2.0)
+
+
+def test_curves_keep_the_traced_call_and_shape_the_others() -> None:
+    shaped = with_call_curves(COSTS, PP2_M2, CURVE)
+    assert shaped.curve_reference_samples == 2.0
+    # the traced size costs what the trace said, forward and backward (2 ms, 2 x 2 ms)
+    assert shaped.block_seconds(2.0, True) == pytest.approx(0.002)
+    assert shaped.block_seconds(2.0, False) == pytest.approx(0.004)
+    # one sample: 3/4 of the traced forward (the per-sample line said 1/2), backward halves with the curve
+    assert shaped.block_seconds(1.0, True) == pytest.approx(0.0015)
+    assert shaped.block_seconds(1.0, False) == pytest.approx(0.002)
+    assert shaped.block_seconds(1.0, False, recompute=1.0) == pytest.approx(0.0035)
+    assert predict_layout(shaped, SHAPE, PP2_M2).step_time == pytest.approx(
+        predict_layout(COSTS, SHAPE, PP2_M2).step_time)
+    # 4 micro-batches of 1 sample on 2 stages, 1F1B with free links: (M + S - 1) * (f + b)
+    m4 = LayoutSpec(dp=1, pp=2, tp=1, micro_batches=4, samples=4)
+    assert predict_layout(COSTS, SHAPE, m4).step_time == pytest.approx(5 * 0.003)
+    assert predict_layout(shaped, SHAPE, m4).step_time == pytest.approx(5 * 0.0035)
+
+
+def test_a_head_curve_shapes_the_head_and_loss() -> None:
+    costs = dataclasses.replace(COSTS, rest_forward_per_sample=0.001, rest_backward_ratio=3.0)
+    shaped = with_call_curves(costs, PP2_M2, CURVE, head=CURVE)
+    assert shaped.rest_seconds(2.0, True) == pytest.approx(0.002)
+    assert shaped.rest_seconds(2.0, False) == pytest.approx(0.006)
+    assert shaped.rest_seconds(1.0, True) == pytest.approx(0.0015)
+    assert shaped.rest_seconds(1.0, False) == pytest.approx(0.003)
+    assert with_call_curves(costs, PP2_M2, CURVE).rest_seconds(1.0, True) == pytest.approx(0.001)  # no head curve
+
+
+def test_curves_must_hold_the_traced_size() -> None:
+    with pytest.raises(ValueError, match="probe sizes around"):
+        with_call_curves(COSTS, LayoutSpec(1, 2, 1, 1, 8), CURVE)
+
+
+def test_a_prediction_from_the_traced_run_keeps_only_the_re_derived_change() -> None:
+    m4 = LayoutSpec(dp=1, pp=2, tp=1, micro_batches=4, samples=4)
+    # re-derived: 3 x 6 ms at M=2, 5 x 3 ms at M=4; the traced run measured 12 ms at M=2
+    assert predict_from_traced(COSTS, SHAPE, PP2_M2, PP2_M2, 0.012) == pytest.approx(0.012)
+    assert predict_from_traced(COSTS, SHAPE, PP2_M2, m4, 0.012) == pytest.approx(0.010)
+    slower = dataclasses.replace(COSTS, block_forward_per_sample=0.002)
+    assert predict_from_traced(COSTS, SHAPE, PP2_M2, m4, 0.012, target_costs=slower) == pytest.approx(0.020)
+    with pytest.raises(ValueError, match="positive"):
+        predict_from_traced(COSTS, SHAPE, PP2_M2, m4, 0.0)
+
+
+TINY_LLAMA = ModelConfig(name="llama", model_type="llama", config={
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "tie_word_embeddings": False})
+
+
+def test_the_probe_times_every_size_with_the_given_loss_and_leaves_no_gradients() -> None:
+    torch.manual_seed(0)
+    model = build_causal_lm(TINY_LLAMA, 64)
+    model.config.use_cache = False
+    tokens = torch.randint(64, (4, 8))
+    batch_sizes: list[int] = []
+
+    def counted_loss(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        batch_sizes.append(logits.size(0))
+        assert logits.shape == (batch.size(0), 8, 64)
+        return next_token_loss(logits, batch)
+
+    block, head = probe_call_curves(model, tokens, (1, 2, 4), rounds=3, warmup=1, loss=counted_loss)
+    assert block.samples == head.samples == (1.0, 2.0, 4.0)
+    assert min(block.forward_s + block.backward_s + head.forward_s + head.backward_s) > 0
+    assert sorted(batch_sizes) == [1] * 4 + [2] * 4 + [4] * 4  # (warm-up + rounds) calls per size
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_probe_refuses_sizes_before_timing() -> None:
+    model = build_causal_lm(TINY_LLAMA, 64)
+    tokens = torch.randint(64, (4, 8))
+    with pytest.raises(ValueError, match="increasing"):
+        probe_call_curves(model, tokens, (2, 1))
+    with pytest.raises(ValueError, match="rows of tokens"):
+        probe_call_curves(model, tokens, (1, 8))
