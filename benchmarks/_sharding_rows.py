@@ -93,7 +93,9 @@ def repeat_row(job: Job, outcome: list[dict[str, Any]] | str, warmup: int) -> di
     """A repeat of a headline job: its step time only (or its error)."""
     if isinstance(outcome, str):
         return {"name": job.name, "error": outcome, "refused": False}
-    return {"name": job.name, "error": None, "refused": False, "step_ms": 1e3 * median_slowest(outcome, warmup)}
+    exposed = [rank["reduction_stats"].get("exposed_s_mean") for rank in outcome if rank["reduction_stats"]]
+    return {"name": job.name, "error": None, "refused": False, "step_ms": 1e3 * median_slowest(outcome, warmup),
+            "exposed_ms": 1e3 * max(exposed) if exposed and None not in exposed else None}
 
 
 def _max_rel_diff(losses: list[float], reference: list[float]) -> float:

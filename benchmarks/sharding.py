@@ -45,7 +45,9 @@ merak3d's ``none``, worst layout, each layout's the median over ``paired_repeats
 back, ``zero1_step_over_ddp_pairs`` in ``targets``; ≤ 1.05; ``zero1_default_step_over_merak3d_none`` is the same
 without overlapped gathering, ``zero1_step_over_lightning_ddp`` the overlapped one over Lightning's DDPStrategy),
 ``exposed_grad_comm_fraction`` (worst mode of dp=2 on 4× longer sequences, where a backward outlasts the
-reduction; ≤ 0.3; the short-sequence layouts' worst is ``exposed_grad_comm_fraction_short_sequences``),
+reduction, each mode's the median over ``paired_repeats`` runs of its two jobs back to back,
+``exposed_grad_comm_fraction_runs``; ≤ 0.3; the short-sequence layouts' worst is
+``exposed_grad_comm_fraction_short_sequences``),
 ``loss_max_rel_diff`` (worst merak3d run; ≤ 1e-5), ``largest_model_ratio_vs_fsdp2`` (merak3d's best
 candidate's parameters over FSDP2's; ≥ 1.0); per-layout detail in ``targets``. ``exposed_s_mean`` is
 the mean over the steps after the first (which runs without overlap while it confirms the averaged
@@ -65,6 +67,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -238,11 +241,14 @@ OVERLAP_MODES = ("none", "optimizer")
 
 
 def overlap_jobs(setting: Setting) -> list[Job]:
-    """The exposed-communication measurement at dp=2 on ``overlap_seq``-token sequences: overlap on and off."""
+    """The exposed-communication measurement at dp=2 on ``overlap_seq``-token sequences: overlap on and off, each
+    mode's two jobs back to back, ``paired_repeats`` times (runs after the first named with :data:`REPEAT`)."""
     workload = asdict(replace(setting.workload, seq=setting.overlap_seq))
-    return [Job(f"merak3d {OVERLAP_LAYOUT} {mode}{'' if overlap else ' no-overlap'}", "merak3d", workload,
-                setting.steps, mode=mode, layout=LAYOUTS["dp2"][1], overlap=overlap, bucket_mb=setting.bucket_mb)
-            for mode in OVERLAP_MODES for overlap in (True, False) if setting.overlap_leg or not setting.legs_only]
+    return [Job(f"merak3d {OVERLAP_LAYOUT} {mode}{'' if overlap else ' no-overlap'}"
+                + (REPEAT.format(run) if run > 1 else ""), "merak3d", workload, setting.steps, mode=mode,
+                layout=LAYOUTS["dp2"][1], overlap=overlap, bucket_mb=setting.bucket_mb)
+            for run in range(1, setting.paired_repeats + 1) for mode in OVERLAP_MODES for overlap in (True, False)
+            if setting.overlap_leg or not setting.legs_only]
 
 
 def search_jobs(setting: Setting) -> list[Job]:
@@ -359,18 +365,29 @@ def summary(rows: list[dict[str, Any]], largest: list[dict[str, Any]], setting: 
     }
 
 
-def overlap_summary(rows: list[dict[str, Any]], setting: Setting) -> dict[str, Any]:
-    """``exposed_grad_comm_fraction`` from the long-sequence measurement (worst mode), and the short-sequence
-    layouts' worst as ``exposed_grad_comm_fraction_short_sequences``: there a rank's backward is shorter than
-    reducing its gradients at 1 Gbit/s, so at least their difference stays exposed whatever the schedule."""
-    fractions = {row["mode"]: row["exposed_grad_comm_fraction"] for row in rows
-                 if row["layout"] == OVERLAP_LAYOUT and row["error"] is None and row["overlap"]
-                 and row.get("exposed_grad_comm_fraction") is not None}
+def overlap_summary(rows: list[dict[str, Any]], setting: Setting,
+                    repeats: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """``exposed_grad_comm_fraction`` from the long-sequence measurement (worst mode; per mode the median over its
+    runs, the first from ``rows``, later ones from ``repeats``), and the short-sequence layouts' worst as
+    ``exposed_grad_comm_fraction_short_sequences``: there a rank's backward is shorter than reducing its gradients
+    at 1 Gbit/s, so at least their difference stays exposed whatever the schedule."""
+    runs = {row["mode"]: [row["exposed_grad_comm_fraction"]] for row in rows
+            if row["layout"] == OVERLAP_LAYOUT and row["error"] is None and row["overlap"]
+            and row.get("exposed_grad_comm_fraction") is not None}
+    exposed = {row["name"]: row.get("exposed_ms") for row in repeats if row["error"] is None}
+    for mode, values in runs.items():
+        for run in range(2, setting.paired_repeats + 1):
+            on, off = (exposed.get(f"merak3d {OVERLAP_LAYOUT} {mode}{tail}{REPEAT.format(run)}")
+                       for tail in ("", " no-overlap"))
+            if on is not None and off:
+                values.append(on / off)
+    fractions = {mode: statistics.median(values) for mode, values in runs.items()}
     short = [f for layout in setting.layouts for f in (row.get("exposed_grad_comm_fraction") for row in rows
              if row["layout"] == layout and row["error"] is None and row["overlap"]) if f is not None]
     return {
         "exposed_grad_comm_fraction": max(fractions.values()) if fractions else None,
         "exposed_grad_comm_fraction_by_mode": fractions,
+        "exposed_grad_comm_fraction_runs": runs,
         "exposed_grad_comm_fraction_workload": replace(setting.workload, seq=setting.overlap_seq).describe() + ", dp2",
         "exposed_grad_comm_fraction_short_sequences": max(short) if short else None,
     }
@@ -440,7 +457,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             if job not in modes:
                 repeats.add(len(jobs))
             jobs.append((len(jobs), job, layout, world_size))
-    jobs += [(len(jobs) + i, job, OVERLAP_LAYOUT, 2) for i, job in enumerate(overlap_jobs(setting))]
+    for job in overlap_jobs(setting):
+        if job.name.endswith(")"):  # a repeat
+            repeats.add(len(jobs))
+        jobs.append((len(jobs), job, OVERLAP_LAYOUT, 2))
     timed = len(jobs)
     memory_of: dict[int, int] = {}
     for index, job, layout, size in list(jobs):
@@ -479,7 +499,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     steps_ms = {row["name"]: row["step_ms"] for row in [*rows, *repeat_rows] if row["error"] is None}
     largest = search_rows(searches, outcomes, search_offset)
     top = summary(rows, largest, setting, paired_ratios(steps_ms, setting.layouts, setting.paired_repeats))
-    top.update(overlap_summary(rows, setting))
+    top.update(overlap_summary(rows, setting, repeat_rows))
     met = goals_met(top)
 
     print(f"\nSharded data parallelism ({network}; {setting.workload.describe()})")

