@@ -216,11 +216,16 @@ HEADLINE_PAIR = ("none", "optimizer gather-overlap")
 REPEAT = " (repeat {})"
 
 
+def run_name(name: str, run: int) -> str:
+    """The name of run ``run`` (from 1) of the job ``name``: the first keeps it, later ones add :data:`REPEAT`."""
+    return name + REPEAT.format(run) if run > 1 else name
+
+
 def paired_repeat_jobs(setting: Setting, jobs: list[Job]) -> list[Job]:
     """Runs 2 … ``paired_repeats`` of each layout's headline pair among ``jobs``, each pair back to back."""
     pairs = [[job for suffix in HEADLINE_PAIR for job in jobs if job.kind == "merak3d" and job.name.endswith(suffix)
               and job.layout == degrees] for _, degrees in LAYOUTS.values()]
-    return [replace(job, name=job.name + REPEAT.format(run)) for run in range(2, setting.paired_repeats + 1)
+    return [replace(job, name=run_name(job.name, run)) for run in range(2, setting.paired_repeats + 1)
             for pair in pairs if len(pair) == 2 for job in pair]
 
 
@@ -229,8 +234,7 @@ def paired_ratios(steps_ms: dict[str, float], layouts: tuple[str, ...], repeats:
     ratios: dict[str, list[float]] = {}
     for layout in layouts:
         for run in range(1, repeats + 1):
-            tail = REPEAT.format(run) if run > 1 else ""
-            none, zero1 = (steps_ms.get(f"merak3d {layout} {suffix}{tail}") for suffix in HEADLINE_PAIR)
+            none, zero1 = (steps_ms.get(run_name(f"merak3d {layout} {suffix}", run)) for suffix in HEADLINE_PAIR)
             if none and zero1:
                 ratios.setdefault(layout, []).append(zero1 / none)
     return ratios
@@ -244,8 +248,8 @@ def overlap_jobs(setting: Setting) -> list[Job]:
     """The exposed-communication measurement at dp=2 on ``overlap_seq``-token sequences: overlap on and off, each
     mode's two jobs back to back, ``paired_repeats`` times (runs after the first named with :data:`REPEAT`)."""
     workload = asdict(replace(setting.workload, seq=setting.overlap_seq))
-    return [Job(f"merak3d {OVERLAP_LAYOUT} {mode}{'' if overlap else ' no-overlap'}"
-                + (REPEAT.format(run) if run > 1 else ""), "merak3d", workload, setting.steps, mode=mode,
+    return [Job(run_name(f"merak3d {OVERLAP_LAYOUT} {mode}{'' if overlap else ' no-overlap'}", run), "merak3d",
+                workload, setting.steps, mode=mode,
                 layout=LAYOUTS["dp2"][1], overlap=overlap, bucket_mb=setting.bucket_mb)
             for run in range(1, setting.paired_repeats + 1) for mode in OVERLAP_MODES for overlap in (True, False)
             if setting.overlap_leg or not setting.legs_only]
@@ -377,7 +381,7 @@ def overlap_summary(rows: list[dict[str, Any]], setting: Setting,
     exposed = {row["name"]: row.get("exposed_ms") for row in repeats if row["error"] is None}
     for mode, values in runs.items():
         for run in range(2, setting.paired_repeats + 1):
-            on, off = (exposed.get(f"merak3d {OVERLAP_LAYOUT} {mode}{tail}{REPEAT.format(run)}")
+            on, off = (exposed.get(run_name(f"merak3d {OVERLAP_LAYOUT} {mode}{tail}", run))
                        for tail in ("", " no-overlap"))
             if on is not None and off:
                 values.append(on / off)
@@ -457,8 +461,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             if job not in modes:
                 repeats.add(len(jobs))
             jobs.append((len(jobs), job, layout, world_size))
-    for job in overlap_jobs(setting):
-        if job.name.endswith(")"):  # a repeat
+    overlaps = overlap_jobs(setting)
+    for position, job in enumerate(overlaps):
+        if position >= len(overlaps) // setting.paired_repeats:  # runs after the first
             repeats.add(len(jobs))
         jobs.append((len(jobs), job, OVERLAP_LAYOUT, 2))
     timed = len(jobs)
