@@ -78,7 +78,7 @@ def _hottest_shadowed(loads: dict[str, torch.Tensor], world: int) -> dict[str, P
 def run_family(rank: int, world: int, family: str, size: dict[str, int], warmup: int, steps: int) -> dict[str, Any]:
     """Diffs against the unswapped eager model and the median step time of each variant on this rank."""
     reference = tiny_moe_model(family, hidden=size["hidden"], layers=size["layers"], vocab=size["vocab"],
-                               intermediate=size.get("intermediate"))
+                               intermediate=size.get("intermediate"), routing=size.get("routing", "few_experts"))
     ids = _batch(rank, size["batch"], size["seq"], size["vocab"])
     grouped = copy.deepcopy(reference)
     grouped.set_experts_implementation("grouped_mm")

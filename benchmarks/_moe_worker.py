@@ -7,6 +7,7 @@ machine slows them alike instead of whichever policy ran during the noise.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -15,7 +16,7 @@ from typing import Any
 
 from benchmarks._moe_routing import Routing, routing_inputs
 
-__all__ = ["BASELINES", "Config", "DIAGNOSTIC_KINDS", "EXTRA_POLICIES", "worker"]
+__all__ = ["BASELINES", "Config", "DIAGNOSTIC_KINDS", "EXTRA_POLICIES", "SPEED_ONLY", "worker"]
 
 RANKS_TIMEOUT_S = 1800
 BASELINES = ("deepspeed", "dropless", "fastermoe")
@@ -26,6 +27,8 @@ EXTRA_POLICIES = ("deepspeed_cf1.25", "ours_previous", "ours_one_chunk", "ours_n
 # Pro-Prophet's balanced replica sets on every call where they replicate).
 DIAGNOSTIC_KINDS = {"ours_shadowing": ("none", "dropless", "shadowing"),
                     "ours_sets": ("none", "dropless", "pro_prophet")}
+# Also a diagnostic: ours choosing on measured speed alone (no near-tie to the more balanced plan).
+SPEED_ONLY = "ours_speed_only"
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,8 @@ class Config:
     experts: int
     warmup_steps: int
     steps: int
+    world_size: int = 2
+    pin_ranks: bool = True
     policies: tuple[str, ...] = BASELINES + ("ours",)
 
     @classmethod
@@ -70,6 +75,8 @@ def _moe(policy: str, config: Config, world: int, expert: Any, scheduler: Any) -
         options = dict(placement="auto", plan_from="auto", lancet_chunks=1 if policy == "ours_one_chunk" else "auto",
                        lancet_backward=policy != "ours_no_dw_overlap",
                        online_check=policy not in ("ours_model_only", "ours_sets"))
+        if policy == SPEED_ONLY:
+            options["balance_tolerance"] = 0.0
     moe = MoE(**common, drop_tokens=False, dispatch="dropless", scheduler=scheduler, **options)
     if policy in DIAGNOSTIC_KINDS:
         _restrict_kinds(moe.deepspeed_moe, DIAGNOSTIC_KINDS[policy])
@@ -187,7 +194,17 @@ def _run_config(config: Config, rank: int, world: int) -> dict[str, Any]:
 
 
 def worker(configs_path: Path, result_path: Path) -> None:
-    """One rank: every configuration in turn; rank 0 writes the raw per-step records."""
+    """One rank: every configuration in turn; rank 0 writes the raw per-step records.
+
+    Where the configurations say so, every thread of the rank is pinned to one core before the process
+    group and torch's compute threads start (those inherit the affinity), so the rank computes on that
+    core alone, as on its own device.
+    """
+    configs = [Config.from_dict(c) for c in json.loads(configs_path.read_text())]
+    if configs[0].pin_ranks:
+        from lightning_merak.testing.cores import pin_rank_to_core
+
+        pin_rank_to_core(int(os.environ["RANK"]))
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -196,7 +213,6 @@ def worker(configs_path: Path, result_path: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=RANKS_TIMEOUT_S))
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    configs = [Config.from_dict(c) for c in json.loads(configs_path.read_text())]
     results = [_run_config(config, rank, world) for config in configs]
     if rank == 0:
         result_path.write_text(json.dumps(results))

@@ -1,16 +1,21 @@
-"""The replay benchmark's micro-batch what-ifs: an in-process probe of the block's and head's call curves, and the
-rows that predict other micro-batch counts from the traced pp2 M=2 run (:mod:`benchmarks.replay`).
+"""The replay benchmark's micro-batch what-ifs: an in-process probe of the block's, head's, prefix's and loss's call
+curves, and the rows that predict other micro-batch counts from the traced pp2 M=2 run (:mod:`benchmarks.replay`).
 
-Two models are reported side by side. "probe curve": block and head calls of other sizes follow the curves the probe
-measured in the driver process (:func:`~lightning_merak.profiler.probe.probe_call_curves`), and the step is the
-traced run's measured period times the re-derived step of M over that of M=2
-(:func:`~lightning_merak.profiler.synthesize.predict_from_traced`). "two-trace line": a block call's fixed time from
-the line through the dp2 and M=2 traces' median calls (:func:`~lightning_merak.profiler.calibration.block_call_cost`),
-the re-derived step scaled by the traced run's untraced over traced ratio.
+Three models are reported side by side. "probe curves": block and head calls of other sizes, the first stage's
+own work (embedding and the stage's exit, forward and backward) and the last stage's loss between chunks follow the
+curves the probe measured in the driver process (:func:`~lightning_merak.profiler.probe.probe_call_curves`), and the
+step is the traced run's measured period times the re-derived step of M over that of M=2
+(:func:`~lightning_merak.profiler.synthesize.predict_from_traced`).
+"chunk work guessed": the same without the prefix's and loss's curves, a chunk's fixed work priced at its traced
+forward, again at the blocks' ratio in backward, on every stage.
+"two-trace line": a block call's fixed time from the line through the dp2 and M=2 traces' median calls
+(:func:`~lightning_merak.profiler.calibration.block_call_cost`), the re-derived step scaled by the traced run's
+untraced over traced ratio.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 from typing import Any, Callable, Sequence
 
@@ -18,8 +23,7 @@ import torch
 
 from lightning_merak.models import build_causal_lm
 from lightning_merak.profiler.calibration import block_call_cost
-from lightning_merak.profiler.call_curve import CallCurve
-from lightning_merak.profiler.probe import probe_call_curves
+from lightning_merak.profiler.probe import ProbedCurves, probe_call_curves
 from lightning_merak.profiler.replay import measured_step_time
 from lightning_merak.profiler.synthesize import (
     LayoutSpec,
@@ -32,8 +36,13 @@ from lightning_merak.profiler.synthesize import (
     with_call_curves,
 )
 from lightning_merak.profiler.trace import Trace
+from lightning_merak.testing.cores import pin_rank_to_core
 
-CURVE_MODEL = "probe curve, relative to the traced M=2 step"
+CURVE_MODEL = "probe curves (block, head, first stage's prefix, loss), relative to the traced M=2 step"
+GUESSED_MODEL = "probe curves (block, head), a chunk's fixed work at its traced forward, 2x that in backward"
+GUESSED_KIND = "what-if micro-batches (chunk work guessed)"
+"""The model before the prefix and loss were probed, on the same traces and curves: beside the goal's rows, out of
+the maxima."""
 LINE_MODEL = "two-trace line (dp2 and M=2 block calls)"
 LINE_KIND = "what-if micro-batches (two-trace line)"
 """The earlier model's rows: reported beside the goal's, out of the maxima."""
@@ -44,11 +53,15 @@ def probe_sizes(samples: int, micro_batch_counts: Sequence[int]) -> tuple[int, .
     return tuple(sorted({samples // m for m in (2, *micro_batch_counts)}))
 
 
-def probe_curves(model_config: Any, vocab: int, seq: int, sizes: Sequence[int]) -> tuple[CallCurve, CallCurve]:
-    """(block, head) call curves of the benchmark's model, built and seeded as the ranks build it, on one thread as
-    the ranks run."""
+def probe_curves(model_config: Any, vocab: int, seq: int, sizes: Sequence[int], pin: bool = False) -> ProbedCurves:
+    """Block, head and prefix call curves of the benchmark's model, built and seeded as the ranks build it, on one
+    thread and (``pin``) the core of the first stage's rank (:func:`~lightning_merak.testing.cores.pin_rank_to_core`),
+    as the ranks run."""
     threads = torch.get_num_threads()
+    allowed = os.sched_getaffinity(0) if pin and hasattr(os, "sched_getaffinity") else None
     torch.set_num_threads(1)
+    if pin:
+        pin_rank_to_core(0)
     try:
         torch.manual_seed(0)
         model = build_causal_lm(model_config, vocab)
@@ -57,10 +70,12 @@ def probe_curves(model_config: Any, vocab: int, seq: int, sizes: Sequence[int]) 
         return probe_call_curves(model, tokens, sizes)
     finally:
         torch.set_num_threads(threads)
+        if allowed is not None:
+            os.sched_setaffinity(0, allowed)
 
 
 def microbatch_rows(traces: dict[str, Trace], runs: dict[str, dict[str, Any]], layouts: dict[str, LayoutSpec],
-                    counts: Sequence[int], shape: ModelShape, curves: tuple[CallCurve, CallCurve],
+                    counts: Sequence[int], shape: ModelShape, curves: ProbedCurves,
                     row: Callable[..., dict[str, Any]], partitioned_kind: str,
                     split_of: Callable[[StepCosts, str], StepCosts]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rows predicting ``pp2_m<M>`` for every M in ``counts`` from the traced ``pp2_m2`` (and ``dp2``) runs, by both
@@ -68,6 +83,7 @@ def microbatch_rows(traces: dict[str, Trace], runs: dict[str, dict[str, Any]], l
     pp_trace, pp_layout = traces["pp2_m2"], layouts["pp2_m2"]
     costs = calibrate(pp_trace, shape, pp_layout)
     curve_costs = with_call_curves(costs, pp_layout, *curves)
+    guessed_costs = with_call_curves(costs, pp_layout, curves.block, curves.head)
     line_costs = with_block_call_cost(costs, pp_layout, block_call_cost(traces["dp2"], layouts["dp2"], pp_trace,
                                                                         pp_layout))
     traced_period = runs["pp2_m2"]["period_s"]
@@ -80,6 +96,9 @@ def microbatch_rows(traces: dict[str, Trace], runs: dict[str, dict[str, Any]], l
         rows.append(row("what-if micro-batches", what, predict_from_traced(curve_costs, shape, pp_layout, layout,
                                                                            traced_period),
                         run["period_s"], call_model=CURVE_MODEL, **contention))
+        rows.append(row(GUESSED_KIND, what, predict_from_traced(guessed_costs, shape, pp_layout, layout,
+                                                                traced_period),
+                        run["period_s"], call_model=GUESSED_MODEL, **contention))
         rows.append(row(LINE_KIND, what, predict_layout(line_costs, shape, layout).step_time * correction,
                         run["period_s"], call_model=LINE_MODEL, **contention))
         partitioned.append(row(partitioned_kind, what, predict_from_traced(

@@ -7,8 +7,10 @@ fp32) the largest difference of outputs and parameter gradients from the unswapp
 training-step time of ours (``merak_ep``) against the unswapped model's own expert loop (``eager``)
 and its ``grouped_mm`` implementation on the same ranks. Variants run interleaved step by step;
 speedups compare the median step after warm-up (``*_fastest``: the fastest step, kept beside them). The
-tiny size is the goal's workload; ``large`` repeats the ep=2 leg with hidden 256 and every intermediate
-size 512 for every family, where compute outweighs per-call overhead. ``pp2_ep2``: four gloo ranks, merak3d
+goal's workload is each family at its own routing shape (``routing="family"``: the config class's expert
+count, top-k, groups and sparse layers, 8-256 experts, top-2 to top-8) at tiny widths; ``few_experts``
+repeats it with the tests' 8-16 experts, and ``large`` with those at hidden 256 and every intermediate size
+512, where compute outweighs per-call overhead. ``pp2_ep2`` (few experts): four gloo ranks, merak3d
 pipeline_parallel=2 × data_parallel=2, each stage's experts spread over its two data-parallel ranks, against
 the unswapped model (eager, grouped_mm) in the same layout (``benchmarks._moe_families_pp2``). ``--device
 cuda``: the single-GPU leg (ep=1, one process; bf16 and fp32), see ``benchmarks._moe_families_gpu``. A family
@@ -92,9 +94,14 @@ def _cpu_leg(quick: bool, families: list[str]) -> tuple[list[dict[str, Any]], di
 
     size = {"hidden": 64, "layers": 2, "vocab": 128, "batch": 2, "seq": 32} if quick else \
         {"hidden": 128, "layers": 2, "vocab": 256, "batch": 4, "seq": 64}
+    family_size = {**size, "routing": "family"}
     large = {**size, "hidden": 256, "intermediate": 512}
     warmup, steps = (1, 9) if quick else (3, 25)
-    rows = _ep2_rows(families, size, warmup, steps)
+    # the eager loop's step at 60-256 experts is 0.3-5 s (a zero-filled [E, ...] gradient per expert), so the
+    # goal's leg runs fewer steps to keep a full run under ten minutes
+    family_warmup, family_steps = (1, 9) if quick else (1, 11)
+    rows = _ep2_rows(families, family_size, family_warmup, family_steps)
+    few_rows = _ep2_rows(families, size, warmup, steps)
     large_rows = _ep2_rows(families, large, warmup, steps)
     pp2_ep2 = _pp2_leg(families, size, warmup, steps)
     ok = [r for r in rows if "error" not in r]
@@ -112,13 +119,19 @@ def _cpu_leg(quick: bool, families: list[str]) -> tuple[list[dict[str, Any]], di
         "goals": {"max_output_diff_le_1e-5": bool(ok) and max(r["output_diff"] for r in ok) <= TOLERANCE,
                   "speedup_vs_hf_min_ge_1.3": speedups["speedup_vs_hf_min"] is not None
                   and speedups["speedup_vs_hf_min"] >= 1.3},
-        "ep": 2, "world_size": 2, "backend": "gloo", "size": size, "steps": steps,
-        "large": {"size": large, "rows": large_rows, **_speedups(large_rows),
-                  "max_output_diff": max((r["output_diff"] for r in large_rows if "error" not in r), default=None),
-                  "families_failed": {r["family"]: r["error"] for r in large_rows if "error" in r}},
+        "ep": 2, "world_size": 2, "backend": "gloo", "size": family_size, "steps": family_steps,
+        "few_experts": _second_leg(size, few_rows, steps),
+        "large": _second_leg(large, large_rows, steps),
         "pp2_ep2": pp2_ep2,
     }
     return rows, summary
+
+
+def _second_leg(size: dict[str, Any], rows: list[dict[str, Any]], steps: int) -> dict[str, Any]:
+    """An ep=2 leg beside the goal's: its size, rows, slowest-family speedups and failures."""
+    return {"size": size, "steps": steps, "rows": rows, **_speedups(rows),
+            "max_output_diff": max((r["output_diff"] for r in rows if "error" not in r), default=None),
+            "families_failed": {r["family"]: r["error"] for r in rows if "error" in r}}
 
 
 def _pp2_leg(families: list[str], size: dict[str, Any], warmup: int, steps: int) -> dict[str, Any]:
@@ -177,10 +190,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               "vs_eager": r.get("speedup_vs_eager"), "vs_grouped_mm": r.get("speedup_vs_grouped_mm"),
               "error": r.get("error", "")[:60]} for r in rows]
     print_table(table)
-    for row in summary.get("large", {}).get("rows", []):
-        print(f"large {row['family']}: " + (row["error"][:80] if "error" in row else
-              f"diff {row['output_diff']:.1e}, step ms {', '.join(f'{k} {v:.1f}' for k, v in row['step_ms'].items())}, "
-              f"ours vs eager {row['speedup_vs_eager']:.2f}×, vs grouped_mm {row['speedup_vs_grouped_mm']:.2f}×"))
+    for leg in ("few_experts", "large"):
+        for row in summary.get(leg, {}).get("rows", []):
+            print(f"{leg} {row['family']}: " + (row["error"][:80] if "error" in row else
+                  f"diff {row['output_diff']:.1e}, step ms "
+                  f"{', '.join(f'{k} {v:.1f}' for k, v in row['step_ms'].items())}, ours vs eager "
+                  f"{row['speedup_vs_eager']:.2f}×, vs grouped_mm {row['speedup_vs_grouped_mm']:.2f}×"))
     for row in summary.get("pp2_ep2", {}).get("rows", []):
         print(f"pp2×ep2 {row['family']}: " + (row["error"][:80] if "error" in row else
               f"loss diff {row['loss_diff']:.1e}, ours vs eager {row['speedup_vs_eager']:.2f}×, "
@@ -189,8 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out) if args.out else default_out(name, args.quick)
     path = write_json(out, rows, "measured", quick=args.quick, device=args.device, **summary)
     print(f"wrote {path}")
-    failed = [r for r in rows if "error" in r] + list(summary.get("pp2_ep2", {}).get("families_failed", {})) \
-        + list(summary.get("large", {}).get("families_failed", {}))
+    failed = [r for r in rows if "error" in r] + [family for leg in ("pp2_ep2", "few_experts", "large")
+                                                  for family in summary.get(leg, {}).get("families_failed", {})]
     return 1 if failed else 0
 
 

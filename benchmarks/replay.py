@@ -12,10 +12,10 @@ tp=2 from a trace of dp=2 (layout re-derived: :mod:`lightning_merak.profiler.syn
 probe: a traced tp=2 run of the model cut to ``PROBE_LAYERS`` blocks, whose costs (vocabulary-parallel
 head, sub-batch machinery, the blocks' collectives) replace the dp trace's
 (:mod:`lightning_merak.profiler.calibration`; the row "no probe" predicts tp=2 from the dp trace alone);
-(c) other micro-batch counts from a trace of pp=2 with 2 micro-batches: block and head calls of other sizes follow
-call curves an in-process probe measures in the driver before every repeat, and the step is the traced run's period
-times the re-derived ratio (:mod:`benchmarks._replay_microbatch`; rows of kind "two-trace line" keep the earlier model,
-a block call's fixed time from dp=2's and M=2's calls, beside them). A step's time is the
+(c) other micro-batch counts from a trace of pp=2 with 2 micro-batches: block, head, first-stage prefix and loss
+calls of other sizes follow call curves an in-process probe measures in the driver before every repeat, and the step
+is the traced run's period times the re-derived ratio (:mod:`benchmarks._replay_microbatch`; rows of kinds "chunk work
+guessed" and "two-trace line" keep earlier models beside them). A step's time is the
 period between the ends of consecutive training batches (loop and data loading included), the
 slowest rank's, median over the steps after warm-up. Rows for 8–64 ranks are replays of layouts
 calibrated on the same trace: labelled simulated, nothing measured.
@@ -27,7 +27,9 @@ row's predicted and measured figures are the medians over repeats of each repeat
 ratio; the rows also keep every repeat's figures, their spread, and the first repeat's error (the single
 run the benchmark used to report). Every step also records how long each rank's main thread waited for a
 CPU (Linux schedstat), reported per run as ``cpu_wait_share``: contention, not our code, where it is high.
-autopipe splits the blocks by timings taken at start-up, which contention moves too: rows of kind
+``--pin`` puts each rank (and the probe) on a core of its own; by default the scheduler places them: pinned, a
+rank cannot leave a core another process takes (see the findings). autopipe splits the blocks by timings taken at
+start-up, which contention moves too: rows of kind
 ``PARTITIONED`` replay each pipeline what-if again with the split its measured run got; like the tp2 row
 without its probe, they are reported beside the goal's rows and left out of the maxima.
 """
@@ -50,15 +52,16 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks import report
-from benchmarks._replay_microbatch import LINE_KIND, microbatch_rows, probe_curves, probe_sizes
+from benchmarks._replay_microbatch import GUESSED_KIND, LINE_KIND, microbatch_rows, probe_curves, probe_sizes
 from benchmarks.merak3d import Workload, _quiet_lightning
 from lightning_merak.config import TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
 from lightning_merak.profiler import MerakTraceProfiler, Trace, WhatIf, chrome_trace, replay_trace, write_chrome_trace
 from lightning_merak.profiler.calibration import Probe, ReplayPredictor, calibrate_from_traces
-from lightning_merak.profiler.call_curve import CallCurve
+from lightning_merak.profiler.probe import ProbedCurves
 from lightning_merak.profiler.replay import measured_step_time
 from lightning_merak.profiler.synthesize import LayoutSpec, ModelShape, StepCosts, calibrate, predict_layout
+from lightning_merak.testing.cores import pin_rank_to_core
 from lightning_merak.testing.netem import EmulatedCluster, LinkSpec, emulation_available
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +75,7 @@ REPLAY_TARGET, WHATIF_TARGET = 0.05, 0.10
 PROBE_LAYERS = 2
 """Blocks of the probe runs (the workload has 4)."""
 PARTITIONED = "what-if (measured run's partition)"
-SECONDARY_KINDS = ("what-if layout (no probe)", PARTITIONED, LINE_KIND)
+SECONDARY_KINDS = ("what-if layout (no probe)", PARTITIONED, LINE_KIND, GUESSED_KIND)
 """Rows beside the goal's: no what-if error maximum counts them."""
 SIMULATED = ((8, 1, 1, 1), (16, 2, 2, 4), (16, 4, 1, 8), (32, 2, 1, 4), (64, 1, 1, 1))
 """(dp, pp, tp, micro-batches) replayed beyond this machine."""
@@ -177,16 +180,18 @@ def _run_job(job: Job, out_dir: str, rank: int, world: int) -> dict[str, Any]:
             "trace": str(profiler.paths["trace"]) if profiler is not None and profiler.paths else None}
 
 
-def rank_main(jobs: Sequence[Job], out_dir: str) -> None:
-    torch.set_num_threads(1)
-    _quiet_lightning()
+def rank_main(jobs: Sequence[Job], out_dir: str, pin: bool = False) -> None:
     launcher = {key: os.environ[key] for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     rank, world = int(launcher["RANK"]), int(launcher["WORLD_SIZE"])
+    # one core per rank, as one device per rank: before any thread starts, so gloo's threads inherit it
+    core = pin_rank_to_core(rank) if pin else None
+    torch.set_num_threads(1)
+    _quiet_lightning()
     results = []
     for job in jobs:
         # Lightning's teardown removes the launcher's variables; every job gets them again
         os.environ.update(launcher, LOCAL_RANK=str(rank))
-        results.append(_run_job(job, out_dir, rank, world))
+        results.append({**_run_job(job, out_dir, rank, world), "core": core})
     print(RESULT_MARKER + json.dumps(results), flush=True)
 
 
@@ -200,11 +205,13 @@ def _parse(stdout: str) -> list[dict[str, Any]]:
     return json.loads(lines[-1][len(RESULT_MARKER):])
 
 
-def run_cluster(rate_mbit: float, jobs: Sequence[Job], out_dir: str) -> dict[str, dict[str, Any]]:
-    """Run ``jobs`` in one 2-rank emulated cluster; per job: its periods (:func:`summarize_run`), the stage
-    boundaries its partitioner chose, and the trace on rank 0."""
+def run_cluster(rate_mbit: float, jobs: Sequence[Job], out_dir: str, pin: bool = False
+                ) -> dict[str, dict[str, Any]]:
+    """Run ``jobs`` in one 2-rank emulated cluster (with ``pin``, each rank on a core of its own); per job: its
+    periods (:func:`summarize_run`), the stage boundaries its partitioner chose, the ranks' cores (None: unpinned)
+    and the trace on rank 0."""
     argv = [sys.executable, "-m", "benchmarks.replay", "--rank", "--jobs", json.dumps([asdict(j) for j in jobs]),
-            "--dir", out_dir]
+            "--dir", out_dir, *(("--pin",) if pin else ())]
     with EmulatedCluster(2, LinkSpec(rate_mbit=rate_mbit)) as cluster:
         results = [_parse(r.stdout) for r in cluster.run(argv, timeout_s=RANK_TIMEOUT_S, extra_env=RANK_ENV,
                                                            cwd=REPO_ROOT)]
@@ -214,7 +221,8 @@ def run_cluster(rate_mbit: float, jobs: Sequence[Job], out_dir: str) -> dict[str
         ends = [r["ends"] for r in per_rank]
         periods = [max(e[i + 1] - e[i] for e in ends) for i in range(len(ends[0]) - 1)]
         out[job.name] = {**summarize_run(periods, _step_deltas([r["sched"] for r in per_rank], 1), job),
-                         "partition": per_rank[0]["partition"], "trace": per_rank[0]["trace"]}
+                         "partition": per_rank[0]["partition"], "cores": [r["core"] for r in per_rank],
+                         "trace": per_rank[0]["trace"]}
     return out
 
 
@@ -360,7 +368,8 @@ def jobs_by_name(mode: Mode) -> dict[str, Job]:
     return {job.name: job for job in jobs}
 
 
-def measure_repeat(mode: Mode, repeat: int, out_dir: str, started: float) -> dict[float, dict[str, dict[str, Any]]]:
+def measure_repeat(mode: Mode, repeat: int, out_dir: str, started: float, pin: bool = False
+                   ) -> dict[float, dict[str, dict[str, Any]]]:
     """One repeat of every cluster; each measured run next to its traced counterpart, and the order of the
     jobs and of the link rates reversed every other repeat (a drifting machine then favours no run)."""
     base = list(jobs_by_name(mode).values())
@@ -368,7 +377,7 @@ def measure_repeat(mode: Mode, repeat: int, out_dir: str, started: float) -> dic
     measured = {}
     for rate, jobs in clusters[::-1] if repeat % 2 else clusters:
         load = os.getloadavg()[0]
-        runs = run_cluster(rate, jobs[::-1] if repeat % 2 else jobs, out_dir)
+        runs = run_cluster(rate, jobs[::-1] if repeat % 2 else jobs, out_dir, pin)
         for run in runs.values():
             run["load_1m_before"] = load
         measured[rate] = runs
@@ -379,7 +388,7 @@ def measure_repeat(mode: Mode, repeat: int, out_dir: str, started: float) -> dic
 
 
 def predict_repeat(measured: dict[float, dict[str, dict[str, Any]]], traces: dict[str, Trace], mode: Mode,
-                   shape: ModelShape, curves: tuple[CallCurve, CallCurve]
+                   shape: ModelShape, curves: ProbedCurves
                    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One repeat's rows (:func:`_row`) from its own traces, runs and probed call ``curves``; and the costs
     calibrated on them."""
@@ -460,12 +469,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer steps, repeats and micro-batch counts")
     parser.add_argument("--out", type=Path, help=report.out_help("replay"))
     parser.add_argument("--traces", type=Path, help="keep the raw traces in this directory")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin each rank, and the probe, to a core of its own (default: the scheduler places "
+                             "them; pinned ranks cannot leave a core another process takes)")
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--jobs", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank:
-        rank_main([Job(**j) for j in json.loads(args.jobs)], args.dir)
+        rank_main([Job(**j) for j in json.loads(args.jobs)], args.dir, pin=args.pin)
         return 0
     if not emulation_available():
         print("the emulated cluster needs root, ip and tc (see lightning_merak/testing/netem.py)")
@@ -484,15 +496,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with tempfile.TemporaryDirectory(prefix="merak-replay-") as out_dir:
             os.chmod(out_dir, 0o777)
             curves = probe_curves(WORKLOAD.model_config(), WORKLOAD.vocab, WORKLOAD.seq,
-                                  probe_sizes(WORKLOAD.global_batch, mode.micro_batch_counts))
-            measured = measure_repeat(mode, repeat, out_dir, started)
+                                  probe_sizes(WORKLOAD.global_batch, mode.micro_batch_counts), pin=args.pin)
+            measured = measure_repeat(mode, repeat, out_dir, started, pin=args.pin)
             traces = {name: Trace.load(measured[BASE_RATE_MBIT][name]["trace"])
                       for name in ("dp2", "pp2_m2", "tp2_probe")}
         if args.traces:
             for name, trace in traces.items():
                 trace.save(args.traces / f"r{repeat}_{name}.json")
         rows, costs = predict_repeat(measured, traces, mode, shape, curves)
-        costs["call_curves"] = {"block": curves[0].describe(), "head": curves[1].describe()}
+        costs["call_curves"] = {name: curve.describe() for name, curve in curves._asdict().items()}
         repeat_rows.append(rows)
         repeat_runs.append(_named_runs(measured, mode.rates))
         repeat_costs.append(costs)
@@ -518,6 +530,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 "steps after warm-up); error_first_repeat: the first repeat alone, as a single run "
                                 "reported before repeats",
                       repeats=mode.repeats, steps_per_run=mode.steps, probe_layers=PROBE_LAYERS,
+                      ranks_pinned=args.pin,
                       replay_target=REPLAY_TARGET, whatif_target=WHATIF_TARGET, workload=WORKLOAD.describe(),
                       mode="quick" if args.quick else "full", perfetto_example=example.name,
                       recording_overhead=overhead, runs=merge_runs(repeat_runs), calibrated_costs=repeat_costs[0],

@@ -26,7 +26,30 @@ from torch import nn
 
 from lightning_merak.config import ModelConfig, TrainerConfig
 
-__all__ = ["CausalLMModule", "build_causal_lm", "logits_of"]
+__all__ = ["CausalLMModule", "build_causal_lm", "logits_of", "no_cache", "weighted_router_aux_loss"]
+
+
+def no_cache(model: nn.Module) -> None:
+    """Turn off a transformers model's key/value cache: training, tracing and sub-batches keep none (a cache
+    spans the whole batch)."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", False):
+        config.use_cache = False
+
+
+def weighted_router_aux_loss(model: nn.Module, output: Any) -> Optional[torch.Tensor]:
+    """``router_aux_loss_coef × aux_loss`` of a transformers MoE output (what its own loss adds with labels),
+    or ``None`` where the output carries no aux loss (``output_router_logits=False``, the families' default)."""
+    aux = getattr(output, "aux_loss", None)
+    if not isinstance(aux, torch.Tensor):
+        return None
+    coefficient = getattr(model, "router_aux_loss_coef", None)
+    if coefficient is None:
+        coefficient = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
+    if coefficient is None:
+        raise ValueError(f"{type(model).__name__} returned a router aux loss but has no router_aux_loss_coef to "
+                         "weight it; set model.config.output_router_logits=False or give the config the coefficient")
+    return coefficient * aux
 
 
 def logits_of(output: Any) -> torch.Tensor:
@@ -85,6 +108,7 @@ class CausalLMModule(pl.LightningModule):
         self.model = model
         self.optim = optim
         self.model_factory = model_factory
+        self._router_aux_loss: Optional[torch.Tensor] = None
         self.pretrained_path = pretrained_path
 
     def configure_model(self) -> None:
@@ -120,16 +144,25 @@ class CausalLMModule(pl.LightningModule):
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), targets[:, 1:].reshape(-1))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return logits_of(self.model(input_ids))
+        """Logits; a transformers MoE model's weighted router aux loss (``output_router_logits=True``) is kept
+        for :meth:`compute_loss`."""
+        output = self.model(input_ids)
+        self._router_aux_loss = weighted_router_aux_loss(self.model, output)
+        return logits_of(output)
 
     def compute_loss(self, batch: Any) -> torch.Tensor:
-        """Loss of one batch; parallel strategies may replace it to run the model in pieces."""
+        """Loss of one batch: cross-entropy plus the router aux loss, as transformers' own loss with labels.
+        Parallel strategies may replace it to run the model in pieces."""
         inputs, targets = self.split_batch(batch)
-        return self.loss_from_logits(self(inputs), targets)
+        loss = self.loss_from_logits(self(inputs), targets)
+        return loss if self._router_aux_loss is None else loss + self._router_aux_loss
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self._router_aux_loss = None
         loss = self.compute_loss(batch)
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        if self._router_aux_loss is not None:
+            self.log("train/router_aux_loss", self._router_aux_loss.detach(), sync_dist=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:

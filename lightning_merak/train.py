@@ -159,6 +159,10 @@ def train(config: TrainConfig) -> Path:
         from lightning_merak.strategies.merak3d.experts import check_merak3d_experts
 
         check_merak3d_experts(strategy, world_size, getattr(config.moe, "ep_size", None))
+        if getattr(config.moe, "lancet_scope", "layer") == "block":
+            raise ValueError("moe.lancet_scope=block with moe.experts=merak_ep under merak3d is not built (merak3d "
+                             "splits a stage's micro-batch itself); use strategy=ddp for block-scope Lancet, or "
+                             "moe.lancet_scope=layer")
 
     from lightning_merak.data import LanguageModelingData
     from lightning_merak.models import CausalLMModule, build_causal_lm

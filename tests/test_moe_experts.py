@@ -118,7 +118,12 @@ def _step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict
 @pytest.mark.parametrize("family", EXACT_FAMILIES)
 @pytest.mark.parametrize("switch", ["merak_ep", "merak_grouped"])
 def test_family_swap_equals_unswapped(family: str, switch: str) -> None:
-    reference = tiny_moe_model(family)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    assert_swap_equals_unswapped(tiny_moe_model(family), switch, ids)
+
+
+def assert_swap_equals_unswapped(reference: torch.nn.Module, switch: str, ids: torch.Tensor) -> None:
+    """A copy of ``reference`` switched to ``switch`` (one process) gives its logits and gradients."""
     swapped = copy.deepcopy(reference)
     if switch == "merak_ep":
         report = enable_expert_parallel(swapped)
@@ -126,7 +131,6 @@ def test_family_swap_equals_unswapped(family: str, switch: str) -> None:
     else:
         enable_grouped_experts(swapped)
     assert swapped.config._experts_implementation == switch
-    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
     ref_logits, ref_grads = _step(reference, ids)
     logits, grads = _step(swapped, ids)
     torch.testing.assert_close(logits, ref_logits, atol=TOL, rtol=0)

@@ -3,8 +3,9 @@
 Same weights, same inputs and the same RNG state before each forward, so the gate
 decisions are identical; every combination of dispatch path, placement (including a
 replica that receives zero tokens), plan kind and timing (this step's counts with transfers in
-flight during the dispatch, or the previous step's prefetched), Lancet chunking and the online
-plan check exploring a different arm on every call must reproduce DeepSpeed.
+flight during the dispatch, or the previous step's prefetched), Lancet chunking, replanning every
+few calls or on drift, transfers posted unoverlapped, and the online plan check (exploring a different
+arm on every call, or preferring balance within its noise) must reproduce DeepSpeed.
 """
 
 from __future__ import annotations
@@ -129,6 +130,10 @@ TWO_RANK_CASES = {
     "dropless_auto_previous_lancet2": dict(num_experts=4, k=2, drop_tokens=False,
                                            options=dict(dispatch="dropless", placement="auto", plan_from="previous",
                                                         alpha=0.0, lancet_chunks=2)),
+    "dropless_auto_replan_on_drift_checked": dict(
+        num_experts=4, k=2, drop_tokens=False,
+        options=dict(dispatch="dropless", placement="auto", plan_from="previous", alpha=0.0, replan_every=3,
+                     replan_threshold=0.0, online_check=True, explore_every=0, balance_tolerance=0.5)),
 }
 
 FOUR_RANK_CASES = {
@@ -142,6 +147,9 @@ FOUR_RANK_CASES = {
     "dropless_auto_lancet_auto": dict(num_experts=8, k=2, drop_tokens=False,
                                       options=dict(dispatch="dropless", placement="auto", alpha=0.0,
                                                    lancet_chunks="auto")),
+    "capacity_prophet_previous_replan2_unoverlapped": dict(
+        num_experts=8, k=2, options=dict(placement="pro_prophet", plan_from="previous", alpha=0.0, replan_every=2,
+                                         overlap_transfer=False, exclude_fewest=1, slots_per_rank=3)),
     "padded_auto_exploring_every_call": dict(num_experts=8, k=2, drop_tokens=False,
                                              options=dict(placement="auto", alpha=0.0, lancet_chunks="auto",
                                                           online_check=True, explore_every=1, explore_regret=1e9)),

@@ -129,3 +129,48 @@ def test_step_candidates_are_what_the_planner_chooses_from() -> None:
     chosen = choose_step_plan(counts, cost, Padding())
     assert chosen.predicted_s == min(c.predicted_s for c in candidates)
     assert chosen.arm == f"{chosen.kind}/current" and chosen.chunks is None
+
+
+def _settle(check: PlanCheck, measured: dict[str, list[float]]) -> None:
+    """Feed each arm its measured seconds against a prediction of 1 s, interleaved as calls would."""
+    for round_ in zip(*measured.values()):
+        for arm, seconds in zip(measured, round_):
+            check.observe(arm, 1.0, seconds)
+
+
+def test_arms_within_the_measured_noise_run_the_more_balanced_plan() -> None:
+    """Shadowing and Pro-Prophet's sets both measure ~1 s ± 5 %: the sets (max/mean 1.02 vs 1.30) run."""
+    offers = [Candidate("dropless/current", 1.0, max_over_mean=1.45),
+              Candidate("shadowing/current", 1.0, max_over_mean=1.30, replicates=True),
+              Candidate("pro_prophet/current", 1.0, max_over_mean=1.02, replicates=True)]
+    check = PlanCheck(explore_every=0)
+    _settle(check, {"dropless/current": [1.3] * 5, "shadowing/current": [0.95, 1.05, 0.95, 1.05, 1.0],
+                    "pro_prophet/current": [1.01, 1.06, 0.97, 1.03, 1.01]})
+    assert check.noise("shadowing/current") == pytest.approx(0.05)
+    assert offers[check.select(offers).index].arm == "pro_prophet/current"
+    speed_only = PlanCheck(explore_every=0, balance_tolerance=0.0)
+    _settle(speed_only, {"dropless/current": [1.3] * 5, "shadowing/current": [0.95, 1.05, 0.95, 1.05, 1.0],
+                         "pro_prophet/current": [1.01, 1.06, 0.97, 1.03, 1.01]})
+    assert offers[speed_only.select(offers).index].arm == "shadowing/current"
+
+
+def test_balance_yields_to_speed_beyond_the_noise_and_to_the_guard() -> None:
+    """Quiet measurements (no scatter) or a gap beyond the noise keep the faster plan; a replicating plan never
+    displaces a faster arm that replicates nothing, however balanced."""
+    offers = [Candidate("dropless/current", 1.0, max_over_mean=1.45),
+              Candidate("shadowing/current", 1.0, max_over_mean=1.30, replicates=True),
+              Candidate("pro_prophet/current", 1.0, max_over_mean=1.02, replicates=True)]
+    quiet = PlanCheck(explore_every=0)
+    _settle(quiet, {"dropless/current": [1.3] * 5, "shadowing/current": [1.0] * 5,
+                    "pro_prophet/current": [1.01] * 5})
+    assert offers[quiet.select(offers).index].arm == "shadowing/current"
+    apart = PlanCheck(explore_every=0)
+    _settle(apart, {"dropless/current": [1.3] * 5, "shadowing/current": [0.95, 1.05, 0.95, 1.05, 1.0],
+                    "pro_prophet/current": [1.12] * 5})
+    assert offers[apart.select(offers).index].arm == "shadowing/current"
+    guarded = PlanCheck(explore_every=0)
+    _settle(guarded, {"dropless/current": [0.95, 1.05, 0.95, 1.05, 1.0], "shadowing/current": [1.2] * 5,
+                      "pro_prophet/current": [1.02] * 5})
+    assert offers[guarded.select(offers).index].arm == "dropless/current"
+    with pytest.raises(ValueError, match="balance_tolerance"):
+        PlanCheck(balance_tolerance=1.0)

@@ -9,7 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_merak.plugins.moe import CommCurve, CostModel, Padding, PlacementPlan, plan_pro_prophet, rank_loads
+from lightning_merak.plugins.moe import (
+    CommCurve,
+    CostModel,
+    Padding,
+    PlacementPlan,
+    Replication,
+    plan_pro_prophet,
+    rank_loads,
+)
 
 RANKS, EXPERTS, PER_RANK = 4, 8, 2
 DRIFT_EVERY = 4
@@ -104,3 +112,20 @@ def test_plans_are_deterministic_and_respect_the_slot_budget() -> None:
 def test_empty_counts_fail_with_the_fix() -> None:
     with pytest.raises(ValueError, match="one row per EP rank"):
         plan_pro_prophet([], PROFILED)
+
+
+def test_a_hot_expert_goes_to_as_many_ranks_as_its_copies_pay_for() -> None:
+    """16 ranks all send most rows to expert 0 and a copy costs 25 ms from its owner's link: a replica on every
+    sender (priced 753 ms) is slower than none (315 ms), so before the cut no plan replicated anything; the cut
+    set keeps the few copies that save more of the owner's rows than they cost."""
+    ranks = 16
+    counts = [[400 if expert == 0 else 10 for expert in range(ranks)] for _ in range(ranks)]
+    cost = CostModel(CommCurve.from_bandwidth(1e8), CommCurve.from_bandwidth(2e7), 1e5, 512, 500_000, 1)
+    padding = Padding("dropless")
+    none_s = cost.total(counts, PlacementPlan(ranks, ranks), padding)
+    every_sender = PlacementPlan(ranks, ranks, (Replication(0, 0, tuple(range(1, ranks))),))
+    assert cost.total(counts, every_sender, padding, "current") > none_s
+    plan = plan_pro_prophet(counts, cost, padding, transfer_timing="current")
+    assert [r.expert for r in plan.replications] == [0]
+    assert 1 <= len(plan.replications[0].replicas) < ranks - 1
+    assert cost.total(counts, plan, padding, "current") < 0.85 * none_s

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 import torch
@@ -176,17 +177,19 @@ def test_a_pipeline_keeps_the_traced_partition_where_the_stage_count_matches() -
     assert layout_graph(costs, deeper, LayoutSpec(1, 2, 1, 2, 4))[1]["stage_blocks"] == [2, 2]  # another model
 
 
-def _pp2_trace() -> Trace:
+def _pp2_trace(gaps_after_backward: Optional[tuple[float, float]] = None) -> Trace:
     """Two micro-batches of 2 samples on 2 stages of one block each (2 ms a forward call). Stage 0: each forward
     chunk 1 ms beyond its block (the stage's own work), 6 ms backward chunks, 0.5 ms of the loop between chunks;
     stage 1: 3 ms of head after its block (1 ms of it the stage's own work), 8 ms backward chunks, 1.5 ms gaps.
-    A blocking 1 MB all-reduce (35-42 ms) gives the link's rate; UPDATE 42-47 ms, steps of 50 ms."""
+    A blocking 1 MB all-reduce (35-42 ms) gives the link's rate; UPDATE 42-47 ms, steps of 50 ms.
+    ``gaps_after_backward`` (ms per stage): other gaps after a backward chunk."""
     ms = 0.001
     ranks = []
     for rank, (forward, backward, gap) in enumerate(((3, 6, 0.5), (5, 8, 1.5))):
         spans, at = [], 1.0
         for kind, m in (("forward", 0), ("forward", 1), ("backward", 0), ("backward", 1)):
             length = forward if kind == "forward" else backward
+            gap = gaps_after_backward[rank] if gaps_after_backward and kind == "backward" else gap
             spans.append(Span(f"stage {rank} {kind} mb{m}", "FW" if kind == "forward" else "BW", at * ms,
                               (at + length) * ms, 0, 2))
             if kind == "forward":
@@ -210,6 +213,19 @@ def test_a_pipeline_trace_gives_the_fixed_costs_per_chunk_and_per_gap() -> None:
     assert costs.stage_blocks == (1, 1)
     # the gaps leave the loop's time per step: each rank's step less its work, wait and gaps (18.5 and 7.5 ms)
     assert costs.host_per_step == pytest.approx((0.0185 + 0.0075) / 2)
+
+
+def test_the_gaps_after_forward_and_after_backward_chunks_are_told_apart() -> None:
+    costs = calibrate(_pp2_trace(gaps_after_backward=(0.1, 0.3)), SHAPE, PP2)
+    assert costs.chunk_host_s == pytest.approx((0.0005, 0.0015))
+    assert costs.chunk_host_after_backward_s == pytest.approx((0.0001, 0.0003))
+    # each rank's loop time less its gaps: the gaps after backward chunks no longer count as forward ones
+    assert costs.host_per_step == pytest.approx((0.0189 + 0.0087) / 2)
+    # stage 1 runs F0 B0 F1 B1 at M=2 (1F1B): 2 gaps after a forward, 1 after a backward
+    only_gaps = dataclasses.replace(costs, block_forward_per_sample=0.0, rest_forward_per_sample=0.0,
+                                    chunk_forward_s=0.0, host_per_step=0.0, update_per_param=0.0)
+    assert only_gaps.gap_seconds(1, 2, False, 2.0) == pytest.approx(0.0003)
+    assert only_gaps.gap_seconds(0, 3, True, 2.0) == pytest.approx(0.001)  # other stage counts: the mean
 
 
 def _block_calls(seconds: float) -> Trace:

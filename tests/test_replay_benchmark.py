@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks._replay_microbatch import LINE_KIND, microbatch_rows, probe_sizes
+from benchmarks._replay_microbatch import GUESSED_KIND, LINE_KIND, microbatch_rows, probe_sizes
 from benchmarks.replay import (
     FULL,
     PARTITIONED,
@@ -23,6 +23,7 @@ from benchmarks.replay import (
     summarize_run,
 )
 from lightning_merak.profiler.call_curve import CallCurve
+from lightning_merak.profiler.probe import ProbedCurves
 
 
 def test_a_run_is_the_median_of_its_untraced_steps_after_warm_up() -> None:
@@ -120,7 +121,9 @@ def test_the_probe_sizes_are_the_traced_call_and_each_predicted_one() -> None:
 def test_micro_batch_rows_report_both_models_and_keep_the_line_out_of_the_maxima() -> None:
     from tests.test_profiler_calibration import DP2, PP2, SHAPE, _dp2_trace, _pp2_trace
 
-    curves = (CallCurve((1.0, 2.0), (0.0015, 0.002), (0.002, 0.004)),) * 2
+    curves = ProbedCurves(*(CallCurve((1.0, 2.0), (0.0015, 0.002), (0.002, 0.004)),) * 2,
+                          CallCurve((1.0, 2.0), (0.0004, 0.0005), (0.0001, 0.0002)),
+                          CallCurve((1.0, 2.0), (0.0002, 0.0004), (0.0003, 0.0006)))
     layouts = {"dp2": DP2, "pp2_m2": PP2, "pp2_m4": replace(PP2, micro_batches=4)}
 
     def rows_for(counts: tuple[int, ...]) -> list[dict]:
@@ -129,12 +132,15 @@ def test_micro_batch_rows_report_both_models_and_keep_the_line_out_of_the_maxima
                                _row, PARTITIONED, lambda costs, name: replace(costs, stage_blocks=(1, 1)))[0]
 
     rows = rows_for((4,))
-    assert [r["kind"] for r in rows] == ["what-if micro-batches", LINE_KIND, PARTITIONED]
-    assert rows[0]["call_model"] == rows[2]["call_model"] != rows[1]["call_model"]
-    assert rows[2]["predicted_s"] == pytest.approx(rows[0]["predicted_s"])  # the traced partition again
-    # asked for the traced count, the curve model gives the traced run's period; the line re-derives the step
+    assert [r["kind"] for r in rows] == ["what-if micro-batches", GUESSED_KIND, LINE_KIND, PARTITIONED]
+    assert rows[0]["call_model"] == rows[3]["call_model"] != rows[1]["call_model"] != rows[2]["call_model"]
+    assert rows[3]["predicted_s"] == pytest.approx(rows[0]["predicted_s"])  # the traced partition again
+    # the trace's chunks hold 1 ms beyond their blocks: priced at 2x in backward it costs more micro-batches more
+    # than the prefix's measured 0.1-0.2 ms
+    assert rows[0]["predicted_s"] < rows[1]["predicted_s"]
+    # asked for the traced count, the curve models give the traced run's period; the line re-derives the step
     traced = rows_for((2,))
-    assert traced[0]["predicted_s"] == pytest.approx(0.05)
-    assert traced[1]["predicted_s"] != pytest.approx(0.05, rel=0.01)
+    assert [r["predicted_s"] for r in traced[:2]] == pytest.approx([0.05, 0.05])
+    assert traced[2]["predicted_s"] != pytest.approx(0.05, rel=0.01)
     assert _error_max([{**r, "error": r["predicted_s"] / r["measured_s"] - 1} for r in rows]) == pytest.approx(
         abs(rows[0]["predicted_s"] / 0.06 - 1))

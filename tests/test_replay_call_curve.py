@@ -78,9 +78,61 @@ def test_a_head_curve_shapes_the_head_and_loss() -> None:
     assert with_call_curves(costs, PP2_M2, CURVE).rest_seconds(1.0, True) == pytest.approx(0.001)  # no head curve
 
 
+PREFIX = CallCurve(samples=(1.0, 2.0, 4.0), forward_s=(0.0005, 0.0006, 0.0008), backward_s=(0.0002, 0.0003, 0.0005))
+"""The first stage's own work: mostly fixed, its backward (the embedding's gradient) cheaper than its forward."""
+
+
+def test_a_prefix_curve_prices_the_chunks_own_work_by_stage_and_size() -> None:
+    # a trace whose chunks each took 1 ms beyond their blocks; the head 1 ms a sample, its backward 3x
+    traced = dataclasses.replace(COSTS, chunk_forward_s=0.001, rest_forward_per_sample=0.001, rest_backward_ratio=3.0)
+    guessed = with_call_curves(traced, PP2_M2, CURVE, CURVE)
+    shaped = with_call_curves(traced, PP2_M2, CURVE, CURVE, PREFIX)
+    # without the prefix: 1 ms forward on every stage, backward at the blocks' 2x
+    assert [guessed.chunk_seconds(s, 1.0, f) for s in (0, 1) for f in (True, False)] == pytest.approx(
+        [0.001, 0.002, 0.001, 0.002])
+    # first stage: the traced 1 ms at 2 samples, less the prefix's 0.1 ms drop at 1 sample; backward the prefix's
+    assert shaped.chunk_seconds(0, 2.0, True) == pytest.approx(0.001)
+    assert shaped.chunk_seconds(0, 1.0, True) == pytest.approx(0.0009)
+    assert shaped.chunk_seconds(0, 1.0, False) == pytest.approx(0.0002)
+    assert shaped.chunk_seconds(0, 4.0, False, recompute=1.0) == pytest.approx(0.0005)
+    # later stages: the traced 1 ms less the prefix's 0.6 ms, whatever the size, and no backward
+    assert [shaped.chunk_seconds(1, n, True) for n in (1.0, 4.0)] == pytest.approx([0.0004, 0.0004])
+    assert shaped.chunk_seconds(1, 1.0, False) == 0.0
+    # the last stage's head takes over what its chunks no longer charge: 2 + 0.6 ms forward, 6 + 2 ms backward
+    assert shaped.rest_seconds(2.0, True) == pytest.approx(0.0026)
+    assert shaped.rest_seconds(2.0, False) == pytest.approx(0.008)
+    for forward in (True, False):
+        assert (shaped.rest_seconds(2.0, forward) + shaped.chunk_seconds(1, 2.0, forward)) == pytest.approx(
+            guessed.rest_seconds(2.0, forward) + guessed.chunk_seconds(1, 2.0, forward))
+    # one stage, or a trace without fixed chunk work: the prefix changes nothing
+    assert with_call_curves(traced, LayoutSpec(1, 1, 1, 2, 4), CURVE, CURVE, PREFIX).prefix_curve is None
+    assert with_call_curves(COSTS, PP2_M2, CURVE, CURVE, PREFIX).prefix_curve is None
+
+
+def test_a_cheaper_measured_chunk_backward_lowers_the_cost_of_more_micro_batches() -> None:
+    traced = dataclasses.replace(COSTS, chunk_forward_s=0.001, rest_forward_per_sample=0.001, rest_backward_ratio=3.0)
+    m4 = LayoutSpec(dp=1, pp=2, tp=1, micro_batches=4, samples=4)
+    guessed = predict_from_traced(with_call_curves(traced, PP2_M2, CURVE, CURVE), SHAPE, PP2_M2, m4, 0.012)
+    probed = predict_from_traced(with_call_curves(traced, PP2_M2, CURVE, CURVE, PREFIX), SHAPE, PP2_M2, m4, 0.012)
+    assert probed < guessed
+
+
+def test_a_loss_curve_moves_the_last_stages_loss_between_chunks_with_the_samples() -> None:
+    # 0.5 / 3 ms of the loop after a forward chunk, 0.1 / 0.2 ms after a backward one (stage 0 / stage 1)
+    traced = dataclasses.replace(COSTS, chunk_host_s=(0.0005, 0.003), chunk_host_after_backward_s=(0.0001, 0.0002))
+    shaped = with_call_curves(traced, PP2_M2, CURVE, loss=PREFIX)
+    # the last stage's loss: 0.6 ms at the traced 2 samples, 0.5 at one, 0.8 at four
+    assert [shaped.gap_seconds(1, 2, True, n) for n in (1.0, 2.0, 4.0)] == pytest.approx([0.0029, 0.003, 0.0032])
+    assert [shaped.gap_seconds(s, 2, False, 1.0) for s in (0, 1)] == pytest.approx([0.0001, 0.0002])
+    assert shaped.gap_seconds(0, 2, True, 1.0) == pytest.approx(0.0005)  # no loss on the first stage
+    assert with_call_curves(traced, PP2_M2, CURVE).gap_seconds(1, 2, True, 1.0) == pytest.approx(0.003)
+
+
 def test_curves_must_hold_the_traced_size() -> None:
     with pytest.raises(ValueError, match="probe sizes around"):
         with_call_curves(COSTS, LayoutSpec(1, 2, 1, 1, 8), CURVE)
+    with pytest.raises(ValueError, match="probe sizes around"):
+        with_call_curves(COSTS, PP2_M2, CURVE, prefix=CallCurve((4.0, 8.0), (1.0, 1.0), (1.0, 1.0)))
 
 
 def test_a_prediction_from_the_traced_run_keeps_only_the_re_derived_change() -> None:
@@ -111,10 +163,11 @@ def test_the_probe_times_every_size_with_the_given_loss_and_leaves_no_gradients(
         assert logits.shape == (batch.size(0), 8, 64)
         return next_token_loss(logits, batch)
 
-    block, head = probe_call_curves(model, tokens, (1, 2, 4), rounds=3, warmup=1, loss=counted_loss)
-    assert block.samples == head.samples == (1.0, 2.0, 4.0)
+    block, head, prefix, alone = probe_call_curves(model, tokens, (1, 2, 4), rounds=3, warmup=1, loss=counted_loss)
+    assert block.samples == head.samples == prefix.samples == alone.samples == (1.0, 2.0, 4.0)
     assert min(block.forward_s + block.backward_s + head.forward_s + head.backward_s) > 0
-    assert sorted(batch_sizes) == [1] * 4 + [2] * 4 + [4] * 4  # (warm-up + rounds) calls per size
+    assert min(prefix.forward_s + prefix.backward_s + alone.forward_s + alone.backward_s) > 0
+    assert sorted(batch_sizes) == [1] * 8 + [2] * 8 + [4] * 8  # (warm-up + rounds) calls per size, head and loss
     assert all(p.grad is None for p in model.parameters())
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, Iterator, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -135,11 +135,21 @@ def expert_adapters(model: nn.Module) -> list[ExpertAdapter]:
     return found
 
 
+def _sharded_factors(model: nn.Module) -> Iterator[tuple[str, Factor, Any, nn.Parameter]]:
+    """Every LoRA factor of an expert adapter on a sharded experts module: its parameter name, kind, the experts
+    module's ``ExpertShard`` and the parameter itself."""
+    for adapter in expert_adapters(model):
+        if adapter.shard is None:
+            continue
+        for kind in ("A", "B"):
+            for key, layer in getattr(adapter.wrapper, f"lora_{kind}").items():
+                yield f"{adapter.name}.lora_{kind}.{key}.weight", kind, adapter.shard, layer.weight  # type: ignore[misc]
+
+
 def expert_adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The LoRA factors of every expert adapter of ``model`` on a sharded experts module: reduced, clipped and
     checkpointed like the experts."""
-    return [layer.weight for adapter in expert_adapters(model) if adapter.shard is not None
-            for kind in ("A", "B") for layer in getattr(adapter.wrapper, f"lora_{kind}").values()]
+    return [parameter for _, _, _, parameter in _sharded_factors(model)]
 
 
 def factor_view(kind: Factor, factor: torch.Tensor, experts: int) -> torch.Tensor:
@@ -152,14 +162,7 @@ def factor_view(kind: Factor, factor: torch.Tensor, experts: int) -> torch.Tenso
 def expert_factor_shards(model: nn.Module) -> dict[str, tuple[Factor, Any]]:
     """Every LoRA factor of an expert adapter on a ``merak_ep`` experts module of ``model``, by parameter name:
     its kind and its experts module's ``ExpertShard`` (whose experts its rows or columns hold)."""
-    factors: dict[str, tuple[Factor, Any]] = {}
-    for adapter in expert_adapters(model):
-        if adapter.shard is None:
-            continue
-        for kind in ("A", "B"):
-            for key in getattr(adapter.wrapper, f"lora_{kind}"):
-                factors[f"{adapter.name}.lora_{kind}.{key}.weight"] = (kind, adapter.shard)  # type: ignore[assignment]
-    return factors
+    return {name: (kind, shard) for name, kind, shard, _ in _sharded_factors(model)}
 
 
 def shard_expert_adapters(model: nn.Module) -> list[str]:

@@ -55,7 +55,8 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
     experts: str = "deepspeed"
     """``deepspeed``: swap sparse blocks for our DeepSpeed-MoE layer. ``merak_ep``: keep the family's own blocks
     (any transformers-5 MoE family, any top-k) and run its experts expert-parallel over ``ep_size`` ranks
-    (:mod:`lightning_merak.plugins.moe.experts`); the layer options above do not apply."""
+    (:mod:`lightning_merak.plugins.moe.experts`); the layer options above do not apply, ``lancet_scope=block``
+    does (each decoder layer as ``lancet_block_chunks`` overlapped sub-batches, ``auto`` measured)."""
 
     def _block_chunks(self) -> int | str:
         if self.lancet_scope not in ("layer", "block"):
@@ -68,6 +69,7 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
         return int(self.lancet_block_chunks)
 
     def apply(self, model: nn.Module) -> nn.Module:
+        from lightning_merak.models import no_cache
         from lightning_merak.plugins.moe.block_replacement import swap_sparse_moe_blocks
         from lightning_merak.plugins.moe.lancet_block import lancet_overlap
 
@@ -77,6 +79,12 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
             supported, reason = family_support(model)
             if not supported:
                 raise ValueError(f"moe.experts=merak_ep refused: {reason}; use moe.experts=deepspeed or moe=none")
+            block_chunks = self._block_chunks()
+            if self.lancet_scope == "block":
+                from lightning_merak.plugins.moe.experts.lancet import expert_parallel_lancet
+
+                no_cache(model)
+                expert_parallel_lancet(model, block_chunks)
             return model  # sliced per rank by ExpertParallelCallback once the process group exists
         if self.experts != "deepspeed":
             raise ValueError(f"moe.experts={self.experts!r}: use deepspeed or merak_ep")
@@ -99,8 +107,7 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
             drop_tokens=self.drop_tokens, aux_loss_coef=self.aux_loss_coef,
         )
         if self.lancet_scope == "block":
-            if getattr(config, "use_cache", False):
-                config.use_cache = False  # a KV cache spans the whole batch; Lancet sub-batches cannot share it
+            no_cache(model)
             lancet_overlap(model, block_chunks)
         return model
 

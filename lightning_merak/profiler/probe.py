@@ -1,32 +1,51 @@
-"""Time one block and the head of a model at several micro-batch sizes, in this process (no group, no network).
+"""Time one block, the head, the first stage's own work and the loss at several micro-batch sizes, in this process
+(no group, no network).
 
 A trace holds block calls of one size; the replay's micro-batch what-ifs need calls of others.
 :func:`probe_call_curves` records the model once per size (:func:`~lightning_merak.strategies.pipeline.trace.
-trace_model`, no profiling), then times a block's forward and backward and the head's (everything after the
-blocks, and the loss) at each size, the sizes interleaved round after round so that a slow spell of a shared
-machine falls on every size alike, and keeps each size's fastest call as a
-:class:`~lightning_merak.profiler.call_curve.CallCurve` point: another process taking the core only adds time, and
-adds a larger share to a short call than to a long one, which would bend the curve's shape (medians did, at load
-averages above 10).
+trace_model`, no profiling), then times a block's forward and backward, the head's (everything after the
+blocks, and the loss), the prefix's: what a pipeline's first stage runs besides its blocks (the embedding,
+position tables and mask, and the stage's exit from the model's forward: a first stage holding no block,
+:func:`~lightning_merak.strategies.pipeline.stage.build_stage_module`), whose backward a trace does not time
+apart from the blocks', and the loss alone, which a pipeline computes between chunks. The sizes are interleaved
+round after round so that a slow spell of a shared machine falls on every size alike, and each size's fastest call
+is kept as a :class:`~lightning_merak.profiler.call_curve.CallCurve` point: another process taking the core only
+adds time, and adds a larger share to a short call than to a long one, which would bend the curve's shape (medians
+did, at load averages above 10).
 """
 
 from __future__ import annotations
 
+import copy
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
 
 from lightning_merak.profiler.call_curve import CallCurve
+from lightning_merak.strategies.pipeline.stage import build_stage_module
 from lightning_merak.strategies.pipeline.trace import ModelTrace, find_trunk, trace_model
 
-__all__ = ["next_token_loss", "probe_call_curves"]
+__all__ = ["ProbedCurves", "next_token_loss", "probe_call_curves"]
+
+
+class ProbedCurves(NamedTuple):
+    """A probe's call curves: a block, the head with its loss, the first pipeline stage's prefix, the loss alone."""
+
+    block: CallCurve
+    head: CallCurve
+    prefix: CallCurve
+    loss: CallCurve
 
 
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """A causal language model's loss: cross-entropy of each position's logits against the next token."""
     return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1))
+
+
+def _call_model(model: nn.Module, ids: torch.Tensor) -> object:
+    return model(ids)
 
 
 def _timed(run: Callable[[], torch.Tensor]) -> tuple[float, float]:
@@ -40,9 +59,10 @@ def _timed(run: Callable[[], torch.Tensor]) -> tuple[float, float]:
 
 def probe_call_curves(model: nn.Module, tokens: torch.Tensor, sizes: Sequence[int], rounds: int = 30,
                       warmup: int = 2, loss: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
-                      ) -> tuple[CallCurve, CallCurve]:
-    """(block curve, head curve): the fastest forward and backward seconds of block 0 and of the head (with ``loss``,
-    default :func:`next_token_loss`) on the first ``n`` rows of ``tokens`` for each ``n`` in ``sizes``.
+                      ) -> ProbedCurves:
+    """The fastest forward and backward seconds of block 0, of the head (with ``loss``, default
+    :func:`next_token_loss`), of the first stage's prefix (on a copy of ``model``) and of the loss alone on the first
+    ``n`` rows of ``tokens`` for each ``n`` in ``sizes``.
 
     ``rounds`` timed calls per size after ``warmup`` untimed ones; the model's gradients are cleared afterwards.
     Raises before timing anything where ``sizes`` are fewer than two, not increasing, or above ``tokens``' rows.
@@ -57,7 +77,9 @@ def probe_call_curves(model: nn.Module, tokens: torch.Tensor, sizes: Sequence[in
     loss = loss or next_token_loss
     _, blocks = find_trunk(model)
     block = blocks[0]
-    calls: list[tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]] = []
+    prefix_stage = build_stage_module(copy.deepcopy(model), trace_model(model, tokens[:sizes[0]], profile=False),
+                                      (0, 1), 0, _call_model)
+    calls: list[tuple[Callable[[], torch.Tensor], ...]] = []
     for n in sizes:
         batch = tokens[:n]
         recorded = trace_model(model, batch, profile=False)
@@ -68,6 +90,8 @@ def probe_call_curves(model: nn.Module, tokens: torch.Tensor, sizes: Sequence[in
             for each in blocks:
                 last = recorded.hidden_of(each(last, *args, **kwargs))
         head_input = last.detach().clone().requires_grad_(True)
+        with torch.no_grad():
+            logits = recorded.run_head(model, last).detach().requires_grad_(True)
 
         def run_block(block_input: torch.Tensor = block_input, args: tuple = args, kwargs: dict = kwargs,
                       recorded: ModelTrace = recorded) -> torch.Tensor:
@@ -77,10 +101,17 @@ def probe_call_curves(model: nn.Module, tokens: torch.Tensor, sizes: Sequence[in
                      batch: torch.Tensor = batch) -> torch.Tensor:
             return loss(recorded.run_head(model, head_input), batch)
 
-        calls.append((run_block, run_head))
+        def run_prefix(batch: torch.Tensor = batch) -> torch.Tensor:
+            return prefix_stage(batch)[0]
+
+        def run_loss(logits: torch.Tensor = logits, batch: torch.Tensor = batch) -> torch.Tensor:
+            return loss(logits, batch)
+
+        calls.append((run_block, run_head, run_prefix, run_loss))
     times: dict[tuple[int, int], list[tuple[float, float]]] = {}
     was_training = model.training
     model.train()
+    prefix_stage.train()
     try:
         for round_index in range(warmup + rounds):
             for index, pair in enumerate(calls):
@@ -98,4 +129,4 @@ def probe_call_curves(model: nn.Module, tokens: torch.Tensor, sizes: Sequence[in
                     min(b for _, b in times[index, part])) for index in range(len(sizes))]
         return CallCurve(tuple(float(n) for n in sizes), tuple(f for f, _ in fastest), tuple(b for _, b in fastest))
 
-    return curve(0), curve(1)
+    return ProbedCurves(*(curve(part) for part in range(4)))

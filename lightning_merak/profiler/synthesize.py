@@ -88,10 +88,13 @@ class StepCosts:
     Fixed costs per call, which smaller micro-batches do not shrink: ``block_call_s`` per block forward call
     beyond its samples' share (:func:`with_block_call_cost`: two traces at different samples per call tell them
     apart); in a pipeline, ``chunk_forward_s`` per micro-batch and stage beyond its blocks and head (the stage's
-    own machinery, the embedding on the first stage), and ``chunk_host_s`` per stage, the loop's work between
-    two consecutive chunks (launching sends, the loss). Backward prices both forward costs at ``backward_ratio``.
+    own machinery, the embedding on the first stage), and ``chunk_host_s`` per stage, the loop's work after a forward
+    chunk before the next chunk (launching its send; on the last stage the loss), ``chunk_host_after_backward_s``
+    after a backward chunk (() : as after a forward one). Backward prices the chunk's forward at ``backward_ratio``.
     ``block_curve`` and ``head_curve`` (:func:`with_call_curves`), measured calls at several sizes, replace the
-    fixed-plus-per-sample line of blocks and head for sizes other than ``curve_reference_samples``.
+    fixed-plus-per-sample line of blocks and head for sizes other than ``curve_reference_samples``;
+    ``prefix_curve``, the first stage's own work measured the same way, replaces the guess for a chunk's fixed work
+    (:meth:`chunk_seconds`); ``loss_curve`` moves the last stage's loss with the samples (:meth:`gap_seconds`).
     """
 
     block_forward_per_sample: float
@@ -111,6 +114,40 @@ class StepCosts:
     block_curve: Optional[CallCurve] = None
     head_curve: Optional[CallCurve] = None
     curve_reference_samples: float = 0.0
+    prefix_curve: Optional[CallCurve] = None
+    chunk_host_after_backward_s: tuple[float, ...] = ()
+    loss_curve: Optional[CallCurve] = None
+
+    def gap_seconds(self, stage: int, stages: int, after_forward: bool, samples: float) -> float:
+        """The loop's work on ``stage`` (of ``stages``) after a chunk, before the next: traced per stage (their mean
+        where the stage count differs), the last stage's loss after a forward chunk moved by the ``loss_curve``."""
+        gaps = self.chunk_host_s if after_forward or not self.chunk_host_after_backward_s \
+            else self.chunk_host_after_backward_s
+        if not gaps:
+            return 0.0
+        seconds = gaps[stage] if len(gaps) == stages else statistics.mean(gaps)
+        if after_forward and stage == stages - 1 and self.loss_curve is not None:
+            reference = self.curve_reference_samples
+            seconds += self.loss_curve.forward(samples) - self.loss_curve.forward(reference)
+        return max(seconds, 0.0)
+
+    def chunk_seconds(self, stage: int, samples: float, forward: bool, recompute: float = 0.0) -> float:
+        """A pipeline chunk's work on ``stage`` beyond its blocks and head, on ``samples`` samples.
+
+        Without a ``prefix_curve``: ``chunk_forward_s`` on every stage, its backward at the blocks' ratio (plus
+        ``recompute``). With one: the first stage's traced forward moves with the prefix's measured forward, its
+        backward is the prefix's measured backward (the embedding's gradient; nothing recomputes it); later stages
+        keep the traced forward less the prefix's (the stage's own machinery), fixed, and no backward.
+        """
+        if self.prefix_curve is None:
+            return self.chunk_forward_s * (1.0 if forward else self.backward_ratio + recompute)
+        reference = self.curve_reference_samples
+        if stage > 0:
+            return max(self.chunk_forward_s - self.prefix_curve.forward(reference), 0.0) if forward else 0.0
+        if forward:
+            return max(self.chunk_forward_s + self.prefix_curve.forward(samples)
+                       - self.prefix_curve.forward(reference), 0.0)
+        return self.prefix_curve.backward(samples)
 
     def block_seconds(self, samples: float, forward: bool, recompute: float = 0.0) -> float:
         """One block call's forward (or backward, with ``recompute`` of its forward) on ``samples`` samples.
@@ -167,7 +204,8 @@ def _rank_breakdown(trace: Trace, kept: Optional[LayoutSpec] = None) -> list[dic
     """Per rank and step: FW, BW, UPDATE compute (their waits removed), block forward, host, and step time.
 
     With ``kept``, waits only for that layout's tensor-parallel collectives stay in the compute. Pipeline
-    ranks add the chunks and gaps between them per step, the median gap's busy time ("gap") and the median
+    ranks add the gaps between chunks per step after forward and after backward chunks ("gaps FW", "gaps BW"), the
+    median busy time of each kind ("gap FW", "gap BW": the last stage's loss follows a forward chunk) and the median
     forward chunk's time beyond its blocks ("chunk extra"): medians, as a preempted chunk moves them least.
     """
     aligned = trace.aligned()
@@ -182,8 +220,8 @@ def _rank_breakdown(trace: Trace, kept: Optional[LayoutSpec] = None) -> list[dic
             waited = sum(max(0.0, min(end, b) - max(start, a)) for a, b in waits)
             return end - start - waited
 
-        totals = {"FW": 0.0, "BW": 0.0, "UPDATE": 0.0, "block": 0.0, "step": 0.0, "waits": 0.0, "gaps": 0.0,
-                  "FW chunks": 0.0}
+        totals = {"FW": 0.0, "BW": 0.0, "UPDATE": 0.0, "block": 0.0, "step": 0.0, "waits": 0.0, "gaps FW": 0.0,
+                  "gaps BW": 0.0, "FW chunks": 0.0}
         top = {c: min((s.depth for s in rank.spans if s.category == c), default=0) for c in ("FW", "BW", "UPDATE")}
         # Under a pipeline schedule Lightning's training step holds every chunk, forward and backward: the
         # chunks are the compute, the rest of the step (the schedule's own work) counts as the loop's.
@@ -200,21 +238,23 @@ def _rank_breakdown(trace: Trace, kept: Optional[LayoutSpec] = None) -> list[dic
             elif span.category == "step":
                 totals["step"] += span.end - span.start
                 totals["waits"] += span.end - span.start - seconds
-        gaps, extras = [], []
+        gaps: dict[str, list[float]] = {"FW": [], "BW": []}
+        extras = []
         if chunked:
             blocks = [s for s in rank.spans if s.category == "FW" and s.name.startswith("block")]
             for step in aligned.steps():
                 chunks = sorted((s for s in rank.spans if s.step == step and s.name.startswith("stage ")),
                                 key=lambda s: s.start)
-                gaps += [busy(a.end, b.start) for a, b in zip(chunks, chunks[1:])]
+                for before, after in zip(chunks, chunks[1:]):
+                    gaps[before.category].append(busy(before.end, after.start))
                 extras += [busy(c.start, c.end) - sum(busy(b.start, b.end) for b in blocks
                                                       if c.start <= b.start and b.end <= c.end)
                            for c in chunks if c.category == "FW"]
-            totals["gaps"], totals["FW chunks"] = len(gaps), len(extras)
+            totals["gaps FW"], totals["gaps BW"], totals["FW chunks"] = len(gaps["FW"]), len(gaps["BW"]), len(extras)
         totals["host"] = totals["step"] - totals["waits"] - totals["FW"] - totals["BW"] - totals["UPDATE"]
         result.append({key: value / steps for key, value in totals.items()}
-                      | {"gap": statistics.median(gaps) if gaps else 0.0,
-                         "chunk extra": statistics.median(extras) if extras else 0.0})
+                      | {f"gap {kind}": statistics.median(gaps[kind]) if gaps[kind] else 0.0 for kind in gaps}
+                      | {"chunk extra": statistics.median(extras) if extras else 0.0})
     return result
 
 
@@ -237,7 +277,7 @@ def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec, tp_comm_in_co
     stages = [(rank // layout.tp) % layout.pp for rank in range(len(per_rank))]
     chunk_fw = [t["chunk extra"] for t, stage in zip(per_rank, stages) if stage < layout.pp - 1 and t["FW chunks"]]
     chunk_forward = max(statistics.mean(chunk_fw), 0.0) if chunk_fw else 0.0
-    gaps: dict[int, list[float]] = {}
+    gaps: dict[int, list[tuple[float, float]]] = {}
     block_fw, rest_fw, ratio, rest_ratio, update, host = [], [], [], [], [], []
     for rank, totals in enumerate(per_rank):
         stage = stages[rank]
@@ -253,9 +293,10 @@ def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec, tp_comm_in_co
         if stage == layout.pp - 1 and totals["block"] > 0 and rest > 0:  # no backward span per block: priced by FLOPs
             rest_ratio.append(max(totals["BW"] - BLOCK_BACKWARD_RATIO * (totals["block"] + own), 0.0) / rest)
         update.append(totals["UPDATE"] / _params_on_rank(shape, layout, stage, blocks_here))
-        host.append(totals["host"] - totals["gap"] * totals["gaps"])
-        if totals["gaps"]:
-            gaps.setdefault(stage, []).append(totals["gap"])
+        host.append(totals["host"] - totals["gap FW"] * totals["gaps FW"] - totals["gap BW"] * totals["gaps BW"])
+        if totals["gaps FW"] or totals["gaps BW"]:  # one micro-batch: no gap after a backward chunk
+            after_forward = totals["gap FW"] if totals["gaps FW"] else totals["gap BW"]
+            gaps.setdefault(stage, []).append((after_forward, totals["gap BW"] if totals["gaps BW"] else after_forward))
     fixed = estimate_fixed_cost(comm_ops(trace.aligned()))
     bandwidth = estimate_bandwidth(trace)
     if bandwidth is None:
@@ -268,8 +309,10 @@ def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec, tp_comm_in_co
                      rest_backward_ratio=statistics.mean(rest_ratio) if block_fw and rest_ratio else None,
                      stage_blocks=tuple(counted[s * layout.tp] for s in range(layout.pp)) if timed and layout.pp > 1
                      else (), chunk_forward_s=chunk_forward,
-                     chunk_host_s=tuple(statistics.mean(gaps[s]) for s in range(layout.pp)) if len(gaps) == layout.pp
-                     else ())
+                     chunk_host_s=tuple(statistics.mean(g[0] for g in gaps[s]) for s in range(layout.pp))
+                     if len(gaps) == layout.pp else (),
+                     chunk_host_after_backward_s=tuple(statistics.mean(g[1] for g in gaps[s]) for s in range(layout.pp))
+                     if len(gaps) == layout.pp else ())
 
 
 def with_block_call_cost(costs: StepCosts, layout: LayoutSpec, fixed_s: float) -> StepCosts:
@@ -283,19 +326,37 @@ def with_block_call_cost(costs: StepCosts, layout: LayoutSpec, fixed_s: float) -
                                block_forward_per_sample=max(call - fixed_s, 0.0) / samples)
 
 
-def with_call_curves(costs: StepCosts, layout: LayoutSpec, block: CallCurve, head: Optional[CallCurve] = None
-                     ) -> StepCosts:
+def with_call_curves(costs: StepCosts, layout: LayoutSpec, block: CallCurve, head: Optional[CallCurve] = None,
+                     prefix: Optional[CallCurve] = None, loss: Optional[CallCurve] = None) -> StepCosts:
     """``costs`` (calibrated on a run of ``layout``) with measured call curves (:mod:`.call_curve`): block and head
     calls of other sizes cost their traced time scaled by the curves' shape, so the traced layout replays as before.
 
+    With a ``prefix`` curve a chunk's fixed work follows :meth:`StepCosts.chunk_seconds`; the last stage's head and
+    loss take over what its chunks no longer charge (the trace times them together), so its traced chunks keep
+    their time. A ``loss`` curve moves the last stage's loss between chunks (:meth:`StepCosts.gap_seconds`).
     Raises where the traced call size lies outside a curve's sizes (the scale would be extrapolated).
     """
     reference = layout.samples / layout.micro_batches / layout.tp
-    for curve in (block, head):
+    for curve in (block, head, prefix, loss):
         if curve is not None and not curve.samples[0] <= reference <= curve.samples[-1]:
             raise ValueError(f"the traced calls hold {reference:g} samples, outside the curve's {curve.samples}; "
                              "probe sizes around the traced one")
-    return dataclasses.replace(costs, block_curve=block, head_curve=head, curve_reference_samples=reference)
+    shaped = dataclasses.replace(costs, block_curve=block, head_curve=head, curve_reference_samples=reference,
+                                 loss_curve=loss)
+    if prefix is None or layout.pp < 2 or not costs.chunk_forward_s:
+        return shaped
+    last = layout.pp - 1
+    guessed = dataclasses.replace(shaped, prefix_curve=None)
+    measured = dataclasses.replace(shaped, prefix_curve=prefix)
+    rest_forward = costs.rest_forward_per_sample * reference
+    rest_backward = rest_forward * (costs.backward_ratio if costs.rest_backward_ratio is None
+                                    else costs.rest_backward_ratio)
+    rest_forward += guessed.chunk_seconds(last, reference, True) - measured.chunk_seconds(last, reference, True)
+    rest_backward += guessed.chunk_seconds(last, reference, False) - measured.chunk_seconds(last, reference, False)
+    if rest_forward <= 0:
+        return measured
+    return dataclasses.replace(measured, rest_forward_per_sample=rest_forward / reference,
+                               rest_backward_ratio=max(rest_backward, 0.0) / rest_forward)
 
 
 def _blocks_recorded(rank: RankTrace) -> int:
@@ -351,7 +412,7 @@ def layout_graph(costs: StepCosts, shape: ModelShape, layout: LayoutSpec) -> tup
     if len(per_stage) != layout.pp or sum(per_stage) != shape.blocks:
         per_stage = [shape.blocks // layout.pp + (s < shape.blocks % layout.pp) for s in range(layout.pp)]
 
-    pipelined, gaps = layout.pp > 1, costs.chunk_host_s
+    pipelined = layout.pp > 1
 
     def rank_of(d: int, s: int, t: int) -> int:
         return (d * layout.pp + s) * layout.tp + t
@@ -370,10 +431,11 @@ def layout_graph(costs: StepCosts, shape: ModelShape, layout: LayoutSpec) -> tup
                         b.pieces[rank].append(("wait", ([("act", d, s - 1, t, m)], [], 0.0)))
                     if not forward and s < layout.pp - 1:
                         b.pieces[rank].append(("wait", ([("grad", d, s + 1, t, m)], [], 0.0)))
-                    factor = 1.0 if forward else costs.backward_ratio + float(layout.recompute)
                     block = costs.block_seconds(mb / layout.tp, forward, float(layout.recompute))
-                    if pipelined and costs.chunk_forward_s:
-                        b.compute(rank, "FW" if forward else "BW", costs.chunk_forward_s * factor)
+                    if pipelined:
+                        own = costs.chunk_seconds(s, mb / layout.tp, forward, float(layout.recompute))
+                        if own:
+                            b.compute(rank, "FW" if forward else "BW", own)
                     for index in range(per_stage[s]):
                         for half in range(2):
                             b.compute(rank, "FW" if forward else "BW", block / 2)
@@ -386,8 +448,9 @@ def layout_graph(costs: StepCosts, shape: ModelShape, layout: LayoutSpec) -> tup
                         b.send(rank, ("act", d, s, t, m), activation / layout.tp, f"p2p{rank}->{rank_of(d, s + 1, t)}")
                     if not forward and s > 0:
                         b.send(rank, ("grad", d, s, t, m), activation / layout.tp, f"p2p{rank}->{rank_of(d, s - 1, t)}")
-                    if pipelined and position < len(order) - 1 and gaps:
-                        b.compute(rank, "host", gaps[s] if len(gaps) == layout.pp else statistics.mean(gaps))
+                    gap = costs.gap_seconds(s, layout.pp, forward, mb / layout.tp) if pipelined else 0.0
+                    if position < len(order) - 1 and gap:
+                        b.compute(rank, "host", gap)
                 dp_ranks = [rank_of(e, s, t) for e in range(layout.dp)]
                 b.collective(rank, ("dp", s, t), "all_reduce", dp_ranks,
                              _params_on_rank(shape, layout, s, per_stage[s]) * shape.bytes_per_element,

@@ -18,14 +18,13 @@ picked by simulation (:func:`~.lancet.choose_block_chunks`).
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
-from transformers.cache_utils import Cache
 
+from lightning_merak.plugins.moe.block_split import Chunks, check_chunks, split_batch
 from lightning_merak.plugins.moe.core.lancet import choose_block_chunks, simulated_block_time
 from lightning_merak.plugins.moe.core.placement_cost_model import CostModel
 from lightning_merak.plugins.moe.layer import MoE, PlacementMOELayer
@@ -33,40 +32,12 @@ from lightning_merak.runtime.sub_batches import run_sub_batches
 
 __all__ = ["LancetBlockForward", "lancet_overlap"]
 
-Chunks = Union[int, str]
-# Keyword names transformers has given a block's key/value cache: ``past_key_values`` before, ``cache`` in v5.24.
-# A ``Cache`` object is recognised by its type as well, so a further rename cannot slip past the check.
-_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
-
-
-def _check_chunks(chunks: Chunks) -> None:
-    if chunks != "auto" and not (isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1):
-        raise ValueError(f"chunks={chunks!r}: use 'auto' or an integer >= 1 (the number of sub-batches)")
-
-
-def _cache_argument(args: tuple, kwargs: dict[str, Any]) -> Optional[str]:
-    """The name (or position) of a key/value cache given to a block, if any.
-
-    Sub-batches would each append their keys to the one whole-batch cache, so later sub-batches
-    would attend to earlier ones' tokens: a wrong result, not an error, hence refused up front.
-    """
-    for name, value in kwargs.items():
-        if value is not None and (name in _CACHE_ARGUMENTS or isinstance(value, Cache)):
-            return name
-    return next((f"positional argument {i}" for i, value in enumerate(args) if isinstance(value, Cache)), None)
-
-
-def _batch_size(args: tuple, kwargs: dict[str, Any]) -> Optional[int]:
-    leaves, _ = tree_flatten((args, kwargs))
-    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    return tensors[0].shape[0] if tensors and tensors[0].ndim > 0 else None
-
 
 class LancetBlockForward:
     """A block's ``forward`` as ``chunks`` overlapped sub-batches; install with :func:`lancet_overlap`."""
 
     def __init__(self, block: nn.Module, chunks: Chunks) -> None:
-        _check_chunks(chunks)
+        check_chunks(chunks)
         self.block, self.forward = block, block.forward
         self.layers = [m.deepspeed_moe for m in block.modules() if isinstance(m, MoE)]
         if not self.layers:
@@ -77,22 +48,11 @@ class LancetBlockForward:
         self._unsplit_s: Optional[float] = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        cache = _cache_argument(args, kwargs)
-        if cache is not None:
-            raise ValueError(
-                f"{type(self.block).__name__} got a key/value cache ({cache}), which spans the whole batch and "
-                f"cannot be shared by Lancet sub-batches; run with use_cache=False (model.config.use_cache=False)")
-        batch = _batch_size(args, kwargs)
-        if batch is None:
-            raise ValueError(f"{type(self.block).__name__}.forward got no batch-first tensor to split into sub-batches")
+        batch = split_batch(self.block, args, kwargs, self.chunks)
         if self.chunks is None:
             if self.dense_s is None:
                 return self._measure_unsplit(batch, args, kwargs)
             return self._measure_split_and_choose(batch, args, kwargs)
-        if batch % self.chunks:
-            raise ValueError(
-                f"a batch of {batch} samples cannot be split into {self.chunks} Lancet sub-batches; "
-                f"choose chunks that divide the micro-batch size (or chunks='auto')")
         return self._run_split(self.chunks, args, kwargs)
 
     def _run_split(self, chunks: int, args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -189,7 +149,7 @@ def lancet_overlap(model: nn.Module, chunks: Chunks = "auto",
     (a transformer's layer list). A block's outputs must be batch-first, ``l_aux`` as
     returned by the MoE (summed over sub-batches), or equal across sub-batches.
     """
-    _check_chunks(chunks)
+    check_chunks(chunks)
     if not any(isinstance(m, PlacementMOELayer) for m in model.modules()):
         raise ValueError(f"{type(model).__name__} has no lightning_merak MoE layer; build or swap one in first")
     targets = list(blocks) if blocks is not None else _enclosing_blocks(model)

@@ -46,7 +46,7 @@ from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, expert_indices, 
 from lightning_merak.plugins.moe.core.dispatch import ExchangeLayout, decode, encode
 from lightning_merak.plugins.moe.core.joint_gate import compact_routes, first_choice_fraction, sub_batch_gates
 from lightning_merak.plugins.moe.core.lancet import choose_chunks, chunk_times
-from lightning_merak.plugins.moe.core.placement import Padding, PlacementPlan
+from lightning_merak.plugins.moe.core.placement import Padding, PlacementPlan, rank_loads
 from lightning_merak.plugins.moe.core.placement_cost_model import CostModel
 from lightning_merak.plugins.moe.core.plan_check import Candidate, PlanCheck
 from lightning_merak.plugins.moe.core.shadowing import plan_shadowing
@@ -115,10 +115,17 @@ class _SubBatchRoutes:
     joint: _JointCall
 
 
-def _candidate(choice: StepChoice) -> Candidate:
+def _candidate(choice: StepChoice, max_over_mean: float = 1.0) -> Candidate:
     """What the online check sees of a choice: a chunked plan is a variant of the same plan unchunked."""
     base = f"{choice.kind}/{choice.timing}" if choice.chunks is not None and choice.chunks > 1 else None
-    return Candidate(choice.arm, choice.predicted_s, base)
+    return Candidate(choice.arm, choice.predicted_s, base, max_over_mean, bool(choice.plan.replications))
+
+
+def _max_over_mean(counts: list[list[int]], plan: PlacementPlan, experts_per_rank: int) -> float:
+    """The routed rows each rank computes under ``plan`` (padding aside), max over mean."""
+    computed = rank_loads(counts, plan, Padding("dropless"), experts_per_rank).computed
+    mean = sum(computed) / len(computed)
+    return max(computed) / mean if mean > 0 else 1.0
 
 
 class PlacementMOELayer(MOELayer):
@@ -154,7 +161,8 @@ class PlacementMOELayer(MOELayer):
         self.stats: dict[str, Any] = {}
         if self.scheduler.plan_check is None:
             self.scheduler.plan_check = PlanCheck(explore_every=options.explore_every,
-                                                  max_regret=options.explore_regret, seed=options.explore_seed)
+                                                  max_regret=options.explore_regret, seed=options.explore_seed,
+                                                  balance_tolerance=options.balance_tolerance)
         self.plan_check = self.scheduler.plan_check
         self._checked: tuple[Candidate, dict[str, Any]] | None = None
 
@@ -304,7 +312,9 @@ class PlacementMOELayer(MOELayer):
         candidates = step_candidates(counts, self.cost_model, padding, self._settings(), prefetched=offered,
                                      current=current)
         arms = [variant for candidate in candidates for variant in self._chunk_variants(counts, candidate)]
-        offers = [_candidate(arm) for arm in arms]
+        balance = {id(candidate.plan): _max_over_mean(counts, candidate.plan, self.num_local_experts)
+                   for candidate in candidates}
+        offers = [_candidate(arm, balance[id(arm.plan)]) for arm in arms]
         picked = self.plan_check.select(offers)
         best_current_s = min(self.plan_check.corrected(offer) for offer, arm in zip(offers, arms)
                              if arm.timing == "current")

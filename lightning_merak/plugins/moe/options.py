@@ -34,7 +34,9 @@ class MoEOptions:
     kind, timing and chunking by the layer time measured when each ran; each of these arms runs once
     to be measured, then about every ``explore_every`` calls (0: never; seeded by ``explore_seed``) the
     runner-up runs instead if its corrected prediction is within ``explore_regret`` of the best
-    (:mod:`.core.plan_check`). Layers sharing a scheduler share the check (the first one's settings);
+    (:mod:`.core.plan_check`). Arms measured within the check's noise of the fastest (at most
+    ``balance_tolerance``, relative; 0: speed alone) run the one whose plan balances the load best.
+    Layers sharing a scheduler share the check (the first one's settings);
     block-scope Lancet's sub-batches run the model's choice unchecked.
     """
 
@@ -53,6 +55,7 @@ class MoEOptions:
     explore_every: int = 16
     explore_regret: float = 0.25
     explore_seed: int = 0
+    balance_tolerance: float = 0.05
 
     def __post_init__(self) -> None:
         if isinstance(self.lancet_chunks, str) and self.lancet_chunks.isdigit():
@@ -74,5 +77,8 @@ class MoEOptions:
         if self.explore_every < 0 or self.explore_regret < 0:
             raise ValueError(f"explore_every={self.explore_every} (0: never) and explore_regret={self.explore_regret} "
                              "must be >= 0")
+        if not 0.0 <= self.balance_tolerance < 1.0:
+            raise ValueError(f"balance_tolerance={self.balance_tolerance} must lie in [0, 1) "
+                             "(0: choose on speed alone)")
         if self.exclude_fewest < 0 or (self.slots_per_rank is not None and self.slots_per_rank < 1):
             raise ValueError("exclude_fewest must be >= 0 and slots_per_rank >= 1 (or None)")

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_merak.models import no_cache
 from lightning_merak.runtime import random_state
 from lightning_merak.runtime.layout_aware import RecomputedForward
 from lightning_merak.runtime.module_mode import modules_in_mode
@@ -71,13 +72,6 @@ Broadcast = Callable[[Any, int], Any]
 
 def call_model(model: nn.Module, inputs: torch.Tensor) -> Any:
     return model(inputs)
-
-
-def no_cache(model: nn.Module) -> None:
-    """Turn off a transformers model's key/value cache: training and tracing return no cache."""
-    config = getattr(model, "config", None)
-    if config is not None and getattr(config, "use_cache", False):
-        config.use_cache = False
 
 
 def in_training_mode(model: nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -206,6 +200,10 @@ def build_model(model: nn.Module, inputs: torch.Tensor, *, arguments: Merak3DArg
     """
     layout = groups.layout
     no_cache(model)
+    if layout.pipeline_parallel > 1 and getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise ValueError("model.config.output_router_logits=True: the router aux loss is computed from every layer's "
+                         "router logits at the model's end, which pipeline stages do not run; set "
+                         "output_router_logits=False (the families' default) or pipeline_parallel=1")
     # a copy: an evaluation loop's batch may be an inference tensor, which autograd refuses
     micro = first_micro_batch(layout, inputs).clone()
     pp, tp = layout.pipeline_parallel, layout.tensor_parallel

@@ -21,7 +21,13 @@ calls between two such runs drawn from a seeded generator (``explore_every`` on 
 fewer than half of it). An arm measured fewer than ``confident`` times is chosen on its *worst*
 ratio so far, not its median: a single lucky run (a quiet moment on a shared machine) cannot make
 a plan that is slower on average the choice for the next calls — every such call is lost against
-the arm it displaced. Plain Python: given the same
+the arm it displaced.
+
+Balance breaks ties. Where arms score within the check's own noise of the best (the relative median
+absolute deviation of the best arm's recent ratios, at most ``balance_tolerance``), the one whose plan
+leaves the lowest load max/mean runs: the measurements cannot tell them apart, and a balanced step
+also lowers the busiest rank's memory and tail latency. The guard stays: an arm that replicates is
+never preferred over a measured-faster arm that does not (``replicates=False``). Plain Python: given the same
 measurements in the same order (the layer max-reduces them over its ranks first) every rank makes
 the same choices.
 """
@@ -40,11 +46,17 @@ __all__ = ["Candidate", "PlanCheck", "Selection"]
 
 @dataclass(frozen=True)
 class Candidate:
-    """One arm the planner offers for this call and the cost model's seconds for it."""
+    """One arm the planner offers for this call and the cost model's seconds for it.
+
+    ``max_over_mean`` is the load (rows computed per rank) its plan leaves, max over mean;
+    ``replicates`` whether it moves expert parameters (no replication is the guard's reference).
+    """
 
     arm: str
     predicted_s: float
     base: str | None = None
+    max_over_mean: float = 1.0
+    replicates: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,10 +72,13 @@ class PlanCheck:
     """Per-arm multiplicative corrections fitted from measured layer time, with bounded exploration."""
 
     def __init__(self, window: int = 5, explore_every: int = 16, max_regret: float = 0.25, seed: int = 0,
-                 confident: int = 3) -> None:
+                 confident: int = 3, balance_tolerance: float = 0.05) -> None:
         if window < 1 or explore_every < 0 or max_regret < 0 or not 1 <= confident <= window:
             raise ValueError(f"window={window} must be >= 1, explore_every={explore_every} >= 0 (0: never), "
                              f"max_regret={max_regret} >= 0 and confident={confident} in [1, window]")
+        if not 0.0 <= balance_tolerance < 1.0:
+            raise ValueError(f"balance_tolerance={balance_tolerance} must lie in [0, 1) (0: speed alone)")
+        self.balance_tolerance = balance_tolerance
         self.window = window
         self.confident = confident
         self.explore_every = explore_every
@@ -109,12 +124,33 @@ class PlanCheck:
             return candidate.predicted_s * max(own)
         return self.corrected(candidate)
 
+    def noise(self, arm: str) -> float:
+        """How far ``arm``'s recent ratios scatter: their median absolute deviation over their median."""
+        own = self._ratios.get(arm)
+        if not own or len(own) < 2:
+            return 0.0
+        middle = statistics.median(own)
+        return statistics.median(abs(ratio - middle) for ratio in own) / middle
+
+    def _most_balanced(self, candidates: Sequence[Candidate], scores: list[float], fastest: int) -> int:
+        """Among arms scoring within the noise of ``fastest`` (and never above a non-replicating arm's
+        score), the one with the lowest load max/mean; ties to the faster, then the earlier."""
+        tolerance = min(self.balance_tolerance, self.noise(candidates[fastest].arm))
+        ceiling = scores[fastest] * (1.0 + tolerance)
+        plain = [scores[i] for i, c in enumerate(candidates) if not c.replicates]
+        if plain:
+            ceiling = min(ceiling, min(plain))
+        near = [i for i in range(len(candidates)) if scores[i] <= ceiling] or [fastest]
+        return min(near, key=lambda i: (candidates[i].max_over_mean, scores[i], i))
+
     def select(self, candidates: Sequence[Candidate]) -> Selection:
-        """The least corrected prediction (ties to the earlier candidate), or an exploration when one is due."""
+        """The least corrected prediction (ties to the earlier candidate, near-ties to the more balanced one),
+        or an exploration when one is due."""
         if not candidates:
             raise ValueError("select needs at least one candidate")
         corrected = [self._score(c) for c in candidates]
-        best = min(range(len(candidates)), key=lambda i: (corrected[i], i))
+        fastest = min(range(len(candidates)), key=lambda i: (corrected[i], i))
+        best = self._most_balanced(candidates, corrected, fastest)
         if self._until_explore > 0:
             self._until_explore -= 1
         others = [i for i in range(len(candidates)) if candidates[i].arm != candidates[best].arm]

@@ -18,8 +18,10 @@ _EXPORTS = {
     "expert_mlp": ".grouped", "sort_routes": ".grouped", "EXPERT_TENSORS": ".grouped",
     "ExpertShard": ".parallel", "SHARD_ATTRIBUTE": ".parallel", "expert_parallel_forward": ".parallel",
     "register": ".parallel",
-    "FAMILY_CONFIGS": ".families", "tiny_moe_model": ".families",
+    "FAMILY_CONFIGS": ".families", "FAMILY_ROUTING": ".families", "ROUTINGS": ".families",
+    "tiny_moe_model": ".families",
     "ExpertParallelCallback": ".callback",
+    "ExpertParallelLancet": ".lancet", "expert_parallel_lancet": ".lancet",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILY_CONFIGS", "tiny_moe_model"]
+__all__ = ["FAMILY_CONFIGS", "FAMILY_ROUTING", "ROUTINGS", "tiny_moe_model"]
 
 
 def _common(hidden: int, layers: int, vocab: int) -> dict[str, Any]:
@@ -43,22 +43,58 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                          "kv_lora_rank": 16, "q_lora_rank": 32,
                                          "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16}),
 }
-"""family → (config class in ``transformers``, tiny overrides). Qwen3-MoE, OLMoE and DeepSeek-V3 route top-8."""
+"""family → (config class in ``transformers``, tiny overrides). Qwen3-MoE, OLMoE and DeepSeek-V3 route top-8.
+
+Few experts (8-16) so tests run in milliseconds; :data:`FAMILY_ROUTING` restores each family's own routing shape.
+"""
+
+FAMILY_ROUTING: dict[str, dict[str, Any]] = {
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts": 60, "num_experts_per_tok": 4, "decoder_sparse_step": 1},
+    "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1},
+    "olmoe": {"num_experts": 64, "num_experts_per_tok": 8},
+    "deepseek_v2": {"n_routed_experts": 64, "num_experts_per_tok": 6, "n_shared_experts": 2, "topk_method": "greedy",
+                    "n_group": None, "topk_group": None, "first_k_dense_replace": 0},
+    "deepseek_v3": {"n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
+                    "first_k_dense_replace": 0},
+}
+"""family → its config class's own routing shape (transformers 5.24 defaults), over :data:`FAMILY_CONFIGS`.
+
+How many experts a token picks from, how many it picks, their grouping and which layers are sparse decide
+how the expert computation batches (rows per expert), so a benchmark of expert computation keeps them and
+shrinks only widths. Expert counts, top-k and groups are the class defaults, except DeepSeek-V2's top-6:
+its class leaves ``num_experts_per_tok`` unset, so the top-k is DeepSeek-V2(-Lite)'s, beside the class's
+64 routed and 2 shared experts and greedy, ungrouped top-k (DeepSeek-V2-Lite's routing). Which layers are
+sparse: DeepSeek-V3's ``first_k_dense_replace=3`` of 61 layers (DeepSeek-V2-Lite's 1 of 27) leaves nearly
+every layer sparse, so with the benchmark's 2 layers both are sparse (``first_k_dense_replace=0``) rather
+than half dense. Router functions (scoring, normalisation, scaling, correction bias) stay as in
+:data:`FAMILY_CONFIGS`: they decide the values, not how the work batches.
+"""
+
+ROUTINGS = ("few_experts", "family")
+"""``tiny_moe_model``'s routing shapes: :data:`FAMILY_CONFIGS` as is, or with :data:`FAMILY_ROUTING` on top."""
 
 
 def tiny_moe_model(family: str, *, hidden: int = 64, layers: int = 2, vocab: int = 128, seed: int = 0,
                    experts_implementation: str = "eager", dtype: torch.dtype = torch.float32,
-                   intermediate: int | None = None, **overrides: Any) -> torch.nn.Module:
+                   intermediate: int | None = None, routing: str = "few_experts",
+                   **overrides: Any) -> torch.nn.Module:
     """A seeded tiny ``*ForCausalLM`` of ``family``; DeepSeek-V3's score-correction bias is made non-zero.
 
     ``intermediate`` sets every intermediate size of the family's config (experts, shared experts, dense
-    layers) to one value, so a larger workload is the same size for every family.
+    layers) to one value, so a larger workload is the same size for every family. ``routing="family"``
+    routes as the family does (:data:`FAMILY_ROUTING`: 8-256 experts, top-2 to top-8); the default keeps
+    the tests' few experts.
     """
     import transformers
 
     if family not in FAMILY_CONFIGS:
         raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILY_CONFIGS)}")
+    if routing not in ROUTINGS:
+        raise ValueError(f"unknown routing {routing!r}; choose one of {ROUTINGS}")
     class_name, extra = FAMILY_CONFIGS[family]
+    if routing == "family":
+        extra = {**extra, **FAMILY_ROUTING[family]}
     if intermediate is not None:
         extra = {**extra, **{key: intermediate for key in extra if key.endswith("intermediate_size")}}
     config = getattr(transformers, class_name)(**{**_common(hidden, layers, vocab), **extra, **overrides})

@@ -20,6 +20,7 @@ __all__ = [
     "EXPERT_TENSORS",
     "combine_routes",
     "expert_mlp",
+    "gather_token_copies",
     "grouped_experts_forward",
     "grouped_linear",
     "grouped_mm_applies",
@@ -27,6 +28,7 @@ __all__ = [
     "permute_rows",
     "restore_route_order",
     "route_counts",
+    "route_positions",
     "sort_routes",
 ]
 
@@ -134,38 +136,79 @@ def inverse_permutation(index: torch.Tensor) -> torch.Tensor:
     return inverse
 
 
-class _PermuteRows(torch.autograd.Function):
-    """Rows gathered by a permutation. Its backward gathers by the inverse instead of autograd's scatter into a
-    zero-filled buffer (``index_select``'s backward), which measured as the largest bookkeeping cost on CPU."""
+class _GatherRows(torch.autograd.Function):
+    """Rows gathered by ``index`` where each source row lands at most once, so the backward is a gather by
+    ``back_index`` too, not autograd's scatter into a zero-filled buffer (``index_select``'s backward, measured
+    as the largest bookkeeping cost on CPU). An index longer than its source (padding) reads the index
+    ``len(source)`` as a zero row."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        return rows.index_select(0, index)
+    def forward(ctx: Any, rows: torch.Tensor, index: torch.Tensor, back_index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(back_index)
+        return _take(rows, index)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
+        (back_index,) = ctx.saved_tensors
+        return _take(grad, back_index), None, None
+
+
+def _take(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    if index.numel() > rows.shape[0]:
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, 1))
+    return rows.index_select(0, index)
 
 
 def permute_rows(rows: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor | None = None) -> torch.Tensor:
     """``rows[index]`` for a permutation ``index`` of ``rows``' first dimension (``inverse`` if already known)."""
     if index.numel() != rows.shape[0]:
         raise ValueError(f"permute_rows needs a permutation of {rows.shape[0]} rows, got {index.numel()} indices")
-    return _PermuteRows.apply(rows, index, inverse_permutation(index) if inverse is None else inverse)
+    return _GatherRows.apply(rows, index, inverse_permutation(index) if inverse is None else inverse)
 
 
-def restore_route_order(sorted_out: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+def route_positions(order: torch.Tensor, num_computed: int) -> torch.Tensor:
+    """Each route's position among the first ``num_computed`` routes of ``order``; ``num_computed`` for routes past
+    them (sentinel ids, never computed), which :class:`_GatherRows` reads as a zero row."""
+    return inverse_permutation(order).clamp_(max=num_computed)
+
+
+def restore_route_order(sorted_out: torch.Tensor, order: torch.Tensor,
+                        positions: torch.Tensor | None = None) -> torch.Tensor:
     """Outputs of the first ``len(sorted_out)`` routes of ``order`` put back in route order.
 
-    Routes past them (sentinel ids, never computed) get zeros; when every route was computed this is a
-    permutation, with a gather for its backward.
+    Routes past them (sentinel ids, never computed) get zeros. One gather each way (``positions`` from
+    :func:`route_positions`, if already known).
     """
-    if sorted_out.shape[0] == order.numel():
-        return permute_rows(sorted_out, inverse_permutation(order), order)
-    computed = order[:sorted_out.shape[0]]
-    return sorted_out.new_zeros(order.numel(), *sorted_out.shape[1:]).index_copy(0, computed, sorted_out)
+    computed = sorted_out.shape[0]
+    if positions is None:
+        positions = route_positions(order, computed)
+    return _GatherRows.apply(sorted_out, positions, order[:computed])
+
+
+class _GatherTokenCopies(torch.autograd.Function):
+    """Token rows copied once per computed route, in sorted route order. autograd's backward of that gather is a
+    scatter-add into a zero-filled ``[tokens, hidden]`` buffer; here the route gradients are gathered back into
+    route order (never-computed routes read zeros) and summed over each token's ``k`` routes."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden_states: torch.Tensor, token_rows: torch.Tensor, positions: torch.Tensor,
+                k: int) -> torch.Tensor:
+        ctx.save_for_backward(positions)
+        ctx.k = k
+        return hidden_states.index_select(0, token_rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (positions,) = ctx.saved_tensors
+        routes = _take(grad, positions)
+        return routes.view(-1, ctx.k, routes.shape[-1]).sum(1), None, None, None
+
+
+def gather_token_copies(hidden_states: torch.Tensor, order: torch.Tensor, num_computed: int, positions: torch.Tensor,
+                        k: int) -> torch.Tensor:
+    """``hidden_states`` rows of the routes ``order[:num_computed]`` (route ``r`` is token ``r // k``);
+    ``positions`` is :func:`route_positions` of the same ``order`` and ``num_computed``."""
+    return _GatherTokenCopies.apply(hidden_states, order[:num_computed] // k, positions, k)
 
 
 EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
@@ -222,6 +265,7 @@ def grouped_experts_forward(
     k = top_k_index.size(-1)
     order, counts = sort_routes(top_k_index, module.num_experts)
     counts_list = counts.tolist()
-    computed = order[:sum(counts_list)]
-    out = expert_mlp(module, hidden_states.index_select(0, computed // k), counts_list)
-    return combine_routes(restore_route_order(out, order), top_k_weights, hidden_states.dtype)
+    num_computed = sum(counts_list)
+    positions = route_positions(order, num_computed)
+    out = expert_mlp(module, gather_token_copies(hidden_states, order, num_computed, positions, k), counts_list)
+    return combine_routes(restore_route_order(out, order, positions), top_k_weights, hidden_states.dtype)

@@ -26,11 +26,15 @@ from lightning_merak.plugins.moe.experts.grouped import (
     EXPERT_TENSORS,
     combine_routes,
     expert_mlp,
+    gather_token_copies,
     grouped_experts_forward,
     permute_rows,
     restore_route_order,
     route_counts,
+    route_positions,
 )
+from lightning_merak.runtime.collectives import all_gather_in_turn, all_to_all_in_turn
+from lightning_merak.runtime.turns import in_sub_batch_region
 
 __all__ = ["EP_IMPLEMENTATION", "GROUPED_IMPLEMENTATION", "ExpertShard", "expert_parallel_forward", "register"]
 
@@ -82,6 +86,8 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx: Any, rows: torch.Tensor, output_splits: list[int], input_splits: list[int],
                 group: Any) -> torch.Tensor:
         ctx.splits, ctx.group = (input_splits, output_splits), group
+        if in_sub_batch_region():  # block-scope Lancet: the other sub-batches compute while this one waits
+            return all_to_all_in_turn(rows, input_splits, output_splits, group)
         out = rows.new_empty(sum(output_splits), *rows.shape[1:])
         dist.all_to_all_single(out, rows.contiguous(), output_splits, input_splits, group=group)
         return out
@@ -100,6 +106,8 @@ def _gather_counts(local: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
     """``[ep, E]`` route counts of every rank of the group, on the CPU (the layer's one host sync)."""
     if shard.ep_size == 1:
         return local.cpu().unsqueeze(0)
+    if in_sub_batch_region():
+        return all_gather_in_turn(local.unsqueeze(0), shard.group, dim=0).cpu()
     parts = [torch.empty_like(local) for _ in range(shard.ep_size)]
     dist.all_gather(parts, local.contiguous(), group=shard.group)
     return torch.stack(parts).cpu()
@@ -173,7 +181,9 @@ def expert_parallel_forward(
     plan = DroplessExchange.build(sent, shard.ep_rank)
     num_sent = sum(plan.send_splits)
     hosted_rows = [int(matrix[shard.ep_rank, e]) for e in hosted]
-    rows = hidden_states.index_select(0, order[:num_sent + sum(hosted_rows)] // k)
+    num_computed = num_sent + sum(hosted_rows)
+    positions = route_positions(order, num_computed)
+    rows = gather_token_copies(hidden_states, order, num_computed, positions, k)
     send, own = rows.split([num_sent, sum(hosted_rows)]) if hosted else (rows, None)
     received = send
     if ep > 1:  # source-major from the exchange, expert-major for the grouped call (at ep=1 it already is)
@@ -188,7 +198,7 @@ def expert_parallel_forward(
         back = permute_rows(back, plan.expert_major_to_recv.to(out.device), plan.recv_to_expert_major.to(out.device))
         back = _all_to_all(back, plan.send_splits, plan.recv_splits, shard.group)
     local_out = torch.cat([back, own_out]) if hosted else back
-    return combine_routes(restore_route_order(local_out, order), top_k_weights, hidden_states.dtype)
+    return combine_routes(restore_route_order(local_out, order, positions), top_k_weights, hidden_states.dtype)
 
 
 def register() -> None:

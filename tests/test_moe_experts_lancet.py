@@ -1,0 +1,168 @@
+"""Block-scope Lancet on ``merak_ep``: decoder layers as overlapped sub-batches at top-8, equal to the unswapped
+model (outputs, aux loss, gradients) on 2 gloo ranks; the ``auto`` choice and the refusals without processes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_merak.plugins.moe.experts.lancet import (
+    CANDIDATE_CHUNKS,
+    TRIAL_ROUNDS,
+    choose_chunks,
+    expert_parallel_lancet,
+)
+from lightning_merak.testing import run_distributed
+
+
+def test_choose_chunks_takes_the_fastest_best_call_and_fewer_chunks_on_a_tie() -> None:
+    assert choose_chunks({1: [0.9, 0.5], 2: [0.6, 0.45], 4: [0.7, 0.8]}) == 2
+    assert choose_chunks({4: [0.5], 1: [0.5], 2: [0.5]}) == 1
+    with pytest.raises(ValueError, match="at least one timed call"):
+        choose_chunks({1: [0.5], 2: []})
+
+
+def test_refusals_name_the_fix() -> None:
+    from lightning_merak.plugins.moe.experts import tiny_moe_model
+
+    model = tiny_moe_model("qwen3_moe")
+    with pytest.raises(ValueError, match="'auto' or an integer >= 1"):
+        expert_parallel_lancet(model, chunks=0)
+    blocks = expert_parallel_lancet(model, chunks=2)
+    assert len(blocks) == model.config.num_hidden_layers
+    with pytest.raises(ValueError, match="call expert_parallel_lancet once"):
+        expert_parallel_lancet(model, chunks=2)
+    ids = torch.randint(0, 128, (3, 8))
+    with pytest.raises(ValueError, match="cannot be split into 2 Lancet sub-batches"):
+        model(ids, use_cache=False)
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model(torch.randint(0, 128, (2, 8)), use_cache=True)
+    with pytest.raises(ValueError, match="no experts module"):
+        expert_parallel_lancet(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def _lancet_case(rank: int, world: int, family: str, chunks: int | str) -> dict[str, float]:
+    """The unswapped model on this rank's batch against ``merak_ep`` + block-scope Lancet; returns the largest
+    differences of logits, loss (with the router's aux loss) and gradients, and how many exchanges ran in turn
+    from a second sub-batch."""
+    from lightning_merak.plugins.moe.experts import enable_expert_parallel, tiny_moe_model
+    from lightning_merak.runtime.collectives import record_communication
+
+    reference = tiny_moe_model(family, output_router_logits=True, router_aux_loss_coef=0.05, use_cache=False)
+    swapped = copy.deepcopy(reference)
+    report = enable_expert_parallel(swapped)
+    layers = expert_parallel_lancet(swapped, chunks)
+    generator = torch.Generator().manual_seed(20 + rank)
+    steps = 1 + TRIAL_ROUNDS * len([c for c in CANDIDATE_CHUNKS if 4 % c == 0]) + 1 if chunks == "auto" else 1
+    worst = {"logits": 0.0, "loss": 0.0, "grads": 0.0, "second_sub_batch_exchanges": 0.0}
+    for _ in range(steps):
+        ids = torch.randint(0, 128, (4, 12), generator=generator)
+        reference.zero_grad()
+        swapped.zero_grad()
+        out = reference(ids, labels=ids)
+        out.loss.backward()
+        ref_grads = {}
+        for name, param in reference.named_parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad)
+                ref_grads[name] = param.grad / world
+        with record_communication() as trace:
+            ours = swapped(ids, labels=ids)
+            ours.loss.backward()
+        worst["second_sub_batch_exchanges"] += sum(1 for event in trace.events if event["sub_batch"] == 1)
+        worst["logits"] = max(worst["logits"], (ours.logits - out.logits).abs().max().item())
+        worst["loss"] = max(worst["loss"], abs(ours.loss.item() - out.loss.item()))
+        experts = set(report.expert_parameters)
+        for name, param in swapped.named_parameters():
+            if name in experts:
+                grad = param.grad / world
+                ref = ref_grads[name][report.local_experts.start:report.local_experts.stop]
+            elif name in ref_grads:
+                dist.all_reduce(param.grad)
+                grad, ref = param.grad / world, ref_grads[name]
+            else:
+                continue
+            worst["grads"] = max(worst["grads"], (grad - ref).abs().max().item())
+    worst["chosen"] = float(layers[0].forward.chunks)
+    return worst
+
+
+def _run_lancet(rank: int, world: int) -> dict[str, dict[str, float]]:
+    return {"qwen3_moe/2": _lancet_case(rank, world, "qwen3_moe", 2),
+            "deepseek_v3/4": _lancet_case(rank, world, "deepseek_v3", 4),
+            "mixtral/auto": _lancet_case(rank, world, "mixtral", "auto")}
+
+
+@pytest.mark.distributed
+def test_ep2_block_lancet_equals_unswapped_at_top8_and_auto_agrees() -> None:
+    results = run_distributed(_run_lancet, 2, timeout_s=180)
+    for case in results[0]:
+        for rank_result in results:
+            got = rank_result[case]
+            assert got["logits"] <= 1e-5 and got["loss"] <= 1e-5 and got["grads"] <= 1e-5, (case, got)
+        if not case.endswith("auto"):  # a second sub-batch issued the count gather and both all-to-alls in turn
+            assert results[0][case]["second_sub_batch_exchanges"] > 0, case
+    assert results[0]["mixtral/auto"]["chosen"] == results[1]["mixtral/auto"]["chosen"]
+    assert results[0]["mixtral/auto"]["chosen"] in CANDIDATE_CHUNKS
+
+
+def _train_block_lancet(rank: int, world: int) -> list[float]:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_merak.models import CausalLMModule
+    from lightning_merak.options.moe import ProphetMoEConfig
+    from lightning_merak.plugins.moe.experts import tiny_moe_model
+    from lightning_merak.testing import TraceRecorder
+    from tests.test_moe_experts_distributed import BATCH, STEPS, _lm_batches, _optim
+
+    config = ProphetMoEConfig(experts="merak_ep", ep_size=2, lancet_scope="block", lancet_block_chunks="2")
+    module = CausalLMModule(config.apply(tiny_moe_model("qwen3_moe", use_cache=True, output_router_logits=True)),
+                            _optim())
+    assert module.model.config.use_cache is False
+    recorder = TraceRecorder()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False, callbacks=[recorder, *config.build_callbacks()])
+    trainer.fit(module, DataLoader(TensorDataset(_lm_batches(rank)), batch_size=BATCH))
+    return recorder.trace.losses
+
+
+@pytest.mark.distributed
+def test_hydra_block_lancet_trains_like_one_process_under_lightning_ddp() -> None:
+    from lightning_merak.models import CausalLMModule
+    from lightning_merak.plugins.moe.experts import tiny_moe_model
+    from lightning_merak.testing import module_losses
+    from tests.test_moe_experts_distributed import BATCH, STEPS, _lm_batches, _optim
+
+    class PerRankLosses(CausalLMModule):
+        """The mean of each rank's loss, as DDP optimises it: the aux loss is not linear in the batch."""
+
+        def compute_loss(self, batch):
+            (ids,) = batch
+            return sum(super(PerRankLosses, self).compute_loss((half,)) for half in ids.chunk(2)) / 2
+
+    results = run_distributed(_train_block_lancet, 2, timeout_s=120)
+    module = PerRankLosses(tiny_moe_model("qwen3_moe", output_router_logits=True), _optim())
+    data = [_lm_batches(rank) for rank in range(2)]
+    reference = module_losses(module, [(torch.cat([d[step * BATCH:(step + 1) * BATCH] for d in data]),)
+                                       for step in range(STEPS)])
+    mean = [(a + b) / 2 for a, b in zip(*results)]
+    assert mean == pytest.approx(reference, abs=1e-5)
+
+
+def test_causal_lm_module_optimises_the_router_aux_loss_as_transformers_does() -> None:
+    from lightning_merak.config import TrainerConfig
+    from lightning_merak.models import CausalLMModule
+    from lightning_merak.plugins.moe.experts import tiny_moe_model
+
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    for aux in (True, False):
+        model = tiny_moe_model("qwen3_moe", output_router_logits=aux, router_aux_loss_coef=0.5)
+        module = CausalLMModule(model, TrainerConfig())
+        expected = model(ids, labels=ids).loss
+        assert module.compute_loss((ids,)).item() == pytest.approx(expected.item(), rel=1e-6)
+        assert (module._router_aux_loss is not None) == aux
