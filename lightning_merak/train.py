@@ -155,6 +155,13 @@ def train(config: TrainConfig) -> Path:
                    "accumulate_grad_batches": config.trainer.accumulate_grad_batches}
     if hasattr(strategy, "validate_arguments"):
         strategy.validate_arguments(world_size, **batch_shape)
+    if getattr(strategy, "strategy_name", None) == "merak3d":
+        from lightning_merak.strategies.merak3d.build import router_aux_loss_problem
+
+        problem = router_aux_loss_problem(config.model.config.get("output_router_logits", False),
+                                          getattr(config.strategy, "pipeline_parallel", 1))
+        if problem is not None:
+            raise ValueError(problem)
     if getattr(strategy, "strategy_name", None) == "merak3d" and getattr(config.moe, "experts", None) == "merak_ep":
         from lightning_merak.strategies.merak3d.experts import check_merak3d_experts
 

@@ -1,5 +1,6 @@
 """Block-scope Lancet on ``merak_ep``: decoder layers as overlapped sub-batches at top-8, equal to the unswapped
-model (outputs, aux loss, gradients) on 2 gloo ranks; the ``auto`` choice and the refusals without processes."""
+model (outputs, aux loss, gradients) on 2 gloo ranks; the ``auto`` choice and the refusals without processes; the
+router aux loss as CausalLMModule optimises it, and where merak3d refuses it."""
 
 from __future__ import annotations
 
@@ -166,3 +167,12 @@ def test_causal_lm_module_optimises_the_router_aux_loss_as_transformers_does() -
         expected = model(ids, labels=ids).loss
         assert module.compute_loss((ids,)).item() == pytest.approx(expected.item(), rel=1e-6)
         assert (module._router_aux_loss is not None) == aux
+
+
+def test_router_aux_loss_is_refused_only_under_pipeline_stages() -> None:
+    from lightning_merak.strategies.merak3d.build import router_aux_loss_problem
+
+    assert "pipeline stages do not run" in router_aux_loss_problem(True, 2)
+    assert router_aux_loss_problem(True, 1) is None
+    assert router_aux_loss_problem(True, "auto") is None
+    assert router_aux_loss_problem(False, 4) is None

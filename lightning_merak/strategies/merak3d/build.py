@@ -74,6 +74,15 @@ def call_model(model: nn.Module, inputs: torch.Tensor) -> Any:
     return model(inputs)
 
 
+def router_aux_loss_problem(output_router_logits: Any, pipeline_parallel: Any) -> Optional[str]:
+    """Why a transformers MoE model's router aux loss cannot be trained at this pipeline degree, or ``None``."""
+    if output_router_logits and isinstance(pipeline_parallel, int) and pipeline_parallel > 1:
+        return ("model.config.output_router_logits=True: the router aux loss is computed from every layer's router "
+                "logits at the model's end, which pipeline stages do not run; set output_router_logits=False (the "
+                "families' default) or pipeline_parallel=1")
+    return None
+
+
 def in_training_mode(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     """Every module of ``model`` in training mode meanwhile, then back in its own mode.
 
@@ -200,10 +209,10 @@ def build_model(model: nn.Module, inputs: torch.Tensor, *, arguments: Merak3DArg
     """
     layout = groups.layout
     no_cache(model)
-    if layout.pipeline_parallel > 1 and getattr(getattr(model, "config", None), "output_router_logits", False):
-        raise ValueError("model.config.output_router_logits=True: the router aux loss is computed from every layer's "
-                         "router logits at the model's end, which pipeline stages do not run; set "
-                         "output_router_logits=False (the families' default) or pipeline_parallel=1")
+    problem = router_aux_loss_problem(getattr(getattr(model, "config", None), "output_router_logits", False),
+                                      layout.pipeline_parallel)
+    if problem is not None:
+        raise ValueError(problem)
     # a copy: an evaluation loop's batch may be an inference tensor, which autograd refuses
     micro = first_micro_batch(layout, inputs).clone()
     pp, tp = layout.pipeline_parallel, layout.tensor_parallel
