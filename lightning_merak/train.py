@@ -166,6 +166,10 @@ def train(config: TrainConfig) -> Path:
         from lightning_merak.strategies.merak3d.experts import check_merak3d_experts
 
         check_merak3d_experts(strategy, world_size, getattr(config.moe, "ep_size", None))
+        if getattr(config.moe, "placement", "none") in ("pro_prophet", "shadowing"):
+            raise ValueError(f"moe.placement={config.moe.placement} with moe.experts=merak_ep re-plans replicas under "
+                             "DDP; under merak3d it is not built (each stage's experts have their own group): use "
+                             "strategy=ddp or moe.placement=none")
         if getattr(config.moe, "lancet_scope", "layer") == "block":
             raise ValueError("moe.lancet_scope=block with moe.experts=merak_ep under merak3d is not built (merak3d "
                              "splits a stage's micro-batch itself); use strategy=ddp for block-scope Lancet, or "

@@ -176,3 +176,72 @@ def test_router_aux_loss_is_refused_only_under_pipeline_stages() -> None:
     assert router_aux_loss_problem(True, 1) is None
     assert router_aux_loss_problem(True, "auto") is None
     assert router_aux_loss_problem(False, 4) is None
+
+
+def _replication_pays() -> object:
+    """A cost model under which copying an expert is nearly free and computing tokens dear: every plan replicates,
+    so the run exercises replicas (a profiled model on this CPU often plans none at this size)."""
+    from lightning_merak.plugins.moe import CommCurve, CostModel
+
+    return CostModel(all_to_all=CommCurve((1.0, 1e6), (1e-3, 1.0)), point_to_point=CommCurve((1.0, 1e6), (1e-9, 1e-9)),
+                     expert_tokens_per_s=1e3, bytes_per_token=4 * 64, expert_param_bytes=4 * 3 * 64 * 32,
+                     experts_per_rank=8)
+
+
+def _train_with_replicas(rank: int, world: int, placement: str, preset_cost_model: bool) -> dict[str, object]:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_merak.models import CausalLMModule
+    from lightning_merak.options.moe import ProphetMoEConfig
+    from lightning_merak.plugins.moe.experts import experts_modules, tiny_moe_model
+    from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
+    from lightning_merak.testing import TraceRecorder
+    from tests.test_moe_experts_distributed import BATCH, STEPS, _lm_batches, _optim
+
+    config = ProphetMoEConfig(experts="merak_ep", ep_size=2, placement=placement, replan_every=1,
+                              log_every_n_steps=1)
+    module = CausalLMModule(config.apply(tiny_moe_model("qwen3_moe")), _optim())
+    callbacks = config.build_callbacks()
+    if preset_cost_model:
+        callbacks[0]._planner.cost_model = _replication_pays()
+    recorder = TraceRecorder()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False, callbacks=[recorder, *callbacks])
+    trainer.fit(module, DataLoader(TensorDataset(_lm_batches(rank)), batch_size=BATCH))
+    plans = [getattr(experts, SHARD_ATTRIBUTE).plan for _, experts in experts_modules(module.model)]
+    return {"losses": recorder.trace.losses, "planned": all(plan is not None for plan in plans),
+            "cost_model": callbacks[0]._planner.cost_model is not None,
+            "logged": "moe_ep/replicas" in trainer.callback_metrics,
+            "replicas": callbacks[0]._planner.replicas_planned}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("placement", "preset_cost_model"), [("shadowing", True), ("pro_prophet", True),
+                                                              ("shadowing", False)])
+def test_replicas_replanned_every_batch_train_like_one_process(placement: str, preset_cost_model: bool) -> None:
+    from lightning_merak.models import CausalLMModule
+    from lightning_merak.plugins.moe.experts import tiny_moe_model
+    from lightning_merak.testing import module_losses
+    from tests.test_moe_experts_distributed import BATCH, STEPS, _lm_batches, _optim
+
+    results = run_distributed(_train_with_replicas, 2, args=(placement, preset_cost_model), timeout_s=180)
+    module = CausalLMModule(tiny_moe_model("qwen3_moe"), _optim())
+    data = [_lm_batches(rank) for rank in range(2)]
+    reference = module_losses(module, [(torch.cat([d[step * BATCH:(step + 1) * BATCH] for d in data]),)
+                                       for step in range(STEPS)])
+    for result in results:
+        assert result["planned"] and result["cost_model"] and result["logged"], result
+        assert result["replicas"] > 0 or not preset_cost_model, result
+    mean = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"])]
+    assert mean == pytest.approx(reference, abs=1e-5)
+
+
+def test_replica_placement_refusals() -> None:
+    from lightning_merak.plugins.moe.experts.replanning import ReplicaPlanner
+
+    with pytest.raises(ValueError, match="use pro_prophet or shadowing"):
+        ReplicaPlanner("auto")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="replan_every=0 must be >= 1"):
+        ReplicaPlanner("shadowing", replan_every=0)

@@ -38,6 +38,8 @@ def _merak_train(*overrides: str, timeout: float = 300) -> subprocess.CompletedP
          "moe.experts=merak_ep under merak3d refused: data_parallel_sharding='optimizer'"),
         (["model=mixtral_tiny", "moe=prophet", "moe.experts=merak_ep", "moe.lancet_scope=block"],
          "moe.lancet_scope=block with moe.experts=merak_ep under merak3d is not built"),
+        (["model=mixtral_tiny", "moe=shadowing", "moe.experts=merak_ep"],
+         "moe.placement=shadowing with moe.experts=merak_ep re-plans replicas under DDP"),
         (["model=mixtral_tiny", "strategy.pipeline_parallel=2", "+model.config.output_router_logits=true"],
          "output_router_logits=True: the router aux loss"),
     ],

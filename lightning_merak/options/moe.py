@@ -55,8 +55,10 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
     experts: str = "deepspeed"
     """``deepspeed``: swap sparse blocks for our DeepSpeed-MoE layer. ``merak_ep``: keep the family's own blocks
     (any transformers-5 MoE family, any top-k) and run its experts expert-parallel over ``ep_size`` ranks
-    (:mod:`lightning_merak.plugins.moe.experts`); the layer options above do not apply, ``lancet_scope=block``
-    does (each decoder layer as ``lancet_block_chunks`` overlapped sub-batches, ``auto`` measured)."""
+    (:mod:`lightning_merak.plugins.moe.experts`). Of the layer options above only ``placement=pro_prophet|shadowing``
+    (replicas re-planned every ``replan_every`` batches under DDP; ``auto`` and ``none`` run none) and
+    ``lancet_scope=block`` apply (each decoder layer as ``lancet_block_chunks`` overlapped sub-batches, ``auto``
+    measured)."""
 
     def _block_chunks(self) -> int | str:
         if self.lancet_scope not in ("layer", "block"):
@@ -117,7 +119,9 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
         if self.experts == "merak_ep":
             from lightning_merak.plugins.moe.experts import ExpertParallelCallback
 
-            return [ExpertParallelCallback(ep_size=self.ep_size, log_every_n_steps=self.log_every_n_steps)]
+            replicas = self.placement if self.placement in ("pro_prophet", "shadowing") else "none"
+            return [ExpertParallelCallback(ep_size=self.ep_size, log_every_n_steps=self.log_every_n_steps,
+                                           placement=replicas, replan_every=self.replan_every)]
 
         return [MoEPlacementCallback(log_every_n_steps=self.log_every_n_steps, heatmap_in_log_dir=True)]
 

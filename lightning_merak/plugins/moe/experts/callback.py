@@ -26,12 +26,20 @@ class ExpertParallelCallback(pl.Callback):
     """Run a transformers MoE model's experts expert-parallel (``merak_ep``) under Lightning's DDP.
 
     ``ep_size`` defaults to the world size. Logs ``moe_ep/max_over_mean`` (the most loaded expert over
-    the mean, worst layer) every ``log_every_n_steps``.
+    the mean, worst layer, routes since the last log) every ``log_every_n_steps``. ``placement``
+    ``"pro_prophet"`` or ``"shadowing"`` re-plans replicas of hot experts every ``replan_every`` training batches
+    from the routes since the last plan (:class:`~.replanning.ReplicaPlanner`, under DDP; ``moe_ep/replicas``
+    logged).
     """
 
-    def __init__(self, ep_size: int | None = None, log_every_n_steps: int = 10) -> None:
+    def __init__(self, ep_size: int | None = None, log_every_n_steps: int = 10, placement: str = "none",
+                 replan_every: int = 1) -> None:
+        from lightning_merak.plugins.moe.experts.replanning import ReplicaPlanner
+
         self.ep_size = ep_size
         self.log_every_n_steps = log_every_n_steps
+        self._planner = None if placement == "none" else ReplicaPlanner(placement, replan_every)  # type: ignore[arg-type]
+        self._since_log: dict[str, torch.Tensor] = {}
         self._expert_params: list[torch.nn.Parameter] = []
         self._edp_group: Any = None
         self._edp_size = 1
@@ -58,6 +66,9 @@ class ExpertParallelCallback(pl.Callback):
                              "moe.experts=deepspeed")
         if self._expert_params or self._merak3d is not None or not (dist.is_available() and dist.is_initialized()):
             return
+        if merak3d and self._planner is not None:
+            raise ValueError(f"placement={self._planner.policy!r} for merak_ep replicas runs under DDP; under merak3d "
+                             "it is not built (each stage's experts have their own group): use placement=none")
         if merak3d:
             from lightning_merak.strategies.merak3d.experts import Merak3DExperts
 
@@ -104,11 +115,20 @@ class ExpertParallelCallback(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not (self._expert_params or self._merak3d) or (trainer.global_step % self.log_every_n_steps):
+        if not (self._expert_params or self._merak3d):
+            return
+        loads = expert_load(pl_module)
+        for name, counts in loads.items():
+            self._since_log[name] = counts + self._since_log[name] if name in self._since_log else counts
+        if self._planner is not None:
+            self._planner.step(pl_module, loads)
+            pl_module.log("moe_ep/replicas", float(self._planner.replicas_planned), rank_zero_only=True)
+        if trainer.global_step % self.log_every_n_steps:
             return
         worst = 0.0
-        for counts in expert_load(pl_module).values():
+        for counts in self._since_log.values():
             per_expert = counts.sum(0).double()
             if per_expert.sum() > 0:
                 worst = max(worst, float(per_expert.max() / per_expert.mean()))
+        self._since_log = {}
         pl_module.log("moe_ep/max_over_mean", worst, rank_zero_only=True)
