@@ -77,12 +77,11 @@ def probe_call_curves(model: nn.Module, tokens: torch.Tensor, sizes: Sequence[in
     loss = loss or next_token_loss
     _, blocks = find_trunk(model)
     block = blocks[0]
-    prefix_stage = build_stage_module(copy.deepcopy(model), trace_model(model, tokens[:sizes[0]], profile=False),
-                                      (0, 1), 0, _call_model)
+    traces = [trace_model(model, tokens[:n], profile=False) for n in sizes]
+    prefix_stage = build_stage_module(copy.deepcopy(model), traces[0], (0, 1), 0, _call_model)
     calls: list[tuple[Callable[[], torch.Tensor], ...]] = []
-    for n in sizes:
+    for n, recorded in zip(sizes, traces):
         batch = tokens[:n]
-        recorded = trace_model(model, batch, profile=False)
         args, kwargs = recorded.block_arguments(recorded.sample_side_tensors)
         block_input = recorded.sample_hidden.detach().clone().requires_grad_(True)
         with torch.no_grad():

@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_flatten
 from transformers.cache_utils import Cache
 
-__all__ = ["Chunks", "batch_size", "cache_argument", "check_chunks", "split_batch"]
+__all__ = ["Chunks", "batch_size", "cache_argument", "check_chunks", "enclosing_block", "split_batch"]
 
 Chunks = Union[int, str]
 # Keyword names transformers has given a block's key/value cache: ``past_key_values`` before, ``cache`` in v5.24.
@@ -58,3 +59,14 @@ def split_batch(block: Any, args: tuple, kwargs: dict[str, Any], chunks: Optiona
             f"a batch of {batch} samples cannot be split into {chunks} Lancet sub-batches; "
             f"choose chunks that divide the micro-batch size (or chunks='auto')")
     return batch
+
+
+def enclosing_block(modules: dict[str, nn.Module], name: str) -> Optional[nn.Module]:
+    """The nearest ancestor of the module called ``name`` (or the module itself) held by an ``nn.ModuleList`` or
+    ``nn.Sequential``: the decoder layer a block-scope Lancet splits. ``modules`` is ``dict(model.named_modules())``;
+    ``None`` where no such ancestor exists."""
+    parts = name.split(".") if name else []
+    for cut in range(len(parts), 0, -1):
+        if isinstance(modules[".".join(parts[: cut - 1])], (nn.ModuleList, nn.Sequential)):
+            return modules[".".join(parts[:cut])]
+    return None

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_merak.plugins.moe.block_split import Chunks, check_chunks, split_batch
+from lightning_merak.plugins.moe.block_split import Chunks, check_chunks, enclosing_block, split_batch
 from lightning_merak.plugins.moe.core.lancet import choose_block_chunks, simulated_block_time
 from lightning_merak.plugins.moe.core.placement_cost_model import CostModel
 from lightning_merak.plugins.moe.layer import MoE, PlacementMOELayer
@@ -126,13 +126,8 @@ def _enclosing_blocks(model: nn.Module) -> list[nn.Module]:
     for name, module in modules.items():
         if not isinstance(module, MoE):
             continue
-        parts = name.split(".") if name else []
-        for cut in range(len(parts), 0, -1):
-            parent = modules[".".join(parts[: cut - 1])]
-            if isinstance(parent, (nn.ModuleList, nn.Sequential)):
-                block = modules[".".join(parts[:cut])]
-                break
-        else:
+        block = enclosing_block(modules, name)
+        if block is None:
             raise ValueError(
                 f"MoE layer {name or type(model).__name__!r} is not inside a block held by an nn.ModuleList or "
                 f"nn.Sequential; pass the decoder blocks explicitly: lancet_overlap(model, chunks, blocks=[...])")

@@ -69,10 +69,11 @@ def _cheapest_prefix(
     num_experts, ep_size = len(counts[0]), len(counts)
     best: tuple[float, tuple[int, ...]] | None = None
     for j in range(1, len(replicas) + 1):
-        trial = PlacementPlan(num_experts, ep_size, (*chosen, Replication(expert, owner, tuple(sorted(replicas[:j])))))
+        prefix = tuple(sorted(replicas[:j]))
+        trial = PlacementPlan(num_experts, ep_size, (*chosen, Replication(expert, owner, prefix)))
         time = cost_model.total(counts, trial, padding, timing)
         if best is None or time < best[0]:
-            best = (time, tuple(sorted(replicas[:j])))
+            best = (time, prefix)
     return best[1] if best is not None else ()
 
 

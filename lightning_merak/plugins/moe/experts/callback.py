@@ -17,7 +17,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from lightning_merak.plugins.moe.experts.enable import enable_expert_parallel, expert_load
+from lightning_merak.plugins.moe.experts.enable import add_loads, enable_expert_parallel, expert_load
+from lightning_merak.plugins.moe.experts.replanning import ReplicaPlanner
 
 __all__ = ["ExpertParallelCallback"]
 
@@ -34,8 +35,6 @@ class ExpertParallelCallback(pl.Callback):
 
     def __init__(self, ep_size: int | None = None, log_every_n_steps: int = 10, placement: str = "none",
                  replan_every: int = 1) -> None:
-        from lightning_merak.plugins.moe.experts.replanning import ReplicaPlanner
-
         self.ep_size = ep_size
         self.log_every_n_steps = log_every_n_steps
         self._planner = None if placement == "none" else ReplicaPlanner(placement, replan_every)  # type: ignore[arg-type]
@@ -118,8 +117,7 @@ class ExpertParallelCallback(pl.Callback):
         if not (self._expert_params or self._merak3d):
             return
         loads = expert_load(pl_module)
-        for name, counts in loads.items():
-            self._since_log[name] = counts + self._since_log[name] if name in self._since_log else counts
+        self._since_log = add_loads(self._since_log, loads)
         if self._planner is not None:
             self._planner.step(pl_module, loads)
             pl_module.log("moe_ep/replicas", float(self._planner.replicas_planned), rank_zero_only=True)

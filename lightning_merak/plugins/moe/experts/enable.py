@@ -34,6 +34,7 @@ __all__ = [
     "EXACT_FAMILIES",
     "REFUSED_FAMILIES",
     "ExpertParallelReport",
+    "add_loads",
     "enable_expert_parallel",
     "enable_grouped_experts",
     "expert_load",
@@ -204,6 +205,13 @@ def expert_load(model: nn.Module, reset: bool = True) -> dict[str, torch.Tensor]
             raise ValueError(f"{name} is not expert parallel; call enable_expert_parallel(model) first")
         loads[name] = shard.take_load() if reset else shard.load.clone()
     return loads
+
+
+def add_loads(total: dict[str, torch.Tensor], loads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``total`` with :func:`expert_load`'s counts ``loads`` added per experts module (new tensors; the inputs are
+    left as they are)."""
+    return {**total, **{name: counts + total[name] if name in total else counts.clone()
+                        for name, counts in loads.items()}}
 
 
 def set_replica_plans(model: nn.Module, plans: dict[str, Any] | None) -> None:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_merak.plugins.moe.block_split import Chunks, batch_size, check_chunks, split_batch
+from lightning_merak.plugins.moe.block_split import Chunks, batch_size, check_chunks, enclosing_block, split_batch
 from lightning_merak.runtime.sub_batches import run_sub_batches
 
 __all__ = ["CANDIDATE_CHUNKS", "TRIAL_ROUNDS", "ExpertParallelLancet", "expert_parallel_lancet"]
@@ -144,20 +144,17 @@ def _capturing(forward: Any, keys: Sequence[str]) -> Any:
 
 
 def _layer_blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
-    """Each registry experts module of ``model`` with its decoder layer (its nearest ancestor in a ModuleList)."""
+    """Each registry experts module of ``model`` with its decoder layer (:func:`~.block_split.enclosing_block`)."""
     from lightning_merak.plugins.moe.experts.enable import experts_modules
 
     modules = dict(model.named_modules())
     pairs: list[tuple[nn.Module, nn.Module]] = []
     for name, experts in experts_modules(model):
-        parts = name.split(".")
-        for cut in range(len(parts) - 1, 0, -1):
-            if isinstance(modules[".".join(parts[: cut - 1])], nn.ModuleList):
-                pairs.append((modules[".".join(parts[:cut])], experts))
-                break
-        else:
-            raise ValueError(f"experts module {name!r} is not inside a decoder layer held by an nn.ModuleList; "
-                             "block-scope Lancet splits decoder layers")
+        block = enclosing_block(modules, name)
+        if block is None:
+            raise ValueError(f"experts module {name!r} is not inside a decoder layer held by an nn.ModuleList or "
+                             "nn.Sequential; block-scope Lancet splits decoder layers")
+        pairs.append((block, experts))
     return pairs
 
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightning_merak.plugins.moe.experts.enable import experts_modules, plan_replicas, set_replica_plans
+from lightning_merak.plugins.moe.experts.enable import add_loads, experts_modules, plan_replicas, set_replica_plans
 from lightning_merak.plugins.moe.experts.grouped import EXPERT_TENSORS, expert_mlp
 from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
 
@@ -74,8 +74,7 @@ class ReplicaPlanner:
 
     def step(self, model: nn.Module, loads: dict[str, torch.Tensor]) -> None:
         """Add one batch's routes; every ``replan_every`` batches plan from them and apply the plans."""
-        for name, counts in loads.items():
-            self.since_plan[name] = counts + self.since_plan[name] if name in self.since_plan else counts.clone()
+        self.since_plan = add_loads(self.since_plan, loads)
         self._batches += 1
         if self._batches % self.replan_every:
             return
