@@ -12,6 +12,7 @@ every rank (what replication's transfers cost; its difference from ``ours`` is c
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from typing import Any, Callable
@@ -48,20 +49,27 @@ def _step(model: torch.nn.Module, ids: torch.Tensor, world: int, local: set[str]
 
 
 def _times(variants: dict[str, tuple[torch.nn.Module, set[str]]], ids: torch.Tensor, world: int, warmup: int,
-           steps: int) -> dict[str, dict[str, float]]:
-    """Median and fastest step time (ms) of each variant, interleaved step by step so all see the same load."""
+           steps: int, min_seconds: float = 0.0) -> dict[str, list[float]]:
+    """Every timed step (ms) of each variant, interleaved step by step so all see the same load.
+
+    Runs ``steps`` rounds, or more (up to 4×) until about ``min_seconds`` have passed, so a cheap model's
+    figure rests on more steps; every rank runs the same count (its slowest warm-up round decides).
+    """
+    start = time.perf_counter()
     for model, local in variants.values():
         for _ in range(warmup):
             _step(model, ids, world, local)
+    round_seconds = torch.tensor([(time.perf_counter() - start) / max(warmup, 1)], dtype=torch.float64)
+    dist.all_reduce(round_seconds, op=dist.ReduceOp.MAX)
+    rounds = max(steps, min(4 * steps, math.ceil(min_seconds / float(round_seconds))))
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(steps):
+    for _ in range(rounds):
         for name, (model, local) in variants.items():
             dist.barrier()
             start = time.perf_counter()
             _step(model, ids, world, local)
-            times[name].append(time.perf_counter() - start)
-    return {"median": {name: statistics.median(values) * 1e3 for name, values in times.items()},
-            "min": {name: min(values) * 1e3 for name, values in times.items()}}
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return times
 
 
 def _hottest_shadowed(loads: dict[str, torch.Tensor], world: int) -> dict[str, PlacementPlan]:
@@ -106,9 +114,11 @@ def run_family(rank: int, world: int, family: str, size: dict[str, int], warmup:
                    + [(rep_grads[n] - grads[n]).abs().max().item() for n in grads])
     times = _times({"eager": (reference, set()), "grouped_mm": (grouped, set()), "ours": (ours, experts),
                     "ours_grouped_no_ep": (grouped_dp, set()), "ours_replicated": (replicated, experts)},
-                   ids, world, warmup, steps)
+                   ids, world, warmup, steps, size.get("min_seconds", 0.0))
     return {"family": family, "output_diff": (logits - ref_logits).abs().max().item(), "grad_diff": grad_diff,
-            "grads_missing": missing, "step_ms": times["median"], "step_min_ms": times["min"],
+            "grads_missing": missing, "steps_ms": times,
+            "step_ms": {name: statistics.median(values) for name, values in times.items()},
+            "step_min_ms": {name: min(values) for name, values in times.items()},
             "local_experts": len(report.local_experts), "replicated_diff": rep_diff,
             "num_experts": report.num_experts, "top_k": int(reference.config.num_experts_per_tok)}
 

@@ -146,6 +146,7 @@ def _layer_record(layer: Any, world: int) -> dict[str, Any]:
                 exposed_a2a_s=stats.get("exposed_a2a_forward_s", 0.0) + stats.get("exposed_a2a_backward_s", 0.0),
                 predicted_s=stats["predicted_s"], corrected_s=stats.get("corrected_s"),
                 explored=bool(stats.get("explored")), planning_s=stats.get("planning_s", 0.0),
+                next_plan_s=stats.get("next_plan_s", 0.0),
                 discarded_trans_s=stats.get("discarded_trans_s", 0.0),
                 measured_s=stats.get("exchange_forward_s", 0.0) + stats.get("exchange_backward_s", 0.0))
 

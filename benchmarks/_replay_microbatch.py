@@ -38,7 +38,8 @@ from lightning_merak.profiler.synthesize import (
 from lightning_merak.profiler.trace import Trace
 from lightning_merak.testing.cores import pin_rank_to_core
 
-CURVE_MODEL = "probe curves (block, head, first stage's prefix, loss), relative to the traced M=2 step"
+CURVE_MODEL = ("probe curves (blocks in a row, head, first stage's prefix, loss), backward from the traced chunks, "
+               "relative to the traced M=2 step")
 GUESSED_MODEL = "probe curves (block, head), a chunk's fixed work at its traced forward, 2x that in backward"
 GUESSED_KIND = "what-if micro-batches (chunk work guessed)"
 """The model before the prefix and loss were probed, on the same traces and curves: beside the goal's rows, out of
@@ -77,9 +78,14 @@ def probe_curves(model_config: Any, vocab: int, seq: int, sizes: Sequence[int], 
 def microbatch_rows(traces: dict[str, Trace], runs: dict[str, dict[str, Any]], layouts: dict[str, LayoutSpec],
                     counts: Sequence[int], shape: ModelShape, curves: ProbedCurves,
                     row: Callable[..., dict[str, Any]], partitioned_kind: str,
-                    split_of: Callable[[StepCosts, str], StepCosts]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                    split_of: Callable[[StepCosts, str], StepCosts],
+                    expected_split: Callable[[StepCosts, str], StepCosts],
+                    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rows predicting ``pp2_m<M>`` for every M in ``counts`` from the traced ``pp2_m2`` (and ``dp2``) runs, by both
-    models, and again at each measured run's partition (``split_of``); and the costs used, for the JSON."""
+    models, and again at each measured run's partition (``split_of``); and the costs used, for the JSON.
+
+    The curve model's rows replay each count at the split its partitioner is expected to choose (``expected_split``,
+    derived before the run); the comparison rows keep the traced run's."""
     pp_trace, pp_layout = traces["pp2_m2"], layouts["pp2_m2"]
     costs = calibrate(pp_trace, shape, pp_layout)
     curve_costs = with_call_curves(costs, pp_layout, *curves)
@@ -93,8 +99,8 @@ def microbatch_rows(traces: dict[str, Trace], runs: dict[str, dict[str, Any]], l
         name, what = f"pp2_m{m}", f"pp2 M={m} from M=2"
         run, layout = runs[name], layouts[name]
         contention = {"measured_cpu_wait_share": run["cpu_wait_share"]} if "cpu_wait_share" in run else {}
-        rows.append(row("what-if micro-batches", what, predict_from_traced(curve_costs, shape, pp_layout, layout,
-                                                                           traced_period),
+        rows.append(row("what-if micro-batches", what, predict_from_traced(
+            curve_costs, shape, pp_layout, layout, traced_period, target_costs=expected_split(curve_costs, name)),
                         run["period_s"], call_model=CURVE_MODEL, **contention))
         rows.append(row(GUESSED_KIND, what, predict_from_traced(guessed_costs, shape, pp_layout, layout,
                                                                 traced_period),

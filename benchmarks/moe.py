@@ -159,7 +159,8 @@ def _check_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _call_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per layer call (this rank): planning seconds, discarded prefetches, and per kind the exchange time."""
+    """Per layer call (this rank): planning seconds (the plan for this call, before the dispatch; the prediction
+    for the next call, under the dispatch's wait), discarded prefetches, and per kind the exchange time."""
     layers = [layer for s in steps for layer in s["layers"] if "planning_s" in layer]
     if not layers:
         return {}
@@ -167,6 +168,8 @@ def _call_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     for layer in layers:
         by_kind.setdefault(f"{layer['kind']}/{layer['timing']}", []).append(layer["measured_s"])
     return {"planning_ms_per_call": round(1000 * statistics.median(layer["planning_s"] for layer in layers), 3),
+            "next_plan_ms_per_call": round(1000 * statistics.median(layer.get("next_plan_s", 0.0) for layer in layers),
+                                           3),
             "discarded_trans_ms_per_step": round(1000 * sum(layer["discarded_trans_s"] for layer in layers)
                                                  / len(steps), 3),
             "exchange_ms_by_kind": {k: round(1000 * statistics.median(v), 1) for k, v in sorted(by_kind.items())},

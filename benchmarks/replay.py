@@ -29,9 +29,10 @@ run the benchmark used to report). Every step also records how long each rank's 
 CPU (Linux schedstat), reported per run as ``cpu_wait_share``: contention, not our code, where it is high.
 ``--pin`` puts each rank (and the probe) on a core of its own; by default the scheduler places them: pinned, a
 rank cannot leave a core another process takes (see the findings). autopipe splits the blocks by timings taken at
-start-up, which contention moves too: rows of kind
-``PARTITIONED`` replay each pipeline what-if again with the split its measured run got; like the tp2 row
-without its probe, they are reported beside the goal's rows and left out of the maxima.
+start-up, for the run's micro-batch size and count: the pipeline what-ifs price the split the driver derives the
+same way before the runs (:mod:`benchmarks._replay_partition`), and rows of kind ``PARTITIONED`` replay them again
+with the split each measured run got (contention moves it too); like the tp2 row without its probe, they are
+reported beside the goal's rows and left out of the maxima.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks import report
 from benchmarks._replay_microbatch import GUESSED_KIND, LINE_KIND, microbatch_rows, probe_curves, probe_sizes
+from benchmarks._replay_partition import expected_stage_blocks, stage_blocks
 from benchmarks.merak3d import Workload, _quiet_lightning
 from lightning_merak.config import TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
@@ -387,11 +389,20 @@ def measure_repeat(mode: Mode, repeat: int, out_dir: str, started: float, pin: b
     return measured
 
 
+def expected_splits(mode: Mode) -> dict[str, tuple[int, ...]]:
+    """Blocks per stage the partitioner will give every pipelined 1 Gbit job, derived before it runs
+    (:func:`~benchmarks._replay_partition.expected_stage_blocks`)."""
+    return {name: expected_stage_blocks(job.workload().model_config(), WORKLOAD.vocab, WORKLOAD.seq,
+                                        WORKLOAD.global_batch // job.micro_batches, job.pp, job.micro_batches)
+            for name, job in jobs_by_name(mode).items() if job.pp > 1}
+
+
 def predict_repeat(measured: dict[float, dict[str, dict[str, Any]]], traces: dict[str, Trace], mode: Mode,
-                   shape: ModelShape, curves: ProbedCurves
+                   shape: ModelShape, curves: ProbedCurves, splits: dict[str, tuple[int, ...]]
                    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """One repeat's rows (:func:`_row`) from its own traces, runs and probed call ``curves``; and the costs
-    calibrated on them."""
+    """One repeat's rows (:func:`_row`) from its own traces, runs, probed call ``curves`` and the ``splits`` the
+    partitioner was expected to give the pipelined runs (:func:`expected_splits`); and the costs calibrated on
+    them."""
     jobs = jobs_by_name(mode)
     at_base = measured[BASE_RATE_MBIT]
     rows = []
@@ -412,10 +423,13 @@ def predict_repeat(measured: dict[float, dict[str, dict[str, Any]]], traces: dic
     probe = Probe(traces["tp2_probe"], _shape(probe_job.workload()), probe_job.layout(),
                   at_base["tp2_probe"]["period_s"] / measured_step_time(traces["tp2_probe"]))
     predictor = ReplayPredictor(calibrate_from_traces(dp2, shape, jobs["dp2"].layout(), [probe], correction))
-    for name in ("pp2_m2", "tp2"):
-        probed = f" and a {PROBE_LAYERS}-block probe" if jobs[name].tp > 1 else ""
-        rows.append(_row("what-if layout", f"{name} from dp2{probed}", predictor.step_time(jobs[name].layout()),
-                         at_base[name]["period_s"], **_contention(at_base[name])))
+    base_costs, base_correction = predictor.calibration.costs_for(jobs["pp2_m2"].layout())
+    rows.append(_row("what-if layout", "pp2_m2 from dp2", predict_layout(
+        replace(base_costs, stage_blocks=splits["pp2_m2"]), shape, jobs["pp2_m2"].layout()).step_time * base_correction,
+        at_base["pp2_m2"]["period_s"], **_contention(at_base["pp2_m2"])))
+    rows.append(_row("what-if layout", f"tp2 from dp2 and a {PROBE_LAYERS}-block probe",
+                     predictor.step_time(jobs["tp2"].layout()), at_base["tp2"]["period_s"],
+                     **_contention(at_base["tp2"])))
     unprobed = predict_layout(costs_dp, shape, jobs["tp2"].layout()).step_time * correction
     rows.append(_row("what-if layout (no probe)", "tp2 from dp2 alone", unprobed, at_base["tp2"]["period_s"],
                      **_contention(at_base["tp2"])))
@@ -424,12 +438,12 @@ def predict_repeat(measured: dict[float, dict[str, dict[str, Any]]], traces: dic
     def split_of(costs: StepCosts, name: str) -> StepCosts:
         return replace(costs, stage_blocks=stage_blocks(at_base[name]["partition"], shape.blocks))
 
-    base_costs, base_correction = predictor.calibration.costs_for(jobs["pp2_m2"].layout())
     rows.append(_row(PARTITIONED, "pp2_m2 from dp2", predict_layout(split_of(base_costs, "pp2_m2"), shape,
                                                                     jobs["pp2_m2"].layout()).step_time
                      * base_correction, at_base["pp2_m2"]["period_s"], **_contention(at_base["pp2_m2"])))
     micro_rows, costs_pp = microbatch_rows(traces, at_base, {name: job.layout() for name, job in jobs.items()},
-                                           mode.micro_batch_counts, shape, curves, _row, PARTITIONED, split_of)
+                                           mode.micro_batch_counts, shape, curves, _row, PARTITIONED, split_of,
+                                           lambda costs, name: replace(costs, stage_blocks=splits[name]))
     rows += micro_rows
     rows.append(_row("what-if (not measured)", "dp2, overlap off", replay_trace(dp2, WhatIf(overlap=False)).step_time
                      * correction, None))
@@ -441,15 +455,6 @@ def predict_repeat(measured: dict[float, dict[str, dict[str, Any]]], traces: dic
                          predict_layout(costs_dp, shape, layout).step_time * correction, None, label="simulated"))
     costs = {"dp2": asdict(costs_dp), **costs_pp, "predictor": predictor.calibration.describe()}
     return rows, costs
-
-
-def stage_blocks(boundaries: Optional[Sequence[int]], blocks: int) -> tuple[int, ...]:
-    """Blocks per stage of a merak3d partition's ``boundaries`` (graph nodes: 0 the embedding, 1 to ``blocks``
-    the blocks, then the head); () where the run reported none."""
-    if not boundaries:
-        return ()
-    ends = [*boundaries[1:], blocks + 2]
-    return tuple(len(range(max(start, 1), min(end, blocks + 1))) for start, end in zip(boundaries, ends))
 
 
 def _contention(run: dict[str, Any]) -> dict[str, float]:
@@ -497,14 +502,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             os.chmod(out_dir, 0o777)
             curves = probe_curves(WORKLOAD.model_config(), WORKLOAD.vocab, WORKLOAD.seq,
                                   probe_sizes(WORKLOAD.global_batch, mode.micro_batch_counts), pin=args.pin)
+            splits = expected_splits(mode)
             measured = measure_repeat(mode, repeat, out_dir, started, pin=args.pin)
             traces = {name: Trace.load(measured[BASE_RATE_MBIT][name]["trace"])
                       for name in ("dp2", "pp2_m2", "tp2_probe")}
         if args.traces:
             for name, trace in traces.items():
                 trace.save(args.traces / f"r{repeat}_{name}.json")
-        rows, costs = predict_repeat(measured, traces, mode, shape, curves)
+        rows, costs = predict_repeat(measured, traces, mode, shape, curves, splits)
         costs["call_curves"] = {name: curve.describe() for name, curve in curves._asdict().items()}
+        costs["expected_stage_blocks"] = splits
         repeat_rows.append(rows)
         repeat_runs.append(_named_runs(measured, mode.rates))
         repeat_costs.append(costs)

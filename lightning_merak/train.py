@@ -9,7 +9,9 @@
 
 Configuration is validated while Hydra composes it (typed schemas in
 :mod:`lightning_merak.config`), and the run is validated by :func:`validate_run`
-before any process is launched.
+before any process is launched. The other ranks of a single-node run start at once and
+import while rank 0 does, then wait until rank 0 has made every check before launch
+(:mod:`lightning_merak.runtime.prelaunch`); a refused run starts no rank's work.
 
 Multi-node: start one ``merak-train`` per node with the usual launchers; Lightning
 detects them through its cluster environments (``torchrun`` sets ``WORLD_SIZE`` etc.,
@@ -36,6 +38,12 @@ from lightning_merak.config import (
 from lightning_merak.console import quiet_dependency_noise
 from lightning_merak.runtime.elastic import isolate_restart_attempts
 from lightning_merak.runtime.host_memory import restart_with_heap_tunables
+from lightning_merak.runtime.prelaunch import (
+    PrelaunchedRanks,
+    launched_externally,
+    prelaunch_local_ranks,
+    wait_at_gate,
+)
 from lightning_merak.runtime.resume import resume_path
 from lightning_merak.termination import install_termination_handler
 
@@ -47,6 +55,8 @@ __all__ = ["build_strategy", "main", "train", "validate_run"]
 
 def _launched_world_size() -> int | None:
     """World size set by an external launcher (torchrun or SLURM), if one started us."""
+    if not launched_externally(os.environ):
+        return None
     from lightning.pytorch.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
     if TorchElasticEnvironment.detect():
@@ -135,8 +145,11 @@ def _link_last_to_final(checkpoints: Path, final_checkpoint: Path) -> None:
     last.symlink_to(final_checkpoint.name)
 
 
-def train(config: TrainConfig) -> Path:
-    """Train as configured and return the output directory."""
+def train(config: TrainConfig, prelaunched: PrelaunchedRanks | None = None) -> Path:
+    """Train as configured and return the output directory.
+
+    ``prelaunched``: this node's other ranks, started early by ``merak-train`` and waiting until every check
+    before launch has passed (:mod:`lightning_merak.runtime.prelaunch`); None lets Lightning launch them."""
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
     from lightning.pytorch.utilities import rank_zero_only
@@ -241,6 +254,8 @@ def train(config: TrainConfig) -> Path:
         )
     if rank_zero_only.rank == 0 and resume_from is not None:
         print(f"merak-train: resuming from {resume_from}")
+    if prelaunched is not None:
+        prelaunched.start()
     trainer.fit(module, datamodule=data, ckpt_path=resume_from)
     if getattr(strategy, "plan_only", False):
         if trainer.is_global_zero:
@@ -248,6 +263,8 @@ def train(config: TrainConfig) -> Path:
                 "merak-train: plan only, nothing trained. Planned layout: "
                 f"{strategy.layout_plan.best.layout.describe() if strategy.layout_plan else strategy.layout}"
             )
+        if prelaunched is not None:
+            prelaunched.finish()
         return output_dir
     checkpoints = output_dir / "checkpoints"
     final_checkpoint = checkpoints / "final.ckpt"
@@ -260,6 +277,8 @@ def train(config: TrainConfig) -> Path:
             f"{final_checkpoint}, metrics: {output_dir / 'csv' / 'metrics.csv'}, "
             f"tensorboard: {output_dir / 'tensorboard'}"
         )
+    if prelaunched is not None:
+        prelaunched.finish()
     return output_dir
 
 
@@ -267,12 +286,14 @@ def train(config: TrainConfig) -> Path:
 def _hydra_entry(cfg: DictConfig) -> None:
     reject_unknown_keys(cfg)
     config: Any = OmegaConf.to_object(cfg)
-    train(config)
+    validate_run(config.trainer)  # before any rank starts; train() checks the rest before the ranks begin work
+    train(config, prelaunch_local_ranks(config.trainer.devices, config.trainer.num_nodes))
 
 
 def main() -> None:
     """Console entry point of ``merak-train``."""
     restart_with_heap_tunables()
+    wait_at_gate()  # a rank started early by rank 0 (below): imports, then waits until rank 0 has checked the run
     install_termination_handler()
     quiet_dependency_noise()
     register_configs()

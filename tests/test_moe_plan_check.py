@@ -6,6 +6,10 @@ check only ever sees the cost model's prediction and that measured time.
 
 from __future__ import annotations
 
+import math
+import random
+import statistics
+
 import pytest
 
 from lightning_merak.plugins.moe import Padding, PlanCheck, step_candidates
@@ -22,6 +26,39 @@ def _run(check: PlanCheck, predicted: dict[str, float], true_s: dict[str, float]
         ran.append(arm)
         check.observe(arm, predicted[arm], true_s[arm])
     return ran
+
+
+def _noisy_run(check: PlanCheck, predicted: dict[str, float], true_s: dict[str, float], calls: int,
+               scatter: float, seed: int, spikes: bool = False, explored: list[int] | None = None) -> list[str]:
+    """As :func:`_run`, on a shared machine: each call's time is the arm's true time × the load of the moment
+    (a slow random walk, with optional 2–3× spikes a few calls long) × the call's own scatter (routing)."""
+    rng = random.Random(seed)
+    load, spike_left, ran = 1.0, 0, []
+    candidates = [Candidate(arm, seconds) for arm, seconds in predicted.items()]
+    for _ in range(calls):
+        load = min(2.0, max(0.6, load * math.exp(rng.gauss(0.0, 0.05))))
+        if spikes and spike_left == 0 and rng.random() < 0.08:
+            spike_left = rng.randint(1, 4)
+        factor = rng.uniform(2.0, 3.0) if spike_left else 1.0
+        spike_left = max(0, spike_left - 1)
+        picked = check.select(candidates)
+        arm = candidates[picked.index].arm
+        if picked.explored and explored is not None:
+            explored.append(len(ran))
+        ran.append(arm)
+        check.observe(arm, predicted[arm], true_s[arm] * load * factor * math.exp(rng.gauss(0.0, scatter)))
+    return ran
+
+
+def test_the_truly_faster_arm_wins_most_calls_under_a_changing_load() -> None:
+    """Three arms the model prices alike; measured, one is 8 % and one 15 % faster than the third, under a
+    drifting load (with and without 2–3× spikes) and 10 % per-call scatter: over 20 seeded runs of 64 calls
+    the fastest runs most calls (per-arm medians of raw ratios read 0.81 and 0.47 here)."""
+    predicted = {"dropless/current": 1.0, "shadowing/current": 1.0, "pro_prophet/current": 1.0}
+    true_s = {"dropless/current": 1.0, "shadowing/current": 0.92, "pro_prophet/current": 0.85}
+    for spikes, share in ((False, 0.8), (True, 0.6)):
+        runs = [_noisy_run(PlanCheck(), predicted, true_s, 64, 0.1, seed, spikes) for seed in range(20)]
+        assert statistics.median(ran.count("pro_prophet/current") / len(ran) for ran in runs) >= share
 
 
 def test_a_plan_that_runs_slower_than_predicted_loses_to_the_one_that_keeps_its_promise() -> None:
@@ -44,18 +81,21 @@ def test_a_uniformly_slow_machine_changes_no_ranking() -> None:
     assert PlanCheck().correction("never-ran") == 1.0
 
 
-def test_exploration_is_seeded_bounded_and_only_within_the_regret() -> None:
+def test_exploration_stops_where_the_measurements_settle_it_and_stays_seeded() -> None:
+    """Noiseless, a 10 % slower arm and a 5× slower one run once each and never again; with scatter the
+    close arm is re-run now and then (a seeded schedule, the same on every rank), the far one still never."""
     predicted = {"a": 1.0, "b": 1.1, "c": 5.0}
-    runs = [_run(PlanCheck(explore_every=4, max_regret=0.25, seed=seed), predicted, predicted, 40)
-            for seed in (3, 3, 4)]
-    assert runs[0] == runs[1]  # same seed, same measurements: same choices (as on every rank)
-    assert runs[0] != runs[2]
-    for ran in runs:
-        assert ran.count("c") == 1  # measured once, 5× the best: beyond the regret from then on
-        explored = [i for i, arm in enumerate(ran) if arm == "b"][1:]
-        assert 40 // 7 <= len(explored) <= 40 // 2  # after its first run, once every 2–6 calls
-        assert all(later - earlier >= 2 for earlier, later in zip(explored, explored[1:]))
-    assert _run(PlanCheck(explore_every=0), predicted, predicted, 40)[3:] == ["a"] * 37
+    assert _run(PlanCheck(explore_every=4), predicted, predicted, 40) == ["a", "b", "c"] + ["a"] * 37
+    explorations: list[list[int]] = [[], [], []]
+    runs = [_noisy_run(PlanCheck(explore_every=4, max_regret=0.25, seed=seed), predicted, predicted, 60, 0.1, 1,
+                       explored=explored) for seed, explored in zip((3, 3, 4), explorations)]
+    assert runs[0] == runs[1] and explorations[0] == explorations[1]
+    assert explorations[0] != explorations[2]
+    for ran, explored in zip(runs, explorations):
+        assert ran.count("c") == 1
+        again = [i for i in explored if i > 2]  # after each arm's first run
+        assert 1 <= len(again) <= 60 // 2
+        assert all(later - earlier >= 2 for earlier, later in zip(again, again[1:]))
 
 
 def test_one_lucky_run_does_not_make_a_slower_arm_the_choice() -> None:
@@ -77,7 +117,6 @@ def test_one_lucky_run_does_not_make_a_slower_arm_the_choice() -> None:
         return ran
 
     assert run(PlanCheck(explore_every=0)).count("pro_prophet/current") == 2
-    assert run(PlanCheck(explore_every=0, confident=1)).count("pro_prophet/current") == 3  # the median alone
     with pytest.raises(ValueError, match="confident"):
         PlanCheck(window=3, confident=4)
 
@@ -104,16 +143,23 @@ def test_one_chunked_run_teaches_every_kinds_chunked_correction() -> None:
     assert [check.select(offers).index for _ in range(5)] == [0] * 5
 
 
-def test_corrections_follow_recent_measurements_and_ignore_empty_ones() -> None:
+def test_corrections_are_relative_to_the_load_and_ignore_empty_ones() -> None:
+    """One arm slows 4× (the machine got busier: it is the only arm running, so nothing says otherwise):
+    its factor stays, the load level takes the change; a new arm measured then is compared with that level."""
     check = PlanCheck(window=3, explore_every=0)
-    for measured in (1.0, 1.0, 1.0, 4.0, 4.0):
+    for measured in [1.0] * 3 + [4.0] * 8:
         check.observe("x", 1.0, measured)
-    assert check.correction("x") == pytest.approx(4.0)  # the window keeps the last three: 1, 4, 4
-    check.observe("y", 0.0, 1.0)
-    check.observe("y", 1.0, 0.0)
-    assert check.samples("y") == 0
+    assert check.correction("x") < 2.0
+    check.observe("y", 1.0, 4.0)  # as slow as x under the same load: as fast as x
+    check.observe("x", 1.0, 4.0)
+    assert check.correction("y") == pytest.approx(check.correction("x"), rel=0.05)
+    check.observe("z", 0.0, 1.0)
+    check.observe("z", 1.0, 0.0)
+    assert check.samples("z") == 0
     with pytest.raises(ValueError, match="explore_every"):
         PlanCheck(explore_every=-1)
+    with pytest.raises(ValueError, match="level_smoothing"):
+        PlanCheck(level_smoothing=0.0)
     with pytest.raises(ValueError, match="at least one candidate"):
         check.select([])
 
@@ -146,7 +192,7 @@ def test_arms_within_the_measured_noise_run_the_more_balanced_plan() -> None:
     check = PlanCheck(explore_every=0)
     _settle(check, {"dropless/current": [1.3] * 5, "shadowing/current": [0.95, 1.05, 0.95, 1.05, 1.0],
                     "pro_prophet/current": [1.01, 1.06, 0.97, 1.03, 1.01]})
-    assert check.noise("shadowing/current") == pytest.approx(0.05)
+    assert check.noise("shadowing/current") == pytest.approx(0.05, abs=0.02)
     assert offers[check.select(offers).index].arm == "pro_prophet/current"
     speed_only = PlanCheck(explore_every=0, balance_tolerance=0.0)
     _settle(speed_only, {"dropless/current": [1.3] * 5, "shadowing/current": [0.95, 1.05, 0.95, 1.05, 1.0],

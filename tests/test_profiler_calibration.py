@@ -211,6 +211,7 @@ def test_a_pipeline_trace_gives_the_fixed_costs_per_chunk_and_per_gap() -> None:
     assert costs.block_forward_per_sample == pytest.approx(0.001)  # 2 ms calls of 2 samples
     assert costs.rest_forward_per_sample == pytest.approx(0.001)  # 3 ms of head less the stage's own 1 ms, 2 samples
     assert costs.stage_blocks == (1, 1)
+    assert costs.chunk_backward_s == pytest.approx((0.006, 0.008))  # each stage's backward chunk
     # the gaps leave the loop's time per step: each rank's step less its work, wait and gaps (18.5 and 7.5 ms)
     assert costs.host_per_step == pytest.approx((0.0185 + 0.0075) / 2)
 

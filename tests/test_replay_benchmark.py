@@ -129,7 +129,8 @@ def test_micro_batch_rows_report_both_models_and_keep_the_line_out_of_the_maxima
     def rows_for(counts: tuple[int, ...]) -> list[dict]:
         runs = {"pp2_m2": {"period_s": 0.05, "partition": [0, 2]}, "pp2_m4": {"period_s": 0.06, "partition": [0, 2]}}
         return microbatch_rows({"dp2": _dp2_trace(), "pp2_m2": _pp2_trace()}, runs, layouts, counts, SHAPE, curves,
-                               _row, PARTITIONED, lambda costs, name: replace(costs, stage_blocks=(1, 1)))[0]
+                               _row, PARTITIONED, lambda costs, name: replace(costs, stage_blocks=(1, 1)),
+                               lambda costs, name: costs)[0]
 
     rows = rows_for((4,))
     assert [r["kind"] for r in rows] == ["what-if micro-batches", GUESSED_KIND, LINE_KIND, PARTITIONED]
@@ -144,3 +145,34 @@ def test_micro_batch_rows_report_both_models_and_keep_the_line_out_of_the_maxima
     assert traced[2]["predicted_s"] != pytest.approx(0.05, rel=0.01)
     assert _error_max([{**r, "error": r["predicted_s"] / r["measured_s"] - 1} for r in rows]) == pytest.approx(
         abs(rows[0]["predicted_s"] / 0.06 - 1))
+
+
+def test_micro_batch_rows_price_the_split_the_partitioner_is_expected_to_choose() -> None:
+    from tests.test_profiler_calibration import DP2, PP2, SHAPE, _dp2_trace, _pp2_trace
+
+    curves = ProbedCurves(*(CallCurve((1.0, 2.0), (0.0015, 0.002), (0.002, 0.004)),) * 4)
+    layouts = {"dp2": DP2, "pp2_m2": PP2, "pp2_m4": replace(PP2, micro_batches=4)}
+    runs = {"pp2_m2": {"period_s": 0.05, "partition": [0, 2]}, "pp2_m4": {"period_s": 0.06, "partition": [0, 2]}}
+
+    def split(blocks: tuple[int, ...]):
+        return lambda costs, name: replace(costs, stage_blocks=blocks)
+
+    def rows_with(expected: tuple[int, ...]) -> list[dict]:
+        return microbatch_rows({"dp2": _dp2_trace(), "pp2_m2": _pp2_trace()}, runs, layouts, (4,), SHAPE, curves,
+                               _row, PARTITIONED, split((2, 0)), split(expected))[0]
+
+    traced, moved = rows_with((1, 1)), rows_with((2, 0))
+    # the goal's row follows the expected split (here the measured run's), the comparison rows keep the traced one
+    assert moved[0]["predicted_s"] == pytest.approx(moved[3]["predicted_s"])
+    assert moved[0]["predicted_s"] != pytest.approx(traced[0]["predicted_s"])
+    assert [r["predicted_s"] for r in moved[1:3]] == pytest.approx([r["predicted_s"] for r in traced[1:3]])
+
+
+def test_the_expected_split_is_autopipes_on_a_profile_of_the_ranks_model() -> None:
+    from benchmarks._replay_partition import expected_stage_blocks
+    from tests.test_replay_call_curve import TINY_LLAMA
+
+    split = expected_stage_blocks(TINY_LLAMA, 64, 8, micro_batch_samples=2, stages=2, micro_batches=4, profiles=1)
+    assert len(split) == 2 and sum(split) == 2
+    with pytest.raises(ValueError, match="at least 2 stages"):
+        expected_stage_blocks(TINY_LLAMA, 64, 8, micro_batch_samples=2, stages=1, micro_batches=4)

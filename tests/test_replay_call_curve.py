@@ -117,12 +117,32 @@ def test_a_cheaper_measured_chunk_backward_lowers_the_cost_of_more_micro_batches
     assert probed < guessed
 
 
-def test_a_loss_curve_moves_the_last_stages_loss_between_chunks_with_the_samples() -> None:
+def test_traced_backward_chunks_set_the_blocks_and_heads_backward_level() -> None:
+    # stages of 3 and 1 blocks at 2 ms forward a call; backward chunks traced at 9.3 ms (first stage: its blocks
+    # and the prefix's 0.3 ms) and 10 ms (last stage: a block and the head)
+    traced = dataclasses.replace(COSTS, chunk_forward_s=0.001, rest_forward_per_sample=0.001, rest_backward_ratio=3.0,
+                                 stage_blocks=(3, 1), chunk_backward_s=(0.0093, 0.010))
+    shaped = with_call_curves(traced, PP2_M2, CURVE, CURVE, PREFIX)
+    # a block's backward is 3 ms at the traced size, not the FLOPs ratio's 4 ms; other sizes keep the curve's shape
+    assert shaped.block_seconds(2.0, False) == pytest.approx(0.003)
+    assert shaped.block_seconds(1.0, False) == pytest.approx(0.0015)
+    assert shaped.block_seconds(2.0, False, recompute=1.0) == pytest.approx(0.005)
+    # the head takes the rest of the last stage's chunk: 10 - 3 ms
+    assert shaped.rest_seconds(2.0, False) == pytest.approx(0.007)
+    # the traced chunks are rebuilt as traced
+    assert shaped.chunk_seconds(0, 2.0, False) + 3 * shaped.block_seconds(2.0, False) == pytest.approx(0.0093)
+    assert shaped.block_seconds(2.0, False) + shaped.rest_seconds(2.0, False) == pytest.approx(0.010)
+    # without per-stage chunks (or a prefix to take out of them) the FLOPs ratio stays
+    for costs, prefix in ((dataclasses.replace(traced, chunk_backward_s=()), PREFIX), (traced, None)):
+        assert with_call_curves(costs, PP2_M2, CURVE, CURVE, prefix).block_seconds(2.0, False) == pytest.approx(0.004)
+
+
+def test_a_loss_curve_shapes_the_last_stages_gap_after_a_forward_chunk() -> None:
     # 0.5 / 3 ms of the loop after a forward chunk, 0.1 / 0.2 ms after a backward one (stage 0 / stage 1)
     traced = dataclasses.replace(COSTS, chunk_host_s=(0.0005, 0.003), chunk_host_after_backward_s=(0.0001, 0.0002))
     shaped = with_call_curves(traced, PP2_M2, CURVE, loss=PREFIX)
-    # the last stage's loss: 0.6 ms at the traced 2 samples, 0.5 at one, 0.8 at four
-    assert [shaped.gap_seconds(1, 2, True, n) for n in (1.0, 2.0, 4.0)] == pytest.approx([0.0029, 0.003, 0.0032])
+    # the loss's probe: 0.6 ms at the traced 2 samples, 0.5 at one, 0.8 at four; the traced 3 ms keeps that shape
+    assert [shaped.gap_seconds(1, 2, True, n) for n in (1.0, 2.0, 4.0)] == pytest.approx([0.0025, 0.003, 0.004])
     assert [shaped.gap_seconds(s, 2, False, 1.0) for s in (0, 1)] == pytest.approx([0.0001, 0.0002])
     assert shaped.gap_seconds(0, 2, True, 1.0) == pytest.approx(0.0005)  # no loss on the first stage
     assert with_call_curves(traced, PP2_M2, CURVE).gap_seconds(1, 2, True, 1.0) == pytest.approx(0.003)

@@ -3,7 +3,9 @@
 
 A trace holds block calls of one size; the replay's micro-batch what-ifs need calls of others.
 :func:`probe_call_curves` records the model once per size (:func:`~lightning_merak.strategies.pipeline.trace.
-trace_model`, no profiling), then times a block's forward and backward, the head's (everything after the
+trace_model`, no profiling), then times a block's forward and backward (the model's blocks called one after
+another, as a pipeline stage calls its own, per block: a block called alone, after the head or the loss has run,
+finds its weights out of the cache, which inflates small calls most), the head's (everything after the
 blocks, and the loss), the prefix's: what a pipeline's first stage runs besides its blocks (the embedding,
 position tables and mask, and the stage's exit from the model's forward: a first stage holding no block,
 :func:`~lightning_merak.strategies.pipeline.stage.build_stage_module`), whose backward a trace does not time
@@ -60,9 +62,9 @@ def _timed(run: Callable[[], torch.Tensor]) -> tuple[float, float]:
 def probe_call_curves(model: nn.Module, tokens: torch.Tensor, sizes: Sequence[int], rounds: int = 30,
                       warmup: int = 2, loss: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
                       ) -> ProbedCurves:
-    """The fastest forward and backward seconds of block 0, of the head (with ``loss``, default
-    :func:`next_token_loss`), of the first stage's prefix (on a copy of ``model``) and of the loss alone on the first
-    ``n`` rows of ``tokens`` for each ``n`` in ``sizes``.
+    """The fastest forward and backward seconds of a block (the model's blocks in a row, per block), of the head
+    (with ``loss``, default :func:`next_token_loss`), of the first stage's prefix (on a copy of ``model``) and of the
+    loss alone on the first ``n`` rows of ``tokens`` for each ``n`` in ``sizes``.
 
     ``rounds`` timed calls per size after ``warmup`` untimed ones; the model's gradients are cleared afterwards.
     Raises before timing anything where ``sizes`` are fewer than two, not increasing, or above ``tokens``' rows.
@@ -76,7 +78,6 @@ def probe_call_curves(model: nn.Module, tokens: torch.Tensor, sizes: Sequence[in
         raise ValueError(f"rounds must be positive and warmup not negative, got {rounds} / {warmup}")
     loss = loss or next_token_loss
     _, blocks = find_trunk(model)
-    block = blocks[0]
     traces = [trace_model(model, tokens[:n], profile=False) for n in sizes]
     prefix_stage = build_stage_module(copy.deepcopy(model), traces[0], (0, 1), 0, _call_model)
     calls: list[tuple[Callable[[], torch.Tensor], ...]] = []
@@ -94,7 +95,10 @@ def probe_call_curves(model: nn.Module, tokens: torch.Tensor, sizes: Sequence[in
 
         def run_block(block_input: torch.Tensor = block_input, args: tuple = args, kwargs: dict = kwargs,
                       recorded: ModelTrace = recorded) -> torch.Tensor:
-            return recorded.hidden_of(block(block_input, *args, **kwargs))
+            hidden = block_input
+            for each in blocks:
+                hidden = recorded.hidden_of(each(hidden, *args, **kwargs))
+            return hidden
 
         def run_head(head_input: torch.Tensor = head_input, recorded: ModelTrace = recorded,
                      batch: torch.Tensor = batch) -> torch.Tensor:
@@ -124,8 +128,9 @@ def probe_call_curves(model: nn.Module, tokens: torch.Tensor, sizes: Sequence[in
             param.grad = None
 
     def curve(part: int) -> CallCurve:
-        fastest = [(min(f for f, _ in times[index, part]),
-                    min(b for _, b in times[index, part])) for index in range(len(sizes))]
+        calls_per_run = len(blocks) if part == 0 else 1
+        fastest = [(min(f for f, _ in times[index, part]) / calls_per_run,
+                    min(b for _, b in times[index, part]) / calls_per_run) for index in range(len(sizes))]
         return CallCurve(tuple(float(n) for n in sizes), tuple(f for f, _ in fastest), tuple(b for _, b in fastest))
 
     return ProbedCurves(*(curve(part) for part in range(4)))

@@ -94,7 +94,9 @@ class StepCosts:
     ``block_curve`` and ``head_curve`` (:func:`with_call_curves`), measured calls at several sizes, replace the
     fixed-plus-per-sample line of blocks and head for sizes other than ``curve_reference_samples``;
     ``prefix_curve``, the first stage's own work measured the same way, replaces the guess for a chunk's fixed work
-    (:meth:`chunk_seconds`); ``loss_curve`` moves the last stage's loss with the samples (:meth:`gap_seconds`).
+    (:meth:`chunk_seconds`); ``loss_curve`` shapes the last stage's loss with the samples (:meth:`gap_seconds`).
+    ``chunk_backward_s``: a pipeline trace's mean backward chunk per stage, its waits removed, which sets the blocks'
+    and the head's backward level where a prefix curve is given (:func:`with_call_curves`).
     """
 
     block_forward_per_sample: float
@@ -117,10 +119,12 @@ class StepCosts:
     prefix_curve: Optional[CallCurve] = None
     chunk_host_after_backward_s: tuple[float, ...] = ()
     loss_curve: Optional[CallCurve] = None
+    chunk_backward_s: tuple[float, ...] = ()
 
     def gap_seconds(self, stage: int, stages: int, after_forward: bool, samples: float) -> float:
         """The loop's work on ``stage`` (of ``stages``) after a chunk, before the next: traced per stage (their mean
-        where the stage count differs), the last stage's loss after a forward chunk moved by the ``loss_curve``."""
+        where the stage count differs). After a forward chunk the last stage sends nothing and computes the loss: its
+        traced gap sets the level and the ``loss_curve`` the shape, as for blocks."""
         gaps = self.chunk_host_s if after_forward or not self.chunk_host_after_backward_s \
             else self.chunk_host_after_backward_s
         if not gaps:
@@ -128,7 +132,7 @@ class StepCosts:
         seconds = gaps[stage] if len(gaps) == stages else statistics.mean(gaps)
         if after_forward and stage == stages - 1 and self.loss_curve is not None:
             reference = self.curve_reference_samples
-            seconds += self.loss_curve.forward(samples) - self.loss_curve.forward(reference)
+            seconds *= self.loss_curve.forward_scale(samples, reference)
         return max(seconds, 0.0)
 
     def chunk_seconds(self, stage: int, samples: float, forward: bool, recompute: float = 0.0) -> float:
@@ -159,7 +163,7 @@ class StepCosts:
             call = self.block_call_s + self.block_forward_per_sample * samples
             return call * (1.0 if forward else self.backward_ratio + recompute)
         reference = self.curve_reference_samples
-        traced = self.block_call_s + self.block_forward_per_sample * reference
+        traced = _traced_block_call(self, reference)
         call = traced * self.block_curve.forward_scale(samples, reference)
         if forward:
             return call
@@ -312,7 +316,9 @@ def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec, tp_comm_in_co
                      chunk_host_s=tuple(statistics.mean(g[0] for g in gaps[s]) for s in range(layout.pp))
                      if len(gaps) == layout.pp else (),
                      chunk_host_after_backward_s=tuple(statistics.mean(g[1] for g in gaps[s]) for s in range(layout.pp))
-                     if len(gaps) == layout.pp else ())
+                     if len(gaps) == layout.pp else (),
+                     chunk_backward_s=_stage_means([(s, t["BW"] / t["FW chunks"]) for s, t in zip(stages, per_rank)
+                                                    if t["FW chunks"]], layout.pp))
 
 
 def with_block_call_cost(costs: StepCosts, layout: LayoutSpec, fixed_s: float) -> StepCosts:
@@ -333,7 +339,9 @@ def with_call_curves(costs: StepCosts, layout: LayoutSpec, block: CallCurve, hea
 
     With a ``prefix`` curve a chunk's fixed work follows :meth:`StepCosts.chunk_seconds`; the last stage's head and
     loss take over what its chunks no longer charge (the trace times them together), so its traced chunks keep
-    their time. A ``loss`` curve moves the last stage's loss between chunks (:meth:`StepCosts.gap_seconds`).
+    their time, and where the trace timed each stage's backward chunks (``chunk_backward_s``) they, not the FLOPs
+    ratio, set the blocks' and the head's backward. A ``loss`` curve shapes the last stage's loss between chunks
+    (:meth:`StepCosts.gap_seconds`).
     Raises where the traced call size lies outside a curve's sizes (the scale would be extrapolated).
     """
     reference = layout.samples / layout.micro_batches / layout.tp
@@ -353,10 +361,37 @@ def with_call_curves(costs: StepCosts, layout: LayoutSpec, block: CallCurve, hea
                                     else costs.rest_backward_ratio)
     rest_forward += guessed.chunk_seconds(last, reference, True) - measured.chunk_seconds(last, reference, True)
     rest_backward += guessed.chunk_seconds(last, reference, False) - measured.chunk_seconds(last, reference, False)
+    block_backward = _traced_block_backward(costs, layout, prefix, reference)
+    if block_backward is not None:
+        # the traced backward chunks, not a FLOPs ratio, set the level: the first stage's are its blocks' and the
+        # prefix's backward, the last stage's its blocks' and the head's
+        measured = dataclasses.replace(measured, backward_ratio=block_backward / _traced_block_call(costs, reference))
+        rest_backward = costs.chunk_backward_s[last] - costs.stage_blocks[last] * block_backward
     if rest_forward <= 0:
         return measured
     return dataclasses.replace(measured, rest_forward_per_sample=rest_forward / reference,
                                rest_backward_ratio=max(rest_backward, 0.0) / rest_forward)
+
+
+def _traced_block_call(costs: StepCosts, samples: float) -> float:
+    """A block's traced forward call on ``samples`` samples (the calibrated line)."""
+    return costs.block_call_s + costs.block_forward_per_sample * samples
+
+
+def _traced_block_backward(costs: StepCosts, layout: LayoutSpec, prefix: CallCurve, reference: float
+                           ) -> Optional[float]:
+    """A block's backward call at the traced size: the first stage's traced backward chunk less the prefix's
+    measured backward, per block; None where the trace lacks per-stage chunks or blocks, or leaves nothing."""
+    if len(costs.chunk_backward_s) != layout.pp or len(costs.stage_blocks) != layout.pp or not costs.stage_blocks[0]:
+        return None
+    block = (costs.chunk_backward_s[0] - prefix.backward(reference)) / costs.stage_blocks[0]
+    return block if block > 0 and _traced_block_call(costs, reference) > 0 else None
+
+
+def _stage_means(values: list[tuple[int, float]], stages: int) -> tuple[float, ...]:
+    """The mean of (stage, value) pairs per stage; () unless every one of ``stages`` has a value."""
+    per_stage = [[v for s, v in values if s == stage] for stage in range(stages)]
+    return tuple(statistics.mean(v) for v in per_stage) if stages > 1 and all(per_stage) else ()
 
 
 def _blocks_recorded(rank: RankTrace) -> int:

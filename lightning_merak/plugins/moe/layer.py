@@ -33,7 +33,7 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -386,12 +386,20 @@ class PlacementMOELayer(MOELayer):
     def _exchange(
         self, tokens: torch.Tensor, layout: ExchangeLayout, rows: torch.Tensor, gates: torch.Tensor,
         plan: PlacementPlan, replica_params: dict[int, torch.Tensor], stats: dict[str, Any], prefetch: bool,
-        replica_transfer: ReplicaTransfer | None = None,
+        replica_transfer: ReplicaTransfer | None = None, while_dispatching: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        """Tokens → experts (local, replica, or over the all-to-alls) → gate-weighted sum per token."""
+        """Tokens → experts (local, replica, or over the all-to-alls) → gate-weighted sum per token;
+        ``while_dispatching``: host work for the next call, run under the first dispatch's wait."""
         routed_in = encode(tokens, rows, layout.num_rows)
         params = [p for expert in self.experts.deepspeed_experts for p in expert.parameters()]
         build_graph = torch.is_grad_enabled() and (routed_in.requires_grad or any(p.requires_grad for p in params))
+
+        def after_first_dispatch() -> None:
+            if self.options.overlap_transfer and prefetch:
+                self.scheduler.prefetch_after(self)
+            if while_dispatching is not None:
+                while_dispatching()
+
         exchange = ExpertExchange(
             layout=layout,
             group=self.ep_group,
@@ -399,8 +407,7 @@ class PlacementMOELayer(MOELayer):
             replica_params=replica_params,
             agg_start=self._start_agg(plan),
             lancet_backward=self.options.lancet_backward,
-            after_first_dispatch=(lambda: self.scheduler.prefetch_after(self))
-            if self.options.overlap_transfer and prefetch else (lambda: None),
+            after_first_dispatch=after_first_dispatch,
             stats=stats,
             replica_transfer=replica_transfer,
         )
@@ -427,16 +434,21 @@ class PlacementMOELayer(MOELayer):
         layout = ExchangeLayout.build(self.ep_rank, counts, choice.plan, choice.padding, self.num_local_experts,
                                       chunks)
         rows = layout.route_rows(indices, locations)
+        self._record(stats, counts, choice, chunks, int((indices < 0).sum()), layout.num_rows)
         start = time.perf_counter()
         replica_params, in_flight = self._replicas(choice, prefetched, stats)
         output = self._exchange(tokens, layout, rows, gates, choice.plan, replica_params, stats, prefetch=True,
-                                replica_transfer=in_flight)
+                                replica_transfer=in_flight,
+                                while_dispatching=lambda: self._plan_next_timed(counts, choice, stats))
         stats["exchange_forward_s"] = time.perf_counter() - start
         if choice.corrected_s is not None:
             self._checked = (_candidate(choice), stats)
-        self._record(stats, counts, choice, chunks, int((indices < 0).sum()), layout.num_rows)
-        self._plan_next(counts, choice)
         return output.reshape(hidden.shape)
+
+    def _plan_next_timed(self, counts: list[list[int]], choice: StepChoice, stats: dict[str, Any]) -> None:
+        start = time.perf_counter()
+        self._plan_next(counts, choice)
+        stats["next_plan_s"] = time.perf_counter() - start
 
     def _record(self, stats: dict[str, Any], counts: list[list[int]], choice: StepChoice, chunks: int,
                 dropped: int, routed_rows: int) -> None:

@@ -32,8 +32,9 @@ class MoEOptions:
     the previous layer), ``auto`` prefetches only while the cost model says the prediction pays.
     ``online_check`` (``auto`` and ``pro_prophet``): the planner's predictions are corrected per plan
     kind, timing and chunking by the layer time measured when each ran; each of these arms runs once
-    to be measured, then about every ``explore_every`` calls (0: never; seeded by ``explore_seed``) the
-    runner-up runs instead if its corrected prediction is within ``explore_regret`` of the best
+    to be measured, then, about every ``explore_every`` calls (0: never; seeded by ``explore_seed``), an
+    arm whose measurements say it could still be the fastest runs instead if its corrected prediction is
+    within ``explore_regret`` of the best; corrections are read against the load of their moment
     (:mod:`.core.plan_check`). Arms measured within the check's noise of the fastest (at most
     ``balance_tolerance``, relative; 0: speed alone) run the one whose plan balances the load best.
     Layers sharing a scheduler share the check (the first one's settings);

@@ -12,6 +12,7 @@ exactly what the layer does. Pure Python: no process groups, no tensors needed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal, Sequence
 
 Counts = Sequence[Sequence[int]]
@@ -62,7 +63,7 @@ class PlacementPlan:
             if rep.owner in rep.replicas or any(not 0 <= r < self.ep_size for r in rep.replicas):
                 raise ValueError(f"invalid replica set {rep.replicas} for expert {rep.expert} owned by {rep.owner}")
 
-    @property
+    @cached_property
     def replica_sets(self) -> dict[int, frozenset[int]]:
         return {rep.expert: frozenset(rep.replicas) for rep in self.replications}
 
@@ -145,10 +146,10 @@ def rank_loads(counts: Counts, plan: PlacementPlan, padding: Padding, experts_pe
     """H_d (computed), R_d (received) etc. of the Pro-Prophet model, for any padding.
 
     The rows are :func:`block_rows`' without building its matrix: the planners call this tens of times
-    per layer call, on the critical path between the count exchange and the dispatch.
+    per layer call, on the critical path between the count exchange and the dispatch, so each owner's
+    block is one slice sum and replicas then take their hosted rows back out.
     """
     ep_size = len(counts)
-    sets = plan.replica_sets
     fixed = padding.capacity if padding.mode == "fixed" else None
     if padding.mode == "max":
         fixed = _max_sent_count(counts, plan)
@@ -156,11 +157,9 @@ def rank_loads(counts: Counts, plan: PlacementPlan, padding: Padding, experts_pe
     sent = [0] * ep_size
     received = [0] * ep_size
     for r, row in enumerate(counts):
-        for e, count in enumerate(row):
-            if e in sets and r in sets[e]:
-                continue
-            n = int(count) if fixed is None else fixed
-            owner = e // experts_per_rank
+        for owner in range(ep_size):
+            first = owner * experts_per_rank
+            n = int(sum(row[first:first + experts_per_rank])) if fixed is None else fixed * experts_per_rank
             computed[owner] += n
             if owner != r:
                 sent[r] += n
@@ -168,8 +167,13 @@ def rank_loads(counts: Counts, plan: PlacementPlan, padding: Padding, experts_pe
     params_sent = [0] * ep_size
     params_received = [0] * ep_size
     for rep in plan.replications:
+        owner = rep.expert // experts_per_rank
         params_sent[rep.owner] += len(rep.replicas)
         for r in rep.replicas:
+            n = int(counts[r][rep.expert]) if fixed is None else fixed
+            computed[owner] -= n
+            sent[r] -= n
+            received[owner] -= n
             params_received[r] += 1
             computed[r] += replica_rows(counts, r, rep.expert, padding)
     return RankLoads(computed, sent, received, params_sent, params_received)

@@ -13,7 +13,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lightning_merak.plugins.moe.core.placement import Counts, Padding, PlacementPlan, rank_loads
+from lightning_merak.plugins.moe.core.placement import Counts, Padding, PlacementPlan, RankLoads, rank_loads
 
 __all__ = ["CommCurve", "CostModel", "CostTerms", "TransferTiming"]
 
@@ -126,9 +126,13 @@ class CostModel:
         return self.all_to_all.time(max(size_bytes, 1.0))
 
     def terms(
-        self, counts: Counts, plan: PlacementPlan, padding: Padding, transfer_timing: TransferTiming = "prefetched"
+        self, counts: Counts, plan: PlacementPlan, padding: Padding, transfer_timing: TransferTiming = "prefetched",
+        loads: RankLoads | None = None,
     ) -> CostTerms:
         """Predicted times; ``transfer_timing`` says when the replicas' parameters move.
+
+        ``loads`` is :func:`rank_loads` of these arguments where the caller has it already (a planner
+        pricing one plan several ways); None computes it.
 
         ``prefetched``: planned from the previous step's counts, Trans issued during the previous
         layer and hidden under its dense and expert compute (Pro-Prophet's scheduler). ``current``:
@@ -136,7 +140,8 @@ class CostModel:
         rank's links with it, and what outlasts the all-to-all and the expert compute after it is
         exposed. ``done``: already transferred (a prefetch that arrived), nothing left to pay.
         """
-        loads = rank_loads(counts, plan, padding, self.experts_per_rank)
+        if loads is None:
+            loads = rank_loads(counts, plan, padding, self.experts_per_rank)
         traffic = max(max(s, r) for s, r in zip(loads.sent, loads.received))
         all_to_all = self._issued_all_to_all(traffic * self.bytes_per_token)
         expert_forward = self.expert_compute(loads.computed)
@@ -164,6 +169,7 @@ class CostModel:
         return CostTerms(all_to_all, expert_forward, transfer, aggregate, total)
 
     def total(
-        self, counts: Counts, plan: PlacementPlan, padding: Padding, transfer_timing: TransferTiming = "prefetched"
+        self, counts: Counts, plan: PlacementPlan, padding: Padding, transfer_timing: TransferTiming = "prefetched",
+        loads: RankLoads | None = None,
     ) -> float:
-        return self.terms(counts, plan, padding, transfer_timing).total
+        return self.terms(counts, plan, padding, transfer_timing, loads).total

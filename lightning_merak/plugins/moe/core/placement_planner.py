@@ -13,6 +13,7 @@ from lightning_merak.plugins.moe.core.placement import (
     Counts,
     Padding,
     PlacementPlan,
+    RankLoads,
     Replication,
     block_rows,
     owner_of,
@@ -23,6 +24,25 @@ from lightning_merak.plugins.moe.core.placement import (
 from lightning_merak.plugins.moe.core.placement_cost_model import CostModel, TransferTiming
 
 __all__ = ["plan_pro_prophet"]
+
+
+class _LoadMemo:
+    """:func:`rank_loads` per plan for one count matrix and padding.
+
+    The three greedy runs share their first prefixes and every prefix is priced and then measured for
+    balance, so one search asked for the same plan's loads several times, on the critical path between
+    the count exchange and the dispatch.
+    """
+
+    def __init__(self, counts: Counts, padding: Padding, experts_per_rank: int) -> None:
+        self.counts, self.padding, self.experts_per_rank = counts, padding, experts_per_rank
+        self._loads: dict[PlacementPlan, RankLoads] = {}
+
+    def __call__(self, plan: PlacementPlan) -> RankLoads:
+        loads = self._loads.get(plan)
+        if loads is None:
+            loads = self._loads[plan] = rank_loads(self.counts, plan, self.padding, self.experts_per_rank)
+        return loads
 
 
 def _balancing_replicas(
@@ -45,33 +65,41 @@ def _balancing_replicas(
     becomes the lightest rank and the senders, already busy, the heaviest. Returned
     in the order added.
     """
-    rows = block_rows(counts, plan, padding)
     added = {r: replica_rows(counts, r, expert, padding) for r in eligible}
+    # A sender's block is what it would compute as a replica, except under "max" padding (the plan's largest block).
+    if padding.mode == "max":
+        rows = block_rows(counts, plan, padding)
+        removed = {r: rows[r][expert] for r in eligible}
+    else:
+        removed = added
     owner_load = computed[owner]
     replicas = []
     for r in sorted(eligible, key=lambda r: (computed[r] + added[r], r)):
         if computed[r] + added[r] >= owner_load:
             break
         replicas.append(r)
-        owner_load -= rows[r][expert]
+        owner_load -= removed[r]
     return tuple(replicas)
 
 
 def _cheapest_prefix(
     expert: int, owner: int, replicas: Sequence[int], chosen: list[Replication], counts: Counts,
-    cost_model: CostModel, padding: Padding, timing: TransferTiming,
+    cost_model: CostModel, padding: Padding, timing: TransferTiming, loads: _LoadMemo,
 ) -> tuple[int, ...]:
     """The first ``j`` of ``replicas`` (in the order added) that the cost model prices lowest.
 
     Every replica is one copy from the owner, so its link carries them one after another: past a few
     ranks a larger set costs more in copies than it saves in the owner's rows (16 simulated ranks,
-    400 Mbit/s: 11 copies of the hottest expert priced 433 ms against 382 for no replication)."""
+    400 Mbit/s: 11 copies of the hottest expert priced 433 ms against 382 for no replication). A set of
+    one replica (every set at two ranks) is its own only prefix."""
+    if len(replicas) <= 1:
+        return tuple(replicas)
     num_experts, ep_size = len(counts[0]), len(counts)
     best: tuple[float, tuple[int, ...]] | None = None
     for j in range(1, len(replicas) + 1):
         prefix = tuple(sorted(replicas[:j]))
         trial = PlacementPlan(num_experts, ep_size, (*chosen, Replication(expert, owner, prefix)))
-        time = cost_model.total(counts, trial, padding, timing)
+        time = cost_model.total(counts, trial, padding, timing, loads(trial))
         if best is None or time < best[0]:
             best = (time, prefix)
     return best[1] if best is not None else ()
@@ -85,6 +113,7 @@ def _greedy_path(
     exclude_fewest: int,
     slots_per_rank: int | None,
     balancing: bool,
+    loads: _LoadMemo,
     timing: TransferTiming | None = None,
 ) -> list[PlacementPlan]:
     """Every prefix of one greedy run, shortest first.
@@ -108,7 +137,7 @@ def _greedy_path(
     slots = [0] * ep_size
     while len(used) < num_experts:
         plan = PlacementPlan(num_experts, ep_size, tuple(chosen))
-        computed = rank_loads(counts, plan, padding, per_rank).computed
+        computed = loads(plan).computed
         if max(computed) - min(computed) < threshold:
             break
         heaviest = computed.index(max(computed))
@@ -130,7 +159,8 @@ def _greedy_path(
         if balancing:
             replicas = _balancing_replicas(expert, owner, eligible, counts, plan, padding, computed)
             if timing is not None:
-                replicas = _cheapest_prefix(expert, owner, replicas, chosen, counts, cost_model, padding, timing)
+                replicas = _cheapest_prefix(expert, owner, replicas, chosen, counts, cost_model, padding, timing,
+                                            loads)
             replicas = tuple(sorted(replicas))
         else:
             replicas = tuple(sorted(eligible))
@@ -179,16 +209,21 @@ def plan_pro_prophet(
         raise ValueError(f"cost model has {per_rank} experts per rank but counts are {ep_size} x {num_experts}")
     threshold = alpha * sum(map(sum, counts)) / num_experts
     best = PlacementPlan(num_experts, ep_size)
-    stock_time = cost_model.total(counts, best, padding)
+    loads = _LoadMemo(counts, padding, per_rank)
+    stock_time = cost_model.total(counts, best, padding, loads=loads(best))
     best_key: tuple[bool, float] | None = None
+    priced: set[PlacementPlan] = set()
     runs = ((False, None), (True, None), (True, transfer_timing))
     for balancing, trimmed_for in runs:
         for plan in _greedy_path(counts, cost_model, padding, threshold, exclude_fewest, slots_per_rank, balancing,
-                                 trimmed_for):
-            time = cost_model.total(counts, plan, padding, transfer_timing)
+                                 loads, trimmed_for):
+            if plan in priced:  # the runs share prefixes; an equal key never replaces the best
+                continue
+            priced.add(plan)
+            time = cost_model.total(counts, plan, padding, transfer_timing, loads(plan))
             if time >= stock_time:
                 continue
-            computed = rank_loads(counts, plan, padding, per_rank).computed
+            computed = loads(plan).computed
             key = (max(computed) - min(computed) >= threshold, time)
             if best_key is None or key < best_key:
                 best, best_key = plan, key

@@ -102,15 +102,31 @@ def _all_to_all(rows: torch.Tensor, output_splits: list[int], input_splits: list
     return _AllToAll.apply(rows, output_splits, input_splits, group)
 
 
-def _gather_counts(local: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
-    """``[ep, E]`` route counts of every rank of the group, on the CPU (the layer's one host sync)."""
-    if shard.ep_size == 1:
-        return local.cpu().unsqueeze(0)
-    if in_sub_batch_region():
-        return all_gather_in_turn(local.unsqueeze(0), shard.group, dim=0).cpu()
-    parts = [torch.empty_like(local) for _ in range(shard.ep_size)]
-    dist.all_gather(parts, local.contiguous(), group=shard.group)
-    return torch.stack(parts).cpu()
+class _CountGather:
+    """The all-gather of ``[ep, E]`` route counts, launched early so the rank prepares its token copies meanwhile.
+
+    Every collective waits for the slowest rank; sorting and copying this rank's routes needs only its own
+    counts, so that work runs while the counts are in flight instead of after they arrive.
+    """
+
+    def __init__(self, local: torch.Tensor, shard: ExpertShard) -> None:
+        self._gathered: torch.Tensor | None = None
+        self._work: Any = None
+        if shard.ep_size == 1:
+            self._gathered = local.unsqueeze(0)
+        elif in_sub_batch_region():  # block-scope Lancet hands the wait to the other sub-batches instead
+            self._gathered = all_gather_in_turn(local.unsqueeze(0), shard.group, dim=0)
+        else:
+            self._gathered = local.new_empty(shard.ep_size, local.numel())
+            self._work = dist.all_gather_single(self._gathered.view(-1), local.contiguous(), group=shard.group,
+                                                async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        """The ``[ep, E]`` counts on the CPU (the layer's one host sync)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._gathered.cpu()
 
 
 def _replica_tensors(module: Any, shard: ExpertShard, plan: PlacementPlan) -> tuple[list[int], dict[str, torch.Tensor]]:
@@ -166,24 +182,34 @@ def expert_parallel_forward(
         return hidden_states * top_k_weights.sum(-1, keepdim=True).to(hidden_states.dtype)
     k, num_experts, ep = top_k_index.size(-1), shard.num_experts, shard.ep_size
     flat = top_k_index.reshape(-1)
-    matrix = _gather_counts(route_counts(flat, num_experts), shard)
-    shard.record(matrix)
+    local_counts = route_counts(flat, num_experts)
+    counts = _CountGather(local_counts, shard)
     replicating = shard.plan is not None and bool(shard.plan.replications) and ep > 1
-    hosted, tensors = _replica_tensors(module, shard, shard.plan) if replicating else ([], None)
-    sent, key = matrix, flat
-    if replicating:  # every rank's routes to a replica it hosts stay home, whether or not this rank hosts one
+    # host-resident counts let the routes be ordered and copied while the gather is in flight; on an accelerator
+    # reading them would be a second host sync, and replicas need every rank's counts first
+    matrix = None if flat.device.type == "cpu" and not replicating else counts.wait()
+    if replicating:
+        hosted, tensors = _replica_tensors(module, shard, shard.plan)
         sent, key = matrix.clone(), flat.clone()
-        for rep in shard.plan.replications:
+        for rep in shard.plan.replications:  # every rank's routes to a replica it hosts stay home
             sent[list(rep.replicas), rep.expert] = 0
         for slot, expert in enumerate(hosted):
             key[flat == expert] = num_experts + slot  # routes to hosted replicas sort after the sent ones
+        hosted_rows = [int(matrix[shard.ep_rank, e]) for e in hosted]
+        num_computed = int(sent[shard.ep_rank].sum()) + sum(hosted_rows)
+    else:  # every counted route is sent (sentinel ids past the experts are not)
+        hosted, tensors, hosted_rows, key = [], None, [], flat
+        num_computed = int((local_counts if matrix is None else matrix[shard.ep_rank]).sum())
     order = torch.sort(key, stable=True).indices
-    plan = DroplessExchange.build(sent, shard.ep_rank)
-    num_sent = sum(plan.send_splits)
-    hosted_rows = [int(matrix[shard.ep_rank, e]) for e in hosted]
-    num_computed = num_sent + sum(hosted_rows)
     positions = route_positions(order, num_computed)
     rows = gather_token_copies(hidden_states, order, num_computed, positions, k)
+    if matrix is None:
+        matrix = counts.wait()
+    if not replicating:
+        sent = matrix
+    shard.record(matrix)
+    plan = DroplessExchange.build(sent, shard.ep_rank)
+    num_sent = sum(plan.send_splits)
     send, own = rows.split([num_sent, sum(hosted_rows)]) if hosted else (rows, None)
     received = send
     if ep > 1:  # source-major from the exchange, expert-major for the grouped call (at ep=1 it already is)

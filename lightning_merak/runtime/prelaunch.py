@@ -1,0 +1,163 @@
+"""Start a run's other local ranks while rank 0 is still importing; they begin work only when rank 0 says so.
+
+Why: Lightning's launcher starts ranks 1.. inside ``Trainer.fit``, after rank 0 has imported torch, Lightning
+and transformers and built its model (7 s on two CPU cores); each rank then imports them again (6 s) while
+rank 0 waits for it. Started first thing instead, the ranks import on the other cores at the same time as
+rank 0 (measured: a 2-rank ``merak-train`` of the default model, 16.2 s → see ``docs/findings.md``).
+
+Nothing else changes: each started rank imports, then waits at a gate (a pipe from rank 0). Rank 0 opens the
+gate where Lightning would have launched them, after every check a run makes before launch; a run refused
+before that ends rank 0, which closes the pipe, and the waiting ranks leave without a word. So a refused run
+still starts no rank's work. The ranks get the environment Lightning's launcher gives them (``MASTER_ADDR``,
+``MASTER_PORT``, ``NODE_RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``), which Lightning reads as processes created
+outside it, and the same Hydra overrides (rank 0's run directory, no ``.hydra`` of their own). Rank 0
+watches them: a rank that fails ends the others, and rank 0 ends with a non-zero status.
+
+Only single-node runs of 2 to as many devices as this process has cores (more ranks than cores would only
+slow rank 0's own import) that no launcher started (no ``LOCAL_RANK``, torchrun or SLURM variables) and a
+single Hydra run (not ``--multirun``) are started early; others keep Lightning's launcher. Nothing here
+imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["GATE_VARIABLE", "PrelaunchedRanks", "launched_externally", "prelaunch_local_ranks", "wait_at_gate"]
+
+GATE_VARIABLE = "MERAK_PRELAUNCH_GATE_FD"
+"""Set in a rank started early: the file descriptor of the pipe rank 0 opens the gate through."""
+
+_LAUNCHER_VARIABLES = (
+    "LOCAL_RANK", "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
+)
+_POLL_S = 0.5
+_FINISH_TIMEOUT_S = 120.0
+
+
+def launched_externally(environ: dict[str, str] | os._Environ[str]) -> bool:
+    """Whether a launcher (torchrun, SLURM, MPI, Lightning's own) already started this process as one rank."""
+    return any(name in environ for name in _LAUNCHER_VARIABLES)
+
+
+@dataclass
+class PrelaunchedRanks:
+    """Ranks 1..n-1 of this node, started and waiting at their gate until :meth:`start`."""
+
+    processes: list[subprocess.Popen[bytes]]
+    gates: list[int]
+    _observer: threading.Thread | None = field(default=None, init=False)
+
+    def start(self) -> None:
+        """Open every rank's gate (they begin the run) and watch them from here on."""
+        for gate in self.gates:
+            os.write(gate, b"1")
+            os.close(gate)
+        self.gates = []
+        self._observer = threading.Thread(target=self._watch, name="merak-prelaunch-observer", daemon=True)
+        self._observer.start()
+
+    def finish(self, timeout_s: float = _FINISH_TIMEOUT_S) -> None:
+        """Wait for the ranks to end after rank 0's run; raise if one failed or did not end in time."""
+        deadline = time.monotonic() + timeout_s
+        for local_rank, process in enumerate(self.processes, start=1):
+            try:
+                status = process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._end_all()
+                raise RuntimeError(f"local rank {local_rank} had not ended {timeout_s:.0f} s after rank 0 finished; "
+                                   "it was terminated") from None
+            if status != 0:
+                raise RuntimeError(f"local rank {local_rank} ended with status {status}")
+
+    def _watch(self) -> None:
+        """A rank that fails leaves the others waiting in a collective: end them all, rank 0 included."""
+        while True:
+            statuses = [process.poll() for process in self.processes]
+            failed = [(rank, status) for rank, status in enumerate(statuses, start=1) if status not in (None, 0)]
+            if failed:
+                rank, status = failed[0]
+                print(f"merak-train: local rank {rank} ended with status {status}; ending the other ranks",
+                      file=sys.stderr, flush=True)
+                self._end_all()
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            if all(status == 0 for status in statuses):
+                return
+            time.sleep(_POLL_S)
+
+    def _end_all(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rank_command(run_dir: str, local_rank: int) -> list[str]:
+    """This command again for ``local_rank``, writing into rank 0's run directory (as Lightning's launcher does)."""
+    import __main__
+
+    spec = getattr(__main__, "__spec__", None)
+    command = [sys.executable, "-m", spec.name] if spec is not None else [sys.executable, os.path.abspath(sys.argv[0])]
+    escaped = run_dir.replace("\\", "\\\\").replace('"', '\\"')
+    return [*command, *sys.argv[1:], f'hydra.run.dir="{escaped}"', f"hydra.job.name=train_ddp_process_{local_rank}",
+            "hydra.output_subdir=null"]
+
+
+def prelaunch_local_ranks(devices: int, num_nodes: int) -> PrelaunchedRanks | None:
+    """Start ranks 1..devices-1 of a single-node Hydra run now, waiting at their gates; None where Lightning's
+    launcher keeps the job (one device, more devices than cores, several nodes, a launcher already ran, a
+    multirun, no Hydra run)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not 2 <= devices <= len(os.sched_getaffinity(0)) or num_nodes != 1 or launched_externally(os.environ):
+        return None
+    if not HydraConfig.initialized():
+        return None
+    hydra_config = HydraConfig.get()
+    if hydra_config.mode != RunMode.RUN:
+        return None
+    from hydra.utils import get_original_cwd
+
+    os.environ.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                      MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())),
+                      NODE_RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(devices))
+    processes, gates = [], []
+    for local_rank in range(1, devices):
+        read_end, write_end = os.pipe()
+        environment = {**os.environ, "LOCAL_RANK": str(local_rank), GATE_VARIABLE: str(read_end)}
+        processes.append(subprocess.Popen(_rank_command(hydra_config.runtime.output_dir, local_rank),
+                                          env=environment, cwd=get_original_cwd(), pass_fds=(read_end,)))
+        os.close(read_end)
+        gates.append(write_end)
+    return PrelaunchedRanks(processes, gates)
+
+
+def wait_at_gate() -> None:
+    """In a rank started early: import the heavy libraries, then wait for rank 0 to open the gate; leave quietly
+    (status 0) when rank 0 ended without opening it. Nothing in any other process."""
+    gate = os.environ.pop(GATE_VARIABLE, None)
+    if gate is None:
+        return
+    interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is rank 0's to handle here
+    import lightning.pytorch  # noqa: F401  (the import this rank overlaps with rank 0's)
+    import transformers  # noqa: F401
+
+    go = os.read(int(gate), 1)
+    os.close(int(gate))
+    if go != b"1":
+        os._exit(0)
+    signal.signal(signal.SIGINT, interrupt)
