@@ -3,7 +3,8 @@
 Why: Lightning's launcher starts ranks 1.. inside ``Trainer.fit``, after rank 0 has imported torch, Lightning
 and transformers and built its model (7 s on two CPU cores); each rank then imports them again (6 s) while
 rank 0 waits for it. Started first thing instead, the ranks import on the other cores at the same time as
-rank 0 (measured: a 2-rank ``merak-train`` of the default model, 16.2 s → see ``docs/findings.md``).
+rank 0 (measured: a 2-rank ``merak-train`` of the default model reached its first step in 8.1 s instead of
+13.9 s; ``docs/findings.md``).
 
 Nothing else changes: each started rank imports, then waits at a gate (a pipe from rank 0). Rank 0 opens the
 gate where Lightning would have launched them, after every check a run makes before launch; a run refused
@@ -30,7 +31,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["GATE_VARIABLE", "PrelaunchedRanks", "launched_externally", "prelaunch_local_ranks", "wait_at_gate"]
+__all__ = [
+    "GATE_VARIABLE", "PrelaunchedRanks", "free_loopback_port", "launched_externally", "prelaunch_local_ranks",
+    "wait_at_gate",
+]
 
 GATE_VARIABLE = "MERAK_PRELAUNCH_GATE_FD"
 """Set in a rank started early: the file descriptor of the pipe rank 0 opens the gate through."""
@@ -99,7 +103,8 @@ class PrelaunchedRanks:
                 process.terminate()
 
 
-def _free_port() -> int:
+def free_loopback_port() -> int:
+    """Ask the kernel for a free TCP port on the loopback interface."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -133,7 +138,7 @@ def prelaunch_local_ranks(devices: int, num_nodes: int) -> PrelaunchedRanks | No
     from hydra.utils import get_original_cwd
 
     os.environ.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                      MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())),
+                      MASTER_PORT=os.environ.get("MASTER_PORT", str(free_loopback_port())),
                       NODE_RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(devices))
     processes, gates = [], []
     for local_rank in range(1, devices):

@@ -25,7 +25,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from dataclasses import dataclass
@@ -33,6 +32,8 @@ from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import torch
+
+from lightning_merak.runtime.prelaunch import free_loopback_port
 
 __all__ = ["DistributedRunError", "find_free_port", "run_distributed"]
 
@@ -64,11 +65,8 @@ rank importing them itself spent 1.3 s of CPU before its first step (measured: 1
 per rank of a 2-stage Llama run). A module that fails to import here is imported by the rank."""
 
 
-def find_free_port() -> int:
-    """Ask the kernel for a free TCP port on the loopback interface."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+find_free_port = free_loopback_port
+"""Ask the kernel for a free TCP port on the loopback interface (one helper for launches and tests)."""
 
 
 def _rank_main(
