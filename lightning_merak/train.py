@@ -37,7 +37,7 @@ from lightning_merak.config import (
 )
 from lightning_merak.console import quiet_dependency_noise
 from lightning_merak.runtime.elastic import isolate_restart_attempts
-from lightning_merak.runtime.host_memory import restart_with_heap_tunables
+from lightning_merak.runtime.host_memory import restart_with_heap_tunables, skip_final_collection
 from lightning_merak.runtime.prelaunch import (
     PrelaunchedRanks,
     launched_externally,
@@ -297,7 +297,10 @@ def main() -> None:
     install_termination_handler()
     quiet_dependency_noise()
     register_configs()
-    _hydra_entry()
+    try:
+        _hydra_entry()
+    finally:
+        skip_final_collection()
 
 
 if __name__ == "__main__":

@@ -172,16 +172,6 @@ def test_merak_train_with_tensor_parallel_validates_and_trains(tmp_path: Path):
     assert "merak-train: done." in result.stdout
 
 
-@pytest.mark.distributed
-def test_merak_train_refuses_micro_batches_that_do_not_split_the_batch_before_launch(tmp_path: Path):
-    """3 stages take 6 micro-batches by default, which do not divide data.batch_size=16."""
-    result = _merak_train("strategy.pipeline_parallel=3", "trainer.devices=3", f"hydra.run.dir={tmp_path}")
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
-    assert "batch size 16 is not divisible by micro_batches=6" in output
-    assert "distributed processes registered" not in output
-
-
 # Refusals before launch: no process, no traced model -------------------------------------------------
 
 

@@ -1,19 +1,36 @@
-"""`merak-train`'s refusals of bad input, before any process starts; its runs are in test_readme.py."""
+"""`merak-train`'s refusals of bad input, before any process starts; its runs are in test_readme.py.
 
-import subprocess
+Each refusal runs merak-train's own entry point in this process — Hydra's parsing and composition, then
+every check made before the ranks begin work — with ``Trainer.fit`` replaced by a failure, so a check that
+stopped refusing fails the test instead of training. That the command line prints the refusal once, exits
+non-zero and leaves no early-started rank behind is tests/test_prelaunch.py's subprocess run.
+"""
+
 import sys
 
+import lightning.pytorch as pl
 import pytest
 
-from lightning_merak.config import StrategyConfig, TrainerConfig
+import lightning_merak.train as merak_train
+from lightning_merak.config import StrategyConfig, TrainerConfig, register_configs
 from lightning_merak.train import build_strategy, validate_run
 
 
-def _merak_train(*overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "lightning_merak.train", *overrides],
-        capture_output=True, text=True, timeout=timeout,
-    )
+def _refusal(overrides: list[str], run_dir, monkeypatch, capsys) -> str:
+    """What ``merak-train *overrides`` prints when it refuses to start; fails if it would have trained."""
+
+    def reached_fit(*args, **kwargs):
+        raise AssertionError(f"merak-train {' '.join(overrides)} was not refused before training")
+
+    monkeypatch.setattr(pl.Trainer, "fit", reached_fit)
+    monkeypatch.setattr(merak_train, "prelaunch_local_ranks", lambda devices, num_nodes: None)
+    monkeypatch.setattr(sys, "argv", ["merak-train", *overrides, f"hydra.run.dir={run_dir}"])
+    register_configs()
+    with pytest.raises(SystemExit) as exit_:
+        merak_train._hydra_entry()
+    output = capsys.readouterr()
+    assert exit_.value.code not in (0, None), output.out + output.err
+    return output.out + output.err
 
 
 @pytest.mark.parametrize(
@@ -42,14 +59,13 @@ def _merak_train(*overrides: str, timeout: float = 300) -> subprocess.CompletedP
          "moe.placement=shadowing with moe.experts=merak_ep re-plans replicas under DDP"),
         (["model=mixtral_tiny", "strategy.pipeline_parallel=2", "+model.config.output_router_logits=true"],
          "output_router_logits=True: the router aux loss"),
+        (["strategy.pipeline_parallel=3", "trainer.devices=3"], "batch size 16 is not divisible by micro_batches=6"),
     ],
 )
-@pytest.mark.distributed
-def test_bad_input_fails_before_training(overrides, message, tmp_path):
-    result = _merak_train(*overrides, f"hydra.run.dir={tmp_path}", timeout=120)
-    assert result.returncode != 0
-    assert message in result.stdout + result.stderr
-    assert "distributed processes registered" not in result.stdout + result.stderr
+def test_bad_input_fails_before_training(overrides, message, tmp_path, monkeypatch, capsys):
+    output = _refusal(overrides, tmp_path, monkeypatch, capsys)
+    assert message in output, output[-3000:]
+    assert "was not refused before training" not in output, output[-3000:]
 
 
 def test_launcher_world_size_must_match(monkeypatch):

@@ -352,10 +352,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     """Console entry point of ``merak-export``."""
     args = _parser().parse_args(argv)
     from lightning_merak.console import quiet_dependency_noise
+    from lightning_merak.runtime.host_memory import skip_final_collection
 
     quiet_dependency_noise()
     report = export_checkpoint(args.checkpoint, args.out, merge_adapters=args.merge_adapters,
                                max_shard_size=args.max_shard_size, config=args.config, dtype=args.dtype)
+    skip_final_collection()
     print(f"merak-export: wrote {len(report.files)} files ({report.total_size / 2**20:.1f} MiB of weights) "
           f"to {Path(args.out).resolve()}")
 

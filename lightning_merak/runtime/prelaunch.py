@@ -158,8 +158,12 @@ def wait_at_gate() -> None:
     if gate is None:
         return
     interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is rank 0's to handle here
-    import lightning.pytorch  # noqa: F401  (the import this rank overlaps with rank 0's)
-    import transformers  # noqa: F401
+    # The imports this rank overlaps with rank 0's: the libraries, and what the run imports next (transformers'
+    # model base and merak3d: 1 s more that rank 0 would otherwise wait for after opening the gate).
+    import lightning.pytorch  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+
+    import lightning_merak.strategies.merak3d.strategy  # noqa: F401
 
     go = os.read(int(gate), 1)
     os.close(int(gate))
