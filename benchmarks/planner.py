@@ -29,8 +29,9 @@ later measurements.
   step; layouts are compared per sample.
 
 A second predictor, the trace replayer (``planner_calibration`` with trace files), is calibrated
-each round from one short traced dp=2 run and probes: short traced runs on the model cut to
-``PROBE_LAYERS`` blocks of each tensor-parallel degree and overlap of the grid
+each round from one short traced dp=2 run and probes: a traced pp=2 run of the whole model where the grid
+holds pipelines, and short traced runs on the model cut to ``PROBE_LAYERS`` blocks of each tensor-parallel
+degree and overlap of the grid, ``PROBE_REPEATS`` times in mirrored order
 (:mod:`lightning_merak.profiler.calibration`). Rows carry both predictions (``predicted_s``/``error``:
 the cost model; ``replay_predicted_s``/``replay_error``: the replay), the summary both maxima and
 each predictor's pick and regret.
@@ -75,6 +76,9 @@ TRACE_SKIP, TRACE_STEPS = 2, 3
 """The replayer's calibration runs: warm-up steps, then traced steps."""
 PROBE_LAYERS = 2
 """Blocks of the tensor-parallel probe runs (the workload has 4)."""
+PROBE_REPEATS = 2
+"""Traced runs of every tensor-parallel probe per round, in mirrored order (k1 k2 k4 k4 k2 k1): one run per overlap
+let a fast or slow spell move its layout alone (k2 once predicted below k1, measured above it)."""
 
 
 @dataclass(frozen=True)
@@ -153,19 +157,16 @@ def _plan(mode: Mode) -> list[dict[str, Any]]:
     return ranks[0]["predictions"]
 
 
-def _traced_run(merak: dict[str, Any], mode: Mode, layers: int = 0) -> tuple[Trace, float]:
-    """A short traced run of ``merak``'s layout (the workload cut to ``layers`` blocks if given): its trace, and
-    its untraced steps' median over its traced steps' (the profiler's own cost, removed from predictions)."""
-    steps = TRACE_SKIP + TRACE_STEPS + 2
+def _traced_run(merak: dict[str, Any], layers: int = 0) -> Trace:
+    """A short traced run of ``merak``'s layout (the workload cut to ``layers`` blocks if given): its trace.
+
+    The profiler's own cost is left in: the replay benchmark measures it at −0.5 to +2.6% of a step, while a
+    correction taken from the few untraced steps of such a run moved by up to 25% with the machine's spells."""
+    steps = TRACE_SKIP + TRACE_STEPS + 1
     with tempfile.TemporaryDirectory(prefix="merak-planner-trace-") as trace_dir:
-        ranks = run_distributed(_run_rank, WORLD_SIZE, args=(merak, steps, trace_dir, layers),
-                                timeout_s=RANK_TIMEOUT_S, threads_per_rank=1)
-        trace = Trace.load(Path(trace_dir) / "merak_trace.json")
-    slowest = [max(step) for step in zip(*(rank["step_s"] for rank in ranks))]
-    window = range(TRACE_SKIP, TRACE_SKIP + TRACE_STEPS - 1)
-    untraced = [t for i, t in enumerate(slowest) if i >= mode.warmup and i not in window and
-                i != TRACE_SKIP + TRACE_STEPS - 1] or slowest
-    return trace, statistics.median(untraced) / statistics.median(slowest[i] for i in window)
+        run_distributed(_run_rank, WORLD_SIZE, args=(merak, steps, trace_dir, layers), timeout_s=RANK_TIMEOUT_S,
+                        threads_per_rank=1)
+        return Trace.load(Path(trace_dir) / "merak_trace.json")
 
 
 def _shape(workload: Workload) -> ModelShape:
@@ -176,33 +177,47 @@ def _shape(workload: Workload) -> ModelShape:
                       - len(blocks) * block_params, workload.hidden, workload.seq)
 
 
-def _replay_predictor(plan: list[dict[str, Any]], mode: Mode) -> ReplayPredictor:
-    """The replay predictor calibrated on one short traced run of dp=2 and probes: short traced runs on the
-    workload cut to ``PROBE_LAYERS`` blocks of every tensor-parallel degree and overlap in ``plan`` (what a
-    data-parallel trace lacks: the vocabulary-parallel head, sub-batches, the blocks' collectives). Pipelines
-    are replayed from the dp trace: a 2-block pipeline probe predicted worse (docs/findings.md).
+def _replay_predictors(plan: list[dict[str, Any]]) -> list[ReplayPredictor]:
+    """Replay predictors calibrated on one short traced run of dp=2 and probes; one predictor per repeat of the
+    tensor-parallel probes (:data:`PROBE_REPEATS`), whose predictions the benchmark takes the median of.
 
-    The traced steps carry the profiler's cost; each run's predictions are scaled by its untraced steps over its
-    traced ones. Sharding is not modelled (no layout of the grid shards).
+    Probes: where ``plan`` holds pipelines, one traced pp=2 run of the whole model at the middle of their
+    micro-batch counts (a dp trace has no chunks, gaps or sends, and its block calls hold one size: with the
+    pipeline's calls they give a call's fixed time, which more micro-batches pay more often); short traced runs on
+    the workload cut to ``PROBE_LAYERS`` blocks of every tensor-parallel degree and overlap in ``plan`` (the
+    vocabulary-parallel head, sub-batches, the blocks' collectives). Every cost set is anchored on its own traced
+    step (:func:`~lightning_merak.profiler.calibration.calibrate_from_traces`). Sharding is not modelled (no layout
+    of the grid shards).
     """
-    trace, correction = _traced_run({"data_parallel": 2, "pipeline_parallel": 1, "tensor_parallel": 1}, mode)
-    probe_workload = replace(WORKLOAD, layers=PROBE_LAYERS)
-    probes = []
-    for tp, overlap in sorted({(p["layout"]["tp"], p["layout"]["overlap"]) for p in plan if p["layout"]["tp"] > 1}):
-        merak = {"data_parallel": WORLD_SIZE // tp, "pipeline_parallel": 1, "tensor_parallel": tp,
-                 "tp_overlap": overlap}
-        probe_trace, probe_correction = _traced_run(merak, mode, PROBE_LAYERS)
-        probes.append(Probe(probe_trace, _shape(probe_workload), LayoutSpec(WORLD_SIZE // tp, 1, tp, 1,
-                            WORKLOAD.global_batch, overlap=overlap), probe_correction))
-    return ReplayPredictor(calibrate_from_traces(trace, _shape(WORKLOAD), LayoutSpec(2, 1, 1, 1, WORKLOAD.global_batch),
-                                                 probes, correction))
+    shape = _shape(WORKLOAD)
+    trace = _traced_run({"data_parallel": 2, "pipeline_parallel": 1, "tensor_parallel": 1})
+    shared = []
+    counts = sorted(p["layout"]["micro_batches"] for p in plan if p["layout"]["pp"] > 1)
+    if counts:
+        micro_batches = counts[(len(counts) - 1) // 2]
+        pipeline = _traced_run({"data_parallel": WORLD_SIZE // 2, "pipeline_parallel": 2, "tensor_parallel": 1,
+                                "micro_batches": micro_batches})
+        shared.append(Probe(pipeline, shape, LayoutSpec(WORLD_SIZE // 2, 2, 1, micro_batches, WORKLOAD.global_batch)))
+    probe_shape = _shape(replace(WORKLOAD, layers=PROBE_LAYERS))
+    kinds = sorted({(p["layout"]["tp"], p["layout"]["overlap"]) for p in plan if p["layout"]["tp"] > 1})
+    predictors = []
+    for repeat in range(PROBE_REPEATS):
+        probes = list(shared)
+        for tp, overlap in kinds if repeat % 2 == 0 else kinds[::-1]:
+            merak = {"data_parallel": WORLD_SIZE // tp, "pipeline_parallel": 1, "tensor_parallel": tp,
+                     "tp_overlap": overlap}
+            probes.append(Probe(_traced_run(merak, PROBE_LAYERS), probe_shape,
+                                LayoutSpec(WORLD_SIZE // tp, 1, tp, 1, WORKLOAD.global_batch, overlap=overlap)))
+        predictors.append(ReplayPredictor(calibrate_from_traces(
+            trace, shape, LayoutSpec(2, 1, 1, 1, WORKLOAD.global_batch), probes)))
+    return predictors
 
 
-def _replay_predictions(plan: list[dict[str, Any]], predictor: ReplayPredictor) -> dict[str, float]:
-    """The replay predictor's step time for every layout of ``plan``."""
-    return {_layout_key(p["layout"]): predictor.step_time(LayoutSpec(
+def _replay_predictions(plan: list[dict[str, Any]], predictors: list[ReplayPredictor]) -> dict[str, float]:
+    """The replay's step time for every layout of ``plan``: the median over ``predictors``."""
+    return {_layout_key(p["layout"]): statistics.median(predictor.step_time(LayoutSpec(
         p["layout"]["dp"], p["layout"]["pp"], p["layout"]["tp"], p["layout"]["micro_batches"] or 1,
-        WORKLOAD.global_batch, overlap=p["layout"]["overlap"])) for p in plan}
+        WORKLOAD.global_batch, overlap=p["layout"]["overlap"])) for predictor in predictors) for p in plan}
 
 
 class Measured(NamedTuple):
@@ -288,9 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     calibrations: list[dict[str, Any]] = []
     for round_index in range(mode.rounds):
         plans.append(_plan(mode))
-        predictor = _replay_predictor(plans[-1], mode)
-        calibrations.append(predictor.calibration.describe())
-        replayed.append(_replay_predictions(plans[-1], predictor))
+        predictors = _replay_predictors(plans[-1])
+        calibrations.append([predictor.calibration.describe() for predictor in predictors])
+        replayed.append(_replay_predictions(plans[-1], predictors))
         print(f"  round {round_index + 1}/{mode.rounds}: planned {len(plans[-1])} layouts, picked "
               f"{_layout_key(plans[-1][0]['layout'])} ({time.perf_counter() - started:.0f} s)", flush=True)
         by_key = {_layout_key(p["layout"]): p for p in plans[-1]}
@@ -305,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{outcome}", flush=True)
     rows = combine_rounds(plans, measured)
     for row in rows:
-        row["replay_predicted_s"] = statistics.median(round_[row["layout"]] for round_ in replayed)
+        row["replay_predicted_rounds_s"] = [round_[row["layout"]] for round_ in replayed]
+        row["replay_predicted_s"] = statistics.median(row["replay_predicted_rounds_s"])
         if "error" in row:
             row["replay_error"] = row["replay_predicted_s"] / row["measured_s"] - 1.0
     measured_rows = [row for row in rows if "error" in row]
@@ -348,16 +364,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"regret: pick {pick['layout']} vs best measured {best['layout']}: "
           f"{100 * regret:.1f}% (target ≤ {100 * REGRET_TARGET:.0f}%: "
           f"{'PASS' if summary['regret_target_met'] else 'FAIL'})" if regret is not None else "regret: pick failed")
-    print(f"replayer (one traced dp2 run and {PROBE_LAYERS}-block tp probes per round): mean "
+    print(f"replayer (traced dp2 and pp2 runs, {PROBE_REPEATS}x {PROBE_LAYERS}-block tp probes per round): mean "
           f"{100 * summary['mean_abs_replay_error']:.1f}%, max {100 * summary['max_abs_replay_error']:.1f}% "
           f"({'PASS' if summary['replay_error_target_met'] else 'FAIL'}); its pick {replay_pick['layout']}, regret "
           + (f"{100 * replay_regret:.1f}%" if replay_regret is not None else "- (pick failed)"))
     write_json(args.out, rows, "measured",
                predictions="the planner's cost model from its own profile: one planning run per round "
                            "(error), and each training run's own plan (paired_error); the trace replayer "
-                           "calibrated on one traced dp2 run and traced probes of each tensor-parallel degree "
-                           f"and overlap ({PROBE_LAYERS} blocks) per round (replay_error)",
-               calibrations=calibrations, probe_layers=PROBE_LAYERS,
+                           "calibrated on one traced dp2 run, one traced pp2 run and traced probes of each "
+                           f"tensor-parallel degree and overlap ({PROBE_LAYERS} blocks, {PROBE_REPEATS} runs each) "
+                           "per round, the median of its predictions over the probe runs (replay_error)",
+               calibrations=calibrations, probe_layers=PROBE_LAYERS, probe_repeats=PROBE_REPEATS,
                rounds=mode.rounds,
                workload=WORKLOAD.describe() + " per replica", world_size=WORLD_SIZE,
                mode="quick" if args.quick else "full", summary=summary, wall_s=time.perf_counter() - started)

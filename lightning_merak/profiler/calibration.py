@@ -21,13 +21,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from lightning_merak.profiler.replay import SMALL_OP_BYTES, comm_ops, estimate_fixed_cost, transfer_seconds
-from lightning_merak.profiler.synthesize import LayoutSpec, ModelShape, StepCosts, calibrate, group_kind, predict_layout
+from lightning_merak.profiler.replay import (
+    SMALL_OP_BYTES,
+    comm_ops,
+    estimate_fixed_cost,
+    measured_step_time,
+    transfer_seconds,
+)
+from lightning_merak.profiler.synthesize import (
+    LayoutSpec,
+    ModelShape,
+    StepCosts,
+    calibrate,
+    group_kind,
+    predict_layout,
+    with_block_call_cost,
+)
 from lightning_merak.profiler.trace import Trace
 
 __all__ = ["LARGE_OP_BYTES", "Probe", "ReplayPredictor", "TraceCalibration", "block_call_cost", "block_call_seconds",
            "calibrate_from_traces", "layout_from_meta", "link_costs", "predictor_from_files", "probe_key",
-           "traced_blocks"]
+           "rederivation_anchor", "traced_blocks"]
 
 LARGE_OP_BYTES = 32768.0
 """Ops with at least this many wire bytes set a link's rate (below, the fixed cost dominates)."""
@@ -71,8 +85,9 @@ class TraceCalibration:
     (pipelined, tp, overlap) (:func:`probe_key`).
 
     ``correction`` multiplies the predictions made with ``base``: the traced run's untraced step time over
-    its traced one (the profiler's own cost), 1.0 where unknown (it does not change a ranking); each
-    probe has its own, after its costs.
+    its traced one (the profiler's own cost), 1.0 where unknown (it does not change a ranking), times the
+    traced step over its re-derivation from ``base`` (:func:`calibrate_from_traces`); each probe has its own,
+    after its costs.
     """
 
     base: StepCosts
@@ -118,7 +133,15 @@ def calibrate_from_traces(trace: Trace, shape: ModelShape, layout: LayoutSpec, p
 
     A probe of a tensor-parallel layout keeps the collectives' exposed time inside its blocks' and head's
     times (its sub-batch overlap and vocabulary-parallel head are measured, not modelled); its other links
-    default to the main trace's. Raises before calibrating when two probes stand for the same :func:`probe_key`.
+    default to the main trace's. A pipeline probe at tp=1 whose block calls hold another number of samples than the
+    main trace's gets a block call's fixed time from the line through both (:func:`block_call_cost`): more
+    micro-batches make more, smaller calls, and a call's fixed part does not shrink with its samples.
+
+    Every cost set is anchored on its own trace: its corrections also hold the traced step over the step its costs
+    re-derive for the traced layout, so each traced layout predicts its own measured step and other layouts move by
+    the re-derived change only (what the re-derivation misses on the traced layout cancels, as in
+    :func:`~lightning_merak.profiler.synthesize.predict_from_traced`).
+    Raises before calibrating when two probes stand for the same :func:`probe_key`.
     """
     keys = [probe_key(p.layout) for p in probes]
     if len(set(keys)) != len(keys):
@@ -126,12 +149,36 @@ def calibrate_from_traces(trace: Trace, shape: ModelShape, layout: LayoutSpec, p
     if min([correction] + [p.correction for p in probes]) <= 0:
         raise ValueError("corrections must be positive (untraced over traced step time)")
     base = _with_links(calibrate(trace, shape, layout), trace, layout)
-    probed = []
+    calibrated = {}
     for probe in probes:
         costs = calibrate(probe.trace, probe.shape, probe.layout, tp_comm_in_compute=True)
-        probed.append((probe_key(probe.layout), _with_links(costs, probe.trace, probe.layout, base.links),
-                       probe.correction))
-    return TraceCalibration(base, shape, layout, tuple(probed), correction)
+        if _calls_differ(trace, layout, probe):
+            costs = with_block_call_cost(costs, probe.layout, block_call_cost(trace, layout, probe.trace,
+                                                                              probe.layout))
+        calibrated[probe_key(probe.layout)] = _with_links(costs, probe.trace, probe.layout, base.links)
+    probed = [(probe_key(p.layout), calibrated[probe_key(p.layout)],
+               p.correction * rederivation_anchor(calibrated[probe_key(p.layout)], p.trace, p.shape, p.layout))
+              for p in probes]
+    return TraceCalibration(base, shape, layout, tuple(probed),
+                            correction * rederivation_anchor(base, trace, shape, layout))
+
+
+def rederivation_anchor(costs: StepCosts, trace: Trace, shape: ModelShape, layout: LayoutSpec) -> float:
+    """``trace``'s measured step over the step ``costs`` (calibrated on it) re-derive for its own ``layout``."""
+    rederived = predict_layout(costs, shape, layout).step_time
+    if rederived <= 0:
+        raise ValueError("the calibrated costs re-derive an empty step; trace a run whose steps hold compute spans")
+    return measured_step_time(trace) / rederived
+
+
+def _calls_differ(trace: Trace, layout: LayoutSpec, probe: Probe) -> bool:
+    """Whether ``probe`` is a pipeline at tp=1 whose block calls hold other numbers of samples than ``trace``'s
+    (also at tp=1), both with block spans: two points of a block call's line."""
+    if probe.layout.pp < 2 or probe.layout.tp != 1 or layout.tp != 1:
+        return False
+    if not traced_blocks(trace) or not traced_blocks(probe.trace):
+        return False
+    return layout.samples / layout.micro_batches != probe.layout.samples / probe.layout.micro_batches
 
 
 class ReplayPredictor:

@@ -279,8 +279,13 @@ def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec, tp_comm_in_co
     counted = [_blocks_recorded(rank) for rank in trace.ranks]
     timed = any(counted)
     stages = [(rank // layout.tp) % layout.pp for rank in range(len(per_rank))]
+    per_rank = _slowest_of_each_stage(per_rank, stages)
     chunk_fw = [t["chunk extra"] for t, stage in zip(per_rank, stages) if stage < layout.pp - 1 and t["FW chunks"]]
     chunk_forward = max(statistics.mean(chunk_fw), 0.0) if chunk_fw else 0.0
+    # A pipeline's first stage holds blocks and the embedding but no head: its chunks' backward over forward is the
+    # blocks' measured ratio (at its micro-batches' size, below the FLOPs ratio); other traces price it by FLOPs
+    first_stage = [t["BW"] / t["FW"] for t, stage in zip(per_rank, stages) if stage == 0 and t["FW"] > 0]
+    block_ratio = statistics.mean(first_stage) if layout.pp > 1 and first_stage else BLOCK_BACKWARD_RATIO
     gaps: dict[int, list[tuple[float, float]]] = {}
     block_fw, rest_fw, ratio, rest_ratio, update, host = [], [], [], [], [], []
     for rank, totals in enumerate(per_rank):
@@ -294,8 +299,8 @@ def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec, tp_comm_in_co
             rest_fw.append(rest * layout.tp / layout.samples)
         if totals["FW"] > 0:
             ratio.append(totals["BW"] / totals["FW"])
-        if stage == layout.pp - 1 and totals["block"] > 0 and rest > 0:  # no backward span per block: priced by FLOPs
-            rest_ratio.append(max(totals["BW"] - BLOCK_BACKWARD_RATIO * (totals["block"] + own), 0.0) / rest)
+        if stage == layout.pp - 1 and totals["block"] > 0 and rest > 0:  # no backward span per block
+            rest_ratio.append(max(totals["BW"] - block_ratio * (totals["block"] + own), 0.0) / rest)
         update.append(totals["UPDATE"] / _params_on_rank(shape, layout, stage, blocks_here))
         host.append(totals["host"] - totals["gap FW"] * totals["gaps FW"] - totals["gap BW"] * totals["gaps BW"])
         if totals["gaps FW"] or totals["gaps BW"]:  # one micro-batch: no gap after a backward chunk
@@ -308,7 +313,7 @@ def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec, tp_comm_in_co
                          "data or pipeline parallelism on more than 32 KiB per op")
     whole = statistics.mean(ratio) if ratio else BLOCK_BACKWARD_RATIO
     return StepCosts(statistics.mean(block_fw) if block_fw else 0.0, statistics.mean(rest_fw) if rest_fw else 0.0,
-                     BLOCK_BACKWARD_RATIO if block_fw and rest_ratio else whole, statistics.mean(update),
+                     block_ratio if block_fw and rest_ratio else whole, statistics.mean(update),
                      statistics.mean(host), fixed, bandwidth, tp_comm_in_compute=tp_comm_in_compute and layout.tp > 1,
                      rest_backward_ratio=statistics.mean(rest_ratio) if block_fw and rest_ratio else None,
                      stage_blocks=tuple(counted[s * layout.tp] for s in range(layout.pp)) if timed and layout.pp > 1
@@ -388,6 +393,20 @@ def _traced_block_backward(costs: StepCosts, layout: LayoutSpec, prefix: CallCur
     return block if block > 0 and _traced_block_call(costs, reference) > 0 else None
 
 
+def _slowest_of_each_stage(per_rank: list[dict[str, float]], stages: list[int]) -> list[dict[str, float]]:
+    """Every rank's breakdown replaced by its stage's slowest (most FW, BW and UPDATE compute): a synchronous step
+    waits for the slowest of the ranks that do the same work, and on a contended machine the replicas of one traced
+    step computed up to 30% apart, so their mean priced every layout low."""
+    def compute(totals: dict[str, float]) -> float:
+        return totals["FW"] + totals["BW"] + totals["UPDATE"]
+
+    slowest = {}
+    for totals, stage in zip(per_rank, stages):
+        if stage not in slowest or compute(totals) > compute(slowest[stage]):
+            slowest[stage] = totals
+    return [slowest[stage] for stage in stages]
+
+
 def _stage_means(values: list[tuple[int, float]], stages: int) -> tuple[float, ...]:
     """The mean of (stage, value) pairs per stage; () unless every one of ``stages`` has a value."""
     per_stage = [[v for s, v in values if s == stage] for stage in range(stages)]
@@ -430,6 +449,12 @@ class _Builder:
         self.op(key, "send", [rank], nbytes, channel, 2, "pp")
         self.pieces[rank].append(("launch", key))
 
+    def launch_collective(self, rank: int, key: tuple, ranks: list[int], nbytes: float, channel: str,
+                          kind: str) -> None:
+        """An asynchronous all-reduce (a gradient bucket): the rank goes on and waits for it later."""
+        self.op(key, "all_reduce", ranks, nbytes, channel, len(ranks), kind)
+        self.pieces[rank].append(("launch", key))
+
     def collective(self, rank: int, key: tuple, name: str, ranks: list[int], nbytes: float, channel: str,
                    kind: str) -> None:
         """A blocking collective: the rank waits for it where it issues it."""
@@ -460,25 +485,50 @@ def layout_graph(costs: StepCosts, shape: ModelShape, layout: LayoutSpec) -> tup
                 b.compute(rank, "host", costs.host_per_step / 2)
                 tp_ranks = [rank_of(d, s, u) for u in range(layout.tp)]
                 order = stage_op_order(s, layout.pp, layout.micro_batches, "1f1b")
+                dp_ranks = [rank_of(e, s, t) for e in range(layout.dp)]
+                last_backward = max(p for p, (kind, _) in enumerate(order) if kind == "B")
+                buckets: list[tuple] = []
+
+                def reduce(part: str, params: float) -> None:
+                    """Launch the gradient all-reduce of ``params`` the last backward pass has just finished."""
+                    if layout.dp > 1 and params:
+                        key = ("dp", s, t, part)
+                        b.launch_collective(rank, key, dp_ranks, params / layout.tp * shape.bytes_per_element,
+                                            f"dp{s},{t}", "dp")
+                        buckets.append(key)
+
                 for position, (kind, m) in enumerate(order):
                     forward = kind == "F"
+                    category = "FW" if forward else "BW"
+                    reducing = position == last_backward
                     if forward and s > 0:
                         b.pieces[rank].append(("wait", ([("act", d, s - 1, t, m)], [], 0.0)))
                     if not forward and s < layout.pp - 1:
                         b.pieces[rank].append(("wait", ([("grad", d, s + 1, t, m)], [], 0.0)))
                     block = costs.block_seconds(mb / layout.tp, forward, float(layout.recompute))
-                    if pipelined:
-                        own = costs.chunk_seconds(s, mb / layout.tp, forward, float(layout.recompute))
-                        if own:
-                            b.compute(rank, "FW" if forward else "BW", own)
+                    own = costs.chunk_seconds(s, mb / layout.tp, forward, float(layout.recompute)) if pipelined else 0.0
+                    head = costs.rest_seconds(mb / layout.tp, forward) if s == layout.pp - 1 else 0.0
+                    # backward runs the chunk in reverse: the head first, the first stage's embedding last
+                    if forward and own:
+                        b.compute(rank, category, own)
+                    if not forward and head:
+                        b.compute(rank, category, head)
+                    if reducing and s == layout.pp - 1:
+                        reduce("head", shape.other_params / 2)
                     for index in range(per_stage[s]):
                         for half in range(2):
-                            b.compute(rank, "FW" if forward else "BW", block / 2)
+                            b.compute(rank, category, block / 2)
                             if not costs.tp_comm_in_compute:
                                 b.collective(rank, ("tp", d, s, kind, m, index, half), "all_reduce", tp_ranks,
                                              activation, f"tp{d},{s}", "tp")
-                    if s == layout.pp - 1:
-                        b.compute(rank, "FW" if forward else "BW", costs.rest_seconds(mb / layout.tp, forward))
+                        if reducing:
+                            reduce(f"block {index}", shape.block_params)
+                    if forward and head:
+                        b.compute(rank, category, head)
+                    if not forward and own:
+                        b.compute(rank, category, own)
+                    if reducing and s == 0:
+                        reduce("embedding", shape.other_params / 2)
                     if forward and s < layout.pp - 1:
                         b.send(rank, ("act", d, s, t, m), activation / layout.tp, f"p2p{rank}->{rank_of(d, s + 1, t)}")
                     if not forward and s > 0:
@@ -486,10 +536,8 @@ def layout_graph(costs: StepCosts, shape: ModelShape, layout: LayoutSpec) -> tup
                     gap = costs.gap_seconds(s, layout.pp, forward, mb / layout.tp) if pipelined else 0.0
                     if position < len(order) - 1 and gap:
                         b.compute(rank, "host", gap)
-                dp_ranks = [rank_of(e, s, t) for e in range(layout.dp)]
-                b.collective(rank, ("dp", s, t), "all_reduce", dp_ranks,
-                             _params_on_rank(shape, layout, s, per_stage[s]) * shape.bytes_per_element,
-                             f"dp{s},{t}", "dp")
+                if buckets:
+                    b.pieces[rank].append(("wait", (buckets, [], 0.0)))
                 b.compute(rank, "UPDATE", costs.update_per_param * _params_on_rank(shape, layout, s, per_stage[s]))
                 b.compute(rank, "host", costs.host_per_step / 2)
     graph = build_graph(b.pieces, b.ops, {r: {} for r in b.pieces}, 0.0, WhatIf())
