@@ -1,7 +1,7 @@
 """One gloo rank of ``benchmarks.moe_families``' ep=2 leg: swap equality and step times per family.
 
-Every variant runs a training step (forward, backward, the data-parallel gradient average) on this
-rank's own batch: ``eager`` and ``grouped_mm`` are the unswapped model (every expert on every rank,
+Every variant runs a training step (forward, backward, the data-parallel gradient average in one flat
+all-reduce) on this rank's own batch: ``eager`` and ``grouped_mm`` are the unswapped model (every expert on every rank,
 transformers' expert loop or its grouped_mm implementation), ``ours`` is ``merak_ep`` over the two ranks
 (expert gradients stay local and are divided by the rank count; the rest is averaged), and
 ``ours_grouped_no_ep`` our grouped core with every expert on every rank (what the exchange costs), and
@@ -35,17 +35,19 @@ def _batch(rank: int, batch: int, seq: int, vocab: int) -> torch.Tensor:
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor, world: int, local: set[str]) -> tuple[torch.Tensor, dict]:
+    """Forward, backward and the gradient average, shared gradients in one flat all-reduce as DDP's buckets do
+    (a collective per tensor would time ~20 rendezvous a step instead of the gradients' bytes)."""
     model.zero_grad(set_to_none=True)
     out = model(ids, labels=ids)
     out.loss.backward()
-    grads = {}
-    for name, param in model.named_parameters():
-        if param.grad is None:
-            continue
-        if name not in local:
-            dist.all_reduce(param.grad)
-        grads[name] = param.grad / world
-    return out.logits.detach(), grads
+    named = [(name, param.grad) for name, param in model.named_parameters() if param.grad is not None]
+    shared = [grad for name, grad in named if name not in local]
+    if shared:
+        flat = torch.cat([grad.reshape(-1) for grad in shared])
+        dist.all_reduce(flat)
+        for grad, reduced in zip(shared, flat.split([grad.numel() for grad in shared])):
+            grad.copy_(reduced.view_as(grad))
+    return out.logits.detach(), {name: grad / world for name, grad in named}
 
 
 def _times(variants: dict[str, tuple[torch.nn.Module, set[str]]], ids: torch.Tensor, world: int, warmup: int,
@@ -120,7 +122,9 @@ def run_family(rank: int, world: int, family: str, size: dict[str, int], warmup:
             "step_ms": {name: statistics.median(values) for name, values in times.items()},
             "step_min_ms": {name: min(values) for name, values in times.items()},
             "local_experts": len(report.local_experts), "replicated_diff": rep_diff,
-            "num_experts": report.num_experts, "top_k": int(reference.config.num_experts_per_tok)}
+            "num_experts": report.num_experts, "top_k": int(reference.config.num_experts_per_tok),
+            "widths": {key: value for key, value in reference.config.to_dict().items()
+                       if key.endswith("intermediate_size")}}
 
 
 def each_family(families: list[str], run: Callable[[str], dict[str, Any]]) -> list[dict[str, Any]]:

@@ -2,21 +2,22 @@
 
     python -m benchmarks.moe_families [--quick] [--device cpu|cuda] [--families F ...] [--out FILE]
 
-``--device cpu`` (default): two gloo ranks at ep=2, per family (tiny configs from each config class,
-fp32) the largest difference of outputs and parameter gradients from the unswapped model, and the
-training-step time of ours (``merak_ep``) against the unswapped model's own expert loop (``eager``)
-and its ``grouped_mm`` implementation on the same ranks. Variants run interleaved step by step; at ep=2
-a speedup is the median over rounds of the per-round ratio of step times (each the slowest rank's), with the
-ratio of median steps (``*_of_medians``) and of fastest steps (``*_fastest``) beside it; the goal's leg times
-each family for at least :data:`GOAL_LEG_SECONDS`. The
-goal's workload is each family at its own routing shape (``routing="family"``: the config class's expert
-count, top-k, groups and sparse layers, 8-256 experts, top-2 to top-8) at tiny widths; ``few_experts``
-repeats it with the tests' 8-16 experts, and ``large`` with those at hidden 256 and every intermediate size
-512, where compute outweighs per-call overhead. ``pp2_ep2`` (few experts): four gloo ranks, merak3d
-pipeline_parallel=2 × data_parallel=2, each stage's experts spread over its two data-parallel ranks, against
-the unswapped model (eager, grouped_mm) in the same layout (``benchmarks._moe_families_pp2``). ``--device
-cuda``: the single-GPU leg (ep=1, one process; bf16 and fp32), see ``benchmarks._moe_families_gpu``. A family
-that fails is a row with its error and the command exits non-zero after writing the JSON.
+``--device cpu`` (default): two gloo ranks at ep=2, per family (tiny configs from each config class, fp32) the
+largest difference of outputs and parameter gradients from the unswapped model, and the training-step time of
+ours (``merak_ep``) against the unswapped model's own expert loop (``eager``) and its ``grouped_mm``
+implementation on the same ranks. Variants run interleaved step by step; at ep=2 a speedup is the median over
+rounds of the per-round ratio of step times (each the slowest rank's), with the ratio of median steps
+(``*_of_medians``) and of fastest steps (``*_fastest``) beside it; the goal's leg times each family for at least
+:data:`GOAL_LEG_SECONDS`. The goal's workload is each family at its own routing shape (``routing="family"``: the
+config class's expert count, top-k, groups and sparse layers, 8-256 experts, top-2 to top-8) and its own width
+proportions (``intermediate="family"``: the class's intermediate sizes scaled to hidden 128) — what an exchange
+costs against the expert work it moves; ``few_experts`` repeats it with the tests' 8-16 experts at their narrow
+widths, and ``large`` with those at hidden 256 and every intermediate size 512. ``pp2_ep2`` (few experts): four
+gloo ranks, merak3d pipeline_parallel=2 × data_parallel=2, each stage's experts spread over its two
+data-parallel ranks, against the unswapped model (eager, grouped_mm) in the same layout
+(``benchmarks._moe_families_pp2``). ``--device cuda``: the single-GPU leg (ep=1, one process; bf16 and fp32),
+see ``benchmarks._moe_families_gpu``. A family that fails is a row with its error and the command exits non-zero
+after writing the JSON.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def _ep2_rows(families: list[str], size: dict[str, Any], warmup: int, steps: int
                    fastest: dict[str, float]) -> dict[str, Any]:
         return {
             "family": row["family"], "num_experts": row["num_experts"], "top_k": row["top_k"],
-            "experts_per_rank": row["local_experts"],
+            "widths": row["widths"], "experts_per_rank": row["local_experts"],
             "output_diff": max(p["output_diff"] for p in peers), "grad_diff": max(p["grad_diff"] for p in peers),
             "grads_missing": sorted({n for p in peers for n in p["grads_missing"]}),
             "timed_steps": len(row["steps_ms"]["ours"]), "step_ms": step, "step_min_ms": fastest,
@@ -114,7 +115,8 @@ def _cpu_leg(quick: bool, families: list[str]) -> tuple[list[dict[str, Any]], di
         {"hidden": 128, "layers": 2, "vocab": 256, "batch": 4, "seq": 64}
     # a cheap family's step (Mixtral's: tens of ms) moves by ±30% with the machine's load, so the goal's leg times
     # it for at least GOAL_LEG_SECONDS (up to 4× the steps) while the 0.3-5 s families keep their step count
-    family_size = {**size, "routing": "family", "min_seconds": 0.0 if quick else GOAL_LEG_SECONDS}
+    family_size = {**size, "routing": "family", "intermediate": "family",
+                   "min_seconds": 0.0 if quick else GOAL_LEG_SECONDS}
     large = {**size, "hidden": 256, "intermediate": 512}
     warmup, steps = (1, 9) if quick else (3, 25)
     # the eager loop's step at 60-256 experts is 0.3-5 s (a zero-filled [E, ...] gradient per expert), so the

@@ -348,7 +348,9 @@ def moe_families(data: dict[str, Any]) -> Table:
     goals = data["goals"]
     notes = [
         f"ep={data['ep']} on {data['world_size']} {data['backend']} ranks, tiny configs from each family's config "
-        f"class (hidden {data['size']['hidden']}, batch {data['size']['batch']} × {data['size']['seq']} per rank), "
+        f"class (hidden {data['size']['hidden']}, batch {data['size']['batch']} × {data['size']['seq']} per rank"
+        + (", the family's own routing and width proportions" if data["size"].get("intermediate") == "family"
+           else "") + "), "
         f"ours: {data.get('ours', 'merak_ep')}; speedups: median over {_timed_steps(data)} interleaved rounds of "
         "the per-round ratio (ratios of medians and of fastest steps in the JSON); eager and grouped_mm hold every "
         "expert on every rank; exchange cost: ours over our grouped core without expert parallelism",
@@ -358,7 +360,7 @@ def moe_families(data: dict[str, Any]) -> Table:
         "refused: " + ", ".join(sorted(data["families_refused"])),
         _pp2_ep2_note(data["pp2_ep2"]),
     ]
-    legs = (("few_experts", "8–16 experts per family"), ("large", "larger size"))
+    legs = (("few_experts", "8–16 experts per family, narrow widths"), ("large", "larger size"))
     notes.extend(_size_leg_note(name, data[key]) for key, name in legs if data.get(key, {}).get("rows"))
     replicated = [r["replicated_over_ours"] for r in data["rows"] if "replicated_over_ours" in r]
     if replicated:

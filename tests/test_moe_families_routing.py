@@ -10,6 +10,7 @@ from lightning_merak.plugins.moe.experts import (
     EXACT_FAMILIES,
     FAMILY_CONFIGS,
     FAMILY_ROUTING,
+    family_widths,
     tiny_moe_model,
 )
 from lightning_merak.plugins.moe.experts.grouped import gather_token_copies, restore_route_order, route_positions
@@ -45,6 +46,29 @@ def test_family_routing_models_are_all_sparse_at_the_family_shape(family: str) -
 def test_unknown_routing_names_the_choices() -> None:
     with pytest.raises(ValueError, match="choose one of"):
         tiny_moe_model("mixtral", routing="real")
+
+
+def test_family_widths_keep_the_config_class_proportions() -> None:
+    """Mixtral's experts stay 3.5× hidden and Qwen3-MoE's 0.375×, to the nearest multiple of 16."""
+    import transformers
+
+    assert family_widths("mixtral", 128) == {"intermediate_size": 448}
+    assert family_widths("qwen3_moe", 128) == {"intermediate_size": 384, "moe_intermediate_size": 48}
+    for family in FAMILY_CONFIGS:
+        defaults = getattr(transformers, FAMILY_CONFIGS[family][0])()
+        widths = family_widths(family, 256)
+        assert widths and all(value % 16 == 0 for value in widths.values())
+        for key, value in widths.items():
+            assert abs(value - getattr(defaults, key) * 256 / defaults.hidden_size) <= 8, f"{family}.{key}"
+        model = tiny_moe_model(family, hidden=256, layers=1, vocab=64, intermediate="family")
+        assert {key: getattr(model.config, key) for key in widths} == widths
+
+
+def test_unknown_intermediate_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="give a size"):
+        tiny_moe_model("mixtral", intermediate="wide")
+    with pytest.raises(ValueError, match="choose one of"):
+        family_widths("llama", 128)
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v2", "deepseek_v3"])

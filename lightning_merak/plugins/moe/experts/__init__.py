@@ -19,7 +19,7 @@ _EXPORTS = {
     "ExpertShard": ".parallel", "SHARD_ATTRIBUTE": ".parallel", "expert_parallel_forward": ".parallel",
     "register": ".parallel",
     "FAMILY_CONFIGS": ".families", "FAMILY_ROUTING": ".families", "ROUTINGS": ".families",
-    "tiny_moe_model": ".families",
+    "family_widths": ".families", "tiny_moe_model": ".families",
     "ExpertParallelCallback": ".callback",
     "ExpertParallelLancet": ".lancet", "expert_parallel_lancet": ".lancet",
 }

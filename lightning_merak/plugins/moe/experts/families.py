@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILY_CONFIGS", "FAMILY_ROUTING", "ROUTINGS", "tiny_moe_model"]
+__all__ = ["FAMILY_CONFIGS", "FAMILY_ROUTING", "ROUTINGS", "family_widths", "tiny_moe_model"]
 
 
 def _common(hidden: int, layers: int, vocab: int) -> dict[str, Any]:
@@ -75,14 +75,32 @@ ROUTINGS = ("few_experts", "family")
 """``tiny_moe_model``'s routing shapes: :data:`FAMILY_CONFIGS` as is, or with :data:`FAMILY_ROUTING` on top."""
 
 
+def family_widths(family: str, hidden: int) -> dict[str, int]:
+    """Every intermediate size of ``family``'s config class default, scaled to ``hidden`` (multiples of 16).
+
+    An expert's compute per token grows with its width while the bytes its tokens travel in expert
+    parallelism grow with ``hidden`` only, so the width-to-hidden ratio decides what an exchange costs
+    against the work it moves: Mixtral's experts are 3.5× its hidden size, Qwen3-MoE's and DeepSeek-V3's
+    0.3-0.4×. A tiny model at these proportions keeps that balance.
+    """
+    import transformers
+
+    if family not in FAMILY_CONFIGS:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILY_CONFIGS)}")
+    defaults = getattr(transformers, FAMILY_CONFIGS[family][0])()
+    return {key: max(16, 16 * round(value * hidden / defaults.hidden_size / 16))
+            for key, value in defaults.to_dict().items() if key.endswith("intermediate_size") and value}
+
+
 def tiny_moe_model(family: str, *, hidden: int = 64, layers: int = 2, vocab: int = 128, seed: int = 0,
                    experts_implementation: str = "eager", dtype: torch.dtype = torch.float32,
-                   intermediate: int | None = None, routing: str = "few_experts",
+                   intermediate: int | str | None = None, routing: str = "few_experts",
                    **overrides: Any) -> torch.nn.Module:
     """A seeded tiny ``*ForCausalLM`` of ``family``; DeepSeek-V3's score-correction bias is made non-zero.
 
     ``intermediate`` sets every intermediate size of the family's config (experts, shared experts, dense
-    layers) to one value, so a larger workload is the same size for every family. ``routing="family"``
+    layers) to one value, so a larger workload is the same size for every family; ``intermediate="family"``
+    keeps the family's own proportions instead (:func:`family_widths`). ``routing="family"``
     routes as the family does (:data:`FAMILY_ROUTING`: 8-256 experts, top-2 to top-8); the default keeps
     the tests' few experts.
     """
@@ -95,8 +113,12 @@ def tiny_moe_model(family: str, *, hidden: int = 64, layers: int = 2, vocab: int
     class_name, extra = FAMILY_CONFIGS[family]
     if routing == "family":
         extra = {**extra, **FAMILY_ROUTING[family]}
-    if intermediate is not None:
+    if intermediate == "family":
+        extra = {**extra, **family_widths(family, hidden)}
+    elif isinstance(intermediate, int):
         extra = {**extra, **{key: intermediate for key in extra if key.endswith("intermediate_size")}}
+    elif intermediate is not None:
+        raise ValueError(f"intermediate={intermediate!r}: give a size (int) or 'family'")
     config = getattr(transformers, class_name)(**{**_common(hidden, layers, vocab), **extra, **overrides})
     config._experts_implementation = experts_implementation
     torch.manual_seed(seed)
