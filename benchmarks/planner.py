@@ -55,12 +55,14 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks._replay_partition import stage_blocks
 from benchmarks.merak3d import Workload, _quiet_lightning, _StepTimer
 from benchmarks.report import default_out, out_help, print_table, write_json
 from lightning_merak.config import TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
 from lightning_merak.profiler import MerakTraceProfiler, Trace
-from lightning_merak.profiler.calibration import Probe, ReplayPredictor, calibrate_from_traces
+from lightning_merak.profiler.calibration import Probe, ReplayPredictor, calibrate_from_traces, untraced_step_time
+from lightning_merak.profiler.replay import measured_step_time
 from lightning_merak.profiler.synthesize import LayoutSpec, ModelShape
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import run_distributed
@@ -72,8 +74,11 @@ RANK_TIMEOUT_S = 300.0
 WORKLOAD = Workload(hidden=256, layers=4, vocab=4096, seq=64, global_batch=8)
 """``global_batch`` here is the batch of each data-parallel replica (the dataloader's batch_size)."""
 ERROR_TARGET, REGRET_TARGET = 0.10, 0.05
-TRACE_SKIP, TRACE_STEPS = 2, 3
-"""The replayer's calibration runs: warm-up steps, then traced steps."""
+TRACE_SKIP, TRACE_STEPS, UNTRACED_STEPS = 2, 3, 8
+"""The replayer's calibration runs: warm-up steps, traced steps, then untraced steps whose median anchors the
+calibration. In one full run's 24 calibration runs the traced window read 0.88-1.37 of its own run's untraced median
+(median 1.08), while the recorder switched on and off in alternating pairs of steps of one dp2 or pp2 run moved
+them by -1.4 to +2.1%: three early steps in one spell, not the recorder, set most of the gap."""
 PROBE_LAYERS = 2
 """Blocks of the tensor-parallel probe runs (the workload has 4)."""
 PROBE_REPEATS = 2
@@ -132,12 +137,15 @@ def _run_rank(rank: int, world_size: int, merak: dict[str, Any], steps: int,
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[timer],
-        profiler=MerakTraceProfiler(trace_dir, skip_steps=TRACE_SKIP, steps=TRACE_STEPS) if trace_dir else None,
+        profiler=(MerakTraceProfiler(trace_dir, skip_steps=TRACE_SKIP, steps=TRACE_STEPS, untraced_steps=UNTRACED_STEPS)
+                  if trace_dir else None),
     )
     trainer.fit(module, datamodule=_ReplicaData(WORKLOAD, steps))
+    partition = getattr(strategy, "partition", None)
     result: dict[str, Any] = {"step_s": timer.step_s, "layout": {
         "dp": strategy.data_parallel, "pp": strategy.pipeline_parallel, "tp": strategy.tensor_parallel,
-        "micro_batches": strategy.micro_batches, "overlap": strategy.tp_overlap}}
+        "micro_batches": strategy.micro_batches, "overlap": strategy.tp_overlap},
+        "stage_blocks": list(stage_blocks(partition.boundaries, workload.layers)) if partition is not None else None}
     if strategy.layout_choice is not None:
         result["predicted_step_s"] = strategy.layout_choice.step_time_s
     if strategy.layout_plan is not None and rank == 0:
@@ -158,11 +166,9 @@ def _plan(mode: Mode) -> list[dict[str, Any]]:
 
 
 def _traced_run(merak: dict[str, Any], layers: int = 0) -> Trace:
-    """A short traced run of ``merak``'s layout (the workload cut to ``layers`` blocks if given): its trace.
-
-    The profiler's own cost is left in: the replay benchmark measures it at −0.5 to +2.6% of a step, while a
-    correction taken from the few untraced steps of such a run moved by up to 25% with the machine's spells."""
-    steps = TRACE_SKIP + TRACE_STEPS + 1
+    """A short traced run of ``merak``'s layout (the workload cut to ``layers`` blocks if given): its trace, with
+    the run's :data:`UNTRACED_STEPS` untraced steps after the window, which its calibration anchors on."""
+    steps = TRACE_SKIP + TRACE_STEPS + UNTRACED_STEPS
     with tempfile.TemporaryDirectory(prefix="merak-planner-trace-") as trace_dir:
         run_distributed(_run_rank, WORLD_SIZE, args=(merak, steps, trace_dir, layers), timeout_s=RANK_TIMEOUT_S,
                         threads_per_rank=1)
@@ -177,20 +183,29 @@ def _shape(workload: Workload) -> ModelShape:
                       - len(blocks) * block_params, workload.hidden, workload.seq)
 
 
-def _replay_predictors(plan: list[dict[str, Any]]) -> list[ReplayPredictor]:
+def _calibration_run(name: str, trace: Trace) -> dict[str, Any]:
+    """What a calibration run's steps read: the traced window's step and the untraced steps after it."""
+    return {"run": name, "traced_step_s": measured_step_time(trace),
+            "untraced_steps_s": list(trace.meta.get("untraced_step_s", [])),
+            "untraced_median_s": untraced_step_time(trace)}
+
+
+def _replay_predictors(plan: list[dict[str, Any]]) -> tuple[list[ReplayPredictor], list[dict[str, Any]]]:
     """Replay predictors calibrated on one short traced run of dp=2 and probes; one predictor per repeat of the
-    tensor-parallel probes (:data:`PROBE_REPEATS`), whose predictions the benchmark takes the median of.
+    tensor-parallel probes (:data:`PROBE_REPEATS`), whose predictions the benchmark takes the median of; and
+    every calibration run's traced and untraced steps (:func:`_calibration_run`).
 
     Probes: where ``plan`` holds pipelines, one traced pp=2 run of the whole model at the middle of their
     micro-batch counts (a dp trace has no chunks, gaps or sends, and its block calls hold one size: with the
     pipeline's calls they give a call's fixed time, which more micro-batches pay more often); short traced runs on
     the workload cut to ``PROBE_LAYERS`` blocks of every tensor-parallel degree and overlap in ``plan`` (the
-    vocabulary-parallel head, sub-batches, the blocks' collectives). Every cost set is anchored on its own traced
-    step (:func:`~lightning_merak.profiler.calibration.calibrate_from_traces`). Sharding is not modelled (no layout
-    of the grid shards).
+    vocabulary-parallel head, sub-batches, the blocks' collectives). Every cost set is anchored on the median of its
+    run's untraced steps (:func:`~lightning_merak.profiler.calibration.calibrate_from_traces`). Sharding is not
+    modelled (no layout of the grid shards).
     """
     shape = _shape(WORKLOAD)
     trace = _traced_run({"data_parallel": 2, "pipeline_parallel": 1, "tensor_parallel": 1})
+    runs = [_calibration_run("dp2", trace)]
     shared = []
     counts = sorted(p["layout"]["micro_batches"] for p in plan if p["layout"]["pp"] > 1)
     if counts:
@@ -198,6 +213,7 @@ def _replay_predictors(plan: list[dict[str, Any]]) -> list[ReplayPredictor]:
         pipeline = _traced_run({"data_parallel": WORLD_SIZE // 2, "pipeline_parallel": 2, "tensor_parallel": 1,
                                 "micro_batches": micro_batches})
         shared.append(Probe(pipeline, shape, LayoutSpec(WORLD_SIZE // 2, 2, 1, micro_batches, WORKLOAD.global_batch)))
+        runs.append(_calibration_run(f"pp2 M{micro_batches}", pipeline))
     probe_shape = _shape(replace(WORKLOAD, layers=PROBE_LAYERS))
     kinds = sorted({(p["layout"]["tp"], p["layout"]["overlap"]) for p in plan if p["layout"]["tp"] > 1})
     predictors = []
@@ -206,11 +222,13 @@ def _replay_predictors(plan: list[dict[str, Any]]) -> list[ReplayPredictor]:
         for tp, overlap in kinds if repeat % 2 == 0 else kinds[::-1]:
             merak = {"data_parallel": WORLD_SIZE // tp, "pipeline_parallel": 1, "tensor_parallel": tp,
                      "tp_overlap": overlap}
-            probes.append(Probe(_traced_run(merak, PROBE_LAYERS), probe_shape,
+            probe = _traced_run(merak, PROBE_LAYERS)
+            runs.append(_calibration_run(f"tp{tp} k{overlap} probe", probe))
+            probes.append(Probe(probe, probe_shape,
                                 LayoutSpec(WORLD_SIZE // tp, 1, tp, 1, WORKLOAD.global_batch, overlap=overlap)))
         predictors.append(ReplayPredictor(calibrate_from_traces(
             trace, shape, LayoutSpec(2, 1, 1, 1, WORKLOAD.global_batch), probes)))
-    return predictors
+    return predictors, runs
 
 
 def _replay_predictions(plan: list[dict[str, Any]], predictors: list[ReplayPredictor]) -> dict[str, float]:
@@ -221,10 +239,12 @@ def _replay_predictions(plan: list[dict[str, Any]], predictors: list[ReplayPredi
 
 
 class Measured(NamedTuple):
-    """One training run of a layout: its median step and the prediction of the run's own plan."""
+    """One training run of a layout: its median step, the prediction of the run's own plan, and its pipeline's
+    blocks per stage (autopipe's choice at start-up; None unpipelined)."""
 
     step_s: float
     predicted_s: float
+    stage_blocks: list[int] | None = None
 
 
 def _measure(layout: dict[str, Any], mode: Mode) -> Measured | str:
@@ -241,7 +261,8 @@ def _measure(layout: dict[str, Any], mode: Mode) -> Measured | str:
     if ranks[0]["layout"] != layout:
         raise RuntimeError(f"the run planned {ranks[0]['layout']} instead of {layout}")
     slowest = [max(steps) for steps in zip(*(rank["step_s"] for rank in ranks))]
-    return Measured(statistics.median(slowest[mode.warmup:] or slowest), ranks[0]["predicted_step_s"])
+    return Measured(statistics.median(slowest[mode.warmup:] or slowest), ranks[0]["predicted_step_s"],
+                    ranks[0]["stage_blocks"])
 
 
 def combine_rounds(plans: list[list[dict[str, Any]]], measured: list[list[Measured | str]]) -> list[dict[str, Any]]:
@@ -271,6 +292,7 @@ def combine_rounds(plans: list[list[dict[str, Any]]], measured: list[list[Measur
                "predicted_rounds_s": [plan[key]["step_s"] for plan in by_round],
                "measured_rounds_s": [run.step_s for run in done],
                "paired_predicted_rounds_s": [run.predicted_s for run in done],
+               "stage_blocks_rounds": [run.stage_blocks for run in done],
                "predicted_components_s": middle["components"]}
         if isinstance(step, float):
             row["error"] = row["predicted_s"] / step - 1.0
@@ -301,9 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     measured: list[list[Measured | str]] = []
     replayed: list[dict[str, float]] = []
     calibrations: list[dict[str, Any]] = []
+    calibration_runs: list[list[dict[str, Any]]] = []
     for round_index in range(mode.rounds):
         plans.append(_plan(mode))
-        predictors = _replay_predictors(plans[-1])
+        predictors, runs = _replay_predictors(plans[-1])
+        calibration_runs.append(runs)
         calibrations.append([predictor.calibration.describe() for predictor in predictors])
         replayed.append(_replay_predictions(plans[-1], predictors))
         print(f"  round {round_index + 1}/{mode.rounds}: planned {len(plans[-1])} layouts, picked "
@@ -373,8 +397,10 @@ def main(argv: list[str] | None = None) -> int:
                            "(error), and each training run's own plan (paired_error); the trace replayer "
                            "calibrated on one traced dp2 run, one traced pp2 run and traced probes of each "
                            f"tensor-parallel degree and overlap ({PROBE_LAYERS} blocks, {PROBE_REPEATS} runs each) "
-                           "per round, the median of its predictions over the probe runs (replay_error)",
-               calibrations=calibrations, probe_layers=PROBE_LAYERS, probe_repeats=PROBE_REPEATS,
+                           "per round, each cost set anchored on the median of its run's untraced steps after the "
+                           "window, the median of its predictions over the probe runs (replay_error)",
+               calibrations=calibrations, calibration_runs=calibration_runs, untraced_steps=UNTRACED_STEPS,
+               probe_layers=PROBE_LAYERS, probe_repeats=PROBE_REPEATS,
                rounds=mode.rounds,
                workload=WORKLOAD.describe() + " per replica", world_size=WORLD_SIZE,
                mode="quick" if args.quick else "full", summary=summary, wall_s=time.perf_counter() - started)

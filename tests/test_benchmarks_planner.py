@@ -47,3 +47,23 @@ def test_a_failed_run_marks_the_layout_and_other_layouts_are_refused():
     with pytest.raises(ValueError, match="round 2 planned other layouts"):
         combine_rounds([plans[0], [_prediction(2, 1, 1, 0.2, 16)]],
                        [[Measured(0.2, 0.2), Measured(0.3, 0.3)], [Measured(0.2, 0.2)]])
+
+
+def test_rows_keep_each_runs_pipeline_split():
+    plans = [[_prediction(1, 2, 1, 0.15, 8)]] * 2
+    rows = combine_rounds(plans, [[Measured(0.16, 0.15, [3, 1])], [Measured(0.17, 0.15, [2, 2])]])
+    assert rows[0]["stage_blocks_rounds"] == [[3, 1], [2, 2]]
+
+
+def test_a_calibration_run_reports_its_traced_window_and_untraced_median():
+    import dataclasses
+
+    from benchmarks.planner import _calibration_run
+    from tests.test_profiler_calibration import _dp2_trace
+
+    trace = dataclasses.replace(_dp2_trace(), meta={"untraced_step_s": [0.09, 0.08, 0.07, 0.30]})
+    run = _calibration_run("dp2", trace)
+    assert run["traced_step_s"] == pytest.approx(0.100)
+    assert run["untraced_median_s"] == pytest.approx(0.085)
+    assert run["untraced_steps_s"] == [0.09, 0.08, 0.07, 0.30]
+    assert _calibration_run("dp2", _dp2_trace())["untraced_median_s"] is None

@@ -33,7 +33,7 @@ def _train(rank: int, world_size: int, strategy_name: str, out: str) -> dict[str
     module = CausalLMModule(model, TrainerConfig(max_steps=STEPS))
     strategy = (DDPStrategy(process_group_backend="gloo") if strategy_name == "ddp"
                 else Merak3DStrategy(pipeline_parallel=2, micro_batches=2))
-    profiler = MerakTraceProfiler(dirpath=out, skip_steps=1, steps=3)
+    profiler = MerakTraceProfiler(dirpath=out, skip_steps=1, steps=3, untraced_steps=1)
     data = torch.randint(VOCAB, (STEPS * BATCH * world_size, SEQ), generator=torch.Generator().manual_seed(1))
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -48,6 +48,7 @@ def test_profiler_records_and_replays(tmp_path: Path, strategy_name: str) -> Non
     assert "replayed" in results[0]["summary"]
     trace = Trace.load(results[0]["paths"]["trace"])
     assert trace.world_size == 2 and trace.steps() == [0, 1, 2]
+    assert len(trace.meta["untraced_step_s"]) == 1  # the fifth step, gathered after it (its slowest rank)
     for rank in trace.ranks:
         categories = {s.category for s in rank.spans}
         assert {"step", "FW", "BW", "UPDATE"} <= categories

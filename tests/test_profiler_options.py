@@ -9,12 +9,14 @@ from lightning_merak.profiler import MerakTraceProfiler
 
 
 def test_trace_option_builds_the_profiler(tmp_path) -> None:
-    profiler = TraceProfilerConfig(steps=2, skip_steps=1).build(tmp_path)
+    profiler = TraceProfilerConfig(steps=2, skip_steps=1, untraced_steps=8).build(tmp_path)
     assert isinstance(profiler, MerakTraceProfiler)
-    assert (profiler.steps, profiler.skip_steps, profiler.dirpath) == (2, 1, tmp_path)
+    assert (profiler.steps, profiler.skip_steps, profiler.untraced_steps, profiler.dirpath) == (2, 1, 8, tmp_path)
     assert NoProfilerConfig().build(tmp_path) is None
 
 
 def test_trace_option_refuses_no_steps() -> None:
     with pytest.raises(ValueError, match="profiler.steps"):
         TraceProfilerConfig(steps=0)
+    with pytest.raises(ValueError, match="untraced_steps=-1"):
+        TraceProfilerConfig(untraced_steps=-1)

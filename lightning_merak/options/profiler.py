@@ -2,7 +2,8 @@
 
 ``merak-train profiler=trace profiler.steps=3`` records a few steps on every rank after
 ``skip_steps`` warm-up steps and writes ``merak_trace.json`` and ``merak_trace.perfetto.json``
-into the run's output directory, with the replay summary in the log.
+into the run's output directory, with the replay summary in the log. ``profiler.untraced_steps=8`` also times
+eight untraced steps after them, which a ``planner_calibration`` from the trace anchors on.
 """
 
 from __future__ import annotations
@@ -35,17 +36,18 @@ class TraceProfilerConfig(NoProfilerConfig):
     steps: int = 3
     block_spans: bool = True
     filename: str = "merak_trace"
+    untraced_steps: int = 0
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.skip_steps < 0:
-            raise ValueError(f"profiler.steps must be >= 1 and profiler.skip_steps >= 0, got steps={self.steps}, "
-                             f"skip_steps={self.skip_steps}")
+        if self.steps < 1 or self.skip_steps < 0 or self.untraced_steps < 0:
+            raise ValueError(f"profiler.steps must be >= 1, profiler.skip_steps and profiler.untraced_steps >= 0, got "
+                             f"steps={self.steps}, skip_steps={self.skip_steps}, untraced_steps={self.untraced_steps}")
 
     def build(self, output_dir: Path) -> Any:
         from lightning_merak.profiler import MerakTraceProfiler
 
         return MerakTraceProfiler(dirpath=output_dir, filename=self.filename, skip_steps=self.skip_steps,
-                                  steps=self.steps, block_spans=self.block_spans)
+                                  steps=self.steps, block_spans=self.block_spans, untraced_steps=self.untraced_steps)
 
 
 def register() -> None:

@@ -39,12 +39,14 @@ from lightning_merak.profiler.synthesize import (
 )
 from lightning_merak.profiler.trace import Trace
 
-__all__ = ["LARGE_OP_BYTES", "Probe", "ReplayPredictor", "TraceCalibration", "block_call_cost", "block_call_seconds",
-           "calibrate_from_traces", "layout_from_meta", "link_costs", "predictor_from_files", "probe_key",
-           "rederivation_anchor", "traced_blocks"]
+__all__ = ["LARGE_OP_BYTES", "MIN_UNTRACED_STEPS", "Probe", "ReplayPredictor", "TraceCalibration", "block_call_cost",
+           "block_call_seconds", "calibrate_from_traces", "layout_from_meta", "link_costs", "predictor_from_files",
+           "probe_key", "rederivation_anchor", "traced_blocks", "untraced_step_time"]
 
 LARGE_OP_BYTES = 32768.0
 """Ops with at least this many wire bytes set a link's rate (below, the fixed cost dominates)."""
+MIN_UNTRACED_STEPS = 4
+"""Untraced steps a trace needs for its calibration to anchor on their median (fewer: on the traced steps)."""
 
 
 def link_costs(trace: Trace, layout: LayoutSpec) -> dict[str, tuple[float, float]]:
@@ -85,9 +87,9 @@ class TraceCalibration:
     (pipelined, tp, overlap) (:func:`probe_key`).
 
     ``correction`` multiplies the predictions made with ``base``: the traced run's untraced step time over
-    its traced one (the profiler's own cost), 1.0 where unknown (it does not change a ranking), times the
-    traced step over its re-derivation from ``base`` (:func:`calibrate_from_traces`); each probe has its own,
-    after its costs.
+    its traced one where measured outside the trace (1.0 where unknown, or where the trace holds untraced steps),
+    times the run's step over its re-derivation from ``base`` (:func:`calibrate_from_traces`); each probe has its
+    own, after its costs.
     """
 
     base: StepCosts
@@ -137,9 +139,10 @@ def calibrate_from_traces(trace: Trace, shape: ModelShape, layout: LayoutSpec, p
     main trace's gets a block call's fixed time from the line through both (:func:`block_call_cost`): more
     micro-batches make more, smaller calls, and a call's fixed part does not shrink with its samples.
 
-    Every cost set is anchored on its own trace: its corrections also hold the traced step over the step its costs
-    re-derive for the traced layout, so each traced layout predicts its own measured step and other layouts move by
-    the re-derived change only (what the re-derivation misses on the traced layout cancels, as in
+    Every cost set is anchored on its own trace: its corrections also hold the traced run's step (its untraced
+    steps' median where the trace has them, :func:`untraced_step_time`) over the step its costs re-derive for the
+    traced layout, so each traced layout predicts its own run's step and other layouts move by the re-derived change
+    only (what the re-derivation misses on the traced layout cancels, as in
     :func:`~lightning_merak.profiler.synthesize.predict_from_traced`).
     Raises before calibrating when two probes stand for the same :func:`probe_key`.
     """
@@ -148,6 +151,12 @@ def calibrate_from_traces(trace: Trace, shape: ModelShape, layout: LayoutSpec, p
         raise ValueError(f"two probes trace the same (pipelined, tensor_parallel, overlap): {keys}; keep one of each")
     if min([correction] + [p.correction for p in probes]) <= 0:
         raise ValueError("corrections must be positive (untraced over traced step time)")
+    doubled = [name for name, t, c in [("the main trace", trace, correction)]
+               + [(f"probe {probe_key(p.layout)}", p.trace, p.correction) for p in probes]
+               if c != 1.0 and untraced_step_time(t) is not None]
+    if doubled:
+        raise ValueError(f"{', '.join(doubled)} already anchor on their own untraced steps; leave their corrections "
+                         "at 1.0")
     base = _with_links(calibrate(trace, shape, layout), trace, layout)
     calibrated = {}
     for probe in probes:
@@ -163,12 +172,28 @@ def calibrate_from_traces(trace: Trace, shape: ModelShape, layout: LayoutSpec, p
                             correction * rederivation_anchor(base, trace, shape, layout))
 
 
+def untraced_step_time(trace: Trace) -> Optional[float]:
+    """The median of the traced run's untraced steps after its window (``MerakTraceProfiler(untraced_steps=...)``;
+    each step's slowest rank), or None where the trace holds fewer than :data:`MIN_UNTRACED_STEPS`.
+
+    What a user predicts is a run's untraced steady steps. A few traced steps are a poor stand-in: they come early,
+    sit in one spell of a shared machine and carry the profiler's cost (a three-step window read 0.88-1.37 of its
+    run's untraced median over 24 runs, median 1.08); the median over more steps, later in the run, moves less.
+    """
+    steps = trace.meta.get("untraced_step_s") or []
+    if any(not isinstance(s, (int, float)) or s <= 0 for s in steps):
+        raise ValueError(f"the trace's untraced_step_s must hold positive seconds, got {steps!r}")
+    return statistics.median(steps) if len(steps) >= MIN_UNTRACED_STEPS else None
+
+
 def rederivation_anchor(costs: StepCosts, trace: Trace, shape: ModelShape, layout: LayoutSpec) -> float:
-    """``trace``'s measured step over the step ``costs`` (calibrated on it) re-derive for its own ``layout``."""
+    """``trace``'s run's step (:func:`untraced_step_time`, else its traced steps) over the step ``costs``
+    (calibrated on it) re-derive for its own ``layout``."""
     rederived = predict_layout(costs, shape, layout).step_time
     if rederived <= 0:
         raise ValueError("the calibrated costs re-derive an empty step; trace a run whose steps hold compute spans")
-    return measured_step_time(trace) / rederived
+    untraced = untraced_step_time(trace)
+    return (untraced if untraced is not None else measured_step_time(trace)) / rederived
 
 
 def _calls_differ(trace: Trace, layout: LayoutSpec, probe: Probe) -> bool:

@@ -3,7 +3,9 @@
 Lightning calls a profiler's ``start``/``stop`` around every hook; this one skips ``skip_steps``
 training batches (warm-up), records the next ``steps`` on every rank (Lightning's training step,
 backward and optimizer step, pipeline chunks, blocks, every collective and point-to-point op),
-then, while every rank is still in the same place, aligns the ranks' clocks by round trips,
+then times ``untraced_steps`` more batches with nothing recorded (a clock read at each end: the steps a user's
+run takes untraced, which calibrations anchor on), and, while every rank is still in the same place (after those
+steps, or when training ends first), aligns the ranks' clocks by round trips,
 gathers the records on rank 0 and writes there the raw trace (``<filename>.json``, for
 :meth:`Trace.load`) and a Perfetto/Chrome trace (``<filename>.perfetto.json``). The summary of
 the critical path and exposed communication is logged, returned by :meth:`summary` and printed by
@@ -27,7 +29,7 @@ from lightning_merak.profiler.chrome import chrome_trace, write_chrome_trace
 from lightning_merak.profiler.recorder import TraceRecorder
 from lightning_merak.profiler.summary import summarize
 from lightning_merak.profiler.synthesize import ModelShape
-from lightning_merak.profiler.trace import Span, Trace, offset_from_round_trips
+from lightning_merak.profiler.trace import RankTrace, Span, Trace, offset_from_round_trips
 
 __all__ = ["MerakTraceProfiler", "estimate_clock_offsets", "model_shape", "run_meta"]
 
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 
 _STRATEGY_HOOK = re.compile(r"^\[Strategy\]\w+\.(training_step|backward)$")
 _OPTIMIZER_STEP = re.compile(r"^\[LightningModule\]\w+\.optimizer_step$")
+_TRAIN_END = re.compile(r"^\[LightningModule\]\w+\.on_train_end$")
 
 
 def estimate_clock_offsets(rounds: int = 8) -> list[float]:
@@ -107,18 +110,23 @@ class MerakTraceProfiler(Profiler):
     """Trace ``steps`` training steps after ``skip_steps`` on every rank; rank 0 writes and summarizes them.
 
     ``block_spans`` times each block of the model's largest ``ModuleList`` (one forward hook pair
-    per block while recording). The trace is written under ``dirpath`` (default: the trainer's
-    log directory).
+    per block while recording). ``untraced_steps``: batches after the window timed without recording; the trace's
+    meta holds each one's slowest rank (``untraced_step_s``), and the trace is written after them (or when
+    training ends first). A few steps are noisy on a shared machine: calibrating the planner wants 8 or more
+    (:func:`~lightning_merak.profiler.calibration.untraced_step_time`). The trace is written under ``dirpath``
+    (default: the trainer's log directory).
     """
 
     def __init__(self, dirpath: Optional[Union[str, Path]] = None, filename: str = "merak_trace",
-                 skip_steps: int = 2, steps: int = 3, block_spans: bool = True) -> None:
-        if steps < 1 or skip_steps < 0:
-            raise ValueError(f"steps must be >= 1 and skip_steps >= 0, got steps={steps}, skip_steps={skip_steps}")
+                 skip_steps: int = 2, steps: int = 3, block_spans: bool = True, untraced_steps: int = 0) -> None:
+        if steps < 1 or skip_steps < 0 or untraced_steps < 0:
+            raise ValueError(f"steps must be >= 1, skip_steps and untraced_steps >= 0, got steps={steps}, "
+                             f"skip_steps={skip_steps}, untraced_steps={untraced_steps}")
         super().__init__(dirpath=dirpath, filename=filename)
         self.skip_steps, self.steps, self.block_spans = skip_steps, steps, block_spans
+        self.untraced_steps = untraced_steps
         self.trace: Optional[Trace] = None
-        """The gathered trace (rank 0, after the window)."""
+        """The gathered trace (rank 0, once written: after the window and the untraced steps)."""
         self.paths: dict[str, Path] = {}
         self._summary = ""
         self._batch = -1
@@ -126,11 +134,21 @@ class MerakTraceProfiler(Profiler):
         self._open: dict[str, list[Span]] = {}
         self._last_backward_end: Optional[float] = None
         self._finished = False
+        self._recorded: Optional[RankTrace] = None
+        """This rank's record once the window closed, until it is written (:meth:`_finish`)."""
+        self._untraced_s: list[float] = []
+        self._untraced_start: Optional[float] = None
 
     def _recording(self) -> bool:
         return self._recorder is not None
 
     def start(self, action_name: str) -> None:
+        if action_name == "run_training_batch" and self._recorded is not None:
+            self._untraced_start = time.perf_counter()
+            return
+        if self._recorded is not None and _TRAIN_END.match(action_name):
+            self._finish()  # training ended before every untraced step was timed
+            return
         if action_name == "run_training_batch":
             self._batch += 1
             if self._batch == self.skip_steps and not self._finished:
@@ -151,6 +169,12 @@ class MerakTraceProfiler(Profiler):
             self._open.setdefault(action_name, []).append(self._recorder.open_span("optimizer_step", "UPDATE"))
 
     def stop(self, action_name: str) -> None:
+        if action_name == "run_training_batch" and self._untraced_start is not None:
+            self._untraced_s.append(time.perf_counter() - self._untraced_start)
+            self._untraced_start = None
+            if len(self._untraced_s) >= self.untraced_steps:
+                self._finish()
+            return
         recorder = self._recorder
         stack = self._open.get(action_name)
         if recorder is None or not stack:
@@ -163,22 +187,31 @@ class MerakTraceProfiler(Profiler):
         if span.category == "BW":
             self._last_backward_end = span.end
         if action_name == "run_training_batch" and span.step == self.steps - 1:
-            self._finish(recorder)
+            self._recorded = recorder.finish()
+            self._recorder, self._finished = None, True
+            if self.untraced_steps == 0:
+                self._finish()
 
-    def _finish(self, recorder: TraceRecorder) -> None:
-        """Stop recording; align clocks, gather on rank 0, write and summarize (every rank takes part)."""
-        recorder.finish()
-        self._recorder, self._finished = None, True
+    def _finish(self) -> None:
+        """Align clocks, gather the records and untraced step times on rank 0, write and summarize (every rank
+        takes part)."""
+        recorded, untraced = self._recorded, self._untraced_s
+        if recorded is None:
+            return
+        self._recorded, self._untraced_start = None, None
         if dist.is_initialized():
             offsets = estimate_clock_offsets()
             gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, recorder.trace)
+            dist.all_gather_object(gathered, (recorded, untraced))
             if dist.get_rank() != 0:
                 return
-            ranks = sorted(gathered, key=lambda r: r.rank)
+            ranks = sorted((trace for trace, _ in gathered), key=lambda r: r.rank)
+            untraced = [max(step) for step in zip(*(steps for _, steps in gathered))]
         else:
-            offsets, ranks = [0.0], [recorder.trace]
+            offsets, ranks = [0.0], [recorded]
         meta = run_meta(getattr(self, "_lightning_module", None))
+        if untraced:
+            meta["untraced_step_s"] = untraced
         self.trace = Trace(ranks, offsets, {"skip_steps": self.skip_steps, "steps": self.steps, **meta})
         directory = Path(self.dirpath or ".")
         self.paths = {"trace": self.trace.save(directory / f"{self.filename}.json"),
@@ -194,4 +227,5 @@ class MerakTraceProfiler(Profiler):
         if self._recorder is not None:
             self._recorder.uninstall()
             self._recorder = None
+        self._recorded = None  # a window that training left unwritten: its peers may be gone, no collective
         super().teardown(stage)
