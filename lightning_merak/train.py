@@ -169,10 +169,13 @@ def train(config: TrainConfig, prelaunched: PrelaunchedRanks | None = None) -> P
     if hasattr(strategy, "validate_arguments"):
         strategy.validate_arguments(world_size, **batch_shape)
     if getattr(strategy, "strategy_name", None) == "merak3d":
-        from lightning_merak.strategies.merak3d.build import router_aux_loss_problem
+        from lightning_merak.strategies.pipeline.router_aux import router_aux_loss_problem
 
         problem = router_aux_loss_problem(config.model.config.get("output_router_logits", False),
-                                          getattr(config.strategy, "pipeline_parallel", 1))
+                                          getattr(config.strategy, "pipeline_parallel", 1),
+                                          micro_batching=getattr(config.strategy, "micro_batching", "none"),
+                                          sequence_parallel=getattr(config.strategy, "sequence_parallel", False),
+                                          tensor_parallel=getattr(config.strategy, "tensor_parallel", 1))
         if problem is not None:
             raise ValueError(problem)
     if getattr(strategy, "strategy_name", None) == "merak3d" and getattr(config.moe, "experts", None) == "merak_ep":

@@ -169,13 +169,19 @@ def test_causal_lm_module_optimises_the_router_aux_loss_as_transformers_does() -
         assert (module._router_aux_loss is not None) == aux
 
 
-def test_router_aux_loss_is_refused_only_under_pipeline_stages() -> None:
-    from lightning_merak.strategies.merak3d.build import router_aux_loss_problem
+def test_router_aux_loss_is_refused_only_where_a_stage_lacks_the_whole_micro_batch() -> None:
+    """Pipeline stages carry the router logits to the last stage (tests/test_merak3d_router_aux.py); token-weighted
+    micro-batching and sequence-split routers are refused."""
+    from lightning_merak.strategies.pipeline.router_aux import router_aux_loss_problem
 
-    assert "pipeline stages do not run" in router_aux_loss_problem(True, 2)
-    assert router_aux_loss_problem(True, 1) is None
-    assert router_aux_loss_problem(True, "auto") is None
-    assert router_aux_loss_problem(False, 4) is None
+    assert router_aux_loss_problem(True, 2) is None
+    assert router_aux_loss_problem(True, 1, micro_batching="dynamic") is None
+    assert router_aux_loss_problem(True, "auto", micro_batching="pack") is None  # decided once planned
+    assert router_aux_loss_problem(False, 4, micro_batching="dynamic") is None
+    assert "use micro_batching='none'" in router_aux_loss_problem(True, 2, micro_batching="dynamic")
+    assert "set sequence_parallel=False" in router_aux_loss_problem(True, 2, sequence_parallel=True,
+                                                                      tensor_parallel=2)
+    assert router_aux_loss_problem(True, 2, sequence_parallel=True, tensor_parallel=1) is None
 
 
 def _replication_pays() -> object:

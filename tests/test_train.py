@@ -57,8 +57,9 @@ def _refusal(overrides: list[str], run_dir, monkeypatch, capsys) -> str:
          "moe.lancet_scope=block with moe.experts=merak_ep under merak3d is not built"),
         (["model=mixtral_tiny", "moe=shadowing", "moe.experts=merak_ep"],
          "moe.placement=shadowing with moe.experts=merak_ep re-plans replicas under DDP"),
-        (["model=mixtral_tiny", "strategy.pipeline_parallel=2", "+model.config.output_router_logits=true"],
-         "output_router_logits=True: the router aux loss"),
+        (["model=mixtral_tiny", "strategy.pipeline_parallel=2", "+model.config.output_router_logits=true",
+          "strategy.micro_batching=dynamic", "data.lengths=variable"],
+         "output_router_logits=True with micro_batching='dynamic'"),
         (["strategy.pipeline_parallel=3", "trainer.devices=3"], "batch size 16 is not divisible by micro_batches=6"),
     ],
 )

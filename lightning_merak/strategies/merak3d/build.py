@@ -44,6 +44,7 @@ from lightning_merak.strategies.merak3d.materialize import (
 )
 from lightning_merak.strategies.merak3d.vocabulary_build import VocabularyRows
 from lightning_merak.strategies.pipeline.meta_trace import materialized_copy
+from lightning_merak.strategies.pipeline.router_aux import RouterAux, router_aux_loss_problem, router_aux_of
 from lightning_merak.strategies.pipeline.stage import RankStages, build_stage_module, tied_parameter_names
 from lightning_merak.strategies.pipeline.trace import ModelTrace, TraceError, find_trunk, trace_model
 from lightning_merak.strategies.sequence_parallel import (
@@ -72,15 +73,6 @@ Broadcast = Callable[[Any, int], Any]
 
 def call_model(model: nn.Module, inputs: torch.Tensor) -> Any:
     return model(inputs)
-
-
-def router_aux_loss_problem(output_router_logits: Any, pipeline_parallel: Any) -> Optional[str]:
-    """Why a transformers MoE model's router aux loss cannot be trained at this pipeline degree, or ``None``."""
-    if output_router_logits and isinstance(pipeline_parallel, int) and pipeline_parallel > 1:
-        return ("model.config.output_router_logits=True: the router aux loss is computed from every layer's router "
-                "logits at the model's end, which pipeline stages do not run; set output_router_logits=False (the "
-                "families' default) or pipeline_parallel=1")
-    return None
 
 
 def in_training_mode(model: nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -209,10 +201,7 @@ def build_model(model: nn.Module, inputs: torch.Tensor, *, arguments: Merak3DArg
     """
     layout = groups.layout
     no_cache(model)
-    problem = router_aux_loss_problem(getattr(getattr(model, "config", None), "output_router_logits", False),
-                                      layout.pipeline_parallel)
-    if problem is not None:
-        raise ValueError(problem)
+    router_aux = _router_aux(model, arguments, layout)
     # a copy: an evaluation loop's batch may be an inference tensor, which autograd refuses
     micro = first_micro_batch(layout, inputs).clone()
     pp, tp = layout.pipeline_parallel, layout.tensor_parallel
@@ -244,9 +233,9 @@ def build_model(model: nn.Module, inputs: torch.Tensor, *, arguments: Merak3DArg
         stage_ids = [groups.pipeline_rank + k * pp for k in range(layout.virtual_stages)]
         copies = [copy.deepcopy(model) for _ in stage_ids[1:]] + [model]
         stages = RankStages([
-            build_stage_module(copy_, trace, partition.boundaries, stage_id, call_model)
+            build_stage_module(copy_, trace, partition.boundaries, stage_id, call_model, router_aux)
             for copy_, stage_id in zip(copies, stage_ids)
-        ])
+        ], router_aux)
         local_blocks = {
             index: part.net.get_submodule(trace.trunk_path)[index] for part in stages for index in part.block_indices
         }
@@ -292,6 +281,21 @@ def build_model(model: nn.Module, inputs: torch.Tensor, *, arguments: Merak3DArg
         for part in stages if stages is not None else [model]:
             part.forward = SubBatchForward(part, layout.tp_overlap)
     return BuiltModel(stages, local_blocks, tensor_partial, tied, layout_changes, partition)
+
+
+def _router_aux(model: nn.Module, arguments: Merak3DArguments, layout: Layout) -> Optional[RouterAux]:
+    """The router aux loss the stages carry router logits for (``output_router_logits=True`` under
+    ``pipeline_parallel>1``), or None; refused, before any work, where the layout or the model cannot train it."""
+    output_router_logits = getattr(getattr(model, "config", None), "output_router_logits", False)
+    problem = router_aux_loss_problem(output_router_logits, layout.pipeline_parallel,
+                                      micro_batching=arguments.micro_batching,
+                                      sequence_parallel=arguments.sequence_parallel,
+                                      tensor_parallel=layout.tensor_parallel)
+    if problem is not None:
+        raise ValueError(problem)
+    if not output_router_logits or layout.pipeline_parallel == 1:
+        return None
+    return router_aux_of(model, find_trunk(model)[1])
 
 
 def _agree_on_partition(trace: ModelTrace, layout: Layout, method: str, global_rank: int,

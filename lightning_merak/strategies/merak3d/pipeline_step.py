@@ -3,7 +3,9 @@
 Once the model is cut into stages, :class:`PipelineStep` runs each batch through the schedule:
 training batches compute their gradients inside the schedule (held aside until Lightning's
 ``backward``), evaluation batches run without gradients, and every rank of a replica gets the
-last stage's loss or logits.
+last stage's loss or logits. With a router aux loss (the stages carry router logits), each micro-batch's loss
+adds it (:class:`~lightning_merak.strategies.pipeline.router_aux.RouterAuxLoss`) and the module's
+``_router_aux_loss`` gets its mean over the micro-batches, for logging as without stages.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_merak.strategies.merak3d.layout import MULTI_STAGE_SCHEDULES, LayoutGroups
+from lightning_merak.strategies.pipeline.router_aux import RouterAuxLoss
 from lightning_merak.strategies.pipeline.schedules import ScheduleShiftedCriticalPath, pipeline_stage_class
 from lightning_merak.strategies.pipeline.stage import RankStages
 from lightning_merak.strategies.vocab_parallel import vocab_parallel_loss
@@ -46,6 +49,9 @@ class PipelineStep:
         former's, so the schedule's own scaling, which would touch all of them, is off)."""
         layout = groups.layout
         loss_fn = vocab_parallel_loss(module.loss_from_logits, stages)
+        self._router_aux_loss: Optional[RouterAuxLoss] = None
+        if stages.router_aux is not None:
+            loss_fn = self._router_aux_loss = RouterAuxLoss(loss_fn, stages.router_aux)
         pp_group = groups.pipeline_group
         stage_class = pipeline_stage_class(dist.get_backend(pp_group), layout.virtual_stages)
         pipeline_stages = [
@@ -64,7 +70,8 @@ class PipelineStep:
                                             loss_fn=loss_fn, scale_grads=False)
 
     def loss(self, batch: Any) -> torch.Tensor:
-        """Run the schedule on ``batch``; every rank returns the mean micro-batch loss.
+        """Run the schedule on ``batch``; every rank returns the mean micro-batch loss (and, with a router aux
+        loss, sets the module's ``_router_aux_loss`` to its mean).
 
         The schedule computes gradients inside the training step, but Lightning zeroes
         gradients between ``training_step`` and ``backward``; they are held aside here and
@@ -77,6 +84,8 @@ class PipelineStep:
         args = (inputs,) if stage.is_first else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": targets, "losses": losses} if stage.is_last else {}
+        if self._router_aux_loss is not None:
+            self._router_aux_loss.values.clear()
         if module.training:
             parameters = [p for p in stage.parameters() if p.requires_grad]
             for param in parameters:
@@ -93,11 +102,17 @@ class PipelineStep:
             with torch.no_grad():
                 self._schedule.eval(*args, return_outputs=False, **kwargs)
         # float32 on every stage: the broadcast must agree in size whatever the precision (bf16-true)
-        loss = (torch.stack([l.detach() for l in losses]).float().mean() if stage.is_last
-                else torch.zeros((), dtype=torch.float32, device=self._device))
+        results = [torch.stack([l.detach() for l in losses]).float().mean()] if stage.is_last else [
+            torch.zeros((), dtype=torch.float32, device=self._device)]
+        if self._router_aux_loss is not None:
+            values = self._router_aux_loss.values[-len(losses):]  # a first step's shape inference scores one more
+            results.append(torch.stack(values).mean() if stage.is_last else torch.zeros_like(results[0]))
+        means = torch.stack(results)
         pp_group, last_rank = self._last_stage_source()
-        dist.broadcast(loss, src=last_rank, group=pp_group)
-        return loss
+        dist.broadcast(means, src=last_rank, group=pp_group)
+        if self._router_aux_loss is not None:
+            module._router_aux_loss = means[1]
+        return means[0]
 
     def backward_passes(self, batch: Any) -> int:
         """Micro-batches a training step on ``batch`` runs (what the data-parallel reduction is armed with)."""
@@ -133,6 +148,8 @@ class PipelineStep:
         scoring = {"target": inputs, "losses": []} if stage.is_last else {}
         with torch.no_grad():
             output = self._schedule.eval(*args, **scoring)
+        if isinstance(output, tuple):  # (logits, router logits) with a router aux loss
+            output = output[0]
         pp_group, last_rank = self._last_stage_source()
         header = [(tuple(output.shape), output.dtype) if stage.is_last else None]
         dist.broadcast_object_list(header, src=last_rank, group=pp_group)

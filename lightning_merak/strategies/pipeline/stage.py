@@ -11,7 +11,9 @@ checkpoints, gradients and optimizer groups map back to the unsplit model.
 * Later stages call their blocks directly, each with its own side tensors.
 * The last stage replays the recorded head (final norm, LM head, logit scaling) to get logits.
 
-Stage inputs and outputs are ``(hidden, *side_tensors)``; the last stage outputs logits.
+Stage inputs and outputs are ``(hidden, *side_tensors)``; the last stage outputs logits. A stage given a
+:class:`~lightning_merak.strategies.pipeline.router_aux.RouterAux` also carries the router logits of every
+layer so far as one more tensor (its last input and output; the last stage outputs ``(logits, router logits)``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from lightning_merak.strategies.pipeline.router_aux import RouterAux, RouterRecorder, carried_router_logits
 from lightning_merak.strategies.pipeline.trace import ModelTrace, TraceError
 
 __all__ = ["PipelineStageModule", "RankStages", "build_stage_module", "tied_parameter_names"]
@@ -73,7 +76,8 @@ def tied_parameter_names(model: nn.Module) -> list[tuple[str, ...]]:
 class PipelineStageModule(nn.Module):
     """Stage ``stage_index`` of ``num_stages`` holding nodes ``node_range`` of the trace.
 
-    Node 0 is the prefix, nodes 1..n are the blocks, node n+1 the suffix (head).
+    Node 0 is the prefix, nodes 1..n are the blocks, node n+1 the suffix (head). With ``router_aux``, the stage
+    records its routers and carries the router logits on (see the module docstring).
     """
 
     def __init__(
@@ -84,6 +88,7 @@ class PipelineStageModule(nn.Module):
         stage_index: int,
         num_stages: int,
         call_model: Callable[[nn.Module, torch.Tensor], Any],
+        router_aux: RouterAux | None = None,
     ) -> None:
         super().__init__()
         self.trace = trace
@@ -95,6 +100,16 @@ class PipelineStageModule(nn.Module):
         num_blocks = trace.num_blocks
         self.block_indices = [node - 1 for node in node_range if 1 <= node <= num_blocks]
         trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
+        self.routers: RouterRecorder | None = None
+        self.carries_router_logits_in = False
+        if router_aux is not None:
+            routers = [module for index in self.block_indices for module in trunk[index].modules()
+                       if isinstance(module, router_aux.router_class)]
+            before = sum(isinstance(module, router_aux.router_class)
+                         for block in trunk[:max(node_range.start - 1, 0)] for module in block.modules())
+            self.carries_router_logits_in = before > 0
+            if before + len(routers) > 0:
+                self.routers = RouterRecorder(routers, router_aux.output_index)
         model.set_submodule(
             trace.trunk_path,
             nn.ModuleList(
@@ -176,17 +191,32 @@ class PipelineStageModule(nn.Module):
 
     def forward(self, *inputs: torch.Tensor, **model_kwargs: Any) -> Any:
         """``model_kwargs`` go to the first stage's model call; later stages get them as side tensors."""
+        if self.routers is None:
+            hidden, side = self._run_blocks(inputs, model_kwargs)
+            return (hidden, *side) if not self.is_last else self.trace.run_head(self.net, hidden)
+        carried = None
+        if self.carries_router_logits_in:
+            *inputs, carried = inputs
+        with self.routers.recording() as recorded:
+            hidden, side = self._run_blocks(tuple(inputs), model_kwargs)
+        batch, sequence = inputs[0].shape[:2]  # token ids [batch, sequence] or hidden [batch, sequence, width]
+        router_logits = carried_router_logits(carried, recorded, batch, sequence)
+        if not self.is_last:
+            return (hidden, *side, router_logits)
+        return self.trace.run_head(self.net, hidden), router_logits
+
+    def _run_blocks(self, inputs: tuple[torch.Tensor, ...], model_kwargs: dict[str, Any]
+                    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """``(hidden, side tensors)`` after this stage's blocks."""
         if self.is_first:
             hidden, *side = self._run_first(inputs[0], model_kwargs)
-        else:
-            hidden, *side = inputs
-            trunk = self.net.get_submodule(self.trace.trunk_path)
-            for index in self.block_indices:
-                args, kwargs = self.trace.block_arguments(tuple(side), index)
-                hidden = self.trace.hidden_of(trunk[index](hidden, *args, **kwargs))
-        if not self.is_last:
-            return (hidden, *side)
-        return self.trace.run_head(self.net, hidden)
+            return hidden, tuple(side)
+        hidden, *side = inputs
+        trunk = self.net.get_submodule(self.trace.trunk_path)
+        for index in self.block_indices:
+            args, kwargs = self.trace.block_arguments(tuple(side), index)
+            hidden = self.trace.hidden_of(trunk[index](hidden, *args, **kwargs))
+        return hidden, tuple(side)
 
 
 def build_stage_module(
@@ -195,6 +225,7 @@ def build_stage_module(
     boundaries: tuple[int, ...],
     stage_index: int,
     call_model: Callable[[nn.Module, torch.Tensor], Any],
+    router_aux: RouterAux | None = None,
 ) -> PipelineStageModule:
     """Prune ``model`` in place to stage ``stage_index`` of the partition ``boundaries``.
 
@@ -204,17 +235,19 @@ def build_stage_module(
     num_nodes = trace.num_blocks + 2
     ends = list(boundaries[1:]) + [num_nodes]
     node_range = range(boundaries[stage_index], ends[stage_index])
-    return PipelineStageModule(model, trace, node_range, stage_index, len(boundaries), call_model)
+    return PipelineStageModule(model, trace, node_range, stage_index, len(boundaries), call_model, router_aux)
 
 
 class RankStages(nn.ModuleList):
     """The pipeline stages one rank runs: one, or several with an interleaved schedule.
 
-    Parameter names are ``<k>.net.<original name>``; :meth:`original_name` maps them back.
+    Parameter names are ``<k>.net.<original name>``; :meth:`original_name` maps them back. ``router_aux``:
+    the router aux loss the last stage's loss adds, if the stages carry router logits.
     """
 
-    def __init__(self, stages: list[PipelineStageModule]) -> None:
+    def __init__(self, stages: list[PipelineStageModule], router_aux: RouterAux | None = None) -> None:
         super().__init__(stages)
+        self.router_aux = router_aux
 
     @property
     def is_first(self) -> bool:
