@@ -97,6 +97,33 @@ def _embedding_arguments(input: torch.Tensor, weight: torch.Tensor, padding_idx:
     return input, weight, (max_norm, norm_type, scale_grad_by_freq, sparse)
 
 
+_GROUPED_MM = getattr(torch, "_grouped_mm", None)
+
+
+class _MetaGroupedMatmul(TorchFunctionMode):
+    """Runs torch's grouped matmul on meta tensors of any floating dtype.
+
+    torch 2.13's meta kernel of ``_grouped_mm`` applies CUDA's bf16-only rule, while the CPU kernel the blocks run
+    after the trace takes fp32 too, so a model whose experts use ``grouped_mm`` (transformers 5's choice where
+    torch has it) failed its meta trace. Shapes do not depend on the dtype: the meta call runs in bf16 and its
+    result is cast back (autograd goes through both casts).
+    """
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is _GROUPED_MM and len(args) >= 2 and _meta_float(args[0]) and args[0].dtype != torch.bfloat16:
+            out_dtype = kwargs.pop("out_dtype", None) or args[0].dtype
+            if _meta_float(kwargs.get("bias")):
+                kwargs["bias"] = kwargs["bias"].to(torch.bfloat16)
+            operands = [a.to(torch.bfloat16) if _meta_float(a) else a for a in args]
+            return func(*operands, **kwargs).to(out_dtype)
+        return func(*args, **kwargs)
+
+
+def _meta_float(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_meta and value.dtype.is_floating_point
+
+
 class _TableRows(TorchFunctionMode):
     """Answers ``F.embedding`` on a meta table with real ids from a stand-in holding only the rows looked up.
 
@@ -226,7 +253,7 @@ def trace_meta_model(model: nn.Module, sample_inputs: torch.Tensor,
     for block in trunk:
         block.forward = functools.partial(_on_meta, block.forward)
     try:
-        with hooks_removed_after(handles), table_rows:
+        with hooks_removed_after(handles), table_rows, _MetaGroupedMatmul():
             recording = _record(work, call_model, sample_inputs, trunk)
     except RuntimeError as error:
         if "meta" not in str(error):
