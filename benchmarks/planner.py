@@ -32,7 +32,9 @@ A second predictor, the trace replayer (``planner_calibration`` with trace files
 each round from one short traced dp=2 run and probes: a traced pp=2 run of the whole model where the grid
 holds pipelines, and short traced runs on the model cut to ``PROBE_LAYERS`` blocks of each tensor-parallel
 degree and overlap of the grid, ``PROBE_REPEATS`` times in mirrored order
-(:mod:`lightning_merak.profiler.calibration`). Rows carry both predictions (``predicted_s``/``error``:
+(:mod:`lightning_merak.profiler.calibration`), pricing each pipeline at the split merak3d's autopipe will pick
+for its micro-batches on the calibrated costs (:mod:`lightning_merak.profiler.stage_split`; rows keep it per round
+next to the split each run reported). Rows carry both predictions (``predicted_s``/``error``:
 the cost model; ``replay_predicted_s``/``replay_error``: the replay), the summary both maxima and
 each predictor's pick and regret.
 
@@ -231,11 +233,32 @@ def _replay_predictors(plan: list[dict[str, Any]]) -> tuple[list[ReplayPredictor
     return predictors, runs
 
 
+def _replay_spec(layout: dict[str, Any]) -> LayoutSpec:
+    return LayoutSpec(layout["dp"], layout["pp"], layout["tp"], layout["micro_batches"] or 1, WORKLOAD.global_batch,
+                      overlap=layout["overlap"])
+
+
 def _replay_predictions(plan: list[dict[str, Any]], predictors: list[ReplayPredictor]) -> dict[str, float]:
     """The replay's step time for every layout of ``plan``: the median over ``predictors``."""
-    return {_layout_key(p["layout"]): statistics.median(predictor.step_time(LayoutSpec(
-        p["layout"]["dp"], p["layout"]["pp"], p["layout"]["tp"], p["layout"]["micro_batches"] or 1,
-        WORKLOAD.global_batch, overlap=p["layout"]["overlap"])) for predictor in predictors) for p in plan}
+    return {_layout_key(p["layout"]): statistics.median(predictor.step_time(_replay_spec(p["layout"]))
+                                                        for predictor in predictors) for p in plan}
+
+
+def _replay_splits(plan: list[dict[str, Any]], predictor: ReplayPredictor) -> dict[str, list[int] | None]:
+    """The blocks per stage the replay prices every pipelined layout of ``plan`` at: autopipe's pick on the
+    calibrated costs (:meth:`~lightning_merak.profiler.calibration.ReplayPredictor.stage_blocks`; every predictor
+    of a round shares the pipeline probe); None unpipelined."""
+    return {_layout_key(p["layout"]): list(predictor.stage_blocks(_replay_spec(p["layout"]))) or None for p in plan}
+
+
+def split_agreement(rows: list[dict[str, Any]]) -> float | None:
+    """The share of measured pipeline runs whose split (autopipe's at the run's start) is the one the replay priced
+    them at in the same round (``stage_blocks_rounds`` and ``replay_stage_blocks_rounds`` both list the rounds whose
+    run finished); None without pipelined runs."""
+    pairs = [(run, priced) for row in rows
+             for run, priced in zip(row.get("stage_blocks_rounds", []), row.get("replay_stage_blocks_rounds", []))
+             if run is not None and priced is not None]
+    return sum(run == priced for run, priced in pairs) / len(pairs) if pairs else None
 
 
 class Measured(NamedTuple):
@@ -322,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     plans: list[list[dict[str, Any]]] = []
     measured: list[list[Measured | str]] = []
     replayed: list[dict[str, float]] = []
+    replay_splits: list[dict[str, list[int] | None]] = []
     calibrations: list[dict[str, Any]] = []
     calibration_runs: list[list[dict[str, Any]]] = []
     for round_index in range(mode.rounds):
@@ -330,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         calibration_runs.append(runs)
         calibrations.append([predictor.calibration.describe() for predictor in predictors])
         replayed.append(_replay_predictions(plans[-1], predictors))
+        replay_splits.append(_replay_splits(plans[-1], predictors[0]))
         print(f"  round {round_index + 1}/{mode.rounds}: planned {len(plans[-1])} layouts, picked "
               f"{_layout_key(plans[-1][0]['layout'])} ({time.perf_counter() - started:.0f} s)", flush=True)
         by_key = {_layout_key(p["layout"]): p for p in plans[-1]}
@@ -346,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         row["replay_predicted_rounds_s"] = [round_[row["layout"]] for round_ in replayed]
         row["replay_predicted_s"] = statistics.median(row["replay_predicted_rounds_s"])
+        column = [_layout_key(p["layout"]) for p in plans[0]].index(row["layout"])
+        row["replay_stage_blocks_rounds"] = [splits[row["layout"]] for splits, runs in zip(replay_splits, measured)
+                                             if isinstance(runs[column], Measured)]  # as stage_blocks_rounds
         if "error" in row:
             row["replay_error"] = row["replay_predicted_s"] / row["measured_s"] - 1.0
     measured_rows = [row for row in rows if "error" in row]
@@ -379,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         "paired_error_target_met": max(paired_errors) <= ERROR_TARGET,
         "regret_target_met": regret is not None and regret <= REGRET_TARGET,
         "replay_pick": replay_pick["layout"], "replay_regret": replay_regret,
+        "replay_split_agreement": split_agreement(rows),
     }
     print(f"prediction error: mean {100 * summary['mean_abs_error']:.1f}%, max {100 * summary['max_abs_error']:.1f}% "
           f"(target ≤ {100 * ERROR_TARGET:.0f}%: {'PASS' if summary['error_target_met'] else 'FAIL'}); "
@@ -391,14 +420,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"replayer (traced dp2 and pp2 runs, {PROBE_REPEATS}x {PROBE_LAYERS}-block tp probes per round): mean "
           f"{100 * summary['mean_abs_replay_error']:.1f}%, max {100 * summary['max_abs_replay_error']:.1f}% "
           f"({'PASS' if summary['replay_error_target_met'] else 'FAIL'}); its pick {replay_pick['layout']}, regret "
-          + (f"{100 * replay_regret:.1f}%" if replay_regret is not None else "- (pick failed)"))
+          + (f"{100 * replay_regret:.1f}%" if replay_regret is not None else "- (pick failed)")
+          + (f"; priced pipelines at their runs' split in {100 * summary['replay_split_agreement']:.0f}% of runs"
+             if summary["replay_split_agreement"] is not None else ""))
     write_json(args.out, rows, "measured",
                predictions="the planner's cost model from its own profile: one planning run per round "
                            "(error), and each training run's own plan (paired_error); the trace replayer "
                            "calibrated on one traced dp2 run, one traced pp2 run and traced probes of each "
                            f"tensor-parallel degree and overlap ({PROBE_LAYERS} blocks, {PROBE_REPEATS} runs each) "
                            "per round, each cost set anchored on the median of its run's untraced steps after the "
-                           "window, the median of its predictions over the probe runs (replay_error)",
+                           "window, the median of its predictions over the probe runs (replay_error); pipelines "
+                           "priced at the split autopipe picks on the calibrated costs for their micro-batches "
+                           "(replay_stage_blocks_rounds, against the runs' own stage_blocks_rounds)",
                calibrations=calibrations, calibration_runs=calibration_runs, untraced_steps=UNTRACED_STEPS,
                probe_layers=PROBE_LAYERS, probe_repeats=PROBE_REPEATS,
                rounds=mode.rounds,

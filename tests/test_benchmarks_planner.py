@@ -67,3 +67,13 @@ def test_a_calibration_run_reports_its_traced_window_and_untraced_median():
     assert run["untraced_median_s"] == pytest.approx(0.085)
     assert run["untraced_steps_s"] == [0.09, 0.08, 0.07, 0.30]
     assert _calibration_run("dp2", _dp2_trace())["untraced_median_s"] is None
+
+
+def test_split_agreement_counts_the_pipeline_runs_priced_at_their_own_split():
+    from benchmarks.planner import split_agreement
+
+    rows = [{"stage_blocks_rounds": [None, None], "replay_stage_blocks_rounds": [None, None]},
+            {"stage_blocks_rounds": [[3, 1], [2, 2], [3, 1]], "replay_stage_blocks_rounds": [[3, 1], [3, 1], [3, 1]]},
+            {"stage_blocks_rounds": [[2, 2]], "replay_stage_blocks_rounds": [[2, 2]]}]
+    assert split_agreement(rows) == pytest.approx(3 / 4)
+    assert split_agreement(rows[:1]) is None

@@ -7,7 +7,8 @@ sample, the rest of the forward, backward ratio, optimizer time per parameter, t
 step, and the links), plus *probes*: traces of short runs of what the main trace lacks on a model cut to
 a few blocks (a tensor-parallel layout at each sub-batch overlap; a pipeline), whose costs replace the
 main trace's for layouts of that kind (:meth:`TraceCalibration.costs_for`). :class:`ReplayPredictor`
-replays any layout's step with them (:func:`~lightning_merak.profiler.synthesize.predict_layout`); the
+replays any layout's step with them (:func:`~lightning_merak.profiler.synthesize.predict_layout`), a pipeline at the
+split merak3d's partitioner will pick for it (:mod:`~lightning_merak.profiler.stage_split`); the
 planner ranks its candidates by it (:func:`~lightning_merak.strategies.planner.rerank`).
 :func:`block_call_cost` separates a block call's fixed time from its per-sample time with two traces whose
 calls hold different numbers of samples (a data-parallel step and a pipeline's micro-batches).
@@ -28,6 +29,7 @@ from lightning_merak.profiler.replay import (
     measured_step_time,
     transfer_seconds,
 )
+from lightning_merak.profiler.stage_split import with_autopipe_split
 from lightning_merak.profiler.synthesize import (
     LayoutSpec,
     ModelShape,
@@ -207,14 +209,33 @@ def _calls_differ(trace: Trace, layout: LayoutSpec, probe: Probe) -> bool:
 
 
 class ReplayPredictor:
-    """Predicts a layout's step time by replaying it with a :class:`TraceCalibration`'s constants."""
+    """Predicts a layout's step time by replaying it with a :class:`TraceCalibration`'s constants.
 
-    def __init__(self, calibration: TraceCalibration) -> None:
+    With ``partition="autopipe"`` (merak3d's default) a pipelined layout is replayed at the split autopipe will
+    pick for it (:func:`~lightning_merak.profiler.stage_split.autopipe_stage_blocks` on the costs it is replayed
+    with), not at a traced pipeline's: the run partitions at its start for its own micro-batches, and a traced
+    split holds only for the traced count. Other partition methods keep the traced split. Each cost set's anchor
+    stays at its trace's own split (the one its run used).
+    """
+
+    def __init__(self, calibration: TraceCalibration, partition: str = "autopipe") -> None:
         self.calibration = calibration
+        self.partition = partition
+
+    def _costs(self, layout: LayoutSpec) -> tuple[StepCosts, float]:
+        costs, correction = self.calibration.costs_for(layout)
+        if self.partition == "autopipe":
+            costs = with_autopipe_split(costs, self.calibration.shape, layout)
+        return costs, correction
+
+    def stage_blocks(self, layout: LayoutSpec) -> tuple[int, ...]:
+        """The blocks per stage ``layout`` is replayed with (() unpipelined, or where a partition other than autopipe
+        has no traced split of this many stages: the replay then splits evenly)."""
+        return tuple(self._costs(layout)[0].stage_blocks) if layout.pp > 1 else ()
 
     def step_time(self, layout: LayoutSpec) -> float:
         """Seconds per step of ``layout`` on the calibration's model."""
-        costs, correction = self.calibration.costs_for(layout)
+        costs, correction = self._costs(layout)
         return predict_layout(costs, self.calibration.shape, layout).step_time * correction
 
     def planner_step_time(self, layout: Any, samples_per_replica: int) -> float:
@@ -270,14 +291,15 @@ def traced_blocks(trace: Trace) -> int:
     return len({s.name for r in trace.ranks for s in r.spans if s.category == "FW" and s.name.startswith("block ")})
 
 
-def predictor_from_files(paths: Sequence[Union[str, Path]], shape: ModelShape, samples: int) -> ReplayPredictor:
+def predictor_from_files(paths: Sequence[Union[str, Path]], shape: ModelShape, samples: int,
+                         partition: str = "autopipe") -> ReplayPredictor:
     """A predictor from trace files of this model (``shape``) at ``samples`` per replica and step: the first
     calibrates, the others are probes (their meta gives their layouts, their block spans how many blocks
-    their models kept)."""
+    their models kept); ``partition`` is the run's pipeline partition method."""
     if not paths:
         raise ValueError("predictor_from_files needs at least one trace file")
     traces = [Trace.load(path) for path in paths]
     probes = [Probe(t, dataclasses.replace(shape, blocks=traced_blocks(t) or shape.blocks),
                     layout_from_meta(t.meta, samples)) for t in traces[1:]]
     main = traces[0]
-    return ReplayPredictor(calibrate_from_traces(main, shape, layout_from_meta(main.meta, samples), probes))
+    return ReplayPredictor(calibrate_from_traces(main, shape, layout_from_meta(main.meta, samples), probes), partition)

@@ -82,8 +82,9 @@ class StepCosts:
     (:func:`group_kind`); other kinds use ``op_fixed_s`` and ``link_bytes_per_s``.
     ``tp_comm_in_compute``: block and head times include the tensor-parallel collectives' exposed time.
     ``backward_ratio`` is a block's backward over its forward; ``rest_backward_ratio`` the head's and loss's
-    (None: the same). ``stage_blocks``: the traced pipeline's blocks per stage (the partitioner's choice, kept
-    for layouts with as many stages; others split the blocks evenly).
+    (None: the same). ``stage_blocks``: the pipeline's blocks per stage (calibrated: the traced run's, which its
+    anchor re-derives; :func:`~lightning_merak.profiler.stage_split.with_autopipe_split` sets the one another layout's
+    run will use), kept for layouts with as many stages; others split the blocks evenly.
 
     Fixed costs per call, which smaller micro-batches do not shrink: ``block_call_s`` per block forward call
     beyond its samples' share (:func:`with_block_call_cost`: two traces at different samples per call tell them

@@ -180,7 +180,7 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
             repeats=PLANNER_REPEATS))
     result = plan(space, profile, network)
     if arguments.planner_calibration != "analytic":  # rank by replaying the traced runs (memory stays the model's)
-        result = replay_ranked(result, arguments.planner_calibration, model, inputs)
+        result = replay_ranked(result, arguments.planner_calibration, model, inputs, arguments.partition)
     degrees = arguments.degrees
     allowed = [p for p in result.ranked
                if all(degrees[name] in ("auto", value) for name, value in
@@ -206,15 +206,16 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
     return PlannedLayout(layout, result, best, frozenset(verified))
 
 
-def replay_ranked(ranked: Any, paths: str, model: nn.Module, inputs: torch.Tensor) -> Any:
-    """``ranked`` re-ranked by the replay predictor calibrated from the comma-separated trace ``paths``."""
+def replay_ranked(ranked: Any, paths: str, model: nn.Module, inputs: torch.Tensor, partition: str = "autopipe") -> Any:
+    """``ranked`` re-ranked by the replay predictor calibrated from the comma-separated trace ``paths``; pipelines
+    at the split the run's ``partition`` method gives them."""
     from lightning_merak.profiler.calibration import predictor_from_files
     from lightning_merak.profiler.lightning_profiler import model_shape
 
     shape = model_shape(model, inputs.shape[1] if inputs.ndim > 1 else 1)
     if shape is None:
         raise ValueError("planner_calibration needs a model with a list of blocks; use 'analytic'")
-    predictor = predictor_from_files([p.strip() for p in paths.split(",")], shape, inputs.shape[0])
+    predictor = predictor_from_files([p.strip() for p in paths.split(",")], shape, inputs.shape[0], partition)
     return rerank(ranked, lambda layout: predictor.planner_step_time(layout, inputs.shape[0]))
 
 
