@@ -28,6 +28,7 @@ from lightning_merak.plugins.moe.experts import (
     set_replica_plans,
     tiny_moe_model,
 )
+from lightning_merak.strategies.merak3d.gradients import average_gradients
 
 
 def _batch(rank: int, batch: int, seq: int, vocab: int) -> torch.Tensor:
@@ -43,10 +44,7 @@ def _step(model: torch.nn.Module, ids: torch.Tensor, world: int, local: set[str]
     named = [(name, param.grad) for name, param in model.named_parameters() if param.grad is not None]
     shared = [grad for name, grad in named if name not in local]
     if shared:
-        flat = torch.cat([grad.reshape(-1) for grad in shared])
-        dist.all_reduce(flat)
-        for grad, reduced in zip(shared, flat.split([grad.numel() for grad in shared])):
-            grad.copy_(reduced.view_as(grad))
+        average_gradients(shared, dist.group.WORLD, 1)  # the sum; every gradient is divided by world below
     return out.logits.detach(), {name: grad / world for name, grad in named}
 
 

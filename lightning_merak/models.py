@@ -26,7 +26,8 @@ from torch import nn
 
 from lightning_merak.config import ModelConfig, TrainerConfig
 
-__all__ = ["CausalLMModule", "build_causal_lm", "logits_of", "no_cache", "weighted_router_aux_loss"]
+__all__ = ["CausalLMModule", "build_causal_lm", "logits_of", "no_cache", "router_aux_coefficient",
+           "weighted_router_aux_loss"]
 
 
 def no_cache(model: nn.Module) -> None:
@@ -37,15 +38,22 @@ def no_cache(model: nn.Module) -> None:
         config.use_cache = False
 
 
+def router_aux_coefficient(model: nn.Module) -> Any:
+    """The ``router_aux_loss_coef`` a transformers MoE model weights its aux loss with (the model's, else its
+    config's), or ``None``."""
+    coefficient = getattr(model, "router_aux_loss_coef", None)
+    if coefficient is None:
+        coefficient = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
+    return coefficient
+
+
 def weighted_router_aux_loss(model: nn.Module, output: Any) -> Optional[torch.Tensor]:
     """``router_aux_loss_coef × aux_loss`` of a transformers MoE output (what its own loss adds with labels),
     or ``None`` where the output carries no aux loss (``output_router_logits=False``, the families' default)."""
     aux = getattr(output, "aux_loss", None)
     if not isinstance(aux, torch.Tensor):
         return None
-    coefficient = getattr(model, "router_aux_loss_coef", None)
-    if coefficient is None:
-        coefficient = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
+    coefficient = router_aux_coefficient(model)
     if coefficient is None:
         raise ValueError(f"{type(model).__name__} returned a router aux loss but has no router_aux_loss_coef to "
                          "weight it; set model.config.output_router_logits=False or give the config the coefficient")

@@ -13,7 +13,6 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.config import TrainerConfig
 from lightning_merak.models import CausalLMModule
@@ -23,6 +22,7 @@ from lightning_merak.strategies.pipeline.router_aux import (
     router_aux_of,
 )
 from lightning_merak.testing import run_distributed
+from lightning_merak.testing.data import ReplicaBatches
 
 STEPS, BATCH, SEQ, VOCAB, LR, COEF = 2, 8, 8, 128, 0.5, 0.5
 
@@ -167,14 +167,6 @@ def _reference(family: str, data_parallel: int, micro_batches: int) -> dict[str,
     return {"losses": losses, "auxes": auxes, "gradients": grads}
 
 
-class _Data(pl.LightningDataModule):
-    def train_dataloader(self) -> DataLoader:
-        kwargs = self.trainer.strategy.distributed_sampler_kwargs
-        shard = BATCH // kwargs["num_replicas"]
-        local = _batches()[:, kwargs["rank"] * shard:(kwargs["rank"] + 1) * shard]
-        return DataLoader(TensorDataset(local.reshape(-1, SEQ)), batch_size=shard, shuffle=False)
-
-
 class _Recorder(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -204,7 +196,8 @@ def _train_rank(rank: int, world_size: int, family: str, layout: dict[str, Any],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0, use_distributed_sampler=False, callbacks=callbacks,
     )
-    trainer.fit(_SGDModule(_model(family), TrainerConfig(max_steps=STEPS)), datamodule=_Data())
+    trainer.fit(_SGDModule(_model(family), TrainerConfig(max_steps=STEPS)),
+                datamodule=ReplicaBatches(_batches(), 0, STEPS))
     experts = {}
     if expert_parallel:
         from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE

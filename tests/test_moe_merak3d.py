@@ -9,12 +9,12 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.config import TrainerConfig
 from lightning_merak.models import CausalLMModule
 from lightning_merak.strategies.merak3d.experts import expert_group_ranks, expert_layout_problem
 from lightning_merak.testing import run_distributed, snapshot_gradients
+from lightning_merak.testing.data import ReplicaBatches
 
 STEPS, BATCH, SEQ, VOCAB, LR = 3, 8, 8, 128, 0.5
 FAMILIES = {"mixtral": {}, "qwen3_moe": {}, "deepseek_v3": {"first_k_dense_replace": 0}}  # all MoE blocks
@@ -56,14 +56,6 @@ def _reference(family: str, clip: float | None = None) -> dict[str, Any]:
         grads.append(snapshot_gradients(module.model))
         optimizer.step()
     return {"losses": losses, "gradients": grads, "initial": initial, "norms": norms}
-
-
-class _Data(pl.LightningDataModule):
-    def train_dataloader(self) -> DataLoader:
-        kwargs = self.trainer.strategy.distributed_sampler_kwargs
-        shard = BATCH // kwargs["num_replicas"]
-        local = _batches()[:, kwargs["rank"] * shard:(kwargs["rank"] + 1) * shard]
-        return DataLoader(TensorDataset(local.reshape(-1, SEQ)), batch_size=shard, shuffle=False)
 
 
 class _Recorder(pl.Callback):
@@ -123,7 +115,7 @@ def _train_rank(rank: int, world_size: int, family: str, clip: float | None, pre
         limit_val_batches=0, use_distributed_sampler=False, gradient_clip_val=clip,
         callbacks=[ExpertParallelCallback(ep_size=ep_size, log_every_n_steps=1), recorder],
     )
-    trainer.fit(module, datamodule=_Data())
+    trainer.fit(module, datamodule=ReplicaBatches(_batches(), 0, STEPS))
     return {"losses": recorder.losses, "gradients": recorder.gradients, "experts": recorder.experts,
             "initial": recorder.initial, "norms": recorder.norms}
 

@@ -24,7 +24,8 @@ def _fit(world_size: int, strategy_kwargs: dict[str, Any], ep_size: int | None =
     from lightning_merak.config import TrainerConfig
     from lightning_merak.plugins.moe.experts import ExpertParallelCallback
     from lightning_merak.strategies.merak3d import Merak3DStrategy
-    from tests.test_moe_merak3d import STEPS, _Data, _model, _Recorder, _SGDModule
+    from lightning_merak.testing.data import ReplicaBatches
+    from tests.test_moe_merak3d import STEPS, _batches, _model, _Recorder, _SGDModule
 
     recorder = _Recorder()
     experts = ExpertParallelCallback(ep_size=ep_size, log_every_n_steps=1)
@@ -35,7 +36,8 @@ def _fit(world_size: int, strategy_kwargs: dict[str, Any], ep_size: int | None =
         limit_val_batches=0, use_distributed_sampler=False,
         callbacks=[experts, recorder],
     )
-    trainer.fit(_SGDModule(_model(FAMILY), TrainerConfig(max_steps=STEPS)), datamodule=_Data())
+    trainer.fit(_SGDModule(_model(FAMILY), TrainerConfig(max_steps=STEPS)),
+                datamodule=ReplicaBatches(_batches(), 0, STEPS))
     return strategy, recorder.losses, experts._merak3d.report
 
 

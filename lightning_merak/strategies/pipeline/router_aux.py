@@ -34,6 +34,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from lightning_merak.models import router_aux_coefficient
+
 __all__ = ["RouterAux", "RouterAuxLoss", "RouterRecorder", "carried_router_logits", "router_aux_loss_problem",
            "router_aux_of", "routers_per_block"]
 
@@ -116,9 +118,7 @@ def router_aux_of(model: nn.Module, trunk: nn.ModuleList) -> RouterAux:
     if not isinstance(num_experts, int) or not isinstance(top_k, int):
         raise ValueError(f"model.config.output_router_logits=True under pipeline stages: {name} has no integer "
                          f"num_experts / num_experts_per_tok to pass load_balancing_loss_func; {fix}")
-    coefficient = getattr(model, "router_aux_loss_coef", None)
-    if coefficient is None:
-        coefficient = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
+    coefficient = router_aux_coefficient(model)
     if not isinstance(coefficient, (int, float)):
         raise ValueError(f"model.config.output_router_logits=True under pipeline stages: {name} has no "
                          f"router_aux_loss_coef to weight its aux loss; {fix}")

@@ -24,7 +24,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from lightning_merak.strategies.pipeline.router_aux import RouterAux, RouterRecorder, carried_router_logits
+from lightning_merak.strategies.pipeline.router_aux import (
+    RouterAux,
+    RouterRecorder,
+    carried_router_logits,
+    routers_per_block,
+)
 from lightning_merak.strategies.pipeline.trace import ModelTrace, TraceError
 
 __all__ = ["PipelineStageModule", "RankStages", "build_stage_module", "tied_parameter_names"]
@@ -105,8 +110,7 @@ class PipelineStageModule(nn.Module):
         if router_aux is not None:
             routers = [module for index in self.block_indices for module in trunk[index].modules()
                        if isinstance(module, router_aux.router_class)]
-            before = sum(isinstance(module, router_aux.router_class)
-                         for block in trunk[:max(node_range.start - 1, 0)] for module in block.modules())
+            before = sum(routers_per_block(trunk[:max(node_range.start - 1, 0)], router_aux.router_class))
             self.carries_router_logits_in = before > 0
             if before + len(routers) > 0:
                 self.routers = RouterRecorder(routers, router_aux.output_index)
