@@ -16,9 +16,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks._moe_families_ranks import each_family
+from lightning_merak.testing.data import ReplicaBatches
 
 OVERRIDES = {"deepseek_v2": {"first_k_dense_replace": 0}, "deepseek_v3": {"first_k_dense_replace": 0}}
 """Every block a MoE block, so both stages hold experts."""
@@ -36,18 +36,6 @@ class _Steps(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.seconds.append(time.perf_counter() - self._start)
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
-
-
-class _Data(pl.LightningDataModule):
-    def __init__(self, batches: torch.Tensor) -> None:
-        super().__init__()
-        self.batches = batches
-
-    def train_dataloader(self) -> DataLoader:
-        kwargs = self.trainer.strategy.distributed_sampler_kwargs
-        shard = self.batches.shape[1] // kwargs["num_replicas"]
-        local = self.batches[:, kwargs["rank"] * shard:(kwargs["rank"] + 1) * shard]
-        return DataLoader(TensorDataset(local.reshape(-1, self.batches.shape[-1])), batch_size=shard)
 
 
 def _fit(family: str, variant: str, size: dict[str, int], batches: torch.Tensor) -> _Steps:
@@ -74,7 +62,8 @@ def _fit(family: str, variant: str, size: dict[str, int], batches: torch.Tensor)
         max_steps=batches.shape[0], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
         callbacks=callbacks)
-    trainer.fit(SGDModule(model, TrainerConfig(max_steps=batches.shape[0])), datamodule=_Data(batches))
+    trainer.fit(SGDModule(model, TrainerConfig(max_steps=batches.shape[0])),
+                datamodule=ReplicaBatches(batches, 0, batches.shape[0]))
     return steps
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "all_gather_in_turn",
     "all_reduce_in_turn",
     "all_to_all_in_turn",
+    "average_gradients",
     "collective_replay_contexts",
     "in_checkpointed_region",
     "record_communication",
@@ -382,3 +383,20 @@ def reduce_in_place(tensor: Any, group: Optional[dist.ProcessGroup] = None, redu
         return tensor
     ranks = dist.get_world_size(group)
     return tensor.div_(ranks) if tensor.is_floating_point() else tensor.copy_(tensor / ranks)
+
+
+def average_gradients(grads: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup], divisor: int) -> None:
+    """Sum ``grads`` in place over ``group`` with one all-reduce of their concatenation, then divide by ``divisor``.
+
+    One collective for many gradients, as DDP's buckets: a collective per tensor pays its fixed cost per tensor.
+    ``group=None`` skips the all-reduce (a group of one rank) and only divides; ``divisor=1`` leaves the sum.
+    """
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    if divisor != 1:
+        flat.div_(divisor)
+    for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(piece.view_as(grad))

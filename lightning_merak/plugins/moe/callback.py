@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 
 from lightning_merak.plugins.moe.block_replacement import SwappedSparseBlock
@@ -27,6 +26,7 @@ from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, expert_param_pos
 from lightning_merak.plugins.moe.core.placement import PlacementPlan, rank_loads
 from lightning_merak.plugins.moe.core.step_planner import PLAN_KINDS
 from lightning_merak.plugins.moe.layer import MoE, PlacementMOELayer
+from lightning_merak.runtime.collectives import average_gradients
 from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh, layout_aware
 
 __all__ = ["MoEPlacementCallback", "balance_metrics", "plot_load_heatmap"]
@@ -181,16 +181,11 @@ class MoEPlacementCallback(pl.Callback):
             return
         for layer in self._layers:
             grads = [p.grad for p in layer.experts.parameters() if p.grad is not None]
-            if not grads:
-                continue
-            flat = torch.cat([g.reshape(-1) for g in grads])
             if layer.groups is None:
-                dist.all_reduce(flat, group=self._data_parallel_group)
-            elif len(layer.groups.edp_ranks) > 1:
-                dist.all_reduce(flat, group=layer.groups.edp_group)
-            flat.div_(self._data_parallel_size)
-            for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
-                grad.copy_(piece.view_as(grad))
+                group = self._data_parallel_group
+            else:
+                group = layer.groups.edp_group if len(layer.groups.edp_ranks) > 1 else None
+            average_gradients(grads, group, self._data_parallel_size)
 
     def _expert_layers(self, pl_module: pl.LightningModule) -> list[tuple[str, MoE]]:
         return [(name, m) for name, m in pl_module.named_modules() if isinstance(m, MoE) and m.ep_size > 1]

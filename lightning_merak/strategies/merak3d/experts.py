@@ -39,6 +39,7 @@ from lightning_merak.plugins.moe.experts import (
     enable_expert_parallel,
     experts_modules,
 )
+from lightning_merak.runtime.collectives import average_gradients
 from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh
 
 __all__ = ["ExpertGroups", "Merak3DExperts", "check_merak3d_experts",
@@ -184,12 +185,8 @@ class Merak3DExperts:
         grads = [p.grad for p in params if p.grad is not None]
         if not grads or self.groups.data_parallel == 1:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.groups.edp_size > 1:
-            dist.all_reduce(flat, group=self.groups.edp_group)
-        flat.div_(self.groups.data_parallel)
-        for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
-            grad.copy_(piece.view_as(grad))
+        average_gradients(grads, self.groups.edp_group if self.groups.edp_size > 1 else None,
+                          self.groups.data_parallel)
 
 
 class _LocalExpertsInit:

@@ -1,10 +1,10 @@
 """Gradients after backward: summed where a shard saw part of the work, averaged over replicas, clipped.
 
 The one owner of merak3d's gradient arithmetic. :func:`average_gradients`, :func:`squared_norm`
-and :func:`scale_gradients` are the primitives the layout profiler times (the last two live in
-:mod:`lightning_merak.runtime.gradient_norm`); :func:`synchronize_gradients` and
-:func:`clip_by_total_norm` apply them to a built layout. Callbacks that shard a parameter over a
-group (EmbRace's tables) do not clip themselves: they register the shards with the strategy
+and :func:`scale_gradients` are the primitives the layout profiler times (they live in
+:mod:`lightning_merak.runtime.collectives` and :mod:`lightning_merak.runtime.gradient_norm`);
+:func:`synchronize_gradients` and :func:`clip_by_total_norm` apply them to a built layout. Callbacks that shard a
+parameter over a group (EmbRace's tables) do not clip themselves: they register the shards with the strategy
 (``register_sharded_gradients``), and the norm here sums their squares over that group.
 """
 
@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_merak.runtime.collectives import average_gradients
 from lightning_merak.runtime.dtensors import local_tensor
 from lightning_merak.runtime.gradient_norm import ShardedGradients, clip_coefficient, scale_gradients, squared_norm
 from lightning_merak.strategies.merak3d.layout import LayoutGroups
@@ -35,17 +36,6 @@ class TiedParameter(NamedTuple):
     group: Any
     param: nn.Parameter
     is_first: bool
-
-
-def average_gradients(grads: list[torch.Tensor], group: dist.ProcessGroup, replicas: int) -> None:
-    """Average ``grads`` in place over ``replicas`` ranks with one all-reduce of their concatenation (1: the sum)."""
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= replicas
-    offset = 0
-    for grad in grads:
-        grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
 
 
 def _expert_parallel_group(group_name: Optional[str]) -> dist.ProcessGroup:
@@ -81,7 +71,7 @@ def synchronize_gradients(tensor_partial: list[nn.Parameter], tied: list[TiedPar
     ``data_parallel`` (its buckets, some already reduced during the backward)."""
     partial = [local_tensor(p.grad) for p in tensor_partial if p.grad is not None]
     if partial:
-        average_gradients(partial, groups.tensor_group, replicas=1)
+        average_gradients(partial, groups.tensor_group, divisor=1)
     for group, param, _ in tied:
         if param.grad is not None:
             dist.all_reduce(local_tensor(param.grad), group=group)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from lightning_merak.plugins.moe.experts.enable import add_loads, enable_expert_parallel, expert_load
 from lightning_merak.plugins.moe.experts.replanning import ReplicaPlanner
+from lightning_merak.runtime.collectives import average_gradients
 
 __all__ = ["ExpertParallelCallback"]
 
@@ -100,12 +101,7 @@ class ExpertParallelCallback(pl.Callback):
         grads = [p.grad for p in self._expert_params if p.grad is not None]
         if not grads or self._world == 1:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if self._edp_size > 1:
-            dist.all_reduce(flat, group=self._edp_group)
-        flat.div_(self._world)
-        for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
-            grad.copy_(piece.view_as(grad))
+        average_gradients(grads, self._edp_group if self._edp_size > 1 else None, self._world)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
