@@ -161,7 +161,7 @@ def _run_job(job: Job, out_dir: str, rank: int, world: int) -> dict[str, Any]:
     module = CausalLMModule(model, TrainerConfig(max_steps=job.steps, warmup_steps=1))
     periods = _Periods()
     profiler = (MerakTraceProfiler(dirpath=out_dir, filename=job.name, skip_steps=job.trace_skip,
-                                   steps=job.trace_steps) if job.traced else None)
+                                   steps=job.trace_steps, untraced_steps=0) if job.traced else None)
     merak: dict[str, Any] = {"data_parallel": job.dp, "pipeline_parallel": job.pp, "tensor_parallel": job.tp}
     if job.pp > 1:
         merak["micro_batches"] = job.micro_batches

@@ -2,8 +2,8 @@
 
 ``merak-train profiler=trace profiler.steps=3`` records a few steps on every rank after
 ``skip_steps`` warm-up steps and writes ``merak_trace.json`` and ``merak_trace.perfetto.json``
-into the run's output directory, with the replay summary in the log. ``profiler.untraced_steps=8`` also times
-eight untraced steps after them, which a ``planner_calibration`` from the trace anchors on.
+into the run's output directory, with the replay summary in the log, after timing ``profiler.untraced_steps``
+(default 8) untraced steps, which a ``planner_calibration`` from the trace anchors on.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class TraceProfilerConfig(NoProfilerConfig):
     steps: int = 3
     block_spans: bool = True
     filename: str = "merak_trace"
-    untraced_steps: int = 0
+    untraced_steps: int = 8
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.skip_steps < 0 or self.untraced_steps < 0:

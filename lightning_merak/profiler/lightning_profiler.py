@@ -110,15 +110,16 @@ class MerakTraceProfiler(Profiler):
     """Trace ``steps`` training steps after ``skip_steps`` on every rank; rank 0 writes and summarizes them.
 
     ``block_spans`` times each block of the model's largest ``ModuleList`` (one forward hook pair
-    per block while recording). ``untraced_steps``: batches after the window timed without recording; the trace's
-    meta holds each one's slowest rank (``untraced_step_s``), and the trace is written after them (or when
-    training ends first). A few steps are noisy on a shared machine: calibrating the planner wants 8 or more
-    (:func:`~lightning_merak.profiler.calibration.untraced_step_time`). The trace is written under ``dirpath``
-    (default: the trainer's log directory).
+    per block while recording). ``untraced_steps``: batches after the window timed without recording (a clock read
+    each); the trace's meta holds each one's slowest rank (``untraced_step_s``), and the trace is written after them
+    (or when training ends first; 0: right after the window). The planner's calibration anchors on their median
+    (:func:`~lightning_merak.profiler.calibration.untraced_step_time`): a few traced steps early in a run are a noisy
+    stand-in for its steady steps on a shared machine. The trace is written under ``dirpath`` (default: the
+    trainer's log directory).
     """
 
     def __init__(self, dirpath: Optional[Union[str, Path]] = None, filename: str = "merak_trace",
-                 skip_steps: int = 2, steps: int = 3, block_spans: bool = True, untraced_steps: int = 0) -> None:
+                 skip_steps: int = 2, steps: int = 3, block_spans: bool = True, untraced_steps: int = 8) -> None:
         if steps < 1 or skip_steps < 0 or untraced_steps < 0:
             raise ValueError(f"steps must be >= 1, skip_steps and untraced_steps >= 0, got steps={steps}, "
                              f"skip_steps={skip_steps}, untraced_steps={untraced_steps}")
