@@ -3,7 +3,9 @@
 Per family and dtype: a training step (forward and backward) of the unswapped model with
 transformers' eager expert loop, with its ``grouped_mm`` implementation, and with ours
 (``merak_grouped``, the dropless grouped core), timed with ``torch.cuda.synchronize``; plus
-ours' largest output difference from the eager loop. Imports torch, transformers and the
+ours' largest output difference from the eager loop. Each family routes as it does (its experts and
+top-k) at its own width proportions (:func:`~lightning_merak.plugins.moe.experts.family_widths`), as the CPU
+leg's goal workload. Imports torch, transformers and the
 experts package only (no DeepSpeed, no Hydra), so it runs on a bare GPU machine.
 """
 
@@ -16,14 +18,7 @@ from typing import Any
 
 import torch
 
-from lightning_merak.plugins.moe.experts import FAMILY_CONFIGS, enable_grouped_experts, tiny_moe_model
-
-_WIDTHS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
-
-
-def _scaled(family: str, factor: int) -> dict[str, int]:
-    extra = FAMILY_CONFIGS[family][1]
-    return {key: extra[key] * factor for key in _WIDTHS if key in extra}
+from lightning_merak.plugins.moe.experts import enable_grouped_experts, family_widths, tiny_moe_model
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -52,22 +47,23 @@ def _time(model: torch.nn.Module, ids: torch.Tensor, warmup: int, steps: int, de
 
 
 def run_gpu(families: list[str], quick: bool, device: str = "cuda",
-            size: tuple[int, int, int, int] | None = None, repeats: tuple[int, int] | None = None
+            size: tuple[int, int, int] | None = None, repeats: tuple[int, int] | None = None
             ) -> list[dict[str, Any]]:
     """One row per (family, dtype); a failure is a row with its error.
 
-    ``size`` is (hidden, width factor, batch, sequence), ``repeats`` (warm-up, timed steps);
-    ``device="cpu"`` only checks the path here.
+    ``size`` is (hidden, batch, sequence), ``repeats`` (warm-up, timed steps); ``device="cpu"`` only checks the
+    path here.
     """
-    hidden, factor, batch, seq = size or ((256, 4, 4, 128) if quick else (1024, 16, 8, 512))
+    hidden, batch, seq = size or ((256, 4, 128) if quick else (1024, 8, 512))
     warmup, steps = repeats or ((2, 5) if quick else (3, 20))
     rows = []
     for family in families:
         for dtype in (torch.bfloat16, torch.float32):
-            row: dict[str, Any] = {"family": family, "dtype": str(dtype).removeprefix("torch.")}
+            row: dict[str, Any] = {"family": family, "dtype": str(dtype).removeprefix("torch."), "hidden": hidden}
             try:
+                row["widths"] = family_widths(family, hidden)
                 base = tiny_moe_model(family, hidden=hidden, layers=2, vocab=1024, dtype=dtype,
-                                      **_scaled(family, factor)).to(device)
+                                      intermediate="family", routing="family").to(device)
                 ids = torch.randint(0, 1024, (batch, seq), device=device,
                                     generator=torch.Generator(device).manual_seed(0))
                 grouped = copy.deepcopy(base)
