@@ -22,21 +22,26 @@ run's steps: the cost model's error without the drift between a round's profile 
 later measurements.
 
 * prediction error = predicted / measured − 1 per layout (target |error| ≤ 10%), from the
-  round's plan and, paired, from the run's own plan (median over rounds);
+  round's plan and, paired, from the run's own plan (median over rounds); the replay's as the
+  median prediction against the median run, and paired: each round's prediction against the run
+  its calibration runs bracketed (median over rounds: both sides of a pair met the same spell);
 * regret = measured time per sample of the planner's pick (the layout ranked first by the
   median predictions) / the best measured − 1 (target ≤ 5%). Each data-parallel replica
   trains on the dataloader's batch, so layouts with more replicas train more samples per
   step; layouts are compared per sample.
 
 A second predictor, the trace replayer (``planner_calibration`` with trace files), is calibrated
-each round from one short traced dp=2 run and probes: a traced pp=2 run of the whole model where the grid
-holds pipelines, and short traced runs on the model cut to ``PROBE_LAYERS`` blocks of each tensor-parallel
-degree and overlap of the grid, ``PROBE_REPEATS`` times in mirrored order
-(:mod:`lightning_merak.profiler.calibration`), pricing each pipeline at the split merak3d's autopipe will pick
-for its micro-batches on the calibrated costs (:mod:`lightning_merak.profiler.stage_split`; rows keep it per round
-next to the split each run reported). Rows carry both predictions (``predicted_s``/``error``:
-the cost model; ``replay_predicted_s``/``replay_error``: the replay), the summary both maxima and
-each predictor's pick and regret.
+each round from short traced runs (:func:`calibration_groups`): a dp=2 run of the whole model, a pp=2 run where
+the grid holds pipelines, and runs on the model cut to ``PROBE_LAYERS`` blocks of each tensor-parallel degree and
+overlap of the grid (:mod:`lightning_merak.profiler.calibration`). Each calibration run *brackets* the measured
+runs it prices: it is traced right before them and again right after, and the round's prediction is the mean of
+the replay calibrated on the runs before and the one calibrated on the runs after. A user calibrates seconds
+before training, not minutes; on this shared machine a layout's runs minutes apart differ by up to 28%, so a
+calibration taken a round's length before a measured run priced the spell, not the layout. Groups run in mirrored
+order in alternate rounds. Pipelines are priced at the split merak3d's autopipe will pick for their micro-batches
+on the calibrated costs (:mod:`lightning_merak.profiler.stage_split`; rows keep it per round next to the split each
+run reported). Rows carry both predictions (``predicted_s``/``error``: the cost model;
+``replay_predicted_s``/``replay_error``: the replay), the summary both maxima and each predictor's pick and regret.
 
 Everything is measured on this machine; nothing is simulated except the predictions
 themselves. Other load on the machine skews both.
@@ -83,9 +88,8 @@ calibration. In one full run's 24 calibration runs the traced window read 0.88-1
 them by -1.4 to +2.1%: three early steps in one spell, not the recorder, set most of the gap."""
 PROBE_LAYERS = 2
 """Blocks of the tensor-parallel probe runs (the workload has 4)."""
-PROBE_REPEATS = 2
-"""Traced runs of every tensor-parallel probe per round, in mirrored order (k1 k2 k4 k4 k2 k1): one run per overlap
-let a fast or slow spell move its layout alone (k2 once predicted below k1, measured above it)."""
+SIDES = ("before", "after")
+"""Each calibration run is traced before the measured runs it prices and again after them; one predictor per side."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,7 @@ class Mode:
 
 
 QUICK = Mode(warmup=2, steps=6, micro_batch_choices=(4,), overlap="auto", rounds=1)
-FULL = Mode(warmup=3, steps=14, micro_batch_choices=None, overlap="auto", rounds=3)
+FULL = Mode(warmup=3, steps=14, micro_batch_choices=None, overlap="auto", rounds=5)
 
 
 class _ReplicaData(pl.LightningDataModule):
@@ -192,45 +196,58 @@ def _calibration_run(name: str, trace: Trace) -> dict[str, Any]:
             "untraced_median_s": untraced_step_time(trace)}
 
 
-def _replay_predictors(plan: list[dict[str, Any]]) -> tuple[list[ReplayPredictor], list[dict[str, Any]]]:
-    """Replay predictors calibrated on one short traced run of dp=2 and probes; one predictor per repeat of the
-    tensor-parallel probes (:data:`PROBE_REPEATS`), whose predictions the benchmark takes the median of; and
-    every calibration run's traced and untraced steps (:func:`_calibration_run`).
+class CalibrationGroup(NamedTuple):
+    """One traced calibration run and the layouts of the grid whose replay rests on it
+    (:meth:`~lightning_merak.profiler.calibration.TraceCalibration.costs_for`)."""
 
-    Probes: where ``plan`` holds pipelines, one traced pp=2 run of the whole model at the middle of their
-    micro-batch counts (a dp trace has no chunks, gaps or sends, and its block calls hold one size: with the
-    pipeline's calls they give a call's fixed time, which more micro-batches pay more often); short traced runs on
-    the workload cut to ``PROBE_LAYERS`` blocks of every tensor-parallel degree and overlap in ``plan`` (the
-    vocabulary-parallel head, sub-batches, the blocks' collectives). Every cost set is anchored on the median of its
-    run's untraced steps (:func:`~lightning_merak.profiler.calibration.calibrate_from_traces`). Sharding is not
-    modelled (no layout of the grid shards).
-    """
-    shape = _shape(WORKLOAD)
-    trace = _traced_run({"data_parallel": 2, "pipeline_parallel": 1, "tensor_parallel": 1})
-    runs = [_calibration_run("dp2", trace)]
-    shared = []
-    counts = sorted(p["layout"]["micro_batches"] for p in plan if p["layout"]["pp"] > 1)
-    if counts:
+    name: str
+    merak: dict[str, Any]
+    layers: int
+    """Blocks of the traced model (0: the whole workload)."""
+    spec: LayoutSpec
+    layouts: list[str]
+    """:func:`_layout_key` of every layout it prices; the base group (first) also lends its links and block calls
+    to the others."""
+
+
+def calibration_groups(plan: list[dict[str, Any]]) -> list[CalibrationGroup]:
+    """The calibration runs a round of ``plan`` traces, base first: a dp=2 run of the whole model (prices every
+    layout at tp=1 without a pipeline); where ``plan`` holds pipelines, a pp=2 run of the whole model at the middle
+    of their micro-batch counts (a dp trace has no chunks, gaps or sends, and its block calls hold one size: with the
+    pipeline's calls they give a call's fixed time, which more micro-batches pay more often); a run on the workload
+    cut to :data:`PROBE_LAYERS` blocks of every tensor-parallel degree and overlap in ``plan`` (the
+    vocabulary-parallel head, sub-batches, the blocks' collectives), which prices that degree and overlap at any
+    pipeline depth."""
+    keys = {_layout_key(p["layout"]): p["layout"] for p in plan}
+    groups = [CalibrationGroup("dp2", {"data_parallel": 2, "pipeline_parallel": 1, "tensor_parallel": 1}, 0,
+                               LayoutSpec(2, 1, 1, 1, WORKLOAD.global_batch),
+                               [k for k, layout in keys.items() if layout["pp"] == 1 and layout["tp"] == 1])]
+    pipelines = [k for k, layout in keys.items() if layout["pp"] > 1 and layout["tp"] == 1]
+    if pipelines:
+        counts = sorted(keys[k]["micro_batches"] for k in pipelines)
         micro_batches = counts[(len(counts) - 1) // 2]
-        pipeline = _traced_run({"data_parallel": WORLD_SIZE // 2, "pipeline_parallel": 2, "tensor_parallel": 1,
-                                "micro_batches": micro_batches})
-        shared.append(Probe(pipeline, shape, LayoutSpec(WORLD_SIZE // 2, 2, 1, micro_batches, WORKLOAD.global_batch)))
-        runs.append(_calibration_run(f"pp2 M{micro_batches}", pipeline))
-    probe_shape = _shape(replace(WORKLOAD, layers=PROBE_LAYERS))
-    kinds = sorted({(p["layout"]["tp"], p["layout"]["overlap"]) for p in plan if p["layout"]["tp"] > 1})
-    predictors = []
-    for repeat in range(PROBE_REPEATS):
-        probes = list(shared)
-        for tp, overlap in kinds if repeat % 2 == 0 else kinds[::-1]:
-            merak = {"data_parallel": WORLD_SIZE // tp, "pipeline_parallel": 1, "tensor_parallel": tp,
-                     "tp_overlap": overlap}
-            probe = _traced_run(merak, PROBE_LAYERS)
-            runs.append(_calibration_run(f"tp{tp} k{overlap} probe", probe))
-            probes.append(Probe(probe, probe_shape,
-                                LayoutSpec(WORLD_SIZE // tp, 1, tp, 1, WORKLOAD.global_batch, overlap=overlap)))
-        predictors.append(ReplayPredictor(calibrate_from_traces(
-            trace, shape, LayoutSpec(2, 1, 1, 1, WORKLOAD.global_batch), probes)))
-    return predictors, runs
+        groups.append(CalibrationGroup(
+            f"pp2 M{micro_batches}", {"data_parallel": WORLD_SIZE // 2, "pipeline_parallel": 2, "tensor_parallel": 1,
+                                      "micro_batches": micro_batches}, 0,
+            LayoutSpec(WORLD_SIZE // 2, 2, 1, micro_batches, WORKLOAD.global_batch), pipelines))
+    for tp, overlap in sorted({(layout["tp"], layout["overlap"]) for layout in keys.values() if layout["tp"] > 1}):
+        groups.append(CalibrationGroup(
+            f"tp{tp} k{overlap} probe", {"data_parallel": WORLD_SIZE // tp, "pipeline_parallel": 1,
+                                         "tensor_parallel": tp, "tp_overlap": overlap}, PROBE_LAYERS,
+            LayoutSpec(WORLD_SIZE // tp, 1, tp, 1, WORKLOAD.global_batch, overlap=overlap),
+            [k for k, layout in keys.items() if layout["tp"] == tp and layout["overlap"] == overlap]))
+    return groups
+
+
+def _predictor(groups: list[CalibrationGroup], traces: dict[str, Trace]) -> ReplayPredictor:
+    """A replay predictor from one trace of every group (by name): the base group's calibrates, the others are probes.
+    Every cost set is anchored on the median of its run's untraced steps
+    (:func:`~lightning_merak.profiler.calibration.calibrate_from_traces`). Sharding is not modelled (no layout of
+    the grid shards)."""
+    base, *others = groups
+    probes = [Probe(traces[g.name], _shape(replace(WORKLOAD, layers=g.layers or WORKLOAD.layers)), g.spec)
+              for g in others]
+    return ReplayPredictor(calibrate_from_traces(traces[base.name], _shape(WORKLOAD), base.spec, probes))
 
 
 def _replay_spec(layout: dict[str, Any]) -> LayoutSpec:
@@ -245,9 +262,9 @@ def _replay_predictions(plan: list[dict[str, Any]], predictors: list[ReplayPredi
 
 
 def _replay_splits(plan: list[dict[str, Any]], predictor: ReplayPredictor) -> dict[str, list[int] | None]:
-    """The blocks per stage the replay prices every pipelined layout of ``plan`` at: autopipe's pick on the
-    calibrated costs (:meth:`~lightning_merak.profiler.calibration.ReplayPredictor.stage_blocks`; every predictor
-    of a round shares the pipeline probe); None unpipelined."""
+    """The blocks per stage ``predictor`` prices every pipelined layout of ``plan`` at: autopipe's pick on its
+    calibrated costs (:meth:`~lightning_merak.profiler.calibration.ReplayPredictor.stage_blocks`); None
+    unpipelined. The benchmark reports the predictor calibrated before the runs (the one after may pick another)."""
     return {_layout_key(p["layout"]): list(predictor.stage_blocks(_replay_spec(p["layout"]))) or None for p in plan}
 
 
@@ -350,23 +367,30 @@ def main(argv: list[str] | None = None) -> int:
     calibration_runs: list[list[dict[str, Any]]] = []
     for round_index in range(mode.rounds):
         plans.append(_plan(mode))
-        predictors, runs = _replay_predictors(plans[-1])
-        calibration_runs.append(runs)
-        calibrations.append([predictor.calibration.describe() for predictor in predictors])
-        replayed.append(_replay_predictions(plans[-1], predictors))
-        replay_splits.append(_replay_splits(plans[-1], predictors[0]))
+        groups = calibration_groups(plans[-1])
         print(f"  round {round_index + 1}/{mode.rounds}: planned {len(plans[-1])} layouts, picked "
               f"{_layout_key(plans[-1][0]['layout'])} ({time.perf_counter() - started:.0f} s)", flush=True)
         by_key = {_layout_key(p["layout"]): p for p in plans[-1]}
-        measured.append([])
-        for reference in plans[0]:
-            key = _layout_key(reference["layout"])
-            value = _measure(reference["layout"], mode)
-            measured[-1].append(value)
-            outcome = (f"measured {value.step_s * 1e3:.0f} ms (its own plan predicted {value.predicted_s * 1e3:.0f} ms)"
-                       if isinstance(value, Measured) else f"failed: {value}")
-            print(f"  round {round_index + 1}/{mode.rounds} {key}: predicted {by_key[key]['step_s'] * 1e3:.0f} ms, "
-                  f"{outcome}", flush=True)
+        traces: dict[str, dict[str, Trace]] = {side: {} for side in SIDES}
+        runs: dict[str, Measured | str] = {}
+        calibration_runs.append([])
+        for group in groups if round_index % 2 == 0 else groups[::-1]:
+            for side in SIDES:
+                if side == SIDES[1]:
+                    for key in group.layouts:
+                        value = runs[key] = _measure(by_key[key]["layout"], mode)
+                        outcome = (f"measured {value.step_s * 1e3:.0f} ms (its own plan predicted "
+                                   f"{value.predicted_s * 1e3:.0f} ms)" if isinstance(value, Measured)
+                                   else f"failed: {value}")
+                        print(f"  round {round_index + 1}/{mode.rounds} {key}: predicted "
+                              f"{by_key[key]['step_s'] * 1e3:.0f} ms, {outcome}", flush=True)
+                trace = traces[side][group.name] = _traced_run(group.merak, group.layers)
+                calibration_runs[-1].append(_calibration_run(f"{group.name} {side}", trace))
+        predictors = [_predictor(groups, traces[side]) for side in SIDES]
+        calibrations.append([predictor.calibration.describe() for predictor in predictors])
+        replayed.append(_replay_predictions(plans[-1], predictors))
+        replay_splits.append(_replay_splits(plans[-1], predictors[0]))
+        measured.append([runs[_layout_key(reference["layout"])] for reference in plans[0]])
     rows = combine_rounds(plans, measured)
     for row in rows:
         row["replay_predicted_rounds_s"] = [round_[row["layout"]] for round_ in replayed]
@@ -376,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
                                              if isinstance(runs[column], Measured)]  # as stage_blocks_rounds
         if "error" in row:
             row["replay_error"] = row["replay_predicted_s"] / row["measured_s"] - 1.0
+            row["replay_error_rounds"] = [predicted / runs[column].step_s - 1.0 for predicted, runs in
+                                          zip(row["replay_predicted_rounds_s"], measured)
+                                          if isinstance(runs[column], Measured)]
+            row["replay_paired_error"] = statistics.median(row["replay_error_rounds"])
     measured_rows = [row for row in rows if "error" in row]
     pick = rows[0]
     best = min(measured_rows, key=lambda row: row["measured_per_sample_ms"])
@@ -392,13 +420,18 @@ def main(argv: list[str] | None = None) -> int:
           "paired error": f"{100 * r['paired_error']:+.1f}%" if "error" in r else "-",
           "replay ms": round(r["replay_predicted_s"] * 1e3, 1),
           "replay error": f"{100 * r['replay_error']:+.1f}%" if "error" in r else "-",
+          "replay paired": f"{100 * r['replay_paired_error']:+.1f}%" if "error" in r else "-",
           "ms/sample": round(r["measured_per_sample_ms"], 2) if "error" in r else "-"} for r in rows],
     )
     paired_errors = [abs(row["paired_error"]) for row in measured_rows]
     replay_errors = [abs(row["replay_error"]) for row in measured_rows]
+    replay_paired_errors = [abs(row["replay_paired_error"]) for row in measured_rows]
     summary = {
         "mean_abs_replay_error": statistics.mean(replay_errors), "max_abs_replay_error": max(replay_errors),
         "replay_error_target_met": max(replay_errors) <= ERROR_TARGET,
+        "mean_abs_replay_paired_error": statistics.mean(replay_paired_errors),
+        "max_abs_replay_paired_error": max(replay_paired_errors),
+        "replay_paired_error_target_met": max(replay_paired_errors) <= ERROR_TARGET,
         "mean_abs_error": statistics.mean(errors), "max_abs_error": max(errors),
         "mean_abs_paired_error": statistics.mean(paired_errors), "max_abs_paired_error": max(paired_errors),
         "pick": pick["layout"], "picks_per_round": [_layout_key(plan[0]["layout"]) for plan in plans],
@@ -417,23 +450,31 @@ def main(argv: list[str] | None = None) -> int:
     print(f"regret: pick {pick['layout']} vs best measured {best['layout']}: "
           f"{100 * regret:.1f}% (target ≤ {100 * REGRET_TARGET:.0f}%: "
           f"{'PASS' if summary['regret_target_met'] else 'FAIL'})" if regret is not None else "regret: pick failed")
-    print(f"replayer (traced dp2 and pp2 runs, {PROBE_REPEATS}x {PROBE_LAYERS}-block tp probes per round): mean "
-          f"{100 * summary['mean_abs_replay_error']:.1f}%, max {100 * summary['max_abs_replay_error']:.1f}% "
-          f"({'PASS' if summary['replay_error_target_met'] else 'FAIL'}); its pick {replay_pick['layout']}, regret "
+    print(f"replayer (traced dp2 and pp2 runs, {PROBE_LAYERS}-block tp probes, each before and after the runs it "
+          f"prices): medians mean {100 * summary['mean_abs_replay_error']:.1f}%, "
+          f"max {100 * summary['max_abs_replay_error']:.1f}% "
+          f"({'PASS' if summary['replay_error_target_met'] else 'FAIL'}); "
+          f"paired by round mean {100 * summary['mean_abs_replay_paired_error']:.1f}%, "
+          f"max {100 * summary['max_abs_replay_paired_error']:.1f}% "
+          f"({'PASS' if summary['replay_paired_error_target_met'] else 'FAIL'}); "
+          f"its pick {replay_pick['layout']}, regret "
           + (f"{100 * replay_regret:.1f}%" if replay_regret is not None else "- (pick failed)")
           + (f"; priced pipelines at their runs' split in {100 * summary['replay_split_agreement']:.0f}% of runs"
              if summary["replay_split_agreement"] is not None else ""))
     write_json(args.out, rows, "measured",
                predictions="the planner's cost model from its own profile: one planning run per round "
                            "(error), and each training run's own plan (paired_error); the trace replayer "
-                           "calibrated on one traced dp2 run, one traced pp2 run and traced probes of each "
-                           f"tensor-parallel degree and overlap ({PROBE_LAYERS} blocks, {PROBE_REPEATS} runs each) "
-                           "per round, each cost set anchored on the median of its run's untraced steps after the "
-                           "window, the median of its predictions over the probe runs (replay_error); pipelines "
-                           "priced at the split autopipe picks on the calibrated costs for their micro-batches "
-                           "(replay_stage_blocks_rounds, against the runs' own stage_blocks_rounds)",
+                           "calibrated per round on traced dp2 and pp2 runs and traced probes of each "
+                           f"tensor-parallel degree and overlap ({PROBE_LAYERS} blocks), each traced right before "
+                           "and again right after the measured runs it prices, each cost set anchored on the median "
+                           "of its run's untraced steps after the window, the mean of the predictions calibrated "
+                           "before and after; replay_error: its median over rounds against the measured median, "
+                           "replay_paired_error: the median over rounds of each round's prediction against the run "
+                           "it bracketed; pipelines priced at the split autopipe picks on the "
+                           "calibrated costs for their micro-batches (replay_stage_blocks_rounds, against the runs' "
+                           "own stage_blocks_rounds)",
                calibrations=calibrations, calibration_runs=calibration_runs, untraced_steps=UNTRACED_STEPS,
-               probe_layers=PROBE_LAYERS, probe_repeats=PROBE_REPEATS,
+               probe_layers=PROBE_LAYERS, calibration_sides=list(SIDES),
                rounds=mode.rounds,
                workload=WORKLOAD.describe() + " per replica", world_size=WORLD_SIZE,
                mode="quick" if args.quick else "full", summary=summary, wall_s=time.perf_counter() - started)

@@ -120,21 +120,24 @@ def planner(data: dict[str, Any]) -> Table:
     rows = [[r["layout"], f"{1e3 * r['measured_s']:.0f}", f"{1e3 * r['predicted_s']:.0f}",
              percent(r["error"], signed=True), percent(r.get("paired_error"), signed=True),
              f"{1e3 * r['replay_predicted_s']:.0f}" if "replay_predicted_s" in r else "-",
-             percent(r.get("replay_error"), signed=True)] for r in data["rows"]]
+             percent(r.get("replay_error"), signed=True), percent(r.get("replay_paired_error"), signed=True)]
+            for r in data["rows"]]
     s = data["summary"]
     notes = [
         f"cost model: mean |error| {percent(s['mean_abs_error'])}, max {percent(s['max_abs_error'])}; paired mean "
         f"{percent(s.get('mean_abs_paired_error'))}, max {percent(s.get('max_abs_paired_error'))}",
         f"trace replay: mean |error| {percent(s.get('mean_abs_replay_error'))}, max "
-        f"{percent(s.get('max_abs_replay_error'))}; its pick {s.get('replay_pick', '-')}, regret "
+        f"{percent(s.get('max_abs_replay_error'))}; paired by round mean "
+        f"{percent(s.get('mean_abs_replay_paired_error'))}, "
+        f"max {percent(s.get('max_abs_replay_paired_error'))}; its pick {s.get('replay_pick', '-')}, regret "
         f"{percent(s.get('replay_regret'))}",
         f"picked {s['pick']}, fastest measured {s['best_measured']}, regret {percent(s['regret'])}",
         "targets: " + ", ".join(f"{k.removesuffix('_target_met')} {met(v)}" for k, v in s.items()
                                 if k.endswith("_target_met")),
         f"{data['rounds']} rounds; {data['workload']}, {data['world_size']} ranks; {data['predictions']}",
     ]
-    return Table(["layout", "measured ms", "predicted ms", "error", "paired error", "replay ms", "replay error"],
-                 rows, notes)
+    return Table(["layout", "measured ms", "predicted ms", "error", "paired error", "replay ms", "replay error",
+                  "replay paired"], rows, notes)
 
 
 def delta(data: dict[str, Any]) -> Table:

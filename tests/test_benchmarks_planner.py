@@ -77,3 +77,21 @@ def test_split_agreement_counts_the_pipeline_runs_priced_at_their_own_split():
             {"stage_blocks_rounds": [[2, 2]], "replay_stage_blocks_rounds": [[2, 2]]}]
     assert split_agreement(rows) == pytest.approx(3 / 4)
     assert split_agreement(rows[:1]) is None
+
+
+def test_calibration_groups_price_every_layout_once_base_first():
+    from benchmarks.planner import PROBE_LAYERS, calibration_groups
+
+    plan = [_prediction(2, 1, 1, 0.2, 16), _prediction(1, 2, 1, 0.15, 8), _prediction(1, 1, 2, 0.3, 8)]
+    plan[1]["layout"]["micro_batches"] = 8
+    plan += [{**_prediction(1, 2, 1, 0.15, 8), "layout": {**plan[1]["layout"], "micro_batches": 2}},
+             {**_prediction(1, 1, 2, 0.3, 8), "layout": {**plan[2]["layout"], "overlap": 4}}]
+    groups = calibration_groups(plan)
+    assert [g.name for g in groups] == ["dp2", "pp2 M2", "tp2 k1 probe", "tp2 k4 probe"]
+    assert [g.layouts for g in groups] == [["dp2 pp1 tp1 M1 k1"], ["dp1 pp2 tp1 M8 k1", "dp1 pp2 tp1 M2 k1"],
+                                           ["dp1 pp1 tp2 M1 k1"], ["dp1 pp1 tp2 M1 k4"]]
+    assert groups[1].merak["micro_batches"] == 2 and groups[1].spec.micro_batches == 2 and groups[1].layers == 0
+    assert groups[3].merak["tp_overlap"] == 4 and groups[3].layers == PROBE_LAYERS and groups[3].spec.overlap == 4
+    # a grid without pipelines or data-parallel layouts still traces the base run every probe borrows links from
+    assert [(g.name, g.layouts) for g in calibration_groups(plan[2:3])] == [
+        ("dp2", []), ("tp2 k1 probe", ["dp1 pp1 tp2 M1 k1"])]
