@@ -305,6 +305,12 @@ def _measure(layout: dict[str, Any], mode: Mode) -> Measured | str:
                     ranks[0]["stage_blocks"])
 
 
+def _outcome(run: Measured | str) -> str:
+    if isinstance(run, str):
+        return f"failed: {run}"
+    return f"measured {run.step_s * 1e3:.0f} ms (its own plan predicted {run.predicted_s * 1e3:.0f} ms)"
+
+
 def combine_rounds(plans: list[list[dict[str, Any]]], measured: list[list[Measured | str]]) -> list[dict[str, Any]]:
     """One row per layout from every round's predictions and measurements, ranked by median predicted time per sample.
 
@@ -375,16 +381,14 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, Measured | str] = {}
         calibration_runs.append([])
         for group in groups if round_index % 2 == 0 else groups[::-1]:
-            for side in SIDES:
-                if side == SIDES[1]:
-                    for key in group.layouts:
-                        value = runs[key] = _measure(by_key[key]["layout"], mode)
-                        outcome = (f"measured {value.step_s * 1e3:.0f} ms (its own plan predicted "
-                                   f"{value.predicted_s * 1e3:.0f} ms)" if isinstance(value, Measured)
-                                   else f"failed: {value}")
-                        print(f"  round {round_index + 1}/{mode.rounds} {key}: predicted "
-                              f"{by_key[key]['step_s'] * 1e3:.0f} ms, {outcome}", flush=True)
-                trace = traces[side][group.name] = _traced_run(group.merak, group.layers)
+            before = _traced_run(group.merak, group.layers)
+            for key in group.layouts:
+                runs[key] = _measure(by_key[key]["layout"], mode)
+                print(f"  round {round_index + 1}/{mode.rounds} {key}: predicted {by_key[key]['step_s'] * 1e3:.0f} ms, "
+                      f"{_outcome(runs[key])}", flush=True)
+            after = _traced_run(group.merak, group.layers)
+            for side, trace in zip(SIDES, (before, after)):
+                traces[side][group.name] = trace
                 calibration_runs[-1].append(_calibration_run(f"{group.name} {side}", trace))
         predictors = [_predictor(groups, traces[side]) for side in SIDES]
         calibrations.append([predictor.calibration.describe() for predictor in predictors])
