@@ -28,7 +28,7 @@ from lightning_merak.plugins.moe.experts import (
     set_replica_plans,
     tiny_moe_model,
 )
-from lightning_merak.strategies.merak3d.gradients import average_gradients
+from lightning_merak.runtime.collectives import average_gradients
 
 
 def _batch(rank: int, batch: int, seq: int, vocab: int) -> torch.Tensor:

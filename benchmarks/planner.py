@@ -50,6 +50,7 @@ themselves. Other load on the machine skews both.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
@@ -181,7 +182,10 @@ def _traced_run(merak: dict[str, Any], layers: int = 0) -> Trace:
         return Trace.load(Path(trace_dir) / "merak_trace.json")
 
 
-def _shape(workload: Workload) -> ModelShape:
+@functools.cache
+def _shape(layers: int) -> ModelShape:
+    """The shape of the workload's model cut to ``layers`` blocks (built once per block count)."""
+    workload = replace(WORKLOAD, layers=layers)
     model = build_causal_lm(workload.model_config(), workload.vocab)
     blocks = model.model.layers
     block_params = sum(p.numel() for p in blocks[0].parameters())
@@ -245,9 +249,8 @@ def _predictor(groups: list[CalibrationGroup], traces: dict[str, Trace]) -> Repl
     (:func:`~lightning_merak.profiler.calibration.calibrate_from_traces`). Sharding is not modelled (no layout of
     the grid shards)."""
     base, *others = groups
-    probes = [Probe(traces[g.name], _shape(replace(WORKLOAD, layers=g.layers or WORKLOAD.layers)), g.spec)
-              for g in others]
-    return ReplayPredictor(calibrate_from_traces(traces[base.name], _shape(WORKLOAD), base.spec, probes))
+    probes = [Probe(traces[g.name], _shape(g.layers or WORKLOAD.layers), g.spec) for g in others]
+    return ReplayPredictor(calibrate_from_traces(traces[base.name], _shape(WORKLOAD.layers), base.spec, probes))
 
 
 def _replay_spec(layout: dict[str, Any]) -> LayoutSpec:
