@@ -26,6 +26,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch import nn
 
 from lightning_merak.profiler.trace import CommRecord, RankTrace, Span, assign_depths
+from lightning_merak.runtime.turns import in_sub_batch_region
 
 __all__ = ["TraceRecorder", "active_recorder", "traced_allreduce_hook"]
 
@@ -83,6 +84,7 @@ class TraceRecorder:
         self._restore: list[Callable[[], None]] = []
         self._handles: list[Any] = []
         self._root_found = False
+        self._open_backward: Optional[Span] = None
 
     # Spans ---------------------------------------------------------------------------------------
 
@@ -111,6 +113,7 @@ class TraceRecorder:
 
     def begin_step(self, step: int) -> Span:
         self.step = step
+        self._open_backward = None
         return self.open_span(f"step {step}", "step")
 
     # Communication -------------------------------------------------------------------------------
@@ -266,6 +269,54 @@ class TraceRecorder:
         span = module.__dict__.pop("_merak_trace_span", None)
         if span is not None and _active is self:
             self.close_span(span)
+            self._watch_block_backward(span.name, args, output)
+
+    def _watch_block_backward(self, name: str, args: Any, output: Any) -> None:
+        """Time this block call's backward: from its output's gradient (the backward reaches the block) to its
+        input's, or to the next block's start (the block before it in the forward), whichever comes first.
+
+        Calls whose input or output needs no gradient (a frozen embedding before the first block), sub-batches
+        (their backwards interleave) and forwards without gradients are not timed. A recomputation's forward
+        (activation checkpointing) falls inside the backward span it serves.
+        """
+        if not torch.is_grad_enabled() or in_sub_batch_region():
+            return
+        first_input = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        first_output = next(_tensors(output), None)
+        if not (first_input is not None and first_input.requires_grad
+                and first_output is not None and first_output.requires_grad):
+            return
+        opened: Optional[Span] = None
+
+        def start(grad: torch.Tensor) -> None:
+            nonlocal opened
+            if _active is self:
+                self._end_block_backward()
+                opened = self._open_backward = self.open_span(name, "BW")
+
+        def end(grad: torch.Tensor) -> None:
+            if _active is self and opened is not None and self._open_backward is opened:
+                self._end_block_backward()
+
+        first_output.register_hook(start)
+        first_input.register_hook(end)
+
+    def _end_block_backward(self) -> None:
+        if self._open_backward is not None:
+            self.close_span(self._open_backward)
+            self._open_backward = None
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a module's output, depth first (a block may return a tuple or a model output)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
 
 
 def traced_allreduce_hook(process_group: Optional[dist.ProcessGroup], bucket: Any) -> torch.futures.Future:

@@ -16,10 +16,12 @@ holds the tensor-parallel collectives' exposed time in its block and head times:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import statistics
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from lightning_merak.profiler.call_curve import CallCurve
 from lightning_merak.profiler.replay import (
@@ -34,7 +36,7 @@ from lightning_merak.profiler.replay import (
     main_thread_waits,
     replay,
 )
-from lightning_merak.profiler.trace import RankTrace, Trace, comm_key, wire_bytes
+from lightning_merak.profiler.trace import RankTrace, Span, Trace, comm_key, wire_bytes
 from lightning_merak.strategies.pipeline.simulate import stage_op_order
 
 __all__ = ["BLOCK_BACKWARD_RATIO", "LayoutSpec", "ModelShape", "StepCosts", "calibrate", "group_kind", "layout_graph",
@@ -206,10 +208,12 @@ BLOCK_BACKWARD_RATIO = 2.0
 
 
 def _rank_breakdown(trace: Trace, kept: Optional[LayoutSpec] = None) -> list[dict[str, float]]:
-    """Per rank and step: FW, BW, UPDATE compute (their waits removed), block forward, host, and step time.
+    """Per rank and step: FW, BW, UPDATE compute (their waits removed), block forward (recomputations', inside a
+    backward, left out), host, and step time.
 
-    With ``kept``, waits only for that layout's tensor-parallel collectives stay in the compute. Pipeline
-    ranks add the gaps between chunks per step after forward and after backward chunks ("gaps FW", "gaps BW"), the
+    With ``kept``, waits only for that layout's tensor-parallel collectives stay in the compute. "block BW" and
+    "block FW timed" are the blocks' backward spans and the forwards of the calls they time. Pipeline ranks add
+    the gaps between chunks per step after forward and after backward chunks ("gaps FW", "gaps BW"), the
     median busy time of each kind ("gap FW", "gap BW": the last stage's loss follows a forward chunk) and the median
     forward chunk's time beyond its blocks ("chunk extra"): medians, as a preempted chunk moves them least.
     """
@@ -231,6 +235,8 @@ def _rank_breakdown(trace: Trace, kept: Optional[LayoutSpec] = None) -> list[dic
         # Under a pipeline schedule Lightning's training step holds every chunk, forward and backward: the
         # chunks are the compute, the rest of the step (the schedule's own work) counts as the loop's.
         chunked = any(s.name.startswith("stage ") for s in rank.spans)
+        in_backward = _covering(s for s in rank.spans if s.category == "BW")
+        totals["block BW"], totals["block FW timed"] = _timed_block_backward(rank.spans, busy, in_backward)
         for span in rank.spans:
             seconds = busy(span.start, span.end)
             if chunked and span.name.startswith("stage "):
@@ -238,8 +244,8 @@ def _rank_breakdown(trace: Trace, kept: Optional[LayoutSpec] = None) -> list[dic
             elif span.category in top and span.depth == top[span.category]:
                 if span.category == "UPDATE" or not chunked:
                     totals[span.category] += seconds
-            elif span.category == "FW" and span.name.startswith("block"):
-                totals["block"] += seconds
+            elif span.category == "FW" and span.name.startswith("block") and not in_backward(span):
+                totals["block"] += seconds  # a recomputation's forward is its backward's work
             elif span.category == "step":
                 totals["step"] += span.end - span.start
                 totals["waits"] += span.end - span.start - seconds
@@ -284,9 +290,14 @@ def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec, tp_comm_in_co
     chunk_fw = [t["chunk extra"] for t, stage in zip(per_rank, stages) if stage < layout.pp - 1 and t["FW chunks"]]
     chunk_forward = max(statistics.mean(chunk_fw), 0.0) if chunk_fw else 0.0
     # A pipeline's first stage holds blocks and the embedding but no head: its chunks' backward over forward is the
-    # blocks' measured ratio (at its micro-batches' size, below the FLOPs ratio); other traces price it by FLOPs
+    # blocks' measured ratio (at its micro-batches' size, below the FLOPs ratio). Other traces take their blocks'
+    # timed backwards (a tensor-parallel probe's block forward holds collective waits that its backward does not
+    # double) unless data-parallel gradient reduction runs inside them (it adds 0.3-0.4 of a forward per block on
+    # CPU, which layouts without data parallelism do not pay), else the FLOPs ratio.
     first_stage = [t["BW"] / t["FW"] for t, stage in zip(per_rank, stages) if stage == 0 and t["FW"] > 0]
-    block_ratio = statistics.mean(first_stage) if layout.pp > 1 and first_stage else BLOCK_BACKWARD_RATIO
+    timed_blocks = [t["block BW"] / t["block FW timed"] for t in per_rank if t["block FW timed"] > 0 and layout.dp == 1]
+    block_ratio = (statistics.mean(first_stage) if layout.pp > 1 and first_stage
+                   else statistics.mean(timed_blocks) if timed_blocks else BLOCK_BACKWARD_RATIO)
     gaps: dict[int, list[tuple[float, float]]] = {}
     block_fw, rest_fw, ratio, rest_ratio, update, host = [], [], [], [], [], []
     for rank, totals in enumerate(per_rank):
@@ -392,6 +403,43 @@ def _traced_block_backward(costs: StepCosts, layout: LayoutSpec, prefix: CallCur
         return None
     block = (costs.chunk_backward_s[0] - prefix.backward(reference)) / costs.stage_blocks[0]
     return block if block > 0 and _traced_block_call(costs, reference) > 0 else None
+
+
+def _timed_block_backward(spans: list[Span], busy: Callable[[float, float], float],
+                          in_backward: Callable[[Span], bool]) -> tuple[float, float]:
+    """The busy seconds of the blocks' backward spans (recomputed forwards inside them removed) and of the forward
+    calls they time: each timed (step, block) pairs with as many of its forwards outside any backward (0, 0: no
+    backward span)."""
+    backward = [s for s in spans if s.category == "BW" and s.name.startswith("block ")]
+    if not backward:
+        return 0.0, 0.0
+    in_block_backward = _covering(backward)
+    untimed = Counter((s.step, s.name) for s in backward)
+    timed_forward, recomputed = 0.0, 0.0
+    for span in sorted((s for s in spans if s.category == "FW" and s.name.startswith("block ")), key=lambda s: s.start):
+        if in_backward(span):
+            recomputed += busy(span.start, span.end) if in_block_backward(span) else 0.0
+        elif untimed[(span.step, span.name)]:
+            untimed[(span.step, span.name)] -= 1
+            timed_forward += busy(span.start, span.end)
+    return sum(busy(s.start, s.end) for s in backward) - recomputed, timed_forward
+
+
+def _covering(spans: Iterable[Span]) -> Callable[[Span], bool]:
+    """Whether a span lies within the union of ``spans``."""
+    merged: list[list[float]] = []
+    for span in sorted(spans, key=lambda s: s.start):
+        if merged and span.start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], span.end)
+        else:
+            merged.append([span.start, span.end])
+    starts = [interval[0] for interval in merged]
+
+    def covered(span: Span) -> bool:
+        index = bisect.bisect_right(starts, span.start) - 1
+        return index >= 0 and span.end <= merged[index][1]
+
+    return covered
 
 
 def _slowest_of_each_stage(per_rank: list[dict[str, float]], stages: list[int]) -> list[dict[str, float]]:

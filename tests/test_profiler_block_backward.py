@@ -1,0 +1,145 @@
+"""Each block's backward timed by the recorder, and the calibration pricing blocks at their timed ratio."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_merak.profiler.calibration import Probe, ReplayPredictor, calibrate_from_traces
+from lightning_merak.profiler.recorder import TraceRecorder
+from lightning_merak.profiler.synthesize import BLOCK_BACKWARD_RATIO, ModelShape, calibrate
+from lightning_merak.profiler.trace import RankTrace, Span, Trace
+from tests.test_profiler_calibration import DP2, SHAPE, TP2, _dp2_trace, _tp2_probe
+
+SLOW_BACKWARD_S = 0.05
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: a block with a known extra backward time."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(SLOW_BACKWARD_S)
+        return grad
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int, slow: bool) -> None:
+        super().__init__()
+        self.linear, self.slow = nn.Linear(width, width), slow
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        y = torch.relu(self.linear(x)) + x
+        return (_SlowBackward.apply(y) if self.slow else y), None
+
+
+class _Net(nn.Module):
+    def __init__(self, width: int = 16, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, width)
+        self.blocks = nn.ModuleList(_Block(width, slow=index == 1) for index in range(3))
+        self.checkpointed = checkpointed
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = (checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x))[0]
+        return x.sum()
+
+
+def _record(net: _Net, grad: bool = True) -> list[Span]:
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 32, (4, 8))
+    recorder = TraceRecorder(0)
+    recorder.install()
+    try:
+        step = recorder.begin_step(0)
+        with torch.set_grad_enabled(grad):
+            loss = net(tokens)
+        if grad:
+            with recorder.span("backward", "BW"):
+                loss.backward()
+        recorder.close_span(step)
+    finally:
+        trace = recorder.finish()
+    return trace.spans
+
+
+def _block_backwards(spans: list[Span]) -> list[Span]:
+    return sorted((s for s in spans if s.category == "BW" and s.name.startswith("block ")), key=lambda s: s.start)
+
+
+def test_each_blocks_backward_is_a_span_inside_the_backward() -> None:
+    spans = _record(_Net())
+    blocks = _block_backwards(spans)
+    assert [s.name for s in blocks] == ["block 2", "block 1", "block 0"]
+    backward = next(s for s in spans if s.name == "backward")
+    assert all(backward.start <= s.start and s.end <= backward.end for s in blocks)
+    assert all(before.end <= after.start for before, after in zip(blocks, blocks[1:]))
+    assert all(s.depth == backward.depth + 1 for s in blocks)
+    durations = {s.name: s.end - s.start for s in blocks}
+    assert durations["block 1"] >= SLOW_BACKWARD_S
+    assert durations["block 0"] < SLOW_BACKWARD_S and durations["block 2"] < SLOW_BACKWARD_S
+
+
+def test_a_block_whose_input_needs_no_gradient_is_not_timed() -> None:
+    net = _Net()
+    net.embed.requires_grad_(False)
+    assert [s.name for s in _block_backwards(_record(net))] == ["block 2", "block 1"]
+    assert _block_backwards(_record(_Net(), grad=False)) == []
+
+
+def test_a_recomputed_forward_falls_inside_the_backward_it_serves() -> None:
+    spans = _record(_Net(checkpointed=True))
+    backward = {s.name: s for s in _block_backwards(spans)}
+    assert sorted(backward) == ["block 0", "block 1", "block 2"]
+    for name, span in backward.items():
+        forwards = [s for s in spans if s.category == "FW" and s.name == name]
+        assert len(forwards) == 2  # the forward and its recomputation
+        assert sum(span.start <= s.start and s.end <= span.end for s in forwards) == 1
+
+
+def _with_block_backwards(trace: Trace, seconds: float, recompute: float = 0.0) -> Trace:
+    """``trace`` with each block's backward timed: block 1 from 30 ms, block 0 after it, each ``seconds`` long (a
+    ``recompute`` forward of the block at the start of each)."""
+    ranks = []
+    for rank in trace.ranks:
+        spans = list(rank.spans)
+        for position, name in enumerate(("block 1", "block 0")):
+            start = 0.030 + position * seconds
+            spans.append(Span(name, "BW", start, start + seconds, 0, 2))
+            if recompute:
+                spans.append(Span(name, "FW", start, start + recompute, 0, 3))
+        ranks.append(RankTrace(rank.rank, spans, rank.comms))
+    return Trace(ranks, trace.offsets, trace.meta)
+
+
+def test_a_probe_prices_added_blocks_at_their_timed_backward() -> None:
+    # block forwards of 10 ms (their 2 ms of tensor-parallel waits kept), backwards of 13 ms
+    probe = _with_block_backwards(_tp2_probe(), 0.013)
+    assert calibrate(probe, SHAPE, TP2, tp_comm_in_compute=True).backward_ratio == pytest.approx(1.3)
+    deeper = ModelShape(4, SHAPE.block_params, SHAPE.other_params, SHAPE.hidden, SHAPE.seq)
+    calibration = calibrate_from_traces(_dp2_trace(), deeper, DP2, [Probe(probe, SHAPE, TP2)])
+    costs, correction = calibration.costs_for(TP2)
+    assert correction == pytest.approx(1.0)
+    added = 2 * 0.010 * (1 + 1.3) + 2 * 100_000 / 2 * costs.update_per_param
+    assert ReplayPredictor(calibration).step_time(TP2) == pytest.approx(0.100 + added)
+
+
+def test_a_recomputation_inside_a_block_backward_is_not_its_backward() -> None:
+    probe = _with_block_backwards(_tp2_probe(), 0.020, recompute=0.006)
+    traced = calibrate(probe, SHAPE, TP2, tp_comm_in_compute=True)
+    assert traced.backward_ratio == pytest.approx((0.020 - 0.006) / 0.010)
+    assert traced.block_forward_per_sample == pytest.approx(0.020 * 2 / (2 * 4))  # recomputations left out
+
+
+def test_block_backwards_holding_data_parallel_reduction_are_priced_by_flops() -> None:
+    assert calibrate(_with_block_backwards(_dp2_trace(), 0.013), SHAPE, DP2).backward_ratio == BLOCK_BACKWARD_RATIO
