@@ -15,7 +15,7 @@ from lightning_merak.profiler.synthesize import BLOCK_BACKWARD_RATIO, ModelShape
 from lightning_merak.profiler.trace import RankTrace, Span, Trace
 from tests.test_profiler_calibration import DP2, SHAPE, TP2, _dp2_trace, _tp2_probe
 
-SLOW_BACKWARD_S = 0.05
+SLOW_BACKWARD_S = 0.2
 
 
 class _SlowBackward(torch.autograd.Function):
