@@ -292,8 +292,9 @@ def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec, tp_comm_in_co
     # A pipeline's first stage holds blocks and the embedding but no head: its chunks' backward over forward is the
     # blocks' measured ratio (at its micro-batches' size, below the FLOPs ratio). Other traces take their blocks'
     # timed backwards (a tensor-parallel probe's block forward holds collective waits that its backward does not
-    # double) unless data-parallel gradient reduction runs inside them (it adds 0.3-0.4 of a forward per block on
-    # CPU, which layouts without data parallelism do not pay), else the FLOPs ratio.
+    # double) unless data-parallel gradient reduction runs inside them (a dp2 block's backward read 2.0-2.2x its
+    # forward on CPU against 1.7-1.8x in one process: work that layouts without data parallelism do not do), else
+    # the FLOPs ratio.
     first_stage = [t["BW"] / t["FW"] for t, stage in zip(per_rank, stages) if stage == 0 and t["FW"] > 0]
     timed_blocks = [t["block BW"] / t["block FW timed"] for t in per_rank if t["block FW timed"] > 0 and layout.dp == 1]
     block_ratio = (statistics.mean(first_stage) if layout.pp > 1 and first_stage
