@@ -244,7 +244,7 @@ def _rank_breakdown(trace: Trace, kept: Optional[LayoutSpec] = None) -> list[dic
             elif span.category in top and span.depth == top[span.category]:
                 if span.category == "UPDATE" or not chunked:
                     totals[span.category] += seconds
-            elif span.category == "FW" and span.name.startswith("block") and not in_backward(span):
+            elif span.category == "FW" and span.name.startswith("block") and not in_backward(span.start, span.end):
                 totals["block"] += seconds  # a recomputation's forward is its backward's work
             elif span.category == "step":
                 totals["step"] += span.end - span.start
@@ -292,11 +292,12 @@ def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec, tp_comm_in_co
     # A pipeline's first stage holds blocks and the embedding but no head: its chunks' backward over forward is the
     # blocks' measured ratio (at its micro-batches' size, below the FLOPs ratio). Other traces take their blocks'
     # timed backwards (a tensor-parallel probe's block forward holds collective waits that its backward does not
-    # double) unless data-parallel gradient reduction runs inside them (a dp2 block's backward read 2.0-2.2x its
-    # forward on CPU against 1.7-1.8x in one process: work that layouts without data parallelism do not do), else
-    # the FLOPs ratio.
+    # double) unless data-parallel gradient reduction overlaps them (a dp2 block's backward read 2.0-2.3x its
+    # forward on CPU against 1.7-1.9x without the overlap: work that layouts without data parallelism do not do),
+    # else the FLOPs ratio.
     first_stage = [t["BW"] / t["FW"] for t, stage in zip(per_rank, stages) if stage == 0 and t["FW"] > 0]
-    timed_blocks = [t["block BW"] / t["block FW timed"] for t in per_rank if t["block FW timed"] > 0 and layout.dp == 1]
+    clean = layout.dp == 1 or not _reduces_during_backward(trace, layout)
+    timed_blocks = [t["block BW"] / t["block FW timed"] for t in per_rank if t["block FW timed"] > 0 and clean]
     block_ratio = (statistics.mean(first_stage) if layout.pp > 1 and first_stage
                    else statistics.mean(timed_blocks) if timed_blocks else BLOCK_BACKWARD_RATIO)
     gaps: dict[int, list[tuple[float, float]]] = {}
@@ -407,7 +408,7 @@ def _traced_block_backward(costs: StepCosts, layout: LayoutSpec, prefix: CallCur
 
 
 def _timed_block_backward(spans: list[Span], busy: Callable[[float, float], float],
-                          in_backward: Callable[[Span], bool]) -> tuple[float, float]:
+                          in_backward: Callable[[float, float], bool]) -> tuple[float, float]:
     """The busy seconds of the blocks' backward spans (recomputed forwards inside them removed) and of the forward
     calls they time: each timed (step, block) pairs with as many of its forwards outside any backward (0, 0: no
     backward span)."""
@@ -418,16 +419,16 @@ def _timed_block_backward(spans: list[Span], busy: Callable[[float, float], floa
     untimed = Counter((s.step, s.name) for s in backward)
     timed_forward, recomputed = 0.0, 0.0
     for span in sorted((s for s in spans if s.category == "FW" and s.name.startswith("block ")), key=lambda s: s.start):
-        if in_backward(span):
-            recomputed += busy(span.start, span.end) if in_block_backward(span) else 0.0
+        if in_backward(span.start, span.end):
+            recomputed += busy(span.start, span.end) if in_block_backward(span.start, span.end) else 0.0
         elif untimed[(span.step, span.name)]:
             untimed[(span.step, span.name)] -= 1
             timed_forward += busy(span.start, span.end)
     return sum(busy(s.start, s.end) for s in backward) - recomputed, timed_forward
 
 
-def _covering(spans: Iterable[Span]) -> Callable[[Span], bool]:
-    """Whether a span lies within the union of ``spans``."""
+def _covering(spans: Iterable[Span]) -> Callable[[float, float], bool]:
+    """Whether an interval (start, end) lies within the union of ``spans``."""
     merged: list[list[float]] = []
     for span in sorted(spans, key=lambda s: s.start):
         if merged and span.start <= merged[-1][1]:
@@ -436,11 +437,27 @@ def _covering(spans: Iterable[Span]) -> Callable[[Span], bool]:
             merged.append([span.start, span.end])
     starts = [interval[0] for interval in merged]
 
-    def covered(span: Span) -> bool:
-        index = bisect.bisect_right(starts, span.start) - 1
-        return index >= 0 and span.end <= merged[index][1]
+    def covered(start: float, end: float) -> bool:
+        index = bisect.bisect_right(starts, start) - 1
+        return index >= 0 and end <= merged[index][1]
 
     return covered
+
+
+def _reduces_during_backward(trace: Trace, layout: LayoutSpec) -> bool:
+    """Whether any rank launched a data-parallel collective while its blocks' backward ran (from a step's first
+    timed block backward to its last): gradient reduction overlapped with them, as DDP and merak3d's
+    ``overlap_grad_reduce`` do."""
+    for rank in trace.ranks:
+        windows: dict[int, list[float]] = {}
+        for span in rank.spans:
+            if span.category == "BW" and span.name.startswith("block "):
+                window = windows.setdefault(span.step, [span.start, span.end])
+                window[0], window[1] = min(window[0], span.start), max(window[1], span.end)
+        if any(windows[c.step][0] <= c.launch <= windows[c.step][1] for c in rank.comms
+               if c.step in windows and group_kind(comm_key(rank.rank, c), layout) == "dp"):
+            return True
+    return False
 
 
 def _slowest_of_each_stage(per_rank: list[dict[str, float]], stages: list[int]) -> list[dict[str, float]]:
