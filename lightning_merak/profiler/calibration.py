@@ -260,7 +260,7 @@ def layout_from_meta(meta: dict[str, Any], samples: Optional[int] = None) -> Lay
 def block_call_seconds(trace: Trace) -> float:
     """The median time of one block's forward call in ``trace`` (medians: a preempted call moves them least)."""
     calls = [s.end - s.start for r in trace.ranks for s in r.spans
-             if s.category == "FW" and s.name.startswith("block ")]
+             if s.is_block()]
     if not calls:
         raise ValueError("the trace has no block spans; trace a run with MerakTraceProfiler, which times each block")
     return statistics.median(calls)
@@ -288,7 +288,7 @@ def block_call_cost(first: Trace, first_layout: LayoutSpec, second: Trace, secon
 
 def traced_blocks(trace: Trace) -> int:
     """How many blocks the traced model has: the distinct blocks whose forward any rank recorded (0: none)."""
-    return len({s.name for r in trace.ranks for s in r.spans if s.category == "FW" and s.name.startswith("block ")})
+    return len({s.name for r in trace.ranks for s in r.spans if s.is_block()})
 
 
 def predictor_from_files(paths: Sequence[Union[str, Path]], shape: ModelShape, samples: int,

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from lightning_merak.profiler.trace import CommRecord, RankTrace, Span, assign_depths
 from lightning_merak.runtime.turns import in_sub_batch_region
@@ -282,7 +283,7 @@ class TraceRecorder:
         if not torch.is_grad_enabled() or in_sub_batch_region():
             return
         first_input = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        first_output = next(_tensors(output), None)
+        first_output = next((t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)), None)
         if not (first_input is not None and first_input.requires_grad
                 and first_output is not None and first_output.requires_grad):
             return
@@ -305,18 +306,6 @@ class TraceRecorder:
         if self._open_backward is not None:
             self.close_span(self._open_backward)
             self._open_backward = None
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a module's output, depth first (a block may return a tuple or a model output)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
 
 
 def traced_allreduce_hook(process_group: Optional[dist.ProcessGroup], bucket: Any) -> torch.futures.Future:

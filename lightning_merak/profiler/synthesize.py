@@ -16,13 +16,12 @@ holds the tensor-parallel collectives' exposed time in its block and head times:
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import statistics
-from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Optional
 
+from lightning_merak.profiler.block_timing import covering, timed_block_backward
 from lightning_merak.profiler.call_curve import CallCurve
 from lightning_merak.profiler.replay import (
     CommOp,
@@ -36,7 +35,7 @@ from lightning_merak.profiler.replay import (
     main_thread_waits,
     replay,
 )
-from lightning_merak.profiler.trace import RankTrace, Span, Trace, comm_key, wire_bytes
+from lightning_merak.profiler.trace import RankTrace, Trace, comm_key, wire_bytes
 from lightning_merak.strategies.pipeline.simulate import stage_op_order
 
 __all__ = ["BLOCK_BACKWARD_RATIO", "LayoutSpec", "ModelShape", "StepCosts", "calibrate", "group_kind", "layout_graph",
@@ -235,8 +234,8 @@ def _rank_breakdown(trace: Trace, kept: Optional[LayoutSpec] = None) -> list[dic
         # Under a pipeline schedule Lightning's training step holds every chunk, forward and backward: the
         # chunks are the compute, the rest of the step (the schedule's own work) counts as the loop's.
         chunked = any(s.name.startswith("stage ") for s in rank.spans)
-        in_backward = _covering(s for s in rank.spans if s.category == "BW")
-        totals["block BW"], totals["block FW timed"] = _timed_block_backward(rank.spans, busy, in_backward)
+        in_backward = covering(s for s in rank.spans if s.category == "BW")
+        totals["block BW"], totals["block FW timed"] = timed_block_backward(rank.spans, busy, in_backward)
         for span in rank.spans:
             seconds = busy(span.start, span.end)
             if chunked and span.name.startswith("stage "):
@@ -244,7 +243,7 @@ def _rank_breakdown(trace: Trace, kept: Optional[LayoutSpec] = None) -> list[dic
             elif span.category in top and span.depth == top[span.category]:
                 if span.category == "UPDATE" or not chunked:
                     totals[span.category] += seconds
-            elif span.category == "FW" and span.name.startswith("block") and not in_backward(span.start, span.end):
+            elif span.is_block() and not in_backward(span.start, span.end):
                 totals["block"] += seconds  # a recomputation's forward is its backward's work
             elif span.category == "step":
                 totals["step"] += span.end - span.start
@@ -252,7 +251,7 @@ def _rank_breakdown(trace: Trace, kept: Optional[LayoutSpec] = None) -> list[dic
         gaps: dict[str, list[float]] = {"FW": [], "BW": []}
         extras = []
         if chunked:
-            blocks = [s for s in rank.spans if s.category == "FW" and s.name.startswith("block")]
+            blocks = [s for s in rank.spans if s.is_block()]
             for step in aligned.steps():
                 chunks = sorted((s for s in rank.spans if s.step == step and s.name.startswith("stage ")),
                                 key=lambda s: s.start)
@@ -296,10 +295,12 @@ def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec, tp_comm_in_co
     # forward on CPU against 1.7-1.9x without the overlap: work that layouts without data parallelism do not do),
     # else the FLOPs ratio.
     first_stage = [t["BW"] / t["FW"] for t, stage in zip(per_rank, stages) if stage == 0 and t["FW"] > 0]
-    clean = layout.dp == 1 or not _reduces_during_backward(trace, layout)
-    timed_blocks = [t["block BW"] / t["block FW timed"] for t in per_rank if t["block FW timed"] > 0 and clean]
-    block_ratio = (statistics.mean(first_stage) if layout.pp > 1 and first_stage
-                   else statistics.mean(timed_blocks) if timed_blocks else BLOCK_BACKWARD_RATIO)
+    if layout.pp > 1 and first_stage:
+        block_ratio = statistics.mean(first_stage)
+    else:
+        timed = [t["block BW"] / t["block FW timed"] for t in per_rank if t["block FW timed"] > 0]
+        clean = timed and (layout.dp == 1 or not _reduces_during_backward(trace, layout))
+        block_ratio = statistics.mean(timed) if clean else BLOCK_BACKWARD_RATIO
     gaps: dict[int, list[tuple[float, float]]] = {}
     block_fw, rest_fw, ratio, rest_ratio, update, host = [], [], [], [], [], []
     for rank, totals in enumerate(per_rank):
@@ -407,43 +408,6 @@ def _traced_block_backward(costs: StepCosts, layout: LayoutSpec, prefix: CallCur
     return block if block > 0 and _traced_block_call(costs, reference) > 0 else None
 
 
-def _timed_block_backward(spans: list[Span], busy: Callable[[float, float], float],
-                          in_backward: Callable[[float, float], bool]) -> tuple[float, float]:
-    """The busy seconds of the blocks' backward spans (recomputed forwards inside them removed) and of the forward
-    calls they time: each timed (step, block) pairs with as many of its forwards outside any backward (0, 0: no
-    backward span)."""
-    backward = [s for s in spans if s.category == "BW" and s.name.startswith("block ")]
-    if not backward:
-        return 0.0, 0.0
-    in_block_backward = _covering(backward)
-    untimed = Counter((s.step, s.name) for s in backward)
-    timed_forward, recomputed = 0.0, 0.0
-    for span in sorted((s for s in spans if s.category == "FW" and s.name.startswith("block ")), key=lambda s: s.start):
-        if in_backward(span.start, span.end):
-            recomputed += busy(span.start, span.end) if in_block_backward(span.start, span.end) else 0.0
-        elif untimed[(span.step, span.name)]:
-            untimed[(span.step, span.name)] -= 1
-            timed_forward += busy(span.start, span.end)
-    return sum(busy(s.start, s.end) for s in backward) - recomputed, timed_forward
-
-
-def _covering(spans: Iterable[Span]) -> Callable[[float, float], bool]:
-    """Whether an interval (start, end) lies within the union of ``spans``."""
-    merged: list[list[float]] = []
-    for span in sorted(spans, key=lambda s: s.start):
-        if merged and span.start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], span.end)
-        else:
-            merged.append([span.start, span.end])
-    starts = [interval[0] for interval in merged]
-
-    def covered(start: float, end: float) -> bool:
-        index = bisect.bisect_right(starts, start) - 1
-        return index >= 0 and end <= merged[index][1]
-
-    return covered
-
-
 def _reduces_during_backward(trace: Trace, layout: LayoutSpec) -> bool:
     """Whether any rank launched a data-parallel collective while its blocks' backward ran (from a step's first
     timed block backward to its last): gradient reduction overlapped with them, as DDP and merak3d's
@@ -451,7 +415,7 @@ def _reduces_during_backward(trace: Trace, layout: LayoutSpec) -> bool:
     for rank in trace.ranks:
         windows: dict[int, list[float]] = {}
         for span in rank.spans:
-            if span.category == "BW" and span.name.startswith("block "):
+            if span.is_block("BW"):
                 window = windows.setdefault(span.step, [span.start, span.end])
                 window[0], window[1] = min(window[0], span.start), max(window[1], span.end)
         if any(windows[c.step][0] <= c.launch <= windows[c.step][1] for c in rank.comms
@@ -482,7 +446,7 @@ def _stage_means(values: list[tuple[int, float]], stages: int) -> tuple[float, .
 
 def _blocks_recorded(rank: RankTrace) -> int:
     """The distinct blocks whose forward a rank recorded."""
-    return len({s.name for s in rank.spans if s.category == "FW" and s.name.startswith("block ")})
+    return len({s.name for s in rank.spans if s.is_block()})
 
 
 def _params_on_rank(shape: ModelShape, layout: LayoutSpec, stage: int, blocks: float) -> float:

@@ -23,7 +23,7 @@ __all__ = ["CommRecord", "RankTrace", "Span", "Trace", "assign_depths", "comm_ke
 
 @dataclass
 class Span:
-    """A range of a rank's main thread: ``category`` is step, FW, BW, UPDATE, block or stage."""
+    """A range of a rank's main thread: ``category`` is step, FW, BW or UPDATE (blocks and stages are FW or BW)."""
 
     name: str
     category: str
@@ -31,6 +31,10 @@ class Span:
     end: float
     step: int
     depth: int = 0
+
+    def is_block(self, category: str = "FW") -> bool:
+        """Whether this is a model block's forward (``FW``) or backward (``BW``) span, named ``block <index>``."""
+        return self.category == category and self.name.startswith("block ")
 
 
 @dataclass
