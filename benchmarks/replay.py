@@ -8,8 +8,10 @@ Two gloo ranks on tbf-shaped links train a small Llama under merak3d. Runs with
 ``MerakTraceProfiler`` record a few steps; the replay of a trace predicts its own steps
 (``replay_error``, target ≤ 5%), and what-ifs on it predict other runs that are then measured
 (target ≤ 10% each): (a) the link at 500 and 200 Mbit/s from a trace at 1 Gbit/s; (b) pp=2 and
-tp=2 from a trace of dp=2 (layout re-derived: :mod:`lightning_merak.profiler.synthesize`), tp=2 with a
-probe: a traced tp=2 run of the model cut to ``PROBE_LAYERS`` blocks, whose costs (vocabulary-parallel
+tp=2 from a trace of dp=2 (layout re-derived: :mod:`lightning_merak.profiler.synthesize`), pp=2 with its blocks'
+backward at the ratio the in-process call probe below measured (the dp trace's block backwards share the cores
+with the gradient reduction they overlap: :func:`~lightning_merak.profiler.synthesize.with_probed_backward`), tp=2
+with a probe: a traced tp=2 run of the model cut to ``PROBE_LAYERS`` blocks, whose costs (vocabulary-parallel
 head, sub-batch machinery, the blocks' collectives) replace the dp trace's
 (:mod:`lightning_merak.profiler.calibration`; the row "no probe" predicts tp=2 from the dp trace alone);
 (c) other micro-batch counts from a trace of pp=2 with 2 micro-batches: block, head, first-stage prefix and loss
@@ -62,7 +64,14 @@ from lightning_merak.profiler import MerakTraceProfiler, Trace, WhatIf, chrome_t
 from lightning_merak.profiler.calibration import Probe, ReplayPredictor, calibrate_from_traces
 from lightning_merak.profiler.probe import ProbedCurves
 from lightning_merak.profiler.replay import measured_step_time
-from lightning_merak.profiler.synthesize import LayoutSpec, ModelShape, StepCosts, calibrate, predict_layout
+from lightning_merak.profiler.synthesize import (
+    LayoutSpec,
+    ModelShape,
+    StepCosts,
+    calibrate,
+    predict_layout,
+    with_probed_backward,
+)
 from lightning_merak.testing.cores import pin_rank_to_core
 from lightning_merak.testing.netem import EmulatedCluster, LinkSpec, emulation_available
 
@@ -423,7 +432,10 @@ def predict_repeat(measured: dict[float, dict[str, dict[str, Any]]], traces: dic
     probe = Probe(traces["tp2_probe"], _shape(probe_job.workload()), probe_job.layout(),
                   at_base["tp2_probe"]["period_s"] / measured_step_time(traces["tp2_probe"]))
     predictor = ReplayPredictor(calibrate_from_traces(dp2, shape, jobs["dp2"].layout(), [probe], correction))
-    base_costs, base_correction = predictor.calibration.costs_for(jobs["pp2_m2"].layout())
+    pp_layout = jobs["pp2_m2"].layout()
+    base_costs, base_correction = predictor.calibration.costs_for(pp_layout)
+    # the dp2 trace's block backwards overlap its gradient reduction; a pipeline's do not: the probe's ratio
+    base_costs = with_probed_backward(base_costs, curves.block, pp_layout.samples / pp_layout.micro_batches)
     rows.append(_row("what-if layout", "pp2_m2 from dp2", predict_layout(
         replace(base_costs, stage_blocks=splits["pp2_m2"]), shape, jobs["pp2_m2"].layout()).step_time * base_correction,
         at_base["pp2_m2"]["period_s"], **_contention(at_base["pp2_m2"])))

@@ -10,10 +10,17 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_merak.profiler.calibration import Probe, ReplayPredictor, calibrate_from_traces
+from lightning_merak.profiler.call_curve import CallCurve
 from lightning_merak.profiler.recorder import TraceRecorder
-from lightning_merak.profiler.synthesize import BLOCK_BACKWARD_RATIO, ModelShape, calibrate
+from lightning_merak.profiler.synthesize import (
+    BLOCK_BACKWARD_RATIO,
+    ModelShape,
+    calibrate,
+    predict_layout,
+    with_probed_backward,
+)
 from lightning_merak.profiler.trace import RankTrace, Span, Trace
-from tests.test_profiler_calibration import DP2, SHAPE, TP2, _dp2_trace, _tp2_probe
+from tests.test_profiler_calibration import DP2, PP2, SHAPE, TP2, _dp2_trace, _tp2_probe
 
 SLOW_BACKWARD_S = 0.2
 
@@ -143,7 +150,27 @@ def test_a_recomputation_inside_a_block_backward_is_not_its_backward() -> None:
 
 def test_block_backwards_overlapped_by_data_parallel_reduction_are_priced_by_flops() -> None:
     # the gradient all-reduce starts at 60 ms: inside blocks' backwards of 20 ms each (30-70 ms), after ones of 13 ms
-    overlapped = _with_block_backwards(_dp2_trace(), 0.020)
-    assert calibrate(overlapped, SHAPE, DP2).backward_ratio == BLOCK_BACKWARD_RATIO
-    reduced_after = _with_block_backwards(_dp2_trace(), 0.013)
-    assert calibrate(reduced_after, SHAPE, DP2).backward_ratio == pytest.approx(1.3)
+    overlapped = calibrate(_with_block_backwards(_dp2_trace(), 0.020), SHAPE, DP2)
+    assert (overlapped.backward_ratio, overlapped.backward_ratio_source) == (BLOCK_BACKWARD_RATIO, "flops")
+    reduced_after = calibrate(_with_block_backwards(_dp2_trace(), 0.013), SHAPE, DP2)
+    assert reduced_after.backward_ratio == pytest.approx(1.3)
+    assert reduced_after.backward_ratio_source == "blocks"
+
+
+# a block call of 2 and 4 samples: forward 2 / 3 ms, backward 3 / 4.5 ms (1.5x at 4 samples)
+_BLOCK_CURVE = CallCurve((2.0, 4.0), (0.002, 0.003), (0.003, 0.0045))
+
+
+def test_a_probe_prices_block_backwards_the_trace_could_not_time_apart() -> None:
+    overlapped = calibrate(_with_block_backwards(_dp2_trace(), 0.020), SHAPE, DP2)
+    probed = with_probed_backward(overlapped, _BLOCK_CURVE, 4)
+    assert (probed.backward_ratio, probed.backward_ratio_source) == (pytest.approx(1.5), "probe")
+    assert predict_layout(probed, SHAPE, PP2).step_time < predict_layout(overlapped, SHAPE, PP2).step_time
+    assert probed.block_seconds(4, forward=False) == pytest.approx(1.5 * probed.block_seconds(4, forward=True))
+
+
+def test_a_timed_backward_is_kept_over_the_probes() -> None:
+    reduced_after = calibrate(_with_block_backwards(_dp2_trace(), 0.013), SHAPE, DP2)
+    assert with_probed_backward(reduced_after, _BLOCK_CURVE, 4) is reduced_after
+    with pytest.raises(ValueError, match="outside the curve's"):
+        with_probed_backward(reduced_after, _BLOCK_CURVE, 8)

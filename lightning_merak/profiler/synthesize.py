@@ -39,7 +39,8 @@ from lightning_merak.profiler.trace import RankTrace, Trace, comm_key, wire_byte
 from lightning_merak.strategies.pipeline.simulate import stage_op_order
 
 __all__ = ["BLOCK_BACKWARD_RATIO", "LayoutSpec", "ModelShape", "StepCosts", "calibrate", "group_kind", "layout_graph",
-           "predict_from_traced", "predict_layout", "with_block_call_cost", "with_call_curves"]
+           "predict_from_traced", "predict_layout", "with_block_call_cost", "with_call_curves",
+           "with_probed_backward"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,10 @@ class StepCosts:
     (:meth:`chunk_seconds`); ``loss_curve`` shapes the last stage's loss with the samples (:meth:`gap_seconds`).
     ``chunk_backward_s``: a pipeline trace's mean backward chunk per stage, its waits removed, which sets the blocks'
     and the head's backward level where a prefix curve is given (:func:`with_call_curves`).
+    ``backward_ratio_source`` says where ``backward_ratio`` comes from: ``"pipeline"`` (a pipeline's first-stage
+    chunks), ``"blocks"`` (the blocks' timed backward spans), ``"step"`` (the whole step's backward over forward: no
+    block spans), ``"flops"`` (the FLOPs ratio: the trace's block backwards overlapped data-parallel reduction, or
+    were not timed), ``"probe"`` (a single-process probe's calls, :func:`with_probed_backward`).
     """
 
     block_forward_per_sample: float
@@ -122,6 +127,7 @@ class StepCosts:
     chunk_host_after_backward_s: tuple[float, ...] = ()
     loss_curve: Optional[CallCurve] = None
     chunk_backward_s: tuple[float, ...] = ()
+    backward_ratio_source: str = "flops"
 
     def gap_seconds(self, stage: int, stages: int, after_forward: bool, samples: float) -> float:
         """The loop's work on ``stage`` (of ``stages``) after a chunk, before the next: traced per stage (their mean
@@ -295,12 +301,13 @@ def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec, tp_comm_in_co
     # forward on CPU against 1.7-1.9x without the overlap: work that layouts without data parallelism do not do),
     # else the FLOPs ratio.
     first_stage = [t["BW"] / t["FW"] for t, stage in zip(per_rank, stages) if stage == 0 and t["FW"] > 0]
+    block_ratios = [t["block BW"] / t["block FW timed"] for t in per_rank if t["block FW timed"] > 0]
     if layout.pp > 1 and first_stage:
-        block_ratio = statistics.mean(first_stage)
+        block_ratio, source = statistics.mean(first_stage), "pipeline"
+    elif block_ratios and (layout.dp == 1 or not _reduces_during_backward(trace, layout)):
+        block_ratio, source = statistics.mean(block_ratios), "blocks"
     else:
-        timed = [t["block BW"] / t["block FW timed"] for t in per_rank if t["block FW timed"] > 0]
-        clean = timed and (layout.dp == 1 or not _reduces_during_backward(trace, layout))
-        block_ratio = statistics.mean(timed) if clean else BLOCK_BACKWARD_RATIO
+        block_ratio, source = BLOCK_BACKWARD_RATIO, "flops"
     gaps: dict[int, list[tuple[float, float]]] = {}
     block_fw, rest_fw, ratio, rest_ratio, update, host = [], [], [], [], [], []
     for rank, totals in enumerate(per_rank):
@@ -327,8 +334,9 @@ def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec, tp_comm_in_co
         raise ValueError("the trace has no op large enough to estimate the link's bandwidth; trace a layout with "
                          "data or pipeline parallelism on more than 32 KiB per op")
     whole = statistics.mean(ratio) if ratio else BLOCK_BACKWARD_RATIO
+    per_block = bool(block_fw and rest_ratio)
     return StepCosts(statistics.mean(block_fw) if block_fw else 0.0, statistics.mean(rest_fw) if rest_fw else 0.0,
-                     block_ratio if block_fw and rest_ratio else whole, statistics.mean(update),
+                     block_ratio if per_block else whole, statistics.mean(update),
                      statistics.mean(host), fixed, bandwidth, tp_comm_in_compute=tp_comm_in_compute and layout.tp > 1,
                      rest_backward_ratio=statistics.mean(rest_ratio) if block_fw and rest_ratio else None,
                      stage_blocks=tuple(counted[s * layout.tp] for s in range(layout.pp)) if timed and layout.pp > 1
@@ -338,7 +346,8 @@ def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec, tp_comm_in_co
                      chunk_host_after_backward_s=tuple(statistics.mean(g[1] for g in gaps[s]) for s in range(layout.pp))
                      if len(gaps) == layout.pp else (),
                      chunk_backward_s=_stage_means([(s, t["BW"] / t["FW chunks"]) for s, t in zip(stages, per_rank)
-                                                    if t["FW chunks"]], layout.pp))
+                                                    if t["FW chunks"]], layout.pp),
+                     backward_ratio_source=source if per_block else "step" if ratio else "flops")
 
 
 def with_block_call_cost(costs: StepCosts, layout: LayoutSpec, fixed_s: float) -> StepCosts:
@@ -350,6 +359,24 @@ def with_block_call_cost(costs: StepCosts, layout: LayoutSpec, fixed_s: float) -
     call = costs.block_call_s + costs.block_forward_per_sample * samples
     return dataclasses.replace(costs, block_call_s=min(fixed_s, call),
                                block_forward_per_sample=max(call - fixed_s, 0.0) / samples)
+
+
+def with_probed_backward(costs: StepCosts, block: CallCurve, samples: float) -> StepCosts:
+    """``costs`` with a block's backward priced at the ``block`` curve's backward over forward at ``samples`` per
+    call, where the trace gave no timing of its own (``backward_ratio_source`` "flops"); else ``costs`` unchanged.
+
+    A data-parallel trace's block backwards share the cores with the gradient reduction they overlap (2.0x their
+    forward and more on CPU), and the profiler cannot tell that work apart: a layout whose blocks' backward runs
+    without it (a pipeline, tensor parallelism) is priced better by a probe that timed the calls alone
+    (:func:`~lightning_merak.profiler.probe.probe_call_curves`, 1.4-1.5x on the replay benchmark's blocks).
+    Raises where ``samples`` lies outside the curve's sizes.
+    """
+    if not block.samples[0] <= samples <= block.samples[-1]:
+        raise ValueError(f"{samples:g} samples per call lie outside the curve's {block.samples}; probe sizes around it")
+    if costs.backward_ratio_source != "flops":
+        return costs
+    return dataclasses.replace(costs, backward_ratio=block.backward(samples) / block.forward(samples),
+                               backward_ratio_source="probe")
 
 
 def with_call_curves(costs: StepCosts, layout: LayoutSpec, block: CallCurve, head: Optional[CallCurve] = None,
