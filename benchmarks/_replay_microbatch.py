@@ -24,6 +24,7 @@ import torch
 from lightning_merak.models import build_causal_lm
 from lightning_merak.profiler.calibration import block_call_cost
 from lightning_merak.profiler.probe import ProbedCurves, probe_call_curves
+from lightning_merak.profiler.refine import with_block_call_cost, with_call_curves
 from lightning_merak.profiler.replay import measured_step_time
 from lightning_merak.profiler.synthesize import (
     LayoutSpec,
@@ -32,8 +33,6 @@ from lightning_merak.profiler.synthesize import (
     calibrate,
     predict_from_traced,
     predict_layout,
-    with_block_call_cost,
-    with_call_curves,
 )
 from lightning_merak.profiler.trace import Trace
 from lightning_merak.testing.cores import pin_rank_to_core

@@ -10,7 +10,7 @@ Two gloo ranks on tbf-shaped links train a small Llama under merak3d. Runs with
 (target ≤ 10% each): (a) the link at 500 and 200 Mbit/s from a trace at 1 Gbit/s; (b) pp=2 and
 tp=2 from a trace of dp=2 (layout re-derived: :mod:`lightning_merak.profiler.synthesize`), pp=2 with its blocks'
 backward at the ratio the in-process call probe below measured (the dp trace's block backwards share the cores
-with the gradient reduction they overlap: :func:`~lightning_merak.profiler.synthesize.with_probed_backward`), tp=2
+with the gradient reduction they overlap: :func:`~lightning_merak.profiler.refine.with_probed_backward`), tp=2
 with a probe: a traced tp=2 run of the model cut to ``PROBE_LAYERS`` blocks, whose costs (vocabulary-parallel
 head, sub-batch machinery, the blocks' collectives) replace the dp trace's
 (:mod:`lightning_merak.profiler.calibration`; the row "no probe" predicts tp=2 from the dp trace alone);
@@ -63,6 +63,7 @@ from lightning_merak.models import CausalLMModule, build_causal_lm
 from lightning_merak.profiler import MerakTraceProfiler, Trace, WhatIf, chrome_trace, replay_trace, write_chrome_trace
 from lightning_merak.profiler.calibration import Probe, ReplayPredictor, calibrate_from_traces
 from lightning_merak.profiler.probe import ProbedCurves
+from lightning_merak.profiler.refine import with_probed_backward
 from lightning_merak.profiler.replay import measured_step_time
 from lightning_merak.profiler.synthesize import (
     LayoutSpec,
@@ -70,7 +71,6 @@ from lightning_merak.profiler.synthesize import (
     StepCosts,
     calibrate,
     predict_layout,
-    with_probed_backward,
 )
 from lightning_merak.testing.cores import pin_rank_to_core
 from lightning_merak.testing.netem import EmulatedCluster, LinkSpec, emulation_available

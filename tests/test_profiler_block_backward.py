@@ -12,12 +12,12 @@ from torch.utils.checkpoint import checkpoint
 from lightning_merak.profiler.calibration import Probe, ReplayPredictor, calibrate_from_traces
 from lightning_merak.profiler.call_curve import CallCurve
 from lightning_merak.profiler.recorder import TraceRecorder
+from lightning_merak.profiler.refine import with_probed_backward
 from lightning_merak.profiler.synthesize import (
     BLOCK_BACKWARD_RATIO,
     ModelShape,
     calibrate,
     predict_layout,
-    with_probed_backward,
 )
 from lightning_merak.profiler.trace import RankTrace, Span, Trace
 from tests.test_profiler_calibration import DP2, PP2, SHAPE, TP2, _dp2_trace, _tp2_probe

@@ -21,6 +21,7 @@ from lightning_merak.profiler.calibration import (
     traced_blocks,
 )
 from lightning_merak.profiler.lightning_profiler import run_meta
+from lightning_merak.profiler.refine import with_block_call_cost
 from lightning_merak.profiler.synthesize import (
     BLOCK_BACKWARD_RATIO,
     LayoutSpec,
@@ -30,7 +31,6 @@ from lightning_merak.profiler.synthesize import (
     group_kind,
     layout_graph,
     predict_layout,
-    with_block_call_cost,
 )
 from lightning_merak.profiler.trace import CommRecord, RankTrace, Span, Trace
 from lightning_merak.strategies.planner import Layout, Plan, Prediction, rerank

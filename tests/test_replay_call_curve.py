@@ -11,13 +11,13 @@ from lightning_merak.config import ModelConfig
 from lightning_merak.models import build_causal_lm
 from lightning_merak.profiler.call_curve import CallCurve, interpolate
 from lightning_merak.profiler.probe import next_token_loss, probe_call_curves
+from lightning_merak.profiler.refine import with_call_curves
 from lightning_merak.profiler.synthesize import (
     LayoutSpec,
     ModelShape,
     StepCosts,
     predict_from_traced,
     predict_layout,
-    with_call_curves,
 )
 
 COSTS = StepCosts(block_forward_per_sample=0.001, rest_forward_per_sample=0.0, backward_ratio=2.0,

@@ -2,7 +2,9 @@
 
 :class:`MerakTraceProfiler` records a few steps (``Trainer(profiler=...)``); :mod:`.trace` holds the
 records, :mod:`.replay` the pure replay core, :mod:`.chrome` the Perfetto export; :mod:`.call_curve` and
-:mod:`.probe` the call times by micro-batch size that the micro-batch what-if scales traced calls with.
+:mod:`.probe` the call times by micro-batch size that the micro-batch what-if scales traced calls with;
+:mod:`.synthesize` re-derives other layouts from a trace's costs, :mod:`.refine` refines those costs with the probe's
+calls, :mod:`.calibration` calibrates the layout planner from traces.
 """
 
 from lightning_merak.profiler.chrome import chrome_trace, replayed_chrome_trace, write_chrome_trace

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+from lightning_merak.profiler.refine import with_block_call_cost
 from lightning_merak.profiler.replay import (
     SMALL_OP_BYTES,
     comm_ops,
@@ -37,7 +38,6 @@ from lightning_merak.profiler.synthesize import (
     calibrate,
     group_kind,
     predict_layout,
-    with_block_call_cost,
 )
 from lightning_merak.profiler.trace import Trace
 

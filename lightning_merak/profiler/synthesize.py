@@ -16,7 +16,6 @@ holds the tensor-parallel collectives' exposed time in its block and head times:
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -39,8 +38,7 @@ from lightning_merak.profiler.trace import RankTrace, Trace, comm_key, wire_byte
 from lightning_merak.strategies.pipeline.simulate import stage_op_order
 
 __all__ = ["BLOCK_BACKWARD_RATIO", "LayoutSpec", "ModelShape", "StepCosts", "calibrate", "group_kind", "layout_graph",
-           "predict_from_traced", "predict_layout", "with_block_call_cost", "with_call_curves",
-           "with_probed_backward"]
+           "predict_from_traced", "predict_layout"]
 
 
 @dataclass(frozen=True)
@@ -89,21 +87,21 @@ class StepCosts:
     run will use), kept for layouts with as many stages; others split the blocks evenly.
 
     Fixed costs per call, which smaller micro-batches do not shrink: ``block_call_s`` per block forward call
-    beyond its samples' share (:func:`with_block_call_cost`: two traces at different samples per call tell them
+    beyond its samples' share (:func:`.refine.with_block_call_cost`: two traces at different samples per call tell them
     apart); in a pipeline, ``chunk_forward_s`` per micro-batch and stage beyond its blocks and head (the stage's
     own machinery, the embedding on the first stage), and ``chunk_host_s`` per stage, the loop's work after a forward
     chunk before the next chunk (launching its send; on the last stage the loss), ``chunk_host_after_backward_s``
     after a backward chunk (() : as after a forward one). Backward prices the chunk's forward at ``backward_ratio``.
-    ``block_curve`` and ``head_curve`` (:func:`with_call_curves`), measured calls at several sizes, replace the
+    ``block_curve`` and ``head_curve`` (:func:`.refine.with_call_curves`), measured calls at several sizes, replace the
     fixed-plus-per-sample line of blocks and head for sizes other than ``curve_reference_samples``;
     ``prefix_curve``, the first stage's own work measured the same way, replaces the guess for a chunk's fixed work
     (:meth:`chunk_seconds`); ``loss_curve`` shapes the last stage's loss with the samples (:meth:`gap_seconds`).
     ``chunk_backward_s``: a pipeline trace's mean backward chunk per stage, its waits removed, which sets the blocks'
-    and the head's backward level where a prefix curve is given (:func:`with_call_curves`).
+    and the head's backward level where a prefix curve is given (:func:`.refine.with_call_curves`).
     ``backward_ratio_source`` says where ``backward_ratio`` comes from: ``"pipeline"`` (a pipeline's first-stage
     chunks), ``"blocks"`` (the blocks' timed backward spans), ``"step"`` (the whole step's backward over forward: no
     block spans), ``"flops"`` (the FLOPs ratio: the trace's block backwards overlapped data-parallel reduction, or
-    were not timed), ``"probe"`` (a single-process probe's calls, :func:`with_probed_backward`).
+    were not timed), ``"probe"`` (a single-process probe's calls, :func:`.refine.with_probed_backward`).
     """
 
     block_forward_per_sample: float
@@ -164,18 +162,23 @@ class StepCosts:
     def block_seconds(self, samples: float, forward: bool, recompute: float = 0.0) -> float:
         """One block call's forward (or backward, with ``recompute`` of its forward) on ``samples`` samples.
 
-        With a ``block_curve`` (:func:`with_call_curves`) the call at the calibrated size keeps its traced time
+        With a ``block_curve`` (:func:`.refine.with_call_curves`) the call at the calibrated size keeps its traced time
         and other sizes follow the curve's shape; without, a fixed part plus a time per sample.
         """
         if self.block_curve is None:
             call = self.block_call_s + self.block_forward_per_sample * samples
             return call * (1.0 if forward else self.backward_ratio + recompute)
         reference = self.curve_reference_samples
-        traced = _traced_block_call(self, reference)
+        traced = self.traced_block_call(reference)
         call = traced * self.block_curve.forward_scale(samples, reference)
         if forward:
             return call
         return traced * self.backward_ratio * self.block_curve.backward_scale(samples, reference) + recompute * call
+
+    def traced_block_call(self, samples: float) -> float:
+        """A block's forward call on ``samples`` samples as calibrated (fixed part plus per sample), before any
+        curve reshapes it."""
+        return self.block_call_s + self.block_forward_per_sample * samples
 
     def rest_seconds(self, samples: float, forward: bool) -> float:
         """The head's and loss's forward (or backward) on ``samples`` samples; with a ``head_curve``, shaped as
@@ -348,91 +351,6 @@ def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec, tp_comm_in_co
                      chunk_backward_s=_stage_means([(s, t["BW"] / t["FW chunks"]) for s, t in zip(stages, per_rank)
                                                     if t["FW chunks"]], layout.pp),
                      backward_ratio_source=source if per_block else "step" if ratio else "flops")
-
-
-def with_block_call_cost(costs: StepCosts, layout: LayoutSpec, fixed_s: float) -> StepCosts:
-    """``costs`` (calibrated on a run of ``layout``) with ``fixed_s`` of every block forward call fixed: the
-    per-sample cost keeps the traced call's time, so only other micro-batch sizes replay differently."""
-    if fixed_s < 0:
-        raise ValueError(f"a fixed cost per call cannot be negative, got {fixed_s}")
-    samples = layout.samples / layout.micro_batches / layout.tp
-    call = costs.block_call_s + costs.block_forward_per_sample * samples
-    return dataclasses.replace(costs, block_call_s=min(fixed_s, call),
-                               block_forward_per_sample=max(call - fixed_s, 0.0) / samples)
-
-
-def with_probed_backward(costs: StepCosts, block: CallCurve, samples: float) -> StepCosts:
-    """``costs`` with a block's backward priced at the ``block`` curve's backward over forward at ``samples`` per
-    call, where the trace gave no timing of its own (``backward_ratio_source`` "flops"); else ``costs`` unchanged.
-
-    A data-parallel trace's block backwards share the cores with the gradient reduction they overlap (2.0x their
-    forward and more on CPU), and the profiler cannot tell that work apart: a layout whose blocks' backward runs
-    without it (a pipeline, tensor parallelism) is priced better by a probe that timed the calls alone
-    (:func:`~lightning_merak.profiler.probe.probe_call_curves`, 1.4-1.5x on the replay benchmark's blocks).
-    Raises where ``samples`` lies outside the curve's sizes.
-    """
-    if not block.samples[0] <= samples <= block.samples[-1]:
-        raise ValueError(f"{samples:g} samples per call lie outside the curve's {block.samples}; probe sizes around it")
-    if costs.backward_ratio_source != "flops":
-        return costs
-    return dataclasses.replace(costs, backward_ratio=block.backward(samples) / block.forward(samples),
-                               backward_ratio_source="probe")
-
-
-def with_call_curves(costs: StepCosts, layout: LayoutSpec, block: CallCurve, head: Optional[CallCurve] = None,
-                     prefix: Optional[CallCurve] = None, loss: Optional[CallCurve] = None) -> StepCosts:
-    """``costs`` (calibrated on a run of ``layout``) with measured call curves (:mod:`.call_curve`): block and head
-    calls of other sizes cost their traced time scaled by the curves' shape, so the traced layout replays as before.
-
-    With a ``prefix`` curve a chunk's fixed work follows :meth:`StepCosts.chunk_seconds`; the last stage's head and
-    loss take over what its chunks no longer charge (the trace times them together), so its traced chunks keep
-    their time, and where the trace timed each stage's backward chunks (``chunk_backward_s``) they, not the FLOPs
-    ratio, set the blocks' and the head's backward. A ``loss`` curve shapes the last stage's loss between chunks
-    (:meth:`StepCosts.gap_seconds`).
-    Raises where the traced call size lies outside a curve's sizes (the scale would be extrapolated).
-    """
-    reference = layout.samples / layout.micro_batches / layout.tp
-    for curve in (block, head, prefix, loss):
-        if curve is not None and not curve.samples[0] <= reference <= curve.samples[-1]:
-            raise ValueError(f"the traced calls hold {reference:g} samples, outside the curve's {curve.samples}; "
-                             "probe sizes around the traced one")
-    shaped = dataclasses.replace(costs, block_curve=block, head_curve=head, curve_reference_samples=reference,
-                                 loss_curve=loss)
-    if prefix is None or layout.pp < 2 or not costs.chunk_forward_s:
-        return shaped
-    last = layout.pp - 1
-    guessed = dataclasses.replace(shaped, prefix_curve=None)
-    measured = dataclasses.replace(shaped, prefix_curve=prefix)
-    rest_forward = costs.rest_forward_per_sample * reference
-    rest_backward = rest_forward * (costs.backward_ratio if costs.rest_backward_ratio is None
-                                    else costs.rest_backward_ratio)
-    rest_forward += guessed.chunk_seconds(last, reference, True) - measured.chunk_seconds(last, reference, True)
-    rest_backward += guessed.chunk_seconds(last, reference, False) - measured.chunk_seconds(last, reference, False)
-    block_backward = _traced_block_backward(costs, layout, prefix, reference)
-    if block_backward is not None:
-        # the traced backward chunks, not a FLOPs ratio, set the level: the first stage's are its blocks' and the
-        # prefix's backward, the last stage's its blocks' and the head's
-        measured = dataclasses.replace(measured, backward_ratio=block_backward / _traced_block_call(costs, reference))
-        rest_backward = costs.chunk_backward_s[last] - costs.stage_blocks[last] * block_backward
-    if rest_forward <= 0:
-        return measured
-    return dataclasses.replace(measured, rest_forward_per_sample=rest_forward / reference,
-                               rest_backward_ratio=max(rest_backward, 0.0) / rest_forward)
-
-
-def _traced_block_call(costs: StepCosts, samples: float) -> float:
-    """A block's traced forward call on ``samples`` samples (the calibrated line)."""
-    return costs.block_call_s + costs.block_forward_per_sample * samples
-
-
-def _traced_block_backward(costs: StepCosts, layout: LayoutSpec, prefix: CallCurve, reference: float
-                           ) -> Optional[float]:
-    """A block's backward call at the traced size: the first stage's traced backward chunk less the prefix's
-    measured backward, per block; None where the trace lacks per-stage chunks or blocks, or leaves nothing."""
-    if len(costs.chunk_backward_s) != layout.pp or len(costs.stage_blocks) != layout.pp or not costs.stage_blocks[0]:
-        return None
-    block = (costs.chunk_backward_s[0] - prefix.backward(reference)) / costs.stage_blocks[0]
-    return block if block > 0 and _traced_block_call(costs, reference) > 0 else None
 
 
 def _reduces_during_backward(trace: Trace, layout: LayoutSpec) -> bool:
