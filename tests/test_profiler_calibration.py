@@ -142,6 +142,7 @@ def test_meta_gives_the_traced_layout_or_names_the_fix() -> None:
     with pytest.raises(ValueError, match="MerakTraceProfiler"):
         layout_from_meta({})
     assert traced_blocks(_tp2_probe()) == 2
+    assert _tp2_probe().ranks[1].block_names() == {"block 0", "block 1"}
 
 
 def test_run_meta_records_a_merak3d_layout_and_the_model() -> None:

@@ -288,7 +288,7 @@ def block_call_cost(first: Trace, first_layout: LayoutSpec, second: Trace, secon
 
 def traced_blocks(trace: Trace) -> int:
     """How many blocks the traced model has: the distinct blocks whose forward any rank recorded (0: none)."""
-    return len({s.name for r in trace.ranks for s in r.spans if s.is_block()})
+    return len(trace.block_names())
 
 
 def predictor_from_files(paths: Sequence[Union[str, Path]], shape: ModelShape, samples: int,

@@ -34,7 +34,7 @@ from lightning_merak.profiler.replay import (
     main_thread_waits,
     replay,
 )
-from lightning_merak.profiler.trace import RankTrace, Trace, comm_key, wire_bytes
+from lightning_merak.profiler.trace import Trace, comm_key, wire_bytes
 from lightning_merak.strategies.pipeline.simulate import stage_op_order
 
 __all__ = ["BLOCK_BACKWARD_RATIO", "LayoutSpec", "ModelShape", "StepCosts", "calibrate", "group_kind", "layout_graph",
@@ -291,7 +291,7 @@ def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec, tp_comm_in_co
     per_rank = _rank_breakdown(trace, layout if tp_comm_in_compute and layout.tp > 1 else None)
     # The partitioner balances stages (a heavy head shares its stage with fewer blocks): each rank's blocks are
     # the ones it recorded; a trace without block spans is taken as evenly split.
-    counted = [_blocks_recorded(rank) for rank in trace.ranks]
+    counted = [len(rank.block_names()) for rank in trace.ranks]
     timed = any(counted)
     stages = [(rank // layout.tp) % layout.pp for rank in range(len(per_rank))]
     per_rank = _slowest_of_each_stage(per_rank, stages)
@@ -387,11 +387,6 @@ def _stage_means(values: list[tuple[int, float]], stages: int) -> tuple[float, .
     """The mean of (stage, value) pairs per stage; () unless every one of ``stages`` has a value."""
     per_stage = [[v for s, v in values if s == stage] for stage in range(stages)]
     return tuple(statistics.mean(v) for v in per_stage) if stages > 1 and all(per_stage) else ()
-
-
-def _blocks_recorded(rank: RankTrace) -> int:
-    """The distinct blocks whose forward a rank recorded."""
-    return len({s.name for s in rank.spans if s.is_block()})
 
 
 def _params_on_rank(shape: ModelShape, layout: LayoutSpec, stage: int, blocks: float) -> float:

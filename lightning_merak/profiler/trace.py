@@ -114,6 +114,10 @@ class RankTrace:
     def step_spans(self) -> list[Span]:
         return sorted((s for s in self.spans if s.category == "step"), key=lambda s: s.start)
 
+    def block_names(self) -> set[str]:
+        """The model blocks whose forward this rank recorded (``block <index>``)."""
+        return {s.name for s in self.spans if s.is_block()}
+
 
 @dataclass
 class Trace:
@@ -133,6 +137,10 @@ class Trace:
         times = [s.start for r in shifted for s in r.spans] + [c.launch for r in shifted for c in r.comms]
         origin = min(times) if times else 0.0
         return Trace([r.shifted(-origin) for r in shifted], [0.0] * len(shifted), dict(self.meta))
+
+    def block_names(self) -> set[str]:
+        """The model blocks whose forward any rank recorded."""
+        return set().union(*(rank.block_names() for rank in self.ranks))
 
     def steps(self) -> list[int]:
         """The step numbers every rank recorded."""
