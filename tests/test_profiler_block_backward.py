@@ -16,10 +16,13 @@ from lightning_merak.profiler.refine import with_probed_backward
 from lightning_merak.profiler.synthesize import (
     BLOCK_BACKWARD_RATIO,
     ModelShape,
+    _rank_breakdown,
     calibrate,
     predict_layout,
 )
 from lightning_merak.profiler.trace import RankTrace, Span, Trace
+from lightning_merak.runtime.sub_batches import SubBatchForward
+from lightning_merak.runtime.turns import yield_turn
 from tests.test_profiler_calibration import DP2, PP2, SHAPE, TP2, _dp2_trace, _tp2_probe
 
 SLOW_BACKWARD_S = 0.2
@@ -174,3 +177,67 @@ def test_a_timed_backward_is_kept_over_the_probes() -> None:
     assert with_probed_backward(reduced_after, _BLOCK_CURVE, 4) is reduced_after
     with pytest.raises(ValueError, match="outside the curve's"):
         with_probed_backward(reduced_after, _BLOCK_CURVE, 8)
+
+
+class _TurnTakingBlock(nn.Module):
+    """A block that hands the turn to the other sub-batches halfway, as a tensor-parallel block does at its
+    collective."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.first(x))
+        yield_turn()
+        return self.second(hidden) + x
+
+
+class _SubBatchedNet(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_TurnTakingBlock(width) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_each_sub_batch_records_its_own_block_spans() -> None:
+    net = _SubBatchedNet()
+    net.forward = SubBatchForward(net, 2)
+    recorder = TraceRecorder(0)
+    recorder.install()
+    try:
+        step = recorder.begin_step(0)
+        net(torch.randn(4, 16, requires_grad=True)).sum().backward()
+        recorder.close_span(step)
+    finally:
+        spans = recorder.finish().spans
+    blocks = [s for s in spans if s.is_block()]
+    assert sorted((s.name, s.thread) for s in blocks) == [
+        ("block 0", "sub-batch 0"), ("block 0", "sub-batch 1"), ("block 1", "sub-batch 0"), ("block 1", "sub-batch 1")]
+    first, second = sorted((s for s in blocks if s.name == "block 0"), key=lambda s: s.start)
+    assert second.start < first.end  # the turns interleave the sub-batches' blocks
+    waits = [s for s in spans if s.category == "WAIT"]
+    assert {s.thread for s in waits} == {"sub-batch 0", "sub-batch 1"}
+    assert any(first.start < s.start and s.end <= first.end for s in waits if s.thread == first.thread)
+    backwards = [s for s in spans if s.is_block("BW")]  # each sub-batch's thread times its own
+    assert sorted((s.name, s.thread) for s in backwards) == [
+        ("block 0", "sub-batch 0"), ("block 0", "sub-batch 1"), ("block 1", "sub-batch 0"), ("block 1", "sub-batch 1")]
+
+
+def test_a_sub_batchs_block_excludes_its_waits_for_the_turn() -> None:
+    # two sub-batches take turns of 5 ms from 5 to 45 ms, each block in two turns: 40 ms of block work
+    def sub_batch(index: int, block: int, span: tuple[float, float], wait: tuple[float, float]) -> list[Span]:
+        thread = f"sub-batch {index}"
+        return [Span(f"block {block}", "FW", *span, 0, 2, thread), Span("turn", "WAIT", *wait, 0, 3, thread)]
+
+    spans = [Span("step 0", "step", 0.0, 0.100, 0), Span("training_step", "FW", 0.0, 0.050, 0, 1),
+             *sub_batch(0, 0, (0.005, 0.020), (0.010, 0.015)), *sub_batch(1, 0, (0.010, 0.030), (0.015, 0.025)),
+             *sub_batch(0, 1, (0.020, 0.040), (0.025, 0.035)), *sub_batch(1, 1, (0.030, 0.045), (0.035, 0.040)),
+             Span("backward", "BW", 0.050, 0.090, 0, 1)]
+    (totals,) = _rank_breakdown(Trace([RankTrace(0, spans)], [0.0]))
+    assert totals["block"] == pytest.approx(0.040)  # the spans' 70 ms less each thread's waits for its turn
+    assert totals["FW"] == pytest.approx(0.050)

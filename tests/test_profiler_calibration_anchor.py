@@ -20,12 +20,14 @@ from lightning_merak.profiler.trace import Span, Trace
 from tests.test_profiler_calibration import DP2, PP2, SHAPE, TP2, _dp2_trace, _pp2_trace
 
 
-def _stretched(trace: Trace, rank: int, names: tuple[str, ...], factor: float) -> Trace:
-    """``trace`` with ``rank``'s spans named in ``names`` (prefix match) lasting ``factor`` times longer."""
+def _stretched(trace: Trace, rank: int, names: tuple[str, ...], factor: float, from_zero: bool = False) -> Trace:
+    """``trace`` with ``rank``'s spans named in ``names`` (prefix match) lasting ``factor`` times longer (with
+    ``from_zero``, their start times scaled too, so that spans in a row stay in a row)."""
     ranks = []
     for each in trace.ranks:
         if each.rank == rank:
-            spans = [dataclasses.replace(s, end=s.start + (s.end - s.start) * factor)
+            spans = [dataclasses.replace(s, start=s.start * (factor if from_zero else 1.0),
+                                         end=s.start * (factor if from_zero else 1.0) + (s.end - s.start) * factor)
                      if s.name.startswith(names) else s for s in each.spans]
             each = dataclasses.replace(each, spans=spans)
         ranks.append(each)
@@ -34,7 +36,7 @@ def _stretched(trace: Trace, rank: int, names: tuple[str, ...], factor: float) -
 
 def test_a_step_is_priced_at_its_slowest_replica_not_their_mean() -> None:
     # rank 1's forward and blocks take 1.5x as long (its core shared): the step waits for it
-    slow = _stretched(_dp2_trace(), 1, ("block ", "training_step"), 1.5)
+    slow = _stretched(_dp2_trace(), 1, ("block ", "training_step"), 1.5, from_zero=True)
     costs = calibrate(slow, SHAPE, DP2)
     assert costs.block_forward_per_sample == pytest.approx(0.030 / (2 * 4))
     assert calibrate(_dp2_trace(), SHAPE, DP2).block_forward_per_sample == pytest.approx(0.020 / (2 * 4))

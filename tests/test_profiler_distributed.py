@@ -1,4 +1,5 @@
-"""MerakTraceProfiler on real gloo ranks: DDP and a merak3d pipeline record every op, and the replay matches."""
+"""MerakTraceProfiler on real gloo ranks: DDP, a merak3d pipeline and tensor parallelism with sub-batches record every
+op, and the replay matches."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_merak.config import ModelConfig, TrainerConfig
 from lightning_merak.models import CausalLMModule, build_causal_lm
 from lightning_merak.profiler import MerakTraceProfiler, Trace, WhatIf, replay_trace, summary_numbers
+from lightning_merak.profiler.synthesize import LayoutSpec, _rank_breakdown
 from lightning_merak.testing import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -32,6 +34,7 @@ def _train(rank: int, world_size: int, strategy_name: str, out: str) -> dict[str
     model.config.use_cache = False
     module = CausalLMModule(model, TrainerConfig(max_steps=STEPS))
     strategy = (DDPStrategy(process_group_backend="gloo") if strategy_name == "ddp"
+                else Merak3DStrategy(tensor_parallel=2, tp_overlap=2) if strategy_name == "merak3d_tp2_k2"
                 else Merak3DStrategy(pipeline_parallel=2, micro_batches=2))
     profiler = MerakTraceProfiler(dirpath=out, skip_steps=1, steps=3, untraced_steps=1)
     data = torch.randint(VOCAB, (STEPS * BATCH * world_size, SEQ), generator=torch.Generator().manual_seed(1))
@@ -42,7 +45,7 @@ def _train(rank: int, world_size: int, strategy_name: str, out: str) -> dict[str
     return {"summary": profiler.summary(), "paths": {k: str(v) for k, v in profiler.paths.items()}}
 
 
-@pytest.mark.parametrize("strategy_name", ["ddp", "merak3d_pp2"])
+@pytest.mark.parametrize("strategy_name", ["ddp", "merak3d_pp2", "merak3d_tp2_k2"])
 def test_profiler_records_and_replays(tmp_path: Path, strategy_name: str) -> None:
     results = run_distributed(_train, 2, args=(strategy_name, str(tmp_path)), timeout_s=120)
     assert "replayed" in results[0]["summary"]
@@ -55,8 +58,20 @@ def test_profiler_records_and_replays(tmp_path: Path, strategy_name: str) -> Non
     ops = {c.op for r in trace.ranks for c in r.comms}
     if strategy_name == "ddp":
         assert "ddp_all_reduce" in ops
-    else:
+    elif strategy_name == "merak3d_pp2":
         assert {"isend", "irecv"} <= ops
+    else:
+        # each sub-batch times its own blocks, forward and backward, and its waits for the turn
+        for rank in trace.ranks:
+            for category in ("FW", "BW"):
+                threads = {(s.step, s.name, s.thread) for s in rank.spans if s.is_block(category)}
+                assert threads == {(step, f"block {b}", f"sub-batch {i}") for step in (0, 1, 2) for b in (0, 1)
+                                   for i in (0, 1)}
+            assert {s.thread for s in rank.spans if s.category == "WAIT"} == {"sub-batch 0", "sub-batch 1"}
+        for totals in _rank_breakdown(trace, LayoutSpec(1, 1, 2, 1, BATCH, overlap=2)):
+            assert 0.0 < totals["block"] < totals["FW"]  # the sub-batches' blocks, less their waits for the turn
+            assert 0.0 < totals["block BW"] < totals["BW"]
+            assert totals["block FW timed"] == pytest.approx(totals["block"])
     assert any(s.name.startswith("block") for r in trace.ranks for s in r.spans)
     assert Path(results[0]["paths"]["perfetto"]).stat().st_size > 0
     # replaying the unmodified trace reproduces the traced steps (dPRO's validation rule: within 5%)

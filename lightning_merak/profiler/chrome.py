@@ -39,7 +39,7 @@ def chrome_trace(trace: Trace) -> dict[str, Any]:
         events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"rank {pid}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
         for span in sorted(rank.spans, key=lambda s: (s.start, s.depth)):
-            events.append({"ph": "X", "name": span.name, "cat": span.category, "pid": pid, "tid": "main",
+            events.append({"ph": "X", "name": span.name, "cat": span.category, "pid": pid, "tid": span.thread,
                            "ts": _us(span.start), "dur": _us(span.end - span.start), "args": {"step": span.step}})
         for record in rank.comms:
             lane = _lane(record)

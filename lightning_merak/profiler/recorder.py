@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_merak.profiler.trace import CommRecord, RankTrace, Span, assign_depths
-from lightning_merak.runtime.turns import in_sub_batch_region
+from lightning_merak.runtime.turns import in_sub_batch_region, sub_batch_index, watch_turn_waits
 
 __all__ = ["TraceRecorder", "active_recorder", "traced_allreduce_hook"]
 
@@ -85,13 +85,15 @@ class TraceRecorder:
         self._restore: list[Callable[[], None]] = []
         self._handles: list[Any] = []
         self._root_found = False
-        self._open_backward: Optional[Span] = None
+        self._open_backward: dict[int, Span] = {}
+        self._open_blocks: dict[tuple[int, int], Span] = {}
 
     # Spans ---------------------------------------------------------------------------------------
 
     def open_span(self, name: str, category: str) -> Span:
         """A span starting now; it is recorded once closed (nesting depths are set by :meth:`finish`)."""
-        return Span(name, category, time.perf_counter(), float("nan"), self.step)
+        thread = f"sub-batch {sub_batch_index()}" if in_sub_batch_region() else "main"
+        return Span(name, category, time.perf_counter(), float("nan"), self.step, thread=thread)
 
     def close_span(self, span: Span) -> None:
         span.end = time.perf_counter()
@@ -114,7 +116,7 @@ class TraceRecorder:
 
     def begin_step(self, step: int) -> Span:
         self.step = step
-        self._open_backward = None
+        self._open_backward = {}
         return self.open_span(f"step {step}", "step")
 
     # Communication -------------------------------------------------------------------------------
@@ -206,6 +208,7 @@ class TraceRecorder:
         self._wrap_pipeline_stages()
         if self._block_spans:
             self._handles.append(nn.modules.module.register_module_forward_pre_hook(self._find_root))
+            self._restore.append(watch_turn_waits(self._turn_waited))
 
     def uninstall(self) -> None:
         """Stop recording and put every wrapped function back."""
@@ -217,6 +220,12 @@ class TraceRecorder:
         self._restore, self._handles = [], []
         if _active is self:
             _active = None
+
+    def _turn_waited(self, sub_batch: int, start: float, end: float) -> None:
+        """A sub-batch's wait for its turn, as a WAIT span on its thread: the blocks it sits in exclude it."""
+        if _active is self:
+            with self._lock:
+                self.trace.spans.append(Span("turn", "WAIT", start, end, self.step, thread=f"sub-batch {sub_batch}"))
 
     def _wrap_pipeline_stages(self) -> None:
         try:
@@ -263,11 +272,13 @@ class TraceRecorder:
         blocks = max(lists, key=len)
         for index, block in enumerate(blocks):
             self._handles.append(block.register_forward_pre_hook(
-                lambda m, a, index=index: setattr(m, "_merak_trace_span", self.open_span(f"block {index}", "FW"))))
+                lambda m, a, index=index: self._open_blocks.__setitem__((id(m), threading.get_ident()),
+                                                                       self.open_span(f"block {index}", "FW"))))
             self._handles.append(block.register_forward_hook(self._close_block, always_call=True))
 
     def _close_block(self, module: nn.Module, args: Any, output: Any) -> None:
-        span = module.__dict__.pop("_merak_trace_span", None)
+        # per thread: tp_overlap's sub-batches each run the block on a thread of their own, turn by turn
+        span = self._open_blocks.pop((id(module), threading.get_ident()), None)
         if span is not None and _active is self:
             self.close_span(span)
             self._watch_block_backward(span.name, args, output)
@@ -276,11 +287,12 @@ class TraceRecorder:
         """Time this block call's backward: from its output's gradient (the backward reaches the block) to its
         input's, or to the next block's start (the block before it in the forward), whichever comes first.
 
-        Calls whose input or output needs no gradient (a frozen embedding before the first block), sub-batches
-        (their backwards interleave) and forwards without gradients are not timed. A recomputation's forward
-        (activation checkpointing) falls inside the backward span it serves.
+        Calls whose input or output needs no gradient (a frozen embedding before the first block) and forwards
+        without gradients are not timed. A recomputation's forward (activation checkpointing) falls inside the
+        backward span it serves. ``tp_overlap``'s sub-batches run their backwards on their own threads, turn by
+        turn: each thread's blocks are timed apart (their waits for the turn are WAIT spans of that thread).
         """
-        if not torch.is_grad_enabled() or in_sub_batch_region():
+        if not torch.is_grad_enabled():
             return
         first_input = args[0] if args and isinstance(args[0], torch.Tensor) else None
         first_output = next((t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)), None)
@@ -293,19 +305,20 @@ class TraceRecorder:
             nonlocal opened
             if _active is self:
                 self._end_block_backward()
-                opened = self._open_backward = self.open_span(name, "BW")
+                opened = self._open_backward[threading.get_ident()] = self.open_span(name, "BW")
 
         def end(grad: torch.Tensor) -> None:
-            if _active is self and opened is not None and self._open_backward is opened:
+            if _active is self and opened is not None and self._open_backward.get(threading.get_ident()) is opened:
                 self._end_block_backward()
 
         first_output.register_hook(start)
         first_input.register_hook(end)
 
     def _end_block_backward(self) -> None:
-        if self._open_backward is not None:
-            self.close_span(self._open_backward)
-            self._open_backward = None
+        """Close the calling thread's open block backward, if any."""
+        span = self._open_backward.pop(threading.get_ident(), None)
+        if span is not None:
+            self.close_span(span)
 
 
 def traced_allreduce_hook(process_group: Optional[dist.ProcessGroup], bucket: Any) -> torch.futures.Future:

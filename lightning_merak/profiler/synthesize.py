@@ -20,7 +20,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_merak.profiler.block_timing import covering, timed_block_backward
+from lightning_merak.profiler.block_timing import covering, merged_intervals, timed_block_backward
 from lightning_merak.profiler.call_curve import CallCurve
 from lightning_merak.profiler.replay import (
     CommOp,
@@ -233,9 +233,17 @@ def _rank_breakdown(trace: Trace, kept: Optional[LayoutSpec] = None) -> list[dic
         waits = [(w[0], w[1]) for w in main_thread_waits(rank.spans, records, True)
                  if not (kept and w[2] and all(group_kind(k, kept) == "tp" for k in w[2]))]
 
-        def busy(start: float, end: float) -> float:
-            waited = sum(max(0.0, min(end, b) - max(start, a)) for a, b in waits)
-            return end - start - waited
+        turn_waits: dict[str, list[tuple[float, float]]] = {}
+        for span in rank.spans:
+            if span.category == "WAIT":
+                turn_waits.setdefault(span.thread, []).append((span.start, span.end))
+
+        def busy(start: float, end: float, thread: str = "main") -> float:
+            """The seconds of (start, end) that ``thread`` computed: less the rank's communication waits and, on a
+            sub-batch's thread, its waits for its turn (another sub-batch computed then)."""
+            inside = [(max(start, a), min(end, b)) for a, b in waits + turn_waits.get(thread, [])
+                      if a < end and b > start]
+            return end - start - sum(b - a for a, b in merged_intervals(inside))
 
         totals = {"FW": 0.0, "BW": 0.0, "UPDATE": 0.0, "block": 0.0, "step": 0.0, "waits": 0.0, "gaps FW": 0.0,
                   "gaps BW": 0.0, "FW chunks": 0.0}
@@ -245,6 +253,8 @@ def _rank_breakdown(trace: Trace, kept: Optional[LayoutSpec] = None) -> list[dic
         chunked = any(s.name.startswith("stage ") for s in rank.spans)
         in_backward = covering(s for s in rank.spans if s.category == "BW")
         totals["block BW"], totals["block FW timed"] = timed_block_backward(rank.spans, busy, in_backward)
+        blocks = [s for s in rank.spans if s.is_block() and not in_backward(s.start, s.end)]  # recomputations: BW's
+        totals["block"] = sum(busy(b.start, b.end, b.thread) for b in blocks)
         for span in rank.spans:
             seconds = busy(span.start, span.end)
             if chunked and span.name.startswith("stage "):
@@ -252,21 +262,18 @@ def _rank_breakdown(trace: Trace, kept: Optional[LayoutSpec] = None) -> list[dic
             elif span.category in top and span.depth == top[span.category]:
                 if span.category == "UPDATE" or not chunked:
                     totals[span.category] += seconds
-            elif span.is_block() and not in_backward(span.start, span.end):
-                totals["block"] += seconds  # a recomputation's forward is its backward's work
             elif span.category == "step":
                 totals["step"] += span.end - span.start
                 totals["waits"] += span.end - span.start - seconds
         gaps: dict[str, list[float]] = {"FW": [], "BW": []}
         extras = []
         if chunked:
-            blocks = [s for s in rank.spans if s.is_block()]
             for step in aligned.steps():
                 chunks = sorted((s for s in rank.spans if s.step == step and s.name.startswith("stage ")),
                                 key=lambda s: s.start)
                 for before, after in zip(chunks, chunks[1:]):
                     gaps[before.category].append(busy(before.end, after.start))
-                extras += [busy(c.start, c.end) - sum(busy(b.start, b.end) for b in blocks
+                extras += [busy(c.start, c.end) - sum(busy(b.start, b.end, b.thread) for b in blocks
                                                       if c.start <= b.start and b.end <= c.end)
                            for c in chunks if c.category == "FW"]
             totals["gaps FW"], totals["gaps BW"], totals["FW chunks"] = len(gaps["FW"]), len(gaps["BW"]), len(extras)

@@ -23,7 +23,12 @@ __all__ = ["CommRecord", "RankTrace", "Span", "Trace", "assign_depths", "comm_ke
 
 @dataclass
 class Span:
-    """A range of a rank's main thread: ``category`` is step, FW, BW or UPDATE (blocks and stages are FW or BW)."""
+    """A range of a rank's work: ``category`` is step, FW, BW or UPDATE (blocks and stages are FW or BW), or WAIT.
+
+    ``thread`` is ``"main"``, or ``"sub-batch <i>"`` for a block that sub-batch ``i`` of a ``tp_overlap`` region ran
+    on its own thread, and for that thread's waits for its turn (WAIT spans named ``turn``): the sub-batches take
+    turns, so their blocks' spans overlap each other, and a block's own work is its span less its thread's waits.
+    """
 
     name: str
     category: str
@@ -31,6 +36,7 @@ class Span:
     end: float
     step: int
     depth: int = 0
+    thread: str = "main"
 
     def is_block(self, category: str = "FW") -> bool:
         """Whether this is a model block's forward (``FW``) or backward (``BW``) span, named ``block <index>``."""

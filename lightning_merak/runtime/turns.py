@@ -19,6 +19,7 @@ import contextlib
 import functools
 import queue
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
@@ -27,9 +28,19 @@ import torch
 
 from lightning_merak.runtime import random_state
 
-__all__ = ["caller_state", "in_sub_batch_region", "meet_in_turn", "run_in_turns", "sub_batch_index", "yield_turn"]
+__all__ = ["caller_state", "in_sub_batch_region", "meet_in_turn", "run_in_turns", "sub_batch_index",
+           "watch_turn_waits", "yield_turn"]
 
 _local = threading.local()
+_turn_wait_watchers: list[Callable[[int, float, float], None]] = []
+
+
+def watch_turn_waits(callback: Callable[[int, float, float], None]) -> Callable[[], None]:
+    """Call ``callback(sub_batch, start, end)`` (``time.perf_counter`` seconds), on the waiting thread, after every
+    wait of a sub-batch for its turn: while it waits another sub-batch computes, which a profiler must not count as
+    the waiting one's work. Returns the function that stops the calls."""
+    _turn_wait_watchers.append(callback)
+    return lambda: _turn_wait_watchers.remove(callback)
 
 
 class _RandomStreams:
@@ -95,7 +106,10 @@ class _TurnTaking:
                     return
 
     def wait_for_turn(self, index: int) -> None:
+        started = time.perf_counter()
         self._wake[index].acquire()
+        for watcher in tuple(_turn_wait_watchers):
+            watcher(index, started, time.perf_counter())
         if self._streams is not None:
             self._streams.resume(index)
 
