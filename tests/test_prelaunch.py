@@ -103,3 +103,21 @@ def _processes_running_in(run_dir) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def test_ranks_started_here_share_the_cores(monkeypatch):
+    import torch
+
+    from lightning_merak.runtime.prelaunch import share_cores
+
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "0")  # recorded, so the test's own setting is undone after it
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        share_cores(len(os.sched_getaffinity(0)) * 2)  # more ranks than cores: one thread each
+        assert os.environ["OMP_NUM_THREADS"] == "1" and torch.get_num_threads() == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        share_cores(2)  # the user's choice stands
+        assert os.environ["OMP_NUM_THREADS"] == "3" and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "GATE_VARIABLE", "PrelaunchedRanks", "free_loopback_port", "launched_externally", "prelaunch_local_ranks",
-    "wait_at_gate",
+    "share_cores", "wait_at_gate",
 ]
 
 GATE_VARIABLE = "MERAK_PRELAUNCH_GATE_FD"
@@ -140,6 +140,7 @@ def prelaunch_local_ranks(devices: int, num_nodes: int) -> PrelaunchedRanks | No
     os.environ.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                       MASTER_PORT=os.environ.get("MASTER_PORT", str(free_loopback_port())),
                       NODE_RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(devices))
+    share_cores(devices)
     processes, gates = [], []
     for local_rank in range(1, devices):
         read_end, write_end = os.pipe()
@@ -149,6 +150,23 @@ def prelaunch_local_ranks(devices: int, num_nodes: int) -> PrelaunchedRanks | No
         os.close(read_end)
         gates.append(write_end)
     return PrelaunchedRanks(processes, gates)
+
+
+def share_cores(ranks: int) -> None:
+    """Give each of this node's ``ranks`` its share of the cores for torch's threads, as Lightning's launcher
+    does in every rank it starts (it does not run for ranks started here): ``OMP_NUM_THREADS`` for the ranks about to
+    start, and this process's torch if it is already imported. A value the user set is kept.
+
+    Left at torch's default every rank runs a thread per core: on two cores two ranks ran four threads, and
+    the planner's profile for ``merak-train ... plan_only=true`` took 35-105 s instead of 22-25 s.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, len(os.sched_getaffinity(0)) // ranks)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(threads)
 
 
 def wait_at_gate() -> None:
