@@ -48,6 +48,10 @@ class CallCurve:
             raise ValueError("a call curve's times must be positive; time the calls again (a clock that did not move "
                              "means too few repetitions)")
 
+    def covers(self, samples: float) -> bool:
+        """Whether ``samples`` lies within the measured sizes (outside, the curve would be extrapolated)."""
+        return self.samples[0] <= samples <= self.samples[-1]
+
     def forward(self, samples: float) -> float:
         """Seconds of a forward call on ``samples`` samples."""
         return interpolate(self.samples, self.forward_s, samples)

@@ -25,7 +25,7 @@ def with_block_call_cost(costs: StepCosts, layout: LayoutSpec, fixed_s: float) -
     if fixed_s < 0:
         raise ValueError(f"a fixed cost per call cannot be negative, got {fixed_s}")
     samples = layout.samples / layout.micro_batches / layout.tp
-    call = costs.block_call_s + costs.block_forward_per_sample * samples
+    call = costs.traced_block_call(samples)
     return dataclasses.replace(costs, block_call_s=min(fixed_s, call),
                                block_forward_per_sample=max(call - fixed_s, 0.0) / samples)
 
@@ -40,7 +40,7 @@ def with_probed_backward(costs: StepCosts, block: CallCurve, samples: float) -> 
     (:func:`~lightning_merak.profiler.probe.probe_call_curves`, 1.4-1.5x on the replay benchmark's blocks).
     Raises where ``samples`` lies outside the curve's sizes.
     """
-    if not block.samples[0] <= samples <= block.samples[-1]:
+    if not block.covers(samples):
         raise ValueError(f"{samples:g} samples per call lie outside the curve's {block.samples}; probe sizes around it")
     if costs.backward_ratio_source != "flops":
         return costs
@@ -62,7 +62,7 @@ def with_call_curves(costs: StepCosts, layout: LayoutSpec, block: CallCurve, hea
     """
     reference = layout.samples / layout.micro_batches / layout.tp
     for curve in (block, head, prefix, loss):
-        if curve is not None and not curve.samples[0] <= reference <= curve.samples[-1]:
+        if curve is not None and not curve.covers(reference):
             raise ValueError(f"the traced calls hold {reference:g} samples, outside the curve's {curve.samples}; "
                              "probe sizes around the traced one")
     shaped = dataclasses.replace(costs, block_curve=block, head_curve=head, curve_reference_samples=reference,

@@ -166,8 +166,7 @@ class StepCosts:
         and other sizes follow the curve's shape; without, a fixed part plus a time per sample.
         """
         if self.block_curve is None:
-            call = self.block_call_s + self.block_forward_per_sample * samples
-            return call * (1.0 if forward else self.backward_ratio + recompute)
+            return self.traced_block_call(samples) * (1.0 if forward else self.backward_ratio + recompute)
         reference = self.curve_reference_samples
         traced = self.traced_block_call(reference)
         call = traced * self.block_curve.forward_scale(samples, reference)
@@ -348,7 +347,7 @@ def calibrate(trace: Trace, shape: ModelShape, layout: LayoutSpec, tp_comm_in_co
     return StepCosts(statistics.mean(block_fw) if block_fw else 0.0, statistics.mean(rest_fw) if rest_fw else 0.0,
                      block_ratio if per_block else whole, statistics.mean(update),
                      statistics.mean(host), fixed, bandwidth, tp_comm_in_compute=tp_comm_in_compute and layout.tp > 1,
-                     rest_backward_ratio=statistics.mean(rest_ratio) if block_fw and rest_ratio else None,
+                     rest_backward_ratio=statistics.mean(rest_ratio) if per_block else None,
                      stage_blocks=tuple(counted[s * layout.tp] for s in range(layout.pp)) if timed and layout.pp > 1
                      else (), chunk_forward_s=chunk_forward,
                      chunk_host_s=tuple(statistics.mean(g[0] for g in gaps[s]) for s in range(layout.pp))
