@@ -7,7 +7,8 @@ Run from the repo root (needs root for the network namespaces)::
 Two gloo ranks on tbf-shaped links train a small Llama under merak3d. Runs with
 ``MerakTraceProfiler`` record a few steps; the replay of a trace predicts its own steps
 (``replay_error``, target ≤ 5%), and what-ifs on it predict other runs that are then measured
-(target ≤ 10% each): (a) the link at 500 and 200 Mbit/s from a trace at 1 Gbit/s; (b) pp=2 and
+(target ≤ 10% each): (a) the link at 500 and 200 Mbit/s from a trace at 1 Gbit/s, its compute anchored on the
+run's untraced steps (:func:`~lightning_merak.profiler.replay.anchored`); (b) pp=2 and
 tp=2 from a trace of dp=2 (layout re-derived: :mod:`lightning_merak.profiler.synthesize`), pp=2 with its blocks'
 backward at the ratio the in-process call probe below measured (the dp trace's block backwards share the cores
 with the gradient reduction they overlap: :func:`~lightning_merak.profiler.refine.with_probed_backward`), tp=2
@@ -64,7 +65,7 @@ from lightning_merak.profiler import MerakTraceProfiler, Trace, WhatIf, chrome_t
 from lightning_merak.profiler.calibration import Probe, ReplayPredictor, calibrate_from_traces
 from lightning_merak.profiler.probe import ProbedCurves
 from lightning_merak.profiler.refine import with_probed_backward
-from lightning_merak.profiler.replay import measured_step_time
+from lightning_merak.profiler.replay import anchored, measured_step_time
 from lightning_merak.profiler.synthesize import (
     LayoutSpec,
     ModelShape,
@@ -421,10 +422,12 @@ def predict_repeat(measured: dict[float, dict[str, dict[str, Any]]], traces: dic
                          measured_step_time(traces[name]),
                          overhead=at_base[name]["traced_period_s"] / at_base[name]["period_s"] - 1.0))
     dp2 = traces["dp2"]
-    # The traced steps carry the profiler's overhead, measured runs do not: scale by the traced run's own ratio.
+    # The traced steps carry the profiler's overhead and a spell of the machine, measured runs do not: replays of
+    # the trace scale its compute to the run's untraced steps (anchored), layouts re-derived from it their step.
     correction = at_base["dp2"]["period_s"] / measured_step_time(dp2)
     for rate in mode.rates:
-        predicted = replay_trace(dp2, WhatIf(bandwidth_ratio=rate / BASE_RATE_MBIT)).step_time * correction
+        what_if = anchored(dp2, at_base["dp2"]["period_s"], WhatIf(bandwidth_ratio=rate / BASE_RATE_MBIT))
+        predicted = replay_trace(dp2, what_if).step_time
         rows.append(_row("what-if link", f"dp2 at {rate:g} Mbit from 1 Gbit", predicted,
                          measured[rate]["dp2"]["period_s"], **_contention(measured[rate]["dp2"])))
     costs_dp = calibrate(dp2, shape, jobs["dp2"].layout())
@@ -457,10 +460,9 @@ def predict_repeat(measured: dict[float, dict[str, dict[str, Any]]], traces: dic
                                            mode.micro_batch_counts, shape, curves, _row, PARTITIONED, split_of,
                                            lambda costs, name: replace(costs, stage_blocks=splits[name]))
     rows += micro_rows
-    rows.append(_row("what-if (not measured)", "dp2, overlap off", replay_trace(dp2, WhatIf(overlap=False)).step_time
-                     * correction, None))
-    rows.append(_row("what-if (not measured)", "dp2, full recompute",
-                     replay_trace(dp2, WhatIf(recompute_fraction=1.0)).step_time * correction, None))
+    for what, what_if in (("overlap off", WhatIf(overlap=False)), ("full recompute", WhatIf(recompute_fraction=1.0))):
+        rows.append(_row("what-if (not measured)", f"dp2, {what}",
+                         replay_trace(dp2, anchored(dp2, at_base["dp2"]["period_s"], what_if)).step_time, None))
     for dp, pp, tp, m in SIMULATED:
         layout = LayoutSpec(dp, pp, tp, m, WORKLOAD.global_batch)
         rows.append(_row("simulated", f"{layout.ranks} ranks: dp{dp} pp{pp} tp{tp} M{m}",

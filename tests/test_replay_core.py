@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_merak.profiler import Trace, WhatIf, chrome_trace, replay_trace
-from lightning_merak.profiler.replay import Task, TaskGraph, measured_step_time, replay
+from lightning_merak.profiler.replay import Task, TaskGraph, anchored, measured_step_time, replay
 from lightning_merak.profiler.summary import summary_numbers
 from lightning_merak.profiler.synthesize import LayoutSpec, ModelShape, StepCosts, predict_layout
 from lightning_merak.profiler.trace import CommRecord, RankTrace, Span, offset_from_round_trips
@@ -161,3 +161,25 @@ def test_the_loops_work_between_chunks_follows_every_chunk_but_the_last() -> Non
     # stage 1 runs F0 B0 F1 B1, each gap holding up stage 0's next chunk: three gaps in a row
     assert predict_layout(gaps, SHAPE, LayoutSpec(1, 2, 1, 2, 4)).step_time == pytest.approx(0.003)
     assert predict_layout(gaps, SHAPE, LayoutSpec(1, 1, 1, 2, 4)).step_time == pytest.approx(0.0)  # no pipeline
+
+
+def test_anchored_scales_compute_to_the_untraced_step_and_leaves_the_transfers() -> None:
+    trace = _two_ranks()
+    # the run's untraced steps took 40 ms where the traced one took 32: the replay of the anchored trace agrees
+    anchor = anchored(trace, 0.040)
+    factor = dict(anchor.compute_ratio)["FW"]
+    assert dict(anchor.compute_ratio) == {category: factor for category in ("FW", "BW", "UPDATE", "host")}
+    assert replay_trace(trace, anchor).step_time == pytest.approx(0.040, rel=1e-3)
+    # rank 1's 15 ms of compute sets the transfer's start: 15 * f + 15 ms transfer + rank 0's 2 ms tail * f = 40 ms
+    assert factor == pytest.approx(25 / 17, rel=1e-3)
+    # a slower link stretches the transfer alone: 15 ms more at half the rate, however compute was anchored
+    slower = anchored(trace, 0.040, WhatIf(bandwidth_ratio=0.5, compute_ratio=(("BW", 3.0),)))
+    assert dict(slower.compute_ratio)["BW"] == pytest.approx(3.0 * factor)
+    assert replay_trace(trace, slower).step_time == pytest.approx(0.040 + 0.015, rel=1e-3)
+
+
+def test_anchored_refuses_a_step_shorter_than_the_traced_communication() -> None:
+    with pytest.raises(ValueError, match="communication alone replays to 15.00 ms"):
+        anchored(_two_ranks(), 0.010)
+    with pytest.raises(ValueError, match="step_s must be positive"):
+        anchored(_two_ranks(), 0.0)

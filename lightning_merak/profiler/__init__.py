@@ -9,10 +9,10 @@ calls, :mod:`.calibration` calibrates the layout planner from traces.
 
 from lightning_merak.profiler.chrome import chrome_trace, replayed_chrome_trace, write_chrome_trace
 from lightning_merak.profiler.lightning_profiler import MerakTraceProfiler, estimate_clock_offsets
-from lightning_merak.profiler.replay import ReplayResult, WhatIf, graph_from_trace, replay, replay_trace
+from lightning_merak.profiler.replay import ReplayResult, WhatIf, anchored, graph_from_trace, replay, replay_trace
 from lightning_merak.profiler.summary import summarize, summary_numbers
 from lightning_merak.profiler.trace import CommRecord, RankTrace, Span, Trace
 
-__all__ = ["CommRecord", "MerakTraceProfiler", "RankTrace", "ReplayResult", "Span", "Trace", "WhatIf",
+__all__ = ["CommRecord", "MerakTraceProfiler", "RankTrace", "ReplayResult", "Span", "Trace", "WhatIf", "anchored",
            "chrome_trace", "estimate_clock_offsets", "graph_from_trace", "replay", "replay_trace",
            "replayed_chrome_trace", "summarize", "summary_numbers", "write_chrome_trace"]

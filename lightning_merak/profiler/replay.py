@@ -14,6 +14,7 @@ link bandwidth, compressed bytes, overlap off, compute ratios and recomputation.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -21,13 +22,15 @@ from typing import Any, Optional
 
 from lightning_merak.profiler.trace import CommRecord, RankTrace, Span, Trace, comm_key, wire_bytes
 
-__all__ = ["CommOp", "ReplayResult", "Task", "TaskGraph", "WhatIf", "build_graph", "comm_ops", "estimate_bandwidth",
-           "estimate_fixed_cost", "graph_from_trace", "main_thread_waits", "measured_step_time", "replay",
-           "replay_trace", "transfer_seconds"]
+__all__ = ["COMPUTE_CATEGORIES", "CommOp", "ReplayResult", "Task", "TaskGraph", "WhatIf", "anchored", "build_graph",
+           "comm_ops", "estimate_bandwidth", "estimate_fixed_cost", "graph_from_trace", "main_thread_waits",
+           "measured_step_time", "replay", "replay_trace", "transfer_seconds"]
 
 PRIORITY = {"FW": 0, "BW": 2, "UPDATE": 3, "comm": 100}
 """dPRO's ready-queue order among tasks ready at the same time."""
 _CATEGORIES = ("FW", "BW", "UPDATE")
+COMPUTE_CATEGORIES = ("FW", "BW", "UPDATE", "host")
+"""The main threads' work :attr:`WhatIf.compute_ratio` scales: everything but communication."""
 
 
 @dataclass
@@ -320,7 +323,7 @@ class _RankPlan:
 
 def _compute_scale(plan: _RankPlan, what_if: WhatIf) -> dict[str, float]:
     """Duration factor per category on one rank: ``compute_ratio``, and recomputation's extra backward."""
-    scale = {"FW": 1.0, "BW": 1.0, "UPDATE": 1.0, "host": 1.0, **dict(what_if.compute_ratio)}
+    scale = {**{category: 1.0 for category in COMPUTE_CATEGORIES}, **dict(what_if.compute_ratio)}
     if what_if.recompute_fraction:
         # A pipeline's training step holds its backward chunks too: there the chunks tell forward from backward.
         chunks = [s for s in plan.spans if s.name.startswith("stage ")]
@@ -448,6 +451,43 @@ def replay_trace(trace: Trace, what_if: WhatIf = WhatIf()) -> ReplayResult:
     """Build ``trace``'s graph under ``what_if`` and replay it; ``step_time`` is per recorded step."""
     graph, steps = graph_from_trace(trace, what_if)
     return replay(graph, steps)
+
+
+def anchored(trace: Trace, step_s: float, what_if: WhatIf = WhatIf(), tolerance: float = 1e-4) -> WhatIf:
+    """``what_if`` with its compute (:data:`COMPUTE_CATEGORIES`) also scaled by the factor under which the
+    unmodified replay of ``trace`` takes ``step_s`` per step (e.g. the run's untraced steps,
+    :func:`~lightning_merak.profiler.calibration.untraced_step_time`).
+
+    The few traced steps run slower or faster than the run's steady ones (the profiler's cost, a shared machine's
+    spells), and that difference is time on the CPU: multiplying the whole predicted step by the ratio instead also
+    stretches the communication, most of the step in a what-if on a slower link.
+    """
+    if step_s <= 0:
+        raise ValueError(f"step_s must be positive, got {step_s}")
+
+    def replayed(factor: float) -> float:
+        return replay_trace(trace, WhatIf(compute_ratio=tuple((c, factor) for c in COMPUTE_CATEGORIES))).step_time
+
+    communication_only = replayed(0.0)
+    if step_s < communication_only * (1.0 - tolerance):
+        raise ValueError(f"the trace's communication alone replays to {1e3 * communication_only:.2f} ms per step, "
+                         f"more than step_s={1e3 * step_s:.2f} ms: no compute scale reaches it; anchor on a step "
+                         "time of the traced run itself")
+    low, high = 0.0, 1.0
+    while replayed(high) < step_s:
+        low, high = high, 2.0 * high
+        if high > 1e6:
+            raise ValueError(f"the replay does not reach step_s={step_s} s at any compute scale; is the trace empty?")
+    factor = high
+    for _ in range(100):
+        error = replayed(factor) - step_s
+        if abs(error) <= tolerance * step_s:
+            break
+        low, high = (factor, high) if error < 0 else (low, factor)
+        factor = 0.5 * (low + high)
+    ratios = dict(what_if.compute_ratio)
+    scaled = {c: factor * ratios.pop(c, 1.0) for c in COMPUTE_CATEGORIES}
+    return dataclasses.replace(what_if, compute_ratio=tuple({**ratios, **scaled}.items()))
 
 
 def measured_step_time(trace: Trace) -> float:
