@@ -7,7 +7,9 @@ Run from the repo root (needs root for the network namespaces)::
 Two gloo ranks on tbf-shaped links train a small Llama under merak3d. Runs with
 ``MerakTraceProfiler`` record a few steps; the replay of a trace predicts its own steps
 (``replay_error``, target ≤ 5%), and what-ifs on it predict other runs that are then measured
-(target ≤ 10% each): (a) the link at 500 and 200 Mbit/s from a trace at 1 Gbit/s, its compute anchored on the
+(target ≤ 10% each): (a) the link at 500 and 200 Mbit/s from a trace at 1 Gbit/s, each transfer's bytes at the
+traced link's TCP payload rate scaled (:func:`~lightning_merak.profiler.replay.link_payload_bytes_per_s`: tbf's
+burst after an idle spell lets a trace's transfers beat their bytes at the rate) and the compute anchored on the
 run's untraced steps (:func:`~lightning_merak.profiler.replay.anchored`); (b) pp=2 and
 tp=2 from a trace of dp=2 (layout re-derived: :mod:`lightning_merak.profiler.synthesize`), pp=2 with its blocks'
 backward at the ratio the in-process call probe below measured (the dp trace's block backwards share the cores
@@ -65,7 +67,7 @@ from lightning_merak.profiler import MerakTraceProfiler, Trace, WhatIf, chrome_t
 from lightning_merak.profiler.calibration import Probe, ReplayPredictor, calibrate_from_traces
 from lightning_merak.profiler.probe import ProbedCurves
 from lightning_merak.profiler.refine import with_probed_backward
-from lightning_merak.profiler.replay import anchored, measured_step_time
+from lightning_merak.profiler.replay import anchored, link_payload_bytes_per_s, measured_step_time
 from lightning_merak.profiler.synthesize import (
     LayoutSpec,
     ModelShape,
@@ -426,7 +428,8 @@ def predict_repeat(measured: dict[float, dict[str, dict[str, Any]]], traces: dic
     # the trace scale its compute to the run's untraced steps (anchored), layouts re-derived from it their step.
     correction = at_base["dp2"]["period_s"] / measured_step_time(dp2)
     for rate in mode.rates:
-        what_if = anchored(dp2, at_base["dp2"]["period_s"], WhatIf(bandwidth_ratio=rate / BASE_RATE_MBIT))
+        what_if = anchored(dp2, at_base["dp2"]["period_s"], WhatIf(
+            bandwidth_ratio=rate / BASE_RATE_MBIT, link_bytes_per_s=link_payload_bytes_per_s(BASE_RATE_MBIT * 1e6)))
         predicted = replay_trace(dp2, what_if).step_time
         rows.append(_row("what-if link", f"dp2 at {rate:g} Mbit from 1 Gbit", predicted,
                          measured[rate]["dp2"]["period_s"], **_contention(measured[rate]["dp2"])))

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from lightning_merak.profiler import Trace, WhatIf, chrome_trace, replay_trace
-from lightning_merak.profiler.replay import Task, TaskGraph, anchored, measured_step_time, replay
+from lightning_merak.profiler.replay import (
+    Task,
+    TaskGraph,
+    anchored,
+    link_payload_bytes_per_s,
+    measured_step_time,
+    replay,
+)
 from lightning_merak.profiler.summary import summary_numbers
 from lightning_merak.profiler.synthesize import LayoutSpec, ModelShape, StepCosts, predict_layout
 from lightning_merak.profiler.trace import CommRecord, RankTrace, Span, offset_from_round_trips
@@ -183,3 +190,19 @@ def test_anchored_refuses_a_step_shorter_than_the_traced_communication() -> None
         anchored(_two_ranks(), 0.010)
     with pytest.raises(ValueError, match="step_s must be positive"):
         anchored(_two_ranks(), 0.0)
+
+
+def test_a_known_link_rate_scales_the_bytes_and_keeps_what_the_transfer_took_short_of_them() -> None:
+    # the 1 MB transfer took 15 ms where its bytes need 20 ms at 50 MB/s (a shaper's burst): the 5 ms it saved stay
+    # saved at half the rate, 40 ms of bytes less 5 ms
+    result = replay_trace(_two_ranks(), WhatIf(bandwidth_ratio=0.5, link_bytes_per_s=50 * MB))
+    assert result.step_time == pytest.approx(0.032 + 0.020)
+    with pytest.raises(ValueError, match="link_bytes_per_s must be positive"):
+        WhatIf(link_bytes_per_s=0.0)
+
+
+def test_link_payload_rate_counts_tcp_and_frame_headers() -> None:
+    assert link_payload_bytes_per_s(1e9) == pytest.approx(125e6 * 1448 / 1514)
+    assert link_payload_bytes_per_s(8e6, mtu=9000, frame_overhead=38) == pytest.approx(1e6 * 8948 / 9038)
+    with pytest.raises(ValueError, match="mtu must exceed"):
+        link_payload_bytes_per_s(1e9, mtu=40)

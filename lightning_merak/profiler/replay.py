@@ -23,8 +23,8 @@ from typing import Any, Optional
 from lightning_merak.profiler.trace import CommRecord, RankTrace, Span, Trace, comm_key, wire_bytes
 
 __all__ = ["COMPUTE_CATEGORIES", "CommOp", "ReplayResult", "Task", "TaskGraph", "WhatIf", "anchored", "build_graph",
-           "comm_ops", "estimate_bandwidth", "estimate_fixed_cost", "graph_from_trace", "main_thread_waits",
-           "measured_step_time", "replay", "replay_trace", "transfer_seconds"]
+           "comm_ops", "estimate_bandwidth", "estimate_fixed_cost", "graph_from_trace", "link_payload_bytes_per_s",
+           "main_thread_waits", "measured_step_time", "replay", "replay_trace", "transfer_seconds"]
 
 PRIORITY = {"FW": 0, "BW": 2, "UPDATE": 3, "comm": 100}
 """dPRO's ready-queue order among tasks ready at the same time."""
@@ -154,8 +154,11 @@ class WhatIf:
     ``bandwidth_ratio``: new link bandwidth / traced one. What scales is each transfer's time
     beyond the fixed cost of an op (the median transfer of ops under 4 KiB): on the emulated links
     gloo's transfers take longer than their bytes at the link rate (its transport serialises the
-    two directions), so the measured time, not the bytes, is what the link bounds. Where
-    ``link_bytes_per_s`` is given, only ``wire bytes / link_bytes_per_s`` of a transfer scales instead.
+    two directions), so the measured time, not the bytes, is what the link bounds. Where the traced
+    link's payload rate is known, ``link_bytes_per_s`` (:func:`link_payload_bytes_per_s`), a transfer's
+    ``wire bytes / link_bytes_per_s`` scales instead, and what it took beyond that (fixed costs) or short of it
+    stays: a rate shaper (a token bucket, as tc's tbf or a cloud NIC's limiter) lets a burst through at once after
+    an idle spell, which saves the same time at any rate, so a trace's transfers can beat their bytes at the rate.
     ``comm_bytes_ratio``: bytes sent per op name / traced (compression). ``overlap=False``:
     every asynchronous collective is waited for right after its launch (receives posted early stay as
     they were: waiting at once would deadlock the pipeline). ``compute_ratio``: duration
@@ -173,6 +176,26 @@ class WhatIf:
     def __post_init__(self) -> None:
         if self.bandwidth_ratio <= 0:
             raise ValueError(f"bandwidth_ratio must be positive, got {self.bandwidth_ratio}")
+        if self.link_bytes_per_s is not None and self.link_bytes_per_s <= 0:
+            raise ValueError(f"link_bytes_per_s must be positive (or None: scale the traced transfers), "
+                             f"got {self.link_bytes_per_s}")
+
+
+TCP_IP_HEADER_BYTES = 52
+"""IPv4 (20) and TCP (20, and 12 of the timestamp option) header bytes in every packet."""
+
+
+def link_payload_bytes_per_s(line_bits_per_s: float, mtu: int = 1500, frame_overhead: int = 14) -> float:
+    """The bytes per second TCP carries over a link of ``line_bits_per_s``: each ``mtu``-byte IP packet holds
+    ``mtu - 52`` bytes of payload (IPv4 and TCP headers with timestamps, Linux's default) and takes
+    ``mtu + frame_overhead`` bytes of the rate (14, the Ethernet header, as a shaper such as tc's tbf counts frames;
+    38 on a physical Ethernet wire, with preamble, gap and checksum)."""
+    if line_bits_per_s <= 0:
+        raise ValueError(f"line_bits_per_s must be positive, got {line_bits_per_s}")
+    if mtu <= TCP_IP_HEADER_BYTES or frame_overhead < 0:
+        raise ValueError(f"mtu must exceed the {TCP_IP_HEADER_BYTES} header bytes and frame_overhead be >= 0, "
+                         f"got mtu={mtu}, frame_overhead={frame_overhead}")
+    return line_bits_per_s / 8 * (mtu - TCP_IP_HEADER_BYTES) / (mtu + frame_overhead)
 
 
 SMALL_OP_BYTES = 4096
@@ -390,7 +413,7 @@ def _comm_task(graph: TaskGraph, op: CommOp, deps: list[int], fixed_s: float, wh
     """The op's transfer, its link-bound share scaled by the what-if bandwidth and compression (:class:`WhatIf`)."""
     ratio = dict(what_if.comm_bytes_ratio).get(op.op, 1.0)
     if what_if.link_bytes_per_s:
-        on_wire = min(op.duration, op.wire / what_if.link_bytes_per_s)
+        on_wire = op.wire / what_if.link_bytes_per_s
     else:
         on_wire = max(op.duration - fixed_s, 0.0) if op.wire >= SMALL_OP_BYTES else 0.0
     duration = op.duration - on_wire + on_wire * ratio / what_if.bandwidth_ratio
