@@ -32,6 +32,8 @@ row's predicted and measured figures are the medians over repeats of each repeat
 ratio; the rows also keep every repeat's figures, their spread, and the first repeat's error (the single
 run the benchmark used to report). Every step also records how long each rank's main thread waited for a
 CPU (Linux schedstat), reported per run as ``cpu_wait_share``: contention, not our code, where it is high.
+The ranks keep freed memory in glibc's heap (:data:`KEPT_HEAP_ENV`; ``--default-heap`` runs them on glibc's
+defaults, whose trimming faults a dp2 rank's loss back in on most steps and a pipeline's hardly).
 ``--pin`` puts each rank (and the probe) on a core of its own; by default the scheduler places them: pinned, a
 rank cannot leave a core another process takes (see the findings). autopipe splits the blocks by timings taken at
 start-up, for the run's micro-batch size and count: the pipeline what-ifs price the split the driver derives the
@@ -81,6 +83,12 @@ from lightning_merak.testing.netem import EmulatedCluster, LinkSpec, emulation_a
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULT_MARKER = "REPLAY_RESULT "
 RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+KEPT_HEAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
+"""glibc keeps freed tensor storage in its heap (``--default-heap``: glibc's defaults). By default it trims the heap's
+top and maps large blocks afresh, and how often depends on the layout: a dp2 rank faulted ~4000 pages (16 MB) back
+in on most steps in its loss alone (8.5 ms against 2.4 without), the pipeline's ranks, on half the samples per call,
+hardly. An allocator accident of one layout that no replay of another can foresee (GPU tensors live in CUDA's
+caching allocator)."""
 RANK_TIMEOUT_S = 400.0
 WORKLOAD = Workload(hidden=128, layers=4, vocab=4096, seq=64, global_batch=8)
 """``global_batch`` is each data-parallel replica's batch (the samples a layout's replica trains per step)."""
@@ -219,15 +227,16 @@ def _parse(stdout: str) -> list[dict[str, Any]]:
     return json.loads(lines[-1][len(RESULT_MARKER):])
 
 
-def run_cluster(rate_mbit: float, jobs: Sequence[Job], out_dir: str, pin: bool = False
+def run_cluster(rate_mbit: float, jobs: Sequence[Job], out_dir: str, pin: bool = False, default_heap: bool = False
                 ) -> dict[str, dict[str, Any]]:
-    """Run ``jobs`` in one 2-rank emulated cluster (with ``pin``, each rank on a core of its own); per job: its
-    periods (:func:`summarize_run`), the stage boundaries its partitioner chose, the ranks' cores (None: unpinned)
-    and the trace on rank 0."""
+    """Run ``jobs`` in one 2-rank emulated cluster (with ``pin``, each rank on a core of its own; unless
+    ``default_heap``, on :data:`KEPT_HEAP_ENV`); per job: its periods (:func:`summarize_run`), the stage boundaries
+    its partitioner chose, the ranks' cores (None: unpinned) and the trace on rank 0."""
     argv = [sys.executable, "-m", "benchmarks.replay", "--rank", "--jobs", json.dumps([asdict(j) for j in jobs]),
             "--dir", out_dir, *(("--pin",) if pin else ())]
     with EmulatedCluster(2, LinkSpec(rate_mbit=rate_mbit)) as cluster:
-        results = [_parse(r.stdout) for r in cluster.run(argv, timeout_s=RANK_TIMEOUT_S, extra_env=RANK_ENV,
+        env = RANK_ENV if default_heap else {**RANK_ENV, **KEPT_HEAP_ENV}
+        results = [_parse(r.stdout) for r in cluster.run(argv, timeout_s=RANK_TIMEOUT_S, extra_env=env,
                                                            cwd=REPO_ROOT)]
     out = {}
     for index, job in enumerate(jobs):
@@ -314,7 +323,8 @@ def _row(kind: str, what: str, predicted: float, measured: Optional[float], **ex
 
 def merge_rows(repeats: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
     """The rows over repeats (each a list of :func:`_row`'s, in the same order): predicted and measured ms are the
-    medians of the repeats' own, ``error`` their ratio less one; every repeat's figures, the measured spread
+    medians of the repeats' own, ``error`` their ratio less one; ``error_paired`` the median of each repeat's own
+    error (its prediction from traces taken next to the run it predicts); every repeat's figures, the measured spread
     ((max - min) / median) and ``error_first_repeat`` (one run alone: what a single run reports) stay beside."""
     if not repeats or any(len(rows) != len(repeats[0]) for rows in repeats):
         raise ValueError("every repeat needs the same rows")
@@ -338,6 +348,7 @@ def merge_rows(repeats: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, An
             row["error"] = statistics.median(predicted) / median - 1.0
             row["error_first_repeat"] = predicted[0] / measured[0] - 1.0
             row["errors_by_repeat"] = [p / m - 1.0 for p, m in zip(predicted, measured)]
+            row["error_paired"] = statistics.median(row["errors_by_repeat"])
             row["measured_ms_by_repeat"] = [round(1e3 * m, 2) for m in measured]
             row["predicted_ms_by_repeat"] = [round(1e3 * p, 2) for p in predicted]
             row["measured_spread"] = (max(measured) - min(measured)) / median
@@ -382,8 +393,8 @@ def jobs_by_name(mode: Mode) -> dict[str, Job]:
     return {job.name: job for job in jobs}
 
 
-def measure_repeat(mode: Mode, repeat: int, out_dir: str, started: float, pin: bool = False
-                   ) -> dict[float, dict[str, dict[str, Any]]]:
+def measure_repeat(mode: Mode, repeat: int, out_dir: str, started: float, pin: bool = False,
+                   default_heap: bool = False) -> dict[float, dict[str, dict[str, Any]]]:
     """One repeat of every cluster; each measured run next to its traced counterpart, and the order of the
     jobs and of the link rates reversed every other repeat (a drifting machine then favours no run)."""
     base = list(jobs_by_name(mode).values())
@@ -391,7 +402,7 @@ def measure_repeat(mode: Mode, repeat: int, out_dir: str, started: float, pin: b
     measured = {}
     for rate, jobs in clusters[::-1] if repeat % 2 else clusters:
         load = os.getloadavg()[0]
-        runs = run_cluster(rate, jobs[::-1] if repeat % 2 else jobs, out_dir, pin)
+        runs = run_cluster(rate, jobs[::-1] if repeat % 2 else jobs, out_dir, pin, default_heap)
         for run in runs.values():
             run["load_1m_before"] = load
         measured[rate] = runs
@@ -494,6 +505,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--pin", action="store_true",
                         help="pin each rank, and the probe, to a core of its own (default: the scheduler places "
                              "them; pinned ranks cannot leave a core another process takes)")
+    parser.add_argument("--default-heap", action="store_true",
+                        help="run the ranks on glibc's default heap, which trims and faults large blocks back in "
+                             "(default: kept, KEPT_HEAP_ENV)")
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--jobs", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
@@ -520,7 +534,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             curves = probe_curves(WORKLOAD.model_config(), WORKLOAD.vocab, WORKLOAD.seq,
                                   probe_sizes(WORKLOAD.global_batch, mode.micro_batch_counts), pin=args.pin)
             splits = expected_splits(mode)
-            measured = measure_repeat(mode, repeat, out_dir, started, pin=args.pin)
+            measured = measure_repeat(mode, repeat, out_dir, started, pin=args.pin, default_heap=args.default_heap)
             traces = {name: Trace.load(measured[BASE_RATE_MBIT][name]["trace"])
                       for name in ("dp2", "pp2_m2", "tp2_probe")}
         if args.traces:
@@ -546,15 +560,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         for r in rows], ["kind", "what", "predicted_ms", "measured_ms", "error", "by repeat", "spread"])
     print(f"replay error {100 * replay_error:.1f}% (target ≤ {100 * REPLAY_TARGET:.0f}%), what-if error max "
           f"{100 * whatif:.1f}% (target ≤ {100 * WHATIF_TARGET:.0f}%; without the probes "
-          f"{100 * without_probes:.1f}%; first repeat alone {100 * _error_max(rows, 'error_first_repeat'):.1f}%)")
+          f"{100 * without_probes:.1f}%; paired by repeat {100 * _error_max(rows, 'error_paired'):.1f}%; first repeat "
+          f"alone {100 * _error_max(rows, 'error_first_repeat'):.1f}%)")
     report.write_json(args.out, rows, "emulated", replay_error=replay_error, whatif_error_max=whatif,
                       whatif_error_max_without_probes=without_probes,
+                      whatif_error_max_paired=_error_max(rows, "error_paired"),
                       whatif_error_max_first_repeat=_error_max(rows, "error_first_repeat"),
                       statistic=f"medians over {mode.repeats} repeats (each run's period: median of its untraced "
-                                "steps after warm-up); error_first_repeat: the first repeat alone, as a single run "
-                                "reported before repeats",
+                                "steps after warm-up); error_paired: the median of each repeat's own error; "
+                                "error_first_repeat: the first repeat alone, as a single run reported before repeats",
                       repeats=mode.repeats, steps_per_run=mode.steps, probe_layers=PROBE_LAYERS,
-                      ranks_pinned=args.pin,
+                      ranks_pinned=args.pin, rank_heap="glibc defaults" if args.default_heap else KEPT_HEAP_ENV,
                       replay_target=REPLAY_TARGET, whatif_target=WHATIF_TARGET, workload=WORKLOAD.describe(),
                       mode="quick" if args.quick else "full", perfetto_example=example.name,
                       recording_overhead=overhead, runs=merge_runs(repeat_runs), calibrated_costs=repeat_costs[0],

@@ -335,7 +335,8 @@ def replay(data: dict[str, Any]) -> Table:
     overhead = data.get("recording_overhead", {})
     notes = [f"replay error {percent(data['replay_error'])} (goal ≤ {percent(data['replay_target'])}), what-if error "
              f"max {percent(data['whatif_error_max'])} (goal ≤ {percent(data['whatif_target'])}; without the "
-             f"probes {percent(data.get('whatif_error_max_without_probes'))})",
+             f"probes {percent(data.get('whatif_error_max_without_probes'))}; paired by repeat "
+             f"{percent(data.get('whatif_error_max_paired'))})",
              f"recording costs {overhead.get('overhead_per_op_us', float('nan')):.0f} µs per collective or "
              f"point-to-point op; Perfetto example: benchmarks/results/{data['perfetto_example']}",
              f"{data['workload']}; {data['note']}"]

@@ -62,6 +62,7 @@ def test_rows_merge_to_medians_and_keep_every_repeat_and_the_first_alone() -> No
     assert measured["error"] == pytest.approx(0.0)
     assert measured["error_first_repeat"] == pytest.approx(-0.5)
     assert measured["errors_by_repeat"] == pytest.approx([-0.5, 0.2, 0.0])
+    assert measured["error_paired"] == pytest.approx(0.0)  # the median of the repeats' own errors
     assert measured["measured_spread"] == pytest.approx(0.10 / 0.11)  # (max - min) / median
     assert measured["overhead"] == pytest.approx(0.2)
     assert simulated["predicted_ms"] == pytest.approx(2000.0) and simulated["measured_ms"] is None
@@ -176,3 +177,11 @@ def test_the_expected_split_is_autopipes_on_a_profile_of_the_ranks_model() -> No
     assert len(split) == 2 and sum(split) == 2
     with pytest.raises(ValueError, match="at least 2 stages"):
         expected_stage_blocks(TINY_LLAMA, 64, 8, micro_batch_samples=2, stages=1, micro_batches=4)
+
+
+def test_paired_error_is_the_median_of_each_repeats_own() -> None:
+    # a slow spell moves one repeat's prediction and measurement together: paired it cancels, medians do not
+    repeats = [[_row("what-if", "a", p, m)] for p, m in ((0.10, 0.10), (0.20, 0.20), (0.11, 0.10), (0.09, 0.10))]
+    (row,) = merge_rows(repeats)
+    assert row["error"] == pytest.approx(0.105 / 0.10 - 1.0)
+    assert row["error_paired"] == pytest.approx(0.0)
