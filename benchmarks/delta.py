@@ -75,6 +75,7 @@ import time
 from pathlib import Path
 from typing import Any, ContextManager
 
+from benchmarks._rank_heap import KEPT_HEAP_ENV
 from benchmarks.report import default_out, out_help
 
 CONFIGS = ("none", "checkpoint", "offload-all", "delta", "delta-paper-rule")
@@ -83,7 +84,7 @@ ALLOCATORS: dict[str, dict[str, str]] = {
     "glibc-default": {},
     # the heap serves every allocation under 32 MiB and is never trimmed automatically:
     # freed pages stay resident and are reused without page faults, as in a caching allocator
-    "glibc-no-trim": {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)},
+    "glibc-no-trim": KEPT_HEAP_ENV,
 }
 MIB = 2**20
 SWEEP_HIDDEN = (128, 256, 512)

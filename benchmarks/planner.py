@@ -44,13 +44,15 @@ run reported). Rows carry both predictions (``predicted_s``/``error``: the cost 
 ``replay_predicted_s``/``replay_error``: the replay), the summary both maxima and each predictor's pick and regret.
 
 Everything is measured on this machine; nothing is simulated except the predictions
-themselves. Other load on the machine skews both.
+themselves. Other load on the machine skews both. The ranks keep freed memory in glibc's heap
+(:mod:`benchmarks._rank_heap`; ``--default-heap`` for glibc's defaults).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import sys
 import tempfile
@@ -63,6 +65,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks._rank_heap import KEPT_HEAP_ENV
 from benchmarks._replay_partition import stage_blocks
 from benchmarks.merak3d import Workload, _quiet_lightning, _StepTimer
 from benchmarks.report import default_out, out_help, print_table, write_json
@@ -355,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and a smaller grid (under 3 minutes)")
     parser.add_argument("--out", type=Path, help=out_help("planner"))
+    parser.add_argument("--default-heap", action="store_true",
+                        help="run the ranks on glibc's default heap (default: kept, benchmarks._rank_heap)")
     parser.add_argument("--moe", action="store_true",
                         help="instead: merak_ep's predicted vs measured step at dp2 and pp2 x dp2 "
                              "(benchmarks/_planner_moe.py; default out planner_moe[.quick].json)")
@@ -365,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         return moe_main(args.quick, args.out)
     args.out = args.out or default_out("planner", args.quick)
     mode = QUICK if args.quick else FULL
+    if not args.default_heap:
+        os.environ.update(KEPT_HEAP_ENV)  # the ranks start with it (run_distributed passes the environment on)
     started = time.perf_counter()
     print(f"planner benchmark: {WORKLOAD.describe()} per replica, {WORLD_SIZE} gloo ranks "
           f"({'quick' if args.quick else 'full'}, {mode.rounds} round{'s' * (mode.rounds > 1)})", flush=True)
@@ -482,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
                            "own stage_blocks_rounds)",
                calibrations=calibrations, calibration_runs=calibration_runs, untraced_steps=UNTRACED_STEPS,
                probe_layers=PROBE_LAYERS, calibration_sides=list(SIDES),
-               rounds=mode.rounds,
+               rounds=mode.rounds, rank_heap="glibc defaults" if args.default_heap else KEPT_HEAP_ENV,
                workload=WORKLOAD.describe() + " per replica", world_size=WORLD_SIZE,
                mode="quick" if args.quick else "full", summary=summary, wall_s=time.perf_counter() - started)
     print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s)")

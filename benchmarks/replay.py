@@ -32,8 +32,8 @@ row's predicted and measured figures are the medians over repeats of each repeat
 ratio; the rows also keep every repeat's figures, their spread, and the first repeat's error (the single
 run the benchmark used to report). Every step also records how long each rank's main thread waited for a
 CPU (Linux schedstat), reported per run as ``cpu_wait_share``: contention, not our code, where it is high.
-The ranks keep freed memory in glibc's heap (:data:`KEPT_HEAP_ENV`; ``--default-heap`` runs them on glibc's
-defaults, whose trimming faults a dp2 rank's loss back in on most steps and a pipeline's hardly).
+The ranks keep freed memory in glibc's heap (:data:`benchmarks._rank_heap.KEPT_HEAP_ENV`; ``--default-heap`` runs
+them on glibc's defaults, whose trimming faults a dp2 rank's loss back in on most steps and a pipeline's hardly).
 ``--pin`` puts each rank (and the probe) on a core of its own; by default the scheduler places them: pinned, a
 rank cannot leave a core another process takes (see the findings). autopipe splits the blocks by timings taken at
 start-up, for the run's micro-batch size and count: the pipeline what-ifs price the split the driver derives the
@@ -60,6 +60,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks import report
+from benchmarks._rank_heap import KEPT_HEAP_ENV
 from benchmarks._replay_microbatch import GUESSED_KIND, LINE_KIND, microbatch_rows, probe_curves, probe_sizes
 from benchmarks._replay_partition import expected_stage_blocks, stage_blocks
 from benchmarks.merak3d import Workload, _quiet_lightning
@@ -83,12 +84,6 @@ from lightning_merak.testing.netem import EmulatedCluster, LinkSpec, emulation_a
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULT_MARKER = "REPLAY_RESULT "
 RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-KEPT_HEAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
-"""glibc keeps freed tensor storage in its heap (``--default-heap``: glibc's defaults). By default it trims the heap's
-top and maps large blocks afresh, and how often depends on the layout: a dp2 rank faulted ~4000 pages (16 MB) back
-in on most steps in its loss alone (8.5 ms against 2.4 without), the pipeline's ranks, on half the samples per call,
-hardly. An allocator accident of one layout that no replay of another can foresee (GPU tensors live in CUDA's
-caching allocator)."""
 RANK_TIMEOUT_S = 400.0
 WORKLOAD = Workload(hidden=128, layers=4, vocab=4096, seq=64, global_batch=8)
 """``global_batch`` is each data-parallel replica's batch (the samples a layout's replica trains per step)."""
@@ -230,8 +225,9 @@ def _parse(stdout: str) -> list[dict[str, Any]]:
 def run_cluster(rate_mbit: float, jobs: Sequence[Job], out_dir: str, pin: bool = False, default_heap: bool = False
                 ) -> dict[str, dict[str, Any]]:
     """Run ``jobs`` in one 2-rank emulated cluster (with ``pin``, each rank on a core of its own; unless
-    ``default_heap``, on :data:`KEPT_HEAP_ENV`); per job: its periods (:func:`summarize_run`), the stage boundaries
-    its partitioner chose, the ranks' cores (None: unpinned) and the trace on rank 0."""
+    ``default_heap``, on :data:`~benchmarks._rank_heap.KEPT_HEAP_ENV`); per job: its periods
+    (:func:`summarize_run`), the stage boundaries its partitioner chose, the ranks' cores (None: unpinned) and the
+    trace on rank 0."""
     argv = [sys.executable, "-m", "benchmarks.replay", "--rank", "--jobs", json.dumps([asdict(j) for j in jobs]),
             "--dir", out_dir, *(("--pin",) if pin else ())]
     with EmulatedCluster(2, LinkSpec(rate_mbit=rate_mbit)) as cluster:

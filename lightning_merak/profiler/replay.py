@@ -151,14 +151,13 @@ def replay(graph: TaskGraph, steps: int = 1) -> ReplayResult:
 class WhatIf:
     """Changes to a traced run, applied while its graph is built.
 
-    ``bandwidth_ratio``: new link bandwidth / traced one. What scales is each transfer's time
-    beyond the fixed cost of an op (the median transfer of ops under 4 KiB): on the emulated links
-    gloo's transfers take longer than their bytes at the link rate (its transport serialises the
-    two directions), so the measured time, not the bytes, is what the link bounds. Where the traced
-    link's payload rate is known, ``link_bytes_per_s`` (:func:`link_payload_bytes_per_s`), a transfer's
-    ``wire bytes / link_bytes_per_s`` scales instead, and what it took beyond that (fixed costs) or short of it
-    stays: a rate shaper (a token bucket, as tc's tbf or a cloud NIC's limiter) lets a burst through at once after
-    an idle spell, which saves the same time at any rate, so a trace's transfers can beat their bytes at the rate.
+    ``bandwidth_ratio``: new link bandwidth / traced one. What scales is each transfer's measured time
+    beyond the fixed cost of an op (the median transfer of ops under 4 KiB), which needs nothing but the
+    trace. Where the traced link's payload rate is known, ``link_bytes_per_s``
+    (:func:`link_payload_bytes_per_s`), a transfer's ``wire bytes / link_bytes_per_s`` scales instead, and what
+    it took beyond that (fixed costs) or short of it stays: a rate shaper (a token bucket, as tc's tbf or a cloud
+    NIC's limiter) lets a burst through at once after an idle spell, which saves the same time at any rate, so a
+    trace's transfers can beat their bytes at the rate.
     ``comm_bytes_ratio``: bytes sent per op name / traced (compression). ``overlap=False``:
     every asynchronous collective is waited for right after its launch (receives posted early stay as
     they were: waiting at once would deadlock the pipeline). ``compute_ratio``: duration
