@@ -496,17 +496,19 @@ def anchored(trace: Trace, step_s: float, what_if: WhatIf = WhatIf(), tolerance:
                          f"more than step_s={1e3 * step_s:.2f} ms: no compute scale reaches it; anchor on a step "
                          "time of the traced run itself")
     low, high = 0.0, 1.0
-    while replayed(high) < step_s:
+    error = replayed(high) - step_s
+    while error < 0:
         low, high = high, 2.0 * high
         if high > 1e6:
             raise ValueError(f"the replay does not reach step_s={step_s} s at any compute scale; is the trace empty?")
+        error = replayed(high) - step_s
     factor = high
     for _ in range(100):
-        error = replayed(factor) - step_s
         if abs(error) <= tolerance * step_s:
             break
         low, high = (factor, high) if error < 0 else (low, factor)
         factor = 0.5 * (low + high)
+        error = replayed(factor) - step_s
     ratios = dict(what_if.compute_ratio)
     scaled = {c: factor * ratios.pop(c, 1.0) for c in COMPUTE_CATEGORIES}
     return dataclasses.replace(what_if, compute_ratio=tuple({**ratios, **scaled}.items()))
