@@ -39,8 +39,8 @@ class _Steps(pl.Callback):
 
 
 def _fit(family: str, variant: str, size: dict[str, int], batches: torch.Tensor) -> _Steps:
-    from lightning_merak.config import TrainerConfig
-    from lightning_merak.models import CausalLMModule
+    from lightning_merak.modules.causal_lm import CausalLMModule
+    from lightning_merak.modules.config import TrainerConfig
     from lightning_merak.plugins.moe.experts import ExpertParallelCallback, tiny_moe_model
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 

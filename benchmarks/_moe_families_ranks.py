@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from lightning_merak.distributed.collectives import average_gradients
 from lightning_merak.plugins.moe.core.placement import PlacementPlan, Replication
 from lightning_merak.plugins.moe.experts import (
     enable_expert_parallel,
@@ -28,7 +29,6 @@ from lightning_merak.plugins.moe.experts import (
     set_replica_plans,
     tiny_moe_model,
 )
-from lightning_merak.runtime.collectives import average_gradients
 
 
 def _batch(rank: int, batch: int, seq: int, vocab: int) -> torch.Tensor:

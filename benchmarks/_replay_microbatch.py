@@ -3,13 +3,14 @@ curves, and the rows that predict other micro-batch counts from the traced pp2 M
 
 Three models are reported side by side. "probe curves": block and head calls of other sizes, the first stage's
 own work (embedding and the stage's exit, forward and backward) and the last stage's loss between chunks follow the
-curves the probe measured in the driver process (:func:`~lightning_merak.profiler.probe.probe_call_curves`), and the
+curves the probe measured in the driver process (:func:`~lightning_merak.planning.measure.probe.probe_call_curves`),
+and the
 step is the traced run's measured period times the re-derived step of M over that of M=2
-(:func:`~lightning_merak.profiler.synthesize.predict_from_traced`).
+(:func:`~lightning_merak.planning.replay.synthesize.predict_from_traced`).
 "chunk work guessed": the same without the prefix's and loss's curves, a chunk's fixed work priced at its traced
 forward, again at the blocks' ratio in backward, on every stage.
 "two-trace line": a block call's fixed time from the line through the dp2 and M=2 traces' median calls
-(:func:`~lightning_merak.profiler.calibration.block_call_cost`), the re-derived step scaled by the traced run's
+(:func:`~lightning_merak.planning.replay.calibration.block_call_cost`), the re-derived step scaled by the traced run's
 untraced over traced ratio.
 """
 
@@ -21,12 +22,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from lightning_merak.models import build_causal_lm
-from lightning_merak.profiler.calibration import block_call_cost
-from lightning_merak.profiler.probe import ProbedCurves, probe_call_curves
-from lightning_merak.profiler.refine import with_block_call_cost, with_call_curves
-from lightning_merak.profiler.replay import measured_step_time
-from lightning_merak.profiler.synthesize import (
+from lightning_merak.modules.causal_lm import build_causal_lm
+from lightning_merak.planning.measure.probe import ProbedCurves, probe_call_curves
+from lightning_merak.planning.replay.calibration import block_call_cost
+from lightning_merak.planning.replay.engine import measured_step_time
+from lightning_merak.planning.replay.refine import with_block_call_cost, with_call_curves
+from lightning_merak.planning.replay.synthesize import (
     LayoutSpec,
     ModelShape,
     StepCosts,
@@ -34,7 +35,7 @@ from lightning_merak.profiler.synthesize import (
     predict_from_traced,
     predict_layout,
 )
-from lightning_merak.profiler.trace import Trace
+from lightning_merak.planning.replay.trace import Trace
 from lightning_merak.testing.cores import pin_rank_to_core
 
 CURVE_MODEL = ("probe curves (blocks in a row, head, first stage's prefix, loss), backward from the traced chunks, "

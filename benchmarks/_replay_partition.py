@@ -1,7 +1,7 @@
 """The split of the blocks a pipelined run's partitioner will choose, derived before the run.
 
 merak3d's ``autopipe`` partitioner is deterministic given its costs: rank 0 profiles the model on one micro-batch at
-start-up (:func:`~lightning_merak.strategies.pipeline.trace.trace_model`) and refines the split against the 1F1B
+start-up (:func:`~lightning_merak.parallel.pipeline.trace.trace_model`) and refines the split against the 1F1B
 schedule of the run's micro-batch count, so the split moves with the micro-batch size and count (on a quiet machine
 the replay benchmark's model went to three blocks and one at 2 and 4 micro-batches, two and two at 8). A what-if for
 another layout therefore prices the split that profile gives, taken the same way in the driver, rather than the
@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from lightning_merak.models import build_causal_lm
+from lightning_merak.modules.causal_lm import build_causal_lm
+from lightning_merak.parallel.pipeline import partition_autopipe
+from lightning_merak.parallel.pipeline.trace import trace_model
 from lightning_merak.strategies.merak3d.build import call_model
-from lightning_merak.strategies.pipeline import partition_autopipe
-from lightning_merak.strategies.pipeline.trace import trace_model
 
 __all__ = ["expected_stage_blocks", "stage_blocks"]
 

@@ -23,9 +23,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from benchmarks.merak3d import FullyShardedLM
 from benchmarks.report import proc_status_mb, saved_activation_bytes
-from lightning_merak.config import TrainerConfig
-from lightning_merak.models import CausalLMModule
-from lightning_merak.runtime.host_memory import heap_stats
+from lightning_merak.distributed.host_memory import heap_stats
+from lightning_merak.modules.causal_lm import CausalLMModule
+from lightning_merak.modules.config import TrainerConfig
 
 MIB = 2**20
 RANK_TIMEOUT_S = 600.0

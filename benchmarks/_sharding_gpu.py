@@ -62,8 +62,8 @@ def train_rank(rank: int, world_size: int, strategy_name: str, precision: str, s
     """``steps`` steps of a seeded Llama under ``strategy_name`` at ``precision`` on this GPU."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from lightning_merak.config import TrainerConfig
-    from lightning_merak.models import CausalLMModule
+    from lightning_merak.modules.causal_lm import CausalLMModule
+    from lightning_merak.modules.config import TrainerConfig
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
     torch.use_deterministic_algorithms(True, warn_only=True)

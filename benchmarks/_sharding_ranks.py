@@ -39,8 +39,8 @@ from transformers import AutoModelForCausalLM
 from benchmarks._scale_ranks import Workload, _holdings, _quiet, _TokenData
 from benchmarks.merak3d import FullyShardedLM
 from benchmarks.report import proc_status_mb
-from lightning_merak.config import TrainerConfig
-from lightning_merak.models import CausalLMModule
+from lightning_merak.modules.causal_lm import CausalLMModule
+from lightning_merak.modules.config import TrainerConfig
 
 RANK_TIMEOUT_S = 300.0
 LOSS_METRIC = "train/loss"

@@ -5,7 +5,7 @@ Run from the repo root::
     python -m benchmarks.dynapipe [--quick] [--out PATH]
 
 Samples come from the generated language with lengths from the five-task mix of
-:data:`lightning_merak.micro_batching.TASK_MIX` (16 tokens to the context length, long-tailed). The same global
+:data:`lightning_merak.parallel.micro_batching.TASK_MIX` (16 tokens to the context length, long-tailed). The same global
 batches, in the same order, train a randomly initialised tiny Llama (eager attention, so packed documents
 get their block-diagonal mask) through ``pl.Trainer.fit`` with ``merak3d`` at pp=2 (2 ranks) and dp=2 × pp=2
 (4 ranks), once per mode:
@@ -38,20 +38,20 @@ import lightning.pytorch as pl
 import torch
 
 from benchmarks.report import default_out, out_help, print_table, write_json
-from lightning_merak.config import ModelConfig, TrainerConfig
-from lightning_merak.data import SyntheticLanguage
-from lightning_merak.micro_batching import CostModel, StepPlan, plan_packed
-from lightning_merak.micro_batching.plan import MicroBatch
-from lightning_merak.micro_batching.samples import (
+from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.modules.data import SyntheticLanguage
+from lightning_merak.parallel.micro_batching import CostModel, StepPlan, plan_packed
+from lightning_merak.parallel.micro_batching.plan import MicroBatch
+from lightning_merak.parallel.micro_batching.samples import (
     global_batch_loader,
     micro_batch_tensors,
     summed_token_loss,
     synthetic_samples,
 )
-from lightning_merak.models import CausalLMModule, build_causal_lm
+from lightning_merak.parallel.pipeline.simulate import ScheduledOp, SimulationResult
+from lightning_merak.parallel.pipeline.timeline import plot_timeline
 from lightning_merak.strategies.merak3d import Merak3DStrategy
-from lightning_merak.strategies.pipeline.simulate import ScheduledOp, SimulationResult
-from lightning_merak.strategies.pipeline.timeline import plot_timeline
 from lightning_merak.testing import run_distributed
 
 MODES = ("pad", "pack", "dynamic")
@@ -99,7 +99,7 @@ def fit_cost_model(context: int) -> tuple[CostModel, list[tuple[int, int, float]
 
 
 def _fake_batch(rows: int, length: int) -> Any:
-    from lightning_merak.micro_batching import VariableBatch
+    from lightning_merak.parallel.micro_batching import VariableBatch
 
     return VariableBatch.of([torch.randint(VOCAB, (length,)) for _ in range(rows)])
 
@@ -302,7 +302,7 @@ def main() -> None:
         speedup_vs_pack=speedups[headline]["vs_pack"], speedup_vs_pad=speedups[headline]["vs_pad"],
         loss_max_rel_diff=loss_diff, speedups_by_layout=speedups, headline_layout=headline,
         goals={"speedup_vs_pack": 1.3, "speedup_vs_pad": 2.0},
-        settings=settings, model=MODEL.config, task_mix="lightning_merak.micro_batching.TASK_MIX",
+        settings=settings, model=MODEL.config, task_mix="lightning_merak.parallel.micro_batching.TASK_MIX",
         cost_model={"per_token_s": cost.per_token, "per_token_squared_s": cost.per_token_squared,
                     "per_micro_batch_s": cost.overhead, "measurements": measurements},
         pictures=pictures, gpu_leg="not run by this script", wall_s=time.perf_counter() - started,

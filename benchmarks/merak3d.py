@@ -57,12 +57,12 @@ from benchmarks.report import (
     saved_activation_bytes,
     write_json,
 )
-from lightning_merak.config import ModelConfig, TrainerConfig
-from lightning_merak.models import CausalLMModule, build_causal_lm
-from lightning_merak.strategies import pipeline
+from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.parallel import pipeline
+from lightning_merak.parallel.pipeline.stage import RankStages
+from lightning_merak.parallel.pipeline.trace import trace_model
 from lightning_merak.strategies.merak3d import Merak3DStrategy
-from lightning_merak.strategies.pipeline.stage import RankStages
-from lightning_merak.strategies.pipeline.trace import trace_model
 from lightning_merak.testing import run_distributed
 from lightning_merak.testing.distributed import DistributedRunError
 

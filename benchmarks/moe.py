@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out = args.out or default_out("moe", args.quick)
 
     from benchmarks.report import write_json
-    from lightning_merak.plugins.moe.callback import plot_load_heatmap
+    from lightning_merak.callbacks.moe.placement import plot_load_heatmap
 
     started = time.perf_counter()
     plan = configs(args.quick, args.world_size, not args.unpinned)

@@ -20,7 +20,7 @@ all-reduce; there ``wgrad`` hides the backward reduce-scatter), without overlap,
 and with both.
 
 Each step is timed from Lightning's batch-start hook to its batch-end hook (optimizer step
-included) and recorded with :func:`lightning_merak.runtime.collectives.record_communication`,
+included) and recorded with :func:`lightning_merak.distributed.collectives.record_communication`,
 which times every tensor-parallel collective: ``exposed`` is the time a rank was blocked
 waiting for one (including the wake-up after it completed, so under CPU contention it can
 exceed ``busy``), ``busy`` the time at least one was in flight. Per configuration:
@@ -71,9 +71,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks import report
-from lightning_merak.config import ModelConfig, TrainerConfig
-from lightning_merak.models import CausalLMModule, build_causal_lm
-from lightning_merak.runtime.collectives import CommunicationTrace, record_communication
+from lightning_merak.distributed.collectives import CommunicationTrace, record_communication
+from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.config import ModelConfig, TrainerConfig
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing.netem import (
     EmulatedCluster,

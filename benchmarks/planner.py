@@ -33,13 +33,14 @@ later measurements.
 A second predictor, the trace replayer (``planner_calibration`` with trace files), is calibrated
 each round from short traced runs (:func:`calibration_groups`): a dp=2 run of the whole model, a pp=2 run where
 the grid holds pipelines, and runs on the model cut to ``PROBE_LAYERS`` blocks of each tensor-parallel degree and
-overlap of the grid (:mod:`lightning_merak.profiler.calibration`). Each calibration run *brackets* the measured
+overlap of the grid (:mod:`lightning_merak.planning.replay.calibration`). Each calibration run *brackets* the measured
 runs it prices: it is traced right before them and again right after, and the round's prediction is the mean of
 the replay calibrated on the runs before and the one calibrated on the runs after. A user calibrates seconds
 before training, not minutes; on this shared machine a layout's runs minutes apart differ by up to 28%, so a
 calibration taken a round's length before a measured run priced the spell, not the layout. Groups run in mirrored
 order in alternate rounds. Pipelines are priced at the split merak3d's autopipe will pick for their micro-batches
-on the calibrated costs (:mod:`lightning_merak.profiler.stage_split`; rows keep it per round next to the split each
+on the calibrated costs (:mod:`lightning_merak.planning.replay.stage_split`; rows keep it per round next to the split
+each
 run reported). Rows carry both predictions (``predicted_s``/``error``: the cost model;
 ``replay_predicted_s``/``replay_error``: the replay), the summary both maxima and each predictor's pick and regret.
 
@@ -69,12 +70,17 @@ from benchmarks._rank_heap import KEPT_HEAP_ENV
 from benchmarks._replay_partition import stage_blocks
 from benchmarks.merak3d import Workload, _quiet_lightning, _StepTimer
 from benchmarks.report import default_out, out_help, print_table, write_json
-from lightning_merak.config import TrainerConfig
-from lightning_merak.models import CausalLMModule, build_causal_lm
-from lightning_merak.profiler import MerakTraceProfiler, Trace
-from lightning_merak.profiler.calibration import Probe, ReplayPredictor, calibrate_from_traces, untraced_step_time
-from lightning_merak.profiler.replay import measured_step_time
-from lightning_merak.profiler.synthesize import LayoutSpec, ModelShape
+from lightning_merak.callbacks.profiler import MerakTraceProfiler, Trace
+from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.config import TrainerConfig
+from lightning_merak.planning.replay.calibration import (
+    Probe,
+    ReplayPredictor,
+    calibrate_from_traces,
+    untraced_step_time,
+)
+from lightning_merak.planning.replay.engine import measured_step_time
+from lightning_merak.planning.replay.synthesize import LayoutSpec, ModelShape
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import run_distributed
 from lightning_merak.testing.distributed import DistributedRunError
@@ -205,7 +211,7 @@ def _calibration_run(name: str, trace: Trace) -> dict[str, Any]:
 
 class CalibrationGroup(NamedTuple):
     """One traced calibration run and the layouts of the grid whose replay rests on it
-    (:meth:`~lightning_merak.profiler.calibration.TraceCalibration.costs_for`)."""
+    (:meth:`~lightning_merak.planning.replay.calibration.TraceCalibration.costs_for`)."""
 
     name: str
     merak: dict[str, Any]
@@ -249,7 +255,7 @@ def calibration_groups(plan: list[dict[str, Any]]) -> list[CalibrationGroup]:
 def _predictor(groups: list[CalibrationGroup], traces: dict[str, Trace]) -> ReplayPredictor:
     """A replay predictor from one trace of every group (by name): the base group's calibrates, the others are probes.
     Every cost set is anchored on the median of its run's untraced steps
-    (:func:`~lightning_merak.profiler.calibration.calibrate_from_traces`). Sharding is not modelled (no layout of
+    (:func:`~lightning_merak.planning.replay.calibration.calibrate_from_traces`). Sharding is not modelled (no layout of
     the grid shards)."""
     base, *others = groups
     probes = [Probe(traces[g.name], _shape(g.layers or WORKLOAD.layers), g.spec) for g in others]
@@ -269,7 +275,7 @@ def _replay_predictions(plan: list[dict[str, Any]], predictors: list[ReplayPredi
 
 def _replay_splits(plan: list[dict[str, Any]], predictor: ReplayPredictor) -> dict[str, list[int] | None]:
     """The blocks per stage ``predictor`` prices every pipelined layout of ``plan`` at: autopipe's pick on its
-    calibrated costs (:meth:`~lightning_merak.profiler.calibration.ReplayPredictor.stage_blocks`); None
+    calibrated costs (:meth:`~lightning_merak.planning.replay.calibration.ReplayPredictor.stage_blocks`); None
     unpipelined. The benchmark reports the predictor calibrated before the runs (the one after may pick another)."""
     return {_layout_key(p["layout"]): list(predictor.stage_blocks(_replay_spec(p["layout"]))) or None for p in plan}
 

@@ -8,15 +8,15 @@ Two gloo ranks on tbf-shaped links train a small Llama under merak3d. Runs with
 ``MerakTraceProfiler`` record a few steps; the replay of a trace predicts its own steps
 (``replay_error``, target ≤ 5%), and what-ifs on it predict other runs that are then measured
 (target ≤ 10% each): (a) the link at 500 and 200 Mbit/s from a trace at 1 Gbit/s, each transfer's bytes at the
-traced link's TCP payload rate scaled (:func:`~lightning_merak.profiler.replay.link_payload_bytes_per_s`: tbf's
+traced link's TCP payload rate scaled (:func:`~lightning_merak.planning.replay.engine.link_payload_bytes_per_s`: tbf's
 burst after an idle spell lets a trace's transfers beat their bytes at the rate) and the compute anchored on the
-run's untraced steps (:func:`~lightning_merak.profiler.replay.anchored`); (b) pp=2 and
-tp=2 from a trace of dp=2 (layout re-derived: :mod:`lightning_merak.profiler.synthesize`), pp=2 with its blocks'
+run's untraced steps (:func:`~lightning_merak.planning.replay.engine.anchored`); (b) pp=2 and
+tp=2 from a trace of dp=2 (layout re-derived: :mod:`lightning_merak.planning.replay.synthesize`), pp=2 with its blocks'
 backward at the ratio the in-process call probe below measured (the dp trace's block backwards share the cores
-with the gradient reduction they overlap: :func:`~lightning_merak.profiler.refine.with_probed_backward`), tp=2
+with the gradient reduction they overlap: :func:`~lightning_merak.planning.replay.refine.with_probed_backward`), tp=2
 with a probe: a traced tp=2 run of the model cut to ``PROBE_LAYERS`` blocks, whose costs (vocabulary-parallel
 head, sub-batch machinery, the blocks' collectives) replace the dp trace's
-(:mod:`lightning_merak.profiler.calibration`; the row "no probe" predicts tp=2 from the dp trace alone);
+(:mod:`lightning_merak.planning.replay.calibration`; the row "no probe" predicts tp=2 from the dp trace alone);
 (c) other micro-batch counts from a trace of pp=2 with 2 micro-batches: block, head, first-stage prefix and loss
 calls of other sizes follow call curves an in-process probe measures in the driver before every repeat, and the step
 is the traced run's period times the re-derived ratio (:mod:`benchmarks._replay_microbatch`; rows of kinds "chunk work
@@ -64,14 +64,21 @@ from benchmarks._rank_heap import KEPT_HEAP_ENV
 from benchmarks._replay_microbatch import GUESSED_KIND, LINE_KIND, microbatch_rows, probe_curves, probe_sizes
 from benchmarks._replay_partition import expected_stage_blocks, stage_blocks
 from benchmarks.merak3d import Workload, _quiet_lightning
-from lightning_merak.config import TrainerConfig
-from lightning_merak.models import CausalLMModule, build_causal_lm
-from lightning_merak.profiler import MerakTraceProfiler, Trace, WhatIf, chrome_trace, replay_trace, write_chrome_trace
-from lightning_merak.profiler.calibration import Probe, ReplayPredictor, calibrate_from_traces
-from lightning_merak.profiler.probe import ProbedCurves
-from lightning_merak.profiler.refine import with_probed_backward
-from lightning_merak.profiler.replay import anchored, link_payload_bytes_per_s, measured_step_time
-from lightning_merak.profiler.synthesize import (
+from lightning_merak.callbacks.profiler import (
+    MerakTraceProfiler,
+    Trace,
+    WhatIf,
+    chrome_trace,
+    replay_trace,
+    write_chrome_trace,
+)
+from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.config import TrainerConfig
+from lightning_merak.planning.measure.probe import ProbedCurves
+from lightning_merak.planning.replay.calibration import Probe, ReplayPredictor, calibrate_from_traces
+from lightning_merak.planning.replay.engine import anchored, link_payload_bytes_per_s, measured_step_time
+from lightning_merak.planning.replay.refine import with_probed_backward
+from lightning_merak.planning.replay.synthesize import (
     LayoutSpec,
     ModelShape,
     StepCosts,
@@ -280,7 +287,7 @@ def recording_overhead_us(calls: int = 2000) -> dict[str, float]:
     """Microseconds each recorded collective costs on top of the plain call (1-rank gloo group, tiny tensor)."""
     import torch.distributed as dist
 
-    from lightning_merak.profiler.recorder import TraceRecorder
+    from lightning_merak.callbacks.profiler.recorder import TraceRecorder
 
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
@@ -372,7 +379,7 @@ def _named_runs(measured: dict[float, dict[str, dict[str, Any]]], rates: Sequenc
 
 def one_step_trace(trace: Trace, step: int) -> Trace:
     """``trace`` cut to one step (the committed Perfetto example)."""
-    from lightning_merak.profiler.trace import RankTrace
+    from lightning_merak.planning.replay.trace import RankTrace
 
     ranks = [RankTrace(r.rank, [s for s in r.spans if s.step == step], [c for c in r.comms if c.step == step])
              for r in trace.ranks]

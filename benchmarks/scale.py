@@ -47,7 +47,7 @@ torch thread each) and trains a few steps of a randomly initialised Llama built 
    ``export_roundtrip_max_abs`` compares every exported tensor with the original file's.
 
 Ranks start as merak3d's launcher starts the ranks it creates: with ``GLIBC_TUNABLES`` holding
-``lightning_merak.runtime.host_memory.HEAP_TUNABLES`` (glibc's per-thread cache and fast bins off, so freed
+``lightning_merak.distributed.host_memory.HEAP_TUNABLES`` (glibc's per-thread cache and fast bins off, so freed
 tensor storage merges into holes the heap reuses; recorded as ``rank_glibc_tunables``), for every leg, the
 baselines included. ``--rank-heap glibc`` starts them with glibc's defaults instead, as ranks another launcher
 starts (merak3d ranks still turn fast bins off at setup; the forkserver every rank is forked from reads the
@@ -84,7 +84,7 @@ from benchmarks._scale_ranks import (
     train_rank,
 )
 from benchmarks.report import default_out, error_line, out_help, print_table, write_json
-from lightning_merak.runtime.host_memory import export_heap_tunables
+from lightning_merak.distributed.host_memory import export_heap_tunables
 from lightning_merak.testing import run_distributed
 from lightning_merak.testing.distributed import DistributedRunError
 

@@ -9,9 +9,9 @@ import argparse
 import lightning.pytorch as pl
 
 import lightning_merak  # noqa: F401 - registers the plugin's strategies with Lightning
-from lightning_merak.config import DataConfig, ModelConfig, TrainerConfig
-from lightning_merak.data import LanguageModelingData
-from lightning_merak.models import CausalLMModule, build_causal_lm
+from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.config import DataConfig, ModelConfig, TrainerConfig
+from lightning_merak.modules.data import LanguageModelingData
 
 
 def main() -> None:

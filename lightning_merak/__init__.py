@@ -12,7 +12,7 @@ import importlib.util
 import sys
 from typing import Any, Optional, Sequence
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["__version__", "register_strategies"]
 

@@ -12,8 +12,8 @@ from peft import PeftModel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_merak.adapters import QAHiRAConfig, QBaRAConfig, quantize_model
-from lightning_merak.config import register_configs
-from lightning_merak.options.adapter import register
+from lightning_merak.cli.config import register_configs
+from lightning_merak.cli.options.adapter import register
 
 TINY = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

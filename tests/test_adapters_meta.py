@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from lightning_merak.adapters.meta import MATERIALIZE_INIT, attach_on_meta
-from lightning_merak.config import TrainerConfig
-from lightning_merak.models import build_causal_lm
-from lightning_merak.options.adapter import LoRAAdapterConfig, QAHiRAAdapterConfig, QBaRAAdapterConfig, Quantization
+from lightning_merak.cli.options.adapter import LoRAAdapterConfig, QAHiRAAdapterConfig, QBaRAAdapterConfig, Quantization
+from lightning_merak.modules.causal_lm import build_causal_lm
+from lightning_merak.modules.config import TrainerConfig
+from lightning_merak.parallel.materialize import Materializer, copy_full_tensors, init_owners
+from lightning_merak.parallel.pipeline.trace import find_trunk
 from lightning_merak.strategies.merak3d import Merak3DStrategy
-from lightning_merak.strategies.merak3d.materialize import Materializer, copy_full_tensors, init_owners
-from lightning_merak.strategies.pipeline.trace import find_trunk
 from lightning_merak.testing import TrainingTrace, assert_traces_match, merge_rank_traces, run_distributed
 from tests.test_merak3d import MODELS, STEPS, VOCAB, _batches, _make_optimizer, _Recorder, _ShardedData, _TestModule
 from tests.test_meta_init import _observed_peak, _Watch
@@ -203,7 +203,7 @@ def test_quantising_a_part_equals_quantising_the_whole_model():
 def _pretrained_rank(rank: int, world_size: int, directory: str, option_name: str) -> tuple:
     """The product's path: ``CausalLMModule`` with ``pretrained_path``, the adapter attached on meta."""
     from lightning_merak.hf import pretrained_causal_lm
-    from lightning_merak.models import CausalLMModule
+    from lightning_merak.modules.causal_lm import CausalLMModule
 
     adapters = {name: tensor for name, tensor in _weights(option_name).items()
                 if any(key in name for key in ("lora_", "qbara_", "qahira_"))}

@@ -2,7 +2,7 @@
 
 The adapted model is built on meta (``tests/test_adapters_meta.py``'s module and reference); each rank
 materialises its blocks one at a time and splits them, LoRA's ``A`` and ``B`` following the base layer's
-split (:mod:`lightning_merak.strategies.tensor_parallel_adapters`). Per-step losses and adapter gradients
+split (:mod:`lightning_merak.parallel.tensor.adapters`). Per-step losses and adapter gradients
 equal the single-process model built whole; what is not split yet is refused before any work.
 """
 
@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from lightning_merak.adapters.meta import attach_on_meta
-from lightning_merak.models import build_causal_lm
-from lightning_merak.options.adapter import LoRAAdapterConfig, Quantization
-from lightning_merak.runtime.dtensors import local_tensor
+from lightning_merak.cli.options.adapter import LoRAAdapterConfig, Quantization
+from lightning_merak.distributed.dtensors import local_tensor
+from lightning_merak.modules.causal_lm import build_causal_lm
+from lightning_merak.parallel.materialize import copy_full_tensors
+from lightning_merak.parallel.tensor.adapters import check_adapter_split
 from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
-from lightning_merak.strategies.merak3d.materialize import copy_full_tensors
-from lightning_merak.strategies.tensor_parallel_adapters import check_adapter_split
 from lightning_merak.testing import assert_traces_match, merge_rank_traces, run_distributed
 from tests import test_adapters_meta as adapters_meta
 from tests.test_adapters_meta import OPTIONS, _base, _meta_rank, _MetaAdapterModule, _pretrained_rank, _reference
@@ -98,7 +98,7 @@ def _lora_block_rank(rank: int, world_size: int) -> list[list[str]]:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lightning_merak.strategies.tensor_parallel import find_tensor_parallel_plan, verify_tensor_parallel_plan
+    from lightning_merak.parallel.tensor.blocks import find_tensor_parallel_plan, verify_tensor_parallel_plan
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,

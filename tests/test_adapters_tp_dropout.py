@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_merak.strategies import tensor_parallel_adapters
+from lightning_merak.parallel.tensor import adapters as tensor_parallel_adapters
 from tests.test_merak3d import VOCAB
 
 COLUMN, ROW = ("self_attn.q_proj", "self_attn.v_proj", "mlp.up_proj"), ("self_attn.o_proj", "mlp.down_proj")
@@ -37,7 +37,7 @@ def _dropout_block_rank(rank: int, world_size: int, dropout: float) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lightning_merak.strategies.tensor_parallel import apply_tensor_parallel, find_tensor_parallel_plan
+    from lightning_merak.parallel.tensor.blocks import apply_tensor_parallel, find_tensor_parallel_plan
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,

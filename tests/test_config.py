@@ -7,7 +7,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from lightning_merak.config import GROUPS, CallbackOptionConfig, TrainConfig, register_configs, reject_unknown_keys
+from lightning_merak.cli.config import GROUPS, CallbackOptionConfig, TrainConfig, register_configs, reject_unknown_keys
 
 
 def _compose(*overrides: str):
@@ -73,7 +73,7 @@ def test_free_form_dicts_accept_new_keys():
 @pytest.mark.distributed
 def test_help_lists_the_groups():
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_merak.train", "--help"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "lightning_merak.cli.train", "--help"], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
     for group in GROUPS:
@@ -82,7 +82,7 @@ def test_help_lists_the_groups():
 
 
 def test_merak3d_options_reach_the_strategy():
-    from lightning_merak.train import build_strategy
+    from lightning_merak.cli.train import build_strategy
 
     config = OmegaConf.to_object(_compose("output_dir=/tmp/unused", "strategy.tensor_parallel=2",
                                           "strategy.tp_overlap=2", "strategy.sequence_parallel=true"))
@@ -95,8 +95,8 @@ def test_merak3d_constructor_defaults_are_the_declared_options():
     import dataclasses
     import inspect
 
-    from lightning_merak.options.strategy import Merak3DOptions
     from lightning_merak.strategies.merak3d import Merak3DStrategy
+    from lightning_merak.strategies.merak3d.options import Merak3DOptions
 
     signature = inspect.signature(Merak3DStrategy.__init__).parameters
     declared = {item.name: item.default for item in dataclasses.fields(Merak3DOptions)}

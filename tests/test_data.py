@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from lightning_merak.config import DataConfig
-from lightning_merak.data import ByteTokenizer, LanguageModelingData, SyntheticLanguage
+from lightning_merak.modules.config import DataConfig
+from lightning_merak.modules.data import ByteTokenizer, LanguageModelingData, SyntheticLanguage
 
 
 def test_synthetic_language_is_seeded_and_structured():

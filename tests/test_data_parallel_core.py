@@ -4,8 +4,8 @@ import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_merak.runtime.gradient_buffer import GradientBuffer
-from lightning_merak.strategies.merak3d.data_parallel import check_precision, check_shardable_optimizer
+from lightning_merak.distributed.gradient_buffer import GradientBuffer
+from lightning_merak.parallel.data.buckets import check_precision, check_shardable_optimizer
 from tests.test_gradient_buffer import _loss, _model
 
 
@@ -69,7 +69,7 @@ def test_callbacks_fsdp2_cannot_host_are_refused_with_full_sharding() -> None:
     from types import SimpleNamespace
 
     from lightning_merak.callbacks import DeltaMemory, SparseCommunication
-    from lightning_merak.strategies.merak3d.data_parallel import check_sharding
+    from lightning_merak.parallel.data.buckets import check_sharding
 
     full = SimpleNamespace(data_parallel_sharding="full", data_parallel=2)
     for callback in (DeltaMemory(budget="auto", plot=False), SparseCommunication("s2")):
@@ -95,7 +95,7 @@ def _uneven_use_rank(rank: int, world_size: int) -> list[float]:
     import torch.distributed as dist
     from torch import nn
 
-    from lightning_merak.strategies.merak3d.data_parallel import DataParallelGradients
+    from lightning_merak.parallel.data.buckets import DataParallelGradients
 
     torch.manual_seed(0)
     first, second = nn.Linear(16, 8), nn.Linear(8, 8)

@@ -143,7 +143,7 @@ def test_hydra_option_builds_the_callback():
     from omegaconf import OmegaConf
 
     import lightning_merak
-    from lightning_merak.options.memory import DeltaMemoryConfig, register
+    from lightning_merak.cli.options.memory import DeltaMemoryConfig, register
 
     register()
     conf_dir = os.path.join(os.path.dirname(lightning_merak.__file__), "conf")

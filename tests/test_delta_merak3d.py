@@ -12,8 +12,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.callbacks.delta import Action, DeltaMemory
-from lightning_merak.config import ModelConfig, TrainerConfig
-from lightning_merak.models import CausalLMModule, build_causal_lm
+from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.config import ModelConfig, TrainerConfig
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import TraceRecorder, TrainingTrace, assert_traces_match, run_distributed
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from lightning_merak.strategies.pipeline.schedules import EarlyReceiveStage, early_receive_available
+from lightning_merak.parallel.pipeline.schedules import EarlyReceiveStage, early_receive_available
 from lightning_merak.testing import run_distributed
 
 MICRO_BATCHES, BATCH = 4, 8

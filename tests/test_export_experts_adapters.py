@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from lightning_merak.config import TrainerConfig
 from lightning_merak.hf import export_checkpoint, model_record
-from lightning_merak.models import CausalLMModule
+from lightning_merak.modules.causal_lm import CausalLMModule
+from lightning_merak.modules.config import TrainerConfig
 from lightning_merak.testing import run_distributed
 
 VOCAB = 128

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.callbacks.faults import FaultWatch
 from lightning_merak.callbacks.sparse_comm.embrace import ShardedEmbedding, join_lookups, shard_embeddings
-from lightning_merak.runtime.watchdog import (
+from lightning_merak.distributed.watchdog import (
     EXIT_CODE,
     GroupProgress,
     PulseClock,

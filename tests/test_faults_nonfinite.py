@@ -10,8 +10,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.callbacks.nonfinite import NonFiniteError, NonFiniteGuard
-from lightning_merak.config import ModelConfig, TrainerConfig
-from lightning_merak.models import CausalLMModule, build_causal_lm
+from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.config import ModelConfig, TrainerConfig
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import run_distributed
 

@@ -1,7 +1,7 @@
 """Atomic checkpoints, elastic restart with ``resume=auto``, and refusing checkpoints that would run code.
 
 The restart test kills merak-train's saving rank inside a checkpoint save (made deterministic by the
-``LIGHTNING_MERAK_TEST_STALL_SAVE`` hook of :mod:`lightning_merak.runtime.checkpoint_files`) under
+``LIGHTNING_MERAK_TEST_STALL_SAVE`` hook of :mod:`lightning_merak.checkpoint.files`) under
 ``torchrun --max-restarts 1``; the restarted ranks resume by themselves from the newest complete
 checkpoint and their losses equal an uninterrupted run's from there on.
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_merak.plugins.checkpoint_io import SafeCheckpointIO
-from lightning_merak.runtime.checkpoint_files import (
+from lightning_merak.checkpoint.checkpoint_io import SafeCheckpointIO
+from lightning_merak.checkpoint.files import (
     STALL_ENV,
     atomic_file,
     is_complete,
@@ -28,8 +28,8 @@ from lightning_merak.runtime.checkpoint_files import (
     partial_path,
     publish_directory,
 )
-from lightning_merak.runtime.resume import resume_path
-from lightning_merak.runtime.safe_load import SafeFileSystemReader, UnsafeCheckpointError, load_torch_file
+from lightning_merak.checkpoint.resume import resume_path
+from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, UnsafeCheckpointError, load_torch_file
 from lightning_merak.testing import find_free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,7 +159,7 @@ def test_a_merak3d_directory_with_a_payload_in_its_index_or_state_is_refused(tmp
 _RESTARTED_RANKS = """
 import os, signal, time
 import torch, torch.distributed as dist
-from lightning_merak.runtime.elastic import isolate_restart_attempts
+from lightning_merak.cli.elastic import isolate_restart_attempts
 isolate_restart_attempts()
 rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 if attempt == 1 and rank == 0:
@@ -201,7 +201,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 def _torchrun(run_dir: Path, strategy: tuple[str, ...], env: dict[str, str], log: Path) -> subprocess.Popen:
     command = [TORCHRUN, "--nproc-per-node", "2", "--max-restarts", "1", "--master-port", str(find_free_port()),
-               "-m", "lightning_merak.train", *TINY_RUN,
+               "-m", "lightning_merak.cli.train", *TINY_RUN,
                *strategy, "resume=auto", f"hydra.run.dir={run_dir}"]
     with open(log, "w") as output:
         return subprocess.Popen(command, cwd=REPO, env={"PYTHONPATH": str(REPO), **os.environ, **env},
@@ -222,7 +222,7 @@ def _finish(process: subprocess.Popen, log: Path, timeout_s: float) -> str:
 
 _SAVE_STEP_4 = """
 import sys, torch
-from lightning_merak.plugins.checkpoint_io import SafeCheckpointIO
+from lightning_merak.checkpoint.checkpoint_io import SafeCheckpointIO
 SafeCheckpointIO().save_checkpoint({"global_step": 4, "w": torch.ones(1000)}, sys.argv[1])
 """
 

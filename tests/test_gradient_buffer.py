@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from lightning_merak.runtime.gradient_buffer import GradientBuffer
+from lightning_merak.distributed.gradient_buffer import GradientBuffer
 
 
 def _model() -> nn.Module:
@@ -67,7 +67,7 @@ def test_one_flat_per_dtype_and_frozen_or_repeated_parameters_left_out() -> None
 
 
 def test_tail_first_sizes_keep_the_last_buckets_small_and_double_up_to_the_bucket_size() -> None:
-    from lightning_merak.runtime.gradient_buffer import tail_first_sizes
+    from lightning_merak.distributed.gradient_buffer import tail_first_sizes
 
     assert tail_first_sizes([4] * 10, 16, 4) == [3, 4, 2, 1]
     assert tail_first_sizes([4] * 10, 16, None) == [2, 4, 4]

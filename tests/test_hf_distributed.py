@@ -32,7 +32,7 @@ def _load_shards_rank(rank: int, world_size: int, directory: str) -> None:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from lightning_merak.hf import load_pretrained
-    from lightning_merak.strategies.tensor_parallel import LayoutChange
+    from lightning_merak.parallel.tensor.blocks import LayoutChange
 
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(100 + rank)  # each rank starts from different values
@@ -68,8 +68,8 @@ def _save_merak3d_rank(rank: int, world_size: int, source: str, checkpoint: str,
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_merak.config import TrainerConfig
-    from lightning_merak.models import CausalLMModule
+    from lightning_merak.modules.causal_lm import CausalLMModule
+    from lightning_merak.modules.config import TrainerConfig
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
@@ -113,9 +113,9 @@ def _predict_pretrained_rank(rank: int, world_size: int, source: str, layout: di
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_merak.config import TrainerConfig
     from lightning_merak.hf import pretrained_causal_lm
-    from lightning_merak.models import CausalLMModule
+    from lightning_merak.modules.causal_lm import CausalLMModule
+    from lightning_merak.modules.config import TrainerConfig
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
     def build():

@@ -18,10 +18,10 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from lightning_merak.config import TrainerConfig
 from lightning_merak.hf import export_checkpoint, model_record
 from lightning_merak.hf.experts import expert_parameters, export_layout, load_pretrained_experts
-from lightning_merak.models import CausalLMModule
+from lightning_merak.modules.causal_lm import CausalLMModule
+from lightning_merak.modules.config import TrainerConfig
 
 VOCAB = 128
 COMMON = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,

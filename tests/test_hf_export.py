@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from lightning_merak.config import TrainerConfig
 from lightning_merak.hf import export_checkpoint, model_record
-from lightning_merak.models import CausalLMModule
+from lightning_merak.modules.causal_lm import CausalLMModule
+from lightning_merak.modules.config import TrainerConfig
 
 VOCAB = 96
 LLAMA = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

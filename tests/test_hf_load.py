@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
-from lightning_merak.config import ModelConfig
 from lightning_merak.hf import load_pretrained, pretrained_causal_lm
+from lightning_merak.modules.config import ModelConfig
 
 VOCAB = 96
 SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -177,7 +177,7 @@ def test_model_hf_path_composes_with_hydra(tmp_path):
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from lightning_merak.config import register_configs
+    from lightning_merak.cli.config import register_configs
 
     directory = _save(FAMILIES["llama-untied"], tmp_path)
     register_configs()

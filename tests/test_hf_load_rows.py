@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config
 
 from lightning_merak.hf import load_pretrained
 from lightning_merak.hf.checkpoint import _copy_changed, _Read, _segments
-from lightning_merak.strategies.tensor_parallel import LayoutChange
+from lightning_merak.parallel.tensor.blocks import LayoutChange
 from lightning_merak.testing import run_distributed
 
 

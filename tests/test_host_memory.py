@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from lightning_merak.runtime.host_memory import heap_stats, release_freed_host_memory
+from lightning_merak.distributed.host_memory import heap_stats, release_freed_host_memory
 
 
 def test_refuses_a_threshold_that_is_not_positive() -> None:
@@ -22,7 +22,7 @@ def test_freed_mid_sized_tensors_leave_resident_memory() -> None:
     """Holes between live 256 KiB tensors stay resident by default and are returned with the setting."""
     script = textwrap.dedent("""
         import sys, torch
-        from lightning_merak.runtime.host_memory import release_freed_host_memory
+        from lightning_merak.distributed.host_memory import release_freed_host_memory
         def rss():
             return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) // 1024
         if sys.argv[1] == "1":
@@ -56,7 +56,7 @@ def test_after_skip_final_collection_a_collection_leaves_earlier_cycles_alone() 
     import gc
     import weakref
 
-    from lightning_merak.runtime.host_memory import skip_final_collection
+    from lightning_merak.distributed.host_memory import skip_final_collection
 
     class Node:
         pass

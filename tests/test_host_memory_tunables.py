@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from lightning_merak.runtime.host_memory import (
+from lightning_merak.distributed.host_memory import (
     HEAP_TUNABLES,
     export_heap_tunables,
     heap_tunables_applied,
@@ -51,7 +51,7 @@ def test_merak3d_launcher_starts_ranks_with_the_tunables(monkeypatch: pytest.Mon
 @pytest.mark.distributed
 @pytest.mark.skipif(heap_tunables_applied() is None, reason="glibc's mallinfo2")
 def test_probe_tells_a_process_started_with_the_tunables() -> None:
-    script = "from lightning_merak.runtime.host_memory import heap_tunables_applied as a; print(a())"
+    script = "from lightning_merak.distributed.host_memory import heap_tunables_applied as a; print(a())"
     seen = []
     for tunables in ("", with_heap_tunables({})):
         env = {**os.environ, "GLIBC_TUNABLES": tunables}
@@ -64,7 +64,7 @@ def test_probe_tells_a_process_started_with_the_tunables() -> None:
 @pytest.mark.skipif(heap_tunables_applied() is None, reason="glibc's mallinfo2")
 def test_restart_runs_the_same_command_again_with_the_tunables() -> None:
     """merak-train's first rank is the process the user started: it restarts itself with the tunables once."""
-    script = ("import sys; from lightning_merak.runtime.host_memory import heap_tunables_applied, "
+    script = ("import sys; from lightning_merak.distributed.host_memory import heap_tunables_applied, "
               "restart_with_heap_tunables; print('started', sys.argv[1:], flush=True); restart_with_heap_tunables(); "
               "print(heap_tunables_applied())")
     env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}

@@ -12,9 +12,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 from lightning_merak.callbacks.delta.recompute_switch import strategy_recompute, user_checkpointing
+from lightning_merak.distributed.gradient_norm import ShardedGradients
 from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, ExpertNumbering
-from lightning_merak.runtime.gradient_norm import ShardedGradients
-from lightning_merak.runtime.layout_aware import RecomputedForward, layout_aware
+from lightning_merak.protocols.layout_aware import RecomputedForward, layout_aware
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 
 

@@ -12,8 +12,8 @@ VOCAB, SEQ = 96, 16
 
 def _llama_and_tokens() -> tuple[torch.nn.Module, torch.Tensor]:
     """A two-block Llama and a batch of 4 sequences, the same on every rank."""
-    from lightning_merak.config import ModelConfig
-    from lightning_merak.models import build_causal_lm
+    from lightning_merak.modules.causal_lm import build_causal_lm
+    from lightning_merak.modules.config import ModelConfig
 
     torch.manual_seed(0)
     model = build_causal_lm(ModelConfig(name="llama", model_type="llama", config={
@@ -26,10 +26,10 @@ def _llama_and_tokens() -> tuple[torch.nn.Module, torch.Tensor]:
 def _profile_rank(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
-    from lightning_merak.strategies.layout_profiler import profile_model, profile_network
+    from lightning_merak.planning.measure.layout import profile_model, profile_network
+    from lightning_merak.planning.planner import SearchSpace, required_profile_keys
     from lightning_merak.strategies.merak3d import average_gradients
     from lightning_merak.strategies.merak3d.build import call_model, tensor_parallel_plan
-    from lightning_merak.strategies.planner import SearchSpace, required_profile_keys
 
     model, inputs = _llama_and_tokens()
     space = SearchSpace(world_size=world_size, global_batch_size=None, replica_batch_size=4,
@@ -82,10 +82,10 @@ def test_profiler_measures_real_blocks_gradient_sync_and_optimizer_on_two_ranks(
 
 
 def _real_block_collectives_rank(rank: int, world_size: int, sequence_parallel: bool) -> dict:
-    from lightning_merak.runtime.collectives import record_communication
-    from lightning_merak.strategies.layout_profiler import profile_model
+    from lightning_merak.distributed.collectives import record_communication
+    from lightning_merak.planning.measure.layout import profile_model
+    from lightning_merak.planning.planner import SearchSpace, required_profile_keys
     from lightning_merak.strategies.merak3d.build import call_model, sequence_parallel_plan, tensor_parallel_plan
-    from lightning_merak.strategies.planner import SearchSpace, required_profile_keys
 
     model, inputs = _llama_and_tokens()
     space = SearchSpace(world_size=world_size, global_batch_size=None, replica_batch_size=4,
@@ -112,9 +112,9 @@ def test_large_parameters_are_timed_on_a_part_and_scaled(monkeypatch):
 
     The update's timing is replaced by fixed figures, so the scaling is checked exactly.
     """
-    from lightning_merak.strategies import layout_profiler
+    from lightning_merak.parallel.pipeline.trace import trace_model
+    from lightning_merak.planning.measure import layout as layout_profiler
     from lightning_merak.strategies.merak3d.build import call_model
-    from lightning_merak.strategies.pipeline.trace import trace_model
 
     model, inputs = _llama_and_tokens()
     trace = trace_model(model, inputs, call_model)
@@ -139,7 +139,7 @@ def test_large_parameters_are_timed_on_a_part_and_scaled(monkeypatch):
 
 
 def test_timing_copies_keep_small_parameters_whole():
-    from lightning_merak.strategies.layout_profiler import timing_copies
+    from lightning_merak.planning.measure.layout import timing_copies
 
     small, large = torch.nn.Parameter(torch.randn(10)), torch.nn.Parameter(torch.randn(30, 100))
     frozen = torch.nn.Parameter(torch.randn(5), requires_grad=False)
@@ -151,7 +151,7 @@ def test_timing_copies_keep_small_parameters_whole():
 
 
 def test_parameter_update_is_timed_on_trainable_parameters_only():
-    from lightning_merak.strategies.layout_profiler import time_parameter_update
+    from lightning_merak.planning.measure.layout import time_parameter_update
 
     frozen = torch.nn.Parameter(torch.randn(5), requires_grad=False)
     assert time_parameter_update([frozen], torch.optim.SGD, repeats=1) == (0.0, 0.0)

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_merak.config import ModelConfig, TrainerConfig
-from lightning_merak.models import CausalLMModule, build_causal_lm
+from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.parallel.pipeline.stage import tied_parameter_names
 from lightning_merak.strategies.merak3d import Merak3DStrategy
-from lightning_merak.strategies.pipeline.stage import tied_parameter_names
 from lightning_merak.testing import (
     TrainingTrace,
     assert_traces_match,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_merak.strategies.merak3d.checkpoint import ShardedCheckpointer
+from lightning_merak.checkpoint.sharded import ShardedCheckpointer
 
 
 def _stepped(params: list[nn.Parameter]) -> torch.optim.Adam:

@@ -13,8 +13,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_merak.config import TrainerConfig
-from lightning_merak.models import CausalLMModule
+from lightning_merak.modules.causal_lm import CausalLMModule
+from lightning_merak.modules.config import TrainerConfig
 from lightning_merak.testing import run_distributed
 from lightning_merak.testing.data import ReplicaBatches
 
@@ -149,7 +149,7 @@ def test_a_ddp_checkpoint_holds_every_expert_and_resumes(tmp_path: Path) -> None
     reference = _reference()
     first = run_distributed(_train_rank, 2, args=(None, None, str(path), None), timeout_s=100)
     assert first[0] == pytest.approx(reference[:SAVED_AT], rel=LOSS_RTOL)
-    from lightning_merak.runtime.safe_load import load_torch_file
+    from lightning_merak.checkpoint.safe_load import load_torch_file
 
     saved = load_torch_file(path)
     whole = dict(_model().named_parameters())["model.layers.0.mlp.experts.gate_up_proj"].shape

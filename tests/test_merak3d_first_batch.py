@@ -23,8 +23,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_merak.parallel.pipeline.stage import tied_parameter_names
 from lightning_merak.strategies.merak3d import Merak3DStrategy
-from lightning_merak.strategies.pipeline.stage import tied_parameter_names
 from lightning_merak.testing import assert_traces_match, merge_rank_traces, run_distributed
 from tests.test_merak3d import BATCH, SEQ, STEPS, VOCAB, _batches, _module, _Recorder, _reference
 
@@ -154,7 +154,7 @@ def test_sanity_check_build_draws_no_dropout_mask():
 
 
 def _merak_train(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning_merak.train", *overrides],
+    return subprocess.run([sys.executable, "-m", "lightning_merak.cli.train", *overrides],
                           capture_output=True, text=True, timeout=300)
 
 

@@ -10,11 +10,11 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_merak.config import ModelConfig, TrainerConfig
-from lightning_merak.models import CausalLMModule, build_causal_lm
+from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.strategies.merak3d.arguments import check_fully_shardable
-from lightning_merak.strategies.pipeline.stage import RankStages
 from lightning_merak.testing import run_distributed
 
 STEPS, BATCH, SEQ, VOCAB, CLIP = 4, 8, 16, 96, 0.5

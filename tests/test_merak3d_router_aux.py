@@ -14,9 +14,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_merak.config import TrainerConfig
-from lightning_merak.models import CausalLMModule
-from lightning_merak.strategies.pipeline.router_aux import (
+from lightning_merak.modules.causal_lm import CausalLMModule
+from lightning_merak.modules.config import TrainerConfig
+from lightning_merak.parallel.pipeline.router_aux import (
     RouterAuxLoss,
     carried_router_logits,
     router_aux_of,
@@ -60,11 +60,11 @@ def test_carried_router_logits_give_the_models_own_aux_loss(family: str) -> None
 def _stage_chain(family: str, boundaries: tuple[int, ...], sub_batches: int, recompute: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Loss, weighted aux and gradients of ``model``'s stages run one after another in this process."""
-    from lightning_merak.runtime.layout_aware import RecomputedForward
-    from lightning_merak.runtime.sub_batches import SubBatchForward
+    from lightning_merak.distributed.sub_batches import SubBatchForward
+    from lightning_merak.parallel.pipeline.stage import build_stage_module
+    from lightning_merak.parallel.pipeline.trace import trace_model
+    from lightning_merak.protocols.layout_aware import RecomputedForward
     from lightning_merak.strategies.merak3d.build import call_model
-    from lightning_merak.strategies.pipeline.stage import build_stage_module
-    from lightning_merak.strategies.pipeline.trace import trace_model
 
     model = _model(family)
     ids = _ids(2)

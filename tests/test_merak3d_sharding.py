@@ -6,8 +6,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from lightning_merak.parallel.data.buckets import DataParallelGradients
 from lightning_merak.strategies.merak3d import Merak3DStrategy
-from lightning_merak.strategies.merak3d.data_parallel import DataParallelGradients
 from lightning_merak.testing import run_distributed
 from tests.test_merak3d import STEPS, _module, _ShardedData
 from tests.test_merak3d import _reference as _merak3d_reference
@@ -147,7 +147,7 @@ def test_an_optimizer_that_is_not_elementwise_is_refused_by_name():
 
 
 def _adapter_rank(rank: int, world_size: int, sharding: str) -> dict:
-    from lightning_merak.options.adapter import QBaRAAdapterConfig, Quantization
+    from lightning_merak.cli.options.adapter import QBaRAAdapterConfig, Quantization
 
     module = _module("llama", "adam")
     module.model = QBaRAAdapterConfig(quantization=Quantization.nf4, r=2, target_modules=("q_proj", "v_proj")).apply(

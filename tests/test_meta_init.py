@@ -20,12 +20,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_merak.config import TrainerConfig
-from lightning_merak.models import build_causal_lm
+from lightning_merak.modules.causal_lm import build_causal_lm
+from lightning_merak.modules.config import TrainerConfig
+from lightning_merak.parallel.materialize import Materializer, copy_full_tensors, init_owners
+from lightning_merak.parallel.pipeline.stage import tied_parameter_names
+from lightning_merak.parallel.pipeline.trace import find_trunk
 from lightning_merak.strategies.merak3d import Merak3DStrategy
-from lightning_merak.strategies.merak3d.materialize import Materializer, copy_full_tensors, init_owners
-from lightning_merak.strategies.pipeline.stage import tied_parameter_names
-from lightning_merak.strategies.pipeline.trace import find_trunk
 from lightning_merak.testing import assert_traces_match, merge_rank_traces, run_distributed
 from tests.test_merak3d import MODELS, STEPS, VOCAB, _Recorder, _reference, _ShardedData, _TestModule
 
@@ -105,9 +105,9 @@ class _Watch(pl.Callback):
 
 def _observed_peak() -> _Peak:
     """A :class:`_Peak` taken after every materialisation and every block's split, and told when the trace runs."""
-    from lightning_merak.strategies import tensor_parallel
+    from lightning_merak.parallel.pipeline import meta_trace
+    from lightning_merak.parallel.tensor import blocks as tensor_parallel
     from lightning_merak.strategies.merak3d import build
-    from lightning_merak.strategies.pipeline import meta_trace
 
     gc.freeze()  # what the imports made: never a parameter, and not scanned again
     peak = _Peak()
@@ -195,7 +195,7 @@ def _pretrained_rank(rank: int, world_size: int, source: str, vocab: int, layout
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_merak.hf import load_pretrained, pretrained_causal_lm
-    from lightning_merak.models import CausalLMModule
+    from lightning_merak.modules.causal_lm import CausalLMModule
 
     def build():
         model = pretrained_causal_lm(source, vocab, weights=False)
@@ -252,8 +252,8 @@ def _random_init_rank(rank: int, world_size: int, family: str, config: dict, lay
     from torch.utils.data import DataLoader, TensorDataset
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    from lightning_merak.models import CausalLMModule
-    from lightning_merak.strategies.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
+    from lightning_merak.modules.causal_lm import CausalLMModule
+    from lightning_merak.parallel.tensor.vocab import VocabParallelEmbedding, VocabParallelLMHead
 
     class Seed(pl.Callback):
         def on_predict_start(self, trainer, pl_module) -> None:
@@ -413,7 +413,7 @@ def test_without_pipeline_or_tensor_parallelism_any_model_trains_as_data_paralle
 def test_a_meta_model_traces_like_the_real_one_and_stays_on_meta(family):
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    from lightning_merak.strategies.pipeline.trace import trace_model
+    from lightning_merak.parallel.pipeline.trace import trace_model
 
     config = CONFIG_MAPPING[family](vocab_size=VOCAB, use_cache=False, **FAMILIES[family])
     torch.manual_seed(0)
@@ -434,7 +434,7 @@ def test_a_meta_model_traces_like_the_real_one_and_stays_on_meta(family):
 
 
 def test_a_skip_connection_across_blocks_is_refused_on_meta():
-    from lightning_merak.strategies.pipeline.trace import TraceError, trace_model
+    from lightning_merak.parallel.pipeline.trace import TraceError, trace_model
 
     class Skipping(nn.Module):
         def __init__(self) -> None:
@@ -460,7 +460,7 @@ class _Held:
     and (given ``vocab``) every parameter with all ``vocab`` rows."""
 
     def __init__(self, model: nn.Module, vocab: int = -1) -> None:
-        from lightning_merak.strategies.pipeline.trace import default_materializer
+        from lightning_merak.parallel.pipeline.trace import default_materializer
 
         self._base = default_materializer(model, torch.device("cpu"))
         self._shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Embedding)}
@@ -495,7 +495,7 @@ def test_a_meta_trace_materialises_only_the_embedding_rows_it_looks_up(family, p
     head, tied or not), and those rows look like a materialised table's (shape, dtype, scale, zero padding row)."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    from lightning_merak.strategies.pipeline.trace import trace_model
+    from lightning_merak.parallel.pipeline.trace import trace_model
 
     vocab = 4096
     config = CONFIG_MAPPING[family](vocab_size=vocab, use_cache=False, **FAMILIES[family])
@@ -527,7 +527,7 @@ def test_a_meta_trace_materialises_only_the_embedding_rows_it_looks_up(family, p
 
 
 def test_a_table_read_outside_a_lookup_is_materialised_whole_and_traced():
-    from lightning_merak.strategies.pipeline.trace import trace_model
+    from lightning_merak.parallel.pipeline.trace import trace_model
 
     class Indexed(nn.Embedding):
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -559,8 +559,8 @@ def test_profiling_times_the_head_on_a_slice_of_its_rows(family, monkeypatch):
     Gemma 2 soft-capping its logits after the head); saved bytes equal the whole head's, times are positive."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    from lightning_merak.strategies.pipeline import meta_trace
-    from lightning_merak.strategies.pipeline.trace import trace_model
+    from lightning_merak.parallel.pipeline import meta_trace
+    from lightning_merak.parallel.pipeline.trace import trace_model
 
     vocab = 4096
     options = FAMILIES.get(family, {**FAMILIES["gemma"], "final_logit_softcapping": 30.0})

@@ -11,8 +11,8 @@ def test_a_meta_moe_model_with_grouped_mm_experts_traces_like_the_real_one():
     """transformers' ``grouped_mm`` experts in fp32: torch's meta kernel takes bf16 only, the CPU kernel fp32 too."""
     from transformers import AutoModelForCausalLM
 
+    from lightning_merak.parallel.pipeline.trace import trace_model
     from lightning_merak.plugins.moe.experts import tiny_moe_model
-    from lightning_merak.strategies.pipeline.trace import trace_model
 
     real = tiny_moe_model("mixtral", hidden=64, vocab=VOCAB, experts_implementation="grouped_mm", use_cache=False)
     with torch.device("meta"):

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_merak.config import DataConfig, ModelConfig
-from lightning_merak.data import LanguageModelingData
-from lightning_merak.micro_batching import (
+from lightning_merak.modules.causal_lm import build_causal_lm
+from lightning_merak.modules.config import DataConfig, ModelConfig
+from lightning_merak.modules.data import LanguageModelingData
+from lightning_merak.parallel.micro_batching import (
     CostModel,
     MicroBatching,
     VariableBatch,
@@ -20,14 +21,13 @@ from lightning_merak.micro_batching import (
     plan_packed,
     plan_padded,
 )
-from lightning_merak.micro_batching.plan import MicroBatch, karmarkar_karp
-from lightning_merak.micro_batching.samples import (
+from lightning_merak.parallel.micro_batching.plan import MicroBatch, karmarkar_karp
+from lightning_merak.parallel.micro_batching.samples import (
     check_consumer,
     micro_batch_tensors,
     summed_token_loss,
     target_count,
 )
-from lightning_merak.models import build_causal_lm
 
 LENGTHS = multi_task_lengths(96, seed=3)[0].tolist()
 COST = CostModel.from_shape(64, 128)
@@ -186,7 +186,7 @@ def test_synthetic_data_has_a_variable_length_variant():
 
 def test_a_module_with_its_own_loss_is_refused_under_micro_batching() -> None:
     """Micro-batching computes the token loss itself: a module whose loss differs must not be trained on another."""
-    from lightning_merak.models import CausalLMModule
+    from lightning_merak.modules.causal_lm import CausalLMModule
     from lightning_merak.strategies.merak3d.variable_step import _check_token_loss
 
     class Smoothed(CausalLMModule):

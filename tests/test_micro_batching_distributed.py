@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_merak.config import ModelConfig, TrainerConfig
-from lightning_merak.micro_batching import GlobalBatches, VariableBatch
-from lightning_merak.micro_batching.plan import MicroBatch
-from lightning_merak.micro_batching.samples import micro_batch_tensors, summed_token_loss, target_count
-from lightning_merak.models import CausalLMModule, build_causal_lm
+from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.parallel.micro_batching import GlobalBatches, VariableBatch
+from lightning_merak.parallel.micro_batching.plan import MicroBatch
+from lightning_merak.parallel.micro_batching.samples import micro_batch_tensors, summed_token_loss, target_count
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import (
     TrainingTrace,

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from lightning_merak.config import ModelConfig, TrainerConfig
-from lightning_merak.models import CausalLMModule, build_causal_lm
+from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.config import ModelConfig, TrainerConfig
 
 TINY = {
     "llama": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -168,8 +168,8 @@ def _lm_batches(rank: int) -> torch.Tensor:
 
 def _adapted_module() -> object:
     from lightning_merak.adapters.moe import add_moe_adapters, moe_adapter_config
-    from lightning_merak.config import TrainerConfig
-    from lightning_merak.models import CausalLMModule
+    from lightning_merak.modules.causal_lm import CausalLMModule
+    from lightning_merak.modules.config import TrainerConfig
     from lightning_merak.plugins.moe.experts import tiny_moe_model
 
     base = tiny_moe_model("qwen3_moe")

@@ -16,8 +16,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_merak.config import TrainerConfig
-from lightning_merak.models import CausalLMModule
+from lightning_merak.modules.causal_lm import CausalLMModule
+from lightning_merak.modules.config import TrainerConfig
 from lightning_merak.testing import run_distributed
 from lightning_merak.testing.data import ReplicaBatches
 
@@ -104,7 +104,7 @@ def _train_rank(rank: int, world_size: int, layout: dict[str, int] | None, ep_si
                 first: int, last: int, save_to: str | None, resume_from: str | None) -> dict[str, Any]:
     """One rank's run over global batches ``first..last`` (resumed from ``resume_from``, saved to ``save_to``).
     ``layout=None``: Lightning's DDP instead of merak3d."""
-    from lightning_merak.plugins.checkpoint_io import SafeCheckpointIO
+    from lightning_merak.checkpoint.checkpoint_io import SafeCheckpointIO
     from lightning_merak.plugins.moe.experts import ExpertParallelCallback
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
@@ -224,7 +224,7 @@ def test_resumed_in_another_layout_continues_the_uninterrupted_run(saved: tuple[
 def test_a_ddp_checkpoint_holds_every_expert_factor_and_resumes(tmp_path: Path) -> None:
     """Under DDP rank 0 writes the file: the callback gathers each expert factor (and Adam's moments) whole in
     PEFT's layout first, and each rank keeps its experts' part when the file is read back."""
-    from lightning_merak.runtime.safe_load import load_torch_file
+    from lightning_merak.checkpoint.safe_load import load_torch_file
 
     path = tmp_path / "ddp.ckpt"
     losses, _, factors = _reference("adam")
@@ -247,7 +247,7 @@ def test_lora_b_view_holds_each_rank_s_experts_in_one_block() -> None:
     from types import SimpleNamespace
 
     from lightning_merak.adapters.moe import factor_view, slice_expert_factor
-    from lightning_merak.strategies.merak3d.checkpoint import ExpertSlices
+    from lightning_merak.checkpoint.sharded import ExpertSlices
 
     out, r, experts = 6, 3, 8
     whole = torch.arange(out * r * experts, dtype=torch.float32).reshape(out, r * experts)

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 
 def _config(*overrides: str):
-    from lightning_merak.config import register_configs
+    from lightning_merak.cli.config import register_configs
 
     register_configs()
     with initialize_config_module(config_module="lightning_merak.conf", version_base="1.3"):

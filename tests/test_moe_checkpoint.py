@@ -49,7 +49,7 @@ class _Module(pl.LightningModule):
 
 
 def _fit(module: _Module, rank: int, max_steps: int, ckpt_path: str | None = None) -> pl.Trainer:
-    from lightning_merak.plugins.moe.callback import MoEPlacementCallback
+    from lightning_merak.callbacks.moe.placement import MoEPlacementCallback
 
     generator = torch.Generator().manual_seed(rank)
     data = TensorDataset(torch.randn(1, 2, 12, HIDDEN, generator=generator), torch.randn(1, 2, 12, generator=generator))
@@ -103,7 +103,7 @@ def merak3d_resume_run(rank: int, world_size: int, directory: str) -> dict[str, 
     The uninterrupted run trains one epoch of all steps; the interrupted one an epoch of the first steps,
     and the resumed one continues with the rest as its second epoch (a constant learning rate, so
     epochs of other lengths train alike)."""
-    from lightning_merak.options.moe import ProphetMoEConfig
+    from lightning_merak.cli.options.moe import ProphetMoEConfig
     from lightning_merak.strategies.merak3d import Merak3DStrategy
     from tests.test_moe_lightning import BATCH, OPTIM, STEPS, _batches, _model, _Recorder, local_experts
 
@@ -139,7 +139,7 @@ def merak3d_resume_run(rank: int, world_size: int, directory: str) -> dict[str, 
 
 def _AdamModule(model: torch.nn.Module, optim: Any) -> pl.LightningModule:
     """Adam at a constant rate: moments to restore, and no schedule tied to the run's length."""
-    from lightning_merak.models import CausalLMModule
+    from lightning_merak.modules.causal_lm import CausalLMModule
 
     class AdamModule(CausalLMModule):
         def configure_optimizers(self) -> torch.optim.Optimizer:

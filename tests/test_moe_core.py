@@ -143,9 +143,9 @@ def test_bad_arguments_fail_before_work_with_the_fix() -> None:
 
 
 def test_swapped_mixtral_computes_the_original_function_on_one_rank() -> None:
-    from lightning_merak.config import ModelConfig
-    from lightning_merak.models import build_causal_lm
-    from lightning_merak.options.moe import ProphetMoEConfig
+    from lightning_merak.cli.options.moe import ProphetMoEConfig
+    from lightning_merak.modules.causal_lm import build_causal_lm
+    from lightning_merak.modules.config import ModelConfig
     from lightning_merak.plugins.moe.block_replacement import SwappedSparseBlock
 
     config = ModelConfig(name="m", model_type="mixtral", config=dict(
@@ -166,8 +166,8 @@ def test_hydra_composes_moe_options_with_mixtral_tiny() -> None:
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from lightning_merak.config import register_configs
-    from lightning_merak.options.moe import DeepSpeedMoEConfig, ProphetMoEConfig, register
+    from lightning_merak.cli.config import register_configs
+    from lightning_merak.cli.options.moe import DeepSpeedMoEConfig, ProphetMoEConfig, register
 
     register_configs()
     register()
@@ -198,7 +198,7 @@ class _ExpertWithNorm(nn.Module):
 @pytest.mark.parametrize("build", [lambda: nn.Sequential(nn.Linear(6, 9), nn.GELU(), nn.Linear(9, 6)),
                                    _ExpertWithNorm])
 def test_deferred_weight_grads_equal_autograd(build: Any) -> None:
-    from lightning_merak.runtime.weight_gradients import SplitBackward
+    from lightning_merak.distributed.weight_gradients import SplitBackward
 
     experts = [build(), build()]
     params = [p for expert in experts for p in expert.parameters()]

@@ -140,7 +140,7 @@ def _lm_batches(rank: int) -> torch.Tensor:
 
 
 def _optim() -> object:
-    from lightning_merak.config import TrainerConfig
+    from lightning_merak.modules.config import TrainerConfig
 
     return TrainerConfig(max_steps=STEPS, learning_rate=3e-3, warmup_steps=1)
 
@@ -149,8 +149,8 @@ def _train_merak_ep(rank: int, world: int) -> dict[str, object]:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_merak.models import CausalLMModule
-    from lightning_merak.options.moe import ProphetMoEConfig
+    from lightning_merak.cli.options.moe import ProphetMoEConfig
+    from lightning_merak.modules.causal_lm import CausalLMModule
     from lightning_merak.plugins.moe.experts import tiny_moe_model
 
     config = ProphetMoEConfig(experts="merak_ep", ep_size=2, log_every_n_steps=1)
@@ -171,7 +171,7 @@ def _train_merak_ep(rank: int, world: int) -> dict[str, object]:
 
 
 def test_hydra_option_trains_like_one_process_under_lightning_ddp() -> None:
-    from lightning_merak.models import CausalLMModule
+    from lightning_merak.modules.causal_lm import CausalLMModule
     from lightning_merak.plugins.moe.experts import tiny_moe_model
 
     results = run_distributed(_train_merak_ep, 2, timeout_s=120)

@@ -49,8 +49,8 @@ def _lancet_case(rank: int, world: int, family: str, chunks: int | str) -> dict[
     """The unswapped model on this rank's batch against ``merak_ep`` + block-scope Lancet; returns the largest
     differences of logits, loss (with the router's aux loss) and gradients, and how many exchanges ran in turn
     from a second sub-batch."""
+    from lightning_merak.distributed.collectives import record_communication
     from lightning_merak.plugins.moe.experts import enable_expert_parallel, tiny_moe_model
-    from lightning_merak.runtime.collectives import record_communication
 
     reference = tiny_moe_model(family, output_router_logits=True, router_aux_loss_coef=0.05, use_cache=False)
     swapped = copy.deepcopy(reference)
@@ -114,8 +114,8 @@ def _train_block_lancet(rank: int, world: int) -> list[float]:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_merak.models import CausalLMModule
-    from lightning_merak.options.moe import ProphetMoEConfig
+    from lightning_merak.cli.options.moe import ProphetMoEConfig
+    from lightning_merak.modules.causal_lm import CausalLMModule
     from lightning_merak.plugins.moe.experts import tiny_moe_model
     from lightning_merak.testing import TraceRecorder
     from tests.test_moe_experts_distributed import BATCH, STEPS, _lm_batches, _optim
@@ -134,7 +134,7 @@ def _train_block_lancet(rank: int, world: int) -> list[float]:
 
 @pytest.mark.distributed
 def test_hydra_block_lancet_trains_like_one_process_under_lightning_ddp() -> None:
-    from lightning_merak.models import CausalLMModule
+    from lightning_merak.modules.causal_lm import CausalLMModule
     from lightning_merak.plugins.moe.experts import tiny_moe_model
     from lightning_merak.testing import module_losses
     from tests.test_moe_experts_distributed import BATCH, STEPS, _lm_batches, _optim
@@ -156,8 +156,8 @@ def test_hydra_block_lancet_trains_like_one_process_under_lightning_ddp() -> Non
 
 
 def test_causal_lm_module_optimises_the_router_aux_loss_as_transformers_does() -> None:
-    from lightning_merak.config import TrainerConfig
-    from lightning_merak.models import CausalLMModule
+    from lightning_merak.modules.causal_lm import CausalLMModule
+    from lightning_merak.modules.config import TrainerConfig
     from lightning_merak.plugins.moe.experts import tiny_moe_model
 
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
@@ -172,7 +172,7 @@ def test_causal_lm_module_optimises_the_router_aux_loss_as_transformers_does() -
 def test_router_aux_loss_is_refused_only_where_a_stage_lacks_the_whole_micro_batch() -> None:
     """Pipeline stages carry the router logits to the last stage (tests/test_merak3d_router_aux.py); token-weighted
     micro-batching and sequence-split routers are refused."""
-    from lightning_merak.strategies.pipeline.router_aux import router_aux_loss_problem
+    from lightning_merak.parallel.pipeline.router_aux import router_aux_loss_problem
 
     assert router_aux_loss_problem(True, 2) is None
     assert router_aux_loss_problem(True, 1, micro_batching="dynamic") is None
@@ -198,8 +198,8 @@ def _train_with_replicas(rank: int, world: int, placement: str, preset_cost_mode
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_merak.models import CausalLMModule
-    from lightning_merak.options.moe import ProphetMoEConfig
+    from lightning_merak.cli.options.moe import ProphetMoEConfig
+    from lightning_merak.modules.causal_lm import CausalLMModule
     from lightning_merak.plugins.moe.experts import experts_modules, tiny_moe_model
     from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
     from lightning_merak.testing import TraceRecorder
@@ -227,7 +227,7 @@ def _train_with_replicas(rank: int, world: int, placement: str, preset_cost_mode
 @pytest.mark.parametrize(("placement", "preset_cost_model"), [("shadowing", True), ("pro_prophet", True),
                                                               ("shadowing", False)])
 def test_replicas_replanned_every_batch_train_like_one_process(placement: str, preset_cost_model: bool) -> None:
-    from lightning_merak.models import CausalLMModule
+    from lightning_merak.modules.causal_lm import CausalLMModule
     from lightning_merak.plugins.moe.experts import tiny_moe_model
     from lightning_merak.testing import module_losses
     from tests.test_moe_experts_distributed import BATCH, STEPS, _lm_batches, _optim

@@ -15,11 +15,11 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_merak.distributed.sub_batches import mark_sub_batch_share, run_sub_batches
+from lightning_merak.distributed.turns import meet_in_turn
 from lightning_merak.plugins.moe import CommCurve, CostModel, PlacementPlan
 from lightning_merak.plugins.moe.core.joint_gate import compact_routes, first_choice_fraction, sub_batch_gates
 from lightning_merak.plugins.moe.core.lancet import block_pipelined_time, choose_block_chunks
-from lightning_merak.runtime.sub_batches import mark_sub_batch_share, run_sub_batches
-from lightning_merak.runtime.turns import meet_in_turn
 from lightning_merak.testing import run_distributed
 
 HIDDEN, HEADS, BATCH, SEQ = 16, 2, 4, 6
@@ -220,7 +220,7 @@ def _separate_gating_drops(layer: Any, tokens: torch.Tensor) -> tuple[int, int]:
 
 
 def _compare(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
-    from lightning_merak.plugins.moe.callback import balance_metrics
+    from lightning_merak.callbacks.moe.placement import balance_metrics
     from lightning_merak.plugins.moe.lancet_block import lancet_overlap
 
     reference, split = _stack(world_size, case), _stack(world_size, case)
@@ -333,9 +333,9 @@ def test_block_scope_lancet_equals_the_unsplit_stack_on_four_ranks() -> None:
 
 
 def _mixtral(lancet_scope: str, block_chunks: str = "2") -> nn.Module:
-    from lightning_merak.config import ModelConfig
-    from lightning_merak.models import build_causal_lm
-    from lightning_merak.options.moe import ProphetMoEConfig
+    from lightning_merak.cli.options.moe import ProphetMoEConfig
+    from lightning_merak.modules.causal_lm import build_causal_lm
+    from lightning_merak.modules.config import ModelConfig
 
     config = ModelConfig(name="m", model_type="mixtral", config=dict(
         hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -454,8 +454,8 @@ def test_hydra_composes_block_scope_lancet() -> None:
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from lightning_merak.config import register_configs
-    from lightning_merak.options.moe import register
+    from lightning_merak.cli.config import register_configs
+    from lightning_merak.cli.options.moe import register
 
     register_configs()
     register()

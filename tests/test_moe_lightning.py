@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_merak.config import ModelConfig, TrainerConfig
+from lightning_merak.modules.config import ModelConfig, TrainerConfig
 from lightning_merak.testing import run_distributed
 
 STEPS, BATCH, SEQ, VOCAB = 5, 4, 16, 64
@@ -25,7 +25,7 @@ OPTIM = TrainerConfig(max_steps=STEPS, learning_rate=3e-3, warmup_steps=2)
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
-    from lightning_merak.models import build_causal_lm
+    from lightning_merak.modules.causal_lm import build_causal_lm
 
     torch.manual_seed(seed)
     return build_causal_lm(MODEL, VOCAB)
@@ -45,8 +45,8 @@ class _Recorder(pl.Callback):
 
 
 def train_swapped(rank: int, world_size: int, options: dict[str, Any]) -> dict[str, Any]:
-    from lightning_merak.models import CausalLMModule
-    from lightning_merak.options.moe import ProphetMoEConfig
+    from lightning_merak.cli.options.moe import ProphetMoEConfig
+    from lightning_merak.modules.causal_lm import CausalLMModule
     from lightning_merak.plugins.moe.block_replacement import SwappedSparseBlock
 
     config = ProphetMoEConfig(ep_size=2, aux_loss_coef=0.0, log_every_n_steps=1, **options)
@@ -98,7 +98,7 @@ def _train_on_union(module: pl.LightningModule, optimizer: torch.optim.Optimizer
 
 
 def _reference_losses() -> list[float]:
-    from lightning_merak.models import CausalLMModule
+    from lightning_merak.modules.causal_lm import CausalLMModule
 
     module = CausalLMModule(_model(), OPTIM)
     setup = module.configure_optimizers()
@@ -140,7 +140,7 @@ SGD_LR = 1.0
 
 def _sgd_module(model: torch.nn.Module) -> pl.LightningModule:
     """Plain SGD: a wrongly scaled expert gradient changes the trajectory (Adam would hide it)."""
-    from lightning_merak.models import CausalLMModule
+    from lightning_merak.modules.causal_lm import CausalLMModule
 
     class SGDModule(CausalLMModule):
         def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -151,7 +151,7 @@ def _sgd_module(model: torch.nn.Module) -> pl.LightningModule:
 
 def train_merak3d(rank: int, world_size: int, options: dict[str, Any], clip: float | None = None,
                   sharding: str = "none") -> dict[str, Any]:
-    from lightning_merak.options.moe import ProphetMoEConfig
+    from lightning_merak.cli.options.moe import ProphetMoEConfig
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
     config = ProphetMoEConfig(ep_size=2, aux_loss_coef=0.0, log_every_n_steps=1, **options)
@@ -271,7 +271,7 @@ class _TrainerStub:
 
 
 def test_heatmap_in_log_dir_reads_the_log_dir_on_every_rank_and_rank_0_writes_it(tmp_path: Any) -> None:
-    from lightning_merak.plugins.moe.callback import MoEPlacementCallback
+    from lightning_merak.callbacks.moe.placement import MoEPlacementCallback
 
     callback = MoEPlacementCallback(heatmap_in_log_dir=True)
     other, zero = _TrainerStub(str(tmp_path / "other"), False), _TrainerStub(str(tmp_path), True)

@@ -10,9 +10,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_merak.config import TrainerConfig
-from lightning_merak.models import CausalLMModule
-from lightning_merak.strategies.merak3d.experts import expert_group_ranks, expert_layout_problem
+from lightning_merak.modules.causal_lm import CausalLMModule
+from lightning_merak.modules.config import TrainerConfig
+from lightning_merak.parallel.experts import expert_group_ranks, expert_layout_problem
 from lightning_merak.testing import run_distributed, snapshot_gradients
 from lightning_merak.testing.data import ReplicaBatches
 
@@ -200,8 +200,8 @@ def test_unsupported_layouts_are_refused_with_the_fix(change: dict[str, Any], ma
 
 
 def test_strategy_is_checked_before_launch() -> None:
+    from lightning_merak.parallel.experts import check_merak3d_experts
     from lightning_merak.strategies.merak3d import Merak3DStrategy
-    from lightning_merak.strategies.merak3d.experts import check_merak3d_experts
 
     check_merak3d_experts(Merak3DStrategy(data_parallel=2, pipeline_parallel=2, tensor_parallel=1), 4)
     check_merak3d_experts(Merak3DStrategy(data_parallel=2, pipeline_parallel=1, tensor_parallel=2), 4)
@@ -218,7 +218,7 @@ def test_strategy_is_checked_before_launch() -> None:
 
 def test_meta_built_local_experts_start_distinct_on_each_expert_rank() -> None:
     """merak3d seeds a module's init by name, the same on every rank: the expert rank must enter the draw."""
-    from lightning_merak.strategies.merak3d.experts import _LocalExpertsInit
+    from lightning_merak.parallel.experts import _LocalExpertsInit
 
     experts = _model("mixtral").model.layers[0].mlp.experts
     drawn = []

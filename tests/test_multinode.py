@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_merak.runtime.checkpoint_files import is_complete
+from lightning_merak.checkpoint.files import is_complete
 from lightning_merak.testing import find_free_port, netem
 from lightning_merak.testing.netem import EmulatedCluster, EmulationUnavailable, LinkSpec
 
@@ -50,7 +50,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 def _train_command(run_dir: Path, strategy: str, *torchrun: str, nodes: int, devices: int) -> list[str]:
-    return [TORCHRUN, *torchrun, "-m", "lightning_merak.train", *TINY_RUN, *STRATEGIES[strategy],
+    return [TORCHRUN, *torchrun, "-m", "lightning_merak.cli.train", *TINY_RUN, *STRATEGIES[strategy],
             f"trainer.num_nodes={nodes}", f"trainer.devices={devices}", f"hydra.run.dir={run_dir}"]
 
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_merak.runtime import turns
-from lightning_merak.runtime.sub_batches import SubBatchForward, run_sub_batches
-from lightning_merak.runtime.turns import meet_in_turn
+from lightning_merak.distributed import turns
+from lightning_merak.distributed.sub_batches import SubBatchForward, run_sub_batches
+from lightning_merak.distributed.turns import meet_in_turn
+from lightning_merak.parallel.layout import check_overlap
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.strategies.merak3d.build import tensor_parallel_plan
-from lightning_merak.strategies.merak3d.layout import check_overlap
 from lightning_merak.testing import assert_traces_match, merge_rank_traces, run_distributed
 from tests.test_merak3d import _reference, _train_rank
 from tests.test_sequence_parallel import _step
@@ -208,8 +208,8 @@ def _planned_rank(rank: int, world_size: int, log_dir: str) -> dict:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
 
+    from lightning_merak.parallel.pipeline.stage import tied_parameter_names
     from lightning_merak.strategies import merak3d
-    from lightning_merak.strategies.pipeline.stage import tied_parameter_names
     from tests.test_merak3d import STEPS, _module, _Recorder, _ShardedData
 
     merak3d.STEP_CHECK_WARMUP, merak3d.STEP_CHECK_BATCHES = 1, STEPS - 2
@@ -291,11 +291,11 @@ def test_sequence_parallel_planning_keeps_only_degrees_that_split_the_sequence(s
 
 
 def test_local_shard_of_a_block_holds_one_rank_of_every_split_layer():
-    from lightning_merak.config import ModelConfig
-    from lightning_merak.models import build_causal_lm
-    from lightning_merak.strategies.layout_profiler import local_shard_of_block
+    from lightning_merak.modules.causal_lm import build_causal_lm
+    from lightning_merak.modules.config import ModelConfig
+    from lightning_merak.parallel.pipeline.trace import trace_model
+    from lightning_merak.planning.measure.layout import local_shard_of_block
     from lightning_merak.strategies.merak3d.build import call_model
-    from lightning_merak.strategies.pipeline.trace import trace_model
 
     model = build_causal_lm(ModelConfig(name="gpt2", model_type="gpt2", config={"n_embd": 32, "n_layer": 2,
                                                                                 "n_head": 4}), vocab_size=VOCAB)

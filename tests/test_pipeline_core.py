@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lightning_merak.strategies.pipeline import (
+from lightning_merak.parallel.pipeline import (
     BlockCost,
     Partition,
     blocks_to_recompute,

@@ -20,10 +20,10 @@ from transformers import (
     MistralForCausalLM,
 )
 
-from lightning_merak.models import logits_of
-from lightning_merak.strategies.pipeline import partition_autopipe, partition_uniform, simulate_schedule
-from lightning_merak.strategies.pipeline.stage import build_stage_module, tied_parameter_names
-from lightning_merak.strategies.pipeline.trace import TraceError, trace_model
+from lightning_merak.parallel.pipeline import partition_autopipe, partition_uniform, simulate_schedule
+from lightning_merak.parallel.pipeline.stage import build_stage_module, tied_parameter_names
+from lightning_merak.parallel.pipeline.trace import TraceError, trace_model
+from lightning_merak.util.model_outputs import logits_of
 
 
 class _Block(nn.Module):

@@ -17,7 +17,7 @@ def _trace_then_plan(rank: int, world_size: int, out: str) -> dict[str, Any]:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_merak.profiler import MerakTraceProfiler
+    from lightning_merak.callbacks.profiler import MerakTraceProfiler
     from lightning_merak.strategies.merak3d import Merak3DStrategy
     from tests.test_merak3d import BATCH, _batches, _module
 
@@ -44,9 +44,9 @@ def _trace_then_plan(rank: int, world_size: int, out: str) -> dict[str, Any]:
 
 
 def test_a_traced_run_calibrates_the_predictor_the_planner_ranks_by(tmp_path: Path) -> None:
-    from lightning_merak.profiler import Trace
-    from lightning_merak.profiler.calibration import predictor_from_files
-    from lightning_merak.profiler.lightning_profiler import model_shape
+    from lightning_merak.callbacks.profiler import Trace
+    from lightning_merak.callbacks.profiler.lightning_profiler import model_shape
+    from lightning_merak.planning.replay.calibration import predictor_from_files
     from tests.test_merak3d import BATCH, SEQ, _module
 
     results = run_distributed(_trace_then_plan, 2, args=(str(tmp_path),), timeout_s=240)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from lightning_merak.strategies.planner import (
+from lightning_merak.planning.planner import (
     COMPONENTS,
     BlockTimes,
     CollectiveCost,
@@ -238,7 +238,7 @@ def test_components_add_up_with_the_pipeline_runtime_priced():
 
 @pytest.mark.parametrize("action_s, step_s, p2p_s", [(4e-4, 3e-4, 1e-4), (1e-3, 0.0, 0.0), (0.0, 5e-4, 2e-4)])
 def test_pipeline_runtime_is_recovered_from_steps_of_stages_that_compute_nothing(action_s, step_s, p2p_s):
-    from lightning_merak.strategies.pipeline import simulate_schedule
+    from lightning_merak.parallel.pipeline import simulate_schedule
 
     steps = {count: simulate_schedule([action_s] * 2, [action_s] * 2, count, "1f1b", p2p_s).iteration_s + step_s
              for count in (2, 8)}

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from lightning_merak.strategies.planner import (
+from lightning_merak.planning.planner import (
     CollectiveCost,
     Layout,
     NetworkProfile,
@@ -18,7 +18,7 @@ from lightning_merak.strategies.planner import (
     predict,
     required_profile_keys,
 )
-from lightning_merak.strategies.planner.search import expert_parallel_sizes
+from lightning_merak.planning.planner.search import expert_parallel_sizes
 from tests.test_planner_experts import EXPERTS, _profile
 
 # world 4, one stage: every layout is dp=4 (2 samples per replica, as _profile times them)

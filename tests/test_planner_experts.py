@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from lightning_merak.strategies.planner import (
+from lightning_merak.planning.planner import (
     BlockTimes,
     CollectiveCost,
     Layout,
@@ -17,7 +17,7 @@ from lightning_merak.strategies.planner import (
     candidate_layouts,
     predict,
 )
-from lightning_merak.strategies.planner.experts import ExpertLayers
+from lightning_merak.planning.planner.experts import ExpertLayers
 
 # 4 experts, top-2, hidden 8, 16 tokens per sample, fp32; one MoE block whose experts weigh 400 of its 500 bytes
 EXPERTS = ExpertLayers(num_experts=4, top_k=2, hidden_size=8, tokens_per_sample=16, moe_blocks=1,
@@ -133,8 +133,8 @@ def test_moe_layers_where_the_model_has_them_are_counted_per_stage() -> None:
 
 
 def test_the_profile_reads_the_moe_layers_from_the_model() -> None:
+    from lightning_merak.planning.measure.experts import expert_layers_of, grouped_experts
     from lightning_merak.plugins.moe.experts import tiny_moe_model
-    from lightning_merak.strategies.expert_profiler import expert_layers_of, grouped_experts
 
     model = tiny_moe_model("deepseek_v3", hidden=32, layers=3, vocab=64)  # block 0 dense, 16 experts, top-8
     experts = model.model.layers[1].mlp.experts
@@ -149,7 +149,7 @@ def test_the_profile_reads_the_moe_layers_from_the_model() -> None:
 
 
 def test_the_search_asks_for_the_expert_groups_links_and_leaves_out_uneven_expert_splits() -> None:
-    from lightning_merak.strategies.planner import plan, required_profile_keys
+    from lightning_merak.planning.planner import plan, required_profile_keys
 
     space = SearchSpace(world_size=4, global_batch_size=8, tp_degrees_allowed=(1,), max_pipeline_stages=2,
                         ep_size=None)

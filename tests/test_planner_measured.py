@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from lightning_merak.strategies.planner import (
+from lightning_merak.planning.planner import (
     BatchClock,
     BlockTimes,
     CollectiveCost,

@@ -9,9 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_merak.strategies.merak3d import planning
-from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
-from lightning_merak.strategies.planner import (
+from lightning_merak.planning.planner import (
     BlockTimes,
     CollectiveCost,
     Layout,
@@ -23,8 +21,10 @@ from lightning_merak.strategies.planner import (
     predict,
     required_profile_keys,
 )
-from lightning_merak.strategies.planner.cost_model import MEMORY_COMPONENTS, exposed_comm_s, model_state_bytes
-from lightning_merak.strategies.planner.profile import DATA_PARALLEL_SHARDING
+from lightning_merak.planning.planner.cost_model import MEMORY_COMPONENTS, exposed_comm_s, model_state_bytes
+from lightning_merak.planning.planner.profile import DATA_PARALLEL_SHARDING
+from lightning_merak.strategies.merak3d import planning
+from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
 from lightning_merak.testing import run_distributed
 
 BLOCK_BYTES, ROOT_BYTES = 1000, 200

@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from lightning_merak.runtime.prelaunch import GATE_VARIABLE, PrelaunchedRanks, launched_externally
+from lightning_merak.cli.prelaunch import GATE_VARIABLE, PrelaunchedRanks, launched_externally
 
 WAITING_RANK = textwrap.dedent(
     """
     import sys
-    from lightning_merak.runtime.prelaunch import wait_at_gate
+    from lightning_merak.cli.prelaunch import wait_at_gate
     wait_at_gate()
     print("past the gate", flush=True)
     sys.exit(int(sys.argv[1]))
@@ -41,7 +41,7 @@ def test_a_launcher_is_recognised_by_its_variables():
 
 
 def test_without_a_gate_nothing_waits(monkeypatch):
-    from lightning_merak.runtime.prelaunch import wait_at_gate
+    from lightning_merak.cli.prelaunch import wait_at_gate
 
     monkeypatch.delenv(GATE_VARIABLE, raising=False)
     started = time.monotonic()
@@ -77,7 +77,7 @@ def test_a_failed_rank_fails_rank_0s_finish():
 def test_a_refused_run_ends_its_early_ranks_without_a_word(tmp_path):
     """A refusal made after the ranks started (the strategy's checks) ends rank 0; its ranks leave quietly."""
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_merak.train", "trainer.devices=2", "strategy.data_parallel=3",
+        [sys.executable, "-m", "lightning_merak.cli.train", "trainer.devices=2", "strategy.data_parallel=3",
          f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode != 0
@@ -108,7 +108,7 @@ def _processes_running_in(run_dir) -> list[int]:
 def test_ranks_started_here_share_the_cores(monkeypatch):
     import torch
 
-    from lightning_merak.runtime.prelaunch import share_cores
+    from lightning_merak.cli.prelaunch import share_cores
 
     threads = torch.get_num_threads()
     try:

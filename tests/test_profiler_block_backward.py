@@ -9,20 +9,20 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_merak.profiler.calibration import Probe, ReplayPredictor, calibrate_from_traces
-from lightning_merak.profiler.call_curve import CallCurve
-from lightning_merak.profiler.recorder import TraceRecorder
-from lightning_merak.profiler.refine import with_probed_backward
-from lightning_merak.profiler.synthesize import (
+from lightning_merak.callbacks.profiler.recorder import TraceRecorder
+from lightning_merak.distributed.sub_batches import SubBatchForward
+from lightning_merak.distributed.turns import yield_turn
+from lightning_merak.planning.replay.calibration import Probe, ReplayPredictor, calibrate_from_traces
+from lightning_merak.planning.replay.call_curve import CallCurve
+from lightning_merak.planning.replay.refine import with_probed_backward
+from lightning_merak.planning.replay.synthesize import (
     BLOCK_BACKWARD_RATIO,
     ModelShape,
     _rank_breakdown,
     calibrate,
     predict_layout,
 )
-from lightning_merak.profiler.trace import RankTrace, Span, Trace
-from lightning_merak.runtime.sub_batches import SubBatchForward
-from lightning_merak.runtime.turns import yield_turn
+from lightning_merak.planning.replay.trace import RankTrace, Span, Trace
 from tests.test_profiler_calibration import DP2, PP2, SHAPE, TP2, _dp2_trace, _tp2_probe
 
 SLOW_BACKWARD_S = 0.2

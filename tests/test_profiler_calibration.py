@@ -9,7 +9,9 @@ from typing import Optional
 import pytest
 import torch
 
-from lightning_merak.profiler.calibration import (
+from lightning_merak.callbacks.profiler.lightning_profiler import run_meta
+from lightning_merak.planning.planner import Layout, Plan, Prediction, rerank
+from lightning_merak.planning.replay.calibration import (
     Probe,
     ReplayPredictor,
     TraceCalibration,
@@ -20,9 +22,8 @@ from lightning_merak.profiler.calibration import (
     probe_key,
     traced_blocks,
 )
-from lightning_merak.profiler.lightning_profiler import run_meta
-from lightning_merak.profiler.refine import with_block_call_cost
-from lightning_merak.profiler.synthesize import (
+from lightning_merak.planning.replay.refine import with_block_call_cost
+from lightning_merak.planning.replay.synthesize import (
     BLOCK_BACKWARD_RATIO,
     LayoutSpec,
     ModelShape,
@@ -32,8 +33,7 @@ from lightning_merak.profiler.synthesize import (
     layout_graph,
     predict_layout,
 )
-from lightning_merak.profiler.trace import CommRecord, RankTrace, Span, Trace
-from lightning_merak.strategies.planner import Layout, Plan, Prediction, rerank
+from lightning_merak.planning.replay.trace import CommRecord, RankTrace, Span, Trace
 
 SHAPE = ModelShape(blocks=2, block_params=100_000, other_params=50_000, hidden=8, seq=4)
 """250 000 parameters: a 1 MB fp32 gradient all-reduce at dp=2."""

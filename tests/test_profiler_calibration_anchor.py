@@ -7,16 +7,16 @@ import dataclasses
 
 import pytest
 
-from lightning_merak.profiler.calibration import (
+from lightning_merak.planning.replay.calibration import (
     Probe,
     ReplayPredictor,
     block_call_cost,
     calibrate_from_traces,
     rederivation_anchor,
 )
-from lightning_merak.profiler.replay import measured_step_time
-from lightning_merak.profiler.synthesize import LayoutSpec, StepCosts, calibrate, predict_layout
-from lightning_merak.profiler.trace import Span, Trace
+from lightning_merak.planning.replay.engine import measured_step_time
+from lightning_merak.planning.replay.synthesize import LayoutSpec, StepCosts, calibrate, predict_layout
+from lightning_merak.planning.replay.trace import Span, Trace
 from tests.test_profiler_calibration import DP2, PP2, SHAPE, TP2, _dp2_trace, _pp2_trace
 
 

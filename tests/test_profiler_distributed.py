@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_merak.config import ModelConfig, TrainerConfig
-from lightning_merak.models import CausalLMModule, build_causal_lm
-from lightning_merak.profiler import MerakTraceProfiler, Trace, WhatIf, replay_trace, summary_numbers
-from lightning_merak.profiler.synthesize import LayoutSpec, _rank_breakdown
+from lightning_merak.callbacks.profiler import MerakTraceProfiler, Trace, WhatIf, replay_trace, summary_numbers
+from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.planning.replay.synthesize import LayoutSpec, _rank_breakdown
 from lightning_merak.testing import run_distributed
 
 pytestmark = pytest.mark.distributed

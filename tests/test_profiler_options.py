@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_merak.options.profiler import NoProfilerConfig, TraceProfilerConfig
-from lightning_merak.profiler import MerakTraceProfiler
+from lightning_merak.callbacks.profiler import MerakTraceProfiler
+from lightning_merak.cli.options.profiler import NoProfilerConfig, TraceProfilerConfig
 
 
 def test_trace_option_builds_the_profiler(tmp_path) -> None:

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from lightning_merak.profiler.calibration import ReplayPredictor, TraceCalibration
-from lightning_merak.profiler.call_curve import CallCurve
-from lightning_merak.profiler.stage_split import autopipe_stage_blocks, partitioner_nodes, with_autopipe_split
-from lightning_merak.profiler.synthesize import LayoutSpec, ModelShape, StepCosts, predict_layout
+from lightning_merak.planning.replay.calibration import ReplayPredictor, TraceCalibration
+from lightning_merak.planning.replay.call_curve import CallCurve
+from lightning_merak.planning.replay.stage_split import autopipe_stage_blocks, partitioner_nodes, with_autopipe_split
+from lightning_merak.planning.replay.synthesize import LayoutSpec, ModelShape, StepCosts, predict_layout
 
 SHAPE = ModelShape(blocks=4, block_params=100_000, other_params=50_000, hidden=8, seq=4)
 COSTS = StepCosts(block_forward_per_sample=0.00025, rest_forward_per_sample=0.00075, backward_ratio=2.0,

@@ -11,18 +11,18 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_merak.config import ModelConfig, TrainerConfig
-from lightning_merak.models import CausalLMModule, build_causal_lm
-from lightning_merak.profiler import MerakTraceProfiler, Trace
-from lightning_merak.profiler.calibration import (
+from lightning_merak.callbacks.profiler import MerakTraceProfiler, Trace
+from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.planning.replay.calibration import (
     MIN_UNTRACED_STEPS,
     Probe,
     ReplayPredictor,
     calibrate_from_traces,
     untraced_step_time,
 )
-from lightning_merak.profiler.replay import measured_step_time
-from lightning_merak.profiler.synthesize import predict_layout
+from lightning_merak.planning.replay.engine import measured_step_time
+from lightning_merak.planning.replay.synthesize import predict_layout
 from tests.test_profiler_calibration import DP2, SHAPE, TP2, _dp2_trace, _tp2_probe
 
 VOCAB, SEQ, BATCH = 64, 8, 2

@@ -109,16 +109,16 @@ CASES: dict[str, Case] = {
     "+model.config.num_hidden_layers=2": Case(),
     "merak-train data=text data.path=/abs/path/corpus.jsonl data.text_field=text": Case(),
     "merak-train data=text data.path=/abs/corpus.txt data.tokenizer_path=/abs/tokenizer_dir": Case(),
-    # the same app as merak-train; `python -m lightning_merak.train` trains (Lightning relaunching it for
+    # the same app as merak-train; `python -m lightning_merak.cli.train` trains (Lightning relaunching it for
     # rank 1) in test_merak3d_first_batch's and test_termination's merak-train runs, and under torchrun below
-    "python -m lightning_merak.train ...": Case(trains=False, config_only=True, same_config_as="merak-train"),
+    "python -m lightning_merak.cli.train ...": Case(trains=False, config_only=True, same_config_as="merak-train"),
     "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29400 -m "
-    "lightning_merak.train trainer=gpu trainer.num_nodes=2 trainer.devices=8": Case(
+    "lightning_merak.cli.train trainer=gpu trainer.num_nodes=2 trainer.devices=8": Case(
         not_run="needs two hosts with 8 GPUs each",
-        substitute="torchrun --standalone --nproc-per-node 2 -m lightning_merak.train trainer.devices=2"),
-    "srun python -m lightning_merak.train trainer=gpu trainer.num_nodes=2 trainer.devices=8": Case(
+        substitute="torchrun --standalone --nproc-per-node 2 -m lightning_merak.cli.train trainer.devices=2"),
+    "srun python -m lightning_merak.cli.train trainer=gpu trainer.num_nodes=2 trainer.devices=8": Case(
         not_run="needs a SLURM cluster with GPUs",
-        substitute="torchrun --standalone --nproc-per-node 2 -m lightning_merak.train trainer.devices=2"),
+        substitute="torchrun --standalone --nproc-per-node 2 -m lightning_merak.cli.train trainer.devices=2"),
     "merak-train strategy.pipeline_parallel=2 strategy.micro_batches=4": Case(
         output=("pipeline_parallel=2",)),
     "merak-train trainer.devices=4 strategy.pipeline_parallel=2 strategy.tensor_parallel=2": Case(
@@ -395,7 +395,7 @@ def test_readme_benchmark_parses_its_arguments(name: str, benchmark_help: dict[s
 
 
 def test_help_imports_no_torch() -> None:
-    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "lightning_merak.train", "--help"],
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "lightning_merak.cli.train", "--help"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if "|" in line}

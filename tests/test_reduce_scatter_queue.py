@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_merak.strategies.merak3d.reduce_scatter import ReduceScatterQueue
+from lightning_merak.parallel.data.reduce_scatter import ReduceScatterQueue
 
 
 class _FakeExchange:

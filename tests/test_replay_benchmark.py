@@ -22,8 +22,8 @@ from benchmarks.replay import (
     stage_blocks,
     summarize_run,
 )
-from lightning_merak.profiler.call_curve import CallCurve
-from lightning_merak.profiler.probe import ProbedCurves
+from lightning_merak.planning.measure.probe import ProbedCurves
+from lightning_merak.planning.replay.call_curve import CallCurve
 
 
 def test_a_run_is_the_median_of_its_untraced_steps_after_warm_up() -> None:
@@ -86,7 +86,7 @@ def test_runs_merge_to_the_median_period_beside_the_first_repeat() -> None:
 
 
 def test_every_mode_runs_valid_pipelines_with_untraced_steps_to_measure() -> None:
-    from lightning_merak.strategies.merak3d.layout import schedule_problem
+    from lightning_merak.parallel.layout import schedule_problem
 
     for mode in (QUICK, FULL):
         for job in jobs_by_name(mode).values():

@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from lightning_merak.config import ModelConfig
-from lightning_merak.models import build_causal_lm
-from lightning_merak.profiler.call_curve import CallCurve, interpolate
-from lightning_merak.profiler.probe import next_token_loss, probe_call_curves
-from lightning_merak.profiler.refine import with_call_curves
-from lightning_merak.profiler.synthesize import (
+from lightning_merak.modules.causal_lm import build_causal_lm
+from lightning_merak.modules.config import ModelConfig
+from lightning_merak.planning.measure.probe import next_token_loss, probe_call_curves
+from lightning_merak.planning.replay.call_curve import CallCurve, interpolate
+from lightning_merak.planning.replay.refine import with_call_curves
+from lightning_merak.planning.replay.synthesize import (
     LayoutSpec,
     ModelShape,
     StepCosts,

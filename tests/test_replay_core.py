@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_merak.profiler import Trace, WhatIf, chrome_trace, replay_trace
-from lightning_merak.profiler.replay import (
+from lightning_merak.callbacks.profiler import Trace, WhatIf, chrome_trace, replay_trace
+from lightning_merak.planning.replay.engine import (
     Task,
     TaskGraph,
     anchored,
@@ -13,9 +13,9 @@ from lightning_merak.profiler.replay import (
     measured_step_time,
     replay,
 )
-from lightning_merak.profiler.summary import summary_numbers
-from lightning_merak.profiler.synthesize import LayoutSpec, ModelShape, StepCosts, predict_layout
-from lightning_merak.profiler.trace import CommRecord, RankTrace, Span, offset_from_round_trips
+from lightning_merak.planning.replay.summary import summary_numbers
+from lightning_merak.planning.replay.synthesize import LayoutSpec, ModelShape, StepCosts, predict_layout
+from lightning_merak.planning.replay.trace import CommRecord, RankTrace, Span, offset_from_round_trips
 
 MB = 1_000_000
 
@@ -142,7 +142,7 @@ def test_simulated_rank_counts_replay() -> None:
 def test_a_link_faster_than_the_trace_resolves_still_gets_a_rate() -> None:
     """Large ops no slower than the fixed cost (a fast loopback) leave nothing beyond it: their whole time bounds the
     rate from below, so calibration never fails for a link that is too fast."""
-    from lightning_merak.profiler.replay import CommOp, transfer_seconds
+    from lightning_merak.planning.replay.engine import CommOp, transfer_seconds
 
     def op(wire: float, duration: float) -> CommOp:
         return CommOp(key=("ar", wire), op="all_reduce", channel="dp", wire=wire, duration=duration, done=0.0,

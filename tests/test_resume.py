@@ -12,9 +12,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_merak.config import DataConfig, ModelConfig, TrainerConfig
-from lightning_merak.data import LanguageModelingData
-from lightning_merak.models import CausalLMModule, build_causal_lm
+from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.config import DataConfig, ModelConfig, TrainerConfig
+from lightning_merak.modules.data import LanguageModelingData
 from lightning_merak.testing import run_distributed
 
 MODEL = ModelConfig(name="llama", model_type="llama", config={

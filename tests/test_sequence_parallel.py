@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_merak.runtime.layout_aware import RecomputedForward
+from lightning_merak.parallel.tensor.blocks import find_tensor_parallel_plan
+from lightning_merak.parallel.tensor.sequence import check_sequence_length, find_sequence_parallel_plan
+from lightning_merak.protocols.layout_aware import RecomputedForward
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.strategies.merak3d.build import tensor_parallel_plan
-from lightning_merak.strategies.sequence_parallel import check_sequence_length, find_sequence_parallel_plan
-from lightning_merak.strategies.tensor_parallel import find_tensor_parallel_plan
 from lightning_merak.testing import assert_traces_match, merge_rank_traces, run_distributed
 from tests.test_merak3d import _reference, _train_rank
 
@@ -33,10 +33,10 @@ MODELS = {
 
 
 def _model_and_trace(name: str):
-    from lightning_merak.config import ModelConfig
-    from lightning_merak.models import build_causal_lm
+    from lightning_merak.modules.causal_lm import build_causal_lm
+    from lightning_merak.modules.config import ModelConfig
+    from lightning_merak.parallel.pipeline.trace import trace_model
     from lightning_merak.strategies.merak3d.build import call_model
-    from lightning_merak.strategies.pipeline.trace import trace_model
 
     torch.manual_seed(0)
     model = build_causal_lm(ModelConfig(name=name, **MODELS[name]), vocab_size=VOCAB)
@@ -122,8 +122,8 @@ def _tensor_parallel_model(name: str, world_size: int, sequence_parallel: bool, 
     """The test model with every block split over all ranks (and the sequence, and recomputed, if asked)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_merak.strategies.sequence_parallel import split_sequence_between
-    from lightning_merak.strategies.tensor_parallel import apply_tensor_parallel
+    from lightning_merak.parallel.tensor.blocks import apply_tensor_parallel
+    from lightning_merak.parallel.tensor.sequence import split_sequence_between
 
     model, inputs, trace = _model_and_trace(name)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
@@ -143,13 +143,13 @@ def _step(rank: int, world_size: int, name: str, sequence_parallel: bool, parts:
     """One forward/backward of a tensor-parallel model; outputs, local gradients and collectives."""
     import torch.distributed as dist
 
-    from lightning_merak.models import logits_of
-    from lightning_merak.runtime.collectives import record_communication
-    from lightning_merak.runtime.sub_batches import SubBatchForward
-    from lightning_merak.strategies.sequence_parallel import sequence_partial_parameters
+    from lightning_merak.distributed.collectives import record_communication
+    from lightning_merak.distributed.sub_batches import SubBatchForward
+    from lightning_merak.parallel.tensor.sequence import sequence_partial_parameters
+    from lightning_merak.util.model_outputs import logits_of
 
     model, inputs, trunk = _tensor_parallel_model(name, world_size, sequence_parallel, recompute)
-    from lightning_merak.strategies.sequence_parallel import _Regather
+    from lightning_merak.parallel.tensor.sequence import _Regather
 
     saved: dict[int, int] = {}
 
@@ -164,7 +164,7 @@ def _step(rank: int, world_size: int, name: str, sequence_parallel: bool, parts:
             super().__init__(shard, *args)
             pack(self.shard)
 
-    sys.modules["lightning_merak.strategies.sequence_parallel"]._Regather = CountedRegather
+    sys.modules["lightning_merak.parallel.tensor.sequence"]._Regather = CountedRegather
 
     # Saved-tensor hooks are per thread: with sub-batches only the caller's thread is counted.
     with record_communication() as communication, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -216,10 +216,10 @@ def test_sequence_parallel_equals_plain_tensor_parallel(name, parts, recompute):
 
 
 def _weight_gradient_order_rank(rank: int, world_size: int) -> dict:
-    from lightning_merak.models import logits_of
-    from lightning_merak.runtime import weight_gradients
-    from lightning_merak.runtime.collectives import PendingCollective
-    from lightning_merak.strategies import sequence_parallel
+    from lightning_merak.distributed import weight_gradients
+    from lightning_merak.distributed.collectives import PendingCollective
+    from lightning_merak.parallel.tensor import sequence as sequence_parallel
+    from lightning_merak.util.model_outputs import logits_of
 
     events: list[str] = []
     start, weights, wait = (sequence_parallel.start_reduce_scatter_in_turn,
@@ -257,9 +257,9 @@ def test_sequence_parallel_reduce_scatters_input_gradients_behind_weight_gradien
 
 def _predicted_sequence_parallel_saving(name: str) -> int:
     """Activation bytes the planner expects sequence parallelism to save on the whole model at tp=2."""
-    from lightning_merak.strategies.layout_profiler import profile_model
+    from lightning_merak.planning.measure.layout import profile_model
+    from lightning_merak.planning.planner import SearchSpace, required_profile_keys
     from lightning_merak.strategies.merak3d.build import call_model
-    from lightning_merak.strategies.planner import SearchSpace, required_profile_keys
 
     model, inputs, _ = _model_and_trace(name)
     samples = inputs.shape[0]
@@ -286,7 +286,7 @@ def test_recomputed_sub_batches_draw_the_dropout_masks_of_their_forward(sequence
 
 def _dropout_masks(rank: int, world_size: int, sequence_parallel: bool) -> dict:
     """Which elements the first block's attention and residual dropout zeroed, and the logits."""
-    from lightning_merak.models import logits_of
+    from lightning_merak.util.model_outputs import logits_of
 
     model, inputs, _ = _tensor_parallel_model("gpt2-dropout", world_size, sequence_parallel, recompute=False)
     # GPT-2's attention calls dropout functionally: record every dropout call's zeroed elements
@@ -337,7 +337,7 @@ SEQUENCE_LAYOUT_IDS = ["llama-tp2", "gpt2-pp2-tp2-k2-recompute", "llama-dp2-tp2-
 
 
 def _train_rank_recording(rank: int, world_size: int, model_name: str, layout: dict) -> tuple:
-    from lightning_merak.runtime.collectives import record_communication
+    from lightning_merak.distributed.collectives import record_communication
 
     with record_communication() as communication:
         losses, gradients = _train_rank(rank, world_size, model_name, layout)

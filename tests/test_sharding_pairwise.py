@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_merak.strategies.merak3d.reduce_scatter import sum_in_rank_order
+from lightning_merak.parallel.data.reduce_scatter import sum_in_rank_order
 from lightning_merak.testing.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed  # every test here runs gloo ranks
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.distributed  # every test here runs gloo ranks
 def _pairwise_rank(rank: int, world_size: int) -> list[bool]:
     import torch.distributed as dist
 
-    from lightning_merak.strategies.merak3d.reduce_scatter import PairwiseReduceScatter
+    from lightning_merak.parallel.data.reduce_scatter import PairwiseReduceScatter
 
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])] if world_size == 4 else [dist.group.WORLD]
     group = pairs[rank // 2]
@@ -46,7 +46,7 @@ PART_LENGTHS = (1, 7, 1365, 2**13 + 1)
 def _exchange_rank(rank: int, world_size: int) -> list[dict[str, object]]:
     import torch.distributed as dist
 
-    from lightning_merak.strategies.merak3d.reduce_scatter import ExchangeReduceScatter, start_reduce_scatter
+    from lightning_merak.parallel.data.reduce_scatter import ExchangeReduceScatter, start_reduce_scatter
 
     outcomes = []
     for part in PART_LENGTHS:
@@ -96,7 +96,7 @@ def test_a_bucket_that_does_not_split_evenly_is_refused() -> None:
 def _uneven_rank(rank: int, world_size: int) -> str:
     import torch.distributed as dist
 
-    from lightning_merak.strategies.merak3d.reduce_scatter import ExchangeReduceScatter
+    from lightning_merak.parallel.data.reduce_scatter import ExchangeReduceScatter
 
     try:
         ExchangeReduceScatter(torch.empty(3), torch.zeros(10), dist.group.WORLD)
@@ -114,7 +114,7 @@ def test_sum_in_rank_order_adds_left_to_right() -> None:
 
 def _zero_dp4_rank(rank: int, world_size: int) -> list[dict]:
     """ZeRO-1 and ZeRO-2 at dp=4 with small buckets, counting the exchanges they start."""
-    from lightning_merak.strategies.merak3d import reduce_scatter
+    from lightning_merak.parallel.data import reduce_scatter
     from tests.test_merak3d_sharding import _train_rank
 
     started = [0]

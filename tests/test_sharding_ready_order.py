@@ -13,7 +13,7 @@ pytestmark = pytest.mark.distributed  # every test here runs gloo ranks
 def _modes_rank(rank: int, world_size: int) -> list[dict]:
     """Plain dp and ZeRO-1 at dp=2, with overlap (buckets in ready order from the second step) and without (the
     reversed registration order throughout), small buckets so that several start during each backward."""
-    from lightning_merak.strategies.merak3d.data_parallel import DataParallelGradients
+    from lightning_merak.parallel.data.buckets import DataParallelGradients
 
     ready_ordered: list[bool] = []
     build = DataParallelGradients.__init__

@@ -220,7 +220,7 @@ def test_hydra_comm_options_compose_and_build(option: str) -> None:
     from omegaconf import OmegaConf
 
     from lightning_merak.callbacks.sparse_comm import SparseCommunication
-    from lightning_merak.options.comm import register
+    from lightning_merak.cli.options.comm import register
 
     register()
     conf_dir = Path(__file__).resolve().parents[1] / "lightning_merak" / "conf"
@@ -239,8 +239,8 @@ def _default_run(*overrides: str) -> tuple[Any, Any]:
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from lightning_merak.config import register_configs
-    from lightning_merak.models import CausalLMModule, build_causal_lm
+    from lightning_merak.cli.config import register_configs
+    from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
 
     register_configs()
     with initialize_config_module(config_module="lightning_merak.conf", version_base="1.3"):

@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.callbacks.sparse_comm import ShardedEmbedding, SparseCommunication
-from lightning_merak.config import ModelConfig, TrainerConfig
-from lightning_merak.models import CausalLMModule, build_causal_lm
+from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.config import ModelConfig, TrainerConfig
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import run_distributed
 
@@ -231,7 +231,7 @@ def test_merak_train_comm_s2_on_the_default_model_reduces_the_table_with_s2(tmp_
     from itertools import pairwise
 
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_merak.train", "comm=s2", "comm.min_table_rows=256", "trainer.max_steps=4",
+        [sys.executable, "-m", "lightning_merak.cli.train", "comm=s2", "comm.min_table_rows=256", "trainer.max_steps=4",
          "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1",
          "data.num_sequences=128", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}"],
         capture_output=True, text=True, timeout=400)

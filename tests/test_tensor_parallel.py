@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_merak.strategies.tensor_parallel import find_tensor_parallel_plan, verify_tensor_parallel_plan
+from lightning_merak.parallel.tensor.blocks import find_tensor_parallel_plan, verify_tensor_parallel_plan
 from lightning_merak.testing import assert_traces_match, merge_rank_traces, run_distributed
 from tests.test_merak3d import _reference, _train_rank
 
@@ -148,8 +148,8 @@ def test_falcon_multi_query_trains_split_like_a_single_process():
 def test_a_family_that_does_not_split_is_refused_up_front_and_left_out_by_the_planner():
     from types import SimpleNamespace
 
+    from lightning_merak.parallel.tensor.blocks import check_tensor_parallel_degree
     from lightning_merak.strategies.merak3d.arguments import divides_model
-    from lightning_merak.strategies.tensor_parallel import check_tensor_parallel_degree
 
     mamba = SimpleNamespace(model_type="mamba", hidden_size=32)
     with pytest.raises(ValueError, match="tensor_parallel=2: mamba cannot be split.*use tensor_parallel=1"):
@@ -180,9 +180,9 @@ def _weight_grad_overlap_rank(rank: int, world_size: int) -> dict[str, object]:
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_merak.runtime.collectives import PendingCollective
-    from lightning_merak.strategies import tensor_parallel_layers as tensor_parallel
-    from lightning_merak.strategies.tensor_parallel import apply_tensor_parallel
+    from lightning_merak.distributed.collectives import PendingCollective
+    from lightning_merak.parallel.tensor import layers as tensor_parallel
+    from lightning_merak.parallel.tensor.blocks import apply_tensor_parallel
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_merak import termination
+from lightning_merak.distributed import termination
 from lightning_merak.testing import find_free_port
 
 pytestmark = pytest.mark.distributed
@@ -72,7 +72,7 @@ def _default_sigint() -> None:
 def test_signal_to_merak_train_ends_both_ranks(tmp_path, signum):
     """Only rank 0 is signalled, as SLURM signals the task it started; rank 1 is its child."""
     command = [
-        sys.executable, "-m", "lightning_merak.train", "trainer.max_steps=100000", "data.num_sequences=128",
+        sys.executable, "-m", "lightning_merak.cli.train", "trainer.max_steps=100000", "data.num_sequences=128",
         "trainer.enable_progress_bar=false", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
         f"hydra.run.dir={tmp_path}",
     ]
@@ -100,7 +100,7 @@ BLOCKED_RANK = textwrap.dedent(
     """
     import datetime, signal, sys, time
     import torch.distributed as dist
-    from lightning_merak.termination import install_termination_handler
+    from lightning_merak.distributed.termination import install_termination_handler
 
     rank = int(sys.argv[1])
     received = []
@@ -151,7 +151,7 @@ PARENT = textwrap.dedent(
 CHILD = textwrap.dedent(
     """
     import signal, threading
-    from lightning_merak.termination import install_termination_handler
+    from lightning_merak.distributed.termination import install_termination_handler
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # only the deadline can end it
     install_termination_handler(grace_s=1.0)
     threading.Event().wait()

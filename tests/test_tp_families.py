@@ -56,11 +56,12 @@ def _split_against_whole(model_type: str, config: dict, mesh) -> dict[str, float
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from lightning_merak.config import ModelConfig
-    from lightning_merak.models import build_causal_lm, logits_of
+    from lightning_merak.modules.causal_lm import build_causal_lm
+    from lightning_merak.modules.config import ModelConfig
+    from lightning_merak.parallel.pipeline.trace import trace_model
+    from lightning_merak.parallel.tensor.blocks import apply_tensor_parallel, region_partial_parameters
     from lightning_merak.strategies.merak3d.build import call_model, tensor_parallel_plan
-    from lightning_merak.strategies.pipeline.trace import trace_model
-    from lightning_merak.strategies.tensor_parallel import apply_tensor_parallel, region_partial_parameters
+    from lightning_merak.util.model_outputs import logits_of
 
     torch.manual_seed(0)
     whole = build_causal_lm(ModelConfig(name=model_type, model_type=model_type, config=config), vocab_size=VOCAB)
@@ -133,7 +134,7 @@ def test_every_traced_family_splits_at_tensor_parallel_2_exactly():
 
 def test_layout_change_round_trips_rows_several_ranks_hold():
     """Rank 0 holds original rows 0, 1 and the shared 4, 5; rank 1 rows 2, 3 and 4, 5 again."""
-    from lightning_merak.strategies.tensor_parallel import LayoutChange
+    from lightning_merak.parallel.tensor.blocks import LayoutChange
 
     change = LayoutChange(transposed=True, rows=(0, 1, 4, 5, 2, 3, 4, 5))
     original = torch.arange(18.0).view(3, 6)  # a Conv1D weight, (in, out)
@@ -146,11 +147,11 @@ def test_layout_change_round_trips_rows_several_ranks_hold():
 def test_fused_rows_follow_the_data_flow():
     """Phi-3's qkv_proj with one key/value head over 2 ranks: each rank's query rows and the shared
     key and value rows, in the original order; gate_up_proj: each rank's gate rows and up rows."""
-    from lightning_merak.config import ModelConfig
-    from lightning_merak.models import build_causal_lm
+    from lightning_merak.modules.causal_lm import build_causal_lm
+    from lightning_merak.modules.config import ModelConfig
+    from lightning_merak.parallel.pipeline.trace import trace_model
+    from lightning_merak.parallel.tensor.rows import rank_rows
     from lightning_merak.strategies.merak3d.build import call_model, tensor_parallel_plan
-    from lightning_merak.strategies.pipeline.trace import trace_model
-    from lightning_merak.strategies.tensor_parallel_rows import rank_rows
 
     torch.manual_seed(0)
     model = build_causal_lm(ModelConfig(name="phi3", model_type="phi3", config=dict(

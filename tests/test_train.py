@@ -11,9 +11,10 @@ import sys
 import lightning.pytorch as pl
 import pytest
 
-import lightning_merak.train as merak_train
-from lightning_merak.config import StrategyConfig, TrainerConfig, register_configs
-from lightning_merak.train import build_strategy, validate_run
+import lightning_merak.cli.train as merak_train
+from lightning_merak.cli.config import StrategyConfig, register_configs
+from lightning_merak.cli.train import build_strategy, validate_run
+from lightning_merak.modules.config import TrainerConfig
 
 
 def _refusal(overrides: list[str], run_dir, monkeypatch, capsys) -> str:

@@ -6,7 +6,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_merak.strategies.vocab_parallel import (
+from lightning_merak.parallel.tensor.vocab import (
     check_vocabulary_split,
     pad_vocab_shard,
     padded_vocab_size,
@@ -49,8 +49,8 @@ def _model(tied: bool) -> torch.nn.Module:
 
 def _stock_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """CausalLMModule.loss_from_logits, as users write it."""
-    from lightning_merak.config import TrainerConfig
-    from lightning_merak.models import CausalLMModule
+    from lightning_merak.modules.causal_lm import CausalLMModule
+    from lightning_merak.modules.config import TrainerConfig
 
     return CausalLMModule(torch.nn.Identity(), TrainerConfig()).loss_from_logits(logits, targets)
 
@@ -72,8 +72,8 @@ def _gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _split_case(rank: int, world_size: int, mesh, tied: bool, loss_name: str) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from lightning_merak.strategies import vocab_parallel
-    from lightning_merak.strategies.vocab_parallel import split_vocabulary, vocab_parallel_loss
+    from lightning_merak.parallel.tensor import vocab as vocab_parallel
+    from lightning_merak.parallel.tensor.vocab import split_vocabulary, vocab_parallel_loss
 
     loss_fn = {"stock": _stock_loss, "mixing": _mixing_loss}[loss_name]
     ids = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
@@ -115,7 +115,7 @@ def _checkpoint_round_trip(mesh, directory: str) -> bool:
     """A split model's sharded checkpoint (DCP) loads into the unsplit model: the rows are the real vocabulary."""
     import torch.distributed.checkpoint as dcp
 
-    from lightning_merak.strategies.vocab_parallel import split_vocabulary
+    from lightning_merak.parallel.tensor.vocab import split_vocabulary
 
     split = _model(tied=False)
     with torch.no_grad():
@@ -165,7 +165,7 @@ class _WireVocabLoss(pl.Callback):
     """Wires the loss as the strategy's build does for pp=1, once the first batch built the layout."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        from lightning_merak.strategies.vocab_parallel import vocab_parallel_loss
+        from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
 
         if "loss_from_logits" not in vars(pl_module):
             pl_module.loss_from_logits = vocab_parallel_loss(pl_module.loss_from_logits, pl_module.model)
@@ -177,8 +177,8 @@ STEPS = 2
 def _fit_rank(rank: int, world_size: int) -> tuple[list[float], list[dict]]:
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_merak.config import TrainerConfig
-    from lightning_merak.strategies import vocab_parallel
+    from lightning_merak.modules.config import TrainerConfig
+    from lightning_merak.parallel.tensor import vocab as vocab_parallel
     from lightning_merak.strategies.merak3d import Merak3DStrategy
     from tests.test_merak3d import _Recorder, _TestModule
 
@@ -200,7 +200,7 @@ def _fit_rank(rank: int, world_size: int) -> tuple[list[float], list[dict]]:
 @pytest.mark.distributed
 def test_lightning_fit_with_the_loss_on_sharded_logits_matches_one_process():
     """tp=2 through Lightning, the loss wired on sharded logits (tied weights, a vocabulary tp does not divide)."""
-    from lightning_merak.config import TrainerConfig
+    from lightning_merak.modules.config import TrainerConfig
     from tests.test_merak3d import _TestModule
 
     module = _TestModule(_model(tied=True), TrainerConfig(max_steps=STEPS))

@@ -17,7 +17,7 @@ functions :func:`slice_expert_factor` / :func:`join_expert_factors` move between
 rank's contiguous experts; :func:`expert_adapter_state_dict`, :func:`save_moe_adapter`,
 :func:`load_moe_adapter` and :func:`merged_state_dict` are the collective wrappers over the expert group.
 :func:`factor_view` and :func:`expert_factor_shards` let checkpoints store each rank's factors as slices of the
-whole (:class:`~lightning_merak.strategies.merak3d.checkpoint.ExpertSlices`).
+whole (:class:`~lightning_merak.checkpoint.sharded.ExpertSlices`).
 """
 
 from __future__ import annotations

@@ -4,12 +4,12 @@ Names are imported on first use: each callback pulls in its feature (``MoEPlacem
 pulls in DeepSpeed), and the Hydra options only need the pure parts.
 """
 
-from lightning_merak.lazy import lazy_attributes
+from lightning_merak.util.lazy import lazy_attributes
 
 _EXPORTS = {
     "DeltaMemory": "lightning_merak.callbacks.delta",
     "FaultWatch": "lightning_merak.callbacks.faults",
-    "MoEPlacementCallback": "lightning_merak.plugins.moe.callback",
+    "MoEPlacementCallback": "lightning_merak.callbacks.moe.placement",
     "NonFiniteGuard": "lightning_merak.callbacks.nonfinite",
     "PeriodicCheckpoint": "lightning_merak.callbacks.checkpoint",
     "SparseCommunication": "lightning_merak.callbacks.sparse_comm",

@@ -1,6 +1,6 @@
 """``FaultWatch``: a hang or a lost rank ends a Lightning run on every rank with a message that names it.
 
-The watch itself is :class:`~lightning_merak.runtime.watchdog.Watchdog` (started for ``fit``, stopped at its
+The watch itself is :class:`~lightning_merak.distributed.watchdog.Watchdog` (started for ``fit``, stopped at its
 end); this callback only gives it the run's newest complete checkpoint and turns the error a survivor's main
 thread gets from gloo when a peer dies ("Connection closed by peer") into :class:`RankLostError`, which names
 the lost rank, its host and the checkpoint to resume from.
@@ -14,7 +14,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch.distributed as dist
 
-from lightning_merak.runtime.watchdog import DEFAULT_DEAD_AFTER_S, DEFAULT_TIMEOUT_S, Watchdog
+from lightning_merak.distributed.watchdog import DEFAULT_DEAD_AFTER_S, DEFAULT_TIMEOUT_S, Watchdog
 
 __all__ = ["FaultWatch", "RankLostError", "newest_checkpoint"]
 
@@ -30,7 +30,7 @@ class RankLostError(RuntimeError):
 
 def newest_checkpoint(trainer: pl.Trainer) -> str | None:
     """The newest complete checkpoint any of the trainer's checkpoint callbacks wrote, or None."""
-    from lightning_merak.runtime.checkpoint_files import newest_complete
+    from lightning_merak.checkpoint.files import newest_complete
 
     found = []
     for callback in trainer.checkpoint_callbacks:
@@ -42,7 +42,7 @@ def newest_checkpoint(trainer: pl.Trainer) -> str | None:
 
 
 class FaultWatch(pl.Callback):
-    """Watch collectives and peers during ``fit`` (see :mod:`lightning_merak.runtime.watchdog`).
+    """Watch collectives and peers during ``fit`` (see :mod:`lightning_merak.distributed.watchdog`).
 
     Args:
         timeout_s: a collective that waits this long with none completing is a hang: every rank stops

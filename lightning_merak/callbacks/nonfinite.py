@@ -25,7 +25,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from lightning_merak.runtime.dtensors import local_tensor
+from lightning_merak.distributed.dtensors import local_tensor
 
 __all__ = ["NonFiniteError", "NonFiniteGuard"]
 

@@ -3,7 +3,7 @@
 Attributes import on first use, so ``merak-export --help`` imports no torch.
 """
 
-from lightning_merak.lazy import lazy_attributes
+from lightning_merak.util.lazy import lazy_attributes
 
 __all__ = [
     "ExportReport",

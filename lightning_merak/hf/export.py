@@ -8,7 +8,7 @@ unsplit model's names, taken in any layout) or a Lightning ``.ckpt`` file (DDP).
 directory that has them), ``model-0000k-of-0000N.safetensors`` and ``model.safetensors.index.json``.
 
 Streaming: tensors are read one at a time (``dcp.load`` of a one-key state dict, or a memory-mapped
-weights-only ``torch.load``: nothing is unpickled, :mod:`lightning_merak.runtime.safe_load`) and
+weights-only ``torch.load``: nothing is unpickled, :mod:`lightning_merak.checkpoint.safe_load`) and
 written shard by shard, so peak memory is about one output shard. Names,
 tied weights and transformers' renamings are undone as ``save_pretrained`` does
 (:mod:`lightning_merak.hf.names`); rows of a padded vocabulary are dropped. Checkpoints already
@@ -62,8 +62,8 @@ class _Source:
     def __init__(self, path: Path) -> None:
         import torch
 
-        from lightning_merak.runtime.safe_load import SafeFileSystemReader, load_torch_file
-        from lightning_merak.strategies.merak3d.checkpoint import LIGHTNING_CHECKPOINT, is_sharded_checkpoint
+        from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, load_torch_file
+        from lightning_merak.checkpoint.sharded import LIGHTNING_CHECKPOINT, is_sharded_checkpoint
 
         self.path = path
         self.sharded = is_sharded_checkpoint(path)
@@ -90,7 +90,7 @@ class _Source:
             return self.state[key]
         import torch.distributed.checkpoint as dcp
 
-        from lightning_merak.runtime.safe_load import SafeFileSystemReader, SafeLoadPlanner
+        from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
         shape, dtype = self.entries[key]
         state = {"model." + key: torch.empty(shape, dtype=dtype)}
@@ -351,8 +351,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Console entry point of ``merak-export``."""
     args = _parser().parse_args(argv)
-    from lightning_merak.console import quiet_dependency_noise
-    from lightning_merak.runtime.host_memory import skip_final_collection
+    from lightning_merak.distributed.host_memory import skip_final_collection
+    from lightning_merak.util.console import quiet_dependency_noise
 
     quiet_dependency_noise()
     report = export_checkpoint(args.checkpoint, args.out, merge_adapters=args.merge_adapters,

@@ -37,7 +37,7 @@ def layout_gradients(strategy: Any, model: nn.Module) -> dict[str, torch.Tensor]
     put back in the unsplit layout (``strategy.to_original_layout``): comparable with a single-process run's."""
     from torch.distributed.tensor import DTensor
 
-    from lightning_merak.strategies.pipeline.stage import RankStages
+    from lightning_merak.parallel.pipeline.stage import RankStages
 
     grads = {}
     for name, param in model.named_parameters():

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from lightning_merak.runtime.prelaunch import free_loopback_port
+from lightning_merak.cli.prelaunch import free_loopback_port
 
 __all__ = ["DistributedRunError", "find_free_port", "run_distributed"]
 
@@ -55,7 +55,7 @@ class _RankOutcome:
 _PRELOADED = (
     "torch", "torch.distributed", "lightning.pytorch", "transformers", "transformers.modeling_utils",
     "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
-    "transformers.models.mixtral.modeling_mixtral", "lightning_merak.models",
+    "transformers.models.mixtral.modeling_mixtral", "lightning_merak.modules.causal_lm",
     "lightning_merak.strategies.merak3d.strategy",
 )
 """Imported once by the forkserver the ranks are forked from (imports only: no thread has started).

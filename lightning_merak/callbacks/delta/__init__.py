@@ -8,7 +8,7 @@ Names are imported on first use, so the pure budget parser can be read by the Hy
 without importing torch.
 """
 
-from lightning_merak.lazy import lazy_attributes
+from lightning_merak.util.lazy import lazy_attributes
 
 _EXPORTS = {
     "discover_blocks": ".blocks",

@@ -6,7 +6,7 @@ strategy hands over, such as a pipeline stage, through :meth:`DeltaMemory.manage
 rest happens through hooks. See :mod:`lightning_merak.callbacks.delta.runtime`.
 
 Strategies that cut and shard the model on the first batch (layout-aware ones,
-:class:`~lightning_merak.runtime.layout_aware.LayoutAwareStrategy`: merak3d) are handled per
+:class:`~lightning_merak.protocols.layout_aware.LayoutAwareStrategy`: merak3d) are handled per
 rank: the selection is checked on the whole model at ``setup``, and on the first training
 batch, once the layout exists, each rank manages the blocks of its own pipeline stages under
 its own budget. Blocks the strategy already recomputes are left alone and logged, like user
@@ -35,7 +35,7 @@ from lightning_merak.callbacks.delta.plot import save_timeline_plot
 from lightning_merak.callbacks.delta.profiler import agree_profile
 from lightning_merak.callbacks.delta.recompute_switch import strategy_recompute, user_checkpointing
 from lightning_merak.callbacks.delta.runtime import ManagerOptions, MemoryManager, StepReport, iter_tensors
-from lightning_merak.runtime.layout_aware import layout_aware
+from lightning_merak.protocols.layout_aware import layout_aware
 
 __all__ = ["DeltaMemory"]
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_merak.callbacks.delta.ledger import ResidentLedger
 from lightning_merak.callbacks.delta.memory_planner import BACKWARD, FORWARD, BlockProfile, StepProfile
-from lightning_merak.runtime.dtensors import local_tensor
+from lightning_merak.distributed.dtensors import local_tensor
 
 __all__ = [
     "BlockRecord",

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_merak.runtime.layout_aware import RecomputedForward
+from lightning_merak.protocols.layout_aware import RecomputedForward
 
 __all__ = ["SwitchableForward", "install_switch", "remove_switch", "strategy_recompute", "user_checkpointing"]
 
@@ -71,7 +71,7 @@ def user_checkpointing(module: nn.Module) -> Optional[str]:
 def strategy_recompute(module: nn.Module, strategy: Any) -> Optional[str]:
     """Why ``module`` is recomputed by the training strategy, or None.
 
-    A strategy that recomputes a block installs a :class:`~lightning_merak.runtime.layout_aware.RecomputedForward`
+    A strategy that recomputes a block installs a :class:`~lightning_merak.protocols.layout_aware.RecomputedForward`
     on it (merak3d with ``recompute="full"``/``"stage_aware"``).
     """
     if not isinstance(module.__dict__.get("forward"), RecomputedForward):

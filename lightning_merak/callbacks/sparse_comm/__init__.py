@@ -6,7 +6,7 @@
 Names are imported on first use, so the package costs nothing until a name is used.
 """
 
-from lightning_merak.lazy import lazy_attributes
+from lightning_merak.util.lazy import lazy_attributes
 
 _EXPORTS = {
     "CommLedger": ".bytes_counter",

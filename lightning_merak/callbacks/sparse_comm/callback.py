@@ -10,7 +10,7 @@ EmbRace communicate; without it the callback creates one spanning the data-paral
 ranks (one per data-parallel group of merak3d's device mesh) or reuses the
 data-parallel group.
 
-Under a layout-aware strategy (:class:`~lightning_merak.runtime.layout_aware.LayoutAwareStrategy`:
+Under a layout-aware strategy (:class:`~lightning_merak.protocols.layout_aware.LayoutAwareStrategy`:
 merak3d), which averages gradients itself after ``on_after_backward``, the tables (and,
 with ``pipeline_parallel>1``, the tied LM-head copy on the last stage) are reduced by S2
 in ``on_after_backward`` over the data-parallel group and named in
@@ -21,7 +21,7 @@ tables over the data-parallel group with ``pipeline_parallel=1``.
 Clipping has one owner per run. A layout-aware strategy clips, and EmbRace registers its
 column shards with it (``register_sharded_gradients``) so the norm sums their squares over
 the group. Lightning's DDP has no owner that could know of shards: there EmbRace installs
-:meth:`~lightning_merak.runtime.gradient_norm.ShardedGradients.clip` as the precision plugin's
+:meth:`~lightning_merak.distributed.gradient_norm.ShardedGradients.clip` as the precision plugin's
 ``clip_grad_by_norm``, the only clipping of that run.
 """
 
@@ -50,9 +50,9 @@ from lightning_merak.callbacks.sparse_comm.embrace import (
 from lightning_merak.callbacks.sparse_comm.s2_hook import AUTO, S2Reducer, s2_comm_hook
 from lightning_merak.callbacks.sparse_comm.sketch import CountSketch, drop_zero_rows
 from lightning_merak.callbacks.sparse_comm.wire_cost_model import NetworkModel
-from lightning_merak.runtime.gradient_norm import ShardedGradients
-from lightning_merak.runtime.layout_aware import LayoutAwareStrategy, data_parallel_groups_from_mesh, layout_aware
-from lightning_merak.strategies.pipeline.stage import RankStages, tied_parameter_names
+from lightning_merak.distributed.gradient_norm import ShardedGradients
+from lightning_merak.parallel.pipeline.stage import RankStages, tied_parameter_names
+from lightning_merak.protocols.layout_aware import LayoutAwareStrategy, data_parallel_groups_from_mesh, layout_aware
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Names are imported on first use: the layer pulls in DeepSpeed, which the pure pl
 cost model and the Hydra options do not need.
 """
 
-from lightning_merak.lazy import lazy_attributes
+from lightning_merak.util.lazy import lazy_attributes
 
 _EXPORTS = {
     "CommCurve": ".core.placement_cost_model", "CostModel": ".core.placement_cost_model",

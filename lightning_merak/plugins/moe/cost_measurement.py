@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_merak.plugins.moe.core.placement_cost_model import CommCurve, CostModel
-from lightning_merak.timing import median_call_time
+from lightning_merak.util.timing import median_call_time
 
 __all__ = ["profile_cost_model"]
 

@@ -6,13 +6,13 @@ experts and back. A plan made from this call's counts has its Trans still in fli
 replica rows are then computed after the local experts, so Trans runs under the dispatch.
 Backward: the reverse all-to-alls; with Lancet's backward on, each chunk's
 expert backward is split into a dX-only pass and deferred weight gradients
-(:class:`~lightning_merak.runtime.weight_gradients.SplitBackward`), computed while that chunk's dX all-to-all is
+(:class:`~lightning_merak.distributed.weight_gradients.SplitBackward`), computed while that chunk's dX all-to-all is
 in flight; replica gradients summed back into the owner's gradients (Agg). Everything is returned from
 ``backward``, so AccumulateGrad — and therefore DDP and ZeRO-1/2 hooks — sees the full
 expert gradient. Every rank creates this node once per layer call and issues the same
 collectives in the same order (all-to-alls on the EP group, Trans/Agg on a separate
 transfer group), also with zero rows anywhere, so a plan can never cause a hang. All-to-alls
-are launched "in turn" (:mod:`lightning_merak.runtime.collectives`): inside a sub-batch region
+are launched "in turn" (:mod:`lightning_merak.distributed.collectives`): inside a sub-batch region
 every wait, forward and backward, lets the other sub-batches compute first.
 """
 
@@ -28,11 +28,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
+from lightning_merak.distributed.collectives import PendingCollective, start_all_to_all_in_turn
+from lightning_merak.distributed.weight_gradients import SplitBackward
 from lightning_merak.plugins.moe.core.dispatch import ExchangeLayout
 from lightning_merak.plugins.moe.core.placement import PlacementPlan
 from lightning_merak.plugins.moe.core.plan_check import PlanCheck
-from lightning_merak.runtime.collectives import PendingCollective, start_all_to_all_in_turn
-from lightning_merak.runtime.weight_gradients import SplitBackward
 
 __all__ = ["ExpertExchange", "ReplicaTransfer", "TransferScheduler", "flatten_params"]
 

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from lightning_merak.runtime.layout_aware import data_parallel_groups_from_mesh
+from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh
 
 __all__ = ["ExpertGroups", "carve_expert_groups", "data_parallel_groups_from_mesh", "ensure_expert_groups"]
 

@@ -1,7 +1,7 @@
 """Block-scope Lancet: each decoder block that holds our ``MoE`` runs as overlapped sub-batches.
 
 The batch is split into ``chunks`` sub-batches that run the whole block (attention, then
-the MoE layer) as round-robin coroutines (:func:`~lightning_merak.runtime.sub_batches.run_sub_batches`):
+the MoE layer) as round-robin coroutines (:func:`~lightning_merak.distributed.sub_batches.run_sub_batches`):
 a sub-batch computes until it waits for an all-to-all, and the other sub-batches' expert
 or dense computation runs meanwhile, in the forward and in the backward. The MoE layer
 gates all sub-batches jointly, so tokens are kept and dropped exactly as without the
@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_merak.distributed.sub_batches import run_sub_batches
 from lightning_merak.plugins.moe.block_split import Chunks, check_chunks, enclosing_block, split_batch
 from lightning_merak.plugins.moe.core.lancet import choose_block_chunks, simulated_block_time
 from lightning_merak.plugins.moe.core.placement_cost_model import CostModel
 from lightning_merak.plugins.moe.layer import MoE, PlacementMOELayer
-from lightning_merak.runtime.sub_batches import run_sub_batches
 
 __all__ = ["LancetBlockForward", "lancet_overlap"]
 

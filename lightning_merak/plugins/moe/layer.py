@@ -42,6 +42,8 @@ from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed.moe.sharded_moe import MOELayer, TopKGate, multiplicative_jitter, top1gating, top2gating
 from torch import nn
 
+from lightning_merak.distributed.sub_batches import mark_sub_batch_share
+from lightning_merak.distributed.turns import in_sub_batch_region, meet_in_turn
 from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, expert_indices, select_local_experts
 from lightning_merak.plugins.moe.core.dispatch import ExchangeLayout, decode, encode
 from lightning_merak.plugins.moe.core.joint_gate import compact_routes, first_choice_fraction, sub_batch_gates
@@ -69,8 +71,6 @@ from lightning_merak.plugins.moe.executor import (
 )
 from lightning_merak.plugins.moe.groups import ExpertGroups, ensure_expert_groups
 from lightning_merak.plugins.moe.options import MoEOptions
-from lightning_merak.runtime.sub_batches import mark_sub_batch_share
-from lightning_merak.runtime.turns import in_sub_batch_region, meet_in_turn
 
 __all__ = ["MoE", "MoEOptions", "PlacementMOELayer"]
 

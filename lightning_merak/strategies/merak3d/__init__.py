@@ -1,7 +1,7 @@
 """``Trainer(strategy="merak3d")``: data × pipeline × tensor parallelism for unmodified models.
 
 The LightningModule stays an ordinary module that also trains on one device. merak3d
-relies on four things it provides (:class:`lightning_merak.models.CausalLMModule` has
+relies on four things it provides (:class:`lightning_merak.modules.causal_lm.CausalLMModule` has
 them all):
 
 * ``self.model`` — the network, called as ``self.model(inputs)`` and returning logits
@@ -12,7 +12,7 @@ them all):
   merak3d replaces it on the instance so that it drives the pipeline schedule.
 
 The parallel layout is built on the first batch, when the real shapes are known: the
-model is recorded once (:mod:`~lightning_merak.strategies.pipeline.trace`), every rank
+model is recorded once (:mod:`~lightning_merak.parallel.pipeline.trace`), every rank
 agrees on rank 0's partition of the measured costs, each rank prunes its copy to its
 stage, splits its blocks over the tensor-parallel group, wraps the blocks chosen for
 recomputation, and the optimizers are rebuilt over the parameters the rank now owns.
@@ -36,7 +36,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_merak.strategies.merak3d.gradients import average_gradients, scale_gradients, squared_norm
+from lightning_merak.parallel.data.gradients import average_gradients, scale_gradients, squared_norm
 
 if TYPE_CHECKING:
     from lightning_merak.strategies.merak3d.strategy import Merak3DStrategy

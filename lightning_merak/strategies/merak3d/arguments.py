@@ -4,7 +4,7 @@
 :meth:`~Merak3DArguments.validate` and :meth:`~Merak3DArguments.validate_model` refuse, before any
 process starts, what the world size, the batches or the model rule out. Degrees may still be
 ``"auto"`` here; :meth:`~Merak3DArguments.layout` resolves fixed ones into a
-:class:`~lightning_merak.strategies.merak3d.layout.Layout`, the planner the others.
+:class:`~lightning_merak.parallel.layout.Layout`, the planner the others.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 from torch import nn
 
-from lightning_merak.micro_batching.options import MicroBatching
-from lightning_merak.options.strategy import Degree, Merak3DOptions
-from lightning_merak.strategies.merak3d.layout import (
+from lightning_merak.parallel.layout import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
     Layout,
@@ -29,12 +27,14 @@ from lightning_merak.strategies.merak3d.layout import (
     check_overlap,
     default_micro_batches,
 )
-from lightning_merak.strategies.pipeline.schedules import shifted_schedule_available
-from lightning_merak.strategies.pipeline.trace import find_trunk
-from lightning_merak.strategies.sequence_parallel import check_sequence_length
-from lightning_merak.strategies.tensor_parallel import check_tensor_parallel_degree
-from lightning_merak.strategies.tensor_parallel_adapters import check_adapter_split
-from lightning_merak.strategies.vocab_parallel import check_vocabulary_split
+from lightning_merak.parallel.micro_batching.options import MicroBatching
+from lightning_merak.parallel.pipeline.schedules import shifted_schedule_available
+from lightning_merak.parallel.pipeline.trace import find_trunk
+from lightning_merak.parallel.tensor.adapters import check_adapter_split
+from lightning_merak.parallel.tensor.blocks import check_tensor_parallel_degree
+from lightning_merak.parallel.tensor.sequence import check_sequence_length
+from lightning_merak.parallel.tensor.vocab import check_vocabulary_split
+from lightning_merak.strategies.merak3d.options import Degree, Merak3DOptions
 
 __all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "SHARDING_MODES", "Degree", "Merak3DArguments", "check_accumulation",
            "check_module_members", "checked_arguments", "moe_layers"]
@@ -105,7 +105,7 @@ def check_fully_shardable(model: nn.Module, tensor_parallel: Optional[int]) -> N
 
 @dataclass(frozen=True)
 class Merak3DArguments(Merak3DOptions):
-    """``Merak3DStrategy``'s arguments (declared in :class:`~lightning_merak.options.strategy.Merak3DOptions`,
+    """``Merak3DStrategy``'s arguments (declared in :class:`~lightning_merak.strategies.merak3d.options.Merak3DOptions`,
     documented on the strategy), refused when made if any is out of range."""
 
     def __post_init__(self) -> None:

@@ -25,15 +25,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_merak.models import no_cache
-from lightning_merak.runtime import random_state
-from lightning_merak.runtime.layout_aware import RecomputedForward
-from lightning_merak.runtime.module_mode import modules_in_mode
-from lightning_merak.runtime.sub_batches import SubBatchForward
-from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
-from lightning_merak.strategies.merak3d.gradients import TiedParameter
-from lightning_merak.strategies.merak3d.layout import Layout, LayoutGroups
-from lightning_merak.strategies.merak3d.materialize import (
+from lightning_merak.distributed.sub_batches import SubBatchForward
+from lightning_merak.parallel.data.gradients import TiedParameter
+from lightning_merak.parallel.layout import Layout, LayoutGroups
+from lightning_merak.parallel.materialize import (
     Materializer,
     RestoreAfterRewrite,
     WeightLoader,
@@ -42,19 +37,11 @@ from lightning_merak.strategies.merak3d.materialize import (
     init_owners,
     local_tensors,
 )
-from lightning_merak.strategies.merak3d.vocabulary_build import VocabularyRows
-from lightning_merak.strategies.pipeline.meta_trace import materialized_copy
-from lightning_merak.strategies.pipeline.router_aux import RouterAux, router_aux_loss_problem, router_aux_of
-from lightning_merak.strategies.pipeline.stage import RankStages, build_stage_module, tied_parameter_names
-from lightning_merak.strategies.pipeline.trace import ModelTrace, TraceError, find_trunk, trace_model
-from lightning_merak.strategies.sequence_parallel import (
-    SequenceParallelPlan,
-    check_sequence_length,
-    find_sequence_parallel_plan,
-    sequence_partial_parameters,
-    split_sequence_between,
-)
-from lightning_merak.strategies.tensor_parallel import (
+from lightning_merak.parallel.pipeline.meta_trace import materialized_copy
+from lightning_merak.parallel.pipeline.router_aux import RouterAux, router_aux_loss_problem, router_aux_of
+from lightning_merak.parallel.pipeline.stage import RankStages, build_stage_module, tied_parameter_names
+from lightning_merak.parallel.pipeline.trace import ModelTrace, TraceError, find_trunk, trace_model
+from lightning_merak.parallel.tensor.blocks import (
     LayoutChange,
     TensorParallelPlan,
     apply_tensor_parallel,
@@ -62,7 +49,20 @@ from lightning_merak.strategies.tensor_parallel import (
     region_partial_parameters,
     verify_tensor_parallel_plan,
 )
-from lightning_merak.strategies.vocab_parallel import split_vocabulary
+from lightning_merak.parallel.tensor.sequence import (
+    SequenceParallelPlan,
+    check_sequence_length,
+    find_sequence_parallel_plan,
+    sequence_partial_parameters,
+    split_sequence_between,
+)
+from lightning_merak.parallel.tensor.vocab import split_vocabulary
+from lightning_merak.protocols.layout_aware import RecomputedForward
+from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
+from lightning_merak.strategies.merak3d.vocabulary_build import VocabularyRows
+from lightning_merak.util import random_state
+from lightning_merak.util.model_outputs import no_cache
+from lightning_merak.util.module_mode import modules_in_mode
 
 __all__ = ["BuiltModel", "build_model", "call_model", "in_training_mode", "random_state_kept",
            "sequence_parallel_plan", "split_block_problem", "tensor_parallel_plan"]
@@ -192,7 +192,7 @@ def build_model(model: nn.Module, inputs: torch.Tensor, *, arguments: Merak3DArg
     """Cut, split and wrap ``model`` for this rank on the shapes of ``inputs``; grad enabled, not in inference mode.
 
     ``verified_tp_degrees`` are the degrees planning already checked the split at; recomputed
-    blocks run a :class:`~lightning_merak.runtime.layout_aware.RecomputedForward`. A model on
+    blocks run a :class:`~lightning_merak.protocols.layout_aware.RecomputedForward`. A model on
     the meta device is traced and cut there; this rank then materialises only what it holds,
     block by block (each split right after), and ``load_weights`` (the pretrained seam) fills it; with
     ``tensor_parallel>1`` and a loader, the embedding and head are split over the vocabulary before they are
@@ -301,7 +301,7 @@ def _router_aux(model: nn.Module, arguments: Merak3DArguments, layout: Layout) -
 def _agree_on_partition(trace: ModelTrace, layout: Layout, method: str, global_rank: int,
                         broadcast: Broadcast) -> Any:
     """Rank 0 partitions its measured costs; every rank uses that partition."""
-    from lightning_merak.strategies import pipeline
+    from lightning_merak.parallel import pipeline
 
     num_stages = layout.num_stages
     partition = None
@@ -386,7 +386,7 @@ def _wrap_recompute(blocks: list[nn.Module], groups: LayoutGroups) -> None:
     if layout.recompute == "full":
         ratio = 1.0
     else:
-        from lightning_merak.strategies.pipeline import stage_aware_recompute_ratios
+        from lightning_merak.parallel.pipeline import stage_aware_recompute_ratios
 
         ratio = stage_aware_recompute_ratios(layout.recompute_ratio, layout.pipeline_parallel)[groups.pipeline_rank]
     count = math.floor(len(blocks) * ratio + 1e-9)
@@ -425,7 +425,7 @@ def _after_materialize(parts: list[nn.Module], root: nn.Module, layout_changes: 
                        load_weights: Optional[WeightLoader]) -> None:
     """Run each meta-built part's ``after_materialize(part)`` hook, if it has one, once its weights are in (an
     adapter model quantises its frozen base there: :mod:`lightning_merak.adapters.meta`); then a checkpoint of the
-    rewritten model is copied in (:class:`~lightning_merak.strategies.merak3d.materialize.RestoreAfterRewrite`)."""
+    rewritten model is copied in (:class:`~lightning_merak.parallel.materialize.RestoreAfterRewrite`)."""
     for part in parts:
         hook = getattr(part, "after_materialize", None)
         if hook is not None:

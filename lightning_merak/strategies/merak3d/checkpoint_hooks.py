@@ -11,10 +11,10 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 
-from lightning_merak.runtime.safe_load import load_torch_file
-from lightning_merak.strategies.merak3d.checkpoint import OPTIMIZER_NAMES, ShardedCheckpointer, is_sharded_checkpoint
-from lightning_merak.strategies.merak3d.data_parallel import DataParallelGradients
-from lightning_merak.strategies.merak3d.materialize import has_meta
+from lightning_merak.checkpoint.safe_load import load_torch_file
+from lightning_merak.checkpoint.sharded import OPTIMIZER_NAMES, ShardedCheckpointer, is_sharded_checkpoint
+from lightning_merak.parallel.data.buckets import DataParallelGradients
+from lightning_merak.parallel.materialize import has_meta
 
 __all__ = ["CheckpointHooks"]
 

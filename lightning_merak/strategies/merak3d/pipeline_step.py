@@ -4,7 +4,7 @@ Once the model is cut into stages, :class:`PipelineStep` runs each batch through
 training batches compute their gradients inside the schedule (held aside until Lightning's
 ``backward``), evaluation batches run without gradients, and every rank of a replica gets the
 last stage's loss or logits. With a router aux loss (the stages carry router logits), each micro-batch's loss
-adds it (:class:`~lightning_merak.strategies.pipeline.router_aux.RouterAuxLoss`) and the module's
+adds it (:class:`~lightning_merak.parallel.pipeline.router_aux.RouterAuxLoss`) and the module's
 ``_router_aux_loss`` gets its mean over the micro-batches, for logging as without stages.
 """
 
@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_merak.strategies.merak3d.layout import MULTI_STAGE_SCHEDULES, LayoutGroups
-from lightning_merak.strategies.pipeline.router_aux import RouterAuxLoss
-from lightning_merak.strategies.pipeline.schedules import ScheduleShiftedCriticalPath, pipeline_stage_class
-from lightning_merak.strategies.pipeline.stage import RankStages
-from lightning_merak.strategies.vocab_parallel import vocab_parallel_loss
+from lightning_merak.parallel.layout import MULTI_STAGE_SCHEDULES, LayoutGroups
+from lightning_merak.parallel.pipeline.router_aux import RouterAuxLoss
+from lightning_merak.parallel.pipeline.schedules import ScheduleShiftedCriticalPath, pipeline_stage_class
+from lightning_merak.parallel.pipeline.stage import RankStages
+from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
 
 __all__ = ["PipelineStep"]
 

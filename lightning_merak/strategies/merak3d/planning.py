@@ -1,8 +1,8 @@
 """Planning a merak3d layout: search space from the arguments → profile → plan → a new :class:`Layout`.
 
-The impure orchestration around the pure planner (:mod:`lightning_merak.strategies.planner`):
+The impure orchestration around the pure planner (:mod:`lightning_merak.planning.planner`):
 which tensor-parallel degrees split the model exactly, what this machine and model measure
-(:mod:`~lightning_merak.strategies.layout_profiler`, averaged over the ranks), and the best
+(:mod:`~lightning_merak.planning.measure.layout`, averaged over the ranks), and the best
 layout within the degrees the user fixed. Afterwards, :func:`check_step_time` puts the
 measured step next to the prediction.
 """
@@ -19,13 +19,28 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_merak.strategies.expert_profiler import (
+from lightning_merak.parallel.data.buckets import DEFAULT_BUCKET_MB, check_shardable_optimizer
+from lightning_merak.parallel.layout import Layout, default_micro_batches
+from lightning_merak.parallel.materialize import has_meta
+from lightning_merak.parallel.pipeline.meta_trace import materialized_copy
+from lightning_merak.parallel.pipeline.trace import TraceError, find_trunk, trace_model
+from lightning_merak.planning.measure.experts import (
     expert_layers_of,
     experts_per_layer,
     grouped_experts,
     measure_all_to_all,
 )
-from lightning_merak.strategies.layout_profiler import profile_model, profile_network, tensor_parallel_mesh
+from lightning_merak.planning.measure.layout import profile_model, profile_network, tensor_parallel_mesh
+from lightning_merak.planning.planner import (
+    SearchSpace,
+    average_profiles,
+    candidate_layouts,
+    plan,
+    required_profile_keys,
+    rerank,
+)
+from lightning_merak.planning.planner.profile import DATA_PARALLEL_SHARDING
+from lightning_merak.planning.planner.step_check import BatchClock, StepTimeCheck
 from lightning_merak.strategies.merak3d.arguments import (
     Merak3DArguments,
     check_fully_shardable,
@@ -41,21 +56,6 @@ from lightning_merak.strategies.merak3d.build import (
     split_block_problem,
     tensor_parallel_plan,
 )
-from lightning_merak.strategies.merak3d.data_parallel import DEFAULT_BUCKET_MB, check_shardable_optimizer
-from lightning_merak.strategies.merak3d.layout import Layout, default_micro_batches
-from lightning_merak.strategies.merak3d.materialize import has_meta
-from lightning_merak.strategies.pipeline.meta_trace import materialized_copy
-from lightning_merak.strategies.pipeline.trace import TraceError, find_trunk, trace_model
-from lightning_merak.strategies.planner import (
-    SearchSpace,
-    average_profiles,
-    candidate_layouts,
-    plan,
-    required_profile_keys,
-    rerank,
-)
-from lightning_merak.strategies.planner.profile import DATA_PARALLEL_SHARDING
-from lightning_merak.strategies.planner.step_check import BatchClock, StepTimeCheck
 
 __all__ = ["PLANNER_REPEATS", "PlannedLayout", "check_step_time", "first_training_batch", "plan_layout"]
 
@@ -209,8 +209,8 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
 def replay_ranked(ranked: Any, paths: str, model: nn.Module, inputs: torch.Tensor, partition: str = "autopipe") -> Any:
     """``ranked`` re-ranked by the replay predictor calibrated from the comma-separated trace ``paths``; pipelines
     at the split the run's ``partition`` method gives them."""
-    from lightning_merak.profiler.calibration import predictor_from_files
-    from lightning_merak.profiler.lightning_profiler import model_shape
+    from lightning_merak.callbacks.profiler.lightning_profiler import model_shape
+    from lightning_merak.planning.replay.calibration import predictor_from_files
 
     shape = model_shape(model, inputs.shape[1] if inputs.ndim > 1 else 1)
     if shape is None:

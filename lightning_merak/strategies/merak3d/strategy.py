@@ -25,21 +25,23 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_merak.runtime import host_memory
-from lightning_merak.runtime.collectives import reduce_in_place
-from lightning_merak.runtime.gradient_norm import ShardedGradients
+from lightning_merak.checkpoint.sharded import ShardedCheckpointer
+from lightning_merak.distributed import host_memory
+from lightning_merak.distributed.collectives import reduce_in_place
+from lightning_merak.distributed.gradient_norm import ShardedGradients
+from lightning_merak.distributed.termination import install_termination_handler
+from lightning_merak.parallel.data import buckets as data_parallel
+from lightning_merak.parallel.data import fully_sharded, gradients
+from lightning_merak.parallel.layout import Layout, LayoutGroups
+from lightning_merak.parallel.materialize import has_meta, meta_device
+from lightning_merak.parallel.tensor.layers import shared_row_weights
+from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
+from lightning_merak.planning.planner.step_check import BatchClock, StepTimeCheck
 from lightning_merak.strategies import merak3d as package
-from lightning_merak.strategies.merak3d import arguments, build, data_parallel, fully_sharded, gradients, planning
+from lightning_merak.strategies.merak3d import arguments, build, planning
 from lightning_merak.strategies.merak3d.arguments import Degree
-from lightning_merak.strategies.merak3d.checkpoint import ShardedCheckpointer
 from lightning_merak.strategies.merak3d.checkpoint_hooks import CheckpointHooks
-from lightning_merak.strategies.merak3d.layout import Layout, LayoutGroups
-from lightning_merak.strategies.merak3d.materialize import has_meta, meta_device
 from lightning_merak.strategies.merak3d.variable_step import PipelineSteps, install_pipeline_step
-from lightning_merak.strategies.planner.step_check import BatchClock, StepTimeCheck
-from lightning_merak.strategies.tensor_parallel_layers import shared_row_weights
-from lightning_merak.strategies.vocab_parallel import vocab_parallel_loss
-from lightning_merak.termination import install_termination_handler
 
 __all__ = ["Merak3DStrategy"]
 
@@ -67,7 +69,7 @@ class Merak3DStrategy(CheckpointHooks):
             except with ``"interleaved_zero_bubble"``, which computes weight gradients in a pass of
             their own (``True`` is refused there).
         sequence_parallel: split the blocks' norms, dropout and residual stream along the sequence over the
-            tensor-parallel ranks (:mod:`~lightning_merak.strategies.sequence_parallel`): each all-reduce becomes a
+            tensor-parallel ranks (:mod:`~lightning_merak.parallel.tensor.sequence`): each all-reduce becomes a
             reduce-scatter and an all-gather, activations between the split layers shrink by ``tensor_parallel``
             (which must divide the sequence length; the planner searches only such degrees).
         micro_batches: micro-batches per batch in the pipeline schedule (default: 2 × stages).
@@ -89,15 +91,15 @@ class Merak3DStrategy(CheckpointHooks):
         plan_only: plan the layout, log it, and stop before training.
         planner_calibration: ``"analytic"`` (the planner's cost model), or comma-separated paths of
             ``MerakTraceProfiler`` traces of short runs of this model and batch, by which the planner ranks layouts
-            by replay (:mod:`lightning_merak.profiler.calibration`: the first calibrates, the rest are probes).
+            by replay (:mod:`lightning_merak.planning.replay.calibration`: the first calibrates, the rest are probes).
         vocab_parallel: with ``tensor_parallel>1``, split the input embedding and the LM head by vocabulary
             rows over the tensor-parallel ranks and compute the loss on the sharded logits
-            (:mod:`~lightning_merak.strategies.vocab_parallel`); nothing to do at ``tensor_parallel=1``.
+            (:mod:`~lightning_merak.parallel.tensor.vocab`); nothing to do at ``tensor_parallel=1``.
         compact_host_memory: return freed host memory to the system at once (glibc: allocations over 128 KiB
-            mapped on their own, :mod:`~lightning_merak.runtime.host_memory`), so peak resident memory stays near
+            mapped on their own, :mod:`~lightning_merak.distributed.host_memory`), so peak resident memory stays near
             the live tensors' instead of the heap's high-water mark; steps take longer. For CPU runs near their limit.
         data_parallel_sharding: what the data-parallel ranks split instead of each holding a copy
-            (:mod:`~lightning_merak.strategies.merak3d.data_parallel`): ``"none"``; ``"optimizer"``
+            (:mod:`~lightning_merak.parallel.data.buckets`): ``"none"``; ``"optimizer"``
             (ZeRO-1: each rank keeps and steps the optimizer state of one slice of the parameters,
             gradients are reduce-scattered, updated parameters all-gathered); ``"gradients"`` (ZeRO-2:
             the full gradient buffer is freed once reduce-scattered); ``"full"`` (parameters too:
@@ -111,7 +113,7 @@ class Merak3DStrategy(CheckpointHooks):
             the previous step's. Checkpoints, validation and the end of training wait for them.
         grad_bucket_mb: size of a gradient bucket, the unit of that reduction (default: 25 MB, or an eighth
             of the stage's gradients when that is smaller, at least 1 MB, so a small model still overlaps).
-        micro_batching, micro_batch_tokens, micro_batching_cost: see :mod:`lightning_merak.micro_batching`.
+        micro_batching, micro_batch_tokens, micro_batching_cost: see :mod:`lightning_merak.parallel.micro_batching`.
     """
 
     strategy_name = "merak3d"

@@ -7,7 +7,7 @@ receive, whose shapes are the stage's own outputs for that micro-batch) to fit: 
 per-step metadata inference, one extra message of a few integers per micro-batch.
 
 :class:`VariablePipelineStep` plans each global batch the same way on every rank
-(:mod:`~lightning_merak.micro_batching.plan`), runs this replica's micro-batches through the schedule,
+(:mod:`~lightning_merak.parallel.micro_batching.plan`), runs this replica's micro-batches through the schedule,
 and weights each micro-batch's summed token loss so that the gradients are those of the mean over the
 real tokens of the whole global batch (all replicas), whatever the micro-batch count.
 """
@@ -22,14 +22,26 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.stage import _RecvInfo
 
-from lightning_merak.micro_batching.options import MicroBatching
-from lightning_merak.micro_batching.plan import CostModel, StepPlan, plan_dynamic, plan_packed, plan_padded, round_up
-from lightning_merak.micro_batching.samples import VariableBatch, micro_batch_tensors, summed_token_loss, target_count
-from lightning_merak.strategies.merak3d.layout import LayoutGroups
+from lightning_merak.parallel.layout import LayoutGroups
+from lightning_merak.parallel.micro_batching.options import MicroBatching
+from lightning_merak.parallel.micro_batching.plan import (
+    CostModel,
+    StepPlan,
+    plan_dynamic,
+    plan_packed,
+    plan_padded,
+    round_up,
+)
+from lightning_merak.parallel.micro_batching.samples import (
+    VariableBatch,
+    micro_batch_tensors,
+    summed_token_loss,
+    target_count,
+)
+from lightning_merak.parallel.pipeline.schedules import ScheduleShiftedCriticalPath
+from lightning_merak.parallel.pipeline.stage import RankStages
+from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
 from lightning_merak.strategies.merak3d.pipeline_step import PipelineStep
-from lightning_merak.strategies.pipeline.schedules import ScheduleShiftedCriticalPath
-from lightning_merak.strategies.pipeline.stage import RankStages
-from lightning_merak.strategies.vocab_parallel import vocab_parallel_loss
 
 __all__ = ["PipelineSteps", "VariablePipelineStep", "VariableShapeStage", "install_pipeline_step", "plan_step"]
 
@@ -162,7 +174,7 @@ class VariablePipelineStep:
         """This global batch's plan (computed once per batch: the strategy asks for the count before the step)."""
         if not isinstance(batch, VariableBatch):
             raise TypeError(f"micro_batching={self._options.mode} needs variable-length global batches "
-                            f"(lightning_merak.micro_batching.VariableBatch, e.g. data.lengths=variable), "
+                            f"(lightning_merak.parallel.micro_batching.VariableBatch, e.g. data.lengths=variable), "
                             f"got {type(batch).__name__}")
         if self._planned is None or self._planned[0] is not batch:
             layout = self._groups.layout
@@ -243,7 +255,7 @@ PipelineSteps = Union[PipelineStep, VariablePipelineStep]
 def _check_token_loss(module: Any) -> None:
     """Refuse a module whose loss is not next-token cross-entropy: micro-batching computes that loss itself (summed
     over each micro-batch's real tokens, weighted by the global batch's), so another loss would be replaced silently."""
-    from lightning_merak.models import CausalLMModule
+    from lightning_merak.modules.causal_lm import CausalLMModule
 
     if getattr(type(module), "loss_from_logits", None) is not CausalLMModule.loss_from_logits:
         raise ValueError(

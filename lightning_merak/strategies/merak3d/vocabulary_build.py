@@ -1,7 +1,7 @@
 """A meta model's embedding and LM head split over the vocabulary before they are materialised.
 
 At ``tensor_parallel>1`` each rank keeps rows ``[start, end)`` of the input embedding and the LM head
-(:mod:`~lightning_merak.strategies.vocab_parallel`). Materialising them whole and then keeping 1/tp
+(:mod:`~lightning_merak.parallel.tensor.vocab`). Materialising them whole and then keeping 1/tp
 (what a model built on real tensors does) allocates, and with a pretrained checkpoint reads,
 152k × 4096 rows per rank for a Qwen-sized vocabulary. :class:`VocabularyRows` splits them on the
 meta device instead: each rank allocates only its rows (a stand-in of the module's class holding
@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_merak.strategies.pipeline.meta_trace import row_stand_in
-from lightning_merak.strategies.vocab_parallel import split_vocabulary, vocab_shard_range, vocabulary_modules
+from lightning_merak.parallel.pipeline.meta_trace import row_stand_in
+from lightning_merak.parallel.tensor.vocab import split_vocabulary, vocab_shard_range, vocabulary_modules
 
 __all__ = ["VocabularyRows"]
 

@@ -6,7 +6,7 @@ ownership and the dropless exchange plan); ``parallel`` registers ``merak_ep`` /
 its experts and switches it. Names are imported on first use (transformers is heavy).
 """
 
-from lightning_merak.lazy import lazy_attributes
+from lightning_merak.util.lazy import lazy_attributes
 
 _EXPORTS = {
     "EXACT_FAMILIES": ".enable", "REFUSED_FAMILIES": ".enable", "ExpertParallelReport": ".enable",

@@ -144,7 +144,7 @@ def enable_expert_parallel(model: nn.Module, group: Any = None) -> ExpertParalle
     are cut to the local experts too and listed with them. Expert parameters are marked ``allreduce=False``:
     a data-parallel wrapper must leave them out (their gradient already sums every rank's tokens;
     divide it by the data-parallel size for the gradient of the mean loss, as
-    :class:`~lightning_merak.plugins.moe.experts.callback.ExpertParallelCallback` does).
+    :class:`~lightning_merak.callbacks.moe.experts.ExpertParallelCallback` does).
     """
     supported, reason = family_support(model)
     if not supported:

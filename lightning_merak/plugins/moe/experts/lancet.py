@@ -2,7 +2,7 @@
 
 A decoder layer holding an expert-parallel experts module is split along the batch into ``chunks``
 sub-batches that run the whole layer (attention, the family's own router, the experts) as round-robin
-coroutines (:func:`~lightning_merak.runtime.sub_batches.run_sub_batches`). Inside such a region
+coroutines (:func:`~lightning_merak.distributed.sub_batches.run_sub_batches`). Inside such a region
 ``merak_ep``'s count all-gather and both all-to-alls are issued in turn, so while one sub-batch waits for
 its exchange the others compute, in the forward and, through the all-to-alls' autograd Functions, in the
 backward. Routing is per token, so the split changes no result: outputs and gradients equal the unsplit
@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_merak.distributed.sub_batches import run_sub_batches
 from lightning_merak.plugins.moe.block_split import Chunks, batch_size, check_chunks, enclosing_block, split_batch
-from lightning_merak.runtime.sub_batches import run_sub_batches
 
 __all__ = ["CANDIDATE_CHUNKS", "TRIAL_ROUNDS", "ExpertParallelLancet", "expert_parallel_lancet"]
 

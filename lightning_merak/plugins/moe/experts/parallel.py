@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_merak.distributed.collectives import all_gather_in_turn, all_to_all_in_turn
+from lightning_merak.distributed.turns import in_sub_batch_region
 from lightning_merak.plugins.moe.core.placement import PlacementPlan
 from lightning_merak.plugins.moe.experts.exchange import DroplessExchange
 from lightning_merak.plugins.moe.experts.grouped import (
@@ -33,8 +35,6 @@ from lightning_merak.plugins.moe.experts.grouped import (
     route_counts,
     route_positions,
 )
-from lightning_merak.runtime.collectives import all_gather_in_turn, all_to_all_in_turn
-from lightning_merak.runtime.turns import in_sub_batch_region
 
 __all__ = ["EP_IMPLEMENTATION", "GROUPED_IMPLEMENTATION", "ExpertShard", "expert_parallel_forward", "register"]
 

@@ -1,0 +1,128 @@
+"""Lightning glue for ``merak_ep``: enable it in every process, keep DDP off the experts, log the load.
+
+Thin: :func:`~lightning_merak.plugins.moe.experts.enable.enable_expert_parallel` does the work. The
+callback runs it in ``setup`` (processes and the process group exist, DDP and the optimizer do not
+yet), over expert groups of ``ep_size`` consecutive ranks; every rank holding the same experts forms
+an expert-data-parallel group. Before each optimizer step an expert gradient is summed over that
+group and divided by the world size, the gradient of the mean loss that DDP's average gives the rest.
+Under merak3d the groups are carved from each stage's data-parallel ranks instead
+(:mod:`lightning_merak.parallel.experts`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from lightning_merak.distributed.collectives import average_gradients
+from lightning_merak.plugins.moe.experts.enable import add_loads, enable_expert_parallel, expert_load
+from lightning_merak.plugins.moe.experts.replanning import ReplicaPlanner
+
+__all__ = ["ExpertParallelCallback"]
+
+
+class ExpertParallelCallback(pl.Callback):
+    """Run a transformers MoE model's experts expert-parallel (``merak_ep``) under Lightning's DDP.
+
+    ``ep_size`` defaults to the world size. Logs ``moe_ep/max_over_mean`` (the most loaded expert over
+    the mean, worst layer, routes since the last log) every ``log_every_n_steps``. ``placement``
+    ``"pro_prophet"`` or ``"shadowing"`` re-plans replicas of hot experts every ``replan_every`` training batches
+    from the routes since the last plan (:class:`~.replanning.ReplicaPlanner`, under DDP; ``moe_ep/replicas``
+    logged).
+    """
+
+    def __init__(self, ep_size: int | None = None, log_every_n_steps: int = 10, placement: str = "none",
+                 replan_every: int = 1) -> None:
+        self.ep_size = ep_size
+        self.log_every_n_steps = log_every_n_steps
+        self._planner = None if placement == "none" else ReplicaPlanner(placement, replan_every)  # type: ignore[arg-type]
+        self._since_log: dict[str, torch.Tensor] = {}
+        self._expert_params: list[torch.nn.Parameter] = []
+        self._edp_group: Any = None
+        self._edp_size = 1
+        self._world = 1
+        self._merak3d: Any = None
+        self._slices: Any = None
+
+    def _groups(self) -> Any:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        ep = self.ep_size or world
+        if ep < 1 or world % ep:
+            raise ValueError(f"moe.ep_size={ep} does not divide the world size {world}; choose a divisor of {world}")
+        ep_groups = [dist.new_group(list(range(i * ep, (i + 1) * ep))) for i in range(world // ep)]
+        edp_groups = [dist.new_group(list(range(j, world, ep))) for j in range(ep)]
+        self._edp_group, self._edp_size, self._world = edp_groups[rank % ep], world // ep, world
+        return None if ep == world else ep_groups[rank // ep]
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        strategy = type(trainer.strategy).__name__
+        merak3d = getattr(trainer.strategy, "strategy_name", None) == "merak3d"
+        if not merak3d and "DDP" not in strategy and "SingleDevice" not in strategy:
+            raise ValueError(f"moe.experts=merak_ep runs under DDP (strategy=ddp) or merak3d, not {strategy}: expert "
+                             "parallelism under DeepSpeed is not built; use strategy=ddp, strategy=merak3d or "
+                             "moe.experts=deepspeed")
+        if self._expert_params or self._merak3d is not None or not (dist.is_available() and dist.is_initialized()):
+            return
+        if merak3d and self._planner is not None:
+            raise ValueError(f"placement={self._planner.policy!r} for merak_ep replicas runs under DDP; under merak3d "
+                             "it is not built (each stage's experts have their own group): use placement=none")
+        if merak3d:
+            from lightning_merak.parallel.experts import Merak3DExperts
+
+            self._merak3d = Merak3DExperts(trainer.strategy, self.ep_size)
+            if getattr(pl_module, "model", None) is not None:  # else built by configure_model: on_fit_start
+                self._merak3d.enable(pl_module)
+            return
+        group = self._groups()
+        report = enable_expert_parallel(pl_module, group)
+        params = dict(pl_module.named_parameters())
+        self._expert_params = [params[name] for name in report.expert_parameters]
+        ignored = set(getattr(pl_module, "_ddp_params_and_buffers_to_ignore", [])) | set(report.expert_parameters)
+        pl_module._ddp_params_and_buffers_to_ignore = sorted(ignored)
+        from lightning_merak.checkpoint.sharded import ExpertParallelCheckpointIO, ExpertSlices
+
+        # rank 0's file holds every expert and expert adapter factor (on_save_checkpoint); it, and a merak3d
+        # checkpoint, resume at any ep
+        self._slices = ExpertSlices.of(pl_module)
+        trainer.strategy.checkpoint_io = ExpertParallelCheckpointIO(trainer.strategy.checkpoint_io, pl_module)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Under merak3d, a model ``configure_model`` built (on meta) after ``setup``: switched before its build."""
+        if self._merak3d is not None and self._merak3d.report is None:
+            self._merak3d.enable(pl_module)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._merak3d is not None:
+            self._merak3d.reduce_gradients(pl_module)
+            return
+        grads = [p.grad for p in self._expert_params if p.grad is not None]
+        if not grads or self._world == 1:
+            return
+        average_gradients(grads, self._edp_group if self._edp_size > 1 else None, self._world)
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        if self._slices is not None:  # every rank: experts and their adapters' factors gathered whole for rank 0
+            self._slices.whole_checkpoint(checkpoint, pl_module, trainer.optimizers)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not (self._expert_params or self._merak3d):
+            return
+        loads = expert_load(pl_module)
+        self._since_log = add_loads(self._since_log, loads)
+        if self._planner is not None:
+            self._planner.step(pl_module, loads)
+            pl_module.log("moe_ep/replicas", float(self._planner.replicas_planned), rank_zero_only=True)
+        if trainer.global_step % self.log_every_n_steps:
+            return
+        worst = 0.0
+        for counts in self._since_log.values():
+            per_expert = counts.sum(0).double()
+            if per_expert.sum() > 0:
+                worst = max(worst, float(per_expert.max() / per_expert.mean()))
+        self._since_log = {}
+        pl_module.log("moe_ep/max_over_mean", worst, rank_zero_only=True)

@@ -1,0 +1,162 @@
+"""Hydra options of the ``adapter`` group: ``lora`` (QLoRA baseline), ``qbara`` and ``qahira``.
+
+Each option quantizes the base model's linear layers (``lm_head`` excepted) as configured, wraps
+it with its PEFT adapter and leaves only adapter parameters trainable. ``quantization`` is an enum,
+so a misspelled value fails while Hydra composes the configuration.
+
+``experts`` decides whether an MoE model's fused routed experts (3D parameters in transformers 5) get one
+LoRA per expert, sharded with its expert under ``moe.experts=merak_ep`` (:mod:`lightning_merak.adapters.moe`).
+``null`` (the default) leaves it to ``target_modules`` as PEFT does: PEFT 0.21 maps the transformers-4 names
+``gate_proj`` / ``up_proj`` / ``down_proj`` (in the default targets) onto the fused experts of the families
+whose checkpoints transformers converts (Mixtral, Qwen2/3-MoE, OLMoE, ...), so a user's usual LoRA targets
+adapt the experts there, as they would outside this project. ``true`` adapts every fused expert weight of
+any registry family whatever the targets (LoRA only: Q-BaRA and QA-HiRA pool a Linear's inputs and refuse
+it); ``false`` refuses targets that would reach the experts, naming the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Optional
+
+from lightning_merak.cli.config import AdapterConfig, register_option
+
+if TYPE_CHECKING:
+    from torch import nn
+
+LLAMA_LINEAR_LAYERS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class Quantization(Enum):
+    none = "none"
+    nf4 = "nf4"
+    fp4 = "fp4"
+    int8 = "int8"
+    int4 = "int4"
+
+
+@dataclass
+class QuantizedAdapterConfig(AdapterConfig):
+    """Fields every adapter option shares: the adapter size and how the base is quantized.
+
+    ``group_size`` is the INT4 group (``quantization=int4`` only); bitsandbytes 4-bit uses blocks of 64.
+    """
+
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(LLAMA_LINEAR_LAYERS))
+    quantization: Quantization = Quantization.nf4
+    double_quant: bool = True
+    group_size: int = 32
+    experts: Optional[bool] = None
+    """Adapt an MoE model's fused routed experts: null as PEFT does, true all of them, false none (module doc)."""
+
+    def refuse_experts(self) -> None:
+        """A pooled method (Q-BaRA, QA-HiRA) with ``experts=true``: refused with the reason and the fix."""
+        if self.experts:
+            from lightning_merak.adapters.moe import pooled_refusal
+
+            raise ValueError(f"adapter={self.name} adapter.experts=true: {pooled_refusal(self.name)}")
+
+    def quantize(self, model: nn.Module) -> nn.Module:
+        from lightning_merak.adapters import quantize_model
+
+        return quantize_model(model, self.quantization.value, self.group_size, self.double_quant)
+
+
+@dataclass
+class LoRAAdapterConfig(QuantizedAdapterConfig):
+    """PEFT LoRA on the quantized base: QLoRA with ``quantization=nf4``."""
+
+    name: str = "lora"
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        if self.quantization is Quantization.int4:
+            raise ValueError("adapter=lora: PEFT LoRA has no layer for the project INT4 base; use nf4/fp4/int8/none")
+        parameters = None
+        if self.experts:
+            from lightning_merak.adapters.moe import expert_target_parameters
+
+            if self.dropout:
+                raise ValueError("adapter.experts=true needs adapter.dropout=0: PEFT's LoRA on fused expert tensors "
+                                 "cannot factor dropout out of the merged weight")
+            parameters = expert_target_parameters(model)
+        config = LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                            target_modules=list(self.target_modules), target_parameters=parameters)
+        if parameters:
+            from lightning_merak.adapters.moe import add_moe_adapters
+
+            return add_moe_adapters(self.quantize(model), config)
+        adapted = get_peft_model(self.quantize(model), config)
+        if self.experts is False:
+            from lightning_merak.adapters.moe import expert_adapters
+
+            if expert_adapters(adapted):
+                raise ValueError("adapter.experts=false, but PEFT maps adapter.target_modules' gate_proj/up_proj/"
+                                 "down_proj onto this model's fused experts; drop those names from "
+                                 "adapter.target_modules (e.g. adapter.target_modules=[q_proj,k_proj,v_proj,o_proj])")
+        return adapted
+
+
+@dataclass
+class QBaRAAdapterConfig(QuantizedAdapterConfig):
+    """Q-BaRA: pooled inputs, expanded outputs, rank ``lambda * r``; as many parameters as LoRA-``r``."""
+
+    name: str = "qbara"
+    lambda_in: int = 2
+    lambda_out: int = 2
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        from peft import get_peft_model
+
+        from lightning_merak.adapters import QBaRAConfig
+
+        self.refuse_experts()
+        config = QBaRAConfig(
+            r=self.r,
+            alpha=self.alpha,
+            dropout=self.dropout,
+            lambda_in=self.lambda_in,
+            lambda_out=self.lambda_out,
+            target_modules=list(self.target_modules),
+        )
+        return get_peft_model(self.quantize(model), config)
+
+
+@dataclass
+class QAHiRAAdapterConfig(QuantizedAdapterConfig):
+    """QA-HiRA on an INT4 base whose groups equal the pooling (``lambda_in`` defaults to ``group_size``)."""
+
+    name: str = "qahira"
+    quantization: Quantization = Quantization.int4
+    lambda_in: Optional[int] = None
+    lambda_out: int = 1
+    init: str = "zero"
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        from peft import get_peft_model
+
+        from lightning_merak.adapters import QAHiRAConfig
+
+        self.refuse_experts()
+        config = QAHiRAConfig(
+            r=self.r,
+            alpha=self.alpha,
+            dropout=self.dropout,
+            lambda_in=self.group_size if self.lambda_in is None else self.lambda_in,
+            lambda_out=self.lambda_out,
+            init=self.init,
+            target_modules=list(self.target_modules),
+        )
+        return get_peft_model(self.quantize(model), config)
+
+
+def register() -> None:
+    """Register the ``adapter`` options' schemas (``conf/adapter/{lora,qbara,qahira}.yaml``)."""
+    register_option("adapter", "lora", LoRAAdapterConfig)
+    register_option("adapter", "qbara", QBaRAAdapterConfig)
+    register_option("adapter", "qahira", QAHiRAAdapterConfig)

@@ -1,0 +1,154 @@
+"""Hydra ``moe`` options: DeepSpeed-MoE, Pro-Prophet and FasterMoE-style shadowing.
+
+``apply`` swaps a Mixtral-style model's sparse blocks before any process exists (and,
+with ``lancet_scope=block``, runs each decoder layer as Lancet sub-batches); the
+layers attach their expert groups lazily, and :meth:`ProphetMoEConfig.build_callbacks`
+returns the callback that prepares them for DDP and logs balance metrics. At the end of
+training it writes the expert-load heatmap to ``<output dir>/csv/moe_load_heatmap.png``
+(``trainer.log_dir``, next to ``metrics.csv``; ``merak-train`` prints the output dir).
+
+The layer's options are not listed here: the schema takes :class:`~lightning_merak.plugins.moe.options.MoEOptions`'
+fields (a ``Literal`` becomes ``str``, ``lancet_chunks``' union ``Any``) and each preset names only the
+defaults it changes; ``MoEOptions`` checks the values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Optional
+
+from lightning_merak.cli.config import MoEConfig, register_option
+from lightning_merak.cli.options.schema import schema_of
+from lightning_merak.plugins.moe.options import MoEOptions
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch import nn
+
+__all__ = ["DeepSpeedMoEConfig", "ProphetMoEConfig", "ShadowingMoEConfig", "register"]
+
+@dataclass
+class _SwapOptions(MoEConfig):
+    name: str = "prophet"
+    ep_size: int = 2
+    num_experts: Optional[int] = None
+    k: Optional[int] = None
+    capacity_factor: float = 1.0
+    drop_tokens: bool = False
+
+
+_ProphetLayerOptions = schema_of(MoEOptions, "_ProphetLayerOptions", dispatch="dropless", placement="auto",
+                                  lancet_chunks="auto")
+
+
+@dataclass
+class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc,valid-type]
+    """Swap sparse blocks for ``lightning_merak.plugins.moe.MoE`` (placement planned per step by default: ``auto``).
+
+    The layer's options are :class:`~lightning_merak.plugins.moe.options.MoEOptions`' fields, checked there.
+    """
+
+    lancet_scope: str = "layer"
+    lancet_block_chunks: str = "auto"
+    aux_loss_coef: float = 0.01
+    log_every_n_steps: int = 10
+    experts: str = "deepspeed"
+    """``deepspeed``: swap sparse blocks for our DeepSpeed-MoE layer. ``merak_ep``: keep the family's own blocks
+    (any transformers-5 MoE family, any top-k) and run its experts expert-parallel over ``ep_size`` ranks
+    (:mod:`lightning_merak.plugins.moe.experts`). Of the layer options above only ``placement=pro_prophet|shadowing``
+    (replicas re-planned every ``replan_every`` batches under DDP; ``auto`` and ``none`` run none) and
+    ``lancet_scope=block`` apply (each decoder layer as ``lancet_block_chunks`` overlapped sub-batches, ``auto``
+    measured)."""
+
+    def _block_chunks(self) -> int | str:
+        if self.lancet_scope not in ("layer", "block"):
+            raise ValueError(f"moe.lancet_scope={self.lancet_scope!r}: use layer (inside the MoE layer) or block "
+                             "(attention + MoE of each decoder layer as sub-batches)")
+        if self.lancet_block_chunks == "auto":
+            return "auto"
+        if not str(self.lancet_block_chunks).isdigit() or int(self.lancet_block_chunks) < 1:
+            raise ValueError(f"moe.lancet_block_chunks={self.lancet_block_chunks!r}: use auto or a positive integer")
+        return int(self.lancet_block_chunks)
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        from lightning_merak.plugins.moe.block_replacement import swap_sparse_moe_blocks
+        from lightning_merak.plugins.moe.lancet_block import lancet_overlap
+        from lightning_merak.util.model_outputs import no_cache
+
+        if self.experts == "merak_ep":
+            from lightning_merak.plugins.moe.experts import family_support
+
+            supported, reason = family_support(model)
+            if not supported:
+                raise ValueError(f"moe.experts=merak_ep refused: {reason}; use moe.experts=deepspeed or moe=none")
+            block_chunks = self._block_chunks()
+            if self.lancet_scope == "block":
+                from lightning_merak.plugins.moe.experts.lancet import expert_parallel_lancet
+
+                no_cache(model)
+                expert_parallel_lancet(model, block_chunks)
+            return model  # sliced per rank by ExpertParallelCallback once the process group exists
+        if self.experts != "deepspeed":
+            raise ValueError(f"moe.experts={self.experts!r}: use deepspeed or merak_ep")
+
+        config = getattr(model, "config", None)
+        model_experts = getattr(config, "num_local_experts", None)
+        model_k = getattr(config, "num_experts_per_tok", None)
+        if self.num_experts is not None and self.num_experts != model_experts:
+            raise ValueError(
+                f"moe.num_experts={self.num_experts} but the model has {model_experts} experts per layer; "
+                f"set model.config.num_local_experts={self.num_experts} or drop moe.num_experts"
+            )
+        if self.k is not None and self.k != model_k:
+            raise ValueError(f"moe.k={self.k} but the model routes top-{model_k}; set model.config.num_experts_per_tok")
+        options = MoEOptions(**{item.name: getattr(self, item.name) for item in fields(MoEOptions)})
+        options.validate(self.drop_tokens)
+        block_chunks = self._block_chunks()
+        swap_sparse_moe_blocks(
+            model, self.ep_size, options, capacity_factor=self.capacity_factor,
+            drop_tokens=self.drop_tokens, aux_loss_coef=self.aux_loss_coef,
+        )
+        if self.lancet_scope == "block":
+            no_cache(model)
+            lancet_overlap(model, block_chunks)
+        return model
+
+    def build_callbacks(self) -> list[pl.Callback]:
+        from lightning_merak.callbacks.moe.placement import MoEPlacementCallback
+
+        if self.experts == "merak_ep":
+            from lightning_merak.plugins.moe.experts import ExpertParallelCallback
+
+            replicas = self.placement if self.placement in ("pro_prophet", "shadowing") else "none"
+            return [ExpertParallelCallback(ep_size=self.ep_size, log_every_n_steps=self.log_every_n_steps,
+                                           placement=replicas, replan_every=self.replan_every)]
+
+        return [MoEPlacementCallback(log_every_n_steps=self.log_every_n_steps, heatmap_in_log_dir=True)]
+
+
+@dataclass
+class DeepSpeedMoEConfig(ProphetMoEConfig):
+    """Plain DeepSpeed-MoE behaviour: capacity-padded dispatch, no replication, no chunking."""
+
+    name: str = "deepspeed"
+    dispatch: str = MoEOptions.dispatch
+    drop_tokens: bool = True
+    placement: str = MoEOptions.placement
+    lancet_chunks: Any = str(MoEOptions.lancet_chunks)
+    capacity_factor: float = 1.25
+
+
+@dataclass
+class ShadowingMoEConfig(ProphetMoEConfig):
+    """FasterMoE-style shadowing baseline: hot experts broadcast to every rank."""
+
+    name: str = "shadowing"
+    placement: str = "shadowing"
+    lancet_chunks: Any = "1"
+
+
+def register() -> None:
+    """Register ``moe=prophet``, ``moe=deepspeed`` and ``moe=shadowing`` (called by the lead's set-up)."""
+    register_option("moe", "prophet", ProphetMoEConfig)
+    register_option("moe", "deepspeed", DeepSpeedMoEConfig)
+    register_option("moe", "shadowing", ShadowingMoEConfig)

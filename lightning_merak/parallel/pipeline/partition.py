@@ -1,0 +1,402 @@
+"""Split the proxy graph into contiguous pipeline stages (spec 1.2 and 1.3).
+
+Every partitioner first merges skip connections into groups that must share a stage,
+then cuts only between groups. The baselines balance layer counts or parameter bytes;
+:func:`partition_min_max` is the exact bottleneck-optimal split, and
+:func:`partition_autopipe` refines it against the 1F1B simulator under a memory limit.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+from itertools import accumulate
+
+from lightning_merak.parallel.pipeline.costs import DEFAULT_BACKWARD_RATIO, BlockCost, Partition, build_partition
+from lightning_merak.parallel.pipeline.recompute import blocks_to_recompute
+from lightning_merak.parallel.pipeline.simulate import (
+    SimulationResult,
+    peak_inflight_microbatches,
+    simulate_schedule,
+)
+
+CARRY_FAN_OUT_THRESHOLD = 5
+"""A node output read by more than this many nodes is carried forward through stages, not merged."""
+
+_LAYER_NAME = re.compile(r"^(?P<container>.+)\.\d+$")
+_RELATIVE_IMPROVEMENT = 1e-12
+"""AutoPipe keeps a move only if it shortens the iteration by more than float noise."""
+
+StageCost = Callable[[int, int, int], float]
+"""(stage, first unit, end unit) -> cost of that stage; ``math.inf`` marks a stage that does not fit."""
+
+
+def _validate_graph(blocks: Sequence[BlockCost]) -> None:
+    if not blocks:
+        raise ValueError("the proxy graph has no blocks")
+    for consumer, block in enumerate(blocks):
+        for producer in block.consumes:
+            if not 0 <= producer < consumer:
+                raise ValueError(
+                    f"block {consumer} ({block.name!r}) consumes node {producer}; "
+                    f"consumes must name earlier nodes (0..{consumer - 1})"
+                )
+
+
+def high_fan_out_nodes(blocks: Sequence[BlockCost]) -> frozenset[int]:
+    """Nodes whose output more than :data:`CARRY_FAN_OUT_THRESHOLD` nodes read (the next node included).
+
+    Merging every reader of a mask or rotary table into one stage would collapse the whole
+    model, so these outputs are carried forward as extra stage outputs instead.
+    """
+    _validate_graph(blocks)
+    readers: list[set[int]] = [{index + 1} if index + 1 < len(blocks) else set() for index in range(len(blocks))]
+    for consumer, block in enumerate(blocks):
+        for producer in block.consumes:
+            readers[producer].add(consumer)
+    return frozenset(index for index, nodes in enumerate(readers) if len(nodes) > CARRY_FAN_OUT_THRESHOLD)
+
+
+def merge_skip_connections(blocks: Sequence[BlockCost]) -> list[list[int]]:
+    """Groups of block indices that must stay in one stage (Merak's "farthest_min_deps" rule).
+
+    A node reading the output of node i (not its predecessor) pins nodes i..consumer-1 into
+    one group, so the value crosses at most the one boundary in front of the consumer and
+    every stage feeds only its successor. Outputs of :func:`high_fan_out_nodes` and the
+    named ``fan_out_values`` are carried forward instead and never merge anything.
+    """
+    carried = high_fan_out_nodes(blocks)
+    joined_to_next = [False] * len(blocks)
+    for consumer, block in enumerate(blocks):
+        for producer in block.consumes:
+            if producer not in carried:
+                for index in range(producer, consumer - 1):
+                    joined_to_next[index] = True
+    groups = [[0]]
+    for index in range(1, len(blocks)):
+        if joined_to_next[index - 1]:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return groups
+
+
+def _check_stage_count(num_stages: int, num_units: int, num_blocks: int) -> None:
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if num_stages > num_units:
+        merged = ""
+        if num_units < num_blocks:
+            merged = f" (skip connections tie the {num_blocks} blocks into {num_units} groups)"
+        raise ValueError(
+            f"pipeline_parallel={num_stages} exceeds the {num_units} blocks that can be placed in separate "
+            f"stages{merged}; use pipeline_parallel<={num_units}"
+        )
+
+
+def _min_max_split(num_units: int, num_stages: int, stage_cost: StageCost) -> tuple[list[int], float]:
+    """Exact contiguous split of units into stages minimising the largest stage cost (DP over split points).
+
+    Returns the first unit of each stage and the bottleneck cost (``math.inf`` when no split
+    has every stage finite). Among equally good splits the later stages take as much as allowed.
+    """
+    best = [math.inf] + [stage_cost(0, 0, end) for end in range(1, num_units + 1)]
+    stage_starts: list[list[int]] = [[0] * (num_units + 1)]
+    for stage in range(1, num_stages):
+        stage_best = [math.inf] * (num_units + 1)
+        stage_start = [0] * (num_units + 1)
+        for end in range(stage + 1, num_units - (num_stages - 1 - stage) + 1):
+            for start in range(stage, end):
+                if best[start] == math.inf:
+                    continue
+                bottleneck = max(best[start], stage_cost(stage, start, end))
+                if bottleneck < stage_best[end]:
+                    stage_best[end], stage_start[end] = bottleneck, start
+        best = stage_best
+        stage_starts.append(stage_start)
+    starts = []
+    end = num_units
+    for stage in reversed(range(num_stages)):
+        end = stage_starts[stage][end]
+        starts.append(end)
+    return starts[::-1], best[num_units]
+
+
+class _Units:
+    """The merged groups as cuttable units, with block-level prefix sums for O(1) stage totals."""
+
+    def __init__(self, blocks: Sequence[BlockCost], backward_ratio: float) -> None:
+        self.groups = merge_skip_connections(blocks)
+        self.block_starts = [group[0] for group in self.groups] + [len(blocks)]
+        compute_s = (block.forward_s + block.resolved_backward_s(backward_ratio) for block in blocks)
+        self.compute_s = list(accumulate(compute_s, initial=0.0))
+        self.param_bytes = list(accumulate((block.param_bytes for block in blocks), initial=0))
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def block_range(self, start_unit: int, end_unit: int) -> tuple[int, int]:
+        return self.block_starts[start_unit], self.block_starts[end_unit]
+
+    def block_boundaries(self, unit_starts: Sequence[int]) -> list[int]:
+        return [self.block_starts[unit] for unit in unit_starts]
+
+
+class _MemoryModel:
+    """Peak bytes of a stage under 1F1B: parameters, gradients and optimizer state, plus activations.
+
+    Activations: the stage holds ``min(S - s, M)`` micro-batches; a checkpointed block keeps
+    only its input instead of its saved tensors, and one checkpointed block at a time is
+    replayed during backward. A model, meant to rank splits, not to replace a measurement.
+    """
+
+    def __init__(
+        self,
+        blocks: Sequence[BlockCost],
+        num_microbatches: int,
+        optimizer_bytes_per_param_byte: float,
+        recompute_ratios: Sequence[float],
+    ) -> None:
+        if optimizer_bytes_per_param_byte < 0:
+            raise ValueError(f"optimizer_bytes_per_param_byte must be >= 0, got {optimizer_bytes_per_param_byte}")
+        self.num_stages = len(recompute_ratios)
+        self.num_microbatches = num_microbatches
+        self.state_bytes_per_param_byte = 2.0 + optimizer_bytes_per_param_byte
+        self.recompute_ratios = recompute_ratios
+        self.saved_bytes = [block.saved_bytes for block in blocks]
+        self.param_prefix = list(accumulate((block.param_bytes for block in blocks), initial=0))
+        self.saved_prefix = list(accumulate(self.saved_bytes, initial=0))
+        input_bytes = [0] + [block.output_bytes for block in blocks[:-1]]
+        self.input_prefix = list(accumulate(input_bytes, initial=0))
+
+    def stage_bytes(self, stage: int, start: int, end: int) -> int:
+        checkpoint_end = start + blocks_to_recompute(end - start, self.recompute_ratios[stage])
+        checkpointed_inputs = self.input_prefix[checkpoint_end] - self.input_prefix[start]
+        kept_per_microbatch = checkpointed_inputs + self.saved_prefix[end] - self.saved_prefix[checkpoint_end]
+        replay = max(self.saved_bytes[start:checkpoint_end], default=0)
+        in_flight = peak_inflight_microbatches(stage, self.num_stages, self.num_microbatches, "1f1b")
+        state = math.ceil((self.param_prefix[end] - self.param_prefix[start]) * self.state_bytes_per_param_byte)
+        return state + in_flight * kept_per_microbatch + replay
+
+
+def _checked_ratios(recompute_ratios: Sequence[float] | None, num_stages: int) -> list[float]:
+    if recompute_ratios is None:
+        return [0.0] * num_stages
+    if len(recompute_ratios) != num_stages or not all(0.0 <= ratio <= 1.0 for ratio in recompute_ratios):
+        raise ValueError(f"recompute_ratios needs {num_stages} values in [0, 1], one per stage, got {recompute_ratios}")
+    return list(recompute_ratios)
+
+
+def _recompute_s(blocks: Sequence[BlockCost], stage: int, start: int, end: int, ratios: Sequence[float]) -> float:
+    checkpointed = blocks_to_recompute(end - start, ratios[stage])
+    return sum((block.forward_s for block in blocks[start : start + checkpointed]), 0.0)
+
+
+def _stage_ends(boundaries: Sequence[int], num_blocks: int) -> list[tuple[int, int]]:
+    return list(zip(boundaries, [*boundaries[1:], num_blocks]))
+
+
+def estimate_stage_recompute_s(
+    blocks: Sequence[BlockCost], boundaries: Sequence[int], recompute_ratios: Sequence[float] | None
+) -> tuple[float, ...]:
+    """Recompute time per micro-batch of each stage: the forward of its first floor(n * r_s) blocks."""
+    ratios = _checked_ratios(recompute_ratios, len(boundaries))
+    ranges = _stage_ends(boundaries, len(blocks))
+    return tuple(_recompute_s(blocks, stage, start, end, ratios) for stage, (start, end) in enumerate(ranges))
+
+
+def estimate_stage_memory_bytes(
+    blocks: Sequence[BlockCost],
+    boundaries: Sequence[int],
+    num_microbatches: int,
+    optimizer_bytes_per_param_byte: float = 3.0,
+    recompute_ratios: Sequence[float] | None = None,
+) -> tuple[int, ...]:
+    """Peak bytes per stage under 1F1B (see :class:`_MemoryModel`); gradients are as large as the parameters."""
+    ratios = _checked_ratios(recompute_ratios, len(boundaries))
+    memory = _MemoryModel(blocks, num_microbatches, optimizer_bytes_per_param_byte, ratios)
+    ranges = _stage_ends(boundaries, len(blocks))
+    return tuple(memory.stage_bytes(stage, start, end) for stage, (start, end) in enumerate(ranges))
+
+
+def _repeated_layer_predicate(blocks: Sequence[BlockCost]) -> Callable[[BlockCost], bool]:
+    """Transformer blocks are the children of the most common numbered container (``model.layers.<i>``).
+
+    Without numbered names every non-embedding block counts as a layer.
+    """
+    containers = Counter(
+        match["container"] for block in blocks if not block.is_embedding and (match := _LAYER_NAME.match(block.name))
+    )
+    if not containers:
+        return lambda block: not block.is_embedding
+    layer_container = containers.most_common(1)[0][0]
+
+    def is_layer(block: BlockCost) -> bool:
+        match = _LAYER_NAME.match(block.name)
+        return not block.is_embedding and match is not None and match["container"] == layer_container
+
+    return is_layer
+
+
+def partition_uniform(
+    blocks: Sequence[BlockCost],
+    num_stages: int,
+    backward_ratio: float = DEFAULT_BACKWARD_RATIO,
+    is_layer: Callable[[BlockCost], bool] | None = None,
+) -> Partition:
+    """The "uniform by layer" baseline: equal transformer-block counts per stage, extras to the first stages.
+
+    Other nodes ride with the layer before them, so the embedding goes with the first stage
+    and the final norm and head with the last. ``is_layer`` overrides the name-based detection.
+    """
+    units = _Units(blocks, backward_ratio)
+    _check_stage_count(num_stages, len(units), len(blocks))
+    layer_test = is_layer or _repeated_layer_predicate(blocks)
+    layer_counts = [sum(layer_test(blocks[index]) for index in group) for group in units.groups]
+    layer_units = [unit for unit, count in enumerate(layer_counts) if count]
+    if num_stages > len(layer_units):
+        raise ValueError(
+            f"partition_uniform needs a transformer block per stage: {len(layer_units)} found for "
+            f"pipeline_parallel={num_stages}; use pipeline_parallel<={len(layer_units)} or partition_min_max"
+        )
+    cumulative_layers = list(accumulate((layer_counts[unit] for unit in layer_units), initial=0))
+    base, extra = divmod(cumulative_layers[-1], num_stages)
+    first_layer_units = [0]
+    for stage in range(1, num_stages):
+        target = stage * base + min(stage, extra)
+        highest = len(layer_units) - (num_stages - stage)
+        candidates = range(first_layer_units[-1] + 1, highest + 1)
+        first_layer_units.append(next((unit for unit in candidates if cumulative_layers[unit] >= target), highest))
+    unit_starts = [0] + [layer_units[unit] for unit in first_layer_units[1:]]
+    return build_partition(blocks, units.block_boundaries(unit_starts), "uniform", backward_ratio)
+
+
+def partition_by_parameters(
+    blocks: Sequence[BlockCost], num_stages: int, backward_ratio: float = DEFAULT_BACKWARD_RATIO
+) -> Partition:
+    """The common baseline: the contiguous split minimising the largest stage parameter bytes."""
+    units = _Units(blocks, backward_ratio)
+    _check_stage_count(num_stages, len(units), len(blocks))
+
+    def stage_params(_stage: int, start_unit: int, end_unit: int) -> float:
+        start, end = units.block_range(start_unit, end_unit)
+        return units.param_bytes[end] - units.param_bytes[start]
+
+    unit_starts, _ = _min_max_split(len(units), num_stages, stage_params)
+    return build_partition(blocks, units.block_boundaries(unit_starts), "parameters", backward_ratio)
+
+
+def partition_min_max(
+    blocks: Sequence[BlockCost], num_stages: int, backward_ratio: float = DEFAULT_BACKWARD_RATIO
+) -> Partition:
+    """The contiguous split minimising the largest stage forward+backward time; exact (AutoPipe step 1)."""
+    units = _Units(blocks, backward_ratio)
+    _check_stage_count(num_stages, len(units), len(blocks))
+
+    def stage_compute(_stage: int, start_unit: int, end_unit: int) -> float:
+        start, end = units.block_range(start_unit, end_unit)
+        return units.compute_s[end] - units.compute_s[start]
+
+    unit_starts, _ = _min_max_split(len(units), num_stages, stage_compute)
+    return build_partition(blocks, units.block_boundaries(unit_starts), "min_max", backward_ratio)
+
+
+def _moves_off_stage(unit_starts: list[int], stage: int, num_units: int) -> list[list[int]]:
+    """Splits that hand the critical stage's first unit to its predecessor or its last unit to its successor."""
+    stage_end = unit_starts[stage + 1] if stage + 1 < len(unit_starts) else num_units
+    if stage_end - unit_starts[stage] < 2:
+        return []
+    moves = []
+    if stage > 0:
+        moves.append(unit_starts[:stage] + [unit_starts[stage] + 1] + unit_starts[stage + 1 :])
+    if stage + 1 < len(unit_starts):
+        moves.append(unit_starts[: stage + 1] + [stage_end - 1] + unit_starts[stage + 2 :])
+    return moves
+
+
+def partition_autopipe(
+    blocks: Sequence[BlockCost],
+    num_stages: int,
+    num_microbatches: int,
+    p2p_s: float = 0.0,
+    memory_limit_bytes: int | None = None,
+    optimizer_bytes_per_param_byte: float = 3.0,
+    recompute_ratios: Sequence[float] | None = None,
+    max_iterations: int = 100,
+    backward_ratio: float = DEFAULT_BACKWARD_RATIO,
+) -> Partition:
+    """AutoPipe: the min-max split, refined one boundary unit at a time against the simulated 1F1B iteration.
+
+    Stage time per micro-batch is forward + backward + recompute (``recompute_ratios[s]`` of the
+    stage's leading blocks). Splits whose stage memory (:func:`estimate_stage_memory_bytes`, with
+    ``optimizer_bytes_per_param_byte`` of optimizer state per parameter byte) exceeds
+    ``memory_limit_bytes`` are never chosen; if none fits, the error names the memory needed.
+    """
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    if max_iterations < 0:
+        raise ValueError(f"max_iterations must be >= 0, got {max_iterations}")
+    units = _Units(blocks, backward_ratio)
+    _check_stage_count(num_stages, len(units), len(blocks))
+    ratios = _checked_ratios(recompute_ratios, num_stages)
+    memory = _MemoryModel(blocks, num_microbatches, optimizer_bytes_per_param_byte, ratios)
+
+    def stage_memory(stage: int, start_unit: int, end_unit: int) -> float:
+        return memory.stage_bytes(stage, *units.block_range(start_unit, end_unit))
+
+    def fits(stage: int, start_unit: int, end_unit: int) -> bool:
+        return memory_limit_bytes is None or stage_memory(stage, start_unit, end_unit) <= memory_limit_bytes
+
+    def stage_time(stage: int, start_unit: int, end_unit: int) -> float:
+        if not fits(stage, start_unit, end_unit):
+            return math.inf
+        start, end = units.block_range(start_unit, end_unit)
+        return units.compute_s[end] - units.compute_s[start] + _recompute_s(blocks, stage, start, end, ratios)
+
+    unit_starts, bottleneck = _min_max_split(len(units), num_stages, stage_time)
+    if bottleneck == math.inf:
+        _, needed = _min_max_split(len(units), num_stages, stage_memory)
+        raise ValueError(
+            f"no split into {num_stages} stages fits memory_limit_bytes={memory_limit_bytes}: the best split "
+            f"needs {int(needed)} bytes on its fullest stage; raise the limit to >= {int(needed)}, "
+            f"recompute more (recompute_ratios) or use more stages"
+        )
+
+    def simulate(starts: Sequence[int]) -> SimulationResult:
+        ranges = _stage_ends(units.block_boundaries(starts), len(blocks))
+        return simulate_schedule(
+            [sum(block.forward_s for block in blocks[start:end]) for start, end in ranges],
+            [sum(block.resolved_backward_s(backward_ratio) for block in blocks[start:end]) for start, end in ranges],
+            num_microbatches,
+            "1f1b",
+            p2p_s,
+            [_recompute_s(blocks, stage, start, end, ratios) for stage, (start, end) in enumerate(ranges)],
+        )
+
+    result = simulate(unit_starts)
+    for _ in range(max_iterations):
+        best_move, best_result = None, result
+        for move in _moves_off_stage(unit_starts, result.critical_stage, len(units)):
+            stage_ends = [*move[1:], len(units)]
+            if not all(fits(stage, start, end) for stage, (start, end) in enumerate(zip(move, stage_ends))):
+                continue
+            candidate = simulate(move)
+            if candidate.iteration_s < best_result.iteration_s * (1.0 - _RELATIVE_IMPROVEMENT):
+                best_move, best_result = move, candidate
+        if best_move is None:
+            break
+        unit_starts, result = best_move, best_result
+
+    boundaries = units.block_boundaries(unit_starts)
+    return build_partition(
+        blocks,
+        boundaries,
+        "autopipe",
+        backward_ratio,
+        stage_recompute_s=estimate_stage_recompute_s(blocks, boundaries, ratios),
+        stage_memory_bytes=estimate_stage_memory_bytes(
+            blocks, boundaries, num_microbatches, optimizer_bytes_per_param_byte, ratios
+        ),
+    )

@@ -1,0 +1,549 @@
+"""Measure what the layout planner needs, on the machine and model at hand.
+
+The thin, impure side of the planner (:mod:`lightning_merak.planning.planner` is the pure
+core): it times one transformer block split as tensor parallelism would split it (rank 0's
+shard, no communication) at every sub-batch size the search needs, with the block's time
+cut at the points where its collectives go; the embedding and head from a profiled trace;
+all-reduce and point-to-point latency and bandwidth over real process groups, and the
+data-parallel gradient synchronisation as the runtime performs it; the optimizer step and
+gradient clipping's passes over one block's parameters and over the embedding's and the head's.
+With a process group, real tensor-parallel blocks (sharded layers,
+their collectives, ``tp_overlap`` sub-batch turns) are timed too, as the runtime will run
+them. Every rank measures at once (as they would compute during training); merak3d averages
+the ranks' figures (:func:`~lightning_merak.planning.planner.average_profiles`), so every rank
+plans the same layout from every core's timings.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from lightning_merak.distributed.sub_batches import SubBatchForward
+from lightning_merak.parallel.data.gradients import average_gradients, scale_gradients, squared_norm
+from lightning_merak.parallel.pipeline.meta_trace import materialized_copy
+from lightning_merak.parallel.pipeline.trace import ModelTrace, trace_model
+from lightning_merak.parallel.tensor.blocks import (
+    TensorParallelPlan,
+    _conv1d_to_linear,
+    _features,
+    _is_conv1d,
+    _scale_attention_attributes,
+    apply_tensor_parallel,
+)
+from lightning_merak.parallel.tensor.sequence import SequenceParallelPlan, split_sequence_between
+from lightning_merak.planning.planner import (
+    BlockTimes,
+    CollectiveCost,
+    MeasuredBlocks,
+    ModelProfile,
+    NetworkProfile,
+    ProfileKeys,
+    fit_collective_cost,
+    fit_pipeline_runtime,
+)
+from lightning_merak.util.model_outputs import logits_of
+from lightning_merak.util.timing import mean_call_time, median_call_time
+
+__all__ = ["LARGEST_TIMED_ELEMENTS", "local_shard_of_block", "profile_model", "profile_network", "tensor_parallel_mesh",
+           "time_outside_update", "time_parameter_update", "timing_copies"]
+
+
+def local_shard_of_block(block: nn.Module, plan: TensorParallelPlan, tensor_parallel: int) -> nn.Module:
+    """A copy of ``block`` holding one rank's shard of every split layer, computing without collectives.
+
+    Its compute equals one tensor-parallel rank's; the values differ (no all-reduce), which
+    timing does not mind.
+    """
+    shard = copy.deepcopy(block)
+    for names, divide_output in ((plan.column, True), (plan.row, False)):
+        for name in names:
+            layer = shard.get_submodule(name)
+            if _is_conv1d(layer):
+                layer = _conv1d_to_linear(layer)
+            in_features, out_features = _features(layer)
+            smaller = nn.Linear(in_features if divide_output else in_features // tensor_parallel,
+                                out_features // tensor_parallel if divide_output else out_features,
+                                bias=layer.bias is not None, dtype=layer.weight.dtype, device=layer.weight.device)
+            shard.set_submodule(name, smaller)
+    _scale_attention_attributes(shard, plan.column, tensor_parallel)
+    return shard
+
+
+def _side_tensors_for(trace: ModelTrace, samples: int) -> tuple[torch.Tensor, ...]:
+    batch = trace.sample_hidden.shape[0]
+    return tuple(t[:samples] if t.ndim and t.shape[0] == batch and samples <= batch else t
+                 for t in trace.sample_side_tensors)
+
+
+def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, samples: int,
+                 repeats: int) -> tuple[BlockTimes, int, int]:
+    """Forward and backward time of ``shard`` cut at its collectives, the bytes it saves for backward, and
+    how many of those are saved outside the span from a column layer to its row partner.
+
+    Sequence parallelism splits those along the sequence (norms, residuals, dropout, and the
+    column layers' inputs); what is saved inside the span is split by heads already.
+    """
+    hidden = trace.sample_hidden
+    batch = hidden.shape[0]
+    source = hidden if samples <= batch else hidden.repeat(-(-samples // batch), *[1] * (hidden.ndim - 1))
+    inputs = source[:samples].detach().clone().requires_grad_(True)
+    args, kwargs = trace.block_arguments(_side_tensors_for(trace, samples))
+    marks: dict[str, float] = {}
+    handles = []
+    first_row = shard.get_submodule(plan.row[0])
+    handles.append(first_row.register_forward_hook(lambda *_: marks.__setitem__("row", time.perf_counter())))
+    for index, group in enumerate(plan.column_groups):
+        def watch(module: nn.Module, args_: tuple, key: str = f"group{index}") -> None:
+            if args_[0].requires_grad:
+                args_[0].register_hook(lambda grad: marks.__setitem__(key, time.perf_counter()))
+        handles.append(shard.get_submodule(group[0]).register_forward_pre_hook(watch))
+    inside_span = [False]
+    for names, inside in ((plan.column, True), (plan.row, False)):
+        for name in names:
+            handles.append(shard.get_submodule(name).register_forward_hook(
+                lambda *_, inside=inside: inside_span.__setitem__(0, inside)))
+    forward_parts: list[tuple[float, float]] = []
+    backward_parts: list[tuple[float, float]] = []
+    parameters = {p.data_ptr() for p in shard.parameters()}
+    saved: dict[int, int] = {}
+    outside_span: set[int] = set()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.data_ptr() not in parameters and tensor.data_ptr() not in saved:
+            saved[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+            if not inside_span[0]:
+                outside_span.add(tensor.data_ptr())
+        return tensor
+
+    def run() -> None:
+        shard.zero_grad(set_to_none=True)  # as every training step: backward allocates fresh gradients
+        saved.clear()
+        outside_span.clear()
+        inside_span[0] = False
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            output = trace.hidden_of(shard(inputs, *args, **kwargs))
+        end_forward = time.perf_counter()
+        output.backward(torch.ones_like(output))
+        end_backward = time.perf_counter()
+        forward_parts.append((marks["row"] - start, end_forward - marks["row"]))
+        last_group = f"group{len(plan.column_groups) - 1}"
+        mlp_ready = marks.get(last_group, end_forward)
+        backward_parts.append((mlp_ready - end_forward, end_backward - mlp_ready))
+
+    try:
+        run()
+        forward_parts.clear()
+        backward_parts.clear()
+        for _ in range(repeats):
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    times = BlockTimes(forward_segments_s=tuple(map(statistics.fmean, zip(*forward_parts))),
+                       backward_segments_s=tuple(map(statistics.fmean, zip(*backward_parts))))
+    return times, sum(saved.values()), sum(saved[pointer] for pointer in outside_span)
+
+
+class _BlockRun(nn.Module):
+    """``blocks`` applied in turn to the hidden state, with the side arguments the trunk passes every block."""
+
+    def __init__(self, blocks: list[nn.Module], trace: ModelTrace) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.trace = trace
+
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        for block in self.blocks:
+            hidden = self.trace.hidden_of(block(hidden, *args, **kwargs))
+        return hidden
+
+
+def _forward_backward_times(run: nn.Module, hidden: torch.Tensor, args: tuple, kwargs: dict,
+                            repeats: int) -> tuple[float, float]:
+    """Mean forward and backward seconds of ``run`` after one warm-up; every rank runs the same calls."""
+    forward, backward = [], []
+    for attempt in range(repeats + 1):
+        inputs = hidden.detach().requires_grad_(True)
+        run.zero_grad(set_to_none=True)  # as every training step: backward allocates fresh gradients
+        start = time.perf_counter()
+        output = run(inputs, *args, **kwargs)
+        middle = time.perf_counter()
+        output.backward(torch.ones_like(output))
+        end = time.perf_counter()
+        if attempt:
+            forward.append(middle - start)
+            backward.append(end - middle)
+    return statistics.fmean(forward), statistics.fmean(backward)
+
+
+def time_parameter_update(parameters: list[nn.Parameter],
+                          optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                          repeats: int) -> tuple[float, float]:
+    """Mean seconds of the optimizer step and of clipping's passes over ``parameters`` (plain or sharded).
+
+    The planner prices a stage's update by these figures. Each trainable parameter is given a
+    gradient of ones (overwriting any it had), so pass copies where the gradients matter.
+    """
+    trainable = [p for p in parameters if p.requires_grad]
+    if not trainable:
+        return 0.0, 0.0
+    for parameter in trainable:
+        parameter.grad = torch.ones_like(parameter)
+    clip_s = _clip_passes_s(trainable, repeats)
+    optimizer = optimizer_factory(trainable)
+    return mean_call_time(optimizer.step, repeats), clip_s
+
+
+def _clip_passes_s(parameters: list[nn.Parameter], repeats: int) -> float:
+    """Clipping by norm over ``parameters``' gradients without its all-reduce: the norm's pass and the scaling pass.
+
+    The coefficient is always below 1, as when clipping takes effect, and shrinks the
+    gradients slowly enough that no repeat meets subnormal numbers.
+    """
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters]
+    device = grads[0].device
+
+    def clip() -> None:
+        scale_gradients(grads, 1.0 / (math.sqrt(squared_norm(grads, device).item()) + 1.0))
+
+    return mean_call_time(clip, repeats)
+
+
+LARGEST_TIMED_ELEMENTS = 1 << 25
+"""A parameter outside the blocks with more elements is timed on a copy of this many of them, and
+the time scaled by its size: a whole copy of a large embedding, with its gradient and optimizer
+state, would need about four times the table's bytes at setup. Past a few megabytes an update
+is bound by memory bandwidth, so its time grows with the elements."""
+
+
+def timing_copies(parameters: list[nn.Parameter], largest: int) -> tuple[list[nn.Parameter], float]:
+    """Detached copies of the trainable ``parameters``, each cut to its first ``largest`` elements,
+    and the ratio of all their elements to those copied.
+
+    Timing an update on the copies leaves the model untouched, and multiplying the time by the
+    ratio prices the whole (see :data:`LARGEST_TIMED_ELEMENTS`). A meta parameter's copy is random.
+    """
+    trainable = [p for p in parameters if p.requires_grad]
+    copies = [nn.Parameter(torch.randn(min(p.numel(), largest), dtype=p.dtype) if p.is_meta
+                           else p.detach().reshape(-1)[:largest].clone() if p.numel() > largest else p.detach().clone())
+              for p in trainable]
+    copied = sum(c.numel() for c in copies)
+    return copies, (sum(p.numel() for p in trainable) / copied if copied else 1.0)
+
+
+def time_outside_update(model: nn.Module, trace: ModelTrace,
+                        optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                        repeats: int, largest: int = LARGEST_TIMED_ELEMENTS,
+                        ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """:func:`time_parameter_update` over copies of the embedding's and the head's parameters, grouped as the
+    trace's costs group them (a tied weight belongs to the head): ``(prefix, suffix)``, each
+    ``(optimizer_s, clip_s)``. The model's own parameters stay untouched.
+
+    Parameters beyond ``largest`` elements are timed on a part and scaled (:func:`timing_copies`).
+    """
+    times = []
+    for group in trace.outside_parameters(model):
+        copies, scale = timing_copies(group, largest)
+        optimizer_s, clip_s = time_parameter_update(copies, optimizer_factory, repeats)
+        times.append((scale * optimizer_s, scale * clip_s))
+    prefix_s, suffix_s = times
+    return prefix_s, suffix_s
+
+
+def _sharded_copy(block: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh,
+                  sequence_plan: Optional[SequenceParallelPlan] = None,
+                  overlap_weight_gradients: bool = True) -> nn.Module:
+    """A copy of ``block`` with real tensor-parallel layers over ``mesh`` (collectives included)."""
+    sharded = copy.deepcopy(block)
+    apply_tensor_parallel(sharded, plan, mesh, sequence_plan, overlap_weight_gradients)
+    return sharded
+
+
+def tensor_parallel_mesh(device: torch.device, tensor_parallel: int) -> DeviceMesh:
+    """The tensor-parallel groups merak3d uses (consecutive ranks); every rank must call this."""
+    world = dist.get_world_size()
+    return init_device_mesh(device.type, (world // tensor_parallel, tensor_parallel),
+                            mesh_dim_names=("replica", "tp"))["tp"]
+
+
+def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dict[int, ModelTrace],
+                         keys: ProfileKeys, meshes: dict[int, DeviceMesh], repeats: int,
+                         max_blocks: int, sequence_plan: Optional[SequenceParallelPlan] = None,
+                         overlap_weight_gradients: bool = True) -> dict[tuple[int, int, int], MeasuredBlocks]:
+    """Regions of one and of ``max_blocks`` real tensor-parallel blocks, at each (tp, overlap, samples) of ``keys``
+    whose tp has a mesh.
+
+    The per-block cost is the difference over ``max_blocks - 1`` blocks, so timing noise is
+    divided by that many instead of landing whole on every further block. With a
+    ``sequence_plan`` the blocks run sequence-parallel, as the runtime runs them: the region
+    splits the sequence at its first block and gathers it after its last. ``overlap_weight_gradients``
+    is the runtime's setting for the column groups' backward.
+    """
+    measured: dict[tuple[int, int, int], MeasuredBlocks] = {}
+    counts = (1, max(2, max_blocks))
+    for tp, overlap, samples in sorted(key for key in keys.measured_blocks if key[0] in meshes):
+        trace = traces[samples]
+        hidden = trace.sample_hidden[:samples]
+        args, kwargs = trace.block_arguments(_side_tensors_for(trace, samples))
+        times = []
+        for count in counts:
+            blocks = [_sharded_copy(block, plan, meshes[tp], sequence_plan, overlap_weight_gradients)
+                      for _ in range(count)]
+            if sequence_plan is not None:
+                split_sequence_between(blocks[0], blocks[-1], meshes[tp].get_group(), trace.block_output_index)
+            run = _BlockRun(blocks, trace)
+            if overlap > 1:
+                run.forward = SubBatchForward(run, overlap)
+            dist.barrier()
+            times.append(_forward_backward_times(run, hidden, args, kwargs, repeats))
+        (forward_one, backward_one), (forward_many, backward_many) = times
+        further = counts[1] - 1
+        measured[(tp, overlap, samples)] = MeasuredBlocks(
+            forward_first_s=forward_one, forward_next_s=max(0.0, forward_many - forward_one) / further,
+            backward_first_s=backward_one, backward_next_s=max(0.0, backward_many - backward_one) / further,
+        )
+    return measured
+
+
+def _block_update_times(block: nn.Module, plan: TensorParallelPlan, keys: ProfileKeys,
+                        optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                        meshes: dict[int, DeviceMesh], repeats: int) -> tuple[dict[int, float], dict[int, float]]:
+    """Optimizer step and clipping passes over one block's parameters per tp: real shards where ``meshes`` has
+    the tp, local shards else."""
+    optimizer_s, clip_s = {}, {}
+    for tp in sorted(keys.tp_degrees | {1}):
+        sharded = _sharded_copy(block, plan, meshes[tp]) if tp in meshes else local_shard_of_block(block, plan, tp)
+        optimizer_s[tp], clip_s[tp] = time_parameter_update(list(sharded.parameters()), optimizer_factory, repeats)
+    return optimizer_s, clip_s
+
+
+class _Loss(nn.Module):
+    """The training loss of the first ``samples`` samples' logits, as a module :func:`_forward_backward_times` runs."""
+
+    def __init__(self, loss_of: Callable[[Any, int], torch.Tensor], samples: int) -> None:
+        super().__init__()
+        self.loss_of, self.samples = loss_of, samples
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.loss_of(logits, self.samples)
+
+
+def _loss_times(model: nn.Module, sample_inputs: torch.Tensor, call_model: Callable[[nn.Module, torch.Tensor], Any],
+                loss_of: Callable[[Any, int], torch.Tensor], samples: int, repeats: int,
+                logits_shape: Optional[tuple[int, ...]] = None) -> tuple[float, float]:
+    """Mean forward and backward seconds of the training loss on the model's output for ``samples`` samples
+    (on random logits of ``logits_shape`` for a model on the meta device)."""
+    if logits_shape is not None:
+        logits = torch.randn((samples, *logits_shape[1:]), device=sample_inputs.device)
+        return _forward_backward_times(_Loss(loss_of, samples), logits, (), {}, repeats)
+    with torch.no_grad():
+        logits = logits_of(call_model(model, sample_inputs[:samples]))
+    return _forward_backward_times(_Loss(loss_of, samples), logits, (), {}, repeats)
+
+
+def profile_model(
+    model: nn.Module,
+    sample_inputs: torch.Tensor,
+    call_model: Callable[[nn.Module, torch.Tensor], Any],
+    plan_of: Callable[[nn.Module, ModelTrace], TensorParallelPlan],
+    keys: ProfileKeys,
+    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    repeats: int = 5,
+    process_group_device: Optional[torch.device] = None,
+    loss_of: Optional[Callable[[Any, int], torch.Tensor]] = None,
+    sequence_plan_of: Optional[Callable[[nn.Module, ModelTrace, TensorParallelPlan], SequenceParallelPlan]] = None,
+    overlap_weight_gradients: bool = True,
+    materialize_with: Optional[Callable[[nn.Module], Callable[..., None]]] = None,
+) -> ModelProfile:
+    """Time ``model``'s parts at every (tp, sub-batch samples) the search needs (``keys``).
+
+    With ``process_group_device`` (every rank of the default process group calling at once),
+    real tensor-parallel blocks are timed at ``keys.measured_blocks`` and their optimizer step
+    over sharded parameters; without it those stay unmeasured and the planner models them.
+    With ``loss_of(logits, samples)`` (the training loss of the first ``samples`` samples'
+    logits), the loss is timed at every micro-batch size of ``keys.loss_samples``. With
+    ``sequence_plan_of(block, trace, plan)`` the real blocks are timed sequence-parallel; the
+    sequence length must divide by every tp of ``keys``. ``overlap_weight_gradients`` is the
+    runtime's setting for the real blocks' column groups (:func:`apply_tensor_parallel`). A model on the
+    meta device stays there: ``materialize_with`` (see :func:`~lightning_merak.parallel.pipeline.trace.trace_model`)
+    materialises one block (and the prefix, then the head, in the traces) at a time.
+    """
+    real_blocks = process_group_device is not None and dist.is_initialized() and dist.get_world_size() > 1
+    measured_samples = {samples for _, _, samples in keys.measured_blocks} if real_blocks else set()
+    needed_samples = sorted({samples for _, samples in keys.block_times} | set(keys.prefix_suffix_samples)
+                            | measured_samples)
+    traces: dict[int, ModelTrace] = {}
+    for samples in needed_samples:
+        inputs = sample_inputs[:samples] if samples <= sample_inputs.shape[0] else sample_inputs.repeat(
+            -(-samples // sample_inputs.shape[0]), 1)[:samples]
+        traces[samples] = trace_model(model, inputs, call_model, profile=True, profile_repeats=repeats,
+                                      materialize_with=materialize_with)
+    largest = traces[needed_samples[-1]]
+    trunk = model.get_submodule(largest.trunk_path)
+    on_meta = any(p.is_meta for p in trunk[0].parameters())
+    block = materialized_copy(trunk[0], f"{largest.trunk_path}.0", materialize_with) if on_meta else trunk[0]
+    plan = plan_of(block, largest)
+    block_times: dict[tuple[int, int], BlockTimes] = {}
+    parameter_bytes: dict[int, int] = {}
+    activation_bytes: dict[int, int] = {}
+    sequence_split_bytes: dict[int, int] = {}
+    for tp in sorted(keys.tp_degrees | {1}):
+        shard = local_shard_of_block(block, plan, tp)
+        parameter_bytes[tp] = sum(p.numel() * p.element_size() for p in shard.parameters())
+        for samples in sorted(s for t, s in keys.block_times if t == tp) or [needed_samples[-1]]:
+            times, saved, outside = _block_times(shard, plan, traces[samples], samples, repeats)
+            block_times[(tp, samples)] = times
+            activation_bytes.setdefault(tp, saved // samples)
+            sequence_split_bytes.setdefault(tp, outside // samples)
+    hidden = largest.sample_hidden
+    prefix, suffix = largest.costs[0], largest.costs[-1]
+    # one mesh per tensor-parallel degree (creating one is collective), shared by both measurements
+    meshes = ({tp: tensor_parallel_mesh(process_group_device, tp) for tp in sorted(keys.tp_degrees) if tp > 1}
+              if real_blocks else {})
+    sequence_plan = sequence_plan_of(block, largest, plan) if sequence_plan_of is not None and meshes else None
+    block_optimizer_s, block_clip_s = _block_update_times(block, plan, keys, optimizer_factory, meshes, repeats)
+    prefix_update_s, suffix_update_s = time_outside_update(model, largest, optimizer_factory, repeats)
+    measured = _measure_real_blocks(block, plan, traces, keys, meshes, repeats, max_blocks=min(len(trunk), 4),
+                                    sequence_plan=sequence_plan, overlap_weight_gradients=overlap_weight_gradients)
+    return ModelProfile(
+        num_blocks=len(trunk),
+        hidden_bytes_per_sample=hidden[0].numel() * hidden.element_size(),
+        block_times=block_times,
+        prefix_times={s: (traces[s].costs[0].forward_s, traces[s].costs[0].backward_s) for s in needed_samples},
+        suffix_times={s: (traces[s].costs[-1].forward_s, traces[s].costs[-1].backward_s) for s in needed_samples},
+        block_parameter_bytes=parameter_bytes,
+        prefix_parameter_bytes=prefix.param_bytes,
+        suffix_parameter_bytes=suffix.param_bytes,
+        block_activation_bytes_per_sample=activation_bytes,
+        block_sequence_split_bytes_per_sample=sequence_split_bytes,
+        optimizer_s_per_parameter_byte=block_optimizer_s[1] / max(1, parameter_bytes[1]),
+        measured_blocks=measured,
+        block_optimizer_s=block_optimizer_s,
+        block_clip_s=block_clip_s,
+        clip_s_per_parameter_byte=block_clip_s[1] / max(1, parameter_bytes[1]),
+        prefix_update_s=prefix_update_s,
+        suffix_update_s=suffix_update_s,
+        loss_times={samples: _loss_times(model, sample_inputs, call_model, loss_of, samples, repeats,
+                                         largest.logits_shape if on_meta else None)
+                    for samples in sorted(keys.loss_samples)} if loss_of is not None else {},
+    )
+
+
+def consecutive_group(size: int) -> dist.ProcessGroup:
+    """This rank's group of ``size`` consecutive ranks; every rank creates every such group (collective)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = None
+    for first in range(0, world, size):
+        group = dist.new_group(list(range(first, first + size)))
+        if first <= rank < first + size:
+            mine = group
+    return mine
+
+
+def _sizes(small_bytes: int, large_bytes: int) -> list[int]:
+    """Message sizes from ``small_bytes`` to ``large_bytes``, a factor of about 4 apart."""
+    sizes = [large_bytes]
+    while sizes[-1] // 4 > small_bytes:
+        sizes.append(sizes[-1] // 4)
+    return sorted({small_bytes, *sizes[:3]})
+
+
+PIPELINE_PROBE_MICRO_BATCHES = (2, 8)
+"""Micro-batch counts of the pipeline runtime probe: its time per chunk comes from the difference."""
+
+
+def _pipeline_runtime(device: torch.device, repeats: int, p2p: CollectiveCost) -> tuple[float, float]:
+    """The pipeline runtime's time per chunk action and per step on ranks 0 and 1 (every rank must call).
+
+    Two stages that compute nothing (an 8-wide linear layer on one row per micro-batch) run
+    the runtime's 1F1B schedule, with the stage class merak3d uses on this backend, at two
+    micro-batch counts; :func:`fit_pipeline_runtime` turns the steps into per-action and
+    per-step times. Other ranks return zeros; the caller takes rank 0's figures.
+    """
+    from torch.distributed.pipelining import Schedule1F1B
+
+    from lightning_merak.parallel.pipeline.schedules import pipeline_stage_class
+
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
+    steps: dict[int, float] = {}
+    if rank < 2:
+        stage_class = pipeline_stage_class(dist.get_backend(group))
+        for micro_batches in PIPELINE_PROBE_MICRO_BATCHES:
+            stage = stage_class(nn.Linear(8, 8).to(device), rank, 2, device, group=group)
+            schedule = Schedule1F1B(stage, micro_batches, loss_fn=lambda output, target: output.sum())
+            rows = torch.zeros(micro_batches, 1, 8, device=device)
+            dist.barrier(group=group)
+            steps[micro_batches] = mean_call_time(
+                (lambda: schedule.step(rows)) if rank == 0 else (lambda: schedule.step(target=rows)), repeats)
+    dist.barrier()
+    return fit_pipeline_runtime(steps, p2p.send_s(8 * 4)) if rank == 0 else (0.0, 0.0)
+
+
+def profile_network(group_sizes: Iterable[int], device: torch.device, large_bytes: int,
+                    small_bytes: int = 4096, repeats: int = 5, gradient_bytes: int = 0,
+                    pipeline: bool = False) -> NetworkProfile:
+    """All-reduce cost per group size (groups of consecutive ranks, all busy at once) and rank 0 ↔ 1 p2p.
+
+    Each cost is fitted to several message sizes up to ``large_bytes``, from the median of a
+    few transfers per size: one stalled transfer would move a fitted latency or bandwidth far
+    more than it moves a run of many transfers (computation is timed by the mean). With
+    ``gradient_bytes``, the data-parallel gradient synchronisation is fitted per group size
+    too, at sizes up to that many bytes (the largest gradient a candidate layout syncs). With
+    ``pipeline`` (some candidate layout has several stages) the pipeline runtime's own time is
+    measured too (:func:`_pipeline_runtime`).
+    Every rank must call this; the figures of rank 0's groups are returned on every rank.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:
+        return NetworkProfile(all_reduce={}, p2p=CollectiveCost(latency_s=0.0, bandwidth_bytes_per_s=1e30))
+    all_reduce: dict[int, CollectiveCost] = {}
+    gradient_sync: dict[int, CollectiveCost] = {}
+    for size in sorted(set(group_sizes)):
+        mine = consecutive_group(size)
+        points = []
+        for nbytes in _sizes(small_bytes, large_bytes):
+            tensor = torch.ones(max(1, nbytes // 4), device=device)
+            dist.barrier()
+            points.append((nbytes, median_call_time(lambda: dist.all_reduce(tensor, group=mine), repeats)))
+        all_reduce[size] = fit_collective_cost(points, 2.0 * (size - 1) / size)
+        if gradient_bytes > 0:
+            points = []
+            for nbytes in _sizes(min(small_bytes, gradient_bytes // 2), gradient_bytes):
+                grads = list(torch.ones(max(8, nbytes // 4), device=device).chunk(8))
+                dist.barrier()
+                points.append((nbytes, median_call_time(
+                    lambda: average_gradients(grads, mine, size), repeats)))
+            gradient_sync[size] = fit_collective_cost(points)
+    points = []
+    for nbytes in _sizes(small_bytes, large_bytes):
+        tensor = torch.ones(max(1, nbytes // 4), device=device)
+
+        def ping() -> None:
+            if rank == 0:
+                dist.send(tensor, 1)
+                dist.recv(tensor, 1)
+            elif rank == 1:
+                dist.recv(tensor, 0)
+                dist.send(tensor, 0)
+
+        dist.barrier()
+        points.append((nbytes, median_call_time(ping, repeats) / 2))
+    p2p = fit_collective_cost(points)
+    action_s, step_s = _pipeline_runtime(device, repeats, p2p) if pipeline else (0.0, 0.0)
+    network = NetworkProfile(all_reduce=all_reduce, p2p=p2p, gradient_sync=gradient_sync,
+                             pipeline_action_s=action_s, pipeline_step_s=step_s)
+    holder = [network]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]

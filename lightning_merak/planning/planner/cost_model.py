@@ -1,0 +1,577 @@
+"""Predicted step time and peak memory of one data x pipeline x tensor-parallel layout.
+
+The model composes the pipeline core: the proxy graph [prefix, block x n, suffix] is split
+into stages (AutoPipe when there are several), each stage's forward and backward per
+micro-batch come from real tensor-parallel blocks where the profile timed them (their time
+includes whatever the runtime overlaps: sub-batches, and the column groups' input-gradient
+all-reduce behind their weight gradients), else from the overlapped tensor-parallel chain
+(:mod:`.overlap`), which knows sub-batches only and so leaves that backward all-reduce
+exposed; with the pipeline runtime's own time per chunk added, the pipeline schedule
+simulator turns those into an iteration. The data-parallel communication, clipping and the
+optimizer step follow; the part of the communication hidden behind the backward (and, fully
+sharded, the forward) is left out (:func:`data_parallel_s`). Per-rank memory counts what each
+data-parallel sharding mode keeps (:func:`model_state_bytes`). MoE layers run expert parallel add their
+token exchange to each micro-batch and keep 1/ep of their experts (:mod:`.experts`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from lightning_merak.parallel.pipeline import (
+    BlockCost,
+    blocks_to_recompute,
+    partition_autopipe,
+    peak_inflight_microbatches,
+    simulate_schedule,
+    stage_aware_recompute_ratios,
+)
+from lightning_merak.planning.planner.overlap import OverlapResult, simulate_overlapped_chain
+from lightning_merak.planning.planner.profile import (
+    DATA_PARALLEL_SHARDING,
+    MeasuredBlocks,
+    ModelProfile,
+    NetworkProfile,
+    SearchSpace,
+)
+
+COMPONENTS = ("compute", "exposed_tp_comm", "expert_all_to_all", "pipeline_runtime", "pipeline_bubble", "dp_allreduce",
+              "grad_clip", "optimizer")
+"""The parts a predicted step time is split into; they add up to the step time ("dp_allreduce": the exposed
+data-parallel communication, whatever its collectives)."""
+MEMORY_COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations")
+"""The parts of a rank's predicted peak memory; they add up to it."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the model: degrees, micro-batches per step, sub-batches per micro-batch, recompute,
+    and what the data-parallel ranks shard (:data:`DATA_PARALLEL_SHARDING`).
+
+    ``recompute_ratio`` is the first stage's ratio of stage-aware recompute (spec 1.4); with a
+    single stage it must be 0 ("none") or 1 ("full"), the two modes the runtime has there. ``ep`` is
+    the expert-parallel size of a model's MoE layers: ``ep`` of the dp ranks share out each stage's experts.
+    """
+
+    dp: int
+    pp: int
+    tp: int
+    micro_batches: int
+    overlap: int
+    recompute_ratio: float
+    sharding: str = "none"
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "pp", "tp", "micro_batches", "overlap", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Layout.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.recompute_ratio <= 1.0:
+            raise ValueError(f"Layout.recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
+        if self.overlap > 1 and self.tp == 1:
+            raise ValueError(f"overlap={self.overlap} needs tensor parallelism (tp > 1); use overlap=1 with tp=1")
+        if self.pp == 1 and self.recompute_ratio not in (0.0, 1.0):
+            raise ValueError(
+                f"recompute_ratio={self.recompute_ratio} needs several pipeline stages; "
+                "with pp=1 use 0 (no recompute) or 1 (full recompute)"
+            )
+        if self.pp > 1 and self.micro_batches < self.pp:
+            raise ValueError(
+                f"micro_batches={self.micro_batches} < pp={self.pp}; pipeline schedules need at least one "
+                "micro-batch per stage"
+            )
+        if self.sharding not in DATA_PARALLEL_SHARDING:
+            raise ValueError(f"Layout.sharding={self.sharding!r} is unknown; choose one of {DATA_PARALLEL_SHARDING}")
+        if self.sharding == "full" and self.overlap > 1:
+            raise ValueError(f"sharding='full' cannot run overlap={self.overlap} sub-batches (each would gather and "
+                             "free the parameters on its own); use overlap=1")
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide dp={self.dp}: experts are spread over data-parallel ranks; "
+                             "choose a divisor of dp")
+
+    @property
+    def tie_break_key(self) -> tuple[int, int, int, int, float, int, int]:
+        """Order among equally fast layouts: fewer stages, less TP, fewer micro-batches, less overlap and recompute,
+        less sharding, smaller expert groups."""
+        return (self.pp, self.tp, self.micro_batches, self.overlap, self.recompute_ratio,
+                DATA_PARALLEL_SHARDING.index(self.sharding), self.ep)
+
+    def describe(self) -> str:
+        sharding = "" if self.sharding == "none" else f" sharding={self.sharding}"
+        experts = "" if self.ep == 1 else f" ep={self.ep}"
+        return (
+            f"dp={self.dp} pp={self.pp} tp={self.tp} micro_batches={self.micro_batches} "
+            f"overlap={self.overlap} recompute_ratio={self.recompute_ratio:g}{sharding}{experts}"
+        )
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted cost of a layout: step time, its parts (:data:`COMPONENTS`), and peak bytes on the fullest rank
+    with their parts (:data:`MEMORY_COMPONENTS`)."""
+
+    layout: Layout
+    step_time_s: float
+    samples_per_step: int
+    memory_bytes: float
+    components: dict[str, float]
+    fits: bool
+    memory_components: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def time_per_sample_s(self) -> float:
+        """What the search minimises: step time for a fixed batch, inverse throughput when dp changes it."""
+        return self.step_time_s / self.samples_per_step
+
+
+def micro_batch_samples(layout: Layout, space: SearchSpace) -> int:
+    """Samples per micro-batch, with a clear error when the batch does not split evenly."""
+    per_replica = space.replica_batch(layout.dp)
+    if per_replica is None:
+        raise ValueError(
+            f"global_batch_size={space.global_batch_size} is not divisible by dp={layout.dp}; "
+            "choose a batch that every data-parallel replica gets an equal share of"
+        )
+    if per_replica % layout.micro_batches:
+        raise ValueError(
+            f"the per-replica batch {per_replica} is not divisible by micro_batches={layout.micro_batches}; "
+            "choose micro_batches dividing it"
+        )
+    samples = per_replica // layout.micro_batches
+    if samples % layout.overlap:
+        raise ValueError(
+            f"a micro-batch of {samples} samples does not split into overlap={layout.overlap} equal sub-batches; "
+            "choose an overlap dividing it"
+        )
+    return samples
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """Which nodes of [prefix, block x n, suffix] a pipeline stage holds."""
+
+    has_prefix: bool
+    num_blocks: int
+    has_suffix: bool
+
+
+@lru_cache(maxsize=4096)
+def _chain(segments: tuple[float, ...], comm_s: float, k: int) -> OverlapResult:
+    return simulate_overlapped_chain(segments, comm_s, k)
+
+
+@lru_cache(maxsize=4096)
+def _iteration_s(
+    forward_s: tuple[float, ...], backward_s: tuple[float, ...], micro_batches: int, schedule: str, p2p_s: float
+) -> float:
+    return simulate_schedule(forward_s, backward_s, micro_batches, schedule, p2p_s).iteration_s
+
+
+def _chain_segments(
+    head_s: float, block_segments_s: tuple[float, ...], num_blocks: int, tail_s: float
+) -> tuple[float, ...]:
+    """Segments of one sub-batch through a stage: ``head_s`` folds into the first, ``tail_s`` is the last.
+
+    Every block segment ends with a collective, so the tail (after the last block's final
+    collective) is a segment of its own, empty on a stage without the final nodes.
+    """
+    segments = []
+    open_s = head_s
+    for _ in range(num_blocks):
+        for segment_s in block_segments_s:
+            segments.append(open_s + segment_s)
+            open_s = 0.0
+    segments.append(open_s + tail_s)
+    return tuple(segments)
+
+
+@lru_cache(maxsize=1024)
+def _split_block_counts(nodes: tuple[BlockCost, ...], num_stages: int, micro_batches: int) -> tuple[_Stage, ...]:
+    """AutoPipe's split of [prefix, block x n, suffix], as the runtime computes it (no recompute, no p2p term)."""
+    partition = partition_autopipe(list(nodes), num_stages, micro_batches)
+    stages = []
+    for stage in range(num_stages):
+        nodes_of_stage = partition.blocks_of(stage, len(nodes))
+        has_prefix = nodes_of_stage.start == 0
+        has_suffix = nodes_of_stage.stop == len(nodes)
+        stages.append(_Stage(has_prefix, len(nodes_of_stage) - has_prefix - has_suffix, has_suffix))
+    return tuple(stages)
+
+
+def _stages(layout: Layout, profile: ModelProfile, samples: int, comm_s: float,
+            vocab_parallel: bool) -> tuple[_Stage, ...]:
+    """The pipeline split: one stage holds everything; several come from AutoPipe over per-node costs.
+
+    A block's cost is its share of the whole model's overlapped chain, so the split sees
+    exposed communication; prefix and suffix cost their compute over all sub-batches.
+    """
+    num_blocks = profile.num_blocks
+    if layout.pp == 1:
+        return (_Stage(True, num_blocks, True),)
+    sub = samples // layout.overlap
+    measured = _measured_blocks(layout, profile, samples)
+    if measured is not None:
+        block_forward_s = measured.forward_s(num_blocks) / num_blocks
+        block_backward_s = measured.backward_s(num_blocks) / num_blocks
+    else:
+        block_times = profile.block_times_at(layout.tp, sub)
+        whole_forward, whole_backward = (
+            _chain(_chain_segments(0.0, segments_s, num_blocks, 0.0), comm_s, layout.overlap)
+            for segments_s in (block_times.forward_segments_s, block_times.backward_segments_s)
+        )
+        block_forward_s, block_backward_s = whole_forward.time_s / num_blocks, whole_backward.time_s / num_blocks
+    prefix_forward, prefix_backward = profile.prefix_times_at(sub)
+    suffix_forward, suffix_backward = profile.suffix_times_at(sub)
+    hidden_bytes = profile.hidden_bytes_per_sample * samples
+    block = BlockCost(
+        name="block",
+        forward_s=block_forward_s,
+        backward_s=block_backward_s,
+        param_bytes=profile.block_parameter_bytes_at(layout.tp),
+        output_bytes=hidden_bytes,
+        saved_bytes=profile.block_activation_bytes_at(layout.tp) * samples,
+    )
+    prefix = BlockCost(
+        name="prefix",
+        forward_s=layout.overlap * prefix_forward,
+        backward_s=layout.overlap * prefix_backward,
+        param_bytes=_outside_parameter_bytes(profile, layout.tp, vocab_parallel)[0],
+        output_bytes=hidden_bytes,
+        saved_bytes=0,
+        is_embedding=True,
+    )
+    suffix = BlockCost(
+        name="suffix",
+        forward_s=layout.overlap * suffix_forward,
+        backward_s=layout.overlap * suffix_backward,
+        param_bytes=_outside_parameter_bytes(profile, layout.tp, vocab_parallel)[1],
+        output_bytes=0,
+        saved_bytes=0,
+    )
+    return _split_block_counts((prefix, *[block] * num_blocks, suffix), layout.pp, layout.micro_batches)
+
+
+def _outside_parameter_bytes(profile: ModelProfile, tp: int, vocab_parallel: bool) -> tuple[int, int]:
+    """``(prefix, suffix)`` parameter bytes per rank: vocabulary parallelism splits the embedding and the LM head
+    over the tensor-parallel ranks (both counted as split: their vocabulary matrices dominate them)."""
+    if not vocab_parallel:
+        return profile.prefix_parameter_bytes, profile.suffix_parameter_bytes
+    return -(-profile.prefix_parameter_bytes // tp), -(-profile.suffix_parameter_bytes // tp)
+
+
+def _measured_blocks(layout: Layout, profile: ModelProfile, samples: int) -> MeasuredBlocks | None:
+    """The real runtime's measured block times for this layout, when the profile has them (tp > 1 only)."""
+    if layout.tp == 1:
+        return None
+    return profile.measured_blocks.get((layout.tp, layout.overlap, samples))
+
+
+def _outside_blocks_s(profile: ModelProfile, stage: _Stage, part: int, per_byte_s: float) -> float:
+    """Part ``part`` (0: optimizer step, 1: clipping passes) of the update of a stage's embedding and head."""
+    total = 0.0
+    for held, measured, parameter_bytes in (
+        (stage.has_prefix, profile.prefix_update_s, profile.prefix_parameter_bytes),
+        (stage.has_suffix, profile.suffix_update_s, profile.suffix_parameter_bytes),
+    ):
+        if held:
+            total += measured[part] if measured is not None else per_byte_s * parameter_bytes
+    return total
+
+
+def _optimizer_s(layout: Layout, profile: ModelProfile, stage: _Stage, parameter_bytes: int) -> float:
+    """Optimizer step of one stage: measured per block and on the embedding and head where profiled,
+    per byte otherwise.
+    """
+    per_block = profile.block_optimizer_s.get(layout.tp)
+    if per_block is None:
+        return profile.optimizer_s_per_parameter_byte * parameter_bytes
+    return stage.num_blocks * per_block + _outside_blocks_s(profile, stage, 0, profile.optimizer_s_per_parameter_byte)
+
+
+def _clip_s(layout: Layout, profile: ModelProfile, network: NetworkProfile, stage: _Stage, shards: int) -> float:
+    """Clipping by the global norm on one stage: the passes over its gradients (this rank's 1/``shards`` of them
+    when sharded), and the norm's scalar all-reduces (over the shard group too)."""
+    passes_s = (stage.num_blocks * profile.block_clip_s_at(layout.tp)
+                + _outside_blocks_s(profile, stage, 1, profile.clip_s_per_parameter_byte))
+    scalar_bytes = 8
+    return (passes_s / shards + network.all_reduce_s(scalar_bytes, layout.pp)
+            + network.all_reduce_s(scalar_bytes, layout.tp) + network.all_reduce_s(scalar_bytes, shards))
+
+
+def model_state_bytes(mode: str, shards: int, pipelined: bool, parameter_bytes: float, in_flight_bytes: float,
+                      bucket_bytes: float | None, profile: ModelProfile) -> dict[str, float]:
+    """Peak bytes of parameters, gradients and optimizer state on a rank holding ``parameter_bytes`` of a stage
+    (its 1/(pp·tp)), its state sharded over ``shards`` data-parallel ranks by ``mode``.
+
+    With P the parameter bytes, S the shards, g, o, c the profile's gradient, optimizer-state and
+    compute-copy bytes per parameter byte, B a gradient bucket (None: one of all gradients) and U
+    ``in_flight_bytes`` (what FSDP2 holds gathered at once without pipelining: two blocks, the one
+    computing and the one prefetched, plus the stage root's embedding and head, which it keeps
+    for the whole step):
+
+    - parameters: (1 + c)·P; ``"full"``: P/S + (1 + c)·G, G = P with several stages (gathered
+      parameters stay from a micro-batch's forward to the last backward), else min(P, U).
+    - gradients: g·P for ``"none"``/``"optimizer"`` and for any mode with several stages (they
+      accumulate whole over the micro-batches); ``"gradients"``: min(g·P, g·P/S + 2B) (its slice
+      and two buckets, one filling, one in its reduce-scatter); ``"full"``: g·(P/S + min(P, U)).
+    - optimizer state: o·P, divided by S in every sharded mode.
+
+    One shard (``shards=1``) splits nothing: every mode costs what ``"none"`` does. Under
+    ``*-mixed`` precision P is the fp32 master weights and c·P their 16-bit compute copies.
+    """
+    P, S = parameter_bytes, shards
+    gradient, optimizer, copy = (profile.gradient_bytes_per_parameter_byte,
+                                 profile.optimizer_bytes_per_parameter_byte,
+                                 profile.compute_copy_bytes_per_parameter_byte)
+    if S == 1 or mode == "none":
+        mode, S = "none", 1
+    if mode == "full":
+        gathered = P if pipelined else min(P, in_flight_bytes)
+        parameters = P / S + (1 + copy) * gathered
+    else:
+        parameters = (1 + copy) * P
+    if pipelined or mode in ("none", "optimizer"):
+        gradients = gradient * P
+    elif mode == "gradients":
+        gradients = min(gradient * P, gradient * P / S + 2 * (gradient * P if bucket_bytes is None else bucket_bytes))
+    else:
+        gradients = gradient * (P / S + min(P, in_flight_bytes))
+    return {"parameters": parameters, "gradients": gradients, "optimizer_state": optimizer * P / S}
+
+
+def exposed_comm_s(comm_s: float, window_s: float, last_fraction: float) -> float:
+    """What stays exposed of ``comm_s`` started piece by piece during ``window_s`` of computation: what exceeds
+    the window, and at least the last piece (``last_fraction`` of it), which is ready only when the window ends."""
+    return max(comm_s - window_s, comm_s * min(1.0, last_fraction))
+
+
+def data_parallel_s(layout: Layout, space: SearchSpace, network: NetworkProfile, parameter_bytes: float,
+                    block_bytes: float, units: int, forward_s: float, backward_s: float) -> float:
+    """Exposed data-parallel communication of a stage holding ``parameter_bytes`` in ``units`` FSDP2 modules
+    (its blocks and its root), after its last micro-batch's ``forward_s`` and ``backward_s``.
+
+    ``"none"``: the gradient all-reduce. ``"optimizer"``/``"gradients"``: a reduce-scatter and an
+    all-gather, together the bytes of a ring all-reduce over the shard group (each half of it),
+    plus with hybrid sharding an all-reduce of the 1/S slices across the replicas; the all-gather
+    of the updated parameters follows the optimizer step, exposed. These run one collective per
+    bucket of ``space.grad_bucket_bytes`` (each paying its latency); with ``space.overlap_grad_reduce``
+    the reduction runs bucket by bucket during the last backward (:func:`exposed_comm_s`).
+    ``"full"`` (FSDP2, always overlapped, one collective per unit, prefetched): a parameter
+    all-gather in the forward and one more with the reduce-scatter in the backward; with several
+    stages the gathered parameters stay, so one all-gather (first forward) and one reduce-scatter
+    (last backward).
+    """
+    shards = space.shards(layout.sharding, layout.dp)
+    if layout.dp == 1 or parameter_bytes == 0:
+        return 0.0
+    bucket = parameter_bytes if space.grad_bucket_bytes is None else min(parameter_bytes, space.grad_bucket_bytes)
+    pieces = units if layout.sharding == "full" and shards > 1 else math.ceil(parameter_bytes / bucket)
+
+    def collectives_s(nbytes: float, ranks: int) -> float:
+        """``nbytes`` synchronised over ``ranks`` in ``pieces`` collectives."""
+        return pieces * network.gradient_sync_s(nbytes / pieces, ranks) if ranks > 1 else 0.0
+
+    def reduced_s(reduce_s: float) -> float:
+        """What the bucketed gradient reduction leaves exposed."""
+        if not space.overlap_grad_reduce:
+            return reduce_s
+        return exposed_comm_s(reduce_s, backward_s, bucket / parameter_bytes)
+
+    if shards == 1:
+        return reduced_s(collectives_s(parameter_bytes, layout.dp))
+    ring_s = collectives_s(parameter_bytes, shards)
+    reduce_s = ring_s / 2 + collectives_s(parameter_bytes / shards, layout.dp // shards)
+    gather_s = ring_s / 2
+    if layout.sharding != "full":
+        return reduced_s(reduce_s) + gather_s
+    block_fraction = block_bytes / parameter_bytes
+    backward_comm_s = reduce_s if layout.pp > 1 else gather_s + reduce_s
+    return (exposed_comm_s(gather_s, forward_s, block_fraction)
+            + exposed_comm_s(backward_comm_s, backward_s, block_fraction))
+
+
+def _check_against_space(layout: Layout, profile: ModelProfile, space: SearchSpace) -> None:
+    if layout.dp * layout.pp * layout.tp != space.world_size:
+        raise ValueError(
+            f"dp={layout.dp} x pp={layout.pp} x tp={layout.tp} != world_size={space.world_size}; "
+            "choose degrees whose product is the world size"
+        )
+    if layout.pp > profile.num_blocks + 2:
+        raise ValueError(
+            f"pp={layout.pp} exceeds the {profile.num_blocks + 2} nodes (prefix, {profile.num_blocks} blocks, suffix); "
+            f"use pp <= {profile.num_blocks + 2}"
+        )
+    space.shards(layout.sharding, layout.dp)  # refuses a shard size that does not divide dp
+
+
+@dataclass(frozen=True)
+class _StageExperts:
+    """A stage's MoE layers on one rank: exchange time per micro-batch, expert bytes kept and not kept."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    kept_bytes: float = 0.0
+    dropped_bytes: float = 0.0
+
+
+def _stage_experts(layout: Layout, profile: ModelProfile, network: NetworkProfile, stage: _Stage, first_block: int,
+                   samples: int) -> _StageExperts:
+    """The expert exchange of each of a stage's MoE layers (per sub-batch, over the expert group's link) and the
+    ``E/ep`` experts of each a rank keeps (:class:`~.experts.ExpertLayers`); the stage's blocks start at trunk
+    position ``first_block``."""
+    experts = profile.experts
+    if experts is None:
+        return _StageExperts()
+    experts.check_ep(layout.ep)
+    layers = experts.stage_layers(first_block, stage.num_blocks, profile.num_blocks)
+    forward_s = backward_s = 0.0
+    if layout.ep > 1:
+        forward_s, backward_s = experts.layer_exchange_s(samples // layout.overlap, layout.ep,
+                                                         network.all_to_all_link(layout.ep))
+    kept = experts.kept_bytes(layout.ep)
+    return _StageExperts(layers * layout.overlap * forward_s, layers * layout.overlap * backward_s,
+                         layers * kept, layers * (experts.expert_parameter_bytes - kept))
+
+
+def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile, space: SearchSpace) -> Prediction:
+    """Step time (pipeline iteration + exposed data-parallel communication + clipping + optimizer)
+    and peak memory per rank (:func:`model_state_bytes` plus activations).
+
+    A sharded mode steps the optimizer and clips over this rank's 1/S of the parameters.
+
+    Where the profile holds measured real tensor-parallel blocks for the layout, they replace
+    the simulated chain (the simulated compute stays the "compute" component, the rest is
+    exposed communication and runtime overhead).
+    The last stage adds the training loss once per micro-batch (never split into sub-batches).
+    Recomputed blocks add their forward compute, never their collectives, to the backward,
+    and keep only their input plus the post-collective outputs the runtime caches (those exist
+    only with tp > 1). With ``space.sequence_parallel`` a tensor-parallel block saves its
+    sequence-split activations (and a recomputed one its input) for 1/tp of the sequence.
+    Prefix and suffix activations are not counted. With several stages every forward and
+    backward chunk also pays the pipeline runtime's own time (``network.pipeline_action_s``), and
+    the step its per-step time: the "pipeline_runtime" component. MoE layers run expert parallel
+    (``model_profile.experts``) add their exchange to each micro-batch's forward and backward (the
+    "expert_all_to_all" component, on the expert group's link), keep 1/ep of their experts, and
+    sum the expert gradients over the dp/ep ranks holding the same experts after the backward.
+    """
+    _check_against_space(layout, model_profile, space)
+    if model_profile.experts is not None and layout.sharding != "none":
+        raise ValueError(f"sharding={layout.sharding!r} with expert-parallel MoE layers: merak_ep runs with "
+                         "data_parallel_sharding='none' only; search sharding_modes=('none',)")
+    samples = micro_batch_samples(layout, space)
+    sub = samples // layout.overlap
+    hidden_bytes = model_profile.hidden_bytes_per_sample
+    comm_s = network.all_reduce_s(hidden_bytes * sub, layout.tp)
+    ratios = stage_aware_recompute_ratios(layout.recompute_ratio, layout.pp)
+    stages = _stages(layout, model_profile, samples, comm_s, space.vocab_parallel)
+
+    block_times = model_profile.block_times_at(layout.tp, sub)
+    measured = _measured_blocks(layout, model_profile, samples)
+    block_parameter_bytes = model_profile.block_parameter_bytes_at(layout.tp)
+    prefix_parameter_bytes, suffix_parameter_bytes = _outside_parameter_bytes(model_profile, layout.tp,
+                                                                              space.vocab_parallel)
+    sequence_split = space.sequence_parallel and layout.tp > 1
+    activation_bytes = model_profile.block_activation_bytes_at(layout.tp, sequence_split)
+    recomputed_input_bytes = hidden_bytes // layout.tp if sequence_split else hidden_bytes
+    # the recorded collective outputs a recomputed block replays: two all-reduces, or two
+    # all-gathers (whole sequence) and two reduce-scatters (this rank's slice)
+    recomputed_extra_bytes = (2 * hidden_bytes + 2 * hidden_bytes // layout.tp if sequence_split
+                              else 2 * hidden_bytes if layout.tp > 1 else 0)
+    action_s, pipeline_step_s = ((network.pipeline_action_s, network.pipeline_step_s) if layout.pp > 1
+                                 else (0.0, 0.0))
+    shards = space.shards(layout.sharding, layout.dp)
+    forward_s, backward_s, compute_s, exposed_s, memory_bytes, after_pipeline_s = [], [], [], [], [], []
+    expert_s: list[float] = []
+    for index, stage in enumerate(stages):
+        prefix_forward, prefix_backward = model_profile.prefix_times_at(sub) if stage.has_prefix else (0.0, 0.0)
+        suffix_forward, suffix_backward = model_profile.suffix_times_at(sub) if stage.has_suffix else (0.0, 0.0)
+        forward = _chain(
+            _chain_segments(prefix_forward, block_times.forward_segments_s, stage.num_blocks, suffix_forward),
+            comm_s,
+            layout.overlap,
+        )
+        backward = _chain(
+            _chain_segments(suffix_backward, block_times.backward_segments_s, stage.num_blocks, prefix_backward),
+            comm_s,
+            layout.overlap,
+        )
+        recomputed = blocks_to_recompute(stage.num_blocks, ratios[index])
+        recompute_s = recomputed * layout.overlap * block_times.forward_s
+        local_s = forward.compute_s + backward.compute_s + recompute_s
+        if measured is not None:
+            outside_s = layout.overlap * (prefix_forward + suffix_forward)
+            forward_total = outside_s + measured.forward_s(stage.num_blocks)
+            outside_s = layout.overlap * (prefix_backward + suffix_backward)
+            backward_total = outside_s + measured.backward_s(stage.num_blocks) + recompute_s
+        else:
+            forward_total, backward_total = forward.time_s, backward.time_s + recompute_s
+        loss_forward, loss_backward = model_profile.loss_times_at(samples) if stage.has_suffix else (0.0, 0.0)
+        forward_total += loss_forward
+        backward_total += loss_backward
+        local_s += loss_forward + loss_backward
+        compute_s.append(local_s)
+        exposed_s.append(max(0.0, forward_total + backward_total - local_s))
+        experts = _stage_experts(layout, model_profile, network, stage,
+                                 sum(earlier.num_blocks for earlier in stages[:index]), samples)
+        forward_total += experts.forward_s
+        backward_total += experts.backward_s
+        expert_s.append(experts.forward_s + experts.backward_s)
+        forward_s.append(forward_total + action_s)
+        backward_s.append(backward_total + action_s)
+
+        parameter_bytes = (
+            stage.has_prefix * prefix_parameter_bytes
+            + stage.num_blocks * block_parameter_bytes
+            + stage.has_suffix * suffix_parameter_bytes
+            - experts.dropped_bytes
+        )
+        kept_per_sample = (
+            (stage.num_blocks - recomputed) * activation_bytes
+            + recomputed * (recomputed_input_bytes + recomputed_extra_bytes)
+        )
+        in_flight = peak_inflight_microbatches(index, layout.pp, layout.micro_batches, space.schedule)
+        outside_bytes = stage.has_prefix * prefix_parameter_bytes + stage.has_suffix * suffix_parameter_bytes
+        memory = model_state_bytes(layout.sharding, shards, layout.pp > 1, parameter_bytes,
+                                   2 * block_parameter_bytes + outside_bytes, space.grad_bucket_bytes, model_profile)
+        memory["activations"] = in_flight * samples * kept_per_sample
+        memory_bytes.append(memory)
+        after_pipeline_s.append(
+            (
+                data_parallel_s(layout, space, network, parameter_bytes - experts.kept_bytes, block_parameter_bytes,
+                                stage.num_blocks + 1, forward_total, backward_total)
+                + (network.gradient_sync_s(experts.kept_bytes, layout.dp // layout.ep) if experts.kept_bytes else 0.0),
+                _clip_s(layout, model_profile, network, stage, shards) if space.clip_gradients else 0.0,
+                _optimizer_s(layout, model_profile, stage, parameter_bytes) / shards,
+            )
+        )
+
+    p2p_s = network.p2p.send_s(hidden_bytes * samples)
+    iteration_s = _iteration_s(tuple(forward_s), tuple(backward_s), layout.micro_batches, space.schedule, p2p_s)
+    busiest = max(range(len(stages)), key=lambda stage: (forward_s[stage] + backward_s[stage], -stage))
+    slowest_update = max(range(len(stages)), key=lambda stage: (sum(after_pipeline_s[stage]), -stage))
+    dp_allreduce_s, clip_s, optimizer_s = after_pipeline_s[slowest_update]
+    components = {
+        "compute": layout.micro_batches * compute_s[busiest],
+        "exposed_tp_comm": layout.micro_batches * exposed_s[busiest],
+        "expert_all_to_all": layout.micro_batches * expert_s[busiest],
+        "pipeline_runtime": layout.micro_batches * 2 * action_s + pipeline_step_s,
+        "pipeline_bubble": max(
+            0.0, iteration_s - layout.micro_batches * (forward_s[busiest] + backward_s[busiest])
+        ),
+        "dp_allreduce": dp_allreduce_s,
+        "grad_clip": clip_s,
+        "optimizer": optimizer_s,
+    }
+    fullest = max(memory_bytes, key=lambda parts: sum(parts.values()))
+    peak_bytes = sum(fullest.values())
+    return Prediction(
+        layout=layout,
+        step_time_s=iteration_s + pipeline_step_s + dp_allreduce_s + clip_s + optimizer_s,
+        samples_per_step=samples * layout.micro_batches * layout.dp,
+        memory_bytes=peak_bytes,
+        components=components,
+        fits=space.memory_limit_bytes is None or peak_bytes <= space.memory_limit_bytes,
+        memory_components={name: fullest[name] for name in MEMORY_COMPONENTS},
+    )
