@@ -26,8 +26,8 @@ def _load_and_save_rank(rank: int, world_size: int, root: str) -> dict[str, int]
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
+    from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, build_meta_model, load_config, model_record
     from lightning_merak.checkpoint.sharded import LIGHTNING_CHECKPOINT
-    from lightning_merak.hf.names import MODEL_RECORD_KEY, build_meta_model, load_config, model_record
     from lightning_merak.hf.pretrained import load_rank_pretrained
     from lightning_merak.plugins.moe.experts.enable import enable_expert_parallel
 

@@ -30,6 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_merak.plugins.moe.experts.adapter_slices import Factor, shard_expert_adapters, slice_expert_factor
+from lightning_merak.plugins.moe.experts.enable import experts_modules
+from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
+
 __all__ = [
     "ATTENTION_PROJECTIONS",
     "EXPERT_PROJECTIONS",
@@ -62,22 +66,9 @@ _POOLED_REFUSAL = ("{method} pools the inputs of an nn.Linear (or 4-bit/INT4 Lin
                    "3D nn.Parameters holding one weight per expert and no quantized Linear layout, so {method} "
                    "cannot adapt them. Use method='lora' for the experts, or experts=False to adapt attention only")
 
-Factor = Literal["A", "B"]
-
-
 def pooled_refusal(method: str) -> str:
     """Why Q-BaRA / QA-HiRA (``method``: qbara or qahira) cannot adapt fused expert tensors, with the fix."""
     return _POOLED_REFUSAL.format(method={"qbara": "Q-BaRA", "qahira": "QA-HiRA"}.get(method, method))
-
-
-def slice_expert_factor(kind: Factor, weight: torch.Tensor, experts: range, num_experts: int) -> torch.Tensor:
-    """The rows (``A``) or columns (``B``) of a whole-model LoRA factor that belong to ``experts``."""
-    if kind == "A":
-        rank = weight.shape[0] // num_experts
-        return weight.reshape(num_experts, rank, -1)[experts.start:experts.stop].reshape(-1, weight.shape[1])
-    rank = weight.shape[1] // num_experts
-    folded = weight.reshape(weight.shape[0], rank, num_experts)[:, :, experts.start:experts.stop]
-    return folded.reshape(weight.shape[0], -1)
 
 
 def join_expert_factors(kind: Factor, parts: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
@@ -108,14 +99,10 @@ class ExpertAdapter:
 
 
 def _experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from lightning_merak.plugins.moe.experts import experts_modules
-
     return experts_modules(model)
 
 
 def _shard_of(module: nn.Module) -> Any:
-    from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
-
     return getattr(module, SHARD_ATTRIBUTE, None)
 
 
@@ -163,40 +150,6 @@ def expert_factor_shards(model: nn.Module) -> dict[str, tuple[Factor, Any]]:
     """Every LoRA factor of an expert adapter on a ``merak_ep`` experts module of ``model``, by parameter name:
     its kind and its experts module's ``ExpertShard`` (whose experts its rows or columns hold)."""
     return {name: (kind, shard) for name, kind, shard, _ in _sharded_factors(model)}
-
-
-def shard_expert_adapters(model: nn.Module) -> list[str]:
-    """Cut every expert adapter built for all experts down to its experts module's local experts.
-
-    :func:`~lightning_merak.plugins.moe.experts.enable_expert_parallel` calls it after slicing the experts,
-    so adapters added before expert parallelism (e.g. by a model's own construction) end up where their
-    experts are. Returns the names of all expert adapter factors (marked ``allreduce=False`` under
-    expert parallelism, as the experts are).
-    """
-    from peft.tuners.lora.layer import ParamWrapper
-
-    experts = {id(module) for _, module in _experts_modules(model)}
-    names = []
-    for name, module in model.named_modules():
-        if not (isinstance(module, ParamWrapper) and id(base := module.get_base_layer()) in experts):
-            continue
-        shard = _shard_of(base)
-        if shard is None:
-            continue
-        whole = int(module.num_experts)
-        if whole not in (shard.num_experts, len(shard.experts)):
-            raise ValueError(f"{name} adapts {whole} experts; its layer has {shard.num_experts}")
-        for kind in ("A", "B"):
-            for adapter, layer in getattr(module, f"lora_{kind}").items():
-                if whole != len(shard.experts):
-                    weight = layer.weight
-                    local = slice_expert_factor(kind, weight.data, shard.experts, whole).clone()
-                    layer.weight = nn.Parameter(local, requires_grad=weight.requires_grad)
-                if shard.ep_size > 1:
-                    layer.weight.allreduce = False  # type: ignore[attr-defined]
-                names.append(f"{name}.lora_{kind}.{adapter}.weight")
-        module.num_experts = len(shard.experts)
-    return names
 
 
 def moe_adapter_config(model: nn.Module, method: Literal["lora", "qbara", "qahira"] = "lora", *, r: int = 8,

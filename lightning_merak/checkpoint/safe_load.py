@@ -50,7 +50,8 @@ _DCP_METADATA_CLASSES = {
 
 
 # The only objects beyond torch's weights-only defaults a lightning-merak checkpoint holds: the enums of the PEFT
-# adapter configs that :func:`~lightning_merak.hf.names.model_record` saves (built from their value, running nothing).
+# adapter configs that :func:`~lightning_merak.checkpoint.names.model_record` saves (built from their value,
+# running nothing).
 RECORD_GLOBALS = frozenset({"peft.utils.peft_types.PeftType", "peft.utils.peft_types.TaskType"})
 
 

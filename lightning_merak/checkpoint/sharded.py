@@ -152,7 +152,7 @@ class ExpertSlices(FusedExpertSlices):
         kind, shard, shape = found
         if value.ndim == 3:
             return value.reshape(shape)
-        from lightning_merak.adapters.moe import slice_expert_factor
+        from lightning_merak.plugins.moe.experts.adapter_slices import slice_expert_factor
 
         return slice_expert_factor(kind, value, shard.experts, shard.num_experts).clone()  # type: ignore[arg-type]
 
@@ -231,10 +231,10 @@ class ShardedCheckpointer:
     def find_experts(self, model: nn.Module) -> None:
         """Note ``model``'s expert-parallel layers and its transformers config (on the unsplit model, before pruning).
 
-        The config (:func:`~lightning_merak.hf.names.model_record`) lets ``merak-export`` write the
+        The config (:func:`~lightning_merak.checkpoint.names.model_record`) lets ``merak-export`` write the
         checkpoint as a Hugging Face directory.
         """
-        from lightning_merak.hf.names import model_record
+        from lightning_merak.checkpoint.names import model_record
 
         self.experts = ExpertNumbering.of(model, self._data_parallel_ranks)
         self.fused_experts = ExpertSlices.of(model)
@@ -332,7 +332,7 @@ class ShardedCheckpointer:
         temporary = partial_path(path)
         dcp.save(tensors, checkpoint_id=temporary)  # returns once every rank's shards are written
         if global_rank == 0:
-            from lightning_merak.hf.names import MODEL_RECORD_KEY
+            from lightning_merak.checkpoint.names import MODEL_RECORD_KEY
 
             record = {MODEL_RECORD_KEY: self.model_record} if self.model_record is not None else {}
             torch.save({**checkpoint, **record, "merak3d_optimizers": layouts}, temporary / LIGHTNING_CHECKPOINT)

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from lightning_merak.hf.names import build_meta_model, checkpoint_names, load_config, strip_wrappers
+from lightning_merak.checkpoint.names import build_meta_model, checkpoint_names, load_config, strip_wrappers
 
 __all__ = ["LoadReport", "PretrainedFiles", "load_pretrained"]
 

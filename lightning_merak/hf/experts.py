@@ -28,8 +28,8 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from lightning_merak.checkpoint.names import build_meta_model, export_names, load_config, strip_wrappers
 from lightning_merak.hf.checkpoint import LoadReport, PretrainedFiles, load_pretrained
-from lightning_merak.hf.names import build_meta_model, export_names, load_config, strip_wrappers
 from lightning_merak.plugins.moe.experts import local_expert_range
 
 __all__ = [

@@ -11,7 +11,7 @@ Streaming: tensors are read one at a time (``dcp.load`` of a one-key state dict,
 weights-only ``torch.load``: nothing is unpickled, :mod:`lightning_merak.checkpoint.safe_load`) and
 written shard by shard, so peak memory is about one output shard. Names,
 tied weights and transformers' renamings are undone as ``save_pretrained`` does
-(:mod:`lightning_merak.hf.names`); rows of a padded vocabulary are dropped. Checkpoints already
+(:mod:`lightning_merak.checkpoint.names`); rows of a padded vocabulary are dropped. Checkpoints already
 hold the unsplit layout (tensor-parallel regrouping undone, experts numbered globally). Fused MoE
 expert parameters are written as ``save_pretrained`` writes them (per expert for Mixtral, Qwen-MoE,
 OLMoE, DeepSeek; :mod:`lightning_merak.hf.experts`), cut from one whole parameter read at a time.
@@ -213,14 +213,14 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
     from transformers.utils.hub import convert_file_size_to_int
 
     from lightning_merak.adapters.resume import quantized_layers
-    from lightning_merak.hf.experts import export_layout
-    from lightning_merak.hf.names import (
+    from lightning_merak.checkpoint.names import (
         MODEL_RECORD_KEY,
         PEFT_LAYER_INFIX,
         build_meta_model,
         load_config,
         strip_wrappers,
     )
+    from lightning_merak.hf.experts import export_layout
 
     source = _Source(Path(checkpoint))
     quantized = quantized_layers(source.entries)

@@ -94,7 +94,7 @@ class CausalLMModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record the transformers config (and adapter configs) so ``merak-export`` can write a Hugging Face
         directory from the checkpoint alone."""
-        from lightning_merak.hf.names import MODEL_RECORD_KEY, model_record
+        from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, model_record
 
         record = model_record(self.model) if self.model is not None else None
         if record is not None:

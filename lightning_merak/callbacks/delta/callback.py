@@ -82,6 +82,9 @@ class DeltaMemory(pl.Callback):
     :class:`~lightning_merak.callbacks.delta.options.DeltaOptions`.
     """
 
+    fully_sharded_refusal = "it resizes storage that FSDP2's parameters own"
+    """Why ``data_parallel_sharding="full"`` is refused with it (:mod:`lightning_merak.protocols.callbacks`)."""
+
     def __init__(
         self,
         budget: BudgetLike | Budget = "auto",

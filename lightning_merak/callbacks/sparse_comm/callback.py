@@ -128,6 +128,9 @@ class SparseCommunication(pl.Callback):
             ``pl_module.split_batch(batch)[0]`` (merak3d's module contract).
     """
 
+    fully_sharded_refusal = "its tables' gradients are plain tensors where FSDP2's are sharded DTensors"
+    """Why ``data_parallel_sharding="full"`` is refused with it (:mod:`lightning_merak.protocols.callbacks`)."""
+
     def __init__(
         self,
         method: Method = "auto",

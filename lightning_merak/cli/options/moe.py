@@ -117,7 +117,7 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
         from lightning_merak.callbacks.moe.placement import MoEPlacementCallback
 
         if self.experts == "merak_ep":
-            from lightning_merak.plugins.moe.experts import ExpertParallelCallback
+            from lightning_merak.callbacks.moe.experts import ExpertParallelCallback
 
             replicas = self.placement if self.placement in ("pro_prophet", "shadowing") else "none"
             return [ExpertParallelCallback(ep_size=self.ep_size, log_every_n_steps=self.log_every_n_steps,

@@ -42,14 +42,14 @@ from lightning_merak.distributed.dtensors import local_tensor
 from lightning_merak.distributed.gradient_buffer import Bucket, GradientBuffer, ShardSlice
 from lightning_merak.distributed.gradient_norm import ShardedGradients
 from lightning_merak.parallel.data.reduce_scatter import ReduceScatterQueue
-from lightning_merak.parallel.layout import LayoutGroups
-from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh
-from lightning_merak.strategies.merak3d.sharding_checks import (
+from lightning_merak.parallel.data.sharding_checks import (
     SHARDED_MODES,
     check_precision,
     check_shardable_optimizer,
     check_sharding,
 )
+from lightning_merak.parallel.layout import LayoutGroups
+from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh
 
 __all__ = ["SHARDED_MODES", "DataParallelGradients", "check_precision",
            "check_shardable_optimizer", "check_sharding", "data_parallel_gradients", "refreshed", "shard_groups"]

@@ -17,7 +17,7 @@ Mixed precision is left to Lightning's precision plugin: the sharded parameters 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -25,10 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from lightning_merak.parallel.layout import LayoutGroups
-from lightning_merak.strategies.merak3d.build import BuiltModel
-
-__all__ = ["FullySharded", "apply_fully_shard", "data_parallel_mesh", "shard_built_model"]
+__all__ = ["FullySharded", "apply_fully_shard", "data_parallel_mesh"]
 
 
 def data_parallel_mesh(mesh: DeviceMesh, shard_size: Optional[int] = None) -> DeviceMesh:
@@ -103,30 +100,3 @@ class _ReshardWithoutGradients:
         if not torch.is_grad_enabled():
             for sharded in self.modules:
                 sharded.reshard()
-
-
-def shard_built_model(model: nn.Module, built: BuiltModel, groups: LayoutGroups, shard_size: Optional[int], *,
-                      row_shared: bool = False) -> tuple[FullySharded, BuiltModel]:
-    """Fully shard ``model`` (this rank's part of the built layout: a ``RankStages`` or the whole model) over the
-    data-parallel ranks; returns the result and ``built`` with its parameter lists pointing at the sharded ones.
-
-    ``row_shared``: the build left split parameters whose rows several tensor-parallel ranks hold (more
-    ranks than key/value heads); their per-row norm shares do not follow a second split, so it is refused.
-    """
-    if row_shared:
-        raise ValueError(
-            "data_parallel_sharding='full' cannot shard key/value projections whose heads several tensor-parallel "
-            "ranks share (tensor_parallel > num_key_value_heads); choose tensor_parallel <= num_key_value_heads or "
-            "data_parallel_sharding='optimizer'/'gradients'"
-        )
-    stages = built.stages
-    if stages is not None:
-        roots: list[nn.Module] = list(stages)
-        blocks = [[built.local_blocks[index] for index in part.block_indices] for part in stages]
-    else:
-        roots, blocks = [model], [list(built.local_blocks.values())]
-    mesh = data_parallel_mesh(groups.mesh, shard_size)
-    sharded = apply_fully_shard(roots, blocks, mesh, pipelined=stages is not None)
-    remapped = replace(built, tensor_partial=[sharded.sharded(param) for param in built.tensor_partial],
-                       tied=[entry._replace(param=sharded.sharded(entry.param)) for entry in built.tied])
-    return sharded, remapped

@@ -15,7 +15,7 @@ import contextlib
 import copy
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_merak.distributed.sub_batches import SubBatchForward
+from lightning_merak.parallel.data.fully_sharded import FullySharded, apply_fully_shard, data_parallel_mesh
 from lightning_merak.parallel.data.gradients import TiedParameter
 from lightning_merak.parallel.layout import Layout, LayoutGroups
 from lightning_merak.parallel.materialize import (
@@ -64,7 +65,7 @@ from lightning_merak.util import random_state
 from lightning_merak.util.model_outputs import no_cache
 from lightning_merak.util.module_mode import modules_in_mode
 
-__all__ = ["BuiltModel", "build_model", "call_model", "in_training_mode", "random_state_kept",
+__all__ = ["BuiltModel", "build_model", "call_model", "in_training_mode", "random_state_kept", "shard_built_model",
            "sequence_parallel_plan", "split_block_problem", "tensor_parallel_plan"]
 
 Broadcast = Callable[[Any, int], Any]
@@ -465,3 +466,30 @@ def _data_parallel_only(model: nn.Module, layout: Layout, groups: LayoutGroups,
     if layout.tp_overlap > 1:
         model.forward = SubBatchForward(model, layout.tp_overlap)
     return BuiltModel(None, blocks, [], [], {}, None)
+
+
+def shard_built_model(model: nn.Module, built: BuiltModel, groups: LayoutGroups, shard_size: Optional[int], *,
+                      row_shared: bool = False) -> tuple[FullySharded, BuiltModel]:
+    """Fully shard ``model`` (this rank's part of the built layout: a ``RankStages`` or the whole model) over the
+    data-parallel ranks; returns the result and ``built`` with its parameter lists pointing at the sharded ones.
+
+    ``row_shared``: the build left split parameters whose rows several tensor-parallel ranks hold (more
+    ranks than key/value heads); their per-row norm shares do not follow a second split, so it is refused.
+    """
+    if row_shared:
+        raise ValueError(
+            "data_parallel_sharding='full' cannot shard key/value projections whose heads several tensor-parallel "
+            "ranks share (tensor_parallel > num_key_value_heads); choose tensor_parallel <= num_key_value_heads or "
+            "data_parallel_sharding='optimizer'/'gradients'"
+        )
+    stages = built.stages
+    if stages is not None:
+        roots: list[nn.Module] = list(stages)
+        blocks = [[built.local_blocks[index] for index in part.block_indices] for part in stages]
+    else:
+        roots, blocks = [model], [list(built.local_blocks.values())]
+    mesh = data_parallel_mesh(groups.mesh, shard_size)
+    sharded = apply_fully_shard(roots, blocks, mesh, pipelined=stages is not None)
+    remapped = replace(built, tensor_partial=[sharded.sharded(param) for param in built.tensor_partial],
+                       tied=[entry._replace(param=sharded.sharded(entry.param)) for entry in built.tied])
+    return sharded, remapped

@@ -525,7 +525,7 @@ class Merak3DStrategy(CheckpointHooks):
         layout = self.layout
         if layout.data_parallel_sharding == "full" and layout.data_parallel > 1:  # before the optimizers see them
             data_parallel.check_precision(self.precision_plugin, "full")
-            self._fully_sharded, built = fully_sharded.shard_built_model(
+            self._fully_sharded, built = build.shard_built_model(
                 module.model, built, self.groups, layout.data_parallel_shard_size, row_shared=bool(self._row_shares))
         self._built = built
         self._built_in_evaluation = not module.training

@@ -20,7 +20,6 @@ _EXPORTS = {
     "register": ".parallel",
     "FAMILY_CONFIGS": ".families", "FAMILY_ROUTING": ".families", "ROUTINGS": ".families",
     "family_widths": ".families", "tiny_moe_model": ".families",
-    "ExpertParallelCallback": ".callback",
     "ExpertParallelLancet": ".lancet", "expert_parallel_lancet": ".lancet",
 }
 

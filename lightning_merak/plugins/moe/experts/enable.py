@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_merak.plugins.moe.experts.adapter_slices import shard_expert_adapters
 from lightning_merak.plugins.moe.experts.exchange import local_expert_range
 from lightning_merak.plugins.moe.experts.grouped import EXPERT_TENSORS
 from lightning_merak.plugins.moe.experts.parallel import (
@@ -176,9 +177,7 @@ def enable_expert_parallel(model: nn.Module, group: Any = None) -> ExpertParalle
             names.append(f"{name}.{tensor}" if name else tensor)
         setattr(module, SHARD_ATTRIBUTE, ExpertShard(group, ep_rank, ep_size, total, mine))
     if any(hasattr(m, "lora_A") and hasattr(m, "parameter_name") for m in model.modules()):  # PEFT on experts
-        from lightning_merak.adapters.moe import shard_expert_adapters
-
-        names += shard_expert_adapters(model)
+        names += shard_expert_adapters(model, (module for _, module in modules))
     _set_implementation(model, modules, EP_IMPLEMENTATION)
     return ExpertParallelReport(_model_type(model), ep_rank, ep_size, total, mine,
                                 tuple(n for n, _ in modules), tuple(names), before, after)

@@ -1,18 +1,19 @@
 """What data-parallel sharding cannot work with, refused before the first batch with the fix.
 
-Kept apart from the reduction itself (:mod:`.data_parallel`, which re-exports these): plain checks of an
+Kept apart from the reduction itself (:mod:`.buckets`, which re-exports these): plain checks of an
 optimizer, a precision plugin and the callbacks against a layout's ``data_parallel_sharding``.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "FULLY_SHARDED_REFUSED_CALLBACKS", "SHARDED_MODES", "check_precision",
+from lightning_merak.protocols.callbacks import full_sharding_refusal
+
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "SHARDED_MODES", "check_precision",
            "check_shardable_optimizer", "check_sharding"]
 
 SHARDED_MODES = ("optimizer", "gradients")
@@ -34,24 +35,16 @@ def check_shardable_optimizer(optimizer: torch.optim.Optimizer, mode: str) -> No
         )
 
 
-FULLY_SHARDED_REFUSED_CALLBACKS = {
-    ("lightning_merak.callbacks.delta", "DeltaMemory"): "it resizes storage that FSDP2's parameters own",
-    ("lightning_merak.callbacks.sparse_comm", "SparseCommunication"):
-        "its tables' gradients are plain tensors where FSDP2's are sharded DTensors",
-}
-"""Callbacks (module, class) that cannot run with ``data_parallel_sharding="full"``, and why."""
-
-
 def check_sharding(layout: Any, optimizers: Sequence[torch.optim.Optimizer], precision: Any,
                    callbacks: Sequence[Any] = ()) -> None:
     """Refuse, before the first batch, an optimizer, precision or callback ``layout``'s sharding mode cannot work
     with."""
     mode = layout.data_parallel_sharding
     if mode == "full" and layout.data_parallel > 1:
-        for (module_name, class_name), reason in FULLY_SHARDED_REFUSED_CALLBACKS.items():
-            module = sys.modules.get(module_name)  # not imported: no such callback in this run
-            if module is not None and any(isinstance(callback, getattr(module, class_name)) for callback in callbacks):
-                raise ValueError(f"{class_name} cannot run with data_parallel_sharding='full': {reason}; "
+        for callback in callbacks:
+            reason = full_sharding_refusal(callback)
+            if reason is not None:
+                raise ValueError(f"{type(callback).__name__} cannot run with data_parallel_sharding='full': {reason}; "
                                  "use data_parallel_sharding='optimizer' or 'gradients' with it")
     if mode in SHARDED_MODES and layout.data_parallel > 1:
         check_precision(precision, mode)
