@@ -37,9 +37,10 @@ RANK_TIMEOUT_S = 400.0
 
 def _run_rank(rank: int, world_size: int, merak: dict[str, Any], steps: int) -> dict[str, Any]:
     from benchmarks.planner import _ReplicaData
+    from lightning_merak.callbacks.moe.experts import ExpertParallelCallback
     from lightning_merak.modules.causal_lm import CausalLMModule
     from lightning_merak.modules.config import TrainerConfig
-    from lightning_merak.plugins.moe.experts import ExpertParallelCallback, tiny_moe_model
+    from lightning_merak.plugins.moe.experts import tiny_moe_model
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
     _quiet_lightning()

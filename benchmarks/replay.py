@@ -35,7 +35,7 @@ CPU (Linux schedstat), reported per run as ``cpu_wait_share``: contention, not o
 The ranks keep freed memory in glibc's heap (:data:`benchmarks._rank_heap.KEPT_HEAP_ENV`; ``--default-heap`` runs
 them on glibc's defaults, whose trimming faults a dp2 rank's loss back in on most steps and a pipeline's hardly).
 ``--pin`` puts each rank (and the probe) on a core of its own; by default the scheduler places them: pinned, a
-rank cannot leave a core another process takes (see the findings). autopipe splits the blocks by timings taken at
+rank cannot leave a core another process takes (docs/design/replay.md). autopipe splits the blocks by timings taken at
 start-up, for the run's micro-batch size and count: the pipeline what-ifs price the split the driver derives the
 same way before the runs (:mod:`benchmarks._replay_partition`), and rows of kind ``PARTITIONED`` replay them again
 with the split each measured run got (contention moves it too); like the tp2 row without its probe, they are

@@ -12,16 +12,11 @@ import importlib.util
 import sys
 from typing import Any, Optional, Sequence
 
+from lightning_merak.strategies import register_strategies
+
 __version__ = "0.2.0"
 
 __all__ = ["__version__", "register_strategies"]
-
-
-def register_strategies(registry: Any = None) -> list[str]:
-    """Register the plugin's strategies in ``registry`` (Lightning's ``StrategyRegistry`` by default)."""
-    from lightning_merak.strategies import register_strategies as register
-
-    return register(registry)
 
 
 class _RegisterAfterLightningImport(importlib.abc.MetaPathFinder):
@@ -44,7 +39,7 @@ class _RegisterAfterLightningImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if "lightning.pytorch" in sys.modules:
+if "lightning.pytorch" in sys.modules:  # probed, not imported: `import lightning_merak` must not import Lightning
     register_strategies()
 else:
     sys.meta_path.insert(0, _RegisterAfterLightningImport())

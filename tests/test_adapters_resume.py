@@ -13,13 +13,13 @@ import torch
 from lightning_merak.adapters.resume import quantized_layers
 from lightning_merak.checkpoint.checkpoint_io import SafeCheckpointIO
 from lightning_merak.checkpoint.safe_load import load_torch_file
+from lightning_merak.cli.export import main as export_main
 from lightning_merak.cli.options.adapter import (
     LoRAAdapterConfig,
     QAHiRAAdapterConfig,
     QBaRAAdapterConfig,
     Quantization,
 )
-from lightning_merak.hf.export import main as export_main
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
 from lightning_merak.modules.config import DataConfig, ModelConfig, TrainerConfig
 from lightning_merak.modules.data import LanguageModelingData

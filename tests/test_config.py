@@ -72,13 +72,16 @@ def test_free_form_dicts_accept_new_keys():
 
 @pytest.mark.distributed
 def test_help_lists_the_groups():
+    """The groups without Hydra's schema/* entries, and each key with its description (tests/test_declared_once.py
+    checks them in this process)."""
     result = subprocess.run(
         [sys.executable, "-m", "lightning_merak.cli.train", "--help"], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
     for group in GROUPS:
-        assert f"{group}:" in result.stdout
-    assert "merak-train" in result.stdout
+        assert f"\n{group}: " in result.stdout
+    assert "merak-train" in result.stdout and "schema/" not in result.stdout
+    assert "  pipeline_parallel: 1 " in result.stdout and "# Pipeline stages the model is cut into" in result.stdout
 
 
 def test_merak3d_options_reach_the_strategy():
@@ -89,15 +92,3 @@ def test_merak3d_options_reach_the_strategy():
     strategy = build_strategy(config.strategy)
     assert strategy.sequence_parallel and strategy.tp_overlap == 2
 
-
-def test_merak3d_constructor_defaults_are_the_declared_options():
-    """The strategy's signature repeats its options for readers and IDEs; the defaults must be the declared ones."""
-    import dataclasses
-    import inspect
-
-    from lightning_merak.strategies.merak3d import Merak3DStrategy
-    from lightning_merak.strategies.merak3d.options import Merak3DOptions
-
-    signature = inspect.signature(Merak3DStrategy.__init__).parameters
-    declared = {item.name: item.default for item in dataclasses.fields(Merak3DOptions)}
-    assert {name: signature[name].default for name in declared if name in signature} == declared

@@ -125,7 +125,7 @@ def _save_sharded(rank: int, world_size: int, path: str) -> None:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_merak.plugins.moe.experts import ExpertParallelCallback
+    from lightning_merak.callbacks.moe.experts import ExpertParallelCallback
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
     class Module(CausalLMModule):

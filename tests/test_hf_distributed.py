@@ -90,7 +90,7 @@ def _save_merak3d_rank(rank: int, world_size: int, source: str, checkpoint: str,
 def test_merak3d_checkpoint_exports_bit_exact(tmp_path, config, layout):
     """from_pretrained → merak3d (GPT-2's fused, transposed c_attn split over tp; Llama cut into stages)
     → sharded checkpoint → merak-export: the original tensors, bit for bit, and from_pretrained loads them."""
-    from lightning_merak.hf.export import main
+    from lightning_merak.cli.export import main
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "source", max_shard_size="40KB")

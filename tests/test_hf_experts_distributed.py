@@ -60,7 +60,7 @@ def _load_and_save_rank(rank: int, world_size: int, root: str) -> dict[str, int]
 
 
 def test_ranks_load_their_experts_and_the_checkpoint_exports_bit_exact(tmp_path):
-    from lightning_merak.hf.export import main
+    from lightning_merak.cli.export import main
 
     for family, layout in ROUND_TRIP.items():
         (save_family if layout == "per-expert" else save_fused)(family, tmp_path / family / "source")

@@ -92,7 +92,7 @@ def test_adapters_export_merged_on_request(tmp_path, kind):
 
 @pytest.mark.distributed  # starts an interpreter
 def test_help_imports_no_torch():
-    code = ("import sys\nfrom lightning_merak.hf.export import main\ntry:\n    main(['--help'])\n"
+    code = ("import sys\nfrom lightning_merak.cli.export import main\ntry:\n    main(['--help'])\n"
             "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch imported'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})

@@ -84,3 +84,17 @@ def test_expert_numbering_turns_local_numbers_global_and_back() -> None:
     assert numbering.renamed(f"{prefix}3.w1.weight", to_global=False) == f"{prefix}1.w1.weight"
     assert numbering.renamed("model.embed_tokens.weight", to_global=True) == "model.embed_tokens.weight"
     assert ExpertNumbering.of(nn.Linear(2, 2), lambda: (0, [0])).layers == {}
+
+
+def test_the_moe_plugins_layers_are_found_through_their_protocol() -> None:
+    """Checkpoints renumber, and full sharding refuses, the MoE plugin's layers without importing the plugin."""
+    from lightning_merak.plugins.moe import MoE
+    from lightning_merak.protocols.experts import ExpertParallelLayer
+    from lightning_merak.strategies.merak3d.arguments import check_fully_shardable, moe_layers
+
+    model = nn.Sequential(nn.Linear(8, 8), MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=4, ep_size=2, k=1))
+    assert isinstance(model[1], ExpertParallelLayer) and not isinstance(model[0], ExpertParallelLayer)
+    assert [name for name, _ in moe_layers(model)] == ["1"]
+    assert ExpertNumbering.of(model, lambda: (0, [0, 1])).layers == {f"1.{EXPERTS_KEY}": (2, 2)}
+    with pytest.raises(ValueError, match="cannot shard MoE layers"):
+        check_fully_shardable(model, None)

@@ -67,7 +67,7 @@ def _train_rank(rank: int, world_size: int, layout: dict[str, int] | None, ep_si
     """Steps ``0..SAVED_AT`` then a save, or (``resume_from``) the rest after resuming; this rank's losses.
     ``layout=None``: Lightning's DDP instead of merak3d; ``on_meta``: the model built by ``configure_model`` (on
     the meta device under merak3d), cut to this rank's experts before the checkpoint is read."""
-    from lightning_merak.plugins.moe.experts import ExpertParallelCallback
+    from lightning_merak.callbacks.moe.experts import ExpertParallelCallback
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
     config = TrainerConfig(max_steps=STEPS)

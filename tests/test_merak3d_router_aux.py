@@ -183,7 +183,7 @@ class _Recorder(pl.Callback):
 
 def _train_rank(rank: int, world_size: int, family: str, layout: dict[str, Any], expert_parallel: bool
                 ) -> dict[str, Any]:
-    from lightning_merak.plugins.moe.experts import ExpertParallelCallback
+    from lightning_merak.callbacks.moe.experts import ExpertParallelCallback
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
     recorder = _Recorder()

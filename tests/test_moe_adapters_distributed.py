@@ -182,7 +182,7 @@ def _train_ddp(rank: int, world: int) -> tuple[list[float], list[int]]:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_merak.plugins.moe.experts import ExpertParallelCallback
+    from lightning_merak.callbacks.moe.experts import ExpertParallelCallback
 
     module = _adapted_module()
     losses: list[float] = []

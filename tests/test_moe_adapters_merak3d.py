@@ -104,8 +104,8 @@ def _train_rank(rank: int, world_size: int, layout: dict[str, int] | None, ep_si
                 first: int, last: int, save_to: str | None, resume_from: str | None) -> dict[str, Any]:
     """One rank's run over global batches ``first..last`` (resumed from ``resume_from``, saved to ``save_to``).
     ``layout=None``: Lightning's DDP instead of merak3d."""
+    from lightning_merak.callbacks.moe.experts import ExpertParallelCallback
     from lightning_merak.checkpoint.checkpoint_io import SafeCheckpointIO
-    from lightning_merak.plugins.moe.experts import ExpertParallelCallback
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
     module = _Module(_model(), optimizer)

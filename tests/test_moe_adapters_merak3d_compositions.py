@@ -44,7 +44,8 @@ class _Replicas(pl.Callback):
 
 def _replica_rank(rank: int, world_size: int) -> dict[str, Any]:
     """pp=2 × dp=2 with ep=2 and replicas, adapters on attention and experts, SGD over the adapters."""
-    from lightning_merak.plugins.moe.experts import ExpertParallelCallback, parallel
+    from lightning_merak.callbacks.moe.experts import ExpertParallelCallback
+    from lightning_merak.plugins.moe.experts import parallel
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
     hosted_calls = []

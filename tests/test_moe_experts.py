@@ -228,13 +228,19 @@ def test_replica_plans_are_checked_against_the_layer() -> None:
 def test_callback_refuses_strategies_other_than_ddp() -> None:
     from types import SimpleNamespace
 
-    from lightning_merak.plugins.moe.experts import ExpertParallelCallback
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+
+    from lightning_merak.callbacks.moe.experts import ExpertParallelCallback
 
     class Merak3DStrategy:
         pass
 
     with pytest.raises(ValueError, match="not Merak3DStrategy.*use strategy=ddp"):
         ExpertParallelCallback().setup(SimpleNamespace(strategy=Merak3DStrategy()), None, "fit")
+    with pytest.raises(ValueError, match="not DeepSpeedStrategy.*use strategy=ddp"):  # a DDPStrategy subclass
+        ExpertParallelCallback().setup(SimpleNamespace(strategy=DeepSpeedStrategy()), None, "fit")
+    for strategy in (DDPStrategy(), SingleDeviceStrategy(torch.device("cpu"))):  # no process group: nothing to do
+        ExpertParallelCallback().setup(SimpleNamespace(strategy=strategy), None, "fit")
 
 
 def test_permutation_gathers_both_ways_and_sentinel_routes_get_zeros() -> None:

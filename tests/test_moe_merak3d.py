@@ -96,8 +96,8 @@ def _train_rank(rank: int, world_size: int, family: str, clip: float | None, pre
                 pipeline_parallel: int, ep_size: int | None, tensor_parallel: int = 1,
                 sequence_parallel: bool = False) -> dict[str, Any]:
     """One rank's run; with ``pretrained``, the model is built on meta and each rank reads its part of it."""
+    from lightning_merak.callbacks.moe.experts import ExpertParallelCallback
     from lightning_merak.hf import pretrained_causal_lm
-    from lightning_merak.plugins.moe.experts import ExpertParallelCallback
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
     if pretrained is None:

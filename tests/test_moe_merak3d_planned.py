@@ -21,8 +21,8 @@ def _fit(world_size: int, strategy_kwargs: dict[str, Any], ep_size: int | None =
     """The strategy, this rank's losses and what ``merak_ep`` did on it (its expert group's size and experts)."""
     import lightning.pytorch as pl
 
+    from lightning_merak.callbacks.moe.experts import ExpertParallelCallback
     from lightning_merak.modules.config import TrainerConfig
-    from lightning_merak.plugins.moe.experts import ExpertParallelCallback
     from lightning_merak.strategies.merak3d import Merak3DStrategy
     from lightning_merak.testing.data import ReplicaBatches
     from tests.test_moe_merak3d import STEPS, _batches, _model, _Recorder, _SGDModule

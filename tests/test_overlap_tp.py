@@ -209,10 +209,10 @@ def _planned_rank(rank: int, world_size: int, log_dir: str) -> dict:
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_merak.parallel.pipeline.stage import tied_parameter_names
-    from lightning_merak.strategies import merak3d
+    from lightning_merak.strategies.merak3d import planning
     from tests.test_merak3d import STEPS, _module, _Recorder, _ShardedData
 
-    merak3d.STEP_CHECK_WARMUP, merak3d.STEP_CHECK_BATCHES = 1, STEPS - 2
+    planning.STEP_CHECK_WARMUP, planning.STEP_CHECK_BATCHES = 1, STEPS - 2
     module = _module("llama")
     recorder = _Recorder(tied_parameter_names(module.model))
     strategy = Merak3DStrategy(pipeline_parallel="auto", tensor_parallel="auto", tp_overlap="auto", timeout_s=120)

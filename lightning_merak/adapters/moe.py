@@ -30,8 +30,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_merak.adapters.qahira import QAHiRAConfig
+from lightning_merak.adapters.qbara import QBaRAConfig
 from lightning_merak.plugins.moe.experts.adapter_slices import Factor, shard_expert_adapters, slice_expert_factor
 from lightning_merak.plugins.moe.experts.enable import experts_modules
+from lightning_merak.plugins.moe.experts.grouped import EXPERT_TENSORS
 from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
 
 __all__ = [
@@ -178,9 +181,7 @@ def moe_adapter_config(model: nn.Module, method: Literal["lora", "qbara", "qahir
                              "cannot factor dropout out of the merged weight)")
         return LoraConfig(r=r, lora_alpha=alpha, target_modules=modules, target_parameters=parameters or None,
                           **options)
-    import lightning_merak.adapters as adapters
-
-    config_class = adapters.QBaRAConfig if method == "qbara" else adapters.QAHiRAConfig
+    config_class = QBaRAConfig if method == "qbara" else QAHiRAConfig
     return config_class(r=r, alpha=alpha, target_modules=modules, **options)
 
 
@@ -220,7 +221,7 @@ def add_moe_adapters(model: nn.Module, config: Any, adapter_name: str = "default
     if any(isinstance(module, BaseTunerLayer) for module in model.modules()):
         raise ValueError(f"{type(model).__name__} already carries adapters; build the model again")
     peft_model = get_peft_model(model, config, adapter_name=adapter_name)
-    shard_expert_adapters(peft_model)
+    shard_expert_adapters(peft_model, (module for _, module in _experts_modules(peft_model)))
     return peft_model
 
 
@@ -309,8 +310,6 @@ def merged_state_dict(model: nn.Module,
     (PEFT's ``merge_and_unload``), then the slices are gathered, so ``base.save_pretrained(dir,
     state_dict=state)`` on one rank writes what the merged unsharded model would.
     """
-    from lightning_merak.plugins.moe.experts.grouped import EXPERT_TENSORS
-
     base = model.merge_and_unload(adapter_names=[adapter_name] if adapter_name else None)
     state = dict(base.state_dict())
     for name, module in _experts_modules(base):

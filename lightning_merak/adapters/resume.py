@@ -41,7 +41,7 @@ def base_quantization(layer: nn.Module) -> Optional[str]:
         return "int4"
     if type(layer) is nn.Linear:
         return "none"
-    bnb = sys.modules.get("bitsandbytes")
+    bnb = sys.modules.get("bitsandbytes")  # not imported: heavy and optional, and without it no 4-bit layer
     if bnb is None:
         return None
     if isinstance(layer, bnb.nn.Linear4bit):
@@ -139,7 +139,7 @@ def _refuse_mismatches(model: nn.Module, state_dict: dict[str, Any], prefix: str
 def refuse_mismatched_checkpoints(model: nn.Module) -> nn.Module:
     """Make ``model``'s ``load_state_dict`` refuse a checkpoint of another quantisation or adapter shape before
     copying anything, and let its bitsandbytes 4-bit layers load their packed state (returns ``model``)."""
-    bnb = sys.modules.get("bitsandbytes")
+    bnb = sys.modules.get("bitsandbytes")  # not imported: heavy and optional, and without it no 4-bit layer
     for layer in model.modules():
         if bnb is not None and isinstance(layer, bnb.nn.Linear4bit):
             restore_packed_4bit(layer)

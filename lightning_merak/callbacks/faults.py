@@ -14,6 +14,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch.distributed as dist
 
+from lightning_merak.checkpoint.files import newest_complete
 from lightning_merak.distributed.watchdog import DEFAULT_DEAD_AFTER_S, DEFAULT_TIMEOUT_S, Watchdog
 
 __all__ = ["FaultWatch", "RankLostError", "newest_checkpoint"]
@@ -30,8 +31,6 @@ class RankLostError(RuntimeError):
 
 def newest_checkpoint(trainer: pl.Trainer) -> str | None:
     """The newest complete checkpoint any of the trainer's checkpoint callbacks wrote, or None."""
-    from lightning_merak.checkpoint.files import newest_complete
-
     found = []
     for callback in trainer.checkpoint_callbacks:
         dirpath = getattr(callback, "dirpath", None)

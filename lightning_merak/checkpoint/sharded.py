@@ -32,9 +32,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_merak.checkpoint.files import partial_path, publish_directory
+from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, model_record
+from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_torch_file
 from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.parallel.tensor.blocks import LayoutChange
 from lightning_merak.plugins.moe.checkpoint import ExpertNumbering, FusedExpertSlices
+from lightning_merak.plugins.moe.experts.adapter_slices import slice_expert_factor
 from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh
 
 __all__ = ["LIGHTNING_CHECKPOINT", "ExpertParallelCheckpointIO", "ExpertSlices", "ShardedCheckpointer",
@@ -90,7 +93,7 @@ class ExpertSlices(FusedExpertSlices):
         """The fused expert tensors and expert adapter factors of ``model`` (experts already cut)."""
         factors = {}
         if "peft" in sys.modules:  # else no adapter exists, and importing the adapters would pull PEFT in
-            from lightning_merak.adapters.moe import expert_factor_shards
+            from lightning_merak.adapters.moe import expert_factor_shards  # lazy: PEFT
 
             params = dict(model.named_parameters())
             factors = {name: (kind, shard, tuple(params[name].shape))
@@ -111,7 +114,7 @@ class ExpertSlices(FusedExpertSlices):
             return super().global_view(name, local)
         from torch.distributed.tensor import Shard
 
-        from lightning_merak.adapters.moe import factor_view
+        from lightning_merak.adapters.moe import factor_view  # lazy: PEFT (a factor exists: it is imported)
 
         kind, shard = found
         view = factor_view(kind, local, len(shard.experts))
@@ -152,15 +155,13 @@ class ExpertSlices(FusedExpertSlices):
         kind, shard, shape = found
         if value.ndim == 3:
             return value.reshape(shape)
-        from lightning_merak.plugins.moe.experts.adapter_slices import slice_expert_factor
-
         return slice_expert_factor(kind, value, shard.experts, shard.num_experts).clone()  # type: ignore[arg-type]
 
     def gathered(self, name: str, local: torch.Tensor) -> torch.Tensor:
         found = self._factor(name, local)
         if found is None:
             return super().gathered(name, local)
-        from lightning_merak.adapters.moe import join_expert_factors
+        from lightning_merak.adapters.moe import join_expert_factors  # lazy: PEFT (a factor exists: it is imported)
 
         kind, shard = found
         if shard.ep_size == 1:
@@ -234,8 +235,6 @@ class ShardedCheckpointer:
         The config (:func:`~lightning_merak.checkpoint.names.model_record`) lets ``merak-export`` write the
         checkpoint as a Hugging Face directory.
         """
-        from lightning_merak.checkpoint.names import model_record
-
         self.experts = ExpertNumbering.of(model, self._data_parallel_ranks)
         self.fused_experts = ExpertSlices.of(model)
         self.model_record = model_record(model)
@@ -332,8 +331,6 @@ class ShardedCheckpointer:
         temporary = partial_path(path)
         dcp.save(tensors, checkpoint_id=temporary)  # returns once every rank's shards are written
         if global_rank == 0:
-            from lightning_merak.checkpoint.names import MODEL_RECORD_KEY
-
             record = {MODEL_RECORD_KEY: self.model_record} if self.model_record is not None else {}
             torch.save({**checkpoint, **record, "merak3d_optimizers": layouts}, temporary / LIGHTNING_CHECKPOINT)
             publish_directory(temporary, path)
@@ -347,8 +344,6 @@ class ShardedCheckpointer:
         :meth:`load_optimizer_state` once the layout is built.
         """
         import torch.distributed.checkpoint as dcp
-
-        from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_torch_file
 
         checkpoint = load_torch_file(path / LIGHTNING_CHECKPOINT)
         if self.before_load is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -30,6 +30,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from lightning_merak.cli.options.faults import FaultsConfig
 from lightning_merak.modules.config import DataConfig, ModelConfig, TrainerConfig
+from lightning_merak.util.fields import option
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -37,13 +38,18 @@ if TYPE_CHECKING:
 
 GROUPS = ("model", "data", "trainer", "strategy", "moe", "memory", "comm", "adapter", "profiler")
 
+OPTION_NAME_HELP = "The option's name, which `<group>=<option>` sets."
+"""What an option's ``name`` key is (options redefining ``name`` keep this description in the reference)."""
+
 
 @dataclass
 class StrategyConfig:
     """A strategy by its registered name, with keyword arguments for its constructor."""
 
-    name: str = MISSING
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    name: str = option(MISSING, "A strategy registered in Lightning's `StrategyRegistry`: `merak3d`, `ddp`, ...")
+    kwargs: dict[str, Any] = option(
+        default_factory=dict, help="Keyword arguments for the strategy's constructor, on top of its registered "
+        "defaults and of the other keys.")
 
     def strategy_kwargs(self) -> dict[str, Any]:
         """Constructor arguments on top of the registered defaults."""
@@ -54,7 +60,7 @@ class StrategyConfig:
 class CallbackOptionConfig:
     """Base of the ``memory`` and ``comm`` options: each contributes Lightning callbacks."""
 
-    name: str = "none"
+    name: str = option("none", OPTION_NAME_HELP)
 
     def build_callbacks(self) -> list[pl.Callback]:
         return []
@@ -64,7 +70,7 @@ class CallbackOptionConfig:
 class AdapterConfig:
     """Base of the ``adapter`` options: each wraps the model before training."""
 
-    name: str = "none"
+    name: str = option("none", OPTION_NAME_HELP)
 
     def apply(self, model: nn.Module) -> nn.Module:
         return model
@@ -74,7 +80,7 @@ class AdapterConfig:
 class MoEConfig:
     """Base of the ``moe`` options: each may swap the model's sparse blocks."""
 
-    name: str = "none"
+    name: str = option("none", OPTION_NAME_HELP)
 
     def apply(self, model: nn.Module) -> nn.Module:
         return model
@@ -87,22 +93,29 @@ class MoEConfig:
 class TrainConfig:
     """The whole ``merak-train`` configuration."""
 
-    model: ModelConfig = MISSING
-    data: DataConfig = MISSING
-    trainer: TrainerConfig = MISSING
-    strategy: StrategyConfig = MISSING
-    moe: Any = MISSING
-    memory: Any = MISSING
-    comm: Any = MISSING
-    adapter: Any = MISSING
-    profiler: Any = MISSING
-    output_dir: str = "${hydra:runtime.output_dir}"
-    faults: FaultsConfig = field(default_factory=FaultsConfig)
-    """Hangs, lost ranks and non-finite steps (:class:`~lightning_merak.cli.options.faults.FaultsConfig`)."""
-    resume: Optional[str] = None
-    """``auto``: continue from the newest complete checkpoint in ``<output_dir>/checkpoints`` (if any), e.g. when
-    ``torchrun --max-restarts`` restarts a failed run; or a checkpoint path
-    (:mod:`lightning_merak.checkpoint.resume`)."""
+    model: ModelConfig = option(MISSING, "The causal LM: a transformers model type built with random weights, "
+                                "or a pretrained directory.")
+    data: DataConfig = option(MISSING, "The training data: a generated language (`synthetic`) or a file (`text`).")
+    trainer: TrainerConfig = option(MISSING, "Lightning Trainer settings: devices, steps, precision, optimizer.")
+    strategy: StrategyConfig = option(MISSING, "The parallel strategy: `merak3d` (data × pipeline × tensor "
+                                      "parallelism) or Lightning's `ddp`.")
+    moe: Any = option(MISSING, "Mixture-of-experts layers for a sparse model: `prophet`, `deepspeed`, "
+                      "`shadowing`, or `none`.")
+    memory: Any = option(MISSING, "Activation memory: `delta` (swap or recompute whole blocks to keep saved "
+                         "activations under a budget) or `none`.")
+    comm: Any = option(MISSING, "Gradient communication of large embedding tables: `dense` (DDP's all-reduce), "
+                       "`s2`, `embrace` or `auto`.")
+    adapter: Any = option(MISSING, "Parameter-efficient fine-tuning on a quantized base: `lora` (QLoRA), `qbara`, "
+                          "`qahira`, or `none`.")
+    profiler: Any = option(MISSING, "`trace`: record a few steps on every rank (MerakTraceProfiler); `none`.")
+    output_dir: str = option("${hydra:runtime.output_dir}", "Where checkpoints, metrics and TensorBoard logs go "
+                             "(default: the Hydra run directory, `hydra.run.dir`).")
+    faults: FaultsConfig = option(default_factory=FaultsConfig, help="What a run does on hangs, lost ranks and "
+                                  "non-finite steps (`lightning_merak.cli.options.faults`).")
+    resume: Optional[str] = option(
+        None, "`auto`: continue from the newest complete checkpoint in `<output_dir>/checkpoints`, if any; or a "
+        "checkpoint path. `auto` suits `torchrun --max-restarts`, whose restarts then resume a failed run "
+        "(`lightning_merak.checkpoint.resume`).")
 
 
 def reject_unknown_keys(cfg: DictConfig, path: str = "") -> None:

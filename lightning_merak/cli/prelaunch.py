@@ -164,7 +164,7 @@ def share_cores(ranks: int) -> None:
         return
     threads = max(1, len(os.sched_getaffinity(0)) // ranks)
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch = sys.modules.get("torch")
+    torch = sys.modules.get("torch")  # probed, not imported: rank 0 starts the others before importing torch
     if torch is not None:
         torch.set_num_threads(threads)
 
@@ -181,7 +181,7 @@ def wait_at_gate() -> None:
     import lightning.pytorch  # noqa: F401
     import transformers.modeling_utils  # noqa: F401
 
-    import lightning_merak.strategies.merak3d.strategy  # noqa: F401
+    import lightning_merak.strategies.merak3d.strategy  # lazy: torch, Lightning; imported at the gate  # noqa: F401
 
     go = os.read(int(gate), 1)
     os.close(int(gate))

@@ -22,6 +22,7 @@ launched world size.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,9 +44,10 @@ from lightning_merak.cli.prelaunch import (
     prelaunch_local_ranks,
     wait_at_gate,
 )
+from lightning_merak.cli.reference import register_help
 from lightning_merak.distributed.host_memory import restart_with_heap_tunables, skip_final_collection
 from lightning_merak.distributed.termination import install_termination_handler
-from lightning_merak.util.console import quiet_dependency_noise
+from lightning_merak.util.console import quiet_dependency_noise, quiet_other_ranks
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
@@ -109,8 +111,8 @@ def _callbacks(config: TrainConfig, output_dir: Path) -> list[Any]:
     """merak-train's own callbacks (checkpoints, learning rate, progress) plus each feature's."""
     from lightning.pytorch.callbacks import LearningRateMonitor
 
-    from lightning_merak.callbacks.checkpoint import PeriodicCheckpoint
-    from lightning_merak.callbacks.progress import StepProgressBar
+    from lightning_merak.callbacks.checkpoint import PeriodicCheckpoint  # lazy: Lightning
+    from lightning_merak.callbacks.progress import StepProgressBar  # lazy: Lightning
 
     trainer_config = config.trainer
     callbacks: list[Any] = [
@@ -154,8 +156,7 @@ def train(config: TrainConfig, prelaunched: PrelaunchedRanks | None = None) -> P
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
     from lightning.pytorch.utilities import rank_zero_only
 
-    from lightning_merak.checkpoint.checkpoint_io import SafeCheckpointIO
-    from lightning_merak.util.console import quiet_other_ranks
+    from lightning_merak.checkpoint.checkpoint_io import SafeCheckpointIO  # lazy: torch, Lightning
 
     quiet_other_ranks()
     validate_run(config.trainer)
@@ -169,7 +170,7 @@ def train(config: TrainConfig, prelaunched: PrelaunchedRanks | None = None) -> P
     if hasattr(strategy, "validate_arguments"):
         strategy.validate_arguments(world_size, **batch_shape)
     if getattr(strategy, "strategy_name", None) == "merak3d":
-        from lightning_merak.parallel.pipeline.router_aux import router_aux_loss_problem
+        from lightning_merak.parallel.pipeline.router_aux import router_aux_loss_problem  # lazy: torch
 
         problem = router_aux_loss_problem(config.model.config.get("output_router_logits", False),
                                           getattr(config.strategy, "pipeline_parallel", 1),
@@ -179,7 +180,7 @@ def train(config: TrainConfig, prelaunched: PrelaunchedRanks | None = None) -> P
         if problem is not None:
             raise ValueError(problem)
     if getattr(strategy, "strategy_name", None) == "merak3d" and getattr(config.moe, "experts", None) == "merak_ep":
-        from lightning_merak.parallel.experts import check_merak3d_experts
+        from lightning_merak.parallel.experts import check_merak3d_experts  # lazy: torch
 
         check_merak3d_experts(strategy, world_size, getattr(config.moe, "ep_size", None))
         if getattr(config.moe, "placement", "none") in ("pro_prophet", "shadowing"):
@@ -191,8 +192,8 @@ def train(config: TrainConfig, prelaunched: PrelaunchedRanks | None = None) -> P
                              "splits a stage's micro-batch itself); use strategy=ddp for block-scope Lancet, or "
                              "moe.lancet_scope=layer")
 
-    from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
-    from lightning_merak.modules.data import LanguageModelingData
+    from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm  # lazy: torch, Lightning
+    from lightning_merak.modules.data import LanguageModelingData  # lazy: torch, Lightning
 
     pl.seed_everything(config.trainer.seed, workers=True, verbose=rank_zero_only.rank == 0)
     data = LanguageModelingData(config.data)
@@ -206,13 +207,13 @@ def train(config: TrainConfig, prelaunched: PrelaunchedRanks | None = None) -> P
 
     def build_model() -> Any:
         if pretrained:
-            from lightning_merak.hf import pretrained_causal_lm
+            from lightning_merak.hf import pretrained_causal_lm  # lazy: torch, transformers
 
             base = pretrained_causal_lm(pretrained, data.vocab_size, config.model.config, weights=not on_meta)
         else:
             base = build_causal_lm(config.model, vocab_size=data.vocab_size)
         if on_meta and config.adapter.name != "none":
-            from lightning_merak.adapters.meta import attach_on_meta
+            from lightning_merak.adapters.meta import attach_on_meta  # lazy: torch, PEFT
 
             return attach_on_meta(config.adapter, base)
         return config.adapter.apply(config.moe.apply(base))
@@ -285,12 +286,16 @@ def train(config: TrainConfig, prelaunched: PrelaunchedRanks | None = None) -> P
     return output_dir
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="pkg://lightning_merak.conf", config_name="config")
 def _hydra_entry(cfg: DictConfig) -> None:
     reject_unknown_keys(cfg)
     config: Any = OmegaConf.to_object(cfg)
     validate_run(config.trainer)  # before any rank starts; train() checks the rest before the ranks begin work
     train(config, prelaunch_local_ranks(config.trainer.devices, config.trainer.num_nodes))
+
+
+_PRINTS_ONLY = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i"}
+"""Hydra's flags that print something and exit."""
 
 
 def main() -> None:
@@ -300,8 +305,15 @@ def main() -> None:
     install_termination_handler()
     quiet_dependency_noise()
     register_configs()
+    register_help()
     try:
         _hydra_entry()
+    except BrokenPipeError:
+        if not _PRINTS_ONLY.intersection(sys.argv[1:]):
+            raise
+        # `merak-train --help | head`: the reader left early; stop quietly, as a closed pipe ends other tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
     finally:
         skip_final_collection()
 

@@ -191,7 +191,7 @@ def _local_rank() -> str | None:
 
 def _rank() -> str:
     """The global rank when the process group is up, else what the launcher's environment says."""
-    dist = sys.modules.get("torch.distributed")
+    dist = sys.modules.get("torch.distributed")  # probed, not imported: nothing here imports torch
     if dist is not None and dist.is_available() and dist.is_initialized():
         return str(dist.get_rank())
     for name in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):

@@ -25,7 +25,7 @@ __getattr__ = lazy_attributes(__name__, {
     "load_pretrained": ".checkpoint",
     "load_pretrained_experts": ".experts",
     "load_rank_pretrained": ".pretrained",
-    "model_record": ".names",
+    "model_record": "lightning_merak.checkpoint.names",
     "check_vocabulary": ".pretrained",
     "pretrained_causal_lm": ".pretrained",
     "pretrained_config": ".pretrained",

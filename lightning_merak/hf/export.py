@@ -1,6 +1,5 @@
-"""``merak-export``: a lightning-merak checkpoint as a Hugging Face directory ``from_pretrained`` reads.
-
-    merak-export outputs/.../checkpoints/final.ckpt OUT [--merge-adapters] [--max-shard-size 2GB]
+"""A lightning-merak checkpoint as a Hugging Face directory ``from_pretrained`` reads (:func:`export_checkpoint`;
+the command line is ``merak-export``, :mod:`lightning_merak.cli.export`).
 
 The input is a merak3d sharded checkpoint (a torch distributed checkpoint directory keyed by the
 unsplit model's names, taken in any layout) or a Lightning ``.ckpt`` file (DDP). The output is
@@ -29,19 +28,18 @@ in (``lora_B`` back from a merak3d directory's ``[out, r, E]``), PEFT's merge, t
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["ExportReport", "export_checkpoint", "main"]
+__all__ = ["ExportReport", "export_checkpoint"]
 
 _COPIED_FILES = ("generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
                  "vocab.*", "merges.txt", "chat_template*", "spiece.model")
@@ -62,8 +60,8 @@ class _Source:
     def __init__(self, path: Path) -> None:
         import torch
 
-        from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, load_torch_file
-        from lightning_merak.checkpoint.sharded import LIGHTNING_CHECKPOINT, is_sharded_checkpoint
+        from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, load_torch_file  # lazy: torch
+        from lightning_merak.checkpoint.sharded import LIGHTNING_CHECKPOINT, is_sharded_checkpoint  # lazy: torch
 
         self.path = path
         self.sharded = is_sharded_checkpoint(path)
@@ -90,7 +88,7 @@ class _Source:
             return self.state[key]
         import torch.distributed.checkpoint as dcp
 
-        from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
+        from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner  # lazy: torch
 
         shape, dtype = self.entries[key]
         state = {"model." + key: torch.empty(shape, dtype=dtype)}
@@ -118,7 +116,7 @@ def _inject(skeleton: nn.Module, adapters: dict[str, Any]) -> None:
     """Wrap ``skeleton`` as each recorded adapter config wrapped the model (its other targets are elsewhere)."""
     from peft import PeftConfig, inject_adapter_in_model
 
-    import lightning_merak.adapters  # noqa: F401  (registers Q-BaRA and QA-HiRA with PEFT)
+    import lightning_merak.adapters  # noqa: F401  # lazy: torch, PEFT (registers Q-BaRA and QA-HiRA with PEFT)
 
     with warnings.catch_warnings():  # "target_modules/target_parameters ... no module was matched": expected here
         warnings.filterwarnings("ignore", message=".*(were set but no|did not match any targeted).*")
@@ -212,15 +210,15 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
     from safetensors.torch import save_file
     from transformers.utils.hub import convert_file_size_to_int
 
-    from lightning_merak.adapters.resume import quantized_layers
-    from lightning_merak.checkpoint.names import (
+    from lightning_merak.adapters.resume import quantized_layers  # lazy: torch, PEFT
+    from lightning_merak.checkpoint.names import (  # lazy: torch
         MODEL_RECORD_KEY,
         PEFT_LAYER_INFIX,
         build_meta_model,
         load_config,
         strip_wrappers,
     )
-    from lightning_merak.hf.experts import export_layout
+    from lightning_merak.hf.experts import export_layout  # lazy: torch
 
     source = _Source(Path(checkpoint))
     quantized = quantized_layers(source.entries)
@@ -330,37 +328,3 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
     report.files += ["model.safetensors.index.json", "config.json", *_copy_source_files(record.get("config") or {},
                                                                                          out)]
     return report
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="merak-export",
-        description="Write a lightning-merak checkpoint (merak3d sharded directory, any layout, or a Lightning "
-                    ".ckpt) as a Hugging Face directory that AutoModelForCausalLM.from_pretrained loads.")
-    parser.add_argument("checkpoint", help="merak3d checkpoint directory or Lightning .ckpt file")
-    parser.add_argument("out", help="output directory")
-    parser.add_argument("--merge-adapters", action="store_true",
-                        help="merge adapter (LoRA, Q-BaRA, QA-HiRA) weights into the base weights")
-    parser.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (default 2GB)")
-    parser.add_argument("--config", default=None,
-                        help="transformers directory or config.json, for checkpoints that recorded no config")
-    parser.add_argument("--dtype", default=None, help="write weights in this dtype, e.g. bfloat16")
-    return parser
-
-
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Console entry point of ``merak-export``."""
-    args = _parser().parse_args(argv)
-    from lightning_merak.distributed.host_memory import skip_final_collection
-    from lightning_merak.util.console import quiet_dependency_noise
-
-    quiet_dependency_noise()
-    report = export_checkpoint(args.checkpoint, args.out, merge_adapters=args.merge_adapters,
-                               max_shard_size=args.max_shard_size, config=args.config, dtype=args.dtype)
-    skip_final_collection()
-    print(f"merak-export: wrote {len(report.files)} files ({report.total_size / 2**20:.1f} MiB of weights) "
-          f"to {Path(args.out).resolve()}")
-
-
-if __name__ == "__main__":
-    main()

@@ -13,6 +13,9 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from lightning_merak.hf.experts import load_pretrained_experts
+from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
+
 __all__ = ["check_vocabulary", "load_rank_pretrained", "pretrained_causal_lm", "pretrained_config"]
 
 
@@ -60,9 +63,6 @@ def load_rank_pretrained(model: nn.Module, tensors: Mapping[str, torch.Tensor], 
     :func:`~lightning_merak.hf.checkpoint.load_pretrained` reads it. Returns the
     :class:`~lightning_merak.hf.experts.ExpertLoadReport`.
     """
-    from lightning_merak.hf.experts import load_pretrained_experts
-    from lightning_merak.plugins.moe.experts import SHARD_ATTRIBUTE
-
     places = {(shard.ep_rank, shard.ep_size) for module in model.modules()
               if (shard := getattr(module, SHARD_ATTRIBUTE, None)) is not None}
     if len(places) > 1:

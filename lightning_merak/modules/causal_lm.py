@@ -1,17 +1,11 @@
 """Causal language models built from transformers config classes, and their LightningModule.
 
 Models are built with random weights from a config (nothing is downloaded), so the
-same code runs offline, in CI and on a cluster. :class:`CausalLMModule` is the
-contract the plugin's strategies rely on, and it is deliberately small:
-
-* ``self.model`` — the ``nn.Module`` to parallelise (any causal LM called as
-  ``model(input_ids)`` returning logits or an output with ``.logits``);
-* :meth:`~CausalLMModule.split_batch` and :meth:`~CausalLMModule.loss_from_logits` — so a
-  strategy that runs the model in pieces can feed it and score each micro-batch;
-* :meth:`~CausalLMModule.compute_loss` — what ``training_step`` calls, and what such a
-  strategy replaces.
-
-Without any strategy the module trains on one device like any other LightningModule.
+same code runs offline, in CI and on a cluster. :class:`CausalLMModule` implements
+:class:`~lightning_merak.protocols.module_contract.Merak3DModule`, the small contract merak3d relies on
+(``model``, ``split_batch``, ``loss_from_logits``, ``compute_loss``: what a strategy that runs the model in
+pieces feeds, scores and replaces). Without any strategy the module trains on one device like any other
+LightningModule.
 """
 
 from __future__ import annotations
@@ -24,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, model_record
+from lightning_merak.hf.pretrained import load_rank_pretrained
 from lightning_merak.modules.config import ModelConfig, TrainerConfig
 from lightning_merak.util.model_outputs import logits_of, weighted_router_aux_loss
 
@@ -58,6 +54,9 @@ def build_causal_lm(config: ModelConfig, vocab_size: int) -> nn.Module:
 class CausalLMModule(pl.LightningModule):
     """Next-token prediction on blocks of token ids, with AdamW and warm-up + cosine decay.
 
+    It implements :class:`~lightning_merak.protocols.module_contract.Merak3DModule`, merak3d's contract:
+    ``model``, :meth:`split_batch`, :meth:`loss_from_logits` and :meth:`compute_loss`.
+
     Pass the ``model``, or a ``model_factory`` that :meth:`configure_model` calls inside the strategy's
     sharded context (on the meta device under merak3d, so no rank builds the whole model). With
     ``pretrained_path`` (a local transformers directory), merak3d fills each rank's part from it
@@ -87,15 +86,11 @@ class CausalLMModule(pl.LightningModule):
         from ``pretrained_path``, undoing the split's ``layout_changes``. Without a path, the random init stays."""
         if self.pretrained_path is None:
             return
-        from lightning_merak.hf import load_rank_pretrained
-
         load_rank_pretrained(self.model, tensors, self.pretrained_path, layout_changes)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record the transformers config (and adapter configs) so ``merak-export`` can write a Hugging Face
         directory from the checkpoint alone."""
-        from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, model_record
-
         record = model_record(self.model) if self.model is not None else None
         if record is not None:
             checkpoint[MODEL_RECORD_KEY] = record

@@ -7,10 +7,12 @@ are), and what :class:`~lightning_merak.modules.causal_lm.CausalLMModule` and
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from omegaconf import MISSING
+
+from lightning_merak.util.fields import option
 
 __all__ = ["DataConfig", "ModelConfig", "TrainerConfig"]
 
@@ -28,10 +30,16 @@ class ModelConfig:
     omitted; ``config`` entries override its values) and the weights are loaded, not initialised.
     """
 
-    name: str = MISSING
-    model_type: Optional[str] = None
-    config: dict[str, Any] = field(default_factory=dict)
-    path: Optional[str] = None
+    name: str = option(MISSING, "The preset's name, which `model=<option>` sets.")
+    model_type: Optional[str] = option(
+        None, "A transformers model type with a causal-LM head: `llama`, `gpt2`, `mistral`, ... With `path`, "
+        "read from its `config.json` (and may be omitted).")
+    config: dict[str, Any] = option(
+        default_factory=dict, help="Keyword arguments of the model type's config class (with `path`: overrides "
+        "of its `config.json`); `vocab_size` comes from the data.")
+    path: Optional[str] = option(
+        None, "A local transformers directory (`config.json` and safetensors weights) to load pretrained instead "
+        "of initialising at random.")
 
     def __post_init__(self) -> None:
         if self.path is None:
@@ -57,43 +65,47 @@ class ModelConfig:
 class DataConfig:
     """Training data: ``synthetic`` (generated language) or ``text`` (a user's file)."""
 
-    name: str = MISSING
-    seq_len: int = 64
-    batch_size: int = 16
-    num_workers: int = 0
-    seed: int = 1234
-    # synthetic
-    vocab_size: int = 256
-    num_sequences: int = 8192
-    branching: int = 3
-    # text / jsonl
-    path: Optional[str] = None
-    text_field: str = "text"
-    tokenizer_path: Optional[str] = None
-    val_fraction: float = 0.02
-    # fixed: blocks of seq_len tokens; variable: each sample keeps its length (up to max_length), in global batches
-    lengths: str = "fixed"
-    max_length: int = 2048
+    name: str = option(MISSING, "`synthetic` or `text`, which `data=<option>` sets.")
+    seq_len: int = option(64, "Tokens per sample (with `lengths=fixed`).")
+    batch_size: int = option(16, "Samples per batch of each data-parallel rank (with `lengths=variable`: per "
+                             "global batch).")
+    num_workers: int = option(0, "DataLoader worker processes.")
+    seed: int = option(1234, "Seed of the generated language, the shuffling and the validation split.")
+    vocab_size: int = option(256, "`synthetic`: tokens of the generated language.")
+    num_sequences: int = option(8192, "`synthetic`: training sequences generated.")
+    branching: int = option(3, "`synthetic`: successors each token may have (the fewer, the lower the entropy).")
+    path: Optional[str] = option(None, "`text`: a `.txt` or `.jsonl` file, by absolute path.")
+    text_field: str = option("text", "`text` with a `.jsonl` file: the field holding each document.")
+    tokenizer_path: Optional[str] = option(
+        None, "`text`: a local directory with tokenizer files (`null`: bytes are the tokens).")
+    val_fraction: float = option(0.02, "Fraction of the samples held out for validation.")
+    lengths: str = option(
+        "fixed", "`fixed`: blocks of `seq_len` tokens; `variable`: each sample keeps its own length (up to "
+        "`max_length`), in global batches, for `strategy.micro_batching`.")
+    max_length: int = option(2048, "With `lengths=variable`: the longest sample, in tokens.")
 
 
 @dataclass
 class TrainerConfig:
     """The subset of ``lightning.Trainer`` arguments ``merak-train`` exposes."""
 
-    accelerator: str = "cpu"
-    devices: int = 2
-    num_nodes: int = 1
-    max_steps: int = 300
-    max_epochs: int = -1
-    precision: str = "32-true"
-    gradient_clip_val: Optional[float] = 1.0
-    accumulate_grad_batches: int = 1
-    log_every_n_steps: int = 10
-    val_check_interval: Optional[int] = 100
-    limit_val_batches: int = 8
-    enable_progress_bar: bool = True
-    save_last: bool = False
-    seed: int = 1234
-    learning_rate: float = 3e-3
-    weight_decay: float = 0.01
-    warmup_steps: int = 20
+    accelerator: str = option("cpu", "`cpu` or `gpu`.")
+    devices: int = option(2, "Processes per node: CPU processes, or GPUs.")
+    num_nodes: int = option(1, "Nodes; `num_nodes` × `devices` must equal the launched world size.")
+    max_steps: int = option(300, "Optimizer steps to train (the learning-rate schedule ends there).")
+    max_epochs: int = option(-1, "Epochs to train (-1: until `max_steps`).")
+    precision: str = option("32-true", "Lightning's precision: `32-true`, `bf16-mixed`, `bf16-true`, ...")
+    gradient_clip_val: Optional[float] = option(1.0, "Clip the gradients' total norm to this (`null`: no clipping).")
+    accumulate_grad_batches: int = option(
+        1, "Batches whose gradients add up before a step (merak3d needs 1: raise `strategy.micro_batches` and the "
+        "batch size instead).")
+    log_every_n_steps: int = option(10, "Steps between logged metrics.")
+    val_check_interval: Optional[int] = option(
+        100, "Steps between validations and periodic checkpoints (`null`: once per epoch).")
+    limit_val_batches: int = option(8, "Batches per validation.")
+    enable_progress_bar: bool = option(True, "Show the step progress bar.")
+    save_last: bool = option(False, "Also keep `checkpoints/last.ckpt`, a link to the newest checkpoint.")
+    seed: int = option(1234, "Seed of every random generator (Lightning's `seed_everything`).")
+    learning_rate: float = option(3e-3, "AdamW's peak learning rate.")
+    weight_decay: float = option(0.01, "AdamW's weight decay, on matrices only (biases and norms get none).")
+    warmup_steps: int = option(20, "Steps of linear warm-up, then a cosine decay to a tenth at `max_steps`.")

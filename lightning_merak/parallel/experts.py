@@ -221,6 +221,6 @@ def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
                if isinstance(param := getattr(experts, tensor, None), nn.Parameter)]
     if "peft" not in sys.modules:  # no adapter exists; importing the adapters would pull PEFT in
         return experts
-    from lightning_merak.adapters.moe import expert_adapter_parameters
+    from lightning_merak.adapters.moe import expert_adapter_parameters  # lazy: PEFT
 
     return experts + expert_adapter_parameters(module)

@@ -16,6 +16,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from lightning_merak.parallel.pipeline.stage import RankStages
+
 __all__ = ["TraceRecorder", "TrainingTrace", "assert_traces_match", "layout_gradients", "merge_rank_traces",
            "module_losses", "record_reference_trace", "snapshot_gradients"]
 
@@ -36,8 +38,6 @@ def layout_gradients(strategy: Any, model: nn.Module) -> dict[str, torch.Tensor]
     """Copies of this rank's gradients under the unsplit model's names, tensor-parallel shards gathered whole and
     put back in the unsplit layout (``strategy.to_original_layout``): comparable with a single-process run's."""
     from torch.distributed.tensor import DTensor
-
-    from lightning_merak.parallel.pipeline.stage import RankStages
 
     grads = {}
     for name, param in model.named_parameters():

@@ -58,7 +58,7 @@ def remove_switch(module: nn.Module) -> None:
 
 def user_checkpointing(module: nn.Module) -> Optional[str]:
     """Why ``module`` is already managed by someone else's checkpointing, or None."""
-    if type(module).__name__ == "CheckpointWrapper" or hasattr(module, "_checkpoint_wrapped_module"):
+    if hasattr(module, "_checkpoint_wrapped_module"):  # where torch's CheckpointWrapper holds the module it wraps
         return "wrapped by torch checkpoint_wrapper"
     if getattr(module, "gradient_checkpointing", False) is True:
         return "transformers gradient checkpointing is enabled"

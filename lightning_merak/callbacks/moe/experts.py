@@ -16,12 +16,33 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, XLAStrategy
+from torch.nn.parallel import DistributedDataParallel
 
+from lightning_merak.checkpoint.sharded import ExpertParallelCheckpointIO, ExpertSlices
 from lightning_merak.distributed.collectives import average_gradients
+from lightning_merak.parallel.experts import Merak3DExperts
 from lightning_merak.plugins.moe.experts.enable import add_loads, enable_expert_parallel, expert_load
 from lightning_merak.plugins.moe.experts.replanning import ReplicaPlanner
+from lightning_merak.protocols.layout_aware import layout_aware
 
 __all__ = ["ExpertParallelCallback"]
+
+_NOT_BUILT_UNDER = (DeepSpeedStrategy, XLAStrategy)
+"""Subclasses of Lightning's ``DDPStrategy`` that do not wrap the model in torch's DDP: merak_ep is not built there."""
+
+
+def _ignore_in_ddp(module: torch.nn.Module, names: list[str]) -> None:
+    """Have torch's DDP leave ``module``'s parameters ``names`` alone (each rank's experts differ; the callback
+    reduces their gradients itself): torch has no public API for it, only this documented workaround, which sets
+    the ``_ddp_params_and_buffers_to_ignore`` attribute DDP reads when it wraps the module."""
+    ignore = getattr(DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model", None)
+    if ignore is None:
+        raise RuntimeError(
+            "moe.experts=merak_ep needs DDP to skip the expert parameters, through torch's "
+            "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model, which this torch "
+            f"({torch.__version__}) does not have; use strategy=merak3d or moe.experts=deepspeed")
+    ignore(module, names)
 
 
 class ExpertParallelCallback(pl.Callback):
@@ -58,20 +79,19 @@ class ExpertParallelCallback(pl.Callback):
         return None if ep == world else ep_groups[rank // ep]
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        strategy = type(trainer.strategy).__name__
-        merak3d = getattr(trainer.strategy, "strategy_name", None) == "merak3d"
-        if not merak3d and "DDP" not in strategy and "SingleDevice" not in strategy:
-            raise ValueError(f"moe.experts=merak_ep runs under DDP (strategy=ddp) or merak3d, not {strategy}: expert "
-                             "parallelism under DeepSpeed is not built; use strategy=ddp, strategy=merak3d or "
-                             "moe.experts=deepspeed")
+        strategy = trainer.strategy
+        merak3d = layout_aware(strategy) is not None
+        ddp = isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)) and not isinstance(strategy, _NOT_BUILT_UNDER)
+        if not merak3d and not ddp:
+            raise ValueError(f"moe.experts=merak_ep runs under DDP (strategy=ddp) or merak3d, not "
+                             f"{type(strategy).__name__}: expert parallelism under DeepSpeed is not built; use "
+                             "strategy=ddp, strategy=merak3d or moe.experts=deepspeed")
         if self._expert_params or self._merak3d is not None or not (dist.is_available() and dist.is_initialized()):
             return
         if merak3d and self._planner is not None:
             raise ValueError(f"placement={self._planner.policy!r} for merak_ep replicas runs under DDP; under merak3d "
                              "it is not built (each stage's experts have their own group): use placement=none")
         if merak3d:
-            from lightning_merak.parallel.experts import Merak3DExperts
-
             self._merak3d = Merak3DExperts(trainer.strategy, self.ep_size)
             if getattr(pl_module, "model", None) is not None:  # else built by configure_model: on_fit_start
                 self._merak3d.enable(pl_module)
@@ -81,9 +101,7 @@ class ExpertParallelCallback(pl.Callback):
         params = dict(pl_module.named_parameters())
         self._expert_params = [params[name] for name in report.expert_parameters]
         ignored = set(getattr(pl_module, "_ddp_params_and_buffers_to_ignore", [])) | set(report.expert_parameters)
-        pl_module._ddp_params_and_buffers_to_ignore = sorted(ignored)
-        from lightning_merak.checkpoint.sharded import ExpertParallelCheckpointIO, ExpertSlices
-
+        _ignore_in_ddp(pl_module, sorted(ignored))
         # rank 0's file holds every expert and expert adapter factor (on_save_checkpoint); it, and a merak3d
         # checkpoint, resume at any ep
         self._slices = ExpertSlices.of(pl_module)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from lightning.pytorch.profilers import Profiler
 
 from lightning_merak.callbacks.profiler.recorder import TraceRecorder
+from lightning_merak.parallel.pipeline.recording import TraceError, find_trunk
 from lightning_merak.planning.replay.chrome import chrome_trace, write_chrome_trace
 from lightning_merak.planning.replay.summary import summarize
 from lightning_merak.planning.replay.synthesize import ModelShape
@@ -73,8 +74,6 @@ def model_shape(model: torch.nn.Module, seq: int) -> Optional[ModelShape]:
     Split parameters are DTensors, whose ``numel`` counts the unsplit tensor: a tensor-parallel rank counts
     the whole model too.
     """
-    from lightning_merak.parallel.pipeline.trace import TraceError, find_trunk
-
     try:
         blocks = find_trunk(model)[1]
     except TraceError:

@@ -16,11 +16,12 @@ it); ``false`` refuses targets that would reach the experts, naming the fix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Optional
 
 from lightning_merak.cli.config import AdapterConfig, register_option
+from lightning_merak.util.fields import option
 
 if TYPE_CHECKING:
     from torch import nn
@@ -43,25 +44,27 @@ class QuantizedAdapterConfig(AdapterConfig):
     ``group_size`` is the INT4 group (``quantization=int4`` only); bitsandbytes 4-bit uses blocks of 64.
     """
 
-    r: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: list(LLAMA_LINEAR_LAYERS))
-    quantization: Quantization = Quantization.nf4
-    double_quant: bool = True
-    group_size: int = 32
-    experts: Optional[bool] = None
-    """Adapt an MoE model's fused routed experts: null as PEFT does, true all of them, false none (module doc)."""
+    r: int = option(8, "The adapter's rank.")
+    alpha: float = option(16.0, "Scaling numerator: the adapter's output is scaled by `alpha / r`.")
+    dropout: float = option(0.0, "Dropout on the adapter's input.")
+    target_modules: list[str] = option(
+        default_factory=lambda: list(LLAMA_LINEAR_LAYERS), help="Names of the linear layers to adapt.")
+    quantization: Quantization = option(Quantization.nf4, "How the frozen base's linear layers are stored.")
+    double_quant: bool = option(True, "bitsandbytes 4-bit: quantize the quantization constants too.")
+    group_size: int = option(32, "`quantization=int4`: weights per quantization group.")
+    experts: Optional[bool] = option(
+        None, "Adapt an MoE model's fused routed experts: `null` as PEFT maps `target_modules`, `true` all of "
+        "them, `false` none (`lightning_merak.cli.options.adapter`).")
 
     def refuse_experts(self) -> None:
         """A pooled method (Q-BaRA, QA-HiRA) with ``experts=true``: refused with the reason and the fix."""
         if self.experts:
-            from lightning_merak.adapters.moe import pooled_refusal
+            from lightning_merak.adapters.moe import pooled_refusal  # lazy: torch, PEFT
 
             raise ValueError(f"adapter={self.name} adapter.experts=true: {pooled_refusal(self.name)}")
 
     def quantize(self, model: nn.Module) -> nn.Module:
-        from lightning_merak.adapters import quantize_model
+        from lightning_merak.adapters import quantize_model  # lazy: torch, PEFT
 
         return quantize_model(model, self.quantization.value, self.group_size, self.double_quant)
 
@@ -79,7 +82,7 @@ class LoRAAdapterConfig(QuantizedAdapterConfig):
             raise ValueError("adapter=lora: PEFT LoRA has no layer for the project INT4 base; use nf4/fp4/int8/none")
         parameters = None
         if self.experts:
-            from lightning_merak.adapters.moe import expert_target_parameters
+            from lightning_merak.adapters.moe import expert_target_parameters  # lazy: torch, PEFT
 
             if self.dropout:
                 raise ValueError("adapter.experts=true needs adapter.dropout=0: PEFT's LoRA on fused expert tensors "
@@ -88,12 +91,12 @@ class LoRAAdapterConfig(QuantizedAdapterConfig):
         config = LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
                             target_modules=list(self.target_modules), target_parameters=parameters)
         if parameters:
-            from lightning_merak.adapters.moe import add_moe_adapters
+            from lightning_merak.adapters.moe import add_moe_adapters  # lazy: torch, PEFT
 
             return add_moe_adapters(self.quantize(model), config)
         adapted = get_peft_model(self.quantize(model), config)
         if self.experts is False:
-            from lightning_merak.adapters.moe import expert_adapters
+            from lightning_merak.adapters.moe import expert_adapters  # lazy: torch, PEFT
 
             if expert_adapters(adapted):
                 raise ValueError("adapter.experts=false, but PEFT maps adapter.target_modules' gate_proj/up_proj/"
@@ -107,13 +110,13 @@ class QBaRAAdapterConfig(QuantizedAdapterConfig):
     """Q-BaRA: pooled inputs, expanded outputs, rank ``lambda * r``; as many parameters as LoRA-``r``."""
 
     name: str = "qbara"
-    lambda_in: int = 2
-    lambda_out: int = 2
+    lambda_in: int = option(2, "Input pooling factor.")
+    lambda_out: int = option(2, "Output expansion factor.")
 
     def apply(self, model: nn.Module) -> nn.Module:
         from peft import get_peft_model
 
-        from lightning_merak.adapters import QBaRAConfig
+        from lightning_merak.adapters import QBaRAConfig  # lazy: torch, PEFT
 
         self.refuse_experts()
         config = QBaRAConfig(
@@ -133,14 +136,15 @@ class QAHiRAAdapterConfig(QuantizedAdapterConfig):
 
     name: str = "qahira"
     quantization: Quantization = Quantization.int4
-    lambda_in: Optional[int] = None
-    lambda_out: int = 1
-    init: str = "zero"
+    lambda_in: Optional[int] = option(None, "Input pooling factor (`null`: `group_size`, so the merge is exact).")
+    lambda_out: int = option(1, "Output expansion factor.")
+    init: str = option("zero", "`zero` starts from the base model; `kaiming` reproduces the authors' code, which "
+                       "perturbs the model at step 0.")
 
     def apply(self, model: nn.Module) -> nn.Module:
         from peft import get_peft_model
 
-        from lightning_merak.adapters import QAHiRAConfig
+        from lightning_merak.adapters import QAHiRAConfig  # lazy: torch, PEFT
 
         self.refuse_experts()
         config = QAHiRAConfig(

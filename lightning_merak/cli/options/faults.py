@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from lightning_merak.util.fields import option
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -24,23 +26,20 @@ _NONFINITE = ("skip", "stop", "off")
 
 @dataclass
 class FaultsConfig:
-    """Fault handling of a ``merak-train`` run.
+    """Fault handling of a ``merak-train`` run (each field's description is its ``metadata["help"]``)."""
 
-    Attributes:
-        collective_timeout_s: a collective waiting this long with none completing ends every rank, naming
-            the collective, its group and the ranks that did not arrive (gloo alone waits 10-30 minutes,
-            silently); ``null`` turns the watchdog off.
-        dead_after_s: a rank whose heartbeat is silent this long is lost; survivors stop naming it and the
-            newest complete checkpoint (a rank on the same host is seen at once when its process ends).
-        nonfinite: ``skip`` a step whose loss or gradients are NaN/inf on any rank (on every rank, counted in
-            ``nonfinite/skipped``), ``stop`` the run naming the step, or ``off``.
-        max_skipped: with ``skip``, stop after this many skipped steps in a row (``null``: never).
-    """
-
-    collective_timeout_s: Optional[float] = 120.0
-    dead_after_s: float = 15.0
-    nonfinite: str = "skip"
-    max_skipped: Optional[int] = 10
+    collective_timeout_s: Optional[float] = option(
+        120.0, "A collective waiting this long with none completing ends every rank (`null`: no watchdog). The "
+        "message names the collective, its group and the ranks that did not arrive; gloo alone waits 10-30 "
+        "minutes, silently.")
+    dead_after_s: float = option(
+        15.0, "A rank whose heartbeat is silent this long is lost: survivors stop, naming it and the newest "
+        "complete checkpoint. A rank on the same host is seen at once when its process ends.")
+    nonfinite: str = option(
+        "skip", "On a NaN/inf loss or gradient on any rank: `skip` the step (on every rank, counted in "
+        "`nonfinite/skipped`), `stop` the run naming the step, or `off`.")
+    max_skipped: Optional[int] = option(
+        10, "With `skip`, stop after this many skipped steps in a row (`null`: never).")
 
     def __post_init__(self) -> None:
         if self.collective_timeout_s is not None and self.collective_timeout_s <= 0:
@@ -57,12 +56,12 @@ class FaultsConfig:
         """The watchdog and the non-finite guard, as configured."""
         callbacks: list[pl.Callback] = []
         if self.collective_timeout_s is not None:
-            from lightning_merak.callbacks.faults import FaultWatch
+            from lightning_merak.callbacks.faults import FaultWatch  # lazy: torch, Lightning
 
             callbacks.append(FaultWatch(self.collective_timeout_s, self.dead_after_s,
                                         timeout_option="faults.collective_timeout_s"))
         if self.nonfinite != "off":
-            from lightning_merak.callbacks.nonfinite import NonFiniteGuard
+            from lightning_merak.callbacks.nonfinite import NonFiniteGuard  # lazy: torch, Lightning
 
             callbacks.append(NonFiniteGuard(self.nonfinite, self.max_skipped))  # type: ignore[arg-type]
         return callbacks

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from lightning_merak.callbacks.delta.budget import parse_budget
 from lightning_merak.callbacks.delta.options import DeltaOptions
 from lightning_merak.cli.config import CallbackOptionConfig, register_option
+from lightning_merak.util.fields import option
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -25,7 +26,9 @@ __all__ = ["DeltaMemoryConfig", "register"]
 @dataclass
 class _Budget(CallbackOptionConfig):
     name: str = "delta"
-    budget: str = "auto"
+    budget: str = option(
+        "auto", "Bytes of saved activations (`2GiB`, `1073741824`), a fraction of the device's memory for the "
+        "whole process (`0.5`, `50%`), or `auto` (90%).")
 
 
 @dataclass
@@ -37,7 +40,7 @@ class DeltaMemoryConfig(DeltaOptions, _Budget):
         parse_budget(str(self.budget))
 
     def build_callbacks(self) -> list[pl.Callback]:
-        from lightning_merak.callbacks.delta.callback import DeltaMemory
+        from lightning_merak.callbacks.delta.callback import DeltaMemory  # lazy: torch, Lightning
 
         settings = {item.name: getattr(self, item.name) for item in fields(DeltaOptions)}
         return [DeltaMemory(budget=parse_budget(str(self.budget)), **settings)]

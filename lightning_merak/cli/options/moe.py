@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from lightning_merak.cli.config import MoEConfig, register_option
 from lightning_merak.cli.options.schema import schema_of
 from lightning_merak.plugins.moe.options import MoEOptions
+from lightning_merak.util.fields import option
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -30,11 +31,12 @@ __all__ = ["DeepSpeedMoEConfig", "ProphetMoEConfig", "ShadowingMoEConfig", "regi
 @dataclass
 class _SwapOptions(MoEConfig):
     name: str = "prophet"
-    ep_size: int = 2
-    num_experts: Optional[int] = None
-    k: Optional[int] = None
-    capacity_factor: float = 1.0
-    drop_tokens: bool = False
+    ep_size: int = option(2, "Expert-parallel ranks each layer's experts are spread over.")
+    num_experts: Optional[int] = option(None, "Experts per layer, checked against the model's (`null`: the model's).")
+    k: Optional[int] = option(None, "Experts each token is routed to, checked against the model's (`null`: the "
+                              "model's).")
+    capacity_factor: float = option(1.0, "An expert's capacity, as a multiple of an even share of the tokens.")
+    drop_tokens: bool = option(False, "Drop the tokens past an expert's capacity (never with `dispatch=dropless`).")
 
 
 _ProphetLayerOptions = schema_of(MoEOptions, "_ProphetLayerOptions", dispatch="dropless", placement="auto",
@@ -48,17 +50,19 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
     The layer's options are :class:`~lightning_merak.plugins.moe.options.MoEOptions`' fields, checked there.
     """
 
-    lancet_scope: str = "layer"
-    lancet_block_chunks: str = "auto"
-    aux_loss_coef: float = 0.01
-    log_every_n_steps: int = 10
-    experts: str = "deepspeed"
-    """``deepspeed``: swap sparse blocks for our DeepSpeed-MoE layer. ``merak_ep``: keep the family's own blocks
-    (any transformers-5 MoE family, any top-k) and run its experts expert-parallel over ``ep_size`` ranks
-    (:mod:`lightning_merak.plugins.moe.experts`). Of the layer options above only ``placement=pro_prophet|shadowing``
-    (replicas re-planned every ``replan_every`` batches under DDP; ``auto`` and ``none`` run none) and
-    ``lancet_scope=block`` apply (each decoder layer as ``lancet_block_chunks`` overlapped sub-batches, ``auto``
-    measured)."""
+    lancet_scope: str = option(
+        "layer", "`layer`: Lancet's chunks inside each MoE layer; `block`: attention + MoE of each decoder layer "
+        "as overlapped sub-batches.")
+    lancet_block_chunks: str = option("auto", "With `lancet_scope=block`: sub-batches per decoder layer, or `auto` "
+                                      "(measured).")
+    aux_loss_coef: float = option(0.01, "Weight of the router's load-balancing loss.")
+    log_every_n_steps: int = option(10, "Steps between logged expert-balance metrics.")
+    experts: str = option(
+        "deepspeed", "`deepspeed`: swap sparse blocks for our DeepSpeed-MoE layer; `merak_ep`: keep the family's "
+        "own blocks (any transformers-5 MoE family, any top-k) and run its experts expert-parallel over `ep_size` "
+        "ranks (`lightning_merak.plugins.moe.experts`). With `merak_ep`, of the layer options only "
+        "`placement=pro_prophet|shadowing` (replicas re-planned every `replan_every` batches under DDP; `auto` and "
+        "`none` run none) and `lancet_scope=block` apply.")
 
     def _block_chunks(self) -> int | str:
         if self.lancet_scope not in ("layer", "block"):
@@ -71,19 +75,21 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
         return int(self.lancet_block_chunks)
 
     def apply(self, model: nn.Module) -> nn.Module:
-        from lightning_merak.plugins.moe.block_replacement import swap_sparse_moe_blocks
-        from lightning_merak.plugins.moe.lancet_block import lancet_overlap
-        from lightning_merak.util.model_outputs import no_cache
+        from lightning_merak.plugins.moe.block_replacement import swap_sparse_moe_blocks  # lazy: torch, DeepSpeed
+        from lightning_merak.plugins.moe.lancet_block import lancet_overlap  # lazy: torch, DeepSpeed
+        from lightning_merak.util.model_outputs import no_cache  # lazy: torch
 
         if self.experts == "merak_ep":
-            from lightning_merak.plugins.moe.experts import family_support
+            from lightning_merak.plugins.moe.experts import family_support  # lazy: torch, transformers
 
             supported, reason = family_support(model)
             if not supported:
                 raise ValueError(f"moe.experts=merak_ep refused: {reason}; use moe.experts=deepspeed or moe=none")
             block_chunks = self._block_chunks()
             if self.lancet_scope == "block":
-                from lightning_merak.plugins.moe.experts.lancet import expert_parallel_lancet
+                from lightning_merak.plugins.moe.experts.lancet import (  # lazy: torch, transformers
+                    expert_parallel_lancet,
+                )
 
                 no_cache(model)
                 expert_parallel_lancet(model, block_chunks)
@@ -114,10 +120,10 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
         return model
 
     def build_callbacks(self) -> list[pl.Callback]:
-        from lightning_merak.callbacks.moe.placement import MoEPlacementCallback
+        from lightning_merak.callbacks.moe.placement import MoEPlacementCallback  # lazy: Lightning, DeepSpeed
 
         if self.experts == "merak_ep":
-            from lightning_merak.callbacks.moe.experts import ExpertParallelCallback
+            from lightning_merak.callbacks.moe.experts import ExpertParallelCallback  # lazy: torch, Lightning
 
             replicas = self.placement if self.placement in ("pro_prophet", "shadowing") else "none"
             return [ExpertParallelCallback(ep_size=self.ep_size, log_every_n_steps=self.log_every_n_steps,

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_merak.cli.config import register_option
+from lightning_merak.cli.config import OPTION_NAME_HELP, register_option
+from lightning_merak.util.fields import option
 
 __all__ = ["NoProfilerConfig", "TraceProfilerConfig", "register"]
 
@@ -21,7 +22,7 @@ __all__ = ["NoProfilerConfig", "TraceProfilerConfig", "register"]
 class NoProfilerConfig:
     """No profiler: nothing is wrapped or recorded."""
 
-    name: str = "none"
+    name: str = option("none", OPTION_NAME_HELP)
 
     def build(self, output_dir: Path) -> Optional[Any]:
         return None
@@ -32,11 +33,13 @@ class TraceProfilerConfig(NoProfilerConfig):
     """Trace ``steps`` training steps after ``skip_steps`` on every rank, then replay them."""
 
     name: str = "trace"
-    skip_steps: int = 2
-    steps: int = 3
-    block_spans: bool = True
-    filename: str = "merak_trace"
-    untraced_steps: int = 8
+    skip_steps: int = option(2, "Warm-up steps before tracing.")
+    steps: int = option(3, "Training steps traced on every rank.")
+    block_spans: bool = option(True, "Time each block of the model's largest `ModuleList` too.")
+    filename: str = option("merak_trace", "Base name of the trace files in the output directory (`.json`, "
+                           "`.perfetto.json`).")
+    untraced_steps: int = option(
+        8, "Steps timed without tracing first, which a `planner_calibration` from the trace anchors on.")
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.skip_steps < 0 or self.untraced_steps < 0:
@@ -44,7 +47,7 @@ class TraceProfilerConfig(NoProfilerConfig):
                              f"steps={self.steps}, skip_steps={self.skip_steps}, untraced_steps={self.untraced_steps}")
 
     def build(self, output_dir: Path) -> Any:
-        from lightning_merak.callbacks.profiler import MerakTraceProfiler
+        from lightning_merak.callbacks.profiler import MerakTraceProfiler  # lazy: torch, Lightning
 
         return MerakTraceProfiler(dirpath=output_dir, filename=self.filename, skip_steps=self.skip_steps,
                                   steps=self.steps, block_spans=self.block_spans, untraced_steps=self.untraced_steps)

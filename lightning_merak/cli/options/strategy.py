@@ -3,8 +3,8 @@
 :class:`~lightning_merak.strategies.merak3d.options.Merak3DOptions` (plain Python, no torch) holds every argument of
 :class:`~lightning_merak.strategies.merak3d.Merak3DStrategy` with its default;
 :class:`~lightning_merak.strategies.merak3d.arguments.Merak3DArguments` extends it with the checks,
-and the Hydra schema :class:`Merak3DStrategyConfig` takes its fields (degrees, which may be
-``"auto"``, become ``Any`` there).
+and the Hydra schema :class:`Merak3DStrategyConfig` takes its fields with their descriptions (degrees, which may be
+``"auto"``, become ``Any`` there). ``conf/strategy/merak3d.yaml`` therefore names no key.
 """
 
 from __future__ import annotations

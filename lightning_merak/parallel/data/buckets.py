@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from lightning_merak.distributed.dtensors import local_tensor
 from lightning_merak.distributed.gradient_buffer import Bucket, GradientBuffer, ShardSlice
 from lightning_merak.distributed.gradient_norm import ShardedGradients
+from lightning_merak.parallel.data.gradients import averaged_parameters
 from lightning_merak.parallel.data.reduce_scatter import ReduceScatterQueue
 from lightning_merak.parallel.data.sharding_checks import (
     SHARDED_MODES,
@@ -518,8 +519,6 @@ def data_parallel_gradients(module: nn.Module, built: Any, groups: LayoutGroups,
     layout = groups.layout
     if layout.data_parallel == 1 or layout.data_parallel_sharding == "full":
         return None
-    from lightning_merak.parallel.data.gradients import averaged_parameters
-
     late = [*built.tensor_partial, *(param for _, param, _ in built.tied)]
     shards = layout.data_parallel_shard_size or layout.data_parallel
     params = averaged_parameters(module)
@@ -552,8 +551,6 @@ def refreshed(current: DataParallelGradients, module: nn.Module, built: Any, gro
     optimizers unsharded (the caller shards them again). Both change only before the first step completes: a
     callback names the parameters it reduces itself in its first ``on_after_backward``, and the first backward
     shows the order its gradients are finished in (:attr:`DataParallelGradients.wants_ready_order`)."""
-    from lightning_merak.parallel.data.gradients import averaged_parameters
-
     params = averaged_parameters(module)
     if current.holds(params) and not current.wants_ready_order:
         return current

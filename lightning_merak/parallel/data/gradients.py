@@ -11,7 +11,7 @@ parameter over a group (EmbRace's tables) do not clip themselves: they register 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -23,11 +23,16 @@ from lightning_merak.distributed.dtensors import local_tensor
 from lightning_merak.distributed.gradient_norm import ShardedGradients, clip_coefficient, scale_gradients, squared_norm
 from lightning_merak.parallel.layout import LayoutGroups
 
-if TYPE_CHECKING:
-    from lightning_merak.parallel.data.buckets import DataParallelGradients
+__all__ = ["ReplicaReduction", "TiedParameter", "average_gradients", "averaged_parameters", "clip_by_total_norm",
+           "replicated_parameters", "scale_gradients", "squared_norm", "synchronize_gradients"]
 
-__all__ = ["TiedParameter", "average_gradients", "averaged_parameters", "clip_by_total_norm", "replicated_parameters",
-           "scale_gradients", "squared_norm", "synchronize_gradients"]
+
+class ReplicaReduction(Protocol):
+    """The replicas' gradient reduction :func:`synchronize_gradients` finishes: a
+    :class:`~.buckets.DataParallelGradients` (which builds on this module's parameter lists)."""
+
+    def finish(self) -> None:
+        """Average the gradients over the replicas, waiting for the reductions started during the backward."""
 
 
 class TiedParameter(NamedTuple):
@@ -65,7 +70,7 @@ def replicated_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 def synchronize_gradients(tensor_partial: list[nn.Parameter], tied: list[TiedParameter], groups: LayoutGroups,
-                          data_parallel: Optional[DataParallelGradients]) -> None:
+                          data_parallel: Optional[ReplicaReduction]) -> None:
     """Sum the gradients of parameters that saw part of the heads or tokens over the tensor-parallel
     group, sum tied parameters between first and last stage, then average over the replicas with
     ``data_parallel`` (its buckets, some already reduced during the backward)."""

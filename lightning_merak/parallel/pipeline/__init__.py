@@ -1,10 +1,10 @@
 """Pipeline parallelism: a pure core (exported here) and the runtime merak3d builds on it.
 
 Pure core, plain Python over per-block costs (no process groups, no Lightning): ``costs``,
-``partition``, ``recompute``, ``simulate``, ``timeline`` — the partitioners and the schedule
-simulator (spec sections 1.2-1.5). Runtime, imported by merak3d directly: ``trace`` and
-``meta_trace`` (recording one forward), ``stage`` (stage modules cut from the model) and
-``schedules`` (torch.distributed.pipelining stages and schedules).
+``partition``, ``recompute``, ``simulate``, ``timeline`` (imported on first use: matplotlib) — the
+partitioners and the schedule simulator (spec sections 1.2-1.5). Runtime, imported by merak3d
+directly: ``recording``, ``trace`` and ``meta_trace`` (recording one forward), ``stage`` (stage
+modules cut from the model) and ``schedules`` (torch.distributed.pipelining stages and schedules).
 """
 
 from lightning_merak.parallel.pipeline.costs import DEFAULT_BACKWARD_RATIO, BlockCost, Partition, build_partition
@@ -28,7 +28,7 @@ from lightning_merak.parallel.pipeline.simulate import (
     simulate_schedule,
     stage_op_order,
 )
-from lightning_merak.parallel.pipeline.timeline import plot_timeline
+from lightning_merak.util.lazy import lazy_attributes
 
 __all__ = [
     "CARRY_FAN_OUT_THRESHOLD",
@@ -54,3 +54,5 @@ __all__ = [
     "stage_aware_recompute_ratios",
     "stage_op_order",
 ]
+
+__getattr__ = lazy_attributes(__name__, {"plot_timeline": ".timeline"})  # matplotlib, on first use

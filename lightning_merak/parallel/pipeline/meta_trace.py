@@ -35,16 +35,16 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_merak.parallel.pipeline.costs import BlockCost
-from lightning_merak.parallel.pipeline.trace import (
+from lightning_merak.parallel.pipeline.recording import (
     ModelTrace,
     TraceError,
-    _block_signatures,
-    _head_steps,
-    _measure,
-    _param_bytes,
-    _prefix_output,
-    _record,
+    block_signatures,
     find_trunk,
+    head_steps,
+    measure,
+    param_bytes,
+    prefix_output,
+    record_forward,
     saved_bytes,
 )
 from lightning_merak.util.module_mode import hooks_removed_after
@@ -254,7 +254,7 @@ def trace_meta_model(model: nn.Module, sample_inputs: torch.Tensor,
         block.forward = functools.partial(_on_meta, block.forward)
     try:
         with hooks_removed_after(handles), table_rows, _MetaGroupedMatmul():
-            recording = _record(work, call_model, sample_inputs, trunk)
+            recording = record_forward(work, call_model, sample_inputs, trunk)
     except RuntimeError as error:
         if "meta" not in str(error):
             raise
@@ -270,12 +270,12 @@ def trace_meta_model(model: nn.Module, sample_inputs: torch.Tensor,
     hidden_in = block_calls[0][0][0] if block_calls[0][0] else None
     if not isinstance(hidden_in, torch.Tensor) or hidden_in.is_meta:
         raise TraceError(f"blocks of {trunk_path} must take the hidden state as their first positional argument")
-    signatures, side = _block_signatures(trunk_path, block_calls)
+    signatures, side = block_signatures(trunk_path, block_calls)
     output_index = _output_index(block_calls, trunk_path)
     _check_chain(block_calls, output_index, side, trunk_path)
     last_output = block_calls[-1][2]
     last_hidden = last_output if output_index is None else last_output[output_index]
-    head = _head_steps(recording["after_trunk"], last_hidden, recording["logits"])
+    head = head_steps(recording["after_trunk"], last_hidden, recording["logits"])
     if any(isinstance(leaf, torch.Tensor) and leaf.is_meta for step in head for leaf in step.leaves):
         raise TraceError("the head uses a tensor computed from the last block's output outside a module call; "
                          "build the model without the meta device (no empty_init) to pipeline it")
@@ -337,7 +337,7 @@ def _profile_prefix(model: nn.Module, work: nn.Module, trace: ModelTrace, call_m
     work_trunk = work.get_submodule(trace.trunk_path)
     params = [p for p in trace.outside_parameters(work)[0] if not p.is_meta] + table_rows.weights()
     with table_rows:
-        fwd, bwd, saved = _measure(lambda: _prefix_output(work, work_trunk, call_model, sample_inputs), params,
+        fwd, bwd, saved = measure(lambda: prefix_output(work, work_trunk, call_model, sample_inputs), params,
                                    repeats)
     bwd += _dense_gradient_s(table_rows.missing_bytes(), trace.sample_hidden.device, repeats)
     return BlockCost("prefix", fwd, bwd, sum(p.numel() * p.element_size() for p in prefix_params),
@@ -383,17 +383,17 @@ def _profile_rest(model: nn.Module, trace: ModelTrace, repeats: int,
         if kind not in figures:
             real = materialized_copy(block, f"{trace.trunk_path}.{index}", materialize_with)
             block_input = hidden.detach().clone().requires_grad_(True)
-            figures[kind] = _measure(lambda: trace.hidden_of(real(block_input, *args, **kwargs)),
+            figures[kind] = measure(lambda: trace.hidden_of(real(block_input, *args, **kwargs)),
                                      list(real.parameters()), repeats)
             if block_output is None:
                 with torch.no_grad():
                     block_output = trace.hidden_of(real(hidden, *args, **kwargs))
             del real
         fwd, bwd, saved = figures[kind]
-        costs.append(BlockCost(f"{trace.trunk_path}.{index}", fwd, bwd, _param_bytes([block], seen), output_bytes,
+        costs.append(BlockCost(f"{trace.trunk_path}.{index}", fwd, bwd, param_bytes([block], seen), output_bytes,
                                saved))
     fwd, bwd, saved = _profile_head(model, trace, block_output, repeats, materialize_with)
-    costs.append(BlockCost("suffix", fwd, bwd, _param_bytes([model.get_submodule(p) for p in trace.suffix_paths], seen),
+    costs.append(BlockCost("suffix", fwd, bwd, param_bytes([model.get_submodule(p) for p in trace.suffix_paths], seen),
                            block_output.numel() * block_output.element_size(), saved))
     return costs
 
@@ -454,7 +454,7 @@ def _profile_head(model: nn.Module, trace: ModelTrace, hidden: torch.Tensor, rep
     if sliced is None:
         head_model, params = _sliced_head(model, trace, materialize_with, None)
         block_output = hidden.detach().clone().requires_grad_(True)
-        return _measure(lambda: trace.run_head(head_model, block_output), params, repeats)
+        return measure(lambda: trace.run_head(head_model, block_output), params, repeats)
     path, rows, total = sliced
     first = next(index for index, step in enumerate(trace.head) if step.module == path)
     pre, post, values = _time_head_slice(model, trace, hidden, repeats, materialize_with, (path, rows), first)
@@ -468,7 +468,7 @@ def _profile_head(model: nn.Module, trace: ModelTrace, hidden: torch.Tensor, rep
 def _time_head_slice(model: nn.Module, trace: ModelTrace, hidden: torch.Tensor, repeats: int,
                      materialize_with: Callable[[nn.Module], Materialize], rows: tuple[str, int],
                      first: int) -> tuple[tuple[float, float, int], tuple[float, float, int], list[torch.Tensor]]:
-    """``_measure`` figures of the head's steps before its LM head (``trace.head[:first]``) and of the rest on
+    """``measure`` figures of the head's steps before its LM head (``trace.head[:first]``) and of the rest on
     ``rows`` of the LM head, and the values the first steps compute (inputs of the rest)."""
     before, after = trace.head[:first], trace.head[first:]
     head_model, params = _sliced_head(model, trace, materialize_with, rows)
@@ -477,5 +477,5 @@ def _time_head_slice(model: nn.Module, trace: ModelTrace, hidden: torch.Tensor, 
         for step in before:
             values.append(step.run(head_model, values))
     values = [value.detach().requires_grad_(value.is_floating_point()) for value in values]
-    pre = _measure(lambda: _replay(before, head_model, values[:1]), params, repeats) if before else (0.0, 0.0, 0)
-    return pre, _measure(lambda: _replay(after, head_model, values), params, repeats), values
+    pre = measure(lambda: _replay(before, head_model, values[:1]), params, repeats) if before else (0.0, 0.0, 0)
+    return pre, measure(lambda: _replay(after, head_model, values), params, repeats), values

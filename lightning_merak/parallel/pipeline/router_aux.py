@@ -107,7 +107,7 @@ def router_aux_of(model: nn.Module, trunk: nn.ModuleList) -> RouterAux:
     the reason where something it needs is missing."""
     router_class, index = _recorder_of(model)
     name = type(model).__name__
-    modeling = sys.modules.get(type(model).__module__)
+    modeling = sys.modules.get(type(model).__module__)  # the model class's own module (transformers' modeling_*)
     loss_function = getattr(modeling, "load_balancing_loss_func", None)
     fix = "set output_router_logits=False or pipeline_parallel=1"
     if not callable(loss_function):

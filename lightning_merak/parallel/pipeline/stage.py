@@ -32,12 +32,12 @@ from lightning_merak.parallel.pipeline.router_aux import (
 )
 from lightning_merak.parallel.pipeline.trace import ModelTrace, TraceError
 
-__all__ = ["PipelineStageModule", "RankStages", "build_stage_module", "tied_parameter_names"]
+__all__ = ["PipelineStageModule", "RankStages", "RemovedModule", "build_stage_module", "tied_parameter_names"]
 
 _NET_PREFIX = "net."
 
 
-class _RemovedModule(nn.Module):
+class RemovedModule(nn.Module):
     """Stands where a module lives on another pipeline stage."""
 
     def __init__(self, path: str) -> None:
@@ -117,7 +117,7 @@ class PipelineStageModule(nn.Module):
         model.set_submodule(
             trace.trunk_path,
             nn.ModuleList(
-                trunk[i] if i in self.block_indices else _RemovedModule(f"{trace.trunk_path}.{i}")
+                trunk[i] if i in self.block_indices else RemovedModule(f"{trace.trunk_path}.{i}")
                 for i in range(num_blocks)
             ),
         )
@@ -125,7 +125,7 @@ class PipelineStageModule(nn.Module):
             self._install_exit(model.get_submodule(trace.trunk_path))
         if not self.is_last:
             for path in trace.suffix_paths:
-                model.set_submodule(path, _RemovedModule(path))
+                model.set_submodule(path, RemovedModule(path))
         if not self.is_first:
             self._remove_prefix(model)
         self.net = model
@@ -172,7 +172,7 @@ class PipelineStageModule(nn.Module):
             if any(name == k or name.startswith(k + ".") or k.startswith(name + ".") for k in keep):
                 continue
             if next(child.parameters(), None) is not None or next(child.buffers(), None) is not None:
-                model.set_submodule(name, _RemovedModule(name))
+                model.set_submodule(name, RemovedModule(name))
                 removed.append(name)
 
     def original_name(self, stage_name: str) -> str:

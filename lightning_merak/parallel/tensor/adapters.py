@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from lightning_merak.distributed.rank_streams import shared_stream_state
+from lightning_merak.parallel.pipeline.recording import TraceError, find_trunk
 from lightning_merak.parallel.tensor.layers import (
     ColumnGroupInput,
     ColumnParallelLinear,
@@ -63,7 +64,7 @@ def is_tuner_layer(module: nn.Module) -> bool:
 
     PEFT is looked up only if already imported: without it no model holds tuner layers.
     """
-    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    tuners = sys.modules.get("peft.tuners.tuners_utils")  # not imported: PEFT is heavy and optional
     return tuners is not None and isinstance(module, tuners.BaseTunerLayer)
 
 
@@ -98,8 +99,6 @@ def check_adapter_split(model: nn.Module, tensor_parallel: int, sequence_paralle
     """
     if tensor_parallel <= 1 or not getattr(model, "peft_config", None):
         return
-    from lightning_merak.parallel.pipeline.trace import TraceError, find_trunk
-
     try:
         trunk_path: Optional[str] = find_trunk(model)[0]
     except TraceError:
@@ -112,7 +111,7 @@ def check_adapter_split(model: nn.Module, tensor_parallel: int, sequence_paralle
         raise ValueError(f"tensor_parallel={tensor_parallel}: adapters on a {quantization} base are not split yet "
                          "(each shard would be quantised after the split, its width a multiple of the quantisation "
                          f"block); use quantization=none, or {_FIX}")
-    from lightning_merak.adapters.moe import expert_adapters
+    from lightning_merak.adapters.moe import expert_adapters  # lazy: PEFT (a model with adapters imported it)
 
     # tensor parallelism splits attention only: fused experts and their factors stay whole on every tp rank
     on_experts = {id(adapter.wrapper) for adapter in expert_adapters(model)}

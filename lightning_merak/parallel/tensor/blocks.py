@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
@@ -82,7 +83,9 @@ _HEAD_COUNT_ATTRIBUTES = _QUERY_HEADS + _KEY_VALUE_HEADS
 
 
 def _is_conv1d(module: nn.Module) -> bool:
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+    """Whether ``module`` is transformers' GPT-2 ``Conv1D`` (a linear layer whose weight is stored ``(in, out)``)."""
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")  # probed: a model holding one imported it
+    return pytorch_utils is not None and isinstance(module, pytorch_utils.Conv1D)
 
 
 def _features(module: nn.Module) -> tuple[int, int]:

@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_merak.distributed.collectives import all_gather_in_turn, all_reduce_in_turn, reduce_scatter_in_turn
+from lightning_merak.parallel.pipeline.stage import RemovedModule
 from lightning_merak.parallel.tensor.sequence import SEQUENCE_DIM
 
 __all__ = ["LocalRows", "VocabParallelEmbedding", "VocabParallelLMHead", "check_vocabulary_split",
@@ -292,7 +293,7 @@ def vocabulary_modules(model: nn.Module) -> tuple[Optional[str], Optional[str], 
         splits = {key: False for key in splits}  # a tied pair splits together or not at all
     paths = {key: _path_of(model, module) if splits[key] else None for key, module in found.items()}
     whole = [type(module).__name__ for key, module in found.items()
-             if module is not None and not splits[key] and type(module).__name__ != "_RemovedModule"]
+             if module is not None and not splits[key] and not isinstance(module, RemovedModule)]
     return paths["embedding"], paths["head"], whole
 
 

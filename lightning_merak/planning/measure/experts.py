@@ -22,6 +22,9 @@ from torch import nn
 from lightning_merak.parallel.pipeline.trace import find_trunk
 from lightning_merak.planning.measure.layout import consecutive_group
 from lightning_merak.planning.planner import CollectiveCost, ExpertLayers, fit_collective_cost
+from lightning_merak.plugins.moe.experts.enable import experts_modules
+from lightning_merak.plugins.moe.experts.grouped import EXPERT_TENSORS
+from lightning_merak.plugins.moe.experts.parallel import GROUPED_IMPLEMENTATION, register
 from lightning_merak.util.timing import median_call_time
 
 __all__ = ["expert_layers_of", "experts_per_layer", "grouped_experts", "measure_all_to_all"]
@@ -30,8 +33,6 @@ __all__ = ["expert_layers_of", "experts_per_layer", "grouped_experts", "measure_
 def _moe_blocks(model: nn.Module) -> tuple[list[int], int, int]:
     """``(trunk positions of the MoE blocks, experts per layer, one layer's expert bytes)`` of ``model`` (whole, its
     experts not yet cut); refused where the planner cannot price the layers alike."""
-    from lightning_merak.plugins.moe.experts import EXPERT_TENSORS, experts_modules
-
     _, blocks = find_trunk(model)
     positions, layer_bytes, counts = [], set(), set()
     for index, block in enumerate(blocks):
@@ -77,9 +78,6 @@ def expert_layers_of(model: nn.Module, tokens_per_sample: int, hidden_bytes_per_
 def grouped_experts(model: nn.Module) -> Iterator[None]:
     """Run ``model``'s registry experts with the single-process grouped core (``merak_grouped``) inside, then
     restore each module's own implementation."""
-    from lightning_merak.plugins.moe.experts import experts_modules, register
-    from lightning_merak.plugins.moe.experts.parallel import GROUPED_IMPLEMENTATION
-
     register()
     configs = {id(experts.config): experts.config for _, experts in experts_modules(model)}
     before = {key: config._experts_implementation for key, config in configs.items()}

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from lightning_merak.distributed.sub_batches import SubBatchForward
 from lightning_merak.parallel.data.gradients import average_gradients, scale_gradients, squared_norm
 from lightning_merak.parallel.pipeline.meta_trace import materialized_copy
+from lightning_merak.parallel.pipeline.schedules import pipeline_stage_class
 from lightning_merak.parallel.pipeline.trace import ModelTrace, trace_model
 from lightning_merak.parallel.tensor.blocks import (
     TensorParallelPlan,
@@ -472,8 +473,6 @@ def _pipeline_runtime(device: torch.device, repeats: int, p2p: CollectiveCost) -
     per-step times. Other ranks return zeros; the caller takes rank 0's figures.
     """
     from torch.distributed.pipelining import Schedule1F1B
-
-    from lightning_merak.parallel.pipeline.schedules import pipeline_stage_class
 
     rank = dist.get_rank()
     group = dist.new_group([0, 1])

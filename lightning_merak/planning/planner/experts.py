@@ -13,13 +13,19 @@ reduction and are summed over the ``dp/ep`` ranks holding the same experts after
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from lightning_merak.planning.planner.profile import CollectiveCost
+from typing import Protocol
 
 __all__ = ["ExpertLayers"]
 
 _COUNT_BYTES = 8
 """One route count (int64) of the all-gathered ``[ep, E]`` count matrix."""
+
+
+class Link(Protocol):
+    """The link an exchange crosses: a :class:`~.profile.CollectiveCost` (whose ``ModelProfile`` holds these layers)."""
+
+    def send_s(self, nbytes: float) -> float:
+        """Seconds to send ``nbytes`` point to point."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,7 @@ class ExpertLayers:
         tokens = samples * self.tokens_per_sample
         return tokens * self.top_k * self.hidden_size * self.dtype_bytes * (ep - 1) / ep
 
-    def layer_exchange_s(self, samples: int, ep: int, link: CollectiveCost) -> tuple[float, float]:
+    def layer_exchange_s(self, samples: int, ep: int, link: Link) -> tuple[float, float]:
         """``(forward_s, backward_s)`` of one MoE layer's exchanges for ``samples`` samples over ``link``: the
         counts all-gather plus dispatch and combine forward, their two gradients backward."""
         if ep == 1:

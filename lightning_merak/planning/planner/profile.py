@@ -10,12 +10,10 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence, TypeVar
+from typing import Any, Sequence, TypeVar
 
 from lightning_merak.parallel.pipeline import SCHEDULES, simulate_schedule
-
-if TYPE_CHECKING:
-    from lightning_merak.planning.planner.experts import ExpertLayers
+from lightning_merak.planning.planner.experts import ExpertLayers
 
 DATA_PARALLEL_SHARDING = ("none", "optimizer", "gradients", "full")
 """What the data-parallel ranks may split, least sharded first (the order ties between equally fast layouts take):

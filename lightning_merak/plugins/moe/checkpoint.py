@@ -19,14 +19,16 @@ presents each rank's ``[E/ep, ...]`` as its slice of the ``[E, ...]`` whole.
 from __future__ import annotations
 
 import re
-import sys
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_merak.plugins.moe.experts.grouped import EXPERT_TENSORS
+from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
 from lightning_merak.plugins.moe.groups import carve_expert_groups
+from lightning_merak.protocols.experts import ExpertParallelLayer
 
 __all__ = ["EXPERTS_KEY", "ExpertNumbering", "FusedExpertSlices", "expert_indices", "expert_param_positions",
            "gather_expert_state", "select_local_experts", "split_expert_key"]
@@ -115,11 +117,9 @@ class ExpertNumbering:
     @classmethod
     def of(cls, model: nn.Module, data_parallel_ranks: DataParallelRanks) -> ExpertNumbering:
         """The numbering of ``model``'s expert-parallel layers (read on the unsplit model, before pruning)."""
-        # no MoE layer exists unless its module was imported; importing it here would pull in DeepSpeed
-        layer = sys.modules.get(f"{__package__}.layer")
-        layers = {} if layer is None else {
-            f"{name}.{EXPERTS_KEY}": (module.ep_size, module.num_local_experts)
-            for name, module in model.named_modules() if isinstance(module, layer.MoE) and module.ep_size > 1
+        layers = {
+            f"{name}.{module.local_experts_key}": (module.ep_size, module.num_local_experts)
+            for name, module in model.named_modules() if isinstance(module, ExpertParallelLayer) and module.ep_size > 1
         }
         return cls(layers, data_parallel_ranks)
 
@@ -161,17 +161,12 @@ class FusedExpertSlices:
     @classmethod
     def of(cls, model: nn.Module) -> FusedExpertSlices:
         """The fused expert tensors of ``model`` (unsplit, experts already cut by ``enable_expert_parallel``)."""
-        # nothing is expert parallel unless merak_ep was imported; importing it here would pull in transformers
-        parallel = sys.modules.get(f"{__package__}.experts.parallel")
-        grouped = sys.modules.get(f"{__package__}.experts.grouped")
-        if parallel is None or grouped is None:
-            return cls({})
         shards = {}
         for name, module in model.named_modules():
-            shard = getattr(module, parallel.SHARD_ATTRIBUTE, None)
+            shard = getattr(module, SHARD_ATTRIBUTE, None)
             if shard is None:
                 continue
-            for tensor in grouped.EXPERT_TENSORS:
+            for tensor in EXPERT_TENSORS:
                 if isinstance(getattr(module, tensor, None), torch.Tensor):
                     shards[f"{name}.{tensor}" if name else tensor] = shard
         return cls(shards)

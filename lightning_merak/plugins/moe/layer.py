@@ -45,10 +45,10 @@ from torch import nn
 from lightning_merak.distributed.sub_batches import mark_sub_batch_share
 from lightning_merak.distributed.turns import in_sub_batch_region, meet_in_turn
 from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, expert_indices, select_local_experts
-from lightning_merak.plugins.moe.core.dispatch import ExchangeLayout, decode, encode
+from lightning_merak.plugins.moe.core.dispatch import ExchangeLayout, decode, encode, routes_from_dense
 from lightning_merak.plugins.moe.core.joint_gate import compact_routes, first_choice_fraction, sub_batch_gates
 from lightning_merak.plugins.moe.core.lancet import choose_chunks, chunk_times
-from lightning_merak.plugins.moe.core.placement import Padding, PlacementPlan, rank_loads
+from lightning_merak.plugins.moe.core.placement import Padding, PlacementPlan, computed_max_over_mean
 from lightning_merak.plugins.moe.core.placement_cost_model import CostModel
 from lightning_merak.plugins.moe.core.plan_check import Candidate, PlanCheck
 from lightning_merak.plugins.moe.core.shadowing import plan_shadowing
@@ -81,16 +81,6 @@ _CURRENT_TAG_OFFSET = 1 << 15  # current-step Trans: never paired with a prefetc
 _KINDS_OF = {"pro_prophet": ("none", "dropless", "pro_prophet"), "auto": PLAN_KINDS}
 
 
-def _routes_from_dense(combine_weights: torch.Tensor, dispatch_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
-    """DeepSpeed ≤0.19.3 gates return dense ``[S, E, C]`` tensors; turn them into ``[k, S]`` routes."""
-    num_tokens, _, capacity = dispatch_mask.shape
-    flags, slots = dispatch_mask.reshape(num_tokens, -1).float().topk(k, dim=1)
-    kept = flags > 0
-    indices = torch.where(kept, slots // capacity, torch.full_like(slots, -1))
-    gates = combine_weights.reshape(num_tokens, -1).gather(1, slots) * kept
-    return indices.t(), (slots % capacity).t(), gates.t(), torch.tensor(capacity)
-
-
 @dataclass
 class _JointCall:
     """What the sub-batches of one layer call share: decided once, from all their tokens."""
@@ -119,13 +109,6 @@ def _candidate(choice: StepChoice, max_over_mean: float = 1.0) -> Candidate:
     """What the online check sees of a choice: a chunked plan is a variant of the same plan unchunked."""
     base = f"{choice.kind}/{choice.timing}" if choice.chunks is not None and choice.chunks > 1 else None
     return Candidate(choice.arm, choice.predicted_s, base, max_over_mean, bool(choice.plan.replications))
-
-
-def _max_over_mean(counts: list[list[int]], plan: PlacementPlan, experts_per_rank: int) -> float:
-    """The routed rows each rank computes under ``plan`` (padding aside), max over mean."""
-    computed = rank_loads(counts, plan, Padding("dropless"), experts_per_rank).computed
-    mean = sum(computed) / len(computed)
-    return max(computed) / mean if mean > 0 else 1.0
 
 
 class PlacementMOELayer(MOELayer):
@@ -198,7 +181,7 @@ class PlacementMOELayer(MOELayer):
                 tokens, used_token, sparse_routes=True, use_tutel=False)
             return l_aux, capacity, indices, locations, gates, counts
         l_aux, combine_weights, dispatch_mask, counts = self.gate(tokens, used_token, use_tutel=False)
-        indices, locations, gates, capacity = _routes_from_dense(combine_weights, dispatch_mask, self.gate.k)
+        indices, locations, gates, capacity = routes_from_dense(combine_weights, dispatch_mask, self.gate.k)
         return l_aux, capacity, indices, locations, gates, counts
 
     def _route(self, logits: torch.Tensor, used_token: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -218,7 +201,7 @@ class PlacementMOELayer(MOELayer):
             _, capacity, _, indices, locations, _, counts = routed
         else:
             _, combine_weights, dispatch_mask, counts = routed
-            indices, locations, _, capacity = _routes_from_dense(combine_weights, dispatch_mask, gate.k)
+            indices, locations, _, capacity = routes_from_dense(combine_weights, dispatch_mask, gate.k)
         return capacity, indices, locations, counts
 
     def _gather_counts(self, local: torch.Tensor) -> list[list[int]]:
@@ -312,7 +295,7 @@ class PlacementMOELayer(MOELayer):
         candidates = step_candidates(counts, self.cost_model, padding, self._settings(), prefetched=offered,
                                      current=current)
         arms = [variant for candidate in candidates for variant in self._chunk_variants(counts, candidate)]
-        balance = {id(candidate.plan): _max_over_mean(counts, candidate.plan, self.num_local_experts)
+        balance = {id(candidate.plan): computed_max_over_mean(counts, candidate.plan, self.num_local_experts)
                    for candidate in candidates}
         offers = [_candidate(arm, balance[id(arm.plan)]) for arm in arms]
         picked = self.plan_check.select(offers)
@@ -527,6 +510,8 @@ class MoE(DeepSpeedMoE):
     layer i+1's transfers overlap layer i; ``data_parallel_groups`` to carve EP groups from a
     3D layout's data-parallel ranks.
     """
+
+    local_experts_key = EXPERTS_KEY  # makes it a protocols.experts.ExpertParallelLayer (found without DeepSpeed)
 
     def __init__(
         self,

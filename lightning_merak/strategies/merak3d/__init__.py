@@ -28,37 +28,26 @@ One module per concern, composed by :mod:`.strategy` (the hooks Lightning calls)
 * :mod:`.checkpoint` — sharded checkpoints under the unsplit model's names.
 
 Importing a piece (the gradient primitives, say) does not import the strategy: its names
-here are loaded on first use.
+here are loaded on first use, so importing the package (for :mod:`.options`, say) imports no torch.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from lightning_merak.parallel.data.gradients import average_gradients, scale_gradients, squared_norm
+from lightning_merak.util.lazy import lazy_attributes
 
 if TYPE_CHECKING:
+    from lightning_merak.parallel.data.gradients import average_gradients, scale_gradients, squared_norm
     from lightning_merak.strategies.merak3d.strategy import Merak3DStrategy
 
 __all__ = ["Merak3DStrategy", "average_gradients", "scale_gradients", "squared_norm"]
 
-STEP_CHECK_WARMUP, STEP_CHECK_BATCHES = 2, 5
-"""A planned run compares the median of batches 3–7 with the prediction (the first ones build and warm up)."""
+_GRADIENTS = "lightning_merak.parallel.data.gradients"
 
-_LAZY = {
-    "Merak3DStrategy": ("strategy", "Merak3DStrategy"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module_name, attribute = _LAZY[name]
-    value = getattr(importlib.import_module(f"{__name__}.{module_name}"), attribute)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__ = lazy_attributes(__name__, {
+    "Merak3DStrategy": ".strategy",
+    "average_gradients": _GRADIENTS,
+    "scale_gradients": _GRADIENTS,
+    "squared_norm": _GRADIENTS,
+})

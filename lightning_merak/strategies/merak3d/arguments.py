@@ -10,7 +10,6 @@ process starts, what the world size, the batches or the model rule out. Degrees 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
@@ -34,6 +33,8 @@ from lightning_merak.parallel.tensor.adapters import check_adapter_split
 from lightning_merak.parallel.tensor.blocks import check_tensor_parallel_degree
 from lightning_merak.parallel.tensor.sequence import check_sequence_length
 from lightning_merak.parallel.tensor.vocab import check_vocabulary_split
+from lightning_merak.protocols import module_contract
+from lightning_merak.protocols.experts import ExpertParallelLayer
 from lightning_merak.strategies.merak3d.options import Degree, Merak3DOptions
 
 __all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "SHARDING_MODES", "Degree", "Merak3DArguments", "check_accumulation",
@@ -62,12 +63,13 @@ def check_accumulation(accumulate_grad_batches: int) -> None:
 
 
 def check_module_members(module: pl.LightningModule) -> None:
-    missing = [name for name in ("model", "split_batch", "loss_from_logits", "compute_loss")
-               if not hasattr(module, name)]
+    """Refuse a module without every member of :class:`~lightning_merak.protocols.module_contract.Merak3DModule`."""
+    missing = module_contract.missing_members(module)
     if missing:
         raise TypeError(
-            f"merak3d needs {', '.join(missing)} on {type(module).__name__}: see "
-            "lightning_merak.strategies.merak3d for the four members it relies on"
+            f"merak3d needs {', '.join(missing)} on {type(module).__name__}: it trains modules that implement "
+            f"{module_contract.contract_name()} ({', '.join(module_contract.MEMBERS)}), as "
+            "lightning_merak.modules.CausalLMModule does"
         )
 
 
@@ -80,11 +82,8 @@ def divides_model(config: Any, tensor_parallel: int) -> bool:
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of every MoE layer in ``model`` (none unless the MoE plugin was imported)."""
-    moe_layer = sys.modules.get("lightning_merak.plugins.moe.layer")
-    if moe_layer is None:
-        return []
-    return [(name, module) for name, module in model.named_modules() if isinstance(module, moe_layer.MoE)]
+    """``(name, module)`` of every MoE layer in ``model`` (the MoE plugin's, recognised by its protocol)."""
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, ExpertParallelLayer)]
 
 
 def check_fully_shardable(model: nn.Module, tensor_parallel: Optional[int]) -> None:
@@ -105,8 +104,8 @@ def check_fully_shardable(model: nn.Module, tensor_parallel: Optional[int]) -> N
 
 @dataclass(frozen=True)
 class Merak3DArguments(Merak3DOptions):
-    """``Merak3DStrategy``'s arguments (declared in :class:`~lightning_merak.strategies.merak3d.options.Merak3DOptions`,
-    documented on the strategy), refused when made if any is out of range."""
+    """``Merak3DStrategy``'s arguments (declared and described in
+    :class:`~lightning_merak.strategies.merak3d.options.Merak3DOptions`), refused when made if any is out of range."""
 
     def __post_init__(self) -> None:
         for name, value in (("data_parallel", self.data_parallel), ("pipeline_parallel", self.pipeline_parallel),

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_merak.distributed.sub_batches import SubBatchForward
+from lightning_merak.parallel import pipeline
 from lightning_merak.parallel.data.fully_sharded import FullySharded, apply_fully_shard, data_parallel_mesh
 from lightning_merak.parallel.data.gradients import TiedParameter
 from lightning_merak.parallel.layout import Layout, LayoutGroups
@@ -39,6 +40,7 @@ from lightning_merak.parallel.materialize import (
     local_tensors,
 )
 from lightning_merak.parallel.pipeline.meta_trace import materialized_copy
+from lightning_merak.parallel.pipeline.recompute import stage_aware_recompute_ratios
 from lightning_merak.parallel.pipeline.router_aux import RouterAux, router_aux_loss_problem, router_aux_of
 from lightning_merak.parallel.pipeline.stage import RankStages, build_stage_module, tied_parameter_names
 from lightning_merak.parallel.pipeline.trace import ModelTrace, TraceError, find_trunk, trace_model
@@ -302,8 +304,6 @@ def _router_aux(model: nn.Module, arguments: Merak3DArguments, layout: Layout) -
 def _agree_on_partition(trace: ModelTrace, layout: Layout, method: str, global_rank: int,
                         broadcast: Broadcast) -> Any:
     """Rank 0 partitions its measured costs; every rank uses that partition."""
-    from lightning_merak.parallel import pipeline
-
     num_stages = layout.num_stages
     partition = None
     if global_rank == 0:
@@ -387,8 +387,6 @@ def _wrap_recompute(blocks: list[nn.Module], groups: LayoutGroups) -> None:
     if layout.recompute == "full":
         ratio = 1.0
     else:
-        from lightning_merak.parallel.pipeline import stage_aware_recompute_ratios
-
         ratio = stage_aware_recompute_ratios(layout.recompute_ratio, layout.pipeline_parallel)[groups.pipeline_rank]
     count = math.floor(len(blocks) * ratio + 1e-9)
     for block in blocks[:count]:

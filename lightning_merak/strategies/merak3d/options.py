@@ -1,13 +1,18 @@
-"""``Merak3DStrategy``'s options, declared once: every argument with its default (plain Python, no torch).
+"""``Merak3DStrategy``'s options, declared once: every argument with its default and its description (no torch).
 
-:class:`~lightning_merak.strategies.merak3d.arguments.Merak3DArguments` extends it with the checks; the Hydra
-schema of ``strategy=merak3d`` (:mod:`lightning_merak.cli.options.strategy`) takes its fields.
+The strategy's signature repeats them in this order with these defaults (a test holds it to that);
+:class:`~lightning_merak.strategies.merak3d.arguments.Merak3DArguments` extends the class with the checks, and
+the Hydra schema of ``strategy=merak3d`` (:mod:`lightning_merak.cli.options.strategy`) takes its fields with their
+descriptions, which ``merak-train --help`` and ``docs/reference/cli.md`` show. Each description is the field's
+``metadata["help"]`` (:func:`lightning_merak.util.fields.option`, which says why metadata).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
+
+from lightning_merak.util.fields import option
 
 __all__ = ["Degree", "Merak3DOptions"]
 
@@ -16,32 +21,92 @@ Degree = Union[int, Literal["auto"]]
 
 @dataclass(frozen=True)
 class Merak3DOptions:
-    """``Merak3DStrategy``'s arguments and their defaults (documented on the strategy)."""
+    """``Merak3DStrategy``'s arguments, their defaults and what each does."""
 
-    data_parallel: Degree = "auto"
-    pipeline_parallel: Degree = 1
-    tensor_parallel: Degree = 1
-    tp_overlap: Degree = 1
-    tp_weight_grad_overlap: Optional[bool] = None
-    sequence_parallel: bool = False
-    micro_batches: Optional[int] = None
-    schedule: str = "1f1b"
-    virtual_stages: int = 2
-    recompute: str = "none"
-    recompute_ratio: float = 0.5
-    partition: str = "autopipe"
-    process_group_backend: Optional[str] = None
-    timeout_s: float = 600.0
-    memory_limit: Optional[float] = None
-    plan_only: bool = False
-    planner_calibration: str = "analytic"
-    vocab_parallel: bool = True
-    compact_host_memory: bool = False
-    data_parallel_sharding: str = "none"
-    data_parallel_shard_size: Optional[int] = None
-    overlap_grad_reduce: bool = True
-    overlap_param_gather: bool = False
-    grad_bucket_mb: Optional[float] = None
-    micro_batching: str = "none"
-    micro_batch_tokens: Optional[int] = None
-    micro_batching_cost: Optional[tuple[float, float, float]] = None
+    data_parallel: Degree = option(
+        "auto", "Replicas of the model; `auto` takes what the other degrees leave of the world size.")
+    pipeline_parallel: Degree = option(
+        1, "Pipeline stages the model is cut into (`auto`: chosen by the layout planner).")
+    tensor_parallel: Degree = option(
+        1, "Ranks each transformer block is split over (`auto`: chosen by the layout planner).")
+    tp_overlap: Degree = option(
+        1, "Sub-batches per micro-batch, so that one sub-batch's tensor-parallel all-reduce runs while the next "
+        "computes (1: no overlap; `auto`: planned). The overlap spans blocks, in forward and backward; the value "
+        "must divide the micro-batch size.")
+    tp_weight_grad_overlap: Optional[bool] = option(
+        None, "Run each column group's input-gradient all-reduce while its weight gradients are computed "
+        "(`null`: on, except with `interleaved_zero_bubble`). Column groups are q/k/v and gate/up; with "
+        "sequence parallelism the all-reduce is a reduce-scatter. `interleaved_zero_bubble` computes weight "
+        "gradients in a pass of their own, so `true` is refused there.")
+    sequence_parallel: bool = option(
+        False, "Split the blocks' norms, dropout and residual stream along the sequence over the tensor-parallel "
+        "ranks. Each all-reduce becomes a reduce-scatter and an all-gather, and activations between the split "
+        "layers shrink by `tensor_parallel`, which must divide the sequence length (the planner searches only "
+        "such degrees).")
+    micro_batches: Optional[int] = option(
+        None, "Micro-batches per batch in the pipeline schedule (`null`: 2 × pipeline stages).")
+    schedule: str = option(
+        "1f1b", "Pipeline schedule: `1f1b`, `gpipe`, `shifted_critical_path`, `interleaved_1f1b` or "
+        "`interleaved_zero_bubble`. `shifted_critical_path` (Merak) keeps no activations for cool-down forwards "
+        "and recomputes them while their gradients are in flight. The interleaved schedules run `virtual_stages` "
+        "stages per rank, round-robin; zero-bubble also splits backward into input and weight gradients.")
+    virtual_stages: int = option(2, "Stages per rank for the interleaved schedules.")
+    recompute: str = option(
+        "none", "Activation recomputation: `none`, `full` (every block), `stage_aware`, or `auto` (planned among "
+        "ratios 0, 0.5 and 1). With `stage_aware` (Merak), stage i of S recomputes a fraction "
+        "1 − (1 − r)(S − 1)/(S − 1 − i) of its blocks and the last stage none, r being `recompute_ratio`.")
+    recompute_ratio: float = option(0.5, "The fraction of its blocks the first stage recomputes with `stage_aware`.")
+    partition: str = option(
+        "autopipe", "How blocks are cut into pipeline stages: `autopipe`, `min_max`, `parameters` or `uniform`. "
+        "`autopipe` refines the min–max split by simulating the schedule; `uniform` puts equal blocks on every "
+        "stage.")
+    process_group_backend: Optional[str] = option(
+        None, "Collective backend, `gloo` or `nccl` (`null`: chosen from the device).")
+    timeout_s: float = option(600.0, "Collective timeout in seconds, so that a failed rank ends every rank.")
+    memory_limit: Optional[float] = option(
+        None, "Bytes per rank the planned layout must fit (`null`: 90% of what the device offers). On CPU, that "
+        "is 90% of the host memory available per process.")
+    plan_only: bool = option(False, "Plan the layout, log it, and stop before training.")
+    planner_calibration: str = option(
+        "analytic", "How the planner ranks layouts: `analytic` (its cost model), or by replaying traces given as "
+        "comma-separated paths. The traces are `MerakTraceProfiler`'s, of short runs of this model and batch; the "
+        "first calibrates, the rest are probes (`lightning_merak.planning.replay.calibration`).")
+    vocab_parallel: bool = option(
+        True, "Split the input embedding and the LM head by vocabulary rows over the tensor-parallel ranks, and "
+        "compute the loss on the sharded logits. Nothing to do at `tensor_parallel=1` "
+        "(`lightning_merak.parallel.tensor.vocab`).")
+    compact_host_memory: bool = option(
+        False, "Return freed host memory to the system at once, for CPU runs near their memory limit; steps take "
+        "longer. Allocations over 128 KiB are mapped on their own (glibc), so peak resident memory stays near the "
+        "live tensors' instead of the heap's high-water mark (`lightning_merak.distributed.host_memory`).")
+    data_parallel_sharding: str = option(
+        "none", "What the data-parallel ranks shard instead of each holding a copy: `none`, `optimizer` (ZeRO-1), "
+        "`gradients` (ZeRO-2), `full` (FSDP2) or `auto` (planned). With `optimizer` each rank keeps and steps the "
+        "optimizer state of one slice of the parameters; gradients are reduce-scattered and updated parameters "
+        "all-gathered. `gradients` also frees the full gradient buffer once reduce-scattered, and `full` shards "
+        "the parameters too (FSDP2's `fully_shard` over the data-parallel ranks).")
+    data_parallel_shard_size: Optional[int] = option(
+        None, "Ranks each shard group spans (`null`: all data-parallel ranks). Hybrid sharding: shard inside "
+        "groups of this size, replicate across them.")
+    overlap_grad_reduce: bool = option(
+        True, "Reduce each gradient bucket once the last micro-batch's backward has finished it, while the "
+        "backward goes on (`false`: all buckets at once after it).")
+    overlap_param_gather: bool = option(
+        False, "With `data_parallel_sharding=optimizer`, gather updated parameters while the next forward runs, "
+        "each bucket just before the first module using it. Until then a callback's `on_train_batch_end` reads "
+        "the previous step's parameters; checkpoints, validation and the end of training wait for them.")
+    grad_bucket_mb: Optional[float] = option(
+        None, "Size in MB of a gradient bucket, the unit of the data-parallel reduction (`null`: 25 MB, or less "
+        "for a small model). The default is an eighth of the stage's gradients when that is smaller than 25 MB, "
+        "at least 1 MB, so that a small model still overlaps.")
+    micro_batching: str = option(
+        "none", "Micro-batches of variable-length samples (`data.lengths=variable`): `none`, `pad`, `pack` or "
+        "`dynamic`; needs `pipeline_parallel` ≥ 2. `pad` makes equal sample counts padded to the longest, `pack` "
+        "rows of `micro_batch_tokens` tokens, `dynamic` runs DynaPipe's planner over a cost model and a token "
+        "limit (`lightning_merak.parallel.micro_batching`).")
+    micro_batch_tokens: Optional[int] = option(
+        None, "Padded tokens one micro-batch may hold: `dynamic`'s memory limit, `pack`'s row length (`null`: "
+        "4096, and never below the longest sample).")
+    micro_batching_cost: Optional[tuple[float, float, float]] = option(
+        None, "Seconds per token, per token² and per micro-batch, the cost model of `dynamic`'s planner (`null`: "
+        "FLOP ratios of the model's shape).")

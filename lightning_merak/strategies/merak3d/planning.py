@@ -19,6 +19,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_merak.callbacks.profiler.lightning_profiler import model_shape
 from lightning_merak.parallel.data.buckets import DEFAULT_BUCKET_MB, check_shardable_optimizer
 from lightning_merak.parallel.layout import Layout, default_micro_batches
 from lightning_merak.parallel.materialize import has_meta
@@ -41,6 +42,7 @@ from lightning_merak.planning.planner import (
 )
 from lightning_merak.planning.planner.profile import DATA_PARALLEL_SHARDING
 from lightning_merak.planning.planner.step_check import BatchClock, StepTimeCheck
+from lightning_merak.planning.replay.calibration import predictor_from_files
 from lightning_merak.strategies.merak3d.arguments import (
     Merak3DArguments,
     check_fully_shardable,
@@ -57,11 +59,15 @@ from lightning_merak.strategies.merak3d.build import (
     tensor_parallel_plan,
 )
 
-__all__ = ["PLANNER_REPEATS", "PlannedLayout", "check_step_time", "first_training_batch", "plan_layout"]
+__all__ = ["PLANNER_REPEATS", "STEP_CHECK_BATCHES", "STEP_CHECK_WARMUP", "PlannedLayout", "check_step_time",
+           "first_training_batch", "plan_layout"]
 
 PLANNER_REPEATS = 11
 """Timed repeats per profiled quantity (median). With 5, three planning runs on 2 shared cores
 predicted the same layouts up to 25% apart; with 11, within about 8%."""
+
+STEP_CHECK_WARMUP, STEP_CHECK_BATCHES = 2, 5
+"""A planned run compares the median of batches 3–7 with the prediction (the first ones build and warm up)."""
 
 
 @dataclass(frozen=True)
@@ -209,9 +215,6 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
 def replay_ranked(ranked: Any, paths: str, model: nn.Module, inputs: torch.Tensor, partition: str = "autopipe") -> Any:
     """``ranked`` re-ranked by the replay predictor calibrated from the comma-separated trace ``paths``; pipelines
     at the split the run's ``partition`` method gives them."""
-    from lightning_merak.callbacks.profiler.lightning_profiler import model_shape
-    from lightning_merak.planning.replay.calibration import predictor_from_files
-
     shape = model_shape(model, inputs.shape[1] if inputs.ndim > 1 else 1)
     if shape is None:
         raise ValueError("planner_calibration needs a model with a list of blocks; use 'analytic'")

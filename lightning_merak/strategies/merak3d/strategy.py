@@ -37,7 +37,6 @@ from lightning_merak.parallel.materialize import has_meta, meta_device
 from lightning_merak.parallel.tensor.layers import shared_row_weights
 from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
 from lightning_merak.planning.planner.step_check import BatchClock, StepTimeCheck
-from lightning_merak.strategies import merak3d as package
 from lightning_merak.strategies.merak3d import arguments, build, planning
 from lightning_merak.strategies.merak3d.arguments import Degree
 from lightning_merak.strategies.merak3d.checkpoint_hooks import CheckpointHooks
@@ -56,64 +55,10 @@ class Merak3DStrategy(CheckpointHooks):
     step time (``layout_plan`` keeps the whole ranking, ``layout_choice`` the chosen layout's
     prediction, within the degrees fixed by the user). ``plan_only=True`` stops after that.
 
-    Args:
-        data_parallel: replicas of the model; ``"auto"`` takes what the other degrees leave.
-        pipeline_parallel: pipeline stages the model is cut into (``"auto"``: planned).
-        tensor_parallel: ranks each transformer block is split over (``"auto"``: planned).
-        tp_overlap: sub-batches each micro-batch is split into so that one sub-batch's
-            tensor-parallel all-reduce runs while the next computes, across blocks, in forward and
-            backward (1 = no overlap; ``"auto"``: planned). It must divide the micro-batch size.
-        tp_weight_grad_overlap: in backward, each column group (q/k/v, gate/up) all-reduces its
-            input gradient (reduce-scatters it, with sequence parallelism) while it computes its
-            weight gradients, so that collective is hidden without sub-batches too. Default: on,
-            except with ``"interleaved_zero_bubble"``, which computes weight gradients in a pass of
-            their own (``True`` is refused there).
-        sequence_parallel: split the blocks' norms, dropout and residual stream along the sequence over the
-            tensor-parallel ranks (:mod:`~lightning_merak.parallel.tensor.sequence`): each all-reduce becomes a
-            reduce-scatter and an all-gather, activations between the split layers shrink by ``tensor_parallel``
-            (which must divide the sequence length; the planner searches only such degrees).
-        micro_batches: micro-batches per batch in the pipeline schedule (default: 2 × stages).
-        schedule: ``"1f1b"``, ``"gpipe"``, ``"shifted_critical_path"`` (Merak: cool-down forwards
-            keep no activations and are recomputed while their gradients are in flight) or
-            ``"interleaved_1f1b"`` / ``"interleaved_zero_bubble"`` (each rank runs ``virtual_stages``
-            stages, round-robin; zero-bubble also splits backward into input and weight gradients).
-        virtual_stages: stages per rank for the interleaved schedules.
-        recompute: ``"none"``, ``"full"`` (every block) or ``"stage_aware"`` (Merak: stage i of
-            S recomputes a fraction 1 − (1 − r)(S − 1)/(S − 1 − i) of its blocks, the last none),
-            or ``"auto"`` (planned among ratios 0, 0.5 and 1).
-        recompute_ratio: r above, the fraction recomputed on the first stage.
-        partition: ``"autopipe"`` (min–max split refined by simulating the schedule),
-            ``"min_max"``, ``"parameters"`` or ``"uniform"`` (equal blocks per stage).
-        process_group_backend: ``gloo``/``nccl``; default from the device.
-        timeout_s: collective timeout, so a failed rank ends every rank.
-        memory_limit: bytes per rank the planner must fit (default: 90% of the device's or, on CPU, of the
-            host memory available per process).
-        plan_only: plan the layout, log it, and stop before training.
-        planner_calibration: ``"analytic"`` (the planner's cost model), or comma-separated paths of
-            ``MerakTraceProfiler`` traces of short runs of this model and batch, by which the planner ranks layouts
-            by replay (:mod:`lightning_merak.planning.replay.calibration`: the first calibrates, the rest are probes).
-        vocab_parallel: with ``tensor_parallel>1``, split the input embedding and the LM head by vocabulary
-            rows over the tensor-parallel ranks and compute the loss on the sharded logits
-            (:mod:`~lightning_merak.parallel.tensor.vocab`); nothing to do at ``tensor_parallel=1``.
-        compact_host_memory: return freed host memory to the system at once (glibc: allocations over 128 KiB
-            mapped on their own, :mod:`~lightning_merak.distributed.host_memory`), so peak resident memory stays near
-            the live tensors' instead of the heap's high-water mark; steps take longer. For CPU runs near their limit.
-        data_parallel_sharding: what the data-parallel ranks split instead of each holding a copy
-            (:mod:`~lightning_merak.parallel.data.buckets`): ``"none"``; ``"optimizer"``
-            (ZeRO-1: each rank keeps and steps the optimizer state of one slice of the parameters,
-            gradients are reduce-scattered, updated parameters all-gathered); ``"gradients"`` (ZeRO-2:
-            the full gradient buffer is freed once reduce-scattered); ``"full"`` (parameters too:
-            FSDP2's ``fully_shard`` on the data-parallel dimension); ``"auto"`` (planned).
-        data_parallel_shard_size: ranks each shard group spans (hybrid sharding: shard inside groups
-            of this size, replicate across them); default all data-parallel ranks.
-        overlap_grad_reduce: reduce each bucket of gradients once the last micro-batch's backward has finished
-            it, while the backward goes on (otherwise all at once after it).
-        overlap_param_gather: with ``"optimizer"``, gather updated parameters while the next forward runs (each
-            bucket just before the first module using it); until then a callback's ``on_train_batch_end`` reads
-            the previous step's. Checkpoints, validation and the end of training wait for them.
-        grad_bucket_mb: size of a gradient bucket, the unit of that reduction (default: 25 MB, or an eighth
-            of the stage's gradients when that is smaller, at least 1 MB, so a small model still overlaps).
-        micro_batching, micro_batch_tokens, micro_batching_cost: see :mod:`lightning_merak.parallel.micro_batching`.
+    Every argument, its default and what it does: :class:`~lightning_merak.strategies.merak3d.options.Merak3DOptions`
+    (the signature below repeats it, in order) and ``docs/reference/cli.md`` (``merak-train strategy.<argument>=``).
+    The LightningModule it trains needs the members of
+    :class:`~lightning_merak.protocols.module_contract.Merak3DModule`.
     """
 
     strategy_name = "merak3d"
@@ -467,7 +412,7 @@ class Merak3DStrategy(CheckpointHooks):
             self.lightning_module.model.train()
         if self.layout_choice is not None and self.step_time_check is None:
             # read from the package, where tests shorten the check
-            self._batch_clock = BatchClock(package.STEP_CHECK_WARMUP, package.STEP_CHECK_BATCHES)
+            self._batch_clock = BatchClock(planning.STEP_CHECK_WARMUP, planning.STEP_CHECK_BATCHES)
 
     def on_validation_start(self) -> None:
         self.on_train_end()  # parameters gathered while the next forward would run are complete before evaluation

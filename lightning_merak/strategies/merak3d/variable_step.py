@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.stage import _RecvInfo
 
+from lightning_merak.modules.causal_lm import CausalLMModule
 from lightning_merak.parallel.layout import LayoutGroups
 from lightning_merak.parallel.micro_batching.options import MicroBatching
 from lightning_merak.parallel.micro_batching.plan import (
@@ -255,8 +256,6 @@ PipelineSteps = Union[PipelineStep, VariablePipelineStep]
 def _check_token_loss(module: Any) -> None:
     """Refuse a module whose loss is not next-token cross-entropy: micro-batching computes that loss itself (summed
     over each micro-batch's real tokens, weighted by the global batch's), so another loss would be replaced silently."""
-    from lightning_merak.modules.causal_lm import CausalLMModule
-
     if getattr(type(module), "loss_from_logits", None) is not CausalLMModule.loss_from_logits:
         raise ValueError(
             f"micro_batching computes next-token cross-entropy over each sample's real tokens itself, but "

@@ -23,7 +23,7 @@ import torch
 
 from lightning_merak.plugins.moe.core.placement import Counts, Padding, PlacementPlan, block_rows, replica_rows
 
-__all__ = ["ExchangeLayout", "chunk_sizes", "decode", "encode"]
+__all__ = ["ExchangeLayout", "chunk_sizes", "decode", "encode", "routes_from_dense"]
 
 
 def chunk_sizes(rows: int, chunks: int) -> list[int]:
@@ -141,3 +141,13 @@ def decode(expert_out: torch.Tensor, rows: torch.Tensor, gates: torch.Tensor) ->
     padded = torch.cat([expert_out, expert_out.new_zeros(1, d_model)])
     routed = padded.index_select(0, rows.reshape(-1)).view(*rows.shape, d_model)
     return (routed * gates.unsqueeze(-1)).sum(0).to(expert_out.dtype)
+
+
+def routes_from_dense(combine_weights: torch.Tensor, dispatch_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """DeepSpeed ≤0.19.3 gates return dense ``[S, E, C]`` tensors; turn them into ``[k, S]`` routes."""
+    num_tokens, _, capacity = dispatch_mask.shape
+    flags, slots = dispatch_mask.reshape(num_tokens, -1).float().topk(k, dim=1)
+    kept = flags > 0
+    indices = torch.where(kept, slots // capacity, torch.full_like(slots, -1))
+    gates = combine_weights.reshape(num_tokens, -1).gather(1, slots) * kept
+    return indices.t(), (slots % capacity).t(), gates.t(), torch.tensor(capacity)

@@ -19,6 +19,7 @@ Counts = Sequence[Sequence[int]]
 PaddingMode = Literal["dropless", "fixed", "max"]
 
 __all__ = [
+    "computed_max_over_mean",
     "Counts",
     "Padding",
     "PlacementPlan",
@@ -177,3 +178,10 @@ def rank_loads(counts: Counts, plan: PlacementPlan, padding: Padding, experts_pe
             params_received[r] += 1
             computed[r] += replica_rows(counts, r, rep.expert, padding)
     return RankLoads(computed, sent, received, params_sent, params_received)
+
+
+def computed_max_over_mean(counts: list[list[int]], plan: PlacementPlan, experts_per_rank: int) -> float:
+    """The routed rows each rank computes under ``plan`` (padding aside), max over mean."""
+    computed = rank_loads(counts, plan, Padding("dropless"), experts_per_rank).computed
+    mean = sum(computed) / len(computed)
+    return max(computed) / mean if mean > 0 else 1.0

@@ -20,6 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_merak.plugins.moe.core.placement import Padding
+from lightning_merak.plugins.moe.core.placement_planner import plan_pro_prophet
+from lightning_merak.plugins.moe.core.shadowing import plan_shadowing
 from lightning_merak.plugins.moe.experts.adapter_slices import shard_expert_adapters
 from lightning_merak.plugins.moe.experts.exchange import local_expert_range
 from lightning_merak.plugins.moe.experts.grouped import EXPERT_TENSORS
@@ -250,10 +253,6 @@ def plan_replicas(
     Uses the MoE plugin's planners unchanged: ownership is contiguous in both, so the plans'
     replica sets name the same ranks ``merak_ep`` sends to.
     """
-    from lightning_merak.plugins.moe.core.placement import Padding
-    from lightning_merak.plugins.moe.core.placement_planner import plan_pro_prophet
-    from lightning_merak.plugins.moe.core.shadowing import plan_shadowing
-
     if policy not in ("pro_prophet", "shadowing"):
         raise ValueError(f"policy={policy!r}: use pro_prophet or shadowing")
     plans = {}

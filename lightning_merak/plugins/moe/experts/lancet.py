@@ -26,6 +26,8 @@ from torch import nn
 
 from lightning_merak.distributed.sub_batches import run_sub_batches
 from lightning_merak.plugins.moe.block_split import Chunks, batch_size, check_chunks, enclosing_block, split_batch
+from lightning_merak.plugins.moe.experts.enable import experts_modules
+from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
 
 __all__ = ["CANDIDATE_CHUNKS", "TRIAL_ROUNDS", "ExpertParallelLancet", "expert_parallel_lancet"]
 
@@ -54,8 +56,6 @@ class ExpertParallelLancet:
 
     def _shard(self) -> Any:
         """The experts' :class:`~.parallel.ExpertShard` once they are expert parallel over several ranks."""
-        from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
-
         shard = getattr(self.experts, SHARD_ATTRIBUTE, None)
         return None if shard is None or shard.ep_size == 1 else shard
 
@@ -145,8 +145,6 @@ def _capturing(forward: Any, keys: Sequence[str]) -> Any:
 
 def _layer_blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     """Each registry experts module of ``model`` with its decoder layer (:func:`~.block_split.enclosing_block`)."""
-    from lightning_merak.plugins.moe.experts.enable import experts_modules
-
     modules = dict(model.named_modules())
     pairs: list[tuple[nn.Module, nn.Module]] = []
     for name, experts in experts_modules(model):

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightning_merak.plugins.moe.cost_measurement import profile_cost_model
 from lightning_merak.plugins.moe.experts.enable import add_loads, experts_modules, plan_replicas, set_replica_plans
 from lightning_merak.plugins.moe.experts.grouped import EXPERT_TENSORS, expert_mlp
 from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
@@ -41,8 +42,6 @@ class _OneLocalExpert(nn.Module):
 def profile_experts_cost_model(model: nn.Module) -> Any:
     """The placement cost model of ``model``'s expert-parallel experts, measured over their expert group."""
     import torch.distributed as dist
-
-    from lightning_merak.plugins.moe.cost_measurement import profile_cost_model
 
     modules = experts_modules(model)
     if not modules:

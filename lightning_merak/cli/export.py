@@ -1,0 +1,51 @@
+"""``merak-export``: a lightning-merak checkpoint as a Hugging Face directory ``from_pretrained`` reads.
+
+    merak-export outputs/.../checkpoints/final.ckpt OUT [--merge-adapters] [--max-shard-size 2GB]
+
+The work is :func:`lightning_merak.hf.export.export_checkpoint`; this is its command line, which answers
+``--help`` without importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Optional, Sequence
+
+from lightning_merak.util.console import quiet_dependency_noise
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="merak-export",
+        description="Write a lightning-merak checkpoint (merak3d sharded directory, any layout, or a Lightning "
+                    ".ckpt) as a Hugging Face directory that AutoModelForCausalLM.from_pretrained loads.")
+    parser.add_argument("checkpoint", help="merak3d checkpoint directory or Lightning .ckpt file")
+    parser.add_argument("out", help="output directory")
+    parser.add_argument("--merge-adapters", action="store_true",
+                        help="merge adapter (LoRA, Q-BaRA, QA-HiRA) weights into the base weights")
+    parser.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (default 2GB)")
+    parser.add_argument("--config", default=None,
+                        help="transformers directory or config.json, for checkpoints that recorded no config")
+    parser.add_argument("--dtype", default=None, help="write weights in this dtype, e.g. bfloat16")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Console entry point of ``merak-export``."""
+    args = _parser().parse_args(argv)
+    from lightning_merak.distributed.host_memory import skip_final_collection  # lazy: torch, after --help
+    from lightning_merak.hf.export import export_checkpoint  # lazy: torch, after --help
+
+    quiet_dependency_noise()
+    report = export_checkpoint(args.checkpoint, args.out, merge_adapters=args.merge_adapters,
+                               max_shard_size=args.max_shard_size, config=args.config, dtype=args.dtype)
+    skip_final_collection()
+    print(f"merak-export: wrote {len(report.files)} files ({report.total_size / 2**20:.1f} MiB of weights) "
+          f"to {Path(args.out).resolve()}")
+
+
+if __name__ == "__main__":
+    main()
