@@ -13,10 +13,13 @@ import sys
 from typing import Any, Optional, Sequence
 
 from lightning_merak.strategies import register_strategies
+from lightning_merak.util.lazy import lazy_attributes
 
 __version__ = "0.2.0"
 
-__all__ = ["__version__", "register_strategies"]
+__all__ = ["Merak3DStrategy", "__version__", "register_strategies"]
+
+__getattr__ = lazy_attributes(__name__, {"Merak3DStrategy": "lightning_merak.strategies.merak3d.strategy"})
 
 
 class _RegisterAfterLightningImport(importlib.abc.MetaPathFinder):

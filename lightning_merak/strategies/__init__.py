@@ -12,7 +12,9 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-__all__ = ["STRATEGIES", "LazyStrategy", "StrategyEntry", "register_strategies"]
+from lightning_merak.util.lazy import lazy_attributes
+
+__all__ = ["STRATEGIES", "LazyStrategy", "Merak3DStrategy", "StrategyEntry", "register_strategies"]
 
 
 @dataclass(frozen=True)
@@ -76,3 +78,6 @@ def register_strategies(registry: Any = None) -> list[str]:
             continue
         registry.register(entry.name, constructor, description=entry.description, **entry.init_params)
     return [entry.name for entry in STRATEGIES]
+
+
+__getattr__ = lazy_attributes(__name__, {"Merak3DStrategy": "lightning_merak.strategies.merak3d.strategy"})

@@ -1,34 +1,26 @@
 """``Trainer(strategy="merak3d")``: data × pipeline × tensor parallelism for unmodified models.
 
-The LightningModule stays an ordinary module that also trains on one device. merak3d
-relies on four things it provides (:class:`lightning_merak.modules.causal_lm.CausalLMModule` has
-them all):
+The LightningModule stays an ordinary module that also trains on one device; what merak3d uses of it is
+one Protocol, :class:`~lightning_merak.protocols.module_contract.Merak3DModule`
+(:class:`~lightning_merak.modules.causal_lm.CausalLMModule` implements it). Every argument, its default and
+its meaning: :class:`~lightning_merak.strategies.merak3d.options.Merak3DOptions`.
 
-* ``self.model`` — the network, called as ``self.model(inputs)`` and returning logits
-  (a tensor, or an output with ``.logits`` such as transformers models return);
-* ``split_batch(batch) -> (inputs, targets)``;
-* ``loss_from_logits(logits, targets) -> loss`` — evaluated per micro-batch;
-* ``compute_loss(batch)`` — called by its ``training_step``/``validation_step``;
-  merak3d replaces it on the instance so that it drives the pipeline schedule.
+The parallel layout is built on the first batch, when the real shapes are known: the model is recorded once
+(:mod:`lightning_merak.parallel.pipeline.trace`), every rank agrees on rank 0's partition of the measured
+costs, each rank prunes its copy to its stages, splits its blocks over the tensor-parallel group, wraps the
+blocks chosen for recomputation, and the optimizers are rebuilt over the parameters the rank now owns.
 
-The parallel layout is built on the first batch, when the real shapes are known: the
-model is recorded once (:mod:`~lightning_merak.parallel.pipeline.trace`), every rank
-agrees on rank 0's partition of the measured costs, each rank prunes its copy to its
-stage, splits its blocks over the tensor-parallel group, wraps the blocks chosen for
-recomputation, and the optimizers are rebuilt over the parameters the rank now owns.
+This package holds the Lightning hooks and their orchestration only; the techniques live below it
+(``docs/architecture.md``):
 
-One module per concern, composed by :mod:`.strategy` (the hooks Lightning calls):
+* :mod:`.strategy` — the hooks Lightning calls, each handing its work to one of the modules below;
+* :mod:`.options` / :mod:`.arguments` — the arguments, declared once, checked once, refused before launch;
+* :mod:`.planning` — search space, profile and plan → a new :class:`~lightning_merak.parallel.layout.Layout`;
+* :mod:`.build` — the first batch's build: trace, split, cut, recompute, overlap, shard;
+* :mod:`.pipeline_step` / :mod:`.variable_step` — a pipelined step through torch's schedules;
+* :mod:`.checkpoint_hooks` — sharded checkpoints (:mod:`lightning_merak.checkpoint.sharded`) from the hooks.
 
-* :mod:`.arguments` — the user's arguments, checked once, and the refusals before launch;
-* :mod:`.layout` — the frozen :class:`~.layout.Layout` (every degree) and its device mesh;
-* :mod:`.planning` — search space, profile and plan → a new ``Layout``;
-* :mod:`.build` — the first batch's build: trace, split, cut, recompute, overlap;
-* :mod:`.pipeline_step` — a pipelined step through torch's schedules;
-* :mod:`.gradients` — gradient synchronisation, the norm over all stages and shards, clipping;
-* :mod:`.checkpoint` — sharded checkpoints under the unsplit model's names.
-
-Importing a piece (the gradient primitives, say) does not import the strategy: its names
-here are loaded on first use, so importing the package (for :mod:`.options`, say) imports no torch.
+Names here are loaded on first use, so importing the package (for :mod:`.options`, say) imports no torch.
 """
 
 from __future__ import annotations
