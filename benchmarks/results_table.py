@@ -507,7 +507,7 @@ def build(results_dir: Path, page: Path) -> tuple[str, list[str]]:
         "rerun the command. Each area shows its full run (`NAME.json`), or its `--quick` run (`NAME.quick.json`)",
         "where no full run exists. Labels: *measured* (real runs on the machine named), *emulated* (network shaped",
         "by `lightning_merak/testing/netem.py`), *simulated* (cost model). Design decisions behind the figures:",
-        "[findings](findings.md).",
+        "[design notes](design/README.md).",
         "",
     ]
     for name in AREAS:

@@ -4,7 +4,7 @@ Why: Lightning's launcher starts ranks 1.. inside ``Trainer.fit``, after rank 0 
 and transformers and built its model (7 s on two CPU cores); each rank then imports them again (6 s) while
 rank 0 waits for it. Started first thing instead, the ranks import on the other cores at the same time as
 rank 0 (measured: a 2-rank ``merak-train`` of the default model reached its first step in 8.1 s instead of
-13.9 s; ``docs/findings.md``).
+13.9 s; ``docs/design/machine.md``).
 
 Nothing else changes: each started rank imports, then waits at a gate (a pipe from rank 0). Rank 0 opens the
 gate where Lightning would have launched them, after every check a run makes before launch; a run refused

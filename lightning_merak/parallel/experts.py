@@ -1,4 +1,4 @@
-"""``merak_ep`` under merak3d: each stage's experts spread over that stage's data-parallel ranks (#30 item 4).
+"""``merak_ep`` under merak3d: each stage's experts spread over that stage's data-parallel ranks.
 
 Expert groups are carved from each pipeline stage's data-parallel ranks: ``ep`` consecutive ranks of one
 data-parallel group share out the stage's experts (contiguous ownership, as

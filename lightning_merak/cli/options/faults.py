@@ -1,4 +1,4 @@
-"""``merak-train faults.*``: what a run does on a hang, a lost rank and a non-finite step (issue #27).
+"""``merak-train faults.*``: what a run does on a hang, a lost rank and a non-finite step.
 
 One typed node of the root config, not a group of alternatives: every run has these settings.
 

@@ -106,7 +106,7 @@ class DataParallelGradients:
     With overlap, the first step's reduction (no overlap yet) is replaced by one in ready order (:func:`refreshed`):
     laid out in reversed registration order, a decoder layer's norms (registered last, finished last) held each
     bucket back until the layer's whole backward had run, and the last 6 MB became ready only as the backward ended
-    (``docs/findings.md``, #29).
+    (``docs/design/data-parallel-sharding.md``).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], late: Sequence[nn.Parameter], *, groups: LayoutGroups,

@@ -2,9 +2,9 @@
 
 Gloo reduce-scatters by all-reducing the whole tensor and slicing it, so each rank sends and receives about
 twice a bucket: measured on the emulated 1 Gbit/s link, 8 MB took 72 ms against an all-to-all's 43 at dp2 and
-118 against 59 at dp4 (``docs/findings.md``, #29). Both classes here send each rank only the part it owns, in
-one all-to-all (which stays in the group's queue of collectives, in launch order, as gloo's reduce-scatter did),
-and sum it on arrival; :func:`start_reduce_scatter` picks the one for a group and device.
+118 against 59 at dp4 (``docs/design/data-parallel-sharding.md``). Both classes here send each rank only the
+part it owns, in one all-to-all (which stays in the group's queue of collectives, in launch order, as gloo's
+reduce-scatter did), and sum it on arrival; :func:`start_reduce_scatter` picks the one for a group and device.
 """
 
 from __future__ import annotations

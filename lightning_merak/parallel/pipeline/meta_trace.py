@@ -402,7 +402,7 @@ HEAD_SLICE_BYTES = 64 << 20
 """Weight bytes of the slice of an LM head's vocabulary rows timed in place of a larger head (see
 :func:`_profile_head`): its weight and gradient exceed glibc's largest mmap threshold (32 MiB), so they
 page-fault as the whole head's do. On this CPU a 32k × 512 head scaled from 32 or 16 MiB slices agrees
-with the whole head within noise; from 8 MiB it over-reads (docs/findings.md, Scale)."""
+with the whole head within noise; from 8 MiB it over-reads (docs/design/scale.md)."""
 
 
 def _head_rows(model: nn.Module, trace: ModelTrace) -> tuple[str, int, int] | None:

@@ -16,7 +16,7 @@ sequence instead and the column groups' inputs arrive all-gathered.
 
 Per-head block arguments (BLOOM's and MPT's ALiBi biases, built outside the blocks) are sliced
 to the rank's heads on entry. A norm over a whole projection (OLMo 2's q/k norms) makes every
-rank read every row of it, so those rows stay whole on each rank (``docs/findings.md``).
+rank read every row of it, so those rows stay whole on each rank (``docs/design/tensor-parallel.md``).
 
 Dropout between a column layer and its row partner (with sequence parallelism: anywhere in
 the block) draws each rank's own mask (:mod:`~lightning_merak.distributed.rank_streams`).
@@ -271,7 +271,7 @@ UNSPLIT_FAMILIES = {
     "xlstm": "xLSTM cells are not column/row linear pairs",
 }
 """transformers families the pipeline tracer cuts but tensor parallelism cannot split, with the reason
-(the coverage sweep in ``tests/test_tp_families.py`` and ``docs/findings.md``)."""
+(the coverage sweep in ``tests/test_tp_families.py`` and ``docs/design/tensor-parallel.md``)."""
 
 
 def check_tensor_parallel_degree(config: Any, tensor_parallel: int) -> None:

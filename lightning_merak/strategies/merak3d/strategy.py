@@ -1,11 +1,11 @@
-"""``Merak3DStrategy``: the hooks Lightning calls, each handing its work to a module of this package.
+"""``Merak3DStrategy``: the hooks Lightning calls, each handing its work to the module that owns it.
 
 In the order a run meets them: the constructor checks the arguments (:mod:`.arguments`);
 ``setup_environment`` starts the processes and adopts the layout the arguments fix
-(:mod:`.layout`), or ``setup`` the one the planner chooses (:mod:`.planning`); the first batch
-builds it (:mod:`.build`); pipelined steps run the schedule (:mod:`.pipeline_step`); ``backward``
-synchronises and clipping clips the gradients (:mod:`.gradients`); checkpoints are sharded
-(:mod:`.checkpoint`).
+(:mod:`lightning_merak.parallel.layout`), or ``setup`` the one the planner chooses (:mod:`.planning`); the first
+batch builds it (:mod:`.build`); pipelined steps run the schedule (:mod:`.pipeline_step`); ``backward``
+synchronises and clipping clips the gradients (:mod:`lightning_merak.parallel.data.gradients`); checkpoints are
+sharded (:mod:`.checkpoint_hooks`, :mod:`lightning_merak.checkpoint.sharded`).
 """
 
 from __future__ import annotations
@@ -536,7 +536,7 @@ class Merak3DStrategy(CheckpointHooks):
 
     def register_sharded_gradients(self, params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup]) -> None:
         """Count ``params``' gradients as parts of one whole split over ``group`` when clipping: each rank
-        of it holds other columns, as EmbRace's tables do (``runtime.layout_aware.LayoutAwareStrategy``)."""
+        of it holds other columns, as EmbRace's tables do (``protocols.layout_aware.LayoutAwareStrategy``)."""
         self._sharded_gradients.register(params, group)
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
