@@ -63,22 +63,13 @@ class DeltaMemory(pl.Callback):
     Args:
         budget: bytes of saved activations (``int`` or ``"2GiB"``), a fraction of device
             memory for the whole process (``0.5``, ``"50%"``), or ``"auto"`` (90%).
-        swap_tier: ``"host"`` (pinned host memory, side-stream copies; default on GPU) or
-            ``"disk"`` (files written by a background thread; default on CPU).
-        swap_dir: parent directory of the disk tier's private directory (default: tmp).
-        warmup_steps: steps profiled in keep mode before the plan is made.
-        director: ``"exposed"`` (recompute when forward < un-hidden swap time) or
-            ``"delta"`` (the paper's rule: recompute when 2 x swap > forward).
-        prefetch_depth: swapped blocks loaded ahead during backward (DELTA uses 5).
         blocks: which submodules to manage; default finds the repeated blocks.
         overrides: fixed actions per block name (``{"model.layers.0": "recompute"}``).
-        min_offload_bytes: saved tensors smaller than this stay on the device.
-        stash_depth: copy-outs in flight before the oldest is waited for.
-        host_pool_bytes: cap of the pinned pool (default: half the available host RAM).
-        replan_on_shape_change: re-plan (from the scaled profile) when input shapes change.
-        plot: save the memory timeline PNG into the trainer's log directory.
+        swap_tier, swap_dir, warmup_steps, director, prefetch_depth, min_offload_bytes, stash_depth,
+            host_pool_bytes, replan_on_shape_change, plot: see
+            :class:`~lightning_merak.callbacks.delta.options.DeltaOptions`.
 
-    The defaults and checks of every setting but ``budget``, ``blocks`` and ``overrides`` live in
+    The defaults, descriptions and checks of every setting but ``budget``, ``blocks`` and ``overrides`` live in
     :class:`~lightning_merak.callbacks.delta.options.DeltaOptions`.
     """
 
