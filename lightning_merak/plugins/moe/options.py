@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
+from lightning_merak.util.fields import option
+
 __all__ = ["DispatchPath", "MoEOptions", "PlacementPolicy", "PlanFrom"]
 
 DispatchPath = Literal["capacity", "dropless"]
@@ -18,45 +20,55 @@ PlanFrom = Literal["auto", "current", "previous"]
 
 @dataclass
 class MoEOptions:
-    """What this layer adds to DeepSpeed's: dispatch path, placement policy, overlap.
+    """What this layer adds to DeepSpeed's: dispatch path, placement policy, overlap, and the online check of
+    the placement planner (:mod:`.core.plan_check`). The defaults are plain DeepSpeed-MoE's behaviour. Layers
+    sharing a scheduler share the check (the first one's settings); block-scope Lancet's sub-batches run the
+    model's choice unchecked."""
 
-    The defaults are plain DeepSpeed-MoE's behaviour. ``lancet_chunks`` is ``"auto"`` or a chunk
-    count; a count written as digits (as a config file may hold it) becomes an integer.
-
-    ``placement``: ``auto`` lets one planner pick, per call, between no replication, dropless
-    dispatch, FasterMoE shadowing and Pro-Prophet replica sets by predicted cost
-    (:mod:`.core.step_planner`); ``pro_prophet`` offers only Pro-Prophet's sets against no
-    replication; ``shadowing`` is the FasterMoE baseline (its own rule, this step's counts).
-    ``plan_from``: ``current`` plans from this call's counts (transfers overlap the dispatch),
-    ``previous`` from the previous call's (Pro-Prophet's prediction, transfers prefetched under
-    the previous layer), ``auto`` prefetches only while the cost model says the prediction pays.
-    ``online_check`` (``auto`` and ``pro_prophet``): the planner's predictions are corrected per plan
-    kind, timing and chunking by the layer time measured when each ran; each of these arms runs once
-    to be measured, then, about every ``explore_every`` calls (0: never; seeded by ``explore_seed``), an
-    arm whose measurements say it could still be the fastest runs instead if its corrected prediction is
-    within ``explore_regret`` of the best; corrections are read against the load of their moment
-    (:mod:`.core.plan_check`). Arms measured within the check's noise of the fastest (at most
-    ``balance_tolerance``, relative; 0: speed alone) run the one whose plan balances the load best.
-    Layers sharing a scheduler share the check (the first one's settings);
-    block-scope Lancet's sub-batches run the model's choice unchecked.
-    """
-
-    dispatch: DispatchPath = "capacity"
-    placement: PlacementPolicy = "none"
-    lancet_chunks: Union[int, str] = 1
-    lancet_backward: bool = True
-    overlap_transfer: bool = True
-    replan_every: int = 1
-    replan_threshold: Optional[float] = None
-    exclude_fewest: int = 0
-    slots_per_rank: Optional[int] = None
-    alpha: float = 0.25
-    plan_from: PlanFrom = "auto"
-    online_check: bool = True
-    explore_every: int = 16
-    explore_regret: float = 0.25
-    explore_seed: int = 0
-    balance_tolerance: float = 0.05
+    dispatch: DispatchPath = option(
+        "capacity", "`capacity` (DeepSpeed's: an expert takes at most its capacity of tokens, the rest are dropped) "
+        "or `dropless` (every routed token reaches its expert; needs `drop_tokens=False`).")
+    placement: PlacementPolicy = option(
+        "none", "`none` (experts stay where DeepSpeed puts them), `pro_prophet` (Pro-Prophet's replica sets against "
+        "no replication), `shadowing` (the FasterMoE baseline: hot experts to every rank, from this step's "
+        "counts) or `auto` (one planner picks, per call, between no replication, dropless dispatch, shadowing and "
+        "Pro-Prophet sets by predicted cost).")
+    lancet_chunks: Union[int, str] = option(
+        1, "Chunks each call's exchange is split into, so that one chunk's all-to-all overlaps another's expert "
+        "compute (Lancet); `auto` simulates 1, 2, 4 and 8 and keeps the fastest; 1: no overlap. Digits in a config "
+        "file become an integer.")
+    lancet_backward: bool = option(
+        True, "With chunks, compute the experts' weight gradients after their input gradient, while that chunk's "
+        "input-gradient all-to-all is in flight.")
+    overlap_transfer: bool = option(
+        True, "Move replicated experts' parameters in the background (under the dispatch all-to-all, or prefetched "
+        "under the previous layer) rather than before the exchange.")
+    replan_every: int = option(1, "Make a new placement plan every this many calls of the layer (1: every call).")
+    replan_threshold: Optional[float] = option(
+        None, "Also re-plan sooner when the routed counts drifted from those of the last plan by more than this "
+        "fraction of its tokens (`null`: only every `replan_every` calls).")
+    exclude_fewest: int = option(
+        0, "Pro-Prophet: leave out this many ranks, those sending an expert the fewest tokens, when choosing where to "
+        "replicate it (the paper's n).")
+    slots_per_rank: Optional[int] = option(None, "Pro-Prophet: the most replicas one rank may hold (`null`: no cap).")
+    alpha: float = option(
+        0.25, "Pro-Prophet's balance rule: loads count as balanced when max − min < alpha × tokens / experts (the "
+        "paper's α = 3 never replicated anything at Zipf 1.2 in our measurements, hence 0.25).")
+    plan_from: PlanFrom = option(
+        "auto", "`current` plans from this call's counts (transfers overlap the dispatch), `previous` from the "
+        "previous call's (Pro-Prophet's prediction, transfers prefetched under the previous layer), `auto` "
+        "prefetches only while the cost model says the prediction pays.")
+    online_check: bool = option(
+        True, "With `auto` and `pro_prophet`: correct the planner's predictions per plan kind, timing and chunking "
+        "by the layer time measured when each ran; each such arm runs once to be measured.")
+    explore_every: int = option(
+        16, "With the online check: about every this many calls, an arm whose measurements say it could still be "
+        "the fastest runs instead, if its corrected prediction is within `explore_regret` of the best (0: never).")
+    explore_regret: float = option(0.25, "How far (relative) above the best an arm's prediction may be to explore it.")
+    explore_seed: int = option(0, "Seed of the exploration's random schedule.")
+    balance_tolerance: float = option(
+        0.05, "Arms measured within this fraction of the fastest run the one whose plan balances the load best "
+        "(0: speed alone).")
 
     def __post_init__(self) -> None:
         if isinstance(self.lancet_chunks, str) and self.lancet_chunks.isdigit():
