@@ -71,3 +71,22 @@ def test_restart_runs_the_same_command_again_with_the_tunables() -> None:
     out = subprocess.run([sys.executable, "-c", script, "x=1"], env=env, capture_output=True, text=True, check=True,
                          timeout=60).stdout.splitlines()
     assert out == ["started ['x=1']", "started ['x=1']", "True"]
+
+
+@pytest.mark.parametrize(("local_rank", "on_host", "level"), [
+    (None, True, "WARNING"), ("0", True, "WARNING"), ("1", True, "INFO"), ("0", False, "INFO")])
+def test_a_rank_without_the_tunables_warns_once_per_node_where_tensors_live_on_the_host(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, local_rank: str | None, on_host: bool,
+        level: str) -> None:
+    from lightning_merak.distributed import host_memory
+
+    monkeypatch.setattr(host_memory, "heap_tunables_applied", lambda: False)
+    monkeypatch.setattr(host_memory, "disable_fast_bins", lambda: None)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    with caplog.at_level("INFO", logger=host_memory.__name__):
+        host_memory.prepare_heap(tensors_on_host=on_host)
+    assert [record.levelname for record in caplog.records] == [level]
+    assert "GLIBC_TUNABLES=glibc.malloc.tcache_count=0" in caplog.records[0].getMessage()

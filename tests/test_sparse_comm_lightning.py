@@ -42,18 +42,29 @@ class TokenModel(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
 
 
+class _BucketView(pl.Callback):
+    """Whether DDP, as training starts, keeps gradients as views of its buckets."""
+
+    seen: bool | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.seen = trainer.strategy.model.gradient_as_bucket_view
+
+
 def _fit(tied: bool, callback: SparseCommunication | None, checkpoint: Path | None = None) -> dict[str, object]:
     pl.seed_everything(0, verbose=False)
+    views = _BucketView()
     model = TokenModel(tied)
     generator = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randint(0, VOCAB, (STEPS * 2 * 8, SEQ + 1), generator=generator))
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS, gradient_clip_val=1.0,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[callback] if callback else [],
+        callbacks=[views, *([callback] if callback else [])],
     )
     trainer.fit(model, DataLoader(data, batch_size=8))
-    result: dict[str, object] = {"losses": model.losses, "mix": model.mix.weight.detach().clone()}
+    result: dict[str, object] = {"losses": model.losses, "mix": model.mix.weight.detach().clone(),
+                                 "bucket_view": views.seen}
     if callback is not None and callback.ledger is not None:
         result["wire"] = callback.ledger.snapshot()
         result["decisions"] = list(callback.hook_reducer.decision_log) if callback.hook_reducer else []
@@ -104,6 +115,12 @@ def test_replicated_weights_stay_identical_across_ranks(runs) -> None:
     rank0, rank1 = runs[0]
     for name in ("s2", "auto", "sketch", "embrace", "embrace_tied", "embrace_priority"):
         assert torch.equal(rank0[name]["mix"], rank1[name]["mix"]), name
+
+
+def test_the_hooked_methods_keep_gradients_in_ddp_buckets_and_plain_ddp_is_untouched(runs) -> None:
+    rank0 = runs[0][0]
+    assert rank0["s2"]["bucket_view"] and rank0["auto"]["bucket_view"] and rank0["sketch"]["bucket_view"]
+    assert not rank0["dense"]["bucket_view"]
 
 
 def test_sparse_methods_move_fewer_embedding_bytes_and_auto_explains_itself(runs) -> None:

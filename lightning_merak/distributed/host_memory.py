@@ -17,9 +17,14 @@ time per step, within this shared machine's noise (tp2 1.37–1.44 s → 1.38–
 
 glibc reads tunables only when a process starts: merak3d's launcher exports them to the ranks it starts
 (:func:`export_heap_tunables`), each rank turns the fast bins off at setup and, when it started with the cache on
-(:func:`heap_tunables_applied` probes it), logs the variable to start it with (:func:`prepare_heap`). ``merak-train``
-restarts itself with them before anything else (:func:`restart_with_heap_tunables`), so its rank 0 has them too; the
-first rank of a script the user starts, and ranks another launcher starts, need them in their environment.
+(:func:`heap_tunables_applied` probes it), warns with the variable to start it with (:func:`prepare_heap`).
+``merak-train`` restarts itself with them before anything else (:func:`restart_with_heap_tunables`), so its rank 0
+has them too, and so do its ranks under torchrun or SLURM; the first rank of a script the user starts, and ranks
+another launcher starts from such a script, need them in their environment. A strategy does not restart such a
+rank itself: by the time it runs, the script has done work (files, downloads, trackers, CUDA) a restart would
+repeat, and ``sys.orig_argv`` need not re-run it (``python -c``, notebooks, stdin). Measured without them
+(``python -m benchmarks.scale``, ``peak_over_ideal_without_launcher_env``; ``--quick``, contended machine):
+pp2×tp2's worst rank 1.73× → 2.03× at 24 layers, 4.57× → 4.95× at 2 layers.
 Alternatives measured and not kept: eager optimizer state, gradients in one flat buffer and those long-lived tensors
 in their own mappings (1.39–1.41: what stays in the heap still fragments), fixed mmap thresholds of 1–4 MiB (little).
 Mapping every allocation over 128 KiB (:func:`release_freed_host_memory`, ``compact_host_memory``) brings the peak to
@@ -185,13 +190,21 @@ def skip_final_collection() -> None:
     gc.freeze()
 
 
-def prepare_heap(compact: bool = False) -> None:
-    """Fast bins off now (and, ``compact``, :func:`release_freed_host_memory`); a note naming the fix when this
-    process started with glibc's per-thread cache on."""
+def prepare_heap(compact: bool = False, tensors_on_host: bool = True) -> None:
+    """Fast bins off now (and, ``compact``, :func:`release_freed_host_memory`); a warning naming the fix when this
+    process started with glibc's per-thread cache on.
+
+    A warning, not an info line, because Python's default level hides info and a rank torchrun or SLURM starts from
+    a user's shell has no other sign of it; once per node (local rank 0, or a process no launcher numbered), info on
+    the node's other ranks, which share its environment, and info where the model's tensors are not in host memory
+    (``tensors_on_host=False``: a GPU run), where the held memory is small.
+    """
     if compact:
         release_freed_host_memory()
     disable_fast_bins()
     if heap_tunables_applied() is False:
-        log.info("this process's heap keeps glibc's per-thread cache, which holds freed host memory in holes (peak "
-                 "resident memory up to ~1.5x the live tensors on CPU); start it with GLIBC_TUNABLES=%s",
-                 with_heap_tunables({}))
+        first_on_node = os.environ.get("LOCAL_RANK", "0") == "0"
+        level = logging.WARNING if first_on_node and tensors_on_host else logging.INFO
+        log.log(level, "this process's heap keeps glibc's per-thread cache, which holds freed host memory in holes "
+                "(peak resident memory up to ~1.5x the live tensors on CPU); start it (torchrun, srun, python) "
+                "with GLIBC_TUNABLES=%s in its environment", with_heap_tunables({}))

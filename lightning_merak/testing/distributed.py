@@ -21,6 +21,7 @@ environment as it is at the call, as ``spawn`` would give it, plus ``env``.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -34,6 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from lightning_merak.cli.prelaunch import free_loopback_port
+from lightning_merak.testing.cpu_quota import CpuQuota
 
 __all__ = ["DistributedRunError", "find_free_port", "run_distributed"]
 
@@ -135,9 +137,13 @@ def run_distributed(
     threads_per_rank: int = 1,
     env: dict[str, str] | None = None,
     backend: str = "gloo",
+    cpu_quota: CpuQuota | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks (gloo; ``backend="nccl"`` puts
     rank ``r`` on GPU ``r``, for benchmarks' GPU legs).
+
+    ``cpu_quota`` (entered here, removed on return) gives each rank its own fixed CPU share, so a timing
+    benchmark with more ranks than cores emulates one device per rank.
 
     Returns the values the ranks returned, ordered by rank. Raises
     :class:`DistributedRunError` as soon as a rank fails, or when ``timeout_s`` passes
@@ -163,9 +169,20 @@ def run_distributed(
     ]
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
+    quota = contextlib.nullcontext() if cpu_quota is None else cpu_quota
+    with quota:
+        return _run_ranks(processes, outcomes, results, deadline, timeout_s, cpu_quota)
+
+
+def _run_ranks(processes: list[Any], outcomes: Any, results: dict[int, Any], deadline: float, timeout_s: float,
+               cpu_quota: CpuQuota | None) -> list[Any]:
+    """Start the ranks, collect their outcomes until all reported or one failed, and reap them."""
+    world_size = len(processes)
     try:
-        for proc in processes:
+        for rank, proc in enumerate(processes):
             proc.start()
+            if cpu_quota is not None:
+                cpu_quota.join(rank, proc.pid)
         while len(results) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:

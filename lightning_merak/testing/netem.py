@@ -48,6 +48,8 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any, TypeVar
 
+from lightning_merak.testing.cpu_quota import CpuQuota, pid_alive
+
 DEFAULT_PREFIX = "merak-netem"
 DEFAULT_SUBNET = ipaddress.IPv4Network("10.213.0.0/24")
 RANK_INTERFACE = "eth0"
@@ -313,23 +315,13 @@ def _delete_namespace(namespace: str) -> None:
     _run_network_command(["ip", "netns", "delete", namespace])
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_stale(prefix: str = DEFAULT_PREFIX) -> list[str]:
     """Delete namespaces named with ``prefix`` whose owner process is dead; return their names.
 
     The veths and qdiscs of a cluster live only inside its namespaces, so they go too.
     A namespace that another process deletes meanwhile counts as removed.
     """
-    stale = [ns for ns in list_namespaces() if (pid := owner_pid_of(ns, prefix)) is not None and not _pid_alive(pid)]
+    stale = [ns for ns in list_namespaces() if (pid := owner_pid_of(ns, prefix)) is not None and not pid_alive(pid)]
     for namespace in stale:
         try:
             _delete_namespace(namespace)
@@ -392,10 +384,13 @@ class _RankLauncher:
     master_port: int
     socket_interface: str
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, cpu_quota: CpuQuota | None = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if cpu_quota is not None and cpu_quota.ranks != world_size:
+            raise ValueError(f"cpu_quota is for {cpu_quota.ranks} ranks, the cluster has {world_size}")
         self.world_size = world_size
+        self.cpu_quota = cpu_quota  # each rank's fixed CPU share, set up and removed with the cluster
         self._live: list[RankProcess] = []
         self._previous_handlers: dict[int, Any] = {}
 
@@ -436,6 +431,8 @@ class _RankLauncher:
             raise
         process = RankProcess(rank, popen, stdout, stderr)
         self._live.append(process)
+        if self.cpu_quota is not None:
+            self.cpu_quota.join(rank, popen.pid)
         return process
 
     def wait_all(self, processes: Sequence[RankProcess], timeout_s: float) -> list[RankResult]:
@@ -487,6 +484,8 @@ class _RankLauncher:
         self._install_signal_handlers()
         try:
             self._build()
+            if self.cpu_quota is not None:
+                self.cpu_quota.__enter__()
         except BaseException:
             self._shut_down()
             raise
@@ -513,6 +512,8 @@ class _RankLauncher:
             signal.signal(signum, signal.SIG_IGN)
         try:
             self._reap(list(self._live))
+            if self.cpu_quota is not None:
+                self.cpu_quota.__exit__(None, None, None)
             self._tear_down()
         finally:
             for signum, handler in self._previous_handlers.items():
@@ -532,8 +533,8 @@ class LoopbackCluster(_RankLauncher):
     master_addr = "127.0.0.1"
     socket_interface = "lo"
 
-    def __init__(self, world_size: int) -> None:
-        super().__init__(world_size)
+    def __init__(self, world_size: int, cpu_quota: CpuQuota | None = None) -> None:
+        super().__init__(world_size, cpu_quota)
         self.master_port = _free_loopback_port()
 
 
@@ -553,8 +554,9 @@ class EmulatedCluster(_RankLauncher):
         link: LinkSpec,
         name_prefix: str = DEFAULT_PREFIX,
         subnet: ipaddress.IPv4Network = DEFAULT_SUBNET,
+        cpu_quota: CpuQuota | None = None,
     ) -> None:
-        super().__init__(world_size)
+        super().__init__(world_size, cpu_quota)
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_.-]*", name_prefix):
             raise ValueError(f"name_prefix must be letters, digits, '_', '.', '-': {name_prefix!r}")
         if not subnet.is_private:

@@ -281,6 +281,8 @@ class SparseCommunication(pl.Callback):
             self.excluded_reducer = self._reducer({id(p): n for n, p in self.excluded_tables.items()}, comm_group)
             ignored = [f"{name}.weight" for name in self.excluded_tables]
             self._watch_lookups(pl_module, tables)
+            if hooked:
+                _gradients_in_buckets(strategy)
         if ignored:
             self._ignore_in_ddp(pl_module, ignored)
         self._active = True
@@ -558,3 +560,16 @@ class _Lookahead(Iterator[Any]):
             except StopIteration:
                 self._peeked = _EXHAUSTED
         return None if self._peeked is _EXHAUSTED else self._peeked
+
+
+def _gradients_in_buckets(strategy: pl.strategies.Strategy) -> None:
+    """Let DDP keep gradients as views of its buckets, unless the user chose otherwise.
+
+    The hook hands each bucket's dense table gradient to the S2 reducer and writes the result back into the bucket;
+    with gradients copied into buckets and back, a table-sized gradient crosses memory twice more per step than
+    torch's sparse path does (measured, a 500k × 64 table on one CPU thread: ~56 ms per copy). Only the
+    ``DDPStrategy``'s keyword arguments (a private attribute, read if present) can ask for it before DDP wraps.
+    """
+    ddp_kwargs = getattr(strategy, "_ddp_kwargs", None)
+    if isinstance(ddp_kwargs, dict):
+        ddp_kwargs.setdefault("gradient_as_bucket_view", True)

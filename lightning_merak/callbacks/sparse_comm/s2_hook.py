@@ -278,12 +278,13 @@ class S2Reducer:
         gathered = torch.empty(world_size * padded.numel(), dtype=padded.dtype, device=padded.device)
         _all_gather_into_tensor(gathered, padded.flatten(), group=self.process_group)
         self._record("all_gather", padded.numel() * padded.element_size(), EMBEDDING)
-        summed = scaled.new_zeros(num_rows, dim)
+        # Summed in the union's rows, not the table's: a table-sized buffer would cost a [V, H] memset per step.
+        summed = scaled.new_zeros(union.numel(), dim)
         per_rank = gathered.view(world_size, -1, dim)
         for rank in range(world_size):
             rank_ids = bitmap_rows(rank_bitmaps[rank], num_rows)
-            summed.index_add_(0, rank_ids, per_rank[rank, : rank_ids.numel()])
-        return _TablePlan(name, shape, sparse_output, method, union, scaled.new_zeros(0), summed[union])
+            summed.index_add_(0, torch.searchsorted(union, rank_ids), per_rank[rank, : rank_ids.numel()])
+        return _TablePlan(name, shape, sparse_output, method, union, scaled.new_zeros(0), summed)
 
     def finish(
         self, plan: _TablePlan, reduced_payload: torch.Tensor, out: torch.Tensor | None = None

@@ -42,12 +42,17 @@ from lightning_merak.distributed.dtensors import local_tensor
 from lightning_merak.distributed.gradient_buffer import Bucket, GradientBuffer, ShardSlice
 from lightning_merak.distributed.gradient_norm import ShardedGradients
 from lightning_merak.parallel.data.gradients import averaged_parameters
-from lightning_merak.parallel.data.reduce_scatter import ReduceScatterQueue
+from lightning_merak.parallel.data.reduce_scatter import ReduceScatterQueue, start_reduce_scatter
 from lightning_merak.parallel.data.sharding_checks import (
     SHARDED_MODES,
     check_precision,
     check_shardable_optimizer,
     check_sharding,
+)
+from lightning_merak.parallel.data.skipped_communication import (
+    Done,
+    communication_skipped,
+    keep_own_part,
 )
 from lightning_merak.parallel.layout import LayoutGroups
 from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh
@@ -131,9 +136,12 @@ class DataParallelGradients:
         """Buckets whose collective started during a backward (overlapped), over the run."""
         self.validated = False
         """Whether a step has confirmed the averaged parameters (overlap starts after it)."""
+        self._communicate = not communication_skipped()
         self._works: dict[int, Any] = {}
         """Plain data parallelism's all-reduces by bucket index (sharded modes queue reduce-scatters instead)."""
-        self._scatters = ReduceScatterQueue(self._shard_group, self._reduced) if self.sharded else None
+        self._scatters = (ReduceScatterQueue(self._shard_group, self._reduced,
+                                             start=start_reduce_scatter if self._communicate else keep_own_part)
+                          if self.sharded else None)
         self._ready: set[int] = set()
         self._next_launch = 0
         """Buckets ready during this backward, and the index of the next one to start (starts go in order)."""
@@ -150,13 +158,26 @@ class DataParallelGradients:
         self._forward_hooks: list[Any] = []
         if overlap_param_gather is not None:
             self.buffer.before_write = self._finish_gather
-            for owner in overlap_param_gather.modules():
-                indices = sorted({self.buffer.bucket_of(param).index for param in owner._parameters.values()
-                                  if param is not None and id(param) in self._positions})
-                if indices:
-                    self._forward_hooks.append(owner.register_forward_pre_hook(self._gathered_before(indices)))
+            for caller, indices in self._first_users(overlap_param_gather).items():
+                self._forward_hooks.append(caller.register_forward_pre_hook(self._gathered_before(sorted(indices))))
         self.exposed_s: list[float] = []
         """Seconds each step waited for the gradient collectives after its backward ended."""
+
+    def _first_users(self, root: nn.Module) -> dict[nn.Module, set[int]]:
+        """The buckets each module's forward must find gathered: its own parameters', and those of containers it
+        reads without calling them (a ``ParameterDict`` of adapter factors)."""
+        parent = {child: module for module in root.modules() for child in module.children()}
+        users: dict[nn.Module, set[int]] = {}
+        for owner in root.modules():
+            indices = {self.buffer.bucket_of(param).index for param in owner._parameters.values()
+                       if param is not None and id(param) in self._positions}
+            if not indices:
+                continue
+            caller = owner
+            while type(caller).forward is nn.Module.forward and caller in parent:  # never called: a container
+                caller = parent[caller]
+            users.setdefault(caller, set()).update(indices)
+        return users
 
     # Shard parameters ----------------------------------------------------------------------------
 
@@ -421,7 +442,8 @@ class DataParallelGradients:
         if self._scatters is not None:
             self._scatters.submit(bucket.index, self._shard_grads[bucket.index], bucket.flat)
         else:
-            self._works[bucket.index] = dist.all_reduce(bucket.flat, group=self._group, async_op=True)
+            self._works[bucket.index] = (dist.all_reduce(bucket.flat, group=self._group, async_op=True)
+                                         if self._communicate else Done())
 
     def _launched(self, bucket: Bucket) -> bool:
         return bucket.index in (self._scatters if self._scatters is not None else self._works)
@@ -457,7 +479,7 @@ class DataParallelGradients:
             self.exposed_s.append(time.perf_counter() - start)
             return
         for part in self._shard_grads:
-            if self._replicate_group is not None:
+            if self._replicate_group is not None and self._communicate:
                 dist.all_reduce(part, group=self._replicate_group)
             part /= divide_by
         for bucket in self.buffer.buckets:  # the averaged gradients are the shards'; the buckets hold local sums
@@ -525,8 +547,13 @@ def data_parallel_gradients(module: nn.Module, built: Any, groups: LayoutGroups,
     return DataParallelGradients(params, late, groups=groups, mode=layout.data_parallel_sharding, shards=shards,
                                  overlap=arguments.overlap_grad_reduce,
                                  bucket_bytes=bucket_bytes(arguments.grad_bucket_mb, params),
-                                 overlap_param_gather=module if arguments.overlap_param_gather else None,
+                                 overlap_param_gather=module if gathers_overlapped(arguments, layout) else None,
                                  ready_order=ready_order)
+
+
+def gathers_overlapped(arguments: Any, layout: Any) -> bool:
+    """ZeRO-1 gathers during the next forward (hidden as DDP hides its all-reduce) unless told not to."""
+    return layout.data_parallel_sharding == "optimizer" and arguments.overlap_param_gather is not False
 
 
 DEFAULT_BUCKET_MB = 25.0

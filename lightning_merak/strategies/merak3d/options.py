@@ -91,10 +91,12 @@ class Merak3DOptions:
     overlap_grad_reduce: bool = option(
         True, "Reduce each gradient bucket once the last micro-batch's backward has finished it, while the "
         "backward goes on (`false`: all buckets at once after it).")
-    overlap_param_gather: bool = option(
-        False, "With `data_parallel_sharding=optimizer`, gather updated parameters while the next forward runs, "
-        "each bucket just before the first module using it. Until then a callback's `on_train_batch_end` reads "
-        "the previous step's parameters; checkpoints, validation and the end of training wait for them.")
+    overlap_param_gather: Optional[bool] = option(
+        None, "With `data_parallel_sharding=optimizer`, gather updated parameters while the next forward runs, "
+        "each bucket just before the first module using it (`null`: on with `optimizer`, which then hides the "
+        "gather as DDP hides its all-reduce). Until then a callback's `on_train_batch_end` reads the previous "
+        "step's parameters; checkpoints, validation and the end of training wait for them. `false` gathers "
+        "right after the optimizer step.")
     grad_bucket_mb: Optional[float] = option(
         None, "Size in MB of a gradient bucket, the unit of the data-parallel reduction (`null`: 25 MB, or less "
         "for a small model). The default is an eighth of the stage's gradients when that is smaller than 25 MB, "

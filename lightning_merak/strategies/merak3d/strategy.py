@@ -87,7 +87,7 @@ class Merak3DStrategy(CheckpointHooks):
         data_parallel_sharding: str = "none",
         data_parallel_shard_size: Optional[int] = None,
         overlap_grad_reduce: bool = True,
-        overlap_param_gather: bool = False,
+        overlap_param_gather: Optional[bool] = None,
         grad_bucket_mb: Optional[float] = None,
         micro_batching: str = "none", micro_batch_tokens: Optional[int] = None, micro_batching_cost: Any = None,
     ) -> None:
@@ -305,7 +305,8 @@ class Merak3DStrategy(CheckpointHooks):
     def setup_environment(self) -> None:
         # before the rendezvous, so a rank waiting for its peers also ends on SIGTERM/SIGINT
         install_termination_handler()
-        host_memory.prepare_heap(compact=self._arguments.compact_host_memory)
+        host_memory.prepare_heap(compact=self._arguments.compact_host_memory,
+                                 tensors_on_host=self.root_device.type == "cpu")
         super().setup_environment()
         assert self.cluster_environment is not None
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)

@@ -24,24 +24,32 @@ Exploration keeps a factor from staying wrong, and is paid only where it can pay
 has been measured, each arm that never ran and has nothing to borrow from but the pooled median runs
 once, whatever its prediction: the model's ranking is what is being checked, and it can be off by
 more than any fixed margin (on a 2-core CPU it priced dropless dispatch at 2.3× Pro-Prophet's sets,
-which measured about as fast). After that, an arm runs again only if it could still be the fastest:
-its factor less twice the standard error of a median of its samples (the residuals' pooled robust
-scatter over the square root of its sample count) puts it below the best's score (an arm with nothing
-measured or borrowed could be anything, so it qualifies even before the first measurement), and its corrected
-prediction is within ``max_regret`` of the best's (one exploration's cost is bounded). Such runs are
-spaced by a seeded gap (``explore_every`` calls on average, never fewer than half of it). As an arm
-collects samples its bound narrows, so exploration stops once the factors are settled, and resumes
-only where the scatter says they may overlap. An arm measured fewer than ``confident`` times is
-chosen on its *worst* residual so far, not its median: a single lucky run cannot make a plan that is
-slower on average the choice for the next calls.
+which measured about as fast). The *best* is the arm the check would choose (below). An arm measured
+fewer than ``confident`` times is chosen on its *worst* residual so far, not its median: a single lucky
+run cannot make a plan that is slower on average the choice for the next calls. That pessimism does not
+decide whether it may run again: until it has ``confident`` samples it is explored while the lower of
+its optimistic bound (below) and its prediction corrected as if it had never run (by what it would
+borrow: its base's factor plus what the other variants measured over their bases, else the median over
+the other arms' residuals) is within ``max_regret`` of the best's score. Its first runs may have been
+cold (the first call of a warm-up) or unlucky, and one such run must not lock a plan out for good; the
+cost stays bounded, at most ``confident`` runs of each arm priced within ``max_regret`` of the best. An
+arm measured ``confident`` times or more runs again only if it could still be the fastest: its factor
+less twice the standard error of a median of its samples (the residuals' pooled robust scatter over the
+square root of its sample count), its *optimistic bound*, puts it below the best's score (an arm with
+nothing measured or borrowed could be anything, so it qualifies even before the first measurement), and
+its corrected prediction is within ``max_regret`` of the best's (one exploration's cost is bounded).
+Explorations are spaced by a seeded gap (``explore_every`` calls on average, never fewer than half of
+it); the one that runs is the eligible arm with the lowest bound it was judged on. As an arm collects
+samples its bound narrows, so exploration stops once the factors are settled, and resumes only where
+the scatter says they may overlap.
 
-Balance breaks ties. Where arms score within the check's own noise of the best (the relative median
-absolute deviation of the best arm's recent ratios, at most ``balance_tolerance``), the one whose plan
+Balance breaks ties. Where arms score within the check's own noise of the fastest (the relative median
+absolute deviation of the fastest arm's recent ratios, at most ``balance_tolerance``), the one whose plan
 leaves the lowest load max/mean runs: the measurements cannot tell them apart, and a balanced step
-also lowers the busiest rank's memory and tail latency. The guard stays: an arm that replicates is
-never preferred over a measured-faster arm that does not (``replicates=False``). Plain Python: given the same
-measurements in the same order (the layer max-reduces them over its ranks first) every rank makes
-the same choices.
+also lowers the busiest rank's memory and tail latency. An arm that replicates is never preferred over
+an arm that does not (``replicates=False``) and scores lower by more than that noise; within it, balance
+decides for replicating arms as for any other. Plain Python: given the same measurements in the same
+order (the layer max-reduces them over its ranks first) every rank makes the same choices.
 """
 
 from __future__ import annotations
@@ -82,7 +90,7 @@ class Selection:
 
 class PlanCheck:
     """Per-arm multiplicative corrections fitted from measured layer time against the load of the moment,
-    with exploration only where an arm could still win."""
+    with exploration only where an arm could still win or has run too few times to tell."""
 
     def __init__(self, window: int = 8, explore_every: int = 16, max_regret: float = 0.25, seed: int = 0,
                  confident: int = 3, balance_tolerance: float = 0.05, level_smoothing: float = 0.5) -> None:
@@ -101,7 +109,7 @@ class PlanCheck:
         self.level_smoothing = level_smoothing
         self._residuals: dict[str, deque[float]] = {}
         self._tried: set[str] = set()
-        self._variant_offsets: deque[float] = deque(maxlen=window)
+        self._variant_offsets: deque[tuple[str, float]] = deque(maxlen=window)  # (variant arm, offset)
         self._level = 0.0
         self._pending: tuple[str, float, float] | None = None
         self._rng = random.Random(seed)
@@ -120,6 +128,10 @@ class PlanCheck:
         return bool(self._residuals.get(arm)) or (base is not None and bool(self._residuals.get(base))
                                                   and bool(self._variant_offsets))
 
+    def _offsets(self, excluding: str | None = None) -> list[float]:
+        """What variants measured over their bases (the last ``window`` such runs), less ``excluding``'s own."""
+        return [offset for variant, offset in self._variant_offsets if variant != excluding]
+
     def _factor(self, arm: str, base: str | None = None) -> float:
         """``arm``'s log correction: its residuals' median, else its base's plus the variants' offset, else the
         median over every arm's residuals, else 0."""
@@ -127,7 +139,7 @@ class PlanCheck:
         if own:
             return statistics.median(own)
         if self._informed(arm, base):
-            return statistics.median(self._residuals[base]) + statistics.median(self._variant_offsets)
+            return statistics.median(self._residuals[base]) + statistics.median(self._offsets())
         pooled = [residual for residuals in self._residuals.values() for residual in residuals]
         return statistics.median(pooled) if pooled else 0.0
 
@@ -145,6 +157,33 @@ class PlanCheck:
         if own and len(own) < self.confident:
             return candidate.predicted_s * math.exp(max(own))
         return self.corrected(candidate)
+
+    def _unsettled(self, arm: str) -> bool:
+        """Whether ``arm`` has run but fewer than ``confident`` times (chosen on its worst residual, explored
+        on its prediction)."""
+        return 0 < self.samples(arm) < self.confident
+
+    def _borrowed(self, candidate: Candidate) -> float:
+        """``candidate``'s prediction corrected as if it had never run: by its base's factor plus the other
+        variants' offset where it has a measured base and they ran, else by the median over every other arm's
+        residuals."""
+        base, offsets = candidate.base, self._offsets(excluding=candidate.arm)
+        if base is not None and base != candidate.arm and self._residuals.get(base) and offsets:
+            factor = statistics.median(self._residuals[base]) + statistics.median(offsets)
+        else:
+            pooled = [residual for arm, residuals in self._residuals.items() if arm != candidate.arm
+                      for residual in residuals]
+            factor = statistics.median(pooled) if pooled else 0.0
+        return candidate.predicted_s * math.exp(factor)
+
+    def _explorable(self, candidate: Candidate, scatter: float) -> float:
+        """What an exploration of ``candidate`` is judged and ordered on: its optimistic bound, or for an arm
+        measured fewer than ``confident`` times the lower of that and its prediction uncorrected by its own
+        samples (its first runs may have been cold)."""
+        optimistic = self._optimistic(candidate, scatter)
+        if self._unsettled(candidate.arm):
+            return min(optimistic, self._borrowed(candidate))
+        return optimistic
 
     def scatter(self) -> float:
         """The residuals' robust standard deviation (1.4826 × the median absolute deviation from each arm's own
@@ -169,19 +208,21 @@ class PlanCheck:
         return statistics.median(abs(residual - middle) for residual in own)
 
     def _most_balanced(self, candidates: Sequence[Candidate], scores: list[float], fastest: int) -> int:
-        """Among arms scoring within the noise of ``fastest`` (and never above a non-replicating arm's
-        score), the one with the lowest load max/mean; ties to the faster, then the earlier."""
+        """Among arms scoring within the noise of ``fastest`` (and, for an arm that replicates, within that
+        noise of every arm that does not), the one with the lowest load max/mean; ties to the faster, then the
+        earlier."""
         tolerance = min(self.balance_tolerance, self.noise(candidates[fastest].arm))
         ceiling = scores[fastest] * (1.0 + tolerance)
         plain = [scores[i] for i, c in enumerate(candidates) if not c.replicates]
-        if plain:
-            ceiling = min(ceiling, min(plain))
-        near = [i for i in range(len(candidates)) if scores[i] <= ceiling] or [fastest]
+        guard = min(plain) * (1.0 + tolerance) if plain else math.inf
+        near = [i for i in range(len(candidates))
+                if scores[i] <= ceiling and (not candidates[i].replicates or scores[i] <= guard)] or [fastest]
         return min(near, key=lambda i: (candidates[i].max_over_mean, scores[i], i))
 
     def select(self, candidates: Sequence[Candidate]) -> Selection:
         """The least corrected prediction (ties to the earlier candidate, near-ties to the more balanced one),
-        or an exploration when one is due and some arm could still beat it."""
+        or an exploration when one is due and another arm is eligible: one that could still beat it, or one
+        measured fewer than ``confident`` times and priced within ``max_regret`` of it."""
         if not candidates:
             raise ValueError("select needs at least one candidate")
         corrected = [self._score(c) for c in candidates]
@@ -195,12 +236,18 @@ class PlanCheck:
         fresh = unknown if self._residuals else []
         scatter = self.scatter()
         bound = corrected[best] * (1.0 + self.max_regret)
-        contenders = [i for i in others if corrected[i] <= bound
-                      and (i in unknown or self._optimistic(candidates[i], scatter) < corrected[best])]
+        explorable = {i: self._explorable(candidates[i], scatter) for i in others}
+
+        def eligible(i: int) -> bool:
+            if self._unsettled(candidates[i].arm):  # its pessimistic score decides nothing here
+                return explorable[i] <= bound
+            return corrected[i] <= bound and (i in unknown or explorable[i] < corrected[best])
+
+        contenders = [i for i in others if eligible(i)]
         if fresh:
             pick = min(fresh, key=lambda i: (corrected[i], i))
         elif contenders and self._until_explore == 0:
-            pick = min(contenders, key=lambda i: (self._optimistic(candidates[i], scatter), i))
+            pick = min(contenders, key=lambda i: (explorable[i], i))
             self._until_explore = self._gap()
         else:
             self._tried.add(candidates[best].arm)
@@ -226,7 +273,7 @@ class PlanCheck:
             self._residuals[pending_arm][-1] = pending_log_ratio - (level_before + reading) / 2
         residual = log_ratio - self._level
         if base is not None and self._residuals.get(base):
-            self._variant_offsets.append(residual - statistics.median(self._residuals[base]))
+            self._variant_offsets.append((arm, residual - statistics.median(self._residuals[base])))
         self._residuals.setdefault(arm, deque(maxlen=self.window)).append(residual)
         self._pending = (arm, log_ratio, self._level)
         if reading is not None:

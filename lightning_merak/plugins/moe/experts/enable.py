@@ -48,7 +48,7 @@ __all__ = [
     "set_replica_plans",
 ]
 
-EXACT_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+EXACT_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
 """Families whose swapped outputs and gradients are tested equal to the unswapped model (fp32, ≤1e-5)."""
 
 _OWN_LOOP = "its experts run their own loop outside transformers' experts registry (no @use_experts_implementation)"
@@ -65,6 +65,9 @@ REFUSED_FAMILIES: dict[str, str] = {
 """Families refused with the reason. Any other family is inspected: see :func:`family_support`."""
 
 _CALL = ["self", "hidden_states", "top_k_index", "top_k_weights"]
+_CALLS = (_CALL, ["self", "hidden_states", "router_indices", "routing_weights"])
+"""The registry's call, and GptOss' names for the same three positional arguments (its block passes them by
+position, and transformers' dispatch hands them on as they came)."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,7 @@ def family_support(model: nn.Module) -> tuple[bool, str]:
         return False, f"{family}: no experts module goes through transformers' experts registry"
     for name, module in modules:
         call = list(inspect.signature(inspect.unwrap(type(module).forward)).parameters)
-        if call != _CALL:
+        if call not in _CALLS:
             return False, f"{name} ({type(module).__name__}) is called with {call}, not the registry's {_CALL}"
         if not hasattr(module, "gate_up_proj" if module.has_gate else "up_proj"):
             return False, f"{name} ({type(module).__name__}) holds no fused 3D expert projection"

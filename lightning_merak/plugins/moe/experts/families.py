@@ -42,8 +42,12 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                          "routed_scaling_factor": 2.5, "num_key_value_heads": 4,
                                          "kv_lora_rank": 16, "q_lora_rank": 32,
                                          "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16}),
+    "gpt_oss": ("GptOssConfig", {"intermediate_size": 64, "num_local_experts": 8, "num_experts_per_tok": 4,
+                                 "head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}}),
 }
 """family → (config class in ``transformers``, tiny overrides). Qwen3-MoE, OLMoE and DeepSeek-V3 route top-8.
+gpt-oss keeps its biased experts, interleaved gate/up and clamped SwiGLU; its YaRN RoPE (sized for 131k
+positions) becomes plain RoPE at the tiny context.
 
 Few experts (8-16) so tests run in milliseconds; :data:`FAMILY_ROUTING` restores each family's own routing shape.
 """
@@ -57,6 +61,7 @@ FAMILY_ROUTING: dict[str, dict[str, Any]] = {
                     "n_group": None, "topk_group": None, "first_k_dense_replace": 0},
     "deepseek_v3": {"n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
                     "first_k_dense_replace": 0},
+    "gpt_oss": {"num_local_experts": 128, "num_experts_per_tok": 4},
 }
 """family → its config class's own routing shape (transformers 5.24 defaults), over :data:`FAMILY_CONFIGS`.
 
@@ -93,16 +98,18 @@ def family_widths(family: str, hidden: int) -> dict[str, int]:
 
 
 def tiny_moe_model(family: str, *, hidden: int = 64, layers: int = 2, vocab: int = 128, seed: int = 0,
-                   experts_implementation: str = "eager", dtype: torch.dtype = torch.float32,
+                   experts_implementation: str | None = "eager", dtype: torch.dtype = torch.float32,
                    intermediate: int | str | None = None, routing: str = "few_experts",
                    **overrides: Any) -> torch.nn.Module:
-    """A seeded tiny ``*ForCausalLM`` of ``family``; DeepSeek-V3's score-correction bias is made non-zero.
+    """A seeded tiny ``*ForCausalLM`` of ``family``; DeepSeek-V3's score-correction bias and gpt-oss' expert biases
+    are made non-zero.
 
     ``intermediate`` sets every intermediate size of the family's config (experts, shared experts, dense
     layers) to one value, so a larger workload is the same size for every family; ``intermediate="family"``
     keeps the family's own proportions instead (:func:`family_widths`). ``routing="family"``
     routes as the family does (:data:`FAMILY_ROUTING`: 8-256 experts, top-2 to top-8); the default keeps
-    the tests' few experts.
+    the tests' few experts. ``experts_implementation=None`` leaves the choice to transformers (its default,
+    what a user who never sets it runs); the default ``"eager"`` is the reference the exactness tests compare with.
     """
     import transformers
 
@@ -120,12 +127,14 @@ def tiny_moe_model(family: str, *, hidden: int = 64, layers: int = 2, vocab: int
     elif intermediate is not None:
         raise ValueError(f"intermediate={intermediate!r}: give a size (int) or 'family'")
     config = getattr(transformers, class_name)(**{**_common(hidden, layers, vocab), **extra, **overrides})
-    config._experts_implementation = experts_implementation
+    if experts_implementation is not None:
+        config._experts_implementation = experts_implementation
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "gate.weight" in name or name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+            if "gate.weight" in name or name.endswith(("router.weight", "experts.gate_up_proj", "experts.down_proj",
+                                                       "experts.gate_up_proj_bias", "experts.down_proj_bias")):
                 param.normal_(0.0, 0.1)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
