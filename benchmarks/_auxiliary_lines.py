@@ -64,15 +64,6 @@ def sharding_gpu(data: dict[str, Any]) -> str:
             + f"; not run: {data['not_run']}")
 
 
-def moe_families_gpu(data: dict[str, Any]) -> str:
-    """One line for the moe_families section: the single-GPU leg, ours against eager and grouped_mm."""
-    cells = [f"{r['family']} {r['dtype']} failed: {brief(r['error'])}" if r.get("error") else
-             f"{r['family']} {r['dtype']} {ratio(r.get('speedup_vs_eager'))} / {ratio(r.get('speedup_vs_grouped_mm'))}"
-             for r in data["rows"]]
-    return (f"GPU leg ({data['device_name']}, torch {data['machine']['torch']}, ep=1, one process; ours vs eager / "
-            "vs grouped_mm): " + ", ".join(cells))
-
-
 def planner_moe(data: dict[str, Any]) -> str:
     """One line for the planner section: each merak_ep layout's predicted step against its measured one."""
     cells = [f"{r['layout']} predicted {1e3 * r['predicted_s']:.0f} ms (exchange "

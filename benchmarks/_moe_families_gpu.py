@@ -1,7 +1,8 @@
 """The single-GPU leg of ``benchmarks.moe_families`` (ep=1, one process, CUDA).
 
 Per family and dtype: a training step (forward and backward) of the unswapped model with
-transformers' eager expert loop, with its ``grouped_mm`` implementation, and with ours
+transformers' eager expert loop, with its default experts implementation (the model built without
+``experts_implementation``; the one transformers picked is recorded), and with ours
 (``merak_grouped``, the dropless grouped core), timed with ``torch.cuda.synchronize``; plus
 ours' largest output difference from the eager loop. Each family routes as it does (its experts and
 top-k) at its own width proportions (:func:`~lightning_merak.plugins.moe.experts.family_widths`), as the CPU
@@ -62,24 +63,26 @@ def run_gpu(families: list[str], quick: bool, device: str = "cuda",
             row: dict[str, Any] = {"family": family, "dtype": str(dtype).removeprefix("torch."), "hidden": hidden}
             try:
                 row["widths"] = family_widths(family, hidden)
-                base = tiny_moe_model(family, hidden=hidden, layers=2, vocab=1024, dtype=dtype,
-                                      intermediate="family", routing="family").to(device)
+                default = tiny_moe_model(family, hidden=hidden, layers=2, vocab=1024, dtype=dtype,
+                                         intermediate="family", routing="family",
+                                         experts_implementation=None).to(device)
+                row["default_implementation"] = default.config._experts_implementation
                 ids = torch.randint(0, 1024, (batch, seq), device=device,
                                     generator=torch.Generator(device).manual_seed(0))
-                grouped = copy.deepcopy(base)
-                grouped.set_experts_implementation("grouped_mm")
+                base = copy.deepcopy(default)
+                base.set_experts_implementation("eager")
                 ours = copy.deepcopy(base)
                 enable_grouped_experts(ours)
                 row["output_diff_vs_eager"] = (_step(ours, ids) - _step(base, ids)).abs().max().item()
                 row["step_ms"] = {"ours": _time(ours, ids, warmup, steps, device)}
-                for name, model in (("eager", base), ("grouped_mm", grouped)):
-                    try:  # a baseline that fails here (e.g. no grouped_mm kernel for this dtype) is noted, not fatal
+                for name, model in (("eager", base), ("default", default)):
+                    try:  # a baseline that fails here (e.g. no kernel for this dtype) is noted, not fatal
                         row["step_ms"][name] = _time(model, ids, warmup, steps, device)
                         row[f"speedup_vs_{name}"] = row["step_ms"][name] / row["step_ms"]["ours"]
                     except Exception as error:
                         row[f"{name}_error"] = f"{type(error).__name__}: {error}"
                         row[f"speedup_vs_{name}"] = None
-                del base, grouped, ours
+                del base, default, ours
                 if device == "cuda":
                     torch.cuda.empty_cache()
             except Exception as error:  # one family failing is a failed row

@@ -1,12 +1,13 @@
 """One gloo rank of ``benchmarks.moe_families``' ep=2 leg: swap equality and step times per family.
 
 Every variant runs a training step (forward, backward, the data-parallel gradient average in one flat
-all-reduce) on this rank's own batch: ``eager`` and ``grouped_mm`` are the unswapped model (every expert on every rank,
-transformers' expert loop or its grouped_mm implementation), ``ours`` is ``merak_ep`` over the two ranks
-(expert gradients stay local and are divided by the rank count; the rest is averaged), and
-``ours_grouped_no_ep`` our grouped core with every expert on every rank (what the exchange costs), and
-``ours_replicated`` ``merak_ep`` with each layer's hottest expert (from the first step) shadowed on
-every rank (what replication's transfers cost; its difference from ``ours`` is checked too).
+all-reduce) on this rank's own batch: ``default`` is the unswapped model as a user gets it (every expert on every
+rank, transformers' default experts implementation: the model is built without ``experts_implementation``, and the
+implementation transformers picked is recorded), ``eager`` the same with transformers' expert loop (the exactness
+reference), ``ours`` is ``merak_ep`` over the two ranks at its defaults (expert gradients stay local and are divided
+by the rank count; the rest is averaged), ``ours_grouped_no_ep`` our grouped core with every expert on every rank
+(what the exchange costs), and ``ours_replicated`` ``merak_ep`` with each layer's hottest expert (from the first
+step) shadowed on every rank (what replication's transfers cost; its difference from ``ours`` is checked too).
 """
 
 from __future__ import annotations
@@ -83,13 +84,24 @@ def _hottest_shadowed(loads: dict[str, torch.Tensor], world: int) -> dict[str, P
     return plans
 
 
-def run_family(rank: int, world: int, family: str, size: dict[str, int], warmup: int, steps: int) -> dict[str, Any]:
-    """Diffs against the unswapped eager model and the median step time of each variant on this rank."""
-    reference = tiny_moe_model(family, hidden=size["hidden"], layers=size["layers"], vocab=size["vocab"],
-                               intermediate=size.get("intermediate"), routing=size.get("routing", "few_experts"))
+def default_model(family: str, size: dict[str, Any]) -> torch.nn.Module:
+    """``family``'s tiny model as a user builds it: ``experts_implementation`` left to transformers."""
+    return tiny_moe_model(family, hidden=size["hidden"], layers=size["layers"], vocab=size["vocab"],
+                          intermediate=size.get("intermediate"), routing=size.get("routing", "few_experts"),
+                          experts_implementation=None)
+
+
+def expert_bytes(model: torch.nn.Module, names: set[str]) -> int:
+    """Bytes of ``model``'s parameters named in ``names`` (its expert tensors) held by this process."""
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name in names)
+
+
+def run_family(rank: int, world: int, family: str, size: dict[str, Any], warmup: int, steps: int) -> dict[str, Any]:
+    """Diffs against the unswapped eager model, expert bytes held and the step times of each variant on this rank."""
+    default = default_model(family, size)
+    reference = copy.deepcopy(default)
+    reference.set_experts_implementation("eager")
     ids = _batch(rank, size["batch"], size["seq"], size["vocab"])
-    grouped = copy.deepcopy(reference)
-    grouped.set_experts_implementation("grouped_mm")
     grouped_dp = copy.deepcopy(reference)
     enable_grouped_experts(grouped_dp)
     ours = copy.deepcopy(reference)
@@ -98,6 +110,7 @@ def run_family(rank: int, world: int, family: str, size: dict[str, int], warmup:
 
     ref_logits, ref_grads = _step(reference, ids, world, set())
     logits, grads = _step(ours, ids, world, experts)
+    default_logits, _ = _step(default, ids, world, set())
     grad_diff = 0.0
     for name, grad in grads.items():
         ref = ref_grads[name]
@@ -112,10 +125,13 @@ def run_family(rank: int, world: int, family: str, size: dict[str, int], warmup:
     rep_logits, rep_grads = _step(replicated, ids, world, experts)
     rep_diff = max([(rep_logits - ref_logits).abs().max().item()]
                    + [(rep_grads[n] - grads[n]).abs().max().item() for n in grads])
-    times = _times({"eager": (reference, set()), "grouped_mm": (grouped, set()), "ours": (ours, experts),
+    times = _times({"default": (default, set()), "eager": (reference, set()), "ours": (ours, experts),
                     "ours_grouped_no_ep": (grouped_dp, set()), "ours_replicated": (replicated, experts)},
                    ids, world, warmup, steps, size.get("min_seconds", 0.0))
     return {"family": family, "output_diff": (logits - ref_logits).abs().max().item(), "grad_diff": grad_diff,
+            "default_diff": (default_logits - ref_logits).abs().max().item(),
+            "default_implementation": default.config._experts_implementation,
+            "expert_bytes": expert_bytes(ours, experts), "expert_bytes_full": expert_bytes(reference, experts),
             "grads_missing": missing, "steps_ms": times,
             "step_ms": {name: statistics.median(values) for name, values in times.items()},
             "step_min_ms": {name: min(values) for name, values in times.items()},

@@ -7,7 +7,6 @@ machine slows them alike instead of whichever policy ran during the noise.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -16,14 +15,24 @@ from typing import Any
 
 from benchmarks._moe_routing import Routing, routing_inputs
 
-__all__ = ["BASELINES", "Config", "DIAGNOSTIC_KINDS", "EXTRA_POLICIES", "SPEED_ONLY", "worker"]
+__all__ = ["BASELINES", "BASELINE_LABELS", "Config", "DIAGNOSTIC_KINDS", "EXTRA_POLICIES", "OURS_OPTIONS",
+           "SPEED_ONLY", "deepspeed_kwargs", "policy_options", "worker"]
 
-RANKS_TIMEOUT_S = 1800
-BASELINES = ("deepspeed", "dropless", "fastermoe")
-EXTRA_POLICIES = ("deepspeed_cf1.25", "ours_previous", "ours_one_chunk", "ours_no_dw_overlap", "ours_block",
+RANKS_TIMEOUT_S = 3600
+BASELINES = ("deepspeed", "dropless", "shadowing")
+BASELINE_LABELS = {
+    "deepspeed": "DeepSpeed-MoE (deepspeed.moe.layer.MoE, drop_tokens=False: capacity = the largest count)",
+    "dropless": "our layer, dropless split-size all-to-all, no replication",
+    "shadowing": "our layer with FasterMoE-style shadowing, lancet_chunks=1 (not FasterMoE's own code or its "
+                 "chunked schedule)",
+}
+OURS_OPTIONS: dict[str, object] = {"dispatch": "dropless", "placement": "auto"}
+"""Ours: the placement feature switched on (dropless dispatch, ``placement="auto"``), every other MoEOptions
+field at its default (rule 2); the non-default variants below are separate, labelled rows."""
+EXTRA_POLICIES = ("ours_lancet_auto", "deepspeed_cf1.25", "ours_previous", "ours_no_dw_overlap", "ours_block",
                   "ours_model_only")
 # Diagnostics (``--policies``): ours' code path restricted to one replicating kind, to tell the planner's
-# choice apart from the overhead ours pays around a plan (shadowing: beside the fastermoe baseline; sets:
+# choice apart from the overhead ours pays around a plan (shadowing: beside the shadowing baseline; sets:
 # Pro-Prophet's balanced replica sets on every call where they replicate).
 DIAGNOSTIC_KINDS = {"ours_shadowing": ("none", "dropless", "shadowing"),
                     "ours_sets": ("none", "dropless", "pro_prophet")}
@@ -45,13 +54,38 @@ class Config:
     experts: int
     warmup_steps: int
     steps: int
-    world_size: int = 2
-    pin_ranks: bool = True
+    world_size: int = 4
     policies: tuple[str, ...] = BASELINES + ("ours",)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:
         return cls(**{**data, "routing": Routing(**data["routing"]), "policies": tuple(data["policies"])})
+
+
+def deepspeed_kwargs(policy: str) -> dict[str, object]:
+    """DeepSpeed-MoE's own layer: dropless (``deepspeed``, so it computes every token ours does) or with
+    capacity factor 1.25 dropping the rest (``deepspeed_cf1.25``)."""
+    return {"deepspeed": {"drop_tokens": False},
+            "deepspeed_cf1.25": {"capacity_factor": 1.25, "drop_tokens": True}}[policy]
+
+
+def policy_options(policy: str) -> dict[str, object]:
+    """The MoEOptions our layer runs ``policy`` with; a field not named keeps its default."""
+    lancet_auto = {**OURS_OPTIONS, "lancet_chunks": "auto"}
+    options: dict[str, dict[str, object]] = {
+        "dropless": {"dispatch": "dropless", "placement": "none"},
+        "shadowing": {"dispatch": "dropless", "placement": "shadowing", "lancet_chunks": 1},
+        "ours": OURS_OPTIONS,
+        "ours_block": OURS_OPTIONS,
+        "ours_shadowing": OURS_OPTIONS,
+        "ours_lancet_auto": lancet_auto,
+        "ours_no_dw_overlap": {**lancet_auto, "lancet_backward": False},
+        "ours_previous": {"dispatch": "dropless", "placement": "pro_prophet", "plan_from": "previous"},
+        "ours_model_only": {**OURS_OPTIONS, "online_check": False},
+        "ours_sets": {**OURS_OPTIONS, "online_check": False},
+        SPEED_ONLY: {**OURS_OPTIONS, "balance_tolerance": 0.0},
+    }
+    return options[policy]
 
 
 def _moe(policy: str, config: Config, world: int, expert: Any, scheduler: Any) -> Any:
@@ -61,23 +95,9 @@ def _moe(policy: str, config: Config, world: int, expert: Any, scheduler: Any) -
 
     common = dict(hidden_size=config.hidden, expert=expert, num_experts=config.experts, ep_size=world, k=2,
                   min_capacity=0, use_rts=False, top2_2nd_expert_sampling=False)
-    if policy == "deepspeed":
-        return DeepSpeedMoE(**common, drop_tokens=False)
-    if policy == "deepspeed_cf1.25":
-        return DeepSpeedMoE(**common, capacity_factor=1.25, drop_tokens=True)
-    if policy == "dropless":
-        options = dict(placement="none")
-    elif policy == "fastermoe":
-        options = dict(placement="shadowing")
-    elif policy == "ours_previous":  # Pro-Prophet as published: plans predicted from the previous step
-        options = dict(placement="pro_prophet", plan_from="previous", lancet_chunks="auto")
-    else:
-        options = dict(placement="auto", plan_from="auto", lancet_chunks=1 if policy == "ours_one_chunk" else "auto",
-                       lancet_backward=policy != "ours_no_dw_overlap",
-                       online_check=policy not in ("ours_model_only", "ours_sets"))
-        if policy == SPEED_ONLY:
-            options["balance_tolerance"] = 0.0
-    moe = MoE(**common, drop_tokens=False, dispatch="dropless", scheduler=scheduler, **options)
+    if policy.startswith("deepspeed"):
+        return DeepSpeedMoE(**common, **deepspeed_kwargs(policy))
+    moe = MoE(**common, drop_tokens=False, scheduler=scheduler, **policy_options(policy))
     if policy in DIAGNOSTIC_KINDS:
         _restrict_kinds(moe.deepspeed_moe, DIAGNOSTIC_KINDS[policy])
     return moe
@@ -185,27 +205,22 @@ def _run_config(config: Config, rank: int, world: int) -> dict[str, Any]:
     built = {policy: _build(policy, config, world) for policy in config.policies}
     gate_weight = built[config.policies[0]][0].moe.deepspeed_moe.gate.wg.weight.detach()
     records: dict[str, list[dict[str, Any]]] = {policy: [] for policy in config.policies}
+    warmup: dict[str, list[dict[str, Any]]] = {policy: [] for policy in config.policies}
     for step in range(config.warmup_steps + config.steps):
         for policy, blocks in built.items():
             record = _step(blocks, config, rank, world, step, gate_weight)
-            if step >= config.warmup_steps:
-                records[policy].append(record)
+            (records if step >= config.warmup_steps else warmup)[policy].append(record)
     cost = built["ours"][0].moe.deepspeed_moe.cost_model
-    return {"config": asdict(config), "steps": records, "cost_model": _cost_model_dict(cost)}
+    # Warm-up steps are kept too: the online check explores and first measures its arms there.
+    return {"config": asdict(config), "steps": records, "warmup": warmup, "cost_model": _cost_model_dict(cost)}
 
 
 def worker(configs_path: Path, result_path: Path) -> None:
     """One rank: every configuration in turn; rank 0 writes the raw per-step records.
 
-    Where the configurations say so, every thread of the rank is pinned to one core before the process
-    group and torch's compute threads start (those inherit the affinity), so the rank computes on that
-    core alone, as on its own device.
+    Ranks are not pinned to cores: the product does not pin a user's ranks, so no policy gets it (rule 5).
     """
     configs = [Config.from_dict(c) for c in json.loads(configs_path.read_text())]
-    if configs[0].pin_ranks:
-        from lightning_merak.testing.cores import pin_rank_to_core
-
-        pin_rank_to_core(int(os.environ["RANK"]))
     import deepspeed
     import torch
     import torch.distributed as dist

@@ -1,5 +1,6 @@
-"""The replay benchmark's micro-batch what-ifs: an in-process probe of the block's, head's, prefix's and loss's call
-curves, and the rows that predict other micro-batch counts from the traced pp2 M=2 run (:mod:`benchmarks.replay`).
+"""The replay benchmark's in-process measurements in the driver and its micro-batch what-ifs: a probe of the block's,
+head's, prefix's and loss's call curves, the rows that predict other micro-batch counts from the traced pp2 M=2 run
+(:mod:`benchmarks.replay`), and what recording a collective costs (:func:`recording_overhead_us`).
 
 Three models are reported side by side. "probe curves": block and head calls of other sizes, the first stage's
 own work (embedding and the stage's exit, forward and backward) and the last stage's loss between chunks follow the
@@ -17,6 +18,7 @@ untraced over traced ratio.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import asdict
 from typing import Any, Callable, Sequence
 
@@ -111,3 +113,31 @@ def microbatch_rows(traces: dict[str, Trace], runs: dict[str, dict[str, Any]], l
             curve_costs, shape, pp_layout, layout, traced_period, target_costs=split_of(curve_costs, name)),
             run["period_s"], call_model=CURVE_MODEL, **contention))
     return rows + partitioned, {"pp2_m2": asdict(curve_costs), "pp2_m2_two_trace_line": asdict(line_costs)}
+
+
+def recording_overhead_us(calls: int = 2000) -> dict[str, float]:
+    """Microseconds each recorded collective costs on top of the plain call (1-rank gloo group, tiny tensor)."""
+    import torch.distributed as dist
+
+    from lightning_merak.callbacks.profiler.recorder import TraceRecorder
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        tensor = torch.zeros(4)
+
+        def per_call() -> float:
+            start = time.perf_counter()
+            for _ in range(calls):
+                dist.all_reduce(tensor)
+            return (time.perf_counter() - start) / calls * 1e6
+
+        plain = min(per_call() for _ in range(3))
+        recorder = TraceRecorder(0, block_spans=False)
+        recorder.install()
+        try:
+            recorded = min(per_call() for _ in range(3))
+        finally:
+            recorder.uninstall()
+    finally:
+        dist.destroy_process_group()
+    return {"plain_call_us": plain, "recorded_call_us": recorded, "overhead_per_op_us": recorded - plain}

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from benchmarks.merak3d import FullyShardedLM
 from benchmarks.report import proc_status_mb, saved_activation_bytes
-from lightning_merak.distributed.host_memory import heap_stats
+from lightning_merak.distributed.host_memory import heap_stats, heap_tunables_applied
 from lightning_merak.modules.causal_lm import CausalLMModule
 from lightning_merak.modules.config import TrainerConfig
 
@@ -122,13 +122,16 @@ class _StepTimer(pl.Callback):
 
     def __init__(self) -> None:
         self.step_s: list[float] = []
-        self.trace: list[tuple[str, float, float, Optional[float]]] = []
+        self.trace: list[tuple[str, float, float, float, Optional[float], Optional[float]]] = []
         self._start = 0.0
 
     def mark(self, point: str) -> None:
+        """Resident memory, its peak and its file-backed part (library code the step touched first), and the
+        heap's freed-but-kept and live bytes."""
         heap = heap_stats()
-        self.trace.append((point, proc_status_mb("VmRSS"), proc_status_mb("VmHWM"),
-                           heap.free / MIB if heap is not None else None))
+        self.trace.append((point, proc_status_mb("VmRSS"), proc_status_mb("VmHWM"), proc_status_mb("RssFile"),
+                           heap.free / MIB if heap is not None else None,
+                           heap.in_use / MIB if heap is not None else None))
 
     def on_before_optimizer_step(self, *args: Any) -> None:
         self.mark(f"step {len(self.step_s) + 1} before optimizer")
@@ -152,7 +155,7 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def _trainer(leg: Leg, steps: int, callbacks: list[pl.Callback]) -> pl.Trainer:
+def trainer_for(leg: Leg, steps: int, callbacks: list[pl.Callback]) -> pl.Trainer:
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     from lightning_merak.strategies.merak3d import Merak3DStrategy
@@ -173,7 +176,7 @@ def _lightning_leg(rank: int, leg: Leg, workload: Workload, steps: int) -> dict[
     """merak3d (meta init via ``configure_model``), FSDP2 (meta init via ``init_module``) or DDP (built whole)."""
     optim = TrainerConfig(max_steps=steps, warmup_steps=1)
     timer = _StepTimer()
-    trainer = _trainer(leg, steps, [timer])
+    trainer = trainer_for(leg, steps, [timer])
     config = workload.config()
     if leg.strategy == "merak3d":
         module: CausalLMModule = CausalLMModule(None, optim, model_factory=lambda: AutoModelForCausalLM.from_config(
@@ -199,12 +202,17 @@ def _lightning_leg(rank: int, leg: Leg, workload: Workload, steps: int) -> dict[
     return result
 
 
+def zero3_config(workload: Workload, world_size: int) -> dict[str, Any]:
+    """DeepSpeed's config for the ZeRO-3 baseline: stage 3 and the batch, everything else at DeepSpeed's defaults."""
+    return {"train_micro_batch_size_per_gpu": workload.global_batch // world_size, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": 3}, "steps_per_print": 10**9}
+
+
 def _zero3_leg(rank: int, leg: Leg, workload: Workload, steps: int) -> dict[str, Any]:
     """DeepSpeed ZeRO-3 driven directly (Lightning's DeepSpeedStrategy refuses CPU); built partitioned by zero.Init."""
     import deepspeed
 
-    ds_config = {"train_micro_batch_size_per_gpu": workload.global_batch // leg.world_size,
-                 "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 3}, "steps_per_print": 10**9}
+    ds_config = zero3_config(workload, leg.world_size)
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
         model = AutoModelForCausalLM.from_config(workload.config())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -237,14 +245,18 @@ def train_rank(rank: int, world_size: int, leg: Leg, workload: Workload, steps: 
     else:
         from lightning_merak.strategies.merak3d import Merak3DStrategy  # noqa: F401
     torch.manual_seed(0)
-    baseline = proc_status_mb("VmRSS")
+    baseline, baseline_file = proc_status_mb("VmRSS"), proc_status_mb("RssFile")
+    heap = heap_stats()
+    baseline_in_use = heap.in_use / MIB if heap is not None else None
     cuda = leg.accelerator == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         cuda_baseline = torch.cuda.memory_allocated()
     run = _zero3_leg if leg.strategy == "zero3" else _lightning_leg
     result = run(rank, leg, workload, steps)
-    result.update(baseline_mb=baseline, peak_mb=proc_status_mb("VmHWM"))
+    # whether this rank's heap started with glibc's per-thread cache off (the launcher's setting) or on
+    result.update(baseline_mb=baseline, baseline_file_mb=baseline_file, baseline_heap_in_use_mb=baseline_in_use,
+                  peak_mb=proc_status_mb("VmHWM"), tcache_off=heap_tunables_applied())
     if cuda:  # the GPU leg's memory is the device's: its allocator's peak above what existed before the model
         result.update(baseline_mb=cuda_baseline / MIB, peak_mb=torch.cuda.max_memory_allocated() / MIB,
                       cuda_reserved_peak_mb=torch.cuda.max_memory_reserved() / MIB)

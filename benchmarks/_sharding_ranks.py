@@ -41,8 +41,12 @@ from benchmarks.merak3d import FullyShardedLM
 from benchmarks.report import proc_status_mb
 from lightning_merak.modules.causal_lm import CausalLMModule
 from lightning_merak.modules.config import TrainerConfig
+from lightning_merak.parallel.data.skipped_communication import gradient_communication_skipped
 
 RANK_TIMEOUT_S = 300.0
+NO_CLIPPING = 0.0
+"""DeepSpeed's ``gradient_clipping`` for its baselines: DeepSpeed clips at 1.0 by default, the Lightning runs (merak3d,
+DDP, FSDP2) at their default do not, so none clips; all run in fp32 (DeepSpeed's default without fp16/bf16)."""
 LOSS_METRIC = "train/loss"
 """Logged with ``sync_dist``: the global batch's loss on every rank, whatever the layout."""
 
@@ -51,13 +55,18 @@ LOSS_METRIC = "train/loss"
 class Job:
     """One training run on every rank of the cluster.
 
-    ``kind``: ``merak3d`` (with ``mode`` its ``data_parallel_sharding`` and ``layout`` its degrees),
-    ``ddp`` (Lightning's DDPStrategy), ``fsdp2`` (Lightning's ModelParallelStrategy, ``fully_shard`` per
-    decoder layer) or ``zero`` (DeepSpeed ZeRO stage ``stage`` through ``deepspeed.initialize``).
+    ``kind``: ``merak3d`` (with ``mode`` its ``data_parallel_sharding``, ``layout`` its degrees, ``auto`` where
+    planned, and ``recompute``), ``ddp`` (Lightning's DDPStrategy), ``fsdp2`` (Lightning's ModelParallelStrategy,
+    ``fully_shard`` per decoder layer; ``checkpointing``: transformers' gradient checkpointing on every decoder
+    layer) or ``zero`` (DeepSpeed ZeRO stage ``stage`` through ``deepspeed.initialize``, fp32, no clipping: the
+    others do not clip). ``bucket_mb``: the gradient bucket (merak3d's ``grad_bucket_mb``, DDP's ``bucket_cap_mb``,
+    DeepSpeed's reduce bucket); ``None`` leaves each at its own default. ``skip_grad_comm`` runs merak3d's step with
+    its gradient collectives removed (``gradient_communication_skipped``).
     ``meta_init`` builds no whole model on any rank (merak3d: ``configure_model``; FSDP2:
     ``init_module(empty_init=True)``); otherwise every rank builds the same seeded model, so losses compare.
     ``ladder`` (decoder layers, ascending) turns the job into a search: the largest rung whose worst
-    rank stays within ``cap_mb`` above its baseline, by bisection.
+    rank stays within ``cap_mb`` above its baseline, by bisection (a planned merak3d layout gets ``cap_mb`` as its
+    ``memory_limit``).
     """
 
     name: str
@@ -65,10 +74,13 @@ class Job:
     workload: dict[str, int]
     steps: int
     mode: str = "none"
-    layout: dict[str, int] = field(default_factory=dict)
+    layout: dict[str, int | str] = field(default_factory=dict)
     overlap: bool = True
-    param_gather_overlap: bool = False
-    bucket_mb: float = 25.0
+    param_gather_overlap: Optional[bool] = None
+    bucket_mb: Optional[float] = None
+    skip_grad_comm: bool = False
+    recompute: str = "none"
+    checkpointing: bool = False
     stage: int = 0
     meta_init: bool = False
     ladder: tuple[int, ...] = ()
@@ -144,22 +156,33 @@ class _Recorder(pl.Callback):
 # Jobs --------------------------------------------------------------------------------------
 
 
-def _strategy(job: Job) -> Any:
+def strategy_for(job: Job, world_size: int) -> Any:
+    """The Lightning strategy ``job`` trains with on ``world_size`` ranks."""
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
-    world_size = dist.get_world_size()
     if job.kind == "merak3d":
+        planned = "auto" in job.layout.values()
         return Merak3DStrategy(**job.layout, partition="uniform", timeout_s=RANK_TIMEOUT_S,
                                data_parallel_sharding=job.mode, overlap_grad_reduce=job.overlap,
-                               overlap_param_gather=job.param_gather_overlap, grad_bucket_mb=job.bucket_mb)
+                               overlap_param_gather=job.param_gather_overlap, grad_bucket_mb=job.bucket_mb,
+                               recompute=job.recompute, memory_limit=job.cap_mb * 2**20 if planned else None)
     if job.kind == "ddp":
-        return DDPStrategy(timeout=timedelta(seconds=RANK_TIMEOUT_S))
+        buckets = {} if job.bucket_mb is None else {"bucket_cap_mb": job.bucket_mb}
+        return DDPStrategy(timeout=timedelta(seconds=RANK_TIMEOUT_S), **buckets)
     if job.kind == "fsdp2":
         return ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1,
                                      timeout=timedelta(seconds=RANK_TIMEOUT_S))
     raise ValueError(f"unknown job kind {job.kind!r}")
+
+
+def _checkpointed(model: nn.Module, job: Job) -> nn.Module:
+    """``model`` with transformers' gradient checkpointing on every decoder layer when ``job`` asks for it (what a
+    Lightning user of FSDP2 turns on to fit a larger model)."""
+    if job.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def _lightning_job(job: Job, workload: Workload) -> dict[str, Any]:
@@ -167,7 +190,8 @@ def _lightning_job(job: Job, workload: Workload) -> dict[str, Any]:
     torch.manual_seed(0)
     optim = TrainerConfig(max_steps=job.steps, warmup_steps=1)
     recorder = _Recorder()
-    trainer = pl.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=_strategy(job),
+    world_size = dist.get_world_size()
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy_for(job, world_size),
                          max_steps=job.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                          use_distributed_sampler=False, callbacks=[recorder])
@@ -177,11 +201,12 @@ def _lightning_job(job: Job, workload: Workload) -> dict[str, Any]:
                                                 model_factory=lambda: AutoModelForCausalLM.from_config(config))
     elif job.meta_init and job.kind == "fsdp2":
         with trainer.init_module(empty_init=True):
-            module = FullyShardedLM(AutoModelForCausalLM.from_config(config), optim)
+            module = FullyShardedLM(_checkpointed(AutoModelForCausalLM.from_config(config), job), optim)
     else:
-        model = AutoModelForCausalLM.from_config(config)
+        model = _checkpointed(AutoModelForCausalLM.from_config(config), job)
         module = (FullyShardedLM if job.kind == "fsdp2" else CausalLMModule)(model, optim)
-    with recorder.watching(module):
+    skipping = gradient_communication_skipped() if job.skip_grad_comm else contextlib.nullcontext()
+    with recorder.watching(module), skipping:
         trainer.fit(module, datamodule=_TokenData(workload, job.steps))
     named = list(module.model.named_parameters())
     strategy = trainer.strategy
@@ -192,12 +217,26 @@ def _lightning_job(job: Job, workload: Workload) -> dict[str, Any]:
               "reduction_stats": dict(stats) if stats else None, **_holdings(named)}
     replicas = strategy.distributed_sampler_kwargs["num_replicas"]
     if job.kind == "merak3d":
+        layout = strategy.layout
         result.update(pipeline_rank=strategy.pipeline_rank, pipeline_parallel=strategy.pipeline_parallel,
-                      data_parallel=strategy.data_parallel, micro_batches=strategy.micro_batches)
+                      data_parallel=strategy.data_parallel, micro_batches=strategy.micro_batches,
+                      plan={"pipeline_parallel": layout.pipeline_parallel, "data_parallel": layout.data_parallel,
+                            "tensor_parallel": layout.tensor_parallel, "micro_batches": layout.micro_batches,
+                            "sharding": layout.data_parallel_sharding, "recompute": layout.recompute})
     else:
         result.update(pipeline_rank=0, pipeline_parallel=1, data_parallel=replicas, micro_batches=1)
     result["local_batch"] = workload.global_batch // replicas
     return result
+
+
+def deepspeed_config(job: Job, local_batch: int) -> dict[str, Any]:
+    """DeepSpeed's config for ``job``: fp32 (no fp16/bf16 section), no clipping, ZeRO stage ``job.stage`` with the
+    reduce bucket ``job.bucket_mb`` (fp32 elements) where given."""
+    buckets = {} if job.bucket_mb is None else {"reduce_bucket_size": int(job.bucket_mb * 2**20 / 4)}
+    return {"train_micro_batch_size_per_gpu": local_batch, "gradient_accumulation_steps": 1,
+            "gradient_clipping": NO_CLIPPING,
+            "zero_optimization": {"stage": job.stage, "overlap_comm": job.overlap, **buckets},
+            "steps_per_print": 10**9}
 
 
 def _zero_job(job: Job, workload: Workload) -> dict[str, Any]:
@@ -209,10 +248,7 @@ def _zero_job(job: Job, workload: Workload) -> dict[str, Any]:
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local = workload.global_batch // world_size
-    ds_config = {"train_micro_batch_size_per_gpu": local, "gradient_accumulation_steps": 1,
-                 "zero_optimization": {"stage": job.stage, "overlap_comm": job.overlap,
-                                       "reduce_bucket_size": int(job.bucket_mb * 2**20 / 4)},
-                 "steps_per_print": 10**9}
+    ds_config = deepspeed_config(job, local)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(workload.config())
     # the optimizer and learning-rate schedule the Lightning runs use, so that the losses compare too
@@ -271,7 +307,8 @@ def run_job(job: Job) -> dict[str, Any]:
         result = _measured(lambda: run(job, rung))
         worst = _worst_used_mb(result)
         attempts.append({"layers": rung.layers, "params": rung.parameters(), "used_mb": result["used_mb"],
-                         "worst_used_mb": worst, "param_bytes": result["param_bytes"], "fits": worst <= job.cap_mb})
+                         "worst_used_mb": worst, "param_bytes": result["param_bytes"], "fits": worst <= job.cap_mb,
+                         "plan": result.get("plan")})
         fits, fails = (middle, fails) if worst <= job.cap_mb else (fits, middle)
     return {"attempts": attempts, "largest_layers": job.ladder[fits] if fits >= 0 else None}
 

@@ -12,14 +12,13 @@ from benchmarks._scale_ranks import Workload
 from benchmarks._sharding_ranks import Job
 
 MIB = 2**20
-OVERLAP_LAYOUT = "dp2 long sequences"
-"""The layout name of the exposed-communication measurement (dp=2 on longer sequences)."""
 LAYOUTS: dict[str, tuple[int, dict[str, int]]] = {
     "dp2": (2, {"data_parallel": 2}), "dp4": (4, {"data_parallel": 4}),
     "pp2xdp2": (4, {"data_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2})}
-BASELINES = {"ddp": "DDP", "fsdp2": "FSDP2 (ModelParallelStrategy)", "zero1": "DeepSpeed ZeRO-1",
-             "zero2": "DeepSpeed ZeRO-2"}
-"""Step-time columns ``step_over_KEY``: this run's step over the baseline's of that name at the same world size."""
+BASELINES = {"ddp": "DDP", "ddp_default": "DDP default buckets", "fsdp2": "FSDP2 (ModelParallelStrategy)",
+             "zero1": "DeepSpeed ZeRO-1", "zero2": "DeepSpeed ZeRO-2"}
+"""Step-time columns ``step_over_KEY``: this run's step over the baseline's of that name at the same world size
+(``DDP``: Lightning's DDPStrategy with merak3d's default bucket size; ``DDP default buckets``: at its own 25 MB)."""
 MAY_REFUSE = {"zero"}
 """Baselines whose refusal to run on this machine is a result, not a failure."""
 
@@ -54,7 +53,8 @@ def job_row(job: Job, layout: str, world_size: int, outcome: list[dict[str, Any]
     row: dict[str, Any] = {"section": "modes", "name": job.name, "layout": layout, "ranks": world_size,
                            "kind": job.kind, "mode": job.mode if job.kind == "merak3d" else None,
                            "stage": job.stage or None, "overlap": job.overlap,
-                           "param_gather_overlap": job.param_gather_overlap, "error": None, "refused": False}
+                           "param_gather_overlap": job.param_gather_overlap, "skip_grad_comm": job.skip_grad_comm,
+                           "error": None, "refused": False}
     if isinstance(outcome, str) or isinstance(memory, str):
         error = outcome if isinstance(outcome, str) else f"memory run: {memory}"
         row.update(error=error, refused=job.kind in MAY_REFUSE)
@@ -89,41 +89,51 @@ def job_row(job: Job, layout: str, world_size: int, outcome: list[dict[str, Any]
     return row
 
 
-def repeat_row(job: Job, outcome: list[dict[str, Any]] | str, warmup: int) -> dict[str, Any]:
-    """A repeat of a headline job: its step time only (or its error)."""
-    if isinstance(outcome, str):
-        return {"name": job.name, "error": outcome, "refused": False}
-    exposed = [rank["reduction_stats"].get("exposed_s_mean") for rank in outcome if rank["reduction_stats"]]
-    return {"name": job.name, "error": None, "refused": False, "step_ms": 1e3 * median_slowest(outcome, warmup),
-            "exposed_ms": 1e3 * max(exposed) if exposed and None not in exposed else None}
-
-
 def _max_rel_diff(losses: list[float], reference: list[float]) -> float:
     return max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses, reference))
 
 
+def exposed_fraction(overlapped_ms: float, serial_ms: float, removed_ms: float) -> float | None:
+    """The share of a step's gradient communication left exposed by overlap: (step with overlap − step with the
+    communication removed) over (step without overlap − the same); ``None`` where removing it saved nothing."""
+    if serial_ms <= removed_ms:
+        return None
+    return (overlapped_ms - removed_ms) / (serial_ms - removed_ms)
+
+
+def _variant(rows: list[dict[str, Any]], like: dict[str, Any], overlap: bool, skip: bool) -> dict[str, Any] | None:
+    """merak3d's run of ``like``'s layout and mode with overlap ``overlap`` and communication skipped or not."""
+    return next((row for row in rows if row["kind"] == "merak3d" and row["layout"] == like["layout"]
+                 and row["mode"] == like["mode"] and row["param_gather_overlap"] is None
+                 and (row["overlap"], row["skip_grad_comm"]) == (overlap, skip)), None)
+
+
 def compare(rows: list[dict[str, Any]]) -> None:
-    """Add to each row its ratios against merak3d ``none`` on its layout and the baselines at its world size."""
+    """Add to each row its ratios against merak3d ``none`` on its layout and the baselines at its world size, and to
+    merak3d's default runs their exposed communication."""
     ok = [row for row in rows if row["error"] is None]
-    plain = {row["layout"]: row for row in ok if row["kind"] == "merak3d" and row["mode"] == "none" and row["overlap"]}
+    plain = {row["layout"]: row for row in ok if row["kind"] == "merak3d" and row["mode"] == "none" and row["overlap"]
+             and not row["skip_grad_comm"] and row["param_gather_overlap"] is None}
     baseline = {(row["ranks"], row["name"].rsplit(" ", 1)[0]): row for row in ok if row["kind"] != "merak3d"}
     for row in ok:
         mine = plain.get(row["layout"]) if row["kind"] == "merak3d" else None
         row["step_over_merak3d_none"] = row["step_ms"] / mine["step_ms"] if mine else None
-        own_workload = row["layout"] != OVERLAP_LAYOUT  # the baselines ran the short sequences only
         for key, name in BASELINES.items():
-            other = baseline.get((row["ranks"], name)) if own_workload else None
+            other = baseline.get((row["ranks"], name))
             row[f"step_over_{key}"] = row["step_ms"] / other["step_ms"] if other else None
-        ddp = baseline.get((row["ranks"], "DDP")) if own_workload else None
-        row["loss_max_rel_diff_vs_ddp"] = _max_rel_diff(row["losses"], ddp["losses"]) if ddp else None
+        ddp = baseline.get((row["ranks"], "DDP"))
+        trains_together = not row.get("skip_grad_comm")  # without communication the replicas drift apart
+        row["loss_max_rel_diff_vs_ddp"] = (_max_rel_diff(row["losses"], ddp["losses"]) if ddp and trains_together
+                                           else None)
         if mine and row["mode"] == "optimizer":
             row["optimizer_state_ratio"] = max(a / b for a, b in zip(row["optimizer_bytes"], mine["optimizer_bytes"]))
-        if row["kind"] == "merak3d" and row["overlap"] and row["exposed_ms"] is not None:
-            off = next((other for other in ok if other["layout"] == row["layout"] and other["mode"] == row["mode"]
-                        and other["kind"] == "merak3d" and not other["overlap"]), None)
-            if off and off["exposed_ms"]:
-                row["exposed_grad_comm_fraction"] = row["exposed_ms"] / off["exposed_ms"]
-                row["reduce_ms_without_overlap"] = off["exposed_ms"]
+        if row["kind"] == "merak3d" and row is _variant(ok, row, overlap=True, skip=False):
+            serial, removed = _variant(ok, row, overlap=False, skip=False), _variant(ok, row, overlap=True, skip=True)
+            if serial and removed:
+                row["exposed_grad_comm_fraction"] = exposed_fraction(row["step_ms"], serial["step_ms"],
+                                                                     removed["step_ms"])
+                row["step_ms_without_overlap"] = serial["step_ms"]
+                row["step_ms_without_grad_comm"] = removed["step_ms"]
 
 
 def search_rows(jobs: list[Job], outcomes: dict[int, Any], offset: int) -> list[dict[str, Any]]:
@@ -157,7 +167,8 @@ def plot_memory(rows: list[dict[str, Any]], layouts: tuple[str, ...], path: Path
     axes_list = figure.subplots(1, len(layouts), squeeze=False)[0]
     for axes, layout in zip(axes_list, layouts):
         ranks = LAYOUTS[layout][0]
-        shown = [row for row in rows if row["error"] is None and row["overlap"] and not row.get("param_gather_overlap")
+        shown = [row for row in rows if row["error"] is None and row["overlap"]
+                 and row.get("param_gather_overlap") is None and not row.get("skip_grad_comm")
                  and (row["layout"] == layout or (row["kind"] != "merak3d" and row["ranks"] == ranks))]
         labels = [row["mode"] if row["kind"] == "merak3d" else row["name"].replace(" (ModelParallelStrategy)", "")
                   .replace("DeepSpeed ", "") for row in shown]

@@ -1,12 +1,15 @@
-"""Every named transformers-5 MoE family under ``merak_ep``: swap equality and step time (#30).
+"""Every named transformers-5 MoE family under ``merak_ep``: swap equality and step time (#30, goals of #49).
 
     python -m benchmarks.moe_families [--quick] [--device cpu|cuda] [--families F ...] [--out FILE]
 
 ``--device cpu`` (default): two gloo ranks at ep=2, per family (tiny configs from each config class, fp32) the
-largest difference of outputs and parameter gradients from the unswapped model, and the training-step time of
-ours (``merak_ep``) against the unswapped model's own expert loop (``eager``) and its ``grouped_mm``
-implementation on the same ranks. Variants run interleaved step by step; at ep=2 a speedup is the median over
-rounds of the per-round ratio of step times (each the slowest rank's), with the ratio of median steps
+largest difference of outputs and parameter gradients from the unswapped model (its ``eager`` loop), the bytes of
+expert tensors each rank holds, and the training-step time of ours (``merak_ep`` at its defaults) against the
+unswapped model at transformers' default experts implementation (``default``: the model built without
+``experts_implementation``; the implementation transformers picked is recorded per row, ``grouped_mm`` in
+transformers 5.24) and its ``eager`` loop, on the same ranks under the same data-parallel gradient average.
+Variants run interleaved step by step; at ep=2 a speedup is the median over rounds of the per-round
+ratio of step times (each the slowest rank's), with the ratio of median steps
 (``*_of_medians``) and of fastest steps (``*_fastest``) beside it; the goal's leg times each family for at least
 :data:`GOAL_LEG_SECONDS`. The goal's workload is each family at its own routing shape (``routing="family"``: the
 config class's expert count, top-k, groups and sparse layers, 8-256 experts, top-2 to top-8) and its own width
@@ -14,25 +17,57 @@ proportions (``intermediate="family"``: the class's intermediate sizes scaled to
 costs against the expert work it moves; ``few_experts`` repeats it with the tests' 8-16 experts at their narrow
 widths, and ``large`` with those at hidden 256 and every intermediate size 512. ``pp2_ep2`` (few experts): four
 gloo ranks, merak3d pipeline_parallel=2 × data_parallel=2, each stage's experts spread over its two
-data-parallel ranks, against the unswapped model (eager, grouped_mm) in the same layout
+data-parallel ranks, against the unswapped model (default implementation, eager) in the same layout
 (``benchmarks._moe_families_pp2``). ``--device cuda``: the single-GPU leg (ep=1, one process; bf16 and fp32),
 see ``benchmarks._moe_families_gpu``. A family that fails is a row with its error and the command exits non-zero
-after writing the JSON.
+after writing the JSON. The goals (:data:`GOALS`) are each the worst case over every family of every leg they
+name; the ranks start with the launcher's heap settings (``export_heap_tunables``), baselines and ours alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks.report import cuda_device_name, default_out, out_help, print_table, write_json
+from benchmarks.goals import Goal, print_goals, worst_case, write_run
+from benchmarks.report import cuda_device_name, out_help, print_table
 
 NAME = "moe_families"
 TOLERANCE = 1e-5
+EP = 2
+EP2_LEGS = ("family_widths", "few_experts", "large")
+"""The ep=2 legs every ep=2 goal takes its worst case over: the families' own routing and widths, the tests' 8-16
+experts at narrow widths, and those at hidden 256 with intermediate 512."""
+
+SPEEDUP_VS_DEFAULT = Goal(
+    "speedup_vs_default_min", 1.0, ">=",
+    "merak_ep at ep=2 (2 gloo ranks, defaults) over the same model and ranks at transformers' default experts "
+    "implementation (experts_implementation not set) with every expert on every rank and the same gradient "
+    "average: median over interleaved rounds of the per-round step ratio (slowest rank's), worst over families × "
+    "{family widths, narrow widths, large}", 49)
+EXPERT_BYTES_RATIO = Goal(
+    "expert_bytes_ratio", 1 / EP + 0.05, "<=",
+    "bytes of expert tensors a rank holds under merak_ep at ep=2 over the full model's expert bytes, the largest "
+    "rank's, worst (max) over families × {family widths, narrow widths, large}; target 1/ep + 0.05", 49)
+PP2_EP2_VS_DEFAULT = Goal(
+    "pp2_ep2_vs_default_min", 0.9, ">=",
+    "merak3d pipeline_parallel=2 × data_parallel=2 (4 gloo ranks) with merak_ep over the same layout with the "
+    "model's experts untouched at transformers' default experts implementation: ratio of median steps (slowest "
+    "rank's), worst over families (few experts, narrow widths)", 49)
+MAX_OUTPUT_DIFF = Goal(
+    "max_output_diff", TOLERANCE, "<=",
+    "largest |logits difference| of merak_ep at ep=2 from the unswapped eager model (fp32), worst over families × "
+    "{family widths, narrow widths, large}", 30)
+MAX_GRAD_DIFF = Goal(
+    "max_grad_diff", TOLERANCE, "<=",
+    "largest |parameter gradient difference| of merak_ep at ep=2 from the unswapped eager model (fp32, local "
+    "experts' slices), worst over families × {family widths, narrow widths, large}", 30)
+GOALS = (SPEEDUP_VS_DEFAULT, EXPERT_BYTES_RATIO, PP2_EP2_VS_DEFAULT, MAX_OUTPUT_DIFF, MAX_GRAD_DIFF)
 GOAL_LEG_SECONDS = 20.0
 """Least timed seconds per family in the goal's leg (full runs)."""
 
@@ -66,22 +101,25 @@ def _ep2_rows(families: list[str], size: dict[str, Any], warmup: int, steps: int
     from benchmarks._moe_families_ranks import run_all
     from lightning_merak.testing import run_distributed
 
-    per_rank = run_distributed(run_all, 2, args=(families, size, warmup, steps), timeout_s=1800)
+    per_rank = run_distributed(run_all, EP, args=(families, size, warmup, steps), timeout_s=1800)
 
     def family_row(row: dict[str, Any], peers: list[dict[str, Any]], step: dict[str, float],
                    fastest: dict[str, float]) -> dict[str, Any]:
         return {
             "family": row["family"], "num_experts": row["num_experts"], "top_k": row["top_k"],
             "widths": row["widths"], "experts_per_rank": row["local_experts"],
+            "default_implementation": row["default_implementation"],
             "output_diff": max(p["output_diff"] for p in peers), "grad_diff": max(p["grad_diff"] for p in peers),
+            "default_diff": max(p["default_diff"] for p in peers),
             "grads_missing": sorted({n for p in peers for n in p["grads_missing"]}),
+            "expert_bytes_ratio": max(p["expert_bytes"] / p["expert_bytes_full"] for p in peers),
             "timed_steps": len(row["steps_ms"]["ours"]), "step_ms": step, "step_min_ms": fastest,
+            "speedup_vs_default": _paired_speedup(peers, "default"),
             "speedup_vs_eager": _paired_speedup(peers, "eager"),
-            "speedup_vs_grouped_mm": _paired_speedup(peers, "grouped_mm"),
+            "speedup_vs_default_of_medians": step["default"] / step["ours"],
             "speedup_vs_eager_of_medians": step["eager"] / step["ours"],
-            "speedup_vs_grouped_mm_of_medians": step["grouped_mm"] / step["ours"],
+            "speedup_vs_default_fastest": fastest["default"] / fastest["ours"],
             "speedup_vs_eager_fastest": fastest["eager"] / fastest["ours"],
-            "speedup_vs_grouped_mm_fastest": fastest["grouped_mm"] / fastest["ours"],
             "exchange_cost": step["ours"] / step["ours_grouped_no_ep"],
             "replicated_diff": max(p["replicated_diff"] for p in peers),
             "replicated_over_ours": step["ours_replicated"] / step["ours"],
@@ -101,61 +139,92 @@ def _paired_speedup(peers: list[dict[str, Any]], baseline: str) -> float:
     return statistics.median(b / o for b, o in zip(slowest[baseline], slowest["ours"]))
 
 
+def _by_config(legs: dict[str, list[dict[str, Any]]], key: str) -> dict[str, float | None]:
+    """``key`` of every family row of ``legs`` as ``leg/family``; a failed row (no ``key``) is None."""
+    return {f"{leg}/{row['family']}": row.get(key) for leg, rows in legs.items() for row in rows}
+
+
+def compute_goals(ep2_legs: dict[str, list[dict[str, Any]]], pp2_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every goal of :data:`GOALS` for one run: each the worst case over the configurations it names.
+
+    ``ep2_legs`` maps each of :data:`EP2_LEGS` to its family rows; ``pp2_rows`` are the pp=2 × ep=2 leg's rows.
+    """
+    if set(ep2_legs) != set(EP2_LEGS):
+        raise ValueError(f"ep=2 goals need the legs {EP2_LEGS}, got {sorted(ep2_legs)}")
+    return [
+        worst_case(SPEEDUP_VS_DEFAULT, _by_config(ep2_legs, "speedup_vs_default")),
+        worst_case(EXPERT_BYTES_RATIO, _by_config(ep2_legs, "expert_bytes_ratio")),
+        worst_case(PP2_EP2_VS_DEFAULT, _by_config({"pp2_ep2": pp2_rows}, "speedup_vs_default")),
+        worst_case(MAX_OUTPUT_DIFF, _by_config(ep2_legs, "output_diff")),
+        worst_case(MAX_GRAD_DIFF, _by_config(ep2_legs, "grad_diff")),
+    ]
+
+
 def _speedups(rows: list[dict[str, Any]]) -> dict[str, float | None]:
-    """The slowest family's speedups: median steps (the goal's statistic) and fastest steps beside them."""
+    """The slowest family's speedups over each baseline: the goal's statistic and fastest steps beside it."""
     ok = [r for r in rows if "error" not in r]
-    return {f"speedup_vs_{name}_min{stat}": min((r[f"speedup_vs_{key}{stat}"] for r in ok), default=None)
-            for name, key in (("hf", "eager"), ("grouped_mm", "grouped_mm")) for stat in ("", "_fastest")}
+    return {f"speedup_vs_{name}_min{stat}": min((r[f"speedup_vs_{name}{stat}"] for r in ok), default=None)
+            for name in ("default", "eager") for stat in ("", "_fastest")}
 
 
-def _cpu_leg(quick: bool, families: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from lightning_merak.plugins.moe.experts import REFUSED_FAMILIES
-
+def leg_sizes(quick: bool) -> dict[str, dict[str, Any]]:
+    """Each ep=2 leg's model and batch size (the pp=2 × ep=2 leg runs ``few_experts``')."""
     size = {"hidden": 64, "layers": 2, "vocab": 128, "batch": 2, "seq": 32} if quick else \
         {"hidden": 128, "layers": 2, "vocab": 256, "batch": 4, "seq": 64}
-    # a cheap family's step (Mixtral's: tens of ms) moves by ±30% with the machine's load, so the goal's leg times
-    # it for at least GOAL_LEG_SECONDS (up to 4× the steps) while the 0.3-5 s families keep their step count
-    family_size = {**size, "routing": "family", "intermediate": "family",
-                   "min_seconds": 0.0 if quick else GOAL_LEG_SECONDS}
-    large = {**size, "hidden": 256, "intermediate": 512}
+    # a cheap family's step (Mixtral's: tens of ms) moves by ±30% with the machine's load, so the family-widths
+    # leg times it for at least GOAL_LEG_SECONDS (up to 4× the steps) while the 0.3-5 s families keep their count
+    return {"family_widths": {**size, "routing": "family", "intermediate": "family",
+                              "min_seconds": 0.0 if quick else GOAL_LEG_SECONDS},
+            "few_experts": size, "large": {**size, "hidden": 256, "intermediate": 512}}
+
+
+def _cpu_leg(quick: bool, families: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """The three ep=2 legs and pp=2 × ep=2: the family-widths rows, this run's goals and everything else."""
+    from lightning_merak.distributed.host_memory import export_heap_tunables
+    from lightning_merak.plugins.moe.experts import REFUSED_FAMILIES
+
+    export_heap_tunables()  # as merak3d's launcher starts its ranks; before the forkserver the ranks come from starts
+    sizes = leg_sizes(quick)
     warmup, steps = (1, 9) if quick else (3, 25)
     # the eager loop's step at 60-256 experts is 0.3-5 s (a zero-filled [E, ...] gradient per expert), so the
-    # goal's leg runs fewer steps to keep a full run under ten minutes
-    family_warmup, family_steps = (1, 9) if quick else (1, 11)
-    rows = _ep2_rows(families, family_size, family_warmup, family_steps)
-    few_rows = _ep2_rows(families, size, warmup, steps)
-    large_rows = _ep2_rows(families, large, warmup, steps)
-    pp2_ep2 = _pp2_leg(families, size, warmup, steps)
-    ok = [r for r in rows if "error" not in r]
-    exact = [r["family"] for r in ok if max(r["output_diff"], r["grad_diff"]) <= TOLERANCE and not r["grads_missing"]]
-    speedups = _speedups(rows)
+    # family-widths leg runs fewer steps to keep a full run under ten minutes
+    repeats = {"family_widths": (1, 9) if quick else (1, 11), "few_experts": (warmup, steps), "large": (warmup, steps)}
+    legs = {leg: _ep2_rows(families, sizes[leg], *repeats[leg]) for leg in EP2_LEGS}
+    pp2_ep2 = _pp2_leg(families, sizes["few_experts"], warmup, steps)
+    rows = legs["family_widths"]
+    every = [r for leg in legs.values() for r in leg]
+    ok = [r for r in every if "error" not in r]
+    inexact = {r["family"] for r in every if "error" in r
+               or max(r["output_diff"], r["grad_diff"]) > TOLERANCE or r["grads_missing"]}
+    exact = [family for family in families if family not in inexact]
     summary = {
         "families_exact": exact,
         "families_refused": dict(REFUSED_FAMILIES),
         "families_failed": {r["family"]: r["error"] for r in rows if "error" in r},
-        "max_output_diff": max((r["output_diff"] for r in ok), default=None),
-        "max_grad_diff": max((r["grad_diff"] for r in ok), default=None),
+        "default_implementations": sorted({r["default_implementation"] for r in ok}
+                                          | {r["default_implementation"] for r in pp2_ep2["rows"] if "error" not in r}),
         "max_replicated_diff": max((r["replicated_diff"] for r in ok), default=None),
-        **speedups,
+        **_speedups(rows),
         "statistic": "speedup_vs_*: median over rounds of the per-round ratio (variants back to back each round, "
                      "each the slowest rank's step; pp2_ep2: ratio of medians); step_ms: median step after "
                      "warm-up, *_of_medians: their ratio; *_fastest: fastest steps",
-        "ours": "merak_ep (experts_implementation='merak_ep'), no replicas, no block-scope Lancet",
-        "goals": {"max_output_diff_le_1e-5": bool(ok) and max(r["output_diff"] for r in ok) <= TOLERANCE,
-                  "speedup_vs_hf_min_ge_1.3": speedups["speedup_vs_hf_min"] is not None
-                  and speedups["speedup_vs_hf_min"] >= 1.3},
-        "ep": 2, "world_size": 2, "backend": "gloo", "size": family_size, "steps": family_steps,
-        "few_experts": _second_leg(size, few_rows, steps),
-        "large": _second_leg(large, large_rows, steps),
+        "ours": "merak_ep (experts_implementation='merak_ep') at its defaults: no replicas, no block-scope Lancet",
+        "baseline": "default: the unswapped model built without experts_implementation (transformers' default, "
+                    "recorded per row as default_implementation), every expert on every rank; eager: its expert "
+                    "loop, the exactness reference",
+        "rank_glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        "ep": EP, "world_size": EP, "backend": "gloo", "size": sizes["family_widths"],
+        "steps": repeats["family_widths"][1],
+        "few_experts": _second_leg(sizes["few_experts"], legs["few_experts"], steps),
+        "large": _second_leg(sizes["large"], legs["large"], steps),
         "pp2_ep2": pp2_ep2,
     }
-    return rows, summary
+    return rows, compute_goals(legs, pp2_ep2["rows"]), summary
 
 
 def _second_leg(size: dict[str, Any], rows: list[dict[str, Any]], steps: int) -> dict[str, Any]:
-    """An ep=2 leg beside the goal's: its size, rows, slowest-family speedups and failures."""
+    """An ep=2 leg beside the family-widths one: its size, rows, slowest-family speedups and failures."""
     return {"size": size, "steps": steps, "rows": rows, **_speedups(rows),
-            "max_output_diff": max((r["output_diff"] for r in rows if "error" not in r), default=None),
             "families_failed": {r["family"]: r["error"] for r in rows if "error" in r}}
 
 
@@ -163,23 +232,28 @@ def _pp2_leg(families: list[str], size: dict[str, Any], warmup: int, steps: int)
     """pp=2 × ep=2 on 4 ranks (merak3d): per family, loss difference from the unswapped model and step times."""
     from benchmarks._moe_families_pp2 import run_all
     from lightning_merak.testing import run_distributed
+    from lightning_merak.testing.cpu_quota import device_per_rank_quota, emulation_record
 
-    per_rank = run_distributed(run_all, 4, args=(families, size, warmup, steps), timeout_s=1800)
+    quota = device_per_rank_quota(4)  # one device per rank: 4 ranks on fewer cores get a fixed CPU share each
+    per_rank = run_distributed(run_all, 4, args=(families, size, warmup, steps), timeout_s=1800, cpu_quota=quota)
     rows = _family_rows(per_rank, lambda row, peers, step, fastest: {
-        "family": row["family"], "loss_diff": max(p["loss_diff"] for p in peers), "step_ms": step,
-        "step_min_ms": fastest, "speedup_vs_eager": step["eager"] / step["ours"],
-        "speedup_vs_grouped_mm": step["grouped_mm"] / step["ours"],
-        "speedup_vs_eager_fastest": fastest["eager"] / fastest["ours"],
-        "speedup_vs_grouped_mm_fastest": fastest["grouped_mm"] / fastest["ours"]})
+        "family": row["family"], "default_implementation": row["default_implementation"],
+        "loss_diff": max(p["loss_diff"] for p in peers),
+        "default_loss_diff": max(p["default_loss_diff"] for p in peers),
+        "step_ms": step, "step_min_ms": fastest,
+        "speedup_vs_default": step["default"] / step["ours"], "speedup_vs_eager": step["eager"] / step["ours"],
+        "speedup_vs_default_fastest": fastest["default"] / fastest["ours"],
+        "speedup_vs_eager_fastest": fastest["eager"] / fastest["ours"]})
     ok = [r for r in rows if "error" not in r]
     return {"status": "measured" if len(ok) == len(rows) else "failed", "world_size": 4, "pipeline_parallel": 2,
-            "ep": 2, "steps": steps, "rows": rows,
+            "ep": EP, "steps": steps, "rows": rows, "rank_cpu": emulation_record(quota, 4),
             "families_failed": {r["family"]: r["error"] for r in rows if "error" in r},
             "max_loss_diff": max((r["loss_diff"] for r in ok), default=None),
             **_speedups(rows)}
 
 
-def _gpu_leg(quick: bool, families: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _gpu_leg(quick: bool, families: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """The single-GPU leg: ep=1, so none of :data:`GOALS` (all ep=2) is taken from it."""
     from benchmarks._moe_families_gpu import run_gpu
 
     device_name = cuda_device_name()
@@ -189,14 +263,14 @@ def _gpu_leg(quick: bool, families: list[str]) -> tuple[list[dict[str, Any]], di
     summary = {
         "device_name": device_name, "ep": 1,
         "families_failed": {f"{r['family']}/{r['dtype']}": r["error"] for r in rows if "error" in r},
+        "default_implementations": sorted({r["default_implementation"] for r in ok}),
         "max_output_diff_fp32": max((r["output_diff_vs_eager"] for r in fp32), default=None),
-        "speedup_vs_hf_min": min((r["speedup_vs_eager"] for r in ok if r["speedup_vs_eager"]), default=None),
-        "speedup_vs_grouped_mm_min": min((r["speedup_vs_grouped_mm"] for r in ok if r["speedup_vs_grouped_mm"]),
-                                         default=None),
+        **{f"speedup_vs_{name}_min": min((r[f"speedup_vs_{name}"] for r in ok if r[f"speedup_vs_{name}"]),
+                                         default=None) for name in ("default", "eager")},
         "baselines_failed": {f"{r['family']}/{r['dtype']}/{k.removesuffix('_error')}": v
                              for r in ok for k, v in r.items() if k.endswith("_error")},
     }
-    return rows, summary
+    return rows, [], summary
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -208,26 +282,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help=out_help(NAME))
     args = parser.parse_args(argv)
     families = args.families or _families()
-    rows, summary = (_gpu_leg if args.device == "cuda" else _cpu_leg)(args.quick, families)
+    rows, goals, summary = (_gpu_leg if args.device == "cuda" else _cpu_leg)(args.quick, families)
     table = [{"family": r["family"], **({"dtype": r["dtype"]} if "dtype" in r else {}),
               "diff": r.get("output_diff", r.get("output_diff_vs_eager")),
               **{f"{k}_ms": v for k, v in r.get("step_ms", {}).items()},
-              "vs_eager": r.get("speedup_vs_eager"), "vs_grouped_mm": r.get("speedup_vs_grouped_mm"),
+              "vs_default": r.get("speedup_vs_default"), "vs_eager": r.get("speedup_vs_eager"),
               "error": r.get("error", "")[:60]} for r in rows]
     print_table(table)
     for leg in ("few_experts", "large"):
         for row in summary.get(leg, {}).get("rows", []):
             print(f"{leg} {row['family']}: " + (row["error"][:80] if "error" in row else
                   f"diff {row['output_diff']:.1e}, step ms "
-                  f"{', '.join(f'{k} {v:.1f}' for k, v in row['step_ms'].items())}, ours vs eager "
-                  f"{row['speedup_vs_eager']:.2f}×, vs grouped_mm {row['speedup_vs_grouped_mm']:.2f}×"))
+                  f"{', '.join(f'{k} {v:.1f}' for k, v in row['step_ms'].items())}, ours vs default "
+                  f"{row['speedup_vs_default']:.2f}×, vs eager {row['speedup_vs_eager']:.2f}×"))
     for row in summary.get("pp2_ep2", {}).get("rows", []):
         print(f"pp2×ep2 {row['family']}: " + (row["error"][:80] if "error" in row else
-              f"loss diff {row['loss_diff']:.1e}, ours vs eager {row['speedup_vs_eager']:.2f}×, "
-              f"vs grouped_mm {row['speedup_vs_grouped_mm']:.2f}×"))
+              f"loss diff {row['loss_diff']:.1e}, ours vs default {row['speedup_vs_default']:.2f}×, "
+              f"vs eager {row['speedup_vs_eager']:.2f}×"))
+    print_goals(goals)
     name = NAME if args.device == "cpu" else f"{NAME}.gpu"
-    out = Path(args.out) if args.out else default_out(name, args.quick)
-    path = write_json(out, rows, "measured", quick=args.quick, device=args.device, **summary)
+    path = write_run(name, rows, "measured", goals, args.quick, Path(args.out) if args.out else None,
+                     device=args.device, **summary)
     print(f"wrote {path}")
     failed = [r for r in rows if "error" in r] + [family for leg in ("pp2_ep2", "few_experts", "large")
                                                   for family in summary.get(leg, {}).get("families_failed", {})]

@@ -41,6 +41,19 @@ exceed ``busy``), ``busy`` the time at least one was in flight. Per configuratio
 * ``final_loss`` and ``loss_max_rel_diff``: the largest relative difference from plain TP's
   loss over all steps, which must stay at rounding level (the runs are equal in exact arithmetic).
 
+Goal (issue #49), :data:`SPEEDUP_1GBIT_MAX`: per world size at 1 Gbit/s, the best overlapped variant's
+``speedup_vs_plain_tp``; the figure is the worst world size. Its ceiling on this machine, from plain TP's
+own measurements, is ``speedup_1gbit_bound``: with compute = ``step_ms - exposed_ms`` (the step
+while no rank waits on a collective) and comm = ``busy_ms`` (collectives in flight), perfect overlap
+gives at most (compute + comm) / max(compute, comm). A second ceiling, ``cpu_bound``: no step is
+shorter than the ranks' CPU time (compute and gloo's threads, ``cpu_ms_per_rank``) spread over the
+cores they share, so at most ``step_ms / (cpu_ms_per_rank * ranks / min(ranks, cores))``; both
+use plain TP's figures, and overlap adds CPU time, so both are upper bounds. ``speedup_1gbit_leg``
+gives, per world size, the best variant, the default variant's (:data:`DEFAULT_VARIANT`) speedup
+and both bounds. Ranks start
+with the launcher's heap settings (``GLIBC_TUNABLES`` from
+:func:`lightning_merak.distributed.host_memory.with_heap_tunables`), as a user's ranks do.
+
 A timeline of one step of rank 0 (plain and overlapped, from the trace) is saved as a PNG
 beside the JSON, with the overlapped step's Chrome/Perfetto trace. Everything here is
 measured on this machine's CPU over an emulated network (JSON label "emulated"); nothing
@@ -71,10 +84,13 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks import report
+from benchmarks.goals import Goal, print_goals, worst_case, write_run
 from lightning_merak.distributed.collectives import CommunicationTrace, record_communication
+from lightning_merak.distributed.host_memory import with_heap_tunables
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
 from lightning_merak.modules.config import ModelConfig, TrainerConfig
 from lightning_merak.strategies.merak3d import Merak3DStrategy
+from lightning_merak.testing.cpu_quota import device_per_rank_quota, emulation_record
 from lightning_merak.testing.netem import (
     EmulatedCluster,
     LinkSpec,
@@ -92,9 +108,10 @@ TARGET_SPEEDUP = 1.2
 SPEEDUP_APPLIES_FROM_COMM = 0.30
 LOSS_RTOL = 1e-5
 """Largest relative loss difference from plain TP that counts as rounding (as in tests/test_overlap_tp.py)."""
-RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLIBC_TUNABLES": with_heap_tunables(os.environ)}
 """One compute thread in every thread of a rank: ``torch.set_num_threads`` in the rank's main thread does not
-reach the sub-batch threads, whose OpenMP/MKL calls would otherwise start teams of the machine's size."""
+reach the sub-batch threads, whose OpenMP/MKL calls would otherwise start teams of the machine's size. The heap
+settings are the launcher's, which every user's rank gets."""
 PLOT_RANKS = 2
 PLOT_RATE_MBIT = 500.0
 
@@ -120,8 +137,16 @@ class Variant:
 PLAIN = Variant(1, False)
 PLOT_VARIANT = Variant(2, True)
 """The timeline shows rank 0's last plain and overlapped (this variant) steps of the plotted cluster."""
-VARIANTS = (PLAIN, Variant(1, True), Variant(2, False), Variant(2, True), Variant(4, True),
+DEFAULT_VARIANT = Variant(1, True)
+"""``Merak3DStrategy``'s defaults: ``tp_overlap=1``, ``tp_weight_grad_overlap=None`` (on outside zero bubble)."""
+VARIANTS = (PLAIN, DEFAULT_VARIANT, Variant(2, False), Variant(2, True), Variant(4, True),
             Variant(1, False, True), Variant(1, True, True), Variant(2, True, True))
+GOAL_RATE_MBIT = 1000.0
+SPEEDUP_1GBIT_MAX = Goal(
+    "speedup_1gbit_max", TARGET_SPEEDUP, ">=",
+    "plain TP's step_ms / the fastest overlapped variant's (tp_overlap > 1 or weight-gradient overlap, with or "
+    "without sequence parallelism), Llama hidden 256 x 4 layers, tensor_parallel = ranks, 1 Gbit/s emulated link; "
+    "worst over world sizes", issue=49)
 
 
 @dataclass(frozen=True)
@@ -303,8 +328,9 @@ def measure(world_size: int, rate_mbit: float | None, workload: Workload,
             variants: Sequence[Variant]) -> list[list[dict[str, Any]]]:
     """Run one cluster (loopback when ``rate_mbit`` is None); results per rank, per variant."""
     check_configuration(workload, world_size, variants)
-    cluster = (LoopbackCluster(world_size) if rate_mbit is None
-               else EmulatedCluster(world_size, LinkSpec(rate_mbit=rate_mbit)))
+    quota = device_per_rank_quota(world_size)  # one device per rank at more ranks than cores
+    cluster = (LoopbackCluster(world_size, cpu_quota=quota) if rate_mbit is None
+               else EmulatedCluster(world_size, LinkSpec(rate_mbit=rate_mbit), cpu_quota=quota))
     with cluster:
         results = cluster.run(rank_argv(workload, variants), timeout_s=RANK_TIMEOUT_S, extra_env=RANK_ENV,
                               cwd=REPO_ROOT)
@@ -385,6 +411,60 @@ def failed_rows(world_size: int, network: str, variants: Sequence[Variant], erro
     return [{"ranks": world_size, "network": network, **asdict(variant), "error": reason} for variant in variants]
 
 
+def row_variant(row: dict[str, Any]) -> Variant:
+    return Variant(row["tp_overlap"], row["weight_grad_overlap"], row["sequence_parallel"])
+
+
+def overlap_bound(plain: dict[str, Any]) -> float:
+    """The most any overlap can speed up plain TP's step: (compute + comm) / max(compute, comm).
+
+    Compute is the part of the step no rank waited on a collective; comm is the time collectives were in flight.
+    """
+    compute_ms, comm_ms = plain["step_ms"] - plain["exposed_ms"], plain["busy_ms"]
+    return (compute_ms + comm_ms) / max(compute_ms, comm_ms, 1e-30)
+
+
+def cpu_bound(plain: dict[str, Any], cores: int) -> float:
+    """The most any overlap can speed up plain TP's step when the ranks' CPU time is all that remains."""
+    ranks = plain["ranks"]
+    return plain["step_ms"] / max(plain["cpu_ms_per_rank"] * ranks / min(ranks, cores), 1e-30)
+
+
+def speedup_goal(rows: Sequence[dict[str, Any]], cores: int) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """:data:`SPEEDUP_1GBIT_MAX` over every world size at 1 Gbit/s, and per world size its variants and bounds
+    (``cores``: the cores the ranks share).
+
+    A world size whose cluster failed has no figure, so the goal has none either.
+    """
+    network = network_name(GOAL_RATE_MBIT)
+    clusters: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["network"] == network:
+            clusters.setdefault(f"{row['ranks']} ranks, {network}", []).append(row)
+    best: dict[str, float | None] = {}
+    leg: dict[str, dict[str, Any]] = {}
+    for name, cluster in clusters.items():
+        if any("error" in row for row in cluster):
+            best[name], leg[name] = None, {"error": cluster[0]["error"]}
+            continue
+        by_variant = {row_variant(row): row for row in cluster}
+        fastest = max((row for row in cluster if row_variant(row).overlapped),
+                      key=lambda row: row["speedup_vs_plain_tp"])
+        best[name] = fastest["speedup_vs_plain_tp"]
+        plain = by_variant[PLAIN]
+        default = by_variant.get(DEFAULT_VARIANT)
+        leg[name] = {"best_variant": row_variant(fastest).label, "best_speedup": fastest["speedup_vs_plain_tp"],
+                     "default_variant": DEFAULT_VARIANT.label,
+                     "default_speedup": None if default is None else default["speedup_vs_plain_tp"],
+                     "compute_ms": plain["step_ms"] - plain["exposed_ms"], "comm_ms": plain["busy_ms"],
+                     "bound": overlap_bound(plain), "cpu_ms_per_rank": plain["cpu_ms_per_rank"],
+                     "cpu_bound": cpu_bound(plain, cores), "idle_cores": plain["idle_cores"]}
+    ceilings = {name: (entry["bound"], entry["cpu_bound"]) for name, entry in leg.items() if "bound" in entry}
+    note = "; ".join(f"{name}: ceiling {bound:.3g}x from compute/comm, {cpu:.3g}x from CPU time"
+                     for name, (bound, cpu) in ceilings.items()) or None
+    return worst_case(SPEEDUP_1GBIT_MAX, best, note=note), leg
+
+
 def plot_steps(plain_events: list[dict[str, float]], plain_step_s: float, overlapped_events: list[dict[str, float]],
                overlapped_step_s: float, path: Path, title: str) -> Path:
     """Rank 0's last plain and overlapped steps on one time axis: wire lane and sub-batch lanes."""
@@ -442,7 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rank:
         rank_main(Workload(**json.loads(args.workload)), [Variant(**fields) for fields in json.loads(args.variants)])
         return 0
-    args.out = args.out or report.default_out("overlap_tp", args.quick)
+    result_path = args.out or report.default_out("overlap_tp", args.quick)
 
     if not emulation_available():
         return 2
@@ -480,8 +560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"within {LOSS_RTOL:g}; speedup is against the same mode (with or without sequence parallelism) without "
           "any overlap (tp_overlap=1, weight_grad_overlap=False)")
 
-    timeline = args.out.with_name(f"{args.out.stem}_timeline.png")
-    chrome = args.out.with_name(f"{args.out.stem}_trace.json")
+    timeline = result_path.with_name(f"{result_path.stem}_timeline.png")
+    chrome = result_path.with_name(f"{result_path.stem}_trace.json")
     network = network_name(PLOT_RATE_MBIT)
     plotted = all((PLOT_RANKS, network, variant) in step_events for variant in (PLAIN, PLOT_VARIANT))
     if plotted:
@@ -492,9 +572,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     wall_s = round(time.monotonic() - started, 1)
     targets = {"exposed_fraction_max": TARGET_EXPOSED_FRACTION, "speedup_min": TARGET_SPEEDUP,
                "speedup_applies_from_comm_of_plain_step": SPEEDUP_APPLIES_FROM_COMM, "loss_rtol": LOSS_RTOL}
-    out = report.write_json(
-        args.out, rows, label="emulated", benchmark="overlap_tp", quick=args.quick, backend="gloo",
-        threads_per_rank=1, rank_env=RANK_ENV, workload=asdict(workload),
+    goal, leg = speedup_goal(rows, len(os.sched_getaffinity(0)))
+    print_goals([goal])
+    bounds = [entry["bound"] for entry in leg.values() if "bound" in entry]
+    out = write_run(
+        "overlap_tp", rows, "emulated", [goal], quick=args.quick, out=args.out, benchmark="overlap_tp",
+        backend="gloo", threads_per_rank=1, rank_env=RANK_ENV, workload=asdict(workload),
+        default_variant=DEFAULT_VARIANT.label, speedup_1gbit_bound=min(bounds) if bounds else None,
+        speedup_1gbit_leg=leg,
+        rank_cpu={n: emulation_record(device_per_rank_quota(n), n) for n in mode.world_sizes},
         layout="data_parallel=1, pipeline_parallel=1, tensor_parallel=ranks", targets=targets,
         network_note="tbf rate shaping on veth links; no latency emulation (no sch_netem)",
         timeline_png=timeline.name if plotted else None, chrome_trace=chrome.name if plotted else None,

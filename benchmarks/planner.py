@@ -44,9 +44,18 @@ each
 run reported). Rows carry both predictions (``predicted_s``/``error``: the cost model;
 ``replay_predicted_s``/``replay_error``: the replay), the summary both maxima and each predictor's pick and regret.
 
+Goals (issue #49): ``error_max_leave_one_out`` (:data:`ERROR_GOAL`), the worst |error| over layouts of the default
+planner's (``planner_calibration="analytic"``) round predictions: its profile times blocks, collectives and a toy
+pipeline in ranks of their own and never a training run of any layout, so every layout's prediction is held out from
+every calibration run of that layout; ``regret`` (:data:`REGRET_GOAL`) of the layout those predictions rank first. The
+paired errors (a run's own plan, profiled inside that layout's run) and the replayer's (calibrated on traced runs of
+the layouts it prices) are not held out: beside the goals. The replayer's own leave-one-layout-out figure
+(``replay_loo_*``, :func:`held_out_groups`) prices each layout without the calibration runs of its layout.
+
 Everything is measured on this machine; nothing is simulated except the predictions
-themselves. Other load on the machine skews both. The ranks keep freed memory in glibc's heap
-(:mod:`benchmarks._rank_heap`; ``--default-heap`` for glibc's defaults).
+themselves. Other load on the machine skews both. The ranks start with the glibc tunables merak3d's launcher gives
+a user's ranks (:func:`~lightning_merak.distributed.host_memory.export_heap_tunables` before the forkserver they are
+forked from starts; ``--default-heap`` for glibc's defaults).
 """
 
 from __future__ import annotations
@@ -58,6 +67,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -66,11 +76,12 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks._rank_heap import KEPT_HEAP_ENV
 from benchmarks._replay_partition import stage_blocks
+from benchmarks.goals import Goal, print_goals, worst_case, write_run
 from benchmarks.merak3d import Workload, _quiet_lightning, _StepTimer
-from benchmarks.report import default_out, out_help, print_table, write_json
+from benchmarks.report import out_help, print_table
 from lightning_merak.callbacks.profiler import MerakTraceProfiler, Trace
+from lightning_merak.distributed.host_memory import export_heap_tunables
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
 from lightning_merak.modules.config import TrainerConfig
 from lightning_merak.planning.replay.calibration import (
@@ -90,7 +101,16 @@ WORLD_SIZE = 2
 RANK_TIMEOUT_S = 300.0
 WORKLOAD = Workload(hidden=256, layers=4, vocab=4096, seq=64, global_batch=8)
 """``global_batch`` here is the batch of each data-parallel replica (the dataloader's batch_size)."""
-ERROR_TARGET, REGRET_TARGET = 0.10, 0.05
+ERROR_GOAL = Goal(
+    "error_max_leave_one_out", 0.10, "<=",
+    "|the default (analytic) planner's predicted step of a layout, median over rounds of plans profiled in ranks of "
+    "their own with no run of any layout / the layout's measured median step - 1|; worst over the grid's layouts",
+    issue=49)
+REGRET_GOAL = Goal(
+    "regret", 0.05, "<=",
+    "measured time per sample of the layout the held-out predictions rank first / the best measured - 1 (layouts "
+    "train different samples per step)", issue=49)
+ERROR_TARGET, REGRET_TARGET = ERROR_GOAL.target, REGRET_GOAL.target
 TRACE_SKIP, TRACE_STEPS, UNTRACED_STEPS = 2, 3, 8
 """The replayer's calibration runs: warm-up steps, traced steps, then untraced steps whose median anchors the
 calibration. In one full run's 24 calibration runs the traced window read 0.88-1.37 of its own run's untraced median
@@ -273,6 +293,35 @@ def _replay_predictions(plan: list[dict[str, Any]], predictors: list[ReplayPredi
                                                         for predictor in predictors) for p in plan}
 
 
+def held_out_groups(groups: list[CalibrationGroup], layout_key: str) -> list[CalibrationGroup] | None:
+    """The calibration groups a leave-one-layout-out replay of ``layout_key`` rests on: every group whose traced
+    run is not of that layout (a probe of the cut model at that layout is one), the first whole-model run as the
+    base; None where no whole-model run is left to calibrate on."""
+    kept = [g for g in groups if _layout_key(_spec_layout(g.spec)) != layout_key]
+    bases = [g for g in kept if g.layers == 0]
+    return [bases[0], *(g for g in kept if g is not bases[0])] if bases else None
+
+
+def _spec_layout(spec: LayoutSpec) -> dict[str, int]:
+    return {"dp": spec.dp, "pp": spec.pp, "tp": spec.tp, "micro_batches": spec.micro_batches, "overlap": spec.overlap}
+
+
+def _held_out_replay(plan: list[dict[str, Any]], groups: list[CalibrationGroup],
+                     traces: dict[str, dict[str, Trace]]) -> dict[str, float | None]:
+    """Every layout's replay from the calibration runs of other layouts (:func:`held_out_groups`), the median over
+    both sides' traces; None where they cannot price it (no whole-model run left, or the calibration refuses)."""
+    predictions: dict[str, float | None] = {}
+    for p in plan:
+        key = _layout_key(p["layout"])
+        kept = held_out_groups(groups, key)
+        try:
+            predictions[key] = None if kept is None else statistics.median(
+                _predictor(kept, traces[side]).step_time(_replay_spec(p["layout"])) for side in SIDES)
+        except ValueError:
+            predictions[key] = None
+    return predictions
+
+
 def _replay_splits(plan: list[dict[str, Any]], predictor: ReplayPredictor) -> dict[str, list[int] | None]:
     """The blocks per stage ``predictor`` prices every pipelined layout of ``plan`` at: autopipe's pick on its
     calibrated costs (:meth:`~lightning_merak.planning.replay.calibration.ReplayPredictor.stage_blocks`); None
@@ -360,30 +409,59 @@ def combine_rounds(plans: list[list[dict[str, Any]]], measured: list[list[Measur
     return sorted(rows, key=lambda row: row["predicted_s"] / row["samples"])
 
 
+def regret_of(rows: list[dict[str, Any]], predicted: str = "predicted_s") -> tuple[dict[str, Any], float | None]:
+    """The layout ranked first by ``predicted`` seconds per sample and its regret: its measured time per sample over
+    the best measured layout's, less one (None where the pick or every layout failed, or it has no prediction)."""
+    priced = [row for row in rows if row.get(predicted) is not None]
+    pick = min(priced, key=lambda row: row[predicted] / row["samples"]) if priced else rows[0]
+    measured = [row for row in rows if "error" in row]
+    if "error" not in pick or pick.get(predicted) is None or not measured:
+        return pick, None
+    best = min(row["measured_per_sample_ms"] for row in measured)
+    return pick, pick["measured_per_sample_ms"] / best - 1.0
+
+
+def planner_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """This run's :data:`ERROR_GOAL` (every layout; a failed one leaves no figure) and :data:`REGRET_GOAL`, from
+    :func:`combine_rounds`' rows."""
+    pick, regret = regret_of(rows)
+    return [worst_case(ERROR_GOAL, {row["layout"]: abs(row["error"]) if "error" in row else None for row in rows}),
+            worst_case(REGRET_GOAL, {pick["layout"]: regret}, note="one figure: the pick's")]
+
+
+def prepare_rank_heap(default_heap: bool, environ: MutableMapping[str, str] = os.environ) -> str:
+    """Give the ranks started from now on (they inherit ``environ``) the glibc tunables merak3d's launcher gives a
+    user's ranks, unless ``default_heap``; what they run on, for the JSON."""
+    if default_heap:
+        return "glibc defaults"
+    export_heap_tunables(environ)
+    return environ.get("GLIBC_TUNABLES", "glibc defaults (not Linux)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and a smaller grid (under 3 minutes)")
     parser.add_argument("--out", type=Path, help=out_help("planner"))
     parser.add_argument("--default-heap", action="store_true",
-                        help="run the ranks on glibc's default heap (default: kept, benchmarks._rank_heap)")
+                        help="run the ranks on glibc's default heap (default: the tunables merak3d's launcher "
+                             "gives a user's ranks)")
     parser.add_argument("--moe", action="store_true",
                         help="instead: merak_ep's predicted vs measured step at dp2 and pp2 x dp2 "
                              "(benchmarks/_planner_moe.py; default out planner_moe[.quick].json)")
     args = parser.parse_args(argv)
+    rank_heap = prepare_rank_heap(args.default_heap)  # before the forkserver the ranks are forked from starts
     if args.moe:
         from benchmarks._planner_moe import main as moe_main
 
         return moe_main(args.quick, args.out)
-    args.out = args.out or default_out("planner", args.quick)
     mode = QUICK if args.quick else FULL
-    if not args.default_heap:
-        os.environ.update(KEPT_HEAP_ENV)  # the ranks start with it (run_distributed passes the environment on)
     started = time.perf_counter()
     print(f"planner benchmark: {WORKLOAD.describe()} per replica, {WORLD_SIZE} gloo ranks "
           f"({'quick' if args.quick else 'full'}, {mode.rounds} round{'s' * (mode.rounds > 1)})", flush=True)
     plans: list[list[dict[str, Any]]] = []
     measured: list[list[Measured | str]] = []
     replayed: list[dict[str, float]] = []
+    replayed_held_out: list[dict[str, float | None]] = []
     replay_splits: list[dict[str, list[int] | None]] = []
     calibrations: list[dict[str, Any]] = []
     calibration_runs: list[list[dict[str, Any]]] = []
@@ -409,12 +487,16 @@ def main(argv: list[str] | None = None) -> int:
         predictors = [_predictor(groups, traces[side]) for side in SIDES]
         calibrations.append([predictor.calibration.describe() for predictor in predictors])
         replayed.append(_replay_predictions(plans[-1], predictors))
+        replayed_held_out.append(_held_out_replay(plans[-1], groups, traces))
         replay_splits.append(_replay_splits(plans[-1], predictors[0]))
         measured.append([runs[_layout_key(reference["layout"])] for reference in plans[0]])
     rows = combine_rounds(plans, measured)
     for row in rows:
         row["replay_predicted_rounds_s"] = [round_[row["layout"]] for round_ in replayed]
         row["replay_predicted_s"] = statistics.median(row["replay_predicted_rounds_s"])
+        held_out = [round_[row["layout"]] for round_ in replayed_held_out]
+        row["replay_loo_predicted_rounds_s"] = held_out
+        row["replay_loo_predicted_s"] = None if None in held_out else statistics.median(held_out)  # type: ignore
         column = [_layout_key(p["layout"]) for p in plans[0]].index(row["layout"])
         row["replay_stage_blocks_rounds"] = [splits[row["layout"]] for splits, runs in zip(replay_splits, measured)
                                              if isinstance(runs[column], Measured)]  # as stage_blocks_rounds
@@ -424,14 +506,15 @@ def main(argv: list[str] | None = None) -> int:
                                           zip(row["replay_predicted_rounds_s"], measured)
                                           if isinstance(runs[column], Measured)]
             row["replay_paired_error"] = statistics.median(row["replay_error_rounds"])
+            if row["replay_loo_predicted_s"] is not None:
+                row["replay_loo_error"] = row["replay_loo_predicted_s"] / row["measured_s"] - 1.0
     measured_rows = [row for row in rows if "error" in row]
-    pick = rows[0]
     best = min(measured_rows, key=lambda row: row["measured_per_sample_ms"])
-    regret = pick["measured_per_sample_ms"] / best["measured_per_sample_ms"] - 1.0 if "error" in pick else None
     errors = [abs(row["error"]) for row in measured_rows]
-    replay_pick = min(rows, key=lambda row: row["replay_predicted_s"] / row["samples"])
-    replay_regret = (replay_pick["measured_per_sample_ms"] / best["measured_per_sample_ms"] - 1.0
-                     if "error" in replay_pick else None)
+    (pick, regret), (replay_pick, replay_regret) = regret_of(rows), regret_of(rows, "replay_predicted_s")
+    loo_pick, loo_regret = regret_of(rows, "replay_loo_predicted_s")
+    loo_errors = [abs(row["replay_loo_error"]) if "replay_loo_error" in row else None for row in measured_rows]
+    goals = planner_goals(rows)
     print("\nPlanner predictions (ranked by median predicted time per sample) vs measured steps")
     print_table(
         [{"layout": r["layout"], "samples/step": r["samples"], "predicted ms": round(r["predicted_s"] * 1e3, 1),
@@ -461,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
         "regret_target_met": regret is not None and regret <= REGRET_TARGET,
         "replay_pick": replay_pick["layout"], "replay_regret": replay_regret,
         "replay_split_agreement": split_agreement(rows),
+        "max_abs_replay_loo_error": None if None in loo_errors else max(loo_errors),  # type: ignore[type-var]
+        "replay_loo_errors": dict(zip((row["layout"] for row in measured_rows), loo_errors)),
+        "replay_loo_pick": loo_pick["layout"], "replay_loo_regret": loo_regret,
     }
     print(f"prediction error: mean {100 * summary['mean_abs_error']:.1f}%, max {100 * summary['max_abs_error']:.1f}% "
           f"(target ≤ {100 * ERROR_TARGET:.0f}%: {'PASS' if summary['error_target_met'] else 'FAIL'}); "
@@ -481,7 +567,12 @@ def main(argv: list[str] | None = None) -> int:
           + (f"{100 * replay_regret:.1f}%" if replay_regret is not None else "- (pick failed)")
           + (f"; priced pipelines at their runs' split in {100 * summary['replay_split_agreement']:.0f}% of runs"
              if summary["replay_split_agreement"] is not None else ""))
-    write_json(args.out, rows, "measured",
+    loo_max = summary["max_abs_replay_loo_error"]
+    print("replayer leave-one-layout-out (no calibration run of the layout it prices): max |error| "
+          + ("-" if loo_max is None else f"{100 * loo_max:.1f}%") + ", regret "
+          + ("-" if loo_regret is None else f"{100 * loo_regret:.1f}%") + " (not goals: not the default predictor)")
+    print_goals(goals)
+    out = write_run("planner", rows, "measured", goals, args.quick, out=args.out,
                predictions="the planner's cost model from its own profile: one planning run per round "
                            "(error), and each training run's own plan (paired_error); the trace replayer "
                            "calibrated per round on traced dp2 and pp2 runs and traced probes of each "
@@ -492,13 +583,15 @@ def main(argv: list[str] | None = None) -> int:
                            "replay_paired_error: the median over rounds of each round's prediction against the run "
                            "it bracketed; pipelines priced at the split autopipe picks on the "
                            "calibrated costs for their micro-batches (replay_stage_blocks_rounds, against the runs' "
-                           "own stage_blocks_rounds)",
+                           "own stage_blocks_rounds); replay_loo_*: the replayer calibrated without the runs of the "
+                           "layout it prices (held_out_groups)",
                calibrations=calibrations, calibration_runs=calibration_runs, untraced_steps=UNTRACED_STEPS,
                probe_layers=PROBE_LAYERS, calibration_sides=list(SIDES),
-               rounds=mode.rounds, rank_heap="glibc defaults" if args.default_heap else KEPT_HEAP_ENV,
+               rounds=mode.rounds,
+               rank_heap=rank_heap,
                workload=WORKLOAD.describe() + " per replica", world_size=WORLD_SIZE,
                mode="quick" if args.quick else "full", summary=summary, wall_s=time.perf_counter() - started)
-    print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s)")
+    print(f"wrote {out} ({time.perf_counter() - started:.0f} s)")
     return 0
 
 

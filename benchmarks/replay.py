@@ -1,45 +1,34 @@
-"""Trace replay (dPRO) against measurement on the emulated cluster network: replay error and what-if errors.
+"""Trace replay (dPRO) against measurement on the emulated cluster network: held-out replay and what-if errors.
 
 Run from the repo root (needs root for the network namespaces)::
 
     python -m benchmarks.replay [--quick] [--out PATH]
 
-Two gloo ranks on tbf-shaped links train a small Llama under merak3d. Runs with
-``MerakTraceProfiler`` record a few steps; the replay of a trace predicts its own steps
-(``replay_error``, target ≤ 5%), and what-ifs on it predict other runs that are then measured
-(target ≤ 10% each): (a) the link at 500 and 200 Mbit/s from a trace at 1 Gbit/s, each transfer's bytes at the
-traced link's TCP payload rate scaled (:func:`~lightning_merak.planning.replay.engine.link_payload_bytes_per_s`: tbf's
-burst after an idle spell lets a trace's transfers beat their bytes at the rate) and the compute anchored on the
-run's untraced steps (:func:`~lightning_merak.planning.replay.engine.anchored`); (b) pp=2 and
-tp=2 from a trace of dp=2 (layout re-derived: :mod:`lightning_merak.planning.replay.synthesize`), pp=2 with its blocks'
-backward at the ratio the in-process call probe below measured (the dp trace's block backwards share the cores
-with the gradient reduction they overlap: :func:`~lightning_merak.planning.replay.refine.with_probed_backward`), tp=2
-with a probe: a traced tp=2 run of the model cut to ``PROBE_LAYERS`` blocks, whose costs (vocabulary-parallel
-head, sub-batch machinery, the blocks' collectives) replace the dp trace's
-(:mod:`lightning_merak.planning.replay.calibration`; the row "no probe" predicts tp=2 from the dp trace alone);
-(c) other micro-batch counts from a trace of pp=2 with 2 micro-batches: block, head, first-stage prefix and loss
-calls of other sizes follow call curves an in-process probe measures in the driver before every repeat, and the step
-is the traced run's period times the re-derived ratio (:mod:`benchmarks._replay_microbatch`; rows of kinds "chunk work
-guessed" and "two-trace line" keep earlier models beside them). A step's time is the
-period between the ends of consecutive training batches (loop and data loading included), the
-slowest rank's, median over the steps after warm-up. Rows for 8–64 ranks are replays of layouts
-calibrated on the same trace: labelled simulated, nothing measured.
+Two gloo ranks on tbf-shaped links train a small Llama under merak3d; runs with ``MerakTraceProfiler`` record a
+few steps. Goals (issue #49): ``replay_heldout_error_max`` (:data:`REPLAY_HELDOUT_GOAL`), the plain replay of a
+trace against ANOTHER, untraced run of the same layout in fresh rank processes (the held-out cluster), worst over
+dp2 and pp2 M=2; ``whatif_error_max`` (:data:`WHATIF_GOAL`), every measured what-if row, none left out, each
+predicted from a trace of another run than the one measured: (a) dp2 at 500 and 200 Mbit/s from its 1 Gbit/s trace
+(each transfer's bytes at the traced link's TCP payload rate scaled,
+:func:`~lightning_merak.planning.replay.engine.link_payload_bytes_per_s`, compute anchored on the traced run's
+untraced steps, :func:`~lightning_merak.planning.replay.engine.anchored`); (b) pp=2 and tp=2 re-derived from the
+dp=2 trace (:mod:`lightning_merak.planning.replay.synthesize`): pp=2 with its blocks' backward at the ratio the
+driver's in-process call probe measured (:func:`~lightning_merak.planning.replay.refine.with_probed_backward`), tp=2
+with a traced tp=2 probe of the model cut to ``PROBE_LAYERS`` blocks
+(:mod:`lightning_merak.planning.replay.calibration`) and without it; (c) other micro-batch counts from the pp=2 M=2
+trace by each call model of :mod:`benchmarks._replay_microbatch`. Pipelines are priced at the split the driver
+derives as autopipe will (:mod:`benchmarks._replay_partition`), and again (kind ``PARTITIONED``) at each measured
+run's. Diagnostics beside the goals: "replay of its own steps" (the old, self-referential ``replay_error``) and
+"run to run" (the traced run's untraced steps against the held-out run: the machine's share of the held-out error).
+A step's time is the period between the ends of consecutive training batches, the slowest rank's, median over the
+untraced steps after warm-up. Rows for 8–64 ranks are replays only, labelled simulated.
 
-On a shared machine a run's steps slow down whenever another process takes a core: runs are therefore
-repeated (``Mode.repeats``), each repeat tracing and measuring everything again, measured runs next to
-their traced counterparts and in reversed order every other repeat (as are the link-rate clusters). A
-row's predicted and measured figures are the medians over repeats of each repeat's own, its error their
-ratio; the rows also keep every repeat's figures, their spread, and the first repeat's error (the single
-run the benchmark used to report). Every step also records how long each rank's main thread waited for a
-CPU (Linux schedstat), reported per run as ``cpu_wait_share``: contention, not our code, where it is high.
-The ranks keep freed memory in glibc's heap (:data:`benchmarks._rank_heap.KEPT_HEAP_ENV`; ``--default-heap`` runs
-them on glibc's defaults, whose trimming faults a dp2 rank's loss back in on most steps and a pipeline's hardly).
-``--pin`` puts each rank (and the probe) on a core of its own; by default the scheduler places them: pinned, a
-rank cannot leave a core another process takes (docs/design/replay.md). autopipe splits the blocks by timings taken at
-start-up, for the run's micro-batch size and count: the pipeline what-ifs price the split the driver derives the
-same way before the runs (:mod:`benchmarks._replay_partition`), and rows of kind ``PARTITIONED`` replay them again
-with the split each measured run got (contention moves it too); like the tp2 row without its probe, they are
-reported beside the goal's rows and left out of the maxima.
+Runs are repeated (``Mode.repeats``), every cluster in reversed order every other repeat; a row's figures are the
+medians over repeats, its error their ratio, beside every repeat's own, their spread and ``cpu_wait_share`` (each
+rank's main thread's wait for a CPU, Linux schedstat). The ranks start with the glibc tunables merak3d's launcher
+gives a user's ranks (:func:`rank_environment`) and the driver, whose probe prices calls, restarts itself with them;
+``--default-heap`` runs both on glibc's defaults. ``--pin`` puts each rank (and the probe) on a core of its own
+(docs/design/replay.md).
 """
 
 from __future__ import annotations
@@ -47,11 +36,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -60,9 +50,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks import report
-from benchmarks._rank_heap import KEPT_HEAP_ENV
-from benchmarks._replay_microbatch import GUESSED_KIND, LINE_KIND, microbatch_rows, probe_curves, probe_sizes
+from benchmarks._replay_microbatch import microbatch_rows, probe_curves, probe_sizes, recording_overhead_us
 from benchmarks._replay_partition import expected_stage_blocks, stage_blocks
+from benchmarks.goals import Goal, print_goals, worst_case, write_run
 from benchmarks.merak3d import Workload, _quiet_lightning
 from lightning_merak.callbacks.profiler import (
     MerakTraceProfiler,
@@ -72,6 +62,7 @@ from lightning_merak.callbacks.profiler import (
     replay_trace,
     write_chrome_trace,
 )
+from lightning_merak.distributed.host_memory import restart_with_heap_tunables, with_heap_tunables
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
 from lightning_merak.modules.config import TrainerConfig
 from lightning_merak.planning.measure.probe import ProbedCurves
@@ -95,12 +86,21 @@ RANK_TIMEOUT_S = 400.0
 WORKLOAD = Workload(hidden=128, layers=4, vocab=4096, seq=64, global_batch=8)
 """``global_batch`` is each data-parallel replica's batch (the samples a layout's replica trains per step)."""
 BASE_RATE_MBIT = 1000.0
-REPLAY_TARGET, WHATIF_TARGET = 0.05, 0.10
+REPLAY_HELDOUT_GOAL = Goal(
+    "replay_heldout_error_max", 0.05, "<=",
+    "|replay of a traced run's steps / the median untraced step of another run of that layout (fresh rank processes) "
+    "- 1|, medians over repeats; worst over dp2 and pp2 M=2 at 1 Gbit", issue=49)
+WHATIF_GOAL = Goal(
+    "whatif_error_max", 0.10, "<=",
+    "|what-if prediction from a trace of one run / the measured median step of another run - 1|, medians over "
+    "repeats; worst over every measured what-if row (link rates, layouts, micro-batch counts, every call model)",
+    issue=49)
+REPLAY_KIND, RUN_TO_RUN_KIND, SELF_REPLAY_KIND = "replay held-out", "run to run", "replay of its own steps"
+BASE, HELDOUT = "1Gbit", "1Gbit held-out"
+"""The clusters at the base rate: the traced runs and their measured counterparts, and the held-out runs."""
 PROBE_LAYERS = 2
 """Blocks of the probe runs (the workload has 4)."""
 PARTITIONED = "what-if (measured run's partition)"
-SECONDARY_KINDS = ("what-if layout (no probe)", PARTITIONED, LINE_KIND, GUESSED_KIND)
-"""Rows beside the goal's: no what-if error maximum counts them."""
 SIMULATED = ((8, 1, 1, 1), (16, 2, 2, 4), (16, 4, 1, 8), (32, 2, 1, 4), (64, 1, 1, 1))
 """(dp, pp, tp, micro-batches) replayed beyond this machine."""
 
@@ -139,19 +139,15 @@ class Mode:
     trace_steps: int = 3
     """Steps a traced run records (its replay, and its traced over untraced ratio, average over them)."""
     rates: tuple[float, ...] = (500.0, 200.0)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 QUICK = Mode(steps=12, micro_batch_counts=(4,), repeats=2)
 FULL = Mode(steps=20, micro_batch_counts=(4, 8), repeats=4, trace_steps=5)
 
 
-# Inside a rank -------------------------------------------------------------------------------
-
 
 def thread_schedstat() -> Optional[tuple[float, float]]:
-    """The calling thread's CPU time and its time runnable but waiting for a CPU, in seconds (Linux schedstat);
-    None where the kernel does not expose them."""
+    """The calling thread's CPU time and its wait for a CPU, in seconds (Linux schedstat); None without them."""
     try:
         with open("/proc/thread-self/schedstat") as stat:
             cpu, waiting = stat.read().split()[:2]
@@ -161,17 +157,19 @@ def thread_schedstat() -> Optional[tuple[float, float]]:
 
 
 class _Periods(pl.Callback):
-    """perf_counter and the main thread's schedstat at the end of every training batch (a step's period is the
-    difference)."""
+    """perf_counter, the main thread's schedstat and the process's minor page faults (the heap's pages faulted back in,
+    which differ by layout: docs/design/replay.md) at the end of every training batch; a step's are the differences."""
 
     def __init__(self) -> None:
         self.ends: list[float] = []
         self.sched: list[Optional[tuple[float, float]]] = []
+        self.faults: list[int] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.ends.append(time.perf_counter())
         self.sched.append(thread_schedstat())
+        self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
 
 def _run_job(job: Job, out_dir: str, rank: int, world: int) -> dict[str, Any]:
@@ -199,7 +197,7 @@ def _run_job(job: Job, out_dir: str, rank: int, world: int) -> dict[str, Any]:
     local = tokens[:, replica * WORKLOAD.global_batch:(replica + 1) * WORKLOAD.global_batch].reshape(-1, WORKLOAD.seq)
     trainer.fit(module, DataLoader(TensorDataset(local), batch_size=WORKLOAD.global_batch))
     partition = getattr(trainer.strategy, "partition", None)
-    return {"job": job.name, "ends": periods.ends, "sched": periods.sched,
+    return {"job": job.name, "ends": periods.ends, "sched": periods.sched, "faults": periods.faults,
             "partition": list(partition.boundaries) if partition is not None else None,
             "trace": str(profiler.paths["trace"]) if profiler is not None and profiler.paths else None}
 
@@ -219,8 +217,6 @@ def rank_main(jobs: Sequence[Job], out_dir: str, pin: bool = False) -> None:
     print(RESULT_MARKER + json.dumps(results), flush=True)
 
 
-# Driver -------------------------------------------------------------------------------------
-
 
 def _parse(stdout: str) -> list[dict[str, Any]]:
     lines = [line for line in stdout.splitlines() if line.startswith(RESULT_MARKER)]
@@ -232,13 +228,14 @@ def _parse(stdout: str) -> list[dict[str, Any]]:
 def run_cluster(rate_mbit: float, jobs: Sequence[Job], out_dir: str, pin: bool = False, default_heap: bool = False
                 ) -> dict[str, dict[str, Any]]:
     """Run ``jobs`` in one 2-rank emulated cluster (with ``pin``, each rank on a core of its own; unless
-    ``default_heap``, on :data:`~benchmarks._rank_heap.KEPT_HEAP_ENV`); per job: its periods
+    ``default_heap``, on the heap merak3d's launcher gives a user's ranks: :func:`rank_environment`); per job: its
+    periods
     (:func:`summarize_run`), the stage boundaries its partitioner chose, the ranks' cores (None: unpinned) and the
     trace on rank 0."""
     argv = [sys.executable, "-m", "benchmarks.replay", "--rank", "--jobs", json.dumps([asdict(j) for j in jobs]),
             "--dir", out_dir, *(("--pin",) if pin else ())]
     with EmulatedCluster(2, LinkSpec(rate_mbit=rate_mbit)) as cluster:
-        env = RANK_ENV if default_heap else {**RANK_ENV, **KEPT_HEAP_ENV}
+        env = rank_environment(default_heap)
         results = [_parse(r.stdout) for r in cluster.run(argv, timeout_s=RANK_TIMEOUT_S, extra_env=env,
                                                            cwd=REPO_ROOT)]
     out = {}
@@ -246,10 +243,18 @@ def run_cluster(rate_mbit: float, jobs: Sequence[Job], out_dir: str, pin: bool =
         per_rank = [rank[index] for rank in results]
         ends = [r["ends"] for r in per_rank]
         periods = [max(e[i + 1] - e[i] for e in ends) for i in range(len(ends[0]) - 1)]
-        out[job.name] = {**summarize_run(periods, _step_deltas([r["sched"] for r in per_rank], 1), job),
+        run = summarize_run(periods, _step_deltas([r["sched"] for r in per_rank], 1), job)
+        faults = [max(r["faults"][i + 1] - r["faults"][i] for r in per_rank) for i in range(len(periods))]
+        out[job.name] = {**run, "minor_faults_per_step": statistics.median(faults[i] for i in run["measured_steps"]),
                          "partition": per_rank[0]["partition"], "cores": [r["core"] for r in per_rank],
                          "trace": per_rank[0]["trace"]}
     return out
+
+
+def rank_environment(default_heap: bool = False) -> dict[str, str]:
+    """What a rank's environment adds to the driver's: one thread, and (unless ``default_heap``) the glibc tunables
+    merak3d's launcher exports to the ranks it starts, so the benchmark times the heap a user's ranks get."""
+    return dict(RANK_ENV) if default_heap else {**RANK_ENV, "GLIBC_TUNABLES": with_heap_tunables(os.environ)}
 
 
 def _step_deltas(sched: Sequence[Sequence[Optional[tuple[float, float]]]], field_index: int) -> Optional[list[float]]:
@@ -281,34 +286,6 @@ def summarize_run(periods: Sequence[float], cpu_waits: Optional[Sequence[float]]
         # A diagnostic only (no error uses it): roughly what the steps take where nothing else wants the cores.
         summary["period_less_cpu_wait_s"] = statistics.median(periods[i] - cpu_waits[i] for i in measured)
     return summary
-
-
-def recording_overhead_us(calls: int = 2000) -> dict[str, float]:
-    """Microseconds each recorded collective costs on top of the plain call (1-rank gloo group, tiny tensor)."""
-    import torch.distributed as dist
-
-    from lightning_merak.callbacks.profiler.recorder import TraceRecorder
-
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        tensor = torch.zeros(4)
-
-        def per_call() -> float:
-            start = time.perf_counter()
-            for _ in range(calls):
-                dist.all_reduce(tensor)
-            return (time.perf_counter() - start) / calls * 1e6
-
-        plain = min(per_call() for _ in range(3))
-        recorder = TraceRecorder(0, block_spans=False)
-        recorder.install()
-        try:
-            recorded = min(per_call() for _ in range(3))
-        finally:
-            recorder.uninstall()
-    finally:
-        dist.destroy_process_group()
-    return {"plain_call_us": plain, "recorded_call_us": recorded, "overhead_per_op_us": recorded - plain}
 
 
 def _shape(workload: Workload = WORKLOAD) -> ModelShape:
@@ -372,9 +349,10 @@ def merge_runs(repeats: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[s
     return merged
 
 
-def _named_runs(measured: dict[float, dict[str, dict[str, Any]]], rates: Sequence[float]) -> dict[str, dict[str, Any]]:
-    """One repeat's runs by name: the 1 Gbit cluster's jobs and ``dp2@<rate>Mbit``."""
-    return dict(measured[BASE_RATE_MBIT]) | {f"dp2@{rate:g}Mbit": measured[rate]["dp2"] for rate in rates}
+def _named_runs(measured: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """One repeat's runs by name: the base cluster's jobs by their own, the others' as ``<job>@<cluster>``."""
+    return dict(measured[BASE]) | {f"{job}@{cluster}": run for cluster, runs in measured.items() if cluster != BASE
+                                   for job, run in runs.items()}
 
 
 def one_step_trace(trace: Trace, step: int) -> Trace:
@@ -396,21 +374,30 @@ def jobs_by_name(mode: Mode) -> dict[str, Job]:
     return {job.name: job for job in jobs}
 
 
+def clusters_of(mode: Mode) -> list[tuple[str, float, list[Job]]]:
+    """Every cluster of a repeat (name, link rate, jobs): the base cluster's traced and measured runs, the held-out
+    cluster's untraced runs of the traced layouts (fresh processes: what the replay goal predicts), and dp2 at each
+    other link rate."""
+    held_out = [Job("dp2", 2, 1, 1, 1, False, mode.steps), Job("pp2_m2", 1, 2, 1, 2, False, mode.steps)]
+    return ([(BASE, BASE_RATE_MBIT, list(jobs_by_name(mode).values())), (HELDOUT, BASE_RATE_MBIT, held_out)]
+            + [(f"{rate:g}Mbit", rate, [Job("dp2", 2, 1, 1, 1, False, mode.steps)]) for rate in mode.rates])
+
+
 def measure_repeat(mode: Mode, repeat: int, out_dir: str, started: float, pin: bool = False,
-                   default_heap: bool = False) -> dict[float, dict[str, dict[str, Any]]]:
-    """One repeat of every cluster; each measured run next to its traced counterpart, and the order of the
-    jobs and of the link rates reversed every other repeat (a drifting machine then favours no run)."""
-    base = list(jobs_by_name(mode).values())
-    clusters = [(BASE_RATE_MBIT, base)] + [(rate, [Job("dp2", 2, 1, 1, 1, False, mode.steps)]) for rate in mode.rates]
+                   default_heap: bool = False) -> dict[str, dict[str, dict[str, Any]]]:
+    """One repeat of every cluster (:func:`clusters_of`), by cluster name; each measured run next to its traced
+    counterpart, and the order of the jobs and of the clusters reversed every other repeat (a drifting machine then
+    favours no run)."""
+    clusters = clusters_of(mode)
     measured = {}
-    for rate, jobs in clusters[::-1] if repeat % 2 else clusters:
+    for name, rate, jobs in clusters[::-1] if repeat % 2 else clusters:
         load = os.getloadavg()[0]
         runs = run_cluster(rate, jobs[::-1] if repeat % 2 else jobs, out_dir, pin, default_heap)
         for run in runs.values():
             run["load_1m_before"] = load
-        measured[rate] = runs
-        periods = ", ".join(f"{name} {1e3 * run['period_s']:.0f} ms" for name, run in runs.items())
-        print(f"  repeat {repeat + 1}/{mode.repeats}, {rate:g} Mbit: {periods} (load {load:.1f}; "
+        measured[name] = runs
+        periods = ", ".join(f"{job} {1e3 * run['period_s']:.0f} ms" for job, run in runs.items())
+        print(f"  repeat {repeat + 1}/{mode.repeats}, {name}: {periods} (load {load:.1f}; "
               f"{time.perf_counter() - started:.0f} s)", flush=True)
     return measured
 
@@ -423,20 +410,31 @@ def expected_splits(mode: Mode) -> dict[str, tuple[int, ...]]:
             for name, job in jobs_by_name(mode).items() if job.pp > 1}
 
 
-def predict_repeat(measured: dict[float, dict[str, dict[str, Any]]], traces: dict[str, Trace], mode: Mode,
+def replay_rows(measured: dict[str, dict[str, dict[str, Any]]], traces: dict[str, Trace]) -> list[dict[str, Any]]:
+    """One repeat's replay rows for the traced dp2 and pp2 M=2 runs: the plain replay of each trace against the
+    held-out run of its layout (the goal's), the traced run's untraced steps against that run (run to run), and the
+    replay against the traced steps themselves (what ``replay_error`` was)."""
+    rows = []
+    for name in ("dp2", "pp2_m2"):
+        replayed, traced, held_out = replay_trace(traces[name]).step_time, measured[BASE][name], measured[HELDOUT][name]
+        rows += [_row(REPLAY_KIND, f"{name} at 1 Gbit, another run", replayed, held_out["period_s"],
+                      **_contention(held_out)),
+                 _row(RUN_TO_RUN_KIND, f"{name} at 1 Gbit: the traced run's untraced steps, another run",
+                      traced["period_s"], held_out["period_s"], **_contention(held_out)),
+                 _row(SELF_REPLAY_KIND, f"{name} at 1 Gbit (traced steps)", replayed, measured_step_time(traces[name]),
+                      overhead=traced["traced_period_s"] / traced["period_s"] - 1.0)]
+    return rows
+
+
+def predict_repeat(measured: dict[str, dict[str, dict[str, Any]]], traces: dict[str, Trace], mode: Mode,
                    shape: ModelShape, curves: ProbedCurves, splits: dict[str, tuple[int, ...]]
                    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One repeat's rows (:func:`_row`) from its own traces, runs, probed call ``curves`` and the ``splits`` the
     partitioner was expected to give the pipelined runs (:func:`expected_splits`); and the costs calibrated on
     them."""
     jobs = jobs_by_name(mode)
-    at_base = measured[BASE_RATE_MBIT]
-    rows = []
-    for name in ("dp2", "pp2_m2"):
-        replayed = replay_trace(traces[name])
-        rows.append(_row("replay", f"{name} at 1 Gbit (traced steps)", replayed.step_time,
-                         measured_step_time(traces[name]),
-                         overhead=at_base[name]["traced_period_s"] / at_base[name]["period_s"] - 1.0))
+    at_base = measured[BASE]
+    rows = replay_rows(measured, traces)
     dp2 = traces["dp2"]
     # The traced steps carry the profiler's overhead and a spell of the machine, measured runs do not: replays of
     # the trace scale its compute to the run's untraced steps (anchored), layouts re-derived from it their step.
@@ -445,8 +443,9 @@ def predict_repeat(measured: dict[float, dict[str, dict[str, Any]]], traces: dic
         what_if = anchored(dp2, at_base["dp2"]["period_s"], WhatIf(
             bandwidth_ratio=rate / BASE_RATE_MBIT, link_bytes_per_s=link_payload_bytes_per_s(BASE_RATE_MBIT * 1e6)))
         predicted = replay_trace(dp2, what_if).step_time
-        rows.append(_row("what-if link", f"dp2 at {rate:g} Mbit from 1 Gbit", predicted,
-                         measured[rate]["dp2"]["period_s"], **_contention(measured[rate]["dp2"])))
+        run = measured[f"{rate:g}Mbit"]["dp2"]
+        rows.append(_row("what-if link", f"dp2 at {rate:g} Mbit from 1 Gbit", predicted, run["period_s"],
+                         **_contention(run)))
     costs_dp = calibrate(dp2, shape, jobs["dp2"].layout())
     probe_job = jobs["tp2_probe"]
     probe = Probe(traces["tp2_probe"], _shape(probe_job.workload()), probe_job.layout(),
@@ -493,11 +492,20 @@ def _contention(run: dict[str, Any]) -> dict[str, float]:
     return {"measured_cpu_wait_share": run["cpu_wait_share"]} if "cpu_wait_share" in run else {}
 
 
-def _error_max(rows: Sequence[dict[str, Any]], key: str = "error", probes: bool = True) -> float:
-    """The largest |error| of the what-if rows against measurement (the secondary rows, tp2 without its probe
-    and the pipelines at the measured runs' partitions, left out)."""
-    return max(abs(r[key]) for r in rows if r["kind"].startswith("what-if") and key in r
-               and r["kind"] not in SECONDARY_KINDS and (probes or "probe" not in r["what"]))
+def _config(row: dict[str, Any]) -> str:
+    return f"{row['kind']}: {row['what']}"
+
+
+def replay_goal(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """:data:`REPLAY_HELDOUT_GOAL`'s record: the worst |error| of the merged held-out replay rows."""
+    return worst_case(REPLAY_HELDOUT_GOAL, {_config(r): abs(r["error"]) for r in rows if r["kind"] == REPLAY_KIND})
+
+
+def whatif_goal(rows: Sequence[dict[str, Any]], key: str = "error") -> dict[str, Any]:
+    """:data:`WHATIF_GOAL`'s record: the worst |``key``| of every what-if row with a measurement, none left out (with
+    ``key`` another error statistic, for a diagnostic beside the goal)."""
+    return worst_case(WHATIF_GOAL, {_config(r): abs(r[key]) for r in rows
+                                    if r["kind"].startswith("what-if") and r["measured_ms"] is not None})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -509,8 +517,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="pin each rank, and the probe, to a core of its own (default: the scheduler places "
                              "them; pinned ranks cannot leave a core another process takes)")
     parser.add_argument("--default-heap", action="store_true",
-                        help="run the ranks on glibc's default heap, which trims and faults large blocks back in "
-                             "(default: kept, KEPT_HEAP_ENV)")
+                        help="run the ranks and the driver on glibc's default heap (default: the tunables merak3d's "
+                             "launcher gives a user's ranks, lightning_merak.distributed.host_memory)")
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--jobs", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
@@ -521,7 +529,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not emulation_available():
         print("the emulated cluster needs root, ip and tc (see lightning_merak/testing/netem.py)")
         return 2
-    args.out = args.out or report.default_out("replay", args.quick)
+    if not args.default_heap:
+        restart_with_heap_tunables()  # the driver's in-process probe prices calls on the ranks' heap
+    example = (args.out or report.default_out("replay", args.quick)).with_name(
+        f"replay{'.quick' * args.quick}_pp2_step.perfetto.json")
     mode = QUICK if args.quick else FULL
     started = time.perf_counter()
     shape = _shape()
@@ -538,7 +549,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                   probe_sizes(WORKLOAD.global_batch, mode.micro_batch_counts), pin=args.pin)
             splits = expected_splits(mode)
             measured = measure_repeat(mode, repeat, out_dir, started, pin=args.pin, default_heap=args.default_heap)
-            traces = {name: Trace.load(measured[BASE_RATE_MBIT][name]["trace"])
+            traces = {name: Trace.load(measured[BASE][name]["trace"])
                       for name in ("dp2", "pp2_m2", "tp2_probe")}
         if args.traces:
             for name, trace in traces.items():
@@ -547,41 +558,40 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         costs["call_curves"] = {name: curve.describe() for name, curve in curves._asdict().items()}
         costs["expected_stage_blocks"] = splits
         repeat_rows.append(rows)
-        repeat_runs.append(_named_runs(measured, mode.rates))
+        repeat_runs.append(_named_runs(measured))
         repeat_costs.append(costs)
         pp_traces.append(traces["pp2_m2"])
     rows = merge_rows(repeat_rows)
-    example = args.out.with_name(f"{args.out.name.removesuffix('.json')}_pp2_step.perfetto.json")
     write_chrome_trace(chrome_trace(one_step_trace(pp_traces[0], pp_traces[0].steps()[-1])), example)
-    replay_error = abs(max((r["error"] for r in rows if r["kind"] == "replay"), key=abs))
-    whatif, without_probes = _error_max(rows), _error_max(rows, probes=False)
+    goals = [replay_goal(rows), whatif_goal(rows)]
     print(f"\nReplay and what-if predictions vs measured step periods (2 ranks, emulated links; 8-64 ranks simulated; "
           f"medians over {mode.repeats} repeats)")
     report.print_table([{**r, "error": f"{100 * r['error']:+.1f}%" if "error" in r else "-",
                          "by repeat": " ".join(f"{100 * e:+.0f}%" for e in r.get("errors_by_repeat", [])),
                          "spread": f"{100 * r['measured_spread']:.0f}%" if "measured_spread" in r else "-"}
                         for r in rows], ["kind", "what", "predicted_ms", "measured_ms", "error", "by repeat", "spread"])
-    print(f"replay error {100 * replay_error:.1f}% (target ≤ {100 * REPLAY_TARGET:.0f}%), what-if error max "
-          f"{100 * whatif:.1f}% (target ≤ {100 * WHATIF_TARGET:.0f}%; without the probes "
-          f"{100 * without_probes:.1f}%; paired by repeat {100 * _error_max(rows, 'error_paired'):.1f}%; first repeat "
-          f"alone {100 * _error_max(rows, 'error_first_repeat'):.1f}%)")
-    report.write_json(args.out, rows, "emulated", replay_error=replay_error, whatif_error_max=whatif,
-                      whatif_error_max_without_probes=without_probes,
-                      whatif_error_max_paired=_error_max(rows, "error_paired"),
-                      whatif_error_max_first_repeat=_error_max(rows, "error_first_repeat"),
-                      statistic=f"medians over {mode.repeats} repeats (each run's period: median of its untraced "
-                                "steps after warm-up); error_paired: the median of each repeat's own error; "
-                                "error_first_repeat: the first repeat alone, as a single run reported before repeats",
-                      repeats=mode.repeats, steps_per_run=mode.steps, probe_layers=PROBE_LAYERS,
-                      ranks_pinned=args.pin, rank_heap="glibc defaults" if args.default_heap else KEPT_HEAP_ENV,
-                      replay_target=REPLAY_TARGET, whatif_target=WHATIF_TARGET, workload=WORKLOAD.describe(),
-                      mode="quick" if args.quick else "full", perfetto_example=example.name,
-                      recording_overhead=overhead, runs=merge_runs(repeat_runs), calibrated_costs=repeat_costs[0],
-                      note="emulated: tbf-shaped veth links, 2 gloo ranks, one thread each; simulated rows are "
-                           "replays only; timings on a shared machine are noisy (cpu_wait_share per run: the main "
-                           "threads' wait for a CPU over the period)",
-                      gpu_leg="not run: CPU/gloo on an emulated network", wall_s=time.perf_counter() - started)
-    print(f"wrote {args.out} and {example.name} ({time.perf_counter() - started:.0f} s)")
+    print_goals(goals)
+    paired, first = whatif_goal(rows, "error_paired"), whatif_goal(rows, "error_first_repeat")
+    print(f"what-if error max paired by repeat {100 * paired['value']:.1f}%, first repeat alone "
+          f"{100 * first['value']:.1f}% (diagnostics, not goals)")
+    by_kind = {kind: max(abs(r["error"]) for r in rows if r["kind"] == kind and "error" in r)
+               for kind in dict.fromkeys(r["kind"] for r in rows if r["kind"].startswith("what-if") and "error" in r)}
+    out = write_run("replay", rows, "emulated", goals, args.quick, out=args.out, whatif_error_max_by_kind=by_kind,
+                    whatif_error_max_paired=paired["value"], whatif_error_max_first_repeat=first["value"],
+                    statistic=f"medians over {mode.repeats} repeats (each run's period: median of its untraced "
+                              "steps after warm-up); error_paired: the median of each repeat's own error; "
+                              "error_first_repeat: the first repeat alone, as a single run reported before repeats",
+                    repeats=mode.repeats, steps_per_run=mode.steps, probe_layers=PROBE_LAYERS,
+                    ranks_pinned=args.pin,
+                    rank_heap="glibc defaults" if args.default_heap else rank_environment()["GLIBC_TUNABLES"],
+                    workload=WORKLOAD.describe(), mode="quick" if args.quick else "full",
+                    perfetto_example=example.name, recording_overhead=overhead, runs=merge_runs(repeat_runs),
+                    calibrated_costs=repeat_costs[0],
+                    note="emulated: tbf-shaped veth links, 2 gloo ranks, one thread each; simulated rows are "
+                         "replays only; timings on a shared machine are noisy (cpu_wait_share per run: the main "
+                         "threads' wait for a CPU over the period)",
+                    gpu_leg="not run: CPU/gloo on an emulated network", wall_s=time.perf_counter() - started)
+    print(f"wrote {out} and {example.name} ({time.perf_counter() - started:.0f} s)")
     return 0
 
 

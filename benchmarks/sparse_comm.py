@@ -20,6 +20,9 @@ Each rank runs every method in turn on identical data and initial weights:
   sparse all-reduce (an all-gather of indices and values); the summed sparse gradient
   is densified locally so the optimizer is the same AdamW;
 * ``s2``: the S2 comm hook of ``SparseCommunication(method="s2")`` in exact mode;
+* ``auto``: the same hook at ``SparseCommunication``'s default, ``method="auto"``: per step the
+  cost model picks dense, s2_exact or the hook's all-gather of the touched rows, given the link's
+  rate (``auto_picks`` counts its picks over the timed steps);
 * ``embrace``: the column-sharded table of ``SparseCommunication(method="embrace")``;
 * ``embrace_priority``: the same, told the next batch's ids (``ShardedEmbedding.prioritize``),
   so its backward sends the gradient rows the next batch looks up first, in their own
@@ -33,14 +36,23 @@ methods, ``needed_rows_ms`` is the time from launching the backward row exchange
 rows the next batch looks up are in the slice gradient (without priority: all rows), and
 ``all_rows_ms`` until every row is; both are medians of the slowest rank over the timed
 steps that have a next batch.
+
+Goals (issue #49), per configuration (world size x link rate), the worst configuration being the figure:
+:data:`AUTO_OVER_ALLGATHER` is ``allgather``'s step time over ``auto``'s (what a user gets at the default against
+torch's own sparse all-gather), and :data:`S2_OVER_ALLGATHER` is ``allgather``'s over ``s2``'s, taken only where
+``auto`` picked s2_exact in a timed step: where it never does, that goal has no configuration and is met
+vacuously (its note gives S2 over the all-gather everywhere). Ranks start with the launcher's heap settings
+(``GLIBC_TUNABLES`` from :func:`lightning_merak.distributed.host_memory.with_heap_tunables`), every method alike.
 """
 
 # No `from __future__ import annotations`: DDP checks comm hooks' annotations at runtime.
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -48,11 +60,15 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report
+from benchmarks.goals import Goal, print_goals, worst_case, write_run
+from lightning_merak.distributed.host_memory import with_heap_tunables
+from lightning_merak.testing.cpu_quota import device_per_rank_quota, emulation_record
 from lightning_merak.testing.netem import EmulatedCluster, LinkSpec, emulation_available
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-METHODS = ("dense", "powersgd", "allgather", "s2", "embrace", "embrace_priority")
-OURS = ("s2", "embrace", "embrace_priority")
+METHODS = ("dense", "powersgd", "allgather", "s2", "auto", "embrace", "embrace_priority")
+OURS = ("s2", "auto", "embrace", "embrace_priority")
+S2_HOOK = ("s2", "auto")
 EMBRACE = ("embrace", "embrace_priority")
 RANKS_TIMEOUT_S = 900.0
 WARMUP_STEPS = 2
@@ -61,6 +77,17 @@ CLASSES = 8
 ZIPF_EXPONENT = 1.1
 TARGET_BYTES_SAVED = 0.90
 TARGET_LOSS_GAP = 0.01
+BASELINE = "allgather"
+"""torch's own sparse path: ``nn.Embedding(sparse=True)`` under plain DDP, which gloo reduces by all-gather."""
+AUTO_PICKS_S2 = "s2_exact"
+AUTO_OVER_ALLGATHER = Goal(
+    "auto_over_allgather_min", 1.0, ">=",
+    "allgather's step_ms / auto's (SparseCommunication's default method) on the embedding-heavy classifier, "
+    "Zipf ids, DDP on gloo ranks over tbf-shaped links; worst over world sizes x link rates", issue=49)
+S2_OVER_ALLGATHER = Goal(
+    "s2_over_allgather_min", 1.0, ">=",
+    "allgather's step_ms / s2's (exact) in every configuration where auto picked s2_exact in a timed step "
+    "(none: met vacuously); same workload; worst over those configurations", issue=49)
 
 
 @dataclass(frozen=True)
@@ -81,6 +108,7 @@ class Workload:
 
 QUICK = Workload(vocab=200_000, dim=64, seq_len=32, batch=16, steps=14)
 FULL = Workload(vocab=500_000, dim=64, seq_len=32, batch=16, steps=40)
+RATES_MBIT = (1000.0, 10_000.0)
 
 
 def _build_model(workload: Workload, sparse: bool) -> Any:
@@ -167,8 +195,9 @@ def _counting_powersgd_hook(state: Any, table_ids: set[int], ledger: Any) -> Any
     return hook
 
 
-def _train(method: str, workload: Workload, batches: list[tuple[Any, Any]]) -> dict[str, Any]:
-    """One method on this rank: per-step times (slowest rank), global losses, wire bytes."""
+def _train(method: str, workload: Workload, batches: list[tuple[Any, Any]], rate_mbit: float) -> dict[str, Any]:
+    """One method on this rank: per-step times (slowest rank), global losses, wire bytes; the link's rate is what
+    ``auto``'s cost model is told, as ``SparseCommunication(bandwidth_gbit=...)`` would be."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -176,6 +205,7 @@ def _train(method: str, workload: Workload, batches: list[tuple[Any, Any]]) -> d
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_merak.callbacks.sparse_comm import CommLedger, CountSketch, S2Reducer, s2_comm_hook, shard_embeddings
+    from lightning_merak.callbacks.sparse_comm.wire_cost_model import NetworkModel
 
     world_size = dist.get_world_size()
     ledger = CommLedger(world_size)
@@ -186,8 +216,11 @@ def _train(method: str, workload: Workload, batches: list[tuple[Any, Any]]) -> d
         shard_embeddings(model, ["embed"], group, ledger)
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["embed.shard"])
     ddp = DistributedDataParallel(model)
-    if method == "s2":
-        reducer = S2Reducer({id(model.embed.weight): "embed"}, CountSketch(3, 0), ledger=ledger)
+    reducer = None
+    if method in S2_HOOK:
+        reducer = S2Reducer({id(model.embed.weight): "embed"}, CountSketch(3, 0), ledger=ledger,
+                            method="auto" if method == "auto" else "s2_exact",
+                            network=NetworkModel.from_gbit(rate_mbit / 1000))
         reducer.watch_lookups("embed", model.embed)
         ddp.register_comm_hook(reducer, s2_comm_hook)
     elif method == "powersgd":
@@ -200,7 +233,7 @@ def _train(method: str, workload: Workload, batches: list[tuple[Any, Any]]) -> d
     else:
         ddp.register_comm_hook(None, _counting_allreduce_hook(table_ids, ledger))
     optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr, weight_decay=0.0)
-    step_seconds, losses, bytes_per_step, exchange_seconds = [], [], [], []
+    step_seconds, losses, bytes_per_step, exchange_seconds, picks = [], [], [], [], []
     for step, (ids, labels) in enumerate(batches):
         before = ledger.snapshot()
         dist.barrier()
@@ -221,6 +254,8 @@ def _train(method: str, workload: Workload, batches: list[tuple[Any, Any]]) -> d
         step_seconds.append(slowest.item())
         losses.append(mean_loss.item() / world_size)
         after = ledger.snapshot()
+        if method == "auto" and "embed" in reducer.decisions:
+            picks.append(reducer.decisions["embed"].method)
         bytes_per_step.append({key: after.get(key, 0.0) - before.get(key, 0.0) for key in after})
         if method in EMBRACE and step + 1 < len(batches):
             timing = model.embed.last_exchange
@@ -238,10 +273,11 @@ def _train(method: str, workload: Workload, batches: list[tuple[Any, Any]]) -> d
         "dense_bytes": statistics.mean(step.get("dense", 0.0) for step in timed),
         "needed_rows_s": statistics.median(e[0] for e in timed_exchanges) if timed_exchanges else None,
         "all_rows_s": statistics.median(e[1] for e in timed_exchanges) if timed_exchanges else None,
+        "auto_picks": dict(Counter(picks[WARMUP_STEPS:])) if method == "auto" else None,
     }
 
 
-def rank_main(workload: Workload, methods: Sequence[str]) -> None:
+def rank_main(workload: Workload, methods: Sequence[str], rate_mbit: float) -> None:
     """One rank: every method in turn; rank 0 prints the results as one JSON line."""
     import torch
     import torch.distributed as dist
@@ -249,7 +285,7 @@ def rank_main(workload: Workload, methods: Sequence[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=RANKS_TIMEOUT_S))
     batches = _batches(workload, dist.get_rank())
-    results = [_train(method, workload, batches) for method in methods]
+    results = [_train(method, workload, batches, rate_mbit) for method in methods]
     if dist.get_rank() == 0:
         print(json.dumps(results), flush=True)
     dist.destroy_process_group()
@@ -271,6 +307,7 @@ class Row:
     loss_vs_dense: float
     needed_rows_ms: float | None
     all_rows_ms: float | None
+    auto_picks: dict[str, int] | None
 
 
 def _network_name(rate_mbit: float) -> str:
@@ -278,9 +315,11 @@ def _network_name(rate_mbit: float) -> str:
 
 
 def measure(world_size: int, rate_mbit: float, workload: Workload) -> list[Row]:
-    argv = [sys.executable, "-m", "benchmarks.sparse_comm", "--rank", "--workload", json.dumps(asdict(workload))]
-    with EmulatedCluster(world_size, LinkSpec(rate_mbit=rate_mbit)) as cluster:
-        results = cluster.run(argv, timeout_s=RANKS_TIMEOUT_S, cwd=REPO_ROOT)
+    argv = [sys.executable, "-m", "benchmarks.sparse_comm", "--rank", "--workload", json.dumps(asdict(workload)),
+            "--rate-mbit", str(rate_mbit)]
+    quota = device_per_rank_quota(world_size)  # one device per rank at more ranks than cores
+    with EmulatedCluster(world_size, LinkSpec(rate_mbit=rate_mbit), cpu_quota=quota) as cluster:
+        results = cluster.run(argv, timeout_s=RANKS_TIMEOUT_S, cwd=REPO_ROOT, extra_env=rank_env())
     measured = {entry["method"]: entry for entry in json.loads(results[0].stdout.strip().splitlines()[-1])}
     dense = measured["dense"]
 
@@ -301,9 +340,35 @@ def measure(world_size: int, rate_mbit: float, workload: Workload) -> list[Row]:
             loss_vs_dense=final(entry) / final(dense) - 1,
             needed_rows_ms=None if entry["needed_rows_s"] is None else entry["needed_rows_s"] * 1e3,
             all_rows_ms=None if entry["all_rows_s"] is None else entry["all_rows_s"] * 1e3,
+            auto_picks=entry["auto_picks"],
         )
         for method, entry in measured.items()
     ]
+
+
+def rank_env() -> dict[str, str]:
+    """What the launcher gives every rank, ours and the baselines alike: its heap settings."""
+    return {"GLIBC_TUNABLES": with_heap_tunables(os.environ)}
+
+
+def config_name(row: Row) -> str:
+    return f"{row.ranks} ranks, {row.network}"
+
+
+def compute_goals(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """Both goals of issue #49 from one run's rows, each the worst over its configurations."""
+    by_config: dict[str, dict[str, Row]] = {}
+    for row in rows:
+        by_config.setdefault(config_name(row), {})[row.method] = row
+    auto_ratio = {name: methods[BASELINE].step_ms / methods["auto"].step_ms for name, methods in by_config.items()}
+    s2_ratio = {name: methods[BASELINE].step_ms / methods["s2"].step_ms for name, methods in by_config.items()}
+    chose_s2 = {name: s2_ratio[name] for name, methods in by_config.items()
+                if (methods["auto"].auto_picks or {}).get(AUTO_PICKS_S2)}
+    everywhere = "; ".join(f"{name}: {ratio:.3g}" for name, ratio in s2_ratio.items())
+    note = f"s2 over allgather in every configuration: {everywhere}"
+    s2_goal = worst_case(S2_OVER_ALLGATHER, chose_s2, note=note, vacuous="auto picked s2_exact in no configuration")
+    picks = "; ".join(f"{name}: {methods['auto'].auto_picks}" for name, methods in by_config.items())
+    return [worst_case(AUTO_OVER_ALLGATHER, auto_ratio, note=f"auto's picks over timed steps: {picks}"), s2_goal]
 
 
 def check_targets(rows: Sequence[Row]) -> list[dict[str, object]]:
@@ -328,28 +393,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help=report.out_help("sparse_comm"))
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
+    parser.add_argument("--rate-mbit", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank:
-        rank_main(Workload(**json.loads(args.workload)), METHODS)
+        rank_main(Workload(**json.loads(args.workload)), METHODS, args.rate_mbit)
         return 0
-    args.out = args.out or report.default_out("sparse_comm", args.quick)
 
     if not emulation_available():
         return 2
     workload = QUICK if args.quick else FULL
     world_sizes = (2,) if args.quick else (2, 4)
-    rates_mbit = (1000.0, 10_000.0)
     started = time.monotonic()
-    rows = [row for n in world_sizes for rate in rates_mbit for row in measure(n, rate, workload)]
+    rows = [row for n in world_sizes for rate in RATES_MBIT for row in measure(n, rate, workload)]
     report.print_table([asdict(row) for row in rows])
     verdicts = check_targets(rows)
     report.print_table(verdicts)
     wall_s = round(time.monotonic() - started, 1)
-    out = report.write_json(
-        args.out, [asdict(row) for row in rows], label="emulated",
-        benchmark="sparse_comm", quick=args.quick, backend="gloo", workload=asdict(workload),
-        targets=verdicts, gpu_leg="not run: no GPU machine was available to this session",
-        wall_s=wall_s,
+    goals = compute_goals(rows)
+    print_goals(goals)
+    out = write_run(
+        "sparse_comm", [asdict(row) for row in rows], "emulated", goals, quick=args.quick, out=args.out,
+        benchmark="sparse_comm", backend="gloo", workload=asdict(workload), baseline=BASELINE, rank_env=rank_env(),
+        rank_cpu={n: emulation_record(device_per_rank_quota(n), n) for n in world_sizes}, targets=verdicts,
+        gpu_leg="not run: no GPU machine was available to this session", wall_s=wall_s,
     )
     print(f"wrote {out} in {wall_s:.0f} s (emulated network: tbf rate shaping, no latency emulation)")
     return 0

@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 
-from benchmarks.overlap_tp import PLAIN, Variant, Workload, check_configuration, measure, plot_steps, summarise
+from benchmarks.overlap_tp import (
+    DEFAULT_VARIANT,
+    PLAIN,
+    RANK_ENV,
+    SPEEDUP_1GBIT_MAX,
+    VARIANTS,
+    Variant,
+    Workload,
+    check_configuration,
+    failed_rows,
+    measure,
+    plot_steps,
+    speedup_goal,
+    summarise,
+)
+from lightning_merak.distributed.host_memory import HEAP_TUNABLES
+from lightning_merak.strategies.merak3d.options import Merak3DOptions
 
 
 def _rank(tp_overlap: int, steps: list[tuple[float, float, float, float]], cpu_s: float = 0.5,
@@ -76,6 +93,59 @@ def test_sequence_parallel_rows_are_judged_against_plain_tensor_parallelism():
     assert overlapped_row["speedup_vs_plain_tp"] == pytest.approx(1.0 / 0.9)
     assert (overlapped_row["exposed_target"], overlapped_row["speedup_target"], overlapped_row["loss_equal"]) == (
         "PASS", "PASS", "PASS")
+
+
+def test_baseline_is_plain_tp_and_the_default_variant_is_the_strategys_default():
+    defaults = {field.name: field.default for field in dataclasses.fields(Merak3DOptions)}
+    assert VARIANTS[0] == PLAIN == Variant(1, False, False)
+    assert DEFAULT_VARIANT in VARIANTS
+    # tp_weight_grad_overlap=None means on (outside interleaved zero bubble)
+    assert (defaults["tp_overlap"], defaults["tp_weight_grad_overlap"], defaults["sequence_parallel"]) == (
+        DEFAULT_VARIANT.tp_overlap, None, DEFAULT_VARIANT.sequence_parallel)
+    assert DEFAULT_VARIANT.weight_grad_overlap
+
+
+def test_ranks_start_with_the_launchers_heap_tunables():
+    tunables = dict(item.split("=") for item in RANK_ENV["GLIBC_TUNABLES"].split(":"))
+    assert HEAP_TUNABLES.items() <= tunables.items()
+
+
+def _cluster(ranks: int, network: str, plain: tuple[float, float, float], variants: dict[Variant, float]) -> list:
+    """Rows of one cluster: plain TP's (step_s, exposed_s, busy_s), then each variant's step time."""
+    step, exposed, busy = plain
+    results = [_rank(1, [(step, exposed, busy, 1.0)])]
+    results += [_rank(v.tp_overlap, [(s, 0.0, busy, 1.0)], sequence_parallel=v.sequence_parallel,
+                      weight_grad_overlap=v.weight_grad_overlap) for v, s in variants.items()]
+    return summarise(ranks, network, [results], warmup=0)
+
+
+def test_speedup_goal_is_the_best_variant_in_the_worst_world_size_at_one_gbit():
+    rows = [*_cluster(2, "1Gbit", (1.0, 0.4, 0.3), {DEFAULT_VARIANT: 0.9, Variant(2, True): 0.8,
+                                                      Variant(1, False, True): 0.7}),
+            *_cluster(4, "1Gbit", (1.0, 0.5, 0.5), {DEFAULT_VARIANT: 0.95, Variant(2, True): 0.9}),
+            *_cluster(4, "500Mbit", (1.0, 0.5, 0.5), {DEFAULT_VARIANT: 2.0, Variant(2, True): 2.0})]
+    goal, leg = speedup_goal(rows, cores=2)
+    assert goal["key"] == SPEEDUP_1GBIT_MAX.key
+    # 2 ranks: best overlapped variant is k=2 wgrad (sequence parallelism without overlap is not overlap)
+    assert goal["by_config"]["2 ranks, 1Gbit"] == pytest.approx(1.0 / 0.8)
+    assert goal["value"] == pytest.approx(1.0 / 0.9) and goal["worst_config"] == "4 ranks, 1Gbit"
+    assert set(goal["by_config"]) == {"2 ranks, 1Gbit", "4 ranks, 1Gbit"} and goal["met"] is False
+    two = leg["2 ranks, 1Gbit"]
+    assert (two["best_variant"], two["default_variant"]) == ("k=2 wgrad", "k=1 wgrad")
+    assert two["default_speedup"] == pytest.approx(1.0 / 0.9)
+    # compute 1000 - 400 = 600 ms, comm 300 ms: at most 900 / 600
+    assert (two["compute_ms"], two["comm_ms"]) == (pytest.approx(600.0), pytest.approx(300.0))
+    assert two["bound"] == pytest.approx(1.5)
+    assert leg["4 ranks, 1Gbit"]["bound"] == pytest.approx(2.0)
+    # CPU: 2 ranks of 500 ms on 2 cores cannot beat 500 ms; 4 ranks on 2 cores, 1000 ms
+    assert two["cpu_bound"] == pytest.approx(2.0) and leg["4 ranks, 1Gbit"]["cpu_bound"] == pytest.approx(1.0)
+
+
+def test_a_failed_world_size_leaves_the_speedup_goal_without_a_figure():
+    rows = [*_cluster(2, "1Gbit", (1.0, 0.4, 0.3), {DEFAULT_VARIANT: 0.5}),
+            *failed_rows(4, "1Gbit", (PLAIN, DEFAULT_VARIANT), RuntimeError("RankTimeout: rank 1"))]
+    goal, leg = speedup_goal(rows, cores=2)
+    assert goal["value"] is None and goal["missing"] == ["4 ranks, 1Gbit"] and "error" in leg["4 ranks, 1Gbit"]
 
 
 def test_bad_configurations_are_refused_before_any_rank_starts():

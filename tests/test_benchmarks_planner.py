@@ -95,3 +95,77 @@ def test_calibration_groups_price_every_layout_once_base_first():
     # a grid without pipelines or data-parallel layouts still traces the base run every probe borrows links from
     assert [(g.name, g.layouts) for g in calibration_groups(plan[2:3])] == [
         ("dp2", []), ("tp2 k1 probe", ["dp1 pp1 tp2 M1 k1"])]
+
+
+def _row(layout: str, predicted_s: float, measured_s: float | str, samples: int, **extra: float) -> dict:
+    row = {"layout": layout, "predicted_s": predicted_s, "measured_s": measured_s, "samples": samples, **extra}
+    if isinstance(measured_s, float):
+        row.update(error=predicted_s / measured_s - 1.0, measured_per_sample_ms=1e3 * measured_s / samples)
+    return row
+
+
+def test_the_error_goal_is_the_worst_layout_and_a_failed_layout_leaves_no_figure():
+    from benchmarks.planner import planner_goals
+
+    rows = [_row("dp2", 0.20, 0.21, 16), _row("pp2 M4", 0.15, 0.10, 8), _row("tp2", 0.30, 0.31, 8)]
+    error, _ = planner_goals(rows)
+    assert error["key"] == "error_max_leave_one_out" and error["target"] == 0.10
+    assert error["value"] == pytest.approx(0.5) and error["worst_config"] == "pp2 M4" and error["met"] is False
+    failed, _ = planner_goals([*rows[:1], _row("tp2", 0.30, "rank 1 ran out of memory", 8)])
+    assert failed["value"] is None and failed["missing"] == ["tp2"]
+
+
+def test_regret_is_the_picks_measured_time_per_sample_over_the_best():
+    from benchmarks.planner import planner_goals, regret_of
+
+    # predicted per sample: dp2 0.0125 s, pp2 0.01875 s, so dp2 is picked; measured, pp2 is faster per sample
+    rows = [_row("dp2", 0.20, 0.40, 16), _row("pp2 M4", 0.15, 0.16, 8)]
+    pick, regret = regret_of(rows)
+    assert pick["layout"] == "dp2"
+    assert regret == pytest.approx((0.40 / 16) / (0.16 / 8) - 1.0)
+    _, goal = planner_goals(rows)
+    assert goal["key"] == "regret" and goal["value"] == pytest.approx(0.25) and goal["met"] is False
+    replay_pick, replay_regret = regret_of([{**r, "loo": p} for r, p in zip(rows, (1.0, 0.1))], "loo")
+    assert replay_pick["layout"] == "pp2 M4" and replay_regret == pytest.approx(0.0)
+
+
+def test_a_held_out_replay_rests_on_no_calibration_run_of_its_layout():
+    from benchmarks.planner import PROBE_LAYERS, calibration_groups, held_out_groups
+
+    plan = [_prediction(2, 1, 1, 0.2, 16), _prediction(1, 2, 1, 0.15, 8), _prediction(1, 1, 2, 0.3, 8),
+            {**_prediction(1, 2, 1, 0.15, 8), "layout": {"dp": 1, "pp": 2, "tp": 1, "micro_batches": 2,
+                                                          "overlap": 1}}]
+    groups = calibration_groups(plan)  # dp2, pp2 M2 (the middle count), tp2 k1 probe
+    assert [g.name for g in held_out_groups(groups, "dp2 pp1 tp1 M1 k1")] == ["pp2 M2", "tp2 k1 probe"]
+    assert [g.name for g in held_out_groups(groups, "dp1 pp2 tp1 M2 k1")] == ["dp2", "tp2 k1 probe"]
+    assert [g.name for g in held_out_groups(groups, "dp1 pp2 tp1 M4 k1")] == ["dp2", "pp2 M2", "tp2 k1 probe"]
+    # the probe is the tp2 layout on a model cut to PROBE_LAYERS blocks: still a run of that layout
+    assert groups[2].layers == PROBE_LAYERS
+    assert [g.name for g in held_out_groups(groups, "dp1 pp1 tp2 M1 k1")] == ["dp2", "pp2 M2"]
+    assert held_out_groups(groups[:1], "dp2 pp1 tp1 M1 k1") is None
+
+
+def test_the_goal_predicts_with_the_default_planner_calibration():
+    import inspect
+
+    from benchmarks.planner import _plan
+    from lightning_merak.strategies.merak3d import Merak3DStrategy
+
+    # the goal's predictions are the default (analytic) planner's: its plan names no calibration traces
+    assert inspect.signature(Merak3DStrategy).parameters["planner_calibration"].default == "analytic"
+    assert "planner_calibration" not in inspect.getsource(_plan)
+
+
+def test_ranks_start_on_the_heap_merak3ds_launcher_gives_a_users_ranks():
+    import sys
+
+    from benchmarks.planner import prepare_rank_heap
+    from lightning_merak.distributed.host_memory import HEAP_TUNABLES, with_heap_tunables
+
+    environ: dict[str, str] = {}
+    described = prepare_rank_heap(False, environ)
+    if sys.platform.startswith("linux"):
+        assert environ == {"GLIBC_TUNABLES": with_heap_tunables({})} and described == environ["GLIBC_TUNABLES"]
+        assert set(described.split(":")) == {f"{k}={v}" for k, v in HEAP_TUNABLES.items()}
+    untouched: dict[str, str] = {}
+    assert prepare_rank_heap(True, untouched) == "glibc defaults" and untouched == {}

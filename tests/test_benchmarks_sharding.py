@@ -1,11 +1,24 @@
-"""The pure parts of ``python -m benchmarks.sharding``: ideals, ratios against the baselines, the goals, the table."""
+"""The pure parts of ``python -m benchmarks.sharding``: ideals, baselines pinned to their defaults, ratios, the goals
+as worst cases, the table."""
 
 import pytest
 
-from benchmarks._sharding_ranks import Job, job_entries
-from benchmarks._sharding_rows import activation_bytes, compare, shard_fractions
-from benchmarks.results_table import sharding as sharding_table
-from benchmarks.sharding import QUICK, goals_met, summary
+from benchmarks._sharding_ranks import NO_CLIPPING, Job, deepspeed_config, job_entries, strategy_for
+from benchmarks._sharding_rows import activation_bytes, compare, exposed_fraction, shard_fractions
+from benchmarks._table_sharding import sharding as sharding_table
+from benchmarks.sharding import (
+    CANDIDATES,
+    FSDP2_CHECKPOINTED,
+    FULL,
+    PLANNED,
+    QUICK,
+    REDUCING_MODES,
+    context_figures,
+    goal_figures,
+    merak3d_default_bucket_mb,
+    mode_jobs,
+    search_jobs,
+)
 
 WORKLOAD = {"hidden": 32, "layers": 2, "vocab": 64}
 PER_SAMPLE = {"per_layer": 10.0, "head": 100.0}
@@ -32,54 +45,120 @@ def test_a_first_stage_holds_its_micro_batches_in_flight_without_the_head():
     assert activation_bytes(last, PER_SAMPLE) == 2 * 1 * 120.0
 
 
-def _row(name: str, kind: str, mode: str | None, step_ms: float, optimizer: int, exposed: float | None,
-         overlap: bool = True, losses: tuple[float, ...] = (2.0, 1.0),
-         gather_overlap: bool = False) -> dict:
-    return {"section": "modes", "name": name, "layout": "dp2", "ranks": 2, "kind": kind, "mode": mode,
-            "overlap": overlap, "param_gather_overlap": gather_overlap, "error": None, "refused": False,
-            "step_ms": step_ms, "losses": list(losses),
-            "optimizer_bytes": [optimizer, optimizer], "exposed_ms": exposed, "worst_rank": 0, "used_mb": [50.0, 40.0],
-            "peak_over_ideal": 1.5}
+def test_merak3d_runs_at_its_defaults_and_lightning_ddp_gets_its_bucket_size():
+    from lightning_merak.strategies.merak3d.options import Merak3DOptions
+
+    ours = merak3d_default_bucket_mb(FULL.workload)
+    jobs = {job.name: job for job in mode_jobs(FULL, 4, ours)}
+    zero1 = jobs["merak3d dp4 optimizer"]
+    defaults = Merak3DOptions()
+    assert (zero1.bucket_mb, zero1.overlap, zero1.param_gather_overlap) == (
+        defaults.grad_bucket_mb, defaults.overlap_grad_reduce, defaults.overlap_param_gather)
+    assert strategy_for(jobs["DDP dp4"], 4)._ddp_kwargs == {"bucket_cap_mb": ours}
+    assert strategy_for(jobs["DDP default buckets dp4"], 4)._ddp_kwargs == {}  # Lightning's (torch's 25 MB)
+    assert {job.name for job in jobs.values() if job.kind == "ddp"} == {"DDP dp4", "DDP default buckets dp4"}
 
 
-def test_the_top_level_figures_come_from_the_rows():
-    rows = [_row("merak3d dp2 none", "merak3d", "none", 100.0, 800, 30.0),
-            _row("merak3d dp2 optimizer", "merak3d", "optimizer", 108.0, 400, 20.0, losses=(2.0, 1.00001)),
-            _row("merak3d dp2 optimizer gather-overlap", "merak3d", "optimizer", 103.0, 400, 20.0, gather_overlap=True),
-            _row("merak3d dp2 none no-overlap", "merak3d", "none", 120.0, 800, 100.0, overlap=False),
-            _row("merak3d dp2 optimizer no-overlap", "merak3d", "optimizer", 125.0, 400, 50.0, overlap=False),
-            _row("DDP dp2", "ddp", None, 90.0, 800, None)]
+def test_deepspeed_neither_clips_nor_changes_precision_and_uses_our_bucket():
+    config = deepspeed_config(Job("z", "zero", WORKLOAD, 2, stage=1, bucket_mb=2.0), 4)
+    assert config["gradient_clipping"] == NO_CLIPPING == 0.0
+    assert not {"fp16", "bf16", "amp"} & set(config)
+    assert config["zero_optimization"]["reduce_bucket_size"] * 4 == 2 * 2**20
+
+
+def test_fsdp2_baseline_checkpoints_every_block_and_the_ladder_steps_by_two_layers():
+    jobs = {job.name: job for job in search_jobs(FULL)}
+    assert jobs[FSDP2_CHECKPOINTED].checkpointing and jobs[FSDP2_CHECKPOINTED].kind == "fsdp2"
+    assert jobs[PLANNED].layout == {"data_parallel": "auto", "pipeline_parallel": "auto"}
+    assert {j.cap_mb for j in jobs.values()} == {FULL.cap_mb} and len(jobs) == len(CANDIDATES)
+    assert {b - a for a, b in zip(FULL.ladder, FULL.ladder[1:])} == {2}
+
+
+def _row(name: str, mode: str | None, step_ms: float, layout: str = "dp2", kind: str = "merak3d",
+         overlap: bool = True, skip: bool = False, gather: bool | None = None,
+         losses: tuple[float, ...] = (2.0, 1.0)) -> dict:
+    return {"section": "modes", "name": name, "layout": layout, "ranks": 4 if layout != "dp2" else 2, "kind": kind,
+            "mode": mode, "overlap": overlap, "param_gather_overlap": gather, "skip_grad_comm": skip, "error": None,
+            "refused": False, "step_ms": step_ms, "losses": list(losses), "optimizer_bytes": [800, 800],
+            "worst_rank": 0, "used_mb": [50.0, 40.0], "peak_over_ideal": 1.5}
+
+
+def _layout_rows(layout: str, zero1_ms: float, none_ms: tuple[float, float, float]) -> list[dict]:
+    """merak3d's runs at ``layout``: ``none`` and ``optimizer`` each with overlap, without, and without
+    communication (``none_ms``; ZeRO-1's 100, 200 and 50 ms, so its exposed fraction is 1/3)."""
+    on, off, removed = none_ms
+    return [_row(f"merak3d {layout} none", "none", on, layout),
+            _row(f"merak3d {layout} none no-overlap", "none", off, layout, overlap=False),
+            _row(f"merak3d {layout} none no-grad-comm", "none", removed, layout, skip=True),
+            _row(f"merak3d {layout} optimizer", "optimizer", zero1_ms, layout),
+            _row(f"merak3d {layout} optimizer no-overlap", "optimizer", 200.0, layout, overlap=False),
+            _row(f"merak3d {layout} optimizer no-grad-comm", "optimizer", 50.0, layout, skip=True, losses=(2.0, 9.0)),
+            _row(f"merak3d {layout} optimizer gather-after-step", "optimizer", 90.0, layout, gather=False)]
+
+
+def _rows() -> list[dict]:
+    rows = [*_layout_rows("dp2", 100.0, (60.0, 120.0, 50.0)), *_layout_rows("pp2xdp2", 130.0, (70.0, 90.0, 60.0)),
+            _row("DDP dp2", None, 95.0, kind="ddp"), _row("DDP default buckets dp2", None, 80.0, kind="ddp"),
+            _row("DDP dp4", None, 100.0, "dp4", kind="ddp"),
+            _row("DDP default buckets dp4", None, 100.0, "dp4", kind="ddp")]
     compare(rows)
-    largest = [{"kind": "fsdp2", "params_m": 10.0, "name": "FSDP2"},
-               {"kind": "merak3d", "params_m": 15.0, "name": "merak3d pp2xdp2 full"}]
-    top = summary(rows, largest, QUICK)
-    assert top["optimizer_state_ratio"] == 0.5 and top["optimizer_state_ratio_layout"] == "dp2"
-    assert top["zero1_step_over_ddp"] == pytest.approx(1.03)  # with the parameters gathered during the forward
-    assert top["zero1_default_step_over_merak3d_none"] == pytest.approx(1.08)
-    assert top["zero1_step_over_lightning_ddp"] == pytest.approx(103 / 90)
-    assert top["exposed_grad_comm_fraction"] == pytest.approx(0.4)  # optimizer's 20/50, worse than none's 30/100
-    assert top["loss_max_rel_diff"] == pytest.approx(1e-5)
-    assert top["largest_model_ratio_vs_fsdp2"] == 1.5
-    met = goals_met(top)
-    assert met["optimizer_state_ratio"] and met["zero1_step_over_ddp"] and not met["exposed_grad_comm_fraction"]
-    assert rows[0]["step_over_ddp"] == pytest.approx(100 / 90)
+    return rows
 
 
-def test_the_table_shows_ratios_and_a_refused_baseline():
-    rows = [_row("merak3d dp2 optimizer", "merak3d", "optimizer", 103.0, 400, 20.0),
-            {"section": "modes", "name": "DeepSpeed ZeRO-2 dp2", "layout": "dp2", "error": "RuntimeError: no CPU op. X",
-             "refused": True},
-            {"section": "largest", "name": "FSDP2", "largest_layers": 8, "params_m": 4.0, "error": None}]
-    rows[0].update(step_over_merak3d_none=1.03, step_over_ddp=1.1, step_over_fsdp2=0.9, optimizer_state_ratio=0.5,
-                   exposed_grad_comm_fraction=0.25, loss_max_rel_diff_vs_ddp=0.0)
+def test_the_exposed_fraction_removes_the_step_without_communication():
+    assert exposed_fraction(70.0, 130.0, 50.0) == pytest.approx(0.25)
+    assert exposed_fraction(70.0, 50.0, 50.0) is None  # no communication to expose: no figure
+    rows = _rows()
+    assert rows[0]["exposed_grad_comm_fraction"] == pytest.approx(10 / 70)
+    assert rows[3]["exposed_grad_comm_fraction"] == pytest.approx(50 / 150)
+    assert "exposed_grad_comm_fraction" not in rows[6]  # gathering right after the step is not the default
+
+
+def test_each_goal_is_its_worst_configuration():
+    largest = [{"name": FSDP2_CHECKPOINTED, "params_m": 10.0}, {"name": "FSDP2 (ModelParallelStrategy) dp4",
+                                                                "params_m": 5.0},
+               {"name": PLANNED, "params_m": 12.0}, {"name": "merak3d dp4 full, recompute full", "params_m": 30.0}]
+    goals = {goal["key"]: goal for goal in goal_figures(_rows(), largest, QUICK)}
+    zero1 = goals["zero1_default_over_lightning_ddp"]
+    assert zero1["value"] == pytest.approx(1.3) and zero1["worst_config"] == "pp2xdp2"  # over DDP dp4 (4 ranks)
+    assert zero1["by_config"]["dp2"] == pytest.approx(100 / 95) and not zero1["met"]
+    exposed = goals["exposed_grad_comm_fraction"]
+    assert exposed["value"] == pytest.approx(80 / 150) and exposed["worst_config"] == "pp2xdp2 optimizer"
+    assert exposed["by_config"]["dp2 none"] == pytest.approx(10 / 70)
+    assert set(exposed["by_config"]) == {f"{layout} {mode}" for layout in QUICK.layouts
+                                         for mode in QUICK.reducing_modes}
+    ratio = goals["largest_model_ratio_vs_fsdp2"]  # the planned layout, not the best labelled row
+    assert ratio["value"] == pytest.approx(1.2) and not ratio["met"]
+    assert goals["loss_max_rel_diff"]["value"] == 0.0  # the run without communication does not count
+    assert set(REDUCING_MODES) >= set(QUICK.reducing_modes)
+
+
+def test_a_failed_configuration_leaves_its_goal_without_a_figure():
+    rows = _rows()
+    failed = next(row for row in rows if row["name"] == "merak3d pp2xdp2 optimizer")
+    failed.update(error="RankFailure", step_over_ddp=None)
+    goals = {goal["key"]: goal for goal in goal_figures(rows, [], QUICK)}
+    assert goals["zero1_default_over_lightning_ddp"]["value"] is None
+    assert goals["zero1_default_over_lightning_ddp"]["missing"] == ["pp2xdp2"]
+    assert goals["largest_model_ratio_vs_fsdp2"]["value"] is None
+
+
+def test_the_table_shows_ratios_a_refused_baseline_and_both_ddp_comparisons():
+    rows = _rows()
+    rows.append({"section": "modes", "name": "DeepSpeed ZeRO-2 dp2", "layout": "dp2",
+                 "error": "RuntimeError: no CPU op. X", "refused": True})
+    rows.append({"section": "largest", "name": FSDP2_CHECKPOINTED, "largest_layers": 8, "params_m": 4.0,
+                 "error": None})
     data = {"rows": rows, "workload": "llama", "steps": 8, "network": "1Gbit (emulated)", "cap_mb": 300.0,
-            "search_workload": "llama", "goals": {"loss_max_rel_diff": "<= 1e-5"}, "loss_max_rel_diff": 0.0,
-            "goals_met": {"loss_max_rel_diff": True}}
+            "search_workload": "llama", "ddp_bucket_mb": 1.0, "memory_steps": 4, **context_figures(rows, QUICK)}
     table = sharding_table(data)
-    assert table.rows[0][2:] == ["103", "1.03×", "1.10×", "0.90×", "0.50×", "0.25", "0.0e+00", "50 (1.50×)"]
-    assert table.rows[1][2] == "refused: RuntimeError: no CPU op"
-    assert "loss_max_rel_diff 0 (<= 1e-5: met)" in table.notes[1]
-    assert "FSDP2 8 layers (4.0 M)" in table.notes[2]
+    zero1 = table.rows[3]
+    assert zero1[:8] == ["dp2", "merak3d dp2 optimizer", "100", f"{100 / 60:.2f}×", f"{100 / 95:.2f}×", "1.25×",
+                         "-", "-"]
+    assert zero1[9] == "0.33"
+    assert table.rows[-1][2] == "refused: RuntimeError: no CPU op"
+    assert f"{FSDP2_CHECKPOINTED} 8 layers (4.0 M)" in table.notes[1]
+    assert "dp2 1.25×" in table.notes[2] and "pp2xdp2 1.30×" in table.notes[2]
 
 
 def test_each_kind_of_job_is_warmed_up_once_before_the_measured_ones():
@@ -89,42 +168,41 @@ def test_each_kind_of_job_is_warmed_up_once_before_the_measured_ones():
     assert [entry["job"]["kind"] for entry in entries[:2]] == ["merak3d", "ddp"]
 
 
-def test_the_zero1_ratio_is_the_median_of_back_to_back_pairs():
-    from benchmarks.sharding import FULL, mode_jobs, paired_ratios, paired_repeat_jobs
+def test_skipping_gradient_communication_holds_only_inside():
+    from lightning_merak.parallel.data.skipped_communication import (
+        communication_skipped,
+        gradient_communication_skipped,
+    )
 
-    modes = mode_jobs(FULL, 4)
-    repeats = paired_repeat_jobs(FULL, modes)
-    assert [job.name for job in repeats[:4]] == [
-        "merak3d dp4 none (repeat 2)", "merak3d dp4 optimizer gather-overlap (repeat 2)",
-        "merak3d pp2xdp2 none (repeat 2)", "merak3d pp2xdp2 optimizer gather-overlap (repeat 2)"]
-    assert len(repeats) == 2 * 2 * (FULL.paired_repeats - 1)
-    steps = {"merak3d dp2 none": 100.0, "merak3d dp2 optimizer gather-overlap": 130.0,
-             "merak3d dp2 none (repeat 2)": 100.0, "merak3d dp2 optimizer gather-overlap (repeat 2)": 95.0,
-             "merak3d dp2 none (repeat 3)": 200.0, "merak3d dp2 optimizer gather-overlap (repeat 3)": 200.0}
-    paired = paired_ratios(steps, ("dp2",), 3)
-    assert paired == {"dp2": pytest.approx([1.3, 0.95, 1.0])}
-    rows = [_row("merak3d dp2 none", "merak3d", "none", 100.0, 800, 30.0),
-            _row("merak3d dp2 optimizer gather-overlap", "merak3d", "optimizer", 130.0, 400, 20.0,
-                 gather_overlap=True)]
-    compare(rows)
-    top = summary(rows, [], QUICK, paired)
-    assert top["zero1_step_over_ddp"] == pytest.approx(1.0)  # the median pair, not the first pair's 1.3
-    assert top["targets"]["dp2"]["zero1_step_over_ddp_pairs"] == pytest.approx([1.3, 0.95, 1.0])
+    assert not communication_skipped()
+    with gradient_communication_skipped():
+        assert communication_skipped()
+    assert not communication_skipped()
 
 
-def test_the_exposed_fraction_is_each_modes_median_over_its_runs():
-    from benchmarks.sharding import FULL, overlap_jobs, overlap_summary
+def _scatter_rank(rank: int, world_size: int) -> tuple[list[float], list[float]]:
+    """This rank's part of a bucket reduce-scattered for real, and with the communication skipped."""
+    import torch
+    import torch.distributed as dist
 
-    names = [job.name for job in overlap_jobs(FULL)]
-    assert names[:5] == ["merak3d dp2 long sequences none", "merak3d dp2 long sequences none no-overlap",
-                         "merak3d dp2 long sequences optimizer", "merak3d dp2 long sequences optimizer no-overlap",
-                         "merak3d dp2 long sequences none (repeat 2)"]
-    rows = [{**_row("merak3d dp2 long sequences none", "merak3d", "none", 900.0, 800, 90.0),
-             "layout": "dp2 long sequences", "exposed_grad_comm_fraction": 0.36}]
-    repeats = [{"name": "merak3d dp2 long sequences none (repeat 2)", "error": None, "exposed_ms": 40.0},
-               {"name": "merak3d dp2 long sequences none no-overlap (repeat 2)", "error": None, "exposed_ms": 200.0},
-               {"name": "merak3d dp2 long sequences none (repeat 3)", "error": None, "exposed_ms": 50.0},
-               {"name": "merak3d dp2 long sequences none no-overlap (repeat 3)", "error": None, "exposed_ms": 250.0}]
-    top = overlap_summary(rows, FULL, repeats)
-    assert top["exposed_grad_comm_fraction_runs"] == {"none": pytest.approx([0.36, 0.2, 0.2])}
-    assert top["exposed_grad_comm_fraction"] == pytest.approx(0.2)  # not the first run's 0.36
+    from lightning_merak.parallel.data.reduce_scatter import ReduceScatterQueue
+    from lightning_merak.parallel.data.skipped_communication import keep_own_part
+
+    flat = torch.arange(4, dtype=torch.float32) + 10 * rank
+    parts = []
+    for start in ({}, {"start": keep_own_part}):
+        out = torch.zeros(2)
+        queue = ReduceScatterQueue(dist.group.WORLD, lambda index: None, **start)
+        queue.submit(0, out, flat.clone())
+        queue.drain()
+        parts.append(out.tolist())
+    return parts[0], parts[1]
+
+
+@pytest.mark.distributed
+def test_a_skipped_reduce_scatter_keeps_the_ranks_own_part_of_its_own_sums():
+    from lightning_merak.testing import run_distributed
+
+    (summed0, own0), (summed1, own1) = run_distributed(_scatter_rank, 2, timeout_s=120)
+    assert (summed0, summed1) == ([10.0, 12.0], [14.0, 16.0])
+    assert (own0, own1) == ([0.0, 1.0], [12.0, 13.0])

@@ -1,4 +1,5 @@
-"""The replay benchmark's statistics: a run's periods, and rows and runs merged over repeats (no processes)."""
+"""The replay benchmark's statistics: a run's periods, rows and runs merged over repeats, the held-out runs, the
+ranks' heap and the goals' worst cases (no processes)."""
 
 from __future__ import annotations
 
@@ -8,19 +9,27 @@ import pytest
 
 from benchmarks._replay_microbatch import GUESSED_KIND, LINE_KIND, microbatch_rows, probe_sizes
 from benchmarks.replay import (
+    BASE,
     FULL,
+    HELDOUT,
     PARTITIONED,
     QUICK,
+    REPLAY_KIND,
+    RUN_TO_RUN_KIND,
+    SELF_REPLAY_KIND,
     WORKLOAD,
     Job,
-    _error_max,
     _row,
     _step_deltas,
     jobs_by_name,
     merge_rows,
     merge_runs,
+    rank_environment,
+    replay_goal,
+    replay_rows,
     stage_blocks,
     summarize_run,
+    whatif_goal,
 )
 from lightning_merak.planning.measure.probe import ProbedCurves
 from lightning_merak.planning.replay.call_curve import CallCurve
@@ -104,14 +113,77 @@ def test_stage_blocks_from_a_partitions_graph_nodes() -> None:
     assert stage_blocks(None, 4) == ()
 
 
-def test_the_what_if_maximum_leaves_the_secondary_rows_out() -> None:
-    rows = [{"kind": "what-if link", "what": "a", "error": -0.1, "error_first_repeat": 0.3},
-            {"kind": "what-if layout", "what": "tp2 and a probe", "error": 0.2},
-            {"kind": "what-if layout (no probe)", "what": "tp2 alone", "error": 0.9},
-            {"kind": PARTITIONED, "what": "pp2", "error": 0.8}, {"kind": "replay", "what": "dp2", "error": 0.7}]
-    assert _error_max(rows) == pytest.approx(0.2)
-    assert _error_max(rows, probes=False) == pytest.approx(0.1)
-    assert _error_max(rows, "error_first_repeat") == pytest.approx(0.3)
+def _merged(kind: str, what: str, error: float, **extra: float) -> dict:
+    return {"kind": kind, "what": what, "measured_ms": 10.0, "error": error, **extra}
+
+
+def test_every_measured_what_if_row_counts_towards_the_what_if_goal() -> None:
+    rows = [_merged("what-if link", "a", -0.1, error_first_repeat=0.3),
+            _merged("what-if layout", "tp2 and a probe", 0.05),
+            _merged("what-if layout (no probe)", "tp2 alone", 0.4),
+            _merged(PARTITIONED, "pp2", -0.8), _merged(LINE_KIND, "pp2 M=4", 0.2),
+            _merged(GUESSED_KIND, "pp2 M=4", 0.3),
+            _merged(REPLAY_KIND, "dp2", 0.9), {"kind": "what-if (not measured)", "what": "dp2", "measured_ms": None}]
+    goal = whatif_goal(rows)
+    # the partition row (-80%) is the worst: no kind is left out, nor a row above the target; replay rows are not
+    # what-ifs, and a row with nothing measured has no error
+    assert goal["value"] == pytest.approx(0.8) and goal["worst_config"] == f"{PARTITIONED}: pp2"
+    assert goal["met"] is False and len(goal["by_config"]) == 6
+    assert whatif_goal([rows[0], {**rows[1], "error_first_repeat": 0.01}], "error_first_repeat")["value"] == (
+        pytest.approx(0.3))
+
+
+def test_the_replay_goal_is_the_worst_held_out_layout_never_the_traced_steps() -> None:
+    rows = [_merged(REPLAY_KIND, "dp2", 0.02), _merged(REPLAY_KIND, "pp2_m2", -0.07),
+            _merged(SELF_REPLAY_KIND, "dp2", 0.0), _merged(RUN_TO_RUN_KIND, "pp2_m2", 0.5)]
+    goal = replay_goal(rows)
+    assert goal["value"] == pytest.approx(0.07) and goal["worst_config"] == f"{REPLAY_KIND}: pp2_m2"
+    assert goal["key"] == "replay_heldout_error_max" and goal["target"] == 0.05 and goal["met"] is False
+    assert replay_goal(rows[:1])["met"] is True
+
+
+def test_replay_rows_predict_the_held_out_run_from_the_trace_of_another() -> None:
+    from lightning_merak.planning.replay.engine import measured_step_time, replay_trace
+    from tests.test_profiler_calibration import _dp2_trace, _pp2_trace
+
+    traces = {"dp2": _dp2_trace(), "pp2_m2": _pp2_trace()}
+    traced = {"period_s": 0.2, "traced_period_s": 0.22}
+    measured = {BASE: {"dp2": traced, "pp2_m2": traced},
+                HELDOUT: {"dp2": {"period_s": 0.5}, "pp2_m2": {"period_s": 0.25, "cpu_wait_share": 0.1}}}
+    rows = {(r["kind"], r["what"].split()[0]): r for r in replay_rows(measured, traces)}
+    for name, held_out in (("dp2", 0.5), ("pp2_m2", 0.25)):
+        replay = rows[(REPLAY_KIND, name)]
+        assert replay["predicted_s"] == pytest.approx(replay_trace(traces[name]).step_time)
+        assert replay["measured_s"] == held_out  # the other run's untraced steps, not the traced ones
+        assert rows[(RUN_TO_RUN_KIND, name)]["predicted_s"] == 0.2 and rows[(RUN_TO_RUN_KIND, name)]["measured_s"] == (
+            held_out)
+        assert rows[(SELF_REPLAY_KIND, name)]["measured_s"] == pytest.approx(measured_step_time(traces[name]))
+    assert rows[(REPLAY_KIND, "pp2_m2")]["measured_cpu_wait_share"] == 0.1
+
+
+def test_the_held_out_runs_are_untraced_runs_of_the_traced_layouts_in_a_cluster_of_their_own() -> None:
+    from benchmarks.replay import clusters_of, jobs_by_name
+
+    for mode in (QUICK, FULL):
+        clusters = {name: jobs for name, _, jobs in clusters_of(mode)}
+        traced = {job.name: job for job in clusters[BASE] if job.traced}
+        held_out = {job.name: job for job in clusters[HELDOUT]}
+        assert set(held_out) == {"dp2", "pp2_m2"} <= set(traced) and not any(j.traced for j in held_out.values())
+        assert all(held_out[n].layout() == traced[n].layout() == jobs_by_name(mode)[n].layout() for n in held_out)
+
+
+def test_ranks_start_on_the_heap_merak3ds_launcher_gives_a_users_ranks() -> None:
+    import os
+
+    from lightning_merak.distributed.host_memory import HEAP_TUNABLES, export_heap_tunables
+
+    env = rank_environment()
+    launcher = dict(os.environ)
+    export_heap_tunables(launcher)  # what merak3d's launcher sets for the ranks it starts
+    assert env["GLIBC_TUNABLES"] == launcher["GLIBC_TUNABLES"]
+    assert {f"{k}={v}" for k, v in HEAP_TUNABLES.items()} <= set(env["GLIBC_TUNABLES"].split(":"))
+    assert not any(key.startswith("MALLOC_") for key in env)  # no benchmark-only heap
+    assert "GLIBC_TUNABLES" not in rank_environment(default_heap=True)
 
 
 def test_the_probe_sizes_are_the_traced_call_and_each_predicted_one() -> None:
@@ -119,7 +191,7 @@ def test_the_probe_sizes_are_the_traced_call_and_each_predicted_one() -> None:
     assert probe_sizes(8, (4,)) == (2, 4)
 
 
-def test_micro_batch_rows_report_both_models_and_keep_the_line_out_of_the_maxima() -> None:
+def test_micro_batch_rows_report_every_model_and_the_what_if_goal_counts_them_all() -> None:
     from tests.test_profiler_calibration import DP2, PP2, SHAPE, _dp2_trace, _pp2_trace
 
     curves = ProbedCurves(*(CallCurve((1.0, 2.0), (0.0015, 0.002), (0.002, 0.004)),) * 2,
@@ -144,8 +216,9 @@ def test_micro_batch_rows_report_both_models_and_keep_the_line_out_of_the_maxima
     traced = rows_for((2,))
     assert [r["predicted_s"] for r in traced[:2]] == pytest.approx([0.05, 0.05])
     assert traced[2]["predicted_s"] != pytest.approx(0.05, rel=0.01)
-    assert _error_max([{**r, "error": r["predicted_s"] / r["measured_s"] - 1} for r in rows]) == pytest.approx(
-        abs(rows[0]["predicted_s"] / 0.06 - 1))
+    scored = [{**r, "error": r["predicted_s"] / r["measured_s"] - 1, "measured_ms": 1e3 * r["measured_s"]}
+              for r in rows]
+    assert whatif_goal(scored)["value"] == pytest.approx(max(abs(r["error"]) for r in scored))
 
 
 def test_micro_batch_rows_price_the_split_the_partitioner_is_expected_to_choose() -> None:
