@@ -167,17 +167,15 @@ def run_distributed(
         )
         for rank in range(world_size)
     ]
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    quota = contextlib.nullcontext() if cpu_quota is None else cpu_quota
-    with quota:
-        return _run_ranks(processes, outcomes, results, deadline, timeout_s, cpu_quota)
+    with contextlib.nullcontext() if cpu_quota is None else cpu_quota:
+        return _run_ranks(processes, outcomes, timeout_s, cpu_quota)
 
 
-def _run_ranks(processes: list[Any], outcomes: Any, results: dict[int, Any], deadline: float, timeout_s: float,
-               cpu_quota: CpuQuota | None) -> list[Any]:
+def _run_ranks(processes: list[Any], outcomes: Any, timeout_s: float, cpu_quota: CpuQuota | None) -> list[Any]:
     """Start the ranks, collect their outcomes until all reported or one failed, and reap them."""
     world_size = len(processes)
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
     try:
         for rank, proc in enumerate(processes):
             proc.start()

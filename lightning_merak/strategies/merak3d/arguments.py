@@ -168,7 +168,7 @@ class Merak3DArguments(Merak3DOptions):
             if isinstance(self.data_parallel, int) and self.data_parallel % shard_size:
                 raise ValueError(f"data_parallel_shard_size={shard_size} does not divide data_parallel="
                                  f"{self.data_parallel}; data_parallel = shard size × replicas")
-        if self.overlap_param_gather is True and self.data_parallel_sharding not in ("optimizer", "auto"):
+        if self.overlap_param_gather is True and self.data_parallel_sharding != "optimizer":
             raise ValueError(
                 f"overlap_param_gather=True gathers parameters into ZeRO-1's gradient buckets, but "
                 f"data_parallel_sharding={self.data_parallel_sharding!r}; use 'optimizer' or overlap_param_gather=False"

@@ -138,9 +138,15 @@ class PlanCheck:
         own = self._residuals.get(arm)
         if own:
             return statistics.median(own)
-        if self._informed(arm, base):
-            return statistics.median(self._residuals[base]) + statistics.median(self._offsets())
-        pooled = [residual for residuals in self._residuals.values() for residual in residuals]
+        return self._borrowed_factor(arm, base)
+
+    def _borrowed_factor(self, arm: str, base: str | None) -> float:
+        """``arm``'s log correction as if it had never run: its base's factor plus the other variants' offset
+        where it has a measured base and they ran, else the median over every other arm's residuals, else 0."""
+        offsets = self._offsets(excluding=arm)
+        if base is not None and base != arm and self._residuals.get(base) and offsets:
+            return statistics.median(self._residuals[base]) + statistics.median(offsets)
+        pooled = [residual for other, residuals in self._residuals.items() if other != arm for residual in residuals]
         return statistics.median(pooled) if pooled else 0.0
 
     def correction(self, arm: str, base: str | None = None) -> float:
@@ -164,17 +170,8 @@ class PlanCheck:
         return 0 < self.samples(arm) < self.confident
 
     def _borrowed(self, candidate: Candidate) -> float:
-        """``candidate``'s prediction corrected as if it had never run: by its base's factor plus the other
-        variants' offset where it has a measured base and they ran, else by the median over every other arm's
-        residuals."""
-        base, offsets = candidate.base, self._offsets(excluding=candidate.arm)
-        if base is not None and base != candidate.arm and self._residuals.get(base) and offsets:
-            factor = statistics.median(self._residuals[base]) + statistics.median(offsets)
-        else:
-            pooled = [residual for arm, residuals in self._residuals.items() if arm != candidate.arm
-                      for residual in residuals]
-            factor = statistics.median(pooled) if pooled else 0.0
-        return candidate.predicted_s * math.exp(factor)
+        """``candidate``'s prediction corrected as if it had never run (:meth:`_borrowed_factor`)."""
+        return candidate.predicted_s * math.exp(self._borrowed_factor(candidate.arm, candidate.base))
 
     def _explorable(self, candidate: Candidate, scatter: float) -> float:
         """What an exploration of ``candidate`` is judged and ordered on: its optimistic bound, or for an arm
