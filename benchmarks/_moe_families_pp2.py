@@ -69,7 +69,7 @@ def _fit(family: str, variant: str, size: dict[str, int], batches: torch.Tensor)
                                               if variant == "ours" else [])
     trainer = pl.Trainer(
         accelerator="cpu", devices=4, strategy=Merak3DStrategy(data_parallel=2, pipeline_parallel=2,
-                                                               micro_batches=2, partition="uniform", timeout_s=300),
+                                                               micro_batches=2, timeout_s=300),
         max_steps=batches.shape[0], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
         callbacks=callbacks)

@@ -161,7 +161,7 @@ def trainer_for(leg: Leg, steps: int, callbacks: list[pl.Callback]) -> pl.Traine
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
     if leg.strategy == "merak3d":
-        strategy: Any = Merak3DStrategy(**(leg.merak or {}), partition="uniform", timeout_s=RANK_TIMEOUT_S)
+        strategy: Any = Merak3DStrategy(**(leg.merak or {}), timeout_s=RANK_TIMEOUT_S)
     elif leg.strategy == "ddp":
         strategy = DDPStrategy()
     else:
@@ -299,7 +299,7 @@ def load_rank(rank: int, world_size: int, directory: str, merak: dict[str, int],
     module = _TimedPretrained(directory, int(tokens.max()) + 1)
     trainer = pl.Trainer(accelerator=accelerator, devices=world_size, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False,
-                         strategy=Merak3DStrategy(**merak, partition="uniform", timeout_s=RANK_TIMEOUT_S))
+                         strategy=Merak3DStrategy(**merak, timeout_s=RANK_TIMEOUT_S))
     logits = torch.cat(trainer.predict(module, DataLoader(TensorDataset(tokens), batch_size=len(tokens)))).cpu()
     if checkpoint is not None:
         trainer.save_checkpoint(checkpoint)

@@ -164,7 +164,7 @@ def strategy_for(job: Job, world_size: int) -> Any:
 
     if job.kind == "merak3d":
         planned = "auto" in job.layout.values()
-        return Merak3DStrategy(**job.layout, partition="uniform", timeout_s=RANK_TIMEOUT_S,
+        return Merak3DStrategy(**job.layout, timeout_s=RANK_TIMEOUT_S,
                                data_parallel_sharding=job.mode, overlap_grad_reduce=job.overlap,
                                overlap_param_gather=job.param_gather_overlap, grad_bucket_mb=job.bucket_mb,
                                recompute=job.recompute, memory_limit=job.cap_mb * 2**20 if planned else None)
