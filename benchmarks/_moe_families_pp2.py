@@ -56,7 +56,6 @@ def variant_model(family: str, variant: str, size: dict[str, int]) -> torch.nn.M
 def _fit(family: str, variant: str, size: dict[str, int], batches: torch.Tensor) -> _Steps:
     from lightning_merak.callbacks.moe.experts import ExpertParallelCallback
     from lightning_merak.modules.causal_lm import CausalLMModule
-    from lightning_merak.modules.config import TrainerConfig
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
     class SGDModule(CausalLMModule):
@@ -73,7 +72,7 @@ def _fit(family: str, variant: str, size: dict[str, int], batches: torch.Tensor)
         max_steps=batches.shape[0], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
         callbacks=callbacks)
-    trainer.fit(SGDModule(model, TrainerConfig(max_steps=batches.shape[0])),
+    trainer.fit(SGDModule(model),
                 datamodule=ReplicaBatches(batches, 0, batches.shape[0]))
     return steps
 

@@ -39,7 +39,7 @@ def _run_rank(rank: int, world_size: int, merak: dict[str, Any], steps: int) -> 
     from benchmarks.planner import _ReplicaData
     from lightning_merak.callbacks.moe.experts import ExpertParallelCallback
     from lightning_merak.modules.causal_lm import CausalLMModule
-    from lightning_merak.modules.config import TrainerConfig
+    from lightning_merak.modules.config import OptimConfig
     from lightning_merak.plugins.moe.experts import tiny_moe_model
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
@@ -56,7 +56,7 @@ def _run_rank(rank: int, world_size: int, merak: dict[str, Any], steps: int) -> 
         callbacks=[ExpertParallelCallback(ep_size=2, log_every_n_steps=10**6), timer],  # the layouts are named ep2
     )
     torch.manual_seed(0)
-    trainer.fit(CausalLMModule(model, TrainerConfig(max_steps=steps, warmup_steps=1)),
+    trainer.fit(CausalLMModule(model, OptimConfig(warmup_steps=1)),
                 datamodule=_ReplicaData(WORKLOAD, steps))
     choice = strategy.layout_choice
     return {"step_s": timer.step_s, "predicted_s": choice.step_time_s, "components": dict(choice.components),

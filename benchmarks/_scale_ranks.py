@@ -25,7 +25,7 @@ from benchmarks.merak3d import FullyShardedLM
 from benchmarks.report import proc_status_mb, saved_activation_bytes
 from lightning_merak.distributed.host_memory import heap_stats, heap_tunables_applied
 from lightning_merak.modules.causal_lm import CausalLMModule
-from lightning_merak.modules.config import TrainerConfig
+from lightning_merak.modules.config import OptimConfig
 
 MIB = 2**20
 RANK_TIMEOUT_S = 600.0
@@ -174,7 +174,7 @@ def trainer_for(leg: Leg, steps: int, callbacks: list[pl.Callback]) -> pl.Traine
 
 def _lightning_leg(rank: int, leg: Leg, workload: Workload, steps: int) -> dict[str, Any]:
     """merak3d (meta init via ``configure_model``), FSDP2 (meta init via ``init_module``) or DDP (built whole)."""
-    optim = TrainerConfig(max_steps=steps, warmup_steps=1)
+    optim = OptimConfig(warmup_steps=1)
     timer = _StepTimer()
     trainer = trainer_for(leg, steps, [timer])
     config = workload.config()
@@ -272,7 +272,7 @@ class _TimedPretrained(CausalLMModule):
     def __init__(self, directory: str, vocab: int) -> None:
         from lightning_merak.hf import pretrained_causal_lm
 
-        super().__init__(None, TrainerConfig(), model_factory=lambda: pretrained_causal_lm(directory, vocab,
+        super().__init__(None, model_factory=lambda: pretrained_causal_lm(directory, vocab,
                                                                                             weights=False))
         self.directory = directory
         self.load_s = 0.0

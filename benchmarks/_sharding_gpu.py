@@ -63,7 +63,7 @@ def train_rank(rank: int, world_size: int, strategy_name: str, precision: str, s
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from lightning_merak.modules.causal_lm import CausalLMModule
-    from lightning_merak.modules.config import TrainerConfig
+    from lightning_merak.modules.config import OptimConfig
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -71,7 +71,7 @@ def train_rank(rank: int, world_size: int, strategy_name: str, precision: str, s
     config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=HIDDEN * 8 // 3 // 8 * 8, num_hidden_layers=LAYERS,
                          num_attention_heads=HIDDEN // 64, num_key_value_heads=HIDDEN // 64, vocab_size=VOCAB,
                          max_position_embeddings=SEQ, tie_word_embeddings=False, use_cache=False)
-    module = CausalLMModule(AutoModelForCausalLM.from_config(config), TrainerConfig(max_steps=steps, warmup_steps=2))
+    module = CausalLMModule(AutoModelForCausalLM.from_config(config), OptimConfig(warmup_steps=2))
     tokens = torch.randint(VOCAB, (steps * BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     recorder = _Recorder()
     strategy: Any = Merak3DStrategy(data_parallel=1) if strategy_name == "merak3d" else "auto"

@@ -40,7 +40,7 @@ from benchmarks._scale_ranks import Workload, _holdings, _quiet, _TokenData
 from benchmarks.merak3d import FullyShardedLM
 from benchmarks.report import proc_status_mb
 from lightning_merak.modules.causal_lm import CausalLMModule
-from lightning_merak.modules.config import TrainerConfig
+from lightning_merak.modules.config import OptimConfig
 from lightning_merak.parallel.data.skipped_communication import gradient_communication_skipped
 
 RANK_TIMEOUT_S = 300.0
@@ -188,7 +188,7 @@ def _checkpointed(model: nn.Module, job: Job) -> nn.Module:
 def _lightning_job(job: Job, workload: Workload) -> dict[str, Any]:
     """Fit ``job`` through ``pl.Trainer``; its steps, losses and what this rank holds."""
     torch.manual_seed(0)
-    optim = TrainerConfig(max_steps=job.steps, warmup_steps=1)
+    optim = OptimConfig(warmup_steps=1)
     recorder = _Recorder()
     world_size = dist.get_world_size()
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy_for(job, world_size),
@@ -252,7 +252,7 @@ def _zero_job(job: Job, workload: Workload) -> dict[str, Any]:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(workload.config())
     # the optimizer and learning-rate schedule the Lightning runs use, so that the losses compare too
-    optimizers = CausalLMModule(model, TrainerConfig(max_steps=job.steps, warmup_steps=1)).configure_optimizers()
+    optimizers = CausalLMModule(model, OptimConfig(warmup_steps=1)).configure_optimizers()
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizers["optimizer"], config=ds_config,
                                       lr_scheduler=optimizers["lr_scheduler"]["scheduler"], dist_init_required=False)
     inner = engine.optimizer.optimizer

@@ -39,7 +39,7 @@ import torch
 
 from benchmarks.report import default_out, out_help, print_table, write_json
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
-from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.modules.config import ModelConfig
 from lightning_merak.modules.data import SyntheticLanguage
 from lightning_merak.parallel.micro_batching import CostModel, StepPlan, plan_packed
 from lightning_merak.parallel.micro_batching.plan import MicroBatch
@@ -186,7 +186,7 @@ def _rank(rank: int, world_size: int, settings: dict[str, Any], layout: dict[str
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
                              callbacks=[probe])
-        trainer.fit(_Module(_model(), TrainerConfig(max_steps=steps)), datamodule=_Data(settings))
+        trainer.fit(_Module(_model()), datamodule=_Data(settings))
         results[mode] = {"steps": probe.steps, "losses": probe.losses, "busy": probe.busy, "plan": probe.plan,
                          "events": probe.last_events, "stage": probe.stage_index}
     return results

@@ -58,7 +58,7 @@ from benchmarks.report import (
     write_json,
 )
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
-from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.modules.config import ModelConfig, OptimConfig
 from lightning_merak.parallel import pipeline
 from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.parallel.pipeline.trace import trace_model
@@ -247,7 +247,7 @@ def _run_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:
         resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
         result.update(cap_mb=cap / MIB, param_mb=param_bytes / MIB)
     module_class = FullyShardedLM if job.strategy == "model_parallel" else CausalLMModule
-    module = module_class(model, TrainerConfig(max_steps=job.steps, warmup_steps=1))
+    module = module_class(model, OptimConfig(warmup_steps=1))
     timer = _StepTimer()
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=_make_strategy(job), max_steps=job.steps,

@@ -88,7 +88,7 @@ from benchmarks.goals import Goal, print_goals, worst_case, write_run
 from lightning_merak.distributed.collectives import CommunicationTrace, record_communication
 from lightning_merak.distributed.host_memory import with_heap_tunables
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
-from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.modules.config import ModelConfig, OptimConfig
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing.cpu_quota import device_per_rank_quota, emulation_record
 from lightning_merak.testing.netem import (
@@ -255,7 +255,7 @@ def _train(workload: Workload, world_size: int, variant: Variant) -> dict[str, A
     """Train ``workload`` with tensor_parallel = world size and ``variant``; per-step figures of this rank."""
     torch.manual_seed(0)
     model = build_causal_lm(workload.model_config(), workload.vocab)
-    module = CausalLMModule(model, TrainerConfig(max_steps=workload.steps, warmup_steps=1))
+    module = CausalLMModule(model, OptimConfig(warmup_steps=1))
     tokens = torch.randint(workload.vocab, (workload.steps * workload.batch, workload.seq),
                            generator=torch.Generator().manual_seed(1))
     recorder = StepRecorder()

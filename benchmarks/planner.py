@@ -83,7 +83,7 @@ from benchmarks.report import out_help, print_table
 from lightning_merak.callbacks.profiler import MerakTraceProfiler, Trace
 from lightning_merak.distributed.host_memory import export_heap_tunables
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
-from lightning_merak.modules.config import TrainerConfig
+from lightning_merak.modules.config import OptimConfig
 from lightning_merak.planning.replay.calibration import (
     Probe,
     ReplayPredictor,
@@ -166,7 +166,7 @@ def _run_rank(rank: int, world_size: int, merak: dict[str, Any], steps: int,
     workload = replace(WORKLOAD, layers=layers) if layers else WORKLOAD
     model = build_causal_lm(workload.model_config(), WORKLOAD.vocab)
     model.config.use_cache = False
-    module = CausalLMModule(model, TrainerConfig(max_steps=steps, warmup_steps=1))
+    module = CausalLMModule(model, OptimConfig(warmup_steps=1))
     timer = _StepTimer()
     strategy = Merak3DStrategy(**merak, timeout_s=RANK_TIMEOUT_S)
     trainer = pl.Trainer(

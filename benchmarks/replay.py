@@ -64,7 +64,7 @@ from lightning_merak.callbacks.profiler import (
 )
 from lightning_merak.distributed.host_memory import restart_with_heap_tunables, with_heap_tunables
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
-from lightning_merak.modules.config import TrainerConfig
+from lightning_merak.modules.config import OptimConfig
 from lightning_merak.planning.measure.probe import ProbedCurves
 from lightning_merak.planning.replay.calibration import Probe, ReplayPredictor, calibrate_from_traces
 from lightning_merak.planning.replay.engine import anchored, link_payload_bytes_per_s, measured_step_time
@@ -178,7 +178,7 @@ def _run_job(job: Job, out_dir: str, rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = build_causal_lm(job.workload().model_config(), WORKLOAD.vocab)
     model.config.use_cache = False
-    module = CausalLMModule(model, TrainerConfig(max_steps=job.steps, warmup_steps=1))
+    module = CausalLMModule(model, OptimConfig(warmup_steps=1))
     periods = _Periods()
     profiler = (MerakTraceProfiler(dirpath=out_dir, filename=job.name, skip_steps=job.trace_skip,
                                    steps=job.trace_steps, untraced_steps=0) if job.traced else None)

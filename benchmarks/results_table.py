@@ -132,6 +132,22 @@ def adapters(data: dict[str, Any]) -> Table:
                   "merge change (points)", "merge"], rows, notes)
 
 
+def observability(data: dict[str, Any]) -> Table:
+    rows = []
+    for name in dict.fromkeys(row["config"] for row in data["rows"]):
+        arms = {flag: [row for row in data["rows"] if row["config"] == name and row["metrics"] is flag]
+                for flag in (False, True)}
+        times = {flag: [row["step_s"] for row in arm if row["step_s"] is not None] for flag, arm in arms.items()}
+        hooks = [row["hook_s_per_step"] for row in arms[True] if row.get("hook_s_per_step") is not None]
+        medians = {flag: statistics.median(values) if values else None for flag, values in times.items()}
+        overhead = (medians[True] / medians[False]) if medians[True] and medians[False] else None
+        rows.append([name, *(f"{medians[flag] * 1e3:.1f}" if medians[flag] else "-" for flag in (False, True)),
+                     ratio(overhead) if overhead else "-",
+                     f"{statistics.median(hooks) * 1e3:.2f}" if hooks else "-", len(times[True])])
+    return Table(["config", "step ms without", "step ms with", "with / without", "ms in the callback's hooks",
+                  "repetitions"], rows, [])
+
+
 def dynapipe(data: dict[str, Any]) -> Table:
     rows = [[r["layout"], r["mode"], f"{r['step_ms']:.0f}", f"{r['real_tokens_per_s']:.0f}",
              percent(r["padding_fraction"]), percent(r["bubble"]), r["micro_batches_per_replica"]]
@@ -152,6 +168,7 @@ AREAS: dict[str, Callable[[dict[str, Any]], Table]] = {
     "collectives": collectives, "merak3d": merak3d, "overlap_tp": overlap_tp, "planner": planner,
     "delta": delta, "sparse_comm": sparse_comm, "moe": moe, "adapters": adapters, "scale": scale,
     "sharding": sharding, "dynapipe": dynapipe, "replay": replay, "moe_families": moe_families,
+    "observability": observability,
 }
 AUXILIARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "adapters_lr_sweep": ("adapters", adapters_lr_sweep),

@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 
 import lightning_merak  # noqa: F401 - registers the plugin's strategies with Lightning
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
-from lightning_merak.modules.config import DataConfig, ModelConfig, TrainerConfig
+from lightning_merak.modules.config import DataConfig, ModelConfig
 from lightning_merak.modules.data import LanguageModelingData
 
 
@@ -39,7 +39,7 @@ def main() -> None:
         logger=False,
         enable_checkpointing=False,
     )
-    trainer.fit(CausalLMModule(model, TrainerConfig(max_steps=args.max_steps)), datamodule=data)
+    trainer.fit(CausalLMModule(model), datamodule=data)
     if trainer.is_global_zero:
         print(f"final train loss {trainer.callback_metrics['train/loss'].item():.3f}")
 

@@ -19,7 +19,6 @@ from torch import nn
 from lightning_merak.adapters.meta import MATERIALIZE_INIT, attach_on_meta
 from lightning_merak.cli.options.adapter import LoRAAdapterConfig, QAHiRAAdapterConfig, QBaRAAdapterConfig, Quantization
 from lightning_merak.modules.causal_lm import build_causal_lm
-from lightning_merak.modules.config import TrainerConfig
 from lightning_merak.parallel.materialize import Materializer, copy_full_tensors, init_owners
 from lightning_merak.parallel.pipeline.trace import find_trunk
 from lightning_merak.strategies.merak3d import Merak3DStrategy
@@ -70,7 +69,7 @@ def _reference(option_name: str, base: nn.Module | None = None) -> tuple[Trainin
     with torch.no_grad():
         for name in _adapter_names(model):
             model.get_parameter(name).copy_(weights[name])
-    module = _TestModule(model, TrainerConfig(max_steps=STEPS))
+    module = _TestModule(model)
     optimizer = _make_optimizer([p for p in model.parameters() if p.requires_grad], "adam")
     trace = TrainingTrace()
     for batch in _batches():
@@ -89,7 +88,7 @@ class _MetaAdapterModule(_TestModule):
     optimizer_kind = "adam"
 
     def __init__(self, option_name: str, weights: dict[str, torch.Tensor]) -> None:
-        super().__init__(None, TrainerConfig(max_steps=STEPS),
+        super().__init__(None,
                          model_factory=lambda: attach_on_meta(OPTIONS[option_name](), _base()))
         self.weights = weights
 
@@ -217,7 +216,7 @@ def _pretrained_rank(rank: int, world_size: int, directory: str, option_name: st
         def configure_optimizers(self):
             return _make_optimizer([p for p in self.model.parameters() if p.requires_grad], "adam")
 
-    module = Module(None, TrainerConfig(max_steps=STEPS), pretrained_path=directory, model_factory=lambda: (
+    module = Module(None, pretrained_path=directory, model_factory=lambda: (
         attach_on_meta(OPTIONS[option_name](), pretrained_causal_lm(directory, VOCAB, weights=False))))
     recorder = _Recorder([])
     trainer = pl.Trainer(

@@ -21,7 +21,7 @@ from lightning_merak.cli.options.adapter import (
     Quantization,
 )
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
-from lightning_merak.modules.config import DataConfig, ModelConfig, TrainerConfig
+from lightning_merak.modules.config import DataConfig, ModelConfig, OptimConfig
 from lightning_merak.modules.data import LanguageModelingData
 from lightning_merak.testing import run_distributed
 from tests.test_resume import checkpointing_trainer
@@ -49,7 +49,7 @@ def fit(model: torch.nn.Module, max_steps: int, strategy: Any = "auto", devices:
     pl.seed_everything(0, workers=True, verbose=False)
     data = LanguageModelingData(DataConfig(name="synthetic", seq_len=16, batch_size=4, vocab_size=VOCAB,
                                            num_sequences=24))
-    module = CausalLMModule(model, TrainerConfig(max_steps=20, warmup_steps=2, learning_rate=1e-2))
+    module = CausalLMModule(model, OptimConfig(warmup_steps=2, learning_rate=1e-2))
     trainer, losses = checkpointing_trainer(max_steps, strategy, devices, checkpoint_dir, checkpoint_every,
                                             plugins=(SafeCheckpointIO(),))
     trainer.fit(module, datamodule=data, ckpt_path=resume_from)

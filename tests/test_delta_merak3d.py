@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.callbacks.delta import Action, DeltaMemory
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
-from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.modules.config import ModelConfig
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import TraceRecorder, TrainingTrace, assert_traces_match, run_distributed
 
@@ -41,7 +41,7 @@ def _fit(layout: dict, callback: DeltaMemory | None) -> TrainingTrace:
     torch.manual_seed(0)
     model = build_causal_lm(LLAMA, vocab_size=VOCAB)
     model.config.use_cache = False
-    module = _SGDModule(model, TrainerConfig(max_steps=STEPS))
+    module = _SGDModule(model)
     recorder = TraceRecorder(loss_metric="train/loss")
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=Merak3DStrategy(**layout, timeout_s=120), max_epochs=1,
@@ -122,7 +122,7 @@ def test_data_parallel_replicas_share_one_plan_and_match_unmanaged(tmp_path, sha
 
 def test_overrides_naming_no_block_fail_before_the_layout_is_built():
     torch.manual_seed(0)
-    module = _SGDModule(build_causal_lm(LLAMA, vocab_size=VOCAB), TrainerConfig(max_steps=STEPS))
+    module = _SGDModule(build_causal_lm(LLAMA, vocab_size=VOCAB))
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=Merak3DStrategy(), logger=False)
     with pytest.raises(ValueError, match="layers.9"):
         DeltaMemory(overrides={"model.model.layers.9": "swap"}).setup(trainer, module, "fit")

@@ -18,7 +18,6 @@ from transformers import AutoModelForCausalLM
 
 from lightning_merak.hf import export_checkpoint, model_record
 from lightning_merak.modules.causal_lm import CausalLMModule
-from lightning_merak.modules.config import TrainerConfig
 from lightning_merak.testing import run_distributed
 
 VOCAB = 128
@@ -64,7 +63,7 @@ def _train(model: Any, steps: int) -> None:
 
 def _checkpoint(model: Any, path: Path) -> Path:
     """What Lightning writes for a DDP run: the module's state under ``model.``, plus the model record."""
-    torch.save({"state_dict": CausalLMModule(model, TrainerConfig()).state_dict(), "hf_model": model_record(model)},
+    torch.save({"state_dict": CausalLMModule(model).state_dict(), "hf_model": model_record(model)},
                path)
     return path
 
@@ -132,7 +131,7 @@ def _save_sharded(rank: int, world_size: int, path: str) -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad], lr=0.5)
 
-    module = Module(_adapted("qwen3_moe", init_lora_weights=False), TrainerConfig(max_steps=1))
+    module = Module(_adapted("qwen3_moe", init_lora_weights=False))
     data = TensorDataset(torch.randint(3, VOCAB, (4, 8), generator=torch.Generator().manual_seed(rank)))
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, max_steps=1, logger=False, enable_checkpointing=False,

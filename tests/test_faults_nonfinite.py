@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.callbacks.nonfinite import NonFiniteError, NonFiniteGuard
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
-from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.modules.config import ModelConfig
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import run_distributed
 
@@ -106,7 +106,7 @@ class _SGDModule(CausalLMModule):
 def pipeline_run(rank: int, world_size: int) -> dict[str, object]:
     """merak3d pp=2: an infinite gradient on the first stage only (rank 0) at step 1."""
     torch.manual_seed(0)
-    module = _SGDModule(build_causal_lm(LLAMA, vocab_size=VOCAB), TrainerConfig(max_steps=STEPS))
+    module = _SGDModule(build_causal_lm(LLAMA, vocab_size=VOCAB))
     guard, snapshots = NonFiniteGuard("skip"), _Snapshots(poison=(0, 1))
     tokens = torch.randint(VOCAB, (STEPS * 4, SEQ), generator=torch.Generator().manual_seed(1))
     trainer = pl.Trainer(

@@ -38,7 +38,7 @@ TINY_RUN = (
     "model.config.hidden_size=32", "model.config.intermediate_size=64", "model.config.num_hidden_layers=2",
     "data.vocab_size=64", "data.seq_len=16", "data.batch_size=4", "data.num_sequences=64",
     "trainer.max_steps=6", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
-    "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1", "trainer.warmup_steps=2",
+    "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1", "optim.warmup_steps=2",
 )
 STRATEGIES = {"ddp": ("strategy=ddp",), "merak3d_pp2": ("strategy=merak3d", "strategy.pipeline_parallel=2")}
 

@@ -69,12 +69,11 @@ def _save_merak3d_rank(rank: int, world_size: int, source: str, checkpoint: str,
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_merak.modules.causal_lm import CausalLMModule
-    from lightning_merak.modules.config import TrainerConfig
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     model.config.use_cache = False
-    module = CausalLMModule(model, TrainerConfig())
+    module = CausalLMModule(model)
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120),
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=1)
@@ -115,7 +114,6 @@ def _predict_pretrained_rank(rank: int, world_size: int, source: str, layout: di
 
     from lightning_merak.hf import pretrained_causal_lm
     from lightning_merak.modules.causal_lm import CausalLMModule
-    from lightning_merak.modules.config import TrainerConfig
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
     def build():
@@ -123,7 +121,7 @@ def _predict_pretrained_rank(rank: int, world_size: int, source: str, layout: di
         model.config.use_cache = False
         return model
 
-    module = CausalLMModule(None, TrainerConfig(), model_factory=build, pretrained_path=source)
+    module = CausalLMModule(None, model_factory=build, pretrained_path=source)
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120),
                          logger=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False)  # every replica predicts the whole batch

@@ -21,7 +21,6 @@ from transformers import (
 from lightning_merak.hf import export_checkpoint, model_record
 from lightning_merak.hf.experts import expert_parameters, export_layout, load_pretrained_experts
 from lightning_merak.modules.causal_lm import CausalLMModule
-from lightning_merak.modules.config import TrainerConfig
 
 VOCAB = 128
 COMMON = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -174,7 +173,7 @@ def test_export_of_a_ddp_checkpoint_is_bit_exact(tmp_path, family, layout):
     save_family(family, tmp_path / "saved")  # what save_pretrained writes for the same weights
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     checkpoint = tmp_path / "ddp.ckpt"
-    torch.save({"state_dict": CausalLMModule(model, TrainerConfig()).state_dict(), "hf_model": model_record(model)},
+    torch.save({"state_dict": CausalLMModule(model).state_dict(), "hf_model": model_record(model)},
                checkpoint)
     report = export_checkpoint(checkpoint, tmp_path / "out", max_shard_size="20KB")
     original, exported = stored(tmp_path / "saved"), stored(tmp_path / "out")

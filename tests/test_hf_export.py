@@ -14,7 +14,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from lightning_merak.hf import export_checkpoint, model_record
 from lightning_merak.modules.causal_lm import CausalLMModule
-from lightning_merak.modules.config import TrainerConfig
 
 VOCAB = 96
 LLAMA = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -30,7 +29,7 @@ def _stored(directory: Path) -> dict[str, torch.Tensor]:
 
 def _lightning_checkpoint(model: torch.nn.Module, path: Path, record: bool = True) -> Path:
     """What Lightning writes for a DDP run: the module's state under ``model.``, plus the model record."""
-    checkpoint = {"state_dict": CausalLMModule(model, TrainerConfig()).state_dict()}
+    checkpoint = {"state_dict": CausalLMModule(model).state_dict()}
     if record:
         checkpoint["hf_model"] = model_record(model)
     torch.save(checkpoint, path)

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
-from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.modules.config import ModelConfig
 from lightning_merak.parallel.pipeline.stage import tied_parameter_names
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import (
@@ -68,8 +68,8 @@ def _module(model_name: str, optimizer: str = "sgd", on_meta: bool = False) -> C
         model.config.use_cache = False
         return model
 
-    module = _TestModule(None, TrainerConfig(max_steps=STEPS), model_factory=build) if on_meta else _TestModule(
-        build(), TrainerConfig(max_steps=STEPS))
+    module = _TestModule(None, model_factory=build) if on_meta else _TestModule(
+        build())
     module.optimizer_kind = optimizer
     return module
 

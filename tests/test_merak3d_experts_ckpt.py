@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_merak.modules.causal_lm import CausalLMModule
-from lightning_merak.modules.config import TrainerConfig
+from lightning_merak.modules.config import OptimConfig
 from lightning_merak.testing import run_distributed
 from lightning_merak.testing.data import ReplicaBatches
 
@@ -42,7 +42,7 @@ class _AdamModule(CausalLMModule):
 
 def _reference() -> list[float]:
     """The uninterrupted run: the unswapped model (transformers' own expert loop) on the whole batches."""
-    module = _AdamModule(_model(), TrainerConfig(max_steps=STEPS))
+    module = _AdamModule(_model())
     optimizer = module.configure_optimizers()
     losses = []
     for batch in _batches():
@@ -70,7 +70,7 @@ def _train_rank(rank: int, world_size: int, layout: dict[str, int] | None, ep_si
     from lightning_merak.callbacks.moe.experts import ExpertParallelCallback
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
-    config = TrainerConfig(max_steps=STEPS)
+    config = OptimConfig()
     module = _AdamModule(None, config, model_factory=_model) if on_meta else _AdamModule(_model(), config)
     recorder = _Losses()
     strategy = "ddp" if layout is None else Merak3DStrategy(**{"tensor_parallel": 1, **layout}, micro_batches=2,

@@ -236,11 +236,12 @@ def test_micro_batches_a_schedule_cannot_run_are_refused_by_the_constructor(kwar
 
 
 def test_model_checks_run_before_launch():
-    """The model's config and structure, without tracing it: heads per rank, stages per node, members."""
+    """The model's config and structure, without tracing it: heads per rank, stages per node, a network to split."""
     with pytest.raises(ValueError, match=re.escape("tensor_parallel=3 does not divide num_attention_heads=4")):
         Merak3DStrategy(tensor_parallel=3).validate_before_launch(_llama_module(), 3, batch_size=8)
     with pytest.raises(ValueError, match=re.escape("7 pipeline stages (pipeline_parallel × virtual_stages) exceed "
                                                    "the 6 nodes")):
         Merak3DStrategy(pipeline_parallel=7).validate_before_launch(_llama_module(), 7, batch_size=14)
-    with pytest.raises(TypeError, match="merak3d needs model, split_batch, loss_from_logits, compute_loss"):
-        Merak3DStrategy().validate_before_launch(pl.LightningModule(), 2, batch_size=8)
+    with pytest.raises(TypeError, match="merak3d splits a transformer network, and finds none among "
+                                        "LightningModule's children"):
+        Merak3DStrategy(tensor_parallel=2).validate_before_launch(pl.LightningModule(), 2, batch_size=8)

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
-from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.modules.config import ModelConfig
 from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.strategies.merak3d.arguments import check_fully_shardable
@@ -42,7 +42,7 @@ def _module(adam: bool) -> _Module:
     torch.manual_seed(0)
     model = build_causal_lm(LLAMA, vocab_size=VOCAB)
     model.config.use_cache = False
-    module = _Module(model, TrainerConfig(max_steps=STEPS))
+    module = _Module(model)
     module.adam = adam
     return module
 

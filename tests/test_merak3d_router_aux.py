@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from lightning_merak.modules.causal_lm import CausalLMModule
-from lightning_merak.modules.config import TrainerConfig
 from lightning_merak.parallel.pipeline.router_aux import (
     RouterAuxLoss,
     carried_router_logits,
@@ -79,7 +78,7 @@ def _stage_chain(family: str, boundaries: tuple[int, ...], sub_batches: int, rec
                 block.forward = RecomputedForward(block.forward)
         if sub_batches > 1:
             stage.forward = SubBatchForward(stage, sub_batches)
-    loss_fn = RouterAuxLoss(CausalLMModule(model, TrainerConfig()).loss_from_logits, aux)
+    loss_fn = RouterAuxLoss(CausalLMModule(model).loss_from_logits, aux)
     outputs: Any = (ids,)
     for stage in stages:
         outputs = stage(*outputs)
@@ -196,7 +195,7 @@ def _train_rank(rank: int, world_size: int, family: str, layout: dict[str, Any],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0, use_distributed_sampler=False, callbacks=callbacks,
     )
-    trainer.fit(_SGDModule(_model(family), TrainerConfig(max_steps=STEPS)),
+    trainer.fit(_SGDModule(_model(family)),
                 datamodule=ReplicaBatches(_batches(), 0, STEPS))
     experts = {}
     if expert_parallel:

@@ -21,7 +21,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_merak.modules.causal_lm import build_causal_lm
-from lightning_merak.modules.config import TrainerConfig
 from lightning_merak.parallel.materialize import Materializer, copy_full_tensors, init_owners
 from lightning_merak.parallel.pipeline.stage import tied_parameter_names
 from lightning_merak.parallel.pipeline.trace import find_trunk
@@ -77,7 +76,7 @@ class _MetaModule(_TestModule):
     """Builds its model in ``configure_model`` and loads ``state_dict`` through the pretrained seam."""
 
     def __init__(self, model_name: str, state_dict: dict[str, torch.Tensor]) -> None:
-        super().__init__(None, TrainerConfig(max_steps=STEPS),
+        super().__init__(None,
                          model_factory=lambda: build_causal_lm(MODELS[model_name], vocab_size=VOCAB))
         self.state_dict_to_load = state_dict
         self.loaded_names: list[str] = []
@@ -204,7 +203,7 @@ def _pretrained_rank(rank: int, world_size: int, source: str, vocab: int, layout
 
     peak = _observed_peak()
     peak.table_shapes = _vocabulary_shapes(build)
-    module = CausalLMModule(None, TrainerConfig(), model_factory=build, pretrained_path=source)
+    module = CausalLMModule(None, model_factory=build, pretrained_path=source)
     read = []
 
     def load_and_watch(tensors, layout_changes) -> None:  # CausalLMModule's seam, counting the bytes read
@@ -247,49 +246,46 @@ def test_a_pretrained_tp2_build_holds_only_its_vocabulary_rows(tmp_path, family)
         torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
 
 
-def _random_init_rank(rank: int, world_size: int, family: str, config: dict, layout: dict) -> tuple:
-    """A meta model without pretrained weights: each rank's vocabulary rows, and the seed the build drew with."""
+def _random_init_rank(rank: int, world_size: int, family: str, config: dict, layout: dict) -> list:
+    """A meta model without pretrained weights, built after ``torch.manual_seed(0)``: each rank's vocabulary rows."""
     from torch.utils.data import DataLoader, TensorDataset
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from lightning_merak.modules.causal_lm import CausalLMModule
     from lightning_merak.parallel.tensor.vocab import VocabParallelEmbedding, VocabParallelLMHead
 
-    class Seed(pl.Callback):
-        def on_predict_start(self, trainer, pl_module) -> None:
-            self.seed = torch.initial_seed()  # the build's materialisers use rank 0's
-
     def build():
         return AutoModelForCausalLM.from_config(CONFIG_MAPPING[family](**config))
 
-    seed = Seed()
-    module = CausalLMModule(None, TrainerConfig(), model_factory=build)
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120),
+    module = CausalLMModule(None, model_factory=build)
+    strategy = Merak3DStrategy(**layout, timeout_s=120)
+    torch.manual_seed(0)
+    with strategy.model_sharded_context():
+        module.configure_model()
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy,
                          logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         use_distributed_sampler=False, callbacks=[seed])
+                         use_distributed_sampler=False)
     trainer.predict(module, DataLoader(TensorDataset(torch.randint(config["vocab_size"], (4, 8))), batch_size=4))
     rows = [(type(m).__name__, m.start, m.weight.to_local().detach().clone()) for m in module.model.modules()
             if isinstance(m, (VocabParallelEmbedding, VocabParallelLMHead))]
-    return seed.seed, rows
+    return rows
 
 
 @pytest.mark.distributed
 def test_random_init_rows_equal_the_single_process_init_at_pp2_tp2():
-    """Without pretrained weights each rank's rows are those of the table materialised whole (GPT-2 ties the head
-    to the embedding: the last stage's head rows are the first stage's embedding rows)."""
+    """Without pretrained weights each rank's rows are those of the table a single process builds eagerly with the
+    same seed (GPT-2 ties the head to the embedding: the last stage's head rows are the first stage's embedding
+    rows)."""
     from transformers import AutoModelForCausalLM, GPT2Config
 
     config = {"vocab_size": VOCAB + 1, "n_positions": 64, "use_cache": False, **FAMILIES["gpt2"]}
     layout = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 2}
     results = run_distributed(_random_init_rank, 4, args=("gpt2", config, layout), timeout_s=180)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(GPT2Config(**config))
-    Materializer(torch.device("cpu"), results[0][0], init_owners(meta)).materialize(meta.transformer.wte,
-                                                                                    "transformer.wte")
-    table = meta.transformer.wte.weight.detach()
-    kinds = [kind for _, rows in results for kind, _, _ in rows]
+    torch.manual_seed(0)
+    table = AutoModelForCausalLM.from_config(GPT2Config(**config)).transformer.wte.weight.detach()
+    kinds = [kind for rows in results for kind, _, _ in rows]
     assert sorted(set(kinds)) == ["VocabParallelEmbedding", "VocabParallelLMHead"], kinds
-    for _, rows in results:
+    for rows in results:
         for kind, start, local in rows:
             assert torch.equal(local, table[start:start + local.shape[0]]), (kind, start)
 
@@ -369,7 +365,7 @@ def _skip_net_state() -> dict[str, torch.Tensor]:
 
 class _SkipModule(_TestModule):
     def __init__(self) -> None:
-        super().__init__(None, TrainerConfig(max_steps=STEPS), model_factory=_SkipNet)
+        super().__init__(None, model_factory=_SkipNet)
 
     def load_pretrained_weights(self, tensors, layout_changes) -> None:
         copy_full_tensors(tensors, layout_changes, _skip_net_state())

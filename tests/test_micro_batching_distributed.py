@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
-from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.modules.config import ModelConfig
 from lightning_merak.parallel.micro_batching import GlobalBatches, VariableBatch
 from lightning_merak.parallel.micro_batching.plan import MicroBatch
 from lightning_merak.parallel.micro_batching.samples import micro_batch_tensors, summed_token_loss, target_count
@@ -51,7 +51,7 @@ def _module() -> _Module:
     torch.manual_seed(0)
     model = build_causal_lm(LLAMA, vocab_size=VOCAB)
     model.config.use_cache = False
-    return _Module(model, TrainerConfig(max_steps=STEPS))
+    return _Module(model)
 
 
 def _reference() -> TrainingTrace:

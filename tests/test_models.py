@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
-from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.modules.config import ModelConfig, OptimConfig
 
 TINY = {
     "llama": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -16,7 +16,7 @@ TINY = {
 @pytest.mark.parametrize("model_type", sorted(TINY))
 def test_builds_from_config_and_learns(model_type):
     model = build_causal_lm(ModelConfig(name=model_type, model_type=model_type, config=TINY[model_type]), vocab_size=50)
-    module = CausalLMModule(model, TrainerConfig(learning_rate=1e-2, warmup_steps=1, max_steps=20))
+    module = CausalLMModule(model, OptimConfig(learning_rate=1e-2, warmup_steps=1))
     batch = (torch.randint(50, (4, 12)),)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     first = module.compute_loss(batch)

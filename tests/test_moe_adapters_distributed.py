@@ -169,13 +169,13 @@ def _lm_batches(rank: int) -> torch.Tensor:
 def _adapted_module() -> object:
     from lightning_merak.adapters.moe import add_moe_adapters, moe_adapter_config
     from lightning_merak.modules.causal_lm import CausalLMModule
-    from lightning_merak.modules.config import TrainerConfig
+    from lightning_merak.modules.config import OptimConfig
     from lightning_merak.plugins.moe.experts import tiny_moe_model
 
     base = tiny_moe_model("qwen3_moe")
     torch.manual_seed(11)
     model = add_moe_adapters(base, moe_adapter_config(base, r=4, alpha=8, init_lora_weights=False))
-    return CausalLMModule(model, TrainerConfig(max_steps=STEPS, learning_rate=3e-3, warmup_steps=1))
+    return CausalLMModule(model, OptimConfig(learning_rate=3e-3, warmup_steps=1, total_steps=STEPS))
 
 
 def _train_ddp(rank: int, world: int) -> tuple[list[float], list[int]]:

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from lightning_merak.modules.causal_lm import CausalLMModule
-from lightning_merak.modules.config import TrainerConfig
 from lightning_merak.testing import run_distributed
 from lightning_merak.testing.data import ReplicaBatches
 
@@ -44,7 +43,7 @@ class _Module(CausalLMModule):
     """Adam (``optimizer='adam'``) or SGD over the adapters."""
 
     def __init__(self, model: Any, optimizer: str = "adam", **kwargs: Any) -> None:
-        super().__init__(model, TrainerConfig(max_steps=STEPS), **kwargs)
+        super().__init__(model, **kwargs)
         self.optimizer_name = optimizer
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -140,9 +140,9 @@ def _lm_batches(rank: int) -> torch.Tensor:
 
 
 def _optim() -> object:
-    from lightning_merak.modules.config import TrainerConfig
+    from lightning_merak.modules.config import OptimConfig
 
-    return TrainerConfig(max_steps=STEPS, learning_rate=3e-3, warmup_steps=1)
+    return OptimConfig(learning_rate=3e-3, warmup_steps=1, total_steps=STEPS)
 
 
 def _train_merak_ep(rank: int, world: int) -> dict[str, object]:

@@ -157,13 +157,12 @@ def test_hydra_block_lancet_trains_like_one_process_under_lightning_ddp() -> Non
 
 def test_causal_lm_module_optimises_the_router_aux_loss_as_transformers_does() -> None:
     from lightning_merak.modules.causal_lm import CausalLMModule
-    from lightning_merak.modules.config import TrainerConfig
     from lightning_merak.plugins.moe.experts import tiny_moe_model
 
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
     for aux in (True, False):
         model = tiny_moe_model("qwen3_moe", output_router_logits=aux, router_aux_loss_coef=0.5)
-        module = CausalLMModule(model, TrainerConfig())
+        module = CausalLMModule(model)
         expected = model(ids, labels=ids).loss
         assert module.compute_loss((ids,)).item() == pytest.approx(expected.item(), rel=1e-6)
         assert (module._router_aux_loss is not None) == aux

@@ -14,14 +14,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.modules.config import ModelConfig, OptimConfig
 from lightning_merak.testing import run_distributed
 
 STEPS, BATCH, SEQ, VOCAB = 5, 4, 16, 64
 MODEL = ModelConfig(name="mixtral_test", model_type="mixtral", config=dict(
     hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False))
-OPTIM = TrainerConfig(max_steps=STEPS, learning_rate=3e-3, warmup_steps=2)
+OPTIM = OptimConfig(learning_rate=3e-3, warmup_steps=2, total_steps=STEPS)
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

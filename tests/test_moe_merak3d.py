@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from lightning_merak.modules.causal_lm import CausalLMModule
-from lightning_merak.modules.config import TrainerConfig
 from lightning_merak.parallel.experts import expert_group_ranks, expert_layout_problem
 from lightning_merak.testing import run_distributed, snapshot_gradients
 from lightning_merak.testing.data import ReplicaBatches
@@ -41,7 +40,7 @@ class _SGDModule(CausalLMModule):
 def _reference(family: str, clip: float | None = None) -> dict[str, Any]:
     """Losses, gradients (clipped to ``clip``) and norms before clipping of the unswapped model (transformers' own
     expert loop) on the whole batches."""
-    module = _SGDModule(_model(family), TrainerConfig(max_steps=STEPS))
+    module = _SGDModule(_model(family))
     initial = {name: p.detach().clone() for name, p in module.model.named_parameters()}
     optimizer = module.configure_optimizers()
     losses, grads, norms = [], [], []
@@ -101,9 +100,9 @@ def _train_rank(rank: int, world_size: int, family: str, clip: float | None, pre
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
     if pretrained is None:
-        module = _SGDModule(_model(family), TrainerConfig(max_steps=STEPS))
+        module = _SGDModule(_model(family))
     else:
-        module = _SGDModule(None, TrainerConfig(max_steps=STEPS), pretrained_path=pretrained,
+        module = _SGDModule(None, pretrained_path=pretrained,
                             model_factory=lambda: pretrained_causal_lm(pretrained, VOCAB, {}, weights=False))
     recorder = _Recorder()
     strategy = Merak3DStrategy(data_parallel=world_size // (pipeline_parallel * tensor_parallel),

@@ -22,7 +22,6 @@ def _fit(world_size: int, strategy_kwargs: dict[str, Any], ep_size: int | None =
     import lightning.pytorch as pl
 
     from lightning_merak.callbacks.moe.experts import ExpertParallelCallback
-    from lightning_merak.modules.config import TrainerConfig
     from lightning_merak.strategies.merak3d import Merak3DStrategy
     from lightning_merak.testing.data import ReplicaBatches
     from tests.test_moe_merak3d import STEPS, _batches, _model, _Recorder, _SGDModule
@@ -36,7 +35,7 @@ def _fit(world_size: int, strategy_kwargs: dict[str, Any], ep_size: int | None =
         limit_val_batches=0, use_distributed_sampler=False,
         callbacks=[experts, recorder],
     )
-    trainer.fit(_SGDModule(_model(FAMILY), TrainerConfig(max_steps=STEPS)),
+    trainer.fit(_SGDModule(_model(FAMILY)),
                 datamodule=ReplicaBatches(_batches(), 0, STEPS))
     return strategy, recorder.losses, experts._merak3d.report
 

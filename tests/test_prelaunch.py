@@ -82,7 +82,7 @@ def test_a_refused_run_ends_its_early_ranks_without_a_word(tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert output.count("world size 2 is not divisible by the fixed degrees") == 1, output[-3000:]
-    assert output.count("Traceback") == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]  # a refusal names the fix; no traceback
     assert "launcher" not in output, output[-3000:]
     deadline = time.monotonic() + 30
     while _processes_running_in(tmp_path) and time.monotonic() < deadline:

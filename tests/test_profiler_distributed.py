@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.callbacks.profiler import MerakTraceProfiler, Trace, WhatIf, replay_trace, summary_numbers
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
-from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.modules.config import ModelConfig
 from lightning_merak.planning.replay.synthesize import LayoutSpec, _rank_breakdown
 from lightning_merak.testing import run_distributed
 
@@ -32,7 +32,7 @@ def _train(rank: int, world_size: int, strategy_name: str, out: str) -> dict[str
     torch.manual_seed(0)
     model = build_causal_lm(MODEL, vocab_size=VOCAB)
     model.config.use_cache = False
-    module = CausalLMModule(model, TrainerConfig(max_steps=STEPS))
+    module = CausalLMModule(model)
     strategy = (DDPStrategy(process_group_backend="gloo") if strategy_name == "ddp"
                 else Merak3DStrategy(tensor_parallel=2, tp_overlap=2) if strategy_name == "merak3d_tp2_k2"
                 else Merak3DStrategy(pipeline_parallel=2, micro_batches=2))

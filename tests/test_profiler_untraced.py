@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.callbacks.profiler import MerakTraceProfiler, Trace
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
-from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.modules.config import ModelConfig
 from lightning_merak.planning.replay.calibration import (
     MIN_UNTRACED_STEPS,
     Probe,
@@ -85,7 +85,7 @@ def test_the_profiler_times_untraced_steps_after_its_window(tmp_path: Path, untr
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, profiler=profiler,
                          num_sanity_val_steps=0, limit_val_batches=0)
-    trainer.fit(CausalLMModule(model, TrainerConfig(max_steps=6)), DataLoader(TensorDataset(data), batch_size=BATCH))
+    trainer.fit(CausalLMModule(model), DataLoader(TensorDataset(data), batch_size=BATCH))
     trace = Trace.load(profiler.paths["trace"])
     assert trace.steps() == [0, 1, 2]
     steps = trace.meta["untraced_step_s"]

@@ -168,6 +168,9 @@ CASES: dict[str, Case] = {
     "+model.config.num_hidden_layers=2": Case(),
     "merak-train data=text data.path=/abs/path/corpus.jsonl data.text_field=text": Case(),
     "merak-train data=text data.path=/abs/corpus.txt data.tokenizer_path=/abs/tokenizer_dir": Case(),
+    "merak-train data=hf_dataset data.path=/abs/path/corpus.jsonl": Case(),
+    "merak-train data=hf_dataset data.path=/abs/path/corpus.jsonl data.tokenizer_path=/abs/tokenizer_dir "
+    "data.streaming=true": Case(),
     # the same app as merak-train; `python -m lightning_merak.cli.train` trains (Lightning relaunching it for
     # rank 1) in test_merak3d_first_batch's and test_termination's merak-train runs, and under torchrun below
     "python -m lightning_merak.cli.train ...": Case(trains=False, config_only=True, same_config_as="merak-train"),
@@ -273,6 +276,8 @@ def _tiny(overrides: list[str], run_dir: Path, steps: int) -> list[str]:
     """Hydra overrides with tiny step counts (``steps`` of them) and this test's output directory."""
     values = {key: f"{key}={value}" for key, value in TINY_OVERRIDES.items()}
     values["trainer.max_steps"] = values["trainer.val_check_interval"] = None  # set below, one validation at the end
+    if "data=hf_dataset" in overrides:
+        values["data.num_sequences"] = None  # a key of the generated language only
     kept = []
     for override in overrides:
         key = override.lstrip("+").split("=", 1)[0]
@@ -511,6 +516,7 @@ PYTHON_CASES: dict[str, PythonCase] = {
     "DeltaMemory(budget=": PythonCase({"max_steps=50": "max_steps=4"}, ("DeltaMemory: memory timeline saved to",),
                                       trains=True),
     'SparseCommunication("s2"': PythonCase({"max_steps=50": "max_steps=3"}, trains=True),
+    "HFDatasetData(": PythonCase({"max_steps=100": "max_steps=3"}, trains=True),
     "from lightning_merak.plugins.moe import MoE": PythonCase(output=("tokens per expert",)),
     "from peft import get_peft_model": PythonCase({"range(20)": "range(2)"}),
     "from lightning_merak.testing.netem import": PythonCase(output=("['joined', 'joined']",)),
@@ -571,7 +577,9 @@ def test_doc_python_block(where: str, tmp_path: Path) -> None:
         assert old in block, f"substitution {old!r} no longer matches the block"
         block = block.replace(old, new)
     if case.trains:  # the docs' schedules warm up over 20 steps; a 3-step run at warm-up rates barely moves the loss
-        block = re.sub(r"TrainerConfig\(max_steps=(\d+)\)", r"TrainerConfig(max_steps=\1, warmup_steps=1)", block)
+        block = re.sub(r"CausalLMModule\((\w+)\)", r"CausalLMModule(\1, OptimConfig(warmup_steps=1))", block)
+        block = block.replace("from lightning_merak.modules import ",
+                              "from lightning_merak.modules import OptimConfig, ", 1)
     first_line = block.splitlines()[0]
     script = tmp_path / "block.py"
     script.write_text(LOSS_RECORDER + "\n\n" + block if case.trains else block)

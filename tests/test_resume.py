@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
-from lightning_merak.modules.config import DataConfig, ModelConfig, TrainerConfig
+from lightning_merak.modules.config import DataConfig, ModelConfig, OptimConfig, Schedule
 from lightning_merak.modules.data import LanguageModelingData
 from lightning_merak.testing import run_distributed
 
@@ -49,11 +49,13 @@ def checkpointing_trainer(max_steps: int, strategy: Any, devices: int, checkpoin
 def _fit(max_steps: int, strategy: Any = "auto", devices: int = 1, resume_from: str | None = None,
          save_to: str | None = None, checkpoint_dir: str | None = None,
          checkpoint_every: int | None = None) -> list[float]:
-    """A run of the tiny Llama on generated data (10 batches an epoch on one rank), AdamW with warm-up + cosine."""
+    """A run of the tiny Llama on generated data (10 batches an epoch on one rank), AdamW with a warm-up, then a
+    constant rate: the schedule's length follows the Trainer's, so a run stopped or extended early would change a
+    decaying one, and these runs stop at different steps."""
     pl.seed_everything(0, workers=True)
     data = LanguageModelingData(DataConfig(name="synthetic", seq_len=16, batch_size=4, vocab_size=64,
                                            num_sequences=40))
-    module = CausalLMModule(build_causal_lm(MODEL, 64), TrainerConfig(max_steps=30, warmup_steps=2))
+    module = CausalLMModule(build_causal_lm(MODEL, 64), OptimConfig(warmup_steps=2, lr_schedule=Schedule.constant))
     trainer, losses = checkpointing_trainer(max_steps, strategy, devices, checkpoint_dir, checkpoint_every)
     trainer.fit(module, datamodule=data, ckpt_path=resume_from)
     if save_to is not None:

@@ -245,7 +245,7 @@ def _default_run(*overrides: str) -> tuple[Any, Any]:
     register_configs()
     with initialize_config_module(config_module="lightning_merak.conf", version_base="1.3"):
         config = OmegaConf.to_object(compose(config_name="config", overrides=["output_dir=/tmp/unused", *overrides]))
-    return config, CausalLMModule(build_causal_lm(config.model, vocab_size=config.data.vocab_size), config.trainer)
+    return config, CausalLMModule(build_causal_lm(config.model, vocab_size=config.data.vocab_size), config.optim)
 
 
 @pytest.mark.parametrize("option", ["s2", "embrace", "auto"])

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.callbacks.sparse_comm import ShardedEmbedding, SparseCommunication
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
-from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.modules.config import ModelConfig
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import run_distributed
 
@@ -69,7 +69,7 @@ def _fit(model_name: str, layout: dict[str, Any], comm: SparseCommunication | No
          clip: float | None = None) -> dict[str, object]:
     torch.manual_seed(0)
     model = build_causal_lm(MODELS[model_name], vocab_size=VOCAB)
-    module = _SGDModule(model, TrainerConfig(max_steps=STEPS))
+    module = _SGDModule(model)
     recorder = _Recorder()
     # a uniform split: the profiled (AutoPipe) split may differ between the runs compared rank by rank
     trainer = pl.Trainer(
@@ -112,7 +112,7 @@ def data_parallel_runs(rank: int, world_size: int) -> dict[str, dict[str, object
 
 def _refusal(layout: dict[str, int]) -> str:
     """The error of an EmbRace run merak3d cannot host (raised in setup, before any collective)."""
-    module = _SGDModule(build_causal_lm(MODELS["llama"], vocab_size=VOCAB), TrainerConfig(max_steps=STEPS))
+    module = _SGDModule(build_causal_lm(MODELS["llama"], vocab_size=VOCAB))
     trainer = pl.Trainer(
         accelerator="cpu", devices=layout["data_parallel"] * layout["pipeline_parallel"],
         strategy=Merak3DStrategy(**layout, timeout_s=120), max_epochs=1, logger=False, enable_checkpointing=False,

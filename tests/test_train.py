@@ -1,12 +1,13 @@
 """`merak-train`'s refusals of bad input, before any process starts; its runs are in test_readme.py.
 
-Each refusal runs merak-train's own entry point in this process — Hydra's parsing and composition, then
-every check made before the ranks begin work — with ``Trainer.fit`` replaced by a failure, so a check that
-stopped refusing fails the test instead of training. That the command line prints the refusal once, exits
+Each refusal runs merak-train's own command line in this process — its check of the overrides, Hydra's
+composition, then every check made before the ranks begin work — with ``Trainer.fit`` replaced by a failure, so
+a check that stopped refusing fails the test instead of training. That the command line prints the refusal once, exits
 non-zero and leaves no early-started rank behind is tests/test_prelaunch.py's subprocess run.
 """
 
 import sys
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -17,8 +18,9 @@ from lightning_merak.cli.train import build_strategy, validate_run
 from lightning_merak.modules.config import TrainerConfig
 
 
-def _refusal(overrides: list[str], run_dir, monkeypatch, capsys) -> str:
-    """What ``merak-train *overrides`` prints when it refuses to start; fails if it would have trained."""
+def refused(overrides: list[str], run_dir, monkeypatch, capsys) -> tuple[object, Any]:
+    """The exit status and captured output of ``merak-train *overrides`` refusing to start, in this process;
+    fails if it would have trained."""
 
     def reached_fit(*args, **kwargs):
         raise AssertionError(f"merak-train {' '.join(overrides)} was not refused before training")
@@ -28,9 +30,14 @@ def _refusal(overrides: list[str], run_dir, monkeypatch, capsys) -> str:
     monkeypatch.setattr(sys, "argv", ["merak-train", *overrides, f"hydra.run.dir={run_dir}"])
     register_configs()
     with pytest.raises(SystemExit) as exit_:
-        merak_train._hydra_entry()
-    output = capsys.readouterr()
-    assert exit_.value.code not in (0, None), output.out + output.err
+        merak_train.run_command_line()
+    return exit_.value.code, capsys.readouterr()
+
+
+def _refusal(overrides: list[str], run_dir, monkeypatch, capsys) -> str:
+    """What ``merak-train *overrides`` prints when it refuses to start."""
+    code, output = refused(overrides, run_dir, monkeypatch, capsys)
+    assert code not in (0, None), output.out + output.err
     return output.out + output.err
 
 
@@ -39,8 +46,8 @@ def _refusal(overrides: list[str], run_dir, monkeypatch, capsys) -> str:
     [
         (["data=text", "data.path=/nonexistent/corpus.txt"], "data.path='/nonexistent/corpus.txt' does not exist"),
         (["model=hf", "model.model_type=llamaa"], "is not a transformers model type"),
-        (["model=llama_huge"], "Could not find 'model/llama_huge'"),
-        (["trainer.max_step=5"], "Key 'max_step' not in 'TrainerConfig'"),
+        (["model=llama_huge"], "model=llama_huge is not an option of model"),
+        (["trainer.max_step=5"], "trainer.max_step is not a key of trainer; did you mean trainer.max_steps?"),
         (["trainer.accelerator=gpu"], "GPU(s); set trainer.devices"),
         (["strategy.name=ddpp"], "is not a registered strategy"),
         (["trainer.devices=3", "strategy.tensor_parallel=3"],
@@ -49,9 +56,9 @@ def _refusal(overrides: list[str], run_dir, monkeypatch, capsys) -> str:
         (["trainer.devices=8", "strategy.pipeline_parallel=8"],
          "8 pipeline stages (pipeline_parallel × virtual_stages) exceed the 6 nodes"),
         (["strategy.schedule=zigzag"], "schedule='zigzag' is not supported"),
-        (["+strategy.pipline_parallel=2"], "unknown option strategy.pipline_parallel: Merak3DStrategyConfig has no "
-                                           "key 'pipline_parallel'; did you mean strategy.pipeline_parallel?"),
-        (["+trainer.max_stepz=2"], "unknown option trainer.max_stepz"),
+        (["+strategy.pipline_parallel=2"], "strategy.pipline_parallel is not a key of strategy; did you mean "
+                                           "strategy.pipeline_parallel?"),
+        (["+trainer.max_stepz=2"], "trainer.max_stepz is not a key of trainer"),
         (["model=mixtral_tiny", "moe=prophet", "moe.experts=merak_ep", "strategy.data_parallel_sharding=optimizer"],
          "moe.experts=merak_ep under merak3d refused: data_parallel_sharding='optimizer'"),
         (["model=mixtral_tiny", "moe=prophet", "moe.experts=merak_ep", "moe.lancet_scope=block"],

@@ -50,9 +50,8 @@ def _model(tied: bool) -> torch.nn.Module:
 def _stock_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """CausalLMModule.loss_from_logits, as users write it."""
     from lightning_merak.modules.causal_lm import CausalLMModule
-    from lightning_merak.modules.config import TrainerConfig
 
-    return CausalLMModule(torch.nn.Identity(), TrainerConfig()).loss_from_logits(logits, targets)
+    return CausalLMModule(torch.nn.Identity()).loss_from_logits(logits, targets)
 
 
 def _mixing_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -177,12 +176,11 @@ STEPS = 2
 def _fit_rank(rank: int, world_size: int) -> tuple[list[float], list[dict]]:
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_merak.modules.config import TrainerConfig
     from lightning_merak.parallel.tensor import vocab as vocab_parallel
     from lightning_merak.strategies.merak3d import Merak3DStrategy
     from tests.test_merak3d import _Recorder, _TestModule
 
-    module = _TestModule(_model(tied=True), TrainerConfig(max_steps=STEPS))
+    module = _TestModule(_model(tied=True))
     recorder = _Recorder([])
     data = torch.randint(VOCAB, (STEPS * 4, SEQ), generator=torch.Generator().manual_seed(2))
     trainer = pl.Trainer(
@@ -200,10 +198,9 @@ def _fit_rank(rank: int, world_size: int) -> tuple[list[float], list[dict]]:
 @pytest.mark.distributed
 def test_lightning_fit_with_the_loss_on_sharded_logits_matches_one_process():
     """tp=2 through Lightning, the loss wired on sharded logits (tied weights, a vocabulary tp does not divide)."""
-    from lightning_merak.modules.config import TrainerConfig
     from tests.test_merak3d import _TestModule
 
-    module = _TestModule(_model(tied=True), TrainerConfig(max_steps=STEPS))
+    module = _TestModule(_model(tied=True))
     optimizer = module.configure_optimizers()
     data = torch.randint(VOCAB, (STEPS * 4, SEQ), generator=torch.Generator().manual_seed(2))
     expected = []

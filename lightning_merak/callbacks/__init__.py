@@ -14,6 +14,8 @@ _EXPORTS = {
     "PeriodicCheckpoint": "lightning_merak.callbacks.checkpoint",
     "SparseCommunication": "lightning_merak.callbacks.sparse_comm",
     "StepProgressBar": "lightning_merak.callbacks.progress",
+    "TrainingMetrics": "lightning_merak.callbacks.metrics",
+    "log_figure": "lightning_merak.callbacks.metrics",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -4,7 +4,10 @@ Every Hydra config group has a schema dataclass registered in Hydra's ConfigStor
 under ``schema/<group>/<option>``; the YAML files in ``lightning_merak/conf/<group>/``
 start from that schema (``defaults: [/schema/<group>/<option>@_here_]``). A
 misspelled key or a value of the wrong type therefore fails while Hydra composes
-the configuration, before any process is launched.
+the configuration, before any process is launched. The ``logger`` options, ``data`` options built
+from a ``_target_`` (``hf_dataset``, ``custom``), ``module`` and ``callbacks`` are free-form
+``_target_`` nodes instead: their keys are checked against the target's signature before launch
+(:mod:`lightning_merak.cli.targets`).
 
 Groups whose options add behaviour to a run follow one small protocol each, so that
 ``train.py`` never needs to know the options:
@@ -29,14 +32,14 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from lightning_merak.cli.options.faults import FaultsConfig
-from lightning_merak.modules.config import DataConfig, ModelConfig, TrainerConfig
+from lightning_merak.modules.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
 from lightning_merak.util.fields import option
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch import nn
 
-GROUPS = ("model", "data", "trainer", "strategy", "moe", "memory", "comm", "adapter", "profiler")
+GROUPS = ("model", "data", "trainer", "optim", "logger", "strategy", "moe", "memory", "comm", "adapter", "profiler")
 
 OPTION_NAME_HELP = "The option's name, which `<group>=<option>` sets."
 """What an option's ``name`` key is (options redefining ``name`` keep this description in the reference)."""
@@ -95,8 +98,19 @@ class TrainConfig:
 
     model: ModelConfig = option(MISSING, "The causal LM: a transformers model type built with random weights, "
                                 "or a pretrained directory.")
-    data: DataConfig = option(MISSING, "The training data: a generated language (`synthetic`) or a file (`text`).")
-    trainer: TrainerConfig = option(MISSING, "Lightning Trainer settings: devices, steps, precision, optimizer.")
+    data: Any = option(MISSING, "The training data: a generated language (`synthetic`), a file (`text`), a Hugging "
+                       "Face dataset (`hf_dataset`) or your own LightningDataModule (`data._target_=pkg.Class`).")
+    trainer: TrainerConfig = option(MISSING, "Lightning Trainer settings: devices, steps, precision, and any other "
+                                    "`Trainer` argument.")
+    optim: OptimConfig = option(MISSING, "The optimizer and learning-rate schedule: `adamw`, `sgd` or `muon`.")
+    logger: Any = option(MISSING, "Where metrics go: `csv`, `tensorboard`, `wandb`, `mlflow`, or a list of them "
+                         "(`logger=[csv,wandb]`).")
+    module: dict[str, Any] = option(
+        default_factory=dict, help="Your own LightningModule instead of the causal LM of `model` and `optim`: "
+        "`module._target_=pkg.Class` and its keyword arguments as `module.<name>=value`.")
+    callbacks: list[Any] = option(
+        default_factory=list, help="More Lightning callbacks, each a `_target_` node with its keyword arguments: "
+        "`'callbacks=[{_target_: lightning.pytorch.callbacks.EarlyStopping, monitor: val/loss}]'`.")
     strategy: StrategyConfig = option(MISSING, "The parallel strategy: `merak3d` (data × pipeline × tensor "
                                       "parallelism) or Lightning's `ddp`.")
     moe: Any = option(MISSING, "Mixture-of-experts layers for a sparse model: `prophet`, `deepspeed`, "
@@ -163,6 +177,7 @@ def register_configs() -> None:
     register_option("model", "base", ModelConfig)
     register_option("data", "base", DataConfig)
     register_option("trainer", "base", TrainerConfig)
+    register_option("optim", "base", OptimConfig)
     register_option("strategy", "base", StrategyConfig)
     register_option("moe", "none", MoEConfig)
     register_option("memory", "none", CallbackOptionConfig)

@@ -190,13 +190,22 @@ def _group_options() -> dict[str, list[str]]:
     return {group: sorted(loader.get_group_options(group)) for group in ordered}
 
 
+def _chosen(root: DictConfig, group: str) -> list[str]:
+    """The options of ``group`` composed now: Hydra records one choice per group; a list of them (``logger=[csv,
+    wandb]``) it does not, and each such option keeps its keys under its own name."""
+    choice = root.hydra.runtime.choices.get(group)
+    if choice is not None:
+        return [choice]
+    node = root.get(group)
+    return [str(key) for key in node.keys()] if isinstance(node, DictConfig) else []
+
+
 def help_groups(*, _root_: DictConfig) -> str:
     """``group: option, [chosen], option`` for every config group."""
-    choices = _root_.hydra.runtime.choices
     lines = []
     for group, options in _group_options().items():
-        chosen = choices.get(group)
-        lines.append(f"{group}: " + ", ".join(f"[{option}]" if option == chosen else option for option in options))
+        chosen = _chosen(_root_, group)
+        lines.append(f"{group}: " + ", ".join(f"[{option}]" if option in chosen else option for option in options))
     return _escape("\n".join(lines))
 
 
@@ -271,21 +280,32 @@ def render() -> str:
         "type, their default under that option and what they do. `merak-train --help` shows the composed "
         "configuration with the first sentence of each description; `merak-train ... --cfg job` prints it.",
         "",
+        "Your own pieces come in by `_target_`: `module._target_=pkg.MyModule` trains your LightningModule instead "
+        "of the causal LM of `model` and `optim`, `data._target_=pkg.MyData` your LightningDataModule (which, with "
+        "the built-in module, gives the model its `vocab_size`), each made with the keys beside `_target_` as "
+        "keyword arguments (`module.width=256`); `callbacks=[{_target_: ..., ...}]` adds callbacks and "
+        "`logger=[csv,wandb]` picks several loggers. Any other `lightning.Trainer` argument is taken as "
+        "`trainer.<name>=value` (`trainer.fast_dev_run=true`, `trainer.limit_train_batches=5`). All of it is "
+        "checked before anything starts: a misspelled key, option or keyword argument, a target that does not "
+        "import or is not a LightningModule / LightningDataModule, and what the strategy needs of your module are "
+        "refused with the fix (\"did you mean ...?\") as the first line, without a traceback, exit status 2.",
+        "",
     ]
     with initialize_config_module(config_module="lightning_merak.conf", version_base="1.3"):
         root = _compose(hydra=True)
         root_schema = OmegaConf.get_type(root)
-        defaults = {group: root.hydra.runtime.choices[group] for group in GROUPS}
+        defaults = {group: _chosen(root, group) for group in GROUPS}
         lines += ["## Groups", "", "| Group | Options | Default | Description |", "|---|---|---|---|"]
         lines += [f"| [`{group}`](#{group}) | {', '.join(f'`{option}`' for option in _options(group))} | "
-                  f"`{defaults[group]}` | {_cell(_description(root_schema, group))} |" for group in GROUPS]
+                  f"{', '.join(f'`{option}`' for option in defaults[group])} | "
+                  f"{_cell(_description(root_schema, group))} |" for group in GROUPS]
         lines += ["", "## Top-level keys", "",
                   *_table([key for key in keys_of(root) if key.path.split(".")[0] not in (*GROUPS, "hydra")]), ""]
         for group in GROUPS:
             lines += [f"## {group}", "", _description(root_schema, group), ""]
             for option in _options(group):
                 node = _compose(f"{group}={option}")[group]
-                default = " (default)" if option == defaults[group] else ""
+                default = " (default)" if option in defaults[group] else ""
                 lines += [f"### `{group}={option}`{default}", "",
                           _option_text(group, option, OmegaConf.get_type(node)), "",
                           *_table(keys_of(node, f"{group}.")), ""]

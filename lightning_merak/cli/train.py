@@ -3,13 +3,16 @@
     merak-train                                   # embedded default: tiny Llama, generated data, 2 CPU ranks
     merak-train model=gpt2_tiny trainer.max_steps=50
     merak-train data=text data.path=/abs/corpus.jsonl
+    merak-train module._target_=mypkg.MyModule data._target_=mypkg.MyData logger=[csv,wandb]
     torchrun --max-restarts 3 --nproc-per-node 2 -m lightning_merak.cli.train resume=auto hydra.run.dir=runs/a
                                                   # restarts resume from the newest complete checkpoint
     python -m lightning_merak.cli.train --help        # config groups and every key
 
-Configuration is validated while Hydra composes it (typed schemas in
-:mod:`lightning_merak.cli.config`), and the run is validated by :func:`validate_run`
-before any process is launched. The other ranks of a single-node run start at once and
+The command line is checked against the schemas before Hydra composes it
+(:mod:`lightning_merak.cli.overrides`: a misspelled key or option gets "did you mean ...?" first), the
+configuration while Hydra composes it (typed schemas in :mod:`lightning_merak.cli.config`), and the run by
+:func:`prepare` before any process is launched: a refusal prints its reason alone, without a traceback, and
+exits with status 2. The other ranks of a single-node run start at once and
 import while rank 0 does, then wait until rank 0 has made every check before launch
 (:mod:`lightning_merak.cli.prelaunch`); a refused run starts no rank's work.
 
@@ -21,23 +24,22 @@ launched world size.
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_merak.checkpoint.resume import resume_path
-from lightning_merak.cli.config import (
-    StrategyConfig,
-    TrainConfig,
-    TrainerConfig,
-    register_configs,
-    reject_unknown_keys,
-)
+from lightning_merak.cli.config import StrategyConfig, TrainConfig, register_configs, reject_unknown_keys
 from lightning_merak.cli.elastic import isolate_restart_attempts
+from lightning_merak.cli.overrides import SET_BY_MERAK_TRAIN, ConfigError, check_overrides, trainer_arguments
 from lightning_merak.cli.prelaunch import (
     PrelaunchedRanks,
     launched_externally,
@@ -45,14 +47,17 @@ from lightning_merak.cli.prelaunch import (
     wait_at_gate,
 )
 from lightning_merak.cli.reference import register_help
+from lightning_merak.cli.targets import instantiate_checked
 from lightning_merak.distributed.host_memory import restart_with_heap_tunables, skip_final_collection
 from lightning_merak.distributed.termination import install_termination_handler
+from lightning_merak.modules.config import DataConfig, TrainerConfig
 from lightning_merak.util.console import quiet_dependency_noise, quiet_other_ranks
 
 if TYPE_CHECKING:
+    import lightning.pytorch as pl
     from lightning.pytorch.strategies import Strategy
 
-__all__ = ["build_strategy", "main", "train", "validate_run"]
+__all__ = ["PreparedRun", "build_strategy", "fit", "main", "prepare", "run_command_line", "train", "validate_run"]
 
 
 def _launched_world_size() -> int | None:
@@ -68,30 +73,37 @@ def _launched_world_size() -> int | None:
     return None
 
 
-def validate_run(config: TrainerConfig) -> None:
-    """Refuse a world size this machine or launcher cannot provide, naming the fix."""
-    if config.devices < 1 or config.num_nodes < 1:
-        raise ValueError(
-            f"trainer.devices={config.devices} and trainer.num_nodes={config.num_nodes} must be at least 1"
-        )
-    requested = config.devices * config.num_nodes
+def validate_run(config: TrainerConfig) -> int:
+    """Refuse a world size this machine or launcher cannot provide, naming the fix; return the processes per node
+    (``trainer.devices``, with ``-1`` resolved to every GPU of the node)."""
+    if config.num_nodes < 1 or config.devices == 0 or config.devices < -1:
+        raise ValueError(f"trainer.devices={config.devices} and trainer.num_nodes={config.num_nodes} must be at "
+                         "least 1 (trainer.devices=-1: every GPU of the node)")
+    devices = config.devices
     if config.accelerator in ("gpu", "cuda"):
         import torch
 
         available = torch.cuda.device_count()
-        if config.devices > available:
+        if devices == -1:
+            devices = available
+        if devices > available or devices == 0:
             raise ValueError(
                 f"trainer.devices={config.devices} but this machine has {available} GPU(s); "
                 f"set trainer.devices<={available}, or trainer=cpu_ddp to train on CPU processes"
             )
     elif config.accelerator != "cpu":
         raise ValueError(f"trainer.accelerator={config.accelerator!r} is not supported; use cpu or gpu")
+    elif devices == -1:
+        raise ValueError("trainer.devices=-1 means every GPU; with trainer.accelerator=cpu give the number of "
+                         "processes (e.g. trainer.devices=2)")
+    requested = devices * config.num_nodes
     launched = _launched_world_size()
     if launched is not None and launched != requested:
         raise ValueError(
             f"the launcher started {launched} processes but trainer.num_nodes × trainer.devices = "
-            f"{config.num_nodes} × {config.devices} = {requested}; make them equal"
+            f"{config.num_nodes} × {devices} = {requested}; make them equal"
         )
+    return devices
 
 
 def build_strategy(config: StrategyConfig) -> Strategy:
@@ -108,10 +120,12 @@ def build_strategy(config: StrategyConfig) -> Strategy:
 
 
 def _callbacks(config: TrainConfig, output_dir: Path) -> list[Any]:
-    """merak-train's own callbacks (checkpoints, learning rate, progress) plus each feature's."""
+    """merak-train's own callbacks (checkpoints, learning rate, progress), each feature's, then the user's."""
+    from lightning.pytorch import Callback
     from lightning.pytorch.callbacks import LearningRateMonitor
 
     from lightning_merak.callbacks.checkpoint import PeriodicCheckpoint  # lazy: Lightning
+    from lightning_merak.callbacks.metrics import TrainingMetrics  # lazy: torch, Lightning, matplotlib
     from lightning_merak.callbacks.progress import StepProgressBar  # lazy: Lightning
 
     trainer_config = config.trainer
@@ -124,6 +138,7 @@ def _callbacks(config: TrainConfig, output_dir: Path) -> list[Any]:
             save_last="link" if trainer_config.save_last else None,
         ),
         LearningRateMonitor(logging_interval="step"),
+        TrainingMetrics(),
     ]
     if trainer_config.enable_progress_bar:
         callbacks.append(StepProgressBar(log_every_n_steps=trainer_config.log_every_n_steps))
@@ -131,7 +146,39 @@ def _callbacks(config: TrainConfig, output_dir: Path) -> list[Any]:
     callbacks += config.memory.build_callbacks()
     callbacks += config.comm.build_callbacks()
     callbacks += config.faults.build_callbacks()
+    callbacks += [instantiate_checked(node, f"callbacks[{index}]", Callback)
+                  for index, node in enumerate(config.callbacks)]
     return callbacks
+
+
+def _loggers(config: TrainConfig) -> list[Any]:
+    """The ``logger`` group's loggers (``logger=[csv,wandb]``), in the order chosen."""
+    from lightning.pytorch.loggers import Logger
+
+    loggers = []
+    for name, node in (config.logger or {}).items():
+        if name == "mlflow" and str(node.get("tracking_uri", "")).startswith("file:"):
+            # MLflow 3 refuses its file store unless asked; it is the one local store that needs no server and no
+            # database driver (mlflow-skinny has none), which logger=mlflow writes under the run directory
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        loggers.append(instantiate_checked(node, f"logger.{name}", Logger))
+    return loggers
+
+
+def _trainer_kwargs(config: TrainerConfig) -> dict[str, Any]:
+    """``trainer.kwargs``: refused if not a ``Trainer`` argument, or one merak-train sets under another key."""
+    known = trainer_arguments()
+    named = {item for item in TrainerConfig.__dataclass_fields__ if item != "kwargs"}
+    for key in config.kwargs:
+        if key in named:
+            raise ConfigError(f"trainer.kwargs.{key}: set trainer.{key} instead")
+        if key in SET_BY_MERAK_TRAIN:
+            raise ConfigError(f"trainer.{key}: merak-train sets Trainer's {key} itself; use {SET_BY_MERAK_TRAIN[key]}")
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            raise ConfigError(f"trainer.{key} is not a lightning.Trainer argument"
+                              + (f"; did you mean trainer.{close[0]}?" if close else ""))
+    return dict(config.kwargs)
 
 
 def _profiler(config: TrainConfig, output_dir: Path) -> Any:
@@ -147,56 +194,57 @@ def _link_last_to_final(checkpoints: Path, final_checkpoint: Path) -> None:
     last.symlink_to(final_checkpoint.name)
 
 
-def train(config: TrainConfig, prelaunched: PrelaunchedRanks | None = None) -> Path:
-    """Train as configured and return the output directory.
+@dataclass
+class PreparedRun:
+    """A run every check before launch has passed: what :func:`fit` needs to train it."""
 
-    ``prelaunched``: this node's other ranks, started early by ``merak-train`` and waiting until every check
-    before launch has passed (:mod:`lightning_merak.cli.prelaunch`); None lets Lightning launch them."""
+    config: TrainConfig
+    trainer: pl.Trainer
+    module: pl.LightningModule
+    data: pl.LightningDataModule
+    resume_from: Optional[str]
+
+
+def _datamodule(config: TrainConfig) -> Any:
+    """The ``data`` option's datamodule: merak-train's own for a ``DataConfig``, else its ``_target_``'s."""
     import lightning.pytorch as pl
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-    from lightning.pytorch.utilities import rank_zero_only
 
-    from lightning_merak.checkpoint.checkpoint_io import SafeCheckpointIO  # lazy: torch, Lightning
-
-    quiet_other_ranks()
-    validate_run(config.trainer)
-    output_dir = Path(config.output_dir)
-    resume_from = resume_path(config.resume, output_dir / "checkpoints")
-    isolate_restart_attempts()  # a torchrun restart's ranks must not find the failed attempt's addresses
-    strategy = build_strategy(config.strategy)
-    world_size = config.trainer.devices * config.trainer.num_nodes
-    batch_shape = {"batch_size": config.data.batch_size, "sequence_length": config.data.seq_len,
-                   "accumulate_grad_batches": config.trainer.accumulate_grad_batches}
-    if hasattr(strategy, "validate_arguments"):
-        strategy.validate_arguments(world_size, **batch_shape)
-    if getattr(strategy, "strategy_name", None) == "merak3d":
-        from lightning_merak.parallel.pipeline.router_aux import router_aux_loss_problem  # lazy: torch
-
-        problem = router_aux_loss_problem(config.model.config.get("output_router_logits", False),
-                                          getattr(config.strategy, "pipeline_parallel", 1),
-                                          micro_batching=getattr(config.strategy, "micro_batching", "none"),
-                                          sequence_parallel=getattr(config.strategy, "sequence_parallel", False),
-                                          tensor_parallel=getattr(config.strategy, "tensor_parallel", 1))
-        if problem is not None:
-            raise ValueError(problem)
-    if getattr(strategy, "strategy_name", None) == "merak3d" and getattr(config.moe, "experts", None) == "merak_ep":
-        from lightning_merak.parallel.experts import check_merak3d_experts  # lazy: torch
-
-        check_merak3d_experts(strategy, world_size, getattr(config.moe, "ep_size", None))
-        if getattr(config.moe, "placement", "none") in ("pro_prophet", "shadowing"):
-            raise ValueError(f"moe.placement={config.moe.placement} with moe.experts=merak_ep re-plans replicas under "
-                             "DDP; under merak3d it is not built (each stage's experts have their own group): use "
-                             "strategy=ddp or moe.placement=none")
-        if getattr(config.moe, "lancet_scope", "layer") == "block":
-            raise ValueError("moe.lancet_scope=block with moe.experts=merak_ep under merak3d is not built (merak3d "
-                             "splits a stage's micro-batch itself); use strategy=ddp for block-scope Lancet, or "
-                             "moe.lancet_scope=layer")
-
-    from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm  # lazy: torch, Lightning
     from lightning_merak.modules.data import LanguageModelingData  # lazy: torch, Lightning
 
-    pl.seed_everything(config.trainer.seed, workers=True, verbose=rank_zero_only.rank == 0)
-    data = LanguageModelingData(config.data)
+    if isinstance(config.data, DataConfig):
+        return LanguageModelingData(config.data)
+    return instantiate_checked(config.data, "data", pl.LightningDataModule)
+
+
+def _batch_shape(config: TrainConfig, data: Any) -> dict[str, Any]:
+    """What the strategy's checks before launch know of the batches (a datamodule's own may leave them unknown)."""
+    if isinstance(config.data, DataConfig):
+        batch_size, sequence_length = config.data.batch_size, config.data.seq_len
+    else:
+        batch_size, sequence_length = getattr(data, "batch_size", None), getattr(data, "seq_len", None)
+    return {"batch_size": batch_size, "sequence_length": sequence_length,
+            "accumulate_grad_batches": config.trainer.accumulate_grad_batches}
+
+
+def _user_module(config: TrainConfig, strategy: Strategy) -> Any:
+    """``module._target_``'s LightningModule; the groups that transform the built-in model are refused with it."""
+    import lightning.pytorch as pl
+
+    for group, chosen in (("adapter", config.adapter.name), ("moe", config.moe.name)):
+        if chosen != "none":
+            raise ConfigError(f"{group}={chosen} transforms the built-in causal LM's model; with module._target_ "
+                              f"apply it in your module, or drop {group}=")
+    module = instantiate_checked(config.module, "module", pl.LightningModule)
+    if (getattr(strategy, "strategy_name", None) == "merak3d"
+            and type(module).configure_model is not pl.LightningModule.configure_model):
+        with strategy.model_sharded_context():  # so the checks before launch see the model, as merak3d builds it
+            module.configure_model()
+    return module
+
+
+def _builtin_module(config: TrainConfig, strategy: Strategy, vocab_size: int) -> Any:
+    """The causal LM of the ``model``, ``optim``, ``adapter`` and ``moe`` groups."""
+    from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm  # lazy: torch, Lightning
 
     # merak3d builds the model in configure_model(), inside its sharded context: on the meta device, each rank
     # materialising only its part later (and reading only its part of a pretrained checkpoint). Adapters attach
@@ -209,27 +257,86 @@ def train(config: TrainConfig, prelaunched: PrelaunchedRanks | None = None) -> P
         if pretrained:
             from lightning_merak.hf import pretrained_causal_lm  # lazy: torch, transformers
 
-            base = pretrained_causal_lm(pretrained, data.vocab_size, config.model.config, weights=not on_meta)
+            base = pretrained_causal_lm(pretrained, vocab_size, config.model.config, weights=not on_meta)
         else:
-            base = build_causal_lm(config.model, vocab_size=data.vocab_size)
+            base = build_causal_lm(config.model, vocab_size=vocab_size)
         if on_meta and config.adapter.name != "none":
             from lightning_merak.adapters.meta import attach_on_meta  # lazy: torch, PEFT
 
             return attach_on_meta(config.adapter, base)
         return config.adapter.apply(config.moe.apply(base))
 
-    module = CausalLMModule(None if on_meta else build_model(), config.trainer, model_factory=build_model,
+    module = CausalLMModule(None if on_meta else build_model(), config.optim, model_factory=build_model,
                             pretrained_path=pretrained if on_meta else None)
     if on_meta:  # now, so the launch checks see the (meta) model; Lightning's own call then finds it built
         with strategy.model_sharded_context():
             module.configure_model()
+    return module
+
+
+def _check_merak3d_options(config: TrainConfig, strategy: Strategy, world_size: int) -> None:
+    """The combinations of ``moe`` and merak3d options that are refused before anything is built."""
+    if getattr(strategy, "strategy_name", None) != "merak3d" or config.module:
+        return
+    from lightning_merak.parallel.pipeline.router_aux import router_aux_loss_problem  # lazy: torch
+
+    problem = router_aux_loss_problem(config.model.config.get("output_router_logits", False),
+                                      getattr(config.strategy, "pipeline_parallel", 1),
+                                      micro_batching=getattr(config.strategy, "micro_batching", "none"),
+                                      sequence_parallel=getattr(config.strategy, "sequence_parallel", False),
+                                      tensor_parallel=getattr(config.strategy, "tensor_parallel", 1))
+    if problem is not None:
+        raise ValueError(problem)
+    if getattr(config.moe, "experts", None) == "merak_ep":
+        from lightning_merak.parallel.experts import check_merak3d_experts  # lazy: torch
+
+        check_merak3d_experts(strategy, world_size, getattr(config.moe, "ep_size", None))
+        if getattr(config.moe, "placement", "none") in ("pro_prophet", "shadowing"):
+            raise ValueError(f"moe.placement={config.moe.placement} with moe.experts=merak_ep re-plans replicas under "
+                             "DDP; under merak3d it is not built (each stage's experts have their own group): use "
+                             "strategy=ddp or moe.placement=none")
+        if getattr(config.moe, "lancet_scope", "layer") == "block":
+            raise ValueError("moe.lancet_scope=block with moe.experts=merak_ep under merak3d is not built (merak3d "
+                             "splits a stage's micro-batch itself); use strategy=ddp for block-scope Lancet, or "
+                             "moe.lancet_scope=layer")
+
+
+def prepare(config: TrainConfig) -> PreparedRun:
+    """Build the run and make every check before launch: a refused run raises here, before any rank works."""
+    import lightning.pytorch as pl
+
+    from lightning_merak.checkpoint.checkpoint_io import SafeCheckpointIO  # lazy: torch, Lightning
+
+    quiet_other_ranks()
+    devices = validate_run(config.trainer)
+    output_dir = Path(config.output_dir)
+    resume_from = resume_path(config.resume, output_dir / "checkpoints")
+    isolate_restart_attempts()  # a torchrun restart's ranks must not find the failed attempt's addresses
+    strategy = build_strategy(config.strategy)
+    world_size = devices * config.trainer.num_nodes
+    trainer_kwargs = _trainer_kwargs(config.trainer)
+    _check_merak3d_options(config, strategy, world_size)
+    pl.seed_everything(config.trainer.seed, workers=True, verbose=False)
+    data = _datamodule(config)
+    batch_shape = _batch_shape(config, data)
+    if hasattr(strategy, "validate_arguments"):
+        strategy.validate_arguments(world_size, **batch_shape)
+    if config.module:
+        module = _user_module(config, strategy)
+    else:
+        vocab_size = getattr(data, "vocab_size", None)
+        if not isinstance(vocab_size, int):
+            raise ConfigError(f"data._target_={type(data).__qualname__} has no integer vocab_size, which the built-in "
+                              "causal LM takes its vocabulary from; give the datamodule one, or set module._target_")
+        module = _builtin_module(config, strategy, vocab_size)
     if hasattr(strategy, "validate_before_launch"):
         strategy.validate_before_launch(module, world_size, **batch_shape)
 
     trainer_config = config.trainer
+    loggers = _loggers(config)
     trainer = pl.Trainer(
         accelerator=trainer_config.accelerator,
-        devices=trainer_config.devices,
+        devices=devices,
         num_nodes=trainer_config.num_nodes,
         strategy=strategy,
         precision=trainer_config.precision,
@@ -243,24 +350,59 @@ def train(config: TrainConfig, prelaunched: PrelaunchedRanks | None = None) -> P
         limit_val_batches=trainer_config.limit_val_batches,
         enable_progress_bar=trainer_config.enable_progress_bar,
         callbacks=_callbacks(config, output_dir),
-        logger=[
-            CSVLogger(output_dir, name="csv", version=""),
-            TensorBoardLogger(output_dir, name="tensorboard", version=""),
-        ],
+        logger=loggers or False,
         default_root_dir=output_dir,
         plugins=[SafeCheckpointIO()],
         profiler=_profiler(config, output_dir),
+        **trainer_kwargs,
     )
-    if rank_zero_only.rank == 0 and data.language is not None:
+    return PreparedRun(config, trainer, module, data, resume_from)
+
+
+def _hyperparameters(config: TrainConfig) -> dict[str, Any]:
+    """The resolved configuration as plain values, which the loggers record as the run's hyperparameters."""
+    container = OmegaConf.to_container(OmegaConf.structured(config), resolve=True, enum_to_str=True)
+    assert isinstance(container, dict)
+    return {str(key): value for key, value in container.items()}
+
+
+def _outputs(trainer: pl.Trainer, final_checkpoint: Path) -> list[str]:
+    """``what: where`` for each output the run wrote: the final checkpoint and each logger's files that exist."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    outputs = [f"checkpoint: {final_checkpoint}"] if final_checkpoint.exists() else []
+    for logger in trainer.loggers:
+        directory = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+        where = Path(directory) / "metrics.csv" if isinstance(logger, CSVLogger) and directory else directory
+        if where is not None and Path(where).exists():
+            kind = "metrics" if isinstance(logger, CSVLogger) else type(logger).__name__.removesuffix("Logger").lower()
+            outputs.append(f"{kind}: {where}")
+    return outputs
+
+
+def fit(run: PreparedRun, prelaunched: PrelaunchedRanks | None = None) -> Path:
+    """Train a prepared run and return its output directory.
+
+    ``prelaunched``: this node's other ranks, started early by ``merak-train`` and waiting until every check
+    before launch has passed (:mod:`lightning_merak.cli.prelaunch`); None lets Lightning launch them."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    config, trainer = run.config, run.trainer
+    output_dir = Path(config.output_dir)
+    strategy = trainer.strategy
+    language = getattr(run.data, "language", None)
+    if rank_zero_only.rank == 0 and language is not None:  # before fit, as the launcher numbered this process
         print(
-            f"merak-train: generated language with vocab {data.vocab_size}; "
-            f"loss floor (entropy rate) {data.language.entropy_rate:.3f} nats"
+            f"merak-train: generated language with vocab {run.data.vocab_size}; "
+            f"loss floor (entropy rate) {language.entropy_rate:.3f} nats"
         )
-    if rank_zero_only.rank == 0 and resume_from is not None:
-        print(f"merak-train: resuming from {resume_from}")
+    if rank_zero_only.rank == 0 and run.resume_from is not None:
+        print(f"merak-train: resuming from {run.resume_from}")
+    for logger in trainer.loggers:
+        logger.log_hyperparams(_hyperparameters(config))
     if prelaunched is not None:
         prelaunched.start()
-    trainer.fit(module, datamodule=data, ckpt_path=resume_from)
+    trainer.fit(run.module, datamodule=run.data, ckpt_path=run.resume_from)
     if getattr(strategy, "plan_only", False):
         if trainer.is_global_zero:
             print(
@@ -274,24 +416,48 @@ def train(config: TrainConfig, prelaunched: PrelaunchedRanks | None = None) -> P
     final_checkpoint = checkpoints / "final.ckpt"
     trainer.save_checkpoint(final_checkpoint, weights_only=False)
     if trainer.is_global_zero:
-        if trainer_config.save_last:
+        if config.trainer.save_last:
             _link_last_to_final(checkpoints, final_checkpoint)
-        print(
-            f"merak-train: done. Outputs in {output_dir.resolve()} — checkpoint: "
-            f"{final_checkpoint}, metrics: {output_dir / 'csv' / 'metrics.csv'}, "
-            f"tensorboard: {output_dir / 'tensorboard'}"
-        )
+        outputs = ", ".join(_outputs(trainer, final_checkpoint))
+        print(f"merak-train: done. Outputs in {output_dir.resolve()} — {outputs}")
     if prelaunched is not None:
         prelaunched.finish()
     return output_dir
 
 
+def train(config: TrainConfig, prelaunched: PrelaunchedRanks | None = None) -> Path:
+    """Train as configured and return the output directory (:func:`prepare`, then :func:`fit`)."""
+    return fit(prepare(config), prelaunched)
+
+
+@contextmanager
+def _refusals() -> Iterator[None]:
+    """A run refused before launch prints the reason alone on stderr (no traceback: the reason names the fix) and
+    ends with status 2; the ranks started early see rank 0 end and leave."""
+    try:
+        yield
+    except (ValueError, TypeError) as error:  # the checks' refusals: of values (ConfigError, OmegaConf's validation
+        # errors included), and of a module or datamodule that is not what the strategy can train
+        print(f"merak-train: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 @hydra.main(version_base="1.3", config_path="pkg://lightning_merak.conf", config_name="config")
 def _hydra_entry(cfg: DictConfig) -> None:
-    reject_unknown_keys(cfg)
-    config: Any = OmegaConf.to_object(cfg)
-    validate_run(config.trainer)  # before any rank starts; train() checks the rest before the ranks begin work
-    train(config, prelaunch_local_ranks(config.trainer.devices, config.trainer.num_nodes))
+    with _refusals():
+        reject_unknown_keys(cfg)
+        config: Any = OmegaConf.to_object(cfg)
+        devices = validate_run(config.trainer)  # before any rank starts; prepare() checks the rest before they work
+        prelaunched = prelaunch_local_ranks(devices, config.trainer.num_nodes)
+        run = prepare(config)
+    fit(run, prelaunched)
+
+
+def run_command_line() -> None:
+    """Check the command line's overrides (:mod:`lightning_merak.cli.overrides`), then compose and run it."""
+    with _refusals():
+        sys.argv[1:] = check_overrides(sys.argv[1:])
+    _hydra_entry()
 
 
 _PRINTS_ONLY = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i"}
@@ -307,7 +473,7 @@ def main() -> None:
     register_configs()
     register_help()
     try:
-        _hydra_entry()
+        run_command_line()
     except BrokenPipeError:
         if not _PRINTS_ONLY.intersection(sys.argv[1:]):
             raise

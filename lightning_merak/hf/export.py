@@ -4,7 +4,8 @@ the command line is ``merak-export``, :mod:`lightning_merak.cli.export`).
 The input is a merak3d sharded checkpoint (a torch distributed checkpoint directory keyed by the
 unsplit model's names, taken in any layout) or a Lightning ``.ckpt`` file (DDP). The output is
 ``config.json`` (plus generation config and tokenizer files when the model was loaded from a
-directory that has them), ``model-0000k-of-0000N.safetensors`` and ``model.safetensors.index.json``.
+directory that has them) and the weights as ``save_pretrained`` writes them: ``model.safetensors`` when one file
+holds them, else ``model-0000k-of-0000N.safetensors`` and ``model.safetensors.index.json``.
 
 Streaming: tensors are read one at a time (``dcp.load`` of a one-key state dict, or a memory-mapped
 weights-only ``torch.load``: nothing is unpickled, :mod:`lightning_merak.checkpoint.safe_load`) and
@@ -15,8 +16,9 @@ hold the unsplit layout (tensor-parallel regrouping undone, experts numbered glo
 expert parameters are written as ``save_pretrained`` writes them (per expert for Mixtral, Qwen-MoE,
 OLMoE, DeepSeek; :mod:`lightning_merak.hf.experts`), cut from one whole parameter read at a time.
 
-Adapters: a PEFT user saving a ``PeftModel`` gets the adapter alone; a user exporting for
-``from_pretrained`` wants plain weights. So a checkpoint with adapter weights is refused unless
+Adapters: a PEFT user saving a ``PeftModel`` gets the adapter alone, which :func:`export_adapter`
+(``merak-export --adapter-only``) writes as PEFT does; a user exporting for ``from_pretrained`` wants plain
+weights. So :func:`export_checkpoint` refuses a checkpoint with adapter weights unless
 ``--merge-adapters`` is given, which writes ``base + delta`` (PEFT's own merge, one layer at a time)
 under the base names. A checkpoint whose base is quantised (bitsandbytes nf4/fp4/int8, the project's int4)
 is refused, naming the fix: the export writes float weights. LoRA on fused expert tensors (PEFT's
@@ -39,10 +41,14 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["ExportReport", "export_checkpoint"]
+__all__ = ["ExportReport", "export_adapter", "export_checkpoint"]
 
 _COPIED_FILES = ("generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
                  "vocab.*", "merges.txt", "chat_template*", "spiece.model")
+
+
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
 
 
 @dataclass
@@ -313,18 +319,66 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
     report = ExportReport(total_size=sum(sizes.values()))
     weight_map = {}
     for number, shard in enumerate(shards, start=1):
-        file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        file_name = (f"model-{number:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1
+                     else _SINGLE_FILE)  # as save_pretrained names them
         tensors = {key: output(key) for key in shard}
         save_file(tensors, out / file_name, metadata={"format": "pt"})
         report.largest_shard_bytes = max(report.largest_shard_bytes, sum(sizes[key] for key in shard))
         weight_map.update(dict.fromkeys(tensors, file_name))
         report.files.append(file_name)
         del tensors
-    index = {"metadata": {"total_size": report.total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": report.total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / _INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        report.files.append(_INDEX_FILE)
     if out_dtype is not None:
         hf_config.dtype = out_dtype
     hf_config.save_pretrained(out)
-    report.files += ["model.safetensors.index.json", "config.json", *_copy_source_files(record.get("config") or {},
-                                                                                         out)]
+    report.files += ["config.json", *_copy_source_files(record.get("config") or {}, out)]
     return report
+
+
+def export_adapter(checkpoint: Union[str, Path], out: Union[str, Path]) -> ExportReport:
+    """Write the adapters of ``checkpoint`` alone to ``out`` as PEFT's ``save_pretrained`` does, so that
+    ``peft.PeftModel.from_pretrained(base, out)`` loads them onto the base model (quantised or not).
+
+    The recorded configs wrap the recorded model on the meta device, so the folder's names and
+    ``adapter_config.json`` are PEFT's own; the checkpoint supplies each adapter tensor by that name.
+    """
+    from peft import PeftConfig, get_peft_model
+
+    import lightning_merak.adapters  # noqa: F401  # lazy: torch, PEFT (registers Q-BaRA and QA-HiRA with PEFT)
+    from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, build_meta_model, load_config  # lazy: torch
+
+    source = _Source(Path(checkpoint))
+    record = source.metadata.get(MODEL_RECORD_KEY) or {}
+    adapters = record.get("adapters") or {}
+    if not adapters or not record.get("config"):
+        raise ValueError(f"{checkpoint} records no adapter (trained without adapter=...); export the whole model "
+                         "with merak-export CHECKPOINT OUT instead of --adapter-only")
+    base = build_meta_model(load_config(record["config"]))
+    names = list(adapters)
+    model = get_peft_model(base, PeftConfig.from_peft_type(**adapters[names[0]]), adapter_name=names[0])
+    for name in names[1:]:
+        model.add_adapter(name, PeftConfig.from_peft_type(**adapters[name]))
+    state = {key: _adapter_tensor(source, key, tuple(param.shape)) for key, param in model.named_parameters()
+             if any(f".{name}." in key for name in names)}
+    out = Path(out)
+    model.save_pretrained(out, state_dict=state, selected_adapters=names)
+    report = ExportReport(total_size=sum(tensor.numel() * tensor.element_size() for tensor in state.values()))
+    report.files = sorted(str(path.relative_to(out)) for path in out.rglob("*") if path.is_file())
+    return report
+
+
+def _adapter_tensor(source: _Source, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor PEFT names ``key`` (``base_model.model.<module>...``), found in ``source`` under any wrapper."""
+    bare = key.removeprefix("base_model.model.")
+    found = [entry for entry in source.entries if entry == key or entry == bare or entry.endswith("." + bare)]
+    if len(found) != 1:
+        raise ValueError(f"the checkpoint holds {len(found)} tensors for the adapter weight {key} (expected one); "
+                         "was it written with the adapter config it records?")
+    tensor = source.read(found[0])
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{found[0]} has shape {tuple(tensor.shape)} in the checkpoint, PEFT's layer expects {shape}; "
+                         "--adapter-only writes adapters of dense layers (merge expert adapters with --merge-adapters)")
+    return tensor.detach().clone()

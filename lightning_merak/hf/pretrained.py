@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lightning_merak.hf.experts import load_pretrained_experts
+from lightning_merak.parallel.init_parity import eager_init_suspended
 from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
 
 __all__ = ["check_vocabulary", "load_rank_pretrained", "pretrained_causal_lm", "pretrained_config"]
@@ -49,7 +50,8 @@ def pretrained_causal_lm(path: Union[str, Path], data_vocab_size: int,
     config = pretrained_config(path, overrides)
     check_vocabulary(data_vocab_size, config, path)
     if not weights:
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with eager_init_suspended():  # the checkpoint replaces every weight: no eager draws on meta
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return AutoModelForCausalLM.from_pretrained(Path(path).expanduser(), config=config, dtype=torch.float32)
 
 

@@ -1,12 +1,13 @@
 """What a user composes with a Trainer: :class:`CausalLMModule` (a transformers causal LM as a LightningModule),
-:class:`LanguageModelingData` (its data) and their settings. Names are imported on first use."""
+:class:`LanguageModelingData` (its data: generated, or a text file), :class:`HFDatasetData` (a local Hugging Face
+``datasets`` corpus) and their settings. Names are imported on first use."""
 
 from lightning_merak.util.lazy import lazy_attributes
 
 _EXPORTS = {
     "CausalLMModule": ".causal_lm", "build_causal_lm": ".causal_lm",
-    "LanguageModelingData": ".data",
-    "DataConfig": ".config", "ModelConfig": ".config", "TrainerConfig": ".config",
+    "LanguageModelingData": ".data", "HFDatasetData": ".hf_data",
+    "DataConfig": ".config", "ModelConfig": ".config", "OptimConfig": ".config", "TrainerConfig": ".config",
 }
 
 __all__ = sorted(_EXPORTS)

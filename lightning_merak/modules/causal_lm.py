@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, model_record
 from lightning_merak.hf.pretrained import load_rank_pretrained
-from lightning_merak.modules.config import ModelConfig, TrainerConfig
+from lightning_merak.modules.config import ModelConfig, OptimConfig, Schedule
 from lightning_merak.util.model_outputs import logits_of, weighted_router_aux_loss
 
 __all__ = ["CausalLMModule", "build_causal_lm"]
@@ -52,7 +52,8 @@ def build_causal_lm(config: ModelConfig, vocab_size: int) -> nn.Module:
 
 
 class CausalLMModule(pl.LightningModule):
-    """Next-token prediction on blocks of token ids, with AdamW and warm-up + cosine decay.
+    """Next-token prediction on blocks of token ids, with the optimizer and schedule of ``optim``
+    (:class:`~lightning_merak.modules.config.OptimConfig`; default AdamW, warm-up then cosine decay).
 
     It implements :class:`~lightning_merak.protocols.module_contract.Merak3DModule`, merak3d's contract:
     ``model``, :meth:`split_batch`, :meth:`loss_from_logits` and :meth:`compute_loss`.
@@ -62,16 +63,18 @@ class CausalLMModule(pl.LightningModule):
     ``pretrained_path`` (a local transformers directory), merak3d fills each rank's part from it
     (:meth:`load_pretrained_weights`). For adapters the factory returns
     :func:`~lightning_merak.adapters.meta.attach_on_meta` of the model: each rank then quantises its own part.
+
+    The schedule's length is the Trainer's (``estimated_stepping_batches``): ``max_steps`` goes to the Trainer alone.
     """
 
-    def __init__(self, model: Optional[nn.Module], optim: TrainerConfig,
+    def __init__(self, model: Optional[nn.Module], optim: Optional[OptimConfig] = None,
                  model_factory: Optional[Callable[[], nn.Module]] = None,
                  pretrained_path: Optional[str] = None) -> None:
         super().__init__()
         if model is None and model_factory is None:
             raise ValueError("CausalLMModule needs a model or a model_factory")
         self.model = model
-        self.optim = optim
+        self.optim = optim if optim is not None else OptimConfig()
         self.model_factory = model_factory
         self._router_aux_loss: Optional[torch.Tensor] = None
         self.pretrained_path = pretrained_path
@@ -134,25 +137,106 @@ class CausalLMModule(pl.LightningModule):
         return self(self.split_batch(batch)[0])
 
     def configure_optimizers(self) -> dict[str, Any]:
+        """``optim``'s optimizer (no weight decay on biases and norms) and its schedule, stepped every optimizer
+        step and ending at the Trainer's last (``estimated_stepping_batches``)."""
+        from transformers import get_scheduler
+
         decay, no_decay = [], []
         for param in self.model.parameters():
             if param.requires_grad:
                 (decay if param.ndim >= 2 else no_decay).append(param)
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": self.optim.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=self.optim.learning_rate,
-        )
-        warmup = max(1, self.optim.warmup_steps)
-        total = max(warmup + 1, self.optim.max_steps)
-
-        def schedule(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / (total - warmup))
-            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        optimizer = _optimizer(self.optim, decay, no_decay, _embedding_parameters(self.model))
+        if self.optim.total_steps is not None:
+            total: float = self.optim.total_steps
+        elif self._trainer is not None:
+            total = self.trainer.estimated_stepping_batches
+        else:
+            raise ValueError(f"{type(self).__name__}.configure_optimizers() outside a Trainer has no run length for "
+                             "its schedule: give OptimConfig(total_steps=...)")
+        if self.optim.lr_schedule is not Schedule.constant and not math.isfinite(total):
+            raise ValueError(f"optim.lr_schedule={self.optim.lr_schedule.value} decays until the run's last step, "
+                             "but the Trainer has no end: give it max_steps or max_epochs, or use "
+                             "optim.lr_schedule=constant")
+        name, extra = _SCHEDULES[self.optim.lr_schedule]
+        scheduler = get_scheduler(
+            name, optimizer, num_warmup_steps=self.optim.warmup_steps,
+            num_training_steps=None if self.optim.lr_schedule is Schedule.constant else max(int(total), 1),
+            scheduler_specific_kwargs={"min_lr_rate": self.optim.min_lr_ratio} if extra else None)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+_SCHEDULES = {Schedule.cosine: ("cosine_with_min_lr", True), Schedule.linear: ("linear", False),
+              Schedule.constant: ("constant_with_warmup", False)}
+"""transformers' ``get_scheduler`` name of each schedule, and whether it takes ``min_lr_rate``."""
+
+
+def _embedding_parameters(model: nn.Module) -> set[int]:
+    """Ids of the input embedding's and output head's parameters (transformers models name them), which Muon
+    leaves to AdamW."""
+    found: set[int] = set()
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        layer = getattr(model, getter, lambda: None)()
+        if isinstance(layer, nn.Module):
+            found.update(id(param) for param in layer.parameters())
+    return found
+
+
+def _optimizer(optim: OptimConfig, decay: list[nn.Parameter], no_decay: list[nn.Parameter],
+               embeddings: set[int]) -> torch.optim.Optimizer:
+    """The optimizer ``optim`` names over two named parameter groups: matrices (decayed) and the rest."""
+    groups = [{"params": decay, "weight_decay": optim.weight_decay, "name": "matrices"},
+              {"params": no_decay, "weight_decay": 0.0, "name": "biases_and_norms"}]
+    if optim.name == "sgd":
+        return torch.optim.SGD(groups, lr=optim.learning_rate, momentum=optim.momentum)
+    if optim.name == "muon":
+        return MuonWithAdamW(groups, lr=optim.learning_rate, momentum=optim.momentum, adamw_only=embeddings)
+    return torch.optim.AdamW(groups, lr=optim.learning_rate)
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` on the 2-D hidden matrices of ``groups``, AdamW on every other parameter (the
+    embeddings and head, whose ids ``adamw_only`` holds, as the Muon recipe prescribes), as one optimizer.
+
+    Why one: Lightning's automatic optimization steps one optimizer per module, and Muon orthogonalises 2-D
+    updates only (norms, biases and fused 3-D expert tensors need another rule). Muon scales its step to match
+    AdamW's update size (``adjust_lr_fn="match_rms_adamw"``), so both share the learning rate and weight decay.
+    Its groups are the two optimizers' own (named ``muon/<group>`` and ``adamw/<group>``), so a learning-rate
+    schedule moves both.
+    """
+
+    def __init__(self, groups: list[dict[str, Any]], lr: float, momentum: float,
+                 adamw_only: frozenset[int] | set[int] = frozenset()) -> None:
+        muon_groups, adamw_groups = [], []
+        for group in groups:
+            params = list(group["params"])
+            hidden = [param for param in params if param.ndim == 2 and id(param) not in adamw_only]
+            hidden_ids = {id(param) for param in hidden}
+            name = group.get("name", "params")
+            muon_groups.append({**group, "params": hidden, "name": f"muon/{name}"})
+            adamw_groups.append({**group, "params": [param for param in params if id(param) not in hidden_ids],
+                                 "name": f"adamw/{name}"})
+        self.parts = [torch.optim.Muon([group for group in muon_groups if group["params"]], lr=lr, momentum=momentum,
+                                       adjust_lr_fn="match_rms_adamw"),
+                      torch.optim.AdamW([group for group in adamw_groups if group["params"]], lr=lr)]
+        super().__init__([param for group in groups for param in group["params"]], {"lr": lr})
+        self.param_groups = [group for part in self.parts for group in part.param_groups]
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for part in self.parts:
+            part.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"parts": [part.state_dict() for part in self.parts]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for part, state in zip(self.parts, state_dict["parts"]):
+            part.load_state_dict(state)

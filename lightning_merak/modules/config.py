@@ -7,14 +7,16 @@ are), and what :class:`~lightning_merak.modules.causal_lm.CausalLMModule` and
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Optional
 
 from omegaconf import MISSING
 
 from lightning_merak.util.fields import option
 
-__all__ = ["DataConfig", "ModelConfig", "TrainerConfig"]
+__all__ = ["DataConfig", "ModelConfig", "OptimConfig", "Schedule", "TrainerConfig"]
 
 
 @dataclass
@@ -46,6 +48,7 @@ class ModelConfig:
             if not self.model_type:
                 raise ValueError("model.model_type is required (e.g. llama), or model.path=DIR to load a "
                                  "pretrained transformers directory")
+            _check_model_type(self.model_type)
             return
         import json
         from pathlib import Path
@@ -59,6 +62,18 @@ class ModelConfig:
             raise ValueError(f"model.model_type={self.model_type!r} but {config_file} says {saved_type!r}; "
                              "omit model.model_type when model.path is given")
         self.model_type = saved_type
+
+
+def _check_model_type(model_type: str) -> None:
+    """Refuse a ``model_type`` transformers does not know, suggesting the closest one it does."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type in CONFIG_MAPPING_NAMES:
+        return
+    close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING_NAMES), n=3)
+    hint = (f"did you mean {close[0]}?" + (f" (or {', '.join(close[1:])})" if close[1:] else "") if close
+            else "see transformers' CONFIG_MAPPING for the model types")
+    raise ValueError(f"model.model_type={model_type!r} is not a transformers model type; {hint}")
 
 
 @dataclass
@@ -87,10 +102,10 @@ class DataConfig:
 
 @dataclass
 class TrainerConfig:
-    """The subset of ``lightning.Trainer`` arguments ``merak-train`` exposes."""
+    """``lightning.Trainer``'s arguments as ``merak-train`` takes them: the usual ones by name, others in ``kwargs``."""
 
     accelerator: str = option("cpu", "`cpu` or `gpu`.")
-    devices: int = option(2, "Processes per node: CPU processes, or GPUs.")
+    devices: int = option(2, "Processes per node: CPU processes, or GPUs (`-1`: every GPU of the node).")
     num_nodes: int = option(1, "Nodes; `num_nodes` × `devices` must equal the launched world size.")
     max_steps: int = option(300, "Optimizer steps to train (the learning-rate schedule ends there).")
     max_epochs: int = option(-1, "Epochs to train (-1: until `max_steps`).")
@@ -106,6 +121,57 @@ class TrainerConfig:
     enable_progress_bar: bool = option(True, "Show the step progress bar.")
     save_last: bool = option(False, "Also keep `checkpoints/last.ckpt`, a link to the newest checkpoint.")
     seed: int = option(1234, "Seed of every random generator (Lightning's `seed_everything`).")
-    learning_rate: float = option(3e-3, "AdamW's peak learning rate.")
-    weight_decay: float = option(0.01, "AdamW's weight decay, on matrices only (biases and norms get none).")
-    warmup_steps: int = option(20, "Steps of linear warm-up, then a cosine decay to a tenth at `max_steps`.")
+    kwargs: dict[str, Any] = option(
+        default_factory=dict, help="Any other `lightning.Trainer` argument, passed as given: `merak-train "
+        "trainer.fast_dev_run=true` puts `fast_dev_run` here (checked against `Trainer`'s signature).")
+
+
+class Schedule(Enum):
+    """How the learning rate moves: each a ``transformers.get_scheduler`` schedule after a linear warm-up."""
+
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+OPTIMIZERS = ("adamw", "sgd", "muon")
+"""The optimizers :class:`OptimConfig` names (``merak-train optim=<name>``)."""
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer and learning-rate schedule of :class:`~lightning_merak.modules.causal_lm.CausalLMModule`.
+
+    The schedule ends at the run's last optimizer step, which the module reads from its Trainer
+    (``estimated_stepping_batches``), so ``max_steps`` is given once, to the Trainer.
+    """
+
+    name: str = option("adamw", "`adamw`, `sgd` or `muon` (`torch.optim.Muon` on the 2-D weight matrices, AdamW "
+                       "on the rest), which `optim=<option>` sets.")
+    learning_rate: float = option(3e-3, "The peak learning rate, reached at the end of the warm-up.")
+    weight_decay: float = option(0.01, "Weight decay, on matrices only (biases and norms get none).")
+    momentum: float = option(0.9, "`sgd` and `muon`: the momentum factor (`sgd`: 0 turns momentum off).")
+    warmup_steps: int = option(20, "Steps of linear warm-up from 0 to `learning_rate`.")
+    lr_schedule: Schedule = option(
+        Schedule.cosine, "After the warm-up: `cosine` decays to `min_lr_ratio` of the peak at the run's last step, "
+        "`linear` to 0, `constant` stays (transformers' `get_scheduler`).")
+    min_lr_ratio: float = option(0.1, "`lr_schedule=cosine`: the final learning rate as a fraction of the peak.")
+    total_steps: Optional[int] = option(
+        None, "The schedule's length in optimizer steps (`null`: the Trainer's, `estimated_stepping_batches`).")
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            close = difflib.get_close_matches(self.name, OPTIMIZERS, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"choose one of {', '.join(OPTIMIZERS)}"
+            raise ValueError(f"optim.name={self.name!r} is not an optimizer here; {hint}")
+        if self.name == "muon":
+            import torch
+
+            if not hasattr(torch.optim, "Muon"):
+                raise ValueError(f"optim=muon needs torch.optim.Muon, which torch {torch.__version__} does not have; "
+                                 "use optim=adamw, or a torch that has it")
+        if self.warmup_steps < 0 or self.learning_rate <= 0:
+            raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 0 and optim.learning_rate="
+                             f"{self.learning_rate} > 0")
+        if self.total_steps is not None and self.total_steps < 1:
+            raise ValueError(f"optim.total_steps={self.total_steps} must be >= 1, or null for the Trainer's length")

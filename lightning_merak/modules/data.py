@@ -8,6 +8,9 @@ visibly from ``ln(vocab_size)`` towards a known floor. Nothing is downloaded.
 User data is a ``.txt`` file (one document) or a ``.jsonl`` file (one JSON object per
 line, text under ``text_field``), tokenized with a tokenizer loaded from local files or,
 without one, with a byte-level tokenizer (256 byte values plus an end-of-text token).
+
+:class:`TokenDataModule` and the functions that cut documents into blocks or samples are shared with
+:class:`~lightning_merak.modules.hf_data.HFDatasetData`, so every source is split and resumed the same way.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -34,8 +37,12 @@ __all__ = [
     "LanguageModelingData",
     "ResumableDataLoader",
     "SyntheticLanguage",
+    "TokenDataModule",
+    "document_tokens",
     "load_text_documents",
     "load_tokenizer",
+    "packed_blocks",
+    "variable_samples",
 ]
 
 DATA_NAMES = ("synthetic", "text")
@@ -142,20 +149,53 @@ def load_text_documents(path: str, text_field: str) -> list[Any]:
     return documents
 
 
-def _chunk(token_ids: list[int], seq_len: int) -> torch.Tensor:
+def document_tokens(document: Any, encode: Callable[[str], list[int]], eos_token_id: Optional[int]) -> list[int]:
+    """A document's token ids: text encoded and ended with the end-of-text id, or a list of ids (an already
+    tokenised corpus) used as it is."""
+    if isinstance(document, list):
+        return document
+    return encode(str(document)) + ([eos_token_id] if eos_token_id is not None else [])
+
+
+def packed_blocks(token_lists: Iterable[Sequence[int]], seq_len: int, val_fraction: float, seed: int,
+                  source: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(training, validation)`` blocks of ``seq_len`` ids: the documents back to back, cut into blocks, and a
+    seeded ``val_fraction`` of the blocks held out. ``source`` names the data in errors (``data.path='...'``)."""
+    token_ids: list[int] = []
+    for tokens in token_lists:
+        token_ids.extend(tokens)
     usable = len(token_ids) // seq_len * seq_len
-    return torch.tensor(token_ids[:usable], dtype=torch.long).view(-1, seq_len)
+    blocks = torch.tensor(token_ids[:usable], dtype=torch.long).view(-1, seq_len)
+    if len(blocks) < 2:
+        raise ValueError(f"{source} yields {len(token_ids)} tokens, fewer than two blocks of data.seq_len={seq_len}; "
+                         "use more data or a smaller seq_len")
+    order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed))
+    num_val = max(1, math.ceil(len(blocks) * val_fraction))
+    return blocks[order[num_val:]], blocks[order[:num_val]]
+
+
+def variable_samples(token_lists: Iterable[Sequence[int]], max_length: int, batch_size: int, val_fraction: float,
+                     seed: int, source: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(training, validation)`` samples of their own lengths (one per document, cut to ``max_length``), a seeded
+    ``val_fraction`` of them (at least one global batch) held out."""
+    samples = token_samples(list(token_lists), max_length)
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
+    num_val = max(batch_size, math.ceil(len(samples) * val_fraction))
+    if len(samples) < num_val + batch_size:
+        raise ValueError(f"{source} has {len(samples)} documents, too few for a training and a validation global "
+                         f"batch of data.batch_size={batch_size}; lower the batch size")
+    return [samples[i] for i in order[num_val:]], [samples[i] for i in order[:num_val]]
 
 
 class ResumableDataLoader(DataLoader):
     """A training loader that resumes in the middle of a pass where the interrupted run stopped.
 
     Each pass over the data is numbered, and its shuffle order depends only on ``shuffle_seed``
-    and that number: the loader's generator is reseeded, and a distributed sampler gets the
-    number as its epoch. Lightning saves the loader's ``state_dict`` in checkpoints: the pass
-    and how many of its batches the loop has trained (``trained_batches()``). On restore the
-    run continues that pass (or starts the next one if it was done) and reads and drops the
-    batches already trained.
+    and that number: the loader's generator is reseeded, and a distributed sampler or the dataset
+    (when it has ``set_epoch``, as a stream does) gets the number as its epoch. Lightning saves the
+    loader's ``state_dict`` in checkpoints: the pass and how many of its batches the loop has
+    trained (``trained_batches()``). On restore the run continues that pass (or starts the next one
+    if it was done) and reads and drops the batches already trained.
 
     Passes follow the trainer's epoch (``epoch()``), shifted by what a restore found: Lightning
     counts an epoch as done when ``max_steps`` stops it half-way, and it may open the loader
@@ -175,7 +215,7 @@ class ResumableDataLoader(DataLoader):
         return {"pass": self._current_pass, "batches": self.trained_batches()}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        finished = state["batches"] >= len(self)
+        finished = _has_length(self) and state["batches"] >= len(self)  # an endless stream never finishes a pass
         self._resume = (state["pass"] + finished, 0 if finished else state["batches"])
         self._epoch_shift, self._openings = None, 0
 
@@ -193,8 +233,9 @@ class ResumableDataLoader(DataLoader):
         self._current_pass = current
         if self.generator is not None:
             self.generator.manual_seed(self.shuffle_seed + current)
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(current)
+        for ordered in (self.sampler, self.dataset):
+            if hasattr(ordered, "set_epoch"):
+                ordered.set_epoch(current)
         batches = super().__iter__()
         if self._resume is not None and self._resume[0] == current:
             for _ in range(self._resume[1]):
@@ -202,28 +243,99 @@ class ResumableDataLoader(DataLoader):
         return batches
 
 
-class LanguageModelingData(pl.LightningDataModule):
-    """Blocks of ``seq_len`` token ids for causal language modelling, or (``lengths="variable"``) samples of their
-    own lengths in global batches (:class:`~lightning_merak.parallel.micro_batching.VariableBatch`) for merak3d's
-    ``micro_batching``.
+def _has_length(loader: DataLoader) -> bool:
+    try:
+        len(loader)
+    except TypeError:
+        return False
+    return True
 
-    ``vocab_size`` is known right after construction, so the model can be built to match
-    before the data is materialised. Under a distributed strategy Lightning inserts the
-    distributed sampler, so each data-parallel rank sees its own share.
+
+class TokenDataModule(pl.LightningDataModule):
+    """Training and validation samples of token ids behind the loaders every data module here shares.
+
+    ``lengths="fixed"``: blocks of token ids, the training loader a :class:`ResumableDataLoader` (mid-epoch resume);
+    ``"variable"``: samples of their own lengths in global batches
+    (:class:`~lightning_merak.parallel.micro_batching.VariableBatch`) for merak3d's ``micro_batching``. A subclass
+    sets ``vocab_size`` in its constructor (so the model can be built to match before the data is materialised)
+    and returns its two sets from :meth:`build_samples`. Under a distributed strategy Lightning inserts the
+    distributed sampler, so each data-parallel rank sees its own share of the blocks.
     """
 
-    def __init__(self, config: DataConfig) -> None:
+    vocab_size: int
+
+    def __init__(self, batch_size: int, lengths: str, num_workers: int, seed: int) -> None:
         super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be at least 1, got {batch_size}")
+        if lengths not in ("fixed", "variable"):
+            raise ValueError(f"data.lengths={lengths!r}; choose fixed (blocks of seq_len) or variable")
+        if num_workers < 0:
+            raise ValueError(f"data.num_workers must be at least 0, got {num_workers}")
+        self.batch_size, self.lengths, self.num_workers, self.seed = batch_size, lengths, num_workers, seed
+        self.train_set: Optional[Dataset | list[torch.Tensor]] = None
+        self.val_set: Optional[Dataset | list[torch.Tensor]] = None
+
+    def build_samples(self) -> tuple[Any, Any]:
+        """``(training, validation)``: block tensors ``(n, seq_len)`` with fixed lengths, lists of 1-D samples with
+        variable ones."""
+        raise NotImplementedError
+
+    def setup(self, stage: str) -> None:
+        if self.train_set is not None:
+            return
+        if self.lengths == "variable" and self.trainer is not None:
+            check_consumer(self.trainer.strategy)
+        train, val = self.build_samples()
+        if self.lengths == "fixed":
+            train, val = TensorDataset(train), TensorDataset(val)
+        self.train_set, self.val_set = train, val
+
+    def _epoch(self) -> Optional[int]:
+        return None if self.trainer is None else self.trainer.current_epoch
+
+    def _trained_batches(self) -> int:
+        """Batches of the current epoch the fit loop has trained (0 outside a fit)."""
+        trainer = self.trainer
+        return 0 if trainer is None else trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+    def resumable_loader(self, dataset: Dataset, num_workers: Optional[int] = None,
+                         **kwargs: Any) -> ResumableDataLoader:
+        """A training loader of ``dataset`` in batches of ``batch_size`` that resumes where the fit loop stopped
+        (``num_workers``: ``data.num_workers`` unless the dataset can feed fewer)."""
+        return ResumableDataLoader(dataset, batch_size=self.batch_size,
+                                   num_workers=self.num_workers if num_workers is None else num_workers,
+                                   epoch=self._epoch, trained_batches=self._trained_batches,
+                                   shuffle_seed=self.seed, **kwargs)
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None, "setup() must run before the data loaders are requested"
+        if self.lengths == "variable":
+            return global_batch_loader(self.train_set, self.batch_size, self.seed, shuffle=True)
+        return self.resumable_loader(self.train_set, shuffle=True, drop_last=True, generator=torch.Generator())
+
+    def val_dataloader(self) -> DataLoader:
+        """Full batches only: a pipeline splits every batch into a fixed number of micro-batches."""
+        assert self.val_set is not None, "setup() must run before the data loaders are requested"
+        if self.lengths == "variable":
+            return global_batch_loader(self.val_set, self.batch_size, self.seed, shuffle=False)
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, drop_last=True,
+                          num_workers=self.num_workers)
+
+
+class LanguageModelingData(TokenDataModule):
+    """``merak-train``'s ``synthetic`` and ``text`` data (:class:`DataConfig`): blocks of ``seq_len`` token ids for
+    causal language modelling, or (``lengths="variable"``) samples of their own lengths; see
+    :class:`TokenDataModule`."""
+
+    def __init__(self, config: DataConfig) -> None:
         if config.name not in DATA_NAMES:
             raise ValueError(f"unknown data {config.name!r}; choose one of {', '.join(DATA_NAMES)}")
         if config.seq_len < 2:
             raise ValueError(f"data.seq_len must be at least 2, got {config.seq_len}")
-        if config.batch_size < 1:
-            raise ValueError(f"data.batch_size must be at least 1, got {config.batch_size}")
         if not 0.0 < config.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must lie in (0, 1), got {config.val_fraction}")
-        if config.lengths not in ("fixed", "variable"):
-            raise ValueError(f"data.lengths={config.lengths!r}; choose fixed (blocks of seq_len) or variable")
+        super().__init__(config.batch_size, config.lengths, config.num_workers, config.seed)
         self.config = config
         self.language: Optional[SyntheticLanguage] = None
         self._documents: list[Any] = []
@@ -235,84 +347,28 @@ class LanguageModelingData(pl.LightningDataModule):
                 raise ValueError("data=text needs data.path=/path/to/file.txt or .jsonl")
             self._documents = load_text_documents(config.path, config.text_field)
             self._encode, self.vocab_size, self._eos = load_tokenizer(config.tokenizer_path)
-        self.train_set: Optional[Dataset | list[torch.Tensor]] = None
-        self.val_set: Optional[Dataset | list[torch.Tensor]] = None
 
-    def _build_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        config = self.config
+    def build_samples(self) -> tuple[Any, Any]:
         if self.language is not None:
-            # At least one full validation batch on every rank (the loader drops partial ones).
-            world_size = 1 if self.trainer is None else self.trainer.world_size
-            num_val = max(config.batch_size * world_size, int(config.num_sequences * config.val_fraction))
-            return (
-                self.language.sample(config.num_sequences, config.seq_len),
-                self.language.sample(num_val, config.seq_len, seed_offset=1),
-            )
-        token_ids: list[int] = []
-        for document in self._documents:
-            token_ids.extend(self._encode(document))
-            if self._eos is not None:
-                token_ids.append(self._eos)
-        blocks = _chunk(token_ids, config.seq_len)
-        if len(blocks) < 2:
-            raise ValueError(
-                f"data.path={config.path!r} yields {len(token_ids)} tokens, fewer than two blocks of "
-                f"data.seq_len={config.seq_len}; use a larger file or a smaller seq_len"
-            )
-        order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(config.seed))
-        num_val = max(1, math.ceil(len(blocks) * config.val_fraction))
-        return blocks[order[num_val:]], blocks[order[:num_val]]
+            return self._synthetic_samples(self.language)
+        config = self.config
+        token_lists = (document_tokens(document, self._encode, self._eos) for document in self._documents)
+        if self.lengths == "variable":
+            return variable_samples(token_lists, config.max_length, config.batch_size, config.val_fraction,
+                                    config.seed, f"data.path={config.path!r}")
+        return packed_blocks(token_lists, config.seq_len, config.val_fraction, config.seed,
+                             f"data.path={config.path!r}")
 
-    def _variable_samples(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Samples of their own lengths (``data.lengths=variable``): documents, or generated multi-task lengths."""
+    def _synthetic_samples(self, language: SyntheticLanguage) -> tuple[Any, Any]:
+        """Generated blocks, or (``lengths=variable``) samples of generated multi-task lengths."""
         config = self.config
-        if self.language is not None:
+        if self.lengths == "variable":
             num_val = max(config.batch_size, int(config.num_sequences * config.val_fraction))
-            return (synthetic_samples(self.language.sample, config.num_sequences, config.seed, config.max_length),
-                    synthetic_samples(lambda n, length: self.language.sample(n, length, seed_offset=1), num_val,
+            return (synthetic_samples(language.sample, config.num_sequences, config.seed, config.max_length),
+                    synthetic_samples(lambda n, length: language.sample(n, length, seed_offset=1), num_val,
                                       config.seed + 1, config.max_length))
-        samples = token_samples([document if isinstance(document, list) else
-                                 self._encode(document) + ([self._eos] if self._eos is not None else [])
-                                 for document in self._documents], config.max_length)
-        order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(config.seed)).tolist()
-        num_val = max(config.batch_size, math.ceil(len(samples) * config.val_fraction))
-        if len(samples) < num_val + config.batch_size:
-            raise ValueError(f"data.path={config.path!r} has {len(samples)} documents, too few for a training and a "
-                             f"validation global batch of data.batch_size={config.batch_size}; lower the batch size")
-        return [samples[i] for i in order[num_val:]], [samples[i] for i in order[:num_val]]
-
-    def setup(self, stage: str) -> None:
-        if self.train_set is None and self.config.lengths == "variable":
-            if self.trainer is not None:
-                check_consumer(self.trainer.strategy)
-            self.train_set, self.val_set = self._variable_samples()
-        elif self.train_set is None:
-            train_blocks, val_blocks = self._build_blocks()
-            self.train_set = TensorDataset(train_blocks)
-            self.val_set = TensorDataset(val_blocks)
-
-    def _epoch(self) -> Optional[int]:
-        return None if self.trainer is None else self.trainer.current_epoch
-
-    def _trained_batches(self) -> int:
-        """Batches of the current epoch the fit loop has trained (0 outside a fit)."""
-        trainer = self.trainer
-        return 0 if trainer is None else trainer.fit_loop.epoch_loop.batch_progress.current.processed
-
-    def train_dataloader(self) -> DataLoader:
-        assert self.train_set is not None, "setup() must run before the data loaders are requested"
-        if self.config.lengths == "variable":
-            return global_batch_loader(self.train_set, self.config.batch_size, self.config.seed, shuffle=True)
-        return ResumableDataLoader(
-            self.train_set, batch_size=self.config.batch_size, shuffle=True, drop_last=True,
-            num_workers=self.config.num_workers, generator=torch.Generator(),
-            epoch=self._epoch, trained_batches=self._trained_batches, shuffle_seed=self.config.seed,
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        """Full batches only: a pipeline splits every batch into a fixed number of micro-batches."""
-        assert self.val_set is not None, "setup() must run before the data loaders are requested"
-        if self.config.lengths == "variable":
-            return global_batch_loader(self.val_set, self.config.batch_size, self.config.seed, shuffle=False)
-        return DataLoader(self.val_set, batch_size=self.config.batch_size, shuffle=False, drop_last=True,
-                          num_workers=self.config.num_workers)
+        # At least one full validation batch on every rank (the loader drops partial ones).
+        world_size = 1 if self.trainer is None else self.trainer.world_size
+        num_val = max(config.batch_size * world_size, int(config.num_sequences * config.val_fraction))
+        return language.sample(config.num_sequences, config.seq_len), language.sample(num_val, config.seq_len,
+                                                                                        seed_offset=1)

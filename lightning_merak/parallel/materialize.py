@@ -11,9 +11,13 @@ callable (adapter weights: :mod:`lightning_merak.adapters.meta`) is initialised 
 is filled with NaN (integers with their minimum) first, so a parameter or buffer that no initialisation
 wrote is refused by name instead of training on garbage.
 
-Each module is seeded from its name in the unsplit model, so every rank that holds a module
-(data-parallel replicas, the tensor-parallel ranks before the split) draws the same values
-without communicating. Pretrained weights replace the random ones afterwards through a
+A transformers model built in :func:`meta_device` draws exactly what the eager build
+(``AutoModelForCausalLM.from_config`` under the same seed, i.e. DDP's model) draws: each module's
+``_init_weights`` replays from the CPU generator state the eager build was in when it reached that
+module (:mod:`~lightning_merak.parallel.init_parity`), so the initial model does not depend on the
+strategy or the layout. Other modules are seeded from their name in the unsplit model. Either way every
+rank that holds a module (data-parallel replicas, the tensor-parallel ranks before the split) draws the
+same values without communicating. Pretrained weights replace the random ones afterwards through a
 :data:`WeightLoader` (:func:`local_tensors` names what this rank holds).
 """
 
@@ -27,6 +31,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
+from lightning_merak.parallel.init_parity import CPUDraws, EagerInit, eager_init_of, eager_init_stream, own_tensors
+
 __all__ = ["Materializer", "RestoreAfterRewrite", "WeightLoader", "copy_full_tensors", "has_meta", "init_owners",
            "local_tensors", "meta_device"]
 
@@ -38,8 +44,11 @@ unsplit name to the :class:`~lightning_merak.parallel.tensor.blocks.LayoutChange
 
 @contextlib.contextmanager
 def meta_device(precision: Optional[Any] = None) -> Iterator[None]:
-    """Tensors created meanwhile go on the meta device (in ``precision``'s dtype when a precision plugin is given)."""
-    with torch.device("meta"), (precision.tensor_init_context() if precision is not None else contextlib.nullcontext()):
+    """Tensors created meanwhile go on the meta device (in ``precision``'s dtype when a precision plugin is given),
+    drawing from the CPU generator as an eager build would (:func:`~lightning_merak.parallel.init_parity.
+    eager_init_stream`), so materialised modules get the eager build's values."""
+    dtype = precision.tensor_init_context() if precision is not None else contextlib.nullcontext()
+    with torch.device("meta"), dtype, eager_init_stream():
         yield
 
 
@@ -90,9 +99,9 @@ _KEPT_MARKS = ("allreduce", "group_name")
 class Materializer:
     """Materialises parts of one meta model on ``device``; parameters tied in it stay tied.
 
-    ``seed`` (the same on every rank) and a module's unsplit name fix its random initialisation;
-    ``owners`` are :func:`init_owners` of the unsplit model. ``observer`` (tests) is called after
-    each module is materialised.
+    A module whose eager initialisation a meta build recorded replays it; for any other, ``seed`` (the same on
+    every rank) and its unsplit name fix its random initialisation. ``owners`` are :func:`init_owners` of the
+    unsplit model. ``observer`` (tests) is called after each module is materialised.
     """
 
     observer: Optional[Callable[[], None]] = None
@@ -105,25 +114,28 @@ class Materializer:
 
     def materialize(self, module: nn.Module, name: str, recurse: bool = True) -> None:
         """Give ``module`` (named ``name`` in the unsplit model) and, with ``recurse``, everything under it
-        storage and initial values."""
-        fresh: list[tuple[str, nn.Module]] = []
+        storage and initial values (children before parents, as transformers' ``post_init`` goes)."""
+        fresh: list[tuple[str, nn.Module, dict[str, torch.Tensor]]] = []
         with torch.no_grad():
-            for path, sub in module.named_modules(prefix=name) if recurse else [(name, module)]:
-                if self._replace_meta(sub):
-                    fresh.append((path, sub))
-            for path, sub in fresh:
-                self._initialise(path, sub)
+            for path, sub in _post_order(module, name) if recurse else [(name, module)]:
+                replaced = self._replace_meta(sub)
+                if replaced or (eager_init_of(sub) is not None and not own_tensors(sub)):
+                    fresh.append((path, sub, replaced))
+            for path, sub, replaced in fresh:
+                self._initialise(path, sub, replaced)
+            for path, sub, _ in fresh:
+                self._check_written(path, sub)
         if Materializer.observer is not None:
             Materializer.observer()
 
-    def _replace_meta(self, module: nn.Module) -> bool:
-        """Swap ``module``'s own meta tensors for poisoned real ones; True if it had any."""
-        replaced = False
+    def _replace_meta(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Swap ``module``'s own meta tensors for poisoned real ones; returns the meta tensors replaced, by key."""
+        replaced: dict[str, torch.Tensor] = {}
         for store, make in ((module._parameters, self._parameter), (module._buffers, self._buffer)):
             for key, tensor in store.items():
                 if tensor is not None and tensor.is_meta:
                     store[key] = make(tensor)
-                    replaced = True
+                    replaced[key] = tensor
         return replaced
 
     def _parameter(self, meta: torch.Tensor) -> torch.Tensor:
@@ -144,15 +156,26 @@ class Materializer:
             self._memo[id(meta)] = real
         return self._memo[id(meta)]
 
-    def _initialise(self, name: str, module: nn.Module) -> None:
-        torch.manual_seed((self.seed + zlib.crc32(name.encode())) % (2**63))
+    def _initialise(self, name: str, module: nn.Module, replaced: dict[str, torch.Tensor]) -> None:
         owner = self._owners.get(name)
         own_init = getattr(module, "materialize_init", None)  # a module's own init (adapter weights), else the model's
+        record = eager_init_of(module)
+        if own_init is None and owner is not None and record is not None:
+            _replay_eager_init(module, owner, record, replaced)
+            return
+        self._seed(name)
         if own_init is not None:
             own_init(module)
         elif owner is not None:
             owner._init_weights(module)
+
+    def _seed(self, name: str) -> None:
+        torch.manual_seed((self.seed + zlib.crc32(name.encode())) % (2**63))
+
+    def _check_written(self, name: str, module: nn.Module) -> None:
+        """``reset_parameters()`` for what no initialisation wrote, else a refusal naming the tensor."""
         if _unwritten(module) and hasattr(module, "reset_parameters"):
+            self._seed(name)
             module.reset_parameters()
         unwritten = _unwritten(module)
         if unwritten:
@@ -162,6 +185,49 @@ class Materializer:
                 "buffer (or, for a transformers model, handle it in _init_weights), or build the model without "
                 "empty_init"
             )
+
+
+def _post_order(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
+    """``module.named_modules(prefix=prefix)``, each module after its children."""
+    order: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+
+    def visit(path: str, sub: nn.Module) -> None:
+        seen.add(id(sub))
+        for child_name, child in sub.named_children():
+            if id(child) not in seen:
+                visit(f"{path}.{child_name}" if path else child_name, child)
+        order.append((path, sub))
+
+    visit(prefix, module)
+    return order
+
+
+def _replay_eager_init(module: nn.Module, owner: Any, record: EagerInit, replaced: dict[str, torch.Tensor]) -> None:
+    """Run ``owner._init_weights(module)`` as the eager build ran it: from the CPU generator state ``record`` holds,
+    drawing on the CPU generator whatever the device (:class:`~lightning_merak.parallel.init_parity.CPUDraws`).
+
+    A tensor tied in after the eager init (not among ``record``'s) is drawn into a stand-in, which the eager build
+    discarded too; it is copied in only where nothing else on this rank wrote the tensor (a tied head on the last
+    pipeline stage, which the build then makes equal to the first stage's embedding).
+    """
+    tied_in = [(store, key) for store in (module._parameters, module._buffers) for key, tensor in store.items()
+               if tensor is not None and not (key in replaced and record.tensors.get(key) is replaced[key])]
+    targets = {key: store[key] for store, key in tied_in}
+    stand_ins = {key: torch.empty_like(target) for key, target in targets.items()}
+    for store, key in tied_in:
+        _poison(stand_ins[key])
+        store[key] = stand_ins[key]
+    try:
+        with torch.random.fork_rng(devices=[]), CPUDraws():
+            torch.set_rng_state(record.rng_state)
+            owner._init_weights(module)
+    finally:
+        for store, key in tied_in:
+            store[key] = targets[key]
+    for key, target in targets.items():
+        if _poisoned(target) and not _poisoned(stand_ins[key]):
+            target.copy_(stand_ins[key])
 
 
 def _unwritten(module: nn.Module) -> list[str]:

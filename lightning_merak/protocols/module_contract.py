@@ -1,9 +1,23 @@
-"""What ``Trainer(strategy="merak3d")`` uses of a LightningModule, as one Protocol: :class:`Merak3DModule`.
+"""What ``Trainer(strategy="merak3d")`` uses of a LightningModule, stated once.
 
-The module stays an ordinary LightningModule that also trains on one device; merak3d needs four members on it
-to run the network in pieces. :class:`~lightning_merak.modules.causal_lm.CausalLMModule` implements them. The
-strategy refuses a module that lacks one before any process starts, naming the members :func:`missing_members`
-finds (:func:`lightning_merak.strategies.merak3d.arguments.check_module_members`).
+**Nothing is required.** Any LightningModule that trains under ``DDPStrategy`` trains under merak3d unchanged:
+its own ``training_step``, ``validation_step``, ``test_step`` and ``predict_step`` run as written. merak3d finds
+the network to split among the module's children — ``self.model``, else the one child that is a transformers
+``PreTrainedModel``, else the one holding an ``nn.ModuleList`` of repeated blocks, whatever its attribute name —
+and parallelises it in place. Without pipeline stages or tensor shards the module may hold any network.
+
+**With pipeline stages** (``pipeline_parallel > 1``) the loss is computed on the last stage, so merak3d must know
+how it comes from the network's outputs. It infers it where the module makes it plain: a transformers network
+called with ``labels`` is scored by its own ``loss_function`` (shift and ignore index included). Otherwise the
+module adds exactly one method, :class:`LossFromOutputs`'s ``loss_from_outputs(outputs, batch)``; a module that
+needs it and lacks it is refused before any work, with the snippet to add (:func:`loss_from_outputs_snippet`).
+The ``training_step`` calls the network with the batch's ``input_ids`` (and ``labels``); batches are a tensor of
+token ids, a dict with ``input_ids`` (``labels``, an all-ones ``attention_mask``) or a tuple ``(input_ids, labels)``.
+
+**Optional accelerations**: the members of :class:`Merak3DModule`, which
+:class:`~lightning_merak.modules.causal_lm.CausalLMModule` implements. A module with all four gets its pipelined
+step as ``compute_loss`` and its vocabulary-split head scored without gathering full logits; ``split_batch`` alone
+reads batches of any other structure (the first batch lays the model out on its token ids).
 """
 
 from __future__ import annotations
@@ -13,12 +27,16 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from torch import Tensor, nn
 
-__all__ = ["MEMBERS", "Merak3DModule", "contract_name", "missing_members"]
+__all__ = ["CONTRACT_GUIDE", "LOSS_FROM_OUTPUTS", "MEMBERS", "MODEL", "LossFromOutputs", "Merak3DModule",
+           "contract_name", "loss_from_outputs_snippet"]
+
+CONTRACT_GUIDE = "docs/guides/merak3d.md, 'Your LightningModule'"
+"""Where errors send the user: the guide's section on this contract."""
 
 
 @runtime_checkable
 class Merak3DModule(Protocol):
-    """The members merak3d reads (and, on the instance, replaces) on the LightningModule it trains."""
+    """Optional members that speed merak3d up; it reads (and, on the instance, replaces) them when all are there."""
 
     model: nn.Module
     """The network, built by the time the strategy's ``setup`` runs (``__init__`` or ``configure_model``).
@@ -48,6 +66,25 @@ class Merak3DModule(Protocol):
         ...
 
 
+@runtime_checkable
+class LossFromOutputs(Protocol):
+    """The one method a module adds when merak3d cannot infer its loss at ``pipeline_parallel > 1``."""
+
+    def loss_from_outputs(self, outputs: Any, batch: Any) -> Tensor:
+        """The scalar mean loss of one micro-batch: ``outputs`` as the network returns them for its samples (a
+        transformers output with ``.logits``, or the logits), ``batch`` those samples of the batch.
+
+        Call it from ``training_step`` on the network's outputs: with pipeline stages merak3d runs it per
+        micro-batch on the last stage, and the call in ``training_step`` returns the schedule's loss."""
+        ...
+
+
+MODEL = "model"
+"""The attribute merak3d looks at first for the network."""
+
+LOSS_FROM_OUTPUTS = "loss_from_outputs"
+""":class:`LossFromOutputs`' method."""
+
 MEMBERS = ("model", "split_batch", "loss_from_logits", "compute_loss")
 """:class:`Merak3DModule`'s members, in the order above."""
 
@@ -57,7 +94,15 @@ def contract_name() -> str:
     return f"{Merak3DModule.__module__}.{Merak3DModule.__qualname__}"
 
 
-def missing_members(module: Any) -> list[str]:
-    """The members of :class:`Merak3DModule` that ``module`` lacks, in the Protocol's order (empty: it implements
-    it, as ``isinstance(module, Merak3DModule)`` then says too)."""
-    return [name for name in MEMBERS if not hasattr(module, name)]
+def loss_from_outputs_snippet(module_name: str, network: str) -> str:
+    """The refusal of a module whose pipeline loss cannot be inferred, with the method ``module_name`` should add
+    (``network``: the attribute holding its network)."""
+    return (
+        f"with pipeline stages (pipeline_parallel>1, or 'auto') merak3d computes the loss on the last stage and "
+        f"cannot infer how "
+        f"{module_name}'s loss comes from self.{network}'s outputs (a transformers model called with `labels` is "
+        f"inferred); add this method to {module_name} and compute the loss with it in training_step:\n\n"
+        f"    def {LOSS_FROM_OUTPUTS}(self, outputs, batch):\n"
+        f"        # outputs: what self.{network}(...) returns for these samples; batch: the same samples of the batch\n"
+        f"        return <the mean loss of outputs against batch>\n\n"
+        f"({CONTRACT_GUIDE})")

@@ -243,6 +243,7 @@ class DeltaMemory(pl.Callback):
             self.manager.budget_bytes,
             self.manager.plan,
             self.manager.profile,
+            trainer,
         )
         rank_zero_info(f"DeltaMemory: memory timeline saved to {self.plot_path}")
 

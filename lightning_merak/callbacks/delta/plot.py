@@ -1,17 +1,25 @@
 """Memory timeline plot: measured resident saved bytes per step, and the plan's simulation.
 
-Uses ``matplotlib.figure.Figure`` directly, never pyplot, so the user's backend is untouched.
+Uses ``matplotlib.figure.Figure`` directly, never pyplot, so the user's backend is untouched. Given the
+trainer, the figure also goes to its loggers (:func:`~lightning_merak.callbacks.metrics.log_figure`).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Mapping, Optional, Sequence
+
+import lightning.pytorch as pl
+from matplotlib.figure import Figure
 
 from lightning_merak.callbacks.delta.ledger import TimelinePoint
 from lightning_merak.callbacks.delta.memory_planner import Action, Plan, StepProfile, simulate_timeline
+from lightning_merak.callbacks.metrics.figures import log_figure
 
-__all__ = ["save_timeline_plot"]
+__all__ = ["FIGURE_NAME", "save_timeline_plot", "timeline_figure"]
+
+FIGURE_NAME = "delta/memory_timeline"
 
 _COLOURS = {Action.KEEP: "tab:gray", Action.SWAP: "tab:blue", Action.RECOMPUTE: "tab:orange"}
 _MIB = 2**20
@@ -23,15 +31,28 @@ def save_timeline_plot(
     budget_bytes: Optional[int],
     plan: Optional[Plan],
     profile: Optional[StepProfile],
+    trainer: Optional[pl.Trainer] = None,
 ) -> str:
-    """Write a PNG with two panels and return its path.
+    """Write :func:`timeline_figure` as a PNG and return its path; with ``trainer``, log it to the trainer's
+    loggers too, as ``delta/memory_timeline`` at the trainer's step."""
+    figure = timeline_figure(timelines, budget_bytes, plan, profile)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    figure.savefig(path, dpi=110)
+    if trainer is not None:
+        log_figure(trainer, FIGURE_NAME, figure, trainer.global_step, already_saved=Path(path))
+    return path
 
-    Top: resident saved bytes over one step as measured by the ledger, for the last
+
+def timeline_figure(
+    timelines: Mapping[str, Sequence[TimelinePoint]],
+    budget_bytes: Optional[int],
+    plan: Optional[Plan],
+    profile: Optional[StepProfile],
+) -> Figure:
+    """Two panels. Top: resident saved bytes over one step as measured by the ledger, for the last
     warm-up (unmanaged) step and the last managed step. Bottom: the planner's simulated
     timeline per forward/backward event, unmanaged vs planned, ticks coloured by action.
     """
-    from matplotlib.figure import Figure
-
     figure = Figure(figsize=(11, 8))
     measured, simulated = figure.subplots(2, 1)
     for label, points in timelines.items():
@@ -63,6 +84,4 @@ def save_timeline_plot(
         simulated.set_ylabel("MiB")
         simulated.legend(loc="upper right")
     figure.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    figure.savefig(path, dpi=110)
-    return path
+    return figure

@@ -20,7 +20,10 @@ from typing import Any, Sequence
 
 import lightning.pytorch as pl
 import torch.distributed as dist
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
+from lightning_merak.callbacks.metrics.figures import log_figure
 from lightning_merak.distributed.collectives import average_gradients
 from lightning_merak.plugins.moe.block_replacement import SwappedSparseBlock
 from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, expert_param_positions, gather_expert_state
@@ -29,7 +32,7 @@ from lightning_merak.plugins.moe.core.step_planner import PLAN_KINDS
 from lightning_merak.plugins.moe.layer import MoE, PlacementMOELayer
 from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh, layout_aware
 
-__all__ = ["MoEPlacementCallback", "balance_metrics", "plot_load_heatmap"]
+__all__ = ["MoEPlacementCallback", "balance_metrics", "load_heatmap_figure", "plot_load_heatmap"]
 
 _EXPERT_OPTIMIZER_KEY = "moe_expert_optimizer_states"
 
@@ -77,28 +80,34 @@ def _std(values: Sequence[float]) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
 
 
-def plot_load_heatmap(
-    before: Sequence[Sequence[float]], after: Sequence[Sequence[float]], path: Path, title: str = ""
-) -> Path:
-    """Two heatmaps (steps × EP rank): compute load without and with the placement plan."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
+def load_heatmap_figure(before: Sequence[Sequence[float]], after: Sequence[Sequence[float]], title: str = "") -> Figure:
+    """Two heatmaps (steps × EP rank): compute load without and with the placement plan (no pyplot: the user's
+    backend and figure list are left alone)."""
+    figure = Figure(figsize=(9, 3.6))
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, 2, sharey=True)
     vmax = max(max(map(max, before)), max(map(max, after)), 1)
     for ax, data, label in zip(axes, (before, after), ("before (DeepSpeed placement)", "after (plan)")):
         image = ax.imshow(list(map(list, data)), aspect="auto", cmap="viridis", vmin=0, vmax=vmax)
         ax.set_title(label)
         ax.set_xlabel("EP rank")
     axes[0].set_ylabel("step")
-    fig.colorbar(image, ax=axes, label="rows computed")
+    figure.colorbar(image, ax=axes, label="rows computed")
     if title:
-        fig.suptitle(title)
+        figure.suptitle(title)
+    return figure
+
+
+def plot_load_heatmap(
+    before: Sequence[Sequence[float]], after: Sequence[Sequence[float]], path: Path, title: str = ""
+) -> Path:
+    """:func:`load_heatmap_figure` saved as a PNG at ``path``."""
+    return _save_png(load_heatmap_figure(before, after, title), path)
+
+
+def _save_png(figure: Figure, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    figure.savefig(path, dpi=110)
     return path
 
 
@@ -258,7 +267,10 @@ class MoEPlacementCallback(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         path = self._heatmap_file(trainer)  # before any rank-dependent test: it may be a collective
-        if path is not None and trainer.is_global_zero and self.history:
-            index = min(self.history)  # a pipeline stage holds only some layers
-            before, after = self.history[index]
-            plot_load_heatmap(before, after, path, f"MoE layer {index}")
+        if not trainer.is_global_zero or not self.history:
+            return
+        first = min(self.history)  # a pipeline stage holds only some layers
+        for index, (before, after) in sorted(self.history.items()):
+            figure = load_heatmap_figure(before, after, f"MoE layer {index}")
+            saved = _save_png(figure, path) if index == first and path is not None else None
+            log_figure(trainer, f"moe/load_heatmap/layer{index}", figure, step=len(before), already_saved=saved)

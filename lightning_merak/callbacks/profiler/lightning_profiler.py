@@ -7,7 +7,8 @@ then times ``untraced_steps`` more batches with nothing recorded (a clock read a
 run takes untraced, which calibrations anchor on), and, while every rank is still in the same place (after those
 steps, or when training ends first), aligns the ranks' clocks by round trips,
 gathers the records on rank 0 and writes there the raw trace (``<filename>.json``, for
-:meth:`Trace.load`) and a Perfetto/Chrome trace (``<filename>.perfetto.json``). The summary of
+:meth:`Trace.load`), a Perfetto/Chrome trace (``<filename>.perfetto.json``) and the last traced step's timeline
+(``<filename>.timeline.png``, also logged to the trainer's loggers: :mod:`.timeline`). The summary of
 the critical path and exposed communication is logged, returned by :meth:`summary` and printed by
 Lightning at the end of the run. The trace's meta records the run's layout and model shape
 (:func:`run_meta`), from which the layout planner calibrates (:mod:`.calibration`).
@@ -25,7 +26,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.profilers import Profiler
 
+from lightning_merak.callbacks.metrics.figures import log_figure
 from lightning_merak.callbacks.profiler.recorder import TraceRecorder
+from lightning_merak.callbacks.profiler.timeline import FIGURE_NAME as TIMELINE_FIGURE
+from lightning_merak.callbacks.profiler.timeline import traced_step_figure
 from lightning_merak.parallel.pipeline.recording import TraceError, find_trunk
 from lightning_merak.planning.replay.chrome import chrome_trace, write_chrome_trace
 from lightning_merak.planning.replay.summary import summarize
@@ -218,8 +222,20 @@ class MerakTraceProfiler(Profiler):
         self.paths = {"trace": self.trace.save(directory / f"{self.filename}.json"),
                       "perfetto": write_chrome_trace(chrome_trace(self.trace),
                                                      directory / f"{self.filename}.perfetto.json")}
+        self._draw_timeline(directory)
         self._summary = summarize(self.trace)
         log.info("%s", self._summary)
+
+    def _draw_timeline(self, directory: Path) -> None:
+        """Rank 0: the last traced step's timeline as ``<filename>.timeline.png``, and to the trainer's loggers."""
+        if self.trace is None or not self.trace.steps():
+            return
+        figure = traced_step_figure(self.trace)
+        self.paths["timeline"] = directory / f"{self.filename}.timeline.png"
+        figure.savefig(self.paths["timeline"], dpi=110)
+        trainer = getattr(getattr(self, "_lightning_module", None), "trainer", None)
+        if trainer is not None:
+            log_figure(trainer, TIMELINE_FIGURE, figure, trainer.global_step, already_saved=self.paths["timeline"])
 
     def summary(self) -> str:
         return self._summary

@@ -1,9 +1,9 @@
 """``Trainer(strategy="merak3d")``: data × pipeline × tensor parallelism for unmodified models.
 
-The LightningModule stays an ordinary module that also trains on one device; what merak3d uses of it is
-one Protocol, :class:`~lightning_merak.protocols.module_contract.Merak3DModule`
-(:class:`~lightning_merak.modules.causal_lm.CausalLMModule` implements it). Every argument, its default and
-its meaning: :class:`~lightning_merak.strategies.merak3d.options.Merak3DOptions`.
+The LightningModule stays an ordinary module that also trains on one device, and under DDP; what merak3d
+reads of it — nothing required without pipeline stages — is stated once in
+:mod:`lightning_merak.protocols.module_contract`, and found or inferred by :mod:`.network`. Every argument, its
+default and its meaning: :class:`~lightning_merak.strategies.merak3d.options.Merak3DOptions`.
 
 The parallel layout is built on the first batch, when the real shapes are known: the model is recorded once
 (:mod:`lightning_merak.parallel.pipeline.trace`), every rank agrees on rank 0's partition of the measured
@@ -15,6 +15,7 @@ This package holds the Lightning hooks and their orchestration only; the techniq
 
 * :mod:`.strategy` — the hooks Lightning calls, each handing its work to one of the modules below;
 * :mod:`.options` / :mod:`.arguments` — the arguments, declared once, checked once, refused before launch;
+* :mod:`.network` — the module's network, a batch's inputs and the pipeline's loss, found or inferred;
 * :mod:`.planning` — search space, profile and plan → a new :class:`~lightning_merak.parallel.layout.Layout`;
 * :mod:`.build` — the first batch's build: trace, split, cut, recompute, overlap, shard;
 * :mod:`.pipeline_step` / :mod:`.variable_step` — a pipelined step through torch's schedules;

@@ -33,12 +33,12 @@ from lightning_merak.parallel.tensor.adapters import check_adapter_split
 from lightning_merak.parallel.tensor.blocks import check_tensor_parallel_degree
 from lightning_merak.parallel.tensor.sequence import check_sequence_length
 from lightning_merak.parallel.tensor.vocab import check_vocabulary_split
-from lightning_merak.protocols import module_contract
 from lightning_merak.protocols.experts import ExpertParallelLayer
+from lightning_merak.strategies.merak3d.network import module_view
 from lightning_merak.strategies.merak3d.options import Degree, Merak3DOptions
 
 __all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "SHARDING_MODES", "Degree", "Merak3DArguments", "check_accumulation",
-           "check_module_members", "checked_arguments", "moe_layers"]
+           "checked_arguments", "moe_layers"]
 
 RECOMPUTE_MODES = ("none", "full", "stage_aware", "auto")
 PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
@@ -59,17 +59,6 @@ def check_accumulation(accumulate_grad_batches: int) -> None:
         raise ValueError(
             "merak3d splits each batch into micro-batches itself; set accumulate_grad_batches=1 "
             "and raise micro_batches (and the batch size) instead"
-        )
-
-
-def check_module_members(module: pl.LightningModule) -> None:
-    """Refuse a module without every member of :class:`~lightning_merak.protocols.module_contract.Merak3DModule`."""
-    missing = module_contract.missing_members(module)
-    if missing:
-        raise TypeError(
-            f"merak3d needs {', '.join(missing)} on {type(module).__name__}: it trains modules that implement "
-            f"{module_contract.contract_name()} ({', '.join(module_contract.MEMBERS)}), as "
-            "lightning_merak.modules.CausalLMModule does"
         )
 
 
@@ -304,9 +293,10 @@ class Merak3DArguments(Merak3DOptions):
             check_batch_split(batch_size, pp or 1, self.micro_batches, overlap, self.schedule)
 
     def validate_model(self, module: pl.LightningModule, world_size: int) -> None:
-        """Refuse a module without the members merak3d drives, or degrees its model rules out."""
-        check_module_members(module)
-        self.check_model(module.model, *self.launch_degrees(world_size))
+        """Refuse a module merak3d cannot train at these degrees (no network to split, a pipeline loss it cannot
+        infer), or degrees its network rules out."""
+        degrees = self.launch_degrees(world_size)
+        self.check_model(module_view(module, *degrees).network, *degrees)
 
     def check_model(self, model: nn.Module, pipeline_parallel: Optional[int], tensor_parallel: Optional[int]) -> None:
         """Refuse degrees the unsplit model's config or structure rules out (None: not chosen yet)."""

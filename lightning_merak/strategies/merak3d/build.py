@@ -169,13 +169,14 @@ class BuiltModel:
     partition: Optional[Any]
 
 
-def weight_loader(module: nn.Module, restored_state: Optional[dict[str, Any]]) -> Optional[WeightLoader]:
+def weight_loader(module: nn.Module, restored_state: Optional[dict[str, Any]], network: nn.Module,
+                  prefix: str) -> Optional[WeightLoader]:
     """What fills a rank's materialised part: a checkpoint Lightning restored before the build (the
-    LightningModule's state, its model under ``model.``), else the module's pretrained seam
+    LightningModule's state, its ``network`` under ``prefix``), else the module's pretrained seam
     (``load_pretrained_weights(tensors, layout_changes)``, if it has one)."""
     if restored_state is not None:
-        state = {name[len("model."):]: tensor for name, tensor in restored_state.items() if name.startswith("model.")}
-        hook = getattr(getattr(module, "model", None), "after_materialize", None)
+        state = {name[len(prefix):]: tensor for name, tensor in restored_state.items() if name.startswith(prefix)}
+        hook = getattr(network, "after_materialize", None)
         if hook is not None and not getattr(hook, "restores_from_checkpoint", True):  # a quantised adapter base
             return RestoreAfterRewrite(getattr(module, "load_pretrained_weights", None), state)
         return functools.partial(copy_full_tensors, state_dict=state)
@@ -189,7 +190,8 @@ def meta_materializers(model: nn.Module, device: torch.device, broadcast: Broadc
     return lambda copy_: Materializer(device, seed, owners).materialize
 
 
-def build_model(model: nn.Module, inputs: torch.Tensor, *, arguments: Merak3DArguments, groups: LayoutGroups,
+def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: torch.device,
+                arguments: Merak3DArguments, groups: LayoutGroups,
                 global_rank: int, broadcast: Broadcast, verified_tp_degrees: frozenset[int],
                 load_weights: Optional[WeightLoader] = None) -> BuiltModel:
     """Cut, split and wrap ``model`` for this rank on the shapes of ``inputs``; grad enabled, not in inference mode.
@@ -200,19 +202,23 @@ def build_model(model: nn.Module, inputs: torch.Tensor, *, arguments: Merak3DArg
     block by block (each split right after), and ``load_weights`` (the pretrained seam) fills it; with
     ``tensor_parallel>1`` and a loader, the embedding and head are split over the vocabulary before they are
     materialised (:class:`~lightning_merak.strategies.merak3d.vocabulary_build.VocabularyRows`).
-    With ``pipeline_parallel=1`` and ``tensor_parallel=1`` nothing is traced: plain data parallelism.
+    With ``pipeline_parallel=1`` and ``tensor_parallel=1`` nothing is traced (``inputs`` may be None): plain data
+    parallelism, on ``device``.
     """
     layout = groups.layout
     no_cache(model)
     router_aux = _router_aux(model, arguments, layout)
-    # a copy: an evaluation loop's batch may be an inference tensor, which autograd refuses
-    micro = first_micro_batch(layout, inputs).clone()
     pp, tp = layout.pipeline_parallel, layout.tensor_parallel
     if arguments.sequence_parallel and tp == 1:
         rank_zero_info("merak3d: tensor_parallel=1, so sequence_parallel has nothing to split")
-    materialize_with = meta_materializers(model, micro.device, broadcast) if has_meta(model) else None
+    materialize_with = meta_materializers(model, device, broadcast) if has_meta(model) else None
     if pp == 1 and tp == 1:
+        if inputs is not None:
+            layout.check_batch(inputs.shape[0])
         return _data_parallel_only(model, layout, groups, materialize_with, load_weights)
+    assert inputs is not None, "a traced build needs the batch's inputs"
+    # a copy: an evaluation loop's batch may be an inference tensor, which autograd refuses
+    micro = first_micro_batch(layout, inputs).clone()
     sequence_parallel = arguments.sequence_parallel and tp > 1
     if sequence_parallel:
         check_sequence_length(micro.shape[1], tp)

@@ -15,8 +15,30 @@ from lightning_merak.checkpoint.safe_load import load_torch_file
 from lightning_merak.checkpoint.sharded import OPTIMIZER_NAMES, ShardedCheckpointer, is_sharded_checkpoint
 from lightning_merak.parallel.data.buckets import DataParallelGradients
 from lightning_merak.parallel.materialize import has_meta
+from lightning_merak.protocols.module_contract import MODEL
+from lightning_merak.strategies.merak3d.network import ModuleView
 
 __all__ = ["CheckpointHooks"]
+
+_CHECKPOINTER_PREFIX = f"{MODEL}."
+"""Where the sharded checkpointer reads a module's network in its state: under ``model.``."""
+
+
+class _NetworkAsModel:
+    """A module whose network lives elsewhere than ``self.model``, as the sharded checkpointer reads one: the
+    network as ``model``; its state under the module's names (``renamed``: under ``model.``, for saving)."""
+
+    def __init__(self, view: ModuleView, renamed: bool) -> None:
+        self.model = view.network
+        self._view, self._renamed = view, renamed
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self._view.module.state_dict()
+        if not self._renamed:
+            return state
+        prefix = self._view.state_prefix
+        return {_CHECKPOINTER_PREFIX + key[len(prefix):]: value for key, value in state.items()
+                if key.startswith(prefix)}
 
 
 class CheckpointHooks(ParallelStrategy):
@@ -34,6 +56,7 @@ class CheckpointHooks(ParallelStrategy):
     _restored_state: Optional[dict[str, Any]]
     _pending_optimizer_states: list[dict[str, Any]]
     _data_parallel: Optional[DataParallelGradients]
+    module_view: ModuleView
 
     def _whole_optimizer(self, optimizer: torch.optim.Optimizer) -> ContextManager[None]:
         """``optimizer`` with whole parameters and states while inside, when data-parallel sharding slices them."""
@@ -56,13 +79,21 @@ class CheckpointHooks(ParallelStrategy):
             return self.lightning_module.state_dict()
         if self._data_parallel is not None:  # parameters gathered while the next forward would run
             self._data_parallel.wait_for_parameters()
-        return self._checkpointer.module_state_dict(self.lightning_module)
+        view = self.module_view
+        if view.attribute == MODEL:
+            return self._checkpointer.module_state_dict(self.lightning_module)
+        # saved under the module's own names, as DDP saves it; the rest of the module's state is whole
+        prefix = view.state_prefix
+        state = {prefix + key[len(_CHECKPOINTER_PREFIX):]: value
+                 for key, value in self._checkpointer.module_state_dict(_NetworkAsModel(view, renamed=True)).items()}
+        rest = {key: value for key, value in self.lightning_module.state_dict().items() if not key.startswith(prefix)}
+        return {**state, **rest}
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if self._built is None:
             return optimizer.state_dict()
         with self._whole_optimizer(optimizer):  # saved as an unsharded run's, loadable by any mode
-            return self._checkpointer.optimizer_state(optimizer, self.lightning_module.model)
+            return self._checkpointer.optimizer_state(optimizer, self.module_view.network)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if self._built is None:
@@ -78,13 +109,18 @@ class CheckpointHooks(ParallelStrategy):
             if self._built is not None:  # loaded into the built model as it is (plain data parallelism reads it)
                 return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
             # a file (a DDP run's): this rank's experts of it now, its stage and shard when the layout is built
-            return self._checkpointer.read_file(self._read_file(checkpoint_path, weights_only), self.lightning_module)
+            return self._checkpointer.read_file(self._read_file(checkpoint_path, weights_only), self._as_read())
         if self._built is not None:
             raise RuntimeError(
                 f"{path} is a sharded merak3d checkpoint; load it before the first batch "
                 "(Trainer.fit/validate/predict with ckpt_path=...)"
             )
-        return self._checkpointer.load(path, self.lightning_module)
+        return self._checkpointer.load(path, self._as_read())
+
+    def _as_read(self) -> Any:
+        """The LightningModule as the sharded checkpointer reads one: its network as ``model``."""
+        view = self.module_view
+        return self.lightning_module if view.attribute == MODEL else _NetworkAsModel(view, renamed=False)
 
     def _read_file(self, checkpoint_path: Any, weights_only: Optional[bool]) -> dict[str, Any]:
         """A local ``.ckpt`` file read memory-mapped and weights-only, so that a rank reads the pages of what it keeps
@@ -98,7 +134,7 @@ class CheckpointHooks(ParallelStrategy):
         """The file's optimizer states keyed by parameter name: by the names a DDP run of ``merak_ep`` recorded, else
         by this run's optimizers (the same ``configure_optimizers`` over the same unsplit model)."""
         recorded = checkpoint.get(OPTIMIZER_NAMES)
-        model_names = {id(param): name for name, param in self.lightning_module.model.named_parameters()}
+        model_names = {id(param): name for name, param in self.module_view.network.named_parameters()}
         states = []
         for index, (optimizer, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
             if state.get("merak3d_consolidated"):
@@ -126,6 +162,6 @@ class CheckpointHooks(ParallelStrategy):
         if self._built is not None:
             for optimizer, state in zip(self.optimizers, states):
                 with self._whole_optimizer(optimizer):
-                    self._checkpointer.load_optimizer_state(optimizer, state, self.lightning_module.model)
+                    self._checkpointer.load_optimizer_state(optimizer, state, self.module_view.network)
         else:
             self._pending_optimizer_states = self._named_optimizer_states(checkpoint)

@@ -10,7 +10,7 @@ adds it (:class:`~lightning_merak.parallel.pipeline.router_aux.RouterAuxLoss`) a
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,10 +28,13 @@ __all__ = ["PipelineStep"]
 class PipelineStep:
     """The schedule over this rank's ``stages`` of ``module`` (a LightningModule), and what it left to do.
 
-    :meth:`loss` replaces the module's ``compute_loss`` and :meth:`forward` its ``forward``.
+    ``loss_fn`` scores one micro-batch's logits against its targets on the last stage. With the whole module
+    contract, :meth:`loss` replaces the module's ``compute_loss`` and :meth:`forward` its ``forward``; otherwise
+    the network's call runs :meth:`run` and :meth:`forward` (:class:`~.network.PipelinedNetwork`).
     """
 
-    def __init__(self, module: Any, stages: RankStages, groups: LayoutGroups, device: torch.device) -> None:
+    def __init__(self, module: Any, stages: RankStages, groups: LayoutGroups, device: torch.device,
+                 loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
         from torch.distributed.pipelining import (
             Schedule1F1B,
             ScheduleGPipe,
@@ -40,6 +43,7 @@ class PipelineStep:
         )
 
         self._module = module
+        self._stages = stages
         self._groups = groups
         self._device = device
         self._pending_gradients: list[tuple[nn.Parameter, Optional[torch.Tensor]]] = []
@@ -48,7 +52,7 @@ class PipelineStep:
         micro-batches, with the replicas; the step divides the others' (collectives may still be running on the
         former's, so the schedule's own scaling, which would touch all of them, is off)."""
         layout = groups.layout
-        loss_fn = vocab_parallel_loss(module.loss_from_logits, stages)
+        loss_fn = vocab_parallel_loss(loss_fn, stages)
         self._router_aux_loss: Optional[RouterAuxLoss] = None
         if stages.router_aux is not None:
             loss_fn = self._router_aux_loss = RouterAuxLoss(loss_fn, stages.router_aux)
@@ -77,10 +81,18 @@ class PipelineStep:
         gradients between ``training_step`` and ``backward``; they are held aside here and
         put back by :meth:`restore_gradients`.
         """
+        inputs, targets = self._module.split_batch(batch)
+        return self.run(inputs, targets)
+
+    @property
+    def micro_batches(self) -> int:
+        return self._groups.layout.micro_batches
+
+    def run(self, inputs: torch.Tensor, targets: Any) -> torch.Tensor:
+        """:meth:`loss` of a batch already split into the network's ``inputs`` and the loss's ``targets``."""
         module = self._module
-        inputs, targets = module.split_batch(batch)
         self._groups.layout.check_batch(inputs.shape[0])
-        stage: RankStages = module.model
+        stage = self._stages
         args = (inputs,) if stage.is_first else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": targets, "losses": losses} if stage.is_last else {}
@@ -140,7 +152,7 @@ class PipelineStep:
                 "with pipeline_parallel>1 the module's forward runs only without gradients (predict, "
                 "inference); training_step must call self.compute_loss(batch)"
             )
-        stage: RankStages = self._module.model
+        stage = self._stages
         self._groups.layout.check_batch(inputs.shape[0])
         args = (inputs,) if stage.is_first else ()
         # The schedule scores every micro-batch on the last stage; the inputs stand in for the

@@ -62,6 +62,9 @@ from lightning_merak.strategies.merak3d.build import (
 __all__ = ["PLANNER_REPEATS", "STEP_CHECK_BATCHES", "STEP_CHECK_WARMUP", "PlannedLayout", "check_step_time",
            "first_training_batch", "plan_layout"]
 
+LossOf = Callable[[torch.Tensor, int], torch.Tensor]
+"""``(logits, samples) -> loss`` of the planning batch's first ``samples``."""
+
 PLANNER_REPEATS = 11
 """Timed repeats per profiled quantity (median). With 5, three planning runs on 2 shared cores
 predicted the same layouts up to 25% apart; with 11, within about 8%."""
@@ -92,18 +95,19 @@ def first_training_batch(trainer: Any) -> Any:
     return next(iter(source.dataloader()))
 
 
-def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, targets: Any, *, world_size: int,
+def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, loss_of: LossOf, *, world_size: int,
                 num_processes: int, device: torch.device, optimizer: Optional[torch.optim.Optimizer],
                 clip_gradients: bool, broadcast: Broadcast, merak_ep: bool = False,
                 ep_size: Optional[int] = None) -> PlannedLayout:
-    """Profile this machine and ``module``'s model on one batch, search the layouts, and return the best one.
+    """Profile this machine and ``module``'s network (a :class:`~.network.ModuleView`) on one batch, scored by
+    ``loss_of``, search the layouts, and return the best one.
 
     With ``merak_ep`` the model's MoE layers run expert parallel over ``ep_size`` of each stage's data-parallel
     ranks (None: planned, every size dividing dp and the experts searched; the choice's ``layout.ep``): the profile
     describes them and measures their all-to-all, the search prices the exchange and the experts kept and keeps the
     data-parallel ranks unsharded. Rank 0's choice is every rank's.
     """
-    model: nn.Module = module.model
+    model: nn.Module = module.network
     config = getattr(model, "config", None)
     no_cache(model)
     # a model on the meta device is profiled one materialised piece at a time, seeded alike on every rank
@@ -127,7 +131,7 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
             raise
         rank_zero_info(f"merak3d planner: plain data parallelism, nothing to plan ({error})")
         return PlannedLayout(_data_parallel_layout(arguments, world), None, None, frozenset())
-    trainer = getattr(module, "_trainer", None)
+    trainer = getattr(module.module, "_trainer", None)
     precision = getattr(trainer, "precision_plugin", None)
     modes = ("none",) if merak_ep else sharding_modes(arguments, model, precision, optimizer)
     only_sharding_planned = "auto" not in (arguments.pipeline_parallel, arguments.tensor_parallel,
@@ -161,7 +165,7 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
     with grouped_experts(model) if merak_ep else contextlib.nullcontext():  # the expert compute merak_ep runs
         profile = profile_model(model, inputs, call_model, tensor_parallel_plan, keys, factory,
                                 repeats=PLANNER_REPEATS, process_group_device=device,
-                                loss_of=lambda logits, samples: module.loss_from_logits(logits, targets[:samples]),
+                                loss_of=loss_of,
                                 sequence_plan_of=sequence_parallel_plan if arguments.sequence_parallel else None,
                                 overlap_weight_gradients=arguments.weight_grad_overlap,
                                 materialize_with=materialize_with)

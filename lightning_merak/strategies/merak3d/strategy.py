@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -37,7 +38,7 @@ from lightning_merak.parallel.materialize import has_meta, meta_device
 from lightning_merak.parallel.tensor.layers import shared_row_weights
 from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
 from lightning_merak.planning.planner.step_check import BatchClock, StepTimeCheck
-from lightning_merak.strategies.merak3d import arguments, build, planning
+from lightning_merak.strategies.merak3d import arguments, build, network, planning
 from lightning_merak.strategies.merak3d.arguments import Degree
 from lightning_merak.strategies.merak3d.checkpoint_hooks import CheckpointHooks
 from lightning_merak.strategies.merak3d.variable_step import PipelineSteps, install_pipeline_step
@@ -57,8 +58,8 @@ class Merak3DStrategy(CheckpointHooks):
 
     Every argument, its default and what it does: :class:`~lightning_merak.strategies.merak3d.options.Merak3DOptions`
     (the signature below repeats it, in order) and ``docs/reference/cli.md`` (``merak-train strategy.<argument>=``).
-    The LightningModule it trains needs the members of
-    :class:`~lightning_merak.protocols.module_contract.Merak3DModule`.
+    It trains any LightningModule DDP trains, its steps as written; what it reads of it (nothing is required
+    without pipeline stages) is stated in :mod:`lightning_merak.protocols.module_contract`.
     """
 
     strategy_name = "merak3d"
@@ -112,6 +113,8 @@ class Merak3DStrategy(CheckpointHooks):
         self._built: Optional[build.BuiltModel] = None
         self._built_in_evaluation = False
         self._pipeline: Optional[PipelineSteps] = None
+        self._view: Optional[network.ModuleView] = None
+        """The LightningModule as merak3d trains it: where its network lives, what it provides of the contract."""
         self._checkpointer = ShardedCheckpointer(self._expert_placement)
         self._pending_optimizer_states: list[dict[str, Any]] = []
         self._restored_state: Optional[dict[str, Any]] = None
@@ -178,6 +181,13 @@ class Merak3DStrategy(CheckpointHooks):
     def reduction_stats(self) -> dict[str, float]:
         """The data-parallel gradient reduction so far (:meth:`.DataParallelGradients.stats`); empty at dp=1."""
         return self._data_parallel.stats() if self._data_parallel is not None else {}
+
+    @property
+    def last_exposed_communication_s(self) -> Optional[float]:
+        """Seconds the last step waited for its data-parallel gradient reduction after backward (None at dp=1 or
+        before the first step): the communication the overlap did not hide."""
+        waits = self._data_parallel.exposed_s if self._data_parallel is not None else []
+        return waits[-1] if waits else None
 
     @property
     def tp_overlap(self) -> Degree:
@@ -314,6 +324,7 @@ class Merak3DStrategy(CheckpointHooks):
         rank_zero_only.rank = self.global_rank
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
         self._process_group_backend = backend
+        reset_seed()  # as Lightning's DDP does: the generators start training where DDP's do (dropout included)
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         # a layout built by an earlier validate/predict keeps its mesh: its shards and groups live on it
         if self._groups is None and not self._arguments.needs_planning:
@@ -323,11 +334,12 @@ class Merak3DStrategy(CheckpointHooks):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        arguments.check_module_members(module)
         arguments.check_accumulation(trainer.accumulate_grad_batches)
-        self.adopt_planned_layout(trainer)
+        self.adopt_planned_layout(trainer)  # finds the module's network first when it plans
         if self._built is None:  # a layout built by an earlier validate or predict holds only its part
-            self._arguments.check_model(module.model, self.pipeline_parallel, self.tensor_parallel)
+            self._view = network.module_view(module, self.pipeline_parallel, self.tensor_parallel)
+            self._check_micro_batching()
+            self._arguments.check_model(self._view.network, self.pipeline_parallel, self.tensor_parallel)
             self.precision_plugin.convert_module(module)  # bf16-true: weights in bf16 (on meta too)
         self.model_to_device()
         if self._built is None and not has_meta(module):  # built or meta: ranks' parts start equal when built
@@ -340,6 +352,24 @@ class Merak3DStrategy(CheckpointHooks):
                 self._shard_optimizers()
         self.setup_precision_plugin()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+
+    def _check_micro_batching(self) -> None:
+        """Refuse variable-length micro-batches for a module without the whole contract (they score next-token
+        cross-entropy through ``loss_from_logits``)."""
+        assert self._view is not None
+        if self.micro_batching.enabled and self.pipeline_parallel > 1 and not self._view.contract:
+            raise ValueError(
+                f"micro_batching={self.micro_batching.mode!r} scores micro-batches with loss_from_logits, which "
+                f"{type(self._view.module).__name__} lacks; use micro_batching='none' or implement "
+                "lightning_merak.protocols.module_contract.Merak3DModule (as CausalLMModule does)")
+
+    @property
+    def module_view(self) -> network.ModuleView:
+        """The LightningModule as merak3d trains it (its network, what it provides); found in ``setup``, or first
+        when a checkpoint is restored before it."""
+        if self._view is None:
+            self._view = network.module_view(self.lightning_module, *self._arguments.launch_degrees(self.world_size))
+        return self._view
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -382,11 +412,12 @@ class Merak3DStrategy(CheckpointHooks):
         merak_ep's expert groups (their ranks follow the chosen dp), pricing their exchange over ``ep_size`` ranks."""
         if not self.needs_planning:
             return
-        arguments.check_module_members(self.lightning_module)
-        self._arguments.check_model(self.lightning_module.model, *self._arguments.launch_degrees(self.world_size))
+        degrees = self._arguments.launch_degrees(self.world_size)
+        view = self._view = network.module_view(self.lightning_module, *degrees)
+        self._arguments.check_model(view.network, *degrees)
         inputs, targets = self._planning_batch(trainer)
         planned = planning.plan_layout(
-            self._arguments, self.lightning_module, inputs, targets, world_size=self.world_size,
+            self._arguments, view, inputs, view.planning_loss(targets), world_size=self.world_size,
             num_processes=self.num_processes, device=self.root_device,
             optimizer=self.optimizers[0] if self.optimizers else None,
             clip_gradients=bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (None, "norm"),
@@ -405,12 +436,12 @@ class Merak3DStrategy(CheckpointHooks):
             batch = planning.first_training_batch(trainer)
         finally:
             self._reading_planning_batch = False
-        return self.lightning_module.split_batch(super().batch_to_device(batch))
+        return self.module_view.split_batch(super().batch_to_device(batch))
 
     def on_train_start(self) -> None:
         """Modules built in an evaluation loop (the sanity check, validate, predict) are still in eval mode."""
         if self._built is not None:
-            self.lightning_module.model.train()
+            self.module_view.network.train()
         if self.layout_choice is not None and self.step_time_check is None:
             # read from the package, where tests shorten the check
             self._batch_clock = BatchClock(planning.STEP_CHECK_WARMUP, planning.STEP_CHECK_BATCHES)
@@ -448,21 +479,22 @@ class Merak3DStrategy(CheckpointHooks):
 
     def _build(self, batch: Any) -> None:
         """Cut, split and wrap the model for this rank on the shapes of ``batch``, then hand it to Lightning."""
-        module = self.lightning_module
+        module, view = self.lightning_module, self.module_view
         existing = weakref.WeakSet(module.modules())  # not keeping alive the whole layers a split replaces
-        inputs, _ = module.split_batch(batch)
-        self._checkpointer.find_experts(module.model)
-        built = build.build_model(module.model, inputs, arguments=self._arguments, groups=self.groups,
-                                  global_rank=self.global_rank, broadcast=self.broadcast,
+        traced = self.pipeline_parallel > 1 or self.tensor_parallel > 1
+        inputs = view.split_batch(batch)[0] if traced or view.contract else network.batch_inputs(batch)
+        self._checkpointer.find_experts(view.network)
+        built = build.build_model(view.network, inputs, device=self.root_device, arguments=self._arguments,
+                                  groups=self.groups, global_rank=self.global_rank, broadcast=self.broadcast,
                                   verified_tp_degrees=self._verified_tp_degrees,
-                                  load_weights=build.weight_loader(module, self._restored_state))
+                                  load_weights=build.weight_loader(module, self._restored_state, view.network,
+                                                                   view.state_prefix))
         self._checkpointer.layout_changes = built.layout_changes
         self.partition = built.partition
         if built.stages is not None:
-            module.model = built.stages
-            self._pipeline = install_pipeline_step(self.micro_batching, module, built.stages, self.groups,
+            self._pipeline = install_pipeline_step(self.micro_batching, view, built.stages, self.groups,
                                                    self.root_device)
-        else:  # the pipeline's schedule wraps the loss itself
+        elif view.contract:  # the pipeline's schedule wraps the loss itself; a drop-in network gathers its logits
             module.loss_from_logits = vocab_parallel_loss(module.loss_from_logits, module.model)
         for part in module.modules():
             if part not in existing:  # stage wrappers and pruned containers join the loop's mode
@@ -472,7 +504,7 @@ class Merak3DStrategy(CheckpointHooks):
         if layout.data_parallel_sharding == "full" and layout.data_parallel > 1:  # before the optimizers see them
             data_parallel.check_precision(self.precision_plugin, "full")
             self._fully_sharded, built = build.shard_built_model(
-                module.model, built, self.groups, layout.data_parallel_shard_size, row_shared=bool(self._row_shares))
+                view.network, built, self.groups, layout.data_parallel_shard_size, row_shared=bool(self._row_shares))
         self._built = built
         self._built_in_evaluation = not module.training
         trainer = module.trainer
@@ -485,7 +517,7 @@ class Merak3DStrategy(CheckpointHooks):
             self.setup_precision_plugin()
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
             for optimizer, state in zip(self.optimizers, self._pending_optimizer_states):
-                self._checkpointer.load_optimizer_state(optimizer, state, module.model)
+                self._checkpointer.load_optimizer_state(optimizer, state, view.network)
             self._pending_optimizer_states = []
             self._shard_optimizers()
 
@@ -500,12 +532,15 @@ class Merak3DStrategy(CheckpointHooks):
         """A layout built in a fit's sanity check trains afterwards: Lightning restores the modes of the modules
         it saw before the loop, by name, and the build renamed and wrapped them (they would train in eval mode)."""
         if self._built_in_evaluation and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            self.lightning_module.model.train()
+            self.module_view.network.train()
         self._built_in_evaluation = False
 
     # Steps ------------------------------------------------------------------------------
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        pipelined_network = self._view.network.forward if self._pipeline is not None and self._view else None
+        if isinstance(pipelined_network, network.PipelinedNetwork):  # its loss_from_outputs reads the batch
+            pipelined_network.batch = args[0]
         if self._data_parallel is not None:  # a pipelined step runs its micro-batches' backward passes in here
             averaged_later = self._data_parallel.arm(self._pipeline.backward_passes(args[0]) if self._pipeline else 1)
             if self._pipeline is not None:

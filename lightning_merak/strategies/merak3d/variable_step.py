@@ -42,6 +42,7 @@ from lightning_merak.parallel.micro_batching.samples import (
 from lightning_merak.parallel.pipeline.schedules import ScheduleShiftedCriticalPath
 from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
+from lightning_merak.strategies.merak3d.network import ModuleView, PipelinedNetwork
 from lightning_merak.strategies.merak3d.pipeline_step import PipelineStep
 
 __all__ = ["PipelineSteps", "VariablePipelineStep", "VariableShapeStage", "install_pipeline_step", "plan_step"]
@@ -263,12 +264,23 @@ def _check_token_loss(module: Any) -> None:
             "CausalLMModule's loss_from_logits")
 
 
-def install_pipeline_step(options: MicroBatching, module: Any, stages: RankStages, groups: LayoutGroups,
+def install_pipeline_step(options: MicroBatching, view: ModuleView, stages: RankStages, groups: LayoutGroups,
                           device: torch.device) -> PipelineSteps:
-    """The step merak3d runs a pipelined module with (:class:`VariablePipelineStep` when micro-batching is on),
-    installed as the module's ``compute_loss`` and ``forward``."""
+    """The step merak3d runs a pipelined module with (:class:`VariablePipelineStep` when micro-batching is on).
+
+    With the whole module contract it is installed as the module's ``compute_loss`` and ``forward``; otherwise the
+    network's attribute gets the stages, called through a :class:`~.network.PipelinedNetwork`."""
+    module = view.module
+    if not view.contract:
+        pipelined = PipelinedNetwork(view, view.network)
+        step = PipelineStep(module, stages, groups, device, pipelined.micro_batch_loss)
+        pipelined.step = step
+        stages.forward = pipelined
+        view.network = stages
+        return step
     step = (VariablePipelineStep(module, stages, groups, device, options) if options.enabled
-            else PipelineStep(module, stages, groups, device))
+            else PipelineStep(module, stages, groups, device, module.loss_from_logits))
+    module.model = stages
     module.compute_loss = step.loss
     module.forward = step.forward
     return step

@@ -1,0 +1,247 @@
+"""``TrainingMetrics``: throughput, step time, MFU, gradient norm and memory, on any strategy.
+
+Every ``trainer.log_every_n_steps`` optimizer steps, and once more for the steps left when training ends
+(so a run shorter than the interval logs too), every rank contributes its counts to one small
+``all_gather`` and global rank 0 writes the interval's figures to each logger, saving the loggers at the
+end. Lightning's ``Throughput`` rates need a full window of updates, which a run shorter than the window
+never fills, and its ``ThroughputMonitor`` logs only from rank 0's batches; the rates here are over the
+interval, with every data-parallel replica's batches counted.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_merak.callbacks.metrics.device import DATASHEET_PEAK, PeakFlops, compute_dtype, peak_flops, read_memory
+from lightning_merak.callbacks.metrics.figures import log_figure, memory_figure
+from lightning_merak.planning.flops import training_flops_per_token, transformer_shape
+
+__all__ = ["TrainingMetrics"]
+
+MEMORY_FIGURE = "memory/over_steps"
+_COUNTS = ("tokens", "samples", "model_flops", "peak_mib", "current_mib")
+
+
+def _first_tensor(value: Any) -> Optional[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, dict):
+        value = [value["input_ids"]] if "input_ids" in value else list(value.values())
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+class TrainingMetrics(pl.Callback):
+    """Logs, per interval of ``trainer.log_every_n_steps`` optimizer steps:
+
+    - ``perf/step_time_s``: wall time per optimizer step (validation excluded);
+    - ``perf/tokens_per_s``, ``perf/samples_per_s``: over every data-parallel replica;
+    - ``perf/mfu`` (over a datasheet peak: known CUDA devices) or ``perf/mfu_measured_peak`` (over a measured
+      matmul: CPUs and other devices), with ``perf/peak_tflops`` it divides by and ``perf/model_tflops_per_s``:
+      model FLOPs (:mod:`lightning_merak.planning.flops`, from ``pl_module.model.config``) per second over all ranks;
+    - ``train/grad_norm``: the total gradient norm before clipping, over every shard. A strategy with a
+      ``last_gradient_norm`` (merak3d) gives its own, which it computes while clipping (none without
+      ``gradient_clip_val``); otherwise the norm of the gradients Lightning hands to the optimizer is taken, on
+      the steps that are logged only;
+    - ``comm/exposed_s``, ``comm/exposed_fraction`` (rank 0; a strategy with ``last_exposed_communication_s``,
+      merak3d with data parallelism): the wait for the gradient reduction after backward, per step and as a
+      share of the step;
+    - ``memory/peak_MiB/max`` and, for up to ``ranks_per_rank_metrics`` ranks, ``memory/peak_MiB/rank<r>``: each
+      rank's high-water mark (CUDA: allocated tensors; CPU: the process's resident set).
+
+    At the end a memory-over-steps figure goes to the loggers (:func:`~.figures.log_figure`).
+
+    ``batch_size_fn(batch)`` and ``length_fn(batch)`` count a batch's samples and tokens (default: the first
+    dimension and the element count of the module's inputs, ``pl_module.split_batch(batch)[0]`` where it has
+    one, else the batch's first tensor). ``flops_per_token(seq_len)`` gives the training FLOPs of a token for a
+    model whose config :func:`~lightning_merak.planning.flops.transformer_shape` does not know.
+    """
+
+    def __init__(self, batch_size_fn: Optional[Callable[[Any], int]] = None,
+                 length_fn: Optional[Callable[[Any], int]] = None,
+                 flops_per_token: Optional[Callable[[int], float]] = None, ranks_per_rank_metrics: int = 16) -> None:
+        for name, value in (("batch_size_fn", batch_size_fn), ("length_fn", length_fn),
+                            ("flops_per_token", flops_per_token)):
+            if value is not None and not callable(value):
+                raise TypeError(f"TrainingMetrics({name}=...) takes a function, got {type(value).__name__}")
+        if ranks_per_rank_metrics < 0:
+            raise ValueError(f"ranks_per_rank_metrics must be >= 0, got {ranks_per_rank_metrics}")
+        self.batch_size_fn, self.length_fn = batch_size_fn, length_fn
+        self.flops_per_token = flops_per_token
+        self._flops_fn = flops_per_token
+        self.ranks_per_rank_metrics = ranks_per_rank_metrics
+        self.peak: Optional[PeakFlops] = None
+        self.history: dict[str, list[Any]] = {"step": [], "peak_mib": [], "current_mib": []}
+        """Rank 0's record of each logged interval: the step, and every rank's memory readings."""
+        self._counts = dict.fromkeys(_COUNTS, 0.0)
+        self._steps = 0
+        self._last_global_step = 0
+        self._interval_start: Optional[float] = None
+        self._paused_at: Optional[float] = None
+        self._grad_norm: Optional[float] = None
+        self._exposed_s: list[float] = []
+        """The strategy's exposed gradient-communication wait of each step of the interval (merak3d)."""
+        self._flops_by_length: dict[int, float] = {}
+
+    # Hooks ---------------------------------------------------------------------------------------------
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        device = trainer.strategy.root_device
+        self.peak = peak_flops(device, compute_dtype(str(trainer.precision)))
+        if self.flops_per_token is None:
+            config = getattr(getattr(pl_module, "model", None), "config", None)
+            try:
+                if config is None:
+                    raise ValueError(f"{type(pl_module).__name__}.model has no transformers config")
+                shape = transformer_shape(config)
+                self._flops_fn = lambda seq_len: training_flops_per_token(shape, seq_len)
+            except (ValueError, KeyError) as error:
+                rank_zero_warn(f"TrainingMetrics logs no MFU: {error}")
+        self._last_global_step = trainer.global_step
+        self._interval_start = time.perf_counter()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._interval_start is not None:
+            self._paused_at = time.perf_counter()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._paused_at is not None and self._interval_start is not None:
+            self._interval_start += time.perf_counter() - self._paused_at
+            self._paused_at = None
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        """Before clipping: the gradients' total norm, on a step that will be logged (every rank alike)."""
+        if hasattr(trainer.strategy, "last_gradient_norm") or not self._logs_next_step(trainer):
+            return
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if grads:
+            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+            self._grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        samples, tokens, seq_len = self._batch_size(pl_module, batch)
+        self._counts["samples"] += samples
+        self._counts["tokens"] += tokens
+        if self._flops_fn is not None and seq_len > 0:
+            if seq_len not in self._flops_by_length:
+                self._flops_by_length[seq_len] = float(self._flops_fn(seq_len))
+            self._counts["model_flops"] += self._flops_by_length[seq_len] * tokens
+        if trainer.global_step == self._last_global_step:
+            return  # accumulating gradients: the optimizer step comes with a later batch
+        self._last_global_step = trainer.global_step
+        self._steps += 1
+        strategy_norm = getattr(trainer.strategy, "last_gradient_norm", None)
+        if strategy_norm is not None:
+            self._grad_norm = float(strategy_norm)
+        exposed = getattr(trainer.strategy, "last_exposed_communication_s", None)
+        if exposed is not None:
+            self._exposed_s.append(float(exposed))
+        if trainer.log_every_n_steps > 0 and self._steps >= trainer.log_every_n_steps:
+            self._log_interval(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Log the steps since the last interval, the memory figure, and save every logger (all ranks call this:
+        the interval's gather and ``trainer.log_dir`` are collective)."""
+        if self._steps > 0:
+            self._log_interval(trainer)
+        if not trainer.loggers or not self.history["step"]:
+            return
+        if trainer.is_global_zero:
+            ranks = range(len(self.history["peak_mib"][0]))
+            shown = list(ranks)[:max(self.ranks_per_rank_metrics, 1)]
+            figure = memory_figure(self.history["step"],
+                                   {r: [row[r] for row in self.history["peak_mib"]] for r in shown},
+                                   {r: [row[r] for row in self.history["current_mib"]] for r in shown},
+                                   "CUDA allocated" if trainer.strategy.root_device.type == "cuda" else "host RSS")
+            log_figure(trainer, MEMORY_FIGURE, figure, self.history["step"][-1])
+            for logger in trainer.loggers:
+                logger.save()
+
+    # Helpers -------------------------------------------------------------------------------------------
+
+    def _logs_next_step(self, trainer: pl.Trainer) -> bool:
+        """Whether the optimizer step under way ends an interval or the run (the same on every rank)."""
+        if trainer.log_every_n_steps > 0 and self._steps + 1 >= trainer.log_every_n_steps:
+            return True
+        if 0 < trainer.max_steps <= trainer.global_step + 1:
+            return True
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else math.inf
+        return bool(progress.is_last_batch) and trainer.current_epoch + 1 >= max_epochs
+
+    def _batch_size(self, pl_module: pl.LightningModule, batch: Any) -> tuple[int, int, int]:
+        """``(samples, tokens, sequence length)`` of ``batch``."""
+        split = getattr(pl_module, "split_batch", None)
+        inputs = _first_tensor(split(batch)[0] if callable(split) else batch)
+        seq_len = int(inputs.shape[-1]) if inputs is not None and inputs.dim() > 1 else 0
+        samples = (self.batch_size_fn(batch) if self.batch_size_fn is not None
+                   else int(inputs.shape[0]) if inputs is not None and inputs.dim() > 0 else 1)
+        tokens = (self.length_fn(batch) if self.length_fn is not None
+                  else int(inputs.numel()) if inputs is not None else samples)
+        return int(samples), int(tokens), seq_len
+
+    def _gathered(self, trainer: pl.Trainer) -> torch.Tensor:
+        """Every rank's counts and memory, one row per rank (one ``all_gather``)."""
+        reading = read_memory(trainer.strategy.root_device)
+        self._counts["peak_mib"], self._counts["current_mib"] = reading.peak_mib, reading.current_mib
+        local = torch.tensor([self._counts[key] for key in _COUNTS], dtype=torch.float64)
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return local.unsqueeze(0)
+        device = trainer.strategy.root_device
+        rows = [torch.empty_like(local, device=device) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, local.to(device))
+        return torch.stack(rows).cpu()
+
+    def _log_interval(self, trainer: pl.Trainer) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(trainer.strategy.root_device)
+        now = time.perf_counter()
+        elapsed = now - (self._interval_start if self._interval_start is not None else now)
+        steps = self._steps
+        rows = self._gathered(trainer)
+        self._counts = dict.fromkeys(_COUNTS, 0.0)
+        self._steps, self._interval_start = 0, now
+        exposed, self._exposed_s = self._exposed_s, []
+        if not trainer.is_global_zero:
+            return
+        world = rows.shape[0]
+        sampler = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        replica_share = int(sampler.get("num_replicas", world)) / world  # each replica's ranks count one batch
+        totals = {key: float(rows[:, i].sum()) * replica_share for i, key in enumerate(_COUNTS[:3])}
+        metrics = {"perf/step_time_s": elapsed / steps}
+        if elapsed > 0:
+            metrics["perf/tokens_per_s"] = totals["tokens"] / elapsed
+            metrics["perf/samples_per_s"] = totals["samples"] / elapsed
+            if totals["model_flops"] > 0 and self.peak is not None:
+                achieved = totals["model_flops"] / elapsed
+                name = "perf/mfu" if self.peak.source == DATASHEET_PEAK else "perf/mfu_measured_peak"
+                metrics[name] = achieved / (self.peak.flops_per_s * world)
+                metrics["perf/model_tflops_per_s"] = achieved / 1e12
+                metrics["perf/peak_tflops"] = self.peak.flops_per_s / 1e12
+        if self._grad_norm is not None:
+            metrics["train/grad_norm"] = self._grad_norm
+        if exposed:
+            metrics["comm/exposed_s"] = sum(exposed) / len(exposed)
+            if metrics["perf/step_time_s"] > 0:
+                metrics["comm/exposed_fraction"] = metrics["comm/exposed_s"] / metrics["perf/step_time_s"]
+        peaks, currents = rows[:, 3].tolist(), rows[:, 4].tolist()
+        metrics["memory/peak_MiB/max"] = max(peaks)
+        if world <= self.ranks_per_rank_metrics:
+            metrics.update({f"memory/peak_MiB/rank{rank}": peak for rank, peak in enumerate(peaks)})
+        self.history["step"].append(trainer.global_step)
+        self.history["peak_mib"].append(peaks)
+        self.history["current_mib"].append(currents)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)

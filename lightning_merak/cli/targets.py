@@ -1,0 +1,66 @@
+"""The ``_target_`` nodes of ``merak-train`` (``module``, ``data``, ``logger.*``, ``callbacks``): checked, then made.
+
+Hydra's ``instantiate`` fails late and deep (an unknown keyword is a ``TypeError`` inside the user's
+``__init__``, a wrong class trains nothing until Lightning rejects it). :func:`instantiate_checked` refuses first,
+naming the fix: a target that does not import, one that is not the kind of object its key expects, a keyword the
+target does not take (with the closest one it does) and a required one left out.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_merak.cli.overrides import ConfigError
+
+__all__ = ["RESERVED_KEYS", "instantiate_checked", "target_class"]
+
+RESERVED_KEYS = ("_target_", "_args_", "_partial_", "_convert_", "_recursive_")
+"""Hydra's own keys of a ``_target_`` node, which are not keyword arguments of the target."""
+
+
+def target_class(node: Mapping[str, Any], path: str, base: type) -> type:
+    """The class ``node["_target_"]`` names, refused unless it imports and subclasses ``base``."""
+    name = node.get("_target_")
+    if not isinstance(name, str) or "." not in name:
+        raise ConfigError(f"{path}._target_={name} is not an import path; set {path}._target_=package.module.Class")
+    module_name, _, attribute = name.rpartition(".")
+    try:
+        target = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ConfigError(f"{path}._target_={name} does not import ({type(error).__name__}: {error}); give the full "
+                          "import path of a class on the Python path (the current directory is on it only with "
+                          "PYTHONPATH=.)") from None
+    if not (isinstance(target, type) and issubclass(target, base)):
+        raise ConfigError(f"{path}._target_={name} is not a {base.__module__}.{base.__qualname__} subclass; point "
+                          f"it at one")
+    _check_keywords(target, node, path)
+    return target
+
+
+def _check_keywords(target: type, node: Mapping[str, Any], path: str) -> None:
+    """Refuse keys ``target``'s constructor does not take, and required arguments ``node`` leaves out."""
+    parameters = {name: parameter for name, parameter in inspect.signature(target).parameters.items()
+                  if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.POSITIONAL_ONLY)}
+    open_ended = any(parameter.kind is parameter.VAR_KEYWORD for parameter in parameters.values())
+    given = [key for key in node if key not in RESERVED_KEYS]
+    if not open_ended:
+        for key in given:
+            if key not in parameters:
+                close = difflib.get_close_matches(key, list(parameters), n=1)
+                hint = f"did you mean {path}.{close[0]}?" if close else f"it takes {', '.join(parameters) or 'none'}"
+                raise ConfigError(f"{path}.{key}: {target.__qualname__} takes no argument {key!r}; {hint}")
+    for name, parameter in parameters.items():
+        if parameter.default is parameter.empty and parameter.kind is not parameter.VAR_KEYWORD and name not in given:
+            raise ConfigError(f"{path}: {target.__qualname__} needs the argument {name!r}; add {path}.{name}=...")
+
+
+def instantiate_checked(node: Mapping[str, Any], path: str, base: type) -> Any:
+    """``node``'s target made with ``node``'s keywords, after :func:`target_class` has checked them."""
+    from hydra.utils import instantiate
+
+    target_class(node, path, base)
+    return instantiate(dict(node), _convert_="all")

@@ -1,0 +1,260 @@
+"""Training data from a local Hugging Face ``datasets`` corpus: ``data=hf_dataset``.
+
+The corpus is json/jsonl, parquet, csv or arrow files (read by ``datasets.load_dataset(<format>, ...)``),
+one file or a folder of them, or a folder written by ``save_to_disk`` (``datasets.load_from_disk``). Its text
+column is tokenised with a local tokenizer or, without one, with the byte-level
+:class:`~lightning_merak.modules.data.ByteTokenizer`.
+
+Without streaming the whole corpus is tokenised once in ``setup`` and cut exactly as ``data=text`` cuts a file
+(the shared :func:`~lightning_merak.modules.data.packed_blocks` and
+:func:`~lightning_merak.modules.data.variable_samples`), so both resume mid-epoch the same way. With
+``streaming=True`` nothing is materialised: each data-parallel rank reads its own documents
+(``datasets.distributed.split_dataset_by_node``), shuffles them in a buffer and packs blocks as it goes. The
+stream never ends (each pass reshuffled), so every rank can always take another step and the run stops at the
+Trainer's ``max_steps``; a resumed run reads the trained batches again and drops them, as the in-memory loader
+does. A document is held out for validation by a seeded hash of its text, which needs no count of the corpus
+and sends a duplicated document to the same side; every rank validates on all held-out documents.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data import IterableDataset as TorchIterableDataset
+
+from lightning_merak.modules.data import (
+    TokenDataModule,
+    document_tokens,
+    load_tokenizer,
+    packed_blocks,
+    variable_samples,
+)
+
+try:
+    import datasets
+    from datasets.distributed import split_dataset_by_node
+except ImportError as missing:  # an optional dependency: the `data` extra
+    raise ImportError("data=hf_dataset reads corpora with Hugging Face datasets, which is not installed: "
+                      "pip install 'lightning-merak[data]' (or pip install datasets)") from missing
+
+__all__ = ["FORMATS", "HFDatasetData", "PackedStream", "held_out", "resolve_format"]
+
+SUFFIX_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+FORMATS = ("json", "jsonl", "parquet", "csv", "arrow", "save_to_disk")
+"""``format`` values: ``datasets``' packaged readers (``jsonl`` is ``json``) and ``save_to_disk`` folders."""
+SAVED_MARKERS = ("state.json", "dataset_dict.json")
+"""Files ``save_to_disk`` writes at a folder's top (a dataset, or a dataset dict of splits)."""
+DISK_SHARDS = 64
+"""Shards a ``save_to_disk`` dataset is streamed in (at most one per row): ranks and loader workers read
+disjoint runs of rows instead of every one reading all and skipping."""
+READ_BATCH = 1024
+"""Records read from ``datasets`` at a time: its row-by-row iteration costs a Python object per column."""
+
+
+def resolve_format(path: Path, data_format: Optional[str]) -> str:
+    """The reader for ``path``: ``data_format`` checked, or inferred from the file's suffix, the folder's
+    ``save_to_disk`` files or the suffix its data files share."""
+    if data_format is not None:
+        if data_format not in FORMATS:
+            raise ValueError(f"data.format={data_format!r} is unknown; choose one of {', '.join(FORMATS)}, or null "
+                             "to infer it from data.path")
+        return "json" if data_format == "jsonl" else data_format
+    if path.is_file():
+        if path.suffix not in SUFFIX_FORMATS:
+            raise ValueError(f"data.path={str(path)!r}: cannot infer the format from suffix {path.suffix!r}; "
+                             f"set data.format to one of {', '.join(FORMATS)}")
+        return SUFFIX_FORMATS[path.suffix]
+    if any((path / marker).is_file() for marker in SAVED_MARKERS):
+        return "save_to_disk"
+    suffixes = {file.suffix for file in path.rglob("*") if file.is_file() and file.suffix in SUFFIX_FORMATS}
+    formats = {SUFFIX_FORMATS[suffix] for suffix in suffixes}
+    if len(formats) != 1:
+        found = f"data files of several formats ({', '.join(sorted(suffixes))})" if formats else "no data files"
+        raise ValueError(f"data.path={str(path)!r} is a folder with {found} and no save_to_disk files "
+                         f"({' or '.join(SAVED_MARKERS)}); point data.path at one file or set data.format")
+    return formats.pop()
+
+
+def open_documents(path: Path, data_format: str, split: str) -> datasets.Dataset | datasets.IterableDataset:
+    """The split's records, opened lazily: memory-mapped (``save_to_disk``) or streamed from the files."""
+    if data_format == "save_to_disk":
+        splits = datasets.load_from_disk(str(path))
+        if isinstance(splits, datasets.Dataset):  # a single dataset is its own one split
+            return splits
+    else:
+        source = {"data_files": str(path)} if path.is_file() else {"data_dir": str(path)}
+        splits = datasets.load_dataset(data_format, streaming=True, **source)
+    if split not in splits:
+        raise ValueError(f"data.split={split!r} is not in data.path={str(path)!r}; its splits are "
+                         f"{', '.join(sorted(splits))}: set data.split to one of them")
+    return splits[split]
+
+
+def column_names(documents: datasets.Dataset | datasets.IterableDataset) -> list[str]:
+    """The records' columns: from the schema, or (a stream whose reader infers it) from the first record."""
+    if documents.column_names is not None:
+        return list(documents.column_names)
+    first = next(iter(documents.take(1)), None)
+    return [] if first is None else list(first)
+
+
+def held_out(document: Any, seed: int, val_fraction: float) -> bool:
+    """Whether a streamed document belongs to validation: a seeded hash of its text below ``val_fraction``."""
+    digest = hashlib.blake2b(f"{seed}\0{document}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < val_fraction * 2**64
+
+
+def _on_side(record: dict[str, Any], text_field: str, seed: int, val_fraction: float, validation: bool) -> bool:
+    return held_out(record[text_field], seed, val_fraction) == validation
+
+
+def _token_lists(documents: Any, text_field: str, encode: Callable[[str], list[int]],
+                 eos_token_id: Optional[int]) -> Iterator[list[int]]:
+    """Each record's token ids, read in batches of records; empty (null) documents skipped."""
+    for batch in documents.iter(batch_size=READ_BATCH):
+        for document in batch[text_field]:
+            if document is not None:
+                yield document_tokens(document, encode, eos_token_id)
+
+
+class PackedStream(TorchIterableDataset):
+    """Blocks of ``seq_len`` ids packed from a document stream as it is read, one pass or endlessly.
+
+    ``set_epoch`` numbers the first pass; each pass reshuffles the documents (``datasets`` seeds its shuffle
+    with the seed plus the pass), and tokens left over at a pass's end open the next one.
+    """
+
+    def __init__(self, documents: datasets.IterableDataset, text_field: str, encode: Callable[[str], list[int]],
+                 eos_token_id: Optional[int], seq_len: int, endless: bool, source: str) -> None:
+        super().__init__()
+        self.documents, self.text_field, self.seq_len, self.endless = documents, text_field, seq_len, endless
+        self.encode, self.eos_token_id, self.source = encode, eos_token_id, source
+        self.first_pass = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.first_pass = epoch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor]]:
+        buffer: list[int] = []
+        for pass_number in itertools.count(self.first_pass) if self.endless else (self.first_pass,):
+            self.documents.set_epoch(pass_number)
+            read_any = False
+            for tokens in _token_lists(self.documents, self.text_field, self.encode, self.eos_token_id):
+                read_any = True
+                buffer.extend(tokens)
+                while len(buffer) >= self.seq_len:
+                    yield (torch.tensor(buffer[:self.seq_len], dtype=torch.long),)
+                    del buffer[:self.seq_len]
+            if self.endless and not read_any:  # an empty share would loop forever without a batch
+                raise ValueError(f"{self.source}: this rank's share of the training documents is empty; use more "
+                                 "documents, fewer ranks or data.num_workers, or a smaller data.val_fraction")
+
+
+class HFDatasetData(TokenDataModule):
+    """A local Hugging Face ``datasets`` corpus as blocks of ``seq_len`` token ids (or, ``lengths="variable"``,
+    one sample per document for merak3d's ``micro_batching``), with a held-out validation split.
+
+    Every argument is checked, the tokenizer loaded and the corpus opened (its split and text column checked)
+    in the constructor, before any tokenising; ``vocab_size`` is then the tokenizer's, for the model to match.
+    ``format=None`` infers the reader from ``path``; ``split`` names the split of a ``save_to_disk`` dataset
+    dict, or of a folder whose file names mark splits (a file alone is ``train``).
+    """
+
+    def __init__(self, path: str, format: Optional[str] = None, split: str = "train", text_field: str = "text",
+                 tokenizer_path: Optional[str] = None, seq_len: int = 64, batch_size: int = 16,
+                 lengths: str = "fixed", max_length: int = 2048, val_fraction: float = 0.02,
+                 streaming: bool = False, shuffle_buffer: int = 10_000, num_workers: int = 0,
+                 seed: int = 1234) -> None:
+        super().__init__(batch_size, lengths, num_workers, seed)
+        if seq_len < 2:
+            raise ValueError(f"data.seq_len must be at least 2, got {seq_len}")
+        if max_length < 2:
+            raise ValueError(f"data.max_length must be at least 2, got {max_length}")
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must lie in (0, 1), got {val_fraction}")
+        if shuffle_buffer < 1:
+            raise ValueError(f"data.shuffle_buffer must be at least 1, got {shuffle_buffer}")
+        if streaming and lengths == "variable":
+            raise ValueError("data.streaming=true packs blocks of seq_len as it reads; data.lengths=variable needs "
+                             "the whole corpus to shuffle samples into global batches: set data.streaming=false "
+                             "or data.lengths=fixed")
+        if not path:
+            raise ValueError("data=hf_dataset needs data.path: a json/jsonl, parquet, csv or arrow file, a folder "
+                             "of them, or a save_to_disk folder, by absolute path")
+        local = Path(path).expanduser()
+        if not local.exists():
+            raise FileNotFoundError(f"data.path={path!r} does not exist; pass a local data file or folder (e.g. "
+                                    "data=hf_dataset data.path=/abs/path/train.parquet)")
+        self.path, self.format = str(local), resolve_format(local, format)
+        self.split, self.text_field, self.seq_len, self.max_length = split, text_field, seq_len, max_length
+        self.val_fraction, self.streaming, self.shuffle_buffer = val_fraction, streaming, shuffle_buffer
+        self._encode, self.vocab_size, self._eos = load_tokenizer(tokenizer_path)
+        self.documents = open_documents(local, self.format, split)
+        columns = column_names(self.documents)
+        if text_field not in columns:
+            raise ValueError(f"data.path={path!r} has no column {text_field!r} (columns: {', '.join(columns)}); "
+                             "set data.text_field to the column holding the text")
+
+    @property
+    def source(self) -> str:
+        """How errors name the data."""
+        return f"data.path={self.path!r}"
+
+    def build_samples(self) -> tuple[Any, Any]:
+        token_lists = _token_lists(self.documents, self.text_field, self._encode, self._eos)
+        if self.lengths == "variable":
+            return variable_samples(token_lists, self.max_length, self.batch_size, self.val_fraction, self.seed,
+                                    self.source)
+        return packed_blocks(token_lists, self.seq_len, self.val_fraction, self.seed, self.source)
+
+    def setup(self, stage: str) -> None:
+        if not self.streaming:
+            super().setup(stage)
+        elif self.trainer is not None and self.trainer.max_steps < 0:
+            raise ValueError("data.streaming=true reads an endless stream (each pass reshuffled), so an epoch never "
+                             "ends: set the Trainer's max_steps (trainer.max_steps) and an integer "
+                             "val_check_interval")
+
+    def _stream(self, validation: bool) -> datasets.IterableDataset:
+        """The documents of one side of the split, as a stream, with only the text column read."""
+        documents = self.documents
+        if isinstance(documents, datasets.Dataset):
+            documents = documents.to_iterable_dataset(num_shards=max(1, min(len(documents), DISK_SHARDS)))
+        on_side = functools.partial(_on_side, text_field=self.text_field, seed=self.seed,
+                                    val_fraction=self.val_fraction, validation=validation)
+        return documents.select_columns([self.text_field]).filter(on_side)
+
+    def _packed(self, documents: datasets.IterableDataset, endless: bool) -> PackedStream:
+        return PackedStream(documents, self.text_field, self._encode, self._eos, self.seq_len, endless, self.source)
+
+    def train_stream(self, rank: int, world_size: int, endless: bool = True) -> PackedStream:
+        """Data-parallel rank ``rank``'s stream of training blocks (``streaming=True``); ``endless=False``: one
+        pass, this rank's share of the documents in one shuffle."""
+        documents = split_dataset_by_node(self._stream(validation=False), rank=rank, world_size=world_size)
+        return self._packed(documents.shuffle(seed=self.seed, buffer_size=self.shuffle_buffer), endless=endless)
+
+    def val_stream(self) -> PackedStream:
+        """One pass over every held-out block (``streaming=True``): each rank validates on all of them."""
+        return self._packed(self._stream(validation=True), endless=False)
+
+    def train_dataloader(self) -> DataLoader:
+        if not self.streaming:
+            return super().train_dataloader()
+        strategy = None if self.trainer is None else self.trainer.strategy
+        replica = getattr(strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+        stream = self.train_stream(replica["rank"], replica["num_replicas"])
+        # A worker beyond the stream's shards would read nothing.
+        return self.resumable_loader(stream, num_workers=min(self.num_workers, stream.documents.num_shards))
+
+    def val_dataloader(self) -> DataLoader:
+        if not self.streaming:
+            return super().val_dataloader()
+        stream = self.val_stream()
+        return DataLoader(stream, batch_size=self.batch_size, drop_last=True,
+                          num_workers=min(self.num_workers, stream.documents.num_shards))

@@ -1,0 +1,316 @@
+"""What merak3d reads of the LightningModule it trains: the network it parallelises, a batch's inputs, the loss.
+
+Nothing is required of the module (:mod:`lightning_merak.protocols.module_contract` states the contract once).
+:func:`module_view` finds the network among the module's children, :class:`ModuleView` reads what the module
+provides and infers the rest: the token ids of a batch (a tensor, a dict's ``input_ids``, a tuple's first item)
+and, with pipeline stages, the loss of a micro-batch (the transformers model's own ``loss_function`` when it is
+called with ``labels``, else the module's ``loss_from_outputs``). :class:`PipelinedNetwork` is what the network's
+attribute calls once the model is cut into stages, so a ``training_step`` written for one device runs as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from lightning_merak.parallel.pipeline.trace import TraceError, find_trunk
+from lightning_merak.protocols.module_contract import (
+    CONTRACT_GUIDE,
+    LOSS_FROM_OUTPUTS,
+    MODEL,
+    Merak3DModule,
+    loss_from_outputs_snippet,
+)
+
+__all__ = ["ModuleView", "PipelinedNetwork", "batch_inputs", "module_view", "select_samples"]
+
+MicroBatchLoss = Callable[[Any, Any], torch.Tensor]
+"""``(logits, targets) -> loss`` of one micro-batch, as the pipeline schedule scores it on the last stage."""
+
+
+def _is_pretrained(network: nn.Module) -> bool:
+    from transformers import PreTrainedModel
+
+    return isinstance(network, PreTrainedModel)
+
+
+def _has_trunk(network: nn.Module) -> bool:
+    try:
+        find_trunk(network)
+    except TraceError:
+        return False
+    return True
+
+
+def find_network(module: nn.Module) -> Optional[str]:
+    """The attribute of ``module`` holding the network merak3d parallelises, or None (none found).
+
+    ``model`` where the module has one; else its one child that is a transformers ``PreTrainedModel``; else its
+    one child holding an ``nn.ModuleList`` of repeated blocks. Several candidates are refused, naming them.
+    """
+    if isinstance(getattr(module, MODEL, None), nn.Module):
+        return MODEL
+    children = list(module.named_children())
+    for candidates in ([name for name, child in children if _is_pretrained(child)],
+                       [name for name, child in children if _has_trunk(child)]):
+        if len(candidates) == 1:
+            return candidates[0]
+        if candidates:
+            raise TypeError(
+                f"merak3d parallelises one network, but {type(module).__name__} holds several "
+                f"({', '.join(candidates)}); "
+                f"hold the one to split as `self.{MODEL}` ({CONTRACT_GUIDE})")
+    return None
+
+
+def batch_inputs(batch: Any) -> Optional[torch.Tensor]:
+    """The token ids of ``batch`` where its structure says so: a tensor, a dict's ``input_ids``, a tuple's first."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, dict):
+        inputs = batch.get("input_ids")
+    elif isinstance(batch, (tuple, list)) and batch:
+        inputs = batch[0]
+    else:
+        return None
+    return inputs if isinstance(inputs, torch.Tensor) else None
+
+
+def _batch_labels(batch: Any) -> Any:
+    """The targets of ``batch`` where its structure says so: a dict's ``labels``, a tuple's second item."""
+    if isinstance(batch, dict):
+        return batch.get("labels")
+    if isinstance(batch, (tuple, list)) and len(batch) > 1:
+        return batch[1]
+    return None
+
+
+def select_samples(batch: Any, index: torch.Tensor) -> Any:
+    """``batch`` restricted to the samples ``index`` (every tensor with a first dimension is indexed along it)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[index.to(batch.device)] if batch.ndim > 0 else batch
+    if isinstance(batch, dict):
+        return type(batch)({key: select_samples(value, index) for key, value in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(select_samples(value, index) for value in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(select_samples(value, index) for value in batch)
+    return batch
+
+
+@dataclass
+class ModuleView:
+    """A LightningModule as merak3d uses it: where its network lives and what the module provides of the contract.
+
+    ``attribute``: the network's attribute (None: the module itself, trained whole by plain data parallelism).
+    ``contract``: whether the module implements all of
+    :class:`~lightning_merak.protocols.module_contract.Merak3DModule` (its ``compute_loss`` is then the pipelined
+    step; otherwise the network's attribute is).
+    """
+
+    module: Any
+    attribute: Optional[str]
+    contract: bool
+
+    @property
+    def network(self) -> nn.Module:
+        return getattr(self.module, self.attribute) if self.attribute is not None else self.module
+
+    @network.setter
+    def network(self, value: nn.Module) -> None:
+        assert self.attribute is not None, "only a network held as an attribute is replaced"
+        setattr(self.module, self.attribute, value)
+
+    @property
+    def state_prefix(self) -> str:
+        """The prefix of the network's names in the module's ``state_dict``."""
+        return f"{self.attribute}." if self.attribute is not None else ""
+
+    def split_batch(self, batch: Any) -> tuple[torch.Tensor, Any]:
+        """``(inputs, targets)`` of ``batch``: the module's own ``split_batch``, else read from its structure (the
+        targets are then the batch itself where it has no labels, for ``loss_from_outputs``)."""
+        own = getattr(self.module, "split_batch", None)
+        if callable(own):
+            return own(batch)
+        inputs = batch_inputs(batch)
+        if inputs is None:
+            raise TypeError(
+                f"merak3d reads a batch's token ids to lay the model out, and cannot find them in "
+                f"{type(self.module).__name__}'s batches ({type(batch).__name__}); yield a tensor, a dict with "
+                f"`input_ids` or a tuple `(input_ids, labels)`, or add `split_batch(self, batch) -> (inputs, targets)` "
+                f"({CONTRACT_GUIDE})")
+        labels = _batch_labels(batch)
+        return inputs, labels if labels is not None and not self.has_loss_from_outputs else batch
+
+    @property
+    def has_loss_from_outputs(self) -> bool:
+        """Whether the module gives its loss as ``loss_from_outputs(outputs, batch)``."""
+        return callable(getattr(self.module, LOSS_FROM_OUTPUTS, None))
+
+    def check_pipeline_loss(self) -> None:
+        """Refuse, before any work, a module whose pipeline loss merak3d cannot infer, showing the one method to add.
+
+        The loss is known from the module's ``loss_from_logits`` (the whole contract) or ``loss_from_outputs``, or
+        inferred from a transformers network (its ``loss_function``, checked on the first call for ``labels``)."""
+        if self.contract or self.has_loss_from_outputs:
+            return
+        network = self.network
+        if _is_pretrained(network) and hasattr(network, "loss_function"):
+            return
+        raise TypeError(loss_from_outputs_snippet(type(self.module).__name__, self.attribute or MODEL))
+
+    def planning_loss(self, targets: Any) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        """``(logits, samples) -> loss`` of the first ``samples`` of the planning batch, whose targets are
+        ``targets`` (what :meth:`split_batch` returned)."""
+        if self.contract:
+            return lambda logits, samples: self.module.loss_from_logits(logits, targets[:samples])
+        scorer = self.scorer(self.network)
+        return lambda logits, samples: scorer(logits, select_samples(targets, torch.arange(samples)))
+
+    def scorer(self, network: nn.Module) -> MicroBatchLoss:
+        """``(logits, targets) -> loss`` for the unsplit ``network``: the module's ``loss_from_outputs`` (targets: the
+        micro-batch), else the transformers loss (targets: the labels)."""
+        if self.has_loss_from_outputs:
+            loss_from_outputs = getattr(self.module, LOSS_FROM_OUTPUTS)
+            wrap = _outputs_wrapper(network)
+            return lambda logits, batch: loss_from_outputs(wrap(logits), batch)
+        return _transformers_loss(network)
+
+
+def _outputs_wrapper(network: nn.Module) -> Callable[[Any], Any]:
+    """What the unsplit ``network`` would have returned around its logits (a transformers output, or the logits)."""
+    if not _is_pretrained(network):
+        return lambda logits: logits
+    from transformers.modeling_outputs import CausalLMOutput
+
+    return lambda logits: CausalLMOutput(logits=logits)
+
+
+def _transformers_loss(network: nn.Module, items: Optional[float] = None) -> MicroBatchLoss:
+    """``network``'s own loss of logits against labels (its shift and ignore index), divided by ``items`` if given."""
+    loss_function, vocab_size = network.loss_function, network.config.vocab_size
+    if items is None:
+        return lambda logits, labels: loss_function(logits=logits, labels=labels, vocab_size=vocab_size)
+    return lambda logits, labels: loss_function(logits=logits, labels=labels, vocab_size=vocab_size,
+                                                num_items_in_batch=items)
+
+
+def module_view(module: Any, pipeline_parallel: Optional[int], tensor_parallel: Optional[int]) -> ModuleView:
+    """``module`` as merak3d will train it at these degrees (None: the planner chooses), refused before any work
+    where it cannot: no network to split with stages or tensor shards, or a pipeline loss it cannot infer (needed
+    too when the planner chooses the pipeline degree: it profiles the loss's backward)."""
+    view = ModuleView(module, find_network(module), isinstance(module, Merak3DModule))
+    splits = pipeline_parallel != 1 or tensor_parallel != 1
+    if view.attribute is None and splits:
+        raise TypeError(
+            f"merak3d splits a transformer network, and finds none among {type(module).__name__}'s children: hold it "
+            f"as an attribute (a transformers PreTrainedModel, or a module with an nn.ModuleList of repeated blocks), "
+            f"or train with pipeline_parallel=1 and tensor_parallel=1 ({CONTRACT_GUIDE})")
+    if pipeline_parallel != 1:
+        view.check_pipeline_loss()
+    return view
+
+
+_PASSED_OVER = {"use_cache": (None, False), "return_dict": (None, True), "output_attentions": (None, False),
+                "output_hidden_states": (None, False)}
+"""Keyword arguments a pipelined call accepts at these values only (what the stages compute anyway)."""
+
+
+class PipelinedNetwork:
+    """The call of a network cut into pipeline stages, installed as the stages' ``forward`` on the network's
+    attribute: ``self.net(input_ids, labels=...)`` in a ``training_step`` runs the schedule.
+
+    Training returns the loss (the mean of the micro-batches' losses, every rank of the replica gets it) as a
+    transformers output's ``loss`` (or as what ``loss_from_outputs``, replaced on the instance, then returns);
+    evaluation and prediction return the whole batch's logits as the unsplit network would, the loss with them
+    where ``labels`` are given.
+    """
+
+    def __init__(self, view: ModuleView, network: nn.Module) -> None:
+        self._view = view
+        self.step: Any = None
+        """The :class:`~.pipeline_step.PipelineStep` over the stages; its loss function is :meth:`micro_batch_loss`."""
+        self._pretrained = _is_pretrained(network)
+        self._labelled = _transformers_loss(network) if self._pretrained else None
+        self._wrap = _outputs_wrapper(network)
+        self._outputs_scorer = view.scorer(network) if view.has_loss_from_outputs else None
+        self._network = network
+        self._score: Optional[MicroBatchLoss] = None
+        self.batch: Any = None
+        """The batch of the running training step (the strategy sets it), for ``loss_from_outputs``."""
+        if self._outputs_scorer is not None:
+            own = getattr(view.module, LOSS_FROM_OUTPUTS)
+            setattr(view.module, LOSS_FROM_OUTPUTS,
+                    lambda outputs, batch: outputs.loss if isinstance(outputs, _PipelinedLoss) else own(outputs, batch))
+
+    def micro_batch_loss(self, logits: Any, index: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function: the micro-batch of samples ``index`` scored as the running call says."""
+        if self._score is None:  # an evaluation forward scores nothing; the schedule still calls it
+            return torch.zeros((), device=index.device)
+        return self._score(logits, index)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        inputs, labels = self._arguments(args, kwargs)
+        module = self._view.module
+        if not (module.training and torch.is_grad_enabled()):
+            logits = self.step.forward(inputs)
+            if labels is None:
+                return self._wrap(logits)
+            assert self._labelled is not None
+            return self._output(self._labelled(logits, labels), logits)
+        self._score = self._training_score(labels)
+        try:
+            loss = self.step.run(inputs, torch.arange(inputs.shape[0], device=inputs.device))
+        finally:
+            self._score = None
+        return _PipelinedLoss(loss) if self._outputs_scorer is not None else self._output(loss, None)
+
+    def _output(self, loss: torch.Tensor, logits: Optional[torch.Tensor]) -> Any:
+        if not self._pretrained:
+            return _PipelinedLoss(loss)
+        from transformers.modeling_outputs import CausalLMOutput
+
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    def _training_score(self, labels: Optional[torch.Tensor]) -> MicroBatchLoss:
+        """How this training call's micro-batches are scored: ``loss_from_outputs`` on the step's batch, else the
+        transformers loss of the call's ``labels``, weighted so the mean over micro-batches is the batch's mean."""
+        if self._outputs_scorer is not None:
+            scorer, batch = self._outputs_scorer, self.batch
+            return lambda logits, index: scorer(logits, select_samples(batch, index))
+        if labels is None:
+            name = type(self._view.module).__name__
+            raise TypeError(f"{name} calls its transformers network without `labels`, so merak3d cannot infer its "
+                            f"loss: {loss_from_outputs_snippet(name, self._view.attribute or MODEL)}")
+        ignore = -100
+        counted = int((labels[..., 1:] != ignore).sum())  # the tokens the shifted loss scores, over the batch
+        items = max(counted, 1) / self.step.micro_batches
+        score = _transformers_loss(self._network, items)
+        return lambda logits, index: score(logits, labels[index])
+
+    def _arguments(self, args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(input_ids, labels)`` of a call; what the stages cannot take is refused, naming it."""
+        kwargs = dict(kwargs)
+        inputs = args[0] if args else kwargs.pop("input_ids", None)
+        labels = kwargs.pop("labels", None)
+        mask = kwargs.pop("attention_mask", None)
+        if mask is not None and not bool(mask.bool().all()):
+            raise ValueError("with pipeline_parallel>1 the stages take no attention_mask; pack or pad batches without "
+                             "masked tokens (mask the labels with -100 instead), or train with pipeline_parallel=1")
+        others = [name for name, value in kwargs.items() if value not in _PASSED_OVER.get(name, (None,))]
+        if len(args) > 1 or others or not isinstance(inputs, torch.Tensor):
+            given = [f"{len(args)} positional arguments"] if len(args) > 1 else others
+            raise TypeError(f"with pipeline_parallel>1 the network is called with input_ids (and labels) only; got "
+                            f"{', '.join(given) or 'no input_ids'}")
+        return inputs, labels
+
+
+@dataclasses.dataclass(frozen=True)
+class _PipelinedLoss:
+    """A pipelined training call's result: the loss the schedule computed on the last stage."""
+
+    loss: torch.Tensor
