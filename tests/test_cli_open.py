@@ -142,6 +142,9 @@ def _refusal(overrides: list[str], run_dir: Path, monkeypatch, capsys) -> str:
     (["callbacks=[{_target_: lightning.pytorch.callbacks.EarlyStopping, monitr: val/loss}]"],
      "callbacks[0].monitr: EarlyStopping takes no argument 'monitr'; did you mean callbacks[0].monitor?"),
     (["logger.csv.save_dirr=/tmp"], "did you mean logger.csv.save_dir?"),
+    (["logger=wandb", "+logger.wandb.projekt=x"], "WandbLogger takes no argument 'projekt'; did you mean "
+                                                  "logger.wandb.project?"),  # **kwargs go on to wandb.init
+    (["logger=tensorboard", "+logger.tensorboard.flush_sec=5"], "did you mean logger.tensorboard.flush_secs?"),
     (["trainer.logger=false"], "merak-train sets Trainer's logger itself; use logger=..."),
     (["optim=muon", "optim.lr_schedule=cosin"],
      "optim.lr_schedule=cosin: 'cosin' is not one of cosine, linear, constant"),

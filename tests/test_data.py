@@ -66,3 +66,26 @@ def test_missing_tokenizer_dir(tmp_path):
     corpus.write_text("x" * 1000)
     with pytest.raises(FileNotFoundError, match="tokenizer_path"):
         LanguageModelingData(DataConfig(name="text", path=str(corpus), tokenizer_path=str(tmp_path / "tok")))
+
+
+def _variable_loader():
+    data = LanguageModelingData(DataConfig(name="synthetic", lengths="variable", num_sequences=64, batch_size=4,
+                                           seq_len=32))
+    data.setup("fit")
+    return data.train_dataloader()
+
+
+def _global_batches(passes):
+    return [[tuple(batch.lengths.tolist()) for batch in one_pass] for one_pass in passes]
+
+
+def test_variable_global_batches_resume_mid_pass_and_then_reshuffle_as_the_straight_run():
+    straight = _variable_loader()
+    first, second = _global_batches([straight, straight])
+    assert first != second, "each pass reshuffles"
+    resumed = _variable_loader()
+    resumed.load_state_dict({"pass": 0, "batches": 3})  # a checkpoint taken after 3 batches of the first pass
+    assert _global_batches([resumed, resumed]) == [first[3:], second]
+    finished = _variable_loader()
+    finished.load_state_dict({"pass": 0, "batches": len(first)})  # taken at the pass's end: the next one follows
+    assert _global_batches([finished]) == [second]

@@ -2,8 +2,8 @@
 tp2 start from the same weights (issue #55).
 
 Each run takes one optimizer step at learning rate 0 (the warm-up's first step, as transformers' schedules
-start) and is exported with ``merak-export``, so each exported folder holds the run's initial weights under
-Hugging Face names.
+start) and its final checkpoint is exported as ``merak-export`` does (``export_checkpoint``, in this process), so
+each exported folder holds the run's initial weights under Hugging Face names.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lightning_merak.hf.export import export_checkpoint
+
 REPOSITORY = Path(__file__).resolve().parents[1]
 ONE_STEP_AT_ZERO_LR = ["trainer.max_steps=1", "optim.warmup_steps=1", "trainer.val_check_interval=1",
-                       "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false", "logger=csv"]
+                       "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false", "logger=csv"]
 LAYOUTS = {"ddp": ["strategy=ddp"], "dp2": [], "pp2": ["strategy.pipeline_parallel=2"],
            "tp2": ["strategy.tensor_parallel=2"]}
 
@@ -34,7 +36,7 @@ def _initial_weights(model: str, layout: str, directory: Path) -> dict[str, torc
     run = directory / f"{model}-{layout}"
     _run("-m", "lightning_merak.cli.train", f"model={model}", *LAYOUTS[layout], *ONE_STEP_AT_ZERO_LR,
          f"hydra.run.dir={run}")
-    _run("-m", "lightning_merak.cli.export", str(run / "checkpoints" / "final.ckpt"), str(run / "exported"))
+    export_checkpoint(run / "checkpoints" / "final.ckpt", run / "exported")
     weights: dict[str, torch.Tensor] = {}
     for shard in sorted((run / "exported").glob("*.safetensors")):
         weights.update(load_file(shard))

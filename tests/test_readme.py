@@ -517,6 +517,7 @@ PYTHON_CASES: dict[str, PythonCase] = {
                                       trains=True),
     'SparseCommunication("s2"': PythonCase({"max_steps=50": "max_steps=3"}, trains=True),
     "HFDatasetData(": PythonCase({"max_steps=100": "max_steps=3"}, trains=True),
+    "ModelSummary(seq_len=": PythonCase(),
     "from lightning_merak.plugins.moe import MoE": PythonCase(output=("tokens per expert",)),
     "from peft import get_peft_model": PythonCase({"range(20)": "range(2)"}),
     "from lightning_merak.testing.netem import": PythonCase(output=("['joined', 'joined']",)),

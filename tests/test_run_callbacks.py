@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -52,6 +55,20 @@ def test_on_a_terminal_the_bar_counts_toward_max_steps(tmp_path):
     bar = StepProgressBar(interactive=True)
     _fit(tmp_path, [bar])
     assert bar.train_progress_bar.total == 6 and bar.train_progress_bar.n == 6
+
+
+def test_the_bar_quiets_the_console_of_the_process_that_makes_it(caplog):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        StepProgressBar()
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec)`",
+                      FutureWarning)
+        warnings.warn("a warning someone can act on", UserWarning)
+    assert [str(w.message) for w in caught] == ["a warning someone can act on"]
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("lightning.pytorch.utilities.rank_zero").info("💡 Tip: try a hosted logger")
+        logging.getLogger("lightning.pytorch.utilities.rank_zero").info("GPU available: False")
+    assert [record.getMessage() for record in caplog.records] == ["GPU available: False"]
 
 
 def test_periodic_checkpoint_leaves_the_last_step_to_the_final_checkpoint(tmp_path):

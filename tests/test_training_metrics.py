@@ -7,7 +7,7 @@ from __future__ import annotations
 import csv
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import pytest
@@ -146,7 +146,8 @@ class _FullyShardedLM(CausalLMModule):
 REPLICAS = {"ddp": 2, "fsdp2": 2, "merak3d_pp2": 1}
 
 
-def _train(rank: int, world_size: int, strategy_name: str, out: str, batch: int) -> list[float]:
+def _train(rank: int, world_size: int, strategy_name: str, out: str, batch: int,
+           clip: Optional[float] = 1.0) -> list[float]:
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     from lightning_merak.strategies.merak3d import Merak3DStrategy
@@ -164,7 +165,7 @@ def _train(rank: int, world_size: int, strategy_name: str, out: str, batch: int)
     traced = strategy_name in ("ddp", "merak3d_pp2")
     profiler = MerakTraceProfiler(dirpath=out, skip_steps=1, steps=1, untraced_steps=0) if traced else None
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS,
-                         logger=CSVLogger(out, name=strategy_name), log_every_n_steps=2, gradient_clip_val=1.0,
+                         logger=CSVLogger(out, name=strategy_name), log_every_n_steps=2, gradient_clip_val=clip,
                          callbacks=[TrainingMetrics(), reference], profiler=profiler, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          limit_val_batches=0, use_distributed_sampler=False)
@@ -184,8 +185,9 @@ def _tokens_per_step(rows: list[dict[str, str]]) -> list[float]:
 @pytest.mark.parametrize("strategy_name", ["ddp", "fsdp2", "merak3d_pp2"])
 def test_two_ranks_count_the_global_batch(tmp_path: Path, strategy_name: str):
     replicas = REPLICAS[strategy_name]
-    run_distributed(_train, 2, args=(strategy_name, str(tmp_path), BATCH), timeout_s=180)
-    run_distributed(_train, 1, args=("single", str(tmp_path), replicas * BATCH), timeout_s=120)
+    clip = None if strategy_name == "merak3d_pp2" else 1.0  # merak3d's norm when it does not clip too
+    run_distributed(_train, 2, args=(strategy_name, str(tmp_path), BATCH, clip), timeout_s=180)
+    run_distributed(_train, 1, args=("single", str(tmp_path), replicas * BATCH, clip), timeout_s=120)
     rows = _rows(next((tmp_path / strategy_name).glob("version_*/metrics.csv")))
     single = _rows(next((tmp_path / "single").glob("version_*/metrics.csv")))
     # intervals of 2 steps and 1 (the end of the run); DDP: both ranks' batches, pp2: one replica's batch once
@@ -195,6 +197,11 @@ def test_two_ranks_count_the_global_batch(tmp_path: Path, strategy_name: str):
     # gradients are shards whose norm is gathered)
     assert _column(rows, "train/grad_norm") == pytest.approx(_column(single, "train/grad_norm"), rel=1e-4)
     assert len(_column(rows, "memory/peak_MiB/rank1")) == 2 and _column(rows, "memory/peak_MiB/max")
+    bubbles = _column(rows, "perf/pipeline_bubble")
+    if strategy_name == "merak3d_pp2":  # two stages, two micro-batches: each stage waits for the other
+        assert len(bubbles) == 2 and all(0.0 < bubble < 1.0 for bubble in bubbles), bubbles
+    else:
+        assert not bubbles, "a bubble without pipeline stages"
     if strategy_name == "fsdp2":
         return
     # the profiler's traced step: a PNG next to the trace, and a copy in the CSV logger's figures

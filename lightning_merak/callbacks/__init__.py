@@ -9,6 +9,7 @@ from lightning_merak.util.lazy import lazy_attributes
 _EXPORTS = {
     "DeltaMemory": "lightning_merak.callbacks.delta",
     "FaultWatch": "lightning_merak.callbacks.faults",
+    "ModelSummary": "lightning_merak.callbacks.summary",
     "MoEPlacementCallback": "lightning_merak.callbacks.moe.placement",
     "NonFiniteGuard": "lightning_merak.callbacks.nonfinite",
     "PeriodicCheckpoint": "lightning_merak.callbacks.checkpoint",

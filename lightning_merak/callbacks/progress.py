@@ -17,6 +17,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
+from lightning_merak.util.console import quiet_dependency_noise, quiet_other_ranks
+
 __all__ = ["StepProgressBar", "format_progress_line"]
 
 
@@ -52,11 +54,18 @@ class StepProgressBar(TQDMProgressBar):
         log_every_n_steps: steps between two plain lines when not on a terminal.
         interactive: force the terminal (``True``) or the plain-line (``False``) behaviour;
             ``None`` asks whether standard output is a terminal.
+        quiet_console: drop the dependencies' warnings and tips nobody can act on, and keep informational lines
+            to rank 0 (:mod:`lightning_merak.util.console`, as ``merak-train`` does); it takes effect when the
+            callback is made, before the Trainer, in every rank.
     """
 
-    def __init__(self, log_every_n_steps: int = 10, interactive: Optional[bool] = None) -> None:
+    def __init__(self, log_every_n_steps: int = 10, interactive: Optional[bool] = None,
+                 quiet_console: bool = True) -> None:
         if log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps={log_every_n_steps} must be at least 1")
+        if quiet_console:
+            quiet_dependency_noise()
+            quiet_other_ranks()
         super().__init__(refresh_rate=1, leave=False)
         self.log_every_n_steps = log_every_n_steps
         self.interactive = sys.stdout.isatty() if interactive is None else interactive

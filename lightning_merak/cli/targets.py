@@ -12,7 +12,7 @@ import difflib
 import importlib
 import inspect
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 from lightning_merak.cli.overrides import ConfigError
 
@@ -41,10 +41,43 @@ def target_class(node: Mapping[str, Any], path: str, base: type) -> type:
     return target
 
 
-def _check_keywords(target: type, node: Mapping[str, Any], path: str) -> None:
-    """Refuse keys ``target``'s constructor does not take, and required arguments ``node`` leaves out."""
+def _tensorboard_writer() -> Callable[..., Any]:
+    """The ``SummaryWriter`` Lightning's ``TensorBoardLogger`` hands its extra keywords to."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # lazy: needs the tensorboard package
+    except ImportError:
+        from tensorboardX import SummaryWriter  # lazy: Lightning's other writer
+    return SummaryWriter
+
+
+_KEYWORDS_PASSED_ON: dict[str, Callable[[], Callable[..., Any]]] = {
+    "lightning.pytorch.loggers.wandb.WandbLogger": lambda: importlib.import_module("wandb").init,
+    "lightning.pytorch.loggers.tensorboard.TensorBoardLogger": _tensorboard_writer,
+}
+"""Targets whose ``**kwargs`` go on to another call, checked against that call's arguments."""
+
+
+def _parameters(target: Callable[..., Any]) -> dict[str, inspect.Parameter]:
     parameters = {name: parameter for name, parameter in inspect.signature(target).parameters.items()
                   if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.POSITIONAL_ONLY)}
+    onward = _KEYWORDS_PASSED_ON.get(f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', '')}")
+    if onward is not None and any(parameter.kind is parameter.VAR_KEYWORD for parameter in parameters.values()):
+        try:
+            receiver = onward()
+        except ImportError:
+            return parameters  # the target itself will say what is missing
+        passed_on = {name: parameter.replace(default=None) if parameter.default is parameter.empty else parameter
+                     for name, parameter in _parameters(receiver).items() if name not in ("self", "cls")}
+        parameters = {name: parameter for name, parameter in parameters.items()
+                      if parameter.kind is not parameter.VAR_KEYWORD}
+        parameters.update({name: parameter for name, parameter in passed_on.items() if name not in parameters})
+    return parameters
+
+
+def _check_keywords(target: type, node: Mapping[str, Any], path: str) -> None:
+    """Refuse keys ``target``'s constructor does not take (or the call its ``**kwargs`` go to, for the loggers of
+    :data:`_KEYWORDS_PASSED_ON`), and required arguments ``node`` leaves out."""
+    parameters = _parameters(target)
     open_ended = any(parameter.kind is parameter.VAR_KEYWORD for parameter in parameters.values())
     given = [key for key in node if key not in RESERVED_KEYS]
     if not open_ended:

@@ -119,6 +119,13 @@ def build_strategy(config: StrategyConfig) -> Strategy:
     return entry["strategy"](**{**entry["init_params"], **config.strategy_kwargs()})
 
 
+def _fixed_sequence_length(data: Any) -> Optional[int]:
+    """The data group's tokens per sample when every sample has that many (``None`` for other data)."""
+    values = data if hasattr(data, "get") else getattr(data, "__dict__", {})
+    seq_len = values.get("seq_len")
+    return int(seq_len) if isinstance(seq_len, int) and values.get("lengths", "fixed") == "fixed" else None
+
+
 def _callbacks(config: TrainConfig, output_dir: Path) -> list[Any]:
     """merak-train's own callbacks (checkpoints, learning rate, progress), each feature's, then the user's."""
     from lightning.pytorch import Callback
@@ -127,6 +134,7 @@ def _callbacks(config: TrainConfig, output_dir: Path) -> list[Any]:
     from lightning_merak.callbacks.checkpoint import PeriodicCheckpoint  # lazy: Lightning
     from lightning_merak.callbacks.metrics import TrainingMetrics  # lazy: torch, Lightning, matplotlib
     from lightning_merak.callbacks.progress import StepProgressBar  # lazy: Lightning
+    from lightning_merak.callbacks.summary import ModelSummary  # lazy: Lightning
 
     trainer_config = config.trainer
     callbacks: list[Any] = [
@@ -142,6 +150,8 @@ def _callbacks(config: TrainConfig, output_dir: Path) -> list[Any]:
     ]
     if trainer_config.enable_progress_bar:
         callbacks.append(StepProgressBar(log_every_n_steps=trainer_config.log_every_n_steps))
+    if trainer_config.kwargs.get("enable_model_summary", True):
+        callbacks.append(ModelSummary(seq_len=_fixed_sequence_length(config.data)))
     callbacks += config.moe.build_callbacks()
     callbacks += config.memory.build_callbacks()
     callbacks += config.comm.build_callbacks()

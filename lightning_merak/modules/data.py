@@ -254,9 +254,9 @@ def _has_length(loader: DataLoader) -> bool:
 class TokenDataModule(pl.LightningDataModule):
     """Training and validation samples of token ids behind the loaders every data module here shares.
 
-    ``lengths="fixed"``: blocks of token ids, the training loader a :class:`ResumableDataLoader` (mid-epoch resume);
-    ``"variable"``: samples of their own lengths in global batches
-    (:class:`~lightning_merak.parallel.micro_batching.VariableBatch`) for merak3d's ``micro_batching``. A subclass
+    ``lengths="fixed"``: blocks of token ids; ``"variable"``: samples of their own lengths in global batches
+    (:class:`~lightning_merak.parallel.micro_batching.VariableBatch`) for merak3d's ``micro_batching``. Either way
+    the training loader is a :class:`ResumableDataLoader` (mid-epoch resume). A subclass
     sets ``vocab_size`` in its constructor (so the model can be built to match before the data is materialised)
     and returns its two sets from :meth:`build_samples`. Under a distributed strategy Lightning inserts the
     distributed sampler, so each data-parallel rank sees its own share of the blocks.
@@ -305,13 +305,16 @@ class TokenDataModule(pl.LightningDataModule):
         (``num_workers``: ``data.num_workers`` unless the dataset can feed fewer)."""
         return ResumableDataLoader(dataset, batch_size=self.batch_size,
                                    num_workers=self.num_workers if num_workers is None else num_workers,
-                                   epoch=self._epoch, trained_batches=self._trained_batches,
-                                   shuffle_seed=self.seed, **kwargs)
+                                   **self._resume_arguments(), **kwargs)
+
+    def _resume_arguments(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "trained_batches": self._trained_batches, "shuffle_seed": self.seed}
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "setup() must run before the data loaders are requested"
-        if self.lengths == "variable":
-            return global_batch_loader(self.train_set, self.batch_size, self.seed, shuffle=True)
+        if self.lengths == "variable":  # global batches resume mid-epoch as blocks do
+            return global_batch_loader(self.train_set, self.batch_size, self.seed, shuffle=True,
+                                       loader_class=ResumableDataLoader, **self._resume_arguments())
         return self.resumable_loader(self.train_set, shuffle=True, drop_last=True, generator=torch.Generator())
 
     def val_dataloader(self) -> DataLoader:

@@ -24,7 +24,9 @@ _IGNORED_LOG_MESSAGES = {
     # DeepSpeed (imported by transformers' loading code, or by the MoE plugins) on a machine without a GPU.
     "DeepSpeed": ("Setting accelerator to CPU",),
     # an advertisement for a hosted logger (Lightning's rank_zero_info logger).
-    "lightning.pytorch.utilities.rank_zero": ("💡 Tip:",),
+    "lightning.pytorch.utilities.rank_zero": ("💡 Tip:",
+                                              # merak-train passes its own ModelSummary, on purpose
+                                              "Trainer already configured with model summary callbacks"),
 }
 
 
@@ -58,7 +60,9 @@ def quiet_dependency_noise() -> None:
     for pattern in _IGNORED_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     for logger_name, prefixes in _IGNORED_LOG_MESSAGES.items():
-        logging.getLogger(logger_name).addFilter(_DropMessages(prefixes))
+        logger = logging.getLogger(logger_name)
+        if not any(isinstance(existing, _DropMessages) for existing in logger.filters):  # once per process
+            logger.addFilter(_DropMessages(prefixes))
     if not is_rank_zero():
         warnings.filterwarnings("ignore", module=r"^(?!lightning_merak)")
 

@@ -26,7 +26,7 @@ from lightning_merak.planning.flops import training_flops_per_token, transformer
 __all__ = ["TrainingMetrics"]
 
 MEMORY_FIGURE = "memory/over_steps"
-_COUNTS = ("tokens", "samples", "model_flops", "peak_mib", "current_mib")
+_COUNTS = ("tokens", "samples", "model_flops", "peak_mib", "current_mib", "stage_busy_s", "pipeline_step_s")
 
 
 def _first_tensor(value: Any) -> Optional[torch.Tensor]:
@@ -50,13 +50,17 @@ class TrainingMetrics(pl.Callback):
     - ``perf/mfu`` (over a datasheet peak: known CUDA devices) or ``perf/mfu_measured_peak`` (over a measured
       matmul: CPUs and other devices), with ``perf/peak_tflops`` it divides by and ``perf/model_tflops_per_s``:
       model FLOPs (:mod:`lightning_merak.planning.flops`, from ``pl_module.model.config``) per second over all ranks;
-    - ``train/grad_norm``: the total gradient norm before clipping, over every shard. A strategy with a
-      ``last_gradient_norm`` (merak3d) gives its own, which it computes while clipping (none without
-      ``gradient_clip_val``); otherwise the norm of the gradients Lightning hands to the optimizer is taken, on
-      the steps that are logged only;
+    - ``train/grad_norm``: the total gradient norm before clipping, over every shard, on the steps that are
+      logged only. A strategy with a ``gradient_norm(optimizer)`` (merak3d: over every stage, shard and expert)
+      computes it; otherwise it is the norm of the gradients Lightning hands to the optimizer (DTensor shards
+      gathered);
     - ``comm/exposed_s``, ``comm/exposed_fraction`` (rank 0; a strategy with ``last_exposed_communication_s``,
       merak3d with data parallelism): the wait for the gradient reduction after backward, per step and as a
       share of the step;
+    - ``perf/pipeline_bubble`` (a strategy with ``last_pipeline_step_times``, merak3d with pipeline stages): in the
+      interval's last step, the share of the schedule's time the stages did not compute, over every rank
+      (one minus the summed chunk compute over the summed schedule time: waits for neighbour stages and the
+      transfers they did not hide);
     - ``memory/peak_MiB/max`` and, for up to ``ranks_per_rank_metrics`` ranks, ``memory/peak_MiB/rank<r>``: each
       rank's high-water mark (CUDA: allocated tensors; CPU: the process's resident set).
 
@@ -122,7 +126,11 @@ class TrainingMetrics(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """Before clipping: the gradients' total norm, on a step that will be logged (every rank alike)."""
-        if hasattr(trainer.strategy, "last_gradient_norm") or not self._logs_next_step(trainer):
+        if not self._logs_next_step(trainer):
+            return
+        strategy_norm = getattr(trainer.strategy, "gradient_norm", None)
+        if callable(strategy_norm):
+            self._grad_norm = float(strategy_norm(optimizer))
             return
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         if grads:
@@ -142,9 +150,6 @@ class TrainingMetrics(pl.Callback):
             return  # accumulating gradients: the optimizer step comes with a later batch
         self._last_global_step = trainer.global_step
         self._steps += 1
-        strategy_norm = getattr(trainer.strategy, "last_gradient_norm", None)
-        if strategy_norm is not None:
-            self._grad_norm = float(strategy_norm)
         exposed = getattr(trainer.strategy, "last_exposed_communication_s", None)
         if exposed is not None:
             self._exposed_s.append(float(exposed))
@@ -196,6 +201,9 @@ class TrainingMetrics(pl.Callback):
         """Every rank's counts and memory, one row per rank (one ``all_gather``)."""
         reading = read_memory(trainer.strategy.root_device)
         self._counts["peak_mib"], self._counts["current_mib"] = reading.peak_mib, reading.current_mib
+        pipeline = getattr(trainer.strategy, "last_pipeline_step_times", None)
+        if pipeline is not None:
+            self._counts["stage_busy_s"], self._counts["pipeline_step_s"] = pipeline
         local = torch.tensor([self._counts[key] for key in _COUNTS], dtype=torch.float64)
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return local.unsqueeze(0)
@@ -236,6 +244,9 @@ class TrainingMetrics(pl.Callback):
             metrics["comm/exposed_s"] = sum(exposed) / len(exposed)
             if metrics["perf/step_time_s"] > 0:
                 metrics["comm/exposed_fraction"] = metrics["comm/exposed_s"] / metrics["perf/step_time_s"]
+        busy, scheduled = float(rows[:, 5].sum()), float(rows[:, 6].sum())
+        if scheduled > 0:
+            metrics["perf/pipeline_bubble"] = max(0.0, 1.0 - busy / scheduled)
         peaks, currents = rows[:, 3].tolist(), rows[:, 4].tolist()
         metrics["memory/peak_MiB/max"] = max(peaks)
         if world <= self.ranks_per_rank_metrics:

@@ -124,9 +124,6 @@ class MerakTraceProfiler(Profiler):
 
     def __init__(self, dirpath: Optional[Union[str, Path]] = None, filename: str = "merak_trace",
                  skip_steps: int = 2, steps: int = 3, block_spans: bool = True, untraced_steps: int = 8) -> None:
-        if steps < 1 or skip_steps < 0 or untraced_steps < 0:
-            raise ValueError(f"steps must be >= 1, skip_steps and untraced_steps >= 0, got steps={steps}, "
-                             f"skip_steps={skip_steps}, untraced_steps={untraced_steps}")
         super().__init__(dirpath=dirpath, filename=filename)
         self.skip_steps, self.steps, self.block_spans = skip_steps, steps, block_spans
         self.untraced_steps = untraced_steps
@@ -143,6 +140,10 @@ class MerakTraceProfiler(Profiler):
         """This rank's record once the window closed, until it is written (:meth:`_finish`)."""
         self._untraced_s: list[float] = []
         self._untraced_start: Optional[float] = None
+        # last: Profiler.__del__ tears down a refused profiler too, reading the state above
+        if steps < 1 or skip_steps < 0 or untraced_steps < 0:
+            raise ValueError(f"steps must be >= 1, skip_steps and untraced_steps >= 0, got steps={steps}, "
+                             f"skip_steps={skip_steps}, untraced_steps={untraced_steps}")
 
     def _recording(self) -> bool:
         return self._recorder is not None

@@ -24,7 +24,7 @@ from lightning_merak.distributed.gradient_norm import ShardedGradients, clip_coe
 from lightning_merak.parallel.layout import LayoutGroups
 
 __all__ = ["ReplicaReduction", "TiedParameter", "average_gradients", "averaged_parameters", "clip_by_total_norm",
-           "replicated_parameters", "scale_gradients", "squared_norm", "synchronize_gradients"]
+           "replicated_parameters", "scale_gradients", "squared_norm", "synchronize_gradients", "total_norm"]
 
 
 class ReplicaReduction(Protocol):
@@ -128,7 +128,20 @@ def clip_by_total_norm(optimizer: torch.optim.Optimizer, clip_val: Union[int, fl
                        groups: LayoutGroups, device: torch.device,
                        sharded: Optional[ShardedGradients] = None,
                        row_shares: Optional[dict[int, torch.Tensor]] = None) -> float:
-    """Clip by the norm over every stage and shard, counting replicated tensors once; return that norm.
+    """Clip by the norm over every stage and shard (:func:`total_norm`); return that norm."""
+    norm = total_norm(optimizer, tied, groups, device, sharded, row_shares)
+    coefficient = clip_coefficient(clip_val, norm)
+    if coefficient < 1.0:
+        scale_gradients([local_tensor(param.grad) for group in optimizer.param_groups for param in group["params"]
+                         if param.grad is not None], coefficient)
+    return norm
+
+
+def total_norm(optimizer: torch.optim.Optimizer, tied: list[TiedParameter], groups: LayoutGroups,
+               device: torch.device, sharded: Optional[ShardedGradients] = None,
+               row_shares: Optional[dict[int, torch.Tensor]] = None) -> float:
+    """The 2-norm of ``optimizer``'s gradients over every stage and shard, counting replicated tensors once
+    (a collective: every rank of the layout calls it).
 
     The squares are summed in float64 over the pipeline and tensor-parallel groups.
     Expert-parallel weights (``allreduce=False``, DeepSpeed's convention) differ between the
@@ -143,7 +156,7 @@ def clip_by_total_norm(optimizer: torch.optim.Optimizer, clip_val: Union[int, fl
     row_shares = row_shares or {}
     duplicated = {id(param) for _, param, is_first in tied if not is_first}
     tensor_rank = groups.tensor_rank
-    grads, counted = [], []
+    counted: list[torch.Tensor] = []
     expert_grads: dict[str, list[torch.Tensor]] = {}
     sharded_grads: dict[int, list[torch.Tensor]] = {}
     fsdp_grads: dict[str, tuple[dist.ProcessGroup, list[torch.Tensor]]] = {}
@@ -152,7 +165,6 @@ def clip_by_total_norm(optimizer: torch.optim.Optimizer, clip_val: Union[int, fl
             if param.grad is None:
                 continue
             grad = local_tensor(param.grad)
-            grads.append(grad)
             owner = getattr(param, "sharded_from", param)  # a data-parallel shard counts as the parameter it slices
             model_split, fsdp_group = _spread(owner)
             if id(owner) in duplicated or (not model_split and tensor_rank != 0):
@@ -183,8 +195,4 @@ def clip_by_total_norm(optimizer: torch.optim.Optimizer, clip_val: Union[int, fl
         dist.all_reduce(squares, group=groups.pipeline_group)
     if layout.tensor_parallel > 1:
         dist.all_reduce(squares, group=groups.tensor_group)
-    norm = math.sqrt(squares.item())
-    coefficient = clip_coefficient(clip_val, norm)
-    if coefficient < 1.0:
-        scale_gradients(grads, coefficient)
-    return norm
+    return math.sqrt(squares.item())

@@ -13,7 +13,7 @@ the loss is the sum of token cross-entropies, which the step divides by the glob
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -96,7 +96,8 @@ class GlobalBatches(IterableDataset):
     """Samples grouped into global batches of ``batch_size`` by a seeded shuffle, the same on every rank.
 
     Iterable, so Lightning inserts no distributed sampler: every data-parallel rank reads every global
-    batch and its step takes the micro-batches the plan gives it. Each pass reshuffles (seed + pass).
+    batch and its step takes the micro-batches the plan gives it. Each pass reshuffles (seed + pass): passes
+    count up from 0, or from the epoch :meth:`set_epoch` names (a resumable loader numbers them).
     Needs ``num_workers=0`` (workers would each yield every batch).
     """
 
@@ -110,6 +111,10 @@ class GlobalBatches(IterableDataset):
 
     def __len__(self) -> int:
         return len(self.samples) // self.batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next pass pass number ``epoch`` (its shuffle is ``seed + epoch``)."""
+        self._passes = epoch
 
     def __iter__(self) -> Iterator[VariableBatch]:
         order = (torch.randperm(len(self.samples), generator=torch.Generator().manual_seed(self.seed + self._passes))
@@ -179,9 +184,12 @@ def _keep(batch: VariableBatch) -> VariableBatch:
     return batch
 
 
-def global_batch_loader(samples: Sequence[torch.Tensor], batch_size: int, seed: int, shuffle: bool) -> DataLoader:
-    """A loader of :class:`VariableBatch` global batches (no worker processes: each would yield every batch)."""
-    return DataLoader(GlobalBatches(samples, batch_size, seed, shuffle), batch_size=None, collate_fn=_keep)
+def global_batch_loader(samples: Sequence[torch.Tensor], batch_size: int, seed: int, shuffle: bool,
+                        loader_class: type[DataLoader] = DataLoader, **loader_kwargs: Any) -> DataLoader:
+    """A ``loader_class`` (given ``loader_kwargs``) of :class:`VariableBatch` global batches (no worker processes:
+    each would yield every batch)."""
+    return loader_class(GlobalBatches(samples, batch_size, seed, shuffle), batch_size=None, collate_fn=_keep,
+                        **loader_kwargs)
 
 
 def token_samples(token_lists: Sequence[Sequence[int]], max_length: int) -> list[torch.Tensor]:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_merak.parallel.layout import MULTI_STAGE_SCHEDULES, LayoutGroups
+from lightning_merak.parallel.pipeline.busy import StageBusyClock
 from lightning_merak.parallel.pipeline.router_aux import RouterAuxLoss
 from lightning_merak.parallel.pipeline.schedules import ScheduleShiftedCriticalPath, pipeline_stage_class
 from lightning_merak.parallel.pipeline.stage import RankStages
@@ -62,6 +63,8 @@ class PipelineStep:
             stage_class(part, part.stage_index, part.num_stages, device, group=pp_group)
             for part in stages
         ]
+        self.clock = StageBusyClock(pipeline_stages, device)
+        """This rank's chunk compute and schedule time in the last training step (the measured bubble)."""
         if layout.schedule in MULTI_STAGE_SCHEDULES:
             schedule_class = {"interleaved_1f1b": ScheduleInterleaved1F1B,
                               "interleaved_zero_bubble": ScheduleInterleavedZeroBubble}[layout.schedule]
@@ -102,7 +105,8 @@ class PipelineStep:
             parameters = [p for p in stage.parameters() if p.requires_grad]
             for param in parameters:
                 param.grad = None
-            self._schedule.step(*args, return_outputs=False, **kwargs)
+            with self.clock.step():
+                self._schedule.step(*args, return_outputs=False, **kwargs)
             with torch.no_grad():
                 for param in parameters:
                     if param.grad is not None and id(param) not in self.scaled_later:

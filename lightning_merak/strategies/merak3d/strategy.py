@@ -190,6 +190,12 @@ class Merak3DStrategy(CheckpointHooks):
         return waits[-1] if waits else None
 
     @property
+    def last_pipeline_step_times(self) -> Optional[tuple[float, float]]:
+        """``(seconds this rank's stages computed, seconds the schedule ran)`` in the last training step (None
+        without pipeline stages or before the first step): one minus their ratio is the rank's measured bubble."""
+        return self._pipeline.clock.last if self._pipeline is not None else None
+
+    @property
     def tp_overlap(self) -> Degree:
         return (self._groups.layout if self._groups is not None else self._arguments).tp_overlap
 
@@ -574,6 +580,13 @@ class Merak3DStrategy(CheckpointHooks):
         """Count ``params``' gradients as parts of one whole split over ``group`` when clipping: each rank
         of it holds other columns, as EmbRace's tables do (``protocols.layout_aware.LayoutAwareStrategy``)."""
         self._sharded_gradients.register(params, group)
+
+    def gradient_norm(self, optimizer: torch.optim.Optimizer) -> float:
+        """The total norm of ``optimizer``'s gradients over every stage, shard and expert, as clipping sees it
+        (:func:`~.gradients.total_norm`; a collective: every rank calls it)."""
+        tied = self._built.tied if self._built is not None else []
+        return gradients.total_norm(optimizer, tied, self.groups, self.root_device, self._sharded_gradients,
+                                    self._row_shares)
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
         """Clip by the norm over every stage and shard (:func:`~.gradients.clip_by_total_norm`)."""

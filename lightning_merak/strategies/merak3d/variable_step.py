@@ -39,6 +39,7 @@ from lightning_merak.parallel.micro_batching.samples import (
     summed_token_loss,
     target_count,
 )
+from lightning_merak.parallel.pipeline.busy import StageBusyClock
 from lightning_merak.parallel.pipeline.schedules import ScheduleShiftedCriticalPath
 from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
@@ -160,6 +161,8 @@ class VariablePipelineStep:
         self._stage = VariableShapeStage(part, part.stage_index, part.num_stages, device, group=groups.pipeline_group)
         schedule_class = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
                           "shifted_critical_path": ScheduleShiftedCriticalPath}[layout.schedule]
+        self.clock = StageBusyClock([self._stage], device)
+        """As :attr:`PipelineStep.clock`."""
         self._schedule = schedule_class(self._stage, max(layout.micro_batches, layout.pipeline_parallel),
                                         loss_fn=vocab_parallel_loss(self._weighted_loss, stages), scale_grads=False)
         self._scale = 1.0
@@ -218,7 +221,8 @@ class VariablePipelineStep:
             if training:
                 for param in parameters:
                     param.grad = None
-                schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs=False)
+                with self.clock.step():
+                    schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs=False)
             else:
                 with torch.no_grad():
                     schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs=False)
