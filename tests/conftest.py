@@ -5,6 +5,7 @@
   (``multiprocessing`` or a ``subprocess`` of the interpreter) fails with the fix, so
   ``pytest -m "not distributed"`` is always the single-process suite. Compilers and
   other non-Python tools (DeepSpeed builds an op with gcc at first use) are allowed.
+* A test marked ``gpu`` is skipped where no CUDA device is available.
 """
 
 from __future__ import annotations
@@ -62,3 +63,8 @@ def _processes_only_when_marked(request, monkeypatch):
     monkeypatch.setattr(subprocess.Popen, "__init__", guarded_popen_init)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse_start)
     yield
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")

@@ -1,33 +1,155 @@
-"""Wall-clock timing that the profilers share."""
+"""Device time: how long a device took to run a region of work, read here by every timer that feeds a decision.
+
+On a GPU a call returns once its kernels are queued, so ``time.perf_counter()`` around GPU work measures their
+launch: a planner, partitioner, cost model or scheduler fed such figures finds compute nearly free. Timers whose
+figures feed a decision time through this module instead:
+
+* :class:`DeviceTimer` times the body of a ``with`` block: on CUDA by a pair of events recorded on the device's
+  current stream, whose elapsed time is read (after waiting for the end event) only when
+  :attr:`~DeviceTimer.seconds` is asked for, so many regions can be timed before the host waits once;
+* :class:`DeviceStamp` is one such point in the device's time, for a region cut where hooks run
+  (:meth:`DeviceStamp.seconds_since` reads the time between two);
+* :func:`device_now` is the wall clock once the device has run everything queued: for figures needed at once
+  as plain wall-clock times, or for work spread over several streams (copies on a side stream) that events on
+  one stream would not wait for;
+* :class:`DeviceSeconds` keeps a series of such regions (one per training step), read when looked at;
+* :func:`median_call_time` / :func:`mean_call_time` time repeated calls of a function.
+
+On the CPU, where a call has finished when it returns, and on any other device, every figure is a
+``time.perf_counter()`` difference, as a plain wall clock gives.
+"""
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Callable, Optional, Union, overload
 
-__all__ = ["mean_call_time", "median_call_time"]
+import torch
+
+__all__ = ["DeviceSeconds", "DeviceStamp", "DeviceTimer", "device_now", "mean_call_time", "median_call_time",
+           "synchronize"]
+
+Device = Union[torch.device, str]
 
 
-def _call_times(fn: Callable[[], Any], repeats: int) -> list[float]:
+def _on_cuda(device: Device) -> bool:
+    """Whether ``device`` queues its work (CUDA) rather than running it before a call returns."""
+    return torch.device(device).type == "cuda"
+
+
+def synchronize(device: Device) -> None:
+    """Wait until ``device`` has run everything queued on it; a no-op on the CPU."""
+    if _on_cuda(device):
+        torch.cuda.synchronize(device)
+
+
+def device_now(device: Device) -> float:
+    """``time.perf_counter()`` once ``device`` has run everything queued: the difference of two readings is the
+    device's time between them. It stops the host from running ahead, so prefer :class:`DeviceTimer` where the
+    figure can wait."""
+    synchronize(device)
+    return time.perf_counter()
+
+
+class DeviceStamp:
+    """A point in ``device``'s time, taken when constructed: a CUDA event recorded on the device's current stream,
+    or the wall clock on the CPU."""
+
+    __slots__ = ("_event", "_wall")
+
+    def __init__(self, device: Device) -> None:
+        self._event: Optional[Any] = None
+        self._wall = 0.0
+        if _on_cuda(device):
+            self._event = torch.cuda.Event(enable_timing=True)
+            self._event.record(torch.cuda.current_stream(device))
+        else:
+            self._wall = time.perf_counter()
+
+    def seconds_since(self, earlier: "DeviceStamp") -> float:
+        """Seconds from ``earlier`` to this point on the device; on CUDA it waits until the device reached both."""
+        if (self._event is None) != (earlier._event is None):
+            raise ValueError("both stamps must be taken on one device")
+        if self._event is None:
+            return self._wall - earlier._wall
+        earlier._event.synchronize()
+        self._event.synchronize()
+        return earlier._event.elapsed_time(self._event) / 1000.0
+
+
+class DeviceTimer:
+    """``with DeviceTimer(device) as timer: ...`` times the block's work on ``device``; :attr:`seconds` reads it."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self._start: Optional[DeviceStamp] = None
+        self._end: Optional[DeviceStamp] = None
+
+    def __enter__(self) -> "DeviceTimer":
+        self._start, self._end = DeviceStamp(self.device), None
+        return self
+
+    def __exit__(self, kind: Optional[type[BaseException]], error: Optional[BaseException],
+                 traceback: Optional[TracebackType]) -> None:
+        self._end = DeviceStamp(self.device)
+
+    @property
+    def seconds(self) -> float:
+        """The region's seconds on the device (on CUDA the first read waits until the device has run it)."""
+        if self._start is None or self._end is None:
+            raise RuntimeError("a DeviceTimer is read after its with block has ended")
+        return self._end.seconds_since(self._start)
+
+
+class DeviceSeconds(Sequence[float]):
+    """The seconds of regions on a device, in the order they were appended: appending one does not wait for the
+    device; looking at the figures reads those not read yet (on CUDA, after waiting for their ends)."""
+
+    def __init__(self) -> None:
+        self._read: list[float] = []
+        self._unread: list[tuple[DeviceStamp, DeviceStamp]] = []
+
+    def append(self, start: DeviceStamp, end: DeviceStamp) -> None:
+        """Add the region from ``start`` to ``end``."""
+        self._unread.append((start, end))
+
+    def __len__(self) -> int:
+        return len(self._read) + len(self._unread)
+
+    @overload
+    def __getitem__(self, index: int) -> float: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[float]: ...
+
+    def __getitem__(self, index: Union[int, slice]) -> Union[float, list[float]]:
+        self._read += [end.seconds_since(start) for start, end in self._unread]
+        self._unread.clear()
+        return self._read[index]
+
+
+def _call_times(fn: Callable[[], Any], repeats: int, device: Device) -> list[float]:
     fn()
-    times = []
+    timers = []
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
+        with DeviceTimer(device) as timer:
+            fn()
+        timers.append(timer)
+    return [timer.seconds for timer in timers]
 
 
-def median_call_time(fn: Callable[[], Any], repeats: int) -> float:
-    """Median time of ``repeats`` calls after one warm-up call: robust to a busy machine."""
-    return statistics.median(_call_times(fn, repeats))
+def median_call_time(fn: Callable[[], Any], repeats: int, device: Device) -> float:
+    """Median device time of ``repeats`` calls after one warm-up call: robust to a busy machine."""
+    return statistics.median(_call_times(fn, repeats, device))
 
 
-def mean_call_time(fn: Callable[[], Any], repeats: int) -> float:
-    """Mean time of ``repeats`` calls after one warm-up call: what a long run of such calls pays on average.
+def mean_call_time(fn: Callable[[], Any], repeats: int, device: Device) -> float:
+    """Mean device time of ``repeats`` calls after one warm-up call: what a long run of such calls pays on average.
 
     Other load on the machine slows some calls; a training step of many calls meets it in
     proportion, and the median of a few calls leaves it out.
     """
-    return statistics.fmean(_call_times(fn, repeats))
+    return statistics.fmean(_call_times(fn, repeats, device))

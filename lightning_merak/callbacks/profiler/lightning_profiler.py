@@ -12,6 +12,9 @@ gathers the records on rank 0 and writes there the raw trace (``<filename>.json`
 the critical path and exposed communication is logged, returned by :meth:`summary` and printed by
 Lightning at the end of the run. The trace's meta records the run's layout and model shape
 (:func:`run_meta`), from which the layout planner calibrates (:mod:`.calibration`).
+
+On CUDA the spans are launch times: the recorder reads the wall clock without synchronising the device, so a span
+can end once its kernels are queued, before they have run (device time is :mod:`lightning_merak.util.timing`'s).
 """
 
 from __future__ import annotations

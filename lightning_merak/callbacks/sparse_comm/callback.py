@@ -28,7 +28,6 @@ the group. Lightning's DDP has no owner that could know of shards: there EmbRace
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -53,6 +52,7 @@ from lightning_merak.callbacks.sparse_comm.wire_cost_model import NetworkModel
 from lightning_merak.distributed.gradient_norm import ShardedGradients
 from lightning_merak.parallel.pipeline.stage import RankStages, tied_parameter_names
 from lightning_merak.protocols.layout_aware import LayoutAwareStrategy, data_parallel_groups_from_mesh, layout_aware
+from lightning_merak.util.timing import DeviceTimer
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +72,10 @@ def _measure_bandwidth(group: dist.ProcessGroup | None) -> NetworkModel:
     """Time an all-reduce on ``group``; the slowest rank's time, so all ranks agree."""
     probe = torch.zeros(_BANDWIDTH_PROBE_BYTES // 4)
     dist.all_reduce(probe, group=group)
-    start = time.perf_counter()
-    for _ in range(_BANDWIDTH_PROBE_REPEATS):
-        dist.all_reduce(probe, group=group)
-    elapsed = torch.tensor([(time.perf_counter() - start) / _BANDWIDTH_PROBE_REPEATS], dtype=torch.float64)
+    with DeviceTimer(probe.device) as timer:
+        for _ in range(_BANDWIDTH_PROBE_REPEATS):
+            dist.all_reduce(probe, group=group)
+    elapsed = torch.tensor([timer.seconds / _BANDWIDTH_PROBE_REPEATS], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
     world_size = dist.get_world_size(group)
     wire_bytes = 2 * (world_size - 1) / world_size * _BANDWIDTH_PROBE_BYTES
@@ -86,14 +86,10 @@ def _measure_scan_speed(device: torch.device) -> float:
     """Bytes per second at which this rank finds all-zero gradient rows (local, no collective)."""
     probe = torch.ones(_BANDWIDTH_PROBE_BYTES // 4 // 64, 64, device=device)
     drop_zero_rows(torch.arange(probe.shape[0], device=device), probe)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(_BANDWIDTH_PROBE_REPEATS):
-        drop_zero_rows(torch.arange(probe.shape[0], device=device), probe)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = (time.perf_counter() - start) / _BANDWIDTH_PROBE_REPEATS
+    with DeviceTimer(device) as timer:
+        for _ in range(_BANDWIDTH_PROBE_REPEATS):
+            drop_zero_rows(torch.arange(probe.shape[0], device=device), probe)
+    elapsed = timer.seconds / _BANDWIDTH_PROBE_REPEATS
     return _BANDWIDTH_PROBE_BYTES / max(elapsed, 1e-9)
 
 

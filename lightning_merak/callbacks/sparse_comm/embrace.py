@@ -39,7 +39,6 @@ order at the end of the backward pass instead, a rank without a gradient for it 
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_merak.callbacks.sparse_comm.bytes_counter import CommLedger
+from lightning_merak.util.timing import DeviceStamp
 
 EMBEDDING = "embedding"
 _LOOKUP, _GATHER = 0, 1
@@ -87,7 +87,7 @@ def exchange_chunks(all_ids: torch.Tensor, upcoming_ids: torch.Tensor) -> list[t
 
 @dataclass(frozen=True)
 class ExchangeTiming:
-    """One backward gradient exchange of a table: seconds from launch until the rows of the
+    """One backward gradient exchange of a table: seconds on the table's device from launch until the rows of the
     priority chunk, and of all chunks, were added into the slice gradient."""
 
     priority_rows_s: float | None
@@ -311,7 +311,7 @@ class _ShardedLookup(torch.autograd.Function):
             return None, None, None, None, None
         all_ids, upcoming = ctx.saved_tensors
         widths, rank = table.widths, table.group_rank
-        launched = time.perf_counter()
+        launched = DeviceStamp(grad.device)
         chunks = []
         for priority, mask in exchange_chunks(all_ids, upcoming):
             chunk_counts = [int(part.sum()) for part in mask.split(ctx.counts)]
@@ -329,14 +329,16 @@ class _ShardedLookup(torch.autograd.Function):
 
         def accumulate() -> None:
             shard_grad = torch.zeros_like(table.shard)
-            priority_ready, all_ready, priority_tokens = None, 0.0, 0
+            priority_ready, all_ready, priority_tokens = None, launched, 0
             for priority, work, received, ids in chunks:
                 work.wait()
                 shard_grad += _rows_to_columns(table, ids, received)
-                all_ready = time.perf_counter() - launched
+                all_ready = DeviceStamp(grad.device)
                 if priority:
                     priority_ready, priority_tokens = all_ready, ids.numel()
-            table.last_exchange = ExchangeTiming(priority_ready, all_ready, priority_tokens, all_ids.numel())
+            table.last_exchange = ExchangeTiming(
+                priority_ready.seconds_since(launched) if priority_ready is not None else None,
+                all_ready.seconds_since(launched), priority_tokens, all_ids.numel())
             _add_to_shard_grad(table, shard_grad)
 
         torch.autograd.Variable._execution_engine.queue_callback(accumulate)

@@ -28,7 +28,6 @@ the optimizer with the real parameters and whole states while a checkpoint is wr
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
@@ -56,6 +55,7 @@ from lightning_merak.parallel.data.skipped_communication import (
 )
 from lightning_merak.parallel.layout import LayoutGroups
 from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh
+from lightning_merak.util.timing import DeviceSeconds, DeviceStamp
 
 __all__ = ["SHARDED_MODES", "DataParallelGradients", "check_precision",
            "check_shardable_optimizer", "check_sharding", "data_parallel_gradients", "refreshed", "shard_groups"]
@@ -160,8 +160,9 @@ class DataParallelGradients:
             self.buffer.before_write = self._finish_gather
             for caller, indices in self._first_users(overlap_param_gather).items():
                 self._forward_hooks.append(caller.register_forward_pre_hook(self._gathered_before(sorted(indices))))
-        self.exposed_s: list[float] = []
-        """Seconds each step waited for the gradient collectives after its backward ended."""
+        self._device = self.buffer.flats[0].device if self.buffer.buckets else torch.device("cpu")
+        self.exposed_s = DeviceSeconds()
+        """Seconds each step waited for the gradient collectives after its backward ended, on the device."""
 
     def _first_users(self, root: nn.Module) -> dict[nn.Module, set[int]]:
         """The buckets each module's forward must find gathered: its own parameters', and those of containers it
@@ -462,7 +463,7 @@ class DataParallelGradients:
         divide_by = self._data_parallel * self._micro_batches
         self._micro_batches = 1
         self.validated = True
-        start = time.perf_counter()
+        start = DeviceStamp(self._device)
         for bucket in self.buffer.buckets:
             if not self._launched(bucket):
                 self.buffer.gather_bucket(bucket)
@@ -476,7 +477,7 @@ class DataParallelGradients:
         if not self.sharded:
             for flat in self.buffer.flats:
                 flat /= divide_by
-            self.exposed_s.append(time.perf_counter() - start)
+            self.exposed_s.append(start, DeviceStamp(self._device))
             return
         for part in self._shard_grads:
             if self._replicate_group is not None and self._communicate:
@@ -488,7 +489,7 @@ class DataParallelGradients:
                 bucket.release()
         for bucket, piece, shard in self._shards:
             shard.grad = self._shard_grads[bucket.index][piece.offset:piece.offset + shard.numel()]
-        self.exposed_s.append(time.perf_counter() - start)
+        self.exposed_s.append(start, DeviceStamp(self._device))
 
     def stats(self) -> dict[str, float]:
         """Seconds each step waited for the gradient collectives after its backward (mean over the steps after the

@@ -9,43 +9,16 @@ chunk has finished when its call returns and the wall clock is read.
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
+from lightning_merak.util.timing import DeviceTimer
+
 __all__ = ["CHUNK_METHODS", "StageBusyClock"]
 
 CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
-
-
-class _Interval:
-    """One timed region: CUDA events on ``device``'s current stream, or the wall clock."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._events: Optional[tuple[Any, Any]] = None
-        self._start = self._end = 0.0
-        if device.type == "cuda":
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-
-    def start(self) -> None:
-        if self._events is not None:
-            self._events[0].record()
-        else:
-            self._start = time.perf_counter()
-
-    def stop(self) -> None:
-        if self._events is not None:
-            self._events[1].record()
-        else:
-            self._end = time.perf_counter()
-
-    def seconds(self) -> float:
-        if self._events is not None:
-            self._events[1].synchronize()
-            return self._events[0].elapsed_time(self._events[1]) / 1000.0
-        return self._end - self._start
 
 
 class StageBusyClock:
@@ -57,8 +30,8 @@ class StageBusyClock:
 
     def __init__(self, stages: Iterable[Any], device: torch.device) -> None:
         self._device = device
-        self._chunks: list[_Interval] = []
-        self._step: Optional[_Interval] = None
+        self._chunks: list[DeviceTimer] = []
+        self._step: Optional[DeviceTimer] = None
         self._timing = False
         self._inside = False
         for stage in stages:
@@ -71,15 +44,13 @@ class StageBusyClock:
             method = getattr(type(stage), name)
             if not self._timing or self._inside:
                 return method(stage, *args, **kwargs)
-            interval = _Interval(self._device)
             self._inside = True
-            interval.start()
             try:
-                return method(stage, *args, **kwargs)
+                with DeviceTimer(self._device) as timer:
+                    return method(stage, *args, **kwargs)
             finally:
-                interval.stop()
                 self._inside = False
-                self._chunks.append(interval)
+                self._chunks.append(timer)
 
         return chunk
 
@@ -87,18 +58,16 @@ class StageBusyClock:
     def step(self) -> Iterator[None]:
         """Time one schedule step and the chunks it runs (the previous step's record is replaced)."""
         self._chunks = []
-        self._step = _Interval(self._device)
-        self._step.start()
         self._timing = True
         try:
-            yield
+            with DeviceTimer(self._device) as self._step:
+                yield
         finally:
             self._timing = False
-            self._step.stop()
 
     @property
     def last(self) -> Optional[tuple[float, float]]:
         """``(busy seconds, step seconds)`` of the last timed step, ``None`` before one (synchronises on CUDA)."""
         if self._step is None:
             return None
-        return sum(chunk.seconds() for chunk in self._chunks), self._step.seconds()
+        return sum(chunk.seconds for chunk in self._chunks), self._step.seconds

@@ -338,7 +338,7 @@ def _profile_prefix(model: nn.Module, work: nn.Module, trace: ModelTrace, call_m
     params = [p for p in trace.outside_parameters(work)[0] if not p.is_meta] + table_rows.weights()
     with table_rows:
         fwd, bwd, saved = measure(lambda: prefix_output(work, work_trunk, call_model, sample_inputs), params,
-                                   repeats)
+                                   repeats, trace.sample_hidden.device)
     bwd += _dense_gradient_s(table_rows.missing_bytes(), trace.sample_hidden.device, repeats)
     return BlockCost("prefix", fwd, bwd, sum(p.numel() * p.element_size() for p in prefix_params),
                      _output_bytes(trace), saved, is_embedding=True)
@@ -361,10 +361,8 @@ def _dense_gradient_s(num_bytes: int, device: torch.device, repeats: int) -> flo
 
     def create_and_add() -> None:
         accumulated.add_(torch.zeros(size, device=device))
-        if accumulated.is_cuda:
-            torch.cuda.synchronize(accumulated.device)
 
-    return mean_call_time(create_and_add, repeats) * num_bytes / (4 * size)
+    return mean_call_time(create_and_add, repeats, device) * num_bytes / (4 * size)
 
 
 def _profile_rest(model: nn.Module, trace: ModelTrace, repeats: int,
@@ -384,7 +382,7 @@ def _profile_rest(model: nn.Module, trace: ModelTrace, repeats: int,
             real = materialized_copy(block, f"{trace.trunk_path}.{index}", materialize_with)
             block_input = hidden.detach().clone().requires_grad_(True)
             figures[kind] = measure(lambda: trace.hidden_of(real(block_input, *args, **kwargs)),
-                                     list(real.parameters()), repeats)
+                                     list(real.parameters()), repeats, hidden.device)
             if block_output is None:
                 with torch.no_grad():
                     block_output = trace.hidden_of(real(hidden, *args, **kwargs))
@@ -454,7 +452,7 @@ def _profile_head(model: nn.Module, trace: ModelTrace, hidden: torch.Tensor, rep
     if sliced is None:
         head_model, params = _sliced_head(model, trace, materialize_with, None)
         block_output = hidden.detach().clone().requires_grad_(True)
-        return measure(lambda: trace.run_head(head_model, block_output), params, repeats)
+        return measure(lambda: trace.run_head(head_model, block_output), params, repeats, hidden.device)
     path, rows, total = sliced
     first = next(index for index, step in enumerate(trace.head) if step.module == path)
     pre, post, values = _time_head_slice(model, trace, hidden, repeats, materialize_with, (path, rows), first)
@@ -477,5 +475,6 @@ def _time_head_slice(model: nn.Module, trace: ModelTrace, hidden: torch.Tensor, 
         for step in before:
             values.append(step.run(head_model, values))
     values = [value.detach().requires_grad_(value.is_floating_point()) for value in values]
-    pre = measure(lambda: _replay(before, head_model, values[:1]), params, repeats) if before else (0.0, 0.0, 0)
-    return pre, measure(lambda: _replay(after, head_model, values), params, repeats), values
+    pre = (measure(lambda: _replay(before, head_model, values[:1]), params, repeats, hidden.device) if before
+           else (0.0, 0.0, 0))
+    return pre, measure(lambda: _replay(after, head_model, values), params, repeats, hidden.device), values

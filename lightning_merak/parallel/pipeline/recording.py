@@ -345,10 +345,11 @@ def saved_bytes(run: Callable[[], Any]) -> int:
     return saved
 
 
-def measure(run: Callable[[], torch.Tensor], params: list[nn.Parameter], repeats: int) -> tuple[float, float, int]:
-    """(forward seconds, backward seconds, bytes saved for backward) of one node."""
+def measure(run: Callable[[], torch.Tensor], params: list[nn.Parameter], repeats: int,
+            device: torch.device) -> tuple[float, float, int]:
+    """(forward seconds, backward seconds, bytes saved for backward) of one node, timed on ``device``."""
     with torch.no_grad():
-        forward_s = mean_call_time(run, repeats)
+        forward_s = mean_call_time(run, repeats, device)
 
     def forward_backward() -> None:
         out = run()
@@ -356,7 +357,7 @@ def measure(run: Callable[[], torch.Tensor], params: list[nn.Parameter], repeats
             out.backward(torch.ones_like(out))
 
     saved = saved_bytes(run)
-    total_s = mean_call_time(forward_backward, repeats)
+    total_s = mean_call_time(forward_backward, repeats, device)
     for param in params:
         param.grad = None
     return forward_s, max(total_s - forward_s, 0.0), saved

@@ -181,7 +181,7 @@ def _profile(model: nn.Module, trace: ModelTrace, trunk: nn.ModuleList, call_mod
     def run_prefix() -> torch.Tensor:
         return prefix_output(model, trunk, call_model, sample_inputs)
 
-    prefix_fwd, prefix_bwd, prefix_saved = measure(run_prefix, prefix_params, repeats)
+    prefix_fwd, prefix_bwd, prefix_saved = measure(run_prefix, prefix_params, repeats, hidden_in.device)
     prefix_bytes = sum(p.numel() * p.element_size() for p in prefix_params)
     seen.update(id(p) for p in prefix_params)
     costs = [BlockCost("prefix", prefix_fwd, prefix_bwd, prefix_bytes, output_bytes, prefix_saved, is_embedding=True)]
@@ -194,7 +194,7 @@ def _profile(model: nn.Module, trace: ModelTrace, trunk: nn.ModuleList, call_mod
                       kwargs: dict = kwargs) -> torch.Tensor:
             return trace.hidden_of(block(block_input, *args, **kwargs))
 
-        fwd, bwd, saved = measure(run_block, list(block.parameters()), repeats)
+        fwd, bwd, saved = measure(run_block, list(block.parameters()), repeats, hidden_in.device)
         costs.append(BlockCost(f"{trace.trunk_path}.{index}", fwd, bwd, param_bytes([block], seen), output_bytes,
                                saved))
 
@@ -203,7 +203,7 @@ def _profile(model: nn.Module, trace: ModelTrace, trunk: nn.ModuleList, call_mod
     def run_suffix() -> torch.Tensor:
         return trace.run_head(model, suffix_input)
 
-    fwd, bwd, saved = measure(run_suffix, suffix_params, repeats)
+    fwd, bwd, saved = measure(run_suffix, suffix_params, repeats, hidden_in.device)
     costs.append(BlockCost("suffix", fwd, bwd, param_bytes(suffix, seen),
                            last_hidden.numel() * last_hidden.element_size(), saved))
     return costs

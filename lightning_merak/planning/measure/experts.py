@@ -117,7 +117,8 @@ def measure_all_to_all(group_sizes: Iterable[int], device: torch.device, large_b
             rows = torch.ones(size * max(1, nbytes // (4 * size)), device=device)
             received = torch.empty_like(rows)
             dist.barrier()
-            seconds = median_call_time(lambda: dist.all_to_all_single(received, rows, group=mine), repeats)
+            seconds = median_call_time(lambda: dist.all_to_all_single(received, rows, group=mine), repeats,
+                                       device)
             points.append((rows.numel() * 4 * (size - 1) / size, seconds))
         links[size] = fit_collective_cost(points)
     holder = [links]

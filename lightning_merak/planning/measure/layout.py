@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import math
 import statistics
-import time
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -53,7 +52,7 @@ from lightning_merak.planning.planner import (
     fit_pipeline_runtime,
 )
 from lightning_merak.util.model_outputs import logits_of
-from lightning_merak.util.timing import mean_call_time, median_call_time
+from lightning_merak.util.timing import DeviceStamp, mean_call_time, median_call_time
 
 __all__ = ["LARGEST_TIMED_ELEMENTS", "local_shard_of_block", "profile_model", "profile_network", "tensor_parallel_mesh",
            "time_outside_update", "time_parameter_update", "timing_copies"]
@@ -99,22 +98,23 @@ def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, 
     source = hidden if samples <= batch else hidden.repeat(-(-samples // batch), *[1] * (hidden.ndim - 1))
     inputs = source[:samples].detach().clone().requires_grad_(True)
     args, kwargs = trace.block_arguments(_side_tensors_for(trace, samples))
-    marks: dict[str, float] = {}
+    device = inputs.device
+    marks: dict[str, DeviceStamp] = {}
     handles = []
     first_row = shard.get_submodule(plan.row[0])
-    handles.append(first_row.register_forward_hook(lambda *_: marks.__setitem__("row", time.perf_counter())))
+    handles.append(first_row.register_forward_hook(lambda *_: marks.__setitem__("row", DeviceStamp(device))))
     for index, group in enumerate(plan.column_groups):
         def watch(module: nn.Module, args_: tuple, key: str = f"group{index}") -> None:
             if args_[0].requires_grad:
-                args_[0].register_hook(lambda grad: marks.__setitem__(key, time.perf_counter()))
+                args_[0].register_hook(lambda grad: marks.__setitem__(key, DeviceStamp(device)))
         handles.append(shard.get_submodule(group[0]).register_forward_pre_hook(watch))
     inside_span = [False]
     for names, inside in ((plan.column, True), (plan.row, False)):
         for name in names:
             handles.append(shard.get_submodule(name).register_forward_hook(
                 lambda *_, inside=inside: inside_span.__setitem__(0, inside)))
-    forward_parts: list[tuple[float, float]] = []
-    backward_parts: list[tuple[float, float]] = []
+    # per timed run: its start, the first row layer's end, the forward's end, the MLP's input gradient, its end
+    runs: list[tuple[DeviceStamp, ...]] = []
     parameters = {p.data_ptr() for p in shard.parameters()}
     saved: dict[int, int] = {}
     outside_span: set[int] = set()
@@ -131,26 +131,27 @@ def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, 
         saved.clear()
         outside_span.clear()
         inside_span[0] = False
-        start = time.perf_counter()
+        start = DeviceStamp(device)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             output = trace.hidden_of(shard(inputs, *args, **kwargs))
-        end_forward = time.perf_counter()
+        end_forward = DeviceStamp(device)
         output.backward(torch.ones_like(output))
-        end_backward = time.perf_counter()
-        forward_parts.append((marks["row"] - start, end_forward - marks["row"]))
+        end_backward = DeviceStamp(device)
         last_group = f"group{len(plan.column_groups) - 1}"
-        mlp_ready = marks.get(last_group, end_forward)
-        backward_parts.append((mlp_ready - end_forward, end_backward - mlp_ready))
+        runs.append((start, marks["row"], end_forward, marks.get(last_group, end_forward), end_backward))
 
     try:
         run()
-        forward_parts.clear()
-        backward_parts.clear()
+        runs.clear()
         for _ in range(repeats):
             run()
     finally:
         for handle in handles:
             handle.remove()
+    forward_parts = [(row.seconds_since(start), end_forward.seconds_since(row))
+                     for start, row, end_forward, _, _ in runs]
+    backward_parts = [(mlp_ready.seconds_since(end_forward), end_backward.seconds_since(mlp_ready))
+                      for _, _, end_forward, mlp_ready, end_backward in runs]
     times = BlockTimes(forward_segments_s=tuple(map(statistics.fmean, zip(*forward_parts))),
                        backward_segments_s=tuple(map(statistics.fmean, zip(*backward_parts))))
     return times, sum(saved.values()), sum(saved[pointer] for pointer in outside_span)
@@ -173,19 +174,19 @@ class _BlockRun(nn.Module):
 def _forward_backward_times(run: nn.Module, hidden: torch.Tensor, args: tuple, kwargs: dict,
                             repeats: int) -> tuple[float, float]:
     """Mean forward and backward seconds of ``run`` after one warm-up; every rank runs the same calls."""
-    forward, backward = [], []
+    stamps = []
     for attempt in range(repeats + 1):
         inputs = hidden.detach().requires_grad_(True)
         run.zero_grad(set_to_none=True)  # as every training step: backward allocates fresh gradients
-        start = time.perf_counter()
+        start = DeviceStamp(hidden.device)
         output = run(inputs, *args, **kwargs)
-        middle = time.perf_counter()
+        middle = DeviceStamp(hidden.device)
         output.backward(torch.ones_like(output))
-        end = time.perf_counter()
+        end = DeviceStamp(hidden.device)
         if attempt:
-            forward.append(middle - start)
-            backward.append(end - middle)
-    return statistics.fmean(forward), statistics.fmean(backward)
+            stamps.append((start, middle, end))
+    return (statistics.fmean(middle.seconds_since(start) for start, middle, _ in stamps),
+            statistics.fmean(end.seconds_since(middle) for _, middle, end in stamps))
 
 
 def time_parameter_update(parameters: list[nn.Parameter],
@@ -203,7 +204,7 @@ def time_parameter_update(parameters: list[nn.Parameter],
         parameter.grad = torch.ones_like(parameter)
     clip_s = _clip_passes_s(trainable, repeats)
     optimizer = optimizer_factory(trainable)
-    return mean_call_time(optimizer.step, repeats), clip_s
+    return mean_call_time(optimizer.step, repeats, trainable[0].device), clip_s
 
 
 def _clip_passes_s(parameters: list[nn.Parameter], repeats: int) -> float:
@@ -218,7 +219,7 @@ def _clip_passes_s(parameters: list[nn.Parameter], repeats: int) -> float:
     def clip() -> None:
         scale_gradients(grads, 1.0 / (math.sqrt(squared_norm(grads, device).item()) + 1.0))
 
-    return mean_call_time(clip, repeats)
+    return mean_call_time(clip, repeats, device)
 
 
 LARGEST_TIMED_ELEMENTS = 1 << 25
@@ -485,7 +486,7 @@ def _pipeline_runtime(device: torch.device, repeats: int, p2p: CollectiveCost) -
             rows = torch.zeros(micro_batches, 1, 8, device=device)
             dist.barrier(group=group)
             steps[micro_batches] = mean_call_time(
-                (lambda: schedule.step(rows)) if rank == 0 else (lambda: schedule.step(target=rows)), repeats)
+                (lambda: schedule.step(rows)) if rank == 0 else (lambda: schedule.step(target=rows)), repeats, device)
     dist.barrier()
     return fit_pipeline_runtime(steps, p2p.send_s(8 * 4)) if rank == 0 else (0.0, 0.0)
 
@@ -515,7 +516,7 @@ def profile_network(group_sizes: Iterable[int], device: torch.device, large_byte
         for nbytes in _sizes(small_bytes, large_bytes):
             tensor = torch.ones(max(1, nbytes // 4), device=device)
             dist.barrier()
-            points.append((nbytes, median_call_time(lambda: dist.all_reduce(tensor, group=mine), repeats)))
+            points.append((nbytes, median_call_time(lambda: dist.all_reduce(tensor, group=mine), repeats, device)))
         all_reduce[size] = fit_collective_cost(points, 2.0 * (size - 1) / size)
         if gradient_bytes > 0:
             points = []
@@ -523,7 +524,7 @@ def profile_network(group_sizes: Iterable[int], device: torch.device, large_byte
                 grads = list(torch.ones(max(8, nbytes // 4), device=device).chunk(8))
                 dist.barrier()
                 points.append((nbytes, median_call_time(
-                    lambda: average_gradients(grads, mine, size), repeats)))
+                    lambda: average_gradients(grads, mine, size), repeats, device)))
             gradient_sync[size] = fit_collective_cost(points)
     points = []
     for nbytes in _sizes(small_bytes, large_bytes):
@@ -538,7 +539,7 @@ def profile_network(group_sizes: Iterable[int], device: torch.device, large_byte
                 dist.send(tensor, 0)
 
         dist.barrier()
-        points.append((nbytes, median_call_time(ping, repeats) / 2))
+        points.append((nbytes, median_call_time(ping, repeats, device) / 2))
     p2p = fit_collective_cost(points)
     action_s, step_s = _pipeline_runtime(device, repeats, p2p) if pipeline else (0.0, 0.0)
     network = NetworkProfile(all_reduce=all_reduce, p2p=p2p, gradient_sync=gradient_sync,

@@ -19,7 +19,6 @@ did, at load averages above 10).
 from __future__ import annotations
 
 import copy
-import time
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -28,6 +27,7 @@ from torch import nn
 from lightning_merak.parallel.pipeline.stage import build_stage_module
 from lightning_merak.parallel.pipeline.trace import ModelTrace, find_trunk, trace_model
 from lightning_merak.planning.replay.call_curve import CallCurve
+from lightning_merak.util.timing import DeviceTimer
 
 __all__ = ["ProbedCurves", "next_token_loss", "probe_call_curves"]
 
@@ -50,13 +50,13 @@ def _call_model(model: nn.Module, ids: torch.Tensor) -> object:
     return model(ids)
 
 
-def _timed(run: Callable[[], torch.Tensor]) -> tuple[float, float]:
-    """(forward seconds, backward seconds) of one call of ``run`` and the backward of its output."""
-    start = time.perf_counter()
-    out = run()
-    middle = time.perf_counter()
-    out.backward(torch.ones_like(out))
-    return middle - start, time.perf_counter() - middle
+def _timed(run: Callable[[], torch.Tensor], device: torch.device) -> tuple[float, float]:
+    """(forward seconds, backward seconds) on ``device`` of one call of ``run`` and the backward of its output."""
+    with DeviceTimer(device) as forward:
+        out = run()
+    with DeviceTimer(device) as backward:
+        out.backward(torch.ones_like(out))
+    return forward.seconds, backward.seconds
 
 
 def probe_call_curves(model: nn.Module, tokens: torch.Tensor, sizes: Sequence[int], rounds: int = 30,
@@ -119,7 +119,7 @@ def probe_call_curves(model: nn.Module, tokens: torch.Tensor, sizes: Sequence[in
         for round_index in range(warmup + rounds):
             for index, pair in enumerate(calls):
                 for part, run in enumerate(pair):
-                    measured = _timed(run)
+                    measured = _timed(run, tokens.device)
                     if round_index >= warmup:
                         times.setdefault((index, part), []).append(measured)
     finally:

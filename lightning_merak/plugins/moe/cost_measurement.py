@@ -46,7 +46,8 @@ def profile_cost_model(
         send = torch.zeros(numel, dtype=dtype, device=device)
         recv = torch.empty_like(send)
         if ep_size > 1:
-            figures.append(median_call_time(lambda: dist.all_to_all_single(recv, send, group=group), repeats))
+            figures.append(median_call_time(lambda: dist.all_to_all_single(recv, send, group=group), repeats,
+                                            device))
         else:
             figures.append(0.0)
     partner = rank ^ 1
@@ -58,13 +59,13 @@ def profile_cost_model(
                          dist.irecv(torch.empty_like(buffer), ep_ranks[partner], group=group)]
                 for work in works:
                     work.wait()
-            figures.append(median_call_time(exchange, repeats))
+            figures.append(median_call_time(exchange, repeats, device))
         else:
             figures.append(0.0)
     tokens = torch.ones(1024, hidden_size, dtype=dtype, device=device)
     with torch.no_grad():
         figures.append(_expert_alone(expert, tokens, rank, group, ep_size, repeats))
-        figures.append(median_call_time(lambda: expert(tokens), repeats))
+        figures.append(median_call_time(lambda: expert(tokens), repeats, device))
         figures.append(_transfer_beside_compute(expert, tokens, ep_ranks, rank, group, dtype, device, repeats))
         figures.append(_all_to_all_beside_compute(expert, tokens, ep_size, group, dtype, device, repeats))
     measured = torch.tensor(figures, dtype=torch.float64)
@@ -107,7 +108,7 @@ def _expert_alone(expert: nn.Module, tokens: torch.Tensor, rank: int, group: Any
     if ep_size < 2:
         return 0.0
     dist.barrier(group=group)
-    alone = median_call_time(lambda: expert(tokens), repeats) if rank == 0 else 0.0
+    alone = median_call_time(lambda: expert(tokens), repeats, tokens.device) if rank == 0 else 0.0
     dist.barrier(group=group)
     return alone
 
@@ -128,7 +129,7 @@ def _transfer_beside_compute(expert: nn.Module, tokens: torch.Tensor, ep_ranks: 
         for work in works:
             work.wait()
 
-    return median_call_time(both, repeats)
+    return median_call_time(both, repeats, device)
 
 
 def _all_to_all_beside_compute(expert: nn.Module, tokens: torch.Tensor, ep_size: int, group: Any,
@@ -146,7 +147,7 @@ def _all_to_all_beside_compute(expert: nn.Module, tokens: torch.Tensor, ep_size:
         expert(tokens)
         work.wait()
 
-    return median_call_time(both, repeats)
+    return median_call_time(both, repeats, device)
 
 
 def _efficiency(transfer_s: float, compute_s: float, both_s: float) -> float:

@@ -33,6 +33,7 @@ from lightning_merak.distributed.weight_gradients import SplitBackward
 from lightning_merak.plugins.moe.core.dispatch import ExchangeLayout
 from lightning_merak.plugins.moe.core.placement import PlacementPlan
 from lightning_merak.plugins.moe.core.plan_check import PlanCheck
+from lightning_merak.util.timing import DeviceTimer
 
 __all__ = ["ExpertExchange", "ReplicaTransfer", "TransferScheduler", "flatten_params"]
 
@@ -310,9 +311,9 @@ class ExchangeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         """The reverse exchange; its seconds go to ``stats["exchange_backward_s"]`` for the online plan check."""
-        start = time.perf_counter()
-        grad_in, param_grads = ctx.exchange.backward(ctx.state, grad_out.contiguous())
+        with DeviceTimer(grad_out.device) as exchange:
+            grad_in, param_grads = ctx.exchange.backward(ctx.state, grad_out.contiguous())
         stats = ctx.exchange.stats
-        stats["exchange_backward_s"] = stats.get("exchange_backward_s", 0.0) + time.perf_counter() - start
+        stats["exchange_backward_s"] = stats.get("exchange_backward_s", 0.0) + exchange.seconds
         ctx.state = None
         return (None, None, grad_in, *param_grads)

@@ -17,7 +17,6 @@ picked by simulation (:func:`~.lancet.choose_block_chunks`).
 
 from __future__ import annotations
 
-import time
 from typing import Any, Optional, Sequence
 
 import torch
@@ -29,6 +28,7 @@ from lightning_merak.plugins.moe.block_split import Chunks, check_chunks, enclos
 from lightning_merak.plugins.moe.core.lancet import choose_block_chunks, simulated_block_time
 from lightning_merak.plugins.moe.core.placement_cost_model import CostModel
 from lightning_merak.plugins.moe.layer import MoE, PlacementMOELayer
+from lightning_merak.util.timing import DeviceStamp, DeviceTimer
 
 __all__ = ["LancetBlockForward", "lancet_overlap"]
 
@@ -78,26 +78,27 @@ class LancetBlockForward:
         return choose_block_chunks(self._cost_model(), layer.stats["counts"], layer.stats["plan"], self.dense_s, batch,
                                    sub_batch_overhead_s=self.sub_batch_overhead_s or 0.0)
 
+    def _device(self) -> torch.device:
+        """Where the block computes: its times are read on this device."""
+        return next(self.block.parameters()).device
+
     def _measure_unsplit(self, batch: int, args: tuple, kwargs: dict[str, Any]) -> Any:
         """First call: run unsplit, timing the block and its MoE layers."""
-        moe_s = [0.0]
-
-        def started(*_: Any) -> None:
-            moe_s[0] -= time.perf_counter()
-
-        def finished(*_: Any) -> None:
-            moe_s[0] += time.perf_counter()
-
+        device = self._device()
+        moe_started: list[DeviceStamp] = []
+        moe_finished: list[DeviceStamp] = []
         handles = [h for layer in self.layers
-                   for h in (layer.register_forward_pre_hook(started), layer.register_forward_hook(finished))]
+                   for h in (layer.register_forward_pre_hook(lambda *_: moe_started.append(DeviceStamp(device))),
+                             layer.register_forward_hook(lambda *_: moe_finished.append(DeviceStamp(device))))]
         try:
-            start = time.perf_counter()
-            output = self.forward(*args, **kwargs)
-            block_s = time.perf_counter() - start
+            with DeviceTimer(device) as unsplit:
+                output = self.forward(*args, **kwargs)
         finally:
             for handle in handles:
                 handle.remove()
-        self.dense_s = self._agreed(max(block_s - moe_s[0], 0.0))
+        block_s = unsplit.seconds
+        moe_s = sum(end.seconds_since(start) for start, end in zip(moe_started, moe_finished))
+        self.dense_s = self._agreed(max(block_s - moe_s, 0.0))
         self._unsplit_s = self._agreed(block_s)
         if batch % 2 or self.layers[0].ep_size == 1:
             self.chunks = self._choose(batch)
@@ -106,9 +107,9 @@ class LancetBlockForward:
     def _measure_split_and_choose(self, batch: int, args: tuple, kwargs: dict[str, Any]) -> Any:
         """Second call: run as two sub-batches; the time the simulation misses is the per-sub-batch overhead."""
         layer = self.layers[0]
-        start = time.perf_counter()
-        output = self._run_split(2, args, kwargs)
-        split_s = self._agreed(time.perf_counter() - start)
+        with DeviceTimer(self._device()) as split:
+            output = self._run_split(2, args, kwargs)
+        split_s = self._agreed(split.seconds)
         cost_model = self._cost_model()
         counts, plan = layer.stats["counts"], layer.stats["plan"]
         simulated_gain = (simulated_block_time(cost_model, counts, plan, self.dense_s, 1, blocks=1)

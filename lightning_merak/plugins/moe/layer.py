@@ -71,6 +71,7 @@ from lightning_merak.plugins.moe.executor import (
 )
 from lightning_merak.plugins.moe.groups import ExpertGroups, ensure_expert_groups
 from lightning_merak.plugins.moe.options import MoEOptions
+from lightning_merak.util.timing import DeviceTimer
 
 __all__ = ["MoE", "MoEOptions", "PlacementMOELayer"]
 
@@ -418,12 +419,12 @@ class PlacementMOELayer(MOELayer):
                                       chunks)
         rows = layout.route_rows(indices, locations)
         self._record(stats, counts, choice, chunks, int((indices < 0).sum()), layout.num_rows)
-        start = time.perf_counter()
-        replica_params, in_flight = self._replicas(choice, prefetched, stats)
-        output = self._exchange(tokens, layout, rows, gates, choice.plan, replica_params, stats, prefetch=True,
-                                replica_transfer=in_flight,
-                                while_dispatching=lambda: self._plan_next_timed(counts, choice, stats))
-        stats["exchange_forward_s"] = time.perf_counter() - start
+        with DeviceTimer(tokens.device) as exchange:
+            replica_params, in_flight = self._replicas(choice, prefetched, stats)
+            output = self._exchange(tokens, layout, rows, gates, choice.plan, replica_params, stats, prefetch=True,
+                                    replica_transfer=in_flight,
+                                    while_dispatching=lambda: self._plan_next_timed(counts, choice, stats))
+        stats["exchange_forward_s"] = exchange.seconds
         if choice.corrected_s is not None:
             self._checked = (_candidate(choice), stats)
         return output.reshape(hidden.shape)

@@ -17,7 +17,6 @@ exchanges in reverse over the same sub-batches.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Optional, Sequence
 
 import torch
@@ -28,6 +27,7 @@ from lightning_merak.distributed.sub_batches import run_sub_batches
 from lightning_merak.plugins.moe.block_split import Chunks, batch_size, check_chunks, enclosing_block, split_batch
 from lightning_merak.plugins.moe.experts.enable import experts_modules
 from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
+from lightning_merak.util.timing import DeviceTimer
 
 __all__ = ["CANDIDATE_CHUNKS", "TRIAL_ROUNDS", "ExpertParallelLancet", "expert_parallel_lancet"]
 
@@ -88,9 +88,9 @@ class ExpertParallelLancet:
         if call == 0:
             return self.forward(*args, **kwargs)
         chunks = candidates[(call - 1) % len(candidates)]
-        start = time.perf_counter()
-        output = self._run(chunks, args, kwargs)
-        self.trials.setdefault(chunks, []).append(time.perf_counter() - start)
+        with DeviceTimer(next(self.block.parameters()).device) as trial:
+            output = self._run(chunks, args, kwargs)
+        self.trials.setdefault(chunks, []).append(trial.seconds)
         if call == TRIAL_ROUNDS * len(candidates):
             self._decide(candidates, group)
         return output
