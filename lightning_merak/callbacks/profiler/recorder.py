@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_merak.distributed.turns import in_sub_batch_region, sub_batch_index, watch_turn_waits
+from lightning_merak.parallel.pipeline.busy import CHUNK_METHODS
 from lightning_merak.planning.replay.trace import CommRecord, RankTrace, Span, assign_depths
 
 __all__ = ["TraceRecorder", "active_recorder", "traced_allreduce_hook"]
@@ -238,8 +239,8 @@ class TraceRecorder:
             classes.append(cls)
             pending.extend(cls.__subclasses__())
         for cls in classes:
-            for method, category in (("forward_one_chunk", "FW"), ("backward_one_chunk", "BW"),
-                                     ("backward_weight_one_chunk", "BW")):
+            for method in CHUNK_METHODS:
+                category = "FW" if method.startswith("forward") else "BW"
                 original = cls.__dict__.get(method)
                 if original is None:
                     continue
