@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -53,6 +54,21 @@ def test_cluster_ranks_start_inside_their_rank_groups() -> None:
             assert f"{quota.group_of(result.rank).parent.name}/rank{result.rank}" in result.stdout
         group = quota.group_of(0).parent
     assert not Path(group).exists()
+
+
+def _own_cpu_group(rank: int, world_size: int) -> str:
+    return open("/proc/self/cgroup").read()
+
+
+@needs_quota
+@pytest.mark.distributed
+def test_forked_ranks_run_their_function_inside_their_rank_groups() -> None:
+    from lightning_merak.testing.distributed import run_distributed
+
+    quota = CpuQuota(2)
+    groups = run_distributed(_own_cpu_group, world_size=2, cpu_quota=quota, timeout_s=60)
+    for rank, cgroups in enumerate(groups):
+        assert f"-{os.getpid()}-" in cgroups and f"/rank{rank}" in cgroups, cgroups
 
 
 def test_only_more_ranks_than_cores_get_a_quota_and_the_record_says_which() -> None:

@@ -6,8 +6,8 @@ less than on devices, and a replica "on another device" runs on the same cores. 
 depends on per-rank compute at more ranks than cores must remove that lending (``docs/design/machine.md``).
 
 :class:`CpuQuota` gives every rank its own cgroup (v1 ``cpu`` controller, or cgroup v2's ``cpu.max``) with
-``cores / ranks`` of a core per period; a rank's unused quota is lost, as a device's idle time is. Ranks are
-moved in right after they start (every thread they later create inherits the group) and the groups are removed
+``cores / ranks`` of a core per period; a rank's unused quota is lost, as a device's idle time is. Ranks enter
+their group before they run any work (every thread they later create inherits the group) and the groups are removed
 on exit, on failure and by :func:`cleanup_stale` for owners that died. :meth:`CpuQuota.check` measures that a
 lone spinning process runs at its quota, not at a full core. Needs root; :func:`quota_available` says whether
 it can work here. Every step then runs about ``ranks / cores`` slower: compare ratios only.
@@ -18,11 +18,12 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["CpuQuota", "QUOTA_PERIOD_US", "QuotaUnavailable", "cleanup_stale", "device_per_rank_quota",
-           "emulation_record", "pid_alive", "quota_available"]
+           "emulation_record", "enter_group", "pid_alive", "quota_available"]
 
 QUOTA_PERIOD_US = 2_000
 """The period each rank's quota is counted over. Short: with the kernel's default 100 ms a rank that was idle runs
@@ -214,9 +215,18 @@ class CpuQuota:
             raise ValueError(f"rank {rank} outside 0..{self.ranks - 1}")
         return self._group / f"rank{rank}"
 
+    def procs_file(self, rank: int) -> Path:
+        """The file a process writes its pid to in order to enter ``rank``'s group."""
+        return self.group_of(rank) / "cgroup.procs"
+
     def join(self, rank: int, pid: int) -> None:
         """Move process ``pid`` (all its threads) into ``rank``'s group; threads it starts later follow."""
-        (self.group_of(rank) / "cgroup.procs").write_text(str(pid))
+        self.procs_file(rank).write_text(str(pid))
+
+    def command_in_group(self, rank: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` wrapped so that its process enters ``rank``'s group before it execs: no instruction of the
+        rank runs outside its quota (moving it in after it started races with what it does first)."""
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.procs_file(rank)), *argv]
 
     def check(self, seconds: float = 0.5, bursts: int = 5, burst_cpu_s: float = 0.01,
               gap_s: float = 0.05) -> QuotaCheck:
@@ -239,6 +249,12 @@ class CpuQuota:
         finally:
             os.waitpid(pid, 0)
         return QuotaCheck(long_share, burst_share, min(self.share, 1.0))
+
+
+def enter_group(procs_file: str) -> None:
+    """Move the calling process into the group whose ``cgroup.procs`` is ``procs_file`` (a rank started by a
+    forkserver does this first, before any work)."""
+    Path(procs_file).write_text(str(os.getpid()))
 
 
 def device_per_rank_quota(world_size: int) -> CpuQuota | None:

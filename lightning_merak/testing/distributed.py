@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from lightning_merak.cli.prelaunch import free_loopback_port
-from lightning_merak.testing.cpu_quota import CpuQuota
+from lightning_merak.testing.cpu_quota import CpuQuota, enter_group
 
 __all__ = ["DistributedRunError", "find_free_port", "run_distributed"]
 
@@ -83,8 +83,12 @@ def _rank_main(
     env: dict[str, str],
     outcomes: mp.Queue,
     backend: str,
+    cpu_group_procs: str | None,
 ) -> None:
     import torch.distributed as dist
+
+    if cpu_group_procs is not None:  # into its quota before any work
+        enter_group(cpu_group_procs)
 
     os.environ.clear()  # the forkserver's environment is the one of its start: take the caller's
     os.environ.update(env)
@@ -157,30 +161,29 @@ def run_distributed(
     ctx.set_forkserver_preload(list(_PRELOADED))
     outcomes: mp.Queue = ctx.Queue()
     port = find_free_port()
-    processes = [
-        ctx.Process(
-            target=_rank_main,
-            args=(fn, rank, world_size, port, tuple(args), dict(kwargs or {}), timeout_s,
-                  threads_per_rank, {**os.environ, **(env or {})}, outcomes, backend),
-            name=f"merak-rank{rank}",
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
     with contextlib.nullcontext() if cpu_quota is None else cpu_quota:
-        return _run_ranks(processes, outcomes, timeout_s, cpu_quota)
+        processes = [
+            ctx.Process(
+                target=_rank_main,
+                args=(fn, rank, world_size, port, tuple(args), dict(kwargs or {}), timeout_s,
+                      threads_per_rank, {**os.environ, **(env or {})}, outcomes, backend,
+                      None if cpu_quota is None else str(cpu_quota.procs_file(rank))),
+                name=f"merak-rank{rank}",
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        return _run_ranks(processes, outcomes, timeout_s)
 
 
-def _run_ranks(processes: list[Any], outcomes: Any, timeout_s: float, cpu_quota: CpuQuota | None) -> list[Any]:
+def _run_ranks(processes: list[Any], outcomes: Any, timeout_s: float) -> list[Any]:
     """Start the ranks, collect their outcomes until all reported or one failed, and reap them."""
     world_size = len(processes)
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     try:
-        for rank, proc in enumerate(processes):
+        for proc in processes:
             proc.start()
-            if cpu_quota is not None:
-                cpu_quota.join(rank, proc.pid)
         while len(results) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -416,6 +416,8 @@ class _RankLauncher:
         """Start ``argv`` as ``rank`` in its own process group, so it can be killed whole."""
         stdout, stderr = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         try:
+            if self.cpu_quota is not None:
+                argv = self.cpu_quota.command_in_group(rank, argv)
             popen = subprocess.Popen(
                 self.rank_command(rank, argv),
                 env=self.rank_env(rank, extra_env),
@@ -431,8 +433,6 @@ class _RankLauncher:
             raise
         process = RankProcess(rank, popen, stdout, stderr)
         self._live.append(process)
-        if self.cpu_quota is not None:
-            self.cpu_quota.join(rank, popen.pid)
         return process
 
     def wait_all(self, processes: Sequence[RankProcess], timeout_s: float) -> list[RankResult]:
