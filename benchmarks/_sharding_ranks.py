@@ -252,7 +252,8 @@ def _zero_job(job: Job, workload: Workload) -> dict[str, Any]:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(workload.config())
     # the optimizer and learning-rate schedule the Lightning runs use, so that the losses compare too
-    optimizers = CausalLMModule(model, OptimConfig(warmup_steps=1)).configure_optimizers()
+    # total_steps: the Lightning runs' schedule ends at max_steps = job.steps
+    optimizers = CausalLMModule(model, OptimConfig(warmup_steps=1, total_steps=job.steps)).configure_optimizers()
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizers["optimizer"], config=ds_config,
                                       lr_scheduler=optimizers["lr_scheduler"]["scheduler"], dist_init_required=False)
     inner = engine.optimizer.optimizer
@@ -329,6 +330,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for entry in entries:
         job = Job(**{**entry["job"], "ladder": tuple(entry["job"]["ladder"])})
         print(f"rank {rank}: job {entry['index']} {job.name}", file=sys.stderr, flush=True)
+        (args.out_dir / f"current-{rank}").write_text(str(entry["index"]))  # which job a failure stopped
         result = run_job(job)
         if entry["index"] >= 0:  # a negative index is a warm-up, whose result nobody reads
             (args.out_dir / f"{entry['index']}-{rank}.json").write_text(json.dumps(result))

@@ -289,11 +289,26 @@ def run_cluster(world_size: int, jobs: list[tuple[int, Job]], emulated: bool, wo
         print(f"  {world_size} ranks: {len(finished)} jobs in {time.monotonic() - started:.0f} s", flush=True)
         if error is None or not remaining:
             break
-        failed_index, failed_job = remaining[0]
-        outcomes[failed_index] = _error_line(error)
-        print(f"  {failed_job.name}: failed: {outcomes[failed_index]}", flush=True)
-        pending = remaining[1:]
+        failed = _failed_index(work, world_size, remaining[0][0])
+        if failed < 0:  # a warm-up failed: every job of its kind would fail the same way
+            warm_kind = job_entries(pending)[-1 - failed]["job"]["kind"]
+            stopped = [(index, job) for index, job in remaining if job.kind == warm_kind]
+        else:
+            stopped = [(index, job) for index, job in remaining if index == failed]
+        for index, job in stopped:
+            outcomes[index] = _error_line(error)
+            print(f"  {job.name}: failed: {outcomes[index]}", flush=True)
+        pending = [(index, job) for index, job in remaining if (index, job) not in stopped]
     return outcomes
+
+
+def _failed_index(work: Path, world_size: int, first_remaining: int) -> int:
+    """The index of the job a failed cluster stopped in (a warm-up's is negative), as its ranks recorded it; the
+    first unfinished job where no rank recorded one."""
+    started = [int(path.read_text()) for rank in range(world_size) if (path := work / f"current-{rank}").exists()]
+    for path in work.glob("current-*"):
+        path.unlink()
+    return min(started, key=lambda index: (index >= 0, index)) if started else first_remaining
 
 
 # Figures ---------------------------------------------------------------------------------------

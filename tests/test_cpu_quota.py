@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 from lightning_merak.testing.cpu_quota import CpuQuota, QuotaUnavailable, quota_available
-from lightning_merak.testing.netem import LoopbackCluster
+from lightning_merak.testing.netem import (
+    EmulatedCluster,
+    EmulationUnavailable,
+    LinkSpec,
+    LoopbackCluster,
+    check_prerequisites,
+)
 
 needs_quota = pytest.mark.skipif(not quota_available(), reason="CPU quotas need root and a cgroup cpu controller")
 
@@ -44,11 +50,25 @@ def test_a_busy_process_cannot_run_above_its_share_and_groups_are_removed() -> N
     assert not group.exists()
 
 
+def _emulation_unavailable() -> bool:
+    try:
+        check_prerequisites()
+    except EmulationUnavailable:
+        return True
+    return False
+
+
 @needs_quota
 @pytest.mark.distributed
-def test_cluster_ranks_start_inside_their_rank_groups() -> None:
+@pytest.mark.parametrize("emulated", [False, True], ids=["loopback", "namespaces"])
+def test_cluster_ranks_start_inside_their_rank_groups(emulated: bool) -> None:
+    if emulated and _emulation_unavailable():
+        pytest.skip("no network namespaces here")
     code = "print(open('/proc/self/cgroup').read())"
-    with CpuQuota(2) as quota, LoopbackCluster(2, cpu_quota=quota) as cluster:
+    quota = CpuQuota(2)  # the cluster creates its groups and removes them
+    cluster = (EmulatedCluster(2, LinkSpec(rate_mbit=100), cpu_quota=quota) if emulated
+               else LoopbackCluster(2, cpu_quota=quota))
+    with cluster:
         results = cluster.run([sys.executable, "-c", code], timeout_s=60)
         for result in results:
             assert f"{quota.group_of(result.rank).parent.name}/rank{result.rank}" in result.stdout

@@ -416,10 +416,11 @@ class _RankLauncher:
         """Start ``argv`` as ``rank`` in its own process group, so it can be killed whole."""
         stdout, stderr = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         try:
-            if self.cpu_quota is not None:
-                argv = self.cpu_quota.command_in_group(rank, argv)
+            command = self.rank_command(rank, argv)
+            if self.cpu_quota is not None:  # outermost: `ip netns exec` mounts a /sys without the cgroup tree
+                command = self.cpu_quota.command_in_group(rank, command)
             popen = subprocess.Popen(
-                self.rank_command(rank, argv),
+                command,
                 env=self.rank_env(rank, extra_env),
                 cwd=cwd,
                 stdin=subprocess.DEVNULL,
