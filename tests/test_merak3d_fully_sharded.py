@@ -47,12 +47,13 @@ def _module(adam: bool) -> _Module:
     return module
 
 
-def _reference(clip: float | None, adam: bool = False) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+def _reference(clip: float | None, adam: bool = False,
+               batches: torch.Tensor | None = None) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """Losses, gradient norms before clipping and final weights of one process on the whole batches."""
     module = _module(adam)
     optimizer = module.configure_optimizers()
     losses, norms = [], []
-    for batch in _batches():
+    for batch in _batches() if batches is None else batches:
         optimizer.zero_grad()
         loss = module.compute_loss((batch,))
         loss.backward()

@@ -118,6 +118,8 @@ class CausalLMModule(pl.LightningModule):
         """Loss of one batch: cross-entropy plus the router aux loss, as transformers' own loss with labels.
         Parallel strategies may replace it to run the model in pieces."""
         inputs, targets = self.split_batch(batch)
+        if getattr(self.model.forward, "scores_shards", False):  # context parallel: no rank holds every logit
+            return self.model(input_ids=inputs, labels=targets).loss  # the same mean cross-entropy, per shard
         loss = self.loss_from_logits(self(inputs), targets)
         return loss if self._router_aux_loss is None else loss + self._router_aux_loss
 

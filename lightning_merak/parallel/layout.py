@@ -22,6 +22,7 @@ __all__ = [
     "check_batch_split",
     "check_micro_batches",
     "check_overlap",
+    "context_groups",
     "default_micro_batches",
     "schedule_problem",
 ]
@@ -116,6 +117,10 @@ class Layout:
         data_parallel_sharding: what the data-parallel ranks split (``"none"``, ``"optimizer"``,
             ``"gradients"``, ``"full"``).
         data_parallel_shard_size: ranks each shard group spans (``None``: every data-parallel rank).
+        context_parallel: ranks each sequence is split over. They hold the same parameters and see the same
+            samples, so they are part of ``data_parallel`` (the mesh's ``dp`` dimension, which gradients are
+            averaged over): ``data_parallel`` = batch replicas × ``context_parallel``.
+        context_attention: how attention spans the split sequence, ``"ring"`` or ``"all_to_all"``.
     """
 
     data_parallel: int
@@ -130,10 +135,29 @@ class Layout:
     recompute_ratio: float
     data_parallel_sharding: str = "none"
     data_parallel_shard_size: Optional[int] = None
+    context_parallel: int = 1
+    context_attention: str = "ring"
 
     def __post_init__(self) -> None:
         check_micro_batches(self.micro_batches, self.pipeline_parallel, self.schedule)
         check_overlap(self.tp_overlap, self.tensor_parallel)
+        if self.context_parallel < 1 or self.data_parallel % self.context_parallel:
+            raise ValueError(f"context_parallel={self.context_parallel} must divide data_parallel={self.data_parallel} "
+                             "(which counts batch replicas × context_parallel)")
+
+    def describe(self, sequence_parallel: bool) -> str:
+        """The layout in one line, as a run announces it."""
+        context = (f" context_parallel={self.context_parallel} ({self.context_attention} attention)"
+                   if self.context_parallel > 1 else "")
+        return (f"data_parallel={self.batch_replicas}{context} pipeline_parallel={self.pipeline_parallel} "
+                f"tensor_parallel={self.tensor_parallel}, tp_overlap={self.tp_overlap}, "
+                f"sequence_parallel={sequence_parallel}, schedule={self.schedule}, "
+                f"micro_batches={self.micro_batches}, recompute={self.recompute}")
+
+    @property
+    def batch_replicas(self) -> int:
+        """Ranks that see different samples: data-parallel ranks over context-parallel ones."""
+        return self.data_parallel // self.context_parallel
 
     @property
     def world_size(self) -> int:
@@ -150,18 +174,46 @@ class Layout:
                           else self.micro_batches, self.tp_overlap, self.schedule)
 
 
+def context_groups(mesh: DeviceMesh, context_parallel: int) -> Optional[dist.ProcessGroup]:
+    """This rank's context-parallel group: consecutive runs of ``context_parallel`` ranks along ``dp`` (every rank
+    creates every group, in one order, as ``new_group`` needs); None without context parallelism."""
+    if context_parallel == 1:
+        return None
+    dp_axis = list(mesh.mesh_dim_names or ()).index("dp")
+    members = mesh.mesh.movedim(dp_axis, -1).reshape(-1, mesh.mesh.shape[dp_axis]).tolist()
+    mine = None
+    for line in members:
+        for start in range(0, len(line), context_parallel):
+            group_ranks = line[start:start + context_parallel]
+            group = dist.new_group(group_ranks)
+            if dist.get_rank() in group_ranks:
+                mine = group
+    return mine
+
+
 @dataclass(frozen=True)
 class LayoutGroups:
-    """A :class:`Layout` and the device mesh built from it (dimensions ``pp``, ``dp``, ``tp``), with its groups."""
+    """A :class:`Layout` and the device mesh built from it (dimensions ``pp``, ``dp``, ``tp``), with its groups.
+
+    With context parallelism, each run of ``context_parallel`` consecutive ranks along ``dp`` is one
+    context-parallel group (``context_group``): one batch replica's sequence split.
+    """
 
     layout: Layout
     mesh: DeviceMesh
+    context_group: Optional[dist.ProcessGroup] = None
 
     @classmethod
     def create(cls, layout: Layout, device_type: str) -> LayoutGroups:
-        """Build the mesh (a collective: every rank calls it)."""
+        """Build the mesh and the context-parallel groups (a collective: every rank calls it)."""
         shape = (layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel)
-        return cls(layout, init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMENSIONS))
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMENSIONS)
+        return cls(layout, mesh, context_groups(mesh, layout.context_parallel))
+
+    @property
+    def batch_rank(self) -> int:
+        """Which batch replica this rank's samples belong to (the sampler's rank)."""
+        return self.data_parallel_rank // self.layout.context_parallel
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup:

@@ -17,6 +17,8 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 from torch import nn
 
+from lightning_merak.parallel.context.model import CONTEXT_ATTENTION_METHODS, check_context_parallel_model
+from lightning_merak.parallel.context.sharding import check_sequence_divisible
 from lightning_merak.parallel.layout import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
@@ -168,8 +170,29 @@ class Merak3DArguments(Merak3DOptions):
             self._check_full_sharding()
         if self.micro_batches is not None and self.micro_batches < 1:
             raise ValueError(f"micro_batches={self.micro_batches} must be at least 1")
+        self._check_context_parallel()
         if self.micro_batches is not None and isinstance(self.pipeline_parallel, int):
             check_micro_batches(self.micro_batches, self.pipeline_parallel, schedule)
+
+    def _check_context_parallel(self) -> None:
+        """Refuse a context-parallel degree or method out of range, and what it does not compose with yet."""
+        cp = self.context_parallel
+        if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+            raise ValueError(f"context_parallel={cp!r} must be a positive integer")
+        if self.context_attention not in CONTEXT_ATTENTION_METHODS:
+            raise ValueError(f"context_attention={self.context_attention!r} is not supported; choose one of "
+                             f"{', '.join(CONTEXT_ATTENTION_METHODS)}")
+        if cp == 1:
+            return
+        others = {"pipeline_parallel": (self.pipeline_parallel, 1), "tensor_parallel": (self.tensor_parallel, 1),
+                  "tp_overlap": (self.tp_overlap, 1), "micro_batching": (self.micro_batching, "none")}
+        for name, (value, needed) in others.items():
+            if value != needed:
+                raise ValueError(f"context_parallel={cp} runs with {name}={needed!r} for now, got {name}={value!r}; "
+                                 f"set {name}={needed!r} or context_parallel=1")
+        if self.needs_planning:
+            raise ValueError(f"context_parallel={cp} is not planned yet: fix recompute and data_parallel_sharding "
+                             "(no 'auto') or set context_parallel=1")
 
     def _check_full_sharding(self) -> None:
         """Refuse what FSDP2 (``data_parallel_sharding="full"``, :mod:`.fully_sharded`) cannot run."""
@@ -222,15 +245,28 @@ class Merak3DArguments(Merak3DOptions):
                           self.data_parallel_sharding)
 
     def resolve_degrees(self, world_size: int) -> tuple[int, int, int]:
-        """``(dp, pp, tp)`` for ``world_size`` ranks, or a clear error when they cannot multiply to it."""
+        """``(dp, pp, tp)`` for ``world_size`` ranks, or a clear error when they cannot multiply to it.
+
+        ``dp`` counts the context-parallel ranks too (batch replicas × ``context_parallel``), as the mesh does.
+        """
+        cp = self.context_parallel
         fixed = {name: value for name, value in self.degrees.items() if value != "auto"}
-        product = math.prod(fixed.values())
+        product = math.prod(fixed.values()) * cp
         auto = [name for name in ("dp", "pp", "tp") if name not in fixed]
         if world_size % product:
+            context = f" and context_parallel={cp}" if cp > 1 else ""
             raise ValueError(
-                f"world size {world_size} is not divisible by the fixed degrees {fixed}; "
-                "choose data_parallel × pipeline_parallel × tensor_parallel = world size"
+                f"world size {world_size} is not divisible by the fixed degrees {fixed}{context}; "
+                "choose data_parallel × pipeline_parallel × tensor_parallel × context_parallel = world size"
             )
+        if cp > 1:
+            batch = world_size // product if "dp" in auto else int(self.data_parallel)
+            if batch * cp * int(fixed.get("pp", 1)) * int(fixed.get("tp", 1)) != world_size:
+                raise ValueError(
+                    f"data_parallel={batch} × context_parallel={cp} × pipeline_parallel={fixed.get('pp', 1)} × "
+                    f"tensor_parallel={fixed.get('tp', 1)} ≠ world size {world_size}; make the product equal the "
+                    "number of processes")
+            return batch * cp, 1, 1
         resolved = dict(fixed)
         for name in auto:
             resolved[name] = 1
@@ -255,6 +291,7 @@ class Merak3DArguments(Merak3DOptions):
             micro_batches_by_default=self.micro_batches is None, tp_overlap=self.tp_overlap,
             recompute=self.recompute, recompute_ratio=self.recompute_ratio,
             data_parallel_sharding=self.data_parallel_sharding, data_parallel_shard_size=self.data_parallel_shard_size,
+            context_parallel=self.context_parallel, context_attention=self.context_attention,
         )
 
     def launch_degrees(self, world_size: int) -> tuple[Optional[int], Optional[int]]:
@@ -288,6 +325,8 @@ class Merak3DArguments(Merak3DOptions):
                 check_overlap(self.tp_overlap, tp)
             if self.sequence_parallel and tp > 1 and sequence_length is not None:
                 check_sequence_length(sequence_length, tp)
+        if self.context_parallel > 1 and sequence_length is not None:
+            check_sequence_divisible(sequence_length, self.context_parallel)
         if batch_size is not None and (self.micro_batches is not None or not self.needs_planning):
             overlap = self.tp_overlap if isinstance(self.tp_overlap, int) else 1
             check_batch_split(batch_size, pp or 1, self.micro_batches, overlap, self.schedule)
@@ -311,6 +350,11 @@ class Merak3DArguments(Merak3DOptions):
             raise ValueError("sequence_parallel does not support MoE layers; use sequence_parallel=False")
         if self.data_parallel_sharding == "full":
             check_fully_shardable(model, tensor_parallel)
+        if self.context_parallel > 1:
+            check_context_parallel_model(model, self.context_parallel, self.context_attention)
+            if moe_layers(model):
+                raise ValueError(f"context_parallel={self.context_parallel} does not run MoE layers yet; "
+                                 "use context_parallel=1")
         if pipeline_parallel is not None and pipeline_parallel > 1:
             check_stage_count(pipeline_parallel * self.stages_per_rank, len(find_trunk(model)[1]))
 

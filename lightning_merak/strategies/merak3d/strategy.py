@@ -31,6 +31,7 @@ from lightning_merak.distributed import host_memory
 from lightning_merak.distributed.collectives import reduce_in_place
 from lightning_merak.distributed.gradient_norm import ShardedGradients
 from lightning_merak.distributed.termination import install_termination_handler
+from lightning_merak.parallel.context.model import install_context_parallel
 from lightning_merak.parallel.data import buckets as data_parallel
 from lightning_merak.parallel.data import fully_sharded, gradients
 from lightning_merak.parallel.layout import Layout, LayoutGroups
@@ -72,6 +73,8 @@ class Merak3DStrategy(CheckpointHooks):
         tp_overlap: Degree = 1,
         tp_weight_grad_overlap: Optional[bool] = None,
         sequence_parallel: bool = False,
+        context_parallel: int = 1,
+        context_attention: str = "ring",
         micro_batches: Optional[int] = None,
         schedule: str = "1f1b",
         virtual_stages: int = 2,
@@ -146,8 +149,8 @@ class Merak3DStrategy(CheckpointHooks):
         return self.groups.mesh
 
     @property
-    def data_parallel(self) -> int:
-        return self.layout.data_parallel
+    def data_parallel(self) -> int:  # replicas that see different samples: a context-parallel group counts once
+        return self.layout.batch_replicas
 
     @property
     def pipeline_parallel(self) -> int:
@@ -285,10 +288,7 @@ class Merak3DStrategy(CheckpointHooks):
     def _adopt(self, layout: Layout) -> None:
         """Build the device mesh of ``layout`` (every rank at once) and announce it."""
         self._groups = LayoutGroups.create(layout, self.root_device.type)
-        rank_zero_info(f"merak3d: data_parallel={layout.data_parallel} pipeline_parallel={layout.pipeline_parallel} "
-                       f"tensor_parallel={layout.tensor_parallel}, tp_overlap={layout.tp_overlap}, "
-                       f"sequence_parallel={self.sequence_parallel}, schedule={layout.schedule}, "
-                       f"micro_batches={layout.micro_batches}, recompute={layout.recompute}")
+        rank_zero_info(f"merak3d: {layout.describe(self.sequence_parallel)}")
 
     # Processes ----------------------------------------------------------------------------
 
@@ -310,7 +310,7 @@ class Merak3DStrategy(CheckpointHooks):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         if self._reading_planning_batch:
             return {"num_replicas": 1, "rank": 0}
-        return {"num_replicas": self.data_parallel, "rank": self.groups.data_parallel_rank}
+        return {"num_replicas": self.data_parallel, "rank": self.groups.batch_rank}
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -497,6 +497,8 @@ class Merak3DStrategy(CheckpointHooks):
                                                                    view.state_prefix))
         self._checkpointer.layout_changes = built.layout_changes
         self.partition = built.partition
+        if self.layout.context_parallel > 1:  # every forward of the network runs on this rank's sequence shard
+            install_context_parallel(view.network, self.groups.context_group, self.layout.context_attention)
         if built.stages is not None:
             self._pipeline = install_pipeline_step(self.micro_batching, view, built.stages, self.groups,
                                                    self.root_device)

@@ -1,0 +1,257 @@
+"""Context parallelism inside a transformers model: its forward sees one rank's shard of every sequence.
+
+:func:`install_context_parallel` swaps two things and nothing else:
+
+* **Attention**: the model's attention implementation becomes ``merak_context_parallel``, registered with
+  transformers' ``AttentionInterface``, which runs :func:`~.ring.ring_attention` or :func:`~.ulysses.ulysses_attention`
+  over the context-parallel group. transformers builds no mask for an implementation it has no mask function for,
+  so causality, sliding windows and document boundaries come from the tokens' global positions instead.
+* **The forward**: the model is called with the whole sequence, as a ``training_step`` written for one device calls
+  it. :class:`ContextParallelForward` keeps this rank's load-balanced shard of the inputs, gives the model the
+  shard's global position ids and the document ids of packed rows (position ids restarting at 0) or padded ones
+  (a 2-D ``attention_mask``: padding is a document of its own), shifts ``labels`` on the whole sequence (a chunk's
+  next token lives on another rank) and divides the loss by the whole batch's target count.
+
+The returned loss is the whole batch's on every rank of the group, and its backward scales this rank's part by
+``cp``: the data-parallel average over ``dp x cp`` replicas then sums the group's partial gradients (the ranks of
+a context-parallel group hold the same parameters and see the same samples). Without ``labels`` the logits are
+gathered to the whole sequence (memory ``vocab x sequence`` per rank), so a loss computed outside the model is
+unchanged; with ``labels`` only this rank's logits exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_merak.parallel.context.ring import ring_attention
+from lightning_merak.parallel.context.sharding import LoadBalancedLayout
+from lightning_merak.parallel.context.ulysses import check_heads_divisible, ulysses_attention
+
+__all__ = ["ATTENTION_NAME", "CONTEXT_ATTENTION_METHODS", "ContextParallelForward", "check_context_parallel_model",
+           "install_context_parallel", "segment_ids"]
+
+ATTENTION_NAME = "merak_context_parallel"
+CONTEXT_ATTENTION_METHODS = ("ring", "all_to_all")
+ContextAttention = Literal["ring", "all_to_all"]
+IGNORE_INDEX = -100
+
+
+@dataclass
+class ContextShard:
+    """What every attention call of the current forward needs: the ranks' global positions and document ids."""
+
+    rank_positions: Tensor
+    document_ids: Optional[Tensor]
+
+
+class ContextState:
+    """Shared by the forward and every attention module of one model: the group, the method, the current shard.
+
+    The shard stays set after the forward, so recomputed attention (activation checkpointing runs the forward
+    again inside the backward) finds the same one.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, method: ContextAttention) -> None:
+        self.group = group
+        self.method = method
+        self.shard: Optional[ContextShard] = None
+
+
+def _attention_config(model: nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    return getattr(config, "get_text_config", lambda: config)() if config is not None else None
+
+
+def check_context_parallel_model(model: nn.Module, context_parallel: int, method: str) -> None:
+    """Refuse, before launch, a model context parallelism cannot run exactly, naming the reason and the fix."""
+    if method not in CONTEXT_ATTENTION_METHODS:
+        raise ValueError(f"context_attention={method!r} is not supported; choose one of "
+                         f"{', '.join(CONTEXT_ATTENTION_METHODS)}")
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel) or not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(
+            f"context_parallel={context_parallel} swaps the attention of a transformers model that calls it through "
+            f"its attention interface (config._attn_implementation); {type(model).__name__} does not, so its "
+            "attention cannot see the other ranks' keys: use context_parallel=1 for it")
+    config = _attention_config(model)
+    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+    if dropout > 0:
+        raise ValueError(
+            f"context parallelism computes attention in blocks, which attention dropout would mask differently "
+            f"from one device (attention_dropout={dropout}); set the model's attention_dropout=0 or "
+            "context_parallel=1")
+    for name in ("attn_logit_softcapping", "attention_sink", "use_sink"):
+        if getattr(config, name, None):
+            raise ValueError(f"context parallelism has no {name} (config.{name}={getattr(config, name)!r}); "
+                             "use context_parallel=1 for this model")
+    if method == "all_to_all":
+        heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+        if isinstance(heads, int):
+            check_heads_divisible(heads, context_parallel)
+
+
+def _context_attention(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+    dropout: float = 0.0, scaling: Optional[float] = None, is_causal: Optional[bool] = None, **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention signature: ``(batch, heads, seq_local, head_dim)`` in, ``(batch, seq_local, heads,
+    head_dim)`` out, over the whole sequence of the context-parallel group."""
+    state: Optional[ContextState] = getattr(module, "_merak_context", None)
+    if state is None or state.shard is None:
+        raise RuntimeError(f"{type(module).__name__} runs merak's context-parallel attention outside a "
+                           "context-parallel forward; install it with install_context_parallel")
+    if attention_mask is not None:
+        raise ValueError("context parallelism computes the mask from token positions; this call passed a "
+                         f"{tuple(attention_mask.shape)} mask (a 4-D mask of its own?): pass a 2-D padding mask "
+                         "or position ids restarting per document instead")
+    if dropout and module.training:
+        raise ValueError(f"context parallelism has no attention dropout (dropout={dropout}); set it to 0")
+    for unsupported in ("softcap", "s_aux", "position_bias"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(f"context parallelism cannot apply {unsupported!r} in {type(module).__name__}; "
+                             "use context_parallel=1 for this model")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    attend = ring_attention if state.method == "ring" else ulysses_attention
+    out = attend(query, key, value, state.group, positions=state.shard.rank_positions,
+                 document_ids=state.shard.document_ids, causal=causal,
+                 sliding_window=kwargs.get("sliding_window"), scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, _context_attention)
+
+
+def segment_ids(attention_mask: Optional[Tensor], position_ids: Optional[Tensor], batch: int,
+                length: int) -> Optional[Tensor]:
+    """Per-token segment ids ``(batch, length)`` of the whole rows, or None when every row is one sequence.
+
+    A segment starts where position ids restart at 0 (packed documents) and where a 2-D padding mask changes
+    value (padding attends only to padding, real tokens only to real ones before them).
+    """
+    starts = torch.zeros(batch, length, dtype=torch.bool)
+    if position_ids is not None:
+        starts |= position_ids.detach().cpu().expand(batch, length) == 0
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise ValueError(f"context parallelism takes a 2-D padding mask (batch, sequence), got "
+                             f"{tuple(attention_mask.shape)}; pass position ids restarting per document for packing")
+        mask = attention_mask.detach().cpu().bool()
+        starts[:, 1:] |= mask[:, 1:] != mask[:, :-1]
+    starts[:, 0] = True
+    if int(starts.sum()) == batch:
+        return None
+    return starts.long().cumsum(dim=-1) - 1
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """Forward: the sum over the group (the whole batch's loss); backward: this rank's gradient times the group
+    size, which the average over ``dp x cp`` replicas turns into the sum of the group's parts."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.size = dist.get_world_size(group)
+        total = local.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.size, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Forward: every rank's shard put back into the whole sequence; backward: this rank's shard of the gradient
+    (every rank computes the same loss from the whole tensor) times the group size (see :class:`_SumOverGroup`)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, group: dist.ProcessGroup, layout: LoadBalancedLayout, rank: int) -> Tensor:
+        ctx.layout, ctx.rank, ctx.size = layout, rank, dist.get_world_size(group)
+        shards = [torch.empty_like(local) for _ in range(ctx.size)]
+        dist.all_gather(shards, local.contiguous(), group=group)
+        return ctx.layout.unshard(shards, dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return ctx.layout.shard(grad, ctx.rank, dim=1) * ctx.size, None, None, None
+
+
+class ContextParallelForward:
+    """The model's forward for whole sequences, running on this rank's shard (see the module docstring)."""
+
+    scores_shards = True
+    """Called with ``labels``, the loss is computed on each rank's shard of the logits, never gathered."""
+
+    def __init__(self, model: nn.Module, state: ContextState) -> None:
+        self._forward = model.forward
+        self._state = state
+        self._rank = dist.get_rank(state.group)
+        self._size = dist.get_world_size(state.group)
+        self._has_shifted_loss = _takes_shifted_labels(model)
+        self._model_name = type(model).__name__
+
+    def __call__(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
+                 position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None,
+                 inputs_embeds: Optional[Tensor] = None, **kwargs: Any) -> Any:
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        if tokens is None:
+            raise ValueError("a context-parallel forward needs input_ids or inputs_embeds")
+        batch, length = tokens.shape[0], tokens.shape[1]
+        layout = LoadBalancedLayout(length, self._size)
+        documents = segment_ids(attention_mask, position_ids, batch, length)
+        shard = self._shard(layout)
+        self._state.shard = ContextShard(layout.rank_positions(),
+                                         None if documents is None else shard(documents).to(tokens.device))
+        if position_ids is None:
+            local_positions = layout.positions(self._rank).to(tokens.device)[None].expand(batch, -1)
+        else:
+            local_positions = shard(position_ids.expand(batch, length))
+        inputs = {"input_ids": None if input_ids is None else shard(input_ids),
+                  "inputs_embeds": None if inputs_embeds is None else shard(inputs_embeds),
+                  "position_ids": local_positions, "use_cache": False}
+        if labels is None:
+            outputs = self._forward(**inputs, **kwargs)
+            outputs["logits"] = _GatherSequence.apply(outputs["logits"], self._state.group, layout, self._rank)
+            return outputs
+        if not self._has_shifted_loss:
+            raise ValueError(
+                f"{self._model_name} computes its loss without transformers' ForCausalLMLoss, which context "
+                "parallelism needs to score a shard (labels shifted on the whole sequence); call the model without "
+                "labels and compute the loss from its logits (gathered to the whole sequence)")
+        shifted = torch.cat([labels[:, 1:], labels.new_full((batch, 1), IGNORE_INDEX)], dim=1)
+        targets = kwargs.pop("num_items_in_batch", None)
+        if targets is None:
+            targets = (shifted != IGNORE_INDEX).sum()
+        outputs = self._forward(**inputs, labels=shard(labels), shift_labels=shard(shifted),
+                                num_items_in_batch=targets, **kwargs)
+        outputs["loss"] = _SumOverGroup.apply(outputs["loss"], self._state.group)
+        return outputs
+
+    def _shard(self, layout: LoadBalancedLayout) -> Any:
+        return lambda tensor: layout.shard(tensor, self._rank, dim=1)
+
+
+def _takes_shifted_labels(model: nn.Module) -> bool:
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return getattr(model, "loss_function", None) is ForCausalLMLoss
+
+
+def install_context_parallel(model: nn.Module, group: dist.ProcessGroup, method: ContextAttention = "ring") -> None:
+    """Make ``model`` (a transformers model, checked by :func:`check_context_parallel_model`) run every forward as
+    this rank's part of a sequence split over ``group``."""
+    check_context_parallel_model(model, dist.get_world_size(group), method)
+    _register_attention()
+    model.set_attn_implementation(ATTENTION_NAME)
+    state = ContextState(group, method)
+    for module in model.modules():
+        module._merak_context = state
+    model.forward = ContextParallelForward(model, state)

@@ -1,0 +1,132 @@
+"""A transformers model with context parallelism installed, on real gloo ranks, equals the same model on one
+process: loss and every parameter gradient (summed over the group, as the data-parallel reduction does), for
+Llama, a GQA family with a sliding window, packed and padded rows, with and without labels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from lightning_merak.parallel.context.model import check_context_parallel_model, install_context_parallel, segment_ids
+from lightning_merak.testing import run_distributed
+
+TOLERANCE = 1e-5
+SEQ, BATCH, VOCAB = 256, 2, 97
+
+
+def _model(family: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=SEQ, attn_implementation="sdpa")
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(num_key_value_heads=4, **common))
+    # GQA (2 key/value heads) and a window shorter than a shard, so blocks are cut by it
+    return MistralForCausalLM(MistralConfig(num_key_value_heads=2, sliding_window=48, **common))
+
+
+def _batch(kind: str) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    labels = input_ids.clone()
+    batch = {"input_ids": input_ids, "labels": labels}
+    if kind == "packed":  # three documents per row, positions restarting at each
+        batch["position_ids"] = torch.cat([torch.arange(100), torch.arange(60), torch.arange(96)])[None]
+        labels[:, [100, 160]] = -100  # no target across a document boundary
+    elif kind == "padded":  # the second row's last 70 tokens are padding
+        mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+        mask[1, -70:] = 0
+        batch["attention_mask"] = mask
+        labels[1, -70:] = -100
+    return batch
+
+
+def _reference(family: str, kind: str, with_labels: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    model = _model(family)
+    batch = _batch(kind)
+    if kind == "packed":  # one process: each document alone is what packing means
+        loss = _packed_reference_loss(model, batch)
+    else:
+        loss = _loss(model, batch, with_labels)
+    loss.backward()
+    return float(loss), {name: param.grad.clone() for name, param in model.named_parameters()}
+
+
+def _packed_reference_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    bounds = [(0, 100), (100, 160), (160, 256)]
+    total, count = torch.zeros(()), 0
+    for start, end in bounds:
+        logits = model(input_ids=batch["input_ids"][:, start:end]).logits
+        targets = torch.cat([batch["labels"][:, start + 1:end], torch.full((BATCH, 1), -100)], dim=1)
+        total = total + F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="sum")
+        count += int((targets != -100).sum())
+    next_doc = batch["labels"][:, 1:]  # targets across document ends were masked in the batch
+    assert count == int((next_doc != -100).sum())
+    return total / count
+
+
+def _loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], with_labels: bool) -> torch.Tensor:
+    if with_labels:
+        return model(**batch).loss
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    logits = model(**inputs).logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1))
+
+
+def _rank(rank: int, world_size: int, family: str, kind: str, method: str, with_labels: bool):
+    model = _model(family)
+    install_context_parallel(model, dist.group.WORLD, method)
+    loss = _loss(model, _batch(kind), with_labels)
+    loss.backward()
+    grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+    for grad in grads.values():  # the data-parallel average over the cp ranks
+        dist.all_reduce(grad)
+        grad /= world_size
+    return float(loss), grads
+
+
+CASES = [
+    ("llama", "plain", "ring", True, 2),
+    ("llama", "plain", "all_to_all", True, 2),
+    ("llama", "packed", "ring", True, 2),
+    ("llama", "padded", "ring", True, 2),
+    ("llama", "plain", "ring", False, 2),
+    ("mistral", "plain", "ring", True, 4),
+    ("mistral", "packed", "all_to_all", True, 2),
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family, kind, method, with_labels, ranks", CASES,
+                         ids=["-".join(map(str, case)) for case in CASES])
+def test_context_parallel_model_equals_one_process(family, kind, method, with_labels, ranks) -> None:
+    expected_loss, expected_grads = _reference(family, kind, with_labels)
+    results = run_distributed(_rank, world_size=ranks, args=(family, kind, method, with_labels), timeout_s=240)
+    for loss, grads in results:
+        assert abs(loss - expected_loss) <= TOLERANCE * abs(expected_loss)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[name], atol=TOLERANCE, rtol=TOLERANCE, msg=name)
+
+
+def test_segments_follow_restarting_positions_and_padding() -> None:
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    assert segment_ids(None, positions, 1, 6).tolist() == [[0, 0, 0, 1, 1, 2]]
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]])
+    assert segment_ids(mask, None, 2, 6).tolist() == [[0, 0, 0, 0, 1, 1], [0, 0, 1, 1, 1, 1]]
+    assert segment_ids(torch.ones(2, 6), torch.arange(6)[None], 2, 6) is None
+
+
+def test_models_it_cannot_run_exactly_are_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="attention interface"):
+        check_context_parallel_model(torch.nn.Linear(2, 2), 2, "ring")
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, attention_dropout=0.1))
+    with pytest.raises(ValueError, match="attention_dropout=0.1"):
+        check_context_parallel_model(model, 2, "ring")
+    model.config.attention_dropout = 0.0
+    with pytest.raises(ValueError, match="1 key/value heads"):
+        check_context_parallel_model(model, 2, "all_to_all")
+    with pytest.raises(ValueError, match="choose one of ring, all_to_all"):
+        check_context_parallel_model(model, 2, "ulysses")

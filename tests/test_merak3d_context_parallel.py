@@ -1,0 +1,91 @@
+"""merak3d with ``context_parallel``: every sample's sequence split over ranks trains as one process does (losses,
+gradient norms before clipping and final weights), with data parallelism and sharding beside it; and what it does
+not run yet is refused before launch."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_merak.strategies.merak3d import Merak3DStrategy
+from lightning_merak.testing import run_distributed
+from tests.test_merak3d_fully_sharded import CLIP, VOCAB, _module, _Recorder, _reference
+
+STEPS, BATCH, SEQ = 3, 4, 64  # the sequence splits into 2 x cp chunks
+
+
+def _batches() -> torch.Tensor:
+    return torch.randint(VOCAB, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+class _Data(pl.LightningDataModule):
+    """Each batch replica gets its slice of every global batch; the context-parallel ranks of one replica the same."""
+
+    def train_dataloader(self) -> DataLoader:
+        kwargs = self.trainer.strategy.distributed_sampler_kwargs
+        shard = BATCH // kwargs["num_replicas"]
+        local = _batches()[:, kwargs["rank"] * shard:(kwargs["rank"] + 1) * shard]
+        return DataLoader(TensorDataset(local.reshape(-1, SEQ)), batch_size=shard, shuffle=False)
+
+
+def _train_rank(rank: int, world_size: int, layout: dict) -> dict:
+    module = _module(adam=False)  # SGD: Adam would magnify rounding in near-zero gradients
+    recorder = _Recorder()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120), max_epochs=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[recorder], gradient_clip_val=CLIP)
+    trainer.fit(module, datamodule=_Data())
+    weights = {}
+    for name, param in module.model.named_parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        weights[name] = full.detach().clone()
+    return {"losses": recorder.losses, "norms": recorder.norms, "weights": weights,
+            "replicas": trainer.strategy.data_parallel}
+
+
+LAYOUTS = {
+    "cp2-ring": ({"context_parallel": 2}, 2),
+    "cp2-all_to_all": ({"context_parallel": 2, "context_attention": "all_to_all"}, 2),
+    "dp2-cp2-zero1": ({"data_parallel": 2, "context_parallel": 2, "data_parallel_sharding": "optimizer"}, 4),
+    "cp2-fsdp2": ({"context_parallel": 2, "data_parallel_sharding": "full"}, 2),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_context_parallel_training_matches_one_process(name: str) -> None:
+    layout, world_size = LAYOUTS[name]
+    losses, norms, weights = _reference(CLIP, batches=_batches())
+    results = run_distributed(_train_rank, world_size, args=(layout,), timeout_s=300)
+    for result in results:
+        assert result["replicas"] == world_size // layout["context_parallel"]
+        assert result["losses"] == pytest.approx(losses, rel=1e-5)
+        assert result["norms"] == pytest.approx(norms, rel=1e-5)
+        for key, expected in weights.items():
+            torch.testing.assert_close(result["weights"][key], expected, atol=1e-5, rtol=1e-4, msg=key)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"context_parallel": 0}, "context_parallel=0 must be a positive integer"),
+    ({"context_parallel": 2, "context_attention": "ulysses"}, "choose one of ring, all_to_all"),
+    ({"context_parallel": 2, "pipeline_parallel": 2}, "pipeline_parallel=1"),
+    ({"context_parallel": 2, "tensor_parallel": 2}, "tensor_parallel=1"),
+    ({"context_parallel": 2, "recompute": "auto"}, "not planned yet"),
+])
+def test_what_context_parallelism_does_not_run_is_refused_when_made(arguments: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Merak3DStrategy(**arguments)
+
+
+def test_degrees_and_sequence_are_checked_before_launch() -> None:
+    strategy = Merak3DStrategy(context_parallel=2)
+    with pytest.raises(ValueError, match="context_parallel=2"):
+        strategy.validate_arguments(3)
+    with pytest.raises(ValueError, match="pad to a multiple of 4"):
+        strategy.validate_arguments(4, batch_size=2, sequence_length=30)
+    assert Merak3DStrategy(data_parallel=2, context_parallel=2)._arguments.layout(4).batch_replicas == 2
+    with pytest.raises(ValueError, match="attention interface"):
+        Merak3DStrategy(context_parallel=2)._arguments.check_model(torch.nn.Linear(2, 2), 1, 1)
