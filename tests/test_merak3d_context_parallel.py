@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import run_distributed
+from tests import test_merak3d_fully_sharded as sharded
 from tests.test_merak3d_fully_sharded import CLIP, VOCAB, _module, _Recorder, _reference
 
 STEPS, BATCH, SEQ = 3, 4, 64  # the sequence splits into 2 x cp chunks
@@ -51,6 +52,7 @@ LAYOUTS = {
     "cp2-all_to_all": ({"context_parallel": 2, "context_attention": "all_to_all"}, 2),
     "dp2-cp2-zero1": ({"data_parallel": 2, "context_parallel": 2, "data_parallel_sharding": "optimizer"}, 4),
     "cp2-fsdp2": ({"context_parallel": 2, "data_parallel_sharding": "full"}, 2),
+    "cp2-tp2": ({"context_parallel": 2, "tensor_parallel": 2}, 4),  # heads split over tp, sequence over cp
 }
 
 
@@ -61,7 +63,7 @@ def test_context_parallel_training_matches_one_process(name: str) -> None:
     losses, norms, weights = _reference(CLIP, batches=_batches())
     results = run_distributed(_train_rank, world_size, args=(layout,), timeout_s=300)
     for result in results:
-        assert result["replicas"] == world_size // layout["context_parallel"]
+        assert result["replicas"] == world_size // (layout["context_parallel"] * layout.get("tensor_parallel", 1))
         assert result["losses"] == pytest.approx(losses, rel=1e-5)
         assert result["norms"] == pytest.approx(norms, rel=1e-5)
         for key, expected in weights.items():
@@ -72,7 +74,7 @@ def test_context_parallel_training_matches_one_process(name: str) -> None:
     ({"context_parallel": 0}, "context_parallel=0 must be a positive integer"),
     ({"context_parallel": 2, "context_attention": "ulysses"}, "choose one of ring, all_to_all"),
     ({"context_parallel": 2, "pipeline_parallel": 2}, "pipeline_parallel=1"),
-    ({"context_parallel": 2, "tensor_parallel": 2}, "tensor_parallel=1"),
+    ({"context_parallel": 2, "tensor_parallel": 2, "sequence_parallel": True}, "sequence_parallel=False"),
     ({"context_parallel": 2, "recompute": "auto"}, "not planned yet"),
 ])
 def test_what_context_parallelism_does_not_run_is_refused_when_made(arguments: dict, message: str) -> None:
@@ -89,3 +91,25 @@ def test_degrees_and_sequence_are_checked_before_launch() -> None:
     assert Merak3DStrategy(data_parallel=2, context_parallel=2)._arguments.layout(4).batch_replicas == 2
     with pytest.raises(ValueError, match="attention interface"):
         Merak3DStrategy(context_parallel=2)._arguments.check_model(torch.nn.Linear(2, 2), 1, 1)
+    two_heads_per_tp_rank = _module(adam=False).model  # 2 key/value heads, split over tp=2: 1 per rank
+    ulysses = Merak3DStrategy(context_parallel=2, tensor_parallel=2, context_attention="all_to_all")
+    with pytest.raises(ValueError, match="1 key/value heads"):
+        ulysses._arguments.check_model(two_heads_per_tp_rank, 1, 2)
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_resumes_across_a_change_of_context_parallel_degree(tmp_path) -> None:
+    """Saved at cp=2 with ZeRO-1 and resumed at dp=2 (no cp), and saved at dp=2 and resumed at cp=2 × dp=2: both
+    continue the single-process trajectory, Adam state included (Adam magnifies rounding to ~1e-4, as in
+    ``test_checkpoints_resume_across_sharding_modes_and_layouts``)."""
+    reference = sharded._reference(None, adam=True)
+    half = sharded.STEPS // 2
+    for index, (saved, saved_world, resumed, resumed_world) in enumerate([
+        ({"context_parallel": 2, "data_parallel_sharding": "optimizer"}, 2, {"data_parallel": 2}, 2),
+        ({"data_parallel": 2}, 2, {"data_parallel": 2, "context_parallel": 2}, 4),
+    ]):
+        checkpoint = str(tmp_path / f"saved{index}.ckpt")
+        first = sharded._run(saved, saved_world, last_step=half, save_to=checkpoint, adam=True)
+        assert first[0]["losses"] == pytest.approx(reference[0][:half], abs=1e-5)
+        second = sharded._run(resumed, resumed_world, first_step=half, epochs=2, resume_from=checkpoint, adam=True)
+        sharded._assert_matches(second, reference, slice(half, None), atol=1e-4)

@@ -67,8 +67,10 @@ def _attention_config(model: nn.Module) -> Any:
     return getattr(config, "get_text_config", lambda: config)() if config is not None else None
 
 
-def check_context_parallel_model(model: nn.Module, context_parallel: int, method: str) -> None:
-    """Refuse, before launch, a model context parallelism cannot run exactly, naming the reason and the fix."""
+def check_context_parallel_model(model: nn.Module, context_parallel: int, method: str,
+                                 tensor_parallel: int = 1) -> None:
+    """Refuse, before launch, a model context parallelism cannot run exactly, naming the reason and the fix
+    (``tensor_parallel``: the ranks each attention's heads are split over first)."""
     if method not in CONTEXT_ATTENTION_METHODS:
         raise ValueError(f"context_attention={method!r} is not supported; choose one of "
                          f"{', '.join(CONTEXT_ATTENTION_METHODS)}")
@@ -93,7 +95,7 @@ def check_context_parallel_model(model: nn.Module, context_parallel: int, method
     if method == "all_to_all":
         heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
         if isinstance(heads, int):
-            check_heads_divisible(heads, context_parallel)
+            check_heads_divisible(max(heads // tensor_parallel, 1), context_parallel)
 
 
 def _context_attention(
@@ -249,9 +251,14 @@ def install_context_parallel(model: nn.Module, group: dist.ProcessGroup, method:
     """Make ``model`` (a transformers model, checked by :func:`check_context_parallel_model`) run every forward as
     this rank's part of a sequence split over ``group``."""
     check_context_parallel_model(model, dist.get_world_size(group), method)
+    from transformers import PretrainedConfig
+
     _register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     state = ContextState(group, method)
     for module in model.modules():
         module._merak_context = state
+        config = getattr(module, "config", None)  # a split block may hold a copy of the model's config
+        if isinstance(config, PretrainedConfig) and config is not model.config:
+            config._attn_implementation = ATTENTION_NAME
     model.forward = ContextParallelForward(model, state)

@@ -184,8 +184,8 @@ class Merak3DArguments(Merak3DOptions):
                              f"{', '.join(CONTEXT_ATTENTION_METHODS)}")
         if cp == 1:
             return
-        others = {"pipeline_parallel": (self.pipeline_parallel, 1), "tensor_parallel": (self.tensor_parallel, 1),
-                  "tp_overlap": (self.tp_overlap, 1), "micro_batching": (self.micro_batching, "none")}
+        others = {"pipeline_parallel": (self.pipeline_parallel, 1), "tp_overlap": (self.tp_overlap, 1),
+                  "sequence_parallel": (self.sequence_parallel, False), "micro_batching": (self.micro_batching, "none")}
         for name, (value, needed) in others.items():
             if value != needed:
                 raise ValueError(f"context_parallel={cp} runs with {name}={needed!r} for now, got {name}={value!r}; "
@@ -259,14 +259,14 @@ class Merak3DArguments(Merak3DOptions):
                 f"world size {world_size} is not divisible by the fixed degrees {fixed}{context}; "
                 "choose data_parallel × pipeline_parallel × tensor_parallel × context_parallel = world size"
             )
-        if cp > 1:
+        if cp > 1:  # pipeline and tensor degrees are fixed with context parallelism (no planning)
+            pp, tp = int(fixed.get("pp", 1)), int(fixed.get("tp", 1))
             batch = world_size // product if "dp" in auto else int(self.data_parallel)
-            if batch * cp * int(fixed.get("pp", 1)) * int(fixed.get("tp", 1)) != world_size:
+            if batch * cp * pp * tp != world_size:
                 raise ValueError(
-                    f"data_parallel={batch} × context_parallel={cp} × pipeline_parallel={fixed.get('pp', 1)} × "
-                    f"tensor_parallel={fixed.get('tp', 1)} ≠ world size {world_size}; make the product equal the "
-                    "number of processes")
-            return batch * cp, 1, 1
+                    f"data_parallel={batch} × context_parallel={cp} × pipeline_parallel={pp} × tensor_parallel={tp} "
+                    f"≠ world size {world_size}; make the product equal the number of processes")
+            return batch * cp, pp, tp
         resolved = dict(fixed)
         for name in auto:
             resolved[name] = 1
@@ -351,7 +351,7 @@ class Merak3DArguments(Merak3DOptions):
         if self.data_parallel_sharding == "full":
             check_fully_shardable(model, tensor_parallel)
         if self.context_parallel > 1:
-            check_context_parallel_model(model, self.context_parallel, self.context_attention)
+            check_context_parallel_model(model, self.context_parallel, self.context_attention, tensor_parallel or 1)
             if moe_layers(model):
                 raise ValueError(f"context_parallel={self.context_parallel} does not run MoE layers yet; "
                                  "use context_parallel=1")

@@ -47,12 +47,13 @@ class Merak3DOptions:
         1, "Ranks each sequence is split over (context parallelism), each holding a load-balanced share of every "
         "sample's tokens; attention spans the whole sequence through `context_attention`. These ranks hold the same "
         "parameters, so gradients are averaged over data_parallel × context_parallel ranks; the sequence length must "
-        "be a multiple of 2 × context_parallel. Needs a transformers model calling its attention interface, and for "
-        "now pipeline_parallel=1 and tensor_parallel=1 (`lightning_merak.parallel.context`).")
+        "be a multiple of 2 × context_parallel. Needs a transformers model calling its attention interface; runs with "
+        "tensor parallelism (not sequence parallelism) and, for now, pipeline_parallel=1 "
+        "(`lightning_merak.parallel.context`).")
     context_attention: str = option(
         "ring", "How attention spans a split sequence: `ring` (key/value shards passed around the ranks while the "
         "local block computes) or `all_to_all` (Ulysses: heads scattered, sequence gathered; context_parallel must "
-        "divide the key/value heads).")
+        "divide each tensor-parallel rank's key/value heads).")
     micro_batches: Optional[int] = option(
         None, "Micro-batches per batch in the pipeline schedule (`null`: 2 × pipeline stages).")
     schedule: str = option(

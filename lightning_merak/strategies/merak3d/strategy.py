@@ -502,7 +502,9 @@ class Merak3DStrategy(CheckpointHooks):
         if built.stages is not None:
             self._pipeline = install_pipeline_step(self.micro_batching, view, built.stages, self.groups,
                                                    self.root_device)
-        elif view.contract:  # the pipeline's schedule wraps the loss itself; a drop-in network gathers its logits
+        elif view.contract and self.layout.context_parallel == 1:
+            # the pipeline's schedule wraps the loss itself; a drop-in network gathers its logits, and a
+            # context-parallel one is called with labels, whose loss needs whole-vocabulary logits
             module.loss_from_logits = vocab_parallel_loss(module.loss_from_logits, module.model)
         for part in module.modules():
             if part not in existing:  # stage wrappers and pruned containers join the loop's mode
