@@ -13,7 +13,7 @@ legs=("$@")
 status=0
 for leg in "${legs[@]}"; do
   echo "== $leg: python -m benchmarks.$leg --device cuda"
-  timeout "${LEG_TIMEOUT_S:-300}" python3 -m "benchmarks.$leg" --device cuda --out "$out/$leg.gpu.json" \
+  timeout "${LEG_TIMEOUT_S:-300}" "${PYTHON:-python3}" -m "benchmarks.$leg" --device cuda --out "$out/$leg.gpu.json" \
     2>&1 | tee "$out/$leg.gpu.log"
   code=${PIPESTATUS[0]}
   if [ "$code" -ne 0 ]; then
