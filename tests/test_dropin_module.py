@@ -114,7 +114,47 @@ class OwnNetworkLM(pl.LightningModule):
         return self.criterion(logits[:, :-1].reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
 
 
-MODULES = {"plain": PlainLM, "tuple": TupleLM, "smoothed": SmoothedLM, "logits": LogitsLM}
+class _Residual(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.down(F.gelu(self.up(self.norm(hidden))))
+
+
+class _SequentialNet(nn.Module):
+    """A hand-written network whose blocks sit in an ``nn.Sequential`` called as one module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.blocks = nn.Sequential(*(_Residual(32) for _ in range(4)))
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(ids)))
+
+
+class SequentialLM(PlainLM):
+    """A hand-written network with an ``nn.Sequential`` trunk; its loss through ``loss_from_outputs``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _SequentialNet()
+
+    def loss_from_outputs(self, outputs: torch.Tensor, batch: dict) -> torch.Tensor:
+        return F.cross_entropy(outputs[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1))
+
+    def _loss(self, batch: dict) -> torch.Tensor:
+        return self.loss_from_outputs(self.net(batch["input_ids"]), batch)
+
+    def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.net(batch["input_ids"])
+
+
+MODULES = {"plain": PlainLM, "tuple": TupleLM, "smoothed": SmoothedLM, "logits": LogitsLM, "sequential": SequentialLM}
 
 
 class _Samples(Dataset):
@@ -243,8 +283,10 @@ def _assert_same_run(results: list[dict], ddp: list[dict]) -> None:
     ("tuple", {"pipeline_parallel": 2, "micro_batches": 2}),
     ("smoothed", {"pipeline_parallel": 2, "micro_batches": 2}),
     ("plain", {"pipeline_parallel": 2, "tensor_parallel": 2, "micro_batches": 2}),
+    ("sequential", {"pipeline_parallel": 2, "micro_batches": 2}),
+    ("sequential", {"pipeline_parallel": 4, "micro_batches": 4}),
 ], ids=["dp2", "tp2", "dp2-zero1", "dp2-fsdp2", "tp2-sequence", "pp2-inferred", "pp2-tuple", "pp2-loss_from_outputs",
-        "pp2-tp2-sharded-logits"])
+        "pp2-tp2-sharded-logits", "pp2-sequential-trunk", "pp4-sequential-trunk"])
 def test_a_plain_module_trains_and_validates_as_under_ddp(state_dir: str, kind: str, layout: dict) -> None:
     """Losses, validation loss and predictions; at pp2×tp2 the inferred loss runs on vocabulary-sharded logits."""
     world_size = layout.get("data_parallel", 1) * layout.get("pipeline_parallel", 1) * layout.get("tensor_parallel", 1)

@@ -59,6 +59,25 @@ class UserTransformer(nn.Module):
         return self.head(self.norm(x))
 
 
+class _CausalBlock(_Block):
+    """A block that takes only the hidden state (its mask made inside), as an ``nn.Sequential`` calls it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[1]
+        return super().forward(x, torch.triu(torch.full((length, length), float("-inf")), 1))
+
+
+class SequentialTransformer(UserTransformer):
+    """A hand-written causal LM whose blocks sit in an ``nn.Sequential`` called as one module."""
+
+    def __init__(self, vocab: int = 100, width: int = 32, depth: int = 4) -> None:
+        super().__init__(vocab, width, depth)
+        self.blocks = nn.Sequential(*(_CausalBlock(width) for _ in range(depth)))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.blocks(self.embedding(ids) + self.positions[:ids.shape[1]])))
+
+
 def _models() -> dict[str, nn.Module]:
     torch.manual_seed(0)
     small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -69,6 +88,7 @@ def _models() -> dict[str, nn.Module]:
         "gpt2": GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=4, n_head=4, vocab_size=100, use_cache=False)),
         "bert": BertForMaskedLM(BertConfig(**small)),
         "user": UserTransformer(),
+        "user_sequential": SequentialTransformer(),
         # logits scaled after the LM head, outside any module
         "cohere": CohereForCausalLM(CohereConfig(**small, num_key_value_heads=2, logit_scale=0.25, pad_token_id=0,
                                                  bos_token_id=1, eos_token_id=2)),
@@ -79,7 +99,7 @@ def _models() -> dict[str, nn.Module]:
     }
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "gpt2", "bert", "user", "cohere", "gemma2"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "gpt2", "bert", "user", "user_sequential", "cohere", "gemma2"])
 @pytest.mark.parametrize("boundaries", [(0, 3), (0, 1, 4, 5), (0, 5), (0, 2, 3, 4)])
 def test_chained_stages_reproduce_the_logits(name, boundaries):
     model = _models()[name].eval()
@@ -201,8 +221,17 @@ def test_head_replays_operations_after_the_lm_head():
 
 
 def test_model_without_block_list_is_refused():
-    with pytest.raises(TraceError, match="no nn.ModuleList of repeated blocks"):
+    with pytest.raises(TraceError, match="no nn.ModuleList or nn.Sequential of repeated blocks"):
         trace_model(nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10)), torch.randint(10, (1, 4)))
+
+
+def test_a_sequential_trunk_is_found_and_each_stage_keeps_its_blocks_in_one():
+    model = _models()["user_sequential"]
+    trace = trace_model(model, torch.randint(100, (2, 8)), profile=False)
+    assert (trace.trunk_path, trace.num_blocks) == ("blocks", 4)
+    stage = build_stage_module(copy.deepcopy(model), trace, (0, 3, 6), 1, lambda m, x: m(x))
+    assert isinstance(stage.net.blocks, nn.Sequential)
+    assert sum(p.numel() for p in stage.parameters()) < sum(p.numel() for p in model.parameters())
 
 
 def test_first_stage_blocks_called_outside_its_forward_just_compute():

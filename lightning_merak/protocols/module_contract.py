@@ -3,8 +3,9 @@
 **Nothing is required.** Any LightningModule that trains under ``DDPStrategy`` trains under merak3d unchanged:
 its own ``training_step``, ``validation_step``, ``test_step`` and ``predict_step`` run as written. merak3d finds
 the network to split among the module's children — ``self.model``, else the one child that is a transformers
-``PreTrainedModel``, else the one holding an ``nn.ModuleList`` of repeated blocks, whatever its attribute name —
-and parallelises it in place. Without pipeline stages or tensor shards the module may hold any network.
+``PreTrainedModel``, else the one holding an ``nn.ModuleList`` (or ``nn.Sequential``) of repeated blocks,
+whatever its attribute name — and parallelises it in place. Without pipeline stages or tensor shards the module
+may hold any network.
 
 **With pipeline stages** (``pipeline_parallel > 1``) the loss is computed on the last stage, so merak3d must know
 how it comes from the network's outputs. It infers it where the module makes it plain: a transformers network

@@ -143,23 +143,39 @@ class ModelTrace:
         return prefix, suffix
 
 
-def find_trunk(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """``(path, blocks)`` of the ModuleList of same-class blocks holding the most parameters."""
-    best: tuple[int, str, nn.ModuleList] | None = None
+def find_trunk(model: nn.Module) -> tuple[str, nn.ModuleList | nn.Sequential]:
+    """``(path, blocks)`` of the container of same-class blocks holding the most parameters: an ``nn.ModuleList``
+    the model's forward loops over, or an ``nn.Sequential`` of at least two blocks (called as one module, each
+    block taking the previous one's output). The model itself is never its own trunk."""
+    best: tuple[int, str, nn.ModuleList | nn.Sequential] | None = None
     for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) < 1:
-            continue
-        if len({type(block) for block in module}) != 1:
+        if not name or not _holds_repeated_blocks(module):
             continue
         params = sum(p.numel() for p in module.parameters())
         if best is None or params > best[0]:
             best = (params, name, module)
     if best is None:
         raise TraceError(
-            f"{type(model).__name__} has no nn.ModuleList of repeated blocks; merak3d splits models "
-            "whose transformer blocks live in one ModuleList"
+            f"{type(model).__name__} has no nn.ModuleList or nn.Sequential of repeated blocks; merak3d splits "
+            "models whose transformer blocks live in one such container"
         )
     return best[1], best[2]
+
+
+def _holds_repeated_blocks(module: nn.Module) -> bool:
+    if isinstance(module, nn.ModuleList):
+        minimum = 1
+    elif isinstance(module, nn.Sequential):
+        minimum = 2
+    else:
+        return False
+    return len(module) >= minimum and len({type(block) for block in module}) == 1
+
+
+def trunk_like(trunk: nn.ModuleList | nn.Sequential, blocks: list[nn.Module]) -> nn.ModuleList | nn.Sequential:
+    """``blocks`` in a container of ``trunk``'s kind, so that the model's forward calls them as it called the
+    trunk (a Sequential runs its blocks in its own forward)."""
+    return nn.Sequential(*blocks) if isinstance(trunk, nn.Sequential) else nn.ModuleList(blocks)
 
 
 def same_tensor(a: Any, b: Any) -> bool:

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from lightning_merak.parallel.pipeline.recording import trunk_like
 from lightning_merak.parallel.pipeline.router_aux import (
     RouterAux,
     RouterRecorder,
@@ -114,13 +115,10 @@ class PipelineStageModule(nn.Module):
             self.carries_router_logits_in = before > 0
             if before + len(routers) > 0:
                 self.routers = RouterRecorder(routers, router_aux.output_index)
-        model.set_submodule(
-            trace.trunk_path,
-            nn.ModuleList(
-                trunk[i] if i in self.block_indices else RemovedModule(f"{trace.trunk_path}.{i}")
-                for i in range(num_blocks)
-            ),
-        )
+        model.set_submodule(trace.trunk_path, trunk_like(trunk, [
+            trunk[i] if i in self.block_indices else RemovedModule(f"{trace.trunk_path}.{i}")
+            for i in range(num_blocks)
+        ]))
         if self.is_first:
             self._install_exit(model.get_submodule(trace.trunk_path))
         if not self.is_last:

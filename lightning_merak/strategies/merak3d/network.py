@@ -50,7 +50,8 @@ def find_network(module: nn.Module) -> Optional[str]:
     """The attribute of ``module`` holding the network merak3d parallelises, or None (none found).
 
     ``model`` where the module has one; else its one child that is a transformers ``PreTrainedModel``; else its
-    one child holding an ``nn.ModuleList`` of repeated blocks. Several candidates are refused, naming them.
+    one child holding an ``nn.ModuleList`` or ``nn.Sequential`` of repeated blocks. Several candidates are
+    refused, naming them.
     """
     if isinstance(getattr(module, MODEL, None), nn.Module):
         return MODEL
@@ -208,7 +209,8 @@ def module_view(module: Any, pipeline_parallel: Optional[int], tensor_parallel: 
     if view.attribute is None and splits:
         raise TypeError(
             f"merak3d splits a transformer network, and finds none among {type(module).__name__}'s children: hold it "
-            f"as an attribute (a transformers PreTrainedModel, or a module with an nn.ModuleList of repeated blocks), "
+            f"as an attribute (a transformers PreTrainedModel, or a module with an nn.ModuleList or nn.Sequential of "
+            f"repeated blocks), "
             f"or train with pipeline_parallel=1 and tensor_parallel=1 ({CONTRACT_GUIDE})")
     if pipeline_parallel != 1:
         view.check_pipeline_loss()
