@@ -100,14 +100,19 @@ def proc_status_mb(key: str) -> float:
 
 def saved_activation_bytes(run: Callable[[], Any], parameters: Iterable[torch.Tensor]) -> int:
     """Bytes autograd saves for backward in ``run``'s forward (never differentiated), every storage once and
-    ``parameters``' storages left out: the activation memory that forward holds."""
+    ``parameters``' storages left out: the activation memory that forward holds. A saved DTensor (which has no
+    storage of its own) counts by its local shard, the bytes this rank holds."""
     import torch
+    from torch.distributed.tensor import DTensor
 
-    excluded = {param.untyped_storage().data_ptr() for param in parameters}
+    def storage_of(tensor: torch.Tensor) -> Any:
+        return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).untyped_storage()
+
+    excluded = {storage_of(param).data_ptr() for param in parameters}
     saved: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
+        storage = storage_of(tensor)
         if storage.data_ptr() not in excluded:
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor.detach()

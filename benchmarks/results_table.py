@@ -164,11 +164,38 @@ def dynapipe(data: dict[str, Any]) -> Table:
                  rows, notes)
 
 
+def context_parallel(data: dict[str, Any]) -> Table:
+    """Per cluster, network and sequence: cp=1's step and saved bytes, each context-parallel row's against them."""
+    rows: list[Sequence[object]] = []
+    for r in data["rows"]:
+        case = [r["cluster"], r["network"], r["method"], r["cp"], r["seq"]]
+        if r.get("refused") or r.get("error"):
+            status = f"refused: {brief(r['refused'])}" if r.get("refused") else f"failed: {brief(r['error'])}"
+            rows.append([*case, "-", "-", "-", "-", status])
+            continue
+        share = "-" if r.get("activation_ratio") is None else (
+            f"{percent(r['activation_ratio'])} (ideal {percent(r['ideal_ratio'])})")
+        loss = r.get("loss_max_rel_diff")
+        rows.append([*case, f"{r['step_ms']:.0f}", f"{r['saved_mib']:.1f}", share, percent(r.get("efficiency")),
+                     "-" if loss is None else f"{loss:.1e}"])
+    leg = data["longest_sequence_leg"]
+    ladder = (f"longest sequence within {leg['cap_rule']}, cp={leg['cp']}: " + (
+        f"failed: {brief(leg['error'])}" if "error" in leg else
+        ", ".join(f"{method} {seq}" for method, seq in leg["longest"].items())
+        + "; over cp=1: " + ", ".join(f"{method} {ratio(value)}" for method, value in leg["ratio"].items())))
+    notes = [ladder, f"baseline: {data['baseline']}",
+             *(f"{n} ranks: {record['emulation']}" for n, record in data["rank_cpu"].items()),
+             *(f"`{goal['key']}` has no figure: {goal['note']}" for goal in data.get("goals", [])
+               if goal["value"] is None and goal.get("note"))]
+    return Table(["cluster", "network", "method", "cp", "seq", "step ms", "saved MiB per rank",
+                  "saved bytes vs cp=1", "efficiency vs cp=1", "loss rel. diff vs cp=1"], rows, notes)
+
+
 AREAS: dict[str, Callable[[dict[str, Any]], Table]] = {
     "collectives": collectives, "merak3d": merak3d, "overlap_tp": overlap_tp, "planner": planner,
     "delta": delta, "sparse_comm": sparse_comm, "moe": moe, "adapters": adapters, "scale": scale,
     "sharding": sharding, "dynapipe": dynapipe, "replay": replay, "moe_families": moe_families,
-    "observability": observability,
+    "observability": observability, "context_parallel": context_parallel,
 }
 AUXILIARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "adapters_lr_sweep": ("adapters", adapters_lr_sweep),
