@@ -188,6 +188,10 @@ CASES: dict[str, Case] = {
     "strategy.micro_batching=dynamic": Case(output=("pipeline_parallel=2",)),
     "merak-train strategy.tensor_parallel=2 strategy.sequence_parallel=true": Case(
         output=("tensor_parallel=2", "sequence_parallel=True")),
+    "merak-train strategy.context_parallel=2 data.seq_len=1024 data.batch_size=2": Case(
+        output=("context_parallel=2 (ring attention)",)),
+    "merak-train strategy.context_parallel=2 strategy.context_attention=all_to_all": Case(
+        output=("context_parallel=2 (all_to_all attention)",)),
     "merak-train strategy.tensor_parallel=auto strategy.pipeline_parallel=auto strategy.tp_overlap=auto "
     "strategy.plan_only=true": Case(trains=False, output=("plan only, nothing trained. Planned layout",),
                                     timeout=600),
