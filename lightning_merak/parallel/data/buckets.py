@@ -41,6 +41,7 @@ from lightning_merak.distributed.dtensors import local_tensor
 from lightning_merak.distributed.gradient_buffer import Bucket, GradientBuffer, ShardSlice
 from lightning_merak.distributed.gradient_norm import ShardedGradients
 from lightning_merak.parallel.data.gradients import averaged_parameters
+from lightning_merak.parallel.data.owners import spread_whole_matrix_steps
 from lightning_merak.parallel.data.reduce_scatter import ReduceScatterQueue, start_reduce_scatter
 from lightning_merak.parallel.data.sharding_checks import (
     SHARDED_MODES,
@@ -212,7 +213,10 @@ class DataParallelGradients:
     def attach(self, optimizers: Sequence[torch.optim.Optimizer], precision: Any,
                sharded_gradients: ShardedGradients) -> None:
         """With sharding, let each of ``optimizers`` step this rank's slices, and have clipping count them as parts
-        of a whole."""
+        of a whole. Without, optimizers that step whole matrices (Muon) divide them over the replicas
+        (:func:`~.owners.spread_whole_matrix_steps`)."""
+        if not self.sharded:
+            spread_whole_matrix_steps(optimizers, self.buffer.params, self._group)
         if self.sharded:
             check_precision(precision, self.mode)
             for optimizer in optimizers:

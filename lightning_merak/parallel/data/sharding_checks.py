@@ -29,9 +29,12 @@ def check_shardable_optimizer(optimizer: torch.optim.Optimizer, mode: str) -> No
     inner = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer
     if not isinstance(inner, ELEMENTWISE_OPTIMIZERS):
         names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+        spreads = (" (at 'none' it divides its whole-matrix steps and their state over the replicas)"
+                   if callable(getattr(inner, "spread_over", None)) else "")
         raise ValueError(
             f"data_parallel_sharding={mode!r} steps a slice of each parameter, which {type(inner).__name__} "
-            f"does not update element by element; use one of {names}, or data_parallel_sharding='none' or 'full'"
+            f"does not update element by element; use one of {names}, or data_parallel_sharding='none'{spreads} "
+            "or 'full'"
         )
 
 
