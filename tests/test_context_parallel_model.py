@@ -14,7 +14,9 @@ from lightning_merak.parallel.context.model import check_context_parallel_model,
 from lightning_merak.testing import run_distributed
 
 TOLERANCE = 1e-5
-SEQ, BATCH, VOCAB = 256, 2, 97
+SEQ, BATCH, VOCAB = 2048, 2, 97
+DOCUMENTS = (800, 480, 768)  # a packed row's document lengths
+PADDING = 560  # the second row's padded tail
 
 
 def _model(family: str) -> torch.nn.Module:
@@ -24,7 +26,7 @@ def _model(family: str) -> torch.nn.Module:
     if family == "llama":
         return LlamaForCausalLM(LlamaConfig(num_key_value_heads=4, **common))
     # GQA (2 key/value heads) and a window shorter than a shard, so blocks are cut by it
-    return MistralForCausalLM(MistralConfig(num_key_value_heads=2, sliding_window=48, **common))
+    return MistralForCausalLM(MistralConfig(num_key_value_heads=2, sliding_window=384, **common))
 
 
 def _batch(kind: str) -> dict[str, torch.Tensor]:
@@ -33,13 +35,14 @@ def _batch(kind: str) -> dict[str, torch.Tensor]:
     labels = input_ids.clone()
     batch = {"input_ids": input_ids, "labels": labels}
     if kind == "packed":  # three documents per row, positions restarting at each
-        batch["position_ids"] = torch.cat([torch.arange(100), torch.arange(60), torch.arange(96)])[None]
-        labels[:, [100, 160]] = -100  # no target across a document boundary
-    elif kind == "padded":  # the second row's last 70 tokens are padding
+        batch["position_ids"] = torch.cat([torch.arange(length) for length in DOCUMENTS])[None]
+        starts = [sum(DOCUMENTS[:index]) for index in range(1, len(DOCUMENTS))]
+        labels[:, starts] = -100  # no target across a document boundary
+    elif kind == "padded":  # the second row's tail is padding
         mask = torch.ones(BATCH, SEQ, dtype=torch.long)
-        mask[1, -70:] = 0
+        mask[1, -PADDING:] = 0
         batch["attention_mask"] = mask
-        labels[1, -70:] = -100
+        labels[1, -PADDING:] = -100
     return batch
 
 
@@ -55,7 +58,8 @@ def _reference(family: str, kind: str, with_labels: bool) -> tuple[float, dict[s
 
 
 def _packed_reference_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    bounds = [(0, 100), (100, 160), (160, 256)]
+    ends = [sum(DOCUMENTS[:index + 1]) for index in range(len(DOCUMENTS))]
+    bounds = list(zip([0, *ends[:-1]], ends))
     total, count = torch.zeros(()), 0
     for start, end in bounds:
         logits = model(input_ids=batch["input_ids"][:, start:end]).logits
