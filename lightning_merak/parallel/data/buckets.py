@@ -212,16 +212,14 @@ class DataParallelGradients:
 
     def attach(self, optimizers: Sequence[torch.optim.Optimizer], precision: Any,
                sharded_gradients: ShardedGradients) -> None:
-        """With sharding, let each of ``optimizers`` step this rank's slices, and have clipping count them as parts
-        of a whole. Without, optimizers that step whole matrices (Muon) divide them over the replicas
-        (:func:`~.owners.spread_whole_matrix_steps`)."""
+        """Sharded: each of ``optimizers`` steps this rank's slices, clipping counting them as parts of a whole;
+        replicated: optimizers stepping whole matrices (Muon) divide them over the replicas."""
         if not self.sharded:
-            spread_whole_matrix_steps(optimizers, self.buffer.params, self._group)
-        if self.sharded:
-            check_precision(precision, self.mode)
-            for optimizer in optimizers:
-                self.shard_optimizer(optimizer)
-            sharded_gradients.register(self.shard_parameters, self._shard_group)
+            return spread_whole_matrix_steps(optimizers, self.buffer.params, self._group)
+        check_precision(precision, self.mode)
+        for optimizer in optimizers:
+            self.shard_optimizer(optimizer)
+        sharded_gradients.register(self.shard_parameters, self._shard_group)
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Put this rank's shard parameters in ``optimizer``'s groups in place of the parameters they slice

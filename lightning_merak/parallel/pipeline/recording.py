@@ -146,10 +146,10 @@ class ModelTrace:
 def find_trunk(model: nn.Module) -> tuple[str, nn.ModuleList | nn.Sequential]:
     """``(path, blocks)`` of the container of same-class blocks holding the most parameters: an ``nn.ModuleList``
     the model's forward loops over, or an ``nn.Sequential`` of at least two blocks (called as one module, each
-    block taking the previous one's output). The model itself is never its own trunk."""
+    block taking the previous one's output) other than the model itself."""
     best: tuple[int, str, nn.ModuleList | nn.Sequential] | None = None
     for name, module in model.named_modules():
-        if not name or not _holds_repeated_blocks(module):
+        if not _holds_repeated_blocks(module) or (not name and isinstance(module, nn.Sequential)):
             continue
         params = sum(p.numel() for p in module.parameters())
         if best is None or params > best[0]:
