@@ -30,13 +30,18 @@ json.dump({"device": props.name, "memory_gib": round(props.total_memory / 2**30,
 PY
 status=0
 mapfile -t marked < <(grep -l "pytest.mark.gpu" tests/test_*.py)
-echo "== gpu-marked tests: ${marked[*]}"
-timeout "${TESTS_TIMEOUT_S:-120}" "$py" -m pytest -q -m gpu -p no:cacheprovider --junitxml "$out/gpu_tests.xml" \
-  "${marked[@]}" 2>&1 | tee "$out/gpu_tests.log"
-code=${PIPESTATUS[0]}
-if [ "$code" -ne 0 ]; then  # 5 (no test ran) is a failure too: the marked tests were expected to run
-  echo "== gpu-marked tests FAILED (exit $code)"
+if [ ${#marked[@]} -eq 0 ]; then  # an empty list would make pytest collect the whole suite
+  echo "== gpu-marked tests FAILED: no test file carries the gpu marker"
   status=1
+else
+  echo "== gpu-marked tests: ${marked[*]}"
+  timeout "${TESTS_TIMEOUT_S:-120}" "$py" -m pytest -q -m gpu -p no:cacheprovider --junitxml "$out/gpu_tests.xml" \
+    "${marked[@]}" 2>&1 | tee "$out/gpu_tests.log"
+  code=${PIPESTATUS[0]}
+  if [ "$code" -ne 0 ]; then  # 5 (no test ran) is a failure too: the marked tests were expected to run
+    echo "== gpu-marked tests FAILED (exit $code)"
+    status=1
+  fi
 fi
 PYTHON="$py" LEG_TIMEOUT_S="${LEG_TIMEOUT_S:-110}" bash benchmarks/gpu_legs.sh "$out" || status=1
 exit $status

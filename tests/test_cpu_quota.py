@@ -27,7 +27,7 @@ def test_quota_arguments_are_checked_before_anything_is_created() -> None:
         CpuQuota(2, cores=0)
     assert (CpuQuota(4, cores=2).quota_us, CpuQuota(4, cores=2).period_us) == (1000, 2000)
     with pytest.raises(RuntimeError, match="context manager"):
-        CpuQuota(2).join(0, 1)
+        CpuQuota(2).procs_file(0)
     with pytest.raises(ValueError, match="cpu_quota is for 4 ranks"):
         LoopbackCluster(2, cpu_quota=CpuQuota(4))
 

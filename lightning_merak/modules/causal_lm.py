@@ -202,12 +202,14 @@ class _PartsState(MutableMapping):
 
     def __init__(self, parts: list[torch.optim.Optimizer]) -> None:
         self._parts = parts
+        self._by_param = {id(param): part for part in parts for group in part.param_groups
+                          for param in group["params"]}
 
     def _part(self, param: Any) -> torch.optim.Optimizer:
-        for part in self._parts:
-            if any(param is candidate for group in part.param_groups for candidate in group["params"]):
-                return part
-        raise KeyError(param)
+        part = self._by_param.get(id(param))
+        if part is None:
+            raise KeyError(param)
+        return part
 
     def __getitem__(self, param: Any) -> dict[str, Any]:
         return self._part(param).state[param]

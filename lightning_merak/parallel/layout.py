@@ -14,6 +14,8 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh
+
 __all__ = [
     "MULTI_STAGE_SCHEDULES",
     "SCHEDULES",
@@ -179,8 +181,7 @@ def context_groups(mesh: DeviceMesh, context_parallel: int) -> Optional[dist.Pro
     creates every group, in one order, as ``new_group`` needs); None without context parallelism."""
     if context_parallel == 1:
         return None
-    dp_axis = list(mesh.mesh_dim_names or ()).index("dp")
-    members = mesh.mesh.movedim(dp_axis, -1).reshape(-1, mesh.mesh.shape[dp_axis]).tolist()
+    members = data_parallel_groups_from_mesh(mesh.mesh.tolist(), mesh.mesh_dim_names or ())
     mine = None
     for line in members:
         for start in range(0, len(line), context_parallel):

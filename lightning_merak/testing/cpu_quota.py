@@ -219,10 +219,6 @@ class CpuQuota:
         """The file a process writes its pid to in order to enter ``rank``'s group."""
         return self.group_of(rank) / "cgroup.procs"
 
-    def join(self, rank: int, pid: int) -> None:
-        """Move process ``pid`` (all its threads) into ``rank``'s group; threads it starts later follow."""
-        self.procs_file(rank).write_text(str(pid))
-
     def command_in_group(self, rank: int, argv: Sequence[str]) -> list[str]:
         """``argv`` wrapped so that its process enters ``rank``'s group before it execs: no instruction of the
         rank runs outside its quota (moving it in after it started races with what it does first)."""
@@ -232,18 +228,18 @@ class CpuQuota:
               gap_s: float = 0.05) -> QuotaCheck:
         """Run a child alone in rank 0's group: its share of a core over a long spin and within short bursts of
         work after idle gaps (``burst_cpu_s`` of CPU each, as long as a layer call)."""
+        procs_file = str(self.procs_file(0))
         read, write = os.pipe()
         pid = os.fork()
-        if pid == 0:  # the child waits to be moved into the group, measures, reports and leaves
+        if pid == 0:  # the child enters the group, measures, reports and leaves
             os.close(read)
             try:
-                time.sleep(0.05)
+                enter_group(procs_file)
                 _measure_shares(write, seconds, bursts, burst_cpu_s, gap_s)
             finally:
                 os._exit(0)
         os.close(write)
         try:
-            self.join(0, pid)
             with os.fdopen(read) as result:
                 long_share, burst_share = (float(value) for value in result.read().split())
         finally:

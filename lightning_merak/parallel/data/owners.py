@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_merak.distributed.dtensors import local_tensor
+
 __all__ = ["OwnedMatrices", "assign_owners", "orthogonalisation_cost", "spread_whole_matrix_steps"]
 
 
@@ -39,11 +41,6 @@ def assign_owners(costs: Sequence[float], ranks: int) -> list[int]:
         owners[index] = rank
         load[rank] += costs[index]
     return owners
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (tensor parallelism splits inside the data-parallel replica), else the tensor."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 class OwnedMatrices:
@@ -72,7 +69,7 @@ class OwnedMatrices:
     def broadcast_values(self) -> None:
         """Every parameter's value from its owner to the other ranks: one flat broadcast per owner rank."""
         for owner, params in self._by_owner().items():
-            locals_ = [_local(param) for param in params]
+            locals_ = [local_tensor(param) for param in params]
             flat = torch.cat([tensor.reshape(-1) for tensor in locals_])
             dist.broadcast(flat, src=self._global[owner], group=self.group)
             if owner != self.rank:
@@ -97,7 +94,7 @@ class OwnedMatrices:
                 buffer = torch.zeros_like(param)
                 state.setdefault(param, {})[key] = buffer
                 received.append(param)
-            dist.broadcast(_local(buffer), src=self._global[owner], group=self.group)
+            dist.broadcast(local_tensor(buffer), src=self._global[owner], group=self.group)
         return received
 
     def drop_state(self, state: dict[Any, dict[str, Any]], params: Iterable[nn.Parameter] | None = None) -> None:

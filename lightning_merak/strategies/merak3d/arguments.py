@@ -259,26 +259,19 @@ class Merak3DArguments(Merak3DOptions):
                 f"world size {world_size} is not divisible by the fixed degrees {fixed}{context}; "
                 "choose data_parallel × pipeline_parallel × tensor_parallel × context_parallel = world size"
             )
-        if cp > 1:  # pipeline and tensor degrees are fixed with context parallelism (no planning)
-            pp, tp = int(fixed.get("pp", 1)), int(fixed.get("tp", 1))
-            batch = world_size // product if "dp" in auto else int(self.data_parallel)
-            if batch * cp * pp * tp != world_size:
-                raise ValueError(
-                    f"data_parallel={batch} × context_parallel={cp} × pipeline_parallel={pp} × tensor_parallel={tp} "
-                    f"≠ world size {world_size}; make the product equal the number of processes")
-            return batch * cp, pp, tp
         resolved = dict(fixed)
         for name in auto:
             resolved[name] = 1
         if auto:
             resolved["dp" if "dp" in auto else auto[0]] = world_size // product
-        if math.prod(resolved.values()) != world_size:
+        if math.prod(resolved.values()) * cp != world_size:
+            context = f" × context_parallel={cp}" if cp > 1 else ""
             raise ValueError(
                 f"data_parallel={resolved['dp']} × pipeline_parallel={resolved['pp']} × "
-                f"tensor_parallel={resolved['tp']} = {math.prod(resolved.values())} ≠ world size {world_size}; "
-                "make the product equal the number of processes (devices × num_nodes)"
+                f"tensor_parallel={resolved['tp']}{context} = {math.prod(resolved.values()) * cp} ≠ world size "
+                f"{world_size}; make the product equal the number of processes (devices × num_nodes)"
             )
-        return resolved["dp"], resolved["pp"], resolved["tp"]
+        return resolved["dp"] * cp, resolved["pp"], resolved["tp"]
 
     def layout(self, world_size: int) -> Layout:
         """The layout of a run whose arguments fix everything but perhaps data_parallel (no planning)."""
