@@ -304,6 +304,11 @@ def test_state_bytes_follow_the_optimizer_and_the_precision(dtype, precision, fa
             ratios["compute_copy_bytes_per_parameter_byte"]) == pytest.approx(expected)
 
 
+PROBE_LIMIT_GRADIENTS = 20
+"""The planned run's memory limit in gradients' bytes: room for every mode, but a 1/32 share smaller than one
+gradient, so bounding the network probes by the limit shows."""
+
+
 def _plan_sharding_rank(rank: int, world_size: int) -> dict:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
@@ -315,19 +320,41 @@ def _plan_sharding_rank(rank: int, world_size: int) -> dict:
         def train_dataloader(self) -> DataLoader:
             return DataLoader(TensorDataset(_batches()[0]), batch_size=BATCH)
 
-    strategy = Merak3DStrategy(data_parallel_sharding="auto", plan_only=True, timeout_s=120)
+    probes: list[dict] = []
+    measure = planning.profile_network
+
+    def recorded(*args, **kwargs):
+        probes.append({"large_bytes": kwargs["large_bytes"], "gradient_bytes": kwargs["gradient_bytes"]})
+        return measure(*args, **kwargs)
+
+    module = _module("llama", optimizer="adam")
+    gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    limit = PROBE_LIMIT_GRADIENTS * gradient_bytes
+    strategy = Merak3DStrategy(data_parallel_sharding="auto", plan_only=True, timeout_s=120, memory_limit=limit)
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False)
-    trainer.fit(_module("llama", optimizer="adam"), datamodule=FirstBatch())
+    planning.profile_network = recorded
+    try:
+        trainer.fit(module, datamodule=FirstBatch())
+    finally:
+        planning.profile_network = measure
     return {"adopted": strategy.layout.data_parallel_sharding, "chosen": strategy.layout_choice.layout,
-            "layouts": [p.layout for p in strategy.layout_plan.ranked]}
+            "layouts": [p.layout for p in strategy.layout_plan.ranked], "probes": probes,
+            "gradient_bytes": gradient_bytes, "limit": limit}
 
 
 @pytest.mark.distributed
 def test_auto_sharding_plans_every_mode_and_the_strategy_adopts_its_choice():
+    """Under a memory limit every mode fits, and the network probes stay within their share of the limit (a probe
+    as large as the whole gradient set the peak of runs planned near their limit)."""
     results = run_distributed(_plan_sharding_rank, 2, timeout_s=300)
     assert results[0]["chosen"] == results[1]["chosen"]
     assert all(r["adopted"] == r["chosen"].sharding for r in results)
     assert {(layout.dp, layout.pp, layout.tp, layout.sharding) for layout in results[0]["layouts"]} == {
         (2, 1, 1, mode) for mode in DATA_PARALLEL_SHARDING}
+    for result in results:
+        [probe] = result["probes"]
+        bound = planning.largest_network_probe(result["limit"])
+        assert bound < result["gradient_bytes"]
+        assert probe["gradient_bytes"] <= bound and probe["large_bytes"] <= bound

@@ -143,7 +143,7 @@ class _FullyShardedLM(CausalLMModule):
         fully_shard(self.model, mesh=mesh)
 
 
-REPLICAS = {"ddp": 2, "fsdp2": 2, "merak3d_pp2": 1}
+REPLICAS = {"ddp": 2, "fsdp2": 2, "merak3d_pp2": 1, "merak3d_pp2_clipped": 1}
 
 
 def _train(rank: int, world_size: int, strategy_name: str, out: str, batch: int,
@@ -159,7 +159,7 @@ def _train(rank: int, world_size: int, strategy_name: str, out: str, batch: int,
     elif strategy_name == "fsdp2":
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
         module = _FullyShardedLM(module.model)
-    elif strategy_name == "merak3d_pp2":
+    elif strategy_name.startswith("merak3d_pp2"):
         strategy = Merak3DStrategy(pipeline_parallel=2, micro_batches=2)
     reference = _NormBeforeClipping()
     traced = strategy_name in ("ddp", "merak3d_pp2")
@@ -182,10 +182,10 @@ def _tokens_per_step(rows: list[dict[str, str]]) -> list[float]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy_name", ["ddp", "fsdp2", "merak3d_pp2"])
+@pytest.mark.parametrize("strategy_name", list(REPLICAS))
 def test_two_ranks_count_the_global_batch(tmp_path: Path, strategy_name: str):
     replicas = REPLICAS[strategy_name]
-    clip = None if strategy_name == "merak3d_pp2" else 1.0  # merak3d's norm when it does not clip too
+    clip = None if strategy_name == "merak3d_pp2" else 1.0  # merak3d's own norm without clipping, its clipping's with
     run_distributed(_train, 2, args=(strategy_name, str(tmp_path), BATCH, clip), timeout_s=180)
     run_distributed(_train, 1, args=("single", str(tmp_path), replicas * BATCH, clip), timeout_s=120)
     rows = _rows(next((tmp_path / strategy_name).glob("version_*/metrics.csv")))
@@ -198,11 +198,11 @@ def test_two_ranks_count_the_global_batch(tmp_path: Path, strategy_name: str):
     assert _column(rows, "train/grad_norm") == pytest.approx(_column(single, "train/grad_norm"), rel=1e-4)
     assert len(_column(rows, "memory/peak_MiB/rank1")) == 2 and _column(rows, "memory/peak_MiB/max")
     bubbles = _column(rows, "perf/pipeline_bubble")
-    if strategy_name == "merak3d_pp2":  # two stages, two micro-batches: each stage waits for the other
+    if strategy_name.startswith("merak3d_pp2"):  # two stages, two micro-batches: each stage waits for the other
         assert len(bubbles) == 2 and all(0.0 < bubble < 1.0 for bubble in bubbles), bubbles
     else:
         assert not bubbles, "a bubble without pipeline stages"
-    if strategy_name == "fsdp2":
+    if strategy_name in ("fsdp2", "merak3d_pp2_clipped"):
         return
     # the profiler's traced step: a PNG next to the trace, and a copy in the CSV logger's figures
     assert (tmp_path / "merak_trace.timeline.png").stat().st_size > 0

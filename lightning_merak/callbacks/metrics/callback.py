@@ -42,6 +42,15 @@ def _first_tensor(value: Any) -> Optional[torch.Tensor]:
     return None
 
 
+def _clipping_keeps_norm(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Whether this step's gradient clipping computes the total norm before clipping and keeps it
+    (``strategy.last_gradient_norm``, merak3d's): clipping by norm through Lightning's own hook."""
+    clip = trainer.gradient_clip_val
+    return (hasattr(trainer.strategy, "last_gradient_norm") and clip is not None and float(clip) > 0
+            and trainer.gradient_clip_algorithm in (None, "norm")
+            and type(pl_module).configure_gradient_clipping is pl.LightningModule.configure_gradient_clipping)
+
+
 class TrainingMetrics(pl.Callback):
     """Logs, per interval of ``trainer.log_every_n_steps`` optimizer steps:
 
@@ -52,7 +61,8 @@ class TrainingMetrics(pl.Callback):
       model FLOPs (:mod:`lightning_merak.planning.flops`, from ``pl_module.model.config``) per second over all ranks;
     - ``train/grad_norm``: the total gradient norm before clipping, over every shard, on the steps that are
       logged only. A strategy with a ``gradient_norm(optimizer)`` (merak3d: over every stage, shard and expert)
-      computes it; otherwise it is the norm of the gradients Lightning hands to the optimizer (DTensor shards
+      computes it (or its clipping by norm, which keeps the norm it computed: then it is read, not computed
+      twice); otherwise it is the norm of the gradients Lightning hands to the optimizer (DTensor shards
       gathered);
     - ``comm/exposed_s``, ``comm/exposed_fraction`` (rank 0; a strategy with ``last_exposed_communication_s``,
       merak3d with data parallelism): the wait for the gradient reduction after backward, per step and as a
@@ -94,6 +104,7 @@ class TrainingMetrics(pl.Callback):
         self._interval_start: Optional[float] = None
         self._paused_at: Optional[float] = None
         self._grad_norm: Optional[float] = None
+        self._norm_from_clipping = False
         self._exposed_s: list[float] = []
         """The strategy's exposed gradient-communication wait of each step of the interval (merak3d)."""
         self._flops_by_length: dict[int, float] = {}
@@ -128,6 +139,9 @@ class TrainingMetrics(pl.Callback):
         """Before clipping: the gradients' total norm, on a step that will be logged (every rank alike)."""
         if not self._logs_next_step(trainer):
             return
+        if _clipping_keeps_norm(trainer, pl_module):
+            self._norm_from_clipping = True  # clipping computes this norm right after this hook: read it then
+            return
         strategy_norm = getattr(trainer.strategy, "gradient_norm", None)
         if callable(strategy_norm):
             self._grad_norm = float(strategy_norm(optimizer))
@@ -150,6 +164,9 @@ class TrainingMetrics(pl.Callback):
             return  # accumulating gradients: the optimizer step comes with a later batch
         self._last_global_step = trainer.global_step
         self._steps += 1
+        if self._norm_from_clipping:
+            self._norm_from_clipping = False
+            self._grad_norm = float(trainer.strategy.last_gradient_norm)
         exposed = getattr(trainer.strategy, "last_exposed_communication_s", None)
         if exposed is not None:
             self._exposed_s.append(float(exposed))

@@ -59,8 +59,8 @@ from lightning_merak.strategies.merak3d.build import (
     tensor_parallel_plan,
 )
 
-__all__ = ["PLANNER_REPEATS", "STEP_CHECK_BATCHES", "STEP_CHECK_WARMUP", "PlannedLayout", "check_step_time",
-           "first_training_batch", "plan_layout"]
+__all__ = ["NETWORK_PROBE_SHARE", "PLANNER_REPEATS", "STEP_CHECK_BATCHES", "STEP_CHECK_WARMUP", "PlannedLayout",
+           "check_step_time", "first_training_batch", "largest_network_probe", "plan_layout"]
 
 LossOf = Callable[[torch.Tensor, int], torch.Tensor]
 """``(logits, samples) -> loss`` of the planning batch's first ``samples``."""
@@ -174,10 +174,11 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
     profile = dataclasses.replace(average_profiles(every_rank), **state_bytes_per_parameter_byte(model, precision,
                                                                                                factory))
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    probe_bytes = largest_network_probe(space.memory_limit_bytes)
     network = profile_network(keys.all_reduce_group_sizes, device,
-                              large_bytes=min(64 << 20, max(1 << 16, profile.hidden_bytes_per_sample
-                                                            * inputs.shape[0])),
-                              gradient_bytes=min(256 << 20, gradient_bytes), repeats=PLANNER_REPEATS,
+                              large_bytes=min(probe_bytes, 64 << 20, max(1 << 16, profile.hidden_bytes_per_sample
+                                                                          * inputs.shape[0])),
+                              gradient_bytes=min(probe_bytes, 256 << 20, gradient_bytes), repeats=PLANNER_REPEATS,
                               pipeline=any(layout.pp > 1 for layout in candidate_layouts(space, num_blocks,
                                                                                          num_experts)))
     if merak_ep:
@@ -186,7 +187,7 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
                                                                         profile.hidden_bytes_per_sample))
         exchange_bytes = inputs.shape[0] * profile.experts.top_k * profile.hidden_bytes_per_sample
         network = dataclasses.replace(network, all_to_all=measure_all_to_all(
-            keys.all_to_all_group_sizes, device, large_bytes=min(64 << 20, max(1 << 16, exchange_bytes)),
+            keys.all_to_all_group_sizes, device, large_bytes=min(probe_bytes, 64 << 20, max(1 << 16, exchange_bytes)),
             repeats=PLANNER_REPEATS))
     result = plan(space, profile, network)
     if arguments.planner_calibration != "analytic":  # rank by replaying the traced runs (memory stays the model's)
@@ -352,6 +353,19 @@ def _splittable_degrees(model: nn.Module, inputs: torch.Tensor, degrees: tuple[i
         else:
             rank_zero_info(f"merak3d planner: leaves out tensor_parallel={degree}: {problem}")
     return tuple(kept)
+
+
+NETWORK_PROBE_SHARE = 1 / 32
+"""The planner's network probes are at most this share of the memory limit (64 KiB at least). Their costs are fitted
+as latency + bytes / bandwidth and extrapolated to larger messages, while a probe as large as the whole gradient
+set the peak of a run planned near its limit: 587 MiB above start on 4 ranks where the layout the planner chose
+trains in 339 MiB (``benchmarks.sharding``'s largest-model search at 68 layers, a 218 MiB gradient)."""
+
+
+def largest_network_probe(memory_limit_bytes: float) -> int:
+    """Bytes of the largest message :func:`profile_network` and :func:`measure_all_to_all` may time under
+    ``memory_limit_bytes`` (each also keeps its own bound: 64 MiB, and 256 MiB for the gradient synchronisation)."""
+    return max(1 << 16, int(memory_limit_bytes * NETWORK_PROBE_SHARE))
 
 
 def default_memory_limit(device: torch.device, num_processes: int) -> float:
