@@ -52,7 +52,7 @@ def test_a_traced_run_calibrates_the_predictor_the_planner_ranks_by(tmp_path: Pa
     results = run_distributed(_trace_then_plan, 2, args=(str(tmp_path),), timeout_s=240)
     assert results[0]["ranked"] == results[1]["ranked"]  # every rank plans alike
     trace = Trace.load(results[0]["trace"])
-    assert trace.meta["layout"] == {"dp": 2, "pp": 1, "tp": 1, "micro_batches": 1, "overlap": 1}
+    assert trace.meta["layout"] == {"dp": 2, "pp": 1, "tp": 1, "micro_batches": 1, "overlap": 1, "cp": 1}
     assert trace.meta["model"]["blocks"] == 4
     shape = model_shape(_module("llama").model, SEQ)
     predictor = predictor_from_files([results[0]["trace"]], shape, BATCH)

@@ -141,6 +141,8 @@ def test_meta_gives_the_traced_layout_or_names_the_fix() -> None:
     assert layout_from_meta(_tp2_probe().meta, samples=4) == TP2
     with pytest.raises(ValueError, match="MerakTraceProfiler"):
         layout_from_meta({})
+    with pytest.raises(ValueError, match="context_parallel=2, which the replay calibration does not model"):
+        layout_from_meta({"layout": {"dp": 1, "pp": 1, "tp": 1, "cp": 2}})
     assert traced_blocks(_tp2_probe()) == 2
     assert _tp2_probe().ranks[1].block_names() == {"block 0", "block 1"}
 
@@ -150,10 +152,10 @@ def test_run_meta_records_a_merak3d_layout_and_the_model() -> None:
     model = torch.nn.Module()
     model.layers, model.head = blocks, torch.nn.Linear(4, 3, bias=False)
     strategy = SimpleNamespace(data_parallel=1, pipeline_parallel=1, tensor_parallel=2, micro_batches=None,
-                               tp_overlap=2)
-    module = SimpleNamespace(trainer=SimpleNamespace(strategy=strategy, world_size=2), model=model)
+                               tp_overlap=2, layout=SimpleNamespace(context_parallel=2))
+    module = SimpleNamespace(trainer=SimpleNamespace(strategy=strategy, world_size=4), model=model)
     meta = run_meta(module)
-    assert meta["layout"] == {"dp": 1, "pp": 1, "tp": 2, "micro_batches": 1, "overlap": 2}
+    assert meta["layout"] == {"dp": 1, "pp": 1, "tp": 2, "micro_batches": 1, "overlap": 2, "cp": 2}
     assert meta["model"] == {"blocks": 2, "block_params": 20, "other_params": 12, "hidden": 0}
     assert run_meta(None) == {}
 

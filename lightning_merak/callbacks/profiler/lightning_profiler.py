@@ -100,7 +100,8 @@ def run_meta(module: Any) -> dict[str, Any]:
         return {}
     if hasattr(strategy, "pipeline_parallel") and hasattr(strategy, "tensor_parallel"):
         layout = {"dp": strategy.data_parallel, "pp": strategy.pipeline_parallel, "tp": strategy.tensor_parallel,
-                  "micro_batches": strategy.micro_batches or 1, "overlap": strategy.tp_overlap}
+                  "micro_batches": strategy.micro_batches or 1, "overlap": strategy.tp_overlap,
+                  "cp": getattr(getattr(strategy, "layout", None), "context_parallel", 1)}
     else:
         layout = {"dp": trainer.world_size, "pp": 1, "tp": 1, "micro_batches": 1, "overlap": 1}
     meta: dict[str, Any] = {"layout": layout}

@@ -254,6 +254,10 @@ def layout_from_meta(meta: dict[str, Any], samples: Optional[int] = None) -> Lay
     if not isinstance(layout, dict):
         raise ValueError("the trace's meta records no layout; trace a run under Merak3DStrategy or DDP with "
                          "MerakTraceProfiler, which records it")
+    context_parallel = int(layout.get("cp") or 1)
+    if context_parallel > 1:
+        raise ValueError(f"the trace was recorded at context_parallel={context_parallel}, which the replay calibration "
+                         "does not model; trace a run of the same model without context parallelism")
     return LayoutSpec(int(layout["dp"]), int(layout["pp"]), int(layout["tp"]), int(layout.get("micro_batches") or 1),
                       int(samples or layout.get("samples") or 1), overlap=int(layout.get("overlap") or 1))
 
