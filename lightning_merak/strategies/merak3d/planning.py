@@ -358,8 +358,9 @@ def _splittable_degrees(model: nn.Module, inputs: torch.Tensor, degrees: tuple[i
 NETWORK_PROBE_SHARE = 1 / 32
 """The planner's network probes are at most this share of the memory limit (64 KiB at least). Their costs are fitted
 as latency + bytes / bandwidth and extrapolated to larger messages, while a probe as large as the whole gradient
-set the peak of a run planned near its limit: 587 MiB above start on 4 ranks where the layout the planner chose
-trains in 339 MiB (``benchmarks.sharding``'s largest-model search at 68 layers, a 218 MiB gradient)."""
+set the peak of a run planned near its limit: its worst rank at 607 MiB above start on 4 ranks where the layout the
+planner chose, set by hand, peaks at 366 MiB (``benchmarks.sharding``'s largest-model search at 68 layers, a 218 MiB
+gradient; 411 MiB with the bound)."""
 
 
 def largest_network_probe(memory_limit_bytes: float) -> int:
