@@ -9,7 +9,8 @@ layer, an 8-class head) on Zipf-distributed token ids, trained with AdamW (no we
 decay) by plain ``DistributedDataParallel`` on gloo ranks, each rank in its own
 network namespace on a tbf-shaped veth link (``lightning_merak.testing.netem``; latency cannot be
 emulated on this kernel, only rate). The figures are therefore labelled *emulated*.
-Each rank runs every method in turn on identical data and initial weights:
+Each rank runs every method in turn on identical data and initial weights, DDP keeping gradients as views of its
+buckets for every method (``gradient_as_bucket_view=True``, which ``SparseCommunication`` sets by default):
 
 * ``dense``: DDP's all-reduce (a counting hook that divides and all-reduces, as DDP does);
 * ``powersgd``: ``powerSGD_hook`` with ``PowerSGDState(matrix_approximation_rank=4,
@@ -19,7 +20,9 @@ Each rank runs every method in turn on identical data and initial weights:
 * ``allgather``: ``nn.Embedding(sparse=True)``, whose bucket DDP reduces with gloo's
   sparse all-reduce (an all-gather of indices and values); the summed sparse gradient
   is densified locally so the optimizer is the same AdamW;
-* ``s2``: the S2 comm hook of ``SparseCommunication(method="s2")`` in exact mode;
+* ``s2``: the S2 comm hook of ``SparseCommunication(method="s2")`` in exact mode, set up as the callback sets it
+  up under DDP: the table looked up sparsely (``SparseLookups``), its reduced gradient made dense before the
+  optimizer;
 * ``auto``: the same hook at ``SparseCommunication``'s default, ``method="auto"``: per step the
   cost model picks dense, s2_exact or the hook's all-gather of the touched rows, given the link's
   rate (``auto_picks`` counts its picks over the timed steps);
@@ -206,7 +209,14 @@ def _train(method: str, workload: Workload, batches: list[tuple[Any, Any]], rate
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
     from torch.nn.parallel import DistributedDataParallel
 
-    from lightning_merak.callbacks.sparse_comm import CommLedger, CountSketch, S2Reducer, s2_comm_hook, shard_embeddings
+    from lightning_merak.callbacks.sparse_comm import (
+        CommLedger,
+        CountSketch,
+        S2Reducer,
+        SparseLookups,
+        s2_comm_hook,
+        shard_embeddings,
+    )
     from lightning_merak.callbacks.sparse_comm.wire_cost_model import NetworkModel
 
     world_size = dist.get_world_size()
@@ -217,7 +227,10 @@ def _train(method: str, workload: Workload, batches: list[tuple[Any, Any]], rate
         group = dist.new_group(ranks=list(range(world_size)))
         shard_embeddings(model, ["embed"], group, ledger)
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["embed.shard"])
-    ddp = DistributedDataParallel(model)
+    # As SparseCommunication sets DDP up for the S2 hook: the table looked up sparsely (SparseLookups, densified
+    # before the optimizer) and gradients as views of DDP's buckets (every method gets that knob).
+    lookups = SparseLookups([model.embed]) if method in S2_HOOK else None
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
     reducer = None
     if method in S2_HOOK:
         reducer = S2Reducer({id(model.embed.weight): "embed"}, CountSketch(3, 0), ledger=ledger,
@@ -247,6 +260,8 @@ def _train(method: str, workload: Workload, batches: list[tuple[Any, Any]], rate
         loss.backward()
         if method == "allgather":
             model.embed.weight.grad = model.embed.weight.grad.to_dense()
+        if lookups is not None:
+            lookups.densify()
         optimizer.step()
         elapsed = torch.tensor([time.perf_counter() - start, loss.item()], dtype=torch.float64)
         slowest = elapsed[:1].clone()

@@ -419,6 +419,7 @@ def fit(run: PreparedRun, prelaunched: PrelaunchedRanks | None = None) -> Path:
                 "merak-train: plan only, nothing trained. Planned layout: "
                 f"{strategy.layout_plan.best.layout.describe() if strategy.layout_plan else strategy.layout}"
             )
+        _leave_process_groups()
         if prelaunched is not None:
             prelaunched.finish()
         return output_dir
@@ -430,9 +431,20 @@ def fit(run: PreparedRun, prelaunched: PrelaunchedRanks | None = None) -> Path:
             _link_last_to_final(checkpoints, final_checkpoint)
         outputs = ", ".join(_outputs(trainer, final_checkpoint))
         print(f"merak-train: done. Outputs in {output_dir.resolve()} — {outputs}")
+    _leave_process_groups()
     if prelaunched is not None:
         prelaunched.finish()
     return output_dir
+
+
+def _leave_process_groups() -> None:
+    """Destroy this rank's process groups once its run is done, while the interpreter is whole: left to the
+    interpreter's exit, gloo's worker threads may free a tensor after Python has shut down and abort the rank
+    (``terminate called without an active exception``, status -6; seen once in the suite under load)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def train(config: TrainConfig, prelaunched: PrelaunchedRanks | None = None) -> Path:
@@ -454,12 +466,21 @@ def _refusals() -> Iterator[None]:
 
 @hydra.main(version_base="1.3", config_path="pkg://lightning_merak.conf", config_name="config")
 def _hydra_entry(cfg: DictConfig) -> None:
-    with _refusals():
-        reject_unknown_keys(cfg)
-        config: Any = OmegaConf.to_object(cfg)
-        devices = validate_run(config.trainer)  # before any rank starts; prepare() checks the rest before they work
-        prelaunched = prelaunch_local_ranks(devices, config.trainer.num_nodes)
-        run = prepare(config)
+    prelaunched: PrelaunchedRanks | None = None
+    try:
+        with _refusals():
+            reject_unknown_keys(cfg)
+            trainer_config: Any = OmegaConf.to_object(cfg.trainer)
+            devices = validate_run(trainer_config)  # before any rank starts; prepare() checks the rest before they work
+            # The other ranks start now, to import while this one builds the whole configuration (its model types
+            # import transformers' registry: 2.5 s on two cores) and prepares the run.
+            prelaunched = prelaunch_local_ranks(devices, trainer_config.num_nodes)
+            config: Any = OmegaConf.to_object(cfg)
+            run = prepare(config)
+    except BaseException:
+        if prelaunched is not None:
+            prelaunched.abandon()  # refused or failed before launch: the waiting ranks end now, without a word
+        raise
     fit(run, prelaunched)
 
 

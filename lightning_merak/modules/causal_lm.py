@@ -22,6 +22,7 @@ from torch import nn
 from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, model_record
 from lightning_merak.hf.pretrained import load_rank_pretrained
 from lightning_merak.modules.config import ModelConfig, OptimConfig, Schedule
+from lightning_merak.modules.schedules import warmup_schedule
 from lightning_merak.parallel.data.owners import OwnedMatrices
 from lightning_merak.util.model_outputs import logits_of, weighted_router_aux_loss
 
@@ -143,8 +144,6 @@ class CausalLMModule(pl.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         """``optim``'s optimizer (no weight decay on biases and norms) and its schedule, stepped every optimizer
         step and ending at the Trainer's last (``estimated_stepping_batches``)."""
-        from transformers import get_scheduler
-
         decay, no_decay = [], []
         for param in self.model.parameters():
             if param.requires_grad:
@@ -161,17 +160,10 @@ class CausalLMModule(pl.LightningModule):
             raise ValueError(f"optim.lr_schedule={self.optim.lr_schedule.value} decays until the run's last step, "
                              "but the Trainer has no end: give it max_steps or max_epochs, or use "
                              "optim.lr_schedule=constant")
-        name, extra = _SCHEDULES[self.optim.lr_schedule]
-        scheduler = get_scheduler(
-            name, optimizer, num_warmup_steps=self.optim.warmup_steps,
-            num_training_steps=None if self.optim.lr_schedule is Schedule.constant else max(int(total), 1),
-            scheduler_specific_kwargs={"min_lr_rate": self.optim.min_lr_ratio} if extra else None)
+        scheduler = warmup_schedule(
+            optimizer, self.optim.lr_schedule, self.optim.warmup_steps,
+            None if self.optim.lr_schedule is Schedule.constant else max(int(total), 1), self.optim.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-_SCHEDULES = {Schedule.cosine: ("cosine_with_min_lr", True), Schedule.linear: ("linear", False),
-              Schedule.constant: ("constant_with_warmup", False)}
-"""transformers' ``get_scheduler`` name of each schedule, and whether it takes ``min_lr_rate``."""
 
 
 def _embedding_parameters(model: nn.Module) -> set[int]:

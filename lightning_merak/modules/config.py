@@ -127,7 +127,8 @@ class TrainerConfig:
 
 
 class Schedule(Enum):
-    """How the learning rate moves: each a ``transformers.get_scheduler`` schedule after a linear warm-up."""
+    """How the learning rate moves after a linear warm-up (the factors of ``transformers.get_scheduler``'s
+    ``cosine_with_min_lr``, ``linear`` and ``constant_with_warmup``; :mod:`lightning_merak.modules.schedules`)."""
 
     cosine = "cosine"
     linear = "linear"
@@ -154,7 +155,7 @@ class OptimConfig:
     warmup_steps: int = option(20, "Steps of linear warm-up from 0 to `learning_rate`.")
     lr_schedule: Schedule = option(
         Schedule.cosine, "After the warm-up: `cosine` decays to `min_lr_ratio` of the peak at the run's last step, "
-        "`linear` to 0, `constant` stays (transformers' `get_scheduler`).")
+        "`linear` to 0, `constant` stays (as transformers' `get_scheduler` schedules do).")
     min_lr_ratio: float = option(0.1, "`lr_schedule=cosine`: the final learning rate as a fraction of the peak.")
     total_steps: Optional[int] = option(
         None, "The schedule's length in optimizer steps (`null`: the Trainer's, `estimated_stepping_batches`).")
@@ -173,5 +174,7 @@ class OptimConfig:
         if self.warmup_steps < 0 or self.learning_rate <= 0:
             raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 0 and optim.learning_rate="
                              f"{self.learning_rate} > 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1] (a fraction of the peak)")
         if self.total_steps is not None and self.total_steps < 1:
             raise ValueError(f"optim.total_steps={self.total_steps} must be >= 1, or null for the Trainer's length")

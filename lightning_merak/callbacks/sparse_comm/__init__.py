@@ -22,6 +22,7 @@ _EXPORTS = {
     "join_lookups": ".embrace",
     "S2Reducer": ".s2_hook",
     "s2_comm_hook": ".s2_hook",
+    "SparseLookups": ".s2_hook",
     "CountSketch": ".sketch",
     "error_bound": ".sketch",
     "failure_probability": ".sketch",

@@ -46,7 +46,7 @@ from lightning_merak.callbacks.sparse_comm.embrace import (
     shard_embeddings,
     tied_head_names,
 )
-from lightning_merak.callbacks.sparse_comm.s2_hook import AUTO, S2Reducer, s2_comm_hook
+from lightning_merak.callbacks.sparse_comm.s2_hook import AUTO, S2Reducer, SparseLookups, s2_comm_hook
 from lightning_merak.callbacks.sparse_comm.sketch import CountSketch, drop_zero_rows
 from lightning_merak.callbacks.sparse_comm.wire_cost_model import NetworkModel
 from lightning_merak.distributed.gradient_norm import ShardedGradients
@@ -114,8 +114,9 @@ class SparseCommunication(pl.Callback):
         latency_us: per-message latency for the cost model.
         freeze_dense_after: ``auto`` stops exchanging bitmaps for a table chosen dense this many steps in a row.
         rows_from_ids: take a table's non-zero rows from its lookup ids (cheap) rather than by
-            scanning its gradient; tied tables are always scanned. Set ``False`` if the model
-            reads a table's weight outside its ``nn.Embedding`` (e.g. ``F.linear(x, emb.weight)``).
+            scanning its gradient, and under DDP look it up sparsely (``SparseLookups``); tied
+            tables are always scanned and looked up densely. Set ``False`` if the model reads a table's weight outside
+            its ``nn.Embedding`` (e.g. ``F.linear(x, emb.weight)``).
         priority: for ``"embrace"``: send the gradient rows the next batch looks up first
             (the next batch is read one step ahead from Lightning's batch iterator; the
             gradient is unchanged, only the order of communication). Timings land in each
@@ -180,6 +181,7 @@ class SparseCommunication(pl.Callback):
         self._active = False
         self._layout_aware = False
         self._layout_tables: dict[str, str] = {}
+        self._sparse_lookups: SparseLookups | None = None
 
     @property
     def seed(self) -> int:
@@ -279,6 +281,8 @@ class SparseCommunication(pl.Callback):
             self._watch_lookups(pl_module, tables)
             if hooked:
                 _gradients_in_buckets(strategy)
+                self._sparse_lookups = SparseLookups([m for m in tables.values() if id(m.weight) in hooked
+                                                      and self.rows_from_ids and _read_alone(pl_module, m)])
         if ignored:
             self._ignore_in_ddp(pl_module, ignored)
         self._active = True
@@ -304,11 +308,10 @@ class SparseCommunication(pl.Callback):
         the batch's ids); a table whose weight another module also holds (a tied head) is
         scanned, since its gradient has rows no id names."""
         for name, module in tables.items():
-            holders = [m for m in pl_module.modules() if any(p is module.weight for p in m.parameters(recurse=False))]
             reducer = self.excluded_reducer if module.sparse or self._layout_aware else self.hook_reducer
-            if self.rows_from_ids and len(holders) == 1 and reducer is not None:
+            if self.rows_from_ids and _read_alone(pl_module, module) and reducer is not None:
                 reducer.watch_lookups(name, module)
-            elif len(holders) > 1:
+            elif not _read_alone(pl_module, module):
                 log.info("SparseCommunication: %s is shared with another module (tied); scanning its gradient", name)
 
     @staticmethod
@@ -372,7 +375,10 @@ class SparseCommunication(pl.Callback):
         trainer.strategy.precision_plugin.clip_grad_by_norm = sharded.clip
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        """EmbRace: answer the peers' lookups this rank's batch did not make, so none of them waits forever."""
+        """EmbRace: answer the peers' lookups this rank's batch did not make, so none of them waits forever.
+        S2 under DDP: no dense gradient left on a sparse-lookup table (:meth:`SparseLookups.clear_stale`)."""
+        if self._sparse_lookups is not None:
+            self._sparse_lookups.clear_stale()
         if self.sharded_tables:
             join_lookups(self.sharded_tables.values(), loss)
 
@@ -456,6 +462,8 @@ class SparseCommunication(pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        if self._sparse_lookups is not None:
+            self._sparse_lookups.densify()
         if self._layout_aware or not self.excluded_tables or self.excluded_reducer is None:
             return
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -471,6 +479,11 @@ class SparseCommunication(pl.Callback):
             return
         for category, wire in self.ledger.snapshot().items():
             pl_module.log(f"sparse_comm/{category}_wire_mb", wire / 1e6, on_step=True, reduce_fx="max")
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self._sparse_lookups is not None:
+            self._sparse_lookups.restore()
+            self._sparse_lookups = None
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -509,6 +522,11 @@ class SparseCommunication(pl.Callback):
             if reducer is not None:
                 reducer.sketch = self.sketch
                 reducer._frozen_dense.update(self._restored_frozen)
+
+
+def _read_alone(pl_module: pl.LightningModule, embedding: nn.Embedding) -> bool:
+    """Whether no module but ``embedding`` holds its weight (a tied head would)."""
+    return sum(any(p is embedding.weight for p in m.parameters(recurse=False)) for m in pl_module.modules()) == 1
 
 
 def _new_data_parallel_groups(strategy: LayoutAwareStrategy) -> dist.ProcessGroup:

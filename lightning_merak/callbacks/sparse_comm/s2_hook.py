@@ -290,7 +290,10 @@ class S2Reducer:
         self, plan: _TablePlan, reduced_payload: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The averaged gradient of one table from its slice of the all-reduced payload,
-        written into ``out`` (a dense ``[V, H]`` view) when given, saving a table-sized copy."""
+        written into ``out`` when given, saving a table-sized copy: ``out`` is the dense ``[V, H]`` bucket view
+        holding this rank's own gradient of the table, whose rows outside the union are already zero (no rank,
+        this one included, has a non-zero row there), so only the union's rows are written (a table-sized
+        memset less per step)."""
         num_rows, dim = plan.shape[0], plan.shape[1]
         if plan.method == DENSE:
             dense = reduced_payload.view(num_rows, dim)
@@ -307,7 +310,7 @@ class S2Reducer:
             sketch = reduced_payload.view(self.sketch.num_rows, -1, dim)
             union_values = self.sketch.decode(sketch, plan.union)
         if out is not None:
-            return out.zero_().index_copy_(0, plan.union, union_values)
+            return out.index_copy_(0, plan.union, union_values)
         if plan.sparse_output:
             return torch.sparse_coo_tensor(
                 plan.union.unsqueeze(0), union_values, (num_rows, dim), is_coalesced=True, check_invariants=False
@@ -326,6 +329,44 @@ class S2Reducer:
             results.append(self.finish(plan, payload[offset : offset + plan.payload.numel()]))
             offset += plan.payload.numel()
         return results
+
+
+@dataclass
+class SparseLookups:
+    """Tables the S2 hook reduces, switched to sparse lookups (``nn.Embedding.sparse``) before DDP wraps them.
+
+    Why: a dense lookup's backward builds a zeroed ``[V, H]`` gradient that DDP then copies into its bucket, two
+    table-sized passes per step that torch's own ``sparse=True`` path (the all-gather baseline) does not make. A
+    sparse lookup hands the hook its touched rows directly (no scan, no hint) and DDP keeps no bucket for the
+    table; the hook returns the averaged rows as a sparse gradient, which :meth:`densify` makes dense before the
+    optimizer, so the optimizer, clipping and checkpoints see the same dense gradient as before. Only for tables
+    read by their embedding alone: another use of the weight would add a dense gradient to the sparse one.
+    """
+
+    embeddings: list[nn.Embedding]
+
+    def __post_init__(self) -> None:
+        for embedding in self.embeddings:
+            embedding.sparse = True
+
+    def clear_stale(self) -> None:
+        """Before a backward: a dense gradient left from the last optimizer step (zeroed, not set to None) would
+        turn the next sparse one dense, which DDP refuses; dropping it is the same as zeroing it."""
+        for embedding in self.embeddings:
+            if embedding.weight.grad is not None and not embedding.weight.grad.is_sparse:
+                embedding.weight.grad = None
+
+    def densify(self) -> None:
+        """Before the optimizer: each table's reduced sparse gradient as a dense one."""
+        for embedding in self.embeddings:
+            gradient = embedding.weight.grad
+            if gradient is not None and gradient.is_sparse:
+                embedding.weight.grad = gradient.to_dense()
+
+    def restore(self) -> None:
+        """After training: the embeddings as the user built them."""
+        for embedding in self.embeddings:
+            embedding.sparse = False
 
 
 def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
