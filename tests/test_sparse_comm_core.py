@@ -13,6 +13,7 @@ from lightning_merak.callbacks.sparse_comm.bytes_counter import CommLedger
 from lightning_merak.callbacks.sparse_comm.sketch import (
     HASH_PRIME,
     CountSketch,
+    bitmap_counts,
     bitmap_rows,
     check_row_ids_hashable,
     error_bound,
@@ -67,6 +68,29 @@ def test_bitmaps_pack_unpack_and_merge() -> None:
     merged = merge_bitmaps(torch.stack([packed_a, packed_b]))
     assert bitmap_rows(merged, 22).tolist() == [0, 3, 7, 8, 20, 21]
     assert bitmap_rows(pack_bitmap(torch.empty(0, dtype=torch.int64), 22), 22).numel() == 0
+    assert bitmap_counts(torch.stack([packed_a, packed_b, merged])).tolist() == [4, 3, 6]
+
+
+def test_sparse_lookups_densify_into_one_kept_tensor_and_restore_the_embedding() -> None:
+    from lightning_merak.callbacks.sparse_comm.s2_hook import SparseLookups
+
+    embedding = torch.nn.Embedding(50, 4)
+    lookups = SparseLookups([embedding])
+    kept = None
+    for step, ids in enumerate((torch.tensor([[1, 2, 2, 9]]), torch.tensor([[3, 49, 3]]))):
+        embedding.weight.grad = None
+        (embedding(ids) * (step + 1)).sum().backward()
+        assert embedding.weight.grad.is_sparse
+        expected = embedding.weight.grad.to_dense()
+        lookups.densify()
+        assert not embedding.weight.grad.is_sparse and torch.equal(embedding.weight.grad, expected)
+        kept = kept if kept is not None else embedding.weight.grad.data_ptr()
+        assert embedding.weight.grad.data_ptr() == kept  # the second step reuses the first step's tensor
+    embedding.weight.grad.zero_()  # zero_grad(set_to_none=False): the next backward must start from no gradient
+    lookups.clear_stale()
+    assert embedding.weight.grad is None
+    lookups.restore()
+    assert embedding.sparse is False
 
 
 def test_nonzero_rows_of_dense_and_sparse_gradients() -> None:

@@ -36,13 +36,13 @@ from torch.utils.hooks import RemovableHandle
 from lightning_merak.callbacks.sparse_comm.bytes_counter import CommLedger
 from lightning_merak.callbacks.sparse_comm.sketch import (
     CountSketch,
+    bitmap_counts,
     bitmap_rows,
     check_row_ids_hashable,
     drop_zero_rows,
     merge_bitmaps,
     nonzero_rows,
     pack_bitmap,
-    unpack_bitmap,
 )
 from lightning_merak.callbacks.sparse_comm.wire_cost_model import (
     HOOK_METHODS,
@@ -251,7 +251,7 @@ class S2Reducer:
         world_size = self.world_size
         num_rows, dim = shape[0], shape[1]
         union = bitmap_rows(merge_bitmaps(rank_bitmaps), num_rows)
-        local_counts = tuple(int(c) for c in unpack_bitmap(rank_bitmaps, num_rows).sum(dim=1).tolist())
+        local_counts = tuple(int(c) for c in bitmap_counts(rank_bitmaps).tolist())
         traffic = TableTraffic(
             name, num_rows, dim, rows.element_size(), local_counts, union.numel(), self.token_counts.get(name) or None
         )
@@ -344,6 +344,7 @@ class SparseLookups:
     """
 
     embeddings: list[nn.Embedding]
+    _dense: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for embedding in self.embeddings:
@@ -357,16 +358,29 @@ class SparseLookups:
                 embedding.weight.grad = None
 
     def densify(self) -> None:
-        """Before the optimizer: each table's reduced sparse gradient as a dense one."""
-        for embedding in self.embeddings:
+        """Before the optimizer: each table's reduced sparse gradient as a dense one, written into the same
+        table-sized tensor every step (zeroed, then the rows copied in). ``to_dense`` would allocate it afresh,
+        and a fresh table's pages fault in as they are first written: 61 ms for a 500k x 64 float table on one
+        CPU thread, against 6 ms to zero the kept one. Like DDP's bucket views, the tensor is reused: a
+        gradient kept past its step is overwritten by the next."""
+        for index, embedding in enumerate(self.embeddings):
             gradient = embedding.weight.grad
-            if gradient is not None and gradient.is_sparse:
-                embedding.weight.grad = gradient.to_dense()
+            if gradient is None or not gradient.is_sparse:
+                continue
+            dense = self._dense.get(index)
+            if dense is None or dense.shape != gradient.shape or dense.dtype != gradient.dtype \
+                    or dense.device != gradient.device:
+                dense = self._dense[index] = torch.zeros(gradient.shape, dtype=gradient.dtype, device=gradient.device)
+            else:
+                dense.zero_()
+            coalesced = gradient.coalesce()
+            embedding.weight.grad = dense.index_copy_(0, coalesced.indices()[0], coalesced.values())
 
     def restore(self) -> None:
-        """After training: the embeddings as the user built them."""
+        """After training: the embeddings as the user built them, the kept gradients released."""
         for embedding in self.embeddings:
             embedding.sparse = False
+        self._dense.clear()
 
 
 def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:

@@ -47,6 +47,13 @@ def unpack_bitmap(packed: torch.Tensor, num_rows: int) -> torch.Tensor:
     return bits.reshape(*packed.shape[:-1], -1)[..., :num_rows].bool()
 
 
+def bitmap_counts(packed: torch.Tensor) -> torch.Tensor:
+    """The number of set bits in each of ``[ranks, bytes]`` packed bitmaps (a byte-wise population count:
+    1/8 of the work of unpacking them)."""
+    table = torch.tensor([bin(byte).count("1") for byte in range(256)], dtype=torch.int64, device=packed.device)
+    return table[packed.long()].sum(dim=-1)
+
+
 def merge_bitmaps(gathered: torch.Tensor) -> torch.Tensor:
     """Bitwise OR over the first dimension of ``[ranks, bytes]`` packed bitmaps."""
     merged = gathered[0].clone()
