@@ -309,9 +309,10 @@ class SparseCommunication(pl.Callback):
         scanned, since its gradient has rows no id names."""
         for name, module in tables.items():
             reducer = self.excluded_reducer if module.sparse or self._layout_aware else self.hook_reducer
-            if self.rows_from_ids and _read_alone(pl_module, module) and reducer is not None:
+            alone = _read_alone(pl_module, module)
+            if self.rows_from_ids and alone and reducer is not None:
                 reducer.watch_lookups(name, module)
-            elif not _read_alone(pl_module, module):
+            elif not alone:
                 log.info("SparseCommunication: %s is shared with another module (tied); scanning its gradient", name)
 
     @staticmethod
