@@ -39,6 +39,17 @@ class UserLanguageModel(pl.LightningModule):
         return torch.optim.SGD(self.model.parameters(), lr=self.learning_rate)
 
 
+class InlineLossLanguageModel(UserLanguageModel):
+    """The same model, its loss computed in ``training_step`` from the logits (merak3d reads it from the step)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (input_ids,) = batch
+        logits = self.model(input_ids).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1))
+        self.log("train/loss", loss, sync_dist=True)
+        return loss
+
+
 class UserTokenData(pl.LightningDataModule):
     """Random token ids from a seeded generator; ``vocab_size`` is what a built-in model would size itself by."""
 
@@ -60,8 +71,8 @@ class NotAModule:
 
 
 class BareModule(pl.LightningModule):
-    """A module with a plain torch network and nothing for merak3d: refused at ``pipeline_parallel=2``, where the
-    strategy must know how the loss comes from the network's outputs."""
+    """A module that is its own network (its layers are its children, its ``forward`` calls them): refused at
+    ``pipeline_parallel=2``, which splits a network the module holds as an attribute."""
 
     def __init__(self, vocab_size: int = 64, hidden_size: int = 16, layers: int = 2) -> None:
         super().__init__()

@@ -73,8 +73,10 @@ def _reference_losses(steps: int) -> list[float]:
 
 
 @pytest.mark.distributed
-def test_user_module_and_datamodule_train_under_merak3d_pp2(tmp_path):
-    result = _merak_train("module._target_=tests.cli_user_module.UserLanguageModel", "module.vocab_size=64",
+@pytest.mark.parametrize("module", ["UserLanguageModel", "InlineLossLanguageModel"])
+def test_user_module_and_datamodule_train_under_merak3d_pp2(module, tmp_path):
+    """A transformers model called with labels, and a loss computed inline from its logits: both as on one process."""
+    result = _merak_train(f"module._target_=tests.cli_user_module.{module}", "module.vocab_size=64",
                           "data._target_=tests.cli_user_module.UserTokenData", "strategy.pipeline_parallel=2",
                           "trainer.gradient_clip_val=null", *QUIET, run_dir=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -83,7 +85,7 @@ def test_user_module_and_datamodule_train_under_merak3d_pp2(tmp_path):
     assert losses == pytest.approx(_reference_losses(3), abs=1e-4)
     assert all(path.exists() for path in _done_line_paths(result.stdout))
     hparams = (tmp_path / "csv" / "hparams.yaml").read_text()
-    assert "_target_: tests.cli_user_module.UserLanguageModel" in hparams and "pipeline_parallel: 2" in hparams
+    assert f"_target_: tests.cli_user_module.{module}" in hparams and "pipeline_parallel: 2" in hparams
 
 
 @pytest.mark.distributed
@@ -160,7 +162,7 @@ def test_module_merak3d_cannot_run_is_refused_before_launch(tmp_path, monkeypatc
     monkeypatch.syspath_prepend(str(REPOSITORY))
     output = _refusal(["module._target_=tests.cli_user_module.BareModule", "strategy.pipeline_parallel=2",
                        "data._target_=tests.cli_user_module.UserTokenData"], tmp_path, monkeypatch, capsys)
-    assert "loss_from_outputs" in output, output[-3000:]
+    assert "finds none among BareModule's children: hold it as an attribute" in output, output[-3000:]
 
 
 def test_overrides_are_put_as_hydra_takes_them():

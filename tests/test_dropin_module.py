@@ -87,6 +87,14 @@ class LogitsLM(PlainLM):
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1))
 
 
+class TwiceLM(PlainLM):
+    """Calls its network twice in one step: the replay cannot answer both calls with one micro-batch's outputs."""
+
+    def _loss(self, batch: dict) -> torch.Tensor:
+        first, second = self.net(batch["input_ids"]).logits, self.net(batch["input_ids"].flip(1)).logits
+        return (first.logsumexp(-1) + second.logsumexp(-1)).mean()
+
+
 class _Blocks(nn.Module):
     """A network that is not a transformers model: embedding, repeated blocks, head."""
 
@@ -154,7 +162,33 @@ class SequentialLM(PlainLM):
         return self.net(batch["input_ids"])
 
 
-MODULES = {"plain": PlainLM, "tuple": TupleLM, "smoothed": SmoothedLM, "logits": LogitsLM, "sequential": SequentialLM}
+class CriterionLM(PlainLM):
+    """A hand-written network scored inline by a criterion module, with an accuracy logged beside the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _SequentialNet()
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=0.1)
+
+    def training_step(self, batch: dict, batch_idx: int) -> dict:
+        logits = self.net(batch["input_ids"])[:, :-1].reshape(-1, VOCAB)
+        targets = batch["labels"][:, 1:].reshape(-1)
+        loss = self.criterion(logits, targets)
+        self.log_dict({"train_loss": loss, "train_accuracy": (logits.argmax(-1) == targets).float().mean()},
+                      sync_dist=True)
+        return {"loss": loss}
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        logits = self.net(batch["input_ids"])
+        loss = self.criterion(logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1))
+        self.log("val_loss", loss, sync_dist=True)
+
+    def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.net(batch["input_ids"])
+
+
+MODULES = {"plain": PlainLM, "tuple": TupleLM, "smoothed": SmoothedLM, "logits": LogitsLM, "sequential": SequentialLM,
+           "criterion": CriterionLM, "twice": TwiceLM}
 
 
 class _Samples(Dataset):
@@ -197,6 +231,8 @@ class _Losses(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        if "train_accuracy" in trainer.callback_metrics:
+            self.losses.append(float(trainer.callback_metrics["train_accuracy"]))
 
 
 def _train_rank(rank: int, world_size: int, kind: str, strategy_kwargs: dict | None, initial: str) -> dict:
@@ -267,7 +303,8 @@ def _assert_same_run(results: list[dict], ddp: list[dict]) -> None:
     torch.testing.assert_close(_predictions(results), _predictions(ddp), rtol=1e-5, atol=1e-5)
     reference = ddp[0]
     for result in results:
-        assert len(result["losses"]) == STEPS and result["losses"][-1] < result["losses"][0] - 0.1  # it learns
+        losses = result["losses"][::len(result["losses"]) // STEPS]  # the losses, without the accuracies
+        assert len(losses) == STEPS and losses[-1] < losses[0] - 0.1  # it learns
         assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
         assert result["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5, abs=1e-6)
 
@@ -282,11 +319,14 @@ def _assert_same_run(results: list[dict], ddp: list[dict]) -> None:
     ("plain", {"pipeline_parallel": 2, "micro_batches": 2}),
     ("tuple", {"pipeline_parallel": 2, "micro_batches": 2}),
     ("smoothed", {"pipeline_parallel": 2, "micro_batches": 2}),
+    ("logits", {"pipeline_parallel": 2, "micro_batches": 2}),
+    ("criterion", {"pipeline_parallel": 2, "micro_batches": 4}),
     ("plain", {"pipeline_parallel": 2, "tensor_parallel": 2, "micro_batches": 2}),
     ("sequential", {"pipeline_parallel": 2, "micro_batches": 2}),
     ("sequential", {"pipeline_parallel": 4, "micro_batches": 4}),
 ], ids=["dp2", "tp2", "dp2-zero1", "dp2-fsdp2", "tp2-sequence", "pp2-inferred", "pp2-tuple", "pp2-loss_from_outputs",
-        "pp2-tp2-sharded-logits", "pp2-sequential-trunk", "pp4-sequential-trunk"])
+        "pp2-replayed-cross-entropy", "pp2-replayed-criterion-and-logs", "pp2-tp2-sharded-logits",
+        "pp2-sequential-trunk", "pp4-sequential-trunk"])
 def test_a_plain_module_trains_and_validates_as_under_ddp(state_dir: str, kind: str, layout: dict) -> None:
     """Losses, validation loss and predictions; at pp2×tp2 the inferred loss runs on vocabulary-sharded logits."""
     world_size = layout.get("data_parallel", 1) * layout.get("pipeline_parallel", 1) * layout.get("tensor_parallel", 1)
@@ -310,28 +350,34 @@ def test_a_checkpoint_of_a_plain_module_resumes_in_another_layout(state_dir: str
 
 
 @pytest.mark.distributed
-def test_a_transformers_network_called_without_labels_at_pp2_is_refused_with_the_method_to_add(state_dir: str) -> None:
-    layout, initial = {"pipeline_parallel": 2, "micro_batches": 2}, _initial_state(state_dir, "logits")
-    refusal = "LogitsLM calls its transformers network without `labels`"
-    with pytest.raises(DistributedRunError, match=refusal) as refused:
-        run_distributed(_train_rank, 2, args=("logits", layout, initial), timeout_s=300)
+def test_a_step_the_replay_cannot_answer_is_refused_on_every_rank_with_the_method_to_add(state_dir: str) -> None:
+    """Two network calls in one step: refused at the first batch, before any update, on every rank (no hang)."""
+    layout, initial = {"pipeline_parallel": 2, "micro_batches": 2}, _initial_state(state_dir, "twice")
+    with pytest.raises(DistributedRunError, match="training_step calls self.net more than once") as refused:
+        run_distributed(_train_rank, 2, args=("twice", layout, initial), timeout_s=120)
+    assert "add this method to TwiceLM" in str(refused.value)
     assert "    def loss_from_outputs(self, outputs, batch):" in str(refused.value)
+
+
+def test_the_planner_scores_a_replayed_loss_as_the_step_computes_it() -> None:
+    """The loss the planner profiles for a step it cannot read statically is the step's own, on the samples."""
+    from lightning_merak.strategies.merak3d.network import module_view
+
+    module = CriterionLM()
+    batch = {"input_ids": torch.randint(VOCAB, (4, SEQ)), "labels": torch.randint(VOCAB, (4, SEQ))}
+    loss_of = module_view(module, None, 1).planning_loss(batch)
+    logits = torch.randn(2, SEQ, VOCAB, requires_grad=True)
+    expected = module.criterion(logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:2, 1:].reshape(-1))
+    torch.testing.assert_close(loss_of(logits, 2), expected)
+    assert "log" not in vars(module) and "forward" not in vars(module.net)  # the replay put everything back
 
 
 # Refused before any work -----------------------------------------------------------------------------------------
 
-def test_a_loss_merak3d_cannot_infer_is_refused_before_launch_with_the_method_to_add() -> None:
-    with pytest.raises(TypeError) as refused:
-        Merak3DStrategy(pipeline_parallel=2).validate_before_launch(OwnNetworkLM(), 2, batch_size=8)
-    message = str(refused.value)
-    assert "add this method to OwnNetworkLM" in message
-    assert "    def loss_from_outputs(self, outputs, batch):" in message
-    assert "self.backbone(...)" in message
-
-
-def test_without_pipeline_stages_nothing_is_required() -> None:
-    """Any attribute name; no member of the contract; a network that is not a transformers model."""
+def test_nothing_is_required_with_or_without_pipeline_stages() -> None:
+    """Any attribute name; no member of the contract; a network that is not a transformers model, its loss inline."""
     Merak3DStrategy(data_parallel=2).validate_before_launch(OwnNetworkLM(), 2, batch_size=8)
+    Merak3DStrategy(pipeline_parallel=2).validate_before_launch(OwnNetworkLM(), 2, batch_size=8)
     Merak3DStrategy(tensor_parallel=2).validate_before_launch(PlainLM(), 2, batch_size=8)
     Merak3DStrategy(pipeline_parallel=2).validate_before_launch(PlainLM(), 2, batch_size=8)
 

@@ -8,12 +8,15 @@ whatever its attribute name — and parallelises it in place. Without pipeline s
 may hold any network.
 
 **With pipeline stages** (``pipeline_parallel > 1``) the loss is computed on the last stage, so merak3d must know
-how it comes from the network's outputs. It infers it where the module makes it plain: a transformers network
-called with ``labels`` is scored by its own ``loss_function`` (shift and ignore index included). Otherwise the
-module adds exactly one method, :class:`LossFromOutputs`'s ``loss_from_outputs(outputs, batch)``; a module that
-needs it and lacks it is refused before any work, with the snippet to add (:func:`loss_from_outputs_snippet`).
-The ``training_step`` calls the network with the batch's ``input_ids`` (and ``labels``); batches are a tensor of
-token ids, a dict with ``input_ids`` (``labels``, an all-ones ``attention_mask``) or a tuple ``(input_ids, labels)``.
+how it comes from the network's outputs. It infers it: a transformers network called with ``labels`` is scored
+by its own ``loss_function`` (shift and ignore index included); any other loss computed in ``training_step`` from
+one call of the network is read from the step itself, which the last stage runs on each micro-batch with the
+network's call answered by that micro-batch's outputs (what it logs is logged once, averaged over the
+micro-batches). A step the replay cannot answer (the network called twice, or not at all) is refused at its first
+batch on every rank, with the one method that replaces the inference, :class:`LossFromOutputs`'s
+``loss_from_outputs(outputs, batch)`` (:func:`loss_from_outputs_snippet`). The ``training_step`` calls the network
+with the batch's ``input_ids`` (and ``labels``); batches are a tensor of token ids, a dict with ``input_ids``
+(``labels``, an all-ones ``attention_mask``) or a tuple ``(input_ids, labels)``.
 
 **Optional accelerations**: the members of :class:`Merak3DModule`, which
 :class:`~lightning_merak.modules.causal_lm.CausalLMModule` implements. A module with all four gets its pipelined
@@ -69,7 +72,8 @@ class Merak3DModule(Protocol):
 
 @runtime_checkable
 class LossFromOutputs(Protocol):
-    """The one method a module adds when merak3d cannot infer its loss at ``pipeline_parallel > 1``."""
+    """The one method a module adds when merak3d cannot read its loss from ``training_step`` at
+    ``pipeline_parallel > 1`` (the step calls its network more than once, or the loss is cheaper to give)."""
 
     def loss_from_outputs(self, outputs: Any, batch: Any) -> Tensor:
         """The scalar mean loss of one micro-batch: ``outputs`` as the network returns them for its samples (a
@@ -99,10 +103,9 @@ def loss_from_outputs_snippet(module_name: str, network: str) -> str:
     """The refusal of a module whose pipeline loss cannot be inferred, with the method ``module_name`` should add
     (``network``: the attribute holding its network)."""
     return (
-        f"with pipeline stages (pipeline_parallel>1, or 'auto') merak3d computes the loss on the last stage and "
-        f"cannot infer how "
-        f"{module_name}'s loss comes from self.{network}'s outputs (a transformers model called with `labels` is "
-        f"inferred); add this method to {module_name} and compute the loss with it in training_step:\n\n"
+        f"with pipeline stages (pipeline_parallel>1, or 'auto') merak3d computes the loss on the last stage, so it "
+        f"must know how {module_name}'s loss comes from self.{network}'s outputs; add this method to {module_name} "
+        f"and compute the loss with it in training_step:\n\n"
         f"    def {LOSS_FROM_OUTPUTS}(self, outputs, batch):\n"
         f"        # outputs: what self.{network}(...) returns for these samples; batch: the same samples of the batch\n"
         f"        return <the mean loss of outputs against batch>\n\n"

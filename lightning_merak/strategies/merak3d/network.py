@@ -4,15 +4,16 @@ Nothing is required of the module (:mod:`lightning_merak.protocols.module_contra
 :func:`module_view` finds the network among the module's children, :class:`ModuleView` reads what the module
 provides and infers the rest: the token ids of a batch (a tensor, a dict's ``input_ids``, a tuple's first item)
 and, with pipeline stages, the loss of a micro-batch (the transformers model's own ``loss_function`` when it is
-called with ``labels``, else the module's ``loss_from_outputs``). :class:`PipelinedNetwork` is what the network's
-attribute calls once the model is cut into stages, so a ``training_step`` written for one device runs as it is.
+called with ``labels``, else the module's ``loss_from_outputs``, else its ``training_step`` replayed on the
+micro-batch's outputs: :mod:`.step_replay`). :class:`PipelinedNetwork` is what the network's attribute calls once
+the model is cut into stages, so a ``training_step`` written for one device runs as it is.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ from lightning_merak.protocols.module_contract import (
     Merak3DModule,
     loss_from_outputs_snippet,
 )
+from lightning_merak.strategies.merak3d.step_replay import ReplayedStep, StepReplay
 
 __all__ = ["ModuleView", "PipelinedNetwork", "batch_inputs", "module_view", "select_samples"]
 
@@ -50,12 +52,14 @@ def find_network(module: nn.Module) -> Optional[str]:
     """The attribute of ``module`` holding the network merak3d parallelises, or None (none found).
 
     ``model`` where the module has one; else its one child that is a transformers ``PreTrainedModel``; else its
-    one child holding an ``nn.ModuleList`` or ``nn.Sequential`` of repeated blocks. Several candidates are
+    one child holding an ``nn.ModuleList`` or ``nn.Sequential`` of repeated blocks (a ``ModuleList`` or
+    ``ModuleDict`` child is no network: it is not called, its owner's ``forward`` is). Several candidates are
     refused, naming them.
     """
     if isinstance(getattr(module, MODEL, None), nn.Module):
         return MODEL
-    children = list(module.named_children())
+    children = [(name, child) for name, child in module.named_children()
+                if not isinstance(child, (nn.ModuleList, nn.ModuleDict))]
     for candidates in ([name for name, child in children if _is_pretrained(child)],
                        [name for name, child in children if _has_trunk(child)]):
         if len(candidates) == 1:
@@ -152,25 +156,29 @@ class ModuleView:
         """Whether the module gives its loss as ``loss_from_outputs(outputs, batch)``."""
         return callable(getattr(self.module, LOSS_FROM_OUTPUTS, None))
 
-    def check_pipeline_loss(self) -> None:
-        """Refuse, before any work, a module whose pipeline loss merak3d cannot infer, showing the one method to add.
-
-        The loss is known from the module's ``loss_from_logits`` (the whole contract) or ``loss_from_outputs``, or
-        inferred from a transformers network (its ``loss_function``, checked on the first call for ``labels``)."""
-        if self.contract or self.has_loss_from_outputs:
-            return
-        network = self.network
-        if _is_pretrained(network) and hasattr(network, "loss_function"):
-            return
-        raise TypeError(loss_from_outputs_snippet(type(self.module).__name__, self.attribute or MODEL))
-
-    def planning_loss(self, targets: Any) -> Callable[[torch.Tensor, int], torch.Tensor]:
-        """``(logits, samples) -> loss`` of the first ``samples`` of the planning batch, whose targets are
-        ``targets`` (what :meth:`split_batch` returned)."""
+    def planning_loss(self, batch: Any) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        """``(logits, samples) -> loss`` of the first ``samples`` of the planning ``batch``, scored as training will
+        score them (a module whose loss is read from its ``training_step`` gets it replayed)."""
+        targets = self.split_batch(batch)[1]
         if self.contract:
             return lambda logits, samples: self.module.loss_from_logits(logits, targets[:samples])
-        scorer = self.scorer(self.network)
-        return lambda logits, samples: scorer(logits, select_samples(targets, torch.arange(samples)))
+        network = self.network
+        if self.has_loss_from_outputs or (_is_pretrained(network) and _batch_labels(batch) is not None):
+            scorer = self.scorer(network)
+            return lambda logits, samples: scorer(logits, select_samples(targets, torch.arange(samples)))
+        from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+        takes_index = is_param_in_hook_signature(self.module.training_step, "batch_idx", min_args=2)
+        replay = StepReplay(self.module, network, _outputs_wrapper(network), ((0,) if takes_index else (), {}),
+                            self.attribute)
+
+        def replayed(logits: torch.Tensor, samples: int) -> torch.Tensor:
+            loss = replay.score(logits, select_samples(batch, torch.arange(samples)))
+            if replay.error is not None:
+                raise TypeError(replay.error)
+            return loss
+
+        return replayed
 
     def scorer(self, network: nn.Module) -> MicroBatchLoss:
         """``(logits, targets) -> loss`` for the unsplit ``network``: the module's ``loss_from_outputs`` (targets: the
@@ -202,8 +210,7 @@ def _transformers_loss(network: nn.Module, items: Optional[float] = None) -> Mic
 
 def module_view(module: Any, pipeline_parallel: Optional[int], tensor_parallel: Optional[int]) -> ModuleView:
     """``module`` as merak3d will train it at these degrees (None: the planner chooses), refused before any work
-    where it cannot: no network to split with stages or tensor shards, or a pipeline loss it cannot infer (needed
-    too when the planner chooses the pipeline degree: it profiles the loss's backward)."""
+    where it cannot: no network to split with stages or tensor shards."""
     view = ModuleView(module, find_network(module), isinstance(module, Merak3DModule))
     splits = pipeline_parallel != 1 or tensor_parallel != 1
     if view.attribute is None and splits:
@@ -212,8 +219,6 @@ def module_view(module: Any, pipeline_parallel: Optional[int], tensor_parallel: 
             f"as an attribute (a transformers PreTrainedModel, or a module with an nn.ModuleList or nn.Sequential of "
             f"repeated blocks), "
             f"or train with pipeline_parallel=1 and tensor_parallel=1 ({CONTRACT_GUIDE})")
-    if pipeline_parallel != 1:
-        view.check_pipeline_loss()
     return view
 
 
@@ -244,6 +249,8 @@ class PipelinedNetwork:
         self._score: Optional[MicroBatchLoss] = None
         self.batch: Any = None
         """The batch of the running training step (the strategy sets it), for ``loss_from_outputs``."""
+        self.step_arguments: tuple[tuple, dict[str, Any]] = ((), {})
+        """The running training step's other arguments (``batch_idx``), for a replayed step."""
         if self._outputs_scorer is not None:
             own = getattr(view.module, LOSS_FROM_OUTPUTS)
             setattr(view.module, LOSS_FROM_OUTPUTS,
@@ -264,6 +271,8 @@ class PipelinedNetwork:
                 return self._wrap(logits)
             assert self._labelled is not None
             return self._output(self._labelled(logits, labels), logits)
+        if labels is None and self._outputs_scorer is None:
+            self._replay_step(inputs)
         self._score = self._training_score(labels)
         try:
             loss = self.step.run(inputs, torch.arange(inputs.shape[0], device=inputs.device))
@@ -278,16 +287,32 @@ class PipelinedNetwork:
 
         return CausalLMOutput(loss=loss, logits=logits)
 
+    def _replay_step(self, inputs: torch.Tensor) -> NoReturn:
+        """Run the schedule with each micro-batch scored by the module's ``training_step`` replayed on its outputs
+        (:mod:`.step_replay`); end the calling ``training_step`` with the loss, or refuse it on every rank."""
+        view, batch = self._view, self.batch
+        replay = StepReplay(view.module, view.network, self._wrap, self.step_arguments, view.attribute)
+        self._score = lambda logits, index: replay.score(logits, select_samples(batch, index))
+        try:
+            loss = self.step.run(inputs, torch.arange(inputs.shape[0], device=inputs.device))
+        finally:
+            self._score = None
+        error, logged = self.step.from_last_stage((replay.error, replay.logged))
+        if error is not None:
+            raise TypeError(error)
+        raise ReplayedStep(loss, logged)
+
     def _training_score(self, labels: Optional[torch.Tensor]) -> MicroBatchLoss:
         """How this training call's micro-batches are scored: ``loss_from_outputs`` on the step's batch, else the
         transformers loss of the call's ``labels``, weighted so the mean over micro-batches is the batch's mean."""
         if self._outputs_scorer is not None:
             scorer, batch = self._outputs_scorer, self.batch
             return lambda logits, index: scorer(logits, select_samples(batch, index))
-        if labels is None:
+        if not self._pretrained:
             name = type(self._view.module).__name__
-            raise TypeError(f"{name} calls its transformers network without `labels`, so merak3d cannot infer its "
-                            f"loss: {loss_from_outputs_snippet(name, self._view.attribute or MODEL)}")
+            raise TypeError(f"{name} calls its network with `labels`, and merak3d scores `labels` with a transformers "
+                            f"model's loss_function only: "
+                            f"{loss_from_outputs_snippet(name, self._view.attribute or MODEL)}")
         ignore = -100
         counted = int((labels[..., 1:] != ignore).sum())  # the tokens the shifted loss scores, over the batch
         items = max(counted, 1) / self.step.micro_batches

@@ -145,6 +145,13 @@ class PipelineStep:
         pp_group = self._groups.pipeline_group
         return pp_group, dist.get_global_rank(pp_group, self._groups.layout.pipeline_parallel - 1)
 
+    def from_last_stage(self, value: Any) -> Any:
+        """``value`` as this replica's last stage holds it, on every rank of the replica's pipeline."""
+        pp_group, last_rank = self._last_stage_source()
+        holder = [value]
+        dist.broadcast_object_list(holder, src=last_rank, group=pp_group)
+        return holder[0]
+
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Logits of a whole batch through every stage (no gradients); the same on every rank.
 

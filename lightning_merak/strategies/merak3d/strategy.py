@@ -42,7 +42,8 @@ from lightning_merak.planning.planner.step_check import BatchClock, StepTimeChec
 from lightning_merak.strategies.merak3d import arguments, build, network, planning
 from lightning_merak.strategies.merak3d.arguments import Degree
 from lightning_merak.strategies.merak3d.checkpoint_hooks import CheckpointHooks
-from lightning_merak.strategies.merak3d.variable_step import PipelineSteps, install_pipeline_step
+from lightning_merak.strategies.merak3d.step_replay import ReplayedStep
+from lightning_merak.strategies.merak3d.variable_step import PipelineSteps, check_micro_batching, install_pipeline_step
 
 __all__ = ["Merak3DStrategy"]
 
@@ -123,9 +124,9 @@ class Merak3DStrategy(CheckpointHooks):
         self._restored_state: Optional[dict[str, Any]] = None
         self._sharded_gradients = ShardedGradients()
         self._data_parallel: Optional[data_parallel.DataParallelGradients] = None
+        """The replicated parameters' gradient buckets, reduced over the replicas, and ZeRO's shards (dp > 1)."""
         self._fully_sharded: Optional[fully_sharded.FullySharded] = None
         """FSDP2's modules with ``data_parallel_sharding="full"`` (they reduce their gradients themselves)."""
-        """The replicated parameters' gradient buckets, reduced over the replicas, and ZeRO's shards (dp > 1)."""
         self._row_shares: dict[int, torch.Tensor] = {}
         """1 / copies of each local row of split parameters whose rows several ranks hold, set by the build."""
         self.partition: Optional[Any] = None
@@ -344,7 +345,7 @@ class Merak3DStrategy(CheckpointHooks):
         self.adopt_planned_layout(trainer)  # finds the module's network first when it plans
         if self._built is None:  # a layout built by an earlier validate or predict holds only its part
             self._view = network.module_view(module, self.pipeline_parallel, self.tensor_parallel)
-            self._check_micro_batching()
+            check_micro_batching(self.micro_batching, self.pipeline_parallel, self._view)
             self._arguments.check_model(self._view.network, self.pipeline_parallel, self.tensor_parallel)
             self.precision_plugin.convert_module(module)  # bf16-true: weights in bf16 (on meta too)
         self.model_to_device()
@@ -358,16 +359,6 @@ class Merak3DStrategy(CheckpointHooks):
                 self._shard_optimizers()
         self.setup_precision_plugin()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
-
-    def _check_micro_batching(self) -> None:
-        """Refuse variable-length micro-batches for a module without the whole contract (they score next-token
-        cross-entropy through ``loss_from_logits``)."""
-        assert self._view is not None
-        if self.micro_batching.enabled and self.pipeline_parallel > 1 and not self._view.contract:
-            raise ValueError(
-                f"micro_batching={self.micro_batching.mode!r} scores micro-batches with loss_from_logits, which "
-                f"{type(self._view.module).__name__} lacks; use micro_batching='none' or implement "
-                "lightning_merak.protocols.module_contract.Merak3DModule (as CausalLMModule does)")
 
     @property
     def module_view(self) -> network.ModuleView:
@@ -421,9 +412,10 @@ class Merak3DStrategy(CheckpointHooks):
         degrees = self._arguments.launch_degrees(self.world_size)
         view = self._view = network.module_view(self.lightning_module, *degrees)
         self._arguments.check_model(view.network, *degrees)
-        inputs, targets = self._planning_batch(trainer)
+        batch = self._planning_batch(trainer)
+        inputs = view.split_batch(batch)[0]
         planned = planning.plan_layout(
-            self._arguments, view, inputs, view.planning_loss(targets), world_size=self.world_size,
+            self._arguments, view, inputs, view.planning_loss(batch), world_size=self.world_size,
             num_processes=self.num_processes, device=self.root_device,
             optimizer=self.optimizers[0] if self.optimizers else None,
             clip_gradients=bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (None, "norm"),
@@ -434,15 +426,15 @@ class Merak3DStrategy(CheckpointHooks):
         if self.plan_only:
             trainer.should_stop, trainer.num_sanity_val_steps = True, 0
 
-    def _planning_batch(self, trainer: pl.Trainer) -> tuple[torch.Tensor, Any]:
-        """The inputs and targets of one training batch, for the planner to profile at the real shapes (the layout,
-        and so the data-parallel rank, does not exist yet: a dataloader built now sees one replica)."""
+    def _planning_batch(self, trainer: pl.Trainer) -> Any:
+        """One training batch, on the device, for the planner to profile at the real shapes (the layout, and so the
+        data-parallel rank, does not exist yet: a dataloader built now sees one replica)."""
         self._reading_planning_batch = True
         try:
             batch = planning.first_training_batch(trainer)
         finally:
             self._reading_planning_batch = False
-        return self.module_view.split_batch(super().batch_to_device(batch))
+        return super().batch_to_device(batch)
 
     def on_train_start(self) -> None:
         """Modules built in an evaluation loop (the sanity check, validate, predict) are still in eval mode."""
@@ -549,14 +541,18 @@ class Merak3DStrategy(CheckpointHooks):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         pipelined_network = self._view.network.forward if self._pipeline is not None and self._view else None
-        if isinstance(pipelined_network, network.PipelinedNetwork):  # its loss_from_outputs reads the batch
-            pipelined_network.batch = args[0]
+        if isinstance(pipelined_network, network.PipelinedNetwork):  # its loss reads the step's batch and arguments
+            pipelined_network.batch, pipelined_network.step_arguments = args[0], (args[1:], kwargs)
         if self._data_parallel is not None:  # a pipelined step runs its micro-batches' backward passes in here
             averaged_later = self._data_parallel.arm(self._pipeline.backward_passes(args[0]) if self._pipeline else 1)
             if self._pipeline is not None:
                 self._pipeline.scaled_later = averaged_later
         with self.precision_plugin.train_step_context():
-            return self.lightning_module.training_step(*args, **kwargs)
+            try:
+                return self.lightning_module.training_step(*args, **kwargs)
+            except ReplayedStep as replayed:  # the loss was read from training_step, replayed per micro-batch
+                replayed.logged.log_means(self.lightning_module, self.micro_batches)
+                return replayed.loss
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Pipelined runs did their backward inside the schedule; hooks still fire, then grads sync."""

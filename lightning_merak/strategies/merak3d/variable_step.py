@@ -46,7 +46,8 @@ from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
 from lightning_merak.strategies.merak3d.network import ModuleView, PipelinedNetwork
 from lightning_merak.strategies.merak3d.pipeline_step import PipelineStep
 
-__all__ = ["PipelineSteps", "VariablePipelineStep", "VariableShapeStage", "install_pipeline_step", "plan_step"]
+__all__ = ["PipelineSteps", "VariablePipelineStep", "VariableShapeStage", "check_micro_batching",
+           "install_pipeline_step", "plan_step"]
 
 _MAX_DIMS = 6
 
@@ -266,6 +267,16 @@ def _check_token_loss(module: Any) -> None:
             f"micro_batching computes next-token cross-entropy over each sample's real tokens itself, but "
             f"{type(module).__name__}.loss_from_logits is its own; train it with micro_batching='none', or keep "
             "CausalLMModule's loss_from_logits")
+
+
+def check_micro_batching(options: MicroBatching, pipeline_parallel: int, view: ModuleView) -> None:
+    """Refuse variable-length micro-batches for a module without the whole contract (they score next-token
+    cross-entropy through ``loss_from_logits``)."""
+    if options.enabled and pipeline_parallel > 1 and not view.contract:
+        raise ValueError(
+            f"micro_batching={options.mode!r} scores micro-batches with loss_from_logits, which "
+            f"{type(view.module).__name__} lacks; use micro_batching='none' or implement "
+            "lightning_merak.protocols.module_contract.Merak3DModule (as CausalLMModule does)")
 
 
 def install_pipeline_step(options: MicroBatching, view: ModuleView, stages: RankStages, groups: LayoutGroups,
