@@ -49,6 +49,7 @@ from lightning_merak.cli.prelaunch import (
 from lightning_merak.cli.reference import register_help
 from lightning_merak.cli.targets import instantiate_checked
 from lightning_merak.distributed.host_memory import restart_with_heap_tunables, skip_final_collection
+from lightning_merak.distributed.process_exit import leave_process_groups
 from lightning_merak.distributed.termination import install_termination_handler
 from lightning_merak.modules.config import DataConfig, TrainerConfig
 from lightning_merak.util.console import quiet_dependency_noise, quiet_other_ranks
@@ -419,7 +420,7 @@ def fit(run: PreparedRun, prelaunched: PrelaunchedRanks | None = None) -> Path:
                 "merak-train: plan only, nothing trained. Planned layout: "
                 f"{strategy.layout_plan.best.layout.describe() if strategy.layout_plan else strategy.layout}"
             )
-        _leave_process_groups()
+        leave_process_groups()
         if prelaunched is not None:
             prelaunched.finish()
         return output_dir
@@ -431,20 +432,10 @@ def fit(run: PreparedRun, prelaunched: PrelaunchedRanks | None = None) -> Path:
             _link_last_to_final(checkpoints, final_checkpoint)
         outputs = ", ".join(_outputs(trainer, final_checkpoint))
         print(f"merak-train: done. Outputs in {output_dir.resolve()} — {outputs}")
-    _leave_process_groups()
+    leave_process_groups()
     if prelaunched is not None:
         prelaunched.finish()
     return output_dir
-
-
-def _leave_process_groups() -> None:
-    """Destroy this rank's process groups once its run is done, while the interpreter is whole: left to the
-    interpreter's exit, gloo's worker threads may free a tensor after Python has shut down and abort the rank
-    (``terminate called without an active exception``, status -6; seen once in the suite under load)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def train(config: TrainConfig, prelaunched: PrelaunchedRanks | None = None) -> Path:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,6 +30,7 @@ from lightning_merak.checkpoint.sharded import ShardedCheckpointer
 from lightning_merak.distributed import host_memory
 from lightning_merak.distributed.collectives import reduce_in_place
 from lightning_merak.distributed.gradient_norm import ShardedGradients
+from lightning_merak.distributed.process_exit import leave_process_groups_at_exit
 from lightning_merak.distributed.termination import install_termination_handler
 from lightning_merak.parallel.context.model import install_context_parallel
 from lightning_merak.parallel.data import buckets as data_parallel
@@ -398,6 +399,8 @@ class Merak3DStrategy(CheckpointHooks):
 
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
+        trainer = getattr(self.lightning_module, "_trainer", None)  # None when no Trainer ran it
+        leave_process_groups_at_exit(ended_well=trainer is not None and trainer.state.status == TrainerStatus.RUNNING)
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
