@@ -95,6 +95,20 @@ class TwiceLM(PlainLM):
         return (first.logsumexp(-1) + second.logsumexp(-1)).mean()
 
 
+class ManualLM(LogitsLM):
+    """Optimizes manually: its step cannot be replayed per micro-batch (it would step the optimizer each time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: dict, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(self._loss(batch))
+        optimizer.step()
+
+
 class _Blocks(nn.Module):
     """A network that is not a transformers model: embedding, repeated blocks, head."""
 
@@ -188,7 +202,7 @@ class CriterionLM(PlainLM):
 
 
 MODULES = {"plain": PlainLM, "tuple": TupleLM, "smoothed": SmoothedLM, "logits": LogitsLM, "sequential": SequentialLM,
-           "criterion": CriterionLM, "twice": TwiceLM}
+           "criterion": CriterionLM, "twice": TwiceLM, "manual": ManualLM}
 
 
 class _Samples(Dataset):
@@ -356,6 +370,14 @@ def test_a_step_the_replay_cannot_answer_is_refused_on_every_rank_with_the_metho
     with pytest.raises(DistributedRunError, match="training_step calls self.net more than once") as refused:
         run_distributed(_train_rank, 2, args=("twice", layout, initial), timeout_s=120)
     assert "add this method to TwiceLM" in str(refused.value)
+    assert "    def loss_from_outputs(self, outputs, batch):" in str(refused.value)
+
+
+@pytest.mark.distributed
+def test_a_manually_optimized_step_is_not_replayed(state_dir: str) -> None:
+    layout, initial = {"pipeline_parallel": 2, "micro_batches": 2}, _initial_state(state_dir, "manual")
+    with pytest.raises(DistributedRunError, match="ManualLM optimizes manually") as refused:
+        run_distributed(_train_rank, 2, args=("manual", layout, initial), timeout_s=120)
     assert "    def loss_from_outputs(self, outputs, batch):" in str(refused.value)
 
 

@@ -88,6 +88,13 @@ class StepReplay:
 
     def __init__(self, module: Any, network: nn.Module, wrap: Callable[[Any], Any],
                  step_arguments: tuple[tuple, dict[str, Any]], network_name: Optional[str]) -> None:
+        if not getattr(module, "automatic_optimization", True):
+            name = type(module).__name__
+            raise TypeError(
+                f"{name} optimizes manually, and merak3d reads its pipelined loss by running training_step once per "
+                f"micro-batch, which would run its manual_backward and optimizer steps as often; call "
+                f"self.{network_name or MODEL} with `labels` (a transformers model), or "
+                f"{loss_from_outputs_snippet(name, network_name or MODEL)}")
         self._module = module
         self._network = network
         self._wrap = wrap
