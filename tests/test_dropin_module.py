@@ -364,20 +364,17 @@ def test_a_checkpoint_of_a_plain_module_resumes_in_another_layout(state_dir: str
 
 
 @pytest.mark.distributed
-def test_a_step_the_replay_cannot_answer_is_refused_on_every_rank_with_the_method_to_add(state_dir: str) -> None:
-    """Two network calls in one step: refused at the first batch, before any update, on every rank (no hang)."""
-    layout, initial = {"pipeline_parallel": 2, "micro_batches": 2}, _initial_state(state_dir, "twice")
-    with pytest.raises(DistributedRunError, match="training_step calls self.net more than once") as refused:
-        run_distributed(_train_rank, 2, args=("twice", layout, initial), timeout_s=120)
-    assert "add this method to TwiceLM" in str(refused.value)
-    assert "    def loss_from_outputs(self, outputs, batch):" in str(refused.value)
-
-
-@pytest.mark.distributed
-def test_a_manually_optimized_step_is_not_replayed(state_dir: str) -> None:
-    layout, initial = {"pipeline_parallel": 2, "micro_batches": 2}, _initial_state(state_dir, "manual")
-    with pytest.raises(DistributedRunError, match="ManualLM optimizes manually") as refused:
-        run_distributed(_train_rank, 2, args=("manual", layout, initial), timeout_s=120)
+@pytest.mark.parametrize("kind, refusal", [
+    ("twice", "training_step calls self.net more than once"),  # found while replaying, on the last stage
+    ("manual", "ManualLM optimizes manually"),  # found before the schedule runs
+], ids=["network-called-twice", "manual-optimization"])
+def test_a_step_the_replay_cannot_answer_is_refused_on_every_rank_with_the_method_to_add(
+        state_dir: str, kind: str, refusal: str) -> None:
+    """Refused at the first batch, before any update, on every rank (no hang), with the method to add."""
+    layout, initial = {"pipeline_parallel": 2, "micro_batches": 2}, _initial_state(state_dir, kind)
+    with pytest.raises(DistributedRunError, match=refusal) as refused:
+        run_distributed(_train_rank, 2, args=(kind, layout, initial), timeout_s=120)
+    assert f"add this method to {MODULES[kind].__name__}" in str(refused.value)
     assert "    def loss_from_outputs(self, outputs, batch):" in str(refused.value)
 
 
