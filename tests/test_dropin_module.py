@@ -69,7 +69,8 @@ class TupleLM(PlainLM):
 
 
 class SmoothedLM(PlainLM):
-    """A loss of the logits that merak3d cannot infer, given through the one documented method."""
+    """A loss of the logits given through the one documented method (``loss_from_outputs``), which merak3d calls
+    per micro-batch instead of replaying the step."""
 
     def loss_from_outputs(self, outputs, batch: dict) -> torch.Tensor:
         logits = outputs.logits[:, :-1].reshape(-1, VOCAB)
@@ -80,7 +81,7 @@ class SmoothedLM(PlainLM):
 
 
 class LogitsLM(PlainLM):
-    """A loss of the logits computed inline, which a pipeline cannot run on the last stage."""
+    """A loss of the logits computed inline: merak3d reads it by replaying the step per micro-batch."""
 
     def _loss(self, batch: dict) -> torch.Tensor:
         logits = self.net(batch["input_ids"]).logits
