@@ -359,6 +359,10 @@ class Merak3DStrategy(CheckpointHooks):
             if self._built is not None:  # built by an earlier validate, predict or fit: these optimizers are new
                 self._shard_optimizers()
         self.setup_precision_plugin()
+
+    def setup_precision_plugin(self) -> None:
+        """Lightning's, then clipping by norm through :meth:`_clip_grad_by_norm` (every stage and shard)."""
+        super().setup_precision_plugin()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
 
     @property
@@ -416,9 +420,8 @@ class Merak3DStrategy(CheckpointHooks):
         view = self._view = network.module_view(self.lightning_module, *degrees)
         self._arguments.check_model(view.network, *degrees)
         batch = self._planning_batch(trainer)
-        inputs = view.split_batch(batch)[0]
         planned = planning.plan_layout(
-            self._arguments, view, inputs, view.planning_loss(batch), world_size=self.world_size,
+            self._arguments, view, view.split_batch(batch)[0], view.planning_loss(batch), world_size=self.world_size,
             num_processes=self.num_processes, device=self.root_device,
             optimizer=self.optimizers[0] if self.optimizers else None,
             clip_gradients=bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (None, "norm"),
@@ -434,10 +437,9 @@ class Merak3DStrategy(CheckpointHooks):
         data-parallel rank, does not exist yet: a dataloader built now sees one replica)."""
         self._reading_planning_batch = True
         try:
-            batch = planning.first_training_batch(trainer)
+            return super().batch_to_device(planning.first_training_batch(trainer))
         finally:
             self._reading_planning_batch = False
-        return super().batch_to_device(batch)
 
     def on_train_start(self) -> None:
         """Modules built in an evaluation loop (the sanity check, validate, predict) are still in eval mode."""
@@ -520,7 +522,6 @@ class Merak3DStrategy(CheckpointHooks):
             for config, state in zip(self.lr_scheduler_configs, scheduler_states, strict=True):
                 config.scheduler.load_state_dict(state)
             self.setup_precision_plugin()
-            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
             for optimizer, state in zip(self.optimizers, self._pending_optimizer_states):
                 self._checkpointer.load_optimizer_state(optimizer, state, view.network)
             self._pending_optimizer_states = []
