@@ -173,10 +173,8 @@ class PipelineStep:
             output = self._schedule.eval(*args, **scoring)
         if isinstance(output, tuple):  # (logits, router logits) with a router aux loss
             output = output[0]
-        pp_group, last_rank = self._last_stage_source()
-        header = [(tuple(output.shape), output.dtype) if stage.is_last else None]
-        dist.broadcast_object_list(header, src=last_rank, group=pp_group)
-        shape, dtype = header[0]
+        shape, dtype = self.from_last_stage((tuple(output.shape), output.dtype) if stage.is_last else None)
         logits = output if stage.is_last else torch.empty(shape, dtype=dtype, device=self._device)
+        pp_group, last_rank = self._last_stage_source()
         dist.broadcast(logits, src=last_rank, group=pp_group)
         return logits

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from lightning_merak.protocols.module_contract import MODEL, loss_from_outputs_snippet
 
@@ -69,14 +70,6 @@ class _NotReplayable(Exception):
     """Why a step cannot be replayed on a micro-batch's outputs."""
 
 
-def _first_tensor(value: Any) -> Optional[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)):
-        return next((found for item in value if (found := _first_tensor(item)) is not None), None)
-    return None
-
-
 class StepReplay:
     """Replays ``module.training_step`` on micro-batches, ``network`` answering its call with given outputs.
 
@@ -112,7 +105,7 @@ class StepReplay:
                 return self._replay(logits, samples)
             except Exception as error:  # kept for every rank to raise after the schedule
                 self.error = self.refusal(f"{type(error).__name__}: {error}")
-        anchor = _first_tensor(logits)
+        anchor = next((leaf for leaf in tree_flatten(logits)[0] if isinstance(leaf, torch.Tensor)), None)
         return anchor.sum() * 0.0 if anchor is not None else torch.zeros(())
 
     def refusal(self, reason: str) -> str:
