@@ -32,6 +32,11 @@ class _Data(pl.LightningDataModule):
 
 
 def _train_rank(rank: int, world_size: int, layout: dict) -> dict:
+    """One rank's losses, gradient norms before clipping and final weights; its layout and, when planned, what the
+    planner ranked."""
+    from lightning_merak.strategies.merak3d import planning
+
+    planning.PLANNER_REPEATS = 3  # a tiny model: the figures only need to exist
     module = _module(adam=False)  # SGD: Adam would magnify rounding in near-zero gradients
     recorder = _Recorder()
     trainer = pl.Trainer(
@@ -43,8 +48,11 @@ def _train_rank(rank: int, world_size: int, layout: dict) -> dict:
     for name, param in module.model.named_parameters():
         full = param.full_tensor() if hasattr(param, "full_tensor") else param
         weights[name] = full.detach().clone()
+    plan = trainer.strategy.layout_plan
     return {"losses": recorder.losses, "norms": recorder.norms, "weights": weights,
-            "replicas": trainer.strategy.data_parallel}
+            "replicas": trainer.strategy.data_parallel, "layout": trainer.strategy.layout,
+            "ranked": None if plan is None else [(p.layout.cp, p.layout.context_attention, p.step_time_s,
+                                                  p.components["context_exchange"]) for p in plan.ranked]}
 
 
 LAYOUTS = {
@@ -70,12 +78,55 @@ def test_context_parallel_training_matches_one_process(name: str) -> None:
             torch.testing.assert_close(result["weights"][key], expected, atol=1e-5, rtol=1e-4, msg=key)
 
 
+@pytest.mark.distributed
+def test_the_planner_chooses_the_context_degree_and_attention_and_trains_as_one_process() -> None:
+    """Two ranks, one batch replica: the planner must split each sequence over both and chooses ring or
+    all-to-all attention by their predicted step (each priced with its exchange); the run it adopts is exact."""
+    losses, norms, weights = _reference(CLIP, batches=_batches())
+    planned = {"data_parallel": 1, "context_parallel": "auto", "context_attention": "auto"}
+    results = run_distributed(_train_rank, 2, args=(planned,), timeout_s=300)
+    for result in results:
+        split = [entry for entry in result["ranked"] if entry[0] == 2]  # the ranking holds dp=2 layouts too
+        assert {method for _, method, *_ in split} == {"ring", "all_to_all"}
+        assert all(exchange > 0 for *_, exchange in split)
+        assert all(exchange == 0 for cp, *_, exchange in result["ranked"] if cp == 1)
+        layout = result["layout"]
+        assert (layout.context_parallel, layout.batch_replicas) == (2, 1)
+        assert layout.context_attention == split[0][1]  # the fastest predicted of those data_parallel=1 allows
+        assert result["losses"] == pytest.approx(losses, rel=1e-5)
+        assert result["norms"] == pytest.approx(norms, rel=1e-5)
+        for key, expected in weights.items():
+            torch.testing.assert_close(result["weights"][key], expected, atol=1e-5, rtol=1e-4, msg=key)
+
+
+def test_the_degrees_planned_follow_the_options_and_the_model() -> None:
+    from lightning_merak.strategies.merak3d.planning import context_attention_of, context_parallel_degrees
+
+    auto = Merak3DStrategy(context_parallel="auto", tensor_parallel="auto")._arguments
+    assert auto.needs_planning and auto.context_parallel_degrees(4) == (1, 2, 4)
+    assert auto.context_attention_methods == ("ring", "all_to_all")  # the default, 'auto', plans the method too
+    assert Merak3DStrategy(context_parallel="auto", context_attention="ring")._arguments.context_attention_methods == (
+        "ring",)
+    fixed = Merak3DStrategy(context_parallel=2)._arguments  # nothing planned: 'auto' attention runs the ring
+    assert not fixed.needs_planning and fixed.layout(2).context_attention == "ring"
+    # a fixed option context parallelism does not run with leaves only cp=1 to plan
+    micro_batched = Merak3DStrategy(context_parallel="auto", pipeline_parallel=2, micro_batching="pack")._arguments
+    assert micro_batched.context_parallel_degrees(4) == (1,)
+    model = _module(adam=False).model
+    assert context_parallel_degrees(auto, model, 4) == (1, 2, 4)
+    assert context_parallel_degrees(auto, torch.nn.Sequential(torch.nn.Linear(2, 2)), 4) == (1,)
+    shape = context_attention_of(model, torch.zeros(2, SEQ, dtype=torch.long), None)
+    assert (shape.sequence_length, shape.key_value_heads, shape.element_bytes) == (
+        SEQ, model.config.num_key_value_heads, 4)
+
+
 @pytest.mark.parametrize("arguments, message", [
     ({"context_parallel": 0}, "context_parallel=0 must be a positive integer"),
     ({"context_parallel": 2, "context_attention": "ulysses"}, "choose one of ring, all_to_all"),
     ({"context_parallel": 2, "pipeline_parallel": 2}, "pipeline_parallel=1"),
     ({"context_parallel": 2, "tensor_parallel": 2, "sequence_parallel": True}, "sequence_parallel=False"),
-    ({"context_parallel": 2, "recompute": "auto"}, "not planned yet"),
+    ({"context_parallel": "auto", "planner_calibration": __file__}, "planner_calibration='analytic'"),
+    ({"context_parallel": 2, "tensor_parallel": "auto", "planner_calibration": __file__}, "cannot rank"),
 ])
 def test_what_context_parallelism_does_not_run_is_refused_when_made(arguments: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

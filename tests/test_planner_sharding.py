@@ -21,7 +21,8 @@ from lightning_merak.planning.planner import (
     predict,
     required_profile_keys,
 )
-from lightning_merak.planning.planner.cost_model import MEMORY_COMPONENTS, exposed_comm_s, model_state_bytes
+from lightning_merak.planning.planner.cost_model import MEMORY_COMPONENTS
+from lightning_merak.planning.planner.data_parallel import exposed_comm_s, model_state_bytes
 from lightning_merak.planning.planner.profile import DATA_PARALLEL_SHARDING
 from lightning_merak.strategies.merak3d import planning
 from lightning_merak.strategies.merak3d.arguments import Merak3DArguments

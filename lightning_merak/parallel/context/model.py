@@ -32,8 +32,8 @@ from lightning_merak.parallel.context.ring import ring_attention
 from lightning_merak.parallel.context.sharding import LoadBalancedLayout
 from lightning_merak.parallel.context.ulysses import check_heads_divisible, ulysses_attention
 
-__all__ = ["ATTENTION_NAME", "CONTEXT_ATTENTION_METHODS", "ContextParallelForward", "check_context_parallel_model",
-           "install_context_parallel", "segment_ids"]
+__all__ = ["ATTENTION_NAME", "CONTEXT_ATTENTION_METHODS", "ContextParallelForward", "attention_shape",
+           "check_context_parallel_model", "install_context_parallel", "segment_ids"]
 
 ATTENTION_NAME = "merak_context_parallel"
 CONTEXT_ATTENTION_METHODS = ("ring", "all_to_all")
@@ -65,6 +65,17 @@ class ContextState:
 def _attention_config(model: nn.Module) -> Any:
     config = getattr(model, "config", None)
     return getattr(config, "get_text_config", lambda: config)() if config is not None else None
+
+
+def attention_shape(model: nn.Module) -> Optional[tuple[int, int, int, int]]:
+    """``(hidden_size, heads, key_value_heads, head_dim)`` of a transformers model's attention, None without them."""
+    config = _attention_config(model)
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if not isinstance(hidden, int) or not isinstance(heads, int) or heads < 1:
+        return None
+    key_value_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return hidden, heads, int(key_value_heads), int(head_dim)
 
 
 def check_context_parallel_model(model: nn.Module, context_parallel: int, method: str,

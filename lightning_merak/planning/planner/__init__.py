@@ -1,11 +1,12 @@
 """Pure core of the merak3d layout planner (spec 1.6 and 1.7).
 
 Plain Python over measured numbers: no process groups, no Lightning, no timing. A profiler
-fills the records of :mod:`.profile`; :func:`plan` predicts every data x pipeline x tensor
-layout with its micro-batches, tensor-parallel overlap degree and recompute ratio, and picks
-the fastest that fits memory.
+fills the records of :mod:`.profile`; :func:`plan` predicts every data x context x pipeline x
+tensor layout with its micro-batches, tensor-parallel overlap degree and recompute ratio, and
+picks the fastest that fits memory.
 """
 
+from lightning_merak.planning.planner.context import ContextAttention
 from lightning_merak.planning.planner.cost_model import COMPONENTS, Layout, Prediction, micro_batch_samples, predict
 from lightning_merak.planning.planner.experts import ExpertLayers
 from lightning_merak.planning.planner.overlap import OverlapResult, simulate_overlapped_chain
@@ -35,6 +36,7 @@ __all__ = [
     "BatchClock",
     "BlockTimes",
     "CollectiveCost",
+    "ContextAttention",
     "ExpertLayers",
     "Layout",
     "MeasuredBlocks",

@@ -10,13 +10,13 @@ exposed; with the pipeline runtime's own time per chunk added, the pipeline sche
 simulator turns those into an iteration. The data-parallel communication, clipping and the
 optimizer step follow; the part of the communication hidden behind the backward (and, fully
 sharded, the forward) is left out (:func:`data_parallel_s`). Per-rank memory counts what each
-data-parallel sharding mode keeps (:func:`model_state_bytes`). MoE layers run expert parallel add their
-token exchange to each micro-batch and keep 1/ep of their experts (:mod:`.experts`).
+data-parallel sharding mode keeps (:func:`~.data_parallel.model_state_bytes`). MoE layers run expert parallel add
+their token exchange to each micro-batch and keep 1/ep of their experts (:mod:`.experts`). Context parallelism
+gives each rank 1/cp of every sequence's work and activations and adds the attention exchange (:mod:`.context`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -28,8 +28,11 @@ from lightning_merak.parallel.pipeline import (
     simulate_schedule,
     stage_aware_recompute_ratios,
 )
+from lightning_merak.planning.planner.context import attention_part, per_context_rank
+from lightning_merak.planning.planner.data_parallel import data_parallel_s, model_state_bytes
 from lightning_merak.planning.planner.overlap import OverlapResult, simulate_overlapped_chain
 from lightning_merak.planning.planner.profile import (
+    CONTEXT_ATTENTION_METHODS,
     DATA_PARALLEL_SHARDING,
     MeasuredBlocks,
     ModelProfile,
@@ -37,8 +40,8 @@ from lightning_merak.planning.planner.profile import (
     SearchSpace,
 )
 
-COMPONENTS = ("compute", "exposed_tp_comm", "expert_all_to_all", "pipeline_runtime", "pipeline_bubble", "dp_allreduce",
-              "grad_clip", "optimizer")
+COMPONENTS = ("compute", "exposed_tp_comm", "expert_all_to_all", "context_exchange", "pipeline_runtime",
+              "pipeline_bubble", "dp_allreduce", "grad_clip", "optimizer")
 """The parts a predicted step time is split into; they add up to the step time ("dp_allreduce": the exposed
 data-parallel communication, whatever its collectives)."""
 MEMORY_COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations")
@@ -53,6 +56,10 @@ class Layout:
     ``recompute_ratio`` is the first stage's ratio of stage-aware recompute (spec 1.4); with a
     single stage it must be 0 ("none") or 1 ("full"), the two modes the runtime has there. ``ep`` is
     the expert-parallel size of a model's MoE layers: ``ep`` of the dp ranks share out each stage's experts.
+    ``cp`` ranks split each sequence (context parallelism, attention by ``context_attention``); ``dp`` counts
+    batch replicas only, so the world is dp x cp x pp x tp and the data-parallel ranks (:attr:`data_parallel_ranks`,
+    which gradients are averaged and state sharded over) are dp x cp. Context parallelism is priced with one stage
+    and no sub-batches, as merak3d runs it.
     """
 
     dp: int
@@ -63,9 +70,11 @@ class Layout:
     recompute_ratio: float
     sharding: str = "none"
     ep: int = 1
+    cp: int = 1
+    context_attention: str = "ring"
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp", "micro_batches", "overlap", "ep"):
+        for name in ("dp", "pp", "tp", "micro_batches", "overlap", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Layout.{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.recompute_ratio <= 1.0:
@@ -90,19 +99,34 @@ class Layout:
         if self.dp % self.ep:
             raise ValueError(f"ep={self.ep} does not divide dp={self.dp}: experts are spread over data-parallel ranks; "
                              "choose a divisor of dp")
+        if self.context_attention not in CONTEXT_ATTENTION_METHODS:
+            raise ValueError(f"Layout.context_attention={self.context_attention!r} is unknown; choose one of "
+                             f"{CONTEXT_ATTENTION_METHODS}")
+        if self.cp > 1 and (self.pp > 1 or self.overlap > 1 or self.ep > 1):
+            raise ValueError(f"cp={self.cp} runs with pp=1, overlap=1 and ep=1 (as merak3d's context parallelism "
+                             f"does), got pp={self.pp}, overlap={self.overlap}, ep={self.ep}")
+        if self.cp == 1 and self.context_attention != "ring":
+            raise ValueError("context_attention chooses how a split sequence attends; with cp=1 leave it 'ring'")
 
     @property
-    def tie_break_key(self) -> tuple[int, int, int, int, float, int, int]:
-        """Order among equally fast layouts: fewer stages, less TP, fewer micro-batches, less overlap and recompute,
-        less sharding, smaller expert groups."""
-        return (self.pp, self.tp, self.micro_batches, self.overlap, self.recompute_ratio,
-                DATA_PARALLEL_SHARDING.index(self.sharding), self.ep)
+    def data_parallel_ranks(self) -> int:
+        """Ranks holding the same parameters: batch replicas x context ranks."""
+        return self.dp * self.cp
+
+    @property
+    def tie_break_key(self) -> tuple[int, int, int, int, int, float, int, int, int]:
+        """Order among equally fast layouts: less context parallelism, fewer stages, less TP, fewer micro-batches,
+        less overlap and recompute, less sharding, smaller expert groups, ring before all-to-all."""
+        return (self.cp, self.pp, self.tp, self.micro_batches, self.overlap, self.recompute_ratio,
+                DATA_PARALLEL_SHARDING.index(self.sharding), self.ep,
+                CONTEXT_ATTENTION_METHODS.index(self.context_attention))
 
     def describe(self) -> str:
         sharding = "" if self.sharding == "none" else f" sharding={self.sharding}"
         experts = "" if self.ep == 1 else f" ep={self.ep}"
+        context = "" if self.cp == 1 else f" cp={self.cp} ({self.context_attention})"
         return (
-            f"dp={self.dp} pp={self.pp} tp={self.tp} micro_batches={self.micro_batches} "
+            f"dp={self.dp}{context} pp={self.pp} tp={self.tp} micro_batches={self.micro_batches} "
             f"overlap={self.overlap} recompute_ratio={self.recompute_ratio:g}{sharding}{experts}"
         )
 
@@ -300,110 +324,21 @@ def _clip_s(layout: Layout, profile: ModelProfile, network: NetworkProfile, stag
             + network.all_reduce_s(scalar_bytes, layout.tp) + network.all_reduce_s(scalar_bytes, shards))
 
 
-def model_state_bytes(mode: str, shards: int, pipelined: bool, parameter_bytes: float, in_flight_bytes: float,
-                      bucket_bytes: float | None, profile: ModelProfile) -> dict[str, float]:
-    """Peak bytes of parameters, gradients and optimizer state on a rank holding ``parameter_bytes`` of a stage
-    (its 1/(pp·tp)), its state sharded over ``shards`` data-parallel ranks by ``mode``.
-
-    With P the parameter bytes, S the shards, g, o, c the profile's gradient, optimizer-state and
-    compute-copy bytes per parameter byte, B a gradient bucket (None: one of all gradients) and U
-    ``in_flight_bytes`` (what FSDP2 holds gathered at once without pipelining: two blocks, the one
-    computing and the one prefetched, plus the stage root's embedding and head, which it keeps
-    for the whole step):
-
-    - parameters: (1 + c)·P; ``"full"``: P/S + (1 + c)·G, G = P with several stages (gathered
-      parameters stay from a micro-batch's forward to the last backward), else min(P, U).
-    - gradients: g·P for ``"none"``/``"optimizer"`` and for any mode with several stages (they
-      accumulate whole over the micro-batches); ``"gradients"``: min(g·P, g·P/S + 2B) (its slice
-      and two buckets, one filling, one in its reduce-scatter); ``"full"``: g·(P/S + min(P, U)).
-    - optimizer state: o·P, divided by S in every sharded mode.
-
-    One shard (``shards=1``) splits nothing: every mode costs what ``"none"`` does. Under
-    ``*-mixed`` precision P is the fp32 master weights and c·P their 16-bit compute copies.
-    """
-    P, S = parameter_bytes, shards
-    gradient, optimizer, copy = (profile.gradient_bytes_per_parameter_byte,
-                                 profile.optimizer_bytes_per_parameter_byte,
-                                 profile.compute_copy_bytes_per_parameter_byte)
-    if S == 1 or mode == "none":
-        mode, S = "none", 1
-    if mode == "full":
-        gathered = P if pipelined else min(P, in_flight_bytes)
-        parameters = P / S + (1 + copy) * gathered
-    else:
-        parameters = (1 + copy) * P
-    if pipelined or mode in ("none", "optimizer"):
-        gradients = gradient * P
-    elif mode == "gradients":
-        gradients = min(gradient * P, gradient * P / S + 2 * (gradient * P if bucket_bytes is None else bucket_bytes))
-    else:
-        gradients = gradient * (P / S + min(P, in_flight_bytes))
-    return {"parameters": parameters, "gradients": gradients, "optimizer_state": optimizer * P / S}
-
-
-def exposed_comm_s(comm_s: float, window_s: float, last_fraction: float) -> float:
-    """What stays exposed of ``comm_s`` started piece by piece during ``window_s`` of computation: what exceeds
-    the window, and at least the last piece (``last_fraction`` of it), which is ready only when the window ends."""
-    return max(comm_s - window_s, comm_s * min(1.0, last_fraction))
-
-
-def data_parallel_s(layout: Layout, space: SearchSpace, network: NetworkProfile, parameter_bytes: float,
-                    block_bytes: float, units: int, forward_s: float, backward_s: float) -> float:
-    """Exposed data-parallel communication of a stage holding ``parameter_bytes`` in ``units`` FSDP2 modules
-    (its blocks and its root), after its last micro-batch's ``forward_s`` and ``backward_s``.
-
-    ``"none"``: the gradient all-reduce. ``"optimizer"``/``"gradients"``: a reduce-scatter and an
-    all-gather, together the bytes of a ring all-reduce over the shard group (each half of it),
-    plus with hybrid sharding an all-reduce of the 1/S slices across the replicas; the all-gather
-    of the updated parameters follows the optimizer step, exposed. These run one collective per
-    bucket of ``space.grad_bucket_bytes`` (each paying its latency); with ``space.overlap_grad_reduce``
-    the reduction runs bucket by bucket during the last backward (:func:`exposed_comm_s`).
-    ``"full"`` (FSDP2, always overlapped, one collective per unit, prefetched): a parameter
-    all-gather in the forward and one more with the reduce-scatter in the backward; with several
-    stages the gathered parameters stay, so one all-gather (first forward) and one reduce-scatter
-    (last backward).
-    """
-    shards = space.shards(layout.sharding, layout.dp)
-    if layout.dp == 1 or parameter_bytes == 0:
-        return 0.0
-    bucket = parameter_bytes if space.grad_bucket_bytes is None else min(parameter_bytes, space.grad_bucket_bytes)
-    pieces = units if layout.sharding == "full" and shards > 1 else math.ceil(parameter_bytes / bucket)
-
-    def collectives_s(nbytes: float, ranks: int) -> float:
-        """``nbytes`` synchronised over ``ranks`` in ``pieces`` collectives."""
-        return pieces * network.gradient_sync_s(nbytes / pieces, ranks) if ranks > 1 else 0.0
-
-    def reduced_s(reduce_s: float) -> float:
-        """What the bucketed gradient reduction leaves exposed."""
-        if not space.overlap_grad_reduce:
-            return reduce_s
-        return exposed_comm_s(reduce_s, backward_s, bucket / parameter_bytes)
-
-    if shards == 1:
-        return reduced_s(collectives_s(parameter_bytes, layout.dp))
-    ring_s = collectives_s(parameter_bytes, shards)
-    reduce_s = ring_s / 2 + collectives_s(parameter_bytes / shards, layout.dp // shards)
-    gather_s = ring_s / 2
-    if layout.sharding != "full":
-        return reduced_s(reduce_s) + gather_s
-    block_fraction = block_bytes / parameter_bytes
-    backward_comm_s = reduce_s if layout.pp > 1 else gather_s + reduce_s
-    return (exposed_comm_s(gather_s, forward_s, block_fraction)
-            + exposed_comm_s(backward_comm_s, backward_s, block_fraction))
-
-
 def _check_against_space(layout: Layout, profile: ModelProfile, space: SearchSpace) -> None:
-    if layout.dp * layout.pp * layout.tp != space.world_size:
+    if layout.dp * layout.cp * layout.pp * layout.tp != space.world_size:
         raise ValueError(
-            f"dp={layout.dp} x pp={layout.pp} x tp={layout.tp} != world_size={space.world_size}; "
+            f"dp={layout.dp} x cp={layout.cp} x pp={layout.pp} x tp={layout.tp} != world_size={space.world_size}; "
             "choose degrees whose product is the world size"
         )
+    if layout.cp > 1 and profile.context is None:
+        raise ValueError(f"cp={layout.cp} needs the attention shape the exchange moves (ModelProfile.context); "
+                         "profile it, or plan without context parallelism")
     if layout.pp > profile.num_blocks + 2:
         raise ValueError(
             f"pp={layout.pp} exceeds the {profile.num_blocks + 2} nodes (prefix, {profile.num_blocks} blocks, suffix); "
             f"use pp <= {profile.num_blocks + 2}"
         )
-    space.shards(layout.sharding, layout.dp)  # refuses a shard size that does not divide dp
+    space.shards(layout.sharding, layout.data_parallel_ranks)  # refuses a shard size that does not divide them
 
 
 @dataclass(frozen=True)
@@ -463,12 +398,16 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     samples = micro_batch_samples(layout, space)
     sub = samples // layout.overlap
     hidden_bytes = model_profile.hidden_bytes_per_sample
-    comm_s = network.all_reduce_s(hidden_bytes * sub, layout.tp)
+    share = 1.0 / layout.cp  # of every sequence's work, activations and messages, on one context rank
+    comm_s = network.all_reduce_s(hidden_bytes * sub * share, layout.tp)
     ratios = stage_aware_recompute_ratios(layout.recompute_ratio, layout.pp)
     stages = _stages(layout, model_profile, samples, comm_s, space.vocab_parallel)
 
-    block_times = model_profile.block_times_at(layout.tp, sub)
+    block_times = per_context_rank(model_profile.block_times_at(layout.tp, sub), layout.cp)
     measured = _measured_blocks(layout, model_profile, samples)
+    context_forward_s, context_backward_s = (
+        (0.0, 0.0) if model_profile.context is None else model_profile.context.exchange_s(
+            layout.context_attention, layout.cp, layout.tp, samples, attention_part(block_times), network))
     block_parameter_bytes = model_profile.block_parameter_bytes_at(layout.tp)
     prefix_parameter_bytes, suffix_parameter_bytes = _outside_parameter_bytes(model_profile, layout.tp,
                                                                               space.vocab_parallel)
@@ -481,12 +420,15 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
                               else 2 * hidden_bytes if layout.tp > 1 else 0)
     action_s, pipeline_step_s = ((network.pipeline_action_s, network.pipeline_step_s) if layout.pp > 1
                                  else (0.0, 0.0))
-    shards = space.shards(layout.sharding, layout.dp)
+    shards = space.shards(layout.sharding, layout.data_parallel_ranks)
     forward_s, backward_s, compute_s, exposed_s, memory_bytes, after_pipeline_s = [], [], [], [], [], []
     expert_s: list[float] = []
+    context_s: list[float] = []
     for index, stage in enumerate(stages):
-        prefix_forward, prefix_backward = model_profile.prefix_times_at(sub) if stage.has_prefix else (0.0, 0.0)
-        suffix_forward, suffix_backward = model_profile.suffix_times_at(sub) if stage.has_suffix else (0.0, 0.0)
+        prefix_forward, prefix_backward = (share * seconds for seconds in (
+            model_profile.prefix_times_at(sub) if stage.has_prefix else (0.0, 0.0)))
+        suffix_forward, suffix_backward = (share * seconds for seconds in (
+            model_profile.suffix_times_at(sub) if stage.has_suffix else (0.0, 0.0)))
         forward = _chain(
             _chain_segments(prefix_forward, block_times.forward_segments_s, stage.num_blocks, suffix_forward),
             comm_s,
@@ -502,12 +444,13 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         local_s = forward.compute_s + backward.compute_s + recompute_s
         if measured is not None:
             outside_s = layout.overlap * (prefix_forward + suffix_forward)
-            forward_total = outside_s + measured.forward_s(stage.num_blocks)
+            forward_total = outside_s + share * measured.forward_s(stage.num_blocks)
             outside_s = layout.overlap * (prefix_backward + suffix_backward)
-            backward_total = outside_s + measured.backward_s(stage.num_blocks) + recompute_s
+            backward_total = outside_s + share * measured.backward_s(stage.num_blocks) + recompute_s
         else:
             forward_total, backward_total = forward.time_s, backward.time_s + recompute_s
-        loss_forward, loss_backward = model_profile.loss_times_at(samples) if stage.has_suffix else (0.0, 0.0)
+        loss_forward, loss_backward = (share * seconds for seconds in (
+            model_profile.loss_times_at(samples) if stage.has_suffix else (0.0, 0.0)))
         forward_total += loss_forward
         backward_total += loss_backward
         local_s += loss_forward + loss_backward
@@ -518,6 +461,12 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         forward_total += experts.forward_s
         backward_total += experts.backward_s
         expert_s.append(experts.forward_s + experts.backward_s)
+        # a recomputed block's forward runs its exchange again inside the backward
+        context_exchange = (stage.num_blocks * context_forward_s,
+                            stage.num_blocks * context_backward_s + recomputed * context_forward_s)
+        forward_total += context_exchange[0]
+        backward_total += context_exchange[1]
+        context_s.append(sum(context_exchange))
         forward_s.append(forward_total + action_s)
         backward_s.append(backward_total + action_s)
 
@@ -535,7 +484,7 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         outside_bytes = stage.has_prefix * prefix_parameter_bytes + stage.has_suffix * suffix_parameter_bytes
         memory = model_state_bytes(layout.sharding, shards, layout.pp > 1, parameter_bytes,
                                    2 * block_parameter_bytes + outside_bytes, space.grad_bucket_bytes, model_profile)
-        memory["activations"] = in_flight * samples * kept_per_sample
+        memory["activations"] = in_flight * samples * kept_per_sample * share
         memory_bytes.append(memory)
         after_pipeline_s.append(
             (
@@ -556,6 +505,7 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         "compute": layout.micro_batches * compute_s[busiest],
         "exposed_tp_comm": layout.micro_batches * exposed_s[busiest],
         "expert_all_to_all": layout.micro_batches * expert_s[busiest],
+        "context_exchange": layout.micro_batches * context_s[busiest],
         "pipeline_runtime": layout.micro_batches * 2 * action_s + pipeline_step_s,
         "pipeline_bubble": max(
             0.0, iteration_s - layout.micro_batches * (forward_s[busiest] + backward_s[busiest])

@@ -10,14 +10,20 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Sequence, TypeVar
 
 from lightning_merak.parallel.pipeline import SCHEDULES, simulate_schedule
 from lightning_merak.planning.planner.experts import ExpertLayers
 
+if TYPE_CHECKING:
+    from lightning_merak.planning.planner.context import ContextAttention
+
 DATA_PARALLEL_SHARDING = ("none", "optimizer", "gradients", "full")
 """What the data-parallel ranks may split, least sharded first (the order ties between equally fast layouts take):
 nothing, the optimizer state (ZeRO-1), gradients too (ZeRO-2), parameters too (FSDP2)."""
+
+CONTEXT_ATTENTION_METHODS = ("ring", "all_to_all")
+"""How attention spans a sequence split over context ranks (:mod:`.context`); ring, first, runs at any head count."""
 
 
 def _check_non_negative(owner: str, **values: float) -> None:
@@ -264,7 +270,8 @@ class ModelProfile:
     own parameters: per byte, a large embedding table's update can cost several times a block's
     (each step writes temporaries of the whole table), so the per-byte figures stand in only
     where these are absent. ``experts`` describes MoE layers run expert parallel (``merak_ep``):
-    their token exchange and the experts each rank keeps (:mod:`.experts`).
+    their token exchange and the experts each rank keeps (:mod:`.experts`). ``context`` is the attention shape
+    context parallelism exchanges (:mod:`.context`), needed only to price ``cp > 1``.
     """
 
     num_blocks: int
@@ -289,6 +296,7 @@ class ModelProfile:
     prefix_update_s: tuple[float, float] | None = None
     suffix_update_s: tuple[float, float] | None = None
     experts: ExpertLayers | None = None
+    context: ContextAttention | None = None
 
     def __post_init__(self) -> None:
         _check_positive("ModelProfile", num_blocks=self.num_blocks)
@@ -425,6 +433,9 @@ class SearchSpace:
     behind the backward, bucket by bucket. ``ep_size`` is the expert-parallel size of a model with
     expert layers (``ModelProfile.experts``): each layout's ``ep``, None for its whole data-parallel
     group (merak3d's default); layouts whose dp it does not divide are left out.
+    ``context_parallel_degrees`` are the context-parallel degrees searched (each sequence split over ``cp``
+    ranks, world = dp x cp x pp x tp), with attention by each of ``context_attention_methods`` that the model's
+    heads allow; a degree above 1 is searched with one stage and no sub-batches (as merak3d runs it).
 
     The batch is either ``global_batch_size`` (samples per step, split over the data-parallel
     replicas) or ``replica_batch_size`` (samples each replica trains on per step, as a
@@ -450,6 +461,8 @@ class SearchSpace:
     overlap_grad_reduce: bool = False
     grad_bucket_bytes: float | None = None
     ep_size: int | None = 1
+    context_parallel_degrees: tuple[int, ...] = (1,)
+    context_attention_methods: tuple[str, ...] = CONTEXT_ATTENTION_METHODS
 
     def __post_init__(self) -> None:
         if (self.global_batch_size is None) == (self.replica_batch_size is None):
@@ -484,6 +497,13 @@ class SearchSpace:
             _check_positive("SearchSpace", grad_bucket_bytes=self.grad_bucket_bytes)
         if self.ep_size is not None:
             _check_positive("SearchSpace", ep_size=self.ep_size)
+        if not self.context_parallel_degrees or min(self.context_parallel_degrees) < 1:
+            raise ValueError(f"SearchSpace.context_parallel_degrees needs at least one value, all >= 1, got "
+                             f"{self.context_parallel_degrees}")
+        unknown = [m for m in self.context_attention_methods if m not in CONTEXT_ATTENTION_METHODS]
+        if not self.context_attention_methods or unknown:
+            raise ValueError(f"SearchSpace.context_attention_methods={self.context_attention_methods} needs at least "
+                             f"one method, all from {CONTEXT_ATTENTION_METHODS}")
 
     def shards(self, mode: str, dp: int) -> int:
         """Ranks that split the state of ``mode`` over ``dp`` replicas: 1 when nothing is split."""

@@ -41,43 +41,51 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None,
                       num_experts: int | None = None) -> list[Layout]:
     """Every layout of ``space``, in a fixed order.
 
-    dp x pp x tp = world size with tp from ``tp_degrees_allowed`` and pp at most
-    ``max_pipeline_stages`` (and ``num_blocks + 2`` nodes when given). One stage runs one
+    dp x cp x pp x tp = world size with cp from ``context_parallel_degrees``, tp from ``tp_degrees_allowed``
+    and pp at most ``max_pipeline_stages`` (and ``num_blocks + 2`` nodes when given). One stage runs one
     micro-batch; several run a micro-batch count of at least pp dividing the per-replica batch.
     Overlap degrees divide the micro-batch and exceed 1 only with tp > 1; one stage takes
     recompute ratios 0 or 1 only. Each takes every mode of ``sharding_modes`` it can run
     (:func:`sharding_modes_for`), and each expert-parallel size :func:`expert_parallel_sizes` gives its dp
     (``num_experts``: the experts of each MoE layer, searched over when ``space.ep_size`` is unset).
+    A context degree above 1 takes each of ``context_attention_methods``, with one stage, no sub-batches,
+    no sequence parallelism and no expert layers (what merak3d's context parallelism runs with); whether the
+    model's heads allow a method is the profile's to say (:func:`plan`).
     """
     max_stages = space.max_pipeline_stages if num_blocks is None else min(space.max_pipeline_stages, num_blocks + 2)
     layouts = []
-    for tp in sorted(set(space.tp_degrees_allowed)):
-        if space.world_size % tp:
+    for cp in sorted(set(space.context_parallel_degrees)):
+        if space.world_size % cp or (cp > 1 and (space.sequence_parallel or num_experts is not None)):
             continue
-        for pp in _divisors(space.world_size // tp):
-            dp = space.world_size // (tp * pp)
-            per_replica, expert_sizes = space.replica_batch(dp), expert_parallel_sizes(space, dp, num_experts)
-            if pp > max_stages or per_replica is None or not expert_sizes:
+        methods = space.context_attention_methods if cp > 1 else ("ring",)
+        for tp in sorted(set(space.tp_degrees_allowed)):
+            if (space.world_size // cp) % tp:
                 continue
-            if pp == 1:
-                micro_batch_counts = [1]
-            else:
-                choices = _divisors(per_replica) if space.micro_batch_choices is None else space.micro_batch_choices
-                micro_batch_counts = sorted({count for count in choices if count >= pp and per_replica % count == 0})
-            ratios = sorted(set(space.recompute_ratios) if pp > 1 else set(space.recompute_ratios) & {0.0, 1.0})
-            for micro_batches in micro_batch_counts:
-                samples = per_replica // micro_batches
-                overlaps = sorted({k for k in space.overlap_choices if samples % k == 0}) if tp > 1 else [1]
-                for overlap in overlaps:
-                    for ratio in ratios:
-                        for mode in sharding_modes_for(space, dp, overlap):
-                            layouts += [Layout(dp, pp, tp, micro_batches, overlap, ratio, mode, ep)
-                                        for ep in expert_sizes]
+            for pp in _divisors(space.world_size // (cp * tp)):
+                dp = space.world_size // (cp * tp * pp)
+                per_replica, expert_sizes = space.replica_batch(dp), expert_parallel_sizes(space, dp, num_experts)
+                if pp > max_stages or per_replica is None or not expert_sizes or (cp > 1 and pp > 1):
+                    continue
+                if pp == 1:
+                    micro_batch_counts = [1]
+                else:
+                    choices = _divisors(per_replica) if space.micro_batch_choices is None else space.micro_batch_choices
+                    micro_batch_counts = sorted({count for count in choices
+                                                 if count >= pp and per_replica % count == 0})
+                ratios = sorted(set(space.recompute_ratios) if pp > 1 else set(space.recompute_ratios) & {0.0, 1.0})
+                for micro_batches in micro_batch_counts:
+                    samples = per_replica // micro_batches
+                    overlaps = sorted({k for k in space.overlap_choices if samples % k == 0}) if tp > 1 else [1]
+                    for overlap in overlaps if cp == 1 else [1]:
+                        for ratio in ratios:
+                            for mode in sharding_modes_for(space, dp * cp, overlap):
+                                layouts += [Layout(dp, pp, tp, micro_batches, overlap, ratio, mode, ep, cp, method)
+                                            for ep in expert_sizes for method in methods]
     return layouts
 
 
 def sharding_modes_for(space: SearchSpace, dp: int, overlap: int) -> list[str]:
-    """The modes of ``space.sharding_modes`` a layout of ``dp`` replicas and ``overlap`` sub-batches runs.
+    """The modes of ``space.sharding_modes`` a layout of ``dp`` data-parallel ranks and ``overlap`` sub-batches runs.
 
     ``"full"`` runs without sub-batches only; no mode runs where the shard size does not divide
     dp. Searching several modes, a sharded one is left out where it splits nothing (dp = 1 or
@@ -102,7 +110,9 @@ class ProfileKeys:
     entries: the model falls back to its simulated chain). ``loss_samples`` are the micro-batch
     sizes at which the training loss is timed (optional too: without them no loss is counted).
     ``all_to_all_group_sizes`` are the expert groups' sizes (``ep`` > 1) whose all-to-all a model with
-    expert-parallel MoE layers exchanges over (optional: the all-reduce link of that size stands in).
+    expert-parallel MoE layers exchanges over, and the context groups' sizes of all-to-all attention (optional:
+    the all-reduce link of that size stands in). ``context_parallel``: some layout splits sequences, so the
+    profile must describe the attention they exchange (``ModelProfile.context``).
     """
 
     block_times: frozenset[tuple[int, int]]
@@ -112,6 +122,7 @@ class ProfileKeys:
     measured_blocks: frozenset[tuple[int, int, int]] = frozenset()
     loss_samples: frozenset[int] = frozenset()
     all_to_all_group_sizes: frozenset[int] = frozenset()
+    context_parallel: bool = False
 
 
 def required_profile_keys(space: SearchSpace, num_blocks: int | None = None,
@@ -128,8 +139,9 @@ def required_profile_keys(space: SearchSpace, num_blocks: int | None = None,
         samples_needed.add(sub)
         loss_samples.add(samples)
         tp_degrees.add(layout.tp)
-        shards = space.shards(layout.sharding, layout.dp)
-        group_sizes.update(size for size in (layout.tp, layout.dp, shards, layout.dp // shards) if size > 1)
+        ranks = layout.data_parallel_ranks
+        shards = space.shards(layout.sharding, ranks)
+        group_sizes.update(size for size in (layout.tp, ranks, shards, ranks // shards) if size > 1)
         if space.clip_gradients and layout.pp > 1:
             group_sizes.add(layout.pp)
         if layout.tp > 1:
@@ -137,9 +149,13 @@ def required_profile_keys(space: SearchSpace, num_blocks: int | None = None,
         if layout.ep > 1:  # the exchange's group, and the experts' gradient sum over the ranks holding the same ones
             expert_groups.add(layout.ep)
             group_sizes.update(size for size in (layout.ep, layout.dp // layout.ep) if size > 1)
+        if layout.cp > 1 and layout.context_attention == "all_to_all":
+            expert_groups.add(layout.cp)
+            group_sizes.add(layout.cp)
     return ProfileKeys(
         frozenset(block_times), frozenset(samples_needed), frozenset(tp_degrees), frozenset(group_sizes),
         frozenset(measured), frozenset(loss_samples), frozenset(expert_groups),
+        context_parallel=any(layout.cp > 1 for layout in candidate_layouts(space, num_blocks, num_experts)),
     )
 
 
@@ -157,10 +173,13 @@ def _missing_entries(keys: ProfileKeys, model_profile: ModelProfile, network: Ne
         needed.append(("loss_times", keys.loss_samples, model_profile.loss_times))
     if clip_gradients:
         needed.append(("block_clip_s", keys.tp_degrees, model_profile.block_clip_s))
-    if model_profile.experts is not None:  # the exchange's link: measured, or the all-reduce link of that size
+    if keys.all_to_all_group_sizes:  # the exchange's link: measured, or the all-reduce link of that size
         links = network.all_to_all.keys() | network.all_reduce.keys()
         needed.append(("network.all_to_all", keys.all_to_all_group_sizes, dict.fromkeys(links)))
-    return [f"{name}[{key}]" for name, wanted, present in needed for key in sorted(wanted - present.keys())]
+    missing = [f"{name}[{key}]" for name, wanted, present in needed for key in sorted(wanted - present.keys())]
+    if keys.context_parallel and model_profile.context is None:
+        missing.append("context (the attention shape a split sequence exchanges)")
+    return missing
 
 
 @dataclass(frozen=True)
@@ -222,7 +241,9 @@ def rerank(ranked: Plan, step_time_of: Callable[[Layout], float]) -> Plan:
 def plan(space: SearchSpace, model_profile: ModelProfile, network: NetworkProfile) -> Plan:
     """Predict every candidate layout and rank those that fit ``space.memory_limit_bytes``, fastest first.
 
-    Layouts whose expert-parallel size does not divide the model's experts are left out; with ``space.ep_size``
+    Layouts whose expert-parallel size does not divide the model's experts are left out, and so are context-parallel
+    layouts whose attention method the model's heads or sequence rule out (``model_profile.context.methods``); with
+    ``space.ep_size``
     unset every size dividing dp and the experts is searched, each priced by the cost model (the experts a rank
     keeps, their gradients' sum over the dp/ep ranks holding the same ones, the exchange over ep ranks). Raises
     before predicting
@@ -246,6 +267,16 @@ def plan(space: SearchSpace, model_profile: ModelProfile, network: NetworkProfil
                                network, space.clip_gradients)
     if missing:
         raise ValueError(f"the profiles lack entries the search needs: {', '.join(missing)}; profile them first")
+    context = model_profile.context
+    layouts = [layout for layout in layouts
+               if layout.cp == 1 or (context is not None and layout.context_attention in context.methods(layout.cp,
+                                                                                                         layout.tp))]
+    if not layouts:
+        raise ValueError(f"no context-parallel layout runs this model (sequence {context.sequence_length}, "
+                         f"{context.key_value_heads} key/value heads) at context_parallel_degrees="
+                         f"{space.context_parallel_degrees}: the sequence must split into 2 x cp chunks and "
+                         "all-to-all needs cp to divide each tensor rank's key/value heads; allow cp=1 or another "
+                         "degree")
 
     predictions = [predict(layout, model_profile, network, space) for layout in layouts]
     fitting = sorted((prediction for prediction in predictions if prediction.fits), key=_rank_key)

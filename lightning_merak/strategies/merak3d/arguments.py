@@ -177,22 +177,46 @@ class Merak3DArguments(Merak3DOptions):
     def _check_context_parallel(self) -> None:
         """Refuse a context-parallel degree or method out of range, and what it does not compose with yet."""
         cp = self.context_parallel
-        if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
-            raise ValueError(f"context_parallel={cp!r} must be a positive integer")
-        if self.context_attention not in CONTEXT_ATTENTION_METHODS:
+        if cp != "auto" and (not isinstance(cp, int) or isinstance(cp, bool) or cp < 1):
+            raise ValueError(f"context_parallel={cp!r} must be a positive integer or 'auto'")
+        if self.context_attention not in (*CONTEXT_ATTENTION_METHODS, "auto"):
             raise ValueError(f"context_attention={self.context_attention!r} is not supported; choose one of "
-                             f"{', '.join(CONTEXT_ATTENTION_METHODS)}")
-        if cp == 1:
+                             f"{', '.join(CONTEXT_ATTENTION_METHODS)} or 'auto'")
+        if cp != 1 and self.needs_planning and self.planner_calibration != "analytic":
+            raise ValueError("planner_calibration replays traces of runs without context parallelism, so it cannot "
+                             f"rank context_parallel={cp!r} layouts; use planner_calibration='analytic', or fix "
+                             "every degree")
+        if cp in (1, "auto"):  # 'auto' searches only what the fixed options leave (context_parallel_degrees)
             return
-        others = {"pipeline_parallel": (self.pipeline_parallel, 1), "tp_overlap": (self.tp_overlap, 1),
-                  "sequence_parallel": (self.sequence_parallel, False), "micro_batching": (self.micro_batching, "none")}
-        for name, (value, needed) in others.items():
-            if value != needed:
+        for name, (value, needed) in self._context_requirements().items():
+            if value not in (needed, "auto"):
                 raise ValueError(f"context_parallel={cp} runs with {name}={needed!r} for now, got {name}={value!r}; "
                                  f"set {name}={needed!r} or context_parallel=1")
-        if self.needs_planning:
-            raise ValueError(f"context_parallel={cp} is not planned yet: fix recompute and data_parallel_sharding "
-                             "(no 'auto') or set context_parallel=1")
+
+    def _context_requirements(self) -> dict[str, tuple[Any, Any]]:
+        """What context parallelism runs with for now: ``name: (value given, value needed)`` ('auto' degrees are
+        planned within them)."""
+        return {"pipeline_parallel": (self.pipeline_parallel, 1), "tp_overlap": (self.tp_overlap, 1),
+                "sequence_parallel": (self.sequence_parallel, False), "micro_batching": (self.micro_batching, "none")}
+
+    def context_parallel_degrees(self, world_size: int) -> tuple[int, ...]:
+        """The context-parallel degrees the planner searches on ``world_size`` ranks: the one given, or for 'auto'
+        every divisor of the world size, only 1 where a fixed option rules context parallelism out."""
+        if self.context_parallel != "auto":
+            return (int(self.context_parallel),)
+        if any(value not in (needed, "auto") for value, needed in self._context_requirements().values()):
+            return (1,)
+        return tuple(degree for degree in range(1, world_size + 1) if world_size % degree == 0)
+
+    @property
+    def context_attention_methods(self) -> tuple[str, ...]:
+        """The attention methods the planner searches: the one given, or every one for 'auto'."""
+        return CONTEXT_ATTENTION_METHODS if self.context_attention == "auto" else (self.context_attention,)
+
+    @property
+    def unplanned_context_attention(self) -> str:
+        """The method of a layout nothing is planned for: the one given, ring for 'auto' (any head count)."""
+        return "ring" if self.context_attention == "auto" else self.context_attention
 
     def _check_full_sharding(self) -> None:
         """Refuse what FSDP2 (``data_parallel_sharding="full"``, :mod:`.fully_sharded`) cannot run."""
@@ -242,13 +266,14 @@ class Merak3DArguments(Merak3DOptions):
         """Whether the layout planner chooses part of the layout (an ``"auto"`` beyond data_parallel, the sharding
         mode included)."""
         return "auto" in (self.pipeline_parallel, self.tensor_parallel, self.tp_overlap, self.recompute,
-                          self.data_parallel_sharding)
+                          self.data_parallel_sharding, self.context_parallel)
 
     def resolve_degrees(self, world_size: int) -> tuple[int, int, int]:
         """``(dp, pp, tp)`` for ``world_size`` ranks, or a clear error when they cannot multiply to it.
 
         ``dp`` counts the context-parallel ranks too (batch replicas × ``context_parallel``), as the mesh does.
         """
+        assert isinstance(self.context_parallel, int), "the planner chooses context_parallel"
         cp = self.context_parallel
         fixed = {name: value for name, value in self.degrees.items() if value != "auto"}
         product = math.prod(fixed.values()) * cp
@@ -284,7 +309,8 @@ class Merak3DArguments(Merak3DOptions):
             micro_batches_by_default=self.micro_batches is None, tp_overlap=self.tp_overlap,
             recompute=self.recompute, recompute_ratio=self.recompute_ratio,
             data_parallel_sharding=self.data_parallel_sharding, data_parallel_shard_size=self.data_parallel_shard_size,
-            context_parallel=self.context_parallel, context_attention=self.context_attention,
+            context_parallel=int(self.context_parallel),
+            context_attention=self.unplanned_context_attention,
         )
 
     def launch_degrees(self, world_size: int) -> tuple[Optional[int], Optional[int]]:
@@ -292,11 +318,11 @@ class Merak3DArguments(Merak3DOptions):
         if not self.needs_planning:
             _, pp, tp = self.resolve_degrees(world_size)
             return pp, tp
-        fixed = [value for value in self.degrees.values() if value != "auto"]
+        fixed = [value for value in (*self.degrees.values(), self.context_parallel) if value != "auto"]
         if world_size % math.prod(fixed):
             raise ValueError(
-                f"world size {world_size} is not divisible by the fixed degrees {fixed}; "
-                "choose degrees whose product divides the number of processes"
+                f"world size {world_size} is not divisible by the fixed degrees {fixed} (data, pipeline, tensor, "
+                "context); choose degrees whose product divides the number of processes"
             )
         pp, tp = self.pipeline_parallel, self.tensor_parallel
         return (pp if isinstance(pp, int) else None), (tp if isinstance(tp, int) else None)
@@ -318,7 +344,7 @@ class Merak3DArguments(Merak3DOptions):
                 check_overlap(self.tp_overlap, tp)
             if self.sequence_parallel and tp > 1 and sequence_length is not None:
                 check_sequence_length(sequence_length, tp)
-        if self.context_parallel > 1 and sequence_length is not None:
+        if self.context_parallel != "auto" and self.context_parallel > 1 and sequence_length is not None:
             check_sequence_divisible(sequence_length, self.context_parallel)
         if batch_size is not None and (self.micro_batches is not None or not self.needs_planning):
             overlap = self.tp_overlap if isinstance(self.tp_overlap, int) else 1
@@ -343,8 +369,9 @@ class Merak3DArguments(Merak3DOptions):
             raise ValueError("sequence_parallel does not support MoE layers; use sequence_parallel=False")
         if self.data_parallel_sharding == "full":
             check_fully_shardable(model, tensor_parallel)
-        if self.context_parallel > 1:
-            check_context_parallel_model(model, self.context_parallel, self.context_attention, tensor_parallel or 1)
+        if self.context_parallel != "auto" and self.context_parallel > 1:
+            check_context_parallel_model(model, self.context_parallel, self.unplanned_context_attention,
+                                         tensor_parallel or 1)
             if moe_layers(model):
                 raise ValueError(f"context_parallel={self.context_parallel} does not run MoE layers yet; "
                                  "use context_parallel=1")

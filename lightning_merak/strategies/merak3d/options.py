@@ -43,17 +43,20 @@ class Merak3DOptions:
         "ranks. Each all-reduce becomes a reduce-scatter and an all-gather, and activations between the split "
         "layers shrink by `tensor_parallel`, which must divide the sequence length (the planner searches only "
         "such degrees).")
-    context_parallel: int = option(
+    context_parallel: Degree = option(
         1, "Ranks each sequence is split over (context parallelism), each holding a load-balanced share of every "
         "sample's tokens; attention spans the whole sequence through `context_attention`. These ranks hold the same "
         "parameters, so gradients are averaged over data_parallel × context_parallel ranks; the sequence length must "
         "be a multiple of 2 × context_parallel. Needs a transformers model calling its attention interface; runs with "
         "tensor parallelism (not sequence parallelism) and, for now, pipeline_parallel=1 "
-        "(`lightning_merak.parallel.context`).")
+        "(`lightning_merak.parallel.context`). `auto`: the layout planner chooses it with the other degrees, "
+        "pricing 1/context_parallel of each sequence's work and activations per rank against the attention exchange "
+        "(context_parallel=1 where a fixed option or the model rules it out).")
     context_attention: str = option(
-        "ring", "How attention spans a split sequence: `ring` (key/value shards passed around the ranks while the "
-        "local block computes) or `all_to_all` (Ulysses: heads scattered, sequence gathered; context_parallel must "
-        "divide each tensor-parallel rank's key/value heads).")
+        "auto", "How attention spans a split sequence: `ring` (key/value shards passed around the ranks while the "
+        "local block computes), `all_to_all` (Ulysses: heads scattered, sequence gathered; context_parallel must "
+        "divide each tensor-parallel rank's key/value heads) or `auto`: chosen by the layout planner by their "
+        "predicted steps where the layout is planned (any degree `auto`), else `ring`, which runs at any head count.")
     micro_batches: Optional[int] = option(
         None, "Micro-batches per batch in the pipeline schedule (`null`: 2 × pipeline stages).")
     schedule: str = option(

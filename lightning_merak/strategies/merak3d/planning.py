@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_merak.callbacks.profiler.lightning_profiler import model_shape
+from lightning_merak.parallel.context.model import attention_shape, check_context_parallel_model
 from lightning_merak.parallel.data.buckets import DEFAULT_BUCKET_MB, check_shardable_optimizer
 from lightning_merak.parallel.layout import Layout, default_micro_batches
 from lightning_merak.parallel.materialize import has_meta
@@ -33,6 +34,7 @@ from lightning_merak.planning.measure.experts import (
 )
 from lightning_merak.planning.measure.layout import profile_model, profile_network, tensor_parallel_mesh
 from lightning_merak.planning.planner import (
+    ContextAttention,
     SearchSpace,
     average_profiles,
     candidate_layouts,
@@ -156,6 +158,8 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
         overlap_grad_reduce=arguments.overlap_grad_reduce,
         grad_bucket_bytes=(arguments.grad_bucket_mb or DEFAULT_BUCKET_MB) * 2**20,
         ep_size=ep_size if merak_ep else 1,
+        context_parallel_degrees=context_parallel_degrees(arguments, model, world),
+        context_attention_methods=arguments.context_attention_methods,
     )
     num_experts = experts_per_layer(model) if merak_ep else None  # with ep_size unset, each ep dividing them is planned
     keys = required_profile_keys(space, num_blocks, num_experts)
@@ -173,6 +177,8 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
     dist.all_gather_object(every_rank, profile)
     profile = dataclasses.replace(average_profiles(every_rank), **state_bytes_per_parameter_byte(model, precision,
                                                                                                factory))
+    if keys.context_parallel:
+        profile = dataclasses.replace(profile, context=context_attention_of(model, inputs, precision))
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     probe_bytes = largest_network_probe(space.memory_limit_bytes)
     network = profile_network(keys.all_reduce_group_sizes, device,
@@ -181,6 +187,10 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
                               gradient_bytes=min(probe_bytes, 256 << 20, gradient_bytes), repeats=PLANNER_REPEATS,
                               pipeline=any(layout.pp > 1 for layout in candidate_layouts(space, num_blocks,
                                                                                          num_experts)))
+    if keys.all_to_all_group_sizes and not merak_ep:  # Ulysses attention's exchange (merak_ep's below)
+        network = dataclasses.replace(network, all_to_all=measure_all_to_all(
+            keys.all_to_all_group_sizes, device, large_bytes=min(probe_bytes, 64 << 20, max(
+                1 << 16, inputs.shape[0] * profile.hidden_bytes_per_sample)), repeats=PLANNER_REPEATS))
     if merak_ep:
         sequence = inputs.shape[1] if inputs.ndim > 1 else 1
         profile = dataclasses.replace(profile, experts=expert_layers_of(model, sequence,
@@ -248,6 +258,42 @@ def sharding_modes(arguments: Merak3DArguments, model: nn.Module, precision: Any
     return tuple(modes)
 
 
+def context_parallel_degrees(arguments: Merak3DArguments, model: nn.Module, world_size: int) -> tuple[int, ...]:
+    """The context-parallel degrees to search: :meth:`Merak3DArguments.context_parallel_degrees`, only 1 for
+    'auto' where the model cannot split its sequences (logged with the reason)."""
+    degrees = arguments.context_parallel_degrees(world_size)
+    if arguments.context_parallel != "auto" or degrees == (1,):
+        return degrees
+    problem = "MoE layers" if moe_layers(model) else None
+    if problem is None:
+        try:
+            check_context_parallel_model(model, 2, "ring")
+        except ValueError as error:
+            problem = str(error)
+    if problem is None and attention_shape(model) is None:
+        problem = "its config names no hidden_size and num_attention_heads"
+    if problem is not None:
+        rank_zero_info(f"merak3d planner: plans context_parallel=1 only ({problem})")
+        return (1,)
+    return degrees
+
+
+def context_attention_of(model: nn.Module, inputs: torch.Tensor, precision: Any) -> ContextAttention:
+    """The attention shape of ``model`` at ``inputs``' sequence length that context parallelism exchanges; its
+    elements are 16-bit under a 16-bit precision, else the parameters' size."""
+    shape = attention_shape(model)
+    if shape is None:
+        raise ValueError(f"context parallelism needs the attention's shape from {type(model).__name__}'s config "
+                         "(hidden_size, num_attention_heads); use context_parallel=1")
+    hidden, heads, key_value_heads, head_dim = shape
+    parameter = next((p for p in model.parameters() if p.is_floating_point()), None)
+    sixteen_bit = str(getattr(precision, "precision", "")).startswith(("16", "bf16"))
+    element_bytes = 2 if sixteen_bit else (parameter.element_size() if parameter is not None else 4)
+    return ContextAttention(sequence_length=inputs.shape[1] if inputs.ndim > 1 else 1, hidden_size=hidden,
+                            heads=heads, key_value_heads=key_value_heads, head_dim=head_dim,
+                            element_bytes=element_bytes)
+
+
 def _fully_shardable(model: nn.Module, tensor_parallel: int) -> bool:
     try:
         check_fully_shardable(model, tensor_parallel)
@@ -313,9 +359,10 @@ def _adopted_layout(arguments: Merak3DArguments, chosen: Any) -> Layout:
     else:
         recompute, ratio = "stage_aware", chosen.recompute_ratio
     return Layout(
-        data_parallel=chosen.dp, pipeline_parallel=chosen.pp, tensor_parallel=chosen.tp,
+        data_parallel=chosen.dp * chosen.cp, pipeline_parallel=chosen.pp, tensor_parallel=chosen.tp,
         virtual_stages=arguments.stages_per_rank, schedule=arguments.schedule, micro_batches=micro_batches,
         micro_batches_by_default=by_default, tp_overlap=chosen.overlap, recompute=recompute, recompute_ratio=ratio,
+        context_parallel=chosen.cp, context_attention=chosen.context_attention,
         **_sharding_fields(arguments, chosen.sharding),
     )
 
