@@ -61,6 +61,8 @@ LAYOUTS = {
     "dp2-cp2-zero1": ({"data_parallel": 2, "context_parallel": 2, "data_parallel_sharding": "optimizer"}, 4),
     "cp2-fsdp2": ({"context_parallel": 2, "data_parallel_sharding": "full"}, 2),
     "cp2-tp2": ({"context_parallel": 2, "tensor_parallel": 2}, 4),  # heads split over tp, sequence over cp
+    # each context rank's tokens split again over tp between the blocks' column and row layers
+    "cp2-tp2-sp": ({"context_parallel": 2, "tensor_parallel": 2, "sequence_parallel": True}, 4),
 }
 
 
@@ -124,7 +126,6 @@ def test_the_degrees_planned_follow_the_options_and_the_model() -> None:
     ({"context_parallel": 0}, "context_parallel=0 must be a positive integer"),
     ({"context_parallel": 2, "context_attention": "ulysses"}, "choose one of ring, all_to_all"),
     ({"context_parallel": 2, "pipeline_parallel": 2}, "pipeline_parallel=1"),
-    ({"context_parallel": 2, "tensor_parallel": 2, "sequence_parallel": True}, "sequence_parallel=False"),
     ({"context_parallel": "auto", "planner_calibration": __file__}, "planner_calibration='analytic'"),
     ({"context_parallel": 2, "tensor_parallel": "auto", "planner_calibration": __file__}, "cannot rank"),
 ])
@@ -139,6 +140,10 @@ def test_degrees_and_sequence_are_checked_before_launch() -> None:
         strategy.validate_arguments(3)
     with pytest.raises(ValueError, match="pad to a multiple of 4"):
         strategy.validate_arguments(4, batch_size=2, sequence_length=30)
+    split_again = Merak3DStrategy(context_parallel=2, tensor_parallel=4, sequence_parallel=True)
+    split_again.validate_arguments(8, batch_size=2, sequence_length=16)
+    with pytest.raises(ValueError, match="sequence length 6 is not divisible"):  # 12 tokens: 6 per context rank
+        split_again.validate_arguments(8, batch_size=2, sequence_length=12)
     assert Merak3DStrategy(data_parallel=2, context_parallel=2)._arguments.layout(4).batch_replicas == 2
     with pytest.raises(ValueError, match="attention interface"):
         Merak3DStrategy(context_parallel=2)._arguments.check_model(torch.nn.Linear(2, 2), 1, 1)

@@ -112,8 +112,8 @@ def test_candidates_split_sequences_with_one_stage_and_no_sub_batches():
     assert {layout.context_attention for layout in split} == {"ring", "all_to_all"}
     assert layouts[:len(candidate_layouts(dataclasses.replace(space, context_parallel_degrees=(1,))))] == [
         layout for layout in layouts if layout.cp == 1]  # without context parallelism the search is unchanged
-    assert not [layout for layout in candidate_layouts(dataclasses.replace(space, sequence_parallel=True))
-                if layout.cp > 1]
+    assert [layout for layout in candidate_layouts(dataclasses.replace(space, sequence_parallel=True))
+            if layout.cp > 1] == split  # a context rank's tokens split over tp as well
     with pytest.raises(ValueError, match="cp=2 runs with pp=1"):
         Layout(1, 2, 1, 2, 1, 0.0, cp=2)
 
@@ -154,3 +154,31 @@ def test_context_parallelism_leaves_unsplit_layouts_priced_as_before():
         if layout.cp == 1:
             assert predict(layout, _profile(samples=(1, 2)), _NETWORK, space) == predict(
                 layout, _profile(None, samples=(1, 2)), _NETWORK, space)
+
+
+def test_a_measured_context_rank_kernel_replaces_its_share_of_the_block():
+    """Where the profile timed one context rank's attention compute, it replaces 1/cp of the model's kernel in the
+    attention part, and its 1/cp per ring step is the window the transfer hides in."""
+    measured = dataclasses.replace(_profile(), attention_kernel_times={(1, 2): (4.0, 6.0)},
+                                   context_kernel_times={(2, "ring", 1, 2): (3.0, 5.0)})
+    space = SearchSpace(world_size=2, global_batch_size=2, tp_degrees_allowed=(1,), max_pipeline_stages=1,
+                        context_parallel_degrees=(2,))
+    ring = predict(Layout(1, 1, 1, 1, 1, 0.0, cp=2), measured, _NETWORK, space)
+    # attention parts per rank 2 s forward, 4 s backward; the kernel's half share 2 and 3 s becomes 3 and 5 s
+    assert ring.components["compute"] == pytest.approx(22.5 + 1.0 + 2.0)
+    # steps hide behind 1.5 s forward (the 1.38 s transfer fully) and 2.5 s backward (of 2.66 s), then the last hop
+    assert ring.components["context_exchange"] == pytest.approx((2.66 - 2.5) + 1.38)
+
+
+def test_context_rank_kernels_are_timed_for_the_methods_the_heads_allow():
+    import torch
+
+    from lightning_merak.planning.measure.context import time_attention_kernels
+
+    shape = ContextAttention(sequence_length=32, hidden_size=16, heads=4, key_value_heads=2, head_dim=4,
+                             element_bytes=4)
+    keys = {(2, "ring", 1, 2), (2, "all_to_all", 1, 2), (4, "all_to_all", 1, 2), (2, "ring", 2, 1)}
+    whole, split = time_attention_kernels(shape, keys, torch.device("cpu"), repeats=2)
+    assert set(whole) == {(1, 2), (2, 1)}
+    assert set(split) == {(2, "ring", 1, 2), (2, "all_to_all", 1, 2), (2, "ring", 2, 1)}  # 2 kv heads: no cp=4
+    assert all(forward > 0 and backward > 0 for forward, backward in [*whole.values(), *split.values()])

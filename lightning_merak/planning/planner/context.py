@@ -14,17 +14,21 @@ queries reach every key:
   (queries, keys and values to a head split, the output back) and four backward, none overlapped; ``cp`` must
   divide each tensor-parallel rank's key/value heads.
 
-The attention kernel's share of a block's attention part (its projections are the rest) comes from the FLOPs
-of both; that is the window a ring step's transfer can hide in.
+Where the profile measured one context rank's attention compute (``ModelProfile.context_kernel_times``, next to the
+model's own kernel over the whole sequence), it replaces the kernel's 1/cp share of the block: blockwise calls and
+merges cost more than their share on a CPU. Without it, the kernel's share of a block's attention part (its
+projections are the rest) comes from the FLOPs of both. Either is the window a ring step's transfer hides in.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from lightning_merak.planning.planner.profile import (
     CONTEXT_ATTENTION_METHODS,
     BlockTimes,
+    ModelProfile,
     NetworkProfile,
     _check_positive,
 )
@@ -82,12 +86,12 @@ class ContextAttention:
         return tuple(method for method in CONTEXT_ATTENTION_METHODS
                      if method == "ring" or (self.key_value_heads // tp) % cp == 0)
 
-    def exchange_s(self, method: str, cp: int, tp: int, samples: int, attention: tuple[float, float],
+    def exchange_s(self, method: str, cp: int, tp: int, samples: int, kernel: tuple[float, float],
                    network: NetworkProfile) -> tuple[float, float]:
         """``(forward_s, backward_s)`` of one block's exposed attention exchange for ``samples`` samples.
 
-        ``attention`` is the block's attention part ``(forward_s, backward_s)`` on one context rank (already
-        ``1/cp`` of the whole sequence's); a ring step's transfer hides behind the kernel's ``1/cp`` of it.
+        ``kernel`` is one context rank's attention kernel time ``(forward_s, backward_s)`` in the block; a ring
+        step's transfer hides behind ``1/cp`` of it.
         """
         if cp == 1:
             return 0.0, 0.0
@@ -98,8 +102,7 @@ class ContextAttention:
         local = samples / (tp * cp)  # this rank's share of the heads and of the sequence, in samples
         if method == "ring":
             shard_bytes = self.key_value_bytes_per_sample * local
-            forward_step_s = self.kernel_fraction * attention[0] / cp
-            backward_step_s = self.kernel_fraction * attention[1] / cp
+            forward_step_s, backward_step_s = kernel[0] / cp, kernel[1] / cp
             forward_s = (cp - 1) * max(0.0, network.p2p.send_s(shard_bytes) - forward_step_s)
             backward_s = ((cp - 1) * max(0.0, network.p2p.send_s(2 * shard_bytes) - backward_step_s)
                           + network.p2p.send_s(shard_bytes))
@@ -112,15 +115,32 @@ class ContextAttention:
         return direction_s, direction_s
 
 
-def per_context_rank(times: BlockTimes, cp: int) -> BlockTimes:
-    """A block's segments on one of ``cp`` context ranks: ``1/cp`` of the whole sequence's work each."""
+def context_rank_block(profile: ModelProfile, times: BlockTimes, cp: int, method: str, tp: int,
+                       samples: int) -> tuple[BlockTimes, tuple[float, float], tuple[float, float]]:
+    """A block's segments on one of ``cp`` context ranks, that rank's attention kernel time ``(forward_s,
+    backward_s)``, and what that kernel adds per block beyond ``1/cp`` of the whole-sequence one.
+
+    Every segment does 1/cp of the whole sequence's work. Where the profile measured the context rank's attention
+    compute and the model's own kernel (:attr:`ModelProfile.context_kernel_times`), the attention part's kernel
+    share is that measurement instead (the extra goes to the first forward segment and the last backward one,
+    the attention part: :class:`BlockTimes` cuts a block attention first); otherwise the kernel is the FLOP share
+    of the attention part (:attr:`ContextAttention.kernel_fraction`).
+    """
     if cp == 1:
-        return times
-    return BlockTimes(tuple(seconds / cp for seconds in times.forward_segments_s),
-                      tuple(seconds / cp for seconds in times.backward_segments_s))
-
-
-def attention_part(times: BlockTimes) -> tuple[float, float]:
-    """``(forward_s, backward_s)`` of a block's attention part: its first forward segment and its last backward
-    one (:class:`BlockTimes` cuts a block at the tensor-parallel collectives, attention before MLP)."""
-    return times.forward_segments_s[0], times.backward_segments_s[-1]
+        return times, (0.0, 0.0), (0.0, 0.0)
+    share = BlockTimes(tuple(seconds / cp for seconds in times.forward_segments_s),
+                       tuple(seconds / cp for seconds in times.backward_segments_s))
+    attention = (share.forward_segments_s[0], share.backward_segments_s[-1])
+    whole = profile.attention_kernel_times.get((tp, samples))
+    split = profile.context_kernel_times.get((cp, method, tp, samples))
+    if whole is None or split is None:
+        assert profile.context is not None
+        fraction = profile.context.kernel_fraction
+        return share, (fraction * attention[0], fraction * attention[1]), (0.0, 0.0)
+    # the kernel's own 1/cp share, at most the attention part it is measured inside
+    extra = tuple(measured - min(kernel / cp, part) for measured, kernel, part in zip(split, whole, attention))
+    forward, backward = list(share.forward_segments_s), list(share.backward_segments_s)
+    forward[0] = max(0.0, forward[0] + extra[0])
+    backward[-1] = max(0.0, backward[-1] + extra[1])
+    rank_block = dataclasses.replace(share, forward_segments_s=tuple(forward), backward_segments_s=tuple(backward))
+    return rank_block, (split[0], split[1]), (extra[0], extra[1])

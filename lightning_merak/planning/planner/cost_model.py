@@ -28,7 +28,7 @@ from lightning_merak.parallel.pipeline import (
     simulate_schedule,
     stage_aware_recompute_ratios,
 )
-from lightning_merak.planning.planner.context import attention_part, per_context_rank
+from lightning_merak.planning.planner.context import context_rank_block
 from lightning_merak.planning.planner.data_parallel import data_parallel_s, model_state_bytes
 from lightning_merak.planning.planner.overlap import OverlapResult, simulate_overlapped_chain
 from lightning_merak.planning.planner.profile import (
@@ -403,11 +403,13 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     ratios = stage_aware_recompute_ratios(layout.recompute_ratio, layout.pp)
     stages = _stages(layout, model_profile, samples, comm_s, space.vocab_parallel)
 
-    block_times = per_context_rank(model_profile.block_times_at(layout.tp, sub), layout.cp)
+    block_times, context_kernel_s, context_extra_s = context_rank_block(
+        model_profile, model_profile.block_times_at(layout.tp, sub), layout.cp, layout.context_attention, layout.tp,
+        sub)
     measured = _measured_blocks(layout, model_profile, samples)
     context_forward_s, context_backward_s = (
         (0.0, 0.0) if model_profile.context is None else model_profile.context.exchange_s(
-            layout.context_attention, layout.cp, layout.tp, samples, attention_part(block_times), network))
+            layout.context_attention, layout.cp, layout.tp, samples, context_kernel_s, network))
     block_parameter_bytes = model_profile.block_parameter_bytes_at(layout.tp)
     prefix_parameter_bytes, suffix_parameter_bytes = _outside_parameter_bytes(model_profile, layout.tp,
                                                                               space.vocab_parallel)
@@ -444,9 +446,11 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         local_s = forward.compute_s + backward.compute_s + recompute_s
         if measured is not None:
             outside_s = layout.overlap * (prefix_forward + suffix_forward)
-            forward_total = outside_s + share * measured.forward_s(stage.num_blocks)
+            forward_total = (outside_s + share * measured.forward_s(stage.num_blocks)
+                             + stage.num_blocks * context_extra_s[0])
             outside_s = layout.overlap * (prefix_backward + suffix_backward)
-            backward_total = outside_s + share * measured.backward_s(stage.num_blocks) + recompute_s
+            backward_total = (outside_s + share * measured.backward_s(stage.num_blocks)
+                              + stage.num_blocks * context_extra_s[1] + recompute_s)
         else:
             forward_total, backward_total = forward.time_s, backward.time_s + recompute_s
         loss_forward, loss_backward = (share * seconds for seconds in (

@@ -271,7 +271,10 @@ class ModelProfile:
     (each step writes temporaries of the whole table), so the per-byte figures stand in only
     where these are absent. ``experts`` describes MoE layers run expert parallel (``merak_ep``):
     their token exchange and the experts each rank keeps (:mod:`.experts`). ``context`` is the attention shape
-    context parallelism exchanges (:mod:`.context`), needed only to price ``cp > 1``.
+    context parallelism exchanges (:mod:`.context`), needed only to price ``cp > 1``; where measured,
+    ``attention_kernel_times`` by (tp, samples) is the model's attention kernel over the whole sequence in one
+    layer and ``context_kernel_times`` by (cp, method, tp, samples) one context rank's attention compute in its
+    place, both (forward_s, backward_s) (:mod:`lightning_merak.planning.measure.context`).
     """
 
     num_blocks: int
@@ -297,6 +300,8 @@ class ModelProfile:
     suffix_update_s: tuple[float, float] | None = None
     experts: ExpertLayers | None = None
     context: ContextAttention | None = None
+    attention_kernel_times: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    context_kernel_times: dict[tuple[int, str, int, int], tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_positive("ModelProfile", num_blocks=self.num_blocks)
@@ -315,7 +320,7 @@ class ModelProfile:
             times = getattr(self, name)
             if times is not None and (len(times) != 2 or min(times) < 0):
                 raise ValueError(f"ModelProfile.{name} must be (optimizer_s, clip_s), both >= 0, got {times}")
-        for name in ("prefix_times", "suffix_times", "loss_times"):
+        for name in ("prefix_times", "suffix_times", "loss_times", "attention_kernel_times", "context_kernel_times"):
             for samples, times in getattr(self, name).items():
                 if len(times) != 2 or min(times) < 0:
                     raise ValueError(

@@ -48,14 +48,14 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None,
     recompute ratios 0 or 1 only. Each takes every mode of ``sharding_modes`` it can run
     (:func:`sharding_modes_for`), and each expert-parallel size :func:`expert_parallel_sizes` gives its dp
     (``num_experts``: the experts of each MoE layer, searched over when ``space.ep_size`` is unset).
-    A context degree above 1 takes each of ``context_attention_methods``, with one stage, no sub-batches,
-    no sequence parallelism and no expert layers (what merak3d's context parallelism runs with); whether the
+    A context degree above 1 takes each of ``context_attention_methods``, with one stage, no sub-batches and no
+    expert layers (what merak3d's context parallelism runs with); whether the
     model's heads allow a method is the profile's to say (:func:`plan`).
     """
     max_stages = space.max_pipeline_stages if num_blocks is None else min(space.max_pipeline_stages, num_blocks + 2)
     layouts = []
     for cp in sorted(set(space.context_parallel_degrees)):
-        if space.world_size % cp or (cp > 1 and (space.sequence_parallel or num_experts is not None)):
+        if space.world_size % cp or (cp > 1 and num_experts is not None):
             continue
         methods = space.context_attention_methods if cp > 1 else ("ring",)
         for tp in sorted(set(space.tp_degrees_allowed)):
@@ -112,7 +112,9 @@ class ProfileKeys:
     ``all_to_all_group_sizes`` are the expert groups' sizes (``ep`` > 1) whose all-to-all a model with
     expert-parallel MoE layers exchanges over, and the context groups' sizes of all-to-all attention (optional:
     the all-reduce link of that size stands in). ``context_parallel``: some layout splits sequences, so the
-    profile must describe the attention they exchange (``ModelProfile.context``).
+    profile must describe the attention they exchange (``ModelProfile.context``); ``context_kernels`` lists the
+    (cp, method, tp, samples) at which a profiler should time one context rank's attention compute (optional: the
+    cost model falls back to the kernel's FLOP share).
     """
 
     block_times: frozenset[tuple[int, int]]
@@ -123,6 +125,7 @@ class ProfileKeys:
     loss_samples: frozenset[int] = frozenset()
     all_to_all_group_sizes: frozenset[int] = frozenset()
     context_parallel: bool = False
+    context_kernels: frozenset[tuple[int, str, int, int]] = frozenset()
 
 
 def required_profile_keys(space: SearchSpace, num_blocks: int | None = None,
@@ -132,6 +135,7 @@ def required_profile_keys(space: SearchSpace, num_blocks: int | None = None,
     block_times, samples_needed, tp_degrees, group_sizes, measured, loss_samples, expert_groups = (
         set(), set(), set(), set(), set(), set(), set()
     )
+    context_kernels: set[tuple[int, str, int, int]] = set()
     for layout in candidate_layouts(space, num_blocks, num_experts):
         samples = micro_batch_samples(layout, space)
         sub = samples // layout.overlap
@@ -149,13 +153,15 @@ def required_profile_keys(space: SearchSpace, num_blocks: int | None = None,
         if layout.ep > 1:  # the exchange's group, and the experts' gradient sum over the ranks holding the same ones
             expert_groups.add(layout.ep)
             group_sizes.update(size for size in (layout.ep, layout.dp // layout.ep) if size > 1)
+        if layout.cp > 1:
+            context_kernels.add((layout.cp, layout.context_attention, layout.tp, sub))
         if layout.cp > 1 and layout.context_attention == "all_to_all":
             expert_groups.add(layout.cp)
             group_sizes.add(layout.cp)
     return ProfileKeys(
         frozenset(block_times), frozenset(samples_needed), frozenset(tp_degrees), frozenset(group_sizes),
         frozenset(measured), frozenset(loss_samples), frozenset(expert_groups),
-        context_parallel=any(layout.cp > 1 for layout in candidate_layouts(space, num_blocks, num_experts)),
+        context_parallel=bool(context_kernels), context_kernels=frozenset(context_kernels),
     )
 
 
@@ -242,7 +248,8 @@ def plan(space: SearchSpace, model_profile: ModelProfile, network: NetworkProfil
     """Predict every candidate layout and rank those that fit ``space.memory_limit_bytes``, fastest first.
 
     Layouts whose expert-parallel size does not divide the model's experts are left out, and so are context-parallel
-    layouts whose attention method the model's heads or sequence rule out (``model_profile.context.methods``); with
+    layouts whose attention method the model's heads or sequence rule out (``model_profile.context.methods``, and
+    with sequence parallelism a context rank's tokens that do not split over tp); with
     ``space.ep_size``
     unset every size dividing dp and the experts is searched, each priced by the cost model (the experts a rank
     keeps, their gradients' sum over the dp/ep ranks holding the same ones, the exchange over ep ranks). Raises
@@ -270,7 +277,9 @@ def plan(space: SearchSpace, model_profile: ModelProfile, network: NetworkProfil
     context = model_profile.context
     layouts = [layout for layout in layouts
                if layout.cp == 1 or (context is not None and layout.context_attention in context.methods(layout.cp,
-                                                                                                         layout.tp))]
+                                                                                                         layout.tp)
+                                     and not (space.sequence_parallel and layout.tp > 1
+                                              and (context.sequence_length // layout.cp) % layout.tp))]
     if not layouts:
         raise ValueError(f"no context-parallel layout runs this model (sequence {context.sequence_length}, "
                          f"{context.key_value_heads} key/value heads) at context_parallel_degrees="

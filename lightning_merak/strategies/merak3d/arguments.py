@@ -197,14 +197,19 @@ class Merak3DArguments(Merak3DOptions):
         """What context parallelism runs with for now: ``name: (value given, value needed)`` ('auto' degrees are
         planned within them)."""
         return {"pipeline_parallel": (self.pipeline_parallel, 1), "tp_overlap": (self.tp_overlap, 1),
-                "sequence_parallel": (self.sequence_parallel, False), "micro_batching": (self.micro_batching, "none")}
+                "micro_batching": (self.micro_batching, "none")}
+
+    def context_parallel_blockers(self) -> list[str]:
+        """The fixed options context parallelism does not run with yet, as ``name=value``."""
+        return [f"{name}={value!r}" for name, (value, needed) in self._context_requirements().items()
+                if value not in (needed, "auto")]
 
     def context_parallel_degrees(self, world_size: int) -> tuple[int, ...]:
         """The context-parallel degrees the planner searches on ``world_size`` ranks: the one given, or for 'auto'
         every divisor of the world size, only 1 where a fixed option rules context parallelism out."""
         if self.context_parallel != "auto":
             return (int(self.context_parallel),)
-        if any(value not in (needed, "auto") for value, needed in self._context_requirements().values()):
+        if self.context_parallel_blockers():
             return (1,)
         return tuple(degree for degree in range(1, world_size + 1) if world_size % degree == 0)
 
@@ -342,10 +347,11 @@ class Merak3DArguments(Merak3DOptions):
         if tp is not None:
             if isinstance(self.tp_overlap, int):
                 check_overlap(self.tp_overlap, tp)
-            if self.sequence_parallel and tp > 1 and sequence_length is not None:
-                check_sequence_length(sequence_length, tp)
-        if self.context_parallel != "auto" and self.context_parallel > 1 and sequence_length is not None:
-            check_sequence_divisible(sequence_length, self.context_parallel)
+        context = self.context_parallel if isinstance(self.context_parallel, int) else 1
+        if context > 1 and sequence_length is not None:
+            check_sequence_divisible(sequence_length, context)
+        if tp is not None and self.sequence_parallel and tp > 1 and sequence_length is not None:
+            check_sequence_length(sequence_length // context, tp)  # each context rank's share is split over tp
         if batch_size is not None and (self.micro_batches is not None or not self.needs_planning):
             overlap = self.tp_overlap if isinstance(self.tp_overlap, int) else 1
             check_batch_split(batch_size, pp or 1, self.micro_batches, overlap, self.schedule)

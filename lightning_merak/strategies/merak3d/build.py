@@ -220,8 +220,8 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
     # a copy: an evaluation loop's batch may be an inference tensor, which autograd refuses
     micro = first_micro_batch(layout, inputs).clone()
     sequence_parallel = arguments.sequence_parallel and tp > 1
-    if sequence_parallel:
-        check_sequence_length(micro.shape[1], tp)
+    if sequence_parallel:  # the tokens each context rank holds are split over tp
+        check_sequence_length(micro.shape[1] // layout.context_parallel, tp)
     with in_training_mode(model):
         # Every rank profiles: blocks may hold collectives (MoE all-to-alls) that need all their peers.
         trace = trace_model(model, micro, call_model, profile=pp > 1, materialize_with=materialize_with)

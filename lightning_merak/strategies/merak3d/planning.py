@@ -26,6 +26,7 @@ from lightning_merak.parallel.layout import Layout, default_micro_batches
 from lightning_merak.parallel.materialize import has_meta
 from lightning_merak.parallel.pipeline.meta_trace import materialized_copy
 from lightning_merak.parallel.pipeline.trace import TraceError, find_trunk, trace_model
+from lightning_merak.planning.measure.context import time_attention_kernels
 from lightning_merak.planning.measure.experts import (
     expert_layers_of,
     experts_per_layer,
@@ -173,12 +174,15 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
                                 sequence_plan_of=sequence_parallel_plan if arguments.sequence_parallel else None,
                                 overlap_weight_gradients=arguments.weight_grad_overlap,
                                 materialize_with=materialize_with)
+    if keys.context_parallel:  # the attention a split sequence exchanges, and what a context rank computes of it
+        context = context_attention_of(model, inputs, precision)
+        whole, split = time_attention_kernels(context, keys.context_kernels, inputs.device, PLANNER_REPEATS)
+        profile = dataclasses.replace(profile, context=context, attention_kernel_times=whole,
+                                      context_kernel_times=split)
     every_rank: list[Any] = [None] * world
     dist.all_gather_object(every_rank, profile)
     profile = dataclasses.replace(average_profiles(every_rank), **state_bytes_per_parameter_byte(model, precision,
                                                                                                factory))
-    if keys.context_parallel:
-        profile = dataclasses.replace(profile, context=context_attention_of(model, inputs, precision))
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     probe_bytes = largest_network_probe(space.memory_limit_bytes)
     network = profile_network(keys.all_reduce_group_sizes, device,
@@ -260,11 +264,14 @@ def sharding_modes(arguments: Merak3DArguments, model: nn.Module, precision: Any
 
 def context_parallel_degrees(arguments: Merak3DArguments, model: nn.Module, world_size: int) -> tuple[int, ...]:
     """The context-parallel degrees to search: :meth:`Merak3DArguments.context_parallel_degrees`, only 1 for
-    'auto' where the model cannot split its sequences (logged with the reason)."""
+    'auto' where a fixed option or the model rules splitting sequences out (logged with the reason)."""
     degrees = arguments.context_parallel_degrees(world_size)
-    if arguments.context_parallel != "auto" or degrees == (1,):
+    if arguments.context_parallel != "auto" or world_size == 1:
         return degrees
-    problem = "MoE layers" if moe_layers(model) else None
+    blockers = arguments.context_parallel_blockers()
+    problem = f"it does not run with {', '.join(blockers)} yet" if blockers else None
+    if problem is None and moe_layers(model):
+        problem = "MoE layers"
     if problem is None:
         try:
             check_context_parallel_model(model, 2, "ring")

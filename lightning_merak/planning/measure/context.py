@@ -1,0 +1,133 @@
+"""One context-parallel rank's attention compute, timed in this process: what 1/cp of the model's SDPA misses.
+
+A rank of a context-parallel group does not run 1/cp of one SDPA call. The ring attends its load-balanced query
+chunks to each rank's key/value chunks in turn (``cp`` blockwise calls, split at the causal diagonal) and merges
+the partial results by their log-sum-exp; its backward repeats that per shard. All-to-all runs one attention over
+the whole sequence for ``heads / cp`` heads. On a CPU these smaller kernels and the merges cost more than their
+share of the whole (the measured cp=2 step at 4096 tokens is 1.3x half of cp=1's). The ranks' exchange is not
+part of these times: the cost model adds it (:mod:`lightning_merak.planning.planner.context`).
+
+Timed here with the shapes one rank holds (random inputs, no process group), next to the model's own attention
+over the whole sequence (``scaled_dot_product_attention``, causal) at the same heads, so the cost model can
+replace the attention kernel's 1/cp share in a block's profiled time with what a context rank runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_merak.parallel.context.blockwise import attend_block, attend_block_backward, merge_attention
+from lightning_merak.parallel.context.sharding import LoadBalancedLayout
+from lightning_merak.planning.planner import ContextAttention
+from lightning_merak.util.timing import median_call_time
+
+__all__ = ["time_attention_kernels"]
+
+KernelTimes = dict[tuple[int, int], tuple[float, float]]
+ContextKernelTimes = dict[tuple[int, str, int, int], tuple[float, float]]
+
+_DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+
+
+def _inputs(shape: ContextAttention, samples: int, heads: int, key_heads: int, device: torch.device,
+            ) -> tuple[Tensor, Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    dtype = _DTYPES.get(shape.element_bytes, torch.float32)
+
+    def random(width: int) -> Tensor:
+        values = torch.randn(samples, width, shape.sequence_length, shape.head_dim, generator=generator)
+        return values.to(device=device, dtype=dtype)
+
+    return random(heads), random(key_heads), random(key_heads)
+
+
+def _forward_and_backward_s(forward: Callable[[], Tensor], leaves: tuple[Tensor, ...], repeats: int,
+                            device: torch.device) -> tuple[float, float]:
+    """Median forward time and median forward + backward time less it, of a differentiable ``forward``."""
+    leaves = tuple(leaf.detach().requires_grad_(True) for leaf in leaves)
+
+    def both() -> None:
+        out = forward(*leaves)
+        out.backward(torch.ones_like(out))
+
+    forward_s = median_call_time(lambda: forward(*leaves), repeats, device)
+    return forward_s, max(0.0, median_call_time(both, repeats, device) - forward_s)
+
+
+def _whole_sequence_s(query: Tensor, key: Tensor, value: Tensor, repeats: int,
+                      device: torch.device) -> tuple[float, float]:
+    """The model's own attention over the whole sequence (causal SDPA, key/value heads shared as GQA)."""
+    grouped = query.shape[1] != key.shape[1]
+    return _forward_and_backward_s(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped),
+        (query, key, value), repeats, device)
+
+
+def _ring_rank_s(query: Tensor, key: Tensor, value: Tensor, cp: int, repeats: int,
+                 device: torch.device) -> tuple[float, float]:
+    """Rank 0 of a ring of ``cp``: its query chunks against each rank's key/value chunks, merged (forward, as
+    ``ring_attention`` runs it without autograd), then each shard's gradient from the merged result."""
+    positions = LoadBalancedLayout(query.shape[2], cp).rank_positions()
+    local_query = query[:, :, positions[0]].contiguous()
+    shards = [(key[:, :, positions[rank]].contiguous(), value[:, :, positions[rank]].contiguous())
+              for rank in range(cp)]
+
+    def forward() -> tuple[Tensor, Tensor]:
+        out = lse = None
+        with torch.no_grad():
+            for rank, (shard_key, shard_value) in enumerate(shards):
+                block_out, block_lse = attend_block(local_query, shard_key, shard_value,
+                                                    query_positions=positions[0], key_positions=positions[rank])
+                if out is None:  # accumulated as the ring does: float32 at least
+                    out, lse = block_out.to(torch.promote_types(block_out.dtype, torch.float32)), block_lse
+                else:
+                    out, lse = merge_attention(out, lse, block_out, block_lse)
+        assert out is not None and lse is not None
+        return out.to(query.dtype), lse
+
+    out, lse = forward()
+    grad_out = torch.ones_like(out)
+
+    def backward() -> None:
+        with torch.no_grad():
+            for rank, (shard_key, shard_value) in enumerate(shards):
+                attend_block_backward(grad_out, local_query, shard_key, shard_value, out, lse,
+                                      query_positions=positions[0], key_positions=positions[rank])
+
+    return median_call_time(forward, repeats, device), median_call_time(backward, repeats, device)
+
+
+def _all_to_all_rank_s(query: Tensor, key: Tensor, value: Tensor, repeats: int,
+                       device: torch.device) -> tuple[float, float]:
+    """One attention over the whole sequence for this rank's ``heads / cp`` heads (``query`` etc. already cut)."""
+    positions = torch.arange(query.shape[2])
+    return _forward_and_backward_s(
+        lambda q, k, v: attend_block(q, k, v, query_positions=positions, key_positions=positions)[0],
+        (query, key, value), repeats, device)
+
+
+def time_attention_kernels(shape: ContextAttention, keys: Iterable[tuple[int, str, int, int]],
+                           device: torch.device, repeats: int) -> tuple[KernelTimes, ContextKernelTimes]:
+    """``(whole, split)``: the model's attention kernel over the whole sequence by ``(tp, samples)``, and one
+    context rank's attention compute by ``(cp, method, tp, samples)``, for every key of ``keys``; each
+    ``(forward_s, backward_s)`` for one attention layer of ``samples`` samples on a tensor-parallel rank."""
+    whole: KernelTimes = {}
+    split: ContextKernelTimes = {}
+    for cp, method, tp, samples in sorted(set(keys)):
+        if method not in shape.methods(cp, tp):  # the planner leaves such layouts out
+            continue
+        heads, key_heads = shape.heads // tp, shape.key_value_heads // tp
+        query, key, value = _inputs(shape, samples, heads, key_heads, device)
+        if (tp, samples) not in whole:
+            whole[(tp, samples)] = _whole_sequence_s(query, key, value, repeats, device)
+        if method == "ring":
+            split[(cp, method, tp, samples)] = _ring_rank_s(query, key, value, cp, repeats, device)
+        else:
+            split[(cp, method, tp, samples)] = _all_to_all_rank_s(
+                query[:, :heads // cp], key[:, :key_heads // cp], value[:, :key_heads // cp], repeats, device)
+    return whole, split
