@@ -32,7 +32,8 @@ ranks, real ranks), until a rung exceeds the cap: 1.05 × cp=1's bytes at that s
 
 Goals (issue #52; each the worst case over its leg, :func:`benchmarks.goals.worst_case`): :data:`ACTIVATION`,
 :data:`LONGEST`, :data:`EFFICIENCY`, :data:`LOSS`, and two not built yet, :data:`PLANNER_REGRET` and
-:data:`VARIABLE_SPEEDUP` (no planner chooses cp, no micro-batch picks its own cp), reported without a figure.
+:data:`VARIABLE_SPEEDUP` (no leg plans cp and measures the layouts ranked; no micro-batch picks its own cp), reported
+without a figure.
 A full run is written with :func:`benchmarks.goals.write_run`; ``--quick`` writes
 ``results/context_parallel.quick.json``. Label "emulated": measured on this machine's CPU over a shaped network
 (no latency emulation: no sch_netem). Any row that errors makes the command exit 1, except a baseline refusing
@@ -122,8 +123,8 @@ VARIABLE_SPEEDUP = Goal(
     "step time with a fixed cp over the step with each micro-batch's cp chosen by its sequence length, on batches "
     "of variable-length sequences; worst over length mixes", issue=ISSUE)
 NOT_BUILT = {
-    PLANNER_REGRET.key: "not built yet: merak3d's planner does not choose context_parallel (the strategy refuses "
-                        "'auto' degrees with it), so there is no planned cp layout to measure",
+    PLANNER_REGRET.key: "not built yet: merak3d's planner chooses context_parallel (context_parallel='auto'), but "
+                        "this benchmark has no leg that plans it and measures every cp layout it ranks",
     VARIABLE_SPEEDUP.key: "not built yet: context_parallel is one degree for the whole run; no micro-batch can "
                           "choose its own cp, so there is no variable-cp run to measure",
 }
