@@ -6,7 +6,7 @@ tensor layout with its micro-batches, tensor-parallel overlap degree and recompu
 picks the fastest that fits memory.
 """
 
-from lightning_merak.planning.planner.context import ContextAttention
+from lightning_merak.planning.planner.attention import ContextAttention
 from lightning_merak.planning.planner.cost_model import COMPONENTS, Layout, Prediction, micro_batch_samples, predict
 from lightning_merak.planning.planner.experts import ExpertLayers
 from lightning_merak.planning.planner.overlap import OverlapResult, simulate_overlapped_chain

@@ -28,7 +28,7 @@ from lightning_merak.parallel.pipeline import (
     simulate_schedule,
     stage_aware_recompute_ratios,
 )
-from lightning_merak.planning.planner.context import context_rank_block
+from lightning_merak.planning.planner.context import context_rank_block, exchange_s
 from lightning_merak.planning.planner.data_parallel import data_parallel_s, model_state_bytes
 from lightning_merak.planning.planner.overlap import OverlapResult, simulate_overlapped_chain
 from lightning_merak.planning.planner.profile import (
@@ -408,8 +408,8 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         sub)
     measured = _measured_blocks(layout, model_profile, samples)
     context_forward_s, context_backward_s = (
-        (0.0, 0.0) if model_profile.context is None else model_profile.context.exchange_s(
-            layout.context_attention, layout.cp, layout.tp, samples, context_kernel_s, network))
+        (0.0, 0.0) if model_profile.context is None else exchange_s(
+            model_profile.context, layout.context_attention, layout.cp, layout.tp, samples, context_kernel_s, network))
     block_parameter_bytes = model_profile.block_parameter_bytes_at(layout.tp)
     prefix_parameter_bytes, suffix_parameter_bytes = _outside_parameter_bytes(model_profile, layout.tp,
                                                                               space.vocab_parallel)
@@ -492,7 +492,8 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         memory_bytes.append(memory)
         after_pipeline_s.append(
             (
-                data_parallel_s(layout, space, network, parameter_bytes - experts.kept_bytes, block_parameter_bytes,
+                data_parallel_s(layout.data_parallel_ranks, layout.sharding, layout.pp > 1, space, network,
+                                parameter_bytes - experts.kept_bytes, block_parameter_bytes,
                                 stage.num_blocks + 1, forward_total, backward_total)
                 + (network.gradient_sync_s(experts.kept_bytes, layout.dp // layout.ep) if experts.kept_bytes else 0.0),
                 _clip_s(layout, model_profile, network, stage, shards) if space.clip_gradients else 0.0,

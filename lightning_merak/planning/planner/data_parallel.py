@@ -4,12 +4,8 @@ communication of each mode (pure functions of the layout's degrees and the profi
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from lightning_merak.planning.planner.profile import ModelProfile, NetworkProfile, SearchSpace
-
-if TYPE_CHECKING:
-    from lightning_merak.planning.planner.cost_model import Layout
 
 
 def model_state_bytes(mode: str, shards: int, pipelined: bool, parameter_bytes: float, in_flight_bytes: float,
@@ -59,11 +55,13 @@ def exposed_comm_s(comm_s: float, window_s: float, last_fraction: float) -> floa
     return max(comm_s - window_s, comm_s * min(1.0, last_fraction))
 
 
-def data_parallel_s(layout: Layout, space: SearchSpace, network: NetworkProfile, parameter_bytes: float,
-                    block_bytes: float, units: int, forward_s: float, backward_s: float) -> float:
+def data_parallel_s(ranks: int, sharding: str, pipelined: bool, space: SearchSpace, network: NetworkProfile,
+                    parameter_bytes: float, block_bytes: float, units: int, forward_s: float,
+                    backward_s: float) -> float:
     """Exposed data-parallel communication of a stage holding ``parameter_bytes`` in ``units`` FSDP2 modules
     (its blocks and its root), after its last micro-batch's ``forward_s`` and ``backward_s``, over the layout's
-    data-parallel ranks (batch replicas x context ranks).
+    ``ranks`` data-parallel ranks (batch replicas x context ranks) sharding by ``sharding``, with several
+    pipeline stages where ``pipelined``.
 
     ``"none"``: the gradient all-reduce. ``"optimizer"``/``"gradients"``: a reduce-scatter and an
     all-gather, together the bytes of a ring all-reduce over the shard group (each half of it),
@@ -76,12 +74,11 @@ def data_parallel_s(layout: Layout, space: SearchSpace, network: NetworkProfile,
     stages the gathered parameters stay, so one all-gather (first forward) and one reduce-scatter
     (last backward).
     """
-    ranks = layout.data_parallel_ranks
-    shards = space.shards(layout.sharding, ranks)
+    shards = space.shards(sharding, ranks)
     if ranks == 1 or parameter_bytes == 0:
         return 0.0
     bucket = parameter_bytes if space.grad_bucket_bytes is None else min(parameter_bytes, space.grad_bucket_bytes)
-    pieces = units if layout.sharding == "full" and shards > 1 else math.ceil(parameter_bytes / bucket)
+    pieces = units if sharding == "full" and shards > 1 else math.ceil(parameter_bytes / bucket)
 
     def collectives_s(nbytes: float, ranks: int) -> float:
         """``nbytes`` synchronised over ``ranks`` in ``pieces`` collectives."""
@@ -98,9 +95,9 @@ def data_parallel_s(layout: Layout, space: SearchSpace, network: NetworkProfile,
     ring_s = collectives_s(parameter_bytes, shards)
     reduce_s = ring_s / 2 + collectives_s(parameter_bytes / shards, ranks // shards)
     gather_s = ring_s / 2
-    if layout.sharding != "full":
+    if sharding != "full":
         return reduced_s(reduce_s) + gather_s
     block_fraction = block_bytes / parameter_bytes
-    backward_comm_s = reduce_s if layout.pp > 1 else gather_s + reduce_s
+    backward_comm_s = reduce_s if pipelined else gather_s + reduce_s
     return (exposed_comm_s(gather_s, forward_s, block_fraction)
             + exposed_comm_s(backward_comm_s, backward_s, block_fraction))

@@ -10,20 +10,15 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence, TypeVar
+from typing import Any, Sequence, TypeVar
 
 from lightning_merak.parallel.pipeline import SCHEDULES, simulate_schedule
+from lightning_merak.planning.planner.attention import CONTEXT_ATTENTION_METHODS, ContextAttention
 from lightning_merak.planning.planner.experts import ExpertLayers
-
-if TYPE_CHECKING:
-    from lightning_merak.planning.planner.context import ContextAttention
 
 DATA_PARALLEL_SHARDING = ("none", "optimizer", "gradients", "full")
 """What the data-parallel ranks may split, least sharded first (the order ties between equally fast layouts take):
 nothing, the optimizer state (ZeRO-1), gradients too (ZeRO-2), parameters too (FSDP2)."""
-
-CONTEXT_ATTENTION_METHODS = ("ring", "all_to_all")
-"""How attention spans a sequence split over context ranks (:mod:`.context`); ring, first, runs at any head count."""
 
 
 def _check_non_negative(owner: str, **values: float) -> None:
