@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CONTEXT_ATTENTION_METHODS = ("ring", "all_to_all")
-"""How attention spans a sequence split over context ranks (:mod:`.context`); ring, first, runs at any head count."""
+from lightning_merak.parallel.context.model import CONTEXT_ATTENTION_METHODS
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ rank computing the plan gets the same answer.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -54,33 +55,29 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None,
     """
     max_stages = space.max_pipeline_stages if num_blocks is None else min(space.max_pipeline_stages, num_blocks + 2)
     layouts = []
-    for cp in sorted(set(space.context_parallel_degrees)):
-        if space.world_size % cp or (cp > 1 and num_experts is not None):
+    for cp, tp in itertools.product(sorted(set(space.context_parallel_degrees)), sorted(set(space.tp_degrees_allowed))):
+        if space.world_size % (cp * tp) or (cp > 1 and num_experts is not None):
             continue
         methods = space.context_attention_methods if cp > 1 else ("ring",)
-        for tp in sorted(set(space.tp_degrees_allowed)):
-            if (space.world_size // cp) % tp:
+        for pp in _divisors(space.world_size // (cp * tp)):
+            dp = space.world_size // (cp * tp * pp)
+            per_replica, expert_sizes = space.replica_batch(dp), expert_parallel_sizes(space, dp, num_experts)
+            if pp > max_stages or per_replica is None or not expert_sizes or (cp > 1 and pp > 1):
                 continue
-            for pp in _divisors(space.world_size // (cp * tp)):
-                dp = space.world_size // (cp * tp * pp)
-                per_replica, expert_sizes = space.replica_batch(dp), expert_parallel_sizes(space, dp, num_experts)
-                if pp > max_stages or per_replica is None or not expert_sizes or (cp > 1 and pp > 1):
-                    continue
-                if pp == 1:
-                    micro_batch_counts = [1]
-                else:
-                    choices = _divisors(per_replica) if space.micro_batch_choices is None else space.micro_batch_choices
-                    micro_batch_counts = sorted({count for count in choices
-                                                 if count >= pp and per_replica % count == 0})
-                ratios = sorted(set(space.recompute_ratios) if pp > 1 else set(space.recompute_ratios) & {0.0, 1.0})
-                for micro_batches in micro_batch_counts:
-                    samples = per_replica // micro_batches
-                    overlaps = sorted({k for k in space.overlap_choices if samples % k == 0}) if tp > 1 else [1]
-                    for overlap in overlaps if cp == 1 else [1]:
-                        for ratio in ratios:
-                            for mode in sharding_modes_for(space, dp * cp, overlap):
-                                layouts += [Layout(dp, pp, tp, micro_batches, overlap, ratio, mode, ep, cp, method)
-                                            for ep in expert_sizes for method in methods]
+            if pp == 1:
+                micro_batch_counts = [1]
+            else:
+                choices = _divisors(per_replica) if space.micro_batch_choices is None else space.micro_batch_choices
+                micro_batch_counts = sorted({count for count in choices if count >= pp and per_replica % count == 0})
+            ratios = sorted(set(space.recompute_ratios) if pp > 1 else set(space.recompute_ratios) & {0.0, 1.0})
+            for micro_batches in micro_batch_counts:
+                samples = per_replica // micro_batches
+                overlaps = sorted({k for k in space.overlap_choices if samples % k == 0}) if tp > 1 else [1]
+                for overlap in overlaps if cp == 1 else [1]:
+                    for ratio in ratios:
+                        for mode in sharding_modes_for(space, dp * cp, overlap):
+                            layouts += [Layout(dp, pp, tp, micro_batches, overlap, ratio, mode, ep, cp, method)
+                                        for ep in expert_sizes for method in methods]
     return layouts
 
 

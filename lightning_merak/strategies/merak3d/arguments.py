@@ -188,21 +188,20 @@ class Merak3DArguments(Merak3DOptions):
                              "every degree")
         if cp in (1, "auto"):  # 'auto' searches only what the fixed options leave (context_parallel_degrees)
             return
-        for name, (value, needed) in self._context_requirements().items():
-            if value not in (needed, "auto"):
-                raise ValueError(f"context_parallel={cp} runs with {name}={needed!r} for now, got {name}={value!r}; "
-                                 f"set {name}={needed!r} or context_parallel=1")
+        for name, value, needed in self._context_blocking():
+            raise ValueError(f"context_parallel={cp} runs with {name}={needed!r} for now, got {name}={value!r}; "
+                             f"set {name}={needed!r} or context_parallel=1")
 
-    def _context_requirements(self) -> dict[str, tuple[Any, Any]]:
-        """What context parallelism runs with for now: ``name: (value given, value needed)`` ('auto' degrees are
-        planned within them)."""
-        return {"pipeline_parallel": (self.pipeline_parallel, 1), "tp_overlap": (self.tp_overlap, 1),
-                "micro_batching": (self.micro_batching, "none")}
+    def _context_blocking(self) -> list[tuple[str, Any, Any]]:
+        """The fixed options context parallelism does not run with yet, as ``(name, value given, value needed)``
+        ('auto' degrees are planned within what it runs with)."""
+        needs = {"pipeline_parallel": (self.pipeline_parallel, 1), "tp_overlap": (self.tp_overlap, 1),
+                 "micro_batching": (self.micro_batching, "none")}
+        return [(name, value, needed) for name, (value, needed) in needs.items() if value not in (needed, "auto")]
 
     def context_parallel_blockers(self) -> list[str]:
         """The fixed options context parallelism does not run with yet, as ``name=value``."""
-        return [f"{name}={value!r}" for name, (value, needed) in self._context_requirements().items()
-                if value not in (needed, "auto")]
+        return [f"{name}={value!r}" for name, value, _ in self._context_blocking()]
 
     def context_parallel_degrees(self, world_size: int) -> tuple[int, ...]:
         """The context-parallel degrees the planner searches on ``world_size`` ranks: the one given, or for 'auto'

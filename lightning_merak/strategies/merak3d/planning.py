@@ -191,15 +191,13 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
                               gradient_bytes=min(probe_bytes, 256 << 20, gradient_bytes), repeats=PLANNER_REPEATS,
                               pipeline=any(layout.pp > 1 for layout in candidate_layouts(space, num_blocks,
                                                                                          num_experts)))
-    if keys.all_to_all_group_sizes and not merak_ep:  # Ulysses attention's exchange (merak_ep's below)
-        network = dataclasses.replace(network, all_to_all=measure_all_to_all(
-            keys.all_to_all_group_sizes, device, large_bytes=min(probe_bytes, 64 << 20, max(
-                1 << 16, inputs.shape[0] * profile.hidden_bytes_per_sample)), repeats=PLANNER_REPEATS))
     if merak_ep:
         sequence = inputs.shape[1] if inputs.ndim > 1 else 1
         profile = dataclasses.replace(profile, experts=expert_layers_of(model, sequence,
                                                                         profile.hidden_bytes_per_sample))
-        exchange_bytes = inputs.shape[0] * profile.experts.top_k * profile.hidden_bytes_per_sample
+    if merak_ep or keys.all_to_all_group_sizes:  # the expert groups' token exchange, or all-to-all attention's
+        exchange_bytes = (inputs.shape[0] * (profile.experts.top_k if merak_ep else 1)
+                          * profile.hidden_bytes_per_sample)
         network = dataclasses.replace(network, all_to_all=measure_all_to_all(
             keys.all_to_all_group_sizes, device, large_bytes=min(probe_bytes, 64 << 20, max(1 << 16, exchange_bytes)),
             repeats=PLANNER_REPEATS))
