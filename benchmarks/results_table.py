@@ -191,11 +191,25 @@ def context_parallel(data: dict[str, Any]) -> Table:
                   "saved bytes vs cp=1", "efficiency vs cp=1", "loss rel. diff vs cp=1"], rows, notes)
 
 
+def muon(data: dict[str, Any]) -> Table:
+    """Per layout: AdamW's, our Muon's and the common port's step, and the part after the backward."""
+    rows: list[Sequence[object]] = []
+    for r in data["rows"]:
+        if "error" in r:
+            rows.append([r["layout"], r["optimizer"], "-", "-", "-", f"failed: {brief(r['error'])}"])
+            continue
+        rows.append([r["layout"], r["optimizer"], f"{r['step_ms']:.0f}", f"{r['optimizer_ms']:.0f}",
+                     ratio(r.get("over_adamw")), f"{r['loss_last']:.4f}"])
+    notes = [f"workload: {data['workload_description']}; baseline: {data['baseline']}",
+             f"ranks: {data['rank_cpu']['emulation']}; {data['network_note']}"]
+    return Table(["layout", "optimizer", "step ms", "after backward ms", "step vs AdamW", "last loss"], rows, notes)
+
+
 AREAS: dict[str, Callable[[dict[str, Any]], Table]] = {
     "collectives": collectives, "merak3d": merak3d, "overlap_tp": overlap_tp, "planner": planner,
     "delta": delta, "sparse_comm": sparse_comm, "moe": moe, "adapters": adapters, "scale": scale,
     "sharding": sharding, "dynapipe": dynapipe, "replay": replay, "moe_families": moe_families,
-    "observability": observability, "context_parallel": context_parallel,
+    "observability": observability, "context_parallel": context_parallel, "muon": muon,
 }
 AUXILIARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "adapters_lr_sweep": ("adapters", adapters_lr_sweep),

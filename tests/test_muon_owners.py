@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_merak.modules.causal_lm import MuonWithAdamW
+from lightning_merak.modules.muon import MuonWithAdamW
 from lightning_merak.parallel.data.owners import assign_owners, orthogonalisation_cost
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import run_distributed
@@ -48,10 +48,10 @@ def _spread_rank(rank: int, world_size: int) -> dict:
     params, optimizer = _optimizer()
     optimizer.spread_over(dist.group.WORLD)
     _steps(params, optimizer, range(3))
-    held = [index for index, param in enumerate(params[:-1]) if "momentum_buffer" in optimizer.parts[0].state[param]]
+    held = [index for index, param in enumerate(params[:-1]) if "momentum_buffer" in optimizer.muon.state[param]]
     state = optimizer.state_dict()
     momenta = {key: value["momentum_buffer"].clone() for key, value in state["parts"][0]["state"].items()}
-    after_gather = sum("momentum_buffer" in optimizer.parts[0].state.get(param, {}) for param in params[:-1])
+    after_gather = sum("momentum_buffer" in optimizer.muon.state.get(param, {}) for param in params[:-1])
     optimizer.load_state_dict(state)
     _steps(params, optimizer, range(3, 5))
     return {"params": [param.detach().clone() for param in params], "held": held, "after_gather": after_gather,
@@ -115,7 +115,7 @@ def _train_rank(rank: int, world_size: int, spread: bool = True, first_step: int
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     optimizer = trainer.optimizers[0]
-    owned = sum("momentum_buffer" in optimizer.parts[0].state.get(param, {}) for param in optimizer.matrices)
+    owned = sum("momentum_buffer" in optimizer.muon.state.get(param, {}) for param in optimizer.matrices)
     return {"losses": recorder.losses, "owned": owned, "matrices": len(optimizer.matrices),
             "weights": {name: param.detach().clone() for name, param in module.model.named_parameters()}}
 
@@ -144,10 +144,10 @@ def test_the_parts_state_is_one_mapping_by_parameter() -> None:
     _steps(params, optimizer, range(1))
     matrix, bias = params[0], params[-1]
     assert matrix in optimizer.state and bias in optimizer.state and len(optimizer.state) == len(params)
-    assert optimizer.state[matrix] is optimizer.parts[0].state[matrix]
+    assert optimizer.state[matrix] is optimizer.muon.state[matrix]
     assert set(optimizer.state[bias]) >= {"exp_avg", "exp_avg_sq"}
     optimizer.state[matrix] = {"momentum_buffer": torch.zeros_like(matrix)}
-    assert optimizer.parts[0].state[matrix]["momentum_buffer"].abs().sum() == 0
+    assert optimizer.muon.state[matrix]["momentum_buffer"].abs().sum() == 0
 
 
 @pytest.mark.distributed

@@ -11,7 +11,6 @@ LightningModule.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, MutableMapping
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
@@ -22,8 +21,8 @@ from torch import nn
 from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, model_record
 from lightning_merak.hf.pretrained import load_rank_pretrained
 from lightning_merak.modules.config import ModelConfig, OptimConfig, Schedule
+from lightning_merak.modules.muon import MuonWithAdamW
 from lightning_merak.modules.schedules import warmup_schedule
-from lightning_merak.parallel.data.owners import OwnedMatrices
 from lightning_merak.util.model_outputs import logits_of, weighted_router_aux_loss
 
 __all__ = ["CausalLMModule", "build_causal_lm"]
@@ -168,12 +167,17 @@ class CausalLMModule(pl.LightningModule):
 
 def _embedding_parameters(model: nn.Module) -> set[int]:
     """Ids of the input embedding's and output head's parameters (transformers models name them), which Muon
-    leaves to AdamW."""
+    leaves to AdamW; inside a model split into pipeline stages, those of the stages' models."""
     found: set[int] = set()
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        layer = getattr(model, getter, lambda: None)()
-        if isinstance(layer, nn.Module):
-            found.update(id(param) for param in layer.parameters())
+    for module in model.modules():
+        for getter in ("get_input_embeddings", "get_output_embeddings"):
+            getter_of = getattr(module, getter, None)
+            try:
+                layer = getter_of() if callable(getter_of) else None
+            except NotImplementedError:  # a transformers module that names no embedding
+                continue
+            if isinstance(layer, nn.Module):
+                found.update(id(param) for param in layer.parameters())
     return found
 
 
@@ -187,144 +191,3 @@ def _optimizer(optim: OptimConfig, decay: list[nn.Parameter], no_decay: list[nn.
     if optim.name == "muon":
         return MuonWithAdamW(groups, lr=optim.learning_rate, momentum=optim.momentum, adamw_only=embeddings)
     return torch.optim.AdamW(groups, lr=optim.learning_rate)
-
-
-class _PartsState(MutableMapping):
-    """Per-parameter optimizer state kept by the part that steps the parameter, read and written as one mapping."""
-
-    def __init__(self, parts: list[torch.optim.Optimizer]) -> None:
-        self._parts = parts
-        self._by_param = {id(param): part for part in parts for group in part.param_groups
-                          for param in group["params"]}
-
-    def _part(self, param: Any) -> torch.optim.Optimizer:
-        part = self._by_param.get(id(param))
-        if part is None:
-            raise KeyError(param)
-        return part
-
-    def __getitem__(self, param: Any) -> dict[str, Any]:
-        return self._part(param).state[param]
-
-    def __setitem__(self, param: Any, value: dict[str, Any]) -> None:
-        self._part(param).state[param] = value
-
-    def __delitem__(self, param: Any) -> None:
-        del self._part(param).state[param]
-
-    def __contains__(self, param: object) -> bool:
-        return any(param in part.state for part in self._parts)
-
-    def __iter__(self) -> Iterator[Any]:
-        return (param for part in self._parts for param in part.state)
-
-    def __len__(self) -> int:
-        return sum(len(part.state) for part in self._parts)
-
-
-class MuonWithAdamW(torch.optim.Optimizer):
-    """``torch.optim.Muon`` on the 2-D hidden matrices of ``groups``, AdamW on every other parameter (the
-    embeddings and head, whose ids ``adamw_only`` holds, as the Muon recipe prescribes), as one optimizer.
-
-    Why one: Lightning's automatic optimization steps one optimizer per module, and Muon orthogonalises 2-D
-    updates only (norms, biases and fused 3-D expert tensors need another rule). Muon scales its step to match
-    AdamW's update size (``adjust_lr_fn="match_rms_adamw"``), so both share the learning rate and weight decay.
-    Its groups are the two optimizers' own (named ``muon/<group>`` and ``adamw/<group>``), so a learning-rate
-    schedule moves both.
-
-    Under replicated data parallelism, :meth:`spread_over` gives each matrix one owner rank
-    (:class:`~lightning_merak.parallel.data.owners.OwnedMatrices`): the owner alone keeps its momentum and
-    orthogonalises it, and broadcasts the new value, so the Newton–Schulz work and the momentum divide over the
-    replicas instead of repeating on each; the result is the same. merak3d does this by itself at
-    ``data_parallel_sharding="none"``; ``state_dict`` still holds every matrix's momentum.
-    """
-
-    def __init__(self, groups: list[dict[str, Any]], lr: float, momentum: float,
-                 adamw_only: frozenset[int] | set[int] = frozenset()) -> None:
-        muon_groups, adamw_groups = [], []
-        for group in groups:
-            params = list(group["params"])
-            hidden = [param for param in params if param.ndim == 2 and id(param) not in adamw_only]
-            hidden_ids = {id(param) for param in hidden}
-            name = group.get("name", "params")
-            muon_groups.append({**group, "params": hidden, "name": f"muon/{name}"})
-            adamw_groups.append({**group, "params": [param for param in params if id(param) not in hidden_ids],
-                                 "name": f"adamw/{name}"})
-        self.parts = [torch.optim.Muon([group for group in muon_groups if group["params"]], lr=lr, momentum=momentum,
-                                       adjust_lr_fn="match_rms_adamw"),
-                      torch.optim.AdamW([group for group in adamw_groups if group["params"]], lr=lr)]
-        super().__init__([param for group in groups for param in group["params"]], {"lr": lr})
-        self.param_groups = [group for part in self.parts for group in part.param_groups]
-        self.state = _PartsState(self.parts)  # what checkpointers read and write per parameter: the parts' own
-        self.owners: Optional[OwnedMatrices] = None
-
-    @property
-    def matrices(self) -> list[nn.Parameter]:
-        """The parameters Muon steps."""
-        return [param for group in self.parts[0].param_groups for param in group["params"]]
-
-    def spread_over(self, group: Any, replicated: Optional[set[int]] = None) -> None:
-        """Step each Muon matrix on one rank of ``group`` and broadcast it; ``replicated``: ids of the matrices
-        every rank of ``group`` holds with equal values and gradients (default: all; others, such as
-        expert-parallel weights, step on their own rank). A collective-free call every rank of ``group`` makes."""
-        matrices = [param for param in self.matrices if replicated is None or id(param) in replicated]
-        self.owners = OwnedMatrices(matrices, group)
-        self.owners.drop_state(self.parts[0].state)
-
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        muon, *others = self.parts
-        if self.owners is None:
-            muon.step()
-        else:  # only owned matrices have a gradient while Muon steps; then the owners send the new values
-            others_grads = {param: param.grad for param in self.owners.params if not self.owners.owns(param)}
-            for param in others_grads:
-                param.grad = None
-            try:
-                muon.step()
-            finally:
-                for param, grad in others_grads.items():
-                    param.grad = grad
-            self.owners.broadcast_values()
-        for part in others:
-            part.step()
-        return loss
-
-    def _split(self, flat: dict[str, Any]) -> list[dict[str, Any]]:
-        """torch's state dict over all the parts' groups, cut into one per part (indices made the part's own)."""
-        parts, first_group, first_index = [], 0, 0
-        for part in self.parts:
-            groups = flat["param_groups"][first_group:first_group + len(part.param_groups)]
-            count = sum(len(group["params"]) for group in part.param_groups)
-            state = {index - first_index: value for index, value in flat["state"].items()
-                     if first_index <= index < first_index + count}
-            parts.append({"state": state, "param_groups": [
-                {**group, "params": [index - first_index for index in group["params"]]} for group in groups]})
-            first_group, first_index = first_group + len(part.param_groups), first_index + count
-        return parts
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for part in self.parts:
-            part.zero_grad(set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Every part's state; spread over replicas, every matrix's momentum gathered from its owner (a collective
-        then: every rank of the group calls it)."""
-        received = [] if self.owners is None else self.owners.gather_state(self.parts[0].state, "momentum_buffer")
-        try:
-            return {"parts": [part.state_dict() for part in self.parts]}
-        finally:
-            if self.owners is not None:
-                self.owners.drop_state(self.parts[0].state, received)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load this optimizer's own format, or torch's over :attr:`param_groups` (the parts' groups in order, as a
-        checkpointer writing ``state[param]`` per parameter builds it)."""
-        parts = state_dict["parts"] if "parts" in state_dict else self._split(state_dict)
-        for part, state in zip(self.parts, parts):
-            part.load_state_dict(state)
-        if self.owners is not None:
-            self.owners.drop_state(self.parts[0].state)

@@ -54,6 +54,8 @@ from lightning_merak.parallel.data.skipped_communication import (
     communication_skipped,
     keep_own_part,
 )
+from lightning_merak.parallel.data.sliced_state import elementwise, sliced_state
+from lightning_merak.parallel.data.whole_matrices import composite_parts, pieces_in_buckets
 from lightning_merak.parallel.layout import LayoutGroups
 from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh
 from lightning_merak.util.timing import DeviceSeconds, DeviceStamp
@@ -222,29 +224,34 @@ class DataParallelGradients:
         sharded_gradients.register(self.shard_parameters, self._shard_group)
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Put this rank's shard parameters in ``optimizer``'s groups in place of the parameters they slice
-        (any state it holds is sliced too), and all-gather the updated parameters after each of its steps."""
+        """Put this rank's shard parameters in ``optimizer``'s groups (a composite's parts') in place of the
+        parameters they slice (any state it holds is sliced too), and all-gather the updated parameters after each
+        of its steps. An optimizer stepping whole matrices (Muon) first learns where their slices lie."""
         check_shardable_optimizer(optimizer, self.mode)
+        assemble = getattr(getattr(optimizer, "optimizer", optimizer), "assemble_pieces", None)
+        if callable(assemble):
+            assemble(lambda matrices: pieces_in_buckets(self.buffer.buckets, matrices, self._shard_group))
         by_param: dict[int, list[nn.Parameter]] = defaultdict(list)
         for _, piece, shard in self._shards:
             by_param[id(piece.param)].append(shard)
         sharded = {id(param) for param in self.buffer.params}
-        whole_state = optimizer.state
-        optimizer.state = defaultdict(dict)
-        self._whole_groups[id(optimizer)] = [list(group["params"]) for group in optimizer.param_groups]
-        for group in optimizer.param_groups:
-            params = []
-            for param in group["params"]:
-                if id(param) not in sharded:
-                    params.append(param)
-                    if param in whole_state:
-                        optimizer.state[param] = whole_state[param]
-                    continue
-                for shard in by_param.get(id(param), []):
-                    params.append(shard)
-                    if param in whole_state:
-                        optimizer.state[shard] = _sliced_state(whole_state[param], shard)
-            group["params"] = params
+        for part in composite_parts(optimizer):
+            whole_state = part.state
+            part.state = defaultdict(dict)
+            self._whole_groups[id(part)] = [list(group["params"]) for group in part.param_groups]
+            for group in part.param_groups:
+                params = []
+                for param in group["params"]:
+                    if id(param) not in sharded:
+                        params.append(param)
+                        if param in whole_state:
+                            part.state[param] = whole_state[param]
+                        continue
+                    for shard in by_param.get(id(param), []):
+                        params.append(shard)
+                        if param in whole_state:
+                            part.state[shard] = sliced_state(whole_state[param], shard)
+                group["params"] = params
         self._step_hooks.append(optimizer.register_step_post_hook(lambda *_: self.gather_parameters()))
 
     @contextlib.contextmanager
@@ -265,11 +272,12 @@ class DataParallelGradients:
         """Put the real parameters back in ``optimizer``'s groups with their whole states, gathered over the shard
         group, and stop gathering parameters after its steps. A collective."""
         shard_of = {id(shard): piece for _, piece, shard in self._shards}
-        whole = self._gather_states(optimizer)
-        for group, params in zip(optimizer.param_groups, self._whole_groups.pop(id(optimizer))):
-            group["params"] = params  # every parameter, with or without a slice on this rank
-        others = {param: state for param, state in optimizer.state.items() if id(param) not in shard_of}
-        optimizer.state = defaultdict(dict, {**others, **whole})
+        for part in composite_parts(optimizer):
+            whole = self._gather_states(part)
+            for group, params in zip(part.param_groups, self._whole_groups.pop(id(part))):
+                group["params"] = params  # every parameter, with or without a slice on this rank
+            others = {param: state for param, state in part.state.items() if id(param) not in shard_of}
+            part.state = defaultdict(dict, {**others, **whole})
         for hook in self._step_hooks:
             hook.remove()
         self._step_hooks = []
@@ -280,7 +288,7 @@ class DataParallelGradients:
         element_keys: set[str] = set()
         for _, piece, shard in self._shards:
             for key, value in optimizer.state.get(shard, {}).items():
-                if _elementwise(value, shard):
+                if elementwise(value, shard):
                     element_keys.add(key)
                 else:
                     scalars.setdefault(self._index(piece.param), {})[key] = value
@@ -518,23 +526,6 @@ class DataParallelGradients:
     def holds(self, params: Sequence[nn.Parameter]) -> bool:
         """Whether the buckets hold exactly the gradients of ``params``."""
         return {id(param) for param in params} == set(self._positions)
-
-
-def _elementwise(value: Any, shard: nn.Parameter) -> bool:
-    return isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape == shard.shape
-
-
-def _sliced_state(state: dict[str, Any], shard: nn.Parameter) -> dict[str, Any]:
-    """A parameter's whole optimizer state, cut to the elements ``shard`` covers."""
-    start = shard.shard_start  # type: ignore[attr-defined]
-    param = shard.sharded_from  # type: ignore[attr-defined]
-    sliced = {}
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor) and value.shape == param.shape and value.ndim > 0:
-            sliced[key] = local_tensor(value).reshape(-1)[start:start + shard.numel()].clone()
-        else:
-            sliced[key] = value
-    return sliced
 
 
 def data_parallel_gradients(module: nn.Module, built: Any, groups: LayoutGroups, arguments: Any,

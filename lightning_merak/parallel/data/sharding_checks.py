@@ -27,14 +27,13 @@ flattened parameter is stepping the parameter."""
 def check_shardable_optimizer(optimizer: torch.optim.Optimizer, mode: str) -> None:
     """Refuse an optimizer whose update of a slice of a parameter differs from its update of the parameter."""
     inner = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer
+    if callable(getattr(inner, "assemble_pieces", None)):
+        return  # it puts whole matrices together from the slices (MuonWithAdamW)
     if not isinstance(inner, ELEMENTWISE_OPTIMIZERS):
         names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
-        spreads = (" (at 'none' it divides its whole-matrix steps and their state over the replicas)"
-                   if callable(getattr(inner, "spread_over", None)) else "")
         raise ValueError(
             f"data_parallel_sharding={mode!r} steps a slice of each parameter, which {type(inner).__name__} "
-            f"does not update element by element; use one of {names}, or data_parallel_sharding='none'{spreads} "
-            "or 'full'"
+            f"does not update element by element; use one of {names}, or data_parallel_sharding='none' or 'full'"
         )
 
 
