@@ -6,12 +6,15 @@ Muon's Newton–Schulz step needs each matrix whole. Replicated data parallelism
 (:class:`~lightning_merak.parallel.data.whole_matrices.MatrixPieces`): each rank keeps the momentum of its slices
 (an elementwise update), sends its slices of the Nesterov update to the matrices' owners, the owners
 orthogonalise, and each rank applies its slices of the result. The arithmetic is torch's own
-(``torch.optim._muon``), so a sharded step equals ``torch.optim.Muon`` on the same gradients, bit for bit.
+(``torch.optim._muon``), so a sharded step equals ``torch.optim.Muon`` on the same gradients, bit for bit. Fused
+expert tensors (``[experts, rows, cols]``, transformers' MoE layers) are stacks of matrices: each expert's matrix is
+orthogonalised on its own, as if it were its own parameter; expert-parallel ranks step the experts they hold.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Iterator, MutableMapping
 from typing import Any, Callable, Optional
 
@@ -21,7 +24,7 @@ from torch import nn
 from lightning_merak.parallel.data.owners import OwnedMatrices
 from lightning_merak.parallel.data.whole_matrices import MatrixPieces
 
-__all__ = ["MuonWithAdamW"]
+__all__ = ["MatrixMuon", "MuonWithAdamW"]
 
 
 def _muon_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., float]]:
@@ -35,6 +38,111 @@ def _muon_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., float]]:
                            f"torch.optim._muon's Newton–Schulz functions, which torch {torch.__version__} does not "
                            "have; use data_parallel_sharding='none' or 'full' with it")
     return zeropower, adjust_lr
+
+
+def _orthogonalised(update: torch.Tensor, group: dict[str, Any], zeropower: Callable[..., torch.Tensor]
+                    ) -> torch.Tensor:
+    """torch's Newton–Schulz iteration on a matrix, or on each matrix of a stack (``[..., rows, cols]``)."""
+    def one(matrix: torch.Tensor) -> torch.Tensor:
+        return zeropower(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+    if update.ndim == 2:
+        return one(update)
+    return torch.stack([one(matrix) for matrix in update.reshape(-1, *update.shape[-2:]).unbind(0)]).view(
+        update.shape)
+
+
+class MatrixMuon(torch.optim.Optimizer):
+    """``torch.optim.Muon``'s update (its defaults, Newton–Schulz iteration and learning-rate adjustment) on
+    matrices and on stacks of matrices: a fused expert tensor ``[experts, rows, cols]`` is stepped as if each
+    expert's matrix were its own parameter. With :attr:`pieces` set (:meth:`MuonWithAdamW.assemble_pieces`), the
+    slices ZeRO-1/2 put in its groups are stepped by putting each matrix together on its owner (module docstring).
+    """
+
+    def __init__(self, params: Any, lr: float, momentum: float, **defaults: Any) -> None:
+        signature = inspect.signature(torch.optim.Muon.__init__).parameters
+        settings = {name: parameter.default for name, parameter in signature.items()
+                    if parameter.default is not inspect.Parameter.empty}
+        super().__init__(params, {**settings, **defaults, "lr": lr, "momentum": momentum})
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.ndim not in (2, 3):
+                    raise ValueError(f"Muon steps matrices and stacks of matrices; a parameter of shape "
+                                     f"{tuple(param.shape)} belongs with AdamW")
+        self.pieces: Optional[MatrixPieces] = None
+        self._group_of: dict[int, dict[str, Any]] = {}
+
+    def assemble(self, pieces: MatrixPieces) -> None:
+        """Step the matrices of ``pieces`` from now on by putting their slices together (collective-free)."""
+        self.pieces = pieces
+        self._group_of = {pieces.index[id(param)]: group for group in self.param_groups
+                          for param in group["params"] if id(param) in pieces.index}
+
+    def _sliced(self) -> bool:
+        """Whether data-parallel sharding has replaced the assembled matrices by this rank's slices (of none, on a
+        rank whose part of the buckets holds none)."""
+        return self.pieces is not None and bool(self.pieces.matrices) and not any(
+            id(param) in self.pieces.index for group in self.param_groups for param in group["params"])
+
+    def _nesterov_update(self, param: nn.Parameter, group: dict[str, Any]) -> torch.Tensor:
+        """The momentum step of ``param`` (a matrix or a slice of one: elementwise) and its Nesterov update."""
+        state = self.state[param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(param.grad)
+        buffer = state["momentum_buffer"]
+        buffer.lerp_(param.grad, 1 - group["momentum"])
+        return param.grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
+
+    @staticmethod
+    def _apply(param: nn.Parameter, group: dict[str, Any], shape: torch.Size, orthogonal: torch.Tensor) -> None:
+        """Weight decay, then the orthogonalised update scaled for a matrix of ``shape``."""
+        _, adjust_lr = _muon_kernels()
+        lr = float(group["lr"])
+        param.mul_(1 - lr * group["weight_decay"])
+        param.add_(orthogonal.view_as(param), alpha=-adjust_lr(lr, group["adjust_lr_fn"], shape[-2:]))
+
+    @torch.no_grad()
+    def step_matrices(self, params: list[nn.Parameter]) -> None:
+        """The step of ``params`` alone (whole matrices of this optimizer; those without a gradient are skipped)."""
+        zeropower, _ = _muon_kernels()
+        wanted = {id(param) for param in params}
+        for group in self.param_groups:
+            for param in group["params"]:
+                if id(param) in wanted and param.grad is not None:
+                    update = self._nesterov_update(param, group)
+                    self._apply(param, group, param.shape, _orthogonalised(update, group, zeropower))
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        zeropower, _ = _muon_kernels()
+        held: dict[int, torch.Tensor] = {}
+        steps: list[tuple[nn.Parameter, dict[str, Any], torch.Tensor, Any]] = []
+        for group in self.param_groups:
+            for param in group["params"]:
+                whole = getattr(param, "sharded_from", param)
+                if param.grad is None:
+                    if whole is not param:
+                        raise RuntimeError("a slice of a Muon matrix has no gradient under data-parallel sharding; "
+                                           "every rank must step every sharded matrix")
+                    continue
+                update = self._nesterov_update(param, group)
+                if whole is param:
+                    steps.append((param, group, whole, _orthogonalised(update, group, zeropower)))
+                else:
+                    assert self.pieces is not None, "sharded Muon slices without MuonWithAdamW.assemble_pieces()"
+                    index = self.pieces.index[id(whole)]
+                    held[index] = update
+                    steps.append((param, group, whole, index))
+        results = (self.pieces.map_whole(
+            lambda index, matrix: _orthogonalised(matrix, self._group_of[index], zeropower), held)
+            if self._sliced() and self.pieces is not None else {})
+        for param, group, whole, result in steps:
+            self._apply(param, group, whole.shape, results[result] if isinstance(result, int) else result)
+        return loss
 
 
 class _PartsState(MutableMapping):
@@ -70,11 +178,12 @@ class _PartsState(MutableMapping):
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
-    """``torch.optim.Muon`` on the 2-D hidden matrices of ``groups``, AdamW on every other parameter (the
+    """Muon (:class:`MatrixMuon`: ``torch.optim.Muon``'s update) on the hidden matrices of ``groups`` and on fused
+    expert tensors (each expert's matrix on its own), AdamW on every other parameter (norms, biases, and the
     embeddings and head, whose ids ``adamw_only`` holds, as the Muon recipe prescribes), as one optimizer.
 
-    Why one: Lightning's automatic optimization steps one optimizer per module, and Muon orthogonalises 2-D
-    updates only (norms, biases and fused 3-D expert tensors need another rule). Muon scales its step to match
+    Why one: Lightning's automatic optimization steps one optimizer per module, and Muon orthogonalises
+    matrices only (norms and biases need another rule). Muon scales its step to match
     AdamW's update size (``adjust_lr_fn="match_rms_adamw"``), so both share the learning rate and weight decay.
     Its groups are the two optimizers' own (named ``muon/<group>`` and ``adamw/<group>``), so a learning-rate
     schedule moves both.
@@ -92,7 +201,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         muon_groups, adamw_groups = [], []
         for group in groups:
             params = list(group["params"])
-            hidden = [param for param in params if param.ndim == 2 and id(param) not in adamw_only]
+            hidden = [param for param in params if param.ndim in (2, 3) and id(param) not in adamw_only]
             hidden_ids = {id(param) for param in hidden}
             name = group.get("name", "params")
             muon_groups.append({**group, "params": hidden, "name": f"muon/{name}"})
@@ -100,14 +209,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
                                  "name": f"adamw/{name}"})
         # every group in both parts, empty or not: a pipeline stage holding no hidden matrix (only the embedding)
         # has the same groups as the others, so a learning-rate schedule's state fits every stage
-        self.muon = torch.optim.Muon(muon_groups, lr=lr, momentum=momentum, adjust_lr_fn="match_rms_adamw")
+        self.muon = MatrixMuon(muon_groups, lr=lr, momentum=momentum, adjust_lr_fn="match_rms_adamw")
         self.parts: list[torch.optim.Optimizer] = [self.muon, torch.optim.AdamW(adamw_groups, lr=lr)]
         super().__init__([param for group in groups for param in group["params"]], {"lr": lr})
         self.param_groups = [group for part in self.parts for group in part.param_groups]
         self.state = _PartsState(self.parts)  # what checkpointers read and write per parameter: the parts' own
         self.owners: Optional[OwnedMatrices] = None
-        self.pieces: Optional[MatrixPieces] = None
-        self._group_of: dict[int, dict[str, Any]] = {}
 
     @property
     def matrices(self) -> list[nn.Parameter]:
@@ -127,74 +234,22 @@ class MuonWithAdamW(torch.optim.Optimizer):
         rank holds which slice of each sharded matrix and who owns it; each step then puts every matrix together
         on its owner for the Newton–Schulz iteration. Collective-free."""
         _muon_kernels()
-        self.pieces = plan(self.matrices)
-        self._group_of = {self.pieces.index[id(param)]: group for group in self.muon.param_groups
-                          for param in group["params"] if id(param) in self.pieces.index}
+        self.muon.assemble(plan(self.matrices))
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if any(hasattr(param, "sharded_from") for param in self.matrices):
-            self._step_slices()
-        elif self.owners is None:
+        if self.owners is None:  # alone, or on data-parallel slices (MatrixMuon puts them together)
             self.muon.step()
-        else:  # only owned matrices have a gradient while Muon steps; then the owners send the new values
-            others_grads = {param: param.grad for param in self.owners.params if not self.owners.owns(param)}
-            for param in others_grads:
-                param.grad = None
-            try:
-                self.muon.step()
-            finally:
-                for param, grad in others_grads.items():
-                    param.grad = grad
-            self.owners.broadcast_values()
+        else:  # each owner steps its matrices and sends the new values; matrices not shared step here
+            shared = {id(param) for param in self.owners.params}
+            self.muon.step_matrices([param for param in self.matrices if id(param) not in shared])
+            self.owners.step_and_share(self.muon.step_matrices)
         for part in self.parts[1:]:
             part.step()
         return loss
-
-    @torch.no_grad()
-    def _step_slices(self) -> None:
-        """torch's Muon step on this rank's slices of the matrices (momentum and the update applied per slice),
-        with each Nesterov update orthogonalised whole on its owner (:attr:`pieces`)."""
-        zeropower, adjust_lr = _muon_kernels()
-        muon = self.muon
-        held: dict[int, torch.Tensor] = {}
-        steps: list[tuple[nn.Parameter, dict[str, Any], torch.Tensor, Any]] = []
-        for group in muon.param_groups:
-            for param in group["params"]:
-                whole = getattr(param, "sharded_from", param)
-                if param.grad is None:
-                    if whole is not param:
-                        raise RuntimeError("a slice of a Muon matrix has no gradient under data-parallel sharding; "
-                                           "every rank must step every sharded matrix")
-                    continue
-                state = muon.state[param]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(param.grad)
-                buffer = state["momentum_buffer"]
-                buffer.lerp_(param.grad, 1 - group["momentum"])
-                update = param.grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
-                if whole is param:  # a matrix no sharding cut (expert-parallel weights): orthogonalised here
-                    steps.append((param, group, whole, zeropower(update, group["ns_coefficients"],
-                                                                   group["ns_steps"], group["eps"])))
-                else:
-                    assert self.pieces is not None, "sharded Muon slices without assemble_pieces()"
-                    index = self.pieces.index[id(whole)]
-                    held[index] = update
-                    steps.append((param, group, whole, index))
-
-        def orthogonalise(index: int, matrix: torch.Tensor) -> torch.Tensor:
-            group = self._group_of[index]
-            return zeropower(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
-
-        results = self.pieces.map_whole(orthogonalise, held) if self.pieces is not None else {}
-        for param, group, whole, result in steps:
-            orthogonal = results[result] if isinstance(result, int) else result
-            lr = float(group["lr"])
-            param.mul_(1 - lr * group["weight_decay"])
-            param.add_(orthogonal.view_as(param), alpha=-adjust_lr(lr, group["adjust_lr_fn"], whole.shape))
 
     def _split(self, flat: dict[str, Any]) -> list[dict[str, Any]]:
         """torch's state dict over all the parts' groups, cut into one per part (indices made the part's own)."""

@@ -5,12 +5,14 @@ Replicated data parallelism repeats an optimizer's step on every rank. For an el
 Muon's step is a few matrix products per matrix, as costly as a forward of a block, and its momentum is a second
 copy of every matrix. Here each matrix gets one owner (:func:`assign_owners`: largest first to the least loaded
 rank, so the work divides), the owner alone keeps its momentum and steps it, and :class:`OwnedMatrices` sends the
-new values from the owners (one broadcast per owner rank) and, for a checkpoint, the owners' state.
+new values from the owners (in rounds, each sent while the next is computed) and, for a checkpoint, the owners'
+state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -19,14 +21,34 @@ from torch import nn
 
 from lightning_merak.distributed.dtensors import local_tensor
 
-__all__ = ["OwnedMatrices", "assign_owners", "orthogonalisation_cost", "spread_whole_matrix_steps"]
+__all__ = ["ROUND_BYTES", "OwnedMatrices", "assign_owners", "orthogonalisation_cost", "plan_rounds",
+           "spread_whole_matrix_steps"]
+
+ROUND_BYTES = 4 * 2**20
+"""Bytes of matrices sent per round: small enough that the next round is computed while one travels, large
+enough that a round is not one message per matrix."""
 
 
 def orthogonalisation_cost(shape: Sequence[int]) -> int:
-    """Multiply-adds of one Newton–Schulz iteration on a matrix of ``shape`` (up to a constant): rows × cols ×
-    min(rows, cols)."""
+    """Multiply-adds of one Newton–Schulz iteration on a matrix of ``shape``, or on each matrix of a stack
+    (``[..., rows, cols]``), up to a constant: matrices × rows × cols × min(rows, cols)."""
     rows, cols = int(shape[-2]), int(shape[-1])
-    return rows * cols * min(rows, cols)
+    return math.prod(int(size) for size in shape[:-2]) * rows * cols * min(rows, cols)
+
+
+def plan_rounds(numels: Sequence[int], element_bytes: Sequence[int], round_bytes: int = ROUND_BYTES
+                ) -> list[list[int]]:
+    """Consecutive matrices (indices) grouped into rounds of at most ``round_bytes`` (a larger matrix is a round of
+    its own) and of one element size each, so a round travels as one flat tensor."""
+    rounds: list[list[int]] = []
+    size, width = 0, None
+    for index, (numel, bytes_) in enumerate(zip(numels, element_bytes)):
+        if not rounds or width != bytes_ or size + numel * bytes_ > round_bytes:
+            rounds.append([])
+            size, width = 0, bytes_
+        rounds[-1].append(index)
+        size += numel * bytes_
+    return rounds
 
 
 def assign_owners(costs: Sequence[float], ranks: int) -> list[int]:
@@ -66,15 +88,35 @@ class OwnedMatrices:
         return grouped
 
     @torch.no_grad()
-    def broadcast_values(self) -> None:
-        """Every parameter's value from its owner to the other ranks: one flat broadcast per owner rank."""
+    def step_and_share(self, step: Callable[[list[nn.Parameter]], None], round_bytes: int = ROUND_BYTES) -> None:
+        """``step(params)`` on this rank's matrices, a round at a time, each round's new values broadcast from its
+        owner while the next round is computed; the other owners' rounds land in this rank's parameters. A
+        collective: every rank of the group calls it (the rounds depend on shapes and owners only)."""
+        rounds: dict[int, list[list[nn.Parameter]]] = {}
         for owner, params in self._by_owner().items():
             locals_ = [local_tensor(param) for param in params]
-            flat = torch.cat([tensor.reshape(-1) for tensor in locals_])
-            dist.broadcast(flat, src=self._global[owner], group=self.group)
+            rounds[owner] = [[params[i] for i in indices] for indices in plan_rounds(
+                [tensor.numel() for tensor in locals_], [tensor.element_size() for tensor in locals_], round_bytes)]
+        sent: list[tuple[int, list[nn.Parameter], torch.Tensor, Any]] = []
+        for index in range(max((len(owned) for owned in rounds.values()), default=0)):
+            for owner in sorted(rounds):
+                if index >= len(rounds[owner]):
+                    continue
+                params = rounds[owner][index]
+                locals_ = [local_tensor(param) for param in params]
+                if owner == self.rank:
+                    step(params)
+                    flat = torch.cat([tensor.reshape(-1) for tensor in locals_])
+                else:
+                    flat = torch.empty(sum(tensor.numel() for tensor in locals_), dtype=locals_[0].dtype,
+                                       device=locals_[0].device)
+                work = dist.broadcast(flat, src=self._global[owner], group=self.group, async_op=True)
+                sent.append((owner, params, flat, work))
+        for owner, params, flat, work in sent:
+            work.wait()
             if owner != self.rank:
                 offset = 0
-                for tensor in locals_:
+                for tensor in (local_tensor(param) for param in params):
                     tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
                     offset += tensor.numel()
 

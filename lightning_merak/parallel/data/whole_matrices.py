@@ -25,15 +25,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_merak.distributed.dtensors import local_tensor
-from lightning_merak.parallel.data.owners import assign_owners, orthogonalisation_cost
+from lightning_merak.parallel.data.owners import ROUND_BYTES, assign_owners, orthogonalisation_cost, plan_rounds
 
-__all__ = ["ROUND_BYTES", "MatrixPieces", "Piece", "composite_parts", "pieces_in_buckets", "plan_rounds",
-           "whole_matrix"]
-
-ROUND_BYTES = 16 * 2**20
-"""Bytes of whole matrices gathered per round: small enough that an owner starts computing while the rest
-arrives, large enough that a round is not one message per matrix."""
-
+__all__ = ["MatrixPieces", "Piece", "composite_parts", "pieces_in_buckets", "whole_matrix"]
 
 class Piece(NamedTuple):
     """Elements ``[start, stop)`` of a matrix's flattened local tensor, held by ``rank`` of the shard group."""
@@ -41,21 +35,6 @@ class Piece(NamedTuple):
     rank: int
     start: int
     stop: int
-
-
-def plan_rounds(numels: Sequence[int], element_bytes: Sequence[int], round_bytes: int = ROUND_BYTES
-                ) -> list[list[int]]:
-    """Consecutive matrices (indices) grouped into rounds of at most ``round_bytes`` (a larger matrix is a round of
-    its own) and of one element size each, so a round travels as one flat tensor."""
-    rounds: list[list[int]] = []
-    size, width = 0, None
-    for index, (numel, bytes_) in enumerate(zip(numels, element_bytes)):
-        if not rounds or width != bytes_ or size + numel * bytes_ > round_bytes:
-            rounds.append([])
-            size, width = 0, bytes_
-        rounds[-1].append(index)
-        size += numel * bytes_
-    return rounds
 
 
 def whole_matrix(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
