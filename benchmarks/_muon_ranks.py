@@ -38,6 +38,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from benchmarks._scale_ranks import Workload, _quiet, _TokenData
+from lightning_merak.distributed.dtensors import local_tensor
 from lightning_merak.modules.causal_lm import CausalLMModule
 from lightning_merak.modules.config import OptimConfig, Schedule
 from lightning_merak.modules.muon import MuonWithAdamW
@@ -69,8 +70,7 @@ class EveryRankPieces(MatrixPieces):
                   for rank in range(self.size)]
         receive = torch.empty(sum(splits), dtype=send.dtype)
         dist.all_to_all_single(receive, send.repeat(self.size), splits, [send.numel()] * self.size, group=self.group)
-        wholes = [torch.empty(matrix.to_local().shape if hasattr(matrix, "to_local") else matrix.shape)
-                  for matrix in self.matrices]
+        wholes = [torch.empty_like(local_tensor(matrix), dtype=send.dtype) for matrix in self.matrices]
         offset = 0
         for rank in range(self.size):
             for index, pieces in enumerate(self.pieces):
@@ -82,7 +82,7 @@ class EveryRankPieces(MatrixPieces):
         results = {}
         for index in mine:
             result = compute(index, whole_matrix(wholes[index], self.matrices[index]))
-            local = result.to_local() if hasattr(result, "to_local") else result
+            local = local_tensor(result)
             piece = next(piece for piece in self.pieces[index] if piece.rank == self.rank)
             results[index] = local.reshape(-1)[piece.start:piece.stop].to(send.dtype)
         return results
