@@ -204,12 +204,6 @@ def plan_jobs(setting: Setting, world_size: int, rate_mbit: Optional[float]) -> 
 # Running clusters --------------------------------------------------------------------------
 
 
-def error_line(error: Exception) -> str:
-    """The line of a rank's stderr tail that names the error (its traceback's last ``...Error`` line)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return next((line for line in reversed(lines) if "Error" in line), lines[0] if lines else type(error).__name__)
-
-
 Outcome = Union[list[dict[str, Any]], str]
 """A job's result on every rank, or the error that stopped it."""
 
@@ -246,7 +240,7 @@ def run_cluster(world_size: int, rate_mbit: Optional[float], jobs: list[Job], wo
         with cluster:
             cluster.run(argv, timeout_s=setting.timeout_s, extra_env=RANK_ENV, cwd=REPO_ROOT)
     except (RankFailure, RankTimeout) as failure:
-        error = error_line(failure)
+        error = report.rank_failure_line(failure)
     return read_outcomes(out, world_size, jobs, error)
 
 

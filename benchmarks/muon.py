@@ -108,8 +108,7 @@ def run_cluster(jobs: list[Job], setting: Setting, work: Path) -> tuple[list[lis
         with cluster:
             cluster.run(argv, timeout_s=setting.timeout_s, extra_env=RANK_ENV, cwd=REPO_ROOT)
     except (RankFailure, RankTimeout) as failure:
-        lines = [line.strip() for line in str(failure).splitlines() if line.strip()]
-        error = next((line for line in reversed(lines) if "Error" in line), lines[0] if lines else "rank failed")
+        error = report.rank_failure_line(failure)
     by_rank = []
     for rank in range(WORLD_SIZE):
         path = rank_file(out, rank)

@@ -88,6 +88,13 @@ def error_line(error: Exception) -> str:
     return lines[-1] if lines else type(error).__name__
 
 
+def rank_failure_line(error: Exception) -> str:
+    """The line of a failed cluster's error (a rank's stderr tail) that names the exception: its traceback's last
+    line containing ``Error``, else its first line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return next((line for line in reversed(lines) if "Error" in line), lines[0] if lines else type(error).__name__)
+
+
 def proc_status_mb(key: str) -> float:
     """A ``/proc/self/status`` memory figure of this process (VmRSS, VmHWM, VmSize, VmPeak) in MiB."""
     with open("/proc/self/status") as status:

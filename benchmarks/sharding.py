@@ -250,11 +250,6 @@ def refused_before_launch(job: Job) -> Optional[str]:
     return None
 
 
-def _error_line(error: Exception) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return next((line for line in reversed(lines) if "Error" in line), lines[0] if lines else type(error).__name__)
-
-
 def run_cluster(world_size: int, jobs: list[tuple[int, Job]], emulated: bool, work: Path,
                 extra_env: dict[str, str]) -> dict[int, list[dict[str, Any]] | str]:
     """Every job on ``world_size`` ranks started with ``extra_env``: by index, the ranks' results or the error that
@@ -296,7 +291,7 @@ def run_cluster(world_size: int, jobs: list[tuple[int, Job]], emulated: bool, wo
         else:
             stopped = [(index, job) for index, job in remaining if index == failed]
         for index, job in stopped:
-            outcomes[index] = _error_line(error)
+            outcomes[index] = report.rank_failure_line(error)
             print(f"  {job.name}: failed: {outcomes[index]}", flush=True)
         pending = [(index, job) for index, job in remaining if (index, job) not in stopped]
     return outcomes

@@ -29,27 +29,14 @@ __all__ = ["MatrixMuon", "MuonWithAdamW"]
 
 def _muon_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., float]]:
     """torch's Newton–Schulz iteration and learning-rate adjustment (private functions of ``torch.optim._muon``,
-    looked up so a torch without them fails here, with the fix, rather than mid-step)."""
+    looked up when the optimizer is built, so a torch without them fails there, with the fix, not mid-step)."""
     kernels = importlib.import_module("torch.optim._muon")
     zeropower = getattr(kernels, "_zeropower_via_newtonschulz", None)
     adjust_lr = getattr(kernels, "_adjust_lr", None)
     if zeropower is None or adjust_lr is None:
-        raise RuntimeError(f"optim=muon with data_parallel_sharding='optimizer' or 'gradients' needs "
-                           f"torch.optim._muon's Newton–Schulz functions, which torch {torch.__version__} does not "
-                           "have; use data_parallel_sharding='none' or 'full' with it")
+        raise RuntimeError(f"optim=muon needs torch.optim._muon's Newton–Schulz functions, which torch "
+                           f"{torch.__version__} does not have; use a torch that has them, or optim=adamw")
     return zeropower, adjust_lr
-
-
-def _orthogonalised(update: torch.Tensor, group: dict[str, Any], zeropower: Callable[..., torch.Tensor]
-                    ) -> torch.Tensor:
-    """torch's Newton–Schulz iteration on a matrix, or on each matrix of a stack (``[..., rows, cols]``)."""
-    def one(matrix: torch.Tensor) -> torch.Tensor:
-        return zeropower(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
-
-    if update.ndim == 2:
-        return one(update)
-    return torch.stack([one(matrix) for matrix in update.reshape(-1, *update.shape[-2:]).unbind(0)]).view(
-        update.shape)
 
 
 class MatrixMuon(torch.optim.Optimizer):
@@ -64,6 +51,7 @@ class MatrixMuon(torch.optim.Optimizer):
         settings = {name: parameter.default for name, parameter in signature.items()
                     if parameter.default is not inspect.Parameter.empty}
         super().__init__(params, {**settings, **defaults, "lr": lr, "momentum": momentum})
+        self._zeropower, self._adjust_lr = _muon_kernels()
         for group in self.param_groups:
             for param in group["params"]:
                 if param.ndim not in (2, 3):
@@ -84,6 +72,16 @@ class MatrixMuon(torch.optim.Optimizer):
         return self.pieces is not None and bool(self.pieces.matrices) and not any(
             id(param) in self.pieces.index for group in self.param_groups for param in group["params"])
 
+    def _orthogonalised(self, update: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """torch's Newton–Schulz iteration on a matrix, or on each matrix of a stack (``[..., rows, cols]``)."""
+        def one(matrix: torch.Tensor) -> torch.Tensor:
+            return self._zeropower(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+        if update.ndim == 2:
+            return one(update)
+        return torch.stack([one(matrix) for matrix in update.reshape(-1, *update.shape[-2:]).unbind(0)]).view(
+            update.shape)
+
     def _nesterov_update(self, param: nn.Parameter, group: dict[str, Any]) -> torch.Tensor:
         """The momentum step of ``param`` (a matrix or a slice of one: elementwise) and its Nesterov update."""
         state = self.state[param]
@@ -93,24 +91,21 @@ class MatrixMuon(torch.optim.Optimizer):
         buffer.lerp_(param.grad, 1 - group["momentum"])
         return param.grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
 
-    @staticmethod
-    def _apply(param: nn.Parameter, group: dict[str, Any], shape: torch.Size, orthogonal: torch.Tensor) -> None:
+    def _apply(self, param: nn.Parameter, group: dict[str, Any], shape: torch.Size, orthogonal: torch.Tensor) -> None:
         """Weight decay, then the orthogonalised update scaled for a matrix of ``shape``."""
-        _, adjust_lr = _muon_kernels()
         lr = float(group["lr"])
         param.mul_(1 - lr * group["weight_decay"])
-        param.add_(orthogonal.view_as(param), alpha=-adjust_lr(lr, group["adjust_lr_fn"], shape[-2:]))
+        param.add_(orthogonal.view_as(param), alpha=-self._adjust_lr(lr, group["adjust_lr_fn"], shape[-2:]))
 
     @torch.no_grad()
     def step_matrices(self, params: list[nn.Parameter]) -> None:
         """The step of ``params`` alone (whole matrices of this optimizer; those without a gradient are skipped)."""
-        zeropower, _ = _muon_kernels()
         wanted = {id(param) for param in params}
         for group in self.param_groups:
             for param in group["params"]:
                 if id(param) in wanted and param.grad is not None:
                     update = self._nesterov_update(param, group)
-                    self._apply(param, group, param.shape, _orthogonalised(update, group, zeropower))
+                    self._apply(param, group, param.shape, self._orthogonalised(update, group))
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -118,7 +113,6 @@ class MatrixMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        zeropower, _ = _muon_kernels()
         held: dict[int, torch.Tensor] = {}
         steps: list[tuple[nn.Parameter, dict[str, Any], torch.Tensor, Any]] = []
         for group in self.param_groups:
@@ -131,14 +125,14 @@ class MatrixMuon(torch.optim.Optimizer):
                     continue
                 update = self._nesterov_update(param, group)
                 if whole is param:
-                    steps.append((param, group, whole, _orthogonalised(update, group, zeropower)))
+                    steps.append((param, group, whole, self._orthogonalised(update, group)))
                 else:
                     assert self.pieces is not None, "sharded Muon slices without MuonWithAdamW.assemble_pieces()"
                     index = self.pieces.index[id(whole)]
                     held[index] = update
                     steps.append((param, group, whole, index))
         results = (self.pieces.map_whole(
-            lambda index, matrix: _orthogonalised(matrix, self._group_of[index], zeropower), held)
+            lambda index, matrix: self._orthogonalised(matrix, self._group_of[index]), held)
             if self._sliced() and self.pieces is not None else {})
         for param, group, whole, result in steps:
             self._apply(param, group, whole.shape, results[result] if isinstance(result, int) else result)
@@ -233,7 +227,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
         """Before data-parallel sharding puts slices of the matrices in the groups: ``plan(matrices)`` says which
         rank holds which slice of each sharded matrix and who owns it; each step then puts every matrix together
         on its owner for the Newton–Schulz iteration. Collective-free."""
-        _muon_kernels()
         self.muon.assemble(plan(self.matrices))
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:

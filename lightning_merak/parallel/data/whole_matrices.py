@@ -68,30 +68,41 @@ class MatrixPieces:
         self.size = dist.get_world_size(group)
         self.owners = assign_owners([orthogonalisation_cost(matrix.shape) for matrix in self.matrices], self.size)
         self.index = {id(matrix): index for index, matrix in enumerate(self.matrices)}
+        self._piece_of = [{piece.rank: piece for piece in held} for held in self.pieces]
+        """By matrix: the piece each rank holds."""
         locals_ = [local_tensor(matrix) for matrix in self.matrices]
         self.rounds = plan_rounds([tensor.numel() for tensor in locals_], [tensor.element_size() for tensor in locals_],
                                   round_bytes)
+        self._counts = [self._round_counts(indices) for indices in self.rounds]
+        """By round: ``[sender][owner]``, the elements ``sender`` holds of the matrices ``owner`` owns."""
 
     def owned(self) -> list[int]:
         """Indices of the matrices this rank puts together and computes on."""
         return [index for index, owner in enumerate(self.owners) if owner == self.rank]
 
-    def _sizes(self, indices: Sequence[int], sender: int, receiver: int) -> int:
-        """Elements ``sender`` holds of the matrices among ``indices`` that ``receiver`` owns."""
-        return sum(piece.stop - piece.start for index in indices if self.owners[index] == receiver
-                   for piece in self.pieces[index] if piece.rank == sender)
+    def _round_counts(self, indices: Sequence[int]) -> list[list[int]]:
+        counts = [[0] * self.size for _ in range(self.size)]
+        for index in indices:
+            for piece in self.pieces[index]:
+                counts[piece.rank][self.owners[index]] += piece.stop - piece.start
+        return counts
 
-    def _gather(self, indices: Sequence[int], held: dict[int, torch.Tensor], dtype: torch.dtype
-                ) -> tuple[Any, torch.Tensor]:
-        """Start sending this rank's pieces of ``indices`` to their owners."""
-        send_splits = [self._sizes(indices, self.rank, owner) for owner in range(self.size)]
-        receive_splits = [self._sizes(indices, sender, self.rank) for sender in range(self.size)]
-        outgoing = [held[index].reshape(-1) for owner in range(self.size) for index in indices
-                    if self.owners[index] == owner and index in held]
+    def _owned_pieces(self, indices: Sequence[int], owner: int, holder: int) -> list[tuple[int, Piece]]:
+        """The pieces ``holder`` has of the matrices among ``indices`` that ``owner`` owns, by matrix index: the
+        order they travel in."""
+        return [(index, self._piece_of[index][holder]) for index in indices
+                if self.owners[index] == owner and holder in self._piece_of[index]]
+
+    def _gather(self, round_: int, held: dict[int, torch.Tensor], dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
+        """Start sending this rank's pieces of round ``round_``'s matrices to their owners."""
+        indices, counts = self.rounds[round_], self._counts[round_]
+        outgoing = [held[index].reshape(-1) for owner in range(self.size)
+                    for index, _ in self._owned_pieces(indices, owner, self.rank)]
         device = local_tensor(self.matrices[indices[0]]).device
         send = torch.cat(outgoing) if outgoing else torch.empty(0, dtype=dtype, device=device)
+        receive_splits = [counts[sender][self.rank] for sender in range(self.size)]
         receive = torch.empty(sum(receive_splits), dtype=dtype, device=device)
-        work = dist.all_to_all_single(receive, send.to(dtype), receive_splits, send_splits, group=self.group,
+        work = dist.all_to_all_single(receive, send.to(dtype), receive_splits, counts[self.rank], group=self.group,
                                       async_op=True)
         return work, receive
 
@@ -101,44 +112,33 @@ class MatrixPieces:
                   for index in indices if self.owners[index] == self.rank}
         offset = 0
         for sender in range(self.size):
-            for index in indices:
-                if self.owners[index] != self.rank:
-                    continue
-                for piece in self.pieces[index]:
-                    if piece.rank == sender:
-                        numel = piece.stop - piece.start
-                        wholes[index].view(-1)[piece.start:piece.stop] = receive[offset:offset + numel]
-                        offset += numel
+            for index, piece in self._owned_pieces(indices, self.rank, sender):
+                numel = piece.stop - piece.start
+                wholes[index].view(-1)[piece.start:piece.stop] = receive[offset:offset + numel]
+                offset += numel
         return wholes
 
-    def _scatter(self, indices: Sequence[int], results: dict[int, torch.Tensor], dtype: torch.dtype
-                 ) -> tuple[Any, torch.Tensor, list[int]]:
-        """Start sending each rank its pieces of the results this rank computed for ``indices``."""
-        send_splits = [self._sizes(indices, receiver, self.rank) for receiver in range(self.size)]
-        receive_splits = [self._sizes(indices, self.rank, owner) for owner in range(self.size)]
-        outgoing = [results[index].reshape(-1)[piece.start:piece.stop]
-                    for receiver in range(self.size) for index in indices if self.owners[index] == self.rank
-                    for piece in self.pieces[index] if piece.rank == receiver]
+    def _scatter(self, round_: int, results: dict[int, torch.Tensor], dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
+        """Start sending each rank its pieces of the results this rank computed for round ``round_``."""
+        indices, counts = self.rounds[round_], self._counts[round_]
+        outgoing = [results[index].reshape(-1)[piece.start:piece.stop] for receiver in range(self.size)
+                    for index, piece in self._owned_pieces(indices, self.rank, receiver)]
         device = local_tensor(self.matrices[indices[0]]).device
         send = torch.cat(outgoing).to(dtype) if outgoing else torch.empty(0, dtype=dtype, device=device)
-        receive = torch.empty(sum(receive_splits), dtype=dtype, device=device)
-        work = dist.all_to_all_single(receive, send, receive_splits, send_splits, group=self.group, async_op=True)
-        return work, receive, receive_splits
+        send_splits = [counts[receiver][self.rank] for receiver in range(self.size)]
+        receive = torch.empty(sum(counts[self.rank]), dtype=dtype, device=device)
+        work = dist.all_to_all_single(receive, send, counts[self.rank], send_splits, group=self.group, async_op=True)
+        return work, receive
 
-    def _unpack(self, indices: Sequence[int], receive: torch.Tensor, receive_splits: Sequence[int]
-                ) -> dict[int, torch.Tensor]:
+    def _unpack(self, indices: Sequence[int], receive: torch.Tensor) -> dict[int, torch.Tensor]:
         """This rank's pieces of the results for ``indices``, by matrix."""
         mine: dict[int, torch.Tensor] = {}
         offset = 0
         for owner in range(self.size):
-            for index in indices:
-                if self.owners[index] != owner:
-                    continue
-                for piece in self.pieces[index]:
-                    if piece.rank == self.rank:
-                        numel = piece.stop - piece.start
-                        mine[index] = receive[offset:offset + numel]
-                        offset += numel
+            for index, piece in self._owned_pieces(indices, owner, self.rank):
+                numel = piece.stop - piece.start
+                mine[index] = receive[offset:offset + numel]
+                offset += numel
         return mine
 
     def map_whole(self, compute: Callable[[int, torch.Tensor], torch.Tensor], held: dict[int, torch.Tensor]
@@ -148,20 +148,20 @@ class MatrixPieces:
         pieces of the results, by matrix index. A collective: every rank of the group calls it, with a piece for
         every matrix it holds one of."""
         started = []
-        for indices in self.rounds:
+        for round_, indices in enumerate(self.rounds):
             dtype = local_tensor(self.matrices[indices[0]]).dtype
-            started.append((indices, dtype, self._gather(indices, held, dtype)))
+            started.append((round_, dtype, self._gather(round_, held, dtype)))
         returning = []
-        for indices, dtype, (work, receive) in started:
+        for round_, dtype, (work, receive) in started:
             work.wait()
-            wholes = self._assemble(indices, receive)
+            wholes = self._assemble(self.rounds[round_], receive)
             results = {index: local_tensor(compute(index, whole_matrix(whole, self.matrices[index])))
                        for index, whole in wholes.items()}
-            returning.append((indices, self._scatter(indices, results, dtype)))
+            returning.append((round_, self._scatter(round_, results, dtype)))
         mine: dict[int, torch.Tensor] = {}
-        for indices, (work, receive, splits) in returning:
+        for round_, (work, receive) in returning:
             work.wait()
-            mine.update(self._unpack(indices, receive, splits))
+            mine.update(self._unpack(self.rounds[round_], receive))
         return mine
 
 
