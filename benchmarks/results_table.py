@@ -205,11 +205,28 @@ def muon(data: dict[str, Any]) -> Table:
     return Table(["layout", "optimizer", "step ms", "after backward ms", "step vs AdamW", "last loss"], rows, notes)
 
 
+def compile_area(data: dict[str, Any]) -> Table:
+    """Per width and layout: eager and compiled tokens/s, the speedup, its share of the bare block's, the counters."""
+    rows: list[Sequence[object]] = []
+    for r in data["rows"]:
+        if "error" in r:
+            rows.append([r["hidden"], r["layout"], r["mode"], "-", "-", "-", "-", f"failed: {brief(r['error'])}"])
+            continue
+        rows.append([r["hidden"], r["layout"], r["mode"], f"{r['tokens_per_s']:.0f}", ratio(r.get("speedup")),
+                     ratio(r.get("efficiency")), f"{r['breaks']} / {r['recompiles']}", f"{r['step_ms']:.0f} ms"])
+    bare = "; ".join(f"hidden {hidden}: {figures['speedup']:.2f}x ({figures['eager_ms']:.1f} -> "
+                     f"{figures['compiled_ms']:.1f} ms)" for hidden, figures in data["bare_block"].items())
+    notes = [f"bare block (two Llama blocks, forward and backward, one thread) compiled over eager: {bare}",
+             f"baseline: {data['baseline']}; GPU leg: {data['gpu_leg']}"]
+    return Table(["hidden", "layout", "mode", "tokens/s", "speedup", "vs bare block", "breaks / recompiles",
+                  "step"], rows, notes)
+
+
 AREAS: dict[str, Callable[[dict[str, Any]], Table]] = {
     "collectives": collectives, "merak3d": merak3d, "overlap_tp": overlap_tp, "planner": planner,
     "delta": delta, "sparse_comm": sparse_comm, "moe": moe, "adapters": adapters, "scale": scale,
     "sharding": sharding, "dynapipe": dynapipe, "replay": replay, "moe_families": moe_families,
-    "observability": observability, "context_parallel": context_parallel, "muon": muon,
+    "observability": observability, "context_parallel": context_parallel, "muon": muon, "compile": compile_area,
 }
 AUXILIARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "adapters_lr_sweep": ("adapters", adapters_lr_sweep),

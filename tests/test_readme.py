@@ -164,6 +164,9 @@ CASES: dict[str, Case] = {
     "merak-train trainer.max_steps=1000 data.batch_size=32": Case(
         trains=False, config_only=True, output=("  batch_size: 32\n", "  max_steps: 1000\n")),
     "merak-train model=gpt2_tiny": Case(),
+    # the callback's compiled training is tests/test_regional_compile.py's; here: the CLI builds its list
+    "merak-train 'callbacks=[{_target_: lightning_merak.callbacks.RegionalCompile}]'": Case(
+        trains=False, config_only=True, output=("_target_: lightning_merak.callbacks.RegionalCompile",)),
     "merak-train model=hf model.model_type=mistral +model.config.hidden_size=128 "
     "+model.config.num_hidden_layers=2": Case(),
     "merak-train data=text data.path=/abs/path/corpus.jsonl data.text_field=text": Case(),

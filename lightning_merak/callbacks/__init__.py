@@ -13,6 +13,7 @@ _EXPORTS = {
     "MoEPlacementCallback": "lightning_merak.callbacks.moe.placement",
     "NonFiniteGuard": "lightning_merak.callbacks.nonfinite",
     "PeriodicCheckpoint": "lightning_merak.callbacks.checkpoint",
+    "RegionalCompile": "lightning_merak.callbacks.compile",
     "SparseCommunication": "lightning_merak.callbacks.sparse_comm",
     "StepProgressBar": "lightning_merak.callbacks.progress",
     "TrainingMetrics": "lightning_merak.callbacks.metrics",

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from lightning_merak.distributed import turns
 
 __all__ = [
+    "all_reduce_traced_or_in_turn",
     "CommunicationTrace",
     "PendingCollective",
     "all_gather_in_turn",
@@ -190,6 +191,17 @@ def all_reduce_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.
     if tensor.is_meta or dist.get_world_size(group) == 1:
         return tensor
     return _communicate_once(lambda: _launch_all_reduce(tensor, group).wait())
+
+
+def all_reduce_traced_or_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum of ``tensor`` over ``group``: inside a graph torch.compile is capturing, a functional all-reduce the
+    compiler schedules itself (a new tensor; nothing is recorded for replay: a recomputed compiled block
+    communicates again); else :func:`all_reduce_in_turn`."""
+    if torch.compiler.is_compiling():
+        from torch.distributed import _functional_collectives as functional
+
+        return functional.all_reduce(tensor, "sum", group)
+    return all_reduce_in_turn(tensor, group)
 
 
 def _launch_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "PendingCollective":

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["GeneratorStates", "capture", "restore", "seeded", "spread_seed"]
+__all__ = ["GeneratorStates", "capture", "restore", "same", "seeded", "spread_seed"]
 
 GeneratorStates = tuple[torch.Tensor, Optional[list[torch.Tensor]]]
 """(CPU generator state, every GPU's generator state or None while CUDA is unused)."""
@@ -27,6 +27,13 @@ def _cuda_in_use() -> bool:
 def capture() -> GeneratorStates:
     """The generators' current states."""
     return torch.get_rng_state(), torch.cuda.get_rng_state_all() if _cuda_in_use() else None
+
+
+def same(first: GeneratorStates, second: GeneratorStates) -> bool:
+    """Whether two snapshots hold the same states (nothing was drawn between them)."""
+    if not torch.equal(first[0], second[0]) or (first[1] is None) != (second[1] is None):
+        return False
+    return first[1] is None or all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
 
 
 def restore(states: GeneratorStates) -> None:

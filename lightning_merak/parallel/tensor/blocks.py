@@ -61,6 +61,7 @@ from lightning_merak.parallel.tensor.layers import (
 )
 from lightning_merak.parallel.tensor.rows import LayoutChange, probe_row_units, rank_rows, unit_count
 from lightning_merak.parallel.tensor.sequence import SequenceParallelPlan, install_sequence_gathers
+from lightning_merak.util import random_state
 
 __all__ = [
     "ColumnGroupInput",
@@ -119,6 +120,9 @@ class TensorParallelPlan:
     head_arguments: list[Union[int, str]] = field(default_factory=list)
     """Block arguments (positions or keyword names) laid out by attention head: ALiBi biases."""
     heads: Optional[int] = None
+    draws_random: bool = True
+    """Whether a training forward of the block draws random numbers (dropout): only then does each rank fork a
+    stream of its own inside the split regions (a fork reads the generators, which torch.compile cannot trace)."""
 
 
 def _head_count(block: nn.Module, owners: list[str]) -> Optional[int]:
@@ -175,12 +179,14 @@ def find_tensor_parallel_plan(block: nn.Module, run_block: Callable[[], Any], hi
             ))
         if name in units or (name and next(module.parameters(recurse=False), None) is not None):
             handles.append(module.register_forward_pre_hook(lambda mod, args, name=name: starts.append(name)))
+    generators_before = random_state.capture()
     try:
         with torch.no_grad():
             run_block()
     finally:
         for handle in handles:
             handle.remove()
+    draws_random = not random_state.same(generators_before, random_state.capture())
     column: list[str] = []
     row: list[str] = []
     groups: list[list[str]] = []
@@ -200,7 +206,7 @@ def find_tensor_parallel_plan(block: nn.Module, run_block: Callable[[], Any], hi
         elif in_features == hidden_size:
             group, group_input = [name], input_ptr
     plan = TensorParallelPlan(column=column, row=row, column_groups=groups,
-                              in_region=_modules_in_regions(starts, groups, row))
+                              in_region=_modules_in_regions(starts, groups, row), draws_random=draws_random)
     if groups:
         plan.heads = _head_count(block, [name.rpartition(".")[0] for name in column])
         units = [unit_count(_features(block.get_submodule(name))[0], plan.heads) for name in row]
@@ -512,8 +518,9 @@ def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: Devi
         column_layers = ([[block.get_submodule(name) for name in members] for members in plan.column_groups]
                          if overlap_weight_gradients else None)
         install_sequence_gathers(block, sequence_parallel, group, column_layers)
-    _install_rank_streams(block, plan.column_groups, plan.row, mesh.get_local_rank(),
-                         whole_block=sequence_parallel is not None)
+    if plan.draws_random:
+        _install_rank_streams(block, plan.column_groups, plan.row, mesh.get_local_rank(),
+                              whole_block=sequence_parallel is not None)
     return changes
 
 

@@ -26,7 +26,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from lightning_merak.distributed.collectives import all_reduce_in_turn, start_all_reduce_in_turn
+from lightning_merak.distributed.collectives import (
+    all_reduce_in_turn,
+    all_reduce_traced_or_in_turn,
+    start_all_reduce_in_turn,
+)
 from lightning_merak.distributed.weight_gradients import DeferredWeightGradients, linear_deferring_weight_gradient
 from lightning_merak.parallel.tensor.sequence import linear_on_gathered, reduce_scatter_sequence
 
@@ -44,7 +48,7 @@ class _CopyToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_reduce_in_turn(grad.contiguous().clone(), ctx.group), None
+        return all_reduce_traced_or_in_turn(grad.contiguous().clone(), ctx.group), None
 
 
 class _ReduceFromTensorParallel(torch.autograd.Function):
@@ -57,7 +61,7 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        reduced = all_reduce_in_turn(tensor.contiguous(), group)
+        reduced = all_reduce_traced_or_in_turn(tensor.contiguous(), group)
         return reduced + bias if bias is not None else reduced.clone()
 
     @staticmethod
@@ -101,6 +105,7 @@ class ColumnGroupInput:
         self.overlap_weight_gradients = overlap_weight_gradients
         self._layers: list[ColumnParallelLinear] = []
         self._last = threading.local()
+        self._traced: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)
 
     def add_layer(self, layer: "ColumnParallelLinear") -> int:
         """Register a column layer of the group; returns its index among the group's weights."""
@@ -109,6 +114,10 @@ class ColumnGroupInput:
 
     def enter(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Optional[DeferredWeightGradients]]:
         """``tensor`` in the tensor-parallel region, and where the group's layers leave their weight gradients."""
+        if torch.compiler.is_compiling():  # traced: one entry per group, its weight gradients left to the compiler
+            if self._traced[0] is not tensor:
+                self._traced = (tensor, _CopyToTensorParallel.apply(tensor, self.group))
+            return self._traced[1], None
         source: Optional[weakref.ref] = getattr(self._last, "source", None)
         if source is not None and source() is tensor:
             return self._last.entered, self._last.deferred
@@ -122,6 +131,9 @@ class ColumnGroupInput:
         return entered, deferred
 
     def release(self) -> None:
+        if torch.compiler.is_compiling():
+            self._traced = (None, None)
+            return
         self._last.source = self._last.entered = self._last.deferred = None
 
 
@@ -287,7 +299,7 @@ class _SumOverGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_reduce_in_turn(grad.contiguous().clone(), ctx.group), None
+        return all_reduce_traced_or_in_turn(grad.contiguous().clone(), ctx.group), None
 
 
 class WholeWidthRMSNorm(nn.Module):

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import _functional_collectives as functional
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_merak.distributed.collectives import (
@@ -210,6 +211,8 @@ def gather_sequence(tensor: torch.Tensor, group: dist.ProcessGroup, column_layer
     ``column_layers`` (modules with a DTensor ``weight``) leave their weight gradients to the
     gather's backward, which computes them while the input gradient is reduce-scattered.
     """
+    if torch.compiler.is_compiling():  # one graph: the compiler saves, frees and schedules for itself
+        return functional.all_gather_tensor_autograd(tensor, SEQUENCE_DIM, group)
     layers = list(column_layers)
     weights = [layer.local(layer.weight) if hasattr(layer, "local") else layer.weight.to_local() for layer in layers]
     deferred = DeferredWeightGradients(weights, tensor.requires_grad) if layers else None
@@ -227,6 +230,8 @@ def linear_on_gathered(tensor: torch.Tensor, weight: torch.Tensor, bias: Optiona
     gather's backward. Inside a checkpointed block nothing is saved to begin with:
     recomputation rebuilds the input from the gather's recorded result, with no collective.
     """
+    if torch.compiler.is_compiling():
+        return F.linear(tensor, weight, bias)
     last = getattr(_last_gather, "full", None)
     full = last() if last is not None else None
     gathered = full is not None and full.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
@@ -252,6 +257,8 @@ def reduce_scatter_sequence(tensor: torch.Tensor, group: dist.ProcessGroup) -> t
     Its backward starts gathering the input of this thread's last gathered column group, the
     row layer's partner, for that group's weight gradients.
     """
+    if torch.compiler.is_compiling():
+        return functional.reduce_scatter_tensor_autograd(tensor.contiguous(), "sum", SEQUENCE_DIM, group)
     return _ReduceScatterSequence.apply(tensor, group, getattr(_last_gather, "regather", None))
 
 

@@ -44,6 +44,7 @@ from lightning_merak.parallel.pipeline.recompute import stage_aware_recompute_ra
 from lightning_merak.parallel.pipeline.router_aux import RouterAux, router_aux_loss_problem, router_aux_of
 from lightning_merak.parallel.pipeline.stage import RankStages, build_stage_module, tied_parameter_names
 from lightning_merak.parallel.pipeline.trace import ModelTrace, TraceError, find_trunk, trace_model
+from lightning_merak.parallel.regional_compile import compile_blocks
 from lightning_merak.parallel.tensor.blocks import (
     LayoutChange,
     TensorParallelPlan,
@@ -215,7 +216,7 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
     if pp == 1 and tp == 1:
         if inputs is not None:
             layout.check_batch(inputs.shape[0])
-        return _data_parallel_only(model, layout, groups, materialize_with, load_weights)
+        return _data_parallel_only(model, layout, groups, materialize_with, load_weights, arguments.compile)
     assert inputs is not None, "a traced build needs the batch's inputs"
     # a copy: an evaluation loop's batch may be an inference tensor, which autograd refuses
     micro = first_micro_batch(layout, inputs).clone()
@@ -285,6 +286,8 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
     if sequence_plan is not None:
         segments = [part.block_indices for part in stages] if stages is not None else [list(local_blocks)]
         _split_sequence(local_blocks, segments, trace, groups.tensor_group)
+    if arguments.compile:
+        compile_blocks((f"{trace.trunk_path}.{index}", block) for index, block in local_blocks.items())
     _wrap_recompute(list(local_blocks.values()), groups)
     if layout.tp_overlap > 1:
         for part in stages if stages is not None else [model]:
@@ -449,23 +452,28 @@ def _local_tensors(root: nn.Module) -> dict[str, torch.Tensor]:
 
 def _data_parallel_only(model: nn.Module, layout: Layout, groups: LayoutGroups,
                         materialize_with: Optional[Callable[[nn.Module], Any]],
-                        load_weights: Optional[WeightLoader]) -> BuiltModel:
+                        load_weights: Optional[WeightLoader], compile_: bool) -> BuiltModel:
     """pp=1, tp=1: the whole model on every rank, untraced, so any model DDP trains trains here too.
 
-    Recomputation wraps the blocks of the model's ModuleList trunk, which it then needs.
+    Recomputation and compilation wrap the blocks of the model's ModuleList trunk, which they then need.
     """
     try:
-        blocks = dict(enumerate(find_trunk(model)[1]))
+        trunk_path, trunk = find_trunk(model)
+        blocks = dict(enumerate(trunk))
     except TraceError as error:
         if layout.recompute != "none":
             raise ValueError(f"recompute={layout.recompute!r} recomputes transformer blocks: {error}") from error
-        blocks = {}
+        if compile_:
+            raise ValueError(f"compile=True compiles transformer blocks one by one: {error}") from error
+        trunk_path, blocks = "", {}
     if materialize_with is not None:
         materialize_with(model)(model, "")
     if load_weights is not None:
         load_weights(_local_tensors(model), {})
     if materialize_with is not None:
         _after_materialize([model], model, {}, load_weights)
+    if compile_:
+        compile_blocks((f"{trunk_path}.{index}", block) for index, block in blocks.items())
     _wrap_recompute(list(blocks.values()), groups)
     if layout.tp_overlap > 1:
         model.forward = SubBatchForward(model, layout.tp_overlap)

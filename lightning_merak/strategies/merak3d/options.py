@@ -71,6 +71,10 @@ class Merak3DOptions:
         "ratios 0, 0.5 and 1). With `stage_aware` (Merak), stage i of S recomputes a fraction "
         "1 − (1 − r)(S − 1)/(S − 1 − i) of its blocks and the last stage none, r being `recompute_ratio`.")
     recompute_ratio: float = option(0.5, "The fraction of its blocks the first stage recomputes with `stage_aware`.")
+    compile: bool = option(
+        False, "Compile each transformer block with `torch.compile` (regional compilation, one graph per block class, "
+        "reused by every block of it), under every layout, sharding mode and recompute mode. A block torch.compile "
+        "cannot capture whole runs eagerly, with one notice naming it (`lightning_merak.parallel.regional_compile`).")
     partition: str = option(
         "autopipe", "How blocks are cut into pipeline stages: `autopipe`, `min_max`, `parameters` or `uniform`. "
         "`autopipe` refines the min–max split by simulating the schedule; `uniform` puts equal blocks on every "

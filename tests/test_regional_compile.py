@@ -1,0 +1,111 @@
+"""Regional compilation's core and its callback, in one process: each block compiled once per class, equal to eager
+(inductor, fp32, 10 steps), and a block dynamo cannot capture whole compiled in parts with one notice."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_merak.callbacks.compile import RegionalCompile
+from lightning_merak.parallel.regional_compile import compile_blocks, compile_counts, compiled_forward_of
+from lightning_merak.protocols.layout_aware import RecomputedForward
+from tests.test_merak3d import MODELS, VOCAB, _module
+
+STEPS, BATCH, SEQ = 10, 4, 16
+
+
+class _DataDependentBlock(nn.Module):
+    """A block whose own forward branches on its data (as a MoE dispatch sizes its work): not capturable whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.attention(self.norm(hidden))
+        if hidden.sum() > 0:  # known only at run time
+            return hidden * 2
+        return hidden
+
+
+def _losses(module: pl.LightningModule, callbacks: list[pl.Callback]) -> list[float]:
+    class Losses(pl.Callback):
+        values: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.values.append(float(outputs["loss"]))
+
+    recorder = Losses()
+    recorder.values = []
+    data = torch.randint(VOCAB, (STEPS * BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder, *callbacks])
+    trainer.fit(module, DataLoader(TensorDataset(data), batch_size=BATCH))
+    return recorder.values
+
+
+@pytest.mark.distributed  # inductor starts its C++ compiler
+def test_callback_compiles_each_block_once_per_class_and_trains_like_eager():
+    eager = _losses(_module("llama", "adam"), [])
+    before = compile_counts()
+    callback = RegionalCompile()
+    compiled = _losses(_module("llama", "adam"), [callback])
+    counts = compile_counts() - before
+    assert len(callback.compiled) == MODELS["llama"].config["num_hidden_layers"]
+    assert all(forward.eager_reason is None for forward in callback.compiled)
+    assert counts.graphs == 1, "every block of one class reuses one graph"
+    assert counts.graph_breaks == 0 and counts.recompiles == 0
+    assert compiled == pytest.approx(eager, rel=1e-5)
+
+
+def test_a_block_not_captured_whole_is_compiled_in_parts_with_one_notice():
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(_DataDependentBlock() for _ in range(3))
+    reference = [_DataDependentBlock() for _ in range(3)]
+    for copy, block in zip(reference, blocks):
+        copy.load_state_dict(block.state_dict())
+    notices: list[str] = []
+    compiled = compile_blocks(((f"layers.{i}", block) for i, block in enumerate(blocks)), backend="eager",
+                              notify=notices.append)
+    hidden = torch.randn(2, 5, 8)
+    out, expected = hidden, hidden
+    for block, copy in zip(blocks, reference):
+        out, expected = block(out), copy(expected)
+    torch.testing.assert_close(out, expected)
+    assert [forward.eager_reason is not None for forward in compiled] == [True] * 3
+    assert [part.name for part in compiled[0].parts] == ["layers.0.attention", "layers.0.norm"]
+    assert all(part.eager_reason is None for forward in compiled for part in forward.parts)
+    assert len(notices) == 3 and "layers.0 is not captured whole" in notices[0]
+    assert "its parts (attention, norm) are compiled one by one" in notices[0]
+
+
+def test_compiling_twice_and_under_recomputation_finds_the_same_forward():
+    block = nn.Linear(4, 4)
+    first = compile_blocks([("block", block)], backend="eager")[0]
+    assert compile_blocks([("block", block)], backend="eager")[0] is first
+    block.forward = RecomputedForward(block.forward)
+    assert compiled_forward_of(block) is first
+    hidden = torch.randn(3, 4, requires_grad=True)
+    block(hidden).sum().backward()
+    assert hidden.grad is not None
+
+
+def test_callback_refuses_a_model_without_blocks_and_the_merak3d_strategy():
+    class NoTrunk(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(2, 2)
+
+    with pytest.raises(ValueError, match="compiles transformer blocks one by one"):
+        RegionalCompile()._compile(NoTrunk())
+
+    class Trainer:
+        class strategy:
+            strategy_name = "merak3d"
+
+    with pytest.raises(ValueError, match=r"Merak3DStrategy\(compile=True\)"):
+        RegionalCompile().setup(Trainer(), NoTrunk(), "fit")
