@@ -109,3 +109,17 @@ def test_callback_refuses_a_model_without_blocks_and_the_merak3d_strategy():
 
     with pytest.raises(ValueError, match=r"Merak3DStrategy\(compile=True\)"):
         RegionalCompile().setup(Trainer(), NoTrunk(), "fit")
+
+
+@pytest.mark.distributed  # inductor starts its C++ compiler
+def test_the_pipeline_profile_times_compiled_blocks_without_installing_them():
+    from lightning_merak.parallel.pipeline.trace import trace_model
+
+    model = _module("llama").model
+    inputs = torch.randint(VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    before = compile_counts()
+    trace = trace_model(model, inputs, compiled_blocks=True, profile_repeats=2)
+    assert compile_counts().graphs > before.graphs, "the blocks were timed through torch.compile"
+    assert len(trace.costs) == MODELS["llama"].config["num_hidden_layers"] + 2
+    assert all(cost.forward_s > 0 for cost in trace.costs[1:-1])
+    assert all(compiled_forward_of(block) is None for block in model.model.layers), "nothing installed"

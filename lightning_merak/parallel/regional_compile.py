@@ -24,7 +24,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-__all__ = ["CompileCounts", "CompiledForward", "compile_blocks", "compile_counts", "compiled_forward_of"]
+__all__ = ["CompileCounts", "CompiledForward", "compile_blocks", "compile_counts", "compiled_forward_of",
+           "profiled_block"]
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,15 @@ def compile_blocks(blocks: Iterable[tuple[str, nn.Module]], *, backend: str = "i
     """
     _check_compiler()
     return [_install(block, name, backend, True, notify) for name, block in blocks]
+
+
+def profiled_block(block: nn.Module, name: str, compiled: bool) -> Callable[..., Any]:
+    """What a profiler calls to time ``block`` as training will run it: the block itself, or with ``compiled`` its
+    forward compiled whole (eager where dynamo refuses; nothing is installed on the block, and the run's own
+    compilation gives the notice)."""
+    if not compiled:
+        return block
+    return CompiledForward(block, name, parts=False, notify=lambda message: None)
 
 
 def _has_parameters(module: nn.Module) -> bool:

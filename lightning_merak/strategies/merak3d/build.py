@@ -225,7 +225,8 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
         check_sequence_length(micro.shape[1] // layout.context_parallel, tp)
     with in_training_mode(model):
         # Every rank profiles: blocks may hold collectives (MoE all-to-alls) that need all their peers.
-        trace = trace_model(model, micro, call_model, profile=pp > 1, materialize_with=materialize_with)
+        trace = trace_model(model, micro, call_model, profile=pp > 1, materialize_with=materialize_with,
+                            compiled_blocks=arguments.compile)
         trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
         probe = (trunk[0] if materialize_with is None or tp == 1
                  else materialized_copy(trunk[0], f"{trace.trunk_path}.0", materialize_with))
