@@ -160,3 +160,30 @@ def test_parameter_update_is_timed_on_trainable_parameters_only():
                                                 repeats=2)
     assert optimizer_s > 0 and clip_s > 0
     assert bool((trainable < 0).all())  # stepped along its (clipped) gradient of ones
+
+
+@pytest.mark.distributed  # inductor starts its C++ compiler
+def test_compiled_blocks_are_timed_compiled_in_one_process(monkeypatch):
+    """``compiled_blocks``: each local shard's segments scaled by its measured compiled-over-eager time."""
+    from lightning_merak.parallel.regional_compile import compile_counts
+    from lightning_merak.planning.measure import layout
+    from lightning_merak.planning.planner import SearchSpace, required_profile_keys
+    from lightning_merak.strategies.merak3d.build import call_model, tensor_parallel_plan
+
+    model, inputs = _llama_and_tokens()
+    space = SearchSpace(world_size=2, global_batch_size=None, replica_batch_size=4, tp_degrees_allowed=(1, 2),
+                        max_pipeline_stages=1, overlap_choices=(1,))
+    ratios = []
+    measure = layout._compiled_over_eager
+
+    def recorded(*args, **kwargs):
+        ratios.append(measure(*args, **kwargs))
+        return ratios[-1]
+
+    monkeypatch.setattr(layout, "_compiled_over_eager", recorded)
+    before = compile_counts()
+    profile = layout.profile_model(model, inputs, call_model, tensor_parallel_plan, required_profile_keys(space, 2),
+                                   lambda params: torch.optim.AdamW(params), repeats=2, compiled_blocks=True)
+    assert compile_counts().graphs > before.graphs
+    assert len(ratios) == len(profile.block_times) and all(f > 0 and b > 0 for f, b in ratios)
+    assert all(sum(times.forward_segments_s) > 0 for times in profile.block_times.values())

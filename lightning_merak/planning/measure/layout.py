@@ -32,6 +32,7 @@ from lightning_merak.parallel.data.gradients import average_gradients, scale_gra
 from lightning_merak.parallel.pipeline.meta_trace import materialized_copy
 from lightning_merak.parallel.pipeline.schedules import pipeline_stage_class
 from lightning_merak.parallel.pipeline.trace import ModelTrace, trace_model
+from lightning_merak.parallel.regional_compile import compile_blocks
 from lightning_merak.parallel.tensor.blocks import (
     TensorParallelPlan,
     _conv1d_to_linear,
@@ -93,10 +94,7 @@ def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, 
     Sequence parallelism splits those along the sequence (norms, residuals, dropout, and the
     column layers' inputs); what is saved inside the span is split by heads already.
     """
-    hidden = trace.sample_hidden
-    batch = hidden.shape[0]
-    source = hidden if samples <= batch else hidden.repeat(-(-samples // batch), *[1] * (hidden.ndim - 1))
-    inputs = source[:samples].detach().clone().requires_grad_(True)
+    inputs = _sample_hidden(trace, samples).clone().requires_grad_(True)
     args, kwargs = trace.block_arguments(_side_tensors_for(trace, samples))
     device = inputs.device
     marks: dict[str, DeviceStamp] = {}
@@ -155,6 +153,26 @@ def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, 
     times = BlockTimes(forward_segments_s=tuple(map(statistics.fmean, zip(*forward_parts))),
                        backward_segments_s=tuple(map(statistics.fmean, zip(*backward_parts))))
     return times, sum(saved.values()), sum(saved[pointer] for pointer in outside_span)
+
+
+def _compiled_over_eager(shard: nn.Module, trace: ModelTrace, samples: int, repeats: int) -> tuple[float, float]:
+    """(forward, backward) seconds of ``shard`` compiled over eager, on a copy: the factors its segments are
+    scaled by (a compiled graph runs no hooks of the layers inside it, where the segments are cut)."""
+    hidden = _sample_hidden(trace, samples)
+    args, kwargs = trace.block_arguments(_side_tensors_for(trace, samples))
+    compiled = copy.deepcopy(shard)
+    compile_blocks([(f"{trace.trunk_path}.0", compiled)])
+    eager_s = _forward_backward_times(_BlockRun([shard], trace), hidden, args, kwargs, repeats)
+    compiled_s = _forward_backward_times(_BlockRun([compiled], trace), hidden, args, kwargs, repeats)
+    return compiled_s[0] / max(eager_s[0], 1e-12), compiled_s[1] / max(eager_s[1], 1e-12)
+
+
+def _sample_hidden(trace: ModelTrace, samples: int) -> torch.Tensor:
+    """``samples`` samples of the trace's hidden state (repeated where the trace holds fewer)."""
+    hidden = trace.sample_hidden
+    batch = hidden.shape[0]
+    source = hidden if samples <= batch else hidden.repeat(-(-samples // batch), *[1] * (hidden.ndim - 1))
+    return source[:samples].detach()
 
 
 class _BlockRun(nn.Module):
@@ -282,7 +300,8 @@ def tensor_parallel_mesh(device: torch.device, tensor_parallel: int) -> DeviceMe
 def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dict[int, ModelTrace],
                          keys: ProfileKeys, meshes: dict[int, DeviceMesh], repeats: int,
                          max_blocks: int, sequence_plan: Optional[SequenceParallelPlan] = None,
-                         overlap_weight_gradients: bool = True) -> dict[tuple[int, int, int], MeasuredBlocks]:
+                         overlap_weight_gradients: bool = True, compiled_blocks: bool = False,
+                         ) -> dict[tuple[int, int, int], MeasuredBlocks]:
     """Regions of one and of ``max_blocks`` real tensor-parallel blocks, at each (tp, overlap, samples) of ``keys``
     whose tp has a mesh.
 
@@ -304,6 +323,8 @@ def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dic
                       for _ in range(count)]
             if sequence_plan is not None:
                 split_sequence_between(blocks[0], blocks[-1], meshes[tp].get_group(), trace.block_output_index)
+            if compiled_blocks:
+                compile_blocks((f"{trace.trunk_path}.{index}", copy_) for index, copy_ in enumerate(blocks))
             run = _BlockRun(blocks, trace)
             if overlap > 1:
                 run.forward = SubBatchForward(run, overlap)
@@ -367,6 +388,7 @@ def profile_model(
     sequence_plan_of: Optional[Callable[[nn.Module, ModelTrace, TensorParallelPlan], SequenceParallelPlan]] = None,
     overlap_weight_gradients: bool = True,
     materialize_with: Optional[Callable[[nn.Module], Callable[..., None]]] = None,
+    compiled_blocks: bool = False,
 ) -> ModelProfile:
     """Time ``model``'s parts at every (tp, sub-batch samples) the search needs (``keys``).
 
@@ -379,7 +401,9 @@ def profile_model(
     sequence length must divide by every tp of ``keys``. ``overlap_weight_gradients`` is the
     runtime's setting for the real blocks' column groups (:func:`apply_tensor_parallel`). A model on the
     meta device stays there: ``materialize_with`` (see :func:`~lightning_merak.parallel.pipeline.trace.trace_model`)
-    materialises one block (and the prefix, then the head, in the traces) at a time.
+    materialises one block (and the prefix, then the head, in the traces) at a time. With ``compiled_blocks`` blocks
+    are timed as ``compile=True`` trains them: real blocks compiled, and each local shard's segments scaled by
+    its measured compiled-over-eager time (:func:`_compiled_over_eager`).
     """
     real_blocks = process_group_device is not None and dist.is_initialized() and dist.get_world_size() > 1
     measured_samples = {samples for _, _, samples in keys.measured_blocks} if real_blocks else set()
@@ -405,6 +429,10 @@ def profile_model(
         parameter_bytes[tp] = sum(p.numel() * p.element_size() for p in shard.parameters())
         for samples in sorted(s for t, s in keys.block_times if t == tp) or [needed_samples[-1]]:
             times, saved, outside = _block_times(shard, plan, traces[samples], samples, repeats)
+            if compiled_blocks:
+                forward_ratio, backward_ratio = _compiled_over_eager(shard, traces[samples], samples, repeats)
+                times = BlockTimes(tuple(s * forward_ratio for s in times.forward_segments_s),
+                                   tuple(s * backward_ratio for s in times.backward_segments_s))
             block_times[(tp, samples)] = times
             activation_bytes.setdefault(tp, saved // samples)
             sequence_split_bytes.setdefault(tp, outside // samples)
@@ -417,7 +445,8 @@ def profile_model(
     block_optimizer_s, block_clip_s = _block_update_times(block, plan, keys, optimizer_factory, meshes, repeats)
     prefix_update_s, suffix_update_s = time_outside_update(model, largest, optimizer_factory, repeats)
     measured = _measure_real_blocks(block, plan, traces, keys, meshes, repeats, max_blocks=min(len(trunk), 4),
-                                    sequence_plan=sequence_plan, overlap_weight_gradients=overlap_weight_gradients)
+                                    sequence_plan=sequence_plan, overlap_weight_gradients=overlap_weight_gradients,
+                                    compiled_blocks=compiled_blocks)
     return ModelProfile(
         num_blocks=len(trunk),
         hidden_bytes_per_sample=hidden[0].numel() * hidden.element_size(),

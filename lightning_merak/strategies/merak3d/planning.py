@@ -173,7 +173,7 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
                                 loss_of=loss_of,
                                 sequence_plan_of=sequence_parallel_plan if arguments.sequence_parallel else None,
                                 overlap_weight_gradients=arguments.weight_grad_overlap,
-                                materialize_with=materialize_with)
+                                materialize_with=materialize_with, compiled_blocks=arguments.compile)
     if keys.context_parallel:  # the attention a split sequence exchanges, and what a context rank computes of it
         context = context_attention_of(model, inputs, precision)
         whole, split = time_attention_kernels(context, keys.context_kernels, inputs.device, PLANNER_REPEATS)
