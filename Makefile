@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
 	echo "$(TORCH)" > $(VENV)/torch-constraint.txt
-	$(PY) -m pip install --quiet -c $(VENV)/torch-constraint.txt -c constraints.txt -e ".[test,bench,loggers,data]"
+	$(PY) -m pip install --quiet -c $(VENV)/torch-constraint.txt -c constraints.txt -e ".[test,bench,loggers,data,fp8]"
 	touch $@
 
 train: setup
@@ -35,7 +35,7 @@ lock:
 	$(LOCK_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(LOCK_VENV)/bin/python -m pip install --quiet "$(TORCH)"
 	echo "$(TORCH)" > $(LOCK_VENV)/torch-constraint.txt
-	$(LOCK_VENV)/bin/python -m pip install --quiet -c $(LOCK_VENV)/torch-constraint.txt -e ".[test,bench,loggers,data]"
+	$(LOCK_VENV)/bin/python -m pip install --quiet -c $(LOCK_VENV)/torch-constraint.txt -e ".[test,bench,loggers,data,fp8]"
 	{ sed -n '/^#/p' constraints.txt; $(LOCK_VENV)/bin/python -m pip freeze --exclude-editable | grep -v '^torch=='; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt
 	rm -rf $(LOCK_VENV)

@@ -9,7 +9,7 @@ out=${1:?usage: bash benchmarks/gpu_legs.sh OUTDIR [LEG ...]}
 shift
 mkdir -p "$out"
 legs=("$@")
-[ ${#legs[@]} -gt 0 ] || legs=(scale delta sharding moe_families)
+[ ${#legs[@]} -gt 0 ] || legs=(scale delta sharding moe_families compile float8)
 status=0
 for leg in "${legs[@]}"; do
   echo "== $leg: python -m benchmarks.$leg --device cuda"

@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_merak.parallel.regional_compile import compile_counts
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import run_distributed
-from tests.test_merak3d import VOCAB, _make_optimizer, _module
+from lightning_merak.testing.compare import module_losses
+from tests.test_merak3d import VOCAB, _module
 from tests.test_merak3d_sharding import _Losses
 
 pytestmark = pytest.mark.distributed  # gloo ranks; inductor starts its C++ compiler
@@ -30,16 +31,7 @@ def _batches() -> torch.Tensor:
 
 
 def _reference() -> list[float]:
-    module = _module("llama")
-    optimizer = _make_optimizer(module.model.parameters(), "adam")
-    losses = []
-    for batch in _batches():
-        optimizer.zero_grad()
-        loss = module.compute_loss((batch,))
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return module_losses(_module("llama", "adam"), [(batch,) for batch in _batches()])
 
 
 def _train_cases(rank: int, world_size: int) -> dict[str, dict]:

@@ -123,3 +123,24 @@ def test_the_pipeline_profile_times_compiled_blocks_without_installing_them():
     assert len(trace.costs) == MODELS["llama"].config["num_hidden_layers"] + 2
     assert all(cost.forward_s > 0 for cost in trace.costs[1:-1])
     assert all(compiled_forward_of(block) is None for block in model.model.layers), "nothing installed"
+
+
+@pytest.mark.gpu
+def test_compiled_blocks_match_eager_on_a_cuda_device():
+    device = torch.device("cuda")
+    hidden = torch.randn(4, SEQ, MODELS["llama"].config["hidden_size"], device=device)
+    losses = {}
+    for compiled in (False, True):
+        model = _module("llama").model.to(device)
+        if compiled:
+            compile_blocks((f"layers.{i}", block) for i, block in enumerate(model.model.layers))
+        positions = torch.arange(SEQ, device=device)[None]
+        embeddings = model.model.rotary_emb(hidden, positions)
+        out = hidden
+        for block in model.model.layers:
+            out = block(out, position_embeddings=embeddings, position_ids=positions)
+            out = out[0] if isinstance(out, tuple) else out
+        loss = out.pow(2).mean()
+        loss.backward()
+        losses[compiled] = loss.item()
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)

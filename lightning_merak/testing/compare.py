@@ -165,11 +165,14 @@ def assert_traces_match(
 
 def module_losses(module: Any, batches: Iterable[Any]) -> list[float]:
     """Losses of ``module`` (a ``CausalLMModule``-like LightningModule: ``compute_loss``, and ``configure_optimizers``
-    returning ``{"optimizer": ..., "lr_scheduler": {"scheduler": ...}}``) trained on ``batches`` in this process, as
-    Lightning's automatic optimisation steps it: the reference for the mean loss of a data-parallel run whose ranks'
-    batches, concatenated, are ``batches``."""
+    returning an optimizer or ``{"optimizer": ..., "lr_scheduler": {"scheduler": ...}}``) trained on ``batches`` in
+    this process, as Lightning's automatic optimisation steps it: the reference for the mean loss of a data-parallel
+    run whose ranks' batches, concatenated, are ``batches``."""
     setup = module.configure_optimizers()
-    optimizer, scheduler = setup["optimizer"], setup.get("lr_scheduler", {}).get("scheduler")
+    if isinstance(setup, torch.optim.Optimizer):
+        optimizer, scheduler = setup, None
+    else:
+        optimizer, scheduler = setup["optimizer"], setup.get("lr_scheduler", {}).get("scheduler")
     losses = []
     for batch in batches:
         optimizer.zero_grad()

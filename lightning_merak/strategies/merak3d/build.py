@@ -29,6 +29,7 @@ from lightning_merak.distributed.sub_batches import SubBatchForward
 from lightning_merak.parallel import pipeline
 from lightning_merak.parallel.data.fully_sharded import FullySharded, apply_fully_shard, data_parallel_mesh
 from lightning_merak.parallel.data.gradients import TiedParameter
+from lightning_merak.parallel.float8 import convert_blocks_to_float8, float8_problem
 from lightning_merak.parallel.layout import Layout, LayoutGroups
 from lightning_merak.parallel.materialize import (
     Materializer,
@@ -207,6 +208,13 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
     parallelism, on ``device``.
     """
     layout = groups.layout
+    if arguments.float8 is not None:
+        problem = float8_problem(arguments.float8, device)
+        if problem is None and layout.tensor_parallel > 1:
+            problem = (f"float8={arguments.float8!r} does not run at tensor_parallel={layout.tensor_parallel} yet; "
+                       "fix tensor_parallel=1 or set float8=null")
+        if problem is not None:
+            raise ValueError(problem)
     no_cache(model)
     router_aux = _router_aux(model, arguments, layout)
     pp, tp = layout.pipeline_parallel, layout.tensor_parallel
@@ -216,7 +224,7 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
     if pp == 1 and tp == 1:
         if inputs is not None:
             layout.check_batch(inputs.shape[0])
-        return _data_parallel_only(model, layout, groups, materialize_with, load_weights, arguments.compile)
+        return _data_parallel_only(model, layout, groups, materialize_with, load_weights, arguments)
     assert inputs is not None, "a traced build needs the batch's inputs"
     # a copy: an evaluation loop's batch may be an inference tensor, which autograd refuses
     micro = first_micro_batch(layout, inputs).clone()
@@ -287,8 +295,7 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
     if sequence_plan is not None:
         segments = [part.block_indices for part in stages] if stages is not None else [list(local_blocks)]
         _split_sequence(local_blocks, segments, trace, groups.tensor_group)
-    if arguments.compile:
-        compile_blocks((f"{trace.trunk_path}.{index}", block) for index, block in local_blocks.items())
+    _fast_blocks([(f"{trace.trunk_path}.{index}", block) for index, block in local_blocks.items()], arguments)
     _wrap_recompute(list(local_blocks.values()), groups)
     if layout.tp_overlap > 1:
         for part in stages if stages is not None else [model]:
@@ -390,6 +397,16 @@ def _split_sequence(blocks: dict[int, nn.Module], segments: list[list[int]], tra
             split_sequence_between(blocks[indices[0]], blocks[indices[-1]], group, trace.block_output_index)
 
 
+def _fast_blocks(blocks: list[tuple[str, nn.Module]], arguments: Merak3DArguments) -> None:
+    """fp8 linear layers, then compilation, on each split block (before recomputation wraps it)."""
+    if arguments.float8 is not None:
+        converted = convert_blocks_to_float8(blocks, arguments.float8)
+        rank_zero_info(f"merak3d: float8={arguments.float8} on {len(converted)} linear layers of this rank's "
+                       f"{len(blocks)} blocks")
+    if arguments.compile:
+        compile_blocks(blocks)
+
+
 def _wrap_recompute(blocks: list[nn.Module], groups: LayoutGroups) -> None:
     layout = groups.layout
     if layout.recompute == "none" or not blocks:
@@ -453,10 +470,10 @@ def _local_tensors(root: nn.Module) -> dict[str, torch.Tensor]:
 
 def _data_parallel_only(model: nn.Module, layout: Layout, groups: LayoutGroups,
                         materialize_with: Optional[Callable[[nn.Module], Any]],
-                        load_weights: Optional[WeightLoader], compile_: bool) -> BuiltModel:
+                        load_weights: Optional[WeightLoader], arguments: Merak3DArguments) -> BuiltModel:
     """pp=1, tp=1: the whole model on every rank, untraced, so any model DDP trains trains here too.
 
-    Recomputation and compilation wrap the blocks of the model's ModuleList trunk, which they then need.
+    Recomputation, fp8 and compilation work on the blocks of the model's ModuleList trunk, which they then need.
     """
     try:
         trunk_path, trunk = find_trunk(model)
@@ -464,8 +481,9 @@ def _data_parallel_only(model: nn.Module, layout: Layout, groups: LayoutGroups,
     except TraceError as error:
         if layout.recompute != "none":
             raise ValueError(f"recompute={layout.recompute!r} recomputes transformer blocks: {error}") from error
-        if compile_:
-            raise ValueError(f"compile=True compiles transformer blocks one by one: {error}") from error
+        for name, wanted in (("compile", arguments.compile), ("float8", arguments.float8)):
+            if wanted:
+                raise ValueError(f"{name}={wanted!r} works on transformer blocks one by one: {error}") from error
         trunk_path, blocks = "", {}
     if materialize_with is not None:
         materialize_with(model)(model, "")
@@ -473,8 +491,7 @@ def _data_parallel_only(model: nn.Module, layout: Layout, groups: LayoutGroups,
         load_weights(_local_tensors(model), {})
     if materialize_with is not None:
         _after_materialize([model], model, {}, load_weights)
-    if compile_:
-        compile_blocks((f"{trunk_path}.{index}", block) for index, block in blocks.items())
+    _fast_blocks([(f"{trunk_path}.{index}", block) for index, block in blocks.items()], arguments)
     _wrap_recompute(list(blocks.values()), groups)
     if layout.tp_overlap > 1:
         model.forward = SubBatchForward(model, layout.tp_overlap)

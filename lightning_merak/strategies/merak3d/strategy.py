@@ -81,7 +81,7 @@ class Merak3DStrategy(CheckpointHooks):
         schedule: str = "1f1b",
         virtual_stages: int = 2,
         recompute: str = "none",
-        recompute_ratio: float = 0.5, compile: bool = False,
+        recompute_ratio: float = 0.5, compile: bool = False, float8: Optional[str] = None,
         partition: str = "autopipe",
         process_group_backend: Optional[str] = None,
         timeout_s: float = 600.0,

@@ -1,0 +1,127 @@
+"""fp8 training of the blocks' linear layers (torchao) on CPU, where torch's fp8 GEMM runs (correct, not fast):
+which layers are converted, refusals before any work, and merak3d at dp2 with ZeRO-1 and FSDP2 against the
+single-process fp8 model and the fp32 one."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.config import ModelConfig
+from lightning_merak.parallel.float8 import benefits_from_float8, convert_blocks_to_float8, float8_problem
+from lightning_merak.strategies.merak3d import Merak3DStrategy
+from lightning_merak.testing import run_distributed
+from lightning_merak.testing.compare import module_losses
+
+pytest.importorskip("torchao")
+
+STEPS, BATCH, SEQ, VOCAB = 3, 4, 16, 96
+WIDE = ModelConfig(name="llama", model_type="llama", config={
+    "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 2, "num_attention_heads": 8,
+    "num_key_value_heads": 8, "tie_word_embeddings": False})
+
+
+def _module() -> CausalLMModule:
+    torch.manual_seed(0)
+    model = build_causal_lm(WIDE, vocab_size=VOCAB)
+    model.config.use_cache = False
+    return _SGD(model)
+
+
+class _SGD(CausalLMModule):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.model.parameters(), lr=0.05)
+
+
+def _batches() -> torch.Tensor:
+    return torch.randint(VOCAB, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def _reference(recipe: str | None) -> list[float]:
+    module = _module()
+    if recipe is not None:
+        convert_blocks_to_float8(list(enumerate(module.model.model.layers)), recipe)
+    return module_losses(module, [(batch,) for batch in _batches()])
+
+
+def test_only_wide_linear_layers_with_dimensions_in_sixteens_are_converted():
+    assert benefits_from_float8(nn.Linear(1024, 2048)) and not benefits_from_float8(nn.Linear(1024, 1000))
+    assert not benefits_from_float8(nn.Linear(512, 2048)) and not benefits_from_float8(nn.LayerNorm(1024))
+    module = _module()
+    layers = module.model.model.layers
+    converted = convert_blocks_to_float8([(f"layers.{i}", block) for i, block in enumerate(layers)], "rowwise")
+    assert len(converted) == 2 * 7 and "layers.0.self_attn.q_proj" in converted
+    assert type(layers[0].mlp.down_proj).__name__ == "Float8Linear"
+    assert isinstance(module.model.lm_head, nn.Linear) and type(module.model.lm_head).__name__ == "Linear"
+    assert {name for name, _ in module.model.named_parameters()} == {
+        name for name, _ in _module().model.named_parameters()}, "checkpoints keep their names"
+
+
+def test_bad_recipes_and_devices_are_refused_with_the_fix(monkeypatch):
+    assert "choose one of tensorwise, rowwise, mxfp8" in float8_problem("fp8", torch.device("cpu"))
+    assert "compute capability 10.0" in float8_problem("mxfp8", torch.device("cpu"))
+    assert float8_problem("rowwise", torch.device("cpu")) is None, "torch multiplies fp8 matrices on CPU"
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    assert "pip install 'lightning-merak[fp8]'" in float8_problem("rowwise", torch.device("cpu"))
+    with pytest.raises(ValueError, match="tensor_parallel=2 yet"):
+        Merak3DStrategy(tensor_parallel=2, float8="rowwise")
+    with pytest.raises(ValueError, match="not a recipe here"):
+        Merak3DStrategy(float8="e4m3")
+
+
+def _train_rank(rank: int, world_size: int) -> dict[str, list[float]]:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.test_merak3d_sharding import _Losses
+
+    losses = {}
+    for sharding in ("optimizer", "full"):  # ZeRO-1 and FSDP2 in one launch
+        module, recorder = _module(), _Losses()
+        strategy = Merak3DStrategy(data_parallel=2, data_parallel_sharding=sharding, float8="rowwise", timeout_s=300)
+        trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+                             callbacks=[recorder])
+        shard = BATCH // 2
+        local = _batches()[:, rank * shard:(rank + 1) * shard].reshape(-1, SEQ)
+        trainer.fit(module, train_dataloaders=DataLoader(TensorDataset(local), batch_size=shard))
+        kinds = {type(layer).__name__ for block in strategy.local_blocks.values() for layer in block.modules()}
+        assert "Float8Linear" in kinds
+        losses[sharding] = recorder.losses
+    return losses
+
+
+@pytest.mark.distributed
+def test_merak3d_trains_fp8_blocks_like_one_fp8_process():
+    fp8, fp32 = _reference("rowwise"), _reference(None)
+    assert fp8 != fp32, "the fp8 layers change the arithmetic"
+    for by_sharding in run_distributed(_train_rank, 2, timeout_s=400):
+        for sharding, losses in by_sharding.items():
+            # rowwise scales of the weight gradient span the tokens, which dp splits: close, not bit-equal
+            assert losses == pytest.approx(fp8, rel=2e-3), sharding
+            assert losses == pytest.approx(fp32, rel=2e-2), sharding
+
+
+@pytest.mark.gpu
+def test_fp8_blocks_train_close_to_bf16_on_a_cuda_device():
+    device = torch.device("cuda")
+    problem = float8_problem("rowwise", device)
+    if problem is not None:
+        pytest.skip(problem)
+    losses = {}
+    for recipe in (None, "rowwise"):
+        module = _module().to(device, torch.bfloat16)
+        if recipe is not None:
+            assert convert_blocks_to_float8(list(enumerate(module.model.model.layers)), recipe)
+        optimizer = module.configure_optimizers()
+        losses[recipe] = []
+        for batch in _batches().to(device):
+            optimizer.zero_grad()
+            loss = module.compute_loss((batch,))
+            loss.backward()
+            optimizer.step()
+            losses[recipe].append(loss.item())
+    assert losses["rowwise"] == pytest.approx(losses[None], rel=3e-2)
