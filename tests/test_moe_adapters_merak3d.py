@@ -22,6 +22,9 @@ from lightning_merak.testing.data import ReplicaBatches
 
 STEPS, SAVED_AT, BATCH, SEQ, VOCAB = 4, 2, 8, 8, 128
 LOSS_RTOL = 1e-6
+ADAM_ATOL = 1e-4
+"""Factors after Adam steps (lr 0.01): wherever a gradient is near 0, Adam's step m / (sqrt(v) + eps) turns on its
+rounding, which differs between layouts and CPUs (1.8e-5 measured on AMD EPYC); a wrong slice is off by ~lr."""
 
 
 def _model() -> torch.nn.Module:
@@ -196,8 +199,8 @@ def test_expert_factors_are_saved_whole(saved: tuple[Path, tuple[Any, ...]]) -> 
         assert len(metadata[f"model.model.{name}"].chunks) == 2, f"{name}: one chunk per expert group"
         targets[f"model.{name}"] = torch.empty(stored)
     dcp.load({"model": targets}, checkpoint_id=str(path))
-    for name, whole in experts.items():  # Adam's step is ~lr wherever a gradient is tiny: its rounding shows
-        torch.testing.assert_close(targets[f"model.{name}"].reshape(whole.shape), whole, rtol=1e-4, atol=1e-5)
+    for name, whole in experts.items():
+        torch.testing.assert_close(targets[f"model.{name}"].reshape(whole.shape), whole, rtol=1e-4, atol=ADAM_ATOL)
 
 
 @pytest.mark.distributed
@@ -231,7 +234,7 @@ def test_a_ddp_checkpoint_holds_every_expert_factor_and_resumes(tmp_path: Path) 
     assert first[0]["losses"] == pytest.approx(losses[:SAVED_AT], rel=LOSS_RTOL)
     state = load_torch_file(path)
     for name, whole in factors.items():
-        torch.testing.assert_close(state["state_dict"][f"model.{name}"], whole, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(state["state_dict"][f"model.{name}"], whole, rtol=1e-4, atol=ADAM_ATOL)
     moments = [entry["exp_avg"].shape for entry in state["optimizer_states"][0]["state"].values()]
     assert sorted(moments) == sorted(whole.shape for whole in factors.values())
     resumed = run_distributed(_train_rank, 2, args=(None, None, "adam", SAVED_AT, STEPS, None, str(path)),

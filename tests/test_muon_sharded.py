@@ -258,9 +258,10 @@ def _moe_rank(rank: int, world_size: int) -> dict:
 def test_merak3d_muon_steps_each_expert_matrix_under_expert_parallelism() -> None:
     """Mixtral's fused expert tensors under ``merak_ep`` (experts spread over dp2): each rank steps the experts it
     holds with Muon, one matrix per expert. Losses against the unswapped single-process model with the same
-    optimizer: the first three (two updates) to 1e-5; a wrong expert step moves the second by more. The fourth is
-    left out: Muon's bfloat16 Newton–Schulz and top-2 routing amplify the layouts' gradient rounding to 1–4e-4
-    there (measured with and without merak_ep; AdamW on the same runs: 1e-7)."""
+    optimizer: the first two (one update) to 1e-5, where a wrong expert step moves the second by more; the third to
+    1e-4 (1.5e-5 measured on AMD EPYC). The fourth is left out: Muon's bfloat16 Newton–Schulz and top-2 routing
+    amplify the layouts' gradient rounding to 1–4e-4 there (measured with and without merak_ep; AdamW on the same
+    runs: 1e-7)."""
     module = _moe_module()
     optimizer = module.configure_optimizers()["optimizer"]
     assert any(param.ndim == 3 for param in optimizer.matrices)  # the fused experts are Muon's
@@ -273,4 +274,5 @@ def test_merak3d_muon_steps_each_expert_matrix_under_expert_parallelism() -> Non
         optimizer.step()
     for result in run_distributed(_moe_rank, 2, timeout_s=300):
         assert result["stacks"] > 0 and result["experts_held"] == module.model.config.num_local_experts // 2
-        assert result["losses"][:3] == pytest.approx(expected[:3], rel=1e-5)
+        assert result["losses"][:2] == pytest.approx(expected[:2], rel=1e-5)
+        assert result["losses"][2] == pytest.approx(expected[2], rel=1e-4)

@@ -23,6 +23,10 @@ _IGNORED_LOG_MESSAGES = {
     "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",),
     # DeepSpeed (imported by transformers' loading code, or by the MoE plugins) on a machine without a GPU.
     "DeepSpeed": ("Setting accelerator to CPU",),
+    # torchao (the fp8 extra, imported by PEFT whenever installed) trying its optional kernels built for other GPUs.
+    "torchao": ("Failed to load",),
+    # torch's pytree registry, on torchao's enums at import.
+    "torch.utils._pytree": ("<enum ",),
     # an advertisement for a hosted logger (Lightning's rank_zero_info logger).
     "lightning.pytorch.utilities.rank_zero": ("💡 Tip:",
                                               # merak-train passes its own ModelSummary, on purpose
