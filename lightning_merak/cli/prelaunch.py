@@ -34,6 +34,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from lightning_merak.util.console import quiet_dependency_noise
+
 __all__ = [
     "GATE_VARIABLE", "PrelaunchedRanks", "free_loopback_port", "launched_externally", "prelaunch_local_ranks",
     "share_cores", "wait_at_gate",
@@ -193,6 +195,7 @@ def wait_at_gate() -> None:
     if gate is None:
         return
     interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is rank 0's to handle here
+    quiet_dependency_noise()  # before the imports below, which may warn
     # The imports this rank overlaps with rank 0's: the libraries, and what the run imports next (transformers'
     # model base and merak3d: 1 s more that rank 0 would otherwise wait for after opening the gate).
     import lightning.pytorch  # noqa: F401

@@ -26,7 +26,7 @@ _IGNORED_LOG_MESSAGES = {
     # torchao (the fp8 extra, imported by PEFT whenever installed) trying its optional kernels built for other GPUs.
     "torchao": ("Failed to load",),
     # torch's pytree registry, on torchao's enums at import.
-    "torch.utils._pytree": ("<enum ",),
+    "torch.utils._pytree": ("%s is an Enum subclass",),
     # an advertisement for a hosted logger (Lightning's rank_zero_info logger).
     "lightning.pytorch.utilities.rank_zero": ("💡 Tip:",
                                               # merak-train passes its own ModelSummary, on purpose
