@@ -181,6 +181,7 @@ def test_compiled_blocks_are_timed_compiled_in_one_process(monkeypatch):
         return ratios[-1]
 
     monkeypatch.setattr(layout, "_compiled_over_eager", recorded)
+    torch.compiler.reset()  # graphs an earlier test compiled would be reused
     before = compile_counts()
     profile = layout.profile_model(model, inputs, call_model, tensor_parallel_plan, required_profile_keys(space, 2),
                                    lambda params: torch.optim.AdamW(params), repeats=2, compiled_blocks=True)

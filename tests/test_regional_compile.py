@@ -51,6 +51,7 @@ def _losses(module: pl.LightningModule, callbacks: list[pl.Callback]) -> list[fl
 @pytest.mark.distributed  # inductor starts its C++ compiler
 def test_callback_compiles_each_block_once_per_class_and_trains_like_eager():
     eager = _losses(_module("llama", "adam"), [])
+    torch.compiler.reset()  # graphs an earlier test compiled for this block class would be reused
     before = compile_counts()
     callback = RegionalCompile()
     compiled = _losses(_module("llama", "adam"), [callback])
@@ -117,6 +118,7 @@ def test_the_pipeline_profile_times_compiled_blocks_without_installing_them():
 
     model = _module("llama").model
     inputs = torch.randint(VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    torch.compiler.reset()
     before = compile_counts()
     trace = trace_model(model, inputs, compiled_blocks=True, profile_repeats=2)
     assert compile_counts().graphs > before.graphs, "the blocks were timed through torch.compile"
