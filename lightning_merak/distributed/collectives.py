@@ -26,11 +26,11 @@ import torch.distributed as dist
 from lightning_merak.distributed import turns
 
 __all__ = [
-    "all_reduce_traced_or_in_turn",
     "CommunicationTrace",
     "PendingCollective",
     "all_gather_in_turn",
     "all_reduce_in_turn",
+    "all_reduce_traced_or_in_turn",
     "all_to_all_in_turn",
     "average_gradients",
     "collective_replay_contexts",

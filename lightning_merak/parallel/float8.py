@@ -22,7 +22,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-__all__ = ["FLOAT8_RECIPES", "MIN_FEATURES", "benefits_from_float8", "convert_blocks_to_float8", "float8_problem"]
+__all__ = ["FLOAT8_RECIPES", "MIN_FEATURES", "benefits_from_float8", "convert_blocks_to_float8",
+           "float8_layout_problem", "float8_problem"]
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "mxfp8")
 MIN_FEATURES = 1024
@@ -38,10 +39,20 @@ def benefits_from_float8(layer: nn.Module, min_features: int = MIN_FEATURES) -> 
     return all(dim % 16 == 0 and dim >= min_features for dim in dims)
 
 
-def float8_problem(recipe: str, device: torch.device) -> Optional[str]:
-    """Why ``recipe`` cannot train on ``device`` here, or None."""
+def float8_layout_problem(recipe: str, tensor_parallel: int) -> Optional[str]:
+    """Why ``recipe`` cannot train at ``tensor_parallel``, whatever the device, or None."""
     if recipe not in FLOAT8_RECIPES:
-        return f"float8={recipe!r} is not a recipe here; choose one of {', '.join(FLOAT8_RECIPES)}"
+        return f"float8={recipe!r} is not a recipe here; choose one of {', '.join(FLOAT8_RECIPES)} or null"
+    if tensor_parallel > 1:
+        return (f"float8={recipe!r} does not run at tensor_parallel={tensor_parallel} yet (the split layers run their "
+                "own matmuls); use tensor_parallel=1 or float8=null")
+    return None
+
+
+def float8_problem(recipe: str, device: torch.device) -> Optional[str]:
+    """Why ``recipe`` cannot train on ``device`` here, or None (the layout: :func:`float8_layout_problem`)."""
+    if recipe not in FLOAT8_RECIPES:
+        return float8_layout_problem(recipe, 1)
     if importlib.util.find_spec("torchao") is None:
         return "float8 training needs torchao; install it with pip install 'lightning-merak[fp8]'"
     if recipe == "mxfp8":
@@ -65,16 +76,14 @@ def convert_blocks_to_float8(blocks: Iterable[tuple[str, nn.Module]], recipe: st
                              min_features: int = MIN_FEATURES) -> list[str]:
     """Swap the linear layers of each ``(name, block)`` that :func:`benefits_from_float8` for torchao's fp8
     training layers, in place; returns the converted layers' names (``name.layer``)."""
+    def keep(module: nn.Module, fqn: str) -> bool:
+        return benefits_from_float8(module, min_features)
+
     converted: list[str] = []
     for name, block in blocks:
-        chosen = [f"{name}.{layer_name}" for layer_name, layer in block.named_modules()
-                  if benefits_from_float8(layer, min_features)]
+        chosen = [f"{name}.{layer_name}" for layer_name, layer in block.named_modules() if keep(layer, layer_name)]
         if not chosen:
             continue
-
-        def keep(module: nn.Module, fqn: str) -> bool:
-            return benefits_from_float8(module, min_features)
-
         if recipe == "mxfp8":
             _convert_mxfp8(block, keep)
         else:

@@ -6,8 +6,9 @@ compiles one graph for every block of a class: torch inlines a block's parameter
 (``torch._dynamo.config.inline_inbuilt_nn_modules``), so the second and later blocks reuse the first one's code.
 
 Each block is compiled whole (``fullgraph=True``): a graph break would otherwise run part of the block eagerly on
-every step and hide the cost. A block dynamo cannot capture whole is left eager, once, with one notice naming it and
-the reason (nothing of the block ran before the refusal, so the step goes on eagerly with the same result).
+every step and hide the cost. A block dynamo cannot capture whole has its children with parameters compiled one by
+one instead and its own code run eagerly, with one notice naming it and the reason (nothing of the block ran before
+the refusal, so the step goes on with the same result).
 :func:`compile_counts` reads torch's counters of graphs, graph breaks and recompilations, for the benchmark and the
 run's log.
 """

@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_merak.parallel.context.model import CONTEXT_ATTENTION_METHODS, check_context_parallel_model
 from lightning_merak.parallel.context.sharding import check_sequence_divisible
-from lightning_merak.parallel.float8 import FLOAT8_RECIPES
+from lightning_merak.parallel.float8 import float8_layout_problem
 from lightning_merak.parallel.layout import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
@@ -122,12 +122,10 @@ class Merak3DArguments(Merak3DOptions):
                 "tp_weight_grad_overlap=True computes weight gradients in the input-gradient pass, which "
                 "interleaved_zero_bubble keeps apart; leave tp_weight_grad_overlap unset or use another schedule"
             )
-        if self.float8 is not None and self.float8 not in FLOAT8_RECIPES:
-            raise ValueError(f"float8={self.float8!r} is not a recipe here; choose one of {', '.join(FLOAT8_RECIPES)} "
-                             "or null")
-        if self.float8 is not None and self.tensor_parallel not in (1, "auto"):
-            raise ValueError(f"float8={self.float8!r} does not run at tensor_parallel={self.tensor_parallel} yet (the "
-                             "split layers run their own matmuls); use tensor_parallel=1 or float8=null")
+        if self.float8 is not None:  # a planned degree is checked again once chosen (the build)
+            problem = float8_layout_problem(self.float8, 1 if self.tensor_parallel == "auto" else self.tensor_parallel)
+            if problem is not None:
+                raise ValueError(problem)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is not supported; choose one of {', '.join(SCHEDULES)}")
         if schedule == "shifted_critical_path" and not shifted_schedule_available():

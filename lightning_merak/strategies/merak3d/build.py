@@ -29,7 +29,7 @@ from lightning_merak.distributed.sub_batches import SubBatchForward
 from lightning_merak.parallel import pipeline
 from lightning_merak.parallel.data.fully_sharded import FullySharded, apply_fully_shard, data_parallel_mesh
 from lightning_merak.parallel.data.gradients import TiedParameter
-from lightning_merak.parallel.float8 import convert_blocks_to_float8, float8_problem
+from lightning_merak.parallel.float8 import convert_blocks_to_float8, float8_layout_problem, float8_problem
 from lightning_merak.parallel.layout import Layout, LayoutGroups
 from lightning_merak.parallel.materialize import (
     Materializer,
@@ -209,10 +209,8 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
     """
     layout = groups.layout
     if arguments.float8 is not None:
-        problem = float8_problem(arguments.float8, device)
-        if problem is None and layout.tensor_parallel > 1:
-            problem = (f"float8={arguments.float8!r} does not run at tensor_parallel={layout.tensor_parallel} yet; "
-                       "fix tensor_parallel=1 or set float8=null")
+        problem = (float8_layout_problem(arguments.float8, layout.tensor_parallel)
+                   or float8_problem(arguments.float8, device))
         if problem is not None:
             raise ValueError(problem)
     no_cache(model)

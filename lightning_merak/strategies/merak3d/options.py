@@ -74,7 +74,8 @@ class Merak3DOptions:
     compile: bool = option(
         False, "Compile each transformer block with `torch.compile` (regional compilation, one graph per block class, "
         "reused by every block of it), under every layout, sharding mode and recompute mode. A block torch.compile "
-        "cannot capture whole runs eagerly, with one notice naming it (`lightning_merak.parallel.regional_compile`).")
+        "cannot capture whole has its parts compiled one by one and the rest run eagerly, with one notice naming it "
+        "(`lightning_merak.parallel.regional_compile`).")
     float8: Optional[str] = option(
         None, "Train the blocks' linear layers in fp8 with torchao: `rowwise`, `tensorwise` or `mxfp8` (`null`: "
         "off). Master weights, gradients and optimizer state keep the run's precision; layers narrower than 1024 or "
