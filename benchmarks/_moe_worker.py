@@ -221,13 +221,14 @@ def worker(configs_path: Path, result_path: Path) -> None:
     Ranks are not pinned to cores: the product does not pin a user's ranks, so no policy gets it (rule 5).
     """
     configs = [Config.from_dict(c) for c in json.loads(configs_path.read_text())]
-    import deepspeed
     import torch
     import torch.distributed as dist
 
+    from lightning_merak.distributed.deepspeed_comm import init_deepspeed_comm
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=RANKS_TIMEOUT_S))
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_deepspeed_comm("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results = [_run_config(config, rank, world) for config in configs]
     if rank == 0:

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from benchmarks.merak3d import FullyShardedLM
 from benchmarks.report import proc_status_mb, saved_activation_bytes
+from lightning_merak.distributed.deepspeed_comm import init_deepspeed_comm
 from lightning_merak.distributed.host_memory import heap_stats, heap_tunables_applied
 from lightning_merak.modules.causal_lm import CausalLMModule
 from lightning_merak.modules.config import OptimConfig
@@ -213,6 +214,7 @@ def _zero3_leg(rank: int, leg: Leg, workload: Workload, steps: int) -> dict[str,
     import deepspeed
 
     ds_config = zero3_config(workload, leg.world_size)
+    init_deepspeed_comm()
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
         model = AutoModelForCausalLM.from_config(workload.config())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -39,6 +39,7 @@ from transformers import AutoModelForCausalLM
 from benchmarks._scale_ranks import Workload, _holdings, _quiet, _TokenData
 from benchmarks.merak3d import FullyShardedLM
 from benchmarks.report import proc_status_mb
+from lightning_merak.distributed.deepspeed_comm import init_deepspeed_comm
 from lightning_merak.modules.causal_lm import CausalLMModule
 from lightning_merak.modules.config import OptimConfig
 from lightning_merak.parallel.data.skipped_communication import gradient_communication_skipped
@@ -254,6 +255,7 @@ def _zero_job(job: Job, workload: Workload) -> dict[str, Any]:
     # the optimizer and learning-rate schedule the Lightning runs use, so that the losses compare too
     # total_steps: the Lightning runs' schedule ends at max_steps = job.steps
     optimizers = CausalLMModule(model, OptimConfig(warmup_steps=1, total_steps=job.steps)).configure_optimizers()
+    init_deepspeed_comm()
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizers["optimizer"], config=ds_config,
                                       lr_scheduler=optimizers["lr_scheduler"]["scheduler"], dist_init_required=False)
     inner = engine.optimizer.optimizer

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_merak.distributed.deepspeed_comm import init_deepspeed_comm
 from lightning_merak.distributed.sub_batches import mark_sub_batch_share, run_sub_batches
 from lightning_merak.distributed.turns import meet_in_turn
 from lightning_merak.plugins.moe import CommCurve, CostModel, PlacementPlan
@@ -265,9 +266,7 @@ def _compare(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]
 
 
 def run_cases(rank: int, world_size: int, cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_deepspeed_comm("gloo")
     return {name: _compare(rank, world_size, case) for name, case in cases.items()}
 
 
@@ -416,11 +415,9 @@ def test_auto_chunks_measure_the_dense_time_once_then_split() -> None:
 
 
 def _auto_rank(rank: int, world_size: int) -> dict[str, Any]:
-    import deepspeed
-
     from lightning_merak.plugins.moe.lancet_block import lancet_overlap
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_deepspeed_comm("gloo")
     case = dict(num_experts=4, k=2, capacity_factor=0.5, options=dict())
     reference, split = _stack(world_size, case), _stack(world_size, case)
     blocks = lancet_overlap(split, "auto")

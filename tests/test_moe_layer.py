@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_merak.distributed.deepspeed_comm import init_deepspeed_comm
 from lightning_merak.testing import run_distributed
 
 pytestmark = pytest.mark.distributed  # every test here runs gloo ranks or a subprocess
@@ -106,9 +107,7 @@ def _run_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any
 
 
 def run_cases(rank: int, world_size: int, cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_deepspeed_comm("gloo")
     return {name: _run_case(rank, world_size, case) for name, case in cases.items()}
 
 

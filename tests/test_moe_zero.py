@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_merak.distributed.deepspeed_comm import init_deepspeed_comm
 from lightning_merak.testing import run_distributed
 from tests.test_moe_layer import HIDDEN, cheap_transfer_cost_model, expert_mlp
 
@@ -117,6 +118,7 @@ def _train_with_engine(moe: nn.Module, stage: int, initial: dict[str, torch.Tens
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
     }
+    init_deepspeed_comm()
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     gate_weight = initial["moe.deepspeed_moe.gate.wg.weight"]
     trajectory = []

@@ -35,6 +35,8 @@ from typing import Callable
 
 import pytest
 
+from lightning_merak.util.ports import free_rendezvous_port
+
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -595,8 +597,11 @@ def test_doc_python_block(where: str, tmp_path: Path) -> None:
         argv = [str(BIN / "torchrun"), *shlex.split(first_line[2:])[1:-1], str(script)]
     else:
         argv = [sys.executable, str(script)]
+    # The rendezvous port torchrun (PET_MASTER_PORT: 29500 by default) or Lightning's launcher (MASTER_PORT: the
+    # kernel's choice) would take is chosen as merak-train chooses it, so blocks run side by side do not collide.
+    port = str(free_rendezvous_port())
     result = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "PET_MASTER_PORT": port, "MASTER_PORT": port})
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     for expected in case.output:

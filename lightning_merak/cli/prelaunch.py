@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -35,9 +34,10 @@ import time
 from dataclasses import dataclass, field
 
 from lightning_merak.util.console import quiet_dependency_noise
+from lightning_merak.util.ports import free_rendezvous_port
 
 __all__ = [
-    "GATE_VARIABLE", "PrelaunchedRanks", "free_loopback_port", "launched_externally", "prelaunch_local_ranks",
+    "GATE_VARIABLE", "PrelaunchedRanks", "launched_externally", "prelaunch_local_ranks",
     "share_cores", "wait_at_gate",
 ]
 
@@ -122,13 +122,6 @@ class PrelaunchedRanks:
                 process.terminate()
 
 
-def free_loopback_port() -> int:
-    """Ask the kernel for a free TCP port on the loopback interface."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _rank_command(run_dir: str, local_rank: int) -> list[str]:
     """This command again for ``local_rank``, writing into rank 0's run directory (as Lightning's launcher does)."""
     import __main__
@@ -143,11 +136,16 @@ def _rank_command(run_dir: str, local_rank: int) -> list[str]:
 def prelaunch_local_ranks(devices: int, num_nodes: int) -> PrelaunchedRanks | None:
     """Start ranks 1..devices-1 of a single-node Hydra run now, waiting at their gates; None where Lightning's
     launcher keeps the job (one device, more devices than cores, several nodes, a launcher already ran, a
-    multirun, no Hydra run)."""
+    multirun, no Hydra run). A single-node run of several devices gets its ``MASTER_PORT`` here either way."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    if not 2 <= devices <= len(os.sched_getaffinity(0)) or num_nodes != 1 or launched_externally(os.environ):
+    if devices < 2 or num_nodes != 1 or launched_externally(os.environ):
+        return None
+    # Lightning's launcher would take a port from the ephemeral range, which other jobs' connections can take
+    # before rank 0 binds it (util/ports.py); this choice serves it and the ranks started here alike.
+    os.environ.setdefault("MASTER_PORT", str(free_rendezvous_port()))
+    if devices > len(os.sched_getaffinity(0)):
         return None
     if not HydraConfig.initialized():
         return None
@@ -157,7 +155,6 @@ def prelaunch_local_ranks(devices: int, num_nodes: int) -> PrelaunchedRanks | No
     from hydra.utils import get_original_cwd
 
     os.environ.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                      MASTER_PORT=os.environ.get("MASTER_PORT", str(free_loopback_port())),
                       NODE_RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(devices))
     share_cores(devices)
     processes, gates = [], []

@@ -34,8 +34,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from lightning_merak.cli.prelaunch import free_loopback_port
 from lightning_merak.testing.cpu_quota import CpuQuota, enter_group
+from lightning_merak.util.ports import free_rendezvous_port
 
 __all__ = ["DistributedRunError", "find_free_port", "run_distributed"]
 
@@ -67,8 +67,8 @@ rank importing them itself spent 1.3 s of CPU before its first step (measured: 1
 per rank of a 2-stage Llama run). A module that fails to import here is imported by the rank."""
 
 
-find_free_port = free_loopback_port
-"""Ask the kernel for a free TCP port on the loopback interface (one helper for launches and tests)."""
+find_free_port = free_rendezvous_port
+"""A free TCP port on the loopback interface, below the ephemeral range (one helper for launches and tests)."""
 
 
 def _rank_main(

@@ -35,7 +35,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,7 @@ from types import FrameType
 from typing import IO, Any, TypeVar
 
 from lightning_merak.testing.cpu_quota import CpuQuota, pid_alive
+from lightning_merak.util.ports import free_rendezvous_port
 
 DEFAULT_PREFIX = "merak-netem"
 DEFAULT_SUBNET = ipaddress.IPv4Network("10.213.0.0/24")
@@ -522,12 +522,6 @@ class _RankLauncher:
             self._previous_handlers.clear()
 
 
-def _free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 class LoopbackCluster(_RankLauncher):
     """The same ranks on 127.0.0.1, without namespaces or shaping: the baseline; no root needed."""
 
@@ -536,7 +530,7 @@ class LoopbackCluster(_RankLauncher):
 
     def __init__(self, world_size: int, cpu_quota: CpuQuota | None = None) -> None:
         super().__init__(world_size, cpu_quota)
-        self.master_port = _free_loopback_port()
+        self.master_port = free_rendezvous_port()
 
 
 class EmulatedCluster(_RankLauncher):

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
+from lightning_merak.distributed.deepspeed_comm import init_deepspeed_comm
 from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh
 
 __all__ = ["ExpertGroups", "carve_expert_groups", "data_parallel_groups_from_mesh", "ensure_expert_groups"]
@@ -61,7 +62,7 @@ def ensure_expert_groups(
             "torch.distributed is not initialised; MoE layers with ep_size > 1 need a process group "
             "(run under Lightning/DeepSpeed, or call deepspeed.init_distributed() first)"
         )
-    _ensure_deepspeed_comm()
+    init_deepspeed_comm()
     rank = dist.get_rank()
     dp_groups = ([list(g) for g in data_parallel_groups] if data_parallel_groups
                  else [list(range(dist.get_world_size()))])
@@ -101,10 +102,3 @@ def ensure_expert_groups(
     )
 
 
-def _ensure_deepspeed_comm() -> None:
-    """DeepSpeed's comm wrapper adopts an existing torch.distributed group (gloo or NCCL)."""
-    import deepspeed
-    from deepspeed import comm
-
-    if not comm.is_initialized():
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
