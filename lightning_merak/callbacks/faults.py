@@ -21,8 +21,8 @@ __all__ = ["FaultWatch", "RankLostError", "newest_checkpoint"]
 
 log = logging.getLogger(__name__)
 
-_PEER_FAILURES = ("connection closed by peer", "connection reset", "broken pipe", "timed out", "gloo")
-"""Words of the errors a collective raises when a peer is gone (gloo's, and torch's DistBackendError)."""
+_PEER_FAILURES = ("connection closed by peer", "connection reset", "broken pipe", "timed out", "gloo", "nccl")
+"""Words of the errors a collective raises when a peer is gone (gloo's, NCCL's, and torch's DistBackendError)."""
 
 
 class RankLostError(RuntimeError):
@@ -67,8 +67,10 @@ class FaultWatch(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or not dist.is_initialized() or dist.get_world_size() == 1 or self.watchdog is not None:
             return
+        group_timeout = getattr(trainer.strategy, "_timeout", None)  # Lightning's strategies keep it there
         watchdog = Watchdog(self.timeout_s, self.dead_after_s, self.poll_s,
-                            checkpoint=lambda: newest_checkpoint(trainer), timeout_option=self.timeout_option)
+                            checkpoint=lambda: newest_checkpoint(trainer), timeout_option=self.timeout_option,
+                            group_timeout_s=group_timeout.total_seconds() if group_timeout is not None else None)
         try:
             watchdog.start()
         except (RuntimeError, ValueError) as error:  # no reachable rendezvous store: train on, unwatched

@@ -10,6 +10,12 @@ Recomputation never repeats a collective: inside a checkpointed block the post-c
 tensors are recorded during the forward (:func:`collective_replay_contexts`) and handed back
 when the block is recomputed. :func:`record_communication` traces when each collective was
 launched, completed and waited for.
+
+On NCCL an asynchronous collective runs on NCCL's internal stream, which waits for the current stream at
+launch; ``work.wait()`` makes the current stream wait for it, so computation queued after a wait reads
+finished results and computation queued before it (other sub-batches', weight gradients) overlaps it. A
+:class:`PendingCollective` keeps every tensor handed to its collective (temporaries made for it included)
+referenced until that wait, so none is freed while NCCL may still read it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_merak.distributed import turns
+from lightning_merak.distributed.process_groups import reduce_scatter_by_exchange
 
 __all__ = [
     "CommunicationTrace",
@@ -244,10 +251,11 @@ def all_gather_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int)
 def _launch_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> "PendingCollective":
     ranks = dist.get_world_size(group)
     pieces = tensor.new_empty((ranks * tensor.shape[0], *tensor.shape[1:]))
+    send = tensor.contiguous()
     launch = time.perf_counter()
-    work = dist.all_gather_single(pieces, tensor.contiguous(), group=group, async_op=True)
+    work = dist.all_gather_single(pieces, send, group=group, async_op=True)
     return PendingCollective(pieces, work, launch, "all_gather",
-                             finish=lambda gathered: torch.cat(gathered.chunk(ranks), dim=dim))
+                             finish=lambda gathered: torch.cat(gathered.chunk(ranks), dim=dim), keep_alive=(send,))
 
 
 def start_all_gather_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> "PendingCollective":
@@ -264,6 +272,7 @@ def reduce_scatter_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup, dim: 
 
     On gloo the slices travel by one all-to-all and are summed locally: gloo's reduce-scatter
     took 2–5× as long as that for the same bytes, and its work has no completion future to trace.
+    NCCL runs its native one (:func:`~lightning_merak.distributed.process_groups.reduce_scatter_by_exchange`).
     Inside a recomputed checkpoint region the recorded result is returned instead.
     """
     ranks = dist.get_world_size(group)
@@ -285,14 +294,14 @@ def _launch_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup, dim: 
     _check_splits(tensor, ranks, dim)
     pieces = torch.cat(tensor.chunk(ranks, dim=dim))
     launch = time.perf_counter()
-    if dist.get_backend(group) == "gloo":
+    if reduce_scatter_by_exchange(dist.get_backend(group), pieces.device.type):
         received = torch.empty_like(pieces)
         work = dist.all_to_all_single(received, pieces, group=group, async_op=True)
         return PendingCollective(received, work, launch, "reduce_scatter",
-                                 finish=lambda slices: slices.unflatten(0, (ranks, -1)).sum(0))
+                                 finish=lambda slices: slices.unflatten(0, (ranks, -1)).sum(0), keep_alive=(pieces,))
     result = pieces.new_empty((pieces.shape[0] // ranks, *pieces.shape[1:]))
     work = dist.reduce_scatter_single(result, pieces, group=group, async_op=True)
-    return PendingCollective(result, work, launch, "reduce_scatter")
+    return PendingCollective(result, work, launch, "reduce_scatter", keep_alive=(pieces,))
 
 
 def start_reduce_scatter_in_turn(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> "PendingCollective":
@@ -313,10 +322,13 @@ class PendingCollective:
     """
 
     def __init__(self, result: torch.Tensor, work: Any, launch: Optional[float] = None,
-                 op: str = "collective", finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
+                 op: str = "collective", finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                 keep_alive: tuple[torch.Tensor, ...] = ()) -> None:
         """``launch`` is the ``time.perf_counter()`` taken just before the collective was issued (default: now);
-        ``finish`` turns the completed buffer into the result (a local sum, say)."""
+        ``finish`` turns the completed buffer into the result (a local sum, say); ``keep_alive`` are the
+        collective's other tensors (its send buffer), held until :meth:`wait`."""
         self.result, self._work, self._op, self._finish = result, work, op, finish
+        self._keep_alive = keep_alive
         self.exposed_s = 0.0
         self._launch = time.perf_counter() if launch is None else launch
         self._completion: dict[str, float] = {}
@@ -330,7 +342,8 @@ class PendingCollective:
         work, self._work = self._work, None
         turns.yield_turn()
         wait_start = time.perf_counter()
-        work.wait()
+        work.wait()  # on NCCL: the current stream waits for NCCL's; the sent tensors may go after this
+        self._keep_alive = ()
         wait_end = time.perf_counter()
         self.exposed_s = wait_end - wait_start
         if self._trace is not None:
@@ -353,10 +366,11 @@ def start_all_to_all_in_turn(
     if dist.get_world_size(group) == 1:
         return PendingCollective(send, None)
     recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
+    rows = send.contiguous()
     launch = time.perf_counter()
-    work = dist.all_to_all_single(recv, send.contiguous(), list(recv_splits), list(send_splits), group=group,
-                                  async_op=True)
-    return PendingCollective(recv, work, launch, "all_to_all")
+    work = dist.all_to_all_single(recv, rows, [int(split) for split in recv_splits],
+                                  [int(split) for split in send_splits], group=group, async_op=True)
+    return PendingCollective(recv, work, launch, "all_to_all", keep_alive=(rows,))
 
 
 def all_to_all_in_turn(

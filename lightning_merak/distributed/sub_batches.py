@@ -14,6 +14,10 @@ gradients untouched, exactly as without the region.
 
 The model code is not changed: the region wraps a module's ``forward``; tensors whose first
 dimension is the batch are split, the others are passed to every sub-batch whole.
+
+On CUDA the sub-batch threads compute on the caller's stream (carried into them by
+:func:`~lightning_merak.distributed.turns.caller_state`) and their collectives run on NCCL's stream; the
+overlap is between the two, and each collective's ``wait`` orders the sub-batch's later kernels after it.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
 
 import torch
 
+from lightning_merak.distributed.streams import current_stream, stream_scope
 from lightning_merak.util import random_state
 
 __all__ = ["caller_state", "in_sub_batch_region", "meet_in_turn", "run_in_turns", "sub_batch_index",
@@ -143,12 +144,18 @@ def sub_batch_index() -> int:
 
 @contextlib.contextmanager
 def _thread_state(grad: bool, inference: bool, autocast: list[tuple[str, torch.dtype]], cuda_device: Optional[int],
-                  threads: int):
-    """Carry the caller's thread-local torch modes (and intra-op thread count) into a sub-batch thread."""
+                  threads: int, cuda_stream: Any = None):
+    """Carry the caller's thread-local torch modes (and intra-op thread count) into a sub-batch thread.
+
+    On CUDA that includes the caller's stream (a new thread starts on the device's default stream): the
+    sub-batches compute on it in turns while their collectives run on NCCL's stream, ordered by ``work.wait()``
+    (:mod:`~lightning_merak.distributed.collectives`), so the region's outputs are ready on the caller's stream.
+    """
     torch.set_num_threads(threads)
     with contextlib.ExitStack() as stack:
         if cuda_device is not None:
             torch.cuda.set_device(cuda_device)
+        stack.enter_context(stream_scope(cuda_stream))
         stack.enter_context(torch.inference_mode(inference))
         stack.enter_context(torch.set_grad_enabled(grad))
         for device_type, dtype in autocast:
@@ -161,8 +168,9 @@ def caller_state(grad: bool) -> dict[str, Any]:
     autocast = [(device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
                 if torch.is_autocast_enabled(device)]
     cuda_device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    cuda_stream = None if cuda_device is None else current_stream(torch.device("cuda", cuda_device))
     return {"grad": grad, "inference": torch.is_inference_mode_enabled(), "autocast": autocast,
-            "cuda_device": cuda_device, "threads": torch.get_num_threads()}
+            "cuda_device": cuda_device, "threads": torch.get_num_threads(), "cuda_stream": cuda_stream}
 
 
 class _Worker:

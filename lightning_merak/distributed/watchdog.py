@@ -26,6 +26,13 @@ daemon thread per rank that
   message to stderr, when a hang was found or a lost peer did not already end the main thread.
 
 Cost when on: one store write and one read per ``poll_s`` per rank, and a 10 µs count read.
+
+On NCCL torch has a watchdog of its own (:mod:`~lightning_merak.distributed.nccl_environment` sets it up): it
+aborts a collective past the process group's timeout, writes its flight recorder to a file per rank and tears
+the process down. This watchdog then defers to it: it reads NCCL's flight recorder, leaves hangs to torch's
+watchdog where the group's timeout comes first (:func:`defers_stalls_to_torch`), and before it ends a rank
+itself it writes that rank's flight recorder where torch would; its own messages (which ranks, which
+collective, what to change) and the lost-peer watch stay as on gloo.
 """
 
 from __future__ import annotations
@@ -36,9 +43,11 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+
+from lightning_merak.distributed.nccl_environment import flight_recorder_dump_prefix
 
 __all__ = [
     "DEFAULT_DEAD_AFTER_S",
@@ -50,8 +59,10 @@ __all__ = [
     "StuckCollective",
     "Watchdog",
     "absent_ranks",
+    "defers_stalls_to_torch",
     "describe_lost",
     "describe_stall",
+    "flight_recorder_reader",
 ]
 
 log = logging.getLogger(__name__)
@@ -190,27 +201,50 @@ def describe_lost(rank: int, lost: Mapping[int, str], checkpoint: str | None) ->
     )
 
 
+def flight_recorder_reader(backend: str, available: Collection[str]) -> str:
+    """The dump (a function of ``torch._C._distributed_c10d``) whose counts follow this process's collectives on
+    ``backend``: NCCL's own recorder on NCCL where the build has it, the generic one (gloo's) elsewhere."""
+    if "nccl" in backend.lower() and "_dump_nccl_trace_json" in available:
+        return "_dump_nccl_trace_json"
+    return "_dump_fr_trace_json"
+
+
+def defers_stalls_to_torch(backend: str, timeout_s: float, group_timeout_s: float | None) -> bool:
+    """Whether torch's NCCL watchdog ends a hung collective no later than this one would (NCCL, with a process
+    group timeout of at most ``timeout_s``): its abort and flight-recorder dump then say what hung, and an alarm
+    of ours would only race it."""
+    return "nccl" in backend.lower() and group_timeout_s is not None and group_timeout_s <= timeout_s
+
+
+def flight_recorder_note(rank: int, dump_prefix: str) -> str:
+    """The line an NCCL run's messages end with: where this rank's flight recorder is written."""
+    return (f"torch's flight recorder of rank {rank} (NCCL): {dump_prefix}{rank} "
+            "(read it with torch.distributed.flight_recorder's fr_trace)")
+
+
 # ---------------------------------------------------------------------------------------------- integration
 
 _PREFIX = "merak_watchdog"
 
 
-def read_progress() -> dict[str, GroupProgress]:
-    """This process's collectives per process group, from torch's flight recorder."""
+def _dump_json(reader: str, include_collectives: bool) -> dict:
     import torch._C._distributed_c10d as c10d
 
-    status = json.loads(c10d._dump_fr_trace_json(includeCollectives=False)).get("pg_status", {})
+    return json.loads(getattr(c10d, reader)(includeCollectives=include_collectives))
+
+
+def read_progress(reader: str = "_dump_fr_trace_json") -> dict[str, GroupProgress]:
+    """This process's collectives per process group, from torch's flight recorder (:func:`flight_recorder_reader`)."""
+    status = _dump_json(reader, include_collectives=False).get("pg_status", {})
     return {  # numbers start at 1; a group that completed none says -1
         name: GroupProgress(int(group["last_enqueued_collective"]), max(0, int(group["last_completed_collective"])))
         for name, group in status.items()
     }
 
 
-def _operation(group: str, sequence: int) -> str:
+def _operation(group: str, sequence: int, reader: str) -> str:
     """The name and input sizes of collective ``sequence`` of ``group``, from the flight recorder's entries."""
-    import torch._C._distributed_c10d as c10d
-
-    entries = json.loads(c10d._dump_fr_trace_json(includeCollectives=True)).get("entries", [])
+    entries = _dump_json(reader, include_collectives=True).get("entries", [])
     for entry in reversed(entries):
         if str(entry.get("process_group", ("",))[0]) == group and entry.get("collective_seq_id") == sequence:
             return f"{entry.get('profiling_name', 'collective')} of input sizes {entry.get('input_sizes')}"
@@ -244,7 +278,9 @@ class Watchdog:
         poll_s: float = 1.0,
         checkpoint: Callable[[], str | None] = lambda: None,
         timeout_option: str = "the watchdog's timeout_s",
+        group_timeout_s: float | None = None,
     ) -> None:
+        """``group_timeout_s`` is the process groups' own timeout (torch's NCCL watchdog acts on it)."""
         StallClock(timeout_s)
         PulseClock(dead_after_s, 0.0)
         if poll_s <= 0:
@@ -252,6 +288,8 @@ class Watchdog:
         self.timeout_s, self.dead_after_s, self.poll_s = timeout_s, dead_after_s, poll_s
         self.checkpoint = checkpoint
         self.timeout_option = timeout_option
+        self.group_timeout_s = group_timeout_s
+        self.on_nccl = False
         self.grace_s = 5.0
         """How long a lost peer may go unhandled by the main thread before this thread ends the process."""
         self._stop = threading.Event()
@@ -265,7 +303,13 @@ class Watchdog:
 
         if not dist.is_initialized():
             raise RuntimeError("Watchdog.start() needs the default process group; call it after init_process_group")
+        import torch._C._distributed_c10d as c10d
+
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.backend = str(dist.get_backend())
+        self.on_nccl = "nccl" in self.backend.lower()
+        self.reader = flight_recorder_reader(self.backend, set(dir(c10d)))
+        self.raises_stall_alarms = not defers_stalls_to_torch(self.backend, self.timeout_s, self.group_timeout_s)
         self.host = socket.gethostname()
         self._store = self._connect()
         self._store.set(f"{_PREFIX}/peer/{self.rank}", json.dumps({"host": self.host, "pid": os.getpid()}))
@@ -327,7 +371,7 @@ class Watchdog:
                 beats, done = self._beats(peers)
                 self._lost = self._find_lost(pulse.observe(beats, now), peers, done)
                 if not self._lost:
-                    stuck = stall.observe(read_progress(), now)
+                    stuck = stall.observe(read_progress(self.reader), now) if self.raises_stall_alarms else []
                     if stuck:
                         self._alarm(stuck, stall.waited(now))
                     elif alarmed or self._store.check([f"{_PREFIX}/alarm"]):
@@ -374,7 +418,7 @@ class Watchdog:
     def _alarm(self, stuck_groups: list[str], waited_s: float) -> None:
         """Post this rank's counts, collect the others' and end every rank with the names of who did not come."""
         store = self._store
-        progress = read_progress()
+        progress = read_progress(self.reader)
         self._post(progress)
         store.add(f"{_PREFIX}/alarm", 1)
         members = _group_members()
@@ -386,9 +430,11 @@ class Watchdog:
             group_ranks = members.get(name, list(range(self.world_size)))
             behind, silent = absent_ranks(name, sequence, group_ranks, reports)
             elsewhere = {other: waiting_in(reports[other]) for other in behind}
-            stuck.append(StuckCollective(name, tuple(group_ranks), sequence, _operation(name, sequence),
+            stuck.append(StuckCollective(name, tuple(group_ranks), sequence, _operation(name, sequence, self.reader),
                                          tuple(behind), tuple(silent), elsewhere))
         message = describe_stall(self.rank, waited_s, stuck, self.timeout_option)
+        if self.on_nccl:
+            message += "\n" + flight_recorder_note(self.rank, flight_recorder_dump_prefix())
         # written now: once a peer ends, this rank's own blocked collective may fail and end it first
         os.write(2, (message + "\n").encode())
         store.set(f"{_PREFIX}/message/{self.rank}", message)
@@ -413,7 +459,7 @@ class Watchdog:
 
     def _answer_alarm(self) -> None:
         """Another rank found a hang: report this rank's counts, and stop with its message once it is out."""
-        self._post(read_progress())
+        self._post(read_progress(self.reader))
         for other in range(self.world_size):
             key = f"{_PREFIX}/message/{other}"
             if self._store.check([key]):
@@ -424,4 +470,19 @@ class Watchdog:
         """Write ``message`` (if any) and end this process (the main thread may be blocked inside a collective)."""
         if message:
             os.write(2, (message + "\n").encode())
+        if self.on_nccl:
+            self._write_flight_recorder()
         os._exit(EXIT_CODE)
+
+    def _write_flight_recorder(self) -> None:
+        """This rank's NCCL flight recorder, where torch's watchdog writes it on a timeout (CUDA builds)."""
+        import torch._C._distributed_c10d as c10d
+
+        dump = getattr(c10d, "_dump_nccl_trace", None)
+        if dump is None:
+            return
+        try:
+            with open(f"{flight_recorder_dump_prefix()}{self.rank}", "wb") as file:
+                file.write(dump())
+        except (OSError, RuntimeError) as error:
+            os.write(2, f"lightning_merak watchdog: flight recorder not written: {error}\n".encode())

@@ -16,6 +16,10 @@ Two ways fill it, for two kinds of caller:
 - :class:`SplitBackward` records the plain ``nn.Linear`` calls of unmodified modules (experts)
   through hooks, runs an input-gradient-only pass, and then returns every parameter's gradient:
   the Linears' from what was kept, the rest from autograd on the retained graph.
+
+On CUDA the overlap needs no stream of its own: the caller's collective (NCCL) runs on NCCL's internal
+stream, which waited for the compute stream when it was launched, while the weight GEMMs queued after the
+launch run on the compute stream; the caller's ``wait()`` then makes the compute stream wait for NCCL's.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_merak.distributed.collectives import average_gradients
+from lightning_merak.distributed.process_groups import new_group
 from lightning_merak.plugins.moe.experts import (
     EXPERT_TENSORS,
     ExpertParallelReport,
@@ -156,7 +157,7 @@ class Merak3DExperts:
         mine: dict[str, Any] = {}
         for kind, all_ranks in (("ep", ep_ranks), ("edp", edp_ranks)):
             for ranks in all_ranks:
-                group = dist.new_group(ranks)
+                group = new_group(ranks)
                 if rank in ranks:
                     mine[kind] = group
         self.groups = ExpertGroups(mine["ep"], mine["edp"], data_parallel // ep, data_parallel)

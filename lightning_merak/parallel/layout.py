@@ -14,6 +14,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_merak.distributed.process_groups import new_group
 from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh
 
 __all__ = [
@@ -186,7 +187,7 @@ def context_groups(mesh: DeviceMesh, context_parallel: int) -> Optional[dist.Pro
     for line in members:
         for start in range(0, len(line), context_parallel):
             group_ranks = line[start:start + context_parallel]
-            group = dist.new_group(group_ranks)
+            group = new_group(group_ranks)
             if dist.get_rank() in group_ranks:
                 mine = group
     return mine
@@ -208,6 +209,7 @@ class LayoutGroups:
     def create(cls, layout: Layout, device_type: str) -> LayoutGroups:
         """Build the mesh and the context-parallel groups (a collective: every rank calls it)."""
         shape = (layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel)
+        # its groups inherit the default group's device_id (bound on NCCL: distributed.process_groups)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMENSIONS)
         return cls(layout, mesh, context_groups(mesh, layout.context_parallel))
 

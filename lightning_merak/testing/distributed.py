@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from lightning_merak.distributed.process_groups import init_process_group
 from lightning_merak.testing.cpu_quota import CpuQuota, enter_group
 from lightning_merak.util.ports import free_rendezvous_port
 
@@ -102,11 +103,8 @@ def _rank_main(
     )
     torch.set_num_threads(threads_per_rank)
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-        )
+        init_process_group(backend, device=torch.device("cuda", rank) if backend == "nccl" else None, rank=rank,
+                           world_size=world_size, timeout=timedelta(seconds=timeout_s))
         value = fn(rank, world_size, *args, **kwargs)
         # Plain pickle copies tensor data; torch's multiprocessing pickler would share
         # it through file descriptors that vanish when this process exits.

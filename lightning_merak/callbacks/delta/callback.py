@@ -35,6 +35,7 @@ from lightning_merak.callbacks.delta.plot import save_timeline_plot
 from lightning_merak.callbacks.delta.profiler import agree_profile
 from lightning_merak.callbacks.delta.recompute_switch import strategy_recompute, user_checkpointing
 from lightning_merak.callbacks.delta.runtime import ManagerOptions, MemoryManager, StepReport, iter_tensors
+from lightning_merak.distributed.process_groups import collective_device
 from lightning_merak.protocols.layout_aware import layout_aware
 
 __all__ = ["DeltaMemory"]
@@ -386,8 +387,7 @@ def _any_rank(flag: bool) -> bool:
     """Whether ``flag`` holds on any rank (one small all-reduce)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return flag
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    votes = torch.tensor([int(flag)], device=device)
+    votes = torch.tensor([int(flag)], device=collective_device())
     dist.all_reduce(votes, op=dist.ReduceOp.MAX)
     return bool(votes.item())
 

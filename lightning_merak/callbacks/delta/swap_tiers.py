@@ -22,11 +22,14 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
+from lightning_merak.distributed.streams import SideStreamWork, side_stream
 from lightning_merak.util.timing import device_now
 
 __all__ = ["DiskTier", "FutureToDevice", "HostTier", "PinnedSlab", "SwapTier", "Transfer", "as_bytes", "make_tier"]
 
 _ALIGN = 512
+SWAP_STREAM = "delta-swap"
+"""The side stream swaps are copied on (one per device, shared by the tiers)."""
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -45,40 +48,35 @@ class _Pending(Protocol):
 class Transfer:
     """An asynchronous copy; ``done`` polls, ``wait`` blocks, ``finish`` returns the result.
 
-    ``finish`` is called on the thread that will use the result: on CUDA it makes the
-    compute stream (captured before the copy was issued) wait for the copy's event.
+    ``finish`` is called on the thread that will use the result: on CUDA its current stream waits for
+    the copy on the side stream, which hands the result over to it
+    (:meth:`~lightning_merak.distributed.streams.SideStreamWork.hand_over`).
     """
 
     def __init__(
         self,
         result: object = None,
         future: Optional[_Pending] = None,
-        event: Optional["torch.cuda.Event"] = None,
-        compute_stream: Optional["torch.cuda.Stream"] = None,
+        side: Optional[SideStreamWork] = None,
         keep_alive: object = None,
     ) -> None:
         self._result = result
         self._future = future
-        self._event = event
-        self._compute_stream = compute_stream
+        self._side = side
         self._keep_alive = keep_alive
 
     def done(self) -> bool:
         if self._future is not None:
             return self._future.done()
-        if self._event is not None:
-            return self._event.query()
-        return True
+        return self._side is None or self._side.done()
 
     def finish(self) -> object:
         if self._future is not None:
             self._result = self._future.result()
             self._future = None
-        if self._event is not None:
-            self._compute_stream.wait_event(self._event)
-            if isinstance(self._result, torch.Tensor) and self._result.is_cuda:
-                self._result.record_stream(self._compute_stream)
-            self._event = None
+        if self._side is not None:
+            self._result = self._side.hand_over(self._result)
+            self._side = None
         self._keep_alive = None
         return self._result
 
@@ -160,7 +158,7 @@ class HostTier(SwapTier):
         self.device = device
         self.pool_bytes = pool_bytes
         self.is_cuda = device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device) if self.is_cuda else None
+        self.copy_stream = side_stream(device, SWAP_STREAM)
         self.slab: Optional[PinnedSlab] = None
         self._warned_slab = False
 
@@ -183,7 +181,6 @@ class HostTier(SwapTier):
     def copy_out(self, data: torch.Tensor) -> Transfer:
         if not self.is_cuda:
             return Transfer(result=data.to("cpu", copy=True))
-        compute = torch.cuda.current_stream(self.device)
         host = self.slab.allocate(data.numel()) if self.slab is not None else None
         if host is None:
             if not self._warned_slab:
@@ -194,23 +191,18 @@ class HostTier(SwapTier):
                 )
                 self._warned_slab = True
             host = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=True)
-        self.copy_stream.wait_stream(compute)
-        with torch.cuda.stream(self.copy_stream):
+        with SideStreamWork(self.device, SWAP_STREAM) as copy:
+            copy.uses(data)  # the compute stream may free it before the copy ran
             host.copy_(data, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.copy_stream)
-        return Transfer(result=host, event=event, compute_stream=compute, keep_alive=data)
+        return Transfer(result=host, side=copy, keep_alive=data)
 
     def copy_in(self, stored: object, device: torch.device) -> Transfer:
         if not self.is_cuda:
             return Transfer(result=stored)
-        compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.copy_stream):
+        with SideStreamWork(self.device, SWAP_STREAM) as copy:
             data = torch.empty(stored.numel(), dtype=torch.uint8, device=device)
             data.copy_(stored, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.copy_stream)
-        return Transfer(result=data, event=event, compute_stream=compute)
+        return Transfer(result=data, side=copy)
 
     def end_step(self) -> None:
         if self.is_cuda:

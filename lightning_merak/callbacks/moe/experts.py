@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_merak.checkpoint.sharded import ExpertParallelCheckpointIO, ExpertSlices
 from lightning_merak.distributed.collectives import average_gradients
+from lightning_merak.distributed.process_groups import new_group
 from lightning_merak.parallel.experts import Merak3DExperts
 from lightning_merak.plugins.moe.experts.enable import add_loads, enable_expert_parallel, expert_load
 from lightning_merak.plugins.moe.experts.replanning import ReplicaPlanner
@@ -73,8 +74,8 @@ class ExpertParallelCallback(pl.Callback):
         ep = self.ep_size or world
         if ep < 1 or world % ep:
             raise ValueError(f"moe.ep_size={ep} does not divide the world size {world}; choose a divisor of {world}")
-        ep_groups = [dist.new_group(list(range(i * ep, (i + 1) * ep))) for i in range(world // ep)]
-        edp_groups = [dist.new_group(list(range(j, world, ep))) for j in range(ep)]
+        ep_groups = [new_group(list(range(i * ep, (i + 1) * ep))) for i in range(world // ep)]
+        edp_groups = [new_group(list(range(j, world, ep))) for j in range(ep)]
         self._edp_group, self._edp_size, self._world = edp_groups[rank % ep], world // ep, world
         return None if ep == world else ep_groups[rank // ep]
 

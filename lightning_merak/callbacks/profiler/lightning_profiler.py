@@ -33,6 +33,7 @@ from lightning_merak.callbacks.metrics.figures import log_figure
 from lightning_merak.callbacks.profiler.recorder import TraceRecorder
 from lightning_merak.callbacks.profiler.timeline import FIGURE_NAME as TIMELINE_FIGURE
 from lightning_merak.callbacks.profiler.timeline import traced_step_figure
+from lightning_merak.distributed.process_groups import collective_device
 from lightning_merak.parallel.pipeline.recording import TraceError, find_trunk
 from lightning_merak.planning.replay.chrome import chrome_trace, write_chrome_trace
 from lightning_merak.planning.replay.summary import summarize
@@ -54,21 +55,21 @@ def estimate_clock_offsets(rounds: int = 8) -> list[float]:
     Rank 0 pings each rank in turn; the round trip with the shortest network time bounds the
     error by half of it (tens of microseconds on a LAN). All ranks get the list.
     """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    offsets = torch.zeros(world, dtype=torch.float64)
-    stamp = torch.zeros(2, dtype=torch.float64)
+    world, rank, device = dist.get_world_size(), dist.get_rank(), collective_device()
+    offsets = torch.zeros(world, dtype=torch.float64, device=device)
+    stamp = torch.zeros(2, dtype=torch.float64, device=device)
     for peer in range(1, world):
         samples = []
         for _ in range(rounds):
             if rank == 0:
                 t0 = time.perf_counter()
-                dist.send(torch.tensor([t0, 0.0], dtype=torch.float64), peer)
+                dist.send(torch.tensor([t0, 0.0], dtype=torch.float64, device=device), peer)
                 dist.recv(stamp, peer)
                 samples.append((t0, stamp[0].item(), stamp[1].item(), time.perf_counter()))
             elif rank == peer:
                 dist.recv(stamp, 0)
                 t1 = time.perf_counter()
-                dist.send(torch.tensor([t1, time.perf_counter()], dtype=torch.float64), 0)
+                dist.send(torch.tensor([t1, time.perf_counter()], dtype=torch.float64, device=device), 0)
         if rank == 0:
             offsets[peer] = offset_from_round_trips(samples)
     dist.broadcast(offsets, 0)

@@ -50,6 +50,7 @@ from lightning_merak.callbacks.sparse_comm.s2_hook import AUTO, S2Reducer, Spars
 from lightning_merak.callbacks.sparse_comm.sketch import CountSketch, drop_zero_rows
 from lightning_merak.callbacks.sparse_comm.wire_cost_model import NetworkModel
 from lightning_merak.distributed.gradient_norm import ShardedGradients
+from lightning_merak.distributed.process_groups import collective_device, new_group
 from lightning_merak.parallel.pipeline.stage import RankStages, tied_parameter_names
 from lightning_merak.protocols.layout_aware import LayoutAwareStrategy, data_parallel_groups_from_mesh, layout_aware
 from lightning_merak.util.timing import DeviceTimer
@@ -70,12 +71,12 @@ def data_parallel_group(strategy: pl.strategies.Strategy) -> dist.ProcessGroup |
 
 def _measure_bandwidth(group: dist.ProcessGroup | None) -> NetworkModel:
     """Time an all-reduce on ``group``; the slowest rank's time, so all ranks agree."""
-    probe = torch.zeros(_BANDWIDTH_PROBE_BYTES // 4)
+    probe = torch.zeros(_BANDWIDTH_PROBE_BYTES // 4, device=collective_device(group))
     dist.all_reduce(probe, group=group)
     with DeviceTimer(probe.device) as timer:
         for _ in range(_BANDWIDTH_PROBE_REPEATS):
             dist.all_reduce(probe, group=group)
-    elapsed = torch.tensor([timer.seconds / _BANDWIDTH_PROBE_REPEATS], dtype=torch.float64)
+    elapsed = torch.tensor([timer.seconds / _BANDWIDTH_PROBE_REPEATS], dtype=torch.float64, device=probe.device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
     world_size = dist.get_world_size(group)
     wire_bytes = 2 * (world_size - 1) / world_size * _BANDWIDTH_PROBE_BYTES
@@ -324,7 +325,7 @@ class SparseCommunication(pl.Callback):
         if layout is not None:
             return _new_data_parallel_groups(layout)
         if group is None or group is dist.group.WORLD:
-            return dist.new_group(ranks=list(range(dist.get_world_size())))
+            return new_group(ranks=list(range(dist.get_world_size())))
         return group
 
     def _check_layout(self, strategy: LayoutAwareStrategy) -> None:
@@ -537,7 +538,7 @@ def _new_data_parallel_groups(strategy: LayoutAwareStrategy) -> dist.ProcessGrou
     rank = dist.get_rank()
     own = None
     for ranks in data_parallel_groups_from_mesh(mesh.mesh.tolist(), list(mesh.mesh_dim_names)):
-        group = dist.new_group(ranks=ranks)
+        group = new_group(ranks=ranks)
         if rank in ranks:
             own = group
     assert own is not None, "every rank lies in one data-parallel group of the mesh"

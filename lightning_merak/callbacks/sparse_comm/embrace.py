@@ -325,12 +325,12 @@ class _ShardedLookup(torch.autograd.Function):
                 group=table.process_group, async_op=True,
             )
             table.record_lookup(chunk_counts, grad.element_size())
-            chunks.append((priority, work, received, all_ids[mask]))
+            chunks.append((priority, work, received, all_ids[mask], send))  # send held until the wait
 
         def accumulate() -> None:
             shard_grad = torch.zeros_like(table.shard)
             priority_ready, all_ready, priority_tokens = None, launched, 0
-            for priority, work, received, ids in chunks:
+            for priority, work, received, ids, _sent in chunks:
                 work.wait()
                 shard_grad += _rows_to_columns(table, ids, received)
                 all_ready = DeviceStamp(grad.device)

@@ -21,6 +21,11 @@ backward goes on; :meth:`~DataParallelGradients.finish` launches the rest, waits
 With ``shards`` smaller than the data-parallel degree (hybrid), the reduce-scatter runs inside
 groups of ``shards`` ranks and the parts are then all-reduced across the groups' replicas.
 
+On CUDA every collective here (a bucket's all-reduce or reduce-scatter during the backward, a parameter
+gather during the next forward) runs on NCCL's stream, which waits for the compute stream at its launch, and
+its ``wait()`` makes the compute stream wait for it before the averaging or the copy into the parameters; the
+buckets, shard parts and parameters it reads and writes are this object's own buffers, alive until then.
+
 Checkpoints stay layout- and mode-independent: :meth:`DataParallelGradients.consolidated` shows
 the optimizer with the real parameters and whole states while a checkpoint is written or read.
 """
@@ -40,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from lightning_merak.distributed.dtensors import local_tensor
 from lightning_merak.distributed.gradient_buffer import Bucket, GradientBuffer, ShardSlice
 from lightning_merak.distributed.gradient_norm import ShardedGradients
+from lightning_merak.distributed.process_groups import new_group
 from lightning_merak.parallel.data.gradients import averaged_parameters
 from lightning_merak.parallel.data.owners import spread_whole_matrix_steps
 from lightning_merak.parallel.data.reduce_scatter import ReduceScatterQueue, start_reduce_scatter
@@ -82,12 +88,12 @@ def shard_groups(groups: LayoutGroups, shards: int) -> tuple[dist.ProcessGroup, 
     for members in data_parallel_groups_from_mesh(groups.mesh.mesh.tolist(), groups.mesh.mesh_dim_names):
         for start in range(0, data_parallel, shards):
             chunk = members[start:start + shards]
-            group = dist.new_group(chunk)
+            group = new_group(chunk)
             if rank in chunk:
                 mine["shard"] = group
         for offset in range(shards):
             replicas = members[offset::shards]
-            group = dist.new_group(replicas)
+            group = new_group(replicas)
             if rank in replicas:
                 mine["replicate"] = group
     return mine["shard"], mine["replicate"]

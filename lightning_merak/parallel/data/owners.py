@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_merak.distributed.dtensors import local_tensor
+from lightning_merak.distributed.process_groups import collective_device
 
 __all__ = ["ROUND_BYTES", "OwnedMatrices", "assign_owners", "orthogonalisation_cost", "plan_rounds",
            "spread_whole_matrix_steps"]
@@ -124,7 +125,8 @@ class OwnedMatrices:
     def gather_state(self, state: dict[Any, dict[str, Any]], key: str) -> list[nn.Parameter]:
         """Put every owner's ``state[param][key]`` on every rank (a checkpoint holds the whole optimizer); returns
         the parameters whose entry this rank received, to drop again with :meth:`drop_state`."""
-        held = torch.tensor([1.0 if key in state.get(param, {}) else 0.0 for param in self.params])
+        held = torch.tensor([1.0 if key in state.get(param, {}) else 0.0 for param in self.params],
+                            device=collective_device(self.group))
         dist.all_reduce(held, group=self.group)
         received = []
         for param, owner, present in zip(self.params, self.owners, held.tolist()):

@@ -16,6 +16,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_merak.distributed.process_groups import reduce_scatter_by_exchange
+
 __all__ = ["MAX_RECEIVE_BUFFERS", "ExchangeReduceScatter", "PairwiseReduceScatter", "ReduceScatterQueue",
            "start_reduce_scatter", "sum_in_rank_order"]
 
@@ -90,10 +92,12 @@ class ExchangeReduceScatter:
 
 def start_reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup) -> Any:
     """Start summing, over ``group``, the part of ``flat`` this rank owns (its rank in ``group``) into ``out``;
-    returns the work to wait for. CPU tensors exchange only owned parts (above); elsewhere the backend's own
-    reduce-scatter runs (NCCL's is native)."""
+    returns the work to wait for. Where gloo serves the tensors they exchange only owned parts (above); on NCCL
+    its native reduce-scatter runs (:func:`~lightning_merak.distributed.process_groups.reduce_scatter_by_exchange`),
+    on NCCL's stream: its ``wait`` makes the current stream wait, and ``flat`` and ``out`` are the bucket's own
+    buffers, alive until then."""
     ranks = dist.get_world_size(group)
-    if flat.device.type != "cpu" or ranks == 1:
+    if ranks == 1 or not reduce_scatter_by_exchange(dist.get_backend(group), flat.device.type):
         return dist.reduce_scatter_single(out, flat, group=group, async_op=True)
     if ranks == 2:
         return PairwiseReduceScatter(out, flat, dist.get_rank(group), group)

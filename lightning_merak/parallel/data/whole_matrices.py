@@ -93,8 +93,10 @@ class MatrixPieces:
         return [(index, self._piece_of[index][holder]) for index in indices
                 if self.owners[index] == owner and holder in self._piece_of[index]]
 
-    def _gather(self, round_: int, held: dict[int, torch.Tensor], dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
-        """Start sending this rank's pieces of round ``round_``'s matrices to their owners."""
+    def _gather(self, round_: int, held: dict[int, torch.Tensor], dtype: torch.dtype
+                ) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Start sending this rank's pieces of round ``round_``'s matrices to their owners: the work, the receive
+        buffer and the send buffer (held by the caller until the wait: NCCL reads it on its own stream)."""
         indices, counts = self.rounds[round_], self._counts[round_]
         outgoing = [held[index].reshape(-1) for owner in range(self.size)
                     for index, _ in self._owned_pieces(indices, owner, self.rank)]
@@ -102,9 +104,10 @@ class MatrixPieces:
         send = torch.cat(outgoing) if outgoing else torch.empty(0, dtype=dtype, device=device)
         receive_splits = [counts[sender][self.rank] for sender in range(self.size)]
         receive = torch.empty(sum(receive_splits), dtype=dtype, device=device)
-        work = dist.all_to_all_single(receive, send.to(dtype), receive_splits, counts[self.rank], group=self.group,
+        send = send.to(dtype)
+        work = dist.all_to_all_single(receive, send, receive_splits, counts[self.rank], group=self.group,
                                       async_op=True)
-        return work, receive
+        return work, receive, send
 
     def _assemble(self, indices: Sequence[int], receive: torch.Tensor) -> dict[int, torch.Tensor]:
         """The whole (local) matrices this rank owns among ``indices``, from the pieces received."""
@@ -118,8 +121,10 @@ class MatrixPieces:
                 offset += numel
         return wholes
 
-    def _scatter(self, round_: int, results: dict[int, torch.Tensor], dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
-        """Start sending each rank its pieces of the results this rank computed for round ``round_``."""
+    def _scatter(self, round_: int, results: dict[int, torch.Tensor], dtype: torch.dtype
+                 ) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Start sending each rank its pieces of the results this rank computed for round ``round_`` (returned as
+        :meth:`_gather`'s are)."""
         indices, counts = self.rounds[round_], self._counts[round_]
         outgoing = [results[index].reshape(-1)[piece.start:piece.stop] for receiver in range(self.size)
                     for index, piece in self._owned_pieces(indices, self.rank, receiver)]
@@ -128,7 +133,7 @@ class MatrixPieces:
         send_splits = [counts[receiver][self.rank] for receiver in range(self.size)]
         receive = torch.empty(sum(counts[self.rank]), dtype=dtype, device=device)
         work = dist.all_to_all_single(receive, send, counts[self.rank], send_splits, group=self.group, async_op=True)
-        return work, receive
+        return work, receive, send
 
     def _unpack(self, indices: Sequence[int], receive: torch.Tensor) -> dict[int, torch.Tensor]:
         """This rank's pieces of the results for ``indices``, by matrix."""
@@ -152,14 +157,14 @@ class MatrixPieces:
             dtype = local_tensor(self.matrices[indices[0]]).dtype
             started.append((round_, dtype, self._gather(round_, held, dtype)))
         returning = []
-        for round_, dtype, (work, receive) in started:
+        for round_, dtype, (work, receive, _sent) in started:
             work.wait()
             wholes = self._assemble(self.rounds[round_], receive)
             results = {index: local_tensor(compute(index, whole_matrix(whole, self.matrices[index])))
                        for index, whole in wholes.items()}
             returning.append((round_, self._scatter(round_, results, dtype)))
         mine: dict[int, torch.Tensor] = {}
-        for round_, (work, receive) in returning:
+        for round_, (work, receive, _sent) in returning:
             work.wait()
             mine.update(self._unpack(self.rounds[round_], receive))
         return mine

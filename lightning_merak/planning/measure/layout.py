@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from lightning_merak.distributed.process_groups import new_group
 from lightning_merak.distributed.sub_batches import SubBatchForward
 from lightning_merak.parallel.data.gradients import average_gradients, scale_gradients, squared_norm
 from lightning_merak.parallel.pipeline.meta_trace import materialized_copy
@@ -476,7 +477,7 @@ def consecutive_group(size: int) -> dist.ProcessGroup:
     world, rank = dist.get_world_size(), dist.get_rank()
     mine = None
     for first in range(0, world, size):
-        group = dist.new_group(list(range(first, first + size)))
+        group = new_group(list(range(first, first + size)))
         if first <= rank < first + size:
             mine = group
     return mine
@@ -505,7 +506,7 @@ def _pipeline_runtime(device: torch.device, repeats: int, p2p: CollectiveCost) -
     from torch.distributed.pipelining import Schedule1F1B
 
     rank = dist.get_rank()
-    group = dist.new_group([0, 1])
+    group = new_group([0, 1])
     steps: dict[int, float] = {}
     if rank < 2:
         stage_class = pipeline_stage_class(dist.get_backend(group))

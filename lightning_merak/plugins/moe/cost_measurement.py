@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_merak.distributed.process_groups import collective_device
 from lightning_merak.plugins.moe.core.placement_cost_model import CommCurve, CostModel
 from lightning_merak.util.timing import median_call_time
 
@@ -68,7 +69,7 @@ def profile_cost_model(
         figures.append(median_call_time(lambda: expert(tokens), repeats, device))
         figures.append(_transfer_beside_compute(expert, tokens, ep_ranks, rank, group, dtype, device, repeats))
         figures.append(_all_to_all_beside_compute(expert, tokens, ep_size, group, dtype, device, repeats))
-    measured = torch.tensor(figures, dtype=torch.float64)
+    measured = torch.tensor(figures, dtype=torch.float64, device=collective_device(group) if ep_size > 1 else "cpu")
     if ep_size > 1:
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
     values = measured.tolist()

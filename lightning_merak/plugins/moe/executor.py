@@ -14,6 +14,10 @@ collectives in the same order (all-to-alls on the EP group, Trans/Agg on a separ
 transfer group), also with zero rows anywhere, so a plan can never cause a hang. All-to-alls
 are launched "in turn" (:mod:`lightning_merak.distributed.collectives`): inside a sub-batch region
 every wait, forward and backward, lets the other sub-batches compute first.
+
+On CUDA each chunk's all-to-all (and Trans/Agg's sends and receives) runs on NCCL's stream while the experts
+of the chunks already received compute on the compute stream; a chunk's ``wait`` makes the compute stream
+wait for its exchange, and the pending exchange holds its send buffer until then.
 """
 
 from __future__ import annotations
@@ -89,6 +93,8 @@ class ReplicaTransfer:
     plan: PlacementPlan
     received: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     works: list[Any] = field(default_factory=list)
+    sent: list[torch.Tensor] = field(default_factory=list)
+    """The tensors sent, held until :meth:`wait` (NCCL reads them on its own stream)."""
 
     @classmethod
     def start_trans(
@@ -99,6 +105,7 @@ class ReplicaTransfer:
         for rep in plan.replications:
             tag = layer_tag + rep.expert
             if rep.owner == rank:
+                transfer.sent.append(owned[rep.expert])
                 for r in rep.replicas:
                     transfer.works.append(dist.isend(owned[rep.expert], ep_ranks[r], group=group, tag=tag))
             elif rank in rep.replicas:
@@ -121,6 +128,7 @@ class ReplicaTransfer:
                 for r, buffer in zip(rep.replicas, buffers):
                     transfer.works.append(dist.irecv(buffer, ep_ranks[r], group=group, tag=tag))
             elif rank in rep.replicas:
+                transfer.sent.append(replica_grads[rep.expert])
                 transfer.works.append(dist.isend(replica_grads[rep.expert], ep_ranks[rep.owner], group=group, tag=tag))
         return transfer
 
@@ -128,7 +136,7 @@ class ReplicaTransfer:
         start = time.perf_counter()
         for work in self.works:
             work.wait()
-        self.works = []
+        self.works, self.sent = [], []
         stats[key] = stats.get(key, 0.0) + time.perf_counter() - start
         return self.received
 

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch.distributed as dist
 
 from lightning_merak.distributed.deepspeed_comm import init_deepspeed_comm
+from lightning_merak.distributed.process_groups import new_group
 from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh
 
 __all__ = ["ExpertGroups", "carve_expert_groups", "data_parallel_groups_from_mesh", "ensure_expert_groups"]
@@ -72,12 +73,12 @@ def ensure_expert_groups(
             ep_groups, edp_groups = carve_expert_groups(dp_ranks, ep_size)
             all_ep += ep_groups
             for ranks in edp_groups:
-                handle = dist.new_group(ranks)
+                handle = new_group(ranks)
                 if rank in ranks:
                     groups._EXPERT_DATA_PARALLEL_GROUP[group_name] = handle
                     groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[group_name] = ranks
             for ranks in ep_groups:
-                handle = dist.new_group(ranks)
+                handle = new_group(ranks)
                 if rank in ranks:
                     groups._EXPERT_PARALLEL_GROUP[group_name] = handle
                     groups._EXPERT_PARALLEL_GROUP_RANKS[group_name] = ranks
@@ -89,7 +90,7 @@ def ensure_expert_groups(
     key = tuple(ep_ranks)
     if key not in _TRANSFER_GROUPS:
         for ranks in all_ep:
-            handle = dist.new_group(list(ranks))
+            handle = new_group(list(ranks))
             if rank in ranks:
                 _TRANSFER_GROUPS[tuple(ranks)] = handle
     return ExpertGroups(

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_merak.distributed.process_groups import collective_device
 from lightning_merak.distributed.sub_batches import run_sub_batches
 from lightning_merak.plugins.moe.block_split import Chunks, check_chunks, enclosing_block, split_batch
 from lightning_merak.plugins.moe.core.lancet import choose_block_chunks, simulated_block_time
@@ -68,7 +69,8 @@ class LancetBlockForward:
     def _agreed(self, seconds: float) -> float:
         """The largest of the EP group's measurements, so every rank chooses alike."""
         layer = self.layers[0]
-        measured = torch.tensor([seconds], dtype=torch.float64)
+        measured = torch.tensor([seconds], dtype=torch.float64,
+                                device=collective_device(layer.ep_group) if layer.ep_size > 1 else "cpu")
         if layer.ep_size > 1:
             dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=layer.ep_group)
         return measured.item()

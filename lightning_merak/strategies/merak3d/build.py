@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_merak.distributed.process_groups import new_group
 from lightning_merak.distributed.sub_batches import SubBatchForward
 from lightning_merak.parallel import pipeline
 from lightning_merak.parallel.data.fully_sharded import FullySharded, apply_fully_shard, data_parallel_mesh
@@ -348,7 +349,7 @@ def _tied_gradient_groups(stages: RankStages, tied_names: list[tuple[str, ...]],
     for d in range(dp):
         for t in range(tp):
             ranks = sorted({int(ranks_mesh[0, d, t]), int(ranks_mesh[pp - 1, d, t])})
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if global_rank in ranks:
                 my_group = group
     params = {stages.original_name(name): param for name, param in stages.named_parameters()}

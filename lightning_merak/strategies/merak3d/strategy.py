@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_merak.checkpoint.sharded import ShardedCheckpointer
-from lightning_merak.distributed import host_memory
+from lightning_merak.distributed import host_memory, process_groups
 from lightning_merak.distributed.collectives import reduce_in_place
 from lightning_merak.distributed.gradient_norm import ShardedGradients
 from lightning_merak.distributed.process_exit import leave_process_groups_at_exit
@@ -330,10 +330,10 @@ class Merak3DStrategy(CheckpointHooks):
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
-        backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
-        self._process_group_backend = backend
+        backend, options = process_groups.process_group_setup(self._process_group_backend, self.root_device)
+        self._process_group_backend = backend  # on NCCL the options bind every group to this rank's GPU
         reset_seed()  # as Lightning's DDP does: the generators start training where DDP's do (dropout included)
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, **options)
         # a layout built by an earlier validate/predict keeps its mesh: its shards and groups live on it
         if self._groups is None and not self._arguments.needs_planning:
             self._adopt(self._arguments.layout(self.world_size))

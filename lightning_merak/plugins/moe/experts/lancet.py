@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_merak.distributed.process_groups import collective_device
 from lightning_merak.distributed.sub_batches import run_sub_batches
 from lightning_merak.plugins.moe.block_split import Chunks, batch_size, check_chunks, enclosing_block, split_batch
 from lightning_merak.plugins.moe.experts.enable import experts_modules
@@ -96,7 +97,7 @@ class ExpertParallelLancet:
         return output
 
     def _decide(self, candidates: Sequence[int], group: Any) -> None:
-        times = torch.tensor([self.trials[c] for c in candidates], dtype=torch.float64)
+        times = torch.tensor([self.trials[c] for c in candidates], dtype=torch.float64, device=collective_device(group))
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
         self.trials = {c: row.tolist() for c, row in zip(candidates, times)}
         self.chunks = choose_chunks(self.trials)

@@ -112,20 +112,23 @@ class _CountGather:
     def __init__(self, local: torch.Tensor, shard: ExpertShard) -> None:
         self._gathered: torch.Tensor | None = None
         self._work: Any = None
+        self._sent: torch.Tensor | None = None
+        """The counts sent, held until the wait (NCCL reads them on its own stream)."""
         if shard.ep_size == 1:
             self._gathered = local.unsqueeze(0)
         elif in_sub_batch_region():  # block-scope Lancet hands the wait to the other sub-batches instead
             self._gathered = all_gather_in_turn(local.unsqueeze(0), shard.group, dim=0)
         else:
             self._gathered = local.new_empty(shard.ep_size, local.numel())
-            self._work = dist.all_gather_single(self._gathered.view(-1), local.contiguous(), group=shard.group,
+            self._sent = local.contiguous()
+            self._work = dist.all_gather_single(self._gathered.view(-1), self._sent, group=shard.group,
                                                 async_op=True)
 
     def wait(self) -> torch.Tensor:
         """The ``[ep, E]`` counts on the CPU (the layer's one host sync)."""
         if self._work is not None:
             self._work.wait()
-            self._work = None
+            self._work = self._sent = None
         return self._gathered.cpu()
 
 
