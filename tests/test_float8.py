@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
 from lightning_merak.modules.config import ModelConfig
+from lightning_merak.parallel.fast_blocks import FastBlocks
 from lightning_merak.parallel.float8 import benefits_from_float8, convert_blocks_to_float8, float8_problem
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import run_distributed
@@ -70,6 +71,60 @@ def test_bad_recipes_and_devices_are_refused_with_the_fix(monkeypatch):
         Merak3DStrategy(tensor_parallel=2, float8="rowwise")
     with pytest.raises(ValueError, match="not a recipe here"):
         Merak3DStrategy(float8="e4m3")
+
+
+def test_the_planner_keeps_fp8_layers_unsplit():
+    from transformers import LlamaConfig
+
+    from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
+    from lightning_merak.strategies.merak3d.planning import tensor_parallel_candidates
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=4)
+    assert tensor_parallel_candidates(Merak3DArguments(tensor_parallel="auto"), config, 4, 4, SEQ) == (1, 2, 4)
+    assert tensor_parallel_candidates(Merak3DArguments(tensor_parallel="auto", float8="rowwise"), config, 4, 4,
+                                      SEQ) == (1,)
+
+
+class _RecordingFastBlocks(FastBlocks):
+    """FastBlocks that keep what each profiled block became."""
+
+    def profiled(self, block: nn.Module, name: str) -> tuple[nn.Module, object]:
+        timed, runner = super().profiled(block, name)
+        TIMED.append({type(layer).__name__ for layer in timed.modules()})
+        return timed, runner
+
+
+TIMED: list[set[str]] = []
+
+
+def test_the_pipeline_profile_and_the_layout_planner_time_fp8_blocks_and_leave_the_model_float(monkeypatch):
+    from lightning_merak.parallel.pipeline.trace import trace_model
+    from lightning_merak.planning.measure import layout
+    from lightning_merak.planning.planner import SearchSpace, required_profile_keys
+    from lightning_merak.strategies.merak3d.build import call_model, tensor_parallel_plan
+
+    model, inputs = _module().model, _batches()[0]
+    TIMED.clear()
+    trace = trace_model(model, inputs, fast_blocks=_RecordingFastBlocks(float8="rowwise"), profile_repeats=1)
+    assert len(TIMED) == 2 and all("Float8Linear" in kinds for kinds in TIMED), "AutoPipe times fp8 blocks"
+    assert all(cost.forward_s > 0 for cost in trace.costs[1:-1])
+
+    shards = []
+    block_times = layout._block_times
+
+    def recorded(shard: nn.Module, *args, **kwargs):
+        shards.append({type(layer).__name__ for layer in shard.modules()})
+        return block_times(shard, *args, **kwargs)
+
+    monkeypatch.setattr(layout, "_block_times", recorded)
+    space = SearchSpace(world_size=1, global_batch_size=None, replica_batch_size=BATCH, tp_degrees_allowed=(1,),
+                        max_pipeline_stages=1, overlap_choices=(1,))
+    profile = layout.profile_model(model, inputs, call_model, tensor_parallel_plan, required_profile_keys(space, 2),
+                                   lambda params: torch.optim.SGD(params, lr=0.1), repeats=1,
+                                   fast_blocks=FastBlocks(float8="rowwise"))
+    assert shards and all("Float8Linear" in kinds for kinds in shards), "the planner times fp8 shards"
+    assert all(sum(times.forward_segments_s) > 0 for times in profile.block_times.values())
+    assert "Float8Linear" not in {type(layer).__name__ for layer in model.modules()}, "the model stays float"
 
 
 def _train_rank(rank: int, world_size: int) -> dict[str, list[float]]:

@@ -184,7 +184,8 @@ def test_compiled_blocks_are_timed_compiled_in_one_process(monkeypatch):
     torch.compiler.reset()  # graphs an earlier test compiled would be reused
     before = compile_counts()
     profile = layout.profile_model(model, inputs, call_model, tensor_parallel_plan, required_profile_keys(space, 2),
-                                   lambda params: torch.optim.AdamW(params), repeats=2, compiled_blocks=True)
+                                   lambda params: torch.optim.AdamW(params), repeats=2,
+                                   fast_blocks=FastBlocks(compile=True))
     assert compile_counts().graphs > before.graphs
     assert len(ratios) == len(profile.block_times) and all(f > 0 and b > 0 for f, b in ratios)
     assert all(sum(times.forward_segments_s) > 0 for times in profile.block_times.values())

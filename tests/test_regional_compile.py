@@ -120,7 +120,7 @@ def test_the_pipeline_profile_times_compiled_blocks_without_installing_them():
     inputs = torch.randint(VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     torch.compiler.reset()
     before = compile_counts()
-    trace = trace_model(model, inputs, compiled_blocks=True, profile_repeats=2)
+    trace = trace_model(model, inputs, fast_blocks=FastBlocks(compile=True), profile_repeats=2)
     assert compile_counts().graphs > before.graphs, "the blocks were timed through torch.compile"
     assert len(trace.costs) == MODELS["llama"].config["num_hidden_layers"] + 2
     assert all(cost.forward_s > 0 for cost in trace.costs[1:-1])

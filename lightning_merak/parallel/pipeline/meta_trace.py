@@ -34,6 +34,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_merak.parallel.fast_blocks import FastBlocks
 from lightning_merak.parallel.pipeline.costs import BlockCost
 from lightning_merak.parallel.pipeline.recording import (
     ModelTrace,
@@ -47,7 +48,6 @@ from lightning_merak.parallel.pipeline.recording import (
     record_forward,
     saved_bytes,
 )
-from lightning_merak.parallel.regional_compile import profiled_block
 from lightning_merak.util.module_mode import hooks_removed_after
 from lightning_merak.util.timing import mean_call_time
 
@@ -240,7 +240,8 @@ def _materialize_prefix_on_call(model: nn.Module, trunk_path: str, materialize: 
 
 def trace_meta_model(model: nn.Module, sample_inputs: torch.Tensor,
                      call_model: Callable[[nn.Module, torch.Tensor], Any], profile: bool, profile_repeats: int,
-                     materialize_with: Callable[[nn.Module], Materialize], compiled_blocks: bool = False) -> ModelTrace:
+                     materialize_with: Callable[[nn.Module], Materialize], fast_blocks: FastBlocks = FastBlocks(),
+                     ) -> ModelTrace:
     """:func:`~lightning_merak.parallel.pipeline.trace.trace_model` of a meta ``model``; ``model`` stays on meta.
 
     ``materialize_with(copy)`` returns the function that materialises modules of ``copy`` (a copy of
@@ -292,7 +293,7 @@ def trace_meta_model(model: nn.Module, sample_inputs: torch.Tensor,
     if profile:
         prefix = _profile_prefix(model, work, trace, call_model, sample_inputs, profile_repeats, table_rows)
         del work, trunk, recording, block_calls, table_rows, tables  # the prefix goes before a block is
-        trace.costs = [prefix, *_profile_rest(model, trace, profile_repeats, materialize_with, compiled_blocks)]
+        trace.costs = [prefix, *_profile_rest(model, trace, profile_repeats, materialize_with, fast_blocks)]
     return trace
 
 
@@ -367,7 +368,7 @@ def _dense_gradient_s(num_bytes: int, device: torch.device, repeats: int) -> flo
 
 
 def _profile_rest(model: nn.Module, trace: ModelTrace, repeats: int,
-                  materialize_with: Callable[[nn.Module], Materialize], compiled_blocks: bool) -> list[BlockCost]:
+                  materialize_with: Callable[[nn.Module], Materialize], fast_blocks: FastBlocks) -> list[BlockCost]:
     """Costs of the blocks and the head, each materialised on its own."""
     trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
     hidden, side = trace.sample_hidden, trace.sample_side_tensors
@@ -382,9 +383,9 @@ def _profile_rest(model: nn.Module, trace: ModelTrace, repeats: int,
         if kind not in figures:
             real = materialized_copy(block, f"{trace.trunk_path}.{index}", materialize_with)
             block_input = hidden.detach().clone().requires_grad_(True)
-            runner = profiled_block(real, f"{trace.trunk_path}.{index}", compiled_blocks)
+            timed, runner = fast_blocks.profiled(real, f"{trace.trunk_path}.{index}")
             figures[kind] = measure(lambda: trace.hidden_of(runner(block_input, *args, **kwargs)),
-                                     list(real.parameters()), repeats, hidden.device)
+                                     list(timed.parameters()), repeats, hidden.device)
             if block_output is None:
                 with torch.no_grad():
                     block_output = trace.hidden_of(real(hidden, *args, **kwargs))

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from lightning_merak.parallel.fast_blocks import FastBlocks
 from lightning_merak.parallel.materialize import Materializer, init_owners
 from lightning_merak.parallel.pipeline import meta_trace
 from lightning_merak.parallel.pipeline.costs import BlockCost
@@ -45,7 +46,6 @@ from lightning_merak.parallel.pipeline.recording import (
     same_tensor,
     saved_bytes,
 )
-from lightning_merak.parallel.regional_compile import profiled_block
 from lightning_merak.util.model_outputs import logits_of
 from lightning_merak.util.module_mode import hooks_removed_after, modules_in_mode
 
@@ -59,7 +59,7 @@ def trace_model(
     profile: bool = True,
     profile_repeats: int = 5,
     materialize_with: Callable[[nn.Module], Callable[..., None]] | None = None,
-    compiled_blocks: bool = False,
+    fast_blocks: FastBlocks = FastBlocks(),
 ) -> ModelTrace:
     """Record ``model`` on ``sample_inputs`` (one micro-batch) and, with ``profile``, measure every node.
 
@@ -68,16 +68,16 @@ def trace_model(
     A model on the meta device is traced by :mod:`~lightning_merak.parallel.pipeline.meta_trace`
     and stays there; ``materialize_with(copy)`` gives the function materialising the pieces of a
     copy it needs real (default: a :class:`~lightning_merak.parallel.materialize.Materializer`
-    seeded with the current seed). With ``compiled_blocks`` each block is timed compiled, as
-    ``compile=True`` trains it (:func:`~lightning_merak.parallel.regional_compile.profiled_block`).
+    seeded with the current seed). Each block is timed as ``fast_blocks`` makes it train (fp8 layers, compiled:
+    :meth:`~lightning_merak.parallel.fast_blocks.FastBlocks.profiled`).
     """
     with torch.random.fork_rng(devices=[]):
         if any(param.is_meta for param in model.parameters()):
             if materialize_with is None:
                 materialize_with = default_materializer(model, sample_inputs.device)
             return meta_trace.trace_meta_model(model, sample_inputs, call_model, profile, profile_repeats,
-                                               materialize_with, compiled_blocks)
-        return _trace(model, sample_inputs, call_model, profile, profile_repeats, compiled_blocks)
+                                               materialize_with, fast_blocks)
+        return _trace(model, sample_inputs, call_model, profile, profile_repeats, fast_blocks)
 
 
 def default_materializer(model: nn.Module, device: torch.device) -> Callable[[nn.Module], Callable[..., None]]:
@@ -87,7 +87,7 @@ def default_materializer(model: nn.Module, device: torch.device) -> Callable[[nn
 
 
 def _trace(model: nn.Module, sample_inputs: torch.Tensor, call_model: Callable[[nn.Module, torch.Tensor], Any],
-           profile: bool, profile_repeats: int, compiled_blocks: bool) -> ModelTrace:
+           profile: bool, profile_repeats: int, fast_blocks: FastBlocks) -> ModelTrace:
     trunk_path, trunk = find_trunk(model)
     recording = record_forward(model, call_model, sample_inputs, trunk)
     block_calls = recording["blocks"]
@@ -128,7 +128,7 @@ def _trace(model: nn.Module, sample_inputs: torch.Tensor, call_model: Callable[[
     _verify_split(model, trace, trunk, call_model, sample_inputs)
     if profile:
         trace.costs = _profile(model, trace, trunk, call_model, sample_inputs, hidden_in,
-                               trace.sample_side_tensors, last_hidden, profile_repeats, compiled_blocks)
+                               trace.sample_side_tensors, last_hidden, profile_repeats, fast_blocks)
     return trace
 
 
@@ -174,7 +174,7 @@ def _verify_split(model: nn.Module, trace: ModelTrace, trunk: nn.ModuleList,
 
 def _profile(model: nn.Module, trace: ModelTrace, trunk: nn.ModuleList, call_model: Callable,
              sample_inputs: torch.Tensor, hidden_in: torch.Tensor, side_tensors: tuple, last_hidden: torch.Tensor,
-             repeats: int, compiled_blocks: bool) -> list[BlockCost]:
+             repeats: int, fast_blocks: FastBlocks) -> list[BlockCost]:
     suffix = [model.get_submodule(path) for path in trace.suffix_paths]
     prefix_params, suffix_params = trace.outside_parameters(model)
     seen: set[int] = set()
@@ -193,13 +193,13 @@ def _profile(model: nn.Module, trace: ModelTrace, trunk: nn.ModuleList, call_mod
         block_input = hidden_in.detach().clone().requires_grad_(True)
         args, kwargs = trace.block_arguments(side_tensors, index)
 
-        runner = profiled_block(block, f"{trace.trunk_path}.{index}", compiled_blocks)
+        timed, runner = fast_blocks.profiled(block, f"{trace.trunk_path}.{index}")
 
         def run_block(runner: Callable[..., Any] = runner, block_input: torch.Tensor = block_input,
                       args: tuple = args, kwargs: dict = kwargs) -> torch.Tensor:
             return trace.hidden_of(runner(block_input, *args, **kwargs))
 
-        fwd, bwd, saved = measure(run_block, list(block.parameters()), repeats, hidden_in.device)
+        fwd, bwd, saved = measure(run_block, list(timed.parameters()), repeats, hidden_in.device)
         costs.append(BlockCost(f"{trace.trunk_path}.{index}", fwd, bwd, param_bytes([block], seen), output_bytes,
                                saved))
 

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from lightning_merak.distributed.process_groups import new_group
 from lightning_merak.distributed.sub_batches import SubBatchForward
 from lightning_merak.parallel.data.gradients import average_gradients, scale_gradients, squared_norm
+from lightning_merak.parallel.fast_blocks import FastBlocks
 from lightning_merak.parallel.pipeline.meta_trace import materialized_copy
 from lightning_merak.parallel.pipeline.schedules import pipeline_stage_class
 from lightning_merak.parallel.pipeline.trace import ModelTrace, trace_model
@@ -301,7 +302,7 @@ def tensor_parallel_mesh(device: torch.device, tensor_parallel: int) -> DeviceMe
 def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dict[int, ModelTrace],
                          keys: ProfileKeys, meshes: dict[int, DeviceMesh], repeats: int,
                          max_blocks: int, sequence_plan: Optional[SequenceParallelPlan] = None,
-                         overlap_weight_gradients: bool = True, compiled_blocks: bool = False,
+                         overlap_weight_gradients: bool = True, fast_blocks: FastBlocks = FastBlocks(),
                          ) -> dict[tuple[int, int, int], MeasuredBlocks]:
     """Regions of one and of ``max_blocks`` real tensor-parallel blocks, at each (tp, overlap, samples) of ``keys``
     whose tp has a mesh.
@@ -324,8 +325,7 @@ def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dic
                       for _ in range(count)]
             if sequence_plan is not None:
                 split_sequence_between(blocks[0], blocks[-1], meshes[tp].get_group(), trace.block_output_index)
-            if compiled_blocks:
-                compile_blocks((f"{trace.trunk_path}.{index}", copy_) for index, copy_ in enumerate(blocks))
+            fast_blocks.apply([(f"{trace.trunk_path}.{index}", copy_) for index, copy_ in enumerate(blocks)])
             run = _BlockRun(blocks, trace)
             if overlap > 1:
                 run.forward = SubBatchForward(run, overlap)
@@ -389,7 +389,7 @@ def profile_model(
     sequence_plan_of: Optional[Callable[[nn.Module, ModelTrace, TensorParallelPlan], SequenceParallelPlan]] = None,
     overlap_weight_gradients: bool = True,
     materialize_with: Optional[Callable[[nn.Module], Callable[..., None]]] = None,
-    compiled_blocks: bool = False,
+    fast_blocks: FastBlocks = FastBlocks(),
 ) -> ModelProfile:
     """Time ``model``'s parts at every (tp, sub-batch samples) the search needs (``keys``).
 
@@ -402,9 +402,10 @@ def profile_model(
     sequence length must divide by every tp of ``keys``. ``overlap_weight_gradients`` is the
     runtime's setting for the real blocks' column groups (:func:`apply_tensor_parallel`). A model on the
     meta device stays there: ``materialize_with`` (see :func:`~lightning_merak.parallel.pipeline.trace.trace_model`)
-    materialises one block (and the prefix, then the head, in the traces) at a time. With ``compiled_blocks`` blocks
-    are timed as ``compile=True`` trains them: real blocks compiled, and each local shard's segments scaled by
-    its measured compiled-over-eager time (:func:`_compiled_over_eager`).
+    materialises one block (and the prefix, then the head, in the traces) at a time. Blocks are timed as
+    ``fast_blocks`` makes them train: local shards and real blocks with fp8 layers (their time and saved
+    activations measured so), real blocks compiled, and with compilation each local shard's segments scaled by its
+    measured compiled-over-eager time (:func:`_compiled_over_eager`).
     """
     real_blocks = process_group_device is not None and dist.is_initialized() and dist.get_world_size() > 1
     measured_samples = {samples for _, _, samples in keys.measured_blocks} if real_blocks else set()
@@ -427,10 +428,11 @@ def profile_model(
     sequence_split_bytes: dict[int, int] = {}
     for tp in sorted(keys.tp_degrees | {1}):
         shard = local_shard_of_block(block, plan, tp)
+        fast_blocks.convert_float8([(f"{largest.trunk_path}.0", shard)])  # a copy: converted in place
         parameter_bytes[tp] = sum(p.numel() * p.element_size() for p in shard.parameters())
         for samples in sorted(s for t, s in keys.block_times if t == tp) or [needed_samples[-1]]:
             times, saved, outside = _block_times(shard, plan, traces[samples], samples, repeats)
-            if compiled_blocks:
+            if fast_blocks.compile:
                 forward_ratio, backward_ratio = _compiled_over_eager(shard, traces[samples], samples, repeats)
                 times = BlockTimes(tuple(s * forward_ratio for s in times.forward_segments_s),
                                    tuple(s * backward_ratio for s in times.backward_segments_s))
@@ -447,7 +449,7 @@ def profile_model(
     prefix_update_s, suffix_update_s = time_outside_update(model, largest, optimizer_factory, repeats)
     measured = _measure_real_blocks(block, plan, traces, keys, meshes, repeats, max_blocks=min(len(trunk), 4),
                                     sequence_plan=sequence_plan, overlap_weight_gradients=overlap_weight_gradients,
-                                    compiled_blocks=compiled_blocks)
+                                    fast_blocks=fast_blocks)
     return ModelProfile(
         num_blocks=len(trunk),
         hidden_bytes_per_sample=hidden[0].numel() * hidden.element_size(),

@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_merak.parallel.context.model import CONTEXT_ATTENTION_METHODS, check_context_parallel_model
 from lightning_merak.parallel.context.sharding import check_sequence_divisible
+from lightning_merak.parallel.fast_blocks import FastBlocks
 from lightning_merak.parallel.float8 import float8_layout_problem
 from lightning_merak.parallel.layout import (
     MULTI_STAGE_SCHEDULES,
@@ -249,6 +250,11 @@ class Merak3DArguments(Merak3DOptions):
         if self.tp_weight_grad_overlap is None:
             return self.schedule != "interleaved_zero_bubble"
         return self.tp_weight_grad_overlap
+
+    @property
+    def fast_blocks(self) -> FastBlocks:
+        """How each block trains (fp8 layers, compiled): the build applies it, the profilers time blocks so."""
+        return FastBlocks(self.float8, self.compile)
 
     @property
     def stages_per_rank(self) -> int:

@@ -30,7 +30,7 @@ from lightning_merak.distributed.sub_batches import SubBatchForward
 from lightning_merak.parallel import pipeline
 from lightning_merak.parallel.data.fully_sharded import FullySharded, apply_fully_shard, data_parallel_mesh
 from lightning_merak.parallel.data.gradients import TiedParameter
-from lightning_merak.parallel.float8 import convert_blocks_to_float8, float8_layout_problem, float8_problem
+from lightning_merak.parallel.float8 import float8_layout_problem, float8_problem
 from lightning_merak.parallel.layout import Layout, LayoutGroups
 from lightning_merak.parallel.materialize import (
     Materializer,
@@ -46,7 +46,6 @@ from lightning_merak.parallel.pipeline.recompute import stage_aware_recompute_ra
 from lightning_merak.parallel.pipeline.router_aux import RouterAux, router_aux_loss_problem, router_aux_of
 from lightning_merak.parallel.pipeline.stage import RankStages, build_stage_module, tied_parameter_names
 from lightning_merak.parallel.pipeline.trace import ModelTrace, TraceError, find_trunk, trace_model
-from lightning_merak.parallel.regional_compile import compile_blocks
 from lightning_merak.parallel.tensor.blocks import (
     LayoutChange,
     TensorParallelPlan,
@@ -233,7 +232,7 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
     with in_training_mode(model):
         # Every rank profiles: blocks may hold collectives (MoE all-to-alls) that need all their peers.
         trace = trace_model(model, micro, call_model, profile=pp > 1, materialize_with=materialize_with,
-                            compiled_blocks=arguments.compile)
+                            fast_blocks=arguments.fast_blocks)
         trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
         probe = (trunk[0] if materialize_with is None or tp == 1
                  else materialized_copy(trunk[0], f"{trace.trunk_path}.0", materialize_with))
@@ -398,12 +397,10 @@ def _split_sequence(blocks: dict[int, nn.Module], segments: list[list[int]], tra
 
 def _fast_blocks(blocks: list[tuple[str, nn.Module]], arguments: Merak3DArguments) -> None:
     """fp8 linear layers, then compilation, on each split block (before recomputation wraps it)."""
+    converted = arguments.fast_blocks.apply(blocks)
     if arguments.float8 is not None:
-        converted = convert_blocks_to_float8(blocks, arguments.float8)
         rank_zero_info(f"merak3d: float8={arguments.float8} on {len(converted)} linear layers of this rank's "
                        f"{len(blocks)} blocks")
-    if arguments.compile:
-        compile_blocks(blocks)
 
 
 def _wrap_recompute(blocks: list[nn.Module], groups: LayoutGroups) -> None:

@@ -116,13 +116,8 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
     # a model on the meta device is profiled one materialised piece at a time, seeded alike on every rank
     materialize_with = meta_materializers(model, inputs.device, broadcast) if has_meta(model) else None
     world = world_size
-    if arguments.tensor_parallel != "auto":
-        tp_degrees: tuple[int, ...] = (arguments.tensor_parallel,)
-    else:
-        sequence = inputs.shape[1] if inputs.ndim > 1 else 1
-        tp_degrees = tuple(d for d in range(1, num_processes + 1)
-                           if world % d == 0 and divides_model(config, d)
-                           and not (arguments.sequence_parallel and sequence % d))
+    tp_degrees = tensor_parallel_candidates(arguments, config, world, num_processes,
+                                            inputs.shape[1] if inputs.ndim > 1 else 1)
     verified: set[int] = set()
     tp_degrees = _splittable_degrees(model, inputs, tp_degrees, arguments.tensor_parallel != "auto", device,
                                      broadcast, verified, materialize_with)
@@ -173,7 +168,7 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
                                 loss_of=loss_of,
                                 sequence_plan_of=sequence_parallel_plan if arguments.sequence_parallel else None,
                                 overlap_weight_gradients=arguments.weight_grad_overlap,
-                                materialize_with=materialize_with, compiled_blocks=arguments.compile)
+                                materialize_with=materialize_with, fast_blocks=arguments.fast_blocks)
     if keys.context_parallel:  # the attention a split sequence exchanges, and what a context rank computes of it
         context = context_attention_of(model, inputs, precision)
         whole, split = time_attention_kernels(context, keys.context_kernels, inputs.device, PLANNER_REPEATS)
@@ -237,6 +232,19 @@ def replay_ranked(ranked: Any, paths: str, model: nn.Module, inputs: torch.Tenso
         raise ValueError("planner_calibration needs a model with a list of blocks; use 'analytic'")
     predictor = predictor_from_files([p.strip() for p in paths.split(",")], shape, inputs.shape[0], partition)
     return rerank(ranked, lambda layout: predictor.planner_step_time(layout, inputs.shape[0]))
+
+
+def tensor_parallel_candidates(arguments: Merak3DArguments, config: Any, world_size: int, num_processes: int,
+                               sequence: int) -> tuple[int, ...]:
+    """The tensor-parallel degrees the planner may choose: the one given; only 1 with fp8 layers (they train
+    unsplit: :func:`~lightning_merak.parallel.float8.float8_layout_problem`); else each degree up to the node's
+    processes dividing the world, the model's heads (and the ``sequence`` under sequence parallelism)."""
+    if arguments.tensor_parallel != "auto":
+        return (arguments.tensor_parallel,)
+    if arguments.float8 is not None:
+        return (1,)
+    return tuple(d for d in range(1, num_processes + 1) if world_size % d == 0 and divides_model(config, d)
+                 and not (arguments.sequence_parallel and sequence % d))
 
 
 def sharding_modes(arguments: Merak3DArguments, model: nn.Module, precision: Any,
