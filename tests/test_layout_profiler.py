@@ -164,7 +164,8 @@ def test_parameter_update_is_timed_on_trainable_parameters_only():
 
 @pytest.mark.distributed  # inductor starts its C++ compiler
 def test_compiled_blocks_are_timed_compiled_in_one_process(monkeypatch):
-    """``compiled_blocks``: each local shard's segments scaled by its measured compiled-over-eager time."""
+    """Compiled blocks: each local shard's segments scaled by its measured compiled-over-eager time."""
+    from lightning_merak.parallel.fast_blocks import FastBlocks
     from lightning_merak.parallel.regional_compile import compile_counts
     from lightning_merak.planning.measure import layout
     from lightning_merak.planning.planner import SearchSpace, required_profile_keys

@@ -114,6 +114,7 @@ def test_callback_refuses_a_model_without_blocks_and_the_merak3d_strategy():
 
 @pytest.mark.distributed  # inductor starts its C++ compiler
 def test_the_pipeline_profile_times_compiled_blocks_without_installing_them():
+    from lightning_merak.parallel.fast_blocks import FastBlocks
     from lightning_merak.parallel.pipeline.trace import trace_model
 
     model = _module("llama").model
