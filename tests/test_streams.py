@@ -27,7 +27,8 @@ GPU = torch.device("cuda", 0)
 
 
 def _on_side_stream(device: torch.device, purpose: str, work: Any, inputs: tuple[torch.Tensor, ...]) -> Any:
-    """``work()`` on the side stream with its inputs recorded there: the stream's work (to hand the value over) and the value."""
+    """``work()`` on the side stream with its inputs recorded there: that stream's work (which hands the value
+    over) and the value."""
     with SideStreamWork(device, purpose) as side:
         side.uses(*inputs)
         value = work()
