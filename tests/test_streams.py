@@ -21,16 +21,25 @@ import torch
 
 from lightning_merak.callbacks.delta.swap_tiers import HostTier
 from lightning_merak.distributed import streams
-from lightning_merak.distributed.streams import SideStreamWork, StreamApi, run_on_side_stream, side_stream
+from lightning_merak.distributed.streams import SideStreamWork, StreamApi, side_stream
 
 GPU = torch.device("cuda", 0)
 
 
+def _on_side_stream(device: torch.device, purpose: str, work: Any, inputs: tuple[torch.Tensor, ...]) -> Any:
+    """``work()`` on the side stream with its inputs recorded there: that stream's work (which hands the value
+    over) and the value."""
+    with SideStreamWork(device, purpose) as side:
+        side.uses(*inputs)
+        value = work()
+    return side, value
+
+
 def test_on_the_cpu_work_runs_inline_and_results_are_the_same_tensors() -> None:
     left, right = torch.randn(8, 4), torch.randn(4, 3)
-    result = run_on_side_stream(torch.device("cpu"), "test", lambda: left @ right, inputs=(left, right))
-    assert result.done()
-    value = result.wait()
+    side, value = _on_side_stream(torch.device("cpu"), "test", lambda: left @ right, inputs=(left, right))
+    assert side.done()
+    value = side.hand_over(value)
     assert torch.equal(value, left @ right)
     assert side_stream(torch.device("cpu"), "test") is None
     with SideStreamWork(torch.device("cpu"), "test") as side:
@@ -104,8 +113,8 @@ def test_side_stream_waits_then_works_then_records_then_the_consumer_waits(recor
         recording.log.append(("work",))
         return left @ right
 
-    result = run_on_side_stream(GPU, "matmul", work, inputs=(left, right))
-    value = result.wait()
+    side, value = _on_side_stream(GPU, "matmul", work, inputs=(left, right))
+    value = side.hand_over(value)
     assert torch.equal(value, left @ right)
     assert recording.log == [
         ("new_stream", "cuda:0"),
@@ -161,12 +170,12 @@ def _side_matmul_beside_reuse(size: int) -> tuple[torch.Tensor, torch.Tensor]:
     target = torch.empty_like(source)
     operands = [left, right]
     del left, right
-    pending = run_on_side_stream(operands[0].device, "test-matmul", lambda: operands[0] @ operands[1],
-                                 inputs=tuple(operands))
+    side, pending = _on_side_stream(operands[0].device, "test-matmul", lambda: operands[0] @ operands[1],
+                                    inputs=tuple(operands))
     target.copy_(source)  # compute-stream work beside the side stream's
     operands.clear()  # the inputs' last references: freed while the side stream may still read them
     reuse = [torch.full((size, size), float("nan"), device="cuda") for _ in range(4)]
-    result = pending.wait()
+    result = side.hand_over(pending)
     torch.cuda.synchronize()
     assert torch.equal(target, source) and all(bool(torch.isnan(block).all()) for block in reuse)
     return result, expected

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import contextlib
 from types import TracebackType
-from typing import Any, Callable, Generic, Iterator, Optional, TypeVar
+from typing import Any, Iterator, Optional, TypeVar
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["SideStreamWork", "StreamApi", "current_stream", "run_on_side_stream", "side_stream",
-           "stream_scope", "using_stream_api"]
+__all__ = ["SideStreamWork", "StreamApi", "current_stream", "side_stream", "stream_scope", "using_stream_api"]
 
 T = TypeVar("T")
 
@@ -167,26 +166,3 @@ class SideStreamWork:
             for tensor in _device_tensors(result):
                 _api.record_stream(tensor, consumer)
         return result
-
-
-class SideResult(Generic[T]):
-    """The result of :func:`run_on_side_stream`; :meth:`wait` hands it to the caller's stream."""
-
-    def __init__(self, work: SideStreamWork, value: T) -> None:
-        self._work, self._value = work, value
-
-    def done(self) -> bool:
-        return self._work.done()
-
-    def wait(self) -> T:
-        return self._work.hand_over(self._value)
-
-
-def run_on_side_stream(device: torch.device, purpose: str, work: Callable[[], T],
-                       inputs: tuple[Any, ...] = ()) -> SideResult[T]:
-    """``work()`` queued on the side stream of ``purpose`` after the compute stream's work so far;
-    ``inputs`` are the compute stream's tensors it uses. Runs inline on the CPU."""
-    with SideStreamWork(device, purpose) as side:
-        side.uses(*inputs)
-        value = work()
-    return SideResult(side, value)
