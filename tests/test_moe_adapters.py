@@ -1,6 +1,6 @@
 """Adapters on MoE models on one process: LoRA on attention and fused expert tensors under ``merak_grouped``
 equals the same adapters on the eager expert loop, Q-BaRA / QA-HiRA on attention, save/load and merge,
-and the refusals (pooled adapters on experts, adapters before expert parallelism)."""
+and the refusals (expert biases, wrong shapes); pooled adapters on experts: tests/test_moe_pooled_adapters.py."""
 
 from __future__ import annotations
 
@@ -99,12 +99,6 @@ def test_pooled_adapters_on_attention_of_grouped_moe(method: str) -> None:
         before = grouped(ids).logits
         merged, _ = merged_state_dict(grouped)
         assert (merged(ids).logits - before).abs().max().item() <= TOL
-
-
-@pytest.mark.parametrize("method", ["qbara", "qahira"])
-def test_pooled_adapters_refused_on_fused_experts(method: str) -> None:
-    with pytest.raises(ValueError, match="cannot adapt them. Use method='lora'"):
-        moe_adapter_config(tiny_moe_model("mixtral"), method)
 
 
 def test_expert_bias_and_wrong_shapes_refused() -> None:

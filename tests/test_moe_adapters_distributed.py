@@ -1,5 +1,6 @@
-"""Adapters on MoE models at ep=2 (gloo) against one process: LoRA on attention and on fused experts, each
-expert's adapter on the rank owning the expert; outputs, adapter gradients, save/load and the merged export.
+"""Adapters on MoE models at ep=2 (gloo) against one process: LoRA, Q-BaRA (float experts) and QA-HiRA (INT4
+experts) on attention and on fused experts, each expert's adapter on the rank owning the expert; outputs, adapter
+gradients, save/load and (LoRA) the merged export.
 
 Each rank runs its own batch. The reference is the eager single-process adapted model on the same batch in
 every process, its adapter gradients averaged over the ranks (data parallelism's mean-loss gradient); ours
@@ -21,6 +22,9 @@ from lightning_merak.testing import module_losses, run_distributed
 pytestmark = pytest.mark.distributed
 
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
+FACTORS = ("lora_A", "lora_B", "qbara_A", "qbara_B", "qahira_H")
+POOLED = {"qbara": ("mixtral", {"lambda_in": 2, "lambda_out": 2}, False),
+          "qahira": ("qwen3_moe", {"lambda_in": 16, "lambda_out": 2}, True)}
 
 
 def _diffs(reference: torch.nn.Module, ours: torch.nn.Module, ids: torch.Tensor,
@@ -43,13 +47,14 @@ def _diffs(reference: torch.nn.Module, ours: torch.nn.Module, ids: torch.Tensor,
             continue
         ref_grad = ref_params[name].grad.clone()
         dist.all_reduce(ref_grad)
-        owner = next((a for prefix, a in experts.items() if name.startswith(prefix + ".lora_")), None)
+        owner = next((a for prefix, a in experts.items() if name.startswith(prefix + ".")
+                      and name[len(prefix) + 1:].split(".")[0] in FACTORS), None)
         if owner is None:
             assert getattr(param, "allreduce", True) is not False, name
             dist.all_reduce(param.grad)
         else:
             assert param.allreduce is False, name
-            kind = "A" if ".lora_A." in name else "B"
+            kind = "B" if ".lora_B." in name else "A"  # pooled factors are expert-major, as lora_A
             ref_grad = slice_expert_factor(kind, ref_grad, owner.experts, owner.num_experts)
         grad_diff = max(grad_diff, (param.grad / world - ref_grad / world).abs().max().item())
         checked += 1
@@ -142,8 +147,49 @@ def _replica_case(rank: int, world: int) -> dict[str, float]:
     return {"logits": logit_diff, "grads": grad_diff, "checked": checked}
 
 
+def _pooled_case(rank: int, world: int, method: str, directory: str) -> dict[str, float]:
+    """Q-BaRA / QA-HiRA on attention and experts (QA-HiRA on INT4 experts, G=16): each rank holds its experts'
+    factors, saving gathers PEFT's whole layout (it loads into the unsharded model), loading slices it."""
+    from peft import PeftModel
+
+    from lightning_merak.adapters import moe, quantize_model
+    from lightning_merak.plugins.moe.experts import enable_expert_parallel, tiny_moe_model
+
+    family, options, int4 = POOLED[method]
+    base = tiny_moe_model(family)
+    if int4:
+        quantize_model(base, "int4", 16, experts=True)
+    config = moe.moe_adapter_config(base, method, r=4, alpha=8, **options)
+    reference = moe.add_moe_adapters(copy.deepcopy(base), config)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if param.requires_grad:
+                param.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    whole = moe.expert_adapter_state_dict(reference)
+    ours = copy.deepcopy(base)
+    report = enable_expert_parallel(ours)
+    ours = moe.add_moe_adapters(ours, config)
+    moe.load_moe_adapter(ours, whole)
+    local = moe.expert_adapters(ours)
+    assert local and all(int(a.wrapper.num_experts) == len(report.local_experts) for a in local)
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(40 + rank))
+    logit_diff, grad_diff, checked = _diffs(reference, ours, ids, world)
+    adapter_dir = Path(directory) / f"{method}-adapter"
+    moe.save_moe_adapter(ours, adapter_dir)
+    saved = moe.expert_adapter_state_dict(ours)
+    dist.barrier()
+    loaded = PeftModel.from_pretrained(copy.deepcopy(base), str(adapter_dir))
+    loaded_state = moe.expert_adapter_state_dict(loaded)
+    save_exact = all(torch.equal(loaded_state[k], whole[k]) and torch.equal(saved[k], whole[k]) for k in whole)
+    with torch.no_grad():
+        load_diff = (loaded(ids).logits - reference(ids).logits).abs().max().item()
+    return {"logits": logit_diff, "grads": grad_diff, "checked": checked, "save_exact": save_exact,
+            "load_logits": load_diff}
+
+
 def _run(rank: int, world: int, directory: str) -> dict[str, dict[str, float]]:
     results = {family: _family_case(rank, world, family, directory) for family in FAMILIES}
+    results.update({method: _pooled_case(rank, world, method, directory) for method in POOLED})
     results["mixtral adapters-first+replicas"] = _replica_case(rank, world)
     return results
 
@@ -154,6 +200,8 @@ def test_moe_adapters_ep2_equal_single_process(tmp_path) -> None:
         for family, result in per_family.items():
             assert result["checked"] > 0, (rank, family)
             assert result["logits"] <= 1e-5 and result["grads"] <= 1e-5, (rank, family, result)
+            if family in POOLED:
+                assert result["save_exact"] and result["load_logits"] == 0.0, (rank, family, result)
             if family in FAMILIES:
                 assert result["save_exact"] and result["export_exact"], (rank, family, result)
                 assert result["merge"] == 0.0 and result["export_logits"] == 0.0, (rank, family, result)

@@ -1,6 +1,6 @@
 """``adapter=lora adapter.experts=true`` (#30 item 5): the Hydra option adapts an MoE model's fused routed experts
 besides its attention, as ``moe_adapter_config`` does, whatever ``target_modules`` says; by default PEFT's own mapping
-decides; false adapts none; Q-BaRA / QA-HiRA refuse it with the reason."""
+decides; false adapts none; Q-BaRA / QA-HiRA put one pooled adapter per expert (#53 item 3)."""
 
 from __future__ import annotations
 
@@ -53,10 +53,25 @@ def test_default_follows_peft_and_false_adapts_no_expert() -> None:
 
 
 @pytest.mark.parametrize("method", ["qbara", "qahira"])
-def test_pooled_methods_refuse_experts(method: str) -> None:
-    config = _config(f"adapter={method}", "adapter.experts=true")
-    with pytest.raises(ValueError, match="cannot adapt them. Use method='lora' for the experts"):
-        config.adapter.apply(torch.nn.Linear(2, 2))
+def test_pooled_methods_adapt_experts(method: str) -> None:
+    """true: one pooled adapter per expert on every fused weight (INT4 experts under quantization=int4); null: as the
+    targets name them; false: none."""
+    from lightning_merak.adapters.int4_experts import int4_expert_tensor
+    from lightning_merak.adapters.moe import expert_adapters
+    from lightning_merak.plugins.moe.experts import experts_modules
+
+    quantization = "adapter.quantization=int4" if method == "qahira" else "adapter.quantization=none"
+    model = _adapted(f"adapter={method}", "adapter.experts=true", "adapter.target_modules=[q_proj]",
+                     "adapter.group_size=16", quantization)
+    adapters = expert_adapters(model)
+    assert len(adapters) == 4 and all(int(adapter.wrapper.num_experts) == 16 for adapter in adapters)
+    assert all(param.requires_grad == (f"{method}_" in name) for name, param in model.named_parameters())
+    quantized = [int4_expert_tensor(module, "down_proj") is not None for _, module in experts_modules(model)]
+    assert all(quantized) if method == "qahira" else not any(quantized)
+    only_down = _adapted(f"adapter={method}", "adapter.target_modules=[q_proj,down_proj]", "adapter.group_size=16",
+                         quantization)
+    assert {adapter.wrapper.parameter_name for adapter in expert_adapters(only_down)} == {"down_proj"}
+    assert not expert_adapters(_adapted(f"adapter={method}", "adapter.experts=false", quantization))
 
 
 def test_dropout_on_experts_refused_with_the_fix() -> None:

@@ -13,9 +13,10 @@ from .int4 import (
     quantize_linear_layers_int4,
     save_int4_model,
 )
+from .int4_experts import quantize_experts_int4
 from .pooling import expand_outputs, per_group_delta, pool_inputs, qbara_rank, tiled_delta_weight
-from .qahira import QAHIRA_PEFT_TYPE, QAHiRAConfig, QAHiRALinear, QAHiRAModel
-from .qbara import QBARA_PEFT_TYPE, QBaRAConfig, QBaRALinear, QBaRAModel
+from .qahira import QAHIRA_PEFT_TYPE, QAHiRAConfig, QAHiRAExperts, QAHiRALinear, QAHiRAModel
+from .qbara import QBARA_PEFT_TYPE, QBaRAConfig, QBaRAExperts, QBaRALinear, QBaRAModel
 from .quantize import QUANTIZATIONS, quantize_model
 from .registration import register_peft_methods
 
@@ -29,9 +30,11 @@ __all__ = [
     "PooledAdapterLayer",
     "PooledAdapterModel",
     "QAHiRAConfig",
+    "QAHiRAExperts",
     "QAHiRALinear",
     "QAHiRAModel",
     "QBaRAConfig",
+    "QBaRAExperts",
     "QBaRALinear",
     "QBaRAModel",
     "QuantLinearInt4",
@@ -42,6 +45,7 @@ __all__ = [
     "per_group_delta",
     "pool_inputs",
     "qbara_rank",
+    "quantize_experts_int4",
     "quantize_int4",
     "quantize_linear_layers_int4",
     "quantize_model",

@@ -6,17 +6,23 @@ The two methods differ only in the pooled matrix ``M`` (``B @ A`` or ``H``); eve
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
 from peft.config import PeftConfig
-from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, check_adapters_to_merge
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, resolve_quantization_backend
 from torch import nn
 
 from .int4 import QuantLinearInt4
+from .pooled_experts import (
+    MergesIntoBase,
+    PooledExpertsLayer,
+    check_expert_target,
+    expert_tensor_names,
+    inject_expert_layers,
+)
 from .pooling import expand_outputs, per_group_delta, pool_inputs, tiled_delta_weight
 
 
@@ -33,6 +39,10 @@ class PooledAdapterConfig(PeftConfig):
         default=None, metadata={"help": "Module names (suffixes) or a regex; default: LoRA's per-architecture list"}
     )
     exclude_modules: Optional[Union[list[str], str]] = field(default=None, metadata={"help": "Modules to skip"})
+    target_parameters: Optional[list[str]] = field(
+        default=None, metadata={"help": "Fused 3D expert weights to adapt, one pooled adapter per expert "
+                                "(e.g. ['experts.gate_up_proj', 'experts.down_proj']); needs dropout=0"}
+    )
     r: int = field(default=8, metadata={"help": "Nominal LoRA rank; the scaling is alpha / r"})
     alpha: float = field(default=16.0, metadata={"help": "Scaling numerator"})
     dropout: float = field(default=0.0, metadata={"help": "Dropout on the pooled input"})
@@ -54,6 +64,9 @@ class PooledAdapterConfig(PeftConfig):
             raise ValueError(f"{self.method_name}: dropout must be in [0, 1), got {self.dropout}")
         if self.init not in self.init_choices:
             raise ValueError(f"{self.method_name}: init must be one of {self.init_choices}, got {self.init!r}")
+        if self.target_parameters and self.dropout:
+            raise ValueError(f"{self.method_name}: dropout={self.dropout} with target_parameters: the update of a "
+                             "fused expert tensor is added to its weight, which cannot carry dropout. Set dropout=0")
         for name, pair in {"<default>": [self.lambda_in, self.lambda_out], **self.lambda_overrides}.items():
             if len(pair) != 2 or min(pair) < 1:
                 raise ValueError(f"{self.method_name}: lambdas for {name} must be two integers >= 1, got {pair}")
@@ -122,7 +135,7 @@ def _restore_bnb_cpu_layout(base_layer: nn.Module) -> None:
     weight.data, weight.quant_state = bnb_functional._convert_weight_packed_for_cpu_inverse(weight.data, quant_state)
 
 
-class PooledAdapterLayer(nn.Module, BaseTunerLayer):
+class PooledAdapterLayer(MergesIntoBase, nn.Module, BaseTunerLayer):
     """PEFT tuner layer: ``y = base(x) + s * E_out(M @ dropout(P_in(x)))``.
 
     Subclasses name their parameter dicts in ``adapter_layer_names`` (each name carries the PEFT
@@ -197,28 +210,9 @@ class PooledAdapterLayer(nn.Module, BaseTunerLayer):
             self.scaling[adapter_name],
         )
 
-    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
-        """Merge into the base: exact for float and INT4 bases (zero-point shift), re-quantizing (lossy) for bnb."""
-        for adapter_name in check_adapters_to_merge(self, adapter_names):
-            if adapter_name not in self.lambda_in:
-                continue
-            if safe_merge and not torch.isfinite(self.pooled_matrix(adapter_name)).all():
-                raise ValueError(
-                    f"{self.method_name}: NaN/inf in adapter '{adapter_name}' of layer '{self.layer_name}'"
-                )
-            self._add_to_base(adapter_name, sign=1.0)
-            self.merged_adapters.append(adapter_name)
-
-    def unmerge(self) -> None:
-        if not self.merged:
-            warnings.warn("Already unmerged. Nothing to do.")
-            return
-        while self.merged_adapters:
-            adapter_name = self.merged_adapters.pop()
-            if adapter_name in self.lambda_in:
-                self._add_to_base(adapter_name, sign=-1.0)
-
     def _add_to_base(self, adapter_name: str, sign: float) -> None:
+        """Merge (``sign=1``) or unmerge: exact for float and INT4 bases (zero-point shift), re-quantizing (lossy)
+        for bnb."""
         base = self.get_base_layer()
         if isinstance(base, QuantLinearInt4):
             lambda_in = self.lambda_in[adapter_name]
@@ -276,13 +270,34 @@ class PooledAdapterLayer(nn.Module, BaseTunerLayer):
 
 
 class PooledAdapterModel(BaseTuner):
-    """PEFT tuner for a pooled adapter: validates every target first, then wraps it."""
+    """PEFT tuner for a pooled adapter: validates every target first, then wraps it.
+
+    ``target_modules`` name Linear layers (``layer_cls``), ``target_parameters`` fused 3D expert weights
+    (``experts_layer_cls``, one adapter per expert: :mod:`~lightning_merak.adapters.pooled_experts`).
+    """
 
     target_module_mapping = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
     layer_cls: type[PooledAdapterLayer]
+    experts_layer_cls: type[PooledExpertsLayer]
+
+    @staticmethod
+    def _check_target_module_exists(peft_config: PeftConfig, key: str) -> Any:
+        """PEFT's suffix match, never inside a parametrization (INT4 experts' ``parametrizations.down_proj`` is
+        the fused tensor's dequantization, not a ``down_proj`` Linear)."""
+        if ".parametrizations." in f".{key}":
+            return False
+        return BaseTuner._check_target_module_exists(peft_config, key)
 
     def _prepare_model(self, peft_config: PooledAdapterConfig, model: nn.Module) -> None:
+        targets = list(peft_config.target_parameters or [])
         for key, module in model.named_modules():
+            position = key.replace(".base_layer", "")
+            for tensor in expert_tensor_names(module) if targets else ():
+                name = f"{position}.{tensor}"
+                if name in targets or any(name.endswith("." + target) for target in targets):
+                    check_expert_target(self.experts_layer_cls.method_name, name, module, tensor,
+                                        *peft_config.lambdas_for(name), dropout=peft_config.dropout,
+                                        require_group_alignment=self.experts_layer_cls.requires_group_alignment)
             if not key or not self._check_target_module_exists(peft_config, key):
                 continue
             check_target_layer(
@@ -304,17 +319,31 @@ class PooledAdapterModel(BaseTuner):
         **optional_kwargs: Any,
     ) -> None:
         lambda_in, lambda_out = peft_config.lambdas_for(current_key)
-        if isinstance(target, self.layer_cls):
+        parameter_name = optional_kwargs.get("parameter_name")
+        layer_cls = self.layer_cls if parameter_name is None else self.experts_layer_cls
+        if isinstance(target, layer_cls) and getattr(target, "parameter_name", None) == parameter_name:
             target.update_layer(adapter_name, peft_config, lambda_in, lambda_out)
             return
-        new_module = self.layer_cls(target, adapter_name, peft_config, lambda_in, lambda_out, layer_name=current_key)
+        if parameter_name is None:
+            new_module = self.layer_cls(target, adapter_name, peft_config, lambda_in, lambda_out,
+                                        layer_name=current_key)
+        else:
+            new_module = self.experts_layer_cls(target, adapter_name, peft_config, lambda_in, lambda_out,
+                                                layer_name=current_key, parameter_name=parameter_name)
         if adapter_name not in self.active_adapters:
             new_module.requires_grad_(False)
         self._replace_module(parent, target_name, new_module, target)
 
+    def _inject_parameters(
+        self, peft_config: PooledAdapterConfig, model: nn.Module, adapter_name: str, low_cpu_mem_usage: bool
+    ) -> list[str]:
+        """Wrap the fused expert weights ``target_parameters`` names (PEFT's own injection nests LoRA's only)."""
+        return inject_expert_layers(self, peft_config, model, adapter_name)
+
     def _replace_module(self, parent: nn.Module, child_name: str, new_module: nn.Module, child: nn.Module) -> None:
-        if new_module is getattr(child, "base_layer", None):
-            # Unloading puts the base layer back as is; PEFT's default would copy a ``weight`` INT4 layers lack.
+        if isinstance(child, BaseTunerLayer) and new_module is child.get_base_layer():
+            # Unloading puts the base layer back as is; PEFT's default would copy a ``weight`` INT4 layers and
+            # experts modules lack.
             setattr(parent, child_name, new_module)
             return
         super()._replace_module(parent, child_name, new_module, child)

@@ -7,12 +7,14 @@ parametrization for the duration of the forward, so ``merak_grouped`` and ``mera
 adapted weight unchanged. A PEFT model built after
 :func:`~lightning_merak.plugins.moe.experts.enable_expert_parallel` holds the adapters of this rank's
 experts only, and one built before is cut down by it (:func:`shard_expert_adapters`): an expert's
-adapter lives where the expert does. Q-BaRA and QA-HiRA pool the inputs of an
-``nn.Linear`` (or quantized Linear) base, so they adapt attention projections; on fused expert tensors they
-are refused with the reason.
+adapter lives where the expert does. Q-BaRA and QA-HiRA adapt attention projections as Linear layers and the
+fused expert tensors with one pooled adapter per expert (:mod:`~lightning_merak.adapters.pooled_experts`, the
+same weight-through-a-parametrization route), on float or INT4 experts
+(:func:`~lightning_merak.adapters.int4_experts.quantize_experts_int4`).
 
 Layout (PEFT's, kept so a saved adapter loads into an unsharded ``PeftModel``): ``lora_A`` is
-``[E * r, in]`` expert-major, ``lora_B`` is ``[out, r * E]`` with the expert index fastest. The pure
+``[E * r, in]`` expert-major, ``lora_B`` is ``[out, r * E]`` with the expert index fastest; the pooled
+adapters' factors (``qbara_A``, ``qbara_B``, ``qahira_H``) are ``[E, ...]``, expert-major like ``lora_A``. The pure
 functions :func:`slice_expert_factor` / :func:`join_expert_factors` move between the whole factor and a
 rank's contiguous experts; :func:`expert_adapter_state_dict`, :func:`save_moe_adapter`,
 :func:`load_moe_adapter` and :func:`merged_state_dict` are the collective wrappers over the expert group.
@@ -30,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_merak.adapters.int4_experts import FUSED_EXPERT_WEIGHTS
+from lightning_merak.adapters.pooled_experts import PooledExpertsLayer, expert_tensor_names
 from lightning_merak.adapters.qahira import QAHiRAConfig
 from lightning_merak.adapters.qbara import QBaRAConfig
 from lightning_merak.plugins.moe.experts.adapter_slices import Factor, shard_expert_adapters, slice_expert_factor
@@ -47,8 +51,8 @@ __all__ = [
     "expert_adapters",
     "expert_factor_shards",
     "expert_target_parameters",
+    "expert_factors",
     "factor_view",
-    "pooled_refusal",
     "join_expert_factors",
     "load_moe_adapter",
     "merged_state_dict",
@@ -62,16 +66,10 @@ ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_
                          "kv_b_proj")
 """Attention projection names of the six families (MLA's low-rank projections included)."""
 
-EXPERT_PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
-"""Fused expert weights LoRA can target; expert biases are not adapted (PEFT's ParamWrapper has no bias path)."""
+EXPERT_PROJECTIONS = FUSED_EXPERT_WEIGHTS
+"""Fused expert weights the adapters can target; expert biases are not adapted (no bias path in either wrapper)."""
 
-_POOLED_REFUSAL = ("{method} pools the inputs of an nn.Linear (or 4-bit/INT4 Linear) base; fused expert tensors are "
-                   "3D nn.Parameters holding one weight per expert and no quantized Linear layout, so {method} "
-                   "cannot adapt them. Use method='lora' for the experts, or experts=False to adapt attention only")
-
-def pooled_refusal(method: str) -> str:
-    """Why Q-BaRA / QA-HiRA (``method``: qbara or qahira) cannot adapt fused expert tensors, with the fix."""
-    return _POOLED_REFUSAL.format(method={"qbara": "Q-BaRA", "qahira": "QA-HiRA"}.get(method, method))
+_EXPERT_METHODS = ("LORA", "QBARA", "QAHIRA")
 
 
 def join_expert_factors(kind: Factor, parts: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
@@ -84,7 +82,8 @@ def join_expert_factors(kind: Factor, parts: Sequence[torch.Tensor], rank: int) 
 
 @dataclass(frozen=True)
 class ExpertAdapter:
-    """One PEFT ``ParamWrapper`` on a fused expert tensor, with the expert shard it lives on (or none)."""
+    """One adapter wrapper on a fused expert tensor (PEFT's LoRA ``ParamWrapper`` or a
+    :class:`~lightning_merak.adapters.pooled_experts.PooledExpertsLayer`), with the expert shard it lives on."""
 
     name: str
     wrapper: nn.Module
@@ -110,13 +109,14 @@ def _shard_of(module: nn.Module) -> Any:
 
 
 def expert_adapters(model: nn.Module) -> list[ExpertAdapter]:
-    """Every LoRA ``ParamWrapper`` on a fused expert tensor of ``model``, by qualified name (named_modules order)."""
+    """Every adapter wrapper on a fused expert tensor of ``model`` (LoRA, Q-BaRA, QA-HiRA), by qualified name
+    (named_modules order)."""
     from peft.tuners.lora.layer import ParamWrapper
 
     experts = {id(module) for _, module in _experts_modules(model)}
     found = []
     for name, module in model.named_modules():
-        if isinstance(module, ParamWrapper) and id(base := module.get_base_layer()) in experts:
+        if isinstance(module, (ParamWrapper, PooledExpertsLayer)) and id(base := module.get_base_layer()) in experts:
             shard = _shard_of(base)
             if shard is not None and int(module.num_experts) != len(shard.experts):
                 raise ValueError(f"{name} adapts {module.num_experts} experts but its experts module holds "
@@ -125,15 +125,29 @@ def expert_adapters(model: nn.Module) -> list[ExpertAdapter]:
     return found
 
 
+def expert_factors(adapter: ExpertAdapter) -> Iterator[tuple[str, Factor, nn.Parameter]]:
+    """Every factor of ``adapter``: its parameter name under the wrapper, its kind and the parameter. ``A``
+    factors hold the experts on their first dimension (LoRA's ``lora_A``, every pooled factor), ``B`` ones
+    fastest on their last (LoRA's ``lora_B``)."""
+    wrapper = adapter.wrapper
+    if isinstance(wrapper, PooledExpertsLayer):
+        for container in wrapper.adapter_layer_names:
+            for key, parameter in getattr(wrapper, container).items():
+                yield f"{container}.{key}", "A", parameter
+        return
+    for kind in ("A", "B"):
+        for key, layer in getattr(wrapper, f"lora_{kind}").items():
+            yield f"lora_{kind}.{key}.weight", kind, layer.weight  # type: ignore[misc]
+
+
 def _sharded_factors(model: nn.Module) -> Iterator[tuple[str, Factor, Any, nn.Parameter]]:
-    """Every LoRA factor of an expert adapter on a sharded experts module: its parameter name, kind, the experts
+    """Every factor of an expert adapter on a sharded experts module: its parameter name, kind, the experts
     module's ``ExpertShard`` and the parameter itself."""
     for adapter in expert_adapters(model):
         if adapter.shard is None:
             continue
-        for kind in ("A", "B"):
-            for key, layer in getattr(adapter.wrapper, f"lora_{kind}").items():
-                yield f"{adapter.name}.lora_{kind}.{key}.weight", kind, adapter.shard, layer.weight  # type: ignore[misc]
+        for name, kind, parameter in expert_factors(adapter):
+            yield f"{adapter.name}.{name}", kind, adapter.shard, parameter
 
 
 def expert_adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -157,17 +171,16 @@ def expert_factor_shards(model: nn.Module) -> dict[str, tuple[Factor, Any]]:
 
 def moe_adapter_config(model: nn.Module, method: Literal["lora", "qbara", "qahira"] = "lora", *, r: int = 8,
                        alpha: float = 16.0, attention: bool = True, experts: bool = True, **options: Any) -> Any:
-    """A PEFT config adapting ``model``'s attention projections and (LoRA only) its fused expert tensors.
+    """A PEFT config adapting ``model``'s attention projections and its fused expert tensors.
 
     Targets are read from the model: the attention projections it has (:data:`ATTENTION_PROJECTIONS`) and
-    each experts module's fused weights (:data:`EXPERT_PROJECTIONS`). ``options`` go to the config class.
+    each experts module's fused weights (:data:`EXPERT_PROJECTIONS`). ``options`` go to the config class
+    (e.g. ``lambda_in``, ``lambda_out``, ``lambda_overrides`` for Q-BaRA / QA-HiRA).
     """
     if method not in ("lora", "qbara", "qahira"):
         raise ValueError(f"method={method!r}: use lora, qbara or qahira")
     if not (attention or experts):
         raise ValueError("nothing to adapt: set attention=True and/or experts=True")
-    if experts and method != "lora":
-        raise ValueError(pooled_refusal(method))
     present = {name.rpartition(".")[2] for name, module in model.named_modules() if hasattr(module, "in_features")}
     modules = sorted(present & set(ATTENTION_PROJECTIONS)) if attention else []
     if attention and not modules:
@@ -182,24 +195,25 @@ def moe_adapter_config(model: nn.Module, method: Literal["lora", "qbara", "qahir
         return LoraConfig(r=r, lora_alpha=alpha, target_modules=modules, target_parameters=parameters or None,
                           **options)
     config_class = QBaRAConfig if method == "qbara" else QAHiRAConfig
-    return config_class(r=r, alpha=alpha, target_modules=modules, **options)
+    return config_class(r=r, alpha=alpha, target_modules=modules, target_parameters=parameters or None, **options)
 
 
 def expert_target_parameters(model: nn.Module) -> list[str]:
-    """PEFT ``target_parameters`` naming every fused expert weight of ``model`` (:data:`EXPERT_PROJECTIONS`);
-    refused for a model without an experts module going through transformers' experts registry."""
+    """PEFT ``target_parameters`` naming every fused expert weight of ``model`` (:data:`EXPERT_PROJECTIONS`, float
+    or INT4); refused for a model without an experts module going through transformers' experts registry."""
     experts_found = _experts_modules(model)
     if not experts_found:
         raise ValueError(f"{type(model).__name__} has no experts module going through transformers' experts "
                          "registry; adapt attention only (experts=False)")
     return sorted({f"{name.rpartition('.')[2]}.{tensor}" for name, module in experts_found
-                   for tensor in EXPERT_PROJECTIONS if isinstance(getattr(module, tensor, None), nn.Parameter)})
+                   for tensor in expert_tensor_names(module)})
 
 
 def _check_config(config: Any) -> None:
     targets = getattr(config, "target_parameters", None) or []
-    if targets and getattr(config, "peft_type", None) != "LORA":
-        raise ValueError(_POOLED_REFUSAL.format(method=config.peft_type))
+    if targets and getattr(config, "peft_type", None) not in _EXPERT_METHODS:
+        raise ValueError(f"{config.peft_type} cannot adapt fused expert tensors; use one of {_EXPERT_METHODS}, or "
+                         "leave target_parameters empty to adapt Linear layers only")
     for target in targets:
         if target.rpartition(".")[2] not in EXPERT_PROJECTIONS:
             raise ValueError(f"target_parameters entry {target!r} is not a fused expert weight "
@@ -235,12 +249,23 @@ def _gather(tensor: torch.Tensor, shard: Any) -> list[torch.Tensor]:
 
 
 def _factor_keys(adapter: ExpertAdapter, state: dict[str, torch.Tensor]) -> dict[str, Factor]:
+    """The keys of ``adapter``'s factors in PEFT's saved state dict ``state``, with their kinds."""
+    if isinstance(adapter.wrapper, PooledExpertsLayer):
+        return {f"{adapter.name}.{container}": "A" for container in adapter.wrapper.adapter_layer_names
+                if f"{adapter.name}.{container}" in state}
     keys: dict[str, Factor] = {}
     for key in state:
         for kind in ("A", "B"):
             if key.startswith(f"{adapter.name}.lora_{kind}."):
+                if not key.endswith(".weight"):
+                    raise ValueError(f"{key}: expert adapters carry no bias (lora_bias=False)")
                 keys[key] = kind  # type: ignore[assignment]
     return keys
+
+
+def _parameter_key(key: str, adapter_name: str) -> str:
+    """The model's parameter name of PEFT's saved key ``key`` (the adapter name put back)."""
+    return key.replace(".weight", f".{adapter_name}.weight") if key.endswith(".weight") else f"{key}.{adapter_name}"
 
 
 def expert_adapter_state_dict(model: nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
@@ -253,10 +278,8 @@ def expert_adapter_state_dict(model: nn.Module, adapter_name: str = "default") -
     state = dict(get_peft_model_state_dict(model, adapter_name=adapter_name))
     for adapter in expert_adapters(model):
         for key, kind in _factor_keys(adapter, state).items():
-            if not key.endswith(".weight"):
-                raise ValueError(f"{key}: expert adapters carry no bias (lora_bias=False)")
             parts = _gather(state[key].detach(), adapter.shard)
-            state[key] = join_expert_factors(kind, parts, int(adapter.wrapper.r[adapter_name]))
+            state[key] = join_expert_factors(kind, parts, int(adapter.wrapper.r[adapter_name]) if kind == "B" else 0)
     return state
 
 
@@ -293,7 +316,7 @@ def load_moe_adapter(model: nn.Module, source: Union[str, Path, dict[str, torch.
             local[key] = slice_expert_factor(kind, state[key], adapter.experts, adapter.num_experts)
     mine = model.state_dict()
     for key, value in {**state, **local}.items():
-        target = key.replace(".weight", f".{adapter_name}.weight")
+        target = _parameter_key(key, adapter_name)
         if target in mine and tuple(mine[target].shape) != tuple(value.shape):
             raise ValueError(f"{key} has shape {tuple(value.shape)}, this rank's adapter {tuple(mine[target].shape)}; "
                              "was the adapter trained with another r or another model?")

@@ -31,10 +31,10 @@ def tiled_delta_weight(pooled_matrix: torch.Tensor, lambda_in: int, lambda_out: 
     """The dense ``(d_out, d_in)`` update equivalent to the pooled adapter.
 
     ``delta[o, i] = scaling / lambda_in * M[o // lambda_out, i // lambda_in]``: the ``1/lambda_in``
-    comes from the pool being a mean.
+    comes from the pool being a mean. Leading dimensions are batch dimensions (one ``M`` per fused expert).
     """
     factor = scaling / lambda_in
-    return factor * pooled_matrix.repeat_interleave(lambda_out, dim=0).repeat_interleave(lambda_in, dim=1)
+    return factor * pooled_matrix.repeat_interleave(lambda_out, dim=-2).repeat_interleave(lambda_in, dim=-1)
 
 
 def per_group_delta(
@@ -42,7 +42,8 @@ def per_group_delta(
 ) -> torch.Tensor:
     """The constant the update adds to every quantization group of ``group_size`` inputs, ``(d_out, d_in/G)``.
 
-    Only defined when every group lies inside one tile of the update (``lambda_in % group_size == 0``).
+    Leading dimensions of ``pooled_matrix`` are batch dimensions (one ``M`` per fused expert). Only defined
+    when every group lies inside one tile of the update (``lambda_in % group_size == 0``).
     """
     if lambda_in % group_size != 0:
         raise ValueError(
@@ -51,7 +52,7 @@ def per_group_delta(
         )
     factor = scaling / lambda_in
     groups_per_tile = lambda_in // group_size
-    return factor * pooled_matrix.repeat_interleave(lambda_out, dim=0).repeat_interleave(groups_per_tile, dim=1)
+    return factor * pooled_matrix.repeat_interleave(lambda_out, dim=-2).repeat_interleave(groups_per_tile, dim=-1)
 
 
 def qbara_rank(r: int, in_features: int, out_features: int, lambda_in: int, lambda_out: int) -> int:

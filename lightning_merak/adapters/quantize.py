@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .int4 import quantize_linear_layers_int4, replace_submodule
+from .int4_experts import quantize_experts_int4
 from .resume import refuse_mismatched_checkpoints, restore_packed_4bit
 
 Quantization = Literal["none", "nf4", "fp4", "int8", "int4"]
@@ -36,8 +37,13 @@ def quantize_model(
     group_size: int = 32,
     double_quant: bool = True,
     skip: tuple[str, ...] = ("lm_head",),
+    experts: bool = False,
 ) -> nn.Module:
     """Replace ``nn.Linear`` layers (except those named in ``skip``) by quantized ones; returns ``model``.
+
+    ``experts=True`` also stores an MoE model's fused 3D expert weights in INT4
+    (:func:`~lightning_merak.adapters.int4_experts.quantize_experts_int4`, ``int4`` only: bitsandbytes has no
+    layer for a 3D tensor, and no zero-point to merge into).
 
     ``group_size`` applies to ``int4`` only (bitsandbytes 4-bit always uses blocks of 64) and
     ``double_quant`` to ``nf4``/``fp4`` only. bitsandbytes models get ``is_loaded_in_4bit`` /
@@ -49,9 +55,14 @@ def quantize_model(
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    if experts and quantization not in ("none", "int4"):
+        raise ValueError(f"quantization={quantization!r} cannot hold fused expert tensors (bitsandbytes quantizes "
+                         "Linear layers only); use int4 for quantized experts, or leave the experts in float")
     if quantization == "none":
         return refuse_mismatched_checkpoints(model)
     if quantization == "int4":
+        if experts:
+            quantize_experts_int4(model, group_size)
         return refuse_mismatched_checkpoints(quantize_linear_layers_int4(model, group_size, skip))
     targets = [
         (name, module)

@@ -10,8 +10,13 @@ LoRA per expert, sharded with its expert under ``moe.experts=merak_ep`` (:mod:`l
 ``gate_proj`` / ``up_proj`` / ``down_proj`` (in the default targets) onto the fused experts of the families
 whose checkpoints transformers converts (Mixtral, Qwen2/3-MoE, OLMoE, ...), so a user's usual LoRA targets
 adapt the experts there, as they would outside this project. ``true`` adapts every fused expert weight of
-any registry family whatever the targets (LoRA only: Q-BaRA and QA-HiRA pool a Linear's inputs and refuse
-it); ``false`` refuses targets that would reach the experts, naming the fix.
+any registry family whatever the targets; ``false`` refuses targets that would reach the experts, naming the fix.
+Q-BaRA and QA-HiRA put one pooled adapter per expert on the fused weights
+(:mod:`lightning_merak.adapters.pooled_experts`); ``null`` maps ``target_modules`` the same way for every
+registry family (``gate_proj``/``up_proj`` → ``gate_up_proj`` or ``up_proj``, ``down_proj`` → ``down_proj``),
+``false`` adapts no expert. With ``quantization=int4`` the adapted experts are stored in INT4 too
+(:func:`~lightning_merak.adapters.int4_experts.quantize_experts_int4`); bitsandbytes quantizations leave them
+in float (bitsandbytes has no layer for a 3D tensor).
 """
 
 from __future__ import annotations
@@ -53,20 +58,32 @@ class QuantizedAdapterConfig(AdapterConfig):
     double_quant: bool = option(True, "bitsandbytes 4-bit: quantize the quantization constants too.")
     group_size: int = option(32, "`quantization=int4`: weights per quantization group.")
     experts: Optional[bool] = option(
-        None, "Adapt an MoE model's fused routed experts: `null` as PEFT maps `target_modules`, `true` all of "
-        "them, `false` none (`lightning_merak.cli.options.adapter`).")
+        None, "Adapt an MoE model's fused routed experts (LoRA, or one Q-BaRA / QA-HiRA per expert): `null` as "
+        "`target_modules` map onto them, `true` all of them, `false` none (`lightning_merak.cli.options.adapter`).")
 
-    def refuse_experts(self) -> None:
-        """A pooled method (Q-BaRA, QA-HiRA) with ``experts=true``: refused with the reason and the fix."""
-        if self.experts:
-            from lightning_merak.adapters.moe import pooled_refusal  # lazy: torch, PEFT
+    def pooled_expert_targets(self, model: nn.Module) -> Optional[list[str]]:
+        """Q-BaRA / QA-HiRA: the fused expert weights ``experts`` selects (None when none), before quantizing."""
+        from lightning_merak.plugins.moe.experts import experts_modules  # lazy: torch, transformers
 
-            raise ValueError(f"adapter={self.name} adapter.experts=true: {pooled_refusal(self.name)}")
+        if self.experts is False or (self.experts is None and not experts_modules(model)):
+            return None
+        from lightning_merak.adapters.moe import expert_target_parameters  # lazy: torch, PEFT
 
-    def quantize(self, model: nn.Module) -> nn.Module:
+        if self.dropout:
+            raise ValueError(f"adapter={self.name} with experts needs adapter.dropout=0: the update of a fused expert "
+                             "tensor is added to its weight, which cannot carry dropout (or set adapter.experts=false)")
+        names = set(self.target_modules)
+        wanted = ({"gate_up_proj", "up_proj"} if names & {"gate_proj", "up_proj"} else set()) | (
+            {"down_proj"} & names)
+        chosen = [target for target in expert_target_parameters(model)
+                  if self.experts or target.rpartition(".")[2] in wanted]
+        return chosen or None
+
+    def quantize(self, model: nn.Module, experts: bool = False) -> nn.Module:
         from lightning_merak.adapters import quantize_model  # lazy: torch, PEFT
 
-        return quantize_model(model, self.quantization.value, self.group_size, self.double_quant)
+        return quantize_model(model, self.quantization.value, self.group_size, self.double_quant,
+                              experts=experts and self.quantization is Quantization.int4)
 
 
 @dataclass
@@ -114,11 +131,9 @@ class QBaRAAdapterConfig(QuantizedAdapterConfig):
     lambda_out: int = option(2, "Output expansion factor.")
 
     def apply(self, model: nn.Module) -> nn.Module:
-        from peft import get_peft_model
-
         from lightning_merak.adapters import QBaRAConfig  # lazy: torch, PEFT
 
-        self.refuse_experts()
+        parameters = self.pooled_expert_targets(model)
         config = QBaRAConfig(
             r=self.r,
             alpha=self.alpha,
@@ -126,8 +141,9 @@ class QBaRAAdapterConfig(QuantizedAdapterConfig):
             lambda_in=self.lambda_in,
             lambda_out=self.lambda_out,
             target_modules=list(self.target_modules),
+            target_parameters=parameters,
         )
-        return get_peft_model(self.quantize(model), config)
+        return adapt(self.quantize(model, experts=bool(parameters)), config)
 
 
 @dataclass
@@ -142,11 +158,9 @@ class QAHiRAAdapterConfig(QuantizedAdapterConfig):
                        "perturbs the model at step 0.")
 
     def apply(self, model: nn.Module) -> nn.Module:
-        from peft import get_peft_model
-
         from lightning_merak.adapters import QAHiRAConfig  # lazy: torch, PEFT
 
-        self.refuse_experts()
+        parameters = self.pooled_expert_targets(model)
         config = QAHiRAConfig(
             r=self.r,
             alpha=self.alpha,
@@ -155,8 +169,21 @@ class QAHiRAAdapterConfig(QuantizedAdapterConfig):
             lambda_out=self.lambda_out,
             init=self.init,
             target_modules=list(self.target_modules),
+            target_parameters=parameters,
         )
-        return get_peft_model(self.quantize(model), config)
+        return adapt(self.quantize(model, experts=bool(parameters)), config)
+
+
+def adapt(model: nn.Module, config: object) -> nn.Module:
+    """``get_peft_model``, through :func:`~lightning_merak.adapters.moe.add_moe_adapters` when experts are adapted
+    (checked, and marked like their experts under ``merak_ep``)."""
+    if getattr(config, "target_parameters", None):
+        from lightning_merak.adapters.moe import add_moe_adapters  # lazy: torch, PEFT
+
+        return add_moe_adapters(model, config)
+    from peft import get_peft_model
+
+    return get_peft_model(model, config)
 
 
 def register() -> None:

@@ -1,8 +1,10 @@
-"""PEFT LoRA factors on fused expert tensors, cut to an expert-parallel rank's experts.
+"""Adapter factors on fused expert tensors, cut to an expert-parallel rank's experts.
 
 A LoRA factor over fused experts holds every expert's rows (``A``) or columns (``B``) side by side;
 :func:`slice_expert_factor` takes one expert range of it, and :func:`shard_expert_adapters` cuts every
 such adapter of a model down to the experts its rank holds, as expert parallelism does to the experts.
+Other expert adapters (Q-BaRA, QA-HiRA, whose factors are ``[E, ...]``) cut themselves: any wrapper with a
+``keep_expert_factors(experts, num_experts, local_only)`` method and a ``get_base_layer()`` is asked to.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ Factor = Literal["A", "B"]
 
 
 def slice_expert_factor(kind: Factor, weight: torch.Tensor, experts: range, num_experts: int) -> torch.Tensor:
-    """The rows (``A``) or columns (``B``) of a whole-model LoRA factor that belong to ``experts``."""
+    """The rows (``A``: the first dimension, any rank) or columns (``B``) of a whole-model factor that belong to
+    ``experts``."""
     if kind == "A":
-        rank = weight.shape[0] // num_experts
-        return weight.reshape(num_experts, rank, -1)[experts.start:experts.stop].reshape(-1, weight.shape[1])
+        rest = weight.shape[1:]
+        return weight.reshape(num_experts, -1, *rest)[experts.start:experts.stop].reshape(-1, *rest)
     rank = weight.shape[1] // num_experts
     folded = weight.reshape(weight.shape[0], rank, num_experts)[:, :, experts.start:experts.stop]
     return folded.reshape(weight.shape[0], -1)
@@ -42,10 +45,16 @@ def shard_expert_adapters(model: nn.Module, experts_modules: Iterable[nn.Module]
     experts = {id(module) for module in experts_modules}
     names = []
     for name, module in model.named_modules():
-        if not (isinstance(module, ParamWrapper) and id(base := module.get_base_layer()) in experts):
+        if not (hasattr(module, "keep_expert_factors") or isinstance(module, ParamWrapper)):
+            continue
+        if id(base := module.get_base_layer()) not in experts:
             continue
         shard = getattr(base, SHARD_ATTRIBUTE, None)
         if shard is None:
+            continue
+        if hasattr(module, "keep_expert_factors"):
+            kept = module.keep_expert_factors(shard.experts, shard.num_experts, local_only=shard.ep_size > 1)
+            names += [f"{name}.{factor}" for factor in kept]
             continue
         whole = int(module.num_experts)
         if whole not in (shard.num_experts, len(shard.experts)):

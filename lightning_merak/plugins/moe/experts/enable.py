@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils import parametrize
 
 from lightning_merak.plugins.moe.core.placement import Padding
 from lightning_merak.plugins.moe.core.placement_planner import plan_pro_prophet
@@ -147,9 +148,10 @@ def enable_expert_parallel(model: nn.Module, group: Any = None) -> ExpertParalle
     """Keep this rank's experts and run every experts module with ``merak_ep`` over ``group``.
 
     ``group`` is the expert-parallel process group (default: the world; without an initialised
-    process group, one rank holding every expert). LoRA factors on the experts (PEFT ``target_parameters``)
-    are cut to the local experts too and listed with them. Expert parameters are marked ``allreduce=False``:
-    a data-parallel wrapper must leave them out (their gradient already sums every rank's tokens;
+    process group, one rank holding every expert). Adapter factors on the experts (PEFT ``target_parameters``:
+    LoRA, Q-BaRA, QA-HiRA) are cut to the local experts too and listed with them; a parametrized (e.g. INT4)
+    expert tensor keeps its local experts' stored form (:func:`_keep_local`). Expert parameters are marked
+    ``allreduce=False``: a data-parallel wrapper must leave them out (their gradient already sums every rank's tokens;
     divide it by the data-parallel size for the gradient of the mean loss, as
     :class:`~lightning_merak.callbacks.moe.experts.ExpertParallelCallback` does).
     """
@@ -173,20 +175,39 @@ def enable_expert_parallel(model: nn.Module, group: Any = None) -> ExpertParalle
     names = []
     for name, module in modules:
         for tensor in EXPERT_TENSORS:
-            param = getattr(module, tensor, None)
-            if param is None:
+            if getattr(module, tensor, None) is None:
                 continue
-            local = nn.Parameter(param.data[mine.start:mine.stop].clone(), requires_grad=param.requires_grad)
-            local.allreduce = False  # type: ignore[attr-defined]
-            setattr(module, tensor, local)
-            before, after = before + param.numel(), after + local.numel()
+            kept = _keep_local(module, tensor, mine)
+            before, after = before + kept[0], after + kept[1]
             names.append(f"{name}.{tensor}" if name else tensor)
         setattr(module, SHARD_ATTRIBUTE, ExpertShard(group, ep_rank, ep_size, total, mine))
-    if any(hasattr(m, "lora_A") and hasattr(m, "parameter_name") for m in model.modules()):  # PEFT on experts
+    if any(hasattr(m, "parameter_name") for m in model.modules()):  # adapters on experts (LoRA, Q-BaRA, QA-HiRA)
         names += shard_expert_adapters(model, (module for _, module in modules))
     _set_implementation(model, modules, EP_IMPLEMENTATION)
     return ExpertParallelReport(_model_type(model), ep_rank, ep_size, total, mine,
                                 tuple(n for n, _ in modules), tuple(names), before, after)
+
+
+def _keep_local(module: nn.Module, tensor: str, mine: range) -> tuple[int, int]:
+    """Keep ``mine`` of ``module.<tensor>``'s experts, marked ``allreduce=False``; ``(numel before, after)``.
+
+    A parametrized tensor (INT4 experts: packed codes under a dequantizing parametrization) keeps its stored
+    original's rows and asks each parametrization with a ``keep_experts(range)`` method to cut its own state.
+    """
+    if parametrize.is_parametrized(module, tensor):
+        chain = module.parametrizations[tensor]
+        stored = chain.original
+        chain.original = nn.Parameter(stored.data[mine.start:mine.stop].clone(), requires_grad=stored.requires_grad)
+        chain.original.allreduce = False  # type: ignore[attr-defined]
+        for step in chain:
+            if hasattr(step, "keep_experts"):
+                step.keep_experts(mine)
+        return stored.numel(), chain.original.numel()
+    param = getattr(module, tensor)
+    local = nn.Parameter(param.data[mine.start:mine.stop].clone(), requires_grad=param.requires_grad)
+    local.allreduce = False  # type: ignore[attr-defined]
+    setattr(module, tensor, local)
+    return param.numel(), local.numel()
 
 
 def enable_grouped_experts(model: nn.Module) -> None:
