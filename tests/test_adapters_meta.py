@@ -273,3 +273,32 @@ def test_a_quantised_adapter_run_resumes_on_meta(tmp_path):
     resumed = run_distributed(_meta_rank, 2, args=("qbara-nf4", PP2), timeout_s=300,
                               kwargs={"first_step": 3, "epochs": 2, "resume_from": checkpoint})
     assert resumed[0][0][0] == pytest.approx(reference.losses[3:], rel=1e-5)
+
+
+def _meta_mixtral() -> nn.Module:
+    from lightning_merak.plugins.moe.experts import tiny_moe_model
+
+    with torch.device("meta"):
+        return tiny_moe_model("mixtral")
+
+
+def test_expert_adapters_built_on_meta_materialise_with_their_methods_init_per_expert():
+    """Q-BaRA on fused experts: each expert's ``A`` Kaiming-uniform as its own matrix, ``B`` zero."""
+    option = QBaRAAdapterConfig(r=2, quantization=Quantization.nf4, target_modules=list(TARGETS), experts=True)
+    model = attach_on_meta(option, _meta_mixtral())
+    Materializer(torch.device("cpu"), 0, init_owners(model)).materialize(model, "")
+    factors = {name: model.get_parameter(name) for name in _adapter_names(model) if ".experts." in name}
+    assert factors and all(value.ndim == 3 for value in factors.values()), sorted(factors)
+    for name, value in factors.items():
+        if "qbara_B" in name:
+            assert torch.count_nonzero(value) == 0, name
+        else:  # uniform within ±1/sqrt(fan_in) of one expert's matrix: its largest draw lies near the bound
+            bound = 1 / value.shape[-1] ** 0.5
+            assert 0.7 * bound < value.abs().amax(dim=(1, 2)).min() and value.abs().max() <= bound, name
+
+
+def test_int4_experts_with_adapters_are_refused_on_meta():
+    option = QAHiRAAdapterConfig(r=2, quantization=Quantization.int4, group_size=16, lambda_in=16,
+                                 target_modules=list(TARGETS), experts=True)
+    with pytest.raises(ValueError, match="int4 with adapted experts.*adapter.experts=false"):
+        attach_on_meta(option, _meta_mixtral())

@@ -27,6 +27,7 @@ from torch import nn
 
 from .base import PooledAdapterLayer, check_target_layer
 from .int4 import QuantLinearInt4, check_int4_shape, replace_submodule
+from .pooled_experts import PooledExpertsLayer
 from .quantize import QUANTIZATIONS, quantized_linear
 
 __all__ = ["AFTER_MATERIALIZE", "MATERIALIZE_INIT", "DeferredQuantization", "attach_on_meta", "mark_adapter_inits"]
@@ -38,9 +39,11 @@ MATERIALIZE_INIT = "materialize_init"
 
 
 def kaiming_init(module: nn.Module) -> None:
-    """Kaiming-uniform (a=√5) on each of ``module``'s own parameters: ``nn.Linear``'s and LoRA's ``A`` init."""
+    """Kaiming-uniform (a=√5) on each matrix of ``module``'s own parameters: ``nn.Linear``'s and LoRA's ``A`` init
+    (per expert for factors with leading expert dimensions, as their layers draw them)."""
     for param in module.parameters(recurse=False):
-        nn.init.kaiming_uniform_(param, a=math.sqrt(5))
+        for matrix in param.data.view(-1, *param.shape[-2:]):
+            nn.init.kaiming_uniform_(matrix, a=math.sqrt(5))
 
 
 def zero_init(module: nn.Module) -> None:
@@ -69,7 +72,7 @@ def _lora_inits(layer: nn.Module, config: Any) -> dict[str, Any]:
     return inits
 
 
-def _pooled_inits(layer: PooledAdapterLayer, config: Any) -> dict[str, Any]:
+def _pooled_inits(layer: PooledAdapterLayer | PooledExpertsLayer, config: Any) -> dict[str, Any]:
     """Mirrors the layers' ``_create_adapter_weights``: Q-BaRA ``A`` Kaiming, ``B`` zero; QA-HiRA ``H`` by ``init``."""
     kaiming = {"qbara_A"} | ({"qahira_H"} if getattr(config, "init", "zero") == "kaiming" else set())
     return {container: kaiming_init if container in kaiming else zero_init
@@ -83,7 +86,7 @@ def mark_adapter_inits(model: nn.Module) -> None:
         if not isinstance(layer, BaseTunerLayer):
             continue
         config = configs[layer.active_adapters[0]]
-        inits = (_pooled_inits(layer, config) if isinstance(layer, PooledAdapterLayer)
+        inits = (_pooled_inits(layer, config) if isinstance(layer, (PooledAdapterLayer, PooledExpertsLayer))
                  else _lora_inits(layer, config))
         for path, init in inits.items():
             setattr(layer.get_submodule(path), MATERIALIZE_INIT, init)
@@ -180,6 +183,11 @@ def attach_on_meta(option: Any, model: nn.Module) -> nn.Module:
     deferred = DeferredQuantization(quantization, option.group_size, option.double_quant)
     wrapped = dataclasses.replace(option, quantization=type(option.quantization)("none")).apply(model)
     if quantization == "int4":
+        if any(isinstance(layer, PooledExpertsLayer) for layer in wrapped.modules()):
+            raise ValueError(f"adapter={option.name} adapter.quantization=int4 with adapted experts: INT4 experts are "
+                             "quantised before their adapters attach, which a model built on the meta device "
+                             "(merak3d) cannot do; set adapter.experts=false, another quantization (its experts "
+                             "stay float), or strategy=ddp")
         _check_int4_alignment(wrapped, option.group_size, deferred.skip)
     mark_adapter_inits(wrapped)
     setattr(wrapped, AFTER_MATERIALIZE, deferred)
