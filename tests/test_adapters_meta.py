@@ -297,8 +297,31 @@ def test_expert_adapters_built_on_meta_materialise_with_their_methods_init_per_e
             assert 0.7 * bound < value.abs().amax(dim=(1, 2)).min() and value.abs().max() <= bound, name
 
 
-def test_int4_experts_with_adapters_are_refused_on_meta():
+def test_int4_experts_quantised_after_their_adapters_attach_on_meta_equal_the_whole_model_path():
+    """QA-HiRA on INT4 experts: quantising each materialised part under its attached adapters gives the codes,
+    scales, zero-points and logits of quantising the whole model first and adapting it after."""
+    from lightning_merak.plugins.moe.experts import tiny_moe_model
+
     option = QAHiRAAdapterConfig(r=2, quantization=Quantization.int4, group_size=16, lambda_in=16,
                                  target_modules=list(TARGETS), experts=True)
-    with pytest.raises(ValueError, match="int4 with adapted experts.*adapter.experts=false"):
-        attach_on_meta(option, _meta_mixtral())
+    expected = option.apply(tiny_moe_model("mixtral"))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # adapters that change the logits
+        for name, param in expected.named_parameters():
+            if "qahira_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    float_option = copy.deepcopy(option)
+    float_option.quantization = Quantization.none
+    weights = float_option.apply(tiny_moe_model("mixtral")).state_dict()  # the float base, same adapter names
+    weights.update({name: tensor for name, tensor in expected.state_dict().items() if "qahira_" in name})
+    model = attach_on_meta(option, _meta_mixtral())
+    Materializer(torch.device("cpu"), 0, init_owners(model)).materialize(model, "")
+    model.load_state_dict(weights)
+    model.after_materialize(model)
+    expected_state, state = expected.state_dict(), model.state_dict()
+    assert sorted(state) == sorted(expected_state)
+    assert any("parametrizations" in name and ".experts." in name for name in state), "the experts are INT4"
+    for name, tensor in state.items():
+        assert torch.equal(tensor, expected_state[name]), name
+    tokens = torch.randint(128, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model(tokens).logits, expected(tokens).logits, rtol=0, atol=0)

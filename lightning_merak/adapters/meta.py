@@ -27,6 +27,7 @@ from torch import nn
 
 from .base import PooledAdapterLayer, check_target_layer
 from .int4 import QuantLinearInt4, check_int4_shape, replace_submodule
+from .int4_experts import quantize_experts_int4
 from .pooled_experts import PooledExpertsLayer
 from .quantize import QUANTIZATIONS, quantized_linear
 
@@ -100,6 +101,8 @@ class DeferredQuantization:
     group_size: int = 32
     double_quant: bool = True
     skip: tuple[str, ...] = ("lm_head",)
+    experts: bool = False
+    """Also store the fused expert weights in INT4 (``int4`` only), as ``quantize_model(experts=True)`` does."""
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
@@ -118,6 +121,8 @@ class DeferredQuantization:
         if self.quantization == "int4":
             for name, linear in targets:
                 check_int4_shape(name, linear.in_features, self.group_size)
+            if self.experts:  # under their adapters, whose update is added to the weight only during a forward
+                quantize_experts_int4(part, self.group_size)
         for name, linear in targets:
             layer = (QuantLinearInt4.from_linear(linear, self.group_size) if self.quantization == "int4"
                      else quantized_linear(linear, self.quantization, self.double_quant))
@@ -180,15 +185,14 @@ def attach_on_meta(option: Any, model: nn.Module) -> nn.Module:
     quantization = option.quantization.value
     if option.name == "lora" and quantization == "int4":
         raise ValueError("adapter=lora: PEFT LoRA has no layer for the project INT4 base; use nf4/fp4/int8/none")
-    deferred = DeferredQuantization(quantization, option.group_size, option.double_quant)
     wrapped = dataclasses.replace(option, quantization=type(option.quantization)("none")).apply(model)
+    experts = [layer for layer in wrapped.modules() if isinstance(layer, PooledExpertsLayer)]
+    deferred = DeferredQuantization(quantization, option.group_size, option.double_quant,
+                                    experts=bool(experts) and quantization == "int4")
     if quantization == "int4":
-        if any(isinstance(layer, PooledExpertsLayer) for layer in wrapped.modules()):
-            raise ValueError(f"adapter={option.name} adapter.quantization=int4 with adapted experts: INT4 experts are "
-                             "quantised before their adapters attach, which a model built on the meta device "
-                             "(merak3d) cannot do; set adapter.experts=false, another quantization (its experts "
-                             "stay float), or strategy=ddp")
         _check_int4_alignment(wrapped, option.group_size, deferred.skip)
+        for layer in experts:
+            check_int4_shape(layer.layer_name, layer.in_features, option.group_size)
     mark_adapter_inits(wrapped)
     setattr(wrapped, AFTER_MATERIALIZE, deferred)
     return wrapped
@@ -199,7 +203,7 @@ def _check_int4_alignment(model: nn.Module, group_size: int, skip: tuple[str, ..
     for name, linear in _base_linears(model, skip):
         check_int4_shape(name, linear.in_features, group_size)
     for layer in model.modules():
-        if isinstance(layer, PooledAdapterLayer) and layer.requires_group_alignment:
+        if isinstance(layer, (PooledAdapterLayer, PooledExpertsLayer)) and layer.requires_group_alignment:
             for lambda_in in layer.lambda_in.values():
                 if lambda_in % group_size:
                     raise ValueError(
