@@ -22,6 +22,7 @@ from torch import nn
 from lightning_merak.callbacks.profiler.lightning_profiler import model_shape
 from lightning_merak.parallel.context.model import attention_shape, check_context_parallel_model
 from lightning_merak.parallel.data.buckets import DEFAULT_BUCKET_MB, check_shardable_optimizer
+from lightning_merak.parallel.float8 import float8_layout_problem
 from lightning_merak.parallel.layout import Layout, default_micro_batches
 from lightning_merak.parallel.materialize import has_meta
 from lightning_merak.parallel.pipeline.meta_trace import materialized_copy
@@ -236,15 +237,14 @@ def replay_ranked(ranked: Any, paths: str, model: nn.Module, inputs: torch.Tenso
 
 def tensor_parallel_candidates(arguments: Merak3DArguments, config: Any, world_size: int, num_processes: int,
                                sequence: int) -> tuple[int, ...]:
-    """The tensor-parallel degrees the planner may choose: the one given; only 1 with fp8 layers (they train
-    unsplit: :func:`~lightning_merak.parallel.float8.float8_layout_problem`); else each degree up to the node's
-    processes dividing the world, the model's heads (and the ``sequence`` under sequence parallelism)."""
+    """The tensor-parallel degrees the planner may choose: the one given; else each degree up to the node's
+    processes dividing the world, the model's heads (and the ``sequence`` under sequence parallelism) that fp8
+    layers, when set, train at (:func:`~lightning_merak.parallel.float8.float8_layout_problem`)."""
     if arguments.tensor_parallel != "auto":
         return (arguments.tensor_parallel,)
-    if arguments.float8 is not None:
-        return (1,)
     return tuple(d for d in range(1, num_processes + 1) if world_size % d == 0 and divides_model(config, d)
-                 and not (arguments.sequence_parallel and sequence % d))
+                 and not (arguments.sequence_parallel and sequence % d)
+                 and (arguments.float8 is None or float8_layout_problem(arguments.float8, d) is None))
 
 
 def sharding_modes(arguments: Merak3DArguments, model: nn.Module, precision: Any,
