@@ -8,7 +8,14 @@ FSDP2 see ordinary parameters under unchanged names. Embeddings, the LM head, no
 
 Which layers: both dimensions a multiple of 16 (the fp8 GEMM needs it) and both at least
 :data:`MIN_FEATURES` — below that the casts and scale reductions cost more than the fp8 GEMM saves (torchao's
-roofline tables put the break-even near K = N = 1024 on H100-class GPUs). A device is checked before any work: a
+roofline tables put the break-even near K = N = 1024 on H100-class GPUs). A layer split over tensor-parallel ranks
+(``ColumnParallelLinear`` / ``RowParallelLinear``) is judged by the GEMM each rank runs, its shard's shape, and
+keeps its own collectives: only its local matmul becomes torchao's fp8 matmul (:class:`Float8Matmul`). Scales are
+then taken over what each rank multiplies — its shard of the weight, of a row layer's input and of a column
+layer's output gradient — so never coarser than the whole layer's: results stay close to one fp8 process, not
+bit-equal (as under data parallelism, where rowwise weight-gradient scales span only a rank's tokens). A split
+layer's weight gradient is formed in the fp8 backward, not deferred behind its group's input-gradient collective
+(``tp_overlap``'s weight-gradient overlap leaves such layers out). A device is checked before any work: a
 tiny fp8 GEMM (``torch._scaled_mm``) must run on it (CUDA: compute capability 8.9 or newer; CPU: torch's own
 kernel, correct but not faster — for tests), and ``mxfp8`` needs CUDA compute capability 10.0 (Blackwell).
 """
@@ -21,8 +28,11 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
-__all__ = ["FLOAT8_RECIPES", "MIN_FEATURES", "benefits_from_float8", "convert_blocks_to_float8",
+from lightning_merak.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["FLOAT8_RECIPES", "MIN_FEATURES", "Float8Matmul", "benefits_from_float8", "convert_blocks_to_float8",
            "float8_layout_problem", "float8_problem"]
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "mxfp8")
@@ -33,9 +43,12 @@ MIN_FEATURES = 1024
 def benefits_from_float8(layer: nn.Module, min_features: int = MIN_FEATURES) -> bool:
     """Whether ``layer`` is an ``nn.Linear`` whose fp8 GEMM runs (dimensions multiples of 16) and pays (both at
     least ``min_features``)."""
-    if not isinstance(layer, nn.Linear):
+    if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+        dims = layer.local_features()
+    elif isinstance(layer, nn.Linear):
+        dims = (layer.in_features, layer.out_features)
+    else:
         return False
-    dims = (layer.in_features, layer.out_features)
     return all(dim % 16 == 0 and dim >= min_features for dim in dims)
 
 
@@ -43,9 +56,9 @@ def float8_layout_problem(recipe: str, tensor_parallel: int) -> Optional[str]:
     """Why ``recipe`` cannot train at ``tensor_parallel``, whatever the device, or None."""
     if recipe not in FLOAT8_RECIPES:
         return f"float8={recipe!r} is not a recipe here; choose one of {', '.join(FLOAT8_RECIPES)} or null"
-    if tensor_parallel > 1:
-        return (f"float8={recipe!r} does not run at tensor_parallel={tensor_parallel} yet (the split layers run their "
-                "own matmuls); use tensor_parallel=1 or float8=null")
+    if recipe == "mxfp8" and tensor_parallel > 1:
+        return (f"float8='mxfp8' does not run at tensor_parallel={tensor_parallel} (torchao's MXFP8 training swaps "
+                "whole layers, which tensor parallelism has already split); use float8='rowwise' or tensor_parallel=1")
     return None
 
 
@@ -81,18 +94,45 @@ def convert_blocks_to_float8(blocks: Iterable[tuple[str, nn.Module]], recipe: st
 
     converted: list[str] = []
     for name, block in blocks:
-        chosen = [f"{name}.{layer_name}" for layer_name, layer in block.named_modules() if keep(layer, layer_name)]
-        if not chosen:
-            continue
-        if recipe == "mxfp8":
-            _convert_mxfp8(block, keep)
-        else:
-            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        chosen = [(layer_name, layer) for layer_name, layer in block.named_modules() if keep(layer, layer_name)]
+        split = [layer for _, layer in chosen if isinstance(layer, (ColumnParallelLinear, RowParallelLinear))]
+        if split and recipe == "mxfp8":
+            raise ValueError(float8_layout_problem(recipe, 2))
+        for layer in split:
+            layer.float8_matmul = Float8Matmul(recipe, *layer.local_features())
+        if len(split) < len(chosen):  # whole nn.Linear layers: torchao swaps them
+            if recipe == "mxfp8":
+                _convert_mxfp8(block, keep)
+            else:
+                from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-            convert_to_float8_training(block, config=Float8LinearConfig.from_recipe_name(recipe),
-                                       module_filter_fn=keep)
-        converted += chosen
+                convert_to_float8_training(block, config=Float8LinearConfig.from_recipe_name(recipe),
+                                           module_filter_fn=keep)
+        converted += [f"{name}.{layer_name}" for layer_name, _ in chosen]
     return converted
+
+
+class Float8Matmul:
+    """torchao's fp8 matmul of one shard shape, called with a tensor-parallel layer's local tensors.
+
+    It runs torchao's own float8 training layer (built on the meta device, never holding weights) on the tensors
+    given, so its casts, scales and fp8 backward are torchao's; the layer keeps its parameters and collectives.
+    """
+
+    def __init__(self, recipe: str, in_features: int, out_features: int) -> None:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        self.recipe = recipe
+        template = nn.Sequential(nn.Linear(in_features, out_features, bias=False, device="meta"))
+        convert_to_float8_training(template, config=Float8LinearConfig.from_recipe_name(recipe))
+        self._layer = template[0]
+
+    def __call__(self, tensor: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        output = functional_call(self._layer, {"weight": weight}, (tensor,))
+        return output + bias.to(output.dtype) if bias is not None else output
+
+    def __repr__(self) -> str:
+        return f"Float8Matmul({self.recipe})"
 
 
 def _convert_mxfp8(block: nn.Module, keep: object) -> None:

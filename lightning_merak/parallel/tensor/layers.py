@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -164,6 +164,10 @@ class _SumSharedRows(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+LocalMatmul = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+"""``(input, local weight, local bias) -> output``: a split layer's local GEMM other than ``F.linear`` (fp8)."""
+
+
 def sharded_parameter(parameter: nn.Parameter, mesh: DeviceMesh, placement: Any) -> nn.Parameter:
     """``parameter`` as a DTensor over ``mesh``; a frozen one stays frozen."""
     return nn.Parameter(distribute_tensor(parameter.detach(), mesh, [placement]),
@@ -198,6 +202,11 @@ class ColumnParallelLinear(nn.Module):
         self._index = group_input.add_layer(self) if group_input is not None else -1
         # other split parameters laid out by this layer's output rows (a LoRA ``B``): shared rows counted once
         self.rows_alike: tuple[nn.Parameter, ...] = ()
+        self.float8_matmul: Optional[LocalMatmul] = None
+
+    def local_features(self) -> tuple[int, int]:
+        """``(in, out)`` features of the GEMM this rank runs: its shard of the output rows."""
+        return self.in_features, self.weight.to_local().shape[0]
 
     def local(self, parameter: Optional[nn.Parameter]) -> Optional[torch.Tensor]:
         """This rank's shard of ``parameter``, whose shared rows get their gradient summed over the group."""
@@ -210,6 +219,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
         bias = self.local(self.bias)
+        if self.float8_matmul is not None:  # its weight gradient comes from the fp8 backward, never deferred
+            entered = tensor if self.group_input is None else self.group_input.enter(tensor)[0]
+            return self.float8_matmul(entered, self.local(self.weight), bias)
         if self.group_input is None:
             return linear_on_gathered(tensor, self.local(self.weight), bias, layer=self)
         entered, deferred = self.group_input.enter(tensor)
@@ -272,12 +284,19 @@ class RowParallelLinear(nn.Module):
         self.group = mesh.get_group()
         self.partner_input = partner_input
         self.sequence_parallel = sequence_parallel
+        self.float8_matmul: Optional[LocalMatmul] = None
+
+    def local_features(self) -> tuple[int, int]:
+        """``(in, out)`` features of the GEMM this rank runs: its shard of the input features."""
+        return self.weight.to_local().shape[1], self.out_features
 
     def forward(self, tensor: torch.Tensor, addend: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``addend``: another partial output summed with this one (a LoRA path on this rank's input features)."""
         if self.partner_input is not None:
             self.partner_input.release()
-        partial = F.linear(tensor, self.weight.to_local())
+        weight = self.weight.to_local()
+        partial = (F.linear(tensor, weight) if self.float8_matmul is None
+                   else self.float8_matmul(tensor, weight, None))
         if addend is not None:
             partial = partial + addend
         bias = self.bias.to_local() if self.bias is not None else None

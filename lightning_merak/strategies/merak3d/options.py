@@ -79,9 +79,10 @@ class Merak3DOptions:
     float8: Optional[str] = option(
         None, "Train the blocks' linear layers in fp8 with torchao: `rowwise`, `tensorwise` or `mxfp8` (`null`: "
         "off). Master weights, gradients and optimizer state keep the run's precision; layers narrower than 1024 or "
-        "not multiples of 16 stay as they are (`lightning_merak.parallel.float8`). Refused, before training, on a "
-        "device without fp8 GEMMs (`mxfp8`: CUDA compute capability 10.0) and, for now, at tensor_parallel > 1. "
-        "Pair it with `compile`, which fuses the casts.")
+        "not multiples of 16 (at tensor_parallel > 1: each rank's shard) stay as they are "
+        "(`lightning_merak.parallel.float8`). Refused, before training, on a device without fp8 GEMMs (`mxfp8`: CUDA "
+        "compute capability 10.0), and `mxfp8` at tensor_parallel > 1. Pair it with `compile`, which fuses the "
+        "casts.")
     partition: str = option(
         "autopipe", "How blocks are cut into pipeline stages: `autopipe`, `min_max`, `parameters` or `uniform`. "
         "`autopipe` refines the min–max split by simulating the schedule; `uniform` puts equal blocks on every "
