@@ -28,7 +28,6 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from lightning_merak.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -113,22 +112,32 @@ def convert_blocks_to_float8(blocks: Iterable[tuple[str, nn.Module]], recipe: st
 
 
 class Float8Matmul:
-    """torchao's fp8 matmul of one shard shape, called with a tensor-parallel layer's local tensors.
+    """torchao's fp8 matmul, called with a tensor-parallel layer's local tensors.
 
-    It runs torchao's own float8 training layer (built on the meta device, never holding weights) on the tensors
-    given, so its casts, scales and fp8 backward are torchao's; the layer keeps its parameters and collectives.
+    It runs the autograd function torchao's float8 training layer runs, with that layer's configuration (taken from
+    a layer built on the meta device for the shard's shape), so casts, scales and the fp8 backward are torchao's;
+    nothing is swapped on a shared module, so sub-batch threads may call it at once. The function is internal to
+    torchao (tested with 0.18) and looked up when made, refused with the version otherwise.
     """
 
     def __init__(self, recipe: str, in_features: int, out_features: int) -> None:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        self.recipe = recipe
+        try:
+            from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+        except ImportError as error:
+            raise ValueError(f"float8={recipe!r} at tensor_parallel>1 needs torchao's float8 matmul (tested with "
+                             f"torchao 0.18): {error}; use tensor_parallel=1 or torchao 0.18") from error
         template = nn.Sequential(nn.Linear(in_features, out_features, bias=False, device="meta"))
-        convert_to_float8_training(template, config=Float8LinearConfig.from_recipe_name(recipe))
-        self._layer = template[0]
+        layer = convert_to_float8_training(template, config=Float8LinearConfig.from_recipe_name(recipe))[0]
+        self.recipe, self._function = recipe, matmul_with_hp_or_float8_args
+        self._mm_config, self._config = layer.linear_mm_config, layer.config
 
     def __call__(self, tensor: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        output = functional_call(self._layer, {"weight": weight}, (tensor,))
+        device = tensor.device.type
+        if torch.is_autocast_enabled(device):  # as torchao's layer: compute in the autocast dtype
+            tensor = tensor.to(torch.get_autocast_dtype(device))
+        output = self._function.apply(tensor, weight.t(), self._mm_config, self._config)
         return output + bias.to(output.dtype) if bias is not None else output
 
     def __repr__(self) -> str:
