@@ -27,6 +27,7 @@ from tests.test_merak3d import MODELS, VOCAB
 
 LAYOUTS = {
     "tp2": (2, {"data_parallel": 1, "pipeline_parallel": 1, "tensor_parallel": 2}),
+    "tp2sp": (2, {"data_parallel": 1, "pipeline_parallel": 1, "tensor_parallel": 2, "sequence_parallel": True}),
     "pp2xtp2": (4, {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 2, "partition": "uniform"}),
 }
 
@@ -43,7 +44,7 @@ def _tp_rank(*args, **kwargs) -> tuple:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout_name", ["tp2", "pp2xtp2"])
+@pytest.mark.parametrize("layout_name", ["tp2", "tp2sp", "pp2xtp2"])
 def test_lora_split_by_tensor_parallelism_holds_its_share_and_trains_like_the_whole_model(layout_name, tmp_path):
     """q/v (column layers, GQA) and down (row layer) adapted; the tp checkpoint exports merged."""
     world_size, layout = LAYOUTS[layout_name]
@@ -135,21 +136,18 @@ def _on_meta(option) -> torch.nn.Module:
 
 
 def test_what_tensor_parallelism_does_not_split_is_refused_naming_the_fix():
-    """Quantised bases, pooled adapters, sequence parallelism and adapters outside the blocks: before any work."""
+    """Quantised bases, pooled adapters and adapters outside the blocks: before any work."""
     lora = _on_meta(OPTIONS["lora-fp32"]())
-    check_adapter_split(lora, 2, sequence_parallel=False)
-    with pytest.raises(ValueError, match="sequence_parallel=False"):
-        check_adapter_split(lora, 2, sequence_parallel=True)
+    check_adapter_split(lora, 2)
     for name in ("qbara-nf4", "qahira-int4", "lora-int8"):
         with pytest.raises(ValueError, match="use quantization=none"):
-            check_adapter_split(_on_meta(OPTIONS[name]()), 2, sequence_parallel=False)
+            check_adapter_split(_on_meta(OPTIONS[name]()), 2)
     qbara = OPTIONS["qbara-nf4"]()
     qbara.quantization = Quantization.none
     with pytest.raises(ValueError, match="Q-BaRA, QA-HiRA .* not split .* use tensor_parallel=1"):
-        check_adapter_split(_on_meta(qbara), 2, sequence_parallel=False)
+        check_adapter_split(_on_meta(qbara), 2)
     head = _on_meta(LoRAAdapterConfig(r=4, quantization=Quantization.none, target_modules=["q_proj", "lm_head"]))
     with pytest.raises(ValueError, match="outside the transformer blocks"):
-        check_adapter_split(head, 2, sequence_parallel=False)
-    with pytest.raises(ValueError, match="sequence_parallel=False"):
-        Merak3DArguments(tensor_parallel=2, sequence_parallel=True).check_model(lora, 1, 2)
+        check_adapter_split(head, 2)
+    Merak3DArguments(tensor_parallel=2, sequence_parallel=True).check_model(lora, 1, 2)
     Merak3DArguments(tensor_parallel=2).check_model(lora, 1, 2)

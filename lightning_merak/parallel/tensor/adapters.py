@@ -26,9 +26,13 @@ shared stream and the rank: the slices are independent, as those of one full mas
 after the span has closed, where a plain ``nn.Dropout`` would repeat one pattern on every rank's slice).
 The model trained at ``tensor_parallel>1`` is thus the single-process model under some dropout masks.
 
+With sequence parallelism a column layer receives the whole sequence gathered, and ``A`` reads it there: its
+input gradient joins the base's in the gather's reduce-scatter. A row layer's partial ``B·A_r·x_r`` joins the
+base's partial output before its reduce-scatter, as it joins the all-reduce without it.
+
 What is not split here is refused by :func:`check_adapter_split` before any work: pooled adapters
 (Q-BaRA, QA-HiRA), quantised bases, DoRA and other LoRA variants, ``lora_bias``, several adapters on
-one layer, adapters outside the transformer blocks, and sequence parallelism.
+one layer, and adapters outside the transformer blocks.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from lightning_merak.parallel.tensor.layers import (
 from lightning_merak.util.random_state import spread_seed
 
 __all__ = ["ColumnParallelLoRA", "RowParallelLoRA", "adapter_partial_parameters", "check_adapter_split",
-           "is_tuner_layer", "linear_features", "row_following_parameters", "split_linear"]
+           "is_tuner_layer", "linear_features", "row_following_parameters", "split_base", "split_linear"]
 
 _FIX = "use tensor_parallel=1 (pipeline_parallel / data_parallel split adapter models)"
 
@@ -91,7 +95,7 @@ def _split_problem(layer: nn.Module) -> Optional[str]:
     return None
 
 
-def check_adapter_split(model: nn.Module, tensor_parallel: int, sequence_parallel: bool) -> None:
+def check_adapter_split(model: nn.Module, tensor_parallel: int) -> None:
     """Refuse, before any work, an adapter model that tensor parallelism cannot split at ``tensor_parallel``.
 
     A tuner layer outside the transformer blocks is refused: the embedding and head may be split over
@@ -103,9 +107,6 @@ def check_adapter_split(model: nn.Module, tensor_parallel: int, sequence_paralle
         trunk_path: Optional[str] = find_trunk(model)[0]
     except TraceError:
         trunk_path = None
-    if sequence_parallel:
-        raise ValueError(f"tensor_parallel={tensor_parallel}: adapters are not split along the sequence; "
-                         "use sequence_parallel=False")
     quantization = getattr(getattr(model, "after_materialize", None), "quantization", "none")
     if quantization != "none":
         raise ValueError(f"tensor_parallel={tensor_parallel}: adapters on a {quantization} base are not split yet "
@@ -179,7 +180,8 @@ class _LoRAParts(nn.Module):
 
 class ColumnParallelLoRA(_LoRAParts):
     """A LoRA layer over a column layer: the base's rows split, ``A`` whole (gradient summed), ``B`` by the rows;
-    its dropout mask is one for the group (module docstring)."""
+    its dropout mask is one for the group (module docstring). Without ``group_input`` (sequence parallelism) the
+    input arrives gathered."""
 
     _numbering = itertools.count()
     """Numbers the layers in the order they are split, which every rank of a group follows."""
@@ -188,8 +190,6 @@ class ColumnParallelLoRA(_LoRAParts):
                  rows: Optional[Sequence[Sequence[int]]] = None) -> None:
         super().__init__(layer)
         self.mask_index = next(self._numbering)
-        if group_input is None:
-            raise ValueError(f"a LoRA column layer needs its group's input; {_FIX} or sequence_parallel=False")
         self.base_layer = ColumnParallelLinear(layer.get_base_layer(), mesh, group_input, rows)
         b = self.b.weight
         if rows is not None:
@@ -210,7 +210,8 @@ class ColumnParallelLoRA(_LoRAParts):
 
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
         result = self.base_layer(tensor)
-        entered, _ = self.base_layer.group_input.enter(tensor)  # the entry the base took (the group's one)
+        group_input = self.base_layer.group_input
+        entered = tensor if group_input is None else group_input.enter(tensor)[0]  # the entry the base took
         return result + self.adapter_path(entered, self.a.weight.to_local(), self.base_layer.local(self.b.weight))
 
     def partial_parameters(self) -> list[nn.Parameter]:
@@ -219,14 +220,12 @@ class ColumnParallelLoRA(_LoRAParts):
 
 class RowParallelLoRA(_LoRAParts):
     """A LoRA layer over a row layer: ``A`` split by input features, ``B`` whole (gradient summed); its partial
-    output joins the base's before the one all-reduce."""
+    output joins the base's before the one all-reduce (reduce-scatter with sequence parallelism)."""
 
     def __init__(self, layer: nn.Module, mesh: DeviceMesh, partner_input: Optional[ColumnGroupInput] = None,
                  sequence_parallel: bool = False) -> None:
         super().__init__(layer)
-        if sequence_parallel:
-            raise ValueError("adapters are not split along the sequence; use sequence_parallel=False")
-        self.base_layer = RowParallelLinear(layer.get_base_layer(), mesh, partner_input)
+        self.base_layer = RowParallelLinear(layer.get_base_layer(), mesh, partner_input, sequence_parallel)
         self.rank = mesh.get_local_rank()
         self.a.weight = sharded_parameter(self.a.weight, mesh, Shard(1))
         self.b.weight = sharded_parameter(self.b.weight, mesh, Replicate())
@@ -260,6 +259,12 @@ def split_linear(layer: nn.Module, mesh: DeviceMesh, *, column: bool, group_inpu
     if is_tuner_layer(layer):
         return RowParallelLoRA(layer, mesh, group_input, sequence_parallel)
     return RowParallelLinear(layer, mesh, group_input, sequence_parallel=sequence_parallel)
+
+
+def split_base(layer: nn.Module) -> nn.Module:
+    """The split layer computing ``layer``'s base: a split LoRA layer's base layer, else ``layer`` itself (a sequence
+    gather defers the weight gradients of these)."""
+    return layer.base_layer if isinstance(layer, (ColumnParallelLoRA, RowParallelLoRA)) else layer
 
 
 def linear_features(module: nn.Module) -> Optional[tuple[int, int]]:

@@ -50,6 +50,7 @@ from lightning_merak.parallel.tensor.adapters import (
     is_tuner_layer,
     linear_features,
     row_following_parameters,
+    split_base,
     split_linear,
 )
 from lightning_merak.parallel.tensor.layers import (
@@ -515,8 +516,8 @@ def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: Devi
         _slice_head_arguments(block, plan.head_arguments, plan.heads, mesh.get_local_rank(), tensor_parallel,
                               mesh.get_group())
     if sequence_parallel is not None:
-        column_layers = ([[block.get_submodule(name) for name in members] for members in plan.column_groups]
-                         if overlap_weight_gradients else None)
+        column_layers = ([[split_base(block.get_submodule(name)) for name in members]
+                          for members in plan.column_groups] if overlap_weight_gradients else None)
         install_sequence_gathers(block, sequence_parallel, group, column_layers)
     if plan.draws_random:
         _install_rank_streams(block, plan.column_groups, plan.row, mesh.get_local_rank(),

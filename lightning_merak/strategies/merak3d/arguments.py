@@ -380,7 +380,7 @@ class Merak3DArguments(Merak3DOptions):
             if self.vocab_parallel and tensor_parallel > 1 and isinstance(vocab_size, int):
                 check_vocabulary_split(vocab_size, tensor_parallel)
             # LoRA on float bases splits with its layers; what does not (quantised bases, pooled adapters) is refused
-            check_adapter_split(model, tensor_parallel, self.sequence_parallel)
+            check_adapter_split(model, tensor_parallel)
         if self.sequence_parallel and tensor_parallel is not None and tensor_parallel > 1 and moe_layers(model):
             raise ValueError("sequence_parallel does not support MoE layers; use sequence_parallel=False")
         if self.data_parallel_sharding == "full":
