@@ -33,6 +33,8 @@ OPTIONS = {
     "qahira-int4": lambda: QAHiRAAdapterConfig(r=2, quantization=Quantization.int4, group_size=16, lambda_in=16,
                                                target_modules=list(TARGETS)),
     "lora-int8": lambda: LoRAAdapterConfig(r=4, quantization=Quantization.int8, target_modules=list(TARGETS)),
+    "lora-head-fp32": lambda: LoRAAdapterConfig(r=4, quantization=Quantization.none,
+                                                target_modules=[*TARGETS, "lm_head", "embed_tokens"]),
 }
 
 

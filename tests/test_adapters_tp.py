@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_merak.adapters.meta import attach_on_meta
-from lightning_merak.cli.options.adapter import LoRAAdapterConfig, Quantization
+from lightning_merak.cli.options.adapter import Quantization
 from lightning_merak.distributed.dtensors import local_tensor
 from lightning_merak.modules.causal_lm import build_causal_lm
 from lightning_merak.parallel.materialize import copy_full_tensors
@@ -44,19 +44,22 @@ def _tp_rank(*args, **kwargs) -> tuple:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout_name", ["tp2", "tp2sp", "pp2xtp2"])
-def test_lora_split_by_tensor_parallelism_holds_its_share_and_trains_like_the_whole_model(layout_name, tmp_path):
-    """q/v (column layers, GQA) and down (row layer) adapted; the tp checkpoint exports merged."""
+@pytest.mark.parametrize(("layout_name", "option_name"),
+                         [("tp2", "lora-fp32"), ("tp2sp", "lora-head-fp32"), ("pp2xtp2", "lora-fp32")])
+def test_lora_split_by_tensor_parallelism_holds_its_share_and_trains_like_the_whole_model(layout_name, option_name,
+                                                                                          tmp_path):
+    """q/v (column layers, GQA) and down (row layer) adapted, with sequence parallelism also the LM head and the
+    input embedding (whole on every rank); the tp checkpoint exports merged."""
     world_size, layout = LAYOUTS[layout_name]
     checkpoint = str(tmp_path / "tp.ckpt")
-    results = run_distributed(_tp_rank, world_size, args=("lora-fp32", layout), kwargs={"save_to": checkpoint},
+    results = run_distributed(_tp_rank, world_size, args=(option_name, layout), kwargs={"save_to": checkpoint},
                               timeout_s=300)
     for rank, (_, (on_meta, peak, share, block, outside, quantised)) in enumerate(results):
         assert on_meta, "configure_model did not build on the meta device"
         assert peak <= share + block + outside, f"rank {rank} held {peak} bytes, its share is {share}"
         assert share < 0.75 * (4 * block + outside), f"rank {rank} kept more than its shard"
         assert not quantised
-    reference, trained = _reference("lora-fp32")
+    reference, trained = _reference(option_name)
     # the first step's gradients agree to 1e-6; Adam's steps then amplify summation-order differences of ~1e-7
     # in small gradients (tp2 measured: losses 1e-7, later adapter gradients up to 4e-5 of the largest entry)
     assert_traces_match(reference, merge_rank_traces([trace for trace, _ in results]), loss_rtol=1e-5,
@@ -136,7 +139,7 @@ def _on_meta(option) -> torch.nn.Module:
 
 
 def test_what_tensor_parallelism_does_not_split_is_refused_naming_the_fix():
-    """Quantised bases, pooled adapters and adapters outside the blocks: before any work."""
+    """Quantised bases and pooled adapters: before any work."""
     lora = _on_meta(OPTIONS["lora-fp32"]())
     check_adapter_split(lora, 2)
     for name in ("qbara-nf4", "qahira-int4", "lora-int8"):
@@ -146,8 +149,6 @@ def test_what_tensor_parallelism_does_not_split_is_refused_naming_the_fix():
     qbara.quantization = Quantization.none
     with pytest.raises(ValueError, match="Q-BaRA, QA-HiRA .* not split .* use tensor_parallel=1"):
         check_adapter_split(_on_meta(qbara), 2)
-    head = _on_meta(LoRAAdapterConfig(r=4, quantization=Quantization.none, target_modules=["q_proj", "lm_head"]))
-    with pytest.raises(ValueError, match="outside the transformer blocks"):
-        check_adapter_split(head, 2)
+    check_adapter_split(_on_meta(OPTIONS["lora-head-fp32"]()), 2)  # the head's and embedding's stay whole
     Merak3DArguments(tensor_parallel=2, sequence_parallel=True).check_model(lora, 1, 2)
     Merak3DArguments(tensor_parallel=2).check_model(lora, 1, 2)

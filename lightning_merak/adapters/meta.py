@@ -70,6 +70,9 @@ def _lora_inits(layer: nn.Module, config: Any) -> dict[str, Any]:
         inits[f"lora_A.{adapter}"] = (kaiming_init if init is True
                                       else functools.partial(normal_init, std=1 / layer.r[adapter]))
         inits[f"lora_B.{adapter}"] = zero_init
+    if len(getattr(layer, "lora_embedding_A", ())):  # an embedding's factors: A zero, B normal, for either init
+        inits["lora_embedding_A"] = zero_init
+        inits["lora_embedding_B"] = functools.partial(normal_init, std=1.0)
     return inits
 
 

@@ -140,8 +140,11 @@ def _merged_weight(layer_name: str, base: dict[str, torch.Tensor], adapter: dict
     if not weight.is_floating_point():
         raise ValueError(f"--merge-adapters: the base of {layer_name} is stored quantized ({weight.dtype}); "
                          "train the adapter on an unquantized base (adapter.quantization=none) to export it merged")
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in base, dtype=weight.dtype)
-    skeleton = _skeleton(layer_name, linear)
+    if any(key.startswith("lora_embedding_") for key in adapter):  # LoRA on an input embedding
+        layer_module: nn.Module = nn.Embedding(weight.shape[0], weight.shape[1], dtype=weight.dtype)
+    else:
+        layer_module = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in base, dtype=weight.dtype)
+    skeleton = _skeleton(layer_name, layer_module)
     _inject(skeleton, adapters)
     layer = skeleton.get_submodule(layer_name)
     layer.load_state_dict({**{f"base_layer.{key}": value for key, value in base.items()}, **adapter})

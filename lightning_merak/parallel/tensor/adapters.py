@@ -30,9 +30,14 @@ With sequence parallelism a column layer receives the whole sequence gathered, a
 input gradient joins the base's in the gather's reduce-scatter. A row layer's partial ``B·A_r·x_r`` joins the
 base's partial output before its reduce-scatter, as it joins the all-reduce without it.
 
+Adapters outside the transformer blocks (on the LM head or the input embedding) are not split: the layer they
+wrap stays whole on every tensor-parallel rank, as everything outside the blocks is, and vocabulary parallelism
+leaves such a head or embedding (and its tied partner) whole. Each rank computes the same update from the same
+whole hidden states, so no collective is added.
+
 What is not split here is refused by :func:`check_adapter_split` before any work: pooled adapters
-(Q-BaRA, QA-HiRA), quantised bases, DoRA and other LoRA variants, ``lora_bias``, several adapters on
-one layer, and adapters outside the transformer blocks.
+(Q-BaRA, QA-HiRA), quantised bases, DoRA and other LoRA variants, ``lora_bias`` and several adapters on
+one layer, inside the blocks.
 """
 
 from __future__ import annotations
@@ -98,8 +103,8 @@ def _split_problem(layer: nn.Module) -> Optional[str]:
 def check_adapter_split(model: nn.Module, tensor_parallel: int) -> None:
     """Refuse, before any work, an adapter model that tensor parallelism cannot split at ``tensor_parallel``.
 
-    A tuner layer outside the transformer blocks is refused: the embedding and head may be split over
-    the vocabulary, which no adapter follows.
+    Tuner layers outside the transformer blocks are left whole on every rank (module docstring), so only those
+    inside are checked.
     """
     if tensor_parallel <= 1 or not getattr(model, "peft_config", None):
         return
@@ -120,8 +125,7 @@ def check_adapter_split(model: nn.Module, tensor_parallel: int) -> None:
         if not is_tuner_layer(module) or id(module) in on_experts:
             continue
         if trunk_path is not None and not name.startswith(trunk_path + "."):
-            raise ValueError(f"tensor_parallel={tensor_parallel}: adapter on {name}, outside the transformer blocks, "
-                             "is not split; target only layers inside the blocks, or " + _FIX)
+            continue  # whole on every rank
         problem = _split_problem(module)
         if problem is not None:
             raise ValueError(f"tensor_parallel={tensor_parallel}: the adapter on {name} cannot be split: {problem}; "

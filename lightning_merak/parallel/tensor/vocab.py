@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_merak.distributed.collectives import all_gather_in_turn, all_reduce_in_turn, reduce_scatter_in_turn
 from lightning_merak.parallel.pipeline.stage import RemovedModule
+from lightning_merak.parallel.tensor.adapters import is_tuner_layer
 from lightning_merak.parallel.tensor.sequence import SEQUENCE_DIM
 
 __all__ = ["LocalRows", "VocabParallelEmbedding", "VocabParallelLMHead", "check_vocabulary_split",
@@ -292,7 +293,8 @@ def vocabulary_modules(model: nn.Module) -> tuple[Optional[str], Optional[str], 
     if weights[0] is not None and weights[0] is weights[1] and not all(splits.values()):
         splits = {key: False for key in splits}  # a tied pair splits together or not at all
     paths = {key: _path_of(model, module) if splits[key] else None for key, module in found.items()}
-    whole = [type(module).__name__ for key, module in found.items()
+    whole = [type(module).__name__ + (" with a PEFT adapter" if is_tuner_layer(module) else "")
+             for key, module in found.items()
              if module is not None and not splits[key] and not isinstance(module, RemovedModule)]
     return paths["embedding"], paths["head"], whole
 
