@@ -221,7 +221,8 @@ def _saved_activation_bytes(module: CausalLMModule, workload: Workload, micro_ba
     if stage.is_first:
         inputs: tuple[torch.Tensor, ...] = (ids,)
     else:
-        inputs = (stage.trace.sample_hidden.clone().requires_grad_(True), *stage.trace.sample_side_tensors)
+        inputs = (stage.trace.sample_hidden.clone().requires_grad_(True), *stage.trace.sample_side_tensors,
+                  *(stage.trace.sample_skips[index] for index in stage.skips_in))
 
     def forward_and_loss() -> None:
         output = stage(*inputs)

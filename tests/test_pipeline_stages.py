@@ -179,9 +179,19 @@ class _LongSkips(nn.Module):
         return self.head(x)
 
 
-def test_skip_connections_across_blocks_are_refused():
-    with pytest.raises(TraceError, match="block 2 of blocks receives another block's output"):
-        trace_model(_LongSkips(), torch.randint(10, (1, 4)), profile=False)
+def test_skip_connections_across_blocks_are_carried():
+    """Block 2 reads block 0's output, block 1 the embedding output (a side tensor): chained stages with a cut
+    between blocks 0 and 2 carry the skip value and reproduce the logits."""
+    model = _LongSkips().eval()
+    inputs = torch.randint(10, (1, 4))
+    with torch.no_grad():
+        trace = trace_model(model, inputs, profile=False)
+        assert [(skip.producer, skip.consumers) for skip in trace.skips] == [(0, (2,))]
+        outputs: tuple = (inputs,)
+        for index in range(2):
+            result = build_stage_module(copy.deepcopy(model), trace, (0, 2), index, lambda m, x: m(x))(*outputs)
+            outputs = result if isinstance(result, tuple) else (result,)
+        torch.testing.assert_close(outputs[0], model(inputs), rtol=0, atol=1e-6)
 
 
 class _DerivedSkips(_LongSkips):

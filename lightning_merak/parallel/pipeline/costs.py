@@ -24,6 +24,8 @@ class BlockCost:
     backward_s: float
     param_bytes: int
     output_bytes: int
+    """Bytes a stage boundary right after this node sends per micro-batch (and their gradients back): the
+    hidden state, the side tensors and the skip values crossing it."""
     saved_bytes: int
     is_embedding: bool = False
     consumes: tuple[int, ...] = ()
@@ -50,6 +52,8 @@ class Partition:
     method: str
     stage_recompute_s: tuple[float, ...] | None = None
     stage_memory_bytes: tuple[int, ...] | None = None
+    boundary_bytes: tuple[int, ...] | None = None
+    """Bytes each stage boundary sends per micro-batch (one fewer than the stages), each way."""
 
     def __post_init__(self) -> None:
         if not self.boundaries or self.boundaries[0] != 0:
@@ -60,6 +64,8 @@ class Partition:
         per_stage += [values for values in (self.stage_recompute_s, self.stage_memory_bytes) if values is not None]
         if any(len(values) != self.num_stages for values in per_stage):
             raise ValueError(f"every per-stage field needs {self.num_stages} entries, one per boundary")
+        if self.boundary_bytes is not None and len(self.boundary_bytes) != self.num_stages - 1:
+            raise ValueError(f"boundary_bytes needs {self.num_stages - 1} entries, one per cut between stages")
 
     @property
     def num_stages(self) -> int:
@@ -77,6 +83,11 @@ class Partition:
             raise ValueError(f"stage must be in [0, {self.num_stages}), got {stage}")
         end = self.boundaries[stage + 1] if stage + 1 < self.num_stages else num_blocks
         return range(self.boundaries[stage], end)
+
+
+def boundary_bytes(blocks: Sequence[BlockCost], boundaries: Sequence[int]) -> tuple[int, ...]:
+    """Bytes each cut of ``boundaries`` sends per micro-batch: the ``output_bytes`` of the node in front of it."""
+    return tuple(blocks[start - 1].output_bytes for start in boundaries[1:])
 
 
 def build_partition(
@@ -98,4 +109,5 @@ def build_partition(
         method=method,
         stage_recompute_s=None if stage_recompute_s is None else tuple(stage_recompute_s),
         stage_memory_bytes=None if stage_memory_bytes is None else tuple(stage_memory_bytes),
+        boundary_bytes=boundary_bytes(blocks, boundaries),
     )

@@ -6,9 +6,10 @@ can. One recorded forward therefore runs on a copy of the model whose prefix mod
 materialised the moment they are called on real tensors, while every block receives its inputs
 moved to the meta device: the side tensors and the hidden state entering the first block are
 real (the samples the planner, the tensor-parallel check and the pipeline need), everything after
-is shapes only. A pipeline needs each block to read the previous block's output and values
-computed before the blocks: on meta that is checked by identity (a side tensor left on the meta
-device, or a block input that is not the previous block's output, was derived from a block).
+is shapes only. A pipeline needs each block to read the previous block's output, values
+computed before the blocks and earlier blocks' outputs as they returned them (skip values): on meta
+that is checked by identity (a side tensor left on the meta device, or a block input that is not the
+previous block's output, was derived from a block outside the blocks).
 
 An embedding table (an ``nn.Embedding`` or a subclass, e.g. Gemma's scaled one) is never
 materialised whole: its lookups on real ids are answered by a stand-in of the same class holding only
@@ -47,6 +48,7 @@ from lightning_merak.parallel.pipeline.recording import (
     prefix_output,
     record_forward,
     saved_bytes,
+    tensor_bytes,
 )
 from lightning_merak.util.module_mode import hooks_removed_after
 from lightning_merak.util.timing import mean_call_time
@@ -263,8 +265,9 @@ def trace_meta_model(model: nn.Module, sample_inputs: torch.Tensor,
         # a value computed before the blocks (real) met a block's output (meta) outside any block
         raise TraceError(
             f"the model combines the output of a block of {trunk_path} with values computed before the blocks, "
-            "outside its blocks (a skip connection across blocks?); merak3d carries only the hidden state and "
-            f"values computed before the blocks ({str(error).splitlines()[0]})") from error
+            "outside its blocks (a skip connection mixed in the model's forward?); merak3d carries block outputs "
+            "as they are, so compute the mix inside the block that reads it "
+            f"({str(error).splitlines()[0]})") from error
     block_calls = recording["blocks"]
     if len(block_calls) != len(trunk):
         raise TraceError(f"{trunk_path} holds {len(trunk)} blocks but {len(block_calls)} ran in one forward pass; "
@@ -272,7 +275,7 @@ def trace_meta_model(model: nn.Module, sample_inputs: torch.Tensor,
     hidden_in = block_calls[0][0][0] if block_calls[0][0] else None
     if not isinstance(hidden_in, torch.Tensor) or hidden_in.is_meta:
         raise TraceError(f"blocks of {trunk_path} must take the hidden state as their first positional argument")
-    signatures, side = block_signatures(trunk_path, block_calls)
+    signatures, side, skips, skip_samples = block_signatures(trunk_path, block_calls)
     output_index = _output_index(block_calls, trunk_path)
     _check_chain(block_calls, output_index, side, trunk_path)
     last_output = block_calls[-1][2]
@@ -289,12 +292,23 @@ def trace_meta_model(model: nn.Module, sample_inputs: torch.Tensor,
         block_output_template=None if output_index is None else tuple(
             None if isinstance(item, torch.Tensor) else item for item in first_output),
         logits_shape=tuple(recording["logits"].shape),
+        skips=tuple(skips),
+        sample_skips=tuple(_real_sample(tensor, hidden_in.device) for tensor in skip_samples),
     )
     if profile:
         prefix = _profile_prefix(model, work, trace, call_model, sample_inputs, profile_repeats, table_rows)
         del work, trunk, recording, block_calls, table_rows, tables  # the prefix goes before a block is
         trace.costs = [prefix, *_profile_rest(model, trace, profile_repeats, materialize_with, fast_blocks)]
     return trace
+
+
+def _real_sample(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Random values of a meta ``tensor``'s shape and dtype on ``device`` (a skip value the blocks made on meta)."""
+    if not tensor.is_meta:
+        return tensor.detach()
+    if tensor.dtype.is_floating_point:
+        return torch.randn(tensor.shape, dtype=tensor.dtype, device=device)
+    return torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)
 
 
 def _output_index(block_calls: list[tuple], trunk_path: str) -> int | None:
@@ -318,14 +332,15 @@ def _check_chain(block_calls: list[tuple], output_index: int | None, side: list[
         derived = derived or block_calls[index][0][0] is not hidden
     if derived:
         raise TraceError(
-            f"the blocks of {trunk_path} called one by one with the values the model computed before them do "
-            "not reproduce its logits: a block reads something derived from another block's output (a skip "
-            "connection across blocks?); merak3d carries only the hidden state and values computed before the blocks"
+            f"the blocks of {trunk_path} called one by one with the values the model computed before them and "
+            "the earlier blocks' outputs they read do not reproduce its logits: a block reads something the model "
+            "derived from another block's output outside the blocks (a skip connection mixed in the model's forward?); "
+            "merak3d carries block outputs as they are, so compute the mix inside the block that reads it"
         )
 
 
 def _output_bytes(trace: ModelTrace) -> int:
-    return sum(t.numel() * t.element_size() for t in (trace.sample_hidden, *trace.sample_side_tensors))
+    return tensor_bytes((trace.sample_hidden, trace.sample_side_tensors))
 
 
 def _profile_prefix(model: nn.Module, work: nn.Module, trace: ModelTrace, call_model: Callable,
@@ -372,7 +387,6 @@ def _profile_rest(model: nn.Module, trace: ModelTrace, repeats: int,
     """Costs of the blocks and the head, each materialised on its own."""
     trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
     hidden, side = trace.sample_hidden, trace.sample_side_tensors
-    output_bytes = _output_bytes(trace)
     seen = {id(p) for p in trace.outside_parameters(model)[0]}
     costs = []
     figures: dict[Any, tuple[float, float, int]] = {}
@@ -391,8 +405,8 @@ def _profile_rest(model: nn.Module, trace: ModelTrace, repeats: int,
                     block_output = trace.hidden_of(real(hidden, *args, **kwargs))
             del real
         fwd, bwd, saved = figures[kind]
-        costs.append(BlockCost(f"{trace.trunk_path}.{index}", fwd, bwd, param_bytes([block], seen), output_bytes,
-                               saved))
+        costs.append(BlockCost(f"{trace.trunk_path}.{index}", fwd, bwd, param_bytes([block], seen),
+                               trace.boundary_bytes(index + 1), saved))
     fwd, bwd, saved = _profile_head(model, trace, block_output, repeats, materialize_with)
     costs.append(BlockCost("suffix", fwd, bwd, param_bytes([model.get_submodule(p) for p in trace.suffix_paths], seen),
                            block_output.numel() * block_output.element_size(), saved))

@@ -14,7 +14,13 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 
-from lightning_merak.parallel.pipeline.costs import DEFAULT_BACKWARD_RATIO, BlockCost, Partition, build_partition
+from lightning_merak.parallel.pipeline.costs import (
+    DEFAULT_BACKWARD_RATIO,
+    BlockCost,
+    Partition,
+    boundary_bytes,
+    build_partition,
+)
 from lightning_merak.parallel.pipeline.recompute import blocks_to_recompute
 from lightning_merak.parallel.pipeline.simulate import (
     SimulationResult,
@@ -326,8 +332,13 @@ def partition_autopipe(
     recompute_ratios: Sequence[float] | None = None,
     max_iterations: int = 100,
     backward_ratio: float = DEFAULT_BACKWARD_RATIO,
+    p2p_s_per_byte: float = 0.0,
 ) -> Partition:
     """AutoPipe: the min-max split, refined one boundary unit at a time against the simulated 1F1B iteration.
+
+    Each cut's send takes ``p2p_s`` plus ``p2p_s_per_byte`` per byte it carries (the ``output_bytes`` of the
+    node in front of it: the hidden state, side tensors and skip values crossing it), so with a priced link a
+    cut where long skips cross costs more than one where they do not.
 
     Stage time per micro-batch is forward + backward + recompute (``recompute_ratios[s]`` of the
     stage's leading blocks). Splits whose stage memory (:func:`estimate_stage_memory_bytes`, with
@@ -338,6 +349,8 @@ def partition_autopipe(
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     if max_iterations < 0:
         raise ValueError(f"max_iterations must be >= 0, got {max_iterations}")
+    if p2p_s_per_byte < 0:
+        raise ValueError(f"p2p_s_per_byte must be >= 0, got {p2p_s_per_byte}")
     units = _Units(blocks, backward_ratio)
     _check_stage_count(num_stages, len(units), len(blocks))
     ratios = _checked_ratios(recompute_ratios, num_stages)
@@ -365,13 +378,14 @@ def partition_autopipe(
         )
 
     def simulate(starts: Sequence[int]) -> SimulationResult:
-        ranges = _stage_ends(units.block_boundaries(starts), len(blocks))
+        block_starts = units.block_boundaries(starts)
+        ranges = _stage_ends(block_starts, len(blocks))
         return simulate_schedule(
             [sum(block.forward_s for block in blocks[start:end]) for start, end in ranges],
             [sum(block.resolved_backward_s(backward_ratio) for block in blocks[start:end]) for start, end in ranges],
             num_microbatches,
             "1f1b",
-            p2p_s,
+            [p2p_s + p2p_s_per_byte * sent for sent in boundary_bytes(blocks, block_starts)],
             [_recompute_s(blocks, stage, start, end, ratios) for stage, (start, end) in enumerate(ranges)],
         )
 

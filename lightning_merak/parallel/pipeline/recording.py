@@ -21,8 +21,9 @@ from lightning_merak.util.model_outputs import logits_of
 from lightning_merak.util.module_mode import hooks_removed_after
 from lightning_merak.util.timing import mean_call_time
 
-__all__ = ["BlockSignature", "HeadStep", "ModelTrace", "TraceError", "block_signatures", "find_trunk", "head_steps",
-           "measure", "param_bytes", "prefix_output", "record_forward", "same_tensor", "saved_bytes"]
+__all__ = ["BlockSignature", "HeadStep", "ModelTrace", "SkipValue", "TraceError", "block_signatures", "find_trunk",
+           "head_steps", "measure", "param_bytes", "prefix_output", "record_forward", "same_tensor", "saved_bytes",
+           "tensor_bytes"]
 
 
 class TraceError(ValueError):
@@ -37,6 +38,39 @@ class _SideSlot:
 
 
 @dataclass
+class _SkipSlot:
+    """Placeholder for the i-th skip value (:class:`SkipValue`) inside recorded block arguments."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class SkipValue:
+    """A tensor blocks read that an earlier block produced, beside the hidden state it hands on.
+
+    A value-residual model's first-layer values (every block reads block 0's), a U-Net's long skips (block
+    n-1-i reads block i's output), a block fed several earlier outputs. ``producer`` is the block that returned
+    it, ``leaf`` its position among the tensors of that block's flattened output, ``consumers`` the blocks
+    reading it (ascending). A pipeline carries it over every stage boundary between its producer and its last
+    consumer, and its gradient back (:meth:`crosses`).
+    """
+
+    producer: int
+    leaf: int
+    consumers: tuple[int, ...]
+
+    def crosses(self, block: int) -> bool:
+        """Whether a stage boundary in front of block ``block`` (``num_blocks``: in front of the head) must carry it."""
+        return self.producer < block <= self.consumers[-1]
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Bytes of the tensors in ``tensors`` (any pytree; meta tensors count by shape and dtype)."""
+    return sum(leaf.numel() * leaf.element_size() for leaf in tree_flatten(tensors)[0]
+               if isinstance(leaf, torch.Tensor))
+
+
+@dataclass
 class _HeadValue:
     """Placeholder for a tensor the head computed: 0 is the last block's hidden state, k the k-th step's output."""
 
@@ -45,7 +79,8 @@ class _HeadValue:
 
 @dataclass(frozen=True)
 class BlockSignature:
-    """How one block is called: the pytree of ``(args[1:], kwargs)``, side tensors as :class:`_SideSlot` leaves."""
+    """How one block is called: the pytree of ``(args[1:], kwargs)``, side tensors as :class:`_SideSlot` leaves
+    and earlier blocks' outputs as :class:`_SkipSlot` leaves."""
 
     spec: Any
     leaves: tuple[Any, ...]
@@ -88,18 +123,45 @@ class ModelTrace:
     block_output_template: tuple[Any, ...] | None = None
     costs: list[BlockCost] = field(default_factory=list)
     logits_shape: tuple[int, ...] | None = None
+    skips: tuple[SkipValue, ...] = ()
+    sample_skips: tuple[torch.Tensor, ...] = ()
+    """One sample of each skip value (random values of the recorded shape and dtype for a model on meta)."""
 
     @property
     def suffix_paths(self) -> list[str]:
         """The head's modules in call order: they live on the last stage."""
         return [step.module for step in self.head if step.module is not None]
 
-    def block_arguments(self, side_tensors: tuple[torch.Tensor, ...], block_index: int = 0) -> tuple[tuple, dict]:
-        """The ``(args[1:], kwargs)`` block ``block_index`` is called with, filled with ``side_tensors``."""
+    def block_arguments(self, side_tensors: tuple[torch.Tensor, ...], block_index: int = 0,
+                        skip_values: dict[int, torch.Tensor] | None = None) -> tuple[tuple, dict]:
+        """The ``(args[1:], kwargs)`` block ``block_index`` is called with, filled with ``side_tensors`` and the
+        skip values it reads (``skip_values`` by skip index; default: the samples)."""
+        skip_values = dict(enumerate(self.sample_skips)) if skip_values is None else skip_values
         signature = self.block_signatures[block_index]
-        leaves = [side_tensors[leaf.index] if isinstance(leaf, _SideSlot) else leaf for leaf in signature.leaves]
+        leaves = [side_tensors[leaf.index] if isinstance(leaf, _SideSlot)
+                  else skip_values[leaf.index] if isinstance(leaf, _SkipSlot) else leaf for leaf in signature.leaves]
         args, kwargs = tree_unflatten(leaves, signature.spec)
         return args, kwargs
+
+    def skips_across(self, block: int) -> tuple[int, ...]:
+        """Indices of the skip values a stage boundary in front of block ``block`` carries, in order."""
+        return tuple(index for index, skip in enumerate(self.skips) if skip.crosses(block))
+
+    def boundary_bytes(self, block: int) -> int:
+        """Bytes one micro-batch sends over a stage boundary in front of block ``block`` (1..``num_blocks``): the
+        hidden state, the side tensors and the skip values crossing it."""
+        return tensor_bytes((self.sample_hidden, self.sample_side_tensors,
+                             [self.sample_skips[index] for index in self.skips_across(block)]))
+
+    def produced_skips(self, block_index: int, output: Any) -> dict[int, torch.Tensor]:
+        """The skip values (by index) in block ``block_index``'s ``output``."""
+        leaves = None
+        produced = {}
+        for index, skip in enumerate(self.skips):
+            if skip.producer == block_index:
+                leaves = tree_flatten(output)[0] if leaves is None else leaves
+                produced[index] = leaves[skip.leaf]
+        return produced
 
     def side_tensors_of(self, block_index: int, args: tuple, kwargs: dict) -> dict[int, torch.Tensor]:
         """The side tensors (by slot) in one call of block ``block_index``; ``args`` excludes the hidden state."""
@@ -249,26 +311,36 @@ def record_forward(model: nn.Module, call_model: Callable[[nn.Module, torch.Tens
 
 
 def block_signatures(trunk_path: str, block_calls: list[tuple[tuple, dict, Any]]
-                      ) -> tuple[list[BlockSignature], list[torch.Tensor]]:
-    """Each block's call with its tensors replaced by slots of the union of side tensors (in first-use order).
+                      ) -> tuple[list[BlockSignature], list[torch.Tensor], list[SkipValue], list[torch.Tensor]]:
+    """Each block's call with its tensors replaced by slots: ``(signatures, side tensors, skip values, their
+    samples)``.
 
-    A block reading another block's output (a skip connection across blocks) is refused: stages
-    carry only the hidden state and values the model computed before its blocks.
+    A tensor argument one of the earlier blocks returned (not one it was given) is a skip value
+    (:class:`SkipValue`), found by identity; any other is a side tensor, the union in first-use order.
+    A value the model derived from a block's output outside the blocks is neither: the tracers' split
+    check refuses it.
     """
-    block_outputs = {id(leaf) for _, _, output in block_calls for leaf in tree_flatten(output)[0]
-                     if isinstance(leaf, torch.Tensor)}
+    produced: dict[int, tuple[int, int]] = {}
+    skip_of: dict[tuple[int, int], int] = {}
+    consumers: list[list[int]] = []
+    skip_samples: list[torch.Tensor] = []
     side: list[torch.Tensor] = []
     signatures: list[BlockSignature] = []
-    for index, (args, kwargs, _) in enumerate(block_calls):
+    for index, (args, kwargs, output) in enumerate(block_calls):
         leaves, spec = tree_flatten((tuple(args[1:]), dict(kwargs)))
         template: list[Any] = []
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                if id(leaf) in block_outputs:
-                    raise TraceError(
-                        f"block {index} of {trunk_path} receives another block's output (a skip connection across "
-                        "blocks?); merak3d carries only the hidden state and values computed before the blocks"
-                    )
+                source = produced.get(id(leaf))
+                if source is not None:
+                    skip = skip_of.setdefault(source, len(consumers))
+                    if skip == len(consumers):
+                        consumers.append([])
+                        skip_samples.append(leaf)
+                    if index not in consumers[skip]:
+                        consumers[skip].append(index)
+                    template.append(_SkipSlot(skip))
+                    continue
                 slot = next((i for i, known in enumerate(side) if known is leaf or same_tensor(known, leaf)), None)
                 if slot is None:
                     slot = len(side)
@@ -282,7 +354,13 @@ def block_signatures(trunk_path: str, block_calls: list[tuple[tuple, dict, Any]]
                     "stages; for transformers models disable the KV cache (model.config.use_cache = False)"
                 )
         signatures.append(BlockSignature(spec, tuple(template)))
-    return signatures, side
+        given = {id(leaf) for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)}
+        for position, leaf in enumerate(tree_flatten(output)[0]):
+            if isinstance(leaf, torch.Tensor) and id(leaf) not in given:
+                produced.setdefault(id(leaf), (index, position))
+    sources = sorted(skip_of, key=skip_of.get)
+    skips = [SkipValue(producer, leaf, tuple(consumers[skip_of[(producer, leaf)]])) for producer, leaf in sources]
+    return signatures, side, skips, skip_samples
 
 
 def head_steps(after_trunk: list[tuple], hidden: torch.Tensor, logits: torch.Tensor) -> list[HeadStep]:

@@ -85,11 +85,14 @@ def simulate_schedule(
     stage_backward_s: Sequence[float],
     num_microbatches: int,
     schedule: str = "1f1b",
-    p2p_s: float = 0.0,
+    p2p_s: float | Sequence[float] = 0.0,
     stage_recompute_s: Sequence[float] | None = None,
     recompute_ahead: bool = False,
 ) -> SimulationResult:
     """Simulate one iteration of ``schedule`` over stages with the given per-micro-batch op times.
+
+    ``p2p_s`` is the time of one send between neighbouring stages: one figure for every boundary, or one per
+    boundary (``p2p_s[s]`` between stages s and s + 1, both ways), where boundaries carry different tensors.
 
     ``stage_recompute_s[s]`` adds an R op before each backward of stage s. It waits for the
     incoming gradient like the backward does, unless ``recompute_ahead`` (spec 1.5 b), where it
@@ -102,7 +105,10 @@ def simulate_schedule(
         raise ValueError("stage_forward_s, stage_backward_s and stage_recompute_s need one entry per stage (>= 1)")
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    if p2p_s < 0 or any(cost < 0 for cost in [*stage_forward_s, *stage_backward_s, *recompute_s]):
+    links = [float(p2p_s)] * max(num_stages - 1, 0) if isinstance(p2p_s, (int, float)) else list(p2p_s)
+    if len(links) != max(num_stages - 1, 0):
+        raise ValueError(f"p2p_s needs one figure, or one per stage boundary ({num_stages - 1}), got {len(links)}")
+    if any(cost < 0 for cost in [*links, *stage_forward_s, *stage_backward_s, *recompute_s]):
         raise ValueError("op times and p2p_s must be >= 0")
 
     orders = []
@@ -135,7 +141,8 @@ def simulate_schedule(
                     previous_kind, previous_microbatch = orders[stage][next_position[stage] - 1]
                     previous = (stage, previous_microbatch, previous_kind)
                 stage_free_s = placed[previous].end_s if previous else 0.0
-                dependency_ready_s = placed[dependency].end_s + p2p_s if dependency else 0.0
+                dependency_ready_s = (placed[dependency].end_s + links[min(stage, dependency[0])] if dependency
+                                      else 0.0)
                 start_s = max(stage_free_s, dependency_ready_s)
                 key = (stage, microbatch, kind)
                 placed[key] = ScheduledOp(stage, microbatch, kind, start_s, start_s + durations[kind][stage])

@@ -11,7 +11,13 @@ checkpoints, gradients and optimizer groups map back to the unsplit model.
 * Later stages call their blocks directly, each with its own side tensors.
 * The last stage replays the recorded head (final norm, LM head, logit scaling) to get logits.
 
-Stage inputs and outputs are ``(hidden, *side_tensors)``; the last stage outputs logits. A stage given a
+Stage inputs and outputs are ``(hidden, *side_tensors, *skip_values)``; the last stage outputs logits. The
+skip values at a boundary are those an earlier block produced and a later one reads
+(:meth:`~.recording.ModelTrace.skips_across`): each is carried through every stage between its producer and
+its last reader, a stage that does not read it handing it on as received, so every stage still talks to its
+neighbours only and any schedule (one stage per rank or interleaved) runs it; its gradient comes back the same
+way, the pass-through stages' autograd adding nothing. Sending it straight to its readers would save the hops
+but needs sends between stages that are not neighbours, which torch's pipeline stages do not make. A stage given a
 :class:`~lightning_merak.parallel.pipeline.router_aux.RouterAux` also carries the router logits of every
 layer so far as one more tensor (its last input and output; the last stage outputs ``(logits, router logits)``).
 """
@@ -105,6 +111,10 @@ class PipelineStageModule(nn.Module):
         self._call_model = call_model
         num_blocks = trace.num_blocks
         self.block_indices = [node - 1 for node in node_range if 1 <= node <= num_blocks]
+        self.skips_in = trace.skips_across(min(max(node_range.start - 1, 0), num_blocks))
+        """The skip values this stage receives (indices into ``trace.skips``), after the side tensors."""
+        self.skips_out = trace.skips_across(min(max(node_range.stop - 1, 0), num_blocks))
+        """The skip values this stage sends on (received or made by its blocks)."""
         trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
         self.routers: RouterRecorder | None = None
         self.carries_router_logits_in = False
@@ -133,6 +143,7 @@ class PipelineStageModule(nn.Module):
         side tensor has been seen (blocks of different kinds may read different ones)."""
         self._last_local_block = self.block_indices[-1] if self.block_indices else -1
         self._seen_side: dict[int, dict[int, torch.Tensor]] = {}
+        self._made_skips: dict[int, dict[int, torch.Tensor]] = {}
         for index in range(len(trunk)):
             if index not in self.block_indices:
                 trunk[index] = _SkippedBlock(index, self)
@@ -142,6 +153,9 @@ class PipelineStageModule(nn.Module):
                 self.note_block_call(index, args[1:], kwargs)
 
             def leave(module: nn.Module, args: tuple, kwargs: dict, output: Any, index: int = index) -> None:
+                made = self._made_skips.get(threading.get_ident())
+                if made is not None:
+                    made.update(self.trace.produced_skips(index, output))
                 self.exit_if_done(index, self.trace.hidden_of(output))
 
             trunk[index].register_forward_pre_hook(note, with_kwargs=True)
@@ -180,22 +194,24 @@ class PipelineStageModule(nn.Module):
     def _run_first(self, input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
         thread = threading.get_ident()
         self._seen_side[thread] = seen = {}
+        self._made_skips[thread] = made = {}
         try:
             if model_kwargs:  # e.g. position_ids of packed rows (micro_batching=pack)
                 self.net(input_ids, **model_kwargs)
             else:
                 self._call_model(self.net, input_ids)
         except _TrunkExit as exit_:
-            return (exit_.hidden, *(seen[slot] for slot in range(self.trace.side_tensor_count)))
+            return (exit_.hidden, *(seen[slot] for slot in range(self.trace.side_tensor_count)),
+                    *(made[index] for index in self.skips_out))
         finally:
-            del self._seen_side[thread]
+            del self._seen_side[thread], self._made_skips[thread]
         raise TraceError("the model's forward finished without reaching the pipeline exit")
 
     def forward(self, *inputs: torch.Tensor, **model_kwargs: Any) -> Any:
         """``model_kwargs`` go to the first stage's model call; later stages get them as side tensors."""
         if self.routers is None:
             hidden, side = self._run_blocks(inputs, model_kwargs)
-            return (hidden, *side) if not self.is_last else self.trace.run_head(self.net, hidden)
+            return (hidden, *map(_own_copy, side)) if not self.is_last else self.trace.run_head(self.net, hidden)
         carried = None
         if self.carries_router_logits_in:
             *inputs, carried = inputs
@@ -204,21 +220,39 @@ class PipelineStageModule(nn.Module):
         batch, sequence = inputs[0].shape[:2]  # token ids [batch, sequence] or hidden [batch, sequence, width]
         router_logits = carried_router_logits(carried, recorded, batch, sequence)
         if not self.is_last:
-            return (hidden, *side, router_logits)
+            return (hidden, *map(_own_copy, side), router_logits)
         return self.trace.run_head(self.net, hidden), router_logits
 
     def _run_blocks(self, inputs: tuple[torch.Tensor, ...], model_kwargs: dict[str, Any]
                     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """``(hidden, side tensors)`` after this stage's blocks."""
+        """``(hidden, side tensors and skip values to send on)`` after this stage's blocks."""
         if self.is_first:
-            hidden, *side = self._run_first(inputs[0], model_kwargs)
-            return hidden, tuple(side)
-        hidden, *side = inputs
+            hidden, *carried = self._run_first(inputs[0], model_kwargs)
+            return hidden, tuple(carried)
+        count = self.trace.side_tensor_count
+        hidden, side, received = inputs[0], tuple(inputs[1:1 + count]), inputs[1 + count:]
+        if len(received) != len(self.skips_in):
+            raise TraceError(f"pipeline stage {self.stage_index} received {len(inputs)} tensors; it takes the hidden "
+                             f"state, {count} side tensors and {len(self.skips_in)} skip values")
+        values = dict(zip(self.skips_in, received))
         trunk = self.net.get_submodule(self.trace.trunk_path)
         for index in self.block_indices:
-            args, kwargs = self.trace.block_arguments(tuple(side), index)
-            hidden = self.trace.hidden_of(trunk[index](hidden, *args, **kwargs))
-        return hidden, tuple(side)
+            args, kwargs = self.trace.block_arguments(side, index, values)
+            output = trunk[index](hidden, *args, **kwargs)
+            values.update(self.trace.produced_skips(index, output))
+            hidden = self.trace.hidden_of(output)
+        return hidden, (*side, *(values[index] for index in self.skips_out))
+
+
+def _own_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A side tensor or skip value this stage computed, as a copy of its own for sending.
+
+    The zero-bubble schedules detach a stage's outputs in place once their input gradients are computed, and a
+    block of the stage may have saved the same tensor for its weight gradients (block 0's values, which the next
+    local block multiplies by a weight): the copy keeps what it saved intact. Received tensors handed on as they
+    are have no graph behind them and go as they are.
+    """
+    return tensor.clone() if tensor.grad_fn is not None else tensor
 
 
 def build_stage_module(

@@ -13,11 +13,16 @@ finds all three:
   (``None``, flags) are kept as constants. Blocks may read different side tensors (a
   sliding-window mask on some layers, a global one on others): the pipeline carries the
   union and hands each block its own;
+* a block argument that an earlier block returned (a value-residual model's first-layer
+  values, a U-Net's long skip) is a *skip value*: the pipeline carries it from the stage
+  of the block that made it to the stages of the blocks that read it, through the stages
+  between, and its gradient back (:class:`~.recording.SkipValue`);
 * the head is every module call and tensor operation that the logits depend on after
   the last block, recorded in order and replayed on the last stage.
 
 The split is then verified: the side tensors gathered without running any block, the
-blocks called one by one and the head replayed must reproduce the model's logits. Each
+blocks called one by one (each handed the skip values it reads) and the head replayed must
+reproduce the model's logits. Each
 node is finally measured on its recorded inputs (forward and backward time, bytes saved
 for backward), giving the :class:`BlockCost` list the partitioner balances.
 """
@@ -45,6 +50,7 @@ from lightning_merak.parallel.pipeline.recording import (
     record_forward,
     same_tensor,
     saved_bytes,
+    tensor_bytes,
 )
 from lightning_merak.util.model_outputs import logits_of
 from lightning_merak.util.module_mode import hooks_removed_after, modules_in_mode
@@ -100,7 +106,7 @@ def _trace(model: nn.Module, sample_inputs: torch.Tensor, call_model: Callable[[
     hidden_in = first_args[0] if first_args else None
     if not isinstance(hidden_in, torch.Tensor):
         raise TraceError(f"blocks of {trunk_path} must take the hidden state as their first positional argument")
-    signatures, side = block_signatures(trunk_path, block_calls)
+    signatures, side, skips, skip_samples = block_signatures(trunk_path, block_calls)
     if isinstance(first_output, torch.Tensor):
         output_index = None
     else:
@@ -124,6 +130,8 @@ def _trace(model: nn.Module, sample_inputs: torch.Tensor, call_model: Callable[[
         sample_side_tensors=tuple(tensor.detach() for tensor in side),
         block_output_template=None if output_index is None else tuple(
             None if isinstance(item, torch.Tensor) else item for item in first_output),
+        skips=tuple(skips),
+        sample_skips=tuple(tensor.detach() for tensor in skip_samples),
     )
     _verify_split(model, trace, trunk, call_model, sample_inputs)
     if profile:
@@ -159,16 +167,20 @@ def _verify_split(model: nn.Module, trace: ModelTrace, trunk: nn.ModuleList,
             call_model(model, inputs)
         side_tensors = tuple(side[slot] for slot in range(trace.side_tensor_count))
         hidden = first_hidden[0]
+        skip_values: dict[int, torch.Tensor] = {}
         for index, block in enumerate(trunk):
-            args, kwargs = trace.block_arguments(side_tensors, index)
-            hidden = trace.hidden_of(block(hidden, *args, **kwargs))
+            args, kwargs = trace.block_arguments(side_tensors, index, skip_values)
+            output = block(hidden, *args, **kwargs)
+            skip_values.update(trace.produced_skips(index, output))
+            hidden = trace.hidden_of(output)
         logits = trace.run_head(model, hidden)
     scale = expected.abs().max().item() if expected.numel() else 0.0
     if logits.shape != expected.shape or not torch.allclose(logits, expected, rtol=1e-4, atol=1e-5 * max(scale, 1.0)):
         raise TraceError(
-            f"the blocks of {trace.trunk_path} called one by one with the values the model computed before them do "
-            "not reproduce its logits: a block reads something derived from another block's output (a skip "
-            "connection across blocks?); merak3d carries only the hidden state and values computed before the blocks"
+            f"the blocks of {trace.trunk_path} called one by one with the values the model computed before them and "
+            "the earlier blocks' outputs they read do not reproduce its logits: a block reads something the model "
+            "derived from another block's output outside the blocks (a skip connection mixed in the model's forward?); "
+            "merak3d carries block outputs as they are, so compute the mix inside the block that reads it"
         )
 
 
@@ -178,8 +190,7 @@ def _profile(model: nn.Module, trace: ModelTrace, trunk: nn.ModuleList, call_mod
     suffix = [model.get_submodule(path) for path in trace.suffix_paths]
     prefix_params, suffix_params = trace.outside_parameters(model)
     seen: set[int] = set()
-    output_bytes = (hidden_in.numel() * hidden_in.element_size()
-                    + sum(t.numel() * t.element_size() for t in side_tensors))
+    output_bytes = tensor_bytes((hidden_in, side_tensors))
 
     def run_prefix() -> torch.Tensor:
         return prefix_output(model, trunk, call_model, sample_inputs)
@@ -200,8 +211,8 @@ def _profile(model: nn.Module, trace: ModelTrace, trunk: nn.ModuleList, call_mod
             return trace.hidden_of(runner(block_input, *args, **kwargs))
 
         fwd, bwd, saved = measure(run_block, list(timed.parameters()), repeats, hidden_in.device)
-        costs.append(BlockCost(f"{trace.trunk_path}.{index}", fwd, bwd, param_bytes([block], seen), output_bytes,
-                               saved))
+        costs.append(BlockCost(f"{trace.trunk_path}.{index}", fwd, bwd, param_bytes([block], seen),
+                               trace.boundary_bytes(index + 1), saved))
 
     suffix_input = last_hidden.detach().clone().requires_grad_(True)
 

@@ -233,6 +233,11 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
         # Every rank profiles: blocks may hold collectives (MoE all-to-alls) that need all their peers.
         trace = trace_model(model, micro, call_model, profile=pp > 1, materialize_with=materialize_with,
                             fast_blocks=arguments.fast_blocks)
+        if sequence_parallel and trace.skips:
+            raise ValueError(
+                f"sequence_parallel=True splits the sequence inside each stage's run of blocks, but blocks of "
+                f"{trace.trunk_path} read earlier blocks' outputs ({len(trace.skips)} skip values), which may cross "
+                "from one run into another split differently; set sequence_parallel=False")
         trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
         probe = (trunk[0] if materialize_with is None or tp == 1
                  else materialized_copy(trunk[0], f"{trace.trunk_path}.0", materialize_with))
