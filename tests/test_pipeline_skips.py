@@ -8,6 +8,7 @@ ranks, losses and every gradient equal one process's.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import lightning.pytorch as pl
 import pytest
@@ -20,8 +21,10 @@ from lightning_merak.parallel.pipeline.costs import build_partition
 from lightning_merak.parallel.pipeline.recording import SkipValue
 from lightning_merak.parallel.pipeline.stage import build_stage_module
 from lightning_merak.parallel.pipeline.trace import TraceError, trace_model
+from lightning_merak.planning.planner import Layout, predict
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from tests.test_merak3d import VOCAB, _Recorder, _reference, _ShardedData, _TestModule
+from tests.test_planner_core import SLOW, space, synthetic_model
 
 SEQ, WIDTH = 8, 16
 TRAINED_STEPS = 3
@@ -157,6 +160,22 @@ def test_autopipe_prices_the_bytes_each_cut_sends():
     assert per_boundary.iteration_s == simulate_schedule([3.0, 6.0], [6.0, 12.0], 4, "1f1b", p2p_s=0.5).iteration_s
 
 
+def test_the_planner_prices_the_skip_values_each_cut_sends():
+    """A U-Net profile (0..4 skip values crossing a cut, as the trace reports them) predicts a slower
+    pipelined step than the same blocks without skips on a slow link; one stage sends nothing."""
+    plain = synthetic_model(num_blocks=8)
+    hidden = plain.hidden_bytes_per_sample
+    unet = dataclasses.replace(plain, carried_bytes_per_sample=tuple(
+        hidden * count for count in (0, 1, 2, 3, 4, 3, 2, 1, 0)))
+    search = space(world_size=2, tp_degrees_allowed=(1,), max_pipeline_stages=2)
+    piped, whole = Layout(1, 2, 1, 4, 1, 0.0), Layout(2, 1, 1, 4, 1, 0.0)
+    assert predict(piped, unet, SLOW, search).step_time_s > predict(piped, plain, SLOW, search).step_time_s
+    assert predict(whole, unet, SLOW, search).step_time_s == predict(whole, plain, SLOW, search).step_time_s
+    assert predict(piped, unet, SLOW, search).memory_bytes >= predict(piped, plain, SLOW, search).memory_bytes
+    with pytest.raises(ValueError, match="carried_bytes_per_sample needs num_blocks"):
+        dataclasses.replace(plain, carried_bytes_per_sample=(0, 1))
+
+
 @pytest.mark.parametrize("boundaries", [(0, 3, 5, 7), (0, 1, 9), (0, 2, 3, 6)])
 def test_chained_stages_reproduce_loss_and_gradients(boundaries):
     """Stages run one after another in one process, each boundary's tensors cut from the graph and their
@@ -186,9 +205,21 @@ def test_chained_stages_reproduce_loss_and_gradients(boundaries):
                 torch.testing.assert_close(param.grad, expected[stage.original_name(name)], rtol=0, atol=1e-6)
 
 
-def test_a_skip_mixed_outside_the_blocks_is_refused_with_the_fix():
+class _SkipIntoHead(UNet):
+    """Adds block 0's output to the logits' input: a skip into the head, not into a block."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = first = self.blocks[0](self.embedding(ids))
+        for block in self.blocks[1:]:
+            x = block(x)
+        return self.head(self.norm(x) + first)
+
+
+def test_unsupported_skips_are_refused_with_the_fix():
     with pytest.raises(TraceError, match="compute the mix inside the block that reads it"):
         trace_model(_MixedOutside(), torch.randint(VOCAB, (1, SEQ)), profile=False)
+    with pytest.raises(TraceError, match="head reads an output of block 0.*pass it to the last block"):
+        trace_model(_SkipIntoHead(), torch.randint(VOCAB, (1, SEQ)), profile=False)
 
 
 # Trained under merak3d -------------------------------------------------------------------------------------

@@ -153,6 +153,15 @@ class ModelTrace:
         return tensor_bytes((self.sample_hidden, self.sample_side_tensors,
                              [self.sample_skips[index] for index in self.skips_across(block)]))
 
+    def skip_bytes_per_sample(self) -> tuple[int, ...]:
+        """Skip-value bytes per sample a cut in front of each block position (0..``num_blocks``) sends; empty
+        without skip values. Per sample of the traced micro-batch, skip values being batch-first."""
+        if not self.skips:
+            return ()
+        samples = max(self.sample_hidden.shape[0], 1)
+        return tuple(tensor_bytes([self.sample_skips[index] for index in self.skips_across(block)]) // samples
+                     for block in range(self.num_blocks + 1))
+
     def produced_skips(self, block_index: int, output: Any) -> dict[int, torch.Tensor]:
         """The skip values (by index) in block ``block_index``'s ``output``."""
         leaves = None
@@ -363,9 +372,17 @@ def block_signatures(trunk_path: str, block_calls: list[tuple[tuple, dict, Any]]
     return signatures, side, skips, skip_samples
 
 
-def head_steps(after_trunk: list[tuple], hidden: torch.Tensor, logits: torch.Tensor) -> list[HeadStep]:
-    """The module calls and tensor operations that take the last block's hidden state to the logits, in order."""
+def head_steps(after_trunk: list[tuple], hidden: torch.Tensor, logits: torch.Tensor,
+               block_calls: list[tuple[tuple, dict, Any]] = ()) -> list[HeadStep]:
+    """The module calls and tensor operations that take the last block's hidden state to the logits, in order.
+
+    A step reading another tensor one of ``block_calls`` returned is refused: the pipeline carries skip values
+    to blocks, and the head would replay it as a constant.
+    """
     value_of: dict[int, int] = {id(hidden): 0}
+    block_of = {id(leaf): index for index, (args, kwargs, output) in enumerate(block_calls)
+                for leaf in tree_flatten(output)[0] if isinstance(leaf, torch.Tensor)
+                and not any(leaf is given for given in tree_flatten((args, kwargs))[0])}
     from_parameters: set[int] = set()
     steps: list[HeadStep] = []
     inputs_of: list[set[int]] = []
@@ -387,6 +404,11 @@ def head_steps(after_trunk: list[tuple], hidden: torch.Tensor, logits: torch.Ten
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and id(leaf) in value_of:
                 template.append(_HeadValue(value_of[id(leaf)]))
+            elif isinstance(leaf, torch.Tensor) and id(leaf) in block_of:
+                raise TraceError(
+                    f"the head reads an output of block {block_of[id(leaf)]} besides the last block's hidden state; "
+                    "merak3d carries earlier blocks' outputs to blocks only, so pass it to the last block and "
+                    "combine it there")
             elif of_parameter(leaf):
                 raise TraceError(
                     f"the head uses a parameter of shape {tuple(leaf.shape)} outside a module call "

@@ -468,6 +468,7 @@ def profile_model(
         clip_s_per_parameter_byte=block_clip_s[1] / max(1, parameter_bytes[1]),
         prefix_update_s=prefix_update_s,
         suffix_update_s=suffix_update_s,
+        carried_bytes_per_sample=largest.skip_bytes_per_sample(),
         loss_times={samples: _loss_times(model, sample_inputs, call_model, loss_of, samples, repeats,
                                          largest.logits_shape if on_meta else None)
                     for samples in sorted(keys.loss_samples)} if loss_of is not None else {},

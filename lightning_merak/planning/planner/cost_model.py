@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import accumulate
 
 from lightning_merak.parallel.pipeline import (
     BlockCost,
@@ -188,7 +189,8 @@ def _chain(segments: tuple[float, ...], comm_s: float, k: int) -> OverlapResult:
 
 @lru_cache(maxsize=4096)
 def _iteration_s(
-    forward_s: tuple[float, ...], backward_s: tuple[float, ...], micro_batches: int, schedule: str, p2p_s: float
+    forward_s: tuple[float, ...], backward_s: tuple[float, ...], micro_batches: int, schedule: str,
+    p2p_s: tuple[float, ...],
 ) -> float:
     return simulate_schedule(forward_s, backward_s, micro_batches, schedule, p2p_s).iteration_s
 
@@ -249,14 +251,14 @@ def _stages(layout: Layout, profile: ModelProfile, samples: int, comm_s: float,
     prefix_forward, prefix_backward = profile.prefix_times_at(sub)
     suffix_forward, suffix_backward = profile.suffix_times_at(sub)
     hidden_bytes = profile.hidden_bytes_per_sample * samples
-    block = BlockCost(
-        name="block",
+    blocks = [BlockCost(
+        name=f"block.{index}",
         forward_s=block_forward_s,
         backward_s=block_backward_s,
         param_bytes=profile.block_parameter_bytes_at(layout.tp),
-        output_bytes=hidden_bytes,
+        output_bytes=hidden_bytes + profile.carried_bytes_at(index + 1) * samples,
         saved_bytes=profile.block_activation_bytes_at(layout.tp) * samples,
-    )
+    ) for index in range(num_blocks)]
     prefix = BlockCost(
         name="prefix",
         forward_s=layout.overlap * prefix_forward,
@@ -274,7 +276,7 @@ def _stages(layout: Layout, profile: ModelProfile, samples: int, comm_s: float,
         output_bytes=0,
         saved_bytes=0,
     )
-    return _split_block_counts((prefix, *[block] * num_blocks, suffix), layout.pp, layout.micro_batches)
+    return _split_block_counts((prefix, *blocks, suffix), layout.pp, layout.micro_batches)
 
 
 def _outside_parameter_bytes(profile: ModelProfile, tp: int, vocab_parallel: bool) -> tuple[int, int]:
@@ -384,7 +386,9 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     and keep only their input plus the post-collective outputs the runtime caches (those exist
     only with tp > 1). With ``space.sequence_parallel`` a tensor-parallel block saves its
     sequence-split activations (and a recomputed one its input) for 1/tp of the sequence.
-    Prefix and suffix activations are not counted. With several stages every forward and
+    Prefix and suffix activations are not counted; skip values a stage receives
+    (``model_profile.carried_bytes_per_sample``) are, held per in-flight micro-batch, and every cut's send
+    is priced with the skip values crossing it beside the hidden state. With several stages every forward and
     backward chunk also pays the pipeline runtime's own time (``network.pipeline_action_s``), and
     the step its per-step time: the "pipeline_runtime" component. MoE layers run expert parallel
     (``model_profile.experts``) add their exchange to each micro-batch's forward and backward (the
@@ -483,6 +487,8 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         kept_per_sample = (
             (stage.num_blocks - recomputed) * activation_bytes
             + recomputed * (recomputed_input_bytes + recomputed_extra_bytes)
+            # skip values received, held until the micro-batch's backward
+            + model_profile.carried_bytes_at(sum(earlier.num_blocks for earlier in stages[:index]))
         )
         in_flight = peak_inflight_microbatches(index, layout.pp, layout.micro_batches, space.schedule)
         outside_bytes = stage.has_prefix * prefix_parameter_bytes + stage.has_suffix * suffix_parameter_bytes
@@ -501,7 +507,10 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
             )
         )
 
-    p2p_s = network.p2p.send_s(hidden_bytes * samples)
+    # each cut sends the hidden state and the skip values crossing it
+    cuts = list(accumulate(stage.num_blocks for stage in stages[:-1]))
+    p2p_s = tuple(network.p2p.send_s((hidden_bytes + model_profile.carried_bytes_at(block)) * samples)
+                  for block in cuts)
     iteration_s = _iteration_s(tuple(forward_s), tuple(backward_s), layout.micro_batches, space.schedule, p2p_s)
     busiest = max(range(len(stages)), key=lambda stage: (forward_s[stage] + backward_s[stage], -stage))
     slowest_update = max(range(len(stages)), key=lambda stage: (sum(after_pipeline_s[stage]), -stage))

@@ -270,6 +270,9 @@ class ModelProfile:
     ``attention_kernel_times`` by (tp, samples) is the model's attention kernel over the whole sequence in one
     layer and ``context_kernel_times`` by (cp, method, tp, samples) one context rank's attention compute in its
     place, both (forward_s, backward_s) (:mod:`lightning_merak.planning.measure.context`).
+    ``carried_bytes_per_sample[b]`` (``num_blocks + 1`` entries, or none) is what a stage boundary in front of block
+    ``b`` sends per sample beside the hidden state: the skip values crossing it (a tensor a later block reads that
+    an earlier block returned, :class:`~lightning_merak.parallel.pipeline.recording.SkipValue`).
     """
 
     num_blocks: int
@@ -297,9 +300,14 @@ class ModelProfile:
     context: ContextAttention | None = None
     attention_kernel_times: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
     context_kernel_times: dict[tuple[int, str, int, int], tuple[float, float]] = field(default_factory=dict)
+    carried_bytes_per_sample: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_positive("ModelProfile", num_blocks=self.num_blocks)
+        carried = self.carried_bytes_per_sample
+        if carried and (len(carried) != self.num_blocks + 1 or min(carried) < 0):
+            raise ValueError(f"ModelProfile.carried_bytes_per_sample needs num_blocks + 1 = {self.num_blocks + 1} "
+                             f"entries >= 0 (one per place a cut can be), got {carried}")
         _check_non_negative(
             "ModelProfile",
             hidden_bytes_per_sample=self.hidden_bytes_per_sample,
@@ -336,6 +344,10 @@ class ModelProfile:
         if not self.loss_times:
             return 0.0, 0.0
         return _lookup(self.loss_times, samples, "loss_times", "samples")
+
+    def carried_bytes_at(self, block: int) -> int:
+        """Skip-value bytes per sample a stage boundary in front of block ``block`` sends (0 without skips)."""
+        return self.carried_bytes_per_sample[block] if self.carried_bytes_per_sample else 0
 
     def block_clip_s_at(self, tp: int) -> float:
         return _lookup(self.block_clip_s, tp, "block_clip_s", "tp")
