@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 import lightning.pytorch as pl
 import pytest
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_merak import testing
+from lightning_merak.parallel.materialize import copy_full_tensors
 from lightning_merak.parallel.pipeline import BlockCost, partition_autopipe, simulate_schedule
 from lightning_merak.parallel.pipeline.costs import build_partition
 from lightning_merak.parallel.pipeline.recording import SkipValue
@@ -40,7 +42,13 @@ class _ValueBlock(nn.Module):
         self.norm = nn.LayerNorm(WIDTH)
         self.value = nn.Linear(WIDTH, WIDTH)
         self.out = nn.Linear(WIDTH, WIDTH)
-        self.mix = nn.Parameter(torch.tensor([0.5, 0.5, 0.3]).repeat_interleave(WIDTH).view(3, WIDTH))
+        self.mix = nn.Parameter(torch.empty(3, WIDTH))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Also what initialises the mix of a block built on the meta device once it is materialised."""
+        with torch.no_grad():
+            self.mix.copy_(torch.tensor([0.5, 0.5, 0.3]).repeat_interleave(WIDTH).view(3, WIDTH))
 
     def forward(self, x: torch.Tensor, x0: torch.Tensor,
                 first_value: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +90,12 @@ class _UBlock(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(WIDTH)
         self.linear = nn.Linear(WIDTH, WIDTH)
-        self.gate = nn.Parameter(torch.full((WIDTH,), 0.7))
+        self.gate = nn.Parameter(torch.empty(WIDTH))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.gate.fill_(0.7)
 
     def forward(self, x: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
         if skip is not None:
@@ -139,6 +152,21 @@ def test_trace_finds_each_skip_value_and_the_boundaries_it_crosses():
     assert [len(unet.skips_across(block)) for block in range(9)] == [0, 1, 2, 3, 4, 3, 2, 1, 0]
     hidden = unet.sample_hidden.numel() * 4
     assert unet.boundary_bytes(4) == 5 * hidden  # the hidden state and four skips in the middle
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_meta_model_traces_the_same_skips(name):
+    """On the meta device the blocks run shapes only: the skips are found by identity all the same, and their
+    samples are real tensors of the recorded shapes."""
+    ids = torch.randint(VOCAB, (2, SEQ))
+    real = trace_model(_model(name), ids)
+    with torch.device("meta"):
+        model = MODELS[name]()
+    traced = trace_model(model, ids)
+    assert traced.skips == real.skips and traced.block_signatures == real.block_signatures
+    assert [cost.output_bytes for cost in traced.costs] == [cost.output_bytes for cost in real.costs]
+    assert [(t.shape, t.dtype, t.is_meta) for t in traced.sample_skips] == [
+        (t.shape, t.dtype, False) for t in real.sample_skips]
 
 
 def test_stage_costs_count_the_skip_bytes_crossing_each_boundary():
@@ -224,17 +252,30 @@ def test_unsupported_skips_are_refused_with_the_fix():
 
 # Trained under merak3d -------------------------------------------------------------------------------------
 
-def _train_rank(rank: int, world_size: int, runs: list[tuple[str, dict]]) -> list[tuple[list, list]]:
-    """Each ``(model, layout)`` of ``runs`` trained in turn on these ranks; every run's losses and gradients."""
+class _BuiltOnMeta(_TestModule):
+    """Built on the meta device in ``configure_model``; each rank fills its stage from the reference's weights."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(None, model_factory=functools.partial(MODELS[name]))
+        self.name = name
+
+    def load_pretrained_weights(self, tensors, layout_changes) -> None:
+        copy_full_tensors(tensors, layout_changes, _model(self.name).state_dict())
+
+
+def _train_rank(rank: int, world_size: int, runs: list[tuple[str, dict, bool]]) -> list[tuple[list, list]]:
+    """Each ``(model, layout, on meta)`` of ``runs`` trained in turn on these ranks; every run's losses and
+    gradients."""
     results = []
-    for name, layout in runs:
+    for name, layout, on_meta in runs:
         recorder = _Recorder([])
         trainer = pl.Trainer(
             accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120),
             max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[recorder],
             use_distributed_sampler=False)
-        trainer.fit(_TestModule(_model(name)), datamodule=_ShardedData(0, TRAINED_STEPS))
+        module = _BuiltOnMeta(name) if on_meta else _TestModule(_model(name))
+        trainer.fit(module, datamodule=_ShardedData(0, TRAINED_STEPS))
         results.append((recorder.losses, recorder.gradients))
     return results
 
@@ -248,14 +289,16 @@ def _layout(pp: int, schedule: str, **extra: int) -> dict:
 @pytest.mark.parametrize(("world_size", "layouts"), [
     (2, [_layout(2, "1f1b")] + [_layout(2, name, virtual_stages=2)
                                 for name in ("interleaved_1f1b", "interleaved_zero_bubble")]),
-    (4, [_layout(4, "gpipe"), _layout(4, "shifted_critical_path")]),
-], ids=["pp2-1f1b-interleaved-zero-bubble", "pp4-gpipe-shifted"])
+    (4, [_layout(4, "gpipe"), _layout(4, "shifted_critical_path"), {**_layout(4, "1f1b"), "on_meta": True}]),
+], ids=["pp2-1f1b-interleaved-zero-bubble", "pp4-gpipe-shifted-meta"])
 def test_skips_across_stages_match_single_process(world_size, layouts):
     """Both models on every schedule: the skip values cross one boundary (pp=2) or pass through the stages
-    between (pp=4, and 4 interleaved stages on 2 ranks, the zero-bubble one splitting each backward)."""
-    runs = [(name, layout) for layout in layouts for name in MODELS]
+    between (pp=4, and 4 interleaved stages on 2 ranks, the zero-bubble one splitting each backward); at pp=4
+    also built on the meta device, traced there and each stage materialised and loaded alone."""
+    runs = [(name, {k: v for k, v in layout.items() if k != "on_meta"}, layout.get("on_meta", False))
+            for layout in layouts for name in MODELS]
     results = testing.run_distributed(_train_rank, world_size, args=(runs,), timeout_s=300)
-    for index, (name, _) in enumerate(runs):
+    for index, (name, *_) in enumerate(runs):
         candidate = testing.merge_rank_traces([rank_results[index] for rank_results in results])
         reference = _reference(name, module=_TestModule(_model(name)))
         reference = testing.TrainingTrace(reference.losses[:TRAINED_STEPS], reference.gradients[:TRAINED_STEPS])
