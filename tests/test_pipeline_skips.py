@@ -25,6 +25,7 @@ from lightning_merak.parallel.pipeline.stage import build_stage_module
 from lightning_merak.parallel.pipeline.trace import TraceError, trace_model
 from lightning_merak.planning.planner import Layout, predict
 from lightning_merak.strategies.merak3d import Merak3DStrategy
+from lightning_merak.strategies.merak3d.build import check_skips_split
 from tests.test_merak3d import VOCAB, _Recorder, _reference, _ShardedData, _TestModule
 from tests.test_planner_core import SLOW, space, synthetic_model
 
@@ -248,6 +249,18 @@ def test_unsupported_skips_are_refused_with_the_fix():
         trace_model(_MixedOutside(), torch.randint(VOCAB, (1, SEQ)), profile=False)
     with pytest.raises(TraceError, match="head reads an output of block 0.*pass it to the last block"):
         trace_model(_SkipIntoHead(), torch.randint(VOCAB, (1, SEQ)), profile=False)
+
+
+def test_tensor_parallel_splits_the_skips_would_break_are_refused():
+    """Block 0's values leave a column-parallel layer split by heads; a U-Net's skips are whole hidden states."""
+    ids = torch.randint(VOCAB, (2, SEQ))
+    value, unet = (trace_model(_model(name), ids, profile=False) for name in ("value_residual", "unet"))
+    with pytest.raises(ValueError, match="read an output of block 0 other than its hidden state.*tensor_parallel=1"):
+        check_skips_split(value, 2, sequence_parallel=False)
+    check_skips_split(value, 1, sequence_parallel=False)
+    check_skips_split(unet, 2, sequence_parallel=False)
+    with pytest.raises(ValueError, match="set sequence_parallel=False"):
+        check_skips_split(unet, 2, sequence_parallel=True)
 
 
 # Trained under merak3d -------------------------------------------------------------------------------------

@@ -69,8 +69,8 @@ from lightning_merak.util import random_state
 from lightning_merak.util.model_outputs import no_cache
 from lightning_merak.util.module_mode import modules_in_mode
 
-__all__ = ["BuiltModel", "build_model", "call_model", "in_training_mode", "random_state_kept", "shard_built_model",
-           "sequence_parallel_plan", "split_block_problem", "tensor_parallel_plan"]
+__all__ = ["BuiltModel", "build_model", "call_model", "check_skips_split", "in_training_mode", "random_state_kept",
+           "shard_built_model", "sequence_parallel_plan", "split_block_problem", "tensor_parallel_plan"]
 
 Broadcast = Callable[[Any, int], Any]
 """``(obj, src) -> obj``: rank ``src``'s object on every rank (the strategy's ``broadcast``)."""
@@ -233,11 +233,7 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
         # Every rank profiles: blocks may hold collectives (MoE all-to-alls) that need all their peers.
         trace = trace_model(model, micro, call_model, profile=pp > 1, materialize_with=materialize_with,
                             fast_blocks=arguments.fast_blocks)
-        if sequence_parallel and trace.skips:
-            raise ValueError(
-                f"sequence_parallel=True splits the sequence inside each stage's run of blocks, but blocks of "
-                f"{trace.trunk_path} read earlier blocks' outputs ({len(trace.skips)} skip values), which may cross "
-                "from one run into another split differently; set sequence_parallel=False")
+        check_skips_split(trace, tp, sequence_parallel)
         trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
         probe = (trunk[0] if materialize_with is None or tp == 1
                  else materialized_copy(trunk[0], f"{trace.trunk_path}.0", materialize_with))
@@ -304,6 +300,28 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
         for part in stages if stages is not None else [model]:
             part.forward = SubBatchForward(part, layout.tp_overlap)
     return BuiltModel(stages, local_blocks, tensor_partial, tied, layout_changes, partition)
+
+
+def check_skips_split(trace: ModelTrace, tp: int, sequence_parallel: bool) -> None:
+    """Refuse the tensor-parallel splits that skip values (earlier blocks' outputs a block reads) would break.
+
+    A skip value that is an earlier block's hidden state is whole on every tensor-parallel rank (the row
+    layers' all-reduce made it); any other output may be one rank's heads, and the split is checked on block
+    0 alone, which reads none.
+    """
+    if sequence_parallel and trace.skips:
+        raise ValueError(
+            f"sequence_parallel=True splits the sequence inside each stage's run of blocks, but blocks of "
+            f"{trace.trunk_path} read earlier blocks' outputs ({len(trace.skips)} skip values), which may cross "
+            "from one run into another split differently; set sequence_parallel=False")
+    hidden_leaf = trace.block_output_index or 0
+    inner = [skip for skip in trace.skips if skip.leaf != hidden_leaf]
+    if tp > 1 and inner:
+        raise ValueError(
+            f"tensor_parallel={tp}: blocks {list(inner[0].consumers)} of {trace.trunk_path} read an output of block "
+            f"{inner[0].producer} other than its hidden state (a value-residual model's values?), which the split "
+            "may leave as this rank's heads only and which the split check of block 0 never sees; set "
+            "tensor_parallel=1")
 
 
 def _router_aux(model: nn.Module, arguments: Merak3DArguments, layout: Layout) -> Optional[RouterAux]:
