@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 
 import lightning.pytorch as pl
 import pytest
@@ -269,7 +268,7 @@ class _BuiltOnMeta(_TestModule):
     """Built on the meta device in ``configure_model``; each rank fills its stage from the reference's weights."""
 
     def __init__(self, name: str) -> None:
-        super().__init__(None, model_factory=functools.partial(MODELS[name]))
+        super().__init__(None, model_factory=MODELS[name])
         self.name = name
 
     def load_pretrained_weights(self, tensors, layout_changes) -> None:
