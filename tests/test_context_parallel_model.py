@@ -1,6 +1,7 @@
 """A transformers model with context parallelism installed, on real gloo ranks, equals the same model on one
 process: loss and every parameter gradient (summed over the group, as the data-parallel reduction does), for
-Llama, a GQA family with a sliding window, packed and padded rows, with and without labels."""
+Llama, a GQA family with a sliding window, a MoE family with its router aux loss, packed and padded rows, with and
+without labels."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+)
 
 from lightning_merak.parallel.context.model import check_context_parallel_model, install_context_parallel, segment_ids
 from lightning_merak.testing import run_distributed
@@ -25,6 +33,9 @@ def _model(family: str) -> torch.nn.Module:
                   num_attention_heads=4, max_position_embeddings=SEQ, attn_implementation="sdpa")
     if family == "llama":
         return LlamaForCausalLM(LlamaConfig(num_key_value_heads=4, **common))
+    if family == "mixtral":  # its loss with labels adds the router aux loss over the whole batch's tokens
+        return MixtralForCausalLM(MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                                output_router_logits=True, router_aux_loss_coef=0.5, **common))
     # GQA (2 key/value heads) and a window shorter than a shard, so blocks are cut by it
     return MistralForCausalLM(MistralConfig(num_key_value_heads=2, sliding_window=384, **common))
 
@@ -95,10 +106,10 @@ CASES = [
     ("llama", "plain", "ring", True, 2),
     ("llama", "plain", "all_to_all", True, 2),
     ("llama", "packed", "ring", True, 2),
-    ("llama", "padded", "ring", True, 2),
     ("llama", "plain", "ring", False, 2),
     ("mistral", "plain", "ring", True, 4),
     ("mistral", "packed", "all_to_all", True, 2),
+    ("mixtral", "padded", "ring", True, 2),  # padding, and the router aux loss over every rank's tokens
 ]
 
 

@@ -180,6 +180,36 @@ class _Recorder(pl.Callback):
         self.gradients.append(layout_gradients(trainer.strategy, pl_module.model))
 
 
+def assert_step_gradients_match(result: dict[str, Any], expected: dict[str, Any], rank: int) -> set[str]:
+    """Every step's gradients of ``result`` equal ``expected``'s (an expert shard its slice) to 1e-5 of the largest
+    entry; the names compared."""
+    seen = set()
+    for step in range(STEPS):
+        for name, grad in result["gradients"][step].items():
+            want = expected["gradients"][step][name]
+            if name in result["experts"]:
+                start, stop = result["experts"][name]
+                want = want[start:stop]
+            error = (grad - want).abs().max().item()
+            assert error <= 1e-5 * max(1.0, want.abs().max().item()), f"rank {rank} step {step} {name}: {error}"
+            seen.add(name)
+    return seen
+
+
+def expert_slices(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """The experts ``[start, stop)`` this rank holds of each fused expert tensor, by its unsplit name."""
+    from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
+
+    original = getattr(model, "original_name", lambda name: name)
+    experts = {}
+    for name, module in model.named_modules():
+        shard = getattr(module, SHARD_ATTRIBUTE, None)
+        if shard is not None:
+            for tensor in ("gate_up_proj", "down_proj"):
+                experts[f"{original(name)}.{tensor}"] = (shard.experts.start, shard.experts.stop)
+    return experts
+
+
 def _train_rank(rank: int, world_size: int, family: str, layout: dict[str, Any], expert_parallel: bool
                 ) -> dict[str, Any]:
     from lightning_merak.callbacks.moe.experts import ExpertParallelCallback
@@ -197,16 +227,7 @@ def _train_rank(rank: int, world_size: int, family: str, layout: dict[str, Any],
     )
     trainer.fit(_SGDModule(_model(family)),
                 datamodule=ReplicaBatches(_batches(), 0, STEPS))
-    experts = {}
-    if expert_parallel:
-        from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
-
-        model = trainer.lightning_module.model
-        for name, module in model.named_modules():
-            shard = getattr(module, SHARD_ATTRIBUTE, None)
-            if shard is not None:
-                for tensor in ("gate_up_proj", "down_proj"):
-                    experts[f"{model.original_name(name)}.{tensor}"] = (shard.experts.start, shard.experts.stop)
+    experts = expert_slices(trainer.lightning_module.model) if expert_parallel else {}
     return {"losses": recorder.losses, "auxes": recorder.auxes, "gradients": recorder.gradients, "experts": experts}
 
 
@@ -236,13 +257,5 @@ def test_pipeline_stages_train_the_router_aux_loss_as_gradient_accumulation(
         assert result["losses"] == pytest.approx(expected["losses"], rel=1e-5), (rank, result["losses"])
         assert result["auxes"] == pytest.approx(expected["auxes"], rel=1e-5), (rank, result["auxes"])
         assert all(aux > 0 for aux in result["auxes"])
-        for step in range(STEPS):
-            for name, grad in result["gradients"][step].items():
-                want = expected["gradients"][step][name]
-                if name in result["experts"]:
-                    start, stop = result["experts"][name]
-                    want = want[start:stop]
-                error = (grad - want).abs().max().item()
-                assert error <= 1e-5 * max(1.0, want.abs().max().item()), f"rank {rank} step {step} {name}: {error}"
-                seen.add(name)
+        seen |= assert_step_gradients_match(result, expected, rank)
     assert seen == set(expected["gradients"][0]), sorted(set(expected["gradients"][0]) - seen)

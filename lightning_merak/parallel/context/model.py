@@ -10,7 +10,11 @@
   it. :class:`ContextParallelForward` keeps this rank's load-balanced shard of the inputs, gives the model the
   shard's global position ids and the document ids of packed rows (position ids restarting at 0) or padded ones
   (a 2-D ``attention_mask``: padding is a document of its own), shifts ``labels`` on the whole sequence (a chunk's
-  next token lives on another rank) and divides the loss by the whole batch's target count.
+  next token lives on another rank) and divides the loss by the whole batch's target count. A transformers MoE model
+with ``output_router_logits=True`` adds its router aux loss over the whole batch's tokens, not this rank's: the
+routers' logits are recorded during the forward, gathered over the group (with the padding mask, in one order),
+and the family's own ``load_balancing_loss_func`` runs on them (``outputs.aux_loss``; weighted into the loss
+with labels).
 
 The returned loss is the whole batch's on every rank of the group, and its backward scales this rank's part by
 ``cp``: the data-parallel average over ``dp x cp`` replicas then sums the group's partial gradients (the ranks of
@@ -31,6 +35,8 @@ from torch import Tensor, nn
 from lightning_merak.parallel.context.ring import ring_attention
 from lightning_merak.parallel.context.sharding import LoadBalancedLayout
 from lightning_merak.parallel.context.ulysses import check_heads_divisible, ulysses_attention
+from lightning_merak.parallel.pipeline.recording import find_trunk
+from lightning_merak.parallel.pipeline.router_aux import RouterAux, RouterRecorder, router_aux_of
 
 __all__ = ["ATTENTION_NAME", "CONTEXT_ATTENTION_METHODS", "ContextParallelForward", "attention_shape",
            "check_context_parallel_model", "install_context_parallel", "segment_ids"]
@@ -197,6 +203,43 @@ class _GatherSequence(torch.autograd.Function):
         return ctx.layout.shard(grad, ctx.rank, dim=1) * ctx.size, None, None, None
 
 
+class _GatherRows(torch.autograd.Function):
+    """Forward: every rank's rows, concatenated in rank order; backward: this rank's rows of the gradient times
+    the group size (every rank computes the same loss from the whole tensor; see :class:`_SumOverGroup`)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.rank, ctx.size, ctx.rows = dist.get_rank(group), dist.get_world_size(group), local.shape[0]
+        pieces = [torch.empty_like(local) for _ in range(ctx.size)]
+        dist.all_gather(pieces, local.contiguous(), group=group)
+        return torch.cat(pieces)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows] * ctx.size, None
+
+
+class _RouterAux:
+    """The whole batch's router aux loss of a MoE model whose shards run on the ranks of ``group``."""
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup) -> None:
+        self.aux: RouterAux = router_aux_of(model, find_trunk(model)[1])
+        routers = [module for module in model.modules() if isinstance(module, self.aux.router_class)]
+        self.recorder = RouterRecorder(routers, self.aux.output_index)
+        self.group = group
+
+    def loss(self, recorded: list[Tensor], mask_shard: Optional[Tensor]) -> Tensor:
+        """The unweighted aux loss over every rank's tokens, from this rank's ``recorded`` router logits (one
+        ``[tokens, experts]`` per router call, batch-major) and its shard of the padding mask."""
+        layers = tuple(_GatherRows.apply(logits.reshape(-1, logits.shape[-1]), self.group) for logits in recorded)
+        mask = None
+        if mask_shard is not None:  # [ranks x batch, shard]: the gathered rows' order, rank by rank
+            pieces = [torch.empty_like(mask_shard) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(pieces, mask_shard.contiguous(), group=self.group)
+            mask = torch.cat(pieces)
+        return self.aux.loss_function(layers, self.aux.num_experts, self.aux.top_k, mask)
+
+
 class ContextParallelForward:
     """The model's forward for whole sequences, running on this rank's shard (see the module docstring)."""
 
@@ -210,6 +253,8 @@ class ContextParallelForward:
         self._size = dist.get_world_size(state.group)
         self._has_shifted_loss = _takes_shifted_labels(model)
         self._model_name = type(model).__name__
+        config = getattr(model, "config", None)
+        self._router_aux = _RouterAux(model, state.group) if getattr(config, "output_router_logits", False) else None
 
     def __call__(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                  position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None,
@@ -230,8 +275,10 @@ class ContextParallelForward:
         inputs = {"input_ids": None if input_ids is None else shard(input_ids),
                   "inputs_embeds": None if inputs_embeds is None else shard(inputs_embeds),
                   "position_ids": local_positions, "use_cache": False}
+        if self._router_aux is not None:  # the model's own aux loss would be over this rank's tokens only
+            kwargs["output_router_logits"] = False
         if labels is None:
-            outputs = self._forward(**inputs, **kwargs)
+            outputs = self._run(inputs, kwargs, attention_mask, shard)
             outputs["logits"] = _GatherSequence.apply(outputs["logits"], self._state.group, layout, self._rank)
             return outputs
         if not self._has_shifted_loss:
@@ -243,9 +290,22 @@ class ContextParallelForward:
         targets = kwargs.pop("num_items_in_batch", None)
         if targets is None:
             targets = (shifted != IGNORE_INDEX).sum()
-        outputs = self._forward(**inputs, labels=shard(labels), shift_labels=shard(shifted),
-                                num_items_in_batch=targets, **kwargs)
+        outputs = self._run({**inputs, "labels": shard(labels), "shift_labels": shard(shifted),
+                             "num_items_in_batch": targets}, kwargs, attention_mask, shard)
         outputs["loss"] = _SumOverGroup.apply(outputs["loss"], self._state.group)
+        if self._router_aux is not None:
+            outputs["loss"] = outputs["loss"] + self._router_aux.aux.coefficient * outputs["aux_loss"]
+        return outputs
+
+    def _run(self, inputs: dict[str, Any], kwargs: dict[str, Any], attention_mask: Optional[Tensor],
+             shard: Any) -> Any:
+        """The model's forward on this rank's shard, with the whole batch's router aux loss where it has one."""
+        if self._router_aux is None:
+            return self._forward(**inputs, **kwargs)
+        with self._router_aux.recorder.recording() as recorded:
+            outputs = self._forward(**inputs, **kwargs)
+        mask = None if attention_mask is None or attention_mask.ndim != 2 else shard(attention_mask)
+        outputs["aux_loss"] = self._router_aux.loss(recorded, mask)
         return outputs
 
     def _shard(self, layout: LoadBalancedLayout) -> Any:

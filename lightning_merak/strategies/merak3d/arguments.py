@@ -388,9 +388,6 @@ class Merak3DArguments(Merak3DOptions):
         if self.context_parallel != "auto" and self.context_parallel > 1:
             check_context_parallel_model(model, self.context_parallel, self.unplanned_context_attention,
                                          tensor_parallel or 1)
-            if moe_layers(model):
-                raise ValueError(f"context_parallel={self.context_parallel} does not run MoE layers yet; "
-                                 "use context_parallel=1")
         if pipeline_parallel is not None and pipeline_parallel > 1:
             check_stage_count(pipeline_parallel * self.stages_per_rank, len(find_trunk(model)[1]))
 

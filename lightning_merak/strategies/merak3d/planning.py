@@ -277,7 +277,7 @@ def context_parallel_degrees(arguments: Merak3DArguments, model: nn.Module, worl
     blockers = arguments.context_parallel_blockers()
     problem = f"it does not run with {', '.join(blockers)} yet" if blockers else None
     if problem is None and moe_layers(model):
-        problem = "MoE layers"
+        problem = "its cost model does not price expert-parallel MoE layers under context parallelism; set it"
     if problem is None:
         try:
             check_context_parallel_model(model, 2, "ring")
