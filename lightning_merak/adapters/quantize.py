@@ -75,6 +75,20 @@ def quantize_model(
     return refuse_mismatched_checkpoints(model)
 
 
+def bitsandbytes_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The bitsandbytes weights of ``model`` (``Params4bit``, ``Int8Params``), which FSDP2 must leave whole.
+
+    Their quantisation statistics (4-bit: absmax, nested absmax and code map in ``quant_state``; int8: the row
+    scales ``SCB``) are Python attributes of the tensor, and the layers' forward reads them there. FSDP2 rebuilds
+    each parameter it shards as a plain ``DTensor`` and gathers plain tensors, so these attributes would be lost
+    (``quant_state is required``, ``'Parameter' object has no attribute 'CB'``).
+    """
+    import bitsandbytes as bnb
+
+    kinds = (bnb.nn.Params4bit, bnb.nn.Int8Params)
+    return [param for param in model.parameters() if isinstance(param, kinds)]
+
+
 def quantized_linear(linear: nn.Linear, quantization: Quantization, double_quant: bool = True) -> nn.Module:
     """A bitsandbytes ``nf4``/``fp4``/``int8`` layer computing ``linear`` from its quantised weight (frozen).
 

@@ -11,6 +11,9 @@ must not average them over the data-parallel ranks again. Pipeline stages need n
 torch's ``PipelineStage`` keeps gradients unreduced until a stage's last micro-batch and then
 reduces them (``backward_maybe_with_nosync`` / ``perform_reduce_grad``).
 
+A quantised frozen base whose statistics live outside its tensors (bitsandbytes') is left whole on
+every rank (``replicated``): FSDP2 would drop those statistics; the adapters on it are sharded.
+
 Mixed precision is left to Lightning's precision plugin: the sharded parameters keep their dtype
 (fp32 master weights under ``*-mixed``), autocast casts the gathered ones.
 """
@@ -18,7 +21,7 @@ Mixed precision is left to Lightning's precision plugin: the sharded parameters 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 import torch
 from torch import nn
@@ -58,26 +61,35 @@ class FullySharded:
 
 
 def apply_fully_shard(roots: Sequence[nn.Module], blocks: Sequence[Sequence[nn.Module]], mesh: DeviceMesh, *,
-                      pipelined: bool) -> FullySharded:
+                      pipelined: bool, replicated: Collection[nn.Parameter] = ()) -> FullySharded:
     """Shard ``blocks[k]`` (stage ``k``'s transformer blocks, in execution order), then ``roots[k]``, over ``mesh``.
 
     ``pipelined``: keep gathered parameters from forward to backward (torchtitan's choice with
     pipeline parallelism: every micro-batch would gather them again otherwise). Without it the
     blocks free theirs after forward; FSDP2 keeps the root's. Each block prefetches the next
     block's parameters in forward and the previous one's in backward.
+
+    ``replicated``: frozen parameters FSDP2 leaves whole on every rank (``ignored_params``): a quantised base
+    whose statistics FSDP2 cannot carry. Frozen, they need no gradient reduction; every rank holds the same
+    copy, as it quantised the same weights.
     """
     if len(roots) != len(blocks):
         raise ValueError(f"{len(roots)} stage roots but {len(blocks)} lists of blocks")
     before = {id(root): dict(root.named_parameters(remove_duplicate=False)) for root in roots}
     modules: list[FSDPModule] = []
+    ignored = set(replicated) or None
+    if ignored is not None and any(param.requires_grad for param in ignored):
+        raise ValueError("only frozen parameters can stay replicated under data_parallel_sharding='full'")
     for root, stage_blocks in zip(roots, blocks):
-        sharded = [fully_shard(block, mesh=mesh, reshard_after_forward=not pipelined) for block in stage_blocks]
+        sharded = [fully_shard(block, mesh=mesh, reshard_after_forward=not pipelined,
+                               ignored_params=ignored) for block in stage_blocks]
         for previous, following in zip(sharded, sharded[1:]):
             previous.set_modules_to_forward_prefetch([following])
             following.set_modules_to_backward_prefetch([previous])
         modules.extend(sharded)
         # the root last: it owns what the blocks left (embeddings, final norm, head) and starts each step
-        modules.append(fully_shard(root, mesh=mesh, reshard_after_forward=False if pipelined else None))
+        modules.append(fully_shard(root, mesh=mesh, reshard_after_forward=False if pipelined else None,
+                                   ignored_params=ignored))
         # a forward without gradients (validation, predict) leaves the root's gathered parameters registered
         # until the next backward: reshard them, so what reads the module in between sees the sharded ones
         root.register_forward_hook(_ReshardWithoutGradients(modules[-len(sharded) - 1:]))

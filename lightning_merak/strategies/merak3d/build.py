@@ -15,6 +15,7 @@ import contextlib
 import copy
 import functools
 import math
+import sys
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Optional
 
@@ -517,6 +518,17 @@ def _data_parallel_only(model: nn.Module, layout: Layout, groups: LayoutGroups,
     return BuiltModel(None, blocks, [], [], {}, None)
 
 
+def _unshardable_quantized(model: nn.Module) -> list[nn.Parameter]:
+    """The frozen quantised weights FSDP2 would break (bitsandbytes': statistics held as tensor attributes); a model
+    holding any has imported bitsandbytes. The project's INT4 keeps codes, scales and zeros in buffers, which FSDP2
+    leaves whole anyway."""
+    if "bitsandbytes" not in sys.modules:
+        return []
+    from lightning_merak.adapters.quantize import bitsandbytes_parameters  # lazy: PEFT
+
+    return bitsandbytes_parameters(model)
+
+
 def shard_built_model(model: nn.Module, built: BuiltModel, groups: LayoutGroups, shard_size: Optional[int], *,
                       row_shared: bool = False) -> tuple[FullySharded, BuiltModel]:
     """Fully shard ``model`` (this rank's part of the built layout: a ``RankStages`` or the whole model) over the
@@ -538,7 +550,8 @@ def shard_built_model(model: nn.Module, built: BuiltModel, groups: LayoutGroups,
     else:
         roots, blocks = [model], [list(built.local_blocks.values())]
     mesh = data_parallel_mesh(groups.mesh, shard_size)
-    sharded = apply_fully_shard(roots, blocks, mesh, pipelined=stages is not None)
+    sharded = apply_fully_shard(roots, blocks, mesh, pipelined=stages is not None,
+                                replicated=_unshardable_quantized(model))
     remapped = replace(built, tensor_partial=[sharded.sharded(param) for param in built.tensor_partial],
                        tied=[entry._replace(param=sharded.sharded(entry.param)) for entry in built.tied])
     return sharded, remapped
