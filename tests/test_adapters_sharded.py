@@ -1,10 +1,11 @@
 """Adapters on a quantised frozen base under merak3d's data-parallel sharding, against the single-process model.
 
-``data_parallel_sharding="full"`` shards the adapters (and their gradients and Adam state) and the frozen float
-parts with FSDP2 while each rank keeps the whole bitsandbytes base (its statistics are attributes FSDP2 cannot
-carry; ``docs/guides/adapters.md``); ZeRO-1/2 shard only the trainable parameters. Every run starts from the same
-float weights, so losses, adapter gradients and updated adapter weights equal the single-process quantised model's
-(fp32 compute). One launch trains them all in turn; the full run's checkpoint resumes under ZeRO-1.
+``data_parallel_sharding="full"`` shards the adapters (and their gradients and Adam state), the frozen float
+parts and a 4-bit base's packed codes with FSDP2; the codes' statistics stay whole on every rank, and so does an
+int8 base (``docs/guides/adapters.md``). ZeRO-1/2 shard only the trainable parameters. Every run starts from the
+same float weights, so losses, adapter gradients and updated adapter weights equal the single-process quantised
+model's (fp32 compute). One launch trains them all in turn; checkpoints resume from ``full`` under ZeRO-1 and from
+ZeRO-2 under ``full``.
 """
 
 from __future__ import annotations
@@ -26,16 +27,14 @@ OPTIONS.update({  # beside test_adapters_meta's: QA-HiRA and LoRA (QLoRA) on bit
     "lora-nf4": lambda: LoRAAdapterConfig(r=4, quantization=Quantization.nf4, target_modules=list(TARGETS)),
 })
 RESUMED_AT = 3
-RUNS = (  # (option, data_parallel_sharding, first step, last step, saves, resumes)
+RUNS = (  # (option, data_parallel_sharding, first step, last step, saves, resumes): checkpoints by option
     ("qbara-nf4", "full", 0, RESUMED_AT, True, False),
     ("qbara-nf4", "optimizer", RESUMED_AT, STEPS, False, True),
-    ("qahira-nf4", "gradients", 0, STEPS, False, False),
+    ("qahira-nf4", "gradients", 0, RESUMED_AT, True, False),
+    ("qahira-nf4", "full", RESUMED_AT, STEPS, False, True),
     ("lora-nf4", "full", 0, STEPS, False, False),
     ("lora-int8", "full", 0, STEPS, False, False),
 )
-QUANTISED = ("Params4bit", "Int8Params")
-
-
 class _Trace(pl.Callback):
     """Each step's loss and, where the parameters keep them (not ZeRO's shard parameters), adapter gradients."""
 
@@ -54,7 +53,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _fit(world_size: int, option_name: str, mode: str, first_step: int, last_step: int, saves: bool, resumes: bool,
-         checkpoint: str) -> dict:
+         directory: str) -> dict:
+    checkpoint = f"{directory}/{option_name}.ckpt"
     module = _MetaAdapterModule(option_name, _weights(option_name))
     trace = _Trace()
     strategy = Merak3DStrategy(data_parallel=2, data_parallel_sharding=mode, timeout_s=120)
@@ -68,7 +68,9 @@ def _fit(world_size: int, option_name: str, mode: str, first_step: int, last_ste
         trainer.save_checkpoint(checkpoint)
     adapters = [(name, param) for name, param in module.model.named_parameters() if param.requires_grad]
     local = sum(_local(param).numel() for _, param in adapters)
-    base = [param for param in module.model.parameters() if type(param).__name__ in QUANTISED]
+    import bitsandbytes as bnb  # after the model: importing it is heavy
+
+    layers = [layer for layer in module.model.modules() if isinstance(layer, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))]
     state = [value for optimizer in strategy.optimizers for entry in optimizer.state.values()
              for value in entry.values() if isinstance(value, torch.Tensor) and value.ndim > 0]
     return {
@@ -77,22 +79,24 @@ def _fit(world_size: int, option_name: str, mode: str, first_step: int, last_ste
                     for name, param in adapters},
         "adapter_share": local / sum(param.numel() for _, param in adapters),
         "adam_share": sum(_local(value).numel() for value in state) / (2 * sum(param.numel() for _, param in adapters)),
-        "base": {type(param).__name__ for param in base},
-        "base_whole": bool(base) and all(not isinstance(param, DTensor) for param in base),
-        # 4-bit statistics stay on the weight (int8's row scales move to the layer's state at its first forward)
-        "base_stats": all(param.quant_state is not None for param in base if type(param).__name__ == "Params4bit"),
+        "base": sorted({type(layer).__name__ for layer in layers}),
+        "codes_share": sum(_local(layer.weight).numel() for layer in layers) / sum(
+            layer.weight.numel() for layer in layers),
+        # each 4-bit layer's statistics, whole: on its weight, or under full on the layer (set on the gathered codes)
+        "statistics": all(any(getattr(holder, "quant_state", None) is not None for holder in (layer.weight, layer))
+                          for layer in layers if isinstance(layer, bnb.nn.Linear4bit)),
     }
 
 
-def _sharded_rank(rank: int, world_size: int, checkpoint: str) -> list[dict]:
-    return [_fit(world_size, *run, checkpoint=checkpoint) for run in RUNS]
+def _sharded_rank(rank: int, world_size: int, directory: str) -> list[dict]:
+    return [_fit(world_size, *run, directory=directory) for run in RUNS]
 
 
 @pytest.mark.distributed
 def test_quantised_adapters_under_full_and_zero_sharding_equal_the_single_process_model(tmp_path):
-    """NF4 / int8 bases with Q-BaRA, QA-HiRA and LoRA at dp2: ``full`` (adapters and Adam state halved, the
-    bitsandbytes base whole with its statistics), ZeRO-1 resumed from the ``full`` checkpoint, and ZeRO-2."""
-    results = run_distributed(_sharded_rank, 2, args=(str(tmp_path / "full.ckpt"),), timeout_s=300)
+    """NF4 / int8 bases with Q-BaRA, QA-HiRA and LoRA at dp2: ``full`` (adapters, Adam state and NF4 codes halved,
+    their statistics whole; int8 whole), ZeRO-1 and ZeRO-2 (the base whole), each resumed in another mode."""
+    results = run_distributed(_sharded_rank, 2, args=(str(tmp_path),), timeout_s=300)
     references: dict[str, tuple[TrainingTrace, dict[str, torch.Tensor]]] = {}
     for index, (option_name, mode, first, last, _, _) in enumerate(RUNS):
         if option_name not in references:
@@ -107,8 +111,12 @@ def test_quantised_adapters_under_full_and_zero_sharding_equal_the_single_proces
             # int8 LoRA's gradients came within 7.2e-6 of the largest entry on this host: leave it room
             assert_traces_match(steps, recorded, loss_rtol=1e-5, grad_rtol=2e-5 if "int8" in option_name else 1e-5,
                                 check_gradients=mode == "full")
-            assert run["base"] == ({"Int8Params"} if "int8" in option_name else {"Params4bit"}), run["base"]
-            assert run["base_whole"] and run["base_stats"], (option_name, mode)
+            int8 = "int8" in option_name
+            assert run["base"] == ["Linear8bitLt" if int8 else "Linear4bit"], run["base"]
+            assert run["statistics"], (option_name, mode)
+            # full shards the 4-bit codes; int8 codes, and every base under ZeRO, stay whole
+            codes_share = 0.5 if mode == "full" and not int8 else 1.0
+            assert run["codes_share"] == pytest.approx(codes_share, abs=0.02), (option_name, mode)
             assert run["adapter_share"] == pytest.approx(1.0 if mode != "full" else 0.5, abs=0.02), (option_name, mode)
             assert run["adam_share"] == pytest.approx(0.5, abs=0.02), (option_name, mode)
         if last == STEPS:  # the weights the last step left (a ZeRO run's are gathered on every rank)

@@ -116,7 +116,7 @@ def check_target_layer(
         )
 
 
-def _restore_bnb_cpu_layout(base_layer: nn.Module) -> None:
+def restore_bnb_cpu_layout(base_layer: nn.Module) -> None:
     """Undo bitsandbytes' in-place CPU repacking (done by eval-mode forwards on AVX512-BF16 hosts).
 
     PEFT's dequantize ignores the packed layout and would read garbage, so this runs before any merge.
@@ -237,7 +237,7 @@ class PooledAdapterLayer(MergesIntoBase, nn.Module, BaseTunerLayer):
             return
         if not self.quantization_backend.supports_merge:
             raise TypeError(f"{self.method_name}: layer '{self.layer_name}' ({type(base).__name__}) cannot be merged")
-        _restore_bnb_cpu_layout(base)
+        restore_bnb_cpu_layout(base)
         weight = self.quantization_backend.get_base_weight(base).float()
         self.quantization_backend.set_base_weight(self, weight + delta.to(weight.device))
 

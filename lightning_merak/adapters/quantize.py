@@ -75,18 +75,47 @@ def quantize_model(
     return refuse_mismatched_checkpoints(model)
 
 
-def bitsandbytes_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The bitsandbytes weights of ``model`` (``Params4bit``, ``Int8Params``), which FSDP2 must leave whole.
+def prepare_fully_shard(model: nn.Module) -> list[nn.Parameter]:
+    """Ready ``model``'s bitsandbytes layers for FSDP2; returns the weights FSDP2 must leave whole (int8's).
 
-    Their quantisation statistics (4-bit: absmax, nested absmax and code map in ``quant_state``; int8: the row
-    scales ``SCB``) are Python attributes of the tensor, and the layers' forward reads them there. FSDP2 rebuilds
-    each parameter it shards as a plain ``DTensor`` and gathers plain tensors, so these attributes would be lost
-    (``quant_state is required``, ``'Parameter' object has no attribute 'CB'``).
+    A 4-bit weight's statistics (absmax, nested absmax, code map: ``quant_state``) are a Python attribute of
+    the tensor, which FSDP2 drops when it rebuilds the parameter as a sharded ``DTensor`` and gathers a plain
+    tensor. They stay whole on the layer (``layer.quant_state``, bitsandbytes' own place for them under FSDP)
+    and a forward pre-hook puts them on the gathered codes, which FSDP2 shards like any frozen parameter; a
+    state-dict pre-hook puts them on the shard, so checkpoints keep their quantisation state. CPU repacking
+    is turned off: it rewrites ``weight.data`` in place, which would write into FSDP2's gathered buffer (eval
+    forwards take the dequantize-and-matmul path training uses).
+
+    An int8 layer reads its codes from its own state (``state.CB``, taken from the weight at its first forward)
+    and writes them back into ``weight.data`` after every forward, so sharding its weight frees nothing and
+    breaks the gathered parameter: it stays whole.
     """
     import bitsandbytes as bnb
 
-    kinds = (bnb.nn.Params4bit, bnb.nn.Int8Params)
-    return [param for param in model.parameters() if isinstance(param, kinds)]
+    from .base import restore_bnb_cpu_layout
+
+    whole = []
+    for layer in model.modules():
+        if isinstance(layer, bnb.nn.Linear8bitLt):
+            whole.append(layer.weight)
+        elif isinstance(layer, bnb.nn.Linear4bit) and not getattr(layer, _SHARD_READY, False):
+            restore_bnb_cpu_layout(layer)
+            layer.support_avx512bf16_for_cpu = False
+            layer.quant_state = layer.weight.quant_state
+            layer.register_forward_pre_hook(_statistics_onto_weight)
+            layer.register_state_dict_pre_hook(_statistics_onto_weight)
+            setattr(layer, _SHARD_READY, True)
+    return whole
+
+
+_SHARD_READY = "merak_fully_shard_ready"
+"""Attribute marking a 4-bit layer :func:`prepare_fully_shard` has readied (its hooks registered once)."""
+
+
+def _statistics_onto_weight(layer: nn.Module, *args: object) -> None:
+    """Give the layer's weight (FSDP2's gathered codes, or its shard) the layer's quantisation statistics."""
+    if getattr(layer.weight, "quant_state", None) is None:
+        layer.weight.quant_state = layer.quant_state
 
 
 def quantized_linear(linear: nn.Linear, quantization: Quantization, double_quant: bool = True) -> nn.Module:

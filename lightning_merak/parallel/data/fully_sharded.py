@@ -11,8 +11,8 @@ must not average them over the data-parallel ranks again. Pipeline stages need n
 torch's ``PipelineStage`` keeps gradients unreduced until a stage's last micro-batch and then
 reduces them (``backward_maybe_with_nosync`` / ``perform_reduce_grad``).
 
-A quantised frozen base whose statistics live outside its tensors (bitsandbytes') is left whole on
-every rank (``replicated``): FSDP2 would drop those statistics; the adapters on it are sharded.
+Frozen weights FSDP2 cannot shard (a bitsandbytes int8 base, whose layer keeps a second reference to
+its codes) are left whole on every rank (``replicated``); the adapters on them are sharded.
 
 Mixed precision is left to Lightning's precision plugin: the sharded parameters keep their dtype
 (fp32 master weights under ``*-mixed``), autocast casts the gathered ones.
@@ -69,9 +69,9 @@ def apply_fully_shard(roots: Sequence[nn.Module], blocks: Sequence[Sequence[nn.M
     blocks free theirs after forward; FSDP2 keeps the root's. Each block prefetches the next
     block's parameters in forward and the previous one's in backward.
 
-    ``replicated``: frozen parameters FSDP2 leaves whole on every rank (``ignored_params``): a quantised base
-    whose statistics FSDP2 cannot carry. Frozen, they need no gradient reduction; every rank holds the same
-    copy, as it quantised the same weights.
+    ``replicated``: frozen parameters FSDP2 leaves whole on every rank (``ignored_params``), which it cannot
+    shard. Frozen, they need no gradient reduction; every rank holds the same copy, as it quantised the same
+    weights.
     """
     if len(roots) != len(blocks):
         raise ValueError(f"{len(roots)} stage roots but {len(blocks)} lists of blocks")

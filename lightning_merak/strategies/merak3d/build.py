@@ -518,15 +518,15 @@ def _data_parallel_only(model: nn.Module, layout: Layout, groups: LayoutGroups,
     return BuiltModel(None, blocks, [], [], {}, None)
 
 
-def _unshardable_quantized(model: nn.Module) -> list[nn.Parameter]:
-    """The frozen quantised weights FSDP2 would break (bitsandbytes': statistics held as tensor attributes); a model
-    holding any has imported bitsandbytes. The project's INT4 keeps codes, scales and zeros in buffers, which FSDP2
-    leaves whole anyway."""
+def _ready_quantized(model: nn.Module) -> list[nn.Parameter]:
+    """Ready a bitsandbytes base for FSDP2 (4-bit codes shard, their statistics stay whole); returns the weights it
+    must leave whole (int8). A model holding any has imported bitsandbytes. The project's INT4 keeps codes, scales
+    and zeros in buffers, which FSDP2 leaves whole anyway."""
     if "bitsandbytes" not in sys.modules:
         return []
-    from lightning_merak.adapters.quantize import bitsandbytes_parameters  # lazy: PEFT
+    from lightning_merak.adapters.quantize import prepare_fully_shard  # lazy: PEFT
 
-    return bitsandbytes_parameters(model)
+    return prepare_fully_shard(model)
 
 
 def shard_built_model(model: nn.Module, built: BuiltModel, groups: LayoutGroups, shard_size: Optional[int], *,
@@ -551,7 +551,7 @@ def shard_built_model(model: nn.Module, built: BuiltModel, groups: LayoutGroups,
         roots, blocks = [model], [list(built.local_blocks.values())]
     mesh = data_parallel_mesh(groups.mesh, shard_size)
     sharded = apply_fully_shard(roots, blocks, mesh, pipelined=stages is not None,
-                                replicated=_unshardable_quantized(model))
+                                replicated=_ready_quantized(model))
     remapped = replace(built, tensor_partial=[sharded.sharded(param) for param in built.tensor_partial],
                        tied=[entry._replace(param=sharded.sharded(entry.param)) for entry in built.tied])
     return sharded, remapped
