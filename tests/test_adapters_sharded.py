@@ -13,13 +13,14 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_merak.cli.options.adapter import LoRAAdapterConfig, QAHiRAAdapterConfig, Quantization
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import TrainingTrace, assert_traces_match, layout_gradients, run_distributed
-from tests.test_adapters_meta import OPTIONS, TARGETS, _MetaAdapterModule, _reference, _weights
-from tests.test_merak3d import STEPS, _ShardedData
+from tests.test_adapters_meta import OPTIONS, TARGETS, _base, _MetaAdapterModule, _reference, _weights
+from tests.test_merak3d import STEPS, VOCAB, _ShardedData
 
 OPTIONS.update({  # beside test_adapters_meta's: QA-HiRA and LoRA (QLoRA) on bitsandbytes NF4
     "qahira-nf4": lambda: QAHiRAAdapterConfig(r=2, quantization=Quantization.nf4, lambda_in=4, lambda_out=2,
@@ -125,3 +126,37 @@ def test_quantised_adapters_under_full_and_zero_sharding_equal_the_single_proces
                 for run in runs:
                     torch.testing.assert_close(run["weights"][name], expected, rtol=1e-5, atol=1e-5,
                                                msg=lambda m: f"{option_name} {mode} {name}: {m}")
+
+
+def test_prepared_bitsandbytes_layers_compute_and_save_from_bare_codes():
+    """What FSDP2 registers in a 4-bit layer — its codes as a plain tensor, without their statistics — writes the
+    same state dict and computes the same logits once the layers are prepared, and stays registered (bitsandbytes'
+    own fallback would replace it); int8 weights are left whole."""
+    import bitsandbytes as bnb
+
+    from lightning_merak.adapters.quantize import prepare_fully_shard
+
+    model = OPTIONS["lora-nf4"]().apply(_base())
+    tokens = torch.randint(VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    expected, expected_state = model(tokens).logits, model.state_dict()
+    assert prepare_fully_shard(model) == []
+    layers = [layer for layer in model.modules() if isinstance(layer, bnb.nn.Linear4bit)]
+    assert layers
+
+    def bare_codes() -> list[nn.Parameter]:
+        for layer in layers:
+            layer.weight = nn.Parameter(torch.Tensor(layer.weight.data.clone()), requires_grad=False)
+        return [layer.weight for layer in layers]
+
+    registered = bare_codes()
+    torch.testing.assert_close(model(tokens).logits, expected, rtol=0, atol=0)
+    assert all(layer.weight is weight for layer, weight in zip(layers, registered))
+    bare_codes()
+    state = model.state_dict()
+    assert sorted(state) == sorted(expected_state)
+    for name, tensor in expected_state.items():
+        assert torch.equal(state[name], tensor), name
+    int8 = OPTIONS["lora-int8"]().apply(_base())
+    whole = prepare_fully_shard(int8)
+    assert whole and all(isinstance(param, bnb.nn.Int8Params) for param in whole)
+    assert len(whole) == sum(isinstance(layer, bnb.nn.Linear8bitLt) for layer in int8.modules())
