@@ -36,6 +36,8 @@ RUNS = (  # (option, data_parallel_sharding, first step, last step, saves, resum
     ("lora-nf4", "full", 0, STEPS, False, False),
     ("lora-int8", "full", 0, STEPS, False, False),
 )
+
+
 class _Trace(pl.Callback):
     """Each step's loss and, where the parameters keep them (not ZeRO's shard parameters), adapter gradients."""
 
