@@ -35,6 +35,9 @@ OPTIONS = {
     "lora-int8": lambda: LoRAAdapterConfig(r=4, quantization=Quantization.int8, target_modules=list(TARGETS)),
     "lora-head-fp32": lambda: LoRAAdapterConfig(r=4, quantization=Quantization.none,
                                                 target_modules=[*TARGETS, "lm_head", "embed_tokens"]),
+    "qbara-fp32": lambda: QBaRAAdapterConfig(r=2, quantization=Quantization.none, target_modules=list(TARGETS)),
+    "qahira-fp32": lambda: QAHiRAAdapterConfig(r=2, quantization=Quantization.none, group_size=16, lambda_in=16,
+                                               target_modules=list(TARGETS)),
 }
 
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from lightning_merak.adapters.meta import attach_on_meta
-from lightning_merak.cli.options.adapter import Quantization
 from lightning_merak.distributed.dtensors import local_tensor
 from lightning_merak.modules.causal_lm import build_causal_lm
 from lightning_merak.parallel.materialize import copy_full_tensors
@@ -45,11 +44,12 @@ def _tp_rank(*args, **kwargs) -> tuple:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(("layout_name", "option_name"),
-                         [("tp2", "lora-fp32"), ("tp2sp", "lora-head-fp32"), ("pp2xtp2", "lora-fp32")])
+                         [("tp2", "lora-fp32"), ("tp2sp", "lora-head-fp32"), ("pp2xtp2", "lora-fp32"),
+                          ("tp2", "qbara-fp32"), ("tp2sp", "qahira-fp32")])
 def test_lora_split_by_tensor_parallelism_holds_its_share_and_trains_like_the_whole_model(layout_name, option_name,
                                                                                           tmp_path):
-    """q/v (column layers, GQA) and down (row layer) adapted, with sequence parallelism also the LM head and the
-    input embedding (whole on every rank); the tp checkpoint exports merged."""
+    """q/v (column layers, GQA) and down (row layer) adapted by LoRA, Q-BaRA or QA-HiRA; with sequence parallelism
+    LoRA also on the LM head and the input embedding (whole on every rank); the tp checkpoint exports merged."""
     world_size, layout = LAYOUTS[layout_name]
     checkpoint = str(tmp_path / "tp.ckpt")
     results = run_distributed(_tp_rank, world_size, args=(option_name, layout), kwargs={"save_to": checkpoint},
@@ -139,15 +139,16 @@ def _on_meta(option) -> torch.nn.Module:
 
 
 def test_what_tensor_parallelism_does_not_split_is_refused_naming_the_fix():
-    """Quantised bases and pooled adapters: before any work."""
+    """Quantised bases, and dropout on a pooled adapter: before any work."""
     lora = _on_meta(OPTIONS["lora-fp32"]())
     check_adapter_split(lora, 2)
     for name in ("qbara-nf4", "qahira-int4", "lora-int8"):
         with pytest.raises(ValueError, match="use quantization=none"):
             check_adapter_split(_on_meta(OPTIONS[name]()), 2)
-    qbara = OPTIONS["qbara-nf4"]()
-    qbara.quantization = Quantization.none
-    with pytest.raises(ValueError, match="Q-BaRA, QA-HiRA .* not split .* use tensor_parallel=1"):
+    check_adapter_split(_on_meta(OPTIONS["qbara-fp32"]()), 2)
+    qbara = OPTIONS["qbara-fp32"]()
+    qbara.dropout = 0.1
+    with pytest.raises(ValueError, match="dropout=0; use tensor_parallel=1"):
         check_adapter_split(_on_meta(qbara), 2)
     check_adapter_split(_on_meta(OPTIONS["lora-head-fp32"]()), 2)  # the head's and embedding's stay whole
     Merak3DArguments(tensor_parallel=2, sequence_parallel=True).check_model(lora, 1, 2)

@@ -35,16 +35,16 @@ wrap stays whole on every tensor-parallel rank, as everything outside the blocks
 leaves such a head or embedding (and its tied partner) whole. Each rank computes the same update from the same
 whole hidden states, so no collective is added.
 
-What is not split here is refused by :func:`check_adapter_split` before any work: pooled adapters
-(Q-BaRA, QA-HiRA), quantised bases, DoRA and other LoRA variants, ``lora_bias`` and several adapters on
-one layer, inside the blocks.
+Q-BaRA and QA-HiRA layers split the same way (:mod:`~lightning_merak.parallel.tensor.pooled_adapters`). What is not
+split is refused by :func:`check_adapter_split` before any work: quantised bases, DoRA and other LoRA variants,
+``lora_bias``, dropout on a pooled adapter and several adapters on one layer, inside the blocks.
 """
 
 from __future__ import annotations
 
 import itertools
 import sys
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Sized
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +62,9 @@ from lightning_merak.parallel.tensor.layers import (
 )
 from lightning_merak.util.random_state import spread_seed
 
-__all__ = ["ColumnParallelLoRA", "RowParallelLoRA", "adapter_partial_parameters", "check_adapter_split",
-           "is_tuner_layer", "linear_features", "row_following_parameters", "split_base", "split_linear"]
+__all__ = ["ColumnParallelLoRA", "RowParallelLoRA", "SplitAdapter", "adapter_partial_parameters", "check_adapter_split",
+           "is_tuner_layer", "linear_features", "row_following_parameters", "shared_split_problem", "split_base",
+           "split_linear"]
 
 _FIX = "use tensor_parallel=1 (pipeline_parallel / data_parallel split adapter models)"
 
@@ -77,26 +78,36 @@ def is_tuner_layer(module: nn.Module) -> bool:
     return tuners is not None and isinstance(module, tuners.BaseTunerLayer)
 
 
+def shared_split_problem(layer: nn.Module, adapters: Sized) -> Optional[str]:
+    """Why no adapter on tuner ``layer`` (holding ``adapters``) splits with its base, or None: a base other than a
+    float ``nn.Linear``, several adapters, a merged one."""
+    base = layer.get_base_layer()
+    if type(base) is not nn.Linear:
+        return (f"its base is {type(base).__name__}, not a float nn.Linear: quantised bases (and Conv1D) are not "
+                "split yet (each shard would be quantised after the split, its width a multiple of the block)")
+    if len(adapters) != 1:
+        return f"it holds {len(adapters)} adapters; one adapter per layer is split"
+    if layer.merged:
+        return "its adapter is merged into the base; unmerge it first"
+    return None
+
+
 def _split_problem(layer: nn.Module) -> Optional[str]:
     """Why the tuner ``layer`` cannot be split with its base, or None."""
     from peft.tuners.lora import LoraLayer
 
     if not isinstance(layer, LoraLayer):
-        return (f"{type(layer).__name__} adapters (Q-BaRA, QA-HiRA pool inputs across the whole width) are not "
-                "split by tensor parallelism yet")
-    base = layer.get_base_layer()
-    if type(base) is not nn.Linear:
-        return (f"its base is {type(base).__name__}, not a float nn.Linear: quantised bases (and Conv1D) are not "
-                "split yet (each shard would be quantised after the split, its width a multiple of the block)")
-    if len(layer.lora_A) != 1:
-        return f"it holds {len(layer.lora_A)} adapters; one adapter per layer is split"
+        from lightning_merak.parallel.tensor.pooled_adapters import pooled_split_problem  # lazy: PEFT
+
+        return pooled_split_problem(layer)
+    problem = shared_split_problem(layer, layer.lora_A)
+    if problem is not None:
+        return problem
     adapter = next(iter(layer.lora_A))
     if adapter in getattr(layer, "lora_variant", {}) or layer.use_dora.get(adapter, False):
         return "LoRA variants (DoRA and others) are not split"
     if layer.lora_bias.get(adapter, False):
         return "lora_bias is not split"
-    if layer.merged:
-        return "its adapter is merged into the base; unmerge it first"
     return None
 
 
@@ -134,25 +145,43 @@ def check_adapter_split(model: nn.Module, tensor_parallel: int) -> None:
 
 def row_following_parameters(layer: nn.Module) -> list[str]:
     """Names of ``layer``'s parameters laid out by its output rows: all of a plain layer's; of a LoRA layer,
-    its base's and ``B``'s (``A`` reads the input)."""
+    its base's and ``B``'s (``A`` reads the input); of a pooled one, its base's and ``B``'s or ``H``'s."""
     names = [name for name, _ in layer.named_parameters()]
     if not is_tuner_layer(layer):
         return names
+    if hasattr(layer, "lambda_in"):  # Q-BaRA / QA-HiRA
+        from lightning_merak.parallel.tensor.pooled_adapters import row_split_factor  # lazy: PEFT
+
+        return [name for name in names if name.startswith(("base_layer.", row_split_factor(layer) + "."))]
     return [name for name in names if not name.startswith("lora_A.")]
 
 
-class _LoRAParts(nn.Module):
-    """The adapter half of a split LoRA layer, under PEFT's names (``lora_A``, ``lora_B``, ``lora_dropout``)."""
+class SplitAdapter(nn.Module):
+    """An adapter split with its base layer (``base_layer``, a column or row layer); :meth:`partial_parameters`
+    are its whole parameters whose gradient each rank forms from its part only (summed over the group)."""
+
+    base_layer: nn.Module
 
     def __init__(self, layer: nn.Module) -> None:
+        """Refuse ``layer`` where it cannot split (:func:`check_adapter_split` names the same reasons first)."""
         super().__init__()
         problem = _split_problem(layer)
         if problem is not None:
             raise ValueError(f"the adapter cannot be split: {problem}; {_FIX}")
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+
+    def partial_parameters(self) -> list[nn.Parameter]:
+        raise NotImplementedError
+
+
+class _LoRAParts(SplitAdapter):
+    """The adapter half of a split LoRA layer, under PEFT's names (``lora_A``, ``lora_B``, ``lora_dropout``)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__(layer)
         self.adapter = next(iter(layer.lora_A))
         self.lora_A, self.lora_B, self.lora_dropout = layer.lora_A, layer.lora_B, layer.lora_dropout
         self.scaling = float(layer.scaling[self.adapter])
-        self.in_features, self.out_features = layer.in_features, layer.out_features
 
     @property
     def a(self) -> nn.Linear:
@@ -248,27 +277,35 @@ class RowParallelLoRA(_LoRAParts):
 
 
 def adapter_partial_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """Whole adapter parameters of the split LoRA layers in ``module`` whose gradients are partial on each rank."""
-    return [param for layer in module.modules() if isinstance(layer, (ColumnParallelLoRA, RowParallelLoRA))
+    """Whole adapter parameters of the split adapter layers in ``module`` whose gradients are partial on each
+    rank."""
+    return [param for layer in module.modules() if isinstance(layer, SplitAdapter)
             for param in layer.partial_parameters()]
 
 
 def split_linear(layer: nn.Module, mesh: DeviceMesh, *, column: bool, group_input: Optional[ColumnGroupInput],
                  rows: Optional[Sequence[Sequence[int]]] = None, sequence_parallel: bool = False) -> nn.Module:
-    """``layer`` (an ``nn.Linear`` or a LoRA layer over one) split as a column or a row layer."""
+    """``layer`` (an ``nn.Linear``, or a LoRA, Q-BaRA or QA-HiRA layer over one) split as a column or a row
+    layer."""
+    if not is_tuner_layer(layer):
+        if column:
+            return ColumnParallelLinear(layer, mesh, group_input, rows)
+        return RowParallelLinear(layer, mesh, group_input, sequence_parallel=sequence_parallel)
+    if hasattr(layer, "lambda_in"):  # Q-BaRA / QA-HiRA
+        from lightning_merak.parallel.tensor.pooled_adapters import ColumnParallelPooled, RowParallelPooled
+
+        if column:
+            return ColumnParallelPooled(layer, mesh, group_input, rows)
+        return RowParallelPooled(layer, mesh, group_input, sequence_parallel)
     if column:
-        if is_tuner_layer(layer):
-            return ColumnParallelLoRA(layer, mesh, group_input, rows)
-        return ColumnParallelLinear(layer, mesh, group_input, rows)
-    if is_tuner_layer(layer):
-        return RowParallelLoRA(layer, mesh, group_input, sequence_parallel)
-    return RowParallelLinear(layer, mesh, group_input, sequence_parallel=sequence_parallel)
+        return ColumnParallelLoRA(layer, mesh, group_input, rows)
+    return RowParallelLoRA(layer, mesh, group_input, sequence_parallel)
 
 
 def split_base(layer: nn.Module) -> nn.Module:
-    """The split layer computing ``layer``'s base: a split LoRA layer's base layer, else ``layer`` itself (a sequence
-    gather defers the weight gradients of these)."""
-    return layer.base_layer if isinstance(layer, (ColumnParallelLoRA, RowParallelLoRA)) else layer
+    """The split layer computing ``layer``'s base: a split adapter layer's base layer, else ``layer`` itself (a
+    sequence gather defers the weight gradients of these)."""
+    return layer.base_layer if isinstance(layer, SplitAdapter) else layer
 
 
 def linear_features(module: nn.Module) -> Optional[tuple[int, int]]:
