@@ -20,6 +20,8 @@ attention, ``sdpa``) and trains it on the same token batches (seed 1) with AdamW
   has no sharding rule), the job records the refusal instead of a result.
 * ``ladder``: saved-activation bytes only, on a ladder in steps of a quarter of ``cap_sequence``, until a
   rung exceeds ``cap_slack`` times the ``sdpa`` job's bytes at ``cap_sequence`` in this run (or ``top``).
+* ``plan`` / ``merak3d``: the planner leg, through ``pl.Trainer`` and ``Merak3DStrategy``
+  (:mod:`benchmarks._context_parallel_planned`, which says what they run and return).
 
 Every job first measures the bytes autograd saves for backward in one forward with labels
 (:func:`benchmarks.report.saved_activation_bytes`), then (``steps`` > 0) trains, timing each step from the forward
@@ -51,6 +53,9 @@ RANK_TIMEOUT_S = 1800.0
 SDPA, RING, ALL_TO_ALL, TORCH, LADDER = "sdpa", "ring", "all_to_all", "torch", "ladder"
 CONTEXT_METHODS = (RING, ALL_TO_ALL)
 """Ours: ``install_context_parallel``'s ``method``."""
+PLAN, MERAK3D = "plan", "merak3d"
+PLANNED = (PLAN, MERAK3D)
+"""The planner leg's jobs, through merak3d's strategy (:mod:`benchmarks._context_parallel_planned`)."""
 IGNORE_INDEX = -100
 
 
@@ -93,6 +98,11 @@ class Job:
     cap_sequence: int = 0
     cap_slack: float = 1.05
     top: int = 0
+    batch: int = 1
+    """``plan`` and ``merak3d`` jobs: the global batch (sequences per step, split over the batch replicas)."""
+    context_parallel: int = 1
+    """``merak3d`` jobs: the context degree the layout fixes, with ``context_attention`` (None at 1)."""
+    context_attention: Optional[str] = None
 
 
 # Model and data --------------------------------------------------------------------------
@@ -261,6 +271,19 @@ def run_ladder(workload: Workload, job: Job, worst: dict[tuple[str, int], int]) 
     return result
 
 
+def run_planned(workload: Workload, job: Job, plans: list[dict[str, Any]]) -> dict[str, Any]:
+    """A planner leg job; ``plans``: this rank's plans so far (a ``merak3d`` job reads the refusals of the last one,
+    of its sequence and batch). Lightning is imported only here."""
+    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])  # the launcher started every rank: Lightning joins them
+    from benchmarks._context_parallel_planned import run_merak3d, run_plan
+
+    if job.method == PLAN:
+        plans.append(run_plan(workload, job))
+        return plans[-1]
+    last = plans[-1] if plans and (plans[-1]["seq"], plans[-1]["batch"]) == (job.seq, job.batch) else None
+    return run_merak3d(workload, job, None if last is None else last["rejected"])
+
+
 def rank_main(workload: Workload, jobs: list[Job], out: Path) -> None:
     """Run ``jobs`` in order on this rank, appending each result to this rank's results file."""
     torch.set_num_threads(1)
@@ -269,6 +292,7 @@ def rank_main(workload: Workload, jobs: list[Job], out: Path) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=size, timeout=timedelta(seconds=RANK_TIMEOUT_S))
     mesh = None
     worst: dict[tuple[str, int], int] = {}
+    plans: list[dict[str, Any]] = []
     path = rank_file(out, rank)
     try:
         for index, job in enumerate(jobs):
@@ -280,6 +304,8 @@ def rank_main(workload: Workload, jobs: list[Job], out: Path) -> None:
                 result = run_torch(workload, job, mesh)
             elif job.method == LADDER:
                 result = run_ladder(workload, job, worst)
+            elif job.method in PLANNED:
+                result = run_planned(workload, job, plans)
             else:
                 result = run_ours(workload, job)
                 worst[(job.method, job.seq)] = result["saved_bytes_worst"]

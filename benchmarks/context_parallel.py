@@ -30,10 +30,25 @@ relative difference of the whole batch's loss from cp=1's over every step). The 
 saved bytes only, from :attr:`Setting.cap_sequence` in steps of a quarter of it (cp=1's and the largest cp's
 ranks, real ranks), until a rung exceeds the cap: 1.05 × cp=1's bytes at that sequence.
 
+**The planner leg** (:mod:`benchmarks._context_parallel_regret`), last on the largest cp's cluster (4 ranks; quick: 2)
+on each link (``--planner goal-link``: 10 Gbit/s only; ``off``: none), per sequence of
+:attr:`Setting.planner_sequences` (2048, 4096; quick: 1024, 2048), on one global batch of one sequence per rank:
+merak3d's planner plans ``Merak3DStrategy(context_parallel="auto", plan_only=True)`` on these ranks, profiling this
+model, batch and network as a user's run does; then every layout it weighed (cp over the world's divisors, ``ring``
+and ``all_to_all`` where the heads allow, the other ranks data-parallel, pipeline and tensor parallel 1) trains
+:attr:`Setting.planner_steps` steps with that cp and method fixed, through ``pl.Trainer`` and the strategy, on the
+same batches from the same seed (:mod:`benchmarks._context_parallel_planned`), in :attr:`Setting.planner_rounds`
+rounds, every other one in reverse order. Per layout: the predicted step (the planner's time per sample × the
+global batch: its profile was taken before any layout trained, and no measured step reaches it), the measured step
+(the slowest rank's, median over every round's steps after warm-up) and the rank by each; per plan the
+planner's regret (measured step of its choice over the fastest measured, minus 1), Spearman's and Kendall's
+agreement of the two rankings, and the layouts it refused for memory, with its reason (never trained; none at the
+default memory limit). A layout that fails to train leaves its plan without a regret and fails the command.
+
 Goals (issue #52; each the worst case over its leg, :func:`benchmarks.goals.worst_case`): :data:`ACTIVATION`,
-:data:`LONGEST`, :data:`EFFICIENCY`, :data:`LOSS`, and two not built yet, :data:`PLANNER_REGRET` and
-:data:`VARIABLE_SPEEDUP` (no leg plans cp and measures the layouts ranked; no micro-batch picks its own cp), reported
-without a figure.
+:data:`LONGEST`, :data:`EFFICIENCY`, :data:`LOSS`, :data:`PLANNER_REGRET` (worst over the planner leg's sequences
+and links), and one not built yet, :data:`VARIABLE_SPEEDUP` (no micro-batch picks its own cp), reported without a
+figure.
 A full run is written with :func:`benchmarks.goals.write_run`; ``--quick`` writes
 ``results/context_parallel.quick.json``. Label "emulated": measured on this machine's CPU over a shaped network
 (no latency emulation: no sch_netem). Any row that errors makes the command exit 1, except a baseline refusing
@@ -50,7 +65,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -58,6 +73,7 @@ from benchmarks import report
 from benchmarks._context_parallel_ranks import (
     CONTEXT_METHODS,
     LADDER,
+    PLANNED,
     SDPA,
     TORCH,
     Job,
@@ -65,6 +81,15 @@ from benchmarks._context_parallel_ranks import (
     ladder_step,
     rank_file,
     write_jobs,
+)
+from benchmarks._context_parallel_regret import (
+    Outcome,
+    group_failures,
+    planner_group,
+    planner_jobs,
+    regret_goal,
+    slowest_steps_s,
+    split_outcomes,
 )
 from benchmarks.goals import Goal, print_goals, worst_case, write_run
 from lightning_merak.distributed.host_memory import with_heap_tunables
@@ -113,7 +138,8 @@ LOSS = Goal(
     "largest relative difference of the whole batch's loss with context parallelism from cp=1's (transformers' sdpa "
     "on one rank, same seed and batches) over every training step; worst over every cp > 1 row (cp, ring and "
     "all_to_all, sequence, network)", issue=ISSUE)
-# The two goals below have no figure yet; their targets were chosen with this file (issue #52 fixes them).
+# Their targets were chosen with this file (issue #52 fixes them); the definitions are those of the full runs made
+# before the planner leg existed (a changed definition would be a new goal): the leg's note names its networks too.
 PLANNER_REGRET = Goal(
     "planner_cp_regret", 0.05, "<=",
     "step time of the layout merak3d's planner chooses with context parallelism among its degrees over the "
@@ -123,8 +149,6 @@ VARIABLE_SPEEDUP = Goal(
     "step time with a fixed cp over the step with each micro-batch's cp chosen by its sequence length, on batches "
     "of variable-length sequences; worst over length mixes", issue=ISSUE)
 NOT_BUILT = {
-    PLANNER_REGRET.key: "not built yet: merak3d's planner chooses context_parallel (context_parallel='auto'), but "
-                        "this benchmark has no leg that plans it and measures every cp layout it ranks",
     VARIABLE_SPEEDUP.key: "not built yet: context_parallel is one degree for the whole run; no micro-batch can "
                           "choose its own cp, so there is no variable-cp run to measure",
 }
@@ -132,7 +156,8 @@ NOT_BUILT = {
 
 @dataclass(frozen=True)
 class Setting:
-    """What one run measures: the cp sizes (one cluster each), sequences, steps and the longest-sequence ladder."""
+    """What one run measures: the cp sizes (one cluster each), sequences, steps, the longest-sequence ladder and the
+    planner leg."""
 
     context_parallel: tuple[int, ...]
     sequences: tuple[int, ...]
@@ -143,16 +168,26 @@ class Setting:
     ladder_top: int
     timeout_s: float
     """Per cluster run (a cluster of the largest cp runs every job of a rate in one run)."""
+    planner_sequences: tuple[int, ...] = ()
+    """The planner leg's sequences, on the largest cp's cluster (none: no leg, no regret figure)."""
+    planner_steps: int = 10
+    """Steps each layout of the planner leg trains per round (``warmup`` of them not timed)."""
+    planner_rounds: int = 2
+    """Rounds of the planner leg's layouts after each plan, every other one in reverse order."""
+    planner_rates: tuple[float, ...] = (10_000.0, 1_000.0)
+    """The links the planner leg plans and trains on (each a plan of its own)."""
 
     @property
     def ladder_cp(self) -> int:
         return max(self.context_parallel)
 
 
-QUICK = Setting((2,), (1024, 2048), steps=4, warmup=1, cap_sequence=1024, ladder_top=8192, timeout_s=900.0)
+QUICK = Setting((2,), (1024, 2048), steps=4, warmup=1, cap_sequence=1024, ladder_top=8192, timeout_s=900.0,
+                planner_sequences=(1024, 2048))
 FULL = Setting((2, 4), (4096, 8192, 16384), steps=5, warmup=1, cap_sequence=4096, ladder_top=65536,
-               timeout_s=2400.0)
-SMOKE = Setting((2, 4), (128, 256), steps=3, warmup=1, cap_sequence=128, ladder_top=1024, timeout_s=300.0)
+               timeout_s=3600.0, planner_sequences=(2048, 4096))
+SMOKE = Setting((2, 4), (128, 256), steps=3, warmup=1, cap_sequence=128, ladder_top=1024, timeout_s=300.0,
+                planner_sequences=(128,), planner_steps=3)
 """``--smoke`` (hidden): every code path at tiny sizes, written to the temporary directory unless ``--out``."""
 
 
@@ -179,13 +214,25 @@ def check_setting(setting: Setting, workload: Workload) -> None:
         raise ValueError(f"cap_sequence={setting.cap_sequence} must be one of the sequences {setting.sequences}")
     if setting.ladder_top < max(setting.sequences):
         raise ValueError(f"ladder_top={setting.ladder_top} is below the longest sequence {max(setting.sequences)}")
+    for seq in setting.planner_sequences:
+        if seq % (2 * setting.ladder_cp):
+            raise ValueError(f"planner sequence {seq} is not a multiple of 2 x cp={setting.ladder_cp}; change it")
+    if setting.planner_sequences and setting.planner_steps <= setting.warmup:
+        raise ValueError(f"planner_steps={setting.planner_steps} must exceed warmup={setting.warmup}")
+    if setting.planner_rounds < 1:
+        raise ValueError(f"planner_rounds={setting.planner_rounds} must be at least 1")
+    unknown = set(setting.planner_rates) - set(RATES_MBIT)
+    if unknown:
+        raise ValueError(f"planner_rates {sorted(unknown)} are not links this benchmark runs ({RATES_MBIT})")
 
 
 def plan_jobs(setting: Setting, world_size: int, rate_mbit: Optional[float]) -> list[Job]:
     """One cluster run's jobs, sequence by sequence (the rows compared are measured close in time).
 
     The goal rate's run also carries cp=1 (rank 0 alone) before ours at every sequence, then, in the largest
-    cluster, the longest-sequence ladder, and last torch's context parallelism (a baseline that may refuse).
+    cluster, the longest-sequence ladder, then torch's context parallelism (a baseline that may refuse); last, in the
+    largest cluster on each of ``planner_rates``, the planner leg (:func:`benchmarks._context_parallel_regret.
+    planner_jobs`: it trains through the strategy, so a failure there loses no other job).
     """
     first = rate_mbit == RATES_MBIT[0]
     jobs: list[Job] = []
@@ -198,14 +245,13 @@ def plan_jobs(setting: Setting, world_size: int, rate_mbit: Optional[float]) -> 
                      cap_slack=CAP_SLACK, top=setting.ladder_top) for method in (SDPA, *CONTEXT_METHODS)]
     if first:
         jobs += [Job(TORCH, seq, setting.steps) for seq in setting.sequences]
+    if world_size == setting.ladder_cp and rate_mbit in setting.planner_rates:
+        jobs += planner_jobs(world_size, setting.planner_sequences, setting.planner_steps, WORKLOAD,
+                             setting.planner_rounds)
     return jobs
 
 
 # Running clusters --------------------------------------------------------------------------
-
-
-Outcome = Union[list[dict[str, Any]], str]
-"""A job's result on every rank, or the error that stopped it."""
 
 
 def read_outcomes(out: Path, world_size: int, jobs: Sequence[Job], error: Optional[str]) -> dict[int, Outcome]:
@@ -268,7 +314,7 @@ def job_row(world_size: int, network: str, share: float, job: Job, outcome: Outc
         return {**row, "refused": outcome[0]["refused"]}
     working = [result for result in outcome if not result.get("idle")]
     timed = [result["steps"][warmup:] for result in working]
-    slowest = [max(step["step_s"] for step in steps) for steps in zip(*timed)]
+    slowest = slowest_steps_s(outcome, warmup)
     losses = [step["loss"] for step in working[0]["steps"]]
     return {**row, "step_ms": statistics.median(slowest) * 1e3,
             "cpu_ms_per_rank": max(statistics.median(step["cpu_s"] for step in steps) for steps in timed) * 1e3,
@@ -349,9 +395,11 @@ def not_measured(goal: Goal, note: str) -> dict[str, Any]:
             "note": note}
 
 
-def goal_figures(rows: Sequence[dict[str, Any]], leg: dict[str, Any]) -> list[dict[str, Any]]:
+def goal_figures(rows: Sequence[dict[str, Any]], leg: dict[str, Any],
+                 planner: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """Every goal of issue #52, each the worst case over its leg's configurations (a row that failed has no figure,
-    so its goal has none)."""
+    so its goal has none); ``planner``: the planner leg's groups (:func:`benchmarks._context_parallel_regret.
+    planner_group`), none where the run has no planner leg."""
     mine = ours(rows)
     goal_network = network_name(GOAL_RATE_MBIT)
     goals = [
@@ -362,7 +410,9 @@ def goal_figures(rows: Sequence[dict[str, Any]], leg: dict[str, Any]) -> list[di
                                 if row["network"] == goal_network}),
         worst_case(LOSS, {config_name(row): row.get("loss_max_rel_diff") for row in mine}),
     ]
-    return goals + [not_measured(goal, NOT_BUILT[goal.key]) for goal in (PLANNER_REGRET, VARIABLE_SPEEDUP)]
+    regret = (regret_goal(PLANNER_REGRET, planner) if planner
+              else not_measured(PLANNER_REGRET, "this run has no planner leg (no planner_sequences)"))
+    return goals + [regret, not_measured(VARIABLE_SPEEDUP, NOT_BUILT[VARIABLE_SPEEDUP.key])]
 
 
 def longest_goal(leg: dict[str, Any]) -> dict[str, Any]:
@@ -381,12 +431,13 @@ def longest_goal(leg: dict[str, Any]) -> dict[str, Any]:
                       note=note)
 
 
-def failures(rows: Sequence[dict[str, Any]], leg: dict[str, Any]) -> list[str]:
-    """What makes the command fail: every row or ladder that errored (a baseline refusing this machine does not)."""
+def failures(rows: Sequence[dict[str, Any]], leg: dict[str, Any], planner: Sequence[dict[str, Any]] = ()) -> list[str]:
+    """What makes the command fail: every row, ladder or planner-leg job that errored (a baseline refusing this
+    machine does not, nor a layout the planner refuses for memory)."""
     failed = [f"{config_name(row)}: {row['error']}" for row in rows if row.get("error")]
     if "error" in leg:
         failed.append(f"longest-sequence ladder: {leg['error']}")
-    return failed
+    return failed + group_failures(planner)
 
 
 # Driver ------------------------------------------------------------------------------------
@@ -402,15 +453,64 @@ def printable(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             for row in rows]
 
 
+PLANNER_CHOICES = ("both", "goal-link", "off")
+
+
+def planner_setting(setting: Setting, choice: str) -> Setting:
+    """``setting`` with the planner leg on both links, on the goal link only, or off (``--planner``)."""
+    if choice == "off":
+        return replace(setting, planner_sequences=())
+    return setting if choice == "both" else replace(setting, planner_rates=(GOAL_RATE_MBIT,))
+
+
+PLANNER_COLUMNS = ["network", "seq", "layout", "batch_replicas", "predicted_step_ms", "predicted_rank",
+                   "measured_step_ms", "measured_rank", "status"]
+
+
+def print_planner_leg(groups: Sequence[dict[str, Any]]) -> None:
+    """Per plan: each layout's predicted and measured step and rank, then the choice, the regret and agreement."""
+    if not groups:
+        return
+    print(f"\nPlanner leg: context_parallel='auto' on {groups[0]['batch']} ranks, predicted vs measured (merak3d)")
+    report.print_table([{**row, "network": group["network"], "seq": group["seq"],
+                         "status": "refused" if row.get("refused") else ("error" if row.get("error") else "ok")}
+                        for group in groups for row in group["candidates"]], PLANNER_COLUMNS)
+    def number(value: Optional[float], scale: float = 1.0, form: str = ".2f") -> str:
+        return "-" if value is None else format(scale * value, form)
+
+    for group in groups:
+        print(f"  seq {group['seq']} {group['network']}: planner chose {group.get('chosen', '-')} (planning "
+              f"{number(group.get('plan_s'), form='.0f')} s), fastest measured {group.get('best_measured', '-')}, "
+              f"regret {number(group.get('regret'), 100, '+.1f')}%, Spearman {number(group.get('spearman'))}, "
+              f"Kendall {number(group.get('kendall_tau_b'))}" + (f"; error: {group['error']}" if group.get("error")
+                                                                  else ""))
+
+
+def planner_record(groups: Sequence[dict[str, Any]], setting: Setting) -> dict[str, Any]:
+    """The planner leg for the JSON: what it runs and its groups."""
+    return {"world_size": setting.ladder_cp, "global_batch": setting.ladder_cp,
+            "sequences": list(setting.planner_sequences),
+            "networks": [network_name(rate) for rate in setting.planner_rates if setting.planner_sequences],
+            "steps": setting.planner_steps, "warmup": setting.warmup, "rounds": setting.planner_rounds,
+            "strategy": "Merak3DStrategy(context_parallel='auto', plan_only=True) plans; each layout it weighs "
+                        "trains with Merak3DStrategy(context_parallel=cp, context_attention=method), every other "
+                        "option at its default",
+            "predicted_step": "the planner's time per sample x the global batch (it prices each layout at the "
+                              "batch its planning read: the whole global batch per replica)",
+            "groups": list(groups)}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Benchmark entry point; exit 0 when every row and the ladder ran, 1 otherwise, 2 when the host cannot emulate
     the network."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="cp 2 only, sequences 1024 and 2048 (about 5 minutes)")
+    parser.add_argument("--quick", action="store_true", help="cp 2 only, sequences 1024 and 2048 (about 8 minutes)")
     parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=report.out_help("context_parallel"))
+    parser.add_argument("--planner", choices=PLANNER_CHOICES, default="both",
+                        help="the planner leg's links: both (default), the goal link (10 Gbit/s) only, or off")
     args = parser.parse_args(argv)
-    setting = SMOKE if args.smoke else QUICK if args.quick else FULL
+    setting = planner_setting(SMOKE if args.smoke else QUICK if args.quick else FULL, args.planner)
     out = args.out or (Path(tempfile.gettempdir()) / "context_parallel.smoke.json" if args.smoke else None)
     workload = WORKLOAD
     check_setting(setting, workload)
@@ -421,6 +521,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"steps ({setting.warmup} warm-up); emulated links {RATES_MBIT} Mbit/s", flush=True)
     rows: list[dict[str, Any]] = []
     ladders: list[Union[dict[str, Any], str]] = []
+    planner: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="merak-context-parallel-") as work:
         for world_size in setting.context_parallel:
             share = core_share(world_size)
@@ -433,15 +534,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     outcome = outcomes[index]
                     if job.method == LADDER:
                         ladders.append(outcome if isinstance(outcome, str) else outcome[0])
-                    else:
+                    elif job.method not in PLANNED:
                         rows.append(job_row(world_size, network, share, job, outcome, setting.warmup))
+                planner += [planner_group(network, plan_job, plan, trained, setting.warmup)
+                            for plan_job, plan, trained in split_outcomes(jobs, outcomes)]
                 failed = sum(1 for outcome in outcomes.values() if isinstance(outcome, str))
                 print(f"  {world_size} ranks, {network}: {len(jobs)} jobs"
                       + (f", {failed} failed" if failed else "") + f" ({time.monotonic() - run_started:.0f} s)",
                       flush=True)
     compare(rows)
     leg = longest_sequence_leg(rows, ladders, setting)
-    goals = goal_figures(rows, leg)
+    goals = goal_figures(rows, leg, planner)
 
     print(f"\nContext parallelism vs cp=1 (emulated network, measured; {workload.describe()})")
     report.print_table(printable(rows), COLUMNS)
@@ -451,6 +554,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "ratio" in leg:
         print(f"longest sequence within {leg['cap_rule']} ({leg['cap_mib']:.1f} MiB), cp={leg['cp']}: "
               + ", ".join(f"{method} {seq}" for method, seq in leg["longest"].items()))
+    print_planner_leg(planner)
     print_goals(goals)
     wall_s = round(time.monotonic() - started, 1)
     written = write_run(
@@ -461,12 +565,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "cluster's CPU share per rank), no context parallelism; torch's experimental context_parallel as a second "
         "baseline where it runs",
         rank_cpu={n: emulation_record(device_per_rank_quota(n), n) for n in setting.context_parallel},
-        longest_sequence_leg=leg, network_note="tbf rate shaping on veth links; no latency emulation (no sch_netem)",
+        longest_sequence_leg=leg, planner_leg=planner_record(planner, setting),
+        network_note="tbf rate shaping on veth links; no latency emulation (no sch_netem)",
         gpu_leg="not run: this benchmark's runs are CPU/gloo on an emulated network", wall_s=wall_s,
         load_average={"start": load_at_start, "end": os.getloadavg()[0]},
     )
     print(f"wrote {written} in {wall_s:.0f} s")
-    failed = failures(rows, leg)
+    failed = failures(rows, leg, planner)
     for line in failed:
         print(f"context_parallel: {line}", file=sys.stderr)
     return 1 if failed else 0

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from benchmarks._auxiliary_lines import (
     adapters_lr_sweep,
@@ -183,12 +183,43 @@ def context_parallel(data: dict[str, Any]) -> Table:
         f"failed: {brief(leg['error'])}" if "error" in leg else
         ", ".join(f"{method} {seq}" for method, seq in leg["longest"].items())
         + "; over cp=1: " + ", ".join(f"{method} {ratio(value)}" for method, value in leg["ratio"].items())))
-    notes = [ladder, f"baseline: {data['baseline']}",
+    notes = [ladder, *planner_leg_notes(data.get("planner_leg")), f"baseline: {data['baseline']}",
              *(f"{n} ranks: {record['emulation']}" for n, record in data["rank_cpu"].items()),
              *(f"`{goal['key']}` has no figure: {goal['note']}" for goal in data.get("goals", [])
                if goal["value"] is None and goal.get("note"))]
     return Table(["cluster", "network", "method", "cp", "seq", "step ms", "saved MiB per rank",
                   "saved bytes vs cp=1", "efficiency vs cp=1", "loss rel. diff vs cp=1"], rows, notes)
+
+
+def planner_leg_notes(leg: Optional[dict[str, Any]]) -> list[str]:
+    """One line per plan of the context-parallel planner leg: the choice, the fastest measured layout, the regret,
+    the rankings' agreement, and each layout's predicted / measured step and rank."""
+    if not leg:
+        return []
+
+    def number(value: Optional[float]) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    def layout(row: dict[str, Any]) -> str:
+        if row.get("refused"):
+            return f"{row['layout']} refused for memory"
+        if "measured_step_ms" not in row:
+            return f"{row['layout']} failed"
+        return (f"{row['layout']} {row['predicted_step_ms']:.0f}/{row['measured_step_ms']:.0f} ms "
+                f"(#{row['predicted_rank']}/#{row['measured_rank']})")
+
+    notes = []
+    for group in leg["groups"]:
+        head = (f"planner leg (context_parallel='auto', {leg['world_size']} ranks, global batch {leg['global_batch']}),"
+                f" seq {group['seq']} {group['network']}: ")
+        if group.get("regret") is None:
+            notes.append(head + f"failed: {brief(group.get('error', 'no regret'))}")
+            continue
+        notes.append(head + f"chose {group['chosen']}, fastest measured {group['best_measured']}, regret "
+                     f"{100 * group['regret']:+.1f}%; Spearman {number(group['spearman'])}, Kendall "
+                     f"{number(group['kendall_tau_b'])}; predicted/measured step (rank): "
+                     + ", ".join(layout(row) for row in group["candidates"]))
+    return notes
 
 
 def muon(data: dict[str, Any]) -> Table:

@@ -9,6 +9,8 @@ import pytest
 from benchmarks._context_parallel_ranks import (
     ALL_TO_ALL,
     LADDER,
+    MERAK3D,
+    PLAN,
     RING,
     SDPA,
     TORCH,
@@ -16,6 +18,14 @@ from benchmarks._context_parallel_ranks import (
     Workload,
     build_model,
     rank_file,
+)
+from benchmarks._context_parallel_regret import (
+    average_ranks,
+    kendall_tau_b,
+    planner_candidates,
+    planner_group,
+    spearman,
+    split_outcomes,
 )
 from benchmarks.context_parallel import (
     ACTIVATION,
@@ -36,6 +46,7 @@ from benchmarks.context_parallel import (
     longest_rung,
     longest_sequence_leg,
     plan_jobs,
+    planner_setting,
     read_outcomes,
 )
 from benchmarks.goals import combine_runs
@@ -77,13 +88,14 @@ def test_the_baseline_is_transformers_sdpa_on_one_rank_without_context_paralleli
         assert not isinstance(model.forward, ContextParallelForward)
         assert not any(hasattr(module, "_merak_context") for module in model.modules())
     # cp=1 runs before ours at every sequence, on the goal rate's run only (rank 0 alone), torch's baseline last
-    jobs = plan_jobs(FULL, 4, RATES_MBIT[0])
+    # (but for the planner leg)
+    jobs = [job for job in plan_jobs(FULL, 4, RATES_MBIT[0]) if job.method not in (PLAN, MERAK3D)]
     trained = [job for job in jobs if job.method in (SDPA, RING, ALL_TO_ALL)]
     assert [(job.method, job.seq) for job in trained] == [
         (method, seq) for seq in FULL.sequences for method in (SDPA, RING, ALL_TO_ALL)]
     assert [job.method for job in jobs[-len(FULL.sequences):]] == [TORCH] * len(FULL.sequences)
     assert {job.ladder_method for job in jobs if job.method == LADDER} == {SDPA, RING, ALL_TO_ALL}
-    assert all(job.method in (RING, ALL_TO_ALL) for job in plan_jobs(FULL, 4, RATES_MBIT[1]))
+    assert all(job.method in (RING, ALL_TO_ALL, PLAN, MERAK3D) for job in plan_jobs(FULL, 4, RATES_MBIT[1]))
     assert not any(job.method == LADDER for job in plan_jobs(FULL, 2, RATES_MBIT[0]))
 
 
@@ -212,13 +224,14 @@ def test_goals_are_the_worst_case_over_their_legs():
     assert len(loss["by_config"]) == 4
 
 
-def test_goals_not_built_have_no_figure_and_never_read_met():
+def test_goals_without_a_leg_have_no_figure_and_never_read_met():
     rows = [_row(SDPA, 1024, 2.0, 1000), _row(RING, 1024, 1.0, 500), _row(ALL_TO_ALL, 1024, 1.0, 500)]
     compare(rows)
     goals = {goal["key"]: goal for goal in goal_figures(rows, {"cp": 2, "start": 1024, "ratio": {}})}
     for key in (PLANNER_REGRET.key, VARIABLE_SPEEDUP.key):
         assert goals[key]["value"] is None and goals[key]["met"] is None
-        assert goals[key]["note"].startswith("not built yet")
+    assert goals[VARIABLE_SPEEDUP.key]["note"].startswith("not built yet")
+    assert goals[PLANNER_REGRET.key]["note"] == "this run has no planner leg (no planner_sequences)"
     combined = combine_runs([{"goals": list(goals.values())}] * 3)
     assert combined[PLANNER_REGRET.key]["met"] is False and combined[PLANNER_REGRET.key]["median"] is None
 
@@ -259,3 +272,169 @@ def test_results_table_shows_refusals_and_the_ladder():
     assert rendered.rows[1][5:] == ["1250", "0.5", "50.0% (ideal 50.0%)", "80.0%", "0.0e+00"]
     assert rendered.rows[2][-1] == "refused: NotImplementedError: no CPU rule"
     assert "ring 16384; over cp=1: ring 4.00×" in rendered.notes[0]
+
+
+# The planner leg ------------------------------------------------------------------------
+
+
+def test_the_planner_leg_trains_every_layout_the_planner_weighs_on_the_largest_cluster():
+    from lightning_merak.planning.planner import ContextAttention
+
+    assert planner_candidates(4, 4096, Workload()) == [(1, None), (2, RING), (2, ALL_TO_ALL), (4, RING),
+                                                       (4, ALL_TO_ALL)]
+    assert planner_candidates(2, 1024, Workload()) == [(1, None), (2, RING), (2, ALL_TO_ALL)]
+    # all-to-all scatters the key/value heads: cp=4 cannot split 2 of them; a sequence not in 2 x 4 chunks: no cp=4
+    shape = ContextAttention(4096, 64, 4, 2, 16, 4)
+    assert shape.methods(4, 1) == (RING,)
+    assert planner_candidates(4, 4096, Workload(kv_heads=2)) == [(1, None), (2, RING), (2, ALL_TO_ALL), (4, RING)]
+    assert [cp for cp, _ in planner_candidates(4, 4100, Workload())] == [1, 2, 2]
+    jobs = plan_jobs(FULL, 4, RATES_MBIT[1])
+    planned = [job for job in jobs if job.method in (PLAN, MERAK3D)]
+    assert jobs[-len(planned):] == planned  # last: a failure there loses no other job
+    for seq in FULL.planner_sequences:
+        at = [job for job in planned if job.seq == seq]
+        assert at[0].method == PLAN and at[0].batch == 4
+        candidates = planner_candidates(4, seq, Workload())  # two rounds, the second in reverse order
+        assert FULL.planner_rounds == 2
+        assert [(job.context_parallel, job.context_attention) for job in at[1:]] == candidates + candidates[::-1]
+        assert all(job.batch == 4 and job.steps == FULL.planner_steps for job in at[1:])
+    assert not any(job.method in (PLAN, MERAK3D) for job in plan_jobs(FULL, 2, RATES_MBIT[0]))
+    goal_link = planner_setting(FULL, "goal-link")
+    assert not any(job.method == PLAN for job in plan_jobs(goal_link, 4, RATES_MBIT[1]))
+    assert any(job.method == PLAN for job in plan_jobs(goal_link, 4, RATES_MBIT[0]))
+    assert planner_setting(QUICK, "off").planner_sequences == () and QUICK.planner_sequences == (1024, 2048)
+    with pytest.raises(ValueError, match="planner_rounds=0"):
+        check_setting(Setting((2,), (1024,), 3, 1, 1024, 4096, 60.0, planner_sequences=(1024,), planner_rounds=0),
+                      Workload())
+    with pytest.raises(ValueError, match="planner sequence 1026"):
+        check_setting(Setting((2,), (1024,), 3, 1, 1024, 4096, 60.0, planner_sequences=(1026,)), Workload())
+
+
+def test_rank_agreement_statistics():
+    assert average_ranks([3.0, 1.0, 3.0, 2.0]) == [3.5, 1.0, 3.5, 2.0]
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert kendall_tau_b([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+    # one swapped pair of five: 9 concordant, 1 discordant; d^2 = 2 -> rho = 1 - 6 * 2 / (5 * 24)
+    predicted, measured = [1, 2, 3, 4, 5], [1, 3, 2, 4, 5]
+    assert kendall_tau_b(predicted, measured) == pytest.approx(0.8)
+    assert spearman(predicted, measured) == pytest.approx(0.9)
+    # ties: tau-b = (C - D) / sqrt((C + D + T_a)(C + D + T_b)); here C=2, D=3, one pair tied on the left only
+    assert kendall_tau_b([1, 1, 2, 3], [1, 2, 3, 0]) == pytest.approx(-1 / 30 ** 0.5)
+    assert spearman([1.0], [2.0]) is None and spearman([1, 1], [1, 2]) is None
+    assert kendall_tau_b([1, 1], [1, 2]) is None
+
+
+def _plan(ranked: list[tuple[int, str | None, float]], rejected: list[tuple[int, str | None]] = (),
+          batch: int = 4) -> list[dict]:
+    """A plan job's outcome on 2 ranks: ``ranked`` (cp, method, time per sample) fastest first, the first chosen."""
+    entries = [{"cp": cp, "method": method, "dp": batch // cp, "step_s": per_sample * batch * (batch // cp),
+                "samples": batch * (batch // cp), "time_per_sample_s": per_sample, "memory_bytes": 1e6,
+                "components": {}} for cp, method, per_sample in ranked]
+    result = {"method": PLAN, "seq": 1024, "batch": batch, "ranked": entries, "plan_s": 12.0,
+              "rejected": [{"cp": cp, "method": method, "reason": "needs 9 bytes > memory_limit_bytes=5"}
+                           for cp, method in rejected],
+              "chosen": {"cp": ranked[0][0], "method": ranked[0][1]}}
+    return [result, result]
+
+
+def _regret_goal(groups: list[dict]) -> dict:
+    """The regret goal of a run whose other legs measured one cp=2 row per method."""
+    rows = [_row(SDPA, 1024, 2.0, 1000), _row(RING, 1024, 1.0, 500), _row(ALL_TO_ALL, 1024, 1.0, 500)]
+    compare(rows)
+    return next(goal for goal in goal_figures(rows, {"cp": 2, "start": 1024, "ratio": {}}, groups)
+                if goal["key"] == PLANNER_REGRET.key)
+
+
+def _trained(cp: int, method: str | None, steps: list[float], batch: int = 4) -> tuple[Job, list[dict]]:
+    """A merak3d job and its outcome on 2 ranks (rank 1 slower by 10% on every step)."""
+    job = Job(MERAK3D, 1024, len(steps), batch=batch, context_parallel=cp, context_attention=method)
+    ranks = [{"method": MERAK3D, "steps": [{"step_s": step * scale, "loss": 6.0} for step in steps]}
+             for scale in (1.0, 1.1)]
+    return job, ranks
+
+
+def test_the_planner_leg_compares_predicted_and_measured_rankings_and_takes_the_regret_of_the_choice():
+    plan_job = Job(PLAN, 1024, batch=4)
+    plan = _plan([(1, None, 0.10), (2, RING, 0.11), (2, ALL_TO_ALL, 0.12), (4, RING, 0.13), (4, ALL_TO_ALL, 0.14)])
+    trained = [_trained(1, None, [9.0, 0.5, 0.5, 0.5]), _trained(2, RING, [9.0, 0.4, 0.4, 0.6]),
+               _trained(2, ALL_TO_ALL, [9.0, 0.45, 0.45, 0.45]), _trained(4, RING, [9.0, 0.6, 0.6, 0.6]),
+               _trained(4, ALL_TO_ALL, [9.0, 0.7, 0.7, 0.7])]
+    group = planner_group("10Gbit", plan_job, plan, trained, warmup=1)
+    rows = {row["layout"]: row for row in group["candidates"]}
+    assert list(rows) == ["cp1", "cp2 ring", "cp2 all_to_all", "cp4 ring", "cp4 all_to_all"]
+    # predicted: time per sample x the global batch; measured: slowest rank, median after warm-up
+    assert rows["cp1"]["predicted_step_ms"] == pytest.approx(400.0) and rows["cp1"]["batch_replicas"] == 4
+    assert rows["cp2 ring"]["measured_step_ms"] == pytest.approx(440.0)
+    assert rows["cp2 ring"]["slowest_steps_ms"] == [pytest.approx([440.0, 440.0, 660.0])]
+    assert [rows[name]["predicted_rank"] for name in rows] == [1, 2, 3, 4, 5]
+    assert [rows[name]["measured_rank"] for name in rows] == [3, 1, 2, 4, 5]
+    assert (group["chosen"], group["best_measured"]) == ("cp1", "cp2 ring")
+    assert group["regret"] == pytest.approx(550 / 440 - 1)
+    assert group["kendall_tau_b"] == pytest.approx(0.6) and group["spearman"] == pytest.approx(0.7)
+    assert rows["cp4 ring"]["loss_max_rel_diff_vs_cp1"] == 0.0
+    goal = _regret_goal([group, {**group, "network": "1Gbit", "regret": 0.01}])
+    assert goal["key"] == PLANNER_REGRET.key and goal["value"] == pytest.approx(0.25)
+    assert goal["worst_config"] == "seq 1024 10Gbit" and goal["met"] is False
+    assert "seq 1024 10Gbit Spearman 0.70, Kendall 0.60" in goal["note"]
+
+
+def test_a_layouts_measured_step_is_the_median_over_its_rounds():
+    plan = _plan([(1, None, 0.1), (2, RING, 0.2)], batch=2)
+    first, second = _trained(1, None, [9.0, 1.0, 1.0, 1.0], 2), _trained(1, None, [9.0, 2.0, 2.0, 4.0], 2)
+    ring = _trained(2, RING, [9.0, 1.5, 1.5, 1.5], 2)
+    group = planner_group("10Gbit", Job(PLAN, 1024, batch=2), plan, [first, ring, ring, second], warmup=1)
+    cp1 = group["candidates"][0]
+    assert [row["layout"] for row in group["candidates"]] == ["cp1", "cp2 ring"]
+    assert cp1["slowest_steps_ms"] == [pytest.approx([1100.0] * 3), pytest.approx([2200.0, 2200.0, 4400.0])]
+    assert cp1["round_steps_ms"] == pytest.approx([1100.0, 2200.0])
+    assert cp1["measured_step_ms"] == pytest.approx(1650.0)
+    assert group["best_measured"] == "cp1" and group["regret"] == 0.0
+    failed = planner_group("10Gbit", Job(PLAN, 1024, batch=2), plan, [first, ring, ring, (second[0], "boom")], 1)
+    assert failed["candidates"][0]["error"] == "boom" and failed["regret"] is None
+
+
+def test_a_refused_layout_is_recorded_and_a_failed_one_leaves_no_regret():
+    plan_job = Job(PLAN, 1024, batch=2)
+    plan = _plan([(2, RING, 0.1), (2, ALL_TO_ALL, 0.2)], rejected=[(1, None)], batch=2)
+    refused = (Job(MERAK3D, 1024, 3, batch=2), [{"method": MERAK3D, "refused": "the planner refused it"}] * 2)
+    trained = [refused, _trained(2, RING, [1.0, 0.5, 0.5], batch=2), _trained(2, ALL_TO_ALL, [1.0, 0.4, 0.4], batch=2)]
+    group = planner_group("1Gbit", plan_job, plan, trained, warmup=1)
+    assert group["rejected_for_memory"] == {"cp1": "needs 9 bytes > memory_limit_bytes=5"}
+    assert group["candidates"][0]["refused"] == "the planner refused it"
+    assert group["regret"] == pytest.approx(0.25) and group["best_measured"] == "cp2 all_to_all"
+    assert failures([], {"cp": 2}, [group]) == []
+    failed = planner_group("1Gbit", plan_job, plan, [refused, trained[1], (trained[2][0], "RankFailure: boom")], 1)
+    assert failed["regret"] is None and failed["error"] == "no measured step for cp2 all_to_all"
+    assert failures([], {"cp": 2}, [failed]) == [
+        "planner leg seq 1024 1Gbit: no measured step for cp2 all_to_all",
+        "planner leg seq 1024 1Gbit cp2 all_to_all: RankFailure: boom"]
+    assert _regret_goal([failed])["missing"] == ["seq 1024 1Gbit"]
+    # the leg must train exactly what the planner weighed
+    mismatch = planner_group("1Gbit", plan_job, plan, trained[1:], 1)
+    assert "the planner weighed ['cp1', 'cp2 all_to_all', 'cp2 ring']" in mismatch["error"]
+    assert planner_group("1Gbit", plan_job, "RankTimeout: boom", trained, 1)["error"] == "plan: RankTimeout: boom"
+
+
+def test_planner_jobs_are_grouped_per_plan():
+    jobs = [Job(SDPA, 128, 1), Job(PLAN, 128, batch=2), Job(MERAK3D, 128, 2, batch=2),
+            Job(MERAK3D, 128, 2, batch=2, context_parallel=2, context_attention=RING), Job(PLAN, 256, batch=2),
+            Job(MERAK3D, 256, 2, batch=2)]
+    outcomes = {index: f"outcome {index}" for index in range(len(jobs))}
+    groups = split_outcomes(jobs, outcomes)
+    assert [(plan_job.seq, plan, [outcome for _, outcome in trained]) for plan_job, plan, trained in groups] == [
+        (128, "outcome 1", ["outcome 2", "outcome 3"]), (256, "outcome 4", ["outcome 5"])]
+
+
+def test_results_table_shows_the_planner_leg():
+    plan_job = Job(PLAN, 1024, batch=2)
+    plan = _plan([(1, None, 0.1), (2, RING, 0.2), (2, ALL_TO_ALL, 0.3)], batch=2)
+    trained = [_trained(1, None, [1.0, 0.5, 0.5], 2), _trained(2, RING, [1.0, 0.4, 0.4], 2),
+               _trained(2, ALL_TO_ALL, [1.0, 0.45, 0.45], 2)]
+    group = planner_group("10Gbit", plan_job, plan, trained, warmup=1)
+    data = {"rows": [], "baseline": "cp=1", "rank_cpu": {},
+            "longest_sequence_leg": {"cp": 2, "cap_rule": "x", "longest": {}, "ratio": {}},
+            "planner_leg": {"world_size": 2, "global_batch": 2, "groups": [group]}}
+    notes = table(data).notes
+    line = next(note for note in notes if note.startswith("planner leg"))
+    assert "seq 1024 10Gbit: chose cp1, fastest measured cp2 ring, regret +25.0%" in line
+    assert "cp1 200/550 ms (#1/#3)" in line and "Spearman -0.50, Kendall -0.33" in line
