@@ -220,8 +220,10 @@ def regret_goal(goal: Goal, groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
     def number(value: Optional[float]) -> str:
         return "-" if value is None else f"{value:.2f}"
 
-    note = "predicted vs measured ranking: " + "; ".join(
-        f"{name} Spearman {number(rho)}, Kendall {number(tau)}" for name, rho, tau in agreement)
+    ranks = sorted({group["batch"] for group in groups})
+    note = (f"context_parallel='auto' planned and each layout it weighed trained on {'/'.join(map(str, ranks))} ranks, "
+            "a global batch of one sequence per rank; predicted vs measured ranking: "
+            + "; ".join(f"{name} Spearman {number(rho)}, Kendall {number(tau)}" for name, rho, tau in agreement))
     return worst_case(goal, {group_name(group): group.get("regret") for group in groups}, note=note)
 
 
