@@ -147,7 +147,7 @@ def _candidate_row(job: Job, outcomes: Sequence[Outcome], predicted: dict[str, d
         row.update(batch_replicas=entry["dp"], predicted_step_ms=entry["time_per_sample_s"] * job.batch * 1e3,
                    predicted_rank=entry["rank"],
                    planner_step_s=entry["step_s"], planner_samples=entry["samples"],
-                   planner_memory_bytes=entry["memory_bytes"])
+                   planner_memory_bytes=entry["memory_bytes"], planner_components=entry["components"])
     failed = next((outcome for outcome in outcomes if isinstance(outcome, str)), None)
     if failed is not None:
         return {**row, "error": failed}

@@ -329,7 +329,7 @@ def _plan(ranked: list[tuple[int, str | None, float]], rejected: list[tuple[int,
     """A plan job's outcome on 2 ranks: ``ranked`` (cp, method, time per sample) fastest first, the first chosen."""
     entries = [{"cp": cp, "method": method, "dp": batch // cp, "step_s": per_sample * batch * (batch // cp),
                 "samples": batch * (batch // cp), "time_per_sample_s": per_sample, "memory_bytes": 1e6,
-                "components": {}} for cp, method, per_sample in ranked]
+                "components": {"context_exchange": 0.01 * cp}} for cp, method, per_sample in ranked]
     result = {"method": PLAN, "seq": 1024, "batch": batch, "ranked": entries, "plan_s": 12.0,
               "rejected": [{"cp": cp, "method": method, "reason": "needs 9 bytes > memory_limit_bytes=5"}
                            for cp, method in rejected],
@@ -364,6 +364,8 @@ def test_the_planner_leg_compares_predicted_and_measured_rankings_and_takes_the_
     assert list(rows) == ["cp1", "cp2 ring", "cp2 all_to_all", "cp4 ring", "cp4 all_to_all"]
     # predicted: time per sample x the global batch; measured: slowest rank, median after warm-up
     assert rows["cp1"]["predicted_step_ms"] == pytest.approx(400.0) and rows["cp1"]["batch_replicas"] == 4
+    assert (rows["cp1"]["planner_step_s"], rows["cp1"]["planner_samples"]) == (pytest.approx(1.6), 16)
+    assert rows["cp4 ring"]["planner_components"] == {"context_exchange": 0.04}
     assert rows["cp2 ring"]["measured_step_ms"] == pytest.approx(440.0)
     assert rows["cp2 ring"]["slowest_steps_ms"] == [pytest.approx([440.0, 440.0, 660.0])]
     assert [rows[name]["predicted_rank"] for name in rows] == [1, 2, 3, 4, 5]
