@@ -92,7 +92,7 @@ def prepare_fully_shard(model: nn.Module) -> list[nn.Parameter]:
     """
     import bitsandbytes as bnb
 
-    from .base import restore_bnb_cpu_layout
+    from .base import restore_bnb_cpu_layout  # lazy: PEFT
 
     whole = []
     for layer in model.modules():

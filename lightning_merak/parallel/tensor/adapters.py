@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from typing import Optional, Sequence, Sized
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -60,14 +60,11 @@ from lightning_merak.parallel.tensor.layers import (
     RowParallelLinear,
     sharded_parameter,
 )
+from lightning_merak.parallel.tensor.split_adapter import SPLIT_FIX, SplitAdapter, shared_split_problem
 from lightning_merak.util.random_state import spread_seed
 
-__all__ = ["ColumnParallelLoRA", "RowParallelLoRA", "SplitAdapter", "adapter_partial_parameters", "check_adapter_split",
-           "is_tuner_layer", "linear_features", "row_following_parameters", "shared_split_problem", "split_base",
-           "split_linear"]
-
-_FIX = "use tensor_parallel=1 (pipeline_parallel / data_parallel split adapter models)"
-
+__all__ = ["ColumnParallelLoRA", "RowParallelLoRA", "adapter_partial_parameters", "check_adapter_split",
+           "is_tuner_layer", "linear_features", "row_following_parameters", "split_base", "split_linear"]
 
 def is_tuner_layer(module: nn.Module) -> bool:
     """Whether ``module`` is a PEFT tuner layer (an adapter wrapping a base layer).
@@ -76,20 +73,6 @@ def is_tuner_layer(module: nn.Module) -> bool:
     """
     tuners = sys.modules.get("peft.tuners.tuners_utils")  # not imported: PEFT is heavy and optional
     return tuners is not None and isinstance(module, tuners.BaseTunerLayer)
-
-
-def shared_split_problem(layer: nn.Module, adapters: Sized) -> Optional[str]:
-    """Why no adapter on tuner ``layer`` (holding ``adapters``) splits with its base, or None: a base other than a
-    float ``nn.Linear``, several adapters, a merged one."""
-    base = layer.get_base_layer()
-    if type(base) is not nn.Linear:
-        return (f"its base is {type(base).__name__}, not a float nn.Linear: quantised bases (and Conv1D) are not "
-                "split yet (each shard would be quantised after the split, its width a multiple of the block)")
-    if len(adapters) != 1:
-        return f"it holds {len(adapters)} adapters; one adapter per layer is split"
-    if layer.merged:
-        return "its adapter is merged into the base; unmerge it first"
-    return None
 
 
 def _split_problem(layer: nn.Module) -> Optional[str]:
@@ -127,7 +110,7 @@ def check_adapter_split(model: nn.Module, tensor_parallel: int) -> None:
     if quantization != "none":
         raise ValueError(f"tensor_parallel={tensor_parallel}: adapters on a {quantization} base are not split yet "
                          "(each shard would be quantised after the split, its width a multiple of the quantisation "
-                         f"block); use quantization=none, or {_FIX}")
+                         f"block); use quantization=none, or {SPLIT_FIX}")
     from lightning_merak.adapters.moe import expert_adapters  # lazy: PEFT (a model with adapters imported it)
 
     # tensor parallelism splits attention only: fused experts and their factors stay whole on every tp rank
@@ -140,7 +123,7 @@ def check_adapter_split(model: nn.Module, tensor_parallel: int) -> None:
         problem = _split_problem(module)
         if problem is not None:
             raise ValueError(f"tensor_parallel={tensor_parallel}: the adapter on {name} cannot be split: {problem}; "
-                             + _FIX)
+                             + SPLIT_FIX)
 
 
 def row_following_parameters(layer: nn.Module) -> list[str]:
@@ -156,29 +139,11 @@ def row_following_parameters(layer: nn.Module) -> list[str]:
     return [name for name in names if not name.startswith("lora_A.")]
 
 
-class SplitAdapter(nn.Module):
-    """An adapter split with its base layer (``base_layer``, a column or row layer); :meth:`partial_parameters`
-    are its whole parameters whose gradient each rank forms from its part only (summed over the group)."""
-
-    base_layer: nn.Module
-
-    def __init__(self, layer: nn.Module) -> None:
-        """Refuse ``layer`` where it cannot split (:func:`check_adapter_split` names the same reasons first)."""
-        super().__init__()
-        problem = _split_problem(layer)
-        if problem is not None:
-            raise ValueError(f"the adapter cannot be split: {problem}; {_FIX}")
-        self.in_features, self.out_features = layer.in_features, layer.out_features
-
-    def partial_parameters(self) -> list[nn.Parameter]:
-        raise NotImplementedError
-
-
 class _LoRAParts(SplitAdapter):
     """The adapter half of a split LoRA layer, under PEFT's names (``lora_A``, ``lora_B``, ``lora_dropout``)."""
 
     def __init__(self, layer: nn.Module) -> None:
-        super().__init__(layer)
+        super().__init__(layer, _split_problem(layer))
         self.adapter = next(iter(layer.lora_A))
         self.lora_A, self.lora_B, self.lora_dropout = layer.lora_A, layer.lora_B, layer.lora_dropout
         self.scaling = float(layer.scaling[self.adapter])
@@ -292,7 +257,10 @@ def split_linear(layer: nn.Module, mesh: DeviceMesh, *, column: bool, group_inpu
             return ColumnParallelLinear(layer, mesh, group_input, rows)
         return RowParallelLinear(layer, mesh, group_input, sequence_parallel=sequence_parallel)
     if hasattr(layer, "lambda_in"):  # Q-BaRA / QA-HiRA
-        from lightning_merak.parallel.tensor.pooled_adapters import ColumnParallelPooled, RowParallelPooled
+        from lightning_merak.parallel.tensor.pooled_adapters import (  # lazy: PEFT
+            ColumnParallelPooled,
+            RowParallelPooled,
+        )
 
         if column:
             return ColumnParallelPooled(layer, mesh, group_input, rows)

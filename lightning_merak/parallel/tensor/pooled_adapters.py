@@ -32,18 +32,15 @@ from torch.distributed.tensor import Replicate, Shard
 
 from lightning_merak.adapters.base import PooledAdapterLayer
 from lightning_merak.adapters.pooling import expand_outputs, pool_inputs
-from lightning_merak.parallel.tensor.adapters import SplitAdapter, shared_split_problem
 from lightning_merak.parallel.tensor.layers import (
     ColumnGroupInput,
     ColumnParallelLinear,
     RowParallelLinear,
     sharded_parameter,
 )
+from lightning_merak.parallel.tensor.split_adapter import SPLIT_FIX, SplitAdapter, shared_split_problem
 
 __all__ = ["ColumnParallelPooled", "RowParallelPooled", "pooled_split_problem", "row_split_factor"]
-
-_FIX = "use tensor_parallel=1 (pipeline_parallel / data_parallel split adapter models)"
-
 
 def pooled_split_problem(layer: nn.Module) -> Optional[str]:
     """Why the Q-BaRA / QA-HiRA ``layer`` cannot be split with its base whatever its role, or None (the shard
@@ -70,7 +67,7 @@ class _PooledParts(SplitAdapter):
     ``qahira_H``, ``adapter_dropout``)."""
 
     def __init__(self, layer: nn.Module) -> None:
-        super().__init__(layer)
+        super().__init__(layer, pooled_split_problem(layer))
         self.adapter = next(iter(layer.lambda_in))
         self.method_name = layer.method_name
         self.factor_names: tuple[str, ...] = tuple(layer.adapter_layer_names)
@@ -101,7 +98,7 @@ class _PooledParts(SplitAdapter):
     def _check(self, features: int, parts: int, group: int, what: str, fix: str) -> None:
         if features % (parts * group):
             raise ValueError(f"{self.method_name}: {what} of {features} over tensor_parallel={parts} does not split "
-                             f"into whole groups of {group}; {fix}, or {_FIX}")
+                             f"into whole groups of {group}; {fix}, or {SPLIT_FIX}")
 
 
 class ColumnParallelPooled(_PooledParts):
@@ -115,7 +112,7 @@ class ColumnParallelPooled(_PooledParts):
         if rows is not None and self.lambda_out != 1:
             raise ValueError(f"{self.method_name}: the ranks of this column layer hold reordered or shared rows "
                              f"(fused projections, shared key/value heads), which groups of lambda_out="
-                             f"{self.lambda_out} would cross; use lambda_out=1 for it, or {_FIX}")
+                             f"{self.lambda_out} would cross; use lambda_out=1 for it, or {SPLIT_FIX}")
         self.base_layer = ColumnParallelLinear(layer.get_base_layer(), mesh, group_input, rows)
         order = (torch.tensor([row for part in rows for row in part]) if rows is not None else None)
         row_split = self.factor_names[-1]  # B, or H

@@ -1,0 +1,45 @@
+"""What every adapter split by tensor parallelism with its base shares: the base class of the split LoRA layers
+(:mod:`~lightning_merak.parallel.tensor.adapters`) and the split Q-BaRA / QA-HiRA ones
+(:mod:`~lightning_merak.parallel.tensor.pooled_adapters`), and the refusals common to both."""
+
+from __future__ import annotations
+
+from typing import Optional, Sized
+
+from torch import nn
+
+__all__ = ["SPLIT_FIX", "SplitAdapter", "shared_split_problem"]
+
+SPLIT_FIX = "use tensor_parallel=1 (pipeline_parallel / data_parallel split adapter models)"
+
+
+def shared_split_problem(layer: nn.Module, adapters: Sized) -> Optional[str]:
+    """Why no adapter on tuner ``layer`` (holding ``adapters``) splits with its base, or None: a base other than a
+    float ``nn.Linear``, several adapters, a merged one."""
+    base = layer.get_base_layer()
+    if type(base) is not nn.Linear:
+        return (f"its base is {type(base).__name__}, not a float nn.Linear: quantised bases (and Conv1D) are not "
+                "split yet (each shard would be quantised after the split, its width a multiple of the block)")
+    if len(adapters) != 1:
+        return f"it holds {len(adapters)} adapters; one adapter per layer is split"
+    if layer.merged:
+        return "its adapter is merged into the base; unmerge it first"
+    return None
+
+
+class SplitAdapter(nn.Module):
+    """An adapter split with its base layer (``base_layer``, a column or row layer); :meth:`partial_parameters`
+    are its whole parameters whose gradient each rank forms from its part only (summed over the group)."""
+
+    base_layer: nn.Module
+
+    def __init__(self, layer: nn.Module, problem: Optional[str]) -> None:
+        """Refuse ``layer`` where it cannot split (``problem``: why; the adapter checks before launch name the
+        same reasons first)."""
+        super().__init__()
+        if problem is not None:
+            raise ValueError(f"the adapter cannot be split: {problem}; {SPLIT_FIX}")
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+
+    def partial_parameters(self) -> list[nn.Parameter]:
+        raise NotImplementedError
