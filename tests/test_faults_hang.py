@@ -129,6 +129,12 @@ def test_pulse_clock_and_absent_ranks() -> None:
     assert pulse.observe({1: b"2", 2: None}, now=5.0) == [2]  # never beat within 5 s
     assert pulse.observe({1: b"2", 2: b"1"}, now=9.9) == []
     assert pulse.observe({1: b"2", 2: b"1"}, now=10.1) == [1]
+    slow_start = PulseClock(dead_after_s=5, start=0.0, first_beat_s=60)  # a peer still importing is not lost
+    assert slow_start.observe({1: b"1", 2: None}, now=1.0) == []
+    assert slow_start.observe({1: b"1", 2: None}, now=30.0) == [1]  # seen, then silent for 29 s
+    assert slow_start.observe({1: b"2", 2: b"1", 3: None}, now=50.0) == []
+    assert slow_start.observe({1: b"3", 2: b"1", 3: None}, now=56.0) == [2]  # seen: 5 s apply
+    assert slow_start.observe({1: b"4", 2: b"2", 3: None}, now=60.0) == [3]  # never seen within 60 s
     reports = {0: {"1": GroupProgress(2, 1)}, 1: {"1": GroupProgress(1, 1), "0": GroupProgress(1, 0)}}
     assert absent_ranks("1", 2, [0, 1, 2], reports) == ([1], [2])
     message = describe_stall(0, 3.0, [StuckCollective("1", (0, 1, 2), 2, "gloo:all_gather", (1,), (2,),

@@ -115,24 +115,33 @@ class StallClock:
 
 
 class PulseClock:
-    """Says which peers' heartbeats have not changed for ``dead_after_s`` (a peer never seen counts from start)."""
+    """Says which peers' heartbeats have not changed for ``dead_after_s``.
 
-    def __init__(self, dead_after_s: float, start: float) -> None:
+    A peer never seen has ``first_beat_s`` (at least ``dead_after_s``) from ``start`` to publish its first beat:
+    ranks reach the point where their watchdog starts at different times (imports and setup on a host with more
+    ranks than cores take tens of seconds), and a slow start is not a loss. A peer that dies before it beats
+    leaves its collectives unanswered, which the stall alarm names within the collective timeout.
+    """
+
+    def __init__(self, dead_after_s: float, start: float, first_beat_s: float = 0.0) -> None:
         if dead_after_s <= 0:
             raise ValueError(f"dead_after_s={dead_after_s} must be positive (seconds without a heartbeat)")
         self.dead_after_s = dead_after_s
+        self.first_beat_s = max(first_beat_s, dead_after_s)
         self._start = start
         self._beats: dict[int, tuple[object, float]] = {}
 
     def observe(self, beats: Mapping[int, object], now: float) -> list[int]:
-        """Ranks whose beat (``None``: not published) has stood still for ``dead_after_s``."""
+        """Ranks whose beat (``None``: not published) has stood still for ``dead_after_s`` (never published:
+        ``first_beat_s``)."""
         silent = []
         for rank, beat in beats.items():
             previous = self._beats.get(rank)
             if beat is not None and (previous is None or previous[0] != beat):
                 self._beats[rank] = (beat, now)
-            changed_at = self._beats.get(rank, (None, self._start))[1]
-            if now - changed_at >= self.dead_after_s:
+            seen = self._beats.get(rank)
+            waited = now - (seen[1] if seen is not None else self._start)
+            if waited >= (self.dead_after_s if seen is not None else self.first_beat_s):
                 silent.append(rank)
         return sorted(silent)
 
@@ -360,7 +369,7 @@ class Watchdog:
     def _watch(self) -> None:
         stall = StallClock(self.timeout_s)
         start = time.monotonic()
-        pulse = PulseClock(self.dead_after_s, start)
+        pulse = PulseClock(self.dead_after_s, start, first_beat_s=self.timeout_s)
         peers: dict[int, dict[str, object]] = {}
         beat, lost_since, alarmed = 0, None, False
         while not self._stop.wait(self.poll_s):
