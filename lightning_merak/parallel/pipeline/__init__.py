@@ -7,7 +7,14 @@ directly: ``recording``, ``trace`` and ``meta_trace`` (recording one forward), `
 modules cut from the model) and ``schedules`` (torch.distributed.pipelining stages and schedules).
 """
 
-from lightning_merak.parallel.pipeline.costs import DEFAULT_BACKWARD_RATIO, BlockCost, Partition, build_partition
+from lightning_merak.parallel.pipeline.costs import (
+    DEFAULT_BACKWARD_RATIO,
+    BlockCost,
+    Partition,
+    VocabularyShare,
+    build_partition,
+    split_vocabulary_head,
+)
 from lightning_merak.parallel.pipeline.partition import (
     CARRY_FAN_OUT_THRESHOLD,
     estimate_stage_memory_bytes,
@@ -38,6 +45,7 @@ __all__ = [
     "Partition",
     "ScheduledOp",
     "SimulationResult",
+    "VocabularyShare",
     "blocks_to_recompute",
     "build_partition",
     "estimate_stage_memory_bytes",
@@ -51,6 +59,7 @@ __all__ = [
     "peak_inflight_microbatches",
     "plot_timeline",
     "simulate_schedule",
+    "split_vocabulary_head",
     "stage_aware_recompute_ratios",
     "stage_op_order",
 ]

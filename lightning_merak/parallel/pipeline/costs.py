@@ -54,6 +54,8 @@ class Partition:
     stage_memory_bytes: tuple[int, ...] | None = None
     boundary_bytes: tuple[int, ...] | None = None
     """Bytes each stage boundary sends per micro-batch (one fewer than the stages), each way."""
+    vocab_stages: bool = False
+    """Whether the LM head is split by vocabulary rows over every stage (its share is in each stage's totals)."""
 
     def __post_init__(self) -> None:
         if not self.boundaries or self.boundaries[0] != 0:
@@ -85,6 +87,53 @@ class Partition:
         return range(self.boundaries[stage], end)
 
 
+@dataclass(frozen=True)
+class VocabularyShare:
+    """What every stage runs per micro-batch when the LM head is split by vocabulary rows over the stages.
+
+    Each of ``num_stages`` ranks computes the logits of ``V / num_stages`` rows for every micro-batch (and their
+    softmax cross-entropy pieces), so the head's time, parameters and saved bytes divide by the stages; on top
+    comes the exchange of the last hidden state (a broadcast in forward, a reduce of its gradient in backward).
+    """
+
+    forward_s: float
+    backward_s: float
+    param_bytes: int
+    saved_bytes: int
+    exchange_bytes: int
+    """Bytes of the last hidden state each stage receives in forward (and sends back as its gradient)."""
+
+
+def split_vocabulary_head(
+    blocks: Sequence[BlockCost], num_stages: int, backward_ratio: float = DEFAULT_BACKWARD_RATIO,
+    exchange_s: float = 0.0, exchange_s_per_byte: float = 0.0,
+) -> tuple[list[BlockCost], VocabularyShare]:
+    """``blocks`` with the head (the last node) priced as what stays on the last stage, and every stage's share.
+
+    The last node is the suffix: final norm, LM head, logit scaling, measured as one. Under the split the
+    last stage keeps the norm, whose time is small beside a vocabulary-wide matmul, so the whole node is priced
+    as the split head: its cost divided by ``num_stages`` lands on every stage, plus the hidden state's
+    exchange (``exchange_s`` + ``exchange_s_per_byte`` per byte, once each way) on all but nobody else.
+    """
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if not blocks:
+        raise ValueError("the proxy graph has no blocks")
+    head = blocks[-1]
+    exchange = head.output_bytes if num_stages > 1 else 0
+    exchange_time = (exchange_s + exchange_s_per_byte * exchange) if num_stages > 1 else 0.0
+    share = VocabularyShare(
+        forward_s=head.forward_s / num_stages + exchange_time,
+        backward_s=head.resolved_backward_s(backward_ratio) / num_stages + exchange_time,
+        param_bytes=head.param_bytes // num_stages,
+        saved_bytes=head.saved_bytes // num_stages,
+        exchange_bytes=exchange,
+    )
+    kept = BlockCost(head.name, 0.0, 0.0, 0, head.output_bytes, 0, head.is_embedding, head.consumes,
+                     head.fan_out_values)
+    return [*blocks[:-1], kept], share
+
+
 def boundary_bytes(blocks: Sequence[BlockCost], boundaries: Sequence[int]) -> tuple[int, ...]:
     """Bytes each cut of ``boundaries`` sends per micro-batch: the ``output_bytes`` of the node in front of it."""
     return tuple(blocks[start - 1].output_bytes for start in boundaries[1:])
@@ -97,16 +146,24 @@ def build_partition(
     backward_ratio: float = DEFAULT_BACKWARD_RATIO,
     stage_recompute_s: Sequence[float] | None = None,
     stage_memory_bytes: Sequence[int] | None = None,
+    vocabulary: VocabularyShare | None = None,
 ) -> Partition:
-    """Sum the block costs of each stage of ``boundaries`` into a :class:`Partition`."""
+    """Sum the block costs of each stage of ``boundaries`` into a :class:`Partition`.
+
+    With ``vocabulary`` (the head split over the stages: :func:`split_vocabulary_head` gave ``blocks``), every
+    stage also carries that share.
+    """
     ends = list(boundaries[1:]) + [len(blocks)]
     stages = [blocks[start:end] for start, end in zip(boundaries, ends)]
+    share = vocabulary or VocabularyShare(0.0, 0.0, 0, 0, 0)
     return Partition(
         boundaries=tuple(boundaries),
-        stage_forward_s=tuple(sum(block.forward_s for block in stage) for stage in stages),
-        stage_backward_s=tuple(sum(block.resolved_backward_s(backward_ratio) for block in stage) for stage in stages),
-        stage_param_bytes=tuple(sum(block.param_bytes for block in stage) for stage in stages),
+        stage_forward_s=tuple(share.forward_s + sum(block.forward_s for block in stage) for stage in stages),
+        stage_backward_s=tuple(share.backward_s + sum(block.resolved_backward_s(backward_ratio) for block in stage)
+                               for stage in stages),
+        stage_param_bytes=tuple(share.param_bytes + sum(block.param_bytes for block in stage) for stage in stages),
         method=method,
+        vocab_stages=vocabulary is not None,
         stage_recompute_s=None if stage_recompute_s is None else tuple(stage_recompute_s),
         stage_memory_bytes=None if stage_memory_bytes is None else tuple(stage_memory_bytes),
         boundary_bytes=boundary_bytes(blocks, boundaries),

@@ -18,8 +18,10 @@ from lightning_merak.parallel.pipeline.costs import (
     DEFAULT_BACKWARD_RATIO,
     BlockCost,
     Partition,
+    VocabularyShare,
     boundary_bytes,
     build_partition,
+    split_vocabulary_head,
 )
 from lightning_merak.parallel.pipeline.recompute import blocks_to_recompute
 from lightning_merak.parallel.pipeline.simulate import (
@@ -164,6 +166,7 @@ class _MemoryModel:
         num_microbatches: int,
         optimizer_bytes_per_param_byte: float,
         recompute_ratios: Sequence[float],
+        vocabulary: VocabularyShare | None = None,
     ) -> None:
         if optimizer_bytes_per_param_byte < 0:
             raise ValueError(f"optimizer_bytes_per_param_byte must be >= 0, got {optimizer_bytes_per_param_byte}")
@@ -176,6 +179,7 @@ class _MemoryModel:
         self.saved_prefix = list(accumulate(self.saved_bytes, initial=0))
         input_bytes = [0] + [block.output_bytes for block in blocks[:-1]]
         self.input_prefix = list(accumulate(input_bytes, initial=0))
+        self.vocabulary = vocabulary
 
     def stage_bytes(self, stage: int, start: int, end: int) -> int:
         checkpoint_end = start + blocks_to_recompute(end - start, self.recompute_ratios[stage])
@@ -183,7 +187,11 @@ class _MemoryModel:
         kept_per_microbatch = checkpointed_inputs + self.saved_prefix[end] - self.saved_prefix[checkpoint_end]
         replay = max(self.saved_bytes[start:checkpoint_end], default=0)
         in_flight = peak_inflight_microbatches(stage, self.num_stages, self.num_microbatches, "1f1b")
-        state = math.ceil((self.param_prefix[end] - self.param_prefix[start]) * self.state_bytes_per_param_byte)
+        params = self.param_prefix[end] - self.param_prefix[start]
+        if self.vocabulary is not None:  # the head's rows; its logits are freed before the next micro-batch's
+            params += self.vocabulary.param_bytes
+            replay = max(replay, self.vocabulary.saved_bytes)
+        state = math.ceil(params * self.state_bytes_per_param_byte)
         return state + in_flight * kept_per_microbatch + replay
 
 
@@ -219,10 +227,13 @@ def estimate_stage_memory_bytes(
     num_microbatches: int,
     optimizer_bytes_per_param_byte: float = 3.0,
     recompute_ratios: Sequence[float] | None = None,
+    vocabulary: VocabularyShare | None = None,
 ) -> tuple[int, ...]:
-    """Peak bytes per stage under 1F1B (see :class:`_MemoryModel`); gradients are as large as the parameters."""
+    """Peak bytes per stage under 1F1B (see :class:`_MemoryModel`); gradients are as large as the parameters.
+
+    With ``vocabulary`` every stage also holds its rows of the split head."""
     ratios = _checked_ratios(recompute_ratios, len(boundaries))
-    memory = _MemoryModel(blocks, num_microbatches, optimizer_bytes_per_param_byte, ratios)
+    memory = _MemoryModel(blocks, num_microbatches, optimizer_bytes_per_param_byte, ratios, vocabulary)
     ranges = _stage_ends(boundaries, len(blocks))
     return tuple(memory.stage_bytes(stage, start, end) for stage, (start, end) in enumerate(ranges))
 
@@ -295,9 +306,17 @@ def partition_by_parameters(
 
 
 def partition_min_max(
-    blocks: Sequence[BlockCost], num_stages: int, backward_ratio: float = DEFAULT_BACKWARD_RATIO
+    blocks: Sequence[BlockCost], num_stages: int, backward_ratio: float = DEFAULT_BACKWARD_RATIO,
+    vocab_stages: bool = False,
 ) -> Partition:
-    """The contiguous split minimising the largest stage forward+backward time; exact (AutoPipe step 1)."""
+    """The contiguous split minimising the largest stage forward+backward time; exact (AutoPipe step 1).
+
+    ``vocab_stages``: the LM head (the last node) is split by vocabulary rows over every stage
+    (:func:`~.costs.split_vocabulary_head`), so its time no longer weighs on the last stage alone.
+    """
+    vocabulary = None
+    if vocab_stages:
+        blocks, vocabulary = split_vocabulary_head(blocks, num_stages, backward_ratio)
     units = _Units(blocks, backward_ratio)
     _check_stage_count(num_stages, len(units), len(blocks))
 
@@ -306,7 +325,8 @@ def partition_min_max(
         return units.compute_s[end] - units.compute_s[start]
 
     unit_starts, _ = _min_max_split(len(units), num_stages, stage_compute)
-    return build_partition(blocks, units.block_boundaries(unit_starts), "min_max", backward_ratio)
+    return build_partition(blocks, units.block_boundaries(unit_starts), "min_max", backward_ratio,
+                           vocabulary=vocabulary)
 
 
 def _moves_off_stage(unit_starts: list[int], stage: int, num_units: int) -> list[list[int]]:
@@ -333,6 +353,7 @@ def partition_autopipe(
     max_iterations: int = 100,
     backward_ratio: float = DEFAULT_BACKWARD_RATIO,
     p2p_s_per_byte: float = 0.0,
+    vocab_stages: bool = False,
 ) -> Partition:
     """AutoPipe: the min-max split, refined one boundary unit at a time against the simulated 1F1B iteration.
 
@@ -344,6 +365,10 @@ def partition_autopipe(
     stage's leading blocks). Splits whose stage memory (:func:`estimate_stage_memory_bytes`, with
     ``optimizer_bytes_per_param_byte`` of optimizer state per parameter byte) exceeds
     ``memory_limit_bytes`` are never chosen; if none fits, the error names the memory needed.
+
+    ``vocab_stages``: the LM head (the last node) is split by vocabulary rows over every stage; each stage is
+    priced with its share of the head and the hidden state's exchange (``p2p_s`` and ``p2p_s_per_byte``, each
+    way; :func:`~.costs.split_vocabulary_head`), so the last stage takes layers again.
     """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
@@ -351,10 +376,14 @@ def partition_autopipe(
         raise ValueError(f"max_iterations must be >= 0, got {max_iterations}")
     if p2p_s_per_byte < 0:
         raise ValueError(f"p2p_s_per_byte must be >= 0, got {p2p_s_per_byte}")
+    vocabulary = None
+    if vocab_stages:
+        blocks, vocabulary = split_vocabulary_head(blocks, num_stages, backward_ratio, p2p_s, p2p_s_per_byte)
+    share = vocabulary or VocabularyShare(0.0, 0.0, 0, 0, 0)
     units = _Units(blocks, backward_ratio)
     _check_stage_count(num_stages, len(units), len(blocks))
     ratios = _checked_ratios(recompute_ratios, num_stages)
-    memory = _MemoryModel(blocks, num_microbatches, optimizer_bytes_per_param_byte, ratios)
+    memory = _MemoryModel(blocks, num_microbatches, optimizer_bytes_per_param_byte, ratios, vocabulary)
 
     def stage_memory(stage: int, start_unit: int, end_unit: int) -> float:
         return memory.stage_bytes(stage, *units.block_range(start_unit, end_unit))
@@ -366,7 +395,8 @@ def partition_autopipe(
         if not fits(stage, start_unit, end_unit):
             return math.inf
         start, end = units.block_range(start_unit, end_unit)
-        return units.compute_s[end] - units.compute_s[start] + _recompute_s(blocks, stage, start, end, ratios)
+        compute_s = units.compute_s[end] - units.compute_s[start] + share.forward_s + share.backward_s
+        return compute_s + _recompute_s(blocks, stage, start, end, ratios)
 
     unit_starts, bottleneck = _min_max_split(len(units), num_stages, stage_time)
     if bottleneck == math.inf:
@@ -381,8 +411,9 @@ def partition_autopipe(
         block_starts = units.block_boundaries(starts)
         ranges = _stage_ends(block_starts, len(blocks))
         return simulate_schedule(
-            [sum(block.forward_s for block in blocks[start:end]) for start, end in ranges],
-            [sum(block.resolved_backward_s(backward_ratio) for block in blocks[start:end]) for start, end in ranges],
+            [share.forward_s + sum(block.forward_s for block in blocks[start:end]) for start, end in ranges],
+            [share.backward_s + sum(block.resolved_backward_s(backward_ratio) for block in blocks[start:end])
+             for start, end in ranges],
             num_microbatches,
             "1f1b",
             [p2p_s + p2p_s_per_byte * sent for sent in boundary_bytes(blocks, block_starts)],
@@ -411,6 +442,7 @@ def partition_autopipe(
         backward_ratio,
         stage_recompute_s=estimate_stage_recompute_s(blocks, boundaries, ratios),
         stage_memory_bytes=estimate_stage_memory_bytes(
-            blocks, boundaries, num_microbatches, optimizer_bytes_per_param_byte, ratios
+            blocks, boundaries, num_microbatches, optimizer_bytes_per_param_byte, ratios, vocabulary
         ),
+        vocabulary=vocabulary,
     )

@@ -1,0 +1,101 @@
+"""The LM head split by vocabulary rows over the pipeline stages: its pricing, AutoPipe's cuts and the balance."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_merak.parallel.pipeline import (
+    BlockCost,
+    build_partition,
+    estimate_stage_memory_bytes,
+    partition_autopipe,
+    partition_min_max,
+    simulate_schedule,
+    split_vocabulary_head,
+)
+from lightning_merak.planning.flops import TransformerShape
+
+BENCHMARK_HIDDEN, BENCHMARK_SEQ, BENCHMARK_MICRO_BATCH = 128, 64, 2
+"""benchmarks.merak3d's heavy-head Llama: hidden 128, sequence 64, 2 samples per micro-batch."""
+
+
+def causal_lm_costs(layers: int, vocab: int, hidden: int = BENCHMARK_HIDDEN, seq: int = BENCHMARK_SEQ,
+                    micro_batch: int = BENCHMARK_MICRO_BATCH, flops_per_s: float = 1e10) -> list[BlockCost]:
+    """Analytic node costs of the benchmark's Llama (matmul FLOPs, backward twice the forward), as traced:
+    prefix (embedding, no matmul), the blocks, suffix (final norm and head)."""
+    tokens = micro_batch * seq
+    heads = max(2, hidden // 32)
+    block = TransformerShape(layers=1, hidden=hidden, heads=heads, kv_heads=heads, head_dim=hidden // heads,
+                             vocab=0, intermediate=hidden * 8 // 3 // 8 * 8)
+    block_s = tokens * block.forward_flops_per_token(seq) / flops_per_s
+    head_s = tokens * 2.0 * hidden * vocab / flops_per_s
+    hidden_bytes = tokens * hidden * 4
+    return [
+        BlockCost("prefix", 0.0, 0.0, vocab * hidden * 4, hidden_bytes, 0, is_embedding=True),
+        *(BlockCost(f"model.layers.{index}", block_s, 2 * block_s, 12 * hidden * hidden * 4, hidden_bytes,
+                    16 * hidden_bytes) for index in range(layers)),
+        BlockCost("suffix", head_s, 2 * head_s, vocab * hidden * 4, hidden_bytes, tokens * vocab * 4),
+    ]
+
+
+def max_over_mean(forward_s: tuple[float, ...], backward_s: tuple[float, ...]) -> float:
+    stage_s = [f + b for f, b in zip(forward_s, backward_s)]
+    return max(stage_s) / (sum(stage_s) / len(stage_s))
+
+
+def test_the_split_head_costs_each_stage_its_share_and_the_exchange():
+    blocks = [BlockCost("prefix", 1.0, 2.0, 40, 8, 4), BlockCost("layers.0", 3.0, 6.0, 10, 8, 20),
+              BlockCost("suffix", 8.0, 0.0, 400, 8, 80)]
+    kept, share = split_vocabulary_head(blocks, 4, exchange_s=0.5, exchange_s_per_byte=0.25)
+    assert kept[:2] == blocks[:2]
+    assert (kept[2].forward_s, kept[2].resolved_backward_s(), kept[2].param_bytes) == (0.0, 0.0, 0)
+    assert kept[2].output_bytes == 8
+    # 8/4 forward, (2 x 8)/4 backward (the backward ratio), each plus 0.5 + 0.25 x 8 bytes of hidden state
+    assert (share.forward_s, share.backward_s) == (4.5, 6.5)
+    assert (share.param_bytes, share.saved_bytes, share.exchange_bytes) == (100, 20, 8)
+    _, alone = split_vocabulary_head(blocks, 1, exchange_s=0.5)
+    assert (alone.forward_s, alone.backward_s, alone.exchange_bytes) == (8.0, 16.0, 0)
+    with pytest.raises(ValueError, match="num_stages must be >= 1"):
+        split_vocabulary_head(blocks, 0)
+
+
+def test_partition_totals_carry_the_share_on_every_stage():
+    blocks = causal_lm_costs(4, 1000)
+    kept, share = split_vocabulary_head(blocks, 2)
+    split = build_partition(kept, (0, 3), "test", vocabulary=share)
+    whole = build_partition(blocks, (0, 3), "test")
+    assert split.vocab_stages and not whole.vocab_stages
+    assert split.stage_forward_s[0] == pytest.approx(whole.stage_forward_s[0] + blocks[-1].forward_s / 2)
+    assert split.stage_forward_s[1] == pytest.approx(whole.stage_forward_s[1] - blocks[-1].forward_s / 2)
+    assert sum(split.stage_param_bytes) == sum(whole.stage_param_bytes)
+    memory = estimate_stage_memory_bytes(kept, (0, 3), 4, vocabulary=share)
+    assert memory[0] > estimate_stage_memory_bytes(kept, (0, 3), 4)[0]
+
+
+def test_the_last_stage_takes_layers_again():
+    blocks = causal_lm_costs(8, 32000)
+    whole = partition_autopipe(blocks, 4, 8)
+    split = partition_autopipe(blocks, 4, 8, vocab_stages=True)
+    assert whole.boundaries[-1] == len(blocks) - 1  # the head alone
+    assert split.boundaries == (0, 3, 5, 7)  # two blocks per stage, the embedding with the first
+    assert split.method == "autopipe" and split.vocab_stages
+    assert partition_min_max(blocks, 4, vocab_stages=True).boundaries == split.boundaries
+
+
+@pytest.mark.parametrize("vocab", [32000, 128000])
+@pytest.mark.parametrize("layers", [8, 16])
+@pytest.mark.parametrize("stages", [2, 4, 8])
+def test_sim_heavy_head_max_over_mean(vocab: int, layers: int, stages: int):
+    """[sim] ``heavy_head_max_over_mean``: the worst stage over the mean under AutoPipe drops to <= 1.10."""
+    blocks = causal_lm_costs(layers, vocab)
+    micro_batches = 2 * stages
+    whole = partition_autopipe(blocks, stages, micro_batches)
+    split = partition_autopipe(blocks, stages, micro_batches, vocab_stages=True)
+    before = max_over_mean(whole.stage_forward_s, whole.stage_backward_s)
+    after = max_over_mean(split.stage_forward_s, split.stage_backward_s)
+    assert after <= 1.10, (vocab, layers, stages, split.boundaries, after)
+    if stages >= 4:
+        assert before >= 1.9, before  # the head outweighs the mean stage, whichever cut
+    iteration = [simulate_schedule(p.stage_forward_s, p.stage_backward_s, micro_batches).iteration_s
+                 for p in (whole, split)]
+    assert iteration[1] < iteration[0]
