@@ -107,6 +107,12 @@ class HeadStep:
         call = model.get_submodule(self.module) if self.module is not None else self.function
         return call(*args, **kwargs)
 
+    def input_of(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """The first argument this step would be called with: the input of a head module (``vocab_stages``)."""
+        args, kwargs = tree_unflatten([values[leaf.index] if isinstance(leaf, _HeadValue) else leaf
+                                       for leaf in self.leaves], self.spec)
+        return args[0] if args else next(iter(kwargs.values()))
+
 
 @dataclass
 class ModelTrace:
@@ -195,10 +201,13 @@ class ModelTrace:
         output[self.block_output_index] = hidden
         return tuple(output)
 
-    def run_head(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        """The logits from the last block's hidden state, replaying the recorded head on ``model``."""
+    def run_head(self, model: nn.Module, hidden: torch.Tensor, stop_before: int | None = None) -> torch.Tensor:
+        """The logits from the last block's hidden state, replaying the recorded head on ``model``; with
+        ``stop_before``, the input of that head step instead (the LM head's, when the pipeline ranks split it)."""
         values = [hidden]
-        for step in self.head:
+        for index, step in enumerate(self.head):
+            if index == stop_before:
+                return step.input_of(values)
             values.append(step.run(model, values))
         return values[-1]
 

@@ -109,6 +109,9 @@ class PipelineStageModule(nn.Module):
         self.is_first = stage_index == 0
         self.is_last = stage_index == num_stages - 1
         self._call_model = call_model
+        self.head_stop: int | None = None
+        """With the LM head split over the pipeline ranks (:mod:`.vocab_stages`), the head step the last stage
+        stops before: it outputs that step's input (the final norm's output) instead of logits."""
         num_blocks = trace.num_blocks
         self.block_indices = [node - 1 for node in node_range if 1 <= node <= num_blocks]
         self.skips_in = trace.skips_across(min(max(node_range.start - 1, 0), num_blocks))
@@ -211,7 +214,7 @@ class PipelineStageModule(nn.Module):
         """``model_kwargs`` go to the first stage's model call; later stages get them as side tensors."""
         if self.routers is None:
             hidden, side = self._run_blocks(inputs, model_kwargs)
-            return (hidden, *map(_own_copy, side)) if not self.is_last else self.trace.run_head(self.net, hidden)
+            return (hidden, *map(_own_copy, side)) if not self.is_last else self._run_head(hidden)
         carried = None
         if self.carries_router_logits_in:
             *inputs, carried = inputs
@@ -221,7 +224,10 @@ class PipelineStageModule(nn.Module):
         router_logits = carried_router_logits(carried, recorded, batch, sequence)
         if not self.is_last:
             return (hidden, *map(_own_copy, side), router_logits)
-        return self.trace.run_head(self.net, hidden), router_logits
+        return self._run_head(hidden), router_logits
+
+    def _run_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.trace.run_head(self.net, hidden, self.head_stop)
 
     def _run_blocks(self, inputs: tuple[torch.Tensor, ...], model_kwargs: dict[str, Any]
                     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -284,6 +290,8 @@ class RankStages(nn.ModuleList):
     def __init__(self, stages: list[PipelineStageModule], router_aux: RouterAux | None = None) -> None:
         super().__init__(stages)
         self.router_aux = router_aux
+        self.vocabulary: Any = None
+        """The :class:`~.vocab_stages.VocabularyExchange` when the LM head is split over the pipeline ranks."""
 
     @property
     def is_first(self) -> bool:

@@ -33,6 +33,7 @@ from lightning_merak.parallel.layout import (
 from lightning_merak.parallel.micro_batching.options import MicroBatching
 from lightning_merak.parallel.pipeline.schedules import shifted_schedule_available
 from lightning_merak.parallel.pipeline.trace import find_trunk
+from lightning_merak.parallel.pipeline.vocab_stages import VOCAB_STAGE_SCHEDULES
 from lightning_merak.parallel.tensor.adapters import check_adapter_split
 from lightning_merak.parallel.tensor.blocks import check_tensor_parallel_degree
 from lightning_merak.parallel.tensor.sequence import check_sequence_length
@@ -129,6 +130,7 @@ class Merak3DArguments(Merak3DOptions):
                 raise ValueError(problem)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is not supported; choose one of {', '.join(SCHEDULES)}")
+        self._check_vocab_stages()
         if schedule == "shifted_critical_path" and not shifted_schedule_available():
             raise ValueError(
                 "schedule='shifted_critical_path' needs pipelining internals this torch does not have; "
@@ -197,6 +199,23 @@ class Merak3DArguments(Merak3DOptions):
         for name, value, needed in self._context_blocking():
             raise ValueError(f"context_parallel={cp} runs with {name}={needed!r} for now, got {name}={value!r}; "
                              f"set {name}={needed!r} or context_parallel=1")
+
+    def _check_vocab_stages(self) -> None:
+        """Refuse ``vocab_stages='on'`` with what the split head does not run with yet, before any work."""
+        if self.vocab_stages not in ("off", "on", "auto"):
+            raise ValueError(f"vocab_stages={self.vocab_stages!r} is not supported; choose 'off', 'on' or 'auto'")
+        if self.vocab_stages != "on":
+            return
+        if self.schedule not in VOCAB_STAGE_SCHEDULES:
+            raise ValueError(f"vocab_stages='on' runs with schedule {' or '.join(VOCAB_STAGE_SCHEDULES)} (one stage "
+                             f"per rank scoring its micro-batches in order), not {self.schedule!r}; change the "
+                             "schedule or set vocab_stages='off'")
+        blocking = {"micro_batching": (self.micro_batching, "none"), "tensor_parallel": (self.tensor_parallel, 1),
+                    "context_parallel": (self.context_parallel, 1)}
+        for name, (value, needed) in blocking.items():
+            if value not in (needed, "auto"):
+                raise ValueError(f"vocab_stages='on' runs with {name}={needed!r} for now, got {value!r}; set "
+                                 f"{name}={needed!r} or vocab_stages='off'")
 
     def _context_blocking(self) -> list[tuple[str, Any, Any]]:
         """The fixed options context parallelism does not run with yet, as ``(name, value given, value needed)``

@@ -47,6 +47,7 @@ from lightning_merak.parallel.pipeline.recompute import stage_aware_recompute_ra
 from lightning_merak.parallel.pipeline.router_aux import RouterAux, router_aux_loss_problem, router_aux_of
 from lightning_merak.parallel.pipeline.stage import RankStages, build_stage_module, tied_parameter_names
 from lightning_merak.parallel.pipeline.trace import ModelTrace, TraceError, find_trunk, trace_model
+from lightning_merak.parallel.pipeline.vocab_stages import split_head_over_stages
 from lightning_merak.parallel.tensor.blocks import (
     LayoutChange,
     TensorParallelPlan,
@@ -65,6 +66,11 @@ from lightning_merak.parallel.tensor.sequence import (
 from lightning_merak.parallel.tensor.vocab import split_vocabulary
 from lightning_merak.protocols.layout_aware import RecomputedForward
 from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
+from lightning_merak.strategies.merak3d.vocab_stages_build import (
+    replica_pipeline_group,
+    splittable_head,
+    vocab_split_autopipe,
+)
 from lightning_merak.strategies.merak3d.vocabulary_build import VocabularyRows
 from lightning_merak.util import random_state
 from lightning_merak.util.model_outputs import no_cache
@@ -248,7 +254,9 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
     stages, partition, tied = None, None, []
     if pp > 1:
         tied_names = tied_parameter_names(model)
-        partition = _agree_on_partition(trace, layout, arguments.partition, global_rank, broadcast)
+        head_shape = splittable_head(model, trace, arguments, layout, router_aux is not None)
+        vocab_stages = arguments.vocab_stages if head_shape is not None else "off"
+        partition = _agree_on_partition(trace, layout, arguments.partition, global_rank, broadcast, vocab_stages)
         stage_ids = [groups.pipeline_rank + k * pp for k in range(layout.virtual_stages)]
         copies = [copy.deepcopy(model) for _ in stage_ids[1:]] + [model]
         stages = RankStages([
@@ -288,6 +296,9 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
         load_weights(_local_tensors(root), layout_changes)
     if materialize_with is not None:
         _after_materialize(parts, root, layout_changes, load_weights)
+    if stages is not None and (partition.vocab_stages or vocab_stages == "on"):
+        stages.vocabulary = split_head_over_stages(stages, head_shape, trace, groups.mesh["pp"],
+                                                   replica_pipeline_group(groups, global_rank), device)
     if split_vocabulary_now:
         replaced = split_vocabulary(list(stages) if stages is not None else [model], groups.tensor_mesh,
                                     sequence_parallel=sequence_plan is not None)
@@ -341,14 +352,15 @@ def _router_aux(model: nn.Module, arguments: Merak3DArguments, layout: Layout) -
 
 
 def _agree_on_partition(trace: ModelTrace, layout: Layout, method: str, global_rank: int,
-                        broadcast: Broadcast) -> Any:
-    """Rank 0 partitions its measured costs; every rank uses that partition."""
+                        broadcast: Broadcast, vocab_stages: str = "off") -> Any:
+    """Rank 0 partitions its measured costs; every rank uses that partition (with ``vocab_stages`` 'on' or 'auto',
+    AutoPipe and min-max price the head split over the stages)."""
     num_stages = layout.num_stages
     partition = None
     if global_rank == 0:
         partitioners = {
-            "autopipe": lambda: pipeline.partition_autopipe(trace.costs, num_stages, layout.micro_batches),
-            "min_max": lambda: pipeline.partition_min_max(trace.costs, num_stages),
+            "autopipe": lambda: vocab_split_autopipe(trace, layout, vocab_stages),
+            "min_max": lambda: pipeline.partition_min_max(trace.costs, num_stages, vocab_stages=vocab_stages == "on"),
             "parameters": lambda: pipeline.partition_by_parameters(trace.costs, num_stages),
             "uniform": lambda: pipeline.partition_uniform(trace.costs, num_stages),
         }

@@ -53,6 +53,10 @@ class PipelineStep:
         micro-batches, with the replicas; the step divides the others' (collectives may still be running on the
         former's, so the schedule's own scaling, which would touch all of them, is off)."""
         layout = groups.layout
+        self._vocabulary = stages.vocabulary
+        """The LM head split over the pipeline ranks (``vocab_stages``): its exchange scores the micro-batches."""
+        if self._vocabulary is not None:
+            loss_fn = self._vocabulary.loss
         loss_fn = vocab_parallel_loss(loss_fn, stages)
         self._router_aux_loss: Optional[RouterAuxLoss] = None
         if stages.router_aux is not None:
@@ -75,6 +79,11 @@ class PipelineStep:
                               "shifted_critical_path": ScheduleShiftedCriticalPath}[layout.schedule]
             self._schedule = schedule_class(pipeline_stages[0], layout.micro_batches,
                                             loss_fn=loss_fn, scale_grads=False)
+        if self._vocabulary is not None:
+            schedule = self._schedule
+            # a first training step infers the stages' shapes with one extra loss, which the other ranks do not serve
+            self._vocabulary.inferring = lambda: schedule._has_backward and not getattr(
+                schedule, "_stage_backward_initialized", True)
 
     def loss(self, batch: Any) -> torch.Tensor:
         """Run the schedule on ``batch``; every rank returns the mean micro-batch loss (and, with a router aux
@@ -105,8 +114,11 @@ class PipelineStep:
             parameters = [p for p in stage.parameters() if p.requires_grad]
             for param in parameters:
                 param.grad = None
+            self._begin_vocabulary(targets, backward=True)
             with self.clock.step():
                 self._schedule.step(*args, return_outputs=False, **kwargs)
+                if self._vocabulary is not None:
+                    self._vocabulary.end()
             with torch.no_grad():
                 for param in parameters:
                     if param.grad is not None and id(param) not in self.scaled_later:
@@ -115,8 +127,11 @@ class PipelineStep:
             for param in parameters:
                 param.grad = None
         else:
+            self._begin_vocabulary(targets, backward=False)
             with torch.no_grad():
                 self._schedule.eval(*args, return_outputs=False, **kwargs)
+            if self._vocabulary is not None:
+                self._vocabulary.end()
         # float32 on every stage: the broadcast must agree in size whatever the precision (bf16-true)
         results = [torch.stack([l.detach() for l in losses]).float().mean()] if stage.is_last else [
             torch.zeros((), dtype=torch.float32, device=self._device)]
@@ -129,6 +144,11 @@ class PipelineStep:
         if self._router_aux_loss is not None:
             module._router_aux_loss = means[1]
         return means[0]
+
+    def _begin_vocabulary(self, targets: Any, backward: bool) -> None:
+        if self._vocabulary is not None:
+            self._vocabulary.active = True
+            self._vocabulary.begin(targets, self._groups.layout.micro_batches, backward)
 
     def backward_passes(self, batch: Any) -> int:
         """Micro-batches a training step on ``batch`` runs (what the data-parallel reduction is armed with)."""
@@ -169,6 +189,8 @@ class PipelineStep:
         # The schedule scores every micro-batch on the last stage; the inputs stand in for the
         # targets and those losses are discarded.
         scoring = {"target": inputs, "losses": []} if stage.is_last else {}
+        if self._vocabulary is not None:  # the losses are discarded: nothing to exchange for them
+            self._vocabulary.active = False
         with torch.no_grad():
             output = self._schedule.eval(*args, **scoring)
         if isinstance(output, tuple):  # (logits, router logits) with a router aux loss
@@ -177,4 +199,7 @@ class PipelineStep:
         logits = output if stage.is_last else torch.empty(shape, dtype=dtype, device=self._device)
         pp_group, last_rank = self._last_stage_source()
         dist.broadcast(logits, src=last_rank, group=pp_group)
+        if self._vocabulary is not None:  # the last stage's output is the head's input; each rank has its rows
+            with torch.no_grad():
+                logits = self._vocabulary.full_logits(logits)
         return logits

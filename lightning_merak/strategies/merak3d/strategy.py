@@ -88,7 +88,7 @@ class Merak3DStrategy(CheckpointHooks):
         memory_limit: Optional[float] = None,
         plan_only: bool = False,
         planner_calibration: str = "analytic",
-        vocab_parallel: bool = True,
+        vocab_parallel: bool = True, vocab_stages: str = "off",
         compact_host_memory: bool = False,
         data_parallel_sharding: str = "none",
         data_parallel_shard_size: Optional[int] = None,

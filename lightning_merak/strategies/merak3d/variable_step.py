@@ -269,6 +269,17 @@ def _check_token_loss(module: Any) -> None:
             "CausalLMModule's loss_from_logits")
 
 
+def _check_split_head_loss(view: ModuleView, options: MicroBatching) -> None:
+    """Refuse what the LM head split over the pipeline ranks cannot score: its exchange computes next-token
+    cross-entropy itself, on whole micro-batches."""
+    if not view.contract or options.enabled:
+        raise ValueError("vocab_stages scores whole micro-batches of a module with the whole contract "
+                         "(CausalLMModule's); set vocab_stages='off' or micro_batching='none'")
+    if getattr(type(view.module), "loss_from_logits", None) is not CausalLMModule.loss_from_logits:
+        raise ValueError(f"vocab_stages computes next-token cross-entropy itself, but {type(view.module).__name__}"
+                         ".loss_from_logits is its own; keep CausalLMModule's loss or set vocab_stages='off'")
+
+
 def check_micro_batching(options: MicroBatching, pipeline_parallel: int, view: ModuleView) -> None:
     """Refuse variable-length micro-batches for a module without the whole contract (they score next-token
     cross-entropy through ``loss_from_logits``)."""
@@ -286,6 +297,8 @@ def install_pipeline_step(options: MicroBatching, view: ModuleView, stages: Rank
     With the whole module contract it is installed as the module's ``compute_loss`` and ``forward``; otherwise the
     network's attribute gets the stages, called through a :class:`~.network.PipelinedNetwork`."""
     module = view.module
+    if stages.vocabulary is not None:
+        _check_split_head_loss(view, options)
     if not view.contract:
         pipelined = PipelinedNetwork(view, view.network)
         step = PipelineStep(module, stages, groups, device, pipelined.micro_batch_loss)

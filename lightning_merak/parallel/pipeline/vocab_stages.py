@@ -1,0 +1,294 @@
+"""The LM head split by vocabulary rows over the pipeline ranks (``strategy.vocab_stages``).
+
+With a large vocabulary the head alone outweighs several stages of blocks (a 32k head at width 128 is
+2.5 stages of an 8-block Llama at pp=4), and no cut can balance that. Following Yeung et al., *Balancing
+Pipeline Parallelism with Vocabulary Parallelism* (arXiv 2411.05288), every pipeline rank holds rows
+``[r·c, min((r+1)·c, V))``, ``c = ⌈V/pp⌉``, of the head (:class:`VocabularySlice`) and, per micro-batch:
+
+* the last stage runs the head's steps up to the head itself (the final norm) and broadcasts that hidden state
+  to every pipeline rank;
+* each rank computes its rows' logits and the softmax cross-entropy pieces: its maximum, its sum of
+  exponentials and the target's logit where the target lies in its rows; two all-reduces give the exact loss;
+* in training each rank then computes its rows' part of the hidden state's gradient (softmax − one-hot times
+  its rows), summed onto the last stage by a reduce, which hands it to the schedule's backward, and its rows'
+  weight gradient, kept locally.
+
+These collectives run on a process group of their own. The last stage runs them inside the schedule, where
+it scores the micro-batch; the other ranks serve them from a thread started with the step, beside their own
+stages' forward and backward. They are not placed in the schedule's idle slots as in the paper: a rank's
+thread competes with its stage for the cores, and the last stage waits for every rank's share of each
+micro-batch before its backward.
+
+The weight is a DTensor sharded ``Shard(0)`` over the pipeline mesh with the head's real shape, so a sharded
+checkpoint holds the unsplit head under its own name and any layout resumes it. The loss is next-token
+cross-entropy (``CausalLMModule.loss_from_logits``), computed here; the input embedding stays on the first stage.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_merak.parallel.pipeline.recording import ModelTrace
+
+__all__ = ["VOCAB_STAGE_SCHEDULES", "HeadShape", "VocabularyExchange", "VocabularySlice", "head_step_index",
+           "split_head_over_stages", "vocab_stage_range", "vocab_stages_problem"]
+
+VOCAB_STAGE_SCHEDULES = ("1f1b", "gpipe")
+"""Schedules whose single stage per rank scores micro-batches in order, as the ranks' exchange needs."""
+
+IGNORE_INDEX = -100
+"""Targets cross-entropy leaves out (``F.cross_entropy``'s default)."""
+
+
+def vocab_stage_range(vocab_size: int, parts: int, rank: int) -> tuple[int, int]:
+    """``[start, end)`` of the head rows pipeline rank ``rank`` of ``parts`` holds (``torch.chunk``'s, DTensor's)."""
+    width = -(-vocab_size // parts)
+    start = min(rank * width, vocab_size)
+    return start, min(start + width, vocab_size)
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """What every rank needs of the head before the last stage sends its weights: path, sizes, bias, dtype."""
+
+    path: str
+    vocab_size: int
+    width: int
+    bias: bool
+    dtype: torch.dtype
+
+
+def head_step_index(trace: ModelTrace, head_path: str) -> Optional[int]:
+    """Position of the head's call among the recorded head steps, or None when it is not called there."""
+    return next((index for index, step in enumerate(trace.head) if step.module == head_path), None)
+
+
+def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, tensor_parallel: int, context_parallel: int,
+                         schedule: str, router_aux: bool) -> Optional[str]:
+    """Why the head of ``model`` cannot be split over the pipeline ranks in this layout, or None."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:
+        return (f"vocab_stages splits an nn.Linear LM head (get_output_embeddings()), {type(model).__name__} has "
+                f"{type(head).__name__}; set vocab_stages='off'")
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embedding is not None and getattr(embedding, "weight", None) is head.weight:
+        return ("vocab_stages does not split a head tied to the input embedding yet (the embedding stays on the "
+                "first stage); untie them (tie_word_embeddings=False) or set vocab_stages='off'")
+    path = next(name for name, module in model.named_modules() if module is head)
+    index = head_step_index(trace, path)
+    if index is None:
+        return f"the LM head {path} is not called after the last block; set vocab_stages='off'"
+    after = [step.module or getattr(step.function, "__name__", "?") for step in trace.head[index + 1:]]
+    if after:
+        return (f"vocab_stages scores the head's logits as they are, but the model transforms them ({after}: logit "
+                "scaling or soft-capping); set vocab_stages='off'")
+    if tensor_parallel > 1 or context_parallel > 1:
+        return ("vocab_stages runs at tensor_parallel=1 and context_parallel=1 so far; set vocab_stages='off' "
+                "(vocab_parallel splits the head over tensor-parallel ranks)")
+    if schedule not in VOCAB_STAGE_SCHEDULES:
+        return (f"vocab_stages runs with schedule {' or '.join(VOCAB_STAGE_SCHEDULES)} (one stage per rank), not "
+                f"{schedule!r}; change the schedule or set vocab_stages='off'")
+    if router_aux:
+        return "vocab_stages does not carry router logits (MoE aux loss) yet; set vocab_stages='off'"
+    return None
+
+
+class VocabularySlice(nn.Module):
+    """The LM head rows ``[start, end)`` of this pipeline rank: ``weight`` (and ``bias``) are DTensors sharded by
+    rows over the pipeline mesh with the head's whole shape, whose local part is this rank's rows."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], vocab_size: int, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.vocab_size, self.width = vocab_size, weight.shape[1]
+        self.start, self.end = vocab_stage_range(vocab_size, mesh.size(), mesh.get_local_rank())
+        self.mesh = mesh
+        self.weight = nn.Parameter(self._sharded(weight[self.start:self.end]))
+        self.bias = nn.Parameter(self._sharded(bias[self.start:self.end])) if bias is not None else None
+
+    def _sharded(self, local: torch.Tensor) -> DTensor:
+        shape = torch.Size((self.vocab_size, *local.shape[1:]))
+        stride = (local.shape[1], 1) if local.ndim == 2 else (1,)
+        return DTensor.from_local(local.detach().clone().contiguous(), self.mesh, [Shard(0)], run_check=False,
+                                  shape=shape, stride=stride)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of the logits of ``hidden``."""
+        bias = self.bias.to_local() if self.bias is not None else None
+        return F.linear(hidden, self.weight.to_local(), bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the pipeline scores the split LM head through its VocabularyExchange, not by calling it")
+
+
+class _SplitHeadLoss(torch.autograd.Function):
+    """The exchange's loss on the last stage; its backward hands the hidden state's gradient summed over the ranks
+    (computed with the loss) to the schedule's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, exchange: "VocabularyExchange", targets: torch.Tensor) -> torch.Tensor:
+        loss, grad = exchange.score(hidden.detach(), targets, backward=True)
+        ctx.save_for_backward(grad)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None
+
+
+class VocabularyExchange:
+    """The split head's per-micro-batch collectives over ``group`` (this replica's pipeline ranks) and the loss.
+
+    ``source`` is the global rank of the last stage. :meth:`begin` and :meth:`end` bracket a step: on the other
+    ranks they start and join the thread serving the step's micro-batches; on every rank :meth:`end` sets the
+    rows' gradients summed over the micro-batches. On the last stage :meth:`loss` is the schedule's loss function.
+    """
+
+    def __init__(self, head: VocabularySlice, group: dist.ProcessGroup, source: int, is_last: bool,
+                 device: torch.device) -> None:
+        self.head, self.group, self.source, self.is_last, self.device = head, group, source, is_last, device
+        self.inferring: Callable[[], bool] = lambda: False
+        """Whether the schedule is inferring its stages' shapes (a loss outside the step's micro-batches)."""
+        self.active = True
+        """Off while a prediction runs the schedule: the loss it computes is discarded, so nothing is exchanged."""
+        self._backward = False
+        self._grads: Optional[list[torch.Tensor]] = None
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    # A step ------------------------------------------------------------------------------------
+
+    def begin(self, targets: torch.Tensor, micro_batches: int, backward: bool) -> None:
+        """Start a step of ``micro_batches`` micro-batches of ``targets`` (with their backward when ``backward``)."""
+        self._backward, self._grads, self._error = backward, None, None
+        if self.is_last:
+            return
+        chunks = list(torch.tensor_split(targets, micro_batches))
+        self._thread = threading.Thread(target=self._serve, args=(chunks,), name="vocab-stages", daemon=True)
+        self._thread.start()
+
+    def end(self) -> None:
+        """Wait for this rank's share of the step; the rows' gradients become their parameters' ``grad``."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError("the split LM head's exchange failed on this rank") from error
+        if self._grads is not None:
+            params = [self.head.weight] + ([self.head.bias] if self.head.bias is not None else [])
+            for param, grad in zip(params, self._grads):
+                param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False,
+                                                shape=param.shape, stride=param.stride())
+            self._grads = None
+
+    def _serve(self, chunks: list[torch.Tensor]) -> None:
+        try:
+            for targets in chunks:
+                hidden = torch.empty((*targets.shape, self.head.width), dtype=self.head.weight.dtype,
+                                     device=self.device)
+                self.score(hidden, targets.to(self.device), self._backward)
+        except BaseException as error:  # re-raised by end(), on the step's thread
+            self._error = error
+
+    # The last stage's loss ---------------------------------------------------------------------
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of the micro-batch whose last hidden state (after the final norm) is
+        ``hidden``, over the whole vocabulary: the schedule's loss function on the last stage."""
+        if self.inferring() or not self.active:
+            return (hidden * 0).float().sum()  # shapes only: the other ranks are not scoring this one
+        if self._backward and torch.is_grad_enabled() and hidden.requires_grad:
+            return _SplitHeadLoss.apply(hidden, self, targets)
+        return self.score(hidden.detach(), targets, backward=False)[0]
+
+    def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The whole vocabulary's logits of ``hidden`` (the same on every rank; a collective over the ranks)."""
+        local = self.head.logits(hidden.to(self.head.weight.dtype))
+        parts = dist.get_world_size(self.group)
+        width = -(-self.head.vocab_size // parts)
+        padded = F.pad(local, (0, width - local.shape[-1])) if local.shape[-1] < width else local
+        gathered = [torch.empty_like(padded) for _ in range(parts)]
+        dist.all_gather(gathered, padded.contiguous(), group=self.group)
+        return torch.cat(gathered, dim=-1)[..., :self.head.vocab_size]
+
+    # One micro-batch on every rank -------------------------------------------------------------
+
+    def score(self, hidden: torch.Tensor, targets: torch.Tensor,
+              backward: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(loss, gradient of hidden)`` of one micro-batch; ``hidden`` is the last stage's (received elsewhere).
+
+        The gradient, summed over the ranks, is returned on the last stage (None without ``backward``)."""
+        with torch.no_grad():
+            dtype = hidden.dtype
+            hidden = hidden.to(self.head.weight.dtype).contiguous()
+            dist.broadcast(hidden, src=self.source, group=self.group)
+            x = hidden[:, :-1].reshape(-1, self.head.width)
+            y = targets[:, 1:].reshape(-1).to(hidden.device)
+            logits = self.head.logits(x).float()
+            maximum = logits.max(dim=-1).values
+            dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=self.group)
+            exponentials = torch.exp(logits - maximum[:, None])
+            inside = (y >= self.head.start) & (y < self.head.end)
+            local_y = (y - self.head.start).clamp(0, logits.shape[-1] - 1)
+            target_logit = logits.gather(1, local_y[:, None]).squeeze(1) * inside
+            sums = torch.stack([exponentials.sum(dim=-1), target_logit])
+            dist.all_reduce(sums, group=self.group)
+            valid = (y != IGNORE_INDEX).float()
+            count = valid.sum()
+            loss = ((torch.log(sums[0]) + maximum - sums[1]) * valid).sum() / count
+            if not backward:
+                return loss, None
+            grad_logits = exponentials / sums[0][:, None]
+            grad_logits.scatter_add_(1, local_y[:, None], -inside.float()[:, None])
+            grad_logits = (grad_logits * (valid / count)[:, None]).to(x.dtype)
+            self._accumulate(grad_logits.t() @ x, grad_logits.sum(dim=0))
+            grad_hidden = torch.zeros_like(hidden)
+            grad_hidden[:, :-1] = (grad_logits @ self.head.weight.to_local()).view(*hidden.shape[:1], -1,
+                                                                                 self.head.width)
+            dist.reduce(grad_hidden, dst=self.source, group=self.group)
+            return loss, grad_hidden.to(dtype) if self.is_last else None
+
+    def _accumulate(self, grad_weight: torch.Tensor, grad_bias: torch.Tensor) -> None:
+        grads = [grad_weight] + ([grad_bias.to(grad_weight.dtype)] if self.head.bias is not None else [])
+        if self._grads is None:
+            self._grads = grads
+        else:
+            for total, grad in zip(self._grads, grads):
+                total.add_(grad)
+
+
+def split_head_over_stages(stages: nn.ModuleList, shape: HeadShape, trace: ModelTrace, mesh: DeviceMesh,
+                           group: dist.ProcessGroup, device: torch.device) -> VocabularyExchange:
+    """Replace the head of this rank's (single) stage by its :class:`VocabularySlice` and return the exchange.
+
+    The last stage sends its head's weights to the others (a broadcast over ``mesh``'s group: the whole head
+    crosses once, at build); each keeps its rows. The last stage's forward then ends before the head.
+    """
+    (stage,) = stages
+    parts = mesh.size()
+    if vocab_stage_range(shape.vocab_size, parts, parts - 1)[0] >= shape.vocab_size:
+        raise ValueError(f"a vocabulary of {shape.vocab_size} rows split over pipeline_parallel={parts} ranks leaves "
+                         "the last rank without rows; set vocab_stages='off'")
+    source = dist.get_global_rank(mesh.get_group(), parts - 1)
+    tensors = [torch.empty(shape.vocab_size, shape.width, dtype=shape.dtype, device=device)]
+    if shape.bias:
+        tensors.append(torch.empty(shape.vocab_size, dtype=shape.dtype, device=device))
+    if stage.is_last:
+        head = stage.net.get_submodule(shape.path)
+        tensors = [head.weight.detach().to(device)] + ([head.bias.detach().to(device)] if shape.bias else [])
+    for tensor in tensors:
+        dist.broadcast(tensor, src=source, group=mesh.get_group())
+    rows = VocabularySlice(tensors[0], tensors[1] if shape.bias else None, shape.vocab_size, mesh)
+    stage.net.set_submodule(shape.path, rows)
+    stage.head_stop = head_step_index(trace, shape.path)
+    return VocabularyExchange(rows, group, source, stage.is_last, device)

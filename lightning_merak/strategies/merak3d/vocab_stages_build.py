@@ -1,0 +1,65 @@
+"""The build's part of ``vocab_stages``: whether the LM head splits over the pipeline ranks, AutoPipe pricing the
+split, and the group its collectives run on (:mod:`lightning_merak.parallel.pipeline.vocab_stages`)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_merak.distributed.process_groups import new_group
+from lightning_merak.parallel import pipeline
+from lightning_merak.parallel.layout import Layout, LayoutGroups
+from lightning_merak.parallel.pipeline.trace import ModelTrace
+from lightning_merak.parallel.pipeline.vocab_stages import HeadShape, vocab_stages_problem
+from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
+
+__all__ = ["replica_pipeline_group", "splittable_head", "vocab_split_autopipe"]
+
+
+def splittable_head(model: nn.Module, trace: ModelTrace, arguments: Merak3DArguments, layout: Layout,
+                     router_aux: bool) -> Optional[HeadShape]:
+    """The LM head ``vocab_stages`` splits over the pipeline ranks, or None (off, or 'auto' where it cannot run;
+    'on' there is refused with the reason)."""
+    if arguments.vocab_stages == "off":
+        return None
+    problem = vocab_stages_problem(model, trace, tensor_parallel=layout.tensor_parallel,
+                                   context_parallel=layout.context_parallel, schedule=layout.schedule,
+                                   router_aux=router_aux)
+    if problem is not None:
+        if arguments.vocab_stages == "on":
+            raise ValueError(problem)
+        rank_zero_info(f"merak3d: vocab_stages='auto' keeps the LM head on the last stage: {problem}")
+        return None
+    head = model.get_output_embeddings()
+    path = next(name for name, module in model.named_modules() if module is head)
+    return HeadShape(path, head.out_features, head.in_features, head.bias is not None, head.weight.dtype)
+
+
+def replica_pipeline_group(groups: LayoutGroups, global_rank: int) -> dist.ProcessGroup:
+    """A second group over this replica's pipeline ranks, for the split head's collectives (run beside the
+    schedule's sends on the pipeline group); every rank creates every replica's, in one order."""
+    ranks = groups.mesh.mesh
+    mine = None
+    for replica in ranks.permute(1, 2, 0).reshape(-1, ranks.shape[0]).tolist():
+        group = new_group(replica)
+        if global_rank in replica:
+            mine = group
+    assert mine is not None
+    return mine
+
+
+def vocab_split_autopipe(trace: ModelTrace, layout: Layout, mode: str) -> Any:
+    """AutoPipe with the head split over the stages ('on'), without, or whichever simulates faster ('auto')."""
+    num_stages, micro_batches = layout.num_stages, layout.micro_batches
+    if mode != "auto":
+        return pipeline.partition_autopipe(trace.costs, num_stages, micro_batches, vocab_stages=mode == "on")
+    options = [pipeline.partition_autopipe(trace.costs, num_stages, micro_batches, vocab_stages=split)
+               for split in (False, True)]
+    iterations = [pipeline.simulate_schedule(p.stage_forward_s, p.stage_backward_s, micro_batches).iteration_s
+                  for p in options]
+    rank_zero_info(f"merak3d: vocab_stages='auto' simulates {iterations[0] * 1e3:.1f} ms per step with the head on "
+                   f"the last stage, {iterations[1] * 1e3:.1f} ms split over the stages")
+    return options[1] if iterations[1] < iterations[0] else options[0]

@@ -1,0 +1,115 @@
+"""The LM head split by vocabulary rows over the pipeline ranks (``vocab_stages``) against one process: per-step
+losses, every gradient, and the exported checkpoint's head; what it refuses, before any work."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.config import ModelConfig
+from lightning_merak.parallel.pipeline.trace import trace_model
+from lightning_merak.parallel.pipeline.vocab_stages import vocab_stage_range, vocab_stages_problem
+from lightning_merak.strategies.merak3d import Merak3DStrategy
+from lightning_merak.testing import assert_traces_match, merge_rank_traces, record_reference_trace, run_distributed
+from lightning_merak.testing.compare import TrainingTrace, layout_gradients
+from lightning_merak.testing.data import ReplicaBatches
+
+STEPS, BATCH, SEQ, VOCAB = 3, 8, 16, 1024
+"""A vocabulary of 1024 rows at width 32: the head holds more parameters than the four blocks together."""
+
+
+def _config(tied: bool = False) -> ModelConfig:
+    return ModelConfig(name="llama", model_type="llama", config={
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "tie_word_embeddings": tied})
+
+
+def _batches() -> torch.Tensor:
+    return torch.randint(VOCAB, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(5))
+
+
+class _Module(CausalLMModule):
+    """SGD, recording each step's logged loss and gradients (the head's rows gathered) under the unsplit names."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.recorded = TrainingTrace()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.model.parameters(), lr=0.5)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        loss = float(self.trainer.callback_metrics["train/loss"])
+        self.recorded.append(loss, layout_gradients(self.trainer.strategy, self.model))
+
+
+def _module() -> _Module:
+    torch.manual_seed(0)
+    model = build_causal_lm(_config(), vocab_size=VOCAB)
+    model.config.use_cache = False
+    return _Module(model)
+
+
+def _reference() -> tuple[TrainingTrace, dict[str, torch.Tensor]]:
+    module = _module()
+    trace = record_reference_trace(module.model, [(batch,) for batch in _batches()],
+                                   lambda model, batch: module.compute_loss(batch),
+                                   torch.optim.SGD(module.model.parameters(), lr=0.5))
+    return trace, {name: param.detach().clone() for name, param in module.model.named_parameters()}
+
+
+def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None) -> tuple[list[float], list[dict]]:
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120), max_epochs=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
+    module = _module()
+    trainer.fit(module, datamodule=ReplicaBatches(_batches(), 0, STEPS))
+    head = module.model[0].net.lm_head
+    assert type(head).__name__ == "VocabularySlice"
+    pipeline_rank = trainer.strategy.pipeline_rank
+    assert (head.start, head.end) == vocab_stage_range(VOCAB, layout["pipeline_parallel"], pipeline_rank)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    return module.recorded.losses, module.recorded.gradients
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stages,replicas,schedule", [(2, 1, "gpipe"), (4, 1, "1f1b"), (2, 2, "1f1b")])
+def test_split_head_matches_single_process(tmp_path, stages: int, replicas: int, schedule: str):
+    """Loss and every gradient (the head's rows gathered) equal one process's at each step; the checkpoint holds
+    the head whole under its own name, and the Hugging Face export writes it as the trained model's."""
+    from lightning_merak.hf.export import export_checkpoint
+
+    layout = {"data_parallel": replicas, "pipeline_parallel": stages, "tensor_parallel": 1, "micro_batches": 4,
+              "schedule": schedule, "vocab_stages": "on"}
+    checkpoint = str(tmp_path / "split.ckpt")
+    results = run_distributed(_train_rank, stages * replicas, args=(layout, checkpoint), timeout_s=300)
+    expected, trained = _reference()
+    assert_traces_match(expected, merge_rank_traces(results))
+    export_checkpoint(checkpoint, tmp_path / "hf")
+    exported = {}
+    for shard in (tmp_path / "hf").glob("*.safetensors"):
+        exported.update(load_file(shard))
+    assert exported["lm_head.weight"].shape == (VOCAB, 32)
+    for name in ("lm_head.weight", "model.norm.weight", "model.embed_tokens.weight"):
+        torch.testing.assert_close(exported[name], trained[name], rtol=1e-5, atol=1e-6)
+
+
+def test_vocab_stages_refuses_before_work():
+    with pytest.raises(ValueError, match="vocab_stages='on' runs with schedule 1f1b or gpipe"):
+        Merak3DStrategy(pipeline_parallel=2, schedule="interleaved_1f1b", vocab_stages="on")
+    with pytest.raises(ValueError, match="tensor_parallel=1"):
+        Merak3DStrategy(pipeline_parallel=2, tensor_parallel=2, vocab_stages="on")
+    with pytest.raises(ValueError, match="choose 'off', 'on' or 'auto'"):
+        Merak3DStrategy(pipeline_parallel=2, vocab_stages="yes")
+    torch.manual_seed(0)
+    tied = build_causal_lm(_config(tied=True), vocab_size=64)
+    tied.config.use_cache = False
+    trace = trace_model(tied, torch.randint(64, (2, 8)), profile=False)
+    problem = vocab_stages_problem(tied, trace, tensor_parallel=1, context_parallel=1, schedule="1f1b",
+                                   router_aux=False)
+    assert problem is not None and "tied to the input embedding" in problem
