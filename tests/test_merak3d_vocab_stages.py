@@ -46,27 +46,40 @@ class _Module(CausalLMModule):
         self.recorded.append(loss, layout_gradients(self.trainer.strategy, self.model))
 
 
-def _module() -> _Module:
+def _module(on_meta: bool = False) -> _Module:
+    """The test model; ``on_meta``: built in ``configure_model()`` (on the meta device under merak3d)."""
     torch.manual_seed(0)
-    model = build_causal_lm(_config(), vocab_size=VOCAB)
-    model.config.use_cache = False
-    return _Module(model)
+
+    def build() -> torch.nn.Module:
+        model = build_causal_lm(_config(), vocab_size=VOCAB)
+        model.config.use_cache = False
+        return model
+
+    return _Module(None, model_factory=build) if on_meta else _Module(build())
 
 
-def _reference() -> tuple[TrainingTrace, dict[str, torch.Tensor]]:
+def _evaluated(module: CausalLMModule, replicas: int) -> tuple[float, torch.Tensor]:
+    """An evaluation loss and the logits of ``predict`` on the first batch's first rows, after training."""
+    batch = _batches()[0][:BATCH // replicas]
+    module.eval()
+    with torch.no_grad():
+        return float(module.compute_loss((batch,))), module(batch)
+
+
+def _reference() -> tuple[TrainingTrace, dict[str, torch.Tensor], _Module]:
     module = _module()
     trace = record_reference_trace(module.model, [(batch,) for batch in _batches()],
                                    lambda model, batch: module.compute_loss(batch),
                                    torch.optim.SGD(module.model.parameters(), lr=0.5))
-    return trace, {name: param.detach().clone() for name, param in module.model.named_parameters()}
+    return trace, {name: param.detach().clone() for name, param in module.model.named_parameters()}, module
 
 
-def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None) -> tuple[list[float], list[dict]]:
+def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None, on_meta: bool) -> tuple:
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120), max_epochs=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
-    module = _module()
+    module = _module(on_meta)
     trainer.fit(module, datamodule=ReplicaBatches(_batches(), 0, STEPS))
     head = module.model[0].net.lm_head
     assert type(head).__name__ == "VocabularySlice"
@@ -74,22 +87,28 @@ def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None) -
     assert (head.start, head.end) == vocab_stage_range(VOCAB, layout["pipeline_parallel"], pipeline_rank)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
-    return module.recorded.losses, module.recorded.gradients
+    return module.recorded.losses, module.recorded.gradients, _evaluated(module, layout["data_parallel"])
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("stages,replicas,schedule", [(2, 1, "gpipe"), (4, 1, "1f1b"), (2, 2, "1f1b")])
-def test_split_head_matches_single_process(tmp_path, stages: int, replicas: int, schedule: str):
-    """Loss and every gradient (the head's rows gathered) equal one process's at each step; the checkpoint holds
-    the head whole under its own name, and the Hugging Face export writes it as the trained model's."""
+@pytest.mark.parametrize("stages,replicas,schedule,on_meta",
+                         [(2, 1, "gpipe", True), (4, 1, "1f1b", False), (2, 2, "1f1b", False)])
+def test_split_head_matches_single_process(tmp_path, stages: int, replicas: int, schedule: str, on_meta: bool):
+    """Loss and every gradient (the head's rows gathered) equal one process's at each step, and so do an
+    evaluation loss and predict's logits afterwards; the checkpoint holds the head whole under its own name, and
+    the Hugging Face export writes it as the trained model's."""
     from lightning_merak.hf.export import export_checkpoint
 
     layout = {"data_parallel": replicas, "pipeline_parallel": stages, "tensor_parallel": 1, "micro_batches": 4,
               "schedule": schedule, "vocab_stages": "on"}
     checkpoint = str(tmp_path / "split.ckpt")
-    results = run_distributed(_train_rank, stages * replicas, args=(layout, checkpoint), timeout_s=300)
-    expected, trained = _reference()
-    assert_traces_match(expected, merge_rank_traces(results))
+    results = run_distributed(_train_rank, stages * replicas, args=(layout, checkpoint, on_meta), timeout_s=300)
+    expected, trained, reference = _reference()
+    assert_traces_match(expected, merge_rank_traces([(losses, grads) for losses, grads, _ in results]))
+    loss, logits = _evaluated(reference, replicas)
+    for _, _, (rank_loss, rank_logits) in results:
+        assert rank_loss == pytest.approx(loss, rel=1e-5)
+        torch.testing.assert_close(rank_logits, logits, rtol=1e-5, atol=1e-5)
     export_checkpoint(checkpoint, tmp_path / "hf")
     exported = {}
     for shard in (tmp_path / "hf").glob("*.safetensors"):
