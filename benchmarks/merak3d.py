@@ -26,6 +26,10 @@ warm-up steps excluded, median over the rest. Four sections:
    ``CAP_PARAM_MULTIPLE`` x the model's parameter bytes, after building the full model.
    DDP needs about 5x (parameters, gradients, two AdamW moments, gradient buckets) plus
    activations; merak3d pp=2 holds about half of that state per rank.
+5. *LM head over the stages* (``vocab_stages``): AutoPipe with and without the head split over the stages,
+   simulated on the measured costs scaled to vocabularies of 32k and 128k, 8 and 16 blocks, 2 to 16 stages
+   (``benchmarks/_vocab_stages.py``; ``heavy_head_max_over_mean`` is the worst stage over the mean with the split,
+   worst case), a second timeline picture, and measured pp=2 steps with the split against AutoPipe alone.
 
 All figures come from this machine (JSON label "measured"); simulator rows say "simulated".
 A second process on the machine (tests, another benchmark) skews the timings.
@@ -48,6 +52,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks import _vocab_stages
 from benchmarks.report import (
     default_out,
     error_line,
@@ -414,6 +419,23 @@ def partition_rows(runs: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str
     return rows
 
 
+def vocab_stage_rows(mode: Mode, runs: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
+    """Measured pp=2 steps of HEAVY_HEAD_MODEL with the LM head split over the stages, against AutoPipe alone."""
+    common = {"data_parallel": 1, "pipeline_parallel": 2, "micro_batches": PIPELINE_MICRO_BATCHES}
+    split = run_job(Job("merak3d", "pp=2 autopipe vocab_stages=on", HEAVY_HEAD_MODEL, mode.pipeline_steps,
+                        merak={**common, "partition": "autopipe", "vocab_stages": "on"}), mode.warmup)
+    rows = []
+    for name, outcome in (("off", runs[("autopipe", "none")]), ("on", split)):
+        ranks = outcome.get("ranks")
+        rows.append({"section": "vocab_stages_measured", "label": "measured", "stages": 2, "vocab_stages": name,
+                     "boundaries": ranks[0].get("boundaries") if ranks else None,
+                     "step_ms": outcome["step_s"] * 1e3 if ranks else None,
+                     "tokens_per_s": outcome.get("tokens_per_s"), "error": outcome.get("error")})
+    off, on = (row["tokens_per_s"] for row in rows)
+    rows[1]["vs_autopipe"] = on / off if on and off else None
+    return rows
+
+
 def recompute_rows(runs: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
     """Peak RSS per rank (= per stage at pp=2) and saved activations per micro-batch, per recompute mode."""
     rows = []
@@ -493,6 +515,11 @@ def main(argv: list[str] | None = None) -> int:
     runs = pipeline_runs(mode, same_as_uniform=uniform.boundaries == by_parameters.boundaries)
     measured_balance = partition_rows(runs)
     recompute_table = recompute_rows(runs)
+    vocab_measured = vocab_stage_rows(mode, runs)
+    vocab_simulated = _vocab_stages.simulated_rows(costs)
+    vocab_timeline = args.out.with_name(f"{args.out.stem}_timeline_vocab_stages.png")
+    pipeline.plot_timeline(_vocab_stages.timeline(costs, 4), vocab_timeline,
+                           title="autopipe + vocab_stages, 4 stages, 8 micro-batches (simulated)")
     print(f"4. memory cap: {CAPPED_MODEL.describe()}", flush=True)
     cap_table = memory_cap(mode)
 
@@ -503,6 +530,12 @@ def main(argv: list[str] | None = None) -> int:
                                    "bubble_fraction", "iteration_ms"])
     _print_section("Stage balance (measured, pp=2)", measured_balance,
                    ["partition", "boundaries", "step_ms", "tokens_per_s", "vs_uniform", "note", "error"])
+    _print_section("LM head over the stages (simulated 1F1B, AutoPipe over measured costs scaled; "
+                   "max_over_mean: worst stage / mean)", vocab_simulated,
+                   ["vocab", "layers", "stages", "autopipe_max_over_mean", "vocab_stages_max_over_mean",
+                    "simulated_speedup", "vocab_stages_boundaries"])
+    _print_section("LM head over the stages (measured, pp=2)", vocab_measured,
+                   ["vocab_stages", "boundaries", "step_ms", "tokens_per_s", "vs_autopipe", "error"])
     _print_section(f"Recompute, pp=2 {RECOMPUTE_PARTITION} (measured; RSS includes the baseline)", recompute_table,
                    ["recompute", "boundaries", "max_rss_mb_stage0", "max_rss_mb_stage1", "baseline_rss_mb",
                     "saved_mb_per_microbatch_stage0", "saved_mb_per_microbatch_stage1", "step_ms", "error"])
@@ -511,7 +544,12 @@ def main(argv: list[str] | None = None) -> int:
                                "completed_steps", "of_steps", "error"])
     wall_s = time.perf_counter() - started
     out = write_json(
-        args.out, [*throughput_table, *balance_table, *measured_balance, *recompute_table, *cap_table],
+        args.out, [*throughput_table, *balance_table, *measured_balance, *recompute_table, *cap_table,
+                   *vocab_simulated, *vocab_measured],
+        heavy_head_max_over_mean=_vocab_stages.heavy_head_max_over_mean(vocab_simulated),
+        heavy_head_max_over_mean_to_pp8=_vocab_stages.heavy_head_max_over_mean(
+            [row for row in vocab_simulated if row["stages"] <= 8]),
+        vocab_stages_timeline_png=vocab_timeline.name,
         label="measured", benchmark="merak3d", quick=args.quick, world_size=WORLD_SIZE, backend="gloo",
         threads_per_rank=1, warmup_steps=mode.warmup,
         workloads={"throughput": THROUGHPUT_MODEL.describe(), "heavy_head": HEAVY_HEAD_MODEL.describe(),
@@ -522,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"\nwrote {out} and {timeline} in {wall_s:.0f} s")
     # a baseline refusing this machine, or DDP running out under the cap, is a result; any other error fails
-    failed = [row for row in (*throughput_table, *measured_balance, *recompute_table, *cap_table)
+    failed = [row for row in (*throughput_table, *measured_balance, *recompute_table, *cap_table, *vocab_measured)
               if row.get("error") and row.get("strategy") not in REFUSING_BASELINES
               and not (row.get("section") == "memory_cap" and row.get("strategy") != "merak3d")]
     for row in failed:

@@ -82,6 +82,14 @@ def merak3d(data: dict[str, Any]) -> Table:
                 f"{r['saved_mb_per_microbatch_stage0']:.1f}; {ratio(none_ms[r['partition']] / r['step_ms'])}")
             rows.append([section, f"recompute={r['recompute']}", "saved MB per micro-batch on stage 0; speed vs none",
                          value, r["label"]])
+        elif section == "vocab_stages":
+            rows.append([section, f"vocab {r['vocab']}, {r['layers']} blocks, {r['stages']} stages",
+                         "worst stage / mean: autopipe, with the head split",
+                         f"{r['autopipe_max_over_mean']:.2f}, {r['vocab_stages_max_over_mean']:.2f}", r["label"]])
+        elif section == "vocab_stages_measured" and r["vocab_stages"] == "on":
+            value = ratio(r["vs_autopipe"]) if r["error"] is None else brief(r["error"])
+            rows.append([section, f"{r['stages']} stages", "tokens/s with the head split vs autopipe alone", value,
+                         r["label"]])
         elif section == "memory_cap":
             value = f"{r['completed_steps']}/{r['of_steps']}" + (f" ({brief(r['error'])})" if r["error"] else "")
             rows.append([section, f"{r['strategy']} {r['layout']}", "steps completed under the cap", value,

@@ -99,3 +99,18 @@ def test_sim_heavy_head_max_over_mean(vocab: int, layers: int, stages: int):
     iteration = [simulate_schedule(p.stage_forward_s, p.stage_backward_s, micro_batches).iteration_s
                  for p in (whole, split)]
     assert iteration[1] < iteration[0]
+
+
+def test_benchmark_leg_scales_the_measured_costs_and_reports_the_worst_case():
+    from benchmarks import _vocab_stages
+
+    measured = causal_lm_costs(8, 32000)
+    scaled = _vocab_stages.scaled_costs(measured, 16, 128000)
+    assert len(scaled) == 18
+    assert scaled[-1].forward_s == pytest.approx(4 * measured[-1].forward_s)
+    assert scaled[-1].param_bytes == 4 * measured[-1].param_bytes
+    rows = _vocab_stages.simulated_rows(measured)
+    assert len(rows) == 14  # 2 vocabularies x (3 stage counts for 8 blocks + 4 for 16)
+    assert all(row["simulated_speedup"] >= 1.0 - 1e-9 for row in rows if row["stages"] >= 4)
+    assert _vocab_stages.heavy_head_max_over_mean(rows) == max(row["vocab_stages_max_over_mean"] for row in rows)
+    assert _vocab_stages.heavy_head_max_over_mean(rows) <= 1.10  # the analytic embedding costs nothing
