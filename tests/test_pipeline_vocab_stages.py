@@ -114,3 +114,19 @@ def test_benchmark_leg_scales_the_measured_costs_and_reports_the_worst_case():
     assert all(row["simulated_speedup"] >= 1.0 - 1e-9 for row in rows if row["stages"] >= 4)
     assert _vocab_stages.heavy_head_max_over_mean(rows) == max(row["vocab_stages_max_over_mean"] for row in rows)
     assert _vocab_stages.heavy_head_max_over_mean(rows) <= 1.10  # the analytic embedding costs nothing
+
+
+def test_auto_splits_where_the_simulation_predicts_a_shorter_step():
+    from types import SimpleNamespace
+
+    from lightning_merak.strategies.merak3d.vocab_stages_build import vocab_split_autopipe
+
+    layout = SimpleNamespace(num_stages=2, micro_batches=4)
+    heavy = SimpleNamespace(costs=causal_lm_costs(8, 32000))
+    # the head balances the embedding: splitting it would leave stage 0 with the embedding and half the head
+    light = SimpleNamespace(costs=[BlockCost("prefix", 0.2, 0.0, 0, 8, 0), BlockCost("layers.0", 1.0, 0.0, 0, 8, 0),
+                                   BlockCost("layers.1", 1.0, 0.0, 0, 8, 0), BlockCost("suffix", 0.2, 0.0, 0, 8, 0)])
+    assert vocab_split_autopipe(heavy, layout, "auto").vocab_stages
+    assert not vocab_split_autopipe(light, layout, "auto").vocab_stages
+    assert vocab_split_autopipe(light, layout, "on").vocab_stages
+    assert not vocab_split_autopipe(heavy, layout, "off").vocab_stages
