@@ -130,3 +130,34 @@ def test_auto_splits_where_the_simulation_predicts_a_shorter_step():
     assert not vocab_split_autopipe(light, layout, "auto").vocab_stages
     assert vocab_split_autopipe(light, layout, "on").vocab_stages
     assert not vocab_split_autopipe(heavy, layout, "off").vocab_stages
+
+
+def test_the_planner_prices_the_split_head_on_every_stage():
+    """A head as slow as four blocks: at pp=4 the split's predicted step is shorter, the head's parameters spread
+    over the stages, and a search allowed both ranks the split first at pp=4; a layout that cannot split is
+    refused."""
+    from lightning_merak.planning import planner
+
+    samples = (1, 2, 4, 8)
+    profile = planner.ModelProfile(
+        num_blocks=8, hidden_bytes_per_sample=1024,
+        block_times={(1, n): planner.BlockTimes((1e-3 * n,), (2e-3 * n,)) for n in samples},
+        prefix_times={n: (1e-5 * n, 2e-5 * n) for n in samples},
+        suffix_times={n: (4e-3 * n, 8e-3 * n) for n in samples},
+        block_parameter_bytes={1: 1000}, prefix_parameter_bytes=4000, suffix_parameter_bytes=4000,
+        block_activation_bytes_per_sample={1: 100}, optimizer_s_per_parameter_byte=0.0)
+    link = planner.CollectiveCost(1e-6, 1e12)
+    network = planner.NetworkProfile(all_reduce={2: link, 4: link}, p2p=link)
+    space = planner.SearchSpace(world_size=4, global_batch_size=16, tp_degrees_allowed=(1,), max_pipeline_stages=4,
+                                micro_batch_choices=(8,), recompute_ratios=(0.0,), vocab_stages_choices=(False, True))
+    whole, split = (planner.predict(planner.Layout(1, 4, 1, 8, 1, 0.0, vocab_stages=flag), profile, network, space)
+                    for flag in (False, True))
+    # the busiest stage runs 3 blocks' worth instead of the head's 4; the bubble stays (pp - 1) stages
+    assert split.components["compute"] == pytest.approx(0.75 * whole.components["compute"], rel=0.01)
+    assert split.step_time_s < 0.85 * whole.step_time_s
+    # the fullest rank is now the first: the embedding, two blocks and a quarter of the head
+    assert split.memory_components["parameters"] == 4000 + 2 * 1000 + 4000 / 4
+    ranked = planner.plan(space, profile, network).ranked
+    assert [p.layout.vocab_stages for p in ranked if p.layout.pp == 4] == [True, False]
+    with pytest.raises(ValueError, match="vocab_stages splits the LM head over pipeline stages at tp=1"):
+        planner.Layout(4, 1, 1, 1, 1, 0.0, vocab_stages=True)

@@ -73,6 +73,8 @@ class Layout:
     ep: int = 1
     cp: int = 1
     context_attention: str = "ring"
+    vocab_stages: bool = False
+    """The LM head split by vocabulary rows over the pipeline ranks (merak3d's ``vocab_stages``)."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "micro_batches", "overlap", "ep", "cp"):
@@ -108,6 +110,9 @@ class Layout:
                              f"does), got pp={self.pp}, overlap={self.overlap}, ep={self.ep}")
         if self.cp == 1 and self.context_attention != "ring":
             raise ValueError("context_attention chooses how a split sequence attends; with cp=1 leave it 'ring'")
+        if self.vocab_stages and (self.pp == 1 or self.tp > 1 or self.cp > 1):
+            raise ValueError(f"vocab_stages splits the LM head over pipeline stages at tp=1 and cp=1, got "
+                             f"pp={self.pp}, tp={self.tp}, cp={self.cp}")
 
     @property
     def data_parallel_ranks(self) -> int:
@@ -115,20 +120,21 @@ class Layout:
         return self.dp * self.cp
 
     @property
-    def tie_break_key(self) -> tuple[int, int, int, int, int, float, int, int, int]:
+    def tie_break_key(self) -> tuple[int, int, int, int, int, float, int, int, int, bool]:
         """Order among equally fast layouts: less context parallelism, fewer stages, less TP, fewer micro-batches,
-        less overlap and recompute, less sharding, smaller expert groups, ring before all-to-all."""
+        less overlap and recompute, less sharding, smaller expert groups, ring before all-to-all, the head whole."""
         return (self.cp, self.pp, self.tp, self.micro_batches, self.overlap, self.recompute_ratio,
                 DATA_PARALLEL_SHARDING.index(self.sharding), self.ep,
-                CONTEXT_ATTENTION_METHODS.index(self.context_attention))
+                CONTEXT_ATTENTION_METHODS.index(self.context_attention), self.vocab_stages)
 
     def describe(self) -> str:
         sharding = "" if self.sharding == "none" else f" sharding={self.sharding}"
         experts = "" if self.ep == 1 else f" ep={self.ep}"
         context = "" if self.cp == 1 else f" cp={self.cp} ({self.context_attention})"
+        vocab = " vocab_stages" if self.vocab_stages else ""
         return (
             f"dp={self.dp}{context} pp={self.pp} tp={self.tp} micro_batches={self.micro_batches} "
-            f"overlap={self.overlap} recompute_ratio={self.recompute_ratio:g}{sharding}{experts}"
+            f"overlap={self.overlap} recompute_ratio={self.recompute_ratio:g}{sharding}{experts}{vocab}"
         )
 
 
@@ -214,9 +220,11 @@ def _chain_segments(
 
 
 @lru_cache(maxsize=1024)
-def _split_block_counts(nodes: tuple[BlockCost, ...], num_stages: int, micro_batches: int) -> tuple[_Stage, ...]:
-    """AutoPipe's split of [prefix, block x n, suffix], as the runtime computes it (no recompute, no p2p term)."""
-    partition = partition_autopipe(list(nodes), num_stages, micro_batches)
+def _split_block_counts(nodes: tuple[BlockCost, ...], num_stages: int, micro_batches: int,
+                        vocab_stages: bool = False) -> tuple[_Stage, ...]:
+    """AutoPipe's split of [prefix, block x n, suffix], as the runtime computes it (no recompute, no p2p term); with
+    ``vocab_stages`` every stage runs its share of the suffix (the LM head), and the last keeps the node."""
+    partition = partition_autopipe(list(nodes), num_stages, micro_batches, vocab_stages=vocab_stages)
     stages = []
     for stage in range(num_stages):
         nodes_of_stage = partition.blocks_of(stage, len(nodes))
@@ -276,7 +284,7 @@ def _stages(layout: Layout, profile: ModelProfile, samples: int, comm_s: float,
         output_bytes=0,
         saved_bytes=0,
     )
-    return _split_block_counts((prefix, *blocks, suffix), layout.pp, layout.micro_batches)
+    return _split_block_counts((prefix, *blocks, suffix), layout.pp, layout.micro_batches, layout.vocab_stages)
 
 
 def _outside_parameter_bytes(profile: ModelProfile, tp: int, vocab_parallel: bool) -> tuple[int, int]:
@@ -294,16 +302,23 @@ def _measured_blocks(layout: Layout, profile: ModelProfile, samples: int) -> Mea
     return profile.measured_blocks.get((layout.tp, layout.overlap, samples))
 
 
-def _outside_blocks_s(profile: ModelProfile, stage: _Stage, part: int, per_byte_s: float) -> float:
-    """Part ``part`` (0: optimizer step, 1: clipping passes) of the update of a stage's embedding and head."""
+def _outside_blocks_s(profile: ModelProfile, stage: _Stage, part: int, per_byte_s: float,
+                      suffix_share: float | None = None) -> float:
+    """Part ``part`` (0: optimizer step, 1: clipping passes) of the update of a stage's embedding and head
+    (``suffix_share``: the fraction of the head every stage holds when it is split over them)."""
     total = 0.0
     for held, measured, parameter_bytes in (
-        (stage.has_prefix, profile.prefix_update_s, profile.prefix_parameter_bytes),
-        (stage.has_suffix, profile.suffix_update_s, profile.suffix_parameter_bytes),
+        (float(stage.has_prefix), profile.prefix_update_s, profile.prefix_parameter_bytes),
+        (float(stage.has_suffix) if suffix_share is None else suffix_share, profile.suffix_update_s,
+         profile.suffix_parameter_bytes),
     ):
-        if held:
-            total += measured[part] if measured is not None else per_byte_s * parameter_bytes
+        total += held * (measured[part] if measured is not None else per_byte_s * parameter_bytes)
     return total
+
+
+def _suffix_share(layout: Layout) -> float | None:
+    """The fraction of the LM head each stage holds and runs under ``vocab_stages``; None when the last holds it."""
+    return 1.0 / layout.pp if layout.vocab_stages else None
 
 
 def _optimizer_s(layout: Layout, profile: ModelProfile, stage: _Stage, parameter_bytes: int) -> float:
@@ -313,14 +328,15 @@ def _optimizer_s(layout: Layout, profile: ModelProfile, stage: _Stage, parameter
     per_block = profile.block_optimizer_s.get(layout.tp)
     if per_block is None:
         return profile.optimizer_s_per_parameter_byte * parameter_bytes
-    return stage.num_blocks * per_block + _outside_blocks_s(profile, stage, 0, profile.optimizer_s_per_parameter_byte)
+    return stage.num_blocks * per_block + _outside_blocks_s(profile, stage, 0, profile.optimizer_s_per_parameter_byte,
+                                                            _suffix_share(layout))
 
 
 def _clip_s(layout: Layout, profile: ModelProfile, network: NetworkProfile, stage: _Stage, shards: int) -> float:
     """Clipping by the global norm on one stage: the passes over its gradients (this rank's 1/``shards`` of them
     when sharded), and the norm's scalar all-reduces (over the shard group too)."""
     passes_s = (stage.num_blocks * profile.block_clip_s_at(layout.tp)
-                + _outside_blocks_s(profile, stage, 1, profile.clip_s_per_parameter_byte))
+                + _outside_blocks_s(profile, stage, 1, profile.clip_s_per_parameter_byte, _suffix_share(layout)))
     scalar_bytes = 8
     return (passes_s / shards + network.all_reduce_s(scalar_bytes, layout.pp)
             + network.all_reduce_s(scalar_bytes, layout.tp) + network.all_reduce_s(scalar_bytes, shards))
@@ -430,11 +446,15 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     forward_s, backward_s, compute_s, exposed_s, memory_bytes, after_pipeline_s = [], [], [], [], [], []
     expert_s: list[float] = []
     context_s: list[float] = []
+    suffix_share = _suffix_share(layout)
+    # under vocab_stages the last stage's final hidden state is broadcast to every stage and its gradient reduced back
+    vocab_exchange_s = network.all_reduce_s(hidden_bytes * samples, layout.pp) if suffix_share else 0.0
     for index, stage in enumerate(stages):
+        head_share = float(stage.has_suffix) if suffix_share is None else suffix_share
         prefix_forward, prefix_backward = (share * seconds for seconds in (
             model_profile.prefix_times_at(sub) if stage.has_prefix else (0.0, 0.0)))
-        suffix_forward, suffix_backward = (share * seconds for seconds in (
-            model_profile.suffix_times_at(sub) if stage.has_suffix else (0.0, 0.0)))
+        suffix_forward, suffix_backward = (head_share * share * seconds
+                                           for seconds in model_profile.suffix_times_at(sub))
         forward = _chain(
             _chain_segments(prefix_forward, block_times.forward_segments_s, stage.num_blocks, suffix_forward),
             comm_s,
@@ -457,10 +477,10 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
                               + stage.num_blocks * context_extra_s[1] + recompute_s)
         else:
             forward_total, backward_total = forward.time_s, backward.time_s + recompute_s
-        loss_forward, loss_backward = (share * seconds for seconds in (
-            model_profile.loss_times_at(samples) if stage.has_suffix else (0.0, 0.0)))
-        forward_total += loss_forward
-        backward_total += loss_backward
+        loss_forward, loss_backward = (head_share * share * seconds
+                                       for seconds in model_profile.loss_times_at(samples))
+        forward_total += loss_forward + vocab_exchange_s
+        backward_total += loss_backward + vocab_exchange_s
         local_s += loss_forward + loss_backward
         compute_s.append(local_s)
         exposed_s.append(max(0.0, forward_total + backward_total - local_s))
@@ -478,10 +498,10 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         forward_s.append(forward_total + action_s)
         backward_s.append(backward_total + action_s)
 
-        parameter_bytes = (
+        parameter_bytes = round(
             stage.has_prefix * prefix_parameter_bytes
             + stage.num_blocks * block_parameter_bytes
-            + stage.has_suffix * suffix_parameter_bytes
+            + head_share * suffix_parameter_bytes
             - experts.dropped_bytes
         )
         kept_per_sample = (
@@ -491,7 +511,7 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
             + model_profile.carried_bytes_at(sum(earlier.num_blocks for earlier in stages[:index]))
         )
         in_flight = peak_inflight_microbatches(index, layout.pp, layout.micro_batches, space.schedule)
-        outside_bytes = stage.has_prefix * prefix_parameter_bytes + stage.has_suffix * suffix_parameter_bytes
+        outside_bytes = round(stage.has_prefix * prefix_parameter_bytes + head_share * suffix_parameter_bytes)
         memory = model_state_bytes(layout.sharding, shards, layout.pp > 1, parameter_bytes,
                                    2 * block_parameter_bytes + outside_bytes, space.grad_bucket_bytes, model_profile)
         memory["activations"] = in_flight * samples * kept_per_sample * share

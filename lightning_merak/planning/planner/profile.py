@@ -475,6 +475,9 @@ class SearchSpace:
     ep_size: int | None = 1
     context_parallel_degrees: tuple[int, ...] = (1,)
     context_attention_methods: tuple[str, ...] = CONTEXT_ATTENTION_METHODS
+    vocab_stages_choices: tuple[bool, ...] = (False,)
+    """Whether the LM head is split over the pipeline stages (``vocab_stages``), searched where a layout runs it
+    (pp > 1, tp = 1, cp = 1; others keep it whole): ``(False, True)`` plans it."""
 
     def __post_init__(self) -> None:
         if (self.global_batch_size is None) == (self.replica_batch_size is None):
