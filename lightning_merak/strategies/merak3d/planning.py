@@ -27,6 +27,7 @@ from lightning_merak.parallel.layout import Layout, default_micro_batches
 from lightning_merak.parallel.materialize import has_meta
 from lightning_merak.parallel.pipeline.meta_trace import materialized_copy
 from lightning_merak.parallel.pipeline.trace import TraceError, find_trunk, trace_model
+from lightning_merak.parallel.pipeline.vocab_stages import VOCAB_STAGE_SCHEDULES
 from lightning_merak.planning.measure.context import time_attention_kernels
 from lightning_merak.planning.measure.experts import (
     expert_layers_of,
@@ -64,7 +65,7 @@ from lightning_merak.strategies.merak3d.build import (
 )
 
 __all__ = ["NETWORK_PROBE_SHARE", "PLANNER_REPEATS", "STEP_CHECK_BATCHES", "STEP_CHECK_WARMUP", "PlannedLayout",
-           "check_step_time", "first_training_batch", "largest_network_probe", "plan_layout"]
+           "check_step_time", "first_training_batch", "largest_network_probe", "plan_layout", "planned_arguments"]
 
 LossOf = Callable[[torch.Tensor, int], torch.Tensor]
 """``(logits, samples) -> loss`` of the planning batch's first ``samples``."""
@@ -157,6 +158,7 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
         ep_size=ep_size if merak_ep else 1,
         context_parallel_degrees=context_parallel_degrees(arguments, model, world),
         context_attention_methods=arguments.context_attention_methods,
+        vocab_stages_choices=_vocab_stages_choices(arguments),
     )
     num_experts = experts_per_layer(model) if merak_ep else None  # with ep_size unset, each ep dividing them is planned
     keys = required_profile_keys(space, num_blocks, num_experts)
@@ -351,6 +353,23 @@ def _sharding_fields(arguments: Merak3DArguments, mode: str) -> dict[str, Any]:
     """The adopted layout's sharding: the mode, and the user's shard size where a mode shards at all."""
     return {"data_parallel_sharding": mode,
             "data_parallel_shard_size": None if mode == "none" else arguments.data_parallel_shard_size}
+
+
+def _vocab_stages_choices(arguments: Merak3DArguments) -> tuple[bool, ...]:
+    """Whether the search may split the LM head over the stages: as asked, where the schedule and micro-batching
+    run it (the build refuses the rest)."""
+    if arguments.schedule not in VOCAB_STAGE_SCHEDULES or arguments.micro_batching != "none":
+        return (False,)
+    return {"off": (False,), "on": (True,), "auto": (False, True)}[arguments.vocab_stages]
+
+
+def planned_arguments(arguments: Merak3DArguments, choice: Any) -> Merak3DArguments:
+    """``arguments`` with ``vocab_stages='auto'`` off where the planner's ``choice`` (a ``planner.Prediction``, None
+    when nothing was planned) keeps the head whole; where it priced the split faster, the build still checks that
+    the model and layout run it (and AutoPipe's own simulation agrees) before splitting."""
+    if choice is None or arguments.vocab_stages != "auto" or choice.layout.vocab_stages:
+        return arguments
+    return dataclasses.replace(arguments, vocab_stages="off")
 
 
 def _adopted_layout(arguments: Merak3DArguments, chosen: Any) -> Layout:

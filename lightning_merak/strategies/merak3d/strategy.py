@@ -250,9 +250,8 @@ class Merak3DStrategy(CheckpointHooks):
     def local_blocks(self) -> dict[int, nn.Module]:
         """This rank's transformer blocks by trunk index, once the layout is built.
 
-        Callbacks that manage blocks (memory managers, profilers) use it: with
-        ``pipeline_parallel>1`` a rank holds only its stages' blocks.
-        """
+        Callbacks that manage blocks (memory managers, profilers) use it: with ``pipeline_parallel>1`` a rank
+        holds only its stages' blocks."""
         return dict(self._built.local_blocks) if self._built is not None else {}
 
     @property
@@ -487,7 +486,8 @@ class Merak3DStrategy(CheckpointHooks):
         traced = self.pipeline_parallel > 1 or self.tensor_parallel > 1
         inputs = view.split_batch(batch)[0] if traced or view.contract else network.batch_inputs(batch)
         self._checkpointer.find_experts(view.network)
-        built = build.build_model(view.network, inputs, device=self.root_device, arguments=self._arguments,
+        built = build.build_model(view.network, inputs, device=self.root_device,
+                                  arguments=planning.planned_arguments(self._arguments, self.layout_choice),
                                   groups=self.groups, global_rank=self.global_rank, broadcast=self.broadcast,
                                   verified_tp_degrees=self._verified_tp_degrees,
                                   load_weights=build.weight_loader(module, self._restored_state, view.network,
