@@ -74,13 +74,15 @@ def _reference() -> tuple[TrainingTrace, dict[str, torch.Tensor], _Module]:
     return trace, {name: param.detach().clone() for name, param in module.model.named_parameters()}, module
 
 
-def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None, on_meta: bool) -> tuple:
+def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None, on_meta: bool, first_step: int = 0,
+                last_step: int = STEPS, resume_from: str | None = None) -> tuple:
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120), max_epochs=1,
+        accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120),
+        max_epochs=1 if resume_from is None else 2,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
     module = _module(on_meta)
-    trainer.fit(module, datamodule=ReplicaBatches(_batches(), 0, STEPS))
+    trainer.fit(module, datamodule=ReplicaBatches(_batches(), first_step, last_step), ckpt_path=resume_from)
     head = module.model[0].net.lm_head
     assert type(head).__name__ == "VocabularySlice"
     pipeline_rank = trainer.strategy.pipeline_rank
@@ -116,6 +118,19 @@ def test_split_head_matches_single_process(tmp_path, stages: int, replicas: int,
     assert exported["lm_head.weight"].shape == (VOCAB, 32)
     for name in ("lm_head.weight", "model.norm.weight", "model.embed_tokens.weight"):
         torch.testing.assert_close(exported[name], trained[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.distributed
+def test_split_head_resumes_from_its_checkpoint(tmp_path):
+    """Saved after an epoch of two steps with the head split over two stages, resumed the same way: the loss of the
+    third step is one process's (the rows are read back from the unsplit head the checkpoint holds)."""
+    layout = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1, "micro_batches": 4,
+              "vocab_stages": "on"}
+    checkpoint = str(tmp_path / "epoch0.ckpt")
+    run_distributed(_train_rank, 2, args=(layout, checkpoint, False), kwargs={"last_step": 2}, timeout_s=300)
+    resumed = run_distributed(_train_rank, 2, args=(layout, None, False), timeout_s=300,
+                              kwargs={"first_step": 2, "resume_from": checkpoint})
+    assert resumed[0][0] == pytest.approx(_reference()[0].losses[2:], rel=1e-5)
 
 
 def test_vocab_stages_refuses_before_work():
