@@ -225,6 +225,8 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
     pp, tp = layout.pipeline_parallel, layout.tensor_parallel
     if arguments.sequence_parallel and tp == 1:
         rank_zero_info("merak3d: tensor_parallel=1, so sequence_parallel has nothing to split")
+    if arguments.vocab_stages == "on" and pp == 1:
+        rank_zero_info("merak3d: pipeline_parallel=1, so vocab_stages has no stages to split the LM head over")
     materialize_with = meta_materializers(model, device, broadcast) if has_meta(model) else None
     if pp == 1 and tp == 1:
         if inputs is not None:
