@@ -138,6 +138,8 @@ def test_vocab_stages_refuses_before_work():
         Merak3DStrategy(pipeline_parallel=2, schedule="interleaved_1f1b", vocab_stages="on")
     with pytest.raises(ValueError, match="tensor_parallel=1"):
         Merak3DStrategy(pipeline_parallel=2, tensor_parallel=2, vocab_stages="on")
+    with pytest.raises(ValueError, match="FSDP2's sharded parameters"):
+        Merak3DStrategy(pipeline_parallel=2, data_parallel=2, data_parallel_sharding="full", vocab_stages="on")
     with pytest.raises(ValueError, match="choose 'off', 'on' or 'auto'"):
         Merak3DStrategy(pipeline_parallel=2, vocab_stages="yes")
     torch.manual_seed(0)

@@ -78,14 +78,15 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None,
                         for mode in sharding_modes_for(space, dp * cp, overlap):
                             layouts += [Layout(dp, pp, tp, micro_batches, overlap, ratio, mode, ep, cp, method, split)
                                         for ep in expert_sizes for method in methods
-                                        for split in _vocab_stages_choices(space, pp, tp, cp)]
+                                        for split in _vocab_stages_choices(space, pp, tp, cp, mode)]
     return layouts
 
 
-def _vocab_stages_choices(space: SearchSpace, pp: int, tp: int, cp: int) -> list[bool]:
+def _vocab_stages_choices(space: SearchSpace, pp: int, tp: int, cp: int, sharding: str) -> list[bool]:
     """Whether a layout keeps the LM head whole or splits it over its stages: ``space``'s choices where it can
-    split (pp > 1, tp = 1, cp = 1), whole elsewhere."""
-    return sorted(set(space.vocab_stages_choices)) if pp > 1 and tp == 1 and cp == 1 else [False]
+    split (pp > 1, tp = 1, cp = 1, parameters not fully sharded), whole elsewhere."""
+    splits = pp > 1 and tp == 1 and cp == 1 and sharding != "full"
+    return sorted(set(space.vocab_stages_choices)) if splits else [False]
 
 
 def sharding_modes_for(space: SearchSpace, dp: int, overlap: int) -> list[str]:

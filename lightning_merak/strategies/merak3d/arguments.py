@@ -210,6 +210,10 @@ class Merak3DArguments(Merak3DOptions):
             raise ValueError(f"vocab_stages='on' runs with schedule {' or '.join(VOCAB_STAGE_SCHEDULES)} (one stage "
                              f"per rank scoring its micro-batches in order), not {self.schedule!r}; change the "
                              "schedule or set vocab_stages='off'")
+        if self.data_parallel_sharding == "full":
+            raise ValueError("vocab_stages='on' sets its rows' gradients itself, which FSDP2's sharded parameters do "
+                             "not take; use data_parallel_sharding 'none', 'optimizer' or 'gradients', or "
+                             "vocab_stages='off'")
         blocking = {"micro_batching": (self.micro_batching, "none"), "tensor_parallel": (self.tensor_parallel, 1),
                     "context_parallel": (self.context_parallel, 1)}
         for name, (value, needed) in blocking.items():

@@ -108,7 +108,8 @@ class Merak3DOptions:
         "planner (when it plans) prices it faster and AutoPipe's simulation predicts a shorter step. Every rank "
         "scores its rows of each micro-batch (the last stage broadcasts the final norm's output; the loss pieces "
         "are all-reduced) and keeps its rows' gradients. Runs with `schedule` 1f1b or gpipe, tensor_parallel=1, an "
-        "untied nn.Linear head and next-token cross-entropy (`lightning_merak.parallel.pipeline.vocab_stages`).")
+        "untied nn.Linear head, next-token cross-entropy and data_parallel_sharding other than `full` "
+        "(`lightning_merak.parallel.pipeline.vocab_stages`).")
     compact_host_memory: bool = option(
         False, "Return freed host memory to the system at once, for CPU runs near their memory limit; steps take "
         "longer. Allocations over 128 KiB are mapped on their own (glibc), so peak resident memory stays near the "

@@ -27,7 +27,7 @@ def splittable_head(model: nn.Module, trace: ModelTrace, arguments: Merak3DArgum
         return None
     problem = vocab_stages_problem(model, trace, tensor_parallel=layout.tensor_parallel,
                                    context_parallel=layout.context_parallel, schedule=layout.schedule,
-                                   router_aux=router_aux)
+                                   router_aux=router_aux, data_parallel_sharding=layout.data_parallel_sharding)
     if problem is not None:
         if arguments.vocab_stages == "on":
             raise ValueError(problem)
