@@ -231,8 +231,9 @@ class VocabularyExchange:
               backward: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``(loss, gradient of hidden)`` of one micro-batch; ``hidden`` is the last stage's (received elsewhere).
 
-        The gradient, summed over the ranks, is returned on the last stage (None without ``backward``)."""
-        with torch.no_grad():
+        The gradient, summed over the ranks, is returned on the last stage (None without ``backward``). Autocast is
+        off: the serving threads run without the step's, so every rank computes in the head's dtype alike."""
+        with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
             dtype = hidden.dtype
             hidden = hidden.to(self.head.weight.dtype).contiguous()
             dist.broadcast(hidden, src=self.source, group=self.group)
