@@ -4,7 +4,9 @@ The node costs are the ones the benchmark measures on its heavy-head Llama (voca
 less noisy and scaled: every block takes the median block's measured cost, the head's (and the embedding's
 backward, a dense gradient of the whole table) time, parameters and saved bytes grow with the vocabulary, and
 the trunk gets 8 or 16 blocks. Each row is AutoPipe's split simulated under 1F1B with ``2 × stages``
-micro-batches; ``max_over_mean_stage_time`` is the worst stage's forward+backward over the mean.
+micro-batches; ``max_over_mean_stage_time`` is the worst stage's forward+backward over the mean, and
+``memory_max_over_mean`` the fullest stage's estimated peak bytes (AutoPipe's memory model: parameters,
+gradients and optimizer state, activations of the micro-batches in flight) over the mean.
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ def simulated_rows(costs: list[pipeline.BlockCost]) -> list[dict[str, Any]]:
             partition = pipeline.partition_autopipe(scaled, stages, micro_batches, vocab_stages=split)
             simulated = pipeline.simulate_schedule(partition.stage_forward_s, partition.stage_backward_s,
                                                    micro_batches, "1f1b")
+            memory = partition.stage_memory_bytes or (0,)
             row.update({f"{key}_boundaries": list(partition.boundaries),
                         f"{key}_max_over_mean": _max_over_mean(partition),
+                        f"{key}_memory_max_over_mean": max(memory) / (sum(memory) / len(memory)),
                         f"{key}_iteration_ms": simulated.iteration_s * 1e3})
         row["simulated_speedup"] = row["autopipe_iteration_ms"] / row["vocab_stages_iteration_ms"]
         rows.append(row)

@@ -533,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     _print_section("LM head over the stages (simulated 1F1B, AutoPipe over measured costs scaled; "
                    "max_over_mean: worst stage / mean)", vocab_simulated,
                    ["vocab", "layers", "stages", "autopipe_max_over_mean", "vocab_stages_max_over_mean",
-                    "simulated_speedup", "vocab_stages_boundaries"])
+                    "autopipe_memory_max_over_mean", "vocab_stages_memory_max_over_mean", "simulated_speedup",
+                    "vocab_stages_boundaries"])
     _print_section("LM head over the stages (measured, pp=2)", vocab_measured,
                    ["vocab_stages", "boundaries", "step_ms", "tokens_per_s", "vs_autopipe", "error"])
     _print_section(f"Recompute, pp=2 {RECOMPUTE_PARTITION} (measured; RSS includes the baseline)", recompute_table,
@@ -549,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         heavy_head_max_over_mean=_vocab_stages.heavy_head_max_over_mean(vocab_simulated),
         heavy_head_max_over_mean_to_pp8=_vocab_stages.heavy_head_max_over_mean(
             [row for row in vocab_simulated if row["stages"] <= 8]),
+        stage_memory_max_over_mean=max(row["vocab_stages_memory_max_over_mean"] for row in vocab_simulated),
         vocab_stages_timeline_png=vocab_timeline.name,
         label="measured", benchmark="merak3d", quick=args.quick, world_size=WORLD_SIZE, backend="gloo",
         threads_per_rank=1, warmup_steps=mode.warmup,
