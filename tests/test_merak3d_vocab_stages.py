@@ -11,11 +11,12 @@ from safetensors.torch import load_file
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
 from lightning_merak.modules.config import ModelConfig
 from lightning_merak.parallel.pipeline.trace import trace_model
-from lightning_merak.parallel.pipeline.vocab_stages import vocab_stage_range, vocab_stages_problem
+from lightning_merak.parallel.pipeline.vocab_stages import vocab_stages_problem
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import assert_traces_match, merge_rank_traces, record_reference_trace, run_distributed
 from lightning_merak.testing.compare import TrainingTrace, layout_gradients
 from lightning_merak.testing.data import ReplicaBatches
+from lightning_merak.util.row_shards import row_shard_range
 
 STEPS, BATCH, SEQ, VOCAB = 3, 8, 16, 1024
 """A vocabulary of 1024 rows at width 32: the head holds more parameters than the four blocks together."""
@@ -86,7 +87,7 @@ def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None, o
     head = module.model[0].net.lm_head
     assert type(head).__name__ == "VocabularySlice"
     pipeline_rank = trainer.strategy.pipeline_rank
-    assert (head.start, head.end) == vocab_stage_range(VOCAB, layout["pipeline_parallel"], pipeline_rank)
+    assert (head.start, head.end) == row_shard_range(VOCAB, layout["pipeline_parallel"], pipeline_rank)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     return module.recorded.losses, module.recorded.gradients, _evaluated(module, layout["data_parallel"])

@@ -38,22 +38,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_merak.parallel.pipeline.recording import ModelTrace
+from lightning_merak.util.row_shards import row_shard_range
 
 __all__ = ["VOCAB_STAGE_SCHEDULES", "HeadShape", "VocabularyExchange", "VocabularySlice", "head_step_index",
-           "split_head_over_stages", "vocab_stage_range", "vocab_stages_problem"]
+           "split_head_over_stages", "vocab_stages_problem"]
 
 VOCAB_STAGE_SCHEDULES = ("1f1b", "gpipe")
 """Schedules whose single stage per rank scores micro-batches in order, as the ranks' exchange needs."""
 
 IGNORE_INDEX = -100
 """Targets cross-entropy leaves out (``F.cross_entropy``'s default)."""
-
-
-def vocab_stage_range(vocab_size: int, parts: int, rank: int) -> tuple[int, int]:
-    """``[start, end)`` of the head rows pipeline rank ``rank`` of ``parts`` holds (``torch.chunk``'s, DTensor's)."""
-    width = -(-vocab_size // parts)
-    start = min(rank * width, vocab_size)
-    return start, min(start + width, vocab_size)
 
 
 @dataclass(frozen=True)
@@ -113,7 +107,7 @@ class VocabularySlice(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], vocab_size: int, mesh: DeviceMesh) -> None:
         super().__init__()
         self.vocab_size, self.width = vocab_size, weight.shape[1]
-        self.start, self.end = vocab_stage_range(vocab_size, mesh.size(), mesh.get_local_rank())
+        self.start, self.end = row_shard_range(vocab_size, mesh.size(), mesh.get_local_rank())
         self.mesh = mesh
         self.weight = nn.Parameter(self._sharded(weight[self.start:self.end]))
         self.bias = nn.Parameter(self._sharded(bias[self.start:self.end])) if bias is not None else None
@@ -281,7 +275,7 @@ def split_head_over_stages(stages: nn.ModuleList, shape: HeadShape, trace: Model
     """
     (stage,) = stages
     parts = mesh.size()
-    if vocab_stage_range(shape.vocab_size, parts, parts - 1)[0] >= shape.vocab_size:
+    if row_shard_range(shape.vocab_size, parts, parts - 1)[0] >= shape.vocab_size:
         raise ValueError(f"a vocabulary of {shape.vocab_size} rows split over pipeline_parallel={parts} ranks leaves "
                          "the last rank without rows; set vocab_stages='off'")
     source = dist.get_global_rank(mesh.get_group(), parts - 1)

@@ -23,7 +23,6 @@ vocabulary and any layout (tp=1 included) resumes it; no padded row exists anywh
 
 from __future__ import annotations
 
-import math
 import threading
 from typing import Any, Callable, Optional, Sequence
 
@@ -39,6 +38,7 @@ from lightning_merak.distributed.collectives import all_gather_in_turn, all_redu
 from lightning_merak.parallel.pipeline.stage import RemovedModule
 from lightning_merak.parallel.tensor.adapters import is_tuner_layer
 from lightning_merak.parallel.tensor.sequence import SEQUENCE_DIM
+from lightning_merak.util.row_shards import padded_rows, row_shard_range
 
 __all__ = ["LocalRows", "VocabParallelEmbedding", "VocabParallelLMHead", "check_vocabulary_split",
            "pad_vocab_shard", "padded_vocab_size", "split_vocabulary", "vocab_parallel_loss", "vocab_shard_range",
@@ -51,16 +51,10 @@ module of its kind holding only its vocabulary rows ``[start, end)`` (and its ot
 
 # Pure helpers ---------------------------------------------------------------------------------
 
-def padded_vocab_size(vocab_size: int, parts: int) -> int:
-    """``vocab_size`` rounded up to a multiple of ``parts``: the width of the gathered logits before cutting."""
-    return math.ceil(vocab_size / parts) * parts
-
-
-def vocab_shard_range(vocab_size: int, parts: int, rank: int) -> tuple[int, int]:
-    """``[start, end)`` of the vocabulary rows rank ``rank`` of ``parts`` holds (``torch.chunk``'s, DTensor's)."""
-    width = padded_vocab_size(vocab_size, parts) // parts
-    start = min(rank * width, vocab_size)
-    return start, min(start + width, vocab_size)
+padded_vocab_size = padded_rows
+"""``vocab_size`` rounded up to a multiple of ``parts``: the width of the gathered logits before cutting."""
+vocab_shard_range = row_shard_range
+"""``[start, end)`` of the vocabulary rows rank ``rank`` of ``parts`` holds (``torch.chunk``'s, DTensor's)."""
 
 
 def pad_vocab_shard(logits: torch.Tensor, width: int) -> torch.Tensor:
