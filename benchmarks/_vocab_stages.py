@@ -11,6 +11,7 @@ gradients and optimizer state, activations of the micro-batches in flight) over 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from itertools import product
 from typing import Any
@@ -34,9 +35,14 @@ def scaled_costs(costs: list[pipeline.BlockCost], layers: int, vocab: int) -> li
     ]
 
 
-def _max_over_mean(partition: pipeline.Partition) -> float:
-    stage_s = [f + b for f, b in zip(partition.stage_forward_s, partition.stage_backward_s)]
-    return max(stage_s) / (sum(stage_s) / len(stage_s))
+def max_over_mean(values: Sequence[float]) -> float:
+    """The largest of ``values`` over their mean."""
+    return max(values) / (sum(values) / len(values))
+
+
+def max_over_mean_stage_time(partition: pipeline.Partition) -> float:
+    """The worst stage's forward+backward time over the mean stage's."""
+    return max_over_mean([f + b for f, b in zip(partition.stage_forward_s, partition.stage_backward_s)])
 
 
 def simulated_rows(costs: list[pipeline.BlockCost]) -> list[dict[str, Any]]:
@@ -54,8 +60,8 @@ def simulated_rows(costs: list[pipeline.BlockCost]) -> list[dict[str, Any]]:
                                                    micro_batches, "1f1b")
             memory = partition.stage_memory_bytes or (0,)
             row.update({f"{key}_boundaries": list(partition.boundaries),
-                        f"{key}_max_over_mean": _max_over_mean(partition),
-                        f"{key}_memory_max_over_mean": max(memory) / (sum(memory) / len(memory)),
+                        f"{key}_max_over_mean": max_over_mean_stage_time(partition),
+                        f"{key}_memory_max_over_mean": max_over_mean(memory),
                         f"{key}_iteration_ms": simulated.iteration_s * 1e3})
         row["simulated_speedup"] = row["autopipe_iteration_ms"] / row["vocab_stages_iteration_ms"]
         rows.append(row)

@@ -508,9 +508,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=report.out_help("context_parallel"))
     parser.add_argument("--planner", choices=PLANNER_CHOICES, default="both",
-                        help="the planner leg's links: both (default), the goal link (10 Gbit/s) only, or off; a "
-                             "full run's leg took 15 minutes per link on 2 busy cores")
+                        help="the planner leg's links: both (default), the goal link (10 Gbit/s) only, or off "
+                             "(not for a full run joining the goal's runs: with --out or --quick); a full run's leg "
+                             "took 15 minutes per link on 2 busy cores")
     args = parser.parse_args(argv)
+    if args.planner != "both" and not (args.quick or args.smoke or args.out):
+        parser.error(f"--planner {args.planner} leaves links out of the planner_cp_regret leg, so this run would join "
+                     "the goal's full runs with a smaller leg than theirs; run the whole leg, or write it elsewhere "
+                     "with --out PATH (or --quick)")
     setting = planner_setting(SMOKE if args.smoke else QUICK if args.quick else FULL, args.planner)
     out = args.out or (Path(tempfile.gettempdir()) / "context_parallel.smoke.json" if args.smoke else None)
     workload = WORKLOAD

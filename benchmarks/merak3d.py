@@ -360,13 +360,12 @@ def balance(costs: list[pipeline.BlockCost], timeline_path: Path) -> list[dict[s
             pipeline.partition_by_parameters(costs, stages),
         ]
         for partition in partitions:
-            stage_s = [f + b for f, b in zip(partition.stage_forward_s, partition.stage_backward_s)]
             simulated = pipeline.simulate_schedule(partition.stage_forward_s, partition.stage_backward_s,
                                                    micro_batches, "1f1b")
             rows.append({
                 "section": "balance", "label": "simulated", "stages": stages, "micro_batches": micro_batches,
                 "partition": partition.method, "boundaries": list(partition.boundaries),
-                "max_over_mean_stage_time": max(stage_s) / (sum(stage_s) / stages),
+                "max_over_mean_stage_time": _vocab_stages.max_over_mean_stage_time(partition),
                 "bubble_fraction": simulated.bubble_fraction, "iteration_ms": simulated.iteration_s * 1e3,
             })
             if partition.method == "autopipe" and stages == 4:
@@ -548,8 +547,6 @@ def main(argv: list[str] | None = None) -> int:
         args.out, [*throughput_table, *balance_table, *measured_balance, *recompute_table, *cap_table,
                    *vocab_simulated, *vocab_measured],
         heavy_head_max_over_mean=_vocab_stages.heavy_head_max_over_mean(vocab_simulated),
-        heavy_head_max_over_mean_to_pp8=_vocab_stages.heavy_head_max_over_mean(
-            [row for row in vocab_simulated if row["stages"] <= 8]),
         stage_memory_max_over_mean=max(row["vocab_stages_memory_max_over_mean"] for row in vocab_simulated),
         vocab_stages_timeline_png=vocab_timeline.name,
         label="measured", benchmark="merak3d", quick=args.quick, world_size=WORLD_SIZE, backend="gloo",

@@ -45,6 +45,7 @@ from benchmarks.context_parallel import (
     job_row,
     longest_rung,
     longest_sequence_leg,
+    main,
     plan_jobs,
     planner_setting,
     read_outcomes,
@@ -112,6 +113,14 @@ def test_settings_are_valid_and_bad_ones_are_refused_before_any_rank_starts():
         check_setting(Setting((2,), (1024,), 1, 1, 1024, 4096, 60.0), Workload())
     with pytest.raises(ValueError, match="cap_sequence"):
         check_setting(Setting((2,), (1024,), 3, 1, 2048, 4096, 60.0), Workload())
+
+
+def test_a_full_run_with_part_of_the_planner_leg_is_refused_before_any_rank_starts(capsys):
+    for choice in ("goal-link", "off"):
+        with pytest.raises(SystemExit) as refused:
+            main(["--planner", choice])
+        assert refused.value.code == 2
+        assert f"--planner {choice} leaves links out" in capsys.readouterr().err
 
 
 def test_rows_take_the_slowest_rank_and_the_worst_ranks_bytes():
