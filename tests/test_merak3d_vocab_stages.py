@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
 from lightning_merak.modules.config import ModelConfig
 from lightning_merak.parallel.pipeline.trace import trace_model
-from lightning_merak.parallel.pipeline.vocab_stages import vocab_stages_problem
+from lightning_merak.parallel.pipeline.vocab_stages import HeadShape, vocab_stages_problem
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import assert_traces_match, merge_rank_traces, record_reference_trace, run_distributed
 from lightning_merak.testing.compare import TrainingTrace, layout_gradients
@@ -47,13 +47,17 @@ class _Module(CausalLMModule):
         self.recorded.append(loss, layout_gradients(self.trainer.strategy, self.model))
 
 
-def _module(on_meta: bool = False) -> _Module:
-    """The test model; ``on_meta``: built in ``configure_model()`` (on the meta device under merak3d)."""
+def _module(on_meta: bool = False, tied: bool = False, frozen: bool = False) -> _Module:
+    """The test model; ``on_meta``: built in ``configure_model()`` (on the meta device under merak3d); ``tied``:
+    one weight for the input embedding and the LM head; ``frozen``: both tables frozen (as adapters leave them)."""
     torch.manual_seed(0)
 
     def build() -> torch.nn.Module:
-        model = build_causal_lm(_config(), vocab_size=VOCAB)
+        model = build_causal_lm(_config(tied), vocab_size=VOCAB)
         model.config.use_cache = False
+        if frozen:
+            model.get_input_embeddings().weight.requires_grad_(False)
+            model.get_output_embeddings().weight.requires_grad_(False)
         return model
 
     return _Module(None, model_factory=build) if on_meta else _Module(build())
@@ -67,8 +71,8 @@ def _evaluated(module: CausalLMModule, replicas: int) -> tuple[float, torch.Tens
         return float(module.compute_loss((batch,))), module(batch)
 
 
-def _reference() -> tuple[TrainingTrace, dict[str, torch.Tensor], _Module]:
-    module = _module()
+def _reference(tied: bool = False, frozen: bool = False) -> tuple[TrainingTrace, dict[str, torch.Tensor], _Module]:
+    module = _module(tied=tied, frozen=frozen)
     trace = record_reference_trace(module.model, [(batch,) for batch in _batches()],
                                    lambda model, batch: module.compute_loss(batch),
                                    torch.optim.SGD(module.model.parameters(), lr=0.5))
@@ -76,37 +80,46 @@ def _reference() -> tuple[TrainingTrace, dict[str, torch.Tensor], _Module]:
 
 
 def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None, on_meta: bool, first_step: int = 0,
-                last_step: int = STEPS, resume_from: str | None = None) -> tuple:
+                last_step: int = STEPS, resume_from: str | None = None, tied: bool = False,
+                frozen: bool = False) -> tuple:
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120),
         max_epochs=1 if resume_from is None else 2,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
-    module = _module(on_meta)
+    module = _module(on_meta, tied, frozen)
     trainer.fit(module, datamodule=ReplicaBatches(_batches(), first_step, last_step), ckpt_path=resume_from)
-    head = module.model[0].net.lm_head
-    assert type(head).__name__ == "VocabularySlice"
+    head, embedding = module.model[0].net.lm_head, module.model[0].net.model.embed_tokens
+    assert (type(head).__name__, type(embedding).__name__) == ("VocabularySlice", "EmbeddingRows")
+    assert (head.weight is embedding.weight) == tied
+    assert not frozen or not (head.weight.requires_grad or embedding.weight.requires_grad)
     pipeline_rank = trainer.strategy.pipeline_rank
-    assert (head.start, head.end) == row_shard_range(VOCAB, layout["pipeline_parallel"], pipeline_rank)
+    rows = row_shard_range(VOCAB, layout["pipeline_parallel"], pipeline_rank)
+    assert (head.start, head.end) == (embedding.start, embedding.end) == rows
+    assert embedding.weight.to_local().shape == (rows[1] - rows[0], 32)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     return module.recorded.losses, module.recorded.gradients, _evaluated(module, layout["data_parallel"])
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("stages,replicas,schedule,on_meta",
-                         [(2, 1, "gpipe", True), (4, 1, "1f1b", False), (2, 2, "1f1b", False)])
-def test_split_head_matches_single_process(tmp_path, stages: int, replicas: int, schedule: str, on_meta: bool):
-    """Loss and every gradient (the head's rows gathered) equal one process's at each step, and so do an
-    evaluation loss and predict's logits afterwards; the checkpoint holds the head whole under its own name, and
-    the Hugging Face export writes it as the trained model's."""
+@pytest.mark.parametrize("stages,replicas,schedule,on_meta,tied,frozen",
+                         [(2, 1, "gpipe", True, False, True), (4, 1, "1f1b", False, True, False),
+                          (2, 2, "1f1b", False, False, False)])
+def test_split_head_matches_single_process(tmp_path, stages: int, replicas: int, schedule: str, on_meta: bool,
+                                           tied: bool, frozen: bool):
+    """Loss and every gradient (the head's and the embedding's rows gathered; tied, one weight; frozen, none)
+    equal one process's at each step, and so do an evaluation loss and predict's logits afterwards; the checkpoint holds the
+    head and the embedding whole under their own names, and the Hugging Face export writes them as the trained
+    model's."""
     from lightning_merak.hf.export import export_checkpoint
 
     layout = {"data_parallel": replicas, "pipeline_parallel": stages, "tensor_parallel": 1, "micro_batches": 4,
               "schedule": schedule, "vocab_stages": "on"}
     checkpoint = str(tmp_path / "split.ckpt")
-    results = run_distributed(_train_rank, stages * replicas, args=(layout, checkpoint, on_meta), timeout_s=300)
-    expected, trained, reference = _reference()
+    results = run_distributed(_train_rank, stages * replicas, args=(layout, checkpoint, on_meta),
+                              kwargs={"tied": tied, "frozen": frozen}, timeout_s=300)
+    expected, trained, reference = _reference(tied, frozen)
     assert_traces_match(expected, merge_rank_traces([(losses, grads) for losses, grads, _ in results]))
     loss, logits = _evaluated(reference, replicas)
     for _, _, (rank_loss, rank_logits) in results:
@@ -116,20 +129,21 @@ def test_split_head_matches_single_process(tmp_path, stages: int, replicas: int,
     exported = {}
     for shard in (tmp_path / "hf").glob("*.safetensors"):
         exported.update(load_file(shard))
-    assert exported["lm_head.weight"].shape == (VOCAB, 32)
-    for name in ("lm_head.weight", "model.norm.weight", "model.embed_tokens.weight"):
+    assert exported["model.embed_tokens.weight"].shape == (VOCAB, 32)
+    for name in ("model.norm.weight", "model.embed_tokens.weight") + (() if tied else ("lm_head.weight",)):
         torch.testing.assert_close(exported[name], trained[name], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.distributed
-def test_split_head_resumes_from_its_checkpoint(tmp_path):
-    """Saved after an epoch of two steps with the head split over two stages, resumed the same way: the loss of the
-    third step is one process's (the rows are read back from the unsplit head the checkpoint holds)."""
+def test_split_vocabulary_resumes_across_a_change_of_pipeline_degree(tmp_path):
+    """Saved after an epoch of two steps with the head and the embedding split over two stages, resumed split over
+    four: the loss of the third step is one process's (each rank reads its rows back from the unsplit tables the
+    checkpoint holds)."""
     layout = {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1, "micro_batches": 4,
               "vocab_stages": "on"}
     checkpoint = str(tmp_path / "epoch0.ckpt")
     run_distributed(_train_rank, 2, args=(layout, checkpoint, False), kwargs={"last_step": 2}, timeout_s=300)
-    resumed = run_distributed(_train_rank, 2, args=(layout, None, False), timeout_s=300,
+    resumed = run_distributed(_train_rank, 4, args=({**layout, "pipeline_parallel": 4}, None, False), timeout_s=300,
                               kwargs={"first_step": 2, "resume_from": checkpoint})
     assert resumed[0][0] == pytest.approx(_reference()[0].losses[2:], rel=1e-5)
 
@@ -147,6 +161,25 @@ def test_vocab_stages_refuses_before_work():
     tied = build_causal_lm(_config(tied=True), vocab_size=64)
     tied.config.use_cache = False
     trace = trace_model(tied, torch.randint(64, (2, 8)), profile=False)
+    assert vocab_stages_problem(tied, trace, tensor_parallel=1, context_parallel=1, schedule="1f1b",
+                                router_aux=False) is None
+    tied.model.embed_tokens.max_norm = 1.0  # a lookup that rewrites the rows it reads
     problem = vocab_stages_problem(tied, trace, tensor_parallel=1, context_parallel=1, schedule="1f1b",
                                    router_aux=False)
-    assert problem is not None and "tied to the input embedding" in problem
+    assert problem is not None and "tied to the input embedding" in problem and "max_norm" in problem
+
+
+def test_an_embedding_that_computes_more_than_a_lookup_stays_on_the_first_stage():
+    from lightning_merak.strategies.merak3d.vocab_stages_build import splittable_embedding
+
+    class ScaledEmbedding(torch.nn.Embedding):
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(input_ids) * 2.0
+
+    model = build_causal_lm(_config(), vocab_size=64)
+    model.config.use_cache = False
+    trace = trace_model(model, torch.randint(64, (2, 8)), profile=False)
+    head = HeadShape("lm_head", 64, 32, False, torch.float32)
+    assert splittable_embedding(model, trace, head) == "model.embed_tokens"
+    model.model.embed_tokens = ScaledEmbedding(64, 32)
+    assert splittable_embedding(model, trace, head) is None

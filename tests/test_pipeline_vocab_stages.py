@@ -46,7 +46,7 @@ def max_over_mean(forward_s: tuple[float, ...], backward_s: tuple[float, ...]) -
 def test_the_split_head_costs_each_stage_its_share_and_the_exchange():
     blocks = [BlockCost("prefix", 1.0, 2.0, 40, 8, 4), BlockCost("layers.0", 3.0, 6.0, 10, 8, 20),
               BlockCost("suffix", 8.0, 0.0, 400, 8, 80)]
-    kept, share = split_vocabulary_head(blocks, 4, exchange_s=0.5, exchange_s_per_byte=0.25)
+    kept, share = split_vocabulary_head(blocks, 4, exchange_s=0.5, exchange_s_per_byte=0.25, split_embedding=False)
     assert kept[:2] == blocks[:2]
     assert (kept[2].forward_s, kept[2].resolved_backward_s(), kept[2].param_bytes) == (0.0, 0.0, 0)
     assert kept[2].output_bytes == 8
@@ -57,6 +57,21 @@ def test_the_split_head_costs_each_stage_its_share_and_the_exchange():
     assert (alone.forward_s, alone.backward_s, alone.exchange_bytes) == (8.0, 16.0, 0)
     with pytest.raises(ValueError, match="num_stages must be >= 1"):
         split_vocabulary_head(blocks, 0)
+
+
+def test_the_split_embedding_spreads_its_parameters_and_table_gradient_over_the_stages():
+    blocks = [BlockCost("prefix", 1.0, 2.0, 40, 8, 4), BlockCost("layers.0", 3.0, 6.0, 10, 8, 20),
+              BlockCost("suffix", 8.0, 0.0, 400, 8, 80)]
+    kept, share = split_vocabulary_head(blocks, 4, exchange_s=0.5, exchange_s_per_byte=0.25)
+    # the first stage keeps the lookup (its backward priced by the ratio); the table's gradient and rows spread
+    assert (kept[0].forward_s, kept[0].backward_s, kept[0].param_bytes) == (1.0, 0.0, 0)
+    assert kept[1] == blocks[1]
+    # the head's share plus the looked-up rows' exchange each way (0.5 + 0.25 x 8), and 2/4 of the table's gradient
+    assert (share.forward_s, share.backward_s) == (7.0, 9.5)
+    assert share.param_bytes == 100 + 10
+    whole = build_partition(blocks, (0, 1, 2), "test")
+    split = build_partition(kept, (0, 1, 2), "test", vocabulary=share)
+    assert split.stage_param_bytes == (110, 120, 110) and whole.stage_param_bytes == (40, 10, 400)
 
 
 def test_partition_totals_carry_the_share_on_every_stage():
@@ -155,8 +170,8 @@ def test_the_planner_prices_the_split_head_on_every_stage():
     # the busiest stage runs 3 blocks' worth instead of the head's 4; the bubble stays (pp - 1) stages
     assert split.components["compute"] == pytest.approx(0.75 * whole.components["compute"], rel=0.01)
     assert split.step_time_s < 0.85 * whole.step_time_s
-    # the fullest rank is now the first: the embedding, two blocks and a quarter of the head
-    assert split.memory_components["parameters"] == 4000 + 2 * 1000 + 4000 / 4
+    # every rank holds two blocks and a quarter of the embedding and of the head
+    assert split.memory_components["parameters"] == 4000 / 4 + 2 * 1000 + 4000 / 4
     ranked = planner.plan(space, profile, network).ranked
     assert [p.layout.vocab_stages for p in ranked if p.layout.pp == 4] == [True, False]
     with pytest.raises(ValueError, match="vocab_stages splits the LM head over pipeline stages at tp=1"):

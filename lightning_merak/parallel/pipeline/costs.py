@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 DEFAULT_BACKWARD_RATIO = 2.0
 """Backward time as a multiple of forward time when a block has no measured backward (b = 2f)."""
@@ -106,7 +106,7 @@ class VocabularyShare:
 
 def split_vocabulary_head(
     blocks: Sequence[BlockCost], num_stages: int, backward_ratio: float = DEFAULT_BACKWARD_RATIO,
-    exchange_s: float = 0.0, exchange_s_per_byte: float = 0.0,
+    exchange_s: float = 0.0, exchange_s_per_byte: float = 0.0, split_embedding: bool = True,
 ) -> tuple[list[BlockCost], VocabularyShare]:
     """``blocks`` with the head (the last node) priced as what stays on the last stage, and every stage's share.
 
@@ -114,6 +114,10 @@ def split_vocabulary_head(
     last stage keeps the norm, whose time is small beside a vocabulary-wide matmul, so the whole node is priced
     as the split head: its cost divided by ``num_stages`` lands on every stage, plus the hidden state's
     exchange (``exchange_s`` + ``exchange_s_per_byte`` per byte, once each way) on all but nobody else.
+
+    With ``split_embedding`` the input embedding (the first node) splits alike: its parameters, and its backward
+    (the table's gradient), divide over the stages, each of which also exchanges up to a micro-batch's hidden
+    state of looked-up rows each way (:mod:`.embedding_stages`); the first stage keeps the lookup's forward.
     """
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
@@ -122,16 +126,27 @@ def split_vocabulary_head(
     head = blocks[-1]
     exchange = head.output_bytes if num_stages > 1 else 0
     exchange_time = (exchange_s + exchange_s_per_byte * exchange) if num_stages > 1 else 0.0
+    forward_s = head.forward_s / num_stages + exchange_time
+    backward_s = head.resolved_backward_s(backward_ratio) / num_stages + exchange_time
+    param_bytes = head.param_bytes // num_stages
+    kept_blocks = list(blocks[:-1])
+    if split_embedding and len(blocks) > 1 and num_stages > 1:
+        embedding = blocks[0]
+        rows_time = exchange_s + exchange_s_per_byte * embedding.output_bytes
+        forward_s += rows_time
+        backward_s += embedding.resolved_backward_s(backward_ratio) / num_stages + rows_time
+        param_bytes += embedding.param_bytes // num_stages
+        kept_blocks[0] = replace(embedding, backward_s=0.0, param_bytes=0)
     share = VocabularyShare(
-        forward_s=head.forward_s / num_stages + exchange_time,
-        backward_s=head.resolved_backward_s(backward_ratio) / num_stages + exchange_time,
-        param_bytes=head.param_bytes // num_stages,
+        forward_s=forward_s,
+        backward_s=backward_s,
+        param_bytes=param_bytes,
         saved_bytes=head.saved_bytes // num_stages,
         exchange_bytes=exchange,
     )
     kept = BlockCost(head.name, 0.0, 0.0, 0, head.output_bytes, 0, head.is_embedding, head.consumes,
                      head.fan_out_values)
-    return [*blocks[:-1], kept], share
+    return [*kept_blocks, kept], share
 
 
 def boundary_bytes(blocks: Sequence[BlockCost], boundaries: Sequence[int]) -> tuple[int, ...]:

@@ -307,16 +307,18 @@ def partition_by_parameters(
 
 def partition_min_max(
     blocks: Sequence[BlockCost], num_stages: int, backward_ratio: float = DEFAULT_BACKWARD_RATIO,
-    vocab_stages: bool = False,
+    vocab_stages: bool = False, split_embedding: bool = True,
 ) -> Partition:
     """The contiguous split minimising the largest stage forward+backward time; exact (AutoPipe step 1).
 
-    ``vocab_stages``: the LM head (the last node) is split by vocabulary rows over every stage
-    (:func:`~.costs.split_vocabulary_head`), so its time no longer weighs on the last stage alone.
+    ``vocab_stages``: the LM head (the last node), and with ``split_embedding`` the input embedding (the first),
+    are split by vocabulary rows over every stage (:func:`~.costs.split_vocabulary_head`), so their time and
+    parameters no longer weigh on the last and first stage alone.
     """
     vocabulary = None
     if vocab_stages:
-        blocks, vocabulary = split_vocabulary_head(blocks, num_stages, backward_ratio)
+        blocks, vocabulary = split_vocabulary_head(blocks, num_stages, backward_ratio,
+                                                   split_embedding=split_embedding)
     units = _Units(blocks, backward_ratio)
     _check_stage_count(num_stages, len(units), len(blocks))
 
@@ -354,6 +356,7 @@ def partition_autopipe(
     backward_ratio: float = DEFAULT_BACKWARD_RATIO,
     p2p_s_per_byte: float = 0.0,
     vocab_stages: bool = False,
+    split_embedding: bool = True,
 ) -> Partition:
     """AutoPipe: the min-max split, refined one boundary unit at a time against the simulated 1F1B iteration.
 
@@ -368,7 +371,8 @@ def partition_autopipe(
 
     ``vocab_stages``: the LM head (the last node) is split by vocabulary rows over every stage; each stage is
     priced with its share of the head and the hidden state's exchange (``p2p_s`` and ``p2p_s_per_byte``, each
-    way; :func:`~.costs.split_vocabulary_head`), so the last stage takes layers again.
+    way; :func:`~.costs.split_vocabulary_head`), so the last stage takes layers again; with ``split_embedding``
+    the input embedding splits alike, so the first stage does too.
     """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
@@ -378,7 +382,8 @@ def partition_autopipe(
         raise ValueError(f"p2p_s_per_byte must be >= 0, got {p2p_s_per_byte}")
     vocabulary = None
     if vocab_stages:
-        blocks, vocabulary = split_vocabulary_head(blocks, num_stages, backward_ratio, p2p_s, p2p_s_per_byte)
+        blocks, vocabulary = split_vocabulary_head(blocks, num_stages, backward_ratio, p2p_s, p2p_s_per_byte,
+                                                   split_embedding)
     share = vocabulary or VocabularyShare(0.0, 0.0, 0, 0, 0)
     units = _Units(blocks, backward_ratio)
     _check_stage_count(num_stages, len(units), len(blocks))

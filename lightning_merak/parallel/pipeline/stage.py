@@ -292,6 +292,8 @@ class RankStages(nn.ModuleList):
         self.router_aux = router_aux
         self.vocabulary: Any = None
         """The :class:`~.vocab_stages.VocabularyExchange` when the LM head is split over the pipeline ranks."""
+        self.embedding: Any = None
+        """The :class:`~.embedding_stages.EmbeddingExchange` when the input embedding is split with it."""
 
     @property
     def is_first(self) -> bool:

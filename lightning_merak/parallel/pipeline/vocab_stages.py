@@ -21,7 +21,8 @@ micro-batch before its backward.
 
 The weight is a DTensor sharded ``Shard(0)`` over the pipeline mesh with the head's real shape, so a sharded
 checkpoint holds the unsplit head under its own name and any layout resumes it. The loss is next-token
-cross-entropy (``CausalLMModule.loss_from_logits``), computed here; the input embedding stays on the first stage.
+cross-entropy (``CausalLMModule.loss_from_logits``), computed here. The input embedding splits alike
+(:mod:`.embedding_stages`); a tied head and embedding are one weight split once.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_merak.parallel.pipeline.embedding_stages import embedding_split_problem
 from lightning_merak.parallel.pipeline.recording import ModelTrace
 from lightning_merak.util.row_shards import row_shard_range
 
@@ -52,13 +54,17 @@ IGNORE_INDEX = -100
 
 @dataclass(frozen=True)
 class HeadShape:
-    """What every rank needs of the head before the last stage sends its weights: path, sizes, bias, dtype."""
+    """What every rank needs of the head before the last stage sends its weights: path, sizes, bias, dtype, whether
+    it trains (a frozen head, as under adapters, stays frozen), and the input embedding's path when it shares the
+    head's weight."""
 
     path: str
     vocab_size: int
     width: int
     bias: bool
     dtype: torch.dtype
+    trainable: bool = True
+    tied_embedding: Optional[str] = None
 
 
 def head_step_index(trace: ModelTrace, head_path: str) -> Optional[int]:
@@ -75,8 +81,10 @@ def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, tensor_parallel
                 f"{type(head).__name__}; set vocab_stages='off'")
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if embedding is not None and getattr(embedding, "weight", None) is head.weight:
-        return ("vocab_stages does not split a head tied to the input embedding yet (the embedding stays on the "
-                "first stage); untie them (tie_word_embeddings=False) or set vocab_stages='off'")
+        problem = embedding_split_problem(embedding)
+        if problem is not None:
+            return (f"the LM head is tied to the input embedding, which cannot be split with it: {problem}; untie "
+                    "them (tie_word_embeddings=False) or set vocab_stages='off'")
     path = next(name for name, module in model.named_modules() if module is head)
     index = head_step_index(trace, path)
     if index is None:
@@ -104,13 +112,14 @@ class VocabularySlice(nn.Module):
     """The LM head rows ``[start, end)`` of this pipeline rank: ``weight`` (and ``bias``) are DTensors sharded by
     rows over the pipeline mesh with the head's whole shape, whose local part is this rank's rows."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], vocab_size: int, mesh: DeviceMesh) -> None:
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], vocab_size: int, mesh: DeviceMesh,
+                 trainable: bool = True) -> None:
         super().__init__()
         self.vocab_size, self.width = vocab_size, weight.shape[1]
         self.start, self.end = row_shard_range(vocab_size, mesh.size(), mesh.get_local_rank())
         self.mesh = mesh
-        self.weight = nn.Parameter(self._sharded(weight[self.start:self.end]))
-        self.bias = nn.Parameter(self._sharded(bias[self.start:self.end])) if bias is not None else None
+        self.weight = nn.Parameter(self._sharded(weight[self.start:self.end]), trainable)
+        self.bias = nn.Parameter(self._sharded(bias[self.start:self.end]), trainable) if bias is not None else None
 
     def _sharded(self, local: torch.Tensor) -> DTensor:
         shape = torch.Size((self.vocab_size, *local.shape[1:]))
@@ -250,7 +259,8 @@ class VocabularyExchange:
             grad_logits = exponentials / sums[0][:, None]
             grad_logits.scatter_add_(1, local_y[:, None], -inside.float()[:, None])
             grad_logits = (grad_logits * (valid / count)[:, None]).to(x.dtype)
-            self._accumulate(grad_logits.t() @ x, grad_logits.sum(dim=0))
+            if self.head.weight.requires_grad:
+                self._accumulate(grad_logits.t() @ x, grad_logits.sum(dim=0))
             grad_hidden = torch.zeros_like(hidden)
             grad_hidden[:, :-1] = (grad_logits @ self.head.weight.to_local()).view(*hidden.shape[:1], -1,
                                                                                  self.head.width)
@@ -287,7 +297,7 @@ def split_head_over_stages(stages: nn.ModuleList, shape: HeadShape, trace: Model
         tensors = [head.weight.detach().to(device)] + ([head.bias.detach().to(device)] if shape.bias else [])
     for tensor in tensors:
         dist.broadcast(tensor, src=source, group=mesh.get_group())
-    rows = VocabularySlice(tensors[0], tensors[1] if shape.bias else None, shape.vocab_size, mesh)
+    rows = VocabularySlice(tensors[0], tensors[1] if shape.bias else None, shape.vocab_size, mesh, shape.trainable)
     stage.net.set_submodule(shape.path, rows)
     stage.head_stop = head_step_index(trace, shape.path)
     return VocabularyExchange(rows, group, source, stage.is_last, device)

@@ -305,10 +305,12 @@ def _measured_blocks(layout: Layout, profile: ModelProfile, samples: int) -> Mea
 def _outside_blocks_s(profile: ModelProfile, stage: _Stage, part: int, per_byte_s: float,
                       suffix_share: float | None = None) -> float:
     """Part ``part`` (0: optimizer step, 1: clipping passes) of the update of a stage's embedding and head
-    (``suffix_share``: the fraction of the head every stage holds when it is split over them)."""
+    (``suffix_share``: the fraction of the head, and of the embedding, every stage holds when they are split over
+    them)."""
     total = 0.0
     for held, measured, parameter_bytes in (
-        (float(stage.has_prefix), profile.prefix_update_s, profile.prefix_parameter_bytes),
+        (float(stage.has_prefix) if suffix_share is None else suffix_share, profile.prefix_update_s,
+         profile.prefix_parameter_bytes),
         (float(stage.has_suffix) if suffix_share is None else suffix_share, profile.suffix_update_s,
          profile.suffix_parameter_bytes),
     ):
@@ -317,7 +319,8 @@ def _outside_blocks_s(profile: ModelProfile, stage: _Stage, part: int, per_byte_
 
 
 def _suffix_share(layout: Layout) -> float | None:
-    """The fraction of the LM head each stage holds and runs under ``vocab_stages``; None when the last holds it."""
+    """The fraction of the LM head (and of the input embedding) each stage holds and runs under ``vocab_stages``;
+    None when the last (and first) stage holds it."""
     return 1.0 / layout.pp if layout.vocab_stages else None
 
 
@@ -447,10 +450,12 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     expert_s: list[float] = []
     context_s: list[float] = []
     suffix_share = _suffix_share(layout)
-    # under vocab_stages the last stage's final hidden state is broadcast to every stage and its gradient reduced back
-    vocab_exchange_s = network.all_reduce_s(hidden_bytes * samples, layout.pp) if suffix_share else 0.0
+    # under vocab_stages the last stage's final hidden state is broadcast to every stage and its gradient reduced
+    # back; the embedding's looked-up rows (at most a hidden state's worth) come to the first stage and go back
+    vocab_exchange_s = 2 * network.all_reduce_s(hidden_bytes * samples, layout.pp) if suffix_share else 0.0
     for index, stage in enumerate(stages):
         head_share = float(stage.has_suffix) if suffix_share is None else suffix_share
+        embedding_share = float(stage.has_prefix) if suffix_share is None else suffix_share
         prefix_forward, prefix_backward = (share * seconds for seconds in (
             model_profile.prefix_times_at(sub) if stage.has_prefix else (0.0, 0.0)))
         suffix_forward, suffix_backward = (head_share * share * seconds
@@ -499,7 +504,7 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         backward_s.append(backward_total + action_s)
 
         parameter_bytes = round(
-            stage.has_prefix * prefix_parameter_bytes
+            embedding_share * prefix_parameter_bytes
             + stage.num_blocks * block_parameter_bytes
             + head_share * suffix_parameter_bytes
             - experts.dropped_bytes
@@ -511,7 +516,7 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
             + model_profile.carried_bytes_at(sum(earlier.num_blocks for earlier in stages[:index]))
         )
         in_flight = peak_inflight_microbatches(index, layout.pp, layout.micro_batches, space.schedule)
-        outside_bytes = round(stage.has_prefix * prefix_parameter_bytes + head_share * suffix_parameter_bytes)
+        outside_bytes = round(embedding_share * prefix_parameter_bytes + head_share * suffix_parameter_bytes)
         memory = model_state_bytes(layout.sharding, shards, layout.pp > 1, parameter_bytes,
                                    2 * block_parameter_bytes + outside_bytes, space.grad_bucket_bytes, model_profile)
         memory["activations"] = in_flight * samples * kept_per_sample * share

@@ -42,6 +42,7 @@ from lightning_merak.parallel.materialize import (
     init_owners,
     local_tensors,
 )
+from lightning_merak.parallel.pipeline.embedding_stages import split_embedding_over_stages
 from lightning_merak.parallel.pipeline.meta_trace import materialized_copy
 from lightning_merak.parallel.pipeline.recompute import stage_aware_recompute_ratios
 from lightning_merak.parallel.pipeline.router_aux import RouterAux, router_aux_loss_problem, router_aux_of
@@ -68,6 +69,7 @@ from lightning_merak.protocols.layout_aware import RecomputedForward
 from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
 from lightning_merak.strategies.merak3d.vocab_stages_build import (
     replica_pipeline_group,
+    splittable_embedding,
     splittable_head,
     vocab_split_autopipe,
 )
@@ -258,7 +260,9 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
         tied_names = tied_parameter_names(model)
         head_shape = splittable_head(model, trace, arguments, layout, router_aux is not None)
         vocab_stages = arguments.vocab_stages if head_shape is not None else "off"
-        partition = _agree_on_partition(trace, layout, arguments.partition, global_rank, broadcast, vocab_stages)
+        embedding_path = splittable_embedding(model, trace, head_shape) if head_shape is not None else None
+        partition = _agree_on_partition(trace, layout, arguments.partition, global_rank, broadcast, vocab_stages,
+                                        embedding_path is not None)
         stage_ids = [groups.pipeline_rank + k * pp for k in range(layout.virtual_stages)]
         copies = [copy.deepcopy(model) for _ in stage_ids[1:]] + [model]
         stages = RankStages([
@@ -301,6 +305,12 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
     if stages is not None and (partition.vocab_stages or vocab_stages == "on"):
         stages.vocabulary = split_head_over_stages(stages, head_shape, trace, groups.mesh["pp"],
                                                    replica_pipeline_group(groups, global_rank), device)
+        if embedding_path is not None:
+            tied_weight = stages.vocabulary.head.weight if head_shape.tied_embedding is not None else None
+            stages.embedding = split_embedding_over_stages(stages, embedding_path, groups.mesh["pp"],
+                                                           stages.vocabulary.group, device, tied_weight)
+            held = {id(param) for param in stages.parameters()}
+            tied = [entry for entry in tied if id(entry.param) in held]  # a tied pair split is one weight
     if split_vocabulary_now:
         replaced = split_vocabulary(list(stages) if stages is not None else [model], groups.tensor_mesh,
                                     sequence_parallel=sequence_plan is not None)
@@ -354,15 +364,17 @@ def _router_aux(model: nn.Module, arguments: Merak3DArguments, layout: Layout) -
 
 
 def _agree_on_partition(trace: ModelTrace, layout: Layout, method: str, global_rank: int,
-                        broadcast: Broadcast, vocab_stages: str = "off") -> Any:
+                        broadcast: Broadcast, vocab_stages: str = "off", split_embedding: bool = False) -> Any:
     """Rank 0 partitions its measured costs; every rank uses that partition (with ``vocab_stages`` 'on' or 'auto',
-    AutoPipe and min-max price the head split over the stages)."""
+    AutoPipe and min-max price the head, and with ``split_embedding`` the input embedding, split over the
+    stages)."""
     num_stages = layout.num_stages
     partition = None
     if global_rank == 0:
         partitioners = {
-            "autopipe": lambda: vocab_split_autopipe(trace, layout, vocab_stages),
-            "min_max": lambda: pipeline.partition_min_max(trace.costs, num_stages, vocab_stages=vocab_stages == "on"),
+            "autopipe": lambda: vocab_split_autopipe(trace, layout, vocab_stages, split_embedding),
+            "min_max": lambda: pipeline.partition_min_max(trace.costs, num_stages, vocab_stages=vocab_stages == "on",
+                                                          split_embedding=split_embedding),
             "parameters": lambda: pipeline.partition_by_parameters(trace.costs, num_stages),
             "uniform": lambda: pipeline.partition_uniform(trace.costs, num_stages),
         }

@@ -103,13 +103,16 @@ class Merak3DOptions:
         "compute the loss on the sharded logits. Nothing to do at `tensor_parallel=1` "
         "(`lightning_merak.parallel.tensor.vocab`).")
     vocab_stages: str = option(
-        "off", "Split the LM head by vocabulary rows over the pipeline ranks (`on`), so the last stage no longer "
-        "carries the whole head and its softmax cross-entropy; `auto`: on where the layout allows it, the layout "
+        "off", "Split the LM head and the input embedding by vocabulary rows over the pipeline ranks (`on`), so the "
+        "last stage no longer carries the whole head and its softmax cross-entropy, nor the first the whole "
+        "embedding; `auto`: on where the layout allows it, the layout "
         "planner (when it plans) prices it faster and AutoPipe's simulation predicts a shorter step. Every rank "
         "scores its rows of each micro-batch (the last stage broadcasts the final norm's output; the loss pieces "
-        "are all-reduced) and keeps its rows' gradients. Runs with `schedule` 1f1b or gpipe, tensor_parallel=1, an "
-        "untied nn.Linear head, next-token cross-entropy and data_parallel_sharding other than `full` "
-        "(`lightning_merak.parallel.pipeline.vocab_stages`).")
+        "are all-reduced) and keeps its rows' gradients; the first stage gathers the rows of each step's tokens "
+        "before the schedule. A tied head and embedding are one weight split once; an embedding that is not a "
+        "plain nn.Embedding stays on the first stage. Runs with `schedule` 1f1b or gpipe, tensor_parallel=1, an "
+        "nn.Linear head, next-token cross-entropy and data_parallel_sharding other than `full` "
+        "(`lightning_merak.parallel.pipeline.vocab_stages`, `.embedding_stages`).")
     compact_host_memory: bool = option(
         False, "Return freed host memory to the system at once, for CPU runs near their memory limit; steps take "
         "longer. Allocations over 128 KiB are mapped on their own (glibc), so peak resident memory stays near the "

@@ -55,6 +55,8 @@ class PipelineStep:
         layout = groups.layout
         self._vocabulary = stages.vocabulary
         """The LM head split over the pipeline ranks (``vocab_stages``): its exchange scores the micro-batches."""
+        self._embedding = stages.embedding
+        """The input embedding split with it: its exchange serves the first stage's lookups."""
         if self._vocabulary is not None:
             loss_fn = self._vocabulary.loss
         loss_fn = vocab_parallel_loss(loss_fn, stages)
@@ -117,11 +119,10 @@ class PipelineStep:
             parameters = [p for p in stage.parameters() if p.requires_grad]
             for param in parameters:
                 param.grad = None
-            self._begin_vocabulary(targets, backward=True)
+            self._begin_vocabulary(inputs, targets, backward=True)
             with self.clock.step():
                 self._schedule.step(*args, return_outputs=False, **kwargs)
-                if self._vocabulary is not None:
-                    self._vocabulary.end()
+                self._end_vocabulary(backward=True)
             with torch.no_grad():
                 for param in parameters:
                     if param.grad is not None and id(param) not in self.scaled_later:
@@ -130,11 +131,10 @@ class PipelineStep:
             for param in parameters:
                 param.grad = None
         else:
-            self._begin_vocabulary(targets, backward=False)
+            self._begin_vocabulary(inputs, targets, backward=False)
             with torch.no_grad():
                 self._schedule.eval(*args, return_outputs=False, **kwargs)
-            if self._vocabulary is not None:
-                self._vocabulary.end()
+            self._end_vocabulary(backward=False)
         # float32 on every stage: the broadcast must agree in size whatever the precision (bf16-true)
         results = [torch.stack([l.detach() for l in losses]).float().mean()] if stage.is_last else [
             torch.zeros((), dtype=torch.float32, device=self._device)]
@@ -148,10 +148,20 @@ class PipelineStep:
             module._router_aux_loss = means[1]
         return means[0]
 
-    def _begin_vocabulary(self, targets: Any, backward: bool) -> None:
+    def _begin_vocabulary(self, inputs: torch.Tensor, targets: Any, backward: bool) -> None:
+        """Start the split vocabulary layers' step: the embedding's rows come to the first stage, then the head's
+        serving threads start (their collectives share one group, so the embedding's go first and last)."""
+        if self._embedding is not None:
+            self._embedding.begin(inputs, backward)
         if self._vocabulary is not None:
             self._vocabulary.active = True
             self._vocabulary.begin(targets, self._groups.layout.micro_batches, backward)
+
+    def _end_vocabulary(self, backward: bool) -> None:
+        if self._vocabulary is not None:
+            self._vocabulary.end()
+        if self._embedding is not None:
+            self._embedding.end(backward)
 
     def backward_passes(self, batch: Any) -> int:
         """Micro-batches a training step on ``batch`` runs (what the data-parallel reduction is armed with)."""
@@ -194,8 +204,12 @@ class PipelineStep:
         scoring = {"target": inputs, "losses": []} if stage.is_last else {}
         if self._vocabulary is not None:  # the losses are discarded: nothing to exchange for them
             self._vocabulary.active = False
+        if self._embedding is not None:
+            self._embedding.begin(inputs, backward=False)
         with torch.no_grad():
             output = self._schedule.eval(*args, **scoring)
+        if self._embedding is not None:
+            self._embedding.end(backward=False)
         if isinstance(output, tuple):  # (logits, router logits) with a router aux loss
             output = output[0]
         shape, dtype = self.from_last_stage((tuple(output.shape), output.dtype) if stage.is_last else None)

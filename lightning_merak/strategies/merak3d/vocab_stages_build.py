@@ -12,11 +12,12 @@ from torch import nn
 from lightning_merak.distributed.process_groups import new_group
 from lightning_merak.parallel import pipeline
 from lightning_merak.parallel.layout import Layout, LayoutGroups
+from lightning_merak.parallel.pipeline.embedding_stages import embedding_split_problem
 from lightning_merak.parallel.pipeline.trace import ModelTrace
 from lightning_merak.parallel.pipeline.vocab_stages import HeadShape, vocab_stages_problem
 from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
 
-__all__ = ["replica_pipeline_group", "splittable_head", "vocab_split_autopipe"]
+__all__ = ["replica_pipeline_group", "splittable_embedding", "splittable_head", "vocab_split_autopipe"]
 
 
 def splittable_head(model: nn.Module, trace: ModelTrace, arguments: Merak3DArguments, layout: Layout,
@@ -35,7 +36,31 @@ def splittable_head(model: nn.Module, trace: ModelTrace, arguments: Merak3DArgum
         return None
     head = model.get_output_embeddings()
     path = next(name for name, module in model.named_modules() if module is head)
-    return HeadShape(path, head.out_features, head.in_features, head.bias is not None, head.weight.dtype)
+    embedding = model.get_input_embeddings()
+    tied = embedding is not None and getattr(embedding, "weight", None) is head.weight
+    return HeadShape(path, head.out_features, head.in_features, head.bias is not None, head.weight.dtype,
+                     head.weight.requires_grad, _module_path(model, embedding) if tied else None)
+
+
+def splittable_embedding(model: nn.Module, trace: ModelTrace, head: HeadShape) -> Optional[str]:
+    """The path of the input embedding that splits over the pipeline ranks with the head, or None where it stays
+    on the first stage (the reason is logged). A tied embedding splits as the head's weight."""
+    if head.tied_embedding is not None:
+        return head.tied_embedding
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    problem = embedding_split_problem(embedding)
+    path = _module_path(model, embedding) if embedding is not None else None
+    if problem is None and path is not None and any(
+            path == inner or path.startswith(inner + ".") for inner in (trace.trunk_path, *trace.suffix_paths)):
+        problem = f"the input embedding {path} is not computed before the blocks"
+    if problem is not None:
+        rank_zero_info(f"merak3d: vocab_stages keeps the input embedding on the first stage: {problem}")
+        return None
+    return path
+
+
+def _module_path(model: nn.Module, target: nn.Module) -> str:
+    return next(name for name, module in model.named_modules() if module is target)
 
 
 def replica_pipeline_group(groups: LayoutGroups, global_rank: int) -> dist.ProcessGroup:
@@ -51,12 +76,15 @@ def replica_pipeline_group(groups: LayoutGroups, global_rank: int) -> dist.Proce
     return mine
 
 
-def vocab_split_autopipe(trace: ModelTrace, layout: Layout, mode: str) -> Any:
-    """AutoPipe with the head split over the stages ('on'), without, or whichever simulates faster ('auto')."""
+def vocab_split_autopipe(trace: ModelTrace, layout: Layout, mode: str, split_embedding: bool = True) -> Any:
+    """AutoPipe with the head (and with ``split_embedding`` the input embedding) split over the stages ('on'),
+    without, or whichever simulates faster ('auto')."""
     num_stages, micro_batches = layout.num_stages, layout.micro_batches
     if mode != "auto":
-        return pipeline.partition_autopipe(trace.costs, num_stages, micro_batches, vocab_stages=mode == "on")
-    options = [pipeline.partition_autopipe(trace.costs, num_stages, micro_batches, vocab_stages=split)
+        return pipeline.partition_autopipe(trace.costs, num_stages, micro_batches, vocab_stages=mode == "on",
+                                           split_embedding=split_embedding)
+    options = [pipeline.partition_autopipe(trace.costs, num_stages, micro_batches, vocab_stages=split,
+                                           split_embedding=split_embedding)
                for split in (False, True)]
     iterations = [pipeline.simulate_schedule(p.stage_forward_s, p.stage_backward_s, micro_batches).iteration_s
                   for p in options]

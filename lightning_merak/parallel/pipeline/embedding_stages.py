@@ -1,0 +1,165 @@
+"""The input embedding split by vocabulary rows over the pipeline ranks, beside the split LM head (``vocab_stages``).
+
+Left whole on the first stage, a large vocabulary's embedding makes that stage the fullest: at vocabulary 128k and
+width 4096 its table, gradient and Adam state are 8 GiB against a block's 0.8. Split like the head
+(:mod:`.vocab_stages`), every pipeline rank holds rows ``[r·c, min((r+1)·c, V))``, ``c = ⌈V/pp⌉``, of the table
+(:class:`EmbeddingRows`, a DTensor sharded ``Shard(0)`` over the pipeline mesh with the table's whole shape, so a
+sharded checkpoint holds it under its own name and any layout resumes it). A tied head and embedding are one
+weight split once.
+
+The first stage looks up every micro-batch's tokens, so before a step's schedule
+(:meth:`EmbeddingExchange.begin`) it sends the step's distinct token ids to the other pipeline ranks, each fills
+the rows it holds and a reduce (a sum in which every row has one non-zero term, so exact) hands the first stage
+the table of just those rows; the first stage's lookups index it, whichever micro-batch or shape-inference pass
+asks. After the schedule (:meth:`EmbeddingExchange.end`) the first stage broadcasts that table's gradient and
+every rank adds its rows' part to its weight's gradient. Both exchange at most ``min(distinct tokens, V) × width``
+values per step, once, outside the schedule: a step's cost, not a micro-batch's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_merak.util.row_shards import row_shard_range
+
+__all__ = ["EmbeddingExchange", "EmbeddingRows", "embedding_split_problem", "split_embedding_over_stages"]
+
+_TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""The embedding dtypes the first stage can announce to the others at build (by index)."""
+
+
+def embedding_split_problem(embedding: Optional[nn.Module]) -> Optional[str]:
+    """Why ``embedding`` (the model's ``get_input_embeddings()``) cannot be split by rows over the pipeline ranks,
+    or None. Only a plain ``nn.Embedding`` is: a subclass may compute more than the lookup (a scaled embedding)."""
+    if type(embedding) is not nn.Embedding:
+        return f"the input embedding is {type(embedding).__name__}, not an nn.Embedding"
+    if embedding.max_norm is not None:
+        return "the input embedding renormalises its rows (max_norm)"
+    if embedding.scale_grad_by_freq or embedding.sparse:
+        return "the input embedding scales its gradient by frequency or makes it sparse"
+    return None
+
+
+class EmbeddingRows(nn.Module):
+    """This rank's rows ``[start, end)`` of the input embedding: ``weight`` is a DTensor sharded by rows over the
+    pipeline mesh with the table's whole shape. On the first stage a call looks its tokens up in the step's table
+    (:meth:`EmbeddingExchange.begin`)."""
+
+    def __init__(self, weight: nn.Parameter, padding_idx: Optional[int]) -> None:
+        super().__init__()
+        self.weight = weight
+        self.padding_idx = padding_idx
+        self.vocab_size = weight.shape[0]
+        mesh = weight.device_mesh
+        self.start, self.end = row_shard_range(self.vocab_size, mesh.size(), mesh.get_local_rank())
+        self.tokens: Optional[torch.Tensor] = None
+        """The step's distinct token ids, ascending."""
+        self.table: Optional[torch.Tensor] = None
+        """Their rows, one per token id (first stage only)."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.table is None or self.tokens is None:
+            raise RuntimeError("the split input embedding is looked up through its EmbeddingExchange: begin() the "
+                               "step's exchange before running the first stage")
+        positions = torch.searchsorted(self.tokens, input_ids).clamp(max=self.tokens.numel() - 1)
+        if not torch.equal(self.tokens[positions], input_ids):
+            raise RuntimeError("the first stage looked up token ids outside the step's batch; the split input "
+                               "embedding serves the tokens of the batch the step was given only")
+        return F.embedding(positions, self.table)
+
+
+class EmbeddingExchange:
+    """The split embedding's step collectives over ``group`` (this replica's pipeline ranks): the rows the first
+    stage (global rank ``source``) looks up, and their gradient back. Every rank of the group calls
+    :meth:`begin` and :meth:`end` in the same order; only the first stage's ``input_ids`` are read."""
+
+    def __init__(self, rows: EmbeddingRows, group: dist.ProcessGroup, source: int, is_first: bool,
+                 device: torch.device) -> None:
+        self.rows, self.group, self.source, self.is_first, self.device = rows, group, source, is_first, device
+
+    def begin(self, input_ids: Optional[torch.Tensor], backward: bool) -> None:
+        """Gather the rows of ``input_ids``'s distinct tokens onto the first stage (its table requires a gradient
+        when ``backward``)."""
+        if self.is_first:
+            tokens = torch.unique(input_ids.to(self.device))
+            count = torch.tensor([tokens.numel()], dtype=torch.long, device=self.device)
+        else:
+            count = torch.zeros(1, dtype=torch.long, device=self.device)
+        dist.broadcast(count, src=self.source, group=self.group)
+        if not self.is_first:
+            tokens = torch.empty(int(count.item()), dtype=torch.long, device=self.device)
+        dist.broadcast(tokens, src=self.source, group=self.group)
+        weight = self.rows.weight.to_local()
+        inside = (tokens >= self.rows.start) & (tokens < self.rows.end)
+        table = torch.zeros(tokens.numel(), weight.shape[1], dtype=weight.dtype, device=self.device)
+        table[inside] = weight.detach()[tokens[inside] - self.rows.start]
+        dist.reduce(table, dst=self.source, group=self.group)
+        self.rows.tokens = tokens
+        if self.is_first:
+            self.rows.table = table.requires_grad_(backward and self.rows.weight.requires_grad)
+
+    def end(self, backward: bool) -> None:
+        """Close the step: with ``backward``, every rank adds its rows' part of the table's gradient to its
+        weight's gradient (set where it has none)."""
+        tokens, table = self.rows.tokens, self.rows.table
+        self.rows.tokens = self.rows.table = None
+        if not backward or not self.rows.weight.requires_grad:
+            return
+        assert tokens is not None
+        weight = self.rows.weight
+        local = weight.to_local()
+        if self.is_first and table is not None and table.grad is not None:
+            grad_table = table.grad
+        else:
+            grad_table = torch.zeros(tokens.numel(), local.shape[1], dtype=local.dtype, device=self.device)
+        dist.broadcast(grad_table, src=self.source, group=self.group)
+        inside = (tokens >= self.rows.start) & (tokens < self.rows.end)
+        if self.rows.padding_idx is not None:
+            inside &= tokens != self.rows.padding_idx
+        grad = torch.zeros_like(local).index_add_(0, tokens[inside] - self.rows.start, grad_table[inside])
+        if weight.grad is None:
+            weight.grad = DTensor.from_local(grad, weight.device_mesh, weight.placements, run_check=False,
+                                             shape=weight.shape, stride=weight.stride())
+        else:
+            weight.grad.to_local().add_(grad)
+
+
+def split_embedding_over_stages(stages: nn.ModuleList, path: str, mesh: DeviceMesh, group: dist.ProcessGroup,
+                                device: torch.device, tied_weight: Optional[nn.Parameter] = None
+                                ) -> EmbeddingExchange:
+    """Replace the input embedding at ``path`` of this rank's (single) stage by its :class:`EmbeddingRows` and
+    return the exchange. ``tied_weight``: the split head's weight, which a tied embedding shares.
+
+    Untied, the first stage sends its table to the others (a broadcast over ``mesh``'s group: the table crosses
+    once, at build) and each keeps its rows.
+    """
+    (stage,) = stages
+    first = dist.get_global_rank(mesh.get_group(), 0)
+    sizes = torch.zeros(5, dtype=torch.long, device=device)
+    if stage.is_first:
+        embedding = stage.net.get_submodule(path)
+        padding = -1 if embedding.padding_idx is None else embedding.padding_idx
+        sizes = torch.tensor([*embedding.weight.shape, padding, _TABLE_DTYPES.index(embedding.weight.dtype),
+                              embedding.weight.requires_grad], dtype=torch.long, device=device)
+    dist.broadcast(sizes, src=first, group=mesh.get_group())
+    vocab_size, width, padding, dtype, trainable = sizes.tolist()
+    if tied_weight is not None:
+        weight = tied_weight
+    else:
+        table = (stage.net.get_submodule(path).weight.detach().to(device) if stage.is_first
+                 else torch.empty(vocab_size, width, dtype=_TABLE_DTYPES[dtype], device=device))
+        dist.broadcast(table, src=first, group=mesh.get_group())
+        start, end = row_shard_range(vocab_size, mesh.size(), mesh.get_local_rank())
+        weight = nn.Parameter(DTensor.from_local(table[start:end].clone(), mesh, [Shard(0)], run_check=False,
+                                                 shape=table.shape, stride=table.stride()), bool(trainable))
+    rows = EmbeddingRows(weight, None if padding < 0 else padding)
+    stage.net.set_submodule(path, rows)
+    return EmbeddingExchange(rows, group, first, stage.is_first, device)
+
