@@ -234,7 +234,7 @@ def _train_rank(rank: int, world_size: int, family: str, layout: dict[str, Any],
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("family", "world", "layout", "expert_parallel"), [
-    ("mixtral", 2, {"data_parallel": 1, "micro_batches": 2}, False),
+    ("mixtral", 2, {"data_parallel": 1, "micro_batches": 2, "vocab_stages": "on"}, False),
     ("mixtral", 2, {"data_parallel": 1, "micro_batches": 4, "schedule": "shifted_critical_path"}, False),
     ("qwen3_moe", 2, {"data_parallel": 1, "micro_batches": 4, "schedule": "gpipe", "recompute": "full"}, False),
     ("mixtral", 2, {"data_parallel": 1, "micro_batches": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2,
@@ -243,7 +243,7 @@ def _train_rank(rank: int, world_size: int, family: str, layout: dict[str, Any],
                       "virtual_stages": 2, "partition": "min_max"}, False),
     ("qwen3_moe", 4, {"data_parallel": 2, "micro_batches": 2}, True),
     ("mixtral", 4, {"data_parallel": 1, "tensor_parallel": 2, "tp_overlap": 2, "micro_batches": 2}, False),
-], ids=["mixtral-pp2-m2", "mixtral-pp2-m4-shifted-critical-path", "qwen3_moe-pp2-m4-gpipe-recompute",
+], ids=["mixtral-pp2-m2-vocab-stages", "mixtral-pp2-m4-shifted-critical-path", "qwen3_moe-pp2-m4-gpipe-recompute",
         "mixtral-pp2-interleaved-4-stages", "qwen3_moe-pp2-zero-bubble", "qwen3_moe-pp2-dp2-merak_ep",
         "mixtral-pp2-tp2-sub-batches"])
 def test_pipeline_stages_train_the_router_aux_loss_as_gradient_accumulation(

@@ -109,9 +109,9 @@ def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None, o
 def test_split_head_matches_single_process(tmp_path, stages: int, replicas: int, schedule: str, on_meta: bool,
                                            tied: bool, frozen: bool):
     """Loss and every gradient (the head's and the embedding's rows gathered; tied, one weight; frozen, none)
-    equal one process's at each step, and so do an evaluation loss and predict's logits afterwards; the checkpoint holds the
-    head and the embedding whole under their own names, and the Hugging Face export writes them as the trained
-    model's."""
+    equal one process's at each step, and so do an evaluation loss and predict's logits afterwards; the checkpoint
+    holds the head and the embedding whole under their own names, and the Hugging Face export writes them as the
+    trained model's."""
     from lightning_merak.hf.export import export_checkpoint
 
     layout = {"data_parallel": replicas, "pipeline_parallel": stages, "tensor_parallel": 1, "micro_batches": 4,
@@ -161,11 +161,9 @@ def test_vocab_stages_refuses_before_work():
     tied = build_causal_lm(_config(tied=True), vocab_size=64)
     tied.config.use_cache = False
     trace = trace_model(tied, torch.randint(64, (2, 8)), profile=False)
-    assert vocab_stages_problem(tied, trace, tensor_parallel=1, context_parallel=1, schedule="1f1b",
-                                router_aux=False) is None
+    assert vocab_stages_problem(tied, trace, tensor_parallel=1, context_parallel=1, schedule="1f1b") is None
     tied.model.embed_tokens.max_norm = 1.0  # a lookup that rewrites the rows it reads
-    problem = vocab_stages_problem(tied, trace, tensor_parallel=1, context_parallel=1, schedule="1f1b",
-                                   router_aux=False)
+    problem = vocab_stages_problem(tied, trace, tensor_parallel=1, context_parallel=1, schedule="1f1b")
     assert problem is not None and "tied to the input embedding" in problem and "max_norm" in problem
 
 

@@ -73,7 +73,7 @@ def head_step_index(trace: ModelTrace, head_path: str) -> Optional[int]:
 
 
 def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, tensor_parallel: int, context_parallel: int,
-                         schedule: str, router_aux: bool, data_parallel_sharding: str = "none") -> Optional[str]:
+                         schedule: str, data_parallel_sharding: str = "none") -> Optional[str]:
     """Why the head of ``model`` cannot be split over the pipeline ranks in this layout, or None."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not nn.Linear:
@@ -99,8 +99,6 @@ def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, tensor_parallel
     if schedule not in VOCAB_STAGE_SCHEDULES:
         return (f"vocab_stages runs with schedule {' or '.join(VOCAB_STAGE_SCHEDULES)} (one stage per rank), not "
                 f"{schedule!r}; change the schedule or set vocab_stages='off'")
-    if router_aux:
-        return "vocab_stages does not carry router logits (MoE aux loss) yet; set vocab_stages='off'"
     if data_parallel_sharding == "full":
         return ("vocab_stages sets its rows' gradients itself, which FSDP2's sharded parameters "
                 "(data_parallel_sharding='full') do not take; use 'none', 'optimizer' or 'gradients', or set "

@@ -258,7 +258,7 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
     stages, partition, tied = None, None, []
     if pp > 1:
         tied_names = tied_parameter_names(model)
-        head_shape = splittable_head(model, trace, arguments, layout, router_aux is not None)
+        head_shape = splittable_head(model, trace, arguments, layout)
         vocab_stages = arguments.vocab_stages if head_shape is not None else "off"
         embedding_path = splittable_embedding(model, trace, head_shape) if head_shape is not None else None
         partition = _agree_on_partition(trace, layout, arguments.partition, global_rank, broadcast, vocab_stages,

@@ -20,15 +20,15 @@ from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
 __all__ = ["replica_pipeline_group", "splittable_embedding", "splittable_head", "vocab_split_autopipe"]
 
 
-def splittable_head(model: nn.Module, trace: ModelTrace, arguments: Merak3DArguments, layout: Layout,
-                     router_aux: bool) -> Optional[HeadShape]:
+def splittable_head(model: nn.Module, trace: ModelTrace, arguments: Merak3DArguments, layout: Layout
+                    ) -> Optional[HeadShape]:
     """The LM head ``vocab_stages`` splits over the pipeline ranks, or None (off, or 'auto' where it cannot run;
     'on' there is refused with the reason)."""
     if arguments.vocab_stages == "off":
         return None
     problem = vocab_stages_problem(model, trace, tensor_parallel=layout.tensor_parallel,
                                    context_parallel=layout.context_parallel, schedule=layout.schedule,
-                                   router_aux=router_aux, data_parallel_sharding=layout.data_parallel_sharding)
+                                   data_parallel_sharding=layout.data_parallel_sharding)
     if problem is not None:
         if arguments.vocab_stages == "on":
             raise ValueError(problem)
