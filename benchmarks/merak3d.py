@@ -29,7 +29,9 @@ warm-up steps excluded, median over the rest. Four sections:
 5. *LM head over the stages* (``vocab_stages``): AutoPipe with and without the head split over the stages,
    simulated on the measured costs scaled to vocabularies of 32k and 128k, 8 and 16 blocks, 2 to 16 stages
    (``benchmarks/_vocab_stages.py``; ``heavy_head_max_over_mean`` is the worst stage over the mean with the split,
-   worst case), a second timeline picture, and measured pp=2 steps with the split against AutoPipe alone.
+   worst case), a second timeline picture, and measured steps with the split against AutoPipe alone: pp=2 on the
+   heavy-head model, and pp=4 at vocabulary 128k (4 ranks, each under a fixed CPU quota of half a core:
+   ``../shared/specs/measuring.md``), the ``vocab_stages_speedup`` goal.
 
 All figures come from this machine (JSON label "measured"); simulator rows say "simulated".
 A second process on the machine (tests, another benchmark) skews the timings.
@@ -44,7 +46,7 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks import _vocab_stages
+from benchmarks.goals import print_goals, write_run
 from benchmarks.report import (
     default_out,
     error_line,
@@ -60,7 +63,6 @@ from benchmarks.report import (
     print_table,
     proc_status_mb,
     saved_activation_bytes,
-    write_json,
 )
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
 from lightning_merak.modules.config import ModelConfig, OptimConfig
@@ -69,6 +71,7 @@ from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.parallel.pipeline.trace import trace_model
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import run_distributed
+from lightning_merak.testing.cpu_quota import device_per_rank_quota, emulation_record
 from lightning_merak.testing.distributed import DistributedRunError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -124,6 +127,8 @@ class Job:
     merak: dict[str, Any] = field(default_factory=dict)
     cap_param_multiple: float | None = None
     count_saved_activations: bool = False
+    world_size: int = WORLD_SIZE
+    """Ranks; more than the cores run under a fixed CPU quota each (one device per rank emulated)."""
 
 
 @dataclass(frozen=True)
@@ -177,6 +182,7 @@ class _StepTimer(pl.Callback):
 
     def __init__(self) -> None:
         self.step_s: list[float] = []
+        self.losses: list[float] = []
         self._start = 0.0
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -186,6 +192,8 @@ class _StepTimer(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.step_s.append(time.perf_counter() - self._start)
+        loss = trainer.callback_metrics.get("train/loss")
+        self.losses.append(float(loss) if loss is not None else float("nan"))
 
 
 def _quiet_lightning() -> None:
@@ -264,7 +272,8 @@ def _run_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     strategy = trainer.strategy
     if isinstance(strategy, Merak3DStrategy) and strategy.partition is not None:
         result["boundaries"] = list(strategy.partition.boundaries)
-    result.update(step_s=timer.step_s, max_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    result.update(step_s=timer.step_s, losses=timer.losses,
+                  max_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   peak_vm_mb=proc_status_mb("VmPeak"))
     if job.count_saved_activations:
         assert isinstance(strategy, Merak3DStrategy)
@@ -283,7 +292,7 @@ def _rejected_before_launch(job: Job) -> str | None:
     rank process exists, so such a configuration is reported without spawning ranks.
     """
     try:
-        pl.Trainer(accelerator="cpu", devices=WORLD_SIZE, strategy=_make_strategy(job), logger=False,
+        pl.Trainer(accelerator="cpu", devices=job.world_size, strategy=_make_strategy(job), logger=False,
                    enable_checkpointing=False, enable_progress_bar=False)
     except Exception as error:
         return f"{type(error).__name__}: {error}"
@@ -298,7 +307,8 @@ def run_job(job: Job, warmup: int) -> dict[str, Any]:
         return {"error": rejected}
     started = time.perf_counter()
     try:
-        ranks = run_distributed(_run_rank, WORLD_SIZE, args=(job,), timeout_s=RANK_TIMEOUT_S, threads_per_rank=1)
+        ranks = run_distributed(_run_rank, job.world_size, args=(job,), timeout_s=RANK_TIMEOUT_S, threads_per_rank=1,
+                                cpu_quota=device_per_rank_quota(job.world_size))
     except DistributedRunError as error:
         print(f"  {job.strategy} {job.layout}: failed ({time.perf_counter() - started:.0f} s)", flush=True)
         return {"error": error_line(error)}
@@ -308,7 +318,7 @@ def run_job(job: Job, warmup: int) -> dict[str, Any]:
     print(f"  {job.strategy} {job.layout}: {step_s * 1e3:.0f} ms/step ({time.perf_counter() - started:.0f} s)",
           flush=True)
     return {"ranks": ranks, "step_s": step_s, "timed_steps": len(timed),
-            "tokens_per_s": job.workload.tokens_per_step / step_s}
+            "tokens_per_s": job.workload.tokens_per_step / step_s, "losses": ranks[0]["losses"]}
 
 
 def throughput(mode: Mode) -> list[dict[str, Any]]:
@@ -418,23 +428,6 @@ def partition_rows(runs: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str
     return rows
 
 
-def vocab_stage_rows(mode: Mode, runs: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
-    """Measured pp=2 steps of HEAVY_HEAD_MODEL with the LM head split over the stages, against AutoPipe alone."""
-    common = {"data_parallel": 1, "pipeline_parallel": 2, "micro_batches": PIPELINE_MICRO_BATCHES}
-    split = run_job(Job("merak3d", "pp=2 autopipe vocab_stages=on", HEAVY_HEAD_MODEL, mode.pipeline_steps,
-                        merak={**common, "partition": "autopipe", "vocab_stages": "on"}), mode.warmup)
-    rows = []
-    for name, outcome in (("off", runs[("autopipe", "none")]), ("on", split)):
-        ranks = outcome.get("ranks")
-        rows.append({"section": "vocab_stages_measured", "label": "measured", "stages": 2, "vocab_stages": name,
-                     "boundaries": ranks[0].get("boundaries") if ranks else None,
-                     "step_ms": outcome["step_s"] * 1e3 if ranks else None,
-                     "tokens_per_s": outcome.get("tokens_per_s"), "error": outcome.get("error")})
-    off, on = (row["tokens_per_s"] for row in rows)
-    rows[1]["vs_autopipe"] = on / off if on and off else None
-    return rows
-
-
 def recompute_rows(runs: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
     """Peak RSS per rank (= per stage at pp=2) and saved activations per micro-batch, per recompute mode."""
     rows = []
@@ -496,12 +489,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer steps (under 3 minutes on 2 cores)")
     parser.add_argument("--out", type=Path, help=out_help("merak3d"))
     args = parser.parse_args(argv)
-    args.out = args.out or default_out("merak3d", args.quick)
+    pictures = args.out or default_out("merak3d", args.quick)
     mode = QUICK if args.quick else FULL
     torch.set_num_threads(1)
     _quiet_lightning()
     started = time.perf_counter()
-    timeline = args.out.with_name(f"{args.out.stem}_timeline.png")
+    timeline = pictures.with_name(f"{pictures.stem}_timeline.png")
 
     print(f"1. throughput: {THROUGHPUT_MODEL.describe()}, {WORLD_SIZE} gloo ranks", flush=True)
     throughput_table = throughput(mode)
@@ -514,9 +507,13 @@ def main(argv: list[str] | None = None) -> int:
     runs = pipeline_runs(mode, same_as_uniform=uniform.boundaries == by_parameters.boundaries)
     measured_balance = partition_rows(runs)
     recompute_table = recompute_rows(runs)
-    vocab_measured = vocab_stage_rows(mode, runs)
+    vocab_measured = _vocab_stages.measured_rows(
+        lambda label, workload, stages, merak: run_job(Job("merak3d", label, Workload(**workload), mode.pipeline_steps,
+                                                           merak=merak, world_size=stages), mode.warmup),
+        runs[("autopipe", "none")], asdict(HEAVY_HEAD_MODEL), PIPELINE_MICRO_BATCHES)
+    print(f"5. LM head over the stages, measured: {_vocab_stages.SPEEDUP_DESCRIPTION}", flush=True)
     vocab_simulated = _vocab_stages.simulated_rows(costs)
-    vocab_timeline = args.out.with_name(f"{args.out.stem}_timeline_vocab_stages.png")
+    vocab_timeline = pictures.with_name(f"{pictures.stem}_timeline_vocab_stages.png")
     pipeline.plot_timeline(_vocab_stages.timeline(costs, 4), vocab_timeline,
                            title="autopipe + vocab_stages, 4 stages, 8 micro-batches (simulated)")
     print(f"4. memory cap: {CAPPED_MODEL.describe()}", flush=True)
@@ -534,8 +531,11 @@ def main(argv: list[str] | None = None) -> int:
                    ["vocab", "layers", "stages", "autopipe_max_over_mean", "vocab_stages_max_over_mean",
                     "autopipe_memory_max_over_mean", "vocab_stages_memory_max_over_mean", "simulated_speedup",
                     "vocab_stages_boundaries"])
-    _print_section("LM head over the stages (measured, pp=2)", vocab_measured,
-                   ["vocab_stages", "boundaries", "step_ms", "tokens_per_s", "vs_autopipe", "error"])
+    _print_section("LM head over the stages (measured; pp=4 under a CPU quota per rank)", vocab_measured,
+                   ["vocab", "stages", "vocab_stages", "boundaries", "step_ms", "tokens_per_s", "vs_autopipe",
+                    "loss_max_rel_diff", "error"])
+    goals = _vocab_stages.goal_figures(vocab_simulated, vocab_measured)
+    print_goals(goals)
     _print_section(f"Recompute, pp=2 {RECOMPUTE_PARTITION} (measured; RSS includes the baseline)", recompute_table,
                    ["recompute", "boundaries", "max_rss_mb_stage0", "max_rss_mb_stage1", "baseline_rss_mb",
                     "saved_mb_per_microbatch_stage0", "saved_mb_per_microbatch_stage1", "step_ms", "error"])
@@ -543,13 +543,12 @@ def main(argv: list[str] | None = None) -> int:
                    cap_table, ["strategy", "layout", "param_mb", "cap_mb_per_rank", "peak_vm_mb_per_rank",
                                "completed_steps", "of_steps", "error"])
     wall_s = time.perf_counter() - started
-    out = write_json(
-        args.out, [*throughput_table, *balance_table, *measured_balance, *recompute_table, *cap_table,
-                   *vocab_simulated, *vocab_measured],
-        heavy_head_max_over_mean=_vocab_stages.heavy_head_max_over_mean(vocab_simulated),
-        stage_memory_max_over_mean=max(row["vocab_stages_memory_max_over_mean"] for row in vocab_simulated),
+    out = write_run(
+        "merak3d", [*throughput_table, *balance_table, *measured_balance, *recompute_table, *cap_table,
+                    *vocab_simulated, *vocab_measured], "measured", goals, args.quick, args.out,
         vocab_stages_timeline_png=vocab_timeline.name,
-        label="measured", benchmark="merak3d", quick=args.quick, world_size=WORLD_SIZE, backend="gloo",
+        rank_cpu_pp4=emulation_record(device_per_rank_quota(4), 4),
+        benchmark="merak3d", world_size=WORLD_SIZE, backend="gloo",
         threads_per_rank=1, warmup_steps=mode.warmup,
         workloads={"throughput": THROUGHPUT_MODEL.describe(), "heavy_head": HEAVY_HEAD_MODEL.describe(),
                    "memory_cap": CAPPED_MODEL.describe()},

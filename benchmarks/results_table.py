@@ -88,8 +88,8 @@ def merak3d(data: dict[str, Any]) -> Table:
                          f"{r['autopipe_max_over_mean']:.2f}, {r['vocab_stages_max_over_mean']:.2f}", r["label"]])
         elif section == "vocab_stages_measured" and r["vocab_stages"] == "on":
             value = ratio(r["vs_autopipe"]) if r["error"] is None else brief(r["error"])
-            rows.append([section, f"{r['stages']} stages", "tokens/s with the head split vs autopipe alone", value,
-                         r["label"]])
+            rows.append([section, f"vocab {r.get('vocab', 32000)}, {r['stages']} stages",
+                         "tokens/s with the vocabulary split vs autopipe alone", value, r["label"]])
         elif section == "memory_cap":
             value = f"{r['completed_steps']}/{r['of_steps']}" + (f" ({brief(r['error'])})" if r["error"] else "")
             rows.append([section, f"{r['strategy']} {r['layout']}", "steps completed under the cap", value,

@@ -176,3 +176,33 @@ def test_the_planner_prices_the_split_head_on_every_stage():
     assert [p.layout.vocab_stages for p in ranked if p.layout.pp == 4] == [True, False]
     with pytest.raises(ValueError, match="vocab_stages splits the LM head over pipeline stages at tp=1"):
         planner.Layout(4, 1, 1, 1, 1, 0.0, vocab_stages=True)
+
+
+def test_measured_legs_pair_each_split_with_its_autopipe_run_and_feed_the_goals():
+    """The benchmark's measured rows: each leg's split run against AutoPipe alone (speed and loss), and the
+    issue's four goals over one run, the speedup from the pp=4 leg only."""
+    from benchmarks import _vocab_stages
+
+    calls = []
+
+    def outcome(tokens_per_s: float, losses: list[float]) -> dict:
+        return {"ranks": [{"boundaries": [0, 5]}], "step_s": 1.0, "tokens_per_s": tokens_per_s, "losses": losses}
+
+    def run(label: str, workload: dict, stages: int, merak: dict) -> dict:
+        calls.append((label, workload["vocab"], stages, merak.get("vocab_stages", "off")))
+        return outcome(300.0 if merak.get("vocab_stages") == "on" else 200.0, [2.0, 1.0 + 1e-6])
+
+    heavy = {"hidden": 128, "layers": 8, "vocab": 32000, "seq": 64, "global_batch": 16}
+    rows = _vocab_stages.measured_rows(run, outcome(100.0, [2.0, 1.0]), heavy, 4)
+    assert calls == [("pp=2 autopipe vocab_stages=on", 32000, 2, "on"), ("pp=4 autopipe", 128000, 4, "off"),
+                     ("pp=4 autopipe vocab_stages=on", 128000, 4, "on")]
+    split = [row for row in rows if row["vocab_stages"] == "on"]
+    assert [row["vs_autopipe"] for row in split] == [3.0, 1.5]
+    assert split[0]["loss_max_rel_diff"] == pytest.approx(1e-6)
+    assert split[1]["loss_max_rel_diff"] == 0.0
+    simulated = _vocab_stages.simulated_rows(causal_lm_costs(8, 32000))
+    goals = {goal["key"]: goal for goal in _vocab_stages.goal_figures(simulated, rows)}
+    assert goals["vocab_stages_speedup"]["value"] == 1.5 and goals["vocab_stages_speedup"]["met"]
+    assert list(goals["vocab_stages_speedup"]["by_config"]) == ["vocab128000/pp4"]
+    assert goals["vocab_stages_loss_max_rel_diff"]["value"] == pytest.approx(1e-6)
+    assert goals["heavy_head_max_over_mean"]["value"] == _vocab_stages.heavy_head_max_over_mean(simulated)
