@@ -45,11 +45,17 @@ def _train_rank(rank: int, world_size: int, layout: dict) -> dict:
         num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[recorder], gradient_clip_val=CLIP)
     trainer.fit(module, datamodule=_Data())
     weights = {}
+    original = getattr(module.model, "original_name", lambda name: name)  # pipeline stages: the unsplit names
     for name, param in module.model.named_parameters():
         full = param.full_tensor() if hasattr(param, "full_tensor") else param
-        weights[name] = full.detach().clone()
+        weights[original(name)] = full.detach().clone()
     plan = trainer.strategy.layout_plan
-    return {"losses": recorder.losses, "norms": recorder.norms, "weights": weights,
+    logits = None
+    if layout.get("pipeline_parallel", 1) > 1:  # predict through the stages: the whole sequence's logits
+        module.eval()
+        with torch.no_grad():
+            logits = module(_batches()[0][:BATCH // trainer.strategy.layout.batch_replicas])
+    return {"logits": logits, "losses": recorder.losses, "norms": recorder.norms, "weights": weights,
             "replicas": trainer.strategy.data_parallel, "layout": trainer.strategy.layout,
             "ranked": None if plan is None else [(p.layout.cp, p.layout.context_attention, p.step_time_s,
                                                   p.components["context_exchange"]) for p in plan.ranked]}
@@ -63,6 +69,11 @@ LAYOUTS = {
     "cp2-tp2": ({"context_parallel": 2, "tensor_parallel": 2}, 4),  # heads split over tp, sequence over cp
     # each context rank's tokens split again over tp between the blocks' column and row layers
     "cp2-tp2-sp": ({"context_parallel": 2, "tensor_parallel": 2, "sequence_parallel": True}, 4),
+    # each stage's blocks run on the shard its input holds; the last stage scores its rows of the sequence
+    "cp2-pp2": ({"context_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2}, 4),
+    "cp2-pp2-zero-bubble-all_to_all": ({"context_parallel": 2, "context_attention": "all_to_all",
+                                        "pipeline_parallel": 2, "schedule": "interleaved_zero_bubble",
+                                        "virtual_stages": 2, "micro_batches": 2, "partition": "min_max"}, 4),
 }
 
 
@@ -72,12 +83,24 @@ def test_context_parallel_training_matches_one_process(name: str) -> None:
     layout, world_size = LAYOUTS[name]
     losses, norms, weights = _reference(CLIP, batches=_batches())
     results = run_distributed(_train_rank, world_size, args=(layout,), timeout_s=300)
+    trained: dict[str, torch.Tensor] = {}
     for result in results:
-        assert result["replicas"] == world_size // (layout["context_parallel"] * layout.get("tensor_parallel", 1))
+        assert result["replicas"] == world_size // (layout["context_parallel"] * layout.get("tensor_parallel", 1)
+                                                    * layout.get("pipeline_parallel", 1))
         assert result["losses"] == pytest.approx(losses, rel=1e-5)
         assert result["norms"] == pytest.approx(norms, rel=1e-5)
-        for key, expected in weights.items():
-            torch.testing.assert_close(result["weights"][key], expected, atol=1e-5, rtol=1e-4, msg=key)
+        trained.update(result["weights"])  # with pipeline stages each rank holds its stage's
+    assert set(trained) == set(weights)
+    for key, expected in weights.items():
+        torch.testing.assert_close(trained[key], expected, atol=1e-5, rtol=1e-4, msg=key)
+    if results[0]["logits"] is not None:
+        reference = _module(adam=False)
+        reference.model.load_state_dict(trained)
+        reference.eval()
+        with torch.no_grad():
+            expected_logits = reference(_batches()[0][:results[0]["logits"].shape[0]])
+        for result in results:
+            torch.testing.assert_close(result["logits"], expected_logits, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.distributed
@@ -125,7 +148,7 @@ def test_the_degrees_planned_follow_the_options_and_the_model() -> None:
 @pytest.mark.parametrize("arguments, message", [
     ({"context_parallel": 0}, "context_parallel=0 must be a positive integer"),
     ({"context_parallel": 2, "context_attention": "ulysses"}, "choose one of ring, all_to_all"),
-    ({"context_parallel": 2, "pipeline_parallel": 2}, "pipeline_parallel=1"),
+    ({"context_parallel": 2, "tensor_parallel": 2, "tp_overlap": 2}, "tp_overlap=1"),
     ({"context_parallel": "auto", "planner_calibration": __file__}, "planner_calibration='analytic'"),
     ({"context_parallel": 2, "tensor_parallel": "auto", "planner_calibration": __file__}, "cannot rank"),
 ])

@@ -38,8 +38,8 @@ from lightning_merak.parallel.context.ulysses import check_heads_divisible, ulys
 from lightning_merak.parallel.pipeline.recording import find_trunk
 from lightning_merak.parallel.pipeline.router_aux import RouterAux, RouterRecorder, router_aux_of
 
-__all__ = ["ATTENTION_NAME", "CONTEXT_ATTENTION_METHODS", "ContextParallelForward", "attention_shape",
-           "check_context_parallel_model", "install_context_parallel", "segment_ids"]
+__all__ = ["ATTENTION_NAME", "CONTEXT_ATTENTION_METHODS", "ContextParallelForward", "SumOverGroup", "attention_shape",
+           "check_context_parallel_model", "gather_sequence", "install_context_parallel", "segment_ids"]
 
 ATTENTION_NAME = "merak_context_parallel"
 CONTEXT_ATTENTION_METHODS = ("ring", "all_to_all")
@@ -171,7 +171,7 @@ def segment_ids(attention_mask: Optional[Tensor], position_ids: Optional[Tensor]
     return starts.long().cumsum(dim=-1) - 1
 
 
-class _SumOverGroup(torch.autograd.Function):
+class SumOverGroup(torch.autograd.Function):
     """Forward: the sum over the group (the whole batch's loss); backward: this rank's gradient times the group
     size, which the average over ``dp x cp`` replicas turns into the sum of the group's parts."""
 
@@ -189,7 +189,7 @@ class _SumOverGroup(torch.autograd.Function):
 
 class _GatherSequence(torch.autograd.Function):
     """Forward: every rank's shard put back into the whole sequence; backward: this rank's shard of the gradient
-    (every rank computes the same loss from the whole tensor) times the group size (see :class:`_SumOverGroup`)."""
+    (every rank computes the same loss from the whole tensor) times the group size (see :class:`SumOverGroup`)."""
 
     @staticmethod
     def forward(ctx: Any, local: Tensor, group: dist.ProcessGroup, layout: LoadBalancedLayout, rank: int) -> Tensor:
@@ -203,9 +203,14 @@ class _GatherSequence(torch.autograd.Function):
         return ctx.layout.shard(grad, ctx.rank, dim=1) * ctx.size, None, None, None
 
 
+def gather_sequence(local: Tensor, group: dist.ProcessGroup, layout: LoadBalancedLayout) -> Tensor:
+    """Every rank's shard of ``local`` (this rank's, along dim 1) put back into the whole sequence; differentiable."""
+    return _GatherSequence.apply(local, group, layout, dist.get_rank(group))
+
+
 class _GatherRows(torch.autograd.Function):
     """Forward: every rank's rows, concatenated in rank order; backward: this rank's rows of the gradient times
-    the group size (every rank computes the same loss from the whole tensor; see :class:`_SumOverGroup`)."""
+    the group size (every rank computes the same loss from the whole tensor; see :class:`SumOverGroup`)."""
 
     @staticmethod
     def forward(ctx: Any, local: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -292,7 +297,7 @@ class ContextParallelForward:
             targets = (shifted != IGNORE_INDEX).sum()
         outputs = self._run({**inputs, "labels": shard(labels), "shift_labels": shard(shifted),
                              "num_items_in_batch": targets}, kwargs, attention_mask, shard)
-        outputs["loss"] = _SumOverGroup.apply(outputs["loss"], self._state.group)
+        outputs["loss"] = SumOverGroup.apply(outputs["loss"], self._state.group)
         if self._router_aux is not None:
             outputs["loss"] = outputs["loss"] + self._router_aux.aux.coefficient * outputs["aux_loss"]
         return outputs
@@ -318,9 +323,10 @@ def _takes_shifted_labels(model: nn.Module) -> bool:
     return getattr(model, "loss_function", None) is ForCausalLMLoss
 
 
-def install_context_parallel(model: nn.Module, group: dist.ProcessGroup, method: ContextAttention = "ring") -> None:
+def install_context_parallel(model: nn.Module, group: dist.ProcessGroup,
+                             method: ContextAttention = "ring") -> ContextState:
     """Make ``model`` (a transformers model, checked by :func:`check_context_parallel_model`) run every forward as
-    this rank's part of a sequence split over ``group``."""
+    this rank's part of a sequence split over ``group``; the state its attention reads is returned."""
     check_context_parallel_model(model, dist.get_world_size(group), method)
     from transformers import PretrainedConfig
 
@@ -333,3 +339,4 @@ def install_context_parallel(model: nn.Module, group: dist.ProcessGroup, method:
         if isinstance(config, PretrainedConfig) and config is not model.config:
             config._attn_implementation = ATTENTION_NAME
     model.forward = ContextParallelForward(model, state)
+    return state

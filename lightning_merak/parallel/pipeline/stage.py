@@ -256,9 +256,10 @@ def _own_copy(tensor: torch.Tensor) -> torch.Tensor:
     The zero-bubble schedules detach a stage's outputs in place once their input gradients are computed, and a
     block of the stage may have saved the same tensor for its weight gradients (block 0's values, which the next
     local block multiplies by a weight): the copy keeps what it saved intact. Received tensors handed on as they
-    are have no graph behind them and go as they are.
+    are have no graph behind them and go as they are, made contiguous (an expanded one, such as position ids
+    broadcast over the batch, cannot be sent).
     """
-    return tensor.clone() if tensor.grad_fn is not None else tensor
+    return tensor.clone() if tensor.grad_fn is not None else tensor.contiguous()
 
 
 def build_stage_module(

@@ -224,8 +224,7 @@ class Merak3DArguments(Merak3DOptions):
     def _context_blocking(self) -> list[tuple[str, Any, Any]]:
         """The fixed options context parallelism does not run with yet, as ``(name, value given, value needed)``
         ('auto' degrees are planned within what it runs with)."""
-        needs = {"pipeline_parallel": (self.pipeline_parallel, 1), "tp_overlap": (self.tp_overlap, 1),
-                 "micro_batching": (self.micro_batching, "none")}
+        needs = {"tp_overlap": (self.tp_overlap, 1), "micro_batching": (self.micro_batching, "none")}
         return [(name, value, needed) for name, (value, needed) in needs.items() if value not in (needed, "auto")]
 
     def context_parallel_blockers(self) -> list[str]:

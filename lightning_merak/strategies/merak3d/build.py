@@ -360,6 +360,11 @@ def _router_aux(model: nn.Module, arguments: Merak3DArguments, layout: Layout) -
         raise ValueError(problem)
     if not output_router_logits or layout.pipeline_parallel == 1:
         return None
+    if layout.context_parallel > 1:
+        raise ValueError("a router aux loss across pipeline stages is computed from the router logits the stages "
+                         "carry, each context-parallel rank's for its shard of the sequence only, not the whole "
+                         "batch's; set the model's output_router_logits=False, or context_parallel=1 or "
+                         "pipeline_parallel=1")
     return router_aux_of(model, find_trunk(model)[1])
 
 

@@ -48,8 +48,9 @@ class Merak3DOptions:
         "sample's tokens; attention spans the whole sequence through `context_attention`. These ranks hold the same "
         "parameters, so gradients are averaged over data_parallel × context_parallel ranks; the sequence length must "
         "be a multiple of 2 × context_parallel. Needs a transformers model calling its attention interface; runs with "
-        "tensor and sequence parallelism (each rank's share split again over tensor_parallel) and, for now, "
-        "pipeline_parallel=1 "
+        "tensor and sequence parallelism (each rank's share split again over tensor_parallel) and with "
+        "pipeline_parallel>1 at a fixed degree (every stage's blocks on the shard, CausalLMModule's loss on the "
+        "last stage's rows), not with micro_batching "
         "(`lightning_merak.parallel.context`). `auto`: the layout planner chooses it with the other degrees, "
         "pricing 1/context_parallel of each sequence's work and activations per rank against the attention exchange "
         "(context_parallel=1 where a fixed option or the model rules it out).")

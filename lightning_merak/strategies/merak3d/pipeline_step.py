@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_merak.parallel.context.stages import gather_stage_logits
 from lightning_merak.parallel.layout import MULTI_STAGE_SCHEDULES, LayoutGroups
 from lightning_merak.parallel.pipeline.busy import StageBusyClock
 from lightning_merak.parallel.pipeline.router_aux import RouterAuxLoss
@@ -196,8 +197,8 @@ class PipelineStep:
                 "with pipeline_parallel>1 the module's forward runs only without gradients (predict, "
                 "inference); training_step must call self.compute_loss(batch)"
             )
-        stage = self._stages
-        self._groups.layout.check_batch(inputs.shape[0])
+        stage, layout = self._stages, self._groups.layout
+        layout.check_batch(inputs.shape[0])
         args = (inputs,) if stage.is_first else ()
         # The schedule scores every micro-batch on the last stage; the inputs stand in for the
         # targets and those losses are discarded.
@@ -219,4 +220,7 @@ class PipelineStep:
         if self._vocabulary is not None:  # the last stage's output is the head's input; each rank has its rows
             with torch.no_grad():
                 logits = self._vocabulary.full_logits(logits)
+        if layout.context_parallel > 1:  # each rank holds the logits of its shard of the sequence
+            with torch.no_grad():
+                logits = gather_stage_logits(logits, self._groups.context_group)
         return logits

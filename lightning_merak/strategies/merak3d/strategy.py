@@ -32,7 +32,7 @@ from lightning_merak.distributed.collectives import reduce_in_place
 from lightning_merak.distributed.gradient_norm import ShardedGradients
 from lightning_merak.distributed.process_exit import leave_process_groups_at_exit
 from lightning_merak.distributed.termination import install_termination_handler
-from lightning_merak.parallel.context.model import install_context_parallel
+from lightning_merak.parallel.context.stages import install_context_parallel_layout
 from lightning_merak.parallel.data import buckets as data_parallel
 from lightning_merak.parallel.data import fully_sharded, gradients
 from lightning_merak.parallel.layout import Layout, LayoutGroups
@@ -494,8 +494,8 @@ class Merak3DStrategy(CheckpointHooks):
                                                                    view.state_prefix))
         self._checkpointer.layout_changes = built.layout_changes
         self.partition = built.partition
-        if self.layout.context_parallel > 1:  # every forward of the network runs on this rank's sequence shard
-            install_context_parallel(view.network, self.groups.context_group, self.layout.context_attention)
+        if self.layout.context_parallel > 1:  # every forward (every stage's) runs on this rank's sequence shard
+            install_context_parallel_layout(view.network, built.stages, self.groups)
         if built.stages is not None:
             self._pipeline = install_pipeline_step(self.micro_batching, view, built.stages, self.groups,
                                                    self.root_device)

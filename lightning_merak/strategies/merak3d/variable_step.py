@@ -23,6 +23,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.stage import _RecvInfo
 
 from lightning_merak.modules.causal_lm import CausalLMModule
+from lightning_merak.parallel.context.stages import context_parallel_stage_loss
 from lightning_merak.parallel.layout import LayoutGroups
 from lightning_merak.parallel.micro_batching.options import MicroBatching
 from lightning_merak.parallel.micro_batching.plan import (
@@ -280,6 +281,16 @@ def _check_split_head_loss(view: ModuleView, options: MicroBatching) -> None:
                          ".loss_from_logits is its own; keep CausalLMModule's loss or set vocab_stages='off'")
 
 
+def _check_context_stage_loss(view: ModuleView) -> None:
+    """Refuse what the last stage cannot score on its shard of the sequence: the loss is next-token cross-entropy
+    computed by merak3d on the shard's rows, for a module with the whole contract."""
+    if not view.contract or getattr(type(view.module), "loss_from_logits", None) is not CausalLMModule.loss_from_logits:
+        raise ValueError(
+            f"context_parallel>1 with pipeline_parallel>1 scores each rank's shard of the sequence with next-token "
+            f"cross-entropy itself, but {type(view.module).__name__} brings its own loss; keep CausalLMModule's "
+            "loss_from_logits, or use context_parallel=1 or pipeline_parallel=1")
+
+
 def check_micro_batching(options: MicroBatching, pipeline_parallel: int, view: ModuleView) -> None:
     """Refuse variable-length micro-batches for a module without the whole contract (they score next-token
     cross-entropy through ``loss_from_logits``)."""
@@ -299,6 +310,10 @@ def install_pipeline_step(options: MicroBatching, view: ModuleView, stages: Rank
     module = view.module
     if stages.vocabulary is not None:
         _check_split_head_loss(view, options)
+    loss_from_logits = module.loss_from_logits
+    if groups.layout.context_parallel > 1:
+        _check_context_stage_loss(view)
+        loss_from_logits = context_parallel_stage_loss(groups.context_group)
     if not view.contract:
         pipelined = PipelinedNetwork(view, view.network)
         step = PipelineStep(module, stages, groups, device, pipelined.micro_batch_loss)
@@ -307,7 +322,7 @@ def install_pipeline_step(options: MicroBatching, view: ModuleView, stages: Rank
         view.network = stages
         return step
     step = (VariablePipelineStep(module, stages, groups, device, options) if options.enabled
-            else PipelineStep(module, stages, groups, device, module.loss_from_logits))
+            else PipelineStep(module, stages, groups, device, loss_from_logits))
     module.model = stages
     module.compute_loss = step.loss
     module.forward = step.forward

@@ -1,0 +1,95 @@
+"""Context parallelism inside pipeline stages: every stage runs its blocks on this rank's shard of the sequence.
+
+With ``pipeline_parallel > 1`` the model is cut into stages (:mod:`lightning_merak.parallel.pipeline.stage`), and
+only the first stage calls the model's forward, where :class:`~.model.ContextParallelForward` takes this rank's
+load-balanced shard of the tokens and sets the shard every attention call reads. Later stages receive the hidden
+state of that shard (and the side tensors computed for its positions: rotary tables), so
+:class:`ContextStageForward` sets the same shard from the received sequence length before their blocks run. The
+last stage's logits are this rank's rows of the sequence: :func:`context_parallel_stage_loss` scores them against
+the targets shifted on the whole sequence and sums the shards' parts over the context-parallel group, the whole
+micro-batch's mean cross-entropy on every rank of the group (its backward scales this rank's part by the group
+size, which the data-parallel average over ``dp x cp`` turns into the sum of the parts, as without stages).
+
+Documents packed into one row are not carried across stages yet: the ranks' document ids would have to travel
+with the hidden state, so the strategy refuses packed micro-batches with context parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_merak.parallel.context.model import (
+    IGNORE_INDEX,
+    ContextShard,
+    ContextState,
+    SumOverGroup,
+    gather_sequence,
+    install_context_parallel,
+)
+from lightning_merak.parallel.context.sharding import LoadBalancedLayout
+from lightning_merak.parallel.layout import LayoutGroups
+
+__all__ = ["ContextStageForward", "context_parallel_stage_loss", "gather_stage_logits",
+           "install_context_parallel_layout"]
+
+
+class ContextStageForward:
+    """A pipeline stage's forward that first sets the context-parallel shard its attention reads; the first stage's
+    model call sets it again from the tokens (the same shard)."""
+
+    def __init__(self, stage: nn.Module, state: ContextState) -> None:
+        self._forward = stage.forward
+        self._state = state
+        self._is_first = bool(getattr(stage, "is_first", False))
+        self._size = dist.get_world_size(state.group)
+
+    def __call__(self, *inputs: Tensor, **kwargs: Any) -> Any:
+        if not self._is_first and inputs:
+            length = inputs[0].shape[1] * self._size  # hidden [batch, local sequence, width]
+            self._state.shard = ContextShard(LoadBalancedLayout(length, self._size).rank_positions(), None)
+        return self._forward(*inputs, **kwargs)
+
+
+def install_context_parallel_layout(network: nn.Module, stages: Optional[Sequence[nn.Module]],
+                                    groups: LayoutGroups) -> None:
+    """Context parallelism over ``groups``' context group for the built network: on the whole ``network`` when it
+    has no pipeline ``stages``, else on each stage's pruned model, the stage's forward setting the shard its input
+    holds (:class:`ContextStageForward`)."""
+    group, method = groups.context_group, groups.layout.context_attention
+    assert group is not None, "context parallelism needs the layout's context-parallel group"
+    if stages is None:
+        install_context_parallel(network, group, method)
+        return
+    for stage in stages:
+        stage.forward = ContextStageForward(stage, install_context_parallel(stage.net, group, method))
+
+
+def context_parallel_stage_loss(group: dist.ProcessGroup) -> Callable[[Tensor, Tensor], Tensor]:
+    """The last stage's loss on this rank's logits rows ``[batch, sequence / cp, vocab]``: next-token
+    cross-entropy of the whole micro-batch ``targets`` ``[batch, sequence]`` (``CausalLMModule.loss_from_logits``'
+    mean), the same on every rank of ``group``."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+
+    def loss(logits: Tensor, targets: Tensor) -> Tensor:
+        batch, length = targets.shape
+        layout = LoadBalancedLayout(length, size)
+        shifted = torch.cat([targets[:, 1:], targets.new_full((batch, 1), IGNORE_INDEX)], dim=1)
+        local = layout.shard(shifted, rank, dim=1).to(logits.device)
+        count = (shifted != IGNORE_INDEX).sum().to(logits.device)
+        summed = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), local.reshape(-1),
+                                 ignore_index=IGNORE_INDEX, reduction="sum")
+        return SumOverGroup.apply(summed / count, group)
+
+    return loss
+
+
+def gather_stage_logits(logits: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """This rank's rows of the logits put back into the whole sequence (the same on every rank of ``group``)."""
+    size = dist.get_world_size(group)
+    return gather_sequence(logits, group, LoadBalancedLayout(logits.shape[1] * size, size))
