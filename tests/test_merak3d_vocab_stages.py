@@ -181,3 +181,29 @@ def test_an_embedding_that_computes_more_than_a_lookup_stays_on_the_first_stage(
     assert splittable_embedding(model, trace, head) == "model.embed_tokens"
     model.model.embed_tokens = ScaledEmbedding(64, 32)
     assert splittable_embedding(model, trace, head) is None
+
+
+def _scatter_rank(rank: int, world_size: int) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    from lightning_merak.parallel.pipeline.row_scatter import scatter_rows
+
+    table = torch.arange(10 * 3, dtype=torch.float32).view(10, 3)
+    bias = torch.arange(10, dtype=torch.float32)
+    source = world_size - 1
+    group = dist.group.WORLD
+    return [scatter_rows(table if rank == source else None, 10, (3,), torch.float32, torch.device("cpu"), group,
+                         source),
+            scatter_rows(bias if rank == source else None, 10, (), torch.float32, torch.device("cpu"), group, source)]
+
+
+@pytest.mark.distributed
+def test_each_rank_receives_only_its_rows_of_a_table_split_unevenly():
+    """10 rows over 4 ranks: 3, 3, 3 and the last rank's 1 (its share padded on the wire), matrices and vectors."""
+    table = torch.arange(10 * 3, dtype=torch.float32).view(10, 3)
+    results = run_distributed(_scatter_rank, 4, timeout_s=120)
+    for rank, (rows, bias) in enumerate(results):
+        start, end = row_shard_range(10, 4, rank)
+        torch.testing.assert_close(rows, table[start:end], rtol=0, atol=0)
+        torch.testing.assert_close(bias, torch.arange(10, dtype=torch.float32)[start:end], rtol=0, atol=0)
+    assert [len(rows) for rows, _ in results] == [3, 3, 3, 1]

@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_merak.parallel.pipeline.row_scatter import scatter_rows
 from lightning_merak.util.row_shards import row_shard_range
 
 __all__ = ["EmbeddingExchange", "EmbeddingRows", "embedding_split_problem", "split_embedding_over_stages"]
@@ -137,8 +138,7 @@ def split_embedding_over_stages(stages: nn.ModuleList, path: str, mesh: DeviceMe
     """Replace the input embedding at ``path`` of this rank's (single) stage by its :class:`EmbeddingRows` and
     return the exchange. ``tied_weight``: the split head's weight, which a tied embedding shares.
 
-    Untied, the first stage sends its table to the others (a broadcast over ``mesh``'s group: the table crosses
-    once, at build) and each keeps its rows.
+    Untied, the first stage sends every rank its rows of the table (a scatter over ``mesh``'s group, at build).
     """
     (stage,) = stages
     first = dist.get_global_rank(mesh.get_group(), 0)
@@ -153,12 +153,11 @@ def split_embedding_over_stages(stages: nn.ModuleList, path: str, mesh: DeviceMe
     if tied_weight is not None:
         weight = tied_weight
     else:
-        table = (stage.net.get_submodule(path).weight.detach().to(device) if stage.is_first
-                 else torch.empty(vocab_size, width, dtype=_TABLE_DTYPES[dtype], device=device))
-        dist.broadcast(table, src=first, group=mesh.get_group())
-        start, end = row_shard_range(vocab_size, mesh.size(), mesh.get_local_rank())
-        weight = nn.Parameter(DTensor.from_local(table[start:end].clone(), mesh, [Shard(0)], run_check=False,
-                                                 shape=table.shape, stride=table.stride()), bool(trainable))
+        table = stage.net.get_submodule(path).weight.detach() if stage.is_first else None
+        local = scatter_rows(table, vocab_size, (width,), _TABLE_DTYPES[dtype], device, mesh.get_group(), 0)
+        weight = nn.Parameter(DTensor.from_local(local.clone(), mesh, [Shard(0)], run_check=False,
+                                                 shape=torch.Size((vocab_size, width)), stride=(width, 1)),
+                              bool(trainable))
     rows = EmbeddingRows(weight, None if padding < 0 else padding)
     stage.net.set_submodule(path, rows)
     return EmbeddingExchange(rows, group, first, stage.is_first, device)

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_merak.parallel.pipeline.embedding_stages import embedding_split_problem
 from lightning_merak.parallel.pipeline.recording import ModelTrace
+from lightning_merak.parallel.pipeline.row_scatter import scatter_rows
 from lightning_merak.util.row_shards import row_shard_range
 
 __all__ = ["VOCAB_STAGE_SCHEDULES", "HeadShape", "VocabularyExchange", "VocabularySlice", "head_step_index",
@@ -110,14 +111,14 @@ class VocabularySlice(nn.Module):
     """The LM head rows ``[start, end)`` of this pipeline rank: ``weight`` (and ``bias``) are DTensors sharded by
     rows over the pipeline mesh with the head's whole shape, whose local part is this rank's rows."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], vocab_size: int, mesh: DeviceMesh,
-                 trainable: bool = True) -> None:
+    def __init__(self, weight_rows: torch.Tensor, bias_rows: Optional[torch.Tensor], vocab_size: int,
+                 mesh: DeviceMesh, trainable: bool = True) -> None:
         super().__init__()
-        self.vocab_size, self.width = vocab_size, weight.shape[1]
+        self.vocab_size, self.width = vocab_size, weight_rows.shape[1]
         self.start, self.end = row_shard_range(vocab_size, mesh.size(), mesh.get_local_rank())
         self.mesh = mesh
-        self.weight = nn.Parameter(self._sharded(weight[self.start:self.end]), trainable)
-        self.bias = nn.Parameter(self._sharded(bias[self.start:self.end]), trainable) if bias is not None else None
+        self.weight = nn.Parameter(self._sharded(weight_rows), trainable)
+        self.bias = nn.Parameter(self._sharded(bias_rows), trainable) if bias_rows is not None else None
 
     def _sharded(self, local: torch.Tensor) -> DTensor:
         shape = torch.Size((self.vocab_size, *local.shape[1:]))
@@ -278,8 +279,8 @@ def split_head_over_stages(stages: nn.ModuleList, shape: HeadShape, trace: Model
                            group: dist.ProcessGroup, device: torch.device) -> VocabularyExchange:
     """Replace the head of this rank's (single) stage by its :class:`VocabularySlice` and return the exchange.
 
-    The last stage sends its head's weights to the others (a broadcast over ``mesh``'s group: the whole head
-    crosses once, at build); each keeps its rows. The last stage's forward then ends before the head.
+    The last stage sends every rank its rows of the head (a scatter over ``mesh``'s group, at build: no rank but
+    the last holds the whole head). The last stage's forward then ends before the head.
     """
     (stage,) = stages
     parts = mesh.size()
@@ -287,15 +288,13 @@ def split_head_over_stages(stages: nn.ModuleList, shape: HeadShape, trace: Model
         raise ValueError(f"a vocabulary of {shape.vocab_size} rows split over pipeline_parallel={parts} ranks leaves "
                          "the last rank without rows; set vocab_stages='off'")
     source = dist.get_global_rank(mesh.get_group(), parts - 1)
-    tensors = [torch.empty(shape.vocab_size, shape.width, dtype=shape.dtype, device=device)]
-    if shape.bias:
-        tensors.append(torch.empty(shape.vocab_size, dtype=shape.dtype, device=device))
-    if stage.is_last:
-        head = stage.net.get_submodule(shape.path)
-        tensors = [head.weight.detach().to(device)] + ([head.bias.detach().to(device)] if shape.bias else [])
-    for tensor in tensors:
-        dist.broadcast(tensor, src=source, group=mesh.get_group())
-    rows = VocabularySlice(tensors[0], tensors[1] if shape.bias else None, shape.vocab_size, mesh, shape.trainable)
+    head = stage.net.get_submodule(shape.path) if stage.is_last else None
+    weight = scatter_rows(None if head is None else head.weight.detach(), shape.vocab_size, (shape.width,),
+                          shape.dtype, device, mesh.get_group(), parts - 1)
+    bias = (scatter_rows(None if head is None else head.bias.detach(), shape.vocab_size, (), shape.dtype, device,
+                         mesh.get_group(), parts - 1) if shape.bias else None)
+    del head
+    rows = VocabularySlice(weight, bias, shape.vocab_size, mesh, shape.trainable)
     stage.net.set_submodule(shape.path, rows)
     stage.head_stop = head_step_index(trace, shape.path)
     return VocabularyExchange(rows, group, source, stage.is_last, device)
