@@ -93,8 +93,9 @@ def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None, o
     assert (type(head).__name__, type(embedding).__name__) == ("VocabularySlice", "EmbeddingRows")
     assert (head.weight is embedding.weight) == tied
     assert not frozen or not (head.weight.requires_grad or embedding.weight.requires_grad)
-    pipeline_rank = trainer.strategy.pipeline_rank
-    rows = row_shard_range(VOCAB, layout["pipeline_parallel"], pipeline_rank)
+    tp = layout.get("tensor_parallel", 1)  # rows split over the pipeline x tensor-parallel ranks, stage-major
+    rows = row_shard_range(VOCAB, layout["pipeline_parallel"] * tp,
+                           trainer.strategy.pipeline_rank * tp + trainer.strategy.groups.tensor_rank)
     assert (head.start, head.end) == (embedding.start, embedding.end) == rows
     assert embedding.weight.to_local().shape == (rows[1] - rows[0], 32)
     if save_to is not None:
@@ -103,21 +104,21 @@ def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None, o
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("stages,replicas,schedule,on_meta,tied,frozen",
-                         [(2, 1, "gpipe", True, False, True), (4, 1, "1f1b", False, True, False),
-                          (2, 2, "1f1b", False, False, False)])
+@pytest.mark.parametrize("stages,replicas,schedule,on_meta,tied,frozen,tp",
+                         [(2, 1, "gpipe", True, False, True, 1), (4, 1, "1f1b", False, True, False, 1),
+                          (2, 2, "1f1b", False, False, False, 1), (2, 1, "1f1b", False, True, False, 2)])
 def test_split_head_matches_single_process(tmp_path, stages: int, replicas: int, schedule: str, on_meta: bool,
-                                           tied: bool, frozen: bool):
+                                           tied: bool, frozen: bool, tp: int):
     """Loss and every gradient (the head's and the embedding's rows gathered; tied, one weight; frozen, none)
     equal one process's at each step, and so do an evaluation loss and predict's logits afterwards; the checkpoint
     holds the head and the embedding whole under their own names, and the Hugging Face export writes them as the
     trained model's."""
     from lightning_merak.hf.export import export_checkpoint
 
-    layout = {"data_parallel": replicas, "pipeline_parallel": stages, "tensor_parallel": 1, "micro_batches": 4,
+    layout = {"data_parallel": replicas, "pipeline_parallel": stages, "tensor_parallel": tp, "micro_batches": 4,
               "schedule": schedule, "vocab_stages": "on"}
     checkpoint = str(tmp_path / "split.ckpt")
-    results = run_distributed(_train_rank, stages * replicas, args=(layout, checkpoint, on_meta),
+    results = run_distributed(_train_rank, stages * replicas * tp, args=(layout, checkpoint, on_meta),
                               kwargs={"tied": tied, "frozen": frozen}, timeout_s=300)
     expected, trained, reference = _reference(tied, frozen)
     assert_traces_match(expected, merge_rank_traces([(losses, grads) for losses, grads, _ in results]))
@@ -151,8 +152,8 @@ def test_split_vocabulary_resumes_across_a_change_of_pipeline_degree(tmp_path):
 def test_vocab_stages_refuses_before_work():
     with pytest.raises(ValueError, match="vocab_stages='on' runs with schedule 1f1b or gpipe"):
         Merak3DStrategy(pipeline_parallel=2, schedule="interleaved_1f1b", vocab_stages="on")
-    with pytest.raises(ValueError, match="tensor_parallel=1"):
-        Merak3DStrategy(pipeline_parallel=2, tensor_parallel=2, vocab_stages="on")
+    with pytest.raises(ValueError, match="sequence_parallel=False"):
+        Merak3DStrategy(pipeline_parallel=2, tensor_parallel=2, sequence_parallel=True, vocab_stages="on")
     with pytest.raises(ValueError, match="FSDP2's sharded parameters"):
         Merak3DStrategy(pipeline_parallel=2, data_parallel=2, data_parallel_sharding="full", vocab_stages="on")
     with pytest.raises(ValueError, match="choose 'off', 'on' or 'auto'"):

@@ -82,8 +82,10 @@ class EmbeddingExchange:
     :meth:`begin` and :meth:`end` in the same order; only the first stage's ``input_ids`` are read."""
 
     def __init__(self, rows: EmbeddingRows, group: dist.ProcessGroup, source: int, is_first: bool,
-                 device: torch.device) -> None:
+                 device: torch.device, first_ranks: int = 1) -> None:
         self.rows, self.group, self.source, self.is_first, self.device = rows, group, source, is_first, device
+        self.first_ranks = first_ranks
+        """Ranks running the first stage (its tensor-parallel ranks): each looks the tokens up."""
 
     def begin(self, input_ids: Optional[torch.Tensor], backward: bool) -> None:
         """Gather the rows of ``input_ids``'s distinct tokens onto the first stage (its table requires a gradient
@@ -101,14 +103,18 @@ class EmbeddingExchange:
         inside = (tokens >= self.rows.start) & (tokens < self.rows.end)
         table = torch.zeros(tokens.numel(), weight.shape[1], dtype=weight.dtype, device=self.device)
         table[inside] = weight.detach()[tokens[inside] - self.rows.start]
-        dist.reduce(table, dst=self.source, group=self.group)
+        if self.first_ranks > 1:
+            dist.all_reduce(table, group=self.group)
+        else:
+            dist.reduce(table, dst=self.source, group=self.group)
         self.rows.tokens = tokens
         if self.is_first:
             self.rows.table = table.requires_grad_(backward and self.rows.weight.requires_grad)
 
     def end(self, backward: bool) -> None:
-        """Close the step: with ``backward``, every rank adds its rows' part of the table's gradient to its
-        weight's gradient (set where it has none)."""
+        """Close the step: with ``backward``, every rank adds its rows' part of the table's gradient (the first
+        stage's first rank's: its tensor-parallel ranks' are the same) to its weight's gradient (set where it has
+        none)."""
         tokens, table = self.rows.tokens, self.rows.table
         self.rows.tokens = self.rows.table = None
         if not backward or not self.rows.weight.requires_grad:
@@ -133,8 +139,8 @@ class EmbeddingExchange:
 
 
 def split_embedding_over_stages(stages: nn.ModuleList, path: str, mesh: DeviceMesh, group: dist.ProcessGroup,
-                                device: torch.device, tied_weight: Optional[nn.Parameter] = None
-                                ) -> EmbeddingExchange:
+                                device: torch.device, tied_weight: Optional[nn.Parameter] = None,
+                                tensor_parallel: int = 1) -> EmbeddingExchange:
     """Replace the input embedding at ``path`` of this rank's (single) stage by its :class:`EmbeddingRows` and
     return the exchange. ``tied_weight``: the split head's weight, which a tied embedding shares.
 
@@ -143,7 +149,8 @@ def split_embedding_over_stages(stages: nn.ModuleList, path: str, mesh: DeviceMe
     (stage,) = stages
     first = dist.get_global_rank(mesh.get_group(), 0)
     sizes = torch.zeros(5, dtype=torch.long, device=device)
-    if stage.is_first:
+    holds = mesh.get_local_rank() == 0  # the first stage's first tensor-parallel rank
+    if holds:
         embedding = stage.net.get_submodule(path)
         padding = -1 if embedding.padding_idx is None else embedding.padding_idx
         sizes = torch.tensor([*embedding.weight.shape, padding, _TABLE_DTYPES.index(embedding.weight.dtype),
@@ -153,12 +160,12 @@ def split_embedding_over_stages(stages: nn.ModuleList, path: str, mesh: DeviceMe
     if tied_weight is not None:
         weight = tied_weight
     else:
-        table = stage.net.get_submodule(path).weight.detach() if stage.is_first else None
+        table = stage.net.get_submodule(path).weight.detach() if holds else None
         local = scatter_rows(table, vocab_size, (width,), _TABLE_DTYPES[dtype], device, mesh.get_group(), 0)
         weight = nn.Parameter(DTensor.from_local(local.clone(), mesh, [Shard(0)], run_check=False,
                                                  shape=torch.Size((vocab_size, width)), stride=(width, 1)),
                               bool(trainable))
     rows = EmbeddingRows(weight, None if padding < 0 else padding)
     stage.net.set_submodule(path, rows)
-    return EmbeddingExchange(rows, group, first, stage.is_first, device)
+    return EmbeddingExchange(rows, group, first, stage.is_first, device, first_ranks=tensor_parallel)
 

@@ -74,7 +74,8 @@ def head_step_index(trace: ModelTrace, head_path: str) -> Optional[int]:
 
 
 def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, tensor_parallel: int, context_parallel: int,
-                         schedule: str, data_parallel_sharding: str = "none") -> Optional[str]:
+                         schedule: str, data_parallel_sharding: str = "none",
+                         sequence_parallel: bool = False) -> Optional[str]:
     """Why the head of ``model`` cannot be split over the pipeline ranks in this layout, or None."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not nn.Linear:
@@ -94,9 +95,11 @@ def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, tensor_parallel
     if after:
         return (f"vocab_stages scores the head's logits as they are, but the model transforms them ({after}: logit "
                 "scaling or soft-capping); set vocab_stages='off'")
-    if tensor_parallel > 1 or context_parallel > 1:
-        return ("vocab_stages runs at tensor_parallel=1 and context_parallel=1 so far; set vocab_stages='off' "
-                "(vocab_parallel splits the head over tensor-parallel ranks)")
+    if context_parallel > 1:
+        return "vocab_stages runs at context_parallel=1 so far; set vocab_stages='off'"
+    if sequence_parallel and tensor_parallel > 1:
+        return ("vocab_stages scores the last stage's whole hidden state, which sequence_parallel leaves split over "
+                "the tensor-parallel ranks; set sequence_parallel=False or vocab_stages='off'")
     if schedule not in VOCAB_STAGE_SCHEDULES:
         return (f"vocab_stages runs with schedule {' or '.join(VOCAB_STAGE_SCHEDULES)} (one stage per rank), not "
                 f"{schedule!r}; change the schedule or set vocab_stages='off'")
@@ -160,8 +163,10 @@ class VocabularyExchange:
     """
 
     def __init__(self, head: VocabularySlice, group: dist.ProcessGroup, source: int, is_last: bool,
-                 device: torch.device) -> None:
+                 device: torch.device, last_ranks: int = 1) -> None:
         self.head, self.group, self.source, self.is_last, self.device = head, group, source, is_last, device
+        self.last_ranks = last_ranks
+        """Ranks running the last stage (its tensor-parallel ranks): each needs the hidden state's gradient."""
         self.inferring: Callable[[], bool] = lambda: False
         """Whether the schedule is inferring its stages' shapes (a loss outside the step's micro-batches)."""
         self.active = True
@@ -263,7 +268,10 @@ class VocabularyExchange:
             grad_hidden = torch.zeros_like(hidden)
             grad_hidden[:, :-1] = (grad_logits @ self.head.weight.to_local()).view(*hidden.shape[:1], -1,
                                                                                  self.head.width)
-            dist.reduce(grad_hidden, dst=self.source, group=self.group)
+            if self.last_ranks > 1:
+                dist.all_reduce(grad_hidden, group=self.group)
+            else:
+                dist.reduce(grad_hidden, dst=self.source, group=self.group)
             return loss, grad_hidden.to(dtype) if self.is_last else None
 
     def _accumulate(self, grad_weight: torch.Tensor, grad_bias: torch.Tensor) -> None:
@@ -276,25 +284,30 @@ class VocabularyExchange:
 
 
 def split_head_over_stages(stages: nn.ModuleList, shape: HeadShape, trace: ModelTrace, mesh: DeviceMesh,
-                           group: dist.ProcessGroup, device: torch.device) -> VocabularyExchange:
+                           group: dist.ProcessGroup, device: torch.device,
+                           tensor_parallel: int = 1) -> VocabularyExchange:
     """Replace the head of this rank's (single) stage by its :class:`VocabularySlice` and return the exchange.
 
-    The last stage sends every rank its rows of the head (a scatter over ``mesh``'s group, at build: no rank but
-    the last holds the whole head). The last stage's forward then ends before the head.
+    ``mesh`` is the replica's pipeline ranks, or with ``tensor_parallel`` > 1 its pipeline × tensor-parallel ranks
+    flattened (stage-major): the rows split over all of them. The last stage's first tensor-parallel rank sends
+    every rank its rows of the head (a scatter over ``mesh``'s group, at build: no other rank holds the whole
+    head) and broadcasts each micro-batch's hidden state (the same on every tensor-parallel rank of the last
+    stage, which all get its gradient). The last stage's forward then ends before the head.
     """
     (stage,) = stages
     parts = mesh.size()
     if row_shard_range(shape.vocab_size, parts, parts - 1)[0] >= shape.vocab_size:
-        raise ValueError(f"a vocabulary of {shape.vocab_size} rows split over pipeline_parallel={parts} ranks leaves "
-                         "the last rank without rows; set vocab_stages='off'")
-    source = dist.get_global_rank(mesh.get_group(), parts - 1)
-    head = stage.net.get_submodule(shape.path) if stage.is_last else None
+        raise ValueError(f"a vocabulary of {shape.vocab_size} rows split over {parts} pipeline × tensor-parallel "
+                         "ranks leaves the last rank without rows; set vocab_stages='off'")
+    holder = parts - tensor_parallel  # the last stage's first tensor-parallel rank
+    source = dist.get_global_rank(mesh.get_group(), holder)
+    head = stage.net.get_submodule(shape.path) if mesh.get_local_rank() == holder else None
     weight = scatter_rows(None if head is None else head.weight.detach(), shape.vocab_size, (shape.width,),
-                          shape.dtype, device, mesh.get_group(), parts - 1)
+                          shape.dtype, device, mesh.get_group(), holder)
     bias = (scatter_rows(None if head is None else head.bias.detach(), shape.vocab_size, (), shape.dtype, device,
-                         mesh.get_group(), parts - 1) if shape.bias else None)
+                         mesh.get_group(), holder) if shape.bias else None)
     del head
     rows = VocabularySlice(weight, bias, shape.vocab_size, mesh, shape.trainable)
     stage.net.set_submodule(shape.path, rows)
     stage.head_stop = head_step_index(trace, shape.path)
-    return VocabularyExchange(rows, group, source, stage.is_last, device)
+    return VocabularyExchange(rows, group, source, stage.is_last, device, last_ranks=tensor_parallel)

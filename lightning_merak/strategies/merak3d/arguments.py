@@ -214,8 +214,11 @@ class Merak3DArguments(Merak3DOptions):
             raise ValueError("vocab_stages='on' sets its rows' gradients itself, which FSDP2's sharded parameters do "
                              "not take; use data_parallel_sharding 'none', 'optimizer' or 'gradients', or "
                              "vocab_stages='off'")
-        blocking = {"micro_batching": (self.micro_batching, "none"), "tensor_parallel": (self.tensor_parallel, 1),
-                    "context_parallel": (self.context_parallel, 1)}
+        if self.sequence_parallel and self.tensor_parallel != 1:
+            raise ValueError("vocab_stages='on' scores the last stage's whole hidden state, which sequence_parallel "
+                             "leaves split over the tensor-parallel ranks; set sequence_parallel=False or "
+                             "vocab_stages='off'")
+        blocking = {"micro_batching": (self.micro_batching, "none"), "context_parallel": (self.context_parallel, 1)}
         for name, (value, needed) in blocking.items():
             if value not in (needed, "auto"):
                 raise ValueError(f"vocab_stages='on' runs with {name}={needed!r} for now, got {value!r}; set "

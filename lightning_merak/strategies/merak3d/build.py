@@ -68,10 +68,11 @@ from lightning_merak.parallel.tensor.vocab import split_vocabulary
 from lightning_merak.protocols.layout_aware import RecomputedForward
 from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
 from lightning_merak.strategies.merak3d.vocab_stages_build import (
-    replica_pipeline_group,
+    replica_vocabulary_group,
     splittable_embedding,
     splittable_head,
     vocab_split_autopipe,
+    vocabulary_mesh,
 )
 from lightning_merak.strategies.merak3d.vocabulary_build import VocabularyRows
 from lightning_merak.util import random_state
@@ -275,7 +276,9 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
     else:
         local_blocks = dict(enumerate(trunk))
     parts: list[nn.Module] = [part.net for part in stages] if stages is not None else [model]
-    split_vocabulary_now = tp > 1 and arguments.vocab_parallel
+    split_over_stages = stages is not None and (partition.vocab_stages or vocab_stages == "on")
+    # the vocabulary layers split over the pipeline (x tensor-parallel) ranks instead, from the whole tables
+    split_vocabulary_now = tp > 1 and arguments.vocab_parallel and not split_over_stages
     vocabulary = None
     if materialize_with is not None and split_vocabulary_now and load_weights is not None:
         # each rank allocates and reads only its vocabulary rows; see VocabularyRows for random init
@@ -302,13 +305,14 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
         load_weights(_local_tensors(root), layout_changes)
     if materialize_with is not None:
         _after_materialize(parts, root, layout_changes, load_weights)
-    if stages is not None and (partition.vocab_stages or vocab_stages == "on"):
-        stages.vocabulary = split_head_over_stages(stages, head_shape, trace, groups.mesh["pp"],
-                                                   replica_pipeline_group(groups, global_rank), device)
+    if split_over_stages:
+        mesh = vocabulary_mesh(groups)
+        stages.vocabulary = split_head_over_stages(stages, head_shape, trace, mesh,
+                                                   replica_vocabulary_group(groups, global_rank), device, tp)
         if embedding_path is not None:
             tied_weight = stages.vocabulary.head.weight if head_shape.tied_embedding is not None else None
-            stages.embedding = split_embedding_over_stages(stages, embedding_path, groups.mesh["pp"],
-                                                           stages.vocabulary.group, device, tied_weight)
+            stages.embedding = split_embedding_over_stages(stages, embedding_path, mesh, stages.vocabulary.group,
+                                                           device, tied_weight, tp)
             held = {id(param) for param in stages.parameters()}
             tied = [entry for entry in tied if id(entry.param) in held]  # a tied pair split is one weight
     if split_vocabulary_now:

@@ -111,7 +111,8 @@ class Merak3DOptions:
         "scores its rows of each micro-batch (the last stage broadcasts the final norm's output; the loss pieces "
         "are all-reduced) and keeps its rows' gradients; the first stage gathers the rows of each step's tokens "
         "before the schedule. A tied head and embedding are one weight split once; an embedding that is not a "
-        "plain nn.Embedding stays on the first stage. Runs with `schedule` 1f1b or gpipe, tensor_parallel=1, an "
+        "plain nn.Embedding stays on the first stage. With tensor_parallel>1 the rows split over the pipeline × "
+        "tensor-parallel ranks. Runs with `schedule` 1f1b or gpipe, context_parallel=1, sequence_parallel=False, an "
         "nn.Linear head, next-token cross-entropy and data_parallel_sharding other than `full` "
         "(`lightning_merak.parallel.pipeline.vocab_stages`, `.embedding_stages`).")
     compact_host_memory: bool = option(

@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_merak.distributed.process_groups import new_group
 from lightning_merak.parallel import pipeline
@@ -17,7 +18,8 @@ from lightning_merak.parallel.pipeline.trace import ModelTrace
 from lightning_merak.parallel.pipeline.vocab_stages import HeadShape, vocab_stages_problem
 from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
 
-__all__ = ["replica_pipeline_group", "splittable_embedding", "splittable_head", "vocab_split_autopipe"]
+__all__ = ["replica_vocabulary_group", "splittable_embedding", "splittable_head", "vocab_split_autopipe",
+           "vocabulary_mesh"]
 
 
 def splittable_head(model: nn.Module, trace: ModelTrace, arguments: Merak3DArguments, layout: Layout
@@ -28,7 +30,8 @@ def splittable_head(model: nn.Module, trace: ModelTrace, arguments: Merak3DArgum
         return None
     problem = vocab_stages_problem(model, trace, tensor_parallel=layout.tensor_parallel,
                                    context_parallel=layout.context_parallel, schedule=layout.schedule,
-                                   data_parallel_sharding=layout.data_parallel_sharding)
+                                   data_parallel_sharding=layout.data_parallel_sharding,
+                                   sequence_parallel=arguments.sequence_parallel)
     if problem is not None:
         if arguments.vocab_stages == "on":
             raise ValueError(problem)
@@ -63,12 +66,26 @@ def _module_path(model: nn.Module, target: nn.Module) -> str:
     return next(name for name, module in model.named_modules() if module is target)
 
 
-def replica_pipeline_group(groups: LayoutGroups, global_rank: int) -> dist.ProcessGroup:
-    """A second group over this replica's pipeline ranks, for the split head's collectives (run beside the
-    schedule's sends on the pipeline group); every rank creates every replica's, in one order."""
-    ranks = groups.mesh.mesh
+def vocabulary_mesh(groups: LayoutGroups) -> DeviceMesh:
+    """The ranks a replica's vocabulary rows split over: its pipeline ranks, or with tensor parallelism its
+    pipeline × tensor-parallel ranks flattened stage-major (``DeviceMesh._flatten``, feature-detected)."""
+    if groups.layout.tensor_parallel == 1:
+        return groups.mesh["pp"]
+    submesh = groups.mesh["pp", "tp"]
+    if not hasattr(submesh, "_flatten"):
+        raise RuntimeError("vocab_stages at tensor_parallel>1 flattens the pipeline and tensor-parallel mesh "
+                           "dimensions (DeviceMesh._flatten), which this torch lacks; use the tested torch 2.13, "
+                           "tensor_parallel=1 or vocab_stages='off'")
+    return submesh._flatten("pp_tp")
+
+
+def replica_vocabulary_group(groups: LayoutGroups, global_rank: int) -> dist.ProcessGroup:
+    """A second group over this replica's pipeline (× tensor-parallel) ranks, in :func:`vocabulary_mesh`'s order,
+    for the split layers' collectives (run beside the schedule's sends); every rank creates every replica's, in
+    one order."""
+    ranks = groups.mesh.mesh  # [pp, dp, tp]
     mine = None
-    for replica in ranks.permute(1, 2, 0).reshape(-1, ranks.shape[0]).tolist():
+    for replica in ranks.permute(1, 0, 2).reshape(ranks.shape[1], -1).tolist():
         group = new_group(replica)
         if global_rank in replica:
             mine = group
