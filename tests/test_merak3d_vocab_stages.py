@@ -89,7 +89,10 @@ def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None, o
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
     module = _module(on_meta, tied, frozen)
     trainer.fit(module, datamodule=ReplicaBatches(_batches(), first_step, last_step), ckpt_path=resume_from)
-    head, embedding = module.model[0].net.lm_head, module.model[0].net.model.embed_tokens
+    stages = module.model  # the rows live in the last stage's model (its first stage's, for the embedding)
+    head = next(part for part in reversed(stages) if type(part.net.lm_head).__name__ == "VocabularySlice").net.lm_head
+    embedding = next(part for part in stages
+                     if type(part.net.model.embed_tokens).__name__ == "EmbeddingRows").net.model.embed_tokens
     assert (type(head).__name__, type(embedding).__name__) == ("VocabularySlice", "EmbeddingRows")
     assert (head.weight is embedding.weight) == tied
     assert not frozen or not (head.weight.requires_grad or embedding.weight.requires_grad)
@@ -106,7 +109,7 @@ def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None, o
 @pytest.mark.distributed
 @pytest.mark.parametrize("stages,replicas,schedule,on_meta,tied,frozen,tp",
                          [(2, 1, "gpipe", True, False, True, 1), (4, 1, "1f1b", False, True, False, 1),
-                          (2, 2, "1f1b", False, False, False, 1), (2, 1, "1f1b", False, True, False, 2)])
+                          (2, 2, "interleaved_1f1b", False, False, False, 1), (2, 1, "1f1b", False, True, False, 2)])
 def test_split_head_matches_single_process(tmp_path, stages: int, replicas: int, schedule: str, on_meta: bool,
                                            tied: bool, frozen: bool, tp: int):
     """Loss and every gradient (the head's and the embedding's rows gathered; tied, one weight; frozen, none)
@@ -116,7 +119,8 @@ def test_split_head_matches_single_process(tmp_path, stages: int, replicas: int,
     from lightning_merak.hf.export import export_checkpoint
 
     layout = {"data_parallel": replicas, "pipeline_parallel": stages, "tensor_parallel": tp, "micro_batches": 4,
-              "schedule": schedule, "vocab_stages": "on"}
+              "schedule": schedule, "vocab_stages": "on",
+              "virtual_stages": 2 if schedule.startswith("interleaved") else 1}
     checkpoint = str(tmp_path / "split.ckpt")
     results = run_distributed(_train_rank, stages * replicas * tp, args=(layout, checkpoint, on_meta),
                               kwargs={"tied": tied, "frozen": frozen}, timeout_s=300)
@@ -150,8 +154,8 @@ def test_split_vocabulary_resumes_across_a_change_of_pipeline_degree(tmp_path):
 
 
 def test_vocab_stages_refuses_before_work():
-    with pytest.raises(ValueError, match="vocab_stages='on' runs with schedule 1f1b or gpipe"):
-        Merak3DStrategy(pipeline_parallel=2, schedule="interleaved_1f1b", vocab_stages="on")
+    with pytest.raises(ValueError, match="vocab_stages='on' runs with schedule 1f1b, gpipe, interleaved_1f1b"):
+        Merak3DStrategy(pipeline_parallel=2, schedule="interleaved_zero_bubble", vocab_stages="on")
     with pytest.raises(ValueError, match="sequence_parallel=False"):
         Merak3DStrategy(pipeline_parallel=2, tensor_parallel=2, sequence_parallel=True, vocab_stages="on")
     with pytest.raises(ValueError, match="FSDP2's sharded parameters"):

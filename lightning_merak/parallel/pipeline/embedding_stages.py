@@ -141,12 +141,13 @@ class EmbeddingExchange:
 def split_embedding_over_stages(stages: nn.ModuleList, path: str, mesh: DeviceMesh, group: dist.ProcessGroup,
                                 device: torch.device, tied_weight: Optional[nn.Parameter] = None,
                                 tensor_parallel: int = 1) -> EmbeddingExchange:
-    """Replace the input embedding at ``path`` of this rank's (single) stage by its :class:`EmbeddingRows` and
-    return the exchange. ``tied_weight``: the split head's weight, which a tied embedding shares.
+    """Put this rank's :class:`EmbeddingRows` in place of the input embedding at ``path`` (in its first stage's
+    model, with several stages per rank: the one that has the embedding on the first rank) and return the
+    exchange. ``tied_weight``: the split head's weight, which a tied embedding shares.
 
     Untied, the first stage sends every rank its rows of the table (a scatter over ``mesh``'s group, at build).
     """
-    (stage,) = stages
+    stage = next((part for part in stages if part.is_first), stages[0])
     first = dist.get_global_rank(mesh.get_group(), 0)
     sizes = torch.zeros(5, dtype=torch.long, device=device)
     holds = mesh.get_local_rank() == 0  # the first stage's first tensor-parallel rank

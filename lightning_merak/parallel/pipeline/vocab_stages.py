@@ -46,8 +46,9 @@ from lightning_merak.util.row_shards import row_shard_range
 __all__ = ["VOCAB_STAGE_SCHEDULES", "HeadShape", "VocabularyExchange", "VocabularySlice", "head_step_index",
            "split_head_over_stages", "vocab_stages_problem"]
 
-VOCAB_STAGE_SCHEDULES = ("1f1b", "gpipe")
-"""Schedules whose single stage per rank scores micro-batches in order, as the ranks' exchange needs."""
+VOCAB_STAGE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+"""Schedules whose last stage scores micro-batches in order, as the ranks' exchange needs, and whose backward
+reaches the embedding's looked-up rows (the zero-bubble schedules compute weight gradients for parameters only)."""
 
 IGNORE_INDEX = -100
 """Targets cross-entropy leaves out (``F.cross_entropy``'s default)."""
@@ -101,8 +102,8 @@ def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, tensor_parallel
         return ("vocab_stages scores the last stage's whole hidden state, which sequence_parallel leaves split over "
                 "the tensor-parallel ranks; set sequence_parallel=False or vocab_stages='off'")
     if schedule not in VOCAB_STAGE_SCHEDULES:
-        return (f"vocab_stages runs with schedule {' or '.join(VOCAB_STAGE_SCHEDULES)} (one stage per rank), not "
-                f"{schedule!r}; change the schedule or set vocab_stages='off'")
+        return (f"vocab_stages runs with schedule {', '.join(VOCAB_STAGE_SCHEDULES)}, not {schedule!r}; change the "
+                "schedule or set vocab_stages='off'")
     if data_parallel_sharding == "full":
         return ("vocab_stages sets its rows' gradients itself, which FSDP2's sharded parameters "
                 "(data_parallel_sharding='full') do not take; use 'none', 'optimizer' or 'gradients', or set "
@@ -286,7 +287,8 @@ class VocabularyExchange:
 def split_head_over_stages(stages: nn.ModuleList, shape: HeadShape, trace: ModelTrace, mesh: DeviceMesh,
                            group: dist.ProcessGroup, device: torch.device,
                            tensor_parallel: int = 1) -> VocabularyExchange:
-    """Replace the head of this rank's (single) stage by its :class:`VocabularySlice` and return the exchange.
+    """Put this rank's :class:`VocabularySlice` in place of the head (in its last stage's model, with several
+    stages per rank: the one that has the head on the last rank) and return the exchange.
 
     ``mesh`` is the replica's pipeline ranks, or with ``tensor_parallel`` > 1 its pipeline × tensor-parallel ranks
     flattened (stage-major): the rows split over all of them. The last stage's first tensor-parallel rank sends
@@ -294,7 +296,7 @@ def split_head_over_stages(stages: nn.ModuleList, shape: HeadShape, trace: Model
     head) and broadcasts each micro-batch's hidden state (the same on every tensor-parallel rank of the last
     stage, which all get its gradient). The last stage's forward then ends before the head.
     """
-    (stage,) = stages
+    stage = next((part for part in stages if part.is_last), stages[-1])
     parts = mesh.size()
     if row_shard_range(shape.vocab_size, parts, parts - 1)[0] >= shape.vocab_size:
         raise ValueError(f"a vocabulary of {shape.vocab_size} rows split over {parts} pipeline × tensor-parallel "

@@ -207,9 +207,9 @@ class Merak3DArguments(Merak3DOptions):
         if self.vocab_stages != "on":
             return
         if self.schedule not in VOCAB_STAGE_SCHEDULES:
-            raise ValueError(f"vocab_stages='on' runs with schedule {' or '.join(VOCAB_STAGE_SCHEDULES)} (one stage "
-                             f"per rank scoring its micro-batches in order), not {self.schedule!r}; change the "
-                             "schedule or set vocab_stages='off'")
+            raise ValueError(f"vocab_stages='on' runs with schedule {', '.join(VOCAB_STAGE_SCHEDULES)} (its last "
+                             "stage scoring micro-batches in order, its backward reaching the embedding's looked-up "
+                             f"rows), not {self.schedule!r}; change the schedule or set vocab_stages='off'")
         if self.data_parallel_sharding == "full":
             raise ValueError("vocab_stages='on' sets its rows' gradients itself, which FSDP2's sharded parameters do "
                              "not take; use data_parallel_sharding 'none', 'optimizer' or 'gradients', or "

@@ -104,16 +104,14 @@ class Merak3DOptions:
         "compute the loss on the sharded logits. Nothing to do at `tensor_parallel=1` "
         "(`lightning_merak.parallel.tensor.vocab`).")
     vocab_stages: str = option(
-        "off", "Split the LM head and the input embedding by vocabulary rows over the pipeline ranks (`on`), so the "
-        "last stage no longer carries the whole head and its softmax cross-entropy, nor the first the whole "
-        "embedding; `auto`: on where the layout allows it, the layout "
-        "planner (when it plans) prices it faster and AutoPipe's simulation predicts a shorter step. Every rank "
-        "scores its rows of each micro-batch (the last stage broadcasts the final norm's output; the loss pieces "
-        "are all-reduced) and keeps its rows' gradients; the first stage gathers the rows of each step's tokens "
-        "before the schedule. A tied head and embedding are one weight split once; an embedding that is not a "
-        "plain nn.Embedding stays on the first stage. With tensor_parallel>1 the rows split over the pipeline × "
-        "tensor-parallel ranks. Runs with `schedule` 1f1b or gpipe, context_parallel=1, sequence_parallel=False, an "
-        "nn.Linear head, next-token cross-entropy and data_parallel_sharding other than `full` "
+        "off", "Split the LM head and the input embedding by vocabulary rows over the pipeline ranks (over the "
+        "pipeline × tensor-parallel ranks at tensor_parallel>1), so neither end stage carries a whole table; `auto`: "
+        "on where the layout allows it, the layout planner (when it plans) prices it faster and AutoPipe's "
+        "simulation predicts a shorter step. Every rank scores its rows of each micro-batch (the loss pieces "
+        "all-reduced) and looks its rows of each step's tokens up for the first stage; a tied head and embedding are "
+        "one weight, and an embedding that is not a plain nn.Embedding stays on the first stage. Runs with "
+        "`schedule` 1f1b, gpipe or interleaved_1f1b, context_parallel=1, sequence_parallel=False, an nn.Linear head, "
+        "next-token cross-entropy and data_parallel_sharding other than `full` "
         "(`lightning_merak.parallel.pipeline.vocab_stages`, `.embedding_stages`).")
     compact_host_memory: bool = option(
         False, "Return freed host memory to the system at once, for CPU runs near their memory limit; steps take "

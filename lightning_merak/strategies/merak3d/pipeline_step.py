@@ -84,12 +84,14 @@ class PipelineStep:
                                             loss_fn=loss_fn, scale_grads=False)
         if self._vocabulary is not None:
             schedule = self._schedule
-            if not hasattr(schedule, "_stage_backward_initialized"):
+            flag = next((name for name in ("_stage_backward_initialized", "_stages_backward_initialized")
+                         if hasattr(schedule, name)), None)
+            if flag is None:
                 raise RuntimeError("vocab_stages needs to know when torch's pipeline schedule infers its shapes "
-                                   "(_stage_backward_initialized), which this torch lacks; use the tested torch 2.13 "
-                                   "or vocab_stages='off'")
+                                   "(_stage(s)_backward_initialized), which this torch lacks; use the tested torch "
+                                   "2.13 or vocab_stages='off'")
             # a first training step infers the stages' shapes with one extra loss, which the other ranks do not serve
-            self._vocabulary.inferring = lambda: schedule._has_backward and not schedule._stage_backward_initialized
+            self._vocabulary.inferring = lambda: schedule._has_backward and not getattr(schedule, flag)
 
     def loss(self, batch: Any) -> torch.Tensor:
         """Run the schedule on ``batch``; every rank returns the mean micro-batch loss (and, with a router aux
