@@ -102,9 +102,9 @@ def test_a_context_rank_is_a_data_parallel_rank_for_sharding():
     assert sharded.memory_components["optimizer_state"] == pytest.approx(400 / 4)  # over dp x cp = 4 ranks
 
 
-def test_candidates_split_sequences_with_one_stage_and_no_sub_batches():
+def test_candidates_split_sequences_without_sub_batches_and_in_stages_where_the_module_allows():
     space = SearchSpace(world_size=4, replica_batch_size=4, global_batch_size=None, tp_degrees_allowed=(1, 2),
-                        max_pipeline_stages=4, context_parallel_degrees=(1, 2, 4))
+                        max_pipeline_stages=4, context_parallel_degrees=(1, 2, 4), context_with_stages=False)
     layouts = candidate_layouts(space)
     split = [layout for layout in layouts if layout.cp > 1]
     assert {(layout.cp, layout.tp, layout.dp) for layout in split} == {(2, 1, 2), (2, 2, 1), (4, 1, 1)}
@@ -114,8 +114,12 @@ def test_candidates_split_sequences_with_one_stage_and_no_sub_batches():
         layout for layout in layouts if layout.cp == 1]  # without context parallelism the search is unchanged
     assert [layout for layout in candidate_layouts(dataclasses.replace(space, sequence_parallel=True))
             if layout.cp > 1] == split  # a context rank's tokens split over tp as well
-    with pytest.raises(ValueError, match="cp=2 runs with pp=1"):
-        Layout(1, 2, 1, 2, 1, 0.0, cp=2)
+    staged = [layout for layout in candidate_layouts(dataclasses.replace(space, context_with_stages=True))
+              if layout.cp > 1]
+    assert {(layout.cp, layout.pp, layout.tp, layout.dp) for layout in staged} == {
+        (2, 1, 1, 2), (2, 1, 2, 1), (4, 1, 1, 1), (2, 2, 1, 1)}  # cp2 x pp2 joins them
+    with pytest.raises(ValueError, match="cp=2 runs with overlap=1"):
+        Layout(1, 2, 2, 2, 2, 0.0, cp=2)
 
 
 def test_profile_keys_name_the_context_groups_and_the_attention_shape():

@@ -105,9 +105,9 @@ class Layout:
         if self.context_attention not in CONTEXT_ATTENTION_METHODS:
             raise ValueError(f"Layout.context_attention={self.context_attention!r} is unknown; choose one of "
                              f"{CONTEXT_ATTENTION_METHODS}")
-        if self.cp > 1 and (self.pp > 1 or self.overlap > 1 or self.ep > 1):
-            raise ValueError(f"cp={self.cp} runs with pp=1, overlap=1 and ep=1 (as merak3d's context parallelism "
-                             f"does), got pp={self.pp}, overlap={self.overlap}, ep={self.ep}")
+        if self.cp > 1 and (self.overlap > 1 or self.ep > 1):
+            raise ValueError(f"cp={self.cp} runs with overlap=1 and ep=1 (as merak3d's context parallelism does), got "
+                             f"overlap={self.overlap}, ep={self.ep}")
         if self.cp == 1 and self.context_attention != "ring":
             raise ValueError("context_attention chooses how a split sequence attends; with cp=1 leave it 'ring'")
         if self.vocab_stages and (self.pp == 1 or self.tp > 1 or self.cp > 1 or self.sharding == "full"):
@@ -532,9 +532,9 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
             )
         )
 
-    # each cut sends the hidden state and the skip values crossing it
+    # each cut sends the hidden state and the skip values crossing it (a context rank's share of the sequence)
     cuts = list(accumulate(stage.num_blocks for stage in stages[:-1]))
-    p2p_s = tuple(network.p2p.send_s((hidden_bytes + model_profile.carried_bytes_at(block)) * samples)
+    p2p_s = tuple(network.p2p.send_s((hidden_bytes + model_profile.carried_bytes_at(block)) * samples * share)
                   for block in cuts)
     iteration_s = _iteration_s(tuple(forward_s), tuple(backward_s), layout.micro_batches, space.schedule, p2p_s)
     busiest = max(range(len(stages)), key=lambda stage: (forward_s[stage] + backward_s[stage], -stage))

@@ -478,6 +478,9 @@ class SearchSpace:
     vocab_stages_choices: tuple[bool, ...] = (False,)
     """Whether the LM head is split over the pipeline stages (``vocab_stages``), searched where a layout runs it
     (pp > 1, tp = 1, cp = 1; others keep it whole): ``(False, True)`` plans it."""
+    context_with_stages: bool = True
+    """Whether a split sequence may also run in pipeline stages (cp > 1 with pp > 1): merak3d runs it for a module
+    scoring ``CausalLMModule``'s loss without a router aux loss across stages."""
 
     def __post_init__(self) -> None:
         if (self.global_batch_size is None) == (self.replica_batch_size is None):

@@ -49,8 +49,9 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None,
     recompute ratios 0 or 1 only. Each takes every mode of ``sharding_modes`` it can run
     (:func:`sharding_modes_for`), and each expert-parallel size :func:`expert_parallel_sizes` gives its dp
     (``num_experts``: the experts of each MoE layer, searched over when ``space.ep_size`` is unset).
-    A context degree above 1 takes each of ``context_attention_methods``, with one stage, no sub-batches and no
-    expert layers (what merak3d's context parallelism runs with); whether the
+    A context degree above 1 takes each of ``context_attention_methods``, with no sub-batches and no expert layers,
+    and with one stage unless ``space.context_with_stages`` (what merak3d's context parallelism runs with); whether
+    the
     model's heads allow a method is the profile's to say (:func:`plan`).
     """
     max_stages = space.max_pipeline_stages if num_blocks is None else min(space.max_pipeline_stages, num_blocks + 2)
@@ -62,7 +63,8 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None,
         for pp in _divisors(space.world_size // (cp * tp)):
             dp = space.world_size // (cp * tp * pp)
             per_replica, expert_sizes = space.replica_batch(dp), expert_parallel_sizes(space, dp, num_experts)
-            if pp > max_stages or per_replica is None or not expert_sizes or (cp > 1 and pp > 1):
+            if (pp > max_stages or per_replica is None or not expert_sizes
+                    or (cp > 1 and pp > 1 and not space.context_with_stages)):
                 continue
             if pp == 1:
                 micro_batch_counts = [1]

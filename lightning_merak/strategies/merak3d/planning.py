@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_merak.callbacks.profiler.lightning_profiler import model_shape
+from lightning_merak.modules.causal_lm import CausalLMModule
 from lightning_merak.parallel.context.model import attention_shape, check_context_parallel_model
 from lightning_merak.parallel.data.buckets import DEFAULT_BUCKET_MB, check_shardable_optimizer
 from lightning_merak.parallel.float8 import float8_layout_problem
@@ -158,6 +159,7 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
         ep_size=ep_size if merak_ep else 1,
         context_parallel_degrees=context_parallel_degrees(arguments, model, world),
         context_attention_methods=arguments.context_attention_methods,
+        context_with_stages=context_runs_in_stages(module),
         vocab_stages_choices=_vocab_stages_choices(arguments),
     )
     num_experts = experts_per_layer(model) if merak_ep else None  # with ep_size unset, each ep dividing them is planned
@@ -268,6 +270,16 @@ def sharding_modes(arguments: Merak3DArguments, model: nn.Module, precision: Any
     if moe_layers(model) or arguments.schedule == "shifted_critical_path" or arguments.tp_overlap not in (1, "auto"):
         modes.remove("full")
     return tuple(modes)
+
+
+def context_runs_in_stages(view: Any) -> bool:
+    """Whether a split sequence can also run in pipeline stages for this module (a
+    :class:`~.network.ModuleView`): the last stage scores its rows with ``CausalLMModule``'s next-token loss, and
+    a router aux loss carried across stages would see each context rank's tokens only."""
+    module = view.module
+    scored = view.contract and getattr(type(module), "loss_from_logits", None) is CausalLMModule.loss_from_logits
+    router_aux = getattr(getattr(view.network, "config", None), "output_router_logits", False)
+    return bool(scored and not router_aux)
 
 
 def context_parallel_degrees(arguments: Merak3DArguments, model: nn.Module, world_size: int) -> tuple[int, ...]:
