@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lightning_merak.parallel.pipeline import (
@@ -174,7 +176,7 @@ def test_the_planner_prices_the_split_head_on_every_stage():
     assert split.memory_components["parameters"] == 4000 / 4 + 2 * 1000 + 4000 / 4
     ranked = planner.plan(space, profile, network).ranked
     assert [p.layout.vocab_stages for p in ranked if p.layout.pp == 4] == [True, False]
-    with pytest.raises(ValueError, match="vocab_stages splits the LM head over pipeline stages at tp=1"):
+    with pytest.raises(ValueError, match=r"vocab_stages splits the LM head over pipeline stages \(pp > 1\)"):
         planner.Layout(4, 1, 1, 1, 1, 0.0, vocab_stages=True)
 
 
@@ -206,3 +208,15 @@ def test_measured_legs_pair_each_split_with_its_autopipe_run_and_feed_the_goals(
     assert list(goals["vocab_stages_speedup"]["by_config"]) == ["vocab128000/pp4"]
     assert goals["vocab_stages_loss_max_rel_diff"]["value"] == pytest.approx(1e-6)
     assert goals["heavy_head_max_over_mean"]["value"] == _vocab_stages.heavy_head_max_over_mean(simulated)
+
+
+def test_the_planner_searches_the_split_at_tensor_parallel_degrees_but_not_with_sequence_parallel():
+    from lightning_merak.planning import planner
+
+    space = planner.SearchSpace(world_size=4, global_batch_size=16, tp_degrees_allowed=(1, 2), max_pipeline_stages=2,
+                                micro_batch_choices=(4,), recompute_ratios=(0.0,), vocab_stages_choices=(False, True))
+    split = {(layout.pp, layout.tp) for layout in planner.candidate_layouts(space) if layout.vocab_stages}
+    assert split == {(2, 1), (2, 2)}
+    sequence_split = dataclasses.replace(space, sequence_parallel=True)
+    assert {(layout.pp, layout.tp) for layout in planner.candidate_layouts(sequence_split)
+            if layout.vocab_stages} == {(2, 1)}

@@ -110,9 +110,9 @@ class Layout:
                              f"overlap={self.overlap}, ep={self.ep}")
         if self.cp == 1 and self.context_attention != "ring":
             raise ValueError("context_attention chooses how a split sequence attends; with cp=1 leave it 'ring'")
-        if self.vocab_stages and (self.pp == 1 or self.tp > 1 or self.cp > 1 or self.sharding == "full"):
-            raise ValueError(f"vocab_stages splits the LM head over pipeline stages at tp=1 and cp=1, without full "
-                             f"sharding, got pp={self.pp}, tp={self.tp}, cp={self.cp}, sharding={self.sharding!r}")
+        if self.vocab_stages and (self.pp == 1 or self.cp > 1 or self.sharding == "full"):
+            raise ValueError(f"vocab_stages splits the LM head over pipeline stages (pp > 1) at cp=1, without full "
+                             f"sharding, got pp={self.pp}, cp={self.cp}, sharding={self.sharding!r}")
 
     @property
     def data_parallel_ranks(self) -> int:
