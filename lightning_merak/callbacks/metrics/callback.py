@@ -115,7 +115,7 @@ class TrainingMetrics(pl.Callback):
         device = trainer.strategy.root_device
         self.peak = peak_flops(device, compute_dtype(str(trainer.precision)))
         if self.flops_per_token is None:
-            config = getattr(getattr(pl_module, "model", None), "config", None)
+            config = _model_config(getattr(pl_module, "model", None))
             try:
                 if config is None:
                     raise ValueError(f"{type(pl_module).__name__}.model has no transformers config")
@@ -273,3 +273,14 @@ class TrainingMetrics(pl.Callback):
         self.history["current_mib"].append(currents)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def _model_config(model: Any) -> Any:
+    """The transformers config of ``model``, or of the model it was cut from: once merak3d has built its layout
+    (on the first batch, which may be a sanity-check one, before training starts) a pipelined module's ``model``
+    is its rank's stages, each holding a pruned copy of the model, config included, under ``net``."""
+    config = getattr(model, "config", None)
+    if config is not None or not isinstance(model, torch.nn.Module):
+        return config
+    return next((stage.net.config for stage in model.children()
+                 if getattr(getattr(stage, "net", None), "config", None) is not None), None)
