@@ -107,11 +107,12 @@ def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None, o
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("stages,replicas,schedule,on_meta,tied,frozen,tp",
-                         [(2, 1, "gpipe", True, False, True, 1), (4, 1, "1f1b", False, True, False, 1),
-                          (2, 2, "interleaved_1f1b", False, False, False, 1), (2, 1, "1f1b", False, True, False, 2)])
+@pytest.mark.parametrize("stages,replicas,schedule,on_meta,tied,frozen,tp,sharding",
+                         [(2, 1, "gpipe", True, False, True, 1, "none"), (4, 1, "1f1b", False, True, False, 1, "none"),
+                          (2, 2, "interleaved_1f1b", False, False, False, 1, "none"),
+                          (2, 1, "1f1b", False, True, False, 2, "none"), (2, 2, "1f1b", False, True, False, 1, "full")])
 def test_split_head_matches_single_process(tmp_path, stages: int, replicas: int, schedule: str, on_meta: bool,
-                                           tied: bool, frozen: bool, tp: int):
+                                           tied: bool, frozen: bool, tp: int, sharding: str):
     """Loss and every gradient (the head's and the embedding's rows gathered; tied, one weight; frozen, none)
     equal one process's at each step, and so do an evaluation loss and predict's logits afterwards; the checkpoint
     holds the head and the embedding whole under their own names, and the Hugging Face export writes them as the
@@ -119,7 +120,7 @@ def test_split_head_matches_single_process(tmp_path, stages: int, replicas: int,
     from lightning_merak.hf.export import export_checkpoint
 
     layout = {"data_parallel": replicas, "pipeline_parallel": stages, "tensor_parallel": tp, "micro_batches": 4,
-              "schedule": schedule, "vocab_stages": "on",
+              "schedule": schedule, "vocab_stages": "on", "data_parallel_sharding": sharding,
               "virtual_stages": 2 if schedule.startswith("interleaved") else 1}
     checkpoint = str(tmp_path / "split.ckpt")
     results = run_distributed(_train_rank, stages * replicas * tp, args=(layout, checkpoint, on_meta),
@@ -158,8 +159,6 @@ def test_vocab_stages_refuses_before_work():
         Merak3DStrategy(pipeline_parallel=2, schedule="interleaved_zero_bubble", vocab_stages="on")
     with pytest.raises(ValueError, match="sequence_parallel=False"):
         Merak3DStrategy(pipeline_parallel=2, tensor_parallel=2, sequence_parallel=True, vocab_stages="on")
-    with pytest.raises(ValueError, match="FSDP2's sharded parameters"):
-        Merak3DStrategy(pipeline_parallel=2, data_parallel=2, data_parallel_sharding="full", vocab_stages="on")
     with pytest.raises(ValueError, match="choose 'off', 'on' or 'auto'"):
         Merak3DStrategy(pipeline_parallel=2, vocab_stages="yes")
     torch.manual_seed(0)

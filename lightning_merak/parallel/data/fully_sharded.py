@@ -61,7 +61,8 @@ class FullySharded:
 
 
 def apply_fully_shard(roots: Sequence[nn.Module], blocks: Sequence[Sequence[nn.Module]], mesh: DeviceMesh, *,
-                      pipelined: bool, replicated: Collection[nn.Parameter] = ()) -> FullySharded:
+                      pipelined: bool, replicated: Collection[nn.Parameter] = (),
+                      reduced_elsewhere: Collection[nn.Parameter] = ()) -> FullySharded:
     """Shard ``blocks[k]`` (stage ``k``'s transformer blocks, in execution order), then ``roots[k]``, over ``mesh``.
 
     ``pipelined``: keep gathered parameters from forward to backward (torchtitan's choice with
@@ -71,15 +72,16 @@ def apply_fully_shard(roots: Sequence[nn.Module], blocks: Sequence[Sequence[nn.M
 
     ``replicated``: frozen parameters FSDP2 leaves whole on every rank (``ignored_params``), which it cannot
     shard. Frozen, they need no gradient reduction; every rank holds the same copy, as it quantised the same
-    weights.
+    weights. ``reduced_elsewhere``: trainable parameters FSDP2 leaves alone too, whose gradients their owner sets
+    and averages over the data-parallel ranks itself (the vocabulary rows split over the pipeline stages).
     """
     if len(roots) != len(blocks):
         raise ValueError(f"{len(roots)} stage roots but {len(blocks)} lists of blocks")
     before = {id(root): dict(root.named_parameters(remove_duplicate=False)) for root in roots}
     modules: list[FSDPModule] = []
-    ignored = set(replicated) or None
-    if ignored is not None and any(param.requires_grad for param in ignored):
+    if any(param.requires_grad for param in replicated):
         raise ValueError("only frozen parameters can stay replicated under data_parallel_sharding='full'")
+    ignored = {*replicated, *reduced_elsewhere} or None
     for root, stage_blocks in zip(roots, blocks):
         sharded = [fully_shard(block, mesh=mesh, reshard_after_forward=not pipelined,
                                ignored_params=ignored) for block in stage_blocks]

@@ -30,7 +30,8 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_merak.parallel.pipeline.row_scatter import scatter_rows
 from lightning_merak.util.row_shards import row_shard_range
 
-__all__ = ["EmbeddingExchange", "EmbeddingRows", "embedding_split_problem", "split_embedding_over_stages"]
+__all__ = ["EmbeddingExchange", "EmbeddingRows", "average_rows_gradients", "embedding_split_problem",
+           "split_embedding_over_stages", "split_vocabulary_parameters"]
 
 _TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 """The embedding dtypes the first stage can announce to the others at build (by index)."""
@@ -170,3 +171,23 @@ def split_embedding_over_stages(stages: nn.ModuleList, path: str, mesh: DeviceMe
     stage.net.set_submodule(path, rows)
     return EmbeddingExchange(rows, group, first, stage.is_first, device, first_ranks=tensor_parallel)
 
+
+def split_vocabulary_parameters(stages: nn.Module) -> list[nn.Parameter]:
+    """The trainable row parameters of ``stages``' (a ``RankStages``) split head and embedding, each once."""
+    modules = [getattr(stages, "vocabulary", None), getattr(stages, "embedding", None)]
+    holders = [exchange.head if hasattr(exchange, "head") else exchange.rows for exchange in modules if exchange]
+    found = {id(param): param for holder in holders for param in holder.parameters() if param.requires_grad}
+    return list(found.values())
+
+
+def average_rows_gradients(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Average the rows' gradients over the data-parallel ``group`` (where FSDP2 reduces every other parameter's,
+    under ``data_parallel_sharding='full'``, and leaves these alone)."""
+    grads = [param.grad.to_local() for param in params if param.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    dist.all_reduce(flat, group=group)
+    flat.div_(dist.get_world_size(group))
+    for grad, part in zip(grads, flat.split([grad.numel() for grad in grads])):
+        grad.copy_(part.view_as(grad))

@@ -295,6 +295,8 @@ class RankStages(nn.ModuleList):
         """The :class:`~.vocab_stages.VocabularyExchange` when the LM head is split over the pipeline ranks."""
         self.embedding: Any = None
         """The :class:`~.embedding_stages.EmbeddingExchange` when the input embedding is split with it."""
+        self.rows_data_parallel_group: Any = None
+        """Under FSDP2, the data-parallel group the split vocabulary's rows average their gradients over."""
 
     @property
     def is_first(self) -> bool:

@@ -104,10 +104,6 @@ def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, tensor_parallel
     if schedule not in VOCAB_STAGE_SCHEDULES:
         return (f"vocab_stages runs with schedule {', '.join(VOCAB_STAGE_SCHEDULES)}, not {schedule!r}; change the "
                 "schedule or set vocab_stages='off'")
-    if data_parallel_sharding == "full":
-        return ("vocab_stages sets its rows' gradients itself, which FSDP2's sharded parameters "
-                "(data_parallel_sharding='full') do not take; use 'none', 'optimizer' or 'gradients', or set "
-                "vocab_stages='off'")
     return None
 
 

@@ -210,10 +210,6 @@ class Merak3DArguments(Merak3DOptions):
             raise ValueError(f"vocab_stages='on' runs with schedule {', '.join(VOCAB_STAGE_SCHEDULES)} (its last "
                              "stage scoring micro-batches in order, its backward reaching the embedding's looked-up "
                              f"rows), not {self.schedule!r}; change the schedule or set vocab_stages='off'")
-        if self.data_parallel_sharding == "full":
-            raise ValueError("vocab_stages='on' sets its rows' gradients itself, which FSDP2's sharded parameters do "
-                             "not take; use data_parallel_sharding 'none', 'optimizer' or 'gradients', or "
-                             "vocab_stages='off'")
         if self.sequence_parallel and self.tensor_parallel != 1:
             raise ValueError("vocab_stages='on' scores the last stage's whole hidden state, which sequence_parallel "
                              "leaves split over the tensor-parallel ranks; set sequence_parallel=False or "

@@ -42,7 +42,7 @@ from lightning_merak.parallel.materialize import (
     init_owners,
     local_tensors,
 )
-from lightning_merak.parallel.pipeline.embedding_stages import split_embedding_over_stages
+from lightning_merak.parallel.pipeline.embedding_stages import split_embedding_over_stages, split_vocabulary_parameters
 from lightning_merak.parallel.pipeline.meta_trace import materialized_copy
 from lightning_merak.parallel.pipeline.recompute import stage_aware_recompute_ratios
 from lightning_merak.parallel.pipeline.router_aux import RouterAux, router_aux_loss_problem, router_aux_of
@@ -585,8 +585,11 @@ def shard_built_model(model: nn.Module, built: BuiltModel, groups: LayoutGroups,
     else:
         roots, blocks = [model], [list(built.local_blocks.values())]
     mesh = data_parallel_mesh(groups.mesh, shard_size)
+    rows = split_vocabulary_parameters(stages) if stages is not None else []
+    if rows:  # the split vocabulary's rows: their gradients are set after the schedule and averaged over dp there
+        stages.rows_data_parallel_group = groups.data_parallel_group
     sharded = apply_fully_shard(roots, blocks, mesh, pipelined=stages is not None,
-                                replicated=_ready_quantized(model))
+                                replicated=_ready_quantized(model), reduced_elsewhere=rows)
     remapped = replace(built, tensor_partial=[sharded.sharded(param) for param in built.tensor_partial],
                        tied=[entry._replace(param=sharded.sharded(entry.param)) for entry in built.tied])
     return sharded, remapped

@@ -19,6 +19,7 @@ from torch import nn
 from lightning_merak.parallel.context.stages import gather_stage_logits
 from lightning_merak.parallel.layout import MULTI_STAGE_SCHEDULES, LayoutGroups
 from lightning_merak.parallel.pipeline.busy import StageBusyClock
+from lightning_merak.parallel.pipeline.embedding_stages import average_rows_gradients, split_vocabulary_parameters
 from lightning_merak.parallel.pipeline.router_aux import RouterAuxLoss
 from lightning_merak.parallel.pipeline.schedules import ScheduleShiftedCriticalPath, pipeline_stage_class
 from lightning_merak.parallel.pipeline.stage import RankStages
@@ -165,6 +166,9 @@ class PipelineStep:
             self._vocabulary.end()
         if self._embedding is not None:
             self._embedding.end(backward)
+        group = self._stages.rows_data_parallel_group
+        if backward and group is not None:
+            average_rows_gradients(split_vocabulary_parameters(self._stages), group)
 
     def backward_passes(self, batch: Any) -> int:
         """Micro-batches a training step on ``batch`` runs (what the data-parallel reduction is armed with)."""
