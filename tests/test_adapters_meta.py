@@ -250,11 +250,12 @@ def test_a_pretrained_checkpoint_fine_tunes_with_a_quantised_adapter_at_pp2(tmp_
                         grad_rtol=1e-4)
 
 
-def test_adapters_at_tensor_parallel_are_refused_before_any_work():
-    """LoRA on a float base splits (``tests/test_adapters_tp.py``); a quantised base does not yet."""
+def test_a_doubly_quantised_base_at_tensor_parallel_is_refused_before_any_work():
+    """Bases quantised per tensor-parallel shard train (``tests/test_adapters_tp_quantized.py``); bitsandbytes' double
+    quantisation, whose statistics span the whole weight, does not split."""
     with torch.device("meta"):
         model = attach_on_meta(OPTIONS["qbara-nf4"](), build_causal_lm(MODELS["llama"], vocab_size=VOCAB))
-    with pytest.raises(ValueError, match="tensor_parallel=2: adapters .* tensor_parallel=1"):
+    with pytest.raises(ValueError, match="tensor_parallel=2 would round .*double_quant=false.* tensor_parallel=1"):
         Merak3DStrategy(tensor_parallel=2)._arguments.check_model(model, 1, 2)
 
 

@@ -139,12 +139,14 @@ def _on_meta(option) -> torch.nn.Module:
 
 
 def test_what_tensor_parallelism_does_not_split_is_refused_naming_the_fix():
-    """Quantised bases, and dropout on a pooled adapter: before any work."""
+    """Double quantisation of a 4-bit base (per-shard bases: ``tests/test_adapters_tp_quantized.py``), and dropout on
+    a pooled adapter: before any work."""
     lora = _on_meta(OPTIONS["lora-fp32"]())
     check_adapter_split(lora, 2)
-    for name in ("qbara-nf4", "qahira-int4", "lora-int8"):
-        with pytest.raises(ValueError, match="use quantization=none"):
-            check_adapter_split(_on_meta(OPTIONS[name]()), 2)
+    with pytest.raises(ValueError, match="set adapter.double_quant=false .*, or tensor_parallel=1"):
+        check_adapter_split(_on_meta(OPTIONS["qbara-nf4"]()), 2)
+    for name in ("qahira-int4", "lora-int8"):  # quantised per shard after the split
+        check_adapter_split(_on_meta(OPTIONS[name]()), 2)
     check_adapter_split(_on_meta(OPTIONS["qbara-fp32"]()), 2)
     qbara = OPTIONS["qbara-fp32"]()
     qbara.dropout = 0.1

@@ -5,9 +5,12 @@ and the parameter names are those of the whole-model path. Quantisation does rea
 waits: :func:`attach_on_meta` records it as the model's ``after_materialize`` hook, and the strategy
 calls that hook on each part a rank holds once its weights are in (random init or a pretrained
 checkpoint's slices). Each layer is quantised as the whole-model path quantises it (the same
-bitsandbytes or INT4 call on the same float weight), so the frozen base is identical. A checkpoint of
-such a model holds the packed base: resuming rebuilds and quantises the float part first, then checks
-the frozen tensors against the checkpoint and copies the rest (``restores_from_checkpoint`` is False).
+bitsandbytes or INT4 call on the same float weight), so the frozen base is identical. Under tensor
+parallelism the split comes first and each rank quantises its shard of a split layer (any module offering
+``quantize_shard``, :mod:`lightning_merak.parallel.tensor.quantized_shards` says when that equals the whole
+model's quantisation, sliced). A checkpoint of such a model holds the packed base: resuming rebuilds and
+quantises the float part first, then checks the frozen tensors against the checkpoint and copies the rest
+(``restores_from_checkpoint`` is False).
 
 Materialisation initialises each module by the model's own init; adapter weights instead carry a
 ``materialize_init`` callable drawing what their method draws (LoRA: Kaiming-uniform ``A``, zero ``B``;
@@ -20,16 +23,16 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .base import PooledAdapterLayer, check_target_layer
-from .int4 import QuantLinearInt4, check_int4_shape, replace_submodule
+from .int4 import check_int4_shape, replace_submodule
 from .int4_experts import quantize_experts_int4
 from .pooled_experts import PooledExpertsLayer
-from .quantize import QUANTIZATIONS, quantized_linear
+from .quantize import QUANTIZATIONS, WholeRowAbsmax, quantized_shard
 
 __all__ = ["AFTER_MATERIALIZE", "MATERIALIZE_INIT", "DeferredQuantization", "attach_on_meta", "mark_adapter_inits"]
 
@@ -116,20 +119,34 @@ class DeferredQuantization:
         """Whether a checkpoint of the model can fill its float part before this runs (not once quantised)."""
         return self.quantization == "none"
 
+    def quantize_linear(self, linear: nn.Linear, whole_row_absmax: Optional[WholeRowAbsmax] = None) -> nn.Module:
+        """``linear`` (a whole layer or one tensor-parallel shard) quantised as this option quantises a base."""
+        return quantized_shard(linear, self.quantization, double_quant=self.double_quant,  # type: ignore[arg-type]
+                               group_size=self.group_size, whole_row_absmax=whole_row_absmax)
+
     def __call__(self, part: nn.Module) -> None:
-        """Quantise ``part``'s frozen base layers in place, then rebind the adapters to the quantised bases."""
+        """Quantise ``part``'s frozen base layers in place, then rebind the adapters to the quantised bases.
+
+        Layers tensor parallelism split (any module with ``quantize_shard``) quantise this rank's shard of their
+        weight; whole layers are replaced as the whole-model path replaces them.
+        """
         if self.quantization == "none":
             return
         targets = _base_linears(part, self.skip)
+        shards = [(name, module) for name, module in part.named_modules() if callable(getattr(module, "quantize_shard",
+                                                                                            None))
+                  and getattr(module, "weight", None) is not None and not _skipped(name, self.skip)]
         if self.quantization == "int4":
             for name, linear in targets:
                 check_int4_shape(name, linear.in_features, self.group_size)
+            for name, split in shards:
+                check_int4_shape(name, split.local_features()[0], self.group_size)
             if self.experts:  # under their adapters, whose update is added to the weight only during a forward
                 quantize_experts_int4(part, self.group_size)
         for name, linear in targets:
-            layer = (QuantLinearInt4.from_linear(linear, self.group_size) if self.quantization == "int4"
-                     else quantized_linear(linear, self.quantization, self.double_quant))
-            replace_submodule(part, name, layer)
+            replace_submodule(part, name, self.quantize_linear(linear))
+        for _, split in shards:
+            split.quantize_shard(self.quantize_linear)
         _rebind_adapters(part)
         base = part.get_base_model() if hasattr(part, "get_base_model") else part
         if self.quantization in ("nf4", "fp4", "int8"):
@@ -138,12 +155,18 @@ class DeferredQuantization:
 
 def _base_linears(part: nn.Module, skip: tuple[str, ...]) -> list[tuple[str, nn.Linear]]:
     """The float linear layers the whole-model path quantises: all but adapter weights and those ``skip`` names
-    (a tuner layer's ``base_layer`` judged by the tuner layer's name, as before the adapter wrapped it)."""
+    (a tuner layer's ``base_layer`` judged by the tuner layer's name, as before the adapter wrapped it). A LoRA layer
+    split by tensor parallelism is no tuner layer any more, but keeps PEFT's ``lora_`` names for its factors."""
     adapter_weights = {id(sub) for layer in part.modules() if isinstance(layer, BaseTunerLayer)
                        for container in layer.adapter_layer_names for sub in getattr(layer, container).modules()}
     return [(name, module) for name, module in part.named_modules()
             if type(module) is nn.Linear and id(module) not in adapter_weights
-            and name.removesuffix(".base_layer").split(".")[-1] not in skip]
+            and not any(step.startswith("lora_") for step in name.split(".")) and not _skipped(name, skip)]
+
+
+def _skipped(name: str, skip: tuple[str, ...]) -> bool:
+    """Whether the layer at ``name`` stays float: its name (a tuner layer's, for its base) ends with one of ``skip``."""
+    return name.removesuffix(".base_layer").split(".")[-1] in skip
 
 
 def _rebind_adapters(part: nn.Module) -> None:

@@ -36,6 +36,7 @@ from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, model_record
 from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_torch_file
 from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.parallel.tensor.blocks import LayoutChange
+from lightning_merak.parallel.tensor.quantized_shards import saved_shards
 from lightning_merak.plugins.moe.checkpoint import ExpertNumbering, FusedExpertSlices
 from lightning_merak.plugins.moe.experts.adapter_slices import slice_expert_factor
 from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh
@@ -56,13 +57,43 @@ def _read_target(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().clone()
 
 
-def _saved_storage_where_rewritten(model_state: dict[str, torch.Tensor], metadata: Any) -> None:
+def _saved_storage_where_rewritten(model_state: dict[str, torch.Tensor], metadata: Any,
+                                   tensor_rank: Optional[tuple[int, int]]) -> None:
     """Read a tensor as saved where a meta model's float tensor differs in shape or dtype: its ``after_materialize``
-    hook rewrites it (a quantised adapter base, packed), and the build compares it with the rewritten one."""
+    hook rewrites it (a quantised adapter base, packed), and the build compares it with the rewritten one.
+
+    A float weight the checkpoint does not hold was rewritten into other tensors of its layer (the project's INT4:
+    codes, scales, zeros), or into one quantised shard per tensor-parallel rank (``shard_tp<r>of<n>``): those are
+    read instead, this rank's shard only (``tensor_rank``: its ``(rank, degree)`` in the tensor-parallel group).
+    Shards of another degree are refused: each was quantised alone, and resuming re-derives this layout's from the
+    float weights, which the check against the checkpoint then cannot cover.
+    """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    for key, target in model_state.items():
-        saved = metadata.state_dict_metadata.get(f"model.{key}")
+    saved_keys = metadata.state_dict_metadata
+    for key, target in list(model_state.items()):
+        layer = key.rpartition(".")[0]
+        if f"model.{key}" not in saved_keys and target.is_floating_point() and layer:
+            extra = [name for name in saved_keys if name.startswith(f"model.{layer}.")
+                     and name[len("model."):] not in model_state
+                     and isinstance(saved_keys[name], TensorStorageMetadata)]
+            shards = saved_shards(extra, f"model.{layer}.")
+            if shards:
+                degree = next(iter(shards))[1]
+                if tensor_rank is None or tensor_rank[1] != degree:
+                    raise ValueError(
+                        f"the checkpoint holds {layer}'s quantised base as {degree} tensor-parallel shards, each "
+                        f"quantised alone; resume it at tensor_parallel={degree} (this run: "
+                        f"{1 if tensor_rank is None else tensor_rank[1]}), or start from the pretrained weights with "
+                        "its adapters alone (merak-export --adapter-only)")
+                extra = shards[tensor_rank]
+            if extra:
+                del model_state[key]
+                for name in extra:
+                    stored = saved_keys[name]
+                    model_state[name[len("model."):]] = torch.empty(stored.size, dtype=stored.properties.dtype)
+            continue
+        saved = saved_keys.get(f"model.{key}")
         if target.is_floating_point() and isinstance(saved, TensorStorageMetadata) and (
                 tuple(saved.size) != tuple(target.shape) or saved.properties.dtype != target.dtype):
             model_state[key] = torch.empty(saved.size, dtype=saved.properties.dtype)
@@ -258,6 +289,15 @@ class ShardedCheckpointer:
             return self.to_original_layout(name, tensor.full_tensor()).detach()
         return self.fused_experts.global_view(name, tensor.detach())
 
+    def _tensor_rank(self) -> Optional[tuple[int, int]]:
+        """This rank's place in its tensor-parallel group and the group's size, or None before the degrees are
+        known."""
+        try:
+            rank, (_, _, tp) = self._placement()
+        except (RuntimeError, ValueError, AttributeError):
+            return None
+        return rank % tp, tp  # the tp dimension is the fastest of merak3d's (pp, dp, tp) mesh
+
     def _data_parallel_ranks(self) -> tuple[int, list[int]]:
         """This rank and its data-parallel group's ranks, the ones its expert groups are carved from."""
         rank, (pp, dp, tp) = self._placement()
@@ -353,7 +393,7 @@ class ShardedCheckpointer:
         targets = self._renumbered_state(
             {key: _read_target(value) for key, value in module.state_dict().items()}, to_global=True)
         model_state = dict(targets)
-        _saved_storage_where_rewritten(model_state, metadata)
+        _saved_storage_where_rewritten(model_state, metadata, self._tensor_rank())
         for key, target in targets.items():
             saved = metadata.state_dict_metadata.get(f"model.{key}")
             if key.startswith("model.") and key[len("model."):] in self.fused_experts and hasattr(saved, "size"):

@@ -365,7 +365,7 @@ def export_adapter(checkpoint: Union[str, Path], out: Union[str, Path]) -> Expor
     for name in names[1:]:
         model.add_adapter(name, PeftConfig.from_peft_type(**adapters[name]))
     state = {key: _adapter_tensor(source, key, tuple(param.shape)) for key, param in model.named_parameters()
-             if any(f".{name}." in key for name in names)}
+             if any(f".{name}." in key or key.endswith(f".{name}") for name in names)}  # Q-BaRA's factors end so
     out = Path(out)
     model.save_pretrained(out, state_dict=state, selected_adapters=names)
     report = ExportReport(total_size=sum(tensor.numel() * tensor.element_size() for tensor in state.values()))

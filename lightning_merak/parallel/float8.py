@@ -43,6 +43,8 @@ def benefits_from_float8(layer: nn.Module, min_features: int = MIN_FEATURES) -> 
     """Whether ``layer`` is an ``nn.Linear`` whose fp8 GEMM runs (dimensions multiples of 16) and pays (both at
     least ``min_features``)."""
     if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+        if layer.quantized is not None:  # a quantised frozen shard (an adapter's base) runs its own GEMM
+            return False
         dims = layer.local_features()
     elif isinstance(layer, nn.Linear):
         dims = (layer.in_features, layer.out_features)

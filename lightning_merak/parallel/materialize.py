@@ -260,19 +260,24 @@ def copy_full_tensors(tensors: dict[str, torch.Tensor], layout_changes: dict[str
 
     A reference loader (tests, small models); a real checkpoint reads only its slices instead.
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     with torch.no_grad():
         for name, target in tensors.items():
-            full = state_dict[name]
-            if name in layout_changes:
-                full = layout_changes[name].from_original(full)
-            if isinstance(target, DTensor):
-                shard = distribute_tensor(full.to(target.device), target.device_mesh, target.placements,
-                                          src_data_rank=None).to_local()
-                target.to_local().copy_(shard)
-            else:
-                target.copy_(full)
+            part = _local_part(name, target, state_dict[name], layout_changes)
+            (target.to_local() if isinstance(target, DTensor) else target).copy_(part)
+
+
+def _local_part(name: str, target: torch.Tensor, full: torch.Tensor, layout_changes: dict[str, Any]) -> torch.Tensor:
+    """The part of the unsplit ``full`` that ``target`` (this rank's tensor named ``name``: a shard, or whole) holds."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if name in layout_changes:
+        full = layout_changes[name].from_original(full)
+    if not isinstance(target, DTensor):
+        return full
+    return distribute_tensor(full.to(target.device), target.device_mesh, target.placements,
+                             src_data_rank=None).to_local()
 
 
 @dataclass(frozen=True)
@@ -294,10 +299,19 @@ class RestoreAfterRewrite:
 
     def restore(self, tensors: dict[str, torch.Tensor], layout_changes: dict[str, Any]) -> None:
         missing = sorted(set(tensors) - set(self.state))
+        if any(".shard_tp" in name for name in missing):
+            raise ValueError(f"{missing[0]} is this rank's tensor-parallel shard of a quantised base, which the "
+                             "checkpoint holds whole or split otherwise; resume at the tensor_parallel that wrote "
+                             "it, or start from the pretrained weights with its adapters alone (merak-export "
+                             "--adapter-only)")
         if missing:
             raise ValueError(f"the checkpoint has no {', '.join(missing[:3])}; resume from one this model wrote")
+        from torch.distributed.tensor import DTensor
+
         for name, tensor in tensors.items():
-            if not tensor.requires_grad and not torch.equal(tensor, self.state[name]):
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            if not tensor.requires_grad and not torch.equal(local, _local_part(name, tensor, self.state[name],
+                                                                                layout_changes)):
                 raise ValueError(f"{name} is frozen but differs from the checkpoint's: resume with the model.path "
                                  "and seed of the run that wrote it")
         copy_full_tensors({name: t for name, t in tensors.items() if t.requires_grad}, layout_changes, self.state)

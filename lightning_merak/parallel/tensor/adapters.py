@@ -35,9 +35,12 @@ wrap stays whole on every tensor-parallel rank, as everything outside the blocks
 leaves such a head or embedding (and its tied partner) whole. Each rank computes the same update from the same
 whole hidden states, so no collective is added.
 
-Q-BaRA and QA-HiRA layers split the same way (:mod:`~lightning_merak.parallel.tensor.pooled_adapters`). What is not
-split is refused by :func:`check_adapter_split` before any work: quantised bases, DoRA and other LoRA variants,
-``lora_bias``, dropout on a pooled adapter and several adapters on one layer, inside the blocks.
+Q-BaRA and QA-HiRA layers split the same way (:mod:`~lightning_merak.parallel.tensor.pooled_adapters`). A quantised
+base (built on meta, quantised once its weights are in) is quantised per shard after the split, each rank its own
+(:mod:`~lightning_merak.parallel.tensor.quantized_shards`); the adapter reads the same input and adds to the same
+partial output whatever the base's GEMM. What is not split is refused by :func:`check_adapter_split` before any work:
+a base quantised before the split, shards whose quantisation blocks would cross a shard, DoRA and other LoRA
+variants, ``lora_bias``, dropout on a pooled adapter and several adapters on one layer, inside the blocks.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from lightning_merak.parallel.tensor.layers import (
     RowParallelLinear,
     sharded_parameter,
 )
+from lightning_merak.parallel.tensor.quantized_shards import quantized_base_problem
 from lightning_merak.parallel.tensor.split_adapter import SPLIT_FIX, SplitAdapter, shared_split_problem
 from lightning_merak.util.random_state import spread_seed
 
@@ -106,11 +110,10 @@ def check_adapter_split(model: nn.Module, tensor_parallel: int) -> None:
         trunk_path: Optional[str] = find_trunk(model)[0]
     except TraceError:
         trunk_path = None
-    quantization = getattr(getattr(model, "after_materialize", None), "quantization", "none")
-    if quantization != "none":
-        raise ValueError(f"tensor_parallel={tensor_parallel}: adapters on a {quantization} base are not split yet "
-                         "(each shard would be quantised after the split, its width a multiple of the quantisation "
-                         f"block); use quantization=none, or {SPLIT_FIX}")
+    if trunk_path is not None:  # a quantised base is quantised per shard: whole blocks of it in each
+        problem = quantized_base_problem(model, trunk_path, tensor_parallel)
+        if problem is not None:
+            raise ValueError(problem)
     from lightning_merak.adapters.moe import expert_adapters  # lazy: PEFT (a model with adapters imported it)
 
     # tensor parallelism splits attention only: fused experts and their factors stay whole on every tp rank

@@ -11,6 +11,10 @@ input gradients first), which runs while the group's weight gradients are comput
 A column layer may hold any rows of the original (:mod:`~lightning_merak.parallel.tensor.rows`);
 rows several ranks hold (a key/value head shared by their query heads) get only this rank's
 part of their gradient, so it is summed over the group in backward, before it accumulates.
+
+A frozen layer's shard may be quantised after the split (:meth:`QuantizableShard.quantize_shard`: an adapter's
+base, each rank quantising its own shard); its local GEMM is then the quantised layer's, registered under a name
+saying which shard it is (``shard_tp1of2``), since no two ranks hold the same codes.
 """
 
 from __future__ import annotations
@@ -32,10 +36,11 @@ from lightning_merak.distributed.collectives import (
     start_all_reduce_in_turn,
 )
 from lightning_merak.distributed.weight_gradients import DeferredWeightGradients, linear_deferring_weight_gradient
-from lightning_merak.parallel.tensor.sequence import linear_on_gathered, reduce_scatter_sequence
+from lightning_merak.parallel.tensor.quantized_shards import shard_module_name
+from lightning_merak.parallel.tensor.sequence import deferrable_weight, linear_on_gathered, reduce_scatter_sequence
 
-__all__ = ["ColumnGroupInput", "ColumnParallelLinear", "RowParallelLinear", "WholeWidthRMSNorm", "is_rms_norm",
-           "shared_row_weights", "sharded_parameter"]
+__all__ = ["ColumnGroupInput", "ColumnParallelLinear", "QuantizableShard", "RowParallelLinear", "WholeWidthRMSNorm",
+           "is_rms_norm", "shared_row_weights", "sharded_parameter"]
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -122,7 +127,7 @@ class ColumnGroupInput:
         if source is not None and source() is tensor:
             return self._last.entered, self._last.deferred
         if self.overlap_weight_gradients:
-            weights = [layer.local(layer.weight) for layer in self._layers]
+            weights = [deferrable_weight(layer) for layer in self._layers]
             deferred = DeferredWeightGradients(weights, tensor.requires_grad)
             entered = _ColumnGroupEntry.apply(tensor, self.group, deferred, *weights)
         else:
@@ -168,13 +173,49 @@ LocalMatmul = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], tor
 """``(input, local weight, local bias) -> output``: a split layer's local GEMM other than ``F.linear`` (fp8)."""
 
 
+ShardQuantizer = Callable[[nn.Linear, Optional[Callable[[torch.Tensor], torch.Tensor]]], nn.Module]
+"""``(shard as a bias-less nn.Linear, whole-row absmax or None) -> its quantised layer`` (an adapter's deferred
+quantisation, :meth:`~lightning_merak.adapters.meta.DeferredQuantization.quantize_linear`)."""
+
+
+class QuantizableShard(nn.Module):
+    """What the split layers share to run a frozen shard quantised: :meth:`quantize_shard` replaces the float
+    shard (``weight``, then None) by its quantised layer (:attr:`quantized`), which the forward then calls."""
+
+    weight: Optional[nn.Parameter]
+    group: dist.ProcessGroup
+    _quantized_name: Optional[str] = None
+
+    @property
+    def quantized(self) -> Optional[nn.Module]:
+        """This rank's shard quantised, or None while the weight is float."""
+        return None if self._quantized_name is None else getattr(self, self._quantized_name)
+
+    def quantize_shard(self, quantize: ShardQuantizer) -> None:
+        """Quantise this rank's frozen weight shard with ``quantize`` (bias kept: the split layer adds it)."""
+        if self.weight is None or self.weight.requires_grad:
+            raise ValueError("only a frozen float weight shard is quantised (an adapter's base), once")
+        local = self.weight.to_local().detach()
+        shard = nn.Linear(local.shape[1], local.shape[0], bias=False, device="meta")
+        shard.weight = nn.Parameter(local, requires_grad=False)
+        quantized = quantize(shard, self.whole_row_absmax if isinstance(self, RowParallelLinear) else None)
+        self._quantized_name = shard_module_name(dist.get_rank(self.group), dist.get_world_size(self.group))
+        self._local_shape = tuple(local.shape)
+        self.weight = None
+        self.add_module(self._quantized_name, quantized)
+
+    def quantized_matmul(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The quantised shard's output for ``tensor`` (its layer's own forward, as the whole model's)."""
+        return self.quantized(tensor)
+
+
 def sharded_parameter(parameter: nn.Parameter, mesh: DeviceMesh, placement: Any) -> nn.Parameter:
     """``parameter`` as a DTensor over ``mesh``; a frozen one stays frozen."""
     return nn.Parameter(distribute_tensor(parameter.detach(), mesh, [placement]),
                         requires_grad=parameter.requires_grad)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(QuantizableShard):
     """A linear layer holding its output features' shard; output stays split over the group.
 
     ``group_input`` enters the input into the tensor-parallel region; without one (sequence
@@ -188,6 +229,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         weight, bias = linear.weight, linear.bias
         self._shared: Optional[tuple[torch.Tensor, torch.Tensor, int]] = None
+        self._order = rows
         if rows is not None:
             order = torch.tensor([row for part in rows for row in part], device=weight.device)
             weight, bias = weight[order], bias[order] if bias is not None else None
@@ -206,6 +248,8 @@ class ColumnParallelLinear(nn.Module):
 
     def local_features(self) -> tuple[int, int]:
         """``(in, out)`` features of the GEMM this rank runs: its shard of the output rows."""
+        if self.weight is None:
+            return self.in_features, self._local_shape[0]
         return self.in_features, self.weight.to_local().shape[0]
 
     def local(self, parameter: Optional[nn.Parameter]) -> Optional[torch.Tensor]:
@@ -217,8 +261,17 @@ class ColumnParallelLinear(nn.Module):
             return local
         return _SumSharedRows.apply(local, *self._shared, self.group)
 
+    @property
+    def contiguous_rows(self) -> bool:
+        """Whether this rank holds its contiguous part of the original rows (not reordered nor shared)."""
+        return self._order is None
+
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
         bias = self.local(self.bias)
+        if self.weight is None:  # quantised: a frozen GEMM, no weight gradient to defer
+            entered = tensor if self.group_input is None else self.group_input.enter(tensor)[0]
+            output = self.quantized_matmul(entered)
+            return output + bias if bias is not None else output
         if self.float8_matmul is not None:  # its weight gradient comes from the fp8 backward, never deferred
             entered = tensor if self.group_input is None else self.group_input.enter(tensor)[0]
             return self.float8_matmul(entered, self.local(self.weight), bias)
@@ -268,7 +321,7 @@ def _shared_positions(rows: Sequence[Sequence[int]], rank: int) -> Optional[tupl
                                                                     dtype=torch.long), len(shared))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(QuantizableShard):
     """A linear layer holding its input features' shard; partial outputs are summed over the group.
 
     With ``sequence_parallel`` the sum is reduce-scattered: each rank keeps its slice of the sequence.
@@ -288,15 +341,26 @@ class RowParallelLinear(nn.Module):
 
     def local_features(self) -> tuple[int, int]:
         """``(in, out)`` features of the GEMM this rank runs: its shard of the input features."""
+        if self.weight is None:
+            return self._local_shape[1], self.out_features
         return self.weight.to_local().shape[1], self.out_features
+
+    def whole_row_absmax(self, local: torch.Tensor) -> torch.Tensor:
+        """The largest magnitude of each whole row, from this rank's (``local``): the max over the group (exact)."""
+        whole = local.clone()
+        dist.all_reduce(whole, op=dist.ReduceOp.MAX, group=self.group)
+        return whole
 
     def forward(self, tensor: torch.Tensor, addend: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``addend``: another partial output summed with this one (a LoRA path on this rank's input features)."""
         if self.partner_input is not None:
             self.partner_input.release()
-        weight = self.weight.to_local()
-        partial = (F.linear(tensor, weight) if self.float8_matmul is None
-                   else self.float8_matmul(tensor, weight, None))
+        if self.weight is None:
+            partial = self.quantized_matmul(tensor)
+        elif self.float8_matmul is None:
+            partial = F.linear(tensor, self.weight.to_local())
+        else:
+            partial = self.float8_matmul(tensor, self.weight.to_local(), None)
         if addend is not None:
             partial = partial + addend
         bias = self.bias.to_local() if self.bias is not None else None

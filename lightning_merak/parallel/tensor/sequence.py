@@ -59,6 +59,7 @@ __all__ = [
     "SEQUENCE_DIM",
     "SequenceParallelPlan",
     "check_sequence_length",
+    "deferrable_weight",
     "find_sequence_parallel_plan",
     "gather_sequence",
     "install_sequence_gathers",
@@ -200,6 +201,14 @@ class _Regather:
         return view
 
 
+def deferrable_weight(layer: nn.Module) -> torch.Tensor:
+    """``layer``'s local weight for a deferred weight gradient: its shard (shared rows summed in backward), or an
+    empty frozen tensor once the shard is quantised (no gradient to defer)."""
+    if getattr(layer, "weight", None) is None:
+        return torch.empty(0)
+    return layer.local(layer.weight) if hasattr(layer, "local") else layer.weight.to_local()
+
+
 _last_gather = threading.local()
 
 
@@ -214,7 +223,7 @@ def gather_sequence(tensor: torch.Tensor, group: dist.ProcessGroup, column_layer
     if torch.compiler.is_compiling():  # one graph: the compiler saves, frees and schedules for itself
         return functional.all_gather_tensor_autograd(tensor, SEQUENCE_DIM, group)
     layers = list(column_layers)
-    weights = [layer.local(layer.weight) if hasattr(layer, "local") else layer.weight.to_local() for layer in layers]
+    weights = [deferrable_weight(layer) for layer in layers]
     deferred = DeferredWeightGradients(weights, tensor.requires_grad) if layers else None
     full = _GatherSequence.apply(tensor, group, deferred, *weights)
     _last_gather.full, _last_gather.regather = weakref.ref(full), _Regather(tensor, full, group)

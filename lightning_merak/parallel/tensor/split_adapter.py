@@ -18,8 +18,9 @@ def shared_split_problem(layer: nn.Module, adapters: Sized) -> Optional[str]:
     float ``nn.Linear``, several adapters, a merged one."""
     base = layer.get_base_layer()
     if type(base) is not nn.Linear:
-        return (f"its base is {type(base).__name__}, not a float nn.Linear: quantised bases (and Conv1D) are not "
-                "split yet (each shard would be quantised after the split, its width a multiple of the block)")
+        return (f"its base is {type(base).__name__}, not a float nn.Linear: a base quantised before the split (or a "
+                "Conv1D) is not split; build the adapter model on the meta device (adapter=... under merak3d, or "
+                "lightning_merak.adapters.meta.attach_on_meta) so that each rank quantises its shard after the split")
     if len(adapters) != 1:
         return f"it holds {len(adapters)} adapters; one adapter per layer is split"
     if layer.merged:

@@ -57,6 +57,7 @@ from lightning_merak.parallel.tensor.blocks import (
     region_partial_parameters,
     verify_tensor_parallel_plan,
 )
+from lightning_merak.parallel.tensor.quantized_shards import quantized_split_problem
 from lightning_merak.parallel.tensor.sequence import (
     SequenceParallelPlan,
     check_sequence_length,
@@ -250,6 +251,9 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
         probe = (trunk[0] if materialize_with is None or tp == 1
                  else materialized_copy(trunk[0], f"{trace.trunk_path}.0", materialize_with))
         plan = tensor_parallel_plan(probe, trace) if tp > 1 else None
+        problem = quantized_split_problem(model, probe, plan, tp) if plan is not None else None
+        if problem is not None:  # an adapter's quantised base, quantised per shard: before any weight is read
+            raise ValueError(problem)
         if plan is not None and tp not in verified_tp_degrees:
             problem = split_block_problem(probe, trace, plan, groups.tensor_mesh, broadcast)
             if problem is not None:

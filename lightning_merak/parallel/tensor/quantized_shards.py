@@ -1,0 +1,95 @@
+"""Which adapter bases can be quantised per tensor-parallel shard, checked before any weight is read.
+
+An adapter model built on meta quantises its frozen base once the weights are in
+(:class:`~lightning_merak.adapters.meta.DeferredQuantization`); at ``tensor_parallel > 1`` that is after the split, so
+each rank quantises its own shard (:meth:`~lightning_merak.parallel.tensor.layers.QuantizableShard.quantize_shard`)
+and no rank ever holds a whole quantised layer. The result is the whole model's quantisation, sliced, where every
+quantisation block lies inside one shard (:func:`~lightning_merak.adapters.quantize.shard_quantization_problem`);
+elsewhere it would be another model, so it is refused: before launch what neither a column nor a row split could take
+(:func:`quantized_base_problem`, the layers' roles are not known yet), once the block's split is planned what its
+column and row layers cannot (:func:`quantized_split_problem`), before any weight is materialised.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Optional
+
+from torch import nn
+
+from lightning_merak.adapters.quantize import shard_quantization_problem
+
+__all__ = ["quantized_base_problem", "quantized_split_problem", "saved_shards", "shard_module_name"]
+
+_SHARD = re.compile(r"\.shard_tp(\d+)of(\d+)\.")
+
+
+def shard_module_name(rank: int, size: int) -> str:
+    """The name a split layer registers its quantised shard under: which of the group's shards it is, so that a
+    checkpoint keeps every rank's (no two ranks hold the same codes, and each is saved under its own keys)."""
+    return f"shard_tp{rank}of{size}"
+
+
+def saved_shards(keys: Iterable[str], layer_prefix: str) -> dict[tuple[int, int], list[str]]:
+    """The keys under ``layer_prefix`` (dot included) of a layer saved as quantised shards, by ``(rank, degree)``."""
+    found: dict[tuple[int, int], list[str]] = {}
+    for key in keys:
+        match = _SHARD.match(key, len(layer_prefix) - 1) if key.startswith(layer_prefix) else None
+        if match is not None:
+            found.setdefault((int(match.group(1)), int(match.group(2))), []).append(key)
+    return found
+
+
+def _deferred(model: nn.Module) -> Optional[Any]:
+    """The model's deferred base quantisation, when it quantises (``after_materialize`` of an adapter model)."""
+    hook = getattr(model, "after_materialize", None)
+    return hook if getattr(hook, "quantization", "none") != "none" else None
+
+
+def _base(module: nn.Module) -> nn.Module:
+    """A tuner layer's base (PEFT's ``get_base_layer``), else ``module``."""
+    return module.get_base_layer() if callable(getattr(module, "get_base_layer", None)) else module
+
+
+def _problem(hook: Any, name: str, layer: nn.Module, tensor_parallel: int, *, column: bool,
+             contiguous: bool = True) -> Optional[str]:
+    return shard_quantization_problem(hook.quantization, name, layer.in_features, layer.out_features,
+                                      tensor_parallel, column=column, contiguous=contiguous,
+                                      group_size=hook.group_size, double_quant=hook.double_quant)
+
+
+def quantized_base_problem(model: nn.Module, trunk_path: str, tensor_parallel: int) -> Optional[str]:
+    """Why a linear layer of ``model``'s blocks could not be quantised per shard in either role, or None."""
+    hook = _deferred(model)
+    if hook is None or tensor_parallel <= 1:
+        return None
+    for name, module in model.named_modules():
+        if not name.startswith(trunk_path + ".") or type(module) is not nn.Linear or name.split(".")[-1] in hook.skip:
+            continue
+        if any(step.startswith("lora_") for step in name.split(".")):
+            continue
+        as_row = _problem(hook, name, module, tensor_parallel, column=False)
+        if as_row is not None and _problem(hook, name, module, tensor_parallel, column=True) is not None:
+            return as_row
+    return None
+
+
+def quantized_split_problem(model: nn.Module, block: nn.Module, plan: Any, tensor_parallel: int) -> Optional[str]:
+    """Why ``block``'s split ``plan`` (a :class:`~lightning_merak.parallel.tensor.blocks.TensorParallelPlan`) cannot
+    quantise ``model``'s frozen base per shard, or None. A column layer the plan may reorder (its ``units``) is judged
+    as reordered rows."""
+    hook = _deferred(model)
+    if hook is None or tensor_parallel <= 1:
+        return None
+    for name in [*plan.column, *plan.row]:
+        base = _base(block.get_submodule(name))
+        if type(base) is not nn.Linear:
+            return (f"tensor_parallel={tensor_parallel}: {name} is a {type(base).__name__}, which a "
+                    f"{hook.quantization} base keeps in float at tensor_parallel=1 but the split would quantise; use "
+                    "tensor_parallel=1, or quantization=none")
+        column = name in plan.column
+        problem = _problem(hook, name, base, tensor_parallel, column=column,
+                           contiguous=not column or plan.units.get(name) is None)
+        if problem is not None:
+            return problem
+    return None

@@ -1,0 +1,198 @@
+"""Adapters on a base quantised per tensor-parallel shard, against the whole model's quantisation and training.
+
+Built on meta, each rank materialises its blocks, splits them, loads its slices of the float weights and then
+quantises its own shard of every frozen base layer (:mod:`lightning_merak.parallel.tensor.quantized_shards`). Where
+the quantisation block divides the shard, the shard's dequantised weight is the whole model's, sliced, bit for bit
+(NF4/FP4 without double quantisation, which is refused, the project's INT4, and int8 with the whole row's absmax).
+So losses and adapter gradients at tp2 equal the single-process quantised model's to the float tolerance of the
+tensor-parallel tests: only the order in which the row layers' partial sums are added differs.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_merak.adapters.meta import attach_on_meta
+from lightning_merak.adapters.quantize import quantized_shard, shard_quantization_problem
+from lightning_merak.cli.options.adapter import LoRAAdapterConfig, QAHiRAAdapterConfig, QBaRAAdapterConfig, Quantization
+from lightning_merak.modules.causal_lm import build_causal_lm
+from lightning_merak.modules.config import ModelConfig
+from lightning_merak.parallel.pipeline.trace import find_trunk
+from lightning_merak.parallel.tensor.adapters import check_adapter_split
+from lightning_merak.parallel.tensor.blocks import TensorParallelPlan
+from lightning_merak.parallel.tensor.quantized_shards import quantized_split_problem
+from lightning_merak.testing import TrainingTrace, assert_traces_match, merge_rank_traces, run_distributed
+from tests import test_adapters_meta as adapters_meta
+from tests.test_adapters_meta import OPTIONS, TARGETS, _meta_rank, _reference
+from tests.test_adapters_tp import LAYOUTS
+from tests.test_merak3d import STEPS, VOCAB
+
+# wide enough that every row layer's shard at tp2 holds whole 64-weight blocks (o_proj 128 -> 64, down 256 -> 128)
+WIDE = ModelConfig(name="llama", model_type="llama", config={
+    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "tie_word_embeddings": False})
+OPTIONS.update({  # beside test_adapters_meta's, on the wide model
+    "wide-qbara-nf4": lambda: QBaRAAdapterConfig(r=2, quantization=Quantization.nf4, double_quant=False,
+                                                 target_modules=list(TARGETS)),
+    "wide-lora-nf4": lambda: LoRAAdapterConfig(r=4, quantization=Quantization.nf4, double_quant=False,
+                                               target_modules=list(TARGETS)),
+    "wide-qahira-int4": lambda: QAHiRAAdapterConfig(r=2, quantization=Quantization.int4, group_size=32, lambda_in=32,
+                                                    target_modules=list(TARGETS)),
+    "wide-lora-int8": lambda: LoRAAdapterConfig(r=4, quantization=Quantization.int8, target_modules=list(TARGETS)),
+    "wide-qbara-fp4": lambda: QBaRAAdapterConfig(r=2, quantization=Quantization.fp4, double_quant=False,
+                                                 target_modules=list(TARGETS)),
+})
+# (option, layout, first step, last step, checkpoint saved, checkpoint resumed): the dequantised shards are the whole
+# model's, so only the order in which the row layers' partial sums are added differs, as in the float tests
+# (tests/test_adapters_tp.py): losses to 1e-5 (measured 2e-7), adapter gradients to 1e-4 of their largest entry
+# (measured 1.1e-5, int8; 1.7e-6 the others) after Adam's steps. QA-HiRA on INT4 is saved after 3 steps, resumed at tp2
+# and saved again, for the export.
+RESUMED_AT = 3
+RUNS = (
+    ("wide-qbara-nf4", "tp2", 0, STEPS, None, None),
+    ("wide-lora-nf4", "tp2sp", 0, STEPS, None, None),
+    ("wide-qahira-int4", "tp2", 0, RESUMED_AT, "three", None),
+    ("wide-qahira-int4", "tp2", RESUMED_AT, STEPS, "final", "three"),
+    ("wide-lora-int8", "tp2", 0, STEPS, None, None),
+    ("wide-qbara-fp4", "tp2sp", 0, STEPS, None, None),
+)
+
+
+def _wide_base() -> nn.Module:
+    torch.manual_seed(0)
+    model = build_causal_lm(WIDE, vocab_size=VOCAB)
+    model.config.use_cache = False
+    return model
+
+
+def _quantised_tp_rank(rank: int, world_size: int, directory: str) -> list[tuple]:
+    results = []
+    with mock.patch.object(adapters_meta, "_base", _wide_base):
+        for option_name, layout_name, first, last, saves, resumes in RUNS:
+            trace, (_, _, _, _, _, quantised) = _meta_rank(
+                rank, world_size, option_name, LAYOUTS[layout_name][1], first_step=first, last_step=last,
+                epochs=2 if resumes else 1, save_to=saves and f"{directory}/{saves}.ckpt",
+                resume_from=resumes and f"{directory}/{resumes}.ckpt")
+            results.append((trace, quantised))
+    return results
+
+
+def _dequantised(layer: nn.Module) -> torch.Tensor:
+    import bitsandbytes as bnb
+
+    if isinstance(layer, bnb.nn.Linear4bit):
+        return bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+    if isinstance(layer, bnb.nn.Linear8bitLt):
+        return layer.weight.CB.float() * layer.weight.SCB.unsqueeze(1) / 127
+    return layer.dequantize()
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    return linear
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "fp4", "int4", "int8"])
+def test_a_shard_quantised_alone_is_the_whole_models_quantisation_sliced(quantization):
+    """Column shards (output rows) and row shards (input columns, 64 wide and more) at tp 2 and 4: the dequantised
+    shards, put together, are the whole layer's dequantised weight, bit for bit."""
+    weight = torch.randn(128, 256, generator=torch.Generator().manual_seed(0)) * 0.02
+    expected = _dequantised(quantized_shard(_linear(weight), quantization, double_quant=False))
+    for tp in (2, 4):
+        rows, columns = weight.chunk(tp, 0), weight.chunk(tp, 1)
+        absmax = torch.stack([part.to(torch.float16).abs().amax(1).float() for part in columns]).amax(0)
+        column_shards = [quantized_shard(_linear(part), quantization, double_quant=False) for part in rows]
+        row_shards = [quantized_shard(_linear(part), quantization, double_quant=False,
+                                      whole_row_absmax=lambda local: absmax) for part in columns]
+        for shards, dim in ((column_shards, 0), (row_shards, 1)):
+            joined = torch.cat([_dequantised(shard) for shard in shards], dim)
+            assert torch.equal(joined, expected), (quantization, tp, dim)
+    if quantization == "int8":  # a row shard scaled by its own absmax would be another quantisation
+        alone = _dequantised(quantized_shard(_linear(weight.chunk(2, 1)[0]), "int8"))
+        assert not torch.equal(alone, expected.chunk(2, 1)[0])
+
+
+def test_shards_whose_blocks_would_cross_are_refused_naming_the_fix():
+    assert shard_quantization_problem("nf4", "o_proj", 128, 128, 2, column=False) is None
+    assert shard_quantization_problem("nf4", "q_proj", 32, 32, 2, column=True) is None  # 16 rows of 32: 512
+    problem = shard_quantization_problem("nf4", "mlp.down_proj", 96, 32, 2, column=False)
+    assert problem == ("tensor_parallel=2 splits mlp.down_proj's 96 input columns into 48, not a multiple of nf4's "
+                       "block of 64 (each shard is quantised on its own); use tensor_parallel=1, or quantization=none")
+    problem = shard_quantization_problem("int4", "o_proj", 128, 128, 8, column=False, group_size=32)
+    assert "into 16, not a multiple of int4's group_size=32" in problem and "use tensor_parallel=4" in problem
+    assert "reordered rows" in shard_quantization_problem("fp4", "qkv", 96, 96, 2, column=True, contiguous=False)
+    assert shard_quantization_problem("int8", "down_proj", 96, 32, 2, column=False) is None
+    assert "set adapter.double_quant=false" in shard_quantization_problem("nf4", "o_proj", 128, 128, 2, column=True,
+                                                                          double_quant=True)
+    with torch.device("meta"):  # double quantisation (the default) is refused before launch, in every role
+        doubled = attach_on_meta(QBaRAAdapterConfig(r=2, quantization=Quantization.nf4, target_modules=list(TARGETS)),
+                                 build_causal_lm(WIDE, vocab_size=VOCAB))
+    with pytest.raises(ValueError, match="tensor_parallel=2 would round .* set adapter.double_quant=false"):
+        check_adapter_split(doubled, 2)
+    with torch.device("meta"):  # the narrow test model: o_proj's 32 inputs split into 16
+        narrow = attach_on_meta(OPTIONS["wide-qbara-nf4"](), build_causal_lm(adapters_meta.MODELS["llama"],
+                                                                             vocab_size=VOCAB))
+        wide = attach_on_meta(OPTIONS["wide-qbara-nf4"](), build_causal_lm(WIDE, vocab_size=VOCAB))
+    check_adapter_split(narrow, 2)  # before launch the roles are unknown: o_proj would split as a column layer
+    plan = TensorParallelPlan(column=["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                                      "mlp.up_proj"], row=["self_attn.o_proj", "mlp.down_proj"], column_groups=[])
+    block = find_trunk(narrow)[1][0]
+    assert quantized_split_problem(narrow, block, plan, 2) == (
+        "tensor_parallel=2 splits self_attn.o_proj's 32 input columns into 16, not a multiple of nf4's block of 64 "
+        "(each shard is quantised on its own); use tensor_parallel=1, or quantization=none")
+    assert quantized_split_problem(wide, find_trunk(wide)[1][0], plan, 2) is None
+    check_adapter_split(wide, 2)
+
+
+@pytest.mark.distributed
+def test_adapters_on_a_base_quantised_per_shard_train_like_the_whole_quantised_model(tmp_path):
+    """Q-BaRA on NF4 and FP4, QLoRA on NF4, QA-HiRA on INT4 and LoRA on int8 at tp2 (with sequence parallelism for
+    two): every base layer in the blocks quantised per shard. QA-HiRA resumes at tp2 from its checkpoint (the shards
+    rebuilt from the float weights must equal the saved ones), refuses another degree, and its final checkpoint exports
+    the adapter, which merges exactly into the whole model's INT4 base."""
+    from peft import PeftModel
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lightning_merak.adapters import quantize_model
+    from lightning_merak.checkpoint.sharded import _saved_storage_where_rewritten
+    from lightning_merak.hf.export import export_adapter, export_checkpoint
+
+    results = run_distributed(_quantised_tp_rank, 2, args=(str(tmp_path),), timeout_s=300)
+    with mock.patch.object(adapters_meta, "_base", _wide_base):
+        references = {name: _reference(name) for name in dict.fromkeys(run[0] for run in RUNS)}
+    for index, (option_name, _, first, last, _, _) in enumerate(RUNS):
+        reference = references[option_name][0]
+        assert all(result[index][1] for result in results), f"{option_name}: no base layer was quantised"
+        assert_traces_match(TrainingTrace(reference.losses[first:last], reference.gradients[first:last]),
+                            merge_rank_traces([result[index][0] for result in results]), loss_rtol=1e-5,
+                            grad_rtol=1e-4)
+    three, final = tmp_path / "three.ckpt", tmp_path / "final.ckpt"
+    metadata = FileSystemReader(str(three)).read_metadata()
+    layer = "model.base_model.model.model.layers.0.mlp.down_proj.base_layer"
+    with pytest.raises(ValueError, match="as 2 tensor-parallel shards.*resume it at tensor_parallel=2 .this run: 4"):
+        _saved_storage_where_rewritten({f"{layer}.weight": torch.empty(128, 256)}, metadata, (1, 4))
+    state = {f"{layer}.weight": torch.empty(128, 256)}
+    _saved_storage_where_rewritten(state, metadata, (1, 2))  # this rank's shard is read, none of the other's
+    assert sorted(state) == [f"{layer}.shard_tp1of2.{name}" for name in ("qweight", "scales", "zeros")]
+    with pytest.raises(ValueError, match="holds a quantised base .int4: .*shard_tp"):
+        export_checkpoint(final, tmp_path / "merged", merge_adapters=True)
+    export_adapter(final, tmp_path / "adapter")
+    trained = references["wide-qahira-int4"][1]
+    base = quantize_model(_wide_base(), "int4", group_size=32)  # the whole model's INT4: its shards, put together
+    adapted = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    expected = {name: param for name, param in trained.named_parameters() if param.requires_grad}
+    loaded = {name: param for name, param in adapted.named_parameters() if "qahira_" in name}
+    assert sorted(loaded) == sorted(expected)
+    for name, value in expected.items():  # Adam's steps amplify summation-order differences in small gradients
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=5e-5)
+    tokens = torch.randint(VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        unmerged = adapted(tokens).logits
+        merged = adapted.merge_and_unload()(tokens).logits  # QA-HiRA's zero-point shift into the INT4 base
+    torch.testing.assert_close(merged, unmerged, rtol=0, atol=1e-5)
