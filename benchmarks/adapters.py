@@ -1,6 +1,6 @@
 """Quantized fine-tuning benchmark: QLoRA vs PEFT's QA-LoRA vs Q-BaRA vs QA-HiRA, before and after merging.
 
-``python -m benchmarks.adapters [--quick] [--out PATH] [--device cpu|cuda]``
+``python -m benchmarks.adapters [--quick] [--leg all|accuracy|layouts] [--out PATH] [--device cpu|cuda]``
 
 1. A small Llama-architecture model is pretrained here on a generated language (counting and copying
    sequences) and cached under ``benchmarks/results/cache/``.
@@ -22,6 +22,10 @@ percent for QA-LoRA; QA-HiRA's per-layer count is d_in*d_out/(lambda_in*lambda_o
 
 All numbers are measured on this machine (label ``measured``); the memory column on CPU is computed
 (weights + adapters + Adam state) because CPU torch has no peak-allocation counter.
+
+The layout leg (``--leg layouts``, :mod:`benchmarks._adapters_layouts`) trains QLoRA, Q-BaRA and QA-HiRA against
+LoRA on the float base under merak3d at tp2, pp2 and dp2 ``full`` and reports per-rank model state and step time;
+its goal ``quantised_adapter_memory_ratio`` (quantised over float, per rank, worst layout) is <= 0.4 (issue 53).
 """
 
 from __future__ import annotations
@@ -77,6 +81,9 @@ QUICK = Setting(
     hidden=128, layers=2, pretrain_steps=600, finetune_steps=100, seeds=(0, 1), tasks=("majority", "max"),
     eval_examples=256,
 )
+LAYOUT_QUICK = {"hidden": 128, "layers": 4, "steps": 6, "r": 4}
+LAYOUT_FULL = {"hidden": 256, "layers": 4, "steps": 12, "r": 8}
+"""The layout leg's Llama (intermediate 4x hidden, 4 heads, 2 key/value heads) and run."""
 FULL = Setting(
     hidden=128, layers=2, pretrain_steps=600, finetune_steps=300, seeds=(0, 1, 2), tasks=("majority", "max", "min")
 )
@@ -325,6 +332,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tune", action="store_true", help="sweep each method's learning rate (validation set of the max task)"
     )
+    parser.add_argument("--leg", choices=("all", "accuracy", "layouts"), default="all",
+                        help="accuracy: the quantised fine-tuning tasks; layouts: per-rank memory and step time of "
+                             "the quantised adapters at tp2, pp2 and dp2 full against LoRA on a float base")
     args = parser.parse_args(argv)
     args.out = args.out or default_out("adapters", args.quick)
     setting = QUICK if args.quick else FULL
@@ -332,20 +342,32 @@ def main(argv: list[str] | None = None) -> None:
     # One thread: on a shared 2-core machine, multi-threaded tiny matmuls are 10-30x slower and erratic.
     torch.set_num_threads(1)
     started = time.perf_counter()
-    base_state = pretrained_base(setting, device)
     if args.tune:
-        tune(setting, base_state, device, args.out.with_name("adapters_lr_sweep.json"))
+        tune(setting, pretrained_base(setting, device), device, args.out.with_name("adapters_lr_sweep.json"))
         return
-    rows = [
-        run_one(setting, method, task, seed, base_state, device, LEARNING_RATES[method])
-        for task in setting.tasks
-        for method in METHODS
-        for seed in setting.seeds
-    ]
-    table = summarize(rows, setting)
-    print_table(table)
-    chance = {"majority": 0.1, "max": 1 / len(WORDS), "min": 1 / len(WORDS)}
-    print("chance accuracy: " + ", ".join(f"{t} {100 * chance[t]:.1f}%" for t in setting.tasks))
+    rows, table = [], []
+    if args.leg != "layouts":
+        base_state = pretrained_base(setting, device)
+        rows = [
+            run_one(setting, method, task, seed, base_state, device, LEARNING_RATES[method])
+            for task in setting.tasks
+            for method in METHODS
+            for seed in setting.seeds
+        ]
+        table = summarize(rows, setting)
+        print_table(table)
+        chance = {"majority": 0.1, "max": 1 / len(WORDS), "min": 1 / len(WORDS)}
+        print("chance accuracy: " + ", ".join(f"{t} {100 * chance[t]:.1f}%" for t in setting.tasks))
+    layout_rows, goals = [], []
+    if args.leg != "accuracy":
+        from benchmarks._adapters_layouts import run_layouts
+        from benchmarks.goals import print_goals
+
+        size = LAYOUT_QUICK if args.quick else LAYOUT_FULL
+        layout_rows, goal = run_layouts(**size)
+        goals = [goal]
+        print_table(layout_rows)
+        print_goals(goals)
     wall = time.perf_counter() - started
     print(
         f"wall time {wall:.0f} s on {device}; memory: "
@@ -360,6 +382,11 @@ def main(argv: list[str] | None = None) -> None:
         device=str(device),
         setting=setting.__dict__,
         summary=table,
+        leg=args.leg,
+        layout_setting=(LAYOUT_QUICK if args.quick else LAYOUT_FULL) if args.leg != "accuracy" else None,
+        layout_rows=layout_rows,
+        quantised_adapter_memory_ratio=goals[0]["value"] if goals else None,
+        goals=goals,
         wall_seconds=round(wall, 1),
         memory_column=(
             "peak CUDA allocation" if device.type == "cuda"
