@@ -1,4 +1,4 @@
-"""The per-rank model state ``python -m benchmarks.adapters``' layout leg compares (``benchmarks/_adapters_layouts.py``)."""
+"""The per-rank model state that the layout leg of ``python -m benchmarks.adapters`` compares."""
 
 from __future__ import annotations
 
