@@ -150,6 +150,30 @@ def test_shards_whose_blocks_would_cross_are_refused_naming_the_fix():
     check_adapter_split(wide, 2)
 
 
+def test_a_resumed_meta_model_reads_the_tensors_its_float_weight_was_rewritten_into():
+    """A float weight the checkpoint lacks: the INT4 codes, scales and zeros saved instead (whole at tp=1 and pp),
+    or this rank's quantised shard; shards of another degree are refused, naming the one that wrote them."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
+
+    from lightning_merak.checkpoint.sharded import _saved_storage_where_rewritten
+
+    def saved(*names: str) -> Metadata:
+        return Metadata({f"model.{name}": TensorStorageMetadata(TensorProperties(dtype=torch.uint8), torch.Size([4]),
+                                                                []) for name in names})
+
+    whole = saved("q.base_layer.qweight", "q.base_layer.scales", "q.base_layer.zeros", "q.qahira_H")
+    state = {"q.base_layer.weight": torch.empty(4, 4), "q.qahira_H": torch.empty(4)}
+    _saved_storage_where_rewritten(state, whole, None)
+    assert sorted(state) == ["q.base_layer.qweight", "q.base_layer.scales", "q.base_layer.zeros", "q.qahira_H"]
+    assert state["q.base_layer.qweight"].dtype == torch.uint8
+    shards = saved(*[f"q.base_layer.shard_tp{rank}of2.{name}" for rank in range(2) for name in ("qweight", "scales")])
+    state = {"q.base_layer.weight": torch.empty(4, 4)}
+    _saved_storage_where_rewritten(state, shards, (1, 2))
+    assert sorted(state) == ["q.base_layer.shard_tp1of2.qweight", "q.base_layer.shard_tp1of2.scales"]
+    with pytest.raises(ValueError, match="q.base_layer's quantised base as 2 tensor-parallel shards.*this run: 1"):
+        _saved_storage_where_rewritten({"q.base_layer.weight": torch.empty(4, 4)}, shards, None)
+
+
 @pytest.mark.distributed
 def test_adapters_on_a_base_quantised_per_shard_train_like_the_whole_quantised_model(tmp_path):
     """Q-BaRA on NF4 and FP4, QLoRA on NF4, QA-HiRA on INT4 and LoRA on int8 at tp2 (with sequence parallelism for
@@ -173,12 +197,12 @@ def test_adapters_on_a_base_quantised_per_shard_train_like_the_whole_quantised_m
                             merge_rank_traces([result[index][0] for result in results]), loss_rtol=1e-5,
                             grad_rtol=1e-4)
     three, final = tmp_path / "three.ckpt", tmp_path / "final.ckpt"
-    metadata = FileSystemReader(str(three)).read_metadata()
+    metadata = FileSystemReader(str(three)).read_metadata()  # what the ranks saved: each its own shard
     layer = "model.base_model.model.model.layers.0.mlp.down_proj.base_layer"
     with pytest.raises(ValueError, match="as 2 tensor-parallel shards.*resume it at tensor_parallel=2 .this run: 4"):
         _saved_storage_where_rewritten({f"{layer}.weight": torch.empty(128, 256)}, metadata, (1, 4))
     state = {f"{layer}.weight": torch.empty(128, 256)}
-    _saved_storage_where_rewritten(state, metadata, (1, 2))  # this rank's shard is read, none of the other's
+    _saved_storage_where_rewritten(state, metadata, (1, 2))
     assert sorted(state) == [f"{layer}.shard_tp1of2.{name}" for name in ("qweight", "scales", "zeros")]
     with pytest.raises(ValueError, match="holds a quantised base .int4: .*shard_tp"):
         export_checkpoint(final, tmp_path / "merged", merge_adapters=True)
