@@ -32,7 +32,7 @@ from .base import PooledAdapterLayer, check_target_layer
 from .int4 import check_int4_shape, replace_submodule
 from .int4_experts import quantize_experts_int4
 from .pooled_experts import PooledExpertsLayer
-from .quantize import QUANTIZATIONS, WholeRowAbsmax, quantized_shard
+from .quantize import QUANTIZATIONS, WholeRowAbsmax, quantized_shard, shard_quantization_problem
 
 __all__ = ["AFTER_MATERIALIZE", "MATERIALIZE_INIT", "DeferredQuantization", "attach_on_meta", "mark_adapter_inits"]
 
@@ -127,20 +127,26 @@ class DeferredQuantization:
     def __call__(self, part: nn.Module) -> None:
         """Quantise ``part``'s frozen base layers in place, then rebind the adapters to the quantised bases.
 
-        Layers tensor parallelism split (any module with ``quantize_shard``) quantise this rank's shard of their
-        weight; whole layers are replaced as the whole-model path replaces them.
+        Layers tensor parallelism split (any module with ``quantize_shard`` and ``split_geometry``) quantise this
+        rank's shard of their weight, all checked first (whole quantisation blocks per shard); whole layers are
+        replaced as the whole-model path replaces them.
         """
         if self.quantization == "none":
             return
         targets = _base_linears(part, self.skip)
-        shards = [(name, module) for name, module in part.named_modules() if callable(getattr(module, "quantize_shard",
-                                                                                            None))
-                  and getattr(module, "weight", None) is not None and not _skipped(name, self.skip)]
+        shards = [(name, module) for name, module in part.named_modules()
+                  if callable(getattr(module, "quantize_shard", None)) and getattr(module, "weight", None) is not None
+                  and not _skipped(name, self.skip)]
+        for name, split in shards:  # the build checked the plan already: a layer split elsewhere is checked here
+            column, in_features, out_features, parts, contiguous = split.split_geometry()
+            problem = shard_quantization_problem(self.quantization, name, in_features, out_features, parts,
+                                                 column=column, contiguous=contiguous, group_size=self.group_size,
+                                                 double_quant=self.double_quant)
+            if problem is not None:
+                raise ValueError(problem)
         if self.quantization == "int4":
             for name, linear in targets:
                 check_int4_shape(name, linear.in_features, self.group_size)
-            for name, split in shards:
-                check_int4_shape(name, split.local_features()[0], self.group_size)
             if self.experts:  # under their adapters, whose update is added to the weight only during a forward
                 quantize_experts_int4(part, self.group_size)
         for name, linear in targets:

@@ -208,6 +208,9 @@ class QuantizableShard(nn.Module):
         """The quantised shard's output for ``tensor`` (its layer's own forward, as the whole model's)."""
         return self.quantized(tensor)
 
+    def split_geometry(self) -> tuple[bool, int, int, int, bool]:
+        raise NotImplementedError
+
 
 def sharded_parameter(parameter: nn.Parameter, mesh: DeviceMesh, placement: Any) -> nn.Parameter:
     """``parameter`` as a DTensor over ``mesh``; a frozen one stays frozen."""
@@ -261,10 +264,10 @@ class ColumnParallelLinear(QuantizableShard):
             return local
         return _SumSharedRows.apply(local, *self._shared, self.group)
 
-    @property
-    def contiguous_rows(self) -> bool:
-        """Whether this rank holds its contiguous part of the original rows (not reordered nor shared)."""
-        return self._order is None
+    def split_geometry(self) -> tuple[bool, int, int, int, bool]:
+        """``(column, in, out, ranks, contiguous)``: split by output rows, whole widths, group size, and whether
+        this rank holds its contiguous part of the rows (not reordered nor shared)."""
+        return True, self.in_features, self.out_features, dist.get_world_size(self.group), self._order is None
 
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
         bias = self.local(self.bias)
@@ -344,6 +347,10 @@ class RowParallelLinear(QuantizableShard):
         if self.weight is None:
             return self._local_shape[1], self.out_features
         return self.weight.to_local().shape[1], self.out_features
+
+    def split_geometry(self) -> tuple[bool, int, int, int, bool]:
+        """``(column, in, out, ranks, contiguous)``: split by input features, whole widths, group size."""
+        return False, self.in_features, self.out_features, dist.get_world_size(self.group), True
 
     def whole_row_absmax(self, local: torch.Tensor) -> torch.Tensor:
         """The largest magnitude of each whole row, from this rank's (``local``): the max over the group (exact)."""
