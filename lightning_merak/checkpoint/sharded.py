@@ -21,6 +21,8 @@ while saving keeps its previous checkpoint. Loading builds nothing but tensors a
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -71,13 +73,16 @@ def _saved_storage_where_rewritten(model_state: dict[str, torch.Tensor], metadat
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     saved_keys = metadata.state_dict_metadata
+    ordered = sorted(saved_keys)  # the keys under a layer's prefix are one run of it
     for key, target in list(model_state.items()):
         layer = key.rpartition(".")[0]
         if f"model.{key}" not in saved_keys and target.is_floating_point() and layer:
-            extra = [name for name in saved_keys if name.startswith(f"model.{layer}.")
-                     and name[len("model."):] not in model_state
+            prefix = f"model.{layer}."
+            under = itertools.takewhile(lambda name: name.startswith(prefix),
+                                        ordered[bisect.bisect_left(ordered, prefix):])
+            extra = [name for name in under if name[len("model."):] not in model_state
                      and isinstance(saved_keys[name], TensorStorageMetadata)]
-            shards = saved_shards(extra, f"model.{layer}.")
+            shards = saved_shards(extra, prefix)
             if shards:
                 degree = next(iter(shards))[1]
                 if tensor_rank is None or tensor_rank[1] != degree:
