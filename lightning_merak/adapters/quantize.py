@@ -10,7 +10,7 @@ from typing import Callable, Literal, Optional
 import torch
 from torch import nn
 
-from .int4 import quantize_linear_layers_int4, replace_submodule
+from .int4 import QuantLinearInt4, quantize_linear_layers_int4, replace_submodule
 from .int4_experts import quantize_experts_int4
 from .resume import refuse_mismatched_checkpoints, restore_packed_4bit
 
@@ -226,8 +226,6 @@ def quantized_shard(linear: nn.Linear, quantization: Quantization, *, double_qua
     and scales are the whole layer's slice (LLM.int8's ``round(127 * w / absmax)``, bitsandbytes' own formula, on
     the fp16 weight); 4-bit and INT4 statistics are per block, per shard (:func:`shard_quantization_problem`).
     """
-    from .int4 import QuantLinearInt4
-
     if quantization == "int4":
         return QuantLinearInt4.from_linear(linear, group_size)
     if quantization != "int8" or whole_row_absmax is None:
