@@ -78,7 +78,7 @@ def _model() -> torch.nn.Module:
 def _samples(settings: dict[str, Any]) -> list[torch.Tensor]:
     language = SyntheticLanguage(VOCAB, 3, seed=7)
     count = settings["batch"] * (settings["warmup"] + settings["measured"])
-    return synthetic_samples(language.sample, count, seed=11, max_length=settings["context"])
+    return synthetic_samples(language.sequence, count, seed=11, max_length=settings["context"])
 
 
 def fit_cost_model(context: int) -> tuple[CostModel, list[tuple[int, int, float]]]:

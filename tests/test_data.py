@@ -1,11 +1,12 @@
 import json
 import math
+import time
 
 import pytest
 import torch
 
 from lightning_merak.modules.config import DataConfig
-from lightning_merak.modules.data import ByteTokenizer, LanguageModelingData, SyntheticLanguage
+from lightning_merak.modules.data import ByteTokenizer, LanguageModelingData, SyntheticLanguage, SyntheticSequences
 
 
 def test_synthetic_language_is_seeded_and_structured():
@@ -89,3 +90,47 @@ def test_variable_global_batches_resume_mid_pass_and_then_reshuffle_as_the_strai
     finished = _variable_loader()
     finished.load_state_dict({"pass": 0, "batches": len(first)})  # taken at the pass's end: the next one follows
     assert _global_batches([finished]) == [second]
+
+
+def test_a_synthetic_sequence_depends_on_its_index_alone():
+    """Sequence ``i`` is the same however many sequences the set has, whoever reads it and in which order, and a
+    shorter one is its prefix: every rank reads the same tokens without generating the others."""
+    language = SyntheticLanguage(vocab_size=64, branching=3, seed=7)
+    rows = language.sample(6, 40)
+    assert torch.equal(rows[:4], language.sample(4, 40))
+    assert torch.equal(language.sequence(5, 40), rows[5])
+    assert torch.equal(language.sequence(3, 12), rows[3, :12])
+    assert not torch.equal(language.sequence(3, 40), rows[2])
+    assert not torch.equal(language.sequence(3, 40, seed_offset=1), rows[3])
+    small, large = SyntheticSequences(language, 8, 40), SyntheticSequences(language, 8192, 40)
+    assert [small[i][0].tolist() for i in (7, 0, 3)] == [large[i][0].tolist() for i in (7, 0, 3)]
+    assert torch.equal(small[-1][0], small[7][0])
+    with pytest.raises(IndexError):
+        small[8]
+    first = LanguageModelingData(DataConfig(name="synthetic", seq_len=40, num_sequences=8, vocab_size=64, seed=7))
+    first.setup("fit")
+    assert torch.equal(first.train_set[5][0], rows[5]) and torch.equal(first.val_set[0][0],
+                                                                    language.sequence(0, 40, seed_offset=1))
+
+
+def test_synthetic_sequences_follow_the_chain_s_transition_probabilities():
+    language = SyntheticLanguage(vocab_size=6, branching=3, seed=2)
+    tokens = language.sequence(0, 60_000).tolist()
+    counts = torch.zeros(6, 3)
+    for previous, token in zip(tokens[:-1], tokens[1:]):
+        counts[previous, language.successors[previous].tolist().index(token)] += 1
+    visited = counts.sum(1) >= 2000  # a token no other token leads to is never left
+    assert visited.sum() >= 3
+    frequencies = counts[visited] / counts[visited].sum(1, keepdim=True)
+    assert (frequencies - language.successor_probs[visited]).abs().max() < 0.03
+
+
+def test_synthetic_setup_generates_nothing_until_a_sample_is_read():
+    """At 16k tokens the default 8192 sequences took about a minute to generate up front on one process (four
+    ranks on two cores: minutes, past the watchdog); now setup is immediate and a read costs one sequence."""
+    data = LanguageModelingData(DataConfig(name="synthetic", seq_len=16384, num_sequences=8192, batch_size=1))
+    started = time.perf_counter()
+    data.setup("fit")
+    (batch,) = next(iter(data.train_dataloader()))
+    assert time.perf_counter() - started < 5.0
+    assert batch.shape == (1, 16384) and len(data.train_set) == 8192

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+from bisect import bisect_right
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -37,6 +38,7 @@ __all__ = [
     "LanguageModelingData",
     "ResumableDataLoader",
     "SyntheticLanguage",
+    "SyntheticSequences",
     "TokenDataModule",
     "document_tokens",
     "load_text_documents",
@@ -68,6 +70,9 @@ class SyntheticLanguage:
             torch.randn(vocab_size, branching, generator=generator) * 1.5, dim=-1
         )
         self._seed = seed
+        # the chain's tables as plain lists: :meth:`sequence` steps token by token
+        self._successor_lists: list[list[int]] = self.successors.tolist()
+        self._thresholds: list[list[float]] = self.successor_probs.double().cumsum(-1)[:, :-1].tolist()
 
     @property
     def entropy_rate(self) -> float:
@@ -75,16 +80,65 @@ class SyntheticLanguage:
         probs = self.successor_probs
         return float(-(probs * probs.log()).sum(-1).mean())
 
+    def sequence(self, index: int, length: int, seed_offset: int = 0) -> torch.Tensor:
+        """Sequence ``index`` of the set ``seed_offset`` names, ``length`` token ids (int64).
+
+        Drawn from a generator seeded by ``(seed, seed_offset, index)`` alone, so a rank reads any sequence
+        without generating those before it, and every rank reads the same tokens at an index. A shorter
+        ``length`` gives a prefix of the longer sequence. One Python step per token: a chain is sequential, and
+        a step on plain ints costs a fraction of a microsecond where a tensor operation costs several.
+        """
+        if index < 0 or length < 1:
+            raise ValueError(f"a synthetic sequence needs index >= 0 and length >= 1, got {index} and {length}")
+        generator = torch.Generator().manual_seed(mixed_seed(self._seed, seed_offset, index))
+        draws = torch.rand(length, dtype=torch.float64, generator=generator).tolist()
+        token = min(int(draws[0] * self.vocab_size), self.vocab_size - 1)
+        tokens = [token]
+        thresholds, successors = self._thresholds, self._successor_lists
+        for draw in draws[1:]:
+            token = successors[token][bisect_right(thresholds[token], draw)]
+            tokens.append(token)
+        return torch.tensor(tokens, dtype=torch.long)
+
     def sample(self, num_sequences: int, seq_len: int, seed_offset: int = 0) -> torch.Tensor:
-        """``num_sequences`` sequences of ``seq_len`` token ids (int64)."""
-        generator = torch.Generator().manual_seed(self._seed + 1 + seed_offset)
-        tokens = torch.empty(num_sequences, seq_len, dtype=torch.long)
-        tokens[:, 0] = torch.randint(self.vocab_size, (num_sequences,), generator=generator)
-        for position in range(1, seq_len):
-            previous = tokens[:, position - 1]
-            choice = torch.multinomial(self.successor_probs[previous], 1, generator=generator)
-            tokens[:, position] = self.successors[previous].gather(1, choice).squeeze(1)
-        return tokens
+        """Sequences ``0 .. num_sequences - 1`` of :meth:`sequence`, ``(num_sequences, seq_len)`` token ids."""
+        return torch.stack([self.sequence(index, seq_len, seed_offset) for index in range(num_sequences)])
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def mixed_seed(*values: int) -> int:
+    """A 63-bit generator seed from ``values`` by SplitMix64 steps: tuples that differ in any value (neighbouring
+    indices, another seed offset) give unrelated streams, where a sum of them would collide."""
+    state = 0
+    for value in values:
+        state = (state + value + 0x9E3779B97F4A7C15) & _MASK64
+        state = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        state = ((state ^ (state >> 27)) * 0x94D049BB133111EB) & _MASK64
+        state ^= state >> 31
+    return state >> 1
+
+
+class SyntheticSequences(Dataset):
+    """``count`` sequences of ``seq_len`` tokens of a :class:`SyntheticLanguage`, each generated when read.
+
+    Nothing is generated at setup: a rank pays for the samples its loader reads (at 16k tokens, materialising
+    the default 8192 sequences took a minute per process). Items are ``(tokens,)`` like a ``TensorDataset``'s.
+    """
+
+    def __init__(self, language: SyntheticLanguage, count: int, seq_len: int, seed_offset: int = 0) -> None:
+        if count < 1 or seq_len < 1:
+            raise ValueError(f"SyntheticSequences needs count >= 1 and seq_len >= 1, got {count} and {seq_len}")
+        self.language, self.count, self.seq_len, self.seed_offset = language, count, seq_len, seed_offset
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor]:
+        if not -self.count <= index < self.count:
+            raise IndexError(f"sequence {index} of {self.count}")
+        return (self.language.sequence(index % self.count, self.seq_len, self.seed_offset),)
 
 
 class ByteTokenizer:
@@ -277,8 +331,8 @@ class TokenDataModule(pl.LightningDataModule):
         self.val_set: Optional[Dataset | list[torch.Tensor]] = None
 
     def build_samples(self) -> tuple[Any, Any]:
-        """``(training, validation)``: block tensors ``(n, seq_len)`` with fixed lengths, lists of 1-D samples with
-        variable ones."""
+        """``(training, validation)``: with fixed lengths, block tensors ``(n, seq_len)`` or datasets of ``(block,)``
+        items; with variable ones, lists of 1-D samples."""
         raise NotImplementedError
 
     def setup(self, stage: str) -> None:
@@ -287,7 +341,7 @@ class TokenDataModule(pl.LightningDataModule):
         if self.lengths == "variable" and self.trainer is not None:
             check_consumer(self.trainer.strategy)
         train, val = self.build_samples()
-        if self.lengths == "fixed":
+        if self.lengths == "fixed" and isinstance(train, torch.Tensor):
             train, val = TensorDataset(train), TensorDataset(val)
         self.train_set, self.val_set = train, val
 
@@ -367,11 +421,11 @@ class LanguageModelingData(TokenDataModule):
         config = self.config
         if self.lengths == "variable":
             num_val = max(config.batch_size, int(config.num_sequences * config.val_fraction))
-            return (synthetic_samples(language.sample, config.num_sequences, config.seed, config.max_length),
-                    synthetic_samples(lambda n, length: language.sample(n, length, seed_offset=1), num_val,
-                                      config.seed + 1, config.max_length))
+            return (synthetic_samples(language.sequence, config.num_sequences, config.seed, config.max_length),
+                    synthetic_samples(lambda index, length: language.sequence(index, length, seed_offset=1),
+                                      num_val, config.seed + 1, config.max_length))
         # At least one full validation batch on every rank (the loader drops partial ones).
         world_size = 1 if self.trainer is None else self.trainer.world_size
         num_val = max(config.batch_size * world_size, int(config.num_sequences * config.val_fraction))
-        return language.sample(config.num_sequences, config.seq_len), language.sample(num_val, config.seq_len,
-                                                                                        seed_offset=1)
+        return (SyntheticSequences(language, config.num_sequences, config.seq_len),
+                SyntheticSequences(language, num_val, config.seq_len, seed_offset=1))

@@ -197,9 +197,9 @@ def token_samples(token_lists: Sequence[Sequence[int]], max_length: int) -> list
     return [torch.tensor(tokens[:max_length], dtype=torch.long) for tokens in token_lists if len(tokens) >= 2]
 
 
-def synthetic_samples(sample_blocks: Callable[[int, int], torch.Tensor], count: int, seed: int,
+def synthetic_samples(sample_one: Callable[[int, int], torch.Tensor], count: int, seed: int,
                       max_length: int) -> list[torch.Tensor]:
-    """``count`` samples of multi-task lengths (16 to ``max_length``), cut from ``sample_blocks(count, longest)``."""
+    """``count`` samples of multi-task lengths (16 to ``max_length``), sample ``i`` being ``sample_one(i, length)``:
+    generated at its own length, so the cost is the tokens kept rather than ``count`` times the longest."""
     lengths, _ = multi_task_lengths(count, seed, min_length=min(16, max_length), max_length=max_length)
-    blocks = sample_blocks(count, int(lengths.max()))
-    return [blocks[row, :int(length)] for row, length in enumerate(lengths)]
+    return [sample_one(index, int(length)) for index, length in enumerate(lengths)]
