@@ -43,7 +43,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -63,6 +64,7 @@ __all__ = [
     "describe_lost",
     "describe_stall",
     "flight_recorder_reader",
+    "working_alone",
 ]
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,28 @@ DEFAULT_DEAD_AFTER_S = 15.0
 """A heartbeat silent this long means a lost rank (the thread beats every second, even while the main thread waits)."""
 EXIT_CODE = 70
 """The exit status of a rank the watchdog ends (``EX_SOFTWARE``); torchrun restarts on any non-zero status."""
+
+_WORKING_ALONE: list[str] = []
+"""What this process works on without its peers, innermost last (:func:`working_alone`); read by the watch thread."""
+
+
+@contextmanager
+def working_alone(what: str) -> Iterator[None]:
+    """This rank computes ``what`` on its own, for as long as that takes: no stall alarm is raised meanwhile.
+
+    Why: a rank that computes for minutes after a collective (a layout planner profiling long sequences) is no
+    hang, but gloo does not always record the completion of its last collective in the flight recorder (measured
+    on torch 2.13: the source of a ``broadcast_object_list`` still counted it in flight seconds later, at random),
+    so the stall clock would run out and end every rank. The lost-peer watch goes on; a wait for the peers inside
+    the block should have a deadline of its own (:func:`~lightning_merak.distributed.store_gather.
+    gather_through_store`). The stall clock starts afresh when the block ends.
+    """
+    _WORKING_ALONE.append(what)
+    try:
+        yield
+    finally:
+        _WORKING_ALONE.pop()
+
 
 # ---------------------------------------------------------------------------------------------- pure core
 
@@ -379,8 +403,11 @@ class Watchdog:
                 self._store.set(f"{_PREFIX}/beat/{self.rank}", str(beat))
                 beats, done = self._beats(peers)
                 self._lost = self._find_lost(pulse.observe(beats, now), peers, done)
+                if _WORKING_ALONE:  # the clock starts afresh when the work ends
+                    stall = StallClock(self.timeout_s)
                 if not self._lost:
-                    stuck = stall.observe(read_progress(self.reader), now) if self.raises_stall_alarms else []
+                    stuck = (stall.observe(read_progress(self.reader), now)
+                             if self.raises_stall_alarms and not _WORKING_ALONE else [])
                     if stuck:
                         self._alarm(stuck, stall.waited(now))
                     elif alarmed or self._store.check([f"{_PREFIX}/alarm"]):

@@ -13,7 +13,8 @@ figures feed a decision time through this module instead:
   as plain wall-clock times, or for work spread over several streams (copies on a side stream) that events on
   one stream would not wait for;
 * :class:`DeviceSeconds` keeps a series of such regions (one per training step), read when looked at;
-* :func:`median_call_time` / :func:`mean_call_time` time repeated calls of a function.
+* :func:`median_call_time` / :func:`mean_call_time` time repeated calls of a function, fewer of them inside
+  :func:`repeat_budget` once the calls have taken its seconds.
 
 On the CPU, where a call has finished when it returns, and on any other device, every figure is a
 ``time.perf_counter()`` difference, as a plain wall clock gives.
@@ -23,14 +24,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from types import TracebackType
 from typing import Any, Callable, Optional, Union, overload
 
 import torch
 
-__all__ = ["DeviceSeconds", "DeviceStamp", "DeviceTimer", "device_now", "mean_call_time", "median_call_time",
-           "synchronize"]
+__all__ = ["MIN_BUDGETED_REPEATS", "DeviceSeconds", "DeviceStamp", "DeviceTimer", "device_now", "mean_call_time",
+           "budget_spent", "budget_start", "median_call_time", "repeat_budget", "synchronize"]
 
 Device = Union[torch.device, str]
 
@@ -131,23 +134,67 @@ class DeviceSeconds(Sequence[float]):
         return self._read[index]
 
 
+MIN_BUDGETED_REPEATS = 1
+"""Timed calls :func:`repeat_budget` keeps at least. A call that outlasts the budget on its own (seconds) already
+spreads the machine's brief disturbances over its length; shorter ones get as many repeats as the budget holds."""
+
+_BUDGET_S: ContextVar[Optional[float]] = ContextVar("repeat_budget_s", default=None)
+
+
+@contextmanager
+def repeat_budget(seconds: float) -> Iterator[None]:
+    """Inside the block, :func:`median_call_time` and :func:`mean_call_time` stop repeating a call once its calls
+    (warm-up included) have taken ``seconds`` of wall time, after at least :data:`MIN_BUDGETED_REPEATS` timed ones.
+
+    Repeats average out disturbances of a few milliseconds, which a call of seconds barely feels; without a bound,
+    every quantity a profiler times costs ``repeats`` such calls (a layout planner at 16k tokens on CPU took over
+    ten minutes per rank). Calls of milliseconds keep all their repeats. On CUDA the wall time counts only what the
+    host waited for, so the bound cuts less there.
+    """
+    if seconds <= 0:
+        raise ValueError(f"repeat_budget needs seconds > 0, got {seconds}")
+    token = _BUDGET_S.set(seconds)
+    try:
+        yield
+    finally:
+        _BUDGET_S.reset(token)
+
+
+def budget_start() -> float:
+    """The host clock where a quantity's calls begin (before its warm-up), for :func:`budget_spent`; outside a
+    :func:`repeat_budget` no clock is read (0.0)."""
+    return time.perf_counter() if _BUDGET_S.get() is not None else 0.0
+
+
+def budget_spent(started: float, timed: int) -> bool:
+    """Whether a quantity whose calls began at ``started`` (:func:`budget_start`) and has ``timed`` timed calls
+    should stop repeating under :func:`repeat_budget` (never outside one)."""
+    budget_s = _BUDGET_S.get()
+    return budget_s is not None and timed >= MIN_BUDGETED_REPEATS and time.perf_counter() - started >= budget_s
+
+
 def _call_times(fn: Callable[[], Any], repeats: int, device: Device) -> list[float]:
+    started = budget_start()
     fn()
     timers = []
     for _ in range(repeats):
         with DeviceTimer(device) as timer:
             fn()
         timers.append(timer)
+        if budget_spent(started, len(timers)):
+            break
     return [timer.seconds for timer in timers]
 
 
 def median_call_time(fn: Callable[[], Any], repeats: int, device: Device) -> float:
-    """Median device time of ``repeats`` calls after one warm-up call: robust to a busy machine."""
+    """Median device time of ``repeats`` calls (fewer under :func:`repeat_budget`) after one warm-up call: robust
+    to a busy machine."""
     return statistics.median(_call_times(fn, repeats, device))
 
 
 def mean_call_time(fn: Callable[[], Any], repeats: int, device: Device) -> float:
-    """Mean device time of ``repeats`` calls after one warm-up call: what a long run of such calls pays on average.
+    """Mean device time of ``repeats`` calls (fewer under :func:`repeat_budget`) after one warm-up call: what a
+    long run of such calls pays on average.
 
     Other load on the machine slows some calls; a training step of many calls meets it in
     proportion, and the median of a few calls leaves it out.

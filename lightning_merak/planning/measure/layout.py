@@ -16,10 +16,11 @@ plans the same layout from every core's timings.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import statistics
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, ContextManager, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,7 @@ from lightning_merak.planning.planner import (
     fit_collective_cost,
     fit_pipeline_runtime,
 )
+from lightning_merak.util import timing
 from lightning_merak.util.model_outputs import logits_of
 from lightning_merak.util.timing import DeviceStamp, mean_call_time, median_call_time
 
@@ -141,10 +143,13 @@ def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, 
         runs.append((start, marks["row"], end_forward, marks.get(last_group, end_forward), end_backward))
 
     try:
+        started = timing.budget_start()
         run()
         runs.clear()
         for _ in range(repeats):
             run()
+            if timing.budget_spent(started, len(runs)):
+                break
     finally:
         for handle in handles:
             handle.remove()
@@ -390,6 +395,7 @@ def profile_model(
     overlap_weight_gradients: bool = True,
     materialize_with: Optional[Callable[[nn.Module], Callable[..., None]]] = None,
     fast_blocks: FastBlocks = FastBlocks(),
+    budget_s: Optional[float] = None,
 ) -> ModelProfile:
     """Time ``model``'s parts at every (tp, sub-batch samples) the search needs (``keys``).
 
@@ -405,8 +411,15 @@ def profile_model(
     materialises one block (and the prefix, then the head, in the traces) at a time. Blocks are timed as
     ``fast_blocks`` makes them train: local shards and real blocks with fp8 layers (their time and saved
     activations measured so), real blocks compiled, and with compilation each local shard's segments scaled by its
-    measured compiled-over-eager time (:func:`_compiled_over_eager`).
+    measured compiled-over-eager time (:func:`_compiled_over_eager`). With ``budget_s`` each quantity timed in
+    this process alone takes fewer than ``repeats`` calls once its calls have taken that long
+    (:func:`~lightning_merak.util.timing.repeat_budget`); those timed across ranks (real tensor-parallel blocks,
+    their sharded update) keep every repeat, so that all ranks issue the same collectives.
     """
+
+    def local() -> ContextManager[None]:  # the budget, where no collective is timed
+        return timing.repeat_budget(budget_s) if budget_s is not None else contextlib.nullcontext()
+
     real_blocks = process_group_device is not None and dist.is_initialized() and dist.get_world_size() > 1
     measured_samples = {samples for _, _, samples in keys.measured_blocks} if real_blocks else set()
     needed_samples = sorted({samples for _, samples in keys.block_times} | set(keys.prefix_suffix_samples)
@@ -415,8 +428,9 @@ def profile_model(
     for samples in needed_samples:
         inputs = sample_inputs[:samples] if samples <= sample_inputs.shape[0] else sample_inputs.repeat(
             -(-samples // sample_inputs.shape[0]), 1)[:samples]
-        traces[samples] = trace_model(model, inputs, call_model, profile=True, profile_repeats=repeats,
-                                      materialize_with=materialize_with)
+        with local():
+            traces[samples] = trace_model(model, inputs, call_model, profile=True, profile_repeats=repeats,
+                                          materialize_with=materialize_with)
     largest = traces[needed_samples[-1]]
     trunk = model.get_submodule(largest.trunk_path)
     on_meta = any(p.is_meta for p in trunk[0].parameters())
@@ -426,19 +440,20 @@ def profile_model(
     parameter_bytes: dict[int, int] = {}
     activation_bytes: dict[int, int] = {}
     sequence_split_bytes: dict[int, int] = {}
-    for tp in sorted(keys.tp_degrees | {1}):
-        shard = local_shard_of_block(block, plan, tp)
-        fast_blocks.convert_float8([(f"{largest.trunk_path}.0", shard)])  # a copy: converted in place
-        parameter_bytes[tp] = sum(p.numel() * p.element_size() for p in shard.parameters())
-        for samples in sorted(s for t, s in keys.block_times if t == tp) or [needed_samples[-1]]:
-            times, saved, outside = _block_times(shard, plan, traces[samples], samples, repeats)
-            if fast_blocks.compile:
-                forward_ratio, backward_ratio = _compiled_over_eager(shard, traces[samples], samples, repeats)
-                times = BlockTimes(tuple(s * forward_ratio for s in times.forward_segments_s),
-                                   tuple(s * backward_ratio for s in times.backward_segments_s))
-            block_times[(tp, samples)] = times
-            activation_bytes.setdefault(tp, saved // samples)
-            sequence_split_bytes.setdefault(tp, outside // samples)
+    with local():  # every tensor-parallel degree's local shard, in this process
+        for tp in sorted(keys.tp_degrees | {1}):
+            shard = local_shard_of_block(block, plan, tp)
+            fast_blocks.convert_float8([(f"{largest.trunk_path}.0", shard)])  # a copy: converted in place
+            parameter_bytes[tp] = sum(p.numel() * p.element_size() for p in shard.parameters())
+            for samples in sorted(s for t, s in keys.block_times if t == tp) or [needed_samples[-1]]:
+                times, saved, outside = _block_times(shard, plan, traces[samples], samples, repeats)
+                if fast_blocks.compile:
+                    forward_ratio, backward_ratio = _compiled_over_eager(shard, traces[samples], samples, repeats)
+                    times = BlockTimes(tuple(s * forward_ratio for s in times.forward_segments_s),
+                                       tuple(s * backward_ratio for s in times.backward_segments_s))
+                block_times[(tp, samples)] = times
+                activation_bytes.setdefault(tp, saved // samples)
+                sequence_split_bytes.setdefault(tp, outside // samples)
     hidden = largest.sample_hidden
     prefix, suffix = largest.costs[0], largest.costs[-1]
     # one mesh per tensor-parallel degree (creating one is collective), shared by both measurements
@@ -446,10 +461,14 @@ def profile_model(
               if real_blocks else {})
     sequence_plan = sequence_plan_of(block, largest, plan) if sequence_plan_of is not None and meshes else None
     block_optimizer_s, block_clip_s = _block_update_times(block, plan, keys, optimizer_factory, meshes, repeats)
-    prefix_update_s, suffix_update_s = time_outside_update(model, largest, optimizer_factory, repeats)
     measured = _measure_real_blocks(block, plan, traces, keys, meshes, repeats, max_blocks=min(len(trunk), 4),
                                     sequence_plan=sequence_plan, overlap_weight_gradients=overlap_weight_gradients,
                                     fast_blocks=fast_blocks)
+    with local():
+        prefix_update_s, suffix_update_s = time_outside_update(model, largest, optimizer_factory, repeats)
+        loss_times = {samples: _loss_times(model, sample_inputs, call_model, loss_of, samples, repeats,
+                                           largest.logits_shape if on_meta else None)
+                      for samples in sorted(keys.loss_samples)} if loss_of is not None else {}
     return ModelProfile(
         num_blocks=len(trunk),
         hidden_bytes_per_sample=hidden[0].numel() * hidden.element_size(),
@@ -469,9 +488,7 @@ def profile_model(
         prefix_update_s=prefix_update_s,
         suffix_update_s=suffix_update_s,
         carried_bytes_per_sample=largest.skip_bytes_per_sample(),
-        loss_times={samples: _loss_times(model, sample_inputs, call_model, loss_of, samples, repeats,
-                                         largest.logits_shape if on_meta else None)
-                    for samples in sorted(keys.loss_samples)} if loss_of is not None else {},
+        loss_times=loss_times,
     )
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -20,6 +22,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_merak.callbacks.profiler.lightning_profiler import model_shape
+from lightning_merak.distributed.store_gather import gather_through_store
+from lightning_merak.distributed.watchdog import working_alone
 from lightning_merak.modules.causal_lm import CausalLMModule
 from lightning_merak.parallel.context.model import attention_shape, check_context_parallel_model
 from lightning_merak.parallel.data.buckets import DEFAULT_BUCKET_MB, check_shardable_optimizer
@@ -64,8 +68,10 @@ from lightning_merak.strategies.merak3d.build import (
     split_block_problem,
     tensor_parallel_plan,
 )
+from lightning_merak.util.timing import repeat_budget
 
-__all__ = ["NETWORK_PROBE_SHARE", "PLANNER_REPEATS", "STEP_CHECK_BATCHES", "STEP_CHECK_WARMUP", "PlannedLayout",
+__all__ = ["NETWORK_PROBE_SHARE", "PLANNER_REPEATS", "PLANNER_REPEAT_BUDGET_S", "PLANNER_WAIT_FACTOR",
+           "STEP_CHECK_BATCHES", "STEP_CHECK_WARMUP", "PlannedLayout",
            "check_step_time", "first_training_batch", "largest_network_probe", "plan_layout", "planned_arguments"]
 
 LossOf = Callable[[torch.Tensor, int], torch.Tensor]
@@ -74,6 +80,16 @@ LossOf = Callable[[torch.Tensor, int], torch.Tensor]
 PLANNER_REPEATS = 11
 """Timed repeats per profiled quantity (median). With 5, three planning runs on 2 shared cores
 predicted the same layouts up to 25% apart; with 11, within about 8%."""
+
+PLANNER_REPEAT_BUDGET_S = 2.0
+"""Seconds after which a profiled quantity stops repeating (after one timed call at least; collectives excepted:
+:func:`~lightning_merak.util.timing.repeat_budget`). Calls of milliseconds keep all :data:`PLANNER_REPEATS`; at
+16k tokens, where one block's forward and backward take seconds on CPU, a rank profiled for over ten minutes
+without it."""
+
+PLANNER_WAIT_FACTOR = 3.0
+"""A rank done profiling waits for the others up to this many times its own profiling time (and at least the
+strategy's ``timeout_s``): ranks sharing cores profile at different speeds."""
 
 STEP_CHECK_WARMUP, STEP_CHECK_BATCHES = 2, 5
 """A planned run compares the median of batches 3–7 with the prediction (the first ones build and warm up)."""
@@ -118,6 +134,7 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
     no_cache(model)
     # a model on the meta device is profiled one materialised piece at a time, seeded alike on every rank
     materialize_with = meta_materializers(model, inputs.device, broadcast) if has_meta(model) else None
+    exchange_key = f"merak3d/planner/{broadcast(uuid.uuid4().hex, 0)}"  # new in the store in every run
     world = world_size
     tp_degrees = tensor_parallel_candidates(arguments, config, world, num_processes,
                                             inputs.shape[1] if inputs.ndim > 1 else 1)
@@ -167,20 +184,28 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
     factory: Callable[[Any], torch.optim.Optimizer] = (
         (lambda params: type(optimizer)(params, **optimizer.defaults)) if optimizer is not None
         else (lambda params: torch.optim.AdamW(params)))
-    with grouped_experts(model) if merak_ep else contextlib.nullcontext():  # the expert compute merak_ep runs
-        profile = profile_model(model, inputs, call_model, tensor_parallel_plan, keys, factory,
-                                repeats=PLANNER_REPEATS, process_group_device=device,
-                                loss_of=loss_of,
-                                sequence_plan_of=sequence_parallel_plan if arguments.sequence_parallel else None,
-                                overlap_weight_gradients=arguments.weight_grad_overlap,
-                                materialize_with=materialize_with, fast_blocks=arguments.fast_blocks)
-    if keys.context_parallel:  # the attention a split sequence exchanges, and what a context rank computes of it
-        context = context_attention_of(model, inputs, precision)
-        whole, split = time_attention_kernels(context, keys.context_kernels, inputs.device, PLANNER_REPEATS)
-        profile = dataclasses.replace(profile, context=context, attention_kernel_times=whole,
-                                      context_kernel_times=split)
-    every_rank: list[Any] = [None] * world
-    dist.all_gather_object(every_rank, profile)
+    # on its own until the profiles are exchanged: minutes at long sequences, which the watchdog must not take for a
+    # hang (working_alone); the exchange's own deadline is sized to the work
+    with working_alone("profiling the model for the layout planner"):
+        started = time.monotonic()
+        with grouped_experts(model) if merak_ep else contextlib.nullcontext():  # the expert compute merak_ep runs
+            profile = profile_model(model, inputs, call_model, tensor_parallel_plan, keys, factory,
+                                    repeats=PLANNER_REPEATS, process_group_device=device,
+                                    loss_of=loss_of,
+                                    sequence_plan_of=sequence_parallel_plan if arguments.sequence_parallel else None,
+                                    overlap_weight_gradients=arguments.weight_grad_overlap,
+                                    materialize_with=materialize_with, fast_blocks=arguments.fast_blocks,
+                                    budget_s=PLANNER_REPEAT_BUDGET_S)
+        if keys.context_parallel:  # the attention a split sequence exchanges, and what a context rank computes of it
+            context = context_attention_of(model, inputs, precision)
+            with repeat_budget(PLANNER_REPEAT_BUDGET_S):
+                whole, split = time_attention_kernels(context, keys.context_kernels, inputs.device, PLANNER_REPEATS)
+            profile = dataclasses.replace(profile, context=context, attention_kernel_times=whole,
+                                          context_kernel_times=split)
+        # in the store, not a collective: ranks finish minutes apart at long sequences
+        every_rank = gather_through_store(
+            profile, exchange_key, max(arguments.timeout_s, PLANNER_WAIT_FACTOR * (time.monotonic() - started)),
+            "profiling the model for the layout planner", "strategy.timeout_s (Merak3DStrategy(timeout_s=...))")
     profile = dataclasses.replace(average_profiles(every_rank), **state_bytes_per_parameter_byte(model, precision,
                                                                                                factory))
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -224,6 +249,7 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
         lines.append(f"merak3d planner: runner-up {runner_up.layout.describe()}, predicted step "
                      f"{runner_up.step_time_s:.4g} s ({runner_up.samples_per_step} samples)")
     lines.append(f"merak3d planner: {len(allowed)} layouts ranked, {len(result.rejected)} rejected for memory")
+    lines += [f"merak3d planner: rejected {layout.describe()}: {why}" for layout, why in result.rejected[:4]]
     layout, best = broadcast((_adopted_layout(arguments, chosen), best), 0)  # rank 0's, whatever each measured
     rank_zero_info("\n".join(lines))
     return PlannedLayout(layout, result, best, frozenset(verified))
