@@ -220,3 +220,21 @@ def test_the_planner_searches_the_split_at_tensor_parallel_degrees_but_not_with_
     sequence_split = dataclasses.replace(space, sequence_parallel=True)
     assert {(layout.pp, layout.tp) for layout in planner.candidate_layouts(sequence_split)
             if layout.vocab_stages} == {(2, 1)}
+
+
+def test_an_embedding_something_watches_is_not_replaced():
+    """A callback reading the embedding's lookups (SparseCommunication's forward hook) or its gradient would lose
+    them if the split replaced the module: such an embedding stays on the first stage."""
+    import torch
+
+    from lightning_merak.parallel.pipeline.embedding_stages import embedding_split_problem
+
+    plain = torch.nn.Embedding(8, 4)
+    assert embedding_split_problem(plain) is None
+    watched = torch.nn.Embedding(8, 4)
+    watched.register_forward_hook(lambda module, args, output: None)
+    assert "watches the input embedding" in embedding_split_problem(watched)
+    reduced = torch.nn.Embedding(8, 4)
+    reduced.weight.register_post_accumulate_grad_hook(lambda param: None)
+    assert "watches the input embedding" in embedding_split_problem(reduced)
+    assert "max_norm" in embedding_split_problem(torch.nn.Embedding(8, 4, max_norm=1.0))

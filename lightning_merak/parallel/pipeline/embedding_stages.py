@@ -46,6 +46,11 @@ def embedding_split_problem(embedding: Optional[nn.Module]) -> Optional[str]:
         return "the input embedding renormalises its rows (max_norm)"
     if embedding.scale_grad_by_freq or embedding.sparse:
         return "the input embedding scales its gradient by frequency or makes it sparse"
+    weight_hooks = (getattr(embedding.weight, name, None)
+                    for name in ("_backward_hooks", "_post_accumulate_grad_hooks"))
+    if embedding._forward_hooks or embedding._forward_pre_hooks or any(weight_hooks):
+        return ("something watches the input embedding (its hooks: a callback such as SparseCommunication reading "
+                "its lookups or gradient), which replacing the module would drop")
     return None
 
 
