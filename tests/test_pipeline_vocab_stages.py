@@ -210,7 +210,7 @@ def test_measured_legs_pair_each_split_with_its_autopipe_run_and_feed_the_goals(
     assert goals["heavy_head_max_over_mean"]["value"] == _vocab_stages.heavy_head_max_over_mean(simulated)
 
 
-def test_the_planner_searches_the_split_at_tensor_parallel_degrees_but_not_with_sequence_parallel():
+def test_the_planner_searches_the_split_at_tensor_parallel_degrees():
     from lightning_merak.planning import planner
 
     space = planner.SearchSpace(world_size=4, global_batch_size=16, tp_degrees_allowed=(1, 2), max_pipeline_stages=2,
@@ -219,7 +219,7 @@ def test_the_planner_searches_the_split_at_tensor_parallel_degrees_but_not_with_
     assert split == {(2, 1), (2, 2)}
     sequence_split = dataclasses.replace(space, sequence_parallel=True)
     assert {(layout.pp, layout.tp) for layout in planner.candidate_layouts(sequence_split)
-            if layout.vocab_stages} == {(2, 1)}
+            if layout.vocab_stages} == {(2, 1), (2, 2)}
 
 
 def test_an_embedding_something_watches_is_not_replaced():

@@ -75,8 +75,7 @@ def head_step_index(trace: ModelTrace, head_path: str) -> Optional[int]:
 
 
 def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, tensor_parallel: int, context_parallel: int,
-                         schedule: str, data_parallel_sharding: str = "none",
-                         sequence_parallel: bool = False) -> Optional[str]:
+                         schedule: str) -> Optional[str]:
     """Why the head of ``model`` cannot be split over the pipeline ranks in this layout, or None."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not nn.Linear:
@@ -98,9 +97,6 @@ def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, tensor_parallel
                 "scaling or soft-capping); set vocab_stages='off'")
     if context_parallel > 1:
         return "vocab_stages runs at context_parallel=1 so far; set vocab_stages='off'"
-    if sequence_parallel and tensor_parallel > 1:
-        return ("vocab_stages scores the last stage's whole hidden state, which sequence_parallel leaves split over "
-                "the tensor-parallel ranks; set sequence_parallel=False or vocab_stages='off'")
     if schedule not in VOCAB_STAGE_SCHEDULES:
         return (f"vocab_stages runs with schedule {', '.join(VOCAB_STAGE_SCHEDULES)}, not {schedule!r}; change the "
                 "schedule or set vocab_stages='off'")

@@ -477,7 +477,7 @@ class SearchSpace:
     context_attention_methods: tuple[str, ...] = CONTEXT_ATTENTION_METHODS
     vocab_stages_choices: tuple[bool, ...] = (False,)
     """Whether the LM head is split over the pipeline stages (``vocab_stages``), searched where a layout runs it
-    (pp > 1, cp = 1, no sequence parallelism at tp > 1; others keep it whole): ``(False, True)`` plans it."""
+    (pp > 1, cp = 1, parameters not fully sharded; others keep it whole): ``(False, True)`` plans it."""
     context_with_stages: bool = True
     """Whether a split sequence may also run in pipeline stages (cp > 1 with pp > 1): merak3d runs it for a module
     scoring ``CausalLMModule``'s loss without a router aux loss across stages."""

@@ -86,8 +86,9 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None,
 
 def _vocab_stages_choices(space: SearchSpace, pp: int, tp: int, cp: int, sharding: str) -> list[bool]:
     """Whether a layout keeps the LM head whole or splits it over its stages: ``space``'s choices where it can
-    split (pp > 1, cp = 1, parameters not fully sharded, no sequence parallelism at tp > 1), whole elsewhere."""
-    splits = pp > 1 and cp == 1 and sharding != "full" and not (tp > 1 and space.sequence_parallel)
+    split (pp > 1, cp = 1, parameters not fully sharded: the planner's memory model would shard the rows), whole
+    elsewhere."""
+    splits = pp > 1 and cp == 1 and sharding != "full"
     return sorted(set(space.vocab_stages_choices)) if splits else [False]
 
 

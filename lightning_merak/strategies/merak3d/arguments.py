@@ -210,10 +210,6 @@ class Merak3DArguments(Merak3DOptions):
             raise ValueError(f"vocab_stages='on' runs with schedule {', '.join(VOCAB_STAGE_SCHEDULES)} (its last "
                              "stage scoring micro-batches in order, its backward reaching the embedding's looked-up "
                              f"rows), not {self.schedule!r}; change the schedule or set vocab_stages='off'")
-        if self.sequence_parallel and self.tensor_parallel != 1:
-            raise ValueError("vocab_stages='on' scores the last stage's whole hidden state, which sequence_parallel "
-                             "leaves split over the tensor-parallel ranks; set sequence_parallel=False or "
-                             "vocab_stages='off'")
         blocking = {"micro_batching": (self.micro_batching, "none"), "context_parallel": (self.context_parallel, 1)}
         for name, (value, needed) in blocking.items():
             if value not in (needed, "auto"):

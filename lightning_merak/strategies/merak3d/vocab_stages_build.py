@@ -29,9 +29,7 @@ def splittable_head(model: nn.Module, trace: ModelTrace, arguments: Merak3DArgum
     if arguments.vocab_stages == "off":
         return None
     problem = vocab_stages_problem(model, trace, tensor_parallel=layout.tensor_parallel,
-                                   context_parallel=layout.context_parallel, schedule=layout.schedule,
-                                   data_parallel_sharding=layout.data_parallel_sharding,
-                                   sequence_parallel=arguments.sequence_parallel)
+                                   context_parallel=layout.context_parallel, schedule=layout.schedule)
     if problem is not None:
         if arguments.vocab_stages == "on":
             raise ValueError(problem)
