@@ -185,12 +185,15 @@ def share_cores(ranks: int) -> None:
         torch.set_num_threads(threads)
 
 
-def wait_at_gate() -> None:
+def wait_at_gate() -> bool:
     """In a rank started early: import the heavy libraries, then wait for rank 0 to open the gate; leave quietly
-    (status 0) when rank 0 ended without opening it. Nothing in any other process."""
+    (status 0) when rank 0 ended without opening it. Nothing in any other process.
+
+    Returns whether this process is such a rank past its open gate: its command line is the one rank 0 checked
+    and normalised (``cli.overrides``), which it need not check again."""
     gate = os.environ.pop(GATE_VARIABLE, None)
     if gate is None:
-        return
+        return False
     interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is rank 0's to handle here
     quiet_dependency_noise()  # before the imports below, which may warn
     # The imports this rank overlaps with rank 0's: the libraries, and what the run imports next (transformers'
@@ -205,3 +208,4 @@ def wait_at_gate() -> None:
     if go != b"1":
         os._exit(0)
     signal.signal(signal.SIGINT, interrupt)
+    return True

@@ -475,10 +475,15 @@ def _hydra_entry(cfg: DictConfig) -> None:
     fit(run, prelaunched)
 
 
-def run_command_line() -> None:
-    """Check the command line's overrides (:mod:`lightning_merak.cli.overrides`), then compose and run it."""
-    with _refusals():
-        sys.argv[1:] = check_overrides(sys.argv[1:])
+def run_command_line(checked: bool = False) -> None:
+    """Check the command line's overrides (:mod:`lightning_merak.cli.overrides`), then compose and run it.
+
+    ``checked``: the overrides are already checked and put as Hydra takes them (a rank started early gets rank 0's
+    checked command line); checking them again would compose the configuration twice more on the path to the
+    rendezvous, where rank 0 waits for this rank."""
+    if not checked:
+        with _refusals():
+            sys.argv[1:] = check_overrides(sys.argv[1:])
     _hydra_entry()
 
 
@@ -489,13 +494,14 @@ _PRINTS_ONLY = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i"}
 def main() -> None:
     """Console entry point of ``merak-train``."""
     restart_with_heap_tunables()
-    wait_at_gate()  # a rank started early by rank 0 (below): imports, then waits until rank 0 has checked the run
+    # a rank started early by rank 0 (below): imports, then waits until rank 0 has checked the run
+    started_early = wait_at_gate()
     install_termination_handler()
     quiet_dependency_noise()
     register_configs()
     register_help()
     try:
-        run_command_line()
+        run_command_line(checked=started_early)
     except BrokenPipeError:
         if not _PRINTS_ONLY.intersection(sys.argv[1:]):
             raise
