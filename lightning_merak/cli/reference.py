@@ -304,7 +304,8 @@ def render() -> str:
         for group in GROUPS:
             lines += [f"## {group}", "", _description(root_schema, group), ""]
             for option in _options(group):
-                node = _compose(f"{group}={option}")[group]
+                # the default option's node is the one just composed; another option is composed as chosen
+                node = root[group] if defaults[group] == [option] else _compose(f"{group}={option}")[group]
                 default = " (default)" if option in defaults[group] else ""
                 lines += [f"### `{group}={option}`{default}", "",
                           _option_text(group, option, OmegaConf.get_type(node)), "",
