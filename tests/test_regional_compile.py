@@ -118,7 +118,7 @@ def test_the_pipeline_profile_times_compiled_blocks_without_installing_them():
     from lightning_merak.parallel.pipeline.trace import trace_model
 
     model = _module("llama").model
-    inputs = torch.randint(VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    inputs = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     torch.compiler.reset()
     before = compile_counts()
     trace = trace_model(model, inputs, fast_blocks=FastBlocks(compile=True), profile_repeats=2)
