@@ -310,10 +310,10 @@ def install_pipeline_step(options: MicroBatching, view: ModuleView, stages: Rank
     module = view.module
     if stages.vocabulary is not None:
         _check_split_head_loss(view, options)
-    loss_from_logits = module.loss_from_logits
+    context_loss = None  # the last stage's loss on its rows of the sequence, under context parallelism
     if groups.layout.context_parallel > 1:
         _check_context_stage_loss(view)
-        loss_from_logits = context_parallel_stage_loss(groups.context_group)
+        context_loss = context_parallel_stage_loss(groups.context_group)
     if not view.contract:
         pipelined = PipelinedNetwork(view, view.network)
         step = PipelineStep(module, stages, groups, device, pipelined.micro_batch_loss)
@@ -322,7 +322,7 @@ def install_pipeline_step(options: MicroBatching, view: ModuleView, stages: Rank
         view.network = stages
         return step
     step = (VariablePipelineStep(module, stages, groups, device, options) if options.enabled
-            else PipelineStep(module, stages, groups, device, loss_from_logits))
+            else PipelineStep(module, stages, groups, device, context_loss or module.loss_from_logits))
     module.model = stages
     module.compute_loss = step.loss
     module.forward = step.forward
