@@ -192,3 +192,29 @@ def test_a_checkpoint_resumes_across_a_change_of_context_parallel_degree(tmp_pat
         assert first[0]["losses"] == pytest.approx(reference[0][:half], abs=1e-5)
         second = sharded._run(resumed, resumed_world, first_step=half, epochs=2, resume_from=checkpoint, adam=True)
         sharded._assert_matches(second, reference, slice(half, None), atol=1e-4)
+
+
+class _OwnLoss(sharded._Module):
+    """A module scoring logits with a loss of its own, which the last stage cannot apply to its rows."""
+
+    def loss_from_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return super().loss_from_logits(logits, targets) * 1.0
+
+
+def _train_own_loss(rank: int, world_size: int) -> None:
+    module = _OwnLoss(sharded._module(adam=False).model)
+    module.adam = False
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, max_steps=1, logger=False, enable_checkpointing=False,
+        strategy=Merak3DStrategy(context_parallel=2, pipeline_parallel=2, micro_batches=2, timeout_s=120),
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
+    trainer.fit(module, datamodule=_Data())
+
+
+@pytest.mark.distributed
+def test_a_loss_of_its_own_is_refused_inside_pipeline_stages_on_every_rank():
+    """cp2 x pp2 with a module overriding loss_from_logits: every rank stops at the build, naming the fix."""
+    from lightning_merak.testing import DistributedRunError
+
+    with pytest.raises(DistributedRunError, match="keep CausalLMModule's loss_from_logits"):
+        run_distributed(_train_own_loss, 4, timeout_s=180)
