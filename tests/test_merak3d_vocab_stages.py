@@ -210,3 +210,43 @@ def test_each_rank_receives_only_its_rows_of_a_table_split_unevenly():
         torch.testing.assert_close(rows, table[start:end], rtol=0, atol=0)
         torch.testing.assert_close(bias, torch.arange(10, dtype=torch.float32)[start:end], rtol=0, atol=0)
     assert [len(rows) for rows, _ in results] == [3, 3, 3, 1]
+
+
+def _embedding_rows_rank(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lightning_merak.parallel.pipeline.embedding_stages import EmbeddingExchange, EmbeddingRows
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("pp",))
+    table = torch.arange(10 * 4, dtype=torch.float32).view(10, 4)
+    weight = torch.nn.Parameter(DTensor.from_local(table.clone(), mesh, [Shard(0)], run_check=False))
+    rows = EmbeddingRows(weight, padding_idx=0)
+    exchange = EmbeddingExchange(rows, dist.group.WORLD, 0, True, torch.device("cpu"))
+    ids = torch.tensor([[0, 3, 3, 7]])
+    exchange.begin(ids, backward=True)
+    looked_up = rows(ids)
+    looked_up.sum().backward()
+    outside = None
+    try:
+        rows(torch.tensor([[5]]))
+    except RuntimeError as error:
+        outside = str(error)
+    exchange.end(backward=True)
+    return {"looked_up": looked_up.detach(), "grad": weight.grad.to_local().clone(), "outside": outside,
+            "cleared": rows.table is None and rows.tokens is None}
+
+
+@pytest.mark.distributed
+def test_the_split_embedding_looks_up_the_steps_rows_and_returns_their_gradient():
+    """One rank's exchange: lookups equal the table's rows, a token outside the step's batch is refused, and the
+    gradient counts each occurrence, the padding row excepted (nn.Embedding's padding_idx)."""
+    (result,) = run_distributed(_embedding_rows_rank, 1, timeout_s=120)
+    table = torch.arange(10 * 4, dtype=torch.float32).view(10, 4)
+    torch.testing.assert_close(result["looked_up"], table[torch.tensor([[0, 3, 3, 7]])])
+    expected = torch.zeros(10, 4)
+    expected[3], expected[7] = 2.0, 1.0  # row 0 is the padding row: no gradient
+    torch.testing.assert_close(result["grad"], expected)
+    assert "outside the step's batch" in result["outside"]
+    assert result["cleared"]
