@@ -91,15 +91,21 @@ def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None, o
     trainer.fit(module, datamodule=ReplicaBatches(_batches(), first_step, last_step), ckpt_path=resume_from)
     stages = module.model  # the rows live in the last stage's model (its first stage's, for the embedding)
     head = next(part for part in reversed(stages) if type(part.net.lm_head).__name__ == "VocabularySlice").net.lm_head
-    embedding = next(part for part in stages
-                     if type(part.net.model.embed_tokens).__name__ == "EmbeddingRows").net.model.embed_tokens
-    assert (type(head).__name__, type(embedding).__name__) == ("VocabularySlice", "EmbeddingRows")
-    assert (head.weight is embedding.weight) == tied
-    assert not frozen or not (head.weight.requires_grad or embedding.weight.requires_grad)
     tp = layout.get("tensor_parallel", 1)  # rows split over the pipeline x tensor-parallel ranks, stage-major
     rows = row_shard_range(VOCAB, layout["pipeline_parallel"] * tp,
                            trainer.strategy.pipeline_rank * tp + trainer.strategy.groups.tensor_rank)
-    assert (head.start, head.end) == (embedding.start, embedding.end) == rows
+    assert (head.start, head.end) == rows
+    if "zero_bubble" in layout.get("schedule", "1f1b"):  # its weight pass misses looked-up rows: the table stays
+        assert all(type(part.net.model.embed_tokens).__name__ != "EmbeddingRows" for part in stages)
+        if save_to is not None:
+            trainer.save_checkpoint(save_to)
+        return module.recorded.losses, module.recorded.gradients, _evaluated(module, layout["data_parallel"])
+    embedding = next(part for part in stages
+                     if type(part.net.model.embed_tokens).__name__ == "EmbeddingRows").net.model.embed_tokens
+    assert type(embedding).__name__ == "EmbeddingRows"
+    assert (head.weight is embedding.weight) == tied
+    assert not frozen or not (head.weight.requires_grad or embedding.weight.requires_grad)
+    assert (embedding.start, embedding.end) == rows
     assert embedding.weight.to_local().shape == (rows[1] - rows[0], 32)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
@@ -110,7 +116,8 @@ def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None, o
 @pytest.mark.parametrize("stages,replicas,schedule,on_meta,tied,frozen,tp,sharding",
                          [(2, 1, "gpipe", True, False, True, 1, "none"), (4, 1, "1f1b", False, True, False, 1, "none"),
                           (2, 2, "interleaved_1f1b", False, False, False, 1, "none"),
-                          (2, 1, "1f1b", False, True, False, 2, "none"), (2, 2, "1f1b", False, True, False, 1, "full")])
+                          (2, 1, "1f1b", False, True, False, 2, "none"), (2, 2, "1f1b", False, True, False, 1, "full"),
+                          (2, 1, "interleaved_zero_bubble", False, False, False, 1, "none")])
 def test_split_head_matches_single_process(tmp_path, stages: int, replicas: int, schedule: str, on_meta: bool,
                                            tied: bool, frozen: bool, tp: int, sharding: str):
     """Loss and every gradient (the head's and the embedding's rows gathered; tied, one weight; frozen, none)
@@ -157,7 +164,7 @@ def test_split_vocabulary_resumes_across_a_change_of_pipeline_degree(tmp_path):
 
 def test_vocab_stages_refuses_before_work():
     with pytest.raises(ValueError, match="vocab_stages='on' runs with schedule 1f1b, gpipe, interleaved_1f1b"):
-        Merak3DStrategy(pipeline_parallel=2, schedule="interleaved_zero_bubble", vocab_stages="on")
+        Merak3DStrategy(pipeline_parallel=2, schedule="shifted_critical_path", vocab_stages="on")
     with pytest.raises(ValueError, match="choose 'off', 'on' or 'auto'"):
         Merak3DStrategy(pipeline_parallel=2, vocab_stages="yes")
     torch.manual_seed(0)

@@ -30,16 +30,24 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_merak.parallel.pipeline.row_scatter import scatter_rows
 from lightning_merak.util.row_shards import row_shard_range
 
-__all__ = ["EmbeddingExchange", "EmbeddingRows", "average_rows_gradients", "embedding_split_problem",
-           "split_embedding_over_stages", "split_vocabulary_parameters"]
+__all__ = ["EMBEDDING_STAGE_SCHEDULES", "EmbeddingExchange", "EmbeddingRows", "average_rows_gradients",
+           "embedding_split_problem", "split_embedding_over_stages", "split_vocabulary_parameters"]
+
+EMBEDDING_STAGE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+"""Schedules whose backward reaches the looked-up rows (a leaf of the first stage's graph, not a parameter): the
+zero-bubble schedules compute weight gradients for the stage's parameters only."""
 
 _TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 """The embedding dtypes the first stage can announce to the others at build (by index)."""
 
 
-def embedding_split_problem(embedding: Optional[nn.Module]) -> Optional[str]:
-    """Why ``embedding`` (the model's ``get_input_embeddings()``) cannot be split by rows over the pipeline ranks,
-    or None. Only a plain ``nn.Embedding`` is: a subclass may compute more than the lookup (a scaled embedding)."""
+def embedding_split_problem(embedding: Optional[nn.Module], schedule: str = "1f1b") -> Optional[str]:
+    """Why ``embedding`` (the model's ``get_input_embeddings()``) cannot be split by rows over the pipeline ranks
+    under ``schedule``, or None. Only a plain ``nn.Embedding`` is: a subclass may compute more than the lookup (a
+    scaled embedding)."""
+    if schedule not in EMBEDDING_STAGE_SCHEDULES:
+        return (f"schedule {schedule!r} computes weight gradients for parameters only, which would miss the "
+                "embedding's looked-up rows")
     if type(embedding) is not nn.Embedding:
         return f"the input embedding is {type(embedding).__name__}, not an nn.Embedding"
     if embedding.max_norm is not None:

@@ -46,9 +46,9 @@ from lightning_merak.util.row_shards import row_shard_range
 __all__ = ["VOCAB_STAGE_SCHEDULES", "HeadShape", "VocabularyExchange", "VocabularySlice", "head_step_index",
            "split_head_over_stages", "vocab_stages_problem"]
 
-VOCAB_STAGE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
-"""Schedules whose last stage scores micro-batches in order, as the ranks' exchange needs, and whose backward
-reaches the embedding's looked-up rows (the zero-bubble schedules compute weight gradients for parameters only)."""
+VOCAB_STAGE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble")
+"""Schedules whose last stage scores micro-batches in order, as the ranks' exchange needs (the input embedding splits
+under :data:`~.embedding_stages.EMBEDDING_STAGE_SCHEDULES` only)."""
 
 IGNORE_INDEX = -100
 """Targets cross-entropy leaves out (``F.cross_entropy``'s default)."""
@@ -83,7 +83,7 @@ def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, tensor_parallel
                 f"{type(head).__name__}; set vocab_stages='off'")
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if embedding is not None and getattr(embedding, "weight", None) is head.weight:
-        problem = embedding_split_problem(embedding)
+        problem = embedding_split_problem(embedding, schedule)
         if problem is not None:
             return (f"the LM head is tied to the input embedding, which cannot be split with it: {problem}; untie "
                     "them (tie_word_embeddings=False) or set vocab_stages='off'")

@@ -208,8 +208,8 @@ class Merak3DArguments(Merak3DOptions):
             return
         if self.schedule not in VOCAB_STAGE_SCHEDULES:
             raise ValueError(f"vocab_stages='on' runs with schedule {', '.join(VOCAB_STAGE_SCHEDULES)} (its last "
-                             "stage scoring micro-batches in order, its backward reaching the embedding's looked-up "
-                             f"rows), not {self.schedule!r}; change the schedule or set vocab_stages='off'")
+                             "stage scoring each micro-batch once, in order), not "
+                             f"{self.schedule!r}; change the schedule or set vocab_stages='off'")
         blocking = {"micro_batching": (self.micro_batching, "none"), "context_parallel": (self.context_parallel, 1)}
         for name, (value, needed) in blocking.items():
             if value not in (needed, "auto"):

@@ -265,7 +265,8 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
         tied_names = tied_parameter_names(model)
         head_shape = splittable_head(model, trace, arguments, layout)
         vocab_stages = arguments.vocab_stages if head_shape is not None else "off"
-        embedding_path = splittable_embedding(model, trace, head_shape) if head_shape is not None else None
+        embedding_path = (splittable_embedding(model, trace, head_shape, layout.schedule) if head_shape is not None
+                          else None)
         partition = _agree_on_partition(trace, layout, arguments.partition, global_rank, broadcast, vocab_stages,
                                         embedding_path is not None)
         stage_ids = [groups.pipeline_rank + k * pp for k in range(layout.virtual_stages)]

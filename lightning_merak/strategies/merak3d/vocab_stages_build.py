@@ -43,13 +43,14 @@ def splittable_head(model: nn.Module, trace: ModelTrace, arguments: Merak3DArgum
                      head.weight.requires_grad, _module_path(model, embedding) if tied else None)
 
 
-def splittable_embedding(model: nn.Module, trace: ModelTrace, head: HeadShape) -> Optional[str]:
-    """The path of the input embedding that splits over the pipeline ranks with the head, or None where it stays
-    on the first stage (the reason is logged). A tied embedding splits as the head's weight."""
+def splittable_embedding(model: nn.Module, trace: ModelTrace, head: HeadShape,
+                         schedule: str = "1f1b") -> Optional[str]:
+    """The path of the input embedding that splits over the pipeline ranks with the head under ``schedule``, or
+    None where it stays on the first stage (the reason is logged). A tied embedding splits as the head's weight."""
     if head.tied_embedding is not None:
         return head.tied_embedding
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    problem = embedding_split_problem(embedding)
+    problem = embedding_split_problem(embedding, schedule)
     path = _module_path(model, embedding) if embedding is not None else None
     if problem is None and path is not None and any(
             path == inner or path.startswith(inner + ".") for inner in (trace.trunk_path, *trace.suffix_paths)):
