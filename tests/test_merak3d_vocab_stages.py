@@ -171,9 +171,9 @@ def test_vocab_stages_refuses_before_work():
     tied = build_causal_lm(_config(tied=True), vocab_size=64)
     tied.config.use_cache = False
     trace = trace_model(tied, torch.randint(64, (2, 8)), profile=False)
-    assert vocab_stages_problem(tied, trace, tensor_parallel=1, context_parallel=1, schedule="1f1b") is None
+    assert vocab_stages_problem(tied, trace, context_parallel=1, schedule="1f1b") is None
     tied.model.embed_tokens.max_norm = 1.0  # a lookup that rewrites the rows it reads
-    problem = vocab_stages_problem(tied, trace, tensor_parallel=1, context_parallel=1, schedule="1f1b")
+    problem = vocab_stages_problem(tied, trace, context_parallel=1, schedule="1f1b")
     assert problem is not None and "tied to the input embedding" in problem and "max_norm" in problem
 
 

@@ -25,9 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
-from lightning_merak.parallel.pipeline.row_scatter import scatter_rows
+from lightning_merak.parallel.pipeline.row_scatter import add_rows_gradient, rows_dtensor, scatter_rows
 from lightning_merak.util.row_shards import row_shard_range
 
 __all__ = ["EMBEDDING_STAGE_SCHEDULES", "EmbeddingExchange", "EmbeddingRows", "average_rows_gradients",
@@ -144,12 +143,8 @@ class EmbeddingExchange:
         inside = (tokens >= self.rows.start) & (tokens < self.rows.end)
         if self.rows.padding_idx is not None:
             inside &= tokens != self.rows.padding_idx
-        grad = torch.zeros_like(local).index_add_(0, tokens[inside] - self.rows.start, grad_table[inside])
-        if weight.grad is None:
-            weight.grad = DTensor.from_local(grad, weight.device_mesh, weight.placements, run_check=False,
-                                             shape=weight.shape, stride=weight.stride())
-        else:
-            weight.grad.to_local().add_(grad)
+        add_rows_gradient(weight, torch.zeros_like(local).index_add_(0, tokens[inside] - self.rows.start,
+                                                                      grad_table[inside]))
 
 
 def split_embedding_over_stages(stages: nn.ModuleList, path: str, mesh: DeviceMesh, group: dist.ProcessGroup,
@@ -177,9 +172,7 @@ def split_embedding_over_stages(stages: nn.ModuleList, path: str, mesh: DeviceMe
     else:
         table = stage.net.get_submodule(path).weight.detach() if holds else None
         local = scatter_rows(table, vocab_size, (width,), _TABLE_DTYPES[dtype], device, mesh.get_group(), 0)
-        weight = nn.Parameter(DTensor.from_local(local.clone(), mesh, [Shard(0)], run_check=False,
-                                                 shape=torch.Size((vocab_size, width)), stride=(width, 1)),
-                              bool(trainable))
+        weight = nn.Parameter(rows_dtensor(local, vocab_size, mesh), bool(trainable))
     rows = EmbeddingRows(weight, None if padding < 0 else padding)
     stage.net.set_submodule(path, rows)
     return EmbeddingExchange(rows, group, first, stage.is_first, device, first_ranks=tensor_parallel)
@@ -187,9 +180,10 @@ def split_embedding_over_stages(stages: nn.ModuleList, path: str, mesh: DeviceMe
 
 def split_vocabulary_parameters(stages: nn.Module) -> list[nn.Parameter]:
     """The trainable row parameters of ``stages``' (a ``RankStages``) split head and embedding, each once."""
-    modules = [getattr(stages, "vocabulary", None), getattr(stages, "embedding", None)]
-    holders = [exchange.head if hasattr(exchange, "head") else exchange.rows for exchange in modules if exchange]
-    found = {id(param): param for holder in holders for param in holder.parameters() if param.requires_grad}
+    holders = [stages.vocabulary.head if stages.vocabulary is not None else None,
+               stages.embedding.rows if stages.embedding is not None else None]
+    found = {id(param): param for holder in holders if holder is not None
+             for param in holder.parameters() if param.requires_grad}
     return list(found.values())
 
 

@@ -36,11 +36,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from lightning_merak.parallel.pipeline.embedding_stages import embedding_split_problem
 from lightning_merak.parallel.pipeline.recording import ModelTrace
-from lightning_merak.parallel.pipeline.row_scatter import scatter_rows
+from lightning_merak.parallel.pipeline.row_scatter import add_rows_gradient, rows_dtensor, scatter_rows
 from lightning_merak.util.row_shards import row_shard_range
 
 __all__ = ["VOCAB_STAGE_SCHEDULES", "HeadShape", "VocabularyExchange", "VocabularySlice", "head_step_index",
@@ -74,7 +73,7 @@ def head_step_index(trace: ModelTrace, head_path: str) -> Optional[int]:
     return next((index for index, step in enumerate(trace.head) if step.module == head_path), None)
 
 
-def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, tensor_parallel: int, context_parallel: int,
+def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, context_parallel: int,
                          schedule: str) -> Optional[str]:
     """Why the head of ``model`` cannot be split over the pipeline ranks in this layout, or None."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -112,15 +111,9 @@ class VocabularySlice(nn.Module):
         super().__init__()
         self.vocab_size, self.width = vocab_size, weight_rows.shape[1]
         self.start, self.end = row_shard_range(vocab_size, mesh.size(), mesh.get_local_rank())
-        self.mesh = mesh
-        self.weight = nn.Parameter(self._sharded(weight_rows), trainable)
-        self.bias = nn.Parameter(self._sharded(bias_rows), trainable) if bias_rows is not None else None
-
-    def _sharded(self, local: torch.Tensor) -> DTensor:
-        shape = torch.Size((self.vocab_size, *local.shape[1:]))
-        stride = (local.shape[1], 1) if local.ndim == 2 else (1,)
-        return DTensor.from_local(local.detach().clone().contiguous(), self.mesh, [Shard(0)], run_check=False,
-                                  shape=shape, stride=stride)
+        self.weight = nn.Parameter(rows_dtensor(weight_rows, vocab_size, mesh), trainable)
+        self.bias = (nn.Parameter(rows_dtensor(bias_rows, vocab_size, mesh), trainable) if bias_rows is not None
+                     else None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's columns of the logits of ``hidden``."""
@@ -181,7 +174,7 @@ class VocabularyExchange:
         self._thread.start()
 
     def end(self) -> None:
-        """Wait for this rank's share of the step; the rows' gradients become their parameters' ``grad``."""
+        """Wait for this rank's share of the step; the rows' gradients go to their parameters' ``grad``."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -191,8 +184,7 @@ class VocabularyExchange:
         if self._grads is not None:
             params = [self.head.weight] + ([self.head.bias] if self.head.bias is not None else [])
             for param, grad in zip(params, self._grads):
-                param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False,
-                                                shape=param.shape, stride=param.stride())
+                add_rows_gradient(param, grad)
             self._grads = None
 
     def _serve(self, chunks: list[torch.Tensor]) -> None:

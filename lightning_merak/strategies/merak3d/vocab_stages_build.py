@@ -28,15 +28,14 @@ def splittable_head(model: nn.Module, trace: ModelTrace, arguments: Merak3DArgum
     'on' there is refused with the reason)."""
     if arguments.vocab_stages == "off":
         return None
-    problem = vocab_stages_problem(model, trace, tensor_parallel=layout.tensor_parallel,
-                                   context_parallel=layout.context_parallel, schedule=layout.schedule)
+    problem = vocab_stages_problem(model, trace, context_parallel=layout.context_parallel, schedule=layout.schedule)
     if problem is not None:
         if arguments.vocab_stages == "on":
             raise ValueError(problem)
         rank_zero_info(f"merak3d: vocab_stages='auto' keeps the LM head on the last stage: {problem}")
         return None
     head = model.get_output_embeddings()
-    path = next(name for name, module in model.named_modules() if module is head)
+    path = _module_path(model, head)
     embedding = model.get_input_embeddings()
     tied = embedding is not None and getattr(embedding, "weight", None) is head.weight
     return HeadShape(path, head.out_features, head.in_features, head.bias is not None, head.weight.dtype,
