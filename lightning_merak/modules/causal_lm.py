@@ -25,7 +25,7 @@ from lightning_merak.modules.muon import MuonWithAdamW
 from lightning_merak.modules.schedules import warmup_schedule
 from lightning_merak.util.model_outputs import logits_of, weighted_router_aux_loss
 
-__all__ = ["CausalLMModule", "build_causal_lm"]
+__all__ = ["CausalLMModule", "build_causal_lm", "scores_next_token"]
 
 
 def build_causal_lm(config: ModelConfig, vocab_size: int) -> nn.Module:
@@ -163,6 +163,13 @@ class CausalLMModule(pl.LightningModule):
             optimizer, self.optim.lr_schedule, self.optim.warmup_steps,
             None if self.optim.lr_schedule is Schedule.constant else max(int(total), 1), self.optim.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def scores_next_token(module: Any) -> bool:
+    """Whether ``module`` scores its logits with :meth:`CausalLMModule.loss_from_logits` itself, not a loss of its
+    own: what the parallel layouts that compute that cross-entropy themselves (on shards, rows or packed samples)
+    can stand in for."""
+    return getattr(type(module), "loss_from_logits", None) is CausalLMModule.loss_from_logits
 
 
 def _embedding_parameters(model: nn.Module) -> set[int]:

@@ -39,7 +39,8 @@ from lightning_merak.parallel.pipeline.recording import find_trunk
 from lightning_merak.parallel.pipeline.router_aux import RouterAux, RouterRecorder, router_aux_of
 
 __all__ = ["ATTENTION_NAME", "CONTEXT_ATTENTION_METHODS", "ContextParallelForward", "SumOverGroup", "attention_shape",
-           "check_context_parallel_model", "gather_sequence", "install_context_parallel", "segment_ids"]
+           "check_context_parallel_model", "gather_sequence", "install_context_parallel", "next_token_labels",
+           "segment_ids"]
 
 ATTENTION_NAME = "merak_context_parallel"
 CONTEXT_ATTENTION_METHODS = ("ring", "all_to_all")
@@ -291,7 +292,7 @@ class ContextParallelForward:
                 f"{self._model_name} computes its loss without transformers' ForCausalLMLoss, which context "
                 "parallelism needs to score a shard (labels shifted on the whole sequence); call the model without "
                 "labels and compute the loss from its logits (gathered to the whole sequence)")
-        shifted = torch.cat([labels[:, 1:], labels.new_full((batch, 1), IGNORE_INDEX)], dim=1)
+        shifted = next_token_labels(labels)
         targets = kwargs.pop("num_items_in_batch", None)
         if targets is None:
             targets = (shifted != IGNORE_INDEX).sum()
@@ -315,6 +316,12 @@ class ContextParallelForward:
 
     def _shard(self, layout: LoadBalancedLayout) -> Any:
         return lambda tensor: layout.shard(tensor, self._rank, dim=1)
+
+
+def next_token_labels(labels: Tensor) -> Tensor:
+    """``labels`` ``[batch, sequence]`` shifted on the whole sequence: position ``t`` holds the token at ``t + 1``
+    (the last ignored), so each context rank's shard scores its own positions' next tokens."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
 
 
 def _takes_shifted_labels(model: nn.Module) -> bool:

@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -31,6 +30,7 @@ from lightning_merak.parallel.context.model import (
     SumOverGroup,
     gather_sequence,
     install_context_parallel,
+    next_token_labels,
 )
 from lightning_merak.parallel.context.sharding import LoadBalancedLayout
 from lightning_merak.parallel.layout import LayoutGroups
@@ -77,9 +77,8 @@ def context_parallel_stage_loss(group: dist.ProcessGroup) -> Callable[[Tensor, T
     rank, size = dist.get_rank(group), dist.get_world_size(group)
 
     def loss(logits: Tensor, targets: Tensor) -> Tensor:
-        batch, length = targets.shape
-        layout = LoadBalancedLayout(length, size)
-        shifted = torch.cat([targets[:, 1:], targets.new_full((batch, 1), IGNORE_INDEX)], dim=1)
+        layout = LoadBalancedLayout(targets.shape[1], size)
+        shifted = next_token_labels(targets)
         local = layout.shard(shifted, rank, dim=1).to(logits.device)
         count = (shifted != IGNORE_INDEX).sum().to(logits.device)
         summed = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), local.reshape(-1),

@@ -24,7 +24,7 @@ from torch import nn
 from lightning_merak.callbacks.profiler.lightning_profiler import model_shape
 from lightning_merak.distributed.store_gather import gather_through_store
 from lightning_merak.distributed.watchdog import working_alone
-from lightning_merak.modules.causal_lm import CausalLMModule
+from lightning_merak.modules.causal_lm import scores_next_token
 from lightning_merak.parallel.context.model import attention_shape, check_context_parallel_model
 from lightning_merak.parallel.data.buckets import DEFAULT_BUCKET_MB, check_shardable_optimizer
 from lightning_merak.parallel.float8 import float8_layout_problem
@@ -303,7 +303,7 @@ def context_runs_in_stages(view: Any) -> bool:
     :class:`~.network.ModuleView`): the last stage scores its rows with ``CausalLMModule``'s next-token loss, and
     a router aux loss carried across stages would see each context rank's tokens only."""
     module = view.module
-    scored = view.contract and getattr(type(module), "loss_from_logits", None) is CausalLMModule.loss_from_logits
+    scored = view.contract and scores_next_token(module)
     router_aux = getattr(getattr(view.network, "config", None), "output_router_logits", False)
     return bool(scored and not router_aux)
 

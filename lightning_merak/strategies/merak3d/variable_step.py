@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.stage import _RecvInfo
 
-from lightning_merak.modules.causal_lm import CausalLMModule
+from lightning_merak.modules.causal_lm import scores_next_token
 from lightning_merak.parallel.context.stages import context_parallel_stage_loss
 from lightning_merak.parallel.layout import LayoutGroups
 from lightning_merak.parallel.micro_batching.options import MicroBatching
@@ -263,7 +263,7 @@ PipelineSteps = Union[PipelineStep, VariablePipelineStep]
 def _check_token_loss(module: Any) -> None:
     """Refuse a module whose loss is not next-token cross-entropy: micro-batching computes that loss itself (summed
     over each micro-batch's real tokens, weighted by the global batch's), so another loss would be replaced silently."""
-    if getattr(type(module), "loss_from_logits", None) is not CausalLMModule.loss_from_logits:
+    if not scores_next_token(module):
         raise ValueError(
             f"micro_batching computes next-token cross-entropy over each sample's real tokens itself, but "
             f"{type(module).__name__}.loss_from_logits is its own; train it with micro_batching='none', or keep "
@@ -276,7 +276,7 @@ def _check_split_head_loss(view: ModuleView, options: MicroBatching) -> None:
     if not view.contract or options.enabled:
         raise ValueError("vocab_stages scores whole micro-batches of a module with the whole contract "
                          "(CausalLMModule's); set vocab_stages='off' or micro_batching='none'")
-    if getattr(type(view.module), "loss_from_logits", None) is not CausalLMModule.loss_from_logits:
+    if not scores_next_token(view.module):
         raise ValueError(f"vocab_stages computes next-token cross-entropy itself, but {type(view.module).__name__}"
                          ".loss_from_logits is its own; keep CausalLMModule's loss or set vocab_stages='off'")
 
@@ -284,7 +284,7 @@ def _check_split_head_loss(view: ModuleView, options: MicroBatching) -> None:
 def _check_context_stage_loss(view: ModuleView) -> None:
     """Refuse what the last stage cannot score on its shard of the sequence: the loss is next-token cross-entropy
     computed by merak3d on the shard's rows, for a module with the whole contract."""
-    if not view.contract or getattr(type(view.module), "loss_from_logits", None) is not CausalLMModule.loss_from_logits:
+    if not view.contract or not scores_next_token(view.module):
         raise ValueError(
             f"context_parallel>1 with pipeline_parallel>1 scores each rank's shard of the sequence with next-token "
             f"cross-entropy itself, but {type(view.module).__name__} brings its own loss; keep CausalLMModule's "
