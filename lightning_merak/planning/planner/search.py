@@ -51,8 +51,7 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None,
     (``num_experts``: the experts of each MoE layer, searched over when ``space.ep_size`` is unset).
     A context degree above 1 takes each of ``context_attention_methods``, with no sub-batches and no expert layers,
     and with one stage unless ``space.context_with_stages`` (what merak3d's context parallelism runs with); whether
-    the
-    model's heads allow a method is the profile's to say (:func:`plan`).
+    the model's heads allow a method is the profile's to say (:func:`plan`).
     """
     max_stages = space.max_pipeline_stages if num_blocks is None else min(space.max_pipeline_stages, num_blocks + 2)
     layouts = []
@@ -80,11 +79,11 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None,
                         for mode in sharding_modes_for(space, dp * cp, overlap):
                             layouts += [Layout(dp, pp, tp, micro_batches, overlap, ratio, mode, ep, cp, method, split)
                                         for ep in expert_sizes for method in methods
-                                        for split in _vocab_stages_choices(space, pp, tp, cp, mode)]
+                                        for split in _vocab_stages_choices(space, pp, cp, mode)]
     return layouts
 
 
-def _vocab_stages_choices(space: SearchSpace, pp: int, tp: int, cp: int, sharding: str) -> list[bool]:
+def _vocab_stages_choices(space: SearchSpace, pp: int, cp: int, sharding: str) -> list[bool]:
     """Whether a layout keeps the LM head whole or splits it over its stages: ``space``'s choices where it can
     split (pp > 1, cp = 1, parameters not fully sharded: the planner's memory model would shard the rows), whole
     elsewhere."""
