@@ -176,8 +176,48 @@ def test_the_planner_prices_the_split_head_on_every_stage():
     assert split.memory_components["parameters"] == 4000 / 4 + 2 * 1000 + 4000 / 4
     ranked = planner.plan(space, profile, network).ranked
     assert [p.layout.vocab_stages for p in ranked if p.layout.pp == 4] == [True, False]
+    # an embedding the split leaves whole (a subclass, a hooked one, a schedule that keeps it) stays priced on the
+    # first stage, with one exchange (the head's) instead of two
+    kept = dataclasses.replace(space, embedding_splits_with_head=False)
+    head_only = planner.predict(planner.Layout(1, 4, 1, 8, 1, 0.0, vocab_stages=True), profile, network, kept)
+    assert head_only.memory_components["parameters"] == 4000 + 2 * 1000 + 4000 / 4  # the first stage's
+    assert head_only.components["compute"] == pytest.approx(split.components["compute"], rel=0.01)
     with pytest.raises(ValueError, match=r"vocab_stages splits the LM head over pipeline stages \(pp > 1\)"):
         planner.Layout(4, 1, 1, 1, 1, 0.0, vocab_stages=True)
+
+
+def test_the_planner_is_told_when_the_embedding_stays_whole():
+    """The planner's pricing follows the build: a plain or tied embedding splits with the head; a subclass, a
+    hooked one, or one under a schedule that computes weight gradients for parameters only stays whole."""
+    import torch
+    from torch import nn
+
+    from lightning_merak.strategies.merak3d.vocab_stages_build import embedding_splits_with_head
+
+    class LanguageModel(nn.Module):
+        def __init__(self, embedding: nn.Embedding, tied: bool = False) -> None:
+            super().__init__()
+            self.embed, self.head = embedding, nn.Linear(4, 8, bias=False)
+            if tied:
+                self.head.weight = self.embed.weight
+
+        def get_input_embeddings(self) -> nn.Module:
+            return self.embed
+
+        def get_output_embeddings(self) -> nn.Module:
+            return self.head
+
+    class ScaledEmbedding(nn.Embedding):
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(input_ids) * 2.0
+
+    assert embedding_splits_with_head(LanguageModel(nn.Embedding(8, 4)), "1f1b")
+    assert not embedding_splits_with_head(LanguageModel(nn.Embedding(8, 4)), "interleaved_zero_bubble")
+    assert embedding_splits_with_head(LanguageModel(nn.Embedding(8, 4), tied=True), "interleaved_zero_bubble")
+    assert not embedding_splits_with_head(LanguageModel(ScaledEmbedding(8, 4)), "1f1b")
+    watched = LanguageModel(nn.Embedding(8, 4))
+    watched.embed.register_forward_hook(lambda module, args, output: None)
+    assert not embedding_splits_with_head(watched, "1f1b")
 
 
 def test_measured_legs_pair_each_split_with_its_autopipe_run_and_feed_the_goals():

@@ -221,10 +221,12 @@ def _chain_segments(
 
 @lru_cache(maxsize=1024)
 def _split_block_counts(nodes: tuple[BlockCost, ...], num_stages: int, micro_batches: int,
-                        vocab_stages: bool = False) -> tuple[_Stage, ...]:
+                        vocab_stages: bool = False, embedding_splits: bool = True) -> tuple[_Stage, ...]:
     """AutoPipe's split of [prefix, block x n, suffix], as the runtime computes it (no recompute, no p2p term); with
-    ``vocab_stages`` every stage runs its share of the suffix (the LM head), and the last keeps the node."""
-    partition = partition_autopipe(list(nodes), num_stages, micro_batches, vocab_stages=vocab_stages)
+    ``vocab_stages`` every stage runs its share of the suffix (the LM head), and of the prefix (the embedding)
+    where ``embedding_splits``, and the last (first) keeps the node."""
+    partition = partition_autopipe(list(nodes), num_stages, micro_batches, vocab_stages=vocab_stages,
+                                   split_embedding=embedding_splits)
     stages = []
     for stage in range(num_stages):
         nodes_of_stage = partition.blocks_of(stage, len(nodes))
@@ -234,8 +236,8 @@ def _split_block_counts(nodes: tuple[BlockCost, ...], num_stages: int, micro_bat
     return tuple(stages)
 
 
-def _stages(layout: Layout, profile: ModelProfile, samples: int, comm_s: float,
-            vocab_parallel: bool) -> tuple[_Stage, ...]:
+def _stages(layout: Layout, profile: ModelProfile, samples: int, comm_s: float, vocab_parallel: bool,
+            embedding_splits: bool = True) -> tuple[_Stage, ...]:
     """The pipeline split: one stage holds everything; several come from AutoPipe over per-node costs.
 
     A block's cost is its share of the whole model's overlapped chain, so the split sees
@@ -284,7 +286,8 @@ def _stages(layout: Layout, profile: ModelProfile, samples: int, comm_s: float,
         output_bytes=0,
         saved_bytes=0,
     )
-    return _split_block_counts((prefix, *blocks, suffix), layout.pp, layout.micro_batches, layout.vocab_stages)
+    return _split_block_counts((prefix, *blocks, suffix), layout.pp, layout.micro_batches, layout.vocab_stages,
+                               embedding_splits)
 
 
 def _outside_parameter_bytes(profile: ModelProfile, tp: int, vocab_parallel: bool) -> tuple[int, int]:
@@ -303,28 +306,30 @@ def _measured_blocks(layout: Layout, profile: ModelProfile, samples: int) -> Mea
 
 
 def _outside_blocks_s(profile: ModelProfile, stage: _Stage, part: int, per_byte_s: float,
-                      suffix_share: float | None = None) -> float:
-    """Part ``part`` (0: optimizer step, 1: clipping passes) of the update of a stage's embedding and head
-    (``suffix_share``: the fraction of the head, and of the embedding, every stage holds when they are split over
-    them)."""
+                      shares: tuple[float, float]) -> float:
+    """Part ``part`` (0: optimizer step, 1: clipping passes) of the update of the embedding and head parts a stage
+    holds (``shares``: :func:`_vocabulary_shares`)."""
     total = 0.0
     for held, measured, parameter_bytes in (
-        (float(stage.has_prefix) if suffix_share is None else suffix_share, profile.prefix_update_s,
-         profile.prefix_parameter_bytes),
-        (float(stage.has_suffix) if suffix_share is None else suffix_share, profile.suffix_update_s,
-         profile.suffix_parameter_bytes),
+        (shares[0], profile.prefix_update_s, profile.prefix_parameter_bytes),
+        (shares[1], profile.suffix_update_s, profile.suffix_parameter_bytes),
     ):
         total += held * (measured[part] if measured is not None else per_byte_s * parameter_bytes)
     return total
 
 
-def _suffix_share(layout: Layout) -> float | None:
-    """The fraction of the LM head (and of the input embedding) each stage holds and runs under ``vocab_stages``;
-    None when the last (and first) stage holds it."""
-    return 1.0 / layout.pp if layout.vocab_stages else None
+def _vocabulary_shares(layout: Layout, stage: _Stage, embedding_splits: bool) -> tuple[float, float]:
+    """``(embedding, head)``: the fraction of the input embedding and of the LM head ``stage`` holds and runs. Under
+    ``vocab_stages`` every stage holds 1/pp of the head, and of the embedding where it splits with the head
+    (``embedding_splits``; otherwise the first stage keeps it whole); else the first and last stage hold them."""
+    split = 1.0 / layout.pp if layout.vocab_stages else None
+    head = float(stage.has_suffix) if split is None else split
+    embedding = split if split is not None and embedding_splits else float(stage.has_prefix)
+    return embedding, head
 
 
-def _optimizer_s(layout: Layout, profile: ModelProfile, stage: _Stage, parameter_bytes: int) -> float:
+def _optimizer_s(layout: Layout, profile: ModelProfile, stage: _Stage, parameter_bytes: int,
+                 shares: tuple[float, float]) -> float:
     """Optimizer step of one stage: measured per block and on the embedding and head where profiled,
     per byte otherwise.
     """
@@ -332,14 +337,15 @@ def _optimizer_s(layout: Layout, profile: ModelProfile, stage: _Stage, parameter
     if per_block is None:
         return profile.optimizer_s_per_parameter_byte * parameter_bytes
     return stage.num_blocks * per_block + _outside_blocks_s(profile, stage, 0, profile.optimizer_s_per_parameter_byte,
-                                                            _suffix_share(layout))
+                                                            shares)
 
 
-def _clip_s(layout: Layout, profile: ModelProfile, network: NetworkProfile, stage: _Stage, shards: int) -> float:
+def _clip_s(layout: Layout, profile: ModelProfile, network: NetworkProfile, stage: _Stage, shards: int,
+            shares: tuple[float, float]) -> float:
     """Clipping by the global norm on one stage: the passes over its gradients (this rank's 1/``shards`` of them
     when sharded), and the norm's scalar all-reduces (over the shard group too)."""
     passes_s = (stage.num_blocks * profile.block_clip_s_at(layout.tp)
-                + _outside_blocks_s(profile, stage, 1, profile.clip_s_per_parameter_byte, _suffix_share(layout)))
+                + _outside_blocks_s(profile, stage, 1, profile.clip_s_per_parameter_byte, shares))
     scalar_bytes = 8
     return (passes_s / shards + network.all_reduce_s(scalar_bytes, layout.pp)
             + network.all_reduce_s(scalar_bytes, layout.tp) + network.all_reduce_s(scalar_bytes, shards))
@@ -424,7 +430,7 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     share = 1.0 / layout.cp  # of every sequence's work, activations and messages, on one context rank
     comm_s = network.all_reduce_s(hidden_bytes * sub * share, layout.tp)
     ratios = stage_aware_recompute_ratios(layout.recompute_ratio, layout.pp)
-    stages = _stages(layout, model_profile, samples, comm_s, space.vocab_parallel)
+    stages = _stages(layout, model_profile, samples, comm_s, space.vocab_parallel, space.embedding_splits_with_head)
 
     block_times, context_kernel_s, context_extra_s = context_rank_block(
         model_profile, model_profile.block_times_at(layout.tp, sub), layout.cp, layout.context_attention, layout.tp,
@@ -449,13 +455,12 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     forward_s, backward_s, compute_s, exposed_s, memory_bytes, after_pipeline_s = [], [], [], [], [], []
     expert_s: list[float] = []
     context_s: list[float] = []
-    suffix_share = _suffix_share(layout)
     # under vocab_stages the last stage's final hidden state is broadcast to every stage and its gradient reduced
-    # back; the embedding's looked-up rows (at most a hidden state's worth) come to the first stage and go back
-    vocab_exchange_s = 2 * network.all_reduce_s(hidden_bytes * samples, layout.pp) if suffix_share else 0.0
+    # back; a split embedding's looked-up rows (at most a hidden state's worth) come to the first stage and go back
+    vocab_exchanges = (1 + space.embedding_splits_with_head) if layout.vocab_stages else 0
+    vocab_exchange_s = vocab_exchanges * network.all_reduce_s(hidden_bytes * samples, layout.pp)
     for index, stage in enumerate(stages):
-        head_share = float(stage.has_suffix) if suffix_share is None else suffix_share
-        embedding_share = float(stage.has_prefix) if suffix_share is None else suffix_share
+        embedding_share, head_share = shares = _vocabulary_shares(layout, stage, space.embedding_splits_with_head)
         prefix_forward, prefix_backward = (share * seconds for seconds in (
             model_profile.prefix_times_at(sub) if stage.has_prefix else (0.0, 0.0)))
         suffix_forward, suffix_backward = (head_share * share * seconds
@@ -527,8 +532,8 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
                                 parameter_bytes - experts.kept_bytes, block_parameter_bytes,
                                 stage.num_blocks + 1, forward_total, backward_total)
                 + (network.gradient_sync_s(experts.kept_bytes, layout.dp // layout.ep) if experts.kept_bytes else 0.0),
-                _clip_s(layout, model_profile, network, stage, shards) if space.clip_gradients else 0.0,
-                _optimizer_s(layout, model_profile, stage, parameter_bytes) / shards,
+                _clip_s(layout, model_profile, network, stage, shards, shares) if space.clip_gradients else 0.0,
+                _optimizer_s(layout, model_profile, stage, parameter_bytes, shares) / shards,
             )
         )
 

@@ -478,6 +478,9 @@ class SearchSpace:
     vocab_stages_choices: tuple[bool, ...] = (False,)
     """Whether the LM head is split over the pipeline stages (``vocab_stages``), searched where a layout runs it
     (pp > 1, cp = 1, parameters not fully sharded; others keep it whole): ``(False, True)`` plans it."""
+    embedding_splits_with_head: bool = True
+    """Whether a split LM head takes the input embedding with it (a plain ``nn.Embedding``, or one tied to the head,
+    under a schedule that splits it); otherwise the first stage keeps the embedding whole."""
     context_with_stages: bool = True
     """Whether a split sequence may also run in pipeline stages (cp > 1 with pp > 1): merak3d runs it for a module
     scoring ``CausalLMModule``'s loss without a router aux loss across stages."""

@@ -68,6 +68,7 @@ from lightning_merak.strategies.merak3d.build import (
     split_block_problem,
     tensor_parallel_plan,
 )
+from lightning_merak.strategies.merak3d.vocab_stages_build import embedding_splits_with_head
 from lightning_merak.util.timing import repeat_budget
 
 __all__ = ["NETWORK_PROBE_SHARE", "PLANNER_REPEATS", "PLANNER_REPEAT_BUDGET_S", "PLANNER_WAIT_FACTOR",
@@ -178,6 +179,7 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
         context_attention_methods=arguments.context_attention_methods,
         context_with_stages=context_runs_in_stages(module),
         vocab_stages_choices=_vocab_stages_choices(arguments),
+        embedding_splits_with_head=embedding_splits_with_head(model, arguments.schedule),
     )
     num_experts = experts_per_layer(model) if merak_ep else None  # with ep_size unset, each ep dividing them is planned
     keys = required_profile_keys(space, num_blocks, num_experts)

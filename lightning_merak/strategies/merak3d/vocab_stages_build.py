@@ -18,8 +18,8 @@ from lightning_merak.parallel.pipeline.trace import ModelTrace
 from lightning_merak.parallel.pipeline.vocab_stages import HeadShape, vocab_stages_problem
 from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
 
-__all__ = ["replica_vocabulary_group", "splittable_embedding", "splittable_head", "vocab_split_autopipe",
-           "vocabulary_mesh"]
+__all__ = ["embedding_splits_with_head", "replica_vocabulary_group", "splittable_embedding", "splittable_head",
+           "vocab_split_autopipe", "vocabulary_mesh"]
 
 
 def splittable_head(model: nn.Module, trace: ModelTrace, arguments: Merak3DArguments, layout: Layout
@@ -58,6 +58,15 @@ def splittable_embedding(model: nn.Module, trace: ModelTrace, head: HeadShape,
         rank_zero_info(f"merak3d: vocab_stages keeps the input embedding on the first stage: {problem}")
         return None
     return path
+
+
+def embedding_splits_with_head(model: nn.Module, schedule: str) -> bool:
+    """Whether a split LM head would take ``model``'s input embedding with it under ``schedule`` (for the
+    planner's pricing; :func:`splittable_embedding` decides at build, with the trace)."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = embedding is not None and head is not None and embedding.weight is head.weight
+    return tied or embedding_split_problem(embedding, schedule) is None
 
 
 def _module_path(model: nn.Module, target: nn.Module) -> str:
