@@ -182,6 +182,13 @@ def test_the_planner_prices_the_split_head_on_every_stage():
     head_only = planner.predict(planner.Layout(1, 4, 1, 8, 1, 0.0, vocab_stages=True), profile, network, kept)
     assert head_only.memory_components["parameters"] == 4000 + 2 * 1000 + 4000 / 4  # the first stage's
     assert head_only.components["compute"] == pytest.approx(split.components["compute"], rel=0.01)
+    # the exchanges are their own part of the step (the head's and the embedding's: two all-reduces' worth per
+    # micro-batch, forward and backward), not tensor-parallel communication
+    exchange = 2 * 8 * network.all_reduce_s(1024 * 2, 4)
+    assert split.components["vocab_exchange"] == pytest.approx(2 * exchange)
+    assert head_only.components["vocab_exchange"] == pytest.approx(exchange)
+    assert whole.components["vocab_exchange"] == split.components["exposed_tp_comm"] == 0.0
+    assert sum(split.components.values()) == pytest.approx(split.step_time_s)
     with pytest.raises(ValueError, match=r"vocab_stages splits the LM head over pipeline stages \(pp > 1\)"):
         planner.Layout(4, 1, 1, 1, 1, 0.0, vocab_stages=True)
 

@@ -178,7 +178,7 @@ def test_single_stage_prediction_matches_hand_computation():
     assert plain.step_time_s == pytest.approx(8.7 + 13.45 + 0.4)
     assert plain.components == pytest.approx(
         {"compute": 13.75, "exposed_tp_comm": 8.4, "expert_all_to_all": 0.0, "context_exchange": 0.0,
-         "pipeline_runtime": 0.0,
+         "vocab_exchange": 0.0, "pipeline_runtime": 0.0,
          "pipeline_bubble": 0.0,
          "dp_allreduce": 0.0, "grad_clip": 0.0, "optimizer": 0.4}
     )

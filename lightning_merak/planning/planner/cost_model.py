@@ -41,8 +41,8 @@ from lightning_merak.planning.planner.profile import (
     SearchSpace,
 )
 
-COMPONENTS = ("compute", "exposed_tp_comm", "expert_all_to_all", "context_exchange", "pipeline_runtime",
-              "pipeline_bubble", "dp_allreduce", "grad_clip", "optimizer")
+COMPONENTS = ("compute", "exposed_tp_comm", "expert_all_to_all", "context_exchange", "vocab_exchange",
+              "pipeline_runtime", "pipeline_bubble", "dp_allreduce", "grad_clip", "optimizer")
 """The parts a predicted step time is split into; they add up to the step time ("dp_allreduce": the exposed
 data-parallel communication, whatever its collectives)."""
 MEMORY_COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations")
@@ -489,11 +489,13 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
             forward_total, backward_total = forward.time_s, backward.time_s + recompute_s
         loss_forward, loss_backward = (head_share * share * seconds
                                        for seconds in model_profile.loss_times_at(samples))
-        forward_total += loss_forward + vocab_exchange_s
-        backward_total += loss_backward + vocab_exchange_s
+        forward_total += loss_forward
+        backward_total += loss_backward
         local_s += loss_forward + loss_backward
         compute_s.append(local_s)
         exposed_s.append(max(0.0, forward_total + backward_total - local_s))
+        forward_total += vocab_exchange_s
+        backward_total += vocab_exchange_s
         experts = _stage_experts(layout, model_profile, network, stage,
                                  sum(earlier.num_blocks for earlier in stages[:index]), samples)
         forward_total += experts.forward_s
@@ -550,6 +552,7 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         "exposed_tp_comm": layout.micro_batches * exposed_s[busiest],
         "expert_all_to_all": layout.micro_batches * expert_s[busiest],
         "context_exchange": layout.micro_batches * context_s[busiest],
+        "vocab_exchange": layout.micro_batches * 2 * vocab_exchange_s,
         "pipeline_runtime": layout.micro_batches * 2 * action_s + pipeline_step_s,
         "pipeline_bubble": max(
             0.0, iteration_s - layout.micro_batches * (forward_s[busiest] + backward_s[busiest])
