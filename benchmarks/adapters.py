@@ -26,6 +26,10 @@ All numbers are measured on this machine (label ``measured``); the memory column
 The layout leg (``--leg layouts``, :mod:`benchmarks._adapters_layouts`) trains QLoRA, Q-BaRA and QA-HiRA against
 LoRA on the float base under merak3d at tp2, pp2 and dp2 ``full`` and reports per-rank model state and step time;
 its goal ``quantised_adapter_memory_ratio`` (quantised over float, per rank, worst layout) is <= 0.4 (issue 53).
+Each leg has its own results file: the accuracy leg ``results/adapters[.quick].json``, the layout leg
+``results/adapters_layouts[.quick].json`` (a full run also ``results/runs/adapters_layouts.K.json``, its goal taken
+over the runs by :func:`benchmarks.goals.write_run`). ``--out`` names the file of the leg run alone; with both legs
+it names the accuracy leg's, and the layout leg's takes the same name with ``_layouts`` after its first part.
 """
 
 from __future__ import annotations
@@ -327,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="2 tasks x 2 seeds x 100 steps (under 5 minutes on 2 CPU cores)"
     )
-    parser.add_argument("--out", type=Path, help=out_help("adapters"))
+    parser.add_argument("--out", type=Path, help=out_help("adapters") + "; the layout leg: adapters_layouts")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument(
         "--tune", action="store_true", help="sweep each method's learning rate (validation set of the max task)"
@@ -336,57 +340,55 @@ def main(argv: list[str] | None = None) -> None:
                         help="accuracy: the quantised fine-tuning tasks; layouts: per-rank memory and step time of "
                              "the quantised adapters at tp2, pp2 and dp2 full against LoRA on a float base")
     args = parser.parse_args(argv)
+    layouts_out = args.out if args.leg == "layouts" else args.out and layouts_path(args.out)
     args.out = args.out or default_out("adapters", args.quick)
     setting = QUICK if args.quick else FULL
     device = torch.device(args.device)
     # One thread: on a shared 2-core machine, multi-threaded tiny matmuls are 10-30x slower and erratic.
     torch.set_num_threads(1)
-    started = time.perf_counter()
     if args.tune:
         tune(setting, pretrained_base(setting, device), device, args.out.with_name("adapters_lr_sweep.json"))
         return
-    rows, table = [], []
     if args.leg != "layouts":
-        base_state = pretrained_base(setting, device)
-        rows = [
-            run_one(setting, method, task, seed, base_state, device, LEARNING_RATES[method])
-            for task in setting.tasks
-            for method in METHODS
-            for seed in setting.seeds
-        ]
-        table = summarize(rows, setting)
-        print_table(table)
-        chance = {"majority": 0.1, "max": 1 / len(WORDS), "min": 1 / len(WORDS)}
-        print("chance accuracy: " + ", ".join(f"{t} {100 * chance[t]:.1f}%" for t in setting.tasks))
-    layout_rows, goals = [], []
+        accuracy_leg(setting, device, args.quick, args.out)
     if args.leg != "accuracy":
-        from benchmarks._adapters_layouts import run_layouts
-        from benchmarks.goals import print_goals
+        layouts_leg(args.quick, layouts_out)
 
-        size = LAYOUT_QUICK if args.quick else LAYOUT_FULL
-        layout_rows, goal = run_layouts(**size)
-        goals = [goal]
-        print_table(layout_rows)
-        print_goals(goals)
+
+def layouts_path(out: Path) -> Path:
+    """The layout leg's file beside the accuracy leg's ``out``: ``_layouts`` after the name's first part."""
+    stem, dot, rest = out.name.partition(".")
+    return out.with_name(f"{stem}_layouts{dot}{rest}")
+
+
+def accuracy_leg(setting: Setting, device: torch.device, quick: bool, out: Path) -> None:
+    """Train every method on every task and seed, print the table and write ``out``."""
+    started = time.perf_counter()
+    base_state = pretrained_base(setting, device)
+    rows = [
+        run_one(setting, method, task, seed, base_state, device, LEARNING_RATES[method])
+        for task in setting.tasks
+        for method in METHODS
+        for seed in setting.seeds
+    ]
+    table = summarize(rows, setting)
+    print_table(table)
+    chance = {"majority": 0.1, "max": 1 / len(WORDS), "min": 1 / len(WORDS)}
+    print("chance accuracy: " + ", ".join(f"{t} {100 * chance[t]:.1f}%" for t in setting.tasks))
     wall = time.perf_counter() - started
     print(
         f"wall time {wall:.0f} s on {device}; memory: "
         f"{'peak CUDA allocation' if device.type == 'cuda' else 'computed static (weights+adapters+Adam)'}"
     )
     write_json(
-        args.out,
+        out,
         rows,
         label="measured",
         benchmark="adapters",
-        quick=args.quick,
+        quick=quick,
         device=str(device),
         setting=setting.__dict__,
         summary=table,
-        leg=args.leg,
-        layout_setting=(LAYOUT_QUICK if args.quick else LAYOUT_FULL) if args.leg != "accuracy" else None,
-        layout_rows=layout_rows,
-        quantised_adapter_memory_ratio=goals[0]["value"] if goals else None,
-        goals=goals,
         wall_seconds=round(wall, 1),
         memory_column=(
             "peak CUDA allocation" if device.type == "cuda"
@@ -400,7 +402,26 @@ def main(argv: list[str] | None = None) -> None:
             "repacks 4-bit weights",
         ],
     )
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
+
+
+def layouts_leg(quick: bool, out: Path | None) -> None:
+    """Every layout and method on two CPU ranks (gloo, whatever ``--device`` says); writes ``adapters_layouts``
+    (a full run: one more of its runs)."""
+    from benchmarks._adapters_layouts import run_layouts
+    from benchmarks.goals import print_goals, write_run
+
+    started = time.perf_counter()
+    size = LAYOUT_QUICK if quick else LAYOUT_FULL
+    rows, goal = run_layouts(**size)
+    print_table(rows)
+    print_goals([goal])
+    wall = time.perf_counter() - started
+    print(f"layout leg: wall time {wall:.0f} s")
+    written = write_run("adapters_layouts", rows, "measured", [goal], quick=quick, out=out,
+                        benchmark="adapters layouts", layout_setting=size, wall_seconds=round(wall, 1),
+                        memory_column="computed per rank: state dict tensors + gradients + optimizer state")
+    print(f"wrote {written}")
 
 
 if __name__ == "__main__":

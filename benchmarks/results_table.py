@@ -140,6 +140,27 @@ def adapters(data: dict[str, Any]) -> Table:
                   "merge change (points)", "merge"], rows, notes)
 
 
+def adapters_layouts(data: dict[str, Any]) -> Table:
+    """Per layout and method: the largest rank's model state, its ratio to LoRA-on-float's, the slowest rank's step."""
+    cells: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    rows: list[Sequence[object]] = []
+    for r in data["rows"]:
+        if "error" in r:
+            rows.append([r["layout"], "-", "-", "-", "-", f"failed: {brief(r['error'])}"])
+        else:
+            cells.setdefault((r["layout"], r["method"]), []).append(r)
+    for (layout, method), ranks in cells.items():
+        floats = {r["rank"]: r["state_mb"] for r in cells.get((layout, "lora_float"), [])}
+        over = [r["state_mb"] / floats[r["rank"]] for r in ranks if floats.get(r["rank"])]
+        rows.append([layout, method, f"{max(r['state_mb'] for r in ranks):.2f}", ratio(max(over)) if over else "-",
+                     f"{1e3 * max(r['step_s'] for r in ranks):.0f}", ""])
+    setting = data["layout_setting"]
+    notes = [f"Llama of hidden {setting['hidden']}, {setting['layers']} layers, adapter rank {setting['r']}, "
+             f"{setting['steps']} steps on two ranks; memory: {data['memory_column']}"]
+    return Table(["layout", "method", "state MB (largest rank)", "over LoRA on float (worst rank)",
+                  "step ms (slowest rank)", "error"], rows, notes)
+
+
 def observability(data: dict[str, Any]) -> Table:
     rows = []
     for name in dict.fromkeys(row["config"] for row in data["rows"]):
@@ -263,7 +284,8 @@ def compile_area(data: dict[str, Any]) -> Table:
 
 AREAS: dict[str, Callable[[dict[str, Any]], Table]] = {
     "collectives": collectives, "merak3d": merak3d, "overlap_tp": overlap_tp, "planner": planner,
-    "delta": delta, "sparse_comm": sparse_comm, "moe": moe, "adapters": adapters, "scale": scale,
+    "delta": delta, "sparse_comm": sparse_comm, "moe": moe, "adapters": adapters,
+    "adapters_layouts": adapters_layouts, "scale": scale,
     "sharding": sharding, "dynapipe": dynapipe, "replay": replay, "moe_families": moe_families,
     "observability": observability, "context_parallel": context_parallel, "muon": muon, "compile": compile_area,
 }

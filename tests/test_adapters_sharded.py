@@ -1,11 +1,12 @@
 """Adapters on a quantised frozen base under merak3d's data-parallel sharding, against the single-process model.
 
 ``data_parallel_sharding="full"`` shards the adapters (and their gradients and Adam state), the frozen float
-parts and a 4-bit base's packed codes with FSDP2; the codes' statistics stay whole on every rank, and so does an
-int8 base (``docs/guides/adapters.md``). ZeRO-1/2 shard only the trainable parameters. Every run starts from the
-same float weights, so losses, adapter gradients and updated adapter weights equal the single-process quantised
-model's (fp32 compute). One launch trains them all in turn; checkpoints resume from ``full`` under ZeRO-1 and from
-ZeRO-2 under ``full``.
+parts, a 4-bit base's packed codes and the project INT4 base (codes, scales and zero-points) with FSDP2; the
+bitsandbytes codes' statistics stay whole on every rank, and so does an int8 base (``docs/guides/adapters.md``).
+ZeRO-1/2 shard only the trainable parameters. Every run starts from the same float weights, so losses, adapter
+gradients and updated adapter weights equal the single-process quantised model's (fp32 compute). One launch trains
+them all in turn; checkpoints resume from ``full`` under ZeRO-1, from ZeRO-2 under ``full`` and, INT4, from ``full``
+under ``full``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_merak.adapters import QuantLinearInt4
 from lightning_merak.cli.options.adapter import LoRAAdapterConfig, QAHiRAAdapterConfig, Quantization
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import TrainingTrace, assert_traces_match, layout_gradients, run_distributed
@@ -35,6 +37,8 @@ RUNS = (  # (option, data_parallel_sharding, first step, last step, saves, resum
     ("qahira-nf4", "full", RESUMED_AT, STEPS, False, True),
     ("lora-nf4", "full", 0, STEPS, False, False),
     ("lora-int8", "full", 0, STEPS, False, False),
+    ("qahira-int4", "full", 0, RESUMED_AT, True, False),
+    ("qahira-int4", "full", RESUMED_AT, STEPS, False, True),
 )
 
 
@@ -73,7 +77,11 @@ def _fit(world_size: int, option_name: str, mode: str, first_step: int, last_ste
     local = sum(_local(param).numel() for _, param in adapters)
     import bitsandbytes as bnb  # after the model: importing it is heavy
 
-    layers = [layer for layer in module.model.modules() if isinstance(layer, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))]
+    layers = [layer for layer in module.model.modules()
+              if isinstance(layer, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt, QuantLinearInt4))]
+    # the frozen base's storage: bitsandbytes' codes, INT4's codes, scales and zero-points
+    stored = [tensor for layer in layers for tensor in (
+        (layer.qweight, layer.scales, layer.zeros) if isinstance(layer, QuantLinearInt4) else (layer.weight,))]
     state = [value for optimizer in strategy.optimizers for entry in optimizer.state.values()
              for value in entry.values() if isinstance(value, torch.Tensor) and value.ndim > 0]
     return {
@@ -83,8 +91,8 @@ def _fit(world_size: int, option_name: str, mode: str, first_step: int, last_ste
         "adapter_share": local / sum(param.numel() for _, param in adapters),
         "adam_share": sum(_local(value).numel() for value in state) / (2 * sum(param.numel() for _, param in adapters)),
         "base": sorted({type(layer).__name__ for layer in layers}),
-        "codes_share": sum(_local(layer.weight).numel() for layer in layers) / sum(
-            layer.weight.numel() for layer in layers),
+        "codes_share": sum(_local(tensor).numel() for tensor in stored) / sum(tensor.numel() for tensor in stored),
+        "frozen_base": not any(tensor.requires_grad for tensor in stored),
         # each 4-bit layer's statistics, whole: on its weight, or under full on the layer (set on the gathered codes)
         "statistics": all(any(getattr(holder, "quant_state", None) is not None for holder in (layer.weight, layer))
                           for layer in layers if isinstance(layer, bnb.nn.Linear4bit)),
@@ -97,8 +105,9 @@ def _sharded_rank(rank: int, world_size: int, directory: str) -> list[dict]:
 
 @pytest.mark.distributed
 def test_quantised_adapters_under_full_and_zero_sharding_equal_the_single_process_model(tmp_path):
-    """NF4 / int8 bases with Q-BaRA, QA-HiRA and LoRA at dp2: ``full`` (adapters, Adam state and NF4 codes halved,
-    their statistics whole; int8 whole), ZeRO-1 and ZeRO-2 (the base whole), each resumed in another mode."""
+    """NF4 / int8 / INT4 bases with Q-BaRA, QA-HiRA and LoRA at dp2: ``full`` (adapters, Adam state, NF4 codes and
+    INT4 codes with their scales and zero-points halved, NF4 statistics whole; int8 whole), ZeRO-1 and ZeRO-2 (the
+    base whole), NF4 resumed in another mode, INT4 under ``full`` again."""
     results = run_distributed(_sharded_rank, 2, args=(str(tmp_path),), timeout_s=300)
     references: dict[str, tuple[TrainingTrace, dict[str, torch.Tensor]]] = {}
     for index, (option_name, mode, first, last, _, _) in enumerate(RUNS):
@@ -115,9 +124,10 @@ def test_quantised_adapters_under_full_and_zero_sharding_equal_the_single_proces
             assert_traces_match(steps, recorded, loss_rtol=1e-5, grad_rtol=2e-5 if "int8" in option_name else 1e-5,
                                 check_gradients=mode == "full")
             int8 = "int8" in option_name
-            assert run["base"] == ["Linear8bitLt" if int8 else "Linear4bit"], run["base"]
-            assert run["statistics"], (option_name, mode)
-            # full shards the 4-bit codes; int8 codes, and every base under ZeRO, stay whole
+            base = "Linear8bitLt" if int8 else "QuantLinearInt4" if "int4" in option_name else "Linear4bit"
+            assert run["base"] == [base], run["base"]
+            assert run["statistics"] and run["frozen_base"], (option_name, mode)
+            # full shards the 4-bit codes (and INT4's statistics); int8 codes, and every base under ZeRO, stay whole
             codes_share = 0.5 if mode == "full" and not int8 else 1.0
             assert run["codes_share"] == pytest.approx(codes_share, abs=0.02), (option_name, mode)
             assert run["adapter_share"] == pytest.approx(1.0 if mode != "full" else 0.5, abs=0.02), (option_name, mode)

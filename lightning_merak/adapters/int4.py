@@ -72,8 +72,17 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     return weight.reshape(out_features, in_features)
 
 
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
+
+
 class QuantLinearInt4(nn.Module):
-    """A linear layer whose weight is block-wise asymmetric INT4 (reference dequantize + matmul)."""
+    """A linear layer whose weight is block-wise asymmetric INT4 (reference dequantize + matmul).
+
+    Codes, scales and zero-points are frozen parameters (``requires_grad=False``, so no optimizer takes them):
+    under ``data_parallel_sharding="full"`` FSDP2 shards them over the data-parallel ranks like any frozen
+    weight and gathers them whole for the forward (a group of uint8 and float tensors is gathered as bytes).
+    """
 
     def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool = True) -> None:
         super().__init__()
@@ -82,9 +91,10 @@ class QuantLinearInt4(nn.Module):
         self.out_features = out_features
         self.group_size = group_size
         num_groups = in_features // group_size
-        self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
-        self.register_buffer("scales", torch.ones(out_features, num_groups))
-        self.register_buffer("zeros", torch.zeros(out_features, num_groups))
+        # frozen parameters, not buffers: FSDP2 (data_parallel_sharding="full") shards parameters only
+        self.qweight = _frozen(torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.scales = _frozen(torch.ones(out_features, num_groups))
+        self.zeros = _frozen(torch.zeros(out_features, num_groups))
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     @classmethod
@@ -93,9 +103,10 @@ class QuantLinearInt4(nn.Module):
         layer = cls(linear.in_features, linear.out_features, group_size, bias=linear.bias is not None)
         layer.to(linear.weight.device)
         packed, scales, zeros = quantize_int4(linear.weight, group_size)
-        layer.qweight.copy_(packed)
-        layer.scales.copy_(scales)
-        layer.zeros.copy_(zeros)
+        with torch.no_grad():
+            layer.qweight.copy_(packed)
+            layer.scales.copy_(scales)
+            layer.zeros.copy_(zeros)
         if linear.bias is not None:
             layer.bias.data.copy_(linear.bias.detach().float())
         return layer
@@ -105,7 +116,8 @@ class QuantLinearInt4(nn.Module):
 
     def shift_zeros(self, group_delta: torch.Tensor) -> None:
         """Add ``group_delta[o, g]`` to every weight of group ``(o, g)`` without touching codes or scales."""
-        self.zeros.sub_(group_delta.to(self.zeros) / self.scales)
+        with torch.no_grad():
+            self.zeros.sub_(group_delta.to(self.zeros) / self.scales)
 
     def to_linear(self) -> nn.Linear:
         """A dense float32 ``nn.Linear`` with the dequantized weight (exact, compression lost)."""

@@ -560,8 +560,8 @@ def _data_parallel_only(model: nn.Module, layout: Layout, groups: LayoutGroups,
 
 def _ready_quantized(model: nn.Module) -> list[nn.Parameter]:
     """Ready a bitsandbytes base for FSDP2 (4-bit codes shard, their statistics stay whole); returns the weights it
-    must leave whole (int8). A model holding any has imported bitsandbytes. The project's INT4 keeps codes, scales
-    and zeros in buffers, which FSDP2 leaves whole anyway."""
+    must leave whole (int8). A model holding any has imported bitsandbytes. The project's INT4 needs nothing: its
+    codes, scales and zeros are frozen parameters, which FSDP2 shards and gathers as they are."""
     if "bitsandbytes" not in sys.modules:
         return []
     from lightning_merak.adapters.quantize import prepare_fully_shard  # lazy: PEFT
