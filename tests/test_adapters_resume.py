@@ -117,14 +117,37 @@ def test_a_checkpoint_of_another_quantisation_or_rank_is_refused(saved: tuple[st
     assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items()), "nothing copied"
 
 
-def test_lightning_refuses_resuming_with_another_quantisation_and_export_refuses_the_packed_base(
-        tmp_path: Path) -> None:
-    fit(adapter_model("qbara", "nf4", seed=0), 2, checkpoint_dir=str(tmp_path), checkpoint_every=2)
-    with pytest.raises(ValueError, match="base nf4 in the checkpoint, int8 here"):
-        fit(adapter_model("qbara", "int8", seed=0), 4, resume_from=str(tmp_path / "step=2.ckpt"))
-    with pytest.raises(ValueError, match=r"holds a quantised base \(nf4: .*adapter.quantization=none"):
-        export_main([str(tmp_path / "step=2.ckpt"), str(tmp_path / "out"), "--merge-adapters"])
-    assert not (tmp_path / "out").exists()
+@pytest.mark.parametrize("method,quantization", [("qbara", "nf4"), ("qahira", "int4"), ("lora", "int8")])
+def test_a_quantised_adapter_exports_merged_into_its_dequantised_base(tmp_path: Path, method: str,
+                                                                      quantization: str) -> None:
+    """``--merge-adapters`` writes float weights, the dequantised base plus the delta: the exported model computes
+    the trained quantised model's logits (nf4, INT4; int8's forward quantises its inputs too, so there an unadapted
+    layer's weight is checked within half a quantisation step of the float weight it was quantised from). Resuming
+    with another quantisation, or exporting without ``--merge-adapters``, is refused before anything is written."""
+    from transformers import AutoModelForCausalLM
+
+    _, module = fit(adapter_model(method, quantization, seed=0), 2, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    checkpoint, out = str(tmp_path / "step=2.ckpt"), tmp_path / "out"
+    if quantization == "nf4":
+        with pytest.raises(ValueError, match="base nf4 in the checkpoint, int8 here"):
+            fit(adapter_model(method, "int8", seed=0), 4, resume_from=checkpoint)
+    with pytest.raises(ValueError, match=rf"holds a quantised base \({quantization}: .*--merge-adapters"):
+        export_main([checkpoint, str(out)])
+    assert not out.exists()
+    export_main([checkpoint, str(out), "--merge-adapters"])
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    assert all(param.dtype == torch.float32 for param in exported.parameters())
+    if quantization != "int8":
+        tokens = torch.randint(VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+        module.model.train()  # bitsandbytes' dequantise-and-matmul path (its CPU eval path repacks the codes)
+        torch.testing.assert_close(exported(input_ids=tokens).logits, module.model(input_ids=tokens).logits,
+                                   rtol=1e-5, atol=1e-5)
+        return
+    original = adapter_model(method, "none", seed=0).get_base_model().state_dict()
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight"):
+        weight, float_weight = exported.get_parameter(name).detach(), original[name]
+        step = float_weight.abs().amax(dim=1, keepdim=True) / 127  # LLM.int8's per-row step (absmax / 127)
+        assert not torch.equal(weight, float_weight) and ((weight - float_weight).abs() <= step / 2 + 1e-4).all()
 
 
 @pytest.mark.parametrize("method,quantization", [("qbara", "nf4"), ("qbara", "fp4"), ("lora", "int8"),

@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("out", help="output directory")
     adapters = parser.add_mutually_exclusive_group()
     adapters.add_argument("--merge-adapters", action="store_true",
-                          help="merge adapter (LoRA, Q-BaRA, QA-HiRA) weights into the base weights")
+                          help="merge adapter (LoRA, Q-BaRA, QA-HiRA) weights into the base weights (a quantised "
+                               "base is dequantised first: float weights carrying its quantisation rounding)")
     adapters.add_argument("--adapter-only", action="store_true",
                           help="write the adapters alone, as a PEFT folder that PeftModel.from_pretrained loads")
     parser.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (default 2GB)")

@@ -20,8 +20,9 @@ Adapters: a PEFT user saving a ``PeftModel`` gets the adapter alone, which :func
 (``merak-export --adapter-only``) writes as PEFT does; a user exporting for ``from_pretrained`` wants plain
 weights. So :func:`export_checkpoint` refuses a checkpoint with adapter weights unless
 ``--merge-adapters`` is given, which writes ``base + delta`` (PEFT's own merge, one layer at a time)
-under the base names. A checkpoint whose base is quantised (bitsandbytes nf4/fp4/int8, the project's int4)
-is refused, naming the fix: the export writes float weights. LoRA on fused expert tensors (PEFT's
+under the base names. A base stored quantised (bitsandbytes nf4/fp4/int8, the project's int4) is dequantised
+first (:mod:`lightning_merak.hf.dequantised`), so the merged weights are float and carry the quantisation
+rounding: the weights the adapter was trained against, plus its delta. LoRA on fused expert tensors (PEFT's
 ``target_parameters``, one nested ``ParamWrapper`` per tensor) is merged one experts module at a time the
 same way: the meta model's module wrapped by the recorded config, the checkpoint's base and factors assigned
 in (``lora_B`` back from a merak3d directory's ``[out, r, E]``), PEFT's merge, then cut per expert as
@@ -227,16 +228,18 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
         load_config,
         strip_wrappers,
     )
+    from lightning_merak.hf.dequantised import DequantisedSource  # lazy: torch
     from lightning_merak.hf.experts import export_layout  # lazy: torch
 
-    source = _Source(Path(checkpoint))
+    source: Union[_Source, DequantisedSource] = _Source(Path(checkpoint))
     quantized = quantized_layers(source.entries)
-    if quantized:
+    if quantized and not merge_adapters:
         layer, kind = next(iter(quantized.items()))
         raise ValueError(f"{checkpoint} holds a quantised base ({kind}: {layer} and {len(quantized) - 1} more layers); "
-                         "merak-export writes float weights and does not dequantise. Train on a float base "
-                         "(adapter.quantization=none) to export merged, or save the adapter alone from the PEFT "
-                         "model (save_pretrained)")
+                         "pass --merge-adapters to write it dequantised with the adapters merged (float weights "
+                         "carrying the quantisation rounding), or --adapter-only to write the adapters alone")
+    if quantized:
+        source = DequantisedSource(source, quantized)
     record = source.metadata.get(MODEL_RECORD_KEY) or {}
     if config is None and not record.get("config"):
         raise ValueError(f"{checkpoint} records no transformers config (saved before merak-export existed, or "
