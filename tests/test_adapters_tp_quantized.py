@@ -50,11 +50,11 @@ OPTIONS.update({  # beside test_adapters_meta's, on the wide model
 # model's, so only the order in which the row layers' partial sums are added differs, as in the float tests
 # (tests/test_adapters_tp.py): losses to 1e-5 (measured 2e-7), adapter gradients to 1e-4 of their largest entry
 # (measured 1.1e-5, int8; 1.7e-6 the others) after Adam's steps. QA-HiRA on INT4 is saved after 3 steps, resumed at tp2
-# and saved again, for the export.
+# and saved again, for the export; QLoRA on NF4 is saved for the export too.
 RESUMED_AT = 3
 RUNS = (
     ("wide-qbara-nf4", "tp2", 0, STEPS, None, None),
-    ("wide-lora-nf4", "tp2sp", 0, STEPS, None, None),
+    ("wide-lora-nf4", "tp2sp", 0, STEPS, "nf4", None),
     ("wide-qahira-int4", "tp2", 0, RESUMED_AT, "three", None),
     ("wide-qahira-int4", "tp2", RESUMED_AT, STEPS, "final", "three"),
     ("wide-lora-int8", "tp2", 0, STEPS, None, None),
@@ -174,14 +174,59 @@ def test_a_resumed_meta_model_reads_the_tensors_its_float_weight_was_rewritten_i
         _saved_storage_where_rewritten({"q.base_layer.weight": torch.empty(4, 4)}, shards, None)
 
 
+class _Tensors:
+    """A checkpoint's tensors as the export reads them (``entries``, ``read``, the model record), held in memory."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], record: dict) -> None:
+        from lightning_merak.checkpoint.names import MODEL_RECORD_KEY
+
+        self.path, self.tensors, self.metadata = "memory", tensors, {MODEL_RECORD_KEY: record}
+        self.entries = {key: (tuple(value.shape), value.dtype) for key, value in tensors.items()}
+
+    def read(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "int4"])
+def test_shards_of_a_column_layer_whose_rows_the_split_reorders_dequantise_to_the_whole_layer(quantization):
+    """A fused projection split by units (gate and up rows, each rank holding its part of both): every shard
+    dequantised with its own statistics, its rows put back at their original places, gives the whole layer's
+    dequantised weight bit for bit; shards without the recorded split are refused naming --adapter-only."""
+    from lightning_merak.adapters.resume import quantized_layers
+    from lightning_merak.checkpoint.names import QUANTIZED_SPLITS_KEY
+    from lightning_merak.hf.dequantised import DequantisedSource
+
+    weight = torch.randn(128, 64, generator=torch.Generator().manual_seed(1)) * 0.02  # a row is one 64-weight block
+    expected = _dequantised(quantized_shard(_linear(weight), quantization, double_quant=False))
+    rows = [[*range(0, 32), *range(64, 96)], [*range(32, 64), *range(96, 128)]]
+    tensors = {}
+    for rank, part in enumerate(rows):
+        shard = quantized_shard(_linear(weight[part]), quantization, double_quant=False)
+        tensors.update({f"mlp.gate_up.base_layer.shard_tp{rank}of2.{key}": value
+                        for key, value in shard.state_dict().items()})
+    split = {"dim": 0, "degree": 2, "shape": [128, 64], "rows": rows}
+    quantized = quantized_layers(tensors)
+    source = DequantisedSource(_Tensors(tensors, {QUANTIZED_SPLITS_KEY: {"mlp.gate_up.base_layer": split}}), quantized)
+    assert sorted(source.entries) == ["mlp.gate_up.base_layer.weight"]
+    assert source.entries["mlp.gate_up.base_layer.weight"][0] == (128, 64)
+    assert torch.equal(source.read("mlp.gate_up.base_layer.weight"), expected)
+    contiguous = torch.cat([_dequantised(quantized_shard(_linear(part), quantization, double_quant=False))
+                            for part in weight[torch.tensor(rows).flatten()].chunk(2)])
+    assert not torch.equal(contiguous, expected)  # joined in rank order instead, the rows would be misplaced
+    with pytest.raises(ValueError, match="does not record how the layer was split.*--adapter-only"):
+        DequantisedSource(_Tensors(tensors, {}), quantized)
+
+
 @pytest.mark.distributed
 def test_adapters_on_a_base_quantised_per_shard_train_like_the_whole_quantised_model(tmp_path):
     """Q-BaRA on NF4 and FP4, QLoRA on NF4, QA-HiRA on INT4 and LoRA on int8 at tp2 (with sequence parallelism for
     two): every base layer in the blocks quantised per shard. QA-HiRA resumes at tp2 from its checkpoint (the shards
-    rebuilt from the float weights must equal the saved ones), refuses another degree, and its final checkpoint exports
-    the adapter, which merges exactly into the whole model's INT4 base (a merged export of the shards is refused)."""
+    rebuilt from the float weights must equal the saved ones) and refuses another degree. The final INT4 checkpoint and
+    the NF4 one export the adapters, which load onto the whole model's quantised base, and export merged: the shards
+    dequantised and put back together, the exported model computes that quantised model's logits."""
     from peft import PeftModel
     from torch.distributed.checkpoint import FileSystemReader
+    from transformers import AutoModelForCausalLM
 
     from lightning_merak.adapters import quantize_model
     from lightning_merak.checkpoint.sharded import _saved_storage_where_rewritten
@@ -204,19 +249,24 @@ def test_adapters_on_a_base_quantised_per_shard_train_like_the_whole_quantised_m
     state = {f"{layer}.weight": torch.empty(128, 256)}
     _saved_storage_where_rewritten(state, metadata, (1, 2))
     assert sorted(state) == [f"{layer}.shard_tp1of2.{name}" for name in ("qweight", "scales", "zeros")]
-    with pytest.raises(ValueError, match="int4 base as tensor-parallel shards.*--adapter-only"):
-        export_checkpoint(final, tmp_path / "merged", merge_adapters=True)
-    export_adapter(final, tmp_path / "adapter")
-    trained = references["wide-qahira-int4"][1]
-    base = quantize_model(_wide_base(), "int4", group_size=32)  # the whole model's INT4: its shards, put together
-    adapted = PeftModel.from_pretrained(base, tmp_path / "adapter")
-    expected = {name: param for name, param in trained.named_parameters() if param.requires_grad}
-    loaded = {name: param for name, param in adapted.named_parameters() if "qahira_" in name}
-    assert sorted(loaded) == sorted(expected)
-    for name, value in expected.items():  # Adam's steps amplify summation-order differences in small gradients
-        torch.testing.assert_close(loaded[name], value, rtol=0, atol=5e-5)
     tokens = torch.randint(VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        unmerged = adapted(tokens).logits
-        merged = adapted.merge_and_unload()(tokens).logits  # QA-HiRA's zero-point shift into the INT4 base
-    torch.testing.assert_close(merged, unmerged, rtol=0, atol=1e-5)
+    for checkpoint, option_name, kind in ((final, "wide-qahira-int4", "int4"), (tmp_path / "nf4.ckpt",
+                                                                              "wide-lora-nf4", "nf4")):
+        export_adapter(checkpoint, tmp_path / kind / "adapter")
+        trained = references[option_name][1]
+        # the whole model's quantisation: its shards, put together; the tp2 run's adapters on it
+        adapted = PeftModel.from_pretrained(quantize_model(_wide_base(), kind, group_size=32, double_quant=False),
+                                            tmp_path / kind / "adapter")
+        expected = {name: param for name, param in trained.named_parameters() if param.requires_grad}
+        loaded = {name: param for name, param in adapted.named_parameters() if param.requires_grad
+                  or any(f"{infix}_" in name for infix in ("qahira", "lora"))}
+        assert sorted(loaded) == sorted(expected)
+        for name, value in expected.items():  # Adam's steps amplify summation-order differences in small gradients
+            torch.testing.assert_close(loaded[name], value, rtol=0, atol=5e-5)
+        # the merged export of the shards: each dequantised with its own statistics, put back together, the adapter
+        # merged in float, computes the quantised model with the checkpoint's adapters
+        export_checkpoint(checkpoint, tmp_path / kind / "merged", merge_adapters=True)
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / kind / "merged")
+        adapted.train()  # bitsandbytes' dequantise-and-matmul path (its CPU eval path repacks the codes)
+        with torch.no_grad():
+            torch.testing.assert_close(exported(tokens).logits, adapted(tokens).logits, rtol=1e-5, atol=1e-5)

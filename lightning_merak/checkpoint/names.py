@@ -22,6 +22,7 @@ from torch import nn
 __all__ = [
     "MODEL_RECORD_KEY",
     "PEFT_LAYER_INFIX",
+    "QUANTIZED_SPLITS_KEY",
     "WRAPPER_PREFIXES",
     "build_meta_model",
     "checkpoint_names",
@@ -39,6 +40,10 @@ PEFT_LAYER_INFIX = ".base_layer."
 
 MODEL_RECORD_KEY = "hf_model"
 """Key of :func:`model_record` in a Lightning checkpoint: what an export needs besides the tensors."""
+
+QUANTIZED_SPLITS_KEY = "quantized_splits"
+"""Key, in a merak3d checkpoint's model record, of how each base layer quantised per tensor-parallel shard was split
+(by the layer's unsplit name: ``dim``, ``degree``, ``shape``, ``rows``), so its shards can be put back together."""
 
 
 def model_record(model: nn.Module) -> Optional[dict[str, Any]]:

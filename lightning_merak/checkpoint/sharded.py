@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_merak.checkpoint.files import partial_path, publish_directory
-from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, model_record
+from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, QUANTIZED_SPLITS_KEY, model_record
 from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_torch_file
 from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.parallel.tensor.blocks import LayoutChange
@@ -102,6 +102,19 @@ def _saved_storage_where_rewritten(model_state: dict[str, torch.Tensor], metadat
         if target.is_floating_point() and isinstance(saved, TensorStorageMetadata) and (
                 tuple(saved.size) != tuple(target.shape) or saved.properties.dtype != target.dtype):
             model_state[key] = torch.empty(saved.size, dtype=saved.properties.dtype)
+
+
+def quantized_splits(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """How each layer of ``model`` quantised per tensor-parallel shard was split, by its unsplit name
+    (:meth:`~lightning_merak.parallel.tensor.layers.QuantizableShard.quantized_split`): saved in the model record
+    (:data:`QUANTIZED_SPLITS_KEY`) so the merged export can put the dequantised shards back together."""
+    rename = model.original_name if isinstance(model, RankStages) else (lambda name: name)
+    splits = {}
+    for name, layer in model.named_modules():
+        split = layer.quantized_split() if callable(getattr(layer, "quantized_split", None)) else None
+        if split is not None:
+            splits[rename(name)] = split
+    return splits
 
 
 class ExpertSlices(FusedExpertSlices):
@@ -258,6 +271,7 @@ class ShardedCheckpointer:
         self.experts = ExpertNumbering({}, self._data_parallel_ranks)
         """Expert-parallel MoE layers number their experts from 0 on every rank; checkpoints number them globally."""
         self.model_record: Optional[dict[str, Any]] = None
+        self._quantized_splits: dict[str, dict[str, Any]] = {}
         """The unsplit model's transformers config (and adapters), saved with each checkpoint."""
         self.fused_experts = ExpertSlices({}, {})
         """``merak_ep``'s fused expert tensors and adapter factors on them, each rank's part a slice of the whole."""
@@ -321,6 +335,7 @@ class ShardedCheckpointer:
     def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         """``module``'s state under the unsplit names; shards stay DTensors."""
         model = module.model
+        self._quantized_splits = quantized_splits(model)
         state = {}
         for key, value in module.state_dict().items():
             rest = key[len("model."):]
@@ -375,8 +390,15 @@ class ShardedCheckpointer:
             })
         temporary = partial_path(path)
         dcp.save(tensors, checkpoint_id=temporary)  # returns once every rank's shards are written
+        splits = self._quantized_splits
+        tensor_rank = self._tensor_rank()
+        if tensor_rank is not None and tensor_rank[1] > 1:  # each stage knows its own blocks' splits
+            gathered: list[Any] = [None] * world_size
+            dist.all_gather_object(gathered, splits)
+            splits = {name: split for part in gathered for name, split in part.items()}
         if global_rank == 0:
-            record = {MODEL_RECORD_KEY: self.model_record} if self.model_record is not None else {}
+            record = {MODEL_RECORD_KEY: {**self.model_record, QUANTIZED_SPLITS_KEY: splits} if splits
+                      else self.model_record} if self.model_record is not None else {}
             torch.save({**checkpoint, **record, "merak3d_optimizers": layouts}, temporary / LIGHTNING_CHECKPOINT)
             publish_directory(temporary, path)
 

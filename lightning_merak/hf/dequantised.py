@@ -10,46 +10,87 @@ rounding of the base, not the original float weights.
 replaced by one float ``weight`` (the layer's unquantised name), read and dequantised when asked for, so the export
 treats it as any float base. Each format is dequantised by its own code: bitsandbytes' ``dequantize_4bit`` with the
 layer's ``QuantState`` rebuilt from the checkpoint, its ``int8_vectorwise_dequant`` for int8 (codes times the row's
-absmax over 127), :func:`~lightning_merak.adapters.int4.dequantize_int4` for INT4. A base quantised per
-tensor-parallel shard (``shard_tp<r>of<n>``) is refused: each shard is a separate quantisation, and putting the
-dequantised shards back together needs the split's layout, which the checkpoint does not record.
+absmax over 127), :func:`~lightning_merak.adapters.int4.dequantize_int4` for INT4.
+
+A base quantised per tensor-parallel shard (``<layer>.shard_tp<r>of<n>``, merak3d at ``tensor_parallel > 1``) holds
+one quantisation per shard, each with its own statistics: each shard is dequantised alone and the float shards are
+put back together along the dimension the layer was split on, as the checkpoint's model record says
+(:data:`~lightning_merak.checkpoint.names.QUANTIZED_SPLITS_KEY`): input columns of a row layer in rank order; output
+rows of a column layer in rank order, or, where the split reordered them (a fused projection split by units), each
+rank's rows back at their original places. The result is the weight every rank's forward used, so the merged export
+equals that of the same run at ``tensor_parallel=1`` wherever the shards are the whole layer's quantisation, sliced
+(every block inside one shard, which the split checks before training). A checkpoint written before the record
+existed is refused, naming ``--adapter-only``.
 """
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["DequantisedSource"]
 
-_SHARD = re.compile(r"\.shard_tp\d+of\d+$")
+_SHARD = re.compile(r"\.shard_tp(\d+)of(\d+)$")
+
+
+def _recorded_split(splits: dict[str, dict[str, Any]], layer: str) -> Optional[dict[str, Any]]:
+    """The split recorded for ``layer`` (a checkpoint key, under the LightningModule's attribute: ``model.``...), which
+    the record names within the network."""
+    found = [split for name, split in splits.items() if layer == name or layer.endswith("." + name)]
+    return found[0] if len(found) == 1 else None
 
 
 class DequantisedSource:
     """``source`` (a checkpoint's tensors read one at a time: ``entries`` and ``read``) with every layer of
-    ``quantized`` (layer prefix → nf4, fp4, int8 or int4) as a float ``<layer>.weight``."""
+    ``quantized`` (layer prefix → nf4, fp4, int8 or int4) as a float ``<layer>.weight``; a layer saved as
+    tensor-parallel shards (``<layer>.shard_tp<r>of<n>``) as one float weight put together from them."""
 
     def __init__(self, source: Any, quantized: dict[str, str]) -> None:
+        from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, QUANTIZED_SPLITS_KEY  # lazy: torch
+
         self.source = source
         self.path = source.path
         self.metadata = source.metadata
-        self.layers: dict[str, tuple[str, str]] = {}  # float weight key → (layer prefix, quantisation)
+        splits = (self.metadata.get(MODEL_RECORD_KEY) or {}).get(QUANTIZED_SPLITS_KEY) or {}
+        # float weight key → (quantisation, the layer prefix of each quantised part in rank order, split or None)
+        self.layers: dict[str, tuple[str, list[str], Optional[dict[str, Any]]]] = {}
         entries = dict(source.entries)
+        shards: dict[str, dict[int, str]] = {}
         for layer, kind in quantized.items():
-            if _SHARD.search(layer):
+            match = _SHARD.search(layer)
+            if match is not None:
+                shards.setdefault(layer[:match.start()], {})[int(match.group(1))] = layer
+                continue
+            self._replace(entries, layer, kind, [layer], None, self._float_entry(layer, kind))
+        for layer, parts in shards.items():
+            kind = quantized[next(iter(parts.values()))]
+            split = _recorded_split(splits, layer)
+            if split is None:
                 raise ValueError(
-                    f"--merge-adapters: {source.path} holds {layer.rpartition('.')[0]}'s {kind} base as "
-                    "tensor-parallel shards, each quantised alone, which a merged export cannot put back together; "
-                    "export the adapters alone (merak-export --adapter-only) and merge them onto the base model")
-            prefix = layer + "."
+                    f"--merge-adapters: {source.path} holds {layer}'s {kind} base as tensor-parallel shards but does "
+                    "not record how the layer was split (a checkpoint saved before the split was recorded); resume "
+                    "and save it again at the same tensor_parallel, or export the adapters alone (merak-export "
+                    "--adapter-only) and merge them onto the base model")
+            if sorted(parts) != list(range(split["degree"])):
+                raise ValueError(f"--merge-adapters: {source.path} holds shards {sorted(parts)} of {layer}, its split "
+                                 f"records {split['degree']}; the checkpoint is incomplete")
+            ordered = [parts[rank] for rank in range(split["degree"])]
+            _, dtype = self._float_entry(ordered[0], kind)
+            self._replace(entries, layer, kind, ordered, split, (tuple(split["shape"]), dtype))
+        self.entries = entries
+
+    def _replace(self, entries: dict[str, Any], layer: str, kind: str, parts: list[str],
+                 split: Optional[dict[str, Any]], entry: tuple[tuple[int, ...], torch.dtype]) -> None:
+        """``entries`` with the quantised tensors of ``parts`` (all but a bias) replaced by ``<layer>.weight``."""
+        for part in parts:
+            prefix = part + "."
             for key in [key for key in entries if key.startswith(prefix) and key[len(prefix):] != "bias"]:
                 del entries[key]
-            entries[prefix + "weight"] = self._float_entry(layer, kind)
-            self.layers[prefix + "weight"] = (layer, kind)
-        self.entries = entries
+        entries[layer + ".weight"] = entry
+        self.layers[layer + ".weight"] = (kind, parts, split)
 
     def _statistics(self, layer: str) -> dict[str, torch.Tensor]:
         """A bitsandbytes 4-bit layer's quantisation state as its state dict holds it (``weight.<name>`` keys)."""
@@ -76,14 +117,28 @@ class DequantisedSource:
             return self.source.read(key)
         import torch
 
-        layer, kind = self.layers[key]
+        kind, parts, split = self.layers[key]
+        pieces = [self._dequantised(part, kind) for part in parts]
+        if split is None:
+            return pieces[0]
+        if split["dim"] == 1 or split["rows"] is None:
+            return torch.cat(pieces, split["dim"])
+        whole = torch.empty(split["shape"], dtype=pieces[0].dtype)
+        for rows, piece in zip(split["rows"], pieces):  # a row several ranks hold is the same on each
+            whole[torch.tensor(rows)] = piece
+        return whole
+
+    def _dequantised(self, layer: str, kind: str) -> torch.Tensor:
+        """The float weight of one quantised ``layer`` (a whole layer, or one rank's shard of it)."""
+        import torch
+
         if kind == "int4":
             from lightning_merak.adapters.int4 import dequantize_int4  # lazy: torch
 
             return dequantize_int4(*(self.source.read(f"{layer}.{name}") for name in ("qweight", "scales", "zeros")))
         import bitsandbytes.functional as bnb_functional
 
-        codes = self.source.read(key)
+        codes = self.source.read(layer + ".weight")
         if kind == "int8":
             return bnb_functional.int8_vectorwise_dequant(codes, self.source.read(layer + ".SCB").float())
         state = bnb_functional.QuantState.from_dict(qs_dict=self._statistics(layer), device=torch.device("cpu"))

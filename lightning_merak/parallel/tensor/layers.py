@@ -211,6 +211,20 @@ class QuantizableShard(nn.Module):
     def split_geometry(self) -> tuple[bool, int, int, int, bool]:
         raise NotImplementedError
 
+    def quantized_split(self) -> Optional[dict[str, Any]]:
+        """How the group's quantised shards join into the whole layer's weight, for a checkpoint's readers (the
+        merged export dequantises each shard alone): ``dim`` 0 (output rows) or 1 (input columns), ``degree``,
+        the whole ``shape`` and, for column layers the plan reorders, ``rows[r]``: the original rows rank ``r``
+        holds. None while the weight is float."""
+        if self.quantized is None:
+            return None
+        column, in_features, out_features, degree, _ = self.split_geometry()
+        order = getattr(self, "_order", None)
+        rows = [list(part) for part in order] if order is not None else None
+        if rows is not None:  # rows shared by several ranks are one row of the whole layer
+            out_features = len({row for part in rows for row in part})
+        return {"dim": 0 if column else 1, "degree": degree, "shape": [out_features, in_features], "rows": rows}
+
 
 def sharded_parameter(parameter: nn.Parameter, mesh: DeviceMesh, placement: Any) -> nn.Parameter:
     """``parameter`` as a DTensor over ``mesh``; a frozen one stays frozen."""
