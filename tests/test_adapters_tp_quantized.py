@@ -27,7 +27,7 @@ from lightning_merak.parallel.tensor.blocks import TensorParallelPlan
 from lightning_merak.parallel.tensor.quantized_shards import quantized_split_problem
 from lightning_merak.testing import TrainingTrace, assert_traces_match, merge_rank_traces, run_distributed
 from tests import test_adapters_meta as adapters_meta
-from tests.test_adapters_meta import OPTIONS, TARGETS, _meta_rank, _reference
+from tests.test_adapters_meta import OPTIONS, PP2, TARGETS, _meta_rank, _reference
 from tests.test_adapters_tp import LAYOUTS
 from tests.test_merak3d import STEPS, VOCAB
 
@@ -50,7 +50,8 @@ OPTIONS.update({  # beside test_adapters_meta's, on the wide model
 # model's, so only the order in which the row layers' partial sums are added differs, as in the float tests
 # (tests/test_adapters_tp.py): losses to 1e-5 (measured 2e-7), adapter gradients to 1e-4 of their largest entry
 # (measured 1.1e-5, int8; 1.7e-6 the others) after Adam's steps. QA-HiRA on INT4 is saved after 3 steps, resumed at tp2
-# and saved again, for the export; QLoRA on NF4 is saved for the export too.
+# and saved again, for the export, and resumed at pp2 (tensor_parallel=1: the shards joined into the whole layer's
+# INT4, which the rebuilt base must equal bit for bit); QLoRA on NF4 is saved for the export too.
 RESUMED_AT = 3
 RUNS = (
     ("wide-qbara-nf4", "tp2", 0, STEPS, None, None),
@@ -59,7 +60,9 @@ RUNS = (
     ("wide-qahira-int4", "tp2", RESUMED_AT, STEPS, "final", "three"),
     ("wide-lora-int8", "tp2", 0, STEPS, None, None),
     ("wide-qbara-fp4", "tp2sp", 0, STEPS, None, None),
+    ("wide-qahira-int4", "pp2", RESUMED_AT, STEPS, None, "three"),  # the tp2 shards joined at tensor_parallel=1
 )
+LAYOUTS = {**LAYOUTS, "pp2": (2, PP2)}
 
 
 def _wide_base() -> nn.Module:
@@ -155,7 +158,7 @@ def test_a_resumed_meta_model_reads_the_tensors_its_float_weight_was_rewritten_i
     or this rank's quantised shard; shards of another degree are refused, naming the one that wrote them."""
     from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
 
-    from lightning_merak.checkpoint.sharded import _saved_storage_where_rewritten
+    from lightning_merak.checkpoint.rewritten import saved_storage_where_rewritten
 
     def saved(*names: str) -> Metadata:
         return Metadata({f"model.{name}": TensorStorageMetadata(TensorProperties(dtype=torch.uint8), torch.Size([4]),
@@ -163,15 +166,51 @@ def test_a_resumed_meta_model_reads_the_tensors_its_float_weight_was_rewritten_i
 
     whole = saved("q.base_layer.qweight", "q.base_layer.scales", "q.base_layer.zeros", "q.qahira_H")
     state = {"q.base_layer.weight": torch.empty(4, 4), "q.qahira_H": torch.empty(4)}
-    _saved_storage_where_rewritten(state, whole, None)
+    saved_storage_where_rewritten(state, whole, None)
     assert sorted(state) == ["q.base_layer.qweight", "q.base_layer.scales", "q.base_layer.zeros", "q.qahira_H"]
     assert state["q.base_layer.qweight"].dtype == torch.uint8
     shards = saved(*[f"q.base_layer.shard_tp{rank}of2.{name}" for rank in range(2) for name in ("qweight", "scales")])
     state = {"q.base_layer.weight": torch.empty(4, 4)}
-    _saved_storage_where_rewritten(state, shards, (1, 2))
+    saved_storage_where_rewritten(state, shards, (1, 2))
     assert sorted(state) == ["q.base_layer.shard_tp1of2.qweight", "q.base_layer.shard_tp1of2.scales"]
-    with pytest.raises(ValueError, match="q.base_layer's quantised base as 2 tensor-parallel shards.*this run: 1"):
-        _saved_storage_where_rewritten({"q.base_layer.weight": torch.empty(4, 4)}, shards, None)
+    with pytest.raises(ValueError, match="q.base_layer's quantised base as 2 tensor-parallel shards.*this run: 1; "
+                                         "joining them at tensor_parallel=1 needs the split"):
+        saved_storage_where_rewritten({"q.base_layer.weight": torch.empty(4, 4)}, shards, None)
+    split = {"dim": 1, "degree": 2, "shape": [4, 8], "rows": None}
+    state = {"q.base_layer.weight": torch.empty(4, 4)}
+    (join,) = saved_storage_where_rewritten(state, shards, None, {"base_layer": {}, "q.base_layer": split})
+    assert sorted(state) == sorted(f"q.base_layer.shard_tp{rank}of2.{name}" for rank in range(2)
+                                   for name in ("qweight", "scales"))  # every shard, joined once loaded
+    assert (join.layer, join.kind, join.split) == ("q.base_layer", "int4", split)
+    with pytest.raises(ValueError, match=r"resume it at tensor_parallel=2 \(this run: 4; or at tensor_parallel=1"):
+        saved_storage_where_rewritten({"q.base_layer.weight": torch.empty(4, 4)}, shards, (0, 4),
+                                      {"q.base_layer": split})
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "fp4", "int4", "int8"])
+def test_the_whole_layers_codes_and_statistics_are_its_shards_re_sliced(quantization):
+    """Column shards in rank order, row shards (each whole row the shards' pieces side by side: bitsandbytes packs
+    the row-major weight, so its codes and block absmax interleave by row) and reordered column shards: the shards'
+    codes and statistics, joined, are the whole layer's quantisation, every tensor bit for bit."""
+    from lightning_merak.adapters.shard_join import join_quantized_shards
+
+    weight = torch.randn(128, 128, generator=torch.Generator().manual_seed(2)) * 0.02
+    whole = quantized_shard(_linear(weight), quantization, double_quant=False).state_dict()
+    absmax = weight.to(torch.float16).abs().amax(1).float()
+    rows = [[*range(0, 32), *range(64, 96)], [*range(32, 64), *range(96, 128)]]
+    for parts, split, whole_row_absmax in (
+            (weight.chunk(2, 0), {"dim": 0, "rows": None}, None),
+            (weight.chunk(2, 1), {"dim": 1, "rows": None}, lambda local: absmax),
+            ([weight[part] for part in rows], {"dim": 0, "rows": rows}, None)):
+        shards = [quantized_shard(_linear(part), quantization, double_quant=False,
+                                  whole_row_absmax=whole_row_absmax).state_dict() for part in parts]
+        joined = join_quantized_shards(quantization, {**split, "degree": 2, "shape": [128, 128]}, shards)
+        assert sorted(joined) == sorted(whole)
+        for name, tensor in whole.items():
+            assert torch.equal(joined[name], tensor), (quantization, split, name)
+        if split["dim"] == 1 and quantization != "int8":  # concatenated flat, the rows would be interleaved wrongly
+            flat = torch.cat([shard[next(iter(shard))].reshape(-1) for shard in shards])
+            assert not torch.equal(flat, whole[next(iter(whole))].reshape(-1))
 
 
 class _Tensors:
@@ -221,7 +260,9 @@ def test_shards_of_a_column_layer_whose_rows_the_split_reorders_dequantise_to_th
 def test_adapters_on_a_base_quantised_per_shard_train_like_the_whole_quantised_model(tmp_path):
     """Q-BaRA on NF4 and FP4, QLoRA on NF4, QA-HiRA on INT4 and LoRA on int8 at tp2 (with sequence parallelism for
     two): every base layer in the blocks quantised per shard. QA-HiRA resumes at tp2 from its checkpoint (the shards
-    rebuilt from the float weights must equal the saved ones) and refuses another degree. The final INT4 checkpoint and
+    rebuilt from the float weights must equal the saved ones), refuses another degree but tensor_parallel=1, and
+    resumes at pp2 (the joined shards are the whole model's INT4: the rebuilt base equals them, and the losses and
+    gradients continue as the uninterrupted run's). The final INT4 checkpoint and
     the NF4 one export the adapters, which load onto the whole model's quantised base, and export merged: the shards
     dequantised and put back together, the exported model computes that quantised model's logits."""
     from peft import PeftModel
@@ -229,7 +270,7 @@ def test_adapters_on_a_base_quantised_per_shard_train_like_the_whole_quantised_m
     from transformers import AutoModelForCausalLM
 
     from lightning_merak.adapters import quantize_model
-    from lightning_merak.checkpoint.sharded import _saved_storage_where_rewritten
+    from lightning_merak.checkpoint.rewritten import saved_storage_where_rewritten
     from lightning_merak.hf.export import export_adapter, export_checkpoint
 
     results = run_distributed(_quantised_tp_rank, 2, args=(str(tmp_path),), timeout_s=300)
@@ -245,9 +286,9 @@ def test_adapters_on_a_base_quantised_per_shard_train_like_the_whole_quantised_m
     metadata = FileSystemReader(str(three)).read_metadata()  # what the ranks saved: each its own shard
     layer = "model.base_model.model.model.layers.0.mlp.down_proj.base_layer"
     with pytest.raises(ValueError, match="as 2 tensor-parallel shards.*resume it at tensor_parallel=2 .this run: 4"):
-        _saved_storage_where_rewritten({f"{layer}.weight": torch.empty(128, 256)}, metadata, (1, 4))
+        saved_storage_where_rewritten({f"{layer}.weight": torch.empty(128, 256)}, metadata, (1, 4))
     state = {f"{layer}.weight": torch.empty(128, 256)}
-    _saved_storage_where_rewritten(state, metadata, (1, 2))
+    saved_storage_where_rewritten(state, metadata, (1, 2))
     assert sorted(state) == [f"{layer}.shard_tp1of2.{name}" for name in ("qweight", "scales", "zeros")]
     tokens = torch.randint(VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
     for checkpoint, option_name, kind in ((final, "wide-qahira-int4", "int4"), (tmp_path / "nf4.ckpt",

@@ -29,6 +29,7 @@ __all__ = [
     "export_names",
     "load_config",
     "model_record",
+    "recorded_split",
     "strip_wrappers",
 ]
 
@@ -56,6 +57,14 @@ def model_record(model: nn.Module) -> Optional[dict[str, Any]]:
         return None
     adapters = getattr(model, "peft_config", None) or {}
     return {"config": config.to_dict(), "adapters": {name: adapter.to_dict() for name, adapter in adapters.items()}}
+
+
+def recorded_split(splits: Mapping[str, Any], layer: str) -> Optional[dict[str, Any]]:
+    """The split :data:`QUANTIZED_SPLITS_KEY` records for ``layer`` (a checkpoint key, under the LightningModule's
+    attribute: ``model.``...), which the record names within the network (the longest such name: another layer's
+    may end it too); None when it records none."""
+    found = [name for name in splits if layer == name or layer.endswith("." + name)]
+    return splits[max(found, key=len)] if found else None
 
 
 def load_config(source: Union[str, Path, Mapping[str, Any]]) -> Any:

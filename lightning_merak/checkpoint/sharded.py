@@ -21,8 +21,6 @@ while saving keeps its previous checkpoint. Loading builds nothing but tensors a
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -35,10 +33,10 @@ from torch.distributed.tensor import DTensor
 
 from lightning_merak.checkpoint.files import partial_path, publish_directory
 from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, QUANTIZED_SPLITS_KEY, model_record
+from lightning_merak.checkpoint.rewritten import join_saved_shards, saved_storage_where_rewritten
 from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_torch_file
 from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.parallel.tensor.blocks import LayoutChange
-from lightning_merak.parallel.tensor.quantized_shards import saved_shards
 from lightning_merak.plugins.moe.checkpoint import ExpertNumbering, FusedExpertSlices
 from lightning_merak.plugins.moe.experts.adapter_slices import slice_expert_factor
 from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh
@@ -57,51 +55,6 @@ def _read_target(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_meta:
         return torch.empty(tensor.shape, dtype=tensor.dtype)
     return tensor.detach().clone()
-
-
-def _saved_storage_where_rewritten(model_state: dict[str, torch.Tensor], metadata: Any,
-                                   tensor_rank: Optional[tuple[int, int]]) -> None:
-    """Read a tensor as saved where a meta model's float tensor differs in shape or dtype: its ``after_materialize``
-    hook rewrites it (a quantised adapter base, packed), and the build compares it with the rewritten one.
-
-    A float weight the checkpoint does not hold was rewritten into other tensors of its layer (the project's INT4:
-    codes, scales, zeros), or into one quantised shard per tensor-parallel rank (``shard_tp<r>of<n>``): those are
-    read instead, this rank's shard only (``tensor_rank``: its ``(rank, degree)`` in the tensor-parallel group).
-    Shards of another degree are refused: each was quantised alone, and resuming re-derives this layout's from the
-    float weights, which the check against the checkpoint then cannot cover.
-    """
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    saved_keys = metadata.state_dict_metadata
-    ordered = sorted(saved_keys)  # the keys under a layer's prefix are one run of it
-    for key, target in list(model_state.items()):
-        layer = key.rpartition(".")[0]
-        if f"model.{key}" not in saved_keys and target.is_floating_point() and layer:
-            prefix = f"model.{layer}."
-            under = itertools.takewhile(lambda name: name.startswith(prefix),
-                                        ordered[bisect.bisect_left(ordered, prefix):])
-            extra = [name for name in under if name[len("model."):] not in model_state
-                     and isinstance(saved_keys[name], TensorStorageMetadata)]
-            shards = saved_shards(extra, prefix)
-            if shards:
-                degree = next(iter(shards))[1]
-                if tensor_rank is None or tensor_rank[1] != degree:
-                    raise ValueError(
-                        f"the checkpoint holds {layer}'s quantised base as {degree} tensor-parallel shards, each "
-                        f"quantised alone; resume it at tensor_parallel={degree} (this run: "
-                        f"{1 if tensor_rank is None else tensor_rank[1]}), or start from the pretrained weights with "
-                        "its adapters alone (merak-export --adapter-only)")
-                extra = shards[tensor_rank]
-            if extra:
-                del model_state[key]
-                for name in extra:
-                    stored = saved_keys[name]
-                    model_state[name[len("model."):]] = torch.empty(stored.size, dtype=stored.properties.dtype)
-            continue
-        saved = saved_keys.get(f"model.{key}")
-        if target.is_floating_point() and isinstance(saved, TensorStorageMetadata) and (
-                tuple(saved.size) != tuple(target.shape) or saved.properties.dtype != target.dtype):
-            model_state[key] = torch.empty(saved.size, dtype=saved.properties.dtype)
 
 
 def quantized_splits(model: nn.Module) -> dict[str, dict[str, Any]]:
@@ -420,7 +373,8 @@ class ShardedCheckpointer:
         targets = self._renumbered_state(
             {key: _read_target(value) for key, value in module.state_dict().items()}, to_global=True)
         model_state = dict(targets)
-        _saved_storage_where_rewritten(model_state, metadata, self._tensor_rank())
+        joins = saved_storage_where_rewritten(model_state, metadata, self._tensor_rank(),
+                                              (checkpoint.get(MODEL_RECORD_KEY) or {}).get(QUANTIZED_SPLITS_KEY))
         for key, target in targets.items():
             saved = metadata.state_dict_metadata.get(f"model.{key}")
             if key.startswith("model.") and key[len("model."):] in self.fused_experts and hasattr(saved, "size"):
@@ -434,6 +388,7 @@ class ShardedCheckpointer:
                     optim_state[key] = entry
         tensors = {"model": model_state, "optim": optim_state}
         dcp.load(tensors, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+        join_saved_shards(tensors["model"], joins)
         # this rank's slice of each fused expert tensor or adapter factor, as a plain tensor in its layout again
         tensors["model"] = {key: self.fused_experts.loaded(key[len("model."):], value)
                             for key, value in tensors["model"].items()}

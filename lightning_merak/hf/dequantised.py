@@ -36,20 +36,13 @@ __all__ = ["DequantisedSource"]
 _SHARD = re.compile(r"\.shard_tp(\d+)of(\d+)$")
 
 
-def _recorded_split(splits: dict[str, dict[str, Any]], layer: str) -> Optional[dict[str, Any]]:
-    """The split recorded for ``layer`` (a checkpoint key, under the LightningModule's attribute: ``model.``...), which
-    the record names within the network."""
-    found = [split for name, split in splits.items() if layer == name or layer.endswith("." + name)]
-    return found[0] if len(found) == 1 else None
-
-
 class DequantisedSource:
     """``source`` (a checkpoint's tensors read one at a time: ``entries`` and ``read``) with every layer of
     ``quantized`` (layer prefix → nf4, fp4, int8 or int4) as a float ``<layer>.weight``; a layer saved as
     tensor-parallel shards (``<layer>.shard_tp<r>of<n>``) as one float weight put together from them."""
 
     def __init__(self, source: Any, quantized: dict[str, str]) -> None:
-        from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, QUANTIZED_SPLITS_KEY  # lazy: torch
+        from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, QUANTIZED_SPLITS_KEY, recorded_split  # lazy
 
         self.source = source
         self.path = source.path
@@ -67,7 +60,7 @@ class DequantisedSource:
             self._replace(entries, layer, kind, [layer], None, self._float_entry(layer, kind))
         for layer, parts in shards.items():
             kind = quantized[next(iter(parts.values()))]
-            split = _recorded_split(splits, layer)
+            split = recorded_split(splits, layer)
             if split is None:
                 raise ValueError(
                     f"--merge-adapters: {source.path} holds {layer}'s {kind} base as tensor-parallel shards but does "

@@ -1,0 +1,99 @@
+"""A layer's whole quantisation put together from its tensor-parallel shards' codes and statistics, none re-quantised.
+
+Each rank of a merak3d run at ``tensor_parallel > 1`` quantises its own shard of a frozen base layer, every
+quantisation block inside one shard (:func:`~lightning_merak.adapters.quantize.shard_quantization_problem`), so the
+whole layer's codes and statistics are the shards', re-sliced: every stored tensor holds one entry per ``k``
+consecutive weights of its shard's row-major weight (a packed byte: two; a bitsandbytes absmax: a block of 64; an
+INT4 scale: a group; an LLM.int8 scale: a row). Joining them is a matter of where those runs lie in the whole
+weight's row-major order:
+
+- output rows in rank order (a column layer split contiguously): the shards' flattened tensors, concatenated;
+- input columns (a row layer): each whole row is the shards' pieces of it side by side, so every tensor is viewed as
+  ``(rows, entries per row)`` and concatenated along the row (a block never crosses a shard's row: the shard width
+  is a multiple of the block); the int8 row scale is the whole row's on every shard;
+- reordered rows (a fused projection split by units, or shared key/value heads): each shard's ``(rows, entries per
+  row)`` view is put at its original rows (every row whole blocks: ``in % 64``).
+
+bitsandbytes' packed quantisation state (its shape) is rewritten for the whole layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+__all__ = ["join_quantized_shards"]
+
+
+def _shard_shapes(split: Mapping[str, Any]) -> list[tuple[int, int]]:
+    """Each rank's ``(rows, columns)`` of the whole ``split["shape"]`` weight."""
+    out_features, in_features = split["shape"]
+    degree = split["degree"]
+    if split["dim"] == 1:
+        return [(out_features, in_features // degree)] * degree
+    if split["rows"] is not None:
+        return [(len(rows), in_features) for rows in split["rows"]]
+    return [(out_features // degree, in_features)] * degree
+
+
+def _join(name: str, parts: Sequence[torch.Tensor], split: Mapping[str, Any], rowwise: bool) -> torch.Tensor:
+    """The whole layer's ``name`` from the shards' ``parts`` (one entry per run of weights, see the module)."""
+    out_features, in_features = split["shape"]
+    shapes = _shard_shapes(split)
+    per = shapes[0][0] * shapes[0][1] // parts[0].numel()  # weights an entry stands for
+    whole_shape = (out_features, in_features // per) if rowwise else (-1, *parts[0].shape[1:])
+    if split["dim"] == 0 and split["rows"] is None:
+        return torch.cat([part.reshape(-1) for part in parts]).reshape(whole_shape)
+    if any(columns % per for _, columns in shapes):
+        raise ValueError(f"{name}: an entry stands for {per} weights, which straddle the shards' rows of "
+                         f"{shapes[0][1]}; resume at the tensor_parallel that wrote the checkpoint")
+    views = [part.reshape(rows, columns // per) for part, (rows, columns) in zip(parts, shapes)]
+    if split["dim"] == 1:
+        return torch.cat(views, 1).reshape(whole_shape)
+    whole = torch.empty(out_features, in_features // per, dtype=parts[0].dtype)
+    for rows, view in zip(split["rows"], views):  # a row several ranks hold is the same on each
+        whole[torch.tensor(rows)] = view
+    return whole.reshape(whole_shape)
+
+
+def _same(name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A tensor every shard holds alike (a code book, a row layer's whole-row scale)."""
+    if any(not torch.equal(part, parts[0]) for part in parts[1:]):
+        raise ValueError(f"{name} differs between the tensor-parallel shards, which quantised one layer alike; the "
+                         "checkpoint was not written by one merak3d run")
+    return parts[0].clone()
+
+
+def join_quantized_shards(kind: str, split: Mapping[str, Any],
+                          shards: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The whole layer's quantised tensors (named as its state dict names them) from ``shards``, each rank's in
+    order, named the same; ``kind`` is nf4, fp4, int8 or int4 and ``split`` the recorded split
+    (:meth:`~lightning_merak.parallel.tensor.layers.QuantizableShard.quantized_split`)."""
+    if len(shards) != split["degree"]:
+        raise ValueError(f"{len(shards)} shards of a layer split {split['degree']} ways")
+
+    def parts(name: str) -> list[torch.Tensor]:
+        return [shard[name] for shard in shards]
+
+    if kind == "int4":
+        return {name: _join(name, parts(name), split, rowwise=True) for name in ("qweight", "scales", "zeros")}
+    if kind == "int8":
+        scales = (_same("SCB", parts("SCB")) if split["dim"] == 1
+                  else _join("SCB", [part.reshape(-1, 1) for part in parts("SCB")], split, rowwise=True).reshape(-1))
+        joined = {"weight": _join("weight", parts("weight"), split, rowwise=True), "SCB": scales}
+        if "weight_format" in shards[0]:
+            joined["weight_format"] = _same("weight_format", parts("weight_format"))
+        return joined
+    from bitsandbytes.utils import pack_dict_to_tensor, unpack_tensor_to_dict
+
+    packed = f"weight.quant_state.bitsandbytes__{kind}"
+    state = unpack_tensor_to_dict(shards[0][packed])
+    if "nested_absmax" in shards[0] or any(key.startswith("nested") for key in state):
+        raise ValueError("double-quantised shards hold nested statistics per shard, which do not join into the whole "
+                         "layer's; resume at the tensor_parallel that wrote the checkpoint")
+    state["shape"] = tuple(split["shape"])
+    return {"weight": _join("weight", parts("weight"), split, rowwise=False),
+            "weight.absmax": _join("weight.absmax", parts("weight.absmax"), split, rowwise=False),
+            "weight.quant_map": _same("weight.quant_map", parts("weight.quant_map")),
+            packed: pack_dict_to_tensor(state)}
