@@ -67,6 +67,8 @@ class ContextState:
         self.group = group
         self.method = method
         self.shard: Optional[ContextShard] = None
+        self.local = False
+        """Whether the current forward runs a whole sequence on this rank alone (plain causal attention)."""
 
 
 def _attention_config(model: nn.Module) -> Any:
@@ -123,6 +125,8 @@ def _context_attention(
     """transformers' attention signature: ``(batch, heads, seq_local, head_dim)`` in, ``(batch, seq_local, heads,
     head_dim)`` out, over the whole sequence of the context-parallel group."""
     state: Optional[ContextState] = getattr(module, "_merak_context", None)
+    if state is not None and state.local:
+        return _local_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     if state is None or state.shard is None:
         raise RuntimeError(f"{type(module).__name__} runs merak's context-parallel attention outside a "
                            "context-parallel forward; install it with install_context_parallel")
@@ -142,6 +146,19 @@ def _context_attention(
                  document_ids=state.shard.document_ids, causal=causal,
                  sliding_window=kwargs.get("sliding_window"), scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _local_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                     dropout: float, scaling: Optional[float], is_causal: Optional[bool],
+                     **kwargs: Any) -> tuple[Tensor, None]:
+    """transformers' SDPA attention on one whole, unpadded sequence (transformers built no mask for it)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is not None or kwargs.get("sliding_window") is not None:
+        raise ValueError("a sequence run on one rank of a context-parallel group takes no mask and no sliding "
+                         "window; use context_parallel_degree='fixed' for this model")
+    return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
 
 
 def _register_attention() -> None:
@@ -252,15 +269,32 @@ class ContextParallelForward:
     scores_shards = True
     """Called with ``labels``, the loss is computed on each rank's shard of the logits, never gathered."""
 
-    def __init__(self, model: nn.Module, state: ContextState) -> None:
+    def __init__(self, model: nn.Module, state: ContextState, group: Optional[dist.ProcessGroup] = None) -> None:
+        self._model = model
         self._forward = model.forward
         self._state = state
-        self._rank = dist.get_rank(state.group)
-        self._size = dist.get_world_size(state.group)
+        self._group = state.group if group is None else group
+        self._rank = dist.get_rank(self._group)
+        self._size = dist.get_world_size(self._group)
         self._has_shifted_loss = _takes_shifted_labels(model)
         self._model_name = type(model).__name__
         config = getattr(model, "config", None)
-        self._router_aux = _RouterAux(model, state.group) if getattr(config, "output_router_logits", False) else None
+        self._router_aux = _RouterAux(model, self._group) if getattr(config, "output_router_logits", False) else None
+
+    def over(self, group: dist.ProcessGroup) -> "ContextParallelForward":
+        """The same forward over another group sharing the model's attention state (a subgroup of ranks that split
+        some samples among fewer ranks); each call points the state at its own group."""
+        other = ContextParallelForward(self._model, self._state, group)
+        other._forward = self._forward
+        return other
+
+    def local(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's own forward on whole sequences on this rank alone: plain causal attention, no exchange."""
+        self._state.local = True
+        try:
+            return self._forward(*args, **kwargs)
+        finally:
+            self._state.local = False
 
     def __call__(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                  position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None,
@@ -269,6 +303,7 @@ class ContextParallelForward:
         if tokens is None:
             raise ValueError("a context-parallel forward needs input_ids or inputs_embeds")
         batch, length = tokens.shape[0], tokens.shape[1]
+        self._state.group = self._group
         layout = LoadBalancedLayout(length, self._size)
         documents = segment_ids(attention_mask, position_ids, batch, length)
         shard = self._shard(layout)
@@ -285,7 +320,7 @@ class ContextParallelForward:
             kwargs["output_router_logits"] = False
         if labels is None:
             outputs = self._run(inputs, kwargs, attention_mask, shard)
-            outputs["logits"] = _GatherSequence.apply(outputs["logits"], self._state.group, layout, self._rank)
+            outputs["logits"] = _GatherSequence.apply(outputs["logits"], self._group, layout, self._rank)
             return outputs
         if not self._has_shifted_loss:
             raise ValueError(
@@ -298,7 +333,7 @@ class ContextParallelForward:
             targets = (shifted != IGNORE_INDEX).sum()
         outputs = self._run({**inputs, "labels": shard(labels), "shift_labels": shard(shifted),
                              "num_items_in_batch": targets}, kwargs, attention_mask, shard)
-        outputs["loss"] = SumOverGroup.apply(outputs["loss"], self._state.group)
+        outputs["loss"] = SumOverGroup.apply(outputs["loss"], self._group)
         if self._router_aux is not None:
             outputs["loss"] = outputs["loss"] + self._router_aux.aux.coefficient * outputs["aux_loss"]
         return outputs

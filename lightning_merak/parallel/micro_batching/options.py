@@ -20,10 +20,14 @@ class MicroBatching:
     mode: str = "none"
     tokens: Optional[int] = None
     cost: Optional[tuple[float, float, float]] = None
+    context_rounds: bool = False
+    """Whether the global batches run as rounds of per-sample context-parallel degrees instead
+    (``context_parallel_degree='per_micro_batch'``, at one pipeline stage)."""
 
     @classmethod
     def of(cls, mode: str, tokens: Optional[int], cost: Optional[Sequence[float]], *, pipeline_parallel: Any,
-           tp_overlap: Any, schedule: str, multi_stage_schedules: Sequence[str]) -> "MicroBatching":
+           tp_overlap: Any, schedule: str, multi_stage_schedules: Sequence[str],
+           context_rounds: bool = False) -> "MicroBatching":
         """Checked options, refused with the fix before any process starts."""
         if mode not in MODES:
             raise ValueError(f"micro_batching={mode!r}; choose one of {', '.join(MODES)}")
@@ -44,11 +48,16 @@ class MicroBatching:
             if schedule in multi_stage_schedules:
                 raise ValueError(f"micro_batching={mode} needs one stage per rank; use schedule=1f1b, gpipe or "
                                  f"shifted_critical_path instead of {schedule}")
-        return cls(mode, tokens, cost)  # type: ignore[arg-type]
+        return cls(mode, tokens, cost, context_rounds)  # type: ignore[arg-type]
 
     @property
     def enabled(self) -> bool:
         return self.mode != "none"
+
+    @property
+    def consumes_global_batches(self) -> bool:
+        """Whether the strategy reads variable-length global batches (pipelined micro-batches or context rounds)."""
+        return self.enabled or self.context_rounds
 
     def token_limit(self, longest: int) -> int:
         """The tokens a micro-batch may hold: the option (or the default), but never below one longest sample."""

@@ -174,10 +174,11 @@ def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 
 def check_consumer(strategy: object) -> None:
     """Refuse global batches a strategy would read as fixed blocks (iterating one yields only its probe block)."""
-    if not getattr(getattr(strategy, "micro_batching", None), "enabled", False):
+    if not getattr(getattr(strategy, "micro_batching", None), "consumes_global_batches", False):
         raise ValueError("data.lengths=variable yields global batches of samples of their own lengths, which only "
                          "merak3d's micro-batching consumes: set strategy=merak3d strategy.pipeline_parallel=2 "
-                         "strategy.micro_batching=dynamic (or pad, pack), or data.lengths=fixed")
+                         "strategy.micro_batching=dynamic (or pad, pack), or strategy.context_parallel=2 "
+                         "strategy.context_parallel_degree=per_micro_batch, or data.lengths=fixed")
 
 
 def _keep(batch: VariableBatch) -> VariableBatch:

@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_merak.parallel.context.model import CONTEXT_ATTENTION_METHODS, check_context_parallel_model
 from lightning_merak.parallel.context.sharding import check_sequence_divisible
+from lightning_merak.parallel.context.variable import DEGREE_MODES
 from lightning_merak.parallel.fast_blocks import FastBlocks
 from lightning_merak.parallel.float8 import float8_layout_problem
 from lightning_merak.parallel.layout import (
@@ -179,6 +180,7 @@ class Merak3DArguments(Merak3DOptions):
         if self.micro_batches is not None and self.micro_batches < 1:
             raise ValueError(f"micro_batches={self.micro_batches} must be at least 1")
         self._check_context_parallel()
+        self._check_context_parallel_degree()
         if self.micro_batches is not None and isinstance(self.pipeline_parallel, int):
             check_micro_batches(self.micro_batches, self.pipeline_parallel, schedule)
 
@@ -215,6 +217,27 @@ class Merak3DArguments(Merak3DOptions):
             if value not in (needed, "auto"):
                 raise ValueError(f"vocab_stages='on' runs with {name}={needed!r} for now, got {value!r}; set "
                                  f"{name}={needed!r} or vocab_stages='off'")
+
+    def _check_context_parallel_degree(self) -> None:
+        """Refuse ``context_parallel_degree='per_micro_batch'`` where its rounds cannot run: they need a fixed group
+        to split, one stage (each round's backward runs right after its forward, outside any schedule) and no
+        recomputation (a round run whole on one rank switches context parallelism off for its forward only)."""
+        if self.context_parallel_degree not in DEGREE_MODES:
+            raise ValueError(f"context_parallel_degree={self.context_parallel_degree!r}; choose one of "
+                             f"{', '.join(DEGREE_MODES)}")
+        if self.context_parallel_degree == "fixed":
+            return
+        needs = {"pipeline_parallel": 1, "tensor_parallel": 1, "recompute": "none", "micro_batching": "none",
+                 "tp_overlap": 1}
+        for name, needed in needs.items():
+            if getattr(self, name) != needed:
+                raise ValueError(f"context_parallel_degree='per_micro_batch' runs with {name}={needed!r} for now, got "
+                                 f"{name}={getattr(self, name)!r}; set {name}={needed!r} or "
+                                 "context_parallel_degree='fixed'")
+        if not isinstance(self.context_parallel, int) or self.context_parallel < 2:
+            raise ValueError(f"context_parallel_degree='per_micro_batch' chooses degrees within a context-parallel "
+                             f"group, but context_parallel={self.context_parallel!r}; set context_parallel to a fixed "
+                             "degree of at least 2")
 
     def _context_blocking(self) -> list[tuple[str, Any, Any]]:
         """The fixed options context parallelism does not run with yet, as ``(name, value given, value needed)``
@@ -414,5 +437,6 @@ def checked_arguments(given: dict[str, Any]) -> tuple[Merak3DArguments, MicroBat
     checked = Merak3DArguments(**{option.name: given[option.name] for option in fields(Merak3DOptions)})
     options = MicroBatching.of(checked.micro_batching, checked.micro_batch_tokens, checked.micro_batching_cost,
                                pipeline_parallel=checked.pipeline_parallel, tp_overlap=checked.tp_overlap,
-                               schedule=checked.schedule, multi_stage_schedules=MULTI_STAGE_SCHEDULES)
+                               schedule=checked.schedule, multi_stage_schedules=MULTI_STAGE_SCHEDULES,
+                               context_rounds=checked.context_parallel_degree == "per_micro_batch")
     return checked, options

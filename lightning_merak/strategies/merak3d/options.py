@@ -59,6 +59,13 @@ class Merak3DOptions:
         "local block computes), `all_to_all` (Ulysses: heads scattered, sequence gathered; context_parallel must "
         "divide each tensor-parallel rank's key/value heads) or `auto`: chosen by the layout planner by their "
         "predicted steps where the layout is planned (any degree `auto`), else `ring`, which runs at any head count.")
+    context_parallel_degree: str = option(
+        "fixed", "How many ranks each sample of a variable-length global batch (`data.lengths=variable`) is split "
+        "over: `fixed` (every sample over all `context_parallel` ranks) or `per_micro_batch` (each sample its own "
+        "divisor of `context_parallel`, planned per global batch from a cost model and the per-rank token cap "
+        "`micro_batch_tokens`: long samples split, short ones run whole on one rank, balanced over the group; "
+        "`lightning_merak.parallel.context.variable`). `per_micro_batch` needs a fixed context_parallel > 1, "
+        "pipeline_parallel=1, tensor_parallel=1, recompute=none, micro_batching=none and CausalLMModule's loss.")
     micro_batches: Optional[int] = option(
         None, "Micro-batches per batch in the pipeline schedule (`null`: 2 × pipeline stages).")
     schedule: str = option(

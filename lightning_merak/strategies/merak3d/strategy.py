@@ -43,8 +43,9 @@ from lightning_merak.planning.planner.step_check import BatchClock, StepTimeChec
 from lightning_merak.strategies.merak3d import arguments, build, network, planning
 from lightning_merak.strategies.merak3d.arguments import Degree
 from lightning_merak.strategies.merak3d.checkpoint_hooks import CheckpointHooks
+from lightning_merak.strategies.merak3d.context_step import ContextRoundsStep, install_step
 from lightning_merak.strategies.merak3d.step_replay import ReplayedStep
-from lightning_merak.strategies.merak3d.variable_step import PipelineSteps, check_micro_batching, install_pipeline_step
+from lightning_merak.strategies.merak3d.variable_step import PipelineSteps, check_micro_batching
 
 __all__ = ["Merak3DStrategy"]
 
@@ -76,7 +77,7 @@ class Merak3DStrategy(CheckpointHooks):
         tp_weight_grad_overlap: Optional[bool] = None,
         sequence_parallel: bool = False,
         context_parallel: Degree = 1,
-        context_attention: str = "auto",
+        context_attention: str = "auto", context_parallel_degree: str = "fixed",
         micro_batches: Optional[int] = None,
         schedule: str = "1f1b",
         virtual_stages: int = 2,
@@ -117,7 +118,7 @@ class Merak3DStrategy(CheckpointHooks):
         self._timeout = timedelta(seconds=timeout_s)
         self._built: Optional[build.BuiltModel] = None
         self._built_in_evaluation = False
-        self._pipeline: Optional[PipelineSteps] = None
+        self._pipeline: Optional[Union[PipelineSteps, ContextRoundsStep]] = None
         self._view: Optional[network.ModuleView] = None
         """The LightningModule as merak3d trains it: where its network lives, what it provides of the contract."""
         self._checkpointer = ShardedCheckpointer(self._expert_placement)
@@ -496,10 +497,9 @@ class Merak3DStrategy(CheckpointHooks):
         self.partition = built.partition
         if self.layout.context_parallel > 1:  # every forward (every stage's) runs on this rank's sequence shard
             install_context_parallel_layout(view.network, built.stages, self.groups)
-        if built.stages is not None:
-            self._pipeline = install_pipeline_step(self.micro_batching, view, built.stages, self.groups,
-                                                   self.root_device)
-        elif view.contract and self.layout.context_parallel == 1:
+        self._pipeline = install_step(self._arguments.context_parallel_degree, self.micro_batching, view,
+                                      built.stages, self.groups, self.root_device)
+        if self._pipeline is None and view.contract and self.layout.context_parallel == 1:
             # the pipeline's schedule wraps the loss itself; a drop-in network gathers its logits, and a
             # context-parallel one is called with labels, whose loss needs whole-vocabulary logits
             module.loss_from_logits = vocab_parallel_loss(module.loss_from_logits, module.model)

@@ -1,0 +1,101 @@
+"""This rank's part of a :class:`~.variable.ContextPlan`: each round's forward and backward, at the round's degree.
+
+A round of degree ``k > 1`` runs its sample through :class:`~.model.ContextParallelForward` over this rank's
+subgroup of ``k`` consecutive ranks of the context-parallel group (:func:`context_subgroups`); a round of degree 1
+runs each of this rank's samples whole, through the model's own forward with plain causal attention
+(:meth:`~.model.ContextParallelForward.local`). Every sample is scored with the summed next-token cross-entropy
+over the whole global batch's target count, so the parts of all ranks add up to the global batch's token mean.
+
+Every rank runs every round of its replica's plan with one backward each, also where its slot is empty (a few
+tokens times zero), so every rank of the data-parallel reduction counts the same backward passes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_merak.distributed.process_groups import new_group
+from lightning_merak.parallel.context.model import IGNORE_INDEX, ContextParallelForward
+from lightning_merak.parallel.context.variable import Round, split_length
+from lightning_merak.parallel.layout import LayoutGroups
+from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh
+
+__all__ = ["RoundRunner", "context_subgroups"]
+
+
+def context_subgroups(groups: LayoutGroups) -> dict[int, dist.ProcessGroup]:
+    """This rank's subgroup of each degree ``k`` (a divisor of the context-parallel degree, above 1): ``k``
+    consecutive ranks of its context-parallel group. Every rank creates every subgroup, in one order (a collective)."""
+    size = groups.layout.context_parallel
+    assert groups.context_group is not None, "subgroups split the layout's context-parallel group"
+    mine: dict[int, dist.ProcessGroup] = {size: groups.context_group}
+    degrees = [k for k in range(2, size) if size % k == 0]
+    if not degrees:
+        return mine
+    mesh = groups.mesh
+    for line in data_parallel_groups_from_mesh(mesh.mesh.tolist(), mesh.mesh_dim_names or ()):
+        for start in range(0, len(line), size):
+            context_ranks = line[start:start + size]
+            for degree in degrees:
+                for first in range(0, size, degree):
+                    ranks = context_ranks[first:first + degree]
+                    group = new_group(ranks)
+                    if dist.get_rank() in ranks:
+                        mine[degree] = group
+    return mine
+
+
+class RoundRunner:
+    """Runs rounds on this rank of a context-parallel group through the model's installed context-parallel forward.
+
+    ``forward`` is the model's :class:`~.model.ContextParallelForward` (over the whole group); ``subgroups`` this
+    rank's group of each degree above 1 (:func:`context_subgroups`).
+    """
+
+    def __init__(self, forward: ContextParallelForward, subgroups: dict[int, dist.ProcessGroup]) -> None:
+        self._forward = forward
+        self._group_rank = dist.get_rank(subgroups[max(subgroups)])
+        self._forwards = {degree: forward if group is subgroups[max(subgroups)] else forward.over(group)
+                          for degree, group in subgroups.items()}
+        self._first_of = {degree: dist.get_rank(group) == 0 for degree, group in subgroups.items()}
+
+    def run(self, rounds: Sequence[Round], tokens: Tensor, lengths: Sequence[int], targets: int,
+            backward: Optional[Callable[[Tensor, int], None]]) -> Tensor:
+        """Every round's forward (and ``backward(loss, degree)``, if given, on the round's loss: this rank's summed
+        cross-entropy over ``targets``, the group's at degree ``k > 1``); returns this rank's share of the global
+        batch's token-mean loss (a split sample counted on its subgroup's first rank), detached."""
+        share = torch.zeros((), dtype=torch.float32, device=tokens.device)
+        for round_ in rounds:
+            samples = round_.samples_of(self._group_rank)
+            if round_.degree > 1 and samples:
+                (index,) = samples
+                loss = self._split(tokens[index, :lengths[index]], round_.degree, targets)
+                if self._first_of[round_.degree]:
+                    share += loss.detach().float()
+            elif samples:
+                losses = [self._local(tokens[index, :lengths[index]], targets) for index in samples]
+                loss = torch.stack(losses).sum()
+                share += loss.detach().float()
+            else:  # an empty slot: a backward pass all the same, adding zero
+                loss = self._local(tokens[0, :min(8, lengths[0])], targets) * 0.0
+            if backward is not None:
+                backward(loss, round_.degree if samples else 1)
+        return share
+
+    def _local(self, sample: Tensor, targets: int) -> Tensor:
+        inputs = sample[None]
+        return self._forward.local(input_ids=inputs, labels=inputs, use_cache=False,
+                                   num_items_in_batch=torch.tensor(targets, device=sample.device)).loss
+
+    def _split(self, sample: Tensor, degree: int, targets: int) -> Tensor:
+        length = split_length(len(sample), degree)
+        inputs = sample.new_zeros(1, length)
+        labels = sample.new_full((1, length), IGNORE_INDEX)
+        inputs[0, :len(sample)] = sample
+        labels[0, :len(sample)] = sample
+        return self._forwards[degree](input_ids=inputs, labels=labels,
+                                      num_items_in_batch=torch.tensor(targets, device=sample.device)).loss
