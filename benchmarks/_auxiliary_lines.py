@@ -71,3 +71,22 @@ def planner_moe(data: dict[str, Any]) -> str:
              f"{1e3 * r['measured_s']:.0f} ms ({percent(r['error'], signed=True)})" for r in data["rows"]]
     return (f"MoE layouts (`--moe`, {data['workload']}, {data['rounds']} rounds, medians; moe.experts=merak_ep, the "
             "plan's own profile): " + "; ".join(cells))
+
+
+def context_parallel_variable(data: dict[str, Any]) -> str:
+    """One line for the context-parallel section: the per-sample degree's step (``--leg variable``) against each
+    fixed degree's, and its goal over the runs."""
+    steps: dict[str, list[float]] = {}
+    for r in data["rows"]:
+        steps.setdefault(str(r["mode"]), []).append(r["step_s"])
+    cells = []
+    for mode, values in steps.items():
+        name = mode if mode == "per_micro_batch" else f"fixed cp={mode}"
+        cells.append(f"{name} {1e3 * sorted(values)[len(values) // 2]:.0f} ms")
+    goals = []
+    for entry in data.get("goal_runs", {}).values():
+        median = "-" if entry["median"] is None else f"{entry['median']:.2f}"
+        goals.append(f"`{entry['key']}` median {median} (goal {entry['direction']} {entry['target']:g}, "
+                     f"{entry['runs_meeting_goal']} runs meeting)")
+    return f"variable-length leg (`--leg variable`, {data['mix']}): median step " + ", ".join(cells) + "; " + (
+        "; ".join(goals))

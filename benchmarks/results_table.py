@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from benchmarks._auxiliary_lines import (
     adapters_lr_sweep,
+    context_parallel_variable,
     delta_gpu,
     planner_moe,
     scale_gpu,
@@ -296,6 +297,7 @@ AUXILIARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "sharding.gpu": ("sharding", sharding_gpu),
     "moe_families.gpu": ("moe_families", moe_families_gpu),
     "planner_moe": ("planner", planner_moe),
+    "context_parallel_variable": ("context_parallel", context_parallel_variable),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -239,7 +240,7 @@ def test_goals_without_a_leg_have_no_figure_and_never_read_met():
     goals = {goal["key"]: goal for goal in goal_figures(rows, {"cp": 2, "start": 1024, "ratio": {}})}
     for key in (PLANNER_REGRET.key, VARIABLE_SPEEDUP.key):
         assert goals[key]["value"] is None and goals[key]["met"] is None
-    assert goals[VARIABLE_SPEEDUP.key]["note"].startswith("not built yet")
+    assert goals[VARIABLE_SPEEDUP.key]["note"].startswith("measured by `--leg variable`")
     assert goals[PLANNER_REGRET.key]["note"] == "this run has no planner leg (no planner_sequences)"
     combined = combine_runs([{"goals": list(goals.values())}] * 3)
     assert combined[PLANNER_REGRET.key]["met"] is False and combined[PLANNER_REGRET.key]["median"] is None
@@ -449,3 +450,19 @@ def test_results_table_shows_the_planner_leg():
     line = next(note for note in notes if note.startswith("planner leg"))
     assert "seq 1024 10Gbit: chose cp1, fastest measured cp2 ring, regret +25.0%" in line
     assert "cp1 200/550 ms (#1/#3)" in line and "Spearman -0.50, Kendall -0.33" in line
+
+
+def test_the_variable_leg_compares_the_best_fixed_degree_the_cap_allows_with_the_per_sample_one():
+    from benchmarks._auxiliary_lines import context_parallel_variable
+    from benchmarks._context_parallel_variable import VARIABLE_FULL, VARIABLE_QUICK, Mix, modes, speedup_by_run
+
+    assert modes(VARIABLE_FULL) == [2, 4, "per_micro_batch"]  # an 8192-token sample exceeds 4096 tokens at cp=1
+    assert modes(replace(VARIABLE_QUICK, mix=Mix(long_length=1024, token_cap=1024))) == [1, 2, 4, "per_micro_batch"]
+    lengths = Mix().batches(2, seed=1)
+    assert all(len(batch) == 32 and batch.count(8192) == 2 for batch in lengths) and lengths == Mix().batches(2, 1)
+    rows = [{"run": run, "mode": mode, "step_s": step, "degrees": {}}
+            for run, steps in enumerate(((2.0, 3.0, 1.25), (1.5, 3.0, 1.5))) for mode, step in zip(modes(
+                VARIABLE_FULL), steps)]
+    assert speedup_by_run(rows) == {"run0": pytest.approx(1.6), "run1": pytest.approx(1.0)}
+    line = context_parallel_variable({"rows": rows, "mix": Mix().describe(), "goal_runs": {}})
+    assert "fixed cp=2 2000 ms" in line and "per_micro_batch 1500 ms" in line

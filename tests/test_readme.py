@@ -194,6 +194,8 @@ CASES: dict[str, Case] = {
         output=("pipeline_parallel=2 tensor_parallel=2",)),
     "merak-train data.lengths=variable data.max_length=512 strategy.pipeline_parallel=2 "
     "strategy.micro_batching=dynamic": Case(output=("pipeline_parallel=2",)),
+    "merak-train data.lengths=variable data.max_length=512 strategy.context_parallel=2 "
+    "strategy.context_parallel_degree=per_micro_batch": Case(output=("context_parallel=2 (ring attention)",)),
     "merak-train strategy.tensor_parallel=2 strategy.sequence_parallel=true": Case(
         output=("tensor_parallel=2", "sequence_parallel=True")),
     "merak-train strategy.context_parallel=2 data.seq_len=1024 data.batch_size=2": Case(
