@@ -68,6 +68,8 @@ def test_per_micro_batch_refuses_what_its_rounds_cannot_run() -> None:
         Merak3DStrategy(context_parallel=2, pipeline_parallel=2, context_parallel_degree="per_micro_batch")
     with pytest.raises(ValueError, match="context_parallel to a fixed degree of at least 2"):
         Merak3DStrategy(context_parallel="auto", context_parallel_degree="per_micro_batch")
+    with pytest.raises(ValueError, match="past FSDP2's hooks on the whole model"):
+        Merak3DStrategy(context_parallel=2, data_parallel_sharding="full", context_parallel_degree="per_micro_batch")
     with pytest.raises(ValueError, match="choose one of fixed, per_micro_batch"):
         Merak3DStrategy(context_parallel=2, context_parallel_degree="sometimes")
 

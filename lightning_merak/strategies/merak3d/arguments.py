@@ -234,6 +234,10 @@ class Merak3DArguments(Merak3DOptions):
                 raise ValueError(f"context_parallel_degree='per_micro_batch' runs with {name}={needed!r} for now, got "
                                  f"{name}={getattr(self, name)!r}; set {name}={needed!r} or "
                                  "context_parallel_degree='fixed'")
+        if self.data_parallel_sharding == "full":
+            raise ValueError("context_parallel_degree='per_micro_batch' calls the model's forward once per round, "
+                             "past FSDP2's hooks on the whole model; use data_parallel_sharding='optimizer' (or "
+                             "'gradients', 'none') or context_parallel_degree='fixed'")
         if not isinstance(self.context_parallel, int) or self.context_parallel < 2:
             raise ValueError(f"context_parallel_degree='per_micro_batch' chooses degrees within a context-parallel "
                              f"group, but context_parallel={self.context_parallel!r}; set context_parallel to a fixed "
