@@ -105,19 +105,28 @@ def test_wandb_offline_and_mlflow_file_store_record_the_loss(tmp_path):
 
 
 @pytest.mark.distributed
+def test_a_cli_error_prints_the_fix_first_without_a_traceback(tmp_path):
+    """As a process: the first line is the fix, the exit status 2, no traceback anywhere (the other cases below run
+    the same command line in this process)."""
+    result = _merak_train("trainer.max_step=5", run_dir=tmp_path, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    first_line = "trainer.max_step is not a key of trainer; did you mean trainer.max_steps?"
+    assert result.stderr.splitlines()[0].startswith(f"merak-train: error: {first_line}"), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr + result.stdout
+
+
 @pytest.mark.parametrize(("overrides", "first_line"), [
-    (["trainer.max_step=5"], "trainer.max_step is not a key of trainer; did you mean trainer.max_steps?"),
     (["strategy=merak3dd"], "strategy=merak3dd is not an option of strategy; did you mean strategy=merak3d?"),
     (["model=hf", "model.model_type=lama"], "model.model_type='lama' is not a transformers model type; did you "
                                             "mean llama?"),
     (["trainer.learning_rate=0.1"], "trainer.learning_rate moved to optim.learning_rate"),
     (["trainer.fast_dev_rn=true"], "trainer.fast_dev_rn is not a key of trainer; did you mean trainer.fast_dev_run?"),
 ])
-def test_cli_errors_print_the_fix_first_without_a_traceback(overrides, first_line, tmp_path):
-    result = _merak_train(*overrides, run_dir=tmp_path, timeout=300)
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.splitlines()[0].startswith(f"merak-train: error: {first_line}"), result.stderr[-3000:]
-    assert "Traceback" not in result.stderr + result.stdout
+def test_cli_errors_print_the_fix_first_without_a_traceback(overrides, first_line, tmp_path, monkeypatch, capsys):
+    code, output = refused(overrides, tmp_path, monkeypatch, capsys)
+    assert code == 2, output.err[-3000:]
+    assert output.err.splitlines()[0].startswith(f"merak-train: error: {first_line}"), output.err[-3000:]
+    assert "Traceback" not in output.err + output.out
 
 
 # Refusals in this process -----------------------------------------------------------------------------------------
