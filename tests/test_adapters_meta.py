@@ -35,6 +35,8 @@ OPTIONS = {
     "lora-int8": lambda: LoRAAdapterConfig(r=4, quantization=Quantization.int8, target_modules=list(TARGETS)),
     "lora-head-fp32": lambda: LoRAAdapterConfig(r=4, quantization=Quantization.none,
                                                 target_modules=[*TARGETS, "lm_head", "embed_tokens"]),
+    "lora-lm-head-fp32": lambda: LoRAAdapterConfig(r=4, quantization=Quantization.none,
+                                                   target_modules=["q_proj", "v_proj", "lm_head"]),
     "qbara-fp32": lambda: QBaRAAdapterConfig(r=2, quantization=Quantization.none, target_modules=list(TARGETS)),
     "qahira-fp32": lambda: QAHiRAAdapterConfig(r=2, quantization=Quantization.none, group_size=16, lambda_in=16,
                                                target_modules=list(TARGETS)),
@@ -66,24 +68,25 @@ def _weights(option_name: str) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
-def _reference(option_name: str, base: nn.Module | None = None) -> tuple[TrainingTrace, nn.Module]:
-    """One process, the whole-model path: build (or take ``base``), quantise, wrap; the adapter weights loaded.
-    The trained model too."""
+def _reference(option_name: str, base: nn.Module | None = None, steps: int = STEPS,
+               optimizer: str = "adam") -> tuple[TrainingTrace, nn.Module]:
+    """One process, the whole-model path: build (or take ``base``), quantise, wrap; the adapter weights loaded;
+    ``steps`` steps of ``optimizer`` trained. The trained model too."""
     weights = _weights(option_name)
     model = OPTIONS[option_name]().apply(_base() if base is None else base)
     with torch.no_grad():
         for name in _adapter_names(model):
             model.get_parameter(name).copy_(weights[name])
     module = _TestModule(model)
-    optimizer = _make_optimizer([p for p in model.parameters() if p.requires_grad], "adam")
+    optimizer_ = _make_optimizer([p for p in model.parameters() if p.requires_grad], optimizer)
     trace = TrainingTrace()
-    for batch in _batches():
-        optimizer.zero_grad()
+    for batch in _batches()[:steps]:
+        optimizer_.zero_grad()
         loss = module.compute_loss((batch,))
         loss.backward()
         trace.append(loss.item(), {name: model.get_parameter(name).grad.detach().clone()
                                    for name in _adapter_names(model)})
-        optimizer.step()
+        optimizer_.step()
     return trace, model
 
 
@@ -106,7 +109,7 @@ class _MetaAdapterModule(_TestModule):
         copy_full_tensors(tensors, layout_changes, self.weights)
 
     def configure_optimizers(self):
-        return _make_optimizer([p for p in self.model.parameters() if p.requires_grad], "adam")
+        return _make_optimizer([p for p in self.model.parameters() if p.requires_grad], self.optimizer_kind)
 
 
 def _meta_rank(rank: int, world_size: int, option_name: str, layout: dict, save_to: str | None = None,

@@ -257,3 +257,98 @@ def test_the_split_embedding_looks_up_the_steps_rows_and_returns_their_gradient(
     torch.testing.assert_close(result["grad"], expected)
     assert "outside the step's batch" in result["outside"]
     assert result["cleared"]
+
+
+def _lora_head_rank(rank: int, world_size: int, save_to: str, steps: int) -> tuple:
+    """LoRA on q_proj, v_proj and the LM head, built on meta, trained ``steps`` steps of SGD at pp2 with the head
+    split; this rank's trace, and an evaluation loss and predict's logits afterwards."""
+    from tests.test_adapters_meta import PP2, _MetaAdapterModule, _weights
+    from tests.test_merak3d import _batches as adapter_batches
+    from tests.test_merak3d import _Recorder, _ShardedData
+
+    module = _MetaAdapterModule("lora-lm-head-fp32", _weights("lora-lm-head-fp32"))
+    module.optimizer_kind = "sgd"
+    recorder = _Recorder([])
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**PP2, vocab_stages="on", timeout_s=120),
+        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+        callbacks=[recorder])
+    trainer.fit(module, datamodule=_ShardedData(0, steps))
+    head = next(part for part in reversed(module.model) if hasattr(part.net.base_model.model.lm_head, "lora"))
+    assert type(head.net.base_model.model.lm_head).__name__ == "LoRAHeadRows"
+    trainer.save_checkpoint(save_to)
+    module.eval()
+    batch = adapter_batches()[0]
+    with torch.no_grad():
+        evaluated = float(module.compute_loss((batch,))), module(batch)
+    return (recorder.losses, recorder.gradients), evaluated
+
+
+@pytest.mark.distributed
+def test_lora_on_the_split_head_trains_and_exports_like_one_process(tmp_path):
+    """LoRA on q_proj, v_proj and the LM head, the head (its base and lora_B rows) split over two stages, built on
+    meta: loss and every adapter gradient (the head's lora_A and lora_B included) equal one process's over three
+    steps of SGD (Adam turns the split softmax's summation order into larger drift), and so do an evaluation loss
+    and predict's logits afterwards; the checkpoint exports the unsplit factors: ``--adapter-only`` as the trained
+    PEFT model saves its adapter factors, ``--merge-adapters`` as it merges."""
+    from peft.utils import get_peft_model_state_dict
+
+    from lightning_merak.hf.export import export_adapter, export_checkpoint
+    from tests.test_adapters_meta import _reference as adapter_reference
+    from tests.test_merak3d import _batches as adapter_batches
+    from tests.test_merak3d import _TestModule
+
+    steps, checkpoint = 3, str(tmp_path / "lora.ckpt")
+    results = run_distributed(_lora_head_rank, 2, args=(checkpoint, steps), timeout_s=300)
+    expected, trained = adapter_reference("lora-lm-head-fp32", steps=steps, optimizer="sgd")
+    assert {"base_model.model.lm_head.lora_A.default.weight",
+            "base_model.model.lm_head.lora_B.default.weight"} <= set(expected.gradients[0])
+    assert_traces_match(expected, merge_rank_traces([trace for trace, _ in results]))
+    reference = _TestModule(trained).eval()
+    batch = adapter_batches()[0]
+    with torch.no_grad():
+        loss, logits = float(reference.compute_loss((batch,))), reference(batch)
+    for _, (rank_loss, rank_logits) in results:
+        assert rank_loss == pytest.approx(loss, rel=1e-5)
+        torch.testing.assert_close(rank_logits, logits, rtol=1e-5, atol=1e-5)
+    export_adapter(checkpoint, tmp_path / "adapter")
+    exported = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    adapter = {name: value for name, value in get_peft_model_state_dict(trained).items() if ".lora_" in name}
+    assert sorted(exported) == sorted(adapter) and "base_model.model.lm_head.lora_B.weight" in adapter
+    for name, value in adapter.items():
+        torch.testing.assert_close(exported[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    export_checkpoint(checkpoint, tmp_path / "hf", merge_adapters=True)
+    merged = {}
+    for shard in (tmp_path / "hf").glob("*.safetensors"):
+        merged.update(load_file(shard))
+    torch.testing.assert_close(merged["lm_head.weight"], trained.merge_and_unload().state_dict()["lm_head.weight"],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_vocab_stages_refuses_other_adapters_on_the_head_before_work():
+    """Q-BaRA and DoRA on the LM head cannot split by vocabulary rows, nor LoRA with dropout at tensor_parallel>1:
+    refused with the fix, no process started; plain LoRA splits."""
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_merak.cli.options.adapter import QBaRAAdapterConfig, Quantization
+    from lightning_merak.parallel.pipeline.head_adapters import HeadLoRA, head_lora_layout_problem
+
+    def problem(adapt) -> str | None:
+        torch.manual_seed(0)
+        model = build_causal_lm(_config(), vocab_size=64)
+        model.config.use_cache = False
+        model = adapt(model)
+        trace = trace_model(model, torch.randint(64, (2, 8)), profile=False)
+        return vocab_stages_problem(model, trace, context_parallel=1, schedule="1f1b")
+
+    targets = ["q_proj", "lm_head"]
+    assert problem(lambda model: get_peft_model(model, LoraConfig(r=4, target_modules=targets))) is None
+    fix = "set vocab_stages='off' or leave the LM head out of the adapter's target_modules"
+    qbara = problem(QBaRAAdapterConfig(r=2, quantization=Quantization.none, target_modules=targets).apply)
+    assert qbara is not None and "plain LoRA" in qbara and fix in qbara, qbara
+    dora = problem(lambda model: get_peft_model(model, LoraConfig(r=4, target_modules=targets, use_dora=True)))
+    assert dora is not None and "DoRA" in dora and fix in dora, dora
+    dropout = HeadLoRA("default", 4, 2.0, dropout=0.1)
+    assert head_lora_layout_problem(dropout, tensor_parallel=1) is None
+    assert "tensor_parallel=1" in head_lora_layout_problem(dropout, tensor_parallel=2)

@@ -22,7 +22,8 @@ micro-batch before its backward.
 The weight is a DTensor sharded ``Shard(0)`` over the pipeline mesh with the head's real shape, so a sharded
 checkpoint holds the unsplit head under its own name and any layout resumes it. The loss is next-token
 cross-entropy (``CausalLMModule.loss_from_logits``), computed here. The input embedding splits alike
-(:mod:`.embedding_stages`); a tied head and embedding are one weight split once.
+(:mod:`.embedding_stages`); a tied head and embedding are one weight split once. LoRA on the head splits with it
+(:mod:`.head_adapters`): its projection by ``A`` travels with the hidden state, its gradient with the hidden state's.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_merak.parallel.pipeline.embedding_stages import embedding_split_problem
+from lightning_merak.parallel.pipeline.head_adapters import HeadLoRA, LoRAHeadRows, head_adapter_problem
 from lightning_merak.parallel.pipeline.recording import ModelTrace
 from lightning_merak.parallel.pipeline.row_scatter import add_rows_gradient, rows_dtensor, scatter_rows
 from lightning_merak.util.row_shards import row_shard_range
@@ -66,6 +68,8 @@ class HeadShape:
     dtype: torch.dtype
     trainable: bool = True
     tied_embedding: Optional[str] = None
+    lora: Optional[HeadLoRA] = None
+    """The head's LoRA (:mod:`.head_adapters`), None for a plain ``nn.Linear``."""
 
 
 def head_step_index(trace: ModelTrace, head_path: str) -> Optional[int]:
@@ -77,9 +81,9 @@ def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, context_paralle
                          schedule: str) -> Optional[str]:
     """Why the head of ``model`` cannot be split over the pipeline ranks in this layout, or None."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not nn.Linear:
-        return (f"vocab_stages splits an nn.Linear LM head (get_output_embeddings()), {type(model).__name__} has "
-                f"{type(head).__name__}; set vocab_stages='off'")
+    problem = head_adapter_problem(head)
+    if problem is not None:
+        return problem
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if embedding is not None and getattr(embedding, "weight", None) is head.weight:
         problem = embedding_split_problem(embedding, schedule)
@@ -149,8 +153,10 @@ class VocabularyExchange:
     """
 
     def __init__(self, head: VocabularySlice, group: dist.ProcessGroup, source: int, is_last: bool,
-                 device: torch.device, last_ranks: int = 1) -> None:
+                 device: torch.device, last_ranks: int = 1, lora: Optional[LoRAHeadRows] = None) -> None:
         self.head, self.group, self.source, self.is_last, self.device = head, group, source, is_last, device
+        self.lora = lora
+        """The head's LoRA rows (:mod:`.head_adapters`), which hold ``head`` as their base layer, or None."""
         self.last_ranks = last_ranks
         """Ranks running the last stage (its tensor-parallel ranks): each needs the hidden state's gradient."""
         self.inferring: Callable[[], bool] = lambda: False
@@ -158,7 +164,7 @@ class VocabularyExchange:
         self.active = True
         """Off while a prediction runs the schedule: the loss it computes is discarded, so nothing is exchanged."""
         self._backward = False
-        self._grads: Optional[list[torch.Tensor]] = None
+        self._grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
@@ -166,7 +172,7 @@ class VocabularyExchange:
 
     def begin(self, targets: torch.Tensor, micro_batches: int, backward: bool) -> None:
         """Start a step of ``micro_batches`` micro-batches of ``targets`` (with their backward when ``backward``)."""
-        self._backward, self._grads, self._error = backward, None, None
+        self._backward, self._grads, self._error = backward, {}, None
         if self.is_last:
             return
         chunks = list(torch.tensor_split(targets, micro_batches))
@@ -181,16 +187,18 @@ class VocabularyExchange:
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError("the split LM head's exchange failed on this rank") from error
-        if self._grads is not None:
-            params = [self.head.weight] + ([self.head.bias] if self.head.bias is not None else [])
-            for param, grad in zip(params, self._grads):
+        lora_a = self.lora.factor_a if self.lora is not None else None
+        for param, grad in self._grads.values():
+            if param is lora_a:  # whole on the last stage
+                param.grad = grad if param.grad is None else param.grad.add_(grad)
+            else:
                 add_rows_gradient(param, grad)
-            self._grads = None
+        self._grads = {}
 
     def _serve(self, chunks: list[torch.Tensor]) -> None:
         try:
             for targets in chunks:
-                hidden = torch.empty((*targets.shape, self.head.width), dtype=self.head.weight.dtype,
+                hidden = torch.empty((*targets.shape, self._sent_width()), dtype=self.head.weight.dtype,
                                      device=self.device)
                 self.score(hidden, targets.to(self.device), self._backward)
         except BaseException as error:  # re-raised by end(), on the step's thread
@@ -209,7 +217,13 @@ class VocabularyExchange:
 
     def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The whole vocabulary's logits of ``hidden`` (the same on every rank; a collective over the ranks)."""
-        local = self.head.logits(hidden.to(self.head.weight.dtype))
+        hidden = hidden.to(self.head.weight.dtype)
+        local = self.head.logits(hidden)
+        if self.lora is not None:  # the last stage projects by A, the ranks add their rows of s·B u
+            projected = (F.linear(hidden, self.lora.factor_a) if self.is_last
+                         else hidden.new_empty((*hidden.shape[:-1], self.lora.lora.rank))).contiguous()
+            dist.broadcast(projected, src=self.source, group=self.group)
+            local = local + self._lora_logits(projected)
         parts = dist.get_world_size(self.group)
         width = -(-self.head.vocab_size // parts)
         padded = F.pad(local, (0, width - local.shape[-1])) if local.shape[-1] < width else local
@@ -228,10 +242,18 @@ class VocabularyExchange:
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
             dtype = hidden.dtype
             hidden = hidden.to(self.head.weight.dtype).contiguous()
+            projection = None
+            if self.lora is not None and self.is_last:  # u = A x' travels with the hidden state
+                projection = self.lora.project(hidden)
+                hidden = torch.cat([hidden, projection[0]], dim=-1)
             dist.broadcast(hidden, src=self.source, group=self.group)
-            x = hidden[:, :-1].reshape(-1, self.head.width)
+            x = hidden[:, :-1, :self.head.width].reshape(-1, self.head.width)
             y = targets[:, 1:].reshape(-1).to(hidden.device)
-            logits = self.head.logits(x).float()
+            logits = self.head.logits(x)
+            if self.lora is not None:
+                u = hidden[:, :-1, self.head.width:].reshape(-1, self.lora.lora.rank)
+                logits = logits + self._lora_logits(u)
+            logits = logits.float()
             maximum = logits.max(dim=-1).values
             dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=self.group)
             exponentials = torch.exp(logits - maximum[:, None])
@@ -249,23 +271,43 @@ class VocabularyExchange:
             grad_logits.scatter_add_(1, local_y[:, None], -inside.float()[:, None])
             grad_logits = (grad_logits * (valid / count)[:, None]).to(x.dtype)
             if self.head.weight.requires_grad:
-                self._accumulate(grad_logits.t() @ x, grad_logits.sum(dim=0))
-            grad_hidden = torch.zeros_like(hidden)
-            grad_hidden[:, :-1] = (grad_logits @ self.head.weight.to_local()).view(*hidden.shape[:1], -1,
-                                                                                 self.head.width)
+                self._accumulate(self.head.weight, grad_logits.t() @ x)
+                if self.head.bias is not None:
+                    self._accumulate(self.head.bias, grad_logits.sum(dim=0))
+            grad_hidden = torch.zeros_like(hidden)  # with LoRA: ∂u beside ∂x
+            grad_rows = grad_logits @ self.head.weight.to_local()
+            if self.lora is not None:
+                scaled = grad_logits * self.lora.lora.scaling
+                if self.lora.factor_b.requires_grad:
+                    self._accumulate(self.lora.factor_b, scaled.t() @ u)
+                grad_rows = torch.cat([grad_rows, scaled @ self.lora.factor_b.to_local()], dim=-1)
+            grad_hidden[:, :-1] = grad_rows.view(*hidden.shape[:1], -1, hidden.shape[-1])
             if self.last_ranks > 1:
                 dist.all_reduce(grad_hidden, group=self.group)
             else:
                 dist.reduce(grad_hidden, dst=self.source, group=self.group)
-            return loss, grad_hidden.to(dtype) if self.is_last else None
+            if not self.is_last:
+                return loss, None
+            if projection is not None:  # ∂A and the LoRA path's term of ∂x, from ∂u summed over the ranks
+                grad_a, grad_x = self.lora.project_backward(grad_hidden[..., self.head.width:], *projection[1:])
+                if self.lora.factor_a.requires_grad:
+                    self._accumulate(self.lora.factor_a, grad_a)
+                grad_hidden = grad_hidden[..., :self.head.width] + grad_x
+            return loss, grad_hidden.to(dtype)
 
-    def _accumulate(self, grad_weight: torch.Tensor, grad_bias: torch.Tensor) -> None:
-        grads = [grad_weight] + ([grad_bias.to(grad_weight.dtype)] if self.head.bias is not None else [])
-        if self._grads is None:
-            self._grads = grads
-        else:
-            for total, grad in zip(self._grads, grads):
-                total.add_(grad)
+    def _sent_width(self) -> int:
+        """Columns of the tensor the last stage broadcasts: the hidden state, and with LoRA its projection by A."""
+        return self.head.width + (self.lora.lora.rank if self.lora is not None else 0)
+
+    def _lora_logits(self, projected: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``s · B u`` given the projection ``u = A x'``."""
+        assert self.lora is not None
+        return F.linear(projected, self.lora.factor_b.to_local()) * self.lora.lora.scaling
+
+    def _accumulate(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """Add ``grad`` to the step's gradient of ``param`` (set on it by :meth:`end`)."""
+        held = self._grads.get(id(param))
+        self._grads[id(param)] = (param, grad.to(param.dtype) if held is None else held[1].add_(grad))
 
 
 def split_head_over_stages(stages: nn.ModuleList, shape: HeadShape, trace: ModelTrace, mesh: DeviceMesh,
@@ -292,8 +334,20 @@ def split_head_over_stages(stages: nn.ModuleList, shape: HeadShape, trace: Model
                           shape.dtype, device, mesh.get_group(), holder)
     bias = (scatter_rows(None if head is None else head.bias.detach(), shape.vocab_size, (), shape.dtype, device,
                          mesh.get_group(), holder) if shape.bias else None)
-    del head
     rows = VocabularySlice(weight, bias, shape.vocab_size, mesh, shape.trainable)
-    stage.net.set_submodule(shape.path, rows)
+    placed: nn.Module = rows
+    if shape.lora is not None:  # B's rows split as W's; A and the dropout stay on the last stage
+        adapter = shape.lora.adapter
+        factor_b = scatter_rows(None if head is None else head.lora_B[adapter].weight.detach(), shape.vocab_size,
+                                (shape.lora.rank,), shape.dtype, device, mesh.get_group(), holder)
+        last_head = stage.net.get_submodule(shape.path) if stage.is_last else None
+        placed = LoRAHeadRows(rows, shape.lora, nn.Parameter(rows_dtensor(factor_b, shape.vocab_size, mesh),
+                                                             shape.lora.trainable),
+                              None if last_head is None else last_head.lora_A[adapter].weight,
+                              None if last_head is None else last_head.lora_dropout[adapter])
+        del last_head
+    del head
+    stage.net.set_submodule(shape.path, placed)
     stage.head_stop = head_step_index(trace, shape.path)
-    return VocabularyExchange(rows, group, source, stage.is_last, device, last_ranks=tensor_parallel)
+    return VocabularyExchange(rows, group, source, stage.is_last, device, last_ranks=tensor_parallel,
+                              lora=placed if isinstance(placed, LoRAHeadRows) else None)

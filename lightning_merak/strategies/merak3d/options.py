@@ -119,7 +119,7 @@ class Merak3DOptions:
         "all-reduced) and looks its rows of each step's tokens up for the first stage; a tied head and embedding are "
         "one weight, and an embedding that is not a plain nn.Embedding stays on the first stage. Runs with "
         "`schedule` 1f1b, gpipe, interleaved_1f1b or interleaved_zero_bubble (the embedding whole there), "
-        "context_parallel=1, an nn.Linear head "
+        "context_parallel=1, an nn.Linear head (or plain LoRA on one: its lora_B rows split with the head's) "
         "and next-token cross-entropy; under data_parallel_sharding=`full` the rows stay whole on each replica "
         "(`lightning_merak.parallel.pipeline.vocab_stages`, `.embedding_stages`).")
     compact_host_memory: bool = option(

@@ -14,6 +14,7 @@ from lightning_merak.distributed.process_groups import new_group
 from lightning_merak.parallel import pipeline
 from lightning_merak.parallel.layout import Layout, LayoutGroups
 from lightning_merak.parallel.pipeline.embedding_stages import embedding_split_problem
+from lightning_merak.parallel.pipeline.head_adapters import head_lora, head_lora_layout_problem
 from lightning_merak.parallel.pipeline.trace import ModelTrace
 from lightning_merak.parallel.pipeline.vocab_stages import HeadShape, vocab_stages_problem
 from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
@@ -29,6 +30,8 @@ def splittable_head(model: nn.Module, trace: ModelTrace, arguments: Merak3DArgum
     if arguments.vocab_stages == "off":
         return None
     problem = vocab_stages_problem(model, trace, context_parallel=layout.context_parallel, schedule=layout.schedule)
+    if problem is None:
+        problem = head_lora_layout_problem(head_lora(model.get_output_embeddings()), layout.tensor_parallel)
     if problem is not None:
         if arguments.vocab_stages == "on":
             raise ValueError(problem)
@@ -39,7 +42,7 @@ def splittable_head(model: nn.Module, trace: ModelTrace, arguments: Merak3DArgum
     embedding = model.get_input_embeddings()
     tied = embedding is not None and getattr(embedding, "weight", None) is head.weight
     return HeadShape(path, head.out_features, head.in_features, head.bias is not None, head.weight.dtype,
-                     head.weight.requires_grad, _module_path(model, embedding) if tied else None)
+                     head.weight.requires_grad, _module_path(model, embedding) if tied else None, head_lora(head))
 
 
 def splittable_embedding(model: nn.Module, trace: ModelTrace, head: HeadShape,
