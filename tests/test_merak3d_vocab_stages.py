@@ -259,10 +259,10 @@ def test_the_split_embedding_looks_up_the_steps_rows_and_returns_their_gradient(
     assert result["cleared"]
 
 
-def _lora_head_rank(rank: int, world_size: int, save_to: str, steps: int) -> tuple:
-    """LoRA on q_proj, v_proj and the LM head, built on meta, trained ``steps`` steps of SGD at pp2 with the head
-    split; this rank's trace, and an evaluation loss and predict's logits afterwards."""
-    from tests.test_adapters_meta import PP2, _MetaAdapterModule, _weights
+def _lora_head_rank(rank: int, world_size: int, layout: dict, save_to: str, steps: int) -> tuple:
+    """LoRA on q_proj, v_proj and the LM head, built on meta, trained ``steps`` steps of SGD in ``layout`` with the
+    head split; this rank's trace, and an evaluation loss and predict's logits afterwards."""
+    from tests.test_adapters_meta import _MetaAdapterModule, _weights
     from tests.test_merak3d import _batches as adapter_batches
     from tests.test_merak3d import _Recorder, _ShardedData
 
@@ -270,7 +270,7 @@ def _lora_head_rank(rank: int, world_size: int, save_to: str, steps: int) -> tup
     module.optimizer_kind = "sgd"
     recorder = _Recorder([])
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**PP2, vocab_stages="on", timeout_s=120),
+        accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120),
         max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
         callbacks=[recorder])
@@ -287,20 +287,23 @@ def _lora_head_rank(rank: int, world_size: int, save_to: str, steps: int) -> tup
 
 @pytest.mark.distributed
 def test_lora_on_the_split_head_trains_and_exports_like_one_process(tmp_path):
-    """LoRA on q_proj, v_proj and the LM head, the head (its base and lora_B rows) split over two stages, built on
-    meta: loss and every adapter gradient (the head's lora_A and lora_B included) equal one process's over three
-    steps of SGD (Adam turns the split softmax's summation order into larger drift), and so do an evaluation loss
-    and predict's logits afterwards; the checkpoint exports the unsplit factors: ``--adapter-only`` as the trained
-    PEFT model saves its adapter factors, ``--merge-adapters`` as it merges."""
+    """LoRA on q_proj, v_proj and the LM head, the head (its base and lora_B rows) split over two stages of two
+    replicas fully sharded (FSDP2 leaves the frozen rows and the head's factors to the split), built on meta: loss
+    and every adapter gradient (the head's lora_A and lora_B included) equal one process's over three steps of SGD
+    (Adam turns the split softmax's summation order into larger drift), and so do an evaluation loss and predict's
+    logits afterwards; the checkpoint exports the unsplit factors: ``--adapter-only`` as the trained PEFT model
+    saves its adapter factors, ``--merge-adapters`` as it merges."""
     from peft.utils import get_peft_model_state_dict
 
     from lightning_merak.hf.export import export_adapter, export_checkpoint
+    from tests.test_adapters_meta import PP2
     from tests.test_adapters_meta import _reference as adapter_reference
     from tests.test_merak3d import _batches as adapter_batches
     from tests.test_merak3d import _TestModule
 
     steps, checkpoint = 3, str(tmp_path / "lora.ckpt")
-    results = run_distributed(_lora_head_rank, 2, args=(checkpoint, steps), timeout_s=300)
+    layout = {**PP2, "data_parallel": 2, "data_parallel_sharding": "full", "vocab_stages": "on"}
+    results = run_distributed(_lora_head_rank, 4, args=(layout, checkpoint, steps), timeout_s=300)
     expected, trained = adapter_reference("lora-lm-head-fp32", steps=steps, optimizer="sgd")
     assert {"base_model.model.lm_head.lora_A.default.weight",
             "base_model.model.lm_head.lora_B.default.weight"} <= set(expected.gradients[0])

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_merak.distributed.dtensors import local_tensor
 from lightning_merak.parallel.pipeline.row_scatter import add_rows_gradient, rows_dtensor, scatter_rows
 from lightning_merak.util.row_shards import row_shard_range
 
@@ -178,19 +179,21 @@ def split_embedding_over_stages(stages: nn.ModuleList, path: str, mesh: DeviceMe
     return EmbeddingExchange(rows, group, first, stage.is_first, device, first_ranks=tensor_parallel)
 
 
-def split_vocabulary_parameters(stages: nn.Module) -> list[nn.Parameter]:
-    """The trainable row parameters of ``stages``' (a ``RankStages``) split head and embedding, each once."""
-    holders = [stages.vocabulary.head if stages.vocabulary is not None else None,
-               stages.embedding.rows if stages.embedding is not None else None]
+def split_vocabulary_parameters(stages: nn.Module, trainable_only: bool = True) -> list[nn.Parameter]:
+    """The parameters of ``stages``' (a ``RankStages``) split head (with its LoRA factors) and embedding, each
+    once: the trainable ones, or with ``trainable_only=False`` the frozen ones too (the rows a frozen base keeps)."""
+    vocabulary = stages.vocabulary
+    head = None if vocabulary is None else vocabulary.lora if vocabulary.lora is not None else vocabulary.head
+    holders = [head, stages.embedding.rows if stages.embedding is not None else None]
     found = {id(param): param for holder in holders if holder is not None
-             for param in holder.parameters() if param.requires_grad}
+             for param in holder.parameters() if param.requires_grad or not trainable_only}
     return list(found.values())
 
 
 def average_rows_gradients(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
     """Average the rows' gradients over the data-parallel ``group`` (where FSDP2 reduces every other parameter's,
     under ``data_parallel_sharding='full'``, and leaves these alone)."""
-    grads = [param.grad.to_local() for param in params if param.grad is not None]
+    grads = [local_tensor(param.grad) for param in params if param.grad is not None]
     if not grads:
         return
     flat = torch.cat([grad.reshape(-1) for grad in grads])

@@ -590,8 +590,8 @@ def shard_built_model(model: nn.Module, built: BuiltModel, groups: LayoutGroups,
     else:
         roots, blocks = [model], [list(built.local_blocks.values())]
     mesh = data_parallel_mesh(groups.mesh, shard_size)
-    rows = split_vocabulary_parameters(stages) if stages is not None else []
-    if rows:  # the split vocabulary's rows: their gradients are set after the schedule and averaged over dp there
+    rows = split_vocabulary_parameters(stages, trainable_only=False) if stages is not None else []
+    if rows:  # split rows (frozen too) and head LoRA factors: gradients set after the schedule, averaged over dp
         stages.rows_data_parallel_group = groups.data_parallel_group
     sharded = apply_fully_shard(roots, blocks, mesh, pipelined=stages is not None,
                                 replicated=_ready_quantized(model), reduced_elsewhere=rows)
