@@ -42,7 +42,11 @@ class DequantisedSource:
     tensor-parallel shards (``<layer>.shard_tp<r>of<n>``) as one float weight put together from them."""
 
     def __init__(self, source: Any, quantized: dict[str, str]) -> None:
-        from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, QUANTIZED_SPLITS_KEY, recorded_split  # lazy: torch
+        from lightning_merak.checkpoint.names import (  # lazy: torch
+            MODEL_RECORD_KEY,
+            QUANTIZED_SPLITS_KEY,
+            recorded_split,
+        )
 
         self.source = source
         self.path = source.path
