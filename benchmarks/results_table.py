@@ -379,6 +379,13 @@ def goals_section(chosen: dict[str, Result | None]) -> list[str]:
             "full runs. A goal is decided after three full runs.", "", *markdown(table), ""]
 
 
+def _with_leg_goals(data: dict[str, Any], leg_goals: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (an area's main run) with the goals a leg of its own measured (``leg_goals``: its goal runs) in
+    place of the main run's records of them (which say the main run does not measure them)."""
+    return {**data, "goals": [goal for goal in data.get("goals", []) if goal["key"] not in leg_goals],
+            "goal_runs": {**data.get("goal_runs", {}), **leg_goals}}
+
+
 def build(results_dir: Path, page: Path) -> tuple[str, list[str]]:
     """The page's text and a log of the files used."""
     files = sorted(results_dir.glob("*.json"))
@@ -405,6 +412,10 @@ def build(results_dir: Path, page: Path) -> tuple[str, list[str]]:
         else:
             log.append(f"read     {result.path.name} (no area of this page)")
     log += [f"skipped  {p.name} (trace, not a result)" for p in skipped]
+    for result in results:  # a leg run on its own decides its goals in its area, over the main run's placeholder
+        main_result = chosen.get(AUXILIARY[result.name][0]) if result.name in AUXILIARY else None
+        if main_result is not None and not result.quick and result.data.get("goal_runs"):
+            main_result.data = _with_leg_goals(main_result.data, result.data["goal_runs"])
     lines = [
         "# Benchmark results",
         "",

@@ -82,3 +82,18 @@ def test_the_results_page_lists_every_goal_with_its_definition_and_verdict() -> 
 def test_a_goal_with_no_applicable_configuration_is_met_only_when_declared_vacuous() -> None:
     record = worst_case(SPEEDUP, {}, vacuous="auto picked S2 nowhere")
     assert record["met"] is True and record["value"] is None and "auto picked S2 nowhere" in record["note"]
+
+
+def test_a_leg_run_on_its_own_decides_its_goal_over_the_main_runs_placeholder() -> None:
+    """The main run records a goal it does not measure (no figure, with a note); the leg's own full runs carry the
+    figure, and the goals table shows the leg's verdict."""
+    from benchmarks.results_table import Result, _with_leg_goals, goals_section
+
+    goal = Goal("leg_speedup", 1.2, ">=", "a leg's speedup", issue=52)
+    placeholder = {**worst_case(goal, {"x": None}), "note": "not measured by this run"}
+    main = {"goals": [placeholder], "goal_runs": combine_runs([{"goals": [placeholder]}] * 3)}
+    leg_runs = combine_runs([{"goals": [worst_case(goal, {"mix": value})]} for value in (1.3, 1.25, 1.4)])
+    merged = _with_leg_goals(main, leg_runs)
+    assert merged["goals"] == [] and merged["goal_runs"]["leg_speedup"]["median"] == 1.3
+    text = "\n".join(goals_section({"context_parallel": Result(Path("c.json"), "context_parallel", False, merged)}))
+    assert "| 1.3 | 1.25 – 1.4 | 3/3 | met |" in text
