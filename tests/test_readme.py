@@ -237,7 +237,7 @@ CASES: dict[str, Case] = {
 # Benchmarks are measurements that take minutes each (some need root for the emulated network);
 # here each must parse its arguments. Their figures live in benchmarks/results.
 BENCHMARK = re.compile(
-    r"^python -m benchmarks\.(\w+|<name>)( \[--quick\]| --quick)?( \[--device cuda\]| --device cuda)?$")
+    r"^python -m benchmarks\.(\w+|<name>)( --leg \w+)?( \[--quick\]| --quick)?( \[--device cuda\]| --device cuda)?$")
 
 
 # Where a command's placeholders point, under the directory it runs in.
