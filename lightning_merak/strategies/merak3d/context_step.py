@@ -27,6 +27,7 @@ from lightning_merak.parallel.micro_batching.plan import CostModel
 from lightning_merak.parallel.micro_batching.samples import VariableBatch, target_count
 from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.strategies.merak3d.network import ModuleView
+from lightning_merak.strategies.merak3d.pipeline_step import HeldGradients, hold_gradients, restore_gradients
 from lightning_merak.strategies.merak3d.variable_step import PipelineSteps, install_pipeline_step
 
 __all__ = ["ContextRoundsStep", "install_context_rounds", "install_step"]
@@ -57,7 +58,7 @@ class ContextRoundsStep:
         self._module, self._model, self._groups, self._options, self._degree = module, model, groups, options, degree
         self._runner = RoundRunner(forward, context_subgroups(groups))
         self._planned: Optional[tuple[VariableBatch, ContextPlan]] = None
-        self._pending: list[tuple[nn.Parameter, Optional[Tensor]]] = []
+        self._pending: HeldGradients = []
         self.scaled_later: frozenset[int] = frozenset()
         """As :attr:`~.pipeline_step.PipelineStep.scaled_later`: gradients the reduction divides by the rounds."""
         self.clock = _NoClock()
@@ -104,20 +105,13 @@ class ContextRoundsStep:
             for param in parameters:
                 param.grad = None
             share = self._runner.run(rounds, batch.tokens, lengths, targets, backward)
-            with torch.no_grad():
-                for param in parameters:
-                    if param.grad is not None and id(param) not in self.scaled_later:
-                        param.grad.div_(len(rounds))
-            self._pending = [(param, param.grad) for param in parameters]
-            for param in parameters:
-                param.grad = None
+            self._pending = hold_gradients(parameters, len(rounds), self.scaled_later)
         dist.all_reduce(share, group=self._groups.data_parallel_group)
         return share
 
     def restore_gradients(self) -> None:
         """Put back the gradients the last training step computed (Lightning zeroes them before ``backward``)."""
-        for param, grad in self._pending:
-            param.grad = grad
+        restore_gradients(self._pending)
         self._pending = []
 
     def forward(self, inputs: Tensor) -> Tensor:

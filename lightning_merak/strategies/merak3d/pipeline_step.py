@@ -25,7 +25,29 @@ from lightning_merak.parallel.pipeline.schedules import ScheduleShiftedCriticalP
 from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
 
-__all__ = ["PipelineStep"]
+__all__ = ["PipelineStep", "hold_gradients", "restore_gradients"]
+
+HeldGradients = list[tuple[nn.Parameter, Optional[torch.Tensor]]]
+
+
+def hold_gradients(parameters: list[nn.Parameter], passes: int, scaled_later: frozenset[int]) -> HeldGradients:
+    """Take the gradients a step's ``passes`` backward passes left on ``parameters`` off them, each divided by
+    ``passes`` (but those the data-parallel reduction divides, ``scaled_later``): Lightning zeroes gradients
+    between its training step and its backward, where :func:`restore_gradients` puts them back."""
+    with torch.no_grad():
+        for param in parameters:
+            if param.grad is not None and id(param) not in scaled_later:
+                param.grad.div_(passes)
+    held = [(param, param.grad) for param in parameters]
+    for param in parameters:
+        param.grad = None
+    return held
+
+
+def restore_gradients(held: HeldGradients) -> None:
+    """Put back the gradients :func:`hold_gradients` took."""
+    for param, grad in held:
+        param.grad = grad
 
 
 class PipelineStep:
@@ -127,13 +149,8 @@ class PipelineStep:
             with self.clock.step():
                 self._schedule.step(*args, return_outputs=False, **kwargs)
                 self._end_vocabulary(backward=True)
-            with torch.no_grad():
-                for param in parameters:
-                    if param.grad is not None and id(param) not in self.scaled_later:
-                        param.grad.div_(self._groups.layout.micro_batches)
-            self._pending_gradients = [(param, param.grad) for param in parameters]
-            for param in parameters:
-                param.grad = None
+            self._pending_gradients = hold_gradients(parameters, self._groups.layout.micro_batches,
+                                                     self.scaled_later)
         else:
             self._begin_vocabulary(inputs, targets, backward=False)
             with torch.no_grad():
@@ -176,8 +193,7 @@ class PipelineStep:
 
     def restore_gradients(self) -> None:
         """Put back the gradients the last training step's schedule computed."""
-        for param, grad in self._pending_gradients:
-            param.grad = grad
+        restore_gradients(self._pending_gradients)
         self._pending_gradients = []
 
     def _last_stage_source(self) -> tuple[dist.ProcessGroup, int]:

@@ -45,7 +45,7 @@ from lightning_merak.parallel.pipeline.schedules import ScheduleShiftedCriticalP
 from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
 from lightning_merak.strategies.merak3d.network import ModuleView, PipelinedNetwork
-from lightning_merak.strategies.merak3d.pipeline_step import PipelineStep
+from lightning_merak.strategies.merak3d.pipeline_step import PipelineStep, hold_gradients, restore_gradients
 
 __all__ = ["PipelineSteps", "VariablePipelineStep", "VariableShapeStage", "check_micro_batching",
            "install_pipeline_step", "plan_step"]
@@ -231,13 +231,7 @@ class VariablePipelineStep:
         finally:
             schedule._has_backward = True
         if training:
-            with torch.no_grad():
-                for param in parameters:
-                    if param.grad is not None and id(param) not in self.scaled_later:
-                        param.grad.div_(count)
-            self._pending_gradients = [(param, param.grad) for param in parameters]
-            for param in parameters:
-                param.grad = None
+            self._pending_gradients = hold_gradients(parameters, count, self.scaled_later)
         partial = (torch.stack([loss.detach() for loss in losses]).float().sum() / (self._scale * targets)
                    if stage.is_last else torch.zeros((), dtype=torch.float32, device=self._device))
         dist.all_reduce(partial, group=self._groups.data_parallel_group)
@@ -248,8 +242,7 @@ class VariablePipelineStep:
 
     def restore_gradients(self) -> None:
         """Put back the gradients the last training step's schedule computed."""
-        for param, grad in self._pending_gradients:
-            param.grad = grad
+        restore_gradients(self._pending_gradients)
         self._pending_gradients = []
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
