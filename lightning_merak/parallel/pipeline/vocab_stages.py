@@ -45,7 +45,7 @@ from lightning_merak.parallel.pipeline.row_scatter import add_rows_gradient, row
 from lightning_merak.util.row_shards import row_shard_range
 
 __all__ = ["VOCAB_STAGE_SCHEDULES", "HeadShape", "VocabularyExchange", "VocabularySlice", "head_step_index",
-           "split_head_over_stages", "vocab_stages_problem"]
+           "split_head_over_stages", "tied_to_head", "vocab_stages_problem"]
 
 VOCAB_STAGE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble")
 """Schedules whose last stage scores micro-batches in order, as the ranks' exchange needs (the input embedding splits
@@ -77,6 +77,12 @@ def head_step_index(trace: ModelTrace, head_path: str) -> Optional[int]:
     return next((index for index, step in enumerate(trace.head) if step.module == head_path), None)
 
 
+def tied_to_head(embedding: Optional[nn.Module], head: Optional[nn.Module]) -> bool:
+    """Whether the input ``embedding`` and the LM ``head`` share one weight (tied word embeddings)."""
+    weight = getattr(embedding, "weight", None)
+    return weight is not None and weight is getattr(head, "weight", None)
+
+
 def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, context_parallel: int,
                          schedule: str) -> Optional[str]:
     """Why the head of ``model`` cannot be split over the pipeline ranks in this layout, or None."""
@@ -85,7 +91,7 @@ def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, context_paralle
     if problem is not None:
         return problem
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if embedding is not None and getattr(embedding, "weight", None) is head.weight:
+    if tied_to_head(embedding, head):
         problem = embedding_split_problem(embedding, schedule)
         if problem is not None:
             return (f"the LM head is tied to the input embedding, which cannot be split with it: {problem}; untie "

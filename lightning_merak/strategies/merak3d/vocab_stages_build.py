@@ -16,7 +16,7 @@ from lightning_merak.parallel.layout import Layout, LayoutGroups
 from lightning_merak.parallel.pipeline.embedding_stages import embedding_split_problem
 from lightning_merak.parallel.pipeline.head_adapters import head_lora, head_lora_layout_problem
 from lightning_merak.parallel.pipeline.trace import ModelTrace
-from lightning_merak.parallel.pipeline.vocab_stages import HeadShape, vocab_stages_problem
+from lightning_merak.parallel.pipeline.vocab_stages import HeadShape, tied_to_head, vocab_stages_problem
 from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
 
 __all__ = ["embedding_splits_with_head", "replica_vocabulary_group", "splittable_embedding", "splittable_head",
@@ -40,7 +40,7 @@ def splittable_head(model: nn.Module, trace: ModelTrace, arguments: Merak3DArgum
     head = model.get_output_embeddings()
     path = _module_path(model, head)
     embedding = model.get_input_embeddings()
-    tied = embedding is not None and getattr(embedding, "weight", None) is head.weight
+    tied = tied_to_head(embedding, head)
     return HeadShape(path, head.out_features, head.in_features, head.bias is not None, head.weight.dtype,
                      head.weight.requires_grad, _module_path(model, embedding) if tied else None, head_lora(head))
 
@@ -68,8 +68,7 @@ def embedding_splits_with_head(model: nn.Module, schedule: str) -> bool:
     planner's pricing; :func:`splittable_embedding` decides at build, with the trace)."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    tied = embedding is not None and head is not None and embedding.weight is head.weight
-    return tied or embedding_split_problem(embedding, schedule) is None
+    return tied_to_head(embedding, head) or embedding_split_problem(embedding, schedule) is None
 
 
 def _module_path(model: nn.Module, target: nn.Module) -> str:
