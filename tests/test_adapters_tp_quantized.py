@@ -228,9 +228,9 @@ class _Tensors:
 
 @pytest.mark.parametrize("quantization", ["nf4", "int4"])
 def test_shards_of_a_column_layer_whose_rows_the_split_reorders_dequantise_to_the_whole_layer(quantization):
-    """A fused projection split by units (gate and up rows, each rank holding its part of both): every shard
-    dequantised with its own statistics, its rows put back at their original places, gives the whole layer's
-    dequantised weight bit for bit; shards without the recorded split are refused naming --adapter-only."""
+    """A fused projection split by units (gate and up rows, each rank holding its part of both): the shards' codes
+    and statistics, their rows put back at their original places, dequantise to the whole layer's weight bit for
+    bit; shards without the recorded split are refused naming --adapter-only."""
     from lightning_merak.adapters.resume import quantized_layers
     from lightning_merak.checkpoint.names import QUANTIZED_SPLITS_KEY
     from lightning_merak.hf.dequantised import DequantisedSource

@@ -13,27 +13,22 @@ layer's ``QuantState`` rebuilt from the checkpoint, its ``int8_vectorwise_dequan
 absmax over 127), :func:`~lightning_merak.adapters.int4.dequantize_int4` for INT4.
 
 A base quantised per tensor-parallel shard (``<layer>.shard_tp<r>of<n>``, merak3d at ``tensor_parallel > 1``) holds
-one quantisation per shard, each with its own statistics: each shard is dequantised alone and the float shards are
-put back together along the dimension the layer was split on, as the checkpoint's model record says
-(:data:`~lightning_merak.checkpoint.names.QUANTIZED_SPLITS_KEY`): input columns of a row layer in rank order; output
-rows of a column layer in rank order, or, where the split reordered them (a fused projection split by units), each
-rank's rows back at their original places. The result is the weight every rank's forward used, so the merged export
-equals that of the same run at ``tensor_parallel=1`` wherever the shards are the whole layer's quantisation, sliced
-(every block inside one shard, which the split checks before training). A checkpoint written before the record
-existed is refused, naming ``--adapter-only``.
+one quantisation per shard, each with its own statistics. Every quantisation block lies inside one shard (the split
+checks it before training), so the shards' codes and statistics, re-sliced by the split the checkpoint's model record
+holds (:data:`~lightning_merak.checkpoint.names.QUANTIZED_SPLITS_KEY`), are the whole layer's quantisation:
+:func:`~lightning_merak.adapters.shard_join.join_quantized_shards` joins them as a resume at ``tensor_parallel=1``
+does, and the layer is dequantised once. The merged export then equals that of the same run at
+``tensor_parallel=1``. A checkpoint written before the record existed is refused, naming ``--adapter-only``.
 """
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["DequantisedSource"]
-
-_SHARD = re.compile(r"\.shard_tp(\d+)of(\d+)$")
 
 
 class DequantisedSource:
@@ -47,6 +42,7 @@ class DequantisedSource:
             QUANTIZED_SPLITS_KEY,
             recorded_split,
         )
+        from lightning_merak.parallel.tensor.quantized_shards import split_shard_name  # lazy: torch
 
         self.source = source
         self.path = source.path
@@ -57,9 +53,9 @@ class DequantisedSource:
         entries = dict(source.entries)
         shards: dict[str, dict[int, str]] = {}
         for layer, kind in quantized.items():
-            match = _SHARD.search(layer)
-            if match is not None:
-                shards.setdefault(layer[:match.start()], {})[int(match.group(1))] = layer
+            shard = split_shard_name(layer)
+            if shard is not None:
+                shards.setdefault(shard[0], {})[shard[1]] = layer
                 continue
             self._replace(entries, layer, kind, [layer], None, self._float_entry(layer, kind))
         for layer, parts in shards.items():
@@ -112,31 +108,33 @@ class DequantisedSource:
         """The tensor ``key`` names: a quantised layer's weight dequantised, any other as the checkpoint holds it."""
         if key not in self.layers:
             return self.source.read(key)
-        import torch
-
         kind, parts, split = self.layers[key]
-        pieces = [self._dequantised(part, kind) for part in parts]
         if split is None:
-            return pieces[0]
-        if split["dim"] == 1 or split["rows"] is None:
-            return torch.cat(pieces, split["dim"])
-        whole = torch.empty(split["shape"], dtype=pieces[0].dtype)
-        for rows, piece in zip(split["rows"], pieces):  # a row several ranks hold is the same on each
-            whole[torch.tensor(rows)] = piece
-        return whole
+            return _dequantise(kind, self._quantized_tensors(parts[0]))
+        from lightning_merak.adapters.shard_join import join_quantized_shards  # lazy: torch
 
-    def _dequantised(self, layer: str, kind: str) -> torch.Tensor:
-        """The float weight of one quantised ``layer`` (a whole layer, or one rank's shard of it)."""
-        import torch
+        return _dequantise(kind, join_quantized_shards(kind, split, [self._quantized_tensors(part) for part in parts]))
 
-        if kind == "int4":
-            from lightning_merak.adapters.int4 import dequantize_int4  # lazy: torch
+    def _quantized_tensors(self, layer: str) -> dict[str, torch.Tensor]:
+        """One quantised ``layer``'s codes and statistics (a whole layer, or one rank's shard), named as its state
+        dict names them."""
+        prefix = layer + "."
+        return {key[len(prefix):]: self.source.read(key) for key in self.source.entries
+                if key.startswith(prefix) and key[len(prefix):] != "bias"}
 
-            return dequantize_int4(*(self.source.read(f"{layer}.{name}") for name in ("qweight", "scales", "zeros")))
-        import bitsandbytes.functional as bnb_functional
 
-        codes = self.source.read(layer + ".weight")
-        if kind == "int8":
-            return bnb_functional.int8_vectorwise_dequant(codes, self.source.read(layer + ".SCB").float())
-        state = bnb_functional.QuantState.from_dict(qs_dict=self._statistics(layer), device=torch.device("cpu"))
-        return bnb_functional.dequantize_4bit(codes, state)
+def _dequantise(kind: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The float weight of one quantised layer from its codes and statistics (``tensors``, state-dict names)."""
+    import torch
+
+    if kind == "int4":
+        from lightning_merak.adapters.int4 import dequantize_int4  # lazy: torch
+
+        return dequantize_int4(tensors["qweight"], tensors["scales"], tensors["zeros"])
+    import bitsandbytes.functional as bnb_functional
+
+    if kind == "int8":
+        return bnb_functional.int8_vectorwise_dequant(tensors["weight"], tensors["SCB"].float())
+    statistics = {name[len("weight."):]: tensor for name, tensor in tensors.items() if name.startswith("weight.")}
+    state = bnb_functional.QuantState.from_dict(qs_dict=statistics, device=torch.device("cpu"))
+    return bnb_functional.dequantize_4bit(tensors["weight"], state)

@@ -19,7 +19,8 @@ from torch import nn
 
 from lightning_merak.adapters.quantize import shard_quantization_problem
 
-__all__ = ["quantized_base_problem", "quantized_split_problem", "saved_shards", "shard_module_name"]
+__all__ = ["quantized_base_problem", "quantized_split_problem", "saved_shards", "shard_module_name",
+           "split_shard_name"]
 
 _SHARD = re.compile(r"\.shard_tp(\d+)of(\d+)\.")
 
@@ -28,6 +29,15 @@ def shard_module_name(rank: int, size: int) -> str:
     """The name a split layer registers its quantised shard under: which of the group's shards it is, so that a
     checkpoint keeps every rank's (no two ranks hold the same codes, and each is saved under its own keys)."""
     return f"shard_tp{rank}of{size}"
+
+
+def split_shard_name(name: str) -> Optional[tuple[str, int, int]]:
+    """``(layer, rank, degree)`` of a quantised shard's module name ``<layer>.shard_tp<rank>of<degree>``
+    (:func:`shard_module_name`), or None for any other name."""
+    match = _SHARD.search(name + ".")
+    if match is None or match.end() != len(name) + 1:
+        return None
+    return name[:match.start()], int(match.group(1)), int(match.group(2))
 
 
 def saved_shards(keys: Iterable[str], layer_prefix: str) -> dict[tuple[int, int], list[str]]:
