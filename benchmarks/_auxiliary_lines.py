@@ -74,19 +74,16 @@ def planner_moe(data: dict[str, Any]) -> str:
 
 
 def context_parallel_variable(data: dict[str, Any]) -> str:
-    """One line for the context-parallel section: the per-sample degree's step (``--leg variable``) against each
-    fixed degree's, and its goal over the runs."""
+    """One line for the context-parallel section: each mode's step in the latest run of ``--leg variable`` (its goal
+    is in the section's goal lines), and the per-sample mode on merak3d's default cost model, a row of its own."""
     steps: dict[str, list[float]] = {}
     for r in data["rows"]:
         steps.setdefault(str(r["mode"]), []).append(r["step_s"])
-    cells = []
-    for mode, values in steps.items():
-        name = mode if mode == "per_micro_batch" else f"fixed cp={mode}"
-        cells.append(f"{name} {1e3 * sorted(values)[len(values) // 2]:.0f} ms")
-    goals = []
-    for entry in data.get("goal_runs", {}).values():
-        median = "-" if entry["median"] is None else f"{entry['median']:.2f}"
-        goals.append(f"`{entry['key']}` median {median} (goal {entry['direction']} {entry['target']:g}, "
-                     f"{entry['runs_meeting_goal']} runs meeting)")
-    return f"variable-length leg (`--leg variable`, {data['mix']}): median step " + ", ".join(cells) + "; " + (
-        "; ".join(goals))
+    cells = [f"{f'fixed cp={mode}' if mode.isdigit() else mode} {1e3 * sorted(values)[len(values) // 2]:.0f} ms"
+             for mode, values in steps.items()]
+    line = f"variable-length leg (`--leg variable`, {data['mix']}): median step " + ", ".join(cells)
+    default_cost = data.get("default_cost_speedup_by_run")
+    if default_cost:
+        line += (f"; best fixed over per_micro_batch on the default cost model {min(default_cost.values()):.2f}–"
+                 f"{max(default_cost.values()):.2f} over this run's repetitions (not the goal's row)")
+    return line

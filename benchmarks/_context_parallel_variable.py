@@ -12,7 +12,9 @@ context parallelism installed over the 4 ranks, ring attention) through
   samples dealt to the ``4 / k`` subgroups longest first to the least loaded;
 * **per_micro_batch**: :func:`~lightning_merak.parallel.context.variable.plan_context_degrees` chooses each
   sample's degree under the same cap, on a cost model fitted on these ranks first (each rank times one
-  forward and backward per calibration length alone and split over the 4; rank 0's fit is used everywhere).
+  forward and backward per calibration length alone and split over the 4; rank 0's fit is used everywhere);
+* **per_micro_batch default cost** (its own row, not the goal's): the same on the cost model merak3d plans with by
+  default (:data:`DEFAULT_COST`).
 
 Each step (forward, backward, one flat gradient all-reduce, AdamW) is timed on every rank after a barrier; a step's
 time is its slowest rank's. Per mode and run: the median over the steps after warm-up. The runs repeat every mode,
@@ -41,6 +43,10 @@ from benchmarks._context_parallel_ranks import RANK_TIMEOUT_S, Workload, rank_fi
 
 Mode = Union[int, str]
 PER_SAMPLE = "per_micro_batch"
+DEFAULT_COST = "per_micro_batch default cost"
+"""The per-sample mode planned on merak3d's default cost model (no ``micro_batching_cost``: the model shape's FLOP
+ratios, :meth:`~lightning_merak.parallel.context.variable.DegreeCost.from_shape`) instead of the fitted one: a
+labelled row beside the goal's."""
 CALIBRATION_LENGTHS = (128, 256, 512, 1024, 2048)
 
 
@@ -85,6 +91,11 @@ class VariableSetting:
 VARIABLE_FULL = VariableSetting(Mix(), steps=4, warmup=1, runs=3)
 VARIABLE_QUICK = VariableSetting(Mix(short=14, short_range=(128, 512), long=2, long_length=2048, token_cap=1024),
                                  steps=2, warmup=1, runs=1, timeout_s=900.0)
+
+
+def measured_modes(setting: VariableSetting) -> list[Mode]:
+    """Every mode a run trains: :func:`modes` and the per-sample mode on the default cost model."""
+    return [*modes(setting), DEFAULT_COST]
 
 
 def modes(setting: VariableSetting) -> list[Mode]:
@@ -153,7 +164,7 @@ def rank_main(workload: Workload, setting: VariableSetting, out: Path) -> None:
 
     from lightning_merak.parallel.context.model import install_context_parallel
     from lightning_merak.parallel.context.rounds import RoundRunner, context_subgroups
-    from lightning_merak.parallel.context.variable import plan_context_degrees
+    from lightning_merak.parallel.context.variable import DegreeCost, plan_context_degrees
     from lightning_merak.parallel.layout import Layout, LayoutGroups
 
     torch.set_num_threads(1)
@@ -170,6 +181,7 @@ def rank_main(workload: Workload, setting: VariableSetting, out: Path) -> None:
         install_context_parallel(model, groups.context_group, "ring")
         runner = RoundRunner(model.forward, context_subgroups(groups))
         cost = _cost(runner, model, workload.vocab, size)
+        default_cost = DegreeCost.from_shape(workload.hidden, workload.vocab)
         batches = setting.mix.batches(setting.steps, seed=1)
         generator = torch.Generator().manual_seed(2)
         tokens = [torch.randint(workload.vocab, (len(lengths), max(lengths)), generator=generator)
@@ -177,13 +189,15 @@ def rank_main(workload: Workload, setting: VariableSetting, out: Path) -> None:
         results: list[dict[str, Any]] = []
         initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}
         for run in range(setting.runs):
-            order = modes(setting) if run % 2 == 0 else modes(setting)[::-1]
+            order = measured_modes(setting) if run % 2 == 0 else measured_modes(setting)[::-1]
             for mode in order:
                 model.load_state_dict(initial)  # every mode trains the same model on the same batches
                 optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr)
                 steps, losses, degrees = [], [], []
                 for lengths, batch in zip(batches, tokens):
-                    plan = plan_context_degrees(lengths, 1, size, cost, setting.mix.token_cap, mode)
+                    plan = (plan_context_degrees(lengths, 1, size, default_cost, setting.mix.token_cap, PER_SAMPLE)
+                            if mode == DEFAULT_COST else
+                            plan_context_degrees(lengths, 1, size, cost, setting.mix.token_cap, mode))
                     seconds, loss = _step(runner, model, optimizer, plan, batch, lengths, size)
                     steps.append(seconds)
                     losses.append(loss)
@@ -201,13 +215,13 @@ def rank_main(workload: Workload, setting: VariableSetting, out: Path) -> None:
 # The driver ---------------------------------------------------------------------------------
 
 
-def speedup_by_run(results: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Per run: the best fixed mode's step over the per-sample mode's."""
+def speedup_by_run(results: Sequence[dict[str, Any]], mode: str = PER_SAMPLE) -> dict[str, float]:
+    """Per run: the best fixed mode's step over ``mode``'s (the per-sample mode's)."""
     figures = {}
     for run in sorted({row["run"] for row in results}):
         rows = [row for row in results if row["run"] == run]
-        fixed = min(row["step_s"] for row in rows if row["mode"] != PER_SAMPLE)
-        (mine,) = [row["step_s"] for row in rows if row["mode"] == PER_SAMPLE]
+        fixed = min(row["step_s"] for row in rows if isinstance(row["mode"], int))
+        (mine,) = [row["step_s"] for row in rows if row["mode"] == mode]
         figures[f"run{run}"] = fixed / mine
     return figures
 
@@ -243,7 +257,7 @@ def leg_main(goal: Any, quick: bool, out: Optional[Path], rank_env: dict[str, st
 
     setting, workload = VARIABLE_QUICK if quick else VARIABLE_FULL, Workload()
     started, load_at_start = time.monotonic(), os.getloadavg()[0]
-    print(f"{workload.describe()}; {setting.mix.describe()}; modes {modes(setting)}, {setting.steps} steps "
+    print(f"{workload.describe()}; {setting.mix.describe()}; modes {measured_modes(setting)}, {setting.steps} steps "
           f"({setting.warmup} warm-up), {setting.runs} runs on {setting.world_size} ranks", flush=True)
     with tempfile.TemporaryDirectory(prefix="merak-variable-cp-") as work:
         record = run_leg(workload, setting, Path(work), rank_env, repo_root)
@@ -251,14 +265,18 @@ def leg_main(goal: Any, quick: bool, out: Optional[Path], rank_env: dict[str, st
         {key: row[key] for key in ("run", "mode", "step_s", "degrees")} for row in record["results"]]
     report.print_table(rows, ["run", "mode", "step_s", "degrees"])
     by_run = {} if isinstance(record, str) else speedup_by_run(record["results"])
-    goals = [worst_case(goal, by_run or {"leg": None}, note="measured on a shared machine: timing is noisy")]
+    goals = [worst_case(goal, by_run or {"leg": None})]
     print_goals(goals)
+    default_cost_by_run = {} if isinstance(record, str) else speedup_by_run(record["results"], DEFAULT_COST)
+    if default_cost_by_run:
+        print(f"{DEFAULT_COST}: best fixed step over its step, worst run {min(default_cost_by_run.values()):.3g}")
     wall_s = round(time.monotonic() - started, 1)
     written = write_run(
         "context_parallel_variable", rows, "emulated", goals, quick=quick, out=out, benchmark="context_parallel",
         leg="variable", backend="gloo", threads_per_rank=1, rank_env=rank_env, workload=asdict(workload),
         workload_description=workload.describe(), setting=asdict(setting), mix=setting.mix.describe(),
         record=record, baseline="the fastest fixed context-parallel degree among those the cap allows",
+        default_cost_speedup_by_run=default_cost_by_run,
         rank_cpu=emulation_record(device_per_rank_quota(setting.world_size), setting.world_size), wall_s=wall_s,
         load_average={"start": load_at_start, "end": os.getloadavg()[0]})
     print(f"wrote {written} in {wall_s:.0f} s")
