@@ -8,6 +8,9 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0+cpu
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# Two workers: the multi-process tests one after another in one, the single-process ones in the other
+# (tests/conftest.py groups them).
+PYTEST_WORKERS ?= 2
 LOCK_VENV := $(VENV)-lock
 
 .PHONY: setup train test lock bench clean
@@ -27,7 +30,7 @@ train: setup
 	$(VENV)/bin/merak-train $(ARGS)
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lock:
 	rm -rf $(LOCK_VENV)

@@ -6,6 +6,9 @@
   ``pytest -m "not distributed"`` is always the single-process suite. Compilers and
   other non-Python tools (DeepSpeed builds an op with gcc at first use) are allowed.
 * A test marked ``gpu`` is skipped where no CUDA device is available.
+* Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) every ``distributed`` test is in one
+  group, so they run one at a time in one worker, their ranks taking the cores as they would alone; the
+  single-process tests (one thread each) run beside them in the other worker.
 """
 
 from __future__ import annotations
@@ -63,6 +66,12 @@ def _processes_only_when_marked(request, monkeypatch):
     monkeypatch.setattr(subprocess.Popen, "__init__", guarded_popen_init)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse_start)
     yield
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("distributed") is not None:
+            item.add_marker(pytest.mark.xdist_group("processes"))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
