@@ -290,3 +290,25 @@ def test_adapter_only_export_loads_with_peft(tmp_path):
     with torch.no_grad():
         assert torch.allclose(loaded(ids).logits, adapted(ids).logits, atol=1e-6)
         assert not torch.allclose(_tiny_llama()(ids).logits, adapted(ids).logits, atol=1e-3)
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "lm_head"], ["embed_tokens", "v_proj"]])
+def test_adapter_only_export_of_an_adapted_embedding_writes_what_peft_writes(tmp_path, targets):
+    """With the head or the input embedding among the targets, PEFT's save_pretrained writes that layer's base
+    weight beside the adapters; the export's folder holds the same tensors under the same names."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    from lightning_merak.hf.export import export_adapter
+
+    adapted = get_peft_model(_tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.1)
+    adapted.save_pretrained(tmp_path / "peft")
+    export_adapter(_checkpoint(adapted, tmp_path / "lora.ckpt"), tmp_path / "adapter")
+    ours, peft_own = (load_file(tmp_path / folder / "adapter_model.safetensors") for folder in ("adapter", "peft"))
+    assert sorted(ours) == sorted(peft_own) and any(".base_layer." in name for name in ours)
+    for name, value in peft_own.items():
+        assert torch.equal(ours[name], value), name

@@ -173,3 +173,28 @@ def test_sharded_checkpoint_exports_merged(tmp_path: Path) -> None:
     merged = model.merge_and_unload()
     merged.save_pretrained(tmp_path / "reference")
     _check_export(tmp_path / "out", _stored(tmp_path / "reference"), merged)
+
+
+def test_qahira_on_int4_experts_exports_the_dequantised_experts_merged(tmp_path: Path) -> None:
+    """QA-HiRA trained on experts stored in INT4 (and attention on INT4 layers): the merged export writes each
+    expert's dequantised weight plus its adapter's update in float, so the reloaded model computes what the trained
+    quantised model computes (fp32, within 1e-5); without --merge-adapters the INT4 experts are refused."""
+    from lightning_merak.adapters import moe, quantize_model
+    from lightning_merak.plugins.moe.experts import tiny_moe_model
+
+    base = tiny_moe_model("qwen3_moe", hidden=32, layers=2, vocab=VOCAB, seed=0)
+    base.config.use_cache = False
+    quantize_model(base, "int4", 16, experts=True)
+    model = moe.add_moe_adapters(base, moe.moe_adapter_config(base, "qahira", r=4, alpha=8, lambda_in=16,
+                                                              lambda_out=2))
+    assert any(".parametrizations.gate_up_proj.original" in name for name in model.state_dict())
+    _train(model, steps=3)
+    checkpoint = _checkpoint(model, tmp_path / "int4.ckpt")
+    with pytest.raises(ValueError, match="quantised base.*--merge-adapters"):
+        export_checkpoint(checkpoint, tmp_path / "refused")
+    export_checkpoint(checkpoint, tmp_path / "out", merge_adapters=True)
+    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        error = (reloaded(ids).logits - model.eval()(ids).logits).abs().max().item()
+    assert error <= 1e-5, error

@@ -292,7 +292,7 @@ def test_lora_on_the_split_head_trains_and_exports_like_one_process(tmp_path):
     and every adapter gradient (the head's lora_A and lora_B included) equal one process's over three steps of SGD
     (Adam turns the split softmax's summation order into larger drift), and so do an evaluation loss and predict's
     logits afterwards; the checkpoint exports the unsplit factors: ``--adapter-only`` as the trained PEFT model
-    saves its adapter factors, ``--merge-adapters`` as it merges."""
+    saves it (the head's factors and base weight), ``--merge-adapters`` as it merges."""
     from peft.utils import get_peft_model_state_dict
 
     from lightning_merak.hf.export import export_adapter, export_checkpoint
@@ -317,8 +317,9 @@ def test_lora_on_the_split_head_trains_and_exports_like_one_process(tmp_path):
         torch.testing.assert_close(rank_logits, logits, rtol=1e-5, atol=1e-5)
     export_adapter(checkpoint, tmp_path / "adapter")
     exported = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-    adapter = {name: value for name, value in get_peft_model_state_dict(trained).items() if ".lora_" in name}
+    adapter = get_peft_model_state_dict(trained)  # the head's factors and, as PEFT writes them, its base weight
     assert sorted(exported) == sorted(adapter) and "base_model.model.lm_head.lora_B.weight" in adapter
+    assert "base_model.model.lm_head.base_layer.weight" in adapter
     for name, value in adapter.items():
         torch.testing.assert_close(exported[name], value, rtol=1e-5, atol=1e-6, msg=name)
     export_checkpoint(checkpoint, tmp_path / "hf", merge_adapters=True)

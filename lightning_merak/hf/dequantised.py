@@ -19,24 +19,56 @@ holds (:data:`~lightning_merak.checkpoint.names.QUANTIZED_SPLITS_KEY`), are the 
 :func:`~lightning_merak.adapters.shard_join.join_quantized_shards` joins them as a resume at ``tensor_parallel=1``
 does, and the layer is dequantised once. The merged export then equals that of the same run at
 ``tensor_parallel=1``. A checkpoint written before the record existed is refused, naming ``--adapter-only``.
+
+Fused expert tensors stored in the project INT4 (:mod:`~lightning_merak.adapters.int4_experts`: packed codes under
+``<experts>.parametrizations.<tensor>.original``, the parametrization's scales and zero-points beside them) are read
+as the float ``<experts>.<tensor>`` the experts module reads, ``[E, in, out]`` for an ``is_transposed`` one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DequantisedSource"]
+__all__ = ["DequantisedSource", "int4_expert_tensors"]
+
+_PARAMETRIZED = ".parametrizations."
+
+
+def int4_expert_tensors(keys: Iterable[str]) -> list[str]:
+    """The fused expert tensors ``keys`` (a checkpoint's) store in the project INT4, each as the prefix of its
+    parametrization (``<experts>.parametrizations.<tensor>``): packed codes under ``.original`` with the
+    dequantising parametrization's ``scales`` and ``zeros`` beside them."""
+    keys = set(keys)
+    return sorted(key.removesuffix(".original") for key in keys
+                  if _PARAMETRIZED in key and key.endswith(".original")
+                  and _int4_statistics(key.removesuffix(".original"), keys) is not None)
+
+
+def _int4_statistics(prefix: str, keys: Collection[str]) -> Optional[tuple[str, str]]:
+    """The keys of the scales and zero-points of the INT4 parametrization under ``prefix``, or None."""
+    for key in keys:
+        if key.startswith(prefix + ".") and key.endswith(".scales"):
+            zeros = key.removesuffix(".scales") + ".zeros"
+            if zeros in keys:
+                return key, zeros
+    return None
 
 
 class DequantisedSource:
     """``source`` (a checkpoint's tensors read one at a time: ``entries`` and ``read``) with every layer of
     ``quantized`` (layer prefix → nf4, fp4, int8 or int4) as a float ``<layer>.weight``; a layer saved as
-    tensor-parallel shards (``<layer>.shard_tp<r>of<n>``) as one float weight put together from them."""
+    tensor-parallel shards (``<layer>.shard_tp<r>of<n>``) as one float weight put together from them; and every
+    INT4 expert tensor of ``int4_experts`` (:func:`int4_expert_tensors`) as its float tensor, transposed where its
+    experts module (a name of ``transposed``, the model's modules with ``is_transposed``) is."""
 
-    def __init__(self, source: Any, quantized: dict[str, str]) -> None:
+    def __init__(self, source: Any, quantized: dict[str, str], int4_experts: Iterable[str] = (),
+                 transposed: Collection[str] = ()) -> None:
+        import torch
+
         from lightning_merak.checkpoint.names import (  # lazy: torch
             MODEL_RECORD_KEY,
             QUANTIZED_SPLITS_KEY,
@@ -73,6 +105,21 @@ class DequantisedSource:
             ordered = [parts[rank] for rank in range(split["degree"])]
             _, dtype = self._float_entry(ordered[0], kind)
             self._replace(entries, layer, kind, ordered, split, (tuple(split["shape"]), dtype))
+        self.experts: dict[str, tuple[str, str, str, bool]] = {}
+        """Float expert tensor key → the keys of its codes, scales and zero-points, and whether it is transposed."""
+        for prefix in int4_experts:
+            module, _, tensor = prefix.rpartition(_PARAMETRIZED)
+            bare = ".".join(part for part in module.split(".") if part != "base_layer")  # PEFT's wrappers left out
+            flipped = any(bare == name or bare.endswith("." + name) for name in transposed)
+            codes = prefix + ".original"
+            statistics = _int4_statistics(prefix, entries)
+            assert statistics is not None  # int4_expert_tensors found them
+            experts, rows, half = entries[codes][0]
+            for key in [key for key in entries if key.startswith(prefix + ".")]:
+                del entries[key]
+            entries[f"{module}.{tensor}"] = ((experts, 2 * half, rows) if flipped else (experts, rows, 2 * half),
+                                             torch.float32)
+            self.experts[f"{module}.{tensor}"] = (codes, *statistics, flipped)
         self.entries = entries
 
     def _replace(self, entries: dict[str, Any], layer: str, kind: str, parts: list[str],
@@ -106,6 +153,15 @@ class DequantisedSource:
 
     def read(self, key: str) -> torch.Tensor:
         """The tensor ``key`` names: a quantised layer's weight dequantised, any other as the checkpoint holds it."""
+        if key in self.experts:
+            from lightning_merak.adapters.int4 import dequantize_int4  # lazy: torch
+
+            codes, scales, zeros, flipped = (self.source.read(name) if isinstance(name, str) else name
+                                             for name in self.experts[key])
+            experts, rows = codes.shape[:2]
+            weight = dequantize_int4(codes.reshape(experts * rows, -1), scales.reshape(experts * rows, -1),
+                                     zeros.reshape(experts * rows, -1)).reshape(experts, rows, -1)
+            return weight.transpose(-2, -1).contiguous() if flipped else weight
         if key not in self.layers:
             return self.source.read(key)
         kind, parts, split = self.layers[key]

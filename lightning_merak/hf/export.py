@@ -228,24 +228,27 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
         load_config,
         strip_wrappers,
     )
-    from lightning_merak.hf.dequantised import DequantisedSource  # lazy: torch
+    from lightning_merak.hf.dequantised import DequantisedSource, int4_expert_tensors  # lazy: torch
     from lightning_merak.hf.experts import export_layout  # lazy: torch
 
     source: Union[_Source, DequantisedSource] = _Source(Path(checkpoint))
     quantized = quantized_layers(source.entries)
-    if quantized and not merge_adapters:
-        layer, kind = next(iter(quantized.items()))
-        raise ValueError(f"{checkpoint} holds a quantised base ({kind}: {layer} and {len(quantized) - 1} more layers); "
-                         "pass --merge-adapters to write it dequantised with the adapters merged (float weights "
-                         "carrying the quantisation rounding), or --adapter-only to write the adapters alone")
-    if quantized:
-        source = DequantisedSource(source, quantized)
+    quantized_experts = int4_expert_tensors(source.entries)
+    if (quantized or quantized_experts) and not merge_adapters:
+        what = (f"{next(iter(quantized.values()))}: {next(iter(quantized))} and {len(quantized) - 1} more layers"
+                if quantized else f"int4 experts: {quantized_experts[0]} and {len(quantized_experts) - 1} more")
+        raise ValueError(f"{checkpoint} holds a quantised base ({what}); pass --merge-adapters to write it "
+                         "dequantised with the adapters merged (float weights carrying the quantisation rounding), or "
+                         "--adapter-only to write the adapters alone")
     record = source.metadata.get(MODEL_RECORD_KEY) or {}
     if config is None and not record.get("config"):
         raise ValueError(f"{checkpoint} records no transformers config (saved before merak-export existed, or "
                          "not from a transformers model); pass --config DIR with the model's config.json")
     hf_config = load_config(config if config is not None else record["config"])
     model = build_meta_model(hf_config)
+    if quantized or quantized_experts:
+        transposed = {name for name, module in model.named_modules() if getattr(module, "is_transposed", False)}
+        source = DequantisedSource(source, quantized, quantized_experts, transposed)
     names, experts = export_layout(model)
     meta_state = model.state_dict()
     prefix, resolved = strip_wrappers(source.entries, meta_state)
@@ -369,11 +372,29 @@ def export_adapter(checkpoint: Union[str, Path], out: Union[str, Path]) -> Expor
         model.add_adapter(name, PeftConfig.from_peft_type(**adapters[name]))
     state = {key: _adapter_tensor(source, key, tuple(param.shape)) for key, param in model.named_parameters()
              if any(f".{name}." in key or key.endswith(f".{name}") for name in names)}  # Q-BaRA's factors end so
+    state.update(_embedding_bases(model, source))
     out = Path(out)
     model.save_pretrained(out, state_dict=state, selected_adapters=names)
     report = ExportReport(total_size=sum(tensor.numel() * tensor.element_size() for tensor in state.values()))
     report.files = sorted(str(path.relative_to(out)) for path in out.rglob("*") if path.is_file())
     return report
+
+
+def _embedding_bases(model: nn.Module, source: _Source) -> dict[str, torch.Tensor]:
+    """The base weights of an adapted input embedding or LM head, by PEFT's names, for PEFT's ``save_pretrained``:
+    with an embedding layer among the targets it writes them beside the adapters (``save_embedding_layers="auto"``),
+    taking them from the state dict it is given, so they are offered here and PEFT decides."""
+    from torch import nn
+
+    bases = {}
+    for layer in (model.get_input_embeddings(), model.get_output_embeddings()):
+        base = getattr(layer, "base_layer", None)
+        if not isinstance(base, (nn.Linear, nn.Embedding)):
+            continue  # not adapted: PEFT writes it only for a resized vocabulary, which merak-train never does
+        prefix = next(name for name, module in model.named_modules() if module is base) + "."
+        for name, param in base.named_parameters():
+            bases[prefix + name] = _adapter_tensor(source, prefix + name, tuple(param.shape))
+    return bases
 
 
 def _adapter_tensor(source: _Source, key: str, shape: tuple[int, ...]) -> torch.Tensor:
