@@ -78,6 +78,8 @@ BATCH, VOCAB = 6, 96
 LLAMA = ModelConfig(name="llama", model_type="llama", config={
     "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2, "tie_word_embeddings": False})
+MISTRAL = ModelConfig(name="mistral", model_type="mistral", config={  # a window shorter than most samples
+    **LLAMA.config, "sliding_window": 8})
 
 
 def _samples() -> list[torch.Tensor]:
@@ -87,9 +89,9 @@ def _samples() -> list[torch.Tensor]:
     return [torch.randint(VOCAB, (length,), generator=generator) for length in lengths]
 
 
-def _module() -> _Module:
+def _module(config: ModelConfig = LLAMA) -> _Module:
     torch.manual_seed(0)
-    return _Module(build_causal_lm(LLAMA, vocab_size=VOCAB))
+    return _Module(build_causal_lm(config, vocab_size=VOCAB))
 
 
 def _token_mean(model: torch.nn.Module, batch: VariableBatch) -> torch.Tensor:
@@ -99,9 +101,9 @@ def _token_mean(model: torch.nn.Module, batch: VariableBatch) -> torch.Tensor:
     return total / target_count(batch.lengths)
 
 
-def _reference() -> tuple[TrainingTrace, float]:
+def _reference(config: ModelConfig) -> tuple[TrainingTrace, float]:
     """The training trace of one process, and the validation loss of its trained model on the first batch."""
-    module = _module()
+    module = _module(config)
     batches = list(GlobalBatches(_samples(), BATCH, seed=0, shuffle=False))
     trace = record_reference_trace(module.model, batches, _token_mean, module.configure_optimizers())
     with torch.no_grad():
@@ -128,22 +130,25 @@ class _Recorder(_TraceRecorder):
         self.degrees.append(trainer.strategy._pipeline.last_plan.degrees)
 
 
-def _train_rank(rank: int, world_size: int, layout: dict) -> tuple[list[float], list[dict], list[tuple[int, ...]],
-                                                                  float]:
+def _train_rank(rank: int, world_size: int, layout: dict,
+                config: ModelConfig) -> tuple[list[float], list[dict], list[tuple[int, ...]], float]:
     recorder = _Recorder()
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120), max_epochs=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[recorder])
-    trainer.fit(_module(), datamodule=_Data())  # validates the first batch after training
+    trainer.fit(_module(config), datamodule=_Data())  # validates the first batch after training
     return recorder.losses, recorder.gradients, recorder.degrees, float(trainer.callback_metrics["val/loss"])
 
 
 @pytest.mark.distributed
-def test_per_micro_batch_degrees_train_and_validate_as_one_process() -> None:
+@pytest.mark.parametrize("config", [LLAMA, MISTRAL], ids=["llama", "sliding_window"])
+def test_per_micro_batch_degrees_train_and_validate_as_one_process(config: ModelConfig) -> None:
+    """Llama, and Mistral with an 8-token window: the split sample's ring and the short samples' one-rank attention
+    both apply the window as transformers' mask does."""
     layout = {"context_parallel": 2, "context_parallel_degree": "per_micro_batch", "micro_batch_tokens": 64}
-    results = run_distributed(_train_rank, 2, args=(layout,), timeout_s=300)
-    trace, validation = _reference()
+    results = run_distributed(_train_rank, 2, args=(layout, config), timeout_s=300)
+    trace, validation = _reference(config)
     for _, _, degrees, validated in results:
         assert degrees == [(2, 1, 1, 1, 1, 1), (1, 2, 1, 1, 1, 1)]  # the long sample split, the short ones whole
         assert validated == pytest.approx(validation, rel=1e-5)

@@ -151,13 +151,19 @@ def _context_attention(
 def _local_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                      dropout: float, scaling: Optional[float], is_causal: Optional[bool],
                      **kwargs: Any) -> tuple[Tensor, None]:
-    """transformers' SDPA attention on one whole, unpadded sequence (transformers built no mask for it)."""
+    """transformers' SDPA attention on one whole, unpadded sequence (transformers built no mask for it). A layer's
+    sliding window becomes the mask transformers builds for it: a query sees the keys ``0 <= q - k < window``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if attention_mask is not None or kwargs.get("sliding_window") is not None:
-        raise ValueError("a sequence run on one rank of a context-parallel group takes no mask and no sliding "
-                         "window; use context_parallel_degree='fixed' for this model")
-    return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
+    if attention_mask is not None:
+        raise ValueError("a sequence run on one rank of a context-parallel group takes no mask; use "
+                         "context_parallel_degree='fixed' for this model")
+    window = kwargs.pop("sliding_window", None)
+    if window is not None:
+        positions = torch.arange(query.shape[-2], device=query.device)
+        behind = positions[:, None] - positions[None, :]
+        attention_mask, is_causal = ((behind >= 0) & (behind < window))[None, None], False
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
 
 
