@@ -69,6 +69,8 @@ def _processes_only_when_marked(request, monkeypatch):
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):  # its marker is registered by the plugin
+        return
     for item in items:
         if item.get_closest_marker("distributed") is not None:
             item.add_marker(pytest.mark.xdist_group("processes"))
