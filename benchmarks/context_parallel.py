@@ -511,8 +511,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", type=Path, help=report.out_help("context_parallel"))
     parser.add_argument("--planner", choices=PLANNER_CHOICES, default="both",
                         help="the planner leg's links: both (default), the goal link (10 Gbit/s) only, or off "
-                             "(not for a full run joining the goal's runs: with --out or --quick); a full run's leg "
-                             "took 15 minutes per link on 2 busy cores")
+                             "(not for a full run joining the goal's runs: with --out or --quick); a full run took 20 "
+                             "minutes on an idle 2-core machine, the planner leg about 12 of them")
     parser.add_argument("--leg", choices=("all", "variable"), default="all",
                         help="variable: only the per-sample context-parallel degree leg (variable_cp_speedup; "
                              "4 ranks on loopback, written as context_parallel_variable)")
