@@ -49,6 +49,8 @@ __all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "SHARDING_MODES", "Degree", "
 RECOMPUTE_MODES = ("none", "full", "stage_aware", "auto")
 PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
 SHARDING_MODES = ("none", "optimizer", "gradients", "full", "auto")
+_CONTEXT_PARALLEL_NEEDS = {"tp_overlap": 1, "micro_batching": "none"}
+"""The options context parallelism runs with only at these values, for now."""
 
 
 def check_stage_count(num_stages: int, num_blocks: int) -> None:
@@ -198,9 +200,7 @@ class Merak3DArguments(Merak3DOptions):
                              "every degree")
         if cp in (1, "auto"):  # 'auto' searches only what the fixed options leave (context_parallel_degrees)
             return
-        for name, value, needed in self._context_blocking():
-            raise ValueError(f"context_parallel={cp} runs with {name}={needed!r} for now, got {name}={value!r}; "
-                             f"set {name}={needed!r} or context_parallel=1")
+        self._refuse_until(f"context_parallel={cp}", _CONTEXT_PARALLEL_NEEDS, "context_parallel=1", planned=True)
 
     def _check_vocab_stages(self) -> None:
         """Refuse ``vocab_stages='on'`` with what the split head does not run with yet, before any work."""
@@ -212,11 +212,8 @@ class Merak3DArguments(Merak3DOptions):
             raise ValueError(f"vocab_stages='on' runs with schedule {', '.join(VOCAB_STAGE_SCHEDULES)} (its last "
                              "stage scoring each micro-batch once, in order), not "
                              f"{self.schedule!r}; change the schedule or set vocab_stages='off'")
-        blocking = {"micro_batching": (self.micro_batching, "none"), "context_parallel": (self.context_parallel, 1)}
-        for name, (value, needed) in blocking.items():
-            if value not in (needed, "auto"):
-                raise ValueError(f"vocab_stages='on' runs with {name}={needed!r} for now, got {value!r}; set "
-                                 f"{name}={needed!r} or vocab_stages='off'")
+        self._refuse_until("vocab_stages='on'", {"micro_batching": "none", "context_parallel": 1},
+                           "vocab_stages='off'", planned=True)
 
     def _check_context_parallel_degree(self) -> None:
         """Refuse ``context_parallel_degree='per_micro_batch'`` where its rounds cannot run: they need a fixed group
@@ -227,13 +224,9 @@ class Merak3DArguments(Merak3DOptions):
                              f"{', '.join(DEGREE_MODES)}")
         if self.context_parallel_degree == "fixed":
             return
-        needs = {"pipeline_parallel": 1, "tensor_parallel": 1, "recompute": "none", "micro_batching": "none",
-                 "tp_overlap": 1}
-        for name, needed in needs.items():
-            if getattr(self, name) != needed:
-                raise ValueError(f"context_parallel_degree='per_micro_batch' runs with {name}={needed!r} for now, got "
-                                 f"{name}={getattr(self, name)!r}; set {name}={needed!r} or "
-                                 "context_parallel_degree='fixed'")
+        self._refuse_until("context_parallel_degree='per_micro_batch'",
+                           {"pipeline_parallel": 1, "tensor_parallel": 1, "recompute": "none", "micro_batching": "none",
+                            "tp_overlap": 1}, "context_parallel_degree='fixed'")
         if self.data_parallel_sharding == "full":
             raise ValueError("context_parallel_degree='per_micro_batch' calls the model's forward once per round, "
                              "past FSDP2's hooks on the whole model; use data_parallel_sharding='optimizer' (or "
@@ -243,15 +236,20 @@ class Merak3DArguments(Merak3DOptions):
                              f"group, but context_parallel={self.context_parallel!r}; set context_parallel to a fixed "
                              "degree of at least 2")
 
-    def _context_blocking(self) -> list[tuple[str, Any, Any]]:
-        """The fixed options context parallelism does not run with yet, as ``(name, value given, value needed)``
-        ('auto' degrees are planned within what it runs with)."""
-        needs = {"tp_overlap": (self.tp_overlap, 1), "micro_batching": (self.micro_batching, "none")}
-        return [(name, value, needed) for name, (value, needed) in needs.items() if value not in (needed, "auto")]
+    def _refuse_until(self, option: str, needs: dict[str, Any], instead: str, planned: bool = False) -> None:
+        """Refuse ``option`` while another option is not at the value it runs with yet, naming both ways out
+        (``planned``: an 'auto' value passes, the planner searching only what ``option`` runs with)."""
+        for name, needed in needs.items():
+            value = getattr(self, name)
+            if value != needed and not (planned and value == "auto"):
+                raise ValueError(f"{option} runs with {name}={needed!r} for now, got {name}={value!r}; set "
+                                 f"{name}={needed!r} or {instead}")
 
     def context_parallel_blockers(self) -> list[str]:
-        """The fixed options context parallelism does not run with yet, as ``name=value``."""
-        return [f"{name}={value!r}" for name, value, _ in self._context_blocking()]
+        """The fixed options context parallelism does not run with yet, as ``name=value`` ('auto' degrees are
+        planned within what it runs with)."""
+        return [f"{name}={getattr(self, name)!r}" for name, needed in _CONTEXT_PARALLEL_NEEDS.items()
+                if getattr(self, name) not in (needed, "auto")]
 
     def context_parallel_degrees(self, world_size: int) -> tuple[int, ...]:
         """The context-parallel degrees the planner searches on ``world_size`` ranks: the one given, or for 'auto'
