@@ -45,6 +45,7 @@ __all__ = [
     "merge_attention",
     "plan_blocks",
     "select_kernel",
+    "visibility_mask",
 ]
 
 _aten = torch.ops.aten
@@ -265,7 +266,7 @@ class _KernelAttention(torch.autograd.Function):
         return grad_query, grad_key, grad_value, None, None, None
 
 
-def _visibility_mask(
+def visibility_mask(
     query_positions: Tensor,
     key_positions: Tensor,
     causal: bool,
@@ -398,7 +399,7 @@ class _BlockMask:
         if piece.visibility is BlockVisibility.FULL:
             return None
         query_documents, key_documents = self.query_document_ids, self.key_document_ids
-        return _visibility_mask(
+        return visibility_mask(
             self.query_positions[piece.query], self.key_positions[piece.key], self.causal, self.sliding_window,
             None if query_documents is None else query_documents[:, piece.query],
             None if key_documents is None else key_documents[:, piece.key], device,

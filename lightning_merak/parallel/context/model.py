@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_merak.parallel.context.blockwise import visibility_mask
 from lightning_merak.parallel.context.ring import ring_attention
 from lightning_merak.parallel.context.sharding import LoadBalancedLayout
 from lightning_merak.parallel.context.ulysses import check_heads_divisible, ulysses_attention
@@ -160,9 +161,9 @@ def _local_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
                          "context_parallel_degree='fixed' for this model")
     window = kwargs.pop("sliding_window", None)
     if window is not None:
-        positions = torch.arange(query.shape[-2], device=query.device)
-        behind = positions[:, None] - positions[None, :]
-        attention_mask, is_causal = ((behind >= 0) & (behind < window))[None, None], False
+        positions = torch.arange(query.shape[-2])
+        attention_mask = visibility_mask(positions, positions, True, window, None, None, query.device)
+        is_causal = False
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
 
