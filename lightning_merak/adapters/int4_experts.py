@@ -25,7 +25,8 @@ from torch.nn.utils import parametrize
 
 from .int4 import check_int4_shape, dequantize_int4, quantize_int4
 
-__all__ = ["FUSED_EXPERT_WEIGHTS", "Int4ExpertTensor", "int4_expert_tensor", "quantize_experts_int4"]
+__all__ = ["FUSED_EXPERT_WEIGHTS", "Int4ExpertTensor", "dequantize_experts_int4", "int4_expert_tensor",
+           "quantize_experts_int4"]
 
 FUSED_EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
 """The fused 3D expert weights of transformers 5's experts modules (biases are left in float)."""
@@ -53,10 +54,7 @@ class Int4ExpertTensor(nn.Module):
 
     def dequantize(self, packed: torch.Tensor) -> torch.Tensor:
         """The float32 ``[E, out, in]`` weights the codes and (shifted) zero-points stand for."""
-        experts, rows = packed.shape[:2]
-        flat = dequantize_int4(packed.reshape(experts * rows, -1), self.scales.reshape(experts * rows, -1),
-                               self.zeros.reshape(experts * rows, -1))
-        return flat.reshape(experts, rows, -1)
+        return dequantize_experts_int4(packed, self.scales, self.zeros)
 
     def forward(self, packed: torch.Tensor) -> torch.Tensor:
         weight = self.dequantize(packed).to(self.dtype)
@@ -70,6 +68,15 @@ class Int4ExpertTensor(nn.Module):
         """Keep the scales and zero-points of ``experts`` only (expert parallelism keeps this rank's experts)."""
         self.scales = self.scales[experts.start:experts.stop].clone()
         self.zeros = self.zeros[experts.start:experts.stop].clone()
+
+
+def dequantize_experts_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The float32 ``[E, out, in]`` expert weights of packed codes ``[E, out, in/2]`` with their scales and
+    zero-points ``[E, out, in/G]``."""
+    experts, rows = packed.shape[:2]
+    flat = dequantize_int4(packed.reshape(experts * rows, -1), scales.reshape(experts * rows, -1),
+                           zeros.reshape(experts * rows, -1))
+    return flat.reshape(experts, rows, -1)
 
 
 def int4_expert_tensor(module: nn.Module, name: str) -> Optional[Int4ExpertTensor]:

@@ -38,24 +38,18 @@ __all__ = ["DequantisedSource", "int4_expert_tensors"]
 _PARAMETRIZED = ".parametrizations."
 
 
-def int4_expert_tensors(keys: Iterable[str]) -> list[str]:
-    """The fused expert tensors ``keys`` (a checkpoint's) store in the project INT4, each as the prefix of its
-    parametrization (``<experts>.parametrizations.<tensor>``): packed codes under ``.original`` with the
-    dequantising parametrization's ``scales`` and ``zeros`` beside them."""
+def int4_expert_tensors(keys: Iterable[str]) -> dict[str, tuple[str, str, str]]:
+    """The fused expert tensors ``keys`` (a checkpoint's) store in the project INT4, by the prefix of each one's
+    parametrization (``<experts>.parametrizations.<tensor>``): the keys of its packed codes (``.original``) and of
+    the dequantising parametrization's ``scales`` and ``zeros`` beside them."""
     keys = set(keys)
-    return sorted(key.removesuffix(".original") for key in keys
-                  if _PARAMETRIZED in key and key.endswith(".original")
-                  and _int4_statistics(key.removesuffix(".original"), keys) is not None)
-
-
-def _int4_statistics(prefix: str, keys: Collection[str]) -> Optional[tuple[str, str]]:
-    """The keys of the scales and zero-points of the INT4 parametrization under ``prefix``, or None."""
-    for key in keys:
-        if key.startswith(prefix + ".") and key.endswith(".scales"):
-            zeros = key.removesuffix(".scales") + ".zeros"
-            if zeros in keys:
-                return key, zeros
-    return None
+    found = {}
+    for scales in sorted(key for key in keys if _PARAMETRIZED in key and key.endswith(".scales")):
+        prefix = scales.removesuffix(".scales").rpartition(".")[0]  # less the parametrization's index
+        codes, zeros = prefix + ".original", scales.removesuffix(".scales") + ".zeros"
+        if codes in keys and zeros in keys:
+            found[prefix] = (codes, scales, zeros)
+    return found
 
 
 class DequantisedSource:
@@ -65,7 +59,8 @@ class DequantisedSource:
     INT4 expert tensor of ``int4_experts`` (:func:`int4_expert_tensors`) as its float tensor, transposed where its
     experts module (a name of ``transposed``, the model's modules with ``is_transposed``) is."""
 
-    def __init__(self, source: Any, quantized: dict[str, str], int4_experts: Iterable[str] = (),
+    def __init__(self, source: Any, quantized: dict[str, str],
+                 int4_experts: Optional[dict[str, tuple[str, str, str]]] = None,
                  transposed: Collection[str] = ()) -> None:
         import torch
 
@@ -105,21 +100,18 @@ class DequantisedSource:
             ordered = [parts[rank] for rank in range(split["degree"])]
             _, dtype = self._float_entry(ordered[0], kind)
             self._replace(entries, layer, kind, ordered, split, (tuple(split["shape"]), dtype))
-        self.experts: dict[str, tuple[str, str, str, bool]] = {}
+        self.experts: dict[str, tuple[tuple[str, str, str], bool]] = {}
         """Float expert tensor key → the keys of its codes, scales and zero-points, and whether it is transposed."""
-        for prefix in int4_experts:
+        for prefix, parts in (int4_experts or {}).items():
             module, _, tensor = prefix.rpartition(_PARAMETRIZED)
             bare = ".".join(part for part in module.split(".") if part != "base_layer")  # PEFT's wrappers left out
             flipped = any(bare == name or bare.endswith("." + name) for name in transposed)
-            codes = prefix + ".original"
-            statistics = _int4_statistics(prefix, entries)
-            assert statistics is not None  # int4_expert_tensors found them
-            experts, rows, half = entries[codes][0]
+            experts, rows, half = entries[parts[0]][0]
             for key in [key for key in entries if key.startswith(prefix + ".")]:
                 del entries[key]
             entries[f"{module}.{tensor}"] = ((experts, 2 * half, rows) if flipped else (experts, rows, 2 * half),
                                              torch.float32)
-            self.experts[f"{module}.{tensor}"] = (codes, *statistics, flipped)
+            self.experts[f"{module}.{tensor}"] = (parts, flipped)
         self.entries = entries
 
     def _replace(self, entries: dict[str, Any], layer: str, kind: str, parts: list[str],
@@ -154,13 +146,10 @@ class DequantisedSource:
     def read(self, key: str) -> torch.Tensor:
         """The tensor ``key`` names: a quantised layer's weight dequantised, any other as the checkpoint holds it."""
         if key in self.experts:
-            from lightning_merak.adapters.int4 import dequantize_int4  # lazy: torch
+            from lightning_merak.adapters.int4_experts import dequantize_experts_int4  # lazy: torch
 
-            codes, scales, zeros, flipped = (self.source.read(name) if isinstance(name, str) else name
-                                             for name in self.experts[key])
-            experts, rows = codes.shape[:2]
-            weight = dequantize_int4(codes.reshape(experts * rows, -1), scales.reshape(experts * rows, -1),
-                                     zeros.reshape(experts * rows, -1)).reshape(experts, rows, -1)
+            parts, flipped = self.experts[key]
+            weight = dequantize_experts_int4(*(self.source.read(part) for part in parts))
             return weight.transpose(-2, -1).contiguous() if flipped else weight
         if key not in self.layers:
             return self.source.read(key)

@@ -236,7 +236,7 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
     quantized_experts = int4_expert_tensors(source.entries)
     if (quantized or quantized_experts) and not merge_adapters:
         what = (f"{next(iter(quantized.values()))}: {next(iter(quantized))} and {len(quantized) - 1} more layers"
-                if quantized else f"int4 experts: {quantized_experts[0]} and {len(quantized_experts) - 1} more")
+                if quantized else f"int4 experts: {min(quantized_experts)} and {len(quantized_experts) - 1} more")
         raise ValueError(f"{checkpoint} holds a quantised base ({what}); pass --merge-adapters to write it "
                          "dequantised with the adapters merged (float weights carrying the quantisation rounding), or "
                          "--adapter-only to write the adapters alone")
