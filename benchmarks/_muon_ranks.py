@@ -12,7 +12,9 @@ rate (1e-3; Muon's steps are scaled to AdamW's update size, so the two share it)
   divides over the data-parallel ranks by itself (each matrix orthogonalised by one owner);
 * ``muon_naive``: the common port: every data-parallel rank puts every matrix together and runs every
   Newton–Schulz iteration itself (under ZeRO-1 an all-to-all sends every rank's slices to every rank; without
-  sharding every replica steps every matrix). The same arithmetic on the same matrices, so the same losses.
+  sharding every replica steps every matrix). The same arithmetic on the same matrices, so the same losses;
+* ``muon_float32``: ours with its one non-default option, ``optim.newton_schulz_dtype=float32`` (the iteration in
+  float32, for a CPU that multiplies bfloat16 without native support): a labelled row, in no goal.
 
 Each step is timed from its batch's start to its end on every rank (Lightning's hooks); the slowest rank's step is
 the step's time.
@@ -45,7 +47,7 @@ from lightning_merak.modules.muon import MuonWithAdamW
 from lightning_merak.parallel.data.whole_matrices import MatrixPieces, whole_matrix
 
 RANK_TIMEOUT_S = 600.0
-OPTIMIZERS = ("adamw", "muon", "muon_naive")
+OPTIMIZERS = ("adamw", "muon", "muon_naive", "muon_float32")
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,8 @@ def run_job(job: Job, workload: Workload) -> dict[str, Any]:
     name = "adamw" if job.optimizer == "adamw" else "muon"
     # one learning rate for both: Muon's steps are scaled to AdamW's update size (match_rms_adamw)
     optim = OptimConfig(name=name, learning_rate=1e-3, lr_schedule=Schedule.constant, warmup_steps=0,
-                        total_steps=job.steps)
+                        total_steps=job.steps,
+                        newton_schulz_dtype="float32" if job.optimizer == "muon_float32" else "bfloat16")
     module = _Module(model, optim)
     module.naive = job.optimizer == "muon_naive"
     timer = _StepTimer()

@@ -15,7 +15,10 @@ sharding, none). At each, side by side on the same batches from the same seed (`
 * ``muon``: ours at its defaults, ``optim=muon`` (Muon on the hidden matrices, AdamW on embeddings, head, norms and
   biases), each matrix orthogonalised on one owner rank (ZeRO-1: put together from the ranks' slices; none: the
   owner broadcasts the new values);
-* ``muon_naive``: the common port: every rank puts every matrix together and runs every Newton–Schulz itself.
+* ``muon_naive``: the common port: every rank puts every matrix together and runs every Newton–Schulz itself;
+* ``muon_float32``: ours with ``optim.newton_schulz_dtype=float32``, a labelled row in no goal: torch's Muon (ours
+  and the port at their defaults) iterates in bfloat16, which a CPU without AVX512-BF16 or AMX multiplies some 50×
+  slower than float32 (the machine record's ``cpu_capability`` and ``cpu_bfloat16`` say which CPU ran).
 
 Per row: ``step_ms`` (median over the timed steps, warm-up dropped, of the slowest rank's step) and
 ``optimizer_ms`` (the same statistic of the part after the backward: the optimizer's step with its collectives, what

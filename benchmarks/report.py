@@ -38,6 +38,8 @@ def machine_info() -> dict[str, object]:
     """What the figures depend on, and nothing that identifies the host."""
     import torch
 
+    from lightning_merak.modules.muon import cpu_multiplies_bfloat16
+
     return {
         "cpu_count": os.cpu_count(),
         "usable_cpus": len(os.sched_getaffinity(0)),
@@ -45,6 +47,8 @@ def machine_info() -> dict[str, object]:
         "python": platform.python_version(),
         "kernel": platform.release(),
         "arch": platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_bfloat16": cpu_multiplies_bfloat16(),
     }
 
 

@@ -335,7 +335,16 @@ def machine_line(result: Result, page: Path) -> str:
     link = os.path.relpath(result.path, page.resolve().parent)
     return (f"From [`{source}`]({link}) ({'quick' if result.quick else 'full'} run), "
             f"label **{result.data['label']}**; machine: {m['cpu_count']} CPUs ({m['usable_cpus']} usable), "
-            f"{m['arch']}, kernel {m['kernel']}, Python {m['python']}, torch {m['torch']}.")
+            f"{m['arch']}{cpu_features(m)}, kernel {m['kernel']}, Python {m['python']}, torch {m['torch']}.")
+
+
+def cpu_features(machine: dict[str, Any]) -> str:
+    """The CPU's vector capability as torch reads it, and whether it multiplies bfloat16 natively (older records
+    have neither)."""
+    if "cpu_capability" not in machine:
+        return ""
+    native = "native" if machine.get("cpu_bfloat16") else "no native"
+    return f" ({machine['cpu_capability']}, {native} bfloat16 products)"
 
 
 def markdown(table: Table) -> list[str]:

@@ -7,6 +7,7 @@ import pytest
 
 from benchmarks._muon_ranks import OPTIMIZERS, Job
 from benchmarks.muon import FULL, LAYOUTS, QUICK, goal_figures, job_rows, plan_jobs
+from benchmarks.results_table import cpu_features
 from benchmarks.results_table import muon as table
 
 
@@ -25,7 +26,7 @@ def test_every_layout_runs_adamw_ours_and_the_port_after_a_warm_up_job() -> None
 
 def test_rows_take_the_slowest_rank_and_goals_the_worst_layout() -> None:
     jobs = plan_jobs(QUICK)
-    speeds = {"adamw": 1.0, "muon": 1.1, "muon_naive": 1.3}
+    speeds = {"adamw": 1.0, "muon": 1.1, "muon_naive": 1.3, "muon_float32": 1.05}  # float32: no goal reads it
     by_rank = []
     for rank in range(4):
         results = [_result(jobs[0], [9.0, 9.0])]
@@ -35,7 +36,7 @@ def test_rows_take_the_slowest_rank_and_goals_the_worst_layout() -> None:
             results.append(_result(job, [5.0, 5.0] + [base + slow] * 3))
         by_rank.append(results)
     rows = job_rows(jobs, by_rank, warmup=2, error=None)
-    assert len(rows) == 6 and rows[1]["step_ms"] == pytest.approx(1200.0)
+    assert len(rows) == 8 and rows[1]["step_ms"] == pytest.approx(1200.0)
     goals = {goal["key"]: goal for goal in goal_figures(rows)}
     assert goals["muon_step_over_adamw"]["value"] == pytest.approx(max(1.2 / 1.1, 1.42 / 1.3), rel=1e-6)
     assert goals["muon_step_over_adamw"]["worst_config"] == "pp2-dp2"
@@ -47,8 +48,14 @@ def test_rows_take_the_slowest_rank_and_goals_the_worst_layout() -> None:
 
 def test_a_job_that_did_not_finish_fails_its_goals() -> None:
     jobs = plan_jobs(QUICK)
-    by_rank = [[_result(job, [1.0] * 5) for job in jobs[:-1]] for _ in range(4)]  # the last job never finished
+    by_rank = [[_result(job, [1.0] * 5) for job in jobs[:-2]] for _ in range(4)]  # the last two never finished
     rows = job_rows(jobs, by_rank, warmup=2, error="RuntimeError: boom")
-    assert rows[-1]["error"] == "RuntimeError: boom"
+    assert [row["error"] for row in rows[-2:]] == ["RuntimeError: boom"] * 2
     goals = {goal["key"]: goal for goal in goal_figures(rows)}
     assert goals["muon_naive_over_ours"]["value"] is None and goals["muon_naive_over_ours"]["missing"] == ["pp2-dp2"]
+
+
+def test_the_machine_line_says_whether_the_cpu_multiplies_bfloat16() -> None:
+    assert cpu_features({"cpu_capability": "AVX2", "cpu_bfloat16": False}) == " (AVX2, no native bfloat16 products)"
+    assert cpu_features({"cpu_capability": "AVX512", "cpu_bfloat16": True}) == " (AVX512, native bfloat16 products)"
+    assert cpu_features({}) == ""  # records from before the field

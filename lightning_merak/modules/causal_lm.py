@@ -196,5 +196,6 @@ def _optimizer(optim: OptimConfig, decay: list[nn.Parameter], no_decay: list[nn.
     if optim.name == "sgd":
         return torch.optim.SGD(groups, lr=optim.learning_rate, momentum=optim.momentum)
     if optim.name == "muon":
-        return MuonWithAdamW(groups, lr=optim.learning_rate, momentum=optim.momentum, adamw_only=embeddings)
+        return MuonWithAdamW(groups, lr=optim.learning_rate, momentum=optim.momentum, adamw_only=embeddings,
+                             newton_schulz_dtype=optim.newton_schulz_dtype)
     return torch.optim.AdamW(groups, lr=optim.learning_rate)

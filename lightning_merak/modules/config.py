@@ -137,6 +137,9 @@ class Schedule(Enum):
 
 OPTIMIZERS = ("adamw", "sgd", "muon")
 """The optimizers :class:`OptimConfig` names (``merak-train optim=<name>``)."""
+NEWTON_SCHULZ_DTYPES = ("bfloat16", "float32")
+"""The dtypes Muon's Newton–Schulz iteration runs in: ``bfloat16`` (``torch.optim.Muon``'s own kernel) or
+``float32`` (:func:`lightning_merak.modules.muon.newton_schulz`, the same iteration)."""
 
 
 @dataclass
@@ -152,6 +155,10 @@ class OptimConfig:
     learning_rate: float = option(3e-3, "The peak learning rate, reached at the end of the warm-up.")
     weight_decay: float = option(0.01, "Weight decay, on matrices only (biases and norms get none).")
     momentum: float = option(0.9, "`sgd` and `muon`: the momentum factor (`sgd`: 0 turns momentum off).")
+    newton_schulz_dtype: str = option(
+        "bfloat16", "`muon`: the dtype of its Newton–Schulz iteration: `bfloat16` (`torch.optim.Muon`'s; fast on GPUs "
+        "and CPUs with AVX512-BF16 or AMX) or `float32` (the same iteration; on a CPU without native bfloat16 "
+        "products, AVX2 only, some 50x faster).")
     warmup_steps: int = option(20, "Steps of linear warm-up from 0 to `learning_rate`.")
     lr_schedule: Schedule = option(
         Schedule.cosine, "After the warm-up: `cosine` decays to `min_lr_ratio` of the peak at the run's last step, "
@@ -165,6 +172,9 @@ class OptimConfig:
             close = difflib.get_close_matches(self.name, OPTIMIZERS, n=1)
             hint = f"did you mean {close[0]}?" if close else f"choose one of {', '.join(OPTIMIZERS)}"
             raise ValueError(f"optim.name={self.name!r} is not an optimizer here; {hint}")
+        if self.newton_schulz_dtype not in NEWTON_SCHULZ_DTYPES:
+            raise ValueError(f"optim.newton_schulz_dtype={self.newton_schulz_dtype!r} is not supported; choose one of "
+                             f"{', '.join(NEWTON_SCHULZ_DTYPES)}")
         if self.name == "muon":
             import torch
 

@@ -6,7 +6,10 @@ Muon's Newton–Schulz step needs each matrix whole. Replicated data parallelism
 (:class:`~lightning_merak.parallel.data.whole_matrices.MatrixPieces`): each rank keeps the momentum of its slices
 (an elementwise update), sends its slices of the Nesterov update to the matrices' owners, the owners
 orthogonalise, and each rank applies its slices of the result. The arithmetic is torch's own
-(``torch.optim._muon``), so a sharded step equals ``torch.optim.Muon`` on the same gradients, bit for bit. Fused
+(``torch.optim._muon``), so a sharded step equals ``torch.optim.Muon`` on the same gradients, bit for bit. Its
+Newton–Schulz iteration runs in bfloat16, fast on GPUs and on CPUs that multiply bfloat16 natively (AVX512-BF16,
+AMX) and some 50× slower than float32 on those that do not (AVX2 only): there ``newton_schulz_dtype="float32"``
+runs the same iteration (:func:`newton_schulz`) in float32, and a bfloat16 run warns once, naming it. Fused
 expert tensors (``[experts, rows, cols]``, transformers' MoE layers) are stacks of matrices: each expert's matrix is
 orthogonalised on its own, as if it were its own parameter; expert-parallel ranks step the experts they hold.
 """
@@ -15,16 +18,54 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 from collections.abc import Iterator, MutableMapping
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
+from lightning_merak.modules.config import NEWTON_SCHULZ_DTYPES
 from lightning_merak.parallel.data.owners import OwnedMatrices
 from lightning_merak.parallel.data.whole_matrices import MatrixPieces
 
-__all__ = ["MatrixMuon", "MuonWithAdamW"]
+__all__ = ["NEWTON_SCHULZ_DTYPES", "MatrixMuon", "MuonWithAdamW", "newton_schulz"]
+
+
+def newton_schulz(matrix: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``torch.optim.Muon``'s quintic Newton–Schulz iteration on ``matrix`` (2-D) in ``dtype``: the same operations
+    in the same order as its bfloat16 kernel, so in bfloat16 the two agree bit for bit."""
+    a, b, c = coefficients
+    tall = matrix.size(0) > matrix.size(1)
+    ortho = matrix.to(dtype)
+    if tall:
+        ortho = ortho.T
+    ortho = ortho / ortho.norm().clamp(min=eps)  # spectral norm at most 1
+    for _ in range(steps):
+        gram = ortho @ ortho.T
+        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        ortho = torch.addmm(ortho, gram_update, ortho, beta=a)
+    return ortho.T if tall else ortho
+
+
+def cpu_multiplies_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX; torch's private feature checks, taken as
+    native where this torch does not have them)."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    checks = [check for check in checks if callable(check)]
+    return not checks or any(check() for check in checks)
+
+
+def _warn_slow_bfloat16(params: list[torch.Tensor]) -> None:
+    """Warn (once per process: one call site) where bfloat16 Newton–Schulz would run on a CPU without native
+    bfloat16 products."""
+    if not any(param.device.type == "cpu" for param in params) or cpu_multiplies_bfloat16():
+        return
+    warnings.warn(f"Muon's Newton–Schulz iteration runs in bfloat16 (torch.optim.Muon's), which this CPU "
+                  f"({torch.backends.cpu.get_cpu_capability()}, no AVX512-BF16 or AMX) multiplies some 50x slower "
+                  "than float32; set optim.newton_schulz_dtype=float32 for the same iteration in float32",
+                  stacklevel=3)
 
 
 def _muon_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., float]]:
@@ -46,7 +87,11 @@ class MatrixMuon(torch.optim.Optimizer):
     slices ZeRO-1/2 put in its groups are stepped by putting each matrix together on its owner (module docstring).
     """
 
-    def __init__(self, params: Any, lr: float, momentum: float, **defaults: Any) -> None:
+    def __init__(self, params: Any, lr: float, momentum: float, newton_schulz_dtype: str = "bfloat16",
+                 **defaults: Any) -> None:
+        if newton_schulz_dtype not in NEWTON_SCHULZ_DTYPES:
+            raise ValueError(f"newton_schulz_dtype={newton_schulz_dtype!r}; choose one of "
+                             f"{', '.join(NEWTON_SCHULZ_DTYPES)}")
         signature = inspect.signature(torch.optim.Muon.__init__).parameters
         settings = {name: parameter.default for name, parameter in signature.items()
                     if parameter.default is not inspect.Parameter.empty}
@@ -57,6 +102,10 @@ class MatrixMuon(torch.optim.Optimizer):
                 if param.ndim not in (2, 3):
                     raise ValueError(f"Muon steps matrices and stacks of matrices; a parameter of shape "
                                      f"{tuple(param.shape)} belongs with AdamW")
+        self.newton_schulz_dtype = newton_schulz_dtype
+        """The dtype of the Newton–Schulz iteration (:data:`NEWTON_SCHULZ_DTYPES`), a setting of the run."""
+        if newton_schulz_dtype == "bfloat16":
+            _warn_slow_bfloat16([param for group in self.param_groups for param in group["params"]])
         self.pieces: Optional[MatrixPieces] = None
         self._group_of: dict[int, dict[str, Any]] = {}
 
@@ -73,8 +122,11 @@ class MatrixMuon(torch.optim.Optimizer):
             id(param) in self.pieces.index for group in self.param_groups for param in group["params"])
 
     def _orthogonalised(self, update: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        """torch's Newton–Schulz iteration on a matrix, or on each matrix of a stack (``[..., rows, cols]``)."""
+        """torch's Newton–Schulz iteration on a matrix, or on each matrix of a stack (``[..., rows, cols]``), in
+        :attr:`newton_schulz_dtype`."""
         def one(matrix: torch.Tensor) -> torch.Tensor:
+            if self.newton_schulz_dtype == "float32":
+                return newton_schulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
             return self._zeropower(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
         if update.ndim == 2:
@@ -191,7 +243,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, groups: list[dict[str, Any]], lr: float, momentum: float,
-                 adamw_only: frozenset[int] | set[int] = frozenset()) -> None:
+                 adamw_only: frozenset[int] | set[int] = frozenset(), newton_schulz_dtype: str = "bfloat16") -> None:
         muon_groups, adamw_groups = [], []
         for group in groups:
             params = list(group["params"])
@@ -203,7 +255,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
                                  "name": f"adamw/{name}"})
         # every group in both parts, empty or not: a pipeline stage holding no hidden matrix (only the embedding)
         # has the same groups as the others, so a learning-rate schedule's state fits every stage
-        self.muon = MatrixMuon(muon_groups, lr=lr, momentum=momentum, adjust_lr_fn="match_rms_adamw")
+        self.muon = MatrixMuon(muon_groups, lr=lr, momentum=momentum, newton_schulz_dtype=newton_schulz_dtype,
+                               adjust_lr_fn="match_rms_adamw")
         self.parts: list[torch.optim.Optimizer] = [self.muon, torch.optim.AdamW(adamw_groups, lr=lr)]
         super().__init__([param for group in groups for param in group["params"]], {"lr": lr})
         self.param_groups = [group for part in self.parts for group in part.param_groups]
