@@ -263,6 +263,9 @@ def muon(data: dict[str, Any]) -> Table:
                      ratio(r.get("over_adamw")), f"{r['loss_last']:.4f}"])
     notes = [f"workload: {data['workload_description']}; baseline: {data['baseline']}",
              f"ranks: {data['rank_cpu']['emulation']}; {data['network_note']}"]
+    if any(r["optimizer"] == "muon_float32" for r in data["rows"]):
+        notes.append("muon_float32: ours with optim.newton_schulz_dtype=float32 (the Newton–Schulz iteration in "
+                     "float32 instead of torch.optim.Muon's bfloat16), a labelled row in no goal")
     return Table(["layout", "optimizer", "step ms", "after backward ms", "step vs AdamW", "last loss"], rows, notes)
 
 
