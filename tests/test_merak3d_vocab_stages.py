@@ -113,13 +113,17 @@ def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None, o
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("stages,replicas,schedule,on_meta,tied,frozen,tp,sharding",
-                         [(2, 1, "gpipe", True, False, True, 1, "none"), (4, 1, "1f1b", False, True, False, 1, "none"),
-                          (2, 2, "interleaved_1f1b", False, False, False, 1, "none"),
-                          (2, 1, "1f1b", False, True, False, 2, "none"), (2, 2, "1f1b", False, True, False, 1, "full"),
-                          (2, 1, "interleaved_zero_bubble", False, False, False, 1, "none")])
+@pytest.mark.parametrize("stages,replicas,schedule,on_meta,tied,frozen,tp,sharding,cp",
+                         [(2, 1, "gpipe", True, False, True, 1, "none", 1),
+                          (4, 1, "1f1b", False, True, False, 1, "none", 1),
+                          (2, 2, "interleaved_1f1b", False, False, False, 1, "none", 1),
+                          (2, 1, "1f1b", False, True, False, 2, "none", 1),
+                          (2, 2, "1f1b", False, True, False, 1, "full", 1),
+                          (2, 1, "interleaved_zero_bubble", False, False, False, 1, "none", 1),
+                          (4, 1, "shifted_critical_path", False, True, False, 1, "none", 1),
+                          (2, 1, "1f1b", False, True, False, 1, "none", 2)])
 def test_split_head_matches_single_process(tmp_path, stages: int, replicas: int, schedule: str, on_meta: bool,
-                                           tied: bool, frozen: bool, tp: int, sharding: str):
+                                           tied: bool, frozen: bool, tp: int, sharding: str, cp: int):
     """Loss and every gradient (the head's and the embedding's rows gathered; tied, one weight; frozen, none)
     equal one process's at each step, and so do an evaluation loss and predict's logits afterwards; the checkpoint
     holds the head and the embedding whole under their own names, and the Hugging Face export writes them as the
@@ -127,11 +131,11 @@ def test_split_head_matches_single_process(tmp_path, stages: int, replicas: int,
     from lightning_merak.hf.export import export_checkpoint
 
     layout = {"data_parallel": replicas, "pipeline_parallel": stages, "tensor_parallel": tp, "micro_batches": 4,
-              "schedule": schedule, "vocab_stages": "on", "data_parallel_sharding": sharding,
+              "schedule": schedule, "vocab_stages": "on", "data_parallel_sharding": sharding, "context_parallel": cp,
               "sequence_parallel": tp > 1,  # the blocks' sequence split gathers before the split head
               "virtual_stages": 2 if schedule.startswith("interleaved") else 1}
     checkpoint = str(tmp_path / "split.ckpt")
-    results = run_distributed(_train_rank, stages * replicas * tp, args=(layout, checkpoint, on_meta),
+    results = run_distributed(_train_rank, stages * replicas * tp * cp, args=(layout, checkpoint, on_meta),
                               kwargs={"tied": tied, "frozen": frozen}, timeout_s=300)
     expected, trained, reference = _reference(tied, frozen)
     assert_traces_match(expected, merge_rank_traces([(losses, grads) for losses, grads, _ in results]))
@@ -163,17 +167,15 @@ def test_split_vocabulary_resumes_across_a_change_of_pipeline_degree(tmp_path):
 
 
 def test_vocab_stages_refuses_before_work():
-    with pytest.raises(ValueError, match="vocab_stages='on' runs with schedule 1f1b, gpipe, interleaved_1f1b"):
-        Merak3DStrategy(pipeline_parallel=2, schedule="shifted_critical_path", vocab_stages="on")
     with pytest.raises(ValueError, match="choose 'off', 'on' or 'auto'"):
         Merak3DStrategy(pipeline_parallel=2, vocab_stages="yes")
     torch.manual_seed(0)
     tied = build_causal_lm(_config(tied=True), vocab_size=64)
     tied.config.use_cache = False
     trace = trace_model(tied, torch.randint(64, (2, 8)), profile=False)
-    assert vocab_stages_problem(tied, trace, context_parallel=1, schedule="1f1b") is None
+    assert vocab_stages_problem(tied, trace, schedule="1f1b") is None
     tied.model.embed_tokens.max_norm = 1.0  # a lookup that rewrites the rows it reads
-    problem = vocab_stages_problem(tied, trace, context_parallel=1, schedule="1f1b")
+    problem = vocab_stages_problem(tied, trace, schedule="1f1b")
     assert problem is not None and "tied to the input embedding" in problem and "max_norm" in problem
 
 
@@ -344,7 +346,7 @@ def test_vocab_stages_refuses_other_adapters_on_the_head_before_work():
         model.config.use_cache = False
         model = adapt(model)
         trace = trace_model(model, torch.randint(64, (2, 8)), profile=False)
-        return vocab_stages_problem(model, trace, context_parallel=1, schedule="1f1b")
+        return vocab_stages_problem(model, trace, schedule="1f1b")
 
     targets = ["q_proj", "lm_head"]
     assert problem(lambda model: get_peft_model(model, LoraConfig(r=4, target_modules=targets))) is None

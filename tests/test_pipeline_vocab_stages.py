@@ -191,6 +191,7 @@ def test_the_planner_prices_the_split_head_on_every_stage():
     assert sum(split.components.values()) == pytest.approx(split.step_time_s)
     with pytest.raises(ValueError, match=r"vocab_stages splits the LM head over pipeline stages \(pp > 1\)"):
         planner.Layout(4, 1, 1, 1, 1, 0.0, vocab_stages=True)
+    assert planner.Layout(1, 2, 1, 8, 1, 0.0, cp=2, vocab_stages=True).vocab_stages  # each context rank's shard
 
 
 def test_the_planner_is_told_when_the_embedding_stays_whole():

@@ -33,9 +33,10 @@ from lightning_merak.util.row_shards import row_shard_range
 __all__ = ["EMBEDDING_STAGE_SCHEDULES", "EmbeddingExchange", "EmbeddingRows", "average_rows_gradients",
            "embedding_split_problem", "split_embedding_over_stages", "split_vocabulary_parameters"]
 
-EMBEDDING_STAGE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+EMBEDDING_STAGE_SCHEDULES = ("1f1b", "gpipe", "shifted_critical_path", "interleaved_1f1b")
 """Schedules whose backward reaches the looked-up rows (a leaf of the first stage's graph, not a parameter): the
-zero-bubble schedules compute weight gradients for the stage's parameters only."""
+zero-bubble schedules compute weight gradients for the stage's parameters only. ``shifted_critical_path``'s
+recomputed cool-down forwards look their tokens up again in the same step table, with no exchange."""
 
 _TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 """The embedding dtypes the first stage can announce to the others at build (by index)."""

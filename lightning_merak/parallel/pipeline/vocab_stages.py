@@ -13,6 +13,9 @@ Pipeline Parallelism with Vocabulary Parallelism* (arXiv 2411.05288), every pipe
   its rows), summed onto the last stage by a reduce, which hands it to the schedule's backward, and its rows'
   weight gradient, kept locally.
 
+Under context parallelism each context rank's pipeline ranks run this on its shard of the sequence (the targets
+shifted on the whole sequence), and the last stage sums the loss over the context ranks.
+
 These collectives run on a process group of their own. The last stage runs them inside the schedule, where
 it scores the micro-batch; the other ranks serve them from a thread started with the step, beside their own
 stages' forward and backward. They are not placed in the schedule's idle slots as in the paper: a rank's
@@ -38,18 +41,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_merak.parallel.context.model import next_token_labels
+from lightning_merak.parallel.context.sharding import LoadBalancedLayout
 from lightning_merak.parallel.pipeline.embedding_stages import embedding_split_problem
 from lightning_merak.parallel.pipeline.head_adapters import HeadLoRA, LoRAHeadRows, head_adapter_problem
 from lightning_merak.parallel.pipeline.recording import ModelTrace
 from lightning_merak.parallel.pipeline.row_scatter import add_rows_gradient, rows_dtensor, scatter_rows
 from lightning_merak.util.row_shards import row_shard_range
 
-__all__ = ["VOCAB_STAGE_SCHEDULES", "HeadShape", "VocabularyExchange", "VocabularySlice", "head_step_index",
+__all__ = ["HeadShape", "VocabularyExchange", "VocabularySlice", "head_step_index",
            "split_head_over_stages", "tied_to_head", "vocab_stages_problem"]
-
-VOCAB_STAGE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble")
-"""Schedules whose last stage scores micro-batches in order, as the ranks' exchange needs (the input embedding splits
-under :data:`~.embedding_stages.EMBEDDING_STAGE_SCHEDULES` only)."""
 
 IGNORE_INDEX = -100
 """Targets cross-entropy leaves out (``F.cross_entropy``'s default)."""
@@ -83,8 +84,7 @@ def tied_to_head(embedding: Optional[nn.Module], head: Optional[nn.Module]) -> b
     return weight is not None and weight is getattr(head, "weight", None)
 
 
-def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, context_parallel: int,
-                         schedule: str) -> Optional[str]:
+def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, schedule: str) -> Optional[str]:
     """Why the head of ``model`` cannot be split over the pipeline ranks in this layout, or None."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     problem = head_adapter_problem(head)
@@ -104,11 +104,6 @@ def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, context_paralle
     if after:
         return (f"vocab_stages scores the head's logits as they are, but the model transforms them ({after}: logit "
                 "scaling or soft-capping); set vocab_stages='off'")
-    if context_parallel > 1:
-        return "vocab_stages runs at context_parallel=1 so far; set vocab_stages='off'"
-    if schedule not in VOCAB_STAGE_SCHEDULES:
-        return (f"vocab_stages runs with schedule {', '.join(VOCAB_STAGE_SCHEDULES)}, not {schedule!r}; change the "
-                "schedule or set vocab_stages='off'")
     return None
 
 
@@ -159,10 +154,16 @@ class VocabularyExchange:
     """
 
     def __init__(self, head: VocabularySlice, group: dist.ProcessGroup, source: int, is_last: bool,
-                 device: torch.device, last_ranks: int = 1, lora: Optional[LoRAHeadRows] = None) -> None:
+                 device: torch.device, last_ranks: int = 1, lora: Optional[LoRAHeadRows] = None,
+                 context: Optional[dist.ProcessGroup] = None) -> None:
         self.head, self.group, self.source, self.is_last, self.device = head, group, source, is_last, device
         self.lora = lora
         """The head's LoRA rows (:mod:`.head_adapters`), which hold ``head`` as their base layer, or None."""
+        self.context = context
+        """The context-parallel group (None without): each micro-batch's hidden state is this rank's load-balanced
+        shard of the sequence, scored against the targets shifted on the whole sequence, and the last stage's loss
+        is summed over the group (:func:`~lightning_merak.parallel.context.stages.context_parallel_stage_loss`'s
+        convention)."""
         self.last_ranks = last_ranks
         """Ranks running the last stage (its tensor-parallel ranks): each needs the hidden state's gradient."""
         self.inferring: Callable[[], bool] = lambda: False
@@ -203,9 +204,10 @@ class VocabularyExchange:
 
     def _serve(self, chunks: list[torch.Tensor]) -> None:
         try:
+            cp = 1 if self.context is None else dist.get_world_size(self.context)
             for targets in chunks:
-                hidden = torch.empty((*targets.shape, self._sent_width()), dtype=self.head.weight.dtype,
-                                     device=self.device)
+                hidden = torch.empty((targets.shape[0], targets.shape[1] // cp, self._sent_width()),
+                                     dtype=self.head.weight.dtype, device=self.device)
                 self.score(hidden, targets.to(self.device), self._backward)
         except BaseException as error:  # re-raised by end(), on the step's thread
             self._error = error
@@ -220,6 +222,20 @@ class VocabularyExchange:
         if self._backward and torch.is_grad_enabled() and hidden.requires_grad:
             return _SplitHeadLoss.apply(hidden, self, targets)
         return self.score(hidden.detach(), targets, backward=False)[0]
+
+    def _scored(self, targets: torch.Tensor) -> tuple[slice, torch.Tensor, torch.Tensor, int]:
+        """``(positions of the hidden state scored, their next tokens flat, the micro-batch's scored tokens, the
+        factor its gradients carry)``: without context parallelism every position but the last against the next
+        token; with it, every position of this rank's shard against the next token on the whole sequence, the
+        count over the whole sequence and the gradients times the group size (summed over the group's ranks when
+        the data-parallel reduction averages over ``dp x cp``)."""
+        if self.context is None:
+            labels = targets[:, 1:].reshape(-1).to(self.device)
+            return slice(None, -1), labels, (labels != IGNORE_INDEX).sum(), 1
+        size = dist.get_world_size(self.context)
+        shifted = next_token_labels(targets)
+        local = LoadBalancedLayout(targets.shape[1], size).shard(shifted, dist.get_rank(self.context), dim=1)
+        return slice(None), local.reshape(-1).to(self.device), (shifted != IGNORE_INDEX).sum().to(self.device), size
 
     def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The whole vocabulary's logits of ``hidden`` (the same on every rank; a collective over the ranks)."""
@@ -253,11 +269,11 @@ class VocabularyExchange:
                 projection = self.lora.project(hidden)
                 hidden = torch.cat([hidden, projection[0]], dim=-1)
             dist.broadcast(hidden, src=self.source, group=self.group)
-            x = hidden[:, :-1, :self.head.width].reshape(-1, self.head.width)
-            y = targets[:, 1:].reshape(-1).to(hidden.device)
+            positions, y, count, factor = self._scored(targets)
+            x = hidden[:, positions, :self.head.width].reshape(-1, self.head.width)
             logits = self.head.logits(x)
             if self.lora is not None:
-                u = hidden[:, :-1, self.head.width:].reshape(-1, self.lora.lora.rank)
+                u = hidden[:, positions, self.head.width:].reshape(-1, self.lora.lora.rank)
                 logits = logits + self._lora_logits(u)
             logits = logits.float()
             maximum = logits.max(dim=-1).values
@@ -269,13 +285,14 @@ class VocabularyExchange:
             sums = torch.stack([exponentials.sum(dim=-1), target_logit])
             dist.all_reduce(sums, group=self.group)
             valid = (y != IGNORE_INDEX).float()
-            count = valid.sum()
             loss = ((torch.log(sums[0]) + maximum - sums[1]) * valid).sum() / count
+            if self.context is not None and self.is_last:  # the whole micro-batch's, on each context rank
+                dist.all_reduce(loss, group=self.context)
             if not backward:
                 return loss, None
             grad_logits = exponentials / sums[0][:, None]
             grad_logits.scatter_add_(1, local_y[:, None], -inside.float()[:, None])
-            grad_logits = (grad_logits * (valid / count)[:, None]).to(x.dtype)
+            grad_logits = (grad_logits * (valid * factor / count)[:, None]).to(x.dtype)
             if self.head.weight.requires_grad:
                 self._accumulate(self.head.weight, grad_logits.t() @ x)
                 if self.head.bias is not None:
@@ -287,7 +304,7 @@ class VocabularyExchange:
                 if self.lora.factor_b.requires_grad:
                     self._accumulate(self.lora.factor_b, scaled.t() @ u)
                 grad_rows = torch.cat([grad_rows, scaled @ self.lora.factor_b.to_local()], dim=-1)
-            grad_hidden[:, :-1] = grad_rows.view(*hidden.shape[:1], -1, hidden.shape[-1])
+            grad_hidden[:, positions] = grad_rows.view(*hidden.shape[:1], -1, hidden.shape[-1])
             if self.last_ranks > 1:
                 dist.all_reduce(grad_hidden, group=self.group)
             else:
@@ -317,8 +334,8 @@ class VocabularyExchange:
 
 
 def split_head_over_stages(stages: nn.ModuleList, shape: HeadShape, trace: ModelTrace, mesh: DeviceMesh,
-                           group: dist.ProcessGroup, device: torch.device,
-                           tensor_parallel: int = 1) -> VocabularyExchange:
+                           group: dist.ProcessGroup, device: torch.device, tensor_parallel: int = 1,
+                           context: Optional[dist.ProcessGroup] = None) -> VocabularyExchange:
     """Put this rank's :class:`VocabularySlice` in place of the head (in its last stage's model, with several
     stages per rank: the one that has the head on the last rank) and return the exchange.
 
@@ -356,4 +373,4 @@ def split_head_over_stages(stages: nn.ModuleList, shape: HeadShape, trace: Model
     stage.net.set_submodule(shape.path, placed)
     stage.head_stop = head_step_index(trace, shape.path)
     return VocabularyExchange(rows, group, source, stage.is_last, device, last_ranks=tensor_parallel,
-                              lora=placed if isinstance(placed, LoRAHeadRows) else None)
+                              lora=placed if isinstance(placed, LoRAHeadRows) else None, context=context)

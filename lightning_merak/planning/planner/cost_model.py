@@ -110,9 +110,9 @@ class Layout:
                              f"overlap={self.overlap}, ep={self.ep}")
         if self.cp == 1 and self.context_attention != "ring":
             raise ValueError("context_attention chooses how a split sequence attends; with cp=1 leave it 'ring'")
-        if self.vocab_stages and (self.pp == 1 or self.cp > 1 or self.sharding == "full"):
-            raise ValueError(f"vocab_stages splits the LM head over pipeline stages (pp > 1) at cp=1, without full "
-                             f"sharding, got pp={self.pp}, cp={self.cp}, sharding={self.sharding!r}")
+        if self.vocab_stages and (self.pp == 1 or self.sharding == "full"):
+            raise ValueError(f"vocab_stages splits the LM head over pipeline stages (pp > 1) without full sharding, "
+                             f"got pp={self.pp}, sharding={self.sharding!r}")
 
     @property
     def data_parallel_ranks(self) -> int:
@@ -455,10 +455,11 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     forward_s, backward_s, compute_s, exposed_s, memory_bytes, after_pipeline_s = [], [], [], [], [], []
     expert_s: list[float] = []
     context_s: list[float] = []
-    # under vocab_stages the last stage's final hidden state is broadcast to every stage and its gradient reduced
-    # back; a split embedding's looked-up rows (at most a hidden state's worth) come to the first stage and go back
+    # under vocab_stages the last stage's final hidden state (this context rank's shard) is broadcast to every stage
+    # and its gradient reduced back; a split embedding's looked-up rows (at most a hidden state's worth) come to the
+    # first stage and go back
     vocab_exchanges = (1 + space.embedding_splits_with_head) if layout.vocab_stages else 0
-    vocab_exchange_s = vocab_exchanges * network.all_reduce_s(hidden_bytes * samples, layout.pp)
+    vocab_exchange_s = vocab_exchanges * network.all_reduce_s(hidden_bytes * samples * share, layout.pp)
     for index, stage in enumerate(stages):
         embedding_share, head_share = shares = _vocabulary_shares(layout, stage, space.embedding_splits_with_head)
         prefix_forward, prefix_backward = (share * seconds for seconds in (

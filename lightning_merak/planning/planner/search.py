@@ -79,15 +79,15 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None,
                         for mode in sharding_modes_for(space, dp * cp, overlap):
                             layouts += [Layout(dp, pp, tp, micro_batches, overlap, ratio, mode, ep, cp, method, split)
                                         for ep in expert_sizes for method in methods
-                                        for split in _vocab_stages_choices(space, pp, cp, mode)]
+                                        for split in _vocab_stages_choices(space, pp, mode)]
     return layouts
 
 
-def _vocab_stages_choices(space: SearchSpace, pp: int, cp: int, sharding: str) -> list[bool]:
+def _vocab_stages_choices(space: SearchSpace, pp: int, sharding: str) -> list[bool]:
     """Whether a layout keeps the LM head whole or splits it over its stages: ``space``'s choices where it can
-    split (pp > 1, cp = 1, parameters not fully sharded: the planner's memory model would shard the rows), whole
+    split (pp > 1, parameters not fully sharded: the planner's memory model would shard the rows), whole
     elsewhere."""
-    splits = pp > 1 and cp == 1 and sharding != "full"
+    splits = pp > 1 and sharding != "full"
     return sorted(set(space.vocab_stages_choices)) if splits else [False]
 
 

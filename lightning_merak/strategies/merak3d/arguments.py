@@ -34,7 +34,6 @@ from lightning_merak.parallel.layout import (
 from lightning_merak.parallel.micro_batching.options import MicroBatching
 from lightning_merak.parallel.pipeline.schedules import shifted_schedule_available
 from lightning_merak.parallel.pipeline.trace import find_trunk
-from lightning_merak.parallel.pipeline.vocab_stages import VOCAB_STAGE_SCHEDULES
 from lightning_merak.parallel.tensor.adapters import check_adapter_split
 from lightning_merak.parallel.tensor.blocks import check_tensor_parallel_degree
 from lightning_merak.parallel.tensor.sequence import check_sequence_length
@@ -208,12 +207,7 @@ class Merak3DArguments(Merak3DOptions):
             raise ValueError(f"vocab_stages={self.vocab_stages!r} is not supported; choose 'off', 'on' or 'auto'")
         if self.vocab_stages != "on":
             return
-        if self.schedule not in VOCAB_STAGE_SCHEDULES:
-            raise ValueError(f"vocab_stages='on' runs with schedule {', '.join(VOCAB_STAGE_SCHEDULES)} (its last "
-                             "stage scoring each micro-batch once, in order), not "
-                             f"{self.schedule!r}; change the schedule or set vocab_stages='off'")
-        self._refuse_until("vocab_stages='on'", {"micro_batching": "none", "context_parallel": 1},
-                           "vocab_stages='off'", planned=True)
+        self._refuse_until("vocab_stages='on'", {"micro_batching": "none"}, "vocab_stages='off'", planned=True)
 
     def _check_context_parallel_degree(self) -> None:
         """Refuse ``context_parallel_degree='per_micro_batch'`` where its rounds cannot run: they need a fixed group

@@ -312,8 +312,8 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
         _after_materialize(parts, root, layout_changes, load_weights)
     if split_over_stages:
         mesh = vocabulary_mesh(groups)
-        stages.vocabulary = split_head_over_stages(stages, head_shape, trace, mesh,
-                                                   replica_vocabulary_group(groups, global_rank), device, tp)
+        stages.vocabulary = split_head_over_stages(stages, head_shape, trace, mesh, replica_vocabulary_group(
+            groups, global_rank), device, tp, groups.context_group)
         if embedding_path is not None:
             tied_weight = stages.vocabulary.head.weight if head_shape.tied_embedding is not None else None
             stages.embedding = split_embedding_over_stages(stages, embedding_path, mesh, stages.vocabulary.group,

@@ -117,11 +117,11 @@ class Merak3DOptions:
         "on where the layout allows it, the layout planner (when it plans) prices it faster and AutoPipe's "
         "simulation predicts a shorter step. Every rank scores its rows of each micro-batch (the loss pieces "
         "all-reduced) and looks its rows of each step's tokens up for the first stage; a tied head and embedding are "
-        "one weight, and an embedding that is not a plain nn.Embedding stays on the first stage. Runs with "
-        "`schedule` 1f1b, gpipe, interleaved_1f1b or interleaved_zero_bubble (the embedding whole there), "
-        "context_parallel=1, an nn.Linear head (or plain LoRA on one: its lora_B rows split with the head's) "
-        "and next-token cross-entropy; under data_parallel_sharding=`full` the rows stay whole on each replica "
-        "(`lightning_merak.parallel.pipeline.vocab_stages`, `.embedding_stages`).")
+        "one weight, and an embedding that is not a plain nn.Embedding stays on the first stage. Runs with every "
+        "`schedule` (under interleaved_zero_bubble the embedding stays whole) and context_parallel (each context "
+        "rank scores its shard of the sequence), an nn.Linear head (or plain LoRA on one: its lora_B rows split "
+        "with the head's) and next-token cross-entropy; under data_parallel_sharding=`full` the rows stay whole on "
+        "each replica (`lightning_merak.parallel.pipeline.vocab_stages`, `.embedding_stages`).")
     compact_host_memory: bool = option(
         False, "Return freed host memory to the system at once, for CPU runs near their memory limit; steps take "
         "longer. Allocations over 128 KiB are mapped on their own (glibc), so peak resident memory stays near the "

@@ -32,7 +32,6 @@ from lightning_merak.parallel.layout import Layout, default_micro_batches
 from lightning_merak.parallel.materialize import has_meta
 from lightning_merak.parallel.pipeline.meta_trace import materialized_copy
 from lightning_merak.parallel.pipeline.trace import TraceError, find_trunk, trace_model
-from lightning_merak.parallel.pipeline.vocab_stages import VOCAB_STAGE_SCHEDULES
 from lightning_merak.planning.measure.context import time_attention_kernels
 from lightning_merak.planning.measure.experts import (
     expert_layers_of,
@@ -396,9 +395,9 @@ def _sharding_fields(arguments: Merak3DArguments, mode: str) -> dict[str, Any]:
 
 
 def _vocab_stages_choices(arguments: Merak3DArguments) -> tuple[bool, ...]:
-    """Whether the search may split the LM head over the stages: as asked, where the schedule and micro-batching
-    run it (the build refuses the rest)."""
-    if arguments.schedule not in VOCAB_STAGE_SCHEDULES or arguments.micro_batching != "none":
+    """Whether the search may split the LM head over the stages: as asked, where micro-batching runs it (the build
+    refuses the rest)."""
+    if arguments.micro_batching != "none":
         return (False,)
     return {"off": (False,), "on": (True,), "auto": (False, True)}[arguments.vocab_stages]
 

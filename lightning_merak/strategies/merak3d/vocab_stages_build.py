@@ -29,7 +29,7 @@ def splittable_head(model: nn.Module, trace: ModelTrace, arguments: Merak3DArgum
     'on' there is refused with the reason)."""
     if arguments.vocab_stages == "off":
         return None
-    problem = vocab_stages_problem(model, trace, context_parallel=layout.context_parallel, schedule=layout.schedule)
+    problem = vocab_stages_problem(model, trace, schedule=layout.schedule)
     if problem is None:
         problem = head_lora_layout_problem(head_lora(model.get_output_embeddings()), layout.tensor_parallel)
     if problem is not None:
