@@ -121,7 +121,9 @@ def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None, o
                           (2, 2, "1f1b", False, True, False, 1, "full", 1),
                           (2, 1, "interleaved_zero_bubble", False, False, False, 1, "none", 1),
                           (4, 1, "shifted_critical_path", False, True, False, 1, "none", 1),
-                          (2, 1, "1f1b", False, True, False, 1, "none", 2)])
+                          (2, 1, "1f1b", False, True, False, 1, "none", 2),
+                          (2, 1, "interleaved_1f1b", False, False, False, 1, "none", 2),
+                          (2, 1, "1f1b", False, True, False, 2, "none", 2)])
 def test_split_head_matches_single_process(tmp_path, stages: int, replicas: int, schedule: str, on_meta: bool,
                                            tied: bool, frozen: bool, tp: int, sharding: str, cp: int):
     """Loss and every gradient (the head's and the embedding's rows gathered; tied, one weight; frozen, none)
