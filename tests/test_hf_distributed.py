@@ -148,3 +148,44 @@ def test_merak3d_ranks_load_their_shards_and_match_from_pretrained(tmp_path, con
     world = layout["data_parallel"] * layout["pipeline_parallel"] * layout["tensor_parallel"]
     for logits in run_distributed(_predict_pretrained_rank, world, args=(str(tmp_path), layout), timeout_s=180):
         torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+
+
+def _read_regions_rank(rank: int, world_size: int, source: str, layout: dict) -> tuple[torch.Tensor, dict]:
+    """:func:`_predict_pretrained_rank`, recording the shape the loader read of each tensor by name."""
+    from lightning_merak.hf import checkpoint
+
+    read: dict[str, tuple[int, ...]] = {}
+    region = checkpoint._region
+
+    def recorded(name: str, tensor: torch.Tensor) -> tuple:
+        found = region(name, tensor)
+        read[name] = found[2]  # the local shape this rank reads
+        return found
+
+    checkpoint._region = recorded
+    try:
+        return _predict_pretrained_rank(rank, world_size, source, layout), read
+    finally:
+        checkpoint._region = region
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("layout", [{"pipeline_parallel": 2}, {"pipeline_parallel": 2, "tensor_parallel": 2}],
+                         ids=["pp2", "pp2tp2"])
+def test_split_vocabulary_ranks_read_only_their_rows(tmp_path, layout, tied):
+    """vocab_stages on a pretrained meta model: every rank reads its ⌈V/(pp·tp)⌉ rows of the head and the embedding
+    and no rank reads a whole table, and the logits equal ``from_pretrained``'s to 1e-5."""
+    config = LlamaConfig(**{**LLAMA.to_dict(), "tie_word_embeddings": tied})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, max_shard_size="40KB")
+    batches = torch.randint(VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()(batches).logits
+    layout = {"data_parallel": 1, "tensor_parallel": 1, **layout, "vocab_stages": "on"}
+    parts = layout["pipeline_parallel"] * layout["tensor_parallel"]
+    results = run_distributed(_read_regions_rank, parts, args=(str(tmp_path), layout), timeout_s=180)
+    for logits, read in results:
+        torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+        tables = {name: read[name] for name in ("lm_head.weight", "model.embed_tokens.weight") if name in read}
+        assert tables and all(shape == (VOCAB // parts, 32) for shape in tables.values()), tables
+        assert ("lm_head.weight" in tables) != tied  # a tied head is the embedding's rows, read once

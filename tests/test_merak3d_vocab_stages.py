@@ -360,3 +360,37 @@ def test_vocab_stages_refuses_other_adapters_on_the_head_before_work():
     dropout = HeadLoRA("default", 4, 2.0, dropout=0.1)
     assert head_lora_layout_problem(dropout, tensor_parallel=1) is None
     assert "tensor_parallel=1" in head_lora_layout_problem(dropout, tensor_parallel=2)
+
+
+def _rows_check_rank(rank: int, world_size: int, writes: list[bool]) -> str:
+    """Rows allocated for a loader on two ranks, the loader writing them on the ranks ``writes`` says: the check
+    passes where every rank's were written, and is refused on every rank otherwise."""
+    from types import SimpleNamespace
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_merak.parallel.pipeline.vocab_stages import VocabularyExchange, VocabularySlice
+    from lightning_merak.strategies.merak3d.vocab_stages_build import check_rows_loaded
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    head = VocabularySlice(torch.empty(4, 8), None, 8, mesh)
+    stages = SimpleNamespace(vocabulary=VocabularyExchange(head, mesh.get_group(), 0, rank == 1, torch.device("cpu")),
+                             embedding=None)
+
+    def load() -> None:
+        if writes[rank]:
+            with torch.no_grad():  # as the loader writes
+                head.weight.to_local().copy_(torch.ones(4, 8))
+
+    try:
+        check_rows_loaded(stages, load)
+    except ValueError as refused:
+        return str(refused)
+    return "loaded"
+
+
+@pytest.mark.distributed
+def test_rows_a_loader_left_unwritten_are_refused_on_every_rank():
+    assert run_distributed(_rows_check_rank, 2, args=([True, True],), timeout_s=60) == ["loaded", "loaded"]
+    refusals = run_distributed(_rows_check_rank, 2, args=([True, False],), timeout_s=60)
+    assert all("set vocab_stages='off'" in refusal for refusal in refusals)

@@ -151,12 +151,13 @@ class EmbeddingExchange:
 
 def split_embedding_over_stages(stages: nn.ModuleList, path: str, mesh: DeviceMesh, group: dist.ProcessGroup,
                                 device: torch.device, tied_weight: Optional[nn.Parameter] = None,
-                                tensor_parallel: int = 1) -> EmbeddingExchange:
+                                tensor_parallel: int = 1, allocate: bool = False) -> EmbeddingExchange:
     """Put this rank's :class:`EmbeddingRows` in place of the input embedding at ``path`` (in its first stage's
     model, with several stages per rank: the one that has the embedding on the first rank) and return the
     exchange. ``tied_weight``: the split head's weight, which a tied embedding shares.
 
-    Untied, the first stage sends every rank its rows of the table (a scatter over ``mesh``'s group, at build).
+    Untied, the first stage sends every rank its rows of the table (a scatter over ``mesh``'s group, at build), or
+    with ``allocate`` each rank allocates its rows for a pretrained loader to fill (the embedding on meta).
     """
     stage = next((part for part in stages if part.is_first), stages[0])
     first = dist.get_global_rank(mesh.get_group(), 0)
@@ -172,8 +173,12 @@ def split_embedding_over_stages(stages: nn.ModuleList, path: str, mesh: DeviceMe
     if tied_weight is not None:
         weight = tied_weight
     else:
-        table = stage.net.get_submodule(path).weight.detach() if holds else None
-        local = scatter_rows(table, vocab_size, (width,), _TABLE_DTYPES[dtype], device, mesh.get_group(), 0)
+        if allocate:
+            start, end = row_shard_range(vocab_size, mesh.size(), mesh.get_local_rank())
+            local = torch.empty((end - start, width), dtype=_TABLE_DTYPES[dtype], device=device)
+        else:
+            table = stage.net.get_submodule(path).weight.detach() if holds else None
+            local = scatter_rows(table, vocab_size, (width,), _TABLE_DTYPES[dtype], device, mesh.get_group(), 0)
         weight = nn.Parameter(rows_dtensor(local, vocab_size, mesh), bool(trainable))
     rows = EmbeddingRows(weight, None if padding < 0 else padding)
     stage.net.set_submodule(path, rows)

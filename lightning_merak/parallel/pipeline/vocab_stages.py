@@ -335,7 +335,7 @@ class VocabularyExchange:
 
 def split_head_over_stages(stages: nn.ModuleList, shape: HeadShape, trace: ModelTrace, mesh: DeviceMesh,
                            group: dist.ProcessGroup, device: torch.device, tensor_parallel: int = 1,
-                           context: Optional[dist.ProcessGroup] = None) -> VocabularyExchange:
+                           context: Optional[dist.ProcessGroup] = None, allocate: bool = False) -> VocabularyExchange:
     """Put this rank's :class:`VocabularySlice` in place of the head (in its last stage's model, with several
     stages per rank: the one that has the head on the last rank) and return the exchange.
 
@@ -344,6 +344,9 @@ def split_head_over_stages(stages: nn.ModuleList, shape: HeadShape, trace: Model
     every rank its rows of the head (a scatter over ``mesh``'s group, at build: no other rank holds the whole
     head) and broadcasts each micro-batch's hidden state (the same on every tensor-parallel rank of the last
     stage, which all get its gradient). The last stage's forward then ends before the head.
+
+    ``allocate``: each rank allocates its rows instead, for a pretrained loader to fill (no rank holds the whole head;
+    the head on meta). Not with LoRA on the head, whose factors the last stage's adapter holds.
     """
     stage = next((part for part in stages if part.is_last), stages[-1])
     parts = mesh.size()
@@ -352,11 +355,18 @@ def split_head_over_stages(stages: nn.ModuleList, shape: HeadShape, trace: Model
                          "ranks leaves the last rank without rows; set vocab_stages='off'")
     holder = parts - tensor_parallel  # the last stage's first tensor-parallel rank
     source = dist.get_global_rank(mesh.get_group(), holder)
-    head = stage.net.get_submodule(shape.path) if mesh.get_local_rank() == holder else None
-    weight = scatter_rows(None if head is None else head.weight.detach(), shape.vocab_size, (shape.width,),
-                          shape.dtype, device, mesh.get_group(), holder)
-    bias = (scatter_rows(None if head is None else head.bias.detach(), shape.vocab_size, (), shape.dtype, device,
-                         mesh.get_group(), holder) if shape.bias else None)
+    head = stage.net.get_submodule(shape.path) if mesh.get_local_rank() == holder and not allocate else None
+    if allocate:
+        if shape.lora is not None:
+            raise ValueError("the split LM head's rows are allocated for a loader only without LoRA on the head")
+        start, end = row_shard_range(shape.vocab_size, parts, mesh.get_local_rank())
+        weight = torch.empty((end - start, shape.width), dtype=shape.dtype, device=device)
+        bias = torch.empty((end - start,), dtype=shape.dtype, device=device) if shape.bias else None
+    else:
+        weight = scatter_rows(None if head is None else head.weight.detach(), shape.vocab_size, (shape.width,),
+                              shape.dtype, device, mesh.get_group(), holder)
+        bias = (scatter_rows(None if head is None else head.bias.detach(), shape.vocab_size, (), shape.dtype,
+                             device, mesh.get_group(), holder) if shape.bias else None)
     rows = VocabularySlice(weight, bias, shape.vocab_size, mesh, shape.trainable)
     placed: nn.Module = rows
     if shape.lora is not None:  # B's rows split as W's; A and the dropout stay on the last stage

@@ -42,13 +42,12 @@ from lightning_merak.parallel.materialize import (
     init_owners,
     local_tensors,
 )
-from lightning_merak.parallel.pipeline.embedding_stages import split_embedding_over_stages, split_vocabulary_parameters
+from lightning_merak.parallel.pipeline.embedding_stages import split_vocabulary_parameters
 from lightning_merak.parallel.pipeline.meta_trace import materialized_copy
 from lightning_merak.parallel.pipeline.recompute import stage_aware_recompute_ratios
 from lightning_merak.parallel.pipeline.router_aux import RouterAux, router_aux_loss_problem, router_aux_of
 from lightning_merak.parallel.pipeline.stage import RankStages, build_stage_module, tied_parameter_names
 from lightning_merak.parallel.pipeline.trace import ModelTrace, TraceError, find_trunk, trace_model
-from lightning_merak.parallel.pipeline.vocab_stages import split_head_over_stages
 from lightning_merak.parallel.tensor.blocks import (
     LayoutChange,
     TensorParallelPlan,
@@ -69,11 +68,12 @@ from lightning_merak.parallel.tensor.vocab import split_vocabulary
 from lightning_merak.protocols.layout_aware import RecomputedForward
 from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
 from lightning_merak.strategies.merak3d.vocab_stages_build import (
-    replica_vocabulary_group,
+    check_rows_loaded,
+    reads_rows_first,
+    split_vocabulary_over_stages,
     splittable_embedding,
     splittable_head,
     vocab_split_autopipe,
-    vocabulary_mesh,
 )
 from lightning_merak.strategies.merak3d.vocabulary_build import VocabularyRows
 from lightning_merak.util import random_state
@@ -289,11 +289,16 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
         # each rank allocates and reads only its vocabulary rows; see VocabularyRows for random init
         vocabulary = VocabularyRows(parts, groups.tensor_mesh, sequence_plan is not None, materialize_with)
         split_vocabulary_now = False
+    rows_first = split_over_stages and reads_rows_first(head_shape, materialize_with, load_weights)
+    if rows_first:  # each rank allocates only its rows of the split tables; the loader reads only those
+        split_vocabulary_over_stages(stages, head_shape, embedding_path, trace, groups, global_rank, device, True)
     if materialize_with is not None:
         for part in parts:
             _materialize_outside_trunk(part, trace.trunk_path, materialize_with(part))
-    if stages is not None:  # the materialised parameters, not the meta ones they replaced
-        tied = _tied_gradient_groups(stages, tied_names, groups.mesh, global_rank)
+    if stages is not None:  # the materialised parameters, not the meta ones they replaced (split rows: one weight)
+        rows = {id(param) for param in split_vocabulary_parameters(stages, trainable_only=False)}
+        tied = [entry for entry in _tied_gradient_groups(stages, tied_names, groups.mesh, global_rank)
+                if id(entry.param) not in rows]
     layout_changes: dict[str, LayoutChange] = {}
     tensor_partial: list[nn.Parameter] = []
     if (plan is not None or materialize_with is not None) and local_blocks:
@@ -306,20 +311,15 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
         vocabulary.load(lambda: load_weights(_local_tensors(root), layout_changes))
         if tied:  # random init draws the tied rows per stage; loaded ones are equal already
             _start_tied_equal(tied, groups.mesh, global_rank)
+    elif rows_first:
+        check_rows_loaded(stages, lambda: load_weights(_local_tensors(root), layout_changes))
     elif load_weights is not None:
         load_weights(_local_tensors(root), layout_changes)
     if materialize_with is not None:
         _after_materialize(parts, root, layout_changes, load_weights)
-    if split_over_stages:
-        mesh = vocabulary_mesh(groups)
-        stages.vocabulary = split_head_over_stages(stages, head_shape, trace, mesh, replica_vocabulary_group(
-            groups, global_rank), device, tp, groups.context_group)
-        if embedding_path is not None:
-            tied_weight = stages.vocabulary.head.weight if head_shape.tied_embedding is not None else None
-            stages.embedding = split_embedding_over_stages(stages, embedding_path, mesh, stages.vocabulary.group,
-                                                           device, tied_weight, tp)
-            held = {id(param) for param in stages.parameters()}
-            tied = [entry for entry in tied if id(entry.param) in held]  # a tied pair split is one weight
+    if split_over_stages and not rows_first:
+        split_vocabulary_over_stages(stages, head_shape, embedding_path, trace, groups, global_rank, device)
+        tied = [entry for entry in tied if any(entry.param is param for param in stages.parameters())]  # one weight
     if split_vocabulary_now:
         replaced = split_vocabulary(list(stages) if stages is not None else [model], groups.tensor_mesh,
                                     sequence_parallel=sequence_plan is not None)

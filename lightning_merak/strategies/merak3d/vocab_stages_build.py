@@ -1,26 +1,39 @@
 """The build's part of ``vocab_stages``: whether the LM head splits over the pipeline ranks, AutoPipe pricing the
-split, and the group its collectives run on (:mod:`lightning_merak.parallel.pipeline.vocab_stages`)."""
+split, the group its collectives run on, and where each rank's rows come from: scattered from the stage that built
+the whole table, or, on a meta model with a pretrained loader, allocated on each rank and read from the files, so
+no rank holds or reads a whole table (:mod:`lightning_merak.parallel.pipeline.vocab_stages`)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_merak.distributed.process_groups import new_group
+from lightning_merak.distributed.process_groups import collective_device, new_group
 from lightning_merak.parallel import pipeline
 from lightning_merak.parallel.layout import Layout, LayoutGroups
-from lightning_merak.parallel.pipeline.embedding_stages import embedding_split_problem
+from lightning_merak.parallel.pipeline.embedding_stages import (
+    embedding_split_problem,
+    split_embedding_over_stages,
+    split_vocabulary_parameters,
+)
 from lightning_merak.parallel.pipeline.head_adapters import head_lora, head_lora_layout_problem
 from lightning_merak.parallel.pipeline.trace import ModelTrace
-from lightning_merak.parallel.pipeline.vocab_stages import HeadShape, tied_to_head, vocab_stages_problem
+from lightning_merak.parallel.pipeline.vocab_stages import (
+    HeadShape,
+    split_head_over_stages,
+    tied_to_head,
+    vocab_stages_problem,
+)
 from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
 
-__all__ = ["embedding_splits_with_head", "replica_vocabulary_group", "splittable_embedding", "splittable_head",
-           "vocab_split_autopipe", "vocabulary_mesh"]
+__all__ = ["check_rows_loaded", "embedding_splits_with_head", "reads_rows_first", "replica_vocabulary_group",
+           "split_vocabulary_over_stages", "splittable_embedding", "splittable_head", "vocab_split_autopipe",
+           "vocabulary_mesh"]
 
 
 def splittable_head(model: nn.Module, trace: ModelTrace, arguments: Merak3DArguments, layout: Layout
@@ -117,3 +130,45 @@ def vocab_split_autopipe(trace: ModelTrace, layout: Layout, mode: str, split_emb
     rank_zero_info(f"merak3d: vocab_stages='auto' simulates {iterations[0] * 1e3:.1f} ms per step with the head on "
                    f"the last stage, {iterations[1] * 1e3:.1f} ms split over the stages")
     return options[1] if iterations[1] < iterations[0] else options[0]
+
+
+def split_vocabulary_over_stages(stages: Any, head: HeadShape, embedding_path: Optional[str], trace: ModelTrace,
+                                 groups: LayoutGroups, global_rank: int, device: torch.device,
+                                 allocate: bool = False) -> None:
+    """Put this rank's rows of the LM head (and of the input embedding at ``embedding_path``) in ``stages`` with
+    their exchanges: scattered from the stages that hold the whole tables, or with ``allocate`` (a meta model and
+    a pretrained loader) allocated on each rank for the loader to fill, so no rank holds or reads a whole table."""
+    mesh, tp = vocabulary_mesh(groups), groups.layout.tensor_parallel
+    stages.vocabulary = split_head_over_stages(
+        stages, head, trace, mesh, replica_vocabulary_group(groups, global_rank), device, tp, groups.context_group,
+        allocate=allocate)
+    if embedding_path is not None:
+        tied_weight = stages.vocabulary.head.weight if head.tied_embedding is not None else None
+        stages.embedding = split_embedding_over_stages(stages, embedding_path, mesh, stages.vocabulary.group, device,
+                                                       tied_weight, tp, allocate=allocate)
+
+
+def reads_rows_first(head: HeadShape, materialize_with: Optional[Callable[..., Any]],
+                     load_weights: Optional[Callable[..., Any]]) -> bool:
+    """Whether each rank allocates its rows of the split ``head`` (and embedding) before the pretrained load
+    (:func:`split_vocabulary_over_stages` with ``allocate``): on a meta model (``materialize_with``) whose loader is
+    a module's pretrained seam with a checkpoint to read (``CausalLMModule(pretrained_path=...)``), without LoRA on
+    the head. Otherwise the rows keep the single-process initialisation the stage holding the table gives them."""
+    reads = getattr(getattr(load_weights, "__self__", None), "pretrained_path", None) is not None
+    return materialize_with is not None and reads and head.lora is None
+
+
+def check_rows_loaded(stages: Any, load: Callable[[], None]) -> None:
+    """Run ``load`` (the pretrained loader) and refuse, on every rank of the vocabulary group, rows it left unwritten:
+    allocated for it, they hold no values (a tensor the model's keys to ignore on load skip)."""
+    params = split_vocabulary_parameters(stages, trainable_only=False)
+    versions = [param.to_local()._version for param in params]
+    load()
+    written = all(param.to_local()._version != version for param, version in zip(params, versions))
+    group = stages.vocabulary.group
+    flag = torch.tensor([1.0 if written else 0.0], device=collective_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    if not flag.item():
+        raise ValueError("the pretrained load left rows of the split LM head or input embedding unwritten (the model "
+                         "ignores that tensor on load); set vocab_stages='off' to keep the model's own initialisation "
+                         "of them")
