@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import warnings
 from collections.abc import Iterator, MutableMapping
 from typing import Any, Callable, Optional
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_merak.modules.config import NEWTON_SCHULZ_DTYPES
@@ -58,14 +58,14 @@ def cpu_multiplies_bfloat16() -> bool:
 
 
 def _warn_slow_bfloat16(params: list[torch.Tensor]) -> None:
-    """Warn (once per process: one call site) where bfloat16 Newton–Schulz would run on a CPU without native
-    bfloat16 products."""
+    """Warn (on rank 0, once: one call site) where bfloat16 Newton–Schulz would run on a CPU without native bfloat16
+    products."""
     if not any(param.device.type == "cpu" for param in params) or cpu_multiplies_bfloat16():
         return
-    warnings.warn(f"Muon's Newton–Schulz iteration runs in bfloat16 (torch.optim.Muon's), which this CPU "
-                  f"({torch.backends.cpu.get_cpu_capability()}, no AVX512-BF16 or AMX) multiplies some 50x slower "
-                  "than float32; set optim.newton_schulz_dtype=float32 for the same iteration in float32",
-                  stacklevel=3)
+    rank_zero_warn(f"Muon's Newton–Schulz iteration runs in bfloat16 (torch.optim.Muon's), which this CPU "
+                   f"({torch.backends.cpu.get_cpu_capability()}, no AVX512-BF16 or AMX) multiplies some 50x slower "
+                   "than float32; set optim.newton_schulz_dtype=float32 for the same iteration in float32",
+                   stacklevel=3)
 
 
 def _muon_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., float]]:
