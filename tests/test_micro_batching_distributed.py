@@ -112,12 +112,18 @@ LAYOUTS = [
     ("dynamic", {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 2, "recompute": "full"}),
     ("dynamic", {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1,
                  "schedule": "shifted_critical_path"}),
+    # the LM head and embedding split over the stages: each micro-batch's labels scored by the exchange
+    ("dynamic", {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1, "vocab_stages": "on"}),
+    ("pack", {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1, "vocab_stages": "on"}),
+    ("dynamic", {"data_parallel": 2, "pipeline_parallel": 2, "tensor_parallel": 1, "micro_batch_tokens": 48,
+                 "vocab_stages": "on"}),
 ]
 
 
 @pytest.mark.parametrize("mode, layout", LAYOUTS, ids=lambda item: item if isinstance(item, str) else
                          "dp{data_parallel}-pp{pipeline_parallel}-tp{tensor_parallel}".format(**item)
-                         + ("-" + item["schedule"] if "schedule" in item else ""))
+                         + ("-" + item["schedule"] if "schedule" in item else "")
+                         + ("-vocab_stages" if "vocab_stages" in item else ""))
 def test_micro_batching_matches_single_process(mode, layout):
     """Same loss and gradients as one process over the same samples, whatever the micro-batches."""
     world_size = layout["data_parallel"] * layout["pipeline_parallel"] * layout["tensor_parallel"]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -170,6 +170,12 @@ class VocabularyExchange:
         """Whether the schedule is inferring its stages' shapes (a loss outside the step's micro-batches)."""
         self.active = True
         """Off while a prediction runs the schedule: the loss it computes is discarded, so nothing is exchanged."""
+        self.shifted = False
+        """Whether the targets are already each position's next token (micro-batching's labels): every position is
+        scored against its own, instead of the targets shifted by one here."""
+        self.token_weight: Optional[float] = None
+        """Each scored token's weight in the loss (micro-batching's global-batch weighting); None: the mean over
+        the micro-batch's scored tokens."""
         self._backward = False
         self._grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
         self._thread: Optional[threading.Thread] = None
@@ -177,12 +183,13 @@ class VocabularyExchange:
 
     # A step ------------------------------------------------------------------------------------
 
-    def begin(self, targets: torch.Tensor, micro_batches: int, backward: bool) -> None:
-        """Start a step of ``micro_batches`` micro-batches of ``targets`` (with their backward when ``backward``)."""
+    def begin(self, targets: Union[torch.Tensor, list[torch.Tensor]], micro_batches: int, backward: bool) -> None:
+        """Start a step of ``micro_batches`` micro-batches of ``targets`` (one tensor split evenly, or each
+        micro-batch's own), with their backward when ``backward``."""
         self._backward, self._grads, self._error = backward, {}, None
         if self.is_last:
             return
-        chunks = list(torch.tensor_split(targets, micro_batches))
+        chunks = list(targets) if isinstance(targets, list) else list(torch.tensor_split(targets, micro_batches))
         self._thread = threading.Thread(target=self._serve, args=(chunks,), name="vocab-stages", daemon=True)
         self._thread.start()
 
@@ -229,6 +236,9 @@ class VocabularyExchange:
         token; with it, every position of this rank's shard against the next token on the whole sequence, the
         count over the whole sequence and the gradients times the group size (summed over the group's ranks when
         the data-parallel reduction averages over ``dp x cp``)."""
+        if self.shifted:
+            labels = targets.reshape(-1).to(self.device)
+            return slice(None), labels, (labels != IGNORE_INDEX).sum(), 1
         if self.context is None:
             labels = targets[:, 1:].reshape(-1).to(self.device)
             return slice(None, -1), labels, (labels != IGNORE_INDEX).sum(), 1
@@ -285,14 +295,16 @@ class VocabularyExchange:
             sums = torch.stack([exponentials.sum(dim=-1), target_logit])
             dist.all_reduce(sums, group=self.group)
             valid = (y != IGNORE_INDEX).float()
-            loss = ((torch.log(sums[0]) + maximum - sums[1]) * valid).sum() / count
+            token_losses = ((torch.log(sums[0]) + maximum - sums[1]) * valid).sum()
+            loss = token_losses / count if self.token_weight is None else token_losses * self.token_weight
             if self.context is not None and self.is_last:  # the whole micro-batch's, on each context rank
                 dist.all_reduce(loss, group=self.context)
             if not backward:
                 return loss, None
             grad_logits = exponentials / sums[0][:, None]
             grad_logits.scatter_add_(1, local_y[:, None], -inside.float()[:, None])
-            grad_logits = (grad_logits * (valid * factor / count)[:, None]).to(x.dtype)
+            weights = valid * factor / count if self.token_weight is None else valid * (factor * self.token_weight)
+            grad_logits = (grad_logits * weights[:, None]).to(x.dtype)
             if self.head.weight.requires_grad:
                 self._accumulate(self.head.weight, grad_logits.t() @ x)
                 if self.head.bias is not None:

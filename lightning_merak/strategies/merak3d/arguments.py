@@ -202,12 +202,9 @@ class Merak3DArguments(Merak3DOptions):
         self._refuse_until(f"context_parallel={cp}", _CONTEXT_PARALLEL_NEEDS, "context_parallel=1", planned=True)
 
     def _check_vocab_stages(self) -> None:
-        """Refuse ``vocab_stages='on'`` with what the split head does not run with yet, before any work."""
+        """Refuse a ``vocab_stages`` value that is not one, before any work."""
         if self.vocab_stages not in ("off", "on", "auto"):
             raise ValueError(f"vocab_stages={self.vocab_stages!r} is not supported; choose 'off', 'on' or 'auto'")
-        if self.vocab_stages != "on":
-            return
-        self._refuse_until("vocab_stages='on'", {"micro_batching": "none"}, "vocab_stages='off'", planned=True)
 
     def _check_context_parallel_degree(self) -> None:
         """Refuse ``context_parallel_degree='per_micro_batch'`` where its rounds cannot run: they need a fixed group

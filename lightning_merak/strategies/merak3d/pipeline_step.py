@@ -25,7 +25,8 @@ from lightning_merak.parallel.pipeline.schedules import ScheduleShiftedCriticalP
 from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
 
-__all__ = ["PipelineStep", "hold_gradients", "restore_gradients"]
+__all__ = ["PipelineStep", "begin_vocabulary", "end_vocabulary", "hold_gradients", "restore_gradients",
+           "watch_shape_inference"]
 
 HeldGradients = list[tuple[nn.Parameter, Optional[torch.Tensor]]]
 
@@ -106,15 +107,7 @@ class PipelineStep:
             self._schedule = schedule_class(pipeline_stages[0], layout.micro_batches,
                                             loss_fn=loss_fn, scale_grads=False)
         if self._vocabulary is not None:
-            schedule = self._schedule
-            flag = next((name for name in ("_stage_backward_initialized", "_stages_backward_initialized")
-                         if hasattr(schedule, name)), None)
-            if flag is None:
-                raise RuntimeError("vocab_stages needs to know when torch's pipeline schedule infers its shapes "
-                                   "(_stage(s)_backward_initialized), which this torch lacks; use the tested torch "
-                                   "2.13 or vocab_stages='off'")
-            # a first training step infers the stages' shapes with one extra loss, which the other ranks do not serve
-            self._vocabulary.inferring = lambda: schedule._has_backward and not getattr(schedule, flag)
+            watch_shape_inference(self._vocabulary, self._schedule)
 
     def loss(self, batch: Any) -> torch.Tensor:
         """Run the schedule on ``batch``; every rank returns the mean micro-batch loss (and, with a router aux
@@ -170,22 +163,10 @@ class PipelineStep:
         return means[0]
 
     def _begin_vocabulary(self, inputs: torch.Tensor, targets: Any, backward: bool) -> None:
-        """Start the split vocabulary layers' step: the embedding's rows come to the first stage, then the head's
-        serving threads start (their collectives share one group, so the embedding's go first and last)."""
-        if self._embedding is not None:
-            self._embedding.begin(inputs, backward)
-        if self._vocabulary is not None:
-            self._vocabulary.active = True
-            self._vocabulary.begin(targets, self._groups.layout.micro_batches, backward)
+        begin_vocabulary(self._stages, inputs, targets, self._groups.layout.micro_batches, backward)
 
     def _end_vocabulary(self, backward: bool) -> None:
-        if self._vocabulary is not None:
-            self._vocabulary.end()
-        if self._embedding is not None:
-            self._embedding.end(backward)
-        group = self._stages.rows_data_parallel_group
-        if backward and group is not None:
-            average_rows_gradients(split_vocabulary_parameters(self._stages), group)
+        end_vocabulary(self._stages, backward)
 
     def backward_passes(self, batch: Any) -> int:
         """Micro-batches a training step on ``batch`` runs (what the data-parallel reduction is armed with)."""
@@ -246,3 +227,39 @@ class PipelineStep:
             with torch.no_grad():
                 logits = gather_stage_logits(logits, self._groups.context_group)
         return logits
+
+
+def watch_shape_inference(vocabulary: Any, schedule: Any) -> None:
+    """Tell the split head's exchange when ``schedule`` infers its stages' shapes: a first training step does so with
+    one extra loss, which the other ranks do not serve."""
+    flag = next((name for name in ("_stage_backward_initialized", "_stages_backward_initialized")
+                 if hasattr(schedule, name)), None)
+    if flag is None:
+        raise RuntimeError("vocab_stages needs to know when torch's pipeline schedule infers its shapes "
+                           "(_stage(s)_backward_initialized), which this torch lacks; use the tested torch "
+                           "2.13 or vocab_stages='off'")
+    vocabulary.inferring = lambda: schedule._has_backward and not getattr(schedule, flag)
+
+
+def begin_vocabulary(stages: RankStages, inputs: Optional[torch.Tensor], targets: Any, micro_batches: int,
+                     backward: bool) -> None:
+    """Start the split vocabulary layers' step: the embedding's rows come to the first stage (``inputs``: the step's
+    token ids there), then the head's serving threads start on ``targets`` (their collectives share one group, so the
+    embedding's go first and last)."""
+    if stages.embedding is not None:
+        stages.embedding.begin(inputs, backward)
+    if stages.vocabulary is not None:
+        stages.vocabulary.active = True
+        stages.vocabulary.begin(targets, micro_batches, backward)
+
+
+def end_vocabulary(stages: RankStages, backward: bool) -> None:
+    """Close the split vocabulary layers' step: their rows' gradients set (averaged over the data-parallel ranks
+    where FSDP2 leaves them alone)."""
+    if stages.vocabulary is not None:
+        stages.vocabulary.end()
+    if stages.embedding is not None:
+        stages.embedding.end(backward)
+    group = stages.rows_data_parallel_group
+    if backward and group is not None:
+        average_rows_gradients(split_vocabulary_parameters(stages), group)

@@ -395,10 +395,7 @@ def _sharding_fields(arguments: Merak3DArguments, mode: str) -> dict[str, Any]:
 
 
 def _vocab_stages_choices(arguments: Merak3DArguments) -> tuple[bool, ...]:
-    """Whether the search may split the LM head over the stages: as asked, where micro-batching runs it (the build
-    refuses the rest)."""
-    if arguments.micro_batching != "none":
-        return (False,)
+    """Whether the search may split the LM head over the stages: as asked (the build refuses what cannot run it)."""
     return {"off": (False,), "on": (True,), "auto": (False, True)}[arguments.vocab_stages]
 
 

@@ -45,7 +45,14 @@ from lightning_merak.parallel.pipeline.schedules import ScheduleShiftedCriticalP
 from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
 from lightning_merak.strategies.merak3d.network import ModuleView, PipelinedNetwork
-from lightning_merak.strategies.merak3d.pipeline_step import PipelineStep, hold_gradients, restore_gradients
+from lightning_merak.strategies.merak3d.pipeline_step import (
+    PipelineStep,
+    begin_vocabulary,
+    end_vocabulary,
+    hold_gradients,
+    restore_gradients,
+    watch_shape_inference,
+)
 
 __all__ = ["PipelineSteps", "VariablePipelineStep", "VariableShapeStage", "check_micro_batching",
            "install_pipeline_step", "plan_step"]
@@ -165,8 +172,15 @@ class VariablePipelineStep:
                           "shifted_critical_path": ScheduleShiftedCriticalPath}[layout.schedule]
         self.clock = StageBusyClock([self._stage], device)
         """As :attr:`PipelineStep.clock`."""
+        self._stages = stages
+        loss_fn = vocab_parallel_loss(self._weighted_loss, stages)
+        if stages.vocabulary is not None:  # the split head scores each micro-batch's labels, weighted as below
+            stages.vocabulary.shifted = True
+            loss_fn = stages.vocabulary.loss
         self._schedule = schedule_class(self._stage, max(layout.micro_batches, layout.pipeline_parallel),
-                                        loss_fn=vocab_parallel_loss(self._weighted_loss, stages), scale_grads=False)
+                                        loss_fn=loss_fn, scale_grads=False)
+        if stages.vocabulary is not None:
+            watch_shape_inference(stages.vocabulary, self._schedule)
         self._scale = 1.0
         self._planned: Optional[tuple[VariableBatch, StepPlan]] = None
         self._pending_gradients: list[tuple[nn.Parameter, Optional[torch.Tensor]]] = []
@@ -218,16 +232,22 @@ class VariablePipelineStep:
         stage.chunks = count
         schedule._has_backward = stage.has_backward = training
         parameters = [p for p in stage.submod.parameters() if p.requires_grad]
+        if self._stages.vocabulary is not None:
+            self._stages.vocabulary.token_weight = self._scale
+        token_ids = torch.cat([t.input_ids.reshape(-1) for t in tensors]) if stage.is_first else None
         try:
             stage.clear_runtime_states()
             if training:
                 for param in parameters:
                     param.grad = None
+            begin_vocabulary(self._stages, token_ids, [t.labels for t in tensors], count, training)
+            if training:
                 with self.clock.step():
                     schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs=False)
             else:
                 with torch.no_grad():
                     schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs=False)
+            end_vocabulary(self._stages, training)
         finally:
             schedule._has_backward = True
         if training:
@@ -263,12 +283,12 @@ def _check_token_loss(module: Any) -> None:
             "CausalLMModule's loss_from_logits")
 
 
-def _check_split_head_loss(view: ModuleView, options: MicroBatching) -> None:
+def _check_split_head_loss(view: ModuleView) -> None:
     """Refuse what the LM head split over the pipeline ranks cannot score: its exchange computes next-token
     cross-entropy itself, on whole micro-batches."""
-    if not view.contract or options.enabled:
+    if not view.contract:
         raise ValueError("vocab_stages scores whole micro-batches of a module with the whole contract "
-                         "(CausalLMModule's); set vocab_stages='off' or micro_batching='none'")
+                         "(CausalLMModule's); set vocab_stages='off'")
     if not scores_next_token(view.module):
         raise ValueError(f"vocab_stages computes next-token cross-entropy itself, but {type(view.module).__name__}"
                          ".loss_from_logits is its own; keep CausalLMModule's loss or set vocab_stages='off'")
@@ -302,7 +322,7 @@ def install_pipeline_step(options: MicroBatching, view: ModuleView, stages: Rank
     network's attribute gets the stages, called through a :class:`~.network.PipelinedNetwork`."""
     module = view.module
     if stages.vocabulary is not None:
-        _check_split_head_loss(view, options)
+        _check_split_head_loss(view)
     context_loss = None  # the last stage's loss on its rows of the sequence, under context parallelism
     if groups.layout.context_parallel > 1:
         _check_context_stage_loss(view)
