@@ -263,6 +263,11 @@ def muon(data: dict[str, Any]) -> Table:
                      ratio(r.get("over_adamw")), f"{r['loss_last']:.4f}"])
     notes = [f"workload: {data['workload_description']}; baseline: {data['baseline']}",
              f"ranks: {data['rank_cpu']['emulation']}; {data['network_note']}"]
+    if data.get("machine", {}).get("cpu_bfloat16") is False:
+        notes.append("this CPU multiplies bfloat16 without native support, so torch's bfloat16 Newton–Schulz (ours "
+                     "and the port at their defaults) outweighs the forward and backward and sets both step goals' "
+                     "figures here; figures from a CPU that multiplies it natively: "
+                     "docs/design/data-parallel-sharding.md")
     if any(r["optimizer"] == "muon_float32" for r in data["rows"]):
         notes.append("muon_float32: ours with optim.newton_schulz_dtype=float32 (the Newton–Schulz iteration in "
                      "float32 instead of torch.optim.Muon's bfloat16), a labelled row in no goal")

@@ -59,3 +59,11 @@ def test_the_machine_line_says_whether_the_cpu_multiplies_bfloat16() -> None:
     assert cpu_features({"cpu_capability": "AVX2", "cpu_bfloat16": False}) == " (AVX2, no native bfloat16 products)"
     assert cpu_features({"cpu_capability": "AVX512", "cpu_bfloat16": True}) == " (AVX512, native bfloat16 products)"
     assert cpu_features({}) == ""  # records from before the field
+
+
+def test_the_muon_table_says_when_the_cpu_multiplies_bfloat16_without_native_support() -> None:
+    data = {"rows": [], "workload_description": "w", "baseline": "b", "rank_cpu": {"emulation": "quota"},
+            "network_note": "tbf"}
+    assert not any("without native support" in note for note in table(data).notes)
+    slow = table({**data, "machine": {"cpu_bfloat16": False}}).notes
+    assert any("without native support" in note and "data-parallel-sharding.md" in note for note in slow)

@@ -36,7 +36,7 @@ from lightning_merak.parallel.context.sharding import LoadBalancedLayout
 from lightning_merak.parallel.layout import LayoutGroups
 
 __all__ = ["ContextStageForward", "context_parallel_stage_loss", "gather_stage_logits",
-           "install_context_parallel_layout"]
+           "install_context_parallel_layout", "shard_next_token_labels"]
 
 
 class ContextStageForward:
@@ -74,18 +74,22 @@ def context_parallel_stage_loss(group: dist.ProcessGroup) -> Callable[[Tensor, T
     """The last stage's loss on this rank's logits rows ``[batch, sequence / cp, vocab]``: next-token
     cross-entropy of the whole micro-batch ``targets`` ``[batch, sequence]`` (``CausalLMModule.loss_from_logits``'
     mean), the same on every rank of ``group``."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-
     def loss(logits: Tensor, targets: Tensor) -> Tensor:
-        layout = LoadBalancedLayout(targets.shape[1], size)
-        shifted = next_token_labels(targets)
-        local = layout.shard(shifted, rank, dim=1).to(logits.device)
-        count = (shifted != IGNORE_INDEX).sum().to(logits.device)
-        summed = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), local.reshape(-1),
+        local, count = shard_next_token_labels(targets, group)
+        summed = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), local.to(logits.device).reshape(-1),
                                  ignore_index=IGNORE_INDEX, reduction="sum")
-        return SumOverGroup.apply(summed / count, group)
+        return SumOverGroup.apply(summed / count.to(logits.device), group)
 
     return loss
+
+
+def shard_next_token_labels(targets: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
+    """This rank's load-balanced shard of ``targets`` ``[batch, sequence]`` shifted on the whole sequence (each
+    position's next token), and how many tokens the whole sequence scores: what a stage scoring its rows of the
+    sequence needs (the last stage's loss, the split LM head's exchange)."""
+    shifted = next_token_labels(targets)
+    layout = LoadBalancedLayout(targets.shape[1], dist.get_world_size(group))
+    return layout.shard(shifted, dist.get_rank(group), dim=1), (shifted != IGNORE_INDEX).sum()
 
 
 def gather_stage_logits(logits: Tensor, group: dist.ProcessGroup) -> Tensor:

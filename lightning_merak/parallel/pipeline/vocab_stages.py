@@ -41,8 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_merak.parallel.context.model import next_token_labels
-from lightning_merak.parallel.context.sharding import LoadBalancedLayout
+from lightning_merak.parallel.context.stages import shard_next_token_labels
 from lightning_merak.parallel.pipeline.embedding_stages import embedding_split_problem
 from lightning_merak.parallel.pipeline.head_adapters import HeadLoRA, LoRAHeadRows, head_adapter_problem
 from lightning_merak.parallel.pipeline.recording import ModelTrace
@@ -242,10 +241,8 @@ class VocabularyExchange:
         if self.context is None:
             labels = targets[:, 1:].reshape(-1).to(self.device)
             return slice(None, -1), labels, (labels != IGNORE_INDEX).sum(), 1
-        size = dist.get_world_size(self.context)
-        shifted = next_token_labels(targets)
-        local = LoadBalancedLayout(targets.shape[1], size).shard(shifted, dist.get_rank(self.context), dim=1)
-        return slice(None), local.reshape(-1).to(self.device), (shifted != IGNORE_INDEX).sum().to(self.device), size
+        local, count = shard_next_token_labels(targets, self.context)
+        return slice(None), local.reshape(-1).to(self.device), count.to(self.device), dist.get_world_size(self.context)
 
     def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The whole vocabulary's logits of ``hidden`` (the same on every rank; a collective over the ranks)."""

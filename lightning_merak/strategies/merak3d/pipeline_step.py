@@ -138,17 +138,17 @@ class PipelineStep:
             parameters = [p for p in stage.parameters() if p.requires_grad]
             for param in parameters:
                 param.grad = None
-            self._begin_vocabulary(inputs, targets, backward=True)
+            begin_vocabulary(stage, inputs, targets, self.micro_batches, backward=True)
             with self.clock.step():
                 self._schedule.step(*args, return_outputs=False, **kwargs)
-                self._end_vocabulary(backward=True)
+                end_vocabulary(stage, backward=True)
             self._pending_gradients = hold_gradients(parameters, self._groups.layout.micro_batches,
                                                      self.scaled_later)
         else:
-            self._begin_vocabulary(inputs, targets, backward=False)
+            begin_vocabulary(stage, inputs, targets, self.micro_batches, backward=False)
             with torch.no_grad():
                 self._schedule.eval(*args, return_outputs=False, **kwargs)
-            self._end_vocabulary(backward=False)
+            end_vocabulary(stage, backward=False)
         # float32 on every stage: the broadcast must agree in size whatever the precision (bf16-true)
         results = [torch.stack([l.detach() for l in losses]).float().mean()] if stage.is_last else [
             torch.zeros((), dtype=torch.float32, device=self._device)]
@@ -161,12 +161,6 @@ class PipelineStep:
         if self._router_aux_loss is not None:
             module._router_aux_loss = means[1]
         return means[0]
-
-    def _begin_vocabulary(self, inputs: torch.Tensor, targets: Any, backward: bool) -> None:
-        begin_vocabulary(self._stages, inputs, targets, self._groups.layout.micro_batches, backward)
-
-    def _end_vocabulary(self, backward: bool) -> None:
-        end_vocabulary(self._stages, backward)
 
     def backward_passes(self, batch: Any) -> int:
         """Micro-batches a training step on ``batch`` runs (what the data-parallel reduction is armed with)."""
