@@ -68,9 +68,13 @@ def _train_cases(rank: int, world_size: int) -> dict[str, dict]:
 
 def test_compiled_blocks_train_like_the_eager_model_at_every_layout():
     expected = _reference()
-    for results in run_distributed(_train_cases, 2, timeout_s=540):
+    per_rank = run_distributed(_train_cases, 2, timeout_s=540)
+    for name in CASES:
+        # A measured AutoPipe cut may leave a pipeline stage only the embedding or the head: count blocks over ranks.
+        reasons = [reason for results in per_rank for reason in results[name]["eager"]]
+        assert reasons and not any(reasons), f"{name}: every block compiled whole"
+    for results in per_rank:
         for name, result in results.items():
             assert result["losses"] == pytest.approx(expected, rel=1e-5), name
-            assert result["eager"] and not any(result["eager"]), f"{name}: every block compiled whole"
             assert result["first"].graph_breaks == 0, name
             assert result["later"].graphs == 0 and result["later"].recompiles == 0, f"{name}: nothing compiled again"
