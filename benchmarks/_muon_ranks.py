@@ -156,7 +156,10 @@ def run_job(job: Job, workload: Workload) -> dict[str, Any]:
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[timer])
     trainer.fit(module, datamodule=_TokenData(workload, job.steps))
-    return {"step_s": timer.step_s, "optimizer_s": timer.optimizer_s, "losses": timer.losses}
+    partition = trainer.strategy.partition
+    return {"step_s": timer.step_s, "optimizer_s": timer.optimizer_s, "losses": timer.losses,
+            "boundaries": None if partition is None else list(partition.boundaries),
+            "stage_optimizer_s": None if partition is None else partition.stage_optimizer_s}
 
 
 def rank_file(out: Path, rank: int) -> Path:

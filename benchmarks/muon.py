@@ -22,7 +22,8 @@ sharding, none). At each, side by side on the same batches from the same seed (`
 
 Per row: ``step_ms`` (median over the timed steps, warm-up dropped, of the slowest rank's step) and
 ``optimizer_ms`` (the same statistic of the part after the backward: the optimizer's step with its collectives, what
-the three rows differ in; a diagnostic, no goal). Goals (issue #53;
+the three rows differ in; a diagnostic, no goal), with each rank's ``optimizer_ms_by_rank``, and at pp2 AutoPipe's
+``boundaries`` and the Newton–Schulz work it priced per stage (``priced_optimizer_ms``). Goals (issue #53;
 worst case over the layouts, :func:`benchmarks.goals.worst_case`): :data:`STEP`, :data:`NAIVE`, :data:`LOSS`. A full
 run is written with :func:`benchmarks.goals.write_run`; ``--quick`` writes ``results/muon.quick.json``. Label
 "emulated": measured on this machine's CPU over a shaped network (no latency emulation: no sch_netem). Any row
@@ -137,7 +138,12 @@ def job_rows(jobs: list[Job], by_rank: list[list[dict[str, Any]]], warmup: int, 
         rows.append({**row, "step_ms": 1e3 * statistics.median(slowest[warmup:]),
                      "optimizer_ms": 1e3 * statistics.median(optimizer[warmup:]),
                      "step_ms_by_step": [1e3 * step for step in slowest], "losses": results[0]["losses"],
-                     "loss_last": results[0]["losses"][-1]})
+                     "loss_last": results[0]["losses"][-1],
+                     # where AutoPipe cut and the optimizer work it priced per stage, and each rank's measured
+                     "boundaries": results[0].get("boundaries"),
+                     "priced_optimizer_ms": [1e3 * seconds for seconds in results[0].get("stage_optimizer_s") or []],
+                     "optimizer_ms_by_rank": [1e3 * statistics.median(result["optimizer_s"][warmup:])
+                                              for result in results]})
     for row in rows:
         adamw = next((other for other in rows if other["layout"] == row["layout"] and other["optimizer"] == "adamw"
                       and "step_ms" in other), None)

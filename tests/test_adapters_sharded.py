@@ -120,9 +120,12 @@ def test_quantised_adapters_under_full_and_zero_sharding_equal_the_single_proces
         steps = TrainingTrace(trace.losses[first:last], trace.gradients[first:last])
         for run in runs:  # ZeRO's parameters hold no gradients after the step: only the full runs record them
             recorded = TrainingTrace(run["losses"], run["gradients"] if mode == "full" else [{}] * (last - first))
-            # int8 LoRA's gradients came within 7.2e-6 of the largest entry on this host: leave it room
-            assert_traces_match(steps, recorded, loss_rtol=1e-5, grad_rtol=2e-5 if "int8" in option_name else 1e-5,
-                                check_gradients=mode == "full")
+            # Two ranks' halves of the batch summed in another order than one process's: LoRA's A gradients came
+            # within 1.4e-5 (NF4, an AVX512 host) and 7.2e-6 (int8, an AVX2 host) of the largest entry, so 2e-5
+            try:
+                assert_traces_match(steps, recorded, loss_rtol=1e-5, grad_rtol=2e-5, check_gradients=mode == "full")
+            except AssertionError as error:
+                raise AssertionError(f"{option_name} under {mode}: {error}") from None
             int8 = "int8" in option_name
             base = "Linear8bitLt" if int8 else "QuantLinearInt4" if "int4" in option_name else "Linear4bit"
             assert run["base"] == [base], run["base"]

@@ -168,8 +168,9 @@ def _train_rank(rank: int, world_size: int, layout: dict, first_step: int = 0, l
     trainer.fit(module, datamodule=sharded._ShardedData(first_step, last_step), ckpt_path=resume_from)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
-    optimizer = trainer.optimizers[0]
-    return {"losses": recorder.losses, "embeddings_on_muon": [
+    optimizer, partition = trainer.optimizers[0], trainer.strategy.partition
+    return {"losses": recorder.losses, "stage_optimizer_s": None if partition is None else partition.stage_optimizer_s,
+            "embeddings_on_muon": [
         name for name, param in module.model.named_parameters()
         if "embed" in name or "lm_head" in name if any(param is held for held in optimizer.matrices)]}
 
@@ -184,12 +185,14 @@ def test_merak3d_muon_trains_as_one_process(layout: dict) -> None:
     """Losses against one process: the first (before any update) to 1e-6; after it, Muon's bfloat16 Newton–Schulz
     turns the layouts' gradient rounding (~1e-7) into 1e-5 of the loss from the second step on (spread or not,
     sharded or not: the sharded step itself is bit-exact above), so the bound is 5e-5. The embeddings and head
-    stay with AdamW inside pipeline stages too."""
+    stay with AdamW inside pipeline stages too, and AutoPipe cut the pipeline pricing the Newton–Schulz work."""
     expected = _reference()
     for result in run_distributed(_train_rank, 4, args=(layout,), timeout_s=300):
         assert result["losses"][0] == pytest.approx(expected[0], rel=1e-6)
         assert result["losses"] == pytest.approx(expected, rel=5e-5)
         assert result["embeddings_on_muon"] == []
+        if layout.get("pipeline_parallel", 1) > 1:
+            assert result["stage_optimizer_s"] is not None and sum(result["stage_optimizer_s"]) > 0
 
 
 @pytest.mark.distributed

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, MutableMapping
 from typing import Any, Callable, Optional
 
 import torch
@@ -28,8 +28,9 @@ from torch import nn
 from lightning_merak.modules.config import NEWTON_SCHULZ_DTYPES
 from lightning_merak.parallel.data.owners import OwnedMatrices
 from lightning_merak.parallel.data.whole_matrices import MatrixPieces
+from lightning_merak.util.timing import median_call_time
 
-__all__ = ["NEWTON_SCHULZ_DTYPES", "MatrixMuon", "MuonWithAdamW", "newton_schulz"]
+__all__ = ["NEWTON_SCHULZ_DTYPES", "MatrixMuon", "MuonWithAdamW", "newton_schulz", "newton_schulz_seconds"]
 
 
 def newton_schulz(matrix: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
@@ -332,3 +333,40 @@ class MuonWithAdamW(torch.optim.Optimizer):
             part.load_state_dict(state)
         if self.owners is not None:
             self.owners.drop_state(self.muon.state)
+
+
+def newton_schulz_seconds(optimizers: Iterable[Any], device: torch.device, repeats: int = 3) -> dict[int, float]:
+    """Seconds of the Newton–Schulz iterations a step runs for each parameter (by ``id``) of ``optimizers``:
+    :class:`MuonWithAdamW`'s and :class:`MatrixMuon`'s matrices in their dtype (a stack of experts' matrices:
+    each one's), ``torch.optim.Muon``'s in bfloat16 (its kernel); none for other optimizers. Timed on ``device``
+    once per distinct matrix shape and setting, on random matrices (a parameter on meta is timed by its shape),
+    so AutoPipe can price each stage's optimizer step."""
+    torch_muon = getattr(torch.optim, "Muon", None)
+    timed: dict[tuple[Any, ...], float] = {}
+    seconds: dict[int, float] = {}
+    for optimizer in optimizers:
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer
+        optimizer = optimizer.muon if isinstance(optimizer, MuonWithAdamW) else optimizer
+        if isinstance(optimizer, MatrixMuon):
+            dtype = optimizer.newton_schulz_dtype
+        elif torch_muon is not None and isinstance(optimizer, torch_muon):
+            dtype = "bfloat16"
+        else:
+            continue
+        for group in optimizer.param_groups:
+            settings = (tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"], dtype)
+            for param in group["params"]:
+                shape = tuple(param.shape[-2:])
+                if (shape, settings) not in timed:
+                    timed[(shape, settings)] = _time_newton_schulz(shape, *settings, device, repeats)
+                seconds[id(param)] = timed[(shape, settings)] * (param.numel() // max(shape[0] * shape[1], 1))
+    return seconds
+
+
+def _time_newton_schulz(shape: tuple[int, ...], coefficients: tuple[float, float, float], steps: int, eps: float,
+                        dtype: str, device: torch.device, repeats: int) -> float:
+    matrix = torch.randn(shape, device=device)
+    if dtype == "float32":
+        return median_call_time(lambda: newton_schulz(matrix, coefficients, steps, eps), repeats, device)
+    zeropower = _muon_kernels()[0]
+    return median_call_time(lambda: zeropower(matrix, coefficients, steps, eps), repeats, device)

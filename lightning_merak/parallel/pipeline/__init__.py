@@ -13,7 +13,9 @@ from lightning_merak.parallel.pipeline.costs import (
     Partition,
     VocabularyShare,
     build_partition,
+    optimizer_delays_s,
     split_vocabulary_head,
+    with_optimizer_seconds,
 )
 from lightning_merak.parallel.pipeline.partition import (
     CARRY_FAN_OUT_THRESHOLD,
@@ -52,6 +54,7 @@ __all__ = [
     "estimate_stage_recompute_s",
     "high_fan_out_nodes",
     "merge_skip_connections",
+    "optimizer_delays_s",
     "partition_autopipe",
     "partition_by_parameters",
     "partition_min_max",
@@ -62,6 +65,7 @@ __all__ = [
     "split_vocabulary_head",
     "stage_aware_recompute_ratios",
     "stage_op_order",
+    "with_optimizer_seconds",
 ]
 
 __getattr__ = lazy_attributes(__name__, {"plot_timeline": ".timeline"})  # matplotlib, on first use

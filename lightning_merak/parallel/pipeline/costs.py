@@ -8,8 +8,9 @@ from measurement, FLOP counts or a test.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 DEFAULT_BACKWARD_RATIO = 2.0
 """Backward time as a multiple of forward time when a block has no measured backward (b = 2f)."""
@@ -30,9 +31,12 @@ class BlockCost:
     is_embedding: bool = False
     consumes: tuple[int, ...] = ()
     fan_out_values: tuple[str, ...] = ()
+    optimizer_s: float = 0.0
+    """Seconds this rank's optimizer step spends on the node's parameters beyond elementwise work (Muon's
+    Newton–Schulz iterations), after the pipeline's flush: a stage with more of it starts the next step later."""
 
     def __post_init__(self) -> None:
-        for field_name in ("forward_s", "backward_s", "param_bytes", "output_bytes", "saved_bytes"):
+        for field_name in ("forward_s", "backward_s", "param_bytes", "output_bytes", "saved_bytes", "optimizer_s"):
             if getattr(self, field_name) < 0:
                 raise ValueError(f"block {self.name!r}: {field_name} must be >= 0, got {getattr(self, field_name)}")
 
@@ -56,6 +60,8 @@ class Partition:
     """Bytes each stage boundary sends per micro-batch (one fewer than the stages), each way."""
     vocab_stages: bool = False
     """Whether the LM head is split by vocabulary rows over every stage (its share is in each stage's totals)."""
+    stage_optimizer_s: tuple[float, ...] | None = None
+    """Each stage's priced optimizer work per step (:attr:`BlockCost.optimizer_s`), None where none was priced."""
 
     def __post_init__(self) -> None:
         if not self.boundaries or self.boundaries[0] != 0:
@@ -63,7 +69,8 @@ class Partition:
         if any(later <= earlier for earlier, later in zip(self.boundaries, self.boundaries[1:])):
             raise ValueError(f"boundaries must be strictly increasing, got {self.boundaries}")
         per_stage = [self.stage_forward_s, self.stage_backward_s, self.stage_param_bytes]
-        per_stage += [values for values in (self.stage_recompute_s, self.stage_memory_bytes) if values is not None]
+        per_stage += [values for values in (self.stage_recompute_s, self.stage_memory_bytes, self.stage_optimizer_s)
+                      if values is not None]
         if any(len(values) != self.num_stages for values in per_stage):
             raise ValueError(f"every per-stage field needs {self.num_stages} entries, one per boundary")
         if self.boundary_bytes is not None and len(self.boundary_bytes) != self.num_stages - 1:
@@ -145,7 +152,7 @@ def split_vocabulary_head(
         exchange_bytes=exchange,
     )
     kept = BlockCost(head.name, 0.0, 0.0, 0, head.output_bytes, 0, head.is_embedding, head.consumes,
-                     head.fan_out_values)
+                     head.fan_out_values, head.optimizer_s)
     return [*kept_blocks, kept], share
 
 
@@ -182,4 +189,37 @@ def build_partition(
         stage_recompute_s=None if stage_recompute_s is None else tuple(stage_recompute_s),
         stage_memory_bytes=None if stage_memory_bytes is None else tuple(stage_memory_bytes),
         boundary_bytes=boundary_bytes(blocks, boundaries),
+        stage_optimizer_s=(tuple(sum(block.optimizer_s for block in stage) for stage in stages)
+                           if any(block.optimizer_s for block in blocks) else None),
     )
+
+
+def optimizer_delays_s(stage_forward_s: Sequence[float], stage_backward_s: Sequence[float],
+                       stage_optimizer_s: Sequence[float]) -> list[float]:
+    """Seconds each stage's optimizer step delays the next 1F1B step after the flush. Stage ``s`` finishes its
+    last backward ``sum(backward_s[:s])`` before the first stage does, and its next forward is needed
+    ``sum(forward_s[:s])`` after the first stage's, so its optimizer step hides behind that much; the largest
+    remainder is the step's optimizer tail."""
+    delays, slack = [], 0.0
+    for forward_s, backward_s, optimizer_s in zip(stage_forward_s, stage_backward_s, stage_optimizer_s, strict=True):
+        delays.append(max(optimizer_s - slack, 0.0))
+        slack += forward_s + backward_s
+    return delays
+
+
+def with_optimizer_seconds(costs: Sequence[BlockCost], node_parameters: Sequence[Sequence[Any]],
+                           seconds: Mapping[int, float], ranks: int = 1) -> list[BlockCost]:
+    """``costs`` with each node's ``optimizer_s``: its parameters' ``seconds`` (by ``id``; a parameter two nodes
+    share counts in the first) over the ``ranks`` a stage's optimizer work divides over (its data-parallel
+    replicas, when each matrix has one owner among them)."""
+    if len(node_parameters) != len(costs):
+        raise ValueError(f"{len(node_parameters)} nodes' parameters for {len(costs)} nodes")
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    seen: set[int] = set()
+    priced = []
+    for cost, params in zip(costs, node_parameters):
+        fresh = [param for param in params if id(param) not in seen]
+        seen.update(id(param) for param in fresh)
+        priced.append(replace(cost, optimizer_s=sum(seconds.get(id(param), 0.0) for param in fresh) / ranks))
+    return priced

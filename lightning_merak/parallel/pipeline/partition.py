@@ -21,6 +21,7 @@ from lightning_merak.parallel.pipeline.costs import (
     VocabularyShare,
     boundary_bytes,
     build_partition,
+    optimizer_delays_s,
     split_vocabulary_head,
 )
 from lightning_merak.parallel.pipeline.recompute import blocks_to_recompute
@@ -373,6 +374,11 @@ def partition_autopipe(
     priced with its share of the head and the hidden state's exchange (``p2p_s`` and ``p2p_s_per_byte``, each
     way; :func:`~.costs.split_vocabulary_head`), so the last stage takes layers again; with ``split_embedding``
     the input embedding splits alike, so the first stage does too.
+
+    Nodes' ``optimizer_s`` (Muon's Newton–Schulz work) run after the flush: the refinement minimises the
+    iteration plus the largest of :func:`~.costs.optimizer_delays_s`, moving blocks off the stage whose
+    optimizer step delays the next step as well as off the critical stage, and the min-max start counts each
+    stage's optimizer seconds spread over its micro-batches.
     """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
@@ -401,7 +407,8 @@ def partition_autopipe(
             return math.inf
         start, end = units.block_range(start_unit, end_unit)
         compute_s = units.compute_s[end] - units.compute_s[start] + share.forward_s + share.backward_s
-        return compute_s + _recompute_s(blocks, stage, start, end, ratios)
+        optimizer_s = sum(block.optimizer_s for block in blocks[start:end]) / num_microbatches
+        return compute_s + optimizer_s + _recompute_s(blocks, stage, start, end, ratios)
 
     unit_starts, bottleneck = _min_max_split(len(units), num_stages, stage_time)
     if bottleneck == math.inf:
@@ -412,32 +419,38 @@ def partition_autopipe(
             f"recompute more (recompute_ratios) or use more stages"
         )
 
-    def simulate(starts: Sequence[int]) -> SimulationResult:
+    def simulate(starts: Sequence[int]) -> tuple[float, SimulationResult, int]:
+        """(step seconds: the iteration and the optimizer tail, the simulation, the stage of the tail's
+        slowest optimizer step)."""
         block_starts = units.block_boundaries(starts)
         ranges = _stage_ends(block_starts, len(blocks))
-        return simulate_schedule(
-            [share.forward_s + sum(block.forward_s for block in blocks[start:end]) for start, end in ranges],
-            [share.backward_s + sum(block.resolved_backward_s(backward_ratio) for block in blocks[start:end])
-             for start, end in ranges],
-            num_microbatches,
-            "1f1b",
+        forward_s = [share.forward_s + sum(block.forward_s for block in blocks[start:end]) for start, end in ranges]
+        backward_s = [share.backward_s + sum(block.resolved_backward_s(backward_ratio)
+                                             for block in blocks[start:end]) for start, end in ranges]
+        result = simulate_schedule(
+            forward_s, backward_s, num_microbatches, "1f1b",
             [p2p_s + p2p_s_per_byte * sent for sent in boundary_bytes(blocks, block_starts)],
             [_recompute_s(blocks, stage, start, end, ratios) for stage, (start, end) in enumerate(ranges)],
         )
+        delays = optimizer_delays_s(forward_s, backward_s,
+                                    [sum(block.optimizer_s for block in blocks[start:end]) for start, end in ranges])
+        slowest = max(range(len(delays)), key=delays.__getitem__)
+        return result.iteration_s + delays[slowest], result, slowest
 
-    result = simulate(unit_starts)
+    step_s, result, optimizer_stage = simulate(unit_starts)
     for _ in range(max_iterations):
-        best_move, best_result = None, result
-        for move in _moves_off_stage(unit_starts, result.critical_stage, len(units)):
+        best_move, best = None, (step_s, result, optimizer_stage)
+        stages = {result.critical_stage} | ({optimizer_stage} if step_s > result.iteration_s else set())
+        for move in [move for stage in sorted(stages) for move in _moves_off_stage(unit_starts, stage, len(units))]:
             stage_ends = [*move[1:], len(units)]
             if not all(fits(stage, start, end) for stage, (start, end) in enumerate(zip(move, stage_ends))):
                 continue
             candidate = simulate(move)
-            if candidate.iteration_s < best_result.iteration_s * (1.0 - _RELATIVE_IMPROVEMENT):
-                best_move, best_result = move, candidate
+            if candidate[0] < best[0] * (1.0 - _RELATIVE_IMPROVEMENT):
+                best_move, best = move, candidate
         if best_move is None:
             break
-        unit_starts, result = best_move, best_result
+        unit_starts, (step_s, result, optimizer_stage) = best_move, best
 
     boundaries = units.block_boundaries(unit_starts)
     return build_partition(

@@ -222,6 +222,12 @@ class ModelTrace:
         prefix = [p for p in model.parameters() if id(p) not in trunk_ids and id(p) not in suffix_ids]
         return prefix, suffix
 
+    def node_parameters(self, model: nn.Module) -> list[list[nn.Parameter]]:
+        """The parameters of each node of :attr:`costs`, in order: the prefix, each block, the suffix."""
+        prefix, suffix = self.outside_parameters(model)
+        blocks = [list(block.parameters()) for block in model.get_submodule(self.trunk_path)]
+        return [prefix, *blocks, suffix]
+
 
 def find_trunk(model: nn.Module) -> tuple[str, nn.ModuleList | nn.Sequential]:
     """``(path, blocks)`` of the container of same-class blocks holding the most parameters: an ``nn.ModuleList``

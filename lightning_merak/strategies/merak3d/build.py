@@ -17,7 +17,7 @@ import functools
 import math
 import sys
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_merak.distributed.process_groups import new_group
 from lightning_merak.distributed.sub_batches import SubBatchForward
-from lightning_merak.parallel import pipeline
+from lightning_merak.modules.muon import newton_schulz_seconds
 from lightning_merak.parallel.data.fully_sharded import FullySharded, apply_fully_shard, data_parallel_mesh
 from lightning_merak.parallel.data.gradients import TiedParameter
 from lightning_merak.parallel.float8 import float8_layout_problem, float8_problem
@@ -67,13 +67,13 @@ from lightning_merak.parallel.tensor.sequence import (
 from lightning_merak.parallel.tensor.vocab import split_vocabulary
 from lightning_merak.protocols.layout_aware import RecomputedForward
 from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
+from lightning_merak.strategies.merak3d.partitioning import agree_on_partition
 from lightning_merak.strategies.merak3d.vocab_stages_build import (
     check_rows_loaded,
     reads_rows_first,
     split_vocabulary_over_stages,
     splittable_embedding,
     splittable_head,
-    vocab_split_autopipe,
 )
 from lightning_merak.strategies.merak3d.vocabulary_build import VocabularyRows
 from lightning_merak.util import random_state
@@ -206,7 +206,7 @@ def meta_materializers(model: nn.Module, device: torch.device, broadcast: Broadc
 def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: torch.device,
                 arguments: Merak3DArguments, groups: LayoutGroups,
                 global_rank: int, broadcast: Broadcast, verified_tp_degrees: frozenset[int],
-                load_weights: Optional[WeightLoader] = None) -> BuiltModel:
+                load_weights: Optional[WeightLoader] = None, optimizers: Sequence[Any] = ()) -> BuiltModel:
     """Cut, split and wrap ``model`` for this rank on the shapes of ``inputs``; grad enabled, not in inference mode.
 
     ``verified_tp_degrees`` are the degrees planning already checked the split at; recomputed
@@ -216,7 +216,8 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
     ``tensor_parallel>1`` and a loader, the embedding and head are split over the vocabulary before they are
     materialised (:class:`~lightning_merak.strategies.merak3d.vocabulary_build.VocabularyRows`).
     With ``pipeline_parallel=1`` and ``tensor_parallel=1`` nothing is traced (``inputs`` may be None): plain data
-    parallelism, on ``device``.
+    parallelism, on ``device``. For AutoPipe's cut rank 0 times the Newton–Schulz work of ``optimizers`` (the
+    module's, made before the cut; Muon's).
     """
     layout = groups.layout
     if arguments.float8 is not None:
@@ -267,8 +268,9 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
         vocab_stages = arguments.vocab_stages if head_shape is not None else "off"
         embedding_path = (splittable_embedding(model, trace, head_shape, layout.schedule) if head_shape is not None
                           else None)
-        partition = _agree_on_partition(trace, layout, arguments.partition, global_rank, broadcast, vocab_stages,
-                                        embedding_path is not None)
+        partition = agree_on_partition(trace, layout, arguments.partition, global_rank, broadcast, vocab_stages,
+                                        embedding_path is not None, model,
+                                        lambda: newton_schulz_seconds(optimizers, device))
         stage_ids = [groups.pipeline_rank + k * pp for k in range(layout.virtual_stages)]
         copies = [copy.deepcopy(model) for _ in stage_ids[1:]] + [model]
         stages = RankStages([
@@ -375,30 +377,6 @@ def _router_aux(model: nn.Module, arguments: Merak3DArguments, layout: Layout) -
                          "batch's; set the model's output_router_logits=False, or context_parallel=1 or "
                          "pipeline_parallel=1")
     return router_aux_of(model, find_trunk(model)[1])
-
-
-def _agree_on_partition(trace: ModelTrace, layout: Layout, method: str, global_rank: int,
-                        broadcast: Broadcast, vocab_stages: str = "off", split_embedding: bool = False) -> Any:
-    """Rank 0 partitions its measured costs; every rank uses that partition (with ``vocab_stages`` 'on' or 'auto',
-    AutoPipe and min-max price the head, and with ``split_embedding`` the input embedding, split over the
-    stages)."""
-    num_stages = layout.num_stages
-    partition = None
-    if global_rank == 0:
-        partitioners = {
-            "autopipe": lambda: vocab_split_autopipe(trace, layout, vocab_stages, split_embedding),
-            "min_max": lambda: pipeline.partition_min_max(trace.costs, num_stages, vocab_stages=vocab_stages == "on",
-                                                          split_embedding=split_embedding),
-            "parameters": lambda: pipeline.partition_by_parameters(trace.costs, num_stages),
-            "uniform": lambda: pipeline.partition_uniform(trace.costs, num_stages),
-        }
-        partition = partitioners[method]()
-    partition = broadcast(partition, 0)
-    rank_zero_info(
-        f"merak3d: {method} partition, stage boundaries {partition.boundaries} over "
-        f"{[cost.name for cost in trace.costs]}"
-    )
-    return partition
 
 
 def _tied_gradient_groups(stages: RankStages, tied_names: list[tuple[str, ...]], mesh: DeviceMesh,

@@ -490,7 +490,7 @@ class Merak3DStrategy(CheckpointHooks):
         built = build.build_model(view.network, inputs, device=self.root_device,
                                   arguments=planning.planned_arguments(self._arguments, self.layout_choice),
                                   groups=self.groups, global_rank=self.global_rank, broadcast=self.broadcast,
-                                  verified_tp_degrees=self._verified_tp_degrees,
+                                  verified_tp_degrees=self._verified_tp_degrees, optimizers=self.optimizers,
                                   load_weights=build.weight_loader(module, self._restored_state, view.network,
                                                                    view.state_prefix))
         self._checkpointer.layout_changes = built.layout_changes
