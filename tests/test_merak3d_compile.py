@@ -15,6 +15,7 @@ from lightning_merak.testing import run_distributed
 from lightning_merak.testing.compare import module_losses
 from tests.test_merak3d import VOCAB, _module
 from tests.test_merak3d_sharding import _Losses
+from tests.test_regional_compile import OPTIMIZER
 
 pytestmark = pytest.mark.distributed  # gloo ranks; inductor starts its C++ compiler
 
@@ -31,13 +32,13 @@ def _batches() -> torch.Tensor:
 
 
 def _reference() -> list[float]:
-    return module_losses(_module("llama", "adam"), [(batch,) for batch in _batches()])
+    return module_losses(_module("llama", OPTIMIZER), [(batch,) for batch in _batches()])
 
 
 def _train_cases(rank: int, world_size: int) -> dict[str, dict]:
     results = {}
     for name, layout in CASES.items():
-        module, recorder = _module("llama", "adam"), _Losses()
+        module, recorder = _module("llama", OPTIMIZER), _Losses()
         strategy = Merak3DStrategy(**layout, compile=True, timeout_s=300)
         trainer = pl.Trainer(
             accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1, logger=False,

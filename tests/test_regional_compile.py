@@ -15,6 +15,8 @@ from lightning_merak.protocols.layout_aware import RecomputedForward
 from tests.test_merak3d import MODELS, VOCAB, _module
 
 STEPS, BATCH, SEQ = 10, 4, 16
+OPTIMIZER = "sgd"
+"""Not Adam, whose normalisation amplifies kernels' rounding (the compiled test's docstring)."""
 
 
 class _DataDependentBlock(nn.Module):
@@ -50,11 +52,14 @@ def _losses(module: pl.LightningModule, callbacks: list[pl.Callback]) -> list[fl
 
 @pytest.mark.distributed  # inductor starts its C++ compiler
 def test_callback_compiles_each_block_once_per_class_and_trains_like_eager():
-    eager = _losses(_module("llama", "adam"), [])
+    """SGD: inductor's kernels round differently from eager's (1e-7 of the loss), and Adam turns that rounding on
+    near-zero gradients into whole learning-rate steps (2.2e-5 at step 10 on an AVX512 host), which says nothing
+    about the compiled blocks."""
+    eager = _losses(_module("llama", OPTIMIZER), [])
     torch.compiler.reset()  # graphs an earlier test compiled for this block class would be reused
     before = compile_counts()
     callback = RegionalCompile()
-    compiled = _losses(_module("llama", "adam"), [callback])
+    compiled = _losses(_module("llama", OPTIMIZER), [callback])
     counts = compile_counts() - before
     assert len(callback.compiled) == MODELS["llama"].config["num_hidden_layers"]
     assert all(forward.eager_reason is None for forward in callback.compiled)
