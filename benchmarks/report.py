@@ -38,7 +38,7 @@ def machine_info() -> dict[str, object]:
     """What the figures depend on, and nothing that identifies the host."""
     import torch
 
-    from lightning_merak.modules.muon import cpu_multiplies_bfloat16
+    from lightning_merak.util.cpu_features import cpu_multiplies_bfloat16
 
     return {
         "cpu_count": os.cpu_count(),

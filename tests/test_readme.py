@@ -394,9 +394,10 @@ def _run(argv: list[str], directory: Path, timeout: float) -> Run:
     return Run(process.returncode, stdout, stderr, directory)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Run]:
-    """Runs each distinct argument vector once, in a directory of its own unless given one; repeats share it."""
+    """Runs each distinct argument vector once, in a directory of its own unless given one; repeats share it (for the
+    session: a module-scoped fixture is set up again when xdist runs another module's test in between)."""
     done: dict[tuple[str, ...], Run] = {}
 
     def run(argv: list[str], timeout: float, directory: Path | None = None) -> Run:

@@ -28,6 +28,7 @@ from torch import nn
 from lightning_merak.modules.config import NEWTON_SCHULZ_DTYPES
 from lightning_merak.parallel.data.owners import OwnedMatrices
 from lightning_merak.parallel.data.whole_matrices import MatrixPieces
+from lightning_merak.util.cpu_features import cpu_multiplies_bfloat16
 from lightning_merak.util.timing import median_call_time
 
 __all__ = ["NEWTON_SCHULZ_DTYPES", "MatrixMuon", "MuonWithAdamW", "newton_schulz", "newton_schulz_seconds"]
@@ -48,14 +49,6 @@ def newton_schulz(matrix: torch.Tensor, coefficients: tuple[float, float, float]
         gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         ortho = torch.addmm(ortho, gram_update, ortho, beta=a)
     return ortho.T if tall else ortho
-
-
-def cpu_multiplies_bfloat16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX; torch's private feature checks, taken as
-    native where this torch does not have them)."""
-    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    checks = [check for check in checks if callable(check)]
-    return not checks or any(check() for check in checks)
 
 
 def _warn_slow_bfloat16(params: list[torch.Tensor]) -> None:

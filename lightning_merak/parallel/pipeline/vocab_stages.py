@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_merak.parallel.context.model import IGNORE_INDEX
 from lightning_merak.parallel.context.stages import shard_next_token_labels
 from lightning_merak.parallel.pipeline.embedding_stages import embedding_split_problem
 from lightning_merak.parallel.pipeline.head_adapters import HeadLoRA, LoRAHeadRows, head_adapter_problem
@@ -50,10 +51,6 @@ from lightning_merak.util.row_shards import row_shard_range
 
 __all__ = ["HeadShape", "VocabularyExchange", "VocabularySlice", "head_step_index",
            "split_head_over_stages", "tied_to_head", "vocab_stages_problem"]
-
-IGNORE_INDEX = -100
-"""Targets cross-entropy leaves out (``F.cross_entropy``'s default)."""
-
 
 @dataclass(frozen=True)
 class HeadShape:
