@@ -42,9 +42,7 @@ def _model(optimizer_s: float) -> list[BlockCost]:
 
 def _step_s(partition: pipeline.Partition, blocks: list[BlockCost], micro_batches: int) -> float:
     """The iteration with its optimizer tail, for ``partition``'s cut of ``blocks``."""
-    cut = pipeline.build_partition(blocks, partition.boundaries, "check")
-    iteration = pipeline.simulate_schedule(cut.stage_forward_s, cut.stage_backward_s, micro_batches).iteration_s
-    return iteration + max(optimizer_delays_s(cut.stage_forward_s, cut.stage_backward_s, cut.stage_optimizer_s))
+    return pipeline.predicted_step_s(pipeline.build_partition(blocks, partition.boundaries, "check"), micro_batches)
 
 
 def test_autopipe_moves_blocks_off_the_stage_whose_optimizer_step_delays_the_next() -> None:
@@ -56,6 +54,17 @@ def test_autopipe_moves_blocks_off_the_stage_whose_optimizer_step_delays_the_nex
     assert priced.stage_optimizer_s is not None and len(priced.stage_optimizer_s) == 2
     assert priced.boundaries[1] < blind.boundaries[1], "the first stage, whose step nothing hides, takes fewer blocks"
     assert _step_s(priced, priced_blocks, micro_batches) < _step_s(blind, priced_blocks, micro_batches)
+
+
+def test_the_predicted_step_adds_the_slowest_stages_optimizer_delay() -> None:
+    blocks = _model(6.0)
+    cut = pipeline.build_partition(blocks, [0, 5], "check")
+    iteration = pipeline.simulate_schedule(cut.stage_forward_s, cut.stage_backward_s, 4).iteration_s
+    assert cut.stage_optimizer_s == (24.0, 24.0)  # four blocks each
+    # the first stage's 24 s wait whole; the second's hide behind the first stage's 0.3 + 12 s of compute
+    assert pipeline.predicted_step_s(cut, 4) == pytest.approx(iteration + 24.0)
+    blind = pipeline.build_partition(_model(0.0), [0, 5], "check")
+    assert blind.stage_optimizer_s is None and pipeline.predicted_step_s(blind, 4) == pytest.approx(iteration)
 
 
 class _Net(nn.Module):

@@ -27,6 +27,7 @@ from lightning_merak.parallel.pipeline.partition import (
     partition_by_parameters,
     partition_min_max,
     partition_uniform,
+    predicted_step_s,
 )
 from lightning_merak.parallel.pipeline.recompute import blocks_to_recompute, stage_aware_recompute_ratios
 from lightning_merak.parallel.pipeline.simulate import (
@@ -61,6 +62,7 @@ __all__ = [
     "partition_uniform",
     "peak_inflight_microbatches",
     "plot_timeline",
+    "predicted_step_s",
     "simulate_schedule",
     "split_vocabulary_head",
     "stage_aware_recompute_ratios",

@@ -464,3 +464,13 @@ def partition_autopipe(
         ),
         vocabulary=vocabulary,
     )
+
+
+def predicted_step_s(partition: Partition, num_microbatches: int) -> float:
+    """The simulated 1F1B step of ``partition``: its iteration plus, where optimizer work was priced, the delay the
+    slowest stage's optimizer step adds after the flush (:func:`~.costs.optimizer_delays_s`)."""
+    iteration = simulate_schedule(partition.stage_forward_s, partition.stage_backward_s, num_microbatches).iteration_s
+    if partition.stage_optimizer_s is None:
+        return iteration
+    return iteration + max(optimizer_delays_s(partition.stage_forward_s, partition.stage_backward_s,
+                                              partition.stage_optimizer_s))

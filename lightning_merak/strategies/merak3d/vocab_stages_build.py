@@ -125,8 +125,7 @@ def vocab_split_autopipe(trace: ModelTrace, layout: Layout, mode: str, split_emb
     options = [pipeline.partition_autopipe(trace.costs, num_stages, micro_batches, vocab_stages=split,
                                            split_embedding=split_embedding)
                for split in (False, True)]
-    iterations = [pipeline.simulate_schedule(p.stage_forward_s, p.stage_backward_s, micro_batches).iteration_s
-                  for p in options]
+    iterations = [pipeline.predicted_step_s(option, micro_batches) for option in options]
     rank_zero_info(f"merak3d: vocab_stages='auto' simulates {iterations[0] * 1e3:.1f} ms per step with the head on "
                    f"the last stage, {iterations[1] * 1e3:.1f} ms split over the stages")
     return options[1] if iterations[1] < iterations[0] else options[0]
