@@ -141,6 +141,7 @@ class _Units:
         self.block_starts = [group[0] for group in self.groups] + [len(blocks)]
         compute_s = (block.forward_s + block.resolved_backward_s(backward_ratio) for block in blocks)
         self.compute_s = list(accumulate(compute_s, initial=0.0))
+        self.optimizer_s = list(accumulate((block.optimizer_s for block in blocks), initial=0.0))
         self.param_bytes = list(accumulate((block.param_bytes for block in blocks), initial=0))
 
     def __len__(self) -> int:
@@ -407,7 +408,7 @@ def partition_autopipe(
             return math.inf
         start, end = units.block_range(start_unit, end_unit)
         compute_s = units.compute_s[end] - units.compute_s[start] + share.forward_s + share.backward_s
-        optimizer_s = sum(block.optimizer_s for block in blocks[start:end]) / num_microbatches
+        optimizer_s = (units.optimizer_s[end] - units.optimizer_s[start]) / num_microbatches
         return compute_s + optimizer_s + _recompute_s(blocks, stage, start, end, ratios)
 
     unit_starts, bottleneck = _min_max_split(len(units), num_stages, stage_time)
