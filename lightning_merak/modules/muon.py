@@ -51,6 +51,12 @@ def newton_schulz(matrix: torch.Tensor, coefficients: tuple[float, float, float]
     return ortho.T if tall else ortho
 
 
+def _iteration_in(dtype: str, zeropower: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The Newton–Schulz iteration run in ``dtype`` (:data:`NEWTON_SCHULZ_DTYPES`): :func:`newton_schulz` in float32,
+    torch's kernel ``zeropower`` in bfloat16; both take ``(matrix, coefficients, steps, eps)``."""
+    return newton_schulz if dtype == "float32" else zeropower
+
+
 def _warn_slow_bfloat16(params: list[torch.Tensor]) -> None:
     """Warn (on rank 0, once: one call site) where bfloat16 Newton–Schulz would run on a CPU without native bfloat16
     products."""
@@ -118,10 +124,10 @@ class MatrixMuon(torch.optim.Optimizer):
     def _orthogonalised(self, update: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """torch's Newton–Schulz iteration on a matrix, or on each matrix of a stack (``[..., rows, cols]``), in
         :attr:`newton_schulz_dtype`."""
+        iteration = _iteration_in(self.newton_schulz_dtype, self._zeropower)
+
         def one(matrix: torch.Tensor) -> torch.Tensor:
-            if self.newton_schulz_dtype == "float32":
-                return newton_schulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
-            return self._zeropower(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            return iteration(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
         if update.ndim == 2:
             return one(update)
@@ -358,8 +364,5 @@ def newton_schulz_seconds(optimizers: Iterable[Any], device: torch.device, repea
 
 def _time_newton_schulz(shape: tuple[int, ...], coefficients: tuple[float, float, float], steps: int, eps: float,
                         dtype: str, device: torch.device, repeats: int) -> float:
-    matrix = torch.randn(shape, device=device)
-    if dtype == "float32":
-        return median_call_time(lambda: newton_schulz(matrix, coefficients, steps, eps), repeats, device)
-    zeropower = _muon_kernels()[0]
-    return median_call_time(lambda: zeropower(matrix, coefficients, steps, eps), repeats, device)
+    matrix, iteration = torch.randn(shape, device=device), _iteration_in(dtype, _muon_kernels()[0])
+    return median_call_time(lambda: iteration(matrix, coefficients, steps, eps), repeats, device)
