@@ -18,6 +18,7 @@ from transformers import (
     MixtralForCausalLM,
 )
 
+from lightning_merak.distributed.sub_batches import SubBatchForward
 from lightning_merak.parallel.context.model import check_context_parallel_model, install_context_parallel, segment_ids
 from lightning_merak.testing import run_distributed
 
@@ -54,6 +55,11 @@ def _batch(kind: str) -> dict[str, torch.Tensor]:
         mask[1, -PADDING:] = 0
         batch["attention_mask"] = mask
         labels[1, -PADDING:] = -100
+    elif kind == "left_padded":  # the second row's head is padding, which its tokens must not see
+        mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+        mask[1, :PADDING] = 0
+        batch["attention_mask"] = mask
+        labels[1, :PADDING + 1] = -100  # the first real token would be the last padding's target
     return batch
 
 
@@ -90,8 +96,10 @@ def _loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], with_labels: b
     return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1))
 
 
-def _rank(rank: int, world_size: int, family: str, kind: str, method: str, with_labels: bool):
+def _rank(rank: int, world_size: int, family: str, kind: str, method: str, with_labels: bool, sub_batches: int):
     model = _model(family)
+    if sub_batches > 1:  # as merak3d's tp_overlap: each sub-batch of rows in its turn, inside the split sequence
+        model.forward = SubBatchForward(model, sub_batches)
     install_context_parallel(model, dist.group.WORLD, method)
     loss = _loss(model, _batch(kind), with_labels)
     loss.backward()
@@ -103,22 +111,26 @@ def _rank(rank: int, world_size: int, family: str, kind: str, method: str, with_
 
 
 CASES = [
-    ("llama", "plain", "ring", True, 2),
-    ("llama", "plain", "all_to_all", True, 2),
-    ("llama", "packed", "ring", True, 2),
-    ("llama", "plain", "ring", False, 2),
-    ("mistral", "plain", "ring", True, 4),
-    ("mistral", "packed", "all_to_all", True, 2),
-    ("mixtral", "padded", "ring", True, 2),  # padding, and the router aux loss over every rank's tokens
+    ("llama", "plain", "ring", True, 2, 1),
+    ("llama", "plain", "all_to_all", True, 2, 1),
+    ("llama", "packed", "ring", True, 2, 1),
+    ("llama", "plain", "ring", False, 2, 1),
+    ("mistral", "plain", "ring", True, 4, 1),
+    ("mistral", "packed", "all_to_all", True, 2, 1),
+    ("mixtral", "padded", "ring", True, 2, 1),  # padding, and the router aux loss over every rank's tokens
+    # one row per sub-batch: each attention call reads its rows' documents, the router logits leave each region
+    ("mixtral", "left_padded", "ring", True, 2, 2),
+    ("mistral", "packed", "all_to_all", True, 2, 2),
 ]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("family, kind, method, with_labels, ranks", CASES,
+@pytest.mark.parametrize("family, kind, method, with_labels, ranks, sub_batches", CASES,
                          ids=["-".join(map(str, case)) for case in CASES])
-def test_context_parallel_model_equals_one_process(family, kind, method, with_labels, ranks) -> None:
+def test_context_parallel_model_equals_one_process(family, kind, method, with_labels, ranks, sub_batches) -> None:
     expected_loss, expected_grads = _reference(family, kind, with_labels)
-    results = run_distributed(_rank, world_size=ranks, args=(family, kind, method, with_labels), timeout_s=240)
+    results = run_distributed(_rank, world_size=ranks, args=(family, kind, method, with_labels, sub_batches),
+                              timeout_s=240)
     for loss, grads in results:
         assert abs(loss - expected_loss) <= TOLERANCE * abs(expected_loss)
         for name, grad in grads.items():

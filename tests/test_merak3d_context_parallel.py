@@ -69,6 +69,8 @@ LAYOUTS = {
     "cp2-tp2": ({"context_parallel": 2, "tensor_parallel": 2}, 4),  # heads split over tp, sequence over cp
     # each context rank's tokens split again over tp between the blocks' column and row layers
     "cp2-tp2-sp": ({"context_parallel": 2, "tensor_parallel": 2, "sequence_parallel": True}, 4),
+    # each micro-batch's sub-batches take turns at the tensor- and context-parallel collectives
+    "cp2-tp2-overlap2": ({"context_parallel": 2, "tensor_parallel": 2, "tp_overlap": 2}, 4),
     # each stage's blocks run on the shard its input holds; the last stage scores its rows of the sequence
     "cp2-pp2": ({"context_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2}, 4),
     "cp2-pp2-zero-bubble-all_to_all": ({"context_parallel": 2, "context_attention": "all_to_all",
@@ -148,7 +150,6 @@ def test_the_degrees_planned_follow_the_options_and_the_model() -> None:
 @pytest.mark.parametrize("arguments, message", [
     ({"context_parallel": 0}, "context_parallel=0 must be a positive integer"),
     ({"context_parallel": 2, "context_attention": "ulysses"}, "choose one of ring, all_to_all"),
-    ({"context_parallel": 2, "tensor_parallel": 2, "tp_overlap": 2}, "tp_overlap=1"),
     ({"context_parallel": "auto", "planner_calibration": __file__}, "planner_calibration='analytic'"),
     ({"context_parallel": 2, "tensor_parallel": "auto", "planner_calibration": __file__}, "cannot rank"),
 ])

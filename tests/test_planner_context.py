@@ -86,6 +86,23 @@ def test_all_to_all_prediction_matches_hand_computation():
     assert ulysses.components["context_exchange"] == pytest.approx(2 * 4 * 0.74)
 
 
+def test_each_sub_batch_exchanges_its_own_rows_in_its_turn():
+    space = SearchSpace(world_size=4, global_batch_size=2, tp_degrees_allowed=(2,), max_pipeline_stages=1,
+                        context_parallel_degrees=(2,), overlap_choices=(1, 2))
+    heads = dataclasses.replace(_GQA, key_value_heads=2)  # one key/value head per tensor-parallel rank
+    profile = dataclasses.replace(
+        _profile(heads, samples=(1, 2)), block_parameter_bytes={2: 50}, block_activation_bytes_per_sample={2: 250},
+        block_times={(2, n): BlockTimes((2.0 * n, 4.0 * n), (8.0 * n, 4.0 * n)) for n in (1, 2)})
+    split = predict(Layout(1, 1, 2, 1, 2, 0.0, cp=2), profile, _NETWORK, space)
+    # each sub-batch (1 sample; a quarter of it per rank, 64 bytes of keys and values) rings on its own: forward
+    # 0.74 s behind the kernel's share of 2 / 2 s split over 2 steps, backward 1.38 s behind its share of 4 / 2 s,
+    # then the last hop; twice
+    kernel = heads.kernel_fraction
+    assert split.components["context_exchange"] == pytest.approx(2 * ((0.74 - kernel / 2) + (1.38 - kernel) + 0.74))
+    whole = predict(Layout(1, 1, 2, 1, 1, 0.0, cp=2), profile, _NETWORK, space)
+    assert whole.components["context_exchange"] < split.components["context_exchange"]  # one latency per message
+
+
 def test_recompute_runs_the_forward_exchange_again():
     space = SearchSpace(world_size=2, global_batch_size=2, tp_degrees_allowed=(1,), max_pipeline_stages=1,
                         context_parallel_degrees=(2,), recompute_ratios=(0.0, 1.0))
@@ -102,13 +119,15 @@ def test_a_context_rank_is_a_data_parallel_rank_for_sharding():
     assert sharded.memory_components["optimizer_state"] == pytest.approx(400 / 4)  # over dp x cp = 4 ranks
 
 
-def test_candidates_split_sequences_without_sub_batches_and_in_stages_where_the_module_allows():
+def test_candidates_split_sequences_with_sub_batches_and_in_stages_where_the_module_allows():
     space = SearchSpace(world_size=4, replica_batch_size=4, global_batch_size=None, tp_degrees_allowed=(1, 2),
                         max_pipeline_stages=4, context_parallel_degrees=(1, 2, 4), context_with_stages=False)
     layouts = candidate_layouts(space)
     split = [layout for layout in layouts if layout.cp > 1]
     assert {(layout.cp, layout.tp, layout.dp) for layout in split} == {(2, 1, 2), (2, 2, 1), (4, 1, 1)}
-    assert all(layout.pp == 1 and layout.overlap == 1 for layout in split)
+    assert all(layout.pp == 1 for layout in split)
+    assert {layout.overlap for layout in split if layout.tp == 2} == {1, 2, 4}  # sub-batches take turns at both
+    assert {layout.overlap for layout in split if layout.tp == 1} == {1}
     assert {layout.context_attention for layout in split} == {"ring", "all_to_all"}
     assert layouts[:len(candidate_layouts(dataclasses.replace(space, context_parallel_degrees=(1,))))] == [
         layout for layout in layouts if layout.cp == 1]  # without context parallelism the search is unchanged
@@ -118,8 +137,8 @@ def test_candidates_split_sequences_without_sub_batches_and_in_stages_where_the_
               if layout.cp > 1]
     assert {(layout.cp, layout.pp, layout.tp, layout.dp) for layout in staged} == {
         (2, 1, 1, 2), (2, 1, 2, 1), (4, 1, 1, 1), (2, 2, 1, 1)}  # cp2 x pp2 joins them
-    with pytest.raises(ValueError, match="cp=2 runs with overlap=1"):
-        Layout(1, 2, 2, 2, 2, 0.0, cp=2)
+    with pytest.raises(ValueError, match="cp=2 runs with ep=1"):
+        Layout(2, 1, 1, 1, 1, 0.0, ep=2, cp=2)
 
 
 def test_profile_keys_name_the_context_groups_and_the_attention_shape():

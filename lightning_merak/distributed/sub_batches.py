@@ -22,7 +22,7 @@ overlap is between the two, and each collective's ``wait`` orders the sub-batch'
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -173,6 +173,15 @@ class _SubBatchRegion(torch.autograd.Function):
         return (None, *input_grads, *(by_parameter.get(id(p)) for p in ctx.parameters))
 
 
+def _mark_loss_share(outputs: Any, kwargs: dict[str, Any]) -> Any:
+    """A transformers model given ``num_items_in_batch`` returns its tokens' summed loss divided by the whole batch's
+    count (not the sub-batch's): the sub-batches' losses are shares of the whole batch's, to be summed."""
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
+    if kwargs.get("num_items_in_batch") is not None and isinstance(loss, torch.Tensor) and loss.ndim == 0:
+        mark_sub_batch_share(loss)
+    return outputs
+
+
 def run_sub_batches(
     forward: Callable[..., Any],
     parts: int,
@@ -183,7 +192,8 @@ def run_sub_batches(
     """``forward(*args, **kwargs)`` computed as ``parts`` overlapped sub-batches.
 
     Tensors whose first dimension is the batch (that of the first tensor argument) are
-    split; outputs whose first dimension is the sub-batch are concatenated back.
+    split; outputs whose first dimension is the sub-batch are concatenated back, and a model's
+    loss normalised by ``num_items_in_batch`` is summed over the sub-batches.
     ``parameters`` are those ``forward`` uses: their gradients flow through the region.
     """
     leaves, spec = tree_flatten((args, kwargs or {}))
@@ -202,7 +212,7 @@ def run_sub_batches(
         for position, tensor in zip(tensor_positions, tensors):
             values[position] = tensor
         call_args, call_kwargs = tree_unflatten(values, spec)
-        return forward(*call_args, **call_kwargs)
+        return _mark_loss_share(forward(*call_args, **call_kwargs), call_kwargs)
 
     inputs = [leaves[i] for i in tensor_positions]
     if not torch.is_grad_enabled():
@@ -230,5 +240,10 @@ class SubBatchForward:
         self.module, self.parts, self.forward = module, parts, module.forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(self.forward, *args, **kwargs)
+
+    def run(self, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``forward`` (a function around the module's own, :attr:`forward`) run as this region's sub-batches, for
+        a caller that needs what happens inside each sub-batch returned as one of its outputs."""
         parameters = [p for p in self.module.parameters() if p.requires_grad]
-        return run_sub_batches(self.forward, self.parts, args, kwargs, parameters)
+        return run_sub_batches(forward, self.parts, args, kwargs, parameters)

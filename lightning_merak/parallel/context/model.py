@@ -25,6 +25,7 @@ unchanged; with ``labels`` only this rank's logits exist.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -32,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_merak.distributed.sub_batches import SubBatchForward
+from lightning_merak.distributed.turns import sub_batch_index
 from lightning_merak.parallel.context.blockwise import visibility_mask
 from lightning_merak.parallel.context.ring import ring_attention
 from lightning_merak.parallel.context.sharding import LoadBalancedLayout
@@ -55,6 +58,17 @@ class ContextShard:
 
     rank_positions: Tensor
     document_ids: Optional[Tensor]
+
+    def documents_of(self, batch: int) -> Optional[Tensor]:
+        """The document ids of the ``batch`` rows an attention call sees: all of them, or, inside a ``tp_overlap``
+        sub-batch (:mod:`~lightning_merak.distributed.sub_batches`), that sub-batch's rows."""
+        documents = self.document_ids
+        if documents is None or documents.shape[0] == batch:
+            return documents
+        if batch == 0 or documents.shape[0] % batch:
+            raise ValueError(f"an attention call over {batch} rows cannot be a sub-batch of the forward's "
+                             f"{documents.shape[0]} rows")
+        return documents.chunk(documents.shape[0] // batch)[sub_batch_index()]
 
 
 class ContextState:
@@ -144,7 +158,7 @@ def _context_attention(
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     attend = ring_attention if state.method == "ring" else ulysses_attention
     out = attend(query, key, value, state.group, positions=state.shard.rank_positions,
-                 document_ids=state.shard.document_ids, causal=causal,
+                 document_ids=state.shard.documents_of(query.shape[0]), causal=causal,
                  sliding_window=kwargs.get("sliding_window"), scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
@@ -350,10 +364,24 @@ class ContextParallelForward:
         """The model's forward on this rank's shard, with the whole batch's router aux loss where it has one."""
         if self._router_aux is None:
             return self._forward(**inputs, **kwargs)
-        with self._router_aux.recorder.recording() as recorded:
-            outputs = self._forward(**inputs, **kwargs)
+        forward = self._forward
+        if isinstance(forward, SubBatchForward):  # each sub-batch's router logits leave its region as outputs
+            outputs = forward.run(functools.partial(self._recording_routers, forward.forward), **inputs, **kwargs)
+        else:
+            outputs = self._recording_routers(forward, **inputs, **kwargs)
+        recorded = [logits.reshape(-1, logits.shape[-1]) for logits in outputs["router_logits"]]
         mask = None if attention_mask is None or attention_mask.ndim != 2 else shard(attention_mask)
         outputs["aux_loss"] = self._router_aux.loss(recorded, mask)
+        return outputs
+
+    def _recording_routers(self, forward: Any, **inputs: Any) -> Any:
+        """``forward``'s outputs with its routers' logits as ``router_logits``, batch-first ``[rows, tokens,
+        experts]`` per router (in the model's own call they are its aux loss's inputs, over this rank's tokens)."""
+        assert self._router_aux is not None
+        with self._router_aux.recorder.recording() as recorded:
+            outputs = forward(**inputs)
+        tokens = inputs["input_ids"] if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
+        outputs["router_logits"] = tuple(logits.reshape(tokens.shape[0], -1, logits.shape[-1]) for logits in recorded)
         return outputs
 
     def _shard(self, layout: LoadBalancedLayout) -> Any:

@@ -105,9 +105,8 @@ class Layout:
         if self.context_attention not in CONTEXT_ATTENTION_METHODS:
             raise ValueError(f"Layout.context_attention={self.context_attention!r} is unknown; choose one of "
                              f"{CONTEXT_ATTENTION_METHODS}")
-        if self.cp > 1 and (self.overlap > 1 or self.ep > 1):
-            raise ValueError(f"cp={self.cp} runs with overlap=1 and ep=1 (as merak3d's context parallelism does), got "
-                             f"overlap={self.overlap}, ep={self.ep}")
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError(f"cp={self.cp} runs with ep=1 (as merak3d's context parallelism does), got ep={self.ep}")
         if self.cp == 1 and self.context_attention != "ring":
             raise ValueError("context_attention chooses how a split sequence attends; with cp=1 leave it 'ring'")
         if self.vocab_stages and (self.pp == 1 or self.sharding == "full"):
@@ -436,9 +435,10 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         model_profile, model_profile.block_times_at(layout.tp, sub), layout.cp, layout.context_attention, layout.tp,
         sub)
     measured = _measured_blocks(layout, model_profile, samples)
+    # each sub-batch exchanges its own rows in its turn, behind its own kernels only
     context_forward_s, context_backward_s = (
-        (0.0, 0.0) if model_profile.context is None else exchange_s(
-            model_profile.context, layout.context_attention, layout.cp, layout.tp, samples, context_kernel_s, network))
+        (0.0, 0.0) if model_profile.context is None else (layout.overlap * seconds for seconds in exchange_s(
+            model_profile.context, layout.context_attention, layout.cp, layout.tp, sub, context_kernel_s, network)))
     block_parameter_bytes = model_profile.block_parameter_bytes_at(layout.tp)
     prefix_parameter_bytes, suffix_parameter_bytes = _outside_parameter_bytes(model_profile, layout.tp,
                                                                               space.vocab_parallel)
@@ -482,10 +482,10 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         if measured is not None:
             outside_s = layout.overlap * (prefix_forward + suffix_forward)
             forward_total = (outside_s + share * measured.forward_s(stage.num_blocks)
-                             + stage.num_blocks * context_extra_s[0])
+                             + layout.overlap * stage.num_blocks * context_extra_s[0])
             outside_s = layout.overlap * (prefix_backward + suffix_backward)
             backward_total = (outside_s + share * measured.backward_s(stage.num_blocks)
-                              + stage.num_blocks * context_extra_s[1] + recompute_s)
+                              + layout.overlap * stage.num_blocks * context_extra_s[1] + recompute_s)
         else:
             forward_total, backward_total = forward.time_s, backward.time_s + recompute_s
         loss_forward, loss_backward = (head_share * share * seconds

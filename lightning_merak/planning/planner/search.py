@@ -49,7 +49,7 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None,
     recompute ratios 0 or 1 only. Each takes every mode of ``sharding_modes`` it can run
     (:func:`sharding_modes_for`), and each expert-parallel size :func:`expert_parallel_sizes` gives its dp
     (``num_experts``: the experts of each MoE layer, searched over when ``space.ep_size`` is unset).
-    A context degree above 1 takes each of ``context_attention_methods``, with no sub-batches and no expert layers,
+    A context degree above 1 takes each of ``context_attention_methods``, with no expert layers,
     and with one stage unless ``space.context_with_stages`` (what merak3d's context parallelism runs with); whether
     the model's heads allow a method is the profile's to say (:func:`plan`).
     """
@@ -74,7 +74,7 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None,
             for micro_batches in micro_batch_counts:
                 samples = per_replica // micro_batches
                 overlaps = sorted({k for k in space.overlap_choices if samples % k == 0}) if tp > 1 else [1]
-                for overlap in overlaps if cp == 1 else [1]:
+                for overlap in overlaps:
                     for ratio in ratios:
                         for mode in sharding_modes_for(space, dp * cp, overlap):
                             layouts += [Layout(dp, pp, tp, micro_batches, overlap, ratio, mode, ep, cp, method, split)

@@ -48,7 +48,7 @@ __all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "SHARDING_MODES", "Degree", "
 RECOMPUTE_MODES = ("none", "full", "stage_aware", "auto")
 PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
 SHARDING_MODES = ("none", "optimizer", "gradients", "full", "auto")
-_CONTEXT_PARALLEL_NEEDS = {"tp_overlap": 1, "micro_batching": "none"}
+_CONTEXT_PARALLEL_NEEDS = {"micro_batching": "none"}
 """The options context parallelism runs with only at these values, for now."""
 
 
