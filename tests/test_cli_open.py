@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.cli.config import register_configs
-from lightning_merak.cli.overrides import ConfigError, check_overrides
+from lightning_merak.cli.overrides import ConfigError, _compose, check_overrides
 from lightning_merak.cli.train import validate_run
 from lightning_merak.modules.config import OptimConfig, Schedule, TrainerConfig
 
@@ -180,6 +180,12 @@ def test_overrides_are_put_as_hydra_takes_them():
         "--cfg", "job", "+trainer.kwargs.fast_dev_run=true", "+model.config.rope_theta=1e4"]
     assert check_overrides(["data._target_=pkg.Data", "data.path=/x"]) == [
         "data=custom", "+data._target_=pkg.Data", "+data.path=/x"]
+    model = check_overrides(["model=hf", "+model.config={hidden_size:64,num_hidden_layers:2}"])
+    assert model == ["model=hf", "++model.config={hidden_size:64,num_hidden_layers:2}"], "a dict merges, new keys too"
+    assert check_overrides(model) == model
+    merged = check_overrides(["model.config={hidden_size:64,rope_theta:1e4}"])
+    config = _compose(merged).model.config
+    assert (config.hidden_size, config.rope_theta, config.num_hidden_layers) == (64, 1e4, 4)  # the preset's other keys
     again = check_overrides(["+trainer.kwargs.limit_train_batches=5"])
     assert again == ["+trainer.kwargs.limit_train_batches=5"], "checking twice (the early ranks) changes nothing"
     with pytest.raises(ConfigError, match="logger=wandbb is not an option of logger; did you mean logger=wandb?"):

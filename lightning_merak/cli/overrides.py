@@ -104,8 +104,9 @@ def _unknown_key(path: str, parent: DictConfig, key: str) -> ConfigError:
 
 
 def _normalised(override: Override, config: DictConfig) -> str:
-    """``override`` as Hydra should get it: unchanged for a key that exists, added (``+``) in a free-form node,
-    moved to ``trainer.kwargs`` for a Trainer argument; a key no schema declares is refused."""
+    """``override`` as Hydra should get it: unchanged for a key that exists, added (``+``) in a free-form node (a
+    dict value merged into one, new keys included), moved to ``trainer.kwargs`` for a Trainer argument; a key no
+    schema declares is refused."""
     path = override.key_or_group
     node: Any = config
     parts = path.split(".")
@@ -129,7 +130,14 @@ def _normalised(override: Override, config: DictConfig) -> str:
             if problem is not None:
                 raise ConfigError(f"{path}={_value_text(override)}: {problem}")
         node = node._get_node(key)
+    if _is_free_form(node) and isinstance(override.value(), dict):
+        return f"++{path}={_value_text(override)}"  # merged in, new keys included (Hydra's struct mode refuses them)
     return f"{path}={_value_text(override)}"
+
+
+def _is_free_form(node: Any) -> bool:
+    """Whether ``node`` is a dict of any keys (``model.config``), not a schema's dataclass."""
+    return isinstance(node, DictConfig) and node._metadata.object_type is dict
 
 
 def _compose(overrides: list[str]) -> DictConfig:

@@ -50,6 +50,11 @@ def build_causal_lm(config: ModelConfig, vocab_size: int) -> nn.Module:
     kwargs = dict(config.config)
     kwargs["vocab_size"] = vocab_size
     model_config = CONFIG_MAPPING[config.model_type](**kwargs)
+    padding = getattr(model_config, "pad_token_id", None)
+    if isinstance(padding, int) and not 0 <= padding < vocab_size:  # the embedding's padding row
+        given = "model.config sets" if "pad_token_id" in config.config else f"{config.model_type}'s default is"
+        raise ValueError(f"{given} pad_token_id={padding}, outside the data's vocabulary of {vocab_size} tokens; set "
+                         f"model.config.pad_token_id=null (or an id below {vocab_size})")
     return AutoModelForCausalLM.from_config(model_config)
 
 
