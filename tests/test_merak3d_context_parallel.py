@@ -37,7 +37,9 @@ def _train_rank(rank: int, world_size: int, layout: dict) -> dict:
     from lightning_merak.strategies.merak3d import planning
 
     planning.PLANNER_REPEATS = 3  # a tiny model: the figures only need to exist
+    layout = dict(layout)
     module = _module(adam=False)  # SGD: Adam would magnify rounding in near-zero gradients
+    module.model.set_attn_implementation(layout.pop("attention", "sdpa"))
     recorder = _Recorder()
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120), max_epochs=1,
@@ -73,6 +75,8 @@ LAYOUTS = {
     "cp2-tp2-overlap2": ({"context_parallel": 2, "tensor_parallel": 2, "tp_overlap": 2}, 4),
     # each stage's blocks run on the shard its input holds; the last stage scores its rows of the sequence
     "cp2-pp2": ({"context_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2}, 4),
+    # an eager model's own mask is no value between the stages: the split forward builds none
+    "cp2-pp2-eager": ({"context_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2, "attention": "eager"}, 4),
     "cp2-pp2-zero-bubble-all_to_all": ({"context_parallel": 2, "context_attention": "all_to_all",
                                         "pipeline_parallel": 2, "schedule": "interleaved_zero_bubble",
                                         "virtual_stages": 2, "micro_batches": 2, "partition": "min_max"}, 4),
@@ -139,6 +143,8 @@ def test_the_degrees_planned_follow_the_options_and_the_model() -> None:
     # a fixed option context parallelism does not run with leaves only cp=1 to plan
     micro_batched = Merak3DStrategy(context_parallel="auto", pipeline_parallel=2, micro_batching="pack")._arguments
     assert micro_batched.context_parallel_degrees(4) == (1,)
+    one_per_row = Merak3DStrategy(context_parallel="auto", pipeline_parallel=2, micro_batching="dynamic")._arguments
+    assert one_per_row.context_parallel_degrees(8) == (1, 2, 4, 8)
     model = _module(adam=False).model
     assert context_parallel_degrees(auto, model, 4) == (1, 2, 4)
     assert context_parallel_degrees(auto, torch.nn.Sequential(torch.nn.Linear(2, 2)), 4) == (1,)
@@ -149,6 +155,8 @@ def test_the_degrees_planned_follow_the_options_and_the_model() -> None:
 
 @pytest.mark.parametrize("arguments, message", [
     ({"context_parallel": 0}, "context_parallel=0 must be a positive integer"),
+    ({"context_parallel": 2, "pipeline_parallel": 2, "micro_batching": "pack"},
+     "micro_batching='pack' yet .* set micro_batching='pad' or 'dynamic'"),
     ({"context_parallel": 2, "context_attention": "ulysses"}, "choose one of ring, all_to_all"),
     ({"context_parallel": "auto", "planner_calibration": __file__}, "planner_calibration='analytic'"),
     ({"context_parallel": 2, "tensor_parallel": "auto", "planner_calibration": __file__}, "cannot rank"),

@@ -197,3 +197,15 @@ def test_a_module_with_its_own_loss_is_refused_under_micro_batching() -> None:
     _check_token_loss(CausalLMModule.__new__(CausalLMModule))
     with pytest.raises(ValueError, match="Smoothed.loss_from_logits is its own"):
         _check_token_loss(Smoothed.__new__(Smoothed))
+
+
+def test_the_token_limit_is_per_context_parallel_rank():
+    from lightning_merak.parallel.micro_batching.options import MicroBatching
+    from lightning_merak.strategies.merak3d.variable_step import plan_step
+
+    options = MicroBatching("dynamic", tokens=2048)
+    alone = plan_step(options, LENGTHS, 2, 2, 4, COST)
+    split = plan_step(options, LENGTHS, 2, 2, 4, COST, context_parallel=4)
+    assert max(micro.padded_tokens for replica in alone.replicas for micro in replica) <= 2048
+    assert max(micro.padded_tokens for replica in split.replicas for micro in replica) <= 4 * 2048
+    assert sum(map(len, split.replicas)) < sum(map(len, alone.replicas))  # fewer, fuller micro-batches

@@ -117,16 +117,24 @@ LAYOUTS = [
     ("pack", {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1, "vocab_stages": "on"}),
     ("dynamic", {"data_parallel": 2, "pipeline_parallel": 2, "tensor_parallel": 1, "micro_batch_tokens": 48,
                  "vocab_stages": "on"}),
+    # each micro-batch's sequence split over 2 context ranks, every stage on its shard, the loss summed over them
+    ("pad", {"data_parallel": 1, "context_parallel": 2, "pipeline_parallel": 2, "tensor_parallel": 1}),
+    ("dynamic", {"data_parallel": 1, "context_parallel": 2, "pipeline_parallel": 2, "tensor_parallel": 1,
+                 "micro_batch_tokens": 48}),
+    ("dynamic", {"data_parallel": 1, "context_parallel": 2, "pipeline_parallel": 2, "tensor_parallel": 1,
+                 "vocab_stages": "on"}),
 ]
 
 
 @pytest.mark.parametrize("mode, layout", LAYOUTS, ids=lambda item: item if isinstance(item, str) else
                          "dp{data_parallel}-pp{pipeline_parallel}-tp{tensor_parallel}".format(**item)
+                         + (f"-cp{item['context_parallel']}" if "context_parallel" in item else "")
                          + ("-" + item["schedule"] if "schedule" in item else "")
                          + ("-vocab_stages" if "vocab_stages" in item else ""))
 def test_micro_batching_matches_single_process(mode, layout):
     """Same loss and gradients as one process over the same samples, whatever the micro-batches."""
-    world_size = layout["data_parallel"] * layout["pipeline_parallel"] * layout["tensor_parallel"]
+    world_size = (layout["data_parallel"] * layout.get("context_parallel", 1) * layout["pipeline_parallel"]
+                  * layout["tensor_parallel"])
     options = {"micro_batch_tokens": 96, **layout, "micro_batching": mode, "micro_batches": 4}
     results = run_distributed(_train_rank, world_size, args=(options,), timeout_s=300)
     assert_traces_match(_reference(), merge_rank_traces(results))

@@ -44,7 +44,7 @@ from lightning_merak.parallel.pipeline.router_aux import RouterAux, RouterRecord
 
 __all__ = ["ATTENTION_NAME", "CONTEXT_ATTENTION_METHODS", "ContextParallelForward", "SumOverGroup", "attention_shape",
            "check_context_parallel_model", "gather_sequence", "install_context_parallel", "next_token_labels",
-           "segment_ids"]
+           "segment_ids", "trace_as_context_parallel"]
 
 ATTENTION_NAME = "merak_context_parallel"
 CONTEXT_ATTENTION_METHODS = ("ring", "all_to_all")
@@ -78,7 +78,7 @@ class ContextState:
     again inside the backward) finds the same one.
     """
 
-    def __init__(self, group: dist.ProcessGroup, method: ContextAttention) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup], method: ContextAttention) -> None:
         self.group = group
         self.method = method
         self.shard: Optional[ContextShard] = None
@@ -400,20 +400,42 @@ def _takes_shifted_labels(model: nn.Module) -> bool:
     return getattr(model, "loss_function", None) is ForCausalLMLoss
 
 
-def install_context_parallel(model: nn.Module, group: dist.ProcessGroup,
-                             method: ContextAttention = "ring") -> ContextState:
-    """Make ``model`` (a transformers model, checked by :func:`check_context_parallel_model`) run every forward as
-    this rank's part of a sequence split over ``group``; the state its attention reads is returned."""
-    check_context_parallel_model(model, dist.get_world_size(group), method)
-    from transformers import PretrainedConfig
+def trace_as_context_parallel(model: nn.Module) -> None:
+    """Make ``model`` (a transformers model) attend as it will under context parallelism, on whole sequences on this
+    rank: transformers then builds the masks it will build (none) for a trace taken before the split, whose side
+    values (what the blocks receive besides the hidden state) travel between pipeline stages. An eager or
+    sliding-window model's own mask would be one of them, which the split forward never computes.
+    :func:`install_context_parallel` replaces the state set here."""
+    from transformers import PreTrainedModel
 
+    if not isinstance(model, PreTrainedModel):
+        return  # install_context_parallel refuses it, naming why
     _register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
-    state = ContextState(group, method)
+    state = ContextState(None, "ring")
+    state.local = True
+    _point_at(model, state)
+
+
+def _point_at(model: nn.Module, state: ContextState) -> None:
+    """Every attention module of ``model`` reads ``state``; split blocks' own config copies attend the same way."""
+    from transformers import PretrainedConfig
+
     for module in model.modules():
         module._merak_context = state
         config = getattr(module, "config", None)  # a split block may hold a copy of the model's config
         if isinstance(config, PretrainedConfig) and config is not model.config:
             config._attn_implementation = ATTENTION_NAME
+
+
+def install_context_parallel(model: nn.Module, group: dist.ProcessGroup,
+                             method: ContextAttention = "ring") -> ContextState:
+    """Make ``model`` (a transformers model, checked by :func:`check_context_parallel_model`) run every forward as
+    this rank's part of a sequence split over ``group``; the state its attention reads is returned."""
+    check_context_parallel_model(model, dist.get_world_size(group), method)
+    _register_attention()
+    model.set_attn_implementation(ATTENTION_NAME)
+    state = ContextState(group, method)
+    _point_at(model, state)
     model.forward = ContextParallelForward(model, state)
     return state

@@ -10,8 +10,11 @@ the targets shifted on the whole sequence and sums the shards' parts over the co
 micro-batch's mean cross-entropy on every rank of the group (its backward scales this rank's part by the group
 size, which the data-parallel average over ``dp x cp`` turns into the sum of the parts, as without stages).
 
-Documents packed into one row are not carried across stages yet: the ranks' document ids would have to travel
-with the hidden state, so the strategy refuses packed micro-batches with context parallelism.
+Variable-length micro-batches (``micro_batching``) of one sample per row run the same way, each micro-batch's
+length a multiple of ``2 x cp``; the last stage sums its rows' token losses over the group
+(:func:`summed_shard_loss`). Documents packed into one row are not carried across stages yet: the ranks' document
+ids would have to travel with the hidden state, so the strategy refuses packed micro-batches with context
+parallelism.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from lightning_merak.parallel.context.sharding import LoadBalancedLayout
 from lightning_merak.parallel.layout import LayoutGroups
 
 __all__ = ["ContextStageForward", "context_parallel_stage_loss", "gather_stage_logits",
-           "install_context_parallel_layout", "shard_next_token_labels"]
+           "install_context_parallel_layout", "shard_next_token_labels", "summed_shard_loss"]
 
 
 class ContextStageForward:
@@ -81,6 +84,18 @@ def context_parallel_stage_loss(group: dist.ProcessGroup) -> Callable[[Tensor, T
         return SumOverGroup.apply(summed / count.to(logits.device), group)
 
     return loss
+
+
+def summed_shard_loss(logits: Tensor, labels: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """The whole sequence's summed cross-entropy from this rank's logits rows ``[batch, sequence / cp, vocab]`` and
+    the whole sequence's position-aligned ``labels`` ``[batch, sequence]`` (each position's own target, ``-100``
+    skipped), the same on every rank of ``group``; its backward scales this rank's part by the group size, as
+    :func:`context_parallel_stage_loss`'s does."""
+    size = dist.get_world_size(group)
+    local = LoadBalancedLayout(labels.shape[1], size).shard(labels, dist.get_rank(group), dim=1)
+    summed = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), local.to(logits.device).reshape(-1),
+                             ignore_index=IGNORE_INDEX, reduction="sum")
+    return SumOverGroup.apply(summed, group)
 
 
 def shard_next_token_labels(targets: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:

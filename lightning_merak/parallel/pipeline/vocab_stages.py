@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_merak.parallel.context.model import IGNORE_INDEX
+from lightning_merak.parallel.context.sharding import LoadBalancedLayout
 from lightning_merak.parallel.context.stages import shard_next_token_labels
 from lightning_merak.parallel.pipeline.embedding_stages import embedding_split_problem
 from lightning_merak.parallel.pipeline.head_adapters import HeadLoRA, LoRAHeadRows, head_adapter_problem
@@ -232,9 +233,13 @@ class VocabularyExchange:
         token; with it, every position of this rank's shard against the next token on the whole sequence, the
         count over the whole sequence and the gradients times the group size (summed over the group's ranks when
         the data-parallel reduction averages over ``dp x cp``)."""
-        if self.shifted:
-            labels = targets.reshape(-1).to(self.device)
-            return slice(None), labels, (labels != IGNORE_INDEX).sum(), 1
+        if self.shifted:  # each position's own target; under context parallelism this rank's rows of them
+            count = (targets != IGNORE_INDEX).sum().to(self.device)
+            if self.context is None:
+                return slice(None), targets.reshape(-1).to(self.device), count, 1
+            size = dist.get_world_size(self.context)
+            local = LoadBalancedLayout(targets.shape[1], size).shard(targets, dist.get_rank(self.context), dim=1)
+            return slice(None), local.reshape(-1).to(self.device), count, size
         if self.context is None:
             labels = targets[:, 1:].reshape(-1).to(self.device)
             return slice(None, -1), labels, (labels != IGNORE_INDEX).sum(), 1

@@ -48,8 +48,9 @@ __all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "SHARDING_MODES", "Degree", "
 RECOMPUTE_MODES = ("none", "full", "stage_aware", "auto")
 PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
 SHARDING_MODES = ("none", "optimizer", "gradients", "full", "auto")
-_CONTEXT_PARALLEL_NEEDS = {"micro_batching": "none"}
-"""The options context parallelism runs with only at these values, for now."""
+_CONTEXT_PARALLEL_EXCLUDES = {"micro_batching": "pack"}
+"""Option values context parallelism does not run with yet: packed rows' document ids would have to travel between
+pipeline stages with the hidden state (one sample per row, ``pad`` or ``dynamic``, needs none)."""
 
 
 def check_stage_count(num_stages: int, num_blocks: int) -> None:
@@ -199,7 +200,11 @@ class Merak3DArguments(Merak3DOptions):
                              "every degree")
         if cp in (1, "auto"):  # 'auto' searches only what the fixed options leave (context_parallel_degrees)
             return
-        self._refuse_until(f"context_parallel={cp}", _CONTEXT_PARALLEL_NEEDS, "context_parallel=1", planned=True)
+        for name, excluded in _CONTEXT_PARALLEL_EXCLUDES.items():
+            if getattr(self, name) == excluded:
+                raise ValueError(f"context_parallel={cp} does not run with {name}={excluded!r} yet (packed documents' "
+                                 "ids would have to travel between stages); set micro_batching='pad' or 'dynamic' "
+                                 "(one sample per row), or context_parallel=1")
 
     def _check_vocab_stages(self) -> None:
         """Refuse a ``vocab_stages`` value that is not one, before any work."""
@@ -227,20 +232,19 @@ class Merak3DArguments(Merak3DOptions):
                              f"group, but context_parallel={self.context_parallel!r}; set context_parallel to a fixed "
                              "degree of at least 2")
 
-    def _refuse_until(self, option: str, needs: dict[str, Any], instead: str, planned: bool = False) -> None:
-        """Refuse ``option`` while another option is not at the value it runs with yet, naming both ways out
-        (``planned``: an 'auto' value passes, the planner searching only what ``option`` runs with)."""
+    def _refuse_until(self, option: str, needs: dict[str, Any], instead: str) -> None:
+        """Refuse ``option`` while another option is not at the value it runs with yet, naming both ways out."""
         for name, needed in needs.items():
             value = getattr(self, name)
-            if value != needed and not (planned and value == "auto"):
+            if value != needed:
                 raise ValueError(f"{option} runs with {name}={needed!r} for now, got {name}={value!r}; set "
                                  f"{name}={needed!r} or {instead}")
 
     def context_parallel_blockers(self) -> list[str]:
         """The fixed options context parallelism does not run with yet, as ``name=value`` ('auto' degrees are
         planned within what it runs with)."""
-        return [f"{name}={getattr(self, name)!r}" for name, needed in _CONTEXT_PARALLEL_NEEDS.items()
-                if getattr(self, name) not in (needed, "auto")]
+        return [f"{name}={excluded!r}" for name, excluded in _CONTEXT_PARALLEL_EXCLUDES.items()
+                if getattr(self, name) == excluded]
 
     def context_parallel_degrees(self, world_size: int) -> tuple[int, ...]:
         """The context-parallel degrees the planner searches on ``world_size`` ranks: the one given, or for 'auto'

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from lightning_merak.distributed.process_groups import new_group
 from lightning_merak.distributed.sub_batches import SubBatchForward
 from lightning_merak.modules.muon import newton_schulz_seconds
+from lightning_merak.parallel.context.model import trace_as_context_parallel
 from lightning_merak.parallel.data.fully_sharded import FullySharded, apply_fully_shard, data_parallel_mesh
 from lightning_merak.parallel.data.gradients import TiedParameter
 from lightning_merak.parallel.float8 import float8_layout_problem, float8_problem
@@ -243,6 +244,8 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
     sequence_parallel = arguments.sequence_parallel and tp > 1
     if sequence_parallel:  # the tokens each context rank holds are split over tp
         check_sequence_length(micro.shape[1] // layout.context_parallel, tp)
+    if layout.context_parallel > 1:
+        trace_as_context_parallel(model)
     with in_training_mode(model):
         # Every rank profiles: blocks may hold collectives (MoE all-to-alls) that need all their peers.
         trace = trace_model(model, micro, call_model, profile=pp > 1, materialize_with=materialize_with,

@@ -51,7 +51,7 @@ class Merak3DOptions:
         "tensor and sequence parallelism (each rank's share split again over tensor_parallel) and with "
         "pipeline_parallel>1 at a fixed degree (every stage's blocks on the shard, CausalLMModule's loss on the "
         "last stage's rows) and with tp_overlap sub-batches (each attends over the whole sequence in its turn), "
-        "not with micro_batching "
+        "with micro_batching pad or dynamic (one sample per row), not pack "
         "(`lightning_merak.parallel.context`). `auto`: the layout planner chooses it with the other degrees, "
         "pricing 1/context_parallel of each sequence's work and activations per rank against the attention exchange "
         "(context_parallel=1 where a fixed option or the model rules it out).")
@@ -155,8 +155,9 @@ class Merak3DOptions:
         "rows of `micro_batch_tokens` tokens, `dynamic` runs DynaPipe's planner over a cost model and a token "
         "limit (`lightning_merak.parallel.micro_batching`).")
     micro_batch_tokens: Optional[int] = option(
-        None, "Padded tokens one micro-batch may hold: `dynamic`'s memory limit, `pack`'s row length (`null`: "
-        "4096, and never below the longest sample).")
+        None, "Padded tokens one micro-batch may hold per rank: `dynamic`'s memory limit (a micro-batch split over "
+        "context_parallel ranks holds that many times more), `pack`'s row length (`null`: 4096, and never below the "
+        "longest sample).")
     micro_batching_cost: Optional[tuple[float, float, float]] = option(
         None, "Seconds per token, per token² and per micro-batch, the cost model of `dynamic`'s planner (`null`: "
         "FLOP ratios of the model's shape).")

@@ -14,6 +14,7 @@ real tokens of the whole global batch (all replicas), whatever the micro-batch c
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Union
 
 import torch
@@ -23,7 +24,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.stage import _RecvInfo
 
 from lightning_merak.modules.causal_lm import scores_next_token
-from lightning_merak.parallel.context.stages import context_parallel_stage_loss
+from lightning_merak.parallel.context.stages import context_parallel_stage_loss, summed_shard_loss
 from lightning_merak.parallel.layout import LayoutGroups
 from lightning_merak.parallel.micro_batching.options import MicroBatching
 from lightning_merak.parallel.micro_batching.plan import (
@@ -118,9 +119,12 @@ class VariableShapeStage(PipelineStage):
 
 
 def plan_step(options: MicroBatching, lengths: list[int], replicas: int, stages: int, micro_batches: int,
-              cost: CostModel) -> StepPlan:
-    """The plan of ``options.mode`` for one global batch (the same on every rank: it depends only on its inputs)."""
-    limit = options.token_limit(round_up(max(lengths)))
+              cost: CostModel, context_parallel: int = 1) -> StepPlan:
+    """The plan of ``options.mode`` for one global batch (the same on every rank: it depends only on its inputs).
+
+    The token limit is per rank: split over ``context_parallel`` ranks, a micro-batch may hold that many times more.
+    """
+    limit = options.token_limit(round_up(max(lengths))) * context_parallel
     if options.mode == "pad":
         return plan_padded(lengths, replicas, micro_batches, stages)
     if options.mode == "pack":
@@ -166,6 +170,9 @@ class VariablePipelineStep:
         self._module, self._groups, self._device, self._options = module, groups, device, options
         self.cost = _model_cost(stages, options)
         layout = groups.layout
+        self._context = groups.context_group if layout.context_parallel > 1 else None
+        """Under context parallelism: the group each micro-batch's sequence is split over (its ranks run the same
+        micro-batches, each its shard of every row)."""
         part = stages[0]
         self._stage = VariableShapeStage(part, part.stage_index, part.num_stages, device, group=groups.pipeline_group)
         schedule_class = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
@@ -189,6 +196,8 @@ class VariablePipelineStep:
         self.last_plan: Optional[StepPlan] = None
 
     def _weighted_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self._context is not None:  # this rank's rows of each sequence, summed over the context ranks
+            return summed_shard_loss(logits, labels, self._context) * self._scale
         return summed_token_loss(logits, labels) * self._scale
 
     def plan(self, batch: VariableBatch) -> StepPlan:
@@ -199,14 +208,16 @@ class VariablePipelineStep:
                             f"got {type(batch).__name__}")
         if self._planned is None or self._planned[0] is not batch:
             layout = self._groups.layout
-            plan = plan_step(self._options, batch.lengths.tolist(), layout.data_parallel, layout.pipeline_parallel,
-                             layout.micro_batches, self.cost)
+            plan = plan_step(self._options, batch.lengths.tolist(), layout.batch_replicas, layout.pipeline_parallel,
+                             layout.micro_batches, self.cost, layout.context_parallel)
+            if self._context is not None:  # every row splits into 2 x cp load-balanced chunks
+                plan = _lengths_divisible(plan, 2 * layout.context_parallel)
             self._planned = (batch, plan)
         return self._planned[1]
 
     def backward_passes(self, batch: Any) -> int:
         """Micro-batches this replica runs for ``batch`` (what the data-parallel reduction is armed with)."""
-        return len(self.plan(batch).replicas[self._groups.data_parallel_rank])
+        return len(self.plan(batch).replicas[self._groups.batch_rank])
 
     def loss(self, batch: Any) -> torch.Tensor:
         """Run this replica's micro-batches; every rank returns the global batch's mean token loss.
@@ -217,11 +228,11 @@ class VariablePipelineStep:
         """
         plan = self.plan(batch)
         self.last_plan = plan
-        mine = plan.replicas[self._groups.data_parallel_rank]
+        mine = plan.replicas[self._groups.batch_rank]
         count, stage, schedule = len(mine), self._stage, self._schedule
         targets = target_count(batch.lengths)
         training = self._module.training
-        self._scale = (self._groups.layout.data_parallel * count if training else 1) / targets
+        self._scale = (self._groups.layout.batch_replicas * count if training else 1) / targets
         tensors = [micro_batch_tensors(batch, micro, packed=self._options.mode == "pack") for micro in mine]
         arg_mbs = [(t.input_ids,) if stage.is_first else () for t in tensors]
         kwarg_mbs = [{"position_ids": t.position_ids} if stage.is_first and t.position_ids is not None else {}
@@ -255,6 +266,7 @@ class VariablePipelineStep:
         partial = (torch.stack([loss.detach() for loss in losses]).float().sum() / (self._scale * targets)
                    if stage.is_last else torch.zeros((), dtype=torch.float32, device=self._device))
         dist.all_reduce(partial, group=self._groups.data_parallel_group)
+        partial /= self._groups.layout.context_parallel  # each context rank of a replica holds its whole loss
         pp_group = self._groups.pipeline_group
         dist.broadcast(partial, src=dist.get_global_rank(pp_group, self._groups.layout.pipeline_parallel - 1),
                        group=pp_group)
@@ -271,6 +283,13 @@ class VariablePipelineStep:
 
 
 PipelineSteps = Union[PipelineStep, VariablePipelineStep]
+
+
+def _lengths_divisible(plan: StepPlan, multiple: int) -> StepPlan:
+    """``plan`` with every micro-batch's length padded up to a multiple of ``multiple``."""
+    return StepPlan(tuple(tuple(dataclasses.replace(micro, length=round_up(micro.length, multiple))
+                                if micro.length % multiple else micro for micro in replica)
+                          for replica in plan.replicas))
 
 
 def _check_token_loss(module: Any) -> None:
