@@ -51,6 +51,22 @@ def single_rank_group():
         dist.destroy_process_group()
 
 
+def test_a_recomputed_forward_reads_the_state_its_forward_read() -> None:
+    from lightning_merak.distributed.collectives import as_in_forward
+
+    state = {"scale": 2.0}
+    weight = nn.Parameter(torch.ones(3))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return (x * weight).sin() * as_in_forward("scale", lambda: state["scale"])
+
+    outputs = [RecomputedForward(forward)(torch.ones(3)) for state["scale"] in (2.0, 5.0)]
+    state["scale"] = 7.0  # what another forward left behind
+    outputs[0].sum().backward()
+    torch.testing.assert_close(weight.grad, 2.0 * torch.ones(3).cos())
+    assert as_in_forward("scale", lambda: state["scale"]) == 7.0  # outside a region: read now
+
+
 def test_sharded_clip_on_one_rank_is_torch_clip_grad_norm(single_rank_group) -> None:
     """With one rank the shard is the whole tensor: the norm and the clipped gradients are torch's."""
     torch.manual_seed(0)

@@ -140,11 +140,8 @@ def test_the_degrees_planned_follow_the_options_and_the_model() -> None:
         "ring",)
     fixed = Merak3DStrategy(context_parallel=2)._arguments  # nothing planned: 'auto' attention runs the ring
     assert not fixed.needs_planning and fixed.layout(2).context_attention == "ring"
-    # a fixed option context parallelism does not run with leaves only cp=1 to plan
-    micro_batched = Merak3DStrategy(context_parallel="auto", pipeline_parallel=2, micro_batching="pack")._arguments
-    assert micro_batched.context_parallel_degrees(4) == (1,)
-    one_per_row = Merak3DStrategy(context_parallel="auto", pipeline_parallel=2, micro_batching="dynamic")._arguments
-    assert one_per_row.context_parallel_degrees(8) == (1, 2, 4, 8)
+    packed = Merak3DStrategy(context_parallel="auto", pipeline_parallel=2, micro_batching="pack")._arguments
+    assert packed.context_parallel_degrees(8) == (1, 2, 4, 8)
     model = _module(adam=False).model
     assert context_parallel_degrees(auto, model, 4) == (1, 2, 4)
     assert context_parallel_degrees(auto, torch.nn.Sequential(torch.nn.Linear(2, 2)), 4) == (1,)
@@ -155,8 +152,6 @@ def test_the_degrees_planned_follow_the_options_and_the_model() -> None:
 
 @pytest.mark.parametrize("arguments, message", [
     ({"context_parallel": 0}, "context_parallel=0 must be a positive integer"),
-    ({"context_parallel": 2, "pipeline_parallel": 2, "micro_batching": "pack"},
-     "micro_batching='pack' yet .* set micro_batching='pad' or 'dynamic'"),
     ({"context_parallel": 2, "context_attention": "ulysses"}, "choose one of ring, all_to_all"),
     ({"context_parallel": "auto", "planner_calibration": __file__}, "planner_calibration='analytic'"),
     ({"context_parallel": 2, "tensor_parallel": "auto", "planner_calibration": __file__}, "cannot rank"),

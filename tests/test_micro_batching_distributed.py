@@ -123,6 +123,10 @@ LAYOUTS = [
                  "micro_batch_tokens": 48}),
     ("dynamic", {"data_parallel": 1, "context_parallel": 2, "pipeline_parallel": 2, "tensor_parallel": 1,
                  "vocab_stages": "on"}),
+    # packed rows: each rank's document ids travel with the hidden state from the first stage
+    ("pack", {"data_parallel": 1, "context_parallel": 2, "pipeline_parallel": 2, "tensor_parallel": 1}),
+    ("dynamic", {"data_parallel": 1, "context_parallel": 2, "pipeline_parallel": 2, "tensor_parallel": 1,
+                 "recompute": "full"}),
 ]
 
 
@@ -130,7 +134,8 @@ LAYOUTS = [
                          "dp{data_parallel}-pp{pipeline_parallel}-tp{tensor_parallel}".format(**item)
                          + (f"-cp{item['context_parallel']}" if "context_parallel" in item else "")
                          + ("-" + item["schedule"] if "schedule" in item else "")
-                         + ("-vocab_stages" if "vocab_stages" in item else ""))
+                         + ("-vocab_stages" if "vocab_stages" in item else "")
+                         + ("-recompute" if "recompute" in item else ""))
 def test_micro_batching_matches_single_process(mode, layout):
     """Same loss and gradients as one process over the same samples, whatever the micro-batches."""
     world_size = (layout["data_parallel"] * layout.get("context_parallel", 1) * layout["pipeline_parallel"]

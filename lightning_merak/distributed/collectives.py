@@ -24,7 +24,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ __all__ = [
     "all_reduce_in_turn",
     "all_reduce_traced_or_in_turn",
     "all_to_all_in_turn",
+    "as_in_forward",
     "average_gradients",
     "collective_replay_contexts",
     "in_checkpointed_region",
@@ -142,10 +143,12 @@ def unrecorded_communication() -> Iterator[None]:
 
 
 class _CollectiveReplay:
-    """Post-collective tensors of one checkpointed forward, handed back on recomputation."""
+    """Post-collective tensors of one checkpointed forward, handed back on recomputation, and the state it read
+    (:func:`as_in_forward`)."""
 
     def __init__(self) -> None:
         self.outputs: list[torch.Tensor] = []
+        self.read: dict[Hashable, Any] = {}
         self.mode = "record"
 
 
@@ -378,6 +381,22 @@ def all_to_all_in_turn(
 ) -> torch.Tensor:
     """``all_to_all_single`` with split sizes, letting other sub-batches compute meanwhile."""
     return start_all_to_all_in_turn(send, send_splits, recv_splits, group).wait()
+
+
+def as_in_forward(key: Hashable, read: Callable[[], Any]) -> Any:
+    """``read()``, except inside a recomputed checkpoint region, which gets what its forward read under ``key``:
+    state a later forward changes before this one's recomputation (the context-parallel shard of the micro-batch,
+    whose length and documents differ between variable-length micro-batches)."""
+    stack = _replay_stack()
+    replay = stack[-1] if stack else None
+    if replay is None:
+        return read()
+    if replay.mode == "replay":
+        if key not in replay.read:
+            raise RuntimeError(f"recomputation read {key!r}, which its forward did not")
+        return replay.read[key]
+    replay.read[key] = value = read()
+    return value
 
 
 def in_checkpointed_region() -> bool:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_merak.distributed.collectives import as_in_forward
 from lightning_merak.distributed.sub_batches import SubBatchForward
 from lightning_merak.distributed.turns import sub_batch_index
 from lightning_merak.parallel.context.blockwise import visibility_mask
@@ -140,9 +141,12 @@ def _context_attention(
     """transformers' attention signature: ``(batch, heads, seq_local, head_dim)`` in, ``(batch, seq_local, heads,
     head_dim)`` out, over the whole sequence of the context-parallel group."""
     state: Optional[ContextState] = getattr(module, "_merak_context", None)
-    if state is not None and state.local:
+    # a recomputed block attends with its own micro-batch's shard, not the one a later micro-batch's forward set
+    local, shard = (False, None) if state is None else as_in_forward(
+        ("merak-context-shard", id(state)), lambda: (state.local, state.shard))
+    if local:
         return _local_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    if state is None or state.shard is None:
+    if state is None or shard is None:
         raise RuntimeError(f"{type(module).__name__} runs merak's context-parallel attention outside a "
                            "context-parallel forward; install it with install_context_parallel")
     if attention_mask is not None:
@@ -157,8 +161,8 @@ def _context_attention(
                              "use context_parallel=1 for this model")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     attend = ring_attention if state.method == "ring" else ulysses_attention
-    out = attend(query, key, value, state.group, positions=state.shard.rank_positions,
-                 document_ids=state.shard.documents_of(query.shape[0]), causal=causal,
+    out = attend(query, key, value, state.group, positions=shard.rank_positions,
+                 document_ids=shard.documents_of(query.shape[0]), causal=causal,
                  sliding_window=kwargs.get("sliding_window"), scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 

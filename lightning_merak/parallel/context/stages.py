@@ -10,11 +10,10 @@ the targets shifted on the whole sequence and sums the shards' parts over the co
 micro-batch's mean cross-entropy on every rank of the group (its backward scales this rank's part by the group
 size, which the data-parallel average over ``dp x cp`` turns into the sum of the parts, as without stages).
 
-Variable-length micro-batches (``micro_batching``) of one sample per row run the same way, each micro-batch's
-length a multiple of ``2 x cp``; the last stage sums its rows' token losses over the group
-(:func:`summed_shard_loss`). Documents packed into one row are not carried across stages yet: the ranks' document
-ids would have to travel with the hidden state, so the strategy refuses packed micro-batches with context
-parallelism.
+Variable-length micro-batches (``micro_batching``) run the same way, each micro-batch's length a multiple of
+``2 x cp``; the last stage sums its rows' token losses over the group (:func:`summed_shard_loss`). Rows packed with
+several documents need every stage to keep them apart: the first stage computes this rank's document ids from the
+restarting positions, and they travel with the hidden state to the next stages.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -44,33 +44,55 @@ __all__ = ["ContextStageForward", "context_parallel_stage_loss", "gather_stage_l
 
 class ContextStageForward:
     """A pipeline stage's forward that first sets the context-parallel shard its attention reads; the first stage's
-    model call sets it again from the tokens (the same shard)."""
+    model call sets it again from the tokens (the same shard).
 
-    def __init__(self, stage: nn.Module, state: ContextState) -> None:
+    With ``carries_documents`` (packed rows: ``micro_batching='pack'``) this rank's document ids of the shard travel
+    with the hidden state as the last tensor a stage sends: the first stage's are what its model call computed from
+    the restarting positions, ``-1`` throughout where every row is one sequence.
+    """
+
+    def __init__(self, stage: nn.Module, state: ContextState, carries_documents: bool = False) -> None:
         self._forward = stage.forward
         self._state = state
         self._is_first = bool(getattr(stage, "is_first", False))
+        self._is_last = bool(getattr(stage, "is_last", False))
+        self._carries_documents = carries_documents
         self._size = dist.get_world_size(state.group)
 
     def __call__(self, *inputs: Tensor, **kwargs: Any) -> Any:
+        documents: Optional[Tensor] = None
         if not self._is_first and inputs:
+            if self._carries_documents:
+                *inputs, documents = inputs  # type: ignore[assignment]
             length = inputs[0].shape[1] * self._size  # hidden [batch, local sequence, width]
-            self._state.shard = ContextShard(LoadBalancedLayout(length, self._size).rank_positions(), None)
-        return self._forward(*inputs, **kwargs)
+            self._state.shard = ContextShard(LoadBalancedLayout(length, self._size).rank_positions(),
+                                             None if documents is None or bool((documents < 0).all()) else documents)
+        outputs = self._forward(*inputs, **kwargs)
+        if not self._carries_documents or self._is_last:
+            return outputs
+        if self._is_first:
+            assert self._state.shard is not None, "the first stage's model call sets the shard"
+            hidden = outputs[0]
+            documents = self._state.shard.document_ids
+            if documents is None:  # every row one sequence: the same on every rank of the group
+                documents = torch.full(hidden.shape[:2], -1, dtype=torch.long, device=hidden.device)
+        assert documents is not None
+        return (*outputs, documents.to(outputs[0].device).contiguous())
 
 
 def install_context_parallel_layout(network: nn.Module, stages: Optional[Sequence[nn.Module]],
-                                    groups: LayoutGroups) -> None:
+                                    groups: LayoutGroups, carries_documents: bool = False) -> None:
     """Context parallelism over ``groups``' context group for the built network: on the whole ``network`` when it
     has no pipeline ``stages``, else on each stage's pruned model, the stage's forward setting the shard its input
-    holds (:class:`ContextStageForward`)."""
+    holds (:class:`ContextStageForward`; ``carries_documents``: packed rows' document ids travel between them)."""
     group, method = groups.context_group, groups.layout.context_attention
     assert group is not None, "context parallelism needs the layout's context-parallel group"
     if stages is None:
         install_context_parallel(network, group, method)
         return
     for stage in stages:
-        stage.forward = ContextStageForward(stage, install_context_parallel(stage.net, group, method))
+        stage.forward = ContextStageForward(stage, install_context_parallel(stage.net, group, method),
+                                            carries_documents)
 
 
 def context_parallel_stage_loss(group: dist.ProcessGroup) -> Callable[[Tensor, Tensor], Tensor]:

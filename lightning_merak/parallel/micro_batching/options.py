@@ -55,6 +55,11 @@ class MicroBatching:
         return self.mode != "none"
 
     @property
+    def packs(self) -> bool:
+        """Whether a row may hold several samples (documents kept apart by restarting positions)."""
+        return self.mode == "pack"
+
+    @property
     def consumes_global_batches(self) -> bool:
         """Whether the strategy reads variable-length global batches (pipelined micro-batches or context rounds)."""
         return self.enabled or self.context_rounds

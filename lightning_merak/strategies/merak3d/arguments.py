@@ -48,11 +48,6 @@ __all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "SHARDING_MODES", "Degree", "
 RECOMPUTE_MODES = ("none", "full", "stage_aware", "auto")
 PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
 SHARDING_MODES = ("none", "optimizer", "gradients", "full", "auto")
-_CONTEXT_PARALLEL_EXCLUDES = {"micro_batching": "pack"}
-"""Option values context parallelism does not run with yet: packed rows' document ids would have to travel between
-pipeline stages with the hidden state (one sample per row, ``pad`` or ``dynamic``, needs none)."""
-
-
 def check_stage_count(num_stages: int, num_blocks: int) -> None:
     nodes = num_blocks + 2
     if num_stages > nodes:
@@ -187,7 +182,7 @@ class Merak3DArguments(Merak3DOptions):
             check_micro_batches(self.micro_batches, self.pipeline_parallel, schedule)
 
     def _check_context_parallel(self) -> None:
-        """Refuse a context-parallel degree or method out of range, and what it does not compose with yet."""
+        """Refuse a context-parallel degree or method out of range, and a trace replay asked to rank its layouts."""
         cp = self.context_parallel
         if cp != "auto" and (not isinstance(cp, int) or isinstance(cp, bool) or cp < 1):
             raise ValueError(f"context_parallel={cp!r} must be a positive integer or 'auto'")
@@ -198,13 +193,6 @@ class Merak3DArguments(Merak3DOptions):
             raise ValueError("planner_calibration replays traces of runs without context parallelism, so it cannot "
                              f"rank context_parallel={cp!r} layouts; use planner_calibration='analytic', or fix "
                              "every degree")
-        if cp in (1, "auto"):  # 'auto' searches only what the fixed options leave (context_parallel_degrees)
-            return
-        for name, excluded in _CONTEXT_PARALLEL_EXCLUDES.items():
-            if getattr(self, name) == excluded:
-                raise ValueError(f"context_parallel={cp} does not run with {name}={excluded!r} yet (packed documents' "
-                                 "ids would have to travel between stages); set micro_batching='pad' or 'dynamic' "
-                                 "(one sample per row), or context_parallel=1")
 
     def _check_vocab_stages(self) -> None:
         """Refuse a ``vocab_stages`` value that is not one, before any work."""
@@ -240,19 +228,11 @@ class Merak3DArguments(Merak3DOptions):
                 raise ValueError(f"{option} runs with {name}={needed!r} for now, got {name}={value!r}; set "
                                  f"{name}={needed!r} or {instead}")
 
-    def context_parallel_blockers(self) -> list[str]:
-        """The fixed options context parallelism does not run with yet, as ``name=value`` ('auto' degrees are
-        planned within what it runs with)."""
-        return [f"{name}={excluded!r}" for name, excluded in _CONTEXT_PARALLEL_EXCLUDES.items()
-                if getattr(self, name) == excluded]
-
     def context_parallel_degrees(self, world_size: int) -> tuple[int, ...]:
         """The context-parallel degrees the planner searches on ``world_size`` ranks: the one given, or for 'auto'
-        every divisor of the world size, only 1 where a fixed option rules context parallelism out."""
+        every divisor of the world size."""
         if self.context_parallel != "auto":
             return (int(self.context_parallel),)
-        if self.context_parallel_blockers():
-            return (1,)
         return tuple(degree for degree in range(1, world_size + 1) if world_size % degree == 0)
 
     @property

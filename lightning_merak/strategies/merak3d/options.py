@@ -51,7 +51,7 @@ class Merak3DOptions:
         "tensor and sequence parallelism (each rank's share split again over tensor_parallel) and with "
         "pipeline_parallel>1 at a fixed degree (every stage's blocks on the shard, CausalLMModule's loss on the "
         "last stage's rows) and with tp_overlap sub-batches (each attends over the whole sequence in its turn), "
-        "with micro_batching pad or dynamic (one sample per row), not pack "
+        "with micro_batching (packed rows' document ids travel between the stages) "
         "(`lightning_merak.parallel.context`). `auto`: the layout planner chooses it with the other degrees, "
         "pricing 1/context_parallel of each sequence's work and activations per rank against the attention exchange "
         "(context_parallel=1 where a fixed option or the model rules it out).")

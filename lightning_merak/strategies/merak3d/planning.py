@@ -311,13 +311,12 @@ def context_runs_in_stages(view: Any) -> bool:
 
 def context_parallel_degrees(arguments: Merak3DArguments, model: nn.Module, world_size: int) -> tuple[int, ...]:
     """The context-parallel degrees to search: :meth:`Merak3DArguments.context_parallel_degrees`, only 1 for
-    'auto' where a fixed option or the model rules splitting sequences out (logged with the reason)."""
+    'auto' where the model rules splitting sequences out (logged with the reason)."""
     degrees = arguments.context_parallel_degrees(world_size)
     if arguments.context_parallel != "auto" or world_size == 1:
         return degrees
-    blockers = arguments.context_parallel_blockers()
-    problem = f"it does not run with {', '.join(blockers)} yet" if blockers else None
-    if problem is None and moe_layers(model):
+    problem = None
+    if moe_layers(model):
         problem = "its cost model does not price expert-parallel MoE layers under context parallelism; set it"
     if problem is None:
         try:

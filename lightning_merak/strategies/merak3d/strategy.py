@@ -496,7 +496,7 @@ class Merak3DStrategy(CheckpointHooks):
         self._checkpointer.layout_changes = built.layout_changes
         self.partition = built.partition
         if self.layout.context_parallel > 1:  # every forward (every stage's) runs on this rank's sequence shard
-            install_context_parallel_layout(view.network, built.stages, self.groups)
+            install_context_parallel_layout(view.network, built.stages, self.groups, self.micro_batching.packs)
         self._pipeline = install_step(self._arguments.context_parallel_degree, self.micro_batching, view,
                                       built.stages, self.groups, self.root_device)
         if self._pipeline is None and view.contract and self.layout.context_parallel == 1:

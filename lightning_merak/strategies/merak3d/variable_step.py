@@ -127,7 +127,7 @@ def plan_step(options: MicroBatching, lengths: list[int], replicas: int, stages:
     limit = options.token_limit(round_up(max(lengths))) * context_parallel
     if options.mode == "pad":
         return plan_padded(lengths, replicas, micro_batches, stages)
-    if options.mode == "pack":
+    if options.packs:
         return plan_packed(lengths, replicas, micro_batches, limit, stages)
     return plan_dynamic(lengths, replicas, stages, cost, limit)
 
@@ -164,7 +164,7 @@ class VariablePipelineStep:
 
         if len(stages) != 1:
             raise ValueError("micro_batching needs one pipeline stage per rank (no interleaved schedule)")
-        if options.mode == "pack":
+        if options.packs and groups.layout.context_parallel == 1:  # context parallelism keeps documents itself
             _check_packing(stages)
         _check_token_loss(module)
         self._module, self._groups, self._device, self._options = module, groups, device, options
@@ -233,7 +233,7 @@ class VariablePipelineStep:
         targets = target_count(batch.lengths)
         training = self._module.training
         self._scale = (self._groups.layout.batch_replicas * count if training else 1) / targets
-        tensors = [micro_batch_tensors(batch, micro, packed=self._options.mode == "pack") for micro in mine]
+        tensors = [micro_batch_tensors(batch, micro, packed=self._options.packs) for micro in mine]
         arg_mbs = [(t.input_ids,) if stage.is_first else () for t in tensors]
         kwarg_mbs = [{"position_ids": t.position_ids} if stage.is_first and t.position_ids is not None else {}
                      for t in tensors]
