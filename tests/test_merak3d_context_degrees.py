@@ -142,11 +142,13 @@ def _train_rank(rank: int, world_size: int, layout: dict,
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("config", [LLAMA, MISTRAL], ids=["llama", "sliding_window"])
-def test_per_micro_batch_degrees_train_and_validate_as_one_process(config: ModelConfig) -> None:
+@pytest.mark.parametrize("config, recompute", [(LLAMA, "none"), (MISTRAL, "none"), (LLAMA, "full")],
+                         ids=["llama", "sliding_window", "llama-recompute"])
+def test_per_micro_batch_degrees_train_and_validate_as_one_process(config: ModelConfig, recompute: str) -> None:
     """Llama, and Mistral with an 8-token window: the split sample's ring and the short samples' one-rank attention
-    both apply the window as transformers' mask does."""
-    layout = {"context_parallel": 2, "context_parallel_degree": "per_micro_batch", "micro_batch_tokens": 64}
+    both apply the window as transformers' mask does; recomputed, each block attends as its forward did."""
+    layout = {"context_parallel": 2, "context_parallel_degree": "per_micro_batch", "micro_batch_tokens": 64,
+              "recompute": recompute}
     results = run_distributed(_train_rank, 2, args=(layout, config), timeout_s=300)
     trace, validation = _reference(config)
     for _, _, degrees, validated in results:

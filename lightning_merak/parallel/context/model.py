@@ -142,8 +142,8 @@ def _context_attention(
     head_dim)`` out, over the whole sequence of the context-parallel group."""
     state: Optional[ContextState] = getattr(module, "_merak_context", None)
     # a recomputed block attends with its own micro-batch's shard, not the one a later micro-batch's forward set
-    local, shard = (False, None) if state is None else as_in_forward(
-        ("merak-context-shard", id(state)), lambda: (state.local, state.shard))
+    local, shard, group = (False, None, None) if state is None else as_in_forward(
+        ("merak-context-shard", id(state)), lambda: (state.local, state.shard, state.group))
     if local:
         return _local_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     if state is None or shard is None:
@@ -161,7 +161,7 @@ def _context_attention(
                              "use context_parallel=1 for this model")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     attend = ring_attention if state.method == "ring" else ulysses_attention
-    out = attend(query, key, value, state.group, positions=shard.rank_positions,
+    out = attend(query, key, value, group, positions=shard.rank_positions,
                  document_ids=shard.documents_of(query.shape[0]), causal=causal,
                  sliding_window=kwargs.get("sliding_window"), scale=scaling)
     return out.transpose(1, 2).contiguous(), None

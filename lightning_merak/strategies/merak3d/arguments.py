@@ -201,16 +201,15 @@ class Merak3DArguments(Merak3DOptions):
 
     def _check_context_parallel_degree(self) -> None:
         """Refuse ``context_parallel_degree='per_micro_batch'`` where its rounds cannot run: they need a fixed group
-        to split, one stage (each round's backward runs right after its forward, outside any schedule) and no
-        recomputation (a round run whole on one rank switches context parallelism off for its forward only)."""
+        to split and one stage (each round's backward runs right after its forward, outside any schedule)."""
         if self.context_parallel_degree not in DEGREE_MODES:
             raise ValueError(f"context_parallel_degree={self.context_parallel_degree!r}; choose one of "
                              f"{', '.join(DEGREE_MODES)}")
         if self.context_parallel_degree == "fixed":
             return
         self._refuse_until("context_parallel_degree='per_micro_batch'",
-                           {"pipeline_parallel": 1, "tensor_parallel": 1, "recompute": "none", "micro_batching": "none",
-                            "tp_overlap": 1}, "context_parallel_degree='fixed'")
+                           {"pipeline_parallel": 1, "tensor_parallel": 1, "micro_batching": "none", "tp_overlap": 1},
+                           "context_parallel_degree='fixed'")
         if self.data_parallel_sharding == "full":
             raise ValueError("context_parallel_degree='per_micro_batch' calls the model's forward once per round, "
                              "past FSDP2's hooks on the whole model; use data_parallel_sharding='optimizer' (or "
