@@ -142,14 +142,17 @@ def _train_rank(rank: int, world_size: int, layout: dict,
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("config, recompute", [(LLAMA, "none"), (MISTRAL, "none"), (LLAMA, "full")],
-                         ids=["llama", "sliding_window", "llama-recompute"])
-def test_per_micro_batch_degrees_train_and_validate_as_one_process(config: ModelConfig, recompute: str) -> None:
+@pytest.mark.parametrize("config, recompute, tp", [(LLAMA, "none", 1), (MISTRAL, "none", 1), (LLAMA, "full", 1),
+                                                   (LLAMA, "none", 2)],
+                         ids=["llama", "sliding_window", "llama-recompute", "llama-tp2"])
+def test_per_micro_batch_degrees_train_and_validate_as_one_process(config: ModelConfig, recompute: str,
+                                                                    tp: int) -> None:
     """Llama, and Mistral with an 8-token window: the split sample's ring and the short samples' one-rank attention
-    both apply the window as transformers' mask does; recomputed, each block attends as its forward did."""
+    both apply the window as transformers' mask does; recomputed, each block attends as its forward did; with
+    tensor parallelism each rank's heads attend over the round's group."""
     layout = {"context_parallel": 2, "context_parallel_degree": "per_micro_batch", "micro_batch_tokens": 64,
-              "recompute": recompute}
-    results = run_distributed(_train_rank, 2, args=(layout, config), timeout_s=300)
+              "recompute": recompute, "tensor_parallel": tp}
+    results = run_distributed(_train_rank, 2 * tp, args=(layout, config), timeout_s=300)
     trace, validation = _reference(config)
     for _, _, degrees, validated in results:
         assert degrees == [(2, 1, 1, 1, 1, 1), (1, 2, 1, 1, 1, 1)]  # the long sample split, the short ones whole

@@ -208,7 +208,7 @@ class Merak3DArguments(Merak3DOptions):
         if self.context_parallel_degree == "fixed":
             return
         self._refuse_until("context_parallel_degree='per_micro_batch'",
-                           {"pipeline_parallel": 1, "tensor_parallel": 1, "micro_batching": "none", "tp_overlap": 1},
+                           {"pipeline_parallel": 1, "micro_batching": "none", "tp_overlap": 1},
                            "context_parallel_degree='fixed'")
         if self.data_parallel_sharding == "full":
             raise ValueError("context_parallel_degree='per_micro_batch' calls the model's forward once per round, "

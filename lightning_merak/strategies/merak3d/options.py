@@ -66,7 +66,7 @@ class Merak3DOptions:
         "divisor of `context_parallel`, planned per global batch from a cost model and the per-rank token cap "
         "`micro_batch_tokens`: long samples split, short ones run whole on one rank, balanced over the group; "
         "`lightning_merak.parallel.context.variable`). `per_micro_batch` needs a fixed context_parallel > 1, "
-        "pipeline_parallel=1, tensor_parallel=1, micro_batching=none, data_parallel_sharding "
+        "pipeline_parallel=1, micro_batching=none, tp_overlap=1, data_parallel_sharding "
         "other than `full` and CausalLMModule's loss.")
     micro_batches: Optional[int] = option(
         None, "Micro-batches per batch in the pipeline schedule (`null`: 2 × pipeline stages).")
