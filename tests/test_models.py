@@ -39,12 +39,13 @@ def test_model_without_causal_head_is_refused():
         build_causal_lm(ModelConfig(name="x", model_type="vit"), vocab_size=10)
 
 
-def test_a_padding_id_outside_the_data_vocabulary_names_the_fix():
+def test_a_padding_id_outside_the_data_vocabulary_is_dropped_by_default_and_refused_when_given():
     small = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}
-    with pytest.raises(ValueError, match="phi3's default is pad_token_id=32000, outside the data's vocabulary of 64 "
+    defaulted = build_causal_lm(ModelConfig(name="x", model_type="phi3", config=small), vocab_size=64)
+    assert defaulted.get_input_embeddings().padding_idx is None  # phi3's default 32000 names no token here
+    assert defaulted.config.pad_token_id is None
+    with pytest.raises(ValueError, match="model.config sets pad_token_id=64, outside the data's vocabulary of 64 "
                                          "tokens; set model.config.pad_token_id=null"):
-        build_causal_lm(ModelConfig(name="x", model_type="phi3", config=small), vocab_size=64)
-    with pytest.raises(ValueError, match="model.config sets pad_token_id=64"):
         build_causal_lm(ModelConfig(name="x", model_type="llama", config={**small, "pad_token_id": 64}), vocab_size=64)
     model = build_causal_lm(ModelConfig(name="x", model_type="phi3", config={**small, "pad_token_id": None}),
                             vocab_size=64)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, model_record
@@ -52,9 +53,14 @@ def build_causal_lm(config: ModelConfig, vocab_size: int) -> nn.Module:
     model_config = CONFIG_MAPPING[config.model_type](**kwargs)
     padding = getattr(model_config, "pad_token_id", None)
     if isinstance(padding, int) and not 0 <= padding < vocab_size:  # the embedding's padding row
-        given = "model.config sets" if "pad_token_id" in config.config else f"{config.model_type}'s default is"
-        raise ValueError(f"{given} pad_token_id={padding}, outside the data's vocabulary of {vocab_size} tokens; set "
-                         f"model.config.pad_token_id=null (or an id below {vocab_size})")
+        if "pad_token_id" in config.config:
+            raise ValueError(f"model.config sets pad_token_id={padding}, outside the data's vocabulary of {vocab_size} "
+                             f"tokens; set model.config.pad_token_id=null (or an id below {vocab_size})")
+        # the family's default names a token this vocabulary does not have: no row to keep from training
+        rank_zero_info(f"{config.model_type}'s default pad_token_id={padding} lies outside the data's vocabulary of "
+                       f"{vocab_size} tokens: the model is built without a padding row (model.config.pad_token_id "
+                       "sets one)")
+        model_config.pad_token_id = None
     return AutoModelForCausalLM.from_config(model_config)
 
 
