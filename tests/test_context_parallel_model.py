@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -153,6 +155,9 @@ def test_models_it_cannot_run_exactly_are_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match="attention_dropout=0.1"):
         check_context_parallel_model(model, 2, "ring")
     model.config.attention_dropout = 0.0
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_embd=16, n_layer=1, n_head=2))  # attn_pdrop=0.1 by default
+    with pytest.raises(ValueError, match=r"attn_pdrop=0.1\); set the model's attn_pdrop=0 \(model.config.attn_pdrop=0"):
+        check_context_parallel_model(gpt2, 2, "ring")
     with pytest.raises(ValueError, match="1 key/value heads"):
         check_context_parallel_model(model, 2, "all_to_all")
     with pytest.raises(ValueError, match="choose one of ring, all_to_all"):

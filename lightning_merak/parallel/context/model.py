@@ -118,12 +118,13 @@ def check_context_parallel_model(model: nn.Module, context_parallel: int, method
             f"its attention interface (config._attn_implementation); {type(model).__name__} does not, so its "
             "attention cannot see the other ranks' keys: use context_parallel=1 for it")
     config = _attention_config(model)
-    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
-    if dropout > 0:
-        raise ValueError(
-            f"context parallelism computes attention in blocks, which attention dropout would mask differently "
-            f"from one device (attention_dropout={dropout}); set the model's attention_dropout=0 or "
-            "context_parallel=1")
+    for name in _ATTENTION_DROPOUT_NAMES:
+        dropout = float(getattr(config, name, 0.0) or 0.0)
+        if dropout > 0:
+            raise ValueError(
+                f"context parallelism computes attention in blocks, which attention dropout would mask differently "
+                f"from one device ({name}={dropout}); set the model's {name}=0 (model.config.{name}=0) or "
+                "context_parallel=1")
     for name in ("attn_logit_softcapping", "attention_sink", "use_sink"):
         if getattr(config, name, None):
             raise ValueError(f"context parallelism has no {name} (config.{name}={getattr(config, name)!r}); "
@@ -132,6 +133,10 @@ def check_context_parallel_model(model: nn.Module, context_parallel: int, method
         heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
         if isinstance(heads, int):
             check_heads_divisible(max(heads // tensor_parallel, 1), context_parallel)
+
+
+_ATTENTION_DROPOUT_NAMES = ("attention_dropout", "attn_pdrop", "attn_dropout", "attention_probs_dropout_prob")
+"""The config keys transformers' families name their attention dropout by (Llama's, GPT-2's and GPT-J's, ...)."""
 
 
 def _context_attention(
