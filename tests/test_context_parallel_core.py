@@ -385,3 +385,16 @@ def test_ulysses_refuses_heads_it_cannot_scatter():
     with pytest.raises(ValueError, match=r"context_parallel=4 ranks, but the model has 6 key/value heads.*"
                                          r"use ring attention, or a context_parallel that divides 6"):
         check_heads_divisible(6, 4)
+
+
+def test_an_attention_call_reads_its_sub_batch_rows_of_the_document_ids() -> None:
+    from lightning_merak.distributed.turns import caller_state, run_in_turns
+    from lightning_merak.parallel.context.model import ContextShard
+
+    documents = torch.arange(8).reshape(4, 2)
+    shard = ContextShard(torch.arange(4).reshape(2, 2), documents)
+    assert shard.documents_of(4) is documents
+    rows = run_in_turns([lambda: shard.documents_of(2)] * 2, caller_state(grad=False))
+    assert torch.equal(rows[0], documents[:2]) and torch.equal(rows[1], documents[2:])
+    with pytest.raises(ValueError, match="not as one of its tp_overlap sub-batches"):
+        shard.documents_of(2)  # outside a region a batch of other rows is a mistake

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from lightning_merak.distributed.collectives import as_in_forward
 from lightning_merak.distributed.sub_batches import SubBatchForward
-from lightning_merak.distributed.turns import sub_batch_index
+from lightning_merak.distributed.turns import in_sub_batch_region, sub_batch_index
 from lightning_merak.parallel.context.blockwise import visibility_mask
 from lightning_merak.parallel.context.ring import ring_attention
 from lightning_merak.parallel.context.sharding import LoadBalancedLayout
@@ -66,9 +66,9 @@ class ContextShard:
         documents = self.document_ids
         if documents is None or documents.shape[0] == batch:
             return documents
-        if batch == 0 or documents.shape[0] % batch:
-            raise ValueError(f"an attention call over {batch} rows cannot be a sub-batch of the forward's "
-                             f"{documents.shape[0]} rows")
+        if not in_sub_batch_region() or batch == 0 or documents.shape[0] % batch:
+            raise ValueError(f"an attention call over {batch} rows in a forward of {documents.shape[0]} rows, not as "
+                             "one of its tp_overlap sub-batches")
         return documents.chunk(documents.shape[0] // batch)[sub_batch_index()]
 
 
