@@ -75,15 +75,16 @@ def planner_moe(data: dict[str, Any]) -> str:
 
 def context_parallel_variable(data: dict[str, Any]) -> str:
     """One line for the context-parallel section: each mode's step in the latest run of ``--leg variable`` (its goal
-    is in the section's goal lines), and the per-sample mode on merak3d's default cost model, a row of its own."""
+    is in the section's goal lines), and the per-sample mode planned on the model shape's cost, a row of its own."""
     steps: dict[str, list[float]] = {}
     for r in data["rows"]:
         steps.setdefault(str(r["mode"]), []).append(r["step_s"])
     cells = [f"{f'fixed cp={mode}' if mode.isdigit() else mode} {1e3 * sorted(values)[len(values) // 2]:.0f} ms"
              for mode, values in steps.items()]
     line = f"variable-length leg (`--leg variable`, {data['mix']}): median step " + ", ".join(cells)
-    default_cost = data.get("default_cost_speedup_by_run")
-    if default_cost:
-        line += (f"; best fixed over per_micro_batch on the default cost model {min(default_cost.values()):.2f}–"
-                 f"{max(default_cost.values()):.2f} over this run's repetitions (not the goal's row)")
+    shape_cost = data.get("shape_cost_speedup_by_run")
+    if shape_cost:
+        line += (f"; best fixed over per_micro_batch planned on the shape's FLOP ratios (nothing measured) "
+                 f"{min(shape_cost.values()):.2f}–{max(shape_cost.values()):.2f} over this run's repetitions (not "
+                 "the goal's row)")
     return line

@@ -11,10 +11,11 @@ context parallelism installed over the 4 ranks, ring attention) through
   runs; k = 1: plain data parallelism inside the group, only where the longest sample fits the per-rank token cap);
   samples dealt to the ``4 / k`` subgroups longest first to the least loaded;
 * **per_micro_batch**: :func:`~lightning_merak.parallel.context.variable.plan_context_degrees` chooses each
-  sample's degree under the same cap, on a cost model fitted on these ranks first (each rank times one
-  forward and backward per calibration length alone and split over the 4; rank 0's fit is used everywhere);
-* **per_micro_batch default cost** (its own row, not the goal's): the same on the cost model merak3d plans with by
-  default (:data:`DEFAULT_COST`).
+  sample's degree under the same cap, on the cost model merak3d measures by default
+  (:func:`~lightning_merak.parallel.context.rounds.measure_degree_cost`: each rank times one forward and backward
+  per calibration length alone and split over the 4; rank 0's fit is used everywhere);
+* **per_micro_batch shape cost** (its own row, not the goal's): the same on the model shape's FLOP ratios, nothing
+  measured (:data:`SHAPE_COST`).
 
 Each step (forward, backward, one flat gradient all-reduce, AdamW) is timed on every rank after a barrier; a step's
 time is its slowest rank's. Per mode and run: the median over the steps after warm-up. The runs repeat every mode,
@@ -43,11 +44,10 @@ from benchmarks._context_parallel_ranks import RANK_TIMEOUT_S, Workload, rank_fi
 
 Mode = Union[int, str]
 PER_SAMPLE = "per_micro_batch"
-DEFAULT_COST = "per_micro_batch default cost"
-"""The per-sample mode planned on merak3d's default cost model (no ``micro_batching_cost``: the model shape's FLOP
-ratios, :meth:`~lightning_merak.parallel.context.variable.DegreeCost.from_shape`) instead of the fitted one: a
-labelled row beside the goal's."""
-CALIBRATION_LENGTHS = (128, 256, 512, 1024, 2048)
+SHAPE_COST = "per_micro_batch shape cost"
+"""The per-sample mode planned on the model shape's FLOP ratios
+(:meth:`~lightning_merak.parallel.context.variable.DegreeCost.from_shape`) instead of the cost merak3d measures: a
+labelled row beside the goal's, what planning without a measurement gives."""
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,8 @@ VARIABLE_QUICK = VariableSetting(Mix(short=14, short_range=(128, 512), long=2, l
 
 
 def measured_modes(setting: VariableSetting) -> list[Mode]:
-    """Every mode a run trains: :func:`modes` and the per-sample mode on the default cost model."""
-    return [*modes(setting), DEFAULT_COST]
+    """Every mode a run trains: :func:`modes` and the per-sample mode on the shape's cost model."""
+    return [*modes(setting), SHAPE_COST]
 
 
 def modes(setting: VariableSetting) -> list[Mode]:
@@ -106,32 +106,6 @@ def modes(setting: VariableSetting) -> list[Mode]:
 
 
 # On each rank -----------------------------------------------------------------------------
-
-
-def _cost(runner: Any, model: torch.nn.Module, vocab: int, size: int) -> Any:
-    """A :class:`DegreeCost` fitted on rank 0's timings of one forward and backward per calibration length, alone
-    and split over the group (broadcast: every rank plans with the same one)."""
-    from lightning_merak.parallel.context.variable import DegreeCost, Round
-    from lightning_merak.parallel.micro_batching.plan import CostModel
-
-    generator = torch.Generator().manual_seed(3)
-    alone, split = [], []
-    for length in CALIBRATION_LENGTHS:
-        tokens = torch.randint(vocab, (1, length), generator=generator)
-        for degree, into in ((1, alone), (size, split)):
-            round_ = Round(degree, ((0,),) * (size // degree))
-            for repeat in range(2):  # the first warms up
-                dist.barrier()
-                start = time.perf_counter()
-                runner.run([round_], tokens, [length], length - 1, lambda loss, _: loss.backward())
-                if repeat:
-                    into.append((1, length, time.perf_counter() - start))
-            model.zero_grad(set_to_none=True)
-    compute = CostModel.fit(alone)
-    exchange = [(seconds - compute.time(1, length) / size) / (size - 1) for _, length, seconds in split]
-    fitted = [compute.per_token, compute.per_token_squared, compute.overhead, max(0.0, statistics.median(exchange))]
-    dist.broadcast_object_list(fitted, src=0)
-    return DegreeCost(CostModel(*fitted[:3]), exchange_per_step=fitted[3])
 
 
 def _step(runner: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Any, tokens: torch.Tensor,
@@ -163,7 +137,7 @@ def rank_main(workload: Workload, setting: VariableSetting, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from lightning_merak.parallel.context.model import install_context_parallel
-    from lightning_merak.parallel.context.rounds import RoundRunner, context_subgroups
+    from lightning_merak.parallel.context.rounds import RoundRunner, context_subgroups, measure_degree_cost
     from lightning_merak.parallel.context.variable import DegreeCost, plan_context_degrees
     from lightning_merak.parallel.layout import Layout, LayoutGroups
 
@@ -180,8 +154,8 @@ def rank_main(workload: Workload, setting: VariableSetting, out: Path) -> None:
         model = AutoModelForCausalLM.from_config(workload.config())
         install_context_parallel(model, groups.context_group, "ring")
         runner = RoundRunner(model.forward, context_subgroups(groups))
-        cost = _cost(runner, model, workload.vocab, size)
-        default_cost = DegreeCost.from_shape(workload.hidden, workload.vocab)
+        cost = measure_degree_cost(runner, model, size, setting.mix.token_cap, workload.vocab, torch.device("cpu"))
+        shape_cost = DegreeCost.from_shape(workload.hidden, workload.vocab)
         batches = setting.mix.batches(setting.steps, seed=1)
         generator = torch.Generator().manual_seed(2)
         tokens = [torch.randint(workload.vocab, (len(lengths), max(lengths)), generator=generator)
@@ -195,8 +169,8 @@ def rank_main(workload: Workload, setting: VariableSetting, out: Path) -> None:
                 optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr)
                 steps, losses, degrees = [], [], []
                 for lengths, batch in zip(batches, tokens):
-                    plan = (plan_context_degrees(lengths, 1, size, default_cost, setting.mix.token_cap, PER_SAMPLE)
-                            if mode == DEFAULT_COST else
+                    plan = (plan_context_degrees(lengths, 1, size, shape_cost, setting.mix.token_cap, PER_SAMPLE)
+                            if mode == SHAPE_COST else
                             plan_context_degrees(lengths, 1, size, cost, setting.mix.token_cap, mode))
                     seconds, loss = _step(runner, model, optimizer, plan, batch, lengths, size)
                     steps.append(seconds)
@@ -267,16 +241,16 @@ def leg_main(goal: Any, quick: bool, out: Optional[Path], rank_env: dict[str, st
     by_run = {} if isinstance(record, str) else speedup_by_run(record["results"])
     goals = [worst_case(goal, by_run or {"leg": None})]
     print_goals(goals)
-    default_cost_by_run = {} if isinstance(record, str) else speedup_by_run(record["results"], DEFAULT_COST)
-    if default_cost_by_run:
-        print(f"{DEFAULT_COST}: best fixed step over its step, worst run {min(default_cost_by_run.values()):.3g}")
+    shape_cost_by_run = {} if isinstance(record, str) else speedup_by_run(record["results"], SHAPE_COST)
+    if shape_cost_by_run:
+        print(f"{SHAPE_COST}: best fixed step over its step, worst run {min(shape_cost_by_run.values()):.3g}")
     wall_s = round(time.monotonic() - started, 1)
     written = write_run(
         "context_parallel_variable", rows, "emulated", goals, quick=quick, out=out, benchmark="context_parallel",
         leg="variable", backend="gloo", threads_per_rank=1, rank_env=rank_env, workload=asdict(workload),
         workload_description=workload.describe(), setting=asdict(setting), mix=setting.mix.describe(),
         record=record, baseline="the fastest fixed context-parallel degree among those the cap allows",
-        default_cost_speedup_by_run=default_cost_by_run,
+        shape_cost_speedup_by_run=shape_cost_by_run,
         rank_cpu=emulation_record(device_per_rank_quota(setting.world_size), setting.world_size), wall_s=wall_s,
         load_average={"start": load_at_start, "end": os.getloadavg()[0]})
     print(f"wrote {written} in {wall_s:.0f} s")

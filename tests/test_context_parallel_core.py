@@ -398,3 +398,11 @@ def test_an_attention_call_reads_its_sub_batch_rows_of_the_document_ids() -> Non
     assert torch.equal(rows[0], documents[:2]) and torch.equal(rows[1], documents[2:])
     with pytest.raises(ValueError, match="not as one of its tp_overlap sub-batches"):
         shard.documents_of(2)  # outside a region a batch of other rows is a mistake
+
+
+def test_calibration_lengths_spread_under_the_cap_in_whole_chunks() -> None:
+    from lightning_merak.parallel.context.rounds import calibration_lengths
+
+    assert calibration_lengths(4096, 4) == [512, 1024, 2048]
+    assert calibration_lengths(100, 2) == [12, 24, 48]  # multiples of 2 x cp
+    assert calibration_lengths(8, 4) == [8, 16, 24]  # a cap too small to spread them

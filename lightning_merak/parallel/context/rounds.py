@@ -12,6 +12,7 @@ tokens times zero), so every rank of the data-parallel reduction counts the same
 
 from __future__ import annotations
 
+import statistics
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -20,11 +21,14 @@ from torch import Tensor
 
 from lightning_merak.distributed.process_groups import new_group
 from lightning_merak.parallel.context.model import IGNORE_INDEX, ContextParallelForward
-from lightning_merak.parallel.context.variable import Round, split_length
+from lightning_merak.parallel.context.variable import DegreeCost, Round, split_length
 from lightning_merak.parallel.layout import LayoutGroups
+from lightning_merak.parallel.micro_batching.plan import CostModel
 from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh
+from lightning_merak.util import random_state
+from lightning_merak.util.timing import DeviceTimer
 
-__all__ = ["RoundRunner", "context_subgroups"]
+__all__ = ["RoundRunner", "calibration_lengths", "context_subgroups", "measure_degree_cost"]
 
 
 def context_subgroups(groups: LayoutGroups) -> dict[int, dist.ProcessGroup]:
@@ -99,3 +103,47 @@ class RoundRunner:
         labels[0, :len(sample)] = sample
         return self._forwards[degree](input_ids=inputs, labels=labels,
                                       num_items_in_batch=torch.tensor(targets, device=sample.device)).loss
+
+
+def calibration_lengths(token_cap: int, size: int) -> list[int]:
+    """The sample lengths :func:`measure_degree_cost` times: an eighth, a quarter and half of the per-rank token cap,
+    each a multiple of ``2 x size`` (a split sample's chunks)."""
+    unit = 2 * size
+    lengths = sorted({max(unit, token_cap // part // unit * unit) for part in (8, 4, 2)})
+    return lengths if len(lengths) == 3 else [unit, 2 * unit, 3 * unit]  # a cap too small to spread them
+
+
+def measure_degree_cost(runner: RoundRunner, model: torch.nn.Module, size: int, token_cap: int, vocab_size: int,
+                        device: torch.device) -> DegreeCost:
+    """A :class:`DegreeCost` measured on these ranks: one forward and backward of a sample of each
+    :func:`calibration_lengths` whole on every rank and split over the context-parallel group of ``size`` (device
+    time), the compute fitted by least squares and each ring step's exposed exchange the median remainder. Every rank
+    of the world calls it (a collective); the world's first rank's figures are used everywhere, so every rank plans
+    alike. The gradients it computes on ``model`` are dropped and the random streams left as they were."""
+    generator = torch.Generator().manual_seed(0)
+    alone: list[tuple[int, int, float]] = []
+    split: list[tuple[int, float]] = []
+    saved = random_state.capture()
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    with torch.inference_mode(False), torch.enable_grad():
+        for index, length in enumerate(calibration_lengths(token_cap, size)):
+            tokens = torch.randint(vocab_size, (1, length), generator=generator).to(device)
+            for degree in (1, size):
+                round_ = Round(degree, ((0,),) * (size // degree))
+                for timed in ((False, True) if index == 0 else (True,)):  # the first call warms up
+                    dist.barrier()
+                    with DeviceTimer(device) as timer:
+                        runner.run([round_], tokens, [length], length - 1, lambda loss, _: loss.backward())
+                    if timed and degree == 1:
+                        alone.append((1, length, timer.seconds))
+                    elif timed:
+                        split.append((length, timer.seconds))
+    for param in parameters:
+        param.grad = None
+    random_state.restore(saved)
+    compute = CostModel.fit(alone)
+    exchange = [(seconds - compute.time(1, length) / size) / (size - 1) for length, seconds in split]
+    fitted: list[float] = [compute.per_token, compute.per_token_squared, compute.overhead,
+                           max(0.0, statistics.median(exchange))]
+    dist.broadcast_object_list(fitted, src=0)
+    return DegreeCost(CostModel(*fitted[:3]), exchange_per_step=fitted[3])

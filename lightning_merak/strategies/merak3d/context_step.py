@@ -15,11 +15,12 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_merak.modules.causal_lm import scores_next_token
 from lightning_merak.parallel.context.model import ContextParallelForward
-from lightning_merak.parallel.context.rounds import RoundRunner, context_subgroups
+from lightning_merak.parallel.context.rounds import RoundRunner, context_subgroups, measure_degree_cost
 from lightning_merak.parallel.context.variable import ContextPlan, DegreeCost, plan_context_degrees
 from lightning_merak.parallel.layout import LayoutGroups
 from lightning_merak.parallel.micro_batching.options import DEFAULT_TOKENS, MicroBatching
@@ -52,9 +53,14 @@ class ContextRoundsStep:
         if getattr(config, "output_router_logits", False):
             raise ValueError("context_parallel_degree='per_micro_batch' has no router aux loss over the whole batch "
                              "yet; set output_router_logits=False or context_parallel_degree='fixed'")
-        hidden, vocab = getattr(config, "hidden_size", None), getattr(config, "vocab_size", None)
-        self.cost = (DegreeCost(CostModel(*options.cost)) if options.cost is not None
-                     else DegreeCost.from_shape(hidden, vocab) if hidden and vocab else DegreeCost(CostModel(1.0, 0.0)))
+        vocab = getattr(config, "vocab_size", None)
+        if options.cost is None and not vocab:
+            raise ValueError("context_parallel_degree='per_micro_batch' measures its cost model on samples of the "
+                             "model's vocabulary, but its config names no vocab_size; set strategy.micro_batching_cost")
+        self.cost: Optional[DegreeCost] = DegreeCost(CostModel(*options.cost)) if options.cost is not None else None
+        """The per-sample planner's cost model: ``micro_batching_cost``, else measured here on the first global
+        batch (:func:`~lightning_merak.parallel.context.rounds.measure_degree_cost`)."""
+        self._vocab = vocab
         self._module, self._model, self._groups, self._options, self._degree = module, model, groups, options, degree
         self._runner = RoundRunner(forward, context_subgroups(groups))
         self._planned: Optional[tuple[VariableBatch, ContextPlan]] = None
@@ -77,8 +83,14 @@ class ContextRoundsStep:
         if self._planned is None or self._planned[0] is not batch:
             lengths = [int(length) for length in batch.lengths]
             layout = self._groups.layout
+            cap = self.token_cap(lengths)
+            if self.cost is None:  # every rank plans its first global batch at once: measure here, together
+                self.cost = measure_degree_cost(self._runner, self._model, layout.context_parallel, cap, self._vocab,
+                                                batch.tokens.device)
+                rank_zero_info(f"merak3d: per-sample context-parallel degrees planned on a cost measured here: "
+                               f"{self.cost} (strategy.micro_batching_cost fixes one)")
             self._planned = (batch, plan_context_degrees(lengths, layout.batch_replicas, layout.context_parallel,
-                                                         self.cost, self.token_cap(lengths), self._degree))
+                                                         self.cost, cap, self._degree))
         return self._planned[1]
 
     def backward_passes(self, batch: Any) -> int:

@@ -159,5 +159,6 @@ class Merak3DOptions:
         "context_parallel ranks holds that many times more), `pack`'s row length (`null`: 4096, and never below the "
         "longest sample).")
     micro_batching_cost: Optional[tuple[float, float, float]] = option(
-        None, "Seconds per token, per token² and per micro-batch, the cost model of `dynamic`'s planner (`null`: "
-        "FLOP ratios of the model's shape).")
+        None, "Seconds per token, per token² and per micro-batch, the cost model of `dynamic`'s planner and of "
+        "context_parallel_degree=per_micro_batch's (`null`: FLOP ratios of the model's shape for `dynamic`; measured "
+        "on the ranks at the first global batch for per_micro_batch).")
