@@ -159,6 +159,11 @@ def _refusal(overrides: list[str], run_dir: Path, monkeypatch, capsys) -> str:
     (["trainer.logger=false"], "merak-train sets Trainer's logger itself; use logger=..."),
     (["optim=muon", "optim.lr_schedule=cosin"],
      "optim.lr_schedule=cosin: 'cosin' is not one of cosine, linear, constant"),
+    (["data.lengths=variable"], "data.lengths=variable yields global batches of samples of their own lengths, which "
+                                "only merak3d's micro-batching consumes"),  # before launch, not on every rank
+    (["data.lengths=variable", "strategy.pipeline_parallel=2", "strategy.micro_batching=pack"],
+     "micro_batching=pack needs a model whose blocks take an attention mask on every batch; this one uses "
+     "attn_implementation='sdpa'"),
 ])
 def test_open_cli_refusals_name_the_fix(overrides, message, tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(REPOSITORY))

@@ -317,6 +317,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
     import lightning.pytorch as pl
 
     from lightning_merak.checkpoint.checkpoint_io import SafeCheckpointIO  # lazy: torch, Lightning
+    from lightning_merak.parallel.micro_batching.samples import check_consumer  # lazy: torch
 
     quiet_other_ranks()
     devices = validate_run(config.trainer)
@@ -329,6 +330,8 @@ def prepare(config: TrainConfig) -> PreparedRun:
     _check_merak3d_options(config, strategy, world_size)
     pl.seed_everything(config.trainer.seed, workers=True, verbose=False)
     data = _datamodule(config)
+    if getattr(data, "lengths", None) == "variable":  # each rank's datamodule checks again in its setup
+        check_consumer(strategy)
     batch_shape = _batch_shape(config, data)
     if hasattr(strategy, "validate_arguments"):
         strategy.validate_arguments(world_size, **batch_shape)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-__all__ = ["MODES", "MicroBatching"]
+__all__ = ["MODES", "MicroBatching", "check_packing_attention"]
 
 MODES = ("none", "pad", "pack", "dynamic")
 DEFAULT_TOKENS = 4096
@@ -67,3 +67,15 @@ class MicroBatching:
     def token_limit(self, longest: int) -> int:
         """The tokens a micro-batch may hold: the option (or the default), but never below one longest sample."""
         return max(self.tokens or DEFAULT_TOKENS, longest)
+
+
+def check_packing_attention(config: Any) -> None:
+    """Refuse packed rows for a model whose blocks would not keep their documents apart between pipeline stages:
+    transformers builds the mask from the restarting position ids, and sdpa and flash attention skip it on a plain
+    causal batch, so the traced stages would carry none (context parallelism keeps documents itself)."""
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in (None, "eager"):
+        raise ValueError(f"micro_batching=pack needs a model whose blocks take an attention mask on every batch; "
+                         f"this one uses attn_implementation={implementation!r}: set the model config's "
+                         "attn_implementation=eager (model.config.attn_implementation=eager), or use "
+                         "micro_batching=dynamic or pad, which need no mask, or context_parallel>1")

@@ -31,7 +31,7 @@ from lightning_merak.parallel.layout import (
     check_overlap,
     default_micro_batches,
 )
-from lightning_merak.parallel.micro_batching.options import MicroBatching
+from lightning_merak.parallel.micro_batching.options import MicroBatching, check_packing_attention
 from lightning_merak.parallel.pipeline.schedules import shifted_schedule_available
 from lightning_merak.parallel.pipeline.trace import find_trunk
 from lightning_merak.parallel.tensor.adapters import check_adapter_split
@@ -406,6 +406,8 @@ class Merak3DArguments(Merak3DOptions):
                                          tensor_parallel or 1)
         if pipeline_parallel is not None and pipeline_parallel > 1:
             check_stage_count(pipeline_parallel * self.stages_per_rank, len(find_trunk(model)[1]))
+        if self.micro_batching == "pack" and self.context_parallel == 1:
+            check_packing_attention(getattr(model, "config", None))
 
 
 def checked_arguments(given: dict[str, Any]) -> tuple[Merak3DArguments, MicroBatching]:

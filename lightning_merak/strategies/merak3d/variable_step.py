@@ -26,7 +26,7 @@ from torch.distributed.pipelining.stage import _RecvInfo
 from lightning_merak.modules.causal_lm import scores_next_token
 from lightning_merak.parallel.context.stages import context_parallel_stage_loss, summed_shard_loss
 from lightning_merak.parallel.layout import LayoutGroups
-from lightning_merak.parallel.micro_batching.options import MicroBatching
+from lightning_merak.parallel.micro_batching.options import MicroBatching, check_packing_attention
 from lightning_merak.parallel.micro_batching.plan import (
     CostModel,
     StepPlan,
@@ -140,17 +140,6 @@ def _model_cost(stages: RankStages, options: MicroBatching) -> CostModel:
     return CostModel.from_shape(hidden, vocab) if hidden and vocab else CostModel(1.0, 0.0, 0.0)
 
 
-def _check_packing(stages: RankStages) -> None:
-    """Packed rows are kept apart by the mask transformers builds from restarting position ids; sdpa and flash
-    attention skip that mask on a plain causal batch, so the traced stages would carry none between them."""
-    config = getattr(stages[0].net, "config", None)
-    implementation = getattr(config, "_attn_implementation", None)
-    if implementation not in (None, "eager"):
-        raise ValueError(f"micro_batching=pack needs a model whose blocks take an attention mask on every batch; "
-                         f"this one uses attn_implementation={implementation!r}: set the model config's "
-                         "attn_implementation=eager (or use micro_batching=dynamic or pad, which need no mask)")
-
-
 class VariablePipelineStep:
     """The schedule over this rank's stage, fed the micro-batches the plan gives this replica.
 
@@ -165,7 +154,7 @@ class VariablePipelineStep:
         if len(stages) != 1:
             raise ValueError("micro_batching needs one pipeline stage per rank (no interleaved schedule)")
         if options.packs and groups.layout.context_parallel == 1:  # context parallelism keeps documents itself
-            _check_packing(stages)
+            check_packing_attention(getattr(stages[0].net, "config", None))
         _check_token_loss(module)
         self._module, self._groups, self._device, self._options = module, groups, device, options
         self.cost = _model_cost(stages, options)
