@@ -32,7 +32,7 @@ from lightning_merak.modules.muon import newton_schulz_seconds
 from lightning_merak.parallel.context.model import trace_as_context_parallel
 from lightning_merak.parallel.data.fully_sharded import FullySharded, apply_fully_shard, data_parallel_mesh
 from lightning_merak.parallel.data.gradients import TiedParameter
-from lightning_merak.parallel.float8 import float8_layout_problem, float8_problem
+from lightning_merak.parallel.float8 import MIN_FEATURES, float8_layout_problem, float8_problem
 from lightning_merak.parallel.layout import Layout, LayoutGroups
 from lightning_merak.parallel.materialize import (
     Materializer,
@@ -445,7 +445,8 @@ def _fast_blocks(blocks: list[tuple[str, nn.Module]], arguments: Merak3DArgument
     converted = arguments.fast_blocks.apply(blocks)
     if arguments.float8 is not None:
         rank_zero_info(f"merak3d: float8={arguments.float8} on {len(converted)} linear layers of this rank's "
-                       f"{len(blocks)} blocks")
+                       f"{len(blocks)} blocks (those with both widths at least {MIN_FEATURES} and multiples of 16: "
+                       "narrower ones run faster unconverted)")
 
 
 def _wrap_recompute(blocks: list[nn.Module], groups: LayoutGroups) -> None:
