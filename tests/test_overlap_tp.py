@@ -308,3 +308,24 @@ def test_local_shard_of_a_block_holds_one_rank_of_every_split_layer():
     args, kwargs = trace.block_arguments(trace.sample_side_tensors)
     output = trace.hidden_of(shard(trace.sample_hidden, *args, **kwargs))
     assert output.shape == trace.sample_hidden.shape
+
+
+def test_local_shard_of_a_block_keeps_whole_shared_key_value_heads():
+    """Four query heads over two key/value heads at tensor_parallel=4: each rank's shard holds one whole key/value
+    head (shared by two ranks), as the split does, and runs; the planner times it so."""
+    from lightning_merak.modules.causal_lm import build_causal_lm
+    from lightning_merak.modules.config import ModelConfig
+    from lightning_merak.parallel.pipeline.trace import trace_model
+    from lightning_merak.planning.measure.layout import local_shard_of_block
+    from lightning_merak.strategies.merak3d.build import call_model
+
+    model = build_causal_lm(ModelConfig(name="llama", model_type="llama", config={
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2}), vocab_size=VOCAB)
+    model.config.use_cache = False
+    trace = trace_model(model, torch.randint(VOCAB, (2, SEQ)), call_model, profile=False)
+    block = model.get_submodule(trace.trunk_path)[0]
+    shard = local_shard_of_block(block, tensor_parallel_plan(block, trace), 4)
+    assert (shard.self_attn.q_proj.out_features, shard.self_attn.k_proj.out_features) == (16, 16)
+    args, kwargs = trace.block_arguments(trace.sample_side_tensors)
+    assert trace.hidden_of(shard(trace.sample_hidden, *args, **kwargs)).shape == trace.sample_hidden.shape

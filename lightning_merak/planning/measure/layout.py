@@ -44,6 +44,7 @@ from lightning_merak.parallel.tensor.blocks import (
     _scale_attention_attributes,
     apply_tensor_parallel,
 )
+from lightning_merak.parallel.tensor.rows import rank_rows
 from lightning_merak.parallel.tensor.sequence import SequenceParallelPlan, split_sequence_between
 from lightning_merak.planning.planner import (
     BlockTimes,
@@ -76,8 +77,10 @@ def local_shard_of_block(block: nn.Module, plan: TensorParallelPlan, tensor_para
             if _is_conv1d(layer):
                 layer = _conv1d_to_linear(layer)
             in_features, out_features = _features(layer)
+            units = plan.units.get(name)  # a rank's heads, as the split takes them (shared key/value heads: whole)
+            local_out = len(rank_rows(units, 0, tensor_parallel)) if units else out_features // tensor_parallel
             smaller = nn.Linear(in_features if divide_output else in_features // tensor_parallel,
-                                out_features // tensor_parallel if divide_output else out_features,
+                                local_out if divide_output else out_features,
                                 bias=layer.bias is not None, dtype=layer.weight.dtype, device=layer.weight.device)
             shard.set_submodule(name, smaller)
     _scale_attention_attributes(shard, plan.column, tensor_parallel)
