@@ -65,11 +65,8 @@ __all__ = ["LARGEST_TIMED_ELEMENTS", "local_shard_of_block", "profile_model", "p
 
 
 def local_shard_of_block(block: nn.Module, plan: TensorParallelPlan, tensor_parallel: int) -> nn.Module:
-    """A copy of ``block`` holding one rank's shard of every split layer, computing without collectives.
-
-    Its compute equals one tensor-parallel rank's; the values differ (no all-reduce), which
-    timing does not mind.
-    """
+    """A copy of ``block`` holding one rank's shard of every split layer (whole shared key/value heads, as the split
+    holds them), computing without collectives: one rank's compute; the values differ (no all-reduce)."""
     shard = copy.deepcopy(block)
     for names, divide_output in ((plan.column, True), (plan.row, False)):
         for name in names:
@@ -77,7 +74,7 @@ def local_shard_of_block(block: nn.Module, plan: TensorParallelPlan, tensor_para
             if _is_conv1d(layer):
                 layer = _conv1d_to_linear(layer)
             in_features, out_features = _features(layer)
-            units = plan.units.get(name)  # a rank's heads, as the split takes them (shared key/value heads: whole)
+            units = plan.units.get(name)
             local_out = len(rank_rows(units, 0, tensor_parallel)) if units else out_features // tensor_parallel
             smaller = nn.Linear(in_features if divide_output else in_features // tensor_parallel,
                                 local_out if divide_output else out_features,
