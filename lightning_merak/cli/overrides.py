@@ -137,7 +137,7 @@ def _normalised(override: Override, config: DictConfig) -> str:
 
 def _is_free_form(node: Any) -> bool:
     """Whether ``node`` is a dict of any keys (``model.config``), not a schema's dataclass."""
-    return isinstance(node, DictConfig) and node._metadata.object_type is dict
+    return isinstance(node, DictConfig) and OmegaConf.get_type(node) is dict
 
 
 def _compose(overrides: list[str]) -> DictConfig:

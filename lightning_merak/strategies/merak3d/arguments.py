@@ -48,6 +48,8 @@ __all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "SHARDING_MODES", "Degree", "
 RECOMPUTE_MODES = ("none", "full", "stage_aware", "auto")
 PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
 SHARDING_MODES = ("none", "optimizer", "gradients", "full", "auto")
+
+
 def check_stage_count(num_stages: int, num_blocks: int) -> None:
     nodes = num_blocks + 2
     if num_stages > nodes:
