@@ -39,7 +39,7 @@ from lightning_merak.parallel.context.sharding import LoadBalancedLayout
 from lightning_merak.parallel.layout import LayoutGroups
 
 __all__ = ["ContextStageForward", "context_parallel_stage_loss", "gather_stage_logits",
-           "install_context_parallel_layout", "shard_next_token_labels", "summed_shard_loss"]
+           "install_context_parallel_layout", "sequence_shard", "shard_next_token_labels", "summed_shard_loss"]
 
 
 class ContextStageForward:
@@ -113,11 +113,16 @@ def summed_shard_loss(logits: Tensor, labels: Tensor, group: dist.ProcessGroup) 
     the whole sequence's position-aligned ``labels`` ``[batch, sequence]`` (each position's own target, ``-100``
     skipped), the same on every rank of ``group``; its backward scales this rank's part by the group size, as
     :func:`context_parallel_stage_loss`'s does."""
-    size = dist.get_world_size(group)
-    local = LoadBalancedLayout(labels.shape[1], size).shard(labels, dist.get_rank(group), dim=1)
+    local = sequence_shard(labels, group)
     summed = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), local.to(logits.device).reshape(-1),
                              ignore_index=IGNORE_INDEX, reduction="sum")
     return SumOverGroup.apply(summed, group)
+
+
+def sequence_shard(tensor: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """This rank's load-balanced rows of a whole sequence ``[batch, sequence, ...]``, split over ``group``."""
+    layout = LoadBalancedLayout(tensor.shape[1], dist.get_world_size(group))
+    return layout.shard(tensor, dist.get_rank(group), dim=1)
 
 
 def shard_next_token_labels(targets: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
@@ -125,8 +130,7 @@ def shard_next_token_labels(targets: Tensor, group: dist.ProcessGroup) -> tuple[
     position's next token), and how many tokens the whole sequence scores: what a stage scoring its rows of the
     sequence needs (the last stage's loss, the split LM head's exchange)."""
     shifted = next_token_labels(targets)
-    layout = LoadBalancedLayout(targets.shape[1], dist.get_world_size(group))
-    return layout.shard(shifted, dist.get_rank(group), dim=1), (shifted != IGNORE_INDEX).sum()
+    return sequence_shard(shifted, group), (shifted != IGNORE_INDEX).sum()
 
 
 def gather_stage_logits(logits: Tensor, group: dist.ProcessGroup) -> Tensor:

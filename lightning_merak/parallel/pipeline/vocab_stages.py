@@ -42,8 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_merak.parallel.context.model import IGNORE_INDEX
-from lightning_merak.parallel.context.sharding import LoadBalancedLayout
-from lightning_merak.parallel.context.stages import shard_next_token_labels
+from lightning_merak.parallel.context.stages import sequence_shard, shard_next_token_labels
 from lightning_merak.parallel.pipeline.embedding_stages import embedding_split_problem
 from lightning_merak.parallel.pipeline.head_adapters import HeadLoRA, LoRAHeadRows, head_adapter_problem
 from lightning_merak.parallel.pipeline.recording import ModelTrace
@@ -237,9 +236,8 @@ class VocabularyExchange:
             count = (targets != IGNORE_INDEX).sum().to(self.device)
             if self.context is None:
                 return slice(None), targets.reshape(-1).to(self.device), count, 1
-            size = dist.get_world_size(self.context)
-            local = LoadBalancedLayout(targets.shape[1], size).shard(targets, dist.get_rank(self.context), dim=1)
-            return slice(None), local.reshape(-1).to(self.device), count, size
+            local = sequence_shard(targets, self.context)
+            return slice(None), local.reshape(-1).to(self.device), count, dist.get_world_size(self.context)
         if self.context is None:
             labels = targets[:, 1:].reshape(-1).to(self.device)
             return slice(None, -1), labels, (labels != IGNORE_INDEX).sum(), 1
