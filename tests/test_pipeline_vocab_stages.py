@@ -65,8 +65,9 @@ def test_the_split_embedding_spreads_its_parameters_and_table_gradient_over_the_
     blocks = [BlockCost("prefix", 1.0, 2.0, 40, 8, 4), BlockCost("layers.0", 3.0, 6.0, 10, 8, 20),
               BlockCost("suffix", 8.0, 0.0, 400, 8, 80)]
     kept, share = split_vocabulary_head(blocks, 4, exchange_s=0.5, exchange_s_per_byte=0.25)
-    # the first stage keeps the lookup (its backward priced by the ratio); the table's gradient and rows spread
-    assert (kept[0].forward_s, kept[0].backward_s, kept[0].param_bytes) == (1.0, 0.0, 0)
+    # the first stage keeps the lookup's forward; its backward (the table's gradient) and rows spread, and the
+    # lookup is not priced a second time by the backward ratio
+    assert (kept[0].forward_s, kept[0].resolved_backward_s(), kept[0].param_bytes) == (1.0, 0.0, 0)
     assert kept[1] == blocks[1]
     # the head's share plus the looked-up rows' exchange each way (0.5 + 0.25 x 8), and 2/4 of the table's gradient
     assert (share.forward_s, share.backward_s) == (7.0, 9.5)
@@ -74,6 +75,17 @@ def test_the_split_embedding_spreads_its_parameters_and_table_gradient_over_the_
     whole = build_partition(blocks, (0, 1, 2), "test")
     split = build_partition(kept, (0, 1, 2), "test", vocabulary=share)
     assert split.stage_param_bytes == (110, 120, 110) and whole.stage_param_bytes == (40, 10, 400)
+    assert split.stage_forward_s[0] + split.stage_backward_s[0] == 1.0 + share.forward_s + share.backward_s
+
+
+def test_autopipe_gives_the_lookup_stage_a_block_when_the_split_leaves_it_light():
+    """One stage per block but one: the first stage's lookup is light once its table gradient is shared, so it
+    takes a block rather than leaving a stage with two."""
+    blocks = [BlockCost("prefix", 4.0, 2.0, 40, 8, 4, is_embedding=True),
+              *(BlockCost(f"layers.{index}", 3.0, 6.0, 10, 8, 20) for index in range(4)),
+              BlockCost("suffix", 8.0, 16.0, 400, 8, 80)]
+    partition = partition_autopipe(blocks, 4, 8, vocab_stages=True)
+    assert partition.boundaries == (0, 2, 3, 4)
 
 
 def test_partition_totals_carry_the_share_on_every_stage():

@@ -34,6 +34,9 @@ class BlockCost:
     optimizer_s: float = 0.0
     """Seconds this rank's optimizer step spends on the node's parameters beyond elementwise work (Muon's
     Newton–Schulz iterations), after the pipeline's flush: a stage with more of it starts the next step later."""
+    no_backward: bool = False
+    """The node's backward work is priced elsewhere (the split embedding's lookup, whose table gradient every
+    stage shares), so a ``backward_s`` of 0 means none rather than "not measured"."""
 
     def __post_init__(self) -> None:
         for field_name in ("forward_s", "backward_s", "param_bytes", "output_bytes", "saved_bytes", "optimizer_s"):
@@ -42,6 +45,8 @@ class BlockCost:
 
     def resolved_backward_s(self, backward_ratio: float = DEFAULT_BACKWARD_RATIO) -> float:
         """The measured backward time, or ``backward_ratio * forward_s`` when none was measured (0)."""
+        if self.no_backward:
+            return 0.0
         return self.backward_s if self.backward_s > 0 else backward_ratio * self.forward_s
 
 
@@ -143,7 +148,7 @@ def split_vocabulary_head(
         forward_s += rows_time
         backward_s += embedding.resolved_backward_s(backward_ratio) / num_stages + rows_time
         param_bytes += embedding.param_bytes // num_stages
-        kept_blocks[0] = replace(embedding, backward_s=0.0, param_bytes=0)
+        kept_blocks[0] = replace(embedding, backward_s=0.0, param_bytes=0, no_backward=True)
     share = VocabularyShare(
         forward_s=forward_s,
         backward_s=backward_s,
