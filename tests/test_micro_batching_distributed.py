@@ -101,8 +101,6 @@ def _train_rank(rank: int, world_size: int, layout: dict) -> tuple[list[float], 
     return recorder.losses, recorder.gradients
 
 
-
-
 LAYOUTS = [
     ("pad", {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1}),
     ("pack", {"data_parallel": 1, "pipeline_parallel": 2, "tensor_parallel": 1}),

@@ -48,7 +48,9 @@ class ContextStageForward:
 
     With ``carries_documents`` (packed rows: ``micro_batching='pack'``) this rank's document ids of the shard travel
     with the hidden state as the last tensor a stage sends: the first stage's are what its model call computed from
-    the restarting positions, ``-1`` throughout where every row is one sequence.
+    the restarting positions. Where every row is one sequence it sends a single column instead (the local sequence
+    is at least 2 long: lengths are padded to a multiple of 2 × cp), which the next stage tells from its shape, sent
+    ahead in the variable-shape header, without reading the ids back to the host.
     """
 
     def __init__(self, stage: nn.Module, state: ContextState, carries_documents: bool = False) -> None:
@@ -65,8 +67,9 @@ class ContextStageForward:
             if self._carries_documents:
                 *inputs, documents = inputs  # type: ignore[assignment]
             length = inputs[0].shape[1] * self._size  # hidden [batch, local sequence, width]
+            whole_rows = documents is None or documents.shape[1] != inputs[0].shape[1]
             self._state.shard = ContextShard(LoadBalancedLayout(length, self._size).rank_positions(),
-                                             None if documents is None or bool((documents < 0).all()) else documents)
+                                             None if whole_rows else documents)
         outputs = self._forward(*inputs, **kwargs)
         if not self._carries_documents or self._is_last:
             return outputs
@@ -75,7 +78,7 @@ class ContextStageForward:
             hidden = outputs[0]
             documents = self._state.shard.document_ids
             if documents is None:  # every row one sequence: the same on every rank of the group
-                documents = torch.full(hidden.shape[:2], -1, dtype=torch.long, device=hidden.device)
+                documents = torch.full((hidden.shape[0], 1), -1, dtype=torch.long, device=hidden.device)
         assert documents is not None
         return (*outputs, documents.to(outputs[0].device).contiguous())
 
