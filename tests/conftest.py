@@ -17,9 +17,11 @@ import multiprocessing.process
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 
 _UNMARKED_START = (
     "this test starts a Python process but is not marked distributed; add @pytest.mark.distributed "
@@ -39,6 +41,16 @@ def _starts_python(args: object) -> bool:
         return False
     name = os.path.basename(words[0])
     return words[0] == sys.executable or name.startswith(("python", "merak-", "torchrun", "make"))
+
+
+@pytest.fixture
+def single_rank_group() -> Iterator[dist.ProcessGroup]:
+    """A gloo process group of this process alone, for code that asks a group its size and rank."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,6 @@ from typing import Optional
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_merak.parallel.context.model import ContextShard, ContextState
@@ -15,14 +14,6 @@ from lightning_merak.parallel.context.stages import ContextStageForward
 
 BATCH, LENGTH, WIDTH = 2, 8, 4
 
-
-@pytest.fixture
-def single_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 class _Stage(nn.Module):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -180,14 +180,6 @@ def fake_cuda(monkeypatch) -> FakeCuda:
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     return fake
 
-
-@pytest.fixture
-def single_rank_group() -> Iterator[dist.ProcessGroup]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_timer_reads_its_events_only_when_asked_and_waits_first(fake_cuda) -> None:

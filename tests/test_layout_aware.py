@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
@@ -41,14 +40,6 @@ def test_recomputed_forward_gives_the_same_gradients_and_is_recognised_by_type()
     assert strategy_recompute(recomputed, strategy) == "recomputed by the merak3d strategy (recompute='full')"
     assert strategy_recompute(block, strategy) is None and user_checkpointing(block) is None
 
-
-@pytest.fixture
-def single_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_recomputed_forward_reads_the_state_its_forward_read() -> None:
