@@ -66,6 +66,14 @@ def test_padded_plan_keeps_loader_order_and_equal_counts():
     assert plan.replicas[1][2].length == 32  # 25 tokens, rounded up to 8
 
 
+def test_packed_micro_batches_are_as_long_as_their_fullest_row():
+    """The row length is a capacity: short samples packed together do not pay for a whole row of padding."""
+    plan = plan_packed([30, 20, 40, 50, 60, 5], 1, 2, 100)
+    # rows of 95, 50 and 60 tokens (capacity 104, aligned): micro-batches of the first two rows, and the third
+    assert [(micro.rows, micro.length) for micro in plan.replicas[0]] == [(((0, 1, 2, 5), (3,)), 96), (((4,),), 64)]
+    assert plan_packed([64] * 4, 1, 1, 4096).replicas[0][0].length == 256
+
+
 def test_dynamic_plan_respects_the_token_limit_and_beats_padding_and_packing():
     dynamic = plan_dynamic(LENGTHS, 2, 2, COST, 4096)
     assert all(micro.padded_tokens <= 4096 for replica in dynamic.replicas for micro in replica)

@@ -169,7 +169,8 @@ def plan_padded(lengths: Sequence[int], replicas: int, micro_batches: int, stage
 def plan_packed(lengths: Sequence[int], replicas: int, micro_batches: int, row_length: int,
                 stages: int = 1) -> StepPlan:
     """Loader order packed first-fit into rows of ``row_length`` tokens; rows split evenly over replicas
-    and ``micro_batches`` micro-batches."""
+    and ``micro_batches`` micro-batches. ``row_length`` is a row's capacity: each micro-batch is as long as its
+    fullest row (aligned), so short samples do not pay for a whole row of padding."""
     _check(lengths, replicas, stages)
     row_length = round_up(row_length)
     if max(lengths) > row_length:
@@ -186,8 +187,12 @@ def plan_packed(lengths: Sequence[int], replicas: int, micro_batches: int, row_l
         rows[slot].append(index)
         free[slot] -= length
     shares = _even_chunks(rows, replicas) + [[]] * max(0, replicas - len(rows))
-    plans = [[MicroBatch(tuple(tuple(row) for row in chunk), row_length)
-              for chunk in _even_chunks(share, micro_batches)] for share in shares]
+
+    def micro_batch(chunk: list[list[int]]) -> MicroBatch:
+        return MicroBatch(tuple(tuple(row) for row in chunk),
+                          round_up(max(sum(lengths[index] for index in row) for row in chunk)))
+
+    plans = [[micro_batch(chunk) for chunk in _even_chunks(share, micro_batches)] for share in shares]
     return _filled(plans, stages)
 
 

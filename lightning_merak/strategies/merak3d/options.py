@@ -152,12 +152,12 @@ class Merak3DOptions:
     micro_batching: str = option(
         "none", "Micro-batches of variable-length samples (`data.lengths=variable`): `none`, `pad`, `pack` or "
         "`dynamic`; needs `pipeline_parallel` ≥ 2. `pad` makes equal sample counts padded to the longest, `pack` "
-        "rows of `micro_batch_tokens` tokens, `dynamic` runs DynaPipe's planner over a cost model and a token "
-        "limit (`lightning_merak.parallel.micro_batching`).")
+        "rows of up to `micro_batch_tokens` tokens (each micro-batch as long as its fullest row), `dynamic` runs "
+        "DynaPipe's planner over a cost model and a token limit (`lightning_merak.parallel.micro_batching`).")
     micro_batch_tokens: Optional[int] = option(
         None, "Padded tokens one micro-batch may hold per rank: `dynamic`'s memory limit (a micro-batch split over "
-        "context_parallel ranks holds that many times more), `pack`'s row length (`null`: 4096, and never below the "
-        "longest sample).")
+        "context_parallel ranks holds that many times more), `pack`'s row capacity (`null`: 4096, and never below "
+        "the longest sample).")
     micro_batching_cost: Optional[tuple[float, float, float]] = option(
         None, "Seconds per token, per token² and per micro-batch, the cost model of `dynamic`'s planner and of "
         "context_parallel_degree=per_micro_batch's (`null`: FLOP ratios of the model's shape for `dynamic`; measured "
