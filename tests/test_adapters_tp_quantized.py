@@ -155,7 +155,8 @@ def test_shards_whose_blocks_would_cross_are_refused_naming_the_fix():
 
 def test_a_resumed_meta_model_reads_the_tensors_its_float_weight_was_rewritten_into():
     """A float weight the checkpoint lacks: the INT4 codes, scales and zeros saved instead (whole at tp=1 and pp),
-    or this rank's quantised shard; shards of another degree are refused, naming the one that wrote them."""
+    or this rank's quantised shard; shards of another degree are all read, to be joined by the split the checkpoint
+    records, and refused without it, naming the degree that wrote them."""
     from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
 
     from lightning_merak.checkpoint.rewritten import saved_storage_where_rewritten
@@ -173,8 +174,9 @@ def test_a_resumed_meta_model_reads_the_tensors_its_float_weight_was_rewritten_i
     state = {"q.base_layer.weight": torch.empty(4, 4)}
     saved_storage_where_rewritten(state, shards, (1, 2))
     assert sorted(state) == ["q.base_layer.shard_tp1of2.qweight", "q.base_layer.shard_tp1of2.scales"]
-    with pytest.raises(ValueError, match="q.base_layer's quantised base as 2 tensor-parallel shards.*this run: 1; "
-                                         "joining them at tensor_parallel=1 needs the split"):
+    with pytest.raises(ValueError, match="q.base_layer's quantised base as 2 tensor-parallel shards, each quantised "
+                                         "alone, and does not record how the layer was split.*resume it at "
+                                         r"tensor_parallel=2 \(this run: 1\)"):
         saved_storage_where_rewritten({"q.base_layer.weight": torch.empty(4, 4)}, shards, None)
     split = {"dim": 1, "degree": 2, "shape": [4, 8], "rows": None}
     state = {"q.base_layer.weight": torch.empty(4, 4)}
@@ -182,9 +184,9 @@ def test_a_resumed_meta_model_reads_the_tensors_its_float_weight_was_rewritten_i
     assert sorted(state) == sorted(f"q.base_layer.shard_tp{rank}of2.{name}" for rank in range(2)
                                    for name in ("qweight", "scales"))  # every shard, joined once loaded
     assert (join.layer, join.kind, join.split) == ("q.base_layer", "int4", split)
-    with pytest.raises(ValueError, match=r"resume it at tensor_parallel=2 \(this run: 4; or at tensor_parallel=1"):
-        saved_storage_where_rewritten({"q.base_layer.weight": torch.empty(4, 4)}, shards, (0, 4),
-                                      {"q.base_layer": split})
+    state = {"q.base_layer.weight": torch.empty(4, 4)}  # at tp4 too: this rank's shard is cut once the model is split
+    assert saved_storage_where_rewritten(state, shards, (0, 4), {"q.base_layer": split}) == [join]
+    assert len(state) == 4
 
 
 @pytest.mark.parametrize("quantization", ["nf4", "fp4", "int4", "int8"])
@@ -260,11 +262,12 @@ def test_shards_of_a_column_layer_whose_rows_the_split_reorders_dequantise_to_th
 def test_adapters_on_a_base_quantised_per_shard_train_like_the_whole_quantised_model(tmp_path):
     """Q-BaRA on NF4 and FP4, QLoRA on NF4, QA-HiRA on INT4 and LoRA on int8 at tp2 (with sequence parallelism for
     two): every base layer in the blocks quantised per shard. QA-HiRA resumes at tp2 from its checkpoint (the shards
-    rebuilt from the float weights must equal the saved ones), refuses another degree but tensor_parallel=1, and
-    resumes at pp2 (the joined shards are the whole model's INT4: the rebuilt base equals them, and the losses and
-    gradients continue as the uninterrupted run's). The final INT4 checkpoint and
-    the NF4 one export the adapters, which load onto the whole model's quantised base, and export merged: the shards
-    dequantised and put back together, the exported model computes that quantised model's logits."""
+    rebuilt from the float weights must equal the saved ones), refuses another degree without the recorded split
+    (tests/test_adapters_tp_quantized_resume.py resumes at other degrees), and resumes at pp2 (the joined shards are
+    the whole model's INT4: the rebuilt base equals them, and the losses and gradients continue as the uninterrupted
+    run's). The final INT4 checkpoint and the NF4 one export the adapters, which load onto the whole model's
+    quantised base, and export merged: the shards dequantised and put back together, the exported model computes
+    that quantised model's logits."""
     from peft import PeftModel
     from torch.distributed.checkpoint import FileSystemReader
     from transformers import AutoModelForCausalLM

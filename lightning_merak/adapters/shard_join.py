@@ -1,4 +1,5 @@
-"""A layer's whole quantisation put together from its tensor-parallel shards' codes and statistics, none re-quantised.
+"""A layer's whole quantisation put together from its tensor-parallel shards' codes and statistics, or cut into
+another degree's shards, none re-quantised.
 
 Each rank of a merak3d run at ``tensor_parallel > 1`` quantises its own shard of a frozen base layer, every
 quantisation block inside one shard (:func:`~lightning_merak.adapters.quantize.shard_quantization_problem`), so the
@@ -15,6 +16,11 @@ weight's row-major order:
   row)`` view is put at its original rows (every row whole blocks: ``in % 64``).
 
 bitsandbytes' packed quantisation state (its shape) is rewritten for the whole layer.
+
+:func:`cut_quantized_whole` goes the other way, by the same runs: a rank's shard of the whole layer's codes and
+statistics at any degree whose shards hold whole quantisation blocks, which is what quantising that shard alone gives
+(:func:`~lightning_merak.adapters.quantize.shard_quantization_problem`). So a checkpoint written at one degree, its
+shards joined, gives a run at another degree its own shards bit for bit.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["join_quantized_shards"]
+__all__ = ["cut_quantized_whole", "join_quantized_shards"]
 
 
 def _shard_shapes(split: Mapping[str, Any]) -> list[tuple[int, int]]:
@@ -97,3 +103,47 @@ def join_quantized_shards(kind: str, split: Mapping[str, Any],
             "weight.absmax": _join("weight.absmax", parts("weight.absmax"), split, rowwise=False),
             "weight.quant_map": _same("weight.quant_map", parts("weight.quant_map")),
             packed: pack_dict_to_tensor(state)}
+
+
+def _cut(name: str, whole: torch.Tensor, split: Mapping[str, Any], rank: int, rowwise: bool) -> torch.Tensor:
+    """Rank ``rank``'s part of the whole layer's ``name`` (one entry per run of weights, see the module)."""
+    out_features, in_features = split["shape"]
+    rows, columns = _shard_shapes(split)[rank]
+    per = out_features * in_features // whole.numel()  # weights an entry stands for
+    shape = (rows, columns // per) if rowwise else (-1, *whole.shape[1:])
+    contiguous = split["dim"] == 0 and split["rows"] is None
+    if (rows * columns if contiguous else columns) % per:
+        raise ValueError(f"{name}: the checkpoint holds an entry per {per} weights, which straddle this run's shards "
+                         f"of {rows}x{columns}; resume with the quantization and group_size of the run that wrote it")
+    if contiguous:
+        size = rows * columns // per
+        return whole.reshape(-1)[rank * size:(rank + 1) * size].reshape(shape).clone()
+    view = whole.reshape(out_features, in_features // per)
+    if split["dim"] == 1:
+        return view[:, rank * columns // per:(rank + 1) * columns // per].reshape(shape).clone()
+    return view[torch.tensor(split["rows"][rank])].reshape(shape)
+
+
+def cut_quantized_whole(kind: str, split: Mapping[str, Any], rank: int,
+                        whole: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s shard of the whole layer's quantised tensors ``whole`` (any of those its state dict holds,
+    named alike), split as ``split`` records (:meth:`~lightning_merak.parallel.tensor.layers.QuantizableShard.
+    quantized_split`): the inverse of :func:`join_quantized_shards`; ``kind`` is nf4, fp4, int8 or int4."""
+    shard: dict[str, torch.Tensor] = {}
+    for name, tensor in whole.items():
+        if name.startswith("weight.nested"):
+            raise ValueError("the checkpoint's base is double-quantised: its block statistics are rounded around one "
+                             "offset per whole weight, which no shard holds; resume it at tensor_parallel=1")
+        if name in ("weight.quant_map", "weight_format") or (name == "SCB" and split["dim"] == 1):
+            shard[name] = tensor.clone()  # alike on every shard: a code book, a row layer's whole-row scale
+        elif name == "SCB":
+            shard[name] = _cut(name, tensor.reshape(-1, 1), split, rank, rowwise=True).reshape(-1)
+        elif name.startswith("weight.quant_state."):
+            from bitsandbytes.utils import pack_dict_to_tensor, unpack_tensor_to_dict
+
+            state = unpack_tensor_to_dict(tensor)
+            state["shape"] = _shard_shapes(split)[rank]
+            shard[name] = pack_dict_to_tensor(state)
+        else:  # codes and block statistics: one entry per run of weights
+            shard[name] = _cut(name, tensor, split, rank, rowwise=kind in ("int4", "int8"))
+    return shard

@@ -373,8 +373,10 @@ class ShardedCheckpointer:
         targets = self._renumbered_state(
             {key: _read_target(value) for key, value in module.state_dict().items()}, to_global=True)
         model_state = dict(targets)
+        quantization = getattr(module.model, "after_materialize", None)  # an adapter's deferred base quantisation
         joins = saved_storage_where_rewritten(model_state, metadata, self._tensor_rank(),
-                                              (checkpoint.get(MODEL_RECORD_KEY) or {}).get(QUANTIZED_SPLITS_KEY))
+                                              (checkpoint.get(MODEL_RECORD_KEY) or {}).get(QUANTIZED_SPLITS_KEY),
+                                              getattr(quantization, "double_quant", True))
         for key, target in targets.items():
             saved = metadata.state_dict_metadata.get(f"model.{key}")
             if key.startswith("model.") and key[len("model."):] in self.fused_experts and hasattr(saved, "size"):

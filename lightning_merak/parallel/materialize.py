@@ -26,12 +26,15 @@ from __future__ import annotations
 import contextlib
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
 from lightning_merak.parallel.init_parity import CPUDraws, EagerInit, eager_init_of, eager_init_stream, own_tensors
+
+if TYPE_CHECKING:
+    from lightning_merak.parallel.tensor.quantized_shards import QuantizedShard
 
 __all__ = ["Materializer", "RestoreAfterRewrite", "WeightLoader", "copy_full_tensors", "has_meta", "init_owners",
            "local_tensors", "meta_device"]
@@ -297,12 +300,24 @@ class RestoreAfterRewrite:
         if self.pretrained is not None:
             self.pretrained(tensors, layout_changes)
 
-    def restore(self, tensors: dict[str, torch.Tensor], layout_changes: dict[str, Any]) -> None:
-        missing = sorted(set(tensors) - set(self.state))
-        if any(".shard_tp" in name for name in missing):
-            raise ValueError(f"{missing[0]} is this rank's tensor-parallel shard of a quantised base, which the "
-                             "checkpoint holds whole or split otherwise; resume at the tensor_parallel that wrote "
-                             "it, or start from the pretrained weights with its adapters alone (merak-export "
+    def restore(self, tensors: dict[str, torch.Tensor], layout_changes: dict[str, Any],
+                shards: Sequence[QuantizedShard] = ()) -> None:
+        """``shards``: this rank's quantised shards. Where the checkpoint holds a layer's whole quantisation instead
+        of this degree's shard (it was written at another ``tensor_parallel``), the shard is cut from it
+        (:func:`~lightning_merak.parallel.tensor.quantized_shards.shards_from_whole`) and must equal the rebuilt
+        one."""
+        state = self.state
+        absent = [name for name in tensors if name not in state]
+        if shards and absent:
+            from lightning_merak.parallel.tensor.quantized_shards import shards_from_whole  # lazy: PEFT
+
+            state = {**state, **shards_from_whole(state, shards, absent)}
+        missing = sorted(name for name in absent if name not in state)
+        unsharded = [name for name in missing if ".shard_tp" in name]
+        if unsharded:
+            raise ValueError(f"{unsharded[0]} is this rank's tensor-parallel shard of a quantised base, which the "
+                             "checkpoint holds neither as this shard nor whole; resume from a checkpoint of this "
+                             "model, or start from the pretrained weights with its adapters alone (merak-export "
                              "--adapter-only)")
         if missing:
             raise ValueError(f"the checkpoint has no {', '.join(missing[:3])}; resume from one this model wrote")
@@ -310,8 +325,8 @@ class RestoreAfterRewrite:
 
         for name, tensor in tensors.items():
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            if not tensor.requires_grad and not torch.equal(local, _local_part(name, tensor, self.state[name],
+            if not tensor.requires_grad and not torch.equal(local, _local_part(name, tensor, state[name],
                                                                                 layout_changes)):
                 raise ValueError(f"{name} is frozen but differs from the checkpoint's: resume with the model.path "
                                  "and seed of the run that wrote it")
-        copy_full_tensors({name: t for name, t in tensors.items() if t.requires_grad}, layout_changes, self.state)
+        copy_full_tensors({name: t for name, t in tensors.items() if t.requires_grad}, layout_changes, state)

@@ -8,19 +8,28 @@ quantisation block lies inside one shard (:func:`~lightning_merak.adapters.quant
 elsewhere it would be another model, so it is refused: before launch what neither a column nor a row split could take
 (:func:`quantized_base_problem`, the layers' roles are not known yet), once the block's split is planned what its
 column and row layers cannot (:func:`quantized_split_problem`), before any weight is materialised.
+
+Since a rank's shard is its slice of the whole layer's quantisation, a checkpoint that holds the whole layer's (written
+at ``tensor_parallel=1``, or at another degree, its shards joined as it is read) gives each rank its shard by cutting
+it (:func:`shards_from_whole`), once the split says which rows or columns the rank holds.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Optional
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_merak.adapters.quantize import shard_quantization_problem
+from lightning_merak.adapters.resume import base_quantization
+from lightning_merak.adapters.shard_join import cut_quantized_whole
 
-__all__ = ["quantized_base_problem", "quantized_split_problem", "saved_shards", "shard_module_name",
-           "split_shard_name"]
+__all__ = ["QuantizedShard", "quantized_base_problem", "quantized_shards", "quantized_split_problem", "saved_shards",
+           "shard_module_name", "shards_from_whole", "split_shard_name"]
 
 _SHARD = re.compile(r"\.shard_tp(\d+)of(\d+)\.")
 
@@ -103,3 +112,49 @@ def quantized_split_problem(model: nn.Module, block: nn.Module, plan: Any, tenso
         if problem is not None:
             return problem
     return None
+
+
+@dataclass(frozen=True)
+class QuantizedShard:
+    """This rank's quantised shard of a split layer, as :func:`shards_from_whole` cuts it from the whole layer's."""
+
+    layer: str
+    """The split layer's unsplit name."""
+    kind: str
+    """nf4, fp4, int8 or int4."""
+    rank: int
+    split: dict[str, Any]
+    """:meth:`~lightning_merak.parallel.tensor.layers.QuantizableShard.quantized_split`."""
+
+    @property
+    def prefix(self) -> str:
+        """Where this shard's tensors are named: ``<layer>.shard_tp<rank>of<degree>.``."""
+        return f"{self.layer}.{shard_module_name(self.rank, self.split['degree'])}."
+
+
+def quantized_shards(model: nn.Module, original_name: Callable[[str], str]) -> list[QuantizedShard]:
+    """The quantised shards ``model`` (a rank's part, its names mapped to the unsplit ones by ``original_name``)
+    holds."""
+    shards = []
+    for name, module in model.named_modules():
+        split = module.quantized_split() if callable(getattr(module, "quantized_split", None)) else None
+        if split is not None:
+            kind = base_quantization(module.quantized)
+            shards.append(QuantizedShard(original_name(name), str(kind), dist.get_rank(module.group), split))
+    return shards
+
+
+def shards_from_whole(state: Mapping[str, torch.Tensor], shards: Iterable[QuantizedShard],
+                      names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Those of ``names`` (``<layer>.shard_tp<r>of<n>.<tensor>``) that are ``shards``' tensors, cut from the whole
+    layer's quantised tensors in ``state`` (``<layer>.<tensor>``), where ``state`` holds them: the whole layer's
+    quantisation sliced as quantising this rank's shard alone slices it."""
+    names = list(names)
+    cut: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        wanted = [name[len(shard.prefix):] for name in names if name.startswith(shard.prefix)]
+        whole = {tensor: state[f"{shard.layer}.{tensor}"] for tensor in wanted if f"{shard.layer}.{tensor}" in state}
+        if whole:
+            cut.update({shard.prefix + tensor: value for tensor, value in
+                        cut_quantized_whole(shard.kind, shard.split, shard.rank, whole).items()})
+    return cut

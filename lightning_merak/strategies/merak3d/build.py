@@ -57,7 +57,7 @@ from lightning_merak.parallel.tensor.blocks import (
     region_partial_parameters,
     verify_tensor_parallel_plan,
 )
-from lightning_merak.parallel.tensor.quantized_shards import quantized_split_problem
+from lightning_merak.parallel.tensor.quantized_shards import quantized_shards, quantized_split_problem
 from lightning_merak.parallel.tensor.sequence import (
     SequenceParallelPlan,
     check_sequence_length,
@@ -493,18 +493,24 @@ def _after_materialize(parts: list[nn.Module], root: nn.Module, layout_changes: 
                        load_weights: Optional[WeightLoader]) -> None:
     """Run each meta-built part's ``after_materialize(part)`` hook, if it has one, once its weights are in (an
     adapter model quantises its frozen base there: :mod:`lightning_merak.adapters.meta`); then a checkpoint of the
-    rewritten model is copied in (:class:`~lightning_merak.parallel.materialize.RestoreAfterRewrite`)."""
+    rewritten model is copied in (:class:`~lightning_merak.parallel.materialize.RestoreAfterRewrite`), this rank's
+    quantised shards cut from the whole layers where the checkpoint was written at another tensor-parallel degree."""
     for part in parts:
         hook = getattr(part, "after_materialize", None)
         if hook is not None:
             hook(part)
     if isinstance(load_weights, RestoreAfterRewrite):
-        load_weights.restore(_local_tensors(root), layout_changes)
+        load_weights.restore(_local_tensors(root), layout_changes, quantized_shards(root, _original_name(root)))
+
+
+def _original_name(root: nn.Module) -> Callable[[str], str]:
+    """A name in ``root`` (this rank's stages, or the model) as the unsplit model names it."""
+    return root.original_name if isinstance(root, RankStages) else (lambda name: name)
 
 
 def _local_tensors(root: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's parameters and persistent buffers by their unsplit names (the pretrained loader's view)."""
-    original = root.original_name if isinstance(root, RankStages) else (lambda name: name)
+    original = _original_name(root)
     non_persistent = {f"{prefix}.{name}" if prefix else name for prefix, module in root.named_modules()
                       for name in module._non_persistent_buffers_set}
     return local_tensors(root.named_parameters(), root.named_buffers(), non_persistent, original)
