@@ -1,7 +1,7 @@
 """A transformers model with context parallelism installed, on real gloo ranks, equals the same model on one
 process: loss and every parameter gradient (summed over the group, as the data-parallel reduction does), for
-Llama, a GQA family with a sliding window, a MoE family with its router aux loss, packed and padded rows, with and
-without labels."""
+Llama, Llama under PEFT LoRA, a GQA family with a sliding window, a MoE family with its router aux loss, packed and
+padded rows, with and without labels."""
 
 from __future__ import annotations
 
@@ -36,6 +36,12 @@ def _model(family: str) -> torch.nn.Module:
                   num_attention_heads=4, max_position_embeddings=SEQ, attn_implementation="sdpa")
     if family == "llama":
         return LlamaForCausalLM(LlamaConfig(num_key_value_heads=4, **common))
+    if family == "llama_lora":  # a PEFT model: its adapters wrap the layers, its forward calls the base model's
+        from peft import LoraConfig, get_peft_model
+
+        base = LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **common))
+        return get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"],
+                                               init_lora_weights=False))
     if family == "mixtral":  # its loss with labels adds the router aux loss over the whole batch's tokens
         return MixtralForCausalLM(MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                                 output_router_logits=True, router_aux_loss_coef=0.5, **common))
@@ -73,7 +79,11 @@ def _reference(family: str, kind: str, with_labels: bool) -> tuple[float, dict[s
     else:
         loss = _loss(model, batch, with_labels)
     loss.backward()
-    return float(loss), {name: param.grad.clone() for name, param in model.named_parameters()}
+    return float(loss), _gradients(model)
+
+
+def _gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: param.grad.clone() for name, param in model.named_parameters() if param.requires_grad}
 
 
 def _packed_reference_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -105,7 +115,7 @@ def _rank(rank: int, world_size: int, family: str, kind: str, method: str, with_
     install_context_parallel(model, dist.group.WORLD, method)
     loss = _loss(model, _batch(kind), with_labels)
     loss.backward()
-    grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+    grads = _gradients(model)
     for grad in grads.values():  # the data-parallel average over the cp ranks
         dist.all_reduce(grad)
         grad /= world_size
@@ -119,6 +129,7 @@ CASES = [
     ("llama", "plain", "ring", False, 2, 1),
     ("mistral", "plain", "ring", True, 4, 1),
     ("mistral", "packed", "all_to_all", True, 2, 1),
+    ("llama_lora", "packed", "ring", True, 2, 1),
     ("mixtral", "padded", "ring", True, 2, 1),  # padding, and the router aux loss over every rank's tokens
     # one row per sub-batch: each attention call reads its rows' documents, the router logits leave each region
     ("mixtral", "left_padded", "ring", True, 2, 2),

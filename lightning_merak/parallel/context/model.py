@@ -112,6 +112,8 @@ def check_context_parallel_model(model: nn.Module, context_parallel: int, method
                          f"{', '.join(CONTEXT_ATTENTION_METHODS)}")
     from transformers import PreTrainedModel
 
+    model = attention_model(model)
+
     if not isinstance(model, PreTrainedModel) or not getattr(model, "_supports_attention_backend", False):
         raise ValueError(
             f"context_parallel={context_parallel} swaps the attention of a transformers model that calls it through "
@@ -133,6 +135,13 @@ def check_context_parallel_model(model: nn.Module, context_parallel: int, method
         heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
         if isinstance(heads, int):
             check_heads_divisible(max(heads // tensor_parallel, 1), context_parallel)
+
+
+def attention_model(model: nn.Module) -> nn.Module:
+    """The transformers model whose attention context parallelism swaps: ``model``, or a PEFT model's base model
+    (its adapters wrap the layers, not the attention call, and its forward calls the base model's)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
 
 
 _ATTENTION_DROPOUT_NAMES = ("attention_dropout", "attn_pdrop", "attn_dropout", "attention_probs_dropout_prob")
@@ -442,6 +451,7 @@ def install_context_parallel(model: nn.Module, group: dist.ProcessGroup,
     """Make ``model`` (a transformers model, checked by :func:`check_context_parallel_model`) run every forward as
     this rank's part of a sequence split over ``group``; the state its attention reads is returned."""
     check_context_parallel_model(model, dist.get_world_size(group), method)
+    model = attention_model(model)
     _register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     state = ContextState(group, method)
