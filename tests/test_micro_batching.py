@@ -112,6 +112,20 @@ def test_cost_model_fit_recovers_the_coefficients():
     assert fitted.overhead == pytest.approx(truth.overhead, rel=1e-6)
 
 
+def test_cost_model_fit_prices_short_micro_batches_by_their_relative_error():
+    """Measurements spanning 30x with 5% noise: the fit keeps every micro-batch within 15% of its time, the
+    per-micro-batch overhead that dominates the short ones included (an absolute fit drops it)."""
+    truth = CostModel(4e-5, 1.3e-7, 5e-3)
+    noise = [1.05, 0.95, 1.0, 1.05, 0.95, 1.05, 0.95]
+    shapes = [(1, 32), (1, 128), (1, 512), (1, 1024), (4, 32), (4, 128), (4, 512)]
+    grid = [(rows, length, truth.time(rows, length) * factor) for (rows, length), factor in zip(shapes, noise)]
+    fitted = CostModel.fit(grid)
+    assert all(abs(fitted.time(rows, length) / seconds - 1) < 0.15 for rows, length, seconds in grid)
+    assert fitted.overhead == pytest.approx(truth.overhead, rel=0.3)
+    with pytest.raises(ValueError, match="must be positive"):
+        CostModel.fit([(1, 32, 0.0), *grid])
+
+
 def test_options_refuse_what_the_pipeline_cannot_run():
     kwargs = {"tp_overlap": 1, "schedule": "1f1b", "multi_stage_schedules": ("interleaved_1f1b",)}
     assert MicroBatching.of("dynamic", None, None, pipeline_parallel=2, **kwargs).enabled

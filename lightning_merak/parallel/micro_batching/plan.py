@@ -54,16 +54,21 @@ class CostModel:
 
     @classmethod
     def fit(cls, measurements: Sequence[tuple[int, int, float]]) -> "CostModel":
-        """Least squares over ``(rows, length, seconds)`` measurements, coefficients kept non-negative."""
+        """Least squares of the relative error over ``(rows, length, seconds)`` measurements, coefficients kept
+        non-negative. Relative, because the measurements span orders of magnitude: an absolute fit matches the
+        longest micro-batches and may price a short one at a fraction of its time (dropping the overhead), which
+        makes a plan of many small micro-batches look cheap."""
         if len(measurements) < 3:
             raise ValueError(f"fitting the cost model needs at least 3 measurements, got {len(measurements)}")
         rows = np.array([m[0] for m in measurements], dtype=float)
         length = np.array([m[1] for m in measurements], dtype=float)
         seconds = np.array([m[2] for m in measurements], dtype=float)
-        design = np.stack([rows * length, rows * length ** 2, np.ones_like(rows)], axis=1)
+        if (seconds <= 0).any():
+            raise ValueError(f"measured seconds must be positive, got {seconds.min()}")
+        design = np.stack([rows * length, rows * length ** 2, np.ones_like(rows)], axis=1) / seconds[:, None]
         active = [0, 1, 2]
         while True:  # drop a negative coefficient and refit: a tiny active-set NNLS
-            solution, *_ = np.linalg.lstsq(design[:, active], seconds, rcond=None)
+            solution, *_ = np.linalg.lstsq(design[:, active], np.ones_like(seconds), rcond=None)
             if (solution >= 0).all() or len(active) == 1:
                 break
             active.pop(int(np.argmin(solution)))
