@@ -115,7 +115,22 @@ def test_a_cli_error_prints_the_fix_first_without_a_traceback(tmp_path):
     assert "Traceback" not in result.stderr + result.stdout
 
 
+@pytest.mark.distributed
+def test_data_too_small_for_the_run_is_refused_by_every_rank_without_a_traceback(tmp_path):
+    """Found as the ranks read the data (after launch): each prints the fix and ends with status 2."""
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("too short\n")
+    result = _merak_train("data=text", f"data.path={corpus}", "trainer.max_steps=2", run_dir=tmp_path / "run",
+                          timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    refusal = f"merak-train: error: data.path='{corpus}' yields"
+    assert any(line.startswith(refusal) for line in result.stderr.splitlines()), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr + result.stdout
+
+
 @pytest.mark.parametrize(("overrides", "first_line"), [
+    (["model.config.hidden_size=30"], "model.config for model.model_type='llama' is not a valid configuration: The "
+                                      "hidden size (30) is not a multiple of the number of attention heads (4)"),
     (["strategy=merak3dd"], "strategy=merak3dd is not an option of strategy; did you mean strategy=merak3d?"),
     (["model=hf", "model.model_type=lama"], "model.model_type='lama' is not a transformers model type; did you "
                                             "mean llama?"),

@@ -64,6 +64,7 @@ class PrelaunchedRanks:
     processes: list[subprocess.Popen[bytes]]
     gates: list[int]
     _observer: threading.Thread | None = field(default=None, init=False)
+    _refused: threading.Event = field(default_factory=threading.Event, init=False)
 
     def start(self) -> None:
         """Open every rank's gate (they begin the run) and watch them from here on."""
@@ -100,12 +101,24 @@ class PrelaunchedRanks:
                 process.kill()
                 process.wait()
 
+    def refused(self, timeout_s: float = _ABANDON_TIMEOUT_S) -> None:
+        """Rank 0 refused the run after the gates opened (on data every rank reads alike, so each refuses it too):
+        the ranks end on their own, those that have not within ``timeout_s`` are ended; rank 0 is left to end."""
+        self._refused.set()
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.terminate()
+                process.wait()
+
     def _watch(self) -> None:
         """A rank that fails leaves the others waiting in a collective: end them all, rank 0 included."""
-        while True:
+        while not self._refused.is_set():
             statuses = [process.poll() for process in self.processes]
             failed = [(rank, status) for rank, status in enumerate(statuses, start=1) if status not in (None, 0)]
-            if failed:
+            if failed and not self._refused.is_set():
                 rank, status = failed[0]
                 print(f"merak-train: local rank {rank} ended with status {status}; ending the other ranks",
                       file=sys.stderr, flush=True)

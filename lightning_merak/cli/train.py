@@ -52,6 +52,7 @@ from lightning_merak.distributed.host_memory import restart_with_heap_tunables, 
 from lightning_merak.distributed.process_exit import leave_process_groups
 from lightning_merak.distributed.termination import install_termination_handler
 from lightning_merak.modules.config import DataConfig, TrainerConfig
+from lightning_merak.modules.data import DataError
 from lightning_merak.util.console import quiet_dependency_noise, quiet_other_ranks
 
 if TYPE_CHECKING:
@@ -416,7 +417,13 @@ def fit(run: PreparedRun, prelaunched: PrelaunchedRanks | None = None) -> Path:
         logger.log_hyperparams(_hyperparameters(config))
     if prelaunched is not None:
         prelaunched.start()
-    trainer.fit(run.module, datamodule=run.data, ckpt_path=run.resume_from)
+    try:
+        trainer.fit(run.module, datamodule=run.data, ckpt_path=run.resume_from)
+    except DataError as error:  # found as the ranks read the data: a refusal naming the fix, not a traceback
+        print(f"merak-train: error: {error}", file=sys.stderr, flush=True)
+        if prelaunched is not None:
+            prelaunched.refused()  # the ranks it started read the same data and refuse it too
+        sys.exit(2)
     if getattr(strategy, "plan_only", False):
         if trainer.is_global_zero:
             print(

@@ -8,7 +8,7 @@ rank fills only its shards with :func:`load_rank_pretrained` (its experts only u
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -17,14 +17,35 @@ from lightning_merak.hf.experts import load_pretrained_experts
 from lightning_merak.parallel.init_parity import eager_init_suspended
 from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
 
-__all__ = ["check_vocabulary", "load_rank_pretrained", "pretrained_causal_lm", "pretrained_config"]
+__all__ = ["check_vocabulary", "load_rank_pretrained", "pretrained_causal_lm", "pretrained_config", "validated_config"]
+
+
+def _validation_errors() -> tuple[type[Exception], ...]:
+    """What a transformers config raises for values it rejects: ValueError, and (transformers 5's strict
+    dataclasses) huggingface_hub's validation errors, which are not ValueErrors."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # huggingface_hub before strict dataclasses
+        return (ValueError,)
+    return (ValueError, StrictDataclassError)
+
+
+def validated_config(make: Callable[[], Any], what: str) -> Any:
+    """``make()``, a transformers config; a value it rejects is refused as a ValueError that names ``what`` (the
+    options that set it), before any process starts, instead of a validator's traceback."""
+    try:
+        return make()
+    except _validation_errors() as error:
+        reason = str(error.__cause__ or error).strip()
+        raise ValueError(f"{what} is not a valid configuration: {reason}") from error
 
 
 def pretrained_config(path: Union[str, Path], overrides: Optional[Mapping[str, Any]] = None) -> Any:
     """The transformers config saved in ``path``, with ``overrides`` (``model.config``) applied."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(Path(path).expanduser(), **dict(overrides or {}))
+    return validated_config(lambda: AutoConfig.from_pretrained(Path(path).expanduser(), **dict(overrides or {})),
+                            f"model.config over model.path={path}")
 
 
 def check_vocabulary(data_vocab_size: int, config: Any, path: Union[str, Path]) -> None:

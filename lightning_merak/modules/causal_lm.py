@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, model_record
-from lightning_merak.hf.pretrained import load_rank_pretrained
+from lightning_merak.hf.pretrained import load_rank_pretrained, validated_config
 from lightning_merak.modules.config import ModelConfig, OptimConfig, Schedule
 from lightning_merak.modules.muon import MuonWithAdamW
 from lightning_merak.modules.schedules import warmup_schedule
@@ -50,7 +50,8 @@ def build_causal_lm(config: ModelConfig, vocab_size: int) -> nn.Module:
         )
     kwargs = dict(config.config)
     kwargs["vocab_size"] = vocab_size
-    model_config = CONFIG_MAPPING[config.model_type](**kwargs)
+    model_config = validated_config(lambda: CONFIG_MAPPING[config.model_type](**kwargs),
+                                    f"model.config for model.model_type={config.model_type!r}")
     padding = getattr(model_config, "pad_token_id", None)
     if isinstance(padding, int) and not 0 <= padding < vocab_size:  # the embedding's padding row
         if "pad_token_id" in config.config:

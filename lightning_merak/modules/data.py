@@ -37,6 +37,7 @@ __all__ = [
     "ByteTokenizer",
     "LanguageModelingData",
     "ResumableDataLoader",
+    "DataError",
     "SyntheticLanguage",
     "SyntheticSequences",
     "TokenDataModule",
@@ -48,6 +49,12 @@ __all__ = [
 ]
 
 DATA_NAMES = ("synthetic", "text")
+
+
+class DataError(ValueError):
+    """The data cannot make what the run asks of it (too few tokens, documents or a rank's share), found when the
+    ranks read it: ``merak-train`` prints it as a refusal, without a traceback."""
+
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
 
@@ -221,7 +228,7 @@ def packed_blocks(token_lists: Iterable[Sequence[int]], seq_len: int, val_fracti
     usable = len(token_ids) // seq_len * seq_len
     blocks = torch.tensor(token_ids[:usable], dtype=torch.long).view(-1, seq_len)
     if len(blocks) < 2:
-        raise ValueError(f"{source} yields {len(token_ids)} tokens, fewer than two blocks of data.seq_len={seq_len}; "
+        raise DataError(f"{source} yields {len(token_ids)} tokens, fewer than two blocks of data.seq_len={seq_len}; "
                          "use more data or a smaller seq_len")
     order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed))
     num_val = max(1, math.ceil(len(blocks) * val_fraction))
@@ -236,7 +243,7 @@ def variable_samples(token_lists: Iterable[Sequence[int]], max_length: int, batc
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
     num_val = max(batch_size, math.ceil(len(samples) * val_fraction))
     if len(samples) < num_val + batch_size:
-        raise ValueError(f"{source} has {len(samples)} documents, too few for a training and a validation global "
+        raise DataError(f"{source} has {len(samples)} documents, too few for a training and a validation global "
                          f"batch of data.batch_size={batch_size}; lower the batch size")
     return [samples[i] for i in order[num_val:]], [samples[i] for i in order[:num_val]]
 

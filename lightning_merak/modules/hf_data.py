@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data import IterableDataset as TorchIterableDataset
 
 from lightning_merak.modules.data import (
+    DataError,
     TokenDataModule,
     document_tokens,
     load_tokenizer,
@@ -152,7 +153,7 @@ class PackedStream(TorchIterableDataset):
                     yield (torch.tensor(buffer[:self.seq_len], dtype=torch.long),)
                     del buffer[:self.seq_len]
             if self.endless and not read_any:  # an empty share would loop forever without a batch
-                raise ValueError(f"{self.source}: this rank's share of the training documents is empty; use more "
+                raise DataError(f"{self.source}: this rank's share of the training documents is empty; use more "
                                  "documents, fewer ranks or data.num_workers, or a smaller data.val_fraction")
 
 
