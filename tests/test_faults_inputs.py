@@ -8,9 +8,6 @@
 
 from __future__ import annotations
 
-import copy
-import itertools
-
 import pytest
 import torch
 from torch import nn
@@ -35,24 +32,57 @@ bnb = pytest.importorskip("bitsandbytes")
 # --- bitsandbytes 4-bit shapes -----------------------------------------------------------------
 
 
-def test_bnb_cpu_repacking_rule_matches_bitsandbytes() -> None:
-    """The rule :func:`bnb_cpu_packable` states is the one bitsandbytes' repacking enforces."""
-    from lightning_merak.adapters.quantize import bnb_cpu_packable
+def test_4bit_bases_back_propagate_after_an_eval_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bitsandbytes repacks a 4-bit weight at an eval forward on AVX512-BF16 hosts (reported on every host here),
+    and its repacked kernel has no backward: the adapters' gradients after a validation loop must equal those
+    before it (a base with a bias failed outright)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    convert = getattr(bnb.functional, "_convert_weight_packed_for_cpu", None)
-    if convert is None:
-        pytest.skip("this bitsandbytes has no CPU repacking")
-    for in_features, out_features in itertools.product((1, 33, 64, 96, 128, 130, 192), (1, 7, 32, 48, 96, 160)):
-        layer = bnb.nn.Linear4bit(in_features, out_features, compute_dtype=torch.float32, quant_type="nf4")
-        layer.weight = bnb.nn.Params4bit(torch.randn(out_features, in_features), requires_grad=False, quant_type="nf4")
-        layer = layer.to("cpu")
-        expected = bnb_cpu_packable(in_features, out_features, layer.weight.blocksize)
-        try:
-            convert(layer.weight.data.clone(), copy.deepcopy(layer.weight.quant_state))
-            converted = True
-        except (AssertionError, RuntimeError):
-            converted = False
-        assert converted == expected, (in_features, out_features)
+    from lightning_merak.adapters import quantize_model
+
+    monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: True)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attention_bias=True)
+    model = quantize_model(LlamaForCausalLM(config), "nf4")
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
+                                             init_lora_weights=False))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def gradients() -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        model.train()(input_ids=ids, labels=ids).loss.backward()
+        return {name: param.grad.clone() for name, param in model.named_parameters() if param.requires_grad}
+
+    before = gradients()
+    with torch.no_grad():
+        model.eval()(input_ids=ids)
+    after = gradients()
+    for name, gradient in before.items():
+        torch.testing.assert_close(after[name], gradient, msg=name)
+
+
+def test_an_evaluation_loop_keeps_a_users_4bit_layers_on_the_training_path() -> None:
+    """A bitsandbytes layer the user built (not through quantize_model) is kept off the repacking path when
+    CausalLMModule's model enters a validation loop."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_merak.modules.causal_lm import CausalLMModule
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    layer = bnb.nn.Linear4bit(128, 64, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(torch.randn(64, 128), requires_grad=False, quant_type="nf4")
+    model.model.layers[0].mlp.down_proj = layer.to("cpu")
+    layer.support_avx512bf16_for_cpu = True  # as bitsandbytes sets it on an AVX512-BF16 host
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    trainer.validate(CausalLMModule(model), DataLoader(TensorDataset(torch.randint(0, 64, (4, 8))), batch_size=2),
+                     verbose=False)
+    assert layer.support_avx512bf16_for_cpu is False
 
 
 @pytest.mark.parametrize("quantization", ["nf4", "fp4"])

@@ -5,6 +5,7 @@ Importing this package registers ``QBARA`` and ``QAHIRA`` with PEFT, so ``get_pe
 """
 
 from .base import PooledAdapterConfig, PooledAdapterLayer, PooledAdapterModel, check_target_layer
+from .bnb_layout import keep_bnb_training_layout
 from .int4 import (
     QuantLinearInt4,
     dequantize_int4,
@@ -41,6 +42,7 @@ __all__ = [
     "check_target_layer",
     "dequantize_int4",
     "expand_outputs",
+    "keep_bnb_training_layout",
     "load_int4_model",
     "per_group_delta",
     "pool_inputs",

@@ -15,6 +15,7 @@ from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, resolve_quantization_backend
 from torch import nn
 
+from .bnb_layout import keep_bnb_training_layout, restore_bnb_cpu_layout
 from .int4 import QuantLinearInt4
 from .pooled_experts import (
     MergesIntoBase,
@@ -116,25 +117,6 @@ def check_target_layer(
         )
 
 
-def restore_bnb_cpu_layout(base_layer: nn.Module) -> None:
-    """Undo bitsandbytes' in-place CPU repacking (done by eval-mode forwards on AVX512-BF16 hosts).
-
-    PEFT's dequantize ignores the packed layout and would read garbage, so this runs before any merge.
-    """
-    weight = getattr(base_layer, "weight", None)
-    quant_state = getattr(weight, "quant_state", None)
-    if not getattr(quant_state, "packing_format_for_cpu", False):
-        return
-    import bitsandbytes.functional as bnb_functional
-
-    if not hasattr(bnb_functional, "_convert_weight_packed_for_cpu_inverse"):
-        raise RuntimeError(
-            "bitsandbytes repacked this 4-bit weight for CPU inference and offers no inverse; "
-            "merge in train() mode before any eval forward"
-        )
-    weight.data, weight.quant_state = bnb_functional._convert_weight_packed_for_cpu_inverse(weight.data, quant_state)
-
-
 class PooledAdapterLayer(MergesIntoBase, nn.Module, BaseTunerLayer):
     """PEFT tuner layer: ``y = base(x) + s * E_out(M @ dropout(P_in(x)))``.
 
@@ -158,6 +140,7 @@ class PooledAdapterLayer(MergesIntoBase, nn.Module, BaseTunerLayer):
         super().__init__()
         self.base_layer = base_layer
         self.layer_name = layer_name
+        keep_bnb_training_layout(self.get_base_layer())
         self.quantization_backend = resolve_quantization_backend(self.get_base_layer())
         self.scaling: dict[str, float] = {}
         self.lambda_in: dict[str, int] = {}

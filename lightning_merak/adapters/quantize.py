@@ -10,27 +10,15 @@ from typing import Callable, Literal, Optional
 import torch
 from torch import nn
 
+from .bnb_layout import restore_bnb_cpu_layout
 from .int4 import QuantLinearInt4, quantize_linear_layers_int4, replace_submodule
 from .int4_experts import quantize_experts_int4
 from .resume import refuse_mismatched_checkpoints, restore_packed_4bit
 
 Quantization = Literal["none", "nf4", "fp4", "int8", "int4"]
 QUANTIZATIONS = ("none", "nf4", "fp4", "int8", "int4")
-BNB_CPU_PACK_ROWS = 32
 BNB_4BIT_BLOCK = 64
 """Weights per absmax of a bitsandbytes 4-bit weight, over its row-major flattening (transformers has no option)."""
-
-
-def bnb_cpu_packable(in_features: int, out_features: int, blocksize: int) -> bool:
-    """Whether bitsandbytes' CPU inference repacking (0.50) can take a 4-bit weight of this shape.
-
-    On hosts with AVX512-BF16, an eval-mode forward without autograd repacks the weight for a fused
-    kernel, which needs whole blocks of ``BNB_CPU_PACK_ROWS`` output rows and whole quantization blocks
-    per input row; any other shape crashes there (``shape '[160, 1]' is invalid`` for 96 -> 160).
-    Found by trying nf4/fp4/int8, train and eval, on in/out features 1..256: train mode, forwards
-    with autograd and int8 run every shape.
-    """
-    return out_features % BNB_CPU_PACK_ROWS == 0 and in_features % blocksize == 0
 
 
 def quantize_model(
@@ -50,8 +38,8 @@ def quantize_model(
     ``group_size`` applies to ``int4`` only (bitsandbytes 4-bit always uses blocks of 64) and
     ``double_quant`` to ``nf4``/``fp4`` only. bitsandbytes models get ``is_loaded_in_4bit`` /
     ``is_loaded_in_8bit`` set, so PEFT's LoRA picks its bitsandbytes layers (QLoRA baseline).
-    4-bit layers whose shape bitsandbytes' CPU repacking cannot take (:func:`bnb_cpu_packable`)
-    keep its generic dequantize-and-matmul path in eval mode too, the one training uses.
+    4-bit layers keep bitsandbytes' dequantize-and-matmul path in eval mode too, the one training uses
+    (:func:`keep_bnb_training_layout`).
     The model's ``load_state_dict`` reads its checkpoints back, packed base included, and refuses one of
     another quantisation or adapter shape (:func:`~lightning_merak.adapters.resume.refuse_mismatched_checkpoints`).
     """
@@ -93,8 +81,6 @@ def prepare_fully_shard(model: nn.Module) -> list[nn.Parameter]:
     breaks the gathered parameter: it stays whole.
     """
     import bitsandbytes as bnb
-
-    from .base import restore_bnb_cpu_layout  # lazy: PEFT
 
     whole = []
     for layer in model.modules():
@@ -149,8 +135,7 @@ def quantized_linear(linear: nn.Linear, quantization: Quantization, double_quant
             compress_statistics=double_quant,
             quant_type=quantization,
         )
-        if not bnb_cpu_packable(linear.in_features, linear.out_features, layer.weight.blocksize):
-            layer.support_avx512bf16_for_cpu = False
+        layer.support_avx512bf16_for_cpu = False  # see keep_bnb_training_layout
         restore_packed_4bit(layer)
     else:
         raise ValueError(f"quantized_linear: {quantization!r} is not a bitsandbytes quantization (nf4, fp4, int8)")

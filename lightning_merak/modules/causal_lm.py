@@ -11,6 +11,7 @@ LightningModule.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
@@ -65,6 +66,15 @@ def build_causal_lm(config: ModelConfig, vocab_size: int) -> nn.Module:
     return AutoModelForCausalLM.from_config(model_config)
 
 
+def _keep_bnb_training_layout(module: nn.Module) -> None:
+    """Before an evaluation loop: bitsandbytes 4-bit bases stay on the path training takes, so the training after
+    it still back-propagates through them (:func:`~lightning_merak.adapters.bnb_layout.keep_bnb_training_layout`)."""
+    if "bitsandbytes" in sys.modules:  # a model with bitsandbytes layers has imported it
+        from lightning_merak.adapters.bnb_layout import keep_bnb_training_layout  # lazy: PEFT (the package's)
+
+        keep_bnb_training_layout(module)
+
+
 class CausalLMModule(pl.LightningModule):
     """Next-token prediction on blocks of token ids, with the optimizer and schedule of ``optim``
     (:class:`~lightning_merak.modules.config.OptimConfig`; default AdamW, warm-up then cosine decay).
@@ -104,6 +114,14 @@ class CausalLMModule(pl.LightningModule):
         if self.pretrained_path is None:
             return
         load_rank_pretrained(self.model, tensors, self.pretrained_path, layout_changes)
+
+    def on_validation_model_eval(self) -> None:
+        super().on_validation_model_eval()
+        _keep_bnb_training_layout(self)
+
+    def on_test_model_eval(self) -> None:
+        super().on_test_model_eval()
+        _keep_bnb_training_layout(self)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record the transformers config (and adapter configs) so ``merak-export`` can write a Hugging Face
