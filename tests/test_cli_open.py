@@ -179,6 +179,10 @@ def _refusal(overrides: list[str], run_dir: Path, monkeypatch, capsys) -> str:
     (["data.lengths=variable", "strategy.pipeline_parallel=2", "strategy.micro_batching=pack"],
      "micro_batching=pack needs a model whose blocks take an attention mask on every batch; this one uses "
      "attn_implementation='sdpa'"),
+    # the DeepSpeed-MoE layer's experts spread over each stage's data-parallel ranks: one at pp=2 on 2 ranks
+    (["model=mixtral_tiny", "moe=deepspeed", "strategy.pipeline_parallel=2"],
+     "moe.ep_size=2 does not divide the 1 data-parallel ranks the experts are spread over; choose a divisor of 1"),
+    (["comm=embrace", "strategy.pipeline_parallel=2"], "method='embrace' under merak3d needs pipeline_parallel=1"),
 ])
 def test_open_cli_refusals_name_the_fix(overrides, message, tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(REPOSITORY))

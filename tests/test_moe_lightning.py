@@ -150,11 +150,11 @@ def _sgd_module(model: torch.nn.Module) -> pl.LightningModule:
 
 
 def train_merak3d(rank: int, world_size: int, options: dict[str, Any], clip: float | None = None,
-                  sharding: str = "none") -> dict[str, Any]:
+                  sharding: str = "none", ep_size: int = 2) -> dict[str, Any]:
     from lightning_merak.cli.options.moe import ProphetMoEConfig
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
-    config = ProphetMoEConfig(ep_size=2, aux_loss_coef=0.0, log_every_n_steps=1, **options)
+    config = ProphetMoEConfig(ep_size=ep_size, aux_loss_coef=0.0, log_every_n_steps=1, **options)
     module = _sgd_module(config.apply(_model()))
     recorder, moe_callback = _LoggedLoss(), config.build_callbacks()[0]
     strategy = Merak3DStrategy(data_parallel=2, pipeline_parallel=2, tensor_parallel=1, micro_batches=2,
@@ -229,14 +229,15 @@ def test_mixtral_tiny_under_merak3d_pipeline_and_data_parallel() -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("sharding", ["none", "optimizer"])
-def test_gradient_clipping_under_merak3d_counts_every_expert_once(sharding: str) -> None:
+@pytest.mark.parametrize(("sharding", "ep_size"), [("none", 2), ("optimizer", 2), ("none", 1)])
+def test_gradient_clipping_under_merak3d_counts_every_expert_once(sharding: str, ep_size: int) -> None:
     """The clipping norm sums expert weights over their expert-parallel group (each rank holds other experts).
     With ZeRO-1 the replicated weights' optimizer state is sharded over the data-parallel ranks and the experts'
-    (reduced over their own groups by the MoE layers) is not: the same norms and steps."""
+    (reduced over their own groups by the MoE layers) is not: the same norms and steps. At ``ep_size=1`` every
+    rank holds every expert, reduced over the whole data-parallel group."""
     clip = 0.05
     options = dict(dispatch="capacity", placement="none")
-    results = run_distributed(train_merak3d, 4, args=(options, clip, sharding), timeout_s=240)
+    results = run_distributed(train_merak3d, 4, args=(options, clip, sharding, ep_size), timeout_s=240)
     norms: list[float] = []
     reference, reference_experts = _sgd_reference(clip=clip, norms=norms)
     _, initial_experts = _sgd_reference(learning_rate=0.0)

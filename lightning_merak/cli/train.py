@@ -299,6 +299,11 @@ def _check_merak3d_options(config: TrainConfig, strategy: Strategy, world_size: 
                                       tensor_parallel=getattr(config.strategy, "tensor_parallel", 1))
     if problem is not None:
         raise ValueError(problem)
+    pipeline_parallel = getattr(config.strategy, "pipeline_parallel", 1)
+    if getattr(config.comm, "name", None) == "embrace" and isinstance(pipeline_parallel, int) and pipeline_parallel > 1:
+        from lightning_merak.callbacks.sparse_comm.callback import EMBRACE_NEEDS_ONE_STAGE  # lazy: torch, Lightning
+
+        raise ValueError(EMBRACE_NEEDS_ONE_STAGE)
     if getattr(config.moe, "experts", None) == "merak_ep":
         from lightning_merak.parallel.experts import check_merak3d_experts  # lazy: torch
 
@@ -329,6 +334,12 @@ def prepare(config: TrainConfig) -> PreparedRun:
     world_size = devices * config.trainer.num_nodes
     trainer_kwargs = _trainer_kwargs(config.trainer)
     _check_merak3d_options(config, strategy, world_size)
+    if getattr(config.moe, "experts", None) == "deepspeed":
+        from lightning_merak.parallel.experts import swapped_experts_problem  # lazy: torch
+
+        problem = swapped_experts_problem(strategy, world_size, config.moe.ep_size)
+        if problem is not None:
+            raise ValueError(problem)
     pl.seed_everything(config.trainer.seed, workers=True, verbose=False)
     data = _datamodule(config)
     if getattr(data, "lengths", None) == "variable":  # each rank's datamodule checks again in its setup

@@ -44,7 +44,7 @@ from lightning_merak.plugins.moe.experts import (
 from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh
 
 __all__ = ["ExpertGroups", "Merak3DExperts", "check_merak3d_experts",
-           "expert_group_ranks", "expert_layout_problem", "planned_expert_parallel"]
+           "expert_group_ranks", "expert_layout_problem", "planned_expert_parallel", "swapped_experts_problem"]
 
 
 def expert_layout_problem(*, data_parallel: int, sharding: str, schedule: str,
@@ -107,6 +107,23 @@ def _layout_values(strategy: Any, world_size: int) -> dict[str, Any]:
         sharding = strategy._arguments.data_parallel_sharding
     return {"data_parallel": dp, "sharding": sharding, "schedule": strategy.schedule,
             "micro_batching": strategy.micro_batching.mode}
+
+
+def swapped_experts_problem(strategy: Any, world_size: int, ep_size: int) -> Optional[str]:
+    """Why our DeepSpeed-MoE layer's experts cannot spread over ``ep_size`` ranks in this run, with the fix; None
+    when they can, or when a merak3d layout left to the planner decides the data-parallel degree later (the expert
+    groups are checked when they are carved). They spread over the data-parallel ranks: all of them under DDP,
+    each stage's under merak3d."""
+    if getattr(strategy, "strategy_name", None) == "merak3d":
+        if strategy.needs_planning:
+            return None
+        data_parallel = _layout_values(strategy, world_size)["data_parallel"]
+    else:
+        data_parallel = world_size
+    if ep_size < 1 or data_parallel % ep_size:
+        return (f"moe.ep_size={ep_size} does not divide the {data_parallel} data-parallel ranks the experts are "
+                f"spread over; choose a divisor of {data_parallel} (moe.ep_size=1 keeps every expert on each rank)")
+    return None
 
 
 def check_merak3d_experts(strategy: Any, world_size: int, ep_size: Optional[int] = None) -> None:

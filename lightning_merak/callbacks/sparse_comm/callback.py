@@ -59,6 +59,11 @@ log = logging.getLogger(__name__)
 
 Method = Literal["s2", "embrace", "auto"]
 Mode = Literal["exact", "sketch"]
+EMBRACE_NEEDS_ONE_STAGE = (
+    "method='embrace' under merak3d needs pipeline_parallel=1: with pipeline stages the layout trace runs the first "
+    "stage on rank 0 alone, which a sharded table cannot; set pipeline_parallel=1 (merak-train: "
+    "strategy.pipeline_parallel=1) or use method='s2' (merak-train: comm=s2)")
+"""Why EmbRace refuses a merak3d layout with pipeline stages (merak-train checks it before launch too)."""
 _BANDWIDTH_PROBE_BYTES = 4 * 1024 * 1024
 _BANDWIDTH_PROBE_REPEATS = 3
 
@@ -334,11 +339,7 @@ class SparseCommunication(pl.Callback):
             return
         # the fix in both spellings: the strategy argument and merak-train's Hydra override
         if strategy.pipeline_parallel > 1:
-            raise ValueError(
-                "method='embrace' under merak3d needs pipeline_parallel=1: with pipeline stages the layout "
-                "trace runs the first stage on rank 0 alone, which a sharded table cannot; set pipeline_parallel=1 "
-                "(merak-train: strategy.pipeline_parallel=1) or use method='s2' (merak-train: comm=s2)"
-            )
+            raise ValueError(EMBRACE_NEEDS_ONE_STAGE)
 
     @staticmethod
     def _layout_table_names(pl_module: pl.LightningModule, tables: dict[str, nn.Embedding]) -> dict[str, str]:

@@ -155,7 +155,9 @@ class PlacementMOELayer(MOELayer):
         return self.groups.ep_ranks.index(dist.get_rank()) if self.groups is not None else 0
 
     def _attach(self) -> None:
-        if self.ep_size == 1 or self.groups is not None:
+        # at ep_size=1 too when distributed: the expert-data-parallel group (every data-parallel rank) is the one
+        # a data-parallel strategy reduces and clips the experts' gradients over
+        if self.groups is not None or (self.ep_size == 1 and not dist.is_initialized()):
             return
         self.groups = ensure_expert_groups(self.ep_size, self.ep_group_name, self.data_parallel_groups)
         if self.ep_group is None:
