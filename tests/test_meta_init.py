@@ -177,7 +177,8 @@ def test_meta_build_holds_only_its_share_and_trains_like_the_reference(model_nam
             assert not vocabulary, f"rank {rank} materialised whole vocabulary tensors {sorted(vocabulary)}"
             assert peak <= share + block, f"rank {rank} held {peak} bytes, its share is {share}"
         if layout["pipeline_parallel"] == 2:
-            assert share < 0.75 * (4 * block + outside), f"rank {rank} kept more than its stage"
+            # the other stage holds at least one of the 4 blocks, whichever cut AutoPipe's timing chose
+            assert share <= 3 * block + outside, f"rank {rank} kept more than its stage"
     assert_traces_match(_reference(model_name), merge_rank_traces([trace for trace, _ in results]), loss_rtol=1e-5,
                         grad_rtol=1e-4)
 

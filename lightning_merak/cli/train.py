@@ -51,8 +51,7 @@ from lightning_merak.cli.targets import instantiate_checked
 from lightning_merak.distributed.host_memory import restart_with_heap_tunables, skip_final_collection
 from lightning_merak.distributed.process_exit import leave_process_groups
 from lightning_merak.distributed.termination import install_termination_handler
-from lightning_merak.modules.config import DataConfig, TrainerConfig
-from lightning_merak.modules.data import DataError
+from lightning_merak.modules.config import DataConfig, DataError, TrainerConfig
 from lightning_merak.util.console import quiet_dependency_noise, quiet_other_ranks
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from omegaconf import MISSING
 
 from lightning_merak.util.fields import option
 
-__all__ = ["DataConfig", "ModelConfig", "OptimConfig", "Schedule", "TrainerConfig"]
+__all__ = ["DataConfig", "DataError", "ModelConfig", "OptimConfig", "Schedule", "TrainerConfig"]
 
 
 @dataclass
@@ -74,6 +74,11 @@ def _check_model_type(model_type: str) -> None:
     hint = (f"did you mean {close[0]}?" + (f" (or {', '.join(close[1:])})" if close[1:] else "") if close
             else "see transformers' CONFIG_MAPPING for the model types")
     raise ValueError(f"model.model_type={model_type!r} is not a transformers model type; {hint}")
+
+
+class DataError(ValueError):
+    """The data cannot make what the run asks of it (too few tokens, documents or a rank's share), found when the
+    ranks read it: ``merak-train`` prints it as a refusal, without a traceback."""
 
 
 @dataclass

@@ -25,7 +25,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from lightning_merak.modules.config import DataConfig
+from lightning_merak.modules.config import DataConfig, DataError
 from lightning_merak.parallel.micro_batching.samples import (
     check_consumer,
     global_batch_loader,
@@ -37,7 +37,6 @@ __all__ = [
     "ByteTokenizer",
     "LanguageModelingData",
     "ResumableDataLoader",
-    "DataError",
     "SyntheticLanguage",
     "SyntheticSequences",
     "TokenDataModule",
@@ -49,11 +48,6 @@ __all__ = [
 ]
 
 DATA_NAMES = ("synthetic", "text")
-
-
-class DataError(ValueError):
-    """The data cannot make what the run asks of it (too few tokens, documents or a rank's share), found when the
-    ranks read it: ``merak-train`` prints it as a refusal, without a traceback."""
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 

@@ -28,8 +28,8 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data import IterableDataset as TorchIterableDataset
 
+from lightning_merak.modules.config import DataError
 from lightning_merak.modules.data import (
-    DataError,
     TokenDataModule,
     document_tokens,
     load_tokenizer,
