@@ -10,7 +10,7 @@ from typing import Callable, Literal, Optional
 import torch
 from torch import nn
 
-from .bnb_layout import restore_bnb_cpu_layout
+from .bnb_layout import keep_bnb_training_layout
 from .int4 import QuantLinearInt4, quantize_linear_layers_int4, replace_submodule
 from .int4_experts import quantize_experts_int4
 from .resume import refuse_mismatched_checkpoints, restore_packed_4bit
@@ -87,8 +87,7 @@ def prepare_fully_shard(model: nn.Module) -> list[nn.Parameter]:
         if isinstance(layer, bnb.nn.Linear8bitLt):
             whole.append(layer.weight)
         elif isinstance(layer, bnb.nn.Linear4bit) and not getattr(layer, _SHARD_READY, False):
-            restore_bnb_cpu_layout(layer)
-            layer.support_avx512bf16_for_cpu = False
+            keep_bnb_training_layout(layer)
             layer.quant_state = layer.weight.quant_state
             layer.register_forward_pre_hook(_statistics_onto_weight)
             layer.register_state_dict_pre_hook(_statistics_onto_weight)
@@ -135,7 +134,7 @@ def quantized_linear(linear: nn.Linear, quantization: Quantization, double_quant
             compress_statistics=double_quant,
             quant_type=quantization,
         )
-        layer.support_avx512bf16_for_cpu = False  # see keep_bnb_training_layout
+        keep_bnb_training_layout(layer)
         restore_packed_4bit(layer)
     else:
         raise ValueError(f"quantized_linear: {quantization!r} is not a bitsandbytes quantization (nf4, fp4, int8)")
