@@ -62,6 +62,23 @@ def test_stamps_measure_the_time_between_them() -> None:
     assert start.seconds_since(end) == -end.seconds_since(start)
 
 
+def test_a_node_is_timed_after_a_forward_and_backward_of_it() -> None:
+    """AutoPipe's node profile (``recording.measure``): a process's first node paid one-off costs in its first
+    timed forwards (10-15 ms calls of a 0.3 ms lookup), so the node runs forward and backward before any timing."""
+    from lightning_merak.parallel.pipeline.recording import measure
+
+    weight = nn.Parameter(torch.ones(3))
+    grad_modes: list[bool] = []
+
+    def run() -> torch.Tensor:
+        grad_modes.append(torch.is_grad_enabled())
+        return weight * 2
+
+    measure(run, [weight], 2, torch.device("cpu"))
+    assert grad_modes[:4] == [True, False, False, False], "forward and backward, then the forward's warm-up and timing"
+    assert weight.grad is None
+
+
 def test_call_times_leave_out_the_warm_up_call() -> None:
     calls = []
 
