@@ -3,6 +3,7 @@ the packed base read back byte for byte; a checkpoint of another quantisation or
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -119,7 +120,7 @@ def test_a_checkpoint_of_another_quantisation_or_rank_is_refused(saved: tuple[st
 
 @pytest.mark.parametrize("method,quantization", [("qbara", "nf4"), ("qahira", "int4"), ("lora", "int8")])
 def test_a_quantised_adapter_exports_merged_into_its_dequantised_base(tmp_path: Path, method: str,
-                                                                      quantization: str) -> None:
+                                                                      quantization: str, capsys) -> None:
     """``--merge-adapters`` writes float weights, the dequantised base plus the delta: the exported model computes
     the trained quantised model's logits (nf4, INT4; int8's forward quantises its inputs too, so there an unadapted
     layer's weight is checked within half a quantisation step of the float weight it was quantised from). Resuming
@@ -131,8 +132,10 @@ def test_a_quantised_adapter_exports_merged_into_its_dequantised_base(tmp_path: 
     if quantization == "nf4":
         with pytest.raises(ValueError, match="base nf4 in the checkpoint, int8 here"):
             fit(adapter_model(method, "int8", seed=0), 4, resume_from=checkpoint)
-    with pytest.raises(ValueError, match=rf"holds a quantised base \({quantization}: .*--merge-adapters"):
+    with pytest.raises(SystemExit) as refused:
         export_main([checkpoint, str(out)])
+    assert refused.value.code == 2
+    assert re.search(rf"holds a quantised base \({quantization}: .*--merge-adapters", capsys.readouterr().err)
     assert not out.exists()
     export_main([checkpoint, str(out), "--merge-adapters"])
     exported = AutoModelForCausalLM.from_pretrained(out)

@@ -116,15 +116,16 @@ def test_a_cli_error_prints_the_fix_first_without_a_traceback(tmp_path):
 
 
 @pytest.mark.distributed
-def test_data_too_small_for_the_run_is_refused_by_every_rank_without_a_traceback(tmp_path):
-    """Found as the ranks read the data (after launch): each prints the fix and ends with status 2."""
+def test_data_too_small_for_the_run_is_refused_before_launch_without_a_traceback(tmp_path):
+    """With the byte-level tokenizer the token count is known without tokenising: refused once, before any rank
+    starts, naming the fix, with status 2."""
     corpus = tmp_path / "tiny.txt"
     corpus.write_text("too short\n")
     result = _merak_train("data=text", f"data.path={corpus}", "trainer.max_steps=2", run_dir=tmp_path / "run",
                           timeout=300)
     assert result.returncode == 2, result.stderr[-3000:]
     refusal = f"merak-train: error: data.path='{corpus}' yields"
-    assert any(line.startswith(refusal) for line in result.stderr.splitlines()), result.stderr[-3000:]
+    assert [line.startswith(refusal) for line in result.stderr.splitlines()].count(True) == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr + result.stdout
 
 

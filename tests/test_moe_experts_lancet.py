@@ -170,7 +170,7 @@ def test_causal_lm_module_optimises_the_router_aux_loss_as_transformers_does() -
 
 def test_router_aux_loss_is_refused_only_where_a_stage_lacks_the_whole_micro_batch() -> None:
     """Pipeline stages carry the router logits to the last stage (tests/test_merak3d_router_aux.py); token-weighted
-    micro-batching and sequence-split routers are refused."""
+    micro-batching, sequence-split routers and, without stages, sub-batched calls are refused."""
     from lightning_merak.parallel.pipeline.router_aux import router_aux_loss_problem
 
     assert router_aux_loss_problem(True, 2) is None
@@ -181,6 +181,13 @@ def test_router_aux_loss_is_refused_only_where_a_stage_lacks_the_whole_micro_bat
     assert "set sequence_parallel=False" in router_aux_loss_problem(True, 2, sequence_parallel=True,
                                                                       tensor_parallel=2)
     assert router_aux_loss_problem(True, 2, sequence_parallel=True, tensor_parallel=1) is None
+    # without stages too: a rank's routers see its share of the sequence; a sub-batch's call its own rows
+    assert "set sequence_parallel=False" in router_aux_loss_problem(True, 1, sequence_parallel=True,
+                                                                      tensor_parallel=2)
+    assert "set tp_overlap=1" in router_aux_loss_problem(True, 1, tensor_parallel=2, tp_overlap=2)
+    assert router_aux_loss_problem(True, 2, tensor_parallel=2, tp_overlap=2) is None  # carried logits join whole
+    assert router_aux_loss_problem(True, 1, tensor_parallel=2, tp_overlap=2, context_parallel=2) is None  # gathered
+    assert router_aux_loss_problem(False, 1, sequence_parallel=True, tensor_parallel=2, tp_overlap=2) is None
 
 
 def _replication_pays() -> object:

@@ -48,7 +48,7 @@ def _refusal(overrides: list[str], run_dir, monkeypatch, capsys) -> str:
         (["model=hf", "model.model_type=llamaa"], "is not a transformers model type"),
         (["model=llama_huge"], "model=llama_huge is not an option of model"),
         (["trainer.max_step=5"], "trainer.max_step is not a key of trainer; did you mean trainer.max_steps?"),
-        (["trainer.accelerator=gpu"], "GPU(s); set trainer.devices"),
+        (["trainer.accelerator=gpu"], "trainer.accelerator=gpu but this machine has no GPU"),
         (["strategy.name=ddpp"], "is not a registered strategy"),
         (["trainer.devices=3", "strategy.tensor_parallel=3"],
          "tensor_parallel=3 does not divide num_attention_heads=4"),

@@ -43,8 +43,30 @@ class ConfigError(ValueError):
     """A command line ``merak-train`` refuses before composing it; the message names the fix."""
 
 
+def _typo_distance(first: str, second: str) -> int:
+    """Edits from one word to the other, a swap of two neighbouring letters counting as one (the common typo)."""
+    previous2: list[int] = []
+    previous = list(range(len(second) + 1))
+    for i, letter in enumerate(first, 1):
+        current = [i]
+        for j, other in enumerate(second, 1):
+            cost = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (letter != other))
+            if i > 1 and j > 1 and letter == second[j - 2] and first[i - 2] == other:
+                cost = min(cost, previous2[j - 2] + 1)
+            current.append(cost)
+        previous2, previous = previous, current
+    return previous[-1]
+
+
 def _closest(word: str, candidates: typing.Iterable[str]) -> Optional[str]:
-    matches = difflib.get_close_matches(word, list(candidates), n=1)
+    """The candidate ``word`` most likely misspells: one or two edits away (fewest first, then the same length, as
+    a swap of letters keeps it), else difflib's closest."""
+    candidates = list(candidates)
+    near = [(distance, abs(len(name) - len(word)), index) for index, name in enumerate(candidates)
+            if (distance := _typo_distance(word, name)) <= min(2, len(word) // 2)]
+    if near:
+        return candidates[min(near)[2]]
+    matches = difflib.get_close_matches(word, candidates, n=1)
     return matches[0] if matches else None
 
 

@@ -87,6 +87,9 @@ def validate_run(config: TrainerConfig) -> int:
         available = torch.cuda.device_count()
         if devices == -1:
             devices = available
+        if available == 0:
+            raise ValueError(f"trainer.accelerator={config.accelerator} but this machine has no GPU that torch can use "
+                             f"(torch {torch.__version__}); use trainer=cpu_ddp to train on CPU processes")
         if devices > available or devices == 0:
             raise ValueError(
                 f"trainer.devices={config.devices} but this machine has {available} GPU(s); "
@@ -97,6 +100,10 @@ def validate_run(config: TrainerConfig) -> int:
     elif devices == -1:
         raise ValueError("trainer.devices=-1 means every GPU; with trainer.accelerator=cpu give the number of "
                          "processes (e.g. trainer.devices=2)")
+    elif str(config.precision) in ("16-mixed", "16"):
+        raise ValueError(f"trainer.precision={config.precision} (float16 with loss scaling) needs a GPU; on CPU "
+                         "Lightning would train in bf16-mixed instead: use trainer.precision=bf16-mixed, or "
+                         "trainer=gpu")
     requested = devices * config.num_nodes
     launched = _launched_world_size()
     if launched is not None and launched != requested:
@@ -253,6 +260,38 @@ def _user_module(config: TrainConfig, strategy: Strategy) -> Any:
     return module
 
 
+def _longest_sample(data: Any) -> Optional[tuple[str, int]]:
+    """``(setting, tokens)``: the data group's longest sample and the setting that asks for it, if known."""
+    values = data if hasattr(data, "get") else getattr(data, "__dict__", {})
+    fixed = _fixed_sequence_length(data)
+    if fixed is not None:
+        return "data.seq_len", fixed
+    longest = values.get("max_length")
+    return ("data.max_length", int(longest)) if isinstance(longest, int) and values.get("lengths") == "variable" \
+        else None
+
+
+def _check_model_against_run(config: TrainConfig, module: Any, resume_from: Optional[Path]) -> None:
+    """Refuse a sequence longer than the model's position table, and a checkpoint saved from a model of other
+    sizes; a pretrained model run past the positions it was trained on gets a notice."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from lightning_merak.checkpoint.compatible import check_resume_shapes  # lazy: torch
+    from lightning_merak.modules.positions import beyond_trained_positions, sequence_length_problem  # lazy: torch
+
+    model, longest = getattr(module, "model", None), _longest_sample(config.data)
+    if model is not None and longest is not None:
+        field, length = longest
+        problem = sequence_length_problem(model, length, field)
+        if problem is not None:
+            raise ValueError(problem)
+        notice = beyond_trained_positions(model, length, field) if config.model.path else None
+        if notice is not None and rank_zero_only.rank == 0:
+            print(f"merak-train: note: {notice}", flush=True)
+    if resume_from is not None:
+        check_resume_shapes(resume_from, module)
+
+
 def _builtin_module(config: TrainConfig, strategy: Strategy, vocab_size: int) -> Any:
     """The causal LM of the ``model``, ``optim``, ``adapter`` and ``moe`` groups."""
     from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm  # lazy: torch, Lightning
@@ -295,7 +334,9 @@ def _check_merak3d_options(config: TrainConfig, strategy: Strategy, world_size: 
                                       getattr(config.strategy, "pipeline_parallel", 1),
                                       micro_batching=getattr(config.strategy, "micro_batching", "none"),
                                       sequence_parallel=getattr(config.strategy, "sequence_parallel", False),
-                                      tensor_parallel=getattr(config.strategy, "tensor_parallel", 1))
+                                      tensor_parallel=getattr(config.strategy, "tensor_parallel", 1),
+                                      tp_overlap=getattr(config.strategy, "tp_overlap", 1),
+                                      context_parallel=getattr(config.strategy, "context_parallel", 1))
     if problem is not None:
         raise ValueError(problem)
     pipeline_parallel = getattr(config.strategy, "pipeline_parallel", 1)
@@ -356,6 +397,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
         module = _builtin_module(config, strategy, vocab_size)
     if hasattr(strategy, "validate_before_launch"):
         strategy.validate_before_launch(module, world_size, **batch_shape)
+    _check_model_against_run(config, module, resume_from)
 
     trainer_config = config.trainer
     loggers = _loggers(config)
@@ -469,8 +511,9 @@ def _refusals() -> Iterator[None]:
     ends with status 2; the ranks started early see rank 0 end and leave."""
     try:
         yield
-    except (ValueError, TypeError) as error:  # the checks' refusals: of values (ConfigError, OmegaConf's validation
-        # errors included), and of a module or datamodule that is not what the strategy can train
+    except (ValueError, TypeError, FileNotFoundError) as error:  # the checks' refusals: of values (ConfigError,
+        # OmegaConf's validation errors included), of a module or datamodule that is not what the strategy can train,
+        # and of a path given that does not exist
         print(f"merak-train: error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
 

@@ -34,15 +34,26 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["ExportReport", "export_adapter", "export_checkpoint"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "EXPORT_DTYPES", "ExportReport", "export_adapter", "export_checkpoint",
+           "shard_size_bytes"]
+
+DEFAULT_MAX_SHARD_SIZE = "2GB"
+"""The largest safetensors file :func:`export_checkpoint` writes unless told otherwise."""
+
+EXPORT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+"""The dtypes ``dtype`` (``--dtype``) writes weights in: the floating-point ones ``from_pretrained`` loads."""
+
+_VALID_CHECKPOINT = ("merak-train writes valid ones: a .ckpt file (DDP) or a merak3d checkpoint directory under "
+                     "the run's checkpoints/ folder, as does Lightning's Trainer.save_checkpoint")
 
 _COPIED_FILES = ("generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
                  "vocab.*", "merges.txt", "chat_template*", "spiece.model")
@@ -75,18 +86,21 @@ class _Source:
         if self.sharded:
             from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-            self.metadata = load_torch_file(path / LIGHTNING_CHECKPOINT)
+            if not (path / _DCP_INDEX).is_file():
+                raise ValueError(f"{path} holds {LIGHTNING_CHECKPOINT} but no {_DCP_INDEX} index, so its tensors "
+                                 f"cannot be read (a save that did not finish?); {_VALID_CHECKPOINT}")
+            self.metadata = _checkpoint_dict(path / LIGHTNING_CHECKPOINT, load_torch_file)
             stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
             self.entries = {key[len("model."):]: (tuple(entry.size), entry.properties.dtype)
                             for key, entry in stored.items()
                             if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
         elif path.is_file():
-            self.metadata = load_torch_file(path, mmap=True)
+            self.metadata = _checkpoint_dict(path, lambda file: load_torch_file(file, mmap=True))
             self.state = self.metadata.get("state_dict", {})
             self.entries = {key: (tuple(value.shape), value.dtype) for key, value in self.state.items()
                             if isinstance(value, torch.Tensor)}
         else:
-            raise FileNotFoundError(f"{path} is neither a merak3d checkpoint directory nor a Lightning .ckpt file")
+            raise ValueError(_not_a_checkpoint(path))
 
     def read(self, key: str) -> torch.Tensor:
         import torch
@@ -103,6 +117,77 @@ class _Source:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, storage_reader=SafeFileSystemReader(self.path), planner=SafeLoadPlanner(), no_dist=True)
         return state["model." + key]
+
+
+_DCP_INDEX = ".metadata"
+"""The index torch distributed checkpoint writes last in a directory, naming where each tensor is stored."""
+
+
+def _not_a_checkpoint(path: Path) -> str:
+    """Why ``path`` (neither a file nor a merak3d checkpoint directory) is refused, naming what to pass instead."""
+    from lightning_merak.checkpoint.sharded import LIGHTNING_CHECKPOINT, is_sharded_checkpoint  # lazy: torch
+
+    if not path.is_dir():
+        what = "is not a regular file" if path.exists() else "does not exist"
+        return f"{path} {what}; pass a checkpoint: {_VALID_CHECKPOINT}"
+    inside = sorted(entry.name for entry in path.iterdir()
+                    if entry.suffix == ".ckpt" or is_sharded_checkpoint(entry))
+    held = f"it holds the checkpoints {inside[:5]}: pass one of them" if inside else _VALID_CHECKPOINT
+    return (f"{path} is a directory without {LIGHTNING_CHECKPOINT}, so neither a merak3d checkpoint directory nor a "
+            f"Lightning .ckpt file; {held}")
+
+
+def _checkpoint_dict(path: Path, load: Callable[[Path], Any]) -> dict[str, Any]:
+    """The checkpoint dict ``load`` reads from the ``torch.save`` file ``path``, refused up front when the file is no
+    ``torch.save`` archive (empty, truncated, another format): torch's own error would blame its mmap option."""
+    size = path.stat().st_size
+    if not _is_torch_archive(path):
+        raise ValueError(f"{path} ({size} bytes) is not a readable checkpoint: not a torch.save archive (empty, "
+                         f"truncated, or another format); {_VALID_CHECKPOINT}")
+    checkpoint = load(path)
+    if not isinstance(checkpoint, dict):
+        raise ValueError(f"{path} holds a {type(checkpoint).__name__}, not a Lightning checkpoint dict; "
+                         f"{_VALID_CHECKPOINT}")
+    return checkpoint
+
+
+def _is_torch_archive(path: Path) -> bool:
+    """Whether ``path`` is a zip archive holding a ``data.pkl`` record, as ``torch.save`` writes by default."""
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return any(name.rpartition("/")[2] == "data.pkl" for name in archive.namelist())
+
+
+def shard_size_bytes(max_shard_size: Union[int, str]) -> int:
+    """``max_shard_size`` in bytes, read as ``save_pretrained`` reads it; a ``ValueError`` naming the accepted forms
+    for anything else, so a typo is refused before the checkpoint is read, not after."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    text = str(max_shard_size).strip()
+    try:
+        size = int(text) if text.isdigit() else convert_file_size_to_int(text)
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise ValueError(f"max shard size {max_shard_size!r} is not a size; pass a positive whole number with a unit, "
+                         "e.g. 5GB, 500MB, 100KB (powers of 1000) or 2GiB, 512MiB (powers of 1024), or a number of "
+                         "bytes, e.g. 2000000000")
+    return size
+
+
+def _check_output(out: Path) -> None:
+    """``out`` becomes a directory: refused up front when it, or a folder above it, is an existing file."""
+    existing = next(path for path in (out, *out.parents) if path.exists())
+    if not existing.is_dir():
+        raise ValueError(f"output directory {out}: {existing} is an existing file; pass a new or existing directory")
+
+
+def _remove_earlier_weights(out: Path) -> None:
+    """Delete the weight files an earlier export left in ``out``, as ``save_pretrained`` does: a stale
+    ``model.safetensors`` beside a new sharded set would be the file ``from_pretrained`` loads."""
+    for stale in (*out.glob("model-*-of-*.safetensors"), out / _SINGLE_FILE, out / _INDEX_FILE):
+        stale.unlink(missing_ok=True)
 
 
 def _skeleton(path: str, leaf: nn.Module) -> nn.Module:
@@ -209,16 +294,23 @@ def _copy_source_files(record_config: dict[str, Any], out: Path) -> list[str]:
 
 
 def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, merge_adapters: bool = False,
-                      max_shard_size: Union[int, str] = "2GB", config: Optional[Union[str, Path]] = None,
-                      dtype: Optional[str] = None) -> ExportReport:
+                      max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
+                      config: Optional[Union[str, Path]] = None, dtype: Optional[str] = None) -> ExportReport:
     """Write ``checkpoint`` to ``out`` as a Hugging Face directory; see the module docstring.
 
     ``config`` (a transformers directory or config.json) stands in for a checkpoint that recorded
-    none; ``dtype`` (e.g. ``"bfloat16"``) converts the weights on the way out.
+    none; ``dtype`` (one of :data:`EXPORT_DTYPES`) converts the weights on the way out. The arguments are checked
+    before the checkpoint is read.
     """
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one export writes; pass one of {', '.join(EXPORT_DTYPES)}")
+    limit = shard_size_bytes(max_shard_size)
+    if config is not None and not (Path(config).is_file() or (Path(config) / "config.json").is_file()):
+        raise ValueError(f"config {config} is neither a config.json file nor a directory holding one; pass the "
+                         "model's local transformers directory")
+    _check_output(Path(out))
     import torch
     from safetensors.torch import save_file
-    from transformers.utils.hub import convert_file_size_to_int
 
     from lightning_merak.adapters.resume import quantized_layers  # lazy: torch, PEFT
     from lightning_merak.checkpoint.names import (  # lazy: torch
@@ -257,6 +349,9 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
     adapters = record.get("adapters") or {}
     if extra and "base_model." not in prefix:
         raise ValueError(f"{checkpoint} holds tensors {type(model).__name__} does not have: {extra[:8]}")
+    if merge_adapters and not extra and not (quantized or quantized_experts):
+        raise ValueError(f"--merge-adapters: {checkpoint} holds no adapters (its run trained without adapter=...), "
+                         "so there is nothing to merge; drop --merge-adapters to export its weights as they are")
     if extra and not merge_adapters:
         raise ValueError(f"{checkpoint} holds adapter weights ({extra[:3]}, ...); pass --merge-adapters to write "
                          "them merged into the base weights")
@@ -317,7 +412,6 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
 
     sizes = {key: torch.Size(shape_of(name) if part is None else experts[name].piece_shape(part)).numel()
              * (out_dtype or source.entries[by_module[name]][1]).itemsize for key, (name, _, part) in outputs.items()}
-    limit = convert_file_size_to_int(max_shard_size)
     shards: list[list[str]] = [[]]
     for key in outputs:
         if shards[-1] and sum(sizes[k] for k in shards[-1]) + sizes[key] > limit:
@@ -325,6 +419,7 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
         shards[-1].append(key)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    _remove_earlier_weights(out)
     report = ExportReport(total_size=sum(sizes.values()))
     weight_map = {}
     for number, shard in enumerate(shards, start=1):
@@ -359,6 +454,7 @@ def export_adapter(checkpoint: Union[str, Path], out: Union[str, Path]) -> Expor
     import lightning_merak.adapters  # noqa: F401  # lazy: torch, PEFT (registers Q-BaRA and QA-HiRA with PEFT)
     from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, build_meta_model, load_config  # lazy: torch
 
+    _check_output(Path(out))
     source = _Source(Path(checkpoint))
     record = source.metadata.get(MODEL_RECORD_KEY) or {}
     adapters = record.get("adapters") or {}

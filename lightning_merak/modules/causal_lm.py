@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, model_record
@@ -51,6 +51,11 @@ def build_causal_lm(config: ModelConfig, vocab_size: int) -> nn.Module:
         )
     kwargs = dict(config.config)
     kwargs["vocab_size"] = vocab_size
+    family_defaults = CONFIG_MAPPING[config.model_type]()
+    for key in ("bos_token_id", "eos_token_id"):  # GPT-2's 50256 in a 256-token vocabulary names no token
+        default = getattr(family_defaults, key, None)
+        if key not in kwargs and isinstance(default, int) and not 0 <= default < vocab_size:
+            kwargs[key] = None
     model_config = validated_config(lambda: CONFIG_MAPPING[config.model_type](**kwargs),
                                     f"model.config for model.model_type={config.model_type!r}")
     padding = getattr(model_config, "pad_token_id", None)
@@ -189,6 +194,7 @@ class CausalLMModule(pl.LightningModule):
             raise ValueError(f"optim.lr_schedule={self.optim.lr_schedule.value} decays until the run's last step, "
                              "but the Trainer has no end: give it max_steps or max_epochs, or use "
                              "optim.lr_schedule=constant")
+        _warn_unfinished_warmup(self.optim.warmup_steps, total, self.optim.learning_rate)
         scheduler = warmup_schedule(
             optimizer, self.optim.lr_schedule, self.optim.warmup_steps,
             None if self.optim.lr_schedule is Schedule.constant else max(int(total), 1), self.optim.min_lr_ratio)
@@ -200,6 +206,17 @@ def scores_next_token(module: Any) -> bool:
     own: what the parallel layouts that compute that cross-entropy themselves (on shards, rows or packed samples)
     can stand in for."""
     return getattr(type(module), "loss_from_logits", None) is CausalLMModule.loss_from_logits
+
+
+def _warn_unfinished_warmup(warmup_steps: int, total_steps: float, learning_rate: float) -> None:
+    """Say once (rank 0) when the run ends inside its warm-up: legitimate in a short smoke run, a surprise otherwise,
+    since the learning rate never reaches ``optim.learning_rate``."""
+    if math.isfinite(total_steps) and warmup_steps > total_steps:
+        steps = int(total_steps)
+        rank_zero_warn(f"optim.warmup_steps={warmup_steps} is longer than the run's {steps} optimizer steps: the "
+                       f"learning rate never reaches optim.learning_rate={learning_rate} (at most "
+                       f"{max(steps - 1, 0) / warmup_steps:.0%} of it); lower optim.warmup_steps or train longer "
+                       "(trainer.max_steps)")
 
 
 def _embedding_parameters(model: nn.Module) -> set[int]:

@@ -8,6 +8,7 @@ are), and what :class:`~lightning_merak.modules.causal_lm.CausalLMModule` and
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Optional
@@ -57,7 +58,17 @@ class ModelConfig:
         if not config_file.is_file():
             raise ValueError(f"model.path={self.path} has no config.json; pass a local transformers model directory "
                              "(save_pretrained output)")
-        saved_type = json.loads(config_file.read_text()).get("model_type")
+        weights = ("model.safetensors", "model.safetensors.index.json")
+        if not any((config_file.parent / name).is_file() for name in weights):
+            raise ValueError(f"model.path={self.path} has a config.json but neither {' nor '.join(weights)}; save the "
+                             "model with save_pretrained(..., safe_serialization=True) (PyTorch .bin weights are "
+                             "not read), or drop model.path and set model.model_type to initialise at random")
+        try:
+            saved = json.loads(config_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"model.path={self.path}: {config_file} is not a JSON config ({error}); write it with "
+                             "the model's save_pretrained") from None
+        saved_type = saved.get("model_type") if isinstance(saved, dict) else None
         if self.model_type and self.model_type != saved_type:
             raise ValueError(f"model.model_type={self.model_type!r} but {config_file} says {saved_type!r}; "
                              "omit model.model_type when model.path is given")
@@ -77,8 +88,9 @@ def _check_model_type(model_type: str) -> None:
 
 
 class DataError(ValueError):
-    """The data cannot make what the run asks of it (too few tokens, documents or a rank's share), found when the
-    ranks read it: ``merak-train`` prints it as a refusal, without a traceback."""
+    """The data cannot make what the run asks of it (a file missing or unreadable, too few tokens, documents or
+    batches for a rank), found before launch or when the ranks read it: ``merak-train`` prints it as a refusal,
+    without a traceback."""
 
 
 @dataclass
@@ -129,6 +141,67 @@ class TrainerConfig:
     kwargs: dict[str, Any] = option(
         default_factory=dict, help="Any other `lightning.Trainer` argument, passed as given: `merak-train "
         "trainer.fast_dev_run=true` puts `fast_dev_run` here (checked against `Trainer`'s signature).")
+
+    def __post_init__(self) -> None:
+        """Refuse, before any process starts, a loop setting Lightning would take and then train wrongly with (or
+        not at all), one reason per field."""
+        problems = [
+            _count_problem("trainer.max_steps", self.max_steps, "an integer of at least 1, or -1 for no limit (then "
+                           "trainer.max_epochs ends the run)", 1, also=(-1,)),
+            _count_problem("trainer.max_epochs", self.max_epochs, "an integer of at least 1, or -1 for no limit "
+                           "(then trainer.max_steps ends the run)", 1, also=(-1,)),
+            _count_problem("trainer.accumulate_grad_batches", self.accumulate_grad_batches,
+                           "an integer of at least 1", 1),
+            _count_problem("trainer.log_every_n_steps", self.log_every_n_steps, "an integer of at least 1", 1),
+            None if self.val_check_interval is None else _count_problem(
+                "trainer.val_check_interval", self.val_check_interval, "an integer of at least 1, or null to "
+                "validate once per epoch", 1),
+            _count_problem("trainer.limit_val_batches", self.limit_val_batches, "an integer of at least 0 (0: no "
+                           "validation)", 0),
+            _count_problem("trainer.seed", self.seed, f"an integer in [0, {SEED_LIMIT}] (numpy's seeds)", 0,
+                           SEED_LIMIT),
+        ]
+        clip = self.gradient_clip_val
+        if clip is not None and not (_is_finite(clip) and clip >= 0):
+            problems.append(f"trainer.gradient_clip_val={clip!r} must be a finite number >= 0 (0 or null: no "
+                            "clipping)")
+        algorithm = self.kwargs.get("gradient_clip_algorithm")
+        if algorithm is not None and str(algorithm).lower() not in CLIP_ALGORITHMS:
+            problems.append(f"trainer.gradient_clip_algorithm={algorithm!r} must be one of "
+                            f"{', '.join(CLIP_ALGORITHMS)}")
+        _refuse(problems)
+
+
+SEED_LIMIT = 2**32 - 1
+"""The largest seed ``lightning.seed_everything`` takes (numpy's)."""
+CLIP_ALGORITHMS = ("norm", "value")
+"""``lightning.Trainer``'s ``gradient_clip_algorithm`` values."""
+
+
+def _is_count(value: Any) -> bool:
+    """Whether ``value`` is an integer: a bool is one to Python, but ``True`` as a count is a slip, not a 1."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: Any) -> bool:
+    """Whether ``value`` is a number (not a bool), neither infinite nor NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count_problem(field: str, value: Any, bound: str, lowest: int, highest: float = math.inf,
+                   also: tuple[int, ...] = ()) -> Optional[str]:
+    """Why ``field`` cannot be ``value`` (it must be ``bound``): not an integer in [lowest, highest] nor one of
+    ``also``; None when it can."""
+    if _is_count(value) and (lowest <= value <= highest or value in also):
+        return None
+    return f"{field}={value!r} must be {bound}"
+
+
+def _refuse(problems: list[Optional[str]]) -> None:
+    """Raise one refusal naming every field that is out of range (the Nones are not), each with its own bound."""
+    found = [problem for problem in problems if problem is not None]
+    if found:
+        raise ValueError("; ".join(found))
 
 
 class Schedule(Enum):
@@ -186,10 +259,29 @@ class OptimConfig:
             if not hasattr(torch.optim, "Muon"):
                 raise ValueError(f"optim=muon needs torch.optim.Muon, which torch {torch.__version__} does not have; "
                                  "use optim=adamw, or a torch that has it")
-        if self.warmup_steps < 0 or self.learning_rate <= 0:
-            raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 0 and optim.learning_rate="
-                             f"{self.learning_rate} > 0")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1] (a fraction of the peak)")
-        if self.total_steps is not None and self.total_steps < 1:
-            raise ValueError(f"optim.total_steps={self.total_steps} must be >= 1, or null for the Trainer's length")
+        schedules = [schedule.value for schedule in Schedule]
+        if not isinstance(self.lr_schedule, Schedule):
+            if self.lr_schedule not in schedules:
+                raise ValueError(f"optim.lr_schedule={self.lr_schedule!r} is not supported; choose one of "
+                                 f"{', '.join(schedules)}")
+            self.lr_schedule = Schedule(self.lr_schedule)
+        _refuse(self._range_problems())
+
+    def _range_problems(self) -> list[Optional[str]]:
+        """One reason per number out of range: torch checks some only for its own defaults, not for the parameter
+        groups' values, and the schedule none of them."""
+        problems: list[Optional[str]] = []
+        if not (_is_finite(self.learning_rate) and self.learning_rate > 0):
+            problems.append(f"optim.learning_rate={self.learning_rate!r} must be a finite number > 0")
+        if not (_is_finite(self.weight_decay) and self.weight_decay >= 0):
+            problems.append(f"optim.weight_decay={self.weight_decay!r} must be a finite number >= 0 (0: no decay)")
+        if not (_is_finite(self.momentum) and 0 <= self.momentum < 1):
+            problems.append(f"optim.momentum={self.momentum!r} must be in [0, 1) (a fraction of the last update kept)")
+        problems.append(_count_problem("optim.warmup_steps", self.warmup_steps, "an integer >= 0 (0: no warm-up)",
+                                       0))
+        if not (_is_finite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1):
+            problems.append(f"optim.min_lr_ratio={self.min_lr_ratio!r} must lie in [0, 1] (a fraction of the peak)")
+        if self.total_steps is not None:
+            problems.append(_count_problem("optim.total_steps", self.total_steps, "an integer >= 1, or null for the "
+                                           "Trainer's length", 1))
+        return problems

@@ -7,7 +7,11 @@ visibly from ``ln(vocab_size)`` towards a known floor. Nothing is downloaded.
 
 User data is a ``.txt`` file (one document) or a ``.jsonl`` file (one JSON object per
 line, text under ``text_field``), tokenized with a tokenizer loaded from local files or,
-without one, with a byte-level tokenizer (256 byte values plus an end-of-text token).
+without one, with a byte-level tokenizer (256 byte values plus an end-of-text token). A file that is missing, not
+UTF-8 or not JSON lines is refused in the constructor, naming the file, the line and the fix; where the token counts
+are known without tokenising (the byte-level tokenizer, or token ids in the file), so are too few blocks or
+documents for the run, before ``merak-train`` launches any rank. With a tokenizer those checks wait for ``setup``:
+the launcher would otherwise tokenise the whole corpus once more.
 
 :class:`TokenDataModule` and the functions that cut documents into blocks or samples are shared with
 :class:`~lightning_merak.modules.hf_data.HFDatasetData`, so every source is split and resumed the same way.
@@ -35,21 +39,40 @@ from lightning_merak.parallel.micro_batching.samples import (
 
 __all__ = [
     "ByteTokenizer",
+    "DataFileNotFound",
     "LanguageModelingData",
+    "MissingTextField",
     "ResumableDataLoader",
     "SyntheticLanguage",
     "SyntheticSequences",
     "TokenDataModule",
+    "check_training_batches",
     "document_tokens",
     "load_text_documents",
     "load_tokenizer",
     "packed_blocks",
+    "packed_split",
     "variable_samples",
 ]
 
 DATA_NAMES = ("synthetic", "text")
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
+
+PACKED_DATA_FIX = "use more data, a smaller data.batch_size or data.seq_len, or a smaller data.val_fraction"
+"""How to get more training blocks out of packed documents, for the refusals of too few."""
+
+
+class DataFileNotFound(DataError, FileNotFoundError):
+    """A data or tokenizer path that does not exist: a :class:`DataError` (``merak-train`` prints it as a refusal)
+    that Python callers may still catch as the ``FileNotFoundError`` it is."""
+
+
+class MissingTextField(DataError, KeyError):
+    """A ``.jsonl`` record without the text field: a :class:`DataError` (``merak-train`` prints it as a refusal)
+    that Python callers may still catch as a ``KeyError``; shown as its message, not quoted as a ``KeyError`` is."""
+
+    __str__ = DataError.__str__
 
 
 class SyntheticLanguage:
@@ -159,14 +182,19 @@ def load_tokenizer(tokenizer_path: Optional[str]) -> tuple[Callable[[str], list[
         return byte_tokenizer.encode, byte_tokenizer.vocab_size, byte_tokenizer.eos_token_id
     path = Path(tokenizer_path).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(
+        raise DataFileNotFound(
             f"data.tokenizer_path={tokenizer_path!r} is not a directory; point it at a folder "
             "holding tokenizer files (tokenizer.json / tokenizer_config.json), or leave it "
             "unset to use the byte-level tokenizer"
         )
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise DataError(f"data.tokenizer_path={tokenizer_path!r} holds no tokenizer transformers can load ({error}); "
+                        "point it at a save_pretrained tokenizer folder, or leave it unset to use the byte-level "
+                        "tokenizer") from error
 
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -174,11 +202,53 @@ def load_tokenizer(tokenizer_path: Optional[str]) -> tuple[Callable[[str], list[
     return encode, len(tokenizer), tokenizer.eos_token_id
 
 
+def _not_utf8(file: Path, path: str) -> DataError:
+    """The refusal of a file that does not decode as UTF-8, naming its first line that does not."""
+    raw = file.read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        column = error.start - raw.rfind(b"\n", 0, error.start)
+        where = f"{path}:{line} is not UTF-8 text (byte 0x{raw[error.start]:02x} at column {column}: {error.reason})"
+    else:  # changed since it failed to decode
+        where = f"{path} is not UTF-8 text"
+    return DataError(f"{where}; re-encode the file as UTF-8 (e.g. iconv -f <its encoding> -t utf-8)")
+
+
+def _jsonl_documents(file: Path, path: str, text_field: str) -> list[Any]:
+    """Each line's ``text_field``: text, or a list of token ids in a tokenised file."""
+    documents = []
+    one_object = f"each line of a .jsonl file must be one JSON object, such as {{\"{text_field}\": \"...\"}}"
+    with file.open(encoding="utf-8") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path}:{line_number} is not valid JSON ({error.msg} at column {error.colno}); "
+                                f"{one_object}") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{line_number} is a JSON {type(record).__name__}, not an object; {one_object}")
+            if text_field not in record:
+                raise MissingTextField(
+                    f"{path}:{line_number} has no field {text_field!r} (fields: {sorted(record)}); "
+                    "set data.text_field to the field holding the text"
+                )
+            value = record[text_field]
+            if not isinstance(value, str) and not (isinstance(value, list) and all(type(i) is int for i in value)):
+                raise DataError(f"{path}:{line_number} field {text_field!r} holds {json.dumps(value)[:40]}, neither "
+                                "text nor a list of token ids; fix or drop that line")
+            documents.append(value)
+    return documents
+
+
 def load_text_documents(path: str, text_field: str) -> list[Any]:
-    """Read the documents of a ``.txt`` or ``.jsonl`` file, with errors that name the fix."""
+    """Read the documents of a ``.txt`` or ``.jsonl`` file, with errors that name the file, the line and the fix."""
     file = Path(path).expanduser()
     if not file.is_file():
-        raise FileNotFoundError(
+        raise DataFileNotFound(
             f"data.path={path!r} does not exist; pass an existing .txt or .jsonl file "
             "(e.g. data=text data.path=/abs/path/corpus.txt)"
         )
@@ -186,22 +256,12 @@ def load_text_documents(path: str, text_field: str) -> list[Any]:
         raise ValueError(
             f"data.path={path!r} has suffix {file.suffix!r}; supported are {', '.join(TEXT_SUFFIXES)}"
         )
-    if file.suffix == ".txt":
-        return [file.read_text(encoding="utf-8")]
-    documents = []
-    with file.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if text_field not in record:
-                raise KeyError(
-                    f"{path}:{line_number} has no field {text_field!r} (fields: {sorted(record)}); "
-                    "set data.text_field to the field holding the text"
-                )
-            value = record[text_field]  # a list of token ids in a tokenised jsonl
-            documents.append(value if isinstance(value, list) else str(value))
-    return documents
+    try:
+        if file.suffix == ".txt":
+            return [file.read_text(encoding="utf-8")]
+        return _jsonl_documents(file, path, text_field)
+    except UnicodeDecodeError:  # read again as bytes only now, to find the line
+        raise _not_utf8(file, path) from None
 
 
 def document_tokens(document: Any, encode: Callable[[str], list[int]], eos_token_id: Optional[int]) -> list[int]:
@@ -212,6 +272,71 @@ def document_tokens(document: Any, encode: Callable[[str], list[int]], eos_token
     return encode(str(document)) + ([eos_token_id] if eos_token_id is not None else [])
 
 
+def known_token_counts(documents: Sequence[Any], byte_level: bool) -> Optional[list[int]]:
+    """Each document's token count as :func:`document_tokens` will give it, where that needs no tokenising: a list
+    of ids is its own length, and with the byte-level tokenizer a text is its UTF-8 bytes and the end id. None where
+    a tokenizer has to run."""
+    counts = []
+    for document in documents:
+        if isinstance(document, list):
+            counts.append(len(document))
+        elif byte_level:
+            counts.append(len(str(document).encode("utf-8")) + 1)
+        else:
+            return None
+    return counts
+
+
+def block_count(token_count: int, seq_len: int, source: str) -> int:
+    """Blocks of ``seq_len`` in ``token_count`` packed tokens; refused below two (a training and a validation one)."""
+    blocks = token_count // seq_len
+    if blocks < 2:
+        raise DataError(f"{source} yields {token_count} tokens, fewer than two blocks of data.seq_len={seq_len}; "
+                        "use more data or a smaller seq_len")
+    return blocks
+
+
+def validation_block_count(num_blocks: int, val_fraction: float) -> int:
+    """Blocks held out for validation: ``val_fraction`` of them, rounded up, at least one."""
+    return max(1, math.ceil(num_blocks * val_fraction))
+
+
+def packed_split(source: str, train_blocks: int, held_out: int, seq_len: int,
+                 val_fraction: float) -> tuple[str, str]:
+    """The terms of :func:`check_training_batches` for blocks packed from documents."""
+    return (f"{source} makes {train_blocks + held_out} blocks of data.seq_len={seq_len}, {train_blocks} for training "
+            f"once data.val_fraction={val_fraction} holds out {held_out}", PACKED_DATA_FIX)
+
+
+def check_training_batches(train_count: int, batch_size: int, replicas: int, split: str, fix: str) -> None:
+    """Refuse a training set that gives a data-parallel rank no full batch: its loader drops the partial one, so
+    Lightning would train no step ("No training batches") and the run would end as done, untrained.
+
+    ``replicas``: the ranks a distributed sampler splits the set over, each reading ``ceil(train_count / replicas)``
+    samples (1 where every rank reads every global batch); ``split`` says what the set is, ``fix`` how to enlarge it.
+    """
+    per_rank = math.ceil(train_count / replicas)
+    if per_rank >= batch_size:
+        return
+    if replicas > 1:
+        split = f"{split}, {per_rank} for each of {replicas} data-parallel ranks"
+        fix = f"{fix}; or train on fewer data-parallel ranks"
+    raise DataError(f"{split}: fewer than one batch of data.batch_size={batch_size}"
+                    f"{' per rank' if replicas > 1 else ''}, so nothing would train; {fix}")
+
+
+def variable_validation_count(sample_count: int, batch_size: int, val_fraction: float, source: str) -> int:
+    """Samples held out for validation with ``lengths=variable`` (``val_fraction``, at least one global batch);
+    refused unless a training global batch is left too."""
+    num_val = max(batch_size, math.ceil(sample_count * val_fraction))
+    if sample_count < num_val + batch_size:
+        raise DataError(f"{source} has {sample_count} samples (documents of 2 tokens or more), too few for a "
+                        f"validation and a training global batch of data.batch_size={batch_size}: that takes "
+                        f"{num_val + batch_size} (data.val_fraction={val_fraction} holds out {num_val}, at least one "
+                        "global batch); use more documents or a smaller data.batch_size")
+    return num_val
+
+
 def packed_blocks(token_lists: Iterable[Sequence[int]], seq_len: int, val_fraction: float, seed: int,
                   source: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(training, validation)`` blocks of ``seq_len`` ids: the documents back to back, cut into blocks, and a
@@ -219,13 +344,10 @@ def packed_blocks(token_lists: Iterable[Sequence[int]], seq_len: int, val_fracti
     token_ids: list[int] = []
     for tokens in token_lists:
         token_ids.extend(tokens)
-    usable = len(token_ids) // seq_len * seq_len
-    blocks = torch.tensor(token_ids[:usable], dtype=torch.long).view(-1, seq_len)
-    if len(blocks) < 2:
-        raise DataError(f"{source} yields {len(token_ids)} tokens, fewer than two blocks of data.seq_len={seq_len}; "
-                         "use more data or a smaller seq_len")
-    order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed))
-    num_val = max(1, math.ceil(len(blocks) * val_fraction))
+    num_blocks = block_count(len(token_ids), seq_len, source)
+    blocks = torch.tensor(token_ids[:num_blocks * seq_len], dtype=torch.long).view(-1, seq_len)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+    num_val = validation_block_count(num_blocks, val_fraction)
     return blocks[order[num_val:]], blocks[order[:num_val]]
 
 
@@ -235,10 +357,7 @@ def variable_samples(token_lists: Iterable[Sequence[int]], max_length: int, batc
     ``val_fraction`` of them (at least one global batch) held out."""
     samples = token_samples(list(token_lists), max_length)
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
-    num_val = max(batch_size, math.ceil(len(samples) * val_fraction))
-    if len(samples) < num_val + batch_size:
-        raise DataError(f"{source} has {len(samples)} documents, too few for a training and a validation global "
-                         f"batch of data.batch_size={batch_size}; lower the batch size")
+    num_val = variable_validation_count(len(samples), batch_size, val_fraction, source)
     return [samples[i] for i in order[num_val:]], [samples[i] for i in order[:num_val]]
 
 
@@ -314,7 +433,8 @@ class TokenDataModule(pl.LightningDataModule):
     the training loader is a :class:`ResumableDataLoader` (mid-epoch resume). A subclass
     sets ``vocab_size`` in its constructor (so the model can be built to match before the data is materialised)
     and returns its two sets from :meth:`build_samples`. Under a distributed strategy Lightning inserts the
-    distributed sampler, so each data-parallel rank sees its own share of the blocks.
+    distributed sampler, so each data-parallel rank sees its own share of the blocks; a share without one full batch
+    is refused when the training loader is made (:func:`check_training_batches`), where the share is known.
     """
 
     vocab_size: int
@@ -365,8 +485,28 @@ class TokenDataModule(pl.LightningDataModule):
     def _resume_arguments(self) -> dict[str, Any]:
         return {"epoch": self._epoch, "trained_batches": self._trained_batches, "shuffle_seed": self.seed}
 
+    def describe_training_split(self, train_count: int, held_out: int) -> tuple[str, str]:
+        """``(what the training set is, how to enlarge it)``: the terms of :func:`check_training_batches`."""
+        return (f"the data has {train_count} training samples ({held_out} held out for validation)",
+                "use more data or a smaller data.batch_size")
+
+    def _sampler_replicas(self) -> int:
+        """Ranks Lightning's distributed sampler splits the training blocks over: 1 where it inserts none (no
+        trainer, one process, or ``use_distributed_sampler=False``, which only the connector holds)."""
+        trainer = self.trainer
+        connector = getattr(trainer, "_accelerator_connector", None)  # private in Lightning 2.x: feature-detected
+        if trainer is None or not getattr(connector, "use_distributed_sampler", True):
+            return 1
+        sampler_kwargs = trainer.distributed_sampler_kwargs
+        return int(sampler_kwargs["num_replicas"]) if sampler_kwargs else 1
+
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "setup() must run before the data loaders are requested"
+        assert self.val_set is not None
+        # every rank reads every global batch of variable lengths; blocks are split over the data-parallel ranks
+        replicas = 1 if self.lengths == "variable" else self._sampler_replicas()
+        check_training_batches(len(self.train_set), self.batch_size, replicas,
+                               *self.describe_training_split(len(self.train_set), len(self.val_set)))
         if self.lengths == "variable":  # global batches resume mid-epoch as blocks do
             return global_batch_loader(self.train_set, self.batch_size, self.seed, shuffle=True,
                                        loader_class=ResumableDataLoader, **self._resume_arguments())
@@ -405,6 +545,35 @@ class LanguageModelingData(TokenDataModule):
                 raise ValueError("data=text needs data.path=/path/to/file.txt or .jsonl")
             self._documents = load_text_documents(config.path, config.text_field)
             self._encode, self.vocab_size, self._eos = load_tokenizer(config.tokenizer_path)
+            token_counts = known_token_counts(self._documents, byte_level=config.tokenizer_path is None)
+            if token_counts is not None:  # build_samples' checks, before merak-train launches any rank
+                self._check_token_counts(token_counts)
+
+    @property
+    def source(self) -> str:
+        """How errors name the data."""
+        return "data=synthetic" if self.language is not None else f"data.path={self.config.path!r}"
+
+    def _check_token_counts(self, token_counts: list[int]) -> None:
+        """Refuse what :meth:`build_samples` and a single rank's training loader would, from each document's token
+        count: the data-parallel share is checked again when the loader is made."""
+        config = self.config
+        if self.lengths == "variable":
+            variable_validation_count(sum(count >= 2 for count in token_counts), config.batch_size,
+                                      config.val_fraction, self.source)
+            return
+        num_blocks = block_count(sum(token_counts), config.seq_len, self.source)
+        held_out = validation_block_count(num_blocks, config.val_fraction)
+        check_training_batches(num_blocks - held_out, config.batch_size, 1,
+                               *self.describe_training_split(num_blocks - held_out, held_out))
+
+    def describe_training_split(self, train_count: int, held_out: int) -> tuple[str, str]:
+        if self.language is not None:
+            return (f"data=synthetic has data.num_sequences={train_count} training sequences",
+                    "raise data.num_sequences or lower data.batch_size")
+        if self.lengths == "fixed":
+            return packed_split(self.source, train_count, held_out, self.config.seq_len, self.config.val_fraction)
+        return super().describe_training_split(train_count, held_out)
 
     def build_samples(self) -> tuple[Any, Any]:
         if self.language is not None:
@@ -413,9 +582,8 @@ class LanguageModelingData(TokenDataModule):
         token_lists = (document_tokens(document, self._encode, self._eos) for document in self._documents)
         if self.lengths == "variable":
             return variable_samples(token_lists, config.max_length, config.batch_size, config.val_fraction,
-                                    config.seed, f"data.path={config.path!r}")
-        return packed_blocks(token_lists, config.seq_len, config.val_fraction, config.seed,
-                             f"data.path={config.path!r}")
+                                    config.seed, self.source)
+        return packed_blocks(token_lists, config.seq_len, config.val_fraction, config.seed, self.source)
 
     def _synthetic_samples(self, language: SyntheticLanguage) -> tuple[Any, Any]:
         """Generated blocks, or (``lengths=variable``) samples of generated multi-task lengths."""

@@ -14,6 +14,10 @@ stream never ends (each pass reshuffled), so every rank can always take another 
 Trainer's ``max_steps``; a resumed run reads the trained batches again and drops them, as the in-memory loader
 does. A document is held out for validation by a seeded hash of its text, which needs no count of the corpus
 and sends a duplicated document to the same side; every rank validates on all held-out documents.
+
+Too little text for two blocks, or for a training batch on each rank, is refused in ``setup`` and when the training
+loader is made, not in the constructor: counting the tokens means reading and tokenising the whole corpus, which
+``merak-train``'s launcher would then do once more before the ranks do.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ from torch.utils.data import IterableDataset as TorchIterableDataset
 
 from lightning_merak.modules.config import DataError
 from lightning_merak.modules.data import (
+    DataFileNotFound,
     TokenDataModule,
     document_tokens,
     load_tokenizer,
     packed_blocks,
+    packed_split,
     variable_samples,
 )
 
@@ -190,8 +196,8 @@ class HFDatasetData(TokenDataModule):
                              "of them, or a save_to_disk folder, by absolute path")
         local = Path(path).expanduser()
         if not local.exists():
-            raise FileNotFoundError(f"data.path={path!r} does not exist; pass a local data file or folder (e.g. "
-                                    "data=hf_dataset data.path=/abs/path/train.parquet)")
+            raise DataFileNotFound(f"data.path={path!r} does not exist; pass a local data file or folder (e.g. "
+                                   "data=hf_dataset data.path=/abs/path/train.parquet)")
         self.path, self.format = str(local), resolve_format(local, format)
         self.split, self.text_field, self.seq_len, self.max_length = split, text_field, seq_len, max_length
         self.val_fraction, self.streaming, self.shuffle_buffer = val_fraction, streaming, shuffle_buffer
@@ -206,6 +212,11 @@ class HFDatasetData(TokenDataModule):
     def source(self) -> str:
         """How errors name the data."""
         return f"data.path={self.path!r}"
+
+    def describe_training_split(self, train_count: int, held_out: int) -> tuple[str, str]:
+        if self.lengths == "fixed":
+            return packed_split(self.source, train_count, held_out, self.seq_len, self.val_fraction)
+        return super().describe_training_split(train_count, held_out)
 
     def build_samples(self) -> tuple[Any, Any]:
         token_lists = _token_lists(self.documents, self.text_field, self._encode, self._eos)

@@ -79,6 +79,22 @@ class QuantizedAdapterConfig(AdapterConfig):
                   if self.experts or target.rpartition(".")[2] in wanted]
         return chosen or None
 
+    def check_targets(self, model: nn.Module) -> None:
+        """Refuse ``target_modules`` that name no layer of ``model`` (PEFT would, less helpfully), listing the names
+        of the linear layers it has."""
+        from lightning_merak.plugins.moe.experts import experts_modules  # lazy: torch, transformers
+
+        if self.experts is not False and experts_modules(model):  # targets may name fused expert weights (PEFT maps
+            return  # gate_proj/up_proj/down_proj onto them), which are parameters, not layers
+        names = [name for name, _ in model.named_modules()]
+        if any(name == target or name.endswith("." + target) for name in names for target in self.target_modules):
+            return
+        linear = sorted({name.rpartition(".")[2] for name, layer in model.named_modules()
+                         if type(layer).__name__ in ("Linear", "Conv1D") and not name.endswith("lm_head")})
+        raise ValueError(f"adapter.target_modules={list(self.target_modules)} names no layer of "
+                         f"{type(model).__name__}; its linear layers are {', '.join(linear) or 'none'}: e.g. "
+                         f"adapter.target_modules=[{','.join(linear)}]")
+
     def quantize(self, model: nn.Module, experts: bool = False) -> nn.Module:
         from lightning_merak.adapters import quantize_model  # lazy: torch, PEFT
 
@@ -97,6 +113,7 @@ class LoRAAdapterConfig(QuantizedAdapterConfig):
 
         if self.quantization is Quantization.int4:
             raise ValueError("adapter=lora: PEFT LoRA has no layer for the project INT4 base; use nf4/fp4/int8/none")
+        self.check_targets(model)
         parameters = None
         if self.experts:
             from lightning_merak.adapters.moe import expert_target_parameters  # lazy: torch, PEFT
@@ -133,6 +150,7 @@ class QBaRAAdapterConfig(QuantizedAdapterConfig):
     def apply(self, model: nn.Module) -> nn.Module:
         from lightning_merak.adapters import QBaRAConfig  # lazy: torch, PEFT
 
+        self.check_targets(model)
         parameters = self.pooled_expert_targets(model)
         config = QBaRAConfig(
             r=self.r,
@@ -160,6 +178,7 @@ class QAHiRAAdapterConfig(QuantizedAdapterConfig):
     def apply(self, model: nn.Module) -> nn.Module:
         from lightning_merak.adapters import QAHiRAConfig  # lazy: torch, PEFT
 
+        self.check_targets(model)
         parameters = self.pooled_expert_targets(model)
         config = QAHiRAConfig(
             r=self.r,

@@ -41,21 +41,36 @@ __all__ = ["RouterAux", "RouterAuxLoss", "RouterRecorder", "carried_router_logit
 
 
 def router_aux_loss_problem(output_router_logits: Any, pipeline_parallel: Any, *, micro_batching: str = "none",
-                            sequence_parallel: bool = False, tensor_parallel: Any = 1) -> Optional[str]:
-    """Why a layout cannot train a transformers MoE model's router aux loss with pipeline stages, or ``None``.
+                            sequence_parallel: bool = False, tensor_parallel: Any = 1,
+                            tp_overlap: Any = 1, context_parallel: Any = 1) -> Optional[str]:
+    """Why a layout cannot train a transformers MoE model's router aux loss, or ``None``.
 
-    Model-independent (checked before launch); :func:`router_aux_of` checks the model itself.
+    The aux loss balances experts over a forward's tokens, so every router must see all of them: sequence
+    parallelism gives a tensor-parallel rank's routers only its share of the sequence (at any pipeline degree),
+    and ``tp_overlap`` runs the unsplit model (``pipeline_parallel=1``) once per sub-batch, each call with the aux
+    loss of its own rows (with stages the carried logits join whole, and with ``context_parallel>1`` the recorded
+    logits of every sub-batch are gathered into one aux loss). Model-independent (checked before launch);
+    :func:`router_aux_of` checks the model itself.
     """
-    if not output_router_logits or not isinstance(pipeline_parallel, int) or pipeline_parallel == 1:
+    if not output_router_logits:
+        return None
+    split_tp = isinstance(tensor_parallel, int) and tensor_parallel > 1
+    if sequence_parallel and split_tp:
+        return ("model.config.output_router_logits=True with sequence_parallel=True: each tensor-parallel rank's "
+                "routers see only its share of the sequence, and the aux loss is over all of a forward's tokens; set "
+                "sequence_parallel=False or output_router_logits=False")
+    if not isinstance(pipeline_parallel, int):
+        return None
+    if pipeline_parallel == 1:
+        if split_tp and isinstance(tp_overlap, int) and tp_overlap > 1 and context_parallel == 1:
+            return (f"model.config.output_router_logits=True with tp_overlap={tp_overlap} and pipeline_parallel=1: "
+                    "the model runs once per sub-batch, each computing the aux loss over its own rows instead of "
+                    "the batch's; set tp_overlap=1 (or output_router_logits=False)")
         return None
     if micro_batching != "none":
         return (f"model.config.output_router_logits=True with micro_batching={micro_batching!r}: each micro-batch's "
                 "loss is a token-weighted share of the global batch's, where the router aux loss has no defined "
                 "weight; use micro_batching='none' or output_router_logits=False")
-    if sequence_parallel and tensor_parallel != 1:
-        return ("model.config.output_router_logits=True with sequence_parallel=True: a stage's routers see only "
-                "their tensor-parallel rank's tokens, and the aux loss is over the whole micro-batch; set "
-                "sequence_parallel=False or output_router_logits=False")
     return None
 
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_merak.parallel.context.model import CONTEXT_ATTENTION_METHODS, check_context_parallel_model
@@ -48,6 +51,45 @@ __all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "SHARDING_MODES", "Degree", "
 RECOMPUTE_MODES = ("none", "full", "stage_aware", "auto")
 PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
 SHARDING_MODES = ("none", "optimizer", "gradients", "full", "auto")
+LONGEST_TIMEOUT_S = timedelta.max.days * 86400.0
+"""The longest collective timeout a ``timedelta`` (which torch takes) can hold."""
+
+
+def is_count(value: Any) -> bool:
+    """Whether ``value`` is an integer: a bool is one to Python, but ``True`` as a degree is a slip, not a 1."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_finite_number(value: Any) -> bool:
+    """Whether ``value`` is a number (not a bool), neither infinite nor NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_positive_finite(value: Any) -> bool:
+    """Whether ``value`` is a finite number above 0."""
+    return is_finite_number(value) and value > 0
+
+
+def backend_problem(backend: Any) -> Optional[str]:
+    """Why torch.distributed cannot start ``backend`` (a name such as ``"gloo"``, or per device types
+    ``"cpu:gloo,cuda:nccl"``), or None: an unknown name, a device type the backend does not serve, or a backend
+    this torch was built without would otherwise fail only once the processes have launched."""
+    known = [name for name in dist.Backend.backend_list if name != "undefined"]
+    fix = f"choose one of {', '.join(known)}, per device type as 'cpu:gloo,cuda:nccl', or None (from the device)"
+    if not isinstance(backend, str) or not backend:
+        return f"process_group_backend={backend!r} is not a backend name; {fix}"
+    for entry in backend.lower().split(","):
+        device_type, _, name = entry.rpartition(":") if ":" in entry else ("", "", entry)
+        if name not in known:
+            return f"process_group_backend={backend!r}: {name!r} is not a torch.distributed backend; {fix}"
+        served = dist.Backend.backend_capability.get(name, [device_type])
+        if ":" in entry and device_type not in served:
+            return (f"process_group_backend={backend!r}: {name} does not serve {device_type!r} tensors (it serves "
+                    f"{', '.join(served)}); {fix}")
+        if not dist.is_backend_available(name):
+            return (f"process_group_backend={backend!r}: torch {torch.__version__} was built without {name}; "
+                    f"{fix}")
+    return None
 
 
 def check_stage_count(num_stages: int, num_blocks: int) -> None:
@@ -104,10 +146,10 @@ class Merak3DArguments(Merak3DOptions):
     def __post_init__(self) -> None:
         for name, value in (("data_parallel", self.data_parallel), ("pipeline_parallel", self.pipeline_parallel),
                             ("tensor_parallel", self.tensor_parallel)):
-            if value != "auto" and (not isinstance(value, int) or value < 1):
+            if value != "auto" and (not is_count(value) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer or 'auto'")
         tp_overlap, schedule = self.tp_overlap, self.schedule
-        if tp_overlap != "auto" and (not isinstance(tp_overlap, int) or tp_overlap < 1):
+        if tp_overlap != "auto" and (not is_count(tp_overlap) or tp_overlap < 1):
             raise ValueError(f"tp_overlap={tp_overlap!r} must be a positive integer (1 = no overlap) or 'auto'")
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError(
@@ -144,21 +186,18 @@ class Merak3DArguments(Merak3DOptions):
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(
                 f"recompute={self.recompute!r} is not supported; choose one of {', '.join(RECOMPUTE_MODES)}")
-        if not 0.0 <= self.recompute_ratio <= 1.0:
-            raise ValueError(f"recompute_ratio={self.recompute_ratio} must lie in [0, 1]")
+        if not is_finite_number(self.recompute_ratio) or not 0.0 <= self.recompute_ratio <= 1.0:
+            raise ValueError(f"recompute_ratio={self.recompute_ratio!r} must lie in [0, 1]")
         if self.partition not in PARTITION_METHODS:
             raise ValueError(
                 f"partition={self.partition!r} is not supported; choose one of {', '.join(PARTITION_METHODS)}")
-        if self.virtual_stages < 1 or (schedule in MULTI_STAGE_SCHEDULES and self.virtual_stages < 2):
-            raise ValueError(
-                f"virtual_stages={self.virtual_stages} must be at least 2 with schedule={schedule!r} (1 otherwise)"
-            )
+        self._check_virtual_stages()
         if self.data_parallel_sharding not in SHARDING_MODES:
             raise ValueError(f"data_parallel_sharding={self.data_parallel_sharding!r} is not supported; "
                              f"choose one of {', '.join(SHARDING_MODES)}")
         shard_size = self.data_parallel_shard_size
         if shard_size is not None:
-            if not isinstance(shard_size, int) or shard_size < 1:
+            if not is_count(shard_size) or shard_size < 1:
                 raise ValueError(f"data_parallel_shard_size={shard_size!r} must be a positive integer (None: all "
                                  "data-parallel ranks)")
             if self.data_parallel_sharding == "none":
@@ -172,16 +211,50 @@ class Merak3DArguments(Merak3DOptions):
                 f"overlap_param_gather=True gathers parameters into ZeRO-1's gradient buckets, but "
                 f"data_parallel_sharding={self.data_parallel_sharding!r}; use 'optimizer' or overlap_param_gather=False"
             )
-        if self.grad_bucket_mb is not None and not self.grad_bucket_mb > 0:
-            raise ValueError(f"grad_bucket_mb={self.grad_bucket_mb} must be positive")
+        if self.grad_bucket_mb is not None and not is_positive_finite(self.grad_bucket_mb):
+            raise ValueError(f"grad_bucket_mb={self.grad_bucket_mb!r} must be a positive, finite number of MB (None: "
+                             "25 MB, or less for a small model)")
         if self.data_parallel_sharding == "full":
             self._check_full_sharding()
-        if self.micro_batches is not None and self.micro_batches < 1:
-            raise ValueError(f"micro_batches={self.micro_batches} must be at least 1")
+        if self.micro_batches is not None and (not is_count(self.micro_batches) or self.micro_batches < 1):
+            raise ValueError(f"micro_batches={self.micro_batches!r} must be a positive integer (None: 2 × pipeline "
+                             "stages)")
+        self._check_process_groups()
         self._check_context_parallel()
         self._check_context_parallel_degree()
         if self.micro_batches is not None and isinstance(self.pipeline_parallel, int):
             check_micro_batches(self.micro_batches, self.pipeline_parallel, schedule)
+
+    def _check_virtual_stages(self) -> None:
+        """Refuse a ``virtual_stages`` the schedule cannot run: the interleaved ones need 2 stages per rank or more,
+        the others run one (and take any positive count, the default 2 included)."""
+        stages, schedule = self.virtual_stages, self.schedule
+        if schedule in MULTI_STAGE_SCHEDULES:
+            if not is_count(stages) or stages < 2:
+                raise ValueError(f"virtual_stages={stages!r} must be an integer of at least 2 with schedule="
+                                 f"{schedule!r}, which runs several stages per rank; raise it or choose a "
+                                 "one-stage schedule such as '1f1b'")
+        elif not is_count(stages) or stages < 1:
+            raise ValueError(f"virtual_stages={stages!r} must be a positive integer (schedule={schedule!r} runs one "
+                             "stage per rank and does not use it)")
+
+    def _check_process_groups(self) -> None:
+        """Refuse a collective backend, timeout, memory limit or cost model that would fail (or be ignored)
+        only once the processes run."""
+        if self.process_group_backend is not None:
+            problem = backend_problem(self.process_group_backend)
+            if problem is not None:
+                raise ValueError(problem)
+        if not is_positive_finite(self.timeout_s) or self.timeout_s > LONGEST_TIMEOUT_S:
+            raise ValueError(f"timeout_s={self.timeout_s!r} must be a positive number of seconds, at most "
+                             f"{LONGEST_TIMEOUT_S:.0f}")
+        if self.memory_limit is not None and not is_positive_finite(self.memory_limit):
+            raise ValueError(f"memory_limit={self.memory_limit!r} must be a positive, finite number of bytes per rank "
+                             "(None: 90% of what the device offers)")
+        cost = self.micro_batching_cost
+        if cost is not None and not all(is_finite_number(value) for value in cost):
+            raise ValueError(f"micro_batching_cost={cost!r} must be three finite numbers of seconds: [per token, per "
+                             "token², per micro-batch]")
 
     def _check_context_parallel(self) -> None:
         """Refuse a context-parallel degree or method out of range, and a trace replay asked to rank its layouts."""

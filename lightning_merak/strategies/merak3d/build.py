@@ -369,7 +369,8 @@ def _router_aux(model: nn.Module, arguments: Merak3DArguments, layout: Layout) -
     problem = router_aux_loss_problem(output_router_logits, layout.pipeline_parallel,
                                       micro_batching=arguments.micro_batching,
                                       sequence_parallel=arguments.sequence_parallel,
-                                      tensor_parallel=layout.tensor_parallel)
+                                      tensor_parallel=layout.tensor_parallel, tp_overlap=layout.tp_overlap,
+                                      context_parallel=layout.context_parallel)
     if problem is not None:
         raise ValueError(problem)
     if not output_router_logits or layout.pipeline_parallel == 1:

@@ -138,6 +138,9 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
     world = world_size
     tp_degrees = tensor_parallel_candidates(arguments, config, world, num_processes,
                                             inputs.shape[1] if inputs.ndim > 1 else 1)
+    router_aux = bool(getattr(config, "output_router_logits", False))  # the aux loss needs every token's routing
+    if router_aux and arguments.sequence_parallel and arguments.tensor_parallel == "auto":
+        tp_degrees = (1,)  # sequence-split routers would see a share of the tokens (router_aux_loss_problem)
     verified: set[int] = set()
     tp_degrees = _splittable_degrees(model, inputs, tp_degrees, arguments.tensor_parallel != "auto", device,
                                      broadcast, verified, materialize_with)
@@ -163,7 +166,8 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
         world_size=world, global_batch_size=None, replica_batch_size=inputs.shape[0],
         tp_degrees_allowed=tp_degrees, max_pipeline_stages=fixed_pp or min(world, num_blocks + 2),
         micro_batch_choices=(micro_batches,) if micro_batches else None,
-        overlap_choices=(1, 2, 4) if arguments.tp_overlap == "auto" else (arguments.tp_overlap,),
+        overlap_choices=(((1,) if router_aux else (1, 2, 4)) if arguments.tp_overlap == "auto"
+                         else (arguments.tp_overlap,)),  # unsplit, sub-batched calls each have their own aux loss
         recompute_ratios=ratios,
         memory_limit_bytes=arguments.memory_limit or default_memory_limit(device, num_processes),
         sequence_parallel=arguments.sequence_parallel,

@@ -1,0 +1,70 @@
+"""Whether a checkpoint can resume a model: the tensors both name must have the shapes the model gives them.
+
+Checked before launch, from the checkpoint's metadata (a merak3d directory's ``.metadata``, or a Lightning file
+opened memory-mapped): a model configured differently from the run that saved it (another ``hidden_size``, layer
+count or vocabulary) would otherwise fail in every rank's load with a size error deep in a copy, or, resumed at
+its last step, not load at all and pass for a resumed run.
+
+Only floating-point tensors of the same rank are compared: a quantised base is saved as its packed storage and
+statistics, and a rewritten layout may store a tensor under another rank, which the load itself reconciles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, load_torch_file
+from lightning_merak.checkpoint.sharded import is_sharded_checkpoint
+
+__all__ = ["ShapeMismatch", "check_resume_shapes", "saved_tensor_shapes", "shape_mismatches"]
+
+_SHOWN = 3
+
+
+class ShapeMismatch(NamedTuple):
+    name: str
+    saved: tuple[int, ...]
+    model: tuple[int, ...]
+
+
+def saved_tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every floating-point tensor of a checkpoint's model state, keyed as the LightningModule's
+    ``state_dict`` names it; nothing is read but metadata (a file is memory-mapped)."""
+    if is_sharded_checkpoint(path):
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+        return {key[len("model."):]: tuple(entry.size) for key, entry in stored.items()
+                if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
+                and entry.properties.dtype.is_floating_point}
+    state = load_torch_file(path, mmap=True).get("state_dict", {})
+    return {key: tuple(value.shape) for key, value in state.items()
+            if isinstance(value, torch.Tensor) and value.is_floating_point()}
+
+
+def shape_mismatches(saved: Mapping[str, tuple[int, ...]], model: Mapping[str, tuple[int, ...]]
+                     ) -> list[ShapeMismatch]:
+    """The tensors both name, of the same rank, whose sizes differ (sorted by name)."""
+    return [ShapeMismatch(name, saved[name], shape) for name, shape in sorted(model.items())
+            if name in saved and len(saved[name]) == len(shape) and saved[name] != shape]
+
+
+def check_resume_shapes(path: Path, module: nn.Module) -> None:
+    """Refuse to resume ``module`` (built, on any device, meta included) from a checkpoint saved from a model of
+    other sizes, naming the first tensors that differ."""
+    model = {name: tuple(tensor.shape) for name, tensor in module.state_dict(keep_vars=True).items()
+             if isinstance(tensor, torch.Tensor) and tensor.is_floating_point()}
+    mismatches = shape_mismatches(saved_tensor_shapes(path), model)
+    if not mismatches:
+        return
+    shown = "; ".join(f"{item.name} is {list(item.saved)} there and {list(item.model)} here"
+                      for item in mismatches[:_SHOWN])
+    more = f" (and {len(mismatches) - _SHOWN} more)" if len(mismatches) > _SHOWN else ""
+    raise ValueError(f"resume={path}: the checkpoint was saved from a model of other sizes: {shown}{more}; resume "
+                     "with the model settings it was trained with (model.*, the data's vocabulary), or start afresh "
+                     "without resume")
