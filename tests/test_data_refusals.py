@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -185,3 +186,18 @@ def test_fewer_synthetic_sequences_than_a_batch_are_a_refusal(lengths: str) -> N
             "data=synthetic has data.num_sequences=10 training sequences: fewer than one batch of data.batch_size=16, "
             "so nothing would train; raise data.num_sequences or lower data.batch_size")):
         data.train_dataloader()
+
+
+def test_a_validation_set_without_a_batch_per_rank_is_said_not_refused(tmp_path: Path) -> None:
+    """17 blocks hold out 1 for validation: no batch of 16 to validate, so the run would log no val/loss."""
+    data = _text(_blocks_of_text(tmp_path, 17), seq_len=8, batch_size=16)
+    data.setup("fit")
+    with pytest.warns(UserWarning, match=re.escape(
+            "the validation set has 1 samples, 1 per data-parallel rank: fewer than one batch of data.batch_size=16, "
+            "so validation runs no batch and logs no val/loss; raise data.val_fraction (about 0.94 holds out")):
+        assert len(data.val_dataloader()) == 0
+    enough = _text(_blocks_of_text(tmp_path, 40), seq_len=8, batch_size=4, val_fraction=0.1)
+    enough.setup("fit")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(enough.val_dataloader()) == 1

@@ -266,7 +266,8 @@ def test_layout_profiler_and_autopipe_block_profile_wait_for_the_device(fake_cud
     """
     from lightning_merak.planning.measure.layout import profile_model
     from lightning_merak.planning.planner import SearchSpace, required_profile_keys
-    from lightning_merak.strategies.merak3d.build import call_model, tensor_parallel_plan
+    from lightning_merak.strategies.merak3d.block_splits import tensor_parallel_plan
+    from lightning_merak.strategies.merak3d.build import call_model
 
     model, tokens = _llama(), _tokens()
     space = SearchSpace(world_size=1, global_batch_size=None, replica_batch_size=4, tp_degrees_allowed=(1,),

@@ -124,7 +124,8 @@ def test_the_pipeline_profile_and_the_layout_planner_time_fp8_blocks_and_leave_t
     from lightning_merak.parallel.pipeline.trace import trace_model
     from lightning_merak.planning.measure import layout
     from lightning_merak.planning.planner import SearchSpace, required_profile_keys
-    from lightning_merak.strategies.merak3d.build import call_model, tensor_parallel_plan
+    from lightning_merak.strategies.merak3d.block_splits import tensor_parallel_plan
+    from lightning_merak.strategies.merak3d.build import call_model
 
     model, inputs = _module().model, _batches()[0]
     TIMED.clear()

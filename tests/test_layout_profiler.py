@@ -29,7 +29,8 @@ def _profile_rank(rank: int, world_size: int) -> dict:
     from lightning_merak.planning.measure.layout import profile_model, profile_network
     from lightning_merak.planning.planner import SearchSpace, required_profile_keys
     from lightning_merak.strategies.merak3d import average_gradients
-    from lightning_merak.strategies.merak3d.build import call_model, tensor_parallel_plan
+    from lightning_merak.strategies.merak3d.block_splits import tensor_parallel_plan
+    from lightning_merak.strategies.merak3d.build import call_model
 
     model, inputs = _llama_and_tokens()
     space = SearchSpace(world_size=world_size, global_batch_size=None, replica_batch_size=4,
@@ -85,7 +86,8 @@ def _real_block_collectives_rank(rank: int, world_size: int, sequence_parallel: 
     from lightning_merak.distributed.collectives import record_communication
     from lightning_merak.planning.measure.layout import profile_model
     from lightning_merak.planning.planner import SearchSpace, required_profile_keys
-    from lightning_merak.strategies.merak3d.build import call_model, sequence_parallel_plan, tensor_parallel_plan
+    from lightning_merak.strategies.merak3d.block_splits import sequence_parallel_plan, tensor_parallel_plan
+    from lightning_merak.strategies.merak3d.build import call_model
 
     model, inputs = _llama_and_tokens()
     space = SearchSpace(world_size=world_size, global_batch_size=None, replica_batch_size=4,
@@ -169,7 +171,8 @@ def test_compiled_blocks_are_timed_compiled_in_one_process(monkeypatch):
     from lightning_merak.parallel.regional_compile import compile_counts
     from lightning_merak.planning.measure import layout
     from lightning_merak.planning.planner import SearchSpace, required_profile_keys
-    from lightning_merak.strategies.merak3d.build import call_model, tensor_parallel_plan
+    from lightning_merak.strategies.merak3d.block_splits import tensor_parallel_plan
+    from lightning_merak.strategies.merak3d.build import call_model
 
     model, inputs = _llama_and_tokens()
     space = SearchSpace(world_size=2, global_batch_size=None, replica_batch_size=4, tp_degrees_allowed=(1, 2),

@@ -13,7 +13,7 @@ from lightning_merak.distributed.sub_batches import SubBatchForward, run_sub_bat
 from lightning_merak.distributed.turns import meet_in_turn
 from lightning_merak.parallel.layout import check_overlap
 from lightning_merak.strategies.merak3d import Merak3DStrategy
-from lightning_merak.strategies.merak3d.build import tensor_parallel_plan
+from lightning_merak.strategies.merak3d.block_splits import tensor_parallel_plan
 from lightning_merak.testing import assert_traces_match, merge_rank_traces, run_distributed
 from tests.test_merak3d import _reference, _train_rank
 from tests.test_sequence_parallel import _step

@@ -13,7 +13,7 @@ from lightning_merak.parallel.tensor.blocks import find_tensor_parallel_plan
 from lightning_merak.parallel.tensor.sequence import check_sequence_length, find_sequence_parallel_plan
 from lightning_merak.protocols.layout_aware import RecomputedForward
 from lightning_merak.strategies.merak3d import Merak3DStrategy
-from lightning_merak.strategies.merak3d.build import tensor_parallel_plan
+from lightning_merak.strategies.merak3d.block_splits import tensor_parallel_plan
 from lightning_merak.testing import assert_traces_match, merge_rank_traces, run_distributed
 from tests.test_merak3d import _reference, _train_rank
 

@@ -46,6 +46,13 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "cohere": ("cohere", dict(SMALL, num_key_value_heads=2)),
     "granite": ("granite", dict(SMALL, num_key_value_heads=2)),
     "mpt": ("mpt", {"d_model": 32, "n_layers": 2, "n_heads": 4, "expansion_ratio": 2}),
+    # blocks of two structures: a dense block, then MoE ones (each structure split by its own plan)
+    "qwen3_moe-dense-first": ("qwen3_moe", dict(SMALL, num_hidden_layers=3, num_key_value_heads=2, head_dim=8,
+                                                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                                mlp_only_layers=[0])),
+    "glm4_moe-dense-first": ("glm4_moe", dict(SMALL, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16,
+                                              n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                              n_group=2, topk_group=1, first_k_dense_replace=1)),
 }
 
 
@@ -60,7 +67,8 @@ def _split_against_whole(model_type: str, config: dict, mesh) -> dict[str, float
     from lightning_merak.modules.config import ModelConfig
     from lightning_merak.parallel.pipeline.trace import trace_model
     from lightning_merak.parallel.tensor.blocks import apply_tensor_parallel, region_partial_parameters
-    from lightning_merak.strategies.merak3d.build import call_model, tensor_parallel_plan
+    from lightning_merak.strategies.merak3d.block_splits import block_structures, tensor_parallel_plan
+    from lightning_merak.strategies.merak3d.build import call_model
     from lightning_merak.util.model_outputs import logits_of
 
     torch.manual_seed(0)
@@ -71,12 +79,13 @@ def _split_against_whole(model_type: str, config: dict, mesh) -> dict[str, float
     split = copy.deepcopy(whole)
     trace = trace_model(split, tokens, call_model, profile=False)
     trunk = split.get_submodule(trace.trunk_path)
-    plan = tensor_parallel_plan(trunk[0], trace)
+    structure_of = block_structures(trunk)
+    plans = {index: tensor_parallel_plan(trunk[index], trace) for index in set(structure_of.values())}
     changes, partial = {}, []
     for index, block in enumerate(trunk):
-        found = apply_tensor_parallel(block, plan, mesh)
+        found = apply_tensor_parallel(block, plans[structure_of[index]], mesh)
         changes.update({f"{trace.trunk_path}.{index}.{name}": change for name, change in found.items()})
-        partial += region_partial_parameters(block, plan)
+        partial += region_partial_parameters(block, plans[structure_of[index]])
     results = []
     for model in (whole, split):
         logits = logits_of(model(tokens))
@@ -123,7 +132,9 @@ def test_every_traced_family_splits_at_tensor_parallel_2_exactly():
     """Fused (Phi-3, GPT-2, MPT) and interleaved (GPT-NeoX, BLOOM, Falcon) projections, multi-query
     key/value heads held by both ranks (Gemma, GPTBigCode, Falcon, Phi-3, OLMo 2), ALiBi and learned
     relative position biases sliced per rank (BLOOM, MPT, CPM-Ant), attention sinks (gpt-oss) and
-    OLMo 2's norms over the whole projection: the split model computes what the whole one does."""
+    OLMo 2's norms over the whole projection, and trunks of dense and MoE blocks (Qwen3-MoE's mlp_only_layers,
+    GLM-4.5's first_k_dense_replace), each structure split by its own plan: the split model computes what the
+    whole one does."""
     outcomes = run_distributed(_families_rank, 2, timeout_s=300)[0]
     failed = {family: outcome for family, outcome in outcomes.items() if isinstance(outcome, str)}
     assert not failed, failed
@@ -151,7 +162,8 @@ def test_fused_rows_follow_the_data_flow():
     from lightning_merak.modules.config import ModelConfig
     from lightning_merak.parallel.pipeline.trace import trace_model
     from lightning_merak.parallel.tensor.rows import rank_rows
-    from lightning_merak.strategies.merak3d.build import call_model, tensor_parallel_plan
+    from lightning_merak.strategies.merak3d.block_splits import tensor_parallel_plan
+    from lightning_merak.strategies.merak3d.build import call_model
 
     torch.manual_seed(0)
     model = build_causal_lm(ModelConfig(name="phi3", model_type="phi3", config=dict(

@@ -6,12 +6,13 @@ The two methods differ only in the pooled matrix ``M`` (``B @ A`` or ``H``); eve
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 import torch
 from peft.config import PeftConfig
-from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, _maybe_include_all_linear_layers
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, resolve_quantization_backend
 from torch import nn
 
@@ -33,7 +34,11 @@ class PooledAdapterConfig(PeftConfig):
 
     ``r`` and ``alpha`` give the scaling ``alpha / r`` (the nominal LoRA rank); ``lambda_in`` pools
     inputs, ``lambda_out`` expands outputs. ``lambda_overrides`` maps a module-name suffix (e.g.
-    ``"down_proj"``) to ``[lambda_in, lambda_out]`` to hold a parameter budget per layer.
+    ``"down_proj"``) to ``[lambda_in, lambda_out]`` to hold a parameter budget per layer; a key matching no
+    adapted module is refused when the adapter is added to a model.
+
+    ``alpha`` must be finite and non-zero (zero would leave the model unchanged whatever is learned); a
+    negative ``alpha`` is accepted: it only flips the sign of the learned update, which training absorbs.
     """
 
     target_modules: Optional[Union[list[str], str]] = field(
@@ -54,23 +59,42 @@ class PooledAdapterConfig(PeftConfig):
     )
     init: str = field(default="zero", metadata={"help": "Initialisation scheme"})
 
-    method_name = "pooled adapter"
-    init_choices: tuple[str, ...] = ("zero",)
+    method_name: ClassVar[str] = "pooled adapter"
+    init_choices: ClassVar[tuple[str, ...]] = ("zero",)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.r <= 0:
-            raise ValueError(f"{self.method_name}: r must be positive, got {self.r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"{self.method_name}: dropout must be in [0, 1), got {self.dropout}")
+        method = self.method_name
+        if not _is_positive_int(self.r):
+            raise ValueError(f"{method}: r must be positive and an integer (the nominal LoRA rank), got r={self.r!r}; "
+                             "e.g. r=8")
+        if not _is_number(self.alpha) or not math.isfinite(self.alpha) or self.alpha == 0:
+            raise ValueError(f"{method}: alpha={self.alpha!r} must be a finite non-zero number (the adapter's output "
+                             "is scaled by alpha / r; 0 leaves the model unchanged), e.g. alpha=16.0")
+        if not _is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"{method}: dropout={self.dropout!r} must be a number in [0, 1), e.g. dropout=0.0")
         if self.init not in self.init_choices:
-            raise ValueError(f"{self.method_name}: init must be one of {self.init_choices}, got {self.init!r}")
+            raise ValueError(f"{method}: init must be one of {self.init_choices}, got {self.init!r}")
         if self.target_parameters and self.dropout:
-            raise ValueError(f"{self.method_name}: dropout={self.dropout} with target_parameters: the update of a "
+            raise ValueError(f"{method}: dropout={self.dropout} with target_parameters: the update of a "
                              "fused expert tensor is added to its weight, which cannot carry dropout. Set dropout=0")
-        for name, pair in {"<default>": [self.lambda_in, self.lambda_out], **self.lambda_overrides}.items():
-            if len(pair) != 2 or min(pair) < 1:
-                raise ValueError(f"{self.method_name}: lambdas for {name} must be two integers >= 1, got {pair}")
+        for label, factor in (("lambda_in", self.lambda_in), ("lambda_out", self.lambda_out)):
+            if not _is_positive_int(factor):
+                raise ValueError(f"{method}: {label}={factor!r} must be a positive integer (a pooling factor "
+                                 f"dividing the adapted layers' features), e.g. {label}=2")
+        if not isinstance(self.lambda_overrides, dict):
+            raise ValueError(f"{method}: lambda_overrides={self.lambda_overrides!r} must map module-name suffixes "
+                             "to [lambda_in, lambda_out], e.g. lambda_overrides={'down_proj': [2, 2]}")
+        for name, pair in self.lambda_overrides.items():
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not all(map(_is_positive_int, pair)):
+                raise ValueError(f"{method}: lambda_overrides[{name!r}]={pair!r} must be two positive integers "
+                                 f"[lambda_in, lambda_out], e.g. lambda_overrides={{{name!r}: [2, 2]}}")
+
+    @classmethod
+    def check_kwargs(cls, **kwargs: Any) -> dict[str, Any]:
+        """Drop ``init_choices``, a class constant that configs saved by earlier versions wrote as a field."""
+        kwargs.pop("init_choices", None)
+        return super().check_kwargs(**kwargs)
 
     @property
     def scaling(self) -> float:
@@ -78,11 +102,36 @@ class PooledAdapterConfig(PeftConfig):
 
     def lambdas_for(self, module_name: str) -> tuple[int, int]:
         """``(lambda_in, lambda_out)`` for a module, honouring ``lambda_overrides`` (longest suffix wins)."""
-        matches = [s for s in self.lambda_overrides if module_name == s or module_name.endswith("." + s)]
+        matches = [suffix for suffix in self.lambda_overrides if names_module(suffix, module_name)]
         if not matches:
             return self.lambda_in, self.lambda_out
         lambda_in, lambda_out = self.lambda_overrides[max(matches, key=len)]
-        return int(lambda_in), int(lambda_out)
+        return lambda_in, lambda_out
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def names_module(suffix: str, module_name: str) -> bool:
+    """Whether ``suffix`` names ``module_name`` as PEFT's targets do: the whole name, or its tail after a dot."""
+    return module_name == suffix or module_name.endswith("." + suffix)
+
+
+def check_lambda_overrides(method: str, config: PooledAdapterConfig, adapted: list[str]) -> None:
+    """Refuse ``lambda_overrides`` keys naming none of the ``adapted`` modules (they would be silently ignored)."""
+    unmatched = [key for key in config.lambda_overrides if not any(names_module(key, name) for name in adapted)]
+    if unmatched:
+        suffixes = sorted({name.rpartition(".")[2] for name in adapted})
+        raise ValueError(
+            f"{method}: lambda_overrides keys {unmatched} match no adapted module (a key is a module's name or its "
+            f"tail after a dot); the adapted modules end in {', '.join(suffixes) or 'nothing'}. Remove the keys, "
+            "fix their names, or add their layers to target_modules / target_parameters."
+        )
 
 
 def _in_out_features(base_layer: nn.Module) -> tuple[int, int]:
@@ -272,17 +321,21 @@ class PooledAdapterModel(BaseTuner):
         return BaseTuner._check_target_module_exists(peft_config, key)
 
     def _prepare_model(self, peft_config: PooledAdapterConfig, model: nn.Module) -> None:
+        _maybe_include_all_linear_layers(peft_config, model)  # resolves target_modules="all-linear", as PEFT will
         targets = list(peft_config.target_parameters or [])
+        adapted = []
         for key, module in model.named_modules():
             position = key.replace(".base_layer", "")
             for tensor in expert_tensor_names(module) if targets else ():
                 name = f"{position}.{tensor}"
-                if name in targets or any(name.endswith("." + target) for target in targets):
+                if any(names_module(target, name) for target in targets):
+                    adapted.append(name)
                     check_expert_target(self.experts_layer_cls.method_name, name, module, tensor,
                                         *peft_config.lambdas_for(name), dropout=peft_config.dropout,
                                         require_group_alignment=self.experts_layer_cls.requires_group_alignment)
             if not key or not self._check_target_module_exists(peft_config, key):
                 continue
+            adapted.append(key)
             check_target_layer(
                 self.layer_cls.method_name,
                 key,
@@ -290,6 +343,7 @@ class PooledAdapterModel(BaseTuner):
                 *peft_config.lambdas_for(key),
                 require_group_alignment=self.layer_cls.requires_group_alignment,
             )
+        check_lambda_overrides(self.layer_cls.method_name, peft_config, adapted)
 
     def _create_and_replace(
         self,

@@ -28,8 +28,10 @@ EXPORT_WEIGHTS = "model.safetensors"
 
 def check_int4_shape(name: str, in_features: int, group_size: int) -> None:
     """Raise a ValueError naming ``name`` when its inputs cannot be split into whole groups."""
-    if group_size < 2 or group_size % 2 != 0:
-        raise ValueError(f"{name}: INT4 group_size must be an even integer >= 2, got {group_size}")
+    is_int = isinstance(group_size, int) and not isinstance(group_size, bool)
+    if not is_int or group_size < 2 or group_size % 2 != 0:
+        raise ValueError(f"{name}: INT4 group_size must be an even integer >= 2 (codes are packed two per byte), "
+                         f"got {group_size!r}; e.g. group_size=32")
     if in_features % group_size != 0:
         raise ValueError(
             f"{name}: in_features={in_features} is not divisible by the INT4 group_size={group_size}; "

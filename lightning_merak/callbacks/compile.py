@@ -9,11 +9,22 @@ first batch; merak3d compiles its own blocks after it cuts and splits them (``Me
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import torch
 
 from lightning_merak.parallel.pipeline.trace import TraceError, find_trunk
 from lightning_merak.parallel.regional_compile import CompiledForward, compile_blocks
 
 __all__ = ["RegionalCompile"]
+
+
+def _compile_backends() -> tuple[list[str], list[str]] | None:
+    """``torch.compile``'s backend names: every one it accepts, and those it lists for use (debug ones left out);
+    ``None`` where this torch has no ``torch._dynamo.list_backends`` (a private API; ``torch.compile`` then refuses
+    an unknown name itself, at the first compiled block)."""
+    list_backends = getattr(getattr(torch, "_dynamo", None), "list_backends", None)
+    if list_backends is None:
+        return None
+    return list_backends(exclude_tags=()), list_backends()
 
 
 class RegionalCompile(pl.Callback):
@@ -24,6 +35,11 @@ class RegionalCompile(pl.Callback):
     """
 
     def __init__(self, backend: str = "inductor") -> None:
+        backends = _compile_backends()
+        if not isinstance(backend, str) or (backends is not None and backend not in backends[0]):
+            listed = f" ({', '.join(backends[1])}, or a debug one)" if backends is not None else ""
+            raise ValueError(f"RegionalCompile(backend={backend!r}) is not a torch.compile backend; choose one "
+                             f"torch knows{listed}, e.g. 'inductor', or 'aot_eager' to debug a difference")
         self.backend = backend
         self.compiled: list[CompiledForward] = []
 

@@ -52,8 +52,9 @@ class NonFiniteGuard(pl.Callback):
     def __init__(self, action: Action = "skip", max_skipped: int | None = 10) -> None:
         if action not in ("skip", "stop"):
             raise ValueError(f"action must be 'skip' or 'stop', got {action!r}")
-        if max_skipped is not None and max_skipped < 1:
-            raise ValueError(f"max_skipped={max_skipped} must be at least 1, or None to never stop")
+        if max_skipped is not None and (not isinstance(max_skipped, int) or isinstance(max_skipped, bool)
+                                        or max_skipped < 1):
+            raise ValueError(f"max_skipped={max_skipped!r} must be an integer >= 1, or None to never stop")
         self.action = action
         self.max_skipped = max_skipped
         self.skipped = 0

@@ -61,8 +61,9 @@ class StepProgressBar(TQDMProgressBar):
 
     def __init__(self, log_every_n_steps: int = 10, interactive: Optional[bool] = None,
                  quiet_console: bool = True) -> None:
-        if log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps={log_every_n_steps} must be at least 1")
+        if not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps={log_every_n_steps!r} must be an integer >= 1 (steps between two "
+                             "plain lines)")
         if quiet_console:
             quiet_dependency_noise()
             quiet_other_ranks()

@@ -31,8 +31,11 @@ class ModelSummary(LightningModelSummary):
     """
 
     def __init__(self, max_depth: int = 1, seq_len: Optional[int] = None, **summarize_kwargs: Any) -> None:
-        if seq_len is not None and seq_len < 1:
-            raise ValueError(f"seq_len must be at least 1, got {seq_len}")
+        if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
+            raise ValueError(f"seq_len must be at least 1 (an integer: tokens per sample), or None to leave the "
+                             f"FLOPs line out; got {seq_len!r}")
+        if not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < -1:
+            raise ValueError(f"max_depth={max_depth!r} must be an integer >= -1 (-1: every layer, 0: no summary)")
         super().__init__(max_depth=max_depth, **summarize_kwargs)
         self.seq_len = seq_len
         self._flops_line = ""

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -117,12 +118,18 @@ Progress = Mapping[str, GroupProgress]
 """A rank's progress per process group, by the group's name (the same name on every rank)."""
 
 
+def _check_seconds(name: str, value: object, meaning: str) -> None:
+    """Refuse a duration that is not a finite number of seconds above 0: with NaN every comparison is false, so
+    a NaN poll interval spins the watch thread and a NaN timeout never fires."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a finite number of seconds > 0 ({meaning})")
+
+
 class StallClock:
     """Says which groups a rank has waited on for ``timeout_s`` while none of its collectives completed."""
 
     def __init__(self, timeout_s: float) -> None:
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s={timeout_s} must be positive (seconds a collective may wait)")
+        _check_seconds("timeout_s", timeout_s, "how long a collective may wait")
         self.timeout_s = timeout_s
         self._last: dict[str, GroupProgress] | None = None
         self._since = 0.0
@@ -148,8 +155,7 @@ class PulseClock:
     """
 
     def __init__(self, dead_after_s: float, start: float, first_beat_s: float = 0.0) -> None:
-        if dead_after_s <= 0:
-            raise ValueError(f"dead_after_s={dead_after_s} must be positive (seconds without a heartbeat)")
+        _check_seconds("dead_after_s", dead_after_s, "how long a peer's heartbeat may be silent")
         self.dead_after_s = dead_after_s
         self.first_beat_s = max(first_beat_s, dead_after_s)
         self._start = start
@@ -316,8 +322,7 @@ class Watchdog:
         """``group_timeout_s`` is the process groups' own timeout (torch's NCCL watchdog acts on it)."""
         StallClock(timeout_s)
         PulseClock(dead_after_s, 0.0)
-        if poll_s <= 0:
-            raise ValueError(f"poll_s={poll_s} must be positive")
+        _check_seconds("poll_s", poll_s, "how often the watchdog reads the collective counts and beats")
         self.timeout_s, self.dead_after_s, self.poll_s = timeout_s, dead_after_s, poll_s
         self.checkpoint = checkpoint
         self.timeout_option = timeout_option

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
@@ -69,6 +70,43 @@ def build_causal_lm(config: ModelConfig, vocab_size: int) -> nn.Module:
                        "sets one)")
         model_config.pad_token_id = None
     return AutoModelForCausalLM.from_config(model_config)
+
+
+_BATCH_FORMS = ("a tensor of token ids [samples, tokens], a tuple (input_ids,) or (input_ids, labels), or a dict "
+                "with input_ids (and labels)")
+
+
+def _token_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`CausalLMModule.split_batch`: ``(input_ids, labels or input_ids)``, refused naming the forms read."""
+    if isinstance(batch, torch.Tensor):
+        parts: tuple[Any, ...] = (batch,)
+    elif isinstance(batch, Mapping):
+        unread = sorted(set(batch) - {"input_ids", "labels", "attention_mask"})
+        mask = batch.get("attention_mask")
+        if "input_ids" not in batch or unread:
+            raise ValueError(f"CausalLMModule reads {_BATCH_FORMS}; the batch's dict has keys {sorted(batch)}")
+        if isinstance(mask, torch.Tensor) and not bool(mask.all()):
+            raise ValueError("CausalLMModule trains on whole blocks of tokens: an attention_mask with padding would "
+                             "be ignored; pack the documents into full blocks (the project's data modules do), or "
+                             "drop the padded positions from the loss with labels=-100 and an all-ones mask")
+        parts = (batch["input_ids"],) + ((batch["labels"],) if batch.get("labels") is not None else ())
+    elif hasattr(batch, "__iter__") and hasattr(batch, "__len__") and len(batch) in (1, 2):
+        parts = tuple(batch)  # a tuple, a list, or what iterates as one (micro-batching's VariableBatch: its probe)
+    else:
+        raise ValueError(f"CausalLMModule reads {_BATCH_FORMS}; got a {type(batch).__name__}"
+                         + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
+    input_ids = parts[0]
+    labels = parts[1] if len(parts) == 2 else input_ids
+    for name, tensor in (("input_ids", input_ids), ("labels", labels)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype.is_floating_point or tensor.ndim != 2:
+            what = (f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor)
+                    else f"a {type(tensor).__name__}")
+            raise ValueError(f"CausalLMModule's {name} must be integer token ids of shape [samples, tokens], got "
+                             f"{what}; it reads {_BATCH_FORMS}")
+    if labels.shape != input_ids.shape:
+        raise ValueError(f"labels of shape {tuple(labels.shape)} do not match input_ids of shape "
+                         f"{tuple(input_ids.shape)}: the loss shifts the labels by one token itself")
+    return input_ids, labels
 
 
 def _keep_bnb_training_layout(module: nn.Module) -> None:
@@ -136,9 +174,11 @@ class CausalLMModule(pl.LightningModule):
             checkpoint[MODEL_RECORD_KEY] = record
 
     def split_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(model inputs, targets)``: both are the token ids; the loss shifts them."""
-        (input_ids,) = batch
-        return input_ids, input_ids
+        """``(model inputs, targets)`` of a batch of token ids ``[samples, tokens]``: a tensor, a tuple
+        ``(input_ids,)`` or ``(input_ids, labels)``, or a dict with ``input_ids`` (``labels``, an all-ones
+        ``attention_mask``), as transformers' collators give them. Without labels the targets are the token ids;
+        the loss shifts them and ignores ``-100``."""
+        return _token_batch(batch)
 
     def loss_from_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of predicting token ``t+1`` from tokens ``<= t``."""

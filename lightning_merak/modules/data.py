@@ -19,7 +19,6 @@ the launcher would otherwise tokenise the whole corpus once more.
 
 from __future__ import annotations
 
-import json
 import math
 from bisect import bisect_right
 from pathlib import Path
@@ -27,9 +26,11 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_merak.modules.config import DataConfig, DataError
+from lightning_merak.modules.text_files import DataFileNotFound, MissingTextField, load_text_documents
 from lightning_merak.parallel.micro_batching.samples import (
     check_consumer,
     global_batch_loader,
@@ -57,22 +58,8 @@ __all__ = [
 
 DATA_NAMES = ("synthetic", "text")
 
-TEXT_SUFFIXES = (".txt", ".jsonl")
-
 PACKED_DATA_FIX = "use more data, a smaller data.batch_size or data.seq_len, or a smaller data.val_fraction"
 """How to get more training blocks out of packed documents, for the refusals of too few."""
-
-
-class DataFileNotFound(DataError, FileNotFoundError):
-    """A data or tokenizer path that does not exist: a :class:`DataError` (``merak-train`` prints it as a refusal)
-    that Python callers may still catch as the ``FileNotFoundError`` it is."""
-
-
-class MissingTextField(DataError, KeyError):
-    """A ``.jsonl`` record without the text field: a :class:`DataError` (``merak-train`` prints it as a refusal)
-    that Python callers may still catch as a ``KeyError``; shown as its message, not quoted as a ``KeyError`` is."""
-
-    __str__ = DataError.__str__
 
 
 class SyntheticLanguage:
@@ -200,68 +187,6 @@ def load_tokenizer(tokenizer_path: Optional[str]) -> tuple[Callable[[str], list[
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     return encode, len(tokenizer), tokenizer.eos_token_id
-
-
-def _not_utf8(file: Path, path: str) -> DataError:
-    """The refusal of a file that does not decode as UTF-8, naming its first line that does not."""
-    raw = file.read_bytes()
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = raw.count(b"\n", 0, error.start) + 1
-        column = error.start - raw.rfind(b"\n", 0, error.start)
-        where = f"{path}:{line} is not UTF-8 text (byte 0x{raw[error.start]:02x} at column {column}: {error.reason})"
-    else:  # changed since it failed to decode
-        where = f"{path} is not UTF-8 text"
-    return DataError(f"{where}; re-encode the file as UTF-8 (e.g. iconv -f <its encoding> -t utf-8)")
-
-
-def _jsonl_documents(file: Path, path: str, text_field: str) -> list[Any]:
-    """Each line's ``text_field``: text, or a list of token ids in a tokenised file."""
-    documents = []
-    one_object = f"each line of a .jsonl file must be one JSON object, such as {{\"{text_field}\": \"...\"}}"
-    with file.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(f"{path}:{line_number} is not valid JSON ({error.msg} at column {error.colno}); "
-                                f"{one_object}") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{line_number} is a JSON {type(record).__name__}, not an object; {one_object}")
-            if text_field not in record:
-                raise MissingTextField(
-                    f"{path}:{line_number} has no field {text_field!r} (fields: {sorted(record)}); "
-                    "set data.text_field to the field holding the text"
-                )
-            value = record[text_field]
-            if not isinstance(value, str) and not (isinstance(value, list) and all(type(i) is int for i in value)):
-                raise DataError(f"{path}:{line_number} field {text_field!r} holds {json.dumps(value)[:40]}, neither "
-                                "text nor a list of token ids; fix or drop that line")
-            documents.append(value)
-    return documents
-
-
-def load_text_documents(path: str, text_field: str) -> list[Any]:
-    """Read the documents of a ``.txt`` or ``.jsonl`` file, with errors that name the file, the line and the fix."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise DataFileNotFound(
-            f"data.path={path!r} does not exist; pass an existing .txt or .jsonl file "
-            "(e.g. data=text data.path=/abs/path/corpus.txt)"
-        )
-    if file.suffix not in TEXT_SUFFIXES:
-        raise ValueError(
-            f"data.path={path!r} has suffix {file.suffix!r}; supported are {', '.join(TEXT_SUFFIXES)}"
-        )
-    try:
-        if file.suffix == ".txt":
-            return [file.read_text(encoding="utf-8")]
-        return _jsonl_documents(file, path, text_field)
-    except UnicodeDecodeError:  # read again as bytes only now, to find the line
-        raise _not_utf8(file, path) from None
 
 
 def document_tokens(document: Any, encode: Callable[[str], list[int]], eos_token_id: Optional[int]) -> list[int]:
@@ -517,6 +442,15 @@ class TokenDataModule(pl.LightningDataModule):
         assert self.val_set is not None, "setup() must run before the data loaders are requested"
         if self.lengths == "variable":
             return global_batch_loader(self.val_set, self.batch_size, self.seed, shuffle=False)
+        replicas = self._sampler_replicas()
+        per_rank = math.ceil(len(self.val_set) / replicas)
+        validates = getattr(self.trainer, "limit_val_batches", 1) != 0
+        if validates and per_rank < self.batch_size:  # said, not refused: validation is optional, training is not
+            needed = self.batch_size * replicas / (len(self.val_set) + len(self.train_set))
+            rank_zero_warn(f"the validation set has {len(self.val_set)} samples, {per_rank} per data-parallel rank: "
+                           f"fewer than one batch of data.batch_size={self.batch_size}, so validation runs no batch "
+                           f"and logs no val/loss; raise data.val_fraction (about {needed:.2g} holds out a batch "
+                           "per rank) or lower data.batch_size")
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, drop_last=True,
                           num_workers=self.num_workers)
 

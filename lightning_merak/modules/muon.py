@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from collections.abc import Iterable, Iterator, MutableMapping
 from typing import Any, Callable, Optional
 
@@ -80,6 +81,50 @@ def _muon_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., float]]:
     return zeropower, adjust_lr
 
 
+def _checked_muon_settings(settings: dict[str, Any], known: Iterable[str]) -> dict[str, Any]:
+    """``settings`` of ``torch.optim.Muon``, refused (naming each bad one and its range) where torch would refuse
+    them or would step with them into non-finite or unorthogonalised weights: NaN passes no range, a momentum of 1
+    or more grows without bound, and ``ns_steps < 1`` skips the orthogonalisation."""
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise TypeError(f"Muon has no setting {', '.join(unknown)}; its settings are {', '.join(sorted(known))}")
+
+    def number(name: str) -> Optional[float]:
+        value = settings.get(name)
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return float(value) if is_number else None
+
+    bounds = {"lr": (lambda v: v >= 0, ">= 0"), "weight_decay": (lambda v: v >= 0, ">= 0"),
+              "momentum": (lambda v: 0 <= v < 1, "in [0, 1)"), "eps": (lambda v: v > 0, "> 0")}
+    problems = [f"{name}={settings[name]!r} must be a finite number {bound}" for name, (test, bound) in bounds.items()
+                if name in settings and ((value := number(name)) is None or not test(value))]
+    steps = settings.get("ns_steps")
+    if "ns_steps" in settings and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        problems.append(f"ns_steps={steps!r} must be an integer >= 1 (Newton–Schulz iterations)")
+    if settings.get("adjust_lr_fn") not in (None, "original", "match_rms_adamw"):
+        problems.append(f"adjust_lr_fn={settings['adjust_lr_fn']!r} must be None, 'original' or 'match_rms_adamw'")
+    if not isinstance(settings.get("nesterov", True), bool):
+        problems.append(f"nesterov={settings['nesterov']!r} must be True or False")
+    if problems:
+        raise ValueError("Muon: " + "; ".join(problems))
+    return settings
+
+
+def _refuse_shared_storage(params: Iterable[torch.Tensor]) -> None:
+    """Refuse two parameters over one storage (a tie made by copying ``.data``, not by sharing the Parameter):
+    each would be stepped, the shared weights moved twice."""
+    seen: dict[tuple[int, tuple[int, ...]], int] = {}
+    for index, param in enumerate(params):
+        if type(param.data) is not torch.Tensor or param.is_meta or param.numel() == 0:
+            continue  # DTensor shards and meta tensors have no storage of their own to compare
+        key = (param.data_ptr(), tuple(param.shape))
+        if key in seen:
+            raise ValueError(f"parameters {seen[key]} and {index} (shape {tuple(param.shape)}) share one storage, so "
+                             "the optimizer would step those weights twice; tie them as one nn.Parameter (as "
+                             "transformers' tie_weights does) or pass one of them")
+        seen[key] = index
+
+
 class MatrixMuon(torch.optim.Optimizer):
     """``torch.optim.Muon``'s update (its defaults, Newton–Schulz iteration and learning-rate adjustment) on
     matrices and on stacks of matrices: a fused expert tensor ``[experts, rows, cols]`` is stepped as if each
@@ -95,7 +140,9 @@ class MatrixMuon(torch.optim.Optimizer):
         signature = inspect.signature(torch.optim.Muon.__init__).parameters
         settings = {name: parameter.default for name, parameter in signature.items()
                     if parameter.default is not inspect.Parameter.empty}
-        super().__init__(params, {**settings, **defaults, "lr": lr, "momentum": momentum})
+        super().__init__(params, _checked_muon_settings({**settings, **defaults, "lr": lr, "momentum": momentum},
+                                                        settings))
+        _refuse_shared_storage([param for group in self.param_groups for param in group["params"]])
         self._zeropower, self._adjust_lr = _muon_kernels()
         for group in self.param_groups:
             for param in group["params"]:

@@ -45,6 +45,20 @@ class Budget:
     fraction: float | None = None
     auto: bool = False
 
+    def __post_init__(self) -> None:
+        """Refuse a budget built by hand that :func:`parse_budget` would refuse, before the planner divides by it."""
+        given = [name for name, value in (("nbytes", self.nbytes), ("fraction", self.fraction)) if value is not None]
+        if not isinstance(self.auto, bool):
+            raise ValueError(f"Budget(auto={self.auto!r}) must be True or False")
+        if len(given) + self.auto != 1:
+            raise ValueError(f"{self!r} must set exactly one of nbytes, fraction or auto=True; {_HELP}")
+        if self.nbytes is not None and (not isinstance(self.nbytes, int) or isinstance(self.nbytes, bool)
+                                        or self.nbytes <= 0):
+            raise ValueError(f"Budget(nbytes={self.nbytes!r}) must be a positive integer of bytes; {_HELP}")
+        if self.fraction is not None and (not isinstance(self.fraction, (int, float)) or isinstance(self.fraction, bool)
+                                          or not 0.0 < self.fraction <= 1.0):
+            raise ValueError(f"Budget(fraction={self.fraction!r}) must lie in (0, 1]; {_HELP}")
+
     def __str__(self) -> str:
         if self.auto:
             return f"auto ({AUTO_FRACTION:.0%} of device memory)"
@@ -54,7 +68,7 @@ class Budget:
 
 
 def _fraction(value: float, text: object) -> Budget:
-    if not (0.0 < value <= 1.0) or math.isnan(value):
+    if not 0.0 < value <= 1.0:
         raise ValueError(f"memory budget {text!r}: a fraction must lie in (0, 1]; {_HELP}")
     return Budget(fraction=value)
 
@@ -93,7 +107,10 @@ def parse_budget(value: BudgetLike | Budget) -> Budget:
     number, unit = match.groups()
     if unit == "" and "." in number and "e" not in number:
         return _fraction(float(number), value)
-    nbytes = int(float(number) * _UNITS[unit])
+    size = float(number) * _UNITS[unit]
+    if not math.isfinite(size):
+        raise ValueError(f"memory budget {value!r} is too large to be a number of bytes; {_HELP}")
+    nbytes = int(size)
     if nbytes <= 0:
         raise ValueError(f"memory budget {value!r} must be positive; {_HELP}")
     return Budget(nbytes=nbytes)

@@ -6,6 +6,7 @@ Plain Python (no torch), so the Hydra schema can derive from it while ``--help``
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,7 +49,35 @@ class DeltaOptions:
             raise ValueError(f"director {self.director!r} is unknown; choose 'exposed' or 'delta'")
         for name, low in (("warmup_steps", 1), ("prefetch_depth", 1), ("stash_depth", 1), ("min_offload_bytes", 0)):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < low:
+            if not _is_integer(value) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if self.host_pool_bytes is not None and self.host_pool_bytes <= 0:
-            raise ValueError(f"host_pool_bytes must be positive or None, got {self.host_pool_bytes}")
+        if self.host_pool_bytes is not None and (not _is_integer(self.host_pool_bytes) or self.host_pool_bytes <= 0):
+            raise ValueError(
+                f"host_pool_bytes must be a positive integer of bytes, or None (half the available host memory), "
+                f"got {self.host_pool_bytes!r}"
+            )
+        for name in ("replan_on_shape_change", "plot"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.swap_dir is not None:
+            _check_swap_dir(self.swap_dir)
+
+
+def _is_integer(value: object) -> bool:
+    """Whether ``value`` is an integer: a bool is one to Python, but ``True`` as a count is a slip, not a 1."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_swap_dir(swap_dir: object) -> None:
+    """Refuse a ``swap_dir`` the disk tier could not create its directory in, before fit rather than at its
+    first swap: a path that is a file, or lies under one."""
+    if not isinstance(swap_dir, str) or not swap_dir:
+        raise ValueError(f"swap_dir must be a directory path or None (tmp), got {swap_dir!r}")
+    existing = os.path.abspath(swap_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(
+            f"swap_dir {swap_dir!r} cannot be a directory: {existing!r} is a file; name a directory (it is created "
+            "if missing) or None (tmp)"
+        )

@@ -337,11 +337,17 @@ class DiskTier(SwapTier):
     name = "disk"
 
     def __init__(self, device: torch.device, directory: Optional[str] = None, batch_bytes: int = 4 * 2**20) -> None:
-        if directory is not None:
-            os.makedirs(directory, exist_ok=True)
+        try:
+            if directory is not None:
+                os.makedirs(directory, exist_ok=True)
+            self.directory = tempfile.mkdtemp(prefix="delta-swap-", dir=directory)
+        except OSError as error:  # a file in the way, no permission: the user's swap_dir, named with the fix
+            raise ValueError(
+                f"swap_dir {directory!r}: the disk tier cannot create its directory there ({error}); name a "
+                "writable directory or None (tmp)"
+            ) from error
         self.device = device
         self.batch_bytes = batch_bytes
-        self.directory = tempfile.mkdtemp(prefix="delta-swap-", dir=directory)
         self.path = os.path.join(self.directory, "arena.bin")
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="delta-swap")

@@ -89,8 +89,10 @@ class TrainingMetrics(pl.Callback):
                             ("flops_per_token", flops_per_token)):
             if value is not None and not callable(value):
                 raise TypeError(f"TrainingMetrics({name}=...) takes a function, got {type(value).__name__}")
-        if ranks_per_rank_metrics < 0:
-            raise ValueError(f"ranks_per_rank_metrics must be >= 0, got {ranks_per_rank_metrics}")
+        if (not isinstance(ranks_per_rank_metrics, int) or isinstance(ranks_per_rank_metrics, bool)
+                or ranks_per_rank_metrics < 0):
+            raise ValueError(f"ranks_per_rank_metrics={ranks_per_rank_metrics!r} must be an integer >= 0 (how many "
+                             "ranks get memory/peak_MiB/rank<r>)")
         self.batch_size_fn, self.length_fn = batch_size_fn, length_fn
         self.flops_per_token = flops_per_token
         self._flops_fn = flops_per_token

@@ -30,6 +30,7 @@ from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, expert_param_pos
 from lightning_merak.plugins.moe.core.placement import PlacementPlan, rank_loads
 from lightning_merak.plugins.moe.core.step_planner import PLAN_KINDS
 from lightning_merak.plugins.moe.layer import MoE, PlacementMOELayer
+from lightning_merak.plugins.moe.options import check_count, check_flag
 from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh, layout_aware
 
 __all__ = ["MoEPlacementCallback", "balance_metrics", "load_heatmap_figure", "plot_load_heatmap"]
@@ -126,6 +127,11 @@ class MoEPlacementCallback(pl.Callback):
 
     def __init__(self, log_every_n_steps: int = 1, heatmap_path: str | Path | None = None,
                  heatmap_in_log_dir: bool = False) -> None:
+        check_count("log_every_n_steps", log_every_n_steps, 1, "pass the steps between logged metrics (1: every step)")
+        if heatmap_path is not None and (not isinstance(heatmap_path, (str, Path)) or Path(heatmap_path).is_dir()):
+            raise ValueError(f"heatmap_path={str(heatmap_path)!r} must name a PNG file, not a directory; pass a file "
+                             f"path such as {self.HEATMAP_FILE!r}, or None for no heatmap")
+        check_flag("heatmap_in_log_dir", heatmap_in_log_dir)
         if heatmap_path is not None and heatmap_in_log_dir:
             raise ValueError(
                 f"heatmap_path={str(heatmap_path)!r} and heatmap_in_log_dir=True both place the load heatmap; "

@@ -146,9 +146,11 @@ class MerakTraceProfiler(Profiler):
         self._untraced_s: list[float] = []
         self._untraced_start: Optional[float] = None
         # last: Profiler.__del__ tears down a refused profiler too, reading the state above
-        if steps < 1 or skip_steps < 0 or untraced_steps < 0:
-            raise ValueError(f"steps must be >= 1, skip_steps and untraced_steps >= 0, got steps={steps}, "
-                             f"skip_steps={skip_steps}, untraced_steps={untraced_steps}")
+        for name, count, lowest, meaning in (("steps", steps, 1, "steps traced"),
+                                             ("skip_steps", skip_steps, 0, "warm-up steps before the trace"),
+                                             ("untraced_steps", untraced_steps, 0, "steps timed after the trace")):
+            if not isinstance(count, int) or isinstance(count, bool) or count < lowest:
+                raise ValueError(f"{name}={count!r} must be an integer >= {lowest} ({meaning})")
 
     def _recording(self) -> bool:
         return self._recorder is not None

@@ -39,6 +39,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_merak.callbacks.sparse_comm.arguments import check_arguments, table_names
 from lightning_merak.callbacks.sparse_comm.bytes_counter import CommLedger
 from lightning_merak.callbacks.sparse_comm.embrace import (
     ShardedEmbedding,
@@ -115,9 +116,10 @@ class SparseCommunication(pl.Callback):
         column_factor: sketch columns per union row (alpha).
         seed: hash seed, identical on all ranks and stored in checkpoints.
         min_table_rows: ``nn.Embedding`` modules with at least this many rows are tables.
-        tables: explicit module names instead of ``min_table_rows``.
+        tables: explicit module names instead of ``min_table_rows``; a single string is one name
+            (``"embed"`` means ``["embed"]``).
         bandwidth_gbit: link bandwidth for the cost model; ``None`` measures it at fit start.
-        latency_us: per-message latency for the cost model.
+        latency_us: per-message latency for the cost model, in microseconds.
         freeze_dense_after: ``auto`` stops exchanging bitmaps for a table chosen dense this many steps in a row.
         rows_from_ids: take a table's non-zero rows from its lookup ids (cheap) rather than by
             scanning its gradient, and under DDP look it up sparsely (``SparseLookups``); tied
@@ -142,7 +144,7 @@ class SparseCommunication(pl.Callback):
         column_factor: float = 2.0,
         seed: int = 0,
         min_table_rows: int = 1024,
-        tables: list[str] | None = None,
+        tables: str | list[str] | None = None,
         bandwidth_gbit: float | None = None,
         latency_us: float = 50.0,
         freeze_dense_after: int = 3,
@@ -150,28 +152,17 @@ class SparseCommunication(pl.Callback):
         priority: bool = False,
         priority_ids: Callable[[Any], torch.Tensor] | None = None,
     ) -> None:
-        if method not in ("s2", "embrace", "auto"):
-            raise ValueError(f"method must be 's2', 'embrace' or 'auto', got {method!r}")
-        if mode not in ("exact", "sketch"):
-            raise ValueError(f"mode must be 'exact' or 'sketch', got {mode!r}")
-        if method == "auto" and mode == "sketch":
-            raise ValueError("mode='sketch' is lossy and only used with method='s2'; auto picks among exact methods")
-        if column_factor <= 0:
-            raise ValueError(f"column_factor must be positive, got {column_factor}")
-        if min_table_rows < 1:
-            raise ValueError(f"min_table_rows must be >= 1, got {min_table_rows}")
-        if bandwidth_gbit is not None and bandwidth_gbit <= 0:
-            raise ValueError(f"bandwidth_gbit must be positive or None (measure), got {bandwidth_gbit}")
-        if freeze_dense_after < 1:
-            raise ValueError(f"freeze_dense_after must be >= 1, got {freeze_dense_after}")
-        if priority and method != "embrace":
-            raise ValueError("priority=True orders EmbRace's row exchange; use it with method='embrace'")
+        check_arguments(
+            method=method, mode=mode, column_factor=column_factor, min_table_rows=min_table_rows,
+            bandwidth_gbit=bandwidth_gbit, latency_us=latency_us, freeze_dense_after=freeze_dense_after,
+            rows_from_ids=rows_from_ids, priority=priority, priority_ids=priority_ids,
+        )
         self.method = method
         self.mode = mode
         self.sketch = CountSketch(sketch_rows, seed)
         self.column_factor = column_factor
         self.min_table_rows = min_table_rows
-        self.table_names = list(tables) if tables is not None else None
+        self.table_names = table_names(tables)
         self.bandwidth_gbit = bandwidth_gbit
         self.latency_us = latency_us
         self.freeze_dense_after = freeze_dense_after

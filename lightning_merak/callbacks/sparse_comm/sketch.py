@@ -19,8 +19,12 @@ from functools import cached_property
 
 import torch
 
+from lightning_merak.callbacks.sparse_comm.arguments import is_integer
+
 HASH_PRIME = (1 << 31) - 1
 _SIGN_POLYNOMIAL_DEGREE = 3  # degree-3 polynomial: 4-wise independent signs
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+"""The seeds ``torch.Generator.manual_seed`` takes (a signed or unsigned 64-bit integer)."""
 
 
 def check_row_ids_hashable(num_rows: int) -> None:
@@ -107,8 +111,15 @@ class CountSketch:
     seed: int
 
     def __post_init__(self) -> None:
-        if self.num_rows < 1 or self.num_rows % 2 == 0:
-            raise ValueError(f"sketch_rows must be odd and positive (median of r rows), got {self.num_rows}")
+        if not is_integer(self.num_rows) or self.num_rows < 1 or self.num_rows % 2 == 0:
+            raise ValueError(
+                f"sketch_rows={self.num_rows!r} must be an odd positive integer (median of r rows), e.g. 3"
+            )
+        if not is_integer(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(
+                f"seed={self.seed!r} must be an integer in [-2**63, 2**64 - 1] (torch's seed range; the hash "
+                "seed, the same on every rank), e.g. 0"
+            )
 
     @cached_property
     def _coefficients(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -39,10 +39,10 @@ class NetworkModel:
     latency_s: float = 50e-6
 
     def __post_init__(self) -> None:
-        if self.bandwidth_bytes_per_s <= 0:
-            raise ValueError(f"bandwidth must be positive, got {self.bandwidth_bytes_per_s}")
-        if self.latency_s < 0:
-            raise ValueError(f"latency must be >= 0, got {self.latency_s}")
+        if not (math.isfinite(self.bandwidth_bytes_per_s) and self.bandwidth_bytes_per_s > 0):
+            raise ValueError(f"bandwidth must be finite and positive, got {self.bandwidth_bytes_per_s} bytes/s")
+        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise ValueError(f"latency must be finite and >= 0, got {self.latency_s} s")
 
     @classmethod
     def from_gbit(cls, gbit_per_s: float, latency_us: float = 50.0) -> NetworkModel:
@@ -109,8 +109,8 @@ def bitmap_bytes(num_rows: int) -> int:
 
 def sketch_columns(union_rows: int, column_factor: float) -> int:
     """Sketch width ``c = ceil(alpha * U)``, at least 1; identical on ranks that agree on U."""
-    if column_factor <= 0:
-        raise ValueError(f"column_factor must be positive, got {column_factor}")
+    if not (math.isfinite(column_factor) and column_factor > 0):
+        raise ValueError(f"column_factor must be finite and positive, got {column_factor}")
     return max(1, math.ceil(column_factor * union_rows))
 
 

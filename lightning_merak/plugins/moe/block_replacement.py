@@ -19,6 +19,7 @@ from transformers.activations import ACT2FN
 from lightning_merak.plugins.moe.core.placement_cost_model import CostModel
 from lightning_merak.plugins.moe.executor import TransferScheduler
 from lightning_merak.plugins.moe.layer import MoE, MoEOptions
+from lightning_merak.plugins.moe.options import check_count, check_flag, check_layer_arguments, check_number
 
 __all__ = ["SwappedSparseBlock", "SwiGLUExpert", "swap_sparse_moe_blocks"]
 
@@ -103,7 +104,20 @@ def swap_sparse_moe_blocks(
     aux_loss_coef: float = 0.01,
     cost_model: CostModel | None = None,
 ) -> list[SwappedSparseBlock]:
-    """Replace every Mixtral-style sparse block of ``model`` in place; return the new blocks."""
+    """Replace every Mixtral-style sparse block of ``model`` in place; return the new blocks.
+
+    Every argument and every block is checked before the first block is replaced, so a refusal leaves the model
+    as it was.
+    """
+    if not isinstance(options, MoEOptions):
+        raise ValueError(f"options={options!r} must be a MoEOptions; pass MoEOptions(...)")
+    check_count("ep_size", ep_size, 1, "pass the ranks each layer's experts are spread over (1: no expert parallelism)")
+    check_number("capacity_factor", capacity_factor,
+                 "pass e.g. 1.0 (DeepSpeed's default: an expert takes up to factor x tokens / num_experts)", above=0)
+    check_count("min_capacity", min_capacity, 0, "pass the fewest tokens an expert always takes (0: no floor)")
+    check_flag("drop_tokens", drop_tokens)
+    check_number("aux_loss_coef", aux_loss_coef, "pass the router's load-balancing loss weight (0: none)", at_least=0)
+    options.validate(drop_tokens, ep_size)
     config = getattr(model, "config", None)
     targets = [(name, module) for name, module in model.named_modules() if _is_sparse_block(module)]
     if not targets:
@@ -111,14 +125,19 @@ def swap_sparse_moe_blocks(
             f"{type(model).__name__} has no Mixtral-style sparse MoE block (a *SparseMoeBlock with a router "
             "and fused gate_up_proj/down_proj experts); build it with model=mixtral_tiny or a Mixtral config"
         )
+    for name, block in targets:
+        num_experts, hidden = block.experts.down_proj.shape[0], block.experts.down_proj.shape[1]
+        try:
+            check_layer_arguments(hidden, num_experts, ep_size, int(block.top_k), capacity_factor, capacity_factor,
+                                  min_capacity, None, drop_tokens=drop_tokens)
+        except ValueError as refusal:
+            raise ValueError(f"{name}: {refusal}") from None
     scheduler = TransferScheduler()
     swapped = []
     for name, block in targets:
         num_experts, intermediate, hidden = block.experts.down_proj.shape[0], block.experts.down_proj.shape[2], \
             block.experts.down_proj.shape[1]
         k = int(block.top_k)
-        if num_experts % ep_size:
-            raise ValueError(f"ep_size={ep_size} does not divide num_experts={num_experts} of {name}")
         activation = getattr(config, "hidden_act", "silu")
         moe = MoE(
             hidden, SwiGLUExpert(hidden, intermediate, activation), num_experts=num_experts, ep_size=ep_size, k=k,

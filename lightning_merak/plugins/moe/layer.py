@@ -70,7 +70,7 @@ from lightning_merak.plugins.moe.executor import (
     flatten_params,
 )
 from lightning_merak.plugins.moe.groups import ExpertGroups, ensure_expert_groups
-from lightning_merak.plugins.moe.options import MoEOptions
+from lightning_merak.plugins.moe.options import MoEOptions, check_layer_arguments
 from lightning_merak.util.timing import DeviceTimer
 
 __all__ = ["MoE", "MoEOptions", "PlacementMOELayer"]
@@ -540,16 +540,17 @@ class MoE(DeepSpeedMoE):
         data_parallel_groups: Sequence[Sequence[int]] | None = None,
         **option_kwargs: Any,
     ) -> None:
-        if ep_size < 1 or num_experts % ep_size:
-            raise ValueError(f"ep_size={ep_size} does not divide num_experts={num_experts}; pick a divisor")
-        if k not in (1, 2):
-            raise ValueError(f"k={k}: only top-1 and top-2 gating are supported (DeepSpeed's TopKGate paths)")
-        if use_tutel or enable_expert_tensor_parallelism:
-            raise ValueError("use_tutel and enable_expert_tensor_parallelism are not supported; set them to False")
+        check_layer_arguments(hidden_size, num_experts, ep_size, k, capacity_factor, eval_capacity_factor, min_capacity,
+                              noisy_gate_policy, use_residual=use_residual, drop_tokens=drop_tokens, use_rts=use_rts,
+                              use_tutel=use_tutel, enable_expert_tensor_parallelism=enable_expert_tensor_parallelism,
+                              top2_2nd_expert_sampling=top2_2nd_expert_sampling)
+        if not isinstance(expert, nn.Module):
+            raise ValueError(f"expert={expert!r} must be a torch.nn.Module: the one expert each slot copies")
+        if options is not None and (option_kwargs or not isinstance(options, MoEOptions)):
+            raise ValueError(f"options={type(options).__name__} and keywords {sorted(option_kwargs)}: pass a "
+                             "MoEOptions as options or its fields as keywords, not both")
         options = options if options is not None else MoEOptions(**option_kwargs)
-        options.validate(drop_tokens)
-        if options.placement != "none" and ep_size == 1:
-            raise ValueError(f"placement={options.placement!r} needs ep_size > 1 (nothing to replicate to)")
+        options.validate(drop_tokens, ep_size)
         super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
                          min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, False, False,
                          top2_2nd_expert_sampling)

@@ -1,4 +1,5 @@
-"""What the MoE layer adds to DeepSpeed's: its options, declared and checked once.
+"""What the MoE layer adds to DeepSpeed's: its options, declared and checked once, and the checks of DeepSpeed's
+own layer arguments, made before anything is built.
 
 Plain Python (no torch, no DeepSpeed): ``merak-train``'s ``moe`` options derive their schema
 from :class:`MoEOptions`'s fields, so composing a configuration stays light.
@@ -6,16 +7,78 @@ from :class:`MoEOptions`'s fields, so composing a configuration stays light.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from lightning_merak.util.fields import option
 
-__all__ = ["DispatchPath", "MoEOptions", "PlacementPolicy", "PlanFrom"]
+__all__ = ["DispatchPath", "MoEOptions", "NOISY_GATE_POLICIES", "PlacementPolicy", "PlanFrom", "check_count",
+           "check_flag", "check_layer_arguments", "check_number"]
 
 DispatchPath = Literal["capacity", "dropless"]
 PlacementPolicy = Literal["none", "pro_prophet", "shadowing", "auto"]
 PlanFrom = Literal["auto", "current", "previous"]
+NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
+"""What DeepSpeed's ``TopKGate`` takes as ``noisy_gate_policy`` (``None`` and ``"None"``: no noise)."""
+_REPLICATING_PLACEMENTS = ("pro_prophet", "auto")
+
+
+def check_count(name: str, value: Any, lowest: int | None, fix: str) -> None:
+    """Refuse ``value`` unless it is an integer >= ``lowest`` (None: any integer; a bool is an int to Python, but
+    ``True`` as a count is a slip, not a 1)."""
+    if not isinstance(value, int) or isinstance(value, bool) or (lowest is not None and value < lowest):
+        raise ValueError(f"{name}={value!r} must be an integer{'' if lowest is None else f' >= {lowest}'}; {fix}")
+
+
+def check_number(name: str, value: Any, fix: str, *, above: float | None = None, at_least: float | None = None) -> None:
+    """Refuse ``value`` unless it is a finite number (not a bool) > ``above`` or >= ``at_least``: NaN passes no
+    comparison, so an unchecked one silently turns its rule off."""
+    finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not finite or (above is not None and value <= above) or (at_least is not None and value < at_least):
+        bound = f" > {above}" if above is not None else f" >= {at_least}" if at_least is not None else ""
+        raise ValueError(f"{name}={value!r} must be a finite number{bound}; {fix}")
+
+
+def check_flag(name: str, value: Any) -> None:
+    """Refuse ``value`` unless it is a bool: ``"false"`` would count as true."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be True or False; pass a bool (a string or number here is a slip)")
+
+
+def check_layer_arguments(hidden_size: Any, num_experts: Any, ep_size: Any, k: Any, capacity_factor: Any,
+                          eval_capacity_factor: Any, min_capacity: Any, noisy_gate_policy: Any,
+                          **flags: Any) -> None:
+    """Refuse DeepSpeed ``MoE`` arguments that fail at the first forward (``num_experts=0``) or change what it
+    computes without a word (a capacity of 0 or NaN drops tokens, ``k`` above ``num_experts`` routes to experts
+    that do not exist, ``noisy_gate_policy='RSample'`` is ignored by top-2 gating). ``flags``: the boolean switches
+    by name; ``use_tutel`` and ``enable_expert_tensor_parallelism`` must be False."""
+    check_count("hidden_size", hidden_size, 1, "pass the model's hidden size (the experts' input and output width)")
+    check_count("num_experts", num_experts, 1, "pass the number of experts of the layer")
+    check_count("ep_size", ep_size, 1, "pass the ranks the experts are spread over (1: no expert parallelism)")
+    if num_experts % ep_size:
+        raise ValueError(f"ep_size={ep_size} does not divide num_experts={num_experts}; pick a divisor")
+    if not isinstance(k, int) or isinstance(k, bool) or k not in (1, 2):
+        raise ValueError(f"k={k!r}: only top-1 and top-2 gating are supported (DeepSpeed's TopKGate paths); "
+                         "pass 1 or 2")
+    if k > num_experts:
+        raise ValueError(f"k={k} exceeds num_experts={num_experts}: a token cannot go to {k} different experts; "
+                         f"pass k <= {num_experts} or more experts")
+    capacity_fix = "pass e.g. 1.0 (DeepSpeed's default: an expert takes up to factor x tokens / num_experts)"
+    check_number("capacity_factor", capacity_factor, capacity_fix, above=0)
+    check_number("eval_capacity_factor", eval_capacity_factor, capacity_fix, above=0)
+    check_count("min_capacity", min_capacity, 0, "pass the fewest tokens an expert always takes (0: no floor)")
+    if noisy_gate_policy not in NOISY_GATE_POLICIES:
+        raise ValueError(f"noisy_gate_policy={noisy_gate_policy!r}: choose None, 'Jitter' or 'RSample'")
+    if noisy_gate_policy == "RSample" and k != 1:
+        raise ValueError("noisy_gate_policy='RSample' samples top-1 gating only, top-2 would ignore it; "
+                         "pass k=1, or 'Jitter' or None")
+    for name, value in flags.items():
+        check_flag(name, value)
+    unsupported = [name for name in ("use_tutel", "enable_expert_tensor_parallelism") if flags.get(name)]
+    if unsupported:
+        raise ValueError(f"{' and '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not supported; "
+                         "pass False")
 
 
 @dataclass
@@ -74,7 +137,8 @@ class MoEOptions:
         if isinstance(self.lancet_chunks, str) and self.lancet_chunks.isdigit():
             self.lancet_chunks = int(self.lancet_chunks)
 
-    def validate(self, drop_tokens: bool) -> None:
+    def validate(self, drop_tokens: bool, ep_size: int | None = None) -> None:
+        """Refuse every field out of range, and options that cannot act with ``drop_tokens`` or ``ep_size``."""
         if self.dispatch not in ("capacity", "dropless"):
             raise ValueError(f"dispatch={self.dispatch!r}: choose 'capacity' or 'dropless'")
         if self.placement not in ("none", "pro_prophet", "shadowing", "auto"):
@@ -83,15 +147,37 @@ class MoEOptions:
             raise ValueError(f"plan_from={self.plan_from!r}: choose 'auto', 'current' or 'previous'")
         if self.dispatch == "dropless" and drop_tokens:
             raise ValueError("dispatch='dropless' never drops tokens; pass drop_tokens=False")
-        if self.lancet_chunks != "auto" and not (isinstance(self.lancet_chunks, int) and self.lancet_chunks >= 1):
-            raise ValueError(f"lancet_chunks={self.lancet_chunks!r}: use 'auto' or an integer >= 1")
-        if self.replan_every < 1:
-            raise ValueError(f"replan_every={self.replan_every} must be at least 1")
-        if self.explore_every < 0 or self.explore_regret < 0:
-            raise ValueError(f"explore_every={self.explore_every} (0: never) and explore_regret={self.explore_regret} "
-                             "must be >= 0")
-        if not 0.0 <= self.balance_tolerance < 1.0:
+        chunks = self.lancet_chunks
+        if chunks != "auto" and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
+            raise ValueError(f"lancet_chunks={chunks!r}: use 'auto' or an integer >= 1")
+        for flag in ("lancet_backward", "overlap_transfer", "online_check"):
+            check_flag(flag, getattr(self, flag))
+        check_count("replan_every", self.replan_every, 1, "pass the calls between plans (1: every call)")
+        if self.replan_threshold is not None:
+            check_number("replan_threshold", self.replan_threshold,
+                         "pass the drift (fraction of the plan's tokens) that re-plans early, or None", at_least=0)
+        check_count("exclude_fewest", self.exclude_fewest, 0, "pass the lightest senders left out (0: none)")
+        if self.slots_per_rank is not None:
+            check_count("slots_per_rank", self.slots_per_rank, 1, "pass the most replicas a rank holds, or None")
+        check_number("alpha", self.alpha, "pass the balance threshold as a fraction of tokens / experts "
+                     "(0: any imbalance replicates; 0.25 by default)", at_least=0)
+        check_count("explore_every", self.explore_every, 0, "pass the calls between explorations (0: never)")
+        check_number("explore_regret", self.explore_regret,
+                     "pass how far (relative) above the best an explored arm may be", at_least=0)
+        check_count("explore_seed", self.explore_seed, None, "pass any integer seed")
+        check_number("balance_tolerance", self.balance_tolerance, "pass a fraction in [0, 1) (0: speed alone)",
+                     at_least=0)
+        if self.balance_tolerance >= 1.0:
             raise ValueError(f"balance_tolerance={self.balance_tolerance} must lie in [0, 1) "
                              "(0: choose on speed alone)")
-        if self.exclude_fewest < 0 or (self.slots_per_rank is not None and self.slots_per_rank < 1):
-            raise ValueError("exclude_fewest must be >= 0 and slots_per_rank >= 1 (or None)")
+        if ep_size is not None:
+            self._validate_for(ep_size)
+
+    def _validate_for(self, ep_size: int) -> None:
+        """Options that would silently do nothing on ``ep_size`` ranks."""
+        if self.placement != "none" and ep_size == 1:
+            raise ValueError(f"placement={self.placement!r} needs ep_size > 1 (nothing to replicate to)")
+        if self.placement in _REPLICATING_PLACEMENTS and ep_size > 1 and self.exclude_fewest > ep_size - 2:
+            raise ValueError(
+                f"exclude_fewest={self.exclude_fewest} leaves Pro-Prophet no rank to replicate to: at most "
+                f"{ep_size - 1} other ranks send an expert tokens with ep_size={ep_size}; pass at most {ep_size - 2}")

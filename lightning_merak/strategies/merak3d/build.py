@@ -44,30 +44,21 @@ from lightning_merak.parallel.materialize import (
     local_tensors,
 )
 from lightning_merak.parallel.pipeline.embedding_stages import split_vocabulary_parameters
-from lightning_merak.parallel.pipeline.meta_trace import materialized_copy
 from lightning_merak.parallel.pipeline.recompute import stage_aware_recompute_ratios
 from lightning_merak.parallel.pipeline.router_aux import RouterAux, router_aux_loss_problem, router_aux_of
 from lightning_merak.parallel.pipeline.stage import RankStages, build_stage_module, tied_parameter_names
 from lightning_merak.parallel.pipeline.trace import ModelTrace, TraceError, find_trunk, trace_model
-from lightning_merak.parallel.tensor.blocks import (
-    LayoutChange,
-    TensorParallelPlan,
-    apply_tensor_parallel,
-    find_tensor_parallel_plan,
-    region_partial_parameters,
-    verify_tensor_parallel_plan,
-)
-from lightning_merak.parallel.tensor.quantized_shards import quantized_shards, quantized_split_problem
+from lightning_merak.parallel.tensor.blocks import LayoutChange, apply_tensor_parallel, region_partial_parameters
+from lightning_merak.parallel.tensor.quantized_shards import quantized_shards
 from lightning_merak.parallel.tensor.sequence import (
-    SequenceParallelPlan,
     check_sequence_length,
-    find_sequence_parallel_plan,
     sequence_partial_parameters,
     split_sequence_between,
 )
 from lightning_merak.parallel.tensor.vocab import split_vocabulary
 from lightning_merak.protocols.layout_aware import RecomputedForward
 from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
+from lightning_merak.strategies.merak3d.block_splits import BlockSplits, plan_block_splits
 from lightning_merak.strategies.merak3d.partitioning import agree_on_partition
 from lightning_merak.strategies.merak3d.vocab_stages_build import (
     check_rows_loaded,
@@ -82,7 +73,7 @@ from lightning_merak.util.model_outputs import no_cache
 from lightning_merak.util.module_mode import modules_in_mode
 
 __all__ = ["BuiltModel", "build_model", "call_model", "check_skips_split", "in_training_mode", "random_state_kept",
-           "shard_built_model", "sequence_parallel_plan", "split_block_problem", "tensor_parallel_plan"]
+           "shard_built_model"]
 
 Broadcast = Callable[[Any, int], Any]
 """``(obj, src) -> obj``: rank ``src``'s object on every rank (the strategy's ``broadcast``)."""
@@ -120,43 +111,6 @@ def first_micro_batch(layout: Layout, inputs: torch.Tensor) -> torch.Tensor:
     """The first micro-batch of ``inputs``, once the batch is known to split into micro- and sub-batches."""
     layout.check_batch(inputs.shape[0])
     return inputs[: inputs.shape[0] // layout.micro_batches]
-
-
-# The tensor-parallel split of one block ---------------------------------------------------------
-
-def tensor_parallel_plan(block: nn.Module, trace: ModelTrace) -> TensorParallelPlan:
-    """Pair the linear layers of one block (all blocks of the trunk share a class)."""
-    args, kwargs = trace.block_arguments(trace.sample_side_tensors)
-    hidden = trace.sample_hidden
-    plan = find_tensor_parallel_plan(block, lambda: block(hidden, *args, **kwargs), hidden.shape[-1])
-    if not plan.column or not plan.row:
-        raise ValueError(
-            f"found no column/row linear pairs in {type(block).__name__}; tensor_parallel needs "
-            "blocks built from nn.Linear (or transformers Conv1D) layers"
-        )
-    return plan
-
-
-def sequence_parallel_plan(block: nn.Module, trace: ModelTrace, plan: TensorParallelPlan) -> SequenceParallelPlan:
-    """Where each block gathers the sequence, found on the unsplit ``block``."""
-    args, kwargs = trace.block_arguments(trace.sample_side_tensors)
-    return find_sequence_parallel_plan(block, lambda: block(trace.sample_hidden, *args, **kwargs),
-                                       plan.column_groups, plan.row)
-
-
-def split_block_problem(block: nn.Module, trace: ModelTrace, plan: TensorParallelPlan, mesh: DeviceMesh,
-                        broadcast: Broadcast) -> Optional[str]:
-    """Why ``block`` split by ``plan`` over ``mesh`` would not compute the whole block,
-    or None (rank 0's verdict).
-    """
-    args, kwargs = trace.block_arguments(trace.sample_side_tensors)
-    try:
-        verify_tensor_parallel_plan(block, plan, mesh, lambda module, hidden: trace.hidden_of(
-            module(hidden, *args, **kwargs)), trace.sample_hidden)
-        problem = None
-    except ValueError as error:
-        problem = str(error)
-    return broadcast(problem, 0)
 
 
 # The build ------------------------------------------------------------------------------------
@@ -252,18 +206,8 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
                             fast_blocks=arguments.fast_blocks)
         check_skips_split(trace, tp, sequence_parallel)
         trunk: nn.ModuleList = model.get_submodule(trace.trunk_path)
-        probe = (trunk[0] if materialize_with is None or tp == 1
-                 else materialized_copy(trunk[0], f"{trace.trunk_path}.0", materialize_with))
-        plan = tensor_parallel_plan(probe, trace) if tp > 1 else None
-        problem = quantized_split_problem(model, probe, plan, tp) if plan is not None else None
-        if problem is not None:  # an adapter's quantised base, quantised per shard: before any weight is read
-            raise ValueError(problem)
-        if plan is not None and tp not in verified_tp_degrees:
-            problem = split_block_problem(probe, trace, plan, groups.tensor_mesh, broadcast)
-            if problem is not None:
-                raise ValueError(f"tensor_parallel={tp}: {problem}")
-        sequence_plan = sequence_parallel_plan(probe, trace, plan) if sequence_parallel else None
-        del probe
+        splits = (plan_block_splits(model, trunk, trace, tp, sequence_parallel, groups.tensor_mesh, broadcast,
+                                    tp in verified_tp_degrees, materialize_with) if tp > 1 else None)
     stages, partition, tied = None, None, []
     if pp > 1:
         tied_names = tied_parameter_names(model)
@@ -292,7 +236,7 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
     vocabulary = None
     if materialize_with is not None and split_vocabulary_now and load_weights is not None:
         # each rank allocates and reads only its vocabulary rows; see VocabularyRows for random init
-        vocabulary = VocabularyRows(parts, groups.tensor_mesh, sequence_plan is not None, materialize_with)
+        vocabulary = VocabularyRows(parts, groups.tensor_mesh, sequence_parallel, materialize_with)
         split_vocabulary_now = False
     rows_first = split_over_stages and reads_rows_first(head_shape, materialize_with, load_weights)
     if rows_first:  # each rank allocates only its rows of the split tables; the loader reads only those
@@ -306,8 +250,8 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
                 if id(entry.param) not in rows]
     layout_changes: dict[str, LayoutChange] = {}
     tensor_partial: list[nn.Parameter] = []
-    if (plan is not None or materialize_with is not None) and local_blocks:
-        layout_changes, tensor_partial = _shard_blocks(local_blocks, trace, plan, sequence_plan, groups.tensor_mesh,
+    if (splits is not None or materialize_with is not None) and local_blocks:
+        layout_changes, tensor_partial = _shard_blocks(local_blocks, trace, splits, groups.tensor_mesh,
                                                        arguments.weight_grad_overlap, materialize_with)
     if materialize_with is not None and tied and vocabulary is None:
         _start_tied_equal(tied, groups.mesh, global_rank)
@@ -327,9 +271,9 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
         tied = [entry for entry in tied if any(entry.param is param for param in stages.parameters())]  # one weight
     if split_vocabulary_now:
         replaced = split_vocabulary(list(stages) if stages is not None else [model], groups.tensor_mesh,
-                                    sequence_parallel=sequence_plan is not None)
+                                    sequence_parallel=sequence_parallel)
         tied = [entry._replace(param=replaced.get(id(entry.param), entry.param)) for entry in tied]
-    if sequence_plan is not None:
+    if sequence_parallel:
         segments = [part.block_indices for part in stages] if stages is not None else [list(local_blocks)]
         _split_sequence(local_blocks, segments, trace, groups.tensor_group)
     _fast_blocks([(f"{trace.trunk_path}.{index}", block) for index, block in local_blocks.items()], arguments)
@@ -408,12 +352,12 @@ def _tied_gradient_groups(stages: RankStages, tied_names: list[tuple[str, ...]],
     return tied
 
 
-def _shard_blocks(blocks: dict[int, nn.Module], trace: ModelTrace, plan: Optional[TensorParallelPlan],
-                  sequence_plan: Optional[SequenceParallelPlan], mesh: DeviceMesh, weight_grad_overlap: bool,
-                  materialize_with: Optional[Callable[[nn.Module], Any]] = None,
+def _shard_blocks(blocks: dict[int, nn.Module], trace: ModelTrace, splits: Optional[BlockSplits], mesh: DeviceMesh,
+                  weight_grad_overlap: bool, materialize_with: Optional[Callable[[nn.Module], Any]] = None,
                   ) -> tuple[dict[str, LayoutChange], list[nn.Parameter]]:
-    """Split every local block (by trunk index) over the tensor-parallel group (materialised first when on
-    meta: one whole block at a time, so a rank never holds more than its shards and one block).
+    """Split every local block (by trunk index) over the tensor-parallel group, each by its structure's plan
+    (materialised first when on meta: one whole block at a time, so a rank never holds more than its shards and
+    one block).
 
     Returns the parameters whose layout changed and those left whole that see only part of the work.
     """
@@ -421,16 +365,18 @@ def _shard_blocks(blocks: dict[int, nn.Module], trace: ModelTrace, plan: Optiona
     for index, block in blocks.items():
         if materialize_with is not None:
             materialize_with(block)(block, f"{trace.trunk_path}.{index}")
-        if plan is None:
+        if splits is None:
             continue
-        changes = apply_tensor_parallel(block, plan, mesh, sequence_plan, weight_grad_overlap)
+        changes = apply_tensor_parallel(block, splits.plan(index), mesh, splits.sequence_plan(index),
+                                        weight_grad_overlap)
         layout_changes.update({f"{trace.trunk_path}.{index}.{name}": c for name, c in changes.items()})
-    if plan is None:
+    if splits is None:
         return layout_changes, []
     # sequence-split blocks see only their tokens everywhere; plain TP blocks only their heads inside a region
-    if sequence_plan is not None:
+    if splits.sequence_plans is not None:
         return layout_changes, sequence_partial_parameters(list(blocks.values()))
-    return layout_changes, [param for block in blocks.values() for param in region_partial_parameters(block, plan)]
+    return layout_changes, [param for index, block in blocks.items()
+                            for param in region_partial_parameters(block, splits.plan(index))]
 
 
 def _split_sequence(blocks: dict[int, nn.Module], segments: list[list[int]], trace: ModelTrace,

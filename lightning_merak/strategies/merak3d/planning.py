@@ -30,7 +30,6 @@ from lightning_merak.parallel.data.buckets import DEFAULT_BUCKET_MB, check_shard
 from lightning_merak.parallel.float8 import float8_layout_problem
 from lightning_merak.parallel.layout import Layout, default_micro_batches
 from lightning_merak.parallel.materialize import has_meta
-from lightning_merak.parallel.pipeline.meta_trace import materialized_copy
 from lightning_merak.parallel.pipeline.trace import TraceError, find_trunk, trace_model
 from lightning_merak.planning.measure.context import time_attention_kernels
 from lightning_merak.planning.measure.experts import (
@@ -58,15 +57,12 @@ from lightning_merak.strategies.merak3d.arguments import (
     divides_model,
     moe_layers,
 )
-from lightning_merak.strategies.merak3d.build import (
-    Broadcast,
-    call_model,
-    meta_materializers,
-    no_cache,
+from lightning_merak.strategies.merak3d.block_splits import (
     sequence_parallel_plan,
-    split_block_problem,
     tensor_parallel_plan,
+    unsplittable_structure,
 )
+from lightning_merak.strategies.merak3d.build import Broadcast, call_model, meta_materializers, no_cache
 from lightning_merak.strategies.merak3d.vocab_stages_build import embedding_splits_with_head
 from lightning_merak.util.timing import repeat_budget
 
@@ -449,20 +445,13 @@ def _splittable_degrees(model: nn.Module, inputs: torch.Tensor, degrees: tuple[i
     if all(degree == 1 for degree in degrees):
         return degrees
     trace = trace_model(model, inputs[:1], call_model, profile=False, materialize_with=materialize_with)
-    block = model.get_submodule(trace.trunk_path)[0]
-    if materialize_with is not None:
-        block = materialized_copy(block, f"{trace.trunk_path}.0", materialize_with)
-    try:
-        block_plan = tensor_parallel_plan(block, trace)
-        unsplittable = None
-    except ValueError as error:
-        block_plan, unsplittable = None, str(error)
+    trunk = model.get_submodule(trace.trunk_path)
     kept = []
     for degree in degrees:
         problem = None
         if degree > 1:
-            problem = unsplittable if block_plan is None else split_block_problem(
-                block, trace, block_plan, tensor_parallel_mesh(device, degree), broadcast)
+            problem = unsplittable_structure(trunk, trace.trunk_path, trace, tensor_parallel_mesh(device, degree),
+                                             broadcast, materialize_with)
         if problem is None:
             kept.append(degree)
             verified.add(degree)

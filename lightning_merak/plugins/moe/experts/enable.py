@@ -57,6 +57,7 @@ REFUSED_FAMILIES: dict[str, str] = {
     "dbrx": _OWN_LOOP + "; DbrxExperts splits fused weights per expert inside its forward",
     "jetmoe": _OWN_LOOP + "; JetMoE also routes attention heads through experts (MoA)",
     "llama4": _OWN_LOOP + "; Llama4TextExperts are a bmm over all experts with a sigmoid-scaled input",
+    "llama4_text": _OWN_LOOP + "; Llama4TextExperts are a bmm over all experts with a sigmoid-scaled input",
     "nllb_moe": _OWN_LOOP + "; capacity-based top-2 router with token dropping",
     "switch_transformers": _OWN_LOOP + "; capacity-based top-1 router with token dropping",
     "longcat_flash": _OWN_LOOP + "; zero-computation (identity) experts are routed by ids ≥ num_experts",

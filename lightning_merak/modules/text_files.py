@@ -1,0 +1,88 @@
+"""Documents of a local ``.txt`` file (one document) or ``.jsonl`` file (one JSON object per line, the text, or a
+list of token ids, under a field), read with refusals that name the file, the line and the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from lightning_merak.modules.config import DataError
+
+__all__ = ["TEXT_SUFFIXES", "DataFileNotFound", "MissingTextField", "load_text_documents"]
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+class DataFileNotFound(DataError, FileNotFoundError):
+    """A data or tokenizer path that does not exist: a :class:`DataError` (``merak-train`` prints it as a refusal)
+    that Python callers may still catch as the ``FileNotFoundError`` it is."""
+
+
+class MissingTextField(DataError, KeyError):
+    """A ``.jsonl`` record without the text field: a :class:`DataError` (``merak-train`` prints it as a refusal)
+    that Python callers may still catch as a ``KeyError``; shown as its message, not quoted as a ``KeyError`` is."""
+
+    __str__ = DataError.__str__
+
+
+def _not_utf8(file: Path, path: str) -> DataError:
+    """The refusal of a file that does not decode as UTF-8, naming its first line that does not."""
+    raw = file.read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        column = error.start - raw.rfind(b"\n", 0, error.start)
+        where = f"{path}:{line} is not UTF-8 text (byte 0x{raw[error.start]:02x} at column {column}: {error.reason})"
+    else:  # changed since it failed to decode
+        where = f"{path} is not UTF-8 text"
+    return DataError(f"{where}; re-encode the file as UTF-8 (e.g. iconv -f <its encoding> -t utf-8)")
+
+
+def _jsonl_documents(file: Path, path: str, text_field: str) -> list[Any]:
+    """Each line's ``text_field``: text, or a list of token ids in a tokenised file."""
+    documents = []
+    one_object = f"each line of a .jsonl file must be one JSON object, such as {{\"{text_field}\": \"...\"}}"
+    with file.open(encoding="utf-8") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path}:{line_number} is not valid JSON ({error.msg} at column {error.colno}); "
+                                f"{one_object}") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{line_number} is a JSON {type(record).__name__}, not an object; {one_object}")
+            if text_field not in record:
+                raise MissingTextField(
+                    f"{path}:{line_number} has no field {text_field!r} (fields: {sorted(record)}); "
+                    "set data.text_field to the field holding the text"
+                )
+            value = record[text_field]
+            if not isinstance(value, str) and not (isinstance(value, list) and all(type(i) is int for i in value)):
+                raise DataError(f"{path}:{line_number} field {text_field!r} holds {json.dumps(value)[:40]}, neither "
+                                "text nor a list of token ids; fix or drop that line")
+            documents.append(value)
+    return documents
+
+
+def load_text_documents(path: str, text_field: str) -> list[Any]:
+    """Read the documents of a ``.txt`` or ``.jsonl`` file, with errors that name the file, the line and the fix."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise DataFileNotFound(
+            f"data.path={path!r} does not exist; pass an existing .txt or .jsonl file "
+            "(e.g. data=text data.path=/abs/path/corpus.txt)"
+        )
+    if file.suffix not in TEXT_SUFFIXES:
+        raise ValueError(
+            f"data.path={path!r} has suffix {file.suffix!r}; supported are {', '.join(TEXT_SUFFIXES)}"
+        )
+    try:
+        if file.suffix == ".txt":
+            return [file.read_text(encoding="utf-8")]
+        return _jsonl_documents(file, path, text_field)
+    except UnicodeDecodeError:  # read again as bytes only now, to find the line
+        raise _not_utf8(file, path) from None

@@ -1,0 +1,149 @@
+"""The tensor-parallel split of a trunk's blocks: one plan per block structure.
+
+A trunk's blocks need not be alike: GLM-4.5, Ernie-4.5-MoE, DeepSeek-V3 and others start with dense blocks and go
+on with MoE ones; Qwen3-MoE interleaves them (``decoder_sparse_step``, ``mlp_only_layers``). Each distinct structure
+(the classes and parameter shapes of a block's modules) gets its own column/row pairing, found and checked on the
+first block of that structure; every block is split by the plan of its structure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_merak.parallel.pipeline.meta_trace import materialized_copy
+from lightning_merak.parallel.pipeline.trace import ModelTrace
+from lightning_merak.parallel.tensor.blocks import (
+    TensorParallelPlan,
+    find_tensor_parallel_plan,
+    verify_tensor_parallel_plan,
+)
+from lightning_merak.parallel.tensor.quantized_shards import quantized_split_problem
+from lightning_merak.parallel.tensor.sequence import SequenceParallelPlan, find_sequence_parallel_plan
+
+__all__ = ["BlockSplits", "block_structures", "plan_block_splits", "sequence_parallel_plan", "split_block_problem",
+           "tensor_parallel_plan", "unsplittable_structure"]
+
+Broadcast = Callable[[Any, int], Any]
+
+
+def tensor_parallel_plan(block: nn.Module, trace: ModelTrace) -> TensorParallelPlan:
+    """Pair the linear layers of one block, run on the trace's sample hidden state."""
+    args, kwargs = trace.block_arguments(trace.sample_side_tensors)
+    hidden = trace.sample_hidden
+    plan = find_tensor_parallel_plan(block, lambda: block(hidden, *args, **kwargs), hidden.shape[-1])
+    if not plan.column or not plan.row:
+        raise ValueError(
+            f"found no column/row linear pairs in {type(block).__name__}; tensor_parallel needs "
+            "blocks built from nn.Linear (or transformers Conv1D) layers"
+        )
+    return plan
+
+
+def sequence_parallel_plan(block: nn.Module, trace: ModelTrace, plan: TensorParallelPlan) -> SequenceParallelPlan:
+    """Where each block gathers the sequence, found on the unsplit ``block``."""
+    args, kwargs = trace.block_arguments(trace.sample_side_tensors)
+    return find_sequence_parallel_plan(block, lambda: block(trace.sample_hidden, *args, **kwargs),
+                                       plan.column_groups, plan.row)
+
+
+def split_block_problem(block: nn.Module, trace: ModelTrace, plan: TensorParallelPlan, mesh: DeviceMesh,
+                        broadcast: Broadcast) -> Optional[str]:
+    """Why ``block`` split by ``plan`` over ``mesh`` would not compute the whole block,
+    or None (rank 0's verdict).
+    """
+    args, kwargs = trace.block_arguments(trace.sample_side_tensors)
+    try:
+        verify_tensor_parallel_plan(block, plan, mesh, lambda module, hidden: trace.hidden_of(
+            module(hidden, *args, **kwargs)), trace.sample_hidden)
+        problem = None
+    except ValueError as error:
+        problem = str(error)
+    return broadcast(problem, 0)
+
+
+def _structure(block: nn.Module) -> tuple[Any, ...]:
+    """What a tensor-parallel plan depends on: each module's name and class, each parameter's name and shape."""
+    return (tuple((name, type(module).__qualname__) for name, module in block.named_modules()),
+            tuple((name, tuple(param.shape)) for name, param in block.named_parameters()))
+
+
+def block_structures(trunk: nn.ModuleList) -> dict[int, int]:
+    """Each block's index → the index of the first block of its structure (the one its plan is found on)."""
+    first: dict[tuple[Any, ...], int] = {}
+    return {index: first.setdefault(_structure(block), index) for index, block in enumerate(trunk)}
+
+
+def _probe(trunk: nn.ModuleList, trunk_path: str, index: int,
+           materialize_with: Optional[Callable[[nn.Module], Any]]) -> nn.Module:
+    """Block ``index`` to plan on: itself, or a materialised copy of it when the model is on meta."""
+    if materialize_with is None:
+        return trunk[index]
+    return materialized_copy(trunk[index], f"{trunk_path}.{index}", materialize_with)
+
+
+def _named(index: int, kinds: int, problem: str) -> str:
+    """``problem``, naming the block it was found on where the trunk has blocks of several structures."""
+    return problem if kinds == 1 else f"block {index} (the first of its structure): {problem}"
+
+
+def unsplittable_structure(trunk: nn.ModuleList, trunk_path: str, trace: ModelTrace, mesh: DeviceMesh,
+                           broadcast: Broadcast, materialize_with: Optional[Callable[[nn.Module], Any]] = None,
+                           ) -> Optional[str]:
+    """Why some block structure of ``trunk`` does not split over ``mesh`` as the whole block computes, or None."""
+    kinds = sorted(set(block_structures(trunk).values()))
+    for index in kinds:
+        probe = _probe(trunk, trunk_path, index, materialize_with)
+        try:
+            problem = split_block_problem(probe, trace, tensor_parallel_plan(probe, trace), mesh, broadcast)
+        except ValueError as error:
+            problem = str(error)
+        if problem is not None:
+            return _named(index, len(kinds), problem)
+    return None
+
+
+@dataclass(frozen=True)
+class BlockSplits:
+    """The tensor-parallel plan (and sequence-parallel plan) of each block structure of a trunk."""
+
+    structure_of: dict[int, int]
+    plans: dict[int, TensorParallelPlan]
+    sequence_plans: Optional[dict[int, SequenceParallelPlan]]
+
+    def plan(self, index: int) -> TensorParallelPlan:
+        """The plan block ``index`` is split by."""
+        return self.plans[self.structure_of[index]]
+
+    def sequence_plan(self, index: int) -> Optional[SequenceParallelPlan]:
+        """Where block ``index`` gathers the sequence (None without sequence parallelism)."""
+        return None if self.sequence_plans is None else self.sequence_plans[self.structure_of[index]]
+
+
+def plan_block_splits(model: nn.Module, trunk: nn.ModuleList, trace: ModelTrace, tp: int, sequence_parallel: bool,
+                      mesh: DeviceMesh, broadcast: Broadcast, verified: bool,
+                      materialize_with: Optional[Callable[[nn.Module], Any]] = None) -> BlockSplits:
+    """Plan the split of every block structure of ``trunk`` over ``tp`` ranks, refusing before any weight is read
+    a structure that does not split (a quantised base per shard, or a split that would not compute the whole
+    block). ``verified``: the planner already checked the split at this degree (its check covers every structure)."""
+    structure_of = block_structures(trunk)
+    kinds = sorted(set(structure_of.values()))
+    plans: dict[int, TensorParallelPlan] = {}
+    sequence_plans: Optional[dict[int, SequenceParallelPlan]] = {} if sequence_parallel else None
+    for index in kinds:
+        probe = _probe(trunk, trace.trunk_path, index, materialize_with)
+        plans[index] = plan = tensor_parallel_plan(probe, trace)
+        problem = quantized_split_problem(model, probe, plan, tp)
+        if problem is not None:  # an adapter's quantised base, quantised per shard: before any weight is read
+            raise ValueError(_named(index, len(kinds), problem))
+        if not verified:
+            problem = split_block_problem(probe, trace, plan, mesh, broadcast)
+            if problem is not None:
+                raise ValueError(f"tensor_parallel={tp}: {_named(index, len(kinds), problem)}")
+        if sequence_plans is not None:
+            sequence_plans[index] = sequence_parallel_plan(probe, trace, plan)
+        del probe
+    return BlockSplits(structure_of, plans, sequence_plans)
