@@ -98,8 +98,9 @@ def test_sparse_communication_core_refuses_what_a_checkpoint_or_caller_could_han
 @pytest.mark.parametrize("name", ["poll_s", "timeout_s", "dead_after_s"])
 @pytest.mark.parametrize("value", [NAN, INF, "30", True])
 def test_fault_watch_needs_finite_positive_seconds(name: str, value: Any) -> None:
+    accepted = {name: 0.01} if name != "dead_after_s" else {name: 0.01, "poll_s": 0.005}
     _refused_then_accepted(FaultWatch, {name: value}, rf"{name}={value!r} must be a finite number of seconds > 0",
-                           {name: 0.01})
+                           accepted)
 
 
 def test_watchdog_clocks_refuse_nan_durations() -> None:
@@ -109,7 +110,9 @@ def test_watchdog_clocks_refuse_nan_durations() -> None:
         PulseClock(NAN, start=0.0)
     with pytest.raises(ValueError, match="poll_s=nan"):
         Watchdog(poll_s=NAN)
-    assert Watchdog(timeout_s=1, dead_after_s=1, poll_s=1).poll_s == 1
+    assert Watchdog(timeout_s=1, dead_after_s=1.5, poll_s=1).poll_s == 1
+    with pytest.raises(ValueError, match="poll_s=1 must be below dead_after_s=1, or a live peer"):
+        Watchdog(timeout_s=1, dead_after_s=1, poll_s=1)
 
 
 def test_delta_budget_refuses_an_overflowing_size() -> None:

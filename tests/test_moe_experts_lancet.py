@@ -168,6 +168,23 @@ def test_causal_lm_module_optimises_the_router_aux_loss_as_transformers_does() -
         assert (module._router_aux_loss is not None) == aux
 
 
+def test_jetmoes_aux_loss_weight_is_read_under_its_own_name() -> None:
+    """JetMoE weights its aux loss by ``config.aux_loss_coef``, not ``router_aux_loss_coef``."""
+    import transformers
+
+    from lightning_merak.modules.causal_lm import CausalLMModule
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        "jetmoe", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_key_value_heads=2, kv_channels=8,
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        aux_loss_coef=0.5)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(64, (2, 8), generator=torch.Generator().manual_seed(1))
+    loss = CausalLMModule(model).compute_loss(ids)
+    assert loss.item() == pytest.approx(model(ids, labels=ids).loss.item(), rel=1e-6)
+
+
 def test_router_aux_loss_is_refused_only_where_a_stage_lacks_the_whole_micro_batch() -> None:
     """Pipeline stages carry the router logits to the last stage (tests/test_merak3d_router_aux.py); token-weighted
     micro-batching, sequence-split routers and, without stages, sub-batched calls are refused."""

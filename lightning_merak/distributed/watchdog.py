@@ -323,6 +323,9 @@ class Watchdog:
         StallClock(timeout_s)
         PulseClock(dead_after_s, 0.0)
         _check_seconds("poll_s", poll_s, "how often the watchdog reads the collective counts and beats")
+        if poll_s >= dead_after_s:  # a peer beats once per poll_s: every silence would outlast dead_after_s
+            raise ValueError(f"poll_s={poll_s} must be below dead_after_s={dead_after_s}, or a live peer that beats "
+                             "once per poll_s is taken for lost; poll more often or wait longer")
         self.timeout_s, self.dead_after_s, self.poll_s = timeout_s, dead_after_s, poll_s
         self.checkpoint = checkpoint
         self.timeout_option = timeout_option

@@ -19,13 +19,20 @@ def no_cache(model: nn.Module) -> None:
         config.use_cache = False
 
 
+AUX_COEFFICIENT_NAMES = ("router_aux_loss_coef", "aux_loss_coef")
+"""What transformers' MoE families call the weight of their aux loss (JetMoE: ``aux_loss_coef``)."""
+
+
 def router_aux_coefficient(model: nn.Module) -> Any:
-    """The ``router_aux_loss_coef`` a transformers MoE model weights its aux loss with (the model's, else its
-    config's), or ``None``."""
-    coefficient = getattr(model, "router_aux_loss_coef", None)
-    if coefficient is None:
-        coefficient = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
-    return coefficient
+    """The coefficient a transformers MoE model weights its aux loss with (the model's attribute, else its
+    config's, under either of :data:`AUX_COEFFICIENT_NAMES`), or ``None``."""
+    config = getattr(model, "config", None)
+    for name in AUX_COEFFICIENT_NAMES:
+        for owner in (model, config):
+            coefficient = getattr(owner, name, None)
+            if coefficient is not None:
+                return coefficient
+    return None
 
 
 def weighted_router_aux_loss(model: nn.Module, output: Any) -> Optional[torch.Tensor]:
