@@ -180,6 +180,19 @@ def test_override_keys_checked_against_fused_expert_targets() -> None:
         add_moe_adapters(model, config)
 
 
+def test_target_parameters_naming_no_expert_weight_are_refused() -> None:
+    """PEFT would adapt nothing for them, without a word: a dense model has no fused expert weights at all."""
+    with pytest.raises(ValueError, match=r"Q-BaRA: target_parameters \['experts.gate_up_proj'\] name no fused expert "
+                                         r"weight of LlamaForCausalLM; it has none \(a dense model"):
+        get_peft_model(tiny_llama(), QBaRAConfig(r=4, target_modules=TARGETS,
+                                                 target_parameters=["experts.gate_up_proj"]))
+    model = tiny_moe_model("qwen3_moe")
+    config = QBaRAConfig(r=4, target_modules=TARGETS, target_parameters=["mlp.experts.down_proj", "shared.down_proj"])
+    with pytest.raises(ValueError, match=r"\['shared.down_proj'\] name no fused expert weight of .*; its expert "
+                                         r"weights end in experts.down_proj, experts.gate_up_proj"):
+        add_moe_adapters(model, config)
+
+
 # --- INT4 group size ---------------------------------------------------------------------------------------------
 
 

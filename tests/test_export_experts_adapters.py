@@ -98,6 +98,23 @@ def test_trained_expert_adapters_export_as_the_merged_model(tmp_path: Path, fami
     _check_export(tmp_path / "out", reference, merged)
 
 
+def test_per_layer_lambdas_export_merged(tmp_path: Path) -> None:
+    """``lambda_overrides`` name some layers only: each layer's one-layer export skeleton is wrapped with the keys
+    that name it (the config refuses keys matching nothing)."""
+    from lightning_merak.adapters import moe
+    from lightning_merak.plugins.moe.experts import tiny_moe_model
+
+    base = tiny_moe_model("qwen3_moe", hidden=32, layers=2, vocab=VOCAB, seed=0)
+    base.config.use_cache = False
+    model = moe.add_moe_adapters(base, moe.moe_adapter_config(base, "qbara", r=4, lambda_overrides={
+        "down_proj": [1, 1], "q_proj": [1, 2]}))
+    _train(model, steps=2)
+    export_checkpoint(_checkpoint(model, tmp_path / "adapted.ckpt"), tmp_path / "out", merge_adapters=True)
+    merged = model.merge_and_unload()
+    merged.save_pretrained(tmp_path / "reference")
+    _check_export(tmp_path / "out", _stored(tmp_path / "reference"), merged)
+
+
 def test_untrained_expert_adapters_export_the_base_bit_exact(tmp_path: Path) -> None:
     """``B = 0`` (PEFT's initialisation, no step): the merged export is the base model's ``save_pretrained``."""
     from lightning_merak.plugins.moe.experts import tiny_moe_model

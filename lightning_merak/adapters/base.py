@@ -323,11 +323,12 @@ class PooledAdapterModel(BaseTuner):
     def _prepare_model(self, peft_config: PooledAdapterConfig, model: nn.Module) -> None:
         _maybe_include_all_linear_layers(peft_config, model)  # resolves target_modules="all-linear", as PEFT will
         targets = list(peft_config.target_parameters or [])
-        adapted = []
+        adapted, expert_weights = [], []
         for key, module in model.named_modules():
             position = key.replace(".base_layer", "")
             for tensor in expert_tensor_names(module) if targets else ():
                 name = f"{position}.{tensor}"
+                expert_weights.append(name)
                 if any(names_module(target, name) for target in targets):
                     adapted.append(name)
                     check_expert_target(self.experts_layer_cls.method_name, name, module, tensor,
@@ -343,6 +344,13 @@ class PooledAdapterModel(BaseTuner):
                 *peft_config.lambdas_for(key),
                 require_group_alignment=self.layer_cls.requires_group_alignment,
             )
+        unmatched = [target for target in targets if not any(names_module(target, name) for name in expert_weights)]
+        if unmatched:  # PEFT would adapt nothing for them, without a word
+            found = sorted({".".join(name.rsplit(".", 2)[-2:]) for name in expert_weights})
+            raise ValueError(f"{self.layer_cls.method_name}: target_parameters {unmatched} name no fused expert weight "
+                             f"of {type(model).__name__}; "
+                             + (f"its expert weights end in {', '.join(found)}" if found
+                                else "it has none (a dense model: adapt its linear layers with target_modules)"))
         check_lambda_overrides(self.layer_cls.method_name, peft_config, adapted)
 
     def _create_and_replace(

@@ -213,7 +213,28 @@ def _inject(skeleton: nn.Module, adapters: dict[str, Any]) -> None:
     with warnings.catch_warnings():  # "target_modules/target_parameters ... no module was matched": expected here
         warnings.filterwarnings("ignore", message=".*(were set but no|did not match any targeted).*")
         for name, values in adapters.items():
-            inject_adapter_in_model(PeftConfig.from_peft_type(**values), skeleton, adapter_name=name)
+            inject_adapter_in_model(PeftConfig.from_peft_type(**_narrowed(values, skeleton)), skeleton,
+                                    adapter_name=name)
+
+
+def _narrowed(values: dict[str, Any], skeleton: nn.Module) -> dict[str, Any]:
+    """A recorded adapter config with only the ``target_parameters`` and ``lambda_overrides`` that name what
+    ``skeleton`` holds: the others live in other layers, and Q-BaRA / QA-HiRA refuse names that match nothing."""
+    from lightning_merak.adapters.base import names_module  # lazy: torch, PEFT
+    from lightning_merak.adapters.pooled_experts import expert_tensor_names  # lazy: torch, PEFT
+
+    held = [name.replace(".base_layer", "") for name, _ in skeleton.named_modules()]
+    held += [f"{name}.{tensor}" for name, module in skeleton.named_modules() for tensor in expert_tensor_names(module)]
+
+    def present(key: str) -> bool:
+        return any(names_module(key, name) for name in held)
+
+    narrowed = dict(values)
+    if values.get("target_parameters"):
+        narrowed["target_parameters"] = [key for key in values["target_parameters"] if present(key)] or None
+    if values.get("lambda_overrides"):
+        narrowed["lambda_overrides"] = {key: pair for key, pair in values["lambda_overrides"].items() if present(key)}
+    return narrowed
 
 
 def _merged_weight(layer_name: str, base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor],
