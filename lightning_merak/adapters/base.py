@@ -6,7 +6,6 @@ The two methods differ only in the pooled matrix ``M`` (``B @ A`` or ``H``); eve
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Union
 
@@ -15,6 +14,8 @@ from peft.config import PeftConfig
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, _maybe_include_all_linear_layers
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, resolve_quantization_backend
 from torch import nn
+
+from lightning_merak.util.values import is_count, is_finite_number
 
 from .bnb_layout import keep_bnb_training_layout, restore_bnb_cpu_layout
 from .int4 import QuantLinearInt4
@@ -68,10 +69,10 @@ class PooledAdapterConfig(PeftConfig):
         if not _is_positive_int(self.r):
             raise ValueError(f"{method}: r must be positive and an integer (the nominal LoRA rank), got r={self.r!r}; "
                              "e.g. r=8")
-        if not _is_number(self.alpha) or not math.isfinite(self.alpha) or self.alpha == 0:
+        if not is_finite_number(self.alpha) or self.alpha == 0:
             raise ValueError(f"{method}: alpha={self.alpha!r} must be a finite non-zero number (the adapter's output "
                              "is scaled by alpha / r; 0 leaves the model unchanged), e.g. alpha=16.0")
-        if not _is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
+        if not is_finite_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"{method}: dropout={self.dropout!r} must be a number in [0, 1), e.g. dropout=0.0")
         if self.init not in self.init_choices:
             raise ValueError(f"{method}: init must be one of {self.init_choices}, got {self.init!r}")
@@ -110,11 +111,7 @@ class PooledAdapterConfig(PeftConfig):
 
 
 def _is_positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return is_count(value) and value > 0  # type: ignore[operator]
 
 
 def names_module(suffix: str, module_name: str) -> bool:

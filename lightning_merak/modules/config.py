@@ -16,6 +16,7 @@ from typing import Any, Optional
 from omegaconf import MISSING
 
 from lightning_merak.util.fields import option
+from lightning_merak.util.values import is_count, is_finite_number
 
 __all__ = ["DataConfig", "DataError", "ModelConfig", "OptimConfig", "Schedule", "TrainerConfig"]
 
@@ -162,7 +163,7 @@ class TrainerConfig:
                            SEED_LIMIT),
         ]
         clip = self.gradient_clip_val
-        if clip is not None and not (_is_finite(clip) and clip >= 0):
+        if clip is not None and not (is_finite_number(clip) and clip >= 0):
             problems.append(f"trainer.gradient_clip_val={clip!r} must be a finite number >= 0 (0 or null: no "
                             "clipping)")
         algorithm = self.kwargs.get("gradient_clip_algorithm")
@@ -178,21 +179,11 @@ CLIP_ALGORITHMS = ("norm", "value")
 """``lightning.Trainer``'s ``gradient_clip_algorithm`` values."""
 
 
-def _is_count(value: Any) -> bool:
-    """Whether ``value`` is an integer: a bool is one to Python, but ``True`` as a count is a slip, not a 1."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_finite(value: Any) -> bool:
-    """Whether ``value`` is a number (not a bool), neither infinite nor NaN."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _count_problem(field: str, value: Any, bound: str, lowest: int, highest: float = math.inf,
                    also: tuple[int, ...] = ()) -> Optional[str]:
     """Why ``field`` cannot be ``value`` (it must be ``bound``): not an integer in [lowest, highest] nor one of
     ``also``; None when it can."""
-    if _is_count(value) and (lowest <= value <= highest or value in also):
+    if is_count(value) and (lowest <= value <= highest or value in also):
         return None
     return f"{field}={value!r} must be {bound}"
 
@@ -271,15 +262,15 @@ class OptimConfig:
         """One reason per number out of range: torch checks some only for its own defaults, not for the parameter
         groups' values, and the schedule none of them."""
         problems: list[Optional[str]] = []
-        if not (_is_finite(self.learning_rate) and self.learning_rate > 0):
+        if not (is_finite_number(self.learning_rate) and self.learning_rate > 0):
             problems.append(f"optim.learning_rate={self.learning_rate!r} must be a finite number > 0")
-        if not (_is_finite(self.weight_decay) and self.weight_decay >= 0):
+        if not (is_finite_number(self.weight_decay) and self.weight_decay >= 0):
             problems.append(f"optim.weight_decay={self.weight_decay!r} must be a finite number >= 0 (0: no decay)")
-        if not (_is_finite(self.momentum) and 0 <= self.momentum < 1):
+        if not (is_finite_number(self.momentum) and 0 <= self.momentum < 1):
             problems.append(f"optim.momentum={self.momentum!r} must be in [0, 1) (a fraction of the last update kept)")
         problems.append(_count_problem("optim.warmup_steps", self.warmup_steps, "an integer >= 0 (0: no warm-up)",
                                        0))
-        if not (_is_finite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1):
+        if not (is_finite_number(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1):
             problems.append(f"optim.min_lr_ratio={self.min_lr_ratio!r} must lie in [0, 1] (a fraction of the peak)")
         if self.total_steps is not None:
             problems.append(_count_problem("optim.total_steps", self.total_steps, "an integer >= 1, or null for the "

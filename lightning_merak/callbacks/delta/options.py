@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lightning_merak.util.fields import option
+from lightning_merak.util.values import is_count
 
 __all__ = ["SWAP_TIERS", "DeltaOptions"]
 
@@ -49,9 +50,9 @@ class DeltaOptions:
             raise ValueError(f"director {self.director!r} is unknown; choose 'exposed' or 'delta'")
         for name, low in (("warmup_steps", 1), ("prefetch_depth", 1), ("stash_depth", 1), ("min_offload_bytes", 0)):
             value = getattr(self, name)
-            if not _is_integer(value) or value < low:
+            if not is_count(value) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if self.host_pool_bytes is not None and (not _is_integer(self.host_pool_bytes) or self.host_pool_bytes <= 0):
+        if self.host_pool_bytes is not None and (not is_count(self.host_pool_bytes) or self.host_pool_bytes <= 0):
             raise ValueError(
                 f"host_pool_bytes must be a positive integer of bytes, or None (half the available host memory), "
                 f"got {self.host_pool_bytes!r}"
@@ -61,11 +62,6 @@ class DeltaOptions:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.swap_dir is not None:
             _check_swap_dir(self.swap_dir)
-
-
-def _is_integer(value: object) -> bool:
-    """Whether ``value`` is an integer: a bool is one to Python, but ``True`` as a count is a slip, not a 1."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_swap_dir(swap_dir: object) -> None:

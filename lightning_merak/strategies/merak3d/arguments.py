@@ -44,6 +44,7 @@ from lightning_merak.parallel.tensor.vocab import check_vocabulary_split
 from lightning_merak.protocols.experts import ExpertParallelLayer
 from lightning_merak.strategies.merak3d.network import module_view
 from lightning_merak.strategies.merak3d.options import Degree, Merak3DOptions
+from lightning_merak.util.values import is_count
 
 __all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "SHARDING_MODES", "Degree", "Merak3DArguments", "check_accumulation",
            "checked_arguments", "moe_layers"]
@@ -53,11 +54,6 @@ PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
 SHARDING_MODES = ("none", "optimizer", "gradients", "full", "auto")
 LONGEST_TIMEOUT_S = timedelta.max.days * 86400.0
 """The longest collective timeout a ``timedelta`` (which torch takes) can hold."""
-
-
-def is_count(value: Any) -> bool:
-    """Whether ``value`` is an integer: a bool is one to Python, but ``True`` as a degree is a slip, not a 1."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def is_finite_number(value: Any) -> bool:
