@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,6 +79,20 @@ _pl.Trainer.__init__ = _init_recording_losses
 """
 
 
+RUNTIME_ABORT = "terminate called without an active exception"
+"""std::terminate with no exception: an intermittent abort of a gloo rank seen once in CI under two-core load
+(tests/test_readme_python.py, docs/guides/moe.md:1), not reproduced in 54 runs here; a block that hits it runs
+once more, with a warning, and must then pass."""
+
+
+def _run_block(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    # The rendezvous port torchrun (PET_MASTER_PORT: 29500 by default) or Lightning's launcher (MASTER_PORT: the
+    # kernel's choice) would take is chosen as merak-train chooses it, so blocks run side by side do not collide.
+    port = str(free_rendezvous_port())
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "PET_MASTER_PORT": port, "MASTER_PORT": port})
+
+
 def _python_block_case(block: str) -> str:
     keys = [key for key in PYTHON_CASES if key in block]
     assert len(keys) == 1, f"a documented Python block matches {len(keys)} cases:\n{block[:400]}"
@@ -108,13 +123,13 @@ def test_doc_python_block(where: str, tmp_path: Path) -> None:
         argv = [str(BIN / "torchrun"), *shlex.split(first_line[2:])[1:-1], str(script)]
     else:
         argv = [sys.executable, str(script)]
-    # The rendezvous port torchrun (PET_MASTER_PORT: 29500 by default) or Lightning's launcher (MASTER_PORT: the
-    # kernel's choice) would take is chosen as merak-train chooses it, so blocks run side by side do not collide.
-    port = str(free_rendezvous_port())
-    result = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "PET_MASTER_PORT": port, "MASTER_PORT": port})
+    result = _run_block(argv, tmp_path)
+    if result.returncode != 0 and RUNTIME_ABORT in result.stderr:
+        warnings.warn(f"{where}: a rank aborted in the C++ runtime ({RUNTIME_ABORT!r}); run again once:\n"
+                      f"{result.stderr[-1500:]}", stacklevel=1)
+        result = _run_block(argv, tmp_path)
     output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
+    assert result.returncode == 0, f"stdout:\n{result.stdout[-1500:]}\nstderr:\n{result.stderr[-3000:]}"
     for expected in case.output:
         assert expected in output, f"{expected!r} not in the block's output:\n{output[-3000:]}"
     if case.trains:

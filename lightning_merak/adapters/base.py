@@ -27,6 +27,7 @@ from .pooled_experts import (
     inject_expert_layers,
 )
 from .pooling import expand_outputs, per_group_delta, pool_inputs, tiled_delta_weight
+from .resume import refuse_mismatched_checkpoints
 
 
 @dataclass
@@ -160,6 +161,31 @@ def check_target_layer(
             f"{method}: layer '{name}' is INT4 with group_size={base.group_size}, misaligned with "
             f"lambda_in={lambda_in}: the exact merge needs lambda_in to be a multiple of the group size. "
             f"Set lambda_in={base.group_size} or quantize with a group size dividing {lambda_in}."
+        )
+
+
+def shared_parameters(model: nn.Module) -> dict[int, list[str]]:
+    """The names of every parameter held under more than one name (tied weights), by the parameter's ``id``."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return {key: found for key, found in names.items() if len(found) > 1}
+
+
+def check_untied_target(method: str, name: str, module: nn.Module, tied: dict[int, list[str]]) -> None:
+    """Refuse a target whose weight another module shares (``lm_head`` with tied word embeddings): the adapter
+    trains, but merging it adds its update to the shared weight, so the merged model's input embeddings change too
+    and it no longer computes what the adapted model did."""
+    base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
+    weight = getattr(base, "weight", None)
+    others = [other.rpartition(".")[0] for other in tied.get(id(weight), []) if not other.startswith(f"{name}.")]
+    if others:
+        suffix = name.rsplit(".", 1)[-1]
+        raise ValueError(
+            f"{method}: layer '{name}' shares its weight with '{others[0]}' (tied word embeddings): merging the "
+            f"adapter would change '{others[0]}' too, so the merged model would not compute what the adapted one "
+            f"did. Remove '{suffix}' from target_modules, or untie the weights before adapting (give '{name}' its "
+            "own copy of the weight and set config.tie_word_embeddings=False)."
         )
 
 
@@ -321,6 +347,7 @@ class PooledAdapterModel(BaseTuner):
         _maybe_include_all_linear_layers(peft_config, model)  # resolves target_modules="all-linear", as PEFT will
         targets = list(peft_config.target_parameters or [])
         adapted, expert_weights = [], []
+        tied = shared_parameters(model)
         for key, module in model.named_modules():
             position = key.replace(".base_layer", "")
             for tensor in expert_tensor_names(module) if targets else ():
@@ -341,6 +368,7 @@ class PooledAdapterModel(BaseTuner):
                 *peft_config.lambdas_for(key),
                 require_group_alignment=self.layer_cls.requires_group_alignment,
             )
+            check_untied_target(self.layer_cls.method_name, key, module, tied)
         unmatched = [target for target in targets if not any(names_module(target, name) for name in expert_weights)]
         if unmatched:  # PEFT would adapt nothing for them, without a word
             found = sorted({".".join(name.rsplit(".", 2)[-2:]) for name in expert_weights})
@@ -349,6 +377,7 @@ class PooledAdapterModel(BaseTuner):
                              + (f"its expert weights end in {', '.join(found)}" if found
                                 else "it has none (a dense model: adapt its linear layers with target_modules)"))
         check_lambda_overrides(self.layer_cls.method_name, peft_config, adapted)
+        refuse_mismatched_checkpoints(model)  # an adapter saved from another model is refused, not half-loaded
 
     def _create_and_replace(
         self,

@@ -9,8 +9,9 @@ checkpoint's packed bytes. bitsandbytes' int8 layer reads its scales (``SCB``) i
 
 :func:`refuse_mismatched_checkpoints` guards a model's load: before any tensor is copied it compares, layer
 by layer, the base quantisation the checkpoint holds (nf4, fp4, int8, the project's int4, or float) with
-the model's, and the shapes of the trainable (adapter) tensors, and raises one error naming the differences
-and the fix, where torch would list dozens of unexpected keys and size mismatches.
+the model's, the shapes of the trainable (adapter) tensors and which adapted layers each side has, and raises
+one error naming the differences and the fix, where torch would list dozens of unexpected keys and size
+mismatches and PEFT's adapter load (not strict) would drop or skip adapter weights without a word.
 """
 
 from __future__ import annotations
@@ -126,7 +127,47 @@ def _mismatches(model: nn.Module, state_dict: dict[str, Any], prefix: str) -> li
     return problems
 
 
+def _is_adapter_tensor(name: str, containers: frozenset[str]) -> bool:
+    """Whether ``name`` lies under a tuner layer's adapter container (PEFT's ``<layer>.<container>.<adapter
+    name>[.weight]``, e.g. ``q_proj.qbara_A.default``; a saved key with no place in the model keeps PEFT's file
+    form, without the adapter name)."""
+    return any(part in containers for part in name.split("."))
+
+
+def _adapter_key_problem(model: nn.Module, state_dict: dict[str, Any], prefix: str) -> Optional[str]:
+    """Why the checkpoint's adapter tensors do not fit ``model``'s one for one, or None: PEFT's adapter load
+    (``strict=False``) drops a saved tensor with no place in the model and keeps a missing one's initial value,
+    both silently, as when the adapter was trained on a model with more or fewer layers. Only the adapters the
+    checkpoint holds any tensor of are checked for missing ones (loading one adapter of several is fine)."""
+    containers = frozenset(name for layer in model.modules() for name in getattr(layer, "adapter_layer_names", ()))
+    if not containers:
+        return None
+    saved = {key[len(prefix):] for key in state_dict if key.startswith(prefix)}
+    saved = {name for name in saved if _is_adapter_tensor(name, containers)}
+    here = {name for name, _ in model.named_parameters(remove_duplicate=False) if _is_adapter_tensor(name, containers)}
+    loaded = {_adapter_name(name, containers) for name in saved & here}
+    unplaced = sorted(saved - here)
+    missing = sorted(name for name in here - saved if _adapter_name(name, containers) in loaded)
+    if not unplaced and not missing:
+        return None
+    problems = [f"{len(names)} {what} (e.g. {', '.join(names[:3])})" for names, what in (
+        (unplaced, "saved adapter weights match no module of this model"),
+        (missing, "adapter weights of this model are not in it")) if names]
+    return (f"the checkpoint's adapter does not fit this model: {'; '.join(problems)}. It was trained on a model "
+            "with other layers (more or fewer blocks) or other target_modules; load it into the model it was trained "
+            "on (the same model settings and adapter.target_modules)")
+
+
+def _adapter_name(name: str, containers: frozenset[str]) -> str:
+    """The adapter a model's adapter tensor belongs to: the part after its container."""
+    parts = name.split(".")
+    return next(parts[index + 1] for index, part in enumerate(parts[:-1]) if part in containers)
+
+
 def _refuse_mismatches(model: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    key_problem = _adapter_key_problem(model, state_dict, prefix)
+    if key_problem is not None:
+        raise ValueError(key_problem)
     problems = _mismatches(model, state_dict, prefix)
     if problems:
         listed = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
@@ -137,8 +178,9 @@ def _refuse_mismatches(model: nn.Module, state_dict: dict[str, Any], prefix: str
 
 
 def refuse_mismatched_checkpoints(model: nn.Module) -> nn.Module:
-    """Make ``model``'s ``load_state_dict`` refuse a checkpoint of another quantisation or adapter shape before
-    copying anything, and let its bitsandbytes 4-bit layers load their packed state (returns ``model``)."""
+    """Make ``model``'s ``load_state_dict`` refuse a checkpoint of another quantisation, adapter shape or adapted
+    layers before copying anything, and let its bitsandbytes 4-bit layers load their packed state (returns
+    ``model``). The loads of its parents (``PeftModel.from_pretrained``, Lightning's resume) run the check too."""
     bnb = sys.modules.get("bitsandbytes")  # not imported: heavy and optional, and without it no 4-bit layer
     for layer in model.modules():
         if bnb is not None and isinstance(layer, bnb.nn.Linear4bit):

@@ -112,7 +112,8 @@ def _whole_zip(path: Path) -> bool:
     try:
         with zipfile.ZipFile(path) as archive:
             return bool(archive.namelist())
-    except (OSError, zipfile.BadZipFile):
+    except (OSError, ValueError, NotImplementedError, zipfile.BadZipFile):  # cut short, or a damaged directory (a
+        # name that is not UTF-8, an unknown zip version)
         return False
 
 

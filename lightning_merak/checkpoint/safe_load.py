@@ -12,6 +12,11 @@ on their machine. Every checkpoint lightning-merak reads goes through here:
   non-tensor entries with ``torch.load(weights_only=False)``, and offers no restricted reader;
   :class:`SafeFileSystemReader` reads the index with an unpickler that only builds DCP's own
   metadata classes, and :class:`SafeLoadPlanner` loads entries weights-only.
+
+A ``torch.save`` file damaged since it was written (flipped bytes, a record cut short) fails deep inside torch's
+reader or unpickler with whatever error the broken bytes lead to; :func:`load_torch_file` refuses it as a
+:class:`DamagedCheckpointError` naming the file, the record that fails its checksum where one does, and the fix.
+torch does not check the checksums itself, so flipped bytes inside a tensor's data load without an error.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import importlib
 import io
 import pickle
 import re
+import struct
+import zipfile
 from pathlib import Path
 from typing import IO, Any, Optional, Union
 
@@ -27,8 +34,8 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-__all__ = ["RECORD_GLOBALS", "SafeFileSystemReader", "SafeLoadPlanner", "UnsafeCheckpointError", "load_torch_file",
-           "read_dcp_metadata"]
+__all__ = ["RECORD_GLOBALS", "DamagedCheckpointError", "SafeFileSystemReader", "SafeLoadPlanner",
+           "UnsafeCheckpointError", "load_torch_file", "read_dcp_metadata"]
 
 _FIX = ("lightning-merak loads checkpoints weights-only and never unpickles other objects. If you wrote this "
         "file yourself and trust it, allow exactly the objects it needs with "
@@ -59,17 +66,58 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
     """A checkpoint holds objects that loading would have to run code to build; the message names the fix."""
 
 
+class DamagedCheckpointError(ValueError):
+    """A checkpoint file torch cannot read back, damaged or cut short since it was written: a refusal (``merak-train``
+    prints it without a traceback) naming the file and the fix."""
+
+
+_DAMAGE_SYMPTOMS = (RuntimeError, EOFError, OSError, ValueError, IndexError, KeyError, TypeError, AttributeError,
+                    AssertionError, struct.error, pickle.UnpicklingError)
+"""What ``torch.load`` raises on a damaged file: found by flipping, one at a time, each byte of a checkpoint's
+records and zip headers."""
+
+
 def _record_global(name: str) -> Any:
     module, _, attribute = name.rpartition(".")
     return getattr(importlib.import_module(module), attribute)
 
 
+def _failed_record(path: Path) -> Optional[str]:
+    """What of the ``torch.save`` archive ``path`` fails zip's own checks (a record's CRC-32, a header), or None where
+    every record reads back as written. Reads the whole file: only once a load has failed."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            failed = archive.testzip()
+    except (*_DAMAGE_SYMPTOMS, zipfile.BadZipFile) as error:  # its directory itself damaged
+        return f"not a readable zip archive ({type(error).__name__}: {error})"
+    return None if failed is None else f"its record {failed} fails its CRC-32 check"
+
+
 def load_torch_file(path: Union[str, Path, IO[bytes]], map_location: Any = "cpu", mmap: bool = False) -> Any:
-    """``torch.load(path, weights_only=True)``, refusing other objects with the fix named.
+    """``torch.load(path, weights_only=True)``, refusing other objects with the fix named, and a file damaged since
+    it was written as a :class:`DamagedCheckpointError`.
 
     Only :data:`RECORD_GLOBALS` are allowed besides torch's defaults, each imported when a file asks for it
     (importing PEFT costs seconds, and most checkpoints have no adapters).
     """
+    try:
+        return _load_weights_only(path, map_location, mmap)
+    except _DAMAGE_SYMPTOMS as error:
+        if not isinstance(path, (str, Path)) or isinstance(error, (torch.OutOfMemoryError, FileNotFoundError,
+                                                                    IsADirectoryError, PermissionError)):
+            raise  # not damage: a missing or unreadable path keeps its own error
+        damage = _failed_record(Path(path))
+        if damage is None and isinstance(error, UnsafeCheckpointError):
+            raise  # whole, but asking for objects weights-only loading does not build
+        detail = str(error).strip().split(". ")[0]
+        what = (f"is damaged: {damage}" if damage else f"cannot be read back (torch.load: {type(error).__name__}"
+                f"{': ' + detail if detail else ''}), damaged since it was written or not a checkpoint torch reads")
+        raise DamagedCheckpointError(f"{path} {what}; point at another checkpoint (an earlier one of the same run), "
+                                     "or start afresh without resume") from error
+
+
+def _load_weights_only(path: Union[str, Path, IO[bytes]], map_location: Any, mmap: bool) -> Any:
+    """``torch.load`` weights-only, allowing each of :data:`RECORD_GLOBALS` once the file asks for it."""
     allowed: list[Any] = []
     while True:
         try:

@@ -149,16 +149,22 @@ def _rank_command(run_dir: str, local_rank: int) -> list[str]:
 def prelaunch_local_ranks(devices: int, num_nodes: int) -> PrelaunchedRanks | None:
     """Start ranks 1..devices-1 of a single-node Hydra run now, waiting at their gates; None where Lightning's
     launcher keeps the job (one device, more devices than cores, several nodes, a launcher already ran, a
-    multirun, no Hydra run). A single-node run of several devices gets its ``MASTER_PORT`` here either way."""
+    multirun, no Hydra run). A single-node run of several devices gets its ``MASTER_PORT`` here either way, and a
+    run of more devices than cores a printed note that it will be slow."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    if devices < 2 or num_nodes != 1 or launched_externally(os.environ):
+    if devices < 2 or launched_externally(os.environ):
+        return None
+    cores = len(os.sched_getaffinity(0))
+    if devices > cores:
+        print(_oversubscription_notice(devices, cores), flush=True)
+    if num_nodes != 1:
         return None
     # Lightning's launcher would take a port from the ephemeral range, which other jobs' connections can take
     # before rank 0 binds it (util/ports.py); this choice serves it and the ranks started here alike.
     os.environ.setdefault("MASTER_PORT", str(free_rendezvous_port()))
-    if devices > len(os.sched_getaffinity(0)):
+    if devices > cores:
         return None
     if not HydraConfig.initialized():
         return None
@@ -179,6 +185,14 @@ def prelaunch_local_ranks(devices: int, num_nodes: int) -> PrelaunchedRanks | No
         os.close(read_end)
         gates.append(write_end)
     return PrelaunchedRanks(processes, gates)
+
+
+def _oversubscription_notice(ranks: int, cores: int) -> str:
+    """The note for more ranks on a node than it has cores: legitimate (emulating a larger world on a small
+    machine), but each rank's share of a core makes every step slow, which the user should not have to guess."""
+    return (f"merak-train: note: trainer.devices={ranks} starts {ranks} ranks on this machine's {cores} cores: "
+            f"each rank gets about {cores / ranks:.2g} of a core, so the run will be slow (fine to emulate a "
+            f"larger world; trainer.devices<={cores} runs at full speed)")
 
 
 def share_cores(ranks: int) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import hydra
+from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_merak.checkpoint.resume import resume_path
@@ -223,15 +224,32 @@ class PreparedRun:
     resume_from: Optional[str]
 
 
-def _datamodule(config: TrainConfig) -> Any:
-    """The ``data`` option's datamodule: merak-train's own for a ``DataConfig``, else its ``_target_``'s."""
+def _data_parallel_before_launch(strategy: Strategy, world_size: int, trainer_kwargs: dict[str, Any]) -> int:
+    """The ranks Lightning's sampler will split the training samples over, where known before launch: DDP's every
+    rank; else 1, the fewest (merak3d may plan its data-parallel degree at setup)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    splits = isinstance(strategy, DDPStrategy) and trainer_kwargs.get("use_distributed_sampler", True)
+    return world_size if splits else 1
+
+
+def _datamodule(config: TrainConfig, data_parallel: int) -> Any:
+    """The ``data`` option's datamodule: merak-train's own for a ``DataConfig`` (checked against the
+    ``data_parallel`` ranks sharing it), else its ``_target_``'s, whose refusals Hydra's wrapper would hide."""
     import lightning.pytorch as pl
 
     from lightning_merak.modules.data import LanguageModelingData  # lazy: torch, Lightning
 
     if isinstance(config.data, DataConfig):
-        return LanguageModelingData(config.data)
-    return instantiate_checked(config.data, "data", pl.LightningDataModule)
+        data = LanguageModelingData(config.data)
+        data.check_before_launch(data_parallel)
+        return data
+    try:
+        return instantiate_checked(config.data, "data", pl.LightningDataModule)
+    except InstantiationException as error:
+        if isinstance(error.__cause__, (ValueError, FileNotFoundError)):  # the datamodule refused a value or path
+            raise error.__cause__ from None
+        raise
 
 
 def _batch_shape(config: TrainConfig, data: Any) -> dict[str, Any]:
@@ -381,7 +399,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
         if problem is not None:
             raise ValueError(problem)
     pl.seed_everything(config.trainer.seed, workers=True, verbose=False)
-    data = _datamodule(config)
+    data = _datamodule(config, _data_parallel_before_launch(strategy, world_size, trainer_kwargs))
     if getattr(data, "lengths", None) == "variable":  # each rank's datamodule checks again in its setup
         check_consumer(strategy)
     batch_shape = _batch_shape(config, data)

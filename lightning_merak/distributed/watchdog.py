@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import socket
 import threading
@@ -50,6 +49,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from lightning_merak.distributed.nccl_environment import flight_recorder_dump_prefix
+from lightning_merak.util.values import is_finite_number
 
 __all__ = [
     "DEFAULT_DEAD_AFTER_S",
@@ -121,7 +121,7 @@ Progress = Mapping[str, GroupProgress]
 def _check_seconds(name: str, value: object, meaning: str) -> None:
     """Refuse a duration that is not a finite number of seconds above 0: with NaN every comparison is false, so
     a NaN poll interval spins the watch thread and a NaN timeout never fires."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not is_finite_number(value) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a finite number of seconds > 0 ({meaning})")
 
 

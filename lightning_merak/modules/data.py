@@ -11,7 +11,8 @@ without one, with a byte-level tokenizer (256 byte values plus an end-of-text to
 UTF-8 or not JSON lines is refused in the constructor, naming the file, the line and the fix; where the token counts
 are known without tokenising (the byte-level tokenizer, or token ids in the file), so are too few blocks or
 documents for the run, before ``merak-train`` launches any rank. With a tokenizer those checks wait for ``setup``:
-the launcher would otherwise tokenise the whole corpus once more.
+the launcher would otherwise tokenise the whole corpus once more. Generated sequences too few for a batch on each
+data-parallel rank are refused by :meth:`LanguageModelingData.check_before_launch`, which ``merak-train`` calls.
 
 :class:`TokenDataModule` and the functions that cut documents into blocks or samples are shared with
 :class:`~lightning_merak.modules.hf_data.HFDatasetData`, so every source is split and resumed the same way.
@@ -500,6 +501,17 @@ class LanguageModelingData(TokenDataModule):
         held_out = validation_block_count(num_blocks, config.val_fraction)
         check_training_batches(num_blocks - held_out, config.batch_size, 1,
                                *self.describe_training_split(num_blocks - held_out, held_out))
+
+    def check_before_launch(self, data_parallel: int) -> None:
+        """Refuse what the training loader of each rank would once the ranks run, where the count is a setting:
+        generated sequences too few for a batch on each of the ``data_parallel`` ranks a distributed sampler will
+        split them over (1 where that is not known before launch; variable lengths: every rank reads each global
+        batch)."""
+        if self.language is None:
+            return
+        replicas = 1 if self.lengths == "variable" else data_parallel
+        check_training_batches(self.config.num_sequences, self.batch_size, replicas,
+                               *self.describe_training_split(self.config.num_sequences, 0))
 
     def describe_training_split(self, train_count: int, held_out: int) -> tuple[str, str]:
         if self.language is not None:

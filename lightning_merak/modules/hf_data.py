@@ -17,14 +17,20 @@ and sends a duplicated document to the same side; every rank validates on all he
 
 Too little text for two blocks, or for a training batch on each rank, is refused in ``setup`` and when the training
 loader is made, not in the constructor: counting the tokens means reading and tokenising the whole corpus, which
-``merak-train``'s launcher would then do once more before the ranks do.
+``merak-train``'s launcher would then do once more before the ranks do. So is a file ``datasets`` cannot parse (bad
+JSON, bytes that are not UTF-8, a damaged parquet file) where it is first read (the constructor reads the first
+records): a :class:`DataError` naming the file, the line where one can be found, and the fix (:class:`Corpus`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import itertools
+import json
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -42,6 +48,7 @@ from lightning_merak.modules.data import (
     packed_split,
     variable_samples,
 )
+from lightning_merak.modules.text_files import not_utf8
 
 try:
     import datasets
@@ -50,7 +57,7 @@ except ImportError as missing:  # an optional dependency: the `data` extra
     raise ImportError("data=hf_dataset reads corpora with Hugging Face datasets, which is not installed: "
                       "pip install 'lightning-merak[data]' (or pip install datasets)") from missing
 
-__all__ = ["FORMATS", "HFDatasetData", "PackedStream", "held_out", "resolve_format"]
+__all__ = ["FORMATS", "Corpus", "HFDatasetData", "PackedStream", "held_out", "resolve_format"]
 
 SUFFIX_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 FORMATS = ("json", "jsonl", "parquet", "csv", "arrow", "save_to_disk")
@@ -88,26 +95,116 @@ def resolve_format(path: Path, data_format: Optional[str]) -> str:
     return formats.pop()
 
 
-def open_documents(path: Path, data_format: str, split: str) -> datasets.Dataset | datasets.IterableDataset:
+class _DropReadFailures(logging.Filter):
+    """Drops ``datasets``' log line of a file it failed to read: the refusal raised instead says more."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Failed to ")
+
+
+_READER_LOGGERS = tuple(logging.getLogger(f"datasets.packaged_modules.{name}.{name}")
+                        for name in ("json", "csv", "parquet", "arrow"))
+"""The loggers of ``datasets``' file readers, which log a failure to read before raising it."""
+
+
+def _json_problem(file: Path, text_field: str) -> Optional[DataError]:
+    """The refusal naming where the UTF-8 ``file`` stops being JSON: its first line that is not a JSON value (JSON
+    lines, as ``datasets`` reads first), or where a file that is one JSON document breaks; None where it parses."""
+    fix = (f"each line of a JSON-lines file must be one JSON object, such as {{\"{text_field}\": \"...\"}}, and a "
+           ".json file may instead be one JSON document; fix or drop what is broken")
+    with file.open(encoding="utf-8") as lines:
+        numbered = ((number, line) for number, line in enumerate(lines, start=1) if line.strip())
+        for index, (line_number, line) in enumerate(numbered):
+            try:
+                json.loads(line.rstrip("\r\n"))  # so an object left open is placed at the line's end, not the next
+            except json.JSONDecodeError as error:
+                if index == 0 and file.suffix != ".jsonl":
+                    break  # not JSON lines, perhaps one document over several lines
+                return DataError(f"{file}:{line_number} is not valid JSON ({error.msg} at column {error.colno}); "
+                                 f"{fix}")
+        else:
+            return None
+    try:
+        json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        return DataError(f"{file}:{error.lineno} is not valid JSON ({error.msg} at column {error.colno}); {fix}")
+    return None
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """The files ``datasets`` reads the documents from, for refusals of what it cannot parse."""
+
+    path: Path
+    data_format: str
+    text_field: str
+
+    @property
+    def source(self) -> str:
+        """How errors name the data."""
+        return f"data.path={str(self.path)!r}"
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Around a read by ``datasets``: its parse errors (``ValueError``s of pyarrow, pandas, json and UTF-8
+        decoding, each library's own) are refused by :meth:`refusal`, its log line of them dropped."""
+        drop = _DropReadFailures()
+        for logger in _READER_LOGGERS:
+            logger.addFilter(drop)
+        try:
+            yield
+        except ValueError as error:
+            raise self.refusal(error) from error
+        finally:
+            for logger in _READER_LOGGERS:
+                logger.removeFilter(drop)
+
+    def refusal(self, error: ValueError) -> DataError:
+        """The first line of a text data file that is not UTF-8, or (json) not JSON, where one is; else ``datasets``'
+        reason, with the path and the fix."""
+        for file in self._text_files():
+            problem = not_utf8(file, str(file))
+            if problem is None and self.data_format == "json":
+                problem = _json_problem(file, self.text_field)
+            if problem is not None:
+                return problem
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return DataError(f"{self.source} cannot be read as {self.data_format} by datasets ({reason}); fix or replace "
+                         "the broken file, or set data.format to the format of its files")
+
+    def _text_files(self) -> list[Path]:
+        """The corpus's data files that are text (json, csv): the file, or those of the folder in the format."""
+        if self.data_format not in ("json", "csv"):
+            return []
+        if self.path.is_file():
+            return [self.path]
+        return sorted(file for file in self.path.rglob("*")
+                      if file.is_file() and SUFFIX_FORMATS.get(file.suffix) == self.data_format)
+
+
+def open_documents(corpus: Corpus, split: str) -> datasets.Dataset | datasets.IterableDataset:
     """The split's records, opened lazily: memory-mapped (``save_to_disk``) or streamed from the files."""
-    if data_format == "save_to_disk":
-        splits = datasets.load_from_disk(str(path))
-        if isinstance(splits, datasets.Dataset):  # a single dataset is its own one split
-            return splits
-    else:
-        source = {"data_files": str(path)} if path.is_file() else {"data_dir": str(path)}
-        splits = datasets.load_dataset(data_format, streaming=True, **source)
+    path = corpus.path
+    with corpus.reading():
+        if corpus.data_format == "save_to_disk":
+            splits = datasets.load_from_disk(str(path))
+        else:
+            source = {"data_files": str(path)} if path.is_file() else {"data_dir": str(path)}
+            splits = datasets.load_dataset(corpus.data_format, streaming=True, **source)
+    if isinstance(splits, datasets.Dataset):  # a single save_to_disk dataset is its own one split
+        return splits
     if split not in splits:
         raise ValueError(f"data.split={split!r} is not in data.path={str(path)!r}; its splits are "
                          f"{', '.join(sorted(splits))}: set data.split to one of them")
     return splits[split]
 
 
-def column_names(documents: datasets.Dataset | datasets.IterableDataset) -> list[str]:
+def column_names(documents: datasets.Dataset | datasets.IterableDataset, corpus: Corpus) -> list[str]:
     """The records' columns: from the schema, or (a stream whose reader infers it) from the first record."""
     if documents.column_names is not None:
         return list(documents.column_names)
-    first = next(iter(documents.take(1)), None)
+    with corpus.reading():
+        first = next(iter(documents.take(1)), None)
     return [] if first is None else list(first)
 
 
@@ -121,11 +218,22 @@ def _on_side(record: dict[str, Any], text_field: str, seed: int, val_fraction: f
     return held_out(record[text_field], seed, val_fraction) == validation
 
 
-def _token_lists(documents: Any, text_field: str, encode: Callable[[str], list[int]],
+def _record_batches(documents: Any, corpus: Corpus) -> Iterator[dict[str, list[Any]]]:
+    """The records in batches of :data:`READ_BATCH`, what ``datasets`` cannot parse refused as it is read."""
+    batches = iter(documents.iter(batch_size=READ_BATCH))
+    while True:
+        with corpus.reading():
+            batch = next(batches, None)
+        if batch is None:
+            return
+        yield batch
+
+
+def _token_lists(documents: Any, corpus: Corpus, encode: Callable[[str], list[int]],
                  eos_token_id: Optional[int]) -> Iterator[list[int]]:
     """Each record's token ids, read in batches of records; empty (null) documents skipped."""
-    for batch in documents.iter(batch_size=READ_BATCH):
-        for document in batch[text_field]:
+    for batch in _record_batches(documents, corpus):
+        for document in batch[corpus.text_field]:
             if document is not None:
                 yield document_tokens(document, encode, eos_token_id)
 
@@ -137,11 +245,11 @@ class PackedStream(TorchIterableDataset):
     with the seed plus the pass), and tokens left over at a pass's end open the next one.
     """
 
-    def __init__(self, documents: datasets.IterableDataset, text_field: str, encode: Callable[[str], list[int]],
-                 eos_token_id: Optional[int], seq_len: int, endless: bool, source: str) -> None:
+    def __init__(self, documents: datasets.IterableDataset, corpus: Corpus, encode: Callable[[str], list[int]],
+                 eos_token_id: Optional[int], seq_len: int, endless: bool) -> None:
         super().__init__()
-        self.documents, self.text_field, self.seq_len, self.endless = documents, text_field, seq_len, endless
-        self.encode, self.eos_token_id, self.source = encode, eos_token_id, source
+        self.documents, self.corpus, self.seq_len, self.endless = documents, corpus, seq_len, endless
+        self.encode, self.eos_token_id = encode, eos_token_id
         self.first_pass = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -152,14 +260,14 @@ class PackedStream(TorchIterableDataset):
         for pass_number in itertools.count(self.first_pass) if self.endless else (self.first_pass,):
             self.documents.set_epoch(pass_number)
             read_any = False
-            for tokens in _token_lists(self.documents, self.text_field, self.encode, self.eos_token_id):
+            for tokens in _token_lists(self.documents, self.corpus, self.encode, self.eos_token_id):
                 read_any = True
                 buffer.extend(tokens)
                 while len(buffer) >= self.seq_len:
                     yield (torch.tensor(buffer[:self.seq_len], dtype=torch.long),)
                     del buffer[:self.seq_len]
             if self.endless and not read_any:  # an empty share would loop forever without a batch
-                raise DataError(f"{self.source}: this rank's share of the training documents is empty; use more "
+                raise DataError(f"{self.corpus.source}: this rank's share of the training documents is empty; use more "
                                  "documents, fewer ranks or data.num_workers, or a smaller data.val_fraction")
 
 
@@ -202,8 +310,9 @@ class HFDatasetData(TokenDataModule):
         self.split, self.text_field, self.seq_len, self.max_length = split, text_field, seq_len, max_length
         self.val_fraction, self.streaming, self.shuffle_buffer = val_fraction, streaming, shuffle_buffer
         self._encode, self.vocab_size, self._eos = load_tokenizer(tokenizer_path)
-        self.documents = open_documents(local, self.format, split)
-        columns = column_names(self.documents)
+        self.corpus = Corpus(local, self.format, text_field)
+        self.documents = open_documents(self.corpus, split)
+        columns = column_names(self.documents, self.corpus)
         if text_field not in columns:
             raise ValueError(f"data.path={path!r} has no column {text_field!r} (columns: {', '.join(columns)}); "
                              "set data.text_field to the column holding the text")
@@ -211,7 +320,7 @@ class HFDatasetData(TokenDataModule):
     @property
     def source(self) -> str:
         """How errors name the data."""
-        return f"data.path={self.path!r}"
+        return self.corpus.source
 
     def describe_training_split(self, train_count: int, held_out: int) -> tuple[str, str]:
         if self.lengths == "fixed":
@@ -219,7 +328,7 @@ class HFDatasetData(TokenDataModule):
         return super().describe_training_split(train_count, held_out)
 
     def build_samples(self) -> tuple[Any, Any]:
-        token_lists = _token_lists(self.documents, self.text_field, self._encode, self._eos)
+        token_lists = _token_lists(self.documents, self.corpus, self._encode, self._eos)
         if self.lengths == "variable":
             return variable_samples(token_lists, self.max_length, self.batch_size, self.val_fraction, self.seed,
                                     self.source)
@@ -243,7 +352,7 @@ class HFDatasetData(TokenDataModule):
         return documents.select_columns([self.text_field]).filter(on_side)
 
     def _packed(self, documents: datasets.IterableDataset, endless: bool) -> PackedStream:
-        return PackedStream(documents, self.text_field, self._encode, self._eos, self.seq_len, endless, self.source)
+        return PackedStream(documents, self.corpus, self._encode, self._eos, self.seq_len, endless)
 
     def train_stream(self, rank: int, world_size: int, endless: bool = True) -> PackedStream:
         """Data-parallel rank ``rank``'s stream of training blocks (``streaming=True``); ``endless=False``: one

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 from collections.abc import Iterable, Iterator, MutableMapping
 from typing import Any, Callable, Optional
 
@@ -31,6 +30,7 @@ from lightning_merak.parallel.data.owners import OwnedMatrices
 from lightning_merak.parallel.data.whole_matrices import MatrixPieces
 from lightning_merak.util.cpu_features import cpu_multiplies_bfloat16
 from lightning_merak.util.timing import median_call_time
+from lightning_merak.util.values import is_finite_number
 
 __all__ = ["NEWTON_SCHULZ_DTYPES", "MatrixMuon", "MuonWithAdamW", "newton_schulz", "newton_schulz_seconds"]
 
@@ -91,8 +91,7 @@ def _checked_muon_settings(settings: dict[str, Any], known: Iterable[str]) -> di
 
     def number(name: str) -> Optional[float]:
         value = settings.get(name)
-        is_number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        return float(value) if is_number else None
+        return float(value) if is_finite_number(value) else None
 
     bounds = {"lr": (lambda v: v >= 0, ">= 0"), "weight_decay": (lambda v: v >= 0, ">= 0"),
               "momentum": (lambda v: 0 <= v < 1, "in [0, 1)"), "eps": (lambda v: v > 0, "> 0")}

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from lightning_merak.modules.config import DataError
 
-__all__ = ["TEXT_SUFFIXES", "DataFileNotFound", "MissingTextField", "load_text_documents"]
+__all__ = ["TEXT_SUFFIXES", "DataFileNotFound", "MissingTextField", "load_text_documents", "not_utf8"]
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
@@ -26,18 +26,21 @@ class MissingTextField(DataError, KeyError):
     __str__ = DataError.__str__
 
 
-def _not_utf8(file: Path, path: str) -> DataError:
-    """The refusal of a file that does not decode as UTF-8, naming its first line that does not."""
-    raw = file.read_bytes()
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = raw.count(b"\n", 0, error.start) + 1
-        column = error.start - raw.rfind(b"\n", 0, error.start)
-        where = f"{path}:{line} is not UTF-8 text (byte 0x{raw[error.start]:02x} at column {column}: {error.reason})"
-    else:  # changed since it failed to decode
-        where = f"{path} is not UTF-8 text"
-    return DataError(f"{where}; re-encode the file as UTF-8 (e.g. iconv -f <its encoding> -t utf-8)")
+_REENCODE_FIX = "re-encode the file as UTF-8 (e.g. iconv -f <its encoding> -t utf-8)"
+
+
+def not_utf8(file: Path, path: str) -> Optional[DataError]:
+    """The refusal of a file that does not decode as UTF-8, naming its first line that does not; None if it decodes.
+
+    Read a line at a time, so a large corpus is never held whole: no UTF-8 character spans a newline byte."""
+    with file.open("rb") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                return DataError(f"{path}:{line_number} is not UTF-8 text (byte 0x{line[error.start]:02x} at column "
+                                 f"{error.start + 1}: {error.reason}); {_REENCODE_FIX}")
+    return None
 
 
 def _jsonl_documents(file: Path, path: str, text_field: str) -> list[Any]:
@@ -84,5 +87,5 @@ def load_text_documents(path: str, text_field: str) -> list[Any]:
         if file.suffix == ".txt":
             return [file.read_text(encoding="utf-8")]
         return _jsonl_documents(file, path, text_field)
-    except UnicodeDecodeError:  # read again as bytes only now, to find the line
-        raise _not_utf8(file, path) from None
+    except UnicodeDecodeError:  # read again as bytes only now, to find the line (none: changed since)
+        raise (not_utf8(file, path) or DataError(f"{path} is not UTF-8 text; {_REENCODE_FIX}")) from None

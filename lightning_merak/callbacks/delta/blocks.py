@@ -11,7 +11,7 @@ from typing import Callable, Sequence, Union
 
 from torch import nn
 
-__all__ = ["BlockSelector", "discover_blocks"]
+__all__ = ["BlockSelector", "describe_blocks", "discover_blocks"]
 
 BlockSelector = Union[None, Sequence[str], type, tuple, Callable[[str, nn.Module], bool]]
 
@@ -42,6 +42,28 @@ def _outermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]
     return [(n, m) for n, m in found if not any(n.startswith(other + ".") for other in names if other != n)]
 
 
+SELECTOR_FORMS = ("pass blocks=None (every repeated block), qualified names such as ['model.layers.0'], "
+                  "a module class or a predicate (name, module) -> bool")
+"""The forms ``blocks`` takes, as refusals name them."""
+
+
+def describe_blocks(root: nn.Module) -> str:
+    """How many repeated blocks ``root`` has, and their first and last names: what a refused ``blocks`` could
+    have chosen from."""
+    found = discover_blocks(root)
+    if not found:
+        return f"{type(root).__name__} has no repeated blocks"
+    names = found[0][0] if len(found) == 1 else f"{found[0][0]} … {found[-1][0]}"
+    return f"{type(root).__name__} has {len(found)} repeated blocks ({names})"
+
+
+def _selector_problem(selector: object) -> str:
+    """Why ``selector`` is no block selector; a count gets its own words, as the likeliest slip."""
+    if isinstance(selector, int) and not isinstance(selector, bool):
+        return f"blocks={selector!r} is a count, but blocks chooses which blocks to manage, not how many"
+    return f"blocks={selector!r} is not a block selector"
+
+
 def discover_blocks(root: nn.Module, selector: BlockSelector = None) -> list[tuple[str, nn.Module]]:
     """Candidate blocks of ``root`` as (qualified name, module), outermost only.
 
@@ -63,12 +85,12 @@ def discover_blocks(root: nn.Module, selector: BlockSelector = None) -> list[tup
         if missing:
             sample = [n for n in modules if n][:12]
             raise ValueError(
-                f"blocks {missing} are not submodules of {type(root).__name__}; "
+                f"blocks {missing} are not submodules: {describe_blocks(root)}; "
                 f"qualified names look like {sample}"
             )
         found = [(n, modules[n]) for n in names]
     else:
-        raise TypeError(f"blocks must be None, names, a module class or a predicate, got {selector!r}")
+        raise ValueError(f"{_selector_problem(selector)}; {describe_blocks(root)}; {SELECTOR_FORMS}")
     order = {name: i for i, name in enumerate(modules)}
     found.sort(key=lambda item: order[item[0]])
     return _outermost(found)

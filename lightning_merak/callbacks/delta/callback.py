@@ -27,7 +27,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from lightning_merak.callbacks.delta.blocks import BlockSelector, discover_blocks
+from lightning_merak.callbacks.delta.blocks import SELECTOR_FORMS, BlockSelector, describe_blocks, discover_blocks
 from lightning_merak.callbacks.delta.budget import Budget, BudgetLike, parse_budget
 from lightning_merak.callbacks.delta.memory_planner import Action, Plan
 from lightning_merak.callbacks.delta.options import DeltaOptions
@@ -282,10 +282,7 @@ class DeltaMemory(pl.Callback):
         """Validate blocks and overrides on the whole model, before the strategy cuts it."""
         found = [name for name, _ in discover_blocks(pl_module, self.blocks)]
         if not found:
-            raise ValueError(
-                f"DeltaMemory found no repeated blocks in {type(pl_module).__name__}; pass "
-                "blocks=[qualified names] or blocks=<module class> to choose what to manage"
-            )
+            raise self._nothing_selected(pl_module)
         unknown = sorted(set(self._options.overrides) - set(found))
         if unknown:
             raise ValueError(f"DeltaMemory overrides name unknown blocks {unknown}; the model's blocks are {found}")
@@ -326,11 +323,19 @@ class DeltaMemory(pl.Callback):
 
     def _manage_or_fail(self, pl_module: pl.LightningModule) -> None:
         if not self._has_blocks(pl_module):
-            raise ValueError(
+            raise self._nothing_selected(pl_module)
+        self.manage(pl_module)
+
+    def _nothing_selected(self, pl_module: pl.LightningModule) -> ValueError:
+        """The refusal of a fit with no block to manage: none found, or none that ``blocks`` picks."""
+        if self.blocks is None:
+            return ValueError(
                 f"DeltaMemory found no repeated blocks in {type(pl_module).__name__}; pass "
                 "blocks=[qualified names] or blocks=<module class> to choose what to manage"
             )
-        self.manage(pl_module)
+        return ValueError(
+            f"DeltaMemory: blocks={self.blocks!r} selects no block: {describe_blocks(pl_module)}; {SELECTOR_FORMS}"
+        )
 
     @staticmethod
     def _warn_deepspeed(trainer: pl.Trainer) -> None:

@@ -114,6 +114,18 @@ def run_meta(module: Any) -> dict[str, Any]:
     return meta
 
 
+def _check_directory(dirpath: Path) -> None:
+    """Refuse a ``dirpath`` that is (or lies under) an existing file: the trace would only fail to be written
+    after the traced steps ran."""
+    existing = next((path for path in (dirpath, *dirpath.parents) if path.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = "is" if existing == dirpath else f"lies under {str(existing)!r}, which is"
+        raise ValueError(
+            f"dirpath={str(dirpath)!r} {where} an existing file, not a directory: the trace files are written "
+            "into dirpath; pass a directory (created if missing), or None for the trainer's log directory"
+        )
+
+
 class MerakTraceProfiler(Profiler):
     """Trace ``steps`` training steps after ``skip_steps`` on every rank; rank 0 writes and summarizes them.
 
@@ -151,6 +163,8 @@ class MerakTraceProfiler(Profiler):
                                              ("untraced_steps", untraced_steps, 0, "steps timed after the trace")):
             if not isinstance(count, int) or isinstance(count, bool) or count < lowest:
                 raise ValueError(f"{name}={count!r} must be an integer >= {lowest} ({meaning})")
+        if dirpath is not None:
+            _check_directory(Path(dirpath))
 
     def _recording(self) -> bool:
         return self._recorder is not None

@@ -9,22 +9,14 @@ at all (``auto`` then compares NaN costs). Plain Python: nothing here needs a pr
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_merak.util.values import is_count as is_integer
+from lightning_merak.util.values import is_finite_number
+
 METHODS = ("s2", "embrace", "auto")
 MODES = ("exact", "sketch")
-
-
-def is_integer(value: Any) -> bool:
-    """Whether ``value`` is an integer: a bool is one to Python, but ``True`` as a count is a slip, not a 1."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_finite_number(value: Any) -> bool:
-    """Whether ``value`` is a number (not a bool), neither infinite nor NaN."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def table_names(tables: str | Sequence[str] | None) -> list[str] | None:

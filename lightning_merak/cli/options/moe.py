@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_merak.cli.config import MoEConfig, register_option
 from lightning_merak.cli.options.schema import schema_of
-from lightning_merak.plugins.moe.options import MoEOptions
+from lightning_merak.plugins.moe.options import MoEOptions, option_keys
 from lightning_merak.util.fields import option
 
 if TYPE_CHECKING:
@@ -75,6 +75,10 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
         return int(self.lancet_block_chunks)
 
     def apply(self, model: nn.Module) -> nn.Module:
+        with option_keys("moe", (item.name for item in fields(self))):  # refusals name moe.<key>, as typed
+            return self._apply(model)
+
+    def _apply(self, model: nn.Module) -> nn.Module:
         from lightning_merak.plugins.moe.block_replacement import swap_sparse_moe_blocks  # lazy: torch, DeepSpeed
         from lightning_merak.plugins.moe.lancet_block import lancet_overlap  # lazy: torch, DeepSpeed
         from lightning_merak.util.model_outputs import no_cache  # lazy: torch
@@ -120,6 +124,10 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
         return model
 
     def build_callbacks(self) -> list[pl.Callback]:
+        with option_keys("moe", (item.name for item in fields(self))):
+            return self._build_callbacks()
+
+    def _build_callbacks(self) -> list[pl.Callback]:
         from lightning_merak.callbacks.moe.placement import MoEPlacementCallback  # lazy: Lightning, DeepSpeed
 
         if self.experts == "merak_ep":

@@ -284,8 +284,8 @@ class _GatherRows(torch.autograd.Function):
 class _RouterAux:
     """The whole batch's router aux loss of a MoE model whose shards run on the ranks of ``group``."""
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup) -> None:
-        self.aux: RouterAux = router_aux_of(model, find_trunk(model)[1])
+    def __init__(self, model: nn.Module, aux: RouterAux, group: dist.ProcessGroup) -> None:
+        self.aux = aux
         routers = [module for module in model.modules() if isinstance(module, self.aux.router_class)]
         self.recorder = RouterRecorder(routers, self.aux.output_index)
         self.group = group
@@ -318,7 +318,8 @@ class ContextParallelForward:
         self._has_shifted_loss = _takes_shifted_labels(model)
         self._model_name = type(model).__name__
         config = getattr(model, "config", None)
-        self._router_aux = _RouterAux(model, self._group) if getattr(config, "output_router_logits", False) else None
+        aux = router_aux_of(model, find_trunk(model)[1]) if getattr(config, "output_router_logits", False) else None
+        self._router_aux = None if aux is None else _RouterAux(model, aux, self._group)  # None: the model adds none
 
     def over(self, group: dist.ProcessGroup) -> "ContextParallelForward":
         """The same forward over another group sharing the model's attention state (a subgroup of ranks that split

@@ -36,8 +36,8 @@ from torch import nn
 
 from lightning_merak.util.model_outputs import router_aux_coefficient
 
-__all__ = ["RouterAux", "RouterAuxLoss", "RouterRecorder", "carried_router_logits", "router_aux_loss_problem",
-           "router_aux_of", "routers_per_block"]
+__all__ = ["RouterAux", "RouterAuxLoss", "RouterRecorder", "adds_no_router_aux_loss", "carried_router_logits",
+           "router_aux_loss_problem", "router_aux_of", "routers_per_block"]
 
 
 def router_aux_loss_problem(output_router_logits: Any, pipeline_parallel: Any, *, micro_batching: str = "none",
@@ -117,13 +117,28 @@ def routers_per_block(trunk: nn.ModuleList, router_class: type[nn.Module]) -> li
     return [sum(isinstance(module, router_class) for module in block.modules()) for block in trunk]
 
 
-def router_aux_of(model: nn.Module, trunk: nn.ModuleList) -> RouterAux:
-    """The weighted router aux loss ``model``'s forward computes, found from the model's own class; refused with
-    the reason where something it needs is missing."""
+def _load_balancing_loss_func(model: nn.Module) -> Any:
+    """The ``load_balancing_loss_func`` of the module defining ``model``'s class (transformers' ``modeling_*``), or
+    None: every transformers MoE family that adds a router aux loss to its loss computes it with its own copy."""
+    return getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+
+
+def adds_no_router_aux_loss(model: nn.Module) -> bool:
+    """Whether ``model`` is of a transformers family whose forward adds no router aux loss to its loss (HunYuan-MoE,
+    Cohere2-MoE, DeepSeek-V3, ...: no ``load_balancing_loss_func``). ``output_router_logits=True`` then only returns
+    the router logits, which training does not read: it trains as without the flag. False for a model of another
+    library, whose loss this cannot tell."""
+    return type(model).__module__.startswith("transformers.models.") and not callable(_load_balancing_loss_func(model))
+
+
+def router_aux_of(model: nn.Module, trunk: nn.ModuleList) -> Optional[RouterAux]:
+    """The weighted router aux loss ``model``'s forward computes, found from the model's own class; None where it
+    computes none (:func:`adds_no_router_aux_loss`); refused with the reason where something it needs is missing."""
+    if adds_no_router_aux_loss(model):
+        return None
     router_class, index = _recorder_of(model)
     name = type(model).__name__
-    modeling = sys.modules.get(type(model).__module__)  # the model class's own module (transformers' modeling_*)
-    loss_function = getattr(modeling, "load_balancing_loss_func", None)
+    loss_function = _load_balancing_loss_func(model)
     fix = "set output_router_logits=False or pipeline_parallel=1"
     if not callable(loss_function):
         raise ValueError(f"model.config.output_router_logits=True under pipeline stages: {name}'s module "

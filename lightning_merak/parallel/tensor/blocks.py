@@ -263,6 +263,7 @@ def _modules_in_regions(starts: list[str], groups: list[list[str]], rows: list[s
 
 
 UNSPLIT_FAMILIES = {
+    "afmoe": "its MoE router, mlp.router.gate, sits in the shared experts' split span but needs all its outputs",
     "bailing_hybrid": "its linear-attention layers keep per-head gate biases and state outside nn.Linear pairs",
     "diffllama": "differential attention's lambda parameters are shared by all heads inside the attention",
     "doge": "its dynamic mask projection reads every value head",

@@ -2,19 +2,23 @@
 own layer arguments, made before anything is built.
 
 Plain Python (no torch, no DeepSpeed): ``merak-train``'s ``moe`` options derive their schema
-from :class:`MoEOptions`'s fields, so composing a configuration stays light.
+from :class:`MoEOptions`'s fields, so composing a configuration stays light. A refusal names an option as its
+caller spelled it: the Python argument, or inside :func:`option_keys` the key ``merak-train``'s user typed
+(``moe.capacity_factor``).
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union
+from typing import Any, Iterable, Iterator, Literal, Optional, Union
 
 from lightning_merak.util.fields import option
+from lightning_merak.util.values import is_finite_number
 
 __all__ = ["DispatchPath", "MoEOptions", "NOISY_GATE_POLICIES", "PlacementPolicy", "PlanFrom", "check_count",
-           "check_flag", "check_layer_arguments", "check_number"]
+           "check_flag", "check_layer_arguments", "check_number", "option_key", "option_keys"]
 
 DispatchPath = Literal["capacity", "dropless"]
 PlacementPolicy = Literal["none", "pro_prophet", "shadowing", "auto"]
@@ -22,28 +26,49 @@ PlanFrom = Literal["auto", "current", "previous"]
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 """What DeepSpeed's ``TopKGate`` takes as ``noisy_gate_policy`` (``None`` and ``"None"``: no noise)."""
 _REPLICATING_PLACEMENTS = ("pro_prophet", "auto")
+_TYPED_KEYS: ContextVar[tuple[str, frozenset[str]]] = ContextVar("moe_typed_keys", default=("", frozenset()))
+"""The group prefix and the option names :func:`option_key` spells as typed keys (none outside :func:`option_keys`)."""
+
+
+@contextlib.contextmanager
+def option_keys(group: str, names: Iterable[str]) -> Iterator[None]:
+    """Meanwhile refusals name each option in ``names`` as ``<group>.<name>``: an entry point whose users type keys
+    (``merak-train``'s ``moe.capacity_factor``) wraps its checks in this, so the message names what they typed."""
+    token = _TYPED_KEYS.set((f"{group}.", frozenset(names)))
+    try:
+        yield
+    finally:
+        _TYPED_KEYS.reset(token)
+
+
+def option_key(name: str) -> str:
+    """How a refusal names option ``name``: its typed key inside :func:`option_keys`, else the Python argument."""
+    prefix, typed = _TYPED_KEYS.get()
+    return prefix + name if name in typed else name
 
 
 def check_count(name: str, value: Any, lowest: int | None, fix: str) -> None:
     """Refuse ``value`` unless it is an integer >= ``lowest`` (None: any integer; a bool is an int to Python, but
     ``True`` as a count is a slip, not a 1)."""
     if not isinstance(value, int) or isinstance(value, bool) or (lowest is not None and value < lowest):
-        raise ValueError(f"{name}={value!r} must be an integer{'' if lowest is None else f' >= {lowest}'}; {fix}")
+        raise ValueError(f"{option_key(name)}={value!r} must be an integer{'' if lowest is None else f' >= {lowest}'}; "
+                         f"{fix}")
 
 
 def check_number(name: str, value: Any, fix: str, *, above: float | None = None, at_least: float | None = None) -> None:
     """Refuse ``value`` unless it is a finite number (not a bool) > ``above`` or >= ``at_least``: NaN passes no
     comparison, so an unchecked one silently turns its rule off."""
-    finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not finite or (above is not None and value <= above) or (at_least is not None and value < at_least):
+    if (not is_finite_number(value) or (above is not None and value <= above)
+            or (at_least is not None and value < at_least)):
         bound = f" > {above}" if above is not None else f" >= {at_least}" if at_least is not None else ""
-        raise ValueError(f"{name}={value!r} must be a finite number{bound}; {fix}")
+        raise ValueError(f"{option_key(name)}={value!r} must be a finite number{bound}; {fix}")
 
 
 def check_flag(name: str, value: Any) -> None:
     """Refuse ``value`` unless it is a bool: ``"false"`` would count as true."""
     if not isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} must be True or False; pass a bool (a string or number here is a slip)")
+        raise ValueError(f"{option_key(name)}={value!r} must be True or False; pass a bool (a string or number here "
+                         "is a slip)")
 
 
 def check_layer_arguments(hidden_size: Any, num_experts: Any, ep_size: Any, k: Any, capacity_factor: Any,
@@ -57,28 +82,29 @@ def check_layer_arguments(hidden_size: Any, num_experts: Any, ep_size: Any, k: A
     check_count("num_experts", num_experts, 1, "pass the number of experts of the layer")
     check_count("ep_size", ep_size, 1, "pass the ranks the experts are spread over (1: no expert parallelism)")
     if num_experts % ep_size:
-        raise ValueError(f"ep_size={ep_size} does not divide num_experts={num_experts}; pick a divisor")
+        raise ValueError(f"{option_key('ep_size')}={ep_size} does not divide "
+                         f"{option_key('num_experts')}={num_experts}; pick a divisor")
     if not isinstance(k, int) or isinstance(k, bool) or k not in (1, 2):
-        raise ValueError(f"k={k!r}: only top-1 and top-2 gating are supported (DeepSpeed's TopKGate paths); "
-                         "pass 1 or 2")
+        raise ValueError(f"{option_key('k')}={k!r}: only top-1 and top-2 gating are supported (DeepSpeed's TopKGate "
+                         "paths); pass 1 or 2")
     if k > num_experts:
-        raise ValueError(f"k={k} exceeds num_experts={num_experts}: a token cannot go to {k} different experts; "
-                         f"pass k <= {num_experts} or more experts")
+        raise ValueError(f"{option_key('k')}={k} exceeds {option_key('num_experts')}={num_experts}: a token cannot go "
+                         f"to {k} different experts; pass {option_key('k')} <= {num_experts} or more experts")
     capacity_fix = "pass e.g. 1.0 (DeepSpeed's default: an expert takes up to factor x tokens / num_experts)"
     check_number("capacity_factor", capacity_factor, capacity_fix, above=0)
     check_number("eval_capacity_factor", eval_capacity_factor, capacity_fix, above=0)
     check_count("min_capacity", min_capacity, 0, "pass the fewest tokens an expert always takes (0: no floor)")
     if noisy_gate_policy not in NOISY_GATE_POLICIES:
-        raise ValueError(f"noisy_gate_policy={noisy_gate_policy!r}: choose None, 'Jitter' or 'RSample'")
+        raise ValueError(f"{option_key('noisy_gate_policy')}={noisy_gate_policy!r}: choose None, 'Jitter' or 'RSample'")
     if noisy_gate_policy == "RSample" and k != 1:
-        raise ValueError("noisy_gate_policy='RSample' samples top-1 gating only, top-2 would ignore it; "
-                         "pass k=1, or 'Jitter' or None")
+        raise ValueError(f"{option_key('noisy_gate_policy')}='RSample' samples top-1 gating only, top-2 would ignore "
+                         f"it; pass {option_key('k')}=1, or 'Jitter' or None")
     for name, value in flags.items():
         check_flag(name, value)
     unsupported = [name for name in ("use_tutel", "enable_expert_tensor_parallelism") if flags.get(name)]
     if unsupported:
-        raise ValueError(f"{' and '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not supported; "
-                         "pass False")
+        raise ValueError(f"{' and '.join(map(option_key, unsupported))} {'is' if len(unsupported) == 1 else 'are'} "
+                         "not supported; pass False")
 
 
 @dataclass
@@ -140,16 +166,18 @@ class MoEOptions:
     def validate(self, drop_tokens: bool, ep_size: int | None = None) -> None:
         """Refuse every field out of range, and options that cannot act with ``drop_tokens`` or ``ep_size``."""
         if self.dispatch not in ("capacity", "dropless"):
-            raise ValueError(f"dispatch={self.dispatch!r}: choose 'capacity' or 'dropless'")
+            raise ValueError(f"{option_key('dispatch')}={self.dispatch!r}: choose 'capacity' or 'dropless'")
         if self.placement not in ("none", "pro_prophet", "shadowing", "auto"):
-            raise ValueError(f"placement={self.placement!r}: choose 'none', 'pro_prophet', 'shadowing' or 'auto'")
+            raise ValueError(f"{option_key('placement')}={self.placement!r}: choose 'none', 'pro_prophet', 'shadowing' "
+                             "or 'auto'")
         if self.plan_from not in ("auto", "current", "previous"):
-            raise ValueError(f"plan_from={self.plan_from!r}: choose 'auto', 'current' or 'previous'")
+            raise ValueError(f"{option_key('plan_from')}={self.plan_from!r}: choose 'auto', 'current' or 'previous'")
         if self.dispatch == "dropless" and drop_tokens:
-            raise ValueError("dispatch='dropless' never drops tokens; pass drop_tokens=False")
+            raise ValueError(f"{option_key('dispatch')}='dropless' never drops tokens; pass "
+                             f"{option_key('drop_tokens')}=False")
         chunks = self.lancet_chunks
         if chunks != "auto" and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
-            raise ValueError(f"lancet_chunks={chunks!r}: use 'auto' or an integer >= 1")
+            raise ValueError(f"{option_key('lancet_chunks')}={chunks!r}: use 'auto' or an integer >= 1")
         for flag in ("lancet_backward", "overlap_transfer", "online_check"):
             check_flag(flag, getattr(self, flag))
         check_count("replan_every", self.replan_every, 1, "pass the calls between plans (1: every call)")
@@ -168,7 +196,7 @@ class MoEOptions:
         check_number("balance_tolerance", self.balance_tolerance, "pass a fraction in [0, 1) (0: speed alone)",
                      at_least=0)
         if self.balance_tolerance >= 1.0:
-            raise ValueError(f"balance_tolerance={self.balance_tolerance} must lie in [0, 1) "
+            raise ValueError(f"{option_key('balance_tolerance')}={self.balance_tolerance} must lie in [0, 1) "
                              "(0: choose on speed alone)")
         if ep_size is not None:
             self._validate_for(ep_size)
@@ -176,8 +204,10 @@ class MoEOptions:
     def _validate_for(self, ep_size: int) -> None:
         """Options that would silently do nothing on ``ep_size`` ranks."""
         if self.placement != "none" and ep_size == 1:
-            raise ValueError(f"placement={self.placement!r} needs ep_size > 1 (nothing to replicate to)")
+            raise ValueError(f"{option_key('placement')}={self.placement!r} needs {option_key('ep_size')} > 1 (nothing "
+                             "to replicate to)")
         if self.placement in _REPLICATING_PLACEMENTS and ep_size > 1 and self.exclude_fewest > ep_size - 2:
             raise ValueError(
-                f"exclude_fewest={self.exclude_fewest} leaves Pro-Prophet no rank to replicate to: at most "
-                f"{ep_size - 1} other ranks send an expert tokens with ep_size={ep_size}; pass at most {ep_size - 2}")
+                f"{option_key('exclude_fewest')}={self.exclude_fewest} leaves Pro-Prophet no rank to replicate to: at "
+                f"most {ep_size - 1} other ranks send an expert tokens with {option_key('ep_size')}={ep_size}; pass at "
+                f"most {ep_size - 2}")

@@ -44,7 +44,7 @@ from lightning_merak.parallel.tensor.vocab import check_vocabulary_split
 from lightning_merak.protocols.experts import ExpertParallelLayer
 from lightning_merak.strategies.merak3d.network import module_view
 from lightning_merak.strategies.merak3d.options import Degree, Merak3DOptions
-from lightning_merak.util.values import is_count
+from lightning_merak.util.values import is_count, is_finite_number
 
 __all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "SHARDING_MODES", "Degree", "Merak3DArguments", "check_accumulation",
            "checked_arguments", "moe_layers"]
@@ -54,11 +54,6 @@ PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
 SHARDING_MODES = ("none", "optimizer", "gradients", "full", "auto")
 LONGEST_TIMEOUT_S = timedelta.max.days * 86400.0
 """The longest collective timeout a ``timedelta`` (which torch takes) can hold."""
-
-
-def is_finite_number(value: Any) -> bool:
-    """Whether ``value`` is a number (not a bool), neither infinite nor NaN."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def is_positive_finite(value: Any) -> bool:

@@ -31,7 +31,8 @@ Broadcast = Callable[[Any, int], Any]
 
 
 def tensor_parallel_plan(block: nn.Module, trace: ModelTrace) -> TensorParallelPlan:
-    """Pair the linear layers of one block, run on the trace's sample hidden state."""
+    """Pair the linear layers of one block, run on the trace's sample hidden state; refuse a block with no pair, or
+    with a layer that reads a column group's input but feeds its row partner nothing (:func:`_unread_column_layer`)."""
     args, kwargs = trace.block_arguments(trace.sample_side_tensors)
     hidden = trace.sample_hidden
     plan = find_tensor_parallel_plan(block, lambda: block(hidden, *args, **kwargs), hidden.shape[-1])
@@ -40,7 +41,26 @@ def tensor_parallel_plan(block: nn.Module, trace: ModelTrace) -> TensorParallelP
             f"found no column/row linear pairs in {type(block).__name__}; tensor_parallel needs "
             "blocks built from nn.Linear (or transformers Conv1D) layers"
         )
+    problem = _unread_column_layer(plan)
+    if problem is not None:
+        raise ValueError(problem)
     return plan
+
+
+def _unread_column_layer(plan: TensorParallelPlan) -> Optional[str]:
+    """Why a column group holds a layer none of whose outputs reach its row partner's input (the first), or None.
+
+    Such a layer reads the group's input for something else: an MoE router (AfMoE's ``router.gate``, beside the
+    shared experts' projections) whose scores pick the experts. Its outputs are needed whole on every rank, so no
+    rank's share of the row partner's heads or features tells which of its rows that rank holds.
+    """
+    for members, row in zip(plan.column_groups, plan.row, strict=True):
+        unread = next((name for name in members if name in plan.units and not any(plan.units[name])), None)
+        if unread is not None:
+            return (f"{unread} reads the input of the column layers that feed {row} but none of its outputs reach "
+                    f"{row}: it needs them all on every rank (an MoE router choosing experts), so it cannot be split "
+                    "by heads or features with them; use tensor_parallel=1 for this model")
+    return None
 
 
 def sequence_parallel_plan(block: nn.Module, trace: ModelTrace, plan: TensorParallelPlan) -> SequenceParallelPlan:
@@ -135,7 +155,10 @@ def plan_block_splits(model: nn.Module, trunk: nn.ModuleList, trace: ModelTrace,
     sequence_plans: Optional[dict[int, SequenceParallelPlan]] = {} if sequence_parallel else None
     for index in kinds:
         probe = _probe(trunk, trace.trunk_path, index, materialize_with)
-        plans[index] = plan = tensor_parallel_plan(probe, trace)
+        try:
+            plans[index] = plan = tensor_parallel_plan(probe, trace)
+        except ValueError as error:
+            raise ValueError(f"tensor_parallel={tp}: {_named(index, len(kinds), str(error))}") from error
         problem = quantized_split_problem(model, probe, plan, tp)
         if problem is not None:  # an adapter's quantised base, quantised per shard: before any weight is read
             raise ValueError(_named(index, len(kinds), problem))

@@ -18,6 +18,7 @@ from lightning_merak.plugins.moe.cost_measurement import profile_cost_model
 from lightning_merak.plugins.moe.experts.enable import add_loads, experts_modules, plan_replicas, set_replica_plans
 from lightning_merak.plugins.moe.experts.grouped import EXPERT_TENSORS, expert_mlp
 from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
+from lightning_merak.plugins.moe.options import option_key
 
 __all__ = ["ReplicaPlanner", "profile_experts_cost_model"]
 
@@ -62,9 +63,10 @@ class ReplicaPlanner:
 
     def __init__(self, policy: Policy, replan_every: int = 1) -> None:
         if policy not in ("pro_prophet", "shadowing"):
-            raise ValueError(f"placement={policy!r}: use pro_prophet or shadowing (or none for no replicas)")
+            raise ValueError(f"{option_key('placement')}={policy!r}: use pro_prophet or shadowing (or none for no "
+                             "replicas)")
         if replan_every < 1:
-            raise ValueError(f"replan_every={replan_every} must be >= 1 (steps between plans)")
+            raise ValueError(f"{option_key('replan_every')}={replan_every} must be >= 1 (steps between plans)")
         self.policy, self.replan_every = policy, replan_every
         self.cost_model: Any = None
         self.since_plan: dict[str, torch.Tensor] = {}

@@ -1,0 +1,140 @@
+"""MoE models and options refused for their real reason, or not refused where nothing is wrong.
+
+AfMoE's router inside the shared experts' tensor-parallel span, HunYuan-MoE and Cohere2-MoE (no router aux loss)
+in pipeline stages with ``output_router_logits=True``, the MoE options named as ``merak-train``'s keys, and the
+finite-number checks of the MoE options and Muon settings sharing one definition. One process, no launch.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+VOCAB = 128
+
+
+def _model(model_type: str, config: dict) -> torch.nn.Module:
+    from lightning_merak.modules.causal_lm import build_causal_lm
+    from lightning_merak.modules.config import ModelConfig
+
+    torch.manual_seed(0)
+    model = build_causal_lm(ModelConfig(name=model_type, model_type=model_type, config=config), vocab_size=VOCAB)
+    model.config.use_cache = False
+    return model
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+AFMOE = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+         "num_dense_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+         "num_experts_per_tok": 2, "num_shared_experts": 1, "global_attn_every_n_layers": 2, "sliding_window": 8}
+
+
+def test_afmoe_tensor_parallel_is_refused_for_its_router_in_the_split_span():
+    """Before launch by family; and from the plan of any block whose router reads a column group's input (the
+    dense block still pairs), naming the router, not an unequal split of it."""
+    from lightning_merak.parallel.pipeline.trace import trace_model
+    from lightning_merak.parallel.tensor.blocks import check_tensor_parallel_degree
+    from lightning_merak.strategies.merak3d.block_splits import tensor_parallel_plan
+    from lightning_merak.strategies.merak3d.build import call_model
+
+    model = _model("afmoe", AFMOE)
+    with pytest.raises(ValueError, match=r"tensor_parallel=2: afmoe cannot be split .*mlp\.router\.gate.*"
+                                         r"use tensor_parallel=1"):
+        check_tensor_parallel_degree(model.config, 2)
+    trace = trace_model(model, _ids(), call_model, profile=False)
+    dense = tensor_parallel_plan(model.model.layers[0], trace)
+    assert dense.row == ["self_attn.o_proj", "mlp.down_proj"]
+    with pytest.raises(ValueError, match=r"^mlp\.router\.gate reads the input of the column layers that feed "
+                                         r"mlp\.shared_experts\.down_proj but none of its outputs reach .*MoE router"
+                                         r".*use tensor_parallel=1"):
+        tensor_parallel_plan(model.model.layers[1], trace)
+
+
+NO_AUX_LOSS = {
+    "hunyuan_v1_moe": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                       "num_key_value_heads": 2, "head_dim": 8, "num_experts": 4, "moe_topk": 2},
+    "cohere2_moe": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                    "tie_word_embeddings": False},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(NO_AUX_LOSS))
+def test_a_model_without_a_router_aux_loss_trains_in_stages_as_without_the_flag(model_type: str):
+    """Its forward adds no aux loss: two stages with output_router_logits=True give the loss and gradients of the
+    whole model without the flag (no refusal)."""
+    from lightning_merak.parallel.pipeline.recording import find_trunk
+    from lightning_merak.parallel.pipeline.router_aux import router_aux_of
+    from lightning_merak.parallel.pipeline.stage import build_stage_module
+    from lightning_merak.parallel.pipeline.trace import trace_model
+    from lightning_merak.strategies.merak3d.build import call_model
+    from lightning_merak.util.model_outputs import logits_of
+
+    model = _model(model_type, {**NO_AUX_LOSS[model_type], "output_router_logits": True})
+    ids = _ids()
+    aux = router_aux_of(model, find_trunk(model)[1])
+    assert aux is None
+    trace = trace_model(model, ids, call_model, profile=False)
+    stages = [build_stage_module(copy.deepcopy(model), trace, (0, 2), index, call_model, aux) for index in range(2)]
+    outputs = (ids,)
+    for stage in stages:
+        outputs = stage(*outputs)
+    loss = F.cross_entropy(outputs[:, :-1].reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1))
+    loss.backward()
+    grads = {stage.original_name(name): param.grad for stage in stages for name, param in stage.named_parameters()
+             if param.grad is not None}
+
+    reference = copy.deepcopy(model)
+    reference.config.output_router_logits = False
+    logits = logits_of(reference(ids))
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1))
+    expected.backward()
+    assert torch.allclose(loss, expected, rtol=1e-5)
+    expected_grads = {name: param.grad for name, param in reference.named_parameters() if param.grad is not None}
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        assert torch.allclose(grad, expected_grads[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_moe_refusals_name_the_key_the_user_typed():
+    """merak-train's entry point wraps its checks in option_keys('moe', ...): moe.<key>; the Python API keeps the
+    argument's name; an argument the entry point does not take from its keys keeps its own name."""
+    from lightning_merak.plugins.moe.options import MoEOptions, check_layer_arguments, option_keys
+
+    keys = ("capacity_factor", "ep_size", "alpha", "dispatch", "drop_tokens")
+    layer = {"hidden_size": 8, "num_experts": 4, "ep_size": 2, "k": 2, "capacity_factor": math.nan,
+             "eval_capacity_factor": 1.0, "min_capacity": 0, "noisy_gate_policy": None}
+    with pytest.raises(ValueError, match=r"^capacity_factor=nan must be a finite number"):
+        check_layer_arguments(**layer)
+    with option_keys("moe", keys):
+        with pytest.raises(ValueError, match=r"^moe\.capacity_factor=nan must be a finite number"):
+            check_layer_arguments(**layer)
+        with pytest.raises(ValueError, match=r"^moe\.ep_size=3 does not divide num_experts=4"):
+            check_layer_arguments(**{**layer, "ep_size": 3})
+        with pytest.raises(ValueError, match=r"^moe\.alpha=-1 must be"):
+            MoEOptions(alpha=-1).validate(drop_tokens=False)
+        with pytest.raises(ValueError, match=r"^moe\.dispatch='dropless' never drops tokens; pass "
+                                             r"moe\.drop_tokens=False"):
+            MoEOptions(dispatch="dropless").validate(drop_tokens=True)
+    with pytest.raises(ValueError, match=r"^alpha=-1 must be"):
+        MoEOptions(alpha=-1).validate(drop_tokens=False)
+
+
+def test_moe_options_and_muon_settings_share_one_finite_number_check(monkeypatch):
+    """Both defer to lightning_merak.util.values.is_finite_number: a number it refuses, both refuse."""
+    from lightning_merak.modules import muon
+    from lightning_merak.plugins.moe import options
+
+    for module in (options, muon):
+        monkeypatch.setattr(module, "is_finite_number", lambda value: False)
+    with pytest.raises(ValueError, match=r"alpha=0\.25 must be a finite number"):
+        options.MoEOptions().validate(drop_tokens=False)
+    with pytest.raises(ValueError, match=r"Muon: lr=0\.02 must be a finite number"):
+        muon._checked_muon_settings({"lr": 0.02}, ["lr"])
