@@ -1,6 +1,7 @@
 """Shared pytest set-up.
 
 * One thread per process, so multi-process tests do not oversubscribe the cores.
+* No test inherits the seed another left in the environment with ``seed_everything``.
 * The ``distributed`` marker is honest: a test without it that starts a Python process
   (``multiprocessing`` or a ``subprocess`` of the interpreter) fails with the fix, so
   ``pytest -m "not distributed"`` is always the single-process suite. Compilers and
@@ -53,10 +54,18 @@ def single_rank_group() -> Iterator[dist.ProcessGroup]:
         dist.destroy_process_group()
 
 
+LIGHTNING_SEED_VARIABLES = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+"""What ``seed_everything`` leaves in the environment: Lightning's strategies re-seed from it at setup
+(``reset_seed``), and the ranks a later test starts inherit the worker's environment, so a seed one test set would
+re-seed another's ranks after its own seeding (a model built in ``configure_model`` then starts elsewhere)."""
+
+
 @pytest.fixture(autouse=True)
-def _single_thread_and_seed():
+def _single_thread_and_seed(monkeypatch):
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    for name in LIGHTNING_SEED_VARIABLES:  # removed now and put back as found afterwards: no test inherits them
+        monkeypatch.delenv(name, raising=False)
     yield
 
 

@@ -179,3 +179,32 @@ def test_the_command_line_refuses_a_damaged_checkpoint_before_launch(tmp_path, m
     damaged = _flipped(_checkpoint(tmp_path / "damaged.ckpt"), "data.pkl")
     error = _refusal([f"resume={damaged}"], tmp_path / "run", monkeypatch, capsys)
     assert f"{damaged} is damaged: its record damaged/data.pkl fails its CRC-32 check" in error, error
+
+
+def test_a_loader_resumed_with_other_data_parallel_shares_is_refused():
+    """A checkpoint's trained-batch count means samples only at its data-parallel degree and batch size: at dp2 x 4
+    two steps read 16 samples, so a pp2 run (one share of 4) skipping 2 batches would train 8 of them again."""
+    from torch.utils.data import DistributedSampler
+
+    from lightning_merak.modules.data import ResumableDataLoader
+
+    samples = list(range(32))
+
+    def loader(replicas: int, batch_size: int) -> ResumableDataLoader:
+        sampler = DistributedSampler(samples, num_replicas=replicas, rank=0, shuffle=False) if replicas > 1 else None
+        return ResumableDataLoader(samples, batch_size=batch_size, sampler=sampler, epoch=lambda: 0,
+                                   trained_batches=lambda: 2, shuffle_seed=0)
+
+    saved = loader(2, 4).state_dict()
+    assert saved == {"pass": 0, "batches": 2, "replicas": 2, "batch_size": 4}
+    same = loader(2, 4)
+    same.load_state_dict(saved)
+    assert next(iter(same)).tolist() == [16, 18, 20, 22]  # rank 0's third batch: the two trained ones skipped
+    for replicas, batch_size in ((1, 4), (2, 8)):
+        with pytest.raises(DataError, match=re.escape(
+                "the checkpoint's run read 2 data-parallel shares of 4 samples a step, this run reads "
+                f"{replicas} of {batch_size}: skipping its 2 trained batches would skip other samples")):
+            loader(replicas, batch_size).load_state_dict(saved)
+    older = loader(1, 4)
+    older.load_state_dict({"pass": 0, "batches": 2})  # a checkpoint from before the shares were saved
+    assert next(iter(older)).tolist() == [8, 9, 10, 11]

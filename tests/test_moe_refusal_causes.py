@@ -104,16 +104,18 @@ def test_a_model_without_a_router_aux_loss_trains_in_stages_as_without_the_flag(
 
 
 def test_moe_refusals_name_the_key_the_user_typed():
-    """merak-train's entry point wraps its checks in option_keys('moe', ...): moe.<key>; the Python API keeps the
-    argument's name; an argument the entry point does not take from its keys keeps its own name."""
+    """merak-train's entry point wraps its checks in option_keys({argument: typed key}): moe.<key>, or the model's
+    config key for a value read from the model; the Python API keeps the argument's name; an argument the entry
+    point does not name keeps its own name."""
     from lightning_merak.plugins.moe.options import MoEOptions, check_layer_arguments, option_keys
 
-    keys = ("capacity_factor", "ep_size", "alpha", "dispatch", "drop_tokens")
+    keys = {name: f"moe.{name}" for name in ("capacity_factor", "ep_size", "alpha", "dispatch", "drop_tokens")}
+    keys["k"] = "model.config.num_experts_per_tok"
     layer = {"hidden_size": 8, "num_experts": 4, "ep_size": 2, "k": 2, "capacity_factor": math.nan,
              "eval_capacity_factor": 1.0, "min_capacity": 0, "noisy_gate_policy": None}
     with pytest.raises(ValueError, match=r"^capacity_factor=nan must be a finite number"):
         check_layer_arguments(**layer)
-    with option_keys("moe", keys):
+    with option_keys(keys):
         with pytest.raises(ValueError, match=r"^moe\.capacity_factor=nan must be a finite number"):
             check_layer_arguments(**layer)
         with pytest.raises(ValueError, match=r"^moe\.ep_size=3 does not divide num_experts=4"):
@@ -123,6 +125,8 @@ def test_moe_refusals_name_the_key_the_user_typed():
         with pytest.raises(ValueError, match=r"^moe\.dispatch='dropless' never drops tokens; pass "
                                              r"moe\.drop_tokens=False"):
             MoEOptions(dispatch="dropless").validate(drop_tokens=True)
+        with pytest.raises(ValueError, match=r"^model\.config\.num_experts_per_tok=3: only top-1 and top-2"):
+            check_layer_arguments(**{**layer, "capacity_factor": 1.0, "k": 3})
     with pytest.raises(ValueError, match=r"^alpha=-1 must be"):
         MoEOptions(alpha=-1).validate(drop_tokens=False)
 

@@ -14,17 +14,24 @@ quantises the float part first, then checks the frozen tensors against the check
 
 Materialisation initialises each module by the model's own init; adapter weights instead carry a
 ``materialize_init`` callable drawing what their method draws (LoRA: Kaiming-uniform ``A``, zero ``B``;
-Q-BaRA likewise; QA-HiRA zero or Kaiming ``H``), so training starts from the base model.
+Q-BaRA likewise; QA-HiRA zero or Kaiming ``H``), so training starts from the base model. Attached in the
+eager build's random stream (:mod:`~lightning_merak.parallel.init_parity`), each layer records the CPU
+generator's state where its method drew an adapter's weights, and the materialised weights are drawn from
+there: the values the eager build (DDP's model) drew, bit for bit. Attached outside that stream, they are
+drawn from per-module seeds instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
+import torch
+from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
@@ -34,7 +41,8 @@ from .int4_experts import quantize_experts_int4
 from .pooled_experts import PooledExpertsLayer
 from .quantize import QUANTIZATIONS, WholeRowAbsmax, quantized_shard, shard_quantization_problem
 
-__all__ = ["AFTER_MATERIALIZE", "MATERIALIZE_INIT", "DeferredQuantization", "attach_on_meta", "mark_adapter_inits"]
+__all__ = ["AFTER_MATERIALIZE", "EAGER_DRAWS", "MATERIALIZE_INIT", "DeferredQuantization", "attach_on_meta",
+           "mark_adapter_inits", "recording_eager_draws"]
 
 AFTER_MATERIALIZE = "after_materialize"
 """Attribute of a model: ``(part) -> None``, run on each part a rank holds once its weights are loaded."""
@@ -42,52 +50,80 @@ MATERIALIZE_INIT = "materialize_init"
 """Attribute of a module: ``(module) -> None``, its initialisation after materialisation (instead of the model's)."""
 
 
-def kaiming_init(module: nn.Module) -> None:
-    """Kaiming-uniform (a=√5) on each matrix of ``module``'s own parameters: ``nn.Linear``'s and LoRA's ``A`` init
-    (per expert for factors with leading expert dimensions, as their layers draw them)."""
-    for param in module.parameters(recurse=False):
-        for matrix in param.data.view(-1, *param.shape[-2:]):
-            nn.init.kaiming_uniform_(matrix, a=math.sqrt(5))
+EAGER_DRAWS = "_merak_adapter_draws"
+"""Attribute of a tuner layer: by adapter name, the CPU generator state where its method drew that adapter's weights."""
+
+TensorInit = Callable[[torch.Tensor], None]
 
 
-def zero_init(module: nn.Module) -> None:
-    """Zeros on each of ``module``'s own parameters: adapter outputs start at zero."""
-    for param in module.parameters(recurse=False):
-        nn.init.zeros_(param)
+def kaiming_init(tensor: torch.Tensor) -> None:
+    """Kaiming-uniform (a=√5) on each matrix of ``tensor``: ``nn.Linear``'s and LoRA's ``A`` init (per expert for
+    factors with leading expert dimensions, as their layers draw them)."""
+    for matrix in tensor.view(-1, *tensor.shape[-2:]):
+        nn.init.kaiming_uniform_(matrix, a=math.sqrt(5))
 
 
-def normal_init(module: nn.Module, std: float) -> None:
-    """Normal(0, std) on each of ``module``'s own parameters (LoRA's ``init_lora_weights="gaussian"``)."""
-    for param in module.parameters(recurse=False):
-        nn.init.normal_(param, std=std)
+def zero_init(tensor: torch.Tensor) -> None:
+    """Zeros: adapter outputs start at zero."""
+    nn.init.zeros_(tensor)
 
 
-def _lora_inits(layer: nn.Module, config: Any) -> dict[str, Any]:
+def normal_init(tensor: torch.Tensor, std: float) -> None:
+    """Normal(0, std) (LoRA's ``init_lora_weights="gaussian"``)."""
+    nn.init.normal_(tensor, std=std)
+
+
+def init_parameters(init: TensorInit, eager_draws: dict[str, torch.Tensor], module: nn.Module) -> None:
+    """A ``materialize_init``: ``init`` on each of ``module``'s own parameters, one named in ``eager_draws`` drawn
+    from the CPU generator state there (where the eager build drew it), the others from the current generator."""
+    for name, param in module.named_parameters(recurse=False):
+        if name in eager_draws:
+            _draw_from(eager_draws[name], init, param.data)
+        else:
+            init(param.data)
+
+
+def _draw_from(rng_state: torch.Tensor, init: TensorInit, tensor: torch.Tensor) -> None:
+    """``init`` on ``tensor`` as the eager build drew it: on a CPU twin (same shape, strides and dtype, so the
+    generator moves as it did) from CPU generator state ``rng_state``, copied in; the generator left where it was."""
+    twin = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype)
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(rng_state)
+        init(twin)
+    with torch.no_grad():
+        tensor.copy_(twin)
+
+
+def _lora_inits(layer: nn.Module, config: Any) -> dict[str, tuple[TensorInit, dict[str, torch.Tensor]]]:
     init = config.init_lora_weights
     if config.use_dora or init not in (True, "gaussian"):
         raise ValueError(f"adapter=lora on the meta device supports init_lora_weights True or 'gaussian' without "
                          f"DoRA (got init_lora_weights={init!r}, use_dora={config.use_dora}); build the model whole "
                          "(strategy=ddp) for other initialisations")
-    inits = {}
+    draws = layer.__dict__.get(EAGER_DRAWS, {})
+    inits: dict[str, tuple[TensorInit, dict[str, torch.Tensor]]] = {}
     for adapter in layer.lora_A:
-        inits[f"lora_A.{adapter}"] = (kaiming_init if init is True
-                                      else functools.partial(normal_init, std=1 / layer.r[adapter]))
-        inits[f"lora_B.{adapter}"] = zero_init
+        draw = kaiming_init if init is True else functools.partial(normal_init, std=1 / layer.r[adapter])
+        inits[f"lora_A.{adapter}"] = draw, {"weight": draws[adapter]} if adapter in draws else {}
+        inits[f"lora_B.{adapter}"] = zero_init, {}
     if len(getattr(layer, "lora_embedding_A", ())):  # an embedding's factors: A zero, B normal, for either init
-        inits["lora_embedding_A"] = zero_init
-        inits["lora_embedding_B"] = functools.partial(normal_init, std=1.0)
+        inits["lora_embedding_A"] = zero_init, {}
+        inits["lora_embedding_B"] = functools.partial(normal_init, std=1.0), draws
     return inits
 
 
-def _pooled_inits(layer: PooledAdapterLayer | PooledExpertsLayer, config: Any) -> dict[str, Any]:
+def _pooled_inits(layer: PooledAdapterLayer | PooledExpertsLayer,
+                  config: Any) -> dict[str, tuple[TensorInit, dict[str, torch.Tensor]]]:
     """Mirrors the layers' ``_create_adapter_weights``: Q-BaRA ``A`` Kaiming, ``B`` zero; QA-HiRA ``H`` by ``init``."""
     kaiming = {"qbara_A"} | ({"qahira_H"} if getattr(config, "init", "zero") == "kaiming" else set())
-    return {container: kaiming_init if container in kaiming else zero_init
+    draws = layer.__dict__.get(EAGER_DRAWS, {})
+    return {container: (kaiming_init, draws) if container in kaiming else (zero_init, {})
             for container in layer.adapter_layer_names}
 
 
 def mark_adapter_inits(model: nn.Module) -> None:
-    """Give every adapter weight of the PEFT ``model`` its method's ``materialize_init``."""
+    """Give every adapter weight of the PEFT ``model`` its method's ``materialize_init`` (from the eager build's
+    draws where :func:`recording_eager_draws` recorded them)."""
     configs = getattr(model, "peft_config", {})
     for layer in model.modules():
         if not isinstance(layer, BaseTunerLayer):
@@ -95,8 +131,39 @@ def mark_adapter_inits(model: nn.Module) -> None:
         config = configs[layer.active_adapters[0]]
         inits = (_pooled_inits(layer, config) if isinstance(layer, (PooledAdapterLayer, PooledExpertsLayer))
                  else _lora_inits(layer, config))
-        for path, init in inits.items():
-            setattr(layer.get_submodule(path), MATERIALIZE_INIT, init)
+        for path, (init, draws) in inits.items():
+            setattr(layer.get_submodule(path), MATERIALIZE_INIT, functools.partial(init_parameters, init, draws))
+
+
+_ADAPTER_DRAWING_METHODS = ((LoraLayer, "reset_lora_parameters"), (PooledAdapterLayer, "update_layer"),
+                            (PooledExpertsLayer, "update_layer"))
+"""Where each adapter method's weights draw, starting with their first random value: LoRA's reset (its factors'
+``nn.Linear`` constructors drew before, values it overwrites), the pooled layers' ``_create_adapter_weights``."""
+
+
+@contextlib.contextmanager
+def recording_eager_draws() -> Iterator[None]:
+    """Meanwhile, adapter layers record (:data:`EAGER_DRAWS`) the CPU generator's state where their method drew an
+    adapter's weights, if that draw moved it (a meta build in the eager random stream, or an eager build)."""
+    originals = [(cls, name, cls.__dict__[name]) for cls, name in _ADAPTER_DRAWING_METHODS]
+
+    def recording(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def record(layer: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> Any:
+            before = torch.get_rng_state()
+            result = method(layer, adapter_name, *args, **kwargs)
+            if not torch.equal(before, torch.get_rng_state()):
+                layer.__dict__.setdefault(EAGER_DRAWS, {})[adapter_name] = before
+            return result
+        return record
+
+    for cls, name, method in originals:
+        setattr(cls, name, recording(method))
+    try:
+        yield
+    finally:
+        for cls, name, method in originals:
+            setattr(cls, name, method)
 
 
 @dataclass(frozen=True)
@@ -179,7 +246,7 @@ def _rebind_adapters(part: nn.Module) -> None:
     """After their bases were quantised: pooled layers pick the quantised backend (and recheck INT4 alignment);
     a LoRA layer is replaced by PEFT's class for that base (as ``get_peft_model`` on a quantised model picks),
     keeping its adapter weights."""
-    from peft.tuners.lora import LoraLayer, LoraModel
+    from peft.tuners.lora import LoraModel
     from peft.utils import resolve_quantization_backend
 
     for name, layer in list(part.named_modules()):
@@ -217,7 +284,8 @@ def attach_on_meta(option: Any, model: nn.Module) -> nn.Module:
     quantization = option.quantization.value
     if option.name == "lora" and quantization == "int4":
         raise ValueError("adapter=lora: PEFT LoRA has no layer for the project INT4 base; use nf4/fp4/int8/none")
-    wrapped = dataclasses.replace(option, quantization=type(option.quantization)("none")).apply(model)
+    with recording_eager_draws():
+        wrapped = dataclasses.replace(option, quantization=type(option.quantization)("none")).apply(model)
     experts = [layer for layer in wrapped.modules() if isinstance(layer, PooledExpertsLayer)]
     deferred = DeferredQuantization(quantization, option.group_size, option.double_quant,
                                     experts=bool(experts) and quantization == "int4")

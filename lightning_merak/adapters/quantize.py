@@ -5,7 +5,7 @@ The adapters train on top of the result. ``lm_head`` is left in float by default
 
 from __future__ import annotations
 
-from typing import Callable, Literal, Optional
+from typing import Callable, ContextManager, Literal, Optional
 
 import torch
 from torch import nn
@@ -109,7 +109,20 @@ def quantized_linear(linear: nn.Linear, quantization: Quantization, double_quant
     """A bitsandbytes ``nf4``/``fp4``/``int8`` layer computing ``linear`` from its quantised weight (frozen).
 
     One layer at a time, so a model built on the meta device quantises each rank's part as the whole model does.
+    Drawing nothing (:func:`_undrawn`), so adapters attached after quantising draw what a meta build's draw.
     """
+    with _undrawn():
+        return _bnb_linear(linear, quantization, double_quant)
+
+
+def _undrawn() -> ContextManager[None]:
+    """Meanwhile the CPU generator is kept where it was: a bitsandbytes layer's constructor draws an ``nn.Linear``
+    init its quantised weight replaces, which an adapter model built on meta, quantised only once materialised (after
+    its adapters drew), never draws."""
+    return torch.random.fork_rng(devices=[])
+
+
+def _bnb_linear(linear: nn.Linear, quantization: Quantization, double_quant: bool) -> nn.Module:
     import bitsandbytes as bnb
 
     device = linear.weight.device
@@ -219,8 +232,9 @@ def quantized_shard(linear: nn.Linear, quantization: Quantization, *, double_qua
     weight = linear.weight.data.to(torch.float16)
     absmax = whole_row_absmax(weight.abs().amax(dim=1).float())
     codes = torch.round(weight * (127.0 / absmax.unsqueeze(-1))).to(torch.int8)
-    layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                has_fp16_weights=False, threshold=6.0, device=linear.weight.device)
+    with _undrawn():
+        layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                    has_fp16_weights=False, threshold=6.0, device=linear.weight.device)
     layer.weight = bnb.nn.Int8Params(codes, requires_grad=False, has_fp16_weights=False, CB=codes, SCB=absmax)
     if linear.bias is not None:
         layer.bias = nn.Parameter(linear.bias.data.clone(), requires_grad=False)

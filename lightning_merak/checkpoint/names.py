@@ -19,7 +19,10 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from lightning_merak.parallel.init_parity import eager_init_suspended
+
 __all__ = [
+    "ConvertedTensors",
     "MODEL_RECORD_KEY",
     "PEFT_LAYER_INFIX",
     "QUANTIZED_SPLITS_KEY",
@@ -86,10 +89,12 @@ def load_config(source: Union[str, Path, Mapping[str, Any]]) -> Any:
 
 
 def build_meta_model(config: Any) -> nn.Module:
-    """The causal LM of ``config`` on the meta device: its names, tied weights and conversions, no memory."""
+    """The causal LM of ``config`` on the meta device: its names, tied weights and conversions, no memory. It draws
+    nothing, inside a meta build's eager random stream too, which would otherwise move the generator by a whole
+    model's init before the model being built draws (a pretrained model's adapters)."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    with torch.device("meta"), eager_init_suspended():
         return AutoModelForCausalLM.from_config(config)
 
 
@@ -102,8 +107,13 @@ def _conversions(model: nn.Module, add_legacy: bool) -> tuple[list[Any], list[An
             [t for t in transforms if isinstance(t, WeightConverter)])
 
 
+class ConvertedTensors(ValueError, NotImplementedError):
+    """A family whose checkpoint tensors transformers converts, not just renames: not implemented here (a
+    ``NotImplementedError``), and a refusal of the model the user named (a ``ValueError``: the CLIs print it)."""
+
+
 def _refuse_conversion(model: nn.Module, what: str) -> None:
-    raise NotImplementedError(
+    raise ConvertedTensors(
         f"transformers converts (not just renames) checkpoint tensors of model type {model.config.model_type!r} "
         f"when it loads or saves them ({what}); lightning-merak reads and writes only renamed tensors. "
         "Load this family with strategy=ddp (from_pretrained) and save it with save_pretrained instead."

@@ -25,7 +25,7 @@ from torch import nn
 
 from lightning_merak.checkpoint.names import build_meta_model, checkpoint_names, load_config, strip_wrappers
 
-__all__ = ["LoadReport", "PretrainedFiles", "load_pretrained"]
+__all__ = ["LoadReport", "PretrainedFiles", "check_pretrained_files", "load_pretrained"]
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -41,25 +41,49 @@ class PretrainedFiles:
 
     @classmethod
     def open(cls, directory: Union[str, Path]) -> PretrainedFiles:
-        from safetensors import safe_open
-
+        """The files' keys and shapes, from their headers alone; an index naming a file or key that is not there,
+        or a file that is no safetensors file, is refused (a ``ValueError`` naming it) before anything is read."""
         directory = Path(directory)
-        if (directory / SAFE_WEIGHTS_INDEX).is_file():
-            weight_map = dict(json.loads((directory / SAFE_WEIGHTS_INDEX).read_text())["weight_map"])
+        index = directory / SAFE_WEIGHTS_INDEX
+        if index.is_file():
+            try:
+                weight_map = dict(json.loads(index.read_text())["weight_map"])
+            except (ValueError, KeyError, TypeError) as error:
+                raise ValueError(f"{index} is not a safetensors index (a JSON object with a weight_map: {error!r}); "
+                                 "save the model again with save_pretrained") from None
         elif (directory / SAFE_WEIGHTS).is_file():
-            with safe_open(directory / SAFE_WEIGHTS, "pt") as handle:
-                weight_map = dict.fromkeys(handle.keys(), SAFE_WEIGHTS)
+            weight_map = dict.fromkeys(_header_shapes(directory / SAFE_WEIGHTS), SAFE_WEIGHTS)
         else:
             raise FileNotFoundError(
                 f"{directory} has neither {SAFE_WEIGHTS} nor {SAFE_WEIGHTS_INDEX}; save the model with "
                 "save_pretrained(..., safe_serialization=True) (PyTorch .bin checkpoints are not read)"
             )
+        absent = sorted(name for name in set(weight_map.values()) if not (directory / name).is_file())
+        if absent:
+            raise ValueError(f"{index} lists weight files that {directory} does not hold: {', '.join(absent[:4])}"
+                             f"{' ...' if len(absent) > 4 else ''}; copy every file the index names (an interrupted "
+                             "download or copy?), or save the model again with save_pretrained")
         files = cls(directory, weight_map)
         for name in sorted(set(weight_map.values())):
-            with safe_open(directory / name, "pt") as handle:
-                for key in handle.keys():
-                    files.shapes[key] = tuple(handle.get_slice(key).get_shape())
+            files.shapes.update(_header_shapes(directory / name))
+        unlisted = sorted(key for key in weight_map if key not in files.shapes)
+        if unlisted:
+            raise ValueError(f"{index} places tensors in files that do not hold them: "
+                             f"{', '.join(f'{key} ({weight_map[key]})' for key in unlisted[:4])}; save the model "
+                             "again with save_pretrained")
         return files
+
+
+def _header_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """Key → shape of each tensor of the safetensors ``file``, from its header; refused when it has none."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(file, "pt") as handle:
+            return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{file} is not a readable safetensors file ({error}); save the model again with "
+                         "save_pretrained") from None
 
 
 @dataclass
@@ -174,6 +198,47 @@ def _ignored(patterns: Optional[list[str]], name: str) -> bool:
     return any(re.search(pattern, name) for pattern in patterns or [])
 
 
+_FIX = "pass the directory save_pretrained wrote for this model, with its own config.json"
+
+
+def _matched_names(files: PretrainedFiles, model: nn.Module, read_elsewhere: Optional[Mapping[str, Sequence[str]]]
+                   ) -> tuple[dict[str, str], dict[str, str]]:
+    """``(module name → checkpoint key, tied name → the name it is tied to)``; refused when the files lack a tensor
+    the model persists or hold one it does not have (the weights of another architecture or configuration)."""
+    persistent = model.state_dict()
+    elsewhere = dict(read_elsewhere or {})
+    skipped = {key for keys in elsewhere.values() for key in keys}
+    by_module = checkpoint_names([key for key in files.weight_map if key not in skipped], model)
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    unexpected = sorted(name for name in by_module if name not in persistent
+                        and not _ignored(getattr(model, "_keys_to_ignore_on_load_unexpected", None), name))
+    missing = sorted(name for name in persistent if name not in by_module and tied.get(name) not in by_module
+                     and name not in elsewhere
+                     and not _ignored(getattr(model, "_keys_to_ignore_on_load_missing", None), name))
+    if unexpected or missing:
+        raise ValueError(
+            f"{files.directory} does not match {type(model).__name__} built from its config.json: "
+            f"missing {missing or 'none'}; unexpected {unexpected or 'none'}; {_FIX}"
+        )
+    return by_module, tied
+
+
+def check_pretrained_files(files: PretrainedFiles, model: nn.Module,
+                           read_elsewhere: Optional[Mapping[str, Sequence[str]]] = None) -> None:
+    """Refuse, from the files' headers alone, weights that are not the unsplit ``model``'s (meta is fine): the name
+    and shape checks :func:`load_pretrained` makes on each rank, made once before any rank starts.
+    ``read_elsewhere`` as for :func:`load_pretrained`."""
+    by_module, tied = _matched_names(files, model, read_elsewhere)
+    mismatched = []
+    for name, tensor in model.state_dict().items():
+        key = by_module.get(name) or by_module.get(tied.get(name, ""))
+        if key is not None and files.shapes[key] != tuple(tensor.shape):
+            mismatched.append(f"{key}: file {files.shapes[key]}, model {tuple(tensor.shape)}")
+    if mismatched:
+        raise ValueError(f"shapes in {files.directory} differ from {type(model).__name__}'s, built from its "
+                         f"config.json: {'; '.join(mismatched[:4])}; {_FIX}")
+
+
 def load_pretrained(tensors: Mapping[str, torch.Tensor], directory: Union[str, Path],
                     layout_changes: Optional[Mapping[str, Any]] = None, *,
                     model: Optional[nn.Module] = None,
@@ -204,21 +269,7 @@ def load_pretrained(tensors: Mapping[str, torch.Tensor], directory: Union[str, P
     layout_changes = dict(layout_changes or {})
     persistent = model.state_dict()
     known = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers()), **persistent}
-    elsewhere = dict(read_elsewhere or {})
-    skipped = {key for keys in elsewhere.values() for key in keys}
-    by_module = checkpoint_names([key for key in files.weight_map if key not in skipped], model)
-    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
-
-    unexpected = sorted(name for name in by_module if name not in persistent
-                        and not _ignored(getattr(model, "_keys_to_ignore_on_load_unexpected", None), name))
-    missing = sorted(name for name in persistent if name not in by_module and tied.get(name) not in by_module
-                     and name not in elsewhere
-                     and not _ignored(getattr(model, "_keys_to_ignore_on_load_missing", None), name))
-    if unexpected or missing:
-        raise ValueError(
-            f"{directory} does not match {type(model).__name__} built from its config.json: "
-            f"missing {missing or 'none'}; unexpected {unexpected or 'none'}"
-        )
+    by_module, tied = _matched_names(files, model, read_elsewhere)
     prefix, resolved = strip_wrappers(tensors, known)
     foreign = sorted(name for name, bare in resolved.items() if bare is None)
     if foreign and "base_model." not in prefix:

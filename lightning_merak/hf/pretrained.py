@@ -13,11 +13,14 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from lightning_merak.hf.experts import load_pretrained_experts
+from lightning_merak.checkpoint.names import build_meta_model
+from lightning_merak.hf.checkpoint import PretrainedFiles, check_pretrained_files
+from lightning_merak.hf.experts import load_pretrained_experts, plan_experts
 from lightning_merak.parallel.init_parity import eager_init_suspended
 from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
 
-__all__ = ["check_vocabulary", "load_rank_pretrained", "pretrained_causal_lm", "pretrained_config", "validated_config"]
+__all__ = ["check_pretrained_weights", "check_vocabulary", "load_rank_pretrained", "pretrained_causal_lm",
+           "pretrained_config", "validated_config"]
 
 
 def _validation_errors() -> tuple[type[Exception], ...]:
@@ -64,16 +67,48 @@ def pretrained_causal_lm(path: Union[str, Path], data_vocab_size: int,
     """The pretrained model of ``path`` in float32, as ``AutoModelForCausalLM.from_pretrained(path)`` loads it.
 
     With ``weights=False`` only its structure is built (``from_config``, in the caller's device
-    context: the meta device under merak3d, whose ranks then load their shards).
+    context: the meta device under merak3d, whose ranks then load their shards). Weights that are not the
+    config's model are refused first, before any process starts (:func:`check_pretrained_weights`).
     """
     from transformers import AutoModelForCausalLM
 
     config = pretrained_config(path, overrides)
     check_vocabulary(data_vocab_size, config, path)
+    try:
+        check_pretrained_weights(path, build_meta_model(config))
+    except NotImplementedError as error:  # a family whose tensors transformers converts, not just renames
+        if not weights:  # merak3d's ranks read renamed tensors only: refused now rather than after launch
+            raise ValueError(f"model.path={path}: {error}") from None
+        # from_pretrained converts them; its loading report is checked below
     if not weights:
         with eager_init_suspended():  # the checkpoint replaces every weight: no eager draws on meta
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return AutoModelForCausalLM.from_pretrained(Path(path).expanduser(), config=config, dtype=torch.float32)
+    model, report = AutoModelForCausalLM.from_pretrained(Path(path).expanduser(), config=config, dtype=torch.float32,
+                                                         output_loading_info=True)
+    problems = [f"{kind.replace('_', ' ')} {sorted(map(str, report[kind]))[:8]}" for kind in _LOADING_PROBLEMS
+                if report.get(kind)]
+    if problems:  # what from_pretrained would otherwise initialise at random, or drop, with a logged warning
+        raise ValueError(f"model.path={path}: its weights do not match {type(model).__name__} built from its "
+                         f"config.json ({'; '.join(problems)}); pass the directory save_pretrained wrote for this "
+                         "model, with its own config.json")
+    return model
+
+
+_LOADING_PROBLEMS = ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")
+"""What ``from_pretrained``'s loading report lists that it would otherwise only log."""
+
+
+def check_pretrained_weights(path: Union[str, Path], model: nn.Module) -> None:
+    """Refuse, before any process starts and reading only the files' headers, weights in ``path`` that are not the
+    unsplit ``model``'s (meta is fine): a shard the index names but the folder lacks, a tensor missing or left over
+    (another architecture's weights), a shape that differs. Under merak3d the ranks would find them only after launch;
+    ``from_pretrained`` would initialise a missing tensor at random and drop an unexpected one, logging a warning."""
+    try:
+        files = PretrainedFiles.open(Path(path).expanduser())
+        layouts = plan_experts(model, files.shapes)
+        check_pretrained_files(files, model, {name: layout.keys() for name, layout in layouts.items()})
+    except ValueError as error:
+        raise ValueError(f"model.path={path}: {error}") from None
 
 
 def load_rank_pretrained(model: nn.Module, tensors: Mapping[str, torch.Tensor], path: Union[str, Path],

@@ -311,10 +311,24 @@ class ResumableDataLoader(DataLoader):
         self._resume: Optional[tuple[int, int]] = None
         self._epoch_shift: Optional[int] = None
 
-    def state_dict(self) -> dict[str, int]:
-        return {"pass": self._current_pass, "batches": self.trained_batches()}
+    def state_dict(self) -> dict[str, Any]:
+        return {"pass": self._current_pass, "batches": self.trained_batches(), **self._batch_shape()}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def _batch_shape(self) -> dict[str, Any]:
+        """What a trained batch count means in samples: the ranks a distributed sampler splits each pass over, and
+        each rank's batch size (None: a batch sampler's own batches)."""
+        return {"replicas": getattr(self.sampler, "num_replicas", 1), "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = {key: state[key] for key in ("replicas", "batch_size") if key in state}  # older checkpoints: none
+        now = self._batch_shape()
+        if any(saved[key] != now[key] for key in saved):
+            raise DataError(
+                f"the checkpoint's run read {saved.get('replicas', '?')} data-parallel shares of "
+                f"{saved.get('batch_size', '?')} samples a step, this run reads {now['replicas']} of "
+                f"{now['batch_size']}: skipping its {state['batches']} trained batches would skip other samples than "
+                "it trained, so some would be trained twice and others never. Resume with the same data-parallel "
+                "degree and data.batch_size, or start a new run from its weights (merak-export, then model.path)")
         finished = _has_length(self) and state["batches"] >= len(self)  # an endless stream never finishes a pass
         self._resume = (state["pass"] + finished, 0 if finished else state["batches"])
         self._epoch_shift, self._openings = None, 0

@@ -74,8 +74,17 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
             raise ValueError(f"moe.lancet_block_chunks={self.lancet_block_chunks!r}: use auto or a positive integer")
         return int(self.lancet_block_chunks)
 
+    def _typed_keys(self) -> dict[str, str]:
+        """The key each checked value came from, for refusals: ``moe.<field>``, or the model's config key where an
+        unset field takes the model's value (the number of experts and the top-k)."""
+        keys = {item.name: f"moe.{item.name}" for item in fields(self)}
+        for name, key in (("num_experts", "model.config.num_local_experts"), ("k", "model.config.num_experts_per_tok")):
+            if getattr(self, name, None) is None:
+                keys[name] = key
+        return keys
+
     def apply(self, model: nn.Module) -> nn.Module:
-        with option_keys("moe", (item.name for item in fields(self))):  # refusals name moe.<key>, as typed
+        with option_keys(self._typed_keys()):
             return self._apply(model)
 
     def _apply(self, model: nn.Module) -> nn.Module:
@@ -124,7 +133,7 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
         return model
 
     def build_callbacks(self) -> list[pl.Callback]:
-        with option_keys("moe", (item.name for item in fields(self))):
+        with option_keys(self._typed_keys()):
             return self._build_callbacks()
 
     def _build_callbacks(self) -> list[pl.Callback]:

@@ -106,7 +106,7 @@ def context_parallel_stage_loss(group: dist.ProcessGroup) -> Callable[[Tensor, T
         local, count = shard_next_token_labels(targets, group)
         summed = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), local.to(logits.device).reshape(-1),
                                  ignore_index=IGNORE_INDEX, reduction="sum")
-        return SumOverGroup.apply(summed / count.to(logits.device), group)
+        return SumOverGroup.apply(summed / count.clamp(min=1).to(logits.device), group)  # no scored token: 0
 
     return loss
 

@@ -25,9 +25,11 @@ vocabulary rows whose times are scaled by the fraction: no piece of the vocabula
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
-from typing import Any, Callable
+import sys
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -121,6 +123,31 @@ class _MetaGroupedMatmul(TorchFunctionMode):
             operands = [a.to(torch.bfloat16) if _meta_float(a) else a for a in args]
             return func(*operands, **kwargs).to(out_dtype)
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _peft_expert_factors_on_meta() -> Iterator[None]:
+    """PEFT's LoRA on fused expert weights (``target_parameters``) folds its factors into the weight in a
+    parametrization that opens ``torch.autocast`` on the weight's device, which torch refuses for ``meta``
+    ("unsupported scalarType"): meanwhile it folds meta weights without the autocast (no dtype changes on meta).
+    Feature-detected: nothing to do where PEFT, or that proxy of its, is not loaded."""
+    layer = sys.modules.get("peft.tuners.lora.layer")
+    proxy = getattr(layer, "_LoraFactorsProxy", None)
+    if proxy is None or not callable(getattr(proxy, "forward", None)):
+        yield
+        return
+    folded = proxy.forward
+
+    def forward(self: Any, weight: torch.Tensor) -> torch.Tensor:
+        if weight.is_meta:
+            return torch.baddbmm(weight, self.lhs, self.rhs, alpha=self.scaling)
+        return folded(self, weight)
+
+    proxy.forward = forward
+    try:
+        yield
+    finally:
+        proxy.forward = folded
 
 
 def _meta_float(value: Any) -> bool:
@@ -257,7 +284,7 @@ def trace_meta_model(model: nn.Module, sample_inputs: torch.Tensor,
     for block in trunk:
         block.forward = functools.partial(_on_meta, block.forward)
     try:
-        with hooks_removed_after(handles), table_rows, _MetaGroupedMatmul():
+        with hooks_removed_after(handles), table_rows, _MetaGroupedMatmul(), _peft_expert_factors_on_meta():
             recording = record_forward(work, call_model, sample_inputs, trunk)
     except RuntimeError as error:
         if "meta" not in str(error):

@@ -49,7 +49,7 @@ from lightning_merak.parallel.pipeline.recording import ModelTrace
 from lightning_merak.parallel.pipeline.row_scatter import add_rows_gradient, rows_dtensor, scatter_rows
 from lightning_merak.util.row_shards import row_shard_range
 
-__all__ = ["HeadShape", "VocabularyExchange", "VocabularySlice", "head_step_index",
+__all__ = ["HeadShape", "VocabularyExchange", "VocabularySlice", "check_vocab_stage_rows", "head_step_index",
            "split_head_over_stages", "tied_to_head", "vocab_stages_problem"]
 
 @dataclass(frozen=True)
@@ -101,6 +101,14 @@ def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, schedule: str) 
         return (f"vocab_stages scores the head's logits as they are, but the model transforms them ({after}: logit "
                 "scaling or soft-capping); set vocab_stages='off'")
     return None
+
+
+def check_vocab_stage_rows(vocab_size: int, parts: int) -> None:
+    """Refuse a vocabulary too small for ``vocab_stages`` to give each of the ``parts`` (pipeline × tensor-parallel)
+    ranks rows of it, naming the fix."""
+    if row_shard_range(vocab_size, parts, parts - 1)[0] >= vocab_size:
+        raise ValueError(f"a vocabulary of {vocab_size} rows split over {parts} pipeline × tensor-parallel ranks "
+                         "leaves the last rank without rows; set vocab_stages='off'")
 
 
 class VocabularySlice(nn.Module):
@@ -359,9 +367,7 @@ def split_head_over_stages(stages: nn.ModuleList, shape: HeadShape, trace: Model
     """
     stage = next((part for part in stages if part.is_last), stages[-1])
     parts = mesh.size()
-    if row_shard_range(shape.vocab_size, parts, parts - 1)[0] >= shape.vocab_size:
-        raise ValueError(f"a vocabulary of {shape.vocab_size} rows split over {parts} pipeline × tensor-parallel "
-                         "ranks leaves the last rank without rows; set vocab_stages='off'")
+    check_vocab_stage_rows(shape.vocab_size, parts)
     holder = parts - tensor_parallel  # the last stage's first tensor-parallel rank
     source = dist.get_global_rank(mesh.get_group(), holder)
     head = stage.net.get_submodule(shape.path) if mesh.get_local_rank() == holder and not allocate else None

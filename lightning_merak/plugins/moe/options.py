@@ -10,9 +10,10 @@ caller spelled it: the Python argument, or inside :func:`option_keys` the key ``
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from lightning_merak.util.fields import option
 from lightning_merak.util.values import is_finite_number
@@ -26,15 +27,16 @@ PlanFrom = Literal["auto", "current", "previous"]
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 """What DeepSpeed's ``TopKGate`` takes as ``noisy_gate_policy`` (``None`` and ``"None"``: no noise)."""
 _REPLICATING_PLACEMENTS = ("pro_prophet", "auto")
-_TYPED_KEYS: ContextVar[tuple[str, frozenset[str]]] = ContextVar("moe_typed_keys", default=("", frozenset()))
-"""The group prefix and the option names :func:`option_key` spells as typed keys (none outside :func:`option_keys`)."""
+_TYPED_KEYS: ContextVar[Optional[Mapping[str, str]]] = ContextVar("moe_typed_keys", default=None)
+"""The keys :func:`option_key` names options by (none outside :func:`option_keys`)."""
 
 
 @contextlib.contextmanager
-def option_keys(group: str, names: Iterable[str]) -> Iterator[None]:
-    """Meanwhile refusals name each option in ``names`` as ``<group>.<name>``: an entry point whose users type keys
-    (``merak-train``'s ``moe.capacity_factor``) wraps its checks in this, so the message names what they typed."""
-    token = _TYPED_KEYS.set((f"{group}.", frozenset(names)))
+def option_keys(keys: Mapping[str, str]) -> Iterator[None]:
+    """Meanwhile refusals name each option in ``keys`` by its key there: an entry point whose users type keys wraps
+    its checks in this (``merak-train``: ``{"capacity_factor": "moe.capacity_factor", "k":
+    "model.config.num_experts_per_tok"}``), so the message names what they typed."""
+    token = _TYPED_KEYS.set(dict(keys))
     try:
         yield
     finally:
@@ -43,8 +45,8 @@ def option_keys(group: str, names: Iterable[str]) -> Iterator[None]:
 
 def option_key(name: str) -> str:
     """How a refusal names option ``name``: its typed key inside :func:`option_keys`, else the Python argument."""
-    prefix, typed = _TYPED_KEYS.get()
-    return prefix + name if name in typed else name
+    keys = _TYPED_KEYS.get()
+    return name if keys is None else keys.get(name, name)
 
 
 def check_count(name: str, value: Any, lowest: int | None, fix: str) -> None:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_merak.modules.causal_lm import scores_next_token
 from lightning_merak.parallel.context.model import CONTEXT_ATTENTION_METHODS, check_context_parallel_model
 from lightning_merak.parallel.context.sharding import check_sequence_divisible
 from lightning_merak.parallel.context.variable import DEGREE_MODES
@@ -37,6 +38,7 @@ from lightning_merak.parallel.layout import (
 from lightning_merak.parallel.micro_batching.options import MicroBatching, check_packing_attention
 from lightning_merak.parallel.pipeline.schedules import shifted_schedule_available
 from lightning_merak.parallel.pipeline.trace import find_trunk
+from lightning_merak.parallel.pipeline.vocab_stages import check_vocab_stage_rows
 from lightning_merak.parallel.tensor.adapters import check_adapter_split
 from lightning_merak.parallel.tensor.blocks import check_tensor_parallel_degree
 from lightning_merak.parallel.tensor.sequence import check_sequence_length
@@ -47,7 +49,7 @@ from lightning_merak.strategies.merak3d.options import Degree, Merak3DOptions
 from lightning_merak.util.values import is_count, is_finite_number
 
 __all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "SHARDING_MODES", "Degree", "Merak3DArguments", "check_accumulation",
-           "checked_arguments", "moe_layers"]
+           "check_last_batch", "checked_arguments", "moe_layers"]
 
 RECOMPUTE_MODES = ("none", "full", "stage_aware", "auto")
 PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
@@ -98,6 +100,28 @@ def check_accumulation(accumulate_grad_batches: int) -> None:
             "merak3d splits each batch into micro-batches itself; set accumulate_grad_batches=1 "
             "and raise micro_batches (and the batch size) instead"
         )
+
+
+def check_last_batch(loader: Any, layout: Layout) -> None:
+    """Refuse, before the first step, a training loader whose last batch of an epoch (a dataset that does not fill
+    it, without ``drop_last``) the layout cannot split into its micro-batches and sub-batches: it would stop the run
+    there."""
+    sampler = getattr(loader, "batch_sampler", None)
+    size = getattr(sampler, "batch_size", None)
+    if not isinstance(loader, torch.utils.data.DataLoader) or not is_count(size) or sampler.drop_last:
+        return
+    try:
+        samples = len(sampler.sampler)
+    except TypeError:  # an iterable dataset: no length to tell the last batch by
+        return
+    last = samples % size
+    try:
+        if last:
+            layout.check_batch(last)
+    except ValueError as error:
+        raise ValueError(f"the training dataloader ends each epoch with a batch of {last} samples ({samples} in "
+                         f"batches of {size}), which merak3d cannot split: {error}; or pass drop_last=True to the "
+                         "DataLoader") from None
 
 
 def divides_model(config: Any, tensor_parallel: int) -> bool:
@@ -448,10 +472,15 @@ class Merak3DArguments(Merak3DOptions):
             overlap = self.tp_overlap if isinstance(self.tp_overlap, int) else 1
             check_batch_split(batch_size, pp or 1, self.micro_batches, overlap, self.schedule)
 
-    def validate_model(self, module: pl.LightningModule, world_size: int) -> None:
+    def validate_model(self, module: pl.LightningModule, world_size: int, sequence_length: Optional[int] = None
+                       ) -> None:
         """Refuse a module merak3d cannot train at these degrees (no network to split, a pipeline loss it cannot
-        infer), or degrees its network rules out."""
+        infer), degrees its network rules out, or sequences too short for its next-token loss."""
         degrees = self.launch_degrees(world_size)
+        if sequence_length is not None and sequence_length < 2 and scores_next_token(module):
+            raise ValueError(f"sequence length {sequence_length} leaves {type(module).__name__}'s next-token loss no "
+                             "token to score (its loss would be NaN); use sequences of at least 2 tokens "
+                             "(data.seq_len >= 2)")
         self.check_model(module_view(module, *degrees).network, *degrees)
 
     def check_model(self, model: nn.Module, pipeline_parallel: Optional[int], tensor_parallel: Optional[int]) -> None:
@@ -463,6 +492,9 @@ class Merak3DArguments(Merak3DOptions):
                 check_vocabulary_split(vocab_size, tensor_parallel)
             # LoRA on float bases splits with its layers; what does not (quantised bases, pooled adapters) is refused
             check_adapter_split(model, tensor_parallel)
+        vocab_rows = getattr(getattr(model, "config", None), "vocab_size", None)
+        if self.vocab_stages == "on" and pipeline_parallel and pipeline_parallel > 1 and isinstance(vocab_rows, int):
+            check_vocab_stage_rows(vocab_rows, pipeline_parallel * (tensor_parallel or 1))
         if self.sequence_parallel and tensor_parallel is not None and tensor_parallel > 1 and moe_layers(model):
             raise ValueError("sequence_parallel does not support MoE layers; use sequence_parallel=False")
         if self.data_parallel_sharding == "full":

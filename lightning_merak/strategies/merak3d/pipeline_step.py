@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_merak.parallel.context.model import IGNORE_INDEX
 from lightning_merak.parallel.context.stages import gather_stage_logits
 from lightning_merak.parallel.layout import MULTI_STAGE_SCHEDULES, LayoutGroups
 from lightning_merak.parallel.pipeline.busy import StageBusyClock
@@ -25,8 +26,8 @@ from lightning_merak.parallel.pipeline.schedules import ScheduleShiftedCriticalP
 from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
 
-__all__ = ["PipelineStep", "begin_vocabulary", "end_vocabulary", "hold_gradients", "restore_gradients",
-           "watch_shape_inference"]
+__all__ = ["PipelineStep", "TokenWeightedLoss", "begin_vocabulary", "end_vocabulary", "hold_gradients",
+           "restore_gradients", "scored_tokens", "watch_shape_inference"]
 
 HeldGradients = list[tuple[nn.Parameter, Optional[torch.Tensor]]]
 
@@ -51,16 +52,45 @@ def restore_gradients(held: HeldGradients) -> None:
         param.grad = grad
 
 
+def scored_tokens(targets: torch.Tensor) -> torch.Tensor:
+    """Tokens a next-token loss scores in ``targets`` ``[samples, tokens]``: every label but each sample's first,
+    less those set to ``-100``."""
+    return (targets[:, 1:] != IGNORE_INDEX).sum()
+
+
+class TokenWeightedLoss:
+    """``loss_fn`` (a mean over one micro-batch's scored tokens, ``CausalLMModule.loss_from_logits``'s) times the
+    micro-batch's share of its batch's scored tokens, so the schedule's mean over the micro-batches is the batch's
+    mean over its tokens, as one process computes it, however unevenly ``-100`` labels fall; a micro-batch scoring no
+    token adds 0 instead of NaN."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], micro_batches: int) -> None:
+        self._loss_fn, self._micro_batches = loss_fn, micro_batches
+        self._mean_tokens = torch.ones(())
+
+    def begin(self, targets: torch.Tensor) -> None:
+        """Weigh the micro-batches of the step whose whole batch of targets is ``targets``."""
+        self._mean_tokens = scored_tokens(targets).clamp(min=1) / self._micro_batches
+
+    def __call__(self, logits: Any, targets: torch.Tensor) -> torch.Tensor:
+        loss = self._loss_fn(logits, targets)
+        scored = scored_tokens(targets).to(loss.device)
+        weighted = loss * (scored / self._mean_tokens.to(loss.device))
+        return torch.where(scored > 0, weighted, torch.zeros_like(weighted))
+
+
 class PipelineStep:
     """The schedule over this rank's ``stages`` of ``module`` (a LightningModule), and what it left to do.
 
     ``loss_fn`` scores one micro-batch's logits against its targets on the last stage. With the whole module
     contract, :meth:`loss` replaces the module's ``compute_loss`` and :meth:`forward` its ``forward``; otherwise
     the network's call runs :meth:`run` and :meth:`forward` (:class:`~.network.PipelinedNetwork`).
+    ``token_weighted``: ``loss_fn`` (or the split head's) is next-token cross-entropy, each micro-batch's weighted
+    by its scored tokens (:class:`TokenWeightedLoss`).
     """
 
     def __init__(self, module: Any, stages: RankStages, groups: LayoutGroups, device: torch.device,
-                 loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+                 loss_fn: Callable[[Any, Any], torch.Tensor], token_weighted: bool = False) -> None:
         from torch.distributed.pipelining import (
             Schedule1F1B,
             ScheduleGPipe,
@@ -85,6 +115,11 @@ class PipelineStep:
         if self._vocabulary is not None:
             loss_fn = self._vocabulary.loss
         loss_fn = vocab_parallel_loss(loss_fn, stages)
+        self._token_weights: Optional[TokenWeightedLoss] = None
+        """The micro-batches' weights by scored tokens (the split head weighs its own); None: their plain mean."""
+        self._token_weighted = token_weighted
+        if token_weighted and self._vocabulary is None:
+            loss_fn = self._token_weights = TokenWeightedLoss(loss_fn, layout.micro_batches)
         self._router_aux_loss: Optional[RouterAuxLoss] = None
         if stages.router_aux is not None:
             loss_fn = self._router_aux_loss = RouterAuxLoss(loss_fn, stages.router_aux)
@@ -134,6 +169,7 @@ class PipelineStep:
         kwargs = {"target": targets, "losses": losses} if stage.is_last else {}
         if self._router_aux_loss is not None:
             self._router_aux_loss.values.clear()
+        self._weigh_tokens(targets)
         if module.training:
             parameters = [p for p in stage.parameters() if p.requires_grad]
             for param in parameters:
@@ -161,6 +197,13 @@ class PipelineStep:
         if self._router_aux_loss is not None:
             module._router_aux_loss = means[1]
         return means[0]
+
+    def _weigh_tokens(self, targets: Any) -> None:
+        """Weigh this step's micro-batches by their scored tokens (see ``token_weighted``)."""
+        if self._token_weights is not None:
+            self._token_weights.begin(targets)
+        elif self._token_weighted and self._vocabulary is not None:
+            self._vocabulary.token_weight = self.micro_batches / max(int(scored_tokens(targets)), 1)
 
     def backward_passes(self, batch: Any) -> int:
         """Micro-batches a training step on ``batch`` runs (what the data-parallel reduction is armed with)."""

@@ -70,10 +70,8 @@ class Merak3DStrategy(CheckpointHooks):
 
     def __init__(
         self,
-        data_parallel: Degree = "auto",
-        pipeline_parallel: Degree = 1,
-        tensor_parallel: Degree = 1,
-        tp_overlap: Degree = 1,
+        data_parallel: Degree = "auto", pipeline_parallel: Degree = 1,
+        tensor_parallel: Degree = 1, tp_overlap: Degree = 1,
         tp_weight_grad_overlap: Optional[bool] = None,
         sequence_parallel: bool = False,
         context_parallel: Degree = 1,
@@ -285,7 +283,7 @@ class Merak3DStrategy(CheckpointHooks):
         """
         self.validate_arguments(world_size, batch_size=batch_size, sequence_length=sequence_length,
                                 accumulate_grad_batches=accumulate_grad_batches)
-        self._arguments.validate_model(module, world_size)
+        self._arguments.validate_model(module, world_size, sequence_length)
 
     def _adopt(self, layout: Layout) -> None:
         """Build the device mesh of ``layout`` (every rank at once) and announce it."""
@@ -442,7 +440,9 @@ class Merak3DStrategy(CheckpointHooks):
             self._reading_planning_batch = False
 
     def on_train_start(self) -> None:
-        """Modules built in an evaluation loop (the sanity check, validate, predict) are still in eval mode."""
+        """Before any step: refuse a last batch the layout cannot split; train modules built in an evaluation loop."""
+        if not self.micro_batching.enabled:  # variable-length micro-batching plans any batch's micro-batches
+            arguments.check_last_batch(self.lightning_module.trainer.train_dataloader, self.layout)
         if self._built is not None:
             self.module_view.network.train()
         if self.layout_choice is not None and self.step_time_check is None:

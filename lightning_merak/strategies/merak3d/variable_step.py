@@ -343,7 +343,8 @@ def install_pipeline_step(options: MicroBatching, view: ModuleView, stages: Rank
         view.network = stages
         return step
     step = (VariablePipelineStep(module, stages, groups, device, options) if options.enabled
-            else PipelineStep(module, stages, groups, device, context_loss or module.loss_from_logits))
+            else PipelineStep(module, stages, groups, device, context_loss or module.loss_from_logits,
+                              token_weighted=scores_next_token(module)))
     module.model = stages
     module.compute_loss = step.loss
     module.forward = step.forward

@@ -1,0 +1,175 @@
+"""Shapes at the edges of merak3d's layouts: labels masked with ``-100`` unevenly over the micro-batches (a whole
+micro-batch of them included) train as one process does on the whole batch; a last batch the layout cannot split,
+one-token sequences and a vocabulary too small for ``vocab_stages`` are refused before any step."""
+
+from __future__ import annotations
+
+import re
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.config import ModelConfig
+from lightning_merak.parallel.layout import Layout
+from lightning_merak.strategies.merak3d import Merak3DStrategy
+from lightning_merak.strategies.merak3d.arguments import check_last_batch
+from lightning_merak.strategies.merak3d.pipeline_step import TokenWeightedLoss
+from lightning_merak.testing import (
+    DistributedRunError,
+    TrainingTrace,
+    assert_traces_match,
+    layout_gradients,
+    merge_rank_traces,
+    run_distributed,
+    snapshot_gradients,
+)
+
+STEPS, BATCH, SEQ, VOCAB = 2, 4, 16, 128
+LLAMA = ModelConfig(name="llama", model_type="llama", config={
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "tie_word_embeddings": False})
+
+
+class _Module(CausalLMModule):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.model.parameters(), lr=0.5)
+
+
+def _module() -> _Module:
+    torch.manual_seed(0)
+    model = build_causal_lm(LLAMA, vocab_size=VOCAB)
+    model.config.use_cache = False
+    return _Module(model)
+
+
+def _masked_batches() -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and labels ``[steps, batch, tokens]``: each sample's padding (a tail of its own length) is ``-100``,
+    and the first sample is padding throughout, so the first of two micro-batches scores a quarter of the tokens."""
+    ids = torch.randint(VOCAB, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    for step in range(STEPS):
+        for sample in range(BATCH):
+            labels[step, sample, SEQ - (5 * sample + 3 * step) % SEQ:] = -100
+    labels[:, 0] = -100
+    return ids, labels
+
+
+def _reference() -> TrainingTrace:
+    module = _module()
+    optimizer = module.configure_optimizers()
+    trace = TrainingTrace()
+    for ids, labels in zip(*_masked_batches()):
+        optimizer.zero_grad()
+        loss = module.compute_loss((ids, labels))
+        loss.backward()
+        trace.append(loss.item(), snapshot_gradients(module.model))
+        optimizer.step()
+    return trace
+
+
+class _Recorder(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.gradients: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+        self.gradients.append(layout_gradients(trainer.strategy, pl_module.model))
+
+
+class _Data(pl.LightningDataModule):
+    def __init__(self, samples: int = STEPS * BATCH) -> None:
+        super().__init__()
+        self.samples = samples
+
+    def train_dataloader(self) -> DataLoader:
+        ids, labels = (tensor.reshape(-1, SEQ)[:self.samples] for tensor in _masked_batches())
+        return DataLoader(TensorDataset(ids, labels), batch_size=BATCH)
+
+
+def _train_rank(rank: int, world_size: int, layout: dict,
+                samples: int = STEPS * BATCH) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    recorder = _Recorder()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=60), max_epochs=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[recorder])
+    trainer.fit(_module(), datamodule=_Data(samples))
+    return recorder.losses, recorder.gradients
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [
+    {"pipeline_parallel": 2, "micro_batches": 2},
+    {"pipeline_parallel": 2, "micro_batches": 2, "vocab_stages": "on"},
+], ids=["pp2", "pp2-vocab-stages"])
+def test_pipeline_weighs_micro_batches_by_their_scored_tokens(layout):
+    """The batch's loss is the mean over its scored tokens, not the mean of the micro-batches' means (nor NaN for a
+    micro-batch that scores none)."""
+    results = run_distributed(_train_rank, 2, args=(layout,), timeout_s=120)
+    assert_traces_match(_reference(), merge_rank_traces(results), loss_rtol=1e-5, grad_rtol=1e-4)
+
+
+def test_token_weighted_loss_is_the_batch_mean_and_zero_for_a_micro_batch_without_scored_tokens():
+    ids, labels = (tensor[0] for tensor in _masked_batches())
+    logits = torch.randn(BATCH, SEQ, VOCAB, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    module = _module()
+    weighted = TokenWeightedLoss(module.loss_from_logits, micro_batches=2)
+    weighted.begin(labels)
+    losses = [weighted(logits[:2], labels[:2]), weighted(logits[2:], labels[2:])]
+    whole = module.loss_from_logits(logits, labels)
+    assert torch.stack(losses).mean().item() == pytest.approx(whole.item(), rel=1e-6)
+    alone = weighted(logits[:1], labels[:1])  # the padding-only sample
+    alone.backward()
+    assert alone.item() == 0.0 and torch.isfinite(logits.grad).all() and not logits.grad.any()
+
+
+@pytest.mark.distributed
+def test_a_last_batch_the_pipeline_cannot_split_is_refused_before_the_first_step():
+    """7 samples in batches of 4 end each epoch with 3, which 2 micro-batches do not split: refused at the start of
+    training, not after the epoch's other steps."""
+    with pytest.raises(DistributedRunError, match=re.escape(
+            "the training dataloader ends each epoch with a batch of 3 samples (7 in batches of 4), which merak3d "
+            "cannot split: batch size 3 is not divisible by micro_batches=2")) as refused:
+        run_distributed(_train_rank, 2, args=({"pipeline_parallel": 2, "micro_batches": 2}, 7), timeout_s=120)
+    assert "training_step" not in str(refused.value), "refused before any step ran"
+
+
+def _layout(pipeline_parallel: int, micro_batches: int, tp_overlap: int = 1) -> Layout:
+    return Layout(data_parallel=1, pipeline_parallel=pipeline_parallel, tensor_parallel=tp_overlap, virtual_stages=1,
+                  schedule="1f1b", micro_batches=micro_batches, micro_batches_by_default=False, tp_overlap=tp_overlap,
+                  recompute="none", recompute_ratio=0.5)
+
+
+def test_last_batch_check_names_the_fix_and_passes_loaders_that_split():
+    dataset = TensorDataset(torch.zeros(10, SEQ, dtype=torch.long))
+    message = "ends each epoch with a batch of 1 samples (10 in batches of 3), which merak3d cannot split: micro-batch"
+    with pytest.raises(ValueError, match=re.escape(message)) as refused:
+        check_last_batch(DataLoader(dataset, batch_size=3), _layout(1, 1, tp_overlap=2))
+    assert str(refused.value).endswith("or pass drop_last=True to the DataLoader")
+    check_last_batch(DataLoader(dataset, batch_size=4, drop_last=True), _layout(2, 2))
+    check_last_batch(DataLoader(dataset, batch_size=5), _layout(2, 5))  # no partial batch
+    check_last_batch(DataLoader(dataset, batch_size=4), _layout(1, 1))  # without stages any batch runs
+
+
+def test_one_token_sequences_are_refused_before_launch_for_a_next_token_loss():
+    """One token has no next token: the loss is NaN in one process, and at tensor_parallel=2 the split found on such
+    a batch is wrong; refused before launch, naming the value and the fix."""
+    for layout in ({"tensor_parallel": 2}, {"pipeline_parallel": 2}, {"data_parallel": 2}):
+        with pytest.raises(ValueError, match=re.escape("sequence length 1 leaves _Module's next-token loss no "
+                                                       "token to score (its loss would be NaN); use sequences of")):
+            Merak3DStrategy(**layout).validate_before_launch(_module(), 2, batch_size=4, sequence_length=1)
+    Merak3DStrategy(tensor_parallel=2).validate_before_launch(_module(), 2, batch_size=4, sequence_length=2)
+
+
+def test_vocab_stages_refuse_before_launch_a_vocabulary_too_small_for_every_rank():
+    """3 rows over 2 × 2 ranks leave the last one without rows (first batch before; now before launch)."""
+    torch.manual_seed(0)
+    module = _Module(build_causal_lm(LLAMA, vocab_size=3))
+    with pytest.raises(ValueError, match=re.escape("a vocabulary of 3 rows split over 4 pipeline × tensor-parallel "
+                                                   "ranks leaves the last rank without rows; set vocab_stages='off'")):
+        Merak3DStrategy(pipeline_parallel=2, tensor_parallel=2, vocab_stages="on").validate_before_launch(module, 4)
+    Merak3DStrategy(pipeline_parallel=2, vocab_stages="on").validate_before_launch(module, 2)
