@@ -1,6 +1,7 @@
-"""Shapes at the edges of merak3d's layouts: labels masked with ``-100`` unevenly over the micro-batches (a whole
-micro-batch of them included) train as one process does on the whole batch; a last batch the layout cannot split,
-one-token sequences and a vocabulary too small for ``vocab_stages`` are refused before any step."""
+"""Shapes at the edges of merak3d's layouts: labels masked with ``-100`` unevenly over the micro-batches and the
+batch replicas (a whole micro-batch of them included) train as one process does on the whole batch; a last batch
+the layout cannot split, one-token sequences and a vocabulary too small for ``vocab_stages`` are refused before any
+step."""
 
 from __future__ import annotations
 
@@ -81,13 +82,17 @@ class _Recorder(pl.Callback):
 
 
 class _Data(pl.LightningDataModule):
-    def __init__(self, samples: int = STEPS * BATCH) -> None:
+    """The masked batches; with several batch replicas each gets a contiguous part of every batch."""
+
+    def __init__(self, samples: int = STEPS * BATCH, replicas: int = 1) -> None:
         super().__init__()
-        self.samples = samples
+        self.samples, self.replicas = samples, replicas
 
     def train_dataloader(self) -> DataLoader:
-        ids, labels = (tensor.reshape(-1, SEQ)[:self.samples] for tensor in _masked_batches())
-        return DataLoader(TensorDataset(ids, labels), batch_size=BATCH)
+        share = BATCH // self.replicas
+        first = self.trainer.strategy.distributed_sampler_kwargs["rank"] * share
+        ids, labels = (tensor[:, first:first + share].reshape(-1, SEQ)[:self.samples] for tensor in _masked_batches())
+        return DataLoader(TensorDataset(ids, labels), batch_size=share)
 
 
 def _train_rank(rank: int, world_size: int, layout: dict,
@@ -97,7 +102,7 @@ def _train_rank(rank: int, world_size: int, layout: dict,
         accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=60), max_epochs=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[recorder])
-    trainer.fit(_module(), datamodule=_Data(samples))
+    trainer.fit(_module(), datamodule=_Data(samples, layout.get("data_parallel", 1)))
     return recorder.losses, recorder.gradients
 
 
@@ -111,6 +116,27 @@ def test_pipeline_weighs_micro_batches_by_their_scored_tokens(layout):
     micro-batch that scores none)."""
     results = run_distributed(_train_rank, 2, args=(layout,), timeout_s=120)
     assert_traces_match(_reference(), merge_rank_traces(results), loss_rtol=1e-5, grad_rtol=1e-4)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout, world_size", [
+    ({"data_parallel": 2}, 2),
+    ({"data_parallel": 2, "data_parallel_sharding": "optimizer"}, 2),
+    ({"data_parallel": 2, "data_parallel_sharding": "full"}, 2),
+    ({"data_parallel": 2, "tensor_parallel": 2}, 4),
+    ({"data_parallel": 2, "context_parallel": 2}, 4),
+    ({"data_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2}, 4),
+    ({"data_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2, "vocab_stages": "on"}, 4),
+], ids=["dp2", "dp2-zero1", "dp2-full", "dp2-tp2", "dp2-cp2", "dp2-pp2", "dp2-pp2-vocab-stages"])
+def test_batch_replicas_average_to_the_global_token_mean(layout, world_size):
+    """Two replicas scoring 5 and 10 tokens (one of them a sample with none): the step is the global batch's mean
+    over its scored tokens, as one process computes it, not the mean of the replicas' means (ZeRO-1 frees its
+    gradients: its second step's loss carries the first step's update)."""
+    results = run_distributed(_train_rank, world_size, args=(layout,), timeout_s=120)
+    reference, candidate = _reference(), merge_rank_traces(results)
+    if layout.get("data_parallel_sharding") == "optimizer":
+        reference.gradients, candidate.gradients = [{} for _ in reference.losses], [{} for _ in candidate.losses]
+    assert_traces_match(reference, candidate, loss_rtol=1e-5, grad_rtol=1e-4)
 
 
 def test_token_weighted_loss_is_the_batch_mean_and_zero_for_a_micro_batch_without_scored_tokens():
@@ -165,6 +191,22 @@ def test_one_token_sequences_are_refused_before_launch_for_a_next_token_loss():
     Merak3DStrategy(tensor_parallel=2).validate_before_launch(_module(), 2, batch_size=4, sequence_length=2)
 
 
+def _train_one_token_rank(rank: int, world_size: int) -> None:
+    strategy = Merak3DStrategy(tensor_parallel=2, timeout_s=60)
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(_module(), DataLoader(TensorDataset(torch.randint(VOCAB, (8, 1))), batch_size=4))
+
+
+@pytest.mark.distributed
+def test_one_token_sequences_from_python_are_refused_on_the_first_batch_before_the_split():
+    """Without the data known before launch, the first batch refuses them (the tensor-parallel split traced on one
+    token would be refused with a misleading cause)."""
+    with pytest.raises(DistributedRunError, match=re.escape("sequence length 1 leaves _Module's next-token loss no "
+                                                            "token to score")):
+        run_distributed(_train_one_token_rank, 2, timeout_s=120)
+
+
 def test_vocab_stages_refuse_before_launch_a_vocabulary_too_small_for_every_rank():
     """3 rows over 2 × 2 ranks leave the last one without rows (first batch before; now before launch)."""
     torch.manual_seed(0)
@@ -173,3 +215,24 @@ def test_vocab_stages_refuse_before_launch_a_vocabulary_too_small_for_every_rank
                                                    "ranks leaves the last rank without rows; set vocab_stages='off'")):
         Merak3DStrategy(pipeline_parallel=2, tensor_parallel=2, vocab_stages="on").validate_before_launch(module, 4)
     Merak3DStrategy(pipeline_parallel=2, vocab_stages="on").validate_before_launch(module, 2)
+
+
+def _train_one_row_rank(rank: int, world_size: int) -> list[float]:
+    torch.manual_seed(0)
+    module = _Module(build_causal_lm(LLAMA, vocab_size=1))
+    recorder = _Recorder()
+    strategy = Merak3DStrategy(pipeline_parallel=2, micro_batches=2, vocab_stages="auto", timeout_s=60)
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[recorder])
+    trainer.fit(module, DataLoader(TensorDataset(torch.zeros(4, SEQ, dtype=torch.long)), batch_size=4))
+    return recorder.losses
+
+
+@pytest.mark.distributed
+def test_vocab_stages_auto_keeps_a_vocabulary_too_small_to_split_on_the_last_stage():
+    """'auto' chooses: a vocabulary of one row cannot give both stages rows, so the head stays whole (one token:
+    the loss is 0), where 'on' is refused."""
+    losses = run_distributed(_train_one_row_rank, 2, timeout_s=120)
+    assert losses[0] == losses[1] == [0.0]
+

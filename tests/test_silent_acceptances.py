@@ -169,3 +169,23 @@ def test_argument_checks_use_the_shared_finite_number_check_with_their_messages(
         SparseCommunication("s2", latency_us=math.inf)
     with pytest.raises(ValueError, match=r"recompute_ratio=True must lie in \[0, 1\]"):
         Merak3DStrategy(recompute_ratio=True)
+
+
+@pytest.mark.parametrize("key", ["dtype", "torch_dtype"])
+def test_a_config_naming_bfloat16_is_built_in_float32_with_a_notice(key, caplog):
+    """A config copied from a pretrained model names its checkpoint's dtype; transformers' from_config would build
+    bfloat16 parameters, which a 32-true run would then train. Built in float32 (as from_pretrained loads it), with
+    one line naming what sets the training dtype."""
+    from lightning_merak.modules.causal_lm import build_causal_lm
+    from lightning_merak.modules.config import ModelConfig
+
+    config = ModelConfig(name="llama", model_type="llama", config={
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, key: "bfloat16"})
+    with caplog.at_level("INFO"):
+        model = build_causal_lm(config, vocab_size=64)
+    assert {param.dtype for param in model.parameters()} == {torch.float32}
+    assert "model.config names dtype torch.bfloat16: the model is built in float32" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        build_causal_lm(dataclasses.replace(config, config={**config.config, key: "float32"}), vocab_size=64)
+    assert "names dtype" not in caplog.text

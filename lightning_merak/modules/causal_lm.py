@@ -69,7 +69,12 @@ def build_causal_lm(config: ModelConfig, vocab_size: int) -> nn.Module:
                        f"{vocab_size} tokens: the model is built without a padding row (model.config.pad_token_id "
                        "sets one)")
         model_config.pad_token_id = None
-    return AutoModelForCausalLM.from_config(model_config)
+    requested = getattr(model_config, "dtype", None)
+    if requested not in (None, torch.float32, "float32"):  # transformers would build the parameters in it
+        rank_zero_info(f"model.config names dtype {requested}: the model is built in float32, as from_pretrained "
+                       "loads it, and trainer.precision sets how it trains (bf16-true: bfloat16 parameters; "
+                       "bf16-mixed: float32 parameters under bfloat16 autocast)")
+    return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
 
 
 _BATCH_FORMS = ("a tensor of token ids [samples, tokens], a tuple (input_ids,) or (input_ids, labels), or a dict "

@@ -307,6 +307,10 @@ class ContextParallelForward:
 
     scores_shards = True
     """Called with ``labels``, the loss is computed on each rank's shard of the logits, never gathered."""
+    replica_tokens: Optional[Any] = None
+    """With several batch replicas, what counts the global batch's scored tokens per replica
+    (:class:`~lightning_merak.parallel.data.token_mean.ReplicaTokens`): the loss divides by that count instead of
+    this replica's own, so the replicas' average is the global token mean."""
 
     def __init__(self, model: nn.Module, state: ContextState, group: Optional[dist.ProcessGroup] = None) -> None:
         self._model = model
@@ -371,6 +375,8 @@ class ContextParallelForward:
         targets = kwargs.pop("num_items_in_batch", None)
         if targets is None:
             targets = (shifted != IGNORE_INDEX).sum()
+            if self.replica_tokens is not None:  # the global batch's token mean, over the replicas' average
+                targets = self.replica_tokens.per_replica(targets).float()
         outputs = self._run({**inputs, "labels": shard(labels), "shift_labels": shard(shifted),
                              "num_items_in_batch": targets}, kwargs, attention_mask, shard)
         outputs["loss"] = SumOverGroup.apply(outputs["loss"], self._group)

@@ -50,7 +50,7 @@ from lightning_merak.parallel.pipeline.row_scatter import add_rows_gradient, row
 from lightning_merak.util.row_shards import row_shard_range
 
 __all__ = ["HeadShape", "VocabularyExchange", "VocabularySlice", "check_vocab_stage_rows", "head_step_index",
-           "split_head_over_stages", "tied_to_head", "vocab_stages_problem"]
+           "split_head_over_stages", "tied_to_head", "vocab_stage_rows_problem", "vocab_stages_problem"]
 
 @dataclass(frozen=True)
 class HeadShape:
@@ -103,12 +103,20 @@ def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, schedule: str) 
     return None
 
 
-def check_vocab_stage_rows(vocab_size: int, parts: int) -> None:
-    """Refuse a vocabulary too small for ``vocab_stages`` to give each of the ``parts`` (pipeline × tensor-parallel)
-    ranks rows of it, naming the fix."""
+def vocab_stage_rows_problem(vocab_size: int, parts: int) -> Optional[str]:
+    """Why a vocabulary is too small for ``vocab_stages`` to give each of the ``parts`` (pipeline × tensor-parallel)
+    ranks rows of it, naming the fix; None where every rank gets rows."""
     if row_shard_range(vocab_size, parts, parts - 1)[0] >= vocab_size:
-        raise ValueError(f"a vocabulary of {vocab_size} rows split over {parts} pipeline × tensor-parallel ranks "
-                         "leaves the last rank without rows; set vocab_stages='off'")
+        return (f"a vocabulary of {vocab_size} rows split over {parts} pipeline × tensor-parallel ranks leaves the "
+                "last rank without rows; set vocab_stages='off'")
+    return None
+
+
+def check_vocab_stage_rows(vocab_size: int, parts: int) -> None:
+    """Refuse what :func:`vocab_stage_rows_problem` finds."""
+    problem = vocab_stage_rows_problem(vocab_size, parts)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 class VocabularySlice(nn.Module):

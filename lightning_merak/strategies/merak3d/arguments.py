@@ -49,7 +49,7 @@ from lightning_merak.strategies.merak3d.options import Degree, Merak3DOptions
 from lightning_merak.util.values import is_count, is_finite_number
 
 __all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "SHARDING_MODES", "Degree", "Merak3DArguments", "check_accumulation",
-           "check_last_batch", "checked_arguments", "moe_layers"]
+           "check_last_batch", "check_scored_length", "checked_arguments", "moe_layers"]
 
 RECOMPUTE_MODES = ("none", "full", "stage_aware", "auto")
 PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
@@ -100,6 +100,15 @@ def check_accumulation(accumulate_grad_batches: int) -> None:
             "merak3d splits each batch into micro-batches itself; set accumulate_grad_batches=1 "
             "and raise micro_batches (and the batch size) instead"
         )
+
+
+def check_scored_length(module: Any, sequence_length: Optional[int]) -> None:
+    """Refuse sequences too short for ``module``'s next-token loss (before launch, or on the first batch when the
+    data was not known then: a split traced on such a batch would be wrong)."""
+    if sequence_length is not None and sequence_length < 2 and scores_next_token(module):
+        raise ValueError(f"sequence length {sequence_length} leaves {type(module).__name__}'s next-token loss no "
+                         "token to score (its loss would be NaN); use sequences of at least 2 tokens "
+                         "(data.seq_len >= 2)")
 
 
 def check_last_batch(loader: Any, layout: Layout) -> None:
@@ -477,10 +486,7 @@ class Merak3DArguments(Merak3DOptions):
         """Refuse a module merak3d cannot train at these degrees (no network to split, a pipeline loss it cannot
         infer), degrees its network rules out, or sequences too short for its next-token loss."""
         degrees = self.launch_degrees(world_size)
-        if sequence_length is not None and sequence_length < 2 and scores_next_token(module):
-            raise ValueError(f"sequence length {sequence_length} leaves {type(module).__name__}'s next-token loss no "
-                             "token to score (its loss would be NaN); use sequences of at least 2 tokens "
-                             "(data.seq_len >= 2)")
+        check_scored_length(module, sequence_length)
         self.check_model(module_view(module, *degrees).network, *degrees)
 
     def check_model(self, model: nn.Module, pipeline_parallel: Optional[int], tensor_parallel: Optional[int]) -> None:

@@ -18,7 +18,11 @@ from typing import Any, Callable, NoReturn, Optional
 import torch
 from torch import nn
 
+from lightning_merak.modules.causal_lm import scores_next_token
+from lightning_merak.parallel.data.token_mean import weigh_replica_tokens
+from lightning_merak.parallel.layout import LayoutGroups
 from lightning_merak.parallel.pipeline.trace import TraceError, find_trunk
+from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
 from lightning_merak.protocols.module_contract import (
     CONTRACT_GUIDE,
     LOSS_FROM_OUTPUTS,
@@ -28,7 +32,7 @@ from lightning_merak.protocols.module_contract import (
 )
 from lightning_merak.strategies.merak3d.step_replay import ReplayedStep, StepReplay
 
-__all__ = ["ModuleView", "PipelinedNetwork", "batch_inputs", "module_view", "select_samples"]
+__all__ = ["ModuleView", "PipelinedNetwork", "batch_inputs", "install_module_loss", "module_view", "select_samples"]
 
 MicroBatchLoss = Callable[[Any, Any], torch.Tensor]
 """``(logits, targets) -> loss`` of one micro-batch, as the pipeline schedule scores it on the last stage."""
@@ -225,6 +229,18 @@ def module_view(module: Any, pipeline_parallel: Optional[int], tensor_parallel: 
 _PASSED_OVER = {"use_cache": (None, False), "return_dict": (None, True), "output_attentions": (None, False),
                 "output_hidden_states": (None, False)}
 """Keyword arguments a pipelined call accepts at these values only (what the stages compute anyway)."""
+
+
+def install_module_loss(view: ModuleView, groups: LayoutGroups) -> None:
+    """The module's loss where no pipeline schedule runs it: scored on vocabulary-parallel logits where the head is
+    split (a drop-in network gathers its logits; a context-parallel one is called with labels, whose loss needs
+    whole-vocabulary logits), and, with several batch replicas, a next-token loss weighted so that their average
+    is the global batch's token mean (:mod:`~lightning_merak.parallel.data.token_mean`)."""
+    module = view.module
+    if view.contract and groups.layout.context_parallel == 1:
+        module.loss_from_logits = vocab_parallel_loss(module.loss_from_logits, module.model)
+    if groups.layout.batch_replicas > 1 and scores_next_token(module):
+        weigh_replica_tokens(module, view.network, groups)
 
 
 class PipelinedNetwork:

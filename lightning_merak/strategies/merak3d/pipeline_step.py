@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_merak.parallel.context.model import IGNORE_INDEX
 from lightning_merak.parallel.context.stages import gather_stage_logits
+from lightning_merak.parallel.data.token_mean import ReplicaTokens, scored_tokens
 from lightning_merak.parallel.layout import MULTI_STAGE_SCHEDULES, LayoutGroups
 from lightning_merak.parallel.pipeline.busy import StageBusyClock
 from lightning_merak.parallel.pipeline.embedding_stages import average_rows_gradients, split_vocabulary_parameters
@@ -27,7 +27,7 @@ from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
 
 __all__ = ["PipelineStep", "TokenWeightedLoss", "begin_vocabulary", "end_vocabulary", "hold_gradients",
-           "restore_gradients", "scored_tokens", "watch_shape_inference"]
+           "restore_gradients", "watch_shape_inference"]
 
 HeldGradients = list[tuple[nn.Parameter, Optional[torch.Tensor]]]
 
@@ -52,30 +52,28 @@ def restore_gradients(held: HeldGradients) -> None:
         param.grad = grad
 
 
-def scored_tokens(targets: torch.Tensor) -> torch.Tensor:
-    """Tokens a next-token loss scores in ``targets`` ``[samples, tokens]``: every label but each sample's first,
-    less those set to ``-100``."""
-    return (targets[:, 1:] != IGNORE_INDEX).sum()
-
-
 class TokenWeightedLoss:
     """``loss_fn`` (a mean over one micro-batch's scored tokens, ``CausalLMModule.loss_from_logits``'s) times the
-    micro-batch's share of its batch's scored tokens, so the schedule's mean over the micro-batches is the batch's
-    mean over its tokens, as one process computes it, however unevenly ``-100`` labels fall; a micro-batch scoring no
-    token adds 0 instead of NaN."""
+    micro-batch's share of its global batch's scored tokens, so the schedule's mean over the micro-batches, averaged
+    over the batch replicas (``replicas``), is the global batch's mean over its tokens, as one process computes it,
+    however unevenly ``-100`` labels fall; a micro-batch scoring no token adds 0 instead of NaN."""
 
-    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], micro_batches: int) -> None:
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], micro_batches: int,
+                 replicas: Optional[ReplicaTokens] = None) -> None:
         self._loss_fn, self._micro_batches = loss_fn, micro_batches
+        self._replicas = replicas if replicas is not None else ReplicaTokens(None)
         self._mean_tokens = torch.ones(())
 
     def begin(self, targets: torch.Tensor) -> None:
-        """Weigh the micro-batches of the step whose whole batch of targets is ``targets``."""
-        self._mean_tokens = scored_tokens(targets).clamp(min=1) / self._micro_batches
+        """Weigh the micro-batches of the step whose whole batch of targets (this replica's) is ``targets``; a
+        collective over the replicas."""
+        per_replica = self._replicas.per_replica(scored_tokens(targets))
+        self._mean_tokens = per_replica.clamp(min=1e-30) / self._micro_batches
 
     def __call__(self, logits: Any, targets: torch.Tensor) -> torch.Tensor:
         loss = self._loss_fn(logits, targets)
         scored = scored_tokens(targets).to(loss.device)
-        weighted = loss * (scored / self._mean_tokens.to(loss.device))
+        weighted = loss * (scored / self._mean_tokens.to(loss.device)).to(loss.dtype)
         return torch.where(scored > 0, weighted, torch.zeros_like(weighted))
 
 
@@ -118,8 +116,11 @@ class PipelineStep:
         self._token_weights: Optional[TokenWeightedLoss] = None
         """The micro-batches' weights by scored tokens (the split head weighs its own); None: their plain mean."""
         self._token_weighted = token_weighted
+        self._replicas = ReplicaTokens(groups.data_parallel_group if layout.batch_replicas > 1 else None)
+        """The scored tokens of the global batch, over the replicas: the weights make the replicas' average the
+        global token mean."""
         if token_weighted and self._vocabulary is None:
-            loss_fn = self._token_weights = TokenWeightedLoss(loss_fn, layout.micro_batches)
+            loss_fn = self._token_weights = TokenWeightedLoss(loss_fn, layout.micro_batches, self._replicas)
         self._router_aux_loss: Optional[RouterAuxLoss] = None
         if stages.router_aux is not None:
             loss_fn = self._router_aux_loss = RouterAuxLoss(loss_fn, stages.router_aux)
@@ -203,7 +204,8 @@ class PipelineStep:
         if self._token_weights is not None:
             self._token_weights.begin(targets)
         elif self._token_weighted and self._vocabulary is not None:
-            self._vocabulary.token_weight = self.micro_batches / max(int(scored_tokens(targets)), 1)
+            per_replica = float(self._replicas.per_replica(scored_tokens(targets)))
+            self._vocabulary.token_weight = self.micro_batches / per_replica if per_replica > 0 else 1.0
 
     def backward_passes(self, batch: Any) -> int:
         """Micro-batches a training step on ``batch`` runs (what the data-parallel reduction is armed with)."""

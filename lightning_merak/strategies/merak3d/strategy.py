@@ -38,7 +38,6 @@ from lightning_merak.parallel.data import fully_sharded, gradients
 from lightning_merak.parallel.layout import Layout, LayoutGroups
 from lightning_merak.parallel.materialize import has_meta, meta_device
 from lightning_merak.parallel.tensor.layers import shared_row_weights
-from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
 from lightning_merak.planning.planner.step_check import BatchClock, StepTimeCheck
 from lightning_merak.strategies.merak3d import arguments, build, network, planning
 from lightning_merak.strategies.merak3d.arguments import Degree
@@ -486,6 +485,7 @@ class Merak3DStrategy(CheckpointHooks):
         existing = weakref.WeakSet(module.modules())  # not keeping alive the whole layers a split replaces
         traced = self.pipeline_parallel > 1 or self.tensor_parallel > 1
         inputs = view.split_batch(batch)[0] if traced or view.contract else network.batch_inputs(batch)
+        arguments.check_scored_length(module, inputs.shape[1] if isinstance(inputs, torch.Tensor) else None)
         self._checkpointer.find_experts(view.network)
         built = build.build_model(view.network, inputs, device=self.root_device,
                                   arguments=planning.planned_arguments(self._arguments, self.layout_choice),
@@ -499,10 +499,8 @@ class Merak3DStrategy(CheckpointHooks):
             install_context_parallel_layout(view.network, built.stages, self.groups, self.micro_batching.packs)
         self._pipeline = install_step(self._arguments.context_parallel_degree, self.micro_batching, view,
                                       built.stages, self.groups, self.root_device)
-        if self._pipeline is None and view.contract and self.layout.context_parallel == 1:
-            # the pipeline's schedule wraps the loss itself; a drop-in network gathers its logits, and a
-            # context-parallel one is called with labels, whose loss needs whole-vocabulary logits
-            module.loss_from_logits = vocab_parallel_loss(module.loss_from_logits, module.model)
+        if self._pipeline is None:  # a pipeline's schedule wraps the loss itself
+            network.install_module_loss(view, self.groups)
         for part in module.modules():
             if part not in existing:  # stage wrappers and pruned containers join the loop's mode
                 part.training = module.training

@@ -27,6 +27,7 @@ from lightning_merak.parallel.pipeline.vocab_stages import (
     HeadShape,
     split_head_over_stages,
     tied_to_head,
+    vocab_stage_rows_problem,
     vocab_stages_problem,
 )
 from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
@@ -45,6 +46,9 @@ def splittable_head(model: nn.Module, trace: ModelTrace, arguments: Merak3DArgum
     problem = vocab_stages_problem(model, trace, schedule=layout.schedule)
     if problem is None:
         problem = head_lora_layout_problem(head_lora(model.get_output_embeddings()), layout.tensor_parallel)
+    if problem is None:
+        problem = vocab_stage_rows_problem(model.get_output_embeddings().out_features,
+                                           layout.pipeline_parallel * layout.tensor_parallel)
     if problem is not None:
         if arguments.vocab_stages == "on":
             raise ValueError(problem)
