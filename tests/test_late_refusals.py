@@ -208,3 +208,21 @@ def test_a_loader_resumed_with_other_data_parallel_shares_is_refused():
     older = loader(1, 4)
     older.load_state_dict({"pass": 0, "batches": 2})  # a checkpoint from before the shares were saved
     assert next(iter(older)).tolist() == [8, 9, 10, 11]
+
+
+def test_a_stream_resumed_with_other_data_parallel_shares_is_refused(tmp_path):
+    """A streamed corpus is split by rank without a sampler: its loader's state records the stream's shares, so a
+    resume at another data-parallel degree is refused as a sampler's is (it skipped another share's batch count)."""
+    import json
+
+    from lightning_merak.modules.hf_data import HFDatasetData
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"document {index} " + "word " * 40}) for index in range(16)))
+    data = HFDatasetData(str(corpus), seq_len=16, batch_size=2, streaming=True)
+    saved = data.resumable_loader(data.train_stream(0, 2)).state_dict()
+    assert (saved["replicas"], saved["batch_size"]) == (2, 2)
+    data.resumable_loader(data.train_stream(1, 2)).load_state_dict(saved)
+    with pytest.raises(DataError, match=re.escape("the checkpoint's run read 2 data-parallel shares of 2 samples a "
+                                                  "step, this run reads 1 of 2")):
+        data.resumable_loader(data.train_stream(0, 1)).load_state_dict(saved)

@@ -74,15 +74,18 @@ def pretrained_causal_lm(path: Union[str, Path], data_vocab_size: int,
 
     config = pretrained_config(path, overrides)
     check_vocabulary(data_vocab_size, config, path)
-    try:
-        check_pretrained_weights(path, build_meta_model(config))
-    except NotImplementedError as error:  # a family whose tensors transformers converts, not just renames
-        if not weights:  # merak3d's ranks read renamed tensors only: refused now rather than after launch
-            raise ValueError(f"model.path={path}: {error}") from None
-        # from_pretrained converts them; its loading report is checked below
     if not weights:
         with eager_init_suspended():  # the checkpoint replaces every weight: no eager draws on meta
-            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            structure = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        try:
+            check_pretrained_weights(path, structure)
+        except NotImplementedError as error:  # a family whose tensors transformers converts, not just renames:
+            raise ValueError(f"model.path={path}: {error}") from None  # merak3d's ranks read renamed ones only
+        return structure
+    try:
+        check_pretrained_weights(path, build_meta_model(config))
+    except NotImplementedError:  # from_pretrained converts them; its loading report is checked below
+        pass
     model, report = AutoModelForCausalLM.from_pretrained(Path(path).expanduser(), config=config, dtype=torch.float32,
                                                          output_loading_info=True)
     problems = [f"{kind.replace('_', ' ')} {sorted(map(str, report[kind]))[:8]}" for kind in _LOADING_PROBLEMS

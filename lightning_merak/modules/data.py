@@ -315,9 +315,11 @@ class ResumableDataLoader(DataLoader):
         return {"pass": self._current_pass, "batches": self.trained_batches(), **self._batch_shape()}
 
     def _batch_shape(self) -> dict[str, Any]:
-        """What a trained batch count means in samples: the ranks a distributed sampler splits each pass over, and
-        each rank's batch size (None: a batch sampler's own batches)."""
-        return {"replicas": getattr(self.sampler, "num_replicas", 1), "batch_size": self.batch_size}
+        """What a trained batch count means in samples: the ranks a distributed sampler (or a stream split by rank,
+        its ``shares``) splits each pass over, and each rank's batch size (None: a batch sampler's own batches)."""
+        replicas = getattr(self.sampler, "num_replicas", None)
+        return {"replicas": replicas if replicas is not None else getattr(self.dataset, "shares", 1),
+                "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = {key: state[key] for key in ("replicas", "batch_size") if key in state}  # older checkpoints: none

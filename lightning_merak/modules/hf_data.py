@@ -246,10 +246,13 @@ class PackedStream(TorchIterableDataset):
     """
 
     def __init__(self, documents: datasets.IterableDataset, corpus: Corpus, encode: Callable[[str], list[int]],
-                 eos_token_id: Optional[int], seq_len: int, endless: bool) -> None:
+                 eos_token_id: Optional[int], seq_len: int, endless: bool, shares: int = 1) -> None:
         super().__init__()
         self.documents, self.corpus, self.seq_len, self.endless = documents, corpus, seq_len, endless
         self.encode, self.eos_token_id = encode, eos_token_id
+        self.shares = shares
+        """The data-parallel shares the documents are split into (this stream reads one): what a resumed run's
+        trained batch count means."""
         self.first_pass = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -351,14 +354,15 @@ class HFDatasetData(TokenDataModule):
                                     val_fraction=self.val_fraction, validation=validation)
         return documents.select_columns([self.text_field]).filter(on_side)
 
-    def _packed(self, documents: datasets.IterableDataset, endless: bool) -> PackedStream:
-        return PackedStream(documents, self.corpus, self._encode, self._eos, self.seq_len, endless)
+    def _packed(self, documents: datasets.IterableDataset, endless: bool, shares: int = 1) -> PackedStream:
+        return PackedStream(documents, self.corpus, self._encode, self._eos, self.seq_len, endless, shares)
 
     def train_stream(self, rank: int, world_size: int, endless: bool = True) -> PackedStream:
         """Data-parallel rank ``rank``'s stream of training blocks (``streaming=True``); ``endless=False``: one
         pass, this rank's share of the documents in one shuffle."""
         documents = split_dataset_by_node(self._stream(validation=False), rank=rank, world_size=world_size)
-        return self._packed(documents.shuffle(seed=self.seed, buffer_size=self.shuffle_buffer), endless=endless)
+        return self._packed(documents.shuffle(seed=self.seed, buffer_size=self.shuffle_buffer), endless=endless,
+                            shares=world_size)
 
     def val_stream(self) -> PackedStream:
         """One pass over every held-out block (``streaming=True``): each rank validates on all of them."""
