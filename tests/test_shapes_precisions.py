@@ -154,13 +154,16 @@ def test_token_weighted_loss_is_the_batch_mean_and_zero_for_a_micro_batch_withou
 
 
 @pytest.mark.distributed
-def test_a_last_batch_the_pipeline_cannot_split_is_refused_before_the_first_step():
-    """7 samples in batches of 4 end each epoch with 3, which 2 micro-batches do not split: refused at the start of
-    training, not after the epoch's other steps."""
+@pytest.mark.parametrize("samples", [7, 6])
+def test_a_last_batch_the_pipeline_cannot_take_is_refused_before_the_first_step(samples):
+    """7 or 6 samples in batches of 4 end each epoch with 3 or 2, which the stages (shaped by the first batch of 4)
+    cannot take, even where 2 micro-batches divide it: refused at the start of training, not after the epoch's other
+    steps."""
     with pytest.raises(DistributedRunError, match=re.escape(
-            "the training dataloader ends each epoch with a batch of 3 samples (7 in batches of 4), which merak3d "
-            "cannot split: batch size 3 is not divisible by micro_batches=2")) as refused:
-        run_distributed(_train_rank, 2, args=({"pipeline_parallel": 2, "micro_batches": 2}, 7), timeout_s=120)
+            f"the training dataloader ends each epoch with a batch of {samples - 4} samples ({samples} in batches of "
+            "4), which merak3d's pipeline stages cannot take: they take every batch in the shape of the first")
+    ) as refused:
+        run_distributed(_train_rank, 2, args=({"pipeline_parallel": 2, "micro_batches": 2}, samples), timeout_s=120)
     assert "training_step" not in str(refused.value), "refused before any step ran"
 
 
@@ -170,8 +173,12 @@ def _layout(pipeline_parallel: int, micro_batches: int, tp_overlap: int = 1) -> 
                   recompute="none", recompute_ratio=0.5)
 
 
-def test_last_batch_check_names_the_fix_and_passes_loaders_that_split():
+def test_last_batch_check_names_the_fix_and_passes_loaders_that_split_or_never_reach_it():
     dataset = TensorDataset(torch.zeros(10, SEQ, dtype=torch.long))
+    check_last_batch(DataLoader(dataset, batch_size=4), _layout(2, 2), batches_run=2)  # limit_train_batches=2
+    check_last_batch(DataLoader(dataset, batch_size=4), _layout(2, 2), max_steps=1)
+    with pytest.raises(ValueError, match="ends each epoch with a batch of 2 samples"):
+        check_last_batch(DataLoader(dataset, batch_size=4), _layout(2, 2), batches_run=3, max_steps=3)
     message = "ends each epoch with a batch of 1 samples (10 in batches of 3), which merak3d cannot split: micro-batch"
     with pytest.raises(ValueError, match=re.escape(message)) as refused:
         check_last_batch(DataLoader(dataset, batch_size=3), _layout(1, 1, tp_overlap=2))

@@ -409,6 +409,23 @@ class ShardedCheckpointer:
             )
         return checkpoint
 
+    def load_into(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
+        """Read a sharded checkpoint's model tensors into ``state`` in place: the built layout's own state
+        (:meth:`module_state_dict`, what :meth:`save` writes from), so a layout built by a fit evaluates a
+        checkpoint of the same layout without rebuilding. Returns the checkpoint's other entries (no optimizer
+        states). Refused where the layout saves tensors in another form than it holds them (re-laid-out shards
+        saved whole, fused experts as their slice of the whole, quantised bases), which a read cannot put back."""
+        import torch.distributed.checkpoint as dcp
+
+        if self.layout_changes or self.fused_experts.shards or self.fused_experts.factors or self._quantized_splits:
+            raise ValueError(f"{path} is a sharded merak3d checkpoint of a layout with re-laid-out shards, fused "
+                             "experts or a quantised base, which loads only before the layout is built: evaluate it "
+                             "with a new Trainer and module (Trainer.validate/test/predict(module, ckpt_path=...))")
+        checkpoint = load_torch_file(path / LIGHTNING_CHECKPOINT)
+        checkpoint.pop("merak3d_optimizers", None)
+        dcp.load({"model": state}, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+        return checkpoint
+
     def read_file(self, checkpoint: dict[str, Any], module: nn.Module) -> dict[str, Any]:
         """A Lightning checkpoint file's contents (a DDP run's: the whole model, ``merak_ep``'s experts and the LoRA
         factors on them gathered whole) with each fused expert tensor and expert factor cut to this rank's experts,

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Optional
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_merak.callbacks.delta.blocks import SELECTOR_FORMS, BlockSelector, describe_blocks, discover_blocks
@@ -33,7 +33,11 @@ from lightning_merak.callbacks.delta.memory_planner import Action, Plan
 from lightning_merak.callbacks.delta.options import DeltaOptions
 from lightning_merak.callbacks.delta.plot import save_timeline_plot
 from lightning_merak.callbacks.delta.profiler import agree_profile
-from lightning_merak.callbacks.delta.recompute_switch import strategy_recompute, user_checkpointing
+from lightning_merak.callbacks.delta.recompute_switch import (
+    strategy_recompute,
+    turn_off_kv_caches,
+    user_checkpointing,
+)
 from lightning_merak.callbacks.delta.runtime import ManagerOptions, MemoryManager, StepReport, iter_tensors
 from lightning_merak.distributed.process_groups import collective_device
 from lightning_merak.protocols.layout_aware import layout_aware
@@ -116,6 +120,7 @@ class DeltaMemory(pl.Callback):
         self._patched_configure_model: Optional[nn.Module] = None
         self._active = False
         self._layout_candidates: Optional[set[str]] = None
+        self._uncached_configs: list[Any] = []
 
     # public ------------------------------------------------------------------------------
 
@@ -175,6 +180,8 @@ class DeltaMemory(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._active and self._layout_candidates is None:
             return
+        self._warn_if_warmup_outlasts_run(trainer)
+        self._turn_off_kv_caches(pl_module)
         device = pl_module.device
         if self.swap_tier is None:
             self._options.swap_tier = "host" if device.type == "cuda" else "disk"
@@ -258,12 +265,36 @@ class DeltaMemory(pl.Callback):
     # helpers -----------------------------------------------------------------------------
 
     def _close(self) -> None:
+        for config in self._uncached_configs:
+            config.use_cache = True
+        self._uncached_configs = []
         if self._patched_configure_model is not None:
             self._patched_configure_model.__dict__.pop("configure_model", None)
             self._patched_configure_model = None
         if self._active:
             self.manager.close()
             self._active = False
+
+    def _warn_if_warmup_outlasts_run(self, trainer: pl.Trainer) -> None:
+        """A run no longer than the warm-up profiles every batch and never manages a block."""
+        if trainer.max_steps < 0:
+            return
+        batches = trainer.max_steps * trainer.accumulate_grad_batches
+        if self._options.warmup_steps >= batches:
+            rank_zero_warn(
+                f"DeltaMemory: warmup_steps={self._options.warmup_steps} covers the whole run "
+                f"(max_steps={trainer.max_steps}, {batches} training batches), so no block is ever swapped "
+                f"or recomputed; lower warmup_steps below {batches} or train for longer"
+            )
+
+    def _turn_off_kv_caches(self, pl_module: pl.LightningModule) -> None:
+        """Training keeps no key/value cache, which recompute would replay (restored at teardown)."""
+        self._uncached_configs = turn_off_kv_caches(pl_module)
+        if self._uncached_configs:
+            rank_zero_info(
+                "DeltaMemory: turned off the key/value cache (config.use_cache=False) for training: a recomputed "
+                "block replays its call, and a cache would take its keys twice"
+            )
 
     def _respect_existing_checkpointing(
         self, found: list[tuple[str, nn.Module]], strategy: Any = None

@@ -8,30 +8,37 @@ only flips :attr:`SwitchableForward.recompute` afterwards.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_merak.protocols.layout_aware import RecomputedForward
+from lightning_merak.util.model_outputs import no_cache
 
-__all__ = ["SwitchableForward", "install_switch", "remove_switch", "strategy_recompute", "user_checkpointing"]
+__all__ = [
+    "SwitchableForward", "install_switch", "remove_switch", "strategy_recompute", "turn_off_kv_caches",
+    "user_checkpointing",
+]
 
 
 class SwitchableForward:
     """Calls the block's own forward, through non-reentrant checkpointing when recomputing.
 
     ``preserve_rng_state=True`` replays the forward's RNG state, so dropout masks in the
-    recomputation match the original ones and gradients are identical.
+    recomputation match the original ones and gradients are identical. The replay takes the
+    same arguments, so a key/value cache among them is refused (see :func:`turn_off_kv_caches`).
     """
 
     def __init__(self, module: nn.Module) -> None:
         self.original = module.forward
+        self.block_type = type(module).__name__
         self.recompute = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.recompute and torch.is_grad_enabled():
+            self._refuse_kv_cache(kwargs)
             return checkpoint(
                 self.original,
                 *args,
@@ -41,6 +48,31 @@ class SwitchableForward:
                 **kwargs,
             )
         return self.original(*args, **kwargs)
+
+    def _refuse_kv_cache(self, kwargs: Mapping[str, Any]) -> None:
+        """A cache the first forward appended to would get the block's keys and values a second time."""
+        for name, value in kwargs.items():
+            if callable(getattr(value, "get_seq_length", None)):
+                raise ValueError(
+                    f"DeltaMemory recomputes a {self.block_type} whose call got a key/value cache "
+                    f"({name}={type(value).__name__}); the recomputation would append its keys to the cache a "
+                    "second time: call the model with use_cache=False in training"
+                )
+
+
+def turn_off_kv_caches(module: nn.Module) -> list[Any]:
+    """Turn off the key/value cache of every transformers model under ``module``; returns the configs changed.
+
+    Recompute replays a block's call with the same arguments, so a cache in them would take the keys
+    twice (transformers' own gradient checkpointing turns the cache off for the same reason).
+    """
+    changed: dict[int, Any] = {}
+    for submodule in module.modules():
+        config = getattr(submodule, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            no_cache(submodule)
+            changed[id(config)] = config
+    return list(changed.values())
 
 
 def install_switch(module: nn.Module) -> SwitchableForward:

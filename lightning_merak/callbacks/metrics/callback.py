@@ -148,7 +148,9 @@ class TrainingMetrics(pl.Callback):
         if callable(strategy_norm):
             self._grad_norm = float(strategy_norm(optimizer))
             return
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        # a sparse gradient (an embedding built with sparse=True) has the norm of its coalesced values
+        grads = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad
+                 for p in pl_module.parameters() if p.grad is not None]
         if grads:
             norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
             self._grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)

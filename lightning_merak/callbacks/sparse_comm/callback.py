@@ -383,8 +383,13 @@ class SparseCommunication(pl.Callback):
             join_lookups(self.sharded_tables.values())
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Under merak3d: reduce this rank's table gradients over the data-parallel group with S2
+        """S2 under DDP: the hook's reduced sparse gradients made dense as soon as DDP has written them, so every
+        later hook (metrics, user callbacks, clipping) sees dense gradients whatever the callbacks' order; a
+        backward under ``no_sync`` (gradient accumulation) keeps its local sparse gradient for the next one to add to.
+        Under merak3d: reduce this rank's table gradients over the data-parallel group with S2
         and name them in ``_ddp_params_and_buffers_to_ignore``, right before merak3d averages the rest."""
+        if self._sparse_lookups is not None and getattr(trainer.strategy.model, "require_backward_grad_sync", True):
+            self._sparse_lookups.densify()
         if not (self._active and self._layout_aware and self.excluded_reducer is not None):
             return
         model = pl_module.model
@@ -456,8 +461,7 @@ class SparseCommunication(pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if self._sparse_lookups is not None:
-            self._sparse_lookups.densify()
+        """Reduce the tables excluded from DDP (``sparse=True`` embeddings) that this optimizer steps."""
         if self._layout_aware or not self.excluded_tables or self.excluded_reducer is None:
             return
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}

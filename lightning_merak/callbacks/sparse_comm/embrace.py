@@ -423,17 +423,7 @@ class ShardedEmbedding(nn.Module):
     ) -> ShardedEmbedding:
         """Shard ``embedding``; its weight is broadcast from the group's first rank first,
         because the table leaves DDP, which would otherwise do that."""
-        unsupported = {
-            "max_norm": embedding.max_norm is not None,
-            "scale_grad_by_freq": embedding.scale_grad_by_freq,
-            "sparse": embedding.sparse,
-        }
-        offending = [name for name, present in unsupported.items() if present]
-        if offending:
-            raise ValueError(
-                f"EmbRace cannot shard an nn.Embedding with {', '.join(offending)} set; "
-                "build the embedding without them or use method='s2'"
-            )
+        check_shardable(embedding)
         weight = embedding.weight.detach().clone()
         dist.broadcast(weight, src=dist.get_global_rank(process_group or dist.group.WORLD, 0), group=process_group)
         return cls(weight, process_group, embedding.padding_idx, ledger)
@@ -542,6 +532,30 @@ def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent_name) if parent_name else root, child, module)
 
 
+def check_shardable(embedding: nn.Embedding, name: str = "the embedding") -> None:
+    """Refuse an embedding whose lookup a :class:`ShardedEmbedding` would not reproduce: one with options it does
+    not implement, or of a class that overrides ``forward`` (Gemma's ``embed_scale``), whose extra work the
+    replacement would silently drop."""
+    unsupported = {
+        "max_norm": embedding.max_norm is not None,
+        "scale_grad_by_freq": embedding.scale_grad_by_freq,
+        "sparse": embedding.sparse,
+    }
+    offending = [option for option, present in unsupported.items() if present]
+    if offending:
+        raise ValueError(
+            f"EmbRace cannot shard {name}, an nn.Embedding with {', '.join(offending)} set; "
+            "build the embedding without them or use method='s2'"
+        )
+    if type(embedding).forward is not nn.Embedding.forward:
+        kind = type(embedding)
+        raise ValueError(
+            f"EmbRace cannot shard {name} ({kind.__module__}.{kind.__qualname__}): its class overrides "
+            "nn.Embedding.forward, which the sharded table would replace, changing the model's outputs; "
+            "use method='s2' (merak-train: comm=s2) for this model"
+        )
+
+
 def shard_embeddings(
     model: nn.Module,
     names: list[str],
@@ -558,6 +572,8 @@ def shard_embeddings(
     missing = [name for name in names if not isinstance(modules.get(name), nn.Embedding)]
     if missing:
         raise ValueError(f"not nn.Embedding modules of the model: {missing}")
+    for name in names:
+        check_shardable(modules[name], name)
     sharded: dict[str, ShardedEmbedding] = {}
     for name in names:
         embedding = modules[name]

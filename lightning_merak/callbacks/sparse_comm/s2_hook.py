@@ -299,7 +299,8 @@ class S2Reducer:
             dense = reduced_payload.view(num_rows, dim)
             if out is not None:
                 return out.copy_(dense)
-            return dense.to_sparse() if plan.sparse_output else dense
+            # row-sparse like the embedding's own gradient: DDP copies the result into it, which needs equal sparse dims
+            return dense.to_sparse(1) if plan.sparse_output else dense
         if plan.method == "allgather":
             union_values = plan.gathered_rows
         elif plan.union.numel() == 0:
@@ -338,9 +339,10 @@ class SparseLookups:
     Why: a dense lookup's backward builds a zeroed ``[V, H]`` gradient that DDP then copies into its bucket, two
     table-sized passes per step that torch's own ``sparse=True`` path (the all-gather baseline) does not make. A
     sparse lookup hands the hook its touched rows directly (no scan, no hint) and DDP keeps no bucket for the
-    table; the hook returns the averaged rows as a sparse gradient, which :meth:`densify` makes dense before the
-    optimizer, so the optimizer, clipping and checkpoints see the same dense gradient as before. Only for tables
-    read by their embedding alone: another use of the weight would add a dense gradient to the sparse one.
+    table; the hook returns the averaged rows as a sparse gradient, which :meth:`densify` makes dense right after
+    the backward, so later hooks, the optimizer, clipping and checkpoints see the same dense gradient as before.
+    Only for tables read by their embedding alone: another use of the weight would add a dense gradient to the
+    sparse one.
     """
 
     embeddings: list[nn.Embedding]
@@ -358,11 +360,11 @@ class SparseLookups:
                 embedding.weight.grad = None
 
     def densify(self) -> None:
-        """Before the optimizer: each table's reduced sparse gradient as a dense one, written into the same
-        table-sized tensor every step (zeroed, then the rows copied in). ``to_dense`` would allocate it afresh,
-        and a fresh table's pages fault in as they are first written: 61 ms for a 500k x 64 float table on one
-        CPU thread, against 6 ms to zero the kept one. Like DDP's bucket views, the tensor is reused: a
-        gradient kept past its step is overwritten by the next."""
+        """After the backward that reduced them, before any hook reads gradients: each table's reduced sparse
+        gradient as a dense one, written into the same table-sized tensor every step (zeroed, then the rows
+        copied in). ``to_dense`` would allocate it afresh, and a fresh table's pages fault in as they are first
+        written: 61 ms for a 500k x 64 float table on one CPU thread, against 6 ms to zero the kept one. Like DDP's
+        bucket views, the tensor is reused: a gradient kept past its step is overwritten by the next."""
         for index, embedding in enumerate(self.embeddings):
             gradient = embedding.weight.grad
             if gradient is None or not gradient.is_sparse:

@@ -24,7 +24,8 @@ from lightning_merak.distributed.gradient_norm import ShardedGradients, clip_coe
 from lightning_merak.parallel.layout import LayoutGroups
 
 __all__ = ["ReplicaReduction", "TiedParameter", "average_gradients", "averaged_parameters", "clip_by_total_norm",
-           "replicated_parameters", "scale_gradients", "squared_norm", "synchronize_gradients", "total_norm"]
+           "clip_by_value", "replicated_parameters", "scale_gradients", "squared_norm", "synchronize_gradients",
+           "total_norm"]
 
 
 class ReplicaReduction(Protocol):
@@ -122,6 +123,16 @@ def _spread(param: torch.Tensor) -> tuple[bool, Optional[dist.ProcessGroup]]:
         elif name != "dp_replicate":
             fsdp_group = param.device_mesh.get_group(index)
     return model_split, fsdp_group
+
+
+def clip_by_value(optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
+    """Clamp each of ``optimizer``'s gradients to ``[-clip_val, clip_val]``, element by element: a tensor-parallel
+    shard's local elements (no collective: the clamp is elementwise), which torch's ``clip_grad_value_`` cannot
+    clamp in one call with plain tensors."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None:
+                local_tensor(param.grad).clamp_(-clip_val, clip_val)
 
 
 def clip_by_total_norm(optimizer: torch.optim.Optimizer, clip_val: Union[int, float], tied: list[TiedParameter],

@@ -1,11 +1,13 @@
-"""Swap the sparse-MoE blocks of a transformers-v5 Mixtral-style model for our ``MoE``.
+"""Swap the sparse-MoE blocks of a transformers-v5 Mixtral model for our ``MoE``.
 
-The model is not edited: each ``*SparseMoeBlock`` (a router with ``weight [E, H]`` and
+The model is not edited: each ``MixtralSparseMoeBlock`` (a router with ``weight [E, H]`` and
 fused experts ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``) is replaced by a
-:class:`SwappedSparseBlock` computing the same function (Mixtral's renormalised top-k
-equals DeepSpeed's top-2 gate without second-expert sampling; with ``drop_tokens``
-False nothing is dropped). The swap runs before processes exist, so each block keeps
-the original expert weights until it knows its EP rank, then keeps only its own.
+:class:`SwappedSparseBlock` computing the same function (Mixtral's renormalised top-2
+equals DeepSpeed's top-2 gate without second-expert sampling; its top-1 weight, renormalised
+to 1, is what the layer's ``top1_weight_one`` gives; with ``drop_tokens`` False nothing is
+dropped). Other families' ``*SparseMoeBlock`` route otherwise (shared experts, ``norm_topk_prob``)
+and are refused: ``moe.experts=merak_ep`` keeps their own routers. The swap runs before processes
+exist, so each block keeps the original expert weights until it knows its EP rank, then keeps only its own.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
 from lightning_merak.plugins.moe.core.placement_cost_model import CostModel
 from lightning_merak.plugins.moe.executor import TransferScheduler
@@ -85,12 +88,23 @@ class SwappedSparseBlock(nn.Module):
         return output
 
 
-def _is_sparse_block(module: nn.Module) -> bool:
-    return (
-        type(module).__name__.endswith("SparseMoeBlock")
-        and hasattr(getattr(module, "gate", None), "weight")
-        and hasattr(getattr(module, "experts", None), "gate_up_proj")
-    )
+def _mixtral_blocks(model: nn.Module) -> list[tuple[str, MixtralSparseMoeBlock]]:
+    """Mixtral's sparse blocks, named; any block the swap would not reproduce exactly is refused."""
+    blocks = []
+    for name, module in model.named_modules():
+        if isinstance(module, MixtralSparseMoeBlock):
+            if module.jitter_noise > 0:
+                raise ValueError(
+                    f"{name}: model.config.router_jitter_noise={module.jitter_noise} scales Mixtral's block input by "
+                    "noise in training, which the DeepSpeed-MoE swap does not do; set "
+                    "model.config.router_jitter_noise=0, or use moe.experts=merak_ep (keeps the block as it is)")
+            blocks.append((name, module))
+        elif type(module).__name__.endswith("SparseMoeBlock"):
+            raise ValueError(
+                f"{name}: {type(module).__name__} cannot be swapped onto DeepSpeed-MoE, which reproduces only "
+                "Mixtral's router (softmax top-k renormalised, no shared expert); use moe.experts=merak_ep, which "
+                "keeps every transformers MoE family's own router, shared experts and norm_topk_prob")
+    return blocks
 
 
 def swap_sparse_moe_blocks(
@@ -104,7 +118,7 @@ def swap_sparse_moe_blocks(
     aux_loss_coef: float = 0.01,
     cost_model: CostModel | None = None,
 ) -> list[SwappedSparseBlock]:
-    """Replace every Mixtral-style sparse block of ``model`` in place; return the new blocks.
+    """Replace every Mixtral sparse block of ``model`` in place; return the new blocks.
 
     Every argument and every block is checked before the first block is replaced, so a refusal leaves the model
     as it was.
@@ -119,11 +133,11 @@ def swap_sparse_moe_blocks(
     check_number("aux_loss_coef", aux_loss_coef, "pass the router's load-balancing loss weight (0: none)", at_least=0)
     options.validate(drop_tokens, ep_size)
     config = getattr(model, "config", None)
-    targets = [(name, module) for name, module in model.named_modules() if _is_sparse_block(module)]
+    targets = _mixtral_blocks(model)
     if not targets:
         raise ValueError(
-            f"{type(model).__name__} has no Mixtral-style sparse MoE block (a *SparseMoeBlock with a router "
-            "and fused gate_up_proj/down_proj experts); build it with model=mixtral_tiny or a Mixtral config"
+            f"{type(model).__name__} has no Mixtral-style sparse MoE block (a MixtralSparseMoeBlock); build it with "
+            "model=mixtral_tiny or a Mixtral config, or use moe.experts=merak_ep for another MoE family"
         )
     for name, block in targets:
         num_experts, hidden = block.experts.down_proj.shape[0], block.experts.down_proj.shape[1]
@@ -145,6 +159,7 @@ def swap_sparse_moe_blocks(
             drop_tokens=drop_tokens, use_rts=False, top2_2nd_expert_sampling=False, options=options,
             cost_model=cost_model, scheduler=scheduler,
         )
+        moe.deepspeed_moe.top1_weight_one = True  # Mixtral renormalises its top-1 probability to 1
         with torch.no_grad():
             moe.deepspeed_moe.gate.wg.weight.copy_(block.gate.weight)
         original = {

@@ -8,12 +8,11 @@ engine (plain DDP, or a model swapped before the processes exist) it creates and
 attaches its expert groups lazily on its first forward, which every rank runs in
 the same layer order.
 
-Per call: the gate routes the full local batch (DeepSpeed's decisions, k = 1 or 2);
-the per-rank counts are all-gathered over the EP group (one small collective, one
-host sync); the step planner (:mod:`.core.step_planner`) picks, from these counts, the
-cheapest of no replication, dropless dispatch, shadowing, Pro-Prophet replica sets and
-the plan prefetched from the previous call's counts; replica ranks keep their rows of
-replicated experts; rows go through :class:`~.executor.ExchangeFunction`. A plan made
+Per call: the gate routes the full local batch (DeepSpeed's decisions, k = 1 or 2); the per-rank counts
+are all-gathered over the EP group (one small collective, one host sync); the step planner
+(:mod:`.core.step_planner`) picks, from these counts, the cheapest of no replication, dropless dispatch,
+shadowing, Pro-Prophet replica sets and the plan prefetched from the previous call's counts; replica ranks
+keep their rows of replicated experts; rows go through :class:`~.executor.ExchangeFunction`. A plan made
 from this call's counts moves its parameters while the dispatch all-to-all runs.
 
 The online check (:mod:`.core.plan_check`, ``online_check``) corrects those predictions per arm
@@ -21,11 +20,10 @@ The online check (:mod:`.core.plan_check`, ``online_check``) corrects those pred
 call's measurement rides on the count all-gather as one more column, whose maximum is the slowest
 rank's, so every rank corrects, explores and chooses alike without another collective.
 
-Inside a sub-batch region (block-scope Lancet, :mod:`.lancet_block`) each sub-batch
-computes its gate logits, and the sub-batches meet once per call: the routing is
-decided on their concatenation (:mod:`.joint_gate`), counts are gathered, replicas
-received and the next plan made once, from the joint counts. Each sub-batch then
-exchanges only its own kept routes and returns its share of ``l_aux``.
+Inside a sub-batch region (block-scope Lancet, :mod:`.lancet_block`) each sub-batch computes its gate
+logits, and the sub-batches meet once per call: the routing is decided on their concatenation
+(:mod:`.joint_gate`), counts are gathered, replicas received and the next plan made once, from the joint
+counts. Each sub-batch then exchanges only its own kept routes and returns its share of ``l_aux``.
 """
 
 from __future__ import annotations
@@ -114,6 +112,10 @@ def _candidate(choice: StepChoice, max_over_mean: float = 1.0) -> Candidate:
 
 class PlacementMOELayer(MOELayer):
     """DeepSpeed's ``MOELayer`` with dropless dispatch, expert replication and chunked overlap."""
+
+    top1_weight_one = False
+    """At k = 1, weight a token's expert output by its probability renormalised over the one choice (1, as Mixtral
+    does) rather than by the probability (DeepSpeed's ``top1gating``); the block swap sets it."""
 
     def __init__(
         self,
@@ -398,6 +400,8 @@ class PlacementMOELayer(MOELayer):
             replica_transfer=replica_transfer,
         )
         routed_out = ExchangeFunction.apply(exchange, build_graph, routed_in, *params)
+        if self.top1_weight_one and self.gate.k == 1:  # p / p as Mixtral: 1, dropped routes stay 0
+            gates = gates / gates.clamp(min=torch.finfo(gates.dtype).tiny)
         return decode(routed_out, rows, gates)
 
     def forward(self, *input: torch.Tensor, **kwargs: Any) -> torch.Tensor:

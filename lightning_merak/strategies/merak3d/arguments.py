@@ -94,11 +94,12 @@ def check_stage_count(num_stages: int, num_blocks: int) -> None:
         )
 
 
-def check_accumulation(accumulate_grad_batches: int) -> None:
-    if accumulate_grad_batches != 1:
+def check_accumulation(accumulate_grad_batches: int, fitting: bool = True) -> None:
+    """Refuse gradient accumulation in a fit (evaluation has no gradients to accumulate)."""
+    if fitting and accumulate_grad_batches != 1:
         raise ValueError(
-            "merak3d splits each batch into micro-batches itself; set accumulate_grad_batches=1 "
-            "and raise micro_batches (and the batch size) instead"
+            f"accumulate_grad_batches={accumulate_grad_batches}: merak3d splits each batch into micro-batches itself; "
+            "set accumulate_grad_batches=1 and raise micro_batches (and the batch size) instead"
         )
 
 
@@ -111,10 +112,12 @@ def check_scored_length(module: Any, sequence_length: Optional[int]) -> None:
                          "(data.seq_len >= 2)")
 
 
-def check_last_batch(loader: Any, layout: Layout) -> None:
-    """Refuse, before the first step, a training loader whose last batch of an epoch (a dataset that does not fill
-    it, without ``drop_last``) the layout cannot split into its micro-batches and sub-batches: it would stop the run
-    there."""
+def check_last_batch(loader: Any, layout: Layout, batches_run: Optional[float] = None,
+                     max_steps: Optional[int] = None, name: str = "training") -> None:
+    """Refuse, before the first step, a loader whose last batch of an epoch (a dataset that does not fill it,
+    without ``drop_last``) the layout cannot split into its micro-batches and sub-batches: it would stop the run
+    there. Not where the run ends each pass sooner: ``batches_run`` (the trainer's batches per epoch, after
+    ``limit_*_batches``, ``overfit_batches`` or ``fast_dev_run``) or ``max_steps`` (≥ 0) short of the last batch."""
     sampler = getattr(loader, "batch_sampler", None)
     size = getattr(sampler, "batch_size", None)
     if not isinstance(loader, torch.utils.data.DataLoader) or not is_count(size) or sampler.drop_last:
@@ -123,14 +126,21 @@ def check_last_batch(loader: Any, layout: Layout) -> None:
         samples = len(sampler.sampler)
     except TypeError:  # an iterable dataset: no length to tell the last batch by
         return
-    last = samples % size
+    last, full = samples % size, samples // size  # the partial batch is the pass's batch number ``full``
+    if (batches_run is not None and batches_run <= full) or (max_steps is not None and 0 <= max_steps <= full):
+        return
+    if not last:
+        return
+    ends = f"the {name} dataloader ends each epoch with a batch of {last} samples ({samples} in batches of {size})"
+    if layout.pipeline_parallel > 1:
+        raise ValueError(f"{ends}, which merak3d's pipeline stages cannot take: they take every batch in the shape "
+                         "of the first (torch's stages receive micro-batches into buffers of that shape); pass "
+                         "drop_last=True to the DataLoader")
     try:
-        if last:
-            layout.check_batch(last)
+        layout.check_batch(last)
     except ValueError as error:
-        raise ValueError(f"the training dataloader ends each epoch with a batch of {last} samples ({samples} in "
-                         f"batches of {size}), which merak3d cannot split: {error}; or pass drop_last=True to the "
-                         "DataLoader") from None
+        raise ValueError(f"{ends}, which merak3d cannot split: {error}; or pass drop_last=True to the DataLoader"
+                         ) from None
 
 
 def divides_model(config: Any, tensor_parallel: int) -> bool:

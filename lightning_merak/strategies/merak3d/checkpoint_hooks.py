@@ -10,6 +10,7 @@ from typing import Any, ContextManager, Optional
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_merak.checkpoint.safe_load import load_torch_file
 from lightning_merak.checkpoint.sharded import OPTIMIZER_NAMES, ShardedCheckpointer, is_sharded_checkpoint
@@ -22,6 +23,8 @@ __all__ = ["CheckpointHooks"]
 
 _CHECKPOINTER_PREFIX = f"{MODEL}."
 """Where the sharded checkpointer reads a module's network in its state: under ``model.``."""
+_READ_IN_PLACE = "merak3d_read_in_place"
+"""Marks a checkpoint whose weights :meth:`CheckpointHooks.load_checkpoint` read into the built layout itself."""
 
 
 class _NetworkAsModel:
@@ -110,12 +113,14 @@ class CheckpointHooks(ParallelStrategy):
                 return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
             # a file (a DDP run's): this rank's experts of it now, its stage and shard when the layout is built
             return self._checkpointer.read_file(self._read_file(checkpoint_path, weights_only), self._as_read())
-        if self._built is not None:
-            raise RuntimeError(
-                f"{path} is a sharded merak3d checkpoint; load it before the first batch "
-                "(Trainer.fit/validate/predict with ckpt_path=...)"
-            )
-        return self._checkpointer.load(path, self._as_read())
+        if self._built is None:
+            return self._checkpointer.load(path, self._as_read())
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            raise RuntimeError(f"{path} is a sharded merak3d checkpoint: a fit resumes from it only before the layout "
+                               "is built; resume with a new Trainer and module (Trainer.fit(module, ckpt_path=...))")
+        # evaluating after a fit (ckpt_path="best"): the weights read into the layout the fit built
+        checkpoint = self._checkpointer.load_into(path, self.lightning_module_state_dict())
+        return {**checkpoint, "state_dict": {}, _READ_IN_PLACE: True}
 
     def _as_read(self) -> Any:
         """The LightningModule as the sharded checkpointer reads one: its network as ``model``."""
@@ -152,6 +157,8 @@ class CheckpointHooks(ParallelStrategy):
         return states
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if checkpoint.get(_READ_IN_PLACE):  # load_checkpoint put the weights in place already
+            return
         if has_meta(self.lightning_module):  # a meta model has nowhere to put it: filled once materialised
             self._restored_state = checkpoint["state_dict"]
         else:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_merak.parallel.context.model import IGNORE_INDEX
 from lightning_merak.parallel.context.stages import gather_stage_logits
 from lightning_merak.parallel.data.token_mean import ReplicaTokens, scored_tokens
 from lightning_merak.parallel.layout import MULTI_STAGE_SCHEDULES, LayoutGroups
@@ -101,6 +102,8 @@ class PipelineStep:
         self._groups = groups
         self._device = device
         self._pending_gradients: list[tuple[nn.Parameter, Optional[torch.Tensor]]] = []
+        self._first_shape: Optional[tuple[int, ...]] = None
+        """The shape of the first batch's inputs, which the stages inferred their buffers from."""
         self.scaled_later: frozenset[int] = frozenset()
         """Parameters (by id) whose summed micro-batch gradients the data-parallel reduction divides by the
         micro-batches, with the replicas; the step divides the others' (collectives may still be running on the
@@ -163,6 +166,11 @@ class PipelineStep:
     def run(self, inputs: torch.Tensor, targets: Any) -> torch.Tensor:
         """:meth:`loss` of a batch already split into the network's ``inputs`` and the loss's ``targets``."""
         module = self._module
+        fill = (not module.training and self._token_weighted and self._router_aux_loss is None
+                and isinstance(targets, torch.Tensor))  # filler samples whose targets score no token: loss exact
+        inputs = self._stage_shaped(inputs, fill)
+        if fill:
+            targets = _filled(targets, inputs.shape[0], IGNORE_INDEX)
         self._groups.layout.check_batch(inputs.shape[0])
         stage = self._stages
         args = (inputs,) if stage.is_first else ()
@@ -211,6 +219,24 @@ class PipelineStep:
         """Micro-batches a training step on ``batch`` runs (what the data-parallel reduction is armed with)."""
         return self._groups.layout.micro_batches
 
+    def _stage_shaped(self, inputs: torch.Tensor, fill: bool) -> torch.Tensor:
+        """``inputs`` in the shape the stages took the first batch in: torch's pipeline stages infer their shapes
+        once and receive every later micro-batch into buffers of that shape. A smaller batch is filled up with
+        copies of its first sample where ``fill`` (evaluation, whose outputs or loss leave them out); any other
+        shape is refused, naming the fix."""
+        if self._first_shape is None:
+            self._first_shape = tuple(inputs.shape)
+        shape = tuple(inputs.shape)
+        if shape == self._first_shape:
+            return inputs
+        if fill and shape[1:] == self._first_shape[1:] and shape[0] < self._first_shape[0]:
+            return _filled(inputs, self._first_shape[0])
+        raise ValueError(f"merak3d's pipeline stages take every batch in the shape of the first one, "
+                         f"{list(self._first_shape)} (torch's stages receive micro-batches into buffers of that "
+                         f"shape), and this batch is {list(shape)}: give every batch the same size and sequence "
+                         "length (drop_last=True in the DataLoader), or use variable-length micro-batching "
+                         "(strategy.micro_batching)")
+
     def restore_gradients(self) -> None:
         """Put back the gradients the last training step's schedule computed."""
         restore_gradients(self._pending_gradients)
@@ -240,6 +266,8 @@ class PipelineStep:
                 "inference); training_step must call self.compute_loss(batch)"
             )
         stage, layout = self._stages, self._groups.layout
+        samples = inputs.shape[0]
+        inputs = self._stage_shaped(inputs, fill=True)  # a smaller last batch: filler samples, cut off below
         layout.check_batch(inputs.shape[0])
         args = (inputs,) if stage.is_first else ()
         # The schedule scores every micro-batch on the last stage; the inputs stand in for the
@@ -265,7 +293,17 @@ class PipelineStep:
         if layout.context_parallel > 1:  # each rank holds the logits of its shard of the sequence
             with torch.no_grad():
                 logits = gather_stage_logits(logits, self._groups.context_group)
-        return logits
+        return logits[:samples]
+
+
+def _filled(batch: torch.Tensor, samples: int, fill: Optional[int] = None) -> torch.Tensor:
+    """``batch`` with rows added up to ``samples``: copies of its first row, or rows of ``fill``."""
+    extra = samples - batch.shape[0]
+    if extra <= 0:
+        return batch
+    rows = batch[:1].expand(extra, *batch.shape[1:]) if fill is None else batch.new_full((extra, *batch.shape[1:]),
+                                                                                          fill)
+    return torch.cat([batch, rows])
 
 
 def watch_shape_inference(vocabulary: Any, schedule: Any) -> None:

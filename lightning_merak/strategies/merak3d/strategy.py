@@ -339,7 +339,7 @@ class Merak3DStrategy(CheckpointHooks):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        arguments.check_accumulation(trainer.accumulate_grad_batches)
+        arguments.check_accumulation(trainer.accumulate_grad_batches, fitting=trainer.state.fn == TrainerFn.FITTING)
         self.adopt_planned_layout(trainer)  # finds the module's network first when it plans
         if self._built is None:  # a layout built by an earlier validate or predict holds only its part
             self._view = network.module_view(module, self.pipeline_parallel, self.tensor_parallel)
@@ -358,14 +358,14 @@ class Merak3DStrategy(CheckpointHooks):
         self.setup_precision_plugin()
 
     def setup_precision_plugin(self) -> None:
-        """Lightning's, then clipping by norm through :meth:`_clip_grad_by_norm` (every stage and shard)."""
+        """Lightning's, then clipping over every stage and shard (:meth:`_clip_grad_by_norm`, ``clip_by_value``)."""
         super().setup_precision_plugin()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+        self.precision_plugin.clip_grad_by_value = gradients.clip_by_value
 
     @property
     def module_view(self) -> network.ModuleView:
-        """The LightningModule as merak3d trains it (its network, what it provides); found in ``setup``, or first
-        when a checkpoint is restored before it."""
+        """The LightningModule as merak3d trains it; found in ``setup``, or when a checkpoint is restored before."""
         if self._view is None:
             self._view = network.module_view(self.lightning_module, *self._arguments.launch_degrees(self.world_size))
         return self._view
@@ -440,8 +440,10 @@ class Merak3DStrategy(CheckpointHooks):
 
     def on_train_start(self) -> None:
         """Before any step: refuse a last batch the layout cannot split; train modules built in an evaluation loop."""
+        trainer = self.lightning_module.trainer
         if not self.micro_batching.enabled:  # variable-length micro-batching plans any batch's micro-batches
-            arguments.check_last_batch(self.lightning_module.trainer.train_dataloader, self.layout)
+            arguments.check_last_batch(trainer.train_dataloader, self.layout, trainer.num_training_batches,
+                                       trainer.max_steps)
         if self._built is not None:
             self.module_view.network.train()
         if self.layout_choice is not None and self.step_time_check is None:
