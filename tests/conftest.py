@@ -54,17 +54,19 @@ def single_rank_group() -> Iterator[dist.ProcessGroup]:
         dist.destroy_process_group()
 
 
-LIGHTNING_SEED_VARIABLES = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
-"""What ``seed_everything`` leaves in the environment: Lightning's strategies re-seed from it at setup
-(``reset_seed``), and the ranks a later test starts inherit the worker's environment, so a seed one test set would
-re-seed another's ranks after its own seeding (a model built in ``configure_model`` then starts elsewhere)."""
+LEAKED_RUN_VARIABLES = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "MASTER_ADDR", "MASTER_PORT")
+"""What an in-process run leaves in the environment, which the processes a later test starts inherit.
+``seed_everything``'s seed: Lightning's strategies re-seed from it at setup (``reset_seed``), so it would re-seed
+another test's ranks after their own seeding (a model built in ``configure_model`` then starts elsewhere). Lightning's
+rendezvous port, chosen by the kernel in the ephemeral range: a later ``merak-train`` keeps an inherited port, by
+then possibly another connection's (``EADDRINUSE``)."""
 
 
 @pytest.fixture(autouse=True)
 def _single_thread_and_seed(monkeypatch):
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    for name in LIGHTNING_SEED_VARIABLES:  # removed now and put back as found afterwards: no test inherits them
+    for name in LEAKED_RUN_VARIABLES:  # removed now and put back as found afterwards: no test inherits them
         monkeypatch.delenv(name, raising=False)
     yield
 

@@ -220,22 +220,15 @@ class PipelineStep:
         return self._groups.layout.micro_batches
 
     def _stage_shaped(self, inputs: torch.Tensor, fill: bool) -> torch.Tensor:
-        """``inputs`` in the shape the stages took the first batch in: torch's pipeline stages infer their shapes
-        once and receive every later micro-batch into buffers of that shape. A smaller batch is filled up with
-        copies of its first sample where ``fill`` (evaluation, whose outputs or loss leave them out); any other
-        shape is refused, naming the fix."""
+        """``inputs``, filled up (where ``fill``: evaluation, whose outputs or loss leave the fillers out) with copies
+        of its first sample to the first batch's size when it is smaller: torch's stages receive a smaller batch's
+        micro-batches into buffers shaped by the first batch's, and fail."""
         if self._first_shape is None:
             self._first_shape = tuple(inputs.shape)
-        shape = tuple(inputs.shape)
-        if shape == self._first_shape:
-            return inputs
-        if fill and shape[1:] == self._first_shape[1:] and shape[0] < self._first_shape[0]:
-            return _filled(inputs, self._first_shape[0])
-        raise ValueError(f"merak3d's pipeline stages take every batch in the shape of the first one, "
-                         f"{list(self._first_shape)} (torch's stages receive micro-batches into buffers of that "
-                         f"shape), and this batch is {list(shape)}: give every batch the same size and sequence "
-                         "length (drop_last=True in the DataLoader), or use variable-length micro-batching "
-                         "(strategy.micro_batching)")
+        first = self._first_shape
+        if fill and tuple(inputs.shape[1:]) == first[1:] and inputs.shape[0] < first[0]:
+            return _filled(inputs, first[0])
+        return inputs
 
     def restore_gradients(self) -> None:
         """Put back the gradients the last training step's schedule computed."""
