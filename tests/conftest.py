@@ -54,12 +54,14 @@ def single_rank_group() -> Iterator[dist.ProcessGroup]:
         dist.destroy_process_group()
 
 
-LEAKED_RUN_VARIABLES = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "MASTER_ADDR", "MASTER_PORT")
+LEAKED_RUN_VARIABLES = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK",
+                        "WORLD_SIZE")
 """What an in-process run leaves in the environment, which the processes a later test starts inherit.
 ``seed_everything``'s seed: Lightning's strategies re-seed from it at setup (``reset_seed``), so it would re-seed
-another test's ranks after their own seeding (a model built in ``configure_model`` then starts elsewhere). Lightning's
-rendezvous port, chosen by the kernel in the ephemeral range: a later ``merak-train`` keeps an inherited port, by
-then possibly another connection's (``EADDRINUSE``)."""
+another test's ranks after their own seeding (a model built in ``configure_model`` then starts elsewhere). What
+Lightning's launcher sets for an in-process DDP run: a later ``merak-train`` keeps an inherited rendezvous port, chosen
+by the kernel in the ephemeral range and by then possibly another connection's (``EADDRINUSE``), and takes an
+inherited ``LOCAL_RANK`` for processes started by someone else, so it starts no other rank and waits for them."""
 
 
 @pytest.fixture(autouse=True)
