@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from lightning_merak.adapters import QuantLinearInt4
 from lightning_merak.cli.options.adapter import LoRAAdapterConfig, QAHiRAAdapterConfig, Quantization
 from lightning_merak.strategies.merak3d import Merak3DStrategy
-from lightning_merak.testing import TrainingTrace, assert_traces_match, layout_gradients, run_distributed
+from lightning_merak.testing import LayoutTraceRecorder, TrainingTrace, assert_traces_match, run_distributed
 from tests.test_adapters_meta import OPTIONS, TARGETS, _base, _MetaAdapterModule, _reference, _weights
 from tests.test_merak3d import STEPS, VOCAB, _ShardedData
 
@@ -42,18 +42,6 @@ RUNS = (  # (option, data_parallel_sharding, first step, last step, saves, resum
 )
 
 
-class _Trace(pl.Callback):
-    """Each step's loss and, where the parameters keep them (not ZeRO's shard parameters), adapter gradients."""
-
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-        self.gradients: list[dict[str, torch.Tensor]] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(float(trainer.callback_metrics["train/loss"]))
-        self.gradients.append(layout_gradients(trainer.strategy, pl_module.model))
-
-
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor`` (a ``DTensor``'s ``numel()`` is its whole tensor's)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -63,7 +51,7 @@ def _fit(world_size: int, option_name: str, mode: str, first_step: int, last_ste
          directory: str) -> dict:
     checkpoint = f"{directory}/{option_name}.ckpt"
     module = _MetaAdapterModule(option_name, _weights(option_name))
-    trace = _Trace()
+    trace = LayoutTraceRecorder()  # ZeRO's shard parameters keep no gradients to record
     strategy = Merak3DStrategy(data_parallel=2, data_parallel_sharding=mode, timeout_s=120)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=2 if resumes else 1, logger=False,

@@ -11,9 +11,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
-import torch
 
-from lightning_merak.testing import run_distributed
+from lightning_merak.testing import LayoutTraceRecorder, run_distributed
 from lightning_merak.testing.data import ReplicaBatches
 from tests.test_merak3d_router_aux import (
     STEPS,
@@ -26,18 +25,6 @@ from tests.test_merak3d_router_aux import (
 )
 
 
-class _Recorder(pl.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-        self.gradients: list[dict[str, torch.Tensor]] = []
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        from lightning_merak.testing import layout_gradients
-
-        self.losses.append(float(trainer.callback_metrics["train/loss"]))
-        self.gradients.append(layout_gradients(trainer.strategy, pl_module.model))
-
-
 def _train_rank(rank: int, world_size: int, layout: dict[str, Any],
                 expert_modes: tuple[bool, ...] = (False, True)) -> dict[bool, dict[str, Any]]:
     from lightning_merak.callbacks.moe.experts import ExpertParallelCallback
@@ -45,7 +32,7 @@ def _train_rank(rank: int, world_size: int, layout: dict[str, Any],
 
     results = {}
     for expert_parallel in expert_modes:
-        recorder = _Recorder()
+        recorder = LayoutTraceRecorder()
         callbacks: list[pl.Callback] = [recorder]
         if expert_parallel:  # its expert group: the two context-parallel ranks
             callbacks.append(ExpertParallelCallback(log_every_n_steps=1))

@@ -14,18 +14,18 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
 from lightning_merak.modules.config import ModelConfig
+from lightning_merak.parallel.data.token_mean import TokenWeightedLoss
 from lightning_merak.parallel.layout import Layout
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.strategies.merak3d.arguments import check_last_batch
-from lightning_merak.strategies.merak3d.pipeline_step import TokenWeightedLoss
 from lightning_merak.testing import (
     DistributedRunError,
+    LayoutTraceRecorder,
     TrainingTrace,
     assert_traces_match,
-    layout_gradients,
     merge_rank_traces,
+    record_reference_trace,
     run_distributed,
-    snapshot_gradients,
 )
 
 STEPS, BATCH, SEQ, VOCAB = 2, 4, 16, 128
@@ -60,25 +60,8 @@ def _masked_batches() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _reference() -> TrainingTrace:
     module = _module()
-    optimizer = module.configure_optimizers()
-    trace = TrainingTrace()
-    for ids, labels in zip(*_masked_batches()):
-        optimizer.zero_grad()
-        loss = module.compute_loss((ids, labels))
-        loss.backward()
-        trace.append(loss.item(), snapshot_gradients(module.model))
-        optimizer.step()
-    return trace
-
-
-class _Recorder(pl.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-        self.gradients: list[dict[str, torch.Tensor]] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(float(trainer.callback_metrics["train/loss"]))
-        self.gradients.append(layout_gradients(trainer.strategy, pl_module.model))
+    return record_reference_trace(module.model, zip(*_masked_batches()), lambda _, batch: module.compute_loss(batch),
+                                  module.configure_optimizers())
 
 
 class _Data(pl.LightningDataModule):
@@ -97,7 +80,7 @@ class _Data(pl.LightningDataModule):
 
 def _train_rank(rank: int, world_size: int, layout: dict,
                 samples: int = STEPS * BATCH) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    recorder = _Recorder()
+    recorder = LayoutTraceRecorder()
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=60), max_epochs=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -227,7 +210,7 @@ def test_vocab_stages_refuse_before_launch_a_vocabulary_too_small_for_every_rank
 def _train_one_row_rank(rank: int, world_size: int) -> list[float]:
     torch.manual_seed(0)
     module = _Module(build_causal_lm(LLAMA, vocab_size=1))
-    recorder = _Recorder()
+    recorder = LayoutTraceRecorder()
     strategy = Merak3DStrategy(pipeline_parallel=2, micro_batches=2, vocab_stages="auto", timeout_s=60)
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

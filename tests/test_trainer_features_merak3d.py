@@ -1,7 +1,7 @@
 """Lightning Trainer features a user combines with merak3d, against the same Trainer in one process: clipping by
 value (tensor-parallel shards beside whole gradients), evaluating the best checkpoint after a fit (read into the
 layout the fit built), evaluation loaders whose last batch is smaller than the first (filled up for the pipeline's
-stages, the fillers left out), and accumulation settings outside a fit."""
+stages, the fillers left out)."""
 
 from __future__ import annotations
 
@@ -14,20 +14,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.distributed.dtensors import local_tensor
-from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
-from lightning_merak.modules.config import ModelConfig
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import run_distributed
-
-SEQ, VOCAB = 16, 128
-LLAMA = ModelConfig(name="llama", model_type="llama", config={
-    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "tie_word_embeddings": False})
-
-
-class _Module(CausalLMModule):
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.model.parameters(), lr=0.5)
+from tests.test_shapes_precisions import SEQ, VOCAB, _module
 
 
 def _loader(samples: int, seed: int) -> DataLoader:
@@ -38,9 +27,7 @@ def _loader(samples: int, seed: int) -> DataLoader:
 def _fit_and_evaluate(rank: int, world_size: int, layout: dict, directory: str) -> dict:
     """Fit 2 steps clipped by value, then validate and predict the best checkpoint on 5 samples in batches of 4;
     then again after the weights were moved off it."""
-    torch.manual_seed(0)
-    module = _Module(build_causal_lm(LLAMA, vocab_size=VOCAB))
-    module.model.config.use_cache = False
+    module = _module()
     strategy = Merak3DStrategy(**layout, timeout_s=60) if layout else "auto"
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

@@ -7,6 +7,7 @@ cluster network; needs root) and :mod:`lightning_merak.testing.delta_models` (sm
 Lightning wrappers for the DeltaMemory tests and benchmark)."""
 
 from lightning_merak.testing.compare import (
+    LayoutTraceRecorder,
     TraceRecorder,
     TrainingTrace,
     assert_traces_match,
@@ -20,6 +21,7 @@ from lightning_merak.testing.distributed import DistributedRunError, find_free_p
 
 __all__ = [
     "DistributedRunError",
+    "LayoutTraceRecorder",
     "TraceRecorder",
     "TrainingTrace",
     "assert_traces_match",

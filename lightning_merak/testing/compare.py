@@ -18,8 +18,8 @@ from torch import nn
 
 from lightning_merak.parallel.pipeline.stage import RankStages
 
-__all__ = ["TraceRecorder", "TrainingTrace", "assert_traces_match", "layout_gradients", "merge_rank_traces",
-           "module_losses", "record_reference_trace", "snapshot_gradients"]
+__all__ = ["LayoutTraceRecorder", "TraceRecorder", "TrainingTrace", "assert_traces_match", "layout_gradients",
+           "merge_rank_traces", "module_losses", "record_reference_trace", "snapshot_gradients"]
 
 
 @dataclass
@@ -94,6 +94,20 @@ class TraceRecorder(pl.Callback):
                            batch_idx: int) -> None:
         loss = trainer.callback_metrics[self.loss_metric] if self.loss_metric else outputs["loss"]
         self.trace.append(float(loss), self._gradients)
+
+
+class LayoutTraceRecorder(pl.Callback):
+    """Per training step under merak3d: the logged ``train/loss`` (the same on every rank) and this rank's gradients
+    under the unsplit model's names (:func:`layout_gradients`), as the optimizer used them; ``losses`` and
+    ``gradients`` are one rank's part of :func:`merge_rank_traces`."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.gradients: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+        self.gradients.append(layout_gradients(trainer.strategy, pl_module.model))
 
 
 def record_reference_trace(

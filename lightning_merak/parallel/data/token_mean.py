@@ -23,7 +23,7 @@ from torch import Tensor
 from lightning_merak.parallel.context.model import IGNORE_INDEX, ContextParallelForward
 from lightning_merak.parallel.layout import LayoutGroups
 
-__all__ = ["ReplicaTokens", "scored_tokens", "token_mean_loss", "weigh_replica_tokens"]
+__all__ = ["ReplicaTokens", "TokenWeightedLoss", "scored_tokens", "token_mean_loss", "weigh_replica_tokens"]
 
 
 def scored_tokens(targets: Tensor) -> Tensor:
@@ -48,22 +48,43 @@ class ReplicaTokens:
             dist.all_reduce(total, group=self.group)
         return total.to(torch.float64) / self.size
 
-    def weight(self, scored: Tensor) -> Tensor:
-        """This replica's weight ``n_r / (N / R)`` (0 where it scores no token)."""
-        per_replica = self.per_replica(scored)
-        return torch.where(per_replica > 0, scored / per_replica.clamp(min=1e-30), torch.zeros_like(per_replica))
+
+class TokenWeightedLoss:
+    """``loss_fn`` (a mean over one micro-batch's scored tokens, ``CausalLMModule.loss_from_logits``'s) times the
+    micro-batch's share of its global batch's scored tokens, so the mean over a batch's ``micro_batches``, averaged
+    over the batch replicas (``replicas``), is the global batch's mean over its tokens, as one process computes it,
+    however unevenly ``-100`` labels fall; a micro-batch scoring no token adds 0 instead of NaN. :meth:`begin` each
+    batch first."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], Tensor], micro_batches: int,
+                 replicas: Optional[ReplicaTokens] = None) -> None:
+        self._loss_fn, self._micro_batches = loss_fn, micro_batches
+        self._replicas = replicas if replicas is not None else ReplicaTokens(None)
+        self._mean_tokens = torch.ones(())
+
+    def begin(self, targets: Tensor) -> None:
+        """Weigh the micro-batches of the batch whose whole targets (this replica's) are ``targets``; a collective
+        over the replicas."""
+        per_replica = self._replicas.per_replica(scored_tokens(targets))
+        self._mean_tokens = per_replica.clamp(min=1e-30) / self._micro_batches
+
+    def __call__(self, logits: Any, targets: Tensor) -> Tensor:
+        loss = self._loss_fn(logits, targets)
+        scored = scored_tokens(targets).to(loss.device)
+        weighted = loss * (scored / self._mean_tokens.to(loss.device)).to(loss.dtype)
+        return torch.where(scored > 0, weighted, torch.zeros_like(weighted))
 
 
 def token_mean_loss(loss_fn: Callable[[Any, Tensor], Tensor], tokens: ReplicaTokens
                     ) -> Callable[[Any, Tensor], Tensor]:
     """``loss_fn`` (a mean over one batch's scored tokens, ``CausalLMModule.loss_from_logits``'s) weighted by this
-    replica's share of the global batch's scored tokens, so the replicas' average is the global token mean."""
+    replica's share of the global batch's scored tokens, so the replicas' average is the global token mean: a
+    :class:`TokenWeightedLoss` of one micro-batch per call."""
+    weights = TokenWeightedLoss(loss_fn, 1, tokens)
 
     def weighted(logits: Any, targets: Tensor) -> Tensor:
-        loss = loss_fn(logits, targets)
-        scored = scored_tokens(targets).to(loss.device)
-        weight = tokens.weight(scored).to(loss.dtype)
-        return torch.where(scored > 0, loss * weight, torch.zeros_like(loss))
+        weights.begin(targets)
+        return weights(logits, targets)
 
     weighted.__wrapped__ = loss_fn  # type: ignore[attr-defined]
     return weighted

@@ -113,8 +113,8 @@ def check_scored_length(module: Any, sequence_length: Optional[int]) -> None:
 
 
 def check_last_batch(loader: Any, layout: Layout, batches_run: Optional[float] = None,
-                     max_steps: Optional[int] = None, name: str = "training") -> None:
-    """Refuse, before the first step, a loader whose last batch of an epoch (a dataset that does not fill it,
+                     max_steps: Optional[int] = None) -> None:
+    """Refuse, before the first step, a training loader whose last batch of an epoch (a dataset that does not fill it,
     without ``drop_last``) the layout cannot split into its micro-batches and sub-batches: it would stop the run
     there. Not where the run ends each pass sooner: ``batches_run`` (the trainer's batches per epoch, after
     ``limit_*_batches``, ``overfit_batches`` or ``fast_dev_run``) or ``max_steps`` (≥ 0) short of the last batch."""
@@ -127,11 +127,10 @@ def check_last_batch(loader: Any, layout: Layout, batches_run: Optional[float] =
     except TypeError:  # an iterable dataset: no length to tell the last batch by
         return
     last, full = samples % size, samples // size  # the partial batch is the pass's batch number ``full``
-    if (batches_run is not None and batches_run <= full) or (max_steps is not None and 0 <= max_steps <= full):
+    reached = (batches_run is None or batches_run > full) and (max_steps is None or not 0 <= max_steps <= full)
+    if not last or not reached:
         return
-    if not last:
-        return
-    ends = f"the {name} dataloader ends each epoch with a batch of {last} samples ({samples} in batches of {size})"
+    ends = f"the training dataloader ends each epoch with a batch of {last} samples ({samples} in batches of {size})"
     if layout.pipeline_parallel > 1:
         raise ValueError(f"{ends}, which merak3d's pipeline stages cannot take: they take every batch in the shape "
                          "of the first (torch's stages receive micro-batches into buffers of that shape); pass "

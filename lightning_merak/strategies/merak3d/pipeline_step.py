@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_merak.parallel.context.model import IGNORE_INDEX
 from lightning_merak.parallel.context.stages import gather_stage_logits
-from lightning_merak.parallel.data.token_mean import ReplicaTokens, scored_tokens
+from lightning_merak.parallel.data.token_mean import ReplicaTokens, TokenWeightedLoss, scored_tokens
 from lightning_merak.parallel.layout import MULTI_STAGE_SCHEDULES, LayoutGroups
 from lightning_merak.parallel.pipeline.busy import StageBusyClock
 from lightning_merak.parallel.pipeline.embedding_stages import average_rows_gradients, split_vocabulary_parameters
@@ -27,7 +27,7 @@ from lightning_merak.parallel.pipeline.schedules import ScheduleShiftedCriticalP
 from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
 
-__all__ = ["PipelineStep", "TokenWeightedLoss", "begin_vocabulary", "end_vocabulary", "hold_gradients",
+__all__ = ["PipelineStep", "begin_vocabulary", "end_vocabulary", "hold_gradients",
            "restore_gradients", "watch_shape_inference"]
 
 HeldGradients = list[tuple[nn.Parameter, Optional[torch.Tensor]]]
@@ -53,31 +53,6 @@ def restore_gradients(held: HeldGradients) -> None:
         param.grad = grad
 
 
-class TokenWeightedLoss:
-    """``loss_fn`` (a mean over one micro-batch's scored tokens, ``CausalLMModule.loss_from_logits``'s) times the
-    micro-batch's share of its global batch's scored tokens, so the schedule's mean over the micro-batches, averaged
-    over the batch replicas (``replicas``), is the global batch's mean over its tokens, as one process computes it,
-    however unevenly ``-100`` labels fall; a micro-batch scoring no token adds 0 instead of NaN."""
-
-    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], micro_batches: int,
-                 replicas: Optional[ReplicaTokens] = None) -> None:
-        self._loss_fn, self._micro_batches = loss_fn, micro_batches
-        self._replicas = replicas if replicas is not None else ReplicaTokens(None)
-        self._mean_tokens = torch.ones(())
-
-    def begin(self, targets: torch.Tensor) -> None:
-        """Weigh the micro-batches of the step whose whole batch of targets (this replica's) is ``targets``; a
-        collective over the replicas."""
-        per_replica = self._replicas.per_replica(scored_tokens(targets))
-        self._mean_tokens = per_replica.clamp(min=1e-30) / self._micro_batches
-
-    def __call__(self, logits: Any, targets: torch.Tensor) -> torch.Tensor:
-        loss = self._loss_fn(logits, targets)
-        scored = scored_tokens(targets).to(loss.device)
-        weighted = loss * (scored / self._mean_tokens.to(loss.device)).to(loss.dtype)
-        return torch.where(scored > 0, weighted, torch.zeros_like(weighted))
-
-
 class PipelineStep:
     """The schedule over this rank's ``stages`` of ``module`` (a LightningModule), and what it left to do.
 
@@ -85,7 +60,7 @@ class PipelineStep:
     contract, :meth:`loss` replaces the module's ``compute_loss`` and :meth:`forward` its ``forward``; otherwise
     the network's call runs :meth:`run` and :meth:`forward` (:class:`~.network.PipelinedNetwork`).
     ``token_weighted``: ``loss_fn`` (or the split head's) is next-token cross-entropy, each micro-batch's weighted
-    by its scored tokens (:class:`TokenWeightedLoss`).
+    by its scored tokens (:class:`~lightning_merak.parallel.data.token_mean.TokenWeightedLoss`).
     """
 
     def __init__(self, module: Any, stages: RankStages, groups: LayoutGroups, device: torch.device,
