@@ -10,7 +10,10 @@ Each configuration trains ``merak-train``'s default model (``llama_tiny``: 4 lay
 A run's step time is rank 0's wall time from the end of step ``warmup`` to the end of the last step over the
 steps between (the callback's interval logging and its gather fall inside); the metrics' clock is the last
 callback, so it reads after them. The arms alternate within each repetition, their order flipping from one
-repetition to the next, so a drift of the machine's speed reaches both alike. Each run with the metrics also
+repetition to the next, so a drift of the machine's speed reaches both alike. Every run of a configuration is a
+fresh ``Trainer`` and a freshly built model in the same rank processes (one process group), so the arms compare
+on the same processes: two launches of one arm differ by up to 10% here (where each rank lands, its heap's
+layout), ten times the cost being measured. Each run with the metrics also
 reports ``hook_s_per_step``, rank 0's seconds per step inside the callback's per-step hooks (the interval's
 gather and logging included): the cost itself, which other load on the machine moves far less than it moves
 a difference of step times.
@@ -42,7 +45,8 @@ MODEL = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4, "
 VOCAB, SEQ, BATCH, LOG_EVERY = 256, 64, 16, 10
 CONFIGS = (("DDP dp2", "ddp", 2), ("merak3d dp2", "merak3d", 2))
 """Each configuration: its name, its strategy and its ranks."""
-RANK_TIMEOUT_S = 600.0
+RUN_TIMEOUT_S = 120.0
+"""Seconds one run (one Trainer) may take; a configuration's ranks get this times its runs."""
 
 METRICS_OVERHEAD = Goal(
     "metrics_overhead", 1.02, "<=",
@@ -62,10 +66,18 @@ QUICK = Mode(repetitions=3, steps=30, warmup=10)
 FULL = Mode(repetitions=5, steps=110, warmup=10)
 
 
-def step_time_rank(rank: int, world_size: int, strategy_name: str, with_metrics: bool, steps: int, warmup: int,
-                   out: str) -> dict[str, float]:
-    """Train ``steps`` steps; the mean step time after ``warmup`` steps and the seconds per step spent in the
-    metrics' hooks over the same steps (every rank returns its own)."""
+def step_times_rank(rank: int, world_size: int, strategy_name: str, arms: list[bool], steps: int, warmup: int,
+                    out: str) -> list[dict[str, float]]:
+    """One run per entry of ``arms`` (whether it has the metrics), in order, each a fresh Trainer and model:
+    the mean step time after ``warmup`` steps and the seconds per step spent in the metrics' hooks over the
+    same steps (every rank returns its own)."""
+    return [step_time(world_size, strategy_name, with_metrics, steps, warmup, f"{out}/{run}")
+            for run, with_metrics in enumerate(arms)]
+
+
+def step_time(world_size: int, strategy_name: str, with_metrics: bool, steps: int, warmup: int,
+              out: str) -> dict[str, float]:
+    """Train ``steps`` steps in this rank's process; see :func:`step_times_rank`."""
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.loggers import CSVLogger
@@ -122,28 +134,32 @@ def step_time_rank(rank: int, world_size: int, strategy_name: str, with_metrics:
 
 
 def measure(mode: Mode) -> list[dict[str, Any]]:
-    """Every configuration in both arms, ``mode.repetitions`` times, the arms' order flipping each repetition."""
-    from benchmarks.observability import step_time_rank as rank_fn  # by module name: ranks unpickle it by name
+    """Every configuration in both arms, ``mode.repetitions`` times, the arms' order flipping each repetition,
+    all of a configuration's runs in one set of rank processes."""
+    from benchmarks.observability import step_times_rank as rank_fn  # by module name: ranks unpickle it by name
     from lightning_merak.testing import run_distributed
 
+    order = [(repetition, with_metrics) for repetition in range(mode.repetitions)
+             for with_metrics in ((False, True) if repetition % 2 == 0 else (True, False))]
     rows = []
-    for repetition in range(mode.repetitions):
-        arms = (False, True) if repetition % 2 == 0 else (True, False)
-        for name, strategy, ranks in CONFIGS:
-            for with_metrics in arms:
-                row: dict[str, Any] = {"config": name, "metrics": with_metrics, "repetition": repetition,
-                                       "step_s": None, "hook_s_per_step": None, "error": None}
-                with tempfile.TemporaryDirectory(prefix="merak-observability-") as out:
-                    try:
-                        arguments = (strategy, with_metrics, mode.steps, mode.warmup, out)
-                        timed = run_distributed(rank_fn, ranks, args=arguments, timeout_s=RANK_TIMEOUT_S)[0]
-                        row["step_s"] = timed["step_s"]
-                        row["hook_s_per_step"] = timed["hook_s"] if with_metrics else None
-                    except Exception as error:  # a failed run is a result: it leaves its configuration no figure
-                        row["error"] = error_line(error)
-                print(f"  {name}, metrics {'on' if with_metrics else 'off'}, repetition {repetition}: "
-                      f"{row['step_s'] if row['error'] is None else row['error']}", flush=True)
-                rows.append(row)
+    for name, strategy, ranks in CONFIGS:
+        timed: list[Optional[dict[str, float]]] = [None] * len(order)
+        error = None
+        with tempfile.TemporaryDirectory(prefix="merak-observability-") as out:
+            try:
+                arguments = (strategy, [with_metrics for _, with_metrics in order], mode.steps, mode.warmup, out)
+                timed = list(run_distributed(rank_fn, ranks, args=arguments,
+                                             timeout_s=RUN_TIMEOUT_S * len(order))[0])
+            except Exception as failure:  # a failed run is a result: it leaves its configuration no figure
+                error = error_line(failure)
+        for (repetition, with_metrics), run in zip(order, timed):
+            row: dict[str, Any] = {"config": name, "metrics": with_metrics, "repetition": repetition,
+                                   "step_s": None if run is None else run["step_s"],
+                                   "hook_s_per_step": run["hook_s"] if run is not None and with_metrics else None,
+                                   "error": error}
+            print(f"  {name}, metrics {'on' if with_metrics else 'off'}, repetition {repetition}: "
+                  f"{row['step_s'] if error is None else error}", flush=True)
+            rows.append(row)
     return rows
 
 
