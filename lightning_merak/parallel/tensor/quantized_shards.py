@@ -24,10 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_merak.adapters.quantize import shard_quantization_problem
-from lightning_merak.adapters.resume import base_quantization
-from lightning_merak.adapters.shard_join import cut_quantized_whole
-
 __all__ = ["QuantizedShard", "quantized_base_problem", "quantized_shards", "quantized_split_problem", "saved_shards",
            "shard_module_name", "shards_from_whole", "split_shard_name"]
 
@@ -72,6 +68,8 @@ def _base(module: nn.Module) -> nn.Module:
 
 def _problem(hook: Any, name: str, layer: nn.Module, tensor_parallel: int, *, column: bool,
              contiguous: bool = True) -> Optional[str]:
+    from lightning_merak.adapters.quantize import shard_quantization_problem  # lazy: PEFT (an adapter model's hook)
+
     return shard_quantization_problem(hook.quantization, name, layer.in_features, layer.out_features,
                                       tensor_parallel, column=column, contiguous=contiguous,
                                       group_size=hook.group_size, double_quant=hook.double_quant)
@@ -139,6 +137,8 @@ def quantized_shards(model: nn.Module, original_name: Callable[[str], str]) -> l
     for name, module in model.named_modules():
         split = module.quantized_split() if callable(getattr(module, "quantized_split", None)) else None
         if split is not None:
+            from lightning_merak.adapters.resume import base_quantization  # lazy: PEFT (a quantised shard exists)
+
             kind = base_quantization(module.quantized)
             shards.append(QuantizedShard(original_name(name), str(kind), dist.get_rank(module.group), split))
     return shards
@@ -149,6 +149,8 @@ def shards_from_whole(state: Mapping[str, torch.Tensor], shards: Iterable[Quanti
     """Those of ``names`` (``<layer>.shard_tp<r>of<n>.<tensor>``) that are ``shards``' tensors, cut from the whole
     layer's quantised tensors in ``state`` (``<layer>.<tensor>``), where ``state`` holds them: the whole layer's
     quantisation sliced as quantising this rank's shard alone slices it."""
+    from lightning_merak.adapters.shard_join import cut_quantized_whole  # lazy: PEFT
+
     names = list(names)
     cut: dict[str, torch.Tensor] = {}
     for shard in shards:
