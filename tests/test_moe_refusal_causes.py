@@ -142,3 +142,26 @@ def test_moe_options_and_muon_settings_share_one_finite_number_check(monkeypatch
         options.MoEOptions().validate(drop_tokens=False)
     with pytest.raises(ValueError, match=r"Muon: lr=0\.02 must be a finite number"):
         muon._checked_muon_settings({"lr": 0.02}, ["lr"])
+
+
+def test_merak_ep_refuses_an_expert_count_its_ranks_cannot_share_before_launch():
+    """merak-train's merak_ep option refuses 3 experts over moe.ep_size=2 while it builds the model (before any
+    rank starts), naming the key and the sizes that work."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from lightning_merak.cli.options.moe import ProphetMoEConfig
+    from lightning_merak.plugins.moe.experts import expert_split_problem
+
+    def mixtral(experts: int) -> torch.nn.Module:
+        return MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                                num_local_experts=experts, num_experts_per_tok=2))
+
+    with pytest.raises(ValueError, match=r"^moe\.ep_size=2 does not divide the 3 experts of a MoE layer: .*choose "
+                                         r"moe\.ep_size from \[1, 3\]$"):
+        ProphetMoEConfig(experts="merak_ep", ep_size=2).apply(mixtral(3))
+    problem = expert_split_problem(mixtral(6), 4)  # the Python API (enable_expert_parallel) names its argument
+    assert problem is not None and problem.startswith("ep_size=4 does not divide the 6 experts")
+    assert problem.endswith("choose ep_size from [1, 2, 3, 6]")
+    assert expert_split_problem(mixtral(4), 2) is None
+    assert ProphetMoEConfig(experts="merak_ep", ep_size=2).apply(mixtral(4)) is not None

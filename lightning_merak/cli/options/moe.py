@@ -93,11 +93,14 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
         from lightning_merak.util.model_outputs import no_cache  # lazy: torch
 
         if self.experts == "merak_ep":
-            from lightning_merak.plugins.moe.experts import family_support  # lazy: torch, transformers
+            from lightning_merak.plugins.moe.experts import expert_split_problem, family_support  # lazy: torch
 
             supported, reason = family_support(model)
             if not supported:
                 raise ValueError(f"moe.experts=merak_ep refused: {reason}; use moe.experts=deepspeed or moe=none")
+            problem = expert_split_problem(model, self.ep_size)
+            if problem is not None:
+                raise ValueError(problem)
             block_chunks = self._block_chunks()
             if self.lancet_scope == "block":
                 from lightning_merak.plugins.moe.experts.lancet import (  # lazy: torch, transformers

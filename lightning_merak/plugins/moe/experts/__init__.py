@@ -11,7 +11,8 @@ from lightning_merak.util.lazy import lazy_attributes
 _EXPORTS = {
     "EXACT_FAMILIES": ".enable", "REFUSED_FAMILIES": ".enable", "ExpertParallelReport": ".enable",
     "enable_expert_parallel": ".enable", "enable_grouped_experts": ".enable", "expert_load": ".enable",
-    "experts_modules": ".enable", "family_support": ".enable", "plan_replicas": ".enable",
+    "expert_split_problem": ".enable", "experts_modules": ".enable", "family_support": ".enable",
+    "plan_replicas": ".enable",
     "set_replica_plans": ".enable",
     "DroplessExchange": ".exchange", "local_expert_range": ".exchange",
     "grouped_experts_forward": ".grouped", "grouped_linear": ".grouped", "grouped_mm_applies": ".grouped",

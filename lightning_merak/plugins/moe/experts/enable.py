@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from lightning_merak.plugins.moe.experts.parallel import (
     ExpertShard,
     register,
 )
+from lightning_merak.plugins.moe.options import option_key
 
 __all__ = [
     "EXACT_FAMILIES",
@@ -129,6 +130,20 @@ def family_support(model: nn.Module) -> tuple[bool, str]:
     return True, "goes through the experts registry with the standard call (not in the tested set)"
 
 
+def expert_split_problem(model: nn.Module, ep_size: int) -> Optional[str]:
+    """Why ``model``'s experts cannot be spread over ``ep_size`` expert-parallel ranks, or ``None``: every rank
+    holds an equal contiguous share of each layer's experts (:func:`~.exchange.local_expert_range`). Checked on the
+    model alone, so an entry point refuses before launch."""
+    counts = sorted({int(module.num_experts) for _, module in experts_modules(model)})
+    uneven = [count for count in counts if count % ep_size]
+    if not uneven:
+        return None
+    choices = [size for size in range(1, max(counts) + 1) if all(count % size == 0 for count in counts)]
+    return (f"{option_key('ep_size')}={ep_size} does not divide the {uneven[0]} experts of a MoE layer: each "
+            f"expert-parallel rank holds an equal share of every layer's experts; choose {option_key('ep_size')} from "
+            f"{choices}")
+
+
 def _resolve_group(group: Any) -> tuple[int, int]:
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 0, 1
@@ -165,6 +180,9 @@ def enable_expert_parallel(model: nn.Module, group: Any = None) -> ExpertParalle
     if len(num_experts) != 1:
         raise ValueError(f"experts modules disagree on the expert count {sorted(num_experts)}")
     (total,) = num_experts
+    problem = expert_split_problem(model, ep_size)
+    if problem is not None:
+        raise ValueError(problem)
     mine = local_expert_range(total, ep_rank, ep_size)
     for name, module in modules:
         for tensor in EXPERT_TENSORS:
