@@ -165,3 +165,24 @@ def test_merak_ep_refuses_an_expert_count_its_ranks_cannot_share_before_launch()
     assert problem.endswith("choose ep_size from [1, 2, 3, 6]")
     assert expert_split_problem(mixtral(4), 2) is None
     assert ProphetMoEConfig(experts="merak_ep", ep_size=2).apply(mixtral(4)) is not None
+
+
+def test_a_layout_that_splits_routers_builds_a_model_without_a_router_aux_loss():
+    """The layout refusals for the router aux loss (variable-length micro-batches in stages, sequence-split
+    routers) are for a loss the model computes: a family without one builds with output_router_logits=True."""
+    from lightning_merak.parallel.layout import Layout
+    from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
+    from lightning_merak.strategies.merak3d.build import _router_aux
+
+    layout = Layout(data_parallel=1, pipeline_parallel=2, tensor_parallel=2, virtual_stages=1, schedule="1f1b",
+                    micro_batches=2, micro_batches_by_default=False, tp_overlap=1, recompute="none",
+                    recompute_ratio=0.0)
+    arguments = Merak3DArguments(pipeline_parallel=2, tensor_parallel=2, sequence_parallel=True,
+                                 micro_batching="pad")
+    model = _model("hunyuan_v1_moe", {**NO_AUX_LOSS["hunyuan_v1_moe"], "output_router_logits": True})
+    assert _router_aux(model, arguments, layout) is None
+    mixtral = _model("mixtral", {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                 "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+                                 "num_experts_per_tok": 2, "output_router_logits": True})
+    with pytest.raises(ValueError, match=r"output_router_logits=True with sequence_parallel=True"):
+        _router_aux(mixtral, arguments, layout)

@@ -45,7 +45,12 @@ from lightning_merak.parallel.materialize import (
 )
 from lightning_merak.parallel.pipeline.embedding_stages import split_vocabulary_parameters
 from lightning_merak.parallel.pipeline.recompute import stage_aware_recompute_ratios
-from lightning_merak.parallel.pipeline.router_aux import RouterAux, router_aux_loss_problem, router_aux_of
+from lightning_merak.parallel.pipeline.router_aux import (
+    RouterAux,
+    adds_no_router_aux_loss,
+    router_aux_loss_problem,
+    router_aux_of,
+)
 from lightning_merak.parallel.pipeline.stage import RankStages, build_stage_module, tied_parameter_names
 from lightning_merak.parallel.pipeline.trace import ModelTrace, TraceError, find_trunk, trace_model
 from lightning_merak.parallel.tensor.blocks import LayoutChange, apply_tensor_parallel, region_partial_parameters
@@ -309,7 +314,8 @@ def check_skips_split(trace: ModelTrace, tp: int, sequence_parallel: bool) -> No
 def _router_aux(model: nn.Module, arguments: Merak3DArguments, layout: Layout) -> Optional[RouterAux]:
     """The router aux loss the stages carry router logits for (``output_router_logits=True`` under
     ``pipeline_parallel>1``), or None; refused, before any work, where the layout or the model cannot train it."""
-    output_router_logits = getattr(getattr(model, "config", None), "output_router_logits", False)
+    output_router_logits = (getattr(getattr(model, "config", None), "output_router_logits", False)
+                            and not adds_no_router_aux_loss(model))  # the flag then only returns logits
     problem = router_aux_loss_problem(output_router_logits, layout.pipeline_parallel,
                                       micro_batching=arguments.micro_batching,
                                       sequence_parallel=arguments.sequence_parallel,
