@@ -18,10 +18,13 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "llama": ("llama", dict(SMALL, num_key_value_heads=2)),
     "llama-multi-query": ("llama", dict(SMALL, num_key_value_heads=1)),
     "mistral": ("mistral", dict(SMALL, num_key_value_heads=2)),
+    # a window shorter than the sequence: the mask path repeats the one key/value head per local query head
+    "mistral-multi-query-window": ("mistral", dict(SMALL, num_key_value_heads=1, sliding_window=4)),
     "qwen2": ("qwen2", dict(SMALL, num_key_value_heads=2)),
     "qwen3": ("qwen3", dict(SMALL, num_key_value_heads=2, head_dim=8)),
     "gemma": ("gemma", dict(SMALL, num_key_value_heads=1, head_dim=8)),
     "gemma2": ("gemma2", dict(SMALL, num_key_value_heads=2, head_dim=8)),
+    "gemma2-multi-query-window": ("gemma2", dict(SMALL, num_key_value_heads=1, head_dim=8, sliding_window=4)),
     "gemma3_text": ("gemma3_text", dict(SMALL, num_key_value_heads=2, head_dim=8)),
     "phi": ("phi", SMALL),
     "phi3": ("phi3", dict(SMALL, num_key_value_heads=2, pad_token_id=0)),
@@ -130,7 +133,8 @@ def _families_rank(rank: int, world_size: int) -> dict[str, object]:
 @pytest.mark.distributed
 def test_every_traced_family_splits_at_tensor_parallel_2_exactly():
     """Fused (Phi-3, GPT-2, MPT) and interleaved (GPT-NeoX, BLOOM, Falcon) projections, multi-query
-    key/value heads held by both ranks (Gemma, GPTBigCode, Falcon, Phi-3, OLMo 2), ALiBi and learned
+    key/value heads held by both ranks (Gemma, GPTBigCode, Falcon, Phi-3, OLMo 2; Mistral and Gemma 2 under a
+    sliding window), ALiBi and learned
     relative position biases sliced per rank (BLOOM, MPT, CPM-Ant), attention sinks (gpt-oss) and
     OLMo 2's norms over the whole projection, and trunks of dense and MoE blocks (Qwen3-MoE's mlp_only_layers,
     GLM-4.5's first_k_dense_replace), each structure split by its own plan: the split model computes what the

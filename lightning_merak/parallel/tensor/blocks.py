@@ -53,6 +53,7 @@ from lightning_merak.parallel.tensor.adapters import (
     split_base,
     split_linear,
 )
+from lightning_merak.parallel.tensor.head_counts import head_count, local_key_value_heads, scale_attention_attributes
 from lightning_merak.parallel.tensor.layers import (
     ColumnGroupInput,
     ColumnParallelLinear,
@@ -78,10 +79,6 @@ __all__ = [
     "verify_tensor_parallel_plan",
 ]
 
-_QUERY_HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
-_KEY_VALUE_HEADS = ("num_key_value_heads", "num_kv_heads", "kv_heads")
-_WIDTHS = ("split_size", "embed_dim", "all_head_size")
-_HEAD_COUNT_ATTRIBUTES = _QUERY_HEADS + _KEY_VALUE_HEADS
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -124,18 +121,6 @@ class TensorParallelPlan:
     draws_random: bool = True
     """Whether a training forward of the block draws random numbers (dropout): only then does each rank fork a
     stream of its own inside the split regions (a fork reads the generators, which torch.compile cannot trace)."""
-
-
-def _head_count(block: nn.Module, owners: list[str]) -> Optional[int]:
-    """The query head count of the attention module among ``owners``, else of any module of ``block``."""
-    modules = [block.get_submodule(owner) if owner else block for owner in owners] + list(block.modules())
-    holders = modules + [module.config for module in modules if getattr(module, "config", None) is not None]
-    for holder in holders:
-        for attribute in _QUERY_HEADS:
-            value = getattr(holder, attribute, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
 
 
 def _per_head_arguments(args: tuple, kwargs: dict, heads: Optional[int]) -> list[Union[int, str]]:
@@ -209,7 +194,7 @@ def find_tensor_parallel_plan(block: nn.Module, run_block: Callable[[], Any], hi
     plan = TensorParallelPlan(column=column, row=row, column_groups=groups,
                               in_region=_modules_in_regions(starts, groups, row), draws_random=draws_random)
     if groups:
-        plan.heads = _head_count(block, [name.rpartition(".")[0] for name in column])
+        plan.heads = head_count(block, [name.rpartition(".")[0] for name in column])
         units = [unit_count(_features(block.get_submodule(name))[0], plan.heads) for name in row]
         column_widths = {_features(block.get_submodule(name))[1] for name in column}
         row_widths = {_features(block.get_submodule(name))[0] for name in row}
@@ -300,7 +285,7 @@ def check_tensor_parallel_degree(config: Any, tensor_parallel: int) -> None:
     for attribute in ("num_key_value_heads", "num_kv_heads"):
         value = getattr(config, attribute, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            _local_key_value_heads(value, tensor_parallel)
+            local_key_value_heads(value, tensor_parallel)
 
 
 def _conv1d_to_linear(conv: nn.Module) -> nn.Linear:
@@ -312,49 +297,6 @@ def _conv1d_to_linear(conv: nn.Module) -> nn.Linear:
         if conv.bias is not None:
             linear.bias.copy_(conv.bias)
     return linear
-
-
-def _local_key_value_heads(heads: int, tensor_parallel: int) -> int:
-    """Key/value heads per rank: its share, or the one its query heads read when there are fewer than ranks."""
-    if heads % tensor_parallel == 0:
-        return heads // tensor_parallel
-    if tensor_parallel % heads == 0:
-        return 1
-    raise ValueError(f"tensor_parallel={tensor_parallel} neither divides nor is a multiple of the {heads} key/value "
-                     "heads; choose a tensor_parallel that divides the key/value heads or is a multiple of them")
-
-
-def _scale_attention_attributes(block: nn.Module, column_names: list[str], tensor_parallel: int) -> None:
-    """Set the head counts and widths the owners of ``column_names`` reshape by to this rank's share.
-
-    An owner that reads head counts from its ``config`` (Phi-3) gets a copy with its share.
-    """
-    owners = {name.rpartition(".")[0] for name in column_names}
-    for owner in owners:
-        module = block.get_submodule(owner) if owner else block
-        integer = {a: v for a in _HEAD_COUNT_ATTRIBUTES + _WIDTHS + ("num_key_value_groups", "kv_dim", "head_dim")
-                   for v in [getattr(module, a, None)] if isinstance(v, int) and not isinstance(v, bool)}
-        for attribute in _QUERY_HEADS + _WIDTHS:
-            if attribute in integer:
-                setattr(module, attribute, integer[attribute] // tensor_parallel)
-        for attribute in _KEY_VALUE_HEADS:
-            if attribute in integer:
-                setattr(module, attribute, _local_key_value_heads(integer[attribute], tensor_parallel))
-        query = next((getattr(module, a) for a in _QUERY_HEADS if a in integer), None)
-        key_value = next((getattr(module, a) for a in _KEY_VALUE_HEADS if a in integer), None)
-        if "num_key_value_groups" in integer and query and key_value:
-            module.num_key_value_groups = query // key_value
-        if "kv_dim" in integer and "head_dim" in integer:
-            module.kv_dim = (key_value or 1) * module.head_dim
-        config = getattr(module, "config", None)
-        if config is not None and any(isinstance(getattr(config, a, None), int) for a in _HEAD_COUNT_ATTRIBUTES):
-            config = module.config = copy.copy(config)
-            for attribute in _QUERY_HEADS:
-                if isinstance(getattr(config, attribute, None), int):
-                    setattr(config, attribute, getattr(config, attribute) // tensor_parallel)
-            for attribute in _KEY_VALUE_HEADS:
-                if isinstance(getattr(config, attribute, None), int):
-                    setattr(config, attribute, _local_key_value_heads(getattr(config, attribute), tensor_parallel))
 
 
 def _shard_per_head_parameters(block: nn.Module, column_names: list[str], heads: int, mesh: DeviceMesh) -> None:
@@ -512,7 +454,7 @@ def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: Devi
             changes[f"{name}.weight"] = LayoutChange(rows=tuple(row for part in order for row in part))
     if plan.heads:
         _shard_per_head_parameters(block, plan.column, plan.heads, mesh)
-    _scale_attention_attributes(block, plan.column, tensor_parallel)
+    scale_attention_attributes(block, plan.column, tensor_parallel)
     if plan.head_arguments and plan.heads:
         _slice_head_arguments(block, plan.head_arguments, plan.heads, mesh.get_local_rank(), tensor_parallel,
                               mesh.get_group())

@@ -41,9 +41,9 @@ from lightning_merak.parallel.tensor.blocks import (
     _conv1d_to_linear,
     _features,
     _is_conv1d,
-    _scale_attention_attributes,
     apply_tensor_parallel,
 )
+from lightning_merak.parallel.tensor.head_counts import scale_attention_attributes
 from lightning_merak.parallel.tensor.rows import rank_rows
 from lightning_merak.parallel.tensor.sequence import SequenceParallelPlan, split_sequence_between
 from lightning_merak.planning.planner import (
@@ -80,7 +80,7 @@ def local_shard_of_block(block: nn.Module, plan: TensorParallelPlan, tensor_para
                                 local_out if divide_output else out_features,
                                 bias=layer.bias is not None, dtype=layer.weight.dtype, device=layer.weight.device)
             shard.set_submodule(name, smaller)
-    _scale_attention_attributes(shard, plan.column, tensor_parallel)
+    scale_attention_attributes(shard, plan.column, tensor_parallel)
     return shard
 
 
