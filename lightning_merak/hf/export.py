@@ -20,9 +20,13 @@ Adapters: a PEFT user saving a ``PeftModel`` gets the adapter alone, which :func
 (``merak-export --adapter-only``) writes as PEFT does; a user exporting for ``from_pretrained`` wants plain
 weights. So :func:`export_checkpoint` refuses a checkpoint with adapter weights unless
 ``--merge-adapters`` is given, which writes ``base + delta`` (PEFT's own merge, one layer at a time)
-under the base names. A base stored quantised (bitsandbytes nf4/fp4/int8, the project's int4) is dequantised
-first (:mod:`lightning_merak.hf.dequantised`), so the merged weights are float and carry the quantisation
-rounding: the weights the adapter was trained against, plus its delta. LoRA on fused expert tensors (PEFT's
+under the base names, PEFT's merge run on a layer of the model's own type (``nn.Linear``, ``nn.Embedding``, GPT-2's
+``Conv1D`` with ``fan_in_fan_out``; any other type is refused, pointing to ``--adapter-only``). An adapter on one
+of tied weights (``embed_tokens`` of a ``tie_word_embeddings`` model) merges into that weight alone: its partners
+(``lm_head``) are written unmerged and the config untied, as the trained model computed. A base stored quantised
+(bitsandbytes nf4/fp4/int8, the project's int4) is dequantised first (:mod:`lightning_merak.hf.dequantised`), so
+the merged weights are float and carry the quantisation rounding: the weights the adapter was trained against, plus
+its delta. LoRA on fused expert tensors (PEFT's
 ``target_parameters``, one nested ``ParamWrapper`` per tensor) is merged one experts module at a time the
 same way: the meta model's module wrapped by the recorded config, the checkpoint's base and factors assigned
 in (``lora_B`` back from a merak3d directory's ``[out, r, E]``), PEFT's merge, then cut per expert as
@@ -37,7 +41,7 @@ import warnings
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union
 
 if TYPE_CHECKING:
     import torch
@@ -212,6 +216,7 @@ def _inject(skeleton: nn.Module, adapters: dict[str, Any]) -> None:
 
     with warnings.catch_warnings():  # "target_modules/target_parameters ... no module was matched": expected here
         warnings.filterwarnings("ignore", message=".*(were set but no|did not match any targeted).*")
+        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to")  # per layer type, as in training
         for name, values in adapters.items():
             inject_adapter_in_model(PeftConfig.from_peft_type(**_narrowed(values, skeleton)), skeleton,
                                     adapter_name=name)
@@ -237,18 +242,61 @@ def _narrowed(values: dict[str, Any], skeleton: nn.Module) -> dict[str, Any]:
     return narrowed
 
 
-def _merged_weight(layer_name: str, base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor],
-                   adapters: dict[str, Any]) -> torch.Tensor:
-    """``layer_name``'s weight with every recorded adapter merged, by PEFT's own layer on a one-layer skeleton."""
+def _refuse_unmergeable(model: nn.Module, layers: Iterable[str]) -> None:
+    """Refuse, before anything is written, an adapted layer of ``model`` whose type :func:`_merged_weight` does not
+    rebuild: merged as another type, its weight would come out wrong (a ``Conv1D`` as an ``nn.Linear`` did)."""
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    for layer_name in layers:
+        layer = model.get_submodule(layer_name)
+        if not isinstance(layer, (nn.Linear, nn.Embedding, Conv1D)):
+            raise ValueError(f"--merge-adapters: the adapted layer {layer_name} is a {type(layer).__name__}; the "
+                             "merge rebuilds nn.Linear, nn.Embedding and transformers Conv1D layers only (and fused "
+                             "experts): export the adapters alone with --adapter-only and merge them with PEFT")
+
+
+def _untied(model: nn.Module, hf_config: Any, adapted: Iterable[str]) -> tuple[nn.Module, dict[str, str]]:
+    """``model`` rebuilt untied where an adapter is on one of a group of tied weights, and those ties (copy →
+    source). The trained model read base + delta there but the unmerged base in its tied partners, so the partners
+    are written apart from it and ``tie_word_embeddings`` set false: merged into the one shared tensor, the delta
+    would reach every partner (as in PEFT's ``merge_and_unload``, which warns of it: PEFT issue #2777)."""
+    from lightning_merak.checkpoint.names import build_meta_model  # lazy: torch
+
+    layers = set(adapted)
+    ties = {copy: source for copy, source in model.all_tied_weights_keys.items()
+            if {copy.rpartition(".")[0], source.rpartition(".")[0]} & layers}
+    if not ties:
+        return model, ties
+    hf_config.tie_word_embeddings = False
+    hf_config.get_text_config().tie_word_embeddings = False
+    model = build_meta_model(hf_config)
+    still = sorted(set(ties) & set(model.all_tied_weights_keys))
+    if still:
+        raise ValueError(f"--merge-adapters: an adapter is on tied weights {still}, which tie_word_embeddings=false "
+                         "does not untie in this model; export the adapters alone with --adapter-only")
+    return model, ties
+
+
+def _merged_weight(layer_name: str, model_layer: nn.Module, base: dict[str, torch.Tensor],
+                   adapter: dict[str, torch.Tensor], adapters: dict[str, Any]) -> torch.Tensor:
+    """``layer_name``'s weight with every recorded adapter merged, by PEFT's own layer on a one-layer skeleton.
+
+    The skeleton's layer has ``model_layer``'s type, so PEFT wraps it as it wrapped the live one: a GPT-2
+    ``Conv1D`` (weight ``(in, out)``) gets ``fan_in_fan_out`` as PEFT sets it, an embedding its own LoRA."""
     import torch
     from torch import nn
+    from transformers.pytorch_utils import Conv1D
 
     weight = base["weight"]
     if not weight.is_floating_point():
         raise ValueError(f"--merge-adapters: the base of {layer_name} is stored quantized ({weight.dtype}); "
                          "train the adapter on an unquantized base (adapter.quantization=none) to export it merged")
-    if any(key.startswith("lora_embedding_") for key in adapter):  # LoRA on an input embedding
-        layer_module: nn.Module = nn.Embedding(weight.shape[0], weight.shape[1], dtype=weight.dtype)
+    layer_module: nn.Module  # model_layer's type, one _refuse_unmergeable passed
+    if isinstance(model_layer, Conv1D):
+        layer_module = Conv1D(weight.shape[1], weight.shape[0]).to(weight.dtype)
+    elif isinstance(model_layer, nn.Embedding):
+        layer_module = nn.Embedding(weight.shape[0], weight.shape[1], dtype=weight.dtype)
     else:
         layer_module = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in base, dtype=weight.dtype)
     skeleton = _skeleton(layer_name, layer_module)
@@ -321,7 +369,9 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
 
     ``config`` (a transformers directory or config.json) stands in for a checkpoint that recorded
     none; ``dtype`` (one of :data:`EXPORT_DTYPES`) converts the weights on the way out. The arguments are checked
-    before the checkpoint is read.
+    before the checkpoint is read. With ``merge_adapters``, an adapter on a tied weight (LoRA on ``embed_tokens``
+    with ``tie_word_embeddings``) merges into it alone: its partners (``lm_head``) are written as the unmerged base
+    and the exported config says ``tie_word_embeddings: false``, so the export computes what the adapter model did.
     """
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one export writes; pass one of {', '.join(EXPORT_DTYPES)}")
@@ -378,11 +428,18 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
                          "them merged into the base weights")
     if extra and not adapters:
         raise ValueError(f"{checkpoint} holds adapter weights but records no adapter config to merge them with")
+    adapted = {key[len(prefix):].split(PEFT_LAYER_INFIX)[0]: key.split(PEFT_LAYER_INFIX)[0]
+               for key in source.entries if PEFT_LAYER_INFIX in key} if extra else {}
+    model, ties = _untied(model, hf_config, adapted)
+    if ties:  # the partners written apart: each from its own tensor, else from the tie's source (its unmerged base)
+        names, experts = export_layout(model)
+        by_module.update({copy: by_module[source] for copy, source in ties.items()
+                          if copy not in by_module and source in by_module})
+    merged_layers = {name.rpartition(".")[0] for name in names if name.endswith(".weight")} & set(adapted)
+    _refuse_unmergeable(model, sorted(merged_layers))
     missing = sorted(name for name in [*names, *experts] if name not in by_module)
     if missing:
         raise ValueError(f"{checkpoint} lacks tensors of {type(model).__name__}: {missing[:8]}")
-    adapted = {key[len(prefix):].split(PEFT_LAYER_INFIX)[0]: key.split(PEFT_LAYER_INFIX)[0]
-               for key in source.entries if PEFT_LAYER_INFIX in key} if extra else {}
     out_dtype = getattr(torch, dtype) if dtype else None
 
     def shape_of(name: str) -> tuple[int, ...]:
@@ -413,7 +470,7 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
             base = {key.rpartition(".")[2]: source.read(key) for key in source.entries
                     if key.startswith(full + PEFT_LAYER_INFIX)}
             adapter = {key[len(full) + 1:]: source.read(key) for key in extra if key.startswith(full + ".")}
-            tensor = _merged_weight(layer, base, adapter, adapters)
+            tensor = _merged_weight(layer, model.get_submodule(layer), base, adapter, adapters)
         return (tensor.to(out_dtype) if out_dtype else tensor).contiguous()
 
     outputs: dict[str, tuple[str, Optional[int], Any]] = {}  # key → (module name, expert, part of an expert)

@@ -16,10 +16,16 @@ SPLIT_FIX = "use tensor_parallel=1 (pipeline_parallel / data_parallel split adap
 def shared_split_problem(layer: nn.Module, adapters: Sized) -> Optional[str]:
     """Why no adapter on tuner ``layer`` (holding ``adapters``) splits with its base, or None: a base other than a
     float ``nn.Linear``, several adapters, a merged one."""
+    from transformers.pytorch_utils import Conv1D  # lazy: a tuner layer means PEFT, hence transformers, is loaded
+
     base = layer.get_base_layer()
+    if isinstance(base, Conv1D):  # not a quantised base: building the adapter model on meta changes nothing
+        return ("its base is a transformers Conv1D (GPT-2's layers, weight stored (in, out)), which is not split "
+                "under an adapter however the adapter model was built (on the meta device too): put the "
+                "adapters on other layers (adapter.target_modules) to keep tensor parallelism")
     if type(base) is not nn.Linear:
-        return (f"its base is {type(base).__name__}, not a float nn.Linear: a base quantised before the split (or a "
-                "Conv1D) is not split; build the adapter model on the meta device (adapter=... under merak3d, or "
+        return (f"its base is {type(base).__name__}, not a float nn.Linear: a base quantised before the split is not "
+                "split; build the adapter model on the meta device (adapter=... under merak3d, or "
                 "lightning_merak.adapters.meta.attach_on_meta) so that each rank quantises its shard after the split")
     if len(adapters) != 1:
         return f"it holds {len(adapters)} adapters; one adapter per layer is split"
