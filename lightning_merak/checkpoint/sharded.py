@@ -35,7 +35,7 @@ from lightning_merak.checkpoint.files import partial_path, publish_directory
 from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, QUANTIZED_SPLITS_KEY, model_record
 from lightning_merak.checkpoint.rewritten import join_saved_shards, saved_storage_where_rewritten
 from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_torch_file
-from lightning_merak.parallel.pipeline.stage import RankStages
+from lightning_merak.parallel.pipeline.stage import RankStages, tied_parameter_names
 from lightning_merak.parallel.tensor.blocks import LayoutChange
 from lightning_merak.plugins.moe.checkpoint import ExpertNumbering, FusedExpertSlices
 from lightning_merak.plugins.moe.experts.adapter_slices import slice_expert_factor
@@ -228,12 +228,17 @@ class ShardedCheckpointer:
         """The unsplit model's transformers config (and adapters), saved with each checkpoint."""
         self.fused_experts = ExpertSlices({}, {})
         """``merak_ep``'s fused expert tensors and adapter factors on them, each rank's part a slice of the whole."""
+        self.tied_names: dict[str, tuple[str, ...]] = {}
+        """Each tied parameter's name → every name of its tie group (an embedding and its LM head). A layout without
+        stages saves the shared optimizer state once, under the name ``named_parameters`` keeps; a last stage names
+        its copy by the head."""
         self.before_load: Optional[Callable[[nn.Module], Any]] = None
         """Run on the LightningModule before a checkpoint is read (``merak_ep`` cuts a model that
         ``configure_model`` built to its experts there, so that only those are read)."""
 
     def find_experts(self, model: nn.Module) -> None:
-        """Note ``model``'s expert-parallel layers and its transformers config (on the unsplit model, before pruning).
+        """Note ``model``'s expert-parallel layers, tied parameters and transformers config (on the unsplit model,
+        before pruning).
 
         The config (:func:`~lightning_merak.checkpoint.names.model_record`) lets ``merak-export`` write the
         checkpoint as a Hugging Face directory.
@@ -241,6 +246,13 @@ class ShardedCheckpointer:
         self.experts = ExpertNumbering.of(model, self._data_parallel_ranks)
         self.fused_experts = ExpertSlices.of(model)
         self.model_record = model_record(model)
+        self.tied_names = {name: group for group in tied_parameter_names(model) for name in group}
+
+    def saved_entry(self, state: dict[str, Any], name: str) -> Optional[Any]:
+        """The saved optimizer entry of parameter ``name``, or of a parameter tied to it: each copy of a tied
+        weight resumes the state its tie group saved, whichever of its names the saving layout used."""
+        return next((state[candidate] for candidate in (name, *self.tied_names.get(name, ())) if candidate in state),
+                    None)
 
     # Names and layouts ------------------------------------------------------------------------
 
@@ -485,7 +497,7 @@ class ShardedCheckpointer:
         for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
             ids = []
             for param in group["params"]:
-                entry = saved["state"].get(names[id(param)])
+                entry = self.saved_entry(saved["state"], names[id(param)])
                 if entry is not None:
                     state[index] = {
                         key: self._local_like(param, names[id(param)], value) for key, value in entry.items()
@@ -512,14 +524,18 @@ class ShardedCheckpointer:
         return full
 
 
-def _torch_optimizer_state(saved: dict[str, Any], order: dict[str, int]) -> dict[str, Any]:
+def _torch_optimizer_state(saved: dict[str, Any], order: dict[str, int],
+                           checkpointer: ShardedCheckpointer) -> dict[str, Any]:
     """A consolidated state (keyed by parameter name) in torch's own format, parameters numbered by ``order``
     (their place in the model), so that ``Optimizer.load_state_dict`` pairs them with an optimizer built over the
-    model's parameters in that order."""
+    model's parameters in that order. A layout with stages names a tied weight by each of its names (the last
+    stage's copy by the head's): one entry per parameter of the model here."""
     state, groups = {}, []
     for group in saved["param_groups"]:
-        names = sorted(group["params"], key=order.__getitem__)
-        state.update({order[name]: saved["state"][name] for name in names if name in saved["state"]})
+        names = sorted({next((tied for tied in checkpointer.tied_names.get(name, ()) if tied in order), name)
+                        for name in group["params"]}, key=order.__getitem__)
+        state.update({order[name]: entry for name in names
+                      if (entry := checkpointer.saved_entry(saved["state"], name)) is not None})
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [order[n] for n in names]})
     return {"state": state, "param_groups": groups}
 
@@ -554,8 +570,9 @@ class ExpertParallelCheckpointIO(CheckpointIO):
             ExpertSlices.of(self.module).local_checkpoint(checkpoint, self.module)
             return checkpoint
         rank, world = dist.get_rank(), dist.get_world_size()
-        checkpoint = ShardedCheckpointer(lambda: (rank, (1, world, 1))).load(Path(path), self.module)
+        checkpointer = ShardedCheckpointer(lambda: (rank, (1, world, 1)))
+        checkpoint = checkpointer.load(Path(path), self.module)
         order = {name: index for index, (name, _) in enumerate(self.module.model.named_parameters())}
-        checkpoint["optimizer_states"] = [_torch_optimizer_state(saved, order)
+        checkpoint["optimizer_states"] = [_torch_optimizer_state(saved, order, checkpointer)
                                           for saved in checkpoint["optimizer_states"]]
         return checkpoint

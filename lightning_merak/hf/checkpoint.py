@@ -204,7 +204,8 @@ _FIX = "pass the directory save_pretrained wrote for this model, with its own co
 def _matched_names(files: PretrainedFiles, model: nn.Module, read_elsewhere: Optional[Mapping[str, Sequence[str]]]
                    ) -> tuple[dict[str, str], dict[str, str]]:
     """``(module name → checkpoint key, tied name → the name it is tied to)``; refused when the files lack a tensor
-    the model persists or hold one it does not have (the weights of another architecture or configuration)."""
+    the model persists or hold one it does not have (the weights of another architecture or configuration), or hold
+    two different tensors for one tied weight (an untied checkpoint under ``tie_word_embeddings=True``)."""
     persistent = model.state_dict()
     elsewhere = dict(read_elsewhere or {})
     skipped = {key for keys in elsewhere.values() for key in keys}
@@ -220,13 +221,47 @@ def _matched_names(files: PretrainedFiles, model: nn.Module, read_elsewhere: Opt
             f"{files.directory} does not match {type(model).__name__} built from its config.json: "
             f"missing {missing or 'none'}; unexpected {unexpected or 'none'}; {_FIX}"
         )
+    differing = [(by_module[name], by_module[source]) for name, source in sorted(tied.items())
+                 if name in by_module and source in by_module and _differ(files, by_module[name], by_module[source])]
+    if differing:
+        raise ValueError(
+            f"{files.directory} holds {', '.join(f'{copy} apart from {source}' for copy, source in differing)}, "
+            f"with other values, but {type(model).__name__} ties them into one weight (tie_word_embeddings=True, "
+            "from model.config or config.json): one parameter cannot hold both, and from_pretrained would leave "
+            "them untied against the config. Set model.config.tie_word_embeddings=false to train the checkpoint "
+            "untied, as it was saved"
+        )
     return by_module, tied
+
+
+_COMPARED_ELEMENTS = 1 << 24
+"""How many elements of each tensor :func:`_differ` holds at once: a vocabulary's rows, block by block."""
+
+
+def _differ(files: PretrainedFiles, first: str, second: str) -> bool:
+    """Whether checkpoint tensors ``first`` and ``second`` differ in shape or value (read block by block): a file
+    that holds a tied weight twice, as equal copies, loads into the one parameter either way."""
+    from safetensors import safe_open
+
+    shape = files.shapes[first]
+    if shape != files.shapes[second]:
+        return True
+    row = max(1, int(torch.Size(shape[1:]).numel()))
+    step = max(1, _COMPARED_ELEMENTS // row)
+    with torch.device("cpu"), safe_open(files.directory / files.weight_map[first], "pt") as one, \
+            safe_open(files.directory / files.weight_map[second], "pt") as other:  # read, also in a meta build
+        if not shape:
+            return not torch.equal(one.get_tensor(first), other.get_tensor(second))
+        left, right = one.get_slice(first), other.get_slice(second)
+        return any(not torch.equal(left[start:start + step], right[start:start + step])
+                   for start in range(0, shape[0], step))
 
 
 def check_pretrained_files(files: PretrainedFiles, model: nn.Module,
                            read_elsewhere: Optional[Mapping[str, Sequence[str]]] = None) -> None:
-    """Refuse, from the files' headers alone, weights that are not the unsplit ``model``'s (meta is fine): the name
-    and shape checks :func:`load_pretrained` makes on each rank, made once before any rank starts.
+    """Refuse, from the files' headers (and a tied weight's two copies, where the files hold both), weights that are
+    not the unsplit ``model``'s (meta is fine): the checks :func:`load_pretrained` makes on each rank, made once
+    before any rank starts.
     ``read_elsewhere`` as for :func:`load_pretrained`."""
     by_module, tied = _matched_names(files, model, read_elsewhere)
     mismatched = []
