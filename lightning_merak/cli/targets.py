@@ -2,8 +2,9 @@
 
 Hydra's ``instantiate`` fails late and deep (an unknown keyword is a ``TypeError`` inside the user's
 ``__init__``, a wrong class trains nothing until Lightning rejects it). :func:`instantiate_checked` refuses first,
-naming the fix: a target that does not import, one that is not the kind of object its key expects, a keyword the
-target does not take (with the closest one it does) and a required one left out.
+naming the fix: a target that does not import, one that is not the kind of object its key expects, one that
+leaves a member Lightning needs to train as its base class's stub, a keyword the target does not take (with the
+closest one it does) and a required one left out.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ RESERVED_KEYS = ("_target_", "_args_", "_partial_", "_convert_", "_recursive_")
 """Hydra's own keys of a ``_target_`` node, which are not keyword arguments of the target."""
 
 
-def target_class(node: Mapping[str, Any], path: str, base: type) -> type:
-    """The class ``node["_target_"]`` names, refused unless it imports and subclasses ``base``."""
+def target_class(node: Mapping[str, Any], path: str, base: type, required: tuple[str, ...] = ()) -> type:
+    """The class ``node["_target_"]`` names, refused unless it imports, subclasses ``base`` and defines each member
+    of ``required`` itself (``base``'s own is a stub, which Lightning refuses only once the ranks run)."""
     name = node.get("_target_")
     if not isinstance(name, str) or "." not in name:
         raise ConfigError(f"{path}._target_={name} is not an import path; set {path}._target_=package.module.Class")
@@ -37,6 +39,11 @@ def target_class(node: Mapping[str, Any], path: str, base: type) -> type:
     if not (isinstance(target, type) and issubclass(target, base)):
         raise ConfigError(f"{path}._target_={name} is not a {base.__module__}.{base.__qualname__} subclass; point "
                           f"it at one")
+    for member in required:
+        if getattr(target, member, None) is getattr(base, member):
+            raise ConfigError(f"{path}._target_={name} does not define {member}(), which Lightning needs to train "
+                              f"(the {base.__qualname__} base class's is a stub); define {member} in "
+                              f"{target.__qualname__}")
     _check_keywords(target, node, path)
     return target
 
@@ -91,9 +98,10 @@ def _check_keywords(target: type, node: Mapping[str, Any], path: str) -> None:
             raise ConfigError(f"{path}: {target.__qualname__} needs the argument {name!r}; add {path}.{name}=...")
 
 
-def instantiate_checked(node: Mapping[str, Any], path: str, base: type) -> Any:
-    """``node``'s target made with ``node``'s keywords, after :func:`target_class` has checked them."""
+def instantiate_checked(node: Mapping[str, Any], path: str, base: type, required: tuple[str, ...] = ()) -> Any:
+    """``node``'s target made with ``node``'s keywords, after :func:`target_class` has checked them (and the
+    ``required`` members)."""
     from hydra.utils import instantiate
 
-    target_class(node, path, base)
+    target_class(node, path, base, required)
     return instantiate(dict(node), _convert_="all")

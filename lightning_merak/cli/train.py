@@ -38,6 +38,13 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_merak.checkpoint.resume import resume_path
+from lightning_merak.cli.checks import (
+    DATAMODULE_MEMBERS,
+    MODULE_MEMBERS,
+    batch_shape,
+    check_schedule_end,
+    config_object,
+)
 from lightning_merak.cli.config import StrategyConfig, TrainConfig, register_configs, reject_unknown_keys
 from lightning_merak.cli.elastic import isolate_restart_attempts
 from lightning_merak.cli.overrides import SET_BY_MERAK_TRAIN, ConfigError, check_overrides, trainer_arguments
@@ -245,21 +252,11 @@ def _datamodule(config: TrainConfig, data_parallel: int) -> Any:
         data.check_before_launch(data_parallel)
         return data
     try:
-        return instantiate_checked(config.data, "data", pl.LightningDataModule)
+        return instantiate_checked(config.data, "data", pl.LightningDataModule, DATAMODULE_MEMBERS)
     except InstantiationException as error:
         if isinstance(error.__cause__, (ValueError, FileNotFoundError)):  # the datamodule refused a value or path
             raise error.__cause__ from None
         raise
-
-
-def _batch_shape(config: TrainConfig, data: Any) -> dict[str, Any]:
-    """What the strategy's checks before launch know of the batches (a datamodule's own may leave them unknown)."""
-    if isinstance(config.data, DataConfig):
-        batch_size, sequence_length = config.data.batch_size, config.data.seq_len
-    else:
-        batch_size, sequence_length = getattr(data, "batch_size", None), getattr(data, "seq_len", None)
-    return {"batch_size": batch_size, "sequence_length": sequence_length,
-            "accumulate_grad_batches": config.trainer.accumulate_grad_batches}
 
 
 def _user_module(config: TrainConfig, strategy: Strategy) -> Any:
@@ -270,7 +267,7 @@ def _user_module(config: TrainConfig, strategy: Strategy) -> Any:
         if chosen != "none":
             raise ConfigError(f"{group}={chosen} transforms the built-in causal LM's model; with module._target_ "
                               f"apply it in your module, or drop {group}=")
-    module = instantiate_checked(config.module, "module", pl.LightningModule)
+    module = instantiate_checked(config.module, "module", pl.LightningModule, MODULE_MEMBERS)
     if (getattr(strategy, "strategy_name", None) == "merak3d"
             and type(module).configure_model is not pl.LightningModule.configure_model):
         with strategy.model_sharded_context():  # so the checks before launch see the model, as merak3d builds it
@@ -392,6 +389,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
     world_size = devices * config.trainer.num_nodes
     trainer_kwargs = _trainer_kwargs(config.trainer)
     _check_merak3d_options(config, strategy, world_size)
+    check_schedule_end(config)
     if getattr(config.moe, "experts", None) == "deepspeed":
         from lightning_merak.parallel.experts import swapped_experts_problem  # lazy: torch
 
@@ -402,9 +400,9 @@ def prepare(config: TrainConfig) -> PreparedRun:
     data = _datamodule(config, _data_parallel_before_launch(strategy, world_size, trainer_kwargs))
     if getattr(data, "lengths", None) == "variable":  # each rank's datamodule checks again in its setup
         check_consumer(strategy)
-    batch_shape = _batch_shape(config, data)
+    shape = batch_shape(config, data)
     if hasattr(strategy, "validate_arguments"):
-        strategy.validate_arguments(world_size, **batch_shape)
+        strategy.validate_arguments(world_size, **shape)
     if config.module:
         module = _user_module(config, strategy)
     else:
@@ -414,7 +412,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
                               "causal LM takes its vocabulary from; give the datamodule one, or set module._target_")
         module = _builtin_module(config, strategy, vocab_size)
     if hasattr(strategy, "validate_before_launch"):
-        strategy.validate_before_launch(module, world_size, **batch_shape)
+        strategy.validate_before_launch(module, world_size, **shape)
     _check_model_against_run(config, module, resume_from)
 
     trainer_config = config.trainer
@@ -542,12 +540,12 @@ def _hydra_entry(cfg: DictConfig) -> None:
     try:
         with _refusals():
             reject_unknown_keys(cfg)
-            trainer_config: Any = OmegaConf.to_object(cfg.trainer)
+            trainer_config: Any = config_object(cfg.trainer)
             devices = validate_run(trainer_config)  # before any rank starts; prepare() checks the rest before they work
             # The other ranks start now, to import while this one builds the whole configuration (its model types
             # import transformers' registry: 2.5 s on two cores) and prepares the run.
             prelaunched = prelaunch_local_ranks(devices, trainer_config.num_nodes)
-            config: Any = OmegaConf.to_object(cfg)
+            config: Any = config_object(cfg)
             run = prepare(config)
     except BaseException:
         if prelaunched is not None:

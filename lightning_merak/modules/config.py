@@ -46,6 +46,7 @@ class ModelConfig:
         "of initialising at random.")
 
     def __post_init__(self) -> None:
+        _refuse([_size_problem(key, value) for key, value in self.config.items()])
         if self.path is None:
             if not self.model_type:
                 raise ValueError("model.model_type is required (e.g. llama), or model.path=DIR to load a "
@@ -74,6 +75,27 @@ class ModelConfig:
             raise ValueError(f"model.model_type={self.model_type!r} but {config_file} says {saved_type!r}; "
                              "omit model.model_type when model.path is given")
         self.model_type = saved_type
+
+
+MODEL_SIZES = {
+    "hidden_size": 1, "n_embd": 1, "intermediate_size": 1, "n_inner": 1, "head_dim": 1,
+    "num_attention_heads": 1, "n_head": 1, "num_key_value_heads": 1, "max_position_embeddings": 1, "n_positions": 1,
+    "num_local_experts": 1, "num_experts_per_tok": 1, "num_hidden_layers": 0, "n_layer": 0,
+}
+"""``model.config``'s sizes (Llama's and GPT-2's names) and their least value: transformers takes 0 or a negative
+size and fails later, deep in the run (a division by zero heads, a tensor of negative width); no layers trains."""
+UNSET_SIZES = ("n_inner", "head_dim", "num_key_value_heads")
+"""The sizes transformers derives from the others when they are null."""
+
+
+def _size_problem(key: str, value: Any) -> Optional[str]:
+    """Why ``model.config.<key>`` cannot be ``value`` when it is one of :data:`MODEL_SIZES`; None when it can."""
+    least = MODEL_SIZES.get(key)
+    if least is None or (value is None and key in UNSET_SIZES):
+        return None
+    bound = (f"an integer of at least {least}" + (" (0: no layers)" if least == 0 else "")
+             + (", or null to derive it from the other sizes" if key in UNSET_SIZES else ""))
+    return _count_problem(f"model.config.{key}", value, bound, least)
 
 
 def _check_model_type(model_type: str) -> None:

@@ -482,6 +482,9 @@ class LanguageModelingData(TokenDataModule):
             raise ValueError(f"unknown data {config.name!r}; choose one of {', '.join(DATA_NAMES)}")
         if config.seq_len < 2:
             raise ValueError(f"data.seq_len must be at least 2, got {config.seq_len}")
+        if config.lengths == "variable" and config.max_length < 2:
+            raise ValueError(f"data.max_length={config.max_length} with data.lengths=variable must be at least 2 "
+                             "(a sample of fewer tokens has no next token to learn): raise data.max_length")
         if not 0.0 < config.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must lie in (0, 1), got {config.val_fraction}")
         super().__init__(config.batch_size, config.lengths, config.num_workers, config.seed)

@@ -155,6 +155,8 @@ class Corpus:
             yield
         except ValueError as error:
             raise self.refusal(error) from error
+        except StopIteration as error:  # a reader that infers the columns from the first record found none
+            raise self.empty() from error
         finally:
             for logger in _READER_LOGGERS:
                 logger.removeFilter(drop)
@@ -171,6 +173,15 @@ class Corpus:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return DataError(f"{self.source} cannot be read as {self.data_format} by datasets ({reason}); fix or replace "
                          "the broken file, or set data.format to the format of its files")
+
+    def empty(self) -> DataError:
+        """The refusal of a corpus without a record, naming its empty files."""
+        if self.path.is_file():
+            found = " (an empty file)" if self.path.stat().st_size == 0 else ""
+        else:
+            empty = [str(file) for file in sorted(self.path.rglob("*")) if file.is_file() and file.stat().st_size == 0]
+            found = f" (empty files: {', '.join(empty)})" if empty else ""
+        return DataError(f"{self.source} holds no records{found}; point data.path at a corpus with documents")
 
     def _text_files(self) -> list[Path]:
         """The corpus's data files that are text (json, csv): the file, or those of the folder in the format."""

@@ -1,0 +1,66 @@
+"""Checks of ``merak-train``'s configuration that need more than one group, made before any rank starts.
+
+Each refuses with a :class:`~lightning_merak.cli.overrides.ConfigError` naming the key and the fix, what the ranks
+would otherwise find only once they run (or what OmegaConf would report as a traceback).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import MissingMandatoryValue
+
+from lightning_merak.cli.overrides import ConfigError
+from lightning_merak.modules.config import DataConfig, Schedule
+
+__all__ = ["DATAMODULE_MEMBERS", "MODULE_MEMBERS", "batch_shape", "check_schedule_end", "config_object"]
+
+MODULE_MEMBERS = ("training_step", "configure_optimizers")
+"""What a ``module._target_`` LightningModule must define for Lightning to train it."""
+DATAMODULE_MEMBERS = ("train_dataloader",)
+"""What a ``data._target_`` LightningDataModule must define for Lightning to train on it."""
+
+_UNSET_HINTS = {
+    "logger": "logger=[] chooses no logger, but merak-train records its metrics through at least one: choose one "
+              "or more, e.g. logger=csv or logger=[csv,tensorboard] (options: csv, tensorboard, wandb, mlflow)",
+    "data.path": "data.path is not set, and this data option reads its corpus from it: set data.path=/abs/path to "
+                 "a .txt or .jsonl file (data=hf_dataset: also a parquet, csv or arrow file, a folder of them, or a "
+                 "save_to_disk folder)",
+}
+"""The fix of each key an option leaves unset (``???``) that a user is likely to leave so."""
+
+
+def config_object(config: Any) -> Any:
+    """``OmegaConf.to_object(config)``; a key the chosen options leave unset (``???``) is refused, naming it."""
+    try:
+        return OmegaConf.to_object(config)
+    except MissingMandatoryValue as error:
+        key = str(error.full_key)
+        raise ConfigError(_UNSET_HINTS.get(key, f"{key} is not set (the option chosen leaves it ???): set "
+                                                f"{key}=...")) from None
+
+
+def batch_shape(config: Any, data: Any) -> dict[str, Any]:
+    """What the strategy's checks before launch know of the batches (a datamodule's own may leave them unknown).
+
+    Variable lengths give no sequence length: samples keep their own, and ``seq_len`` is not used. Their batch size
+    is the global batch's, which merak3d's build traces a probe of (split into ``micro_batches``), as it does a
+    block batch; its micro-batching then splits each global batch by its own plan."""
+    variable = getattr(data, "lengths", "fixed") == "variable"
+    if isinstance(config.data, DataConfig):
+        batch_size, sequence_length = config.data.batch_size, config.data.seq_len
+    else:
+        batch_size, sequence_length = getattr(data, "batch_size", None), getattr(data, "seq_len", None)
+    return {"batch_size": batch_size, "sequence_length": None if variable else sequence_length,
+            "accumulate_grad_batches": config.trainer.accumulate_grad_batches}
+
+
+def check_schedule_end(config: Any) -> None:
+    """Refuse a built-in module's decaying learning-rate schedule in a run without an end (no max_steps, no
+    max_epochs, no optim.total_steps), which its ``configure_optimizers`` would refuse only once the ranks run."""
+    trainer, optim = config.trainer, config.optim
+    endless = trainer.max_steps == -1 and trainer.max_epochs == -1 and not trainer.kwargs.get("fast_dev_run")
+    if endless and not config.module and optim.total_steps is None and optim.lr_schedule is not Schedule.constant:
+        raise ConfigError(f"optim.lr_schedule={optim.lr_schedule.value} decays until the run's last step, but the "
+                          "Trainer has no end: give it max_steps or max_epochs, or use optim.lr_schedule=constant")
