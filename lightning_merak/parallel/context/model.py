@@ -134,7 +134,7 @@ def check_context_parallel_model(model: nn.Module, context_parallel: int, method
     if method == "all_to_all":
         heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
         if isinstance(heads, int):
-            check_heads_divisible(max(heads // tensor_parallel, 1), context_parallel)
+            check_heads_divisible(heads, context_parallel, tensor_parallel)
 
 
 def attention_model(model: nn.Module) -> nn.Module:

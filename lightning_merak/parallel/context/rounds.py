@@ -101,32 +101,45 @@ class RoundRunner:
         labels = sample.new_full((1, length), IGNORE_INDEX)
         inputs[0, :len(sample)] = sample
         labels[0, :len(sample)] = sample
-        return self._forwards[degree](input_ids=inputs, labels=labels,
+        # the padding repeats the last real position: a model's position table (GPT-2's n_positions) may end at
+        # the sample's length, and no real token attends to the padding after it
+        positions = torch.arange(length, device=sample.device).clamp(max=max(len(sample) - 1, 1))[None]
+        return self._forwards[degree](input_ids=inputs, labels=labels, position_ids=positions,
                                       num_items_in_batch=torch.tensor(targets, device=sample.device)).loss
 
 
-def calibration_lengths(token_cap: int, size: int) -> list[int]:
+def calibration_lengths(token_cap: int, size: int, longest: Optional[int] = None) -> list[int]:
     """The sample lengths :func:`measure_degree_cost` times: an eighth, a quarter and half of the per-rank token cap,
-    each a multiple of ``2 x size`` (a split sample's chunks)."""
+    each a multiple of ``2 x size`` (a split sample's chunks), spread instead below ``longest`` where that is
+    shorter (the longest sample the run and the model's position table allow: the model runs no longer ones)."""
     unit = 2 * size
-    lengths = sorted({max(unit, token_cap // part // unit * unit) for part in (8, 4, 2)})
-    return lengths if len(lengths) == 3 else [unit, 2 * unit, 3 * unit]  # a cap too small to spread them
+    span = token_cap // 2 if longest is None else min(token_cap // 2, longest)
+    lengths = sorted({max(unit, span // part // unit * unit) for part in (4, 2, 1)})
+    if len(lengths) < 3:  # a span too short to spread them
+        lengths = [unit, 2 * unit, 3 * unit]
+    if longest is not None and lengths[-1] > longest:
+        raise ValueError(f"context_parallel_degree='per_micro_batch' measures its cost model on samples of "
+                         f"{lengths} tokens (multiples of 2 x context_parallel={size}), but the longest sample the "
+                         f"model and data allow has {longest}; set strategy.micro_batching_cost to a fixed cost "
+                         "model instead")
+    return lengths
 
 
 def measure_degree_cost(runner: RoundRunner, model: torch.nn.Module, size: int, token_cap: int, vocab_size: int,
-                        device: torch.device) -> DegreeCost:
+                        device: torch.device, longest: Optional[int] = None) -> DegreeCost:
     """A :class:`DegreeCost` measured on these ranks: one forward and backward of a sample of each
-    :func:`calibration_lengths` whole on every rank and split over the context-parallel group of ``size`` (device
-    time), the compute fitted by least squares and each ring step's exposed exchange the median remainder. Every rank
-    of the world calls it (a collective); the world's first rank's figures are used everywhere, so every rank plans
-    alike. The gradients it computes on ``model`` are dropped and the random streams left as they were."""
+    :func:`calibration_lengths` (at most ``longest`` tokens) whole on every rank and split over the context-parallel
+    group of ``size`` (device time), the compute fitted by least squares and each ring step's exposed exchange the
+    median remainder. Every rank of the world calls it (a collective); the world's first rank's figures are used
+    everywhere, so every rank plans alike. The gradients it computes on ``model`` are dropped and the random streams
+    left as they were."""
     generator = torch.Generator().manual_seed(0)
     alone: list[tuple[int, int, float]] = []
     split: list[tuple[int, float]] = []
     saved = random_state.capture()
     parameters = [p for p in model.parameters() if p.requires_grad]
     with torch.inference_mode(False), torch.enable_grad():
-        for index, length in enumerate(calibration_lengths(token_cap, size)):
+        for index, length in enumerate(calibration_lengths(token_cap, size, longest)):
             tokens = torch.randint(vocab_size, (1, length), generator=generator).to(device)
             for degree in (1, size):
                 round_ = Round(degree, ((0,),) * (size // degree))

@@ -21,13 +21,18 @@ from lightning_merak.parallel.context.ring import check_positions, gather_docume
 __all__ = ["check_heads_divisible", "ulysses_attention"]
 
 
-def check_heads_divisible(key_value_heads: int, context_parallel: int) -> None:
-    """Refuse a head count Ulysses cannot scatter, naming both numbers and the fix."""
-    if key_value_heads % context_parallel:
+def check_heads_divisible(key_value_heads: int, context_parallel: int, tensor_parallel: int = 1) -> None:
+    """Refuse a head count Ulysses cannot scatter, naming both numbers and the fix; ``key_value_heads`` is the
+    model's count, of which each of ``tensor_parallel`` ranks holds a share (at least one) that Ulysses scatters."""
+    per_rank = max(key_value_heads // tensor_parallel, 1)
+    if per_rank % context_parallel:
+        held = (f"{key_value_heads} key/value heads" if tensor_parallel == 1 else
+                f"{key_value_heads} key/value heads split over tensor_parallel={tensor_parallel} ranks: {per_rank} "
+                "key/value heads per rank,")
         raise ValueError(
             f"Ulysses attention scatters heads over context_parallel={context_parallel} ranks, but the model has "
-            f"{key_value_heads} key/value heads, not divisible by {context_parallel}; use ring attention, or a "
-            f"context_parallel that divides {key_value_heads}"
+            f"{held} not divisible by {context_parallel}; use ring attention, or a context_parallel that divides "
+            f"{per_rank}" + (", or a smaller tensor_parallel" if tensor_parallel > 1 else "")
         )
 
 

@@ -49,7 +49,8 @@ def router_aux_loss_problem(output_router_logits: Any, pipeline_parallel: Any, *
     parallelism gives a tensor-parallel rank's routers only its share of the sequence (at any pipeline degree),
     and ``tp_overlap`` runs the unsplit model (``pipeline_parallel=1``) once per sub-batch, each call with the aux
     loss of its own rows (with stages the carried logits join whole, and with ``context_parallel>1`` the recorded
-    logits of every sub-batch are gathered into one aux loss). Model-independent (checked before launch);
+    logits of every sub-batch are gathered into one aux loss; across stages each context-parallel rank would carry
+    only its shard's logits, so that is refused). Model-independent (checked before launch);
     :func:`router_aux_of` checks the model itself.
     """
     if not output_router_logits:
@@ -71,6 +72,10 @@ def router_aux_loss_problem(output_router_logits: Any, pipeline_parallel: Any, *
         return (f"model.config.output_router_logits=True with micro_batching={micro_batching!r}: each micro-batch's "
                 "loss is a token-weighted share of the global batch's, where the router aux loss has no defined "
                 "weight; use micro_batching='none' or output_router_logits=False")
+    if isinstance(context_parallel, int) and context_parallel > 1:
+        return ("a router aux loss across pipeline stages is computed from the router logits the stages carry, each "
+                "context-parallel rank's for its shard of the sequence only, not the whole batch's; set the model's "
+                "output_router_logits=False, or context_parallel=1 or pipeline_parallel=1")
     return None
 
 

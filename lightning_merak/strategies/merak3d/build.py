@@ -30,6 +30,7 @@ from lightning_merak.distributed.process_groups import new_group
 from lightning_merak.distributed.sub_batches import SubBatchForward
 from lightning_merak.modules.muon import newton_schulz_seconds
 from lightning_merak.parallel.context.model import trace_as_context_parallel
+from lightning_merak.parallel.context.sharding import check_sequence_divisible
 from lightning_merak.parallel.data.fully_sharded import FullySharded, apply_fully_shard, data_parallel_mesh
 from lightning_merak.parallel.data.gradients import TiedParameter
 from lightning_merak.parallel.float8 import MIN_FEATURES, float8_layout_problem, float8_problem
@@ -204,7 +205,11 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
     if sequence_parallel:  # the tokens each context rank holds are split over tp
         check_sequence_length(micro.shape[1] // layout.context_parallel, tp)
     if layout.context_parallel > 1:
+        if arguments.micro_batching == "none" and arguments.context_parallel_degree == "fixed":  # fixed-length rows
+            check_sequence_divisible(micro.shape[1], layout.context_parallel)  # before the trace, not in a step
         trace_as_context_parallel(model)
+        # each rank runs its shard of the sequence: a head that reshapes to the sequence length must record that
+        micro = micro[:, :-(-micro.shape[1] // layout.context_parallel)]
     with in_training_mode(model):
         # Every rank profiles: blocks may hold collectives (MoE all-to-alls) that need all their peers.
         trace = trace_model(model, micro, call_model, profile=pp > 1, materialize_with=materialize_with,
@@ -325,11 +330,6 @@ def _router_aux(model: nn.Module, arguments: Merak3DArguments, layout: Layout) -
         raise ValueError(problem)
     if not output_router_logits or layout.pipeline_parallel == 1:
         return None
-    if layout.context_parallel > 1:
-        raise ValueError("a router aux loss across pipeline stages is computed from the router logits the stages "
-                         "carry, each context-parallel rank's for its shard of the sequence only, not the whole "
-                         "batch's; set the model's output_router_logits=False, or context_parallel=1 or "
-                         "pipeline_parallel=1")
     return router_aux_of(model, find_trunk(model)[1])
 
 

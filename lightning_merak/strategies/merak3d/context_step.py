@@ -86,7 +86,7 @@ class ContextRoundsStep:
             cap = self.token_cap(lengths)
             if self.cost is None:  # every rank plans its first global batch at once: measure here, together
                 self.cost = measure_degree_cost(self._runner, self._model, layout.context_parallel, cap, self._vocab,
-                                                batch.tokens.device)
+                                                batch.tokens.device, longest_sample(self._model, lengths))
                 rank_zero_info(f"merak3d: per-sample context-parallel degrees planned on a cost measured here: "
                                f"{self.cost} (strategy.micro_batching_cost fixes one)")
             self._planned = (batch, plan_context_degrees(lengths, layout.batch_replicas, layout.context_parallel,
@@ -129,6 +129,14 @@ class ContextRoundsStep:
     def forward(self, inputs: Tensor) -> Tensor:
         raise RuntimeError("with context_parallel_degree='per_micro_batch' the module only trains and validates; "
                            "predict with context_parallel_degree='fixed'")
+
+
+def longest_sample(model: nn.Module, lengths: list[int]) -> int:
+    """The longest sample a cost measurement may run: the batch's longest, within the model's position table
+    (``max_position_embeddings``, GPT-2's ``n_positions``), which longer samples would index past."""
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return min(max(lengths), limit) if isinstance(limit, int) and limit > 0 else max(lengths)
 
 
 def install_context_rounds(module: Any, model: nn.Module, groups: LayoutGroups, options: MicroBatching,
