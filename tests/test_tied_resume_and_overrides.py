@@ -22,7 +22,7 @@ from lightning_merak.checkpoint.sharded import ShardedCheckpointer, _torch_optim
 from lightning_merak.hf import load_pretrained, pretrained_causal_lm
 from lightning_merak.modules.causal_lm import CausalLMModule
 from lightning_merak.modules.config import OptimConfig, Schedule
-from lightning_merak.testing import run_distributed
+from lightning_merak.testing import module_losses, run_distributed
 from lightning_merak.testing.data import ReplicaBatches
 
 VOCAB, BATCH, SEQ, STEPS, SAVED_AT = 128, 4, 16, 4, 2
@@ -120,15 +120,7 @@ def _reference(source: Path) -> list[float]:
     torch.manual_seed(0)
     module = CausalLMModule(pretrained_causal_lm(source, VOCAB), _optim())
     module.model.config.use_cache = False
-    optimizer = module.configure_optimizers()["optimizer"]
-    losses = []
-    for batch in _batches():
-        optimizer.zero_grad()
-        loss = module.compute_loss(batch)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return module_losses(module, _batches())
 
 
 class _Record(pl.Callback):
