@@ -131,8 +131,6 @@ def test_a_folder_of_empty_files_is_refused_naming_them(tmp_path) -> None:
 @pytest.mark.parametrize(("overrides", "message"), [
     (["data=hf_dataset"], "data.path is not set, and this data option reads its corpus from it: set "
                           "data.path=/abs/path"),
-    (["logger=[]"], "logger=[] chooses no logger, but merak-train records its metrics through at least one: choose "
-                    "one or more, e.g. logger=csv"),
 ])
 def test_keys_an_option_leaves_unset_are_refused_naming_the_key(overrides, message, tmp_path, monkeypatch, capsys):
     assert message in _refusal(overrides, tmp_path, monkeypatch, capsys)

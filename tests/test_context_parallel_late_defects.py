@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_merak.modules.causal_lm import CausalLMModule
 from lightning_merak.parallel.context.model import check_context_parallel_model
 from lightning_merak.parallel.context.rounds import calibration_lengths
 from lightning_merak.parallel.micro_batching import GlobalBatches
@@ -25,6 +24,7 @@ from lightning_merak.testing import (
     record_reference_trace,
     run_distributed,
 )
+from lightning_merak.testing.causal_lm import FixedOptimizerModule
 
 VOCAB, BATCH, SEQ, STEPS = 96, 2, 32, 2  # one row per micro-batch: no -1 in a view absorbs a length
 
@@ -47,9 +47,8 @@ def _llama() -> torch.nn.Module:
                                         max_position_embeddings=64, use_cache=False))
 
 
-class _Module(CausalLMModule):
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.model.parameters(), lr=0.1)
+def _module(model: torch.nn.Module) -> FixedOptimizerModule:
+    return FixedOptimizerModule(model, lr=0.1)
 
 
 # Refusals, in one process ---------------------------------------------------------------------------------------
@@ -88,7 +87,7 @@ def _fixed_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _train_fixed(rank: int, world_size: int, layout: dict) -> tuple[list[float], list[dict]]:
-    module = _Module(_gpt2())
+    module = _module(_gpt2())
     rows = [row for inputs, _ in _fixed_batches() for row in inputs]
     recorder = LayoutTraceRecorder()
     trainer = pl.Trainer(
@@ -103,7 +102,7 @@ def _train_fixed(rank: int, world_size: int, layout: dict) -> tuple[list[float],
 @pytest.mark.parametrize("attention", ["ring", "all_to_all"])
 def test_gpt2_behind_pipeline_stages_over_context_ranks_trains_as_one_process(attention: str) -> None:
     """GPT-2's head reshapes its hidden state to the traced sequence length: the last stage holds a shard of it."""
-    module = _Module(_gpt2())
+    module = _module(_gpt2())
     reference = record_reference_trace(module.model, _fixed_batches(), lambda _, batch: module.compute_loss(batch),
                                        module.configure_optimizers())
     layout = {"context_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2, "context_attention": attention}
@@ -112,7 +111,7 @@ def test_gpt2_behind_pipeline_stages_over_context_ranks_trains_as_one_process(at
 
 
 def _train_seq30(rank: int, world_size: int) -> None:
-    module = _Module(_llama())
+    module = _module(_llama())
     rows = [row[:30] for inputs, _ in _fixed_batches() for row in inputs]
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, max_steps=1, logger=False, enable_checkpointing=False,
@@ -150,7 +149,7 @@ def _train_degrees(rank: int, world_size: int, layout: dict) -> tuple[list[float
         accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120), max_epochs=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[recorder])
-    trainer.fit(_Module(_gpt2(POSITIONS)),
+    trainer.fit(_module(_gpt2(POSITIONS)),
                 train_dataloaders=global_batch_loader(_samples(), len(_samples()), seed=0, shuffle=False))
     return recorder.losses, recorder.gradients, trainer.strategy._pipeline.last_plan.degrees
 
@@ -159,7 +158,7 @@ def _train_degrees(rank: int, world_size: int, layout: dict) -> tuple[list[float
 @pytest.mark.parametrize("cost", [None, [1e-6, 1e-3, 1e-6]], ids=["measured", "long-samples-split"])
 def test_per_sample_degrees_on_gpt2_at_its_position_limit_train_as_one_process(cost) -> None:
     """The measured cost runs samples no longer than the table; a split 62-token sample pads past it."""
-    module = _Module(_gpt2(POSITIONS))
+    module = _module(_gpt2(POSITIONS))
     batches = list(GlobalBatches(_samples(), len(_samples()), seed=0, shuffle=False))
     reference = record_reference_trace(module.model, batches, _token_mean, module.configure_optimizers())
     layout = {"context_parallel": 2, "context_parallel_degree": "per_micro_batch", "micro_batching_cost": cost}

@@ -17,8 +17,8 @@ from lightning_merak.parallel.micro_batching.plan import CostModel
 from lightning_merak.parallel.micro_batching.samples import global_batch_loader, summed_token_loss, target_count
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import TrainingTrace, assert_traces_match, merge_rank_traces, run_distributed
+from lightning_merak.testing.causal_lm import FixedOptimizerModule
 from lightning_merak.testing.compare import record_reference_trace
-from tests.test_micro_batching_distributed import _Module
 from tests.test_micro_batching_distributed import _Recorder as _TraceRecorder
 
 COST = DegreeCost(CostModel(1.0, 0.01, 50.0), exchange_per_step=20.0)
@@ -89,9 +89,9 @@ def _samples() -> list[torch.Tensor]:
     return [torch.randint(VOCAB, (length,), generator=generator) for length in lengths]
 
 
-def _module(config: ModelConfig = LLAMA) -> _Module:
+def _module(config: ModelConfig = LLAMA) -> FixedOptimizerModule:
     torch.manual_seed(0)
-    return _Module(build_causal_lm(config, vocab_size=VOCAB))
+    return FixedOptimizerModule(build_causal_lm(config, vocab_size=VOCAB))
 
 
 def _token_mean(model: torch.nn.Module, batch: VariableBatch) -> torch.Tensor:

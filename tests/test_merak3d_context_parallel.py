@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import run_distributed
+from lightning_merak.testing.causal_lm import FixedOptimizerModule
 from tests import test_merak3d_fully_sharded as sharded
 from tests.test_merak3d_fully_sharded import CLIP, VOCAB, _module, _Recorder, _reference
 
@@ -198,7 +199,7 @@ def test_a_checkpoint_resumes_across_a_change_of_context_parallel_degree(tmp_pat
         sharded._assert_matches(second, reference, slice(half, None), atol=1e-4)
 
 
-class _OwnLoss(sharded._Module):
+class _OwnLoss(FixedOptimizerModule):
     """A module scoring logits with a loss of its own, which the last stage cannot apply to its rows."""
 
     def loss_from_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -10,12 +10,13 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.causal_lm import build_causal_lm
 from lightning_merak.modules.config import ModelConfig
 from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.strategies.merak3d.arguments import check_fully_shardable
 from lightning_merak.testing import run_distributed
+from lightning_merak.testing.causal_lm import FixedOptimizerModule
 
 STEPS, BATCH, SEQ, VOCAB, CLIP = 4, 8, 16, 96, 0.5
 LLAMA = ModelConfig(name="llama", model_type="llama", config={
@@ -27,24 +28,12 @@ def _batches() -> torch.Tensor:
     return torch.randint(VOCAB, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(3))
 
 
-class _Module(CausalLMModule):
-    """A fixed optimizer, so the comparison does not depend on learning-rate schedules: SGD, whose weights follow
-    the gradients linearly, or Adam, whose state the checkpoints carry."""
 
-    adam = False
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        params = self.model.parameters()
-        return torch.optim.Adam(params, lr=1e-2) if self.adam else torch.optim.SGD(params, lr=0.5)
-
-
-def _module(adam: bool) -> _Module:
+def _module(adam: bool) -> FixedOptimizerModule:
     torch.manual_seed(0)
     model = build_causal_lm(LLAMA, vocab_size=VOCAB)
     model.config.use_cache = False
-    module = _Module(model)
-    module.adam = adam
-    return module
+    return FixedOptimizerModule(model, optimizer="adam" if adam else "sgd")
 
 
 def _reference(clip: float | None, adam: bool = False,

@@ -14,7 +14,8 @@ from lightning_merak.parallel.pipeline.trace import trace_model
 from lightning_merak.parallel.pipeline.vocab_stages import HeadShape, vocab_stages_problem
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import assert_traces_match, merge_rank_traces, record_reference_trace, run_distributed
-from lightning_merak.testing.compare import TrainingTrace, layout_gradients
+from lightning_merak.testing.causal_lm import FixedOptimizerModule
+from lightning_merak.testing.compare import LayoutTraceRecorder, TrainingTrace
 from lightning_merak.testing.data import ReplicaBatches
 from lightning_merak.util.row_shards import row_shard_range
 
@@ -32,22 +33,7 @@ def _batches() -> torch.Tensor:
     return torch.randint(VOCAB, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(5))
 
 
-class _Module(CausalLMModule):
-    """SGD, recording each step's logged loss and gradients (the head's rows gathered) under the unsplit names."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.recorded = TrainingTrace()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.model.parameters(), lr=0.5)
-
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        loss = float(self.trainer.callback_metrics["train/loss"])
-        self.recorded.append(loss, layout_gradients(self.trainer.strategy, self.model))
-
-
-def _module(on_meta: bool = False, tied: bool = False, frozen: bool = False) -> _Module:
+def _module(on_meta: bool = False, tied: bool = False, frozen: bool = False) -> FixedOptimizerModule:
     """The test model; ``on_meta``: built in ``configure_model()`` (on the meta device under merak3d); ``tied``:
     one weight for the input embedding and the LM head; ``frozen``: both tables frozen (as adapters leave them)."""
     torch.manual_seed(0)
@@ -60,7 +46,7 @@ def _module(on_meta: bool = False, tied: bool = False, frozen: bool = False) -> 
             model.get_output_embeddings().weight.requires_grad_(False)
         return model
 
-    return _Module(None, model_factory=build) if on_meta else _Module(build())
+    return FixedOptimizerModule(None, model_factory=build) if on_meta else FixedOptimizerModule(build())
 
 
 def _evaluated(module: CausalLMModule, replicas: int) -> tuple[float, torch.Tensor]:
@@ -71,7 +57,8 @@ def _evaluated(module: CausalLMModule, replicas: int) -> tuple[float, torch.Tens
         return float(module.compute_loss((batch,))), module(batch)
 
 
-def _reference(tied: bool = False, frozen: bool = False) -> tuple[TrainingTrace, dict[str, torch.Tensor], _Module]:
+def _reference(tied: bool = False, frozen: bool = False
+               ) -> tuple[TrainingTrace, dict[str, torch.Tensor], FixedOptimizerModule]:
     module = _module(tied=tied, frozen=frozen)
     trace = record_reference_trace(module.model, [(batch,) for batch in _batches()],
                                    lambda model, batch: module.compute_loss(batch),
@@ -82,11 +69,12 @@ def _reference(tied: bool = False, frozen: bool = False) -> tuple[TrainingTrace,
 def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None, on_meta: bool, first_step: int = 0,
                 last_step: int = STEPS, resume_from: str | None = None, tied: bool = False,
                 frozen: bool = False) -> tuple:
+    recorder = LayoutTraceRecorder()
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120),
         max_epochs=1 if resume_from is None else 2,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[recorder])
     module = _module(on_meta, tied, frozen)
     trainer.fit(module, datamodule=ReplicaBatches(_batches(), first_step, last_step), ckpt_path=resume_from)
     stages = module.model  # the rows live in the last stage's model (its first stage's, for the embedding)
@@ -99,7 +87,7 @@ def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None, o
         assert all(type(part.net.model.embed_tokens).__name__ != "EmbeddingRows" for part in stages)
         if save_to is not None:
             trainer.save_checkpoint(save_to)
-        return module.recorded.losses, module.recorded.gradients, _evaluated(module, layout["data_parallel"])
+        return recorder.losses, recorder.gradients, _evaluated(module, layout["data_parallel"])
     embedding = next(part for part in stages
                      if type(part.net.model.embed_tokens).__name__ == "EmbeddingRows").net.model.embed_tokens
     assert type(embedding).__name__ == "EmbeddingRows"
@@ -109,7 +97,7 @@ def _train_rank(rank: int, world_size: int, layout: dict, save_to: str | None, o
     assert embedding.weight.to_local().shape == (rows[1] - rows[0], 32)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
-    return module.recorded.losses, module.recorded.gradients, _evaluated(module, layout["data_parallel"])
+    return recorder.losses, recorder.gradients, _evaluated(module, layout["data_parallel"])
 
 
 @pytest.mark.distributed

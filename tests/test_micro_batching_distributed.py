@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.causal_lm import build_causal_lm
 from lightning_merak.modules.config import ModelConfig
 from lightning_merak.parallel.micro_batching import GlobalBatches, VariableBatch
 from lightning_merak.parallel.micro_batching.plan import MicroBatch
@@ -21,6 +21,7 @@ from lightning_merak.testing import (
     run_distributed,
     snapshot_gradients,
 )
+from lightning_merak.testing.causal_lm import FixedOptimizerModule
 
 pytestmark = pytest.mark.distributed
 
@@ -42,16 +43,12 @@ def _global_batches() -> list[VariableBatch]:
     return list(GlobalBatches(_samples(), BATCH, seed=0, shuffle=False))
 
 
-class _Module(CausalLMModule):
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.model.parameters(), lr=0.5)
 
-
-def _module() -> _Module:
+def _module() -> FixedOptimizerModule:
     torch.manual_seed(0)
     model = build_causal_lm(LLAMA, vocab_size=VOCAB)
     model.config.use_cache = False
-    return _Module(model)
+    return FixedOptimizerModule(model)
 
 
 def _reference() -> TrainingTrace:

@@ -16,8 +16,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_merak.modules.causal_lm import CausalLMModule
 from lightning_merak.testing import run_distributed
+from lightning_merak.testing.causal_lm import FixedOptimizerModule
 from lightning_merak.testing.data import ReplicaBatches
 
 STEPS, SAVED_AT, BATCH, SEQ, VOCAB = 4, 2, 8, 8, 128
@@ -42,26 +42,13 @@ def _batches() -> torch.Tensor:
     return torch.randint(3, VOCAB, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(5))
 
 
-class _Module(CausalLMModule):
-    """Adam (``optimizer='adam'``) or SGD over the adapters."""
-
-    def __init__(self, model: Any, optimizer: str = "adam", **kwargs: Any) -> None:
-        super().__init__(model, **kwargs)
-        self.optimizer_name = optimizer
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.optimizer_name == "adam":
-            return torch.optim.Adam(params, lr=0.01)
-        return torch.optim.SGD(params, lr=0.5)
-
 
 def _reference(optimizer: str) -> tuple[list[float], list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """The uninterrupted single-process run on the whole batches: losses and adapter gradients per step, and the
     adapter factors after ``SAVED_AT`` steps."""
     from lightning_merak.testing import snapshot_gradients
 
-    module = _Module(_model(), optimizer)
+    module = FixedOptimizerModule(_model(), optimizer=optimizer)
     opt = module.configure_optimizers()
     losses, grads, saved = [], [], {}
     for step, batch in enumerate(_batches()):
@@ -110,7 +97,7 @@ def _train_rank(rank: int, world_size: int, layout: dict[str, int] | None, ep_si
     from lightning_merak.checkpoint.checkpoint_io import SafeCheckpointIO
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
-    module = _Module(_model(), optimizer)
+    module = FixedOptimizerModule(_model(), optimizer=optimizer)
     recorder = _Recorder(gradients=resume_from is None and save_to is None)
     strategy = "ddp" if layout is None else Merak3DStrategy(**{"tensor_parallel": 1, **layout}, micro_batches=2,
                                                             partition="uniform", timeout_s=120)

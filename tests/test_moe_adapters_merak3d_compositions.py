@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import pytest
 
 from lightning_merak.testing import run_distributed
+from lightning_merak.testing.causal_lm import FixedOptimizerModule
 from lightning_merak.testing.data import ReplicaBatches
 from tests import test_moe_adapters_merak3d as adapters
 
@@ -56,7 +57,7 @@ def _replica_rank(rank: int, world_size: int) -> dict[str, Any]:
         return gather_replicas(*args, **kwargs)
 
     parallel._replica_tensors = counted
-    module = adapters._Module(adapters._model(), "sgd")
+    module = FixedOptimizerModule(adapters._model(), "sgd")
     recorder, replicas = adapters._Recorder(gradients=True), _Replicas()
     strategy = Merak3DStrategy(pipeline_parallel=2, data_parallel=2, tensor_parallel=1, micro_batches=2,
                                partition="uniform", timeout_s=120)

@@ -12,6 +12,7 @@ from lightning_merak.modules.muon import MuonWithAdamW
 from lightning_merak.parallel.data.owners import assign_owners, orthogonalisation_cost
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import run_distributed
+from lightning_merak.testing.causal_lm import FixedOptimizerModule
 from tests import test_merak3d_fully_sharded as sharded
 
 SHAPES = [(64, 32), (32, 64), (16, 16), (48, 48), (8, 128)]
@@ -77,7 +78,7 @@ def test_spread_muon_equals_every_rank_stepping_every_matrix() -> None:
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-class _MuonModule(sharded._Module):
+class _MuonModule(FixedOptimizerModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return MuonWithAdamW([{"params": list(self.model.parameters())}], lr=0.02, momentum=0.95,
                              adamw_only={id(param) for param in self.model.get_input_embeddings().parameters()})

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
+from lightning_merak.modules.causal_lm import build_causal_lm
 from lightning_merak.modules.config import ModelConfig
 from lightning_merak.parallel.data.token_mean import TokenWeightedLoss
 from lightning_merak.parallel.layout import Layout
@@ -27,6 +27,7 @@ from lightning_merak.testing import (
     record_reference_trace,
     run_distributed,
 )
+from lightning_merak.testing.causal_lm import FixedOptimizerModule
 
 STEPS, BATCH, SEQ, VOCAB = 2, 4, 16, 128
 LLAMA = ModelConfig(name="llama", model_type="llama", config={
@@ -34,16 +35,11 @@ LLAMA = ModelConfig(name="llama", model_type="llama", config={
     "num_key_value_heads": 2, "tie_word_embeddings": False})
 
 
-class _Module(CausalLMModule):
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.model.parameters(), lr=0.5)
-
-
-def _module() -> _Module:
+def _module() -> FixedOptimizerModule:
     torch.manual_seed(0)
     model = build_causal_lm(LLAMA, vocab_size=VOCAB)
     model.config.use_cache = False
-    return _Module(model)
+    return FixedOptimizerModule(model)
 
 
 def _masked_batches() -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,8 +171,9 @@ def test_one_token_sequences_are_refused_before_launch_for_a_next_token_loss():
     """One token has no next token: the loss is NaN in one process, and at tensor_parallel=2 the split found on such
     a batch is wrong; refused before launch, naming the value and the fix."""
     for layout in ({"tensor_parallel": 2}, {"pipeline_parallel": 2}, {"data_parallel": 2}):
-        with pytest.raises(ValueError, match=re.escape("sequence length 1 leaves _Module's next-token loss no "
-                                                       "token to score (its loss would be NaN); use sequences of")):
+        with pytest.raises(ValueError, match=re.escape("sequence length 1 leaves FixedOptimizerModule's next-token "
+                                                       "loss no token to score (its loss would be NaN); use "
+                                                       "sequences of")):
             Merak3DStrategy(**layout).validate_before_launch(_module(), 2, batch_size=4, sequence_length=1)
     Merak3DStrategy(tensor_parallel=2).validate_before_launch(_module(), 2, batch_size=4, sequence_length=2)
 
@@ -192,15 +189,15 @@ def _train_one_token_rank(rank: int, world_size: int) -> None:
 def test_one_token_sequences_from_python_are_refused_on_the_first_batch_before_the_split():
     """Without the data known before launch, the first batch refuses them (the tensor-parallel split traced on one
     token would be refused with a misleading cause)."""
-    with pytest.raises(DistributedRunError, match=re.escape("sequence length 1 leaves _Module's next-token loss no "
-                                                            "token to score")):
+    with pytest.raises(DistributedRunError, match=re.escape("sequence length 1 leaves FixedOptimizerModule's "
+                                                            "next-token loss no token to score")):
         run_distributed(_train_one_token_rank, 2, timeout_s=120)
 
 
 def test_vocab_stages_refuse_before_launch_a_vocabulary_too_small_for_every_rank():
     """3 rows over 2 × 2 ranks leave the last one without rows (first batch before; now before launch)."""
     torch.manual_seed(0)
-    module = _Module(build_causal_lm(LLAMA, vocab_size=3))
+    module = FixedOptimizerModule(build_causal_lm(LLAMA, vocab_size=3))
     with pytest.raises(ValueError, match=re.escape("a vocabulary of 3 rows split over 4 pipeline × tensor-parallel "
                                                    "ranks leaves the last rank without rows; set vocab_stages='off'")):
         Merak3DStrategy(pipeline_parallel=2, tensor_parallel=2, vocab_stages="on").validate_before_launch(module, 4)
@@ -209,7 +206,7 @@ def test_vocab_stages_refuse_before_launch_a_vocabulary_too_small_for_every_rank
 
 def _train_one_row_rank(rank: int, world_size: int) -> list[float]:
     torch.manual_seed(0)
-    module = _Module(build_causal_lm(LLAMA, vocab_size=1))
+    module = FixedOptimizerModule(build_causal_lm(LLAMA, vocab_size=1))
     recorder = LayoutTraceRecorder()
     strategy = Merak3DStrategy(pipeline_parallel=2, micro_batches=2, vocab_stages="auto", timeout_s=60)
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,

@@ -6,7 +6,7 @@ would otherwise find only once they run (or what OmegaConf would report as a tra
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
@@ -14,7 +14,8 @@ from omegaconf.errors import MissingMandatoryValue
 from lightning_merak.cli.overrides import ConfigError
 from lightning_merak.modules.config import DataConfig, Schedule
 
-__all__ = ["DATAMODULE_MEMBERS", "MODULE_MEMBERS", "batch_shape", "check_schedule_end", "config_object"]
+__all__ = ["DATAMODULE_MEMBERS", "MODULE_MEMBERS", "batch_shape", "check_callbacks_take", "check_context_calibration",
+           "check_schedule_end", "config_object", "fixed_sequence_length", "longest_sample_setting"]
 
 MODULE_MEMBERS = ("training_step", "configure_optimizers")
 """What a ``module._target_`` LightningModule must define for Lightning to train it."""
@@ -22,8 +23,6 @@ DATAMODULE_MEMBERS = ("train_dataloader",)
 """What a ``data._target_`` LightningDataModule must define for Lightning to train on it."""
 
 _UNSET_HINTS = {
-    "logger": "logger=[] chooses no logger, but merak-train records its metrics through at least one: choose one "
-              "or more, e.g. logger=csv or logger=[csv,tensorboard] (options: csv, tensorboard, wandb, mlflow)",
     "data.path": "data.path is not set, and this data option reads its corpus from it: set data.path=/abs/path to "
                  "a .txt or .jsonl file (data=hf_dataset: also a parquet, csv or arrow file, a folder of them, or a "
                  "save_to_disk folder)",
@@ -64,3 +63,47 @@ def check_schedule_end(config: Any) -> None:
     if endless and not config.module and optim.total_steps is None and optim.lr_schedule is not Schedule.constant:
         raise ConfigError(f"optim.lr_schedule={optim.lr_schedule.value} decays until the run's last step, but the "
                           "Trainer has no end: give it max_steps or max_epochs, or use optim.lr_schedule=constant")
+
+
+def fixed_sequence_length(data: Any) -> Optional[int]:
+    """The data group's tokens per sample when every sample has that many (``None`` for other data)."""
+    values = data if hasattr(data, "get") else getattr(data, "__dict__", {})
+    seq_len = values.get("seq_len")
+    return int(seq_len) if isinstance(seq_len, int) and values.get("lengths", "fixed") == "fixed" else None
+
+
+def longest_sample_setting(data: Any) -> Optional[tuple[str, int]]:
+    """``(setting, tokens)``: the data group's longest sample and the setting that asks for it, if known."""
+    values = data if hasattr(data, "get") else getattr(data, "__dict__", {})
+    fixed = fixed_sequence_length(data)
+    if fixed is not None:
+        return "data.seq_len", fixed
+    longest = values.get("max_length")
+    return ("data.max_length", int(longest)) if isinstance(longest, int) and values.get("lengths") == "variable" \
+        else None
+
+
+def check_context_calibration(config: Any, strategy: Any) -> None:
+    """Refuse per-sample context-parallel degrees whose cost model the ranks would measure, at the first step, on
+    samples ``data.max_length`` does not allow (the cost model needs ``6 x context_parallel`` tokens)."""
+    options = getattr(strategy, "micro_batching", None)
+    setting, longest = longest_sample_setting(config.data) or (None, 0)
+    if not getattr(options, "context_rounds", False) or options.cost is not None or setting != "data.max_length":
+        return
+    from lightning_merak.parallel.context.rounds import short_calibration_problem  # lazy: torch
+
+    degree = config.strategy.strategy_kwargs()["context_parallel"]  # a fixed integer: the strategy checked it
+    problem = short_calibration_problem(degree, longest, setting)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def check_callbacks_take(callbacks: list[Any], module: Any) -> None:
+    """Refuse a model the callbacks would refuse at their setup on every rank: EmbRace's tables it cannot shard
+    (a class overriding the lookup, such as Gemma's scaled embedding). The built-in module is built here already
+    (on the meta device under merak3d); a user's module is checked on what it holds before launch."""
+    from lightning_merak.callbacks.sparse_comm.callback import SparseCommunication  # lazy: torch, Lightning
+
+    for callback in callbacks:
+        if isinstance(callback, SparseCommunication):
+            callback.check_tables(module)

@@ -103,8 +103,8 @@ class TrainConfig:
     trainer: TrainerConfig = option(MISSING, "Lightning Trainer settings: devices, steps, precision, and any other "
                                     "`Trainer` argument.")
     optim: OptimConfig = option(MISSING, "The optimizer and learning-rate schedule: `adamw`, `sgd` or `muon`.")
-    logger: Any = option(MISSING, "Where metrics go: `csv`, `tensorboard`, `wandb`, `mlflow`, or a list of them "
-                         "(`logger=[csv,wandb]`).")
+    logger: Any = option(default_factory=dict, help="Where metrics go: `csv`, `tensorboard`, `wandb`, `mlflow`, or "
+                         "a list of them (`logger=[csv,wandb]`; `logger=[]`: no logger, no metrics files).")
     module: dict[str, Any] = option(
         default_factory=dict, help="Your own LightningModule instead of the causal LM of `model` and `optim`: "
         "`module._target_=pkg.Class` and its keyword arguments as `module.<name>=value`.")

@@ -284,8 +284,8 @@ def render() -> str:
         "of the causal LM of `model` and `optim`, `data._target_=pkg.MyData` your LightningDataModule (which, with "
         "the built-in module, gives the model its `vocab_size`), each made with the keys beside `_target_` as "
         "keyword arguments (`module.width=256`); `callbacks=[{_target_: ..., ...}]` adds callbacks and "
-        "`logger=[csv,wandb]` picks several loggers. Any other `lightning.Trainer` argument is taken as "
-        "`trainer.<name>=value` (`trainer.fast_dev_run=true`, `trainer.limit_train_batches=5`). All of it is "
+        "`logger=[csv,wandb]` picks several loggers (`logger=[]`: none). Any other `lightning.Trainer` argument is "
+        "taken as `trainer.<name>=value` (`trainer.fast_dev_run=true`, `trainer.limit_train_batches=5`). All of it is "
         "checked before anything starts: a misspelled key, option or keyword argument, a target that does not "
         "import or is not a LightningModule / LightningDataModule, and what the strategy needs of your module are "
         "refused with the fix (\"did you mean ...?\") as the first line, without a traceback, exit status 2.",

@@ -42,8 +42,12 @@ from lightning_merak.cli.checks import (
     DATAMODULE_MEMBERS,
     MODULE_MEMBERS,
     batch_shape,
+    check_callbacks_take,
+    check_context_calibration,
     check_schedule_end,
     config_object,
+    fixed_sequence_length,
+    longest_sample_setting,
 )
 from lightning_merak.cli.config import StrategyConfig, TrainConfig, register_configs, reject_unknown_keys
 from lightning_merak.cli.elastic import isolate_restart_attempts
@@ -135,13 +139,6 @@ def build_strategy(config: StrategyConfig) -> Strategy:
     return entry["strategy"](**{**entry["init_params"], **config.strategy_kwargs()})
 
 
-def _fixed_sequence_length(data: Any) -> Optional[int]:
-    """The data group's tokens per sample when every sample has that many (``None`` for other data)."""
-    values = data if hasattr(data, "get") else getattr(data, "__dict__", {})
-    seq_len = values.get("seq_len")
-    return int(seq_len) if isinstance(seq_len, int) and values.get("lengths", "fixed") == "fixed" else None
-
-
 def _callbacks(config: TrainConfig, output_dir: Path) -> list[Any]:
     """merak-train's own callbacks (checkpoints, learning rate, progress), each feature's, then the user's."""
     from lightning.pytorch import Callback
@@ -161,13 +158,14 @@ def _callbacks(config: TrainConfig, output_dir: Path) -> list[Any]:
             every_n_train_steps=trainer_config.val_check_interval,
             save_last="link" if trainer_config.save_last else None,
         ),
-        LearningRateMonitor(logging_interval="step"),
         TrainingMetrics(),
     ]
+    if config.logger:  # logger=[]: no logger, which Lightning's LearningRateMonitor refuses
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
     if trainer_config.enable_progress_bar:
         callbacks.append(StepProgressBar(log_every_n_steps=trainer_config.log_every_n_steps))
     if trainer_config.kwargs.get("enable_model_summary", True):
-        callbacks.append(ModelSummary(seq_len=_fixed_sequence_length(config.data)))
+        callbacks.append(ModelSummary(seq_len=fixed_sequence_length(config.data)))
     callbacks += config.moe.build_callbacks()
     callbacks += config.memory.build_callbacks()
     callbacks += config.comm.build_callbacks()
@@ -275,17 +273,6 @@ def _user_module(config: TrainConfig, strategy: Strategy) -> Any:
     return module
 
 
-def _longest_sample(data: Any) -> Optional[tuple[str, int]]:
-    """``(setting, tokens)``: the data group's longest sample and the setting that asks for it, if known."""
-    values = data if hasattr(data, "get") else getattr(data, "__dict__", {})
-    fixed = _fixed_sequence_length(data)
-    if fixed is not None:
-        return "data.seq_len", fixed
-    longest = values.get("max_length")
-    return ("data.max_length", int(longest)) if isinstance(longest, int) and values.get("lengths") == "variable" \
-        else None
-
-
 def _check_model_against_run(config: TrainConfig, module: Any, resume_from: Optional[Path]) -> None:
     """Refuse a sequence longer than the model's position table, and a checkpoint saved from a model of other
     sizes; a pretrained model run past the positions it was trained on gets a notice."""
@@ -294,7 +281,7 @@ def _check_model_against_run(config: TrainConfig, module: Any, resume_from: Opti
     from lightning_merak.checkpoint.compatible import check_resume_shapes  # lazy: torch
     from lightning_merak.modules.positions import beyond_trained_positions, sequence_length_problem  # lazy: torch
 
-    model, longest = getattr(module, "model", None), _longest_sample(config.data)
+    model, longest = getattr(module, "model", None), longest_sample_setting(config.data)
     if model is not None and longest is not None:
         field, length = longest
         problem = sequence_length_problem(model, length, field)
@@ -403,6 +390,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
     shape = batch_shape(config, data)
     if hasattr(strategy, "validate_arguments"):
         strategy.validate_arguments(world_size, **shape)
+    check_context_calibration(config, strategy)
     if config.module:
         module = _user_module(config, strategy)
     else:
@@ -414,6 +402,8 @@ def prepare(config: TrainConfig) -> PreparedRun:
     if hasattr(strategy, "validate_before_launch"):
         strategy.validate_before_launch(module, world_size, **shape)
     _check_model_against_run(config, module, resume_from)
+    callbacks = _callbacks(config, output_dir)
+    check_callbacks_take(callbacks, module)
 
     trainer_config = config.trainer
     loggers = _loggers(config)
@@ -432,7 +422,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
         check_val_every_n_epoch=None if trainer_config.val_check_interval else 1,
         limit_val_batches=trainer_config.limit_val_batches,
         enable_progress_bar=trainer_config.enable_progress_bar,
-        callbacks=_callbacks(config, output_dir),
+        callbacks=callbacks,
         logger=loggers or False,
         default_root_dir=output_dir,
         plugins=[SafeCheckpointIO()],

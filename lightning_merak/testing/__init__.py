@@ -2,7 +2,8 @@
 step-by-step comparison with a single-process reference.
 
 Imported on demand, not from here: :mod:`lightning_merak.testing.data` (each rank's share of fixed global
-batches), :mod:`lightning_merak.testing.netem` (ranks on an emulated
+batches), :mod:`lightning_merak.testing.causal_lm` (the built-in causal LM with a fixed optimizer, SGD or Adam),
+:mod:`lightning_merak.testing.netem` (ranks on an emulated
 cluster network; needs root) and :mod:`lightning_merak.testing.delta_models` (small models and
 Lightning wrappers for the DeltaMemory tests and benchmark)."""
 

@@ -43,6 +43,7 @@ from lightning_merak.callbacks.sparse_comm.arguments import check_arguments, tab
 from lightning_merak.callbacks.sparse_comm.bytes_counter import CommLedger
 from lightning_merak.callbacks.sparse_comm.embrace import (
     ShardedEmbedding,
+    check_shardable,
     join_lookups,
     shard_embeddings,
     tied_head_names,
@@ -222,9 +223,17 @@ class SparseCommunication(pl.Callback):
             f"(merak-train: comm.min_table_rows={largest})"
         )
 
+    def check_tables(self, pl_module: pl.LightningModule) -> None:
+        """Refuse tables EmbRace cannot shard (an option it lacks, a class overriding the lookup: Gemma's scaled
+        embedding), with no collective: ``merak-train`` calls it before launch, ``setup`` before any other work."""
+        if self.method == "embrace":
+            for name, table in self._find_tables(pl_module).items():
+                check_shardable(table, name)
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self.check_tables(pl_module)
         strategy = trainer.strategy
         layout = layout_aware(strategy)
         self._layout_aware = layout is not None

@@ -28,7 +28,8 @@ from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mes
 from lightning_merak.util import random_state
 from lightning_merak.util.timing import DeviceTimer
 
-__all__ = ["RoundRunner", "calibration_lengths", "context_subgroups", "measure_degree_cost"]
+__all__ = ["RoundRunner", "calibration_lengths", "context_subgroups", "measure_degree_cost",
+           "short_calibration_problem"]
 
 
 def context_subgroups(groups: LayoutGroups) -> dict[int, dist.ProcessGroup]:
@@ -108,20 +109,33 @@ class RoundRunner:
                                       num_items_in_batch=torch.tensor(targets, device=sample.device)).loss
 
 
+def short_calibration_problem(size: int, longest: int, setting: Optional[str] = None) -> Optional[str]:
+    """Why :func:`measure_degree_cost` cannot time samples of at most ``longest`` tokens, or None: it needs three
+    lengths in whole chunks of ``2 x size``, so a longest sample of ``6 x size`` tokens. ``setting``: the key that
+    caps the samples (``data.max_length``), named with its fix; without it, the cap the run found."""
+    shortest = 3 * 2 * size
+    if longest >= shortest:
+        return None
+    cause, fix = ((f"{setting}={longest} allows no longer sample", f"raise {setting} to at least {shortest}")
+                  if setting else (f"the longest sample the model and data allow has {longest}",
+                                   f"use samples of at least {shortest} tokens"))
+    return (f"context_parallel_degree='per_micro_batch' measures its cost model on samples of {size * 2}, "
+            f"{size * 4} and {shortest} tokens (multiples of 2 x context_parallel={size}), but {cause}; set "
+            f"strategy.micro_batching_cost to a fixed cost model instead, or {fix}")
+
+
 def calibration_lengths(token_cap: int, size: int, longest: Optional[int] = None) -> list[int]:
     """The sample lengths :func:`measure_degree_cost` times: an eighth, a quarter and half of the per-rank token cap,
     each a multiple of ``2 x size`` (a split sample's chunks), spread instead below ``longest`` where that is
     shorter (the longest sample the run and the model's position table allow: the model runs no longer ones)."""
+    problem = None if longest is None else short_calibration_problem(size, longest)
+    if problem is not None:
+        raise ValueError(problem)
     unit = 2 * size
     span = token_cap // 2 if longest is None else min(token_cap // 2, longest)
     lengths = sorted({max(unit, span // part // unit * unit) for part in (4, 2, 1)})
     if len(lengths) < 3:  # a span too short to spread them
         lengths = [unit, 2 * unit, 3 * unit]
-    if longest is not None and lengths[-1] > longest:
-        raise ValueError(f"context_parallel_degree='per_micro_batch' measures its cost model on samples of "
-                         f"{lengths} tokens (multiples of 2 x context_parallel={size}), but the longest sample the "
-                         f"model and data allow has {longest}; set strategy.micro_batching_cost to a fixed cost "
-                         "model instead")
     return lengths
 
 

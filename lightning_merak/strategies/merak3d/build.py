@@ -193,6 +193,9 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
         rank_zero_info("merak3d: tensor_parallel=1, so sequence_parallel has nothing to split")
     if arguments.vocab_stages == "on" and pp == 1:
         rank_zero_info("merak3d: pipeline_parallel=1, so vocab_stages has no stages to split the LM head over")
+    fixed_rows = arguments.micro_batching == "none" and arguments.context_parallel_degree == "fixed"
+    if layout.context_parallel > 1 and fixed_rows and inputs is not None:  # before the trace or any forward
+        check_sequence_divisible(inputs.shape[1], layout.context_parallel)
     materialize_with = meta_materializers(model, device, broadcast) if has_meta(model) else None
     if pp == 1 and tp == 1:
         if inputs is not None:
@@ -205,8 +208,6 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
     if sequence_parallel:  # the tokens each context rank holds are split over tp
         check_sequence_length(micro.shape[1] // layout.context_parallel, tp)
     if layout.context_parallel > 1:
-        if arguments.micro_batching == "none" and arguments.context_parallel_degree == "fixed":  # fixed-length rows
-            check_sequence_divisible(micro.shape[1], layout.context_parallel)  # before the trace, not in a step
         trace_as_context_parallel(model)
         # each rank runs its shard of the sequence: a head that reshapes to the sequence length must record that
         micro = micro[:, :-(-micro.shape[1] // layout.context_parallel)]
