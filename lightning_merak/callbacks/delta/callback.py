@@ -62,6 +62,23 @@ def _parse_overrides(overrides: Optional[Mapping[str, str]]) -> dict[str, Action
     return parsed
 
 
+def _resolve_overrides(overrides: Mapping[str, Action], blocks: list[str]) -> dict[str, Action]:
+    """``overrides`` keyed by the block names of the managed root: a name that is no such block but names one
+    relative to the root's ``model`` (``model.layers.0`` for a LightningModule's ``model.model.layers.0``, as the
+    Hugging Face model calls it) is taken as that block. Names that are no block either way are kept, for the
+    caller's refusal to list the blocks; two names of one block are refused."""
+    resolved: dict[str, Action] = {}
+    spelled: dict[str, str] = {}
+    for name, action in overrides.items():
+        block = f"model.{name}" if name not in blocks and f"model.{name}" in blocks else name
+        if block in spelled:
+            raise ValueError(f"DeltaMemory overrides name block {block} twice, as {spelled[block]!r} and {name!r}; "
+                             "keep one of them")
+        spelled[block] = name
+        resolved[block] = action
+    return resolved
+
+
 class DeltaMemory(pl.Callback):
     """Keep saved activations under ``budget`` by swapping or recomputing whole blocks.
 
@@ -69,7 +86,8 @@ class DeltaMemory(pl.Callback):
         budget: bytes of saved activations (``int`` or ``"2GiB"``), a fraction of device
             memory for the whole process (``0.5``, ``"50%"``), or ``"auto"`` (90%).
         blocks: which submodules to manage; default finds the repeated blocks.
-        overrides: fixed actions per block name (``{"model.layers.0": "recompute"}``).
+        overrides: fixed actions per block name, relative to the LightningModule (``{"model.model.layers.0":
+            "recompute"}`` for ``CausalLMModule``) or to its ``model`` (``{"model.layers.0": "recompute"}``).
         swap_tier, swap_dir, warmup_steps, director, prefetch_depth, min_offload_bytes, stash_depth,
             host_pool_bytes, replan_on_shape_change, plot: see
             :class:`~lightning_merak.callbacks.delta.options.DeltaOptions`.
@@ -137,8 +155,9 @@ class DeltaMemory(pl.Callback):
         """
         if self._active:
             raise RuntimeError("DeltaMemory already manages a module; use one callback per model")
-        found = discover_blocks(module, self.blocks)
-        managed = self._respect_existing_checkpointing([(f"{prefix}{name}", block) for name, block in found])
+        found = [(f"{prefix}{name}", block) for name, block in discover_blocks(module, self.blocks)]
+        self._options.overrides = _resolve_overrides(self._options.overrides, [name for name, _ in found])
+        managed = self._respect_existing_checkpointing(found)
         for name in self.excluded:
             rank_zero_info(f"DeltaMemory: leaving {name} alone: {self.excluded[name]}")
         if not managed:
@@ -314,6 +333,7 @@ class DeltaMemory(pl.Callback):
         found = [name for name, _ in discover_blocks(pl_module, self.blocks)]
         if not found:
             raise self._nothing_selected(pl_module)
+        self._options.overrides = _resolve_overrides(self._options.overrides, found)
         unknown = sorted(set(self._options.overrides) - set(found))
         if unknown:
             raise ValueError(f"DeltaMemory overrides name unknown blocks {unknown}; the model's blocks are {found}")

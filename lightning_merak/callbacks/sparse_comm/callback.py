@@ -43,10 +43,10 @@ from lightning_merak.callbacks.sparse_comm.arguments import check_arguments, tab
 from lightning_merak.callbacks.sparse_comm.bytes_counter import CommLedger
 from lightning_merak.callbacks.sparse_comm.embrace import (
     ShardedEmbedding,
-    check_shardable,
     join_lookups,
     shard_embeddings,
-    tied_head_names,
+    table_groups,
+    weight_holder_names,
 )
 from lightning_merak.callbacks.sparse_comm.s2_hook import AUTO, S2Reducer, SparseLookups, s2_comm_hook
 from lightning_merak.callbacks.sparse_comm.sketch import CountSketch, drop_zero_rows
@@ -225,10 +225,10 @@ class SparseCommunication(pl.Callback):
 
     def check_tables(self, pl_module: pl.LightningModule) -> None:
         """Refuse tables EmbRace cannot shard (an option it lacks, a class overriding the lookup: Gemma's scaled
-        embedding), with no collective: ``merak-train`` calls it before launch, ``setup`` before any other work."""
+        embedding; embeddings sharing a weight that differ in ``padding_idx``), with no collective: ``merak-train``
+        calls it before launch, ``setup`` before any other work."""
         if self.method == "embrace":
-            for name, table in self._find_tables(pl_module).items():
-                check_shardable(table, name)
+            table_groups(pl_module, list(self._find_tables(pl_module)))
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -269,7 +269,8 @@ class SparseCommunication(pl.Callback):
                     dist.broadcast(module.weight.data, src=0)  # merak3d's replicas all start from rank 0's weights
             self.sharded_tables = shard_embeddings(pl_module, list(tables), comm_group, self.ledger)
             ignored = [f"{name}.shard" for name in self.sharded_tables]
-            shards = [table.shard for table in self.sharded_tables.values()]
+            # each shard once: the names of embeddings sharing a weight map to one table
+            shards = list({id(table): table.shard for table in self.sharded_tables.values()}.values())
             if layout is not None:
                 layout.register_sharded_gradients(shards, comm_group)
             else:
@@ -495,16 +496,16 @@ class SparseCommunication(pl.Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """Replace each rank-local EmbRace slice by the full table (gathered on every rank)."""
+        """Replace each rank-local EmbRace slice by the full table (gathered on every rank, once per table), under
+        every name the unsharded model saved it: each embedding sharing it and each tied head."""
         state = checkpoint.get("state_dict")
-        for name, table in self.sharded_tables.items():
+        for table in {id(table): table for table in self.sharded_tables.values()}.values():
             full = table.full_weight()
             if state is None:
                 continue
-            state.pop(f"{name}.shard", None)
-            state[f"{name}.weight"] = full
-            for head in tied_head_names(pl_module, table):
-                state[f"{head}.weight"] = full
+            for name in weight_holder_names(pl_module, table):
+                state.pop(f"{name}.shard", None)
+                state[f"{name}.weight"] = full
 
     def state_dict(self) -> dict[str, Any]:
         frozen = sorted({

@@ -20,11 +20,10 @@ priority chunk is awaited and added first. Every row's contributions fall in one
 in their original order, so the gradient is the same as without priority;
 :attr:`ShardedEmbedding.last_exchange` records when each chunk's rows were in place.
 
-A tied output head (a ``Linear`` whose weight *is* the table) is swapped for
-:class:`ShardedTiedHead`: it all-gathers the full table for the logits and
-reduce-scatters the head's gradient back to the owners. The head's gradient is dense,
-so this costs what a dense all-reduce of the table does; it keeps tied models correct
-without editing them.
+A tied output head (a ``Linear`` whose weight *is* the table) is swapped for :class:`ShardedTiedHead`: it
+all-gathers the full table for the logits and reduce-scatters the head's gradient back to the owners. The head's
+gradient is dense, so this costs what a dense all-reduce of the table does; it keeps tied models correct without
+editing them. Embeddings sharing one weight become one table, installed under each of their names.
 
 Ranks that take different branches: every collective of a table starts with one all-gather
 of a request ``[table, kind, ids, upcoming ids, wants gradient]`` on the table's group. The
@@ -527,20 +526,12 @@ class ShardedTiedHead(nn.Module):
         return F.linear(hidden, self.table.gathered_weight(), self.bias)
 
 
-def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(root.get_submodule(parent_name) if parent_name else root, child, module)
-
-
 def check_shardable(embedding: nn.Embedding, name: str = "the embedding") -> None:
     """Refuse an embedding whose lookup a :class:`ShardedEmbedding` would not reproduce: one with options it does
     not implement, or of a class that overrides ``forward`` (Gemma's ``embed_scale``), whose extra work the
     replacement would silently drop."""
-    unsupported = {
-        "max_norm": embedding.max_norm is not None,
-        "scale_grad_by_freq": embedding.scale_grad_by_freq,
-        "sparse": embedding.sparse,
-    }
+    unsupported = {"max_norm": embedding.max_norm is not None, "scale_grad_by_freq": embedding.scale_grad_by_freq,
+                   "sparse": embedding.sparse}
     offending = [option for option, present in unsupported.items() if present]
     if offending:
         raise ValueError(
@@ -556,6 +547,27 @@ def check_shardable(embedding: nn.Embedding, name: str = "the embedding") -> Non
         )
 
 
+def table_groups(model: nn.Module, names: list[str]) -> list[list[str]]:
+    """The named tables grouped by weight: every name under which an ``nn.Embedding`` holds it (one Parameter in two
+    embeddings, one module under two names), as a table per name would train drifting copies. Refuses, with no
+    collective, what one sharded table cannot reproduce."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    missing = [name for name in names if not isinstance(modules.get(name), nn.Embedding)]
+    if missing:
+        raise ValueError(f"not nn.Embedding modules of the model: {missing}")
+    groups: dict[int, list[str]] = {id(modules[name].weight): [] for name in names}  # the modules hold the weights
+    for name, module in modules.items():
+        if isinstance(module, nn.Embedding) and id(module.weight) in groups:
+            check_shardable(module, name)
+            group = groups[id(module.weight)]
+            if group and modules[group[0]].padding_idx != module.padding_idx:
+                raise ValueError(f"EmbRace cannot shard {group[0]} and {name} as one table: they share one weight "
+                                 f"but differ in padding_idx ({modules[group[0]].padding_idx} and "
+                                 f"{module.padding_idx}); give them one padding_idx or use method='s2'")
+            group.append(name)
+    return list(groups.values())
+
+
 def shard_embeddings(
     model: nn.Module,
     names: list[str],
@@ -564,34 +576,25 @@ def shard_embeddings(
 ) -> dict[str, ShardedEmbedding]:
     """Swap the named ``nn.Embedding`` modules of ``model`` for sharded ones, in place.
 
-    Every ``nn.Linear`` whose weight is one of those tables (a tied LM head) is swapped
-    for a :class:`ShardedTiedHead`. Returns the new modules by name. Collective: every
-    rank of ``process_group`` must call it with the same names in the same order.
-    """
-    modules = dict(model.named_modules())
-    missing = [name for name in names if not isinstance(modules.get(name), nn.Embedding)]
-    if missing:
-        raise ValueError(f"not nn.Embedding modules of the model: {missing}")
-    for name in names:
-        check_shardable(modules[name], name)
+    Embeddings sharing a weight (:func:`table_groups`) get one table, installed under each of their names, so all
+    their lookups read and train it. Every ``nn.Linear`` whose weight is one of those tables (a tied LM head) is
+    swapped for a :class:`ShardedTiedHead`. Returns the new modules by every name. Collective: every rank of
+    ``process_group`` must call it with the same names in the same order."""
+    modules = dict(model.named_modules(remove_duplicate=False))
     sharded: dict[str, ShardedEmbedding] = {}
-    for name in names:
-        embedding = modules[name]
+    for group in table_groups(model, names):
+        embedding = modules[group[0]]
         table = ShardedEmbedding.from_embedding(embedding, process_group, ledger)
-        tied_heads = [
-            head_name for head_name, head in modules.items()
-            if isinstance(head, nn.Linear) and head.weight is embedding.weight
-        ]
-        _set_submodule(model, name, table)
-        for head_name in tied_heads:
-            _set_submodule(model, head_name, ShardedTiedHead(table, modules[head_name].bias))
-        sharded[name] = table
+        for name in group:
+            model.set_submodule(name, table)
+            sharded[name] = table
+        for head_name, head in modules.items():
+            if isinstance(head, nn.Linear) and head.weight is embedding.weight:
+                model.set_submodule(head_name, ShardedTiedHead(table, head.bias))
     return sharded
 
 
-def tied_head_names(model: nn.Module, table: ShardedEmbedding) -> list[str]:
-    """Names of the :class:`ShardedTiedHead` modules of ``model`` that read ``table``."""
-    return [
-        name for name, module in model.named_modules()
-        if isinstance(module, ShardedTiedHead) and module.table is table
-    ]
+def weight_holder_names(model: nn.Module, table: ShardedEmbedding) -> list[str]:
+    """The names of ``model``'s modules whose ``<name>.weight`` the unsharded model saved as ``table``'s weight."""
+    return [name for name, module in model.named_modules(remove_duplicate=False)
+            if module is table or (isinstance(module, ShardedTiedHead) and module.table is table)]
