@@ -7,7 +7,6 @@ ranks, losses and every gradient equal one process's.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import lightning.pytorch as pl
@@ -20,12 +19,12 @@ from lightning_merak.parallel.materialize import copy_full_tensors
 from lightning_merak.parallel.pipeline import BlockCost, partition_autopipe, simulate_schedule
 from lightning_merak.parallel.pipeline.costs import build_partition
 from lightning_merak.parallel.pipeline.recording import SkipValue
-from lightning_merak.parallel.pipeline.stage import build_stage_module
 from lightning_merak.parallel.pipeline.trace import TraceError, trace_model
 from lightning_merak.planning.planner import Layout, predict
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.strategies.merak3d.build import check_skips_split
 from tests.test_merak3d import VOCAB, _Recorder, _reference, _ShardedData, _TestModule
+from tests.test_pipeline_shared_modules import chained_stages_match_the_model
 from tests.test_planner_core import SLOW, space, synthetic_model
 
 SEQ, WIDTH = 8, 16
@@ -208,29 +207,7 @@ def test_the_planner_prices_the_skip_values_each_cut_sends():
 def test_chained_stages_reproduce_loss_and_gradients(boundaries):
     """Stages run one after another in one process, each boundary's tensors cut from the graph and their
     gradients handed back by hand: as one model."""
-    model = _model("unet")
-    ids = torch.randint(VOCAB, (2, SEQ))
-    trace = trace_model(model, ids, profile=False)
-    model(ids).square().mean().backward()
-    expected = testing.snapshot_gradients(model)
-    stages = [build_stage_module(copy.deepcopy(model), trace, boundaries, index, lambda m, x: m(x))
-              for index in range(len(boundaries))]
-    carried, received, outputs = (ids,), [], []
-    for stage in stages:
-        stage.zero_grad()
-        output = stage(*carried)
-        outputs.append(output)
-        if not stage.is_last:
-            carried = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in output)
-            received.append(carried)
-    outputs[-1].square().mean().backward()
-    for output, inputs in reversed(list(zip(outputs, received))):
-        pairs = [(out, given.grad) for out, given in zip(output, inputs) if given.grad is not None]
-        torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
-    for stage in stages:
-        for name, param in stage.named_parameters():
-            if param.grad is not None:
-                torch.testing.assert_close(param.grad, expected[stage.original_name(name)], rtol=0, atol=1e-6)
+    chained_stages_match_the_model(_model("unet"), boundaries, torch.randint(VOCAB, (2, SEQ)))
 
 
 class _SkipIntoHead(UNet):

@@ -302,7 +302,7 @@ def trace_meta_model(model: nn.Module, sample_inputs: torch.Tensor,
     hidden_in = block_calls[0][0][0] if block_calls[0][0] else None
     if not isinstance(hidden_in, torch.Tensor) or hidden_in.is_meta:
         raise TraceError(f"blocks of {trunk_path} must take the hidden state as their first positional argument")
-    signatures, side, skips, skip_samples = block_signatures(trunk_path, block_calls)
+    signatures, side, skips, skip_samples = block_signatures(trunk_path, block_calls, getattr(work, "config", None))
     output_index = _output_index(block_calls, trunk_path)
     _check_chain(block_calls, output_index, side, trunk_path)
     last_output = block_calls[-1][2]
@@ -321,6 +321,7 @@ def trace_meta_model(model: nn.Module, sample_inputs: torch.Tensor,
         logits_shape=tuple(recording["logits"].shape),
         skips=tuple(skips),
         sample_skips=tuple(_real_sample(tensor, hidden_in.device) for tensor in skip_samples),
+        prefix_paths=recording["before_trunk"],
     )
     if profile:
         prefix = _profile_prefix(model, work, trace, call_model, sample_inputs, profile_repeats, table_rows)

@@ -8,6 +8,7 @@ node (:func:`measure`). See :mod:`.trace` for what the prefix, trunk and head ar
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -21,9 +22,9 @@ from lightning_merak.util.model_outputs import logits_of
 from lightning_merak.util.module_mode import hooks_removed_after
 from lightning_merak.util.timing import mean_call_time
 
-__all__ = ["BlockSignature", "HeadStep", "ModelTrace", "SkipValue", "TraceError", "block_signatures", "find_trunk",
-           "head_steps", "measure", "param_bytes", "prefix_output", "record_forward", "same_tensor", "saved_bytes",
-           "tensor_bytes"]
+__all__ = ["BlockSignature", "HeadStep", "ModelTrace", "SkipValue", "TraceError", "block_signatures",
+           "declared_block_argument_problem", "find_trunk", "head_steps", "measure", "param_bytes", "prefix_output",
+           "record_forward", "same_tensor", "saved_bytes", "tensor_bytes"]
 
 
 class TraceError(ValueError):
@@ -132,11 +133,20 @@ class ModelTrace:
     skips: tuple[SkipValue, ...] = ()
     sample_skips: tuple[torch.Tensor, ...] = ()
     """One sample of each skip value (random values of the recorded shape and dtype for a model on meta)."""
+    prefix_paths: tuple[str, ...] = ()
+    """The modules whose calls ended before the first block began: the prefix's (:attr:`shared_paths`)."""
 
     @property
     def suffix_paths(self) -> list[str]:
         """The head's modules in call order: they live on the last stage."""
         return [step.module for step in self.head if step.module is not None]
+
+    @property
+    def shared_paths(self) -> list[str]:
+        """The head's modules the prefix calls too, or a part of (nanochat's parameterless norm, after the
+        embedding and after the last block): the first stage keeps them as well as the last."""
+        return [path for path in self.suffix_paths
+                if any(_within(path, called) or _within(called, path) for called in self.prefix_paths)]
 
     def block_arguments(self, side_tensors: tuple[torch.Tensor, ...], block_index: int = 0,
                         skip_values: dict[int, torch.Tensor] | None = None) -> tuple[tuple, dict]:
@@ -248,6 +258,21 @@ def find_trunk(model: nn.Module) -> tuple[str, nn.ModuleList | nn.Sequential]:
     return best[1], best[2]
 
 
+def declared_block_argument_problem(model: nn.Module) -> str | None:
+    """Why ``model``'s blocks cannot be traced, read from what their forward declares before any forward runs, or
+    None: a ``KVSharingDict`` parameter (Gemma 4 passes one whatever its config). None too without a trunk, which
+    the trace refuses itself."""
+    try:
+        trunk_path, trunk = find_trunk(model)
+    except TraceError:
+        return None
+    for name, parameter in inspect.signature(trunk[0].forward).parameters.items():
+        if "KVSharingDict" in str(parameter.annotation):  # a string under postponed annotations
+            model_type = getattr(getattr(model, "config", None), "model_type", None)
+            return _unsendable_argument_problem(model_type, trunk_path, name, "KVSharingDict")
+    return None
+
+
 def _holds_repeated_blocks(module: nn.Module) -> bool:
     if isinstance(module, nn.ModuleList):
         minimum = 1
@@ -262,6 +287,11 @@ def trunk_like(trunk: nn.ModuleList | nn.Sequential, blocks: list[nn.Module]) ->
     """``blocks`` in a container of ``trunk``'s kind, so that the model's forward calls them as it called the
     trunk (a Sequential runs its blocks in its own forward)."""
     return nn.Sequential(*blocks) if isinstance(trunk, nn.Sequential) else nn.ModuleList(blocks)
+
+
+def _within(path: str, container: str) -> bool:
+    """Whether module ``path`` is ``container`` or inside it."""
+    return path == container or path.startswith(container + ".")
 
 
 def same_tensor(a: Any, b: Any) -> bool:
@@ -294,9 +324,11 @@ class _HeadOperations(TorchFunctionMode):
 
 def record_forward(model: nn.Module, call_model: Callable[[nn.Module, torch.Tensor], Any], inputs: torch.Tensor,
             trunk: nn.ModuleList) -> dict[str, Any]:
-    """One forward pass with hooks: block arguments and outputs, then the outermost module calls and the
-    tensor operations between them after the trunk (the head's candidates)."""
+    """One forward pass with hooks: the module calls that ended before the first block (the prefix's), block
+    arguments and outputs, then the outermost module calls and the tensor operations between them after the
+    trunk (the head's candidates)."""
     block_calls: list[tuple[tuple, dict, Any]] = []
+    before_trunk: list[str] = []
     after_trunk: list[tuple] = []
     paths = _module_paths(model)
     state: dict[str, Any] = {"trunk_done": False, "depth": 0}
@@ -317,6 +349,8 @@ def record_forward(model: nn.Module, call_model: Callable[[nn.Module, torch.Tens
         state["depth"] += state["trunk_done"]
 
     def post_any(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not block_calls:
+            before_trunk.append(paths[id(module)])
         if started_after_trunk.pop():
             state["depth"] -= 1
             if state["depth"] == 0:
@@ -331,10 +365,11 @@ def record_forward(model: nn.Module, call_model: Callable[[nn.Module, torch.Tens
             handles.append(module.register_forward_hook(post_any, with_kwargs=True))
     with hooks_removed_after(handles), torch.no_grad(), _HeadOperations(state, after_trunk):
         logits = logits_of(call_model(model, inputs))
-    return {"blocks": block_calls, "after_trunk": after_trunk, "logits": logits}
+    return {"blocks": block_calls, "before_trunk": tuple(dict.fromkeys(before_trunk)), "after_trunk": after_trunk,
+            "logits": logits}
 
 
-def block_signatures(trunk_path: str, block_calls: list[tuple[tuple, dict, Any]]
+def block_signatures(trunk_path: str, block_calls: list[tuple[tuple, dict, Any]], config: Any = None
                       ) -> tuple[list[BlockSignature], list[torch.Tensor], list[SkipValue], list[torch.Tensor]]:
     """Each block's call with its tensors replaced by slots: ``(signatures, side tensors, skip values, their
     samples)``.
@@ -342,7 +377,7 @@ def block_signatures(trunk_path: str, block_calls: list[tuple[tuple, dict, Any]]
     A tensor argument one of the earlier blocks returned (not one it was given) is a skip value
     (:class:`SkipValue`), found by identity; any other is a side tensor, the union in first-use order.
     A value the model derived from a block's output outside the blocks is neither: the tracers' split
-    check refuses it.
+    check refuses it. ``config`` (the model's, if it has one) names the model in a refusal.
     """
     produced: dict[int, tuple[int, int]] = {}
     skip_of: dict[tuple[int, int], int] = {}
@@ -373,10 +408,7 @@ def block_signatures(trunk_path: str, block_calls: list[tuple[tuple, dict, Any]]
             elif leaf is None or isinstance(leaf, (bool, int, float, str)):
                 template.append(leaf)
             else:
-                raise TraceError(
-                    f"blocks of {trunk_path} receive a {type(leaf).__name__} argument, which cannot cross pipeline "
-                    "stages; for transformers models disable the KV cache (model.config.use_cache = False)"
-                )
+                raise _unsendable_argument(trunk_path, leaf, kwargs, config)
         signatures.append(BlockSignature(spec, tuple(template)))
         given = {id(leaf) for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)}
         for position, leaf in enumerate(tree_flatten(output)[0]):
@@ -385,6 +417,39 @@ def block_signatures(trunk_path: str, block_calls: list[tuple[tuple, dict, Any]]
     sources = sorted(skip_of, key=skip_of.get)
     skips = [SkipValue(producer, leaf, tuple(consumers[skip_of[(producer, leaf)]])) for producer, leaf in sources]
     return signatures, side, skips, skip_samples
+
+
+def _unsendable_argument(trunk_path: str, leaf: Any, kwargs: dict, config: Any) -> TraceError:
+    """The refusal of a block argument that is neither a tensor nor a constant, naming what it is."""
+    kind = type(leaf).__name__
+    if _is_kv_cache(leaf) and getattr(config, "use_cache", False):
+        return TraceError(f"blocks of {trunk_path} receive a {kind} argument (the KV cache), which cannot cross "
+                          "pipeline stages; for transformers models disable the KV cache "
+                          "(model.config.use_cache = False)")
+    keyword = next((name for name, value in kwargs.items() if value is leaf), None)
+    return TraceError(_unsendable_argument_problem(getattr(config, "model_type", None), trunk_path, keyword, kind))
+
+
+def _is_kv_cache(value: Any) -> bool:
+    try:
+        from transformers.cache_utils import Cache
+    except ImportError:  # a plain model without transformers installed
+        return False
+    return isinstance(value, Cache)
+
+
+def _unsendable_argument_problem(model_type: str | None, trunk_path: str, argument: str | None, kind: str) -> str:
+    """Why the blocks of ``trunk_path`` cannot be traced when they take ``argument``, an object of class ``kind``
+    that is neither a tensor nor a constant: merak3d traces them for ``pipeline_parallel>1`` and
+    ``tensor_parallel>1``. A ``KVSharingDict`` (Gemma 4) is key/value state the blocks share with each other."""
+    owner = f"{model_type}'s blocks ({trunk_path})" if model_type else f"the blocks of {trunk_path}"
+    named = f"{argument} (a {kind})" if argument else f"a {kind} argument"
+    if kind == "KVSharingDict":
+        cause, fix = f"{owner} share key/value states through {named}", ""
+    else:
+        cause, fix = f"{owner} receive {named}, neither a tensor nor a constant", "pass the blocks tensors instead or "
+    return (f"{cause}, which cannot cross pipeline stages; merak3d traces the blocks to split them over pipeline "
+            f"stages or tensor-parallel ranks, so {fix}use pipeline_parallel=1 and tensor_parallel=1")
 
 
 def head_steps(after_trunk: list[tuple], hidden: torch.Tensor, logits: torch.Tensor,

@@ -9,7 +9,8 @@ checkpoints, gradients and optimizer groups map back to the unsplit model.
   others skipped; it leaves the forward once its last block ran and every side tensor
   the blocks read has been seen, handing back the hidden state and the side tensors.
 * Later stages call their blocks directly, each with its own side tensors.
-* The last stage replays the recorded head (final norm, LM head, logit scaling) to get logits.
+* The last stage replays the recorded head (final norm, LM head, logit scaling) to get logits. A head module the
+  prefix calls too (:attr:`~.recording.ModelTrace.shared_paths`: nanochat's norm) stays on the first stage as well.
 
 Stage inputs and outputs are ``(hidden, *side_tensors, *skip_values)``; the last stage outputs logits. The
 skip values at a boundary are those an earlier block produced and a later one reads
@@ -103,6 +104,7 @@ class PipelineStageModule(nn.Module):
         router_aux: RouterAux | None = None,
     ) -> None:
         super().__init__()
+        _check_shared_modules(model, trace)
         self.trace = trace
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -136,7 +138,8 @@ class PipelineStageModule(nn.Module):
             self._install_exit(model.get_submodule(trace.trunk_path))
         if not self.is_last:
             for path in trace.suffix_paths:
-                model.set_submodule(path, RemovedModule(path))
+                if not (self.is_first and path in trace.shared_paths):
+                    model.set_submodule(path, RemovedModule(path))
         if not self.is_first:
             self._remove_prefix(model)
         self.net = model
@@ -248,6 +251,22 @@ class PipelineStageModule(nn.Module):
             values.update(self.trace.produced_skips(index, output))
             hidden = self.trace.hidden_of(output)
         return hidden, (*side, *(values[index] for index in self.skips_out))
+
+
+def _check_shared_modules(model: nn.Module, trace: ModelTrace) -> None:
+    """Refuse a head module with parameters that the prefix calls too: the first and the last stage would each
+    train a copy of them. The stages sum the gradients of tied parameters only, those the model registers under
+    several names (:func:`tied_parameter_names`), which a module called twice under one name is not."""
+    tied = {name for group in tied_parameter_names(model) for name in group}
+    for path in trace.shared_paths:
+        names = [f"{path}.{name}" for name, _ in model.get_submodule(path).named_parameters()]
+        names = [name for name in names if name not in tied]
+        if names:
+            raise TraceError(
+                f"{path} runs both before the first block of {trace.trunk_path} and after its last one, so the first "
+                f"and the last pipeline stage would each hold and train a copy of its parameters ({', '.join(names)}); "
+                "merak3d shares between stages only weights tied under two names (an embedding and its LM head), "
+                "so use pipeline_parallel=1")
 
 
 def _own_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -106,7 +106,7 @@ def _trace(model: nn.Module, sample_inputs: torch.Tensor, call_model: Callable[[
     hidden_in = first_args[0] if first_args else None
     if not isinstance(hidden_in, torch.Tensor):
         raise TraceError(f"blocks of {trunk_path} must take the hidden state as their first positional argument")
-    signatures, side, skips, skip_samples = block_signatures(trunk_path, block_calls)
+    signatures, side, skips, skip_samples = block_signatures(trunk_path, block_calls, getattr(model, "config", None))
     if isinstance(first_output, torch.Tensor):
         output_index = None
     else:
@@ -132,6 +132,7 @@ def _trace(model: nn.Module, sample_inputs: torch.Tensor, call_model: Callable[[
             None if isinstance(item, torch.Tensor) else item for item in first_output),
         skips=tuple(skips),
         sample_skips=tuple(tensor.detach() for tensor in skip_samples),
+        prefix_paths=recording["before_trunk"],
     )
     _verify_split(model, trace, trunk, call_model, sample_inputs)
     if profile:

@@ -36,6 +36,7 @@ from lightning_merak.parallel.layout import (
     default_micro_batches,
 )
 from lightning_merak.parallel.micro_batching.options import MicroBatching, check_packing_attention
+from lightning_merak.parallel.pipeline.recording import declared_block_argument_problem
 from lightning_merak.parallel.pipeline.schedules import shifted_schedule_available
 from lightning_merak.parallel.pipeline.trace import find_trunk
 from lightning_merak.parallel.pipeline.vocab_stages import check_vocab_stage_rows
@@ -519,6 +520,10 @@ class Merak3DArguments(Merak3DOptions):
                                          tensor_parallel or 1)
         if pipeline_parallel is not None and pipeline_parallel > 1:
             check_stage_count(pipeline_parallel * self.stages_per_rank, len(find_trunk(model)[1]))
+        if (pipeline_parallel or 1) > 1 or (tensor_parallel or 1) > 1:  # both trace the blocks
+            problem = declared_block_argument_problem(model)
+            if problem is not None:
+                raise ValueError(problem)
         if self.micro_batching == "pack" and self.context_parallel == 1:
             check_packing_attention(getattr(model, "config", None))
 
