@@ -75,6 +75,7 @@ from lightning_merak.strategies.merak3d.vocab_stages_build import (
 )
 from lightning_merak.strategies.merak3d.vocabulary_build import VocabularyRows
 from lightning_merak.util import random_state
+from lightning_merak.util.buffers import buffers_kept
 from lightning_merak.util.model_outputs import no_cache
 from lightning_merak.util.module_mode import modules_in_mode
 
@@ -211,7 +212,7 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
         trace_as_context_parallel(model)
         # each rank runs its shard of the sequence: a head that reshapes to the sequence length must record that
         micro = micro[:, :-(-micro.shape[1] // layout.context_parallel)]
-    with in_training_mode(model):
+    with in_training_mode(model), buffers_kept(model):  # a running statistic counts no traced or timed forward
         # Every rank profiles: blocks may hold collectives (MoE all-to-alls) that need all their peers.
         trace = trace_model(model, micro, call_model, profile=pp > 1, materialize_with=materialize_with,
                             fast_blocks=arguments.fast_blocks)

@@ -45,6 +45,7 @@ from lightning_merak.strategies.merak3d.checkpoint_hooks import CheckpointHooks
 from lightning_merak.strategies.merak3d.context_step import ContextRoundsStep, install_step
 from lightning_merak.strategies.merak3d.step_replay import ReplayedStep
 from lightning_merak.strategies.merak3d.variable_step import PipelineSteps, check_micro_batching
+from lightning_merak.util.buffers import ReplicaBuffers, buffers_kept
 
 __all__ = ["Merak3DStrategy"]
 
@@ -71,14 +72,10 @@ class Merak3DStrategy(CheckpointHooks):
         self,
         data_parallel: Degree = "auto", pipeline_parallel: Degree = 1,
         tensor_parallel: Degree = 1, tp_overlap: Degree = 1,
-        tp_weight_grad_overlap: Optional[bool] = None,
-        sequence_parallel: bool = False,
-        context_parallel: Degree = 1,
-        context_attention: str = "auto", context_parallel_degree: str = "fixed",
-        micro_batches: Optional[int] = None,
-        schedule: str = "1f1b",
-        virtual_stages: int = 2,
-        recompute: str = "none",
+        tp_weight_grad_overlap: Optional[bool] = None, sequence_parallel: bool = False,
+        context_parallel: Degree = 1, context_attention: str = "auto", context_parallel_degree: str = "fixed",
+        micro_batches: Optional[int] = None, schedule: str = "1f1b",
+        virtual_stages: int = 2, recompute: str = "none",
         recompute_ratio: float = 0.5, compile: bool = False, float8: Optional[str] = None,
         partition: str = "autopipe",
         process_group_backend: Optional[str] = None,
@@ -128,6 +125,7 @@ class Merak3DStrategy(CheckpointHooks):
         """FSDP2's modules with ``data_parallel_sharding="full"`` (they reduce their gradients themselves)."""
         self._row_shares: dict[int, torch.Tensor] = {}
         """1 / copies of each local row of split parameters whose rows several ranks hold, set by the build."""
+        self._replica_buffers = ReplicaBuffers()  # the buffers training changes, equal over the replicas as DDP keeps
         self.partition: Optional[Any] = None
         self.num_nodes = 1
 
@@ -417,12 +415,13 @@ class Merak3DStrategy(CheckpointHooks):
         view = self._view = network.module_view(self.lightning_module, *degrees)
         self._arguments.check_model(view.network, *degrees)
         batch = self._planning_batch(trainer)
-        planned = planning.plan_layout(
-            self._arguments, view, view.split_batch(batch)[0], view.planning_loss(batch), world_size=self.world_size,
-            num_processes=self.num_processes, device=self.root_device,
-            optimizer=self.optimizers[0] if self.optimizers else None,
-            clip_gradients=bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (None, "norm"),
-            broadcast=self.broadcast, merak_ep=merak_ep, ep_size=ep_size)
+        with buffers_kept(view.network):  # the profile's forwards are no training batches (running statistics)
+            planned = planning.plan_layout(
+                self._arguments, view, view.split_batch(batch)[0], view.planning_loss(batch),
+                world_size=self.world_size, num_processes=self.num_processes, device=self.root_device,
+                optimizer=self.optimizers[0] if self.optimizers else None,
+                clip_gradients=bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (None, "norm"),
+                broadcast=self.broadcast, merak_ep=merak_ep, ep_size=ep_size)
         self.layout_plan, self.layout_choice = planned.plan, planned.choice
         self._verified_tp_degrees = planned.verified_tp_degrees
         self._adopt(planned.layout)
@@ -452,6 +451,8 @@ class Merak3DStrategy(CheckpointHooks):
 
     def on_validation_start(self) -> None:
         self.on_train_end()  # parameters gathered while the next forward would run are complete before evaluation
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:  # DDP's forward syncs buffers in a fit only
+            self._replica_buffers.before_validation(self.lightning_module, self.groups.data_parallel_group)
         if self._batch_clock is not None:
             self._batch_clock.pause()
 
@@ -495,8 +496,7 @@ class Merak3DStrategy(CheckpointHooks):
                                   verified_tp_degrees=self._verified_tp_degrees, optimizers=self.optimizers,
                                   load_weights=build.weight_loader(module, self._restored_state, view.network,
                                                                    view.state_prefix))
-        self._checkpointer.layout_changes = built.layout_changes
-        self.partition = built.partition
+        self._checkpointer.layout_changes, self.partition = built.layout_changes, built.partition
         if self.layout.context_parallel > 1:  # every forward (every stage's) runs on this rank's sequence shard
             install_context_parallel_layout(view.network, built.stages, self.groups, self.micro_batching.packs)
         self._pipeline = install_step(self._arguments.context_parallel_degree, self.micro_batching, view,
@@ -544,6 +544,7 @@ class Merak3DStrategy(CheckpointHooks):
     # Steps ------------------------------------------------------------------------------
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._replica_buffers.before_training_step(self.lightning_module, self.groups.data_parallel_group)
         pipelined_network = self._view.network.forward if self._pipeline is not None and self._view else None
         if isinstance(pipelined_network, network.PipelinedNetwork):  # its loss reads the step's batch and arguments
             pipelined_network.batch, pipelined_network.step_arguments = args[0], (args[1:], kwargs)
@@ -568,8 +569,7 @@ class Merak3DStrategy(CheckpointHooks):
             self._pipeline.restore_gradients()
             closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
             self.post_backward(closure_loss)
-        built = self._built
-        current = self._data_parallel
+        built, current = self._built, self._data_parallel
         if current is not None:  # a callback may take parameters out of the average on the first step
             self._data_parallel = data_parallel.refreshed(current, self.lightning_module, built, self.groups,
                                                           self._arguments, self.optimizers)
@@ -595,6 +595,5 @@ class Merak3DStrategy(CheckpointHooks):
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
         """Clip by the norm over every stage and shard (:func:`~.gradients.clip_by_total_norm`)."""
         tied = self._built.tied if self._built is not None else []
-        self.last_gradient_norm = gradients.clip_by_total_norm(optimizer, clip_val, tied, self.groups,
-                                                               self.root_device, self._sharded_gradients,
-                                                               self._row_shares)
+        self.last_gradient_norm = gradients.clip_by_total_norm(
+            optimizer, clip_val, tied, self.groups, self.root_device, self._sharded_gradients, self._row_shares)

@@ -20,7 +20,6 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.stage import _RecvInfo
 
 from lightning_merak.modules.causal_lm import scores_next_token
@@ -42,7 +41,7 @@ from lightning_merak.parallel.micro_batching.samples import (
     target_count,
 )
 from lightning_merak.parallel.pipeline.busy import StageBusyClock
-from lightning_merak.parallel.pipeline.schedules import ScheduleShiftedCriticalPath
+from lightning_merak.parallel.pipeline.schedules import BufferKeepingStage, ScheduleShiftedCriticalPath
 from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
 from lightning_merak.strategies.merak3d.network import ModuleView, PipelinedNetwork
@@ -76,12 +75,13 @@ def _decode(header: torch.Tensor) -> list[tuple[int, ...]]:
     return [tuple(row[1:1 + row[0]]) for row in rows]
 
 
-class VariableShapeStage(PipelineStage):
+class VariableShapeStage(BufferKeepingStage):
     """A pipeline stage whose micro-batches may each have their own shapes (one stage per rank).
 
-    The first step's metadata inference still fixes how many tensors pass and their dtypes; shapes
-    travel in a header sent before each micro-batch's activations (forward only: a gradient has the
-    shape of the output it belongs to, which the receiving stage computed itself).
+    The first step's metadata inference (leaving the stage module's buffers as they were: :class:`BufferKeepingStage`)
+    still fixes how many tensors pass and their dtypes; shapes travel in a header sent before each micro-batch's
+    activations (forward only: a gradient has the shape of the output it belongs to, which the receiving stage
+    computed itself).
     """
 
     def _peer(self, stage_index: int) -> int:

@@ -1,0 +1,143 @@
+"""Module buffers that a forward changes: BatchNorm's running statistics, EMA and step counters.
+
+:func:`buffers_kept` runs a module for a while and leaves its buffers as they were. The build's trace and
+profiling, and torch's pipeline metadata inference, run the real module in training mode (the inference even on
+uninitialised ``torch.empty`` inputs); a running statistic must count the training batches only, as it would
+without merak3d.
+
+:class:`ReplicaBuffers` keeps the buffers training changes equal over the data-parallel replicas, as Lightning's
+DDP (``broadcast_buffers=True``) does: data-parallel rank 0's values become every replica's before each training
+forward and before a fit's validation. Which buffers change is learnt from the first training step, so a model
+whose buffers training leaves alone (rotary tables, position ids) sends nothing per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["BufferSlot", "BufferSnapshot", "ReplicaBuffers", "buffer_snapshot", "buffers_kept", "changed_buffers"]
+
+BufferSlot = tuple[nn.Module, str]
+"""A buffer as its owner holds it: ``owner._buffers[name]`` (a forward may replace the tensor there)."""
+
+BufferSnapshot = dict[BufferSlot, tuple[torch.Tensor, int, torch.Tensor]]
+"""Each buffer's tensor, its in-place version counter and a copy of its value at one moment."""
+
+
+def _slots(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
+    """``(full name, owner, name, tensor)`` of every buffer of ``module`` (a shared submodule once)."""
+    for prefix, owner in module.named_modules():
+        for name, tensor in owner._buffers.items():
+            if tensor is not None:
+                yield f"{prefix}.{name}" if prefix else name, owner, name, tensor
+
+
+@contextlib.contextmanager
+def buffers_kept(module: nn.Module) -> Iterator[None]:
+    """Every buffer of ``module`` with the value (and tensor) it had before the block, whatever ran inside.
+
+    Every value is written back (BatchNorm's kernel updates its running statistics without counting a version),
+    keeping the version counter the block left: a buffer it left alone reads as untouched, and a graph it built
+    (torch's shape inference differentiates its forward afterwards) does not see a tensor it saved as modified.
+    Buffers on the meta device hold no value to keep; buffers registered inside the block stay.
+    """
+    saved = [(owner, name, tensor, tensor.detach().clone())
+             for _, owner, name, tensor in _slots(module) if not tensor.is_meta]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for owner, name, tensor, value in saved:
+                owner._buffers[name] = tensor
+                with torch.autograd._unsafe_preserve_version_counter(tensor):
+                    tensor.copy_(value)
+
+
+def _replicated(owner: nn.Module) -> bool:
+    """Whether every data-parallel replica holds the same ``owner``: not an expert-parallel module, whose
+    weights (``allreduce=False``) and buffers are this rank's experts."""
+    return all(getattr(param, "allreduce", True) is not False for param in owner.parameters(recurse=False))
+
+
+def buffer_snapshot(module: nn.Module) -> BufferSnapshot:
+    """The replicated buffers of ``module``, less those named in ``_ddp_params_and_buffers_to_ignore`` (as DDP
+    leaves them out), each with its tensor, version and value now."""
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    return {(owner, name): (tensor, tensor._version, tensor.detach().clone())
+            for full_name, owner, name, tensor in _slots(module) if full_name not in ignored and _replicated(owner)}
+
+
+def changed_buffers(before: BufferSnapshot) -> list[BufferSlot]:
+    """The buffers of ``before`` replaced, written in place or holding another value since (BatchNorm's kernel
+    updates its running statistics without counting a version)."""
+    return [(owner, name) for (owner, name), (tensor, version, value) in before.items()
+            if owner._buffers.get(name) is not tensor or tensor._version != version or not torch.equal(tensor, value)]
+
+
+def _broadcast(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """``tensors`` as the group's first rank holds them, on every rank of ``group``: one message per dtype."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    source = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for same in by_kind.values():
+            flat = torch.cat([tensor.reshape(-1) for tensor in same])
+            dist.broadcast(flat, src=source, group=group)
+            for tensor, part in zip(same, flat.split([tensor.numel() for tensor in same])):
+                tensor.copy_(part.view_as(tensor))
+
+
+class ReplicaBuffers:
+    """The buffers training changes, made equal over a data-parallel group as DDP makes them.
+
+    The replicas start equal (the strategy's setup broadcasts every buffer; a meta model is materialised alike).
+    The first training step's changes (a write, a new value or a replaced tensor, on any rank of the group) name
+    the buffers sent from then on: before every training step, and before a fit's validation when a training step
+    ran since (DDP syncs before a forward that follows a training forward). A buffer the first step leaves alone
+    is never sent.
+    """
+
+    def __init__(self) -> None:
+        self._first_step: Optional[BufferSnapshot] = None
+        self._changing: Optional[list[BufferSlot]] = None
+        self._trained_since_sync = False
+
+    def before_training_step(self, module: nn.Module, group: dist.ProcessGroup) -> None:
+        """Rank 0's values of the changing buffers of ``module`` (this rank's part) on every rank of ``group``."""
+        self._sync(module, group)
+        self._trained_since_sync = True
+
+    def before_validation(self, module: nn.Module, group: dist.ProcessGroup) -> None:
+        """As :meth:`before_training_step`, where a training step changed them since."""
+        if self._trained_since_sync:
+            self._sync(module, group)
+            self._trained_since_sync = False
+
+    def _sync(self, module: nn.Module, group: dist.ProcessGroup) -> None:
+        if group.size() == 1:
+            return
+        if self._changing is None:
+            if self._first_step is None:
+                self._first_step = buffer_snapshot(module)
+                return
+            self._changing = self._agreed_changes(group)
+        if self._changing:
+            _broadcast([owner._buffers[name] for owner, name in self._changing], group)
+
+    def _agreed_changes(self, group: dist.ProcessGroup) -> list[BufferSlot]:
+        """The buffers the first step changed on any rank of ``group`` (they run the same code, on other data)."""
+        first_step, self._first_step = self._first_step, None
+        if not first_step:
+            return []
+        slots = list(first_step)
+        changed = set(changed_buffers(first_step))
+        device = next(iter(first_step.values()))[0].device  # where the group's backend takes tensors (NCCL: GPU)
+        flags = torch.tensor([slot in changed for slot in slots], dtype=torch.int32, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        return [slot for slot, flag in zip(slots, flags.tolist()) if flag]
