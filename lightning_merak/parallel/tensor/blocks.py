@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
@@ -53,7 +54,8 @@ from lightning_merak.parallel.tensor.adapters import (
     split_base,
     split_linear,
 )
-from lightning_merak.parallel.tensor.head_counts import head_count, local_key_value_heads, scale_attention_attributes
+from lightning_merak.parallel.tensor.families import UNSPLIT_FAMILIES, check_tensor_parallel_degree
+from lightning_merak.parallel.tensor.head_counts import head_count, scale_attention_attributes
 from lightning_merak.parallel.tensor.layers import (
     ColumnGroupInput,
     ColumnParallelLinear,
@@ -121,6 +123,9 @@ class TensorParallelPlan:
     draws_random: bool = True
     """Whether a training forward of the block draws random numbers (dropout): only then does each rank fork a
     stream of its own inside the split regions (a fork reads the generators, which torch.compile cannot trace)."""
+    refusal: Optional[str] = None
+    """Why the block does not split, found before probing its rows (a convolution between a column layer and its
+    row partner): verifying or applying the plan raises it; the planner still times the unsplit block by it."""
 
 
 def _per_head_arguments(args: tuple, kwargs: dict, heads: Optional[int]) -> list[Union[int, str]]:
@@ -195,19 +200,44 @@ def find_tensor_parallel_plan(block: nn.Module, run_block: Callable[[], Any], hi
                               in_region=_modules_in_regions(starts, groups, row), draws_random=draws_random)
     if groups:
         plan.heads = head_count(block, [name.rpartition(".")[0] for name in column])
-        units = [unit_count(_features(block.get_submodule(name))[0], plan.heads) for name in row]
-        column_widths = {_features(block.get_submodule(name))[1] for name in column}
-        row_widths = {_features(block.get_submodule(name))[0] for name in row}
-        whole = [name for name in plan.in_region if is_rms_norm(block.get_submodule(name))
-                 and block.get_submodule(name).weight.shape[0] in column_widths | row_widths]
-        plan.units, fed_by = probe_row_units(block, run_block, groups, row, units, whole)
-        # a whole-width norm no column layer feeds directly normalises a row layer's input (BitNet's sub-norms)
-        plan.whole_width_norms = {name: fed_by.get(name, "") for name in whole
-                                  if name in fed_by or block.get_submodule(name).weight.shape[0] in row_widths}
-        plan.in_region = [name for name in plan.in_region if name not in plan.whole_width_norms]
+        plan.refusal = _convolution_problem(block, groups, row)
+        if plan.refusal is None:
+            _probe_rows(block, run_block, plan)
         if block_calls:
             plan.head_arguments = _per_head_arguments(*block_calls[0], plan.heads)
     return plan
+
+
+def _probe_rows(block: nn.Module, run_block: Callable[[], Any], plan: TensorParallelPlan) -> None:
+    """Fill in which rows of its column layers each slice of a row layer's input reads, and the whole-width norms."""
+    units = [unit_count(_features(block.get_submodule(name))[0], plan.heads) for name in plan.row]
+    column_widths = {_features(block.get_submodule(name))[1] for name in plan.column}
+    row_widths = {_features(block.get_submodule(name))[0] for name in plan.row}
+    whole = [name for name in plan.in_region if is_rms_norm(block.get_submodule(name))
+             and block.get_submodule(name).weight.shape[0] in column_widths | row_widths]
+    plan.units, fed_by = probe_row_units(block, run_block, plan.column_groups, plan.row, units, whole)
+    # a whole-width norm no column layer feeds directly normalises a row layer's input (BitNet's sub-norms)
+    plan.whole_width_norms = {name: fed_by.get(name, "") for name in whole
+                              if name in fed_by or block.get_submodule(name).weight.shape[0] in row_widths}
+    plan.in_region = [name for name in plan.in_region if name not in plan.whole_width_norms]
+
+
+def _convolution_problem(block: nn.Module, groups: list[list[str]], rows: list[str]) -> Optional[str]:
+    """Why a column group does not split when its module (the one holding it and its row partner) holds a
+    convolution, or None: a state-space or short-convolution mixer, which convolves the projected channels (often
+    through its weight, not by calling it) and would need them split with it. Its rows are not probed: one head
+    slice at a time, that takes minutes where the mixer runs without its fused kernels."""
+    for members, row in zip(groups, rows, strict=True):
+        paths = [name.split(".")[:-1] for name in [*members, row]]
+        owner = ".".join(level[0] for level in itertools.takewhile(lambda level: len(set(level)) == 1, zip(*paths)))
+        mixer = block.get_submodule(owner) if owner else block
+        convolutions = [".".join(filter(None, (owner, name))) for name, module in mixer.named_modules()
+                        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))]
+        if convolutions:
+            return (f"{owner or type(block).__name__} holds a convolution ({', '.join(convolutions)}) over the "
+                    f"channels projected by {', '.join(members)} for {row} (a state-space or short-convolution "
+                    "mixer), which tensor parallelism does not split; use tensor_parallel=1 for this model")
+    return None
 
 
 def _linear_units(block: nn.Module) -> list[str]:
@@ -245,47 +275,6 @@ def _modules_in_regions(starts: list[str], groups: list[list[str]], rows: list[s
             "tensor parallelism cannot tell whether their gradients are per-rank shares; use tensor_parallel=1"
         )
     return inside
-
-
-UNSPLIT_FAMILIES = {
-    "afmoe": "its MoE router, mlp.router.gate, sits in the shared experts' split span but needs all its outputs",
-    "bailing_hybrid": "its linear-attention layers keep per-head gate biases and state outside nn.Linear pairs",
-    "diffllama": "differential attention's lambda parameters are shared by all heads inside the attention",
-    "doge": "its dynamic mask projection reads every value head",
-    "falcon_mamba": "Mamba mixers (convolution and state-space scan) are not column/row linear pairs",
-    "jamba": "Mamba mixers (convolution and state-space scan) are not column/row linear pairs",
-    "jetmoe": "its mixture-of-attention-heads layers hold no column/row linear pairs",
-    "lfm3": "its short-convolution layers mix the projected channels outside nn.Linear pairs",
-    "llama4_text": "its MoE router returns a tuple from inside the split span",
-    "mamba": "Mamba mixers (convolution and state-space scan) are not column/row linear pairs",
-    "minimax": "its lightning (linear) attention keeps state outside nn.Linear pairs",
-    "recurrent_gemma": "its recurrent blocks (convolution and RG-LRU) are not column/row linear pairs",
-    "rwkv": "RWKV time mixing is not column/row linear pairs",
-    "xlstm": "xLSTM cells are not column/row linear pairs",
-}
-"""transformers families the pipeline tracer cuts but tensor parallelism cannot split, with the reason
-(the coverage sweep in ``tests/test_tp_families.py`` and ``docs/design/tensor-parallel.md``)."""
-
-
-def check_tensor_parallel_degree(config: Any, tensor_parallel: int) -> None:
-    """Refuse, before any work, a family that does not split or a degree its head counts and widths rule out."""
-    if tensor_parallel == 1 or config is None:
-        return
-    family = getattr(config, "model_type", None)
-    if family in UNSPLIT_FAMILIES:
-        raise ValueError(f"tensor_parallel={tensor_parallel}: {family} cannot be split by tensor parallelism "
-                         f"({UNSPLIT_FAMILIES[family]}); use tensor_parallel=1")
-    for attribute in ("num_attention_heads", "n_head", "n_heads", "intermediate_size", "hidden_size"):
-        value = getattr(config, attribute, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value % tensor_parallel:
-            raise ValueError(
-                f"tensor_parallel={tensor_parallel} does not divide {attribute}={value}; choose a "
-                f"tensor_parallel that divides it"
-            )
-    for attribute in ("num_key_value_heads", "num_kv_heads"):
-        value = getattr(config, attribute, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            local_key_value_heads(value, tensor_parallel)
 
 
 def _conv1d_to_linear(conv: nn.Module) -> nn.Linear:
@@ -421,6 +410,8 @@ def apply_tensor_parallel(block: nn.Module, plan: TensorParallelPlan, mesh: Devi
     Returns, by parameter name within the block, the layout changes a checkpoint must
     undo to stay loadable into the unsharded model.
     """
+    if plan.refusal is not None:
+        raise ValueError(plan.refusal)
     tensor_parallel = mesh.size()
     changes: dict[str, LayoutChange] = {}
     rows: dict[str, Optional[list[list[int]]]] = {}
@@ -492,6 +483,8 @@ def verify_tensor_parallel_plan(block: nn.Module, plan: TensorParallelPlan, mesh
     Every rank of ``mesh`` must call this together, with the same ``hidden``. Its collectives
     are left out of :func:`~lightning_merak.distributed.collectives.record_communication`.
     """
+    if plan.refusal is not None:
+        raise ValueError(f"{type(block).__name__} does not split: {plan.refusal}")
     with unrecorded_communication():
         _verify_split(block, plan, mesh, run_block, hidden)
 

@@ -18,10 +18,12 @@ the other) maps to the original, so checkpoints keep the unsplit model's layout.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_merak.util.module_mode import hooks_removed_after, modules_in_mode
@@ -116,6 +118,7 @@ def probe_row_units(block: nn.Module, run_block: Callable[[], Any], groups: Sequ
                              "use tensor_parallel=1")
         leaves = [outputs[name] for name in members]
         found.update({name: [] for name in members})
+        started = time.monotonic()
         for unit in range(count):
             direction = torch.zeros_like(inputs)
             direction[..., unit * width:(unit + 1) * width] = torch.randn(
@@ -125,7 +128,22 @@ def probe_row_units(block: nn.Module, run_block: Callable[[], Any], groups: Sequ
                 read = (torch.zeros(leaf.shape[-1], dtype=torch.bool) if grad is None
                         else grad.detach().reshape(-1, leaf.shape[-1]).ne(0).any(0).cpu())
                 found[name].append(tuple(read.nonzero().flatten().tolist()))
+            if unit == 0:
+                _announce_long_probe(members, row, count, time.monotonic() - started)
     return found, fed_by
+
+
+LONG_PROBE_S = 30.0
+"""Probing longer than this (estimated from its first backward) is announced, so that it does not look hung."""
+
+
+def _announce_long_probe(members: Sequence[str], row: str, count: int, first_s: float) -> None:
+    """Say how long probing ``count`` slices will take where a block is slow to differentiate (a mixer whose
+    backward is slow, without its fused kernels), rather than leave the ranks silent for minutes."""
+    if first_s * count > LONG_PROBE_S:
+        rank_zero_info(f"merak3d: finding which rows of {', '.join(members)} each of the {count} slices of {row}'s "
+                       f"input reads takes one backward each ({first_s:.1f} s the first), about "
+                       f"{first_s * count:.0f} s in all")
 
 
 def rank_rows(units: Sequence[Sequence[int]], rank: int, tensor_parallel: int) -> list[int]:

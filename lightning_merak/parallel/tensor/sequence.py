@@ -85,7 +85,7 @@ def check_sequence_length(sequence_length: int, tensor_parallel: int) -> None:
 def _slice_of_rank(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     ranks = dist.get_world_size(group)
     check_sequence_length(tensor.shape[SEQUENCE_DIM], ranks)
-    return tensor.chunk(ranks, dim=SEQUENCE_DIM)[dist.get_rank(group)].contiguous()
+    return tensor.chunk(ranks, dim=SEQUENCE_DIM)[dist.get_rank(group)]
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -134,12 +134,15 @@ class _ReduceScatterSequence(torch.autograd.Function):
 
 
 class _EnterSequenceSplit(torch.autograd.Function):
-    """Keep this rank's slice of a replicated tensor; the slices' gradients are all-gathered."""
+    """Keep this rank's slice of a replicated tensor; the slices' gradients are all-gathered.
+
+    The slice is a copy, never a view of the input, which the first block may update in place as its own input.
+    """
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return _slice_of_rank(tensor, group)
+        return _slice_of_rank(tensor, group).clone(memory_format=torch.contiguous_format)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -156,7 +159,7 @@ class _LeaveSequenceSplit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _slice_of_rank(grad, ctx.group), None
+        return _slice_of_rank(grad, ctx.group).contiguous(), None
 
 
 class _Regather:

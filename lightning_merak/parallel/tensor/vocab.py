@@ -84,11 +84,18 @@ def _sum_over_group(tensor: torch.Tensor, group: dist.ProcessGroup, sequence_par
 
 
 class _SumOverGroup(torch.autograd.Function):
-    """Sum of per-rank partial results in forward (the embedding's lookups); identity backward."""
+    """Sum of per-rank partial results in forward (the embedding's lookups); identity backward.
+
+    Where the sum is the input reduced in place, the input is marked dirty: the output is then its new version, not
+    a view of it, which the model may scale in place as it would its own embeddings (CTRL's ``inputs_embeds *=``).
+    """
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
-        return _sum_over_group(tensor.contiguous(), group, sequence_parallel)
+        summed = _sum_over_group(tensor.contiguous(), group, sequence_parallel)
+        if summed is tensor:
+            ctx.mark_dirty(tensor)
+        return summed
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -109,7 +116,12 @@ class _EnterVocabShards(torch.autograd.Function):
 
 
 class _GatherVocab(torch.autograd.Function):
-    """Full logits from every rank's columns (padding cut off); backward keeps this rank's columns."""
+    """Full logits, padding included, from every rank's columns; backward keeps this rank's columns.
+
+    Only the last ranks' shards are short, so the padding is the last columns: the caller cuts it off outside,
+    leaving an ordinary view of the gathered logits, which the model may update in place (a view made inside a
+    custom function may not be).
+    """
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, group: dist.ProcessGroup, vocab_size: int,
@@ -117,7 +129,7 @@ class _GatherVocab(torch.autograd.Function):
         ctx.start, ctx.end = start, start + local.shape[-1]
         parts = dist.get_world_size(group)
         padded = pad_vocab_shard(local, padded_vocab_size(vocab_size, parts) // parts)
-        return all_gather_in_turn(padded.contiguous(), group, dim=local.ndim - 1)[..., :vocab_size]
+        return all_gather_in_turn(padded.contiguous(), group, dim=local.ndim - 1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
@@ -247,7 +259,7 @@ class VocabParallelLMHead(nn.Module):
             shape = (*local.shape[:-1], self.out_features)
             return DTensor.from_local(local, self.mesh, [Shard(local.ndim - 1)], run_check=False,
                                       shape=torch.Size(shape), stride=_contiguous_strides(shape))
-        return _GatherVocab.apply(local, self.group, self.out_features, self.start)
+        return _GatherVocab.apply(local, self.group, self.out_features, self.start)[..., :self.out_features]
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
