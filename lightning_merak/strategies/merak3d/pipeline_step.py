@@ -102,6 +102,8 @@ class PipelineStep:
         self._router_aux_loss: Optional[RouterAuxLoss] = None
         if stages.router_aux is not None:
             loss_fn = self._router_aux_loss = RouterAuxLoss(loss_fn, stages.router_aux)
+        if layout.schedule == "interleaved_zero_bubble":
+            loss_fn = _detachable_loss(loss_fn)
         pp_group = groups.pipeline_group
         stage_class = pipeline_stage_class(dist.get_backend(pp_group), layout.virtual_stages)
         pipeline_stages = [
@@ -262,6 +264,18 @@ class PipelineStep:
             with torch.no_grad():
                 logits = gather_stage_logits(logits, self._groups.context_group)
         return logits[:samples]
+
+
+def _detachable_loss(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``loss_fn`` giving a tensor of its own where it gives a view (a loss reshaped, or indexed out of another, as a
+    replayed ``training_step``'s is): torch's zero-bubble schedule detaches each micro-batch's loss in place after
+    its input-gradient pass, which torch refuses for a view ("Failed to run stage backward input")."""
+
+    def loss(outputs: Any, targets: Any, **kwargs: Any) -> torch.Tensor:
+        value = loss_fn(outputs, targets, **kwargs)
+        return value.clone() if value._is_view() else value
+
+    return loss
 
 
 def _filled(batch: torch.Tensor, samples: int, fill: Optional[int] = None) -> torch.Tensor:
