@@ -278,12 +278,14 @@ def reduce_scatter_sequence(tensor: torch.Tensor, group: dist.ProcessGroup) -> t
 class SequenceParallelPlan:
     """Where a block's sequence is gathered: ``owners[i]`` holds column group i and its row layer.
 
-    ``owner_inputs[i]`` is the owner's argument the column group reads: a position in its
-    call, or a keyword.
+    ``owner_inputs[i]`` are the owner's arguments holding the tensor the column group reads (positions in its
+    call, or keywords): every one is replaced by the one gathered sequence, as an attention taking its input
+    several times (CTRL's ``multi_head_attention(normed, normed, normed)`` as value, key and query) reads the
+    sequence length from any of them.
     """
 
     owners: list[str]
-    owner_inputs: list[Union[int, str]]
+    owner_inputs: list[tuple[Union[int, str], ...]]
 
 
 def _common_owner(names: list[str]) -> str:
@@ -344,7 +346,7 @@ def find_sequence_parallel_plan(block: nn.Module, run_block: Callable[[], Any], 
             functools.partial(record_layer, name=name)))
     with hooks_removed_after(handles), modules_in_mode(block, training=False), torch.no_grad():
         run_block()
-    owner_inputs: list[Union[int, str]] = []
+    owner_inputs: list[tuple[Union[int, str], ...]] = []
     for owner, members, row in zip(owners, column_groups, rows):
         calls = owner_calls[owner]
         if len(calls) != 1:
@@ -365,25 +367,26 @@ def find_sequence_parallel_plan(block: nn.Module, run_block: Callable[[], Any], 
                 f"(pre-norm blocks such as GPT-2's and Llama's); {type(block.get_submodule(owner)).__name__} changes "
                 "it; use sequence_parallel=False"
             )
-        owner_inputs.append(candidates[0])
+        owner_inputs.append(tuple(candidates))
     return SequenceParallelPlan(owners=owners, owner_inputs=owner_inputs)
 
 
 def install_sequence_gathers(block: nn.Module, plan: SequenceParallelPlan, group: dist.ProcessGroup,
                              column_layers: Optional[list[list[nn.Module]]] = None) -> None:
-    """Gather the sequence at the entry of each owner of a column group (hooks on ``block``'s submodules).
+    """Gather the sequence at the entry of each owner of a column group (hooks on ``block``'s submodules), once
+    for all the owner's arguments holding the group's input.
 
     With ``column_layers`` (group i's layers at position i) each gather computes its group's
     weight gradients while it reduce-scatters the input gradient (:func:`gather_sequence`).
     """
     layers_of = column_layers if column_layers is not None else [[] for _ in plan.owners]
-    for owner, position, layers in zip(plan.owners, plan.owner_inputs, layers_of, strict=True):
-        def gather(module: nn.Module, args: tuple, kwargs: dict, position: Union[int, str] = position,
+    for owner, positions, layers in zip(plan.owners, plan.owner_inputs, layers_of, strict=True):
+        def gather(module: nn.Module, args: tuple, kwargs: dict, positions: tuple[Union[int, str], ...] = positions,
                    layers: list[nn.Module] = layers) -> tuple:
-            if isinstance(position, int):
-                args = (*args[:position], gather_sequence(args[position], group, layers), *args[position + 1:])
-            else:
-                kwargs = {**kwargs, position: gather_sequence(kwargs[position], group, layers)}
+            first = positions[0]
+            full = gather_sequence(args[first] if isinstance(first, int) else kwargs[first], group, layers)
+            args = tuple(full if index in positions else value for index, value in enumerate(args))
+            kwargs = {key: full if key in positions else value for key, value in kwargs.items()}
             return args, kwargs
 
         block.get_submodule(owner).register_forward_pre_hook(gather, with_kwargs=True)
