@@ -186,3 +186,14 @@ def test_the_fixed_optimizer_module_steps_its_trainable_parameters_at_one_rate()
     assert FixedOptimizerModule(model, lr=0.1).configure_optimizers().param_groups[0]["lr"] == 0.1
     with pytest.raises(ValueError, match=r"optimizer='lbfgs'; choose one of sgd, adam"):
         FixedOptimizerModule(model, optimizer="lbfgs")
+
+
+# 6. A uniform partition with more stages than blocks: before launch ------------------------------------------------
+
+def test_a_uniform_partition_with_more_stages_than_blocks_is_refused_before_launch() -> None:
+    model = _llama()  # one decoder layer
+    with pytest.raises(ValueError, match=r"^partition='uniform' puts a transformer block on every stage, but 2 "
+                                         r"pipeline stages .* exceed the model's 1 blocks; use at most 1 stages, or "
+                                         r"partition='autopipe'$"):
+        Merak3DArguments(pipeline_parallel=2, partition="uniform").check_model(model, 2, 1)
+    Merak3DArguments(pipeline_parallel=2).check_model(model, 2, 1)  # AutoPipe cuts the embedding and head apart

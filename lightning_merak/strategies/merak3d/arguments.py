@@ -86,12 +86,19 @@ def backend_problem(backend: Any) -> Optional[str]:
     return None
 
 
-def check_stage_count(num_stages: int, num_blocks: int) -> None:
+def check_stage_count(num_stages: int, num_blocks: int, partition: str = "autopipe") -> None:
+    """Refuse more stages than the model has nodes to cut (``partition='uniform'``: blocks, one per stage)."""
     nodes = num_blocks + 2
     if num_stages > nodes:
         raise ValueError(
             f"{num_stages} pipeline stages (pipeline_parallel × virtual_stages) exceed the {nodes} nodes of "
             f"the model (embedding, {num_blocks} blocks, head); use at most {nodes} stages"
+        )
+    if partition == "uniform" and num_stages > num_blocks:
+        raise ValueError(
+            f"partition='uniform' puts a transformer block on every stage, but {num_stages} pipeline stages "
+            f"(pipeline_parallel × virtual_stages) exceed the model's {num_blocks} blocks; use at most {num_blocks} "
+            "stages, or partition='autopipe'"
         )
 
 
@@ -519,7 +526,7 @@ class Merak3DArguments(Merak3DOptions):
             check_context_parallel_model(model, self.context_parallel, self.unplanned_context_attention,
                                          tensor_parallel or 1)
         if pipeline_parallel is not None and pipeline_parallel > 1:
-            check_stage_count(pipeline_parallel * self.stages_per_rank, len(find_trunk(model)[1]))
+            check_stage_count(pipeline_parallel * self.stages_per_rank, len(find_trunk(model)[1]), self.partition)
         if (pipeline_parallel or 1) > 1 or (tensor_parallel or 1) > 1:  # both trace the blocks
             problem = declared_block_argument_problem(model)
             if problem is not None:
