@@ -70,6 +70,7 @@ class _PooledParts(SplitAdapter):
         super().__init__(layer, pooled_split_problem(layer))
         self.adapter = next(iter(layer.lambda_in))
         self.method_name = layer.method_name
+        self.layer_name: str = getattr(layer, "layer_name", type(layer.get_base_layer()).__name__)  # its module path
         self.factor_names: tuple[str, ...] = tuple(layer.adapter_layer_names)
         for name in self.factor_names:
             setattr(self, name, getattr(layer, name))
@@ -97,8 +98,8 @@ class _PooledParts(SplitAdapter):
 
     def _check(self, features: int, parts: int, group: int, what: str, fix: str) -> None:
         if features % (parts * group):
-            raise ValueError(f"{self.method_name}: {what} of {features} over tensor_parallel={parts} does not split "
-                             f"into whole groups of {group}; {fix}, or {SPLIT_FIX}")
+            raise ValueError(f"{self.method_name}: {self.layer_name}: {what} of {features} over tensor_parallel="
+                             f"{parts} does not split into whole groups of {group}; {fix}, or {SPLIT_FIX}")
 
 
 class ColumnParallelPooled(_PooledParts):
@@ -110,8 +111,8 @@ class ColumnParallelPooled(_PooledParts):
         parts = mesh.size()
         self._check(self.out_features, parts, self.lambda_out, "the outputs", "choose lambda_out dividing out/tp")
         if rows is not None and self.lambda_out != 1:
-            raise ValueError(f"{self.method_name}: the ranks of this column layer hold reordered or shared rows "
-                             f"(fused projections, shared key/value heads), which groups of lambda_out="
+            raise ValueError(f"{self.method_name}: the ranks of the column layer {self.layer_name} hold reordered or "
+                             "shared rows (fused projections, shared key/value heads), which groups of lambda_out="
                              f"{self.lambda_out} would cross; use lambda_out=1 for it, or {SPLIT_FIX}")
         self.base_layer = ColumnParallelLinear(layer.get_base_layer(), mesh, group_input, rows)
         order = (torch.tensor([row for part in rows for row in part]) if rows is not None else None)

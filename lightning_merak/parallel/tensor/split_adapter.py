@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Optional, Sized
 
+import torch
 from torch import nn
 
 __all__ = ["SPLIT_FIX", "SplitAdapter", "shared_split_problem"]
@@ -15,7 +16,7 @@ SPLIT_FIX = "use tensor_parallel=1 (pipeline_parallel / data_parallel split adap
 
 def shared_split_problem(layer: nn.Module, adapters: Sized) -> Optional[str]:
     """Why no adapter on tuner ``layer`` (holding ``adapters``) splits with its base, or None: a base other than a
-    float ``nn.Linear``, several adapters, a merged one."""
+    float ``nn.Linear`` (or a subclass computing the same product), several adapters, a merged one."""
     from transformers.pytorch_utils import Conv1D  # lazy: a tuner layer means PEFT, hence transformers, is loaded
 
     base = layer.get_base_layer()
@@ -23,15 +24,32 @@ def shared_split_problem(layer: nn.Module, adapters: Sized) -> Optional[str]:
         return ("its base is a transformers Conv1D (GPT-2's layers, weight stored (in, out)), which is not split "
                 "under an adapter however the adapter model was built (on the meta device too): put the "
                 "adapters on other layers (adapter.target_modules) to keep tensor parallelism")
-    if type(base) is not nn.Linear:
-        return (f"its base is {type(base).__name__}, not a float nn.Linear: a base quantised before the split is not "
-                "split; build the adapter model on the meta device (adapter=... under merak3d, or "
-                "lightning_merak.adapters.meta.attach_on_meta) so that each rank quantises its shard after the split")
+    if not _plain_product(base):
+        problem = (f"its base is a {type(base).__module__}.{type(base).__qualname__}, a layer class whose forward the "
+                   "split does not reproduce (it splits float nn.Linear layers and subclasses computing the same "
+                   "x @ W.T + b, such as Falcon's FalconLinear)")
+        weight = getattr(base, "weight", None)
+        if isinstance(weight, torch.Tensor) and not weight.is_floating_point():
+            problem += ("; a base quantised before the split is not split: build the adapter model on the meta device "
+                        "(adapter=... under merak3d, or lightning_merak.adapters.meta.attach_on_meta) so that each "
+                        "rank quantises its shard after the split")
+        return problem
     if len(adapters) != 1:
         return f"it holds {len(adapters)} adapters; one adapter per layer is split"
     if layer.merged:
         return "its adapter is merged into the base; unmerge it first"
     return None
+
+
+def _plain_product(base: nn.Module) -> bool:
+    """Whether ``base`` is a float ``nn.Linear`` whose forward is ``x @ W.T + b``, which the split layers compute
+    from its weight and bias: ``nn.Linear`` itself, a subclass keeping its forward, or FalconLinear (it only adds
+    the bias after the product)."""
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    if not isinstance(base, nn.Linear) or not base.weight.is_floating_point():
+        return False
+    return type(base).forward is nn.Linear.forward or type(base) is FalconLinear
 
 
 class SplitAdapter(nn.Module):

@@ -41,8 +41,8 @@ from lightning_merak.parallel.tensor.sequence import SEQUENCE_DIM
 from lightning_merak.util.row_shards import padded_rows, row_shard_range
 
 __all__ = ["LocalRows", "VocabParallelEmbedding", "VocabParallelLMHead", "check_vocabulary_split",
-           "pad_vocab_shard", "padded_vocab_size", "split_vocabulary", "vocab_parallel_loss", "vocab_shard_range",
-           "vocabulary_modules"]
+           "keep_tied_vocabulary_whole", "pad_vocab_shard", "padded_vocab_size", "split_vocabulary",
+           "vocab_parallel_loss", "vocab_shard_range", "vocabulary_modules"]
 
 LocalRows = Callable[[nn.Module, str, int, int], nn.Module]
 """``(module, unsplit path, start, end) -> rows``: for an embedding or head still on the meta device, a real
@@ -284,22 +284,61 @@ def _plain_embedding(module: Optional[nn.Module]) -> bool:
                                             and hasattr(module, "embed_scale"))
 
 
-def vocabulary_modules(model: nn.Module) -> tuple[Optional[str], Optional[str], list[str]]:
-    """Paths of ``model``'s input embedding and LM head where they are plain ``nn.Embedding`` / ``nn.Linear``,
-    and the types of those left whole (a module of another pipeline stage is neither)."""
-    found = {
+_TIED_KEPT_WHOLE = "_merak_tied_vocabulary_kept_whole"
+"""Attribute :func:`keep_tied_vocabulary_whole` sets on a whole model: why its tied pair stays whole (or absent)."""
+
+
+def _found_vocabulary(model: nn.Module) -> dict[str, Optional[nn.Module]]:
+    return {
         "embedding": model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None,
         "head": model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None,
     }
-    splits = {
-        "embedding": _plain_embedding(found["embedding"]),
-        "head": type(found["head"]) is nn.Linear,
-    }
+
+
+def _describe(module: nn.Module) -> str:
+    return type(module).__name__ + (" with a PEFT adapter" if is_tuner_layer(module) else "")
+
+
+def keep_tied_vocabulary_whole(model: nn.Module) -> bool:
+    """Decide on the whole ``model``, before pipeline stages are cut from it, whether its tied embedding and LM head
+    stay whole (one of them cannot split by vocabulary, e.g. it carries an adapter), and record it on ``model``.
+
+    A stage holds only one of the pair, so it cannot see the tie; its copy of ``model`` carries the record, and
+    :func:`vocabulary_modules` keeps both sides whole alike instead of splitting one side's copy only.
+    """
+    found = _found_vocabulary(model)
     weights = [getattr(module, "weight", None) for module in found.values()]
+    unsplittable = [_describe(module) for key, module in found.items()
+                    if module is not None and not _splittable(key, module)]
+    keep_whole = weights[0] is not None and weights[0] is weights[1] and bool(unsplittable)
+    if keep_whole:
+        setattr(model, _TIED_KEPT_WHOLE, f"tied to {', '.join(unsplittable)}")
+    elif hasattr(model, _TIED_KEPT_WHOLE):
+        delattr(model, _TIED_KEPT_WHOLE)
+    return keep_whole
+
+
+def _splittable(key: str, module: Optional[nn.Module]) -> bool:
+    return _plain_embedding(module) if key == "embedding" else type(module) is nn.Linear
+
+
+def vocabulary_modules(model: nn.Module) -> tuple[Optional[str], Optional[str], list[str]]:
+    """Paths of ``model``'s input embedding and LM head where they are plain ``nn.Embedding`` / ``nn.Linear``,
+    and the types of those left whole (a module of another pipeline stage is neither).
+
+    A tied pair splits together or not at all: decided here where both sit in ``model``, or for a stage by
+    :func:`keep_tied_vocabulary_whole` on the whole model it was cut from.
+    """
+    found = _found_vocabulary(model)
+    splits = {key: _splittable(key, module) for key, module in found.items()}
+    weights = [getattr(module, "weight", None) for module in found.values()]
+    tied_whole: Optional[str] = getattr(model, _TIED_KEPT_WHOLE, None)
     if weights[0] is not None and weights[0] is weights[1] and not all(splits.values()):
-        splits = {key: False for key in splits}  # a tied pair splits together or not at all
+        tied_whole = tied_whole or "tied"
+    if tied_whole is not None:
+        splits = {key: False for key in splits}
     paths = {key: _path_of(model, module) if splits[key] else None for key, module in found.items()}
-    whole = [type(module).__name__ + (" with a PEFT adapter" if is_tuner_layer(module) else "")
+    whole = [_describe(module) + (f" ({tied_whole})" if tied_whole is not None and _splittable(key, module) else "")
              for key, module in found.items()
              if module is not None and not splits[key] and not isinstance(module, RemovedModule)]
     return paths["embedding"], paths["head"], whole

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_merak.distributed.dtensors import local_tensor
 from lightning_merak.distributed.process_groups import new_group
 from lightning_merak.distributed.sub_batches import SubBatchForward
 from lightning_merak.modules.muon import newton_schulz_seconds
@@ -61,7 +62,7 @@ from lightning_merak.parallel.tensor.sequence import (
     sequence_partial_parameters,
     split_sequence_between,
 )
-from lightning_merak.parallel.tensor.vocab import split_vocabulary
+from lightning_merak.parallel.tensor.vocab import keep_tied_vocabulary_whole, split_vocabulary
 from lightning_merak.protocols.layout_aware import RecomputedForward
 from lightning_merak.strategies.merak3d.arguments import Merak3DArguments
 from lightning_merak.strategies.merak3d.block_splits import BlockSplits, plan_block_splits
@@ -223,6 +224,7 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
     stages, partition, tied = None, None, []
     if pp > 1:
         tied_names = tied_parameter_names(model)
+        keep_tied_vocabulary_whole(model)  # on the whole model: every stage keeps a tied pair whole, or none
         head_shape = splittable_head(model, trace, arguments, layout)
         vocab_stages = arguments.vocab_stages if head_shape is not None else "off"
         embedding_path = (splittable_embedding(model, trace, head_shape, layout.schedule) if head_shape is not None
@@ -266,12 +268,12 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
         layout_changes, tensor_partial = _shard_blocks(local_blocks, trace, splits, groups.tensor_mesh,
                                                        arguments.weight_grad_overlap, materialize_with)
     if materialize_with is not None and tied and vocabulary is None:
-        _start_tied_equal(tied, groups.mesh, global_rank)
+        _start_tied_equal(tied, stages, groups.mesh, global_rank)
     root = stages if stages is not None else model
     if vocabulary is not None:
         vocabulary.load(lambda: load_weights(_local_tensors(root), layout_changes))
         if tied:  # random init draws the tied rows per stage; loaded ones are equal already
-            _start_tied_equal(tied, groups.mesh, global_rank)
+            _start_tied_equal(tied, stages, groups.mesh, global_rank)
     elif rows_first:
         check_rows_loaded(stages, lambda: load_weights(_local_tensors(root), layout_changes))
     elif load_weights is not None:
@@ -285,6 +287,8 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
         replaced = split_vocabulary(list(stages) if stages is not None else [model], groups.tensor_mesh,
                                     sequence_parallel=sequence_parallel)
         tied = [entry._replace(param=replaced.get(id(entry.param), entry.param)) for entry in tied]
+    if tied:  # the gradient sum between the stages joins the copies as they are now
+        check_tied_shapes(tied, stages)
     if sequence_parallel:
         segments = [part.block_indices for part in stages] if stages is not None else [list(local_blocks)]
         _split_sequence(local_blocks, segments, trace, groups.tensor_group)
@@ -434,14 +438,31 @@ def _materialize_outside_trunk(part: nn.Module, trunk_path: str, materialize: Ca
             done.append(name)
 
 
-def _start_tied_equal(tied: list[TiedParameter], mesh: DeviceMesh, global_rank: int) -> None:
+def _start_tied_equal(tied: list[TiedParameter], stages: RankStages, mesh: DeviceMesh, global_rank: int) -> None:
     """Tied copies initialised on different stages start from the first stage's values."""
+    check_tied_shapes(tied, stages)
     ranks = mesh.mesh
     _, d, t = (int(i) for i in (ranks == global_rank).nonzero()[0])
     for parameter in tied:
         data = parameter.param.data
         dist.broadcast(data.to_local() if isinstance(data, DTensor) else data, src=int(ranks[0, d, t]),
                        group=parameter.group)
+
+
+def check_tied_shapes(tied: list[TiedParameter], stages: RankStages) -> None:
+    """Refuse tied copies whose local shapes differ between the first and last stage (one split by vocabulary, one
+    whole): the broadcast and the gradient sum between them go element by element, and would mix rows silently."""
+    names = {id(param): stages.original_name(name) for name, param in stages.named_parameters()}
+    for parameter in tied:
+        side = ("first" if parameter.is_first else "last", tuple(local_tensor(parameter.param).shape))
+        sides: list[Any] = [None] * dist.get_world_size(parameter.group)
+        dist.all_gather_object(sides, side, group=parameter.group)
+        if len({shape for _, shape in sides}) > 1:
+            held = " but ".join(f"{list(shape)} on the {stage} stage" for stage, shape in sorted(set(sides)))
+            raise ValueError(
+                f"merak3d: the tied parameter {names.get(id(parameter.param), '(embedding/LM head)')} holds local "
+                f"shape {held}: one copy is split by vocabulary and the other is not, so they cannot be kept equal; "
+                "set vocab_parallel=false, or untie or leave untargeted the embedding and LM head")
 
 
 def _after_materialize(parts: list[nn.Module], root: nn.Module, layout_changes: dict[str, LayoutChange],
