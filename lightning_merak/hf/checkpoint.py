@@ -25,7 +25,7 @@ from torch import nn
 
 from lightning_merak.checkpoint.names import build_meta_model, checkpoint_names, load_config, strip_wrappers
 
-__all__ = ["LoadReport", "PretrainedFiles", "check_pretrained_files", "load_pretrained"]
+__all__ = ["LoadReport", "PretrainedFiles", "check_pretrained_files", "load_pretrained", "mismatch_fix"]
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -201,8 +201,19 @@ def _ignored(patterns: Optional[list[str]], name: str) -> bool:
 _FIX = "pass the directory save_pretrained wrote for this model, with its own config.json"
 
 
-def _matched_names(files: PretrainedFiles, model: nn.Module, read_elsewhere: Optional[Mapping[str, Sequence[str]]]
-                   ) -> tuple[dict[str, str], dict[str, str]]:
+def mismatch_fix(overrides: Optional[Mapping[str, Any]] = None) -> str:
+    """How to fix weights that do not match the model built from a folder's config.json: the ``model.config``
+    ``overrides``, when given, are the likely cause (one that changes the structure), before the folder."""
+    if not overrides:
+        return _FIX
+    given = " ".join(f"model.config.{key}={value if isinstance(value, str) else json.dumps(value, default=str)}"
+                     for key, value in overrides.items())
+    return (f"the overrides {given} may change the model's structure (layers, sizes, tied weights) away from the "
+            f"folder's weights: remove them; or, if the folder is the wrong one, {_FIX}")
+
+
+def _matched_names(files: PretrainedFiles, model: nn.Module, read_elsewhere: Optional[Mapping[str, Sequence[str]]],
+                   overrides: Optional[Mapping[str, Any]] = None) -> tuple[dict[str, str], dict[str, str]]:
     """``(module name → checkpoint key, tied name → the name it is tied to)``; refused when the files lack a tensor
     the model persists or hold one it does not have (the weights of another architecture or configuration), or hold
     two different tensors for one tied weight (an untied checkpoint under ``tie_word_embeddings=True``)."""
@@ -218,8 +229,9 @@ def _matched_names(files: PretrainedFiles, model: nn.Module, read_elsewhere: Opt
                      and not _ignored(getattr(model, "_keys_to_ignore_on_load_missing", None), name))
     if unexpected or missing:
         raise ValueError(
-            f"{files.directory} does not match {type(model).__name__} built from its config.json: "
-            f"missing {missing or 'none'}; unexpected {unexpected or 'none'}; {_FIX}"
+            f"{files.directory} does not match {type(model).__name__} built from its config.json"
+            f"{' and model.config' if overrides else ''}: missing {missing or 'none'}; unexpected "
+            f"{unexpected or 'none'}; {mismatch_fix(overrides)}"
         )
     differing = [(by_module[name], by_module[source]) for name, source in sorted(tied.items())
                  if name in by_module and source in by_module and _differ(files, by_module[name], by_module[source])]
@@ -258,12 +270,14 @@ def _differ(files: PretrainedFiles, first: str, second: str) -> bool:
 
 
 def check_pretrained_files(files: PretrainedFiles, model: nn.Module,
-                           read_elsewhere: Optional[Mapping[str, Sequence[str]]] = None) -> None:
+                           read_elsewhere: Optional[Mapping[str, Sequence[str]]] = None,
+                           overrides: Optional[Mapping[str, Any]] = None) -> None:
     """Refuse, from the files' headers (and a tied weight's two copies, where the files hold both), weights that are
     not the unsplit ``model``'s (meta is fine): the checks :func:`load_pretrained` makes on each rank, made once
     before any rank starts.
-    ``read_elsewhere`` as for :func:`load_pretrained`."""
-    by_module, tied = _matched_names(files, model, read_elsewhere)
+    ``read_elsewhere`` as for :func:`load_pretrained`; ``overrides``, the ``model.config`` the model was built with,
+    are named as the likely cause of a mismatch."""
+    by_module, tied = _matched_names(files, model, read_elsewhere, overrides)
     mismatched = []
     for name, tensor in model.state_dict().items():
         key = by_module.get(name) or by_module.get(tied.get(name, ""))
@@ -271,7 +285,8 @@ def check_pretrained_files(files: PretrainedFiles, model: nn.Module,
             mismatched.append(f"{key}: file {files.shapes[key]}, model {tuple(tensor.shape)}")
     if mismatched:
         raise ValueError(f"shapes in {files.directory} differ from {type(model).__name__}'s, built from its "
-                         f"config.json: {'; '.join(mismatched[:4])}; {_FIX}")
+                         f"config.json{' and model.config' if overrides else ''}: {'; '.join(mismatched[:4])}; "
+                         f"{mismatch_fix(overrides)}")
 
 
 def load_pretrained(tensors: Mapping[str, torch.Tensor], directory: Union[str, Path],

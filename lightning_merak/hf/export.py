@@ -36,6 +36,7 @@ in (``lora_B`` back from a merak3d directory's ``[out, r, E]``), PEFT's merge, t
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import warnings
 import zipfile
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "EXPORT_DTYPES", "ExportReport", "export_adapter", "export_checkpoint",
            "shard_size_bytes"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
 """The largest safetensors file :func:`export_checkpoint` writes unless told otherwise."""
@@ -350,8 +353,16 @@ def _merged_experts(module_name: str, experts: nn.Module, stored: dict[str, torc
 
 
 def _copy_source_files(record_config: dict[str, Any], out: Path) -> list[str]:
-    source = Path(str(record_config.get("_name_or_path") or ""))
-    if not str(source) or not source.is_dir():
+    """Copy the generation config and tokenizer files of the folder the model was loaded from (``_name_or_path``)
+    into ``out``; a recorded folder that is not there (moved, or recorded relative) is named in a warning."""
+    recorded = str(record_config.get("_name_or_path") or "")
+    if not recorded:  # initialised at random: no source folder
+        return []
+    source = Path(recorded).expanduser()
+    if not source.is_dir():
+        log.warning(f"merak-export: warning: the checkpoint records its model as loaded from {recorded}, which is not "
+                    f"a folder here ({Path.cwd()}), so {out} has no generation_config.json or tokenizer files "
+                    f"({', '.join(_COPIED_FILES)}) from it; copy them from the model's folder by hand")
         return []
     copied = []
     for pattern in _COPIED_FILES:

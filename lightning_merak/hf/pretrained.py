@@ -7,6 +7,7 @@ rank fills only its shards with :func:`load_rank_pretrained` (its experts only u
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_merak.checkpoint.names import build_meta_model
-from lightning_merak.hf.checkpoint import PretrainedFiles, check_pretrained_files
+from lightning_merak.hf.checkpoint import PretrainedFiles, check_pretrained_files, mismatch_fix
 from lightning_merak.hf.experts import load_pretrained_experts, plan_experts
 from lightning_merak.parallel.init_parity import eager_init_suspended
 from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
@@ -43,11 +44,17 @@ def validated_config(make: Callable[[], Any], what: str) -> Any:
         raise ValueError(f"{what} is not a valid configuration: {reason}") from error
 
 
+def _absolute(path: Union[str, Path]) -> Path:
+    """``path`` made absolute: transformers records the folder it loads from (``_name_or_path``), where
+    ``merak-export`` later finds the tokenizer files, and a relative one would be looked up from the export's folder."""
+    return Path(os.path.abspath(Path(path).expanduser()))
+
+
 def pretrained_config(path: Union[str, Path], overrides: Optional[Mapping[str, Any]] = None) -> Any:
     """The transformers config saved in ``path``, with ``overrides`` (``model.config``) applied."""
     from transformers import AutoConfig
 
-    return validated_config(lambda: AutoConfig.from_pretrained(Path(path).expanduser(), **dict(overrides or {})),
+    return validated_config(lambda: AutoConfig.from_pretrained(_absolute(path), **dict(overrides or {})),
                             f"model.config over model.path={path}")
 
 
@@ -78,22 +85,22 @@ def pretrained_causal_lm(path: Union[str, Path], data_vocab_size: int,
         with eager_init_suspended():  # the checkpoint replaces every weight: no eager draws on meta
             structure = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         try:
-            check_pretrained_weights(path, structure)
+            check_pretrained_weights(path, structure, overrides)
         except NotImplementedError as error:  # a family whose tensors transformers converts, not just renames:
             raise ValueError(f"model.path={path}: {error}") from None  # merak3d's ranks read renamed ones only
         return structure
     try:
-        check_pretrained_weights(path, build_meta_model(config))
+        check_pretrained_weights(path, build_meta_model(config), overrides)
     except NotImplementedError:  # from_pretrained converts them; its loading report is checked below
         pass
-    model, report = AutoModelForCausalLM.from_pretrained(Path(path).expanduser(), config=config, dtype=torch.float32,
+    model, report = AutoModelForCausalLM.from_pretrained(_absolute(path), config=config, dtype=torch.float32,
                                                          output_loading_info=True)
     problems = [f"{kind.replace('_', ' ')} {sorted(map(str, report[kind]))[:8]}" for kind in _LOADING_PROBLEMS
                 if report.get(kind)]
     if problems:  # what from_pretrained would otherwise initialise at random, or drop, with a logged warning
         raise ValueError(f"model.path={path}: its weights do not match {type(model).__name__} built from its "
-                         f"config.json ({'; '.join(problems)}); pass the directory save_pretrained wrote for this "
-                         "model, with its own config.json")
+                         f"config.json{' and model.config' if overrides else ''} ({'; '.join(problems)}); "
+                         f"{mismatch_fix(overrides)}")
     return model
 
 
@@ -101,15 +108,17 @@ _LOADING_PROBLEMS = ("missing_keys", "unexpected_keys", "mismatched_keys", "erro
 """What ``from_pretrained``'s loading report lists that it would otherwise only log."""
 
 
-def check_pretrained_weights(path: Union[str, Path], model: nn.Module) -> None:
+def check_pretrained_weights(path: Union[str, Path], model: nn.Module,
+                             overrides: Optional[Mapping[str, Any]] = None) -> None:
     """Refuse, before any process starts and reading only the files' headers, weights in ``path`` that are not the
     unsplit ``model``'s (meta is fine): a shard the index names but the folder lacks, a tensor missing or left over
     (another architecture's weights), a shape that differs. Under merak3d the ranks would find them only after launch;
-    ``from_pretrained`` would initialise a missing tensor at random and drop an unexpected one, logging a warning."""
+    ``from_pretrained`` would initialise a missing tensor at random and drop an unexpected one, logging a warning.
+    ``overrides`` (``model.config``, which built ``model``) are named as the likely cause of a mismatch."""
     try:
         files = PretrainedFiles.open(Path(path).expanduser())
         layouts = plan_experts(model, files.shapes)
-        check_pretrained_files(files, model, {name: layout.keys() for name, layout in layouts.items()})
+        check_pretrained_files(files, model, {name: layout.keys() for name, layout in layouts.items()}, overrides)
     except ValueError as error:
         raise ValueError(f"model.path={path}: {error}") from None
 

@@ -49,8 +49,9 @@ from lightning_merak.parallel.pipeline.recording import ModelTrace
 from lightning_merak.parallel.pipeline.row_scatter import add_rows_gradient, rows_dtensor, scatter_rows
 from lightning_merak.util.row_shards import row_shard_range
 
-__all__ = ["HeadShape", "VocabularyExchange", "VocabularySlice", "check_vocab_stage_rows", "head_step_index",
-           "split_head_over_stages", "tied_to_head", "vocab_stage_rows_problem", "vocab_stages_problem"]
+__all__ = ["LOGIT_TRANSFORMS", "HeadShape", "VocabularyExchange", "VocabularySlice", "check_vocab_stage_rows",
+           "head_step_index", "split_head_over_stages", "tied_to_head", "vocab_stage_rows_problem",
+           "vocab_stages_config_problem", "vocab_stages_problem"]
 
 @dataclass(frozen=True)
 class HeadShape:
@@ -90,17 +91,45 @@ def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, schedule: str) 
     if tied_to_head(embedding, head):
         problem = embedding_split_problem(embedding, schedule)
         if problem is not None:
-            return (f"the LM head is tied to the input embedding, which cannot be split with it: {problem}; untie "
-                    "them (tie_word_embeddings=False) or set vocab_stages='off'")
+            return _untiable(problem)
     path = next(name for name, module in model.named_modules() if module is head)
     index = head_step_index(trace, path)
     if index is None:
         return f"the LM head {path} is not called after the last block; set vocab_stages='off'"
     after = [step.module or getattr(step.function, "__name__", "?") for step in trace.head[index + 1:]]
-    if after:
-        return (f"vocab_stages scores the head's logits as they are, but the model transforms them ({after}: logit "
-                "scaling or soft-capping); set vocab_stages='off'")
-    return None
+    return _transformed_logits(after) if after else None
+
+
+LOGIT_TRANSFORMS = ("logits_scaling", "logit_scale", "final_logit_softcapping")
+"""Config keys whose value transformers applies to the head's logits (Granite divides, Cohere multiplies, Gemma 2/3
+soft-cap; None: not applied)."""
+
+
+def _transformed_logits(what: object) -> str:
+    return (f"vocab_stages scores the head's logits as they are, but the model transforms them ({what}: logit "
+            "scaling or soft-capping); set vocab_stages='off' (or 'auto', which keeps the head on the last stage)")
+
+
+def vocab_stages_config_problem(model: nn.Module, schedule: str) -> Optional[str]:
+    """What :func:`vocab_stages_problem` would find at the build that the unsplit ``model``'s config and modules show
+    without a trace, so ``vocab_stages='on'`` is refused before launch: logits its config transforms
+    (:data:`LOGIT_TRANSFORMS`), a head tied to an input embedding that cannot be split (Gemma's scaled one)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if tied_to_head(embedding, head):
+        problem = embedding_split_problem(embedding, schedule)
+        if problem is not None:
+            return _untiable(problem)
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    transforms = [f"{key}={value}" for key in LOGIT_TRANSFORMS
+                  if (value := getattr(text_config, key, None)) is not None]
+    return _transformed_logits(transforms) if transforms else None
+
+
+def _untiable(problem: str) -> str:
+    return (f"the LM head is tied to the input embedding, which cannot be split with it: {problem}; untie "
+            "them (tie_word_embeddings=False) or set vocab_stages='off'")
 
 
 def vocab_stage_rows_problem(vocab_size: int, parts: int) -> Optional[str]:

@@ -39,7 +39,7 @@ from lightning_merak.parallel.micro_batching.options import MicroBatching, check
 from lightning_merak.parallel.pipeline.recording import declared_block_argument_problem
 from lightning_merak.parallel.pipeline.schedules import shifted_schedule_available
 from lightning_merak.parallel.pipeline.trace import find_trunk
-from lightning_merak.parallel.pipeline.vocab_stages import check_vocab_stage_rows
+from lightning_merak.parallel.pipeline.vocab_stages import check_vocab_stage_rows, vocab_stages_config_problem
 from lightning_merak.parallel.tensor.adapters import check_adapter_split
 from lightning_merak.parallel.tensor.blocks import check_tensor_parallel_degree
 from lightning_merak.parallel.tensor.sequence import check_sequence_length
@@ -518,6 +518,10 @@ class Merak3DArguments(Merak3DOptions):
         vocab_rows = getattr(getattr(model, "config", None), "vocab_size", None)
         if self.vocab_stages == "on" and pipeline_parallel and pipeline_parallel > 1 and isinstance(vocab_rows, int):
             check_vocab_stage_rows(vocab_rows, pipeline_parallel * (tensor_parallel or 1))
+        if self.vocab_stages == "on" and pipeline_parallel and pipeline_parallel > 1:
+            problem = vocab_stages_config_problem(model, self.schedule)
+            if problem is not None:
+                raise ValueError(problem)
         if self.sequence_parallel and tensor_parallel is not None and tensor_parallel > 1 and moe_layers(model):
             raise ValueError("sequence_parallel does not support MoE layers; use sequence_parallel=False")
         if self.data_parallel_sharding == "full":
