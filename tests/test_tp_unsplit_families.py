@@ -19,13 +19,12 @@ from lightning_merak.parallel.tensor.blocks import check_tensor_parallel_degree,
 from lightning_merak.strategies.merak3d.arguments import divides_model
 from lightning_merak.strategies.merak3d.planning import tensor_parallel_candidates
 from lightning_merak.testing import (
-    TrainingTrace,
     assert_traces_match,
     layout_gradients,
     merge_rank_traces,
     run_distributed,
-    snapshot_gradients,
 )
+from lightning_merak.testing.compare import record_reference_trace
 from tests.test_train import refused
 
 SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -249,14 +248,8 @@ def _ctrl_rank(rank: int, world_size: int) -> tuple[tuple[list[float], list[dict
 def test_ctrl_trains_at_tensor_parallel_2_as_one_process():
     """Its embeddings scaled in place after the vocabulary-parallel lookup; its gathered logits updated in place."""
     module = _ctrl()
-    optimizer = module.configure_optimizers()
-    reference = TrainingTrace()
-    for batch in _batches():
-        optimizer.zero_grad()
-        loss = module.compute_loss((batch,))
-        loss.backward()
-        reference.append(loss.item(), snapshot_gradients(module.model))
-        optimizer.step()
+    reference = record_reference_trace(module.model, _batches(), lambda _, batch: module.compute_loss((batch,)),
+                                       module.configure_optimizers())
     results = run_distributed(_ctrl_rank, 2, timeout_s=120)
     candidate = merge_rank_traces([trace for trace, _ in results])
     for expected, actual in zip(reference.gradients, candidate.gradients, strict=True):

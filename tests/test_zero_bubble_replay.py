@@ -21,22 +21,13 @@ from lightning_merak.testing import (
     layout_gradients,
     merge_rank_traces,
     run_distributed,
-    snapshot_gradients,
 )
+from lightning_merak.testing.compare import record_reference_trace
+from tests.test_dropin_module import _Residual
 
 VOCAB, SEQ, HIDDEN, STEPS, BATCH, LR = 32, 8, 16, 2, 8, 0.5
 LAYOUT = {"data_parallel": 1, "pipeline_parallel": 2, "micro_batches": 4, "schedule": "interleaved_zero_bubble",
           "virtual_stages": 2, "partition": "uniform"}
-
-
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm, self.up, self.down = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(2 * HIDDEN,
-                                                                                                      HIDDEN)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden + self.down(F.gelu(self.up(self.norm(hidden))))
 
 
 class _Net(nn.Module):
@@ -46,7 +37,7 @@ class _Net(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(_Block() for _ in range(4))
+        self.blocks = nn.ModuleList(_Residual(HIDDEN) for _ in range(4))
         self.norm, self.head = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, VOCAB)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -102,15 +93,7 @@ def _train_rank(rank: int, world_size: int) -> tuple[list[float], list[dict[str,
 def _one_process() -> TrainingTrace:
     """The same steps unsplit: each batch's loss (the mean of its equal micro-batches') and its gradients."""
     net = _Net()
-    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
-    trace = TrainingTrace()
-    for batch in _batches().split(BATCH):
-        optimizer.zero_grad()
-        loss = _loss(net, batch)
-        loss.backward()
-        trace.append(loss.item(), snapshot_gradients(net))
-        optimizer.step()
-    return trace
+    return record_reference_trace(net, _batches().split(BATCH), _loss, torch.optim.SGD(net.parameters(), lr=LR))
 
 
 @pytest.mark.distributed

@@ -87,11 +87,9 @@ def vocab_stages_problem(model: nn.Module, trace: ModelTrace, *, schedule: str) 
     problem = head_adapter_problem(head)
     if problem is not None:
         return problem
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if tied_to_head(embedding, head):
-        problem = embedding_split_problem(embedding, schedule)
-        if problem is not None:
-            return _untiable(problem)
+    problem = _tied_embedding_problem(model, head, schedule)
+    if problem is not None:
+        return problem
     path = next(name for name, module in model.named_modules() if module is head)
     index = head_step_index(trace, path)
     if index is None:
@@ -115,11 +113,9 @@ def vocab_stages_config_problem(model: nn.Module, schedule: str) -> Optional[str
     without a trace, so ``vocab_stages='on'`` is refused before launch: logits its config transforms
     (:data:`LOGIT_TRANSFORMS`), a head tied to an input embedding that cannot be split (Gemma's scaled one)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if tied_to_head(embedding, head):
-        problem = embedding_split_problem(embedding, schedule)
-        if problem is not None:
-            return _untiable(problem)
+    problem = _tied_embedding_problem(model, head, schedule)
+    if problem is not None:
+        return problem
     config = getattr(model, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     transforms = [f"{key}={value}" for key in LOGIT_TRANSFORMS
@@ -127,9 +123,14 @@ def vocab_stages_config_problem(model: nn.Module, schedule: str) -> Optional[str
     return _transformed_logits(transforms) if transforms else None
 
 
-def _untiable(problem: str) -> str:
-    return (f"the LM head is tied to the input embedding, which cannot be split with it: {problem}; untie "
-            "them (tie_word_embeddings=False) or set vocab_stages='off'")
+def _tied_embedding_problem(model: nn.Module, head: Optional[nn.Module], schedule: str) -> Optional[str]:
+    """Why the input embedding tied to ``head`` cannot be split over the stages with it, or None (untied, or it
+    can: the split table serves both)."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    problem = embedding_split_problem(embedding, schedule) if tied_to_head(embedding, head) else None
+    return None if problem is None else (
+        f"the LM head is tied to the input embedding, which cannot be split with it: {problem}; untie them "
+        "(tie_word_embeddings=False) or set vocab_stages='off'")
 
 
 def vocab_stage_rows_problem(vocab_size: int, parts: int) -> Optional[str]:

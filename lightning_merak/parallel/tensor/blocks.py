@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import itertools
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
@@ -64,7 +63,7 @@ from lightning_merak.parallel.tensor.layers import (
     is_rms_norm,
 )
 from lightning_merak.parallel.tensor.rows import LayoutChange, probe_row_units, rank_rows, unit_count
-from lightning_merak.parallel.tensor.sequence import SequenceParallelPlan, install_sequence_gathers
+from lightning_merak.parallel.tensor.sequence import SequenceParallelPlan, common_owner, install_sequence_gathers
 from lightning_merak.util import random_state
 
 __all__ = [
@@ -228,8 +227,7 @@ def _convolution_problem(block: nn.Module, groups: list[list[str]], rows: list[s
     through its weight, not by calling it) and would need them split with it. Its rows are not probed: one head
     slice at a time, that takes minutes where the mixer runs without its fused kernels."""
     for members, row in zip(groups, rows, strict=True):
-        paths = [name.split(".")[:-1] for name in [*members, row]]
-        owner = ".".join(level[0] for level in itertools.takewhile(lambda level: len(set(level)) == 1, zip(*paths)))
+        owner = common_owner([*members, row])
         mixer = block.get_submodule(owner) if owner else block
         convolutions = [".".join(filter(None, (owner, name))) for name, module in mixer.named_modules()
                         if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))]

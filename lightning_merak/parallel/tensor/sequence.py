@@ -59,6 +59,7 @@ __all__ = [
     "SEQUENCE_DIM",
     "SequenceParallelPlan",
     "check_sequence_length",
+    "common_owner",
     "deferrable_weight",
     "find_sequence_parallel_plan",
     "gather_sequence",
@@ -288,7 +289,8 @@ class SequenceParallelPlan:
     owner_inputs: list[tuple[Union[int, str], ...]]
 
 
-def _common_owner(names: list[str]) -> str:
+def common_owner(names: list[str]) -> str:
+    """The deepest module path holding every layer of ``names`` ("" for the block itself)."""
     parts = [name.split(".")[:-1] for name in names]
     owner: list[str] = []
     for level in zip(*parts):
@@ -320,7 +322,7 @@ def find_sequence_parallel_plan(block: nn.Module, run_block: Callable[[], Any], 
     block_name = type(block).__name__
     owners = []
     for members, row in zip(column_groups, rows, strict=True):
-        owner = _common_owner(members + [row])
+        owner = common_owner(members + [row])
         if not owner:
             raise ValueError(
                 f"sequence_parallel gathers the sequence at the entry of the submodule holding a column group and its "

@@ -45,7 +45,7 @@ def _plain_product(base: nn.Module) -> bool:
     """Whether ``base`` is a float ``nn.Linear`` whose forward is ``x @ W.T + b``, which the split layers compute
     from its weight and bias: ``nn.Linear`` itself, a subclass keeping its forward, or FalconLinear (it only adds
     the bias after the product)."""
-    from transformers.models.falcon.modeling_falcon import FalconLinear
+    from transformers.models.falcon.modeling_falcon import FalconLinear  # lazy: as Conv1D above
 
     if not isinstance(base, nn.Linear) or not base.weight.is_floating_point():
         return False
