@@ -7,8 +7,9 @@ without merak3d.
 
 :class:`ReplicaBuffers` keeps the buffers training changes equal over the data-parallel replicas, as Lightning's
 DDP (``broadcast_buffers=True``) does: data-parallel rank 0's values become every replica's before each training
-forward and before a fit's validation. Which buffers change is learnt from the first training step, so a model
-whose buffers training leaves alone (rotary tables, position ids) sends nothing per step.
+forward and before a fit's validation. A buffer is sent from the sync after its first change on, whenever that
+comes (after a warm-up, a BatchNorm unfrozen at epoch 2), so a model whose buffers training leaves alone (rotary
+tables, position ids) sends none.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ __all__ = ["BufferSlot", "BufferSnapshot", "ReplicaBuffers", "buffer_snapshot", 
 BufferSlot = tuple[nn.Module, str]
 """A buffer as its owner holds it: ``owner._buffers[name]`` (a forward may replace the tensor there)."""
 
-BufferSnapshot = dict[BufferSlot, tuple[torch.Tensor, int, torch.Tensor]]
+BufferSnapshot = dict[BufferSlot, tuple[torch.Tensor, Optional[int], torch.Tensor]]
 """Each buffer's tensor, its in-place version counter and a copy of its value at one moment."""
 
 
@@ -64,19 +65,35 @@ def _replicated(owner: nn.Module) -> bool:
     return all(getattr(param, "allreduce", True) is not False for param in owner.parameters(recurse=False))
 
 
+def _version(tensor: torch.Tensor) -> Optional[int]:
+    """``tensor``'s in-place version counter, where this torch has one (without, its value alone tells)."""
+    return getattr(tensor, "_version", None)
+
+
 def buffer_snapshot(module: nn.Module) -> BufferSnapshot:
     """The replicated buffers of ``module``, less those named in ``_ddp_params_and_buffers_to_ignore`` (as DDP
     leaves them out), each with its tensor, version and value now."""
     ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-    return {(owner, name): (tensor, tensor._version, tensor.detach().clone())
+    return {(owner, name): (tensor, _version(tensor), tensor.detach().clone())
             for full_name, owner, name, tensor in _slots(module) if full_name not in ignored and _replicated(owner)}
 
 
 def changed_buffers(before: BufferSnapshot) -> list[BufferSlot]:
     """The buffers of ``before`` replaced, written in place or holding another value since (BatchNorm's kernel
-    updates its running statistics without counting a version)."""
-    return [(owner, name) for (owner, name), (tensor, version, value) in before.items()
-            if owner._buffers.get(name) is not tensor or tensor._version != version or not torch.equal(tensor, value)]
+    updates its running statistics without counting a version, so a buffer whose version stayed is compared; the
+    comparisons stay on the buffers' device until one transfer of their results)."""
+    moved, compared = [], []
+    for slot, (tensor, version, value) in before.items():
+        owner, name = slot
+        if owner._buffers.get(name) is not tensor or _version(tensor) != version or tensor.shape != value.shape:
+            moved.append(slot)
+        else:
+            compared.append((slot, torch.ne(tensor, value).any()))
+    if not compared:
+        return moved
+    device = compared[0][1].device
+    differs = torch.stack([flag.to(device) for _, flag in compared]).tolist()
+    return moved + [slot for (slot, _), flag in zip(compared, differs) if flag]
 
 
 def _broadcast(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
@@ -97,15 +114,18 @@ class ReplicaBuffers:
     """The buffers training changes, made equal over a data-parallel group as DDP makes them.
 
     The replicas start equal (the strategy's setup broadcasts every buffer; a meta model is materialised alike).
-    The first training step's changes (a write, a new value or a replaced tensor, on any rank of the group) name
-    the buffers sent from then on: before every training step, and before a fit's validation when a training step
-    ran since (DDP syncs before a forward that follows a training forward). A buffer the first step leaves alone
-    is never sent.
+    Before every training step, and before a fit's validation when a training step ran since (DDP syncs before a
+    forward that follows a training forward), the ranks agree on the buffers that changed since the last sync (a
+    write, a new value or a replaced tensor, on any rank of the group: one small all-reduce of flags while some
+    buffer has not changed yet) and rank 0's values of every buffer that ever changed reach the group. A buffer
+    that never changes is never sent.
     """
 
     def __init__(self) -> None:
-        self._first_step: Optional[BufferSnapshot] = None
-        self._changing: Optional[list[BufferSlot]] = None
+        self._unchanged: Optional[BufferSnapshot] = None
+        """The buffers no sync has seen change yet, with their tensors, versions and values at the first sync."""
+        self._changing: list[BufferSlot] = []
+        """The buffers a sync saw change: sent at every sync from then on."""
         self._trained_since_sync = False
 
     def before_training_step(self, module: nn.Module, group: dist.ProcessGroup) -> None:
@@ -122,22 +142,24 @@ class ReplicaBuffers:
     def _sync(self, module: nn.Module, group: dist.ProcessGroup) -> None:
         if group.size() == 1:
             return
-        if self._changing is None:
-            if self._first_step is None:
-                self._first_step = buffer_snapshot(module)
-                return
-            self._changing = self._agreed_changes(group)
+        if self._unchanged is None:  # the first training step: the replicas are equal
+            self._unchanged = buffer_snapshot(module)
+            return
+        if self._unchanged:
+            self._changing += self._agreed_changes(self._unchanged, group)
         if self._changing:
             _broadcast([owner._buffers[name] for owner, name in self._changing], group)
 
-    def _agreed_changes(self, group: dist.ProcessGroup) -> list[BufferSlot]:
-        """The buffers the first step changed on any rank of ``group`` (they run the same code, on other data)."""
-        first_step, self._first_step = self._first_step, None
-        if not first_step:
-            return []
-        slots = list(first_step)
-        changed = set(changed_buffers(first_step))
-        device = next(iter(first_step.values()))[0].device  # where the group's backend takes tensors (NCCL: GPU)
+    @staticmethod
+    def _agreed_changes(unchanged: BufferSnapshot, group: dist.ProcessGroup) -> list[BufferSlot]:
+        """The buffers of ``unchanged`` changed since on any rank of ``group`` (they run the same code, on other
+        data), taken out of it."""
+        slots = list(unchanged)
+        changed = set(changed_buffers(unchanged))
+        device = next(iter(unchanged.values()))[0].device  # where the group's backend takes tensors (NCCL: GPU)
         flags = torch.tensor([slot in changed for slot in slots], dtype=torch.int32, device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        return [slot for slot, flag in zip(slots, flags.tolist()) if flag]
+        agreed = [slot for slot, flag in zip(slots, flags.tolist()) if flag]
+        for slot in agreed:
+            del unchanged[slot]
+        return agreed

@@ -14,6 +14,7 @@ This package holds the Lightning hooks and their orchestration only; the techniq
 (``docs/architecture.md``):
 
 * :mod:`.strategy` — the hooks Lightning calls, each handing its work to one of the modules below;
+* :mod:`.layout_queries` — what callbacks and the CLI read of the layout, and the checks before launch;
 * :mod:`.options` / :mod:`.arguments` — the arguments, declared once, checked once, refused before launch;
 * :mod:`.network` — the module's network, a batch's inputs and the pipeline's loss, found or inferred;
 * :mod:`.planning` — search space, profile and plan → a new :class:`~lightning_merak.parallel.layout.Layout`;
