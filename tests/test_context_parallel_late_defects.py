@@ -72,9 +72,10 @@ def test_the_ulysses_refusal_names_the_models_heads_and_each_tensor_parallel_ran
 def test_the_cost_measurement_runs_no_sample_longer_than_the_model_and_data_allow() -> None:
     assert calibration_lengths(4096, 2, longest=62) == [12, 28, 60]  # not 512..2048 past GPT-2's table
     assert calibration_lengths(4096, 4) == [512, 1024, 2048]
-    with pytest.raises(ValueError, match="longest sample the model and data allow has 10; set "
+    assert calibration_lengths(4096, 2, longest=10) == [2, 5, 10]  # three whole chunks do not fit: spread, padded
+    with pytest.raises(ValueError, match="longest sample the model and data allow has 3; set "
                                          "strategy.micro_batching_cost"):
-        calibration_lengths(4096, 2, longest=10)
+        calibration_lengths(4096, 2, longest=3)
     assert longest_sample(_gpt2(positions=62), [40, 100]) == 62  # GPT-2's n_positions
     assert longest_sample(_llama(), [40, 17]) == 40
 

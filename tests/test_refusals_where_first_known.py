@@ -80,15 +80,17 @@ def test_an_unsplittable_sequence_at_pp1_tp1_is_refused_before_any_forward() -> 
 
 # 2. Per-sample degrees: the cost model's samples against data.max_length, before launch ----------------------------
 
-def test_the_calibration_floor_is_six_times_the_degree_and_names_the_setting() -> None:
-    assert short_calibration_problem(2, 12, "data.max_length") is None
-    assert short_calibration_problem(2, 11, "data.max_length") == (
-        "context_parallel_degree='per_micro_batch' measures its cost model on samples of 4, 8 and 12 tokens "
-        "(multiples of 2 x context_parallel=2), but data.max_length=11 allows no longer sample; set "
-        "strategy.micro_batching_cost to a fixed cost model instead, or raise data.max_length to at least 12")
+def test_the_calibration_floor_is_four_tokens_and_names_the_setting() -> None:
+    assert short_calibration_problem(2, 4, "data.max_length") is None
+    assert short_calibration_problem(2, 3, "data.max_length") == (
+        "context_parallel_degree='per_micro_batch' measures its cost model on samples of three lengths, whole and "
+        "split over context_parallel=2 ranks, the longest at least 4 tokens, but data.max_length=3 allows no longer "
+        "sample; set strategy.micro_batching_cost to a fixed cost model instead, or raise data.max_length to at "
+        "least 4")
     assert calibration_lengths(4096, 2, longest=12) == [4, 8, 12]
-    with pytest.raises(ValueError, match="the longest sample the model and data allow has 11; set strategy"):
-        calibration_lengths(4096, 2, longest=11)  # the same floor at the first step
+    assert calibration_lengths(4096, 2, longest=11) == [2, 5, 11]  # under three whole chunks: spread, padded
+    with pytest.raises(ValueError, match="the longest sample the model and data allow has 3; set strategy"):
+        calibration_lengths(4096, 2, longest=3)  # the same floor at the first step
 
 
 def _context_rounds_run(max_length: int, cost: Any = None) -> tuple[SimpleNamespace, Merak3DStrategy]:
@@ -100,21 +102,33 @@ def _context_rounds_run(max_length: int, cost: Any = None) -> tuple[SimpleNamesp
 
 
 def test_the_launch_check_refuses_only_what_the_first_step_would() -> None:
-    with pytest.raises(ValueError, match=r"data.max_length=23 allows no longer sample; .* at least 24$"):
-        check_context_calibration(*_context_rounds_run(23))
-    check_context_calibration(*_context_rounds_run(24))
-    check_context_calibration(*_context_rounds_run(23, cost=(1e-6, 1e-9, 1e-3)))  # a fixed cost: nothing measured
+    with pytest.raises(ValueError, match=r"data.max_length=3 allows no longer sample; .* at least 4$"):
+        check_context_calibration(*_context_rounds_run(3))
+    check_context_calibration(*_context_rounds_run(4))
+    check_context_calibration(*_context_rounds_run(23))  # under 6 x context_parallel=4: measured on spread lengths
+    check_context_calibration(*_context_rounds_run(3, cost=(1e-6, 1e-9, 1e-3)))  # a fixed cost: nothing measured
     fixed = SimpleNamespace(data=DataConfig(name="synthetic", seq_len=8), strategy=None)
     check_context_calibration(fixed, Merak3DStrategy(context_parallel=2))  # no per-sample degrees
+    with pytest.raises(ValueError, match="but data.lengths=fixed yields blocks of data.seq_len tokens: set "
+                                         "data.lengths=variable"):
+        check_context_calibration(fixed, Merak3DStrategy(context_parallel=2, context_parallel_degree="per_micro_batch"))
 
 
 def test_merak_train_refuses_a_max_length_too_short_to_measure_before_launch(tmp_path: Path, monkeypatch,
                                                                              capsys) -> None:
-    error = _refusal([*TINY, "data.batch_size=4", "data.lengths=variable", "data.max_length=10",
+    error = _refusal([*TINY, "data.batch_size=4", "data.lengths=variable", "data.max_length=3",
                       "strategy.context_parallel=2", "strategy.context_parallel_degree=per_micro_batch"],
                      tmp_path, monkeypatch, capsys)
-    assert ("but data.max_length=10 allows no longer sample; set strategy.micro_batching_cost to a fixed cost model "
-            "instead, or raise data.max_length to at least 12") in error
+    assert ("but data.max_length=3 allows no longer sample; set strategy.micro_batching_cost to a fixed cost model "
+            "instead, or raise data.max_length to at least 4") in error
+
+
+def test_merak_train_refuses_fixed_length_data_for_per_sample_degrees_before_launch(tmp_path: Path, monkeypatch,
+                                                                                     capsys) -> None:
+    error = _refusal([*TINY, "data.batch_size=4", "data.seq_len=8", "strategy.context_parallel=2",
+                      "strategy.context_parallel_degree=per_micro_batch"], tmp_path, monkeypatch, capsys)
+    assert ("data.lengths=fixed yields blocks of data.seq_len tokens: set data.lengths=variable (samples of up to "
+            "data.max_length tokens), or strategy.context_parallel_degree=fixed") in error
 
 
 # 3. EmbRace and an embedding whose class changes the lookup --------------------------------------------------------

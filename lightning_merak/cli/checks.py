@@ -84,16 +84,20 @@ def longest_sample_setting(data: Any) -> Optional[tuple[str, int]]:
 
 
 def check_context_calibration(config: Any, strategy: Any) -> None:
-    """Refuse per-sample context-parallel degrees whose cost model the ranks would measure, at the first step, on
-    samples ``data.max_length`` does not allow (the cost model needs ``6 x context_parallel`` tokens)."""
+    """Refuse per-sample context-parallel degrees on data their first step would refuse: fixed-length blocks (they
+    plan samples of their own lengths), or samples ``data.max_length`` keeps too short for the cost model the ranks
+    would measure (a longest sample of 4 tokens)."""
     options = getattr(strategy, "micro_batching", None)
-    setting, longest = longest_sample_setting(config.data) or (None, 0)
-    if not getattr(options, "context_rounds", False) or options.cost is not None or setting != "data.max_length":
+    if not getattr(options, "context_rounds", False):
         return
     from lightning_merak.parallel.context.rounds import short_calibration_problem  # lazy: torch
+    from lightning_merak.parallel.micro_batching.samples import fixed_blocks_problem  # lazy: torch
 
-    degree = config.strategy.strategy_kwargs()["context_parallel"]  # a fixed integer: the strategy checked it
-    problem = short_calibration_problem(degree, longest, setting)
+    problem = fixed_blocks_problem(strategy) if fixed_sequence_length(config.data) is not None else None
+    setting, longest = longest_sample_setting(config.data) or (None, 0)
+    if problem is None and options.cost is None and setting == "data.max_length":
+        degree = config.strategy.strategy_kwargs()["context_parallel"]  # a fixed integer: the strategy checked it
+        problem = short_calibration_problem(degree, longest, setting)
     if problem is not None:
         raise ConfigError(problem)
 

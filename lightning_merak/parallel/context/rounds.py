@@ -28,8 +28,8 @@ from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mes
 from lightning_merak.util import random_state
 from lightning_merak.util.timing import DeviceTimer
 
-__all__ = ["RoundRunner", "calibration_lengths", "context_subgroups", "measure_degree_cost",
-           "short_calibration_problem"]
+__all__ = ["CALIBRATION_FLOOR", "RoundRunner", "calibration_lengths", "context_subgroups", "fit_degree_cost",
+           "measure_degree_cost", "short_calibration_problem"]
 
 
 def context_subgroups(groups: LayoutGroups) -> dict[int, dist.ProcessGroup]:
@@ -109,34 +109,44 @@ class RoundRunner:
                                       num_items_in_batch=torch.tensor(targets, device=sample.device)).loss
 
 
+CALIBRATION_FLOOR = 4
+"""The shortest longest sample :func:`measure_degree_cost` can time: three lengths of at least two tokens (a
+next-token target each) fit its three coefficients."""
+
+
 def short_calibration_problem(size: int, longest: int, setting: Optional[str] = None) -> Optional[str]:
     """Why :func:`measure_degree_cost` cannot time samples of at most ``longest`` tokens, or None: it needs three
-    lengths in whole chunks of ``2 x size``, so a longest sample of ``6 x size`` tokens. ``setting``: the key that
+    lengths of at least two tokens, so a longest sample of :data:`CALIBRATION_FLOOR`. ``setting``: the key that
     caps the samples (``data.max_length``), named with its fix; without it, the cap the run found."""
-    shortest = 3 * 2 * size
-    if longest >= shortest:
+    if longest >= CALIBRATION_FLOOR:
         return None
-    cause, fix = ((f"{setting}={longest} allows no longer sample", f"raise {setting} to at least {shortest}")
+    cause, fix = ((f"{setting}={longest} allows no longer sample", f"raise {setting} to at least {CALIBRATION_FLOOR}")
                   if setting else (f"the longest sample the model and data allow has {longest}",
-                                   f"use samples of at least {shortest} tokens"))
-    return (f"context_parallel_degree='per_micro_batch' measures its cost model on samples of {size * 2}, "
-            f"{size * 4} and {shortest} tokens (multiples of 2 x context_parallel={size}), but {cause}; set "
-            f"strategy.micro_batching_cost to a fixed cost model instead, or {fix}")
+                                   f"use samples of at least {CALIBRATION_FLOOR} tokens"))
+    return (f"context_parallel_degree='per_micro_batch' measures its cost model on samples of three lengths, whole "
+            f"and split over context_parallel={size} ranks, the longest at least {CALIBRATION_FLOOR} tokens, but "
+            f"{cause}; set strategy.micro_batching_cost to a fixed cost model instead, or {fix}")
 
 
 def calibration_lengths(token_cap: int, size: int, longest: Optional[int] = None) -> list[int]:
     """The sample lengths :func:`measure_degree_cost` times: an eighth, a quarter and half of the per-rank token cap,
     each a multiple of ``2 x size`` (a split sample's chunks), spread instead below ``longest`` where that is
-    shorter (the longest sample the run and the model's position table allow: the model runs no longer ones)."""
+    shorter (the longest sample the run and the model's position table allow: the model runs no longer ones).
+
+    Below ``6 x size`` tokens three whole chunks do not fit: the lengths are then a quarter, half and all of
+    ``longest``, which the split runs pad to whole chunks (the padding repeating the sample's last position, so
+    within the table), as the rounds pad a sample."""
     problem = None if longest is None else short_calibration_problem(size, longest)
     if problem is not None:
         raise ValueError(problem)
     unit = 2 * size
     span = token_cap // 2 if longest is None else min(token_cap // 2, longest)
     lengths = sorted({max(unit, span // part // unit * unit) for part in (4, 2, 1)})
-    if len(lengths) < 3:  # a span too short to spread them
-        lengths = [unit, 2 * unit, 3 * unit]
-    return lengths
+    if len(lengths) == 3:
+        return lengths
+    if longest is None or longest >= 3 * unit:  # a span too short to spread them
+        return [unit, 2 * unit, 3 * unit]
+    return [max(2, longest // 4), max(3, longest // 2), longest]
 
 
 def measure_degree_cost(runner: RoundRunner, model: torch.nn.Module, size: int, token_cap: int, vocab_size: int,
@@ -168,9 +178,19 @@ def measure_degree_cost(runner: RoundRunner, model: torch.nn.Module, size: int, 
     for param in parameters:
         param.grad = None
     random_state.restore(saved)
-    compute = CostModel.fit(alone)
-    exchange = [(seconds - compute.time(1, length) / size) / (size - 1) for length, seconds in split]
-    fitted: list[float] = [compute.per_token, compute.per_token_squared, compute.overhead,
-                           max(0.0, statistics.median(exchange))]
-    dist.broadcast_object_list(fitted, src=0)
-    return DegreeCost(CostModel(*fitted[:3]), exchange_per_step=fitted[3])
+    fitted = fit_degree_cost(alone, split, size)
+    figures: list[float] = [fitted.compute.per_token, fitted.compute.per_token_squared, fitted.compute.overhead,
+                            fitted.exchange_per_step]
+    dist.broadcast_object_list(figures, src=0)
+    return DegreeCost(CostModel(*figures[:3]), exchange_per_step=figures[3])
+
+
+def fit_degree_cost(alone: Sequence[tuple[int, int, float]], split: Sequence[tuple[int, float]],
+                    size: int) -> DegreeCost:
+    """The :class:`DegreeCost` of samples timed whole on one rank (``alone``: rows, tokens, seconds) and split over
+    ``size`` ranks (``split``: tokens, seconds): the compute fitted by least squares on ``alone``, each ring step's
+    exchange the median of what a split sample took beyond :meth:`DegreeCost.time`'s compute (its fixed overhead
+    once per forward, as the model charges it, and ``1/size`` of the work)."""
+    compute = DegreeCost(CostModel.fit(alone))
+    exchange = [(seconds - compute.time(length, size)) / (size - 1) for length, seconds in split]
+    return DegreeCost(compute.compute, exchange_per_step=max(0.0, statistics.median(exchange)))

@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_merak.parallel.micro_batching.plan import MicroBatch, round_up
 
 __all__ = ["IGNORE", "TASK_MIX", "GlobalBatches", "MicroBatchTensors", "TaskLengths", "VariableBatch",
-           "check_consumer", "global_batch_loader", "micro_batch_tensors", "multi_task_lengths", "summed_token_loss",
-           "synthetic_samples", "target_count", "token_samples"]
+           "check_consumer", "fixed_blocks_problem", "global_batch_loader", "micro_batch_tensors", "multi_task_lengths",
+           "summed_token_loss", "synthetic_samples", "target_count", "token_samples"]
 
 IGNORE = -100
 PROBE_TOKENS = 64
@@ -179,6 +179,17 @@ def check_consumer(strategy: object) -> None:
                          "merak3d's micro-batching consumes: set strategy=merak3d strategy.pipeline_parallel=2 "
                          "strategy.micro_batching=dynamic (or pad, pack), or strategy.context_parallel=2 "
                          "strategy.context_parallel_degree=per_micro_batch, or data.lengths=fixed")
+
+
+def fixed_blocks_problem(strategy: object) -> Optional[str]:
+    """Why ``strategy`` cannot train on fixed-length blocks (``data.lengths=fixed``), or None: per-sample
+    context-parallel degrees plan global batches of samples of their own lengths (:class:`VariableBatch`), and
+    would find a block only at their first step."""
+    if not getattr(getattr(strategy, "micro_batching", None), "context_rounds", False):
+        return None
+    return ("strategy.context_parallel_degree=per_micro_batch plans each global batch's samples at their own "
+            "lengths, but data.lengths=fixed yields blocks of data.seq_len tokens: set data.lengths=variable (samples "
+            "of up to data.max_length tokens), or strategy.context_parallel_degree=fixed to split every block")
 
 
 def _keep(batch: VariableBatch) -> VariableBatch:

@@ -79,7 +79,8 @@ class ContextRoundsStep:
     def plan(self, batch: Any) -> ContextPlan:
         if not isinstance(batch, VariableBatch):
             raise TypeError(f"context_parallel_degree='per_micro_batch' needs variable-length global batches "
-                            f"(VariableBatch, data.lengths=variable), got {type(batch).__name__}")
+                            f"(VariableBatch, data.lengths=variable), got {type(batch).__name__}; for fixed-length "
+                            "blocks set context_parallel_degree='fixed'")
         if self._planned is None or self._planned[0] is not batch:
             lengths = [int(length) for length in batch.lengths]
             layout = self._groups.layout
