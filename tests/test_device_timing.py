@@ -389,13 +389,13 @@ def test_moe_cost_model_measurement_waits_for_the_device(fake_cuda) -> None:
 def test_sparse_communication_wire_model_waits_for_the_device(fake_cuda, single_rank_group, monkeypatch) -> None:
     """The network and scan-speed probes ``on_fit_start`` runs, called directly (the callback needs a trainer and
     several ranks; on one rank the all-reduce is timed the same, priced as two ranks' wire bytes)."""
-    from lightning_merak.callbacks.sparse_comm import callback
+    from lightning_merak.callbacks.sparse_comm import strategy_wiring
 
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    network = callback._measure_bandwidth(single_rank_group)
-    scan_speed = callback._measure_scan_speed(torch.device("cpu"))
+    network = strategy_wiring.measure_bandwidth(single_rank_group)
+    scan_speed = strategy_wiring.measure_scan_speed(torch.device("cpu"))
     fake_cuda.assert_every_read_waited(reads=2)
-    probe_bytes = callback._BANDWIDTH_PROBE_BYTES
+    probe_bytes = strategy_wiring.BANDWIDTH_PROBE_BYTES
     assert network.bandwidth_bytes_per_s <= probe_bytes * 3 / TICK_S and scan_speed <= probe_bytes * 3 / TICK_S
 
 

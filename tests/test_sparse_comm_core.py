@@ -205,7 +205,7 @@ def test_callback_refuses_bad_arguments_before_training() -> None:
 
 
 def test_priority_chunks_put_the_next_batch_rows_first_and_cover_every_token_once() -> None:
-    from lightning_merak.callbacks.sparse_comm.embrace import exchange_chunks
+    from lightning_merak.callbacks.sparse_comm.embrace_exchange import exchange_chunks
 
     all_ids = torch.tensor([5, 9, 5, 2, 7, 9, 1])
     chunks = exchange_chunks(all_ids, torch.tensor([9, 1, 100]))
@@ -218,9 +218,9 @@ def test_priority_chunks_put_the_next_batch_rows_first_and_cover_every_token_onc
 
 
 def test_lookahead_yields_the_same_items_and_peeks_one_ahead() -> None:
-    from lightning_merak.callbacks.sparse_comm.callback import _Lookahead
+    from lightning_merak.callbacks.sparse_comm.lookahead import Lookahead
 
-    items = _Lookahead(iter([1, 2, 3]))
+    items = Lookahead(iter([1, 2, 3]))
     assert next(items) == 1
     assert items.peek() == 2 and items.peek() == 2
     assert list(items) == [2, 3]

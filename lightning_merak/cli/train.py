@@ -301,8 +301,9 @@ def _builtin_module(config: TrainConfig, strategy: Strategy, vocab_size: int) ->
     # merak3d builds the model in configure_model(), inside its sharded context: on the meta device, each rank
     # materialising only its part later (and reading only its part of a pretrained checkpoint). Adapters attach
     # on meta too; each rank quantises its own frozen base once it is real. DDP builds it whole, and so do MoE
-    # plugins, which regroup weights that must exist.
-    on_meta = getattr(strategy, "strategy_name", None) == "merak3d" and config.moe.name == "none"
+    # plugins, which regroup weights that must exist, and EmbRace, which shards tables that must exist.
+    on_meta = (getattr(strategy, "strategy_name", None) == "merak3d" and config.moe.name == "none"
+               and getattr(config.comm, "name", None) != "embrace")
     pretrained = config.model.path
 
     def build_model() -> Any:

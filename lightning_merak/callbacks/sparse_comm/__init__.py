@@ -1,7 +1,8 @@
 """Sparse gradient communication for embedding tables: S2 Reducer and EmbRace.
 
-``sketch`` and ``cost_model`` are pure tensor/Python code; ``s2_hook`` and
-``embrace`` hold the collectives; ``callback`` wires them into Lightning.
+``sketch`` and ``wire_cost_model`` are pure tensor/Python code; ``s2_hook`` and
+``embrace_exchange`` hold the collectives, ``embrace`` the sharded tables; ``callback`` wires them
+into Lightning, with ``tables`` (finding them) and ``strategy_wiring`` (groups, DDP, probes).
 
 Names are imported on first use, so the package costs nothing until a name is used.
 """
@@ -11,7 +12,7 @@ from lightning_merak.util.lazy import lazy_attributes
 _EXPORTS = {
     "CommLedger": ".bytes_counter",
     "SparseCommunication": ".callback",
-    "data_parallel_group": ".callback",
+    "data_parallel_group": ".strategy_wiring",
     "NetworkModel": ".wire_cost_model",
     "TableTraffic": ".wire_cost_model",
     "choose_method": ".wire_cost_model",

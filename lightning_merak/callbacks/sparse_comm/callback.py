@@ -18,6 +18,10 @@ in ``on_after_backward`` over the data-parallel group and named in
 after the layout is built, since pipeline stages rename parameters. EmbRace shards the
 tables over the data-parallel group with ``pipeline_parallel=1``.
 
+Tables are replaced in ``setup``, before the strategy wraps the model and creates the optimizers; for a
+LightningModule that builds its model in ``configure_model`` (which Lightning calls after the callbacks'
+``setup``), right after that instead (:func:`~.strategy_wiring.before_strategy_setup`).
+
 Clipping has one owner per run. A layout-aware strategy clips, and EmbRace registers its
 column shards with it (``register_sharded_gradients``) so the norm sums their squares over
 the group. Lightning's DDP has no owner that could know of shards: there EmbRace installs
@@ -28,7 +32,7 @@ the group. Lightning's DDP has no owner that could know of shards: there EmbRace
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -48,14 +52,30 @@ from lightning_merak.callbacks.sparse_comm.embrace import (
     table_groups,
     weight_holder_names,
 )
+from lightning_merak.callbacks.sparse_comm.lookahead import next_batch_ids
 from lightning_merak.callbacks.sparse_comm.s2_hook import AUTO, S2Reducer, SparseLookups, s2_comm_hook
-from lightning_merak.callbacks.sparse_comm.sketch import CountSketch, drop_zero_rows
+from lightning_merak.callbacks.sparse_comm.sketch import CountSketch
+from lightning_merak.callbacks.sparse_comm.strategy_wiring import (
+    before_strategy_setup,
+    clip_with_shards,
+    data_parallel_group,
+    dedicated_group,
+    gradients_in_buckets,
+    ignore_in_ddp,
+    measure_bandwidth,
+    measure_scan_speed,
+)
+from lightning_merak.callbacks.sparse_comm.table_discovery import (
+    builds_model_later,
+    check_materialised,
+    find_tables,
+    layout_table_names,
+    no_table_message,
+    read_alone,
+)
 from lightning_merak.callbacks.sparse_comm.wire_cost_model import NetworkModel
-from lightning_merak.distributed.gradient_norm import ShardedGradients
-from lightning_merak.distributed.process_groups import collective_device, new_group
-from lightning_merak.parallel.pipeline.stage import RankStages, tied_parameter_names
-from lightning_merak.protocols.layout_aware import LayoutAwareStrategy, data_parallel_groups_from_mesh, layout_aware
-from lightning_merak.util.timing import DeviceTimer
+from lightning_merak.parallel.pipeline.stage import RankStages
+from lightning_merak.protocols.layout_aware import LayoutAwareStrategy, layout_aware
 
 log = logging.getLogger(__name__)
 
@@ -66,39 +86,6 @@ EMBRACE_NEEDS_ONE_STAGE = (
     "stage on rank 0 alone, which a sharded table cannot; set pipeline_parallel=1 (merak-train: "
     "strategy.pipeline_parallel=1) or use method='s2' (merak-train: comm=s2)")
 """Why EmbRace refuses a merak3d layout with pipeline stages (merak-train checks it before launch too)."""
-_BANDWIDTH_PROBE_BYTES = 4 * 1024 * 1024
-_BANDWIDTH_PROBE_REPEATS = 3
-
-
-def data_parallel_group(strategy: pl.strategies.Strategy) -> dist.ProcessGroup | None:
-    """The strategy's data-parallel group (``None`` means the world group)."""
-    group = getattr(strategy, "data_parallel_group", None)
-    return group() if callable(group) else group
-
-
-def _measure_bandwidth(group: dist.ProcessGroup | None) -> NetworkModel:
-    """Time an all-reduce on ``group``; the slowest rank's time, so all ranks agree."""
-    probe = torch.zeros(_BANDWIDTH_PROBE_BYTES // 4, device=collective_device(group))
-    dist.all_reduce(probe, group=group)
-    with DeviceTimer(probe.device) as timer:
-        for _ in range(_BANDWIDTH_PROBE_REPEATS):
-            dist.all_reduce(probe, group=group)
-    elapsed = torch.tensor([timer.seconds / _BANDWIDTH_PROBE_REPEATS], dtype=torch.float64, device=probe.device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-    world_size = dist.get_world_size(group)
-    wire_bytes = 2 * (world_size - 1) / world_size * _BANDWIDTH_PROBE_BYTES
-    return NetworkModel(bandwidth_bytes_per_s=wire_bytes / max(elapsed.item(), 1e-9))
-
-
-def _measure_scan_speed(device: torch.device) -> float:
-    """Bytes per second at which this rank finds all-zero gradient rows (local, no collective)."""
-    probe = torch.ones(_BANDWIDTH_PROBE_BYTES // 4 // 64, 64, device=device)
-    drop_zero_rows(torch.arange(probe.shape[0], device=device), probe)
-    with DeviceTimer(device) as timer:
-        for _ in range(_BANDWIDTH_PROBE_REPEATS):
-            drop_zero_rows(torch.arange(probe.shape[0], device=device), probe)
-    elapsed = timer.seconds / _BANDWIDTH_PROBE_REPEATS
-    return _BANDWIDTH_PROBE_BYTES / max(elapsed, 1e-9)
 
 
 class SparseCommunication(pl.Callback):
@@ -185,62 +172,45 @@ class SparseCommunication(pl.Callback):
     def seed(self) -> int:
         return self.sketch.seed
 
+    @property
+    def distinct_tables(self) -> list[ShardedEmbedding]:
+        """Each EmbRace table once: embeddings sharing one weight map several names to one table."""
+        return list({id(table): table for table in self.sharded_tables.values()}.values())
+
     def _hook_method(self) -> str:
         if self.method == "auto":
             return AUTO
         return "s2_exact" if self.mode == "exact" else "s2_sketch"
 
-    def _find_tables(self, pl_module: pl.LightningModule) -> dict[str, nn.Embedding]:
-        embeddings = {name: m for name, m in pl_module.named_modules() if isinstance(m, nn.Embedding)}
-        if self.table_names is not None:
-            missing = [name for name in self.table_names if name not in embeddings]
-            if missing:
-                raise ValueError(
-                    f"tables {missing} are not nn.Embedding modules of the LightningModule; "
-                    f"embeddings found: {sorted(embeddings)}"
-                )
-            return {name: embeddings[name] for name in self.table_names}
-        return {name: m for name, m in embeddings.items() if m.num_embeddings >= self.min_table_rows}
-
-    def _no_table_message(self, pl_module: pl.LightningModule) -> str:
-        """Why nothing was replaced, with the embeddings' sizes and the override that would pick them.
-
-        A run that asked for a sparse method and silently trains dense is easy to mistake for one
-        that used it; the override is named in both spellings, as the callback cannot tell whether
-        it was built in Python or by ``merak-train``'s ``comm`` option.
-        """
-        skipped = f"SparseCommunication({self.method!r}) replaces nothing, every gradient stays dense"
-        sizes = {name: m.num_embeddings for name, m in pl_module.named_modules() if isinstance(m, nn.Embedding)}
-        if not sizes:
-            return f"{skipped}: {type(pl_module).__name__} has no nn.Embedding; drop it (merak-train: comm=dense)"
-        listed = ", ".join(f"{name}: {rows} rows" for name, rows in sizes.items())
-        if self.table_names is not None:
-            return f"{skipped}: tables=[] names no table; name some of: {listed}"
-        largest = max(sizes.values())
-        return (
-            f"{skipped}: no nn.Embedding has min_table_rows={self.min_table_rows} rows or more ({listed}). "
-            f"To use {self.method!r} on them, set min_table_rows={largest} "
-            f"(merak-train: comm.min_table_rows={largest})"
-        )
-
     def check_tables(self, pl_module: pl.LightningModule) -> None:
         """Refuse tables EmbRace cannot shard (an option it lacks, a class overriding the lookup: Gemma's scaled
-        embedding; embeddings sharing a weight that differ in ``padding_idx``), with no collective: ``merak-train``
-        calls it before launch, ``setup`` before any other work."""
+        embedding; embeddings sharing a weight that differ in ``padding_idx``; weights on the meta device, whose
+        columns it would keep before any rank has values), with no collective: ``merak-train`` calls it before
+        launch, ``setup`` (or, for a model built in ``configure_model``, the moment after it) before any other work."""
         if self.method == "embrace":
-            table_groups(pl_module, list(self._find_tables(pl_module)))
+            tables = find_tables(pl_module, self.table_names, self.min_table_rows)
+            table_groups(pl_module, list(tables))
+            check_materialised(tables)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
+        """Check the run, then replace the tables: now, or once ``configure_model`` has built them."""
+        if stage != "fit" or not self._replaces_communication(trainer, pl_module):
             return
-        self.check_tables(pl_module)
+        if builds_model_later(pl_module):
+            before_strategy_setup(trainer.strategy, lambda: self._replace_tables(trainer, pl_module))
+        else:
+            self._replace_tables(trainer, pl_module)
+
+    def _replaces_communication(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Refuse a strategy or ``priority`` it cannot work with; ``False`` (logged) where there is no gradient
+        communication to replace."""
         strategy = trainer.strategy
         layout = layout_aware(strategy)
         self._layout_aware = layout is not None
         if layout is None and not isinstance(strategy, DDPStrategy):
             if trainer.world_size == 1:
                 log.warning("SparseCommunication: single process, no gradient communication to replace")
-                return
+                return False
             raise TypeError(
                 f"SparseCommunication works under DDP or merak3d; the trainer uses {type(strategy).__name__}. "
                 "Use strategy='ddp' (or a DDPStrategy subclass) or Merak3DStrategy"
@@ -249,18 +219,26 @@ class SparseCommunication(pl.Callback):
             self._check_layout(layout)
             if layout.data_parallel == 1:
                 log.warning("SparseCommunication: merak3d has data_parallel=1, no gradient communication to replace")
-                return
+                return False
         if self.priority and self.priority_ids is None and not callable(getattr(pl_module, "split_batch", None)):
             raise ValueError(
                 f"priority=True needs the token ids of a batch: {type(pl_module).__name__} has no split_batch; "
                 "pass priority_ids=<function from a batch to its ids>"
             )
-        tables = self._find_tables(pl_module)
+        return True
+
+    def _replace_tables(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Shard the tables (EmbRace) or hand them to S2 reducers, before DDP wraps the model: refuses what
+        EmbRace cannot shard first, with no collective."""
+        self.check_tables(pl_module)
+        tables = find_tables(pl_module, self.table_names, self.min_table_rows)
         if not tables:
-            rank_zero_warn(self._no_table_message(pl_module))
+            rank_zero_warn(no_table_message(pl_module, self.method, self.table_names, self.min_table_rows))
             return
+        strategy = trainer.strategy
+        layout = layout_aware(strategy)
         group = data_parallel_group(strategy)
-        comm_group = self._dedicated_group(strategy, group)
+        comm_group = dedicated_group(strategy, group)
         self.ledger = CommLedger(dist.get_world_size(group))
         ignored: list[str] = []
         if self.method == "embrace":
@@ -269,14 +247,13 @@ class SparseCommunication(pl.Callback):
                     dist.broadcast(module.weight.data, src=0)  # merak3d's replicas all start from rank 0's weights
             self.sharded_tables = shard_embeddings(pl_module, list(tables), comm_group, self.ledger)
             ignored = [f"{name}.shard" for name in self.sharded_tables]
-            # each shard once: the names of embeddings sharing a weight map to one table
-            shards = list({id(table): table.shard for table in self.sharded_tables.values()}.values())
+            shards = [table.shard for table in self.distinct_tables]
             if layout is not None:
                 layout.register_sharded_gradients(shards, comm_group)
             else:
-                self._clip_with_shards(trainer, shards, comm_group)
+                clip_with_shards(trainer, shards, comm_group)
         elif self._layout_aware:
-            self._layout_tables = self._layout_table_names(pl_module, tables)
+            self._layout_tables = layout_table_names(pl_module, tables)
             self.excluded_reducer = self._reducer({}, comm_group)
             self._watch_lookups(pl_module, tables)
         else:
@@ -287,11 +264,11 @@ class SparseCommunication(pl.Callback):
             ignored = [f"{name}.weight" for name in self.excluded_tables]
             self._watch_lookups(pl_module, tables)
             if hooked:
-                _gradients_in_buckets(strategy)
+                gradients_in_buckets(strategy)
                 self._sparse_lookups = SparseLookups([m for m in tables.values() if id(m.weight) in hooked
-                                                      and self.rows_from_ids and _read_alone(pl_module, m)])
+                                                      and self.rows_from_ids and read_alone(pl_module, m)])
         if ignored:
-            self._ignore_in_ddp(pl_module, ignored)
+            ignore_in_ddp(pl_module, ignored)
         self._active = True
         log.info(
             "SparseCommunication(%s): tables %s; excluded from DDP: %s", self.method, sorted(tables), ignored or "none"
@@ -316,23 +293,11 @@ class SparseCommunication(pl.Callback):
         scanned, since its gradient has rows no id names."""
         for name, module in tables.items():
             reducer = self.excluded_reducer if module.sparse or self._layout_aware else self.hook_reducer
-            alone = _read_alone(pl_module, module)
+            alone = read_alone(pl_module, module)
             if self.rows_from_ids and alone and reducer is not None:
                 reducer.watch_lookups(name, module)
             elif not alone:
                 log.info("SparseCommunication: %s is shared with another module (tied); scanning its gradient", name)
-
-    @staticmethod
-    def _dedicated_group(strategy: pl.strategies.Strategy, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-        provided = getattr(strategy, "sparse_comm_process_group", None)
-        if provided is not None:
-            return provided() if callable(provided) else provided
-        layout = layout_aware(strategy)
-        if layout is not None:
-            return _new_data_parallel_groups(layout)
-        if group is None or group is dist.group.WORLD:
-            return new_group(ranks=list(range(dist.get_world_size())))
-        return group
 
     def _check_layout(self, strategy: LayoutAwareStrategy) -> None:
         """Refuse what EmbRace cannot do under merak3d, before any collective."""
@@ -342,55 +307,19 @@ class SparseCommunication(pl.Callback):
         if strategy.pipeline_parallel > 1:
             raise ValueError(EMBRACE_NEEDS_ONE_STAGE)
 
-    @staticmethod
-    def _layout_table_names(pl_module: pl.LightningModule, tables: dict[str, nn.Embedding]) -> dict[str, str]:
-        """Each table's weight and its tied copies, by name in ``pl_module.model`` before the layout
-        is built, mapped to the name the reducer knows the table by (its module name)."""
-        model = pl_module.model
-        owners = {f"{name}.weight": name for name in tables}
-        prefix = "model."
-        if any(not weight.startswith(prefix) for weight in owners):
-            raise ValueError(
-                f"merak3d parallelises pl_module.model; tables {sorted(tables)} must live inside it"
-            )
-        names = {weight[len(prefix):]: owner for weight, owner in owners.items()}
-        for group in tied_parameter_names(model):
-            if any(name in names for name in group):
-                names.update({name: f"{prefix}{name}" for name in group if name not in names})
-        return names
-
-    @staticmethod
-    def _ignore_in_ddp(pl_module: pl.LightningModule, names: list[str]) -> None:
-        ignore = getattr(DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model", None)
-        if ignore is None:
-            raise RuntimeError(
-                "this torch has no DistributedDataParallel._set_params_and_buffers_to_ignore_for_model, "
-                "needed to keep tables out of DDP; use method='s2' with dense-gradient embeddings"
-            )
-        already = list(getattr(pl_module, "_ddp_params_and_buffers_to_ignore", []))
-        ignore(pl_module, sorted(set(already) | set(names)))
-
-    @staticmethod
-    def _clip_with_shards(trainer: pl.Trainer, shards: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
-        """Under DDP, which has no clipping owner of its own, clip by the norm over the whole sharded tables,
-        not this rank's columns: otherwise ranks clip by different factors and replicated weights drift apart."""
-        sharded = ShardedGradients()
-        sharded.register(shards, group)
-        trainer.strategy.precision_plugin.clip_grad_by_norm = sharded.clip
-
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         """EmbRace: answer the peers' lookups this rank's batch did not make, so none of them waits forever.
         S2 under DDP: no dense gradient left on a sparse-lookup table (:meth:`SparseLookups.clear_stale`)."""
         if self._sparse_lookups is not None:
             self._sparse_lookups.clear_stale()
         if self.sharded_tables:
-            join_lookups(self.sharded_tables.values(), loss)
+            join_lookups(self.distinct_tables, loss)
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         """EmbRace: the same after an evaluation forward, which has no backward pass to wait for."""
         if self.sharded_tables:
-            join_lookups(self.sharded_tables.values())
+            join_lookups(self.distinct_tables)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """S2 under DDP: the hook's reduced sparse gradients made dense as soon as DDP has written them, so every
@@ -409,7 +338,7 @@ class SparseCommunication(pl.Callback):
             for name, parameter in model.named_parameters()
             if rename(name) in self._layout_tables
         ]
-        self._ignore_in_ddp(pl_module, [name for name, _, _ in local])
+        ignore_in_ddp(pl_module, [name for name, _, _ in local])
         reduced = self.excluded_reducer.reduce_now([(table, p.grad, p.shape) for _, table, p in local])
         for (_, _, parameter), gradient in zip(local, reduced):
             parameter.grad = gradient
@@ -420,26 +349,9 @@ class SparseCommunication(pl.Callback):
         """With ``priority``: hand each sharded table the ids of the next batch."""
         if not (self._active and self.priority and self.sharded_tables):
             return
-        upcoming = self._next_batch_ids(trainer, pl_module)
-        for table in self.sharded_tables.values():
+        upcoming = next_batch_ids(trainer, pl_module, self.priority_ids)
+        for table in self.distinct_tables:
             table.prioritize(upcoming)
-
-    def _next_batch_ids(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> torch.Tensor | None:
-        """The ids of the batch after this one, or ``None`` at the end of the epoch."""
-        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
-        if getattr(fetcher, "iterator", None) is None:
-            raise RuntimeError(
-                "priority=True reads the next batch from the iterator of Lightning's data fetcher "
-                "(trainer.fit_loop._data_fetcher.iterator), which this Lightning version lacks; set priority=False"
-            )
-        if not isinstance(fetcher.iterator, _Lookahead):
-            fetcher.iterator = _Lookahead(fetcher.iterator)
-        upcoming = fetcher.iterator.peek()
-        if upcoming is None:
-            return None
-        next_batch = upcoming[0]  # the iterator yields (batch, batch_idx, dataloader_idx)
-        ids = self.priority_ids(next_batch) if self.priority_ids is not None else pl_module.split_batch(next_batch)[0]
-        return ids.to(pl_module.device)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._active:
@@ -448,10 +360,10 @@ class SparseCommunication(pl.Callback):
         if self.bandwidth_gbit is not None:
             network = NetworkModel.from_gbit(self.bandwidth_gbit, self.latency_us)
         else:
-            measured = _measure_bandwidth(data_parallel_group(strategy))
+            measured = measure_bandwidth(data_parallel_group(strategy))
             network = NetworkModel(measured.bandwidth_bytes_per_s, self.latency_us * 1e-6)
             log.info("SparseCommunication: measured %.3g Gbit/s", network.bandwidth_bytes_per_s * 8 / 1e9)
-        scan_speed = _measure_scan_speed(pl_module.device)
+        scan_speed = measure_scan_speed(pl_module.device)
         for reducer in (self.hook_reducer, self.excluded_reducer):
             if reducer is not None:
                 reducer.network = network
@@ -499,7 +411,7 @@ class SparseCommunication(pl.Callback):
         """Replace each rank-local EmbRace slice by the full table (gathered on every rank, once per table), under
         every name the unsharded model saved it: each embedding sharing it and each tied head."""
         state = checkpoint.get("state_dict")
-        for table in {id(table): table for table in self.sharded_tables.values()}.values():
+        for table in self.distinct_tables:
             full = table.full_weight()
             if state is None:
                 continue
@@ -531,67 +443,3 @@ class SparseCommunication(pl.Callback):
                 reducer.sketch = self.sketch
                 reducer._frozen_dense.update(self._restored_frozen)
 
-
-def _read_alone(pl_module: pl.LightningModule, embedding: nn.Embedding) -> bool:
-    """Whether no module but ``embedding`` holds its weight (a tied head would)."""
-    return sum(any(p is embedding.weight for p in m.parameters(recurse=False)) for m in pl_module.modules()) == 1
-
-
-def _new_data_parallel_groups(strategy: LayoutAwareStrategy) -> dist.ProcessGroup:
-    """A new group per data-parallel group of the strategy's mesh (every rank creates all of them,
-    in the same order); returns this rank's."""
-    mesh = strategy.device_mesh
-    rank = dist.get_rank()
-    own = None
-    for ranks in data_parallel_groups_from_mesh(mesh.mesh.tolist(), list(mesh.mesh_dim_names)):
-        group = new_group(ranks=ranks)
-        if rank in ranks:
-            own = group
-    assert own is not None, "every rank lies in one data-parallel group of the mesh"
-    return own
-
-
-_NOTHING = object()
-_EXHAUSTED = object()
-
-
-class _Lookahead(Iterator[Any]):
-    """An iterator whose next item can be read before its turn; it yields exactly the items,
-    in the order, of the iterator it wraps."""
-
-    def __init__(self, iterator: Iterator[Any]) -> None:
-        self._iterator = iterator
-        self._peeked: Any = _NOTHING
-
-    def __iter__(self) -> _Lookahead:
-        return self
-
-    def __next__(self) -> Any:
-        if self._peeked is _NOTHING:
-            return next(self._iterator)
-        item, self._peeked = self._peeked, _NOTHING
-        if item is _EXHAUSTED:
-            raise StopIteration
-        return item
-
-    def peek(self) -> Any | None:
-        """The next item without consuming it; ``None`` when the iterator is exhausted."""
-        if self._peeked is _NOTHING:
-            try:
-                self._peeked = next(self._iterator)
-            except StopIteration:
-                self._peeked = _EXHAUSTED
-        return None if self._peeked is _EXHAUSTED else self._peeked
-
-
-def _gradients_in_buckets(strategy: pl.strategies.Strategy) -> None:
-    """Let DDP keep gradients as views of its buckets, unless the user chose otherwise.
-
-    The hook hands each bucket's dense table gradient to the S2 reducer and writes the result back into the bucket;
-    with gradients copied into buckets and back, a table-sized gradient crosses memory twice more per step than
-    torch's sparse path does (measured, a 500k × 64 table on one CPU thread: ~56 ms per copy). Only the
-    ``DDPStrategy``'s keyword arguments (a private attribute, read if present) can ask for it before DDP wraps.
-    """
-    ddp_kwargs = getattr(strategy, "_ddp_kwargs", None)
-    if isinstance(ddp_kwargs, dict):
-        ddp_kwargs.setdefault("gradient_as_bucket_view", True)
