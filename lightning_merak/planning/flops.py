@@ -1,6 +1,9 @@
 """Model FLOPs per token of a transformers decoder, forward and backward, from its config alone (pure).
 
-MFU's numerator: what the model needs, not what the run did, so recomputation and padding are not counted.
+MFU's numerator: what the model needs, not what the run did, so recomputation is not counted, nor is padding:
+``TrainingMetrics`` multiplies these per-token FLOPs by a batch's real tokens only (a variable-length batch's
+sample lengths, an attention mask's ones; every position of a batch that marks no padding), each sample's at
+its own length.
 Matmuls only (norms, activations and the softmax are under 1 % of a step): a matmul of an ``m × n`` weight
 costs ``2·m·n`` FLOPs a token forward, backward twice that (input and weight gradients), so training costs
 three forwards. Attention's scores and weighted sum are counted over the whole sequence, as in PaLM's MFU

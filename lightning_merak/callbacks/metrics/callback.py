@@ -6,21 +6,30 @@ Every ``trainer.log_every_n_steps`` optimizer steps, and once more for the steps
 end. Lightning's ``Throughput`` rates need a full window of updates, which a run shorter than the window
 never fills, and its ``ThroughputMonitor`` logs only from rank 0's batches; the rates here are over the
 interval, with every data-parallel replica's batches counted.
+
+A batch's tokens are its real ones: a :class:`~lightning_merak.parallel.micro_batching.VariableBatch`'s sample
+lengths, or the ones of an ``attention_mask`` where the batch (a dict) has one; every position otherwise (labels
+of ``-100`` only keep a position out of the loss: the model still computes it). The model FLOPs of a sample are
+those of its own length.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import Counter
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
+from torch.distributed.tensor import DTensor
 
 from lightning_merak.callbacks.metrics.device import DATASHEET_PEAK, PeakFlops, compute_dtype, peak_flops, read_memory
 from lightning_merak.callbacks.metrics.figures import log_figure, memory_figure
+from lightning_merak.parallel.micro_batching import VariableBatch
 from lightning_merak.planning.flops import training_flops_per_token, transformer_shape
 
 __all__ = ["TrainingMetrics"]
@@ -42,6 +51,31 @@ def _first_tensor(value: Any) -> Optional[torch.Tensor]:
     return None
 
 
+def _sample_lengths(batch: Any) -> Optional[torch.Tensor]:
+    """Each sample's real token count where the batch tells it: a global :class:`VariableBatch`'s lengths, or the
+    ones of a dict batch's ``[samples, positions]`` ``attention_mask`` (padding left out)."""
+    if isinstance(batch, VariableBatch):
+        return batch.lengths
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        return (mask != 0).sum(dim=-1)
+    return None
+
+
+def _total_norm(grads: list[torch.Tensor]) -> float:
+    """The 2-norm of ``grads``, plain tensors and DTensor shards mixed (tensor parallelism alone shards some):
+    the plain ones' norm and each mesh's DTensors' reduced to a full one, their squares combined."""
+    plain = [grad for grad in grads if not isinstance(grad, DTensor)]
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for grad in grads:
+        if isinstance(grad, DTensor):
+            by_mesh.setdefault(grad.device_mesh, []).append(grad)
+    squares = float(torch.nn.utils.get_total_norm(plain, norm_type=2.0)) ** 2 if plain else 0.0
+    for sharded in by_mesh.values():  # the same meshes in the same order on every rank: the reductions match
+        squares += float(torch.nn.utils.get_total_norm(sharded, norm_type=2.0).full_tensor()) ** 2
+    return math.sqrt(squares)
+
+
 def _clipping_keeps_norm(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
     """Whether this step's gradient clipping computes the total norm before clipping and keeps it
     (``strategy.last_gradient_norm``, merak3d's): clipping by norm through Lightning's own hook."""
@@ -55,7 +89,7 @@ class TrainingMetrics(pl.Callback):
     """Logs, per interval of ``trainer.log_every_n_steps`` optimizer steps:
 
     - ``perf/step_time_s``: wall time per optimizer step (validation excluded);
-    - ``perf/tokens_per_s``, ``perf/samples_per_s``: over every data-parallel replica;
+    - ``perf/tokens_per_s``, ``perf/samples_per_s``: over every data-parallel replica (real tokens: see above);
     - ``perf/mfu`` (over a datasheet peak: known CUDA devices) or ``perf/mfu_measured_peak`` (over a measured
       matmul: CPUs and other devices), with ``perf/peak_tflops`` it divides by and ``perf/model_tflops_per_s``:
       model FLOPs (:mod:`lightning_merak.planning.flops`, from ``pl_module.model.config``) per second over all ranks;
@@ -63,23 +97,26 @@ class TrainingMetrics(pl.Callback):
       logged only. A strategy with a ``gradient_norm(optimizer)`` (merak3d: over every stage, shard and expert)
       computes it (or its clipping by norm, which keeps the norm it computed: then it is read, not computed
       twice); otherwise it is the norm of the gradients Lightning hands to the optimizer (DTensor shards
-      gathered);
+      gathered, plain gradients beside them). Left out of a log whose step computed none (a run stopped
+      between intervals);
     - ``comm/exposed_s``, ``comm/exposed_fraction`` (rank 0; a strategy with ``last_exposed_communication_s``,
-      merak3d with data parallelism): the wait for the gradient reduction after backward, per step and as a
+      merak3d with data parallelism reduced by its own buckets: ``data_parallel_sharding`` other than ``full``,
+      whose FSDP2 reduces in its own hooks): the wait for the gradient reduction after backward, per step and as a
       share of the step;
     - ``perf/pipeline_bubble`` (a strategy with ``last_pipeline_step_times``, merak3d with pipeline stages): in the
       interval's last step, the share of the schedule's time the stages did not compute, over every rank
-      (one minus the summed chunk compute over the summed schedule time: waits for neighbour stages and the
-      transfers they did not hide);
+      (one minus the summed chunk compute over the summed schedule time: waits for neighbour stages, inside a
+      chunk too, and the transfers they did not hide);
     - ``memory/peak_MiB/max`` and, for up to ``ranks_per_rank_metrics`` ranks, ``memory/peak_MiB/rank<r>``: each
       rank's high-water mark (CUDA: allocated tensors; CPU: the process's resident set).
 
     At the end a memory-over-steps figure goes to the loggers (:func:`~.figures.log_figure`).
 
-    ``batch_size_fn(batch)`` and ``length_fn(batch)`` count a batch's samples and tokens (default: the first
-    dimension and the element count of the module's inputs, ``pl_module.split_batch(batch)[0]`` where it has
-    one, else the batch's first tensor). ``flops_per_token(seq_len)`` gives the training FLOPs of a token for a
-    model whose config :func:`~lightning_merak.planning.flops.transformer_shape` does not know.
+    ``batch_size_fn(batch)`` and ``length_fn(batch)`` count a batch's samples and tokens (default: the sample
+    lengths a batch tells, see above, else the first dimension and the element count of the module's inputs,
+    ``pl_module.split_batch(batch)[0]`` where it has one, else the batch's first tensor; with ``length_fn`` the
+    FLOPs are its tokens' at the batch's width). ``flops_per_token(seq_len)`` gives the training FLOPs of a
+    token for a model whose config :func:`~lightning_merak.planning.flops.transformer_shape` does not know.
     """
 
     def __init__(self, batch_size_fn: Optional[Callable[[Any], int]] = None,
@@ -105,7 +142,8 @@ class TrainingMetrics(pl.Callback):
         self._last_global_step = 0
         self._interval_start: Optional[float] = None
         self._paused_at: Optional[float] = None
-        self._grad_norm: Optional[float] = None
+        self._grad_norm: Optional[tuple[int, float]] = None
+        """``(optimizer step, norm)``: logged only with that step, never with a later one."""
         self._norm_from_clipping = False
         self._exposed_s: list[float] = []
         """The strategy's exposed gradient-communication wait of each step of the interval (merak3d)."""
@@ -144,33 +182,31 @@ class TrainingMetrics(pl.Callback):
         if _clipping_keeps_norm(trainer, pl_module):
             self._norm_from_clipping = True  # clipping computes this norm right after this hook: read it then
             return
+        step = trainer.global_step + 1
         strategy_norm = getattr(trainer.strategy, "gradient_norm", None)
         if callable(strategy_norm):
-            self._grad_norm = float(strategy_norm(optimizer))
+            self._grad_norm = (step, float(strategy_norm(optimizer)))
             return
         # a sparse gradient (an embedding built with sparse=True) has the norm of its coalesced values
         grads = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad
                  for p in pl_module.parameters() if p.grad is not None]
         if grads:
-            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-            self._grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            self._grad_norm = (step, _total_norm(grads))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        samples, tokens, seq_len = self._batch_size(pl_module, batch)
-        self._counts["samples"] += samples
-        self._counts["tokens"] += tokens
-        if self._flops_fn is not None and seq_len > 0:
-            if seq_len not in self._flops_by_length:
-                self._flops_by_length[seq_len] = float(self._flops_fn(seq_len))
-            self._counts["model_flops"] += self._flops_by_length[seq_len] * tokens
+        samples, tokens, model_flops = self._batch_counts(pl_module, batch)
+        share = _rank_share(trainer, batch)
+        self._counts["samples"] += samples * share
+        self._counts["tokens"] += tokens * share
+        self._counts["model_flops"] += model_flops * share
         if trainer.global_step == self._last_global_step:
             return  # accumulating gradients: the optimizer step comes with a later batch
         self._last_global_step = trainer.global_step
         self._steps += 1
         if self._norm_from_clipping:
             self._norm_from_clipping = False
-            self._grad_norm = float(trainer.strategy.last_gradient_norm)
+            self._grad_norm = (trainer.global_step, float(trainer.strategy.last_gradient_norm))
         exposed = getattr(trainer.strategy, "last_exposed_communication_s", None)
         if exposed is not None:
             self._exposed_s.append(float(exposed))
@@ -207,16 +243,35 @@ class TrainingMetrics(pl.Callback):
         max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else math.inf
         return bool(progress.is_last_batch) and trainer.current_epoch + 1 >= max_epochs
 
-    def _batch_size(self, pl_module: pl.LightningModule, batch: Any) -> tuple[int, int, int]:
-        """``(samples, tokens, sequence length)`` of ``batch``."""
-        split = getattr(pl_module, "split_batch", None)
-        inputs = _first_tensor(split(batch)[0] if callable(split) else batch)
-        seq_len = int(inputs.shape[-1]) if inputs is not None and inputs.dim() > 1 else 0
-        samples = (self.batch_size_fn(batch) if self.batch_size_fn is not None
-                   else int(inputs.shape[0]) if inputs is not None and inputs.dim() > 0 else 1)
-        tokens = (self.length_fn(batch) if self.length_fn is not None
-                  else int(inputs.numel()) if inputs is not None else samples)
-        return int(samples), int(tokens), seq_len
+    def _batch_counts(self, pl_module: pl.LightningModule, batch: Any) -> tuple[int, int, float]:
+        """``(samples, tokens, model FLOPs)`` of ``batch``: its real tokens, each sample's FLOPs at its length."""
+        lengths = _sample_lengths(batch)
+        if lengths is not None:  # a VariableBatch's probe block (what split_batch sees) is no sample's length
+            width = int(lengths.max()) if lengths.numel() else 0
+            samples, tokens = int(lengths.numel()), int(lengths.sum())
+        else:
+            split = getattr(pl_module, "split_batch", None)
+            inputs = _first_tensor(split(batch)[0] if callable(split) else batch)
+            width = int(inputs.shape[-1]) if inputs is not None and inputs.dim() > 1 else 0
+            samples = int(inputs.shape[0]) if inputs is not None and inputs.dim() > 0 else 1
+            tokens = int(inputs.numel()) if inputs is not None else samples
+        if self.batch_size_fn is not None:
+            samples = int(self.batch_size_fn(batch))
+        if self.length_fn is not None:
+            tokens = int(self.length_fn(batch))
+            return samples, tokens, self._flops_at(width) * tokens
+        if lengths is None:
+            return samples, tokens, self._flops_at(width) * tokens
+        per_length = Counter(int(length) for length in lengths.tolist())
+        return samples, tokens, sum(self._flops_at(length) * length * count for length, count in per_length.items())
+
+    def _flops_at(self, seq_len: int) -> float:
+        """Training FLOPs of one token in a sequence of ``seq_len`` (0 without a FLOP count or a sequence)."""
+        if self._flops_fn is None or seq_len < 1:
+            return 0.0
+        if seq_len not in self._flops_by_length:
+            self._flops_by_length[seq_len] = float(self._flops_fn(seq_len))
+        return self._flops_by_length[seq_len]
 
     def _gathered(self, trainer: pl.Trainer) -> torch.Tensor:
         """Every rank's counts and memory, one row per rank (one ``all_gather``)."""
@@ -246,9 +301,7 @@ class TrainingMetrics(pl.Callback):
         if not trainer.is_global_zero:
             return
         world = rows.shape[0]
-        sampler = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
-        replica_share = int(sampler.get("num_replicas", world)) / world  # each replica's ranks count one batch
-        totals = {key: float(rows[:, i].sum()) * replica_share for i, key in enumerate(_COUNTS[:3])}
+        totals = {key: float(rows[:, i].sum()) for i, key in enumerate(_COUNTS[:3])}  # each rank counted its share
         metrics = {"perf/step_time_s": elapsed / steps}
         if elapsed > 0:
             metrics["perf/tokens_per_s"] = totals["tokens"] / elapsed
@@ -259,8 +312,9 @@ class TrainingMetrics(pl.Callback):
                 metrics[name] = achieved / (self.peak.flops_per_s * world)
                 metrics["perf/model_tflops_per_s"] = achieved / 1e12
                 metrics["perf/peak_tflops"] = self.peak.flops_per_s / 1e12
-        if self._grad_norm is not None:
-            metrics["train/grad_norm"] = self._grad_norm
+        norm, self._grad_norm = self._grad_norm, None
+        if norm is not None and norm[0] == trainer.global_step:
+            metrics["train/grad_norm"] = norm[1]
         if exposed:
             metrics["comm/exposed_s"] = sum(exposed) / len(exposed)
             if metrics["perf/step_time_s"] > 0:
@@ -277,6 +331,16 @@ class TrainingMetrics(pl.Callback):
         self.history["current_mib"].append(currents)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def _rank_share(trainer: pl.Trainer, batch: Any) -> float:
+    """The part of ``batch``'s counts this rank stands for, so that the ranks' parts sum to what the step trained:
+    every rank reads a global :class:`VariableBatch` whole; otherwise each replica's ranks read one batch."""
+    world = max(int(trainer.world_size), 1)
+    if isinstance(batch, VariableBatch):
+        return 1.0 / world
+    sampler = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return int(sampler.get("num_replicas", world)) / world
 
 
 def _model_config(model: Any) -> Any:

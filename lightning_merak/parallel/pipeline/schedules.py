@@ -145,8 +145,9 @@ class EarlyReceiveStage(BufferKeepingStage):
         self._post_receives()
         return []
 
-    def _wait_posted(self, kind: str, chunk: int) -> None:
-        """Wait for the micro-batch's receive; a recomputed forward finds its input already received."""
+    def wait_posted_receive(self, kind: str, chunk: int) -> None:
+        """Wait for the micro-batch's receive; a recomputed forward finds its input already received. The chunk
+        methods call it first: the measured bubble (:data:`~.busy.RECEIVE_WAIT_METHODS`) counts this wait idle."""
         self._post_receives()
         key = (kind, chunk)
         works = self._posted.pop(key, None)
@@ -159,11 +160,11 @@ class EarlyReceiveStage(BufferKeepingStage):
             )
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        self._wait_posted("forward", fwd_chunk_id)
+        self.wait_posted_receive("forward", fwd_chunk_id)
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        self._wait_posted("backward", bwd_chunk_id)
+        self.wait_posted_receive("backward", bwd_chunk_id)
         return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
