@@ -50,7 +50,8 @@ from lightning_merak.strategies.merak3d.options import Degree, Merak3DOptions
 from lightning_merak.util.values import is_count, is_finite_number
 
 __all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "SHARDING_MODES", "Degree", "Merak3DArguments", "check_accumulation",
-           "check_last_batch", "check_scored_length", "checked_arguments", "moe_layers"]
+           "check_last_batch", "check_memory_limit", "check_scored_length", "checked_arguments",
+           "least_parameter_bytes", "moe_layers"]
 
 RECOMPUTE_MODES = ("none", "full", "stage_aware", "auto")
 PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
@@ -494,17 +495,36 @@ class Merak3DArguments(Merak3DOptions):
             check_sequence_divisible(sequence_length, context)
         if tp is not None and self.sequence_parallel and tp > 1 and sequence_length is not None:
             check_sequence_length(sequence_length // context, tp)  # each context rank's share is split over tp
-        if batch_size is not None and (self.micro_batches is not None or not self.needs_planning):
+        if self.micro_batching != "none" and pp is None:
+            self._check_pipeline_room(world_size, tp)
+        # micro-batching splits each global batch into micro-batches of any sample count (pad: uneven ones)
+        fixed_split = self.micro_batching == "none" and (self.micro_batches is not None or not self.needs_planning)
+        if batch_size is not None and fixed_split:
             overlap = self.tp_overlap if isinstance(self.tp_overlap, int) else 1
             check_batch_split(batch_size, pp or 1, self.micro_batches, overlap, self.schedule)
+
+    def _check_pipeline_room(self, world_size: int, tensor_parallel: Optional[int]) -> None:
+        """Refuse a planned ``pipeline_parallel`` under micro-batching where the world leaves no room for 2 stages
+        beside the fixed tensor- and context-parallel degrees (micro-batching runs only through a pipeline)."""
+        context = self.context_parallel if isinstance(self.context_parallel, int) else 1
+        room = world_size // ((tensor_parallel or 1) * context)
+        if room < 2:
+            raise ValueError(f"micro_batching={self.micro_batching} runs its micro-batches through the pipeline "
+                             f"schedule, but {world_size} processes with tensor_parallel={tensor_parallel or 1} and "
+                             f"context_parallel={context} leave no room for pipeline_parallel>=2; use more processes, "
+                             "lower those degrees, or set micro_batching=none")
 
     def validate_model(self, module: pl.LightningModule, world_size: int, sequence_length: Optional[int] = None
                        ) -> None:
         """Refuse a module merak3d cannot train at these degrees (no network to split, a pipeline loss it cannot
-        infer), degrees its network rules out, or sequences too short for its next-token loss."""
+        infer), degrees its network rules out, sequences too short for its next-token loss, or a planner memory limit
+        its parameters alone exceed."""
         degrees = self.launch_degrees(world_size)
         check_scored_length(module, sequence_length)
-        self.check_model(module_view(module, *degrees).network, *degrees)
+        network = module_view(module, *degrees).network
+        self.check_model(network, *degrees)
+        if self.needs_planning and self.memory_limit is not None:
+            check_memory_limit(self.memory_limit, network, world_size)
 
     def check_model(self, model: nn.Module, pipeline_parallel: Optional[int], tensor_parallel: Optional[int]) -> None:
         """Refuse degrees the unsplit model's config or structure rules out (None: not chosen yet)."""
@@ -537,6 +557,25 @@ class Merak3DArguments(Merak3DOptions):
                 raise ValueError(problem)
         if self.micro_batching == "pack" and self.context_parallel == 1:
             check_packing_attention(getattr(model, "config", None))
+
+
+def least_parameter_bytes(model: nn.Module, world_size: int) -> int:
+    """Bytes of ``model``'s parameters that some rank holds in any layout over ``world_size`` ranks: their share of
+    every rank, with floating parameters at 16 bits (a 16-bit precision may convert them)."""
+    total = sum(p.numel() * (min(p.element_size(), 2) if p.is_floating_point() else p.element_size())
+                for p in model.parameters())
+    return math.ceil(total / world_size)
+
+
+def check_memory_limit(memory_limit: float, model: nn.Module, world_size: int) -> None:
+    """Refuse before launch a planner ``memory_limit`` below what ``model``'s parameters alone take on a rank in
+    every layout (:func:`least_parameter_bytes`): the planner would reject every layout, after profiling."""
+    least = least_parameter_bytes(model, world_size)
+    if memory_limit < least:
+        raise ValueError(f"memory_limit={memory_limit:g} bytes per rank is below the {least} bytes of parameters "
+                         f"every layout of {world_size} processes keeps on some rank (before gradients, optimizer "
+                         f"state and activations); raise strategy.memory_limit well above {least}, or use more "
+                         "processes")
 
 
 def checked_arguments(given: dict[str, Any]) -> tuple[Merak3DArguments, MicroBatching]:

@@ -115,8 +115,12 @@ def random_state_kept() -> Iterator[None]:
         random_state.restore(states)
 
 
-def first_micro_batch(layout: Layout, inputs: torch.Tensor) -> torch.Tensor:
-    """The first micro-batch of ``inputs``, once the batch is known to split into micro- and sub-batches."""
+def first_micro_batch(layout: Layout, inputs: torch.Tensor, micro_batching: str = "none") -> torch.Tensor:
+    """The first micro-batch of ``inputs``, once the batch is known to split into micro- and sub-batches. With
+    ``micro_batching`` on, ``inputs`` are a global batch's probe block, which the plan of each step splits into
+    micro-batches of any sample count: a share of its rows (one at least), whatever the count."""
+    if micro_batching != "none":
+        return inputs[: max(1, inputs.shape[0] // layout.micro_batches)]
     layout.check_batch(inputs.shape[0])
     return inputs[: inputs.shape[0] // layout.micro_batches]
 
@@ -205,7 +209,7 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
         return _data_parallel_only(model, layout, groups, materialize_with, load_weights, arguments)
     assert inputs is not None, "a traced build needs the batch's inputs"
     # a copy: an evaluation loop's batch may be an inference tensor, which autograd refuses
-    micro = first_micro_batch(layout, inputs).clone()
+    micro = first_micro_batch(layout, inputs, arguments.micro_batching).clone()
     sequence_parallel = arguments.sequence_parallel and tp > 1
     if sequence_parallel:  # the tokens each context rank holds are split over tp
         check_sequence_length(micro.shape[1] // layout.context_parallel, tp)

@@ -14,7 +14,7 @@ import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from lightning_merak.parallel.data.buckets import DEFAULT_BUCKET_MB, check_shard
 from lightning_merak.parallel.float8 import float8_layout_problem
 from lightning_merak.parallel.layout import Layout, default_micro_batches
 from lightning_merak.parallel.materialize import has_meta
+from lightning_merak.parallel.micro_batching.samples import VariableBatch
 from lightning_merak.parallel.pipeline.trace import TraceError, find_trunk, trace_model
 from lightning_merak.planning.measure.context import time_attention_kernels
 from lightning_merak.planning.measure.experts import (
@@ -67,8 +68,9 @@ from lightning_merak.strategies.merak3d.vocab_stages_build import embedding_spli
 from lightning_merak.util.timing import repeat_budget
 
 __all__ = ["NETWORK_PROBE_SHARE", "PLANNER_REPEATS", "PLANNER_REPEAT_BUDGET_S", "PLANNER_WAIT_FACTOR",
-           "STEP_CHECK_BATCHES", "STEP_CHECK_WARMUP", "PlannedLayout",
-           "check_step_time", "first_training_batch", "largest_network_probe", "plan_layout", "planned_arguments"]
+           "STEP_CHECK_BATCHES", "STEP_CHECK_WARMUP", "PlannedLayout", "allowed_predictions",
+           "check_pipeline_search", "check_step_time", "first_training_batch", "largest_network_probe",
+           "least_pipeline_stages", "plan_layout", "planned_arguments", "planning_batch", "search_batch"]
 
 LossOf = Callable[[torch.Tensor, int], torch.Tensor]
 """``(logits, samples) -> loss`` of the planning batch's first ``samples``."""
@@ -113,12 +115,62 @@ def first_training_batch(trainer: Any) -> Any:
     return next(iter(source.dataloader()))
 
 
+def planning_batch(batch: Any) -> tuple[Any, bool]:
+    """The batch the planner profiles, and whether its samples are the whole global batch (every replica reads it and
+    trains on its share) rather than one replica's. A variable-length global batch
+    (:class:`~lightning_merak.parallel.micro_batching.VariableBatch`) is profiled as all its samples at the longest
+    one's padded length, the longest row of its micro-batches but packed ones: iterated, it yields only a 64-token
+    probe block, whose activations understate the real ones."""
+    if not isinstance(batch, VariableBatch):
+        return batch, False
+    return batch.tokens, True
+
+
+def search_batch(samples: int, global_batch: bool) -> dict[str, Optional[int]]:
+    """The batch of the planner's ``SearchSpace``: the planning batch's ``samples`` per replica (a dataloader per
+    replica), or with ``global_batch`` per step, each of dp replicas training ``samples / dp`` of them."""
+    return {"global_batch_size": samples if global_batch else None,
+            "replica_batch_size": None if global_batch else samples}
+
+
+def least_pipeline_stages(arguments: Merak3DArguments) -> int:
+    """The fewest pipeline stages a planned layout may have: 2 with ``micro_batching`` on, which runs its
+    micro-batches through the pipeline schedule (at one stage nothing would run them), else 1."""
+    return 1 if arguments.micro_batching == "none" else 2
+
+
+def check_pipeline_search(arguments: Merak3DArguments, layouts: Sequence[Any]) -> None:
+    """Refuse, before any profiling, a search whose candidate ``layouts`` (``planner.Layout``) all have fewer stages
+    than :func:`least_pipeline_stages` allows."""
+    least = least_pipeline_stages(arguments)
+    if least > 1 and not any(layout.pp >= least for layout in layouts):
+        raise ValueError(
+            f"micro_batching={arguments.micro_batching} runs its micro-batches through the pipeline schedule, but no "
+            f"layout the planner may choose (degrees {arguments.degrees}, the batch and the model's blocks) has "
+            f"pipeline_parallel>={least}; use more processes, fix pipeline_parallel>={least} with degrees whose "
+            "product divides the world size, or set micro_batching=none")
+
+
+def allowed_predictions(arguments: Merak3DArguments, ranked: Sequence[Any],
+                        fully_shardable: Callable[[int], bool]) -> list[Any]:
+    """The ``ranked`` predictions (``planner.Prediction``) merak3d may adopt: at the degrees the user fixed, with at
+    least :func:`least_pipeline_stages` stages, and fully sharded only at a tensor-parallel degree
+    ``fully_shardable`` accepts."""
+    degrees, least = arguments.degrees, least_pipeline_stages(arguments)
+    return [p for p in ranked
+            if all(degrees[name] in ("auto", value) for name, value in
+                   (("dp", p.layout.dp), ("pp", p.layout.pp), ("tp", p.layout.tp)))
+            and p.layout.pp >= least
+            and (p.layout.sharding != "full" or fully_shardable(p.layout.tp))]
+
+
 def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, loss_of: LossOf, *, world_size: int,
                 num_processes: int, device: torch.device, optimizer: Optional[torch.optim.Optimizer],
                 clip_gradients: bool, broadcast: Broadcast, merak_ep: bool = False,
-                ep_size: Optional[int] = None) -> PlannedLayout:
+                ep_size: Optional[int] = None, global_batch: bool = False) -> PlannedLayout:
     """Profile this machine and ``module``'s network (a :class:`~.network.ModuleView`) on one batch, scored by
-    ``loss_of``, search the layouts, and return the best one.
+    ``loss_of``, search the layouts, and return the best one. ``inputs`` are one replica's samples, or with
+    ``global_batch`` the whole global batch each of the dp replicas trains a share of (:func:`planning_batch`).
 
     With ``merak_ep`` the model's MoE layers run expert parallel over ``ep_size`` of each stage's data-parallel
     ranks (None: planned, every size dividing dp and the experts searched; the choice's ``layout.ep``): the profile
@@ -159,9 +211,10 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
     ratios = {"none": (0.0,), "full": (1.0,), "stage_aware": (arguments.recompute_ratio,),
               "auto": (0.0, 0.5, 1.0)}[arguments.recompute]
     space = SearchSpace(
-        world_size=world, global_batch_size=None, replica_batch_size=inputs.shape[0],
+        world_size=world, **search_batch(inputs.shape[0], global_batch),
         tp_degrees_allowed=tp_degrees, max_pipeline_stages=fixed_pp or min(world, num_blocks + 2),
-        micro_batch_choices=(micro_batches,) if micro_batches else None,
+        # micro-batching splits a global batch into any count (pad's may be uneven): the planner prices divisors
+        micro_batch_choices=(micro_batches,) if micro_batches and arguments.micro_batching == "none" else None,
         overlap_choices=(((1,) if router_aux else (1, 2, 4)) if arguments.tp_overlap == "auto"
                          else (arguments.tp_overlap,)),  # unsplit, sub-batched calls each have their own aux loss
         recompute_ratios=ratios,
@@ -181,6 +234,7 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
         embedding_splits_with_head=embedding_splits_with_head(model, arguments.schedule),
     )
     num_experts = experts_per_layer(model) if merak_ep else None  # with ep_size unset, each ep dividing them is planned
+    check_pipeline_search(arguments, candidate_layouts(space, num_blocks, num_experts))
     keys = required_profile_keys(space, num_blocks, num_experts)
     factory: Callable[[Any], torch.optim.Optimizer] = (
         (lambda params: type(optimizer)(params, **optimizer.defaults)) if optimizer is not None
@@ -231,15 +285,14 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
     if arguments.planner_calibration != "analytic":  # rank by replaying the traced runs (memory stays the model's)
         result = replay_ranked(result, arguments.planner_calibration, model, inputs, arguments.partition)
     degrees = arguments.degrees
-    allowed = [p for p in result.ranked
-               if all(degrees[name] in ("auto", value) for name, value in
-                      (("dp", p.layout.dp), ("pp", p.layout.pp), ("tp", p.layout.tp)))
-               and (p.layout.sharding != "full" or _fully_shardable(model, p.layout.tp))]
+    allowed = allowed_predictions(arguments, result.ranked, lambda tp: _fully_shardable(model, tp))
     if not allowed:
         full_only = " (data_parallel_sharding='full' needs tensor_parallel <= key/value heads)" if modes == (
             "full",) else ""
-        raise ValueError(f"no planned layout matches the fixed degrees {degrees}{full_only}; set more of them to "
-                         "'auto'")
+        stages = (f" with pipeline_parallel>={least_pipeline_stages(arguments)} (micro_batching="
+                  f"{arguments.micro_batching})" if least_pipeline_stages(arguments) > 1 else "")
+        raise ValueError(f"no planned layout matches the fixed degrees {degrees}{stages}{full_only}; set more of "
+                         "them to 'auto'")
     best = allowed[0]
     chosen = best.layout
     runner_up = allowed[1] if len(allowed) > 1 else None
@@ -410,11 +463,11 @@ def planned_arguments(arguments: Merak3DArguments, choice: Any) -> Merak3DArgume
 def _adopted_layout(arguments: Merak3DArguments, chosen: Any) -> Layout:
     """The run's :class:`Layout` for the planner's ``chosen`` one (a ``planner.Layout``).
 
-    Micro-batches are the planner's with several stages, the user's (or the default) without;
-    a recomputed ratio becomes ``"full"`` without stages and ``"stage_aware"`` with them. The
+    Micro-batches are the planner's with several stages (the user's count under micro-batching), the user's (or
+    the default) without; a recomputed ratio becomes ``"full"`` without stages and ``"stage_aware"`` with them. The
     planner's sharding mode is what ``layout.data_parallel_sharding`` reads.
     """
-    if chosen.pp > 1:
+    if chosen.pp > 1 and not (arguments.micro_batching != "none" and arguments.micro_batches):
         micro_batches, by_default = chosen.micro_batches, False
     else:
         micro_batches = arguments.micro_batches or default_micro_batches(chosen.pp)

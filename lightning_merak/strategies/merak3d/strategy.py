@@ -264,14 +264,14 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
         degrees = self._arguments.launch_degrees(self.world_size)
         view = self._view = network.module_view(self.lightning_module, *degrees)
         self._arguments.check_model(view.network, *degrees)
-        batch = self._planning_batch(trainer)
+        batch, global_batch = planning.planning_batch(self._planning_batch(trainer))
         with buffers_kept(view.network):  # the profile's forwards are no training batches (running statistics)
             planned = planning.plan_layout(
                 self._arguments, view, view.split_batch(batch)[0], view.planning_loss(batch),
                 world_size=self.world_size, num_processes=self.num_processes, device=self.root_device,
                 optimizer=self.optimizers[0] if self.optimizers else None,
                 clip_gradients=bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (None, "norm"),
-                broadcast=self.broadcast, merak_ep=merak_ep, ep_size=ep_size)
+                broadcast=self.broadcast, merak_ep=merak_ep, ep_size=ep_size, global_batch=global_batch)
         self.layout_plan, self.layout_choice = planned.plan, planned.choice
         self._verified_tp_degrees = planned.verified_tp_degrees
         self._adopt(planned.layout)

@@ -313,9 +313,14 @@ def _check_context_stage_loss(view: ModuleView) -> None:
 
 
 def check_micro_batching(options: MicroBatching, pipeline_parallel: int, view: ModuleView) -> None:
-    """Refuse variable-length micro-batches for a module without the whole contract (they score next-token
-    cross-entropy through ``loss_from_logits``)."""
-    if options.enabled and pipeline_parallel > 1 and not view.contract:
+    """Refuse variable-length micro-batches at one stage, where no schedule would run them (every replica would
+    train on the global batch's probe block instead), and for a module without the whole contract (they score
+    next-token cross-entropy through ``loss_from_logits``). Before any forward."""
+    if options.enabled and pipeline_parallel < 2:
+        raise ValueError(f"micro_batching={options.mode} runs its micro-batches through the pipeline schedule, but "
+                         f"the layout has pipeline_parallel={pipeline_parallel}; set strategy.pipeline_parallel>=2 "
+                         "(or micro_batching=none)")
+    if options.enabled and not view.contract:
         raise ValueError(
             f"micro_batching={options.mode!r} scores micro-batches with loss_from_logits, which "
             f"{type(view.module).__name__} lacks; use micro_batching='none' or implement "
