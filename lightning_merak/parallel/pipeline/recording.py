@@ -10,6 +10,7 @@ trunk and head are.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Callable
 
 import torch
@@ -21,6 +22,7 @@ from lightning_merak.parallel.pipeline.trace_record import (
     BlockSignature,
     HeadStep,
     HeadValue,
+    InputDim,
     ModelTrace,
     SideSlot,
     SkipSlot,
@@ -290,7 +292,10 @@ def head_steps(after_trunk: list[tuple], hidden: torch.Tensor, logits: torch.Ten
                 )
             else:
                 template.append(leaf.detach() if isinstance(leaf, torch.Tensor) else leaf)
-        steps.append(HeadStep(module, None if module is not None else function, spec, template))
+        if module is None and function in _RESHAPES:
+            steps.append(_reshape_step(function, spec, template, leaves, hidden))
+        else:
+            steps.append(HeadStep(module, None if module is not None else function, spec, template))
         inputs_of.append(inputs)
         value_of[id(output)] = len(steps)
         if output is logits:
@@ -300,6 +305,38 @@ def head_steps(after_trunk: list[tuple], hidden: torch.Tensor, logits: torch.Ten
         "could not follow the last block's output to the logits through module calls and tensor operations "
         f"(followed {followed or 'nothing'}); merak3d needs the logits computed from the last block's output"
     )
+
+
+_RESHAPES = (torch.Tensor.view, torch.Tensor.reshape, torch.reshape)
+
+
+def _reshape_step(function: Callable, spec: Any, template: list[Any], leaves: list[Any],
+                  hidden: torch.Tensor) -> HeadStep:
+    """A view or reshape of a head value whose sizes follow its input's shape at replay.
+
+    A size the model read off the input (equal to the input's dimension at the same position, in the leading run
+    of such sizes, and of -1s where the sizes have the input's rank) becomes an :class:`InputDim`: GPT-2, GPT-Neo,
+    GPT-BigCode and OpenAI-GPT end their forward with ``view(output_shape)`` of the traced batch and length, which
+    micro-batches of other shapes replay with theirs. Where the input's batch and sequence dimensions are not both
+    followed so, a size equal to the traced batch, length or their product (one the replay cannot re-derive) pins
+    the step to the traced ``(batch, sequence)`` (:attr:`HeadStep.fixed_lengths`).
+    """
+    source = leaves[0]
+    sizes = [index for index, leaf in enumerate(template) if index > 0 and not isinstance(leaf, bool)
+             and isinstance(leaf, int)]
+    if not isinstance(template[0], HeadValue) or len(sizes) != len(template) - 1:
+        return HeadStep(None, function, spec, template)  # view(dtype), or sizes given as tensors
+    live = list(template)
+    for dim, index in enumerate(sizes[:source.ndim]):
+        if template[index] == source.shape[dim]:
+            live[index] = InputDim(template[0].index, dim)
+        elif template[index] != -1 or len(sizes) != source.ndim:  # past a -1, sizes align only rank for rank
+            break
+    traced = tuple(hidden.shape[:2])
+    follows = tuple(source.shape[:2]) == traced and {0, 1} <= {leaf.dim for leaf in live if isinstance(leaf, InputDim)}
+    fixed = {*traced, math.prod(traced)}
+    pinned = len(traced) == 2 and not follows and any(isinstance(leaf, int) and leaf in fixed for leaf in live[1:])
+    return HeadStep(None, function, spec, live, traced if pinned else None)
 
 
 def _prune(steps: list[HeadStep], inputs_of: list[set[int]]) -> list[HeadStep]:
@@ -312,9 +349,10 @@ def _prune(steps: list[HeadStep], inputs_of: list[set[int]]) -> list[HeadStep]:
     kept = []
     for value, step in enumerate(steps, start=1):
         if value in needed:
-            leaves = [HeadValue(renumber[leaf.index]) if isinstance(leaf, HeadValue) else leaf
+            leaves = [HeadValue(renumber[leaf.index]) if isinstance(leaf, HeadValue)
+                      else InputDim(renumber[leaf.value], leaf.dim) if isinstance(leaf, InputDim) else leaf
                       for leaf in step.leaves]
-            kept.append(HeadStep(step.module, step.function, step.spec, leaves))
+            kept.append(HeadStep(step.module, step.function, step.spec, leaves, step.fixed_lengths))
     return kept
 
 

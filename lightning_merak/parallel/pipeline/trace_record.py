@@ -17,8 +17,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_merak.parallel.pipeline.costs import BlockCost
 
-__all__ = ["BlockSignature", "HeadStep", "HeadValue", "ModelTrace", "SideSlot", "SkipSlot", "SkipValue", "TraceError",
-           "tensor_bytes"]
+__all__ = ["BlockSignature", "HeadStep", "HeadValue", "InputDim", "ModelTrace", "SideSlot", "SkipSlot", "SkipValue",
+           "TraceError", "tensor_bytes"]
 
 
 class TraceError(ValueError):
@@ -72,6 +72,16 @@ class HeadValue:
     index: int
 
 
+@dataclass
+class InputDim:
+    """Placeholder for a size argument of a reshape in the head that the model read off a head value's shape (GPT-2's
+    ``hidden_states.view(-1, seq_len, hidden)``): dimension ``dim`` of value ``value`` at replay, so a micro-batch of
+    another batch size or length replays it with its own."""
+
+    value: int
+    dim: int
+
+
 @dataclass(frozen=True)
 class BlockSignature:
     """How one block is called: the pytree of ``(args[1:], kwargs)``, side tensors as :class:`SideSlot` leaves
@@ -85,28 +95,41 @@ class BlockSignature:
 class HeadStep:
     """One call of the head: a submodule (``module``, a path) or a tensor operation (``function``).
 
-    Arguments are a pytree whose tensors computed by the head are :class:`HeadValue` leaves;
-    other leaves (scalars, slices, constant buffers) are kept as recorded.
+    Arguments are a pytree whose tensors computed by the head are :class:`HeadValue` leaves and whose sizes read off
+    their shapes :class:`InputDim` leaves; other leaves (scalars, slices, constant buffers) are kept as recorded.
+    ``fixed_lengths``: the traced hidden state's ``(batch, sequence)`` sizes where the step's recorded sizes hold them
+    in a way the replay cannot re-derive (a reshape to their product): it then replays at those sizes only.
     """
 
     module: str | None
     function: Callable[..., Any] | None
     spec: Any
     leaves: list[Any]
+    fixed_lengths: tuple[int, ...] | None = None
 
     def run(self, model: nn.Module, values: list[torch.Tensor]) -> torch.Tensor:
+        if self.fixed_lengths is not None and tuple(values[0].shape[:2]) != self.fixed_lengths:
+            raise TraceError(
+                f"{type(model).__name__}'s head calls {getattr(self.function, '__name__', self.function)} with sizes "
+                f"fixed to the traced (batch, sequence) {self.fixed_lengths}, and a micro-batch of "
+                f"{tuple(values[0].shape[:2])} reached it; merak3d replays the head as recorded, so compute those "
+                "sizes as -1 or from the tensor's shape, or train with micro_batching='none' and fixed lengths")
         device = values[0].device
-        leaves = [values[leaf.index] if isinstance(leaf, HeadValue)
-                  else leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf for leaf in self.leaves]
-        args, kwargs = tree_unflatten(leaves, self.spec)
+        args, kwargs = tree_unflatten([leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf
+                                       for leaf in self._live_leaves(values)], self.spec)
         call = model.get_submodule(self.module) if self.module is not None else self.function
         return call(*args, **kwargs)
 
     def input_of(self, values: list[torch.Tensor]) -> torch.Tensor:
         """The first argument this step would be called with: the input of a head module (``vocab_stages``)."""
-        args, kwargs = tree_unflatten([values[leaf.index] if isinstance(leaf, HeadValue) else leaf
-                                       for leaf in self.leaves], self.spec)
+        args, kwargs = tree_unflatten(self._live_leaves(values), self.spec)
         return args[0] if args else next(iter(kwargs.values()))
+
+    def _live_leaves(self, values: list[torch.Tensor]) -> list[Any]:
+        """The recorded leaves with the head's values and the sizes read off them filled in from ``values``."""
+        return [values[leaf.index] if isinstance(leaf, HeadValue)
+                else values[leaf.value].shape[leaf.dim] if isinstance(leaf, InputDim) else leaf
+                for leaf in self.leaves]
 
 
 @dataclass

@@ -30,7 +30,7 @@ from lightning_merak.protocols.module_contract import (
     Merak3DModule,
     loss_from_outputs_snippet,
 )
-from lightning_merak.strategies.merak3d.step_replay import ReplayedStep, StepReplay
+from lightning_merak.strategies.merak3d.step_replay import ReplayedStep, StepReplay, batch_labels
 
 __all__ = ["ModuleView", "PipelinedNetwork", "batch_inputs", "install_module_loss", "module_view", "select_samples"]
 
@@ -89,15 +89,6 @@ def batch_inputs(batch: Any) -> Optional[torch.Tensor]:
     return inputs if isinstance(inputs, torch.Tensor) else None
 
 
-def _batch_labels(batch: Any) -> Any:
-    """The targets of ``batch`` where its structure says so: a dict's ``labels``, a tuple's second item."""
-    if isinstance(batch, dict):
-        return batch.get("labels")
-    if isinstance(batch, (tuple, list)) and len(batch) > 1:
-        return batch[1]
-    return None
-
-
 def select_samples(batch: Any, index: torch.Tensor) -> Any:
     """``batch`` restricted to the samples ``index`` (every tensor with a first dimension is indexed along it)."""
     if isinstance(batch, torch.Tensor):
@@ -152,7 +143,7 @@ class ModuleView:
                 f"{type(self.module).__name__}'s batches ({type(batch).__name__}); yield a tensor, a dict with "
                 f"`input_ids` or a tuple `(input_ids, labels)`, or add `split_batch(self, batch) -> (inputs, targets)` "
                 f"({CONTRACT_GUIDE})")
-        labels = _batch_labels(batch)
+        labels = batch_labels(batch)
         return inputs, labels if labels is not None and not self.has_loss_from_outputs else batch
 
     @property
@@ -167,7 +158,7 @@ class ModuleView:
         if self.contract:
             return lambda logits, samples: self.module.loss_from_logits(logits, targets[:samples])
         network = self.network
-        if self.has_loss_from_outputs or (_is_pretrained(network) and _batch_labels(batch) is not None):
+        if self.has_loss_from_outputs or (_is_pretrained(network) and batch_labels(batch) is not None):
             scorer = self.scorer(network)
             return lambda logits, samples: scorer(logits, select_samples(targets, torch.arange(samples)))
         from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
@@ -308,6 +299,7 @@ class PipelinedNetwork:
         (:mod:`.step_replay`); end the calling ``training_step`` with the loss, or refuse it on every rank."""
         view, batch = self._view, self.batch
         replay = StepReplay(view.module, view.network, self._wrap, self.step_arguments, view.attribute)
+        replay.weigh_micro_batches(batch, self.step.micro_batches)
         self._score = lambda logits, index: replay.score(logits, select_samples(batch, index))
         try:
             loss = self.step.run(inputs, torch.arange(inputs.shape[0], device=inputs.device))

@@ -10,6 +10,11 @@ once on every rank, averaged over the micro-batches — as the unsplit step logs
 
 The replay needs a step that calls the network once and computes its loss from what that call returns; any other
 step is refused at its first batch, on every rank, with the one method that replaces the inference.
+
+A micro-batch whose labels are all the ignore index (``-100``) scores nothing: a mean loss over its labels is NaN
+(0/0), which would make the step's loss and gradients NaN where one process, scoring the whole batch, gives a
+number. Once :meth:`StepReplay.weigh_micro_batches` saw the step's batch, such a micro-batch weighs 0 and the
+others' mean is re-normalised over the micro-batches that score a label.
 """
 
 from __future__ import annotations
@@ -22,9 +27,25 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from lightning_merak.parallel.context.model import IGNORE_INDEX
 from lightning_merak.protocols.module_contract import MODEL, loss_from_outputs_snippet
 
-__all__ = ["LoggedValues", "ReplayedStep", "StepReplay"]
+__all__ = ["LoggedValues", "ReplayedStep", "StepReplay", "batch_labels"]
+
+
+def batch_labels(batch: Any) -> Any:
+    """The targets of ``batch`` where its structure says so: a dict's ``labels``, a tuple's second item."""
+    if isinstance(batch, dict):
+        return batch.get("labels")
+    if isinstance(batch, (tuple, list)) and len(batch) > 1:
+        return batch[1]
+    return None
+
+
+def _scores_a_label(samples: Any) -> bool:
+    """Whether ``samples`` (a micro-batch) hold a label other than the ignore index, or no labels tensor at all."""
+    labels = batch_labels(samples)
+    return not isinstance(labels, torch.Tensor) or bool((labels != IGNORE_INDEX).any())
 
 
 @dataclass
@@ -33,6 +54,10 @@ class LoggedValues:
 
     values: dict[str, list[float]] = field(default_factory=dict)
     options: dict[str, tuple[tuple, dict[str, Any]]] = field(default_factory=dict)
+    counted: dict[str, list[bool]] = field(default_factory=dict)
+    """Per value, whether its micro-batch counts in the mean (one that scores no label does not)."""
+    counting: bool = True
+    """Whether the values logged now count (:class:`StepReplay` sets it per micro-batch)."""
 
     def record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         """``LightningModule.log``'s signature: keep the value, log nothing yet."""
@@ -44,14 +69,17 @@ class LoggedValues:
             raise TypeError(f"self.log({name!r}, ...) gets a {type(value).__name__}; in a pipelined training_step "
                             "merak3d averages what is logged over the micro-batches, so log a scalar tensor or number")
         self.values.setdefault(name, []).append(number)
+        self.counted.setdefault(name, []).append(self.counting)
         self.options.setdefault(name, (args, kwargs))
 
     def log_means(self, module: Any, micro_batches: int) -> None:
         """Log each name's mean over the step's last ``micro_batches`` values (a first step's shape inference scores
-        one micro-batch more) through ``module.log``, with the options it was logged with."""
+        one micro-batch more) that count, all of them if none does, through ``module.log``, with the options it was
+        logged with."""
         for name, values in self.values.items():
             args, kwargs = self.options[name]
-            values = values[-micro_batches:]
+            values, counted = values[-micro_batches:], self.counted[name][-micro_batches:]
+            values = [value for value, counts in zip(values, counted) if counts] or values
             mean = torch.tensor(sum(values) / len(values), dtype=torch.float32, device=module.device)
             module.log(name, mean, *args, **kwargs)
 
@@ -95,14 +123,30 @@ class StepReplay:
         self._network_name = network_name or MODEL
         self.logged = LoggedValues()
         self.error: Optional[str] = None
+        self._scale = 1.0
+        """What a micro-batch scoring a label weighs: the micro-batches over those of them that score one."""
+
+    def weigh_micro_batches(self, batch: Any, micro_batches: int) -> None:
+        """Weigh the step's micro-batches, ``batch`` split into ``micro_batches`` along its first dimension as the
+        schedule splits it: one whose labels are all the ignore index weighs 0, the others ``micro_batches`` over
+        their count, so the schedule's mean is theirs (nothing changes where every one scores a label, or none)."""
+        labels = batch_labels(batch)
+        if not isinstance(labels, torch.Tensor):
+            return
+        scoring = int(sum((part != IGNORE_INDEX).any() for part in torch.tensor_split(labels, micro_batches)))
+        self._scale = micro_batches / scoring if scoring else 1.0
 
     def score(self, logits: Any, samples: Any) -> torch.Tensor:
         """The loss ``training_step`` computes on ``samples`` (a micro-batch of the step's batch) when its network
-        returns ``logits``; a failure is kept and scores zero (still connected to ``logits``, so the schedule's
-        backward runs)."""
+        returns ``logits``, weighed (:meth:`weigh_micro_batches`); a failure is kept, and it and a micro-batch that
+        weighs 0 score zero (still connected to ``logits``, so the schedule's backward runs)."""
         if self.error is None:
+            counts = self._scale == 1.0 or _scores_a_label(samples)
+            self.logged.counting = counts
             try:
-                return self._replay(logits, samples)
+                loss = self._replay(logits, samples)
+                if counts:
+                    return loss if self._scale == 1.0 else loss * self._scale
             except Exception as error:  # kept for every rank to raise after the schedule
                 self.error = self.refusal(f"{type(error).__name__}: {error}")
         anchor = next((leaf for leaf in tree_flatten(logits)[0] if isinstance(leaf, torch.Tensor)), None)
