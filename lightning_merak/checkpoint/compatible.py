@@ -1,9 +1,11 @@
-"""Whether a checkpoint can resume a model: the tensors both name must have the shapes the model gives them.
+"""Whether a checkpoint can resume a model: the tensors both name must have the shapes the model gives them, and
+the expert optimizer state of a DDP run's MoE layers must be spread over the ranks as the model spreads its experts.
 
 Checked before launch, from the checkpoint's metadata (a merak3d directory's ``.metadata``, or a Lightning file
 opened memory-mapped): a model configured differently from the run that saved it (another ``hidden_size``, layer
 count or vocabulary) would otherwise fail in every rank's load with a size error deep in a copy, or, resumed at
-its last step, not load at all and pass for a resumed run.
+its last step, not load at all and pass for a resumed run; another ``moe.ep_size`` would fail in every rank's
+restore, after launch.
 
 Only floating-point tensors of the same rank are compared: a quantised base is saved as its packed storage and
 statistics, and a rewritten layout may store a tensor under another rank, which the load itself reconciles.
@@ -18,10 +20,12 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from lightning_merak.checkpoint.expert_optimizer import expert_parallel_size, saved_expert_parallel_size
 from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, load_torch_file
 from lightning_merak.checkpoint.sharded import is_sharded_checkpoint
 
-__all__ = ["ShapeMismatch", "check_resume_shapes", "saved_tensor_shapes", "shape_mismatches"]
+__all__ = ["ShapeMismatch", "check_resume_expert_parallel", "check_resume_shapes", "saved_tensor_shapes",
+           "shape_mismatches"]
 
 _SHOWN = 3
 
@@ -68,3 +72,17 @@ def check_resume_shapes(path: Path, module: nn.Module) -> None:
     raise ValueError(f"resume={path}: the checkpoint was saved from a model of other sizes: {shown}{more}; resume "
                      "with the model settings it was trained with (model.*, the data's vocabulary), or start afresh "
                      "without resume")
+
+
+def check_resume_expert_parallel(path: Path, module: nn.Module) -> None:
+    """Refuse to resume ``module`` from a Lightning file whose expert optimizer state was saved at another
+    ``ep_size`` than ``module``'s MoE layers spread their experts over (merak3d's sharded directories name every
+    expert and its state by its global number, and keep no such state)."""
+    if not path.is_file():
+        return
+    saved = saved_expert_parallel_size(load_torch_file(path, mmap=True))
+    ep_size = expert_parallel_size(module)
+    if saved is not None and saved != ep_size:
+        raise ValueError(f"resume={path}: the checkpoint's expert optimizer state was saved with moe.ep_size={saved}, "
+                         f"this run uses moe.ep_size={ep_size}; resume with moe.ep_size={saved}, or start afresh "
+                         "without resume")

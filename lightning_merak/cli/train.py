@@ -275,10 +275,11 @@ def _user_module(config: TrainConfig, strategy: Strategy) -> Any:
 
 def _check_model_against_run(config: TrainConfig, module: Any, resume_from: Optional[Path]) -> None:
     """Refuse a sequence longer than the model's position table, and a checkpoint saved from a model of other
-    sizes; a pretrained model run past the positions it was trained on gets a notice."""
+    sizes or with its experts' optimizer state at another ``moe.ep_size``; a pretrained model run past the positions
+    it was trained on gets a notice."""
     from lightning.pytorch.utilities import rank_zero_only
 
-    from lightning_merak.checkpoint.compatible import check_resume_shapes  # lazy: torch
+    from lightning_merak.checkpoint.compatible import check_resume_expert_parallel, check_resume_shapes  # lazy: torch
     from lightning_merak.modules.positions import beyond_trained_positions, sequence_length_problem  # lazy: torch
 
     model, longest = getattr(module, "model", None), longest_sample_setting(config.data)
@@ -292,6 +293,7 @@ def _check_model_against_run(config: TrainConfig, module: Any, resume_from: Opti
             print(f"merak-train: note: {notice}", flush=True)
     if resume_from is not None:
         check_resume_shapes(resume_from, module)
+        check_resume_expert_parallel(resume_from, module)
 
 
 def _builtin_module(config: TrainConfig, strategy: Strategy, vocab_size: int) -> Any:

@@ -111,12 +111,14 @@ def _layout_values(strategy: Any, world_size: int) -> dict[str, Any]:
 
 def swapped_experts_problem(strategy: Any, world_size: int, ep_size: int) -> Optional[str]:
     """Why our DeepSpeed-MoE layer's experts cannot spread over ``ep_size`` ranks in this run, with the fix; None
-    when they can, or when a merak3d layout left to the planner decides the data-parallel degree later (the expert
-    groups are checked when they are carved). They spread over the data-parallel ranks: all of them under DDP,
-    each stage's under merak3d."""
+    when they can. They spread over the data-parallel ranks: all of them under DDP, each stage's under merak3d,
+    whose layout they need when the callbacks are set up, before a planner could choose it."""
     if getattr(strategy, "strategy_name", None) == "merak3d":
         if strategy.needs_planning:
-            return None
+            return ("the DeepSpeed-MoE layer's expert groups are carved from merak3d's layout when the callbacks are "
+                    "set up, before the planner chooses one; set every 'auto' of strategy.pipeline_parallel, "
+                    "tensor_parallel, tp_overlap, recompute, data_parallel_sharding and context_parallel to a value "
+                    "(data_parallel may stay auto), or use moe.experts=merak_ep, which the planner prices")
         data_parallel = _layout_values(strategy, world_size)["data_parallel"]
     else:
         data_parallel = world_size

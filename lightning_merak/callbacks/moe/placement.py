@@ -24,6 +24,11 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from lightning_merak.callbacks.metrics.figures import log_figure
+from lightning_merak.checkpoint.expert_optimizer import (
+    EXPERT_OPTIMIZER_KEY,
+    expert_parallel_size,
+    saved_expert_parallel_size,
+)
 from lightning_merak.distributed.collectives import average_gradients
 from lightning_merak.plugins.moe.block_replacement import SwappedSparseBlock
 from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, expert_param_positions, gather_expert_state
@@ -34,8 +39,6 @@ from lightning_merak.plugins.moe.options import check_count, check_flag
 from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh, layout_aware
 
 __all__ = ["MoEPlacementCallback", "balance_metrics", "load_heatmap_figure", "plot_load_heatmap"]
-
-_EXPERT_OPTIMIZER_KEY = "moe_expert_optimizer_states"
 
 
 def balance_metrics(layer: PlacementMOELayer) -> dict[str, float]:
@@ -230,24 +233,24 @@ class MoEPlacementCallback(pl.Callback):
                 gathered: list[Any] = [None] * dist.get_world_size(group)
                 dist.all_gather_object(gathered, local, group=group)
                 saved.append(gathered)
-            checkpoint[_EXPERT_OPTIMIZER_KEY] = {"ep_size": layers[0][1].ep_size, "states": saved}
+            checkpoint[EXPERT_OPTIMIZER_KEY] = {"ep_size": layers[0][1].ep_size, "states": saved}
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """Put this EP rank's expert optimizer state in place of rank 0's before the optimizers load."""
-        saved = checkpoint.get(_EXPERT_OPTIMIZER_KEY)
-        if saved is None or "optimizer_states" not in checkpoint:
+        """Put this EP rank's expert optimizer state in place of rank 0's before the optimizers load; another
+        ``ep_size`` merak-train refuses before launch (:mod:`lightning_merak.checkpoint.compatible`)."""
+        saved_ep_size = saved_expert_parallel_size(checkpoint)
+        if saved_ep_size is None:
             return
-        layers = self._expert_layers(pl_module)
-        ep_size = layers[0][1].ep_size if layers else 1
-        if ep_size != saved["ep_size"]:
+        ep_size = expert_parallel_size(pl_module)
+        if ep_size != saved_ep_size:
             raise ValueError(
-                f"checkpoint's expert optimizer state was saved with ep_size={saved['ep_size']}, this run uses "
+                f"checkpoint's expert optimizer state was saved with ep_size={saved_ep_size}, this run uses "
                 f"ep_size={ep_size}; resume with the same ep_size (weights alone load with any)")
-        layer = layers[0][1].deepspeed_moe
+        layer = self._expert_layers(pl_module)[0][1].deepspeed_moe
         layer._attach()
-        for state, per_rank in zip(checkpoint["optimizer_states"], saved["states"]):
+        for state, per_rank in zip(checkpoint["optimizer_states"], checkpoint[EXPERT_OPTIMIZER_KEY]["states"]):
             state["state"].update(per_rank[layer.ep_rank])
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

@@ -50,7 +50,7 @@ class CheckpointHooks(ParallelStrategy):
     Before the build the model is whole (or on the meta device) and Lightning's own behaviour
     applies; afterwards :class:`~.checkpoint.ShardedCheckpointer` writes and reads the shards
     under the unsplit model's names. The strategy provides ``pipeline_rank``, ``layout``,
-    ``layout_choice``, ``_groups`` and ``_arguments``, and sets ``_checkpointer``, ``_built``,
+    ``_groups`` and ``_arguments``, and sets ``_checkpointer``, ``_built``,
     ``_restored_state``, ``_pending_optimizer_states`` and ``_data_parallel``.
     """
 
@@ -71,8 +71,12 @@ class CheckpointHooks(ParallelStrategy):
         return self._checkpointer.to_original_layout(name, full)
 
     def _expert_placement(self) -> tuple[int, tuple[int, int, int]]:
-        """This rank and the ``(pp, dp, tp)`` degrees, for the checkpointer to tell which experts it holds."""
-        if self._built is not None or (self.layout_choice is not None and self._groups is not None):
+        """This rank and the ``(pp, dp, tp)`` degrees, for the checkpointer to tell which experts it holds.
+
+        Lightning restores a checkpoint before ``setup``: the adopted layout is read as soon as it exists (a layout
+        without planning, ``data_parallel="auto"`` resolved, is adopted when the processes start; ``merak_ep`` plans
+        before the restore), the degrees the user fixed otherwise."""
+        if self._groups is not None:  # adopted once, never replaced
             layout = self.layout
             return self.global_rank, (layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel)
         return self.global_rank, self._arguments.fixed_degrees("resuming expert-parallel MoE layers")

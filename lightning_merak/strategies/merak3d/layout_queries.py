@@ -40,6 +40,11 @@ class LayoutQueries:
     @property
     def groups(self) -> LayoutGroups:
         """The adopted layout and its device mesh, once processes have started (or the planner chose)."""
+        if self._groups is None and self._arguments.needs_planning and dist.is_initialized():
+            raise RuntimeError(
+                f"merak3d plans its layout at setup (degrees {self._arguments.degrees}): nothing can read its device "
+                "mesh or groups before that; set every 'auto' of pipeline_parallel, tensor_parallel, tp_overlap, "
+                "recompute, data_parallel_sharding and context_parallel to a value to have them from the start")
         if self._groups is None:
             raise RuntimeError("the device mesh exists once processes have started (setup_environment)")
         return self._groups
