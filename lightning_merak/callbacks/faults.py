@@ -3,12 +3,18 @@
 The watch itself is :class:`~lightning_merak.distributed.watchdog.Watchdog` (started for ``fit``, stopped at its
 end); this callback only gives it the run's newest complete checkpoint and turns the error a survivor's main
 thread gets from gloo when a peer dies ("Connection closed by peer") into :class:`RankLostError`, which names
-the lost rank, its host and the checkpoint to resume from.
+the lost rank, its host and the checkpoint to resume from. While it waits for the watchdog's verdict, a SIGTERM
+(torchrun ends a failed attempt's survivors so) is held back: Lightning's handler of it broadcasts on the broken
+group and would raise gloo's error instead.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -38,6 +44,21 @@ def newest_checkpoint(trainer: pl.Trainer) -> str | None:
         if newest is not None:
             found.append((newest.stat().st_mtime, str(newest)))
     return max(found)[1] if found else None
+
+
+@contextmanager
+def _sigterm_held() -> Iterator[list[int]]:
+    """Hold back SIGTERM in the main thread for the block; yields a list that holds it if it came (Python runs
+    signal handlers in the main thread only, so elsewhere nothing is held)."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # None: not set from Python
 
 
 class FaultWatch(pl.Callback):
@@ -87,8 +108,11 @@ class FaultWatch(pl.Callback):
         """A collective failed because a peer is gone: raise :class:`RankLostError` naming it instead."""
         if self.watchdog is None or not any(word in str(exception).lower() for word in _PEER_FAILURES):
             return
-        lost = self.watchdog.lost_ranks(wait_s=self.dead_after_s + 3 * self.poll_s)
+        with _sigterm_held() as sigterm:
+            lost = self.watchdog.lost_ranks(wait_s=self.dead_after_s + 3 * self.poll_s)
         if not lost:
+            if sigterm:
+                signal.raise_signal(signal.SIGTERM)  # no lost peer to name: the signal's own handling goes on
             return
         self.watchdog.handled = True
         message = self.watchdog.describe_lost(lost)

@@ -6,6 +6,7 @@ would otherwise find only once they run (or what OmegaConf would report as a tra
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
@@ -15,7 +16,8 @@ from lightning_merak.cli.overrides import ConfigError
 from lightning_merak.modules.config import DataConfig, Schedule
 
 __all__ = ["DATAMODULE_MEMBERS", "MODULE_MEMBERS", "batch_shape", "check_callbacks_take", "check_context_calibration",
-           "check_schedule_end", "config_object", "fixed_sequence_length", "longest_sample_setting"]
+           "check_node_launch", "check_schedule_end", "config_object", "fixed_sequence_length",
+           "longest_sample_setting"]
 
 MODULE_MEMBERS = ("training_step", "configure_optimizers")
 """What a ``module._target_`` LightningModule must define for Lightning to train it."""
@@ -38,6 +40,48 @@ def config_object(config: Any) -> Any:
         key = str(error.full_key)
         raise ConfigError(_UNSET_HINTS.get(key, f"{key} is not set (the option chosen leaves it ???): set "
                                                 f"{key}=...")) from None
+
+
+_NODE_NUMBERING_LAUNCHERS = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+"""Launchers that number the nodes themselves (torchrun, SLURM, MPI): Lightning reads their variables, not
+``NODE_RANK``."""
+_MULTI_NODE_GUIDE = "docs/guides/multi-node.md"
+
+
+def _whole_number(name: str, text: str) -> int:
+    """``text`` of the environment variable ``name`` as an integer; refused, naming it, if it is none."""
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not a whole number; set {name} to one, or unset it") from None
+
+
+def check_node_launch(num_nodes: int, environ: Mapping[str, str]) -> None:
+    """Refuse a launch whose ranks could never all join, which would hang instead: a ``RANK`` or ``NODE_RANK``
+    past the world it numbers (that node's ranks die in gloo's ``rank < size`` and node 0 waits forever), or
+    ``trainer.num_nodes`` > 1 with Lightning's launcher but no ``MASTER_ADDR``, ``MASTER_PORT`` or ``NODE_RANK``
+    (Lightning would wait on 127.0.0.1 and a port of its own choosing for nodes that cannot find it)."""
+    rank, world = environ.get("RANK"), environ.get("WORLD_SIZE")
+    if rank is not None and world is not None and _whole_number("RANK", rank) >= _whole_number("WORLD_SIZE", world):
+        raise ConfigError(f"RANK={rank} but WORLD_SIZE={world}: ranks are numbered 0..{int(world) - 1}; give each "
+                          "process its own RANK below WORLD_SIZE")
+    if any(name in environ for name in _NODE_NUMBERING_LAUNCHERS):
+        return
+    node_variable = "NODE_RANK" if "NODE_RANK" in environ else "GROUP_RANK"  # as Lightning's environment reads it
+    node_rank = environ.get(node_variable)
+    if node_rank is not None and not 0 <= _whole_number(node_variable, node_rank) < num_nodes:
+        raise ConfigError(f"{node_variable}={node_rank} but trainer.num_nodes={num_nodes}: nodes are numbered "
+                          f"0..{num_nodes - 1}; give each node its own {node_variable} in that range, or set "
+                          f"trainer.num_nodes to the number of nodes ({_MULTI_NODE_GUIDE})")
+    if num_nodes > 1 and "LOCAL_RANK" not in environ:  # Lightning's launcher is to start this node's ranks
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in environ]
+        missing += [] if node_rank is not None else ["NODE_RANK"]
+        if missing:
+            raise ConfigError(
+                f"trainer.num_nodes={num_nodes} but no launcher started this process and {', '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not set, so the nodes cannot find each other (it would "
+                "wait forever): start every node with torchrun or srun, or set on each node NODE_RANK (0.."
+                f"{num_nodes - 1}), MASTER_ADDR (node 0's address) and the same MASTER_PORT ({_MULTI_NODE_GUIDE})")
 
 
 def batch_shape(config: Any, data: Any) -> dict[str, Any]:

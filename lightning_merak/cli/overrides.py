@@ -6,8 +6,10 @@ is misspelled) and ``model=lama`` with the list of options. :func:`check_overrid
 key no schema declares gets "did you mean ...?" and a group option the closest option; a key a schema does not
 declare but a free-form node takes (``model.config.*``, ``module.*``, the keys of a ``_target_`` node) is added
 (Hydra's ``+``) without the user writing it; ``trainer.<any Trainer argument>`` goes to ``trainer.kwargs``;
-``data._target_=...`` alone selects ``data=custom``. It returns the overrides Hydra should compose, which the
-ranks started early receive again (checking them twice changes nothing). Nothing here imports torch.
+``data._target_=...`` alone selects ``data=custom``; a path Hydra's grammar cannot read unquoted
+(``resume=.../step=10.ckpt``, a checkpoint name merak-train writes) is quoted for it. It returns the overrides
+Hydra should compose, which the ranks started early receive again (checking them twice changes nothing). Nothing
+here imports torch.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ SET_BY_MERAK_TRAIN = {"strategy": "strategy=...", "logger": "logger=...", "callb
                       "default_root_dir": "output_dir=...",
                       "check_val_every_n_epoch": "trainer.val_check_interval (null: validate once per epoch)"}
 """``Trainer`` arguments ``merak-train`` sets itself, and the override that sets them instead."""
+
+
+PATH_KEY_ENDINGS = ("resume", "path", "dir")
+"""How the keys whose values are paths end (``resume``, ``data.path``, ``hydra.run.dir``): a value of theirs that
+Hydra's grammar cannot read unquoted (the ``=`` of ``step=10.ckpt``, a bracket) is quoted for it."""
 
 
 class ConfigError(ValueError):
@@ -167,6 +174,33 @@ def _compose(overrides: list[str]) -> DictConfig:
         return compose(config_name="config", overrides=overrides)
 
 
+def _quoted_path(argument: str, parser: OverridesParser) -> str:
+    """``argument`` with its value quoted if it is a path Hydra's grammar cannot read unquoted (a path merak-train
+    names itself, ``resume=<run>/checkpoints/step=10.ckpt``, would otherwise get "mismatched input '='")."""
+    key, separator, value = argument.partition("=")
+    if not separator or argument.startswith("-") or not key.rsplit(".", 1)[-1].endswith(PATH_KEY_ENDINGS):
+        return argument
+    try:
+        parser.parse_override(argument)
+        return argument
+    except HydraException:
+        quote = next((mark for mark in ("'", '"') if mark not in value), None)
+        return argument if quote is None else f"{key}={quote}{value}{quote}"
+
+
+def _unreadable(overrides: list[str], parser: OverridesParser, error: HydraException) -> str:
+    """Why Hydra's grammar cannot read the first of ``overrides`` it refuses, naming it and the quoting."""
+    for override in overrides:
+        try:
+            parser.parse_override(override)
+        except HydraException as own:
+            key, _, value = override.partition("=")
+            reason = str(own).strip().split("\n")[0]
+            return (f"{override}: {reason}; a value holding characters of Hydra's grammar (= [ ] {{ }} ( ) # , "
+                    f"a quote) goes in quotes: \"{key}='{value}'\" (Hydra's override grammar)")
+    return str(error).strip()
+
+
 def check_overrides(arguments: list[str]) -> list[str]:
     """``arguments`` (``merak-train``'s, flags included) with each override checked and put as Hydra takes it.
 
@@ -174,14 +208,16 @@ def check_overrides(arguments: list[str]) -> list[str]:
     an override Hydra cannot compose."""
     from hydra._internal.utils import get_args_parser  # Hydra's own command line, so flags parse as it parses them
 
+    parser = OverridesParser.create()
+    arguments = [_quoted_path(argument, parser) for argument in arguments]
     command = get_args_parser().parse_args(arguments)
     if command.config_dir or command.config_name or command.config_path:
         return arguments  # another primary config or search path: only Hydra knows what it declares
     overrides = command.overrides
     try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
+        parsed = parser.parse_overrides(overrides)
     except HydraException as error:
-        raise ConfigError(str(error).strip()) from None
+        raise ConfigError(_unreadable(overrides, parser, error)) from None
     options = _group_options()
     groups = [override for override in parsed if override.key_or_group in options]
     for override in groups:

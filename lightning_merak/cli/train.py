@@ -44,6 +44,7 @@ from lightning_merak.cli.checks import (
     batch_shape,
     check_callbacks_take,
     check_context_calibration,
+    check_node_launch,
     check_schedule_end,
     config_object,
     fixed_sequence_length,
@@ -116,6 +117,7 @@ def validate_run(config: TrainerConfig) -> int:
         raise ValueError(f"trainer.precision={config.precision} (float16 with loss scaling) needs a GPU; on CPU "
                          "Lightning would train in bf16-mixed instead: use trainer.precision=bf16-mixed, or "
                          "trainer=gpu")
+    check_node_launch(config.num_nodes, os.environ)  # a node numbered past the world, or no address: it would hang
     requested = devices * config.num_nodes
     launched = _launched_world_size()
     if launched is not None and launched != requested:
