@@ -44,16 +44,16 @@ def _global_batches() -> list[VariableBatch]:
 
 
 
-def _module() -> FixedOptimizerModule:
+def _module(config: ModelConfig = LLAMA) -> FixedOptimizerModule:
     torch.manual_seed(0)
-    model = build_causal_lm(LLAMA, vocab_size=VOCAB)
+    model = build_causal_lm(config, vocab_size=VOCAB)
     model.config.use_cache = False
     return FixedOptimizerModule(model)
 
 
-def _reference() -> TrainingTrace:
+def _reference(config: ModelConfig = LLAMA) -> TrainingTrace:
     """Each sample on its own through the whole model; loss = summed token loss / real targets of the batch."""
-    module = _module()
+    module = _module(config)
     optimizer = torch.optim.SGD(module.model.parameters(), lr=0.5)
     trace = TrainingTrace()
     for batch in _global_batches():

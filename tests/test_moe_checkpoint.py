@@ -98,7 +98,18 @@ def test_resume_keeps_every_ranks_experts(tmp_path: Path) -> None:
 
 
 def merak3d_resume_run(rank: int, world_size: int, directory: str) -> dict[str, Any]:
-    """pp=2 × dp=2, experts split over each stage's two data-parallel ranks; saved after an epoch of 2 steps, resumed.
+    """pp=2 × dp=2, experts split over each stage's two data-parallel ranks; saved after an epoch of 2 steps, resumed
+    (:func:`merak3d_resume_runs`)."""
+    strategy = {"data_parallel": 2, "pipeline_parallel": 2, "tensor_parallel": 1, "micro_batches": 2,
+                "partition": "uniform"}
+    return merak3d_resume_runs(str(Path(directory) / "merak3d-moe"), world_size, strategy, data_rank=rank % 2)
+
+
+def merak3d_resume_runs(path: str, world_size: int, strategy_kwargs: dict[str, Any],
+                        data_rank: int) -> dict[str, Any]:
+    """A merak3d MoE run on ``world_size`` ranks (``Merak3DStrategy(**strategy_kwargs)``) trained straight, and
+    interrupted, saved to ``path`` and resumed into a model initialised otherwise, on data-parallel rank
+    ``data_rank``'s batches.
 
     The uninterrupted run trains one epoch of all steps; the interrupted one an epoch of the first steps,
     and the resumed one continues with the rest as its second epoch (a constant learning rate, so
@@ -108,13 +119,12 @@ def merak3d_resume_run(rank: int, world_size: int, directory: str) -> dict[str, 
     from tests.test_moe_lightning import BATCH, OPTIM, STEPS, _batches, _model, _Recorder, local_experts
 
     config = ProphetMoEConfig(ep_size=2, aux_loss_coef=0.0, dispatch="dropless", placement="none")
-    data = _batches(rank % 2)  # mesh (pp, dp, tp) = (2, 2, 1): rank = 2·pp + dp
+    data = _batches(data_rank)
 
     def fit(seed: int, first_step: int, last_step: int, epochs: int = 1, ckpt_path: str | None = None) -> tuple:
         module = _AdamModule(config.apply(_model(seed)), OPTIM)
         recorder = _Recorder()
-        strategy = Merak3DStrategy(data_parallel=2, pipeline_parallel=2, tensor_parallel=1, micro_batches=2,
-                                   partition="uniform", timeout_s=150)
+        strategy = Merak3DStrategy(**strategy_kwargs, timeout_s=150)
         trainer = pl.Trainer(
             accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=epochs, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -125,7 +135,6 @@ def merak3d_resume_run(rank: int, world_size: int, directory: str) -> dict[str, 
         trainer.fit(module, loader, ckpt_path=ckpt_path)
         return trainer, recorder.losses, local_experts(strategy)
 
-    path = str(Path(directory) / "merak3d-moe")
     _, straight, straight_experts = fit(0, 0, STEPS)
     trainer, interrupted, _ = fit(0, 0, RESUME_AT)
     trainer.save_checkpoint(path)
@@ -135,6 +144,20 @@ def merak3d_resume_run(rank: int, world_size: int, directory: str) -> dict[str, 
     saved = sorted(FileSystemReader(path).read_metadata().state_dict_metadata)
     return {"straight": straight, "interrupted": interrupted, "resumed": resumed, "saved": saved,
             "straight_experts": straight_experts, "resumed_experts": resumed_experts}
+
+
+def assert_resumed_like_straight(results: list[dict[str, Any]]) -> None:
+    """Every rank's resumed losses and experts (:func:`merak3d_resume_runs`) equal the uninterrupted run's."""
+    from tests.test_moe_lightning import STEPS
+
+    for rank, result in enumerate(results):
+        assert result["interrupted"] == pytest.approx(result["straight"][:RESUME_AT], rel=1e-6)
+        assert len(result["resumed"]) == STEPS - RESUME_AT
+        assert result["resumed"] == pytest.approx(result["straight"][RESUME_AT:], rel=1e-5), f"rank {rank}"
+        assert set(result["resumed_experts"]) == set(result["straight_experts"])
+        for key, value in result["straight_experts"].items():
+            error = (result["resumed_experts"][key] - value).abs().max().item()
+            assert error < 1e-5, f"rank {rank}: expert {key} differs by {error:.3g} after resuming"
 
 
 def _AdamModule(model: torch.nn.Module, optim: Any) -> pl.LightningModule:
@@ -151,7 +174,6 @@ def _AdamModule(model: torch.nn.Module, optim: Any) -> pl.LightningModule:
 @pytest.mark.timeout(400)
 def test_merak3d_checkpoint_keeps_every_ranks_experts(tmp_path: Path) -> None:
     """merak3d writes each rank's experts under their global numbers, and resuming picks each rank's own back."""
-    from tests.test_moe_lightning import STEPS
 
     results = run_distributed(merak3d_resume_run, 4, args=(str(tmp_path),), timeout_s=360)
     expert_keys = [key for key in results[0]["saved"] if key.startswith("model.") and "deepspeed_experts." in key]
@@ -159,11 +181,4 @@ def test_merak3d_checkpoint_keeps_every_ranks_experts(tmp_path: Path) -> None:
     assert numbers == [0, 1, 2, 3], f"the checkpoint must hold all 4 experts of every layer, found {numbers}"
     assert any(key.startswith("optim.") and "deepspeed_experts.3." in key for key in results[0]["saved"]), \
         "expert optimizer state of the second EP rank is missing"
-    for rank, result in enumerate(results):
-        assert result["interrupted"] == pytest.approx(result["straight"][:RESUME_AT], rel=1e-6)
-        assert len(result["resumed"]) == STEPS - RESUME_AT
-        assert result["resumed"] == pytest.approx(result["straight"][RESUME_AT:], rel=1e-5), f"rank {rank}"
-        assert set(result["resumed_experts"]) == set(result["straight_experts"])
-        for key, value in result["straight_experts"].items():
-            error = (result["resumed_experts"][key] - value).abs().max().item()
-            assert error < 1e-5, f"rank {rank}: expert {key} differs by {error:.3g} after resuming"
+    assert_resumed_like_straight(results)
