@@ -84,3 +84,17 @@ def test_a_run_started_afresh_in_the_same_directory_replaces_the_file(tmp_path: 
     _attempt(tmp_path, max_steps=4)
     _attempt(tmp_path, max_steps=2)
     assert [step for step, _ in _losses(tmp_path)] == [0, 1]
+
+
+def test_a_lightning_without_the_overridden_hook_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The logger overrides a private hook of Lightning's writer; a Lightning without it gets a warning, not a
+    silent loss of the earlier rows."""
+    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+    from lightning_merak.cli.metrics_history import ResumableCSVLogger
+
+    for owner in ExperimentWriter.__mro__:  # the class that defines it (Lightning's writer inherits it from Fabric's)
+        if "_check_log_dir_exists" in vars(owner):
+            monkeypatch.delattr(owner, "_check_log_dir_exists")
+    with pytest.warns(UserWarning, match="no _check_log_dir_exists"):
+        assert ResumableCSVLogger(str(tmp_path), name="csv", version="").experiment is not None

@@ -20,6 +20,7 @@ import csv
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.utilities import rank_zero_warn
 
 __all__ = ["ResumableCSVLogger"]
 
@@ -103,6 +104,9 @@ class ResumableCSVLogger(CSVLogger):
     @rank_zero_experiment
     def experiment(self) -> ExperimentWriter:
         if self._experiment is None:
+            if not callable(getattr(ExperimentWriter, "_check_log_dir_exists", None)):  # the hook overridden above
+                rank_zero_warn("this Lightning's CSV writer has no _check_log_dir_exists, where earlier ones delete "
+                               "an existing metrics.csv: a restart's rows of earlier attempts may not be kept")
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _ContinuingWriter(log_dir=self.log_dir)
         return self._experiment
