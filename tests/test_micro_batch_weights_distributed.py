@@ -16,14 +16,8 @@ from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_merak.strategies.merak3d import Merak3DStrategy
-from lightning_merak.testing import (
-    TrainingTrace,
-    assert_traces_match,
-    layout_gradients,
-    merge_rank_traces,
-    run_distributed,
-    snapshot_gradients,
-)
+from lightning_merak.testing import TrainingTrace, assert_traces_match, merge_rank_traces, run_distributed
+from lightning_merak.testing.compare import LayoutTraceRecorder, record_reference_trace
 
 pytestmark = pytest.mark.distributed
 
@@ -36,12 +30,12 @@ class _SmoothedLM(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = LlamaForCausalLM(LlamaConfig(
+        self.model = LlamaForCausalLM(LlamaConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, use_cache=False))
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        logits = self.net(batch["input_ids"]).logits
+        logits = self.model(batch["input_ids"]).logits
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), label_smoothing=0.1)
         self.log("train/loss", loss)
         return loss
@@ -57,18 +51,8 @@ def _samples() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": ids[index], "labels": labels[index]} for index in range(len(ids))]
 
 
-class _Recorder(pl.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-        self.gradients: list[dict[str, torch.Tensor]] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(float(trainer.callback_metrics["train/loss"]))
-        self.gradients.append(layout_gradients(trainer.strategy, pl_module.net))
-
-
 def _train_rank(rank: int, world_size: int) -> tuple[list[float], list[dict]]:
-    recorder = _Recorder()
+    recorder = LayoutTraceRecorder()
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, enable_checkpointing=False,
         strategy=Merak3DStrategy(pipeline_parallel=2, micro_batches=BATCH, timeout_s=120),
@@ -81,16 +65,10 @@ def _train_rank(rank: int, world_size: int) -> tuple[list[float], list[dict]]:
 def _reference() -> TrainingTrace:
     """One process on each whole batch: the mean over its scored labels (equal per sample that scores any)."""
     module = _SmoothedLM()
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
     module.log = lambda *args, **kwargs: None
-    trace = TrainingTrace()
-    for batch in DataLoader(_samples(), batch_size=BATCH):
-        optimizer.zero_grad()
-        loss = module.training_step(batch, 0)
-        loss.backward()
-        trace.append(loss.item(), snapshot_gradients(module.net))
-        optimizer.step()
-    return trace
+    return record_reference_trace(module.model, DataLoader(_samples(), batch_size=BATCH),
+                                  lambda model, batch: module.training_step(batch, 0),
+                                  torch.optim.SGD(module.parameters(), lr=0.5))
 
 
 def test_micro_batches_without_labels_leave_the_step_as_one_process_computes_it() -> None:
