@@ -8,8 +8,8 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0+cpu
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
-# Two workers. tests/conftest.py puts the multi-process tests in one xdist group, but under pytest 9.2 with
-# xdist 3.8 the group is not honoured, so two of them may run at once.
+# Two workers, each free to run a multi-process test: on 2 cores this beat one worker running those tests one
+# after another (1,746 s against 1,954 s for the whole suite) and three workers.
 PYTEST_WORKERS ?= 2
 LOCK_VENV := $(VENV)-lock
 
@@ -30,7 +30,7 @@ train: setup
 	$(VENV)/bin/merak-train $(ARGS)
 
 test: setup
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist load $(PYTEST_ARGS)
 
 lock:
 	rm -rf $(LOCK_VENV)

@@ -58,16 +58,23 @@ _KEYS = {(2, "ring", 1, 1), (4, "ring", 1, 1), (2, "all_to_all", 1, 1)}
 
 def test_kernels_past_the_longest_timed_length_are_estimated_near_their_measured_time():
     """Timed at 1024 and 2048 tokens, the estimates at 4096 add up to the time measured at 4096 within the noise
-    of a shared machine; unscaled (0.25x) or linearly scaled (0.5x) times would not."""
+    of a shared machine; unscaled (0.25x) or linearly scaled (0.5x) times would not.
+
+    Another test process may share the cores, which only ever slows a timing down: estimate and measurement
+    are taken three times, interleaved, and the fastest of each is compared."""
     torch.manual_seed(0)
-    estimated = time_attention_kernels(_shape(4096), _KEYS, torch.device("cpu"), repeats=3, longest_timed=2048)
-    measured = time_attention_kernels(_shape(4096), _KEYS, torch.device("cpu"), repeats=3)
-    assert [set(table) for table in estimated] == [set(table) for table in measured]
 
     def total(tables: tuple[dict, dict]) -> float:
         return sum(sum(times) for table in tables for times in table.values())
 
-    assert 0.65 < total(estimated) / total(measured) < 1.6
+    estimated_s, measured_s = [], []
+    for _ in range(3):
+        estimated = time_attention_kernels(_shape(4096), _KEYS, torch.device("cpu"), repeats=3, longest_timed=2048)
+        measured = time_attention_kernels(_shape(4096), _KEYS, torch.device("cpu"), repeats=3)
+        assert [set(table) for table in estimated] == [set(table) for table in measured]
+        estimated_s.append(total(estimated))
+        measured_s.append(total(measured))
+    assert 0.65 < min(estimated_s) / min(measured_s) < 1.6
 
 
 def test_kernel_timing_cost_does_not_grow_with_the_sequence():
