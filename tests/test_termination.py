@@ -91,6 +91,12 @@ def test_signal_to_merak_train_ends_both_ranks(tmp_path, signum):
         _wait_until(lambda: process.poll() is not None and not _live_members(process.pid), 60,
                     f"merak-train processes still running after {signum.name} (this process's SIGINT handler: "
                     f"{signal.getsignal(signal.SIGINT)}); output:\n" + (tmp_path / "output.log").read_text()[-2000:])
+        output = (tmp_path / "output.log").read_text()
+        # a stopped run does not pass for a finished one (Lightning's SIGTERM stop alone exits with status 0)
+        assert process.returncode != 0 and "merak-train: done" not in output, output[-2000:]
+        if signum == signal.SIGTERM:
+            assert process.returncode == 128 + signal.SIGTERM, output[-2000:]
+            assert "merak-train: stopped by SIGTERM at step" in output and "resume from " in output, output[-2000:]
     finally:
         _kill_group(process.pid)
         process.wait()

@@ -465,6 +465,8 @@ def fit(run: PreparedRun, prelaunched: PrelaunchedRanks | None = None) -> Path:
     before launch has passed (:mod:`lightning_merak.cli.prelaunch`); None lets Lightning launch them."""
     from lightning.pytorch.utilities import rank_zero_only
 
+    from lightning_merak.cli.stopped import exit_failing_on_sigterm  # lazy: Lightning
+
     config, trainer = run.config, run.trainer
     output_dir = Path(config.output_dir)
     strategy = trainer.strategy
@@ -481,7 +483,8 @@ def fit(run: PreparedRun, prelaunched: PrelaunchedRanks | None = None) -> Path:
     if prelaunched is not None:
         prelaunched.start()
     try:
-        trainer.fit(run.module, datamodule=run.data, ckpt_path=run.resume_from)
+        with exit_failing_on_sigterm(trainer, output_dir / "checkpoints"):
+            trainer.fit(run.module, datamodule=run.data, ckpt_path=run.resume_from)
     except DataError as error:  # found as the ranks read the data: a refusal naming the fix, not a traceback
         print(f"merak-train: error: {error}", file=sys.stderr, flush=True)
         if prelaunched is not None:
