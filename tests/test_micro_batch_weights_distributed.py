@@ -1,7 +1,8 @@
 """A user's own loss at pipeline_parallel=2 with a micro-batch whose labels are all -100, against one process.
 
-The replayed ``training_step`` loss of such a micro-batch is NaN (a mean over no label); it made the whole step's
-loss and gradients NaN where one process gives a number. It now weighs 0 and the others are re-normalised.
+The loss of such a micro-batch, replayed from ``training_step`` or given by ``loss_from_outputs``, is NaN (a mean
+over no label); it made the whole step's loss and gradients NaN where one process gives a number. It now weighs 0
+and the others are re-normalised.
 """
 
 from __future__ import annotations
@@ -44,6 +45,22 @@ class _SmoothedLM(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
+class _SmoothedLMWithLossFromOutputs(_SmoothedLM):
+    """The same loss, given to merak3d as ``loss_from_outputs`` (scored per micro-batch on the last stage)."""
+
+    def loss_from_outputs(self, outputs, batch: dict) -> torch.Tensor:
+        return F.cross_entropy(outputs.logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
+                               label_smoothing=0.1)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self.loss_from_outputs(self.model(batch["input_ids"]), batch)
+        self.log("train/loss", loss)
+        return loss
+
+
+MODULES = {"replayed_training_step": _SmoothedLM, "loss_from_outputs": _SmoothedLMWithLossFromOutputs}
+
+
 def _samples() -> list[dict[str, torch.Tensor]]:
     ids = torch.randint(VOCAB, (BATCH * STEPS, LENGTH), generator=torch.Generator().manual_seed(3))
     labels = ids.clone()
@@ -51,14 +68,14 @@ def _samples() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": ids[index], "labels": labels[index]} for index in range(len(ids))]
 
 
-def _train_rank(rank: int, world_size: int) -> tuple[list[float], list[dict]]:
+def _train_rank(rank: int, world_size: int, module: str) -> tuple[list[float], list[dict]]:
     recorder = LayoutTraceRecorder()
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, enable_checkpointing=False,
         strategy=Merak3DStrategy(pipeline_parallel=2, micro_batches=BATCH, timeout_s=120),
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         use_distributed_sampler=False, callbacks=[recorder])
-    trainer.fit(_SmoothedLM(), train_dataloaders=DataLoader(_samples(), batch_size=BATCH))
+    trainer.fit(MODULES[module](), train_dataloaders=DataLoader(_samples(), batch_size=BATCH))
     return recorder.losses, recorder.gradients
 
 
@@ -71,7 +88,8 @@ def _reference() -> TrainingTrace:
                                   torch.optim.SGD(module.parameters(), lr=0.5))
 
 
-def test_micro_batches_without_labels_leave_the_step_as_one_process_computes_it() -> None:
-    candidate = merge_rank_traces(run_distributed(_train_rank, 2, timeout_s=300))
+@pytest.mark.parametrize("module", list(MODULES))
+def test_micro_batches_without_labels_leave_the_step_as_one_process_computes_it(module: str) -> None:
+    candidate = merge_rank_traces(run_distributed(_train_rank, 2, args=(module,), timeout_s=300))
     assert all(math.isfinite(loss) for loss in candidate.losses), candidate.losses
     assert_traces_match(_reference(), candidate)

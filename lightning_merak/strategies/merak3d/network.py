@@ -30,7 +30,13 @@ from lightning_merak.protocols.module_contract import (
     Merak3DModule,
     loss_from_outputs_snippet,
 )
-from lightning_merak.strategies.merak3d.step_replay import ReplayedStep, StepReplay, batch_labels
+from lightning_merak.strategies.merak3d.step_replay import (
+    ReplayedStep,
+    StepReplay,
+    batch_labels,
+    scoring_scale,
+    weighed_score,
+)
 
 __all__ = ["ModuleView", "PipelinedNetwork", "batch_inputs", "install_module_loss", "module_view", "select_samples"]
 
@@ -313,9 +319,10 @@ class PipelinedNetwork:
     def _training_score(self, labels: Optional[torch.Tensor]) -> MicroBatchLoss:
         """How this training call's micro-batches are scored: ``loss_from_outputs`` on the step's batch, else the
         transformers loss of the call's ``labels``, weighted so the mean over micro-batches is the batch's mean."""
-        if self._outputs_scorer is not None:
+        if self._outputs_scorer is not None:  # a micro-batch whose labels are all ignored weighs 0, as replayed
             scorer, batch = self._outputs_scorer, self.batch
-            return lambda logits, index: scorer(logits, select_samples(batch, index))
+            scale = scoring_scale(batch, self.step.micro_batches)
+            return lambda logits, index: weighed_score(scorer, logits, select_samples(batch, index), scale)
         if not self._pretrained:
             name = type(self._view.module).__name__
             raise TypeError(f"{name} calls its network with `labels`, and merak3d scores `labels` with a transformers "

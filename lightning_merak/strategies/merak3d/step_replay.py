@@ -14,7 +14,8 @@ step is refused at its first batch, on every rank, with the one method that repl
 A micro-batch whose labels are all the ignore index (``-100``) scores nothing: a mean loss over its labels is NaN
 (0/0), which would make the step's loss and gradients NaN where one process, scoring the whole batch, gives a
 number. Once :meth:`StepReplay.weigh_micro_batches` saw the step's batch, such a micro-batch weighs 0 and the
-others' mean is re-normalised over the micro-batches that score a label.
+others' mean is re-normalised over the micro-batches that score a label; a module's own ``loss_from_outputs`` is
+weighed alike (:func:`weighed_score`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from torch.utils._pytree import tree_flatten
 from lightning_merak.parallel.context.model import IGNORE_INDEX
 from lightning_merak.protocols.module_contract import MODEL, loss_from_outputs_snippet
 
-__all__ = ["LoggedValues", "ReplayedStep", "StepReplay", "batch_labels"]
+__all__ = ["LoggedValues", "ReplayedStep", "StepReplay", "batch_labels", "scores_a_label", "scoring_scale",
+           "weighed_score", "zero_loss_of"]
 
 
 def batch_labels(batch: Any) -> Any:
@@ -42,10 +44,38 @@ def batch_labels(batch: Any) -> Any:
     return None
 
 
-def _scores_a_label(samples: Any) -> bool:
+def scores_a_label(samples: Any) -> bool:
     """Whether ``samples`` (a micro-batch) hold a label other than the ignore index, or no labels tensor at all."""
     labels = batch_labels(samples)
     return not isinstance(labels, torch.Tensor) or bool((labels != IGNORE_INDEX).any())
+
+
+def scoring_scale(batch: Any, micro_batches: int) -> float:
+    """The weight of each micro-batch that scores a label when ``batch`` is split into ``micro_batches`` along its
+    first dimension as the schedule splits it: ``micro_batches`` over their count, so that with the others weighing 0
+    the schedule's mean is theirs (1 where every one scores a label, none does, or the batch names no labels)."""
+    labels = batch_labels(batch)
+    if not isinstance(labels, torch.Tensor):
+        return 1.0
+    scoring = int(sum((part != IGNORE_INDEX).any() for part in torch.tensor_split(labels, micro_batches)))
+    return micro_batches / scoring if scoring else 1.0
+
+
+def weighed_score(score: Callable[[Any, Any], torch.Tensor], logits: Any, samples: Any,
+                  scale: float) -> torch.Tensor:
+    """``score(logits, samples)`` weighed by ``scale`` (:func:`scoring_scale`); a micro-batch that scores no label is
+    not scored (its mean loss is 0/0) and gives zero, still connected to ``logits`` so the schedule's backward runs."""
+    if scale == 1.0:
+        return score(logits, samples)
+    if scores_a_label(samples):
+        return score(logits, samples) * scale
+    return zero_loss_of(logits)
+
+
+def zero_loss_of(logits: Any) -> torch.Tensor:
+    """A zero loss connected to ``logits``' first tensor (so a backward through it runs), or a plain zero."""
+    anchor = next((leaf for leaf in tree_flatten(logits)[0] if isinstance(leaf, torch.Tensor)), None)
+    return anchor.sum() * 0.0 if anchor is not None else torch.zeros(())
 
 
 @dataclass
@@ -130,18 +160,14 @@ class StepReplay:
         """Weigh the step's micro-batches, ``batch`` split into ``micro_batches`` along its first dimension as the
         schedule splits it: one whose labels are all the ignore index weighs 0, the others ``micro_batches`` over
         their count, so the schedule's mean is theirs (nothing changes where every one scores a label, or none)."""
-        labels = batch_labels(batch)
-        if not isinstance(labels, torch.Tensor):
-            return
-        scoring = int(sum((part != IGNORE_INDEX).any() for part in torch.tensor_split(labels, micro_batches)))
-        self._scale = micro_batches / scoring if scoring else 1.0
+        self._scale = scoring_scale(batch, micro_batches)
 
     def score(self, logits: Any, samples: Any) -> torch.Tensor:
         """The loss ``training_step`` computes on ``samples`` (a micro-batch of the step's batch) when its network
         returns ``logits``, weighed (:meth:`weigh_micro_batches`); a failure is kept, and it and a micro-batch that
         weighs 0 score zero (still connected to ``logits``, so the schedule's backward runs)."""
         if self.error is None:
-            counts = self._scale == 1.0 or _scores_a_label(samples)
+            counts = self._scale == 1.0 or scores_a_label(samples)
             self.logged.counting = counts
             try:
                 loss = self._replay(logits, samples)
@@ -149,8 +175,7 @@ class StepReplay:
                     return loss if self._scale == 1.0 else loss * self._scale
             except Exception as error:  # kept for every rank to raise after the schedule
                 self.error = self.refusal(f"{type(error).__name__}: {error}")
-        anchor = next((leaf for leaf in tree_flatten(logits)[0] if isinstance(leaf, torch.Tensor)), None)
-        return anchor.sum() * 0.0 if anchor is not None else torch.zeros(())
+        return zero_loss_of(logits)
 
     def refusal(self, reason: str) -> str:
         name = type(self._module).__name__
