@@ -27,6 +27,10 @@ UNSCORED = (1, 4, 5, 6)
 """Samples whose labels are all -100: one micro-batch of the first step, three of the second (one sample each)."""
 
 
+def _smoothed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), label_smoothing=0.1)
+
+
 class _SmoothedLM(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -36,8 +40,7 @@ class _SmoothedLM(pl.LightningModule):
             num_key_value_heads=2, use_cache=False))
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        logits = self.model(batch["input_ids"]).logits
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), label_smoothing=0.1)
+        loss = _smoothed_loss(self.model(batch["input_ids"]).logits, batch["labels"])
         self.log("train/loss", loss)
         return loss
 
@@ -49,8 +52,7 @@ class _SmoothedLMWithLossFromOutputs(_SmoothedLM):
     """The same loss, given to merak3d as ``loss_from_outputs`` (scored per micro-batch on the last stage)."""
 
     def loss_from_outputs(self, outputs, batch: dict) -> torch.Tensor:
-        return F.cross_entropy(outputs.logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
-                               label_smoothing=0.1)
+        return _smoothed_loss(outputs.logits, batch["labels"])
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self.loss_from_outputs(self.model(batch["input_ids"]), batch)

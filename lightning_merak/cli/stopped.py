@@ -11,13 +11,12 @@ from __future__ import annotations
 import signal
 import sys
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Iterator
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_merak.checkpoint.files import newest_complete
+from lightning_merak.callbacks.faults import newest_checkpoint
 
 __all__ = ["SIGTERM_EXIT_STATUS", "exit_failing_on_sigterm"]
 
@@ -25,13 +24,13 @@ SIGTERM_EXIT_STATUS = 128 + int(signal.SIGTERM)
 
 
 @contextmanager
-def exit_failing_on_sigterm(trainer: pl.Trainer, checkpoints: Path) -> Iterator[None]:
+def exit_failing_on_sigterm(trainer: pl.Trainer) -> Iterator[None]:
     """Turn Lightning's SIGTERM stop inside the block into exit status 143 (on every rank; rank 0 says why)."""
     try:
         yield
     except SIGTERMException:
         if trainer.is_global_zero:
-            newest = newest_complete(checkpoints) if checkpoints.is_dir() else None
+            newest = newest_checkpoint(trainer)
             resume = (f"resume from {newest} (resume={newest}, or resume=auto with the same hydra.run.dir)"
                       if newest is not None else "no checkpoint was written yet")
             print(f"merak-train: stopped by SIGTERM at step {trainer.global_step}, before the run's end; {resume}",

@@ -483,7 +483,7 @@ def fit(run: PreparedRun, prelaunched: PrelaunchedRanks | None = None) -> Path:
     if prelaunched is not None:
         prelaunched.start()
     try:
-        with exit_failing_on_sigterm(trainer, output_dir / "checkpoints"):
+        with exit_failing_on_sigterm(trainer):
             trainer.fit(run.module, datamodule=run.data, ckpt_path=run.resume_from)
     except DataError as error:  # found as the ranks read the data: a refusal naming the fix, not a traceback
         print(f"merak-train: error: {error}", file=sys.stderr, flush=True)

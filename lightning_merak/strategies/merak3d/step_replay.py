@@ -31,8 +31,7 @@ from torch.utils._pytree import tree_flatten
 from lightning_merak.parallel.context.model import IGNORE_INDEX
 from lightning_merak.protocols.module_contract import MODEL, loss_from_outputs_snippet
 
-__all__ = ["LoggedValues", "ReplayedStep", "StepReplay", "batch_labels", "scores_a_label", "scoring_scale",
-           "weighed_score", "zero_loss_of"]
+__all__ = ["LoggedValues", "ReplayedStep", "StepReplay", "batch_labels", "scoring_scale", "weighed_score"]
 
 
 def batch_labels(batch: Any) -> Any:
@@ -44,7 +43,7 @@ def batch_labels(batch: Any) -> Any:
     return None
 
 
-def scores_a_label(samples: Any) -> bool:
+def _scores_a_label(samples: Any) -> bool:
     """Whether ``samples`` (a micro-batch) hold a label other than the ignore index, or no labels tensor at all."""
     labels = batch_labels(samples)
     return not isinstance(labels, torch.Tensor) or bool((labels != IGNORE_INDEX).any())
@@ -67,12 +66,12 @@ def weighed_score(score: Callable[[Any, Any], torch.Tensor], logits: Any, sample
     not scored (its mean loss is 0/0) and gives zero, still connected to ``logits`` so the schedule's backward runs."""
     if scale == 1.0:
         return score(logits, samples)
-    if scores_a_label(samples):
+    if _scores_a_label(samples):
         return score(logits, samples) * scale
-    return zero_loss_of(logits)
+    return _zero_loss_of(logits)
 
 
-def zero_loss_of(logits: Any) -> torch.Tensor:
+def _zero_loss_of(logits: Any) -> torch.Tensor:
     """A zero loss connected to ``logits``' first tensor (so a backward through it runs), or a plain zero."""
     anchor = next((leaf for leaf in tree_flatten(logits)[0] if isinstance(leaf, torch.Tensor)), None)
     return anchor.sum() * 0.0 if anchor is not None else torch.zeros(())
@@ -167,7 +166,7 @@ class StepReplay:
         returns ``logits``, weighed (:meth:`weigh_micro_batches`); a failure is kept, and it and a micro-batch that
         weighs 0 score zero (still connected to ``logits``, so the schedule's backward runs)."""
         if self.error is None:
-            counts = self._scale == 1.0 or scores_a_label(samples)
+            counts = self._scale == 1.0 or _scores_a_label(samples)
             self.logged.counting = counts
             try:
                 loss = self._replay(logits, samples)
@@ -175,7 +174,7 @@ class StepReplay:
                     return loss if self._scale == 1.0 else loss * self._scale
             except Exception as error:  # kept for every rank to raise after the schedule
                 self.error = self.refusal(f"{type(error).__name__}: {error}")
-        return zero_loss_of(logits)
+        return _zero_loss_of(logits)
 
     def refusal(self, reason: str) -> str:
         name = type(self._module).__name__
