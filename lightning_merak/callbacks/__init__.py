@@ -7,6 +7,7 @@ pulls in DeepSpeed), and the Hydra options only need the pure parts.
 from lightning_merak.util.lazy import lazy_attributes
 
 _EXPORTS = {
+    "AgreedSigtermStop": "lightning_merak.callbacks.agreed_stop",
     "DeltaMemory": "lightning_merak.callbacks.delta",
     "FaultWatch": "lightning_merak.callbacks.faults",
     "ModelSummary": "lightning_merak.callbacks.summary",

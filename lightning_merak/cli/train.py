@@ -146,6 +146,7 @@ def _callbacks(config: TrainConfig, output_dir: Path) -> list[Any]:
     from lightning.pytorch import Callback
     from lightning.pytorch.callbacks import LearningRateMonitor
 
+    from lightning_merak.callbacks.agreed_stop import AgreedSigtermStop  # lazy: torch, Lightning
     from lightning_merak.callbacks.checkpoint import PeriodicCheckpoint  # lazy: Lightning
     from lightning_merak.callbacks.metrics import TrainingMetrics  # lazy: torch, Lightning, matplotlib
     from lightning_merak.callbacks.progress import StepProgressBar  # lazy: Lightning
@@ -161,6 +162,7 @@ def _callbacks(config: TrainConfig, output_dir: Path) -> list[Any]:
             save_last="link" if trainer_config.save_last else None,
         ),
         TrainingMetrics(),
+        AgreedSigtermStop(),
     ]
     if config.logger:  # logger=[]: no logger, which Lightning's LearningRateMonitor refuses
         callbacks.append(LearningRateMonitor(logging_interval="step"))

@@ -38,8 +38,9 @@ from types import FrameType
 
 __all__ = ["DEFAULT_GRACE_S", "install_termination_handler"]
 
-DEFAULT_GRACE_S = 10.0
-"""Long enough for Lightning to finish a step and stop; well inside SLURM's default KillWait (30 s)."""
+DEFAULT_GRACE_S = 20.0
+"""Long enough for the ranks to agree on a stop and finish up to two steps (``AgreedSigtermStop``), and for a
+survivor's lost-peer verdict (15 s without a heartbeat); inside SLURM's default KillWait (30 s)."""
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _PARENT_POLL_S = 1.0

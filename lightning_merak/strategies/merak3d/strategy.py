@@ -26,6 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import nn
 
+from lightning_merak.callbacks.agreed_stop import add_agreed_sigterm_stop
 from lightning_merak.checkpoint.sharded import ShardedCheckpointer
 from lightning_merak.distributed import host_memory, process_groups
 from lightning_merak.distributed.collectives import reduce_in_place
@@ -199,6 +200,7 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
             for tensor in [*gradients.replicated_parameters(module), *module.buffers()]:
                 dist.broadcast(tensor.data, src=0)
         if trainer.state.fn == TrainerFn.FITTING:
+            add_agreed_sigterm_stop(trainer)  # SIGTERM stops every rank at one step, with no collective in a handler
             self.setup_optimizers(trainer)
             data_parallel.check_sharding(self.layout, self.optimizers, self.precision_plugin, trainer.callbacks)
             if self._built is not None:  # built by an earlier validate, predict or fit: these optimizers are new
