@@ -54,8 +54,10 @@ def _batch(kind: str) -> dict[str, torch.Tensor]:
     input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
     labels = input_ids.clone()
     batch = {"input_ids": input_ids, "labels": labels}
-    if kind == "packed":  # three documents per row, positions restarting at each
+    if kind in ("packed", "packed_masked"):  # three documents per row, positions restarting at each
         batch["position_ids"] = torch.cat([torch.arange(length) for length in DOCUMENTS])[None]
+        if kind == "packed_masked":  # transformers then keeps the documents together: one sequence per row
+            batch["attention_mask"] = torch.ones(BATCH, SEQ, dtype=torch.long)
         starts = [sum(DOCUMENTS[:index]) for index in range(1, len(DOCUMENTS))]
         labels[:, starts] = -100  # no target across a document boundary
     elif kind == "padded":  # the second row's tail is padding
@@ -134,6 +136,7 @@ CASES = [
     # one row per sub-batch: each attention call reads its rows' documents, the router logits leave each region
     ("mixtral", "left_padded", "ring", True, 2, 2),
     ("mistral", "packed", "all_to_all", True, 2, 2),
+    ("llama", "packed_masked", "ring", True, 2, 1),
 ]
 
 

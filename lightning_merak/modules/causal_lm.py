@@ -201,7 +201,9 @@ class CausalLMModule(pl.LightningModule):
         Parallel strategies may replace it to run the model in pieces."""
         inputs, targets = self.split_batch(batch)
         if getattr(self.model.forward, "scores_shards", False):  # context parallel: no rank holds every logit
-            return self.model(input_ids=inputs, labels=targets).loss  # the same mean cross-entropy, per shard
+            output = self.model(input_ids=inputs, labels=targets)  # the same mean cross-entropy, per shard
+            self._router_aux_loss = weighted_router_aux_loss(self.model, output)  # already in its loss
+            return output.loss
         loss = self.loss_from_logits(self(inputs), targets)
         return loss if self._router_aux_loss is None else loss + self._router_aux_loss
 

@@ -1,6 +1,6 @@
 """Context parallelism inside a transformers model: its forward sees one rank's shard of every sequence.
 
-:func:`install_context_parallel` swaps two things and nothing else:
+:func:`install_context_parallel` swaps two things and nothing else (``generate`` runs the model as before):
 
 * **Attention**: the model's attention implementation becomes ``merak_context_parallel``, registered with
   transformers' ``AttentionInterface``, which runs :func:`~.ring.ring_attention` or :func:`~.ulysses.ulysses_attention`
@@ -8,9 +8,10 @@
   so causality, sliding windows and document boundaries come from the tokens' global positions instead.
 * **The forward**: the model is called with the whole sequence, as a ``training_step`` written for one device calls
   it. :class:`ContextParallelForward` keeps this rank's load-balanced shard of the inputs, gives the model the
-  shard's global position ids and the document ids of packed rows (position ids restarting at 0) or padded ones
-  (a 2-D ``attention_mask``: padding is a document of its own), shifts ``labels`` on the whole sequence (a chunk's
-  next token lives on another rank) and divides the loss by the whole batch's target count. A transformers MoE model
+  shard's global position ids and the document ids of the rows (:func:`segment_ids`: transformers' own rule),
+  shifts ``labels`` on the whole sequence (a chunk's next token lives on another rank) and divides the loss by the
+  whole batch's target count. ``generate`` and a call with a key/value cache (``use_cache=True``) run unsplit on
+  this rank with the model's own attention: decoding is no split-sequence workload. A transformers MoE model
 with ``output_router_logits=True`` adds its router aux loss over the whole batch's tokens, not this rank's: the
 routers' logits are recorded during the forward, gathered over the group (with the padding mask, in one order),
 and the family's own ``load_balancing_loss_func`` runs on them (``outputs.aux_loss``; weighted into the loss
@@ -25,9 +26,10 @@ unchanged; with ``labels`` only this rank's logits exist.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Iterator, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,8 +46,8 @@ from lightning_merak.parallel.pipeline.recording import find_trunk
 from lightning_merak.parallel.pipeline.router_aux import RouterAux, RouterRecorder, router_aux_of
 
 __all__ = ["ATTENTION_NAME", "CONTEXT_ATTENTION_METHODS", "ContextParallelForward", "SumOverGroup", "attention_shape",
-           "check_context_parallel_model", "gather_sequence", "install_context_parallel", "next_token_labels",
-           "segment_ids", "trace_as_context_parallel"]
+           "check_context_parallel_model", "check_padding_mask", "gather_sequence", "install_context_parallel",
+           "next_token_labels", "segment_ids", "trace_as_context_parallel"]
 
 ATTENTION_NAME = "merak_context_parallel"
 CONTEXT_ATTENTION_METHODS = ("ring", "all_to_all")
@@ -85,6 +87,8 @@ class ContextState:
         self.shard: Optional[ContextShard] = None
         self.local = False
         """Whether the current forward runs a whole sequence on this rank alone (plain causal attention)."""
+        self.unsplit = False
+        """Whether the model runs whole sequences with its own attention (:func:`_running_unsplit`: generation)."""
 
 
 def _attention_config(model: nn.Module) -> Any:
@@ -210,22 +214,45 @@ def segment_ids(attention_mask: Optional[Tensor], position_ids: Optional[Tensor]
                 length: int) -> Optional[Tensor]:
     """Per-token segment ids ``(batch, length)`` of the whole rows, or None when every row is one sequence.
 
-    A segment starts where position ids restart at 0 (packed documents) and where a 2-D padding mask changes
-    value (padding attends only to padding, real tokens only to real ones before them).
+    As transformers decides, so a split sequence attends as in one process: packed documents (position ids
+    restarting at 0) are kept apart only without an ``attention_mask``; with one, leading or trailing padding is a
+    segment of its own (real tokens see only real ones before them; the padding's own outputs differ from one
+    process's, so no target is scored from them) and padding between real tokens is refused
+    (:func:`check_padding_mask`).
     """
     starts = torch.zeros(batch, length, dtype=torch.bool)
-    if position_ids is not None:
-        starts |= position_ids.detach().cpu().expand(batch, length) == 0
     if attention_mask is not None:
-        if attention_mask.dim() != 2:
-            raise ValueError(f"context parallelism takes a 2-D padding mask (batch, sequence), got "
-                             f"{tuple(attention_mask.shape)}; pass position ids restarting per document for packing")
-        mask = attention_mask.detach().cpu().bool()
-        starts[:, 1:] |= mask[:, 1:] != mask[:, :-1]
+        mask = check_padding_mask(attention_mask)
+        starts[:, 1:] = mask[:, 1:] != mask[:, :-1]
+    elif position_ids is not None:
+        starts |= position_ids.detach().cpu().expand(batch, length) == 0
     starts[:, 0] = True
     if int(starts.sum()) == batch:
         return None
     return starts.long().cumsum(dim=-1) - 1
+
+
+def check_padding_mask(attention_mask: Tensor) -> Tensor:
+    """``attention_mask`` as a boolean CPU tensor, after refusing what context parallelism cannot mask exactly: a
+    mask that is not 2-D, or a row whose zeros are not only leading or trailing padding (transformers hides the
+    masked keys alone, which document ids cannot express)."""
+    if attention_mask.dim() != 2:
+        raise ValueError(f"context parallelism takes a 2-D padding mask (batch, sequence), got "
+                         f"{tuple(attention_mask.shape)}; pass position ids restarting per document for packing")
+    mask = attention_mask.detach().cpu().bool()
+    count = mask.sum(dim=-1, keepdim=True)
+    first = mask.long().argmax(dim=-1, keepdim=True)
+    index = torch.arange(mask.shape[1])
+    gapped = (mask != ((index >= first) & (index < first + count))).any(dim=-1).nonzero().flatten().tolist()
+    if gapped:
+        row = gapped[0]
+        hidden = (~mask[row, int(first[row]):int(first[row] + count[row])]).nonzero().flatten() + int(first[row])
+        raise ValueError(
+            f"context parallelism supports an attention_mask whose zeros are leading or trailing padding only; row "
+            f"{row} has padding between real tokens (positions {hidden.tolist()[:8]}). Move the padding to the row's "
+            "start or end, pack documents by position ids restarting at 0 without an attention_mask, or use "
+            "context_parallel=1")
+    return mask
 
 
 class SumOverGroup(torch.autograd.Function):
@@ -343,6 +370,10 @@ class ContextParallelForward:
     def __call__(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                  position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None,
                  inputs_embeds: Optional[Tensor] = None, **kwargs: Any) -> Any:
+        if self._state.unsplit or _caches(kwargs):
+            return self._unsplit(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 labels=labels, inputs_embeds=inputs_embeds, **kwargs)
+        kwargs.pop("use_cache", None)  # False: a split sequence keeps no cache
         tokens = input_ids if input_ids is not None else inputs_embeds
         if tokens is None:
             raise ValueError("a context-parallel forward needs input_ids or inputs_embeds")
@@ -383,6 +414,16 @@ class ContextParallelForward:
         if self._router_aux is not None:
             outputs["loss"] = outputs["loss"] + self._router_aux.aux.coefficient * outputs["aux_loss"]
         return outputs
+
+    def _unsplit(self, **inputs: Any) -> Any:
+        """The model's own forward, with its own attention, on whole sequences on this rank: ``generate`` and a
+        key/value cache decode a token at a time, which no rank splits; training keeps no cache."""
+        if self._model.training and not self._state.unsplit:
+            raise ValueError(f"context parallelism splits each sequence over ranks and keeps no key/value cache while "
+                             f"training; call {self._model_name} with use_cache=False (or without use_cache) and no "
+                             "cache, or switch to eval mode (model.eval()) to decode with a cache")
+        with _running_unsplit(self._model, self._state):
+            return self._forward(**inputs)
 
     def _run(self, inputs: dict[str, Any], kwargs: dict[str, Any], attention_mask: Optional[Tensor],
              shard: Any) -> Any:
@@ -435,11 +476,51 @@ def trace_as_context_parallel(model: nn.Module) -> None:
 
     if not isinstance(model, PreTrainedModel):
         return  # install_context_parallel refuses it, naming why
-    _register_attention()
-    model.set_attn_implementation(ATTENTION_NAME)
+    _use_context_attention(model)
     state = ContextState(None, "ring")
     state.local = True
     _point_at(model, state)
+
+
+def _use_context_attention(model: nn.Module) -> None:
+    """Switch ``model``'s attention to context parallelism's, remembering its own for :func:`_running_unsplit`."""
+    if model.config._attn_implementation != ATTENTION_NAME:
+        model._merak_model_attention = model.config._attn_implementation
+    _register_attention()
+    model.set_attn_implementation(ATTENTION_NAME)
+
+
+def _caches(kwargs: dict[str, Any]) -> bool:
+    """Whether a forward's ``kwargs`` ask for a key/value cache or pass one (``cache``; ``past_key_values``)."""
+    return bool(kwargs.get("use_cache")) or any(kwargs.get(name) is not None for name in ("cache", "past_key_values"))
+
+
+@contextlib.contextmanager
+def _running_unsplit(model: nn.Module, state: ContextState) -> Iterator[None]:
+    """Inside, ``model`` runs whole sequences with its own attention implementation (transformers builds its
+    masks); re-entered (a cached forward inside ``generate``), it changes nothing."""
+    if state.unsplit:
+        yield
+        return
+    model.set_attn_implementation(getattr(model, "_merak_model_attention", "sdpa"))
+    state.unsplit = True
+    try:
+        yield
+    finally:
+        state.unsplit = False
+        model.set_attn_implementation(ATTENTION_NAME)
+
+
+def _generating_unsplit(model: nn.Module, state: ContextState) -> None:
+    """``model.generate`` runs unsplit (:func:`_running_unsplit`): decoding is no split-sequence workload."""
+    generate = model.generate
+
+    @functools.wraps(generate)
+    def generate_unsplit(*args: Any, **kwargs: Any) -> Any:
+        with _running_unsplit(model, state):
+            return generate(*args, **kwargs)
+
+    model.generate = generate_unsplit
 
 
 def _point_at(model: nn.Module, state: ContextState) -> None:
@@ -459,9 +540,10 @@ def install_context_parallel(model: nn.Module, group: dist.ProcessGroup,
     this rank's part of a sequence split over ``group``; the state its attention reads is returned."""
     check_context_parallel_model(model, dist.get_world_size(group), method)
     model = attention_model(model)
-    _register_attention()
-    model.set_attn_implementation(ATTENTION_NAME)
+    _use_context_attention(model)
     state = ContextState(group, method)
     _point_at(model, state)
     model.forward = ContextParallelForward(model, state)
+    if callable(getattr(model, "generate", None)):
+        _generating_unsplit(model, state)
     return state

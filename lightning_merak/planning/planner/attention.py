@@ -52,10 +52,20 @@ class ContextAttention:
     def methods(self, cp: int, tp: int) -> tuple[str, ...]:
         """The methods that run at context degree ``cp`` with ``tp`` tensor-parallel ranks: none when the
         sequence does not split into ``2 cp`` balanced chunks, all-to-all only where ``cp`` divides each tensor
-        rank's key/value heads."""
+        rank's key/value heads (:meth:`method_problem` says why one does not)."""
         if cp == 1:
             return ("ring",)
-        if self.sequence_length % (2 * cp) or self.key_value_heads % tp:
-            return ()
-        return tuple(method for method in CONTEXT_ATTENTION_METHODS
-                     if method == "ring" or (self.key_value_heads // tp) % cp == 0)
+        return tuple(method for method in CONTEXT_ATTENTION_METHODS if self.method_problem(cp, tp, method) is None)
+
+    def method_problem(self, cp: int, tp: int, method: str) -> str | None:
+        """Why ``method`` does not run at context degree ``cp > 1`` with ``tp`` tensor-parallel ranks, or None."""
+        if self.sequence_length % (2 * cp):
+            return (f"context_parallel={cp} needs a sequence length divisible by 2 x {cp} = {2 * cp} "
+                    f"(got {self.sequence_length})")
+        if self.key_value_heads % tp:
+            return (f"context_parallel={cp} with tensor_parallel={tp} needs tensor_parallel to divide "
+                    f"num_key_value_heads={self.key_value_heads}")
+        if method == "all_to_all" and (self.key_value_heads // tp) % cp:
+            return (f"all_to_all needs context_parallel={cp} to divide each tensor rank's key/value heads "
+                    f"(num_key_value_heads={self.key_value_heads}, tensor_parallel={tp})")
+        return None

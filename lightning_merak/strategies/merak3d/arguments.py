@@ -45,6 +45,7 @@ from lightning_merak.parallel.tensor.blocks import check_tensor_parallel_degree
 from lightning_merak.parallel.tensor.sequence import check_sequence_length
 from lightning_merak.parallel.tensor.vocab import check_vocabulary_split
 from lightning_merak.protocols.experts import ExpertParallelLayer
+from lightning_merak.strategies.merak3d.context_degree import known_context_parallel, naming_auto_degree
 from lightning_merak.strategies.merak3d.network import module_view
 from lightning_merak.strategies.merak3d.options import Degree, Merak3DOptions
 from lightning_merak.util.values import is_count, is_finite_number
@@ -490,9 +491,10 @@ class Merak3DArguments(Merak3DOptions):
         if tp is not None:
             if isinstance(self.tp_overlap, int):
                 check_overlap(self.tp_overlap, tp)
-        context = self.context_parallel if isinstance(self.context_parallel, int) else 1
+        context = known_context_parallel(self.context_parallel, self.degrees, world_size)
         if context > 1 and sequence_length is not None:
-            check_sequence_divisible(sequence_length, context)
+            with naming_auto_degree(self.context_parallel, context, self.degrees):
+                check_sequence_divisible(sequence_length, context)
         if tp is not None and self.sequence_parallel and tp > 1 and sequence_length is not None:
             check_sequence_length(sequence_length // context, tp)  # each context rank's share is split over tp
         if self.micro_batching != "none" and pp is None:
@@ -523,6 +525,10 @@ class Merak3DArguments(Merak3DOptions):
         check_scored_length(module, sequence_length)
         network = module_view(module, *degrees).network
         self.check_model(network, *degrees)
+        context = known_context_parallel(self.context_parallel, self.degrees, world_size)
+        if self.context_parallel == "auto" and context > 1:  # the one degree 'auto' can take here
+            with naming_auto_degree(self.context_parallel, context, self.degrees):
+                check_context_parallel_model(network, context, self.unplanned_context_attention, degrees[1] or 1)
         if self.needs_planning and self.memory_limit is not None:
             check_memory_limit(self.memory_limit, network, world_size)
 

@@ -156,12 +156,27 @@ def allowed_predictions(arguments: Merak3DArguments, ranked: Sequence[Any],
     """The ``ranked`` predictions (``planner.Prediction``) merak3d may adopt: at the degrees the user fixed, with at
     least :func:`least_pipeline_stages` stages, and fully sharded only at a tensor-parallel degree
     ``fully_shardable`` accepts."""
-    degrees, least = arguments.degrees, least_pipeline_stages(arguments)
-    return [p for p in ranked
-            if all(degrees[name] in ("auto", value) for name, value in
-                   (("dp", p.layout.dp), ("pp", p.layout.pp), ("tp", p.layout.tp)))
-            and p.layout.pp >= least
+    return [p for p in ranked if _at_fixed_degrees(arguments, p.layout)
             and (p.layout.sharding != "full" or fully_shardable(p.layout.tp))]
+
+
+def _at_fixed_degrees(arguments: Merak3DArguments, layout: Any) -> bool:
+    """Whether ``layout`` (``planner.Layout``) has the degrees the user fixed and enough pipeline stages."""
+    degrees = arguments.degrees
+    return (all(degrees[name] in ("auto", value) for name, value in
+                (("dp", layout.dp), ("pp", layout.pp), ("tp", layout.tp)))
+            and layout.pp >= least_pipeline_stages(arguments))
+
+
+def dropped_context_layouts(arguments: Merak3DArguments, layouts: Sequence[Any],
+                            context: Optional[ContextAttention]) -> list[str]:
+    """Why the planner left out the context-parallel ``layouts`` (the candidates, ``planner.Layout``) at the
+    user's fixed degrees that the attention shape ``context`` does not run: what a refusal names."""
+    if context is None:  # no context-parallel layout was searched
+        return []
+    problems = [context.method_problem(layout.cp, layout.tp, layout.context_attention)
+                for layout in layouts if layout.cp > 1 and _at_fixed_degrees(arguments, layout)]
+    return list(dict.fromkeys(problem for problem in problems if problem is not None))
 
 
 def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, loss_of: LossOf, *, world_size: int,
@@ -291,8 +306,11 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
             "full",) else ""
         stages = (f" with pipeline_parallel>={least_pipeline_stages(arguments)} (micro_batching="
                   f"{arguments.micro_batching})" if least_pipeline_stages(arguments) > 1 else "")
-        raise ValueError(f"no planned layout matches the fixed degrees {degrees}{stages}{full_only}; set more of "
-                         "them to 'auto'")
+        dropped = dropped_context_layouts(arguments, candidate_layouts(space, num_blocks, num_experts),
+                                          profile.context)
+        dropped_text = f" (the context-parallel layouts they leave do not run: {'; '.join(dropped)})" if dropped else ""
+        raise ValueError(f"no planned layout matches the fixed degrees {degrees}{stages}{full_only}{dropped_text}; "
+                         "set more of them to 'auto'")
     best = allowed[0]
     chosen = best.layout
     runner_up = allowed[1] if len(allowed) > 1 else None
