@@ -14,6 +14,7 @@ from lightning_merak.parallel.micro_batching.plan import MicroBatch
 from lightning_merak.parallel.micro_batching.samples import micro_batch_tensors, summed_token_loss, target_count
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import (
+    DistributedRunError,
     TrainingTrace,
     assert_traces_match,
     layout_gradients,
@@ -138,3 +139,27 @@ def test_micro_batching_matches_single_process(mode, layout):
     options = {"micro_batch_tokens": 96, **layout, "micro_batching": mode, "micro_batches": 4}
     results = run_distributed(_train_rank, world_size, args=(options,), timeout_s=300)
     assert_traces_match(_reference(), merge_rank_traces(results))
+
+
+class _WithTemperature(FixedOptimizerModule):
+    """A trainable parameter outside the network, which micro_batching's token loss would leave untrained."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.temperature = torch.nn.Parameter(torch.ones(()))
+
+
+def _train_with_temperature(rank: int, world_size: int) -> None:
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, max_epochs=1, logger=False, enable_checkpointing=False,
+        strategy=Merak3DStrategy(data_parallel=1, pipeline_parallel=2, tensor_parallel=1, micro_batching="pad",
+                                 micro_batches=4, micro_batch_tokens=96, timeout_s=120),
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        use_distributed_sampler=False)
+    torch.manual_seed(0)
+    trainer.fit(_WithTemperature(build_causal_lm(LLAMA, vocab_size=VOCAB)), datamodule=_Data())
+
+
+def test_parameters_outside_the_network_are_refused_under_micro_batching():
+    with pytest.raises(DistributedRunError, match=r"temperature of _WithTemperature \(outside the pipelined network\)"):
+        run_distributed(_train_with_temperature, 2, timeout_s=300)

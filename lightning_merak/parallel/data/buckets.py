@@ -46,6 +46,7 @@ from lightning_merak.distributed.dtensors import local_tensor
 from lightning_merak.distributed.gradient_buffer import Bucket, GradientBuffer, ShardSlice
 from lightning_merak.distributed.gradient_norm import ShardedGradients
 from lightning_merak.distributed.process_groups import new_group
+from lightning_merak.parallel.data.gather_waits import first_users, outside_readers
 from lightning_merak.parallel.data.gradients import averaged_parameters
 from lightning_merak.parallel.data.owners import spread_whole_matrix_steps
 from lightning_merak.parallel.data.reduce_scatter import ReduceScatterQueue, start_reduce_scatter
@@ -112,7 +113,8 @@ class DataParallelGradients:
         overlap: start a bucket's collective when the last backward pass has finished it.
         bucket_bytes: bucket size.
         overlap_param_gather: with ``"optimizer"``, the module whose forward waits for each bucket of
-            updated parameters just before the first of its modules that uses it (``None``: gathered at once).
+            updated parameters just before the first of its modules that uses it, or before the reads of a module
+            read outside its forward (:mod:`~.gather_waits`) (``None``: gathered at once).
         ready_order: the order the first step finished the gradients in, agreed over the replicas
             (:meth:`agreed_finish_order`); the buckets follow it, their memory given on first use
             (:meth:`take_gradients` moves a previous reduction's gradients in).
@@ -164,30 +166,20 @@ class DataParallelGradients:
         if self.sharded:
             self._make_shard_parameters()
         self._pending_gathers: dict[int, Any] = {}
-        self._forward_hooks: list[Any] = []
+        self._gather_waits: list[Any] = []
+        """Handles of the forward pre-hooks and read waits that finish the overlapped gathers."""
         if overlap_param_gather is not None:
             self.buffer.before_write = self._finish_gather
-            for caller, indices in self._first_users(overlap_param_gather).items():
-                self._forward_hooks.append(caller.register_forward_pre_hook(self._gathered_before(sorted(indices))))
+            for caller, indices in first_users(overlap_param_gather, self._bucket_index).items():
+                self._gather_waits.append(caller.register_forward_pre_hook(self._gathered_before(sorted(indices))))
+            for reader, indices in outside_readers(overlap_param_gather, self._bucket_index).items():
+                self._gather_waits.append(reader.register_read_wait(self._gathered_before(sorted(indices))))
         self._device = self.buffer.flats[0].device if self.buffer.buckets else torch.device("cpu")
         self.exposed_s = DeviceSeconds()
         """Seconds each step waited for the gradient collectives after its backward ended, on the device."""
 
-    def _first_users(self, root: nn.Module) -> dict[nn.Module, set[int]]:
-        """The buckets each module's forward must find gathered: its own parameters', and those of containers it
-        reads without calling them (a ``ParameterDict`` of adapter factors)."""
-        parent = {child: module for module in root.modules() for child in module.children()}
-        users: dict[nn.Module, set[int]] = {}
-        for owner in root.modules():
-            indices = {self.buffer.bucket_of(param).index for param in owner._parameters.values()
-                       if param is not None and id(param) in self._positions}
-            if not indices:
-                continue
-            caller = owner
-            while type(caller).forward is nn.Module.forward and caller in parent:  # never called: a container
-                caller = parent[caller]
-            users.setdefault(caller, set()).update(indices)
-        return users
+    def _bucket_index(self, param: nn.Parameter) -> Optional[int]:
+        return self.buffer.bucket_of(param).index if id(param) in self._positions else None
 
     # Shard parameters ----------------------------------------------------------------------------
 
@@ -340,7 +332,7 @@ class DataParallelGradients:
         slice, and the bucket itself (its gradients were dropped after the reduction) receives the gather. With
         ZeRO-2 a released bucket is restored for its gather and released again, two at a time."""
         in_flight: list[tuple[Bucket, Any]] = []
-        overlapped = bool(self._forward_hooks)
+        overlapped = bool(self._gather_waits)
         # buckets lie in backward order; overlapped with a forward, the first one it needs goes first
         order = reversed(self.buffer.buckets) if overlapped else self.buffer.buckets
         with torch.no_grad():
@@ -363,7 +355,9 @@ class DataParallelGradients:
                 self._copy_into_parameters(*gathered)
 
     def _gathered_before(self, indices: list[int]) -> Any:
-        def wait(module: nn.Module, args: Any) -> None:
+        """A wait for the gathers of the buckets at ``indices``: a forward pre-hook, or the read wait of a module read
+        outside its forward (:class:`~.gather_waits.ReadsOutsideForward`)."""
+        def wait(*_: Any) -> None:
             for index in indices:
                 self._finish_gather(self.buffer.buckets[index])
         return wait
@@ -525,9 +519,9 @@ class DataParallelGradients:
         self.wait_for_parameters()
         self.buffer.remove()
         self._shard_grads = []
-        for hook in self._forward_hooks:
+        for hook in self._gather_waits:
             hook.remove()
-        self._forward_hooks = []
+        self._gather_waits = []
 
     def holds(self, params: Sequence[nn.Parameter]) -> bool:
         """Whether the buckets hold exactly the gradients of ``params``."""
@@ -541,9 +535,11 @@ def data_parallel_gradients(module: nn.Module, built: Any, groups: LayoutGroups,
     layout = groups.layout
     if layout.data_parallel == 1 or layout.data_parallel_sharding == "full":
         return None
-    late = [*built.tensor_partial, *(param for _, param, _ in built.tied)]
-    shards = layout.data_parallel_shard_size or layout.data_parallel
     params = averaged_parameters(module)
+    inside = {id(param) for param in built.stages.parameters()} if built.stages is not None else None
+    outside = [param for param in params if inside is not None and id(param) not in inside]  # summed over the stages
+    late = [*built.tensor_partial, *(param for _, param, _ in built.tied), *outside]
+    shards = layout.data_parallel_shard_size or layout.data_parallel
     return DataParallelGradients(params, late, groups=groups, mode=layout.data_parallel_sharding, shards=shards,
                                  overlap=arguments.overlap_grad_reduce,
                                  bucket_bytes=bucket_bytes(arguments.grad_bucket_mb, params),

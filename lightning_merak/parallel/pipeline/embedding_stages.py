@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_merak.distributed.dtensors import local_tensor
+from lightning_merak.parallel.data.gather_waits import ReadsOutsideForward
 from lightning_merak.parallel.pipeline.row_scatter import add_rows_gradient, rows_dtensor, scatter_rows
 from lightning_merak.util.row_shards import row_shard_range
 
@@ -63,10 +64,10 @@ def embedding_split_problem(embedding: Optional[nn.Module], schedule: str = "1f1
     return None
 
 
-class EmbeddingRows(nn.Module):
+class EmbeddingRows(ReadsOutsideForward):
     """This rank's rows ``[start, end)`` of the input embedding: ``weight`` is a DTensor sharded by rows over the
     pipeline mesh with the table's whole shape. On the first stage a call looks its tokens up in the step's table
-    (:meth:`EmbeddingExchange.begin`)."""
+    (:meth:`EmbeddingExchange.begin`, which reads the rows before any forward)."""
 
     def __init__(self, weight: nn.Parameter, padding_idx: Optional[int]) -> None:
         super().__init__()
@@ -114,6 +115,7 @@ class EmbeddingExchange:
         if not self.is_first:
             tokens = torch.empty(int(count.item()), dtype=torch.long, device=self.device)
         dist.broadcast(tokens, src=self.source, group=self.group)
+        self.rows.before_reads()  # a ZeRO-1 gather of the rows may still be in flight
         weight = self.rows.weight.to_local()
         inside = (tokens >= self.rows.start) & (tokens < self.rows.end)
         table = torch.zeros(tokens.numel(), weight.shape[1], dtype=weight.dtype, device=self.device)

@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lightning_merak.parallel.data.gather_waits import ReadsOutsideForward
+
 __all__ = ["HeadLoRA", "LoRAHeadRows", "head_adapter_problem", "head_lora", "head_lora_layout_problem"]
 
 HEAD_ADAPTER_FIX = "set vocab_stages='off' or leave the LM head out of the adapter's target_modules"
@@ -102,7 +104,7 @@ class _Factor(nn.Module):
         self.weight = weight
 
 
-class LoRAHeadRows(nn.Module):
+class LoRAHeadRows(ReadsOutsideForward):
     """This rank's part of a LoRA head: ``base_layer`` (its rows of ``W``, ``b``: a ``VocabularySlice``),
     ``lora_B.<adapter>`` (its rows of ``B``, a DTensor sharded like the base's) and, on the last stage,
     ``lora_A.<adapter>`` (the whole ``A``) and the adapter's dropout."""

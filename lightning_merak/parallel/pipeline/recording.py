@@ -35,8 +35,9 @@ from lightning_merak.util.module_mode import hooks_removed_after
 from lightning_merak.util.timing import mean_call_time
 
 __all__ = ["BlockSignature", "HeadStep", "ModelTrace", "SkipValue", "TraceError", "block_signatures",
-           "declared_block_argument_problem", "find_trunk", "head_steps", "measure", "param_bytes", "prefix_output",
-           "record_forward", "same_tensor", "saved_bytes", "tensor_bytes"]
+           "check_chained_blocks", "declared_block_argument_problem", "find_trunk", "head_steps", "measure",
+           "mixed_block_containers", "param_bytes", "prefix_output", "record_forward", "same_tensor", "saved_bytes",
+           "tensor_bytes"]
 
 
 def find_trunk(model: nn.Module) -> tuple[str, nn.ModuleList | nn.Sequential]:
@@ -51,11 +52,47 @@ def find_trunk(model: nn.Module) -> tuple[str, nn.ModuleList | nn.Sequential]:
         if best is None or params > best[0]:
             best = (params, name, module)
     if best is None:
+        mixed = "".join(f"; {path} holds blocks of several classes ({classes}): its blocks must be one class"
+                        for path, classes in mixed_block_containers(model))
         raise TraceError(
             f"{type(model).__name__} has no nn.ModuleList or nn.Sequential of repeated blocks; merak3d splits "
-            "models whose transformer blocks live in one such container"
+            f"models whose transformer blocks live in one such container{mixed}"
         )
     return best[1], best[2]
+
+
+def mixed_block_containers(model: nn.Module) -> list[tuple[str, str]]:
+    """``(path, class names)`` of ``model``'s ``nn.ModuleList``s and ``nn.Sequential``s of at least two modules of
+    several classes: blocks :func:`find_trunk` does not take, which a user may have meant as the trunk."""
+    return [(name or type(module).__name__, ", ".join(sorted({type(block).__name__ for block in module})))
+            for name, module in model.named_modules()
+            if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2
+            and len({type(block) for block in module}) > 1]
+
+
+def check_chained_blocks(model: nn.Module, trunk_path: str, block_calls: list, hidden_of: Callable[[Any], Any]
+                         ) -> None:
+    """Refuse a trunk :func:`find_trunk` chose among several containers whose recorded blocks (``block_calls``:
+    ``(args, kwargs, output)`` in call order) were not called one after another on the hidden state (each taking the
+    previous one's, ``hidden_of`` its output): a bigger list of output heads or of per-layer side modules than the
+    blocks'. The refusal names the other candidates; a lone trunk is left to the trace's own checks."""
+    others = [name for name, module in model.named_modules() if name != trunk_path and _holds_repeated_blocks(module)
+              and not name.startswith(f"{trunk_path}.") and not trunk_path.startswith(f"{name}.")]
+    if not others:
+        return
+    for previous, (args, kwargs, _) in zip(block_calls, block_calls[1:]):
+        hidden = hidden_of(previous[2])
+        if isinstance(hidden, torch.Tensor) and hidden.is_meta:
+            return  # no values to compare
+        given = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]  # by position or name
+        if not (isinstance(hidden, torch.Tensor)
+                and any(value.shape == hidden.shape and torch.equal(value, hidden) for value in given)):
+            raise TraceError(
+                f"merak3d takes {trunk_path}, the nn.ModuleList or nn.Sequential of same-class modules holding the "
+                "most parameters, for the model's blocks, but its forward does not call them one after another on "
+                f"the hidden state (each on the previous one's output); the other candidates: {', '.join(others)}; "
+                "hold the modules that are not blocks inside the blocks, or in an nn.ModuleDict, so the blocks' "
+                "container is the one found")
 
 
 def declared_block_argument_problem(model: nn.Module) -> str | None:

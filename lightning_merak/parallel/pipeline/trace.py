@@ -42,6 +42,7 @@ from lightning_merak.parallel.pipeline.recording import (
     ModelTrace,
     TraceError,
     block_signatures,
+    check_chained_blocks,
     find_trunk,
     head_steps,
     measure,
@@ -116,6 +117,8 @@ def _trace(model: nn.Module, sample_inputs: torch.Tensor, call_model: Callable[[
         if not candidates:
             raise TraceError(f"cannot find the hidden state in the outputs of {trunk_path} blocks")
         output_index = candidates[0]
+    check_chained_blocks(model, trunk_path, block_calls,
+                         lambda output: output if output_index is None else output[output_index])
     last_output = block_calls[-1][2]
     last_hidden = last_output if output_index is None else last_output[output_index]
 

@@ -43,8 +43,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_merak.parallel.context.model import IGNORE_INDEX
 from lightning_merak.parallel.context.stages import sequence_shard, shard_next_token_labels
+from lightning_merak.parallel.data.gather_waits import ReadsOutsideForward
 from lightning_merak.parallel.pipeline.embedding_stages import embedding_split_problem
-from lightning_merak.parallel.pipeline.head_adapters import HeadLoRA, LoRAHeadRows, head_adapter_problem
+from lightning_merak.parallel.pipeline.head_adapters import (
+    HeadLoRA,
+    LoRAHeadRows,
+    head_adapter_problem,
+    head_lora,
+    head_lora_layout_problem,
+)
 from lightning_merak.parallel.pipeline.recording import ModelTrace
 from lightning_merak.parallel.pipeline.row_scatter import add_rows_gradient, rows_dtensor, scatter_rows
 from lightning_merak.util.row_shards import row_shard_range
@@ -108,12 +115,19 @@ def _transformed_logits(what: object) -> str:
             "scaling or soft-capping); set vocab_stages='off' (or 'auto', which keeps the head on the last stage)")
 
 
-def vocab_stages_config_problem(model: nn.Module, schedule: str) -> Optional[str]:
+def vocab_stages_config_problem(model: nn.Module, schedule: str, tensor_parallel: Optional[int] = None
+                                ) -> Optional[str]:
     """What :func:`vocab_stages_problem` would find at the build that the unsplit ``model``'s config and modules show
-    without a trace, so ``vocab_stages='on'`` is refused before launch: logits its config transforms
-    (:data:`LOGIT_TRANSFORMS`), a head tied to an input embedding that cannot be split (Gemma's scaled one)."""
+    without a trace, so ``vocab_stages='on'`` is refused before launch: an adapter on the head that cannot split
+    (:func:`~.head_adapters.head_adapter_problem`; with ``tensor_parallel`` known, LoRA dropout there too), logits
+    its config transforms (:data:`LOGIT_TRANSFORMS`), a head tied to an input embedding that cannot be split
+    (Gemma's scaled one)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    problem = _tied_embedding_problem(model, head, schedule)
+    problem = head_adapter_problem(head)
+    if problem is None and tensor_parallel is not None:
+        problem = head_lora_layout_problem(head_lora(head), tensor_parallel)
+    if problem is None:
+        problem = _tied_embedding_problem(model, head, schedule)
     if problem is not None:
         return problem
     config = getattr(model, "config", None)
@@ -149,9 +163,10 @@ def check_vocab_stage_rows(vocab_size: int, parts: int) -> None:
         raise ValueError(problem)
 
 
-class VocabularySlice(nn.Module):
+class VocabularySlice(ReadsOutsideForward):
     """The LM head rows ``[start, end)`` of this pipeline rank: ``weight`` (and ``bias``) are DTensors sharded by
-    rows over the pipeline mesh with the head's whole shape, whose local part is this rank's rows."""
+    rows over the pipeline mesh with the head's whole shape, whose local part is this rank's rows (read by its
+    :class:`VocabularyExchange`, never by a forward)."""
 
     def __init__(self, weight_rows: torch.Tensor, bias_rows: Optional[torch.Tensor], vocab_size: int,
                  mesh: DeviceMesh, trainable: bool = True) -> None:
@@ -229,6 +244,7 @@ class VocabularyExchange:
         """Start a step of ``micro_batches`` micro-batches of ``targets`` (one tensor split evenly, or each
         micro-batch's own), with their backward when ``backward``."""
         self._backward, self._grads, self._error = backward, {}, None
+        self._before_reads()
         if self.is_last:
             return
         chunks = list(targets) if isinstance(targets, list) else list(torch.tensor_split(targets, micro_batches))
@@ -250,6 +266,12 @@ class VocabularyExchange:
             else:
                 add_rows_gradient(param, grad)
         self._grads = {}
+
+    def _before_reads(self) -> None:
+        """Finish what must precede reading the rows (a ZeRO-1 gather in flight), on the step's thread."""
+        self.head.before_reads()
+        if self.lora is not None:
+            self.lora.before_reads()
 
     def _serve(self, chunks: list[torch.Tensor]) -> None:
         try:
@@ -292,6 +314,7 @@ class VocabularyExchange:
 
     def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The whole vocabulary's logits of ``hidden`` (the same on every rank; a collective over the ranks)."""
+        self._before_reads()
         hidden = hidden.to(self.head.weight.dtype)
         local = self.head.logits(hidden)
         if self.lora is not None:  # the last stage projects by A, the ranks add their rows of s·B u

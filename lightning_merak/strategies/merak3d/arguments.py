@@ -545,7 +545,7 @@ class Merak3DArguments(Merak3DOptions):
         if self.vocab_stages == "on" and pipeline_parallel and pipeline_parallel > 1 and isinstance(vocab_rows, int):
             check_vocab_stage_rows(vocab_rows, pipeline_parallel * (tensor_parallel or 1))
         if self.vocab_stages == "on" and pipeline_parallel and pipeline_parallel > 1:
-            problem = vocab_stages_config_problem(model, self.schedule)
+            problem = vocab_stages_config_problem(model, self.schedule, tensor_parallel)
             if problem is not None:
                 raise ValueError(problem)
         if self.sequence_parallel and tensor_parallel is not None and tensor_parallel > 1 and moe_layers(model):

@@ -22,6 +22,7 @@ from lightning_merak.parallel.data.token_mean import ReplicaTokens, TokenWeighte
 from lightning_merak.parallel.layout import MULTI_STAGE_SCHEDULES, LayoutGroups
 from lightning_merak.parallel.pipeline.busy import StageBusyClock
 from lightning_merak.parallel.pipeline.embedding_stages import average_rows_gradients, split_vocabulary_parameters
+from lightning_merak.parallel.pipeline.outside_parameters import parameters_outside, share_last_stage_gradients
 from lightning_merak.parallel.pipeline.router_aux import RouterAuxLoss
 from lightning_merak.parallel.pipeline.schedules import ScheduleShiftedCriticalPath, pipeline_stage_class
 from lightning_merak.parallel.pipeline.stage import RankStages
@@ -79,6 +80,10 @@ class PipelineStep:
         self._pending_gradients: list[tuple[nn.Parameter, Optional[torch.Tensor]]] = []
         self._first_shape: Optional[tuple[int, ...]] = None
         """The shape of the first batch's inputs, which the stages inferred their buffers from."""
+        self._outside: Optional[list[nn.Parameter]] = None
+        """The module's trainable parameters outside the stages
+        (:mod:`~lightning_merak.parallel.pipeline.outside_parameters`), found on the first training step (the stages
+        replace the network after this step is made)."""
         self.scaled_later: frozenset[int] = frozenset()
         """Parameters (by id) whose summed micro-batch gradients the data-parallel reduction divides by the
         micro-batches, with the replicas; the step divides the others' (collectives may still be running on the
@@ -157,13 +162,17 @@ class PipelineStep:
             self._router_aux_loss.values.clear()
         self._weigh_tokens(targets)
         if module.training:
-            parameters = [p for p in stage.parameters() if p.requires_grad]
+            outside = self._outside_parameters()
+            parameters = [p for p in stage.parameters() if p.requires_grad] + outside
             for param in parameters:
                 param.grad = None
             begin_vocabulary(stage, inputs, targets, self.micro_batches, backward=True)
             with self.clock.step():
                 self._schedule.step(*args, return_outputs=False, **kwargs)
                 end_vocabulary(stage, backward=True)
+            share_last_stage_gradients(outside, self._groups.pipeline_group)
+            if outside and self._groups.layout.data_parallel_sharding == "full":  # FSDP2 shards the stages only
+                average_rows_gradients(outside, self._groups.data_parallel_group)
             self._pending_gradients = hold_gradients(parameters, self._groups.layout.micro_batches,
                                                      self.scaled_later)
         else:
@@ -183,6 +192,22 @@ class PipelineStep:
         if self._router_aux_loss is not None:
             module._router_aux_loss = means[1]
         return means[0]
+
+    def _outside_parameters(self) -> list[nn.Parameter]:
+        """The module's trainable parameters the stages do not hold, which only the last stage's loss uses; refused
+        where clipping by norm would count their copies once per stage."""
+        if self._outside is None:
+            named = parameters_outside(self._module, self._stages)
+            trainer = getattr(self._module, "_trainer", None)
+            clips_norm = (trainer is not None and bool(trainer.gradient_clip_val)
+                          and trainer.gradient_clip_algorithm in (None, "norm"))
+            if named and clips_norm:
+                raise ValueError(
+                    f"{type(self._module).__name__}'s loss trains {', '.join(name for name, _ in named)} outside the "
+                    "pipelined network, whose copies on every pipeline rank clipping by norm would count once each; "
+                    "move them into the network, or clip by value (gradient_clip_algorithm='value')")
+            self._outside = [param for _, param in named]
+        return self._outside
 
     def _weigh_tokens(self, targets: Any) -> None:
         """Weigh this step's micro-batches by their scored tokens (see ``token_weighted``)."""

@@ -41,6 +41,7 @@ from lightning_merak.parallel.micro_batching.samples import (
     target_count,
 )
 from lightning_merak.parallel.pipeline.busy import StageBusyClock
+from lightning_merak.parallel.pipeline.outside_parameters import parameters_outside
 from lightning_merak.parallel.pipeline.schedules import BufferKeepingStage, ScheduleShiftedCriticalPath
 from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
@@ -157,6 +158,7 @@ class VariablePipelineStep:
             check_packing_attention(getattr(stages[0].net, "config", None))
         _check_token_loss(module)
         self._module, self._groups, self._device, self._options = module, groups, device, options
+        self._outside_checked = False
         self.cost = _model_cost(stages, options)
         layout = groups.layout
         self._context = groups.context_group if layout.context_parallel > 1 else None
@@ -221,6 +223,9 @@ class VariablePipelineStep:
         count, stage, schedule = len(mine), self._stage, self._schedule
         targets = target_count(batch.lengths)
         training = self._module.training
+        if training and not self._outside_checked:  # the stages hold the network's parameters from the first step
+            _check_nothing_outside(self._module, self._stages)
+            self._outside_checked = True
         self._scale = (self._groups.layout.batch_replicas * count if training else 1) / targets
         tensors = [micro_batch_tensors(batch, micro, packed=self._options.packs) for micro in mine]
         arg_mbs = [(t.input_ids,) if stage.is_first else () for t in tensors]
@@ -289,6 +294,16 @@ def _check_token_loss(module: Any) -> None:
             f"micro_batching computes next-token cross-entropy over each sample's real tokens itself, but "
             f"{type(module).__name__}.loss_from_logits is its own; train it with micro_batching='none', or keep "
             "CausalLMModule's loss_from_logits")
+
+
+def _check_nothing_outside(module: Any, stages: RankStages) -> None:
+    """Refuse trainable parameters of ``module`` outside the pipelined network: the token loss replaces the
+    module's own, so what only its loss uses would silently never train."""
+    outside = [name for name, _ in parameters_outside(module, stages)]
+    if outside:
+        raise ValueError(f"micro_batching scores the network's logits with its own token loss, which leaves "
+                         f"{', '.join(outside)} of {type(module).__name__} (outside the pipelined network) untrained; "
+                         "move them into the network, or use micro_batching='none'")
 
 
 def _check_split_head_loss(view: ModuleView) -> None:
