@@ -12,8 +12,16 @@ from typing import Any, ClassVar, Optional, Union
 import torch
 from peft.config import PeftConfig
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, _maybe_include_all_linear_layers
-from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, resolve_quantization_backend
+from peft.utils import (
+    INCLUDE_LINEAR_LAYERS_SHORTHAND,
+    TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING,
+    TaskType,
+    resolve_quantization_backend,
+)
+from peft.utils.constants import SEQ_CLS_HEAD_NAMES
 from torch import nn
+from transformers import PreTrainedModel
+from transformers.pytorch_utils import Conv1D
 
 from lightning_merak.util.values import is_count, is_finite_number
 
@@ -60,6 +68,10 @@ class PooledAdapterConfig(PeftConfig):
         default_factory=dict, metadata={"help": "Module-name suffix -> [lambda_in, lambda_out]"}
     )
     init: str = field(default="zero", metadata={"help": "Initialisation scheme"})
+    modules_to_save: Optional[list[str]] = field(
+        default=None, metadata={"help": "Modules besides the adapted ones to train fully and save (PEFT's "
+                                "ModulesToSaveWrapper), e.g. a classifier head; SEQ_CLS adds 'classifier' and 'score'"}
+    )
 
     method_name: ClassVar[str] = "pooled adapter"
     init_choices: ClassVar[tuple[str, ...]] = ("zero",)
@@ -133,6 +145,8 @@ def check_lambda_overrides(method: str, config: PooledAdapterConfig, adapted: li
 
 
 def _in_out_features(base_layer: nn.Module) -> tuple[int, int]:
+    if isinstance(base_layer, Conv1D):  # GPT-2's layer stores its weight as (in, out): y = x @ W + b
+        return base_layer.nx, base_layer.nf
     return base_layer.in_features, base_layer.out_features
 
 
@@ -141,11 +155,11 @@ def check_target_layer(
 ) -> None:
     """Raise a clear error, naming the layer and the fix, when ``method`` cannot adapt ``module``."""
     base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
-    if not isinstance(base, (nn.Linear, QuantLinearInt4)):
+    if not isinstance(base, (nn.Linear, Conv1D, QuantLinearInt4)):
         raise TypeError(
             f"{method}: layer '{name}' is a {type(base).__name__}; supported base layers are nn.Linear, "
-            "bitsandbytes Linear4bit/Linear8bitLt and QuantLinearInt4. Remove it from target_modules "
-            "or list it in exclude_modules."
+            "transformers' Conv1D (GPT-2), bitsandbytes Linear4bit/Linear8bitLt and QuantLinearInt4. Remove it "
+            "from target_modules or list it in exclude_modules."
         )
     in_features, out_features = _in_out_features(base)
     for label, features, factor in (("in", in_features, lambda_in), ("out", out_features, lambda_out)):
@@ -162,6 +176,23 @@ def check_target_layer(
             f"lambda_in={lambda_in}: the exact merge needs lambda_in to be a multiple of the group size. "
             f"Set lambda_in={base.group_size} or quantize with a group size dividing {lambda_in}."
         )
+
+
+def include_all_linear_layers(config: PooledAdapterConfig, model: nn.Module) -> None:
+    """Resolve ``target_modules="all-linear"`` as PEFT does, counting QuantLinearInt4 as linear: PEFT's resolution
+    knows only nn.Linear and Conv1D, so on an INT4 base it would leave nothing to adapt (NoMatchingPeftModuleError).
+    The output head (and a SEQ_CLS classifier) stays out, as in PEFT; so do layers already inside a tuner layer."""
+    target = config.target_modules
+    if not (isinstance(target, str) and target.lower() == INCLUDE_LINEAR_LAYERS_SHORTHAND):
+        return
+    heads = [model.get_output_embeddings()] if isinstance(model, PreTrainedModel) else []
+    if config.task_type == TaskType.SEQ_CLS:
+        heads += [getattr(model, name, None) for name in SEQ_CLS_HEAD_NAMES]
+    wrapped = [module.get_base_layer() for module in model.modules() if isinstance(module, BaseTunerLayer)]
+    int4 = {name for name, module in model.named_modules() if isinstance(module, QuantLinearInt4)
+            and not any(module is other for other in heads + wrapped)}
+    _maybe_include_all_linear_layers(config, model)
+    config.target_modules = set(config.target_modules) | int4
 
 
 def shared_parameters(model: nn.Module) -> dict[int, list[str]]:
@@ -287,6 +318,8 @@ class PooledAdapterLayer(MergesIntoBase, nn.Module, BaseTunerLayer):
             base.shift_zeros(sign * group_delta)
             return
         delta = sign * self.get_delta_weight(adapter_name)
+        if isinstance(base, Conv1D):
+            delta = delta.T  # the delta is (out, in) as nn.Linear's weight; Conv1D's is (in, out)
         if self.quantization_backend is None:
             base.weight.data += delta.to(base.weight.dtype)
             return
@@ -344,7 +377,7 @@ class PooledAdapterModel(BaseTuner):
         return BaseTuner._check_target_module_exists(peft_config, key)
 
     def _prepare_model(self, peft_config: PooledAdapterConfig, model: nn.Module) -> None:
-        _maybe_include_all_linear_layers(peft_config, model)  # resolves target_modules="all-linear", as PEFT will
+        include_all_linear_layers(peft_config, model)
         targets = list(peft_config.target_parameters or [])
         adapted, expert_weights = [], []
         tied = shared_parameters(model)

@@ -184,13 +184,28 @@ class QAHiRAAdapterConfig(QuantizedAdapterConfig):
             r=self.r,
             alpha=self.alpha,
             dropout=self.dropout,
-            lambda_in=self.group_size if self.lambda_in is None else self.lambda_in,
+            lambda_in=self.input_pooling(model),
             lambda_out=self.lambda_out,
             init=self.init,
             target_modules=list(self.target_modules),
             target_parameters=parameters,
         )
         return adapt(self.quantize(model, experts=bool(parameters)), config)
+
+    def input_pooling(self, model: nn.Module) -> int:
+        """``lambda_in``, or ``group_size`` when unset; a group size that does not divide a targeted layer's inputs is
+        refused here, naming ``adapter.group_size`` (the adapter itself could only name ``lambda_in``)."""
+        if self.lambda_in is not None:
+            return self.lambda_in
+        for name, layer in model.named_modules():
+            inputs = getattr(layer, "in_features", getattr(layer, "nx", None))  # Linear, INT4, bnb; GPT-2's Conv1D
+            targeted = any(name == target or name.endswith("." + target) for target in self.target_modules)
+            if targeted and isinstance(inputs, int) and inputs % self.group_size:
+                raise ValueError(
+                    f"adapter=qahira: adapter.group_size={self.group_size} does not divide the {inputs} inputs of "
+                    f"{name}; adapter.lambda_in follows adapter.group_size unless set, and QA-HiRA pools whole "
+                    f"groups. Pick an adapter.group_size dividing {inputs}, or set adapter.lambda_in")
+        return self.group_size
 
 
 def adapt(model: nn.Module, config: object) -> nn.Module:
