@@ -158,3 +158,17 @@ def test_merged_export_of_a_pooled_adapter_on_gpt2_conv1d_computes_the_adapted_m
     exported = GPT2LMHeadModel.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     with torch.no_grad():
         assert (exported(input_ids=ids()).logits - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_merged_export_writes_the_trained_copy_of_modules_to_save(tmp_path) -> None:
+    """``--merge-adapters`` writes a ``modules_to_save`` module's trained copy, not the frozen original beside it."""
+    torch.manual_seed(0)
+    model = get_peft_model(LlamaForCausalLM(LlamaConfig(**TINY)).eval(),
+                           CONFIGS[0](target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    randomize_trainable(model)
+    with torch.no_grad():
+        expected = model(input_ids=ids()).logits
+    export_checkpoint(lightning_checkpoint(model, tmp_path), tmp_path / "merged", merge_adapters=True)
+    exported = LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=ids()).logits, expected, rtol=0, atol=1e-5)

@@ -13,6 +13,7 @@ permutes) is refused by name, never handled by a table of our own.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Union
 
@@ -41,6 +42,10 @@ WRAPPER_PREFIXES = ("model.base_model.model.", "base_model.model.", "model.", ""
 
 PEFT_LAYER_INFIX = ".base_layer."
 """PEFT keeps a wrapped layer's own weights under ``<layer>.base_layer.``."""
+_SAVED_MODULE_INFIX = re.compile(r"\.modules_to_save\.[^.]+\.")
+"""PEFT's trained copy of a module in ``modules_to_save`` (``lm_head.modules_to_save.default.weight``)."""
+_ORIGINAL_MODULE_INFIX = ".original_module."
+"""The frozen module PEFT keeps beside that copy."""
 
 MODEL_RECORD_KEY = "hf_model"
 """Key of :func:`model_record` in a Lightning checkpoint: what an export needs besides the tensors."""
@@ -161,14 +166,15 @@ def strip_wrappers(names: Iterable[str], known: Mapping[str, Any]) -> tuple[str,
 
     The prefix that matches most names wins (the longest on a tie); PEFT's ``.base_layer.`` is
     dropped, nested ones too (PEFT wraps a module once per adapted parameter: ``experts.base_layer.base_layer.
-    gate_up_proj``). A name that does not match under it maps to None.
+    gate_up_proj``). A module in PEFT's ``modules_to_save`` is its trained copy (``.modules_to_save.<adapter>.``),
+    not the frozen ``.original_module.`` beside it. A name that does not match under it maps to None.
     """
     names = list(names)
 
     def resolve(name: str, prefix: str) -> Optional[str]:
-        if not name.startswith(prefix):
+        if not name.startswith(prefix) or _ORIGINAL_MODULE_INFIX in name:
             return None
-        bare = name[len(prefix):]
+        bare = _SAVED_MODULE_INFIX.sub(".", name[len(prefix):])
         while PEFT_LAYER_INFIX in bare:  # one replace leaves every second of adjacent infixes
             bare = bare.replace(PEFT_LAYER_INFIX, ".")
         return bare if bare in known else None
