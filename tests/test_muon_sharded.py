@@ -142,8 +142,8 @@ OPTIM = OptimConfig(name="muon", learning_rate=0.02, momentum=0.95, lr_schedule=
                     total_steps=sharded.STEPS)
 
 
-def _module() -> CausalLMModule:
-    return CausalLMModule(sharded._module(adam=False).model, optim=OPTIM)
+def _module(schedule: Schedule = Schedule.constant) -> CausalLMModule:
+    return CausalLMModule(sharded._module(adam=False).model, optim=dataclasses.replace(OPTIM, lr_schedule=schedule))
 
 
 def _reference() -> list[float]:
@@ -160,8 +160,9 @@ def _reference() -> list[float]:
 
 
 def _train_rank(rank: int, world_size: int, layout: dict, first_step: int = 0, last_step: int = sharded.STEPS,
-                epochs: int = 1, save_to: str | None = None, resume_from: str | None = None) -> dict:
-    module = _module()
+                epochs: int = 1, save_to: str | None = None, resume_from: str | None = None,
+                schedule: Schedule = Schedule.constant) -> dict:
+    module = _module(schedule)
     recorder = sharded._Recorder()
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120), max_epochs=epochs,
@@ -172,6 +173,7 @@ def _train_rank(rank: int, world_size: int, layout: dict, first_step: int = 0, l
         trainer.save_checkpoint(save_to)
     optimizer, partition = trainer.optimizers[0], trainer.strategy.partition
     return {"losses": recorder.losses, "stage_optimizer_s": None if partition is None else partition.stage_optimizer_s,
+            "weights": {name: param.detach().clone() for name, param in module.model.named_parameters()},
             "embeddings_on_muon": [
         name for name, param in module.model.named_parameters()
         if "embed" in name or "lm_head" in name if any(param is held for held in optimizer.matrices)]}
@@ -210,6 +212,24 @@ def test_a_zero1_muon_checkpoint_resumes_in_another_layout(tmp_path) -> None:
     resumed = run_distributed(_train_rank, 2, args=({"pipeline_parallel": 2},),
                               kwargs={"first_step": half, "epochs": 2, "resume_from": checkpoint}, timeout_s=300)
     assert resumed[-1]["losses"] == pytest.approx(straight[half:], rel=5e-5)
+
+
+@pytest.mark.distributed
+def test_a_zero1_muon_resume_follows_the_learning_rate_schedule(tmp_path) -> None:
+    """Saved and resumed at dp2 ZeRO-1 under a linear decay: the weights of the run straight through (loading the
+    state replaced the inner optimizers' groups, and the schedule, setting the old ones, no longer reached them)."""
+    zero1 = {"data_parallel": 2, "data_parallel_sharding": "optimizer"}
+    straight = run_distributed(_train_rank, 2, args=(zero1,), kwargs={"schedule": Schedule.linear}, timeout_s=300)
+    checkpoint = str(tmp_path / "muon.ckpt")
+    half = sharded.STEPS // 2
+    run_distributed(_train_rank, 2, args=(zero1,),
+                    kwargs={"last_step": half, "save_to": checkpoint, "schedule": Schedule.linear}, timeout_s=300)
+    resumed = run_distributed(_train_rank, 2, args=(zero1,), timeout_s=300, kwargs={
+        "first_step": half, "epochs": 2, "resume_from": checkpoint, "schedule": Schedule.linear})
+    for result, reference in zip(resumed, straight):
+        assert result["losses"] == pytest.approx(reference["losses"][half:], rel=1e-6)
+        for name, expected in reference["weights"].items():
+            torch.testing.assert_close(result["weights"][name], expected, rtol=0, atol=1e-6, msg=name)
 
 
 def test_matrix_muon_is_torch_muon_on_matrices_and_on_each_matrix_of_a_stack() -> None:

@@ -267,10 +267,13 @@ def _warn_unfinished_warmup(warmup_steps: int, total_steps: float, learning_rate
 
 
 def _embedding_parameters(model: nn.Module) -> set[int]:
-    """Ids of the input embedding's and output head's parameters (transformers models name them), which Muon
-    leaves to AdamW; inside a model split into pipeline stages, those of the stages' models."""
+    """Ids of the parameters Muon leaves to AdamW besides norms and biases, as the Muon recipe prescribes: every
+    embedding table (token, position, type), the output head and a classification head (transformers' names for
+    them); inside a model split into pipeline stages, those of the stages' models."""
     found: set[int] = set()
     for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            found.add(id(module.weight))
         for getter in ("get_input_embeddings", "get_output_embeddings"):
             getter_of = getattr(module, getter, None)
             try:
@@ -279,7 +282,16 @@ def _embedding_parameters(model: nn.Module) -> set[int]:
                 continue
             if isinstance(layer, nn.Module):
                 found.update(id(param) for param in layer.parameters())
+        if callable(getattr(module, "get_input_embeddings", None)):  # a transformers model: its task head
+            for head_name in _TASK_HEADS:
+                head = getattr(module, head_name, None)
+                if isinstance(head, nn.Module):
+                    found.update(id(param) for param in head.parameters())
     return found
+
+
+_TASK_HEADS = ("score", "classifier", "qa_outputs")
+"""transformers' attribute names of a model's task head (sequence and token classification, question answering)."""
 
 
 def _optimizer(optim: OptimConfig, decay: list[nn.Parameter], no_decay: list[nn.Parameter],

@@ -161,6 +161,14 @@ class MatrixMuon(torch.optim.Optimizer):
         self._group_of = {pieces.index[id(param)]: group for group in self.param_groups
                           for param in group["params"] if id(param) in pieces.index}
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, which replaces the group dicts by new ones, with each assembled matrix's group found
+        again among the new (by position), so its Newton–Schulz settings are read from the groups in use."""
+        positions = {index: next(position for position, held in enumerate(self.param_groups) if held is group)
+                     for index, group in self._group_of.items()}
+        super().load_state_dict(state_dict)
+        self._group_of = {index: self.param_groups[position] for index, position in positions.items()}
+
     def _sliced(self) -> bool:
         """Whether data-parallel sharding has replaced the assembled matrices by this rank's slices (of none, on a
         rank whose part of the buckets holds none)."""
@@ -290,24 +298,50 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def __init__(self, groups: list[dict[str, Any]], lr: float, momentum: float,
                  adamw_only: frozenset[int] | set[int] = frozenset(), newton_schulz_dtype: str = "bfloat16") -> None:
-        muon_groups, adamw_groups = [], []
-        for group in groups:
-            params = list(group["params"])
-            hidden = [param for param in params if param.ndim in (2, 3) and id(param) not in adamw_only]
-            hidden_ids = {id(param) for param in hidden}
-            name = group.get("name", "params")
-            muon_groups.append({**group, "params": hidden, "name": f"muon/{name}"})
-            adamw_groups.append({**group, "params": [param for param in params if id(param) not in hidden_ids],
-                                 "name": f"adamw/{name}"})
+        # torch's bookkeeping, before the parts exist (add_param_group); the groups are then the parts'
+        super().__init__([param for group in groups for param in group["params"]], {"lr": lr})
+        self.adamw_only = frozenset(adamw_only)
+        """Ids of the matrices left to AdamW (embeddings and head), in later groups (:meth:`add_param_group`) too."""
+        split = [self._split_group(group) for group in groups]
         # every group in both parts, empty or not: a pipeline stage holding no hidden matrix (only the embedding)
         # has the same groups as the others, so a learning-rate schedule's state fits every stage
-        self.muon = MatrixMuon(muon_groups, lr=lr, momentum=momentum, newton_schulz_dtype=newton_schulz_dtype,
-                               adjust_lr_fn="match_rms_adamw")
-        self.parts: list[torch.optim.Optimizer] = [self.muon, torch.optim.AdamW(adamw_groups, lr=lr)]
-        super().__init__([param for group in groups for param in group["params"]], {"lr": lr})
-        self.param_groups = [group for part in self.parts for group in part.param_groups]
+        self.muon = MatrixMuon([muon for muon, _ in split], lr=lr, momentum=momentum,
+                               newton_schulz_dtype=newton_schulz_dtype, adjust_lr_fn="match_rms_adamw")
+        self.parts: list[torch.optim.Optimizer] = [self.muon, torch.optim.AdamW([adamw for _, adamw in split], lr=lr)]
+        self._take_parts_groups()
         self.state = _PartsState(self.parts)  # what checkpointers read and write per parameter: the parts' own
         self.owners: Optional[OwnedMatrices] = None
+
+    def _split_group(self, group: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``group`` cut into Muon's part (the hidden matrices and expert stacks) and AdamW's (the rest)."""
+        params = list(group["params"])
+        hidden = [param for param in params if param.ndim in (2, 3) and id(param) not in self.adamw_only]
+        hidden_ids = {id(param) for param in hidden}
+        name = group.get("name", "params")
+        rest = [param for param in params if id(param) not in hidden_ids]
+        return {**group, "params": hidden, "name": f"muon/{name}"}, {**group, "params": rest, "name": f"adamw/{name}"}
+
+    def _take_parts_groups(self) -> None:
+        """Make :attr:`param_groups` the parts' group dicts themselves, so a learning-rate schedule setting them
+        sets the parts' (after each change of the parts' groups: torch's load replaces the dicts)."""
+        self.param_groups = [group for part in self.parts for group in part.param_groups]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add ``param_group`` (as Lightning's ``BaseFinetuning`` does when it unfreezes layers) to the parts by the
+        constructor's rule, each filling in its own defaults; torch's own call from the constructor records it."""
+        if "parts" not in vars(self):
+            super().add_param_group(param_group)
+            return
+        params = param_group["params"]
+        param_group = {**param_group, "params": [params] if isinstance(params, torch.Tensor) else list(params)}
+        held = {id(param) for group in self.param_groups for param in group["params"]}
+        if any(id(param) in held for param in param_group["params"]):
+            raise ValueError("some parameters of the new group are already in this optimizer's groups; add each "
+                             "parameter once")
+        muon_group, adamw_group = self._split_group(param_group)
+        for part, group in zip(self.parts, (muon_group, adamw_group)):
+            part.add_param_group(group)
+        self._take_parts_groups()
 
     @property
     def matrices(self) -> list[nn.Parameter]:
@@ -376,6 +410,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         parts = state_dict["parts"] if "parts" in state_dict else self._split(state_dict)
         for part, state in zip(self.parts, parts):
             part.load_state_dict(state)
+        self._take_parts_groups()
         if self.owners is not None:
             self.owners.drop_state(self.muon.state)
 
