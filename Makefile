@@ -8,7 +8,7 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0+cpu
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
-# Two workers, each free to run a multi-process test. Whole suite on 2 cores: 1,446-1,543 s with --dist load,
+# Two workers, each free to run a multi-process test. Whole suite on 2 cores: 1,242-1,543 s with --dist load,
 # 1,735-1,746 s with --dist loadgroup, 1,954 s with the multi-process tests one after another in one worker;
 # three workers were slower still.
 PYTEST_WORKERS ?= 2
