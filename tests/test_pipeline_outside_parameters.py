@@ -16,6 +16,8 @@ from lightning_merak.testing.data import ReplicaBatches
 
 VOCAB, WIDTH, SEQ, BATCH, STEPS = 64, 16, 8, 8, 3
 OUTSIDE = ("head.weight", "head.bias", "log_temperature")
+CLIP = 0.1
+"""Well below the gradients' norm, so clipping scales every step."""
 
 
 class _Block(nn.Module):
@@ -82,7 +84,7 @@ def _train_rank(rank: int, world_size: int, layout: dict, clip: bool) -> tuple:
         accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120), max_epochs=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[recorder],
-        gradient_clip_val=1.0 if clip else None)
+        gradient_clip_val=CLIP if clip else None)
     module = _HeadOutside()
     trainer.fit(module, datamodule=ReplicaBatches(_batches(), 0, STEPS))
     return recorder.losses, recorder.gradients, _outside(module)
@@ -102,7 +104,28 @@ def test_parameters_outside_the_pipelined_network_train_on_every_rank_as_in_one_
             torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def _clipped_reference(clip: float) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process: losses and the outside parameters after training with the total norm clipped to ``clip``."""
+    module = _HeadOutside()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+    losses = []
+    for batch in _batches():
+        optimizer.zero_grad()
+        loss = module.loss(module.model(batch), batch)
+        loss.backward()
+        assert float(torch.nn.utils.clip_grad_norm_(module.parameters(), clip)) > clip  # the clipping acts
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses, _outside(module)
+
+
 @pytest.mark.distributed
-def test_clipping_by_norm_with_parameters_outside_the_pipelined_network_is_refused_naming_them():
-    with pytest.raises(Exception, match="log_temperature.*move them into the network"):
-        run_distributed(_train_rank, 2, args=({"pipeline_parallel": 2, "micro_batches": 2}, True), timeout_s=120)
+def test_clipping_by_norm_counts_the_parameters_outside_the_pipelined_network_once():
+    """Every pipeline rank holds the same copy of them: the total norm counts it once, as one process does."""
+    losses, trained = _clipped_reference(CLIP)
+    results = run_distributed(_train_rank, 2, args=({"pipeline_parallel": 2, "micro_batches": 2}, True),
+                              timeout_s=180)
+    for rank_losses, _, rank_trained in results:
+        assert rank_losses == pytest.approx(losses, rel=1e-5)
+        for name, value in trained.items():
+            torch.testing.assert_close(rank_trained[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -194,20 +194,16 @@ class PipelineStep:
         return means[0]
 
     def _outside_parameters(self) -> list[nn.Parameter]:
-        """The module's trainable parameters the stages do not hold, which only the last stage's loss uses; refused
-        where clipping by norm would count their copies once per stage."""
+        """The module's trainable parameters the stages do not hold, which only the last stage's loss uses."""
         if self._outside is None:
-            named = parameters_outside(self._module, self._stages)
-            trainer = getattr(self._module, "_trainer", None)
-            clips_norm = (trainer is not None and bool(trainer.gradient_clip_val)
-                          and trainer.gradient_clip_algorithm in (None, "norm"))
-            if named and clips_norm:
-                raise ValueError(
-                    f"{type(self._module).__name__}'s loss trains {', '.join(name for name, _ in named)} outside the "
-                    "pipelined network, whose copies on every pipeline rank clipping by norm would count once each; "
-                    "move them into the network, or clip by value (gradient_clip_algorithm='value')")
-            self._outside = [param for _, param in named]
+            self._outside = [param for _, param in parameters_outside(self._module, self._stages)]
         return self._outside
+
+    @property
+    def outside_parameters(self) -> list[nn.Parameter]:
+        """The parameters of :meth:`_outside_parameters` (none before the first training step): every pipeline rank
+        holds the same copy, which clipping by norm counts once."""
+        return self._outside or []
 
     def _weigh_tokens(self, targets: Any) -> None:
         """Weigh this step's micro-batches by their scored tokens (see ``token_weighted``)."""

@@ -440,12 +440,19 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
     def gradient_norm(self, optimizer: torch.optim.Optimizer) -> float:
         """The total norm of ``optimizer``'s gradients over every stage, shard and expert, as clipping sees it
         (:func:`~.gradients.total_norm`; a collective: every rank calls it)."""
-        tied = self._built.tied if self._built is not None else []
-        return gradients.total_norm(optimizer, tied, self.groups, self.root_device, self._sharded_gradients,
-                                    self._row_shares)
+        return gradients.total_norm(optimizer, self._counted_once(), self.groups, self.root_device,
+                                    self._sharded_gradients, self._row_shares)
+
+    def _counted_once(self) -> list[gradients.TiedParameter]:
+        """The copies a gradient norm counts once: tied weights, and the parameters outside a pipelined network
+        that every pipeline rank holds alike (counted on the first)."""
+        tied = list(self._built.tied) if self._built is not None else []
+        outside = getattr(self._pipeline, "outside_parameters", [])
+        first = not outside or self.groups.pipeline_rank == 0
+        return tied + [gradients.TiedParameter(self.groups.pipeline_group, param, first) for param in outside]
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
         """Clip by the norm over every stage and shard (:func:`~.gradients.clip_by_total_norm`)."""
-        tied = self._built.tied if self._built is not None else []
         self.last_gradient_norm = gradients.clip_by_total_norm(
-            optimizer, clip_val, tied, self.groups, self.root_device, self._sharded_gradients, self._row_shares)
+            optimizer, clip_val, self._counted_once(), self.groups, self.root_device, self._sharded_gradients,
+            self._row_shares)
