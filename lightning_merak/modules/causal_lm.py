@@ -52,6 +52,11 @@ def build_causal_lm(config: ModelConfig, vocab_size: int) -> nn.Module:
         )
     kwargs = dict(config.config)
     kwargs["vocab_size"] = vocab_size
+    if _causal_only_as_decoder(config.model_type):
+        if kwargs.get("is_decoder", True) is not True:
+            raise ValueError(f"model.config.is_decoder={kwargs['is_decoder']!r}: {config.model_type}'s causal-LM head "
+                             "attends to later tokens unless is_decoder=true; drop the key (it is set for you)")
+        kwargs["is_decoder"] = True
     family_defaults = CONFIG_MAPPING[config.model_type]()
     for key in ("bos_token_id", "eos_token_id"):  # GPT-2's 50256 in a 256-token vocabulary names no token
         default = getattr(family_defaults, key, None)
@@ -75,6 +80,21 @@ def build_causal_lm(config: ModelConfig, vocab_size: int) -> nn.Module:
                        "loads it, and trainer.precision sets how it trains (bf16-true: bfloat16 parameters; "
                        "bf16-mixed: float32 parameters under bfloat16 autocast)")
     return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+
+
+def _causal_only_as_decoder(model_type: str) -> bool:
+    """Whether transformers' causal-LM class for ``model_type`` is an encoder family's (BERT, RoBERTa, ELECTRA, ...),
+    causal only with ``config.is_decoder`` set: its constructor reads the flag (to warn, or to set it itself)."""
+    import inspect
+
+    import transformers  # lazy: transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # lazy: transformers
+
+    model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, ""), None)
+    try:
+        return model_class is not None and "is_decoder" in inspect.getsource(model_class.__init__)
+    except (OSError, TypeError):  # no source to read: such families ship theirs with transformers
+        return False
 
 
 _BATCH_FORMS = ("a tensor of token ids [samples, tokens], a tuple (input_ids,) or (input_ids, labels), or a dict "
