@@ -357,3 +357,13 @@ def test_the_config_group_option_declares_every_argument_with_its_default() -> N
     assert option.pop("path") == "???"
     assert option == {name: parameters[name].default for name in option}
     assert all("#" in line for line in source.splitlines() if line and not line.startswith(("#", "_target_")))
+
+
+@pytest.mark.parametrize(("key", "value", "wanted"), [("seq_len", 16.5, "a whole number"),
+                                                      ("batch_size", "abc", "a whole number"),
+                                                      ("streaming", "yes", "true or false"),
+                                                      ("val_fraction", "0.1", "a number")])
+def test_a_value_of_the_wrong_type_is_refused_naming_its_key(key: str, value: Any, wanted: str) -> None:
+    """The CLI hands ``data=hf_dataset``'s keys over untyped: the constructor names a wrong type before any work."""
+    with pytest.raises(ValueError, match=rf"data\.{key} must be {wanted}, got {value!r}"):
+        HFDatasetData("/nonexistent/corpus.jsonl", **{key: value})

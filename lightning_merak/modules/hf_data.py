@@ -300,6 +300,8 @@ class HFDatasetData(TokenDataModule):
                  lengths: str = "fixed", max_length: int = 2048, val_fraction: float = 0.02,
                  streaming: bool = False, shuffle_buffer: int = 10_000, num_workers: int = 0,
                  seed: int = 1234) -> None:
+        _check_types(seq_len=seq_len, batch_size=batch_size, max_length=max_length, shuffle_buffer=shuffle_buffer,
+                     num_workers=num_workers, seed=seed, val_fraction=val_fraction, streaming=streaming)
         super().__init__(batch_size, lengths, num_workers, seed)
         if seq_len < 2:
             raise ValueError(f"data.seq_len must be at least 2, got {seq_len}")
@@ -394,3 +396,17 @@ class HFDatasetData(TokenDataModule):
         stream = self.val_stream()
         return DataLoader(stream, batch_size=self.batch_size, drop_last=True,
                           num_workers=min(self.num_workers, stream.documents.num_shards))
+
+
+def _check_types(**values: Any) -> None:
+    """Refuse a value of the wrong type, naming its key: ``data=hf_dataset``'s keys reach the constructor untyped
+    (Hydra's ``_target_``), so ``data.seq_len=16.5`` would otherwise fail mid-run."""
+    for key, value in values.items():
+        if key == "streaming":
+            wanted, ok = "true or false", isinstance(value, bool)
+        elif key == "val_fraction":
+            wanted, ok = "a number", isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:
+            wanted, ok = "a whole number", isinstance(value, int) and not isinstance(value, bool)
+        if not ok:
+            raise ValueError(f"data.{key} must be {wanted}, got {value!r}")
