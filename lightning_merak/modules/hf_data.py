@@ -49,6 +49,7 @@ from lightning_merak.modules.data import (
     variable_samples,
 )
 from lightning_merak.modules.text_files import not_utf8
+from lightning_merak.util.values import is_count, is_finite_number
 
 try:
     import datasets
@@ -405,8 +406,8 @@ def _check_types(**values: Any) -> None:
         if key == "streaming":
             wanted, ok = "true or false", isinstance(value, bool)
         elif key == "val_fraction":
-            wanted, ok = "a number", isinstance(value, (int, float)) and not isinstance(value, bool)
+            wanted, ok = "a number", is_finite_number(value)
         else:
-            wanted, ok = "a whole number", isinstance(value, int) and not isinstance(value, bool)
+            wanted, ok = "a whole number", is_count(value)
         if not ok:
             raise ValueError(f"data.{key} must be {wanted}, got {value!r}")

@@ -82,12 +82,13 @@ class QuantizedAdapterConfig(AdapterConfig):
     def check_targets(self, model: nn.Module) -> None:
         """Refuse ``target_modules`` that name no layer of ``model`` (PEFT would, less helpfully), listing the names
         of the linear layers it has."""
+        from lightning_merak.adapters.base import names_module  # lazy: torch, PEFT
         from lightning_merak.plugins.moe.experts import experts_modules  # lazy: torch, transformers
 
         if self.experts is not False and experts_modules(model):  # targets may name fused expert weights (PEFT maps
             return  # gate_proj/up_proj/down_proj onto them), which are parameters, not layers
         names = [name for name, _ in model.named_modules()]
-        if any(name == target or name.endswith("." + target) for name in names for target in self.target_modules):
+        if any(names_module(target, name) for name in names for target in self.target_modules):
             return
         linear = sorted({name.rpartition(".")[2] for name, layer in model.named_modules()
                          if type(layer).__name__ in ("Linear", "Conv1D") and not name.endswith("lm_head")})
@@ -195,11 +196,13 @@ class QAHiRAAdapterConfig(QuantizedAdapterConfig):
     def input_pooling(self, model: nn.Module) -> int:
         """``lambda_in``, or ``group_size`` when unset; a group size that does not divide a targeted layer's inputs is
         refused here, naming ``adapter.group_size`` (the adapter itself could only name ``lambda_in``)."""
+        from lightning_merak.adapters.base import names_module  # lazy: torch, PEFT
+
         if self.lambda_in is not None:
             return self.lambda_in
         for name, layer in model.named_modules():
             inputs = getattr(layer, "in_features", getattr(layer, "nx", None))  # Linear, INT4, bnb; GPT-2's Conv1D
-            targeted = any(name == target or name.endswith("." + target) for target in self.target_modules)
+            targeted = any(names_module(target, name) for target in self.target_modules)
             if targeted and isinstance(inputs, int) and inputs % self.group_size:
                 raise ValueError(
                     f"adapter=qahira: adapter.group_size={self.group_size} does not divide the {inputs} inputs of "

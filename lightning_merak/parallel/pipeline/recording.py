@@ -36,7 +36,7 @@ from lightning_merak.util.timing import mean_call_time
 
 __all__ = ["BlockSignature", "HeadStep", "ModelTrace", "SkipValue", "TraceError", "block_signatures",
            "check_chained_blocks", "declared_block_argument_problem", "find_trunk", "head_steps", "measure",
-           "mixed_block_containers", "param_bytes", "prefix_output", "record_forward", "same_tensor", "saved_bytes",
+           "mixed_blocks_note", "param_bytes", "prefix_output", "record_forward", "same_tensor", "saved_bytes",
            "tensor_bytes"]
 
 
@@ -52,22 +52,22 @@ def find_trunk(model: nn.Module) -> tuple[str, nn.ModuleList | nn.Sequential]:
         if best is None or params > best[0]:
             best = (params, name, module)
     if best is None:
-        mixed = "".join(f"; {path} holds blocks of several classes ({classes}): its blocks must be one class"
-                        for path, classes in mixed_block_containers(model))
         raise TraceError(
             f"{type(model).__name__} has no nn.ModuleList or nn.Sequential of repeated blocks; merak3d splits "
-            f"models whose transformer blocks live in one such container{mixed}"
+            f"models whose transformer blocks live in one such container{mixed_blocks_note(model)}"
         )
     return best[1], best[2]
 
 
-def mixed_block_containers(model: nn.Module) -> list[tuple[str, str]]:
-    """``(path, class names)`` of ``model``'s ``nn.ModuleList``s and ``nn.Sequential``s of at least two modules of
-    several classes: blocks :func:`find_trunk` does not take, which a user may have meant as the trunk."""
-    return [(name or type(module).__name__, ", ".join(sorted({type(block).__name__ for block in module})))
-            for name, module in model.named_modules()
-            if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2
-            and len({type(block) for block in module}) > 1]
+def mixed_blocks_note(model: nn.Module) -> str:
+    """For a refusal that found no trunk: ``model``'s ``nn.ModuleList``s and ``nn.Sequential``s of at least two
+    modules of several classes (blocks :func:`find_trunk` does not take, which a user may have meant as the trunk),
+    each named with its classes; empty where there is none."""
+    return "".join(f"; {name or type(module).__name__} holds blocks of several classes "
+                   f"({', '.join(sorted({type(block).__name__ for block in module}))}): its blocks must be one class"
+                   for name, module in model.named_modules()
+                   if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2
+                   and len({type(block) for block in module}) > 1)
 
 
 def check_chained_blocks(model: nn.Module, trunk_path: str, block_calls: list, hidden_of: Callable[[Any], Any]

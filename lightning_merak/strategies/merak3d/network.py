@@ -21,7 +21,7 @@ from torch import nn
 from lightning_merak.modules.causal_lm import scores_next_token
 from lightning_merak.parallel.data.token_mean import weigh_replica_tokens
 from lightning_merak.parallel.layout import LayoutGroups
-from lightning_merak.parallel.pipeline.recording import mixed_block_containers
+from lightning_merak.parallel.pipeline.recording import mixed_blocks_note
 from lightning_merak.parallel.pipeline.trace import TraceError, find_trunk
 from lightning_merak.parallel.tensor.vocab import vocab_parallel_loss
 from lightning_merak.protocols.module_contract import (
@@ -216,13 +216,11 @@ def module_view(module: Any, pipeline_parallel: Optional[int], tensor_parallel: 
     view = ModuleView(module, find_network(module), isinstance(module, Merak3DModule))
     splits = pipeline_parallel != 1 or tensor_parallel != 1
     if view.attribute is None and splits:
-        mixed = "".join(f"; {path} holds blocks of several classes ({classes}): its blocks must be one class"
-                        for path, classes in mixed_block_containers(module))
         raise TypeError(
             f"merak3d splits a transformer network, and finds none among {type(module).__name__}'s children: hold it "
             f"as an attribute (a transformers PreTrainedModel, or a module with an nn.ModuleList or nn.Sequential of "
             f"repeated blocks), "
-            f"or train with pipeline_parallel=1 and tensor_parallel=1 ({CONTRACT_GUIDE}){mixed}")
+            f"or train with pipeline_parallel=1 and tensor_parallel=1 ({CONTRACT_GUIDE}){mixed_blocks_note(module)}")
     return view
 
 

@@ -447,9 +447,9 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
         """The copies a gradient norm counts once: tied weights, and the parameters outside a pipelined network
         that every pipeline rank holds alike (counted on the first)."""
         tied = list(self._built.tied) if self._built is not None else []
-        outside = getattr(self._pipeline, "outside_parameters", [])
-        first = not outside or self.groups.pipeline_rank == 0
-        return tied + [gradients.TiedParameter(self.groups.pipeline_group, param, first) for param in outside]
+        for param in getattr(self._pipeline, "outside_parameters", []):
+            tied.append(gradients.TiedParameter(self.groups.pipeline_group, param, self.groups.pipeline_rank == 0))
+        return tied
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
         """Clip by the norm over every stage and shard (:func:`~.gradients.clip_by_total_norm`)."""
