@@ -40,3 +40,20 @@ def test_is_decoder_false_for_an_encoder_family_is_refused_with_the_fix() -> Non
 def test_a_decoder_family_keeps_its_config() -> None:
     model = build_causal_lm(ModelConfig(name="llama", model_type="llama", config=dict(TINY)), vocab_size=VOCAB)
     assert not getattr(model.config, "is_decoder", False) and not _sees_later_tokens(model)
+
+
+@pytest.mark.parametrize("weights", [True, False], ids=["loaded", "structure"])
+def test_a_pretrained_encoder_checkpoint_is_loaded_as_a_decoder(tmp_path, weights: bool) -> None:
+    """A BERT checkpoint saved with is_decoder=False (as encoder checkpoints are) trains causally all the same."""
+    from transformers import BertConfig, BertLMHeadModel
+
+    from lightning_merak.hf.pretrained import pretrained_causal_lm
+
+    torch.manual_seed(0)
+    BertLMHeadModel(BertConfig(vocab_size=VOCAB, **TINY)).save_pretrained(tmp_path)
+    model = pretrained_causal_lm(tmp_path, VOCAB, weights=weights)
+    assert model.config.is_decoder
+    if weights:
+        assert not _sees_later_tokens(model)
+    with pytest.raises(ValueError, match="is_decoder=False.*drop the key"):
+        pretrained_causal_lm(tmp_path, VOCAB, {"is_decoder": False}, weights=weights)

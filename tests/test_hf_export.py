@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from lightning_merak.hf import export_checkpoint, model_record
 from lightning_merak.modules.causal_lm import CausalLMModule
@@ -53,6 +53,18 @@ def test_lightning_checkpoint_round_trip_is_bit_exact(tmp_path):
     export_checkpoint(checkpoint, tmp_path / "bf16", config=tmp_path / "source", dtype="bfloat16")
     assert all(tensor.dtype == torch.bfloat16 for tensor in _stored(tmp_path / "bf16").values())
     AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
+    assert AutoConfig.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+
+
+def test_the_exported_config_names_the_dtype_the_weights_were_trained_in(tmp_path):
+    """A precision=64 run's checkpoint holds float64 weights; its config said float32."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LLAMA, dtype=torch.float32)
+    model.config.dtype = torch.float32
+    checkpoint = _lightning_checkpoint(model.double(), tmp_path / "fp64.ckpt")
+    export_checkpoint(checkpoint, tmp_path / "out")
+    assert {tensor.dtype for tensor in _stored(tmp_path / "out").values()} == {torch.float64}
+    assert AutoConfig.from_pretrained(tmp_path / "out").dtype == torch.float64
 
 
 def _adapted(kind: str) -> torch.nn.Module:

@@ -107,3 +107,22 @@ def test_every_embedding_and_the_task_head_go_to_adamw() -> None:
     to_adamw = _embedding_parameters(model)
     names = {name for name, param in model.named_parameters() if id(param) in to_adamw}
     assert names == {"transformer.wte.weight", "transformer.wpe.weight", "score.weight"}
+
+
+class _LearnedPositions(torch.nn.Module):
+    """A model holding its tables as bare parameters (as ViT-style and hand-written models do), beside a fused
+    stack of expert matrices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos_embed = torch.nn.Parameter(torch.zeros(1, 8, 4))
+        self.position_table = torch.nn.Parameter(torch.zeros(8, 4))
+        self.gate_up_proj = torch.nn.Parameter(torch.zeros(2, 8, 4))
+        self.proj = torch.nn.Linear(4, 4)
+
+
+def test_a_bare_position_table_goes_to_adamw_and_an_expert_stack_to_muon() -> None:
+    model = _LearnedPositions()
+    to_adamw = _embedding_parameters(model)
+    names = {name for name, param in model.named_parameters() if id(param) in to_adamw}
+    assert names == {"pos_embed", "position_table"}

@@ -279,8 +279,10 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
         index = {"metadata": {"total_size": report.total_size}, "weight_map": dict(sorted(weight_map.items()))}
         (out / _INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         report.files.append(_INDEX_FILE)
-    if out_dtype is not None:
-        hf_config.dtype = out_dtype
+    written = {out_dtype or source.entries[by_module[name]][1] for name, _, _ in outputs.values()}
+    floating = {dtype for dtype in written if dtype.is_floating_point}
+    if len(floating) == 1:  # the config names the dtype the weights are in (float64 after precision=64, say)
+        hf_config.dtype = floating.pop()
     hf_config.save_pretrained(out)
     report.files += ["config.json", *_copy_source_files(record.get("config") or {}, out)]
     return report

@@ -58,6 +58,29 @@ def pretrained_config(path: Union[str, Path], overrides: Optional[Mapping[str, A
                             f"model.config over model.path={path}")
 
 
+def causal_only_as_decoder(model_type: str) -> bool:
+    """Whether transformers' causal-LM class for ``model_type`` is an encoder family's (BERT, RoBERTa, ELECTRA, ...),
+    causal only with ``config.is_decoder`` set: its constructor reads the flag (to warn, or to set it itself)."""
+    import inspect
+
+    import transformers  # lazy: transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # lazy: transformers
+
+    model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, ""), None)
+    try:
+        return model_class is not None and "is_decoder" in inspect.getsource(model_class.__init__)
+    except (OSError, TypeError):  # no source to read: such families ship theirs with transformers
+        return False
+
+
+def refuse_bidirectional_override(model_type: str, overrides: Mapping[str, Any]) -> None:
+    """Refuse ``model.config.is_decoder`` other than true for an encoder family: its causal-LM head would attend to
+    the later tokens it is trained to predict."""
+    if overrides.get("is_decoder", True) is not True:
+        raise ValueError(f"model.config.is_decoder={overrides['is_decoder']!r}: {model_type}'s causal-LM head "
+                         "attends to later tokens unless is_decoder=true; drop the key (it is set for you)")
+
+
 def check_vocabulary(data_vocab_size: int, config: Any, path: Union[str, Path]) -> None:
     """Refuse data whose token ids the checkpoint's embedding cannot look up."""
     model_vocab = getattr(config, "vocab_size", None)
@@ -81,6 +104,9 @@ def pretrained_causal_lm(path: Union[str, Path], data_vocab_size: int,
 
     config = pretrained_config(path, overrides)
     check_vocabulary(data_vocab_size, config, path)
+    if causal_only_as_decoder(config.model_type):  # an encoder checkpoint (BERT...) saved with is_decoder=False
+        refuse_bidirectional_override(config.model_type, overrides or {})
+        config.is_decoder = True
     if not weights:
         with eager_init_suspended():  # the checkpoint replaces every weight: no eager draws on meta
             structure = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -11,6 +11,7 @@ LightningModule.
 from __future__ import annotations
 
 import math
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
@@ -22,7 +23,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, model_record
-from lightning_merak.hf.pretrained import load_rank_pretrained, validated_config
+from lightning_merak.hf.pretrained import (
+    causal_only_as_decoder,
+    load_rank_pretrained,
+    refuse_bidirectional_override,
+    validated_config,
+)
 from lightning_merak.modules.config import ModelConfig, OptimConfig, Schedule
 from lightning_merak.modules.muon import MuonWithAdamW
 from lightning_merak.modules.schedules import warmup_schedule
@@ -52,10 +58,8 @@ def build_causal_lm(config: ModelConfig, vocab_size: int) -> nn.Module:
         )
     kwargs = dict(config.config)
     kwargs["vocab_size"] = vocab_size
-    if _causal_only_as_decoder(config.model_type):
-        if kwargs.get("is_decoder", True) is not True:
-            raise ValueError(f"model.config.is_decoder={kwargs['is_decoder']!r}: {config.model_type}'s causal-LM head "
-                             "attends to later tokens unless is_decoder=true; drop the key (it is set for you)")
+    if causal_only_as_decoder(config.model_type):
+        refuse_bidirectional_override(config.model_type, kwargs)
         kwargs["is_decoder"] = True
     family_defaults = CONFIG_MAPPING[config.model_type]()
     for key in ("bos_token_id", "eos_token_id"):  # GPT-2's 50256 in a 256-token vocabulary names no token
@@ -80,21 +84,6 @@ def build_causal_lm(config: ModelConfig, vocab_size: int) -> nn.Module:
                        "loads it, and trainer.precision sets how it trains (bf16-true: bfloat16 parameters; "
                        "bf16-mixed: float32 parameters under bfloat16 autocast)")
     return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-
-
-def _causal_only_as_decoder(model_type: str) -> bool:
-    """Whether transformers' causal-LM class for ``model_type`` is an encoder family's (BERT, RoBERTa, ELECTRA, ...),
-    causal only with ``config.is_decoder`` set: its constructor reads the flag (to warn, or to set it itself)."""
-    import inspect
-
-    import transformers  # lazy: transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # lazy: transformers
-
-    model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, ""), None)
-    try:
-        return model_class is not None and "is_decoder" in inspect.getsource(model_class.__init__)
-    except (OSError, TypeError):  # no source to read: such families ship theirs with transformers
-        return False
 
 
 _BATCH_FORMS = ("a tensor of token ids [samples, tokens], a tuple (input_ids,) or (input_ids, labels), or a dict "
@@ -289,8 +278,11 @@ def _warn_unfinished_warmup(warmup_steps: int, total_steps: float, learning_rate
 def _embedding_parameters(model: nn.Module) -> set[int]:
     """Ids of the parameters Muon leaves to AdamW besides norms and biases, as the Muon recipe prescribes: every
     embedding table (token, position, type), the output head and a classification head (transformers' names for
-    them); inside a model split into pipeline stages, those of the stages' models."""
-    found: set[int] = set()
+    them), and a table a module holds as a bare parameter under an embedding's or position's name (``pos_embed``,
+    ``position_table``: a learned ``(1, positions, hidden)`` table is no stack of matrices); inside a model split
+    into pipeline stages, those of the stages' models."""
+    found: set[int] = {id(param) for name, param in model.named_parameters()
+                       if _TABLE_NAME.search(name.rpartition(".")[2])}
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             found.add(id(module.weight))
@@ -309,6 +301,9 @@ def _embedding_parameters(model: nn.Module) -> set[int]:
                     found.update(id(param) for param in head.parameters())
     return found
 
+
+_TABLE_NAME = re.compile(r"embed|(^|_)(pos|position|positions|positional)(_|$)|^w[pt]e$")
+"""The name of a bare parameter that is a table of vectors looked up by index, not a matrix applied to inputs."""
 
 _TASK_HEADS = ("score", "classifier", "qa_outputs")
 """transformers' attribute names of a model's task head (sequence and token classification, question answering)."""
