@@ -12,8 +12,14 @@ import transformers
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from lightning_merak.checkpoint.compatible import check_resume_shapes, saved_tensor_shapes, shape_mismatches
-from lightning_merak.checkpoint.sharded import LIGHTNING_CHECKPOINT
+from lightning_merak.checkpoint.checkpoint_io import SafeCheckpointIO
+from lightning_merak.checkpoint.compatible import (
+    check_resume_shapes,
+    resume_checkpoint_io,
+    saved_tensor_shapes,
+    shape_mismatches,
+)
+from lightning_merak.checkpoint.sharded import LIGHTNING_CHECKPOINT, ExpertParallelCheckpointIO
 from lightning_merak.cli.config import register_configs
 from lightning_merak.cli.options.adapter import LoRAAdapterConfig, Quantization
 from lightning_merak.cli.overrides import _closest
@@ -138,6 +144,23 @@ def test_the_command_line_refuses_gpt2_past_its_positions_before_launch(tmp_path
     with pytest.raises(ValueError, match=r"data.seq_len=1024 is longer than the 512 positions GPT2LMHeadModel "
                                          r"embeds \(model.config.n_positions=512"):
         prepare(OmegaConf.to_object(cfg))
+
+
+def test_a_merak3d_checkpoint_directory_is_read_under_ddp_and_refused_where_it_cannot_be(tmp_path: Path):
+    directory = tmp_path / "step=2.ckpt"
+    dcp.save({"model.model.other.weight": torch.ones(2)}, checkpoint_id=directory, no_dist=True)
+    torch.save({"global_step": 2}, directory / LIGHTNING_CHECKPOINT)
+    register_configs()
+    with initialize_config_module(config_module="lightning_merak.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"output_dir={tmp_path}", "model=gpt2_tiny", "strategy=ddp",
+                                                       "trainer.devices=1", f"resume='{directory}'"])
+    assert isinstance(prepare(OmegaConf.to_object(cfg)).trainer.strategy.checkpoint_io, ExpertParallelCheckpointIO)
+    assert isinstance(resume_checkpoint_io(directory, "merak3d", _module(32)), SafeCheckpointIO)
+    assert isinstance(resume_checkpoint_io(tmp_path / "run.ckpt", "ddp", _module(32)), SafeCheckpointIO)
+    for strategy, module in (("ddp", torch.nn.Linear(2, 2)), ("fsdp", _module(32))):
+        with pytest.raises(ValueError, match=rf"is a merak3d checkpoint directory, which strategy={strategy} with "
+                                             rf"{type(module).__name__} cannot read; resume it with strategy=merak3d"):
+            resume_checkpoint_io(directory, strategy, module)
 
 
 def test_a_pretrained_directory_without_weights_or_with_a_broken_config_is_refused(tmp_path: Path):

@@ -15,17 +15,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from torch import nn
 
+from lightning_merak.checkpoint.checkpoint_io import SafeCheckpointIO
 from lightning_merak.checkpoint.expert_optimizer import expert_parallel_size, saved_expert_parallel_size
 from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, load_torch_file
-from lightning_merak.checkpoint.sharded import is_sharded_checkpoint
+from lightning_merak.checkpoint.sharded import ExpertParallelCheckpointIO, is_sharded_checkpoint
 
-__all__ = ["ShapeMismatch", "check_resume_expert_parallel", "check_resume_shapes", "saved_tensor_shapes",
-           "shape_mismatches"]
+__all__ = ["ShapeMismatch", "check_resume_expert_parallel", "check_resume_shapes", "resume_checkpoint_io",
+           "saved_tensor_shapes", "shape_mismatches"]
 
 _SHOWN = 3
 
@@ -72,6 +74,22 @@ def check_resume_shapes(path: Path, module: nn.Module) -> None:
     raise ValueError(f"resume={path}: the checkpoint was saved from a model of other sizes: {shown}{more}; resume "
                      "with the model settings it was trained with (model.*, the data's vocabulary), or start afresh "
                      "without resume")
+
+
+def resume_checkpoint_io(path: Optional[Path], strategy_name: str, module: nn.Module) -> CheckpointIO:
+    """The checkpoint IO of a run of ``strategy_name`` resuming from ``path``: under DDP, a merak3d checkpoint
+    directory (sharded tensors, any layout) is read into ``module``'s unsplit model as
+    :class:`~lightning_merak.checkpoint.sharded.ExpertParallelCheckpointIO` reads it; another strategy, or a module
+    with no ``model`` to read it into, is refused before launch, where Lightning would fail reading it."""
+    io = SafeCheckpointIO()
+    if path is None or strategy_name == "merak3d" or not is_sharded_checkpoint(path):
+        return io
+    if strategy_name.startswith("ddp") and isinstance(getattr(module, "model", None), nn.Module):
+        return ExpertParallelCheckpointIO(io, module)
+    raise ValueError(f"resume={path} is a merak3d checkpoint directory, which strategy={strategy_name} with "
+                     f"{type(module).__name__} cannot read; resume it with strategy=merak3d (any layout: "
+                     "strategy.data_parallel=N trains as DDP does), or write its weights out with merak-export and "
+                     "start from them with model.path")
 
 
 def check_resume_expert_parallel(path: Path, module: nn.Module) -> None:

@@ -283,7 +283,7 @@ def _check_model_against_run(config: TrainConfig, module: Any, resume_from: Opti
     it was trained on gets a notice."""
     from lightning.pytorch.utilities import rank_zero_only
 
-    from lightning_merak.checkpoint.compatible import check_resume_expert_parallel, check_resume_shapes  # lazy: torch
+    from lightning_merak.checkpoint import compatible  # lazy: torch
     from lightning_merak.modules.positions import beyond_trained_positions, sequence_length_problem  # lazy: torch
 
     model, longest = getattr(module, "model", None), longest_sample_setting(config.data)
@@ -296,8 +296,8 @@ def _check_model_against_run(config: TrainConfig, module: Any, resume_from: Opti
         if notice is not None and rank_zero_only.rank == 0:
             print(f"merak-train: note: {notice}", flush=True)
     if resume_from is not None:
-        check_resume_shapes(resume_from, module)
-        check_resume_expert_parallel(resume_from, module)
+        compatible.check_resume_shapes(resume_from, module)
+        compatible.check_resume_expert_parallel(resume_from, module)
 
 
 def _builtin_module(config: TrainConfig, strategy: Strategy, vocab_size: int) -> Any:
@@ -371,7 +371,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
     """Build the run and make every check before launch: a refused run raises here, before any rank works."""
     import lightning.pytorch as pl
 
-    from lightning_merak.checkpoint.checkpoint_io import SafeCheckpointIO  # lazy: torch, Lightning
+    from lightning_merak.checkpoint.compatible import resume_checkpoint_io  # lazy: torch, Lightning
     from lightning_merak.parallel.micro_batching.samples import check_consumer  # lazy: torch
 
     quiet_other_ranks()
@@ -432,7 +432,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
         callbacks=callbacks,
         logger=loggers or False,
         default_root_dir=output_dir,
-        plugins=[SafeCheckpointIO()],
+        plugins=[resume_checkpoint_io(resume_from, config.strategy.name, module)],
         profiler=_profiler(config, output_dir),
         **trainer_kwargs,
     )

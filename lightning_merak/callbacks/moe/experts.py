@@ -106,7 +106,8 @@ class ExpertParallelCallback(pl.Callback):
         # rank 0's file holds every expert and expert adapter factor (on_save_checkpoint); it, and a merak3d
         # checkpoint, resume at any ep
         self._slices = ExpertSlices.of(pl_module)
-        trainer.strategy.checkpoint_io = ExpertParallelCheckpointIO(trainer.strategy.checkpoint_io, pl_module)
+        if not isinstance(trainer.strategy.checkpoint_io, ExpertParallelCheckpointIO):  # merak-train's may be one
+            trainer.strategy.checkpoint_io = ExpertParallelCheckpointIO(trainer.strategy.checkpoint_io, pl_module)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Under merak3d, a model ``configure_model`` built (on meta) after ``setup``: switched before its build."""
