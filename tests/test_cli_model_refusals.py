@@ -174,3 +174,13 @@ def test_a_pretrained_directory_without_weights_or_with_a_broken_config_is_refus
     (tmp_path / "config.json").write_text("{'model_type': 'llama'}")
     with pytest.raises(ValueError, match=r"config.json is not a JSON config \(Expecting property name"):
         ModelConfig(name="hf", path=str(tmp_path))
+
+
+@pytest.mark.parametrize("option, callback", [("memory=delta", "DeltaMemory"), ("comm=s2", "SparseCommunication")])
+def test_a_callback_full_sharding_rules_out_is_refused_before_launch(tmp_path: Path, option: str, callback: str):
+    register_configs()
+    with initialize_config_module(config_module="lightning_merak.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"output_dir={tmp_path}", "model=gpt2_tiny", "trainer.devices=2",
+                                                       "strategy.data_parallel_sharding=full", option])
+    with pytest.raises(ValueError, match=rf"{callback} cannot run with data_parallel_sharding='full'"):
+        prepare(OmegaConf.to_object(cfg))

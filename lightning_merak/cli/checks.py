@@ -146,12 +146,15 @@ def check_context_calibration(config: Any, strategy: Any) -> None:
         raise ConfigError(problem)
 
 
-def check_callbacks_take(callbacks: list[Any], module: Any) -> None:
-    """Refuse a model the callbacks would refuse at their setup on every rank: EmbRace's tables it cannot shard
-    (a class overriding the lookup, such as Gemma's scaled embedding). The built-in module is built here already
-    (on the meta device under merak3d); a user's module is checked on what it holds before launch."""
+def check_callbacks_take(callbacks: list[Any], module: Any, strategy: Any, world_size: int) -> None:
+    """Refuse a model or layout the callbacks would refuse at their setup on every rank: EmbRace's tables it cannot
+    shard (a class overriding the lookup, such as Gemma's scaled embedding), a fixed layout's sharding mode a callback
+    cannot run under. The built-in module is built here already (on the meta device under merak3d); a user's module
+    is checked on what it holds before launch."""
     from lightning_merak.callbacks.sparse_comm.callback import SparseCommunication  # lazy: torch, Lightning
 
+    if hasattr(strategy, "validate_callbacks_before_launch"):
+        strategy.validate_callbacks_before_launch(callbacks, world_size)
     for callback in callbacks:
         if isinstance(callback, SparseCommunication):
             callback.check_tables(module)

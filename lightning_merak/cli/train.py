@@ -410,7 +410,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
         strategy.validate_before_launch(module, world_size, **shape)
     _check_model_against_run(config, module, resume_from)
     callbacks = _callbacks(config, output_dir)
-    check_callbacks_take(callbacks, module)
+    check_callbacks_take(callbacks, module, strategy, world_size)
 
     trainer_config = config.trainer
     loggers = _loggers(config)

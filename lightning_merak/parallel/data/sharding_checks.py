@@ -13,7 +13,7 @@ import torch
 
 from lightning_merak.protocols.callbacks import full_sharding_refusal
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "SHARDED_MODES", "check_precision",
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "SHARDED_MODES", "check_fully_sharded_callbacks", "check_precision",
            "check_shardable_optimizer", "check_sharding"]
 
 SHARDED_MODES = ("optimizer", "gradients")
@@ -43,15 +43,20 @@ def check_sharding(layout: Any, optimizers: Sequence[torch.optim.Optimizer], pre
     with."""
     mode = layout.data_parallel_sharding
     if mode == "full" and layout.data_parallel > 1:
-        for callback in callbacks:
-            reason = full_sharding_refusal(callback)
-            if reason is not None:
-                raise ValueError(f"{type(callback).__name__} cannot run with data_parallel_sharding='full': {reason}; "
-                                 "use data_parallel_sharding='optimizer' or 'gradients' with it")
+        check_fully_sharded_callbacks(callbacks)
     if mode in SHARDED_MODES and layout.data_parallel > 1:
         check_precision(precision, mode)
         for optimizer in optimizers:
             check_shardable_optimizer(optimizer, mode)
+
+
+def check_fully_sharded_callbacks(callbacks: Sequence[Any]) -> None:
+    """Refuse a callback that cannot run with ``data_parallel_sharding='full'`` over several replicas."""
+    for callback in callbacks:
+        reason = full_sharding_refusal(callback)
+        if reason is not None:
+            raise ValueError(f"{type(callback).__name__} cannot run with data_parallel_sharding='full': {reason}; "
+                             "use data_parallel_sharding='optimizer' or 'gradients' with it")
 
 
 def check_precision(precision: Any, mode: str) -> None:

@@ -7,7 +7,8 @@ They read what the hooks in :mod:`.strategy` decided and change nothing, so they
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from collections.abc import Sequence
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_merak.parallel.data.buckets import DataParallelGradients
+from lightning_merak.parallel.data.sharding_checks import check_fully_sharded_callbacks
 from lightning_merak.parallel.layout import Layout, LayoutGroups
 from lightning_merak.strategies.merak3d import build
 from lightning_merak.strategies.merak3d.arguments import Degree, Merak3DArguments
@@ -192,3 +194,11 @@ class LayoutQueries:
         self.validate_arguments(world_size, batch_size=batch_size, sequence_length=sequence_length,
                                 accumulate_grad_batches=accumulate_grad_batches)
         self._arguments.validate_model(module, world_size, sequence_length)
+
+    def validate_callbacks_before_launch(self, callbacks: Sequence[Any], world_size: int) -> None:
+        """Refuse, before any process starts, a callback the layout's sharding mode rules out where the layout is
+        fixed (else at setup, once the planner has chosen it): one that cannot run fully sharded."""
+        if self._arguments.needs_planning or self._arguments.data_parallel_sharding != "full":
+            return
+        if self._arguments.layout(world_size).data_parallel > 1:
+            check_fully_sharded_callbacks(callbacks)
