@@ -159,8 +159,11 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
     )
     from lightning_merak.hf.dequantised import DequantisedSource, int4_expert_tensors  # lazy: torch
     from lightning_merak.hf.experts import export_layout  # lazy: torch
+    from lightning_merak.hf.swapped_experts import SwappedExpertsSource, holds_swapped_experts  # lazy: torch
 
-    source: Union[CheckpointSource, DequantisedSource] = CheckpointSource(Path(checkpoint))
+    source: Union[CheckpointSource, DequantisedSource, SwappedExpertsSource] = CheckpointSource(Path(checkpoint))
+    if holds_swapped_experts(source.entries):  # moe.experts=deepspeed: written back as the Mixtral blocks they were
+        source = SwappedExpertsSource(source)
     quantized = quantized_layers(source.entries)
     quantized_experts = int4_expert_tensors(source.entries)
     if (quantized or quantized_experts) and not merge_adapters:

@@ -4,10 +4,15 @@ The block's ``forward`` is replaced *on the instance* by a :class:`SwitchableFor
 so the module tree, parameter names and ``state_dict`` stay exactly as the user wrote
 them, and DDP (which wraps after ``Callback.setup``) sees the same parameters. The plan
 only flips :attr:`SwitchableForward.recompute` afterwards.
+
+The recomputation replays the block in training mode, so it leaves the block's buffers as the original forward
+left them (:func:`~lightning_merak.util.buffers.buffers_kept`): a BatchNorm's running statistics count each
+training batch once, as without DeltaMemory.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Mapping, Optional
 
 import torch
@@ -15,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_merak.protocols.layout_aware import RecomputedForward
+from lightning_merak.util.buffers import buffers_kept
 from lightning_merak.util.model_outputs import no_cache
 
 __all__ = [
@@ -28,11 +34,13 @@ class SwitchableForward:
 
     ``preserve_rng_state=True`` replays the forward's RNG state, so dropout masks in the
     recomputation match the original ones and gradients are identical. The replay takes the
-    same arguments, so a key/value cache among them is refused (see :func:`turn_off_kv_caches`).
+    same arguments, so a key/value cache among them is refused (see :func:`turn_off_kv_caches`),
+    and keeps the buffers the original forward left (running statistics updated once per batch).
     """
 
     def __init__(self, module: nn.Module) -> None:
         self.original = module.forward
+        self.module = module
         self.block_type = type(module).__name__
         self.recompute = False
 
@@ -45,9 +53,14 @@ class SwitchableForward:
                 use_reentrant=False,
                 preserve_rng_state=True,
                 determinism_check="default",
+                context_fn=self._contexts,
                 **kwargs,
             )
         return self.original(*args, **kwargs)
+
+    def _contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """Checkpointing's contexts: the forward runs as it is; the recomputation keeps the buffers."""
+        return contextlib.nullcontext(), buffers_kept(self.module)
 
     def _refuse_kv_cache(self, kwargs: Mapping[str, Any]) -> None:
         """A cache the first forward appended to would get the block's keys and values a second time."""

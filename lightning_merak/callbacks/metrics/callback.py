@@ -29,6 +29,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_merak.callbacks.metrics.device import DATASHEET_PEAK, PeakFlops, compute_dtype, peak_flops, read_memory
 from lightning_merak.callbacks.metrics.figures import log_figure, memory_figure
+from lightning_merak.callbacks.sparse_comm.embrace import ShardedEmbedding
+from lightning_merak.distributed.gradient_norm import ShardedGradients
 from lightning_merak.parallel.micro_batching import VariableBatch
 from lightning_merak.planning.flops import training_flops_per_token, transformer_shape
 
@@ -62,9 +64,9 @@ def _sample_lengths(batch: Any) -> Optional[torch.Tensor]:
     return None
 
 
-def _total_norm(grads: list[torch.Tensor]) -> float:
-    """The 2-norm of ``grads``, plain tensors and DTensor shards mixed (tensor parallelism alone shards some):
-    the plain ones' norm and each mesh's DTensors' reduced to a full one, their squares combined."""
+def _total_squares(grads: list[torch.Tensor]) -> float:
+    """The squared 2-norm of ``grads``, plain tensors and DTensor shards mixed (tensor parallelism alone shards
+    some): the plain ones' and each mesh's DTensors' reduced to a full one, summed."""
     plain = [grad for grad in grads if not isinstance(grad, DTensor)]
     by_mesh: dict[Any, list[torch.Tensor]] = {}
     for grad in grads:
@@ -73,7 +75,36 @@ def _total_norm(grads: list[torch.Tensor]) -> float:
     squares = float(torch.nn.utils.get_total_norm(plain, norm_type=2.0)) ** 2 if plain else 0.0
     for sharded in by_mesh.values():  # the same meshes in the same order on every rank: the reductions match
         squares += float(torch.nn.utils.get_total_norm(sharded, norm_type=2.0).full_tensor()) ** 2
-    return math.sqrt(squares)
+    return squares
+
+
+def _column_shards(pl_module: pl.LightningModule) -> ShardedGradients:
+    """EmbRace's tables, each rank holding other columns of each, registered as clipping registers them under a
+    strategy with no norm of its own (:func:`~lightning_merak.callbacks.sparse_comm.strategy_wiring.clip_with_shards`,
+    Lightning's DDP): their squares are summed over the table's group, so each column counts once."""
+    shards = ShardedGradients()
+    for module in pl_module.modules():  # the same tables in the same order on every rank: the reductions match
+        if isinstance(module, ShardedEmbedding):
+            shards.register([module.shard], module.process_group)
+    return shards
+
+
+def _gradient_norm(pl_module: pl.LightningModule) -> Optional[float]:
+    """The total norm of ``pl_module``'s gradients over every rank's shards (a collective where EmbRace shards
+    tables), or ``None`` without gradients; a sparse gradient (an embedding built with ``sparse=True``) counts its
+    coalesced values."""
+    shards = _column_shards(pl_module)
+    replicated: list[torch.Tensor] = []
+    sharded: dict[int, list[torch.Tensor]] = {}
+    for param in pl_module.parameters():
+        if param.grad is None:
+            continue
+        grad = param.grad.coalesce().values() if param.grad.is_sparse else param.grad
+        index = shards.group_index(param)
+        (replicated if index is None else sharded.setdefault(index, [])).append(grad)
+    if not shards:
+        return math.sqrt(_total_squares(replicated)) if replicated else None
+    return math.sqrt(_total_squares(replicated) + float(shards.squares(sharded, pl_module.device)))
 
 
 def _clipping_keeps_norm(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
@@ -97,7 +128,8 @@ class TrainingMetrics(pl.Callback):
       logged only. A strategy with a ``gradient_norm(optimizer)`` (merak3d: over every stage, shard and expert)
       computes it (or its clipping by norm, which keeps the norm it computed: then it is read, not computed
       twice); otherwise it is the norm of the gradients Lightning hands to the optimizer (DTensor shards
-      gathered, plain gradients beside them). Left out of a log whose step computed none (a run stopped
+      gathered, plain gradients beside them; EmbRace's column shards summed over their group, as its clipping
+      sums them under DDP). Left out of a log whose step computed none (a run stopped
       between intervals);
     - ``comm/exposed_s``, ``comm/exposed_fraction`` (rank 0; a strategy with ``last_exposed_communication_s``,
       merak3d with data parallelism reduced by its own buckets: ``data_parallel_sharding`` other than ``full``,
@@ -187,11 +219,9 @@ class TrainingMetrics(pl.Callback):
         if callable(strategy_norm):
             self._grad_norm = (step, float(strategy_norm(optimizer)))
             return
-        # a sparse gradient (an embedding built with sparse=True) has the norm of its coalesced values
-        grads = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad
-                 for p in pl_module.parameters() if p.grad is not None]
-        if grads:
-            self._grad_norm = (step, _total_norm(grads))
+        norm = _gradient_norm(pl_module)
+        if norm is not None:
+            self._grad_norm = (step, norm)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
