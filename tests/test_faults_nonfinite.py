@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.callbacks.nonfinite import NonFiniteError, NonFiniteGuard
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
-from lightning_merak.modules.config import ModelConfig
+from lightning_merak.modules.config import ModelConfig, OptimConfig
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.testing import run_distributed
 
@@ -124,6 +124,56 @@ def test_gradient_not_finite_on_one_pipeline_stage_skips_every_stage() -> None:
     for result in run_distributed(pipeline_run, world_size=2, timeout_s=120):
         assert result["skipped"] == 1
         _assert_only_step_skipped(result["parameters"], skipped_step=1)
+
+
+class _NaNLossModule(CausalLMModule):
+    """Muon's module whose loss turns NaN on rank 1 at step 1."""
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if (self.global_rank, self.global_step) == (1, 1) else loss
+
+
+class _OptimizerSnapshots(pl.Callback):
+    """After every step: what the optimizer steps on this rank (its parameters: ZeRO's slices) and its state."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
+        optimizer = trainer.optimizers[0]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.steps.append([p.detach().clone() for p in params] + [
+            value.clone() for p in params for value in optimizer.state.get(p, {}).values()])
+
+
+def zero_muon_run(rank: int, world_size: int, sharding: str) -> dict[str, object]:
+    """merak3d dp=2 with ZeRO slices of Muon's matrices: a NaN loss on rank 1 at step 1."""
+    torch.manual_seed(0)
+    module = _NaNLossModule(build_causal_lm(LLAMA, vocab_size=VOCAB),
+                            OptimConfig(name="muon", warmup_steps=0, newton_schulz_dtype="float32"))
+    guard, snapshots = NonFiniteGuard("skip"), _OptimizerSnapshots()
+    tokens = torch.randint(VOCAB, (STEPS * 4, SEQ), generator=torch.Generator().manual_seed(1))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        strategy=Merak3DStrategy(data_parallel=2, data_parallel_sharding=sharding, timeout_s=120),
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        use_distributed_sampler=False, callbacks=[guard, snapshots],
+    )
+    trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=4))
+    return {"skipped": guard.skipped, "steps": snapshots.steps}
+
+
+@pytest.mark.distributed
+def test_a_skipped_step_leaves_zero_sliced_muon_matrices_on_every_rank() -> None:
+    """Muon under ZeRO-1 puts each matrix together from the ranks' slices every step: a step whose gradients the
+    guard dropped on every rank leaves the slices and the optimizer state as they were, and the next step steps."""
+    for result in run_distributed(zero_muon_run, world_size=2, args=("optimizer",), timeout_s=180):
+        assert result["skipped"] == 1
+        before, skipped, after = result["steps"][0:3]
+        assert all(torch.equal(old, new) for old, new in zip(before, skipped))
+        assert not all(torch.equal(old, new) for old, new in zip(skipped, after))
+        assert all(torch.isfinite(value).all() for value in result["steps"][-1])
 
 
 def test_options_are_checked_before_training() -> None:

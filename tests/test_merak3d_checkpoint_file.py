@@ -4,6 +4,8 @@ takes back by name, as copies of the file's tensors (a memory-mapped file must n
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -61,3 +63,40 @@ def test_a_file_missing_experts_is_refused_before_loading() -> None:
     state[name] = whole
     kept = ShardedCheckpointer(lambda: (0, (1, 1, 1))).read_file({"state_dict": state}, holder)["state_dict"][name]
     assert torch.equal(kept, whole)
+
+
+def test_a_muon_file_s_optimizer_state_resumes_by_name() -> None:
+    """``MuonWithAdamW`` saves ``{"parts": [Muon's, AdamW's]}``, not torch's format: read as torch's over the parts'
+    groups in order (the order its ``param_groups`` list them in), a resumed optimizer steps as the saved one does."""
+    from lightning_merak.modules.muon import MuonWithAdamW
+
+    def muon(model: nn.Module) -> MuonWithAdamW:
+        return MuonWithAdamW([{"params": list(model.parameters())}], lr=0.02, momentum=0.95,
+                             newton_schulz_dtype="float32")
+
+    def step(model: nn.Module, optimizer: MuonWithAdamW, seed: int) -> None:
+        optimizer.zero_grad()
+        model(torch.randn(5, 4, generator=torch.Generator().manual_seed(seed))).square().sum().backward()
+        optimizer.step()
+
+    torch.manual_seed(0)
+    saving = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    saving_optimizer = muon(saving)
+    for seed in range(2):
+        step(saving, saving_optimizer, seed)
+    saved = copy.deepcopy(saving_optimizer.state_dict())  # as read from a file: no tensor of the live state
+    assert list(saved) == ["parts"]
+
+    resumed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    resumed.load_state_dict(saving.state_dict())
+    resumed_optimizer = muon(resumed)
+    names = {id(param): name for name, param in resumed.named_parameters()}
+    checkpointer = ShardedCheckpointer(lambda: (0, (1, 1, 1)))
+    named = checkpointer.named_optimizer_state(
+        saved, [names[id(param)] for group in resumed_optimizer.param_groups for param in group["params"]])
+    assert [group["params"] for group in named["param_groups"]] == [["0.weight", "1.weight"], ["0.bias", "1.bias"]]
+    checkpointer.load_optimizer_state(resumed_optimizer, named, resumed)
+    step(saving, saving_optimizer, 2)
+    step(resumed, resumed_optimizer, 2)
+    for (name, expected), actual in zip(saving.named_parameters(), resumed.parameters()):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=name)

@@ -62,7 +62,7 @@ class _Recorder(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
-        self.norms.append(trainer.strategy.last_gradient_norm or 0.0)
+        self.norms.append(getattr(trainer.strategy, "last_gradient_norm", None) or 0.0)  # none under DDP
 
     def on_validation_batch_end(self, trainer, pl_module, *args) -> None:
         """Whole parameters left registered after an evaluation forward (none when they are resharded)."""

@@ -463,7 +463,9 @@ class ShardedCheckpointer:
         """A file's optimizer state (torch's format, entries numbered by the optimizer's parameter order) as
         :meth:`load` returns one, keyed by the unsplit names (``names[i]``: the ``i``-th parameter of the optimizer
         that saved it), expert entries cut to this rank's experts; :meth:`load_optimizer_state` then places each
-        entry on this rank's stage and shard."""
+        entry on this rank's stage and shard. A composite optimizer's state (``{"parts": [...]}``, as ``MuonWithAdamW``
+        saves it) is read as torch's over the parts' groups in order, the order its ``param_groups`` list them in."""
+        saved = _joined_parts(saved)
         order = [index for group in saved["param_groups"] for index in group["params"]]
         if len(order) != len(names):
             raise ValueError(f"the checkpoint's optimizer holds {len(order)} parameters, this run's {len(names)}: "
@@ -522,6 +524,22 @@ class ShardedCheckpointer:
 
             return distribute_tensor(full, param.device_mesh, param.placements)
         return full
+
+
+def _joined_parts(saved: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state in torch's format: a composite's (``{"parts": [...]}``, each part torch's) as one over all
+    the parts' groups in order, each part's entries numbered after the parts before it; torch's own unchanged."""
+    if "parts" not in saved:
+        return saved
+    state: dict[int, Any] = {}
+    groups: list[dict[str, Any]] = []
+    first = 0
+    for part in saved["parts"]:
+        state.update({first + index: entry for index, entry in part["state"].items()})
+        groups.extend({**group, "params": [first + index for index in group["params"]]}
+                      for group in part["param_groups"])
+        first += sum(len(group["params"]) for group in part["param_groups"])
+    return {"state": state, "param_groups": groups}
 
 
 def _torch_optimizer_state(saved: dict[str, Any], order: dict[str, int],

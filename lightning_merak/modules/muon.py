@@ -129,6 +129,9 @@ class MatrixMuon(torch.optim.Optimizer):
     matrices and on stacks of matrices: a fused expert tensor ``[experts, rows, cols]`` is stepped as if each
     expert's matrix were its own parameter. With :attr:`pieces` set (:meth:`MuonWithAdamW.assemble_pieces`), the
     slices ZeRO-1/2 put in its groups are stepped by putting each matrix together on its owner (module docstring).
+    A slice without a gradient is left as it is, as torch leaves a parameter without one, and counts as zeros in
+    its matrix: so a step whose gradients every rank dropped (``NonFiniteGuard``'s skip) changes nothing, with the
+    ranks still exchanging the same pieces (none waits for one that skipped).
     """
 
     def __init__(self, params: Any, lr: float, momentum: float, newton_schulz_dtype: str = "bfloat16",
@@ -224,17 +227,18 @@ class MatrixMuon(torch.optim.Optimizer):
         for group in self.param_groups:
             for param in group["params"]:
                 whole = getattr(param, "sharded_from", param)
-                if param.grad is None:
-                    if whole is not param:
-                        raise RuntimeError("a slice of a Muon matrix has no gradient under data-parallel sharding; "
-                                           "every rank must step every sharded matrix")
-                    continue
-                update = self._nesterov_update(param, group)
-                if whole is param:
-                    steps.append((param, group, whole, self._orthogonalised(update, group)))
-                else:
+                index: Optional[int] = None
+                if whole is not param:
                     assert self.pieces is not None, "sharded Muon slices without MuonWithAdamW.assemble_pieces()"
                     index = self.pieces.index[id(whole)]
+                if param.grad is None:
+                    if index is not None:  # sent as zeros: the ranks put the matrices together every step
+                        held[index] = torch.zeros_like(param)
+                    continue
+                update = self._nesterov_update(param, group)
+                if index is None:
+                    steps.append((param, group, whole, self._orthogonalised(update, group)))
+                else:
                     held[index] = update
                     steps.append((param, group, whole, index))
         results = (self.pieces.map_whole(
