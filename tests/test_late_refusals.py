@@ -196,7 +196,8 @@ def test_a_loader_resumed_with_other_data_parallel_shares_is_refused():
                                    trained_batches=lambda: 2, shuffle_seed=0)
 
     saved = loader(2, 4).state_dict()
-    assert saved == {"pass": 0, "batches": 2, "replicas": 2, "batch_size": 4}
+    assert saved == {"pass": 0, "batches": 2, "replicas": 2, "batch_size": 4, "pass_length": 4,
+                     "order": ["sequential"]}
     same = loader(2, 4)
     same.load_state_dict(saved)
     assert next(iter(same)).tolist() == [16, 18, 20, 22]  # rank 0's third batch: the two trained ones skipped

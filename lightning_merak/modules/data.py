@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_merak.modules.config import DataConfig, DataError
+from lightning_merak.modules.resumable import ResumableDataLoader
 from lightning_merak.modules.text_files import DataFileNotFound, MissingTextField, load_text_documents
 from lightning_merak.parallel.micro_batching.samples import (
     check_consumer,
@@ -287,86 +288,6 @@ def variable_samples(token_lists: Iterable[Sequence[int]], max_length: int, batc
     return [samples[i] for i in order[num_val:]], [samples[i] for i in order[:num_val]]
 
 
-class ResumableDataLoader(DataLoader):
-    """A training loader that resumes in the middle of a pass where the interrupted run stopped.
-
-    Each pass over the data is numbered, and its shuffle order depends only on ``shuffle_seed``
-    and that number: the loader's generator is reseeded, and a distributed sampler or the dataset
-    (when it has ``set_epoch``, as a stream does) gets the number as its epoch. Lightning saves the
-    loader's ``state_dict`` in checkpoints: the pass and how many of its batches the loop has
-    trained (``trained_batches()``). On restore the run continues that pass (or starts the next one
-    if it was done) and reads and drops the batches already trained.
-
-    Passes follow the trainer's epoch (``epoch()``), shifted by what a restore found: Lightning
-    counts an epoch as done when ``max_steps`` stops it half-way, and it may open the loader
-    more than once for one epoch, so neither its epoch nor the number of passes opened alone
-    names the pass. Without a trainer (``epoch()`` is None) every opening is a new pass.
-    """
-
-    def __init__(self, *args: Any, epoch: Callable[[], Optional[int]], trained_batches: Callable[[], int],
-                 shuffle_seed: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.epoch, self.trained_batches, self.shuffle_seed = epoch, trained_batches, shuffle_seed
-        self._openings, self._current_pass = 0, 0
-        self._resume: Optional[tuple[int, int]] = None
-        self._epoch_shift: Optional[int] = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"pass": self._current_pass, "batches": self.trained_batches(), **self._batch_shape()}
-
-    def _batch_shape(self) -> dict[str, Any]:
-        """What a trained batch count means in samples: the ranks a distributed sampler (or a stream split by rank,
-        its ``shares``) splits each pass over, and each rank's batch size (None: a batch sampler's own batches)."""
-        replicas = getattr(self.sampler, "num_replicas", None)
-        return {"replicas": replicas if replicas is not None else getattr(self.dataset, "shares", 1),
-                "batch_size": self.batch_size}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = {key: state[key] for key in ("replicas", "batch_size") if key in state}  # older checkpoints: none
-        now = self._batch_shape()
-        if any(saved[key] != now[key] for key in saved):
-            raise DataError(
-                f"the checkpoint's run read {saved.get('replicas', '?')} data-parallel shares of "
-                f"{saved.get('batch_size', '?')} samples a step, this run reads {now['replicas']} of "
-                f"{now['batch_size']}: skipping its {state['batches']} trained batches would skip other samples than "
-                "it trained, so some would be trained twice and others never. Resume with the same data-parallel "
-                "degree and data.batch_size, or start a new run from its weights (merak-export, then model.path)")
-        finished = _has_length(self) and state["batches"] >= len(self)  # an endless stream never finishes a pass
-        self._resume = (state["pass"] + finished, 0 if finished else state["batches"])
-        self._epoch_shift, self._openings = None, 0
-
-    def _pass_now(self) -> int:
-        epoch = self.epoch()
-        if epoch is None:
-            return self._resume[0] + self._openings if self._resume is not None else self._openings
-        if self._epoch_shift is None:
-            self._epoch_shift = self._resume[0] - epoch if self._resume is not None else 0
-        return epoch + self._epoch_shift
-
-    def __iter__(self) -> Iterator[Any]:
-        current = self._pass_now()
-        self._openings += 1
-        self._current_pass = current
-        if self.generator is not None:
-            self.generator.manual_seed(self.shuffle_seed + current)
-        for ordered in (self.sampler, self.dataset):
-            if hasattr(ordered, "set_epoch"):
-                ordered.set_epoch(current)
-        batches = super().__iter__()
-        if self._resume is not None and self._resume[0] == current:
-            for _ in range(self._resume[1]):
-                next(batches)
-        return batches
-
-
-def _has_length(loader: DataLoader) -> bool:
-    try:
-        len(loader)
-    except TypeError:
-        return False
-    return True
-
-
 class TokenDataModule(pl.LightningDataModule):
     """Training and validation samples of token ids behind the loaders every data module here shares.
 
@@ -425,7 +346,28 @@ class TokenDataModule(pl.LightningDataModule):
                                    **self._resume_arguments(), **kwargs)
 
     def _resume_arguments(self) -> dict[str, Any]:
-        return {"epoch": self._epoch, "trained_batches": self._trained_batches, "shuffle_seed": self.seed}
+        return {"epoch": self._epoch, "trained_batches": self._trained_batches, "shuffle_seed": self.seed,
+                "closes_finished_epoch": self.align_loops_after_finished_pass}
+
+    def align_loops_after_finished_pass(self) -> bool:
+        """Make the fit loop agree with a restored loader whose pass is finished; True where the loop first closes
+        that pass's epoch (the loader then yields nothing for it), False where it begins the next epoch.
+
+        Under ``max_steps`` Lightning 2.x restarts the epoch loop with the finished epoch's batch counters (so that an
+        epoch ``max_steps`` cut short continues). A checkpoint written between epochs (``Trainer.save_checkpoint``
+        once ``max_steps`` stopped the run at a pass's end, as ``merak-train``'s final.ckpt) would have it count the
+        next pass's first batch as the closed epoch's last, or train none, and begin the pass after: here the next
+        epoch begins afresh instead, as Lightning does without ``max_steps``. A checkpoint of the epoch's end
+        (``on_train_epoch_end``) has it close the epoch again before the next; one of the last batch's end has it
+        begin the next epoch itself.
+        """
+        fit_loop = None if self.trainer is None else self.trainer.fit_loop
+        if fit_loop is None:
+            return False
+        epochs = fit_loop.epoch_progress.current
+        if epochs.ready == epochs.started == epochs.processed == epochs.completed:
+            fit_loop.epoch_loop.restarting = False  # its reset() then starts the batch counters at 0
+        return epochs.processed > epochs.completed
 
     def describe_training_split(self, train_count: int, held_out: int) -> tuple[str, str]:
         """``(what the training set is, how to enlarge it)``: the terms of :func:`check_training_batches`."""
