@@ -384,12 +384,8 @@ def prepare(config: TrainConfig) -> PreparedRun:
     trainer_kwargs = _trainer_kwargs(config.trainer)
     _check_merak3d_options(config, strategy, world_size)
     check_schedule_end(config)
-    if getattr(config.moe, "experts", None) == "deepspeed":
-        from lightning_merak.parallel.experts import swapped_experts_problem  # lazy: torch
-
-        problem = swapped_experts_problem(strategy, world_size, config.moe.ep_size)
-        if problem is not None:
-            raise ValueError(problem)
+    if hasattr(config.moe, "check_layout"):  # before the model is built: the experts' layout refusals
+        config.moe.check_layout(strategy, world_size)
     pl.seed_everything(config.trainer.seed, workers=True, verbose=False)
     data = _datamodule(config, _data_parallel_before_launch(strategy, world_size, trainer_kwargs))
     if getattr(data, "lengths", None) == "variable":  # each rank's datamodule checks again in its setup

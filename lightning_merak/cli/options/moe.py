@@ -24,6 +24,7 @@ from lightning_merak.util.fields import option
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch.strategies import Strategy
     from torch import nn
 
 __all__ = ["DeepSpeedMoEConfig", "ProphetMoEConfig", "ShadowingMoEConfig", "register"]
@@ -64,6 +65,34 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
         "`placement=pro_prophet|shadowing` (replicas re-planned every `replan_every` batches under DDP; `auto` and "
         "`none` run none) and `lancet_scope=block` apply.")
 
+    def __post_init__(self) -> None:
+        self._data_parallel: Optional[int] = None  # the ranks the experts spread over, once check_layout knows them
+
+    def check_layout(self, strategy: Strategy, world_size: int) -> None:
+        """Refuse, before the model is built and before any process starts, a layout these experts do not run in,
+        and note the data-parallel degree the experts spread over (all ranks under DDP, each stage's under
+        merak3d; unknown while the planner chooses it), so that :meth:`apply` offers only ``ep_size`` values
+        dividing it."""
+        merak3d = getattr(strategy, "strategy_name", None) == "merak3d"
+        fixed = merak3d and not strategy.needs_planning  # else the planner's layout is checked at setup
+        if self.experts == "deepspeed":
+            from lightning_merak.parallel.experts import swapped_experts_problem  # lazy: torch
+
+            problem = swapped_experts_problem(strategy, world_size, self.ep_size)
+            if problem is not None:
+                raise ValueError(problem)
+            tensor_parallel = strategy.resolve_layout(world_size)[2] if fixed else 1
+            if tensor_parallel > 1:
+                raise ValueError(
+                    f"strategy.tensor_parallel={tensor_parallel} is not supported with moe.experts=deepspeed: the "
+                    "swapped DeepSpeed-MoE layer's router and experts cannot be split over tensor-parallel ranks; use "
+                    "moe.experts=merak_ep (keeps the model's own MoE blocks, whose experts every tensor-parallel rank "
+                    "holds) or strategy.tensor_parallel=1")
+        if not merak3d:
+            self._data_parallel = world_size
+        elif fixed:
+            self._data_parallel = strategy.resolve_layout(world_size)[0]
+
     def _block_chunks(self) -> int | str:
         if self.lancet_scope not in ("layer", "block"):
             raise ValueError(f"moe.lancet_scope={self.lancet_scope!r}: use layer (inside the MoE layer) or block "
@@ -98,7 +127,7 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
             supported, reason = family_support(model)
             if not supported:
                 raise ValueError(f"moe.experts=merak_ep refused: {reason}; use moe.experts=deepspeed or moe=none")
-            problem = expert_split_problem(model, self.ep_size)
+            problem = expert_split_problem(model, self.ep_size, self._data_parallel)
             if problem is not None:
                 raise ValueError(problem)
             block_chunks = self._block_chunks()

@@ -22,7 +22,13 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from lightning_merak.plugins.moe.core.placement_cost_model import CostModel
 from lightning_merak.plugins.moe.executor import TransferScheduler
 from lightning_merak.plugins.moe.layer import MoE, MoEOptions
-from lightning_merak.plugins.moe.options import check_count, check_flag, check_layer_arguments, check_number
+from lightning_merak.plugins.moe.options import (
+    check_count,
+    check_flag,
+    check_layer_arguments,
+    check_number,
+    option_key,
+)
 
 __all__ = ["SwappedSparseBlock", "SwiGLUExpert", "swap_sparse_moe_blocks"]
 
@@ -139,6 +145,12 @@ def swap_sparse_moe_blocks(
             f"{type(model).__name__} has no Mixtral-style sparse MoE block (a MixtralSparseMoeBlock); build it with "
             "model=mixtral_tiny or a Mixtral config, or use moe.experts=merak_ep for another MoE family"
         )
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            "model.config.output_router_logits=True asks for the load-balancing loss of Mixtral's routers, which the "
+            "DeepSpeed-MoE swap replaces: the swapped layers add their own load-balancing loss (weighted by "
+            f"{option_key('aux_loss_coef')}); drop model.config.output_router_logits, or use moe.experts=merak_ep, "
+            "which keeps the model's routers and their aux loss (model.config.router_aux_loss_coef)")
     for name, block in targets:
         num_experts, hidden = block.experts.down_proj.shape[0], block.experts.down_proj.shape[1]
         try:

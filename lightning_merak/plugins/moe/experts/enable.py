@@ -130,18 +130,21 @@ def family_support(model: nn.Module) -> tuple[bool, str]:
     return True, "goes through the experts registry with the standard call (not in the tested set)"
 
 
-def expert_split_problem(model: nn.Module, ep_size: int) -> Optional[str]:
+def expert_split_problem(model: nn.Module, ep_size: int, data_parallel: Optional[int] = None) -> Optional[str]:
     """Why ``model``'s experts cannot be spread over ``ep_size`` expert-parallel ranks, or ``None``: every rank
     holds an equal contiguous share of each layer's experts (:func:`~.exchange.local_expert_range`). Checked on the
-    model alone, so an entry point refuses before launch."""
+    model alone, so an entry point refuses before launch. ``data_parallel``: the ranks an expert group is carved
+    from, where the entry point knows them; the sizes offered then divide them too, as an expert group must."""
     counts = sorted({int(module.num_experts) for _, module in experts_modules(model)})
     uneven = [count for count in counts if count % ep_size]
     if not uneven:
         return None
-    choices = [size for size in range(1, max(counts) + 1) if all(count % size == 0 for count in counts)]
+    shared = counts if data_parallel is None else [*counts, data_parallel]
+    choices = [size for size in range(1, min(shared) + 1) if all(count % size == 0 for count in shared)]
+    within = f" (dividing both the experts and the {data_parallel} data-parallel ranks)" if data_parallel else ""
     return (f"{option_key('ep_size')}={ep_size} does not divide the {uneven[0]} experts of a MoE layer: each "
             f"expert-parallel rank holds an equal share of every layer's experts; choose {option_key('ep_size')} from "
-            f"{choices}")
+            f"{choices}{within}")
 
 
 def _resolve_group(group: Any) -> tuple[int, int]:
