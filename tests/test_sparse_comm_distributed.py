@@ -193,6 +193,21 @@ def embrace_priority_against_plain(rank: int, world_size: int) -> dict[str, obje
             "plain_timing": models["plain"].embed.last_exchange}
 
 
+def embrace_backward_bytes(rank: int, world_size: int) -> tuple[float, float]:
+    """The embedding bytes the ledger records for a lookup's backward exchange, and the bytes this rank sends in it:
+    every other owner's columns of its own tokens (ranks differ in token count, so what it receives differs)."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    ledger = CommLedger(world_size)
+    table = shard_embeddings(model, ["embed"], ledger=ledger)["embed"]
+    tokens = 30 + 7 * rank
+    output = model(_batch(rank, 0, tokens))
+    ledger.reset()
+    output.square().mean().backward()
+    others = sum(width for owner, width in enumerate(table.widths) if owner != rank)
+    return ledger.snapshot()["embedding"], float(tokens * others * output.element_size())
+
+
 HOOK_METHODS = ("s2_exact", "allgather", "auto")
 
 
@@ -202,6 +217,7 @@ def all_checks(rank: int, world_size: int) -> dict[str, object]:
                                   for method in HOOK_METHODS}
     results["embrace"] = embrace_against_unsharded(rank, world_size, False)
     results["embrace_priority"] = embrace_priority_against_plain(rank, world_size)
+    results["embrace_backward_bytes"] = embrace_backward_bytes(rank, world_size)
     if world_size == 2:
         results["hook_sparse_bucket"] = compare_hook_with_dense(rank, world_size, "s2_exact", True)
         results["excluded"] = excluded_table_path(rank, world_size)
@@ -245,6 +261,15 @@ def test_embrace_priority_exchange_changes_the_order_not_the_gradient(
             assert 0 < timing.priority_tokens < timing.tokens
             assert timing.priority_rows_s <= timing.all_rows_s
         assert check["plain_timing"].priority_tokens == 0 and check["plain_timing"].priority_rows_s is None
+
+
+def test_embrace_ledger_records_the_bytes_a_rank_sends_in_the_backward_exchange(
+    checks: tuple[int, list[dict[str, object]]],
+) -> None:
+    _, results = checks
+    for result in results:
+        recorded, sent = result["embrace_backward_bytes"]
+        assert recorded == sent
 
 
 def test_two_rank_extras(checks: tuple[int, list[dict[str, object]]]) -> None:

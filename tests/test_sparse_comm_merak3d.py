@@ -3,6 +3,7 @@ and gradients as merak3d's own dense averaging, with and without pipeline stages
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -108,6 +109,35 @@ def data_parallel_runs(rank: int, world_size: int) -> dict[str, dict[str, object
         "llama_embrace_zero1_clipped": _fit("llama", {**layout, "data_parallel_sharding": "optimizer"},
                                             SparseCommunication("embrace", min_table_rows=TABLE_ROWS), clip=CLIP),
     }
+
+
+class _AdamModule(CausalLMModule):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.model.parameters(), lr=0.01)
+
+
+def _resumed(method: str | None, root: Path) -> dict[str, object]:
+    """Adam for half the steps, merak3d's sharded checkpoint, a new run resuming it for the rest (the epoch starts
+    over: the loader is not resumable): the resumed run's losses and gradients."""
+    checkpoint = root / f"{method}.ckpt"
+    recorder = _Recorder()
+    for steps, callbacks, ckpt_path in ((STEPS // 2, [], None), (STEPS, [recorder], checkpoint)):
+        torch.manual_seed(0)
+        comm = [SparseCommunication(method, min_table_rows=TABLE_ROWS)] if method else []
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=2, strategy=Merak3DStrategy(data_parallel=2, timeout_s=120), max_steps=steps,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, default_root_dir=root,
+            callbacks=[*callbacks, *comm])
+        trainer.fit(_AdamModule(build_causal_lm(MODELS["llama"], vocab_size=VOCAB)), datamodule=_DataParallelSlices(),
+                    ckpt_path=ckpt_path)
+        if ckpt_path is None:
+            trainer.save_checkpoint(checkpoint)
+    return {"losses": recorder.losses, "gradients": recorder.gradients}
+
+
+def resumed_runs(rank: int, world_size: int, root: str) -> dict[str, dict[str, object]]:
+    return {"dense": _resumed(None, Path(root)), "embrace": _resumed("embrace", Path(root))}
 
 
 def _refusal(layout: dict[str, int]) -> str:
@@ -220,6 +250,14 @@ def test_clipped_embrace_under_merak3d_trains_like_clipped_dense(dp2) -> None:
         torch.testing.assert_close(embrace["norms"], dense["norms"], rtol=1e-5, atol=0)
         _assert_same_training(runs, "llama_embrace_clipped", "llama_dense_clipped", rtol=1e-4,
                               skip=("embed_tokens",))
+
+
+def test_embrace_under_merak3d_resumes_every_ranks_columns_of_the_adam_moments(tmp_path: Path) -> None:
+    """merak3d's sharded checkpoint once kept one rank's columns of Adam's moments (a plain tensor is replicated to
+    it): the other rank resumed with them."""
+    for runs in run_distributed(resumed_runs, 2, args=(str(tmp_path),), timeout_s=300):
+        assert len(runs["embrace"]["losses"]) == STEPS // 2
+        _assert_same_training(runs, "embrace", "dense", rtol=1e-5, skip=("embed_tokens",))
 
 
 @pytest.mark.timeout(420)

@@ -52,6 +52,11 @@ from lightning_merak.callbacks.sparse_comm.embrace import (
     table_groups,
     weight_holder_names,
 )
+from lightning_merak.callbacks.sparse_comm.embrace_checkpoint import (
+    GATHERED_ENTRIES,
+    gather_optimizer_states,
+    slice_optimizer_states,
+)
 from lightning_merak.callbacks.sparse_comm.lookahead import next_batch_ids
 from lightning_merak.callbacks.sparse_comm.s2_hook import AUTO, S2Reducer, SparseLookups, s2_comm_hook
 from lightning_merak.callbacks.sparse_comm.sketch import CountSketch
@@ -60,6 +65,7 @@ from lightning_merak.callbacks.sparse_comm.strategy_wiring import (
     clip_with_shards,
     data_parallel_group,
     dedicated_group,
+    finds_unused_parameters,
     gradients_in_buckets,
     ignore_in_ddp,
     measure_bandwidth,
@@ -110,9 +116,10 @@ class SparseCommunication(pl.Callback):
         latency_us: per-message latency for the cost model, in microseconds.
         freeze_dense_after: ``auto`` stops exchanging bitmaps for a table chosen dense this many steps in a row.
         rows_from_ids: take a table's non-zero rows from its lookup ids (cheap) rather than by
-            scanning its gradient, and under DDP look it up sparsely (``SparseLookups``); tied
-            tables are always scanned and looked up densely. Set ``False`` if the model reads a table's weight outside
-            its ``nn.Embedding`` (e.g. ``F.linear(x, emb.weight)``).
+            scanning its gradient, and under DDP look it up sparsely (``SparseLookups``; not when the
+            ``DDPStrategy`` has ``find_unused_parameters=True``, under which DDP refuses a rank's missing sparse
+            gradient); tied tables are always scanned and looked up densely. Set ``False`` if the model reads a
+            table's weight outside its ``nn.Embedding`` (e.g. ``F.linear(x, emb.weight)``).
         priority: for ``"embrace"``: send the gradient rows the next batch looks up first
             (the next batch is read one step ahead from Lightning's batch iterator; the
             gradient is unchanged, only the order of communication). Timings land in each
@@ -167,6 +174,7 @@ class SparseCommunication(pl.Callback):
         self._layout_aware = False
         self._layout_tables: dict[str, str] = {}
         self._sparse_lookups: SparseLookups | None = None
+        self._unsliced_checkpoint: dict[str, Any] | None = None
 
     @property
     def seed(self) -> int:
@@ -246,6 +254,7 @@ class SparseCommunication(pl.Callback):
                 for module in tables.values():
                     dist.broadcast(module.weight.data, src=0)  # merak3d's replicas all start from rank 0's weights
             self.sharded_tables = shard_embeddings(pl_module, list(tables), comm_group, self.ledger)
+            self._slice_loaded_optimizer_states()
             ignored = [f"{name}.shard" for name in self.sharded_tables]
             shards = [table.shard for table in self.distinct_tables]
             if layout is not None:
@@ -265,8 +274,11 @@ class SparseCommunication(pl.Callback):
             self._watch_lookups(pl_module, tables)
             if hooked:
                 gradients_in_buckets(strategy)
+                sparse_lookups = self.rows_from_ids and not finds_unused_parameters(strategy)
+                if self.rows_from_ids and not sparse_lookups:
+                    log.info("SparseCommunication: DDP finds unused parameters, so the tables keep dense lookups")
                 self._sparse_lookups = SparseLookups([m for m in tables.values() if id(m.weight) in hooked
-                                                      and self.rows_from_ids and read_alone(pl_module, m)])
+                                                      and sparse_lookups and read_alone(pl_module, m)])
         if ignored:
             ignore_in_ddp(pl_module, ignored)
         self._active = True
@@ -322,13 +334,16 @@ class SparseCommunication(pl.Callback):
             join_lookups(self.distinct_tables)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """S2 under DDP: the hook's reduced sparse gradients made dense as soon as DDP has written them, so every
-        later hook (metrics, user callbacks, clipping) sees dense gradients whatever the callbacks' order; a
-        backward under ``no_sync`` (gradient accumulation) keeps its local sparse gradient for the next one to add to.
-        Under merak3d: reduce this rank's table gradients over the data-parallel group with S2
+        """S2 under DDP, on a backward that synchronises (not one under ``no_sync``, gradient accumulation, which
+        keeps its local gradients for the next backward to add to): the hook's reduced sparse gradients made dense
+        as soon as DDP has written them, and the tables kept out of DDP (``sparse=True`` embeddings) reduced, so
+        every later hook (metrics, user callbacks, clipping, the optimizer) sees the reduced gradients whatever the
+        callbacks' order. Under merak3d: reduce this rank's table gradients over the data-parallel group with S2
         and name them in ``_ddp_params_and_buffers_to_ignore``, right before merak3d averages the rest."""
-        if self._sparse_lookups is not None and getattr(trainer.strategy.model, "require_backward_grad_sync", True):
-            self._sparse_lookups.densify()
+        if not self._layout_aware and getattr(trainer.strategy.model, "require_backward_grad_sync", True):
+            if self._sparse_lookups is not None:
+                self._sparse_lookups.densify()
+            self._reduce_excluded_tables(trainer.optimizers)
         if not (self._active and self._layout_aware and self.excluded_reducer is not None):
             return
         model = pl_module.model
@@ -380,13 +395,11 @@ class SparseCommunication(pl.Callback):
             )
         model.register_comm_hook(self.hook_reducer, s2_comm_hook)
 
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        """Reduce the tables excluded from DDP (``sparse=True`` embeddings) that this optimizer steps."""
-        if self._layout_aware or not self.excluded_tables or self.excluded_reducer is None:
+    def _reduce_excluded_tables(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Under DDP: reduce the tables excluded from DDP (``sparse=True`` embeddings) that an optimizer steps."""
+        if not self.excluded_tables or self.excluded_reducer is None:
             return
-        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        in_optimizer = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
         tables = [(name, p) for name, p in self.excluded_tables.items() if id(p) in in_optimizer]
         reduced = self.excluded_reducer.reduce_now([(name, p.grad, p.shape) for name, p in tables])
         for (_, parameter), gradient in zip(tables, reduced):
@@ -395,6 +408,8 @@ class SparseCommunication(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        """Log ``sparse_comm/<category>_wire_mb``: the megabytes this rank has sent per category since fit start,
+        a running total (two steps' difference is what the step sent)."""
         if self.ledger is None:
             return
         for category, wire in self.ledger.snapshot().items():
@@ -409,7 +424,8 @@ class SparseCommunication(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         """Replace each rank-local EmbRace slice by the full table (gathered on every rank, once per table), under
-        every name the unsharded model saved it: each embedding sharing it and each tied head."""
+        every name the unsharded model saved it: each embedding sharing it and each tied head; and the optimizer
+        state of each slice by the whole table's (:mod:`.embrace_checkpoint`), as one rank writes the checkpoint."""
         state = checkpoint.get("state_dict")
         for table in self.distinct_tables:
             full = table.full_weight()
@@ -418,6 +434,25 @@ class SparseCommunication(pl.Callback):
             for name in weight_holder_names(pl_module, table):
                 state.pop(f"{name}.shard", None)
                 state[f"{name}.weight"] = full
+        if self.sharded_tables:
+            gather_optimizer_states(checkpoint, trainer.optimizers, self.sharded_tables)
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Keep this rank's columns of each EmbRace table's optimizer state, before Lightning restores the
+        optimizers: now, or, for a model built in ``configure_model`` (restored before its tables are sharded),
+        right after sharding them."""
+        if self.method != "embrace" or GATHERED_ENTRIES not in checkpoint:
+            return  # an unsharded run resumes the whole tables' state as it is
+        self._unsliced_checkpoint = checkpoint
+        if self.sharded_tables:
+            self._slice_loaded_optimizer_states()
+
+    def _slice_loaded_optimizer_states(self) -> None:
+        if self._unsliced_checkpoint is not None:
+            slice_optimizer_states(self._unsliced_checkpoint, self.sharded_tables)
+            self._unsliced_checkpoint = None
 
     def state_dict(self) -> dict[str, Any]:
         frozen = sorted({

@@ -60,7 +60,9 @@ def join_lookups(tables: Iterable[ShardedEmbedding], loss: torch.Tensor | None =
 
     Why: a rank whose batch did not look a table up would otherwise leave its peers waiting in
     their lookup forever. When any rank served a request it did not make in this step, every
-    gradient exchange of the step waits for the end of the backward pass of ``loss``.
+    gradient exchange of the step waits for the end of the backward pass of ``loss``. Those peers wait
+    until this call: a collective of another kind on the way to it (``self.log(sync_dist=True)`` in the
+    training step) waits for them in turn, and the step hangs.
     """
     coordinators = list({id(table.coordinator): table.coordinator for table in tables}.values())
     for coordinator in coordinators:
@@ -115,12 +117,14 @@ class ShardedEmbedding(nn.Module):
         if self.ledger is not None:
             self.ledger.record(operation, payload_bytes, EMBEDDING)
 
-    def record_lookup(self, counts: list[int], element_bytes: int) -> None:
-        """One all-to-all of looked-up rows: bytes this rank sends to the other ranks."""
+    def record_all_to_all(self, input_split_sizes: list[int], element_bytes: int) -> None:
+        """One all-to-all, by the elements this rank sends to each rank (its ``input_split_sizes``): the bytes it
+        sends to the other ranks. A lookup sends this rank's columns of every peer's rows, its backward every
+        owner's columns of this rank's rows; they differ when ranks look up different numbers of ids or own columns
+        of different widths."""
         if self.ledger is None:
             return
-        rank = self.group_rank
-        sent = sum(count for r, count in enumerate(counts) if r != rank) * self.widths[rank] * element_bytes
+        sent = sum(size for r, size in enumerate(input_split_sizes) if r != self.group_rank) * element_bytes
         self.ledger.record_received(sent, EMBEDDING)
 
     def prioritize(self, upcoming_ids: torch.Tensor | None) -> None:
@@ -150,15 +154,24 @@ class ShardedEmbedding(nn.Module):
 
     def full_weight(self) -> torch.Tensor:
         """The full table as a plain tensor (a collective: every rank of the group must call it)."""
+        return self.full_columns(self.shard)
+
+    def full_columns(self, columns: torch.Tensor) -> torch.Tensor:
+        """The whole ``[V, H]`` tensor of which ``columns`` is this rank's ``[V, H_r]`` slice (the weight, or an
+        optimizer state of it), as a plain tensor (a collective: every rank of the group must call it)."""
         with torch.no_grad():
             self.coordinator.request(self, GATHER, 0, 0)
-            return gather_columns(self, self.shard.detach())
+            return gather_columns(self, columns.detach())
+
+    def own_columns(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's ``[V, H_r]`` columns of a whole ``[V, H]`` tensor (a view)."""
+        start, stop = self.bounds[self.group_rank]
+        return full[:, start:stop]
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         full_key = prefix + "weight"
         if full_key in state_dict:
-            start, stop = self.bounds[self.group_rank]
-            state_dict[prefix + "shard"] = state_dict.pop(full_key)[:, start:stop]
+            state_dict[prefix + "shard"] = self.own_columns(state_dict.pop(full_key))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:

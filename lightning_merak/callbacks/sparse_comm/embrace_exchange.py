@@ -71,7 +71,7 @@ class ShardedTable(Protocol):
 
     def record(self, operation: str, payload_bytes: float) -> None: ...
 
-    def record_lookup(self, counts: list[int], element_bytes: int) -> None: ...
+    def record_all_to_all(self, input_split_sizes: list[int], element_bytes: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -238,13 +238,14 @@ def _look_up(
     widths = table.widths
     looked_up = shard.index_select(0, all_ids)
     received = shard.new_empty(flat_ids.numel() * table.dim)
+    sent_sizes = [count * widths[rank] for count in counts_list]
     dist.all_to_all_single(
         received, looked_up.reshape(-1),
         output_split_sizes=[flat_ids.numel() * width for width in widths],
-        input_split_sizes=[count * widths[rank] for count in counts_list],
+        input_split_sizes=sent_sizes,
         group=group,
     )
-    table.record_lookup(counts_list, shard.element_size())
+    table.record_all_to_all(sent_sizes, shard.element_size())
     received_blocks = received.split([flat_ids.numel() * width for width in widths])
     output = torch.cat([block.view(flat_ids.numel(), width) for block, width in zip(received_blocks, widths)], dim=1)
     return output, all_ids, all_upcoming.unique()
@@ -298,13 +299,14 @@ class ShardedLookup(torch.autograd.Function):
             mine = grad[mask.split(ctx.counts)[rank]]
             send = torch.cat([mine[:, start:stop].reshape(-1) for start, stop in table.bounds])
             received = grad.new_empty(sum(chunk_counts) * widths[rank])
+            sent_sizes = [mine.shape[0] * width for width in widths]
             work = dist.all_to_all_single(
                 received, send,
                 output_split_sizes=[count * widths[rank] for count in chunk_counts],
-                input_split_sizes=[mine.shape[0] * width for width in widths],
+                input_split_sizes=sent_sizes,
                 group=table.process_group, async_op=True,
             )
-            table.record_lookup(chunk_counts, grad.element_size())
+            table.record_all_to_all(sent_sizes, grad.element_size())
             chunks.append((priority, work, received, all_ids[mask], send))  # send held until the wait
 
         def accumulate() -> None:
@@ -358,13 +360,14 @@ def _exchange_rows(operation: Operation) -> None:
         grad = table.shard.new_zeros(operation.local_tokens, table.dim)
     send = torch.cat([grad[:, start:stop].reshape(-1) for start, stop in table.bounds])
     received = grad.new_empty(sum(operation.counts) * widths[rank])
+    sent_sizes = [operation.local_tokens * width for width in widths]
     dist.all_to_all_single(
         received, send,
         output_split_sizes=[count * widths[rank] for count in operation.counts],
-        input_split_sizes=[operation.local_tokens * width for width in widths],
+        input_split_sizes=sent_sizes,
         group=table.process_group,
     )
-    table.record_lookup(operation.counts, grad.element_size())
+    table.record_all_to_all(sent_sizes, grad.element_size())
     _add_to_shard_grad(table, _rows_to_columns(table, operation.all_ids, received))
 
 

@@ -98,6 +98,14 @@ def gradients_in_buckets(strategy: pl.strategies.Strategy) -> None:
         ddp_kwargs.setdefault("gradient_as_bucket_view", True)
 
 
+def finds_unused_parameters(strategy: pl.strategies.Strategy) -> bool:
+    """Whether the ``DDPStrategy`` asks DDP to look for parameters without a gradient (``find_unused_parameters``):
+    DDP then fails on a rank whose batch did not read a table looked up sparsely ("Expected sparse gradient to be
+    defined"), as it expects the gradient of a sparse parameter from every rank."""
+    ddp_kwargs = getattr(strategy, "_ddp_kwargs", None)
+    return isinstance(ddp_kwargs, dict) and bool(ddp_kwargs.get("find_unused_parameters"))
+
+
 def clip_with_shards(trainer: pl.Trainer, shards: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
     """Under DDP, which has no clipping owner of its own, clip by the norm over the whole sharded tables,
     not this rank's columns: otherwise ranks clip by different factors and replicated weights drift apart."""
