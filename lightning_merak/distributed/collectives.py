@@ -43,6 +43,7 @@ __all__ = [
     "average_gradients",
     "collective_replay_contexts",
     "in_checkpointed_region",
+    "plainly_saved_tensors",
     "record_communication",
     "reduce_in_place",
     "reduce_scatter_in_turn",
@@ -144,52 +145,67 @@ def unrecorded_communication() -> Iterator[None]:
 
 class _CollectiveReplay:
     """Post-collective tensors of one checkpointed forward, handed back on recomputation, and the state it read
-    (:func:`as_in_forward`)."""
+    (:func:`as_in_forward`). Kept until the region's graph is freed: torch recomputes a region once per backward
+    pass that reaches it (a ``torch.autograd.grad`` inside a backward is another pass)."""
 
     def __init__(self) -> None:
         self.outputs: list[torch.Tensor] = []
         self.read: dict[Hashable, Any] = {}
-        self.mode = "record"
 
 
-def _replay_stack() -> list[_CollectiveReplay]:
+class _ReplayPosition:
+    """One run of a checkpointed region: its forward (``recording``) or one recomputation, at ``next_output``."""
+
+    def __init__(self, replay: _CollectiveReplay, recording: bool) -> None:
+        self.replay, self.recording, self.next_output = replay, recording, 0
+
+
+def _replay_stack() -> list[_ReplayPosition]:
     if not hasattr(_local, "replay"):
         _local.replay = []
     return _local.replay
 
 
-@contextlib.contextmanager
-def _replaying(replay: _CollectiveReplay, mode: str) -> Iterator[None]:
-    stack = _replay_stack()
-    replay.mode = mode
-    stack.append(replay)
-    try:
-        yield
-    finally:
-        stack.pop()
+class _ReplayScope:
+    """``torch.utils.checkpoint``'s forward or recompute context of one region.
+
+    Re-enterable (a one-shot generator context failed the second recomputation): each entry
+    runs the region anew, a recomputation replaying from the first recorded collective.
+    """
+
+    def __init__(self, replay: _CollectiveReplay, recording: bool) -> None:
+        self.replay, self.recording = replay, recording
+
+    def __enter__(self) -> None:
+        _replay_stack().append(_ReplayPosition(self.replay, self.recording))
+
+    def __exit__(self, *exc_info: object) -> None:
+        _replay_stack().pop()
 
 
 def collective_replay_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """``context_fn`` for ``torch.utils.checkpoint``: record collectives, then replay them.
 
     The forward context stores each collective's result; the recompute context returns
-    them in order instead of communicating again.
+    them in order instead of communicating again, as often as torch recomputes the region.
     """
     replay = _CollectiveReplay()
-    return _replaying(replay, "record"), _replaying(replay, "replay")
+    return _ReplayScope(replay, recording=True), _ReplayScope(replay, recording=False)
 
 
 def _communicate_once(communicate: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``communicate()``, except inside a recomputed checkpoint region, which gets the recorded result."""
     stack = _replay_stack()
-    replay = stack[-1] if stack else None
-    if replay is not None and replay.mode == "replay":
-        if not replay.outputs:
+    position = stack[-1] if stack else None
+    if position is not None and not position.recording:
+        outputs = position.replay.outputs
+        if position.next_output >= len(outputs):
             raise RuntimeError("recomputation issued more tensor-parallel collectives than the forward recorded")
-        return replay.outputs.pop(0)
+        position.next_output += 1
+        return outputs[position.next_output - 1]
     result = communicate()
-    if replay is not None:
-        replay.outputs.append(result.detach())
+    if position is not None:
+        position.replay.outputs.append(result.detach())
     return result
 
 
@@ -388,14 +404,14 @@ def as_in_forward(key: Hashable, read: Callable[[], Any]) -> Any:
     state a later forward changes before this one's recomputation (the context-parallel shard of the micro-batch,
     whose length and documents differ between variable-length micro-batches)."""
     stack = _replay_stack()
-    replay = stack[-1] if stack else None
-    if replay is None:
+    position = stack[-1] if stack else None
+    if position is None:
         return read()
-    if replay.mode == "replay":
-        if key not in replay.read:
+    if not position.recording:
+        if key not in position.replay.read:
             raise RuntimeError(f"recomputation read {key!r}, which its forward did not")
-        return replay.read[key]
-    replay.read[key] = value = read()
+        return position.replay.read[key]
+    position.replay.read[key] = value = read()
     return value
 
 
@@ -403,6 +419,24 @@ def in_checkpointed_region() -> bool:
     """Whether the calling code runs inside a checkpointed region whose collectives are recorded
     for its recomputation (:func:`collective_replay_contexts`), or is that recomputation."""
     return bool(_replay_stack())
+
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach()  # the tensor itself would be a cycle through its own grad_fn when it is an output
+
+
+def _as_saved(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def plainly_saved_tensors() -> torch.autograd.graph.saved_tensors_hooks:
+    """Graphs built inside keep their saved tensors themselves, whichever saved-tensor hooks enclose the block.
+
+    For a graph that a nested backward runs over (``torch.autograd.grad`` inside a backward or a forward): in
+    a non-reentrant checkpointed region, its tensors would be recomputed, the whole region run again, once per
+    such backward pass, and a backward inside the forward would recompute a region not yet complete.
+    """
+    return torch.autograd.graph.saved_tensors_hooks(_detached, _as_saved)
 
 
 

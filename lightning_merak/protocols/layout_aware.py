@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from lightning_merak.distributed.collectives import collective_replay_contexts
+from lightning_merak.util.buffers import KeptBuffers
 
 __all__ = ["LayoutAwareStrategy", "RecomputedForward", "data_parallel_groups_from_mesh", "layout_aware"]
 
@@ -112,7 +113,8 @@ def data_parallel_groups_from_mesh(mesh_ranks: Sequence[Any], dim_names: Sequenc
 
 
 class RecomputedForward:
-    """A block's forward run under non-reentrant checkpointing, its collectives replayed on recomputation.
+    """A block's forward run under non-reentrant checkpointing, its collectives replayed on recomputation and the
+    block's buffers left as its forward left them (a BatchNorm's running statistics count each batch once).
 
     A strategy installs it on the block instance (``block.forward = RecomputedForward(block.forward)``);
     callbacks that recompute blocks themselves recognise it by type and leave the block alone.
@@ -123,4 +125,9 @@ class RecomputedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return checkpoint(self.forward, *args, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=collective_replay_contexts, **kwargs)
+                          context_fn=self._contexts, **kwargs)
+
+    def _contexts(self) -> tuple[Any, Any]:
+        forward, recompute = collective_replay_contexts()
+        block = getattr(self.forward, "__self__", None)  # the module of a bound forward
+        return forward, KeptBuffers(block, recompute) if isinstance(block, nn.Module) else recompute

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["BufferSlot", "BufferSnapshot", "ReplicaBuffers", "buffer_snapshot", "buffers_kept", "changed_buffers"]
+__all__ = ["BufferSlot", "BufferSnapshot", "KeptBuffers", "ReplicaBuffers", "buffer_snapshot", "buffers_kept",
+           "changed_buffers"]
 
 BufferSlot = tuple[nn.Module, str]
 """A buffer as its owner holds it: ``owner._buffers[name]`` (a forward may replace the tensor there)."""
@@ -57,6 +58,26 @@ def buffers_kept(module: nn.Module) -> Iterator[None]:
                 owner._buffers[name] = tensor
                 with torch.autograd._unsafe_preserve_version_counter(tensor):
                     tensor.copy_(value)
+
+
+class KeptBuffers:
+    """:func:`buffers_kept` of ``module`` around each entry, then ``inner``'s (a context entered alike): re-enterable,
+    as ``torch.utils.checkpoint``'s recompute context must be (torch recomputes a region once per backward pass that
+    reaches it), so a recomputed block's running statistics count each training batch once."""
+
+    def __init__(self, module: nn.Module, inner: Optional[contextlib.AbstractContextManager] = None) -> None:
+        self.module, self.inner = module, inner
+        self._entered: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(buffers_kept(self.module))
+        if self.inner is not None:
+            stack.enter_context(self.inner)
+        self._entered.append(stack)
+
+    def __exit__(self, *exc_info: object) -> Optional[bool]:
+        return self._entered.pop().__exit__(*exc_info)
 
 
 def _replicated(owner: nn.Module) -> bool:

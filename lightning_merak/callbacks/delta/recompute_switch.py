@@ -6,7 +6,7 @@ them, and DDP (which wraps after ``Callback.setup``) sees the same parameters. T
 only flips :attr:`SwitchableForward.recompute` afterwards.
 
 The recomputation replays the block in training mode, so it leaves the block's buffers as the original forward
-left them (:func:`~lightning_merak.util.buffers.buffers_kept`): a BatchNorm's running statistics count each
+left them (:class:`~lightning_merak.util.buffers.KeptBuffers`): a BatchNorm's running statistics count each
 training batch once, as without DeltaMemory.
 """
 
@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_merak.protocols.layout_aware import RecomputedForward
-from lightning_merak.util.buffers import buffers_kept
+from lightning_merak.util.buffers import KeptBuffers
 from lightning_merak.util.model_outputs import no_cache
 
 __all__ = [
@@ -59,8 +59,8 @@ class SwitchableForward:
         return self.original(*args, **kwargs)
 
     def _contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        """Checkpointing's contexts: the forward runs as it is; the recomputation keeps the buffers."""
-        return contextlib.nullcontext(), buffers_kept(self.module)
+        """Checkpointing's contexts: the forward runs as it is; each recomputation keeps the buffers."""
+        return contextlib.nullcontext(), KeptBuffers(self.module)
 
     def _refuse_kv_cache(self, kwargs: Mapping[str, Any]) -> None:
         """A cache the first forward appended to would get the block's keys and values a second time."""

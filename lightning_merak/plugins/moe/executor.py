@@ -32,7 +32,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from lightning_merak.distributed.collectives import PendingCollective, start_all_to_all_in_turn
+from lightning_merak.distributed.collectives import (
+    PendingCollective,
+    in_checkpointed_region,
+    plainly_saved_tensors,
+    start_all_to_all_in_turn,
+)
 from lightning_merak.distributed.weight_gradients import SplitBackward
 from lightning_merak.plugins.moe.core.dispatch import ExchangeLayout
 from lightning_merak.plugins.moe.core.placement import PlacementPlan
@@ -306,13 +311,20 @@ class ExpertExchange:
 
 
 class ExchangeFunction(torch.autograd.Function):
-    """Autograd node ``(routed rows, *local expert params) -> expert outputs per row``."""
+    """Autograd node ``(routed rows, *local expert params) -> expert outputs per row``.
+
+    Its backward runs ``torch.autograd.grad`` over the experts' graphs of the forward. In a recomputed block
+    those graphs keep their tensors (:func:`~lightning_merak.distributed.collectives.plainly_saved_tensors`; the
+    experts' activations stay in memory): each of those backward passes would otherwise recompute the whole
+    block, its exchange and planning included, once more.
+    """
 
     @staticmethod
     def forward(
         ctx: Any, exchange: ExpertExchange, build_graph: bool, routed_in: torch.Tensor, *params: torch.Tensor
     ) -> torch.Tensor:
-        out, state = exchange.forward(routed_in, build_graph)
+        with plainly_saved_tensors() if in_checkpointed_region() else nullcontext():
+            out, state = exchange.forward(routed_in, build_graph)
         ctx.exchange, ctx.state = exchange, state
         return out
 

@@ -16,6 +16,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from lightning_merak.distributed.collectives import plainly_saved_tensors
+
 __all__ = [
     "EXPERT_TENSORS",
     "combine_routes",
@@ -40,19 +42,24 @@ def _grouped_mm_fn() -> Callable[..., torch.Tensor] | None:
 
 
 def _probe(device: torch.device, dtype: torch.dtype) -> bool:
-    """Run a tiny grouped matmul forward and backward once: some builds list it but lack a kernel."""
+    """Run a tiny grouped matmul forward and backward once: some builds list it but lack a kernel.
+
+    Apart from the caller's autograd state: the first call may come under ``no_grad``, or inside a checkpointed
+    block, whose recomputation a backward through the block's saved-tensor hooks would start mid-forward.
+    """
     key = (device.type, device.index, dtype)
     if key not in _PROBES:
         fn = _grouped_mm_fn()
         ok = fn is not None
         if ok:
             try:
-                x = torch.ones(8, 16, device=device, dtype=dtype, requires_grad=True)
-                w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-                offs = torch.tensor([3, 8], device=device, dtype=torch.int32)
-                y = fn(x, w, offs=offs)
-                y.backward(torch.ones_like(y))
-                ok = bool(torch.isfinite(w.grad).all())
+                with torch.enable_grad(), plainly_saved_tensors():
+                    x = torch.ones(8, 16, device=device, dtype=dtype, requires_grad=True)
+                    w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+                    offs = torch.tensor([3, 8], device=device, dtype=torch.int32)
+                    y = fn(x, w, offs=offs)
+                    grads = torch.autograd.grad(y, [x, w], torch.ones_like(y))
+                ok = all(bool(torch.isfinite(grad).all()) for grad in grads)
             except (RuntimeError, NotImplementedError, TypeError):
                 ok = False
         _PROBES[key] = ok
