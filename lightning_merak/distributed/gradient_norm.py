@@ -4,20 +4,24 @@ A strategy's clipping owner (merak3d's :mod:`~lightning_merak.parallel.data.grad
 decides which gradients count; the pieces here do the sums. :class:`ShardedGradients` records
 parameters of which each rank of a group holds a different part (EmbRace's column shards of an
 embedding table): their squares are summed over that group, where a replicated gradient's
-squares count once.
+squares count once. Under Lightning's DDP, which has no clipping owner, :func:`clip_over_groups` makes the
+precision plugin's clipping by norm such a sum (every registration into one :class:`ShardedGradients`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Optional
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
-__all__ = ["CLIP_EPSILON", "ShardedGradients", "clip_coefficient", "scale_gradients", "squared_norm"]
+__all__ = ["CLIP_EPSILON", "ShardedGradients", "clip_coefficient", "clip_over_groups", "installed_sharded_gradients",
+           "scale_gradients", "squared_norm"]
 
 CLIP_EPSILON = 1e-6
 """Added to the norm before dividing, as torch's ``clip_grad_norm_`` does."""
@@ -109,3 +113,30 @@ class ShardedGradients:
         if coefficient < 1.0:
             scale_gradients([p.grad for p in params], coefficient)
         return norm
+
+
+def installed_sharded_gradients(precision: Precision) -> Optional[ShardedGradients]:
+    """The :class:`ShardedGradients` whose ``clip`` is ``precision``'s clipping by norm, or ``None`` (Lightning's
+    own): what a callback registers more split parameters with, and what a logged norm must count alike."""
+    owner = getattr(precision.clip_grad_by_norm, "__self__", None)
+    return owner if isinstance(owner, ShardedGradients) else None
+
+
+def clip_over_groups(trainer: pl.Trainer, params: Iterable[nn.Parameter], group: Any) -> None:
+    """Have ``trainer``'s clipping by norm (Lightning's DDP: the precision plugin's, over this rank's gradients) sum
+    the squares of ``params``, of which each rank of ``group`` (``None``: the world) holds other ones (expert
+    parallelism's experts, EmbRace's column shards), over ``group``, adding them to the parameters registered there
+    already: replicated gradients count once, so every rank clips by one factor. Every rank of ``group`` must call
+    it, in the same order of groups."""
+    precision = trainer.strategy.precision_plugin
+    sharded = installed_sharded_gradients(precision)
+    if sharded is None:
+        if getattr(precision.clip_grad_by_norm, "__func__", None) is not Precision.clip_grad_by_norm:
+            raise ValueError(
+                f"parameters split over ranks (experts, EmbRace's tables) under {type(trainer.strategy).__name__} "
+                "clip by the norm over every rank's part, but the precision plugin "
+                f"{type(precision).__name__} has a clip_grad_by_norm of its own; use Lightning's precision plugins, "
+                "or strategy=merak3d")
+        sharded = ShardedGradients()
+        precision.clip_grad_by_norm = sharded.clip
+    sharded.register(params, group)

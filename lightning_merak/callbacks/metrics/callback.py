@@ -29,8 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_merak.callbacks.metrics.device import DATASHEET_PEAK, PeakFlops, compute_dtype, peak_flops, read_memory
 from lightning_merak.callbacks.metrics.figures import log_figure, memory_figure
-from lightning_merak.callbacks.sparse_comm.embrace import ShardedEmbedding
-from lightning_merak.distributed.gradient_norm import ShardedGradients
+from lightning_merak.distributed.gradient_norm import ShardedGradients, installed_sharded_gradients
 from lightning_merak.parallel.micro_batching import VariableBatch
 from lightning_merak.planning.flops import training_flops_per_token, transformer_shape
 
@@ -78,22 +77,12 @@ def _total_squares(grads: list[torch.Tensor]) -> float:
     return squares
 
 
-def _column_shards(pl_module: pl.LightningModule) -> ShardedGradients:
-    """EmbRace's tables, each rank holding other columns of each, registered as clipping registers them under a
-    strategy with no norm of its own (:func:`~lightning_merak.callbacks.sparse_comm.strategy_wiring.clip_with_shards`,
-    Lightning's DDP): their squares are summed over the table's group, so each column counts once."""
-    shards = ShardedGradients()
-    for module in pl_module.modules():  # the same tables in the same order on every rank: the reductions match
-        if isinstance(module, ShardedEmbedding):
-            shards.register([module.shard], module.process_group)
-    return shards
-
-
-def _gradient_norm(pl_module: pl.LightningModule) -> Optional[float]:
-    """The total norm of ``pl_module``'s gradients over every rank's shards (a collective where EmbRace shards
-    tables), or ``None`` without gradients; a sparse gradient (an embedding built with ``sparse=True``) counts its
-    coalesced values."""
-    shards = _column_shards(pl_module)
+def _gradient_norm(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optional[float]:
+    """The total norm of ``pl_module``'s gradients, or ``None`` without gradients: parameters of which each rank
+    holds another part (EmbRace's column shards, expert parallelism's experts under Lightning's DDP) counted as the
+    clipping counts them, their squares summed over their groups (a collective); a sparse gradient (an embedding
+    built with ``sparse=True``) counts its coalesced values."""
+    shards = installed_sharded_gradients(trainer.strategy.precision_plugin) or ShardedGradients()
     replicated: list[torch.Tensor] = []
     sharded: dict[int, list[torch.Tensor]] = {}
     for param in pl_module.parameters():
@@ -128,8 +117,8 @@ class TrainingMetrics(pl.Callback):
       logged only. A strategy with a ``gradient_norm(optimizer)`` (merak3d: over every stage, shard and expert)
       computes it (or its clipping by norm, which keeps the norm it computed: then it is read, not computed
       twice); otherwise it is the norm of the gradients Lightning hands to the optimizer (DTensor shards
-      gathered, plain gradients beside them; EmbRace's column shards summed over their group, as its clipping
-      sums them under DDP). Left out of a log whose step computed none (a run stopped
+      gathered, plain gradients beside them; EmbRace's column shards and expert parallelism's experts under DDP
+      summed over their groups, as the clipping sums them). Left out of a log whose step computed none (a run stopped
       between intervals);
     - ``comm/exposed_s``, ``comm/exposed_fraction`` (rank 0; a strategy with ``last_exposed_communication_s``,
       merak3d with data parallelism reduced by its own buckets: ``data_parallel_sharding`` other than ``full``,
@@ -219,7 +208,7 @@ class TrainingMetrics(pl.Callback):
         if callable(strategy_norm):
             self._grad_norm = (step, float(strategy_norm(optimizer)))
             return
-        norm = _gradient_norm(pl_module)
+        norm = _gradient_norm(trainer, pl_module)
         if norm is not None:
             self._grad_norm = (step, norm)
 

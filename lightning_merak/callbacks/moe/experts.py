@@ -3,8 +3,10 @@
 Thin: :func:`~lightning_merak.plugins.moe.experts.enable.enable_expert_parallel` does the work. The
 callback runs it in ``setup`` (processes and the process group exist, DDP and the optimizer do not
 yet), over expert groups of ``ep_size`` consecutive ranks; every rank holding the same experts forms
-an expert-data-parallel group. Before each optimizer step an expert gradient is summed over that
-group and divided by the world size, the gradient of the mean loss that DDP's average gives the rest.
+an expert-data-parallel group. After each backward DDP synchronises an expert gradient is summed over that
+group and divided by the world size, the gradient of the mean loss that DDP's average gives the rest; clipping
+by norm sums the experts' squares over the expert group
+(:func:`~lightning_merak.distributed.gradient_norm.clip_over_groups`).
 Under merak3d the groups are carved from each stage's data-parallel ranks instead
 (:mod:`lightning_merak.parallel.experts`).
 """
@@ -21,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_merak.checkpoint.sharded import ExpertParallelCheckpointIO, ExpertSlices
 from lightning_merak.distributed.collectives import average_gradients
+from lightning_merak.distributed.gradient_norm import clip_over_groups
 from lightning_merak.distributed.process_groups import new_group
 from lightning_merak.parallel.experts import Merak3DExperts
 from lightning_merak.plugins.moe.experts.enable import add_loads, enable_expert_parallel, expert_load
@@ -101,6 +104,8 @@ class ExpertParallelCallback(pl.Callback):
         report = enable_expert_parallel(pl_module, group)
         params = dict(pl_module.named_parameters())
         self._expert_params = [params[name] for name in report.expert_parameters]
+        if dist.get_world_size(group) > 1:  # each rank of the expert group holds other experts
+            clip_over_groups(trainer, self._expert_params, group)
         ignored = set(getattr(pl_module, "_ddp_params_and_buffers_to_ignore", [])) | set(report.expert_parameters)
         _ignore_in_ddp(pl_module, sorted(ignored))
         # rank 0's file holds every expert and expert adapter factor (on_save_checkpoint); it, and a merak3d
@@ -114,14 +119,20 @@ class ExpertParallelCallback(pl.Callback):
         if self._merak3d is not None and self._merak3d.report is None:
             self._merak3d.enable(pl_module)
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self._merak3d is not None:
-            self._merak3d.reduce_gradients(pl_module)
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Under DDP, on a backward that synchronises (not one under ``no_sync``, gradient accumulation): the experts'
+        gradients averaged as soon as DDP has averaged the rest, so every later hook (metrics, user callbacks,
+        clipping, the optimizer) sees them averaged whatever the callbacks' order."""
+        if self._merak3d is not None or not getattr(trainer.strategy.model, "require_backward_grad_sync", True):
             return
         grads = [p.grad for p in self._expert_params if p.grad is not None]
         if not grads or self._world == 1:
             return
         average_gradients(grads, self._edp_group if self._edp_size > 1 else None, self._world)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._merak3d is not None:
+            self._merak3d.reduce_gradients(pl_module)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:

@@ -2,10 +2,12 @@
 
 Under plain DDP the expert parameters differ per EP rank, so they must not be
 averaged by DDP: ``setup`` (after the process group exists, before DDP wraps the
-module) attaches the EP groups and tells DDP to ignore them, and
-``on_before_optimizer_step`` sums their gradients over the expert-data-parallel group
+module) attaches the EP groups and tells DDP to ignore them, and after each backward DDP
+synchronises (``on_after_backward``) their gradients are summed over the expert-data-parallel group
 and divides by the data-parallel size — the gradient of the mean loss, like DDP's dense
-average. Under merak3d the EP groups are carved from each stage's data-parallel ranks.
+average — and clipping by norm sums the experts' squares over their EP group
+(:func:`~lightning_merak.distributed.gradient_norm.clip_over_groups`). Under merak3d the EP groups are carved
+from each stage's data-parallel ranks.
 Under DeepSpeed's engine groups are attached here too, and gradients are left to DeepSpeed.
 DDP checkpoints get every rank's experts and expert optimizer state (DeepSpeed writes
 per-rank expert files itself; merak3d's sharded checkpoints are not handled here); a
@@ -30,6 +32,7 @@ from lightning_merak.checkpoint.expert_optimizer import (
     saved_expert_parallel_size,
 )
 from lightning_merak.distributed.collectives import average_gradients
+from lightning_merak.distributed.gradient_norm import clip_over_groups
 from lightning_merak.plugins.moe.block_replacement import SwappedSparseBlock
 from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, expert_param_positions, gather_expert_state
 from lightning_merak.plugins.moe.core.placement import PlacementPlan, rank_loads
@@ -187,8 +190,24 @@ class MoEPlacementCallback(pl.Callback):
             ignored = [name for name, p in pl_module.named_parameters() if getattr(p, "allreduce", True) is False]
             existing = list(getattr(pl_module, "_ddp_params_and_buffers_to_ignore", []))
             pl_module._ddp_params_and_buffers_to_ignore = sorted(set(existing) | set(ignored))
+        if not (self._uses_deepspeed or self._uses_mesh):
+            for layer in self._layers:
+                if layer.groups is not None and len(layer.groups.ep_ranks) > 1:
+                    clip_over_groups(trainer, layer.experts.parameters(), layer.groups.ep_group)
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Under DDP, on a backward that synchronises (not one under ``no_sync``, gradient accumulation): the
+        experts' gradients averaged (:meth:`_average_expert_gradients`) as soon as DDP has averaged the rest, so
+        every later hook (metrics, user callbacks, clipping, the optimizer) sees them averaged whatever the
+        callbacks' order."""
+        if not self._uses_mesh and getattr(trainer.strategy.model, "require_backward_grad_sync", True):
+            self._average_expert_gradients()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._uses_mesh:
+            self._average_expert_gradients()
+
+    def _average_expert_gradients(self) -> None:
         """Expert gradients: sum over the ranks holding the same experts, divide by the data-parallel size.
 
         Every data-parallel rank's tokens reach an expert through the all-to-all, so the summed

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_merak.callbacks.sparse_comm.sketch import drop_zero_rows
 from lightning_merak.callbacks.sparse_comm.wire_cost_model import NetworkModel
-from lightning_merak.distributed.gradient_norm import ShardedGradients
+from lightning_merak.distributed.gradient_norm import clip_over_groups
 from lightning_merak.distributed.process_groups import collective_device, new_group
 from lightning_merak.protocols.layout_aware import LayoutAwareStrategy, data_parallel_groups_from_mesh, layout_aware
 from lightning_merak.util.timing import DeviceTimer
@@ -108,10 +108,9 @@ def finds_unused_parameters(strategy: pl.strategies.Strategy) -> bool:
 
 def clip_with_shards(trainer: pl.Trainer, shards: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
     """Under DDP, which has no clipping owner of its own, clip by the norm over the whole sharded tables,
-    not this rank's columns: otherwise ranks clip by different factors and replicated weights drift apart."""
-    sharded = ShardedGradients()
-    sharded.register(shards, group)
-    trainer.strategy.precision_plugin.clip_grad_by_norm = sharded.clip
+    not this rank's columns: otherwise ranks clip by different factors and replicated weights drift apart (with
+    experts' registrations, if expert parallelism made them, in one norm)."""
+    clip_over_groups(trainer, shards, group)
 
 
 def measure_bandwidth(group: dist.ProcessGroup | None) -> NetworkModel:
