@@ -6,9 +6,11 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -22,8 +24,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.callbacks.faults import FaultWatch
 from lightning_merak.callbacks.sparse_comm.embrace import ShardedEmbedding, join_lookups, shard_embeddings
+from lightning_merak.distributed import watchdog
+from lightning_merak.distributed.point_to_point_waits import count_point_to_point_waits, open_point_to_point_waits
 from lightning_merak.distributed.watchdog import (
     EXIT_CODE,
+    POINT_TO_POINT,
     GroupProgress,
     PulseClock,
     StallClock,
@@ -32,6 +37,7 @@ from lightning_merak.distributed.watchdog import (
     absent_ranks,
     describe_lost,
     describe_stall,
+    read_progress,
     waiting_in,
 )
 from lightning_merak.testing import find_free_port, run_distributed
@@ -145,6 +151,56 @@ def test_pulse_clock_and_absent_ranks() -> None:
     assert "ckpt/step=3.ckpt" in describe_lost(0, {2: "host h, pid 7"}, "ckpt/step=3.ckpt")
 
 
+def test_read_progress_counts_a_wait_on_a_receive_until_it_returns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gloo's flight recorder has no point-to-point ops: a stage blocked on a receive from a stalled stage looked
+    like a rank waiting in nothing, and no alarm came before gloo's own timeout (F15)."""
+    collectives = {"0": {"last_enqueued_collective": "3", "last_completed_collective": "3"}}
+    monkeypatch.setattr(watchdog, "_dump_json", lambda reader, include_collectives: {"pg_status": collectives})
+    arrived = threading.Event()
+
+    class Work:
+        def wait(self) -> bool:
+            return arrived.wait(30)
+
+    def isend(tensor: torch.Tensor, dst: int | None = None, group: object = None, tag: int = 0,
+              group_dst: int | None = None) -> Work:
+        return Work()
+
+    def irecv(tensor: torch.Tensor, src: int | None = None, group: object = None, tag: int = 0,
+              group_src: int | None = None) -> Work:
+        return Work()
+
+    c10d, facade = SimpleNamespace(isend=isend, irecv=irecv), SimpleNamespace(isend=isend, irecv=irecv)
+    restore = count_point_to_point_waits([c10d, facade])
+    try:
+        assert facade.irecv is c10d.irecv is not irecv
+        posted = facade.irecv(torch.empty(2), 1)
+        clock = StallClock(timeout_s=10)
+        assert clock.observe(read_progress(), now=0.0) == []
+        assert clock.observe(read_progress(), now=20.0) == []  # posted early, not waited on: computing is no hang
+        waiter = threading.Thread(target=posted.wait)
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while not read_progress()[POINT_TO_POINT].waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert read_progress()["0"] == GroupProgress(3, 3)
+        assert clock.observe(read_progress(), now=21.0) == []
+        assert clock.observe(read_progress(), now=31.0) == [POINT_TO_POINT]
+        assert [str(op) for op in open_point_to_point_waits()] == ["irecv from rank 1"]
+        assert waiting_in(read_progress()) == "waits in a point-to-point send or receive"
+        arrived.set()
+        waiter.join()
+        assert not read_progress()[POINT_TO_POINT].waiting
+        assert clock.observe(read_progress(), now=32.0) == []
+    finally:
+        arrived.set()
+        restore()
+    assert facade.irecv is irecv and c10d.isend is isend
+    stuck = StuckCollective(POINT_TO_POINT, (0, 1), 5, "irecv from rank 1", (1,), (), {1: "waits in no collective"})
+    assert ("irecv from rank 1 (point-to-point, ranks [0, 1]): rank 1 did not arrive (waits in no collective)"
+            in describe_stall(0, 15.0, [stuck], "FaultWatch(timeout_s=...)"))
+
+
 # ------------------------------------------------------------------ watchdog and lost ranks: real processes
 
 def _skip_a_collective(rank: int, world_size: int, port: int, directory: str) -> None:
@@ -157,6 +213,22 @@ def _skip_a_collective(rank: int, world_size: int, port: int, directory: str) ->
     if rank == 0:
         dist.all_gather_into_tensor(torch.empty(4 * world_size), tensor, group=group)
     dist.all_reduce(tensor)
+    time.sleep(120)
+
+
+def _stall_between_stages(rank: int, world_size: int, port: int, directory: str) -> None:
+    """Two pipeline-like stages: both compute past the timeout with a receive posted (no hang), then rank 1
+    stalls while rank 0 waits on a receive from it."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    Watchdog(timeout_s=3, dead_after_s=30, poll_s=0.5).start()
+    tensor, peer = torch.ones(4), 1 - rank
+    early = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer), dist.P2POp(dist.irecv, torch.empty(4), peer)])
+    time.sleep(6)
+    for work in early:
+        work.wait()
+    Path(directory, f"waits{rank}").write_text(str(time.time()))
+    if rank == 0:
+        dist.recv(tensor, 1)
     time.sleep(120)
 
 
@@ -235,6 +307,18 @@ def test_watchdog_names_the_collective_the_group_and_the_rank_that_did_not_arriv
     assert "gloo:all_gather" in err0 and "collective #2 of process group 1, ranks [0, 1]" in err0, err0[-2000:]
     assert "rank 1 did not arrive (waits in collective #1 of group 0)" in err0, err0[-2000:]
     assert "did not arrive" in err1 and "faults.collective_timeout_s" in err1, err1[-2000:]
+
+
+@pytest.mark.distributed
+def test_watchdog_names_a_receive_a_stalled_pipeline_stage_never_answers(tmp_path: Path) -> None:
+    (code0, err0, end0), (code1, err1, _) = _launch(_stall_between_stages, 2, tmp_path)
+    assert EXIT_CODE in (code0, code1) and code0 not in (0, None) and code1 not in (0, None), (err0[-2000:],
+                                                                                               err1[-2000:])
+    waited = end0 - float((tmp_path / "waits0").read_text())
+    assert 3 <= waited < 3 + 10, (waited, err0[-2000:])  # the timeout, the peers' reports and the exit
+    assert ("irecv from rank 1 (point-to-point, ranks [0, 1]): rank 1 did not arrive (waits in no collective)"
+            in err0), err0[-2000:]
+    assert "rank 0 found a hang" in err1, err1[-2000:]
 
 
 @pytest.mark.distributed

@@ -11,7 +11,10 @@ barrier every rank reaches; ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks every coll
 extra collectives. The flight recorder, however, keeps per process group the number of
 collectives enqueued and completed and the recent collectives' names and sizes, readable from
 any thread in about 10 µs (``_dump_fr_trace_json(includeCollectives=False)``). The watchdog
-reads those counts once per ``poll_s``; nothing is added to a collective.
+reads those counts once per ``poll_s``; nothing is added to a collective. Point-to-point sends and receives
+(between pipeline stages, ring attention's) are not in gloo's recorder at all: while the watchdog runs, this
+rank's waits for them are counted (:mod:`~lightning_merak.distributed.point_to_point_waits`) under
+:data:`POINT_TO_POINT`, a wait that has not returned being in flight like an incomplete collective.
 
 How: the pure core (:class:`StallClock`, :class:`PulseClock`, :func:`absent_ranks`, the
 ``describe_*`` functions) decides from numbers; :class:`Watchdog` is the thin integration, a
@@ -49,12 +52,18 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from lightning_merak.distributed.nccl_environment import flight_recorder_dump_prefix
+from lightning_merak.distributed.point_to_point_waits import (
+    count_point_to_point_waits,
+    open_point_to_point_waits,
+    point_to_point_waits,
+)
 from lightning_merak.util.values import is_finite_number
 
 __all__ = [
     "DEFAULT_DEAD_AFTER_S",
     "DEFAULT_TIMEOUT_S",
     "EXIT_CODE",
+    "POINT_TO_POINT",
     "GroupProgress",
     "PulseClock",
     "StallClock",
@@ -115,7 +124,11 @@ class GroupProgress:
 
 
 Progress = Mapping[str, GroupProgress]
-"""A rank's progress per process group, by the group's name (the same name on every rank)."""
+"""A rank's progress per process group, by the group's name (the same name on every rank), and its
+point-to-point waits under :data:`POINT_TO_POINT`."""
+
+POINT_TO_POINT = "point-to-point"
+"""The progress key of this rank's waits for sends and receives (counts of waits, which differ between ranks)."""
 
 
 def _check_seconds(name: str, value: object, meaning: str) -> None:
@@ -201,19 +214,22 @@ def absent_ranks(group: str, sequence: int, members: Sequence[int], reports: Map
 
 
 def waiting_in(progress: Progress) -> str:
-    """Where a rank waits, from its report: ``collective #n of group g`` or that it waits in none."""
-    waiting = [f"#{p.completed + 1} of group {name}" for name, p in sorted(progress.items()) if p.waiting]
-    return f"waits in collective {', '.join(waiting)}" if waiting else "waits in no collective"
+    """Where a rank waits, from its report: ``collective #n of group g``, a point-to-point op, or none."""
+    waiting = [f"#{p.completed + 1} of group {name}" for name, p in sorted(progress.items())
+               if p.waiting and name != POINT_TO_POINT]
+    places = [f"collective {', '.join(waiting)}"] if waiting else []
+    if progress.get(POINT_TO_POINT, GroupProgress(0, 0)).waiting:
+        places.append("a point-to-point send or receive")
+    return f"waits in {' and '.join(places)}" if places else "waits in no collective"
 
 
 def describe_stall(rank: int, waited_s: float, stuck: Sequence[StuckCollective], timeout_option: str) -> str:
     """The message every rank prints when ``rank`` found a hang."""
     lines = [f"lightning_merak watchdog: rank {rank} waited {waited_s:.0f} s with no collective completing:"]
     for collective in stuck:
-        line = (
-            f"  {collective.operation} (collective #{collective.sequence} of process group {collective.group}, "
-            f"ranks {list(collective.members)})"
-        )
+        where = (f"collective #{collective.sequence} of process group {collective.group}"
+                 if collective.group != POINT_TO_POINT else POINT_TO_POINT)
+        line = f"  {collective.operation} ({where}, ranks {list(collective.members)})"
         absent = [
             f"rank {other} did not arrive ({collective.elsewhere[other]})" if other in collective.elsewhere
             else f"rank {other} did not arrive" for other in collective.behind
@@ -273,12 +289,15 @@ def _dump_json(reader: str, include_collectives: bool) -> dict:
 
 
 def read_progress(reader: str = "_dump_fr_trace_json") -> dict[str, GroupProgress]:
-    """This process's collectives per process group, from torch's flight recorder (:func:`flight_recorder_reader`)."""
+    """This process's collectives per process group, from torch's flight recorder (:func:`flight_recorder_reader`),
+    and its point-to-point waits (:data:`POINT_TO_POINT`, counted while :func:`count_point_to_point_waits` holds)."""
     status = _dump_json(reader, include_collectives=False).get("pg_status", {})
-    return {  # numbers start at 1; a group that completed none says -1
+    progress = {  # numbers start at 1; a group that completed none says -1
         name: GroupProgress(int(group["last_enqueued_collective"]), max(0, int(group["last_completed_collective"])))
         for name, group in status.items()
     }
+    progress[POINT_TO_POINT] = GroupProgress(*point_to_point_waits())
+    return progress
 
 
 def _operation(group: str, sequence: int, reader: str) -> str:
@@ -335,6 +354,7 @@ class Watchdog:
         """How long a lost peer may go unhandled by the main thread before this thread ends the process."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._uncount_point_to_point: Callable[[], None] = lambda: None
         self._lost: dict[int, str] = {}
         self.handled = False
         """Set by whoever reported a lost peer in the main thread; the thread then leaves the exit to it."""
@@ -345,6 +365,7 @@ class Watchdog:
         if not dist.is_initialized():
             raise RuntimeError("Watchdog.start() needs the default process group; call it after init_process_group")
         import torch._C._distributed_c10d as c10d
+        from torch.distributed import distributed_c10d as c10d_python
 
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.backend = str(dist.get_backend())
@@ -354,6 +375,8 @@ class Watchdog:
         self.host = socket.gethostname()
         self._store = self._connect()
         self._store.set(f"{_PREFIX}/peer/{self.rank}", json.dumps({"host": self.host, "pid": os.getpid()}))
+        if self.raises_stall_alarms:
+            self._uncount_point_to_point = count_point_to_point_waits([c10d_python, dist])
         self._thread = threading.Thread(target=self._run, name="merak-watchdog", daemon=True)
         self._thread.start()
 
@@ -364,6 +387,7 @@ class Watchdog:
         self._stop.set()
         self._thread.join()
         self._thread = None
+        self._uncount_point_to_point()
         try:
             self._store.set(f"{_PREFIX}/done/{self.rank}", "1")
         except RuntimeError:
@@ -466,16 +490,24 @@ class Watchdog:
         self._post(progress)
         store.add(f"{_PREFIX}/alarm", 1)
         members = _group_members()
+        open_ops = open_point_to_point_waits()
+        peers = sorted({peer for op in open_ops if (peer := op.global_peer()) is not None} - {self.rank})
+        members[POINT_TO_POINT] = sorted({self.rank, *peers})
         wanted = sorted({rank for name in stuck_groups for rank in members.get(name, [])} | {self.rank})
         reports = self._collect(wanted, deadline=time.monotonic() + max(3 * self.poll_s, 5.0))
         stuck = []
         for name in stuck_groups:
             sequence = progress[name].completed + 1
             group_ranks = members.get(name, list(range(self.world_size)))
-            behind, silent = absent_ranks(name, sequence, group_ranks, reports)
+            if name == POINT_TO_POINT:  # the peers' counts do not match this rank's: name the peers waited for
+                behind, silent = [p for p in peers if p in reports], [p for p in peers if p not in reports]
+                operation = ", ".join(dict.fromkeys(str(op) for op in open_ops)) or "a send or receive"
+            else:
+                behind, silent = absent_ranks(name, sequence, group_ranks, reports)
+                operation = _operation(name, sequence, self.reader)
             elsewhere = {other: waiting_in(reports[other]) for other in behind}
-            stuck.append(StuckCollective(name, tuple(group_ranks), sequence, _operation(name, sequence, self.reader),
-                                         tuple(behind), tuple(silent), elsewhere))
+            stuck.append(StuckCollective(name, tuple(group_ranks), sequence, operation, tuple(behind), tuple(silent),
+                                         elsewhere))
         message = describe_stall(self.rank, waited_s, stuck, self.timeout_option)
         if self.on_nccl:
             message += "\n" + flight_recorder_note(self.rank, flight_recorder_dump_prefix())
