@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import Precision
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.callbacks import TrainingMetrics
@@ -42,7 +43,7 @@ class _Logger:
 
 
 def _trainer(world: int, replicas: int) -> SimpleNamespace:
-    strategy = SimpleNamespace(root_device=torch.device("cpu"),
+    strategy = SimpleNamespace(root_device=torch.device("cpu"), precision_plugin=Precision(),
                                distributed_sampler_kwargs={"num_replicas": replicas, "rank": 0})
     return SimpleNamespace(strategy=strategy, world_size=world, is_global_zero=True, loggers=[_Logger()],
                            global_step=0, log_every_n_steps=1, precision="32-true", gradient_clip_val=None)

@@ -434,7 +434,7 @@ class SparseCommunication(pl.Callback):
             for name in weight_holder_names(pl_module, table):
                 state.pop(f"{name}.shard", None)
                 state[f"{name}.weight"] = full
-        if self.sharded_tables:
+        if self.sharded_tables and "optimizer_states" in checkpoint:  # not in a weights-only save
             gather_optimizer_states(checkpoint, trainer.optimizers, self.sharded_tables)
 
     def on_load_checkpoint(
