@@ -37,7 +37,7 @@ from lightning_merak.checkpoint.rewritten import join_saved_shards, saved_storag
 from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_torch_file
 from lightning_merak.parallel.pipeline.stage import RankStages, tied_parameter_names
 from lightning_merak.parallel.tensor.blocks import LayoutChange
-from lightning_merak.plugins.moe.checkpoint import ExpertNumbering, FusedExpertSlices
+from lightning_merak.plugins.moe.checkpoint import ExpertNumbering, FusedExpertSlices, slice_entries
 from lightning_merak.plugins.moe.experts.adapter_slices import slice_expert_factor
 from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh
 
@@ -198,10 +198,7 @@ class ExpertSlices(FusedExpertSlices):
         for key in list(state):
             state[key] = self.sliced(key, state[key])
         for names, saved in zip(recorded, checkpoint.get("optimizer_states", [])):
-            for index, entry in saved.get("state", {}).items():
-                name = names[index] if isinstance(index, int) and index < len(names) else ""
-                saved["state"][index] = {field: self.sliced(name, value) if isinstance(value, torch.Tensor) else value
-                                         for field, value in entry.items()}
+            slice_entries(saved, names, self.sliced)
 
 
 def is_sharded_checkpoint(path: Path) -> bool:

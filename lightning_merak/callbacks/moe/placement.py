@@ -34,7 +34,12 @@ from lightning_merak.checkpoint.expert_optimizer import (
 from lightning_merak.distributed.collectives import average_gradients
 from lightning_merak.distributed.gradient_norm import clip_over_groups
 from lightning_merak.plugins.moe.block_replacement import SwappedSparseBlock
-from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, expert_param_positions, gather_expert_state
+from lightning_merak.plugins.moe.checkpoint import (
+    EXPERTS_KEY,
+    expert_param_positions,
+    gather_expert_state,
+    optimizer_entry_slots,
+)
 from lightning_merak.plugins.moe.core.placement import PlacementPlan, rank_loads
 from lightning_merak.plugins.moe.core.step_planner import PLAN_KINDS
 from lightning_merak.plugins.moe.layer import MoE, PlacementMOELayer
@@ -247,8 +252,9 @@ class MoEPlacementCallback(pl.Callback):
             group = layers[0][1].deepspeed_moe.ep_group
             saved = []
             for optimizer, state in zip(trainer.optimizers, checkpoint["optimizer_states"]):
-                positions = expert_param_positions(optimizer.param_groups)
-                local = {i: state["state"][i] for i in positions if i in state["state"]}
+                slots = optimizer_entry_slots(state)
+                local = {i: slots[i][0][slots[i][1]] for i in expert_param_positions(optimizer.param_groups)
+                         if slots[i][1] in slots[i][0]}
                 gathered: list[Any] = [None] * dist.get_world_size(group)
                 dist.all_gather_object(gathered, local, group=group)
                 saved.append(gathered)
@@ -270,7 +276,10 @@ class MoEPlacementCallback(pl.Callback):
         layer = self._expert_layers(pl_module)[0][1].deepspeed_moe
         layer._attach()
         for state, per_rank in zip(checkpoint["optimizer_states"], checkpoint[EXPERT_OPTIMIZER_KEY]["states"]):
-            state["state"].update(per_rank[layer.ep_rank])
+            slots = optimizer_entry_slots(state)
+            for position, entry in per_rank[layer.ep_rank].items():
+                entries, key = slots[position]
+                entries[key] = entry
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         for index, layer in enumerate(self._layers):
