@@ -261,3 +261,21 @@ def test_ctrl_trains_at_tensor_parallel_2_as_one_process():
     expected = _scaled_logits(module.model)
     for _, logits in results:
         torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type, config, reason", [
+    ("bloom", {"hidden_size": 32, "n_layer": 2, "n_head": 4}, "BloomAttention"),
+    ("mpt", {"d_model": 32, "n_layers": 2, "n_heads": 4}, "MptMLP"),
+    ("opt", {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "ffn_dim": 64,
+             "word_embed_proj_dim": 32}, "fc1 and fc2"),
+])
+def test_sequence_parallelism_for_a_family_it_does_not_fit_is_refused_before_launch(model_type, config, reason):
+    """They split by tensor parallelism alone; with sequence_parallel the first batch refused them, after launch."""
+    from lightning_merak.strategies.merak3d import Merak3DStrategy
+
+    module = CausalLMModule(build_causal_lm(ModelConfig(name=model_type, model_type=model_type, config=config), 64))
+    Merak3DStrategy(tensor_parallel=2).validate_before_launch(module, 2, batch_size=2, sequence_length=8)
+    with pytest.raises(ValueError, match=rf"sequence_parallel with tensor_parallel=2: {model_type} cannot be split "
+                                         rf"along the sequence \(.*{reason}.*\); use sequence_parallel=False"):
+        Merak3DStrategy(tensor_parallel=2, sequence_parallel=True).validate_before_launch(
+            module, 2, batch_size=2, sequence_length=8)

@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 from lightning_merak.parallel.tensor.head_counts import local_key_value_heads
 
-__all__ = ["UNSPLIT_FAMILIES", "UNSPLIT_LAYER_KINDS", "check_tensor_parallel_degree", "unsplit_reason"]
+__all__ = ["UNSEQUENCED_FAMILIES", "UNSPLIT_FAMILIES", "UNSPLIT_LAYER_KINDS", "check_sequence_parallel_family",
+           "check_tensor_parallel_degree", "unsplit_reason"]
 
 _MAMBA = "Mamba mixers (convolution and state-space scan) are not column/row linear pairs"
 _LATENT_ATTENTION = ("multi-head latent attention: every head reads its compressed key/value projection "
@@ -71,6 +72,25 @@ UNSPLIT_LAYER_KINDS = {
 """Layer kinds of hybrid families (``config.layer_types`` or ``layers_block_type``: Qwen3-Next, Qwen3.5, Nemotron-H,
 Granite-4.0-H, Bamba, Zamba, OLMo-Hybrid, LFM2) that do not split; a config without such layers is not refused
 for its family (Granite-4.0's attention-only models, LFM2 with attention layers alone split exactly)."""
+
+
+UNSEQUENCED_FAMILIES = {
+    "bloom": "its attention (BloomAttention) adds the residual to its row layer's output before returning it",
+    "mpt": "its MLP (MptMLP) adds the residual to its row layer's output before returning it",
+    "opt": "its decoder layer holds the MLP's fc1 and fc2 itself, with no MLP submodule to gather the sequence at",
+}
+"""Families that split by tensor parallelism but not with ``sequence_parallel``, whose gathers and reduce-scatters
+need each attention/MLP submodule to take the hidden states and return its row layer's output unchanged."""
+
+
+def check_sequence_parallel_family(config: Any, tensor_parallel: int) -> None:
+    """Refuse, before any work, ``sequence_parallel`` for a family whose blocks do not fit it (found at the first
+    batch otherwise, after launch)."""
+    for holder in _configs(config) if config is not None else []:
+        family = getattr(holder, "model_type", None)
+        if family in UNSEQUENCED_FAMILIES:
+            raise ValueError(f"sequence_parallel with tensor_parallel={tensor_parallel}: {family} cannot be split "
+                             f"along the sequence ({UNSEQUENCED_FAMILIES[family]}); use sequence_parallel=False")
 
 
 def _configs(config: Any) -> list[Any]:

@@ -42,6 +42,7 @@ from lightning_merak.parallel.pipeline.trace import find_trunk
 from lightning_merak.parallel.pipeline.vocab_stages import check_vocab_stage_rows, vocab_stages_config_problem
 from lightning_merak.parallel.tensor.adapters import check_adapter_split
 from lightning_merak.parallel.tensor.blocks import check_tensor_parallel_degree
+from lightning_merak.parallel.tensor.families import check_sequence_parallel_family
 from lightning_merak.parallel.tensor.sequence import check_sequence_length
 from lightning_merak.parallel.tensor.vocab import check_vocabulary_split
 from lightning_merak.protocols.experts import ExpertParallelLayer
@@ -548,8 +549,10 @@ class Merak3DArguments(Merak3DOptions):
             problem = vocab_stages_config_problem(model, self.schedule, tensor_parallel)
             if problem is not None:
                 raise ValueError(problem)
-        if self.sequence_parallel and tensor_parallel is not None and tensor_parallel > 1 and moe_layers(model):
-            raise ValueError("sequence_parallel does not support MoE layers; use sequence_parallel=False")
+        if self.sequence_parallel and tensor_parallel is not None and tensor_parallel > 1:
+            check_sequence_parallel_family(getattr(model, "config", None), tensor_parallel)
+            if moe_layers(model):
+                raise ValueError("sequence_parallel does not support MoE layers; use sequence_parallel=False")
         if self.data_parallel_sharding == "full":
             check_fully_shardable(model, tensor_parallel)
         if self.context_parallel != "auto" and self.context_parallel > 1:
