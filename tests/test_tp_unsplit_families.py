@@ -51,6 +51,7 @@ REFUSED = [
     ("minicpm3", SMALL, LATENT),
     ("gemma4_text", SMALL, "keys and values, handed over in a KVSharingDict"),
     ("codegen", CODEGEN, r"fused qkv_proj as mp_num=4 interleaved \[q \| v \| k\] groups"),
+    ("stablelm", dict(SMALL, qk_layernorm=True), r"per-head query/key LayerNorms \(qk_layernorm=True"),
 ]
 
 

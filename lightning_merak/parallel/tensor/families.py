@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 from lightning_merak.parallel.tensor.head_counts import local_key_value_heads
 
-__all__ = ["UNSEQUENCED_FAMILIES", "UNSPLIT_FAMILIES", "UNSPLIT_LAYER_KINDS", "check_sequence_parallel_family",
-           "check_tensor_parallel_degree", "unsplit_reason"]
+__all__ = ["UNSEQUENCED_FAMILIES", "UNSPLIT_FAMILIES", "UNSPLIT_LAYER_KINDS", "UNSPLIT_OPTIONS",
+           "check_sequence_parallel_family", "check_tensor_parallel_degree", "unsplit_reason"]
 
 _MAMBA = "Mamba mixers (convolution and state-space scan) are not column/row linear pairs"
 _LATENT_ATTENTION = ("multi-head latent attention: every head reads its compressed key/value projection "
@@ -74,6 +74,12 @@ Granite-4.0-H, Bamba, Zamba, OLMo-Hybrid, LFM2) that do not split; a config with
 for its family (Granite-4.0's attention-only models, LFM2 with attention layers alone split exactly)."""
 
 
+UNSPLIT_OPTIONS = {
+    ("stablelm", "qk_layernorm"): ("its per-head query/key LayerNorms (qk_layernorm=True, StableLM 2) are one "
+                                   "ModuleList over every head, which no rank's heads select"),
+}
+"""``(family, config flag)`` → why the family, which splits otherwise, does not with the flag set."""
+
 UNSEQUENCED_FAMILIES = {
     "bloom": "its attention (BloomAttention) adds the residual to its row layer's output before returning it",
     "mpt": "its MLP (MptMLP) adds the residual to its row layer's output before returning it",
@@ -106,6 +112,9 @@ def unsplit_reason(config: Any) -> Optional[tuple[str, str]]:
         family = getattr(holder, "model_type", None)
         if family in UNSPLIT_FAMILIES:
             return family, UNSPLIT_FAMILIES[family]
+        for (flagged, flag), reason in UNSPLIT_OPTIONS.items():
+            if family == flagged and getattr(holder, flag, False) is True:
+                return family, reason
     for holder in configs:
         for attribute in ("layer_types", "layers_block_type"):
             kinds = getattr(holder, attribute, None)
