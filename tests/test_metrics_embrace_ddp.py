@@ -5,7 +5,6 @@ the embedding tables: the norm counts every rank's columns once, as one process 
 from __future__ import annotations
 
 import csv
-import math
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from lightning_merak.callbacks import SparseCommunication, TrainingMetrics
 from lightning_merak.modules.causal_lm import build_causal_lm
 from lightning_merak.modules.config import ModelConfig
-from lightning_merak.testing import run_distributed
+from lightning_merak.testing import NormBeforeClipping, run_distributed
 from lightning_merak.testing.causal_lm import FixedOptimizerModule
 
 VOCAB, SEQ, BATCH, STEPS, RANKS, CLIP = 512, 16, 4, 3, 2, 0.5
@@ -26,16 +25,6 @@ MODEL = ModelConfig(name="llama", model_type="llama", config={
     "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2, "tie_word_embeddings": False})
 
-
-class _NormBeforeClipping(pl.Callback):
-    """The reference: torch's total norm of the gradients each step, before Lightning clips them."""
-
-    def __init__(self) -> None:
-        self.norms: list[float] = []
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        grads = [p for p in pl_module.parameters() if p.grad is not None]
-        self.norms.append(float(torch.nn.utils.clip_grad_norm_(grads, max_norm=math.inf)))
 
 
 def _module() -> FixedOptimizerModule:
@@ -72,7 +61,7 @@ def test_embrace_under_ddp_logs_the_norm_of_the_whole_tables(tmp_path: Path) -> 
     with open(tmp_path / "metrics.csv") as handle:
         logged = [float(row["train/grad_norm"]) for row in csv.DictReader(handle) if row.get("train/grad_norm")]
 
-    reference = _NormBeforeClipping()  # one process, the replicas' batches together, the tables whole
+    reference = NormBeforeClipping()  # one process, the replicas' batches together, the tables whole
     _trainer([reference], devices=1, logger=False).fit(_module(), DataLoader(_data(), batch_size=BATCH * RANKS))
     assert len(logged) == STEPS and max(reference.norms) > CLIP  # the clipping acts, after the norm is taken
     assert logged == pytest.approx(reference.norms, rel=1e-4)

@@ -5,7 +5,6 @@ single process's run of the same global batch."""
 from __future__ import annotations
 
 import csv
-import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,7 +20,7 @@ from lightning_merak.callbacks.profiler.timeline import idle_fraction, step_bars
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
 from lightning_merak.modules.config import ModelConfig
 from lightning_merak.planning.flops import training_flops_per_token, transformer_shape
-from lightning_merak.testing import run_distributed
+from lightning_merak.testing import NormBeforeClipping, run_distributed
 
 VOCAB, SEQ, BATCH, STEPS = 64, 16, 4, 3
 MODEL = ModelConfig(name="llama", model_type="llama", config={
@@ -31,16 +30,6 @@ EVERY_METRIC = {"perf/step_time_s", "perf/tokens_per_s", "perf/samples_per_s", "
                 "perf/model_tflops_per_s", "perf/peak_tflops", "train/grad_norm", "memory/peak_MiB/max",
                 "memory/peak_MiB/rank0"}
 
-
-class _NormBeforeClipping(pl.Callback):
-    """The reference: torch's own total norm of the gradients each step, before Lightning clips them."""
-
-    def __init__(self) -> None:
-        self.norms: list[float] = []
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        grads = [p for p in pl_module.parameters() if p.grad is not None]
-        self.norms.append(float(torch.nn.utils.clip_grad_norm_(grads, max_norm=math.inf)))
 
 
 def _module() -> CausalLMModule:
@@ -68,7 +57,7 @@ def test_three_steps_write_every_metric_to_csv_and_tensorboard(tmp_path: Path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     loggers = [CSVLogger(tmp_path, name="csv"), TensorBoardLogger(tmp_path, name="tensorboard")]
-    reference = _NormBeforeClipping()
+    reference = NormBeforeClipping()
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=loggers, gradient_clip_val=1e-3,
                          callbacks=[TrainingMetrics(), reference], enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
@@ -161,7 +150,7 @@ def _train(rank: int, world_size: int, strategy_name: str, out: str, batch: int,
         module = _FullyShardedLM(module.model)
     elif strategy_name.startswith("merak3d_pp2"):
         strategy = Merak3DStrategy(pipeline_parallel=2, micro_batches=2)
-    reference = _NormBeforeClipping()
+    reference = NormBeforeClipping()
     traced = strategy_name in ("ddp", "merak3d_pp2")
     profiler = MerakTraceProfiler(dirpath=out, skip_steps=1, steps=1, untraced_steps=0) if traced else None
     # the clipped pipeline run starts with a sanity-check batch, so merak3d builds its stages before training

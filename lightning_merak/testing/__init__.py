@@ -9,6 +9,7 @@ Lightning wrappers for the DeltaMemory tests and benchmark)."""
 
 from lightning_merak.testing.compare import (
     LayoutTraceRecorder,
+    NormBeforeClipping,
     TraceRecorder,
     TrainingTrace,
     assert_traces_match,
@@ -23,6 +24,7 @@ from lightning_merak.testing.distributed import DistributedRunError, find_free_p
 __all__ = [
     "DistributedRunError",
     "LayoutTraceRecorder",
+    "NormBeforeClipping",
     "TraceRecorder",
     "TrainingTrace",
     "assert_traces_match",

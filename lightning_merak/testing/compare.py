@@ -19,8 +19,8 @@ from torch import nn
 
 from lightning_merak.parallel.pipeline.stage import RankStages
 
-__all__ = ["LayoutTraceRecorder", "TraceRecorder", "TrainingTrace", "assert_traces_match", "layout_gradients",
-           "merge_rank_traces", "module_losses", "record_reference_trace", "snapshot_gradients"]
+__all__ = ["LayoutTraceRecorder", "NormBeforeClipping", "TraceRecorder", "TrainingTrace", "assert_traces_match",
+           "layout_gradients", "merge_rank_traces", "module_losses", "record_reference_trace", "snapshot_gradients"]
 
 
 @dataclass
@@ -95,6 +95,18 @@ class TraceRecorder(pl.Callback):
                            batch_idx: int) -> None:
         loss = trainer.callback_metrics[self.loss_metric] if self.loss_metric else outputs["loss"]
         self.trace.append(float(loss), self._gradients)
+
+
+class NormBeforeClipping(pl.Callback):
+    """The reference for a logged gradient norm: torch's total norm of the gradients each step, taken before
+    Lightning clips them (one process, every parameter whole)."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        grads = [p for p in pl_module.parameters() if p.grad is not None]
+        self.norms.append(float(torch.nn.utils.clip_grad_norm_(grads, max_norm=math.inf)))
 
 
 class LayoutTraceRecorder(pl.Callback):
