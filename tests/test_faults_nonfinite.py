@@ -103,19 +103,25 @@ class _SGDModule(CausalLMModule):
         return torch.optim.SGD(self.model.parameters(), lr=0.1)
 
 
+def _fit_merak3d(module: pl.LightningModule, strategy: Merak3DStrategy, world_size: int,
+                 callbacks: list[pl.Callback]) -> None:
+    """``STEPS`` steps of ``module`` under ``strategy`` on the same token batches (every rank reads them all)."""
+    tokens = torch.randint(VOCAB, (STEPS * 4, SEQ), generator=torch.Generator().manual_seed(1))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        strategy=strategy, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0, use_distributed_sampler=False, callbacks=callbacks,
+    )
+    trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=4))
+
+
 def pipeline_run(rank: int, world_size: int) -> dict[str, object]:
     """merak3d pp=2: an infinite gradient on the first stage only (rank 0) at step 1."""
     torch.manual_seed(0)
     module = _SGDModule(build_causal_lm(LLAMA, vocab_size=VOCAB))
     guard, snapshots = NonFiniteGuard("skip"), _Snapshots(poison=(0, 1))
-    tokens = torch.randint(VOCAB, (STEPS * 4, SEQ), generator=torch.Generator().manual_seed(1))
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, enable_checkpointing=False,
-        strategy=Merak3DStrategy(data_parallel=1, pipeline_parallel=2, tensor_parallel=1, timeout_s=120),
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        use_distributed_sampler=False, callbacks=[guard, snapshots],
-    )
-    trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=4))
+    _fit_merak3d(module, Merak3DStrategy(data_parallel=1, pipeline_parallel=2, tensor_parallel=1, timeout_s=120),
+                 world_size, [guard, snapshots])
     return {"skipped": guard.skipped, "parameters": snapshots.parameters}
 
 
@@ -153,14 +159,8 @@ def zero_muon_run(rank: int, world_size: int, sharding: str) -> dict[str, object
     module = _NaNLossModule(build_causal_lm(LLAMA, vocab_size=VOCAB),
                             OptimConfig(name="muon", warmup_steps=0, newton_schulz_dtype="float32"))
     guard, snapshots = NonFiniteGuard("skip"), _OptimizerSnapshots()
-    tokens = torch.randint(VOCAB, (STEPS * 4, SEQ), generator=torch.Generator().manual_seed(1))
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, enable_checkpointing=False,
-        strategy=Merak3DStrategy(data_parallel=2, data_parallel_sharding=sharding, timeout_s=120),
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        use_distributed_sampler=False, callbacks=[guard, snapshots],
-    )
-    trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=4))
+    _fit_merak3d(module, Merak3DStrategy(data_parallel=2, data_parallel_sharding=sharding, timeout_s=120),
+                 world_size, [guard, snapshots])
     return {"skipped": guard.skipped, "steps": snapshots.steps}
 
 
