@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from lightning_merak.modules.muon import MuonWithAdamW
-from lightning_merak.plugins.moe.checkpoint import optimizer_entry_slots, slice_entries
+from lightning_merak.plugins.moe.checkpoint import slice_entries
+from lightning_merak.util.optimizer_state import entry_slots
 
 
 def _stepped(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> dict:
@@ -25,7 +26,7 @@ def test_entries_are_found_by_position_in_torchs_format_and_in_parts() -> None:
     for optimizer in (adamw, muon):
         saved = _stepped(optimizer, params)
         order = [param for group in optimizer.param_groups for param in group["params"]]
-        slots = optimizer_entry_slots(saved)
+        slots = entry_slots(saved)
         assert sorted(slots) == list(range(len(params)))
         for position, (entries, key) in slots.items():  # each position's entry is its parameter's state
             shapes = {tuple(value.shape) for value in entries[key].values() if value.ndim}

@@ -40,6 +40,7 @@ from lightning_merak.parallel.tensor.blocks import LayoutChange
 from lightning_merak.plugins.moe.checkpoint import ExpertNumbering, FusedExpertSlices, slice_entries
 from lightning_merak.plugins.moe.experts.adapter_slices import slice_expert_factor
 from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh
+from lightning_merak.util.optimizer_state import joined_parts
 
 __all__ = ["LIGHTNING_CHECKPOINT", "ExpertParallelCheckpointIO", "ExpertSlices", "ShardedCheckpointer",
            "is_sharded_checkpoint"]
@@ -462,7 +463,7 @@ class ShardedCheckpointer:
         that saved it), expert entries cut to this rank's experts; :meth:`load_optimizer_state` then places each
         entry on this rank's stage and shard. A composite optimizer's state (``{"parts": [...]}``, as ``MuonWithAdamW``
         saves it) is read as torch's over the parts' groups in order, the order its ``param_groups`` list them in."""
-        saved = _joined_parts(saved)
+        saved = joined_parts(saved)
         order = [index for group in saved["param_groups"] for index in group["params"]]
         if len(order) != len(names):
             raise ValueError(f"the checkpoint's optimizer holds {len(order)} parameters, this run's {len(names)}: "
@@ -521,22 +522,6 @@ class ShardedCheckpointer:
 
             return distribute_tensor(full, param.device_mesh, param.placements)
         return full
-
-
-def _joined_parts(saved: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer state in torch's format: a composite's (``{"parts": [...]}``, each part torch's) as one over all
-    the parts' groups in order, each part's entries numbered after the parts before it; torch's own unchanged."""
-    if "parts" not in saved:
-        return saved
-    state: dict[int, Any] = {}
-    groups: list[dict[str, Any]] = []
-    first = 0
-    for part in saved["parts"]:
-        state.update({first + index: entry for index, entry in part["state"].items()})
-        groups.extend({**group, "params": [first + index for index in group["params"]]}
-                      for group in part["param_groups"])
-        first += sum(len(group["params"]) for group in part["param_groups"])
-    return {"state": state, "param_groups": groups}
 
 
 def _torch_optimizer_state(saved: dict[str, Any], order: dict[str, int],

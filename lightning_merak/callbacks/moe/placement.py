@@ -34,17 +34,13 @@ from lightning_merak.checkpoint.expert_optimizer import (
 from lightning_merak.distributed.collectives import average_gradients
 from lightning_merak.distributed.gradient_norm import clip_over_groups
 from lightning_merak.plugins.moe.block_replacement import SwappedSparseBlock
-from lightning_merak.plugins.moe.checkpoint import (
-    EXPERTS_KEY,
-    expert_param_positions,
-    gather_expert_state,
-    optimizer_entry_slots,
-)
+from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, expert_param_positions, gather_expert_state
 from lightning_merak.plugins.moe.core.placement import PlacementPlan, rank_loads
 from lightning_merak.plugins.moe.core.step_planner import PLAN_KINDS
 from lightning_merak.plugins.moe.layer import MoE, PlacementMOELayer
 from lightning_merak.plugins.moe.options import check_count, check_flag
 from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh, layout_aware
+from lightning_merak.util.optimizer_state import entry_slots
 
 __all__ = ["MoEPlacementCallback", "balance_metrics", "load_heatmap_figure", "plot_load_heatmap"]
 
@@ -252,7 +248,7 @@ class MoEPlacementCallback(pl.Callback):
             group = layers[0][1].deepspeed_moe.ep_group
             saved = []
             for optimizer, state in zip(trainer.optimizers, checkpoint["optimizer_states"]):
-                slots = optimizer_entry_slots(state)
+                slots = entry_slots(state)
                 local = {i: slots[i][0][slots[i][1]] for i in expert_param_positions(optimizer.param_groups)
                          if slots[i][1] in slots[i][0]}
                 gathered: list[Any] = [None] * dist.get_world_size(group)
@@ -276,7 +272,7 @@ class MoEPlacementCallback(pl.Callback):
         layer = self._expert_layers(pl_module)[0][1].deepspeed_moe
         layer._attach()
         for state, per_rank in zip(checkpoint["optimizer_states"], checkpoint[EXPERT_OPTIMIZER_KEY]["states"]):
-            slots = optimizer_entry_slots(state)
+            slots = entry_slots(state)
             for position, entry in per_rank[layer.ep_rank].items():
                 entries, key = slots[position]
                 entries[key] = entry

@@ -20,20 +20,16 @@ from typing import Any
 import torch
 
 from lightning_merak.callbacks.sparse_comm.embrace import ShardedEmbedding
+from lightning_merak.util.optimizer_state import state_parts
 
 GATHERED_ENTRIES = "sparse_comm_embrace_optimizer_entries"
 """Checkpoint key: per optimizer, ``[part, entry key, table name]`` of each state entry saved whole."""
 
 
-def _parts(saved: dict[str, Any]) -> list[dict[str, Any]]:
-    """A saved optimizer state's parts: a composite's, else the state itself as the one part."""
-    return saved["parts"] if "parts" in saved else [saved]
-
-
 def _saved_entries(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> Iterator[tuple[int, Any, Any]]:
     """``(part, entry key, parameter)`` for each parameter of ``optimizer`` in its saved state ``saved``: the saved
     groups list their parameters' keys in the order of the optimizer's groups."""
-    saved_groups = [(part, group) for part, state in enumerate(_parts(saved)) for group in state["param_groups"]]
+    saved_groups = [(part, group) for part, state in enumerate(state_parts(saved)) for group in state["param_groups"]]
     for (part, saved_group), group in zip(saved_groups, optimizer.param_groups):
         for key, param in zip(saved_group["params"], group["params"]):
             yield part, key, param
@@ -53,7 +49,7 @@ def gather_optimizer_states(checkpoint: dict[str, Any], optimizers: list[torch.o
     gathered: list[list[list[Any]]] = []
     for optimizer, saved in zip(optimizers, saved_states):
         entries = []
-        states = [part["state"] for part in _parts(saved)]
+        states = [part["state"] for part in state_parts(saved)]
         for part, key, param in _saved_entries(optimizer, saved):
             found = by_shard.get(id(param))
             if found is None or key not in states[part]:
@@ -76,7 +72,7 @@ def slice_optimizer_states(checkpoint: dict[str, Any], tables: dict[str, Sharded
     if recorded is None:
         return
     for entries, saved in zip(recorded, checkpoint.get("optimizer_states", [])):
-        states = [part["state"] for part in _parts(saved)]
+        states = [part["state"] for part in state_parts(saved)]
         for part, key, name in entries:
             table = tables.get(name)
             if table is None or part >= len(states) or key not in states[part]:

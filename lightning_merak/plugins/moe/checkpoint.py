@@ -29,10 +29,10 @@ from lightning_merak.plugins.moe.experts.grouped import EXPERT_TENSORS
 from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
 from lightning_merak.plugins.moe.groups import carve_expert_groups
 from lightning_merak.protocols.experts import ExpertParallelLayer
+from lightning_merak.util.optimizer_state import entry_slots
 
 __all__ = ["EXPERTS_KEY", "ExpertNumbering", "FusedExpertSlices", "expert_indices", "expert_param_positions",
-           "gather_expert_state", "optimizer_entry_slots", "select_local_experts", "slice_entries",
-           "split_expert_key"]
+           "gather_expert_state", "select_local_experts", "slice_entries", "split_expert_key"]
 
 EXPERTS_KEY = "deepspeed_moe.experts.deepspeed_experts."
 
@@ -101,25 +101,12 @@ def expert_param_positions(param_groups: Sequence[dict[str, Any]]) -> list[int]:
 def slice_entries(saved: dict[str, Any], names: Sequence[str], sliced: Callable[[str, torch.Tensor], torch.Tensor]
                   ) -> None:
     """Each tensor of a saved optimizer state's entries replaced in place by ``sliced(name, tensor)``, ``names`` the
-    parameters' names by their position in the optimizer (:func:`optimizer_entry_slots`)."""
-    for position, (entries, key) in optimizer_entry_slots(saved).items():
+    parameters' names by their position in the optimizer (:func:`~lightning_merak.util.optimizer_state.entry_slots`)."""
+    for position, (entries, key) in entry_slots(saved).items():
         if key in entries:
             name = names[position] if position < len(names) else ""
             entries[key] = {field: sliced(name, value) if isinstance(value, torch.Tensor) else value
                             for field, value in entries[key].items()}
-
-
-def optimizer_entry_slots(saved: dict[str, Any]) -> dict[int, tuple[dict[Any, Any], Any]]:
-    """Where each parameter's entry of a saved optimizer state lives, by the parameter's position in the optimizer's
-    ``param_groups``: ``(state dict, key)``. torch's format numbers one ``state``; a composite's (``{"parts":
-    [...]}``, as ``MuonWithAdamW`` saves it) numbers each part's from 0, its groups after the parts before it."""
-    slots: dict[int, tuple[dict[Any, Any], Any]] = {}
-    for part in saved["parts"] if "parts" in saved else [saved]:
-        state = part.setdefault("state", {})
-        for group in part["param_groups"]:
-            for key in group["params"]:
-                slots[len(slots)] = (state, key)
-    return slots
 
 
 DataParallelRanks = Callable[[], tuple[int, Sequence[int]]]
@@ -268,7 +255,7 @@ class FusedExpertSlices:
         names = {id(param): name for name, param in module.named_parameters()}
         for optimizer, saved in zip(optimizers, checkpoint.get("optimizer_states", [])):
             params = [param for group in optimizer.param_groups for param in group["params"]]
-            for position, (entries, key) in optimizer_entry_slots(saved).items():
+            for position, (entries, key) in entry_slots(saved).items():
                 if key in entries:
                     name = names.get(id(params[position]), "")
                     entries[key] = {field: self.gathered(name, value) if isinstance(value, torch.Tensor) else value
