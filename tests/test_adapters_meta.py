@@ -35,6 +35,8 @@ OPTIONS = {
     "lora-int8": lambda: LoRAAdapterConfig(r=4, quantization=Quantization.int8, target_modules=list(TARGETS)),
     "lora-head-fp32": lambda: LoRAAdapterConfig(r=4, quantization=Quantization.none,
                                                 target_modules=[*TARGETS, "lm_head", "embed_tokens"]),
+    "lora-head-nf4": lambda: LoRAAdapterConfig(r=4, quantization=Quantization.nf4,
+                                               target_modules=[*TARGETS, "lm_head", "embed_tokens"]),
     "lora-lm-head-fp32": lambda: LoRAAdapterConfig(r=4, quantization=Quantization.none,
                                                    target_modules=["q_proj", "v_proj", "lm_head"]),
     "qbara-fp32": lambda: QBaRAAdapterConfig(r=2, quantization=Quantization.none, target_modules=list(TARGETS)),
@@ -187,8 +189,9 @@ def test_adapter_weights_materialise_with_their_methods_init():
 
 def test_quantising_a_part_equals_quantising_the_whole_model():
     """The deferred quantisation of a materialised part gives the layers, classes and bytes the whole-model path
-    gives (LoRA on int8 moves to PEFT's bitsandbytes layer, keeping its adapter weights)."""
-    for option_name in ("qbara-nf4", "lora-int8", "qahira-int4"):
+    gives (LoRA on int8 or nf4 moves to PEFT's bitsandbytes layer, keeping its adapter weights; LoRA on the
+    embedding and the float head keeps its layer and weights)."""
+    for option_name in ("qbara-nf4", "lora-int8", "qahira-int4", "lora-head-nf4"):
         weights = _weights(option_name)
         expected = OPTIONS[option_name]().apply(_base())
         with torch.device("meta"):

@@ -10,6 +10,7 @@ tensor-parallel tests: only the order in which the row layers' partial sums are 
 
 from __future__ import annotations
 
+import itertools
 from unittest import mock
 
 import pytest
@@ -121,14 +122,38 @@ def test_a_shard_quantised_alone_is_the_whole_models_quantisation_sliced(quantiz
         assert not torch.equal(alone, expected.chunk(2, 1)[0])
 
 
+@pytest.mark.parametrize("quantization", ["nf4", "fp4"])
+def test_the_4bit_shard_rule_is_what_bitsandbytes_dequantises_exactly(quantization):
+    """Every column and row split of layers ``in`` a multiple of 16 wide: the rule accepts exactly the splits whose
+    shards, each quantised alone, dequantise to the whole layer's slice. A column shard needs whole 64-weight blocks
+    in every row (bitsandbytes' CPU kernel reads a row's block statistics by the row's index), even where the
+    shard's own weights are whole blocks (32 rows of 96: 3072)."""
+    for out_features, in_features, tp in itertools.product((32, 64), (32, 48, 96, 128, 192, 256), (2, 4)):
+        weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(in_features)) * 0.02
+        whole = _dequantised(quantized_shard(_linear(weight), quantization, double_quant=False))
+        for column, dim in ((True, 0), (False, 1)):
+            shards = [_dequantised(quantized_shard(_linear(part), quantization, double_quant=False))
+                      for part in weight.chunk(tp, dim)]
+            exact = all(torch.equal(shard, part) for shard, part in zip(shards, whole.chunk(tp, dim)))
+            accepted = shard_quantization_problem(quantization, "layer", in_features, out_features, tp,
+                                                  column=column) is None
+            assert accepted == exact, (out_features, in_features, tp, column)
+
+
 def test_shards_whose_blocks_would_cross_are_refused_naming_the_fix():
     assert shard_quantization_problem("nf4", "o_proj", 128, 128, 2, column=False) is None
-    assert shard_quantization_problem("nf4", "q_proj", 32, 32, 2, column=True) is None  # 16 rows of 32: 512
+    assert shard_quantization_problem("nf4", "q_proj", 64, 32, 2, column=True) is None
     problem = shard_quantization_problem("nf4", "mlp.down_proj", 96, 32, 2, column=False)
     assert problem == ("tensor_parallel=2 splits mlp.down_proj's 96 input columns into 48, not a multiple of nf4's "
                        "block of 64 (each shard is quantised on its own); use tensor_parallel=1, or quantization=none")
     problem = shard_quantization_problem("int4", "o_proj", 128, 128, 8, column=False, group_size=32)
     assert "into 16, not a multiple of int4's group_size=32" in problem and "use tensor_parallel=4" in problem
+    assert shard_quantization_problem("int4", "q_proj", 96, 96, 2, column=True) is None  # groups lie in one row
+    problem = shard_quantization_problem("nf4", "self_attn.q_proj", 96, 96, 2, column=True)  # 48 rows of 96: 4608
+    assert problem == ("tensor_parallel=2 splits self_attn.q_proj by its output rows, whose 96 inputs are not a "
+                       "multiple of nf4's block of 64: a block runs on into the next row, and bitsandbytes "
+                       "dequantises a row's blocks by the row's index in its shard (each shard is quantised on its "
+                       "own); use tensor_parallel=1, or quantization=none")
     assert "reordered rows" in shard_quantization_problem("fp4", "qkv", 96, 96, 2, column=True, contiguous=False)
     assert shard_quantization_problem("int8", "down_proj", 96, 32, 2, column=False) is None
     assert "set adapter.double_quant=false" in shard_quantization_problem("nf4", "o_proj", 128, 128, 2, column=True,
@@ -142,13 +167,18 @@ def test_shards_whose_blocks_would_cross_are_refused_naming_the_fix():
         narrow = attach_on_meta(OPTIONS["wide-qbara-nf4"](), build_causal_lm(adapters_meta.MODELS["llama"],
                                                                              vocab_size=VOCAB))
         wide = attach_on_meta(OPTIONS["wide-qbara-nf4"](), build_causal_lm(WIDE, vocab_size=VOCAB))
-    check_adapter_split(narrow, 2)  # before launch the roles are unknown: o_proj would split as a column layer
+    # before launch the roles are unknown, but 32 inputs split neither as a row layer (16) nor as a column layer
+    with pytest.raises(ValueError, match=r"splits \S*self_attn.q_proj\S*'s 32 input columns into 16, not a "
+                                         "multiple of nf4's block of 64"):
+        check_adapter_split(narrow, 2)
     plan = TensorParallelPlan(column=["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
-                                      "mlp.up_proj"], row=["self_attn.o_proj", "mlp.down_proj"], column_groups=[])
-    block = find_trunk(narrow)[1][0]
+                                      "mlp.up_proj"], row=["self_attn.o_proj", "mlp.down_proj"], column_groups=[],
+                              units={"self_attn.q_proj": [tuple(range(head * 8, head * 8 + 8)) for head in range(4)]})
+    block = find_trunk(narrow)[1][0]  # q_proj's units keep its rows in order: its split is contiguous
     assert quantized_split_problem(narrow, block, plan, 2) == (
-        "tensor_parallel=2 splits self_attn.o_proj's 32 input columns into 16, not a multiple of nf4's block of 64 "
-        "(each shard is quantised on its own); use tensor_parallel=1, or quantization=none")
+        "tensor_parallel=2 splits self_attn.q_proj by its output rows, whose 32 inputs are not a multiple of nf4's "
+        "block of 64: a block runs on into the next row, and bitsandbytes dequantises a row's blocks by the row's "
+        "index in its shard (each shard is quantised on its own); use tensor_parallel=1, or quantization=none")
     assert quantized_split_problem(wide, find_trunk(wide)[1][0], plan, 2) is None
     check_adapter_split(wide, 2)
 
@@ -213,6 +243,22 @@ def test_the_whole_layers_codes_and_statistics_are_its_shards_re_sliced(quantiza
         if split["dim"] == 1 and quantization != "int8":  # concatenated flat, the rows would be interleaved wrongly
             flat = torch.cat([shard[next(iter(shard))].reshape(-1) for shard in shards])
             assert not torch.equal(flat, whole[next(iter(whole))].reshape(-1))
+
+
+def test_column_shards_of_4bit_rows_that_are_not_whole_blocks_are_neither_joined_nor_cut():
+    """96 inputs: a contiguous column shard's flat entries are whole blocks (32 rows: 3072 weights), but its rows
+    are not, so it is not the whole layer's quantisation (the rule above); joining or cutting such shards is
+    refused, not done by runs of the flat weight."""
+    from lightning_merak.adapters.shard_join import cut_quantized_whole, join_quantized_shards
+
+    weight = torch.randn(64, 96, generator=torch.Generator().manual_seed(5)) * 0.02
+    split = {"dim": 0, "degree": 2, "shape": [64, 96], "rows": None}
+    whole = quantized_shard(_linear(weight), "nf4", double_quant=False).state_dict()
+    with pytest.raises(ValueError, match="an entry per 64 weights, which straddle this run's shards of 32x96"):
+        cut_quantized_whole("nf4", split, 1, whole)
+    shards = [quantized_shard(_linear(part), "nf4", double_quant=False).state_dict() for part in weight.chunk(2)]
+    with pytest.raises(ValueError, match="an entry stands for 64 weights, which straddle the shards' rows of 96"):
+        join_quantized_shards("nf4", split, shards)
 
 
 class _Tensors:

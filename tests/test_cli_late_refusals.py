@@ -1,10 +1,9 @@
 """Input ``merak-train`` used to refuse only once the ranks ran (or with a library's traceback), now refused before
 launch with one line naming the key and the fix: a user's module or datamodule missing a member Lightning needs,
 ``data.max_length`` too short for variable lengths, an empty ``data=hf_dataset`` corpus, a key an option leaves
-unset, a decaying schedule in an endless run and non-positive model sizes; and variable lengths no longer checked
-against ``data.seq_len``, which they do not use.
-
-The command line runs in this process with ``Trainer.fit`` replaced by a failure (``refused``): no rank starts.
+unset, a decaying schedule in an endless run, non-positive model sizes and a stream's loop settings; and variable
+lengths no longer checked against ``data.seq_len``, which they do not use. The command line runs in this process
+with ``Trainer.fit`` replaced by a failure (``refused``): no rank starts.
 """
 
 from __future__ import annotations
@@ -119,6 +118,22 @@ def test_an_empty_hf_dataset_file_is_refused_naming_it(tmp_path, monkeypatch, ca
     error = _refusal(["data=hf_dataset", f"data.path={empty}"], tmp_path / "run", monkeypatch, capsys)
     assert f"merak-train: error: data.path='{empty}' holds no records (an empty file); point data.path at a corpus " \
            "with documents" in error
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["trainer.val_check_interval=null"], "val_check_interval=null"),
+    (["+trainer.limit_train_batches=5"], "limit_train_batches=5"),
+    (["trainer.max_steps=-1", "trainer.max_epochs=1"], "set the Trainer's max_steps"),
+])
+def test_a_stream_s_loop_settings_are_refused_before_launch(overrides, message, tmp_path, monkeypatch, capsys):
+    """A stream has no length: a run bounded or validated by passes would stop, or never validate, silently."""
+    import datasets  # lazy: only this test writes a corpus
+
+    datasets.Dataset.from_dict({"text": ["hello world"] * 50}).to_parquet(str(tmp_path / "corpus.parquet"))
+    capsys.readouterr()  # the writer's progress bar
+    error = _refusal(["data=hf_dataset", f"data.path={tmp_path / 'corpus.parquet'}", "data.streaming=true",
+                      *overrides], tmp_path / "run", monkeypatch, capsys)
+    assert message in error
 
 
 def test_a_folder_of_empty_files_is_refused_naming_them(tmp_path) -> None:

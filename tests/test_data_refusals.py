@@ -11,10 +11,11 @@ import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 
 from lightning_merak.modules.config import DataConfig, DataError
-from lightning_merak.modules.data import LanguageModelingData
+from lightning_merak.modules.data import LanguageModelingData, checked_token_ids
 from lightning_merak.modules.hf_data import HFDatasetData
 
 
@@ -67,13 +68,44 @@ def test_a_record_without_the_text_field_is_a_refusal_shown_unquoted(tmp_path: P
                                   "field holding the text")
 
 
-@pytest.mark.parametrize("value", [None, 3, ["a", "b"], [1, 2.5]])
+@pytest.mark.parametrize("value", [None, 3, {"a": 1}])
 def test_a_text_field_that_is_neither_text_nor_token_ids_names_the_line(tmp_path: Path, value: object) -> None:
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": [1, 2]}) + "\n"
                       + json.dumps({"text": value}) + "\n")
     with pytest.raises(DataError, match=rf"{corpus}:3 field 'text' holds .*, neither text nor a list of token ids"):
         _text(corpus)
+
+
+@pytest.mark.parametrize(("ids", "problem"), [
+    ([1, 257], "token id 257 at position 1, outside the vocabulary of 257 tokens (ids 0 to 256); set "
+               "data.tokenizer_path to the tokenizer that made these ids (the model's vocab_size is that tokenizer's)"),
+    ([-1, 2], "token id -1 at position 0, outside the vocabulary of 257 tokens"),
+    ([2, 4.5], "4.5 at position 1, not an integer token id; write the document's token ids as integers"),
+    ([2, 4.0], "4.0 at position 1, not an integer token id"),
+    (["a", "b"], "'a' at position 0, not an integer token id"),
+    ([True], "True at position 0, not an integer token id"),
+])
+def test_token_ids_outside_the_vocabulary_are_refused_in_the_constructor(tmp_path: Path, ids: list[object],
+                                                                          problem: str) -> None:
+    """Before launch, naming the line: past the vocabulary the embedding fails on every rank after launch, and a
+    negative or float id was read as another token."""
+    corpus = tmp_path / "ids.jsonl"
+    corpus.write_text(json.dumps({"text": list(range(256))}) + "\n\n" + json.dumps({"text": ids}) + "\n")
+    with pytest.raises(DataError, match=re.escape(f"{corpus}:3 field 'text' holds {problem}")):
+        _text(corpus)
+
+
+def test_token_ids_are_checked_against_the_tokenizer_s_vocabulary(tmp_path: Path) -> None:
+    """Also where text documents beside them wait for the tokenizer; numpy integers come back as Python ints."""
+    tokenizer = _word_tokenizer(tmp_path / "tok", ["alpha beta"])  # [UNK], </s>, alpha, beta
+    corpus = tmp_path / "mixed.jsonl"
+    corpus.write_text(json.dumps({"text": "alpha beta"}) + "\n" + json.dumps({"text": [2, 3, 4]}) + "\n")
+    with pytest.raises(DataError, match=re.escape(f"{corpus}:2 field 'text' holds token id 4 at position 2, outside "
+                                                  "the vocabulary of 4 tokens")):
+        _text(corpus, tokenizer_path=tokenizer)
+    ids = checked_token_ids(np.array([0, 3]), 4, "row 1")
+    assert ids == [0, 3] and all(type(i) is int for i in ids)
 
 
 @pytest.mark.parametrize(("line", "reason"), [
@@ -134,7 +166,7 @@ def test_a_rank_s_share_without_a_batch_is_refused_when_the_loader_is_made(tmp_p
     data.train_dataloader()
 
 
-def _word_tokenizer(directory: Path, words: list[str]) -> str:
+def _word_tokenizer(directory: Path, words: list[str], eos_token: str | None = "</s>") -> str:
     """A saved transformers tokenizer with a token per word: the token count needs it to run."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -142,8 +174,23 @@ def _word_tokenizer(directory: Path, words: list[str]) -> str:
     tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.train_from_iterator(words, trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="</s>").save_pretrained(directory)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]",
+                            eos_token=eos_token).save_pretrained(directory)
     return str(directory)
+
+
+def test_a_tokenizer_without_an_end_of_text_token_is_said_and_packs_documents_back_to_back(tmp_path: Path) -> None:
+    """The guide promises an end-of-text id after each document: where there is none, the user is told how to add
+    one, and the documents run together as transformers' run_clm packs them."""
+    tokenizer = _word_tokenizer(tmp_path / "tok", ["alpha beta"], eos_token=None)
+    corpus = tmp_path / "words.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": "alpha beta alpha beta"}) for _ in range(8)))
+    with pytest.warns(UserWarning, match=re.escape(f"data.tokenizer_path={tokenizer!r} has no end-of-text token "
+                                                   "(eos_token), so text documents are put back to back")):
+        data = _text(corpus, seq_len=4, batch_size=1, tokenizer_path=tokenizer)
+    data.setup("fit")
+    blocks = sorted(block.tolist() for (block,) in [*data.train_set, *data.val_set])
+    assert blocks == [[2, 3, 2, 3]] * 8  # alpha, beta: "</s>" (id 1) is a token here but not the eos_token
 
 
 def test_with_a_tokenizer_the_count_waits_for_the_training_loader(tmp_path: Path) -> None:

@@ -37,14 +37,17 @@ class _Batches(pl.Callback):
 
 
 def _fit(max_steps: int, resume_from: str | None = None, save_to: str | None = None,
-         epoch_checkpoints: str | None = None) -> list[tuple]:
-    """The tiny Llama on generated data, 10 batches a pass; ``epoch_checkpoints``: a folder for a checkpoint at each
-    epoch's end (``on_train_epoch_end``)."""
+         epoch_checkpoints: str | None = None, limit_train_batches: int | float = 1.0,
+         checkpoint_every: int | None = None) -> list[tuple]:
+    """The tiny Llama on generated data, 10 batches a pass (``limit_train_batches`` of them an epoch);
+    ``epoch_checkpoints``: a folder for a checkpoint at each epoch's end (``on_train_epoch_end``), and with
+    ``checkpoint_every`` one each that many steps (``on_train_batch_end``)."""
     pl.seed_everything(0, workers=True)
     data = LanguageModelingData(DataConfig(name="synthetic", seq_len=16, batch_size=4, vocab_size=64,
                                            num_sequences=40))
     module = CausalLMModule(build_causal_lm(MODEL, 64), OptimConfig(warmup_steps=2, lr_schedule=Schedule.constant))
-    trainer, _ = checkpointing_trainer(max_steps, "auto", 1, None, None)
+    trainer, _ = checkpointing_trainer(max_steps, "auto", 1, epoch_checkpoints, checkpoint_every,
+                                       limit_train_batches=limit_train_batches)
     batches = _Batches()
     trainer.callbacks.append(batches)
     if epoch_checkpoints is not None:
@@ -65,6 +68,20 @@ def test_a_run_stopped_at_a_pass_end_resumes_on_the_next_pass_as_the_straight_ru
         resumed = _fit(14, resume_from=str(tmp_path / checkpoint))
         assert [where for *where, _ in resumed] == [where for *where, _ in straight[10:]], checkpoint
         assert all(torch.equal(a[-1], b[-1]) for a, b in zip(resumed, straight[10:], strict=True)), checkpoint
+
+
+@pytest.mark.parametrize("limit", [3, 0.3])
+def test_an_epoch_cut_by_limit_train_batches_resumes_on_the_next_pass(tmp_path: Path, limit: int | float) -> None:
+    """Three batches of the loader's ten make an epoch: a checkpoint at its end is a finished pass, so the resumed
+    run reads the next pass's first batch where it once read the fourth batch the limit left out of the first.
+    Written at the last batch's end (``step=3``), every later epoch read the pass after its own."""
+    straight = _fit(10, limit_train_batches=limit)
+    _fit(3, save_to=str(tmp_path / "pass_end.ckpt"), epoch_checkpoints=str(tmp_path), limit_train_batches=limit,
+         checkpoint_every=3)
+    for checkpoint in ("pass_end.ckpt", "epoch=0.ckpt", "step=3.ckpt"):
+        resumed = _fit(10, resume_from=str(tmp_path / checkpoint), limit_train_batches=limit)
+        assert [where for *where, _ in resumed] == [where for *where, _ in straight[3:]], checkpoint
+        assert all(torch.equal(a[-1], b[-1]) for a, b in zip(resumed, straight[3:], strict=True)), checkpoint
 
 
 

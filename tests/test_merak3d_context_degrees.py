@@ -89,9 +89,29 @@ def _samples() -> list[torch.Tensor]:
     return [torch.randint(VOCAB, (length,), generator=generator) for length in lengths]
 
 
-def _module(config: ModelConfig = LLAMA) -> FixedOptimizerModule:
+def _module(config: ModelConfig = LLAMA, lora: bool = False) -> FixedOptimizerModule:
     torch.manual_seed(0)
-    return FixedOptimizerModule(build_causal_lm(config, vocab_size=VOCAB))
+    model = build_causal_lm(config, vocab_size=VOCAB)
+    if lora:  # a PEFT model: context parallelism swaps its base model's attention, which its adapters wrap around
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    return FixedOptimizerModule(model)
+
+
+def test_per_micro_batch_refuses_a_loss_its_rounds_cannot_compute_before_launch() -> None:
+    """A MoE router aux loss and a module's loss of its own: refused before launch (merak-train validates the
+    module so), not by the rounds after launch."""
+    from lightning_merak.plugins.moe.experts import tiny_moe_model
+    from tests.test_merak3d_context_parallel import _OwnLoss
+
+    strategy = Merak3DStrategy(context_parallel=2, context_parallel_degree="per_micro_batch")
+    routed = tiny_moe_model("mixtral", hidden=32, vocab=VOCAB, output_router_logits=True)
+    with pytest.raises(ValueError, match="no router aux loss over the whole batch yet; set output_router_logits=False"):
+        strategy.validate_before_launch(FixedOptimizerModule(routed), 2)
+    with pytest.raises(ValueError, match="_OwnLoss brings its own loss; keep CausalLMModule's loss_from_logits"):
+        strategy.validate_before_launch(_OwnLoss(_module().model), 2)
+    strategy.validate_before_launch(_module(MISTRAL, lora=True), 2)
 
 
 def _token_mean(model: torch.nn.Module, batch: VariableBatch) -> torch.Tensor:
@@ -101,9 +121,9 @@ def _token_mean(model: torch.nn.Module, batch: VariableBatch) -> torch.Tensor:
     return total / target_count(batch.lengths)
 
 
-def _reference(config: ModelConfig) -> tuple[TrainingTrace, float]:
+def _reference(config: ModelConfig, lora: bool = False) -> tuple[TrainingTrace, float]:
     """The training trace of one process, and the validation loss of its trained model on the first batch."""
-    module = _module(config)
+    module = _module(config, lora)
     batches = list(GlobalBatches(_samples(), BATCH, seed=0, shuffle=False))
     trace = record_reference_trace(module.model, batches, _token_mean, module.configure_optimizers())
     with torch.no_grad():
@@ -130,30 +150,32 @@ class _Recorder(_TraceRecorder):
         self.degrees.append(trainer.strategy._pipeline.last_plan.degrees)
 
 
-def _train_rank(rank: int, world_size: int, layout: dict,
-                config: ModelConfig) -> tuple[list[float], list[dict], list[tuple[int, ...]], float]:
+def _train_rank(rank: int, world_size: int, layout: dict, config: ModelConfig,
+                lora: bool = False) -> tuple[list[float], list[dict], list[tuple[int, ...]], float]:
     recorder = _Recorder()
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=Merak3DStrategy(**layout, timeout_s=120), max_epochs=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[recorder])
-    trainer.fit(_module(config), datamodule=_Data())  # validates the first batch after training
+    trainer.fit(_module(config, lora), datamodule=_Data())  # validates the first batch after training
     return recorder.losses, recorder.gradients, recorder.degrees, float(trainer.callback_metrics["val/loss"])
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("config, recompute, tp", [(LLAMA, "none", 1), (MISTRAL, "none", 1), (LLAMA, "full", 1),
-                                                   (LLAMA, "none", 2)],
-                         ids=["llama", "sliding_window", "llama-recompute", "llama-tp2"])
-def test_per_micro_batch_degrees_train_and_validate_as_one_process(config: ModelConfig, recompute: str,
-                                                                    tp: int) -> None:
+@pytest.mark.parametrize("config, recompute, tp, lora", [(LLAMA, "none", 1, False), (MISTRAL, "none", 1, False),
+                                                         (LLAMA, "full", 1, False), (LLAMA, "none", 2, False),
+                                                         (MISTRAL, "none", 1, True)],
+                         ids=["llama", "sliding_window", "llama-recompute", "llama-tp2", "sliding_window-lora"])
+def test_per_micro_batch_degrees_train_and_validate_as_one_process(config: ModelConfig, recompute: str, tp: int,
+                                                                    lora: bool) -> None:
     """Llama, and Mistral with an 8-token window: the split sample's ring and the short samples' one-rank attention
     both apply the window as transformers' mask does; recomputed, each block attends as its forward did; with
-    tensor parallelism each rank's heads attend over the round's group."""
+    tensor parallelism each rank's heads attend over the round's group; with LoRA, the rounds run the PEFT model's
+    base model, whose attention is the one swapped."""
     layout = {"context_parallel": 2, "context_parallel_degree": "per_micro_batch", "micro_batch_tokens": 64,
               "recompute": recompute, "tensor_parallel": tp}
-    results = run_distributed(_train_rank, 2 * tp, args=(layout, config), timeout_s=300)
-    trace, validation = _reference(config)
+    results = run_distributed(_train_rank, 2 * tp, args=(layout, config, lora), timeout_s=300)
+    trace, validation = _reference(config, lora)
     for _, _, degrees, validated in results:
         assert degrees == [(2, 1, 1, 1, 1, 1), (1, 2, 1, 1, 1, 1)]  # the long sample split, the short ones whole
         assert validated == pytest.approx(validation, rel=1e-5)

@@ -10,7 +10,13 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.strategies.merak3d import Merak3DStrategy
-from lightning_merak.testing import run_distributed
+from lightning_merak.testing import (
+    LayoutTraceRecorder,
+    assert_traces_match,
+    merge_rank_traces,
+    record_reference_trace,
+    run_distributed,
+)
 from lightning_merak.testing.causal_lm import FixedOptimizerModule
 from tests import test_merak3d_fully_sharded as sharded
 from tests.test_merak3d_fully_sharded import CLIP, VOCAB, _module, _Recorder, _reference
@@ -129,6 +135,36 @@ def test_the_planner_chooses_the_context_degree_and_attention_and_trains_as_one_
         assert result["norms"] == pytest.approx(norms, rel=1e-5)
         for key, expected in weights.items():
             torch.testing.assert_close(result["weights"][key], expected, atol=1e-5, rtol=1e-4, msg=key)
+
+
+def _lora_window_module() -> FixedOptimizerModule:
+    """LoRA on Mistral with an 8-token window: a model that builds its own mask, unless its base model's attention
+    is context parallelism's while the stages are traced."""
+    from tests.test_merak3d_context_degrees import MISTRAL
+    from tests.test_merak3d_context_degrees import _module as degrees_module
+
+    return degrees_module(MISTRAL, lora=True)
+
+
+def _train_lora_rank(rank: int, world_size: int) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    recorder = LayoutTraceRecorder()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, max_epochs=1, logger=False, enable_checkpointing=False,
+        strategy=Merak3DStrategy(context_parallel=2, pipeline_parallel=2, micro_batches=2, timeout_s=120),
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+        callbacks=[recorder])
+    trainer.fit(_lora_window_module(), datamodule=_Data())
+    return recorder.losses, recorder.gradients
+
+
+@pytest.mark.distributed
+def test_lora_on_a_model_building_its_own_mask_trains_over_context_and_pipeline_as_one_process() -> None:
+    """cp2 x pp2 with a PEFT model: the stages are traced with its base model's attention swapped, so no mask of
+    the model's own travels between them (the split forward builds none)."""
+    module = _lora_window_module()
+    reference = record_reference_trace(module.model, _batches(), lambda _, batch: module.compute_loss((batch,)),
+                                       module.configure_optimizers())
+    assert_traces_match(reference, merge_rank_traces(run_distributed(_train_lora_rank, 4, timeout_s=300)))
 
 
 def test_the_degrees_planned_follow_the_options_and_the_model() -> None:

@@ -27,15 +27,25 @@ ADAM_ATOL = 1e-4
 rounding, which differs between layouts and CPUs (1.8e-5 measured on AMD EPYC); a wrong slice is off by ~lr."""
 
 
-def _model() -> torch.nn.Module:
-    """The tiny Qwen3-MoE with LoRA (r=4, random B so every factor gets a gradient) on attention and experts."""
+def _model(int4: bool = False) -> torch.nn.Module:
+    """The tiny Qwen3-MoE with LoRA (r=4, random B so every factor gets a gradient) on attention and experts, or
+    (``int4``) QA-HiRA over INT4 experts (G=16), its factors random alike."""
+    from lightning_merak.adapters import quantize_model
     from lightning_merak.adapters.moe import add_moe_adapters, moe_adapter_config
     from lightning_merak.plugins.moe.experts import tiny_moe_model
 
     base = tiny_moe_model("qwen3_moe", hidden=32, layers=2, vocab=VOCAB, seed=0)
     base.config.use_cache = False
     torch.manual_seed(11)
-    return add_moe_adapters(base, moe_adapter_config(base, r=4, alpha=8, init_lora_weights=False))
+    if not int4:
+        return add_moe_adapters(base, moe_adapter_config(base, r=4, alpha=8, init_lora_weights=False))
+    quantize_model(base, "int4", 16, experts=True)
+    model = add_moe_adapters(base, moe_adapter_config(base, "qahira", r=2, lambda_in=16, lambda_out=1))
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.normal_(0.0, 0.05)
+    return model
 
 
 def _batches() -> torch.Tensor:
@@ -43,12 +53,13 @@ def _batches() -> torch.Tensor:
 
 
 
-def _reference(optimizer: str) -> tuple[list[float], list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+def _reference(optimizer: str, int4: bool = False) -> tuple[list[float], list[dict[str, torch.Tensor]],
+                                                           dict[str, torch.Tensor]]:
     """The uninterrupted single-process run on the whole batches: losses and adapter gradients per step, and the
     adapter factors after ``SAVED_AT`` steps."""
     from lightning_merak.testing import snapshot_gradients
 
-    module = FixedOptimizerModule(_model(), optimizer=optimizer)
+    module = FixedOptimizerModule(_model(int4), optimizer=optimizer)
     opt = module.configure_optimizers()
     losses, grads, saved = [], [], {}
     for step, batch in enumerate(_batches()):
@@ -90,14 +101,15 @@ def _experts_of(module: torch.nn.Module) -> dict[str, tuple[int, int, int]]:
 
 
 def _train_rank(rank: int, world_size: int, layout: dict[str, int] | None, ep_size: int | None, optimizer: str,
-                first: int, last: int, save_to: str | None, resume_from: str | None) -> dict[str, Any]:
+                first: int, last: int, save_to: str | None, resume_from: str | None,
+                int4: bool = False) -> dict[str, Any]:
     """One rank's run over global batches ``first..last`` (resumed from ``resume_from``, saved to ``save_to``).
-    ``layout=None``: Lightning's DDP instead of merak3d."""
+    ``layout=None``: Lightning's DDP instead of merak3d. ``int4``: QA-HiRA over INT4 experts."""
     from lightning_merak.callbacks.moe.experts import ExpertParallelCallback
     from lightning_merak.checkpoint.checkpoint_io import SafeCheckpointIO
     from lightning_merak.strategies.merak3d import Merak3DStrategy
 
-    module = FixedOptimizerModule(_model(), optimizer=optimizer)
+    module = FixedOptimizerModule(_model(int4), optimizer=optimizer)
     recorder = _Recorder(gradients=resume_from is None and save_to is None)
     strategy = "ddp" if layout is None else Merak3DStrategy(**{"tensor_parallel": 1, **layout}, micro_batches=2,
                                                             partition="uniform", timeout_s=120)
@@ -149,6 +161,18 @@ def test_pp2_dp2_expert_adapters_equal_one_process() -> None:
                 assert error <= 1e-5 + 1e-4 * want.abs().max().item(), f"rank {rank} step {step} {name}: {error:.3g}"
                 seen.add(name)
     assert seen == set(grads[0]), f"no rank reported {sorted(set(grads[0]) - seen)}"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", [{"pipeline_parallel": 1, "data_parallel": 2}, None], ids=["merak3d-dp2", "ddp"])
+def test_int4_experts_at_ep2_train_as_one_process(layout: dict[str, int] | None) -> None:
+    """QA-HiRA over INT4 experts, ep=2 over two data-parallel ranks: each rank keeps its own experts' scales and
+    zero-points (rank 0's, broadcast at setup, dequantized rank 1's codes wrong), three SGD steps' losses equal."""
+    results = run_distributed(_train_rank, 2, args=(layout, None, "sgd", 0, 3, None, None, True), timeout_s=100)
+    losses = _reference("sgd", int4=True)[0]
+    for rank, result in enumerate(results):
+        assert result["losses"] == pytest.approx(losses[:3], rel=1e-5), rank
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ import threading
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.distributed import turns
 from lightning_merak.distributed.sub_batches import SubBatchForward, run_sub_batches
@@ -15,7 +17,7 @@ from lightning_merak.parallel.layout import check_overlap
 from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.strategies.merak3d.block_splits import tensor_parallel_plan
 from lightning_merak.testing import assert_traces_match, merge_rank_traces, run_distributed
-from tests.test_merak3d import _reference, _train_rank
+from tests.test_merak3d import _module, _reference, _train_rank
 from tests.test_sequence_parallel import _step
 
 VOCAB, SEQ = 96, 16
@@ -139,6 +141,32 @@ def test_each_sub_batch_draws_its_own_random_stream_and_the_callers_is_left_as_i
     torch.testing.assert_close(torch.rand(4), after_region)
 
 
+def test_evaluation_runs_the_whole_batch_whatever_its_size():
+    """No backward to overlap in eval mode: a batch that does not split into the sub-batches still runs."""
+    model = _stack().eval()
+    inputs = torch.randn(5, 5, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(SubBatchForward(model, 2)(inputs), model(inputs), rtol=0, atol=0)
+
+
+def test_a_checkpointed_region_recomputes_the_dropout_masks_of_its_forward():
+    """Reentrant checkpointing runs the region without gradients, then again with them: both runs split alike."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8))
+    region = SubBatchForward(model, 2)
+    inputs = torch.randn(4, 8, requires_grad=True)  # a reentrant checkpoint's output needs one
+
+    def gradients(checkpointed: bool) -> list[torch.Tensor]:
+        model.zero_grad()
+        torch.manual_seed(5)
+        output = (checkpoint(region, inputs, use_reentrant=True) if checkpointed
+                  else region(inputs))
+        output.square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    for checkpointed, stored in zip(gradients(True), gradients(False)):
+        torch.testing.assert_close(checkpointed, stored, rtol=1e-6, atol=1e-7)
+
+
 def test_whole_batch_work_at_a_meeting_draws_from_the_callers_stream():
     def noise_of_the_whole_batch(x: torch.Tensor) -> torch.Tensor:
         noise = meet_in_turn("noise", x, lambda parts: torch.rand(sum(len(p) for p in parts)).split(
@@ -202,6 +230,32 @@ def test_merak3d_with_overlap_matches_single_process(layout):
     world_size = layout["data_parallel"] * layout["pipeline_parallel"] * layout["tensor_parallel"]
     results = run_distributed(_train_rank, world_size, args=(model_name, layout), timeout_s=600)
     assert_traces_match(_reference(model_name), merge_rank_traces(results), loss_rtol=1e-5, grad_rtol=1e-4)
+
+
+def _evaluating_rank(rank: int, world_size: int, samples: torch.Tensor) -> dict:
+    import lightning.pytorch as pl
+
+    strategy = Merak3DStrategy(tensor_parallel=2, tp_overlap=2, timeout_s=120)
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+    module = _module("llama")
+    loader = DataLoader(TensorDataset(samples), batch_size=4)
+    val_loss = trainer.validate(module, dataloaders=loader, verbose=False)[0]["val/loss"]
+    return {"val_loss": val_loss, "logits": torch.cat(trainer.predict(module, dataloaders=loader))}
+
+
+@pytest.mark.distributed
+def test_overlapped_evaluation_of_a_batch_that_does_not_split_equals_a_single_process():
+    """Validation and prediction run unsplit: a last batch of 3 samples is no error at tp_overlap=2."""
+    samples = torch.randint(VOCAB, (7, SEQ), generator=torch.Generator().manual_seed(5))
+    module = _module("llama").eval()
+    with torch.no_grad():
+        batches = samples.split(4)
+        expected_loss = sum(module.compute_loss((batch,)).item() * len(batch) for batch in batches) / len(samples)
+        expected_logits = torch.cat([module(batch) for batch in batches])
+    for result in run_distributed(_evaluating_rank, 2, args=(samples,), timeout_s=300):
+        assert result["val_loss"] == pytest.approx(expected_loss, rel=1e-5)
+        _assert_relative(result["logits"], expected_logits, tolerance=1e-5, name="logits")
 
 
 def _planned_rank(rank: int, world_size: int, log_dir: str) -> dict:

@@ -342,13 +342,13 @@ def test_candidate_layouts_follow_the_enumeration_rules():
         assert layout.pp <= 3
         assert samples * layout.dp * layout.micro_batches == search.global_batch_size
         assert samples % layout.overlap == 0
-        if layout.pp == 1:
-            assert layout.micro_batches == 1 and layout.recompute_ratio in (0.0, 1.0)
-        else:
-            assert layout.micro_batches >= layout.pp and layout.micro_batches in search.micro_batch_choices
+        assert layout.micro_batches >= layout.pp and layout.micro_batches in search.micro_batch_choices
+        if layout.pp == 1:  # one stage runs the counts it is given too: what the run takes (None: one)
+            assert layout.recompute_ratio in (0.0, 1.0)
         if layout.tp == 1:
             assert layout.overlap == 1
     assert {layout.pp for layout in layouts} == {1, 2}
+    assert {layout.micro_batches for layout in layouts if layout.pp == 1} == {1, 2, 4, 8}
     assert {layout.overlap for layout in layouts if layout.tp > 1} == {1, 2, 4}
     assert Layout(1, 2, 4, 4, 2, 0.5) in layouts
     assert Layout(1, 2, 4, 3, 1, 0.5) not in layouts

@@ -32,7 +32,8 @@ class _Losses(pl.Callback):
 
 
 def checkpointing_trainer(max_steps: int, strategy: Any, devices: int, checkpoint_dir: str | None,
-                          checkpoint_every: int | None, plugins: tuple[Any, ...] = ()) -> tuple[pl.Trainer, _Losses]:
+                          checkpoint_every: int | None, plugins: tuple[Any, ...] = (),
+                          limit_train_batches: int | float = 1.0) -> tuple[pl.Trainer, _Losses]:
     """A quiet CPU trainer that records each step's loss and, with ``checkpoint_every``, keeps every checkpoint."""
     losses = _Losses()
     callbacks: list[pl.Callback] = [losses]
@@ -42,7 +43,7 @@ def checkpointing_trainer(max_steps: int, strategy: Any, devices: int, checkpoin
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
                          enable_checkpointing=checkpoint_every is not None, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                         callbacks=callbacks, plugins=list(plugins))
+                         callbacks=callbacks, plugins=list(plugins), limit_train_batches=limit_train_batches)
     return trainer, losses
 
 

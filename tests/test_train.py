@@ -69,6 +69,10 @@ def _refusal(overrides: list[str], run_dir, monkeypatch, capsys) -> str:
           "strategy.micro_batching=dynamic", "data.lengths=variable"],
          "output_router_logits=True with micro_batching='dynamic'"),
         (["strategy.pipeline_parallel=3", "trainer.devices=3"], "batch size 16 is not divisible by micro_batches=6"),
+        (["strategy.data_parallel=1", "strategy.tensor_parallel=auto", "model.config.hidden_size=48",
+          "model.config.num_attention_heads=6", "model.config.num_key_value_heads=3",
+          "model.config.intermediate_size=64"],
+         "tensor_parallel=2 is left out (tensor_parallel=2 neither divides nor is a multiple of the 3 key/value heads"),
     ],
 )
 def test_bad_input_fails_before_training(overrides, message, tmp_path, monkeypatch, capsys):

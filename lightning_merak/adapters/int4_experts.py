@@ -36,7 +36,8 @@ class Int4ExpertTensor(nn.Module):
     """Parametrization dequantizing packed INT4 codes ``[E, out, in/2]`` to the expert tensor the module reads.
 
     Holds the scales and float zero-points ``[E, out, in/G]``; ``transposed`` returns ``[E, in, out]`` for experts
-    modules that store their weights that way.
+    modules that store their weights that way. Once cut to this rank's experts (:meth:`keep_experts`) its buffers are
+    this rank's, as the codes are (``allreduce = False``), so no data-parallel broadcast may overwrite them.
     """
 
     def __init__(self, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, transposed: bool,
@@ -47,6 +48,9 @@ class Int4ExpertTensor(nn.Module):
         self.group_size = group_size
         self.transposed = transposed
         self.dtype = dtype
+        self.holds_local_experts = False
+        """Whether the buffers hold this rank's experts only (:meth:`keep_experts`): not replicated over data
+        parallelism (:func:`lightning_merak.util.buffers.replicated_buffers` leaves them out)."""
 
     @property
     def num_experts(self) -> int:
@@ -66,6 +70,7 @@ class Int4ExpertTensor(nn.Module):
 
     def keep_experts(self, experts: range) -> None:
         """Keep the scales and zero-points of ``experts`` only (expert parallelism keeps this rank's experts)."""
+        self.holds_local_experts = True
         self.scales = self.scales[experts.start:experts.stop].clone()
         self.zeros = self.zeros[experts.start:experts.stop].clone()
 

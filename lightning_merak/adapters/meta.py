@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from peft.tuners.lora import LoraLayer
+from peft.tuners.lora import LoraLayer, LoraModel
 from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import resolve_quantization_backend
 from torch import nn
 
 from .base import PooledAdapterLayer, check_target_layer
@@ -220,7 +221,7 @@ class DeferredQuantization:
             replace_submodule(part, name, self.quantize_linear(linear))
         for _, split in shards:
             split.quantize_shard(self.quantize_linear)
-        _rebind_adapters(part)
+        _rebind_adapters(part, {name for name, _ in targets})
         base = part.get_base_model() if hasattr(part, "get_base_model") else part
         if self.quantization in ("nf4", "fp4", "int8"):
             setattr(base, "is_loaded_in_8bit" if self.quantization == "int8" else "is_loaded_in_4bit", True)
@@ -242,20 +243,18 @@ def _skipped(name: str, skip: tuple[str, ...]) -> bool:
     return name.removesuffix(".base_layer").split(".")[-1] in skip
 
 
-def _rebind_adapters(part: nn.Module) -> None:
+def _rebind_adapters(part: nn.Module, quantized: set[str]) -> None:
     """After their bases were quantised: pooled layers pick the quantised backend (and recheck INT4 alignment);
-    a LoRA layer is replaced by PEFT's class for that base (as ``get_peft_model`` on a quantised model picks),
-    keeping its adapter weights."""
-    from peft.tuners.lora import LoraModel
-    from peft.utils import resolve_quantization_backend
-
+    a LoRA layer whose base is among the ``quantized`` names is replaced by PEFT's class for that base (as
+    ``get_peft_model`` on a quantised model picks), keeping all its adapter weights and settings. LoRA layers on
+    bases left as they were (an embedding, a skipped head) keep the class PEFT gave them, and their weights."""
     for name, layer in list(part.named_modules()):
         if isinstance(layer, PooledAdapterLayer):
             layer.quantization_backend = resolve_quantization_backend(layer.get_base_layer())
             for adapter in layer.lambda_in:
                 check_target_layer(layer.method_name, layer.layer_name, layer, layer.lambda_in[adapter],
                                    layer.lambda_out[adapter], layer.requires_group_alignment)
-        elif isinstance(layer, LoraLayer) and type(layer.get_base_layer()) is not nn.Linear:
+        elif isinstance(layer, LoraLayer) and f"{name}.base_layer" in quantized:
             adapter = layer.active_adapters[0]
             config = _peft_config_of(part, adapter)
             base = layer.get_base_layer()
@@ -263,8 +262,8 @@ def _rebind_adapters(part: nn.Module) -> None:
             replacement = LoraModel._create_new_module(
                 config, adapter, base, r=layer.r[adapter], lora_alpha=layer.lora_alpha[adapter],
                 loaded_in_4bit=kind == "Linear4bit", loaded_in_8bit=kind == "Linear8bitLt")
-            for container in ("lora_A", "lora_B", "lora_dropout"):
-                setattr(replacement, container, getattr(layer, container))
+            for attribute in (*layer.adapter_layer_names, *layer.other_param_names):
+                setattr(replacement, attribute, getattr(layer, attribute))
             replace_submodule(part, name, replacement)
 
 

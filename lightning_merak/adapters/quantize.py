@@ -162,15 +162,19 @@ def shard_quantization_problem(quantization: str, name: str, in_features: int, o
     """Why quantising each tensor-parallel shard of ``name`` would not give the whole model's quantisation, or None.
 
     A shard's dequantised weight equals its slice of the whole model's where every quantisation block of the whole
-    lies inside one shard: INT4 groups are ``group_size`` inputs of one row, so a row layer's shard width
-    ``in / tp`` must be a multiple of the group; bitsandbytes 4-bit blocks are 64 consecutive weights of the
-    row-major weight, so a column layer's shard (``out / tp`` whole rows, contiguous: ``contiguous``) must hold a
-    multiple of 64 weights (reordered rows: whole blocks per row, ``in % 64``) and a row layer's ``in / tp`` must be a
-    multiple of 64. LLM.int8 scales whole rows: a column shard holds whole rows, a row shard takes the whole row's
-    absmax from the group (:func:`quantized_shard`), so int8 always splits exactly. bitsandbytes' double quantisation
-    rounds the absmax themselves in blocks of 256 around one offset (their mean) per weight tensor; a row shard's
-    absmax are strided through those blocks, and every shard's mean is its own, so it is refused at any role
-    (measured: per-shard nested statistics move weights by up to 2x the nested rounding, adapter gradients by 8%).
+    lies inside one shard and is read back alike. INT4 groups are ``group_size`` inputs of one row, so a row layer's
+    shard width ``in / tp`` must be a multiple of the group. bitsandbytes 4-bit blocks are 64 consecutive weights of
+    the row-major weight, but its CPU kernel (0.50) dequantises weight ``(i, j)`` with absmax
+    ``i * (in // 64) + j // 64`` (``in`` a multiple of 16): its own block's only where every row is whole blocks.
+    Elsewhere a column shard, its rows numbered from 0, reads other absmax for them than the whole layer does (every
+    rank but the first), however its rows were chosen. So a column shard needs ``in`` a multiple of 64, a row shard
+    ``in / tp`` (tests/test_adapters_tp_quantized.py). ``contiguous`` (this rank holds its part of the rows in order)
+    only words the message. LLM.int8 scales whole rows: a column shard holds whole rows, a row shard takes the whole
+    row's absmax from the group (:func:`quantized_shard`), so int8 always splits exactly. bitsandbytes' double
+    quantisation rounds the absmax themselves in blocks of 256 around one offset (their mean) per weight tensor; a
+    row shard's absmax are strided through those blocks, and every shard's mean is its own, so it is refused at any
+    role (measured: per-shard nested statistics move weights by up to 2x the nested rounding, adapter gradients by
+    8%).
     """
     if quantization in ("none", "int8") or tensor_parallel <= 1:
         return None
@@ -188,22 +192,15 @@ def shard_quantization_problem(quantization: str, name: str, in_features: int, o
         problem = (f"tensor_parallel={tensor_parallel} splits {name}'s {in_features} input columns into {width}, "
                    f"not a multiple of {what}")
         fits = [d for d in range(1, tensor_parallel) if in_features % d == 0 and (in_features // d) % block == 0]
-    elif quantization == "int4":
+    elif quantization == "int4" or in_features % block == 0:
         return None
-    elif contiguous:
-        weights = out_features // tensor_parallel * in_features
-        if weights % block == 0:
-            return None
-        problem = (f"tensor_parallel={tensor_parallel} splits {name}'s {out_features} output rows of {in_features} "
-                   f"weights into shards of {weights} weights, not a multiple of {what}")
-        fits = [d for d in range(1, tensor_parallel)
-                if out_features % d == 0 and (out_features // d * in_features) % block == 0]
     else:
-        if in_features % block == 0:
-            return None
-        problem = (f"tensor_parallel={tensor_parallel} gives each rank reordered rows of {name} (fused projections or "
-                   f"shared key/value heads), whose {in_features} inputs are not a multiple of {what}")
-        fits = [1]
+        rows = (f"splits {name} by its output rows" if contiguous else
+                f"gives each rank reordered rows of {name} (fused projections or shared key/value heads)")
+        problem = (f"tensor_parallel={tensor_parallel} {rows}, whose {in_features} inputs are not a multiple of "
+                   f"{what}: a block runs on into the next row, and bitsandbytes dequantises a row's blocks by the "
+                   "row's index in its shard")
+        fits = []
     fix = f"use tensor_parallel={max(fits)}" if fits else "use tensor_parallel=1"
     if quantization == "int4":
         fix += " or a smaller group_size"

@@ -8,12 +8,12 @@ consecutive weights of its shard's row-major weight (a packed byte: two; a bitsa
 INT4 scale: a group; an LLM.int8 scale: a row). Joining them is a matter of where those runs lie in the whole
 weight's row-major order:
 
-- output rows in rank order (a column layer split contiguously): the shards' flattened tensors, concatenated;
+- output rows (a column layer): every row is whole entries (``in`` a multiple of the block), so each shard's
+  ``(rows, entries per row)`` view is put at the rows it holds: its contiguous part in rank order, or the original
+  rows of a fused projection split by units or of shared key/value heads;
 - input columns (a row layer): each whole row is the shards' pieces of it side by side, so every tensor is viewed as
   ``(rows, entries per row)`` and concatenated along the row (a block never crosses a shard's row: the shard width
-  is a multiple of the block); the int8 row scale is the whole row's on every shard;
-- reordered rows (a fused projection split by units, or shared key/value heads): each shard's ``(rows, entries per
-  row)`` view is put at its original rows (every row whole blocks: ``in % 64``).
+  is a multiple of the block); the int8 row scale is the whole row's on every shard.
 
 bitsandbytes' packed quantisation state (its shape) is rewritten for the whole layer.
 
@@ -32,15 +32,20 @@ import torch
 __all__ = ["cut_quantized_whole", "join_quantized_shards"]
 
 
+def _column_rows(split: Mapping[str, Any]) -> list[list[int]]:
+    """The whole layer's rows each rank of a column split holds: the recorded ones, else its contiguous part."""
+    if split["rows"] is not None:
+        return split["rows"]
+    share = split["shape"][0] // split["degree"]
+    return [list(range(rank * share, (rank + 1) * share)) for rank in range(split["degree"])]
+
+
 def _shard_shapes(split: Mapping[str, Any]) -> list[tuple[int, int]]:
     """Each rank's ``(rows, columns)`` of the whole ``split["shape"]`` weight."""
     out_features, in_features = split["shape"]
-    degree = split["degree"]
     if split["dim"] == 1:
-        return [(out_features, in_features // degree)] * degree
-    if split["rows"] is not None:
-        return [(len(rows), in_features) for rows in split["rows"]]
-    return [(out_features // degree, in_features)] * degree
+        return [(out_features, in_features // split["degree"])] * split["degree"]
+    return [(len(rows), in_features) for rows in _column_rows(split)]
 
 
 def _join(name: str, parts: Sequence[torch.Tensor], split: Mapping[str, Any], rowwise: bool) -> torch.Tensor:
@@ -48,17 +53,15 @@ def _join(name: str, parts: Sequence[torch.Tensor], split: Mapping[str, Any], ro
     out_features, in_features = split["shape"]
     shapes = _shard_shapes(split)
     per = shapes[0][0] * shapes[0][1] // parts[0].numel()  # weights an entry stands for
-    whole_shape = (out_features, in_features // per) if rowwise else (-1, *parts[0].shape[1:])
-    if split["dim"] == 0 and split["rows"] is None:
-        return torch.cat([part.reshape(-1) for part in parts]).reshape(whole_shape)
     if any(columns % per for _, columns in shapes):
         raise ValueError(f"{name}: an entry stands for {per} weights, which straddle the shards' rows of "
                          f"{shapes[0][1]}; resume at the tensor_parallel that wrote the checkpoint")
+    whole_shape = (out_features, in_features // per) if rowwise else (-1, *parts[0].shape[1:])
     views = [part.reshape(rows, columns // per) for part, (rows, columns) in zip(parts, shapes)]
     if split["dim"] == 1:
         return torch.cat(views, 1).reshape(whole_shape)
     whole = torch.empty(out_features, in_features // per, dtype=parts[0].dtype)
-    for rows, view in zip(split["rows"], views):  # a row several ranks hold is the same on each
+    for rows, view in zip(_column_rows(split), views):  # a row several ranks hold is the same on each
         whole[torch.tensor(rows)] = view
     return whole.reshape(whole_shape)
 
@@ -110,18 +113,14 @@ def _cut(name: str, whole: torch.Tensor, split: Mapping[str, Any], rank: int, ro
     out_features, in_features = split["shape"]
     rows, columns = _shard_shapes(split)[rank]
     per = out_features * in_features // whole.numel()  # weights an entry stands for
-    shape = (rows, columns // per) if rowwise else (-1, *whole.shape[1:])
-    contiguous = split["dim"] == 0 and split["rows"] is None
-    if (rows * columns if contiguous else columns) % per:
+    if columns % per:
         raise ValueError(f"{name}: the checkpoint holds an entry per {per} weights, which straddle this run's shards "
                          f"of {rows}x{columns}; resume with the quantization and group_size of the run that wrote it")
-    if contiguous:
-        size = rows * columns // per
-        return whole.reshape(-1)[rank * size:(rank + 1) * size].reshape(shape).clone()
+    shape = (rows, columns // per) if rowwise else (-1, *whole.shape[1:])
     view = whole.reshape(out_features, in_features // per)
     if split["dim"] == 1:
         return view[:, rank * columns // per:(rank + 1) * columns // per].reshape(shape).clone()
-    return view[torch.tensor(split["rows"][rank])].reshape(shape)
+    return view[torch.tensor(_column_rows(split)[rank])].reshape(shape)
 
 
 def cut_quantized_whole(kind: str, split: Mapping[str, Any], rank: int,

@@ -15,9 +15,9 @@ from omegaconf.errors import MissingMandatoryValue
 from lightning_merak.cli.overrides import ConfigError
 from lightning_merak.modules.config import DataConfig, Schedule
 
-__all__ = ["DATAMODULE_MEMBERS", "MODULE_MEMBERS", "batch_shape", "check_callbacks_take", "check_context_calibration",
-           "check_node_launch", "check_schedule_end", "config_object", "fixed_sequence_length",
-           "longest_sample_setting"]
+__all__ = ["DATAMODULE_MEMBERS", "HF_DATASET_TARGETS", "MODULE_MEMBERS", "batch_shape", "check_callbacks_take",
+           "check_context_calibration", "check_node_launch", "check_schedule_end", "check_streaming_loop",
+           "config_object", "fixed_sequence_length", "longest_sample_setting"]
 
 MODULE_MEMBERS = ("training_step", "configure_optimizers")
 """What a ``module._target_`` LightningModule must define for Lightning to train it."""
@@ -107,6 +107,27 @@ def check_schedule_end(config: Any) -> None:
     if endless and not config.module and optim.total_steps is None and optim.lr_schedule is not Schedule.constant:
         raise ConfigError(f"optim.lr_schedule={optim.lr_schedule.value} decays until the run's last step, but the "
                           "Trainer has no end: give it max_steps or max_epochs, or use optim.lr_schedule=constant")
+
+
+HF_DATASET_TARGETS = ("lightning_merak.modules.hf_data.HFDatasetData", "lightning_merak.modules.HFDatasetData")
+"""The ``data._target_`` values of ``data=hf_dataset``'s datamodule."""
+
+
+def check_streaming_loop(config: Any) -> None:
+    """Refuse Trainer loop settings a streamed ``data=hf_dataset`` corpus (``data.streaming=true``) would train wrongly
+    with: no ``max_steps``, ``limit_train_batches``, or validation with a null ``val_check_interval`` (a stream's epoch
+    never ends). Each rank's ``setup`` refuses them too, found there only once the ranks run."""
+    values = config.data if hasattr(config.data, "get") else getattr(config.data, "__dict__", {})
+    if values.get("_target_") not in HF_DATASET_TARGETS or values.get("streaming") is not True:
+        return
+    from lightning_merak.modules.hf_data import streaming_loop_problem  # lazy: torch, datasets
+
+    trainer = config.trainer
+    problem = streaming_loop_problem(trainer.max_steps, trainer.val_check_interval,
+                                     trainer.kwargs.get("limit_train_batches"), trainer.limit_val_batches != 0,
+                                     trainer.kwargs.get("fast_dev_run", False))
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def fixed_sequence_length(data: Any) -> Optional[int]:

@@ -46,6 +46,7 @@ from lightning_merak.cli.checks import (
     check_context_calibration,
     check_node_launch,
     check_schedule_end,
+    check_streaming_loop,
     config_object,
     fixed_sequence_length,
     longest_sample_setting,
@@ -384,6 +385,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
     trainer_kwargs = _trainer_kwargs(config.trainer)
     _check_merak3d_options(config, strategy, world_size)
     check_schedule_end(config)
+    check_streaming_loop(config)
     if hasattr(config.moe, "check_layout"):  # before the model is built: the experts' layout refusals
         config.moe.check_layout(strategy, world_size)
     pl.seed_everything(config.trainer.seed, workers=True, verbose=False)
@@ -490,10 +492,9 @@ def fit(run: PreparedRun, prelaunched: PrelaunchedRanks | None = None) -> Path:
         sys.exit(2)
     if getattr(strategy, "plan_only", False):
         if trainer.is_global_zero:
-            print(
-                "merak-train: plan only, nothing trained. Planned layout: "
-                f"{strategy.layout_plan.best.layout.describe() if strategy.layout_plan else strategy.layout}"
-            )
+            choice = strategy.layout_choice  # the layout adopted at the fixed degrees, not the unfiltered best
+            planned = choice.layout.describe() if choice else strategy.layout.describe(strategy.sequence_parallel)
+            print(f"merak-train: plan only, nothing trained. Planned layout: {planned}")
         leave_process_groups()
         if prelaunched is not None:
             prelaunched.finish()

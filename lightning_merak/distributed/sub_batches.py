@@ -232,8 +232,13 @@ def run_sub_batches(
 
 
 class SubBatchForward:
-    """A module's ``forward`` run as overlapped sub-batches;
+    """A module's ``forward`` run as overlapped sub-batches while the module trains;
     install with ``module.forward = SubBatchForward(module, k)``.
+
+    In eval mode (validation, prediction) the forward runs on the whole batch: there is no backward to overlap,
+    and an evaluation batch of any size works. The mode, not whether autograd records, decides, so a region that
+    checkpointing runs first without gradients and again with them splits the same way both times (the same
+    dropout masks).
     """
 
     def __init__(self, module: torch.nn.Module, parts: int) -> None:
@@ -245,5 +250,7 @@ class SubBatchForward:
     def run(self, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``forward`` (a function around the module's own, :attr:`forward`) run as this region's sub-batches, for
         a caller that needs what happens inside each sub-batch returned as one of its outputs."""
+        if not self.module.training:
+            return forward(*args, **kwargs)
         parameters = [p for p in self.module.parameters() if p.requires_grad]
         return run_sub_batches(forward, self.parts, args, kwargs, parameters)

@@ -8,11 +8,12 @@ visibly from ``ln(vocab_size)`` towards a known floor. Nothing is downloaded.
 User data is a ``.txt`` file (one document) or a ``.jsonl`` file (one JSON object per
 line, text under ``text_field``), tokenized with a tokenizer loaded from local files or,
 without one, with a byte-level tokenizer (256 byte values plus an end-of-text token). A file that is missing, not
-UTF-8 or not JSON lines is refused in the constructor, naming the file, the line and the fix; where the token counts
-are known without tokenising (the byte-level tokenizer, or token ids in the file), so are too few blocks or
-documents for the run, before ``merak-train`` launches any rank. With a tokenizer those checks wait for ``setup``:
-the launcher would otherwise tokenise the whole corpus once more. Generated sequences too few for a batch on each
-data-parallel rank are refused by :meth:`LanguageModelingData.check_before_launch`, which ``merak-train`` calls.
+UTF-8, not JSON lines or holding token ids outside the tokenizer's vocabulary is refused in the constructor, naming the
+file, the line and the fix; where the token counts are known without tokenising (the byte-level tokenizer, or token
+ids in the file), so are too few blocks or documents for the run, before ``merak-train`` launches any rank. With a
+tokenizer those checks wait for ``setup``: the launcher would otherwise tokenise the whole corpus once more.
+Generated sequences too few for a batch on each data-parallel rank are refused by
+:meth:`LanguageModelingData.check_before_launch`, which ``merak-train`` calls.
 
 :class:`TokenDataModule` and the functions that cut documents into blocks or samples are shared with
 :class:`~lightning_merak.modules.hf_data.HFDatasetData`, so every source is split and resumed the same way.
@@ -32,7 +33,12 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_merak.modules.config import DataConfig, DataError
 from lightning_merak.modules.resumable import ResumableDataLoader
-from lightning_merak.modules.text_files import DataFileNotFound, MissingTextField, load_text_documents
+from lightning_merak.modules.text_files import (
+    DataFileNotFound,
+    MissingTextField,
+    checked_token_ids,
+    load_text_documents,
+)
 from lightning_merak.parallel.micro_batching.samples import (
     check_consumer,
     global_batch_loader,
@@ -49,6 +55,7 @@ __all__ = [
     "SyntheticLanguage",
     "SyntheticSequences",
     "TokenDataModule",
+    "checked_token_ids",
     "check_training_batches",
     "document_tokens",
     "load_text_documents",
@@ -165,7 +172,8 @@ class ByteTokenizer:
 
 
 def load_tokenizer(tokenizer_path: Optional[str]) -> tuple[Callable[[str], list[int]], int, Optional[int]]:
-    """Return ``(encode, vocab_size, eos_token_id)`` for a local tokenizer or the byte fallback."""
+    """Return ``(encode, vocab_size, eos_token_id)`` for a local tokenizer or the byte fallback; a tokenizer without an
+    end-of-text token is said, not refused (its documents run together; a pre-tokenised corpus needs none)."""
     if tokenizer_path is None:
         byte_tokenizer = ByteTokenizer()
         return byte_tokenizer.encode, byte_tokenizer.vocab_size, byte_tokenizer.eos_token_id
@@ -184,6 +192,13 @@ def load_tokenizer(tokenizer_path: Optional[str]) -> tuple[Callable[[str], list[
         raise DataError(f"data.tokenizer_path={tokenizer_path!r} holds no tokenizer transformers can load ({error}); "
                         "point it at a save_pretrained tokenizer folder, or leave it unset to use the byte-level "
                         "tokenizer") from error
+
+    if tokenizer.eos_token_id is None:
+        rank_zero_warn(f"data.tokenizer_path={tokenizer_path!r} has no end-of-text token (eos_token), so text "
+                       "documents are put back to back with no id between them, as transformers' run_clm example "
+                       "packs them; to end each with an end-of-text id, give the tokenizer an eos_token "
+                       "(tokenizer_config.json's \"eos_token\", or tokenizer.add_special_tokens({'eos_token': ...}) "
+                       "and save_pretrained)")
 
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -345,13 +360,21 @@ class TokenDataModule(pl.LightningDataModule):
                                    num_workers=self.num_workers if num_workers is None else num_workers,
                                    **self._resume_arguments(), **kwargs)
 
+    def _batches_per_pass(self) -> Optional[int]:
+        """Batches the fit loop trains an epoch, ``trainer.limit_train_batches`` applied (an int or a fraction of the
+        loader); None outside a fit or before the loader is counted (Lightning holds infinity then)."""
+        batches = None if self.trainer is None else self.trainer.num_training_batches
+        return int(batches) if batches is not None and math.isfinite(batches) else None
+
     def _resume_arguments(self) -> dict[str, Any]:
         return {"epoch": self._epoch, "trained_batches": self._trained_batches, "shuffle_seed": self.seed,
-                "closes_finished_epoch": self.align_loops_after_finished_pass}
+                "next_pass_epoch": self.align_loops_after_finished_pass,
+                "batches_per_pass": self._batches_per_pass}
 
-    def align_loops_after_finished_pass(self) -> bool:
-        """Make the fit loop agree with a restored loader whose pass is finished; True where the loop first closes
-        that pass's epoch (the loader then yields nothing for it), False where it begins the next epoch.
+    def align_loops_after_finished_pass(self) -> Optional[int]:
+        """Make the fit loop agree with a restored loader whose pass is finished, and give the epoch in which it begins
+        the next pass; None where the loop first closes the finished pass's epoch (the loader then yields nothing
+        for it). Asked by the loader only under a fit.
 
         Under ``max_steps`` Lightning 2.x restarts the epoch loop with the finished epoch's batch counters (so that an
         epoch ``max_steps`` cut short continues). A checkpoint written between epochs (``Trainer.save_checkpoint``
@@ -359,15 +382,17 @@ class TokenDataModule(pl.LightningDataModule):
         next pass's first batch as the closed epoch's last, or train none, and begin the pass after: here the next
         epoch begins afresh instead, as Lightning does without ``max_steps``. A checkpoint of the epoch's end
         (``on_train_epoch_end``) has it close the epoch again before the next; one of the last batch's end has it
-        begin the next epoch itself.
+        begin the next epoch itself, but only once the loader is open: the next pass's epoch is not yet the
+        trainer's ``current_epoch`` then.
         """
-        fit_loop = None if self.trainer is None else self.trainer.fit_loop
-        if fit_loop is None:
-            return False
+        assert self.trainer is not None, "asked only under a fit"
+        fit_loop = self.trainer.fit_loop
         epochs = fit_loop.epoch_progress.current
+        if epochs.processed > epochs.completed:
+            return None
         if epochs.ready == epochs.started == epochs.processed == epochs.completed:
             fit_loop.epoch_loop.restarting = False  # its reset() then starts the batch counters at 0
-        return epochs.processed > epochs.completed
+        return epochs.started  # the epochs begun, the finished pass's the last: the next pass's epoch index
 
     def describe_training_split(self, train_count: int, held_out: int) -> tuple[str, str]:
         """``(what the training set is, how to enlarge it)``: the terms of :func:`check_training_batches`."""
@@ -439,8 +464,8 @@ class LanguageModelingData(TokenDataModule):
         else:
             if config.path is None:
                 raise ValueError("data=text needs data.path=/path/to/file.txt or .jsonl")
-            self._documents = load_text_documents(config.path, config.text_field)
             self._encode, self.vocab_size, self._eos = load_tokenizer(config.tokenizer_path)
+            self._documents = load_text_documents(config.path, config.text_field, self.vocab_size)
             token_counts = known_token_counts(self._documents, byte_level=config.tokenizer_path is None)
             if token_counts is not None:  # build_samples' checks, before merak-train launches any rank
                 self._check_token_counts(token_counts)

@@ -9,17 +9,21 @@ Without streaming the whole corpus is tokenised once in ``setup`` and cut exactl
 (the shared :func:`~lightning_merak.modules.data.packed_blocks` and
 :func:`~lightning_merak.modules.data.variable_samples`), so both resume mid-epoch the same way. With
 ``streaming=True`` nothing is materialised: each data-parallel rank reads its own documents
-(``datasets.distributed.split_dataset_by_node``), shuffles them in a buffer and packs blocks as it goes. The
-stream never ends (each pass reshuffled), so every rank can always take another step and the run stops at the
-Trainer's ``max_steps``; a resumed run reads the trained batches again and drops them, as the in-memory loader
-does. A document is held out for validation by a seeded hash of its text, which needs no count of the corpus
-and sends a duplicated document to the same side; every rank validates on all held-out documents.
+(``datasets.distributed.split_dataset_by_node``), each of its loader workers its share of those (the
+corpus's shards dealt to the workers first, :func:`worker_share`), shuffles them in a buffer and packs blocks as it
+goes. The stream never ends (each pass reshuffled), so every rank can always take another step and the run stops at
+the Trainer's ``max_steps``; a resumed run reads the trained batches again and drops them, as the in-memory loader
+does, which needs the checkpoint's count of loader workers (their batches take turns). A document is held out for
+validation by a seeded hash of its text, which needs no count of the corpus and sends a duplicated document to the
+same side; every rank validates on all held-out documents.
 
 Too little text for two blocks, or for a training batch on each rank, is refused in ``setup`` and when the training
 loader is made, not in the constructor: counting the tokens means reading and tokenising the whole corpus, which
 ``merak-train``'s launcher would then do once more before the ranks do. So is a file ``datasets`` cannot parse (bad
 JSON, bytes that are not UTF-8, a damaged parquet file) where it is first read (the constructor reads the first
 records): a :class:`DataError` naming the file, the line where one can be found, and the fix (:class:`Corpus`).
+A text column that holds neither text nor lists of integer token ids is refused in the constructor, token ids
+outside the tokenizer's vocabulary where they are read.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader
 from torch.utils.data import IterableDataset as TorchIterableDataset
@@ -41,7 +46,9 @@ from torch.utils.data import IterableDataset as TorchIterableDataset
 from lightning_merak.modules.config import DataError
 from lightning_merak.modules.data import (
     DataFileNotFound,
+    ResumableDataLoader,
     TokenDataModule,
+    checked_token_ids,
     document_tokens,
     load_tokenizer,
     packed_blocks,
@@ -58,7 +65,8 @@ except ImportError as missing:  # an optional dependency: the `data` extra
     raise ImportError("data=hf_dataset reads corpora with Hugging Face datasets, which is not installed: "
                       "pip install 'lightning-merak[data]' (or pip install datasets)") from missing
 
-__all__ = ["FORMATS", "Corpus", "HFDatasetData", "PackedStream", "held_out", "resolve_format"]
+__all__ = ["FORMATS", "Corpus", "HFDatasetData", "PackedStream", "held_out", "resolve_format", "streaming_loop_problem",
+           "text_column_problem", "worker_share"]
 
 SUFFIX_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 FORMATS = ("json", "jsonl", "parquet", "csv", "arrow", "save_to_disk")
@@ -220,6 +228,38 @@ def column_names(documents: datasets.Dataset | datasets.IterableDataset, corpus:
     return [] if first is None else list(first)
 
 
+def _text_or_token_ids(feature: Any) -> bool:
+    """Whether a column of ``feature`` holds documents: strings, or lists of integer token ids."""
+    if isinstance(feature, datasets.Value):
+        return pa.types.is_string(feature.pa_type) or pa.types.is_large_string(feature.pa_type)
+    ids = getattr(feature, "feature", None)  # List, LargeList and Sequence name their items' feature
+    return isinstance(ids, datasets.Value) and pa.types.is_integer(ids.pa_type)
+
+
+def text_column_problem(documents: datasets.Dataset | datasets.IterableDataset, corpus: Corpus) -> Optional[str]:
+    """Why the text column cannot be tokenised, from its type (a reader that infers the columns while reading, as
+    csv's does: from the first record's value); None where it holds text or token ids. Refused before any rank
+    starts: tokenising would otherwise fail after launch, or turn a number or a dict into its text and train on it."""
+    features = documents.features
+    if features is not None and corpus.text_field in features:
+        feature = features[corpus.text_field]
+        if _text_or_token_ids(feature):
+            return None
+        holds = f"{feature} values"
+    else:
+        with corpus.reading():
+            first = next(iter(documents.take(1)), {})
+        value = first.get(corpus.text_field)
+        if value is None or isinstance(value, (str, list)):  # a list's ids are checked as they are read
+            return None
+        holds = f"{type(value).__name__} values such as {value!r}"
+        if corpus.data_format == "csv":
+            holds += " (datasets reads a csv column of numbers alone as numbers)"
+    return (f"{corpus.source}: column {corpus.text_field!r} holds {holds}, neither text (strings) nor token ids "
+            "(lists of integers); set data.text_field to the column of text or token ids, or convert this one to "
+            "text first")
+
+
 def held_out(document: Any, seed: int, val_fraction: float) -> bool:
     """Whether a streamed document belongs to validation: a seeded hash of its text below ``val_fraction``."""
     digest = hashlib.blake2b(f"{seed}\0{document}".encode(), digest_size=8).digest()
@@ -227,7 +267,8 @@ def held_out(document: Any, seed: int, val_fraction: float) -> bool:
 
 
 def _on_side(record: dict[str, Any], text_field: str, seed: int, val_fraction: float, validation: bool) -> bool:
-    return held_out(record[text_field], seed, val_fraction) == validation
+    text = record[text_field]  # a csv's empty cell (null) is the empty text, as in the other formats
+    return held_out("" if text is None else text, seed, val_fraction) == validation
 
 
 def _record_batches(documents: Any, corpus: Corpus) -> Iterator[dict[str, list[Any]]]:
@@ -241,27 +282,79 @@ def _record_batches(documents: Any, corpus: Corpus) -> Iterator[dict[str, list[A
         yield batch
 
 
-def _token_lists(documents: Any, corpus: Corpus, encode: Callable[[str], list[int]],
-                 eos_token_id: Optional[int]) -> Iterator[list[int]]:
-    """Each record's token ids, read in batches of records; empty (null) documents skipped."""
-    for batch in _record_batches(documents, corpus):
-        for document in batch[corpus.text_field]:
-            if document is not None:
+def _token_lists(documents: Any, corpus: Corpus, encode: Callable[[str], list[int]], eos_token_id: Optional[int],
+                 vocab_size: int, numbered: bool = True) -> Iterator[list[int]]:
+    """Each record's token ids, read in batches of records: text encoded and ended by the end-of-text id, a list of
+    ids checked against the ``vocab_size`` of the tokenizer. A null is skipped, except a csv's empty cell, the empty
+    text (a lone end-of-text id, as an empty string is in the other formats). ``numbered``: errors name a record
+    by its place in the split's read order (not in a shuffled stream)."""
+    field = corpus.text_field
+    for start, batch in enumerate(_record_batches(documents, corpus)):
+        for offset, document in enumerate(batch[field]):
+            if document is None and corpus.data_format == "csv":
+                document = ""
+            if isinstance(document, str):
                 yield document_tokens(document, encode, eos_token_id)
+                continue
+            if document is None:
+                continue
+            where = (f"{corpus.source} record {start * READ_BATCH + offset + 1} (column {field!r})" if numbered
+                     else f"{corpus.source}: a streamed record's column {field!r}")
+            if not isinstance(document, list):  # csv types each chunk of rows apart: numbers past the first
+                raise DataError(f"{where} holds {type(document).__name__} {repr(document)[:40]}, neither text nor a "
+                                "list of token ids; set data.text_field to the column of text or token ids, or fix "
+                                "or drop that record")
+            yield checked_token_ids(document, vocab_size, where)
+
+
+def streaming_loop_problem(max_steps: int, val_check_interval: Any, limit_train_batches: Any, validates: bool,
+                           fast_dev_run: Any = False) -> Optional[str]:
+    """Why a Trainer loop of these settings would train a stream (``streaming=True``) wrongly, or None. The stream
+    never ends, so neither does an epoch: what waits for an epoch's end never happens, and an epoch cut short by
+    ``limit_train_batches`` restarts the stream at the head of a fresh pass. Checked by ``merak-train`` before
+    launch (``val_check_interval`` None there is Lightning's once-per-epoch float) and in each rank's ``setup``."""
+    if fast_dev_run:  # one short epoch, its batches bounded
+        return None
+    if max_steps < 0:
+        return ("data.streaming=true reads an endless stream (each pass reshuffled), so an epoch never ends: set the "
+                "Trainer's max_steps (trainer.max_steps) and an integer val_check_interval")
+    if isinstance(limit_train_batches, int) and not isinstance(limit_train_batches, bool):
+        return (f"data.streaming=true with the Trainer's limit_train_batches={limit_train_batches} "
+                "(trainer.limit_train_batches): each epoch would restart the stream at the head of a freshly shuffled "
+                f"pass, so only the first {limit_train_batches} batches of every pass would train; bound the run by "
+                "max_steps (trainer.max_steps) alone, or set data.streaming=false")
+    if validates and not (isinstance(val_check_interval, int) and not isinstance(val_check_interval, bool)):
+        shown = "null" if val_check_interval is None else val_check_interval
+        return (f"data.streaming=true with the Trainer's val_check_interval={shown} (trainer.val_check_interval) "
+                "validates when an epoch ends, and a stream's epoch never ends, so validation would never run: set "
+                "val_check_interval to an integer number of steps (or limit_val_batches=0 not to validate)")
+    return None
+
+
+def worker_share(documents: datasets.IterableDataset) -> datasets.IterableDataset:
+    """The documents this DataLoader worker reads: every ``num_workers``-th shard of the corpus, then the rank's part of
+    those (``split_dataset_by_node`` splits at iteration, below this); all of them outside a worker. ``datasets``'
+    batched reading (``iter(batch_size=...)``) does not split among workers as its ``__iter__`` does, so without this
+    each worker would read, and train, every document of the rank's share. Every rank deals the shards alike."""
+    worker = torch.utils.data.get_worker_info()
+    if worker is None or worker.num_workers == 1:
+        return documents
+    return documents.shard(num_shards=worker.num_workers, index=worker.id, contiguous=False)
 
 
 class PackedStream(TorchIterableDataset):
     """Blocks of ``seq_len`` ids packed from a document stream as it is read, one pass or endlessly.
 
     ``set_epoch`` numbers the first pass; each pass reshuffles the documents (``datasets`` seeds its shuffle
-    with the seed plus the pass), and tokens left over at a pass's end open the next one.
+    with the seed plus the pass), and tokens left over at a pass's end open the next one. Read by DataLoader
+    workers, each packs its own share of the documents. Token ids in the corpus are checked against ``vocab_size``.
     """
 
     def __init__(self, documents: datasets.IterableDataset, corpus: Corpus, encode: Callable[[str], list[int]],
-                 eos_token_id: Optional[int], seq_len: int, endless: bool, shares: int = 1) -> None:
+                 eos_token_id: Optional[int], vocab_size: int, seq_len: int, endless: bool, shares: int = 1) -> None:
         super().__init__()
         self.documents, self.corpus, self.seq_len, self.endless = documents, corpus, seq_len, endless
-        self.encode, self.eos_token_id = encode, eos_token_id
+        self.encode, self.eos_token_id, self.vocab_size = encode, eos_token_id, vocab_size
         self.shares = shares
         """The data-parallel shares the documents are split into (this stream reads one): what a resumed run's
         trained batch count means."""
@@ -272,10 +365,12 @@ class PackedStream(TorchIterableDataset):
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor]]:
         buffer: list[int] = []
+        documents = worker_share(self.documents)
         for pass_number in itertools.count(self.first_pass) if self.endless else (self.first_pass,):
-            self.documents.set_epoch(pass_number)
+            documents.set_epoch(pass_number)
             read_any = False
-            for tokens in _token_lists(self.documents, self.corpus, self.encode, self.eos_token_id):
+            for tokens in _token_lists(documents, self.corpus, self.encode, self.eos_token_id, self.vocab_size,
+                                       numbered=False):
                 read_any = True
                 buffer.extend(tokens)
                 while len(buffer) >= self.seq_len:
@@ -284,6 +379,25 @@ class PackedStream(TorchIterableDataset):
             if self.endless and not read_any:  # an empty share would loop forever without a batch
                 raise DataError(f"{self.corpus.source}: this rank's share of the training documents is empty; use more "
                                  "documents, fewer ranks or data.num_workers, or a smaller data.val_fraction")
+
+
+class _StreamLoader(ResumableDataLoader):
+    """A training stream's loader: its state also holds how many processes read the stream. Each worker packs its
+    own share and their batches take turns, so a trained batch count means other batches at another count: a
+    resume there is refused (a stream's pass never ends, so every resume skips batches)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "readers": max(1, self.num_workers)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        readers, now = state.get("readers", max(1, self.num_workers)), max(1, self.num_workers)  # older: unchecked
+        if readers != now and state["batches"] > 0:
+            raise DataError(f"the checkpoint's run read each rank's stream in {readers} loader worker share(s), this "
+                            f"run reads it in {now} (data.num_workers, at most the share's shards): their batches take "
+                            f"turns, so skipping its {state['batches']} trained batches would skip other documents "
+                            "than it trained. Resume with the checkpoint's data.num_workers, or start a new run from "
+                            "its weights (merak-export, then model.path)")
+        super().load_state_dict(state)
 
 
 class HFDatasetData(TokenDataModule):
@@ -333,6 +447,9 @@ class HFDatasetData(TokenDataModule):
         if text_field not in columns:
             raise ValueError(f"data.path={path!r} has no column {text_field!r} (columns: {', '.join(columns)}); "
                              "set data.text_field to the column holding the text")
+        problem = text_column_problem(self.documents, self.corpus)
+        if problem is not None:
+            raise DataError(problem)
 
     @property
     def source(self) -> str:
@@ -345,7 +462,7 @@ class HFDatasetData(TokenDataModule):
         return super().describe_training_split(train_count, held_out)
 
     def build_samples(self) -> tuple[Any, Any]:
-        token_lists = _token_lists(self.documents, self.corpus, self._encode, self._eos)
+        token_lists = _token_lists(self.documents, self.corpus, self._encode, self._eos, self.vocab_size)
         if self.lengths == "variable":
             return variable_samples(token_lists, self.max_length, self.batch_size, self.val_fraction, self.seed,
                                     self.source)
@@ -354,10 +471,12 @@ class HFDatasetData(TokenDataModule):
     def setup(self, stage: str) -> None:
         if not self.streaming:
             super().setup(stage)
-        elif self.trainer is not None and self.trainer.max_steps < 0:
-            raise ValueError("data.streaming=true reads an endless stream (each pass reshuffled), so an epoch never "
-                             "ends: set the Trainer's max_steps (trainer.max_steps) and an integer "
-                             "val_check_interval")
+        elif self.trainer is not None:
+            problem = streaming_loop_problem(self.trainer.max_steps, self.trainer.val_check_interval,
+                                             self.trainer.limit_train_batches, self.trainer.limit_val_batches != 0,
+                                             self.trainer.fast_dev_run)
+            if problem is not None:
+                raise ValueError(problem)
 
     def _stream(self, validation: bool) -> datasets.IterableDataset:
         """The documents of one side of the split, as a stream, with only the text column read."""
@@ -369,7 +488,8 @@ class HFDatasetData(TokenDataModule):
         return documents.select_columns([self.text_field]).filter(on_side)
 
     def _packed(self, documents: datasets.IterableDataset, endless: bool, shares: int = 1) -> PackedStream:
-        return PackedStream(documents, self.corpus, self._encode, self._eos, self.seq_len, endless, shares)
+        return PackedStream(documents, self.corpus, self._encode, self._eos, self.vocab_size, self.seq_len, endless,
+                            shares)
 
     def train_stream(self, rank: int, world_size: int, endless: bool = True) -> PackedStream:
         """Data-parallel rank ``rank``'s stream of training blocks (``streaming=True``); ``endless=False``: one
@@ -388,8 +508,9 @@ class HFDatasetData(TokenDataModule):
         strategy = None if self.trainer is None else self.trainer.strategy
         replica = getattr(strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
         stream = self.train_stream(replica["rank"], replica["num_replicas"])
-        # A worker beyond the stream's shards would read nothing.
-        return self.resumable_loader(stream, num_workers=min(self.num_workers, stream.documents.num_shards))
+        # At most a worker per shard of the rank's share: a worker beyond the corpus's shards would read nothing.
+        return _StreamLoader(stream, batch_size=self.batch_size,
+                             num_workers=min(self.num_workers, stream.documents.num_shards), **self._resume_arguments())
 
     def val_dataloader(self) -> DataLoader:
         if not self.streaming:

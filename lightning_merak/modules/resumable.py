@@ -29,23 +29,36 @@ class ResumableDataLoader(DataLoader):
     counts an epoch as done when ``max_steps`` stops it half-way, and it may open the loader
     more than once for one epoch, so neither its epoch nor the number of passes opened alone
     names the pass. Without a trainer (``epoch()`` is None) every opening is a new pass.
-    ``closes_finished_epoch`` is asked, when a restored pass is finished, whether the trainer first closes that
-    pass's epoch (the loader then resumes the pass at its end, yielding nothing) rather than beginning the next one
-    (see :meth:`~lightning_merak.modules.data.TokenDataModule.align_loops_after_finished_pass`).
+    ``next_pass_epoch`` is asked, when a restored pass is finished under a trainer, the epoch in which the trainer
+    begins the next pass (a checkpoint of the last batch's end is restored before the loop counts that batch's
+    epoch done), or None where it first closes the finished pass's epoch (the loader then resumes the pass at its
+    end, yielding nothing; see :meth:`~lightning_merak.modules.data.TokenDataModule.align_loops_after_finished_pass`).
+    ``batches_per_pass`` gives the batches the fit loop trains of each pass (``trainer.num_training_batches``, fewer
+    than the loader holds under ``limit_train_batches``, the count of an endless stream's epoch), None where it is
+    unknown: a pass ends there, so a checkpoint of a limited epoch's end resumes on the next pass.
     """
 
     def __init__(self, *args: Any, epoch: Callable[[], Optional[int]], trained_batches: Callable[[], int],
-                 shuffle_seed: int, closes_finished_epoch: Optional[Callable[[], bool]] = None, **kwargs: Any) -> None:
+                 shuffle_seed: int, next_pass_epoch: Optional[Callable[[], Optional[int]]] = None,
+                 batches_per_pass: Optional[Callable[[], Optional[int]]] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.epoch, self.trained_batches, self.shuffle_seed = epoch, trained_batches, shuffle_seed
-        self.closes_finished_epoch = closes_finished_epoch
+        self.next_pass_epoch, self.batches_per_pass = next_pass_epoch, batches_per_pass
         self._openings, self._current_pass = 0, 0
-        self._resume: Optional[tuple[int, int]] = None
+        self._resume: Optional[tuple[int, Optional[int]]] = None  # (pass, batches to skip; None: all of them)
         self._epoch_shift: Optional[int] = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"pass": self._current_pass, "batches": self.trained_batches(), **self._batch_shape(),
-                "pass_length": len(self) if _has_length(self) else None, "order": self._order()}
+                "pass_length": self._pass_length(), "order": self._order()}
+
+    def _pass_length(self) -> Optional[int]:
+        """Batches the fit loop trains of a pass: ``batches_per_pass()``, else the whole loader; None for an endless
+        stream, which never finishes one."""
+        trained = None if self.batches_per_pass is None else self.batches_per_pass()
+        if trained is not None:
+            return trained
+        return len(self) if _has_length(self) else None
 
     def _batch_shape(self) -> dict[str, Any]:
         """What a trained batch count means in samples: the ranks a distributed sampler (or a stream split by rank,
@@ -65,14 +78,20 @@ class ResumableDataLoader(DataLoader):
         return ["randperm", self.sampler.seed] if self.sampler.shuffle else ["sequential"]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # an endless stream never finishes a pass; older checkpoints hold no pass length
-        pass_length = state.get("pass_length", len(self) if _has_length(self) else None)
+        # older checkpoints hold no pass length
+        pass_length = state["pass_length"] if "pass_length" in state else self._pass_length()
         finished = pass_length is not None and state["batches"] >= pass_length
         if not finished:  # a finished pass skips nothing, so the next one may split its samples otherwise
             check_batch_shape(state, **self._batch_shape(), order=self._order())
-        next_pass = finished and not (self.closes_finished_epoch is not None and self.closes_finished_epoch())
-        self._resume = (state["pass"] + 1, 0) if next_pass else (state["pass"], state["batches"])
-        self._epoch_shift, self._openings = None, 0
+        self._resume, self._epoch_shift, self._openings = (state["pass"], state["batches"]), None, 0
+        if finished:
+            self._resume = (state["pass"] + 1, 0)
+            if self.next_pass_epoch is not None and self.epoch() is not None:
+                next_epoch = self.next_pass_epoch()
+                if next_epoch is None:  # the trainer closes the finished pass's epoch first
+                    self._resume = (state["pass"], None)
+                else:  # where the first opening's epoch may not be the pass's
+                    self._epoch_shift = state["pass"] + 1 - next_epoch
 
     def _pass_now(self) -> int:
         epoch = self.epoch()
@@ -80,6 +99,8 @@ class ResumableDataLoader(DataLoader):
             return self._resume[0] + self._openings if self._resume is not None else self._openings
         if self._epoch_shift is None:
             self._epoch_shift = self._resume[0] - epoch if self._resume is not None else 0
+        if self._resume is not None and self._openings == 0:
+            return self._resume[0]  # the restored pass, opened before the loop may have begun its epoch
         return epoch + self._epoch_shift
 
     def __iter__(self) -> Iterator[Any]:
@@ -91,9 +112,11 @@ class ResumableDataLoader(DataLoader):
         for ordered in (self.sampler, self.dataset):
             if hasattr(ordered, "set_epoch"):
                 ordered.set_epoch(current)
+        skip = self._resume[1] if self._resume is not None and self._resume[0] == current else 0
+        if skip is None:  # the finished pass of the epoch the trainer closes: nothing, though limit_train_batches
+            return iter(())  # may have left batches of it untrained
         batches = super().__iter__()
-        if self._resume is not None and self._resume[0] == current:
-            deque(islice(batches, self._resume[1]), maxlen=0)  # drop the trained batches (all, at a pass's end)
+        deque(islice(batches, skip), maxlen=0)  # drop the trained batches
         return batches
 
 

@@ -4,12 +4,14 @@ list of token ids, under a field), read with refusals that name the file, the li
 from __future__ import annotations
 
 import json
+import numbers
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from lightning_merak.modules.config import DataError
 
-__all__ = ["TEXT_SUFFIXES", "DataFileNotFound", "MissingTextField", "load_text_documents", "not_utf8"]
+__all__ = ["TEXT_SUFFIXES", "DataFileNotFound", "MissingTextField", "checked_token_ids", "load_text_documents",
+           "not_utf8"]
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
@@ -43,8 +45,27 @@ def not_utf8(file: Path, path: str) -> Optional[DataError]:
     return None
 
 
-def _jsonl_documents(file: Path, path: str, text_field: str) -> list[Any]:
-    """Each line's ``text_field``: text, or a list of token ids in a tokenised file."""
+def checked_token_ids(ids: Sequence[Any], vocab_size: int, where: str) -> list[int]:
+    """``ids`` (a pre-tokenised document) as a list of ints, refused unless each is an integer id of the model's
+    vocabulary: past it the embedding fails only after launch (on a GPU as a device assert), and a float or negative
+    id would be truncated or read from the table's end. ``where`` names the document in the error (file and line)."""
+    token_ids = list(ids)
+    if not token_ids or (set(map(type, token_ids)) == {int} and min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        return token_ids  # the common case, checked without a Python step per id
+    for position, value in enumerate(token_ids):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise DataError(f"{where} holds {value!r} at position {position}, not an integer token id; write the "
+                            "document's token ids as integers, or fix or drop that document")
+        if not 0 <= value < vocab_size:
+            raise DataError(f"{where} holds token id {value} at position {position}, outside the vocabulary of "
+                            f"{vocab_size} tokens (ids 0 to {vocab_size - 1}); set data.tokenizer_path to the "
+                            "tokenizer that made these ids (the model's vocab_size is that tokenizer's), or fix that "
+                            "document's ids")
+    return [int(value) for value in token_ids]  # numpy integers, say, as Python ints
+
+
+def _jsonl_documents(file: Path, path: str, text_field: str, vocab_size: int) -> list[Any]:
+    """Each line's ``text_field``: text, or a list of token ids of a ``vocab_size`` vocabulary in a tokenised file."""
     documents = []
     one_object = f"each line of a .jsonl file must be one JSON object, such as {{\"{text_field}\": \"...\"}}"
     with file.open(encoding="utf-8") as lines:
@@ -64,15 +85,18 @@ def _jsonl_documents(file: Path, path: str, text_field: str) -> list[Any]:
                     "set data.text_field to the field holding the text"
                 )
             value = record[text_field]
-            if not isinstance(value, str) and not (isinstance(value, list) and all(type(i) is int for i in value)):
+            if isinstance(value, list):
+                value = checked_token_ids(value, vocab_size, f"{path}:{line_number} field {text_field!r}")
+            elif not isinstance(value, str):
                 raise DataError(f"{path}:{line_number} field {text_field!r} holds {json.dumps(value)[:40]}, neither "
                                 "text nor a list of token ids; fix or drop that line")
             documents.append(value)
     return documents
 
 
-def load_text_documents(path: str, text_field: str) -> list[Any]:
-    """Read the documents of a ``.txt`` or ``.jsonl`` file, with errors that name the file, the line and the fix."""
+def load_text_documents(path: str, text_field: str, vocab_size: int) -> list[Any]:
+    """Read the documents of a ``.txt`` or ``.jsonl`` file, with errors that name the file, the line and the fix
+    (token ids outside the tokenizer's ``vocab_size`` among them)."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise DataFileNotFound(
@@ -86,6 +110,6 @@ def load_text_documents(path: str, text_field: str) -> list[Any]:
     try:
         if file.suffix == ".txt":
             return [file.read_text(encoding="utf-8")]
-        return _jsonl_documents(file, path, text_field)
+        return _jsonl_documents(file, path, text_field, vocab_size)
     except UnicodeDecodeError:  # read again as bytes only now, to find the line (none: changed since)
         raise (not_utf8(file, path) or DataError(f"{path} is not UTF-8 text; {_REENCODE_FIX}")) from None

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["BufferSlot", "BufferSnapshot", "KeptBuffers", "ReplicaBuffers", "buffer_snapshot", "buffers_kept",
-           "changed_buffers"]
+           "changed_buffers", "replicated_buffers"]
 
 BufferSlot = tuple[nn.Module, str]
 """A buffer as its owner holds it: ``owner._buffers[name]`` (a forward may replace the tensor there)."""
@@ -80,10 +80,22 @@ class KeptBuffers:
         return self._entered.pop().__exit__(*exc_info)
 
 
-def _replicated(owner: nn.Module) -> bool:
-    """Whether every data-parallel replica holds the same ``owner``: not an expert-parallel module, whose
-    weights (``allreduce=False``) and buffers are this rank's experts."""
-    return all(getattr(param, "allreduce", True) is not False for param in owner.parameters(recurse=False))
+def _replicated_slots(module: nn.Module) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
+    """``(owner, name, tensor)`` of every buffer each data-parallel replica holds a copy of. Left out, by the
+    conventions DDP and DeepSpeed use for parameters: names in ``_ddp_params_and_buffers_to_ignore`` on
+    ``module``, and the buffers of a module holding this rank's experts: one with ``allreduce=False`` weights, or
+    one that says so with ``holds_local_experts`` (an INT4 expert tensor's scales and zero-points)."""
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    for full_name, owner, name, tensor in _slots(module):
+        if (full_name not in ignored and not getattr(owner, "holds_local_experts", False)
+                and all(getattr(param, "allreduce", True) is not False for param in owner.parameters(recurse=False))):
+            yield owner, name, tensor
+
+
+def replicated_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """The buffers of ``module`` every data-parallel replica holds a copy of (:func:`_replicated_slots`): those a
+    setup may make equal by broadcasting rank 0's, as DDP does at construction."""
+    return [tensor for _, _, tensor in _replicated_slots(module)]
 
 
 def _version(tensor: torch.Tensor) -> Optional[int]:
@@ -92,11 +104,10 @@ def _version(tensor: torch.Tensor) -> Optional[int]:
 
 
 def buffer_snapshot(module: nn.Module) -> BufferSnapshot:
-    """The replicated buffers of ``module``, less those named in ``_ddp_params_and_buffers_to_ignore`` (as DDP
-    leaves them out), each with its tensor, version and value now."""
-    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    """The replicated buffers of ``module`` (:func:`replicated_buffers`), each with its tensor, version and value
+    now."""
     return {(owner, name): (tensor, _version(tensor), tensor.detach().clone())
-            for full_name, owner, name, tensor in _slots(module) if full_name not in ignored and _replicated(owner)}
+            for owner, name, tensor in _replicated_slots(module)}
 
 
 def changed_buffers(before: BufferSnapshot) -> list[BufferSlot]:
@@ -134,7 +145,8 @@ def _broadcast(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
 class ReplicaBuffers:
     """The buffers training changes, made equal over a data-parallel group as DDP makes them.
 
-    The replicas start equal (the strategy's setup broadcasts every buffer; a meta model is materialised alike).
+    The replicas start equal (the strategy's setup broadcasts :func:`replicated_buffers`; a meta model is
+    materialised alike).
     Before every training step, and before a fit's validation when a training step ran since (DDP syncs before a
     forward that follows a training forward), the ranks agree on the buffers that changed since the last sync (a
     write, a new value or a replaced tensor, on any rank of the group: one small all-reduce of flags while some

@@ -106,7 +106,8 @@ class ExpertParallelCallback(pl.Callback):
         self._expert_params = [params[name] for name in report.expert_parameters]
         if dist.get_world_size(group) > 1:  # each rank of the expert group holds other experts
             clip_over_groups(trainer, self._expert_params, group)
-        ignored = set(getattr(pl_module, "_ddp_params_and_buffers_to_ignore", [])) | set(report.expert_parameters)
+        ignored = (set(getattr(pl_module, "_ddp_params_and_buffers_to_ignore", [])) | set(report.expert_parameters)
+                   | set(report.expert_buffers))
         _ignore_in_ddp(pl_module, sorted(ignored))
         # rank 0's file holds every expert and expert adapter factor (on_save_checkpoint); it, and a merak3d
         # checkpoint, resume at any ep

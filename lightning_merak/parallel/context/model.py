@@ -470,10 +470,12 @@ def trace_as_context_parallel(model: nn.Module) -> None:
     """Make ``model`` (a transformers model) attend as it will under context parallelism, on whole sequences on this
     rank: transformers then builds the masks it will build (none) for a trace taken before the split, whose side
     values (what the blocks receive besides the hidden state) travel between pipeline stages. An eager or
-    sliding-window model's own mask would be one of them, which the split forward never computes.
-    :func:`install_context_parallel` replaces the state set here."""
+    sliding-window model's own mask would be one of them, which the split forward never computes. A PEFT model
+    attends through its base model (:func:`attention_model`). :func:`install_context_parallel` replaces the state
+    set here."""
     from transformers import PreTrainedModel
 
+    model = attention_model(model)
     if not isinstance(model, PreTrainedModel):
         return  # install_context_parallel refuses it, naming why
     _use_context_attention(model)

@@ -22,10 +22,11 @@ from lightning_merak.distributed.collectives import average_gradients
 from lightning_merak.distributed.dtensors import local_tensor
 from lightning_merak.distributed.gradient_norm import ShardedGradients, clip_coefficient, scale_gradients, squared_norm
 from lightning_merak.parallel.layout import LayoutGroups
+from lightning_merak.util.buffers import replicated_buffers
 
 __all__ = ["ReplicaReduction", "TiedParameter", "average_gradients", "averaged_parameters", "clip_by_total_norm",
-           "clip_by_value", "replicated_parameters", "scale_gradients", "squared_norm", "synchronize_gradients",
-           "total_norm"]
+           "clip_by_value", "replicated_buffers", "replicated_parameters", "scale_gradients", "squared_norm",
+           "synchronize_gradients", "total_norm"]
 
 
 class ReplicaReduction(Protocol):
@@ -61,7 +62,7 @@ def replicated_parameters(module: nn.Module) -> list[nn.Parameter]:
 
     Parameters a plugin reduces itself are left out, by the conventions DDP and
     DeepSpeed use: names in ``_ddp_params_and_buffers_to_ignore`` on the module, or
-    ``param.allreduce = False`` (expert-parallel weights).
+    ``param.allreduce = False`` (expert-parallel weights). Their buffer counterpart is :func:`replicated_buffers`.
     """
     ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
     return [

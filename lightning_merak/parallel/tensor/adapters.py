@@ -40,14 +40,15 @@ base (built on meta, quantised once its weights are in) is quantised per shard a
 (:mod:`~lightning_merak.parallel.tensor.quantized_shards`); the adapter reads the same input and adds to the same
 partial output whatever the base's GEMM. What is not split is refused by :func:`check_adapter_split` before any work:
 a base quantised before the split, shards whose quantisation blocks would cross a shard, DoRA and other LoRA
-variants, ``lora_bias``, dropout on a pooled adapter and several adapters on one layer, inside the blocks.
+variants, ``lora_bias``, dropout on a pooled adapter, a pooled adapter's ``lambda_out > 1`` on key/value heads
+several ranks share, and several adapters on one layer, inside the blocks.
 """
 
 from __future__ import annotations
 
 import itertools
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +65,12 @@ from lightning_merak.parallel.tensor.layers import (
     sharded_parameter,
 )
 from lightning_merak.parallel.tensor.quantized_shards import quantized_base_problem
-from lightning_merak.parallel.tensor.split_adapter import SPLIT_FIX, SplitAdapter, shared_split_problem
+from lightning_merak.parallel.tensor.split_adapter import (
+    SPLIT_FIX,
+    SplitAdapter,
+    reordered_rows_refusal,
+    shared_split_problem,
+)
 from lightning_merak.util.random_state import spread_seed
 
 __all__ = ["ColumnParallelLoRA", "RowParallelLoRA", "adapter_partial_parameters", "check_adapter_split",
@@ -127,6 +133,28 @@ def check_adapter_split(model: nn.Module, tensor_parallel: int) -> None:
         if problem is not None:
             raise ValueError(f"tensor_parallel={tensor_parallel}: the adapter on {name} cannot be split: {problem}; "
                              + SPLIT_FIX)
+        parent = model.get_submodule(name.rpartition(".")[0])
+        if _pooled_on_shared_key_value_rows(module, parent, getattr(model, "config", None), tensor_parallel):
+            lambda_out = module.lambda_out[next(iter(module.lambda_out))]
+            raise ValueError(f"tensor_parallel={tensor_parallel}: "
+                             + reordered_rows_refusal(module.method_name, module.layer_name, lambda_out))
+
+
+def _pooled_on_shared_key_value_rows(layer: nn.Module, parent: nn.Module, config: Any, tensor_parallel: int) -> bool:
+    """Whether ``layer`` is a Q-BaRA / QA-HiRA layer with ``lambda_out > 1`` on a key or value projection whose heads
+    several ranks share (``num_key_value_heads`` not a multiple of ``tensor_parallel``): each of those ranks holds
+    the head's rows, which the split refuses once its rows are probed (:mod:`~lightning_merak.parallel.tensor.rows`),
+    after launch. Told by the config: the layer's width is the key/value heads' and a layer beside it (``parent``'s)
+    of the same input width gives the query heads'."""
+    heads, key_value = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if (not hasattr(layer, "lambda_out") or all(factor == 1 for factor in layer.lambda_out.values())
+            or not isinstance(heads, int) or not isinstance(key_value, int) or not 0 < key_value < heads
+            or key_value % tensor_parallel == 0):
+        return False
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads
+    return layer.out_features == key_value * head_dim and any(
+        getattr(sibling, "in_features", None) == layer.in_features
+        and getattr(sibling, "out_features", None) == heads * head_dim for sibling in parent.children())
 
 
 def row_following_parameters(layer: nn.Module) -> list[str]:

@@ -38,7 +38,12 @@ from lightning_merak.parallel.tensor.layers import (
     RowParallelLinear,
     sharded_parameter,
 )
-from lightning_merak.parallel.tensor.split_adapter import SPLIT_FIX, SplitAdapter, shared_split_problem
+from lightning_merak.parallel.tensor.split_adapter import (
+    SPLIT_FIX,
+    SplitAdapter,
+    reordered_rows_refusal,
+    shared_split_problem,
+)
 
 __all__ = ["ColumnParallelPooled", "RowParallelPooled", "pooled_split_problem", "row_split_factor"]
 
@@ -111,9 +116,7 @@ class ColumnParallelPooled(_PooledParts):
         parts = mesh.size()
         self._check(self.out_features, parts, self.lambda_out, "the outputs", "choose lambda_out dividing out/tp")
         if rows is not None and self.lambda_out != 1:
-            raise ValueError(f"{self.method_name}: the ranks of the column layer {self.layer_name} hold reordered or "
-                             "shared rows (fused projections, shared key/value heads), which groups of lambda_out="
-                             f"{self.lambda_out} would cross; use lambda_out=1 for it, or {SPLIT_FIX}")
+            raise ValueError(reordered_rows_refusal(self.method_name, self.layer_name, self.lambda_out))
         self.base_layer = ColumnParallelLinear(layer.get_base_layer(), mesh, group_input, rows)
         order = (torch.tensor([row for part in rows for row in part]) if rows is not None else None)
         row_split = self.factor_names[-1]  # B, or H

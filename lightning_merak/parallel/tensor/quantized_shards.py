@@ -66,13 +66,12 @@ def _base(module: nn.Module) -> nn.Module:
     return module.get_base_layer() if callable(getattr(module, "get_base_layer", None)) else module
 
 
-def _problem(hook: Any, name: str, layer: nn.Module, tensor_parallel: int, *, column: bool,
-             contiguous: bool = True) -> Optional[str]:
+def _problem(hook: Any, name: str, layer: nn.Module, tensor_parallel: int, *, column: bool) -> Optional[str]:
     from lightning_merak.adapters.quantize import shard_quantization_problem  # lazy: PEFT (an adapter model's hook)
 
     return shard_quantization_problem(hook.quantization, name, layer.in_features, layer.out_features,
-                                      tensor_parallel, column=column, contiguous=contiguous,
-                                      group_size=hook.group_size, double_quant=hook.double_quant)
+                                      tensor_parallel, column=column, group_size=hook.group_size,
+                                      double_quant=hook.double_quant)
 
 
 def quantized_base_problem(model: nn.Module, trunk_path: str, tensor_parallel: int) -> Optional[str]:
@@ -93,8 +92,8 @@ def quantized_base_problem(model: nn.Module, trunk_path: str, tensor_parallel: i
 
 def quantized_split_problem(model: nn.Module, block: nn.Module, plan: Any, tensor_parallel: int) -> Optional[str]:
     """Why ``block``'s split ``plan`` (a :class:`~lightning_merak.parallel.tensor.blocks.TensorParallelPlan`) cannot
-    quantise ``model``'s frozen base per shard, or None. A column layer the plan may reorder (its ``units``) is judged
-    as reordered rows."""
+    quantise ``model``'s frozen base per shard, or None. A column layer's rule does not depend on which rows a rank
+    holds (:func:`~lightning_merak.adapters.quantize.shard_quantization_problem`)."""
     hook = _deferred(model)
     if hook is None or tensor_parallel <= 1:
         return None
@@ -104,9 +103,7 @@ def quantized_split_problem(model: nn.Module, block: nn.Module, plan: Any, tenso
             return (f"tensor_parallel={tensor_parallel}: {name} is a {type(base).__name__}, which a "
                     f"{hook.quantization} base keeps in float at tensor_parallel=1 but the split would quantise; use "
                     "tensor_parallel=1, or quantization=none")
-        column = name in plan.column
-        problem = _problem(hook, name, base, tensor_parallel, column=column,
-                           contiguous=not column or plan.units.get(name) is None)
+        problem = _problem(hook, name, base, tensor_parallel, column=name in plan.column)
         if problem is not None:
             return problem
     return None

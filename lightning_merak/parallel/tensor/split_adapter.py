@@ -9,9 +9,17 @@ from typing import Optional, Sized
 import torch
 from torch import nn
 
-__all__ = ["SPLIT_FIX", "SplitAdapter", "shared_split_problem"]
+__all__ = ["SPLIT_FIX", "SplitAdapter", "reordered_rows_refusal", "shared_split_problem"]
 
 SPLIT_FIX = "use tensor_parallel=1 (pipeline_parallel / data_parallel split adapter models)"
+
+
+def reordered_rows_refusal(method_name: str, layer_name: str, lambda_out: int) -> str:
+    """Why a pooled adapter with ``lambda_out > 1`` cannot split with a column layer whose ranks hold reordered or
+    shared rows: its groups of output rows would cross the ranks."""
+    return (f"{method_name}: the ranks of the column layer {layer_name} hold reordered or shared rows (fused "
+            f"projections, shared key/value heads), which groups of lambda_out={lambda_out} would cross; use "
+            f"lambda_out=1 for it, or {SPLIT_FIX}")
 
 
 def shared_split_problem(layer: nn.Module, adapters: Sized) -> Optional[str]:

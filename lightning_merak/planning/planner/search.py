@@ -43,8 +43,9 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None,
     """Every layout of ``space``, in a fixed order.
 
     dp x cp x pp x tp = world size with cp from ``context_parallel_degrees``, tp from ``tp_degrees_allowed``
-    and pp at most ``max_pipeline_stages`` (and ``num_blocks + 2`` nodes when given). One stage runs one
-    micro-batch; several run a micro-batch count of at least pp dividing the per-replica batch.
+    and pp at most ``max_pipeline_stages`` (and ``num_blocks + 2`` nodes when given). Micro-batch counts are
+    ``micro_batch_choices`` of at least pp dividing the per-replica batch (None: every such divisor with stages,
+    one micro-batch without: the run's count, so a run's micro-batches are the priced ones at any pp).
     Overlap degrees divide the micro-batch and exceed 1 only with tp > 1; one stage takes
     recompute ratios 0 or 1 only. Each takes every mode of ``sharding_modes`` it can run
     (:func:`sharding_modes_for`), and each expert-parallel size :func:`expert_parallel_sizes` gives its dp
@@ -65,8 +66,8 @@ def candidate_layouts(space: SearchSpace, num_blocks: int | None = None,
             if (pp > max_stages or per_replica is None or not expert_sizes
                     or (cp > 1 and pp > 1 and not space.context_with_stages)):
                 continue
-            if pp == 1:
-                micro_batch_counts = [1]
+            if pp == 1 and space.micro_batch_choices is None:
+                micro_batch_counts = [1]  # merak3d's default without stages
             else:
                 choices = _divisors(per_replica) if space.micro_batch_choices is None else space.micro_batch_choices
                 micro_batch_counts = sorted({count for count in choices if count >= pp and per_replica % count == 0})

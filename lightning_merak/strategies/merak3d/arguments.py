@@ -17,7 +17,6 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_merak.modules.causal_lm import scores_next_token
@@ -46,7 +45,9 @@ from lightning_merak.parallel.tensor.families import check_sequence_parallel_fam
 from lightning_merak.parallel.tensor.sequence import check_sequence_length
 from lightning_merak.parallel.tensor.vocab import check_vocabulary_split
 from lightning_merak.protocols.experts import ExpertParallelLayer
+from lightning_merak.strategies.merak3d.backends import backend_problem
 from lightning_merak.strategies.merak3d.context_degree import known_context_parallel, naming_auto_degree
+from lightning_merak.strategies.merak3d.context_step import check_context_rounds_model
 from lightning_merak.strategies.merak3d.network import module_view
 from lightning_merak.strategies.merak3d.options import Degree, Merak3DOptions
 from lightning_merak.util.values import is_count, is_finite_number
@@ -65,28 +66,6 @@ LONGEST_TIMEOUT_S = timedelta.max.days * 86400.0
 def is_positive_finite(value: Any) -> bool:
     """Whether ``value`` is a finite number above 0."""
     return is_finite_number(value) and value > 0
-
-
-def backend_problem(backend: Any) -> Optional[str]:
-    """Why torch.distributed cannot start ``backend`` (a name such as ``"gloo"``, or per device types
-    ``"cpu:gloo,cuda:nccl"``), or None: an unknown name, a device type the backend does not serve, or a backend
-    this torch was built without would otherwise fail only once the processes have launched."""
-    known = [name for name in dist.Backend.backend_list if name != "undefined"]
-    fix = f"choose one of {', '.join(known)}, per device type as 'cpu:gloo,cuda:nccl', or None (from the device)"
-    if not isinstance(backend, str) or not backend:
-        return f"process_group_backend={backend!r} is not a backend name; {fix}"
-    for entry in backend.lower().split(","):
-        device_type, _, name = entry.rpartition(":") if ":" in entry else ("", "", entry)
-        if name not in known:
-            return f"process_group_backend={backend!r}: {name!r} is not a torch.distributed backend; {fix}"
-        served = dist.Backend.backend_capability.get(name, [device_type])
-        if ":" in entry and device_type not in served:
-            return (f"process_group_backend={backend!r}: {name} does not serve {device_type!r} tensors (it serves "
-                    f"{', '.join(served)}); {fix}")
-        if not dist.is_backend_available(name):
-            return (f"process_group_backend={backend!r}: torch {torch.__version__} was built without {name}; "
-                    f"{fix}")
-    return None
 
 
 def check_stage_count(num_stages: int, num_blocks: int, partition: str = "autopipe") -> None:
@@ -520,12 +499,14 @@ class Merak3DArguments(Merak3DOptions):
     def validate_model(self, module: pl.LightningModule, world_size: int, sequence_length: Optional[int] = None
                        ) -> None:
         """Refuse a module merak3d cannot train at these degrees (no network to split, a pipeline loss it cannot
-        infer), degrees its network rules out, sequences too short for its next-token loss, or a planner memory limit
-        its parameters alone exceed."""
+        infer, a loss per-sample context degrees cannot compute), degrees its network rules out, sequences too short
+        for its next-token loss, or a planner memory limit its parameters alone exceed."""
         degrees = self.launch_degrees(world_size)
         check_scored_length(module, sequence_length)
         network = module_view(module, *degrees).network
         self.check_model(network, *degrees)
+        if self.context_parallel_degree == "per_micro_batch":
+            check_context_rounds_model(module, network)
         context = known_context_parallel(self.context_parallel, self.degrees, world_size)
         if self.context_parallel == "auto" and context > 1:  # the one degree 'auto' can take here
             with naming_auto_degree(self.context_parallel, context, self.degrees):

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_merak.modules.causal_lm import scores_next_token
-from lightning_merak.parallel.context.model import ContextParallelForward
+from lightning_merak.parallel.context.model import ContextParallelForward, attention_model
 from lightning_merak.parallel.context.rounds import RoundRunner, context_subgroups, measure_degree_cost
 from lightning_merak.parallel.context.variable import ContextPlan, DegreeCost, plan_context_degrees
 from lightning_merak.parallel.layout import LayoutGroups
@@ -31,7 +31,7 @@ from lightning_merak.strategies.merak3d.network import ModuleView
 from lightning_merak.strategies.merak3d.pipeline_step import HeldGradients, hold_gradients, restore_gradients
 from lightning_merak.strategies.merak3d.variable_step import PipelineSteps, install_pipeline_step
 
-__all__ = ["ContextRoundsStep", "install_context_rounds", "install_step"]
+__all__ = ["ContextRoundsStep", "check_context_rounds_model", "install_context_rounds", "install_step"]
 
 
 class _NoClock:
@@ -45,14 +45,12 @@ class ContextRoundsStep:
 
     def __init__(self, module: Any, model: nn.Module, groups: LayoutGroups, options: MicroBatching,
                  degree: Any = "per_micro_batch") -> None:
-        forward = model.forward
+        forward = attention_model(model).forward  # a PEFT model's base model runs the split forward
         if not isinstance(forward, ContextParallelForward):
             raise TypeError("context_parallel_degree='per_micro_batch' runs on a model with context parallelism "
                             "installed (install_context_parallel)")
+        check_context_rounds_model(module, model)
         config = getattr(model, "config", None)
-        if getattr(config, "output_router_logits", False):
-            raise ValueError("context_parallel_degree='per_micro_batch' has no router aux loss over the whole batch "
-                             "yet; set output_router_logits=False or context_parallel_degree='fixed'")
         vocab = getattr(config, "vocab_size", None)
         if options.cost is None and not vocab:
             raise ValueError("context_parallel_degree='per_micro_batch' measures its cost model on samples of the "
@@ -140,13 +138,22 @@ def longest_sample(model: nn.Module, lengths: list[int]) -> int:
     return min(max(lengths), limit) if isinstance(limit, int) and limit > 0 else max(lengths)
 
 
-def install_context_rounds(module: Any, model: nn.Module, groups: LayoutGroups, options: MicroBatching,
-                           degree: Any = "per_micro_batch") -> ContextRoundsStep:
-    """Run ``module``'s loss (CausalLMModule's next-token cross-entropy) as rounds of per-sample degrees."""
+def check_context_rounds_model(module: Any, model: nn.Module) -> None:
+    """Refuse a ``module`` (training ``model``) whose loss the rounds cannot compute: one of its own (they score
+    next-token cross-entropy themselves) or a MoE router aux loss (they have none over the whole batch). Before
+    launch (:meth:`~.arguments.Merak3DArguments.validate_model`) and again where the rounds are installed."""
     if not scores_next_token(module) or not hasattr(module, "compute_loss"):
         raise ValueError(f"context_parallel_degree='per_micro_batch' computes next-token cross-entropy itself, but "
                          f"{type(module).__name__} brings its own loss; keep CausalLMModule's loss_from_logits or "
                          "set context_parallel_degree='fixed'")
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise ValueError("context_parallel_degree='per_micro_batch' has no router aux loss over the whole batch "
+                         "yet; set output_router_logits=False or context_parallel_degree='fixed'")
+
+
+def install_context_rounds(module: Any, model: nn.Module, groups: LayoutGroups, options: MicroBatching,
+                           degree: Any = "per_micro_batch") -> ContextRoundsStep:
+    """Run ``module``'s loss (CausalLMModule's next-token cross-entropy) as rounds of per-sample degrees."""
     step = ContextRoundsStep(module, model, groups, options, degree)
     module.compute_loss = step.loss
     module.forward = step.forward

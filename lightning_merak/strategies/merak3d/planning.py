@@ -27,7 +27,6 @@ from lightning_merak.distributed.watchdog import working_alone
 from lightning_merak.modules.causal_lm import scores_next_token
 from lightning_merak.parallel.context.model import attention_shape, check_context_parallel_model
 from lightning_merak.parallel.data.buckets import DEFAULT_BUCKET_MB, check_shardable_optimizer
-from lightning_merak.parallel.float8 import float8_layout_problem
 from lightning_merak.parallel.layout import Layout, default_micro_batches
 from lightning_merak.parallel.materialize import has_meta
 from lightning_merak.parallel.micro_batching.samples import VariableBatch
@@ -55,7 +54,6 @@ from lightning_merak.planning.replay.calibration import predictor_from_files
 from lightning_merak.strategies.merak3d.arguments import (
     Merak3DArguments,
     check_fully_shardable,
-    divides_model,
     moe_layers,
 )
 from lightning_merak.strategies.merak3d.block_splits import (
@@ -64,6 +62,12 @@ from lightning_merak.strategies.merak3d.block_splits import (
     unsplittable_structure,
 )
 from lightning_merak.strategies.merak3d.build import Broadcast, call_model, meta_materializers, no_cache
+from lightning_merak.strategies.merak3d.tensor_degrees import (
+    describe_left_out,
+    left_out_tensor_parallel,
+    tensor_parallel_candidates,
+    tensor_parallel_room,
+)
 from lightning_merak.strategies.merak3d.vocab_stages_build import embedding_splits_with_head
 from lightning_merak.util.timing import repeat_budget
 
@@ -199,14 +203,13 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
     materialize_with = meta_materializers(model, inputs.device, broadcast) if has_meta(model) else None
     exchange_key = f"merak3d/planner/{broadcast(uuid.uuid4().hex, 0)}"  # new in the store in every run
     world = world_size
-    tp_degrees = tensor_parallel_candidates(arguments, config, world, num_processes,
-                                            inputs.shape[1] if inputs.ndim > 1 else 1)
+    sequence = inputs.shape[1] if inputs.ndim > 1 else 1
+    tp_degrees = tensor_parallel_candidates(arguments, config, world, num_processes, sequence)
     router_aux = bool(getattr(config, "output_router_logits", False))  # the aux loss needs every token's routing
-    if router_aux and arguments.sequence_parallel and arguments.tensor_parallel == "auto":
-        tp_degrees = (1,)  # sequence-split routers would see a share of the tokens (router_aux_loss_problem)
     verified: set[int] = set()
+    left_out = left_out_tensor_parallel(arguments, config, world, num_processes, sequence)
     tp_degrees = _splittable_degrees(model, inputs, tp_degrees, arguments.tensor_parallel != "auto", device,
-                                     broadcast, verified, materialize_with)
+                                     broadcast, verified, materialize_with, left_out)
     fixed_pp = arguments.pipeline_parallel if arguments.pipeline_parallel != "auto" else None
     try:
         num_blocks = len(find_trunk(model)[1])
@@ -309,8 +312,10 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
         dropped = dropped_context_layouts(arguments, candidate_layouts(space, num_blocks, num_experts),
                                           profile.context)
         dropped_text = f" (the context-parallel layouts they leave do not run: {'; '.join(dropped)})" if dropped else ""
-        raise ValueError(f"no planned layout matches the fixed degrees {degrees}{stages}{full_only}{dropped_text}; "
-                         "set more of them to 'auto'")
+        room_left_out = {d: why for d, why in left_out.items() if d in tensor_parallel_room(arguments, world)}
+        tensor_text = f" ({describe_left_out(room_left_out)})" if room_left_out else ""
+        raise ValueError(f"no planned layout matches the fixed degrees {degrees}{stages}{full_only}{dropped_text}"
+                         f"{tensor_text}; set more of them to 'auto'")
     best = allowed[0]
     chosen = best.layout
     runner_up = allowed[1] if len(allowed) > 1 else None
@@ -335,18 +340,6 @@ def replay_ranked(ranked: Any, paths: str, model: nn.Module, inputs: torch.Tenso
         raise ValueError("planner_calibration needs a model with a list of blocks; use 'analytic'")
     predictor = predictor_from_files([p.strip() for p in paths.split(",")], shape, inputs.shape[0], partition)
     return rerank(ranked, lambda layout: predictor.planner_step_time(layout, inputs.shape[0]))
-
-
-def tensor_parallel_candidates(arguments: Merak3DArguments, config: Any, world_size: int, num_processes: int,
-                               sequence: int) -> tuple[int, ...]:
-    """The tensor-parallel degrees the planner may choose: the one given; else each degree up to the node's
-    processes dividing the world, the model's heads (and the ``sequence`` under sequence parallelism) that fp8
-    layers, when set, train at (:func:`~lightning_merak.parallel.float8.float8_layout_problem`)."""
-    if arguments.tensor_parallel != "auto":
-        return (arguments.tensor_parallel,)
-    return tuple(d for d in range(1, num_processes + 1) if world_size % d == 0 and divides_model(config, d)
-                 and not (arguments.sequence_parallel and sequence % d)
-                 and (arguments.float8 is None or float8_layout_problem(arguments.float8, d) is None))
 
 
 def sharding_modes(arguments: Merak3DArguments, model: nn.Module, precision: Any,
@@ -481,15 +474,14 @@ def planned_arguments(arguments: Merak3DArguments, choice: Any) -> Merak3DArgume
 def _adopted_layout(arguments: Merak3DArguments, chosen: Any) -> Layout:
     """The run's :class:`Layout` for the planner's ``chosen`` one (a ``planner.Layout``).
 
-    Micro-batches are the planner's with several stages (the user's count under micro-batching), the user's (or
-    the default) without; a recomputed ratio becomes ``"full"`` without stages and ``"stage_aware"`` with them. The
-    planner's sharding mode is what ``layout.data_parallel_sharding`` reads.
+    Micro-batches are the count the planner priced (the user's; without one, one without stages and the planner's
+    choice with them), but the user's under micro-batching, which plans each batch's own split. A
+    recomputed ratio becomes ``"full"`` without stages and ``"stage_aware"`` with them. The planner's sharding mode
+    is what ``layout.data_parallel_sharding`` reads.
     """
-    if chosen.pp > 1 and not (arguments.micro_batching != "none" and arguments.micro_batches):
-        micro_batches, by_default = chosen.micro_batches, False
-    else:
-        micro_batches = arguments.micro_batches or default_micro_batches(chosen.pp)
-        by_default = arguments.micro_batches is None
+    micro_batches = (arguments.micro_batches if arguments.micro_batching != "none" and arguments.micro_batches
+                     else chosen.micro_batches)
+    by_default = chosen.pp == 1 and arguments.micro_batches is None
     if chosen.recompute_ratio == 0.0:
         recompute, ratio = "none", arguments.recompute_ratio
     elif chosen.pp == 1:
@@ -507,11 +499,12 @@ def _adopted_layout(arguments: Merak3DArguments, chosen: Any) -> Layout:
 
 def _splittable_degrees(model: nn.Module, inputs: torch.Tensor, degrees: tuple[int, ...], fixed: bool,
                         device: torch.device, broadcast: Broadcast, verified: set[int],
-                        materialize_with: Optional[Callable[[nn.Module], Any]] = None) -> tuple[int, ...]:
+                        materialize_with: Optional[Callable[[nn.Module], Any]], left_out: dict[int, str]
+                        ) -> tuple[int, ...]:
     """The degrees at which a split block computes what the whole block does; the planner searches only those.
 
-    A degree the user fixed that fails is an error; an automatic one is left out and logged.
-    Those that pass are added to ``verified``.
+    A degree the user fixed that fails is an error; an automatic one is left out, logged and added to ``left_out``
+    with why. Those that pass are added to ``verified``.
     """
     if all(degree == 1 for degree in degrees):
         return degrees
@@ -530,6 +523,7 @@ def _splittable_degrees(model: nn.Module, inputs: torch.Tensor, degrees: tuple[i
             raise ValueError(f"tensor_parallel={degree}: {problem}")
         else:
             rank_zero_info(f"merak3d planner: leaves out tensor_parallel={degree}: {problem}")
+            left_out[degree] = problem
     return tuple(kept)
 
 

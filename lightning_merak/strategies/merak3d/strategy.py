@@ -23,7 +23,7 @@ from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import nn
 
 from lightning_merak.callbacks.agreed_stop import add_agreed_sigterm_stop
@@ -40,7 +40,7 @@ from lightning_merak.parallel.layout import Layout, LayoutGroups
 from lightning_merak.parallel.materialize import has_meta, meta_device
 from lightning_merak.parallel.tensor.layers import shared_row_weights
 from lightning_merak.planning.planner.step_check import BatchClock, StepTimeCheck
-from lightning_merak.strategies.merak3d import arguments, build, network, planning
+from lightning_merak.strategies.merak3d import arguments, build, network, planning, tensor_degrees
 from lightning_merak.strategies.merak3d.arguments import Degree
 from lightning_merak.strategies.merak3d.checkpoint_hooks import CheckpointHooks
 from lightning_merak.strategies.merak3d.context_step import ContextRoundsStep, install_step
@@ -60,7 +60,8 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
     training dataloader gives the shapes) and picks the layout with the least predicted time
     per sample that fits ``memory_limit``; it logs its choice, the runner-up and the predicted
     step time (``layout_plan`` keeps the whole ranking, ``layout_choice`` the chosen layout's
-    prediction, within the degrees fixed by the user). ``plan_only=True`` stops after that.
+    prediction, within the degrees fixed by the user). ``plan_only=True`` stops after that. ``memory_limit`` bounds
+    that search only: with nothing to plan it is not applied, and rank 0 warns so once.
 
     Every argument, its default and what it does: :class:`~lightning_merak.strategies.merak3d.options.Merak3DOptions`
     (the signature below repeats it, in order) and ``docs/reference/cli.md`` (``merak-train strategy.<argument>=``).
@@ -182,6 +183,10 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, **options)
         # a layout built by an earlier validate/predict keeps its mesh: its shards and groups live on it
         if self._groups is None and not self._arguments.needs_planning:
+            if self._arguments.memory_limit is not None:  # as sequence_parallel at tp=1: legal, announced
+                rank_zero_warn(f"merak3d: memory_limit={self._arguments.memory_limit:g} bounds the layout planner's "
+                               "search, and no part of this layout is 'auto', so nothing is planned and the limit "
+                               "is not applied; set a degree to 'auto' or leave memory_limit unset")
             self._adopt(self._arguments.layout(self.world_size))
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -197,7 +202,7 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
             self.precision_plugin.convert_module(module)  # bf16-true: weights in bf16 (on meta too)
         self.model_to_device()
         if self._built is None and not has_meta(module):  # built or meta: ranks' parts start equal when built
-            for tensor in [*gradients.replicated_parameters(module), *module.buffers()]:
+            for tensor in [*gradients.replicated_parameters(module), *gradients.replicated_buffers(module)]:
                 dist.broadcast(tensor.data, src=0)
         if trainer.state.fn == TrainerFn.FITTING:
             add_agreed_sigterm_stop(trainer)  # SIGTERM stops every rank at one step, with no collective in a handler
@@ -258,10 +263,24 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
 
     # Planning --------------------------------------------------------------------------
 
+    def validate_before_launch(self, module: pl.LightningModule, world_size: int, *, batch_size: Optional[int] = None,
+                               sequence_length: Optional[int] = None, accumulate_grad_batches: int = 1) -> None:
+        """:class:`LayoutQueries`' refusals, then ``tensor_parallel="auto"`` with no degree the model splits into
+        at the fixed degrees (:func:`~.tensor_degrees.check_tensor_parallel_search`): the planner would find no
+        layout only after launching and profiling."""
+        super().validate_before_launch(module, world_size, batch_size=batch_size, sequence_length=sequence_length,
+                                       accumulate_grad_batches=accumulate_grad_batches)
+        view = network.module_view(module, *self._arguments.launch_degrees(world_size))
+        tensor_degrees.check_tensor_parallel_search(self._arguments, getattr(view.network, "config", None),
+                                                    world_size, sequence_length)
+
     def adopt_planned_layout(self, trainer: pl.Trainer, *, merak_ep: bool = False, ep_size: int | None = None) -> None:
         """Plan what is left on one batch and build its mesh (all ranks at once), once: from ``setup``, or first from
-        merak_ep's expert groups (their ranks follow the chosen dp), pricing their exchange over ``ep_size`` ranks."""
+        merak_ep's expert groups (their ranks follow the chosen dp), pricing their exchange over ``ep_size`` ranks.
+        ``plan_only`` stops the run here, whether anything was left to plan or every degree was given."""
         if not self.needs_planning:
+            if self.plan_only:
+                trainer.should_stop, trainer.num_sanity_val_steps = True, 0
             return
         degrees = self._arguments.launch_degrees(self.world_size)
         view = self._view = network.module_view(self.lightning_module, *degrees)

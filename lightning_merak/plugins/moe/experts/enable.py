@@ -86,6 +86,9 @@ class ExpertParallelReport:
     expert_parameters: tuple[str, ...]
     expert_params_before: int
     expert_params_after: int
+    expert_buffers: tuple[str, ...] = ()
+    """Buffers cut to the local experts with their tensors (INT4 experts' scales and zero-points, of a module with
+    ``holds_local_experts``): a data-parallel wrapper must not broadcast them from rank 0."""
 
 
 def _is_registry_experts(module: nn.Module) -> bool:
@@ -172,7 +175,9 @@ def enable_expert_parallel(model: nn.Module, group: Any = None) -> ExpertParalle
     expert tensor keeps its local experts' stored form (:func:`_keep_local`). Expert parameters are marked
     ``allreduce=False``: a data-parallel wrapper must leave them out (their gradient already sums every rank's tokens;
     divide it by the data-parallel size for the gradient of the mean loss, as
-    :class:`~lightning_merak.callbacks.moe.experts.ExpertParallelCallback` does).
+    :class:`~lightning_merak.callbacks.moe.experts.ExpertParallelCallback` does), and the report's
+    ``expert_buffers`` too (INT4 scales and zero-points: broadcast from rank 0 they dequantize the wrong experts).
+    A parametrized tensor is reported by its stored parameter's name (``parametrizations.<tensor>.original``).
     """
     supported, reason = family_support(model)
     if not supported:
@@ -194,20 +199,25 @@ def enable_expert_parallel(model: nn.Module, group: Any = None) -> ExpertParalle
                 raise ValueError(f"{name}.{tensor} has {param.shape[0]} experts, expected {total}")
 
     before = after = 0
-    names = []
+    names, buffers = [], []
     for name, module in modules:
+        prefix = f"{name}." if name else ""
         for tensor in EXPERT_TENSORS:
             if getattr(module, tensor, None) is None:
                 continue
             kept = _keep_local(module, tensor, mine)
             before, after = before + kept[0], after + kept[1]
-            names.append(f"{name}.{tensor}" if name else tensor)
+            stored = f"parametrizations.{tensor}.original" if parametrize.is_parametrized(module, tensor) else tensor
+            names.append(prefix + stored)
+        buffers += [".".join(filter(None, (name, owner_name, buffer)))
+                    for owner_name, owner in module.named_modules() if getattr(owner, "holds_local_experts", False)
+                    for buffer, _ in owner.named_buffers(recurse=False)]
         setattr(module, SHARD_ATTRIBUTE, ExpertShard(group, ep_rank, ep_size, total, mine))
     if any(hasattr(m, "parameter_name") for m in model.modules()):  # adapters on experts (LoRA, Q-BaRA, QA-HiRA)
         names += shard_expert_adapters(model, (module for _, module in modules))
     _set_implementation(model, modules, EP_IMPLEMENTATION)
     return ExpertParallelReport(_model_type(model), ep_rank, ep_size, total, mine,
-                                tuple(n for n, _ in modules), tuple(names), before, after)
+                                tuple(n for n, _ in modules), tuple(names), before, after, tuple(buffers))
 
 
 def _keep_local(module: nn.Module, tensor: str, mine: range) -> tuple[int, int]:
