@@ -14,8 +14,10 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
+from lightning_merak.callbacks.metrics.callback import frozen_weight_fraction
 from lightning_merak.planning.flops import training_flops_per_token, transformer_shape
 
 __all__ = ["ModelSummary"]
@@ -25,7 +27,8 @@ _TOTAL_FLOPS_LINE = "Total Flops"
 
 class ModelSummary(LightningModelSummary):
     """Lightning's ``ModelSummary`` (same ``max_depth``), with ``Training FLOPs per token at seq_len tokens`` (from
-    ``pl_module.model.config``; forward and backward, attention included) in place of a zero "Total Flops".
+    ``pl_module.model.config``; forward and backward, attention included, frozen weights' gradients left out) in
+    place of a zero "Total Flops"; a model the count does not know gets a warning saying why, and no line.
 
     ``seq_len``: the tokens per sample the count assumes (``None``: the line is left out).
     """
@@ -45,9 +48,11 @@ class ModelSummary(LightningModelSummary):
         self._flops_line = ""
         if self.seq_len is not None and config is not None:
             try:
-                flops = training_flops_per_token(transformer_shape(config), self.seq_len)
-            except (ValueError, KeyError):
-                flops = None  # a family the count does not know: no line rather than a wrong one
+                flops = training_flops_per_token(transformer_shape(config), self.seq_len,
+                                                 frozen_weight_fraction(pl_module))
+            except ValueError as error:
+                flops = None  # a model the count does not know: no line rather than a wrong one
+                rank_zero_warn(f"ModelSummary prints no training FLOPs per token: {error}")
             if flops is not None:
                 self._flops_line = f"{get_human_readable_count(int(flops)):<10}Training FLOPs per token at " \
                                    f"{self.seq_len} tokens"

@@ -33,7 +33,7 @@ from lightning_merak.distributed.gradient_norm import ShardedGradients, installe
 from lightning_merak.parallel.micro_batching import VariableBatch
 from lightning_merak.planning.flops import training_flops_per_token, transformer_shape
 
-__all__ = ["TrainingMetrics"]
+__all__ = ["TrainingMetrics", "frozen_weight_fraction"]
 
 MEMORY_FIGURE = "memory/over_steps"
 _COUNTS = ("tokens", "samples", "model_flops", "peak_mib", "current_mib", "stage_busy_s", "pipeline_step_s")
@@ -112,7 +112,8 @@ class TrainingMetrics(pl.Callback):
     - ``perf/tokens_per_s``, ``perf/samples_per_s``: over every data-parallel replica (real tokens: see above);
     - ``perf/mfu`` (over a datasheet peak: known CUDA devices) or ``perf/mfu_measured_peak`` (over a measured
       matmul: CPUs and other devices), with ``perf/peak_tflops`` it divides by and ``perf/model_tflops_per_s``:
-      model FLOPs (:mod:`lightning_merak.planning.flops`, from ``pl_module.model.config``) per second over all ranks;
+      model FLOPs (:mod:`lightning_merak.planning.flops`, from ``pl_module.model.config``, frozen weights' gradients
+      left out: :func:`frozen_weight_fraction` at the start of training) per second over all ranks;
     - ``train/grad_norm``: the total gradient norm before clipping, over every shard, on the steps that are
       logged only. A strategy with a ``gradient_norm(optimizer)`` (merak3d: over every stage, shard and expert)
       computes it (or its clipping by norm, which keeps the norm it computed: then it is read, not computed
@@ -180,9 +181,9 @@ class TrainingMetrics(pl.Callback):
             try:
                 if config is None:
                     raise ValueError(f"{type(pl_module).__name__}.model has no transformers config")
-                shape = transformer_shape(config)
-                self._flops_fn = lambda seq_len: training_flops_per_token(shape, seq_len)
-            except (ValueError, KeyError) as error:
+                shape, frozen = transformer_shape(config), frozen_weight_fraction(pl_module)
+                self._flops_fn = lambda seq_len: training_flops_per_token(shape, seq_len, frozen)
+            except ValueError as error:
                 rank_zero_warn(f"TrainingMetrics logs no MFU: {error}")
         self._last_global_step = trainer.global_step
         self._interval_start = time.perf_counter()
@@ -360,6 +361,28 @@ def _rank_share(trainer: pl.Trainer, batch: Any) -> float:
         return 1.0 / world
     sampler = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
     return int(sampler.get("num_replicas", world)) / world
+
+
+def frozen_weight_fraction(model: torch.nn.Module) -> float:
+    """The share of ``model``'s matmul weights that need no gradient, by element count, for the FLOP count (whose
+    frozen matmuls skip their weight gradient): weights of two or more dimensions held by a module other than an
+    embedding lookup (a tied LM head's counted), an adapter's own weights left out (the count is the base
+    model's: a layer's weights outside its ``base_layer``, as PEFT's tuner layers and their tensor-parallel splits
+    hold them). 0 without such weights."""
+    adapter_weights: set[int] = set()
+    for module in model.modules():
+        base = getattr(module, "base_layer", None)
+        if isinstance(base, torch.nn.Module):
+            in_base = {id(param) for param in base.parameters()}
+            adapter_weights.update(id(param) for param in module.parameters() if id(param) not in in_base)
+    counted: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Embedding):
+            counted.update((id(param), param) for param in module.parameters(recurse=False)
+                           if param.dim() >= 2 and id(param) not in adapter_weights)
+    total = sum(param.numel() for param in counted.values())
+    frozen = sum(param.numel() for param in counted.values() if not param.requires_grad)
+    return frozen / total if total else 0.0
 
 
 def _model_config(model: Any) -> Any:
