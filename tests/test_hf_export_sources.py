@@ -73,6 +73,16 @@ def test_a_relative_model_path_is_recorded_absolute_so_export_copies_its_files_f
     assert export_log == []
 
 
+def test_export_into_the_folder_the_model_was_loaded_from_replaces_its_weights_in_place(tmp_path, export_log):
+    """As ``save_pretrained(same_folder)`` does: the source's own files stay, the weights are the trained ones."""
+    _source_folder(tmp_path / "model")
+    model = pretrained_causal_lm(str(tmp_path / "model"), VOCAB, weights=True)
+    report = export_checkpoint(_checkpoint(model, tmp_path / "run.ckpt"), tmp_path / "model")
+    assert set(SOURCE_FILES) <= set(report.files) and all((tmp_path / "model" / name).is_file()
+                                                          for name in SOURCE_FILES)
+    assert export_log == []
+
+
 def test_export_warns_when_the_recorded_source_folder_is_gone(tmp_path, export_log):
     model = pretrained_causal_lm(_source_folder(tmp_path / "moved"), VOCAB)
     checkpoint = _checkpoint(model, tmp_path / "run.ckpt")

@@ -109,7 +109,8 @@ def _remove_earlier_weights(out: Path) -> None:
 
 def _copy_source_files(record_config: dict[str, Any], out: Path) -> list[str]:
     """Copy the generation config and tokenizer files of the folder the model was loaded from (``_name_or_path``)
-    into ``out``; a recorded folder that is not there (moved, or recorded relative) is named in a warning."""
+    into ``out`` (kept as they are where ``out`` is that folder); a recorded folder that is not there (moved, or
+    recorded relative) is named in a warning."""
     recorded = str(record_config.get("_name_or_path") or "")
     if not recorded:  # initialised at random: no source folder
         return []
@@ -123,7 +124,8 @@ def _copy_source_files(record_config: dict[str, Any], out: Path) -> list[str]:
     for pattern in _COPIED_FILES:
         for file in sorted(source.glob(pattern)):
             if file.is_file():
-                shutil.copy2(file, out / file.name)
+                if not (out / file.name).exists() or not (out / file.name).samefile(file):  # else exported in place
+                    shutil.copy2(file, out / file.name)
                 copied.append(file.name)
     return copied
 
