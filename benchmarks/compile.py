@@ -84,10 +84,12 @@ COLUMNS = ["hidden", "layout", "mode", "tokens_per_s", "speedup", "efficiency", 
 
 def bare_block_speedup(hidden: int, batch: int, seq: int, device: str, repeats: int = 10, warmup: int = 3
                        ) -> dict[str, float]:
-    """Two Llama blocks, forward and backward, eager and compiled (one thread on CPU): the ceiling of the gain."""
+    """Two Llama blocks, forward and backward, eager and compiled as merak3d compiles a block (one thread on CPU):
+    the ceiling of the gain."""
     import torch
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+    from lightning_merak.parallel.regional_compile import profiled_block
     from lightning_merak.util.timing import DeviceTimer
 
     torch.set_num_threads(1)
@@ -108,8 +110,8 @@ def bare_block_speedup(hidden: int, batch: int, seq: int, device: str, repeats: 
         out.float().pow(2).mean().backward()
 
     timings = {}
-    for mode, forwards in (("eager", [block.forward for block in blocks]),
-                           ("compiled", [torch.compile(block.forward, fullgraph=True) for block in blocks])):
+    compiled = [profiled_block(block, f"layers.{index}", True) for index, block in enumerate(blocks)]  # as merak3d
+    for mode, forwards in (("eager", [block.forward for block in blocks]), ("compiled", compiled)):
         times = []
         for index in range(warmup + repeats):
             with DeviceTimer(torch.device(device)) as timer:

@@ -10,7 +10,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_merak.callbacks.compile import RegionalCompile
-from lightning_merak.parallel.regional_compile import compile_blocks, compile_counts, compiled_forward_of
+from lightning_merak.parallel.regional_compile import (
+    CompiledForward,
+    compile_blocks,
+    compile_counts,
+    compiled_forward_of,
+)
 from lightning_merak.protocols.layout_aware import RecomputedForward
 from tests.test_merak3d import MODELS, VOCAB, _module
 
@@ -152,3 +157,28 @@ def test_compiled_blocks_match_eager_on_a_cuda_device():
         loss.backward()
         losses[compiled] = loss.item()
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)
+
+
+def test_compile_workers_are_capped_at_the_process_threads_without_cuda(monkeypatch):
+    """On CPU inductor's default pool (one worker per core) would compile beside the ranks' training threads."""
+    from torch._inductor import config
+
+    from lightning_merak.parallel.regional_compile import share_compile_workers
+
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(config, "compile_threads", 8)
+    share_compile_workers()
+    assert config.compile_threads == 1
+    monkeypatch.setattr(config, "compile_threads", 8)
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "8")  # the user's count stands
+    share_compile_workers()
+    assert config.compile_threads == 8
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU run's CPU is free for compiling
+    share_compile_workers()
+    assert config.compile_threads == 8
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    CompiledForward(torch.nn.Linear(2, 2), "layer")  # every compiled block shares them
+    assert config.compile_threads == 1
