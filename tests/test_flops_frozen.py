@@ -12,9 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_merak.callbacks import ModelSummary, TrainingMetrics
-from lightning_merak.callbacks.metrics.callback import frozen_weight_fraction
 from lightning_merak.modules.causal_lm import CausalLMModule
-from lightning_merak.planning.flops import training_flops_per_token, transformer_shape
+from lightning_merak.planning.flops import frozen_weight_fraction, training_flops_per_token, transformer_shape
 
 SEQ = 16
 

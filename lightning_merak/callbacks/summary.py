@@ -17,8 +17,7 @@ from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
-from lightning_merak.callbacks.metrics.callback import frozen_weight_fraction
-from lightning_merak.planning.flops import training_flops_per_token, transformer_shape
+from lightning_merak.planning.flops import frozen_weight_fraction, training_flops_per_token, transformer_shape
 
 __all__ = ["ModelSummary"]
 

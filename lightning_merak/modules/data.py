@@ -353,12 +353,13 @@ class TokenDataModule(pl.LightningDataModule):
         return 0 if trainer is None else trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
     def resumable_loader(self, dataset: Dataset, num_workers: Optional[int] = None,
-                         **kwargs: Any) -> ResumableDataLoader:
+                         loader: type[ResumableDataLoader] = ResumableDataLoader, **kwargs: Any) -> ResumableDataLoader:
         """A training loader of ``dataset`` in batches of ``batch_size`` that resumes where the fit loop stopped
-        (``num_workers``: ``data.num_workers`` unless the dataset can feed fewer)."""
-        return ResumableDataLoader(dataset, batch_size=self.batch_size,
-                                   num_workers=self.num_workers if num_workers is None else num_workers,
-                                   **self._resume_arguments(), **kwargs)
+        (``num_workers``: ``data.num_workers`` unless the dataset can feed fewer; ``loader``: a subclass that saves
+        more of its state)."""
+        return loader(dataset, batch_size=self.batch_size,
+                      num_workers=self.num_workers if num_workers is None else num_workers,
+                      **self._resume_arguments(), **kwargs)
 
     def _batches_per_pass(self) -> Optional[int]:
         """Batches the fit loop trains an epoch, ``trainer.limit_train_batches`` applied (an int or a fraction of the

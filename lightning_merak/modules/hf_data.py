@@ -386,11 +386,16 @@ class _StreamLoader(ResumableDataLoader):
     own share and their batches take turns, so a trained batch count means other batches at another count: a
     resume there is refused (a stream's pass never ends, so every resume skips batches)."""
 
+    @property
+    def readers(self) -> int:
+        """The processes reading the stream: the loader's workers, or the loader itself."""
+        return max(1, self.num_workers)
+
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "readers": max(1, self.num_workers)}
+        return {**super().state_dict(), "readers": self.readers}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        readers, now = state.get("readers", max(1, self.num_workers)), max(1, self.num_workers)  # older: unchecked
+        readers, now = state.get("readers", self.readers), self.readers  # older checkpoints: unchecked
         if readers != now and state["batches"] > 0:
             raise DataError(f"the checkpoint's run read each rank's stream in {readers} loader worker share(s), this "
                             f"run reads it in {now} (data.num_workers, at most the share's shards): their batches take "
@@ -509,8 +514,8 @@ class HFDatasetData(TokenDataModule):
         replica = getattr(strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
         stream = self.train_stream(replica["rank"], replica["num_replicas"])
         # At most a worker per shard of the rank's share: a worker beyond the corpus's shards would read nothing.
-        return _StreamLoader(stream, batch_size=self.batch_size,
-                             num_workers=min(self.num_workers, stream.documents.num_shards), **self._resume_arguments())
+        return self.resumable_loader(stream, num_workers=min(self.num_workers, stream.documents.num_shards),
+                                     loader=_StreamLoader)
 
     def val_dataloader(self) -> DataLoader:
         if not self.streaming:

@@ -19,7 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-__all__ = ["SUPPORTED_FAMILIES", "TransformerShape", "training_flops_per_token", "transformer_shape"]
+from torch import nn
+
+__all__ = ["SUPPORTED_FAMILIES", "TransformerShape", "frozen_weight_fraction", "training_flops_per_token",
+           "transformer_shape"]
 
 _GATED_DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "cohere", "olmo",
                 "olmo2", "granite")
@@ -168,3 +171,25 @@ def _qwen_moe_shape(values: Mapping[str, Any], family: str, common: dict[str, An
                             experts_per_token=int(values["num_experts_per_tok"]),
                             expert_intermediate=int(values["moe_intermediate_size"]),
                             shared_expert_intermediate=int(shared or 0), shared_expert_gate=bool(shared), **common)
+
+
+def frozen_weight_fraction(model: nn.Module) -> float:
+    """The share of ``model``'s matmul weights that need no gradient, by element count, for the FLOP count (whose
+    frozen matmuls skip their weight gradient): weights of two or more dimensions held by a module other than an
+    embedding lookup (a tied LM head's counted), an adapter's own weights left out (the count is the base
+    model's: a layer's weights outside its ``base_layer``, as PEFT's tuner layers and their tensor-parallel splits
+    hold them). 0 without such weights."""
+    adapter_weights: set[int] = set()
+    for module in model.modules():
+        base = getattr(module, "base_layer", None)
+        if isinstance(base, nn.Module):
+            in_base = {id(param) for param in base.parameters()}
+            adapter_weights.update(id(param) for param in module.parameters() if id(param) not in in_base)
+    counted: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        if not isinstance(module, nn.Embedding):
+            counted.update((id(param), param) for param in module.parameters(recurse=False)
+                           if param.dim() >= 2 and id(param) not in adapter_weights)
+    total = sum(param.numel() for param in counted.values())
+    frozen = sum(param.numel() for param in counted.values() if not param.requires_grad)
+    return frozen / total if total else 0.0

@@ -31,9 +31,9 @@ from lightning_merak.callbacks.metrics.device import DATASHEET_PEAK, PeakFlops, 
 from lightning_merak.callbacks.metrics.figures import log_figure, memory_figure
 from lightning_merak.distributed.gradient_norm import ShardedGradients, installed_sharded_gradients
 from lightning_merak.parallel.micro_batching import VariableBatch
-from lightning_merak.planning.flops import training_flops_per_token, transformer_shape
+from lightning_merak.planning.flops import frozen_weight_fraction, training_flops_per_token, transformer_shape
 
-__all__ = ["TrainingMetrics", "frozen_weight_fraction"]
+__all__ = ["TrainingMetrics"]
 
 MEMORY_FIGURE = "memory/over_steps"
 _COUNTS = ("tokens", "samples", "model_flops", "peak_mib", "current_mib", "stage_busy_s", "pipeline_step_s")
@@ -113,7 +113,8 @@ class TrainingMetrics(pl.Callback):
     - ``perf/mfu`` (over a datasheet peak: known CUDA devices) or ``perf/mfu_measured_peak`` (over a measured
       matmul: CPUs and other devices), with ``perf/peak_tflops`` it divides by and ``perf/model_tflops_per_s``:
       model FLOPs (:mod:`lightning_merak.planning.flops`, from ``pl_module.model.config``, frozen weights' gradients
-      left out: :func:`frozen_weight_fraction` at the start of training) per second over all ranks;
+      left out: :func:`~lightning_merak.planning.flops.frozen_weight_fraction` at the start of training) per
+      second over all ranks;
     - ``train/grad_norm``: the total gradient norm before clipping, over every shard, on the steps that are
       logged only. A strategy with a ``gradient_norm(optimizer)`` (merak3d: over every stage, shard and expert)
       computes it (or its clipping by norm, which keeps the norm it computed: then it is read, not computed
@@ -361,28 +362,6 @@ def _rank_share(trainer: pl.Trainer, batch: Any) -> float:
         return 1.0 / world
     sampler = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
     return int(sampler.get("num_replicas", world)) / world
-
-
-def frozen_weight_fraction(model: torch.nn.Module) -> float:
-    """The share of ``model``'s matmul weights that need no gradient, by element count, for the FLOP count (whose
-    frozen matmuls skip their weight gradient): weights of two or more dimensions held by a module other than an
-    embedding lookup (a tied LM head's counted), an adapter's own weights left out (the count is the base
-    model's: a layer's weights outside its ``base_layer``, as PEFT's tuner layers and their tensor-parallel splits
-    hold them). 0 without such weights."""
-    adapter_weights: set[int] = set()
-    for module in model.modules():
-        base = getattr(module, "base_layer", None)
-        if isinstance(base, torch.nn.Module):
-            in_base = {id(param) for param in base.parameters()}
-            adapter_weights.update(id(param) for param in module.parameters() if id(param) not in in_base)
-    counted: dict[int, torch.nn.Parameter] = {}
-    for module in model.modules():
-        if not isinstance(module, torch.nn.Embedding):
-            counted.update((id(param), param) for param in module.parameters(recurse=False)
-                           if param.dim() >= 2 and id(param) not in adapter_weights)
-    total = sum(param.numel() for param in counted.values())
-    frozen = sum(param.numel() for param in counted.values() if not param.requires_grad)
-    return frozen / total if total else 0.0
 
 
 def _model_config(model: Any) -> Any:

@@ -18,9 +18,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_merak.parallel.data.buckets import DataParallelGradients
 from lightning_merak.parallel.data.sharding_checks import check_fully_sharded_callbacks
 from lightning_merak.parallel.layout import Layout, LayoutGroups
-from lightning_merak.strategies.merak3d import build
+from lightning_merak.strategies.merak3d import build, network
 from lightning_merak.strategies.merak3d.arguments import Degree, Merak3DArguments
 from lightning_merak.strategies.merak3d.context_step import ContextRoundsStep
+from lightning_merak.strategies.merak3d.tensor_degrees import check_tensor_parallel_search
 from lightning_merak.strategies.merak3d.variable_step import PipelineSteps
 
 __all__ = ["LayoutQueries"]
@@ -187,13 +188,17 @@ class LayoutQueries:
                                sequence_length: Optional[int] = None, accumulate_grad_batches: int = 1) -> None:
         """Refuse, before any process starts, a layout that the world size, the batches or the model rule out.
 
-        Runs :meth:`validate_arguments` first. What is left for the first batch needs the traced
-        model or the real batch: whether a block splits exactly over the tensor-parallel ranks, and
-        the shape of each batch.
+        Runs :meth:`validate_arguments` first, and refuses ``tensor_parallel="auto"`` with no degree the model splits
+        into at the fixed degrees (the planner would find none only after profiling). What is left for the first
+        batch needs the traced model or the real batch: whether a block splits exactly over the tensor-parallel
+        ranks, and the shape of each batch.
         """
         self.validate_arguments(world_size, batch_size=batch_size, sequence_length=sequence_length,
                                 accumulate_grad_batches=accumulate_grad_batches)
         self._arguments.validate_model(module, world_size, sequence_length)
+        view = network.module_view(module, *self._arguments.launch_degrees(world_size))
+        check_tensor_parallel_search(self._arguments, getattr(view.network, "config", None), world_size,
+                                     sequence_length)
 
     def validate_callbacks_before_launch(self, callbacks: Sequence[Any], world_size: int) -> None:
         """Refuse, before any process starts, a callback the layout's sharding mode rules out where the layout is

@@ -40,7 +40,7 @@ from lightning_merak.parallel.layout import Layout, LayoutGroups
 from lightning_merak.parallel.materialize import has_meta, meta_device
 from lightning_merak.parallel.tensor.layers import shared_row_weights
 from lightning_merak.planning.planner.step_check import BatchClock, StepTimeCheck
-from lightning_merak.strategies.merak3d import arguments, build, network, planning, tensor_degrees
+from lightning_merak.strategies.merak3d import arguments, build, network, planning
 from lightning_merak.strategies.merak3d.arguments import Degree
 from lightning_merak.strategies.merak3d.checkpoint_hooks import CheckpointHooks
 from lightning_merak.strategies.merak3d.context_step import ContextRoundsStep, install_step
@@ -262,17 +262,6 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
         self.accelerator.teardown()
 
     # Planning --------------------------------------------------------------------------
-
-    def validate_before_launch(self, module: pl.LightningModule, world_size: int, *, batch_size: Optional[int] = None,
-                               sequence_length: Optional[int] = None, accumulate_grad_batches: int = 1) -> None:
-        """:class:`LayoutQueries`' refusals, then ``tensor_parallel="auto"`` with no degree the model splits into
-        at the fixed degrees (:func:`~.tensor_degrees.check_tensor_parallel_search`): the planner would find no
-        layout only after launching and profiling."""
-        super().validate_before_launch(module, world_size, batch_size=batch_size, sequence_length=sequence_length,
-                                       accumulate_grad_batches=accumulate_grad_batches)
-        view = network.module_view(module, *self._arguments.launch_degrees(world_size))
-        tensor_degrees.check_tensor_parallel_search(self._arguments, getattr(view.network, "config", None),
-                                                    world_size, sequence_length)
 
     def adopt_planned_layout(self, trainer: pl.Trainer, *, merak_ep: bool = False, ep_size: int | None = None) -> None:
         """Plan what is left on one batch and build its mesh (all ranks at once), once: from ``setup``, or first from
