@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 
 class ResultsError(Exception):
@@ -26,20 +25,7 @@ def percent(value: float | None, signed: bool = False) -> str:
     return "-" if value is None else f"{100 * value:{'+' if signed else ''}.1f}%"
 
 
-def met(value: object) -> str:
-    return "n/a" if value is None else ("met" if value else "not met")
-
-
 def brief(error: str, limit: int = 60) -> str:
     """The first sentence of an error message, cut to ``limit`` characters."""
     first = error.split(". ")[0]
     return first if len(first) <= limit else first[: limit - 1] + "…"
-
-
-def flat(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dicts as ``outer / inner`` keys."""
-    out: dict[str, Any] = {}
-    for key, value in mapping.items():
-        name = f"{prefix}{key}"
-        out.update(flat(value, f"{name} / ") if isinstance(value, dict) else {name: value})
-    return out

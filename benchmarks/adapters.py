@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -326,7 +327,8 @@ def summarize(rows: list[dict], setting: Setting) -> list[dict]:
     return table
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Exit status 1 when a layout of the layout leg failed (after its table and JSON), else 0."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--quick", action="store_true", help="2 tasks x 2 seeds x 100 steps (under 5 minutes on 2 CPU cores)"
@@ -348,11 +350,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     if args.tune:
         tune(setting, pretrained_base(setting, device), device, args.out.with_name("adapters_lr_sweep.json"))
-        return
+        return 0
     if args.leg != "layouts":
         accuracy_leg(setting, device, args.quick, args.out)
-    if args.leg != "accuracy":
-        layouts_leg(args.quick, layouts_out)
+    return 1 if args.leg != "accuracy" and layouts_leg(args.quick, layouts_out) else 0
 
 
 def layouts_path(out: Path) -> Path:
@@ -405,9 +406,10 @@ def accuracy_leg(setting: Setting, device: torch.device, quick: bool, out: Path)
     print(f"wrote {out}")
 
 
-def layouts_leg(quick: bool, out: Path | None) -> None:
+def layouts_leg(quick: bool, out: Path | None) -> list[str]:
     """Every layout and method on two CPU ranks (gloo, whatever ``--device`` says); writes ``adapters_layouts``
-    (a full run: one more of its runs)."""
+    (a full run: one more of its runs). The layouts that failed, each with its error (none refuses: all are
+    merak3d's)."""
     from benchmarks._adapters_layouts import run_layouts
     from benchmarks.goals import print_goals, write_run
 
@@ -422,7 +424,11 @@ def layouts_leg(quick: bool, out: Path | None) -> None:
                         benchmark="adapters layouts", layout_setting=size, wall_seconds=round(wall, 1),
                         memory_column="computed per rank: state dict tensors + gradients + optimizer state")
     print(f"wrote {written}")
+    failed = [f"{row['layout']}: {row['error']}" for row in rows if "error" in row]
+    for line in failed:
+        print(f"adapters layouts: {line}", file=sys.stderr)
+    return failed
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

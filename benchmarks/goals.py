@@ -6,7 +6,8 @@ its leg (:func:`worst_case`); the full benchmark runs at least three times, and 
 spread (min / median / max over runs) and how many runs met the goal. Means of ratios are never goal figures.
 
 A full run writes ``results/runs/NAME.K.json`` (:func:`write_run`, ``K`` counting up) and then ``results/NAME.json``:
-the latest run's payload plus ``goal_runs``, every goal over every run so far (:func:`combine_runs`). A ``--quick``
+the latest run's payload plus ``goal_runs``, every goal over every run so far (:func:`combine_runs`). Every file
+records the code's revision (:func:`benchmarks.report.code_revision`). A ``--quick``
 run writes ``results/NAME.quick.json`` only, with its one run in ``goal_runs``. ``benchmarks.results_table``
 shows ``goal_runs`` under each area and in the goals table at the top of ``docs/results.md``.
 
@@ -16,6 +17,7 @@ Importing this module does not import torch.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -36,8 +38,9 @@ RULES = """\
    knob, or both run at defaults; both are reported where they differ.
 2. **Ours runs at its defaults.** A non-default option is a separate, labelled row.
 3. **A goal's figure is the worst case** over the configurations of its leg (every rung, layout, family, width),
-   and each full benchmark is run at least 3 times: the table gives min / median / max over runs and how many
-   runs met the goal. Means of ratios are not goal statistics.
+   and each full benchmark is run at least 3 times: the table gives min / median / max over the runs that
+   measured the goal (a run whose leg did not run is not counted) and how many met it. Every run records its code
+   revision, and an area whose runs come from different revisions says so. Means of ratios are not goal statistics.
 4. **Goals are fixed by the issue that set them.** A miss is reported as a miss, with its measured cause; the
    workload, baseline and statistic never change after a failing run. A new workload is a new leg beside the old.
 5. **Benchmark ranks run in the environment the product gives a user's ranks** (the launcher's settings, the
@@ -97,12 +100,20 @@ def worst_case(goal: Goal, by_config: Mapping[str, float | None], note: str | No
             "missing": missing, "by_config": {name: by_config[name] for name in by_config}, "note": note}
 
 
+def has_figure_or_verdict(goal: Mapping[str, Any]) -> bool:
+    """Whether a run's goal record is a run of that goal: it has a figure, a verdict (met vacuously), or a
+    configuration that failed (a failure is a run that missed). A record with none of them (its leg was not run,
+    or not built then) is not a run of that goal."""
+    return goal["value"] is not None or goal["met"] is not None or bool(goal.get("missing"))
+
+
 def combine_runs(runs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """Every goal over ``runs`` (run payloads with a ``goals`` list from :func:`worst_case`).
 
-    The median over runs is the headline; min / max give the spread; ``met`` holds when at least
-    ``runs_required`` runs (every run by default) met the goal and at least :data:`FULL_RUNS` runs were made
-    (fewer runs leave ``met`` None: not yet decided).
+    Only the runs that measured a goal count for it (:func:`has_figure_or_verdict`; ``unmeasured_runs`` counts
+    the others). The median over those runs is the headline; min / max give the spread; ``met`` holds when at
+    least ``runs_required`` of them (all by default) met the goal and at least :data:`FULL_RUNS` were made
+    (fewer leave ``met`` None: not yet decided, not missed).
     """
     combined: dict[str, dict[str, Any]] = {}
     for index, run in enumerate(runs):
@@ -114,13 +125,19 @@ def combine_runs(runs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
                 raise ValueError(f"goal {goal['key']} changed between runs: run {index + 1} has target "
                                  f"{goal['direction']} {goal['target']} ({goal['definition']!r}); a changed goal is "
                                  "a new goal with its own key")
+            entry.setdefault("unmeasured_runs", 0)
+            if not has_figure_or_verdict(goal):
+                entry["unmeasured_runs"] += 1
+                continue
             entry.setdefault("values", []).append(goal["value"])
             entry.setdefault("worst_configs", []).append(goal["worst_config"])
             entry.setdefault("met_by_run", []).append(goal["met"])
     for entry in combined.values():
-        values = [v for v in entry["values"] if v is not None]
-        meeting = sum(1 for met in entry["met_by_run"] if met)
-        runs_made = len(entry["values"])
+        measured = entry.setdefault("values", [])
+        entry.setdefault("worst_configs", [])
+        values = [v for v in measured if v is not None]
+        meeting = sum(1 for met in entry.setdefault("met_by_run", []) if met)
+        runs_made = len(measured)
         required = entry["runs_required"] or runs_made
         entry.update(
             runs=runs_made, runs_meeting_goal=f"{meeting}/{runs_made}",
@@ -130,14 +147,20 @@ def combine_runs(runs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
     return combined
 
 
-def _run_index(path: Path) -> int:
-    return int(path.suffixes[-2].lstrip("."))
+RUN_FILE = r"\.(\d+)\.json"
+"""A full run's file name after the benchmark's name: ``NAME.<K>.json``."""
+
+
+def _run_index(name: str, path: Path) -> int | None:
+    match = re.fullmatch(re.escape(name) + RUN_FILE, path.name)
+    return int(match.group(1)) if match else None
 
 
 def run_paths(name: str) -> list[Path]:
-    """The full runs of benchmark ``name`` so far (``results/runs/NAME.K.json``), oldest first."""
-    found = [p for p in RUNS_DIR.glob(f"{name}.*.json") if len(p.suffixes) == 2 and p.suffixes[0][1:].isdigit()]
-    return sorted(found, key=_run_index)
+    """The full runs of benchmark ``name`` so far (``results/runs/NAME.K.json``, ``name`` may hold dots), oldest
+    first."""
+    indexed = {path: _run_index(name, path) for path in RUNS_DIR.glob(f"{name}.*.json")}
+    return sorted((path for path, index in indexed.items() if index is not None), key=indexed.__getitem__)
 
 
 def write_run(name: str, rows: Sequence[Mapping[str, object]], label: Label, goals: Sequence[Mapping[str, Any]],
@@ -153,12 +176,12 @@ def write_run(name: str, rows: Sequence[Mapping[str, object]], label: Label, goa
         path = out or RESULTS_DIR / f"{name}.quick.json"
         return write_json(path, rows, label, **context, goals=goals, goal_runs=combine_runs([{"goals": goals}]))
     existing = run_paths(name)
-    next_index = _run_index(existing[-1]) + 1 if existing else 1
+    next_index = 1 + max((_run_index(name, path) or 0 for path in existing), default=0)
     run_path = write_json(RUNS_DIR / f"{name}.{next_index}.json", rows, label, **context, goals=goals)
     runs = [json.loads(path.read_text()) for path in run_paths(name)]
     latest = json.loads(run_path.read_text())
     return write_json(RESULTS_DIR / f"{name}.json", latest.pop("rows"), label,
-                      **{k: v for k, v in latest.items() if k not in ("label", "machine")},
+                      **{k: v for k, v in latest.items() if k not in ("label", "machine", "revision")},
                       run_files=[str(p.relative_to(RESULTS_DIR)) for p in run_paths(name)],
                       goal_runs=combine_runs(runs))
 
@@ -169,9 +192,21 @@ def goal_line(entry: Mapping[str, Any]) -> str:
         return "-" if value is None else f"{value:.3g}"
 
     spread = "" if entry["runs"] < 2 else f" [{number(entry['min'])}–{number(entry['max'])}]"
-    verdict = {True: "met", False: "MISSED", None: "undecided (fewer than 3 runs)"}[entry["met"]]
+    verdict = {True: "met", False: "MISSED", None: undecided(entry)}[entry["met"]]
     return (f"{entry['key']} {number(entry['median'])}{spread} (goal {entry['direction']} {entry['target']:g}; "
-            f"{entry['runs_meeting_goal']} runs meet it): {verdict}")
+            f"{runs_meeting(entry)}): {verdict}")
+
+
+def undecided(entry: Mapping[str, Any]) -> str:
+    """Why a goal has no verdict yet: how many runs measured it, of the :data:`FULL_RUNS` a verdict needs."""
+    return f"undecided ({entry['runs']} of {FULL_RUNS} runs measured it)"
+
+
+def runs_meeting(entry: Mapping[str, Any]) -> str:
+    """How many of the runs that measured a goal met it, and how many runs had no figure for it."""
+    unmeasured = entry.get("unmeasured_runs", 0)
+    return f"{entry['runs_meeting_goal']} runs meet it" + (
+        f"; {unmeasured} run{'s' if unmeasured > 1 else ''} without a figure not counted" if unmeasured else "")
 
 
 def print_goals(goals: Sequence[Mapping[str, Any]]) -> None:

@@ -100,12 +100,12 @@ OURS_OVER_BEST = Goal(
     "FasterMoE-style shadowing (lancet_chunks=1); worst over configurations", 49, runs_required=2)
 SIMULATED_WORST_STEP = Goal(
     "simulated_worst_step_max_over_mean", 1.25, "<=",
-    "simulated 8-64 ranks (1 expert per rank, this run's calibrated cost model), every routing: ours' tokens "
+    "[sim] 8-64 ranks (1 expert per rank, this run's calibrated cost model), every routing: ours' tokens "
     "computed per rank max/mean of the worst single step, worst over steps and configurations", 49,
     runs_required=2)
 SIMULATED_OURS_OVER_BEST = Goal(
     "simulated_ours_over_best_baseline_min", 1.0, ">=",
-    "simulated 8-64 ranks, every routing: predicted time over all steps of the best baseline (DeepSpeed-MoE "
+    "[sim] 8-64 ranks, every routing: predicted time over all steps of the best baseline (DeepSpeed-MoE "
     "padded, dropless, shadowing) over ours', worst over configurations", 49, runs_required=2)
 
 
@@ -365,6 +365,8 @@ def _heatmaps(rows_maps: dict[str, dict[str, tuple[list, list]]], shown: str, pr
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run (or re-summarise ``--records``) and write the JSON; a partial or re-summarised run only with ``--out`` or
+    ``--quick``, never as one of the goals' full runs."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps, tokens and sweep points")
     parser.add_argument("--out", type=Path, help=out_help("moe"))
@@ -385,6 +387,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.world_size < 2 or 8 % args.world_size:
         parser.error(f"--world-size {args.world_size}: use 2, 4 or 8 (it must divide the 8 experts)")
+    partial = [flag for flag, given in (("--configs", args.configs), ("--world-size", args.world_size != WORLD_SIZE),
+                                        ("--policies", args.policies),
+                                        ("--records", args.records and args.records.exists())) if given]
+    if partial and not (args.quick or args.out):
+        parser.error(f"{' and '.join(partial)}: not a full run (a part, other ranks or policies, or old records), so "
+                     "it must not join the goals' full runs; write it elsewhere with --out PATH (or --quick)")
 
     started = time.perf_counter()
     plan = configs(args.quick, args.world_size)

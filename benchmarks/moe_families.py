@@ -281,6 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="only these families (a targeted run; the committed JSON covers all)")
     parser.add_argument("--out", default=None, help=out_help(NAME))
     args = parser.parse_args(argv)
+    if args.families and not (args.quick or args.out):
+        parser.error("--families runs part of the families, so it must not join the goals' full runs; write it "
+                     "elsewhere with --out PATH (or --quick)")
     families = args.families or _families()
     rows, goals, summary = (_gpu_leg if args.device == "cuda" else _cpu_leg)(args.quick, families)
     table = [{"family": r["family"], **({"dtype": r["dtype"]} if "dtype" in r else {}),

@@ -40,8 +40,7 @@ before training, not minutes; on this shared machine a layout's runs minutes apa
 calibration taken a round's length before a measured run priced the spell, not the layout. Groups run in mirrored
 order in alternate rounds. Pipelines are priced at the split merak3d's autopipe will pick for their micro-batches
 on the calibrated costs (:mod:`lightning_merak.planning.replay.stage_split`; rows keep it per round next to the split
-each
-run reported). Rows carry both predictions (``predicted_s``/``error``: the cost model;
+each run reported). Rows carry both predictions (``predicted_s``/``error``: the cost model;
 ``replay_predicted_s``/``replay_error``: the replay), the summary both maxima and each predictor's pick and regret.
 
 Goals (issue #49): ``error_max_leave_one_out`` (:data:`ERROR_GOAL`), the worst |error| over layouts of the default
@@ -55,7 +54,7 @@ the layouts it prices) are not held out: beside the goals. The replayer's own le
 Everything is measured on this machine; nothing is simulated except the predictions
 themselves. Other load on the machine skews both. The ranks start with the glibc tunables merak3d's launcher gives
 a user's ranks (:func:`~lightning_merak.distributed.host_memory.export_heap_tunables` before the forkserver they are
-forked from starts; ``--default-heap`` for glibc's defaults).
+forked from starts; ``--default-heap`` for glibc's defaults: not a full run, so only with ``--out`` or ``--quick``).
 """
 
 from __future__ import annotations
@@ -449,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead: merak_ep's predicted vs measured step at dp2 and pp2 x dp2 "
                              "(benchmarks/_planner_moe.py; default out planner_moe[.quick].json)")
     args = parser.parse_args(argv)
+    if args.default_heap and not (args.quick or args.out):
+        parser.error("--default-heap runs the ranks off a user's heap: not a full run; add --out PATH (or --quick)")
     rank_heap = prepare_rank_heap(args.default_heap)  # before the forkserver the ranks are forked from starts
     if args.moe:
         from benchmarks._planner_moe import main as moe_main
@@ -586,13 +587,13 @@ def main(argv: list[str] | None = None) -> int:
                            "own stage_blocks_rounds); replay_loo_*: the replayer calibrated without the runs of the "
                            "layout it prices (held_out_groups)",
                calibrations=calibrations, calibration_runs=calibration_runs, untraced_steps=UNTRACED_STEPS,
-               probe_layers=PROBE_LAYERS, calibration_sides=list(SIDES),
-               rounds=mode.rounds,
-               rank_heap=rank_heap,
+               probe_layers=PROBE_LAYERS, calibration_sides=list(SIDES), rounds=mode.rounds, rank_heap=rank_heap,
                workload=WORKLOAD.describe() + " per replica", world_size=WORLD_SIZE,
                mode="quick" if args.quick else "full", summary=summary, wall_s=time.perf_counter() - started)
     print(f"wrote {out} ({time.perf_counter() - started:.0f} s)")
-    return 0
+    failed = [row for row in rows if "error" not in row]
+    sys.stderr.writelines(f"planner: {row['layout']} failed: {row['measured_s']}\n" for row in failed)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

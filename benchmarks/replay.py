@@ -526,6 +526,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.rank:
         rank_main([Job(**j) for j in json.loads(args.jobs)], args.dir, pin=args.pin)
         return 0
+    if (args.pin or args.default_heap) and not (args.quick or args.out):
+        parser.error("--pin / --default-heap: not a user's setting, so not a full run; add --out PATH (or --quick)")
     if not emulation_available():
         print("the emulated cluster needs root, ip and tc (see lightning_merak/testing/netem.py)")
         return 2
@@ -581,8 +583,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     statistic=f"medians over {mode.repeats} repeats (each run's period: median of its untraced "
                               "steps after warm-up); error_paired: the median of each repeat's own error; "
                               "error_first_repeat: the first repeat alone, as a single run reported before repeats",
-                    repeats=mode.repeats, steps_per_run=mode.steps, probe_layers=PROBE_LAYERS,
-                    ranks_pinned=args.pin,
+                    repeats=mode.repeats, steps_per_run=mode.steps, probe_layers=PROBE_LAYERS, ranks_pinned=args.pin,
                     rank_heap="glibc defaults" if args.default_heap else rank_environment()["GLIBC_TUNABLES"],
                     workload=WORKLOAD.describe(), mode="quick" if args.quick else "full",
                     perfetto_example=example.name, recording_overhead=overhead, runs=merge_runs(repeat_runs),

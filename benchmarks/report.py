@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
 
 Label = Literal["measured", "emulated", "simulated"]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = RESULTS_DIR.parents[1]
+CODE_PATHS = ("benchmarks", "lightning_merak", ":(exclude)benchmarks/results")
+"""What a figure's code is: uncommitted changes here make a run's revision ``dirty`` (results files do not)."""
 
 
 def default_out(name: str, quick: bool) -> Path:
@@ -52,6 +56,28 @@ def machine_info() -> dict[str, object]:
     }
 
 
+def code_revision() -> dict[str, object] | None:
+    """The commit the figures were measured at, and whether :data:`CODE_PATHS` differed from it (``dirty``), so
+    that runs of different code are told apart; None outside a git checkout."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+                              timeout=30).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        changed = git("status", "--porcelain", "--", *CODE_PATHS)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "dirty": bool(changed)}
+
+
+def revision_text(revision: Mapping[str, object] | None) -> str:
+    """A run's revision for a reader: the short commit, ``dirty`` where the code had uncommitted changes."""
+    if revision is None:
+        return "revision not recorded"
+    return f"{str(revision['commit'])[:10]}" + (" dirty" if revision["dirty"] else "")
+
+
 def _cell(value: object) -> str:
     if value is None:
         return "-"
@@ -70,9 +96,10 @@ def print_table(rows: Sequence[Mapping[str, object]], columns: Sequence[str] | N
 
 
 def write_json(path: Path, rows: Sequence[Mapping[str, object]], label: Label, **context: object) -> Path:
-    """Write ``rows`` plus ``label``, machine info and ``context`` to ``path``, creating parent dirs."""
+    """Write ``rows`` plus ``label``, machine info, the code's revision (:func:`code_revision`) and ``context`` to
+    ``path``, creating parent dirs."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"label": label, "machine": machine_info(), **context, "rows": list(rows)}
+    payload = {"label": label, "machine": machine_info(), "revision": code_revision(), **context, "rows": list(rows)}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
 

@@ -28,15 +28,16 @@ from benchmarks._auxiliary_lines import (
     scale_gpu,
     sharding_gpu,
 )
-from benchmarks._table_cells import ResultsError, Table, brief, flat, met, percent, ratio
+from benchmarks._table_cells import ResultsError, Table, brief, percent, ratio
 from benchmarks._table_moe import moe
 from benchmarks._table_moe_families import moe_families, moe_families_gpu
 from benchmarks._table_replay_planner import planner, replay
 from benchmarks._table_scale import scale
 from benchmarks._table_sharding import sharding
 from benchmarks._table_sparse_comm_overlap_tp import overlap_tp, sparse_comm
-from benchmarks.goals import RULES, goal_line
-from benchmarks.report import RESULTS_DIR
+from benchmarks.delta import budget_text
+from benchmarks.goals import RULES, combine_runs, goal_line, undecided
+from benchmarks.report import RESULTS_DIR, revision_text
 
 REPO_ROOT = RESULTS_DIR.parents[1]
 DEFAULT_PAGE = REPO_ROOT / "docs" / "results.md"
@@ -101,6 +102,8 @@ def merak3d(data: dict[str, Any]) -> Table:
 
 
 def delta(data: dict[str, Any]) -> Table:
+    """Per leg and configuration against that leg's ``none``; DELTA's budget named on each of its rows."""
+    budget = budget_text(data["delta_budget_fraction"])
     rows = []
     for r in data["rows"]:
         if r["config"] == "none":
@@ -108,9 +111,13 @@ def delta(data: dict[str, Any]) -> Table:
         if r["leg"] == "max batch":
             rows.append([r["leg"], r["config"], "-", "-", "-", f"{r['batch']} ({ratio(r['batch_vs_none'])})"])
         else:
-            rows.append([r["leg"], r["config"], percent(r["activation_vs_none"]),
+            config = r["config"] + (f" ({budget}: {r['budget_MiB']:.1f} MiB)" if "budget_MiB" in r else "")
+            rows.append([r["leg"], config, percent(r["activation_vs_none"]),
                          percent(r.get("allocated_vs_none")), ratio(r["time_vs_none"]), "-"])
-    notes = ["targets: " + ", ".join(f"{k} {met(v)}" for k, v in flat(data["targets"]).items()),
+    notes = [f"equal-batch legs and the sweep: DELTA's {budget} in the same leg; goals: the worst delta row over "
+             "every leg they cover",
+             f"max batch: within none's activation RSS peak at batch 8 ({data['memory_budget_MiB']:.1f} MiB); "
+             "DELTA's budget that minus none's non-saved transients per sample",
              f"GPU leg: {data['gpu_leg']}"]
     return Table(["leg", "config", "activation RSS, share of none's", "allocator in-use, share of none's",
                   "step time vs none", "max batch (vs none)"], rows, notes)
@@ -183,10 +190,10 @@ def dynapipe(data: dict[str, Any]) -> Table:
              percent(r["padding_fraction"]), percent(r["bubble"]), r["micro_batches_per_replica"]]
             for r in data["rows"]]
     settings = data["settings"]
-    notes = [f"dynamic over pack {ratio(data['speedup_vs_pack'])} (goal 1.3x), "
-             f"over pad {ratio(data['speedup_vs_pad'])} (goal 2x) at {data['headline_layout']}; "
+    notes = ["dynamic over pack / over pad per layout (goals: the worst layout): "
              + "; ".join(f"{layout}: {ratio(s['vs_pack'])} / {ratio(s['vs_pad'])}"
                          for layout, s in sorted(data["speedups_by_layout"].items())),
+             f"attention: {data['model']['attn_implementation']} in every mode (transformers' default is sdpa)",
              f"loss, dynamic vs pad over the same samples: max relative difference {data['loss_max_rel_diff']:.1e}",
              f"context {settings['context']} tokens, {settings['batch']}-sample global batches, "
              f"{settings['measured']} measured steps; {data['note']}"]
@@ -337,13 +344,44 @@ def load(path: Path) -> Result:
     return Result(path, name, quick, data)
 
 
+def with_runs(result: Result, results_dir: Path) -> Result:
+    """A full run with ``goal_runs`` combined afresh from its run files (``run_files``, :func:`combine_runs`) and
+    their code revisions as ``run_revisions``: the page follows the run files, not the combination stored when the
+    latest run was written."""
+    files = result.data.get("run_files")
+    if not files:
+        return result
+    try:
+        runs = [json.loads((results_dir / name).read_text()) for name in files]
+        goal_runs = combine_runs(runs)
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ResultsError(f"{result.path}: its run files ({', '.join(files)}): {error}") from error
+    result.data = {**result.data, "goal_runs": goal_runs, "run_revisions": [run.get("revision") for run in runs]}
+    return result
+
+
 def machine_line(result: Result, page: Path) -> str:
     m = result.data["machine"]
     source = result.path.relative_to(REPO_ROOT) if result.path.is_relative_to(REPO_ROOT) else result.path
     link = os.path.relpath(result.path, page.resolve().parent)
     return (f"From [`{source}`]({link}) ({'quick' if result.quick else 'full'} run), "
             f"label **{result.data['label']}**; machine: {m['cpu_count']} CPUs ({m['usable_cpus']} usable), "
-            f"{m['arch']}{cpu_features(m)}, kernel {m['kernel']}, Python {m['python']}, torch {m['torch']}.")
+            f"{m['arch']}{cpu_features(m)}, kernel {m['kernel']}, Python {m['python']}, torch {m['torch']}; "
+            f"{revisions_text(result.data)}.")
+
+
+def revisions_text(data: dict[str, Any]) -> str:
+    """The code revision of an area's runs (``run_revisions`` of a full run's runs, else the file's own); runs of
+    more than one revision are named run by run, in bold, since their figures come from different code."""
+    revisions = [revision_text(revision) for revision in data.get("run_revisions") or [data.get("revision")]]
+    if len(set(revisions)) == 1:
+        return f"code {revisions[0]}" + (f" (all {len(revisions)} runs)" if len(revisions) > 1 else "")
+    by_revision: dict[str, list[str]] = {}
+    for index, text in enumerate(revisions, start=1):
+        by_revision.setdefault(text, []).append(str(index))
+    return (f"**runs from {len(by_revision)} code revisions**: "
+            + "; ".join(f"run{'s' if len(runs) > 1 else ''} {', '.join(runs)}: {text}"
+                        for text, runs in by_revision.items()))
 
 
 def cpu_features(machine: dict[str, Any]) -> str:
@@ -383,17 +421,21 @@ def goals_section(chosen: dict[str, Result | None]) -> list[str]:
         for entry in ([] if result is None else result.data.get("goal_runs", {}).values()):
             spread = "-" if entry["min"] is None else f"{entry['min']:.3g} – {entry['max']:.3g}"
             median = "-" if entry["median"] is None else f"{entry['median']:.3g}"
-            verdict = {True: "met", False: "**missed**", None: "undecided"}[entry["met"]]
+            verdict = {True: "met", False: "**missed**", None: undecided(entry)}[entry["met"]]
+            unmeasured = entry.get("unmeasured_runs", 0)
             worst = ", ".join(dict.fromkeys(str(c) for c in entry["worst_configs"] if c is not None)) or "-"
             rows.append([name, f"`{entry['key']}`", entry["definition"], f"{entry['direction']} {entry['target']:g}",
-                         median, spread, entry["runs_meeting_goal"], verdict, worst,
+                         median, spread,
+                         entry["runs_meeting_goal"] + (f" ({unmeasured} without a figure)" if unmeasured else ""),
+                         verdict, worst,
                          f"#{entry['issue']}" + (" (quick run)" if result.quick else "")])
     if not rows:
         return []
     table = Table(["area", "goal", "definition", "target", "median", "min – max", "runs meeting", "verdict",
                    "worst configuration", "set by"], rows)
     return ["## Goals", "", "Each goal's figure is its worst configuration in a run; median and spread over the "
-            "full runs. A goal is decided after three full runs.", "", *markdown(table), ""]
+            "full runs that measured it (a run without a figure for a goal, its leg not run, is not counted). A goal "
+            "is decided after three such runs.", "", *markdown(table), ""]
 
 
 def _with_leg_goals(data: dict[str, Any], leg_goals: dict[str, Any]) -> dict[str, Any]:
@@ -407,7 +449,7 @@ def build(results_dir: Path, page: Path) -> tuple[str, list[str]]:
     """The page's text and a log of the files used."""
     files = sorted(results_dir.glob("*.json"))
     skipped = [p for p in files if p.name.endswith(NOT_RESULTS)]
-    results = [load(p) for p in files if p not in skipped]
+    results = [with_runs(load(p), results_dir) for p in files if p not in skipped]
     chosen = {}
     for name in AREAS:
         candidates = {r.quick: r for r in results if r.name == name}
