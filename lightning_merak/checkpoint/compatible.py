@@ -5,7 +5,8 @@ Checked before launch, from the checkpoint's metadata (a merak3d directory's ``.
 opened memory-mapped): a model configured differently from the run that saved it (another ``hidden_size``, layer
 count or vocabulary) would otherwise fail in every rank's load with a size error deep in a copy, or, resumed at
 its last step, not load at all and pass for a resumed run; another ``moe.ep_size`` would fail in every rank's
-restore, after launch.
+restore, after launch. The training loaders' saved states are read out too (:func:`saved_loader_states`), for the
+launcher to hold them against the run's batches.
 
 Only floating-point tensors of the same rank are compared: a quantised base is saved as its packed storage and
 statistics, and a rewritten layout may store a tensor under another rank, which the load itself reconciles.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -24,10 +25,10 @@ from torch import nn
 from lightning_merak.checkpoint.checkpoint_io import SafeCheckpointIO
 from lightning_merak.checkpoint.expert_optimizer import expert_parallel_size, saved_expert_parallel_size
 from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, load_torch_file
-from lightning_merak.checkpoint.sharded import ExpertParallelCheckpointIO, is_sharded_checkpoint
+from lightning_merak.checkpoint.sharded import LIGHTNING_CHECKPOINT, ExpertParallelCheckpointIO, is_sharded_checkpoint
 
 __all__ = ["ShapeMismatch", "check_resume_expert_parallel", "check_resume_shapes", "resume_checkpoint_io",
-           "saved_tensor_shapes", "shape_mismatches"]
+           "saved_loader_states", "saved_tensor_shapes", "shape_mismatches"]
 
 _SHOWN = 3
 
@@ -90,6 +91,17 @@ def resume_checkpoint_io(path: Optional[Path], strategy_name: str, module: nn.Mo
                      f"{type(module).__name__} cannot read; resume it with strategy=merak3d (any layout: "
                      "strategy.data_parallel=N trains as DDP does), or write its weights out with merak-export and "
                      "start from them with model.path")
+
+
+def saved_loader_states(path: Path) -> list[dict[str, Any]]:
+    """The training loaders' states a checkpoint holds (Lightning's fit loop saves each one's ``state_dict``), read
+    before launch so that a resume the loaders would refuse on every rank is refused first."""
+    file = path / LIGHTNING_CHECKPOINT if is_sharded_checkpoint(path) else path
+    if not file.is_file():
+        return []
+    loops = load_torch_file(file, mmap=True).get("loops") or {}
+    states = loops.get("fit_loop", {}).get("state_dict", {}).get("combined_loader", [])
+    return [state for state in states if isinstance(state, dict)]
 
 
 def check_resume_expert_parallel(path: Path, module: nn.Module) -> None:

@@ -7,17 +7,18 @@ would otherwise find only once they run (or what OmegaConf would report as a tra
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from lightning_merak.cli.overrides import ConfigError
-from lightning_merak.modules.config import DataConfig, Schedule
+from lightning_merak.modules.config import DataConfig, DataError, Schedule
 
-__all__ = ["DATAMODULE_MEMBERS", "HF_DATASET_TARGETS", "MODULE_MEMBERS", "batch_shape", "check_callbacks_take",
-           "check_context_calibration", "check_node_launch", "check_schedule_end", "check_streaming_loop",
-           "config_object", "fixed_sequence_length", "longest_sample_setting"]
+__all__ = ["DATAMODULE_MEMBERS", "HF_DATASET_TARGETS", "MODULE_MEMBERS", "batch_shape", "check_batches_before_launch",
+           "check_callbacks_take", "check_context_calibration", "check_node_launch", "check_schedule_end",
+           "check_streaming_loop", "config_object", "fixed_sequence_length", "longest_sample_setting"]
 
 MODULE_MEMBERS = ("training_step", "configure_optimizers")
 """What a ``module._target_`` LightningModule must define for Lightning to train it."""
@@ -179,3 +180,66 @@ def check_callbacks_take(callbacks: list[Any], module: Any, strategy: Any, world
     for callback in callbacks:
         if isinstance(callback, SparseCommunication):
             callback.check_tables(module)
+
+
+def check_batches_before_launch(config: Any, strategy: Any, module: Any, world_size: int,
+                                resume_from: Optional[Path]) -> None:
+    """Refuse batches the ranks would refuse or fail on once they run: a checkpoint whose training loader stopped
+    part-way through a pass at another batch shape, and variable-length batches padded past the model's position
+    table."""
+    if resume_from is not None:
+        _check_resumed_batches(config, strategy, world_size, resume_from)
+    from lightning_merak.modules.positions import padded_length_problem  # lazy: torch
+
+    model, options = getattr(module, "model", None), getattr(strategy, "micro_batching", None)
+    merak3d = getattr(strategy, "strategy_name", None) == "merak3d"
+    context = _known_context_parallel(config, world_size) if merak3d else 1
+    setting, longest = longest_sample_setting(config.data) or (None, 0)
+    if model is not None and setting == "data.max_length":
+        multiple = 2 * context if context > 1 and getattr(options, "enabled", False) else 1  # a split row's chunks
+        problem = padded_length_problem(model, longest, multiple, setting)
+        if problem is not None:
+            raise ConfigError(problem)
+
+
+def _known_context_parallel(config: Any, world_size: int) -> int:
+    """merak3d's context-parallel degree where known before launch, else 1 (a planner may choose it)."""
+    from lightning_merak.strategies.merak3d.context_degree import known_context_parallel  # lazy: torch, Lightning
+
+    options = config.strategy.strategy_kwargs()
+    degrees = {name: options[f"{name}_parallel"] for name in ("data", "pipeline", "tensor")}
+    return known_context_parallel(options["context_parallel"], degrees, world_size)
+
+
+def _check_resumed_batches(config: Any, strategy: Any, world_size: int, resume_from: Path) -> None:
+    """Refuse a checkpoint whose training loader stopped part-way through a pass at another batch shape than this run
+    reads (each rank's loader would refuse it restoring the checkpoint): merak-train's own data, where the ranks
+    each pass is split over are known before launch."""
+    if not isinstance(config.data, DataConfig):
+        return
+    replicas = _loader_replicas(config, strategy, world_size)
+    if replicas is None:
+        return
+    from lightning_merak.checkpoint.compatible import saved_loader_states  # lazy: torch
+    from lightning_merak.modules.resumable import check_resumed_batch_shape  # lazy: torch
+
+    for state in saved_loader_states(resume_from):
+        try:
+            check_resumed_batch_shape(state, replicas, config.data.batch_size)
+        except DataError as error:
+            raise ConfigError(f"resume={resume_from}: {error}") from None
+
+
+def _loader_replicas(config: Any, strategy: Any, world_size: int) -> Optional[int]:
+    """The ranks each training pass is split over, as the loaders' states count them, where known before launch: 1
+    for global batches of variable lengths (every rank reads each) or without Lightning's distributed sampler, DDP's
+    every rank, merak3d's batch replicas at fixed degrees; None where a planner chooses them, or another strategy."""
+    if config.data.lengths == "variable" or not config.trainer.kwargs.get("use_distributed_sampler", True):
+        return 1
+    if getattr(strategy, "strategy_name", None) == "merak3d":
+        if strategy.needs_planning:
+            return None
+        return strategy.resolve_layout(world_size)[0] // config.strategy.strategy_kwargs()["context_parallel"]
+    from lightning.pytorch.strategies import DDPStrategy  # lazy: Lightning
+
+    return world_size if isinstance(strategy, DDPStrategy) else None

@@ -42,6 +42,7 @@ from lightning_merak.cli.checks import (
     DATAMODULE_MEMBERS,
     MODULE_MEMBERS,
     batch_shape,
+    check_batches_before_launch,
     check_callbacks_take,
     check_context_calibration,
     check_node_launch,
@@ -407,6 +408,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
     if hasattr(strategy, "validate_before_launch"):
         strategy.validate_before_launch(module, world_size, **shape)
     _check_model_against_run(config, module, resume_from)
+    check_batches_before_launch(config, strategy, module, world_size, resume_from)
     callbacks = _callbacks(config, output_dir)
     check_callbacks_take(callbacks, module, strategy, world_size)
 

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_merak.modules.config import DataError
 
-__all__ = ["ResumableDataLoader", "check_batch_shape"]
+__all__ = ["ResumableDataLoader", "check_batch_shape", "check_resumed_batch_shape"]
 
 
 class ResumableDataLoader(DataLoader):
@@ -62,10 +62,13 @@ class ResumableDataLoader(DataLoader):
 
     def _batch_shape(self) -> dict[str, Any]:
         """What a trained batch count means in samples: the ranks a distributed sampler (or a stream split by rank,
-        its ``shares``) splits each pass over, and each rank's batch size (None: a batch sampler's own batches)."""
+        its ``shares``) splits each pass over, and each rank's batch size: the loader's, else that of a dataset that
+        yields whole batches itself (global batches of variable lengths, read whole by every rank); None: a batch
+        sampler's own batches."""
         replicas = getattr(self.sampler, "num_replicas", None)
+        batch_size = self.batch_size if self.batch_size is not None else getattr(self.dataset, "batch_size", None)
         return {"replicas": replicas if replicas is not None else getattr(self.dataset, "shares", 1),
-                "batch_size": self.batch_size}
+                "batch_size": batch_size}
 
     def _order(self) -> Optional[list[Any]]:
         """How a distributed sampler orders each pass: ``["randperm", seed]`` (``torch.randperm`` seeded by ``seed``
@@ -80,7 +83,7 @@ class ResumableDataLoader(DataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # older checkpoints hold no pass length
         pass_length = state["pass_length"] if "pass_length" in state else self._pass_length()
-        finished = pass_length is not None and state["batches"] >= pass_length
+        finished = _pass_finished(state["batches"], pass_length)
         if not finished:  # a finished pass skips nothing, so the next one may split its samples otherwise
             check_batch_shape(state, **self._batch_shape(), order=self._order())
         self._resume, self._epoch_shift, self._openings = (state["pass"], state["batches"]), None, 0
@@ -126,11 +129,12 @@ def check_batch_shape(state: dict[str, Any], replicas: int, batch_size: Optional
     ``batch_size`` in ``order`` (:meth:`ResumableDataLoader.state_dict`'s terms) where its trained batches meant other
     samples: another split, unless the global batch and a distributed sampler's order are the checkpoint's (its steps
     then read this run's samples). Pure, so a launcher can check a checkpoint before it starts any rank."""
-    saved = {key: state[key] for key in ("replicas", "batch_size") if key in state}  # older checkpoints: none
+    # older checkpoints: none, or no batch size for global batches of variable lengths (their loader's is None)
+    saved = {key: state[key] for key in ("replicas", "batch_size") if state.get(key) is not None}
     now = {"replicas": replicas, "batch_size": batch_size}
     if all(saved[key] == now[key] for key in saved):
         return
-    global_batch = saved["replicas"] * saved["batch_size"] if None not in saved.values() else None
+    global_batch = saved["replicas"] * saved["batch_size"] if len(saved) == 2 else None
     if state.get("order") is not None and state.get("order") == order and global_batch == replicas * (batch_size or 0):
         return
     raise DataError(
@@ -142,6 +146,22 @@ def check_batch_shape(state: dict[str, Any], replicas: int, batch_size: Optional
         f"{global_batch or '?'} samples a step (data-parallel degree x data.batch_size, 2 ranks or more) with "
         "the same trainer.seed, or resume a checkpoint written at the end of a pass, or start a new run from its "
         "weights (merak-export, then model.path)")
+
+
+def check_resumed_batch_shape(state: dict[str, Any], replicas: int, batch_size: Optional[int]) -> None:
+    """:func:`check_batch_shape` as the ranks will make it restoring ``state``, for a launcher that knows the run's
+    ``replicas`` and ``batch_size`` but not its sampler's order: the order is taken to be the checkpoint's (the ranks
+    check it), and a pass that is finished, or whose length only the ranks know (older checkpoints), is let through.
+    """
+    if "batches" not in state or "pass_length" not in state:  # another loader's state, or an older checkpoint's
+        return
+    if not _pass_finished(state["batches"], state["pass_length"]):
+        check_batch_shape(state, replicas, batch_size, state.get("order"))
+
+
+def _pass_finished(batches: int, pass_length: Optional[int]) -> bool:
+    """Whether ``batches`` trained finish a pass of ``pass_length`` (None: an endless stream's, never finished)."""
+    return pass_length is not None and batches >= pass_length
 
 
 def _has_length(loader: DataLoader) -> bool:

@@ -138,10 +138,14 @@ def micro_batch_tensors(batch: VariableBatch, micro: MicroBatch, packed: bool = 
 
     ``packed``: position ids restarting at every sample (and for the trailing padding), which is what
     transformers' masks read to keep documents apart (a padded row needs none: causal attention never
-    lets a real token see the padding after it).
+    lets a real token see the padding after it). The padding restarts every ``longest`` tokens, the global
+    batch's longest sample, so that no position id passes the longest real one: a model with a table of
+    positions (GPT-2's) embeds every position id of a micro-batch, scored or not, and the row may be far
+    longer than its table (``micro_batch_tokens``).
     """
     rows = len(micro.rows)
     device = batch.tokens.device
+    longest = int(batch.lengths.max())
     input_ids = torch.zeros(rows, micro.length, dtype=torch.long, device=device)
     labels = torch.full((rows, micro.length), IGNORE, dtype=torch.long, device=device)
     positions = torch.zeros(rows, micro.length, dtype=torch.long, device=device) if packed else None
@@ -155,7 +159,7 @@ def micro_batch_tensors(batch: VariableBatch, micro: MicroBatch, packed: bool = 
                 positions[row, start:start + length] = torch.arange(length, device=device)
             start += length
         if positions is not None and start < micro.length:
-            positions[row, start:] = torch.arange(micro.length - start, device=device)
+            positions[row, start:] = torch.arange(micro.length - start, device=device) % longest
     return MicroBatchTensors(input_ids, labels, positions)
 
 

@@ -511,6 +511,8 @@ class Merak3DArguments(Merak3DOptions):
         if self.context_parallel == "auto" and context > 1:  # the one degree 'auto' can take here
             with naming_auto_degree(self.context_parallel, context, self.degrees):
                 check_context_parallel_model(network, context, self.unplanned_context_attention, degrees[1] or 1)
+        if self.micro_batching == "pack" and self.context_parallel == "auto" and context == 1:  # may plan cp=1
+            check_packing_attention(getattr(network, "config", None))
         if self.needs_planning and self.memory_limit is not None:
             check_memory_limit(self.memory_limit, network, world_size)
 
