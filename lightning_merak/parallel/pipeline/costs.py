@@ -37,6 +37,12 @@ class BlockCost:
     no_backward: bool = False
     """The node's backward work is priced elsewhere (the split embedding's lookup, whose table gradient every
     stage shares), so a ``backward_s`` of 0 means none rather than "not measured"."""
+    trainable: bool = True
+    """Whether any of the node's parameters (each counted in the first node holding it) takes gradients: a pipeline
+    stage without such a node leaves its rank's optimizer nothing to train, so the partitioners avoid one."""
+    table_trainable: bool | None = None
+    """For the input embedding (the first node) and the LM head (the last): whether the vocabulary table that
+    ``vocab_stages`` splits over every stage (its adapters included) takes gradients; None: as :attr:`trainable`."""
 
     def __post_init__(self) -> None:
         for field_name in ("forward_s", "backward_s", "param_bytes", "output_bytes", "saved_bytes", "optimizer_s"):
@@ -114,6 +120,9 @@ class VocabularyShare:
     saved_bytes: int
     exchange_bytes: int
     """Bytes of the last hidden state each stage receives in forward (and sends back as its gradient)."""
+    trainable: bool = False
+    """Whether every stage's rows take gradients (the head's table does, or the split embedding's), so every stage
+    has something to train whatever nodes it holds."""
 
 
 def split_vocabulary_head(
@@ -142,8 +151,10 @@ def split_vocabulary_head(
     backward_s = head.resolved_backward_s(backward_ratio) / num_stages + exchange_time
     param_bytes = head.param_bytes // num_stages
     kept_blocks = list(blocks[:-1])
+    trainable_rows = _table_trainable(head)
     if split_embedding and len(blocks) > 1 and num_stages > 1:
         embedding = blocks[0]
+        trainable_rows = trainable_rows or _table_trainable(embedding)
         rows_time = exchange_s + exchange_s_per_byte * embedding.output_bytes
         forward_s += rows_time
         backward_s += embedding.resolved_backward_s(backward_ratio) / num_stages + rows_time
@@ -155,10 +166,15 @@ def split_vocabulary_head(
         param_bytes=param_bytes,
         saved_bytes=head.saved_bytes // num_stages,
         exchange_bytes=exchange,
+        trainable=trainable_rows,
     )
     kept = BlockCost(head.name, 0.0, 0.0, 0, head.output_bytes, 0, head.is_embedding, head.consumes,
-                     head.fan_out_values, head.optimizer_s)
+                     head.fan_out_values, head.optimizer_s, trainable=head.trainable)
     return [*kept_blocks, kept], share
+
+
+def _table_trainable(node: BlockCost) -> bool:
+    return node.trainable if node.table_trainable is None else node.table_trainable
 
 
 def boundary_bytes(blocks: Sequence[BlockCost], boundaries: Sequence[int]) -> tuple[int, ...]:
@@ -221,10 +237,31 @@ def with_optimizer_seconds(costs: Sequence[BlockCost], node_parameters: Sequence
         raise ValueError(f"{len(node_parameters)} nodes' parameters for {len(costs)} nodes")
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
+    return [replace(cost, optimizer_s=sum(seconds.get(id(param), 0.0) for param in fresh) / ranks)
+            for cost, fresh in zip(costs, _first_holders(node_parameters))]
+
+
+def with_trainable_nodes(costs: Sequence[BlockCost], node_parameters: Sequence[Sequence[Any]],
+                         embedding_table: Sequence[Any] = (), head_table: Sequence[Any] = ()) -> list[BlockCost]:
+    """``costs`` with each node's ``trainable``: whether any of its parameters (a parameter two nodes share counts
+    in the first) has ``requires_grad``; and the first and last node's ``table_trainable`` from the parameters of
+    the input embedding (``embedding_table``) and the LM head (``head_table``), where given."""
+    if len(node_parameters) != len(costs):
+        raise ValueError(f"{len(node_parameters)} nodes' parameters for {len(costs)} nodes")
+    marked = [replace(cost, trainable=any(param.requires_grad for param in fresh))
+              for cost, fresh in zip(costs, _first_holders(node_parameters))]
+    for index, table in ((0, embedding_table), (-1, head_table)):
+        if table:
+            marked[index] = replace(marked[index], table_trainable=any(param.requires_grad for param in table))
+    return marked
+
+
+def _first_holders(node_parameters: Sequence[Sequence[Any]]) -> list[list[Any]]:
+    """Each node's parameters that no earlier node holds (a tied weight belongs to the first node listing it)."""
     seen: set[int] = set()
-    priced = []
-    for cost, params in zip(costs, node_parameters):
+    fresh_per_node = []
+    for params in node_parameters:
         fresh = [param for param in params if id(param) not in seen]
         seen.update(id(param) for param in fresh)
-        priced.append(replace(cost, optimizer_s=sum(seconds.get(id(param), 0.0) for param in fresh) / ranks))
-    return priced
+        fresh_per_node.append(fresh)
+    return fresh_per_node

@@ -4,6 +4,10 @@ Every partitioner first merges skip connections into groups that must share a st
 then cuts only between groups. The baselines balance layer counts or parameter bytes;
 :func:`partition_min_max` is the exact bottleneck-optimal split, and
 :func:`partition_autopipe` refines it against the 1F1B simulator under a memory limit.
+
+Every partitioner gives each stage a node whose parameters take gradients (:attr:`~.costs.BlockCost.trainable`)
+where the model has enough of them, so no rank's optimizer is left an empty parameter list by frozen embeddings,
+adapters on some layers or a noisy measurement; where it has not, it cuts as if every node trained.
 """
 
 from __future__ import annotations
@@ -143,15 +147,44 @@ class _Units:
         self.compute_s = list(accumulate(compute_s, initial=0.0))
         self.optimizer_s = list(accumulate((block.optimizer_s for block in blocks), initial=0.0))
         self.param_bytes = list(accumulate((block.param_bytes for block in blocks), initial=0))
+        self.trainable = list(accumulate((int(block.trainable) for block in blocks), initial=0))
 
     def __len__(self) -> int:
         return len(self.groups)
+
+    def holds_trainable(self, start_unit: int, end_unit: int) -> bool:
+        """Whether a stage of these units holds a node whose parameters take gradients."""
+        start, end = self.block_range(start_unit, end_unit)
+        return self.trainable[end] > self.trainable[start]
+
+    def needs_trainable_stages(self, num_stages: int, rows_trainable: bool = False) -> bool:
+        """Whether a split must give every stage a trainable node: some unit holds none, the stages' vocabulary
+        rows (``rows_trainable``) do not train, and enough units hold one for every stage to get one. Where
+        none can, the split ignores it: an optimizer built from all the model's parameters still runs."""
+        trainable_units = sum(self.holds_trainable(unit, unit + 1) for unit in range(len(self)))
+        return not rows_trainable and num_stages <= trainable_units < len(self)
 
     def block_range(self, start_unit: int, end_unit: int) -> tuple[int, int]:
         return self.block_starts[start_unit], self.block_starts[end_unit]
 
     def block_boundaries(self, unit_starts: Sequence[int]) -> list[int]:
         return [self.block_starts[unit] for unit in unit_starts]
+
+
+def _split_keeping_trainable(units: _Units, num_stages: int, stage_cost: StageCost, rows_trainable: bool = False
+                             ) -> tuple[list[int], float, bool]:
+    """:func:`_min_max_split` of ``units`` allowing only stages with a trainable node where
+    :meth:`_Units.needs_trainable_stages`, else (or where no such split is finite) unconstrained: (first unit
+    of each stage, bottleneck, whether the constraint holds)."""
+    if units.needs_trainable_stages(num_stages, rows_trainable):
+        def trainable_cost(stage: int, start_unit: int, end_unit: int) -> float:
+            return stage_cost(stage, start_unit, end_unit) if units.holds_trainable(start_unit, end_unit) else math.inf
+
+        starts, bottleneck = _min_max_split(len(units), num_stages, trainable_cost)
+        if bottleneck < math.inf:
+            return starts, bottleneck, True
+    starts, bottleneck = _min_max_split(len(units), num_stages, stage_cost)
+    return starts, bottleneck, False
 
 
 class _MemoryModel:
@@ -289,6 +322,17 @@ def partition_uniform(
         candidates = range(first_layer_units[-1] + 1, highest + 1)
         first_layer_units.append(next((unit for unit in candidates if cumulative_layers[unit] >= target), highest))
     unit_starts = [0] + [layer_units[unit] for unit in first_layer_units[1:]]
+    stage_ranges = zip(unit_starts, [*unit_starts[1:], len(units)])
+    if units.needs_trainable_stages(num_stages) and not all(units.holds_trainable(*stage) for stage in stage_ranges):
+        layers_before = list(accumulate(layer_counts, initial=0))
+
+        def stage_layers(_stage: int, start_unit: int, end_unit: int) -> float:
+            layers = layers_before[end_unit] - layers_before[start_unit]
+            return layers if layers and units.holds_trainable(start_unit, end_unit) else math.inf
+
+        balanced, most_layers = _min_max_split(len(units), num_stages, stage_layers)
+        if most_layers < math.inf:  # the most even layer counts with a trainable node on every stage
+            unit_starts = balanced
     return build_partition(blocks, units.block_boundaries(unit_starts), "uniform", backward_ratio)
 
 
@@ -303,7 +347,7 @@ def partition_by_parameters(
         start, end = units.block_range(start_unit, end_unit)
         return units.param_bytes[end] - units.param_bytes[start]
 
-    unit_starts, _ = _min_max_split(len(units), num_stages, stage_params)
+    unit_starts, _, _ = _split_keeping_trainable(units, num_stages, stage_params)
     return build_partition(blocks, units.block_boundaries(unit_starts), "parameters", backward_ratio)
 
 
@@ -328,7 +372,8 @@ def partition_min_max(
         start, end = units.block_range(start_unit, end_unit)
         return units.compute_s[end] - units.compute_s[start]
 
-    unit_starts, _ = _min_max_split(len(units), num_stages, stage_compute)
+    unit_starts, _, _ = _split_keeping_trainable(units, num_stages, stage_compute,
+                                                 vocabulary is not None and vocabulary.trainable)
     return build_partition(blocks, units.block_boundaries(unit_starts), "min_max", backward_ratio,
                            vocabulary=vocabulary)
 
@@ -380,6 +425,9 @@ def partition_autopipe(
     iteration plus the largest of :func:`~.costs.optimizer_delays_s`, moving blocks off the stage whose
     optimizer step delays the next step as well as off the critical stage, and the min-max start counts each
     stage's optimizer seconds spread over its micro-batches.
+
+    Neither the start nor a move leaves a stage without a trainable node (:meth:`_Units.needs_trainable_stages`),
+    unless only such splits fit ``memory_limit_bytes``.
     """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
@@ -411,7 +459,8 @@ def partition_autopipe(
         optimizer_s = (units.optimizer_s[end] - units.optimizer_s[start]) / num_microbatches
         return compute_s + optimizer_s + _recompute_s(blocks, stage, start, end, ratios)
 
-    unit_starts, bottleneck = _min_max_split(len(units), num_stages, stage_time)
+    unit_starts, bottleneck, trainable_stages = _split_keeping_trainable(units, num_stages, stage_time,
+                                                                         share.trainable)
     if bottleneck == math.inf:
         _, needed = _min_max_split(len(units), num_stages, stage_memory)
         raise ValueError(
@@ -444,7 +493,8 @@ def partition_autopipe(
         stages = {result.critical_stage} | ({optimizer_stage} if step_s > result.iteration_s else set())
         for move in [move for stage in sorted(stages) for move in _moves_off_stage(unit_starts, stage, len(units))]:
             stage_ends = [*move[1:], len(units)]
-            if not all(fits(stage, start, end) for stage, (start, end) in enumerate(zip(move, stage_ends))):
+            if not all(fits(stage, start, end) and (units.holds_trainable(start, end) or not trainable_stages)
+                       for stage, (start, end) in enumerate(zip(move, stage_ends))):
                 continue
             candidate = simulate(move)
             if candidate[0] < best[0] * (1.0 - _RELATIVE_IMPROVEMENT):

@@ -37,7 +37,7 @@ from torch import nn
 from lightning_merak.parallel.fast_blocks import FastBlocks
 from lightning_merak.parallel.materialize import Materializer, init_owners
 from lightning_merak.parallel.pipeline import meta_trace
-from lightning_merak.parallel.pipeline.costs import BlockCost
+from lightning_merak.parallel.pipeline.costs import BlockCost, with_trainable_nodes
 from lightning_merak.parallel.pipeline.recording import (
     ModelTrace,
     TraceError,
@@ -82,9 +82,31 @@ def trace_model(
         if any(param.is_meta for param in model.parameters()):
             if materialize_with is None:
                 materialize_with = default_materializer(model, sample_inputs.device)
-            return meta_trace.trace_meta_model(model, sample_inputs, call_model, profile, profile_repeats,
-                                               materialize_with, fast_blocks)
-        return _trace(model, sample_inputs, call_model, profile, profile_repeats, fast_blocks)
+            trace = meta_trace.trace_meta_model(model, sample_inputs, call_model, profile, profile_repeats,
+                                                materialize_with, fast_blocks)
+        else:
+            trace = _trace(model, sample_inputs, call_model, profile, profile_repeats, fast_blocks)
+    if profile:
+        trace.costs = _marked_trainable(model, trace)
+    return trace
+
+
+def _marked_trainable(model: nn.Module, trace: ModelTrace) -> list[BlockCost]:
+    """The trace's costs with which nodes (and vocabulary tables) take gradients, so no pipeline stage is cut
+    where its optimizer would get no parameter (frozen embeddings, adapters on some layers)."""
+    return with_trainable_nodes(trace.costs, trace.node_parameters(model),
+                                _table_parameters(model, "get_input_embeddings"),
+                                _table_parameters(model, "get_output_embeddings"))
+
+
+def _table_parameters(model: nn.Module, getter: str) -> list[nn.Parameter]:
+    """The parameters of the vocabulary table ``model.<getter>()`` returns; none where it has no such table
+    (transformers raises NotImplementedError for a model whose embedding it cannot find)."""
+    try:
+        table = getattr(model, getter)() if hasattr(model, getter) else None
+    except NotImplementedError:
+        return []
+    return [] if table is None else list(table.parameters())
 
 
 def default_materializer(model: nn.Module, device: torch.device) -> Callable[[nn.Module], Callable[..., None]]:
