@@ -350,3 +350,79 @@ def test_merak3d_muon_steps_each_expert_matrix_under_expert_parallelism() -> Non
     for result in run_distributed(_moe_rank, 2, timeout_s=300):
         assert result["stacks"] > 0 and result["experts_held"] == module.model.config.num_local_experts // 2
         assert result["losses"] == pytest.approx(expected, rel=1e-5)
+
+
+def _step_sharded_stack(experts: int, placement: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two Muon steps of one expert stack, plain and as a DTensor sharded along dim ``placement`` over the world:
+    (the plain result, the sharded one gathered)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    generator = torch.Generator().manual_seed(0)
+    stack = torch.randn(experts, 16, 8, generator=generator)
+    plain = nn.Parameter(stack.clone())
+    sharded = nn.Parameter(distribute_tensor(stack.clone(), mesh, [Shard(placement)]))
+    optimizers = [MatrixMuon([param], lr=0.02, momentum=0.9, newton_schulz_dtype="float32")
+                  for param in (plain, sharded)]
+    for _ in range(2):
+        gradient = torch.randn(experts, 16, 8, generator=generator)
+        plain.grad = gradient.clone()
+        sharded.grad = distribute_tensor(gradient.clone(), mesh, [Shard(placement)])
+        for optimizer in optimizers:
+            optimizer.step()
+    assert isinstance(sharded.data, DTensor) and sharded.placements == (Shard(placement),)
+    return plain.detach(), sharded.full_tensor()
+
+
+@pytest.mark.parametrize("placement", [0, 1, 2], ids=["experts", "rows", "cols"])
+def test_matrix_muon_steps_each_matrix_of_a_sharded_stack(single_rank_group, placement: int) -> None:
+    """A fused expert stack as a DTensor (FSDP2 shards dim 0: whole experts per rank; a shard of rows or columns is
+    gathered first): the step of the plain stack (DTensor refused to unbind the sharded experts)."""
+    plain, sharded_result = _step_sharded_stack(4, placement)
+    torch.testing.assert_close(sharded_result, plain, rtol=0, atol=0)
+
+
+def _sharded_stacks_rank(rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # three experts: an uneven split; rows: each rank holds half of every matrix
+    return [_step_sharded_stack(3, 0), _step_sharded_stack(4, 1)]
+
+
+def _fully_sharded_moe_rank(rank: int, world_size: int) -> dict:
+    module = _moe_module()
+    recorder = sharded._Recorder()
+    strategy = Merak3DStrategy(data_parallel=world_size, data_parallel_sharding="full", timeout_s=120)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        use_distributed_sampler=False, callbacks=[recorder])
+    trainer.fit(module, datamodule=sharded._ShardedData(0, sharded.STEPS))
+    stacks = [param for param in trainer.optimizers[0].matrices if param.ndim == 3]
+    return {"losses": recorder.losses, "stack_placements": {str(param.placements) for param in stacks},
+            "weights": sharded._full_weights(strategy, module.model)}
+
+
+@pytest.mark.distributed
+def test_merak3d_muon_steps_each_expert_matrix_under_full_sharding() -> None:
+    """Mixtral's fused expert tensors at dp2 ``data_parallel_sharding="full"`` (FSDP2 shards them along the experts):
+    each rank orthogonalises the experts its shard holds; losses and final weights equal one process's (float32
+    Newton–Schulz, 1e-5). The first optimizer step crashed (DTensor refuses to unbind a sharded dimension). Before
+    it, ``MatrixMuon`` alone on a stack split unevenly over the experts and on one split along rows (gathered for
+    the step): the plain stack's step."""
+    module = _moe_module()
+    optimizer = module.configure_optimizers()["optimizer"]
+    expected = []
+    for batch in sharded._batches():
+        optimizer.zero_grad()
+        loss = module.compute_loss((batch,))
+        loss.backward()
+        expected.append(loss.item())
+        optimizer.step()
+    for pairs in run_distributed(_sharded_stacks_rank, 2, timeout_s=120):
+        for plain, sharded_result in pairs:
+            torch.testing.assert_close(sharded_result, plain, rtol=0, atol=0)
+    for result in run_distributed(_fully_sharded_moe_rank, 2, timeout_s=300):
+        assert result["stack_placements"] == {"(Shard(dim=0),)"}
+        assert result["losses"] == pytest.approx(expected, rel=1e-5)
+        for name, param in module.model.named_parameters():
+            torch.testing.assert_close(result["weights"][name], param.detach(), rtol=0, atol=1e-5, msg=name)

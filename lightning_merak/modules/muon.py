@@ -11,7 +11,9 @@ Newton–Schulz iteration runs in bfloat16, fast on GPUs and on CPUs that multip
 AMX) and some 50× slower than float32 on those that do not (AVX2 only): there ``newton_schulz_dtype="float32"``
 runs the same iteration (:func:`newton_schulz`) in float32, and a bfloat16 run warns once, naming it. Fused
 expert tensors (``[experts, rows, cols]``, transformers' MoE layers) are stacks of matrices: each expert's matrix is
-orthogonalised on its own, as if it were its own parameter; expert-parallel ranks step the experts they hold.
+orthogonalised on its own, as if it were its own parameter; expert-parallel ranks step the experts they hold, and so
+do FSDP2's ranks (``data_parallel_sharding="full"`` shards a stack along its experts); a shard splitting the
+matrices themselves is gathered for the step (:func:`_each_local_matrix`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_merak.modules.config import NEWTON_SCHULZ_DTYPES
 from lightning_merak.parallel.data.owners import OwnedMatrices
@@ -124,6 +127,21 @@ def _refuse_shared_storage(params: Iterable[torch.Tensor]) -> None:
         seen[key] = index
 
 
+def _each_local_matrix(stack: DTensor, step: Callable[[torch.Tensor], torch.Tensor]) -> DTensor:
+    """``step`` on this rank's whole matrices of a sharded stack (``[..., rows, cols]``, such as FSDP2's fused
+    experts): a shard of the stack dimensions holds whole matrices, stepped where they lie; one splitting a matrix's
+    rows or columns is first gathered along them (and cut again after), since Newton–Schulz needs each matrix whole."""
+    mesh, placements = stack.device_mesh, tuple(stack.placements)
+    matrix_dims = {stack.ndim - 2, stack.ndim - 1}
+    whole_matrices = tuple(  # a shard-like placement (Shard, FSDP2 with TP's strided shard) has a dim
+        placement if getattr(placement, "dim", None) is not None and placement.dim % stack.ndim not in matrix_dims
+        else Replicate() for placement in placements)
+    gathered = stack if whole_matrices == placements else stack.redistribute(mesh, whole_matrices)
+    stepped = DTensor.from_local(step(gathered.to_local()), mesh, whole_matrices, run_check=False,
+                                 shape=gathered.shape, stride=gathered.stride())
+    return stepped if whole_matrices == placements else stepped.redistribute(mesh, placements)
+
+
 class MatrixMuon(torch.optim.Optimizer):
     """``torch.optim.Muon``'s update (its defaults, Newton–Schulz iteration and learning-rate adjustment) on
     matrices and on stacks of matrices: a fused expert tensor ``[experts, rows, cols]`` is stepped as if each
@@ -188,6 +206,8 @@ class MatrixMuon(torch.optim.Optimizer):
 
         if update.ndim == 2:
             return one(update)
+        if isinstance(update, DTensor):
+            return _each_local_matrix(update, lambda local: self._orthogonalised(local, group))
         return torch.stack([one(matrix) for matrix in update.reshape(-1, *update.shape[-2:]).unbind(0)]).view(
             update.shape)
 

@@ -28,6 +28,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.pytorch.profilers import Profiler
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_merak.callbacks.metrics.figures import log_figure
 from lightning_merak.callbacks.profiler.recorder import TraceRecorder
@@ -157,6 +158,8 @@ class MerakTraceProfiler(Profiler):
         """This rank's record once the window closed, until it is written (:meth:`_finish`)."""
         self._untraced_s: list[float] = []
         self._untraced_start: Optional[float] = None
+        self._fitting = False
+        """Whether a fit runs, so that teardown tells a window left unwritten (once: ``__del__`` tears down too)."""
         # last: Profiler.__del__ tears down a refused profiler too, reading the state above
         for name, count, lowest, meaning in (("steps", steps, 1, "steps traced"),
                                              ("skip_steps", skip_steps, 0, "warm-up steps before the trace"),
@@ -165,6 +168,20 @@ class MerakTraceProfiler(Profiler):
                 raise ValueError(f"{name}={count!r} must be an integer >= {lowest} ({meaning})")
         if dirpath is not None:
             _check_directory(Path(dirpath))
+
+    def setup(self, stage: str, local_rank: Optional[int] = None, log_dir: Optional[str] = None) -> None:
+        """Lightning's setup; for a fit whose ``max_steps`` ends before the traced window, a warning naming the fix
+        (the run would otherwise end with no trace and no word)."""
+        super().setup(stage, local_rank, log_dir)
+        self._fitting = stage == "fit"
+        trainer = getattr(getattr(self, "_lightning_module", None), "trainer", None)
+        max_steps = getattr(trainer, "max_steps", -1)
+        batches = max_steps * getattr(trainer, "accumulate_grad_batches", 1)  # the window counts training batches
+        if self._fitting and max_steps >= 0 and batches < self.skip_steps + self.steps:
+            rank_zero_warn(f"MerakTraceProfiler traces training batches {self.skip_steps} to "
+                           f"{self.skip_steps + self.steps - 1} (skip_steps={self.skip_steps}, steps={self.steps}), "
+                           f"but max_steps={max_steps} ends the run after {batches} batches, so no trace will be "
+                           "written; lower skip_steps or steps, or raise max_steps")
 
     def _recording(self) -> bool:
         return self._recorder is not None
@@ -263,6 +280,12 @@ class MerakTraceProfiler(Profiler):
         return self._summary
 
     def teardown(self, stage: Optional[str]) -> None:
+        """Uninstall the recorder; after a fit that ended before its window was written, a warning saying so."""
+        if self._fitting and not self._finished:
+            rank_zero_warn(f"MerakTraceProfiler wrote no trace: training ended after {self._batch + 1} training "
+                           f"batches, before the traced window (skip_steps={self.skip_steps}, steps={self.steps}) "
+                           "was complete; lower skip_steps or steps, or train for more batches")
+        self._fitting = False
         if self._recorder is not None:
             self._recorder.uninstall()
             self._recorder = None
