@@ -5,7 +5,8 @@ torch 2.13 gives gloo no completion hook (``_register_on_completion_hook`` is NC
 at the call: while recording, the collective and point-to-point functions of ``torch.distributed``
 (the names every caller, torch's pipelining included, looks up at call time) are replaced by
 wrappers that note the op, its bytes, group and launch time, its completion (the work's future)
-and when the caller waited for it. DDP's gradient buckets, which its C++ reducer reduces without
+and when the caller waited for it; so are torch's functional collectives' Python entry points (DTensor's), whose
+wait is the first ``wait_tensor`` on their result. DDP's gradient buckets, which its C++ reducer reduces without
 passing through Python, are recorded by a communication hook (:func:`traced_allreduce_hook`).
 Pipeline stages' forward and backward chunks and the model's blocks become spans. Outside the
 recording window nothing is wrapped: no overhead when the profiler is off.
@@ -25,16 +26,24 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch import nn
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+try:
+    from torch.distributed import _functional_collectives as functional
+except ImportError:  # a torch without functional collectives: only torch.distributed's functions are recorded
+    functional = None
 
 from lightning_merak.distributed.turns import in_sub_batch_region, sub_batch_index, watch_turn_waits
 from lightning_merak.parallel.pipeline.busy import CHUNK_METHODS
-from lightning_merak.planning.replay.trace import CommRecord, RankTrace, Span, assign_depths
+from lightning_merak.planning.replay.trace import COLLECTIVE_OPS, P2P_OPS, CommRecord, RankTrace, Span, assign_depths
 
 __all__ = ["TraceRecorder", "active_recorder", "traced_allreduce_hook"]
 
-_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-                "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single", "barrier")
-_P2P = ("isend", "irecv", "send", "recv")
+_FUNCTIONAL_COLLECTIVES = ("all_reduce", "broadcast", "all_gather_single", "reduce_scatter_single",
+                           "all_to_all_single")
+"""torch's functional collectives (``torch.ops._c10d_functional``: DTensor's redistributions, e.g. Muon's
+Newton-Schulz at tp>1), by their Python entry points, which the others (``all_gather_tensor``, the ``_autograd``
+variants) call; recorded under ``torch.distributed``'s names, whose bytes they count alike."""
 _INPUT_ARGUMENT = {"all_gather_into_tensor": "input_tensor", "all_gather_single": "input_tensor",
                    "reduce_scatter_tensor": "input", "reduce_scatter_single": "input", "all_to_all_single": "input",
                    "all_gather": "tensor"}
@@ -88,6 +97,7 @@ class TraceRecorder:
         self._root_found = False
         self._open_backward: dict[int, Span] = {}
         self._open_blocks: dict[tuple[int, int], Span] = {}
+        self._functional_waits: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     # Spans ---------------------------------------------------------------------------------------
 
@@ -162,7 +172,7 @@ class TraceRecorder:
             arguments = {**defaults, **dict(zip(names, args)), **kwargs}
             group = arguments.get("group")
             kind, peer = "collective", None
-            if name in _P2P:
+            if name in P2P_OPS:
                 kind = "send" if name in ("isend", "send") else "recv"
                 group_peer = arguments.get("group_dst" if kind == "send" else "group_src")
                 peer = arguments.get("dst" if kind == "send" else "src")
@@ -188,6 +198,63 @@ class TraceRecorder:
         traced.__wrapped__ = original  # type: ignore[attr-defined]
         return traced
 
+    def _wrap_functional(self, name: str, original: Callable) -> Callable:
+        """A functional collective, noted at its call; its wait is the first ``wait_tensor`` on its result."""
+        parameters = inspect.signature(original).parameters
+        names = list(parameters)
+        defaults = {n: p.default for n, p in parameters.items() if p.default is not inspect.Parameter.empty}
+        recorder = self
+
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            if getattr(recorder._inside, "depth", 0) or _active is not recorder:
+                return original(*args, **kwargs)
+            arguments = {**defaults, **dict(zip(names, args)), **kwargs}
+            launch = time.perf_counter()
+            recorder._inside.depth = 1
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                recorder._inside.depth = 0
+            group = c10d._resolve_process_group(functional._resolve_group_name(arguments["group"],
+                                                                                arguments.get("tag", "")))
+            record = recorder.note(name, "collective", group, _nbytes(arguments["self"]), launch)
+            if isinstance(result, functional.AsyncCollectiveTensor) and not result.completed:
+                recorder._functional_waits[result.elem] = record
+            else:  # waited for inside (tracing, or a gather along another dimension)
+                now = time.perf_counter()
+                record.blocking, record.wait_start, record.wait_end, record.complete = True, launch, now, now
+            return result
+
+        traced.__wrapped__ = original  # type: ignore[attr-defined]
+        return traced
+
+    def _wrap_functional_wait(self, original: Callable) -> Callable:
+        recorder = self
+
+        def traced_wait(tensor: torch.Tensor) -> torch.Tensor:
+            record = recorder._functional_waits.pop(tensor, None) if _active is recorder else None
+            start = time.perf_counter()
+            result = original(tensor)
+            if record is not None:
+                record.wait_start, record.wait_end = start, time.perf_counter()
+            return result
+
+        traced_wait.__wrapped__ = original  # type: ignore[attr-defined]
+        return traced_wait
+
+    def _install_functional(self) -> None:
+        """Wrap the functional collectives' Python entry points and ``wait_tensor`` (where this torch has them)."""
+        needed = _FUNCTIONAL_COLLECTIVES + ("wait_tensor", "AsyncCollectiveTensor", "_resolve_group_name")
+        if functional is None or not all(hasattr(functional, n) for n in needed) \
+                or not hasattr(c10d, "_resolve_process_group"):
+            return
+        wrapped = {name: self._wrap_functional(name, getattr(functional, name)) for name in _FUNCTIONAL_COLLECTIVES}
+        wrapped["wait_tensor"] = self._wrap_functional_wait(functional.wait_tensor)
+        for name, traced in wrapped.items():
+            self._restore.append(lambda name=name, original=getattr(functional, name):
+                                 setattr(functional, name, original))
+            setattr(functional, name, traced)
+
     # Installing ----------------------------------------------------------------------------------
 
     def install(self) -> None:
@@ -196,7 +263,7 @@ class TraceRecorder:
         if _active is not None:
             raise RuntimeError("another TraceRecorder is recording on this rank; stop it first")
         _active = self
-        for name in _COLLECTIVES + _P2P:
+        for name in COLLECTIVE_OPS + P2P_OPS:
             original = getattr(c10d, name, None)
             if original is None:
                 continue
@@ -206,6 +273,7 @@ class TraceRecorder:
                     setattr(module, name, traced)
                     self._restore.append(lambda module=module, name=name, original=original:
                                          setattr(module, name, original))
+        self._install_functional()
         self._wrap_pipeline_stages()
         if self._block_spans:
             self._handles.append(nn.modules.module.register_module_forward_pre_hook(self._find_root))
@@ -219,6 +287,7 @@ class TraceRecorder:
         for handle in self._handles:
             handle.remove()
         self._restore, self._handles = [], []
+        self._functional_waits = WeakIdKeyDictionary()
         if _active is self:
             _active = None
 

@@ -20,7 +20,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lightning_merak.planning.replay.trace import CommRecord, RankTrace, Span, Trace, comm_key, wire_bytes
+from lightning_merak.planning.replay.trace import COMM_OPS, CommRecord, RankTrace, Span, Trace, comm_key, wire_bytes
+from lightning_merak.util.values import is_finite_number
 
 __all__ = ["COMPUTE_CATEGORIES", "CommOp", "ReplayResult", "Task", "TaskGraph", "WhatIf", "anchored", "build_graph",
            "comm_ops", "estimate_bandwidth", "estimate_fixed_cost", "graph_from_trace", "link_payload_bytes_per_s",
@@ -173,11 +174,30 @@ class WhatIf:
     recompute_fraction: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.bandwidth_ratio <= 0:
-            raise ValueError(f"bandwidth_ratio must be positive, got {self.bandwidth_ratio}")
-        if self.link_bytes_per_s is not None and self.link_bytes_per_s <= 0:
-            raise ValueError(f"link_bytes_per_s must be positive (or None: scale the traced transfers), "
-                             f"got {self.link_bytes_per_s}")
+        if not is_finite_number(self.bandwidth_ratio) or self.bandwidth_ratio <= 0:
+            raise ValueError(f"bandwidth_ratio must be positive and finite, got {self.bandwidth_ratio!r}")
+        if self.link_bytes_per_s is not None and (not is_finite_number(self.link_bytes_per_s)
+                                                  or self.link_bytes_per_s <= 0):
+            raise ValueError(f"link_bytes_per_s must be positive and finite (or None: scale the traced "
+                             f"transfers), got {self.link_bytes_per_s!r}")
+        _check_ratios("comm_bytes_ratio", self.comm_bytes_ratio, COMM_OPS)
+        _check_ratios("compute_ratio", self.compute_ratio, COMPUTE_CATEGORIES)
+        if not is_finite_number(self.recompute_fraction) or not -1.0 <= self.recompute_fraction <= 1.0:
+            raise ValueError(f"recompute_fraction must lie in [-1, 1] (1 turns full recomputation on, -1 off), "
+                             f"got {self.recompute_fraction!r}")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {self.overlap!r}")
+
+
+def _check_ratios(field_name: str, pairs: object, known: tuple[str, ...]) -> None:
+    """Refuse a :class:`WhatIf` ratio table that is not (name, finite factor >= 0) pairs over ``known`` names."""
+    if not isinstance(pairs, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
+        raise ValueError(f"{field_name} must be a tuple of (name, factor) pairs, got {pairs!r}")
+    for name, factor in pairs:
+        if name not in known:
+            raise ValueError(f"{field_name} names {name!r}, which is not one of {', '.join(known)}")
+        if not is_finite_number(factor) or factor < 0:
+            raise ValueError(f"{field_name} gives {name!r} the factor {factor!r}; use a finite number >= 0")
 
 
 TCP_IP_HEADER_BYTES = 52
@@ -227,7 +247,8 @@ def transfer_seconds(large: list[CommOp], fixed: float) -> float:
 class CommOp:
     """One op on every rank that takes part (``participants``, rank -> its record where traced).
 
-    ``duration`` is its transfer time, ``done`` when it completed (traced ops), ``wire`` its bytes per link.
+    ``duration`` is its transfer time, ``done`` when it completed (traced ops; :func:`_completion`), ``wire`` its
+    bytes per link.
     """
 
     key: tuple
@@ -252,14 +273,29 @@ def comm_ops(trace: Trace) -> dict[tuple, CommOp]:
         channel = (f"link{any_record.group}" if key[0] == "collective" else f"p2p{key[1]}->{key[2]}")
         ready = max(max(r.launch for r in records.values()), channel_done.get(channel, float("-inf")))
         receivers = [r for r in records.values() if r.kind != "send"] or list(records.values())
-        done_times = [r.done for r in receivers if r.done is not None]
-        done = min(done_times) if done_times else ready
+        done = _completion(receivers, ready)
         channel_done[channel] = max(done, ready)
         nbytes = max(r.nbytes for r in records.values())
         group_size = len(any_record.group) if key[0] == "collective" else 2
         ops[key] = CommOp(key, any_record.op, channel, wire_bytes(any_record.op, nbytes, group_size),
                            max(done - ready, 0.0), max(done, ready), records)
     return ops
+
+
+def _completion(receivers: list[CommRecord], ready: float) -> float:
+    """When an op that could start at ``ready`` completed, from its receiving side's records.
+
+    A backend's completion time, or the end of a wait that began by ``ready``, tells it. A wait that began later (a
+    receive posted early, gloo's point-to-point ops having no completion future) only says the op was done by its
+    end: the receiver's own work before it is no transfer, so the transfer is bounded by the wait itself.
+    """
+    known = [r.done for r in receivers if r.done is not None
+             and (r.complete is not None or r.wait_start is None or r.wait_start <= ready)]
+    if known:
+        return min(known)
+    waited = [ready + r.wait_end - r.wait_start for r in receivers if r.wait_start is not None
+              and r.wait_end is not None]
+    return min(waited, default=ready)
 
 
 def _innermost(spans: list[Span], time: float) -> str:
@@ -475,17 +511,25 @@ def replay_trace(trace: Trace, what_if: WhatIf = WhatIf()) -> ReplayResult:
     return replay(graph, steps)
 
 
-def anchored(trace: Trace, step_s: float, what_if: WhatIf = WhatIf(), tolerance: float = 1e-4) -> WhatIf:
+def anchored(trace: Trace, step_s: Optional[float], what_if: WhatIf = WhatIf(),
+             tolerance: float = 1e-4) -> WhatIf:
     """``what_if`` with its compute (:data:`COMPUTE_CATEGORIES`) also scaled by the factor under which the
     unmodified replay of ``trace`` takes ``step_s`` per step (e.g. the run's untraced steps,
     :func:`~lightning_merak.planning.replay.calibration.untraced_step_time`).
 
     The few traced steps run slower or faster than the run's steady ones (the profiler's cost, a shared machine's
     spells), and that difference is time on the CPU: multiplying the whole predicted step by the ratio instead also
-    stretches the communication, most of the step in a what-if on a slower link.
+    stretches the communication, most of the step in a what-if on a slower link. ``step_s=None`` (what
+    ``untraced_step_time`` gives for a trace with too few untraced steps) is refused with what to anchor on instead.
     """
-    if step_s <= 0:
-        raise ValueError(f"step_s must be positive, got {step_s}")
+    if step_s is None:
+        raise ValueError("step_s is None: untraced_step_time(trace) gives None where the trace holds too few untraced "
+                         "steps; record more (MerakTraceProfiler(untraced_steps=8)) or anchor on "
+                         "measured_step_time(trace)")
+    if not is_finite_number(step_s) or step_s <= 0:
+        raise ValueError(f"step_s must be positive and finite (seconds), got {step_s!r}")
+    if not is_finite_number(tolerance) or not 0 < tolerance < 1:
+        raise ValueError(f"tolerance must lie in (0, 1), got {tolerance!r}")
 
     def replayed(factor: float) -> float:
         return replay_trace(trace, WhatIf(compute_ratio=tuple((c, factor) for c in COMPUTE_CATEGORIES))).step_time

@@ -17,8 +17,16 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-__all__ = ["CommRecord", "RankTrace", "Span", "Trace", "assign_depths", "comm_key", "offset_from_round_trips",
-           "wire_bytes"]
+__all__ = ["COLLECTIVE_OPS", "COMM_OPS", "CommRecord", "P2P_OPS", "RankTrace", "Span", "Trace", "assign_depths",
+           "comm_key", "offset_from_round_trips", "wire_bytes"]
+
+COLLECTIVE_OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                  "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single", "barrier")
+"""The collectives the profiler records, by their ``torch.distributed`` names."""
+P2P_OPS = ("isend", "irecv", "send", "recv")
+"""The point-to-point ops the profiler records."""
+COMM_OPS = COLLECTIVE_OPS + P2P_OPS + ("ddp_all_reduce",)
+"""Every op name a :class:`CommRecord` may carry (DDP's bucket all-reduces are ``ddp_all_reduce``)."""
 
 
 @dataclass
