@@ -350,11 +350,8 @@ def _check_merak3d_options(config: TrainConfig, strategy: Strategy, world_size: 
                                       context_parallel=getattr(config.strategy, "context_parallel", 1))
     if problem is not None:
         raise ValueError(problem)
-    pipeline_parallel = getattr(config.strategy, "pipeline_parallel", 1)
-    if getattr(config.comm, "name", None) == "embrace" and isinstance(pipeline_parallel, int) and pipeline_parallel > 1:
-        from lightning_merak.callbacks.sparse_comm.callback import EMBRACE_NEEDS_ONE_STAGE  # lazy: torch, Lightning
-
-        raise ValueError(EMBRACE_NEEDS_ONE_STAGE)
+    from lightning_merak.callbacks.sparse_comm.arguments import check_merak3d_layout  # lazy: callbacks load on use
+    check_merak3d_layout(getattr(config.comm, "name", None), config.strategy)  # S2's tensor_parallel, EmbRace's stages
     if getattr(config.moe, "experts", None) == "merak_ep":
         from lightning_merak.parallel.experts import check_merak3d_experts  # lazy: torch
 

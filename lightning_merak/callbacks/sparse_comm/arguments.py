@@ -4,7 +4,9 @@
 A bad value otherwise surfaces only after fit starts, on every rank: a float ``sketch_rows``
 or ``seed`` in step 1's backward hook, a NaN ``column_factor`` when the sketch is sized, a
 negative latency after the bandwidth probe's all-reduce, and a NaN latency or bandwidth not
-at all (``auto`` then compares NaN costs). Plain Python: nothing here needs a process group.
+at all (``auto`` then compares NaN costs). A merak3d layout a method cannot run under is refused by
+:func:`check_merak3d_layout`, at the callback's setup and by ``merak-train`` before launch. Plain Python: nothing
+here needs a process group.
 """
 
 from __future__ import annotations
@@ -17,6 +19,17 @@ from lightning_merak.util.values import is_finite_number
 
 METHODS = ("s2", "embrace", "auto")
 MODES = ("exact", "sketch")
+EMBRACE_NEEDS_ONE_STAGE = (
+    "method='embrace' under merak3d needs pipeline_parallel=1: with pipeline stages the layout trace runs the first "
+    "stage on rank 0 alone, which a sharded table cannot; set pipeline_parallel=1 (merak-train: "
+    "strategy.pipeline_parallel=1) or use method='s2' (merak-train: comm=s2)")
+"""Why EmbRace refuses a merak3d layout with pipeline stages."""
+S2_NEEDS_NO_TENSOR_PARALLEL = (
+    "method='{method}' under merak3d needs tensor_parallel=1, got tensor_parallel={degree}: with tensor-parallel "
+    "ranks a table's gradient is a tensor-parallel DTensor, which S2 does not reduce; set tensor_parallel=1 "
+    "(merak-train: strategy.tensor_parallel=1) or leave the tables to merak3d's dense reduction (drop "
+    "SparseCommunication; merak-train: comm=dense)")
+"""Why S2 and ``auto`` refuse a merak3d layout with tensor-parallel ranks (``"auto"``: the planner may choose some)."""
 
 
 def table_names(tables: str | Sequence[str] | None) -> list[str] | None:
@@ -85,3 +98,18 @@ def check_arguments(
             f"priority_ids={priority_ids!r} must be a function from a batch to its token ids, or None "
             "(pl_module.split_batch(batch)[0])"
         )
+
+
+def check_merak3d_layout(method: str | None, degrees: Any) -> None:
+    """Raise ``ValueError`` naming the fix when ``method`` cannot run under a merak3d layout with ``degrees``'
+    ``pipeline_parallel`` and ``tensor_parallel`` (a strategy, or merak-train's strategy options, where they may
+    be ``"auto"``); other methods (merak-train's ``comm=dense``: ``None`` or ``"dense"``) pass. EmbRace's
+    ``pipeline_parallel="auto"`` is checked once the planner has chosen it; a ``tensor_parallel="auto"`` is refused
+    for S2, since a planner choosing more than 1 would crash the first backward pass on every rank."""
+    pipeline_parallel = getattr(degrees, "pipeline_parallel", 1)
+    tensor_parallel = getattr(degrees, "tensor_parallel", 1)
+    if method == "embrace" and isinstance(pipeline_parallel, int) and pipeline_parallel > 1:
+        raise ValueError(EMBRACE_NEEDS_ONE_STAGE)
+    if method in ("s2", "auto") and (tensor_parallel == "auto" or (isinstance(tensor_parallel, int)
+                                                                  and tensor_parallel > 1)):
+        raise ValueError(S2_NEEDS_NO_TENSOR_PARALLEL.format(method=method, degree=tensor_parallel))

@@ -43,7 +43,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_merak.callbacks.sparse_comm.arguments import check_arguments, table_names
+from lightning_merak.callbacks.sparse_comm.arguments import check_arguments, check_merak3d_layout, table_names
 from lightning_merak.callbacks.sparse_comm.bytes_counter import CommLedger
 from lightning_merak.callbacks.sparse_comm.embrace import (
     ShardedEmbedding,
@@ -87,11 +87,6 @@ log = logging.getLogger(__name__)
 
 Method = Literal["s2", "embrace", "auto"]
 Mode = Literal["exact", "sketch"]
-EMBRACE_NEEDS_ONE_STAGE = (
-    "method='embrace' under merak3d needs pipeline_parallel=1: with pipeline stages the layout trace runs the first "
-    "stage on rank 0 alone, which a sharded table cannot; set pipeline_parallel=1 (merak-train: "
-    "strategy.pipeline_parallel=1) or use method='s2' (merak-train: comm=s2)")
-"""Why EmbRace refuses a merak3d layout with pipeline stages (merak-train checks it before launch too)."""
 
 
 class SparseCommunication(pl.Callback):
@@ -312,12 +307,9 @@ class SparseCommunication(pl.Callback):
                 log.info("SparseCommunication: %s is shared with another module (tied); scanning its gradient", name)
 
     def _check_layout(self, strategy: LayoutAwareStrategy) -> None:
-        """Refuse what EmbRace cannot do under merak3d, before any collective."""
-        if self.method != "embrace":
-            return
-        # the fix in both spellings: the strategy argument and merak-train's Hydra override
-        if strategy.pipeline_parallel > 1:
-            raise ValueError(EMBRACE_NEEDS_ONE_STAGE)
+        """Refuse a merak3d layout the method cannot run under (:func:`~.arguments.check_merak3d_layout`: the fix
+        in both spellings, the strategy argument and merak-train's Hydra override), before any collective."""
+        check_merak3d_layout(self.method, strategy)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         """EmbRace: answer the peers' lookups this rank's batch did not make, so none of them waits forever.

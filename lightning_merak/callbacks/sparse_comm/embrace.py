@@ -85,6 +85,7 @@ class ShardedEmbedding(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         padding_idx: int | None = None,
         ledger: CommLedger | None = None,
+        requires_grad: bool = True,
     ) -> None:
         super().__init__()
         self.process_group = process_group
@@ -96,7 +97,7 @@ class ShardedEmbedding(nn.Module):
         self.padding_idx = padding_idx
         self.ledger = ledger
         start, stop = self.bounds[self.group_rank]
-        self.shard = nn.Parameter(weight.detach()[:, start:stop].clone())
+        self.shard = nn.Parameter(weight.detach()[:, start:stop].clone(), requires_grad=requires_grad)
         self._upcoming_ids: torch.Tensor | None = None
         self.last_exchange: ExchangeTiming | None = None
         self.coordinator = coordinator_for(process_group)
@@ -107,11 +108,12 @@ class ShardedEmbedding(nn.Module):
         cls, embedding: nn.Embedding, process_group: dist.ProcessGroup | None = None, ledger: CommLedger | None = None
     ) -> ShardedEmbedding:
         """Shard ``embedding``; its weight is broadcast from the group's first rank first,
-        because the table leaves DDP, which would otherwise do that."""
+        because the table leaves DDP, which would otherwise do that. A frozen table (``requires_grad=False``: a
+        PEFT/LoRA base) stays frozen."""
         check_shardable(embedding)
         weight = embedding.weight.detach().clone()
         dist.broadcast(weight, src=dist.get_global_rank(process_group or dist.group.WORLD, 0), group=process_group)
-        return cls(weight, process_group, embedding.padding_idx, ledger)
+        return cls(weight, process_group, embedding.padding_idx, ledger, embedding.weight.requires_grad)
 
     def record(self, operation: str, payload_bytes: float) -> None:
         if self.ledger is not None:
