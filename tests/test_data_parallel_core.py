@@ -138,3 +138,31 @@ def test_buckets_start_in_order_when_ranks_finish_them_in_another_order() -> Non
 
     for errors in run_distributed(_uneven_use_rank, 2, timeout_s=60):
         assert max(errors) < 1e-6
+
+
+def test_loss_scaling_is_refused_with_pipeline_tensor_or_full_sharding_at_setup() -> None:
+    from types import SimpleNamespace
+
+    from lightning_merak.parallel.data.buckets import check_sharding
+
+    scaled = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    plain = dict(data_parallel_sharding="none", data_parallel=2, pipeline_parallel=1, tensor_parallel=1)
+    for split in ({"pipeline_parallel": 2}, {"tensor_parallel": 2}):
+        layout = SimpleNamespace(**{**plain, **split})
+        with pytest.raises(ValueError, match=f"{next(iter(split))}=2 cannot train with a loss-scaling.*bf16-mixed"):
+            check_sharding(layout, [], scaled)
+        check_sharding(layout, [], MixedPrecision("bf16-mixed", "cpu"))
+    with pytest.raises(ValueError, match="data_parallel_sharding='full' with a loss-scaling.*bf16-mixed"):
+        check_sharding(SimpleNamespace(**{**plain, "data_parallel_sharding": "full"}), [], scaled)
+    check_sharding(SimpleNamespace(**plain), [], scaled)
+
+
+def test_fp16_loss_scaling_at_a_fixed_split_layout_is_refused_before_launch() -> None:
+    from lightning_merak.strategies.merak3d import Merak3DStrategy
+
+    with pytest.raises(ValueError, match="pipeline_parallel=2 cannot train with a loss-scaling.*bf16-mixed"):
+        Merak3DStrategy(data_parallel=1, pipeline_parallel=2).validate_precision_before_launch("16-mixed", 2)
+    with pytest.raises(ValueError, match="data_parallel_sharding='full' with a loss-scaling"):
+        Merak3DStrategy(data_parallel=2, data_parallel_sharding="full").validate_precision_before_launch("16-mixed", 2)
+    Merak3DStrategy(data_parallel=1, pipeline_parallel=2).validate_precision_before_launch("bf16-mixed", 2)
+    Merak3DStrategy(data_parallel=2).validate_precision_before_launch("16-mixed", 2)

@@ -404,6 +404,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
         module = _builtin_module(config, strategy, vocab_size)
     if hasattr(strategy, "validate_before_launch"):
         strategy.validate_before_launch(module, world_size, **shape)
+        strategy.validate_precision_before_launch(config.trainer.precision, world_size)
     _check_model_against_run(config, module, resume_from)
     check_batches_before_launch(config, strategy, module, world_size, resume_from)
     callbacks = _callbacks(config, output_dir)

@@ -25,6 +25,7 @@ from lightning_merak.checkpoint.sharded import ExpertParallelCheckpointIO, Exper
 from lightning_merak.distributed.collectives import average_gradients
 from lightning_merak.distributed.gradient_norm import clip_over_groups
 from lightning_merak.distributed.process_groups import new_group
+from lightning_merak.parallel.data.agreed_overflow import agree_on_overflow
 from lightning_merak.parallel.experts import Merak3DExperts
 from lightning_merak.plugins.moe.experts.enable import add_loads, enable_expert_parallel, expert_load
 from lightning_merak.plugins.moe.experts.replanning import ReplicaPlanner
@@ -106,6 +107,9 @@ class ExpertParallelCallback(pl.Callback):
         self._expert_params = [params[name] for name in report.expert_parameters]
         if dist.get_world_size(group) > 1:  # each rank of the expert group holds other experts
             clip_over_groups(trainer, self._expert_params, group)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:  # an overflow in one rank's experts skips the step on every rank
+            agree_on_overflow(scaler)
         ignored = (set(getattr(pl_module, "_ddp_params_and_buffers_to_ignore", [])) | set(report.expert_parameters)
                    | set(report.expert_buffers))
         _ignore_in_ddp(pl_module, sorted(ignored))

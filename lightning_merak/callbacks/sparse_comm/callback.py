@@ -80,6 +80,7 @@ from lightning_merak.callbacks.sparse_comm.table_discovery import (
     read_alone,
 )
 from lightning_merak.callbacks.sparse_comm.wire_cost_model import NetworkModel
+from lightning_merak.parallel.data.agreed_overflow import agree_on_overflow
 from lightning_merak.parallel.pipeline.stage import RankStages
 from lightning_merak.protocols.layout_aware import LayoutAwareStrategy, layout_aware
 
@@ -256,6 +257,9 @@ class SparseCommunication(pl.Callback):
                 layout.register_sharded_gradients(shards, comm_group)
             else:
                 clip_with_shards(trainer, shards, comm_group)
+                scaler = getattr(trainer.precision_plugin, "scaler", None)
+                if scaler is not None:  # each rank's shard may overflow alone: every rank skips that step
+                    agree_on_overflow(scaler)
         elif self._layout_aware:
             self._layout_tables = layout_table_names(pl_module, tables)
             self.excluded_reducer = self._reducer({}, comm_group)

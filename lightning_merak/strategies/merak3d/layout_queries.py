@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_merak.parallel.data.buckets import DataParallelGradients
-from lightning_merak.parallel.data.sharding_checks import check_fully_sharded_callbacks
+from lightning_merak.parallel.data.sharding_checks import check_fully_sharded_callbacks, refuse_loss_scaling
 from lightning_merak.parallel.layout import Layout, LayoutGroups
 from lightning_merak.strategies.merak3d import build, network
 from lightning_merak.strategies.merak3d.arguments import Degree, Merak3DArguments
@@ -207,3 +207,10 @@ class LayoutQueries:
             return
         if self._arguments.layout(world_size).data_parallel > 1:
             check_fully_sharded_callbacks(callbacks)
+
+    def validate_precision_before_launch(self, precision: Optional[str], world_size: int) -> None:
+        """Refuse, before any process starts, fp16's loss scaling (Lightning's ``16-mixed`` on a GPU) where the
+        fixed layout cannot take it (:func:`.refuse_loss_scaling`; a planned layout is checked at setup)."""
+        if self._arguments.needs_planning or str(precision) not in ("16-mixed", "16"):
+            return
+        refuse_loss_scaling(self._arguments.layout(world_size))

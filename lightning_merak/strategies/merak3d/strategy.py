@@ -36,6 +36,7 @@ from lightning_merak.distributed.termination import install_termination_handler
 from lightning_merak.parallel.context.stages import install_context_parallel_layout
 from lightning_merak.parallel.data import buckets as data_parallel
 from lightning_merak.parallel.data import fully_sharded, gradients
+from lightning_merak.parallel.data.agreed_overflow import agree_on_overflow
 from lightning_merak.parallel.layout import Layout, LayoutGroups
 from lightning_merak.parallel.materialize import has_meta, meta_device
 from lightning_merak.parallel.tensor.layers import shared_row_weights
@@ -213,10 +214,14 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
         self.setup_precision_plugin()
 
     def setup_precision_plugin(self) -> None:
-        """Lightning's, then clipping over every stage and shard (:meth:`_clip_grad_by_norm`, ``clip_by_value``)."""
+        """Lightning's, then clipping over every stage and shard (:meth:`_clip_grad_by_norm`, ``clip_by_value``), and a
+        loss scaler's overflow agreed over every rank (:func:`.agree_on_overflow`)."""
         super().setup_precision_plugin()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         self.precision_plugin.clip_grad_by_value = gradients.clip_by_value
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and self.world_size > 1:  # experts, EmbRace's columns: ranks hold different gradients
+            agree_on_overflow(scaler)
 
     @property
     def module_view(self) -> network.ModuleView:
@@ -369,7 +374,6 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
         self._row_shares = {id(param): share for param, share in shared_row_weights(module)}
         layout = self.layout
         if layout.data_parallel_sharding == "full" and layout.data_parallel > 1:  # before the optimizers see them
-            data_parallel.check_precision(self.precision_plugin, "full")
             self._fully_sharded, built = build.shard_built_model(
                 view.network, built, self.groups, layout.data_parallel_shard_size, row_shared=bool(self._row_shares))
         self._built = built
@@ -420,15 +424,29 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
                 return replayed.loss
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Pipelined runs did their backward inside the schedule; hooks still fire, then grads sync."""
+        """Lightning's order, the gradients synchronised before the ``on_after_backward`` hooks, which see them
+        averaged over the replicas as under DDP (their collectives overlap the backward from the second step on).
+        The first step synchronises after the hooks: a callback names there the parameters it reduces itself
+        (``_ddp_params_and_buffers_to_ignore``), and no collective has started yet. Pipelined runs did their
+        backward inside the schedule."""
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         if self._pipeline is None:
-            closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+            self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
         else:
-            self.pre_backward(closure_loss)
-            closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
             self._pipeline.restore_gradients()
-            closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-            self.post_backward(closure_loss)
+        names_pending = self._data_parallel is not None and not self._data_parallel.validated
+        if not names_pending:
+            self._synchronize_gradients()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        if names_pending:
+            self._synchronize_gradients()
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _synchronize_gradients(self) -> None:
+        """Sum the tensor-parallel and tied gradients and average the replicas' (:func:`.synchronize_gradients`),
+        in buckets rebuilt first if the averaged parameters changed on the first step (:func:`.refreshed`)."""
         built, current = self._built, self._data_parallel
         if current is not None:  # a callback may take parameters out of the average on the first step
             self._data_parallel = data_parallel.refreshed(current, self.lightning_module, built, self.groups,
@@ -438,7 +456,6 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
                 self._shard_optimizers()
         gradients.synchronize_gradients(built.tensor_partial if built else [], built.tied if built else [],
                                         self.groups, self._data_parallel)
-        return closure_loss
 
     def register_sharded_gradients(self, params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup]) -> None:
         """Count ``params``' gradients as parts of one whole split over ``group`` when clipping: each rank
