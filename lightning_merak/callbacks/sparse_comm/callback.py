@@ -257,7 +257,7 @@ class SparseCommunication(pl.Callback):
                 layout.register_sharded_gradients(shards, comm_group)
             else:
                 clip_with_shards(trainer, shards, comm_group)
-                scaler = getattr(trainer.precision_plugin, "scaler", None)
+                scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
                 if scaler is not None:  # each rank's shard may overflow alone: every rank skips that step
                     agree_on_overflow(scaler)
         elif self._layout_aware:
