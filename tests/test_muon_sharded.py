@@ -178,8 +178,9 @@ def _module(schedule: Schedule = Schedule.constant) -> CausalLMModule:
     return CausalLMModule(sharded._module(adam=False).model, optim=dataclasses.replace(OPTIM, lr_schedule=schedule))
 
 
-def _reference() -> list[float]:
-    module = _module()
+def _reference(module: CausalLMModule | None = None) -> list[float]:
+    """The losses of one process training ``module`` (default :func:`_module`) on the ranks' batches."""
+    module = module or _module()
     optimizer = module.configure_optimizers()["optimizer"]
     losses = []
     for batch in sharded._batches():
@@ -410,14 +411,7 @@ def test_merak3d_muon_steps_each_expert_matrix_under_full_sharding() -> None:
     it, ``MatrixMuon`` alone on a stack split unevenly over the experts and on one split along rows (gathered for
     the step): the plain stack's step."""
     module = _moe_module()
-    optimizer = module.configure_optimizers()["optimizer"]
-    expected = []
-    for batch in sharded._batches():
-        optimizer.zero_grad()
-        loss = module.compute_loss((batch,))
-        loss.backward()
-        expected.append(loss.item())
-        optimizer.step()
+    expected = _reference(module)
     for pairs in run_distributed(_sharded_stacks_rank, 2, timeout_s=120):
         for plain, sharded_result in pairs:
             torch.testing.assert_close(sharded_result, plain, rtol=0, atol=0)

@@ -64,6 +64,20 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
+def _argument_binder(original: Callable) -> Callable[[tuple, dict], dict[str, Any]]:
+    """Name a call's arguments as ``original``'s signature does, its defaults included."""
+    parameters = inspect.signature(original).parameters
+    names = list(parameters)
+    defaults = {n: p.default for n, p in parameters.items() if p.default is not inspect.Parameter.empty}
+    return lambda args, kwargs: {**defaults, **dict(zip(names, args)), **kwargs}
+
+
+def _waited_at_once(record: CommRecord, launch: float) -> None:
+    """Mark ``record`` as an op its call waited for: launched at ``launch``, complete now."""
+    now = time.perf_counter()
+    record.blocking, record.wait_start, record.wait_end, record.complete = True, launch, now, now
+
+
 class _TracedWork:
     """A backend work that notes when its caller waits for it; everything else goes to the work."""
 
@@ -160,16 +174,26 @@ class TraceRecorder:
             return
         future.then(lambda _: setattr(record, "complete", time.perf_counter()))
 
+    def _records(self) -> bool:
+        """Whether a call now is this recorder's to note (it is recording, and not inside a call it notes)."""
+        return not getattr(self._inside, "depth", 0) and _active is self
+
+    def _call_unnoted(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
+        """``original(*args, **kwargs)`` with the communication calls it makes itself left out of the trace."""
+        self._inside.depth = 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self._inside.depth = 0
+
     def _wrap(self, name: str, original: Callable) -> Callable:
-        parameters = inspect.signature(original).parameters
-        names = list(parameters)
-        defaults = {n: p.default for n, p in parameters.items() if p.default is not inspect.Parameter.empty}
+        bind = _argument_binder(original)
         recorder = self
 
         def traced(*args: Any, **kwargs: Any) -> Any:
-            if getattr(recorder._inside, "depth", 0) or _active is not recorder:
+            if not recorder._records():
                 return original(*args, **kwargs)
-            arguments = {**defaults, **dict(zip(names, args)), **kwargs}
+            arguments = bind(args, kwargs)
             group = arguments.get("group")
             kind, peer = "collective", None
             if name in P2P_OPS:
@@ -181,18 +205,13 @@ class TraceRecorder:
                                                 group_peer)
             nbytes = _nbytes(arguments.get(_INPUT_ARGUMENT.get(name, "tensor")))
             launch = time.perf_counter()
-            recorder._inside.depth = 1
-            try:
-                result = original(*args, **kwargs)
-            finally:
-                recorder._inside.depth = 0
+            result = recorder._call_unnoted(original, *args, **kwargs)
             record = recorder.note(name, kind, group, nbytes, launch, peer, int(arguments.get("tag") or 0))
             asynchronous = name in ("isend", "irecv") or bool(arguments.get("async_op"))
             if asynchronous and result is not None:
                 recorder.watch(record, result)
                 return _TracedWork(result, record)
-            now = time.perf_counter()
-            record.blocking, record.wait_start, record.wait_end, record.complete = True, launch, now, now
+            _waited_at_once(record, launch)
             return result
 
         traced.__wrapped__ = original  # type: ignore[attr-defined]
@@ -200,29 +219,22 @@ class TraceRecorder:
 
     def _wrap_functional(self, name: str, original: Callable) -> Callable:
         """A functional collective, noted at its call; its wait is the first ``wait_tensor`` on its result."""
-        parameters = inspect.signature(original).parameters
-        names = list(parameters)
-        defaults = {n: p.default for n, p in parameters.items() if p.default is not inspect.Parameter.empty}
+        bind = _argument_binder(original)
         recorder = self
 
         def traced(*args: Any, **kwargs: Any) -> Any:
-            if getattr(recorder._inside, "depth", 0) or _active is not recorder:
+            if not recorder._records():
                 return original(*args, **kwargs)
-            arguments = {**defaults, **dict(zip(names, args)), **kwargs}
+            arguments = bind(args, kwargs)
             launch = time.perf_counter()
-            recorder._inside.depth = 1
-            try:
-                result = original(*args, **kwargs)
-            finally:
-                recorder._inside.depth = 0
+            result = recorder._call_unnoted(original, *args, **kwargs)
             group = c10d._resolve_process_group(functional._resolve_group_name(arguments["group"],
                                                                                 arguments.get("tag", "")))
             record = recorder.note(name, "collective", group, _nbytes(arguments["self"]), launch)
             if isinstance(result, functional.AsyncCollectiveTensor) and not result.completed:
                 recorder._functional_waits[result.elem] = record
             else:  # waited for inside (tracing, or a gather along another dimension)
-                now = time.perf_counter()
-                record.blocking, record.wait_start, record.wait_end, record.complete = True, launch, now, now
+                _waited_at_once(record, launch)
             return result
 
         traced.__wrapped__ = original  # type: ignore[attr-defined]
@@ -399,22 +411,16 @@ def traced_allreduce_hook(process_group: Optional[dist.ProcessGroup], bucket: An
     launch = time.perf_counter()
     if recorder is None:
         return allreduce_hook(process_group, bucket)
-    recorder._inside.depth = 1
-    try:
-        future = allreduce_hook(process_group, bucket)
-    finally:
-        recorder._inside.depth = 0
-    if recorder is not None:
-        buffer = bucket.buffer()
-        record = recorder.note("ddp_all_reduce", "collective", process_group,
-                               buffer.numel() * buffer.element_size(), launch, stream="ddp")
+    future = recorder._call_unnoted(allreduce_hook, process_group, bucket)
+    buffer = bucket.buffer()
+    record = recorder.note("ddp_all_reduce", "collective", process_group,
+                           buffer.numel() * buffer.element_size(), launch, stream="ddp")
 
-        def completed(result: torch.futures.Future) -> Any:
-            record.complete = time.perf_counter()
-            return result.value()
+    def completed(result: torch.futures.Future) -> Any:
+        record.complete = time.perf_counter()
+        return result.value()
 
-        return future.then(completed)
-    return future
+    return future.then(completed)
 
 
 # DDP checks the hook's annotations as objects; postponed annotations would be strings.
