@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_merak.callbacks.delta import Action, DeltaMemory
 from lightning_merak.callbacks.sparse_comm import ShardedEmbedding, ShardedTiedHead, SparseCommunication
 from lightning_merak.callbacks.sparse_comm.embrace import shard_embeddings, table_groups
+from lightning_merak.callbacks.sparse_comm.embrace_checkpoint import whole_tables_in
 from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
 from lightning_merak.modules.config import ModelConfig
 from lightning_merak.strategies.merak3d import Merak3DStrategy
@@ -98,7 +99,7 @@ def embrace_against_ddp(rank: int, world_size: int) -> dict[str, object]:
         comm = SparseCommunication("embrace", min_table_rows=VOCAB)
         sharded = _fit(tied_head, [comm])
         checkpoint = {"state_dict": sharded.state_dict()}
-        comm.on_save_checkpoint(sharded.trainer, sharded, checkpoint)
+        sharded.on_save_checkpoint(checkpoint)  # the whole tables go in through the module's hook
         saved = checkpoint["state_dict"]
         expected = dense.state_dict()
         unsharded = _Module(tied_head)
@@ -156,7 +157,7 @@ def test_one_sharded_table_trains_and_saves_under_every_name(single_rank_group: 
         optimizer.step()
     assert (model(ids) - reference(ids)).abs().max().item() <= 1e-6
     checkpoint = {"state_dict": module.state_dict()}
-    comm.on_save_checkpoint(None, module, checkpoint)
+    whole_tables_in(checkpoint["state_dict"], module, comm.distinct_tables)
     saved = checkpoint["state_dict"]
     assert sorted(saved) == sorted(f"model.{name}" for name in reference.state_dict())
     for name in ("emb", "emb2", "head"):

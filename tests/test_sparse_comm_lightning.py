@@ -87,6 +87,7 @@ def _fit(tied: bool, callback: SparseCommunication | None, checkpoint: Path | No
         result["decisions"] = list(callback.hook_reducer.decision_log) if callback.hook_reducer else []
     if checkpoint is not None:
         trainer.save_checkpoint(checkpoint)
+        trainer.save_checkpoint(checkpoint.with_suffix(".weights.ckpt"), weights_only=True)
         assert isinstance(model.embed, ShardedEmbedding)
         result["full_table"] = model.embed.full_weight()
     return result
@@ -168,3 +169,11 @@ def test_embrace_checkpoint_holds_the_full_table_and_the_seed(runs) -> None:
     torch.testing.assert_close(saved["state_dict"]["embed.weight"], results[0]["embrace"]["full_table"])
     (state,) = [v for k, v in saved["callbacks"].items() if "SparseCommunication" in k]
     assert state["seed"] == 0
+
+
+def test_a_weights_only_embrace_checkpoint_holds_the_full_table_too(runs) -> None:
+    # Lightning runs no callback hook for a weights-only save (ModelCheckpoint(save_weights_only=True))
+    results, checkpoint = runs
+    saved = torch.load(checkpoint.with_suffix(".weights.ckpt"), weights_only=False)
+    assert "embed.shard" not in saved["state_dict"] and "optimizer_states" not in saved
+    torch.testing.assert_close(saved["state_dict"]["embed.weight"], results[0]["embrace"]["full_table"])

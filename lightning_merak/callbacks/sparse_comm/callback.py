@@ -50,11 +50,11 @@ from lightning_merak.callbacks.sparse_comm.embrace import (
     join_lookups,
     shard_embeddings,
     table_groups,
-    weight_holder_names,
 )
 from lightning_merak.callbacks.sparse_comm.embrace_checkpoint import (
     GATHERED_ENTRIES,
     gather_optimizer_states,
+    save_whole_tables,
     slice_optimizer_states,
 )
 from lightning_merak.callbacks.sparse_comm.lookahead import next_batch_ids
@@ -251,6 +251,7 @@ class SparseCommunication(pl.Callback):
                     dist.broadcast(module.weight.data, src=0)  # merak3d's replicas all start from rank 0's weights
             self.sharded_tables = shard_embeddings(pl_module, list(tables), comm_group, self.ledger)
             self._slice_loaded_optimizer_states()
+            save_whole_tables(pl_module, self.distinct_tables)
             ignored = [f"{name}.shard" for name in self.sharded_tables]
             shards = [table.shard for table in self.distinct_tables]
             if layout is not None:
@@ -419,18 +420,9 @@ class SparseCommunication(pl.Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """Replace each rank-local EmbRace slice by the full table (gathered on every rank, once per table), under
-        every name the unsharded model saved it: each embedding sharing it and each tied head; and the optimizer
-        state of each slice by the whole table's (:mod:`.embrace_checkpoint`), as one rank writes the checkpoint."""
-        state = checkpoint.get("state_dict")
-        for table in self.distinct_tables:
-            full = table.full_weight()
-            if state is None:
-                continue
-            for name in weight_holder_names(pl_module, table):
-                state.pop(f"{name}.shard", None)
-                state[f"{name}.weight"] = full
-        if self.sharded_tables and "optimizer_states" in checkpoint:  # not in a weights-only save
+        """Replace the optimizer state of each EmbRace slice by the whole table's (:mod:`.embrace_checkpoint`), as
+        one rank writes the checkpoint; the model's own hook puts in the whole tables (:func:`.save_whole_tables`)."""
+        if self.sharded_tables and "optimizer_states" in checkpoint:
             gather_optimizer_states(checkpoint, trainer.optimizers, self.sharded_tables)
 
     def on_load_checkpoint(

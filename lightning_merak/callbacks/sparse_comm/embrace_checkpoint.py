@@ -1,4 +1,8 @@
-"""EmbRace's optimizer state in a checkpoint: whole tables, as an unsharded run saves them.
+"""EmbRace's tables and optimizer state in a checkpoint: whole tables, as an unsharded run saves them.
+
+The weights go in through the LightningModule's own ``on_save_checkpoint`` (:func:`save_whole_tables`), which
+Lightning calls for every checkpoint; a callback's hook runs for full checkpoints only, so a weights-only save
+(``ModelCheckpoint(save_weights_only=True)``) would otherwise hold one rank's columns of each table.
 
 Each rank's optimizer holds the state of its columns only (Adam's moments of a ``[V, H_r]`` slice), while the
 checkpoint is written by one rank (DDP: rank 0) or keeps one copy of a tensor every rank holds (merak3d's sharded
@@ -18,12 +22,47 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
-from lightning_merak.callbacks.sparse_comm.embrace import ShardedEmbedding
+from lightning_merak.callbacks.sparse_comm.embrace import ShardedEmbedding, weight_holder_names
 from lightning_merak.util.optimizer_state import state_parts
 
 GATHERED_ENTRIES = "sparse_comm_embrace_optimizer_entries"
 """Checkpoint key: per optimizer, ``[part, entry key, table name]`` of each state entry saved whole."""
+
+
+def whole_tables_in(state: dict[str, Any] | None, model: nn.Module, tables: list[ShardedEmbedding]) -> None:
+    """Replace each rank-local slice in the module state ``state`` by the whole table, under every name the unsharded
+    model saved it (each embedding sharing it and each tied head). A collective per table: every rank calls it."""
+    for table in tables:
+        full = table.full_weight()
+        if state is None:
+            continue
+        for name in weight_holder_names(model, table):
+            state.pop(f"{name}.shard", None)
+            state[f"{name}.weight"] = full
+
+
+class _WholeTablesFirst:
+    """``model.on_save_checkpoint`` with the whole tables put into the checkpoint's state dict first, so the
+    model's own hook (``user_hook``) sees them as an unsharded run's."""
+
+    def __init__(self, model: nn.Module, user_hook: Any, tables: list[ShardedEmbedding]) -> None:
+        self.model, self.user_hook, self.tables = model, user_hook, tables
+
+    def __call__(self, checkpoint: dict[str, Any]) -> None:
+        whole_tables_in(checkpoint.get("state_dict"), self.model, self.tables)
+        self.user_hook(checkpoint)
+
+
+def save_whole_tables(model: nn.Module, tables: list[ShardedEmbedding]) -> None:
+    """Make every checkpoint of ``model`` (a LightningModule whose ``tables`` EmbRace sharded) hold the whole
+    tables, weights-only ones included; ``tables`` is the list the model's hook reads (kept current by the caller)."""
+    hook = model.on_save_checkpoint
+    if isinstance(hook, _WholeTablesFirst):
+        hook.tables = tables
+        return
+    model.on_save_checkpoint = _WholeTablesFirst(model, hook, tables)
 
 
 def _saved_entries(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> Iterator[tuple[int, Any, Any]]:
