@@ -8,6 +8,12 @@ to 1, is what the layer's ``top1_weight_one`` gives; with ``drop_tokens`` False 
 dropped). Other families' ``*SparseMoeBlock`` route otherwise (shared experts, ``norm_topk_prob``)
 and are refused: ``moe.experts=merak_ep`` keeps their own routers. The swap runs before processes
 exist, so each block keeps the original expert weights until it knows its EP rank, then keeps only its own.
+The experts are built in the block's dtype and on its device; the gate computes in float32 (DeepSpeed's), where
+Mixtral's router computes in the model's dtype. Routes of exactly tied probabilities go to the lowest expert index
+(DeepSpeed's argmax), where ``torch.topk`` in Mixtral's router may pick others.
+
+The model's loss stays the language-model loss; the router's load-balancing gradient, ``aux_loss_coef × l_aux``'s,
+is given in backward, scaled as the training loss is (:mod:`.aux_gradient`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
+from lightning_merak.plugins.moe.aux_gradient import AuxLossGradient, scale_aux_gradients_by_loss
 from lightning_merak.plugins.moe.core.placement_cost_model import CostModel
 from lightning_merak.plugins.moe.executor import TransferScheduler
 from lightning_merak.plugins.moe.layer import MoE, MoEOptions
@@ -47,23 +54,6 @@ class SwiGLUExpert(nn.Module):
         return self.down(self.act(gate) * up)
 
 
-class _AuxLossGradient(torch.autograd.Function):
-    """Identity on the output that also back-propagates ``d(coef·l_aux)/dθ = coef``.
-
-    The model's loss stays the language-model loss (so logged losses are comparable),
-    while the router still receives the load-balancing gradient.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
-        ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return grad, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad.device)
-
-
 class SwappedSparseBlock(nn.Module):
     """Drop-in for a ``*SparseMoeBlock``: ``forward(hidden [B, T, H]) -> hidden``."""
 
@@ -90,7 +80,7 @@ class SwappedSparseBlock(nn.Module):
         self.materialize()
         output, aux_loss, _ = self.moe(hidden_states)
         if self.training and self.aux_loss_coef > 0 and torch.is_grad_enabled():
-            output = _AuxLossGradient.apply(output, aux_loss * self.aux_loss_coef)
+            output = AuxLossGradient.apply(output, aux_loss * self.aux_loss_coef)
         return output
 
 
@@ -172,6 +162,9 @@ def swap_sparse_moe_blocks(
             cost_model=cost_model, scheduler=scheduler,
         )
         moe.deepspeed_moe.top1_weight_one = True  # Mixtral renormalises its top-1 probability to 1
+        weights = block.experts.down_proj
+        moe.to(device=weights.device)  # the gate stays float32, as DeepSpeed's gate computes
+        moe.deepspeed_moe.experts.to(dtype=weights.dtype)  # the experts as the model's (bf16 from_pretrained)
         with torch.no_grad():
             moe.deepspeed_moe.gate.wg.weight.copy_(block.gate.weight)
         original = {
@@ -182,4 +175,11 @@ def swap_sparse_moe_blocks(
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new_block)
         swapped.append(new_block)
+    if swapped and aux_loss_coef > 0:
+        model.register_forward_hook(_scale_aux_gradients_by_model_loss)
     return swapped
+
+
+def _scale_aux_gradients_by_model_loss(model: nn.Module, inputs: Any, output: Any) -> None:
+    """The model's own loss (called with labels) scales the swapped blocks' aux gradients, whoever scales it."""
+    scale_aux_gradients_by_loss(getattr(output, "loss", None))

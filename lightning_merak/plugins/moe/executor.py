@@ -18,6 +18,9 @@ every wait, forward and backward, lets the other sub-batches compute first.
 On CUDA each chunk's all-to-all (and Trans/Agg's sends and receives) runs on NCCL's stream while the experts
 of the chunks already received compute on the compute stream; a chunk's ``wait`` makes the compute stream
 wait for its exchange, and the pending exchange holds its send buffer until then.
+
+Under autocast the experts compute in the lower precision: their outputs join the exchange in the rows'
+dtype (the layer's input dtype, which its output keeps), and their gradients go back in the outputs' dtype.
 """
 
 from __future__ import annotations
@@ -232,7 +235,7 @@ class ExpertExchange:
                 y = self._run_experts(x, lay.expert_rows[c])
             stats["expert_s"] = stats.get("expert_s", 0.0) + time.perf_counter() - start
             chunk_graphs.append((x, y, order, deferred))
-            back = torch.empty_like(received).index_copy_(0, order, y.detach())
+            back = torch.empty_like(received).index_copy_(0, order, y.detach().to(received.dtype))
             combines.append(_start_all_to_all(back, lay.recv_splits[c], lay.send_splits[c], self.group, lay.ep_size))
         if self.replica_transfer is not None:
             received = self.replica_transfer.wait(stats, "exposed_trans_s")
@@ -252,7 +255,7 @@ class ExpertExchange:
             with torch.set_grad_enabled(build_graph):
                 y = _first(functional_call(self.experts[0], _unflatten(self.experts[0], flat), (x,)))
             graphs.append((expert, x, flat, y))
-            outs.append(y.detach())
+            outs.append(y.detach().to(routed_in.dtype))
 
     def backward(self, state: dict[str, Any], grad_out: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         lay, stats = self.layout, self.stats
@@ -265,14 +268,15 @@ class ExpertExchange:
         ]
         replica_grads: dict[int, torch.Tensor] = {}
         for (expert, x, flat, y), (_, start, length) in zip(state["replicas"], lay.replica_segments):
-            dx, dflat = torch.autograd.grad(y, [x, flat], grad_out[start: start + length], allow_unused=True)
+            dx, dflat = torch.autograd.grad(y, [x, flat], grad_out[start: start + length].to(y.dtype),
+                                            allow_unused=True)
             grad_in[start: start + length] = dx if dx is not None else 0.0
             replica_grads[expert] = dflat if dflat is not None else torch.zeros_like(flat)
         aggregation = self.agg_start(replica_grads)
         param_grads = [torch.zeros_like(p) for p in params]
         dispatch_grads = []
         for c, (x, y, order, deferred) in enumerate(state["chunks"]):
-            g = returns[c].wait(stats, "exposed_a2a_backward_s").index_select(0, order)
+            g = returns[c].wait(stats, "exposed_a2a_backward_s").index_select(0, order).to(y.dtype)
             if deferred is not None:
                 dispatch_grads.append(self._return_dx(deferred.input_grad(y, x, g), order, c))
                 start = time.perf_counter()

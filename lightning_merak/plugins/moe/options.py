@@ -88,7 +88,8 @@ def check_layer_arguments(hidden_size: Any, num_experts: Any, ep_size: Any, k: A
                          f"{option_key('num_experts')}={num_experts}; pick a divisor")
     if not isinstance(k, int) or isinstance(k, bool) or k not in (1, 2):
         raise ValueError(f"{option_key('k')}={k!r}: only top-1 and top-2 gating are supported (DeepSpeed's TopKGate "
-                         "paths); pass 1 or 2")
+                         "paths); pass 1 or 2, or for a transformers MoE model use moe.experts=merak_ep, which keeps "
+                         "the model's own router and runs any top-k")
     if k > num_experts:
         raise ValueError(f"{option_key('k')}={k} exceeds {option_key('num_experts')}={num_experts}: a token cannot go "
                          f"to {k} different experts; pass {option_key('k')} <= {num_experts} or more experts")
