@@ -132,7 +132,7 @@ def test_variable_batches_padded_past_the_position_table_are_refused_before_laun
 # 4. a resume at another batch shape is refused before launch, from the checkpoint's loader state
 
 def _checkpoint(path: Path, **state: Any) -> Path:
-    loader = {"pass": 0, "batches": 3, "replicas": 2, "batch_size": 4, "pass_length": 10,
+    loader = {"pass": 0, "batches": 3, "replicas": 2, "batch_size": 4, "pass_length": 1024,  # 8192 sequences
               "order": ["randperm", 1234], **state}
     torch.save({"loops": {"fit_loop": {"state_dict": {"combined_loader": [loader]}}}}, path)
     return path
@@ -145,7 +145,7 @@ def test_a_resume_at_another_batch_shape_is_refused_before_launch(tmp_path):
         check_batches_before_launch(_config("fixed", 2), ddp, None, 2, saved)
     check_batches_before_launch(_config("fixed", 4), ddp, None, 2, saved)  # the same shape
     check_batches_before_launch(_config("fixed", 2), ddp, None, 4, saved)  # its global batch of 8, same order
-    finished = _checkpoint(tmp_path / "end.ckpt", batches=10)
+    finished = _checkpoint(tmp_path / "end.ckpt", batches=1024)
     check_batches_before_launch(_config("fixed", 2), ddp, None, 2, finished)
     sharded = tmp_path / "sharded.ckpt"
     sharded.mkdir()

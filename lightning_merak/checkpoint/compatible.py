@@ -1,12 +1,15 @@
-"""Whether a checkpoint can resume a model: the tensors both name must have the shapes the model gives them, and
-the expert optimizer state of a DDP run's MoE layers must be spread over the ranks as the model spreads its experts.
+"""Whether a checkpoint can resume a model: the model must have the architecture the checkpoint records (or, of no
+transformers config, a place for every tensor it holds), the tensors both name must have the shapes the model gives
+them, and the expert optimizer state of a DDP run's MoE layers must be spread over the ranks as the model spreads its
+experts; the optimizer's parameter groups are read out for the launcher to hold against the run's.
 
 Checked before launch, from the checkpoint's metadata (a merak3d directory's ``.metadata``, or a Lightning file
 opened memory-mapped): a model configured differently from the run that saved it (another ``hidden_size``, layer
 count or vocabulary) would otherwise fail in every rank's load with a size error deep in a copy, or, resumed at
-its last step, not load at all and pass for a resumed run; another ``moe.ep_size`` would fail in every rank's
-restore, after launch. The training loaders' saved states are read out too (:func:`saved_loader_states`), for the
-launcher to hold them against the run's batches.
+its last step, not load at all and pass for a resumed run; fewer layers or another head split would load what it
+names and train another function (merak3d reads only the tensors the model asks for); another ``moe.ep_size``
+would fail in every rank's restore, after launch. The training loaders' saved states are read out too
+(:func:`saved_loader_states`), for the launcher to hold them against the run's batches.
 
 Only floating-point tensors of the same rank are compared: a quantised base is saved as its packed storage and
 statistics, and a rewritten layout may store a tensor under another rank, which the load itself reconciles.
@@ -24,11 +27,20 @@ from torch import nn
 
 from lightning_merak.checkpoint.checkpoint_io import SafeCheckpointIO
 from lightning_merak.checkpoint.expert_optimizer import expert_parallel_size, saved_expert_parallel_size
+from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, model_record
 from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, load_torch_file
-from lightning_merak.checkpoint.sharded import LIGHTNING_CHECKPOINT, ExpertParallelCheckpointIO, is_sharded_checkpoint
+from lightning_merak.checkpoint.saved_setup import architecture_problem, group_names
+from lightning_merak.checkpoint.sharded import (
+    LIGHTNING_CHECKPOINT,
+    MERAK3D_OPTIMIZERS,
+    ExpertParallelCheckpointIO,
+    is_sharded_checkpoint,
+)
+from lightning_merak.util.optimizer_state import joined_parts
 
 __all__ = ["ShapeMismatch", "check_resume_expert_parallel", "check_resume_shapes", "resume_checkpoint_io",
-           "saved_loader_states", "saved_tensor_shapes", "shape_mismatches"]
+           "saved_loader_states", "saved_model_config", "saved_optimizer_group_names", "saved_tensor_shapes",
+           "shape_mismatches", "unexpected_names"]
 
 _SHOWN = 3
 
@@ -61,20 +73,57 @@ def shape_mismatches(saved: Mapping[str, tuple[int, ...]], model: Mapping[str, t
             if name in saved and len(saved[name]) == len(shape) and saved[name] != shape]
 
 
+def unexpected_names(saved: Mapping[str, Any], model: Mapping[str, Any]) -> list[str]:
+    """The saved tensors (sorted) the model has no place for: neither one of its own names nor an entry below one
+    (a quantised weight's statistics, ``<weight>.absmax``)."""
+    return sorted(name for name in saved if name not in model and not any(owner in model for owner in _owners(name)))
+
+
+def _owners(name: str) -> list[str]:
+    """The names ``name`` may sit below: each dotted prefix of it."""
+    parts = name.split(".")
+    return [".".join(parts[:end]) for end in range(1, len(parts))]
+
+
+def saved_model_config(path: Path) -> Optional[dict[str, Any]]:
+    """The transformers config a checkpoint records of the model that saved it (None: no record)."""
+    file = path / LIGHTNING_CHECKPOINT if is_sharded_checkpoint(path) else path
+    record = load_torch_file(file, mmap=True).get(MODEL_RECORD_KEY) if file.is_file() else None
+    return record.get("config") if isinstance(record, Mapping) else None
+
+
 def check_resume_shapes(path: Path, module: nn.Module) -> None:
-    """Refuse to resume ``module`` (built, on any device, meta included) from a checkpoint saved from a model of
-    other sizes, naming the first tensors that differ."""
+    """Refuse to resume ``module`` (built, on any device, meta included) from a checkpoint saved from another
+    model: another architecture than the checkpoint records (each field that differs named), for a model of no
+    transformers config tensors it has no place for (which merak3d's load would leave unread), or tensors of other
+    sizes (the first that differ named)."""
+    network = getattr(module, "model", None)
+    record = model_record(network) if isinstance(network, nn.Module) else None
+    saved_config = saved_model_config(path)
+    problem = architecture_problem(saved_config, record["config"] if record is not None else None)
+    if problem is not None:
+        raise ValueError(f"resume={path}: {problem}")
     model = {name: tuple(tensor.shape) for name, tensor in module.state_dict(keep_vars=True).items()
              if isinstance(tensor, torch.Tensor) and tensor.is_floating_point()}
-    mismatches = shape_mismatches(saved_tensor_shapes(path), model)
+    saved = saved_tensor_shapes(path)
+    extra = unexpected_names(saved, model) if record is None else []  # a model of no transformers config
+    if extra:
+        raise ValueError(f"resume={path}: the checkpoint holds tensors this model has no place for: "
+                         f"{', '.join(extra[:_SHOWN])}{_more(extra)}; resume with the model it was trained with "
+                         "(its layer count, model.* settings), or start afresh without resume")
+    mismatches = shape_mismatches(saved, model)
     if not mismatches:
         return
     shown = "; ".join(f"{item.name} is {list(item.saved)} there and {list(item.model)} here"
                       for item in mismatches[:_SHOWN])
-    more = f" (and {len(mismatches) - _SHOWN} more)" if len(mismatches) > _SHOWN else ""
-    raise ValueError(f"resume={path}: the checkpoint was saved from a model of other sizes: {shown}{more}; resume "
-                     "with the model settings it was trained with (model.*, the data's vocabulary), or start afresh "
-                     "without resume")
+    raise ValueError(f"resume={path}: the checkpoint was saved from a model of other sizes: {shown}"
+                     f"{_more(mismatches)}; resume with the model settings it was trained with (model.*, the data's "
+                     "vocabulary), or start afresh without resume")
+
+
+def _more(items: list[Any]) -> str:
+    """How many of ``items`` a message naming the first few leaves out."""
+    return f" (and {len(items) - _SHOWN} more)" if len(items) > _SHOWN else ""
 
 
 def resume_checkpoint_io(path: Optional[Path], strategy_name: str, module: nn.Module) -> CheckpointIO:
@@ -102,6 +151,18 @@ def saved_loader_states(path: Path) -> list[dict[str, Any]]:
     loops = load_torch_file(file, mmap=True).get("loops") or {}
     states = loops.get("fit_loop", {}).get("state_dict", {}).get("combined_loader", [])
     return [state for state in states if isinstance(state, dict)]
+
+
+def saved_optimizer_group_names(path: Path) -> list[list[Optional[str]]]:
+    """The names of each saved optimizer's parameter groups (merak3d's ``lightning.ckpt`` records them with its
+    layouts, a Lightning file with each state; a composite's parts' groups in order), read before launch."""
+    file = path / LIGHTNING_CHECKPOINT if is_sharded_checkpoint(path) else path
+    if not file.is_file():
+        return []
+    checkpoint = load_torch_file(file, mmap=True)
+    states = checkpoint.get(MERAK3D_OPTIMIZERS) or [joined_parts(state) for state in
+                                                    checkpoint.get("optimizer_states") or []]
+    return [group_names(state.get("param_groups", [])) for state in states]
 
 
 def check_resume_expert_parallel(path: Path, module: nn.Module) -> None:

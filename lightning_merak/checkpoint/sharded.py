@@ -35,6 +35,7 @@ from lightning_merak.checkpoint.files import partial_path, publish_directory
 from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, QUANTIZED_SPLITS_KEY, model_record
 from lightning_merak.checkpoint.rewritten import join_saved_shards, saved_storage_where_rewritten
 from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_torch_file
+from lightning_merak.checkpoint.saved_setup import architecture_problem, group_names, optimizer_groups_problem
 from lightning_merak.parallel.pipeline.stage import RankStages, tied_parameter_names
 from lightning_merak.parallel.tensor.blocks import LayoutChange
 from lightning_merak.plugins.moe.checkpoint import ExpertNumbering, FusedExpertSlices, slice_entries
@@ -42,10 +43,12 @@ from lightning_merak.plugins.moe.experts.adapter_slices import slice_expert_fact
 from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh
 from lightning_merak.util.optimizer_state import joined_parts
 
-__all__ = ["LIGHTNING_CHECKPOINT", "ExpertParallelCheckpointIO", "ExpertSlices", "ShardedCheckpointer",
-           "is_sharded_checkpoint"]
+__all__ = ["LIGHTNING_CHECKPOINT", "MERAK3D_OPTIMIZERS", "ExpertParallelCheckpointIO", "ExpertSlices",
+           "ShardedCheckpointer", "is_sharded_checkpoint"]
 
 LIGHTNING_CHECKPOINT = "lightning.ckpt"
+MERAK3D_OPTIMIZERS = "merak3d_optimizers"
+"""Key, in ``lightning.ckpt``, of each optimizer's parameter groups (by name) and the entries its shards hold."""
 OPTIMIZER_NAMES = "merak_ep_optimizer_names"
 """Key of a DDP checkpoint of ``merak_ep``: each optimizer's parameter names in its state's order."""
 
@@ -362,7 +365,7 @@ class ShardedCheckpointer:
         if global_rank == 0:
             record = {MODEL_RECORD_KEY: {**self.model_record, QUANTIZED_SPLITS_KEY: splits} if splits
                       else self.model_record} if self.model_record is not None else {}
-            torch.save({**checkpoint, **record, "merak3d_optimizers": layouts}, temporary / LIGHTNING_CHECKPOINT)
+            torch.save({**checkpoint, **record, MERAK3D_OPTIMIZERS: layouts}, temporary / LIGHTNING_CHECKPOINT)
             publish_directory(temporary, path)
 
     # Loading ----------------------------------------------------------------------------------
@@ -376,6 +379,10 @@ class ShardedCheckpointer:
         import torch.distributed.checkpoint as dcp
 
         checkpoint = load_torch_file(path / LIGHTNING_CHECKPOINT)
+        saved, record = checkpoint.get(MODEL_RECORD_KEY) or {}, model_record(module.model)
+        problem = architecture_problem(saved.get("config"), record["config"] if record is not None else None)
+        if problem is not None:  # it would read the tensors the model names, and ignore the others
+            raise ValueError(f"{path}: {problem}")
         if self.before_load is not None:
             self.before_load(module)
         self.find_experts(module.model)
@@ -392,7 +399,7 @@ class ShardedCheckpointer:
             if key.startswith("model.") and key[len("model."):] in self.fused_experts and hasattr(saved, "size"):
                 model_state[key] = self.fused_experts.read_target(key[len("model."):], tuple(saved.size), target)
         optim_state: dict[str, Any] = {}
-        for layout in checkpoint["merak3d_optimizers"]:
+        for layout in checkpoint[MERAK3D_OPTIMIZERS]:
             for key, entry in layout["entries"].items():
                 if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], torch.dtype):
                     optim_state[key] = self._optimizer_target(key, entry[0], entry[1])
@@ -408,7 +415,7 @@ class ShardedCheckpointer:
                             for key, value in tensors["optim"].items()}
         checkpoint["state_dict"] = self._renumbered_state(tensors["model"], to_global=False)
         checkpoint["optimizer_states"] = []
-        for index, layout in enumerate(checkpoint.pop("merak3d_optimizers")):
+        for index, layout in enumerate(checkpoint.pop(MERAK3D_OPTIMIZERS)):
             state: dict[str, dict[str, Any]] = {}
             for key in layout["entries"]:
                 _, name, field_name = key.split("/", 2)
@@ -432,7 +439,7 @@ class ShardedCheckpointer:
                              "experts or a quantised base, which loads only before the layout is built: evaluate it "
                              "with a new Trainer and module (Trainer.validate/test/predict(module, ckpt_path=...))")
         checkpoint = load_torch_file(path / LIGHTNING_CHECKPOINT)
-        checkpoint.pop("merak3d_optimizers", None)
+        checkpoint.pop(MERAK3D_OPTIMIZERS, None)
         dcp.load({"model": state}, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
         return checkpoint
 
@@ -490,6 +497,10 @@ class ShardedCheckpointer:
         if not saved.get("merak3d_consolidated"):
             optimizer.load_state_dict(saved)
             return
+        problem = optimizer_groups_problem(group_names(saved["param_groups"]), group_names(optimizer.param_groups),
+                                           "resume with the configure_optimizers (optim.name) it was trained with")
+        if problem is not None:  # zipped with this optimizer's groups, they would be cut short or fail in torch
+            raise ValueError(problem)
         names = self._original_names(model)
         state: dict[int, Any] = {}
         groups = []

@@ -6,6 +6,7 @@ would otherwise find only once they run (or what OmegaConf would report as a tra
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
@@ -13,12 +14,14 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+from lightning_merak.checkpoint.saved_setup import group_names, optimizer_groups_problem
 from lightning_merak.cli.overrides import ConfigError
-from lightning_merak.modules.config import DataConfig, DataError, Schedule
+from lightning_merak.modules.config import OPTIMIZERS, DataConfig, DataError, OptimConfig, Schedule
 
 __all__ = ["DATAMODULE_MEMBERS", "HF_DATASET_TARGETS", "MODULE_MEMBERS", "batch_shape", "check_batches_before_launch",
-           "check_callbacks_take", "check_context_calibration", "check_node_launch", "check_schedule_end",
-           "check_streaming_loop", "config_object", "fixed_sequence_length", "longest_sample_setting"]
+           "check_callbacks_take", "check_context_calibration", "check_node_launch", "check_resumed_optimizer",
+           "check_schedule_end", "check_streaming_loop", "config_object", "fixed_sequence_length",
+           "longest_sample_setting"]
 
 MODULE_MEMBERS = ("training_step", "configure_optimizers")
 """What a ``module._target_`` LightningModule must define for Lightning to train it."""
@@ -223,11 +226,57 @@ def _check_resumed_batches(config: Any, strategy: Any, world_size: int, resume_f
     from lightning_merak.checkpoint.compatible import saved_loader_states  # lazy: torch
     from lightning_merak.modules.resumable import check_resumed_batch_shape  # lazy: torch
 
+    seed = getattr(config.trainer, "seed", None)  # a distributed sampler's, as seed_everything sets it
     for state in saved_loader_states(resume_from):
         try:
-            check_resumed_batch_shape(state, replicas, config.data.batch_size)
+            check_resumed_batch_shape(state, replicas, config.data.batch_size, seed,
+                                      _synthetic_pass_length(config, replicas))
         except DataError as error:
             raise ConfigError(f"resume={resume_from}: {error}") from None
+
+
+def _synthetic_pass_length(config: Any, replicas: int) -> Optional[int]:
+    """The training batches of a pass over generated blocks (``data.num_sequences`` split over ``replicas``, each
+    rank's partial batch dropped, ``limit_train_batches`` applied as Lightning applies it), or None for other data,
+    whose size the ranks know."""
+    data, limit = config.data, config.trainer.kwargs.get("limit_train_batches")
+    if data.name != "synthetic" or data.lengths != "fixed" or isinstance(limit, bool) \
+            or config.trainer.kwargs.get("fast_dev_run"):
+        return None
+    batches = math.ceil(data.num_sequences / replicas) // data.batch_size
+    if limit is None:
+        return batches
+    return min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+
+
+def check_resumed_optimizer(module: Any, resume_from: Optional[Path]) -> None:
+    """Refuse to resume the built-in module with another ``optim.name`` than the checkpoint's optimizer (its
+    parameter groups' names tell), whose state would fail on every rank paired with this optimizer's groups."""
+    optim = getattr(module, "optim", None)
+    if resume_from is None or not isinstance(optim, OptimConfig):
+        return
+    from lightning_merak.checkpoint.compatible import saved_optimizer_group_names  # lazy: torch
+
+    saved = saved_optimizer_group_names(resume_from)
+    if not saved:
+        return
+    trained_with = " or ".join(f"optim={name}" for name in OPTIMIZERS if _optimizer_group_names(name) == saved[0])
+    problem = optimizer_groups_problem(saved[0], _optimizer_group_names(optim.name),
+                                       f"resume with {trained_with or 'the optimizer it was trained with'}, or start "
+                                       "afresh from its weights (merak-export, then model.path)")
+    if problem is not None:
+        raise ConfigError(f"resume={resume_from}: optim.name={optim.name}: {problem}")
+
+
+def _optimizer_group_names(name: str) -> list[Optional[str]]:
+    """The parameter groups' names of the built-in module's ``name`` optimizer, built over two placeholder
+    parameters on the meta device (the optimizer names its groups, whatever the model)."""
+    import torch  # lazy: torch
+
+    from lightning_merak.modules.causal_lm import build_optimizer  # lazy: torch, Lightning
+
+    matrix, vector = (torch.nn.Parameter(torch.empty(shape, device="meta")) for shape in ((2, 2), (2,)))
+    return group_names(build_optimizer(OptimConfig(name=name), [matrix], [vector], set()).param_groups)
 
 
 def _loader_replicas(config: Any, strategy: Any, world_size: int) -> Optional[int]:

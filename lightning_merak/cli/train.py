@@ -46,6 +46,7 @@ from lightning_merak.cli.checks import (
     check_callbacks_take,
     check_context_calibration,
     check_node_launch,
+    check_resumed_optimizer,
     check_schedule_end,
     check_streaming_loop,
     config_object,
@@ -300,6 +301,7 @@ def _check_model_against_run(config: TrainConfig, module: Any, resume_from: Opti
     if resume_from is not None:
         compatible.check_resume_shapes(resume_from, module)
         compatible.check_resume_expert_parallel(resume_from, module)
+        check_resumed_optimizer(module, resume_from)
 
 
 def _builtin_module(config: TrainConfig, strategy: Strategy, vocab_size: int) -> Any:

@@ -32,9 +32,10 @@ from lightning_merak.hf.pretrained import (
 from lightning_merak.modules.config import ModelConfig, OptimConfig, Schedule
 from lightning_merak.modules.muon import MuonWithAdamW
 from lightning_merak.modules.schedules import warmup_schedule
+from lightning_merak.plugins.moe.aux_gradient import scale_aux_gradients_by_loss
 from lightning_merak.util.model_outputs import logits_of, weighted_router_aux_loss
 
-__all__ = ["CausalLMModule", "build_causal_lm", "scores_next_token"]
+__all__ = ["CausalLMModule", "build_causal_lm", "build_optimizer", "scores_next_token"]
 
 
 def build_causal_lm(config: ModelConfig, vocab_size: int) -> nn.Module:
@@ -219,6 +220,7 @@ class CausalLMModule(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self._router_aux_loss = None
         loss = self.compute_loss(batch)
+        scale_aux_gradients_by_loss(loss)  # swapped DeepSpeed-MoE blocks: their aux gradient scaled as this loss is
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         if self._router_aux_loss is not None:
             self.log("train/router_aux_loss", self._router_aux_loss.detach(), sync_dist=True)
@@ -238,7 +240,7 @@ class CausalLMModule(pl.LightningModule):
         for param in self.model.parameters():
             if param.requires_grad:
                 (decay if param.ndim >= 2 else no_decay).append(param)
-        optimizer = _optimizer(self.optim, decay, no_decay, _embedding_parameters(self.model))
+        optimizer = build_optimizer(self.optim, decay, no_decay, _embedding_parameters(self.model))
         if self.optim.total_steps is not None:
             total: float = self.optim.total_steps
         elif self._trainer is not None:
@@ -309,8 +311,8 @@ _TASK_HEADS = ("score", "classifier", "qa_outputs")
 """transformers' attribute names of a model's task head (sequence and token classification, question answering)."""
 
 
-def _optimizer(optim: OptimConfig, decay: list[nn.Parameter], no_decay: list[nn.Parameter],
-               embeddings: set[int]) -> torch.optim.Optimizer:
+def build_optimizer(optim: OptimConfig, decay: list[nn.Parameter], no_decay: list[nn.Parameter],
+                    embeddings: set[int]) -> torch.optim.Optimizer:
     """The optimizer ``optim`` names over two named parameter groups: matrices (decayed) and the rest."""
     groups = [{"params": decay, "weight_decay": optim.weight_decay, "name": "matrices"},
               {"params": no_decay, "weight_decay": 0.0, "name": "biases_and_norms"}]

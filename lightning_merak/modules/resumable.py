@@ -60,6 +60,13 @@ class ResumableDataLoader(DataLoader):
             return trained
         return len(self) if _has_length(self) else None
 
+    def _known_pass_length(self) -> Optional[int]:
+        """:meth:`_pass_length` where it is known now: not under a trainer restoring the loader before it counts the
+        pass (``batches_per_pass()`` None; a launcher checks the run's count)."""
+        if self.batches_per_pass is not None and self.batches_per_pass() is None:
+            return None
+        return self._pass_length()
+
     def _batch_shape(self) -> dict[str, Any]:
         """What a trained batch count means in samples: the ranks a distributed sampler (or a stream split by rank,
         its ``shares``) splits each pass over, and each rank's batch size: the loader's, else that of a dataset that
@@ -85,7 +92,7 @@ class ResumableDataLoader(DataLoader):
         pass_length = state["pass_length"] if "pass_length" in state else self._pass_length()
         finished = _pass_finished(state["batches"], pass_length)
         if not finished:  # a finished pass skips nothing, so the next one may split its samples otherwise
-            check_batch_shape(state, **self._batch_shape(), order=self._order())
+            check_batch_shape(state, **self._batch_shape(), order=self._order(), pass_length=self._known_pass_length())
         self._resume, self._epoch_shift, self._openings = (state["pass"], state["batches"]), None, 0
         if finished:
             self._resume = (state["pass"] + 1, 0)
@@ -124,15 +131,19 @@ class ResumableDataLoader(DataLoader):
 
 
 def check_batch_shape(state: dict[str, Any], replicas: int, batch_size: Optional[int],
-                      order: Optional[list[Any]]) -> None:
+                      order: Optional[list[Any]], pass_length: Optional[int] = None) -> None:
     """Refuse to resume a loader's ``state`` part-way through its pass at ``replicas`` data-parallel shares of
-    ``batch_size`` in ``order`` (:meth:`ResumableDataLoader.state_dict`'s terms) where its trained batches meant other
-    samples: another split, unless the global batch and a distributed sampler's order are the checkpoint's (its steps
-    then read this run's samples). Pure, so a launcher can check a checkpoint before it starts any rank."""
+    ``batch_size`` in ``order``, ``pass_length`` batches a pass (:meth:`ResumableDataLoader.state_dict`'s terms; None:
+    not known) where its trained batches meant other samples: another split, unless the global batch and a
+    distributed sampler's order are the checkpoint's (its steps then read this run's samples); another order (the
+    sampler's seed) or pass length (the data's size), whose pass holds other samples at the same steps. Pure, so a
+    launcher can check a checkpoint before it starts any rank."""
     # older checkpoints: none, or no batch size for global batches of variable lengths (their loader's is None)
     saved = {key: state[key] for key in ("replicas", "batch_size") if state.get(key) is not None}
     now = {"replicas": replicas, "batch_size": batch_size}
     if all(saved[key] == now[key] for key in saved):
+        if len(saved) == 2:  # an older checkpoint's pass may have been of another shape: let through, as before
+            _check_same_pass(state, order, pass_length)
         return
     global_batch = saved["replicas"] * saved["batch_size"] if len(saved) == 2 else None
     if state.get("order") is not None and state.get("order") == order and global_batch == replicas * (batch_size or 0):
@@ -148,15 +159,37 @@ def check_batch_shape(state: dict[str, Any], replicas: int, batch_size: Optional
         "weights (merak-export, then model.path)")
 
 
-def check_resumed_batch_shape(state: dict[str, Any], replicas: int, batch_size: Optional[int]) -> None:
+def check_resumed_batch_shape(state: dict[str, Any], replicas: int, batch_size: Optional[int],
+                              sampler_seed: Optional[int] = None, pass_length: Optional[int] = None) -> None:
     """:func:`check_batch_shape` as the ranks will make it restoring ``state``, for a launcher that knows the run's
-    ``replicas`` and ``batch_size`` but not its sampler's order: the order is taken to be the checkpoint's (the ranks
-    check it), and a pass that is finished, or whose length only the ranks know (older checkpoints), is let through.
-    """
+    ``replicas`` and ``batch_size``, and where known the seed a distributed sampler shuffles by (``sampler_seed``, the
+    trainer's) and the batches of a pass (``pass_length``), else takes the checkpoint's; a pass that is finished, or
+    whose length only the ranks know (older checkpoints), is let through."""
     if "batches" not in state or "pass_length" not in state:  # another loader's state, or an older checkpoint's
         return
+    order = state.get("order")
+    if sampler_seed is not None and order is not None and order[0] == "randperm":
+        order = ["randperm", sampler_seed]
     if not _pass_finished(state["batches"], state["pass_length"]):
-        check_batch_shape(state, replicas, batch_size, state.get("order"))
+        check_batch_shape(state, replicas, batch_size, order, pass_length)
+
+
+def _check_same_pass(state: dict[str, Any], order: Optional[list[Any]], pass_length: Optional[int]) -> None:
+    """Refuse to continue a pass in another order or of another length than the checkpoint's: the batches it skips
+    would not be the ones trained, some samples trained twice and others never."""
+    changes = []
+    if state.get("order") is not None and order is not None and list(state["order"]) != list(order):
+        changes.append(f"its distributed sampler ordered the pass {list(state['order'])}, this run's orders it "
+                       f"{list(order)} (another trainer.seed, or shuffling turned on or off)")
+    if state.get("pass_length") is not None and pass_length is not None and state["pass_length"] != pass_length:
+        changes.append(f"its pass was {state['pass_length']} batches, this run's is {pass_length} (another data "
+                       "size: data.num_sequences, the corpus, data.val_fraction; or trainer.limit_train_batches)")
+    if changes:
+        raise DataError(
+            f"the checkpoint stopped {state['batches']} batches into a pass, and {'; '.join(changes)}: skipping its "
+            "trained batches would skip other samples than it trained, so some would be trained twice and others "
+            "never. Resume with the settings it was trained with, or resume a checkpoint written at the end of a "
+            "pass, or start a new run from its weights (merak-export, then model.path)")
 
 
 def _pass_finished(batches: int, pass_length: Optional[int]) -> bool:
