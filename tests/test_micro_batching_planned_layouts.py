@@ -123,14 +123,14 @@ def test_a_user_micro_batch_count_is_kept_under_micro_batching() -> None:
     assert planning._adopted_layout(Merak3DArguments(**PLANNED, micro_batches=4), chosen).micro_batches == 6
 
 
-# 4. A memory limit below the parameters ----------------------------------------------------------------------------
+# 4. A memory limit below the parameters and their gradients ------------------------------------------------------
 
-def test_a_memory_limit_below_the_parameters_is_refused() -> None:
+def test_a_memory_limit_below_the_parameters_and_their_gradients_is_refused() -> None:
     model = nn.Sequential(nn.Linear(100, 100), nn.Embedding(10, 10))  # 10_200 floats: 20_400 bytes at 16 bits
     assert least_parameter_bytes(model, 4) == 5100
-    check_memory_limit(5100, model, 4)
-    with pytest.raises(ValueError, match=r"memory_limit=5099 bytes per rank is below the 5100 bytes"):
-        check_memory_limit(5099, model, 4)
+    check_memory_limit(10200, model, 4)  # the parameters and the trainable ones' gradients, spread over 4 ranks
+    with pytest.raises(ValueError, match=r"memory_limit=10199 bytes per rank is below the 10200 bytes"):
+        check_memory_limit(10199, model, 4)
 
 
 def test_merak_train_refuses_a_tiny_memory_limit_before_launch(tmp_path: Path, monkeypatch, capsys) -> None:

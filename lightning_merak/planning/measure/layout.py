@@ -46,6 +46,14 @@ from lightning_merak.parallel.tensor.blocks import (
 from lightning_merak.parallel.tensor.head_counts import scale_attention_attributes
 from lightning_merak.parallel.tensor.rows import rank_rows
 from lightning_merak.parallel.tensor.sequence import SequenceParallelPlan, split_sequence_between
+from lightning_merak.planning.measure.runs import (
+    BlockRun,
+    SavedBytes,
+    forward_backward_times,
+    loss_profile,
+    sample_hidden,
+    side_tensors_for,
+)
 from lightning_merak.planning.planner import (
     BlockTimes,
     CollectiveCost,
@@ -57,7 +65,6 @@ from lightning_merak.planning.planner import (
     fit_pipeline_runtime,
 )
 from lightning_merak.util import timing
-from lightning_merak.util.model_outputs import logits_of
 from lightning_merak.util.timing import DeviceStamp, mean_call_time, median_call_time
 
 __all__ = ["LARGEST_TIMED_ELEMENTS", "local_shard_of_block", "profile_model", "profile_network", "tensor_parallel_mesh",
@@ -84,12 +91,6 @@ def local_shard_of_block(block: nn.Module, plan: TensorParallelPlan, tensor_para
     return shard
 
 
-def _side_tensors_for(trace: ModelTrace, samples: int) -> tuple[torch.Tensor, ...]:
-    batch = trace.sample_hidden.shape[0]
-    return tuple(t[:samples] if t.ndim and t.shape[0] == batch and samples <= batch else t
-                 for t in trace.sample_side_tensors)
-
-
 def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, samples: int,
                  repeats: int) -> tuple[BlockTimes, int, int]:
     """Forward and backward time of ``shard`` cut at its collectives, the bytes it saves for backward, and
@@ -98,8 +99,8 @@ def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, 
     Sequence parallelism splits those along the sequence (norms, residuals, dropout, and the
     column layers' inputs); what is saved inside the span is split by heads already.
     """
-    inputs = _sample_hidden(trace, samples).clone().requires_grad_(True)
-    args, kwargs = trace.block_arguments(_side_tensors_for(trace, samples))
+    inputs = sample_hidden(trace, samples).clone().requires_grad_(True)
+    args, kwargs = trace.block_arguments(side_tensors_for(trace, samples))
     device = inputs.device
     marks: dict[str, DeviceStamp] = {}
     handles = []
@@ -117,20 +118,18 @@ def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, 
                 lambda *_, inside=inside: inside_span.__setitem__(0, inside)))
     # per timed run: its start, the first row layer's end, the forward's end, the MLP's input gradient, its end
     runs: list[tuple[DeviceStamp, ...]] = []
-    parameters = {p.data_ptr() for p in shard.parameters()}
-    saved: dict[int, int] = {}
+    saved = SavedBytes(shard.parameters())  # by storage: a view of a parameter is no activation
     outside_span: set[int] = set()
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.data_ptr() not in parameters and tensor.data_ptr() not in saved:
-            saved[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        for storage in saved.add(tensor):
             if not inside_span[0]:
-                outside_span.add(tensor.data_ptr())
+                outside_span.add(storage)
         return tensor
 
     def run() -> None:
         shard.zero_grad(set_to_none=True)  # as every training step: backward allocates fresh gradients
-        saved.clear()
+        saved.by_storage.clear()
         outside_span.clear()
         inside_span[0] = False
         start = DeviceStamp(device)
@@ -159,59 +158,19 @@ def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, 
                       for _, _, end_forward, mlp_ready, end_backward in runs]
     times = BlockTimes(forward_segments_s=tuple(map(statistics.fmean, zip(*forward_parts))),
                        backward_segments_s=tuple(map(statistics.fmean, zip(*backward_parts))))
-    return times, sum(saved.values()), sum(saved[pointer] for pointer in outside_span)
+    return times, saved.total, sum(saved.by_storage[storage] for storage in outside_span)
 
 
 def _compiled_over_eager(shard: nn.Module, trace: ModelTrace, samples: int, repeats: int) -> tuple[float, float]:
     """(forward, backward) seconds of ``shard`` compiled over eager, on a copy: the factors its segments are
     scaled by (a compiled graph runs no hooks of the layers inside it, where the segments are cut)."""
-    hidden = _sample_hidden(trace, samples)
-    args, kwargs = trace.block_arguments(_side_tensors_for(trace, samples))
+    hidden = sample_hidden(trace, samples)
+    args, kwargs = trace.block_arguments(side_tensors_for(trace, samples))
     compiled = copy.deepcopy(shard)
     compile_blocks([(f"{trace.trunk_path}.0", compiled)])
-    eager_s = _forward_backward_times(_BlockRun([shard], trace), hidden, args, kwargs, repeats)
-    compiled_s = _forward_backward_times(_BlockRun([compiled], trace), hidden, args, kwargs, repeats)
+    eager_s = forward_backward_times(BlockRun([shard], trace), hidden, args, kwargs, repeats)
+    compiled_s = forward_backward_times(BlockRun([compiled], trace), hidden, args, kwargs, repeats)
     return compiled_s[0] / max(eager_s[0], 1e-12), compiled_s[1] / max(eager_s[1], 1e-12)
-
-
-def _sample_hidden(trace: ModelTrace, samples: int) -> torch.Tensor:
-    """``samples`` samples of the trace's hidden state (repeated where the trace holds fewer)."""
-    hidden = trace.sample_hidden
-    batch = hidden.shape[0]
-    source = hidden if samples <= batch else hidden.repeat(-(-samples // batch), *[1] * (hidden.ndim - 1))
-    return source[:samples].detach()
-
-
-class _BlockRun(nn.Module):
-    """``blocks`` applied in turn to the hidden state, with the side arguments the trunk passes every block."""
-
-    def __init__(self, blocks: list[nn.Module], trace: ModelTrace) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(blocks)
-        self.trace = trace
-
-    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        for block in self.blocks:
-            hidden = self.trace.hidden_of(block(hidden, *args, **kwargs))
-        return hidden
-
-
-def _forward_backward_times(run: nn.Module, hidden: torch.Tensor, args: tuple, kwargs: dict,
-                            repeats: int) -> tuple[float, float]:
-    """Mean forward and backward seconds of ``run`` after one warm-up; every rank runs the same calls."""
-    stamps = []
-    for attempt in range(repeats + 1):
-        inputs = hidden.detach().requires_grad_(True)
-        run.zero_grad(set_to_none=True)  # as every training step: backward allocates fresh gradients
-        start = DeviceStamp(hidden.device)
-        output = run(inputs, *args, **kwargs)
-        middle = DeviceStamp(hidden.device)
-        output.backward(torch.ones_like(output))
-        end = DeviceStamp(hidden.device)
-        if attempt:
-            stamps.append((start, middle, end))
-    return (statistics.fmean(middle.seconds_since(start) for start, middle, _ in stamps),
-            statistics.fmean(end.seconds_since(middle) for _, middle, end in stamps))
 
 
 def time_parameter_update(parameters: list[nn.Parameter],
@@ -323,7 +282,7 @@ def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dic
     for tp, overlap, samples in sorted(key for key in keys.measured_blocks if key[0] in meshes):
         trace = traces[samples]
         hidden = trace.sample_hidden[:samples]
-        args, kwargs = trace.block_arguments(_side_tensors_for(trace, samples))
+        args, kwargs = trace.block_arguments(side_tensors_for(trace, samples))
         times = []
         for count in counts:
             blocks = [_sharded_copy(block, plan, meshes[tp], sequence_plan, overlap_weight_gradients)
@@ -331,11 +290,11 @@ def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dic
             if sequence_plan is not None:
                 split_sequence_between(blocks[0], blocks[-1], meshes[tp].get_group(), trace.block_output_index)
             fast_blocks.apply([(f"{trace.trunk_path}.{index}", copy_) for index, copy_ in enumerate(blocks)])
-            run = _BlockRun(blocks, trace)
+            run = BlockRun(blocks, trace)
             if overlap > 1:
                 run.forward = SubBatchForward(run, overlap)
             dist.barrier()
-            times.append(_forward_backward_times(run, hidden, args, kwargs, repeats))
+            times.append(forward_backward_times(run, hidden, args, kwargs, repeats))
         (forward_one, backward_one), (forward_many, backward_many) = times
         further = counts[1] - 1
         measured[(tp, overlap, samples)] = MeasuredBlocks(
@@ -355,30 +314,6 @@ def _block_update_times(block: nn.Module, plan: TensorParallelPlan, keys: Profil
         sharded = _sharded_copy(block, plan, meshes[tp]) if tp in meshes else local_shard_of_block(block, plan, tp)
         optimizer_s[tp], clip_s[tp] = time_parameter_update(list(sharded.parameters()), optimizer_factory, repeats)
     return optimizer_s, clip_s
-
-
-class _Loss(nn.Module):
-    """The training loss of the first ``samples`` samples' logits, as a module :func:`_forward_backward_times` runs."""
-
-    def __init__(self, loss_of: Callable[[Any, int], torch.Tensor], samples: int) -> None:
-        super().__init__()
-        self.loss_of, self.samples = loss_of, samples
-
-    def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        return self.loss_of(logits, self.samples)
-
-
-def _loss_times(model: nn.Module, sample_inputs: torch.Tensor, call_model: Callable[[nn.Module, torch.Tensor], Any],
-                loss_of: Callable[[Any, int], torch.Tensor], samples: int, repeats: int,
-                logits_shape: Optional[tuple[int, ...]] = None) -> tuple[float, float]:
-    """Mean forward and backward seconds of the training loss on the model's output for ``samples`` samples
-    (on random logits of ``logits_shape`` for a model on the meta device)."""
-    if logits_shape is not None:
-        logits = torch.randn((samples, *logits_shape[1:]), device=sample_inputs.device)
-        return _forward_backward_times(_Loss(loss_of, samples), logits, (), {}, repeats)
-    with torch.no_grad():
-        logits = logits_of(call_model(model, sample_inputs[:samples]))
-    return _forward_backward_times(_Loss(loss_of, samples), logits, (), {}, repeats)
 
 
 def profile_model(
@@ -440,11 +375,17 @@ def profile_model(
     parameter_bytes: dict[int, int] = {}
     activation_bytes: dict[int, int] = {}
     sequence_split_bytes: dict[int, int] = {}
+    block_bytes = _parameter_bytes(block.parameters())
+    trainable_fraction = _parameter_bytes(block.parameters(), trainable_only=True) / max(1, block_bytes)
+    adapter_bytes = 0
     with local():  # every tensor-parallel degree's local shard, in this process
         for tp in sorted(keys.tp_degrees | {1}):
             shard = local_shard_of_block(block, plan, tp)
             fast_blocks.convert_float8([(f"{largest.trunk_path}.0", shard)])  # a copy: converted in place
-            parameter_bytes[tp] = sum(p.numel() * p.element_size() for p in shard.parameters())
+            shard_bytes = _parameter_bytes(shard.parameters())
+            if tp == 1:  # the first: a shard's split layers are plain, so adapters inside them (LoRA) are counted apart
+                adapter_bytes = max(0, block_bytes - shard_bytes)
+            parameter_bytes[tp] = shard_bytes + adapter_bytes // tp
             for samples in sorted(s for t, s in keys.block_times if t == tp) or [needed_samples[-1]]:
                 times, saved, outside = _block_times(shard, plan, traces[samples], samples, repeats)
                 if fast_blocks.compile:
@@ -456,6 +397,7 @@ def profile_model(
                 sequence_split_bytes.setdefault(tp, outside // samples)
     hidden = largest.sample_hidden
     prefix, suffix = largest.costs[0], largest.costs[-1]
+    prefix_parameters, suffix_parameters = largest.outside_parameters(model)
     # one mesh per tensor-parallel degree (creating one is collective), shared by both measurements
     meshes = ({tp: tensor_parallel_mesh(process_group_device, tp) for tp in sorted(keys.tp_degrees) if tp > 1}
               if real_blocks else {})
@@ -466,9 +408,9 @@ def profile_model(
                                     fast_blocks=fast_blocks)
     with local():
         prefix_update_s, suffix_update_s = time_outside_update(model, largest, optimizer_factory, repeats)
-        loss_times = {samples: _loss_times(model, sample_inputs, call_model, loss_of, samples, repeats,
-                                           largest.logits_shape if on_meta else None)
-                      for samples in sorted(keys.loss_samples)} if loss_of is not None else {}
+        loss_times, loss_saved_bytes = loss_profile(model, sample_inputs, call_model, loss_of, keys.loss_samples,
+                                                    repeats, largest.logits_shape if on_meta else None
+                                                    ) if loss_of is not None else ({}, 0)
     return ModelProfile(
         num_blocks=len(trunk),
         hidden_bytes_per_sample=hidden[0].numel() * hidden.element_size(),
@@ -478,6 +420,9 @@ def profile_model(
         block_parameter_bytes=parameter_bytes,
         prefix_parameter_bytes=prefix.param_bytes,
         suffix_parameter_bytes=suffix.param_bytes,
+        block_trainable_bytes={tp: round(nbytes * trainable_fraction) for tp, nbytes in parameter_bytes.items()},
+        prefix_trainable_bytes=min(prefix.param_bytes, _parameter_bytes(prefix_parameters, trainable_only=True)),
+        suffix_trainable_bytes=min(suffix.param_bytes, _parameter_bytes(suffix_parameters, trainable_only=True)),
         block_activation_bytes_per_sample=activation_bytes,
         block_sequence_split_bytes_per_sample=sequence_split_bytes,
         optimizer_s_per_parameter_byte=block_optimizer_s[1] / max(1, parameter_bytes[1]),
@@ -489,7 +434,13 @@ def profile_model(
         suffix_update_s=suffix_update_s,
         carried_bytes_per_sample=largest.skip_bytes_per_sample(),
         loss_times=loss_times,
+        loss_saved_bytes_per_sample=loss_saved_bytes,
     )
+
+
+def _parameter_bytes(parameters: Iterable[nn.Parameter], trainable_only: bool = False) -> int:
+    """Bytes of ``parameters`` (only those that take gradients with ``trainable_only``)."""
+    return sum(p.numel() * p.element_size() for p in parameters if p.requires_grad or not trainable_only)
 
 
 def consecutive_group(size: int) -> dist.ProcessGroup:

@@ -31,6 +31,7 @@ from lightning_merak.parallel.pipeline import (
 )
 from lightning_merak.planning.planner.context import context_rank_block, exchange_s
 from lightning_merak.planning.planner.data_parallel import data_parallel_s, model_state_bytes
+from lightning_merak.planning.planner.experts import stage_experts
 from lightning_merak.planning.planner.overlap import OverlapResult, simulate_overlapped_chain
 from lightning_merak.planning.planner.profile import (
     CONTEXT_ATTENTION_METHODS,
@@ -289,12 +290,16 @@ def _stages(layout: Layout, profile: ModelProfile, samples: int, comm_s: float, 
                                embedding_splits)
 
 
-def _outside_parameter_bytes(profile: ModelProfile, tp: int, vocab_parallel: bool) -> tuple[int, int]:
-    """``(prefix, suffix)`` parameter bytes per rank: vocabulary parallelism splits the embedding and the LM head
-    over the tensor-parallel ranks (both counted as split: their vocabulary matrices dominate them)."""
+def _outside_parameter_bytes(profile: ModelProfile, tp: int, vocab_parallel: bool,
+                             trainable: bool = False) -> tuple[int, int]:
+    """``(prefix, suffix)`` parameter bytes per rank (only those that train with ``trainable``): vocabulary
+    parallelism splits the embedding and the LM head over the tensor-parallel ranks (both counted as split: their
+    vocabulary matrices dominate them)."""
+    prefix, suffix = (profile.outside_trainable_bytes() if trainable
+                      else (profile.prefix_parameter_bytes, profile.suffix_parameter_bytes))
     if not vocab_parallel:
-        return profile.prefix_parameter_bytes, profile.suffix_parameter_bytes
-    return -(-profile.prefix_parameter_bytes // tp), -(-profile.suffix_parameter_bytes // tp)
+        return prefix, suffix
+    return -(-prefix // tp), -(-suffix // tp)
 
 
 def _measured_blocks(layout: Layout, profile: ModelProfile, samples: int) -> MeasuredBlocks | None:
@@ -307,12 +312,11 @@ def _measured_blocks(layout: Layout, profile: ModelProfile, samples: int) -> Mea
 def _outside_blocks_s(profile: ModelProfile, stage: _Stage, part: int, per_byte_s: float,
                       shares: tuple[float, float]) -> float:
     """Part ``part`` (0: optimizer step, 1: clipping passes) of the update of the embedding and head parts a stage
-    holds (``shares``: :func:`_vocabulary_shares`)."""
+    holds (``shares``: :func:`_vocabulary_shares`); the measured figures step only what trains, and so does the
+    per-byte estimate."""
     total = 0.0
-    for held, measured, parameter_bytes in (
-        (shares[0], profile.prefix_update_s, profile.prefix_parameter_bytes),
-        (shares[1], profile.suffix_update_s, profile.suffix_parameter_bytes),
-    ):
+    for held, measured, parameter_bytes in zip(shares, (profile.prefix_update_s, profile.suffix_update_s),
+                                               profile.outside_trainable_bytes()):
         total += held * (measured[part] if measured is not None else per_byte_s * parameter_bytes)
     return total
 
@@ -327,23 +331,29 @@ def _vocabulary_shares(layout: Layout, stage: _Stage, embedding_splits: bool) ->
     return embedding, head
 
 
-def _optimizer_s(layout: Layout, profile: ModelProfile, stage: _Stage, parameter_bytes: int,
+def _block_trainable_fraction(profile: ModelProfile, tp: int) -> float:
+    """The share of a block's parameter bytes that trains: what its measured update and clipping are scaled by
+    (they were timed with every parameter of the block training)."""
+    return profile.block_trainable_bytes_at(tp) / max(1, profile.block_parameter_bytes_at(tp))
+
+
+def _optimizer_s(layout: Layout, profile: ModelProfile, stage: _Stage, trainable_bytes: float,
                  shares: tuple[float, float]) -> float:
-    """Optimizer step of one stage: measured per block and on the embedding and head where profiled,
-    per byte otherwise.
+    """Optimizer step of one stage over what trains: measured per block and on the embedding and head where
+    profiled, per byte otherwise.
     """
     per_block = profile.block_optimizer_s.get(layout.tp)
     if per_block is None:
-        return profile.optimizer_s_per_parameter_byte * parameter_bytes
-    return stage.num_blocks * per_block + _outside_blocks_s(profile, stage, 0, profile.optimizer_s_per_parameter_byte,
-                                                            shares)
+        return profile.optimizer_s_per_parameter_byte * trainable_bytes
+    return (stage.num_blocks * per_block * _block_trainable_fraction(profile, layout.tp)
+            + _outside_blocks_s(profile, stage, 0, profile.optimizer_s_per_parameter_byte, shares))
 
 
 def _clip_s(layout: Layout, profile: ModelProfile, network: NetworkProfile, stage: _Stage, shards: int,
             shares: tuple[float, float]) -> float:
     """Clipping by the global norm on one stage: the passes over its gradients (this rank's 1/``shards`` of them
     when sharded), and the norm's scalar all-reduces (over the shard group too)."""
-    passes_s = (stage.num_blocks * profile.block_clip_s_at(layout.tp)
+    passes_s = (stage.num_blocks * profile.block_clip_s_at(layout.tp) * _block_trainable_fraction(profile, layout.tp)
                 + _outside_blocks_s(profile, stage, 1, profile.clip_s_per_parameter_byte, shares))
     scalar_bytes = 8
     return (passes_s / shards + network.all_reduce_s(scalar_bytes, layout.pp)
@@ -367,35 +377,6 @@ def _check_against_space(layout: Layout, profile: ModelProfile, space: SearchSpa
     space.shards(layout.sharding, layout.data_parallel_ranks)  # refuses a shard size that does not divide them
 
 
-@dataclass(frozen=True)
-class _StageExperts:
-    """A stage's MoE layers on one rank: exchange time per micro-batch, expert bytes kept and not kept."""
-
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    kept_bytes: float = 0.0
-    dropped_bytes: float = 0.0
-
-
-def _stage_experts(layout: Layout, profile: ModelProfile, network: NetworkProfile, stage: _Stage, first_block: int,
-                   samples: int) -> _StageExperts:
-    """The expert exchange of each of a stage's MoE layers (per sub-batch, over the expert group's link) and the
-    ``E/ep`` experts of each a rank keeps (:class:`~.experts.ExpertLayers`); the stage's blocks start at trunk
-    position ``first_block``."""
-    experts = profile.experts
-    if experts is None:
-        return _StageExperts()
-    experts.check_ep(layout.ep)
-    layers = experts.stage_layers(first_block, stage.num_blocks, profile.num_blocks)
-    forward_s = backward_s = 0.0
-    if layout.ep > 1:
-        forward_s, backward_s = experts.layer_exchange_s(samples // layout.overlap, layout.ep,
-                                                         network.all_to_all_link(layout.ep))
-    kept = experts.kept_bytes(layout.ep)
-    return _StageExperts(layers * layout.overlap * forward_s, layers * layout.overlap * backward_s,
-                         layers * kept, layers * (experts.expert_parameter_bytes - kept))
-
-
 def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile, space: SearchSpace) -> Prediction:
     """Step time (pipeline iteration + exposed data-parallel communication + clipping + optimizer)
     and peak memory per rank (:func:`model_state_bytes` plus activations).
@@ -410,7 +391,14 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     and keep only their input plus the post-collective outputs the runtime caches (those exist
     only with tp > 1). With ``space.sequence_parallel`` a tensor-parallel block saves its
     sequence-split activations (and a recomputed one its input) for 1/tp of the sequence.
-    Prefix and suffix activations are not counted; skip values a stage receives
+    The stage(s) holding the LM head keep what the loss saves (``model_profile.loss_saved_bytes_per_sample``, its
+    vocabulary share on the stage, 1/tp of it with ``space.vocab_parallel``, 1/cp with context parallelism) per
+    micro-batch in flight on the last stage, and one more such buffer at the peak (the loss backward's gradient);
+    a recomputed block's rebuilt activations peak later in the backward, and the larger of the two counts.
+    Only the parameters that train (``model_profile.block_trainable_bytes`` and its kin) take gradients, optimizer
+    state, gradient synchronisation and the optimizer step; blocks that all are frozen behind a frozen embedding
+    save no activations (nothing before them needs a gradient). Other prefix and suffix activations are not counted;
+    skip values a stage receives
     (``model_profile.carried_bytes_per_sample``) are, held per in-flight micro-batch, and every cut's send
     is priced with the skip values crossing it beside the hidden state. With several stages every forward and
     backward chunk also pays the pipeline runtime's own time (``network.pipeline_action_s``), and
@@ -442,13 +430,23 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
     block_parameter_bytes = model_profile.block_parameter_bytes_at(layout.tp)
     prefix_parameter_bytes, suffix_parameter_bytes = _outside_parameter_bytes(model_profile, layout.tp,
                                                                               space.vocab_parallel)
+    block_trainable = _block_trainable_fraction(model_profile, layout.tp)
+    prefix_trainable_bytes, suffix_trainable_bytes = _outside_parameter_bytes(model_profile, layout.tp,
+                                                                              space.vocab_parallel, trainable=True)
+    # the loss's saved logits live from the head's forward to its backward: per micro-batch in flight on the last
+    # stage (whose schedule every stage's share of a split head follows), split over the head's vocabulary shares
+    loss_in_flight = peak_inflight_microbatches(layout.pp - 1, layout.pp, layout.micro_batches, space.schedule)
+    loss_saved_bytes = (model_profile.loss_saved_bytes_per_sample * samples * share
+                        / (layout.tp if space.vocab_parallel else 1))
     sequence_split = space.sequence_parallel and layout.tp > 1
-    activation_bytes = model_profile.block_activation_bytes_at(layout.tp, sequence_split)
-    recomputed_input_bytes = hidden_bytes // layout.tp if sequence_split else hidden_bytes
+    # frozen blocks behind a frozen embedding see no input that needs a gradient: autograd saves nothing for them
+    blocks_save = block_trainable > 0 or prefix_trainable_bytes > 0
+    activation_bytes = model_profile.block_activation_bytes_at(layout.tp, sequence_split) if blocks_save else 0
+    recomputed_input_bytes = (hidden_bytes // layout.tp if sequence_split else hidden_bytes) if blocks_save else 0
     # the recorded collective outputs a recomputed block replays: two all-reduces, or two
     # all-gathers (whole sequence) and two reduce-scatters (this rank's slice)
     recomputed_extra_bytes = (2 * hidden_bytes + 2 * hidden_bytes // layout.tp if sequence_split
-                              else 2 * hidden_bytes if layout.tp > 1 else 0)
+                              else 2 * hidden_bytes if layout.tp > 1 else 0) if blocks_save else 0
     action_s, pipeline_step_s = ((network.pipeline_action_s, network.pipeline_step_s) if layout.pp > 1
                                  else (0.0, 0.0))
     shards = space.shards(layout.sharding, layout.data_parallel_ranks)
@@ -497,8 +495,9 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         exposed_s.append(max(0.0, forward_total + backward_total - local_s))
         forward_total += vocab_exchange_s
         backward_total += vocab_exchange_s
-        experts = _stage_experts(layout, model_profile, network, stage,
-                                 sum(earlier.num_blocks for earlier in stages[:index]), samples)
+        experts = stage_experts(model_profile.experts, layout.ep, layout.overlap, network,
+                                sum(earlier.num_blocks for earlier in stages[:index]), stage.num_blocks,
+                                model_profile.num_blocks, samples)
         forward_total += experts.forward_s
         backward_total += experts.backward_s
         expert_s.append(experts.forward_s + experts.backward_s)
@@ -517,6 +516,9 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
             + head_share * suffix_parameter_bytes
             - experts.dropped_bytes
         )
+        trainable_bytes = (embedding_share * prefix_trainable_bytes
+                           + block_trainable * (stage.num_blocks * block_parameter_bytes - experts.dropped_bytes)
+                           + head_share * suffix_trainable_bytes)
         kept_per_sample = (
             (stage.num_blocks - recomputed) * activation_bytes
             + recomputed * (recomputed_input_bytes + recomputed_extra_bytes)
@@ -526,17 +528,26 @@ def predict(layout: Layout, model_profile: ModelProfile, network: NetworkProfile
         in_flight = peak_inflight_microbatches(index, layout.pp, layout.micro_batches, space.schedule)
         outside_bytes = round(embedding_share * prefix_parameter_bytes + head_share * suffix_parameter_bytes)
         memory = model_state_bytes(layout.sharding, shards, layout.pp > 1, parameter_bytes,
-                                   2 * block_parameter_bytes + outside_bytes, space.grad_bucket_bytes, model_profile)
-        memory["activations"] = in_flight * samples * kept_per_sample * share
+                                   2 * block_parameter_bytes + outside_bytes, space.grad_bucket_bytes, model_profile,
+                                   trainable_bytes)
+        # at the peak, beside what the micro-batches in flight keep: the loss backward's logits-sized gradient,
+        # or (later in the backward, the logits freed) a recomputed block's activations rebuilt
+        rebuilt_bytes = activation_bytes * samples * share if recomputed else 0.0
+        memory["activations"] = (in_flight * samples * kept_per_sample * share
+                                 + head_share * loss_in_flight * loss_saved_bytes
+                                 + max(head_share * loss_saved_bytes, rebuilt_bytes))
         memory_bytes.append(memory)
         after_pipeline_s.append(
             (
                 data_parallel_s(layout.data_parallel_ranks, layout.sharding, layout.pp > 1, space, network,
-                                parameter_bytes - experts.kept_bytes, block_parameter_bytes,
+                                # full sharding gathers every parameter; the others move gradients only
+                                (parameter_bytes if layout.sharding == "full" else trainable_bytes)
+                                - experts.kept_bytes * block_trainable, block_parameter_bytes,
                                 stage.num_blocks + 1, forward_total, backward_total)
-                + (network.gradient_sync_s(experts.kept_bytes, layout.dp // layout.ep) if experts.kept_bytes else 0.0),
+                + (network.gradient_sync_s(experts.kept_bytes * block_trainable, layout.dp // layout.ep)
+                   if experts.kept_bytes * block_trainable else 0.0),
                 _clip_s(layout, model_profile, network, stage, shards, shares) if space.clip_gradients else 0.0,
-                _optimizer_s(layout, model_profile, stage, parameter_bytes, shares) / shards,
+                _optimizer_s(layout, model_profile, stage, trainable_bytes, shares) / shards,
             )
         )
 

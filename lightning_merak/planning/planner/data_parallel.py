@@ -9,27 +9,31 @@ from lightning_merak.planning.planner.profile import ModelProfile, NetworkProfil
 
 
 def model_state_bytes(mode: str, shards: int, pipelined: bool, parameter_bytes: float, in_flight_bytes: float,
-                      bucket_bytes: float | None, profile: ModelProfile) -> dict[str, float]:
+                      bucket_bytes: float | None, profile: ModelProfile,
+                      trainable_bytes: float | None = None) -> dict[str, float]:
     """Peak bytes of parameters, gradients and optimizer state on a rank holding ``parameter_bytes`` of a stage
     (its 1/(pp·tp)), its state sharded over ``shards`` data-parallel ranks by ``mode``.
 
-    With P the parameter bytes, S the shards, g, o, c the profile's gradient, optimizer-state and
-    compute-copy bytes per parameter byte, B a gradient bucket (None: one of all gradients) and U
-    ``in_flight_bytes`` (what FSDP2 holds gathered at once without pipelining: two blocks, the one
-    computing and the one prefetched, plus the stage root's embedding and head, which it keeps
-    for the whole step):
+    With P the parameter bytes, T the part of them that trains (``trainable_bytes``; None: all), S the
+    shards, g, o, c the profile's gradient, optimizer-state and compute-copy bytes per parameter byte, B a
+    gradient bucket (None: one of all gradients) and U ``in_flight_bytes`` (what FSDP2 holds gathered at once
+    without pipelining: two blocks, the one computing and the one prefetched, plus the stage root's embedding
+    and head, which it keeps for the whole step):
 
     - parameters: (1 + c)·P; ``"full"``: P/S + (1 + c)·G, G = P with several stages (gathered
       parameters stay from a micro-batch's forward to the last backward), else min(P, U).
-    - gradients: g·P for ``"none"``/``"optimizer"`` and for any mode with several stages (they
-      accumulate whole over the micro-batches); ``"gradients"``: min(g·P, g·P/S + 2B) (its slice
-      and two buckets, one filling, one in its reduce-scatter); ``"full"``: g·(P/S + min(P, U)).
-    - optimizer state: o·P, divided by S in every sharded mode.
+    - gradients: g·T for ``"none"``/``"optimizer"`` and for any mode with several stages (they
+      accumulate whole over the micro-batches); ``"gradients"``: min(g·T, g·T/S + 2B) (its slice
+      and two buckets, one filling, one in its reduce-scatter); ``"full"``: g·(T/S + min(T, U·T/P)).
+    - optimizer state: o·T, divided by S in every sharded mode.
+
+    Frozen parameters (a frozen base under adapters) take no gradient and no optimizer state.
 
     One shard (``shards=1``) splits nothing: every mode costs what ``"none"`` does. Under
     ``*-mixed`` precision P is the fp32 master weights and c·P their 16-bit compute copies.
     """
     P, S = parameter_bytes, shards
+    T = P if trainable_bytes is None else trainable_bytes
     gradient, optimizer, copy = (profile.gradient_bytes_per_parameter_byte,
                                  profile.optimizer_bytes_per_parameter_byte,
                                  profile.compute_copy_bytes_per_parameter_byte)
@@ -41,12 +45,12 @@ def model_state_bytes(mode: str, shards: int, pipelined: bool, parameter_bytes: 
     else:
         parameters = (1 + copy) * P
     if pipelined or mode in ("none", "optimizer"):
-        gradients = gradient * P
+        gradients = gradient * T
     elif mode == "gradients":
-        gradients = min(gradient * P, gradient * P / S + 2 * (gradient * P if bucket_bytes is None else bucket_bytes))
+        gradients = min(gradient * T, gradient * T / S + 2 * (gradient * T if bucket_bytes is None else bucket_bytes))
     else:
-        gradients = gradient * (P / S + min(P, in_flight_bytes))
-    return {"parameters": parameters, "gradients": gradients, "optimizer_state": optimizer * P / S}
+        gradients = gradient * (T / S + min(T, in_flight_bytes * T / P if P else 0.0))
+    return {"parameters": parameters, "gradients": gradients, "optimizer_state": optimizer * T / S}
 
 
 def exposed_comm_s(comm_s: float, window_s: float, last_fraction: float) -> float:

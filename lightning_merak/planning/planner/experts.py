@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["ExpertLayers"]
+__all__ = ["ExpertLayers", "StageExperts", "stage_experts"]
 
 _COUNT_BYTES = 8
 """One route count (int64) of the all-gathered ``[ep, E]`` count matrix."""
@@ -90,3 +90,37 @@ class ExpertLayers:
     def kept_bytes(self, ep: int) -> float:
         """One MoE layer's expert bytes a rank keeps: ``E/ep`` of its experts."""
         return self.expert_parameter_bytes / ep
+
+
+class Network(Protocol):
+    """Where the expert groups' links come from: a :class:`~.profile.NetworkProfile`."""
+
+    def all_to_all_link(self, ranks: int) -> Link:
+        """The link of an all-to-all among ``ranks`` ranks."""
+
+
+@dataclass(frozen=True)
+class StageExperts:
+    """A stage's MoE layers on one rank: exchange time per micro-batch, expert bytes kept and not kept."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    kept_bytes: float = 0.0
+    dropped_bytes: float = 0.0
+
+
+def stage_experts(experts: ExpertLayers | None, ep: int, overlap: int, network: Network, first_block: int,
+                  stage_blocks: int, num_blocks: int, samples: int) -> StageExperts:
+    """The expert exchange of each MoE layer of a stage holding ``stage_blocks`` of the ``num_blocks`` blocks from
+    trunk position ``first_block`` (per sub-batch of ``samples // overlap``, over the expert group's link), and the
+    ``E/ep`` experts of each a rank keeps; nothing without MoE layers (``experts`` None)."""
+    if experts is None:
+        return StageExperts()
+    experts.check_ep(ep)
+    layers = experts.stage_layers(first_block, stage_blocks, num_blocks)
+    forward_s = backward_s = 0.0
+    if ep > 1:
+        forward_s, backward_s = experts.layer_exchange_s(samples // overlap, ep, network.all_to_all_link(ep))
+    kept = experts.kept_bytes(ep)
+    return StageExperts(layers * overlap * forward_s, layers * overlap * backward_s,
+                        layers * kept, layers * (experts.expert_parameter_bytes - kept))

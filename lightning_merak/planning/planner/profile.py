@@ -273,6 +273,11 @@ class ModelProfile:
     ``carried_bytes_per_sample[b]`` (``num_blocks + 1`` entries, or none) is what a stage boundary in front of block
     ``b`` sends per sample beside the hidden state: the skip values crossing it (a tensor a later block reads that
     an earlier block returned, :class:`~lightning_merak.parallel.pipeline.recording.SkipValue`).
+    ``loss_saved_bytes_per_sample`` is what the training loss saves for backward per sample (a language model's
+    fp32 log-probabilities over the vocabulary: often more than all its blocks save); 0 predicts no loss memory.
+    ``block_trainable_bytes`` by tp, ``prefix_trainable_bytes`` and ``suffix_trainable_bytes`` are the parameter
+    bytes that train (adapters included): only they take gradients, optimizer state, gradient synchronisation and
+    the optimizer step; absent, every parameter trains.
     """
 
     num_blocks: int
@@ -301,6 +306,10 @@ class ModelProfile:
     attention_kernel_times: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
     context_kernel_times: dict[tuple[int, str, int, int], tuple[float, float]] = field(default_factory=dict)
     carried_bytes_per_sample: tuple[int, ...] = ()
+    loss_saved_bytes_per_sample: int = 0
+    block_trainable_bytes: dict[int, int] = field(default_factory=dict)
+    prefix_trainable_bytes: int | None = None
+    suffix_trainable_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive("ModelProfile", num_blocks=self.num_blocks)
@@ -318,7 +327,15 @@ class ModelProfile:
             optimizer_bytes_per_parameter_byte=self.optimizer_bytes_per_parameter_byte,
             compute_copy_bytes_per_parameter_byte=self.compute_copy_bytes_per_parameter_byte,
             clip_s_per_parameter_byte=self.clip_s_per_parameter_byte,
+            loss_saved_bytes_per_sample=self.loss_saved_bytes_per_sample,
         )
+        for name, trainable, total in (
+            ("prefix_trainable_bytes", self.prefix_trainable_bytes, self.prefix_parameter_bytes),
+            ("suffix_trainable_bytes", self.suffix_trainable_bytes, self.suffix_parameter_bytes),
+            *((f"block_trainable_bytes[{tp}]", trainable, self.block_parameter_bytes.get(tp, 0))
+              for tp, trainable in self.block_trainable_bytes.items())):
+            if trainable is not None and not 0 <= trainable <= total:
+                raise ValueError(f"ModelProfile.{name}={trainable} must be within [0, {total}], the parameter bytes")
         for name in ("prefix_update_s", "suffix_update_s"):
             times = getattr(self, name)
             if times is not None and (len(times) != 2 or min(times) < 0):
@@ -355,6 +372,17 @@ class ModelProfile:
     def block_parameter_bytes_at(self, tp: int) -> int:
         return _lookup(self.block_parameter_bytes, tp, "block_parameter_bytes", "tp")
 
+    def block_trainable_bytes_at(self, tp: int) -> int:
+        """The bytes of one block's parameters on one rank that train (all of them when not profiled)."""
+        if not self.block_trainable_bytes:
+            return self.block_parameter_bytes_at(tp)
+        return _lookup(self.block_trainable_bytes, tp, "block_trainable_bytes", "tp")
+
+    def outside_trainable_bytes(self) -> tuple[int, int]:
+        """``(prefix, suffix)`` parameter bytes that train (all of them when not profiled)."""
+        return (self.prefix_parameter_bytes if self.prefix_trainable_bytes is None else self.prefix_trainable_bytes,
+                self.suffix_parameter_bytes if self.suffix_trainable_bytes is None else self.suffix_trainable_bytes)
+
     def block_activation_bytes_at(self, tp: int, sequence_parallel: bool = False) -> int:
         """Bytes one block saves per sample on one rank; with ``sequence_parallel`` its sequence-split part is 1/tp."""
         saved = _lookup(self.block_activation_bytes_per_sample, tp, "block_activation_bytes_per_sample", "tp")
@@ -381,7 +409,8 @@ def average_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
     return _average(list(profiles), "ModelProfile")
 
 
-_LARGEST_OF = ("block_activation_bytes_per_sample", "block_sequence_split_bytes_per_sample")
+_LARGEST_OF = ("block_activation_bytes_per_sample", "block_sequence_split_bytes_per_sample",
+               "loss_saved_bytes_per_sample")
 
 
 def _average(values: list[Any], where: str, largest: bool = False) -> Any:

@@ -50,11 +50,12 @@ from lightning_merak.strategies.merak3d.context_degree import known_context_para
 from lightning_merak.strategies.merak3d.context_step import check_context_rounds_model
 from lightning_merak.strategies.merak3d.network import module_view
 from lightning_merak.strategies.merak3d.options import Degree, Merak3DOptions
+from lightning_merak.strategies.merak3d.trainer_checks import accumulation_refusal
 from lightning_merak.util.values import is_count, is_finite_number
 
 __all__ = ["PARTITION_METHODS", "RECOMPUTE_MODES", "SHARDING_MODES", "Degree", "Merak3DArguments", "check_accumulation",
            "check_last_batch", "check_memory_limit", "check_scored_length", "checked_arguments",
-           "least_parameter_bytes", "moe_layers"]
+           "least_parameter_bytes", "least_state_bytes", "moe_layers"]
 
 RECOMPUTE_MODES = ("none", "full", "stage_aware", "auto")
 PARTITION_METHODS = ("autopipe", "min_max", "parameters", "uniform")
@@ -84,13 +85,12 @@ def check_stage_count(num_stages: int, num_blocks: int, partition: str = "autopi
         )
 
 
-def check_accumulation(accumulate_grad_batches: int, fitting: bool = True) -> None:
-    """Refuse gradient accumulation in a fit (evaluation has no gradients to accumulate)."""
-    if fitting and accumulate_grad_batches != 1:
-        raise ValueError(
-            f"accumulate_grad_batches={accumulate_grad_batches}: merak3d splits each batch into micro-batches itself; "
-            "set accumulate_grad_batches=1 and raise micro_batches (and the batch size) instead"
-        )
+def check_accumulation(accumulate_grad_batches: int, fitting: bool = True, pipeline_parallel: Optional[int] = None,
+                       tp_overlap: Optional[int] = None) -> None:
+    """Refuse gradient accumulation in a fit (evaluation has none), advising what fits the layout where known."""
+    refusal = accumulation_refusal(accumulate_grad_batches, pipeline_parallel, tp_overlap) if fitting else None
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def check_scored_length(module: Any, sequence_length: Optional[int]) -> None:
@@ -551,23 +551,40 @@ class Merak3DArguments(Merak3DOptions):
             check_packing_attention(getattr(model, "config", None))
 
 
+def least_state_bytes(model: nn.Module, world_size: int, *, at_most_16_bits: bool = True,
+                      optimizer_bytes_per_parameter_byte: float = 0.0) -> dict[str, float]:
+    """Bytes of ``model``'s state that some rank holds in any layout over ``world_size`` ranks, before activations:
+    the share of every rank (the most any sharding splits them) of its parameters, the trainable ones' gradients
+    and their optimizer state (``optimizer_bytes_per_parameter_byte`` of theirs), all held at the optimizer step.
+    With ``at_most_16_bits`` floating parameters count at 16 bits (a 16-bit precision may convert them)."""
+    def size(parameter: nn.Parameter) -> int:
+        element = parameter.element_size()
+        return parameter.numel() * (min(element, 2) if at_most_16_bits and parameter.is_floating_point() else element)
+
+    trainable = sum(size(p) for p in model.parameters() if p.requires_grad) / world_size
+    return {"parameters": sum(size(p) for p in model.parameters()) / world_size, "gradients": trainable,
+            "optimizer state": optimizer_bytes_per_parameter_byte * trainable}
+
+
 def least_parameter_bytes(model: nn.Module, world_size: int) -> int:
-    """Bytes of ``model``'s parameters that some rank holds in any layout over ``world_size`` ranks: their share of
-    every rank, with floating parameters at 16 bits (a 16-bit precision may convert them)."""
-    total = sum(p.numel() * (min(p.element_size(), 2) if p.is_floating_point() else p.element_size())
-                for p in model.parameters())
-    return math.ceil(total / world_size)
+    """Bytes of ``model``'s parameters that some rank holds in any layout over ``world_size`` ranks (at 16 bits)."""
+    return math.ceil(least_state_bytes(model, world_size)["parameters"])
 
 
-def check_memory_limit(memory_limit: float, model: nn.Module, world_size: int) -> None:
-    """Refuse before launch a planner ``memory_limit`` below what ``model``'s parameters alone take on a rank in
-    every layout (:func:`least_parameter_bytes`): the planner would reject every layout, after profiling."""
-    least = least_parameter_bytes(model, world_size)
+def check_memory_limit(memory_limit: float, model: nn.Module, world_size: int, *, at_most_16_bits: bool = True,
+                       optimizer_bytes_per_parameter_byte: float = 0.0) -> None:
+    """Refuse a planner ``memory_limit`` below what ``model``'s state takes on some rank in every layout
+    (:func:`least_state_bytes`): the planner would reject every layout, after profiling. Before launch the
+    precision and the optimizer are unknown (16-bit parameters and gradients, no optimizer state); the planner
+    checks again with both before it profiles."""
+    state = least_state_bytes(model, world_size, at_most_16_bits=at_most_16_bits,
+                              optimizer_bytes_per_parameter_byte=optimizer_bytes_per_parameter_byte)
+    least = math.ceil(sum(state.values()))
     if memory_limit < least:
-        raise ValueError(f"memory_limit={memory_limit:g} bytes per rank is below the {least} bytes of parameters "
-                         f"every layout of {world_size} processes keeps on some rank (before gradients, optimizer "
-                         f"state and activations); raise strategy.memory_limit well above {least}, or use more "
-                         "processes")
+        parts = ", ".join(f"{name} {size:.0f}" for name, size in state.items() if size)
+        raise ValueError(f"memory_limit={memory_limit:g} bytes per rank is below the {least} bytes every layout of "
+                         f"{world_size} processes keeps on some rank before any activation ({parts}: their share "
+                         f"of every rank); raise strategy.memory_limit well above {least}, or use more processes")
 
 
 def checked_arguments(given: dict[str, Any]) -> tuple[Merak3DArguments, MicroBatching]:

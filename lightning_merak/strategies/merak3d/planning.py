@@ -45,6 +45,7 @@ from lightning_merak.planning.planner import (
     average_profiles,
     candidate_layouts,
     plan,
+    predict,
     required_profile_keys,
     rerank,
 )
@@ -54,6 +55,7 @@ from lightning_merak.planning.replay.calibration import predictor_from_files
 from lightning_merak.strategies.merak3d.arguments import (
     Merak3DArguments,
     check_fully_shardable,
+    check_memory_limit,
     moe_layers,
 )
 from lightning_merak.strategies.merak3d.block_splits import (
@@ -62,6 +64,7 @@ from lightning_merak.strategies.merak3d.block_splits import (
     unsplittable_structure,
 )
 from lightning_merak.strategies.merak3d.build import Broadcast, call_model, meta_materializers, no_cache
+from lightning_merak.strategies.merak3d.measure_precision import training_precision
 from lightning_merak.strategies.merak3d.tensor_degrees import (
     describe_left_out,
     left_out_tensor_parallel,
@@ -73,8 +76,9 @@ from lightning_merak.util.timing import repeat_budget
 
 __all__ = ["NETWORK_PROBE_SHARE", "PLANNER_REPEATS", "PLANNER_REPEAT_BUDGET_S", "PLANNER_WAIT_FACTOR",
            "STEP_CHECK_BATCHES", "STEP_CHECK_WARMUP", "PlannedLayout", "allowed_predictions",
-           "check_pipeline_search", "check_step_time", "first_training_batch", "largest_network_probe",
-           "least_pipeline_stages", "plan_layout", "planned_arguments", "planning_batch", "search_batch"]
+           "check_fixed_degrees_fit", "check_pipeline_search", "check_step_time", "first_training_batch",
+           "largest_network_probe", "least_pipeline_stages", "plan_layout", "planned_arguments", "planning_batch",
+           "search_batch"]
 
 LossOf = Callable[[torch.Tensor, int], torch.Tensor]
 """``(logits, samples) -> loss`` of the planning batch's first ``samples``."""
@@ -172,6 +176,19 @@ def _at_fixed_degrees(arguments: Merak3DArguments, layout: Any) -> bool:
             and layout.pp >= least_pipeline_stages(arguments))
 
 
+def check_fixed_degrees_fit(arguments: Merak3DArguments, rejected: Sequence[Any],
+                            fully_shardable: Callable[[int], bool], memory_limit_bytes: float) -> None:
+    """Refuse naming the memory where the layouts merak3d may adopt (:func:`allowed_predictions`) were all among the
+    ``rejected`` predictions (``planner.Prediction``, over ``memory_limit_bytes``), with the least any of them needs."""
+    unfit = allowed_predictions(arguments, rejected, fully_shardable)
+    if unfit:
+        smallest = min(unfit, key=lambda prediction: (prediction.memory_bytes, *prediction.layout.tie_break_key))
+        raise ValueError(f"no planned layout at the fixed degrees {arguments.degrees} fits memory_limit_bytes="
+                         f"{memory_limit_bytes:.0f}: the smallest of them needs {smallest.memory_bytes:.0f} bytes "
+                         f"({smallest.layout.describe()}); raise strategy.memory_limit, use more processes, or set "
+                         "more degrees to 'auto'")
+
+
 def dropped_context_layouts(arguments: Merak3DArguments, layouts: Sequence[Any],
                             context: Optional[ContextAttention]) -> list[str]:
     """Why the planner left out the context-parallel ``layouts`` (the candidates, ``planner.Layout``) at the
@@ -198,6 +215,16 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
     """
     model: nn.Module = module.network
     config = getattr(model, "config", None)
+    trainer = getattr(module.module, "_trainer", None)
+    precision = getattr(trainer, "precision_plugin", None)
+    factory: Callable[[Any], torch.optim.Optimizer] = (
+        (lambda params: type(optimizer)(params, **optimizer.defaults)) if optimizer is not None
+        else (lambda params: torch.optim.AdamW(params)))
+    state_ratios = state_bytes_per_parameter_byte(model, precision, factory)
+    if arguments.memory_limit is not None:  # before any profiling: the state the planner prices in every layout
+        converted = str(getattr(precision, "precision", "")) in ("16-true", "bf16-true")  # to 16 bits after planning
+        check_memory_limit(arguments.memory_limit, model, world_size, at_most_16_bits=converted,
+                           optimizer_bytes_per_parameter_byte=state_ratios["optimizer_bytes_per_parameter_byte"])
     no_cache(model)
     # a model on the meta device is profiled one materialised piece at a time, seeded alike on every rank
     materialize_with = meta_materializers(model, inputs.device, broadcast) if has_meta(model) else None
@@ -218,8 +245,6 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
             raise
         rank_zero_info(f"merak3d planner: plain data parallelism, nothing to plan ({error})")
         return PlannedLayout(_data_parallel_layout(arguments, world), None, None, frozenset())
-    trainer = getattr(module.module, "_trainer", None)
-    precision = getattr(trainer, "precision_plugin", None)
     modes = ("none",) if merak_ep else sharding_modes(arguments, model, precision, optimizer)
     only_sharding_planned = "auto" not in (arguments.pipeline_parallel, arguments.tensor_parallel,
                                            arguments.tp_overlap, arguments.recompute)
@@ -254,14 +279,12 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
     num_experts = experts_per_layer(model) if merak_ep else None  # with ep_size unset, each ep dividing them is planned
     check_pipeline_search(arguments, candidate_layouts(space, num_blocks, num_experts))
     keys = required_profile_keys(space, num_blocks, num_experts)
-    factory: Callable[[Any], torch.optim.Optimizer] = (
-        (lambda params: type(optimizer)(params, **optimizer.defaults)) if optimizer is not None
-        else (lambda params: torch.optim.AdamW(params)))
     # on its own until the profiles are exchanged: minutes at long sequences, which the watchdog must not take for a
     # hang (working_alone); the exchange's own deadline is sized to the work
     with working_alone("profiling the model for the layout planner"):
         started = time.monotonic()
-        with grouped_experts(model) if merak_ep else contextlib.nullcontext():  # the expert compute merak_ep runs
+        with (training_precision(precision, device),  # what the step computes and saves under it
+              grouped_experts(model) if merak_ep else contextlib.nullcontext()):  # the expert compute merak_ep runs
             profile = profile_model(model, inputs, call_model, tensor_parallel_plan, keys, factory,
                                     repeats=PLANNER_REPEATS, process_group_device=device,
                                     loss_of=loss_of,
@@ -271,7 +294,7 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
                                     budget_s=PLANNER_REPEAT_BUDGET_S)
         if keys.context_parallel:  # the attention a split sequence exchanges, and what a context rank computes of it
             context = context_attention_of(model, inputs, precision)
-            with repeat_budget(PLANNER_REPEAT_BUDGET_S):
+            with repeat_budget(PLANNER_REPEAT_BUDGET_S), training_precision(precision, device):
                 whole, split = time_attention_kernels(context, keys.context_kernels, inputs.device, PLANNER_REPEATS)
             profile = dataclasses.replace(profile, context=context, attention_kernel_times=whole,
                                           context_kernel_times=split)
@@ -279,8 +302,7 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
         every_rank = gather_through_store(
             profile, exchange_key, max(arguments.timeout_s, PLANNER_WAIT_FACTOR * (time.monotonic() - started)),
             "profiling the model for the layout planner", "strategy.timeout_s (Merak3DStrategy(timeout_s=...))")
-    profile = dataclasses.replace(average_profiles(every_rank), **state_bytes_per_parameter_byte(model, precision,
-                                                                                               factory))
+    profile = dataclasses.replace(average_profiles(every_rank), **state_ratios)
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     probe_bytes = largest_network_probe(space.memory_limit_bytes)
     network = profile_network(keys.all_reduce_group_sizes, device,
@@ -305,6 +327,8 @@ def plan_layout(arguments: Merak3DArguments, module: Any, inputs: torch.Tensor, 
     degrees = arguments.degrees
     allowed = allowed_predictions(arguments, result.ranked, lambda tp: _fully_shardable(model, tp))
     if not allowed:
+        check_fixed_degrees_fit(arguments, [predict(layout, profile, network, space) for layout, _ in result.rejected],
+                                lambda tp: _fully_shardable(model, tp), space.memory_limit_bytes)
         full_only = " (data_parallel_sharding='full' needs tensor_parallel <= key/value heads)" if modes == (
             "full",) else ""
         stages = (f" with pipeline_parallel>={least_pipeline_stages(arguments)} (micro_batching="
@@ -423,8 +447,11 @@ def state_bytes_per_parameter_byte(model: nn.Module, precision: Any,
                                    optimizer_factory: Callable[[Any], torch.optim.Optimizer]) -> dict[str, float]:
     """What each byte of ``model``'s parameters brings with it in this run, for the planner's memory model:
     the optimizer's state (counted on a small parameter it steps once: Adam's two moments are 2.0) and, under
-    ``*-mixed`` precision, the 16-bit copies autocast makes of the fp32 parameters (the master weights) in use."""
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    ``*-mixed`` precision, the 16-bit copies autocast makes of the fp32 parameters (the master weights) in use.
+    The optimizer steps only what trains (the planner charges its state to the trainable bytes alone), so the
+    probe takes a trainable parameter's dtype: adapters may train in another dtype than a frozen base."""
+    floating = [p for p in model.parameters() if p.is_floating_point()]
+    dtype = next((p.dtype for p in floating if p.requires_grad), floating[0].dtype if floating else torch.float32)
     probe = nn.Parameter(torch.zeros(64, dtype=dtype))
     probe.grad = torch.ones_like(probe)
     optimizer = optimizer_factory([probe])

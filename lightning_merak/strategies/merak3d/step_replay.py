@@ -6,7 +6,9 @@ gives ``loss_from_outputs``, the code that turns the outputs into the loss is th
 :class:`StepReplay` runs it on each micro-batch's samples with the network's call answered by that micro-batch's
 outputs, and holds back what it logs. The ``training_step`` the trainer called ends at its network call
 (:class:`ReplayedStep` carries the schedule's loss out to the strategy), and what the replays logged is logged
-once on every rank, averaged over the micro-batches — as the unsplit step logs the batch's mean loss.
+once on every rank, reduced over the micro-batches by its ``reduce_fx`` (a mean weighted by their samples, a max, a
+min or a sum) — as the unsplit step logs the batch's. What the step the trainer called logged before its network
+call saw the whole batch, and is kept (:func:`names_logged`).
 
 The replay needs a step that calls the network once and computes its loss from what that call returns; any other
 step is refused at its first batch, on every rank, with the one method that replaces the inference.
@@ -20,7 +22,9 @@ weighed alike (:func:`weighed_score`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import inspect
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -31,7 +35,8 @@ from torch.utils._pytree import tree_flatten
 from lightning_merak.parallel.context.model import IGNORE_INDEX
 from lightning_merak.protocols.module_contract import MODEL, loss_from_outputs_snippet
 
-__all__ = ["LoggedValues", "ReplayedStep", "StepReplay", "batch_labels", "scoring_scale", "weighed_score"]
+__all__ = ["LoggedValues", "ReplayedStep", "StepReplay", "batch_labels", "names_logged", "scoring_scale",
+           "weighed_score"]
 
 
 def batch_labels(batch: Any) -> Any:
@@ -71,6 +76,64 @@ def weighed_score(score: Callable[[Any, Any], torch.Tensor], logits: Any, sample
     return _zero_loss_of(logits)
 
 
+def _samples_in(micro_batch: Any) -> int:
+    """How many samples ``micro_batch`` holds: its first tensor's first dimension (1 without a tensor)."""
+    first = next((leaf for leaf in tree_flatten(micro_batch)[0] if isinstance(leaf, torch.Tensor) and leaf.ndim), None)
+    return first.shape[0] if first is not None else 1
+
+
+def _reduce_fx_of(args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The ``reduce_fx`` of a ``LightningModule.log(name, value, *args, **kwargs)`` call (default ``"mean"``)."""
+    from lightning.pytorch import LightningModule  # lazy: only read when a replayed step logged something
+
+    bound = inspect.signature(LightningModule.log).bind(None, "", 0, *args, **kwargs)
+    return bound.arguments.get("reduce_fx", "mean")
+
+
+def _reduced(values: list[float], samples: list[int], reduce_fx: Any) -> float:
+    """``values`` (one per micro-batch of ``samples`` samples) reduced as ``reduce_fx`` reduces them over the steps:
+    ``max``, ``min`` and ``sum`` over the micro-batches, a mean weighted by their samples (the whole batch's mean
+    where each value is its micro-batch's mean)."""
+    name = (reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "")).lower()
+    if name in ("max", "amax"):
+        return max(values)
+    if name in ("min", "amin"):
+        return min(values)
+    if name == "sum":
+        return sum(values)
+    return sum(value * count for value, count in zip(values, samples)) / sum(samples)
+
+
+@contextlib.contextmanager
+def names_logged(module: Any, watched: bool = True) -> Iterator[set[str]]:
+    """Inside, the names ``module.log`` logs (those of the step the trainer called, before its network call, which
+    saw the whole batch: its replays' values of them are dropped); an empty set where not ``watched``."""
+    names: set[str] = set()
+    if not watched:
+        yield names
+        return
+    log = module.log
+
+    def logging(name: str, *args: Any, **kwargs: Any) -> Any:
+        names.add(name)
+        return log(name, *args, **kwargs)
+
+    own_log = module.__dict__.get("log")
+    module.log = logging
+    try:
+        yield names
+    finally:
+        _restore(module, "log", own_log)
+
+
+def _restore(owner: Any, name: str, own: Any) -> None:
+    """Put back ``owner``'s instance attribute ``name`` as it was (``own``; None: it had none)."""
+    if own is None:
+        owner.__dict__.pop(name, None)
+    else:
+        setattr(owner, name, own)
+
+
 def _zero_loss_of(logits: Any) -> torch.Tensor:
     """A zero loss connected to ``logits``' first tensor (so a backward through it runs), or a plain zero."""
     anchor = next((leaf for leaf in tree_flatten(logits)[0] if isinstance(leaf, torch.Tensor)), None)
@@ -82,11 +145,15 @@ class LoggedValues:
     """What a step's replays logged: each name's values (one per micro-batch) and the options of its first call."""
 
     values: dict[str, list[float]] = field(default_factory=dict)
+    samples: dict[str, list[int]] = field(default_factory=dict)
+    """Per value, the samples of its micro-batch (a mean weighs them)."""
     options: dict[str, tuple[tuple, dict[str, Any]]] = field(default_factory=dict)
     counted: dict[str, list[bool]] = field(default_factory=dict)
     """Per value, whether its micro-batch counts in the mean (one that scores no label does not)."""
     counting: bool = True
     """Whether the values logged now count (:class:`StepReplay` sets it per micro-batch)."""
+    micro_batch_samples: int = 1
+    """The samples of the micro-batch whose values are logged now (:class:`StepReplay` sets it)."""
 
     def record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         """``LightningModule.log``'s signature: keep the value, log nothing yet."""
@@ -98,19 +165,23 @@ class LoggedValues:
             raise TypeError(f"self.log({name!r}, ...) gets a {type(value).__name__}; in a pipelined training_step "
                             "merak3d averages what is logged over the micro-batches, so log a scalar tensor or number")
         self.values.setdefault(name, []).append(number)
+        self.samples.setdefault(name, []).append(self.micro_batch_samples)
         self.counted.setdefault(name, []).append(self.counting)
         self.options.setdefault(name, (args, kwargs))
 
-    def log_means(self, module: Any, micro_batches: int) -> None:
-        """Log each name's mean over the step's last ``micro_batches`` values (a first step's shape inference scores
-        one micro-batch more) that count, all of them if none does, through ``module.log``, with the options it was
-        logged with."""
+    def log_means(self, module: Any, micro_batches: int, logged_outside: Iterable[str] = ()) -> None:
+        """Log each name's step's last ``micro_batches`` values (a first step's shape inference scores one
+        micro-batch more) that count, all of them if none does, reduced by its ``reduce_fx`` (:func:`_reduced`),
+        through ``module.log`` with the options it was logged with; not the names in ``logged_outside``, which the
+        step the trainer called logged on the whole batch."""
         for name, values in self.values.items():
+            if name in logged_outside:
+                continue
             args, kwargs = self.options[name]
-            values, counted = values[-micro_batches:], self.counted[name][-micro_batches:]
-            values = [value for value, counts in zip(values, counted) if counts] or values
-            mean = torch.tensor(sum(values) / len(values), dtype=torch.float32, device=module.device)
-            module.log(name, mean, *args, **kwargs)
+            kept = list(zip(values, self.samples[name], self.counted[name]))[-micro_batches:]
+            kept = [entry for entry in kept if entry[2]] or kept
+            value = _reduced([entry[0] for entry in kept], [entry[1] for entry in kept], _reduce_fx_of(args, kwargs))
+            module.log(name, torch.tensor(value, dtype=torch.float32, device=module.device), *args, **kwargs)
 
 
 class ReplayedStep(BaseException):
@@ -167,7 +238,7 @@ class StepReplay:
         weighs 0 score zero (still connected to ``logits``, so the schedule's backward runs)."""
         if self.error is None:
             counts = self._scale == 1.0 or _scores_a_label(samples)
-            self.logged.counting = counts
+            self.logged.counting, self.logged.micro_batch_samples = counts, _samples_in(samples)
             try:
                 loss = self._replay(logits, samples)
                 if counts:
@@ -197,18 +268,15 @@ class StepReplay:
             return self._wrap(logits)
 
         network, module = self._network, self._module
-        own_forward = network.__dict__.get("forward")
+        own_forward, own_log = network.__dict__.get("forward"), module.__dict__.get("log")
         network.forward = answer
         module.log = self.logged.record
         args, kwargs = self._step_arguments
         try:
             result = module.training_step(samples, *args, **kwargs)
         finally:
-            del module.log
-            if own_forward is None:
-                del network.forward
-            else:
-                network.forward = own_forward
+            _restore(module, "log", own_log)
+            _restore(network, "forward", own_forward)
         loss = result.get("loss") if isinstance(result, Mapping) else result
         if calls == 0:
             raise _NotReplayable(f"training_step does not call self.{self._network_name}")

@@ -41,12 +41,13 @@ from lightning_merak.parallel.layout import Layout, LayoutGroups
 from lightning_merak.parallel.materialize import has_meta, meta_device
 from lightning_merak.parallel.tensor.layers import shared_row_weights
 from lightning_merak.planning.planner.step_check import BatchClock, StepTimeCheck
-from lightning_merak.strategies.merak3d import arguments, build, network, planning
+from lightning_merak.strategies.merak3d import arguments, build, network, planning, rebuilt_optimizers, trainer_checks
 from lightning_merak.strategies.merak3d.arguments import Degree
 from lightning_merak.strategies.merak3d.checkpoint_hooks import CheckpointHooks
 from lightning_merak.strategies.merak3d.context_step import ContextRoundsStep, install_step
 from lightning_merak.strategies.merak3d.layout_queries import LayoutQueries
-from lightning_merak.strategies.merak3d.step_replay import ReplayedStep
+from lightning_merak.strategies.merak3d.replica_group import batch_replica_group
+from lightning_merak.strategies.merak3d.step_replay import ReplayedStep, names_logged
 from lightning_merak.strategies.merak3d.variable_step import PipelineSteps, check_micro_batching
 from lightning_merak.util.buffers import ReplicaBuffers, buffers_kept
 
@@ -101,6 +102,9 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
         self._arguments, self.micro_batching = arguments.checked_arguments(given)  # read by data.lengths=variable
         self._groups: Optional[LayoutGroups] = None
         """The layout, once decided, and its device mesh: the one place a degree lives."""
+        self._replica_group: Optional[dist.ProcessGroup] = None
+        """The ranks holding different samples, which logging sums over (:mod:`.replica_group`); all before the
+        layout exists."""
         self.layout_plan: Optional[Any] = None
         self.layout_choice: Optional[Any] = None
         """The planner's prediction for the layout this run adopted (a ``planner.Prediction``)."""
@@ -121,6 +125,8 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
         """The LightningModule as merak3d trains it: where its network lives, what it provides of the contract."""
         self._checkpointer = ShardedCheckpointer(self._expert_placement)
         self._pending_optimizer_states: list[dict[str, Any]] = []
+        self._configured_optimizers: rebuilt_optimizers.HyperParameters = []
+        """What ``configure_optimizers`` set at setup, to tell what callbacks changed before the build."""
         self._restored_state: Optional[dict[str, Any]] = None
         self._sharded_gradients = ShardedGradients()
         self._data_parallel: Optional[data_parallel.DataParallelGradients] = None
@@ -138,6 +144,7 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
     def _adopt(self, layout: Layout) -> None:
         """Build the device mesh of ``layout`` (every rank at once) and announce it."""
         self._groups = LayoutGroups.create(layout, self.root_device.type)
+        self._replica_group = batch_replica_group(self._groups)
         rank_zero_info(f"merak3d: {layout.describe(self.sequence_parallel)}")
 
     # Processes ----------------------------------------------------------------------------
@@ -194,8 +201,8 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        arguments.check_accumulation(trainer.accumulate_grad_batches, fitting=trainer.state.fn == TrainerFn.FITTING)
         self.adopt_planned_layout(trainer)  # finds the module's network first when it plans
+        self._check_trainer(trainer)
         if self._built is None:  # a layout built by an earlier validate or predict holds only its part
             self._view = network.module_view(module, self.pipeline_parallel, self.tensor_parallel)
             check_micro_batching(self.micro_batching, self.pipeline_parallel, self._view)
@@ -208,10 +215,24 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
         if trainer.state.fn == TrainerFn.FITTING:
             add_agreed_sigterm_stop(trainer)  # SIGTERM stops every rank at one step, with no collective in a handler
             self.setup_optimizers(trainer)
+            self._configured_optimizers = rebuilt_optimizers.hyperparameters(self.optimizers)
             data_parallel.check_sharding(self.layout, self.optimizers, self.precision_plugin, trainer.callbacks)
             if self._built is not None:  # built by an earlier validate, predict or fit: these optimizers are new
                 self._shard_optimizers()
         self.setup_precision_plugin()
+
+    def _check_trainer(self, trainer: pl.Trainer) -> None:
+        """Refuse the Trainer's options and callbacks this layout cannot honour; warn of ``micro_batches`` that split
+        nothing (:mod:`.trainer_checks`)."""
+        layout, fitting = self.layout, trainer.state.fn == TrainerFn.FITTING
+        arguments.check_accumulation(trainer.accumulate_grad_batches, fitting=fitting,
+                                     pipeline_parallel=layout.pipeline_parallel, tp_overlap=layout.tp_overlap)
+        if fitting:
+            trainer_checks.check_weight_averaging(layout, trainer.callbacks)
+        warning = trainer_checks.unsplit_micro_batches_warning(layout, self.micro_batching.enabled,
+                                                               self._arguments.context_parallel_degree)
+        if warning is not None:
+            rank_zero_warn(warning)
 
     def setup_precision_plugin(self) -> None:
         """Lightning's, then clipping over every stage and shard (:meth:`_clip_grad_by_norm`, ``clip_by_value``), and a
@@ -254,9 +275,29 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
         dist.broadcast_object_list(holder, src)
         return holder[0]
 
+    @property
+    def batch_replica_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks that hold different samples (:mod:`.replica_group`), which ``self.log(..., sync_dist=True)`` and
+        ``self.all_gather`` reduce over; a torchmetrics ``Metric``'s ``process_group`` for the same (None: every
+        rank, before the layout exists)."""
+        return self._replica_group
+
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        """Reduce a tensor (``self.log(..., sync_dist=True)``) over ``group`` in place (:func:`.reduce_in_place`)."""
-        return reduce_in_place(tensor, group, reduce_op)
+        """Reduce a tensor (``self.log(..., sync_dist=True)``) in place (:func:`.reduce_in_place`) over ``group``, by
+        default over the batch's replicas: a sum counts each sample once, as one process does."""
+        return reduce_in_place(tensor, self._replica_group if group is None else group, reduce_op)
+
+    def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
+        """``LightningModule.all_gather``: over the batch's replicas, one entry per replica's samples, for its
+        default group too (it passes the world's: ``torch.distributed.all_gather`` gathers over every rank)."""
+        default = group is None or group is dist.group.WORLD
+        return super().all_gather(tensor, self._replica_group if default else group, sync_grads)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Over every rank, not the replicas: stopping or saving must be one decision, or the ranks that go on
+        wait forever in a collective of those that stopped."""
+        count = reduce_in_place(torch.tensor(int(decision), device=self.root_device), dist.group.WORLD, "sum")
+        return bool(count == self.world_size) if all else bool(count)
 
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
@@ -380,16 +421,27 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
         self._built_in_evaluation = not module.training
         trainer = module.trainer
         if trainer.state.fn == TrainerFn.FITTING:
-            # the schedulers Lightning restored from a checkpoint are replaced with the optimizers
-            scheduler_states = [config.scheduler.state_dict() for config in self.lr_scheduler_configs]
-            self.setup_optimizers(trainer)
-            for config, state in zip(self.lr_scheduler_configs, scheduler_states, strict=True):
-                config.scheduler.load_state_dict(state)
+            self._rebuild_optimizers(trainer)
             self.setup_precision_plugin()
             for optimizer, state in zip(self.optimizers, self._pending_optimizer_states):
                 self._checkpointer.load_optimizer_state(optimizer, state, view.network)
             self._pending_optimizer_states = []
             self._shard_optimizers()
+
+    def _rebuild_optimizers(self, trainer: pl.Trainer) -> None:
+        """``configure_optimizers`` again, over the built parameters (:mod:`.rebuilt_optimizers`): in the optimizers
+        and schedulers that Lightning and callbacks hold, with what callbacks set, where the groups correspond; else
+        new ones, the schedulers' states (restored from a checkpoint) carried over, and a callback's change refused."""
+        first, schedulers = self.optimizers, self.lr_scheduler_configs
+        self.setup_optimizers(trainer)
+        if rebuilt_optimizers.group_counts_match(first, self.optimizers):
+            rebuilt_optimizers.adopt_rebuilt(first, self.optimizers)
+            self.optimizers, self.lr_scheduler_configs = first, schedulers
+            return
+        rebuilt_optimizers.refuse_changes(self._configured_optimizers, first,
+                                          (len(schedulers), len(self.lr_scheduler_configs)))
+        for config, old in zip(self.lr_scheduler_configs, schedulers):
+            config.scheduler.load_state_dict(old.scheduler.state_dict())
 
     def _shard_optimizers(self) -> None:
         """Bucketed gradient reduction (dp > 1); with a sharded mode each optimizer steps this rank's slices."""
@@ -416,12 +468,15 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
             averaged_later = self._data_parallel.arm(self._pipeline.backward_passes(args[0]) if self._pipeline else 1)
             if self._pipeline is not None:
                 self._pipeline.scaled_later = averaged_later
+        module = self.lightning_module
         with self.precision_plugin.train_step_context():
-            try:
-                return self.lightning_module.training_step(*args, **kwargs)
-            except ReplayedStep as replayed:  # the loss was read from training_step, replayed per micro-batch
-                replayed.logged.log_means(self.lightning_module, self.micro_batches)
-                return replayed.loss
+            with names_logged(module, watched=isinstance(pipelined_network, network.PipelinedNetwork)) as outside:
+                try:
+                    return module.training_step(*args, **kwargs)
+                except ReplayedStep as step:  # the loss was read from training_step, replayed per micro-batch
+                    replayed = step
+            replayed.logged.log_means(module, self.micro_batches, logged_outside=outside)
+            return replayed.loss
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Lightning's order, the gradients synchronised before the ``on_after_backward`` hooks, which see them
