@@ -85,10 +85,16 @@ def _owners(name: str) -> list[str]:
     return [".".join(parts[:end]) for end in range(1, len(parts))]
 
 
+def _lightning_state(path: Path) -> dict[str, Any]:
+    """What Lightning saved of a checkpoint beside the tensors' data (a merak3d directory's ``lightning.ckpt``, or
+    the file memory-mapped), or nothing where there is no such file."""
+    file = path / LIGHTNING_CHECKPOINT if is_sharded_checkpoint(path) else path
+    return load_torch_file(file, mmap=True) if file.is_file() else {}
+
+
 def saved_model_config(path: Path) -> Optional[dict[str, Any]]:
     """The transformers config a checkpoint records of the model that saved it (None: no record)."""
-    file = path / LIGHTNING_CHECKPOINT if is_sharded_checkpoint(path) else path
-    record = load_torch_file(file, mmap=True).get(MODEL_RECORD_KEY) if file.is_file() else None
+    record = _lightning_state(path).get(MODEL_RECORD_KEY)
     return record.get("config") if isinstance(record, Mapping) else None
 
 
@@ -145,10 +151,7 @@ def resume_checkpoint_io(path: Optional[Path], strategy_name: str, module: nn.Mo
 def saved_loader_states(path: Path) -> list[dict[str, Any]]:
     """The training loaders' states a checkpoint holds (Lightning's fit loop saves each one's ``state_dict``), read
     before launch so that a resume the loaders would refuse on every rank is refused first."""
-    file = path / LIGHTNING_CHECKPOINT if is_sharded_checkpoint(path) else path
-    if not file.is_file():
-        return []
-    loops = load_torch_file(file, mmap=True).get("loops") or {}
+    loops = _lightning_state(path).get("loops") or {}
     states = loops.get("fit_loop", {}).get("state_dict", {}).get("combined_loader", [])
     return [state for state in states if isinstance(state, dict)]
 
@@ -156,10 +159,7 @@ def saved_loader_states(path: Path) -> list[dict[str, Any]]:
 def saved_optimizer_group_names(path: Path) -> list[list[Optional[str]]]:
     """The names of each saved optimizer's parameter groups (merak3d's ``lightning.ckpt`` records them with its
     layouts, a Lightning file with each state; a composite's parts' groups in order), read before launch."""
-    file = path / LIGHTNING_CHECKPOINT if is_sharded_checkpoint(path) else path
-    if not file.is_file():
-        return []
-    checkpoint = load_torch_file(file, mmap=True)
+    checkpoint = _lightning_state(path)
     states = checkpoint.get(MERAK3D_OPTIMIZERS) or [joined_parts(state) for state in
                                                     checkpoint.get("optimizer_states") or []]
     return [group_names(state.get("param_groups", [])) for state in states]

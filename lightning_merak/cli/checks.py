@@ -260,8 +260,9 @@ def check_resumed_optimizer(module: Any, resume_from: Optional[Path]) -> None:
     saved = saved_optimizer_group_names(resume_from)
     if not saved:
         return
-    trained_with = " or ".join(f"optim={name}" for name in OPTIMIZERS if _optimizer_group_names(name) == saved[0])
-    problem = optimizer_groups_problem(saved[0], _optimizer_group_names(optim.name),
+    groups_of = {name: _optimizer_group_names(name) for name in {*OPTIMIZERS, optim.name}}
+    trained_with = " or ".join(f"optim={name}" for name in OPTIMIZERS if groups_of[name] == saved[0])
+    problem = optimizer_groups_problem(saved[0], groups_of[optim.name],
                                        f"resume with {trained_with or 'the optimizer it was trained with'}, or start "
                                        "afresh from its weights (merak-export, then model.path)")
     if problem is not None:
