@@ -5,6 +5,7 @@ launch from merak-train's configuration, and again where a Python user's run rea
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,7 +21,10 @@ from torch.utils.data import DistributedSampler
 
 from lightning_merak.checkpoint.compatible import check_resume_shapes, unexpected_names
 from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, model_record
-from lightning_merak.checkpoint.saved_setup import architecture_differences
+from lightning_merak.checkpoint.saved_setup import (
+    architecture_differences,
+    optimizer_settings_problem,
+)
 from lightning_merak.checkpoint.sharded import LIGHTNING_CHECKPOINT, MERAK3D_OPTIMIZERS, ShardedCheckpointer
 from lightning_merak.cli.checks import check_batches_before_launch, check_resumed_optimizer
 from lightning_merak.cli.config import register_configs
@@ -91,8 +95,29 @@ def test_merak_train_refuses_a_mid_pass_resume_over_another_data_size_before_lau
 def test_merak_train_refuses_another_optimizer_before_launch(saved_run: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"optim\.name=muon: the checkpoint's optimizer has 2 parameter groups "
                                           r"\['matrices', 'biases_and_norms'\], this run's 4 \['muon/matrices', .*; "
-                                          r"resume with optim=adamw or optim=sgd"):
+                                          r"resume with optim=adamw,"):
         prepare(_config(tmp_path, f"resume='{saved_run}'", "optim=muon", "optim.newton_schulz_dtype=float32"))
+
+
+def test_merak_train_refuses_sgd_over_an_adamw_checkpoint_of_the_same_group_names(saved_run: Path,
+                                                                                     tmp_path: Path) -> None:
+    # the groups' names agree; their settings (betas, eps, not momentum) tell AdamW's state from SGD's
+    with pytest.raises(ConfigError, match=r"optim\.name=sgd: the checkpoint's optimizer groups hold settings this "
+                                          r"optimizer has not \(amsgrad, betas, .*resume with optim=adamw,"):
+        prepare(_config(tmp_path, f"resume='{saved_run}'", "optim=sgd"))
+
+
+def test_optimizers_are_told_apart_by_their_own_settings_older_releases_included() -> None:
+    adamw = [{"name": "m", "lr": 1.0, "betas": (0.9, 0.99), "eps": 1e-8, "decoupled_weight_decay": True}]
+    sgd = [{"name": "m", "lr": 1.0, "momentum": 0.9, "nesterov": False, "dampening": 0.0}]
+    assert optimizer_settings_problem(adamw, adamw, "fix") is None
+    older_adamw = [{"name": "m", "lr": 1.0, "betas": (0.9, 0.99), "eps": 1e-8}]  # before decoupled_weight_decay
+    assert optimizer_settings_problem(older_adamw, adamw, "fix") is None
+    assert optimizer_settings_problem(adamw, older_adamw, "fix") is None  # a newer release's state
+    problem = optimizer_settings_problem(older_adamw, sgd, "the fix")
+    assert problem is not None and problem.endswith("has not (betas, eps) and lack its own (dampening, momentum, "
+                                                    "nesterov): it was trained with another optimizer, whose state "
+                                                    "this one cannot take; the fix")
 
 
 def test_a_muon_checkpoint_resumed_with_adamw_is_refused_before_launch(tmp_path: Path) -> None:
@@ -210,6 +235,11 @@ def test_a_saved_optimizer_state_of_other_groups_is_refused_before_it_is_paired(
         with pytest.raises(ValueError, match=rf"the checkpoint's optimizer has {counts} .* resume with the "
                                              r"configure_optimizers \(optim\.name\) it was trained with"):
             checkpointer.load_optimizer_state(run, consolidated(saved), model)
+    sgd = torch.optim.SGD([{"params": [model.weight], "name": "matrices"},
+                           {"params": [model.bias], "name": "biases_and_norms"}], lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=r"hold settings this optimizer has not \(amsgrad, betas, .*\) and lack its "
+                                         r"own \(dampening, momentum, nesterov\)"):  # the same names, another class
+        checkpointer.load_optimizer_state(sgd, consolidated(adamw), model)
 
 
 def test_only_architecture_fields_count_and_a_model_without_a_config_compares_names(tmp_path: Path) -> None:
@@ -224,3 +254,24 @@ def test_only_architecture_fields_count_and_a_model_without_a_config_compares_na
     with pytest.raises(ValueError, match=r"holds tensors this model has no place for: 1\.bias, 1\.weight; resume "
                                          r"with the model it was trained with"):
         check_resume_shapes(file, nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_the_resume_checks_read_a_checkpoint_file_once_and_a_rewritten_one_again(
+        saved_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_merak.checkpoint import compatible
+
+    reads: list[Path] = []
+    load = compatible.load_torch_file
+    monkeypatch.setattr(compatible, "load_torch_file",
+                        lambda file, **kwargs: reads.append(file) or load(file, **kwargs))
+    compatible._read_lightning_state.cache_clear()
+    for _ in range(2):
+        compatible.saved_model_config(saved_run)
+        compatible.saved_tensor_shapes(saved_run)
+        compatible.saved_loader_states(saved_run)
+        compatible.saved_optimizer_groups(saved_run)
+        compatible.check_resume_expert_parallel(saved_run, torch.nn.Linear(1, 1))
+    assert len(reads) == 1
+    os.utime(saved_run, ns=(saved_run.stat().st_atime_ns, saved_run.stat().st_mtime_ns + 1))
+    compatible.saved_loader_states(saved_run)
+    assert len(reads) == 2

@@ -18,6 +18,7 @@ statistics, and a rewritten layout may store a tensor under another rank, which 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
@@ -29,7 +30,7 @@ from lightning_merak.checkpoint.checkpoint_io import SafeCheckpointIO
 from lightning_merak.checkpoint.expert_optimizer import expert_parallel_size, saved_expert_parallel_size
 from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, model_record
 from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, load_torch_file
-from lightning_merak.checkpoint.saved_setup import architecture_problem, group_names
+from lightning_merak.checkpoint.saved_setup import architecture_problem
 from lightning_merak.checkpoint.sharded import (
     LIGHTNING_CHECKPOINT,
     MERAK3D_OPTIMIZERS,
@@ -39,7 +40,7 @@ from lightning_merak.checkpoint.sharded import (
 from lightning_merak.util.optimizer_state import joined_parts
 
 __all__ = ["ShapeMismatch", "check_resume_expert_parallel", "check_resume_shapes", "resume_checkpoint_io",
-           "saved_loader_states", "saved_model_config", "saved_optimizer_group_names", "saved_tensor_shapes",
+           "saved_loader_states", "saved_model_config", "saved_optimizer_groups", "saved_tensor_shapes",
            "shape_mismatches", "unexpected_names"]
 
 _SHOWN = 3
@@ -61,7 +62,7 @@ def saved_tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         return {key[len("model."):]: tuple(entry.size) for key, entry in stored.items()
                 if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
                 and entry.properties.dtype.is_floating_point}
-    state = load_torch_file(path, mmap=True).get("state_dict", {})
+    state = _lightning_state(path).get("state_dict", {})
     return {key: tuple(value.shape) for key, value in state.items()
             if isinstance(value, torch.Tensor) and value.is_floating_point()}
 
@@ -87,9 +88,19 @@ def _owners(name: str) -> list[str]:
 
 def _lightning_state(path: Path) -> dict[str, Any]:
     """What Lightning saved of a checkpoint beside the tensors' data (a merak3d directory's ``lightning.ckpt``, or
-    the file memory-mapped), or nothing where there is no such file."""
+    the file memory-mapped), or nothing where there is no such file; read once for all the checks of a resume (the
+    file as it is now: a rewritten one is read again). Not to be changed: the checks share it."""
     file = path / LIGHTNING_CHECKPOINT if is_sharded_checkpoint(path) else path
-    return load_torch_file(file, mmap=True) if file.is_file() else {}
+    if not file.is_file():
+        return {}
+    written = file.stat()
+    return _read_lightning_state(file.resolve(), written.st_mtime_ns, written.st_size)
+
+
+@lru_cache(maxsize=1)
+def _read_lightning_state(file: Path, mtime_ns: int, size: int) -> dict[str, Any]:
+    """``file`` loaded memory-mapped; its modification time and size key the cache."""
+    return load_torch_file(file, mmap=True)
 
 
 def saved_model_config(path: Path) -> Optional[dict[str, Any]]:
@@ -156,13 +167,13 @@ def saved_loader_states(path: Path) -> list[dict[str, Any]]:
     return [state for state in states if isinstance(state, dict)]
 
 
-def saved_optimizer_group_names(path: Path) -> list[list[Optional[str]]]:
-    """The names of each saved optimizer's parameter groups (merak3d's ``lightning.ckpt`` records them with its
-    layouts, a Lightning file with each state; a composite's parts' groups in order), read before launch."""
+def saved_optimizer_groups(path: Path) -> list[list[dict[str, Any]]]:
+    """Each saved optimizer's parameter groups, their names and settings (merak3d's ``lightning.ckpt`` records them
+    with its layouts, a Lightning file with each state; a composite's parts' groups in order), read before launch."""
     checkpoint = _lightning_state(path)
     states = checkpoint.get(MERAK3D_OPTIMIZERS) or [joined_parts(state) for state in
                                                     checkpoint.get("optimizer_states") or []]
-    return [group_names(state.get("param_groups", [])) for state in states]
+    return [list(state.get("param_groups", [])) for state in states]
 
 
 def check_resume_expert_parallel(path: Path, module: nn.Module) -> None:
@@ -171,7 +182,7 @@ def check_resume_expert_parallel(path: Path, module: nn.Module) -> None:
     expert and its state by its global number, and keep no such state)."""
     if not path.is_file():
         return
-    saved = saved_expert_parallel_size(load_torch_file(path, mmap=True))
+    saved = saved_expert_parallel_size(_lightning_state(path))
     ep_size = expert_parallel_size(module)
     if saved is not None and saved != ep_size:
         raise ValueError(f"resume={path}: the checkpoint's expert optimizer state was saved with moe.ep_size={saved}, "

@@ -5,8 +5,9 @@ groups (their names).
 A resume into another architecture must be refused, not trusted to the load: merak3d reads only the tensors the
 model asks for, so a model with fewer layers or another head split loads what it names and trains on, another
 function than the checkpoint's. A resume with another optimizer must be refused before its state is paired with this
-run's parameter groups, where it fails deep in torch (or, its groups truncated, in the learning-rate schedule). Pure:
-plain dicts in, messages out.
+run's parameter groups, where it fails deep in torch (or, its groups truncated, in the learning-rate schedule); one
+of the same group names but another class (AdamW's groups resumed by SGD) is told by the settings its groups hold,
+which the load puts in place of this optimizer's, whose step then misses its own. Pure: plain dicts in, messages out.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 __all__ = ["ARCHITECTURE_FIELDS", "architecture_differences", "architecture_problem", "group_names",
-           "optimizer_groups_problem"]
+           "optimizer_groups_problem", "optimizer_settings_problem"]
 
 ARCHITECTURE_FIELDS = (
     "model_type", "num_hidden_layers", "n_layer", "hidden_size", "n_embd", "intermediate_size", "n_inner", "ffn_dim",
@@ -69,3 +70,25 @@ def optimizer_groups_problem(saved: Sequence[Optional[str]], run: Sequence[Optio
         return None
     return (f"the checkpoint's optimizer has {len(saved)} parameter groups {list(saved)}, this run's {len(run)} "
             f"{list(run)}: it was trained with another optimizer, whose state this one cannot take; {fix}")
+
+
+
+def _settings(group: Mapping[str, Any]) -> frozenset[str]:
+    """The setting names of a parameter group (its keys but the parameters)."""
+    return frozenset(group) - {"params", "param_names"}
+
+
+def optimizer_settings_problem(saved: Sequence[Mapping[str, Any]], run: Sequence[Mapping[str, Any]],
+                               fix: str) -> Optional[str]:
+    """Why an optimizer whose parameter groups are ``run`` cannot take a saved state whose groups are ``saved`` (of
+    the same names): a group holds settings this optimizer has not and lacks some of its own, those of another
+    class, which the load would put in place of this one's; with ``fix``. None if not: settings only one side holds
+    are another torch release's (each adds, and fills in what an older state lacks)."""
+    for saved_group, run_group in zip(saved, run):
+        foreign = sorted(_settings(saved_group) - _settings(run_group))
+        missing = sorted(_settings(run_group) - _settings(saved_group))
+        if foreign and missing:
+            return (f"the checkpoint's optimizer groups hold settings this optimizer has not ({', '.join(foreign)}) "
+                    f"and lack its own ({', '.join(missing)}): it was trained with another optimizer, whose state "
+                    f"this one cannot take; {fix}")
+    return None

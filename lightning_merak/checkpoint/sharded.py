@@ -35,7 +35,12 @@ from lightning_merak.checkpoint.files import partial_path, publish_directory
 from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, QUANTIZED_SPLITS_KEY, model_record
 from lightning_merak.checkpoint.rewritten import join_saved_shards, saved_storage_where_rewritten
 from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_torch_file
-from lightning_merak.checkpoint.saved_setup import architecture_problem, group_names, optimizer_groups_problem
+from lightning_merak.checkpoint.saved_setup import (
+    architecture_problem,
+    group_names,
+    optimizer_groups_problem,
+    optimizer_settings_problem,
+)
 from lightning_merak.parallel.pipeline.stage import RankStages, tied_parameter_names
 from lightning_merak.parallel.tensor.blocks import LayoutChange
 from lightning_merak.plugins.moe.checkpoint import ExpertNumbering, FusedExpertSlices, slice_entries
@@ -497,8 +502,10 @@ class ShardedCheckpointer:
         if not saved.get("merak3d_consolidated"):
             optimizer.load_state_dict(saved)
             return
-        problem = optimizer_groups_problem(group_names(saved["param_groups"]), group_names(optimizer.param_groups),
-                                           "resume with the configure_optimizers (optim.name) it was trained with")
+        fix = "resume with the configure_optimizers (optim.name) it was trained with"
+        saved_groups = saved["param_groups"]
+        problem = (optimizer_groups_problem(group_names(saved_groups), group_names(optimizer.param_groups), fix)
+                   or optimizer_settings_problem(saved_groups, optimizer.param_groups, fix))
         if problem is not None:  # zipped with this optimizer's groups, they would be cut short or fail in torch
             raise ValueError(problem)
         names = self._original_names(model)

@@ -14,9 +14,14 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from lightning_merak.checkpoint.saved_setup import group_names, optimizer_groups_problem
+from lightning_merak.checkpoint.saved_setup import (
+    group_names,
+    optimizer_groups_problem,
+    optimizer_settings_problem,
+)
 from lightning_merak.cli.overrides import ConfigError
 from lightning_merak.modules.config import OPTIMIZERS, DataConfig, DataError, OptimConfig, Schedule
+from lightning_merak.util.optimizer_state import joined_parts
 
 __all__ = ["DATAMODULE_MEMBERS", "HF_DATASET_TARGETS", "MODULE_MEMBERS", "batch_shape", "check_batches_before_launch",
            "check_callbacks_take", "check_context_calibration", "check_node_launch", "check_resumed_optimizer",
@@ -251,33 +256,38 @@ def _synthetic_pass_length(config: Any, replicas: int) -> Optional[int]:
 
 def check_resumed_optimizer(module: Any, resume_from: Optional[Path]) -> None:
     """Refuse to resume the built-in module with another ``optim.name`` than the checkpoint's optimizer (its
-    parameter groups' names tell), whose state would fail on every rank paired with this optimizer's groups."""
+    parameter groups' names, or, where those agree, their settings tell), whose state would fail on every rank
+    paired with this optimizer's groups."""
     optim = getattr(module, "optim", None)
     if resume_from is None or not isinstance(optim, OptimConfig):
         return
-    from lightning_merak.checkpoint.compatible import saved_optimizer_group_names  # lazy: torch
+    from lightning_merak.checkpoint.compatible import saved_optimizer_groups  # lazy: torch
 
-    saved = saved_optimizer_group_names(resume_from)
+    saved = saved_optimizer_groups(resume_from)
     if not saved:
         return
-    groups_of = {name: _optimizer_group_names(name) for name in {*OPTIMIZERS, optim.name}}
-    trained_with = " or ".join(f"optim={name}" for name in OPTIMIZERS if groups_of[name] == saved[0])
-    problem = optimizer_groups_problem(saved[0], groups_of[optim.name],
-                                       f"resume with {trained_with or 'the optimizer it was trained with'}, or start "
-                                       "afresh from its weights (merak-export, then model.path)")
+    groups_of = {name: _optimizer_groups(name) for name in {*OPTIMIZERS, optim.name}}
+    saved_names = group_names(saved[0])
+    trained_with = " or ".join(f"optim={name}" for name in OPTIMIZERS if group_names(groups_of[name]) == saved_names
+                               and optimizer_settings_problem(saved[0], groups_of[name], "") is None)
+    fix = (f"resume with {trained_with or 'the optimizer it was trained with'}, or start afresh from its weights "
+           "(merak-export, then model.path)")
+    problem = optimizer_groups_problem(saved_names, group_names(groups_of[optim.name]), fix)
+    if problem is None:
+        problem = optimizer_settings_problem(saved[0], groups_of[optim.name], fix)
     if problem is not None:
         raise ConfigError(f"resume={resume_from}: optim.name={optim.name}: {problem}")
 
 
-def _optimizer_group_names(name: str) -> list[Optional[str]]:
-    """The parameter groups' names of the built-in module's ``name`` optimizer, built over two placeholder
-    parameters on the meta device (the optimizer names its groups, whatever the model)."""
+def _optimizer_groups(name: str) -> list[dict[str, Any]]:
+    """The parameter groups (names and settings) of the built-in module's ``name`` optimizer, built over two
+    placeholder parameters on the meta device (the optimizer names its groups, whatever the model)."""
     import torch  # lazy: torch
 
     from lightning_merak.modules.causal_lm import build_optimizer  # lazy: torch, Lightning
 
     matrix, vector = (torch.nn.Parameter(torch.empty(shape, device="meta")) for shape in ((2, 2), (2,)))
-    return group_names(build_optimizer(OptimConfig(name=name), [matrix], [vector], set()).param_groups)
+    return joined_parts(build_optimizer(OptimConfig(name=name), [matrix], [vector], set()).state_dict())["param_groups"]
 
 
 def _loader_replicas(config: Any, strategy: Any, world_size: int) -> Optional[int]:
