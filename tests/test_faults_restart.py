@@ -159,8 +159,8 @@ def test_a_merak3d_directory_with_a_payload_in_its_index_or_state_is_refused(tmp
 _RESTARTED_RANKS = """
 import os, signal, time
 import torch, torch.distributed as dist
-from lightning_merak.cli.elastic import isolate_restart_attempts
-isolate_restart_attempts()
+from lightning_merak.cli.elastic import install_checked_rendezvous
+install_checked_rendezvous()
 rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 if attempt == 1 and rank == 0:
     time.sleep(3)  # rank 1 of the new attempt looks for rank 0 before rank 0 has published its address

@@ -115,7 +115,8 @@ def test_replayed_logging_reduces_as_the_unsplit_step() -> None:
     replay.logged.log_means(module, 2, logged_outside=outside)
     logits = module.net(batch).detach()
     assert logged == pytest.approx({"rows": 5.0, "max_logit": float(logits.max()), "min_logit": float(logits.min()),
-                                    "elements": float(logits.numel()), "mean_logit": float(logits.mean())})
+                                    "elements": float(logits.numel()), "mean_logit": float(logits.mean())},
+                                   rel=1e-5)  # fp32 means of 3 and 2 rows against one of 5: summed in other orders
 
 
 def test_logged_values_of_equal_micro_batches_keep_the_plain_mean() -> None:

@@ -185,6 +185,10 @@ CASES: dict[str, Case] = {
     "srun python -m lightning_merak.cli.train trainer=gpu trainer.num_nodes=2 trainer.devices=8": Case(
         not_run="needs a SLURM cluster with GPUs", substitute=ELASTIC),
     ELASTIC: Case(),
+    # two nodes on one host, each with its own NODE_RANK: tests/test_final_checkpoint_nodes.py and
+    # tests/test_rendezvous_ranks.py start them (hosts of 8 GPUs are not here)
+    "NODE_RANK=k MASTER_ADDR=$HEAD MASTER_PORT=29500 merak-train trainer.num_nodes=2 trainer.devices=8 "
+    "hydra.run.dir=/shared/runs/a": Case(not_run="needs two hosts with 8 GPUs each"),
     "merak-train strategy.pipeline_parallel=2 strategy.micro_batches=4": Case(
         output=("pipeline_parallel=2",)),
     "merak-train trainer.devices=4 strategy.pipeline_parallel=2 strategy.tensor_parallel=2": Case(

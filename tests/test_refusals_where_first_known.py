@@ -183,7 +183,9 @@ def test_an_empty_logger_list_trains_with_no_logger(tmp_path: Path, monkeypatch)
     final = tmp_path / "checkpoints" / "final.ckpt"
     final.parent.mkdir()
     final.write_bytes(b"")
-    assert merak_train._outputs(run.trainer, final) == [f"checkpoint: {final}"]  # the done line: no metrics files
+    from lightning_merak.cli.outputs import outputs
+
+    assert outputs(run.trainer, final) == [f"checkpoint: {final}"]  # the done line: no metrics files
 
 
 # 5. The shared module with a fixed optimizer ----------------------------------------------------------------------

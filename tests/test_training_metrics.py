@@ -78,7 +78,7 @@ def test_three_steps_write_every_metric_to_csv_and_tensorboard(tmp_path: Path):
     # before clipping: the reference's norm of the last step, far above the 1e-3 the gradients were clipped to
     assert _column(rows, "train/grad_norm") == [pytest.approx(reference.norms[-1], rel=1e-6)]
     assert reference.norms[-1] > 1e-2
-    figures = list((Path(loggers[0].log_dir) / "figures").glob("memory_over_steps-step3.png"))
+    figures = list((Path(loggers[0].log_dir) / "figures").glob("memory_over_steps-step2.png"))
     assert len(figures) == 1 and figures[0].stat().st_size > 0
 
     events = EventAccumulator(str(loggers[1].log_dir))
@@ -108,7 +108,7 @@ def test_without_a_transformers_config_mfu_is_left_out_with_a_warning(tmp_path: 
     with pytest.warns(UserWarning, match="no MFU.*no transformers config"):
         trainer.fit(_Regression(), data)
     rows = _rows(Path(logger.log_dir) / "metrics.csv")
-    assert [int(row["step"]) for row in rows if row.get("perf/samples_per_s")] == [2, 4]
+    assert [int(row["step"]) for row in rows if row.get("perf/samples_per_s")] == [1, 3]
     assert all(not row.get("perf/mfu_measured_peak") for row in rows)
     assert _column(rows, "perf/samples_per_s")[0] > 0
 
@@ -269,7 +269,7 @@ def test_moe_heatmap_and_delta_timeline_go_to_the_loggers(tmp_path: Path):
     moe.on_train_end(trainer, None)  # type: ignore[arg-type]
     csv_dir = Path(loggers[0].log_dir)
     assert (csv_dir / MoEPlacementCallback.HEATMAP_FILE).is_file()  # the PNG as before, in the first logger's dir
-    assert [p.name for p in sorted((csv_dir / "figures").glob("*.png"))] == ["moe_load_heatmap_layer2-step1.png"]
+    assert [p.name for p in sorted((csv_dir / "figures").glob("*.png"))] == ["moe_load_heatmap_layer2-step0.png"]
     points = [TimelinePoint(t_s=0.001 * i, resident_bytes=i * 2**20, label=f"event {i}") for i in range(4)]
     path = save_timeline_plot(str(tmp_path / "delta.png"), {"managed": points}, 2 * 2**20, None, None, trainer)
     assert Path(path).is_file()

@@ -8,7 +8,9 @@ and a ``.partial`` leftover, never a truncated ``<name>``. This applies to singl
 
 :func:`newest_complete` picks the checkpoint a restarted run resumes from: the newest (by the time it
 was written) whose content is whole, skipping leftovers and checkpoints written without these
-guarantees that were cut short.
+guarantees that were cut short. A merak3d directory is whole only when every shard file its index lists is
+there (:func:`missing_shards`): ranks on other nodes write their shards where they see the directory, which
+is the same one only on a file system every node sees.
 
 Test hook (used by ``tests/test_faults_restart.py`` to kill a run inside a save deterministically): with
 ``LIGHTNING_MERAK_TEST_STALL_SAVE=<checkpoint name>`` set, the first save of that name writes its
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import shutil
 import time
 import zipfile
@@ -28,8 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["PARTIAL_SUFFIX", "STALL_ENV", "atomic_file", "fsync_tree", "is_complete", "newest_complete",
-           "partial_path", "publish_directory"]
+__all__ = ["PARTIAL_SUFFIX", "STALL_ENV", "NotSharedCheckpointError", "atomic_file", "fsync_tree", "is_complete",
+           "missing_shards", "newest_complete", "partial_path", "publish_directory", "refuse_unseen_shards"]
 
 PARTIAL_SUFFIX = ".partial"
 STALL_ENV = "LIGHTNING_MERAK_TEST_STALL_SAVE"
@@ -117,11 +120,59 @@ def _whole_zip(path: Path) -> bool:
         return False
 
 
+def missing_shards(directory: Path) -> list[str]:
+    """The files a merak3d checkpoint directory's ``.metadata`` index lists that ``directory`` lacks, or holds
+    shorter than the index records: shards another node wrote where this host does not see them.
+
+    Raises what reading the index raises (``UnsafeCheckpointError`` for an index holding other objects).
+    """
+    from lightning_merak.checkpoint.safe_load import read_dcp_metadata, short_data_files  # lazy: torch
+
+    with open(Path(directory) / _DCP_METADATA, "rb") as stream:
+        metadata = read_dcp_metadata(stream)
+    return list(short_data_files(Path(directory), metadata))
+
+
+class NotSharedCheckpointError(RuntimeError):
+    """Rank 0 does not see every shard of a checkpoint the ranks wrote: the checkpoint directory is not on a file
+    system every node sees. The message names the files and the fix."""
+
+
+def refuse_unseen_shards(temporary: Path, path: Path, global_rank: int) -> None:
+    """Raise :class:`NotSharedCheckpointError` on every rank, before ``temporary`` is published as ``path``, where
+    rank 0 does not see each shard its index lists (a collective: every rank calls it after the shards are written).
+
+    Ranks on other nodes write their shards where they see the directory, which is rank 0's only on a file system
+    every node sees; published without them, the directory would look complete and fail to load."""
+    import torch.distributed as dist  # lazy: torch
+
+    missing = [missing_shards(temporary) if global_rank == 0 else None]
+    dist.broadcast_object_list(missing, src=0)
+    if missing[0]:
+        raise NotSharedCheckpointError(
+            f"{path}: rank 0 does not see {', '.join(missing[0])} of the checkpoint, which other ranks wrote where "
+            f"they see {temporary}; nothing was published. The checkpoint directory must be on a file system every "
+            "node sees: give every node the same shared output directory (hydra.run.dir=/shared/path/run)")
+
+
+def _index_complete(directory: Path) -> bool:
+    """Whether ``directory``'s ``.metadata`` index reads back and every file it lists is there in full."""
+    from lightning_merak.checkpoint.safe_load import UnsafeCheckpointError  # lazy: torch
+
+    try:
+        return not missing_shards(directory)
+    except UnsafeCheckpointError:
+        raise  # whole, but unsafe to read: a refusal naming the fix, not a checkpoint to skip
+    except (OSError, EOFError, pickle.UnpicklingError):  # absent, or cut short
+        return False
+
+
 def is_complete(path: Path) -> bool:
-    """Whether ``path`` is a whole checkpoint: a ``torch.save`` file, or a merak3d directory with its index."""
+    """Whether ``path`` is a whole checkpoint: a ``torch.save`` file, or a merak3d directory with its index and
+    every shard the index lists."""
     path = Path(path)
     if path.is_dir():
-        return (path / _DCP_METADATA).is_file() and _whole_zip(path / _LIGHTNING_STATE)
+        return _whole_zip(path / _LIGHTNING_STATE) and _index_complete(path)
     return path.is_file() and _whole_zip(path)
 
 

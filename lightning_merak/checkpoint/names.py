@@ -164,10 +164,12 @@ def export_names(model: nn.Module) -> dict[str, str]:
 def strip_wrappers(names: Iterable[str], known: Mapping[str, Any]) -> tuple[str, dict[str, Optional[str]]]:
     """The wrapper prefix under which ``names`` match ``known`` module names, and each name's module name.
 
-    The prefix that matches most names wins (the longest on a tie); PEFT's ``.base_layer.`` is
-    dropped, nested ones too (PEFT wraps a module once per adapted parameter: ``experts.base_layer.base_layer.
-    gate_up_proj``). A module in PEFT's ``modules_to_save`` is its trained copy (``.modules_to_save.<adapter>.``),
-    not the frozen ``.original_module.`` beside it. A name that does not match under it maps to None.
+    The prefix that matches most names wins (the longest on a tie), none (``""``) where no name matches under any:
+    nothing is then taken for a wrapper (PEFT's ``base_model.`` would make every name an adapter's). PEFT's
+    ``.base_layer.`` is dropped, nested ones too (PEFT wraps a module once per adapted parameter:
+    ``experts.base_layer.base_layer.gate_up_proj``). A module in PEFT's ``modules_to_save`` is its trained copy
+    (``.modules_to_save.<adapter>.``), not the frozen ``.original_module.`` beside it. A name that does not match
+    under it maps to None.
     """
     names = list(names)
 
@@ -179,5 +181,6 @@ def strip_wrappers(names: Iterable[str], known: Mapping[str, Any]) -> tuple[str,
             bare = bare.replace(PEFT_LAYER_INFIX, ".")
         return bare if bare in known else None
 
-    best = max(WRAPPER_PREFIXES, key=lambda prefix: sum(resolve(name, prefix) is not None for name in names))
+    matches = {prefix: sum(resolve(name, prefix) is not None for name in names) for prefix in WRAPPER_PREFIXES}
+    best = max(WRAPPER_PREFIXES, key=matches.__getitem__) if any(matches.values()) else ""
     return best, {name: resolve(name, best) for name in names}

@@ -17,6 +17,10 @@ A ``torch.save`` file damaged since it was written (flipped bytes, a record cut 
 reader or unpickler with whatever error the broken bytes lead to; :func:`load_torch_file` refuses it as a
 :class:`DamagedCheckpointError` naming the file, the record that fails its checksum where one does, and the fix.
 torch does not check the checksums itself, so flipped bytes inside a tensor's data load without an error.
+
+A torch distributed checkpoint's data files can be missing or cut short (a copy that stopped, a shard another node
+wrote where this host does not see it) while its index is whole; :func:`short_data_files` finds them from the index
+alone, before any tensor is read.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = ["RECORD_GLOBALS", "DamagedCheckpointError", "SafeFileSystemReader", "SafeLoadPlanner",
-           "UnsafeCheckpointError", "load_torch_file", "read_dcp_metadata"]
+           "UnsafeCheckpointError", "load_torch_file", "read_dcp_metadata", "short_data_files"]
 
 _FIX = ("lightning-merak loads checkpoints weights-only and never unpickles other objects. If you wrote this "
         "file yourself and trust it, allow exactly the objects it needs with "
@@ -151,6 +155,23 @@ def read_dcp_metadata(stream: IO[bytes]) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"the checkpoint index holds a {type(metadata).__name__}, not DCP Metadata")
     return metadata
+
+
+def short_data_files(directory: Path, metadata: Metadata) -> dict[str, tuple[Optional[int], int]]:
+    """Each data file the DCP index ``metadata`` places records in that ``directory`` lacks or holds shorter than the
+    index records, as ``(its size, None where absent; the size the index needs)``; empty when every file is whole."""
+    needed: dict[str, int] = {}  # each file: the end of the last record the index places in it
+    for stored in (metadata.storage_data or {}).values():
+        needed[stored.relative_path] = max(needed.get(stored.relative_path, 0), stored.offset + stored.length)
+    short: dict[str, tuple[Optional[int], int]] = {}
+    for name, end in sorted(needed.items()):
+        try:
+            size: Optional[int] = (Path(directory) / name).stat().st_size
+        except FileNotFoundError:
+            size = None
+        if size is None or size < end:
+            short[name] = (size, end)
+    return short
 
 
 class SafeFileSystemReader(FileSystemReader):

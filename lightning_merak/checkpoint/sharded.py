@@ -31,7 +31,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_merak.checkpoint.files import partial_path, publish_directory
+from lightning_merak.checkpoint.files import partial_path, publish_directory, refuse_unseen_shards
 from lightning_merak.checkpoint.names import MODEL_RECORD_KEY, QUANTIZED_SPLITS_KEY, model_record
 from lightning_merak.checkpoint.rewritten import join_saved_shards, saved_storage_where_rewritten
 from lightning_merak.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_torch_file
@@ -332,8 +332,9 @@ class ShardedCheckpointer:
         """Write ``checkpoint`` (its ``state_dict`` and ``optimizer_states`` from the methods above) to ``path``.
 
         Every rank writes its shards; rank 0 writes the rest with each optimizer's parameter
-        groups gathered over the stages, then publishes the directory under ``path``. The caller
-        waits at a barrier afterwards.
+        groups gathered over the stages, then publishes the directory under ``path``, once it sees
+        every shard (else every rank raises ``NotSharedCheckpointError``). The caller waits at a
+        barrier afterwards.
         """
         import torch.distributed.checkpoint as dcp
 
@@ -367,6 +368,7 @@ class ShardedCheckpointer:
             gathered: list[Any] = [None] * world_size
             dist.all_gather_object(gathered, splits)
             splits = {name: split for part in gathered for name, split in part.items()}
+        refuse_unseen_shards(temporary, path, global_rank)
         if global_rank == 0:
             record = {MODEL_RECORD_KEY: {**self.model_record, QUANTIZED_SPLITS_KEY: splits} if splits
                       else self.model_record} if self.model_record is not None else {}

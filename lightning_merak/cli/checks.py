@@ -25,8 +25,8 @@ from lightning_merak.util.optimizer_state import joined_parts
 
 __all__ = ["DATAMODULE_MEMBERS", "HF_DATASET_TARGETS", "MODULE_MEMBERS", "batch_shape", "check_batches_before_launch",
            "check_callbacks_take", "check_context_calibration", "check_node_launch", "check_resumed_optimizer",
-           "check_schedule_end", "check_streaming_loop", "config_object", "fixed_sequence_length",
-           "longest_sample_setting"]
+           "check_schedule_end", "check_strategy_accelerator", "check_streaming_loop", "config_object",
+           "fixed_sequence_length", "longest_sample_setting"]
 
 MODULE_MEMBERS = ("training_step", "configure_optimizers")
 """What a ``module._target_`` LightningModule must define for Lightning to train it."""
@@ -303,3 +303,19 @@ def _loader_replicas(config: Any, strategy: Any, world_size: int) -> Optional[in
     from lightning.pytorch.strategies import DDPStrategy  # lazy: Lightning
 
     return world_size if isinstance(strategy, DDPStrategy) else None
+
+
+def check_strategy_accelerator(strategy: Any, accelerator: str) -> None:
+    """Refuse a DeepSpeed strategy (``strategy.name=deepspeed*``) without CUDA GPUs: Lightning's DeepSpeed
+    strategy runs on CUDA only and would fail in every rank after launch."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy  # lazy: Lightning
+
+    if not isinstance(strategy, DeepSpeedStrategy) or accelerator in ("gpu", "cuda"):
+        return
+    import torch  # lazy: torch
+
+    if accelerator != "auto" or not torch.cuda.is_available():
+        raise ConfigError(
+            f"strategy {type(strategy).__name__} (strategy.name=deepspeed*) runs on CUDA GPUs only, but "
+            f"trainer.accelerator={accelerator}; on CPU use strategy=merak3d (ZeRO-style sharding: "
+            "strategy.data_parallel_sharding=optimizer, gradients or full), or train on a GPU machine with trainer=gpu")

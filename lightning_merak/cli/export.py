@@ -6,7 +6,8 @@
 The work is :func:`lightning_merak.hf.export.export_checkpoint` (``export_adapter`` with ``--adapter-only``); this
 is its command line, which answers ``--help`` without importing torch. A user's mistake (a refused value, a file
 that is no checkpoint) prints ``merak-export: error: <the reason, naming the fix>`` and ends with status 2, as
-``merak-train`` does; the arguments are checked before the checkpoint is read.
+``merak-train`` does; the arguments and the output directory are checked before the checkpoint is read, and an
+export that fails or is interrupted leaves an earlier one in OUT as it was.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="largest safetensors file: 5GB, 500MB (powers of 1000), 2GiB (of 1024) or a number of "
                              f"bytes (default {DEFAULT_MAX_SHARD_SIZE})")
     parser.add_argument("--config", default=None,
-                        help="transformers directory or config.json, for checkpoints that recorded no config")
+                        help="transformers directory or config.json, for checkpoints that recorded no config "
+                             "(beside a recorded config it is refused where it would change the model)")
     parser.add_argument("--dtype", default=None, choices=EXPORT_DTYPES, help="write weights in this dtype")
     return parser
 

@@ -7,8 +7,9 @@ CSVLogger deletes the ``metrics.csv`` it finds there: a restart lost every row o
 Here an attempt that resumed (its first row's step is above 0) keeps the earlier rows, except those it logs again:
 an earlier row is replaced once this attempt logs one of its metrics at the same or an earlier step, which are the
 rows a dead attempt logged after the checkpoint this one resumed from (the same steps run again). Each metric is
-matched by its own first step, so one that a callback logs at ``global_step`` after the update (``TrainingMetrics``:
-its step 6 is the sixth update, made before ``step=6.ckpt``) keeps its row of the resumed step.
+matched by its own first step, so one that a callback logs at another step than Lightning's (``global_step`` after the
+update) keeps its row of the resumed step; ``TrainingMetrics`` logs at Lightning's step, like ``train/loss``: the
+sixth update is step 5.
 An attempt that starts at step 0 replaces the whole file, as Lightning's did; nothing is rewritten before the
 attempt logs its first row.
 """

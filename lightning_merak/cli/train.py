@@ -48,13 +48,14 @@ from lightning_merak.cli.checks import (
     check_node_launch,
     check_resumed_optimizer,
     check_schedule_end,
+    check_strategy_accelerator,
     check_streaming_loop,
     config_object,
     fixed_sequence_length,
     longest_sample_setting,
 )
 from lightning_merak.cli.config import StrategyConfig, TrainConfig, register_configs, reject_unknown_keys
-from lightning_merak.cli.elastic import isolate_restart_attempts
+from lightning_merak.cli.elastic import RendezvousFailed, SettingsDiffer, install_checked_rendezvous
 from lightning_merak.cli.overrides import SET_BY_MERAK_TRAIN, ConfigError, check_overrides, trainer_arguments
 from lightning_merak.cli.prelaunch import (
     PrelaunchedRanks,
@@ -63,6 +64,7 @@ from lightning_merak.cli.prelaunch import (
     wait_at_gate,
 )
 from lightning_merak.cli.reference import register_help
+from lightning_merak.cli.same_config import run_settings
 from lightning_merak.cli.targets import instantiate_checked
 from lightning_merak.distributed.host_memory import restart_with_heap_tunables, skip_final_collection
 from lightning_merak.distributed.process_exit import leave_process_groups
@@ -215,14 +217,6 @@ def _trainer_kwargs(config: TrainerConfig) -> dict[str, Any]:
 def _profiler(config: TrainConfig, output_dir: Path) -> Any:
     """The ``profiler`` option's Lightning profiler (``profiler=trace``), or None."""
     return config.profiler.build(output_dir)
-
-
-def _link_last_to_final(checkpoints: Path, final_checkpoint: Path) -> None:
-    """Point ``last.ckpt`` at the final checkpoint (a link, not a copy)."""
-    last = checkpoints / "last.ckpt"
-    if last.is_symlink() or last.exists():
-        last.unlink()
-    last.symlink_to(final_checkpoint.name)
 
 
 @dataclass
@@ -379,8 +373,10 @@ def prepare(config: TrainConfig) -> PreparedRun:
     devices = validate_run(config.trainer)
     output_dir = Path(config.output_dir)
     resume_from = resume_path(config.resume, output_dir / "checkpoints")
-    isolate_restart_attempts()  # a torchrun restart's ranks must not find the failed attempt's addresses
+    # every rank meets the others before the process group: one attempt's ranks, the same settings, or a message
+    install_checked_rendezvous(run_settings(config), ranks_per_node=devices)
     strategy = build_strategy(config.strategy)
+    check_strategy_accelerator(strategy, config.trainer.accelerator)  # DeepSpeed runs on CUDA only
     world_size = devices * config.trainer.num_nodes
     trainer_kwargs = _trainer_kwargs(config.trainer)
     _check_merak3d_options(config, strategy, world_size)
@@ -446,20 +442,6 @@ def _hyperparameters(config: TrainConfig) -> dict[str, Any]:
     return {str(key): value for key, value in container.items()}
 
 
-def _outputs(trainer: pl.Trainer, final_checkpoint: Path) -> list[str]:
-    """``what: where`` for each output the run wrote: the final checkpoint and each logger's files that exist."""
-    from lightning.pytorch.loggers import CSVLogger
-
-    outputs = [f"checkpoint: {final_checkpoint}"] if final_checkpoint.exists() else []
-    for logger in trainer.loggers:
-        directory = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
-        where = Path(directory) / "metrics.csv" if isinstance(logger, CSVLogger) and directory else directory
-        if where is not None and Path(where).exists():
-            kind = "metrics" if isinstance(logger, CSVLogger) else type(logger).__name__.removesuffix("Logger").lower()
-            outputs.append(f"{kind}: {where}")
-    return outputs
-
-
 def fit(run: PreparedRun, prelaunched: PrelaunchedRanks | None = None) -> Path:
     """Train a prepared run and return its output directory.
 
@@ -467,6 +449,7 @@ def fit(run: PreparedRun, prelaunched: PrelaunchedRanks | None = None) -> Path:
     before launch has passed (:mod:`lightning_merak.cli.prelaunch`); None lets Lightning launch them."""
     from lightning.pytorch.utilities import rank_zero_only
 
+    from lightning_merak.cli.outputs import outputs, save_final_checkpoint  # lazy: Lightning
     from lightning_merak.cli.stopped import exit_failing_on_sigterm  # lazy: Lightning
 
     config, trainer = run.config, run.trainer
@@ -492,6 +475,11 @@ def fit(run: PreparedRun, prelaunched: PrelaunchedRanks | None = None) -> Path:
         if prelaunched is not None:
             prelaunched.refused()  # the ranks it started read the same data and refuse it too
         sys.exit(2)
+    except (SettingsDiffer, RendezvousFailed) as error:  # found at the rendezvous on every rank; names the fix
+        print(f"merak-train: error: {error}", file=sys.stderr, flush=True)
+        if prelaunched is not None:
+            prelaunched.refused()
+        sys.exit(2)
     if getattr(strategy, "plan_only", False):
         if trainer.is_global_zero:
             choice = strategy.layout_choice  # the layout adopted at the fixed degrees, not the unfiltered best
@@ -501,14 +489,9 @@ def fit(run: PreparedRun, prelaunched: PrelaunchedRanks | None = None) -> Path:
         if prelaunched is not None:
             prelaunched.finish()
         return output_dir
-    checkpoints = output_dir / "checkpoints"
-    final_checkpoint = checkpoints / "final.ckpt"
-    trainer.save_checkpoint(final_checkpoint, weights_only=False)
+    final_checkpoint = save_final_checkpoint(trainer, link_last=config.trainer.save_last)  # beside step=N.ckpt
     if trainer.is_global_zero:
-        if config.trainer.save_last:
-            _link_last_to_final(checkpoints, final_checkpoint)
-        outputs = ", ".join(_outputs(trainer, final_checkpoint))
-        print(f"merak-train: done. Outputs in {output_dir.resolve()} — {outputs}")
+        print(f"merak-train: done. Outputs in {output_dir.resolve()} — {', '.join(outputs(trainer, final_checkpoint))}")
     leave_process_groups()
     if prelaunched is not None:
         prelaunched.finish()

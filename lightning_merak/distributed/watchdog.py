@@ -21,7 +21,7 @@ How: the pure core (:class:`StallClock`, :class:`PulseClock`, :func:`absent_rank
 daemon thread per rank that
 
 - beats a heartbeat in the rendezvous store (its own client, with a short timeout): a rank
-  whose beat stops for ``dead_after_s`` (or, on this host, whose process is gone) is lost;
+  whose beat stops for ``dead_after_s`` (or, on this host and PID namespace, whose process is gone) is lost;
 - raises the alarm when a collective of this rank has waited ``timeout_s`` with no collective
   completing: every rank then posts its counts to the store, so the alarming rank names the
   ranks that did not arrive at that collective and where they wait instead;
@@ -73,7 +73,7 @@ __all__ = [
     "defers_stalls_to_torch",
     "describe_lost",
     "describe_stall",
-    "flight_recorder_reader",
+    "flight_recorder_reader", "host_identity", "this_host_identity",
     "working_alone",
 ]
 
@@ -317,8 +317,34 @@ def _group_members() -> dict[str, list[int]]:
     return {name: dist.get_process_group_ranks(group) for group, name in c10d._world.pg_names.items()}
 
 
+def host_identity(hostname: str, boot_id: str | None, pid_namespace: str | None) -> str:
+    """What tells this process's host and PID namespace apart from others': two containers may share a hostname
+    (``--hostname``) yet not their PIDs, so a peer's PID is checked here only where all three agree."""
+    return f"{hostname}/{boot_id or '-'}/{pid_namespace or '-'}"
+
+
+def _read_boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            return boot.read().strip()
+    except OSError:
+        return None
+
+
+def _read_pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def this_host_identity() -> str:
+    """:func:`host_identity` of this process (the boot id and PID namespace where ``/proc`` has them)."""
+    return host_identity(socket.gethostname(), _read_boot_id(), _read_pid_namespace())
+
+
 def _process_gone(pid: int) -> bool:
-    """Whether process ``pid`` of this host has ended (a zombie has ended too)."""
+    """Whether process ``pid`` of this host and PID namespace has ended (a zombie has ended too)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             return stat.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
@@ -372,9 +398,10 @@ class Watchdog:
         self.on_nccl = "nccl" in self.backend.lower()
         self.reader = flight_recorder_reader(self.backend, set(dir(c10d)))
         self.raises_stall_alarms = not defers_stalls_to_torch(self.backend, self.timeout_s, self.group_timeout_s)
-        self.host = socket.gethostname()
+        self.host, self.identity = socket.gethostname(), this_host_identity()
         self._store = self._connect()
-        self._store.set(f"{_PREFIX}/peer/{self.rank}", json.dumps({"host": self.host, "pid": os.getpid()}))
+        self._store.set(f"{_PREFIX}/peer/{self.rank}",
+                        json.dumps({"host": self.host, "identity": self.identity, "pid": os.getpid()}))
         if self.raises_stall_alarms:
             self._uncount_point_to_point = count_point_to_point_waits([c10d_python, dist])
         self._thread = threading.Thread(target=self._run, name="merak-watchdog", daemon=True)
@@ -404,11 +431,19 @@ class Watchdog:
         return describe_lost(self.rank, lost, self.checkpoint())
 
     def _connect(self) -> object:
-        """A client of its own to the rendezvous store, failing fast when the store is gone."""
+        """A client of its own to the rendezvous store, failing fast when the store is gone; a clone of the default
+        group's store where it has one, so that its keys stay under this attempt's prefix (a restart must not read a
+        dead attempt's peers: :mod:`lightning_merak.cli.elastic`)."""
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
         address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        default = c10d._get_default_store()
+        if hasattr(default, "clone"):
+            store = default.clone()
+            store.set_timeout(timedelta(seconds=5))
+            self.store_address = f"{address}:{port}" if address and port else "the default process group's store"
+            return store
         if address and port:
             store = dist.TCPStore(address, int(port), is_master=False, timeout=timedelta(seconds=5))
             self.store_address = f"{address}:{port}"
@@ -475,7 +510,7 @@ class Watchdog:
         for other, peer in peers.items():
             if other in done:
                 continue
-            on_this_host = peer["host"] == self.host
+            on_this_host = peer.get("identity") == self.identity
             if other in silent or (on_this_host and _process_gone(int(peer["pid"]))):  # type: ignore[call-overload]
                 lost[other] = f"host {peer['host']}, pid {peer['pid']}"
         for other in silent:

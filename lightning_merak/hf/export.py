@@ -7,13 +7,22 @@ unsplit model's names, taken in any layout) or a Lightning ``.ckpt`` file (DDP).
 directory that has them) and the weights as ``save_pretrained`` writes them: ``model.safetensors`` when one file
 holds them, else ``model-0000k-of-0000N.safetensors`` and ``model.safetensors.index.json``.
 
+The config is the one the checkpoint records (``--config`` stands in only where it records none, and is refused
+where it differs from the recorded one in a field that changes the model); every tensor must have the shape that
+config gives it.
+
 Streaming: tensors are read one at a time (:class:`~lightning_merak.hf.export_source.CheckpointSource`) and
 written shard by shard, so peak memory is about one output shard. Names,
 tied weights and transformers' renamings are undone as ``save_pretrained`` does
-(:mod:`lightning_merak.checkpoint.names`); rows of a padded vocabulary are dropped. Checkpoints already
+(:mod:`lightning_merak.checkpoint.names`). Checkpoints already
 hold the unsplit layout (tensor-parallel regrouping undone, experts numbered globally). Fused MoE
 expert parameters are written as ``save_pretrained`` writes them (per expert for Mixtral, Qwen-MoE,
 OLMoE, DeepSeek; :mod:`lightning_merak.hf.experts`), cut from one whole parameter read at a time.
+
+Output: everything is checked (the output writable, the checkpoint's data files whole, names and shapes) before
+``out`` is touched, and the files are written into a new folder on its file system (inside ``out`` where it exists,
+else beside it) that replaces ``out``'s weights and config only once complete: an export that fails or is
+interrupted leaves an earlier export in ``out`` as it was.
 
 Adapters: a PEFT user saving a ``PeftModel`` gets the adapter alone, which :func:`export_adapter`
 (``merak-export --adapter-only``) writes as PEFT does; a user exporting for ``from_pretrained`` wants plain
@@ -30,7 +39,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import secrets
 import shutil
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
@@ -47,8 +60,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "EXPORT_DTYPES", "ExportReport", "export_adapter", "export_checkpoint",
-           "shard_size_bytes"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "EXPORT_DTYPES", "ExportReport", "config_differences", "export_adapter",
+           "export_checkpoint", "shard_size_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +77,19 @@ _COPIED_FILES = ("generation_config.json", "tokenizer*", "special_tokens_map.jso
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
+_STAGING_PREFIX = ".merak-export-partial-"
+"""Start of the name of the folder an export is written into before it replaces ``out``'s files."""
+
+_BOOKKEEPING_FIELDS = frozenset({"_name_or_path", "transformers_version", "dtype", "torch_dtype"})
+"""Config fields that say where and how a config was saved (the export writes the weights' dtype itself)."""
+_UNUSED_BY_OUTPUTS = frozenset({
+    "architectures", "use_cache", "output_attentions", "output_hidden_states", "return_dict", "torchscript",
+    "id2label", "label2id", "problem_type", "finetuning_task", "task_specific_params", "tokenizer_class", "prefix",
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "initializer_range",
+    "chunk_size_feed_forward", "attn_implementation", "_attn_implementation", "_attn_implementation_autoset",
+})
+"""Config fields that change neither the tensors nor the logits of a trained model: outputs asked for, caching,
+labels, generation's token ids, initialisation, attention kernels (dropout fields too: off in evaluation)."""
 
 
 @dataclass
@@ -93,24 +119,112 @@ def shard_size_bytes(max_shard_size: Union[int, str]) -> int:
 
 
 def _check_output(out: Path) -> None:
-    """``out`` becomes a directory: refused up front when it, or a folder above it, is an existing file."""
+    """``out`` becomes a directory: refused up front when it, or a folder above it, is an existing file, or where
+    the export cannot write (``out`` where it exists, else the nearest folder above it that does)."""
     existing = next(path for path in (out, *out.parents) if path.exists())
     if not existing.is_dir():
         raise ValueError(f"output directory {out}: {existing} is an existing file; pass a new or existing directory")
+    probe = existing / f"{_STAGING_PREFIX}probe-{secrets.token_hex(4)}"
+    try:  # tried, not asked of os.access, which answers for root as if no mount were read-only
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as error:
+        raise ValueError(f"output directory {out}: cannot write in {existing} ({error.strerror}); pass a directory "
+                         "you can write to") from error
 
 
-def _remove_earlier_weights(out: Path) -> None:
-    """Delete the weight files an earlier export left in ``out``, as ``save_pretrained`` does: a stale
-    ``model.safetensors`` beside a new sharded set would be the file ``from_pretrained`` loads."""
+def _changes_outputs(field_name: str) -> bool:
+    """Whether a config field can change a trained model's tensors or logits (unknown fields are taken to)."""
+    return not (field_name in _UNUSED_BY_OUTPUTS or "dropout" in field_name or field_name.endswith("_pdrop"))
+
+
+def config_differences(recorded: Mapping[str, Any], given: Mapping[str, Any],
+                       functional: bool = True) -> list[tuple[str, Any, Any]]:
+    """``(field, recorded value, given value)`` of each transformers config field (``to_dict()`` form) the two
+    differ in: with ``functional``, those that change the model's tensors or logits (every field but
+    :data:`_UNUSED_BY_OUTPUTS`, dropout and bookkeeping), else the others but bookkeeping. Only ``model_type`` where
+    that differs (the other fields then mean other things)."""
+    if recorded.get("model_type") != given.get("model_type"):
+        return [("model_type", recorded.get("model_type"), given.get("model_type"))]
+    return [(name, recorded.get(name), given.get(name)) for name in sorted({*recorded, *given})
+            if recorded.get(name) != given.get(name) and name not in _BOOKKEEPING_FIELDS
+            and _changes_outputs(name) == functional]
+
+
+def _export_config(checkpoint: Union[str, Path], record: Mapping[str, Any],
+                   config: Optional[Union[str, Path]]) -> Any:
+    """The transformers config to export ``checkpoint`` with: the one it records, else ``config``. A ``config``
+    beside a recorded one must not change the model (refused naming the fields); fields it changes that do not
+    (generation's token ids, say) are named in a warning, as the recorded config is written."""
+    from lightning_merak.checkpoint.names import load_config  # lazy: torch
+
+    if not record.get("config"):
+        if config is None:
+            raise ValueError(f"{checkpoint} records no transformers config (saved before merak-export existed, or "
+                             "not from a transformers model); pass --config DIR with the model's config.json")
+        return load_config(config)
+    recorded = load_config(record["config"])
+    if config is None:
+        return recorded
+    plain = [json.loads(each.to_json_string(use_diff=False)) for each in (recorded, load_config(config))]
+
+    def shown(differences: list[tuple[str, Any, Any]]) -> str:
+        return "; ".join(f"{name} is {there!r} there and {here!r} in --config" for name, there, here in differences)
+
+    changing = config_differences(*plain)
+    if changing:
+        raise ValueError(f"--config {config} differs from the config {checkpoint} records in fields that change the "
+                         f"model: {shown(changing)}. The recorded config is the one its weights were trained with; "
+                         "drop --config (it stands in only for a checkpoint that records no config)")
+    ignored = config_differences(*plain, functional=False)
+    if ignored:
+        log.warning(f"merak-export: warning: --config {config} differs from the config {checkpoint} records in "
+                    f"fields that do not change the model ({shown(ignored)}); the recorded config is written: edit "
+                    "config.json in the output to change them")
+    return recorded
+
+
+@contextmanager
+def _staging(out: Path) -> Iterator[Path]:
+    """A new folder to write the export into, on ``out``'s file system: inside ``out`` where it exists, else beside
+    it (the folders above made as needed). It and the folders made for it are removed when the export fails or is
+    interrupted, before or after :func:`_publish`."""
+    made = [folder for folder in out.parents if not folder.exists()]  # the deepest first
+    token = secrets.token_hex(4)
+    staging = out / f"{_STAGING_PREFIX}{token}" if out.is_dir() else out.parent / f".{out.name}{_STAGING_PREFIX}{token}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+        yield staging
+    except BaseException:
+        if made:  # the topmost folder made for it holds nothing else
+            shutil.rmtree(made[-1], ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Put the export in ``staging`` in place as ``out``: renamed to it where ``out`` is new, else its files moved
+    into ``out`` (each replacing one of that name), the weights first, then weight files of an earlier export that
+    the new set does not replace deleted, as ``save_pretrained`` does (a stale ``model.safetensors`` beside a new
+    sharded set would be the file ``from_pretrained`` loads)."""
+    if not out.is_dir():
+        staging.rename(out)
+        return
+    written = sorted(staging.iterdir(), key=lambda file: (not file.name.startswith("model"), file.name))
+    for file in written:
+        os.replace(file, out / file.name)
+    names = {file.name for file in written}
     for stale in (*out.glob("model-*-of-*.safetensors"), out / _SINGLE_FILE, out / _INDEX_FILE):
-        stale.unlink(missing_ok=True)
+        if stale.name not in names:
+            stale.unlink(missing_ok=True)
 
 
-
-def _copy_source_files(record_config: dict[str, Any], out: Path) -> list[str]:
+def _copy_source_files(record_config: dict[str, Any], staging: Path, out: Path) -> list[str]:
     """Copy the generation config and tokenizer files of the folder the model was loaded from (``_name_or_path``)
-    into ``out`` (kept as they are where ``out`` is that folder); a recorded folder that is not there (moved, or
-    recorded relative) is named in a warning."""
+    into ``staging``, the export's new folder for ``out``; a recorded folder that is not there (moved, or recorded
+    relative) is named in a warning."""
     recorded = str(record_config.get("_name_or_path") or "")
     if not recorded:  # initialised at random: no source folder
         return []
@@ -124,8 +238,7 @@ def _copy_source_files(record_config: dict[str, Any], out: Path) -> list[str]:
     for pattern in _COPIED_FILES:
         for file in sorted(source.glob(pattern)):
             if file.is_file():
-                if not (out / file.name).exists() or not (out / file.name).samefile(file):  # else exported in place
-                    shutil.copy2(file, out / file.name)
+                shutil.copy2(file, staging / file.name)
                 copied.append(file.name)
     return copied
 
@@ -136,10 +249,11 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
     """Write ``checkpoint`` to ``out`` as a Hugging Face directory; see the module docstring.
 
     ``config`` (a transformers directory or config.json) stands in for a checkpoint that recorded
-    none; ``dtype`` (one of :data:`EXPORT_DTYPES`) converts the weights on the way out. The arguments are checked
-    before the checkpoint is read. With ``merge_adapters``, an adapter on a tied weight (LoRA on ``embed_tokens``
-    with ``tie_word_embeddings``) merges into it alone: its partners (``lm_head``) are written as the unmerged base
-    and the exported config says ``tie_word_embeddings: false``, so the export computes what the adapter model did.
+    none (beside a recorded config, it must not change the model); ``dtype`` (one of :data:`EXPORT_DTYPES`) converts
+    the weights on the way out. The arguments and the output are checked before the checkpoint is read. With
+    ``merge_adapters``, an adapter on a tied weight (LoRA on ``embed_tokens`` with ``tie_word_embeddings``) merges
+    into it alone: its partners (``lm_head``) are written as the unmerged base and the exported config says
+    ``tie_word_embeddings: false``, so the export computes what the adapter model did.
     """
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one export writes; pass one of {', '.join(EXPORT_DTYPES)}")
@@ -156,7 +270,6 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
         MODEL_RECORD_KEY,
         PEFT_LAYER_INFIX,
         build_meta_model,
-        load_config,
         strip_wrappers,
     )
     from lightning_merak.hf.dequantised import DequantisedSource, int4_expert_tensors  # lazy: torch
@@ -175,10 +288,7 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
                          "dequantised with the adapters merged (float weights carrying the quantisation rounding), or "
                          "--adapter-only to write the adapters alone")
     record = source.metadata.get(MODEL_RECORD_KEY) or {}
-    if config is None and not record.get("config"):
-        raise ValueError(f"{checkpoint} records no transformers config (saved before merak-export existed, or "
-                         "not from a transformers model); pass --config DIR with the model's config.json")
-    hf_config = load_config(config if config is not None else record["config"])
+    hf_config = _export_config(checkpoint, record, config)
     model = build_meta_model(hf_config)
     if quantized or quantized_experts:
         transposed = {name for name, module in model.named_modules() if getattr(module, "is_transposed", False)}
@@ -190,7 +300,11 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
     extra = sorted(key for key, bare in resolved.items() if bare is None)
     adapters = record.get("adapters") or {}
     if extra and "base_model." not in prefix:
-        raise ValueError(f"{checkpoint} holds tensors {type(model).__name__} does not have: {extra[:8]}")
+        raise ValueError(f"{checkpoint} holds tensors {type(model).__name__} does not have: {', '.join(extra[:8])}"
+                         + ("" if by_module else
+                            "; the model's tensors must sit under `model.` (the LightningModule's `self.model`, as "
+                            "merak-train's CausalLMModule holds it): name that attribute `model` and save again, or "
+                            "rename the checkpoint's state_dict keys to start with `model.`"))
     if merge_adapters and not extra and not (quantized or quantized_experts):
         raise ValueError(f"--merge-adapters: {checkpoint} holds no adapters (its run trained without adapter=...), "
                          "so there is nothing to merge; drop --merge-adapters to export its weights as they are")
@@ -215,10 +329,11 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
 
     def shape_of(name: str) -> tuple[int, ...]:
         stored, expected = source.entries[by_module[name]][0], tuple(meta_state[name].shape)
-        padded = stored[0] > expected[0] == getattr(hf_config, "vocab_size", -1) and stored[1:] == expected[1:]
-        if stored != expected and not padded:
+        if stored != expected:
+            whose = ("the --config given: pass the config of the model the checkpoint was trained with"
+                     if config is not None and not record.get("config") else "the config the checkpoint records")
             raise ValueError(f"{by_module[name]} has shape {stored} in {checkpoint}, {type(model).__name__} "
-                             f"expects {expected}")
+                             f"expects {expected} by {whose}")
         return expected
 
     merged_experts: dict[str, dict[str, torch.Tensor]] = {}  # the last adapted experts module, merged
@@ -234,8 +349,6 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
             tensor = merged_experts[layer][leaf]
             return (tensor.to(out_dtype) if out_dtype else tensor).contiguous()
         tensor = source.read(by_module[name])
-        if tensor.ndim:
-            tensor = tensor[:shape_of(name)[0]]  # rows of a padded vocabulary dropped
         if name.endswith(".weight") and layer in adapted:
             full = adapted[layer]
             base = {key.rpartition(".")[2]: source.read(key) for key in source.entries
@@ -267,29 +380,29 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
             shards.append([])
         shards[-1].append(key)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    _remove_earlier_weights(out)
     report = ExportReport(total_size=sum(sizes.values()))
     weight_map = {}
-    for number, shard in enumerate(shards, start=1):
-        file_name = (f"model-{number:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1
-                     else _SINGLE_FILE)  # as save_pretrained names them
-        tensors = {key: output(key) for key in shard}
-        save_file(tensors, out / file_name, metadata={"format": "pt"})
-        report.largest_shard_bytes = max(report.largest_shard_bytes, sum(sizes[key] for key in shard))
-        weight_map.update(dict.fromkeys(tensors, file_name))
-        report.files.append(file_name)
-        del tensors
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": report.total_size}, "weight_map": dict(sorted(weight_map.items()))}
-        (out / _INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        report.files.append(_INDEX_FILE)
-    written = {out_dtype or source.entries[by_module[name]][1] for name, _, _ in outputs.values()}
-    floating = {dtype for dtype in written if dtype.is_floating_point}
-    if len(floating) == 1:  # the config names the dtype the weights are in (float64 after precision=64, say)
-        hf_config.dtype = floating.pop()
-    hf_config.save_pretrained(out)
-    report.files += ["config.json", *_copy_source_files(record.get("config") or {}, out)]
+    with _staging(out) as staging:
+        for number, shard in enumerate(shards, start=1):
+            file_name = (f"model-{number:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1
+                         else _SINGLE_FILE)  # as save_pretrained names them
+            tensors = {key: output(key) for key in shard}
+            save_file(tensors, staging / file_name, metadata={"format": "pt"})
+            report.largest_shard_bytes = max(report.largest_shard_bytes, sum(sizes[key] for key in shard))
+            weight_map.update(dict.fromkeys(tensors, file_name))
+            report.files.append(file_name)
+            del tensors
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": report.total_size}, "weight_map": dict(sorted(weight_map.items()))}
+            (staging / _INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+            report.files.append(_INDEX_FILE)
+        written = {out_dtype or source.entries[by_module[name]][1] for name, _, _ in outputs.values()}
+        floating = {dtype for dtype in written if dtype.is_floating_point}
+        if len(floating) == 1:  # the config names the dtype the weights are in (float64 after precision=64, say)
+            hf_config.dtype = floating.pop()
+        hf_config.save_pretrained(staging)
+        report.files += ["config.json", *_copy_source_files(record.get("config") or {}, staging, out)]
+        _publish(staging, out)
     return report
 
 

@@ -15,6 +15,7 @@ those of its own length.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import Counter
@@ -29,6 +30,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_merak.callbacks.metrics.device import DATASHEET_PEAK, PeakFlops, compute_dtype, peak_flops, read_memory
 from lightning_merak.callbacks.metrics.figures import log_figure, memory_figure
+from lightning_merak.callbacks.metrics.steps import logged_step, logs_at
+from lightning_merak.callbacks.nonfinite import NonFiniteGuard, SkippedStep
 from lightning_merak.distributed.gradient_norm import ShardedGradients, installed_sharded_gradients
 from lightning_merak.parallel.micro_batching import VariableBatch
 from lightning_merak.planning.flops import frozen_weight_fraction, training_flops_per_token, transformer_shape
@@ -108,7 +111,8 @@ def _clipping_keeps_norm(trainer: pl.Trainer, pl_module: pl.LightningModule) -> 
 class TrainingMetrics(pl.Callback):
     """Logs, per interval of ``trainer.log_every_n_steps`` optimizer steps:
 
-    - ``perf/step_time_s``: wall time per optimizer step (validation excluded);
+    - ``perf/step_time_s``: wall time per optimizer step (validation and checkpoint saving excluded: every
+      ``trainer.save_checkpoint``, which each checkpoint callback and merak3d's sharded save go through);
     - ``perf/tokens_per_s``, ``perf/samples_per_s``: over every data-parallel replica (real tokens: see above);
     - ``perf/mfu`` (over a datasheet peak: known CUDA devices) or ``perf/mfu_measured_peak`` (over a measured
       matmul: CPUs and other devices), with ``perf/peak_tflops`` it divides by and ``perf/model_tflops_per_s``:
@@ -120,8 +124,10 @@ class TrainingMetrics(pl.Callback):
       computes it (or its clipping by norm, which keeps the norm it computed: then it is read, not computed
       twice); otherwise it is the norm of the gradients Lightning hands to the optimizer (DTensor shards
       gathered, plain gradients beside them; EmbRace's column shards and expert parallelism's experts under DDP
-      summed over their groups, as the clipping sums them). Left out of a log whose step computed none (a run stopped
-      between intervals);
+      summed over their groups, as the clipping sums them). A step :class:`~lightning_merak.callbacks.nonfinite.
+      NonFiniteGuard` skipped logs the non-finite norm its gradients had (NaN or infinity), with or without
+      clipping. Left out of a log whose step computed none (a run stopped between intervals, a step skipped for
+      its loss alone);
     - ``comm/exposed_s``, ``comm/exposed_fraction`` (rank 0; a strategy with ``last_exposed_communication_s``,
       merak3d with data parallelism reduced by its own buckets: ``data_parallel_sharding`` other than ``full``,
       whose FSDP2 reduces in its own hooks): the wait for the gradient reduction after backward, per step and as a
@@ -133,7 +139,9 @@ class TrainingMetrics(pl.Callback):
     - ``memory/peak_MiB/max`` and, for up to ``ranks_per_rank_metrics`` ranks, ``memory/peak_MiB/rank<r>``: each
       rank's high-water mark (CUDA: allocated tensors; CPU: the process's resident set).
 
-    At the end a memory-over-steps figure goes to the loggers (:func:`~.figures.log_figure`).
+    Intervals end, and values are logged, at Lightning's steps (:mod:`~.steps`): the rows of ``train/loss`` and the
+    learning rate of the same optimizer step. At the end a memory-over-steps figure goes to the loggers
+    (:func:`~.figures.log_figure`).
 
     ``batch_size_fn(batch)`` and ``length_fn(batch)`` count a batch's samples and tokens (default: the sample
     lengths a batch tells, see above, else the first dimension and the element count of the module's inputs,
@@ -165,6 +173,10 @@ class TrainingMetrics(pl.Callback):
         self._last_global_step = 0
         self._interval_start: Optional[float] = None
         self._paused_at: Optional[float] = None
+        self._pauses = 0
+        self._unwrap_save: Optional[Callable[[], None]] = None
+        self._step_logged_at = 0
+        """The logged step (Lightning's) of the last optimizer step."""
         self._grad_norm: Optional[tuple[int, float]] = None
         """``(optimizer step, norm)``: logged only with that step, never with a later one."""
         self._norm_from_clipping = False
@@ -188,15 +200,18 @@ class TrainingMetrics(pl.Callback):
                 rank_zero_warn(f"TrainingMetrics logs no MFU: {error}")
         self._last_global_step = trainer.global_step
         self._interval_start = time.perf_counter()
+        self._unwrap_save = _pause_while_saving(trainer, self._pause, self._resume)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._interval_start is not None:
-            self._paused_at = time.perf_counter()
+        self._pause()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._paused_at is not None and self._interval_start is not None:
-            self._interval_start += time.perf_counter() - self._paused_at
-            self._paused_at = None
+        self._resume()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._unwrap_save is not None:
+            self._unwrap_save()
+            self._unwrap_save = None
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """Before clipping: the gradients' total norm, on a step that will be logged (every rank alike)."""
@@ -224,14 +239,18 @@ class TrainingMetrics(pl.Callback):
         if trainer.global_step == self._last_global_step:
             return  # accumulating gradients: the optimizer step comes with a later batch
         self._last_global_step = trainer.global_step
+        self._step_logged_at = logged_step(trainer, after_update=True)
         self._steps += 1
-        if self._norm_from_clipping:
-            self._norm_from_clipping = False
+        skipped = _skipped_step(trainer)
+        if skipped is not None:  # its gradients were dropped before clipping or this callback could read them
+            self._grad_norm = None if skipped.gradient_norm is None else (trainer.global_step, skipped.gradient_norm)
+        elif self._norm_from_clipping:
             self._grad_norm = (trainer.global_step, float(trainer.strategy.last_gradient_norm))
+        self._norm_from_clipping = False
         exposed = getattr(trainer.strategy, "last_exposed_communication_s", None)
         if exposed is not None:
             self._exposed_s.append(float(exposed))
-        if trainer.log_every_n_steps > 0 and self._steps >= trainer.log_every_n_steps:
+        if logs_at(self._step_logged_at, trainer.log_every_n_steps):
             self._log_interval(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -254,9 +273,22 @@ class TrainingMetrics(pl.Callback):
 
     # Helpers -------------------------------------------------------------------------------------------
 
+    def _pause(self) -> None:
+        """Stop the interval's clock (validation, a checkpoint save; nested pauses count once)."""
+        self._pauses += 1
+        if self._pauses == 1 and self._interval_start is not None:
+            self._paused_at = time.perf_counter()
+
+    def _resume(self) -> None:
+        """Restart the interval's clock, the paused time left out of the interval."""
+        self._pauses = max(self._pauses - 1, 0)
+        if self._pauses == 0 and self._paused_at is not None and self._interval_start is not None:
+            self._interval_start += time.perf_counter() - self._paused_at
+            self._paused_at = None
+
     def _logs_next_step(self, trainer: pl.Trainer) -> bool:
         """Whether the optimizer step under way ends an interval or the run (the same on every rank)."""
-        if trainer.log_every_n_steps > 0 and self._steps + 1 >= trainer.log_every_n_steps:
+        if logs_at(logged_step(trainer, after_update=False), trainer.log_every_n_steps):
             return True
         if 0 < trainer.max_steps <= trainer.global_step + 1:
             return True
@@ -347,11 +379,47 @@ class TrainingMetrics(pl.Callback):
         metrics["memory/peak_MiB/max"] = max(peaks)
         if world <= self.ranks_per_rank_metrics:
             metrics.update({f"memory/peak_MiB/rank{rank}": peak for rank, peak in enumerate(peaks)})
-        self.history["step"].append(trainer.global_step)
+        self.history["step"].append(self._step_logged_at)
         self.history["peak_mib"].append(peaks)
         self.history["current_mib"].append(currents)
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.log_metrics(metrics, step=self._step_logged_at)
+
+
+def _skipped_step(trainer: pl.Trainer) -> Optional[SkippedStep]:
+    """The optimizer step just taken, where a :class:`NonFiniteGuard` of ``trainer`` skipped it."""
+    for callback in getattr(trainer, "callbacks", ()):
+        if isinstance(callback, NonFiniteGuard) and callback.last_skipped is not None \
+                and callback.last_skipped.global_step == trainer.global_step:
+            return callback.last_skipped
+    return None
+
+
+def _pause_while_saving(trainer: pl.Trainer, pause: Callable[[], None],
+                        resume: Callable[[], None]) -> Callable[[], None]:
+    """Have ``trainer.save_checkpoint`` pause the interval's clock while it runs; returns what undoes it.
+
+    Every checkpoint of a run goes through it (Lightning's checkpoint callbacks, a user's call, merak3d's sharded
+    save inside it), and none of its hooks ends after the write: the write is only timed from outside."""
+    save = getattr(trainer, "save_checkpoint", None)
+    if save is None:  # a stand-in for a trainer, which saves nothing
+        return lambda: None
+
+    @functools.wraps(save)
+    def timed_save(*args: Any, **kwargs: Any) -> Any:
+        pause()
+        try:
+            return save(*args, **kwargs)
+        finally:
+            resume()
+
+    trainer.save_checkpoint = timed_save  # type: ignore[method-assign]
+
+    def unwrap() -> None:
+        if vars(trainer).get("save_checkpoint") is timed_save:  # else wrapped again since: left to its wrapper
+            del trainer.save_checkpoint
+
+    return unwrap
 
 
 def _rank_share(trainer: pl.Trainer, batch: Any) -> float:

@@ -1,4 +1,4 @@
-"""Lightning glue for ``merak_ep``: enable it in every process, keep DDP off the experts, log the load.
+"""Lightning glue for ``merak_ep``: enable it in every process, keep DDP off the experts, log the load and draw it.
 
 Thin: :func:`~lightning_merak.plugins.moe.experts.enable.enable_expert_parallel` does the work. The
 callback runs it in ``setup`` (processes and the process group exist, DDP and the optimizer do not
@@ -13,7 +13,8 @@ Under merak3d the groups are carved from each stage's data-parallel ranks instea
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -21,13 +22,16 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, XLAStrategy
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_merak.callbacks.moe.heatmap import LoadLogging
 from lightning_merak.checkpoint.sharded import ExpertParallelCheckpointIO, ExpertSlices
 from lightning_merak.distributed.collectives import average_gradients
 from lightning_merak.distributed.gradient_norm import clip_over_groups
 from lightning_merak.distributed.process_groups import new_group
 from lightning_merak.parallel.data.agreed_overflow import agree_on_overflow
 from lightning_merak.parallel.experts import Merak3DExperts
-from lightning_merak.plugins.moe.experts.enable import add_loads, enable_expert_parallel, expert_load
+from lightning_merak.plugins.moe.core.placement import Padding, PlacementPlan, rank_loads
+from lightning_merak.plugins.moe.experts.enable import add_loads, enable_expert_parallel, expert_load, experts_modules
+from lightning_merak.plugins.moe.experts.parallel import SHARD_ATTRIBUTE
 from lightning_merak.plugins.moe.experts.replanning import ReplicaPlanner
 from lightning_merak.protocols.layout_aware import layout_aware
 
@@ -50,20 +54,25 @@ def _ignore_in_ddp(module: torch.nn.Module, names: list[str]) -> None:
     ignore(module, names)
 
 
-class ExpertParallelCallback(pl.Callback):
+class ExpertParallelCallback(LoadLogging):
     """Run a transformers MoE model's experts expert-parallel (``merak_ep``) under Lightning's DDP.
 
     ``ep_size`` defaults to the world size. Logs ``moe_ep/max_over_mean`` (the most loaded expert over
-    the mean, worst layer, routes since the last log) every ``log_every_n_steps``. ``placement``
+    the mean, worst layer, routes since the last log) every ``log_every_n_steps`` optimizer steps (``None``: the
+    trainer's ``log_every_n_steps``) and at the last step, at Lightning's step numbering
+    (:mod:`~lightning_merak.callbacks.metrics.steps`). ``placement``
     ``"pro_prophet"`` or ``"shadowing"`` re-plans replicas of hot experts every ``replan_every`` training batches
     from the routes since the last plan (:class:`~.replanning.ReplicaPlanner`, under DDP; ``moe_ep/replicas``
-    logged).
+    logged). At the end the expert-load heatmap of each layer rank 0 holds (steps × EP rank, without and with
+    the replicas) goes where ``heatmap_path`` / ``heatmap_in_log_dir`` say and to the loggers, as
+    :class:`~.placement.MoEPlacementCallback`'s does (:mod:`~.heatmap`).
     """
 
-    def __init__(self, ep_size: int | None = None, log_every_n_steps: int = 10, placement: str = "none",
-                 replan_every: int = 1) -> None:
+    def __init__(self, ep_size: int | None = None, log_every_n_steps: Optional[int] = None, placement: str = "none",
+                 replan_every: int = 1, heatmap_path: str | Path | None = None,
+                 heatmap_in_log_dir: bool = False) -> None:
+        super().__init__(log_every_n_steps, heatmap_path, heatmap_in_log_dir)
         self.ep_size = ep_size
-        self.log_every_n_steps = log_every_n_steps
         self._planner = None if placement == "none" else ReplicaPlanner(placement, replan_every)  # type: ignore[arg-type]
         self._since_log: dict[str, torch.Tensor] = {}
         self._expert_params: list[torch.nn.Parameter] = []
@@ -148,17 +157,50 @@ class ExpertParallelCallback(pl.Callback):
                            batch_idx: int) -> None:
         if not (self._expert_params or self._merak3d):
             return
+        self._record_rows(pl_module)
         loads = expert_load(pl_module)
         self._since_log = add_loads(self._since_log, loads)
         if self._planner is not None:
             self._planner.step(pl_module, loads)
             pl_module.log("moe_ep/replicas", float(self._planner.replicas_planned), rank_zero_only=True)
-        if trainer.global_step % self.log_every_n_steps:
-            return
+        if self._stepped(trainer):  # None while gradients accumulate: the optimizer step comes with a later batch
+            worst = self._worst_over_mean()
+            pl_module.log("moe_ep/max_over_mean", worst, rank_zero_only=True, logger=False)
+            self._log_metrics(trainer, {"moe_ep/max_over_mean": worst})
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The routes since the last log where the run ended inside an interval, and the heatmaps."""
+        if self._has_unlogged_step:
+            self._log_metrics(trainer, {"moe_ep/max_over_mean": self._worst_over_mean()})
+        self._draw_heatmaps(trainer)
+
+    def _record_rows(self, pl_module: pl.LightningModule) -> None:
+        """This batch's rows computed per EP rank of each layer, without and with its replicas (before
+        :func:`expert_load` resets the counts)."""
+        for position, (name, module) in enumerate(experts_modules(pl_module)):
+            shard = getattr(module, SHARD_ATTRIBUTE, None)
+            if shard is None or shard.load.numel() == 0:
+                continue
+            counts = shard.load.tolist()
+            per_rank = shard.num_experts // shard.ep_size
+            owners = PlacementPlan(shard.num_experts, shard.ep_size)
+            before, after = self.history.setdefault(_layer_index(name, position), ([], []))
+            before.append(rank_loads(counts, owners, Padding(), per_rank).computed)
+            after.append(rank_loads(counts, shard.plan or owners, Padding(), per_rank).computed)
+
+    def _worst_over_mean(self) -> float:
+        """The most loaded expert over the mean, worst layer, of the routes since the last log (then forgotten)."""
         worst = 0.0
         for counts in self._since_log.values():
             per_expert = counts.sum(0).double()
             if per_expert.sum() > 0:
                 worst = max(worst, float(per_expert.max() / per_expert.mean()))
         self._since_log = {}
-        pl_module.log("moe_ep/max_over_mean", worst, rank_zero_only=True)
+        return worst
+
+
+def _layer_index(name: str, position: int) -> int:
+    """The decoder layer an experts module belongs to: the last number in its qualified name
+    (``model.layers.3.mlp.experts``: 3), else its position among the model's experts modules."""
+    numbers = [int(part) for part in name.split(".") if part.isdigit()]
+    return numbers[-1] if numbers else position

@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch.distributed as dist
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
-from lightning_merak.callbacks.metrics.figures import log_figure
+from lightning_merak.callbacks.moe.heatmap import (
+    HEATMAP_FILE,
+    LoadLogging,
+    load_heatmap_figure,
+    plot_load_heatmap,
+)
 from lightning_merak.checkpoint.expert_optimizer import (
     EXPERT_OPTIMIZER_KEY,
     expert_parallel_size,
@@ -38,11 +41,11 @@ from lightning_merak.plugins.moe.checkpoint import EXPERTS_KEY, expert_param_pos
 from lightning_merak.plugins.moe.core.placement import PlacementPlan, rank_loads
 from lightning_merak.plugins.moe.core.step_planner import PLAN_KINDS
 from lightning_merak.plugins.moe.layer import MoE, PlacementMOELayer
-from lightning_merak.plugins.moe.options import check_count, check_flag
 from lightning_merak.protocols.layout_aware import data_parallel_groups_from_mesh, layout_aware
 from lightning_merak.util.optimizer_state import entry_slots
 
 __all__ = ["MoEPlacementCallback", "balance_metrics", "load_heatmap_figure", "plot_load_heatmap"]
+# load_heatmap_figure and plot_load_heatmap live in .heatmap, shared with merak_ep's callback
 
 
 def balance_metrics(layer: PlacementMOELayer) -> dict[str, float]:
@@ -88,65 +91,26 @@ def _std(values: Sequence[float]) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
 
 
-def load_heatmap_figure(before: Sequence[Sequence[float]], after: Sequence[Sequence[float]], title: str = "") -> Figure:
-    """Two heatmaps (steps × EP rank): compute load without and with the placement plan (no pyplot: the user's
-    backend and figure list are left alone)."""
-    figure = Figure(figsize=(9, 3.6))
-    FigureCanvasAgg(figure)
-    axes = figure.subplots(1, 2, sharey=True)
-    vmax = max(max(map(max, before)), max(map(max, after)), 1)
-    for ax, data, label in zip(axes, (before, after), ("before (DeepSpeed placement)", "after (plan)")):
-        image = ax.imshow(list(map(list, data)), aspect="auto", cmap="viridis", vmin=0, vmax=vmax)
-        ax.set_title(label)
-        ax.set_xlabel("EP rank")
-    axes[0].set_ylabel("step")
-    figure.colorbar(image, ax=axes, label="rows computed")
-    if title:
-        figure.suptitle(title)
-    return figure
+class MoEPlacementCallback(LoadLogging):
+    """Prepares swapped MoE layers for DDP and logs ``moe/layer<i>/<metric>`` (global rank 0's layers).
 
-
-def plot_load_heatmap(
-    before: Sequence[Sequence[float]], after: Sequence[Sequence[float]], path: Path, title: str = ""
-) -> Path:
-    """:func:`load_heatmap_figure` saved as a PNG at ``path``."""
-    return _save_png(load_heatmap_figure(before, after, title), path)
-
-
-def _save_png(figure: Figure, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    return path
-
-
-class MoEPlacementCallback(pl.Callback):
-    """Prepares swapped MoE layers for DDP and logs ``moe/layer<i>/<metric>`` every step.
+    The metrics go to the loggers every ``log_every_n_steps`` optimizer steps (``None``: the trainer's
+    ``log_every_n_steps``) and at the last step, at Lightning's step numbering
+    (:mod:`~lightning_merak.callbacks.metrics.steps`), and to ``trainer.callback_metrics``.
 
     At the end of training rank 0 writes the load heatmap of its first MoE layer (steps × EP rank,
     before and after the placement plan) to ``heatmap_path``, or, with ``heatmap_in_log_dir=True``,
     to ``<trainer.log_dir>/moe_load_heatmap.png``: the directory of the first logger (for
     ``merak-train``, ``<output dir>/csv/`` next to ``metrics.csv``); a trainer without loggers
     keeps no log files, so it gets no heatmap either. The ``moe`` Hydra options use the latter,
-    as the log dir is only known once the trainer exists.
+    as the log dir is only known once the trainer exists (:mod:`~.heatmap`).
     """
 
-    HEATMAP_FILE = "moe_load_heatmap.png"
+    HEATMAP_FILE = HEATMAP_FILE
 
-    def __init__(self, log_every_n_steps: int = 1, heatmap_path: str | Path | None = None,
+    def __init__(self, log_every_n_steps: Optional[int] = None, heatmap_path: str | Path | None = None,
                  heatmap_in_log_dir: bool = False) -> None:
-        check_count("log_every_n_steps", log_every_n_steps, 1, "pass the steps between logged metrics (1: every step)")
-        if heatmap_path is not None and (not isinstance(heatmap_path, (str, Path)) or Path(heatmap_path).is_dir()):
-            raise ValueError(f"heatmap_path={str(heatmap_path)!r} must name a PNG file, not a directory; pass a file "
-                             f"path such as {self.HEATMAP_FILE!r}, or None for no heatmap")
-        check_flag("heatmap_in_log_dir", heatmap_in_log_dir)
-        if heatmap_path is not None and heatmap_in_log_dir:
-            raise ValueError(
-                f"heatmap_path={str(heatmap_path)!r} and heatmap_in_log_dir=True both place the load heatmap; "
-                "pass one of them")
-        self.log_every_n_steps = log_every_n_steps
-        self.heatmap_path = heatmap_path
-        self.heatmap_in_log_dir = heatmap_in_log_dir
-        self.history: dict[int, tuple[list[list[int]], list[list[int]]]] = {}
+        super().__init__(log_every_n_steps, heatmap_path, heatmap_in_log_dir)
         self._layers: list[PlacementMOELayer] = []
         self._uses_deepspeed = False
         self._data_parallel_group: Any = None
@@ -286,24 +250,18 @@ class MoEPlacementCallback(pl.Callback):
             empty = PlacementPlan(plan.num_experts, plan.ep_size)
             before.append(rank_loads(counts, empty, padding, layer.num_local_experts).computed)
             after.append(rank_loads(counts, plan, padding, layer.num_local_experts).computed)
-            if trainer.global_step % self.log_every_n_steps == 0:
-                for key, value in balance_metrics(layer).items():
-                    pl_module.log(f"moe/layer{index}/{key}", value, on_step=True, on_epoch=False)
+        if self._stepped(trainer):  # None while gradients accumulate: the optimizer step comes with a later batch
+            metrics = self._metrics()
+            for name, value in metrics.items():
+                pl_module.log(name, value, on_step=True, on_epoch=False, logger=False)
+            self._log_metrics(trainer, metrics)
 
-    def _heatmap_file(self, trainer: pl.Trainer) -> Path | None:
-        """Where the heatmap goes; ``trainer.log_dir`` broadcasts from rank 0, so every rank must call this."""
-        if self.heatmap_in_log_dir:
-            if not trainer.loggers:  # alike on every rank, so skipping the broadcast here is safe
-                return None
-            return Path(trainer.log_dir or trainer.default_root_dir) / self.HEATMAP_FILE
-        return None if self.heatmap_path is None else Path(self.heatmap_path)
+    def _metrics(self) -> dict[str, float]:
+        """Every layer's :func:`balance_metrics` of its last call, as ``moe/layer<i>/<metric>``."""
+        return {f"moe/layer{index}/{key}": value for index, layer in enumerate(self._layers) if "counts" in layer.stats
+                for key, value in balance_metrics(layer).items()}
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        path = self._heatmap_file(trainer)  # before any rank-dependent test: it may be a collective
-        if not trainer.is_global_zero or not self.history:
-            return
-        first = min(self.history)  # a pipeline stage holds only some layers
-        for index, (before, after) in sorted(self.history.items()):
-            figure = load_heatmap_figure(before, after, f"MoE layer {index}")
-            saved = _save_png(figure, path) if index == first and path is not None else None
-            log_figure(trainer, f"moe/load_heatmap/layer{index}", figure, step=len(before), already_saved=saved)
+        """The last step's metrics where its interval was cut short, and the heatmaps."""
+        self._log_metrics(trainer, self._metrics())
+        self._draw_heatmaps(trainer)

@@ -3,9 +3,10 @@
 ``apply`` swaps a Mixtral-style model's sparse blocks before any process exists (and,
 with ``lancet_scope=block``, runs each decoder layer as Lancet sub-batches); the
 layers attach their expert groups lazily, and :meth:`ProphetMoEConfig.build_callbacks`
-returns the callback that prepares them for DDP and logs balance metrics. At the end of
-training it writes the expert-load heatmap to ``<output dir>/csv/moe_load_heatmap.png``
-(``trainer.log_dir``, next to ``metrics.csv``; ``merak-train`` prints the output dir).
+returns the callback that prepares them for DDP and logs balance metrics (with ``experts=merak_ep``, the one
+that runs the family's own experts expert-parallel). At the end of training either writes the expert-load heatmap
+to ``<output dir>/csv/moe_load_heatmap.png`` (``trainer.log_dir``, next to ``metrics.csv``; ``merak-train`` prints
+the output dir).
 
 The layer's options are not listed here: the schema takes :class:`~lightning_merak.plugins.moe.options.MoEOptions`'
 fields (a ``Literal`` becomes ``str``, ``lancet_chunks``' union ``Any``) and each preset names only the
@@ -57,7 +58,9 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
     lancet_block_chunks: str = option("auto", "With `lancet_scope=block`: sub-batches per decoder layer, or `auto` "
                                       "(measured).")
     aux_loss_coef: float = option(0.01, "Weight of the router's load-balancing loss.")
-    log_every_n_steps: int = option(10, "Steps between logged expert-balance metrics.")
+    log_every_n_steps: Optional[int] = option(
+        None, "Optimizer steps between logged expert-balance metrics (`null`: `trainer.log_every_n_steps`); the "
+        "last step is logged too.")
     experts: str = option(
         "deepspeed", "`deepspeed`: swap sparse blocks for our DeepSpeed-MoE layer; `merak_ep`: keep the family's "
         "own blocks (any transformers-5 MoE family, any top-k) and run its experts expert-parallel over `ep_size` "
@@ -176,7 +179,8 @@ class ProphetMoEConfig(_ProphetLayerOptions, _SwapOptions):  # type: ignore[misc
 
             replicas = self.placement if self.placement in ("pro_prophet", "shadowing") else "none"
             return [ExpertParallelCallback(ep_size=self.ep_size, log_every_n_steps=self.log_every_n_steps,
-                                           placement=replicas, replan_every=self.replan_every)]
+                                           placement=replicas, replan_every=self.replan_every,
+                                           heatmap_in_log_dir=True)]
 
         return [MoEPlacementCallback(log_every_n_steps=self.log_every_n_steps, heatmap_in_log_dir=True)]
 

@@ -307,7 +307,8 @@ def trace_meta_model(model: nn.Module, sample_inputs: torch.Tensor,
     _check_chain(block_calls, output_index, side, trunk_path)
     last_output = block_calls[-1][2]
     last_hidden = last_output if output_index is None else last_output[output_index]
-    head = head_steps(recording["after_trunk"], last_hidden, recording["logits"], block_calls)
+    head = head_steps(recording["after_trunk"], last_hidden, recording["logits"], block_calls,
+                      recording["from_inputs"])
     if any(isinstance(leaf, torch.Tensor) and leaf.is_meta for step in head for leaf in step.leaves):
         raise TraceError("the head uses a tensor computed from the last block's output outside a module call; "
                          "build the model without the meta device (no empty_init) to pipeline it")

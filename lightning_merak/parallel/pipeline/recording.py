@@ -140,17 +140,26 @@ def _module_paths(model: nn.Module) -> dict[int, str]:
 
 
 class _HeadOperations(TorchFunctionMode):
-    """Records tensor operations made outside any module call once the trunk has finished."""
+    """Records tensor operations made outside any module call once the trunk has finished, and which tensors are
+    computed from the model's inputs alone (no parameter, no hidden state: a mask, a row's last non-pad token)."""
 
-    def __init__(self, state: dict[str, Any], events: list[tuple]) -> None:
+    def __init__(self, state: dict[str, Any], events: list[tuple], inputs: Any) -> None:
         super().__init__()
         self.state, self.events = state, events
+        self.from_inputs: dict[int, torch.Tensor] = {
+            id(leaf): leaf for leaf in tree_flatten(inputs)[0] if isinstance(leaf, torch.Tensor)}
+        """Tensors computed from the inputs by id, held so that no id is reused while recording."""
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         output = func(*args, **kwargs)
         if self.state["trunk_done"] and self.state["depth"] == 0 and isinstance(output, torch.Tensor):
             self.events.append((None, func, args, kwargs, output))
+        leaves = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
+        if any(id(leaf) in self.from_inputs for leaf in leaves) and not any(
+                isinstance(leaf, nn.Parameter) or isinstance(leaf._base, nn.Parameter) for leaf in leaves):
+            self.from_inputs.update((id(leaf), leaf) for leaf in tree_flatten(output)[0]
+                                    if isinstance(leaf, torch.Tensor) and not leaf.is_floating_point())
         return output
 
 
@@ -195,10 +204,11 @@ def record_forward(model: nn.Module, call_model: Callable[[nn.Module, torch.Tens
         if module is not model and module is not trunk and not any(module is block for block in trunk):
             handles.append(module.register_forward_pre_hook(pre_any, with_kwargs=True))
             handles.append(module.register_forward_hook(post_any, with_kwargs=True))
-    with hooks_removed_after(handles), torch.no_grad(), _HeadOperations(state, after_trunk):
+    operations = _HeadOperations(state, after_trunk, inputs)
+    with hooks_removed_after(handles), torch.no_grad(), operations:
         logits = logits_of(call_model(model, inputs))
     return {"blocks": block_calls, "before_trunk": tuple(dict.fromkeys(before_trunk)), "after_trunk": after_trunk,
-            "logits": logits}
+            "logits": logits, "from_inputs": frozenset(operations.from_inputs)}
 
 
 def block_signatures(trunk_path: str, block_calls: list[tuple[tuple, dict, Any]], config: Any = None
@@ -285,11 +295,14 @@ def _unsendable_argument_problem(model_type: str | None, trunk_path: str, argume
 
 
 def head_steps(after_trunk: list[tuple], hidden: torch.Tensor, logits: torch.Tensor,
-               block_calls: list[tuple[tuple, dict, Any]] = ()) -> list[HeadStep]:
+               block_calls: list[tuple[tuple, dict, Any]] = (), from_inputs: frozenset[int] = frozenset()
+               ) -> list[HeadStep]:
     """The module calls and tensor operations that take the last block's hidden state to the logits, in order.
 
     A step reading another tensor one of ``block_calls`` returned is refused: the pipeline carries skip values
-    to blocks, and the head would replay it as a constant.
+    to blocks, and the head would replay it as a constant. So is one reading a tensor computed from the model's
+    inputs (``from_inputs``, by id: a sequence classifier's last non-pad token per row), which would be the traced
+    batch's at every micro-batch.
     """
     value_of: dict[int, int] = {id(hidden): 0}
     block_of = {id(leaf): index for index, (args, kwargs, output) in enumerate(block_calls)
@@ -321,6 +334,13 @@ def head_steps(after_trunk: list[tuple], hidden: torch.Tensor, logits: torch.Ten
                     f"the head reads an output of block {block_of[id(leaf)]} besides the last block's hidden state; "
                     "merak3d carries earlier blocks' outputs to blocks only, so pass it to the last block and "
                     "combine it there")
+            elif isinstance(leaf, torch.Tensor) and id(leaf) in from_inputs:
+                raise TraceError(
+                    f"the head reads a tensor of shape {tuple(leaf.shape)} computed from the model's inputs "
+                    f"({getattr(function, '__name__', function) if module is None else module}; e.g. a sequence "
+                    "classifier's last non-pad token per row), which the last pipeline stage does not receive and "
+                    "would replay as the traced batch's; use pipeline_parallel=1, or return the per-token logits and "
+                    "pool them in training_step")
             elif of_parameter(leaf):
                 raise TraceError(
                     f"the head uses a parameter of shape {tuple(leaf.shape)} outside a module call "

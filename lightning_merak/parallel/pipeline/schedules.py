@@ -27,7 +27,8 @@ receive was already posted).
 
 :class:`BufferKeepingStage`, the base of every stage merak3d builds, leaves the stage module's buffers as they were
 after torch's metadata inference, which runs the module in training mode (on ``torch.empty`` inputs past the first
-stage) on the first step and again after each switch between evaluation and training.
+stage) on the first step and again after each switch between evaluation and training, and sends every input gradient
+contiguous.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def pipeline_stage_class(backend: str, stages_per_rank: int = 1) -> type[Pipelin
 
 
 class BufferKeepingStage(PipelineStage):
-    """torch's pipeline stage, with its metadata inference leaving the stage module's buffers as they were.
+    """torch's pipeline stage, with its metadata inference leaving the stage module's buffers as they were, and its
+    input gradients sent contiguous.
 
     The inference runs the module's forward (and, on the last stage, the loss) to learn the shapes it sends, in
     training mode for a training step: a running statistic would count an extra batch (past the first stage, one of
@@ -88,6 +90,22 @@ class BufferKeepingStage(PipelineStage):
     def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
         with buffers_kept(self.submod):
             return super()._prepare_backward_infra(*args, **kwargs)
+
+    def _compute_input_grads(self, *args: Any, **kwargs: Any) -> tuple[Optional[torch.Tensor], ...]:
+        """torch's backward metadata inference, each input gradient contiguous: the previous stage allocates its
+        gradient receive with these strides, and a receive takes contiguous buffers only."""
+        return _contiguous(super()._compute_input_grads(*args, **kwargs))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        """torch's, each input gradient sent contiguous: one computed by ``torch.autograd.grad`` (the zero-bubble
+        schedules' input backward) keeps the strides of the op that made it (a transpose's), which no send takes."""
+        if bwd_chunk_id in self.bwd_cache:
+            self.bwd_cache[bwd_chunk_id] = _contiguous(self.bwd_cache[bwd_chunk_id])
+        return super().get_bwd_send_ops(bwd_chunk_id)
+
+
+def _contiguous(grads: tuple[Optional[torch.Tensor], ...]) -> tuple[Optional[torch.Tensor], ...]:
+    return tuple(grad.contiguous() if isinstance(grad, torch.Tensor) else grad for grad in grads)
 
 
 class EarlyReceiveStage(BufferKeepingStage):

@@ -12,7 +12,9 @@ checkpoints, gradients and optimizer groups map back to the unsplit model.
 * The last stage replays the recorded head (final norm, LM head, logit scaling) to get logits. A head module the
   prefix calls too (:attr:`~.recording.ModelTrace.shared_paths`: nanochat's norm) stays on the first stage as well.
 
-Stage inputs and outputs are ``(hidden, *side_tensors, *skip_values)``; the last stage outputs logits. The
+Stage inputs and outputs are ``(hidden, *side_tensors, *skip_values)``, each sent contiguous (a model may hand its
+blocks a transposed view, as a patch embedding's ``flatten(2).transpose(1, 2)``, which no send or receive buffer
+takes); the last stage outputs logits. The
 skip values at a boundary are those an earlier block produced and a later one reads
 (:meth:`~.recording.ModelTrace.skips_across`): each is carried through every stage between its producer and
 its last reader, a stage that does not read it handing it on as received, so every stage still talks to its
@@ -26,7 +28,7 @@ layer so far as one more tensor (its last input and output; the last stage outpu
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -40,7 +42,8 @@ from lightning_merak.parallel.pipeline.router_aux import (
 )
 from lightning_merak.parallel.pipeline.trace import ModelTrace, TraceError
 
-__all__ = ["PipelineStageModule", "RankStages", "RemovedModule", "build_stage_module", "tied_parameter_names"]
+__all__ = ["PipelineStageModule", "RankStages", "RemovedModule", "StageParts", "build_stage_module", "rank_part",
+           "tied_parameter_names"]
 
 _NET_PREFIX = "net."
 
@@ -217,7 +220,7 @@ class PipelineStageModule(nn.Module):
         """``model_kwargs`` go to the first stage's model call; later stages get them as side tensors."""
         if self.routers is None:
             hidden, side = self._run_blocks(inputs, model_kwargs)
-            return (hidden, *map(_own_copy, side)) if not self.is_last else self._run_head(hidden)
+            return (hidden.contiguous(), *map(_own_copy, side)) if not self.is_last else self._run_head(hidden)
         carried = None
         if self.carries_router_logits_in:
             *inputs, carried = inputs
@@ -226,7 +229,7 @@ class PipelineStageModule(nn.Module):
         batch, sequence = inputs[0].shape[:2]  # token ids [batch, sequence] or hidden [batch, sequence, width]
         router_logits = carried_router_logits(carried, recorded, batch, sequence)
         if not self.is_last:
-            return (hidden, *map(_own_copy, side), router_logits)
+            return (hidden.contiguous(), *map(_own_copy, side), router_logits)
         return self._run_head(hidden), router_logits
 
     def _run_head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -305,6 +308,11 @@ class RankStages(nn.ModuleList):
 
     Parameter names are ``<k>.net.<original name>``; :meth:`original_name` maps them back. ``router_aux``:
     the router aux loss the last stage's loss adds, if the stages carry router logits.
+
+    The stages stand where the network was (``self.model``), so a submodule or tensor of the network read by name
+    (``self.model.blocks``, ``self.model.head.weight`` in ``configure_optimizers``) is this rank's part of it
+    (:func:`rank_part`): a module that lives on other ranks stands there without parameters (a :class:`RemovedModule`,
+    or a block the first stage skips).
     """
 
     def __init__(self, stages: list[PipelineStageModule], router_aux: RouterAux | None = None) -> None:
@@ -328,3 +336,55 @@ class RankStages(nn.ModuleList):
     def original_name(self, name: str) -> str:
         index, _, rest = name.partition(".")
         return self[int(index)].original_name(rest)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_") or "_modules" not in self.__dict__:
+                raise
+            return rank_part([getattr(stage.net, name, None) for stage in self], name)
+
+
+def rank_part(parts: list[Any], name: str) -> Any:
+    """This rank's part of the network's attribute ``name``, given its value in each stage's network (None: the
+    network has no such attribute): a module or tensor, as one module where several stages hold pieces of it."""
+    present = [part for part in parts if part is not None]
+    if not present or not all(isinstance(part, (nn.Module, torch.Tensor)) for part in present):
+        raise AttributeError(f"the pipeline stages that stand for the network have no module or tensor {name!r}")
+    held = list({id(part): part for part in present if not isinstance(part, (RemovedModule, _SkippedBlock))}.values())
+    if not held:
+        return present[0]
+    if len(held) == 1:
+        return held[0]
+    if all(isinstance(part, nn.Module) for part in held):
+        return StageParts(held, name)
+    raise AttributeError(f"each pipeline stage of this rank holds its own {name!r}; read it from one stage's "
+                         "network (`self.model[k].net`)")
+
+
+class StageParts(nn.Module):
+    """One module of the network of which several stages of this rank hold pieces (an interleaved schedule's
+    ``blocks``): its parameters are theirs, and its attributes, items and iteration are this rank's parts of theirs."""
+
+    def __init__(self, parts: list[nn.Module], name: str) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self._name = name
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_"):
+                raise
+            return rank_part([getattr(part, name, None) for part in self.parts], f"{self._name}.{name}")
+
+    def __getitem__(self, index: int) -> Any:
+        return rank_part([part[index] for part in self.parts], f"{self._name}[{index}]")
+
+    def __len__(self) -> int:
+        return len(self.parts[0])
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self[index] for index in range(len(self)))

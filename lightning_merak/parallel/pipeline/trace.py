@@ -150,7 +150,8 @@ def _trace(model: nn.Module, sample_inputs: torch.Tensor, call_model: Callable[[
         block_signatures=signatures,
         side_tensor_count=len(side),
         block_output_index=output_index,
-        head=head_steps(recording["after_trunk"], last_hidden, recording["logits"], block_calls),
+        head=head_steps(recording["after_trunk"], last_hidden, recording["logits"], block_calls,
+                        recording["from_inputs"]),
         sample_hidden=hidden_in.detach(),
         sample_side_tensors=tuple(tensor.detach() for tensor in side),
         block_output_template=None if output_index is None else tuple(

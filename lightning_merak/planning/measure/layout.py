@@ -71,10 +71,14 @@ __all__ = ["LARGEST_TIMED_ELEMENTS", "local_shard_of_block", "profile_model", "p
            "time_outside_update", "time_parameter_update", "timing_copies"]
 
 
-def local_shard_of_block(block: nn.Module, plan: TensorParallelPlan, tensor_parallel: int) -> nn.Module:
+def local_shard_of_block(block: nn.Module, plan: Optional[TensorParallelPlan], tensor_parallel: int) -> nn.Module:
     """A copy of ``block`` holding one rank's shard of every split layer (whole shared key/value heads, as the split
-    holds them), computing without collectives: one rank's compute; the values differ (no all-reduce)."""
+    holds them), computing without collectives: one rank's compute; the values differ (no all-reduce). Without a
+    ``plan`` (only at ``tensor_parallel=1``) the copy is whole."""
     shard = copy.deepcopy(block)
+    if plan is None:
+        assert tensor_parallel == 1, "a block is split by a plan"
+        return shard
     for names, divide_output in ((plan.column, True), (plan.row, False)):
         for name in names:
             layer = shard.get_submodule(name)
@@ -91,10 +95,11 @@ def local_shard_of_block(block: nn.Module, plan: TensorParallelPlan, tensor_para
     return shard
 
 
-def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, samples: int,
+def _block_times(shard: nn.Module, plan: Optional[TensorParallelPlan], trace: ModelTrace, samples: int,
                  repeats: int) -> tuple[BlockTimes, int, int]:
     """Forward and backward time of ``shard`` cut at its collectives, the bytes it saves for backward, and
-    how many of those are saved outside the span from a column layer to its row partner.
+    how many of those are saved outside the span from a column layer to its row partner. Without a ``plan`` the
+    block is one segment each way, all of it outside such a span.
 
     Sequence parallelism splits those along the sequence (norms, residuals, dropout, and the
     column layers' inputs); what is saved inside the span is split by heads already.
@@ -104,18 +109,19 @@ def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, 
     device = inputs.device
     marks: dict[str, DeviceStamp] = {}
     handles = []
-    first_row = shard.get_submodule(plan.row[0])
-    handles.append(first_row.register_forward_hook(lambda *_: marks.__setitem__("row", DeviceStamp(device))))
-    for index, group in enumerate(plan.column_groups):
-        def watch(module: nn.Module, args_: tuple, key: str = f"group{index}") -> None:
-            if args_[0].requires_grad:
-                args_[0].register_hook(lambda grad: marks.__setitem__(key, DeviceStamp(device)))
-        handles.append(shard.get_submodule(group[0]).register_forward_pre_hook(watch))
     inside_span = [False]
-    for names, inside in ((plan.column, True), (plan.row, False)):
-        for name in names:
-            handles.append(shard.get_submodule(name).register_forward_hook(
-                lambda *_, inside=inside: inside_span.__setitem__(0, inside)))
+    if plan is not None:
+        first_row = shard.get_submodule(plan.row[0])
+        handles.append(first_row.register_forward_hook(lambda *_: marks.__setitem__("row", DeviceStamp(device))))
+        for index, group in enumerate(plan.column_groups):
+            def watch(module: nn.Module, args_: tuple, key: str = f"group{index}") -> None:
+                if args_[0].requires_grad:
+                    args_[0].register_hook(lambda grad: marks.__setitem__(key, DeviceStamp(device)))
+            handles.append(shard.get_submodule(group[0]).register_forward_pre_hook(watch))
+        for names, inside in ((plan.column, True), (plan.row, False)):
+            for name in names:
+                handles.append(shard.get_submodule(name).register_forward_hook(
+                    lambda *_, inside=inside: inside_span.__setitem__(0, inside)))
     # per timed run: its start, the first row layer's end, the forward's end, the MLP's input gradient, its end
     runs: list[tuple[DeviceStamp, ...]] = []
     saved = SavedBytes(shard.parameters())  # by storage: a view of a parameter is no activation
@@ -138,8 +144,11 @@ def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, 
         end_forward = DeviceStamp(device)
         output.backward(torch.ones_like(output))
         end_backward = DeviceStamp(device)
-        last_group = f"group{len(plan.column_groups) - 1}"
-        runs.append((start, marks["row"], end_forward, marks.get(last_group, end_forward), end_backward))
+        if plan is None:
+            runs.append((start, end_forward, end_backward))
+        else:
+            last_group = f"group{len(plan.column_groups) - 1}"
+            runs.append((start, marks["row"], end_forward, marks.get(last_group, end_forward), end_backward))
 
     try:
         started = timing.budget_start()
@@ -152,10 +161,14 @@ def _block_times(shard: nn.Module, plan: TensorParallelPlan, trace: ModelTrace, 
     finally:
         for handle in handles:
             handle.remove()
-    forward_parts = [(row.seconds_since(start), end_forward.seconds_since(row))
-                     for start, row, end_forward, _, _ in runs]
-    backward_parts = [(mlp_ready.seconds_since(end_forward), end_backward.seconds_since(mlp_ready))
-                      for _, _, end_forward, mlp_ready, end_backward in runs]
+    if plan is None:
+        forward_parts = [(end_forward.seconds_since(start),) for start, end_forward, _ in runs]
+        backward_parts = [(end_backward.seconds_since(end_forward),) for _, end_forward, end_backward in runs]
+    else:
+        forward_parts = [(row.seconds_since(start), end_forward.seconds_since(row))
+                         for start, row, end_forward, _, _ in runs]
+        backward_parts = [(mlp_ready.seconds_since(end_forward), end_backward.seconds_since(mlp_ready))
+                          for _, _, end_forward, mlp_ready, end_backward in runs]
     times = BlockTimes(forward_segments_s=tuple(map(statistics.fmean, zip(*forward_parts))),
                        backward_segments_s=tuple(map(statistics.fmean, zip(*backward_parts))))
     return times, saved.total, sum(saved.by_storage[storage] for storage in outside_span)
@@ -263,7 +276,7 @@ def tensor_parallel_mesh(device: torch.device, tensor_parallel: int) -> DeviceMe
                             mesh_dim_names=("replica", "tp"))["tp"]
 
 
-def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dict[int, ModelTrace],
+def _measure_real_blocks(block: nn.Module, plan: Optional[TensorParallelPlan], traces: dict[int, ModelTrace],
                          keys: ProfileKeys, meshes: dict[int, DeviceMesh], repeats: int,
                          max_blocks: int, sequence_plan: Optional[SequenceParallelPlan] = None,
                          overlap_weight_gradients: bool = True, fast_blocks: FastBlocks = FastBlocks(),
@@ -304,7 +317,7 @@ def _measure_real_blocks(block: nn.Module, plan: TensorParallelPlan, traces: dic
     return measured
 
 
-def _block_update_times(block: nn.Module, plan: TensorParallelPlan, keys: ProfileKeys,
+def _block_update_times(block: nn.Module, plan: Optional[TensorParallelPlan], keys: ProfileKeys,
                         optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                         meshes: dict[int, DeviceMesh], repeats: int) -> tuple[dict[int, float], dict[int, float]]:
     """Optimizer step and clipping passes over one block's parameters per tp: real shards where ``meshes`` has
@@ -333,6 +346,9 @@ def profile_model(
     budget_s: Optional[float] = None,
 ) -> ModelProfile:
     """Time ``model``'s parts at every (tp, sub-batch samples) the search needs (``keys``).
+
+    ``plan_of(block, trace)`` splits the first block as tensor parallelism will, and cuts its time where the
+    collectives go; where ``keys`` hold no degree above 1, a block it refuses is timed whole (:func:`_block_plan`).
 
     With ``process_group_device`` (every rank of the default process group calling at once),
     real tensor-parallel blocks are timed at ``keys.measured_blocks`` and their optimizer step
@@ -370,7 +386,7 @@ def profile_model(
     trunk = model.get_submodule(largest.trunk_path)
     on_meta = any(p.is_meta for p in trunk[0].parameters())
     block = materialized_copy(trunk[0], f"{largest.trunk_path}.0", materialize_with) if on_meta else trunk[0]
-    plan = plan_of(block, largest)
+    plan = _block_plan(plan_of, block, largest, split=any(tp > 1 for tp in keys.tp_degrees))
     block_times: dict[tuple[int, int], BlockTimes] = {}
     parameter_bytes: dict[int, int] = {}
     activation_bytes: dict[int, int] = {}
@@ -436,6 +452,19 @@ def profile_model(
         loss_times=loss_times,
         loss_saved_bytes_per_sample=loss_saved_bytes,
     )
+
+
+def _block_plan(plan_of: Callable[[nn.Module, ModelTrace], TensorParallelPlan], block: nn.Module, trace: ModelTrace,
+                split: bool) -> Optional[TensorParallelPlan]:
+    """``plan_of(block, trace)``; unless the block is ``split``, None where it refuses the block (a ValueError: no
+    column/row linear pair, as in a hand-written MLP or a convolution), which is then timed whole: unsplit, the plan
+    only cuts the block's time where the collectives would go, and such a model still plans stages and sharding."""
+    if split:
+        return plan_of(block, trace)
+    try:
+        return plan_of(block, trace)
+    except ValueError:
+        return None
 
 
 def _parameter_bytes(parameters: Iterable[nn.Parameter], trainable_only: bool = False) -> int:

@@ -4,13 +4,20 @@ A trunk's blocks need not be alike: GLM-4.5, Ernie-4.5-MoE, DeepSeek-V3 and othe
 on with MoE ones; Qwen3-MoE interleaves them (``decoder_sparse_step``, ``mlp_only_layers``). Each distinct structure
 (the classes and parameter shapes of a block's modules) gets its own column/row pairing, found and checked on the
 first block of that structure; every block is split by the plan of its structure.
+
+A split block must also stay off torch's fused evaluation kernels (``nn.TransformerEncoderLayer``'s and
+``nn.MultiheadAttention``'s fast path, taken in eval mode without gradients), which take the whole weights and
+cannot take a split layer's DTensor shards: :func:`keep_off_fused_kernels` turns torch's switch off around the
+split blocks' forwards only, so users' other models keep the fast path.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -24,8 +31,8 @@ from lightning_merak.parallel.tensor.blocks import (
 from lightning_merak.parallel.tensor.quantized_shards import quantized_split_problem
 from lightning_merak.parallel.tensor.sequence import SequenceParallelPlan, find_sequence_parallel_plan
 
-__all__ = ["BlockSplits", "block_structures", "plan_block_splits", "sequence_parallel_plan", "split_block_problem",
-           "tensor_parallel_plan", "unsplittable_structure"]
+__all__ = ["BlockSplits", "block_structures", "keep_off_fused_kernels", "plan_block_splits", "sequence_parallel_plan",
+           "split_block_problem", "tensor_parallel_plan", "unsplittable_structure"]
 
 Broadcast = Callable[[Any, int], Any]
 
@@ -143,12 +150,50 @@ class BlockSplits:
         return None if self.sequence_plans is None else self.sequence_plans[self.structure_of[index]]
 
 
+_FUSED_MODULES = (nn.MultiheadAttention, nn.TransformerEncoderLayer)
+"""torch modules with a fused fast path in eval mode (``torch.backends.mha``)."""
+
+_fast_path_lock = threading.Lock()
+_fast_path_state = {"running": 0, "before": True}
+"""How many split blocks run an evaluation forward now (sub-batches run them in threads), and the switch before."""
+
+
+def _fast_path_off(module: nn.Module, args: Any) -> None:
+    if module.training:  # torch takes the fast path in eval mode only
+        return
+    with _fast_path_lock:
+        if _fast_path_state["running"] == 0:
+            _fast_path_state["before"] = torch.backends.mha.get_fastpath_enabled()
+            torch.backends.mha.set_fastpath_enabled(False)
+        _fast_path_state["running"] += 1
+
+
+def _fast_path_back(module: nn.Module, args: Any, output: Any) -> None:
+    if module.training:
+        return
+    with _fast_path_lock:
+        _fast_path_state["running"] -= 1
+        if _fast_path_state["running"] == 0:
+            torch.backends.mha.set_fastpath_enabled(bool(_fast_path_state["before"]))
+
+
+def keep_off_fused_kernels(trunk: nn.ModuleList) -> None:
+    """Run every block of ``trunk`` holding a torch module with a fused fast path without it (torch's switch off
+    during the block's forward, put back after it, also when it raises): the fused kernels read the whole weights
+    where the split layers hold DTensor shards."""
+    for block in trunk:
+        if any(isinstance(module, _FUSED_MODULES) for module in block.modules()):
+            block.register_forward_pre_hook(_fast_path_off)
+            block.register_forward_hook(_fast_path_back, always_call=True)
+
+
 def plan_block_splits(model: nn.Module, trunk: nn.ModuleList, trace: ModelTrace, tp: int, sequence_parallel: bool,
                       mesh: DeviceMesh, broadcast: Broadcast, verified: bool,
                       materialize_with: Optional[Callable[[nn.Module], Any]] = None) -> BlockSplits:
     """Plan the split of every block structure of ``trunk`` over ``tp`` ranks, refusing before any weight is read
     a structure that does not split (a quantised base per shard, or a split that would not compute the whole
-    block). ``verified``: the planner already checked the split at this degree (its check covers every structure)."""
+    block). ``verified``: the planner already checked the split at this degree (its check covers every structure).
+    The blocks to split are kept off torch's fused kernels once planned (:func:`keep_off_fused_kernels`)."""
     structure_of = block_structures(trunk)
     kinds = sorted(set(structure_of.values()))
     plans: dict[int, TensorParallelPlan] = {}
@@ -169,4 +214,5 @@ def plan_block_splits(model: nn.Module, trunk: nn.ModuleList, trace: ModelTrace,
         if sequence_plans is not None:
             sequence_plans[index] = sequence_parallel_plan(probe, trace, plan)
         del probe
+    keep_off_fused_kernels(trunk)
     return BlockSplits(structure_of, plans, sequence_plans)

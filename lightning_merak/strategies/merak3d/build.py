@@ -264,7 +264,7 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
             _materialize_outside_trunk(part, trace.trunk_path, materialize_with(part))
     if stages is not None:  # the materialised parameters, not the meta ones they replaced (split rows: one weight)
         rows = {id(param) for param in split_vocabulary_parameters(stages, trainable_only=False)}
-        tied = [entry for entry in _tied_gradient_groups(stages, tied_names, groups.mesh, global_rank)
+        tied = [entry for entry in _tied_gradient_groups(stages, tied_names, groups, global_rank)
                 if id(entry.param) not in rows]
     layout_changes: dict[str, LayoutChange] = {}
     tensor_partial: list[nn.Parameter] = []
@@ -343,12 +343,13 @@ def _router_aux(model: nn.Module, arguments: Merak3DArguments, layout: Layout) -
     return router_aux_of(model, find_trunk(model)[1])
 
 
-def _tied_gradient_groups(stages: RankStages, tied_names: list[tuple[str, ...]], mesh: DeviceMesh,
+def _tied_gradient_groups(stages: RankStages, tied_names: list[tuple[str, ...]], groups: LayoutGroups,
                           global_rank: int) -> list[TiedParameter]:
-    """Groups joining the first and last stage of each replica for every tied parameter."""
+    """Groups joining the first and last stage of each replica for every parameter tied across them (the ties
+    whose copies one stage holds together stay one parameter there: a masked-LM head's bias and its decoder's)."""
     if not tied_names:
         return []
-    ranks_mesh = mesh.mesh
+    ranks_mesh = groups.mesh.mesh
     pp, dp, tp = ranks_mesh.shape
     my_group = None
     for d in range(dp):
@@ -358,14 +359,34 @@ def _tied_gradient_groups(stages: RankStages, tied_names: list[tuple[str, ...]],
             if global_rank in ranks:
                 my_group = group
     params = {stages.original_name(name): param for name, param in stages.named_parameters()}
+    held = [index for index, names in enumerate(tied_names) if any(name in params for name in names)]
+    held_by_rank: list[Any] = [None] * dist.get_world_size(groups.pipeline_group)
+    dist.all_gather_object(held_by_rank, held, group=groups.pipeline_group)
     tied = []
-    for names in tied_names:
-        for name in names:
-            param = params.get(name)
-            if param is not None:
-                tied.append(TiedParameter(my_group, param, stages.is_first))
-                break
+    for index in ties_between_end_stages(tied_names, held_by_rank):
+        if index in held:  # a middle stage holds no copy
+            param = [params[name] for name in tied_names[index] if name in params][0]
+            tied.append(TiedParameter(my_group, param, stages.is_first))
     return tied
+
+
+def ties_between_end_stages(tied_names: Sequence[tuple[str, ...]], held_by_rank: Sequence[Sequence[int]]
+                            ) -> list[int]:
+    """The indexes of ``tied_names`` whose copies the first and the last pipeline rank hold (``held_by_rank``: the
+    indexes each rank of the pipeline holds a copy of); a tie one rank holds alone is one parameter there. A tie
+    spread over other ranks is refused: merak3d keeps copies equal between the first and the last stage only."""
+    last = len(held_by_rank) - 1
+    across = []
+    for index, names in enumerate(tied_names):
+        holders = [rank for rank, held in enumerate(held_by_rank) if index in held]
+        if len(holders) <= 1:
+            continue
+        if holders != [0, last]:
+            raise ValueError(f"merak3d: the tied parameters {', '.join(names)} sit on pipeline ranks {holders}; "
+                             "merak3d keeps a tie equal between the first and the last stage only (an embedding and "
+                             "the LM head): untie them, or train with pipeline_parallel=1")
+        across.append(index)
+    return across
 
 
 def _shard_blocks(blocks: dict[int, nn.Module], trace: ModelTrace, splits: Optional[BlockSplits], mesh: DeviceMesh,

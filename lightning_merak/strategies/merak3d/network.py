@@ -3,15 +3,19 @@
 Nothing is required of the module (:mod:`lightning_merak.protocols.module_contract` states the contract once).
 :func:`module_view` finds the network among the module's children, :class:`ModuleView` reads what the module
 provides and infers the rest: the token ids of a batch (a tensor, a dict's ``input_ids``, a tuple's first item)
-and, with pipeline stages, the loss of a micro-batch (the transformers model's own ``loss_function`` when it is
-called with ``labels``, else the module's ``loss_from_outputs``, else its ``training_step`` replayed on the
-micro-batch's outputs: :mod:`.step_replay`). :class:`PipelinedNetwork` is what the network's attribute calls once
-the model is cut into stages, so a ``training_step`` written for one device runs as it is.
+and, with pipeline stages, the loss of a micro-batch (the transformers model's own loss when it is called with
+``labels``: :class:`LabelledLoss`, else the module's ``loss_from_outputs``, else its ``training_step`` replayed on
+the micro-batch's outputs: :mod:`.step_replay`), which the layout planner profiles too
+(:meth:`ModuleView.planning_loss`). :class:`PipelinedNetwork` is what the network's attribute calls once the model is
+cut into stages, so a ``training_step`` written for one device runs as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable, NoReturn, Optional
 
@@ -19,6 +23,7 @@ import torch
 from torch import nn
 
 from lightning_merak.modules.causal_lm import scores_next_token
+from lightning_merak.parallel.context.model import IGNORE_INDEX
 from lightning_merak.parallel.data.token_mean import weigh_replica_tokens
 from lightning_merak.parallel.layout import LayoutGroups
 from lightning_merak.parallel.pipeline.recording import mixed_blocks_note
@@ -39,7 +44,8 @@ from lightning_merak.strategies.merak3d.step_replay import (
     weighed_score,
 )
 
-__all__ = ["ModuleView", "PipelinedNetwork", "batch_inputs", "install_module_loss", "module_view", "select_samples"]
+__all__ = ["LabelledLoss", "ModuleView", "PipelinedNetwork", "batch_inputs", "install_module_loss", "labelled_loss",
+           "module_view", "select_samples"]
 
 MicroBatchLoss = Callable[[Any, Any], torch.Tensor]
 """``(logits, targets) -> loss`` of one micro-batch, as the pipeline schedule scores it on the last stage."""
@@ -160,22 +166,30 @@ class ModuleView:
 
     def planning_loss(self, batch: Any) -> Callable[[torch.Tensor, int], torch.Tensor]:
         """``(logits, samples) -> loss`` of the first ``samples`` of the planning ``batch``, scored as training will
-        score them (a module whose loss is read from its ``training_step`` gets it replayed)."""
+        score them: the module's ``loss_from_outputs``, else its ``training_step`` replayed with the network's call
+        answered as the pipelined network answers it (with the model's own loss where the step passes ``labels``).
+        A module that optimizes manually is not replayed: with stages it trains only by passing ``labels``."""
         targets = self.split_batch(batch)[1]
         if self.contract:
             return lambda logits, samples: self.module.loss_from_logits(logits, targets[:samples])
         network = self.network
-        if self.has_loss_from_outputs or (_is_pretrained(network) and batch_labels(batch) is not None):
+        if self.has_loss_from_outputs:
             scorer = self.scorer(network)
             return lambda logits, samples: scorer(logits, select_samples(targets, torch.arange(samples)))
-        from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+        labels = batch_labels(batch)
+        if (not getattr(self.module, "automatic_optimization", True) and _is_pretrained(network)
+                and isinstance(labels, torch.Tensor)):
+            labelled = labelled_loss(self.module, self.attribute, network)
+            return lambda logits, samples: labelled(logits, labels[:samples])
+        from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature  # lazy: Lightning
 
         takes_index = is_param_in_hook_signature(self.module.training_step, "batch_idx", min_args=2)
-        replay = StepReplay(self.module, network, _outputs_wrapper(network), ((0,) if takes_index else (), {}),
-                            self.attribute)
+        call = _ReplayedCall(self, network)
+        replay = StepReplay(self.module, network, call.outputs, ((0,) if takes_index else (), {}), self.attribute)
 
         def replayed(logits: torch.Tensor, samples: int) -> torch.Tensor:
-            loss = replay.score(logits, select_samples(batch, torch.arange(samples)))
+            with call.watched():
+                loss = replay.score(logits, select_samples(batch, torch.arange(samples)))
             if replay.error is not None:
                 raise TypeError(replay.error)
             return loss
@@ -183,31 +197,127 @@ class ModuleView:
         return replayed
 
     def scorer(self, network: nn.Module) -> MicroBatchLoss:
-        """``(logits, targets) -> loss`` for the unsplit ``network``: the module's ``loss_from_outputs`` (targets: the
-        micro-batch), else the transformers loss (targets: the labels)."""
-        if self.has_loss_from_outputs:
-            loss_from_outputs = getattr(self.module, LOSS_FROM_OUTPUTS)
-            wrap = _outputs_wrapper(network)
-            return lambda logits, batch: loss_from_outputs(wrap(logits), batch)
-        return _transformers_loss(network)
+        """``(logits, batch) -> loss``: the module's ``loss_from_outputs`` on what the unsplit ``network`` would have
+        returned around ``logits``."""
+        loss_from_outputs = getattr(self.module, LOSS_FROM_OUTPUTS)
+        wrap = _outputs_wrapper(network)
+        return lambda logits, batch: loss_from_outputs(wrap(logits), batch)
 
 
 def _outputs_wrapper(network: nn.Module) -> Callable[[Any], Any]:
     """What the unsplit ``network`` would have returned around its logits (a transformers output, or the logits)."""
     if not _is_pretrained(network):
         return lambda logits: logits
-    from transformers.modeling_outputs import CausalLMOutput
+    from transformers.modeling_outputs import CausalLMOutput  # lazy: transformers
 
     return lambda logits: CausalLMOutput(logits=logits)
 
 
-def _transformers_loss(network: nn.Module, items: Optional[float] = None) -> MicroBatchLoss:
-    """``network``'s own loss of logits against labels (its shift and ignore index), divided by ``items`` if given."""
-    loss_function, vocab_size = network.loss_function, network.config.vocab_size
-    if items is None:
-        return lambda logits, labels: loss_function(logits=logits, labels=labels, vocab_size=vocab_size)
-    return lambda logits, labels: loss_function(logits=logits, labels=labels, vocab_size=vocab_size,
-                                                num_items_in_batch=items)
+_SHIFTED = ("ForCausalLM", "ForConditionalGeneration")
+_PER_TOKEN = ("ForMaskedLM", "ForTokenClassification")
+_PER_SAMPLE = ("ForSequenceClassification", "ForImageClassification", "ForVideoClassification",
+               "ForAudioClassification")
+"""The transformers loss types (``PreTrainedModel.loss_type``) merak3d scores on the last stage: those computed from
+the logits the model returns alone. Sequence classifiers return logits pooled per sample already."""
+
+
+@dataclass(frozen=True)
+class LabelledLoss:
+    """A transformers model's own loss of its logits against the ``labels`` it is called with (its
+    ``loss_function``, of the ``loss_type`` given): what its ``forward`` returns as ``loss``."""
+
+    network: nn.Module
+    loss_type: str
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, items: Optional[float] = None) -> torch.Tensor:
+        """The loss of ``logits``: the mean over the labels :meth:`counted` counts, or with ``items`` their sum over
+        ``items`` (a micro-batch's share of the batch's count: the micro-batches' mean is then the batch's mean, and a
+        micro-batch that counts no label adds 0 instead of the NaN of an empty mean)."""
+        loss_function, config = self.network.loss_function, self.network.config
+        weighed = {} if items is None else {"num_items_in_batch": items}
+        if self.loss_type in _PER_SAMPLE:
+            if items is not None and not self._single_label(labels):  # a mean over every sample, no ignore index
+                return loss_function(labels=labels, pooled_logits=logits, config=config) * (labels.shape[0] / items)
+            return loss_function(labels=labels, pooled_logits=logits, config=config, **weighed)
+        if self.loss_type == "ForTokenClassification":
+            return loss_function(logits=logits, labels=labels, config=config, **weighed)
+        return loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1], **weighed)
+
+    def counted(self, labels: torch.Tensor) -> int:
+        """How many of ``labels`` the mean is over: those not ``-100`` (after the shift of a causal LM), or every
+        sample of a regression or multi-label classifier."""
+        if self.loss_type in _SHIFTED:
+            return int((labels[..., 1:] != IGNORE_INDEX).sum())
+        if self.loss_type in _PER_SAMPLE and not self._single_label(labels):
+            return labels.shape[0]
+        return int((labels != IGNORE_INDEX).sum())
+
+    def _single_label(self, labels: torch.Tensor) -> bool:
+        """Whether a classifier's loss is a cross-entropy over class indices (ignoring ``-100``), as transformers
+        chooses it: the config's ``problem_type``, else several labels and integer targets."""
+        config = self.network.config
+        problem = config.problem_type or ("single_label_classification" if config.num_labels > 1 and labels.dtype in
+                                          (torch.long, torch.int) else "other")
+        return problem == "single_label_classification"
+
+
+def labelled_loss(module: Any, attribute: Optional[str], network: nn.Module) -> LabelledLoss:
+    """The loss ``network`` (a transformers model ``module`` holds as ``attribute``) computes when called with
+    ``labels``, where the last stage's logits give it; refused naming the fix otherwise."""
+    loss_type = getattr(network, "loss_type", None)
+    if loss_type is None and network.can_generate():  # transformers' default loss: a causal LM under another name
+        loss_type = "ForCausalLM"
+    if loss_type in (*_SHIFTED, *_PER_TOKEN, *_PER_SAMPLE):
+        return LabelledLoss(network, loss_type)
+    name = type(module).__name__
+    raise TypeError(
+        f"{name} calls self.{attribute or MODEL} with `labels`, and with pipeline stages merak3d computes that loss "
+        f"on the last stage from the logits alone: the losses of causal and masked LMs, token classification and "
+        f"sequence (image, audio, video) classification; {type(network).__name__} computes another "
+        f"(loss_type={loss_type}). Compute the loss in training_step from the call without `labels`, or "
+        f"{loss_from_outputs_snippet(name, attribute or MODEL)}")
+
+
+def _unlabelled_refusal(module: Any, attribute: Optional[str]) -> TypeError:
+    """The refusal of a network that is no transformers model called with ``labels``."""
+    name = type(module).__name__
+    return TypeError(f"{name} calls its network with `labels`, and merak3d scores `labels` with a transformers "
+                     f"model's loss_function only: {loss_from_outputs_snippet(name, attribute or MODEL)}")
+
+
+class _ReplayedCall:
+    """The network's call in a ``training_step`` replayed for the planner, answered as :class:`PipelinedNetwork`
+    answers it: the logits, with the model's own loss where the step passes ``labels``. A forward pre-hook reads the
+    call's ``labels`` (the replay answers the call without its arguments)."""
+
+    def __init__(self, view: ModuleView, network: nn.Module) -> None:
+        self._view, self._network = view, network
+        self._wrap = _outputs_wrapper(network)
+        self._labels: Optional[torch.Tensor] = None
+
+    @contextlib.contextmanager
+    def watched(self) -> Iterator[None]:
+        """Inside, the labels of the network's calls are read."""
+        def read(_: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+            self._labels = kwargs.get("labels")
+
+        handle = self._network.register_forward_pre_hook(read, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
+            self._labels = None
+
+    def outputs(self, logits: torch.Tensor) -> Any:
+        if self._labels is None:
+            return self._wrap(logits)
+        view = self._view
+        if not _is_pretrained(self._network):
+            raise _unlabelled_refusal(view.module, view.attribute)
+        from transformers.modeling_outputs import CausalLMOutput  # lazy: transformers
+
+        loss = labelled_loss(view.module, view.attribute, self._network)(logits, self._labels)
+        return CausalLMOutput(loss=loss, logits=logits)
 
 
 def module_view(module: Any, pipeline_parallel: Optional[int], tensor_parallel: Optional[int]) -> ModuleView:
@@ -256,7 +366,7 @@ class PipelinedNetwork:
         self.step: Any = None
         """The :class:`~.pipeline_step.PipelineStep` over the stages; its loss function is :meth:`micro_batch_loss`."""
         self._pretrained = _is_pretrained(network)
-        self._labelled = _transformers_loss(network) if self._pretrained else None
+        self._input_name = _first_input_name(network)
         self._wrap = _outputs_wrapper(network)
         self._outputs_scorer = view.scorer(network) if view.has_loss_from_outputs else None
         self._network = network
@@ -283,8 +393,7 @@ class PipelinedNetwork:
             logits = self.step.forward(inputs)
             if labels is None:
                 return self._wrap(logits)
-            assert self._labelled is not None
-            return self._output(self._labelled(logits, labels), logits)
+            return self._output(self._labelled_loss()(logits, labels), logits)
         if labels is None and self._outputs_scorer is None:
             self._replay_step(inputs)
         self._score = self._training_score(labels)
@@ -297,7 +406,7 @@ class PipelinedNetwork:
     def _output(self, loss: torch.Tensor, logits: Optional[torch.Tensor]) -> Any:
         if not self._pretrained:
             return _PipelinedLoss(loss)
-        from transformers.modeling_outputs import CausalLMOutput
+        from transformers.modeling_outputs import CausalLMOutput  # lazy: transformers
 
         return CausalLMOutput(loss=loss, logits=logits)
 
@@ -324,21 +433,22 @@ class PipelinedNetwork:
             scorer, batch = self._outputs_scorer, self.batch
             scale = scoring_scale(batch, self.step.micro_batches)
             return lambda logits, index: weighed_score(scorer, logits, select_samples(batch, index), scale)
+        loss = self._labelled_loss()
+        items = max(loss.counted(labels), 1) / self.step.micro_batches  # the batch's counted labels per micro-batch
+        return lambda logits, index: loss(logits, labels[index], items)
+
+    def _labelled_loss(self) -> LabelledLoss:
+        """The network's own loss of its logits against the call's ``labels``, or the refusal naming the fix."""
+        view = self._view
         if not self._pretrained:
-            name = type(self._view.module).__name__
-            raise TypeError(f"{name} calls its network with `labels`, and merak3d scores `labels` with a transformers "
-                            f"model's loss_function only: "
-                            f"{loss_from_outputs_snippet(name, self._view.attribute or MODEL)}")
-        ignore = -100
-        counted = int((labels[..., 1:] != ignore).sum())  # the tokens the shifted loss scores, over the batch
-        items = max(counted, 1) / self.step.micro_batches
-        score = _transformers_loss(self._network, items)
-        return lambda logits, index: score(logits, labels[index])
+            raise _unlabelled_refusal(view.module, view.attribute)
+        return labelled_loss(view.module, view.attribute, self._network)
 
     def _arguments(self, args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``(input_ids, labels)`` of a call; what the stages cannot take is refused, naming it."""
+        """``(inputs, labels)`` of a call (the inputs: its first argument, by position or by the name the network's
+        ``forward`` gives it); what the stages cannot take is refused, naming it."""
         kwargs = dict(kwargs)
-        inputs = args[0] if args else kwargs.pop("input_ids", None)
+        inputs = args[0] if args else kwargs.pop(self._input_name, None)
         labels = kwargs.pop("labels", None)
         mask = kwargs.pop("attention_mask", None)
         if mask is not None and not bool(mask.bool().all()):
@@ -347,9 +457,17 @@ class PipelinedNetwork:
         others = [name for name, value in kwargs.items() if value not in _PASSED_OVER.get(name, (None,))]
         if len(args) > 1 or others or not isinstance(inputs, torch.Tensor):
             given = [f"{len(args)} positional arguments"] if len(args) > 1 else others
-            raise TypeError(f"with pipeline_parallel>1 the network is called with input_ids (and labels) only; got "
-                            f"{', '.join(given) or 'no input_ids'}")
+            raise TypeError(f"with pipeline_parallel>1 the network is called with {self._input_name} (and labels) "
+                            f"only; got {', '.join(given) or f'no {self._input_name}'}")
         return inputs, labels
+
+
+def _first_input_name(network: nn.Module) -> str:
+    """The name of ``network``'s first ``forward`` argument, which the stages take: ``input_ids`` for a language
+    model, ``pixel_values`` for a vision one."""
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in inspect.signature(network.forward).parameters.values() if p.kind in positional]
+    return names[0] if names else "input_ids"
 
 
 @dataclasses.dataclass(frozen=True)

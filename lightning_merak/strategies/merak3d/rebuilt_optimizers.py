@@ -1,7 +1,9 @@
 """The optimizers the first batch's build re-creates, kept in the objects Lightning, the schedulers and callbacks hold.
 
 ``configure_optimizers`` runs at setup over the whole model; the build then replaces the parameters with this rank's
-stages and shards, so it runs again (its optimizers, Muon's split included, see the parameters they step). Between
+stages and shards, so it runs again (its optimizers, Muon's split included, see the parameters they step; a group
+whose parameters all live on other pipeline stages is empty on this rank, and an optimizer whose parameters all do
+is refused with the fix). Between
 the two, callbacks may change the first optimizers (``on_train_start`` setting a learning rate, a scheduler
 ``StochasticWeightAveraging`` appends): :func:`adopt_rebuilt` makes each first optimizer the rebuilt one in place,
 its groups keeping their hyperparameters, so that nothing a callback set or holds is lost.
@@ -14,10 +16,14 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["HyperParameters", "adopt_rebuilt", "group_counts_match", "hyperparameters", "refuse_changes"]
+__all__ = ["EMPTY_OPTIMIZER", "HyperParameters", "adopt_rebuilt", "empty_optimizer_refusal", "group_counts_match",
+           "hyperparameters", "refuse_changes"]
 
 HyperParameters = list[list[dict[str, Any]]]
 """Per optimizer, per param group, everything but its parameters."""
+
+EMPTY_OPTIMIZER = "optimizer got an empty parameter list"
+"""torch's refusal of an optimizer given no parameter (one whose parameters all live on other pipeline stages)."""
 
 _KEPT_ATTRIBUTES = ("step", "_opt_called")
 """An optimizer's instance attributes a scheduler sets on it (a ``step`` wrapper bound to that very object)."""
@@ -51,6 +57,16 @@ def adopt_rebuilt(first: Sequence[torch.optim.Optimizer], rebuilt: Sequence[torc
             setattr(old, key, OrderedDict([*registered.items(), *vars(new).get(key, {}).items()]))
         for group, values in zip(old.param_groups, groups):
             group.update(values)
+
+
+def empty_optimizer_refusal(pipeline_parallel: int) -> str:
+    """Why an optimizer of ``configure_optimizers`` cannot be re-created on a rank that holds none of its
+    parameters, and the fix: a parameter group, which torch takes empty."""
+    return (f"configure_optimizers makes an optimizer of parameters that all live on other pipeline stages than some "
+            f"rank's (pipeline_parallel={pipeline_parallel}; e.g. `SGD(self.model.head.parameters())` on a rank "
+            f"without the head), and torch refuses an optimizer with no parameter ({EMPTY_OPTIMIZER!r}); give them "
+            "as a parameter group, which may be empty on a rank: `SGD([{'params': self.model.head.parameters()}], "
+            "lr=...)`, or train with pipeline_parallel=1")
 
 
 def refuse_changes(configured: HyperParameters, first: Sequence[torch.optim.Optimizer],

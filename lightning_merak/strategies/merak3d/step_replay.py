@@ -11,7 +11,9 @@ min or a sum) — as the unsplit step logs the batch's. What the step the traine
 call saw the whole batch, and is kept (:func:`names_logged`).
 
 The replay needs a step that calls the network once and computes its loss from what that call returns; any other
-step is refused at its first batch, on every rank, with the one method that replaces the inference.
+step is refused at its first batch, on every rank, with the one method that replaces the inference. A step whose
+loss reads the network's parameters itself (an L2 term over ``self.model.parameters()``) is refused alike: the last
+stage holds only its own, so the term would silently leave out the other stages'.
 
 A micro-batch whose labels are all the ignore index (``-100``) scores nothing: a mean loss over its labels is NaN
 (0/0), which would make the step's loss and gradients NaN where one process, scoring the whole batch, gives a
@@ -198,6 +200,32 @@ class _NotReplayable(Exception):
     """Why a step cannot be replayed on a micro-batch's outputs."""
 
 
+class _StageParametersRead(Exception):
+    """The refusal of a step whose loss reads the network's parameters itself (the whole message)."""
+
+
+def _parameters_read(loss: torch.Tensor, outputs: Any, network: nn.Module) -> list[str]:
+    """The names of ``network``'s parameters that ``loss`` depends on other than through ``outputs`` (the network
+    call's answer): autograd's graph of ``loss``, not followed into the graph that made ``outputs``."""
+    made_outputs = {leaf.grad_fn for leaf in tree_flatten(outputs)[0]
+                    if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None}
+    names = {id(param): name for name, param in network.named_parameters()}
+    original = getattr(network, "original_name", lambda name: name)
+    read: set[int] = set()
+    seen: set[Any] = set()
+    pending = [loss.grad_fn]
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen or node in made_outputs:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad: the leaf it accumulates into
+        if variable is not None and id(variable) in names:
+            read.add(id(variable))
+        pending.extend(following for following, _ in node.next_functions)
+    return [original(name) for key, name in names.items() if key in read]
+
+
 class StepReplay:
     """Replays ``module.training_step`` on micro-batches, ``network`` answering its call with given outputs.
 
@@ -243,6 +271,8 @@ class StepReplay:
                 loss = self._replay(logits, samples)
                 if counts:
                     return loss if self._scale == 1.0 else loss * self._scale
+            except _StageParametersRead as error:
+                self.error = str(error)
             except Exception as error:  # kept for every rank to raise after the schedule
                 self.error = self.refusal(f"{type(error).__name__}: {error}")
         return _zero_loss_of(logits)
@@ -286,4 +316,13 @@ class StepReplay:
         if not loss.requires_grad:
             raise _NotReplayable(f"the loss training_step returns does not depend on self.{self._network_name}'s "
                                  "outputs")
+        read = _parameters_read(loss, logits, network)
+        if read:
+            shown = ", ".join(read[:3]) + (f" and {len(read) - 3} more" if len(read) > 3 else "")
+            raise _StageParametersRead(
+                f"{type(module).__name__}.training_step reads the network's parameters itself ({shown}), not only "
+                f"through the outputs of self.{self._network_name}: at pipeline_parallel>1 the loss is computed on "
+                "the last pipeline stage, which holds only that stage's parameters, so a term over them (an L2 "
+                f"penalty over self.{self._network_name}.parameters()) would leave the other stages' out; give such a "
+                "penalty as the optimizer's weight_decay (2λ for a term λ·Σ p²), or train with pipeline_parallel=1")
         return loss.reshape(())

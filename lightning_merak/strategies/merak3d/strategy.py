@@ -385,7 +385,11 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
             # Evaluation loops bring their batch under no_grad or inference mode; the split check
             # needs a backward, and the parameters the build creates must not be inference tensors.
             with torch.inference_mode(False), torch.enable_grad(), build.random_state_kept():
-                self._build(batch)
+                try:
+                    self._build(batch)
+                except StopIteration as error:  # raised in the data fetch, Lightning would end the epoch silently
+                    raise RuntimeError("merak3d's layout build raised StopIteration, which the loop would take for "
+                                       "the end of the data; see the traceback") from error
         return batch
 
     def _build(self, batch: Any) -> None:
@@ -433,7 +437,7 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
         and schedulers that Lightning and callbacks hold, with what callbacks set, where the groups correspond; else
         new ones, the schedulers' states (restored from a checkpoint) carried over, and a callback's change refused."""
         first, schedulers = self.optimizers, self.lr_scheduler_configs
-        self.setup_optimizers(trainer)
+        self._setup_optimizers_over_stages(trainer)
         if rebuilt_optimizers.group_counts_match(first, self.optimizers):
             rebuilt_optimizers.adopt_rebuilt(first, self.optimizers)
             self.optimizers, self.lr_scheduler_configs = first, schedulers
@@ -442,6 +446,19 @@ class Merak3DStrategy(LayoutQueries, CheckpointHooks):
                                           (len(schedulers), len(self.lr_scheduler_configs)))
         for config, old in zip(self.lr_scheduler_configs, schedulers):
             config.scheduler.load_state_dict(old.scheduler.state_dict())
+
+    def _setup_optimizers_over_stages(self, trainer: pl.Trainer) -> None:
+        """``setup_optimizers`` over this rank's part, refusing on every rank together (a rank alone would leave
+        the others waiting in the step) an optimizer none of whose parameters some rank holds, which torch refuses."""
+        try:
+            self.setup_optimizers(trainer)
+            empty = False
+        except ValueError as error:
+            if rebuilt_optimizers.EMPTY_OPTIMIZER not in str(error):
+                raise
+            empty = True
+        if self.reduce_boolean_decision(empty, all=False):
+            raise ValueError(rebuilt_optimizers.empty_optimizer_refusal(self.pipeline_parallel))
 
     def _shard_optimizers(self) -> None:
         """Bucketed gradient reduction (dp > 1); with a sharded mode each optimizer steps this rank's slices."""

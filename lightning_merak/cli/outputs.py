@@ -1,0 +1,57 @@
+"""What ``merak-train`` writes at a run's end: the final checkpoint, beside the periodic ones, and the list of outputs.
+
+The final checkpoint goes where Lightning put the run's periodic checkpoints on every rank: rank 0's checkpoint
+directory, which Lightning's checkpoint callback takes from rank 0 at setup. Each node's own output directory may be
+another one (Hydra's default names it by the start time, and nodes start seconds apart); a sharded checkpoint saved
+under each node's own would leave each node's shards in a different directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_merak.callbacks.checkpoint import PeriodicCheckpoint
+
+__all__ = ["FINAL_CHECKPOINT", "checkpoint_directory", "outputs", "save_final_checkpoint"]
+
+FINAL_CHECKPOINT = "final.ckpt"
+
+
+def checkpoint_directory(trainer: pl.Trainer) -> Path:
+    """The directory of the run's checkpoints, the same on every rank once ``fit`` has set the trainer up: that of
+    merak-train's :class:`PeriodicCheckpoint` (the first one: merak-train adds its own before the user's callbacks,
+    and Lightning keeps checkpoint callbacks in order), whose directory Lightning's setup broadcasts from rank 0."""
+    periodic = next((callback for callback in trainer.callbacks if isinstance(callback, PeriodicCheckpoint)), None)
+    if periodic is None or periodic.dirpath is None:
+        raise RuntimeError("the trainer has no PeriodicCheckpoint with a directory after fit: merak-train adds one, "
+                           "under its output directory's checkpoints, to every run it builds")
+    return Path(periodic.dirpath)
+
+
+def save_final_checkpoint(trainer: pl.Trainer, link_last: bool) -> Path:
+    """Save the final checkpoint beside the periodic ones on every rank (``link_last``: point ``last.ckpt`` at it)
+    and return its path."""
+    checkpoints = checkpoint_directory(trainer)
+    final_checkpoint = checkpoints / FINAL_CHECKPOINT
+    trainer.save_checkpoint(final_checkpoint, weights_only=False)
+    if link_last and trainer.is_global_zero:
+        last = checkpoints / "last.ckpt"  # a link, not a copy
+        if last.is_symlink() or last.exists():
+            last.unlink()
+        last.symlink_to(final_checkpoint.name)
+    return final_checkpoint
+
+
+def outputs(trainer: pl.Trainer, final_checkpoint: Path) -> list[str]:
+    """``what: where`` for each output the run wrote: the final checkpoint and each logger's files that exist."""
+    found = [f"checkpoint: {final_checkpoint}"] if final_checkpoint.exists() else []
+    for logger in trainer.loggers:
+        directory = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+        where = Path(directory) / "metrics.csv" if isinstance(logger, CSVLogger) and directory else directory
+        if where is not None and Path(where).exists():
+            kind = "metrics" if isinstance(logger, CSVLogger) else type(logger).__name__.removesuffix("Logger").lower()
+            found.append(f"{kind}: {where}")
+    return found
