@@ -114,3 +114,15 @@ def test_nodes_with_their_own_output_directories_save_the_final_checkpoint_whole
     assert missing_shards(final) == [] and is_complete(final)
     assert newest_complete(final.parent) == final
     assert not any((tmp_path / "node1").rglob("*.ckpt*")), "node 1 kept checkpoint files in its own directory"
+
+
+def test_a_checkpoint_file_replaces_a_sharded_directory_of_its_name(tmp_path: Path) -> None:
+    from lightning_merak.checkpoint.files import atomic_file
+
+    final = tmp_path / "final.ckpt"
+    (final / "sub").mkdir(parents=True)  # an earlier attempt's sharded final checkpoint
+    (final / ".metadata").write_bytes(b"x")
+    with atomic_file(final) as temporary:
+        temporary.write_bytes(b"file")
+    assert final.is_file() and final.read_bytes() == b"file"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["final.ckpt"]

@@ -87,7 +87,7 @@ def atomic_file(path: Path) -> Iterator[Path]:
         yield temporary
         _fsync(temporary)
         _stall_if_requested(path)
-        os.replace(temporary, path)
+        _replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
@@ -98,8 +98,16 @@ def publish_directory(temporary: Path, path: Path) -> None:
     """Flush the fully written directory ``temporary`` and rename it to ``path`` (replacing an older one)."""
     fsync_tree(temporary)
     _stall_if_requested(path)
-    if path.exists():  # a directory cannot replace another by rename: move the old one aside first (a kill
-        # between the two renames leaves this name absent, the older checkpoints of the run untouched)
+    _replace(temporary, path)
+    _fsync(path.parent)
+
+
+def _replace(temporary: Path, path: Path) -> None:
+    """Rename ``temporary`` to ``path``, replacing what is there: a file by a file in one rename; a directory (a
+    sharded checkpoint; a run resumed at its last step saves its final checkpoint as a file, its layout never built),
+    or anything by a directory, which no rename replaces, moved aside first (a kill between the two renames leaves
+    this name absent, the older checkpoints of the run untouched)."""
+    if path.exists() and not path.is_symlink() and (path.is_dir() or temporary.is_dir()):
         retired = path.parent / f".{path.name}.old"
         shutil.rmtree(retired, ignore_errors=True)
         os.replace(path, retired)
@@ -107,7 +115,6 @@ def publish_directory(temporary: Path, path: Path) -> None:
         shutil.rmtree(retired, ignore_errors=True)
     else:
         os.replace(temporary, path)
-    _fsync(path.parent)
 
 
 def _whole_zip(path: Path) -> bool:
