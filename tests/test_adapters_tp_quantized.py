@@ -175,10 +175,13 @@ def test_shards_whose_blocks_would_cross_are_refused_naming_the_fix():
                                       "mlp.up_proj"], row=["self_attn.o_proj", "mlp.down_proj"], column_groups=[],
                               units={"self_attn.q_proj": [tuple(range(head * 8, head * 8 + 8)) for head in range(4)]})
     block = find_trunk(narrow)[1][0]  # q_proj's units keep its rows in order: its split is contiguous
-    assert quantized_split_problem(narrow, block, plan, 2) == (
-        "tensor_parallel=2 splits self_attn.q_proj by its output rows, whose 32 inputs are not a multiple of nf4's "
-        "block of 64: a block runs on into the next row, and bitsandbytes dequantises a row's blocks by the row's "
-        "index in its shard (each shard is quantised on its own); use tensor_parallel=1, or quantization=none")
+    problem = quantized_split_problem(narrow, block, plan, 2)  # every layer's problem in one message
+    assert problem.startswith("7 problems with the adapter at tensor parallelism: (1) ")
+    assert ("tensor_parallel=2 splits self_attn.q_proj by its output rows, whose 32 inputs are not a multiple of nf4's "
+            "block of 64: a block runs on into the next row, and bitsandbytes dequantises a row's blocks by the row's "
+            "index in its shard (each shard is quantised on its own); use tensor_parallel=1, or quantization=none"
+            ) in problem
+    assert "mlp.down_proj" in problem
     assert quantized_split_problem(wide, find_trunk(wide)[1][0], plan, 2) is None
     check_adapter_split(wide, 2)
 

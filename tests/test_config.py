@@ -93,3 +93,18 @@ def test_merak3d_options_reach_the_strategy():
     strategy = build_strategy(config.strategy)
     assert strategy.sequence_parallel and strategy.tp_overlap == 2
 
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["+strategy.kwargs.compil=true"], r"strategy.kwargs.compil: Merak3DStrategy takes no argument 'compil'; did you "
+                                       r"mean strategy.kwargs.compile\?"),
+    (["strategy=ddp", "+strategy.kwargs.find_unused_parameter=true"],
+     r"DDPStrategy takes no argument 'find_unused_parameter'; did you mean strategy.kwargs.find_unused_parameters\?"),
+])
+def test_a_misspelt_strategy_keyword_is_refused_naming_the_one_meant(overrides: list[str], message: str):
+    from lightning_merak.cli.overrides import ConfigError
+    from lightning_merak.cli.train import build_strategy
+
+    config = OmegaConf.to_object(_compose("output_dir=/tmp/unused", *overrides))
+    with pytest.raises(ConfigError, match=message):
+        build_strategy(config.strategy)

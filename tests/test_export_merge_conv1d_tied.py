@@ -98,3 +98,21 @@ def test_tensor_parallel_refusal_of_lora_on_conv1d_names_its_own_fix() -> None:
     message = str(refusal.value)
     assert "transformers Conv1D" in message and "adapter.target_modules" in message
     assert "use tensor_parallel=1" in message and "attach_on_meta" not in message
+
+
+def test_two_adapters_on_different_layers_export_merged_as_both_apply(tmp_path: Path) -> None:
+    """Each layer's merge rebuilds the adapters it holds only: a config naming another adapter's layer (``o_proj``
+    for the adapter on ``q_proj``) was passed whole, and PEFT refused the name that matched nothing."""
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_config(QWEN2_TIED), LoraConfig(r=4, lora_alpha=8,
+                                                                                    target_modules=["q_proj"]), "a")
+    model.add_adapter("b", LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj"]))
+    model.base_model.set_adapter(["a", "b"])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.1)
+    model.eval()
+    expected = _logits(model)
+    reloaded = AutoModelForCausalLM.from_pretrained(_export_merged(model, tmp_path), dtype=torch.float32).eval()
+    torch.testing.assert_close(_logits(reloaded), expected, rtol=0, atol=1e-5)

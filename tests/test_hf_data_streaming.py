@@ -141,8 +141,8 @@ def test_a_text_column_of_another_type_is_refused_naming_it(tmp_path: Path) -> N
                                                       "neither text (strings) nor token ids (lists of integers); set "
                                                       "data.text_field to the column of text or token ids")):
             HFDatasetData(str(parquet), text_field=column)
-    for column in ("ids", "text", "large"):
-        HFDatasetData(str(parquet), text_field=column)
+    for column in ("ids", "text", "large"):  # 40 short rows: blocks of 8 tokens
+        HFDatasetData(str(parquet), text_field=column, seq_len=8)
     mixed = tmp_path / "mixed.jsonl"
     mixed.write_text("\n".join(json.dumps({"text": {"a": 1} if i == 5 else "hello"}) for i in range(rows)))
     with pytest.raises(DataError, match=re.escape("column 'text' holds Json(decode=True) values")):

@@ -100,7 +100,7 @@ def test_every_value_of_an_optimizer_step_shares_lightnings_step(tmp_path: Path)
                          callbacks=[TrainingMetrics(), LearningRateMonitor(logging_interval="step")])
     trainer.fit(_module(), _loader(5))
     rows = _rows(logger)
-    assert _steps(rows, "train/loss") == [1, 3]
+    assert _steps(rows, "train/loss") == [1, 3, 4]  # the last step's too, which Lightning leaves unwritten
     assert [int(row["step"]) for row in rows if any(key.startswith("lr-") and value for key, value in row.items())
             ] == [1, 3]
     assert _steps(rows, "perf/step_time_s") == [1, 3, 4]  # and the run's last step, which Lightning leaves out
@@ -182,3 +182,20 @@ def test_deepspeed_without_cuda_is_refused_before_launch_naming_the_fix() -> Non
     if not torch.cuda.is_available():  # "auto" picks the CPU here: refused; on a CUDA machine it passes
         with pytest.raises(ConfigError, match=r"trainer.accelerator=auto"):
             check_strategy_accelerator(deepspeed, "auto")
+
+
+@pytest.mark.parametrize("max_steps,every", [(2, 10), (6, 3), (7, 3)])
+def test_the_last_step_s_training_values_are_written_once_whatever_the_logging_interval(
+        tmp_path: Path, max_steps: int, every: int) -> None:
+    """A run shorter than ``log_every_n_steps`` (or ending between intervals) still writes its last step's
+    ``train/loss``; a last step Lightning logged itself is not written twice; validation's values are not repeated."""
+    logger = CSVLogger(tmp_path, name="csv")
+    trainer = pl.Trainer(max_steps=max_steps, log_every_n_steps=every, logger=logger, callbacks=[TrainingMetrics()],
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         limit_val_batches=1, val_check_interval=2, num_sanity_val_steps=0)
+    trainer.fit(_module(), _loader(max_steps), _loader(1))
+    rows = _rows(logger)
+    interval_ends = [step for step in range(max_steps) if (step + 1) % every == 0]
+    last = max_steps - 1
+    assert _steps(rows, "train/loss") == interval_ends + ([] if last in interval_ends else [last])
+    assert _steps(rows, "val/loss") == [step for step in range(max_steps) if (step + 1) % 2 == 0]

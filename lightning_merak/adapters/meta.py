@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -40,7 +41,8 @@ from .base import PooledAdapterLayer, check_target_layer
 from .int4 import check_int4_shape, replace_submodule
 from .int4_experts import quantize_experts_int4
 from .pooled_experts import PooledExpertsLayer
-from .quantize import QUANTIZATIONS, WholeRowAbsmax, quantized_shard, shard_quantization_problem
+from .quantize import QUANTIZATIONS, WholeRowAbsmax, quantized_shard
+from .tp_shards import SplitLayer, adapter_shard_problems, shard_refusal
 
 __all__ = ["AFTER_MATERIALIZE", "EAGER_DRAWS", "MATERIALIZE_INIT", "DeferredQuantization", "attach_on_meta",
            "mark_adapter_inits", "recording_eager_draws"]
@@ -205,11 +207,8 @@ class DeferredQuantization:
         shards = [(name, module) for name, module in part.named_modules()
                   if callable(getattr(module, "quantize_shard", None)) and getattr(module, "weight", None) is not None
                   and not _skipped(name, self.skip)]
-        for name, split in shards:  # the build checked the plan already: a layer split elsewhere is checked here
-            column, in_features, out_features, parts, contiguous = split.split_geometry()
-            problem = shard_quantization_problem(self.quantization, name, in_features, out_features, parts,
-                                                 column=column, contiguous=contiguous, group_size=self.group_size,
-                                                 double_quant=self.double_quant)
+        for degree, layers in _split_layers(shards).items():  # the build checked its plan: a layer split elsewhere
+            problem = shard_refusal(adapter_shard_problems(layers, degree, self))  # is checked here
             if problem is not None:
                 raise ValueError(problem)
         if self.quantization == "int4":
@@ -225,6 +224,20 @@ class DeferredQuantization:
         base = part.get_base_model() if hasattr(part, "get_base_model") else part
         if self.quantization in ("nf4", "fp4", "int8"):
             setattr(base, "is_loaded_in_8bit" if self.quantization == "int8" else "is_loaded_in_4bit", True)
+
+
+def _split_layers(shards: list[tuple[str, nn.Module]]) -> dict[int, list[SplitLayer]]:
+    """The tensor-parallel shards of a part (name, module with ``split_geometry``) as split layers, by degree."""
+    layers: dict[int, list[SplitLayer]] = {}
+    for name, split in shards:
+        column, in_features, out_features, parts, contiguous = split.split_geometry()
+        within_block = _BLOCK_PREFIX.sub("", name.removesuffix(".base_layer"), count=1)  # one problem per layer kind
+        layers.setdefault(parts, []).append(SplitLayer(within_block, in_features, out_features, column, contiguous))
+    return layers
+
+
+_BLOCK_PREFIX = re.compile(r"^(.*?\.)?\d+\.")
+"""The path to a layer's block (``base_model.model.model.layers.3.``): up to its first numbered step."""
 
 
 def _base_linears(part: nn.Module, skip: tuple[str, ...]) -> list[tuple[str, nn.Linear]]:

@@ -159,7 +159,33 @@ def _bnb_linear(linear: nn.Linear, quantization: Quantization, double_quant: boo
 def shard_quantization_problem(quantization: str, name: str, in_features: int, out_features: int,
                                tensor_parallel: int, *, column: bool, contiguous: bool = True,
                                group_size: int = 32, double_quant: bool = False) -> Optional[str]:
-    """Why quantising each tensor-parallel shard of ``name`` would not give the whole model's quantisation, or None.
+    """Why quantising each tensor-parallel shard of ``name`` would not give the whole model's quantisation, or None:
+    every problem of :func:`double_quant_problem` and :func:`shard_block_problem`, named together."""
+    problems = [problem for problem in (
+        double_quant_problem(quantization, double_quant, tensor_parallel),
+        shard_block_problem(quantization, name, in_features, tensor_parallel, column=column, contiguous=contiguous,
+                            group_size=group_size)) if problem is not None]
+    return "; and ".join(problems) or None
+
+
+def double_quant_problem(quantization: str, double_quant: bool, tensor_parallel: int) -> Optional[str]:
+    """Why bitsandbytes' double quantisation cannot quantise tensor-parallel shards, or None.
+
+    It rounds the absmax themselves in blocks of 256 around one offset (their mean) per weight tensor; a row shard's
+    absmax are strided through those blocks, and every shard's mean is its own, so it is refused at any role
+    (measured: per-shard nested statistics move weights by up to 2x the nested rounding, adapter gradients by 8%).
+    """
+    if quantization not in ("nf4", "fp4") or not double_quant or tensor_parallel <= 1:
+        return None
+    return (f"tensor_parallel={tensor_parallel} would round the {quantization} block statistics per shard (double "
+            "quantisation keeps them in 8-bit blocks of 256 around one offset per whole weight, which no shard "
+            "holds), so no shard would be the whole model's quantisation; set adapter.double_quant=false (absmax in "
+            "float32: 4.5 instead of 4.13 bits a weight), or tensor_parallel=1")
+
+
+def shard_block_problem(quantization: str, name: str, in_features: int, tensor_parallel: int, *, column: bool,
+                        contiguous: bool = True, group_size: int = 32) -> Optional[str]:
+    """Why a quantisation block of ``name`` would cross its tensor-parallel shards, or None.
 
     A shard's dequantised weight equals its slice of the whole model's where every quantisation block of the whole
     lies inside one shard and is read back alike. INT4 groups are ``group_size`` inputs of one row, so a row layer's
@@ -170,19 +196,10 @@ def shard_quantization_problem(quantization: str, name: str, in_features: int, o
     rank but the first), however its rows were chosen. So a column shard needs ``in`` a multiple of 64, a row shard
     ``in / tp`` (tests/test_adapters_tp_quantized.py). ``contiguous`` (this rank holds its part of the rows in order)
     only words the message. LLM.int8 scales whole rows: a column shard holds whole rows, a row shard takes the whole
-    row's absmax from the group (:func:`quantized_shard`), so int8 always splits exactly. bitsandbytes' double
-    quantisation rounds the absmax themselves in blocks of 256 around one offset (their mean) per weight tensor; a
-    row shard's absmax are strided through those blocks, and every shard's mean is its own, so it is refused at any
-    role (measured: per-shard nested statistics move weights by up to 2x the nested rounding, adapter gradients by
-    8%).
+    row's absmax from the group (:func:`quantized_shard`), so int8 always splits exactly.
     """
     if quantization in ("none", "int8") or tensor_parallel <= 1:
         return None
-    if quantization in ("nf4", "fp4") and double_quant:
-        return (f"tensor_parallel={tensor_parallel} would round {name}'s {quantization} block statistics per shard "
-                "(double quantisation keeps them in 8-bit blocks of 256 around one offset per whole weight, which no "
-                "shard holds), so no shard would be the whole model's quantisation; set adapter.double_quant=false "
-                "(absmax in float32: 4.5 instead of 4.13 bits a weight), or tensor_parallel=1")
     block, what = ((group_size, f"int4's group_size={group_size}") if quantization == "int4"
                    else (BNB_4BIT_BLOCK, f"{quantization}'s block of {BNB_4BIT_BLOCK}"))
     if not column:
@@ -203,7 +220,7 @@ def shard_quantization_problem(quantization: str, name: str, in_features: int, o
         fits = []
     fix = f"use tensor_parallel={max(fits)}" if fits else "use tensor_parallel=1"
     if quantization == "int4":
-        fix += " or a smaller group_size"
+        fix += f" or an adapter.group_size dividing {in_features // tensor_parallel}"
     return f"{problem} (each shard is quantised on its own); {fix}, or quantization=none"
 
 

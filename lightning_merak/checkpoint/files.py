@@ -8,9 +8,9 @@ and a ``.partial`` leftover, never a truncated ``<name>``. This applies to singl
 
 :func:`newest_complete` picks the checkpoint a restarted run resumes from: the newest (by the time it
 was written) whose content is whole, skipping leftovers and checkpoints written without these
-guarantees that were cut short. A merak3d directory is whole only when every shard file its index lists is
-there (:func:`missing_shards`): ranks on other nodes write their shards where they see the directory, which
-is the same one only on a file system every node sees.
+guarantees that were cut short (:func:`why_incomplete` says what one lacks). A merak3d directory is whole
+only when every shard file its index lists is there (:func:`missing_shards`): ranks on other nodes write their
+shards where they see the directory, which is the same one only on a file system every node sees.
 
 Test hook (used by ``tests/test_faults_restart.py`` to kill a run inside a save deterministically): with
 ``LIGHTNING_MERAK_TEST_STALL_SAVE=<checkpoint name>`` set, the first save of that name writes its
@@ -31,8 +31,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["PARTIAL_SUFFIX", "STALL_ENV", "NotSharedCheckpointError", "atomic_file", "fsync_tree", "is_complete",
-           "missing_shards", "newest_complete", "partial_path", "publish_directory", "refuse_unseen_shards"]
+__all__ = ["PARTIAL_SUFFIX", "STALL_ENV", "NotSharedCheckpointError", "atomic_file", "fsync_tree",
+           "is_checkpoint_directory", "is_complete", "missing_shards", "newest_complete",
+           "newest_complete_and_skipped", "partial_path", "publish_directory", "refuse_unseen_shards",
+           "why_incomplete"]
 
 PARTIAL_SUFFIX = ".partial"
 STALL_ENV = "LIGHTNING_MERAK_TEST_STALL_SAVE"
@@ -162,45 +164,84 @@ def refuse_unseen_shards(temporary: Path, path: Path, global_rank: int) -> None:
             "node sees: give every node the same shared output directory (hydra.run.dir=/shared/path/run)")
 
 
-def _index_complete(directory: Path) -> bool:
-    """Whether ``directory``'s ``.metadata`` index reads back and every file it lists is there in full."""
-    from lightning_merak.checkpoint.safe_load import UnsafeCheckpointError  # lazy: torch
+def is_checkpoint_directory(path: Path) -> bool:
+    """Whether ``path`` is one merak3d checkpoint directory (whole or not), rather than a directory of checkpoints:
+    it holds Lightning's state file or a DCP index, or is named as checkpoints are (``*.ckpt``)."""
+    path = Path(path)
+    return path.is_dir() and (path.suffix == ".ckpt" or (path / _LIGHTNING_STATE).exists()
+                              or (path / _DCP_METADATA).exists())
+
+
+def _missing_parts(directory: Path) -> Optional[str]:
+    """What a merak3d directory lacks, or None where its index reads back and lists only files it holds in full."""
+    from lightning_merak.checkpoint.safe_load import (  # lazy: torch
+        UnsafeCheckpointError,
+        read_dcp_metadata,
+        short_data_files,
+    )
 
     try:
-        return not missing_shards(directory)
+        with open(directory / _DCP_METADATA, "rb") as stream:
+            metadata = read_dcp_metadata(stream)
     except UnsafeCheckpointError:
         raise  # whole, but unsafe to read: a refusal naming the fix, not a checkpoint to skip
-    except (OSError, EOFError, pickle.UnpicklingError):  # absent, or cut short
-        return False
+    except FileNotFoundError:
+        return f"it has no {_DCP_METADATA} index (a save that did not finish)"
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return f"its {_DCP_METADATA} index is cut short or damaged"
+    short = short_data_files(directory, metadata)
+    if not short:
+        return None
+    return "it lacks shard files its index lists: " + ", ".join(
+        f"{name} (missing)" if size is None else f"{name} ({size} of its {end} bytes)"
+        for name, (size, end) in short.items())
+
+
+def why_incomplete(path: Path) -> Optional[str]:
+    """Why ``path`` is not a whole checkpoint (a clause naming what is missing or cut short), or None where it is one:
+    a ``torch.save`` file, or a merak3d directory with its state file, its index and every shard the index lists."""
+    path = Path(path)
+    if is_checkpoint_directory(path):
+        if not _whole_zip(path / _LIGHTNING_STATE):
+            return f"its {_LIGHTNING_STATE} is missing or cut short"
+        return _missing_parts(path)
+    if not path.is_file():
+        return "it is neither a file nor a merak3d checkpoint directory"
+    return None if _whole_zip(path) else "it is not a whole torch.save file (cut short while it was written?)"
 
 
 def is_complete(path: Path) -> bool:
-    """Whether ``path`` is a whole checkpoint: a ``torch.save`` file, or a merak3d directory with its index and
-    every shard the index lists."""
-    path = Path(path)
-    if path.is_dir():
-        return _whole_zip(path / _LIGHTNING_STATE) and _index_complete(path)
-    return path.is_file() and _whole_zip(path)
+    """Whether ``path`` is a whole checkpoint (:func:`why_incomplete` finds nothing missing)."""
+    return why_incomplete(path) is None
 
 
 def _written_at(path: Path) -> float:
     return (path / _LIGHTNING_STATE if path.is_dir() else path).stat().st_mtime
 
 
-def newest_complete(directory: Path) -> Optional[Path]:
-    """The newest whole ``*.ckpt`` in ``directory`` (by the time its content was written), or None.
+def newest_complete_and_skipped(directory: Path) -> tuple[Optional[Path], list[tuple[Path, str]]]:
+    """The newest whole ``*.ckpt`` in ``directory`` (by the time its content was written), or None, and the newer
+    ones skipped on the way, each with why (:func:`why_incomplete`).
 
     Hidden temporary copies and links (``last.ckpt`` points at another checkpoint) are not candidates.
     """
     directory = Path(directory)
     if not directory.is_dir():
-        return None
+        return None, []
     candidates = [path for path in directory.glob("*.ckpt") if not path.name.startswith(".") and not path.is_symlink()]
     written: list[tuple[float, Path]] = []
     for path in candidates:
         with contextlib.suppress(OSError):  # removed meanwhile, or a directory without its state file
             written.append((_written_at(path), path))
+    skipped: list[tuple[Path, str]] = []
     for _, path in sorted(written, reverse=True):
-        if is_complete(path):
-            return path
-    return None
+        why = why_incomplete(path)
+        if why is None:
+            return path, skipped
+        skipped.append((path, why))
+    return None, skipped
+
+
+def newest_complete(directory: Path) -> Optional[Path]:
+    """The newest whole ``*.ckpt`` in ``directory``, or None (:func:`newest_complete_and_skipped`)."""
+    return newest_complete_and_skipped(directory)[0]

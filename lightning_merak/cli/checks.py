@@ -23,10 +23,10 @@ from lightning_merak.cli.overrides import ConfigError
 from lightning_merak.modules.config import OPTIMIZERS, DataConfig, DataError, OptimConfig, Schedule
 from lightning_merak.util.optimizer_state import joined_parts
 
-__all__ = ["DATAMODULE_MEMBERS", "HF_DATASET_TARGETS", "MODULE_MEMBERS", "batch_shape", "check_batches_before_launch",
-           "check_callbacks_take", "check_context_calibration", "check_node_launch", "check_resumed_optimizer",
-           "check_schedule_end", "check_strategy_accelerator", "check_streaming_loop", "config_object",
-           "fixed_sequence_length", "longest_sample_setting"]
+__all__ = ["DATAMODULE_MEMBERS", "HF_DATASET_TARGETS", "MODULE_MEMBERS", "batch_shape", "check_adapter_shards",
+           "check_batches_before_launch", "check_callbacks_take", "check_context_calibration", "check_node_launch",
+           "check_resumed_optimizer", "check_schedule_end", "check_strategy_accelerator", "check_streaming_loop",
+           "config_object", "fixed_sequence_length", "longest_sample_setting"]
 
 MODULE_MEMBERS = ("training_step", "configure_optimizers")
 """What a ``module._target_`` LightningModule must define for Lightning to train it."""
@@ -116,6 +116,25 @@ def check_schedule_end(config: Any) -> None:
     if endless and not config.module and optim.total_steps is None and optim.lr_schedule is not Schedule.constant:
         raise ConfigError(f"optim.lr_schedule={optim.lr_schedule.value} decays until the run's last step, but the "
                           "Trainer has no end: give it max_steps or max_epochs, or use optim.lr_schedule=constant")
+
+
+def check_profiler_window(config: Any) -> None:
+    """Refuse ``profiler=trace`` whose window (``skip_steps`` warm-up batches, then ``steps`` traced) cannot end
+    within ``trainer.max_steps`` optimizer steps (of ``accumulate_grad_batches`` batches each): the run would train to
+    its end and write no trace. A run ending earlier for another reason (epochs, a stop) still gets the profiler's
+    warning at its end."""
+    profiler, trainer = config.profiler, config.trainer
+    skip, steps = getattr(profiler, "skip_steps", None), getattr(profiler, "steps", None)
+    if not isinstance(skip, int) or not isinstance(steps, int) or trainer.max_steps is None or trainer.max_steps < 0:
+        return
+    per_step = max(int(trainer.accumulate_grad_batches or 1), 1)
+    batches = trainer.max_steps * per_step
+    if batches < skip + steps:
+        needed = -(-(skip + steps) // per_step)
+        raise ConfigError(f"profiler=trace traces batches {skip + 1} to {skip + steps} (profiler.skip_steps={skip}, "
+                          f"profiler.steps={steps}), but trainer.max_steps={trainer.max_steps} runs {batches} "
+                          f"training batches; raise trainer.max_steps to {needed} or more, or lower "
+                          "profiler.skip_steps / profiler.steps")
 
 
 HF_DATASET_TARGETS = ("lightning_merak.modules.hf_data.HFDatasetData", "lightning_merak.modules.HFDatasetData")
@@ -319,3 +338,32 @@ def check_strategy_accelerator(strategy: Any, accelerator: str) -> None:
             f"strategy {type(strategy).__name__} (strategy.name=deepspeed*) runs on CUDA GPUs only, but "
             f"trainer.accelerator={accelerator}; on CPU use strategy=merak3d (ZeRO-style sharding: "
             "strategy.data_parallel_sharding=optimizer, gradients or full), or train on a GPU machine with trainer=gpu")
+
+
+def check_adapter_shards(strategy: Any, module: Any, world_size: int) -> None:
+    """Refuse an adapter model whose quantised base or pooled adapters do not split at merak3d's fixed
+    ``tensor_parallel``, naming every problem and its fix at once (double quantisation, quantisation blocks and
+    pooled groups across shards), on the meta model before any rank starts; the ranks would refuse the first of
+    them only once they build the model."""
+    if getattr(strategy, "strategy_name", None) != "merak3d" or strategy.needs_planning:  # the planner checks its
+        return  # choice of degrees
+    tensor_parallel = strategy.resolve_layout(world_size)[2]
+    model = getattr(module, "model", None)
+    if tensor_parallel <= 1 or not getattr(model, "peft_config", None):
+        return
+    from lightning_merak.adapters import tp_shards  # lazy: torch, PEFT
+    from lightning_merak.adapters.meta import AFTER_MATERIALIZE  # lazy: torch, PEFT
+    from lightning_merak.parallel.pipeline.recording import TraceError, find_trunk  # lazy: torch
+
+    hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
+    try:
+        trunk = find_trunk(model)[1]
+    except TraceError:
+        return  # no blocks to split: merak3d's own checks name it
+    if not isinstance(hidden_size, int):
+        return
+    layers = [layer for block in trunk for layer in tp_shards.block_split_layers(block, hidden_size)]
+    base = getattr(model, AFTER_MATERIALIZE, None)  # the deferred quantisation of a meta model's base
+    problem = tp_shards.shard_refusal(tp_shards.adapter_shard_problems(layers, tensor_parallel, base))
+    if problem is not None:
+        raise ConfigError(problem)

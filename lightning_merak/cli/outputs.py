@@ -54,4 +54,7 @@ def outputs(trainer: pl.Trainer, final_checkpoint: Path) -> list[str]:
         if where is not None and Path(where).exists():
             kind = "metrics" if isinstance(logger, CSVLogger) else type(logger).__name__.removesuffix("Logger").lower()
             found.append(f"{kind}: {where}")
+    paths = getattr(trainer.profiler, "paths", None)  # profiler=trace: the trace, its Perfetto file, the timeline
+    if isinstance(paths, dict):
+        found += [f"{kind}: {path}" for kind, path in paths.items() if Path(path).exists()]
     return found

@@ -12,12 +12,12 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
 from lightning_merak.cli.overrides import ConfigError
 
-__all__ = ["RESERVED_KEYS", "instantiate_checked", "target_class"]
+__all__ = ["RESERVED_KEYS", "instantiate_checked", "refuse_unknown_keywords", "target_class"]
 
 RESERVED_KEYS = ("_target_", "_args_", "_partial_", "_convert_", "_recursive_")
 """Hydra's own keys of a ``_target_`` node, which are not keyword arguments of the target."""
@@ -60,8 +60,11 @@ def _tensorboard_writer() -> Callable[..., Any]:
 _KEYWORDS_PASSED_ON: dict[str, Callable[[], Callable[..., Any]]] = {
     "lightning.pytorch.loggers.wandb.WandbLogger": lambda: importlib.import_module("wandb").init,
     "lightning.pytorch.loggers.tensorboard.TensorBoardLogger": _tensorboard_writer,
+    "lightning.pytorch.strategies.ddp.DDPStrategy":
+        lambda: importlib.import_module("torch.nn.parallel").DistributedDataParallel.__init__,
 }
-"""Targets whose ``**kwargs`` go on to another call, checked against that call's arguments."""
+"""Targets whose ``**kwargs`` go on to another call (a logger's writer, DDP's module wrapper), checked against that
+call's arguments."""
 
 
 def _parameters(target: Callable[..., Any]) -> dict[str, inspect.Parameter]:
@@ -81,18 +84,25 @@ def _parameters(target: Callable[..., Any]) -> dict[str, inspect.Parameter]:
     return parameters
 
 
+def refuse_unknown_keywords(target: Any, keys: Iterable[str], path: str) -> None:
+    """Refuse a key of ``keys`` that ``target``'s constructor does not take (one taking ``**kwargs`` takes any; the
+    loggers of :data:`_KEYWORDS_PASSED_ON`, what their ``**kwargs`` go to), naming the closest it takes."""
+    parameters = _parameters(target)
+    if any(parameter.kind is parameter.VAR_KEYWORD for parameter in parameters.values()):
+        return
+    for key in keys:
+        if key not in parameters:
+            close = difflib.get_close_matches(key, list(parameters), n=1)
+            hint = f"did you mean {path}.{close[0]}?" if close else f"it takes {', '.join(parameters) or 'none'}"
+            raise ConfigError(f"{path}.{key}: {target.__qualname__} takes no argument {key!r}; {hint}")
+
+
 def _check_keywords(target: type, node: Mapping[str, Any], path: str) -> None:
     """Refuse keys ``target``'s constructor does not take (or the call its ``**kwargs`` go to, for the loggers of
     :data:`_KEYWORDS_PASSED_ON`), and required arguments ``node`` leaves out."""
     parameters = _parameters(target)
-    open_ended = any(parameter.kind is parameter.VAR_KEYWORD for parameter in parameters.values())
     given = [key for key in node if key not in RESERVED_KEYS]
-    if not open_ended:
-        for key in given:
-            if key not in parameters:
-                close = difflib.get_close_matches(key, list(parameters), n=1)
-                hint = f"did you mean {path}.{close[0]}?" if close else f"it takes {', '.join(parameters) or 'none'}"
-                raise ConfigError(f"{path}.{key}: {target.__qualname__} takes no argument {key!r}; {hint}")
+    refuse_unknown_keywords(target, given, path)
     for name, parameter in parameters.items():
         if parameter.default is parameter.empty and parameter.kind is not parameter.VAR_KEYWORD and name not in given:
             raise ConfigError(f"{path}: {target.__qualname__} needs the argument {name!r}; add {path}.{name}=...")

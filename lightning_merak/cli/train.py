@@ -42,10 +42,12 @@ from lightning_merak.cli.checks import (
     DATAMODULE_MEMBERS,
     MODULE_MEMBERS,
     batch_shape,
+    check_adapter_shards,
     check_batches_before_launch,
     check_callbacks_take,
     check_context_calibration,
     check_node_launch,
+    check_profiler_window,
     check_resumed_optimizer,
     check_schedule_end,
     check_strategy_accelerator,
@@ -65,9 +67,9 @@ from lightning_merak.cli.prelaunch import (
 )
 from lightning_merak.cli.reference import register_help
 from lightning_merak.cli.same_config import run_settings
-from lightning_merak.cli.targets import instantiate_checked
+from lightning_merak.cli.targets import instantiate_checked, refuse_unknown_keywords
 from lightning_merak.distributed.host_memory import restart_with_heap_tunables, skip_final_collection
-from lightning_merak.distributed.process_exit import leave_process_groups
+from lightning_merak.distributed.process_exit import exit_after_python_teardown, leave_process_groups
 from lightning_merak.distributed.termination import install_termination_handler
 from lightning_merak.modules.config import DataConfig, DataError, TrainerConfig
 from lightning_merak.util.console import quiet_dependency_noise, quiet_other_ranks
@@ -143,6 +145,9 @@ def build_strategy(config: StrategyConfig) -> Strategy:
             f"{', '.join(sorted(StrategyRegistry.available_strategies()))}"
         )
     entry = StrategyRegistry[config.name]
+    constructor = entry["strategy"]
+    refuse_unknown_keywords(constructor.load() if callable(getattr(constructor, "load", None)) else constructor,
+                            config.kwargs, "strategy.kwargs")
     return entry["strategy"](**{**entry["init_params"], **config.strategy_kwargs()})
 
 
@@ -381,6 +386,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
     trainer_kwargs = _trainer_kwargs(config.trainer)
     _check_merak3d_options(config, strategy, world_size)
     check_schedule_end(config)
+    check_profiler_window(config)
     check_streaming_loop(config)
     if hasattr(config.moe, "check_layout"):  # before the model is built: the experts' layout refusals
         config.moe.check_layout(strategy, world_size)
@@ -401,6 +407,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
                               "causal LM takes its vocabulary from; give the datamodule one, or set module._target_")
         module = _builtin_module(config, strategy, vocab_size)
     if hasattr(strategy, "validate_before_launch"):
+        check_adapter_shards(strategy, module, world_size)
         strategy.validate_before_launch(module, world_size, **shape)
         strategy.validate_precision_before_launch(config.trainer.precision, world_size)
     _check_model_against_run(config, module, resume_from)
@@ -571,6 +578,7 @@ def main() -> None:
         sys.exit(1)
     finally:
         skip_final_collection()
+    exit_after_python_teardown(0)  # the run ended well: no C++ teardown under gloo's threads (process_exit)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,10 @@ OLMoE, DeepSeek; :mod:`lightning_merak.hf.experts`), cut from one whole paramete
 
 Output: everything is checked (the output writable, the checkpoint's data files whole, names and shapes) before
 ``out`` is touched, and the files are written into a new folder on its file system (inside ``out`` where it exists,
-else beside it) that replaces ``out``'s weights and config only once complete: an export that fails or is
-interrupted leaves an earlier export in ``out`` as it was.
+else beside it) that replaces ``out``'s weights and config only once complete (:func:`_publish`, whose order of
+renames keeps a reader from pairing old and new files): an export that fails or is interrupted leaves an earlier
+export in ``out`` as it was. Such a folder names the process writing it, so the next export into ``out`` or beside it
+removes those whose writer was killed outright (SIGKILL, power loss) and says so, never a live export's.
 
 Adapters: a PEFT user saving a ``PeftModel`` gets the adapter alone, which :func:`export_adapter`
 (``merak-export --adapter-only``) writes as PEFT does; a user exporting for ``from_pretrained`` wants plain
@@ -42,6 +44,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -78,7 +81,13 @@ _COPIED_FILES = ("generation_config.json", "tokenizer*", "special_tokens_map.jso
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
 _STAGING_PREFIX = ".merak-export-partial-"
-"""Start of the name of the folder an export is written into before it replaces ``out``'s files."""
+"""Start of the name of the folder an export is written into before it replaces ``out``'s files; the rest is
+``<host>-<boot id>-<pid>-<token>`` of the process writing it (:func:`_writer_tag`), so a later export can tell the
+folder of one killed outright from a live one's."""
+_WEIGHTS_SUFFIXES = (".safetensors", ".bin")
+_CONFIG_FILES = frozenset({"config.json", "adapter_config.json"})
+_SUPERSEDED_WEIGHTS = ("model-*-of-*.safetensors", _SINGLE_FILE, _INDEX_FILE)
+"""An earlier full export's weight files, which a new one replaces as a set (``save_pretrained`` deletes them)."""
 
 _BOOKKEEPING_FIELDS = frozenset({"_name_or_path", "transformers_version", "dtype", "torch_dtype"})
 """Config fields that say where and how a config was saved (the export writes the weights' dtype itself)."""
@@ -124,7 +133,7 @@ def _check_output(out: Path) -> None:
     existing = next(path for path in (out, *out.parents) if path.exists())
     if not existing.is_dir():
         raise ValueError(f"output directory {out}: {existing} is an existing file; pass a new or existing directory")
-    probe = existing / f"{_STAGING_PREFIX}probe-{secrets.token_hex(4)}"
+    probe = existing / f"{_STAGING_PREFIX}{_writer_tag()}-probe{secrets.token_hex(4)}"
     try:  # tried, not asked of os.access, which answers for root as if no mount were read-only
         probe.mkdir()
         probe.rmdir()
@@ -184,14 +193,64 @@ def _export_config(checkpoint: Union[str, Path], record: Mapping[str, Any],
     return recorded
 
 
+def _boot_id() -> str:
+    """This machine's boot (Linux's ``boot_id``; ``0`` where there is none): a pid names a process within one boot."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:12] or "0"
+    except OSError:
+        return "0"
+
+
+def _writer_tag() -> str:
+    """``<host>-<boot id>-<pid>`` of this process, as a staging folder's name records its writer."""
+    host = "".join(char if char.isalnum() or char in ".-" else "_" for char in socket.gethostname()) or "host"
+    return f"{host}-{_boot_id()}-{os.getpid()}"
+
+
+def _writer_gone(name: str) -> bool:
+    """Whether the export that named a staging folder ``name`` can no longer be writing it: it ran on this host, and
+    the host has rebooted since or its process is gone. A folder of another host (a shared file system), or without
+    the writer's tag, is never judged gone."""
+    fields = name.rsplit(_STAGING_PREFIX, 1)[-1].rsplit("-", 3)
+    if len(fields) != 4 or not fields[2].isdigit():
+        return False
+    host, boot, pid, _ = fields
+    here_host, here_boot, _ = _writer_tag().rsplit("-", 2)
+    if host != here_host:
+        return False
+    if boot != here_boot:
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, OverflowError):  # no such process; a number no process has
+        return True
+    except PermissionError:  # another user's process, alive
+        return False
+    return False
+
+
+def _remove_dead_staging(out: Path) -> None:
+    """Remove the staging folders that exports killed outright (SIGKILL, power loss) left inside ``out`` and beside
+    it, those whose writer is gone (:func:`_writer_gone`), and say so in one line."""
+    places = [folder for folder in (out, out.parent) if folder.is_dir()]
+    dead = sorted(entry for place in places for entry in place.iterdir()
+                  if _STAGING_PREFIX in entry.name and entry.is_dir() and _writer_gone(entry.name))
+    for folder in dead:
+        shutil.rmtree(folder, ignore_errors=True)
+    if dead:
+        log.info(f"merak-export: removed {len(dead)} folder(s) left by exports killed before they finished: "
+                 + ", ".join(str(folder) for folder in dead))
+
+
 @contextmanager
 def _staging(out: Path) -> Iterator[Path]:
     """A new folder to write the export into, on ``out``'s file system: inside ``out`` where it exists, else beside
     it (the folders above made as needed). It and the folders made for it are removed when the export fails or is
-    interrupted, before or after :func:`_publish`."""
+    interrupted, before or after :func:`_publish`; folders left by exports killed outright are removed first."""
     made = [folder for folder in out.parents if not folder.exists()]  # the deepest first
-    token = secrets.token_hex(4)
-    staging = out / f"{_STAGING_PREFIX}{token}" if out.is_dir() else out.parent / f".{out.name}{_STAGING_PREFIX}{token}"
+    _remove_dead_staging(out)
+    name = f"{_STAGING_PREFIX}{_writer_tag()}-{secrets.token_hex(4)}"
+    staging = out / name if out.is_dir() else out.parent / f".{out.name}{name}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()
@@ -204,20 +263,40 @@ def _staging(out: Path) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _publish(staging: Path, out: Path) -> None:
+def _publish_rank(file: Path) -> int:
+    """Where ``file`` comes in :func:`_publish`'s order: weights, their index, other files, the config last."""
+    if file.name == _INDEX_FILE:
+        return 1
+    if file.name.endswith(_WEIGHTS_SUFFIXES):
+        return 0
+    return 3 if file.name in _CONFIG_FILES else 2
+
+
+def _publish(staging: Path, out: Path, superseded: tuple[str, ...] = ()) -> None:
     """Put the export in ``staging`` in place as ``out``: renamed to it where ``out`` is new, else its files moved
-    into ``out`` (each replacing one of that name), the weights first, then weight files of an earlier export that
-    the new set does not replace deleted, as ``save_pretrained`` does (a stale ``model.safetensors`` beside a new
-    sharded set would be the file ``from_pretrained`` loads)."""
+    into ``out`` one rename each (each replacing one of that name), then the files matching ``superseded`` that the
+    new set does not replace deleted (a stale ``model.safetensors`` beside a new sharded set would be the file
+    ``from_pretrained`` loads).
+
+    No rename replaces several files at once, so the order keeps a reader from pairing files of the two exports: the
+    weight files first, then their index, then the other files, the config (which ``from_pretrained`` reads first)
+    last; and where a new file replaces a ``superseded`` one of the same name (shards numbered alike), the earlier
+    index goes before any is moved, so no index names a mix of old and new shards (a reader in that moment finds no
+    weights index and fails, rather than loading half of each)."""
     if not out.is_dir():
         staging.rename(out)
         return
-    written = sorted(staging.iterdir(), key=lambda file: (not file.name.startswith("model"), file.name))
-    for file in written:
-        os.replace(file, out / file.name)
-    names = {file.name for file in written}
-    for stale in (*out.glob("model-*-of-*.safetensors"), out / _SINGLE_FILE, out / _INDEX_FILE):
-        if stale.name not in names:
+    written = sorted((file for file in staging.rglob("*") if file.is_file()),
+                     key=lambda file: (_publish_rank(file), str(file.relative_to(staging))))
+    targets = [out / file.relative_to(staging) for file in written]
+    if any(target.exists() and any(target.match(pattern) for pattern in superseded) for target in targets):
+        (out / _INDEX_FILE).unlink(missing_ok=True)
+    for file, target in zip(written, targets):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(file, target)
+    kept = set(targets)
+    for stale in (path for pattern in superseded for path in out.glob(pattern)):
+        if stale not in kept:
             stale.unlink(missing_ok=True)
 
 
@@ -402,7 +481,7 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], *, me
             hf_config.dtype = floating.pop()
         hf_config.save_pretrained(staging)
         report.files += ["config.json", *_copy_source_files(record.get("config") or {}, staging, out)]
-        _publish(staging, out)
+        _publish(staging, out, _SUPERSEDED_WEIGHTS)
     return report
 
 
@@ -411,7 +490,9 @@ def export_adapter(checkpoint: Union[str, Path], out: Union[str, Path]) -> Expor
     ``peft.PeftModel.from_pretrained(base, out)`` loads them onto the base model (quantised or not).
 
     The recorded configs wrap the recorded model on the meta device, so the folder's names and
-    ``adapter_config.json`` are PEFT's own; the checkpoint supplies each adapter tensor by that name.
+    ``adapter_config.json`` are PEFT's own; the checkpoint supplies each adapter tensor by that name. PEFT writes into
+    a staging folder that replaces ``out``'s files once complete, as :func:`export_checkpoint`'s does, so an export
+    that fails or is interrupted leaves an earlier adapter in ``out`` whole.
     """
     from peft import PeftConfig, get_peft_model
 
@@ -434,9 +515,13 @@ def export_adapter(checkpoint: Union[str, Path], out: Union[str, Path]) -> Expor
              if any(f".{name}." in key or key.endswith(f".{name}") for name in names)}  # Q-BaRA's factors end so
     state.update(_embedding_bases(model, source))
     out = Path(out)
-    model.save_pretrained(out, state_dict=state, selected_adapters=names)
     report = ExportReport(total_size=sum(tensor.numel() * tensor.element_size() for tensor in state.values()))
-    report.files = sorted(str(path.relative_to(out)) for path in out.rglob("*") if path.is_file())
+    with _staging(out) as staging:
+        if (out / "README.md").is_file():  # PEFT updates the model card it finds in the folder it writes
+            shutil.copy2(out / "README.md", staging / "README.md")
+        model.save_pretrained(staging, state_dict=state, selected_adapters=names)
+        report.files = sorted(str(path.relative_to(staging)) for path in staging.rglob("*") if path.is_file())
+        _publish(staging, out)
     return report
 
 

@@ -13,7 +13,7 @@ held twice (read and merged) while it merges.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -46,13 +46,15 @@ def _inject(skeleton: nn.Module, adapters: dict[str, Any]) -> None:
         warnings.filterwarnings("ignore", message=".*(were set but no|did not match any targeted).*")
         warnings.filterwarnings("ignore", message="fan_in_fan_out is set to")  # per layer type, as in training
         for name, values in adapters.items():
-            inject_adapter_in_model(PeftConfig.from_peft_type(**_narrowed(values, skeleton)), skeleton,
-                                    adapter_name=name)
+            narrowed = _narrowed(values, skeleton)
+            if narrowed is not None:  # an adapter of other layers only (another adapter's q_proj beside its o_proj)
+                inject_adapter_in_model(PeftConfig.from_peft_type(**narrowed), skeleton, adapter_name=name)
 
 
-def _narrowed(values: dict[str, Any], skeleton: nn.Module) -> dict[str, Any]:
-    """A recorded adapter config with only the ``target_parameters`` and ``lambda_overrides`` that name what
-    ``skeleton`` holds: the others live in other layers, and Q-BaRA / QA-HiRA refuse names that match nothing."""
+def _narrowed(values: dict[str, Any], skeleton: nn.Module) -> Optional[dict[str, Any]]:
+    """A recorded adapter config with only the ``target_modules``, ``target_parameters`` and ``lambda_overrides`` that
+    name what ``skeleton`` holds, or None where it names nothing ``skeleton`` holds: the others live in other layers,
+    and PEFT refuses names that match nothing."""
     from lightning_merak.adapters.base import names_module  # lazy: torch, PEFT
     from lightning_merak.adapters.pooled_experts import expert_tensor_names  # lazy: torch, PEFT
 
@@ -63,6 +65,14 @@ def _narrowed(values: dict[str, Any], skeleton: nn.Module) -> dict[str, Any]:
         return any(names_module(key, name) for name in held)
 
     narrowed = dict(values)
+    modules = values.get("target_modules")
+    parameters = [key for key in values.get("target_parameters") or () if present(key)]
+    if isinstance(modules, (list, tuple, set)):  # a regex string matches per layer
+        held_modules = [key for key in modules if present(key)]
+        if not held_modules and not parameters:
+            return None
+        if held_modules:  # none held: fused experts, adapted by parameter
+            narrowed["target_modules"] = held_modules
     if values.get("target_parameters"):
         narrowed["target_parameters"] = [key for key in values["target_parameters"] if present(key)] or None
     if values.get("lambda_overrides"):

@@ -10,6 +10,8 @@ LightningModule.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 import re
 import sys
@@ -30,7 +32,7 @@ from lightning_merak.hf.pretrained import (
     validated_config,
 )
 from lightning_merak.modules.config import ModelConfig, OptimConfig, Schedule
-from lightning_merak.modules.muon import MuonWithAdamW
+from lightning_merak.modules.muon import MuonWithAdamW, not_linear_maps
 from lightning_merak.modules.schedules import warmup_schedule
 from lightning_merak.plugins.moe.aux_gradient import scale_aux_gradients_by_loss
 from lightning_merak.util.model_outputs import logits_of, weighted_router_aux_loss
@@ -69,6 +71,7 @@ def build_causal_lm(config: ModelConfig, vocab_size: int) -> nn.Module:
             kwargs[key] = None
     model_config = validated_config(lambda: CONFIG_MAPPING[config.model_type](**kwargs),
                                     f"model.config for model.model_type={config.model_type!r}")
+    check_undeclared_config_fields(config.model_type, family_defaults, model_config, config.config)
     padding = getattr(model_config, "pad_token_id", None)
     if isinstance(padding, int) and not 0 <= padding < vocab_size:  # the embedding's padding row
         if "pad_token_id" in config.config:
@@ -85,6 +88,30 @@ def build_causal_lm(config: ModelConfig, vocab_size: int) -> nn.Module:
                        "loads it, and trainer.precision sets how it trains (bf16-true: bfloat16 parameters; "
                        "bf16-mixed: float32 parameters under bfloat16 autocast)")
     return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+
+
+def check_undeclared_config_fields(model_type: str, family_defaults: Any, built: Any,
+                                   fields: Mapping[str, Any]) -> None:
+    """Refuse a ``model.config`` field that ``model_type``'s config does not declare but resembles one it does (a
+    misspelt ``num_hiden_layers``: transformers keeps an unknown keyword as an attribute, and the model would train
+    at the family's default depth without a word), naming the field meant; warn about other undeclared fields the
+    config kept (the model reads one only where its code looks it up, as some families do ``head_dim``)."""
+    from transformers import PretrainedConfig  # lazy: transformers
+
+    declared = set(family_defaults.to_dict()) | set(getattr(family_defaults, "attribute_map", {}))
+    for config_class in (type(family_defaults), PretrainedConfig):
+        declared |= set(inspect.signature(config_class.__init__).parameters)
+    kept = sorted(name for name in set(fields) - declared if name in vars(built))  # not taken in by the config
+    misspelt = {name: close[0] for name in kept
+                if (close := difflib.get_close_matches(name, sorted(declared), n=1, cutoff=0.85))}
+    if misspelt:
+        raise ValueError("; ".join(f"model.config.{name} is not a field of {type(family_defaults).__name__} "
+                                   f"(model.model_type={model_type}): did you mean model.config.{meant}?"
+                                   for name, meant in misspelt.items()))
+    if kept:
+        rank_zero_warn(f"model.config.{', model.config.'.join(kept)}: not declared by "
+                       f"{type(family_defaults).__name__}; kept on the config, read only where the model's code looks "
+                       "it up")
 
 
 _BATCH_FORMS = ("a tensor of token ids [samples, tokens], a tuple (input_ids,) or (input_ids, labels), or a dict "
@@ -240,7 +267,8 @@ class CausalLMModule(pl.LightningModule):
         for param in self.model.parameters():
             if param.requires_grad:
                 (decay if param.ndim >= 2 else no_decay).append(param)
-        optimizer = build_optimizer(self.optim, decay, no_decay, _embedding_parameters(self.model))
+        optimizer = build_optimizer(self.optim, decay, no_decay,
+                                    _embedding_parameters(self.model) | not_linear_maps(self.model))
         if self.optim.total_steps is not None:
             total: float = self.optim.total_steps
         elif self._trainer is not None:
@@ -312,13 +340,14 @@ _TASK_HEADS = ("score", "classifier", "qa_outputs")
 
 
 def build_optimizer(optim: OptimConfig, decay: list[nn.Parameter], no_decay: list[nn.Parameter],
-                    embeddings: set[int]) -> torch.optim.Optimizer:
-    """The optimizer ``optim`` names over two named parameter groups: matrices (decayed) and the rest."""
+                    adamw_only: set[int]) -> torch.optim.Optimizer:
+    """The optimizer ``optim`` names over two named parameter groups: matrices (decayed) and the rest; with Muon,
+    ``adamw_only`` (ids: embeddings, head, tensors that are no matrices) are stepped by its AdamW part."""
     groups = [{"params": decay, "weight_decay": optim.weight_decay, "name": "matrices"},
               {"params": no_decay, "weight_decay": 0.0, "name": "biases_and_norms"}]
     if optim.name == "sgd":
         return torch.optim.SGD(groups, lr=optim.learning_rate, momentum=optim.momentum)
     if optim.name == "muon":
-        return MuonWithAdamW(groups, lr=optim.learning_rate, momentum=optim.momentum, adamw_only=embeddings,
+        return MuonWithAdamW(groups, lr=optim.learning_rate, momentum=optim.momentum, adamw_only=adamw_only,
                              newton_schulz_dtype=optim.newton_schulz_dtype)
     return torch.optim.AdamW(groups, lr=optim.learning_rate)

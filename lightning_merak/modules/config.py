@@ -242,7 +242,8 @@ class OptimConfig:
     """
 
     name: str = option("adamw", "`adamw`, `sgd` or `muon` (`torch.optim.Muon`'s update on the weight matrices and "
-                       "each expert's matrix, AdamW on the rest), which `optim=<option>` sets.")
+                       "each expert's matrix, AdamW on the rest: embeddings, head, norms, biases, convolution "
+                       "kernels), which `optim=<option>` sets.")
     learning_rate: float = option(3e-3, "The peak learning rate, reached at the end of the warm-up.")
     weight_decay: float = option(0.01, "Weight decay, on matrices only (biases and norms get none).")
     momentum: float = option(0.9, "`sgd` and `muon`: the momentum factor (`sgd`: 0 turns momentum off).")

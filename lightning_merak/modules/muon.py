@@ -35,7 +35,8 @@ from lightning_merak.util.cpu_features import cpu_multiplies_bfloat16
 from lightning_merak.util.timing import median_call_time
 from lightning_merak.util.values import is_finite_number
 
-__all__ = ["NEWTON_SCHULZ_DTYPES", "MatrixMuon", "MuonWithAdamW", "newton_schulz", "newton_schulz_seconds"]
+__all__ = ["NEWTON_SCHULZ_DTYPES", "MatrixMuon", "MuonWithAdamW", "newton_schulz", "newton_schulz_seconds",
+           "not_linear_maps"]
 
 
 def newton_schulz(matrix: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
@@ -53,6 +54,26 @@ def newton_schulz(matrix: torch.Tensor, coefficients: tuple[float, float, float]
         gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         ortho = torch.addmm(ortho, gram_update, ortho, beta=a)
     return ortho.T if tall else ortho
+
+
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+def not_linear_maps(model: nn.Module) -> set[int]:
+    """Ids of ``model``'s parameters of two or three dimensions that :class:`MatrixMuon` would take for a matrix or a
+    stack of matrices but are neither, which Muon leaves to AdamW: a convolution's kernel (a depthwise
+    ``(channels, 1, k)`` kernel would be stepped as ``channels`` separate ``1 x k`` matrices), a stack of biases
+    (``down_proj_bias``: one bias per expert) and a bilinear form. What stays with Muon, as the Muon recipe's rule of
+    every hidden tensor of two or more dimensions: linear maps' weights (``nn.Linear``, transformers' ``Conv1D``, a
+    router, an adapter's factors), other 2-D tensors (Mamba's ``A_log``) and the 3-D tensors of other modules, stacks
+    of per-expert matrices (``gate_up_proj``). Pass it with the embeddings as :class:`MuonWithAdamW`'s
+    ``adamw_only``."""
+    found: set[int] = set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if param.ndim in (2, 3) and (isinstance(module, (*_CONVOLUTIONS, nn.Bilinear)) or "bias" in name):
+                found.add(id(param))
+    return found
 
 
 def _iteration_in(dtype: str, zeropower: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -304,7 +325,9 @@ class _PartsState(MutableMapping):
 class MuonWithAdamW(torch.optim.Optimizer):
     """Muon (:class:`MatrixMuon`: ``torch.optim.Muon``'s update) on the hidden matrices of ``groups`` and on fused
     expert tensors (each expert's matrix on its own), AdamW on every other parameter (norms, biases, and the
-    embeddings and head, whose ids ``adamw_only`` holds, as the Muon recipe prescribes), as one optimizer.
+    embeddings and head, whose ids ``adamw_only`` holds, as the Muon recipe prescribes), as one optimizer. A tensor of
+    two or three dimensions that is no matrix (a convolution's kernel, a stack of biases) goes to AdamW only through
+    ``adamw_only``: a caller holding the model passes :func:`not_linear_maps` there.
 
     Why one: Lightning's automatic optimization steps one optimizer per module, and Muon orthogonalises
     matrices only (norms and biases need another rule). Muon scales its step to match

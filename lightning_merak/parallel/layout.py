@@ -152,9 +152,11 @@ class Layout:
         """The layout in one line, as a run announces it."""
         context = (f" context_parallel={self.context_parallel} ({self.context_attention} attention)"
                    if self.context_parallel > 1 else "")
+        schedule = (f"schedule={self.schedule}" + (f" ({self.virtual_stages} stages a rank)" if self.virtual_stages > 1
+                                                   else "")) if self.pipeline_parallel > 1 else "no pipeline schedule"
         return (f"data_parallel={self.batch_replicas}{context} pipeline_parallel={self.pipeline_parallel} "
                 f"tensor_parallel={self.tensor_parallel}, tp_overlap={self.tp_overlap}, "
-                f"sequence_parallel={sequence_parallel}, schedule={self.schedule}, "
+                f"sequence_parallel={sequence_parallel}, {schedule}, "
                 f"micro_batches={self.micro_batches}, recompute={self.recompute}")
 
     @property

@@ -199,6 +199,7 @@ class DeltaMemory(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._active and self._layout_candidates is None:
             return
+        _refuse_fully_sharded(pl_module, self.fully_sharded_refusal)  # configure_model may shard after setup
         self._warn_if_warmup_outlasts_run(trainer)
         self._turn_off_kv_caches(pl_module)
         device = pl_module.device
@@ -375,6 +376,7 @@ class DeltaMemory(pl.Callback):
     def _manage_or_fail(self, pl_module: pl.LightningModule) -> None:
         if not self._has_blocks(pl_module):
             raise self._nothing_selected(pl_module)
+        _refuse_fully_sharded(pl_module, self.fully_sharded_refusal)
         self.manage(pl_module)
 
     def _nothing_selected(self, pl_module: pl.LightningModule) -> ValueError:
@@ -456,3 +458,18 @@ def _share_across_ranks(payload: Any) -> Any:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (names, payload))
     return agree_profile(gathered, dist.get_rank())
+
+
+def _refuse_fully_sharded(pl_module: pl.LightningModule, reason: str) -> None:
+    """Refuse a module FSDP2's ``fully_shard`` has wrapped (Lightning's ``ModelParallelStrategy`` in
+    ``configure_model``), before the first managed step fails inside FSDP2 with no word of DeltaMemory."""
+    try:
+        from torch.distributed.fsdp import FSDPModule  # lazy: torch.distributed, present on builds with FSDP2
+    except ImportError:
+        return
+    wrapped = [name or type(pl_module).__name__ for name, module in pl_module.named_modules()
+               if isinstance(module, FSDPModule)]
+    if wrapped:
+        raise ValueError(f"DeltaMemory cannot manage a module FSDP2 shards ({wrapped[0]} and {len(wrapped) - 1} more "
+                         f"are fully_shard-ed): {reason}. Train with DDPStrategy, or merak3d with "
+                         "data_parallel_sharding none, optimizer or gradients, or without DeltaMemory")

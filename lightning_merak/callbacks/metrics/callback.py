@@ -140,8 +140,11 @@ class TrainingMetrics(pl.Callback):
       rank's high-water mark (CUDA: allocated tensors; CPU: the process's resident set).
 
     Intervals end, and values are logged, at Lightning's steps (:mod:`~.steps`): the rows of ``train/loss`` and the
-    learning rate of the same optimizer step. At the end a memory-over-steps figure goes to the loggers
-    (:func:`~.figures.log_figure`).
+    learning rate of the same optimizer step. A run whose last step is no logging step (shorter than
+    ``log_every_n_steps``, or stopped between intervals) has that step's values logged at its end: the last interval's
+    and the module's own training values Lightning holds for it but did not write (``trainer.logged_metrics`` but
+    validation's and epoch aggregates), so every run's files hold its ``train/loss``. At the end a memory-over-steps
+    figure goes to the loggers (:func:`~.figures.log_figure`).
 
     ``batch_size_fn(batch)`` and ``length_fn(batch)`` count a batch's samples and tokens (default: the sample
     lengths a batch tells, see above, else the first dimension and the element count of the module's inputs,
@@ -170,7 +173,7 @@ class TrainingMetrics(pl.Callback):
         """Rank 0's record of each logged interval: the step, and every rank's memory readings."""
         self._counts = dict.fromkeys(_COUNTS, 0.0)
         self._steps = 0
-        self._last_global_step = 0
+        self._last_global_step = self._first_global_step = 0
         self._interval_start: Optional[float] = None
         self._paused_at: Optional[float] = None
         self._pauses = 0
@@ -182,6 +185,9 @@ class TrainingMetrics(pl.Callback):
         self._norm_from_clipping = False
         self._exposed_s: list[float] = []
         """The strategy's exposed gradient-communication wait of each step of the interval (merak3d)."""
+        self._validation_keys: set[str] = set()
+        """Metric names validation produced (``val/loss``): logged by Lightning when it ran, never again here."""
+        self._before_validation: set[str] = set()
         self._flops_by_length: dict[int, float] = {}
 
     # Hooks ---------------------------------------------------------------------------------------------
@@ -198,15 +204,17 @@ class TrainingMetrics(pl.Callback):
                 self._flops_fn = lambda seq_len: training_flops_per_token(shape, seq_len, frozen)
             except ValueError as error:
                 rank_zero_warn(f"TrainingMetrics logs no MFU: {error}")
-        self._last_global_step = trainer.global_step
+        self._last_global_step = self._first_global_step = trainer.global_step
         self._interval_start = time.perf_counter()
         self._unwrap_save = _pause_while_saving(trainer, self._pause, self._resume)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._pause()
+        self._before_validation = set(trainer.callback_metrics)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._resume()
+        self._validation_keys |= set(trainer.callback_metrics) - self._before_validation
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._unwrap_save is not None:
@@ -258,6 +266,9 @@ class TrainingMetrics(pl.Callback):
         the interval's gather and ``trainer.log_dir`` are collective)."""
         if self._steps > 0:
             self._log_interval(trainer)
+        if trainer.is_global_zero and trainer.global_step > self._first_global_step \
+                and not logs_at(self._step_logged_at, trainer.log_every_n_steps):
+            self._log_unwritten_training_values(trainer)
         if not trainer.loggers or not self.history["step"]:
             return
         if trainer.is_global_zero:
@@ -272,6 +283,15 @@ class TrainingMetrics(pl.Callback):
                 logger.save()
 
     # Helpers -------------------------------------------------------------------------------------------
+
+    def _log_unwritten_training_values(self, trainer: pl.Trainer) -> None:
+        """The module's training values of the last step, which Lightning holds but wrote to no logger (the step
+        was no logging step): logged once, at that step."""
+        values = {name: value for name, value in trainer.logged_metrics.items()
+                  if name not in self._validation_keys and name != "epoch" and not name.endswith("_epoch")}
+        if values:
+            for logger in trainer.loggers:
+                logger.log_metrics({name: float(value) for name, value in values.items()}, step=self._step_logged_at)
 
     def _pause(self) -> None:
         """Stop the interval's clock (validation, a checkpoint save; nested pauses count once)."""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Optional
 
 from lightning_merak.cli.config import AdapterConfig, register_option
 from lightning_merak.util.fields import option
+from lightning_merak.util.values import is_finite_number
 
 if TYPE_CHECKING:
     from torch import nn
@@ -79,16 +80,43 @@ class QuantizedAdapterConfig(AdapterConfig):
                   if self.experts or target.rpartition(".")[2] in wanted]
         return chosen or None
 
+    def check_settings(self) -> None:
+        """Refuse an adapter size PEFT would refuse with its own words (``r=0``) or take silently though it cannot
+        be meant: a negative or zero ``alpha`` (the update's sign flipped, or no update), a dropout outside [0, 1)."""
+        problems = []
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            problems.append(f"adapter.r={self.r!r} must be an integer >= 1 (the adapter's rank)")
+        if not is_finite_number(self.alpha) or self.alpha <= 0:
+            problems.append(f"adapter.alpha={self.alpha!r} must be a finite number > 0 (the update is scaled by "
+                            "alpha / r)")
+        if not is_finite_number(self.dropout) or not 0 <= self.dropout < 1:
+            problems.append(f"adapter.dropout={self.dropout!r} must be in [0, 1)")
+        if problems:
+            raise ValueError(f"adapter={self.name}: " + "; ".join(problems))
+
     def check_targets(self, model: nn.Module) -> None:
-        """Refuse ``target_modules`` that name no layer of ``model`` (PEFT would, less helpfully), listing the names
-        of the linear layers it has."""
+        """Refuse bad settings (:meth:`check_settings`) and ``target_modules`` that name no layer of ``model`` (PEFT
+        would, less helpfully), listing the names of the linear layers it has; warn where ``r`` exceeds a targeted
+        layer's smaller side, past which the update's rank cannot grow."""
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn  # lazy: Lightning
+
         from lightning_merak.adapters.base import names_module  # lazy: torch, PEFT
         from lightning_merak.plugins.moe.experts import experts_modules  # lazy: torch, transformers
 
+        self.check_settings()
         if self.experts is not False and experts_modules(model):  # targets may name fused expert weights (PEFT maps
             return  # gate_proj/up_proj/down_proj onto them), which are parameters, not layers
         names = [name for name, _ in model.named_modules()]
         if any(names_module(target, name) for name in names for target in self.target_modules):
+            sides = {name: min(layer.in_features, layer.out_features) for name, layer in model.named_modules()
+                     if any(names_module(target, name) for target in self.target_modules)
+                     and isinstance(getattr(layer, "in_features", None), int)
+                     and isinstance(getattr(layer, "out_features", None), int)}
+            narrowest = min(sides, key=sides.__getitem__, default=None)
+            if narrowest is not None and self.r > sides[narrowest]:
+                rank_zero_warn(f"adapter.r={self.r} exceeds {narrowest}'s smaller side ({sides[narrowest]}): its "
+                               f"update has rank {sides[narrowest]} at most, with more adapter parameters than the "
+                               f"layer; adapter.r={sides[narrowest]} or lower adapts every targeted layer fully")
             return
         linear = sorted({name.rpartition(".")[2] for name, layer in model.named_modules()
                          if type(layer).__name__ in ("Linear", "Conv1D") and not name.endswith("lm_head")})

@@ -94,19 +94,24 @@ def quantized_split_problem(model: nn.Module, block: nn.Module, plan: Any, tenso
     """Why ``block``'s split ``plan`` (a :class:`~lightning_merak.parallel.tensor.blocks.TensorParallelPlan`) cannot
     quantise ``model``'s frozen base per shard, or None. A column layer's rule does not depend on which rows a rank
     holds (:func:`~lightning_merak.adapters.quantize.shard_quantization_problem`)."""
+    from lightning_merak.adapters.tp_shards import (  # lazy: PEFT (an adapter model's hook)
+        adapter_shard_problems,
+        shard_refusal,
+        split_layer,
+    )
+
     hook = _deferred(model)
     if hook is None or tensor_parallel <= 1:
         return None
+    layers = []
     for name in [*plan.column, *plan.row]:
         base = _base(block.get_submodule(name))
         if type(base) is not nn.Linear:
             return (f"tensor_parallel={tensor_parallel}: {name} is a {type(base).__name__}, which a "
                     f"{hook.quantization} base keeps in float at tensor_parallel=1 but the split would quantise; use "
                     "tensor_parallel=1, or quantization=none")
-        problem = _problem(hook, name, base, tensor_parallel, column=name in plan.column)
-        if problem is not None:
-            return problem
-    return None
+        layers.append(split_layer(name, block.get_submodule(name), column=name in plan.column))
+    return shard_refusal(adapter_shard_problems(layers, tensor_parallel, hook))
 
 
 @dataclass(frozen=True)

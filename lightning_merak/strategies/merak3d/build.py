@@ -199,6 +199,12 @@ def build_model(model: nn.Module, inputs: Optional[torch.Tensor], *, device: tor
         rank_zero_info("merak3d: tensor_parallel=1, so sequence_parallel has nothing to split")
     if arguments.vocab_stages == "on" and pp == 1:
         rank_zero_info("merak3d: pipeline_parallel=1, so vocab_stages has no stages to split the LM head over")
+    if pp == 1 and (arguments.schedule != "1f1b" or arguments.virtual_stages != 2):
+        rank_zero_info(f"merak3d: pipeline_parallel=1, so schedule={arguments.schedule} and virtual_stages="
+                       f"{arguments.virtual_stages} run no pipeline")
+    elif arguments.virtual_stages != 2 and arguments.stages_per_rank == 1:
+        rank_zero_info(f"merak3d: schedule={arguments.schedule} runs one stage per rank; virtual_stages="
+                       f"{arguments.virtual_stages} applies to the interleaved schedules")
     fixed_rows = arguments.micro_batching == "none" and arguments.context_parallel_degree == "fixed"
     if layout.context_parallel > 1 and fixed_rows and inputs is not None:  # before the trace or any forward
         check_sequence_divisible(inputs.shape[1], layout.context_parallel)
