@@ -102,6 +102,8 @@ def test_wandb_offline_and_mlflow_file_store_record_the_loss(tmp_path):
     assert len(_losses(tmp_path / "csv" / "metrics.csv")) == 3
     paths = _done_line_paths(result.stdout)
     assert tmp_path / "csv" / "metrics.csv" in paths and all(path.exists() for path in paths)
+    assert run.parent in paths  # the W&B run's own folder, which `wandb sync` takes
+    assert result.stdout.strip().splitlines()[-1].startswith("merak-train: done.")  # W&B finished before it
 
 
 @pytest.mark.distributed

@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_merak.callbacks.checkpoint import PeriodicCheckpoint
 
-__all__ = ["FINAL_CHECKPOINT", "checkpoint_directory", "outputs", "save_final_checkpoint"]
+__all__ = ["FINAL_CHECKPOINT", "checkpoint_directory", "finish_run_loggers", "outputs", "save_final_checkpoint"]
 
 FINAL_CHECKPOINT = "final.ckpt"
 
@@ -49,7 +49,7 @@ def outputs(trainer: pl.Trainer, final_checkpoint: Path) -> list[str]:
     """``what: where`` for each output the run wrote: the final checkpoint and each logger's files that exist."""
     found = [f"checkpoint: {final_checkpoint}"] if final_checkpoint.exists() else []
     for logger in trainer.loggers:
-        directory = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+        directory = _run_folder(logger) or getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
         where = Path(directory) / "metrics.csv" if isinstance(logger, CSVLogger) and directory else directory
         if where is not None and Path(where).exists():
             kind = "metrics" if isinstance(logger, CSVLogger) else type(logger).__name__.removesuffix("Logger").lower()
@@ -58,3 +58,23 @@ def outputs(trainer: pl.Trainer, final_checkpoint: Path) -> list[str]:
     if isinstance(paths, dict):
         found += [f"{kind}: {path}" for kind, path in paths.items() if Path(path).exists()]
     return found
+
+
+def _run_folder(logger: object) -> Path | None:
+    """A W&B run's own folder (``wandb/offline-run-…``: what ``wandb sync`` takes), where ``logger`` is a W&B logger
+    whose run is open on this rank; None otherwise."""
+    if type(logger).__name__ != "WandbLogger":
+        return None
+    run = getattr(logger, "_experiment", None)  # the run, if one was started: reading .experiment would start one
+    files = getattr(run, "dir", None)
+    return Path(files).parent if isinstance(files, str) and files else None
+
+
+def finish_run_loggers(trainer: pl.Trainer) -> None:
+    """Finish the W&B runs of ``trainer``'s loggers now, so what W&B prints as a run ends ("You can sync this run")
+    comes before merak-train's done-line, the last line, rather than at the process's exit."""
+    for logger in trainer.loggers:
+        run = getattr(logger, "_experiment", None) if type(logger).__name__ == "WandbLogger" else None
+        finish = getattr(run, "finish", None)
+        if callable(finish):
+            finish()

@@ -456,7 +456,7 @@ def fit(run: PreparedRun, prelaunched: PrelaunchedRanks | None = None) -> Path:
     before launch has passed (:mod:`lightning_merak.cli.prelaunch`); None lets Lightning launch them."""
     from lightning.pytorch.utilities import rank_zero_only
 
-    from lightning_merak.cli.outputs import outputs, save_final_checkpoint  # lazy: Lightning
+    from lightning_merak.cli.outputs import finish_run_loggers, outputs, save_final_checkpoint  # lazy: Lightning
     from lightning_merak.cli.stopped import exit_failing_on_sigterm  # lazy: Lightning
 
     config, trainer = run.config, run.trainer
@@ -498,7 +498,9 @@ def fit(run: PreparedRun, prelaunched: PrelaunchedRanks | None = None) -> Path:
         return output_dir
     final_checkpoint = save_final_checkpoint(trainer, link_last=config.trainer.save_last)  # beside step=N.ckpt
     if trainer.is_global_zero:
-        print(f"merak-train: done. Outputs in {output_dir.resolve()} — {', '.join(outputs(trainer, final_checkpoint))}")
+        listed = outputs(trainer, final_checkpoint)
+        finish_run_loggers(trainer)
+        print(f"merak-train: done. Outputs in {output_dir.resolve()} — {', '.join(listed)}")
     leave_process_groups()
     if prelaunched is not None:
         prelaunched.finish()
