@@ -36,3 +36,4 @@ def test_another_undeclared_field_is_kept_with_a_warning():
         with torch.device("meta"):
             model = build_causal_lm(_config(num_hidden_layers=1, my_flag=3), vocab_size=64)
     assert model.config.my_flag == 3
+

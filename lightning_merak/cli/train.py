@@ -416,7 +416,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
     check_callbacks_take(callbacks, module, strategy, world_size)
 
     trainer_config = config.trainer
-    loggers = _loggers(config)
+    loggers = [] if getattr(strategy, "plan_only", False) else _loggers(config)  # a plan logs no training
     trainer = pl.Trainer(
         accelerator=trainer_config.accelerator,
         devices=devices,

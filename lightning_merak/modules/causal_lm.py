@@ -280,7 +280,8 @@ class CausalLMModule(pl.LightningModule):
             raise ValueError(f"optim.lr_schedule={self.optim.lr_schedule.value} decays until the run's last step, "
                              "but the Trainer has no end: give it max_steps or max_epochs, or use "
                              "optim.lr_schedule=constant")
-        _warn_unfinished_warmup(self.optim.warmup_steps, total, self.optim.learning_rate)
+        if not (self._trainer is not None and getattr(self.trainer.strategy, "plan_only", False)):  # no step runs
+            _warn_unfinished_warmup(self.optim.warmup_steps, total, self.optim.learning_rate)
         scheduler = warmup_schedule(
             optimizer, self.optim.lr_schedule, self.optim.warmup_steps,
             None if self.optim.lr_schedule is Schedule.constant else max(int(total), 1), self.optim.min_lr_ratio)
