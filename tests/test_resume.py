@@ -16,26 +16,18 @@ from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
 from lightning_merak.modules.config import DataConfig, ModelConfig, OptimConfig, Schedule
 from lightning_merak.modules.data import LanguageModelingData
 from lightning_merak.testing import run_distributed
+from lightning_merak.testing.compare import StepLosses
 
 MODEL = ModelConfig(name="llama", model_type="llama", config={
     "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2})
 
 
-class _Losses(pl.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        self.losses.append(float(outputs["loss"]))
-
-
 def checkpointing_trainer(max_steps: int, strategy: Any, devices: int, checkpoint_dir: str | None,
                           checkpoint_every: int | None, plugins: tuple[Any, ...] = (),
-                          limit_train_batches: int | float = 1.0) -> tuple[pl.Trainer, _Losses]:
+                          limit_train_batches: int | float = 1.0) -> tuple[pl.Trainer, StepLosses]:
     """A quiet CPU trainer that records each step's loss and, with ``checkpoint_every``, keeps every checkpoint."""
-    losses = _Losses()
+    losses = StepLosses()
     callbacks: list[pl.Callback] = [losses]
     if checkpoint_every is not None:
         callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=checkpoint_every,

@@ -21,6 +21,7 @@ from lightning_merak.modules.causal_lm import CausalLMModule, build_causal_lm
 from lightning_merak.modules.config import ModelConfig
 from lightning_merak.planning.flops import training_flops_per_token, transformer_shape
 from lightning_merak.testing import NormBeforeClipping, run_distributed
+from tests.test_training_metrics_steps import _Regression
 
 VOCAB, SEQ, BATCH, STEPS = 64, 16, 4, 3
 MODEL = ModelConfig(name="llama", model_type="llama", config={
@@ -88,18 +89,6 @@ def test_three_steps_write_every_metric_to_csv_and_tensorboard(tmp_path: Path):
 
 
 def test_without_a_transformers_config_mfu_is_left_out_with_a_warning(tmp_path: Path):
-    class _Regression(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            inputs, targets = batch
-            return torch.nn.functional.mse_loss(self.layer(inputs), targets)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     logger = CSVLogger(tmp_path, name="csv")
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=logger, log_every_n_steps=2,
                          callbacks=[TrainingMetrics()], enable_checkpointing=False, enable_progress_bar=False,

@@ -25,6 +25,7 @@ from lightning_merak.strategies.merak3d import Merak3DStrategy
 from lightning_merak.strategies.merak3d.block_splits import keep_off_fused_kernels
 from lightning_merak.strategies.merak3d.build import call_model
 from lightning_merak.strategies.merak3d.step_replay import StepReplay
+from lightning_merak.testing.compare import StepLosses
 
 WIDTH, FEATURES, BATCH, STEPS = 16, 8, 8, 4
 
@@ -185,22 +186,13 @@ def _samples(module: pl.LightningModule) -> list[tuple[torch.Tensor, torch.Tenso
     return list(zip(x, x[:, :1] * 2 - x[:, 1:2]))
 
 
-class _Losses(pl.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        self.losses.append(float(outputs["loss"]))
-
-
 def _run(module_class: type, strategy: Optional[dict[str, Any]], devices: int = 1, evaluate: bool = False
          ) -> dict[str, Any]:
     """Fit ``module_class`` on the same batches (every rank the whole batch: no data parallelism), then validate and
     predict where ``evaluate``: the losses, the validation loss, the first batch's predictions."""
     module = module_class()
     samples = _samples(module)
-    recorder = _Losses()
+    recorder = StepLosses()
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, max_steps=STEPS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder],

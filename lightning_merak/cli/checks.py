@@ -25,8 +25,8 @@ from lightning_merak.util.optimizer_state import joined_parts
 
 __all__ = ["DATAMODULE_MEMBERS", "HF_DATASET_TARGETS", "MODULE_MEMBERS", "batch_shape", "check_adapter_shards",
            "check_batches_before_launch", "check_callbacks_take", "check_context_calibration", "check_node_launch",
-           "check_resumed_optimizer", "check_schedule_end", "check_strategy_accelerator", "check_streaming_loop",
-           "config_object", "fixed_sequence_length", "longest_sample_setting"]
+           "check_profiler_window", "check_resumed_optimizer", "check_schedule_end", "check_strategy_accelerator",
+           "check_streaming_loop", "config_object", "fixed_sequence_length", "longest_sample_setting"]
 
 MODULE_MEMBERS = ("training_step", "configure_optimizers")
 """What a ``module._target_`` LightningModule must define for Lightning to train it."""

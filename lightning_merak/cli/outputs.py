@@ -60,13 +60,15 @@ def outputs(trainer: pl.Trainer, final_checkpoint: Path) -> list[str]:
     return found
 
 
+def _wandb_run(logger: object) -> object | None:
+    """The W&B run ``logger`` started on this rank, where it is a W&B logger that started one; None otherwise
+    (reading ``.experiment`` would start one)."""
+    return getattr(logger, "_experiment", None) if type(logger).__name__ == "WandbLogger" else None
+
+
 def _run_folder(logger: object) -> Path | None:
-    """A W&B run's own folder (``wandb/offline-run-…``: what ``wandb sync`` takes), where ``logger`` is a W&B logger
-    whose run is open on this rank; None otherwise."""
-    if type(logger).__name__ != "WandbLogger":
-        return None
-    run = getattr(logger, "_experiment", None)  # the run, if one was started: reading .experiment would start one
-    files = getattr(run, "dir", None)
+    """A W&B run's own folder (``wandb/offline-run-…``: what ``wandb sync`` takes); None for another logger."""
+    files = getattr(_wandb_run(logger), "dir", None)
     return Path(files).parent if isinstance(files, str) and files else None
 
 
@@ -74,7 +76,6 @@ def finish_run_loggers(trainer: pl.Trainer) -> None:
     """Finish the W&B runs of ``trainer``'s loggers now, so what W&B prints as a run ends ("You can sync this run")
     comes before merak-train's done-line, the last line, rather than at the process's exit."""
     for logger in trainer.loggers:
-        run = getattr(logger, "_experiment", None) if type(logger).__name__ == "WandbLogger" else None
-        finish = getattr(run, "finish", None)
+        finish = getattr(_wandb_run(logger), "finish", None)
         if callable(finish):
             finish()

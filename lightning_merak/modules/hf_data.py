@@ -48,6 +48,7 @@ from lightning_merak.modules.data import (
     DataFileNotFound,
     ResumableDataLoader,
     TokenDataModule,
+    block_count,
     checked_token_ids,
     document_tokens,
     load_tokenizer,
@@ -263,21 +264,20 @@ def text_column_problem(documents: datasets.Dataset | datasets.IterableDataset, 
 SHORT_CORPUS_RECORD_BUDGET = 10_000
 
 
-def short_corpus_problem(documents: Any, corpus: Corpus, encode: Callable[[str], list[int]],
-                         eos_token_id: Optional[int], vocab_size: int, seq_len: int) -> Optional[str]:
-    """Why the corpus holds fewer than two blocks of ``seq_len`` tokens, or None; checked before the ranks start.
-    Reads records only until two blocks' worth is seen, or ``SHORT_CORPUS_RECORD_BUDGET`` records (the rank-side
-    count judges the rest), so a large corpus costs a few records here."""
+def refuse_short_corpus(documents: Any, corpus: Corpus, encode: Callable[[str], list[int]],
+                        eos_token_id: Optional[int], vocab_size: int, seq_len: int) -> None:
+    """Refuse a corpus of fewer than two blocks of ``seq_len`` tokens (the rank-side :func:`block_count`'s refusal)
+    before the ranks start. Reads records only until two blocks' worth is seen, or ``SHORT_CORPUS_RECORD_BUDGET``
+    records (the rank-side count judges the rest), so a large corpus costs a few records here."""
     seen = 0
     try:
         for read, tokens in enumerate(_token_lists(documents, corpus, encode, eos_token_id, vocab_size), start=1):
             seen += len(tokens)
             if seen >= 2 * seq_len or read >= SHORT_CORPUS_RECORD_BUDGET:
-                return None
+                return
     except DataError:  # a bad record is refused, with its own wording, where the records are read for training
-        return None
-    return (f"{corpus.source} yields {seen} tokens, fewer than two blocks of data.seq_len={seq_len}; "
-            "use more data or a smaller seq_len")
+        return
+    block_count(seen, seq_len, corpus.source)
 
 
 def held_out(document: Any, seed: int, val_fraction: float) -> bool:
@@ -473,11 +473,10 @@ class HFDatasetData(TokenDataModule):
             raise ValueError(f"data.path={path!r} has no column {text_field!r} (columns: {', '.join(columns)}); "
                              "set data.text_field to the column holding the text")
         problem = text_column_problem(self.documents, self.corpus)
-        if problem is None and lengths == "fixed" and not streaming:  # a stream is read by the ranks alone
-            problem = short_corpus_problem(self.documents, self.corpus, self._encode, self._eos, self.vocab_size,
-                                           seq_len)
         if problem is not None:
             raise DataError(problem)
+        if lengths == "fixed" and not streaming:  # a stream is read by the ranks alone
+            refuse_short_corpus(self.documents, self.corpus, self._encode, self._eos, self.vocab_size, seq_len)
 
     @property
     def source(self) -> str:

@@ -19,8 +19,9 @@ from torch import nn
 
 from lightning_merak.parallel.pipeline.stage import RankStages
 
-__all__ = ["LayoutTraceRecorder", "NormBeforeClipping", "TraceRecorder", "TrainingTrace", "assert_traces_match",
-           "layout_gradients", "merge_rank_traces", "module_losses", "record_reference_trace", "snapshot_gradients"]
+__all__ = ["LayoutTraceRecorder", "NormBeforeClipping", "StepLosses", "TraceRecorder", "TrainingTrace",
+           "assert_traces_match", "layout_gradients", "merge_rank_traces", "module_losses", "record_reference_trace",
+           "snapshot_gradients"]
 
 
 @dataclass
@@ -95,6 +96,17 @@ class TraceRecorder(pl.Callback):
                            batch_idx: int) -> None:
         loss = trainer.callback_metrics[self.loss_metric] if self.loss_metric else outputs["loss"]
         self.trace.append(float(loss), self._gradients)
+
+
+class StepLosses(pl.Callback):
+    """The loss ``training_step`` returned for each training batch, in order (``losses``)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
 
 
 class NormBeforeClipping(pl.Callback):
